@@ -1,0 +1,32 @@
+# Set-up and checks. Every target creates .venv when missing; torch is pinned by constraints.txt.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP_FLAGS := --disable-pip-version-check -q
+PYTEST_WORKERS ?= 4
+
+.PHONY: venv demo test soak bench clean
+
+$(VENV)/.installed: pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install $(PIP_FLAGS) -c constraints.txt -e '.[test,train]'
+	touch $@
+
+venv: $(VENV)/.installed
+
+demo: venv
+	$(PY) examples/demo.py
+
+# pytest exits 5 when it collected no test: make treats any non-zero exit as failure.
+test: venv
+	$(PY) -m pytest -n $(PYTEST_WORKERS) -m "not soak" -q -p no:cacheprovider
+
+soak: venv
+	$(PY) -m pytest -m soak -q -p no:cacheprovider -s
+
+bench: venv
+	$(PY) benchmarks/bench_rendezvous.py
+	$(PY) benchmarks/bench_recovery.py
+
+clean:
+	rm -rf $(VENV) *.egg-info .pytest_cache .hypothesis

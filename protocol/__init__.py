@@ -1,0 +1,34 @@
+"""The wire between node agents and the rendezvous server: typed messages and one codec.
+
+Everything here is plain data (msgspec structs) plus the MessagePack encoders and
+decoders for each direction. Nothing in this package does I/O.
+"""
+from protocol.errors import ErrorCode, HTTP_STATUS
+from protocol.messages import (
+    PROTOCOL_VERSION,
+    Assignment,
+    ErrorReply,
+    FailureReport,
+    JobConfig,
+    JoinRequest,
+    LeaveRequest,
+    NodeState,
+    JobState,
+    NodeStatus,
+    PollRequest,
+    SuccessReport,
+    WorkerFailure,
+)
+from protocol.codec import (
+    DecodeError,
+    decode_reply,
+    decode_request,
+    encode,
+    REQUEST_TYPES,
+)
+
+__all__ = [
+    "PROTOCOL_VERSION", "Assignment", "ErrorReply", "FailureReport", "JobConfig", "JoinRequest",
+    "LeaveRequest", "NodeState", "JobState", "NodeStatus", "PollRequest", "SuccessReport", "WorkerFailure",
+    "ErrorCode", "HTTP_STATUS", "DecodeError", "decode_reply", "decode_request", "encode", "REQUEST_TYPES",
+]

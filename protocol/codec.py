@@ -1,0 +1,85 @@
+"""One MessagePack encoder and one decoder per direction.
+
+`decode_request` turns a request body into its struct, checking the protocol version first so
+that a client of another version gets `unsupported_version` rather than a confusing field error.
+"""
+from __future__ import annotations
+
+from typing import Any, TypeVar, Union
+
+import msgspec
+
+from protocol.errors import ErrorCode
+from protocol.messages import (
+    PROTOCOL_VERSION,
+    ErrorReply,
+    FailureReport,
+    JoinRequest,
+    LeaveRequest,
+    NodeStatus,
+    PollRequest,
+    SuccessReport,
+)
+
+CONTENT_TYPE = "application/msgpack"
+MAX_BODY_BYTES = 1 << 20
+
+T = TypeVar("T")
+
+REQUEST_TYPES: dict[str, type] = {
+    "join": JoinRequest,
+    "poll": PollRequest,
+    "failure": FailureReport,
+    "success": SuccessReport,
+    "leave": LeaveRequest,
+}
+
+
+class DecodeError(Exception):
+    """A body that cannot be accepted; `code` says which kind of wrong it is."""
+
+    def __init__(self, code: ErrorCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+_encoder = msgspec.msgpack.Encoder()
+_request_decoders = {cls: msgspec.msgpack.Decoder(cls) for cls in REQUEST_TYPES.values()}
+_status_decoder = msgspec.msgpack.Decoder(NodeStatus)
+_error_decoder = msgspec.msgpack.Decoder(ErrorReply)
+_any_decoder = msgspec.msgpack.Decoder()
+
+
+def encode(message: Any) -> bytes:
+    return _encoder.encode(message)
+
+
+def decode_request(cls: type[T], body: bytes) -> T:
+    """Decode a request body into `cls`, or raise DecodeError naming what was wrong."""
+    if len(body) > MAX_BODY_BYTES:
+        raise DecodeError(ErrorCode.TOO_LARGE, f"body of {len(body)} bytes exceeds {MAX_BODY_BYTES}")
+    try:
+        raw = _any_decoder.decode(body)
+    except msgspec.DecodeError as exc:
+        raise DecodeError(ErrorCode.BAD_REQUEST, f"body is not valid MessagePack: {exc}") from None
+    if not isinstance(raw, dict):
+        raise DecodeError(ErrorCode.BAD_REQUEST, f"body must be a map, got {type(raw).__name__}")
+    version = raw.get("v")
+    if version is None:
+        raise DecodeError(ErrorCode.BAD_REQUEST, "Object missing required field `v` (protocol version)")
+    if version != PROTOCOL_VERSION:
+        raise DecodeError(ErrorCode.UNSUPPORTED_VERSION,
+                          f"protocol version {version!r} is not supported; this server speaks {PROTOCOL_VERSION}")
+    try:
+        return _request_decoders[cls].decode(body)
+    except msgspec.ValidationError as exc:
+        raise DecodeError(ErrorCode.BAD_REQUEST, str(exc)) from None
+
+
+def decode_reply(body: bytes) -> NodeStatus | ErrorReply:
+    """Decode a server reply: a NodeStatus, or an ErrorReply (told apart by its `code` key)."""
+    raw = _any_decoder.decode(body)
+    if isinstance(raw, dict) and "code" in raw and "job_state" not in raw:
+        return _error_decoder.decode(body)
+    return _status_decoder.decode(body)

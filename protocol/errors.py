@@ -1,0 +1,37 @@
+"""Error codes carried in `ErrorReply.code`, and the HTTP status each one maps to."""
+from __future__ import annotations
+
+import enum
+
+
+class ErrorCode(str, enum.Enum):
+    BAD_REQUEST = "bad_request"              # body is not valid MessagePack or a field has the wrong type/value
+    UNSUPPORTED_VERSION = "unsupported_version"  # request's `v` is not one this server speaks
+    TOO_LARGE = "too_large"                  # body over the server's size limit
+    NOT_FOUND = "not_found"                  # unknown route
+    METHOD_NOT_ALLOWED = "method_not_allowed"
+    UNSUPPORTED_MEDIA_TYPE = "unsupported_media_type"
+    UNKNOWN_JOB = "unknown_job"              # job id never joined (or forgotten)
+    UNKNOWN_NODE = "unknown_node"            # node id is not part of this job (rejoin)
+    CONFIG_CONFLICT = "config_conflict"      # join asked for a config that differs from the job's
+    NODE_CONFLICT = "node_conflict"          # node id in use by another live agent
+    JOB_FINISHED = "job_finished"            # job succeeded/failed/closed: no new joins
+    SHUTTING_DOWN = "shutting_down"          # server is going away; retry elsewhere/later
+    INTERNAL = "internal"                    # a bug: reported without a traceback
+
+
+HTTP_STATUS: dict[ErrorCode, int] = {
+    ErrorCode.BAD_REQUEST: 400,
+    ErrorCode.UNSUPPORTED_VERSION: 400,
+    ErrorCode.TOO_LARGE: 413,
+    ErrorCode.NOT_FOUND: 404,
+    ErrorCode.METHOD_NOT_ALLOWED: 405,
+    ErrorCode.UNSUPPORTED_MEDIA_TYPE: 415,
+    ErrorCode.UNKNOWN_JOB: 404,
+    ErrorCode.UNKNOWN_NODE: 404,
+    ErrorCode.CONFIG_CONFLICT: 409,
+    ErrorCode.NODE_CONFLICT: 409,
+    ErrorCode.JOB_FINISHED: 410,
+    ErrorCode.SHUTTING_DOWN: 503,
+    ErrorCode.INTERNAL: 500,
+}

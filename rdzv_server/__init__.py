@@ -1,0 +1,1 @@
+"""Standalone rendezvous server: a pure rendezvous core plus a thin aiohttp shell."""

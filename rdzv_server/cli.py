@@ -1,0 +1,86 @@
+"""`rdzv-server`: parse flags, start the aiohttp app, stop cleanly on SIGTERM/SIGINT."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import signal
+import sys
+from typing import Optional
+
+from aiohttp import web
+
+from rdzv_server.app import Coordinator, create_app
+
+
+class _JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        doc = {"time": self.formatTime(record, "%Y-%m-%dT%H:%M:%S"), "level": record.levelname,
+               "message": record.getMessage()}
+        for key in ("job_id", "event", "node_id", "round_id"):
+            if hasattr(record, key):
+                doc[key] = getattr(record, key)
+        return json.dumps(doc)
+
+
+class _TextFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        job = getattr(record, "job_id", None)
+        prefix = f"[{job}] " if job else ""
+        return f"{self.formatTime(record, '%H:%M:%S')} {record.levelname.lower()} {prefix}{record.getMessage()}"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="rdzv-server", allow_abbrev=False,
+                                description="Standalone rendezvous server for node-agent jobs.")
+    p.add_argument("--host", default="0.0.0.0", help="address to listen on (default 0.0.0.0)")
+    p.add_argument("--port", type=int, default=29400, help="port to listen on; 0 picks a free one (default 29400)")
+    p.add_argument("--log-format", choices=("text", "json"), default="text")
+    p.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info")
+    return p
+
+
+async def serve(host: str, port: int, ready: Optional[asyncio.Future] = None) -> None:
+    app = create_app(Coordinator())
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=2.0)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port, reuse_address=True)
+    await site.start()
+    bound = runner.addresses[0]
+    print(f"rdzv-server listening on http://{bound[0]}:{bound[1]}", flush=True)
+    if ready is not None:
+        ready.set_result(bound[1])
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+        await runner.cleanup()
+        print("rdzv-server stopped", flush=True)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    if not 0 <= args.port <= 65535:
+        print(f"rdzv-server: --port must be 0..65535, got {args.port}", file=sys.stderr)
+        return 2
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(_JsonFormatter() if args.log_format == "json" else _TextFormatter())
+    logger = logging.getLogger("rdzv_server")
+    logger.addHandler(handler)
+    logger.setLevel(args.log_level.upper())
+    try:
+        asyncio.run(serve(args.host, args.port))
+    except OSError as exc:
+        print(f"rdzv-server: cannot listen on {args.host}:{args.port}: {exc.strerror or exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
