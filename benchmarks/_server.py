@@ -1,0 +1,33 @@
+"""Start a real `rdzv-server` process on a free loopback port for benchmarks (and stop it)."""
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import subprocess
+import sys
+from typing import Iterator
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@contextlib.contextmanager
+def running_server(*extra: str) -> Iterator[int]:
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.Popen([sys.executable, "-m", "rdzv_server.cli", "--host", "127.0.0.1", "--port", "0",
+                             "--log-level", "warning", *extra],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        match = re.search(r":(\d+)\s*$", line)
+        if not match:
+            raise RuntimeError(f"server did not start: {line!r}")
+        yield int(match.group(1))
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

@@ -1,0 +1,1 @@
+"""Thin per-node agent: joins a job, long-polls the server, spawns and supervises local workers."""

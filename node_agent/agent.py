@@ -1,0 +1,270 @@
+"""The agent's one loop: wires the server client, the supervision policy and the worker group.
+
+Three sources of facts run concurrently: the long-poll (always one in flight), the local worker
+group (its `wait()` returns the moment a worker fails or all finish) and the signal queue. Each
+fact goes through the policy; the actions it returns are executed here, in order.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+import time
+import uuid
+from typing import Optional, TextIO
+
+from protocol.messages import Assignment, JobConfig, NodeStatus, WorkerFailure
+from node_agent.client import RdzvClient, ServerRejected, ServerUnreachable, free_port, local_addr_towards
+from node_agent.environment import worker_argv, worker_env
+from node_agent.options import AgentOptions
+from node_agent.policy import (Action, Exit, Leave, Rejoin, ReportFailure, ReportSuccess, Spawn, StopWorkers,
+                               SupervisionPolicy)
+from node_agent.workers import WorkerExit, WorkerGroup, WorkerLaunch, read_error_file
+
+POLL_WAIT_S = 2.0
+FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
+
+
+class AgentError(Exception):
+    """A condition that ends the agent with one clear line (no traceback)."""
+
+
+class Agent:
+    def __init__(self, opts: AgentOptions, host: str, port: int, console: TextIO = sys.stderr) -> None:
+        self.opts = opts
+        self.host, self.port = host, port
+        self.console = console
+        self.hostname = socket.gethostname()
+        self.instance = uuid.uuid4().hex[:12]
+        self.addr = opts.local_addr or local_addr_towards(host, port)
+        self.policy = SupervisionPolicy(server_wait_s=max(opts.server_wait, opts.lease_timeout))
+        self.group: Optional[WorkerGroup] = None
+        self._group_task: Optional[asyncio.Task] = None
+        self._signals: asyncio.Queue[int] = asyncio.Queue()
+        self._signalled = asyncio.Event()   # set with every queued signal: cuts backoff waits short
+        self._attempts = 0
+        self._exit: Optional[Exit] = None
+        self._log_root = opts.log_dir
+        self._tmp_root: Optional[str] = None
+
+    def say(self, message: str) -> None:
+        for line in message.splitlines() or [""]:
+            print(f"[node-agent {self.opts.node_id}] {line}", file=self.console, flush=True)
+
+    @staticmethod
+    def now() -> float:
+        return time.monotonic()
+
+    # -- main loop --
+
+    async def run(self) -> int:
+        loop = asyncio.get_running_loop()
+        for sig in FORWARDED_SIGNALS:
+            loop.add_signal_handler(sig, self._on_signal, sig)
+        if self._log_root is None:
+            self._tmp_root = tempfile.mkdtemp(prefix="node-agent-")
+        try:
+            async with RdzvClient(self.host, self.port, self.opts.job_id, self.opts.node_id) as client:
+                self.client = client
+                return await self._run()
+        finally:
+            for sig in FORWARDED_SIGNALS:
+                loop.remove_signal_handler(sig)
+            if self.group is not None:
+                await self.group.stop()
+            if self._tmp_root:
+                shutil.rmtree(self._tmp_root, ignore_errors=True)
+
+    async def _run(self) -> int:
+        status = await self._join()
+        if status is not None:
+            await self._apply(self.policy.on_status(status, self.now()))
+        poll_task: Optional[asyncio.Task] = None
+        signal_task = asyncio.create_task(self._signals.get())
+        try:
+            while self._exit is None:
+                if poll_task is None:
+                    poll_task = asyncio.create_task(self._poll_once(self.policy.known_round))
+                waiting = {poll_task, signal_task} | ({self._group_task} if self._group_task else set())
+                done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+                if signal_task in done:
+                    signum = signal_task.result()
+                    if self._signals.empty():
+                        self._signalled.clear()
+                    signal_task = asyncio.create_task(self._signals.get())
+                    await self._apply(self.policy.on_signal(signum, self.now()))
+                    continue
+                if self._group_task is not None and self._group_task in done:
+                    exits = self._group_task.result()
+                    self._group_task = None
+                    await self._on_worker_exits(exits)
+                    continue
+                if poll_task in done:
+                    result = poll_task.result()
+                    poll_task = None
+                    await self._on_server_result(result)
+        finally:
+            for task in (poll_task, signal_task):
+                if task is not None:
+                    task.cancel()
+        assert self._exit is not None
+        self.say(self._exit.message)
+        return self._exit.code
+
+    def _on_signal(self, signum: int) -> None:
+        self._signals.put_nowait(signum)
+        self._signalled.set()
+
+    async def _poll_once(self, known_round: int) -> NodeStatus | ServerUnreachable:
+        try:
+            return await self.client.poll(known_round, POLL_WAIT_S, master_port=free_port(self.addr))
+        except ServerUnreachable as exc:
+            return exc
+
+    async def _on_server_result(self, result: NodeStatus | ServerUnreachable) -> None:
+        if isinstance(result, ServerUnreachable):
+            await self._apply(self.policy.on_server_unreachable(str(result), self.now()))
+            await self._backoff()
+        else:
+            self._attempts = 0
+            await self._apply(self.policy.on_status(result, self.now()))
+
+    async def _backoff(self) -> None:
+        """Jittered exponential backoff between retries of an unreachable server (not a sync wait)."""
+        self._attempts += 1
+        delay = min(2.0, 0.05 * 2 ** self._attempts) * random.uniform(0.5, 1.0)
+        try:
+            await asyncio.wait_for(self._signalled.wait(), delay)
+        except asyncio.TimeoutError:
+            pass
+
+    async def _join(self) -> Optional[NodeStatus]:
+        opts = self.opts
+        config = JobConfig(min_nodes=opts.min_nodes, max_nodes=opts.max_nodes, max_restarts=opts.max_restarts,
+                           last_call_s=opts.last_call, join_timeout_s=opts.join_timeout,
+                           lease_timeout_s=opts.lease_timeout)
+        while self._exit is None:
+            try:
+                return await self.client.join(addr=self.addr, host=self.hostname, local_world_size=opts.nproc,
+                                              master_port=free_port(self.addr), config=config,
+                                              instance=self.instance, role=opts.role)
+            except ServerRejected as exc:
+                raise AgentError(f"the rendezvous server refused to let node {opts.node_id} join job "
+                                 f"{opts.job_id!r}: {exc.message}") from None
+            except ServerUnreachable as exc:
+                await self._apply(self.policy.on_server_unreachable(str(exc), self.now()))
+                if not self._signals.empty():
+                    await self._apply(self.policy.on_signal(self._signals.get_nowait(), self.now()))
+                if self._exit is None:
+                    await self._backoff()
+        return None
+
+    # -- actions --
+
+    async def _apply(self, actions: list[Action]) -> None:
+        for action in actions:
+            if isinstance(action, StopWorkers):
+                await self._stop_workers(action)
+            elif isinstance(action, Spawn):
+                await self._spawn(action.assignment)
+            elif isinstance(action, ReportFailure):
+                status = await self._report(self.client.report_failure, action.round_id, list(action.failures))
+                if status is not None:
+                    await self._apply(self.policy.on_status(status, self.now()))
+            elif isinstance(action, ReportSuccess):
+                status = await self._report(self.client.report_success, action.round_id)
+                if status is not None:
+                    await self._apply(self.policy.on_status(status, self.now()))
+            elif isinstance(action, Rejoin):
+                self.say(f"rejoining: {action.reason}")
+                status = await self._join()
+                if status is not None:
+                    await self._apply(self.policy.on_status(status, self.now()))
+            elif isinstance(action, Leave):
+                try:
+                    await self.client.leave(action.reason)
+                except (ServerUnreachable, ServerRejected):
+                    pass  # leaving is a courtesy: the lease expires anyway
+            elif isinstance(action, Exit):
+                self._exit = action
+
+    async def _report(self, fn, *args) -> Optional[NodeStatus]:
+        """Send a report, retrying while the server is away (within the policy's window)."""
+        while self._exit is None:
+            try:
+                return await fn(*args)
+            except ServerRejected as exc:
+                self.say(f"server rejected the report: {exc.message}")
+                return None
+            except ServerUnreachable as exc:
+                await self._apply(self.policy.on_server_unreachable(str(exc), self.now()))
+                if self._exit is None:
+                    await self._backoff()
+        return None
+
+    async def _spawn(self, a: Assignment) -> None:
+        opts = self.opts
+        attempt_dir = os.path.join(self._log_root or self._tmp_root or ".", opts.job_id, opts.node_id,
+                                   f"attempt_{a.round_id}")
+        argv = worker_argv(opts)
+        launches = []
+        for local_rank in range(a.local_world_size):
+            rank_dir = os.path.join(attempt_dir, str(local_rank))
+            os.makedirs(rank_dir, exist_ok=True)
+            env = worker_env(base=os.environ, assignment=a, local_rank=local_rank, job_id=opts.job_id,
+                             role=opts.role, error_file=os.path.join(rank_dir, "error.json"))
+            rank = a.rank_offset + local_rank
+            launches.append(WorkerLaunch(
+                local_rank=local_rank, rank=rank, argv=argv, env=env,
+                log_dir=rank_dir if self._log_root else None,
+                redirect=opts.redirects.for_rank(local_rank), tee=opts.tee.for_rank(local_rank),
+                echo=opts.local_ranks_filter is None or local_rank in opts.local_ranks_filter,
+                prefix=f"[{self.hostname}:{rank}]"))
+        self.say(f"round {a.round_id}: group rank {a.group_rank}/{a.group_world_size}, ranks "
+                 f"{a.rank_offset}..{a.rank_offset + a.local_world_size - 1} of world size {a.world_size}, "
+                 f"master {a.master_addr}:{a.master_port}, restart count {a.restart_count}/{a.max_restarts}")
+        self.group = WorkerGroup(launches, stop_timeout=opts.stop_timeout)
+        try:
+            await self.group.start()
+        except OSError as exc:
+            await self.group.stop()
+            self.group = None
+            failure = WorkerFailure(local_rank=0, rank=a.rank_offset, exitcode=127, reason="spawn failed",
+                                    message=f"cannot start {argv[0]!r}: {exc.strerror or exc}",
+                                    timestamp=time.time(), host=self.hostname)
+            await self._apply(self.policy.on_workers_failed([failure], self.now()))
+            return
+        self._group_task = asyncio.create_task(self.group.wait())
+
+    async def _stop_workers(self, action: StopWorkers) -> None:
+        if self._group_task is not None:
+            self._group_task.cancel()
+            self._group_task = None
+        if self.group is not None:
+            group, self.group = self.group, None
+            await group.stop(action.signum)
+
+    async def _on_worker_exits(self, exits: list[WorkerExit]) -> None:
+        failed = [e for e in exits if e.exitcode != 0]
+        if not failed:
+            await self._apply(self.policy.on_workers_succeeded(self.now()))
+            return
+        failures = [self._failure(e) for e in failed]
+        f = failures[0]
+        how = f"signal {f.signal}" if f.signal else f"exit code {f.exitcode}"
+        self.say(f"worker rank {f.rank} (local {f.local_rank}) failed with {how}; stopping local workers")
+        await self._apply(self.policy.on_workers_failed(failures, self.now()))
+
+    def _failure(self, e: WorkerExit) -> WorkerFailure:
+        message, tb, ts = "", "", time.time()
+        parsed = read_error_file(e.error_file) if e.error_file else None
+        if parsed is not None:
+            message, tb, ts = parsed[0], parsed[1], parsed[2] or ts
+        return WorkerFailure(local_rank=e.local_rank, rank=e.rank, exitcode=e.exitcode, signal=e.signal_name,
+                             message=message, traceback=tb, timestamp=ts, host=self.hostname,
+                             node_id=self.opts.node_id)

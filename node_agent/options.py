@@ -1,0 +1,473 @@
+"""The node agent's command line: argparse in, one frozen `AgentOptions` out.
+
+torchrun's spellings are accepted as aliases so an existing launch line keeps working. Every bad input
+becomes `OptionsError` with one line naming the flag as the user spelled it; argparse never exits or
+prints a traceback (only `--help` exits, with status 0). Values are checked here, once, so the rest of
+the agent can trust them. Nothing here imports torch: GPUs are counted from the driver's files.
+"""
+from __future__ import annotations
+
+import argparse
+import enum
+import math
+import os
+import re
+import socket
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, NoReturn
+
+DEFAULT_PORT = 29400          # torchrun's default when the endpoint names no port
+_NODE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}$")   # the protocol's node id rule
+_J_SPEC = re.compile(r"^(?:(\d+):)?(\d+)x(\d+)$")
+
+
+class OptionsError(ValueError):
+    """A bad command line; the message is one line meant for the user."""
+
+
+class Std(enum.IntFlag):
+    """Which of a worker's standard streams a setting covers (torchrun's numbering)."""
+    NONE = 0
+    OUT = 1
+    ERR = 2
+    ALL = 3
+
+
+@dataclass(frozen=True)
+class StdSpec:
+    """A `-r/--redirects` or `-t/--tee` value: one Std for all ranks, or a map (missing ranks: NONE)."""
+    default: Std = Std.NONE
+    per_rank: tuple[tuple[int, Std], ...] = ()
+
+    def for_rank(self, local_rank: int) -> Std:
+        for rank, std in self.per_rank:
+            if rank == local_rank:
+                return std
+        return self.default
+
+
+@dataclass(frozen=True)
+class AgentOptions:
+    script: str
+    script_args: tuple[str, ...] = ()
+    endpoint_host: str | None = None
+    endpoint_port: int | None = None
+    nproc: int = 1
+    nproc_spec: str = "1"              # as typed ("gpu", "4", ...), for logs
+    min_nodes: int = 1
+    max_nodes: int = 1
+    job_id: str = "default"
+    max_restarts: int = 0
+    node_id: str = ""
+    local_addr: str | None = None
+    role: str = "default"
+    module: bool = False
+    no_python: bool = False
+    log_dir: str | None = None
+    redirects: StdSpec = StdSpec()
+    tee: StdSpec = StdSpec()
+    local_ranks_filter: frozenset[int] | None = None   # None: every local rank shows on the console
+    standalone: bool = False
+    stop_timeout: float = 5.0
+    last_call: float = 3.0
+    join_timeout: float = 600.0
+    lease_timeout: float = 5.0
+    server_wait: float = 60.0
+    warnings: tuple[str, ...] = ()
+
+    @property
+    def endpoint(self) -> str | None:
+        """`host:port` for URLs, with IPv6 hosts in brackets."""
+        if self.endpoint_host is None:
+            return None
+        host = f"[{self.endpoint_host}]" if ":" in self.endpoint_host else self.endpoint_host
+        return f"{host}:{self.endpoint_port}"
+
+    def shows_console(self, local_rank: int) -> bool:
+        return self.local_ranks_filter is None or local_rank in self.local_ranks_filter
+
+
+# ---------------------------------------------------------------------------------------------- parsing
+
+
+class _Parser(argparse.ArgumentParser):
+    # argparse would print usage and sys.exit(2); the CLI decides how to show errors instead.
+    def error(self, message: str) -> NoReturn:
+        if message.startswith("the following arguments are required"):   # only the script is
+            message = "missing the training script: node-agent [options] SCRIPT [ARGS...]"
+        raise OptionsError(message)
+
+
+class _Formatter(argparse.HelpFormatter):
+    # List every alias once and the metavar once: "--nproc, --nproc-per-node N" rather than a
+    # metavar after each alias, which makes the aliased flags unreadable.
+    def _format_action_invocation(self, action: argparse.Action) -> str:
+        if not action.option_strings or action.nargs == 0:
+            return super()._format_action_invocation(action)
+        return f"{', '.join(action.option_strings)} {self._format_args(action, action.dest.upper())}"
+
+
+class _Spelled(argparse.Action):
+    """Store a value and remember which spelling the user typed, so errors name that spelling."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: Any, option_string: str | None = None) -> None:
+        setattr(namespace, self.dest, values)
+        namespace.__dict__.setdefault("_spelling", {})[self.dest] = option_string
+
+
+_IGNORED = {   # torchrun flags with no meaning here: accepted so launch lines work, then warned about
+    "rdzv_backend": ("--rdzv-backend", "--rdzv_backend"),
+    "rdzv_conf": ("--rdzv-conf", "--rdzv_conf"),
+    "monitor_interval": ("--monitor-interval", "--monitor_interval"),
+    "start_method": ("--start-method", "--start_method"),
+}
+
+
+def build_argparser() -> argparse.ArgumentParser:
+    p = _Parser(
+        prog="node-agent",
+        description="Join an elastic training job at a rendezvous server, then run and supervise this "
+                    "node's workers (a drop-in replacement for torchrun).",
+        allow_abbrev=False,
+        formatter_class=_Formatter,
+    )
+    # Defaults are None so that explicit use can be told apart (-j conflicts, --standalone); the
+    # real defaults are applied in parse_options.
+    def add(*flags: str, dest: str, help: str, metavar: str | None = None) -> None:
+        p.add_argument(*flags, dest=dest, action=_Spelled, default=None, metavar=metavar, help=help)
+
+    def flag(*flags: str, dest: str, help: str) -> None:
+        p.add_argument(*flags, dest=dest, action="store_true", help=help)
+
+    add("--endpoint", "--rdzv-endpoint", "--rdzv_endpoint", dest="endpoint", metavar="HOST:PORT",
+        help=f"rendezvous server address (port defaults to {DEFAULT_PORT}; IPv6 as [::1]:PORT)")
+    add("--nproc", "--nproc-per-node", "--nproc_per_node", dest="nproc", metavar="N|gpu|cpu|auto",
+        help="workers on this node: a number, one per GPU, one per CPU, or auto (GPUs if any, else "
+             "CPUs); default 1")
+    add("--nnodes", dest="nnodes", metavar="MIN:MAX|N", help="number of nodes, or an elastic range; "
+        "default 1:1")
+    add("-j", "--j", dest="j", metavar="[MIN:]NxM",
+        help="TorchX shorthand: N nodes (elastic MIN:N) of M workers each")
+    add("--job-id", "--rdzv-id", "--rdzv_id", dest="job_id", metavar="ID",
+        help="job id shared by every node of the job; default 'default'")
+    add("--max-restarts", "--max_restarts", dest="max_restarts", metavar="K",
+        help="job-wide worker group restarts before the job fails; default 0")
+    add("--node-id", "--node_id", dest="node_id", metavar="ID",
+        help="this node's id at the server; default HOSTNAME-PID")
+    add("--local-addr", "--local_addr", dest="local_addr", metavar="ADDR",
+        help="address other nodes reach this node at (MASTER_ADDR when it is group rank 0)")
+    add("--role", dest="role", metavar="NAME", help="worker role (ROLE_NAME); default 'default'")
+    flag("-m", "--module", dest="module", help="run the script as a module, like python -m")
+    flag("--no-python", "--no_python", dest="no_python",
+         help="run the script directly instead of with python")
+    add("--log-dir", "--log_dir", dest="log_dir", metavar="DIR",
+        help="directory for per-rank stdout.log/stderr.log and error.json")
+    add("-r", "--redirects", dest="redirects", metavar="STD",
+        help="send worker streams to log files only: 0 none, 1 stdout, 2 stderr, 3 both, or a "
+             "per-local-rank map such as 0:1,1:2")
+    add("-t", "--tee", dest="tee", metavar="STD",
+        help="send worker streams to log files and the console (same format as --redirects)")
+    add("--local-ranks-filter", "--local_ranks_filter", dest="local_ranks_filter", metavar="R,R,...",
+        help="show only these local ranks on the console (log files keep everything)")
+    flag("--standalone", dest="standalone",
+         help="single node: run an embedded rendezvous server, no --endpoint needed")
+    add("--stop-timeout", "--stop_timeout", dest="stop_timeout", metavar="S",
+        help="seconds between SIGTERM and SIGKILL when stopping workers; default 5")
+    add("--last-call", "--last_call", dest="last_call", metavar="S",
+        help="seconds an elastic round waits for more nodes once it has MIN; default 3")
+    add("--join-timeout", "--join_timeout", dest="join_timeout", metavar="S",
+        help="seconds to wait for a round to form; default 600")
+    add("--lease-timeout", "--lease_timeout", dest="lease_timeout", metavar="S",
+        help="seconds of silence after which the server drops a node; default 5")
+    add("--server-wait", "--server_wait", dest="server_wait", metavar="S",
+        help="seconds to keep retrying an unreachable server; default 60")
+    for dest, flags in _IGNORED.items():
+        add(*flags, dest=dest, metavar="VALUE", help="accepted for torchrun compatibility; ignored")
+    p.add_argument("script", help="training script (or module with -m, or program with --no-python)")
+    p.add_argument("script_args", nargs=argparse.REMAINDER,
+                   help="everything after the script goes to it untouched")
+    return p
+
+
+def _script_index(parser: argparse.ArgumentParser, argv: list[str]) -> int | None:
+    """Index of the script in argv, found the way argparse would, or None to let argparse complain.
+
+    Splitting here rather than trusting nargs=REMAINDER keeps the script's arguments byte for byte:
+    argparse drops a `--` that follows the script.
+    """
+    actions = parser._option_string_actions
+    i = 0
+    while i < len(argv):
+        tok = argv[i]
+        if tok == "--":
+            return i + 1 if i + 1 < len(argv) else None
+        if not tok.startswith("-") or tok == "-":
+            return i
+        if "=" in tok and tok.startswith("--"):
+            action = actions.get(tok.split("=", 1)[0])
+            takes_next = False
+        elif tok in actions:
+            action = actions[tok]
+            takes_next = action.nargs != 0
+        else:   # a short flag with its value attached, such as -j2x4 or -r3
+            action = actions.get(tok[:2]) if not tok.startswith("--") else None
+            takes_next = False
+        if action is None:
+            return None
+        i += 2 if takes_next else 1
+    return None
+
+
+def parse_options(argv: Sequence[str], environ: Mapping[str, str] = os.environ) -> AgentOptions:
+    parser = build_argparser()
+    args = list(argv)
+    at = _script_index(parser, args)
+    ns = parser.parse_args(args if at is None else args[: at + 1])
+    ns.script_args = [] if at is None else args[at + 1:]
+    spelling: dict[str, str] = ns.__dict__.get("_spelling", {})
+
+    def name(dest: str) -> str:
+        return spelling.get(dest) or "--" + dest.replace("_", "-")
+
+    def fail(dest: str, why: str) -> NoReturn:
+        raise OptionsError(f"{name(dest)}: {why}")
+
+    warnings = [f"{name(d)} is ignored by node-agent" for d in _IGNORED if getattr(ns, d) is not None]
+
+    if ns.module and ns.no_python:
+        raise OptionsError("--no-python cannot be combined with -m/--module")
+
+    # Node and worker counts: -j is shorthand for --nnodes plus --nproc, so both at once is ambiguous.
+    nproc_text: str = ns.nproc if ns.nproc is not None else "1"
+    nnodes_text: str = ns.nnodes if ns.nnodes is not None else "1:1"
+    if ns.j is not None:
+        for other in ("nnodes", "nproc"):
+            if getattr(ns, other) is not None:
+                raise OptionsError(f"{name('j')} conflicts with {name(other)}: give one or the other")
+        nnodes_text, nproc_text = _split_j(ns.j, lambda why: fail("j", why))
+    min_nodes, max_nodes = parse_nnodes(nnodes_text, lambda why: fail("j" if ns.j else "nnodes", why))
+    nproc = resolve_nproc(nproc_text, environ, lambda why: fail("j" if ns.j else "nproc", why))
+
+    host: str | None = None
+    port: int | None = None
+    if ns.standalone:
+        if ns.endpoint is not None:
+            warnings.append(f"{name('endpoint')} is ignored with --standalone")
+        if (min_nodes, max_nodes) != (1, 1):
+            warnings.append(f"--standalone runs one node: nnodes {min_nodes}:{max_nodes} becomes 1:1")
+        min_nodes = max_nodes = 1
+    elif ns.endpoint is None:
+        raise OptionsError("--endpoint HOST:PORT is required (or --standalone)")
+    else:
+        host, port = parse_endpoint(ns.endpoint, lambda why: fail("endpoint", why))
+
+    node_id = ns.node_id if ns.node_id is not None else _default_node_id()
+    if not _NODE_ID.match(node_id):
+        fail("node_id", f"must be 1-128 of [A-Za-z0-9._:@-] starting with a letter or digit, "
+                        f"got {node_id!r}")
+    job_id = ns.job_id if ns.job_id is not None else "default"
+    if not job_id:
+        fail("job_id", "must not be empty")
+    if ns.local_addr is not None and not ns.local_addr:
+        fail("local_addr", "must not be empty")
+
+    def number(dest: str, default: float, *, positive: bool = False) -> float:
+        raw = getattr(ns, dest)
+        if raw is None:
+            return default
+        try:
+            value = float(raw)
+        except ValueError:
+            fail(dest, f"expected a number of seconds, got {raw!r}")
+        if not math.isfinite(value) or value < 0 or (positive and value == 0):
+            fail(dest, f"must be {'> 0' if positive else '>= 0'} and finite, got {raw!r}")
+        return value
+
+    max_restarts = 0
+    if ns.max_restarts is not None:
+        max_restarts = _int(ns.max_restarts, lambda why: fail("max_restarts", why))
+        if max_restarts < 0:
+            fail("max_restarts", f"must be >= 0, got {max_restarts}")
+
+    return AgentOptions(
+        script=ns.script,
+        script_args=tuple(ns.script_args),
+        endpoint_host=host,
+        endpoint_port=port,
+        nproc=nproc,
+        nproc_spec=nproc_text,
+        min_nodes=min_nodes,
+        max_nodes=max_nodes,
+        job_id=job_id,
+        max_restarts=max_restarts,
+        node_id=node_id,
+        local_addr=ns.local_addr,
+        role=ns.role if ns.role is not None else "default",
+        module=ns.module,
+        no_python=ns.no_python,
+        log_dir=ns.log_dir,
+        redirects=parse_std(ns.redirects or "0", lambda why: fail("redirects", why)),
+        tee=parse_std(ns.tee or "0", lambda why: fail("tee", why)),
+        local_ranks_filter=_rank_set(ns.local_ranks_filter, lambda why: fail("local_ranks_filter", why)),
+        standalone=ns.standalone,
+        stop_timeout=number("stop_timeout", 5.0),
+        last_call=number("last_call", 3.0),
+        join_timeout=number("join_timeout", 600.0, positive=True),
+        lease_timeout=number("lease_timeout", 5.0, positive=True),
+        server_wait=number("server_wait", 60.0),
+        warnings=tuple(warnings),
+    )
+
+
+# --------------------------------------------------------------------------------------- value parsers
+# Each takes `fail(why)`, which raises OptionsError naming the flag the caller knows about.
+
+Fail = Callable[[str], NoReturn]
+
+
+def _int(text: str, fail: Fail) -> int:
+    try:
+        return int(text.strip())
+    except ValueError:
+        fail(f"expected an integer, got {text!r}")
+
+
+def parse_endpoint(text: str, fail: Fail) -> tuple[str, int]:
+    """`host:port`, `host` (default port), `[v6]:port` or `[v6]` -> (host, port)."""
+    text = text.strip()
+    if text.startswith("["):
+        host, sep, rest = text[1:].partition("]")
+        if not sep or not host:
+            fail(f"bad IPv6 address in {text!r}, expected [ADDR]:PORT")
+        if rest and not rest.startswith(":"):
+            fail(f"unexpected {rest!r} after the address in {text!r}")
+        port_text = rest[1:] if rest else None
+    elif text.count(":") > 1:
+        fail(f"IPv6 addresses need brackets, e.g. [::1]:{DEFAULT_PORT}; got {text!r}")
+    else:
+        host, sep, port_text_ = text.partition(":")
+        port_text = port_text_ if sep else None
+    if not host:
+        fail(f"missing host in {text!r}, expected HOST:PORT")
+    if port_text is None:
+        return host, DEFAULT_PORT
+    if not port_text.isdigit() or not 1 <= int(port_text) <= 65535:
+        fail(f"bad port {port_text!r} in {text!r}, expected 1-65535")
+    return host, int(port_text)
+
+
+def parse_nnodes(text: str, fail: Fail) -> tuple[int, int]:
+    parts = text.split(":")
+    if len(parts) > 2:
+        fail(f"expected MIN:MAX or N, got {text!r}")
+    lo, hi = _int(parts[0], fail), _int(parts[-1], fail)
+    if lo < 1:
+        fail(f"need at least 1 node, got {text!r}")
+    if lo > hi:
+        fail(f"MIN ({lo}) is larger than MAX ({hi}) in {text!r}")
+    return lo, hi
+
+
+def _split_j(text: str, fail: Fail) -> tuple[str, str]:
+    """TorchX `[MIN:]NxM` (or a bare M: one node of M workers) -> (nnodes text, nproc text)."""
+    text = text.strip()
+    if text.isdigit():
+        return "1", text
+    m = _J_SPEC.match(text)
+    if not m:
+        fail(f"expected [MIN:]NxM such as 2x4 or 1:4x8, got {text!r}")
+    lo, hi, per_node = m.groups()
+    return (f"{lo}:{hi}" if lo is not None else hi), per_node
+
+
+def resolve_nproc(text: str, environ: Mapping[str, str], fail: Fail) -> int:
+    text = text.strip()
+    if text == "cpu":
+        return os.cpu_count() or 1
+    if text in ("gpu", "auto"):
+        gpus = count_gpus(environ)
+        if gpus > 0:
+            return gpus
+        if text == "gpu":
+            fail("'gpu' asked for one worker per GPU, but no GPU is visible "
+                 "(CUDA_VISIBLE_DEVICES, /proc/driver/nvidia/gpus, /dev/nvidia*)")
+        return os.cpu_count() or 1
+    try:
+        n = int(text)
+    except ValueError:
+        fail(f"expected an integer >= 1 or gpu, cpu, auto; got {text!r}")
+    if n < 1:
+        fail(f"must be >= 1, got {n}")
+    return n
+
+
+def count_gpus(environ: Mapping[str, str], proc_dir: str = "/proc/driver/nvidia/gpus",
+               dev_dir: str = "/dev") -> int:
+    """NVIDIA GPUs this process may use, found without importing torch or loading CUDA."""
+    visible = environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        count = 0
+        for entry in visible.split(","):
+            entry = entry.strip()
+            if not entry:
+                continue
+            if entry.startswith("-"):   # CUDA stops at the first invalid index: it and later are hidden
+                break
+            count += 1
+        return count
+    try:
+        count = len(os.listdir(proc_dir))   # one entry per GPU (PCI bus id), present with the driver
+    except OSError:
+        count = 0
+    if count:
+        return count
+    try:
+        return sum(1 for n in os.listdir(dev_dir) if re.fullmatch(r"nvidia\d+", n))
+    except OSError:
+        return 0
+
+
+def parse_std(text: str, fail: Fail) -> StdSpec:
+    """torchrun's Std spec: `3` for every rank, or `0:1,1:2` per local rank."""
+    def one(value: str) -> Std:
+        v = value.strip()
+        if v not in ("0", "1", "2", "3"):
+            fail(f"expected 0 (none), 1 (stdout), 2 (stderr) or 3 (both), got {value!r}")
+        return Std(int(v))
+
+    text = text.strip()
+    if ":" not in text:
+        return StdSpec(default=one(text))
+    pairs: dict[int, Std] = {}
+    for item in text.split(","):
+        rank_text, sep, value = item.partition(":")
+        if not sep:
+            fail(f"expected LOCAL_RANK:STD items such as 0:1,1:2, got {item!r}")
+        rank = _int(rank_text, fail)
+        if rank < 0:
+            fail(f"local rank must be >= 0, got {rank}")
+        if rank in pairs:
+            fail(f"local rank {rank} given twice")
+        pairs[rank] = one(value)
+    return StdSpec(per_rank=tuple(sorted(pairs.items())))
+
+
+def _rank_set(text: str | None, fail: Fail) -> frozenset[int] | None:
+    if text is None or not text.strip():
+        return None   # torchrun treats an empty filter as "all ranks"
+    ranks = set()
+    for item in text.split(","):
+        rank = _int(item, fail)
+        if rank < 0:
+            fail(f"local rank must be >= 0, got {rank}")
+        ranks.add(rank)
+    return frozenset(ranks)
+
+
+def _default_node_id() -> str:
+    # Host names can be long or carry characters the server refuses; keep it a valid id.
+    host = re.sub(r"[^A-Za-z0-9._-]", "-", socket.gethostname()).lstrip("._-") or "node"
+    suffix = f"-{os.getpid()}"
+    return host[: 128 - len(suffix)] + suffix

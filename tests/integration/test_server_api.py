@@ -1,0 +1,202 @@
+"""The real rendezvous app on loopback, spoken to over HTTP.
+
+`MsgpackNode` uses only the plain `msgpack` package (not our protocol package), so these tests
+also pin the wire format for clients written elsewhere.
+"""
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+import msgpack
+import pytest
+from aiohttp.test_utils import TestServer
+
+from rdzv_server.app import COORDINATOR, create_app
+
+MSGPACK = {"Content-Type": "application/msgpack"}
+
+
+@pytest.fixture
+async def server():
+    srv = TestServer(create_app(), host="127.0.0.1", port=0)
+    await srv.start_server()
+    try:
+        yield srv
+    finally:
+        await srv.close()
+
+
+@pytest.fixture
+async def http():
+    async with aiohttp.ClientSession() as session:
+        yield session
+
+
+async def wait_until(predicate, timeout: float = 5.0) -> None:
+    """Wait for a condition that no event announces (bounded; fails the test on timeout)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not predicate():
+        assert loop.time() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.01)
+
+
+def url(server, path: str) -> str:
+    return f"http://127.0.0.1:{server.port}{path}"
+
+
+class MsgpackNode:
+    """A node written against the wire only: dicts in, dicts out."""
+
+    def __init__(self, http, server, job, node_id, lws=2, port=1000, **config):
+        self.http, self.server, self.job, self.node_id = http, server, job, node_id
+        self.lws, self.port, self.config = lws, port, config
+
+    async def post(self, action: str, body: dict, expect: int = 200) -> dict:
+        async with self.http.post(url(self.server, f"/v1/jobs/{self.job}/{action}"), data=msgpack.packb(body),
+                                  headers=MSGPACK) as resp:
+            assert resp.headers["Content-Type"].startswith("application/msgpack")
+            reply = msgpack.unpackb(await resp.read())
+            assert resp.status == expect, reply
+            return reply
+
+    async def join(self, expect: int = 200) -> dict:
+        return await self.post("join", {"v": 1, "node_id": self.node_id, "addr": f"10.0.0.{self.port % 250}",
+                                        "local_world_size": self.lws, "master_port": self.port,
+                                        "config": self.config}, expect)
+
+    async def poll(self, known_round: int = -1, wait_s: float = 2.0) -> dict:
+        return await self.post("poll", {"v": 1, "node_id": self.node_id, "known_round": known_round,
+                                        "wait_s": wait_s})
+
+
+async def test_two_nodes_form_a_round_and_learn_it_through_the_long_poll(server, http):
+    a = MsgpackNode(http, server, "job1", "a", lws=2, port=1001, min_nodes=2, max_nodes=2)
+    b = MsgpackNode(http, server, "job1", "b", lws=3, port=1002, min_nodes=2, max_nodes=2)
+    first = await a.join()
+    assert first["node_state"] == "waiting" and first["assignment"] is None
+    waiter = asyncio.create_task(a.poll(wait_s=10))
+    second = await b.join()
+    got = await asyncio.wait_for(waiter, 5)
+    assert got["node_state"] == "member" and second["node_state"] == "member"
+    ga, gb = got["assignment"], second["assignment"]
+    assert (ga["group_rank"], gb["group_rank"]) == (0, 1)
+    assert (ga["rank_offset"], gb["rank_offset"]) == (0, 2)
+    assert ga["world_size"] == gb["world_size"] == 5
+    assert ga["master_addr"] == gb["master_addr"] == "10.0.0.1"
+    assert ga["master_port"] == gb["master_port"] == 1001
+    assert ga["round_id"] == gb["round_id"] == 1
+
+
+async def test_failure_report_wakes_the_other_nodes_long_poll_with_the_next_round(server, http):
+    a = MsgpackNode(http, server, "job2", "a", min_nodes=2, max_nodes=2, max_restarts=3)
+    b = MsgpackNode(http, server, "job2", "b", min_nodes=2, max_nodes=2, max_restarts=3)
+    await a.join()
+    round1 = (await b.join())["assignment"]["round_id"]
+    waiter = asyncio.create_task(a.poll(known_round=round1, wait_s=10))
+    reply = await b.post("failure", {"v": 1, "node_id": "b", "round_id": round1,
+                                     "failures": [{"local_rank": 0, "rank": 2, "exitcode": 1}]})
+    woken = await asyncio.wait_for(waiter, 5)
+    assert reply["assignment"]["round_id"] == woken["assignment"]["round_id"] == round1 + 1
+    assert reply["restart_count"] == woken["assignment"]["restart_count"] == 1
+    stale = await b.post("failure", {"v": 1, "node_id": "b", "round_id": round1,
+                                     "failures": [{"local_rank": 0, "rank": 2, "exitcode": 1}]})
+    assert stale["accepted"] is False and "stale" in stale["reason"]
+    assert stale["restart_count"] == 1
+
+
+async def test_dropped_long_poll_connection_loses_the_node_after_a_short_grace(server, http):
+    a = MsgpackNode(http, server, "job3", "a", min_nodes=1, max_nodes=2, last_call_s=0, lease_timeout_s=30)
+    b = MsgpackNode(http, server, "job3", "b", min_nodes=1, max_nodes=2, last_call_s=0, lease_timeout_s=30)
+    await a.join()
+    joined = await b.join()
+    round_id = joined["assignment"]["round_id"]
+    async with aiohttp.ClientSession() as doomed:  # b's poll on its own connection, then cut
+        b_conn = MsgpackNode(doomed, server, "job3", "b")
+        poll = asyncio.create_task(b_conn.poll(known_round=round_id, wait_s=10))
+        await wait_until(lambda: server.app[COORDINATOR].open_polls == 1)
+        poll.cancel()
+    woken = await a.poll(known_round=round_id, wait_s=10)
+    assert woken["assignment"]["round_id"] > round_id
+    assert woken["assignment"]["world_size"] == 2  # a alone
+    assert woken["restart_count"] == 0
+    events = await (await http.get(url(server, "/v1/jobs/job3/events"))).json()
+    assert any(e["kind"] == "node_lost" and e["node_id"] == "b" for e in events["events"])
+
+
+async def test_config_conflict_names_both_values(server, http):
+    await MsgpackNode(http, server, "job4", "a", min_nodes=2, max_nodes=4).join()
+    reply = await MsgpackNode(http, server, "job4", "b", min_nodes=2, max_nodes=3).join(expect=409)
+    assert reply["code"] == "config_conflict"
+    assert "max_nodes" in reply["message"] and "4" in reply["message"] and "3" in reply["message"]
+
+
+async def test_finished_job_refuses_joins_saying_how_it_finished(server, http):
+    a = MsgpackNode(http, server, "job5", "a")
+    assigned = await a.join()
+    await a.post("success", {"v": 1, "node_id": "a", "round_id": assigned["assignment"]["round_id"]})
+    reply = await MsgpackNode(http, server, "job5", "late").join(expect=410)
+    assert reply["code"] == "job_finished" and "succeeded" in reply["message"]
+
+
+@pytest.mark.parametrize("body, code, needle", [
+    (b"\xc1garbage", "bad_request", "MessagePack"),
+    (msgpack.packb([1, 2]), "bad_request", "map"),
+    (msgpack.packb({"node_id": "a"}), "bad_request", "`v`"),
+    (msgpack.packb({"v": 99, "node_id": "a"}), "unsupported_version", "99"),
+    (msgpack.packb({"v": 1, "node_id": "a", "addr": "x", "local_world_size": "two", "master_port": 1}),
+     "bad_request", "local_world_size"),
+    (msgpack.packb({"v": 1, "node_id": "a", "addr": "x", "local_world_size": 0, "master_port": 1}),
+     "bad_request", "local_world_size"),
+    (msgpack.packb({"v": 1, "node_id": "", "addr": "x", "local_world_size": 1, "master_port": 1}),
+     "bad_request", "node_id"),
+    (msgpack.packb({"v": 1, "node_id": "a", "addr": "x", "local_world_size": 1, "master_port": 1,
+                    "config": {"min_nodes": 3, "max_nodes": 2}}), "bad_request", "max_nodes"),
+])
+async def test_bad_join_bodies_get_a_typed_error_and_change_nothing(server, http, body, code, needle):
+    async with http.post(url(server, "/v1/jobs/badjob/join"), data=body, headers=MSGPACK) as resp:
+        reply = msgpack.unpackb(await resp.read())
+        assert resp.status == 400
+    assert reply["code"] == code and needle in reply["message"]
+    assert server.app[COORDINATOR].core.jobs == {}
+
+
+async def test_oversized_body_is_refused_with_413(server, http):
+    async with http.post(url(server, "/v1/jobs/j/join"), data=b"\x00" * (2 << 20), headers=MSGPACK) as resp:
+        assert resp.status == 413
+        assert msgpack.unpackb(await resp.read())["code"] == "too_large"
+
+
+async def test_unknown_routes_jobs_and_nodes_are_typed_4xx(server, http):
+    async with http.get(url(server, "/v2/nothing")) as resp:
+        assert resp.status == 404 and (await resp.json())["code"] == "not_found"
+    async with http.get(url(server, "/v1/jobs/nojob")) as resp:
+        assert resp.status == 404 and (await resp.json())["code"] == "unknown_job"
+    async with http.post(url(server, "/v1/jobs/nojob/fly"), data=b"", headers=MSGPACK) as resp:
+        assert resp.status == 404 and msgpack.unpackb(await resp.read())["code"] == "not_found"
+    async with http.post(url(server, "/v1/jobs/nojob/join"), data=b"{}",
+                         headers={"Content-Type": "application/json"}) as resp:
+        assert resp.status == 415
+    async with http.post(url(server, "/v1/jobs/bad%20id/join"), data=b"", headers=MSGPACK) as resp:
+        assert resp.status == 400 and "job id" in msgpack.unpackb(await resp.read())["message"]
+    node = MsgpackNode(http, server, "job6", "a")
+    await node.join()
+    reply = await node.post("failure", {"v": 1, "node_id": "ghost", "round_id": 1,
+                                        "failures": [{"local_rank": 0, "rank": 0, "exitcode": 1}]}, expect=404)
+    assert reply["code"] == "unknown_node"
+    async with http.get(url(server, "/healthz")) as resp:  # still serving
+        assert resp.status == 200
+
+
+async def test_status_and_job_json_show_members_with_ranks(server, http):
+    a = MsgpackNode(http, server, "job7", "a", lws=4, min_nodes=1, max_nodes=1)
+    await a.join()
+    status = await (await http.get(url(server, "/v1/status"))).json()
+    (job,) = status["jobs"]
+    assert job["job_id"] == "job7" and job["state"] == "running" and job["world_size"] == 4
+    assert job["nodes"][0]["node_id"] == "a" and job["nodes"][0]["group_rank"] == 0
+    detail = await (await http.get(url(server, "/v1/jobs/job7"))).json()
+    assert detail["config"]["max_nodes"] == 1 and detail["restart_count"] == 0
+    page = await (await http.get(url(server, "/"))).text()
+    assert "job7" in page
