@@ -88,10 +88,21 @@ class Rendezvous:
                           role=req.role, local_world_size=req.local_world_size, master_port=req.master_port,
                           state=NodeState.WAITING, joined_at=now, last_seen=now,
                           lease_expires=now + job.config.lease_timeout_s)
+        if existing is not None:
+            # Same node, new agent: its failure history and any exclusion stay with the node id, so
+            # restarting the agent does not cut a cooldown short.
+            node.failure_times, node.exclusions = existing.failure_times, existing.exclusions
+            node.excluded_until = existing.excluded_until
         job.nodes[node.node_id] = node
         _event(job, now, "node_joined", f"node {node.node_id} joined from {node.addr} "
                f"with {node.local_world_size} workers", node.node_id)
-        self._admit(job, node, now)
+        if node.excluded_until > now:
+            node.state = NodeState.EXCLUDED
+            job.excluded.append(node.node_id)
+            _event(job, now, "node_excluded", f"node {node.node_id} stays excluded for "
+                   f"{node.excluded_until - now:g}s (its agent restarted)", node.node_id)
+        else:
+            self._admit(job, node, now)
         return self.view(job_id, req.node_id, now)
 
     def poll(self, job_id: str, req: PollRequest, now: float) -> NodeStatus:
@@ -235,7 +246,8 @@ class Rendezvous:
         if job.last_call_deadline is not None and job.last_call_deadline <= now:
             job.last_call_deadline = None
             self._form_round(job, now, "last call ended with " + _count(job, _candidates(job)))
-        if job.state == JobState.WAITING and job.join_deadline is not None and job.join_deadline <= now:
+        if job.state == JobState.WAITING and job.last_call_deadline is None and \
+                job.join_deadline is not None and job.join_deadline <= now:
             have = len(job.waiting)
             self._finish(job, now, JobState.FAILED,
                          f"only {have} of min {job.config.min_nodes} nodes joined within "
@@ -316,9 +328,13 @@ class Rendezvous:
         if was_member:
             job.forming_since = now
             self._form_round(job, now, message)
-        elif job.last_call_deadline is not None and \
-                len(self._members(job)) + len(job.waiting) < job.config.min_nodes:
-            job.last_call_deadline = None
+        elif job.last_call_deadline is not None:
+            # The window was for a round with more nodes: below min, or (while a round runs) with no
+            # newcomer left, there is nothing for it to form.
+            if len(self._members(job)) + len(job.waiting) < job.config.min_nodes:
+                job.last_call_deadline = None
+            elif job.round is not None and not job.waiting:
+                job.last_call_deadline = job.forming_since = None
 
     def _exclude(self, job: JobRecord, node: NodeRecord, now: float) -> None:
         cfg = job.config
@@ -381,8 +397,8 @@ def _deadlines(job: JobRecord) -> Iterable[float]:
     yield from (job.nodes[n].excluded_until for n in job.excluded)
     if job.last_call_deadline is not None:
         yield job.last_call_deadline
-    if job.state == JobState.WAITING and job.join_deadline is not None:
-        yield job.join_deadline
+    if job.state == JobState.WAITING and job.last_call_deadline is None and job.join_deadline is not None:
+        yield job.join_deadline     # a pending last call forms a round: the join timeout waits for it
 
 
 def _renew(job: JobRecord, node: NodeRecord, now: float) -> None:

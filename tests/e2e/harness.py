@@ -1,0 +1,160 @@
+"""Real processes for end-to-end tests: a server and agents on 127.0.0.1, all cleaned up.
+
+Every process a test starts (and every descendant seen while it ran) is killed at teardown,
+even when the test fails. Ports come from the OS (port 0).
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from typing import Optional
+
+import psutil
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SCRIPTS = os.path.join(ROOT, "tests", "e2e", "scripts")
+
+
+class Proc:
+    """A child process whose combined output is collected line by line in the background."""
+
+    def __init__(self, argv: list[str], env: dict[str, str], name: str) -> None:
+        self.name = name
+        self.popen = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                      env=env, start_new_session=True)
+        self.lines: list[str] = []
+        self._cond = threading.Condition()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+        self.known: set[int] = set()
+
+    def _read(self) -> None:
+        assert self.popen.stdout is not None
+        for line in self.popen.stdout:
+            with self._cond:
+                self.lines.append(line.rstrip("\n"))
+                self._cond.notify_all()
+        with self._cond:
+            self._cond.notify_all()
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    @property
+    def output(self) -> str:
+        with self._cond:
+            return "\n".join(self.lines)
+
+    def wait_for_line(self, pattern: str, timeout: float = 60.0) -> re.Match:
+        """Block until a line matching `pattern` is printed (the process's own announcement)."""
+        regex = re.compile(pattern)
+        deadline = time.monotonic() + timeout
+        seen = 0
+        with self._cond:
+            while True:
+                for line in self.lines[seen:]:
+                    m = regex.search(line)
+                    if m:
+                        return m
+                seen = len(self.lines)
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or (self.popen.poll() is not None and not self._reader.is_alive()):
+                    raise AssertionError(f"{self.name}: no line matching {pattern!r}; output:\n{self.output}")
+                self._cond.wait(min(remaining, 0.5))
+
+    def wait(self, timeout: float = 120.0) -> int:
+        try:
+            code = self.popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"{self.name} still running after {timeout}s; output:\n{self.output}") from None
+        self._reader.join(5)
+        return code
+
+    def remember_descendants(self) -> set[int]:
+        try:
+            self.known |= {c.pid for c in psutil.Process(self.pid).children(recursive=True)}
+        except psutil.NoSuchProcess:
+            pass
+        return self.known
+
+    def kill_all(self) -> None:
+        self.remember_descendants()
+        for pid in [self.pid, *self.known]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        try:
+            self.popen.wait(10)
+        except subprocess.TimeoutExpired:
+            pass
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update(extra)
+    return env
+
+
+class Cluster:
+    """One server plus any number of agents; `close()` kills everything that is left."""
+
+    def __init__(self, tmp_path) -> None:
+        self.tmp = tmp_path
+        self.procs: list[Proc] = []
+        self.server: Optional[Proc] = None
+        self.port = 0
+
+    def start_server(self, *extra: str) -> int:
+        self.server = Proc([sys.executable, "-m", "rdzv_server.cli", "--host", "127.0.0.1", "--port", "0",
+                            *extra], child_env(), "server")
+        self.procs.append(self.server)
+        self.port = int(self.server.wait_for_line(r"listening on http://[^:]+:(\d+)", 30).group(1))
+        return self.port
+
+    def agent(self, *args: str, name: str = "agent", env: Optional[dict[str, str]] = None) -> Proc:
+        argv = [sys.executable, "-m", "node_agent.cli", *args]
+        proc = Proc(argv, child_env(**(env or {})), name)
+        self.procs.append(proc)
+        return proc
+
+    def endpoint(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def get(self, path: str) -> dict:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}{path}", timeout=10) as resp:
+            return json.load(resp)
+
+    def close(self) -> None:
+        for p in reversed(self.procs):
+            p.kill_all()
+
+
+def read_records(directory) -> list[dict]:
+    """JSON lines written by the test worker scripts."""
+    out = []
+    for name in sorted(os.listdir(directory)):
+        if name.endswith(".json"):
+            with open(os.path.join(directory, name)) as f:
+                out.append(json.load(f))
+    return out
+
+
+def pid_gone(pid: int, timeout: float) -> bool:
+    try:
+        psutil.Process(pid).wait(timeout)
+        return True
+    except psutil.NoSuchProcess:
+        return True
+    except psutil.TimeoutExpired:
+        return False

@@ -1,0 +1,117 @@
+"""End-to-end: a real server, real agents, real gloo workers on 127.0.0.1."""
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+
+from tests.e2e.harness import SCRIPTS, pid_gone, read_records
+
+pytestmark = pytest.mark.e2e
+ALLREDUCE = os.path.join(SCRIPTS, "allreduce.py")
+SLEEPER = os.path.join(SCRIPTS, "sleeper.py")
+
+
+def two_agents(cluster, out, *, max_restarts=0, env=None, job="job", script=ALLREDUCE, nproc="2"):
+    env = {"OUT_DIR": str(out), **(env or {})}
+    return [cluster.agent("--endpoint", cluster.endpoint(), "--nnodes", "2", "--nproc", nproc, "--job-id", job,
+                          "--max-restarts", str(max_restarts), "--node-id", name, script,
+                          name=name, env=env)
+            for name in ("node-a", "node-b")]
+
+
+def test_two_agents_run_a_gloo_allreduce_with_torchruns_environment(cluster, tmp_path):
+    cluster.start_server()
+    agents = two_agents(cluster, tmp_path)
+    for a in agents:
+        assert a.wait() == 0, a.output
+    records = read_records(tmp_path)
+    assert sorted(int(r["env"]["RANK"]) for r in records) == [0, 1, 2, 3]
+    assert {r["sum"] for r in records} == {10.0}          # 1+2+3+4: every rank took part
+    masters = {(r["env"]["MASTER_ADDR"], r["env"]["MASTER_PORT"]) for r in records}
+    assert len(masters) == 1 and next(iter(masters))[0] == "127.0.0.1"
+    for r in records:
+        env = r["env"]
+        rank, local = int(env["RANK"]), int(env["LOCAL_RANK"])
+        assert env["WORLD_SIZE"] == "4" and env["LOCAL_WORLD_SIZE"] == "2" and env["GROUP_WORLD_SIZE"] == "2"
+        assert int(env["GROUP_RANK"]) * 2 + local == rank
+        assert env["ROLE_RANK"] == env["RANK"] and env["ROLE_WORLD_SIZE"] == "4" and env["ROLE_NAME"] == "default"
+        assert env["TORCHELASTIC_RESTART_COUNT"] == "0" and env["TORCHELASTIC_MAX_RESTARTS"] == "0"
+        assert env["TORCHELASTIC_RUN_ID"] == "job" and env["TORCHELASTIC_USE_AGENT_STORE"] == "False"
+        assert env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1" and env["OMP_NUM_THREADS"] == "1"
+        assert env["TORCHELASTIC_ERROR_FILE"].endswith("error.json")
+    assert cluster.get("/v1/jobs/job")["state"] == "succeeded"
+
+
+def test_worker_crashing_once_restarts_every_node_with_restart_count_one(cluster, tmp_path):
+    cluster.start_server()
+    agents = two_agents(cluster, tmp_path, max_restarts=2, env={"FAIL_RANK": "3", "FAIL_MODE": "once"})
+    for a in agents:
+        assert a.wait() == 0, a.output
+    records = read_records(tmp_path)
+    assert sorted(int(r["env"]["RANK"]) for r in records) == [0, 1, 2, 3]
+    assert {r["env"]["TORCHELASTIC_RESTART_COUNT"] for r in records} == {"1"}
+    job = cluster.get("/v1/jobs/job")
+    assert job["state"] == "succeeded" and job["restart_count"] == 1
+
+
+def test_always_failing_worker_fails_the_job_and_every_agent_prints_the_same_root_cause(cluster, tmp_path):
+    cluster.start_server()
+    agents = two_agents(cluster, tmp_path, max_restarts=1, env={"FAIL_RANK": "1", "FAIL_MODE": "always"})
+    codes = [a.wait() for a in agents]
+    assert all(c != 0 for c in codes), [a.output for a in agents]
+    causes = []
+    for a in agents:
+        assert "root cause" in a.output, a.output
+        causes.append([ln.split("]", 1)[1] for ln in a.output.splitlines()
+                       if "rank      :" in ln or "error     :" in ln])
+    assert causes[0] == causes[1] and causes[0], causes
+    assert "planned failure of rank 1" in "\n".join(causes[0])
+    job = cluster.get("/v1/jobs/job")
+    assert job["state"] == "failed" and job["restart_count"] == 2 and job["root_cause"]["rank"] == 1
+
+
+def _wait_pids(tmp_path, ranks, proc):
+    for r in ranks:
+        proc.wait_for_line(rf"worker {r} ready pid (\d+)")
+    return {r: int(open(tmp_path / f"pid-{r}").read()) for r in ranks}
+
+
+def test_sigkilled_agent_leaves_no_worker_behind(cluster, tmp_path):
+    cluster.start_server()
+    agent = cluster.agent("--endpoint", cluster.endpoint(), "--nproc", "2", "--job-id", "k", SLEEPER,
+                          env={"OUT_DIR": str(tmp_path)})
+    pids = _wait_pids(tmp_path, [0, 1], agent)
+    os.kill(agent.pid, signal.SIGKILL)
+    for pid in pids.values():
+        assert pid_gone(pid, timeout=10), f"worker {pid} outlived its SIGKILLed agent"
+
+
+def test_sigterm_to_agent_is_forwarded_to_workers_and_the_agent_leaves(cluster, tmp_path):
+    cluster.start_server()
+    agent = cluster.agent("--endpoint", cluster.endpoint(), "--nproc", "2", "--job-id", "t", SLEEPER,
+                          env={"OUT_DIR": str(tmp_path)})
+    pids = _wait_pids(tmp_path, [0, 1], agent)
+    os.kill(agent.pid, signal.SIGTERM)
+    assert agent.wait(30) == 128 + signal.SIGTERM
+    for rank, pid in pids.items():
+        assert (tmp_path / f"sigterm-{rank}").read_text() == str(pid)
+        assert pid_gone(pid, timeout=10)
+    events = cluster.get("/v1/jobs/t/events")["events"]
+    assert any(e["kind"] == "node_left" for e in events)
+
+
+def test_standalone_runs_a_single_node_job_without_a_server(cluster, tmp_path):
+    agent = cluster.agent("--standalone", "--nproc", "2", ALLREDUCE, env={"OUT_DIR": str(tmp_path)})
+    assert agent.wait() == 0, agent.output
+    assert sorted(int(r["env"]["RANK"]) for r in read_records(tmp_path)) == [0, 1]
+
+
+def test_bad_flags_and_unreachable_server_give_one_clear_line(cluster, tmp_path):
+    bad = cluster.agent("--nproc", "zero", "--endpoint", "127.0.0.1:1", SLEEPER)
+    assert bad.wait() == 2
+    assert "--nproc" in bad.output and "Traceback" not in bad.output
+    gone = cluster.agent("--endpoint", "127.0.0.1:1", "--server-wait", "1", "--lease-timeout", "1", SLEEPER)
+    assert gone.wait() == 1
+    assert "unreachable" in gone.output and "Traceback" not in gone.output

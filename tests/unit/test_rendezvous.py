@@ -1,0 +1,582 @@
+"""Unit tests of the pure rendezvous core: one test per rule, time as plain floats.
+
+Every scenario drives `Rendezvous` directly with `now` values; deadlines are applied with
+`tick(now)`, usually at the instant `next_deadline()` names, as the server shell would.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import pytest
+
+from protocol.errors import ErrorCode
+from protocol.messages import (
+    FailureReport,
+    JobConfig,
+    JobState,
+    JoinRequest,
+    LeaveRequest,
+    NodeState,
+    NodeStatus,
+    PollRequest,
+    SuccessReport,
+    WorkerFailure,
+)
+from rdzv_server.records import JobRecord
+from rdzv_server.rendezvous import DROP_GRACE_S, Rendezvous, RendezvousError
+
+JOB = "job-1"
+# Long leases unless a test is about leases, so that time can jump without polls.
+QUIET = dict(lease_timeout_s=10_000.0)
+
+
+# ---- helpers ------------------------------------------------------------------------------------
+
+def cfg(**kw) -> JobConfig:
+    base: dict = dict(min_nodes=2, max_nodes=3, **QUIET)
+    base.update(kw)
+    return JobConfig(**base)
+
+
+def join(rz: Rendezvous, node: str, now: float, config: JobConfig, *, lws: int = 1,
+         instance: Optional[str] = None, port: Optional[int] = None) -> NodeStatus:
+    return rz.join(JOB, JoinRequest(v=1, node_id=node, addr=f"addr-{node}", local_world_size=lws,
+                                    master_port=port if port is not None else 20000 + len(node),
+                                    config=config, instance=instance or f"{node}#1"), now)
+
+
+def poll(rz: Rendezvous, node: str, now: float, *, port: int = 0) -> NodeStatus:
+    return rz.poll(JOB, PollRequest(v=1, node_id=node, master_port=port), now)
+
+
+def fail(rz: Rendezvous, node: str, round_id: int, now: float, *, rank: int = 0,
+         timestamp: float = 0.0) -> NodeStatus:
+    failure = WorkerFailure(local_rank=0, rank=rank, exitcode=1, timestamp=timestamp)
+    return rz.report_failure(JOB, FailureReport(v=1, node_id=node, round_id=round_id, failures=[failure]), now)
+
+
+def succeed(rz: Rendezvous, node: str, round_id: int, now: float) -> NodeStatus:
+    return rz.report_success(JOB, SuccessReport(v=1, node_id=node, round_id=round_id), now)
+
+
+def leave(rz: Rendezvous, node: str, now: float) -> NodeStatus:
+    return rz.leave(JOB, LeaveRequest(v=1, node_id=node, reason="scaled down"), now)
+
+
+def view(rz: Rendezvous, node: str, now: float) -> NodeStatus:
+    return rz.view(JOB, node, now)
+
+
+def job(rz: Rendezvous) -> JobRecord:
+    return rz.jobs[JOB]
+
+
+def members(rz: Rendezvous) -> list[str]:
+    r = job(rz).round
+    return list(r.members) if r is not None else []
+
+
+def round_id(rz: Rendezvous) -> int:
+    r = job(rz).round
+    assert r is not None, "expected a running round"
+    return r.round_id
+
+
+def kinds(rz: Rendezvous) -> list[str]:
+    return [e.kind for e in job(rz).events]
+
+
+def running(nodes: list[str], config: JobConfig, t: float = 0.0, **join_kw) -> Rendezvous:
+    """A job whose first round holds `nodes` (in that order), formed by t + last_call_s at the latest."""
+    rz = Rendezvous()
+    for i, n in enumerate(nodes):
+        join(rz, n, t + i * 0.01, config, **join_kw)
+    if job(rz).state == JobState.WAITING:
+        deadline = rz.next_deadline()
+        assert deadline is not None
+        rz.tick(deadline)
+    assert job(rz).state == JobState.RUNNING and members(rz) == nodes
+    return rz
+
+
+# ---- config -------------------------------------------------------------------------------------
+
+def test_config_defaults_are_3s_last_call_600s_join_timeout_5s_lease():
+    c = JobConfig(min_nodes=1, max_nodes=2, max_restarts=0)
+    assert (c.last_call_s, c.join_timeout_s, c.lease_timeout_s) == (3.0, 600.0, 5.0)
+
+
+def test_first_join_creates_the_job_with_its_config():
+    rz = Rendezvous()
+    c = cfg(min_nodes=2, max_nodes=4, max_restarts=7, last_call_s=1.5)
+    status = join(rz, "a", 10.0, c)
+    assert job(rz).config == c
+    assert job(rz).created_at == 10.0
+    assert status.job_state == JobState.WAITING and status.node_state == NodeState.WAITING
+    assert job(rz).events[0].kind == "job_created" and "a" in job(rz).events[0].message
+
+
+def test_join_asking_for_another_config_is_refused_naming_both_values():
+    rz = Rendezvous()
+    join(rz, "a", 0.0, cfg(max_nodes=3))
+    with pytest.raises(RendezvousError) as err:
+        join(rz, "b", 1.0, cfg(max_nodes=5))
+    assert err.value.code == ErrorCode.CONFIG_CONFLICT
+    assert "max_nodes" in err.value.message and "3" in err.value.message and "5" in err.value.message
+    assert "b" not in job(rz).nodes and job(rz).config.max_nodes == 3
+
+
+# ---- forming the first round --------------------------------------------------------------------
+
+def test_first_round_completes_at_once_when_max_nodes_have_joined():
+    rz = Rendezvous()
+    c = cfg(min_nodes=1, max_nodes=3)
+    join(rz, "a", 0.0, c)
+    join(rz, "b", 0.1, c)
+    assert job(rz).state == JobState.WAITING
+    status = join(rz, "c", 0.2, c)
+    assert job(rz).state == JobState.RUNNING
+    assert status.node_state == NodeState.MEMBER and status.assignment is not None
+    assert members(rz) == ["a", "b", "c"]
+    assert job(rz).round.completed_at == 0.2
+
+
+def test_first_round_at_min_completes_when_the_last_call_window_started_at_min_ends():
+    rz = Rendezvous()
+    c = cfg(min_nodes=2, max_nodes=4, last_call_s=3.0)
+    join(rz, "a", 0.0, c)
+    assert job(rz).last_call_deadline is None        # below min: no window yet
+    join(rz, "b", 5.0, c)                            # min reached at t=5
+    assert rz.next_deadline() == 8.0
+    rz.tick(7.99)
+    assert job(rz).state == JobState.WAITING and view(rz, "a", 7.99).assignment is None
+    join(rz, "c", 7.5, c)                            # in the window: part of the round
+    rz.tick(8.0)
+    assert job(rz).state == JobState.RUNNING
+    assert members(rz) == ["a", "b", "c"]
+    assert view(rz, "c", 8.0).assignment.group_world_size == 3
+
+
+def test_first_round_below_min_fails_the_job_at_join_timeout():
+    rz = Rendezvous()
+    c = cfg(min_nodes=3, max_nodes=3, join_timeout_s=600.0)
+    join(rz, "a", 0.0, c)
+    join(rz, "b", 1.0, c)
+    assert rz.next_deadline() == 600.0
+    rz.tick(599.9)
+    assert job(rz).state == JobState.WAITING
+    rz.tick(600.0)
+    assert job(rz).state == JobState.FAILED
+    assert "2 of min 3" in job(rz).reason and "join_timeout" in job(rz).reason
+    assert view(rz, "a", 600.0).job_state == JobState.FAILED
+    assert rz.next_deadline() is None
+
+
+def test_min_reached_inside_the_last_call_before_join_timeout_forms_the_round():
+    rz = Rendezvous()
+    c = cfg(min_nodes=2, max_nodes=3, join_timeout_s=600.0, last_call_s=3.0)
+    join(rz, "a", 0.0, c)
+    join(rz, "b", 599.0, c)                          # min reached; window ends at 602
+    assert rz.next_deadline() == 602.0               # the join deadline no longer applies
+    rz.tick(600.0)
+    assert job(rz).state == JobState.WAITING
+    rz.tick(602.0)
+    assert job(rz).state == JobState.RUNNING and members(rz) == ["a", "b"]
+
+
+# ---- while a round runs -------------------------------------------------------------------------
+
+def test_newcomer_below_max_opens_a_scale_up_round_after_the_last_call():
+    rz = running(["a", "b"], cfg(min_nodes=2, max_nodes=4, last_call_s=3.0))
+    first = round_id(rz)
+    status = join(rz, "c", 10.0, job(rz).config)
+    assert status.node_state == NodeState.WAITING
+    assert round_id(rz) == first                     # the running round is left alone for now
+    assert rz.next_deadline() == 13.0
+    rz.tick(13.0)
+    assert round_id(rz) > first and members(rz) == ["a", "b", "c"]
+    assert job(rz).restart_count == 0
+
+
+def test_newcomer_that_fills_max_opens_the_next_round_at_once():
+    rz = running(["a", "b"], cfg(min_nodes=2, max_nodes=3, last_call_s=3.0))
+    first = round_id(rz)
+    status = join(rz, "c", 10.0, job(rz).config)
+    assert status.node_state == NodeState.MEMBER
+    assert round_id(rz) > first and members(rz) == ["a", "b", "c"]
+    assert job(rz).round.completed_at == 10.0
+
+
+def test_newcomer_while_the_round_is_at_max_waits_as_a_spare_with_its_position():
+    rz = running(["a", "b"], cfg(min_nodes=1, max_nodes=2))
+    first = round_id(rz)
+    s1 = join(rz, "s1", 5.0, job(rz).config)
+    s2 = join(rz, "s2", 6.0, job(rz).config)
+    assert (s1.node_state, s1.spare_position) == (NodeState.SPARE, 0)
+    assert (s2.node_state, s2.spare_position) == (NodeState.SPARE, 1)
+    assert round_id(rz) == first and s1.assignment is None
+    rz.tick(100.0)
+    assert round_id(rz) == first                     # spares never open a round on their own
+
+
+def test_spare_is_promoted_at_once_when_a_member_is_lost():
+    rz = running(["a", "b"], cfg(min_nodes=2, max_nodes=2))
+    first = round_id(rz)
+    join(rz, "s1", 5.0, job(rz).config)
+    join(rz, "s2", 6.0, job(rz).config)
+    leave(rz, "a", 7.0)
+    assert round_id(rz) > first and members(rz) == ["b", "s1"]
+    assert view(rz, "s1", 7.0).node_state == NodeState.MEMBER
+    assert view(rz, "s2", 7.0).spare_position == 0
+    assert job(rz).restart_count == 0
+
+
+def test_scale_up_candidate_that_leaves_before_the_last_call_ends_restarts_nothing():
+    rz = running(["a", "b"], cfg(min_nodes=2, max_nodes=4, last_call_s=3.0))
+    first = round_id(rz)
+    join(rz, "c", 10.0, job(rz).config)
+    leave(rz, "c", 11.0)
+    assert job(rz).last_call_deadline is None
+    rz.tick(13.0)
+    assert round_id(rz) == first and members(rz) == ["a", "b"]
+
+
+# ---- lost nodes ---------------------------------------------------------------------------------
+
+def test_node_whose_lease_expires_is_lost_and_the_next_round_keeps_the_budget():
+    rz = running(["a", "b", "c"], cfg(min_nodes=2, max_nodes=3, lease_timeout_s=5.0))
+    first = round_id(rz)
+    poll(rz, "a", 3.0)
+    poll(rz, "b", 3.0)                               # c's lease (renewed at join) runs out first
+    deadline = rz.next_deadline()
+    assert deadline == pytest.approx(0.02 + 5.0)
+    rz.tick(deadline)
+    assert "c" not in job(rz).nodes and view(rz, "c", deadline).node_state == NodeState.GONE
+    assert round_id(rz) > first and members(rz) == ["a", "b"]
+    assert job(rz).restart_count == 0
+    assert any(e.kind == "node_lost" and "c" in e.message and "lease" in e.message for e in job(rz).events)
+
+
+def test_dropped_connection_is_lost_after_the_grace():
+    rz = running(["a", "b"], cfg(min_nodes=1, max_nodes=2, lease_timeout_s=5.0))
+    first = round_id(rz)
+    poll(rz, "a", 1.0)
+    poll(rz, "b", 1.0)
+    rz.connection_dropped(JOB, "b", 2.0)
+    assert rz.next_deadline() == 2.0 + DROP_GRACE_S
+    rz.tick(2.0 + DROP_GRACE_S - 0.01)
+    assert "b" in job(rz).nodes
+    rz.tick(2.0 + DROP_GRACE_S)
+    assert "b" not in job(rz).nodes and members(rz) == ["a"] and round_id(rz) > first
+    assert job(rz).restart_count == 0
+    assert any(e.kind == "node_lost" and "connection closed" in e.message for e in job(rz).events)
+
+
+def test_dropped_connection_that_polls_again_within_the_grace_is_kept():
+    rz = running(["a", "b"], cfg(min_nodes=1, max_nodes=2, lease_timeout_s=5.0))
+    first = round_id(rz)
+    rz.connection_dropped(JOB, "b", 2.0)
+    poll(rz, "b", 2.5)
+    poll(rz, "a", 2.5)
+    rz.tick(2.0 + DROP_GRACE_S + 0.5)
+    assert members(rz) == ["a", "b"] and round_id(rz) == first
+
+
+def test_loss_below_min_makes_the_job_wait_for_nodes_until_join_timeout():
+    c = cfg(min_nodes=2, max_nodes=2, join_timeout_s=100.0)
+    rz = running(["a", "b"], c)
+    leave(rz, "b", 10.0)
+    assert job(rz).state == JobState.WAITING and job(rz).round is None
+    assert view(rz, "a", 10.0).node_state == NodeState.WAITING
+    assert job(rz).restart_count == 0
+    assert rz.next_deadline() == 110.0
+    rz.tick(109.0)
+    assert job(rz).state == JobState.WAITING
+    rz.tick(110.0)
+    assert job(rz).state == JobState.FAILED and "join_timeout" in job(rz).reason
+
+
+def test_job_waiting_after_a_loss_resumes_when_a_node_arrives():
+    c = cfg(min_nodes=2, max_nodes=2, join_timeout_s=100.0)
+    rz = running(["a", "b"], c)
+    first = round_id(rz)
+    leave(rz, "b", 10.0)
+    join(rz, "d", 50.0, c)
+    assert job(rz).state == JobState.RUNNING and members(rz) == ["a", "d"]
+    assert round_id(rz) > first and job(rz).join_deadline is None
+    rz.tick(200.0)
+    assert job(rz).state == JobState.RUNNING
+
+
+# ---- worker failures ----------------------------------------------------------------------------
+
+def test_worker_failure_opens_the_next_round_at_once_and_counts_one_restart_job_wide():
+    rz = running(["a", "b", "c"], cfg(min_nodes=3, max_nodes=3, max_restarts=3))
+    first = round_id(rz)
+    status = fail(rz, "b", first, 5.0)
+    assert status.accepted
+    assert round_id(rz) > first and members(rz) == ["a", "b", "c"]
+    assert job(rz).restart_count == 1
+    counts = {n: view(rz, n, 5.0).assignment.restart_count for n in ("a", "b", "c")}
+    assert counts == {"a": 1, "b": 1, "c": 1}
+    assert any(e.kind == "worker_failed" and "exit code 1" in e.message for e in job(rz).events)
+
+
+def test_failures_past_max_restarts_fail_the_job_and_every_agent_sees_the_root_cause():
+    rz = running(["a", "b"], cfg(min_nodes=2, max_nodes=2, max_restarts=1, exclude_after=0))
+    fail(rz, "a", round_id(rz), 5.0, rank=0, timestamp=4.0)
+    assert job(rz).state == JobState.RUNNING and job(rz).restart_count == 1
+    fail(rz, "b", round_id(rz), 6.0, rank=1, timestamp=5.5)
+    assert job(rz).state == JobState.FAILED and job(rz).restart_count == 2
+    for n in ("a", "b"):
+        v = view(rz, n, 6.0)
+        assert v.job_state == JobState.FAILED
+        assert v.root_cause is not None and v.root_cause.rank == 1 and v.root_cause.node_id == "b"
+        assert "max_restarts=1" in v.reason and "rank 1" in v.reason
+    assert rz.next_deadline() is None
+
+
+def test_failure_report_for_an_old_round_is_stale_and_changes_nothing():
+    rz = running(["a", "b"], cfg(min_nodes=2, max_nodes=2, max_restarts=5))
+    old = round_id(rz)
+    fail(rz, "a", old, 5.0)
+    current, restarts, events = round_id(rz), job(rz).restart_count, len(job(rz).events)
+    status = fail(rz, "b", old, 5.1)                 # b's peer failure on the round that already failed
+    assert status.accepted is False and "stale" in status.reason
+    assert (round_id(rz), job(rz).restart_count, len(job(rz).events)) == (current, restarts, events)
+
+
+def test_failure_report_while_a_peer_connection_dropped_is_attributed_to_that_loss():
+    rz = running(["a", "b", "c"], cfg(min_nodes=2, max_nodes=3, max_restarts=0))
+    first = round_id(rz)
+    rz.connection_dropped(JOB, "c", 5.0)
+    status = fail(rz, "a", first, 5.1)               # a's collective broke because c died
+    assert status.accepted is False and "c" in status.reason
+    assert "c" not in job(rz).nodes
+    assert job(rz).restart_count == 0 and job(rz).state == JobState.RUNNING   # max_restarts=0 not spent
+    assert round_id(rz) > first and members(rz) == ["a", "b"]
+
+
+# ---- success ------------------------------------------------------------------------------------
+
+def test_job_succeeds_only_when_every_member_of_the_round_has_reported_success():
+    rz = running(["a", "b", "c"], cfg(min_nodes=3, max_nodes=3))
+    r = round_id(rz)
+    succeed(rz, "a", r, 5.0)
+    succeed(rz, "b", r, 6.0)
+    succeed(rz, "b", r, 6.5)                          # a repeat does not count twice
+    assert job(rz).state == JobState.RUNNING
+    succeed(rz, "c", r, 7.0)
+    assert job(rz).state == JobState.SUCCEEDED
+    assert view(rz, "a", 7.0).job_state == JobState.SUCCEEDED
+    assert job(rz).finished_at == 7.0
+
+
+def test_success_for_an_old_round_is_stale_and_does_not_finish_the_job():
+    rz = running(["a", "b"], cfg(min_nodes=2, max_nodes=2))
+    old = round_id(rz)
+    succeed(rz, "a", old, 5.0)
+    fail(rz, "b", old, 5.5)                           # new round; a's success was for the old one
+    status = succeed(rz, "b", old, 6.0)
+    assert status.accepted is False
+    succeed(rz, "b", round_id(rz), 7.0)
+    assert job(rz).state == JobState.RUNNING
+
+
+# ---- ranks --------------------------------------------------------------------------------------
+
+def test_group_ranks_are_stable_across_rounds_and_newcomers_go_last():
+    c = cfg(min_nodes=2, max_nodes=4, last_call_s=1.0)
+    rz = running(["a", "b", "c"], c)
+    assert [view(rz, n, 2.0).assignment.group_rank for n in ("a", "b", "c")] == [0, 1, 2]
+    leave(rz, "b", 3.0)
+    assert {n: view(rz, n, 3.0).assignment.group_rank for n in ("a", "c")} == {"a": 0, "c": 1}
+    join(rz, "d", 4.0, c)                             # a scale-up candidate (round below max)
+    join(rz, "e", 4.5, c)                             # fills max: next round at once
+    ranks = {n: view(rz, n, 4.5).assignment.group_rank for n in ("a", "c", "d", "e")}
+    assert ranks == {"a": 0, "c": 1, "d": 2, "e": 3}
+    fail(rz, "c", round_id(rz), 6.0)
+    assert members(rz) == ["a", "c", "d", "e"]        # a failure does not reorder
+
+
+def test_global_rank_offsets_sum_the_local_world_sizes_before_each_node():
+    rz = Rendezvous()
+    c = cfg(min_nodes=3, max_nodes=3)
+    for n, lws in (("a", 2), ("b", 4), ("c", 1)):
+        join(rz, n, 0.0, c, lws=lws)
+    got = {n: (view(rz, n, 0.0).assignment.rank_offset, view(rz, n, 0.0).assignment.world_size,
+               view(rz, n, 0.0).assignment.local_world_size) for n in ("a", "b", "c")}
+    assert got == {"a": (0, 7, 2), "b": (2, 7, 4), "c": (6, 7, 1)}
+
+
+def test_master_addr_and_port_are_the_ones_group_rank_0_published_last():
+    c = cfg(min_nodes=1, max_nodes=2)
+    rz = running(["a", "b"], c, port=1111)
+    assert {(view(rz, n, 1.0).assignment.master_addr, view(rz, n, 1.0).assignment.master_port)
+            for n in ("a", "b")} == {("addr-a", 1111)}
+    poll(rz, "b", 2.0, port=2222)                     # not rank 0: ignored for the master
+    poll(rz, "a", 2.0, port=3333)
+    fail(rz, "b", round_id(rz), 3.0)
+    assert {(view(rz, n, 3.0).assignment.master_addr, view(rz, n, 3.0).assignment.master_port)
+            for n in ("a", "b")} == {("addr-a", 3333)}
+    leave(rz, "a", 4.0)                               # b becomes rank 0 and uses its own port
+    a = view(rz, "b", 4.0).assignment
+    assert (a.group_rank, a.master_addr, a.master_port) == (0, "addr-b", 2222)
+
+
+# ---- finished jobs ------------------------------------------------------------------------------
+
+def test_finished_job_refuses_new_joins_saying_how_it_finished():
+    rz = running(["a"], cfg(min_nodes=1, max_nodes=1))
+    succeed(rz, "a", round_id(rz), 5.0)
+    with pytest.raises(RendezvousError) as err:
+        join(rz, "b", 6.0, job(rz).config)
+    assert err.value.code == ErrorCode.JOB_FINISHED and "succeeded" in err.value.message
+    assert "b" not in job(rz).nodes
+
+    rz = running(["a"], cfg(min_nodes=1, max_nodes=1, max_restarts=0))
+    fail(rz, "a", round_id(rz), 5.0)
+    with pytest.raises(RendezvousError) as err:
+        join(rz, "a", 6.0, job(rz).config, instance="a#2")
+    assert err.value.code == ErrorCode.JOB_FINISHED and "failed" in err.value.message
+    assert "max_restarts" in err.value.message
+
+
+# ---- exclusions ---------------------------------------------------------------------------------
+
+EXCL = dict(min_nodes=1, max_nodes=2, max_restarts=100, exclude_after=2, exclude_window_s=60.0,
+            exclude_cooldown_s=10.0, exclude_cooldown_max_s=25.0)
+
+
+def test_node_failing_exclude_after_times_within_the_window_is_excluded():
+    rz = running(["a", "b"], cfg(**EXCL))
+    fail(rz, "b", round_id(rz), 10.0)
+    assert view(rz, "b", 10.0).node_state == NodeState.MEMBER
+    fail(rz, "b", round_id(rz), 20.0)
+    status = view(rz, "b", 20.0)
+    assert status.node_state == NodeState.EXCLUDED and status.excluded_for_s == 10.0
+    assert view(rz, "b", 24.0).excluded_for_s == 6.0
+    assert members(rz) == ["a"] and job(rz).excluded == ["b"]
+    assert job(rz).restart_count == 2                 # the budget counted both failures
+    assert any(e.kind == "node_excluded" and "b" in e.message for e in job(rz).events)
+
+
+def test_failures_further_apart_than_the_window_do_not_exclude():
+    rz = running(["a", "b"], cfg(**EXCL))
+    fail(rz, "b", round_id(rz), 10.0)
+    fail(rz, "b", round_id(rz), 71.0)                 # the first one left the 60 s window
+    assert view(rz, "b", 71.0).node_state == NodeState.MEMBER
+    assert job(rz).restart_count == 2
+
+
+def test_excluded_node_is_readmitted_after_its_cooldown():
+    rz = running(["a", "b"], cfg(**EXCL))
+    fail(rz, "b", round_id(rz), 10.0)
+    fail(rz, "b", round_id(rz), 20.0)
+    excluded_round = round_id(rz)
+    assert rz.next_deadline() == 30.0
+    rz.tick(29.9)
+    assert job(rz).excluded == ["b"]
+    rz.tick(30.0)
+    assert job(rz).excluded == []
+    assert members(rz) == ["a", "b"] and round_id(rz) > excluded_round   # fills max: at once
+    assert any(e.kind == "node_readmitted" for e in job(rz).events)
+
+
+def test_excluded_node_is_readmitted_as_spare_when_the_round_is_at_max():
+    rz = running(["a", "b"], cfg(**EXCL))
+    fail(rz, "b", round_id(rz), 10.0)
+    fail(rz, "b", round_id(rz), 20.0)
+    join(rz, "c", 21.0, job(rz).config)               # takes b's place: round at max again
+    assert members(rz) == ["a", "c"]
+    rz.tick(30.0)
+    status = view(rz, "b", 30.0)
+    assert status.node_state == NodeState.SPARE and status.spare_position == 0
+
+
+def test_exclusion_cooldown_doubles_each_time_up_to_the_cap():
+    rz = running(["a", "b"], cfg(**EXCL))
+    cooldowns = []
+    t = 0.0
+    for _ in range(3):
+        t += 1.0
+        fail(rz, "b", round_id(rz), t)
+        t += 1.0
+        fail(rz, "b", round_id(rz), t)
+        cooldowns.append(view(rz, "b", t).excluded_for_s)
+        t = job(rz).nodes["b"].excluded_until
+        rz.tick(t)
+        assert view(rz, "b", t).node_state == NodeState.MEMBER
+    assert cooldowns == [10.0, 20.0, 25.0]            # 40 capped at exclude_cooldown_max_s
+
+
+def test_agent_restarted_on_an_excluded_node_stays_excluded():
+    rz = running(["a", "b"], cfg(**EXCL))
+    fail(rz, "b", round_id(rz), 10.0)
+    fail(rz, "b", round_id(rz), 20.0)
+    status = join(rz, "b", 21.0, job(rz).config, instance="b#2")
+    assert status.node_state == NodeState.EXCLUDED and status.excluded_for_s == 9.0
+    assert members(rz) == ["a"] and job(rz).nodes["b"].instance == "b#2"
+
+
+# ---- agent instances ----------------------------------------------------------------------------
+
+def test_rejoin_with_a_new_instance_replaces_the_old_node():
+    c = cfg(min_nodes=2, max_nodes=2)
+    rz = running(["a", "b"], c)
+    first = round_id(rz)
+    status = join(rz, "a", 5.0, c, instance="a#2")
+    assert job(rz).nodes["a"].instance == "a#2"
+    assert any(e.kind == "node_lost" and "a" in e.node_id and "new agent instance" in e.message
+               for e in job(rz).events)
+    assert job(rz).state == JobState.RUNNING and round_id(rz) > first
+    assert status.node_state == NodeState.MEMBER and members(rz) == ["b", "a"]   # a rejoined last
+    assert job(rz).restart_count == 0
+
+
+def test_rejoin_with_the_same_instance_is_idempotent():
+    c = cfg(min_nodes=2, max_nodes=2)
+    rz = running(["a", "b"], c)
+    before = (round_id(rz), job(rz).epoch, len(job(rz).nodes))
+    status = join(rz, "a", 5.0, c)
+    assert (round_id(rz), job(rz).epoch, len(job(rz).nodes)) == before
+    assert status.node_state == NodeState.MEMBER and status.assignment.group_rank == 0
+    assert job(rz).nodes["a"].last_seen == 5.0
+
+
+# ---- history ------------------------------------------------------------------------------------
+
+def test_every_decision_records_a_readable_event_and_round_ids_only_grow():
+    c = cfg(min_nodes=1, max_nodes=3, last_call_s=1.0, max_restarts=5, lease_timeout_s=5.0)
+    rz = Rendezvous()
+    join(rz, "a", 0.0, c)
+    rz.tick(1.0)                                      # last call ends: round with a
+    join(rz, "b", 2.0, c)
+    rz.tick(3.0)                                      # scale-up round
+    poll(rz, "a", 3.0)
+    poll(rz, "b", 3.0)
+    fail(rz, "b", round_id(rz), 4.0)                  # restart
+    poll(rz, "a", 7.0)
+    rz.tick(9.0)                                      # b's lease ran out
+    succeed(rz, "a", round_id(rz), 9.5)
+    ks = kinds(rz)
+    for expected in ("job_created", "node_joined", "round_completed", "worker_failed", "node_lost",
+                     "node_succeeded", "job_succeeded"):
+        assert expected in ks, expected
+    events = job(rz).events
+    assert [e.seq for e in events] == list(range(1, len(events) + 1))
+    assert all(len(e.message) > 10 for e in events)
+    rounds = [e.round_id for e in events if e.kind == "round_completed"]
+    assert len(rounds) == 4 and rounds == sorted(set(rounds))
+    assert [e.t for e in events] == sorted(e.t for e in events)
+
+
+def test_unknown_job_and_unknown_node_are_refused():
+    rz = Rendezvous()
+    with pytest.raises(RendezvousError) as err:
+        poll(rz, "a", 0.0)
+    assert err.value.code == ErrorCode.UNKNOWN_JOB
+    join(rz, "a", 0.0, cfg())
+    with pytest.raises(RendezvousError) as err:
+        fail(rz, "ghost", 1, 1.0)
+    assert err.value.code == ErrorCode.UNKNOWN_NODE and "ghost" in err.value.message
