@@ -19,7 +19,7 @@ import uuid
 from typing import Optional, TextIO
 
 from protocol.messages import Assignment, JobConfig, NodeStatus, WorkerFailure
-from node_agent.client import RdzvClient, ServerRejected, ServerUnreachable, free_port, local_addr_towards
+from node_agent.transport import ServerRejected, ServerUnreachable, Transport, free_port
 from node_agent.environment import worker_argv, worker_env
 from node_agent.options import AgentOptions
 from node_agent.policy import (Action, Exit, Leave, Rejoin, ReportFailure, ReportSuccess, Spawn, StopWorkers,
@@ -35,19 +35,20 @@ class AgentError(Exception):
 
 
 class Agent:
-    def __init__(self, opts: AgentOptions, host: str, port: int, console: TextIO = sys.stderr) -> None:
+    def __init__(self, opts: AgentOptions, transport: Transport, addr: str, console: TextIO = sys.stderr) -> None:
         self.opts = opts
-        self.host, self.port = host, port
+        self.transport = transport
         self.console = console
         self.hostname = socket.gethostname()
         self.instance = uuid.uuid4().hex[:12]
-        self.addr = opts.local_addr or local_addr_towards(host, port)
+        self.addr = addr
         self.policy = SupervisionPolicy(server_wait_s=max(opts.server_wait, opts.lease_timeout))
         self.group: Optional[WorkerGroup] = None
         self._group_task: Optional[asyncio.Task] = None
         self._signals: asyncio.Queue[int] = asyncio.Queue()
         self._signalled = asyncio.Event()   # set with every queued signal: cuts backoff waits short
         self._attempts = 0
+        self._signal_count = 0
         self._exit: Optional[Exit] = None
         self._log_root = opts.log_dir
         self._tmp_root: Optional[str] = None
@@ -69,7 +70,7 @@ class Agent:
         if self._log_root is None:
             self._tmp_root = tempfile.mkdtemp(prefix="node-agent-")
         try:
-            async with RdzvClient(self.host, self.port, self.opts.job_id, self.opts.node_id) as client:
+            async with self.transport as client:
                 self.client = client
                 return await self._run()
         finally:
@@ -109,14 +110,23 @@ class Agent:
                     poll_task = None
                     await self._on_server_result(result)
         finally:
-            for task in (poll_task, signal_task):
-                if task is not None:
-                    task.cancel()
+            pending = [t for t in (poll_task, signal_task) if t is not None]
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
         assert self._exit is not None
         self.say(self._exit.message)
         return self._exit.code
 
     def _on_signal(self, signum: int) -> None:
+        self._signal_count += 1
+        if self._signal_count > 1:
+            # A second signal forces the exit (like a second Ctrl-C): kill workers, no clean-up.
+            if self.group is not None:
+                self.group.send_signal(signal.SIGKILL)
+            print(f"[node-agent {self.opts.node_id}] second {signal.Signals(signum).name}: forced exit",
+                  file=self.console, flush=True)
+            os._exit(128 + signum)
         self._signals.put_nowait(signum)
         self._signalled.set()
 

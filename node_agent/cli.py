@@ -7,15 +7,19 @@ from typing import Optional
 
 from node_agent.agent import Agent, AgentError
 from node_agent.options import AgentOptions, OptionsError, parse_options
+from node_agent.transport import local_addr_towards
 
 
 async def _run(opts: AgentOptions) -> int:
-    if not opts.standalone:
-        return await Agent(opts, opts.endpoint_host, opts.endpoint_port).run()
-    # --standalone: an in-process server on a free loopback port, like torchrun --standalone.
-    from node_agent.standalone import embedded_server
-    async with embedded_server() as port:
-        return await Agent(opts, "127.0.0.1", port).run()
+    if opts.standalone:
+        # Like torchrun --standalone, but the rendezvous runs in this process with no HTTP at all.
+        from node_agent.local_client import LocalClient
+        return await Agent(opts, LocalClient(opts.job_id, opts.node_id), opts.local_addr or "127.0.0.1").run()
+    from node_agent.client import RdzvClient
+    assert opts.endpoint_host is not None and opts.endpoint_port is not None
+    addr = opts.local_addr or local_addr_towards(opts.endpoint_host, opts.endpoint_port)
+    client = RdzvClient(opts.endpoint_host, opts.endpoint_port, opts.job_id, opts.node_id)
+    return await Agent(opts, client, addr).run()
 
 
 def main(argv: Optional[list[str]] = None) -> int:

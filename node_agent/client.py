@@ -1,12 +1,8 @@
-"""HTTP client for the rendezvous server. aiohttp's exceptions stop here: callers see two kinds.
-
-- `ServerUnreachable`: the server could not be reached or is going away (retry later);
-- `ServerRejected`: the server answered with a typed error (bad request, config conflict, ...).
-"""
+"""HTTP transport to the rendezvous server. aiohttp's exceptions stop here: callers see the two
+kinds from `transport` (`ServerUnreachable`, `ServerRejected`)."""
 from __future__ import annotations
 
 import asyncio
-import socket
 from typing import Optional
 
 import aiohttp
@@ -25,39 +21,9 @@ from protocol.messages import (
     SuccessReport,
     WorkerFailure,
 )
+from node_agent.transport import ServerRejected, ServerUnreachable
 
 REQUEST_TIMEOUT_S = 10.0
-
-
-class ServerUnreachable(Exception):
-    pass
-
-
-class ServerRejected(Exception):
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(f"{code}: {message}")
-        self.code = code
-        self.message = message
-
-
-def local_addr_towards(host: str, port: int) -> str:
-    """The local address this machine uses to reach host:port (no packet is sent)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    try:
-        infos = socket.getaddrinfo(host, port, family, socket.SOCK_DGRAM)
-        with socket.socket(family, socket.SOCK_DGRAM) as s:
-            s.connect(infos[0][4])
-            return s.getsockname()[0]
-    except OSError:
-        return socket.gethostname()
-
-
-def free_port(addr: str = "") -> int:
-    """A port free right now on this machine (the rank-0 worker binds it for the store)."""
-    family = socket.AF_INET6 if ":" in addr else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
 
 
 class RdzvClient:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import enum
+import itertools
 import math
 import os
 import re
@@ -20,6 +21,7 @@ from typing import Any, NoReturn
 DEFAULT_PORT = 29400          # torchrun's default when the endpoint names no port
 _NODE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}$")   # the protocol's node id rule
 _J_SPEC = re.compile(r"^(?:(\d+):)?(\d+)x(\d+)$")
+Fail = Callable[[str], NoReturn]   # raises OptionsError naming a flag, with the reason given
 
 
 class OptionsError(ValueError):
@@ -84,9 +86,6 @@ class AgentOptions:
         host = f"[{self.endpoint_host}]" if ":" in self.endpoint_host else self.endpoint_host
         return f"{host}:{self.endpoint_port}"
 
-    def shows_console(self, local_rank: int) -> bool:
-        return self.local_ranks_filter is None or local_rank in self.local_ranks_filter
-
 
 # ---------------------------------------------------------------------------------------------- parsing
 
@@ -117,6 +116,46 @@ class _Spelled(argparse.Action):
         namespace.__dict__.setdefault("_spelling", {})[self.dest] = option_string
 
 
+_FLAGS: list[tuple[tuple[str, ...], str, str | None, str]] = [
+    (("--endpoint", "--rdzv-endpoint", "--rdzv_endpoint"), "endpoint", "HOST:PORT",
+     f"rendezvous server address (port defaults to {DEFAULT_PORT}; IPv6 as [::1]:PORT)"),
+    (("--nproc", "--nproc-per-node", "--nproc_per_node"), "nproc", "N|gpu|cpu|auto",
+     "workers on this node: a number, one per GPU, one per CPU, or auto (GPUs if any, else CPUs); "
+     "default 1"),
+    (("--nnodes",), "nnodes", "MIN:MAX|N", "number of nodes, or an elastic range; default 1:1"),
+    (("-j", "--j"), "j", "[MIN:]NxM", "TorchX shorthand: N nodes (elastic MIN:N) of M workers each"),
+    (("--job-id", "--rdzv-id", "--rdzv_id"), "job_id", "ID",
+     "job id shared by every node of the job; default 'default'"),
+    (("--max-restarts", "--max_restarts"), "max_restarts", "K",
+     "job-wide worker group restarts before the job fails; default 0"),
+    (("--node-id", "--node_id"), "node_id", "ID", "this node's id at the server; default HOSTNAME-PID"),
+    (("--local-addr", "--local_addr"), "local_addr", "ADDR",
+     "address other nodes reach this node at (MASTER_ADDR when it is group rank 0)"),
+    (("--role",), "role", "NAME", "worker role (ROLE_NAME); default 'default'"),
+    (("-m", "--module"), "module", None, "run the script as a module, like python -m"),
+    (("--no-python", "--no_python"), "no_python", None, "run the script directly, not with python"),
+    (("--log-dir", "--log_dir"), "log_dir", "DIR",
+     "directory for per-rank stdout.log/stderr.log and error.json"),
+    (("-r", "--redirects"), "redirects", "STD",
+     "send worker streams to log files only: 0 none, 1 stdout, 2 stderr, 3 both, or a "
+     "per-local-rank map such as 0:1,1:2"),
+    (("-t", "--tee"), "tee", "STD",
+     "send worker streams to log files and the console (same format as --redirects)"),
+    (("--local-ranks-filter", "--local_ranks_filter"), "local_ranks_filter", "R,R,...",
+     "show only these local ranks on the console (log files keep everything)"),
+    (("--standalone",), "standalone", None,
+     "single node: run an embedded rendezvous server, no --endpoint needed"),
+    (("--stop-timeout", "--stop_timeout"), "stop_timeout", "S",
+     "seconds between SIGTERM and SIGKILL when stopping workers; default 5"),
+    (("--last-call", "--last_call"), "last_call", "S",
+     "seconds an elastic round waits for more nodes once it has MIN; default 3"),
+    (("--join-timeout", "--join_timeout"), "join_timeout", "S",
+     "seconds to wait for a round to form; default 600"),
+    (("--lease-timeout", "--lease_timeout"), "lease_timeout", "S",
+     "seconds of silence after which the server drops a node; default 5"),
+    (("--server-wait", "--server_wait"), "server_wait", "S",
+     "seconds to keep retrying an unreachable server; default 60"),
+]
 _IGNORED = {   # torchrun flags with no meaning here: accepted so launch lines work, then warned about
     "rdzv_backend": ("--rdzv-backend", "--rdzv_backend"),
     "rdzv_conf": ("--rdzv-conf", "--rdzv_conf"),
@@ -133,58 +172,16 @@ def build_argparser() -> argparse.ArgumentParser:
         allow_abbrev=False,
         formatter_class=_Formatter,
     )
-    # Defaults are None so that explicit use can be told apart (-j conflicts, --standalone); the
-    # real defaults are applied in parse_options.
-    def add(*flags: str, dest: str, help: str, metavar: str | None = None) -> None:
-        p.add_argument(*flags, dest=dest, action=_Spelled, default=None, metavar=metavar, help=help)
-
-    def flag(*flags: str, dest: str, help: str) -> None:
-        p.add_argument(*flags, dest=dest, action="store_true", help=help)
-
-    add("--endpoint", "--rdzv-endpoint", "--rdzv_endpoint", dest="endpoint", metavar="HOST:PORT",
-        help=f"rendezvous server address (port defaults to {DEFAULT_PORT}; IPv6 as [::1]:PORT)")
-    add("--nproc", "--nproc-per-node", "--nproc_per_node", dest="nproc", metavar="N|gpu|cpu|auto",
-        help="workers on this node: a number, one per GPU, one per CPU, or auto (GPUs if any, else "
-             "CPUs); default 1")
-    add("--nnodes", dest="nnodes", metavar="MIN:MAX|N", help="number of nodes, or an elastic range; "
-        "default 1:1")
-    add("-j", "--j", dest="j", metavar="[MIN:]NxM",
-        help="TorchX shorthand: N nodes (elastic MIN:N) of M workers each")
-    add("--job-id", "--rdzv-id", "--rdzv_id", dest="job_id", metavar="ID",
-        help="job id shared by every node of the job; default 'default'")
-    add("--max-restarts", "--max_restarts", dest="max_restarts", metavar="K",
-        help="job-wide worker group restarts before the job fails; default 0")
-    add("--node-id", "--node_id", dest="node_id", metavar="ID",
-        help="this node's id at the server; default HOSTNAME-PID")
-    add("--local-addr", "--local_addr", dest="local_addr", metavar="ADDR",
-        help="address other nodes reach this node at (MASTER_ADDR when it is group rank 0)")
-    add("--role", dest="role", metavar="NAME", help="worker role (ROLE_NAME); default 'default'")
-    flag("-m", "--module", dest="module", help="run the script as a module, like python -m")
-    flag("--no-python", "--no_python", dest="no_python",
-         help="run the script directly instead of with python")
-    add("--log-dir", "--log_dir", dest="log_dir", metavar="DIR",
-        help="directory for per-rank stdout.log/stderr.log and error.json")
-    add("-r", "--redirects", dest="redirects", metavar="STD",
-        help="send worker streams to log files only: 0 none, 1 stdout, 2 stderr, 3 both, or a "
-             "per-local-rank map such as 0:1,1:2")
-    add("-t", "--tee", dest="tee", metavar="STD",
-        help="send worker streams to log files and the console (same format as --redirects)")
-    add("--local-ranks-filter", "--local_ranks_filter", dest="local_ranks_filter", metavar="R,R,...",
-        help="show only these local ranks on the console (log files keep everything)")
-    flag("--standalone", dest="standalone",
-         help="single node: run an embedded rendezvous server, no --endpoint needed")
-    add("--stop-timeout", "--stop_timeout", dest="stop_timeout", metavar="S",
-        help="seconds between SIGTERM and SIGKILL when stopping workers; default 5")
-    add("--last-call", "--last_call", dest="last_call", metavar="S",
-        help="seconds an elastic round waits for more nodes once it has MIN; default 3")
-    add("--join-timeout", "--join_timeout", dest="join_timeout", metavar="S",
-        help="seconds to wait for a round to form; default 600")
-    add("--lease-timeout", "--lease_timeout", dest="lease_timeout", metavar="S",
-        help="seconds of silence after which the server drops a node; default 5")
-    add("--server-wait", "--server_wait", dest="server_wait", metavar="S",
-        help="seconds to keep retrying an unreachable server; default 60")
+    # Defaults are None so explicit use can be told apart (-j conflicts, --standalone); the real
+    # defaults are applied in parse_options. A metavar of None marks an on/off flag.
+    for flags, dest, metavar, text in _FLAGS:
+        if metavar is None:
+            p.add_argument(*flags, dest=dest, action="store_true", help=text)
+        else:
+            p.add_argument(*flags, dest=dest, action=_Spelled, default=None, metavar=metavar, help=text)
     for dest, flags in _IGNORED.items():
-        add(*flags, dest=dest, metavar="VALUE", help="accepted for torchrun compatibility; ignored")
+        p.add_argument(*flags, dest=dest, action=_Spelled, default=None, metavar="VALUE",
+                       help="accepted for torchrun compatibility; ignored")
     p.add_argument("script", help="training script (or module with -m, or program with --no-python)")
     p.add_argument("script_args", nargs=argparse.REMAINDER,
                    help="everything after the script goes to it untouched")
@@ -205,18 +202,11 @@ def _script_index(parser: argparse.ArgumentParser, argv: list[str]) -> int | Non
             return i + 1 if i + 1 < len(argv) else None
         if not tok.startswith("-") or tok == "-":
             return i
-        if "=" in tok and tok.startswith("--"):
-            action = actions.get(tok.split("=", 1)[0])
-            takes_next = False
-        elif tok in actions:
-            action = actions[tok]
-            takes_next = action.nargs != 0
-        else:   # a short flag with its value attached, such as -j2x4 or -r3
-            action = actions.get(tok[:2]) if not tok.startswith("--") else None
-            takes_next = False
+        action = actions.get(tok.split("=", 1)[0] if tok.startswith("--") else tok[:2])
         if action is None:
             return None
-        i += 2 if takes_next else 1
+        # "--flag value" and "-j value" use the next token; "--flag=v" and "-j2x4" carry their own
+        i += 2 if tok in actions and action.nargs != 0 else 1
     return None
 
 
@@ -234,6 +224,9 @@ def parse_options(argv: Sequence[str], environ: Mapping[str, str] = os.environ) 
     def fail(dest: str, why: str) -> NoReturn:
         raise OptionsError(f"{name(dest)}: {why}")
 
+    def failing(dest: str) -> Fail:
+        return lambda why: fail(dest, why)
+
     warnings = [f"{name(d)} is ignored by node-agent" for d in _IGNORED if getattr(ns, d) is not None]
 
     if ns.module and ns.no_python:
@@ -246,9 +239,9 @@ def parse_options(argv: Sequence[str], environ: Mapping[str, str] = os.environ) 
         for other in ("nnodes", "nproc"):
             if getattr(ns, other) is not None:
                 raise OptionsError(f"{name('j')} conflicts with {name(other)}: give one or the other")
-        nnodes_text, nproc_text = _split_j(ns.j, lambda why: fail("j", why))
-    min_nodes, max_nodes = parse_nnodes(nnodes_text, lambda why: fail("j" if ns.j else "nnodes", why))
-    nproc = resolve_nproc(nproc_text, environ, lambda why: fail("j" if ns.j else "nproc", why))
+        nnodes_text, nproc_text = _split_j(ns.j, failing("j"))
+    min_nodes, max_nodes = parse_nnodes(nnodes_text, failing("j" if ns.j else "nnodes"))
+    nproc = resolve_nproc(nproc_text, environ, failing("j" if ns.j else "nproc"))
 
     host: str | None = None
     port: int | None = None
@@ -261,7 +254,7 @@ def parse_options(argv: Sequence[str], environ: Mapping[str, str] = os.environ) 
     elif ns.endpoint is None:
         raise OptionsError("--endpoint HOST:PORT is required (or --standalone)")
     else:
-        host, port = parse_endpoint(ns.endpoint, lambda why: fail("endpoint", why))
+        host, port = parse_endpoint(ns.endpoint, failing("endpoint"))
 
     node_id = ns.node_id if ns.node_id is not None else _default_node_id()
     if not _NODE_ID.match(node_id):
@@ -287,44 +280,28 @@ def parse_options(argv: Sequence[str], environ: Mapping[str, str] = os.environ) 
 
     max_restarts = 0
     if ns.max_restarts is not None:
-        max_restarts = _int(ns.max_restarts, lambda why: fail("max_restarts", why))
+        max_restarts = _int(ns.max_restarts, failing("max_restarts"))
         if max_restarts < 0:
             fail("max_restarts", f"must be >= 0, got {max_restarts}")
 
     return AgentOptions(
-        script=ns.script,
-        script_args=tuple(ns.script_args),
-        endpoint_host=host,
-        endpoint_port=port,
-        nproc=nproc,
-        nproc_spec=nproc_text,
-        min_nodes=min_nodes,
-        max_nodes=max_nodes,
-        job_id=job_id,
-        max_restarts=max_restarts,
-        node_id=node_id,
-        local_addr=ns.local_addr,
-        role=ns.role if ns.role is not None else "default",
-        module=ns.module,
-        no_python=ns.no_python,
-        log_dir=ns.log_dir,
-        redirects=parse_std(ns.redirects or "0", lambda why: fail("redirects", why)),
-        tee=parse_std(ns.tee or "0", lambda why: fail("tee", why)),
-        local_ranks_filter=_rank_set(ns.local_ranks_filter, lambda why: fail("local_ranks_filter", why)),
-        standalone=ns.standalone,
-        stop_timeout=number("stop_timeout", 5.0),
-        last_call=number("last_call", 3.0),
+        script=ns.script, script_args=tuple(ns.script_args), endpoint_host=host, endpoint_port=port,
+        nproc=nproc, nproc_spec=nproc_text, min_nodes=min_nodes, max_nodes=max_nodes,
+        job_id=job_id, max_restarts=max_restarts, node_id=node_id, local_addr=ns.local_addr,
+        role=ns.role if ns.role is not None else "default", module=ns.module, no_python=ns.no_python,
+        log_dir=ns.log_dir, standalone=ns.standalone,
+        redirects=parse_std(ns.redirects or "0", failing("redirects")),
+        tee=parse_std(ns.tee or "0", failing("tee")),
+        local_ranks_filter=_rank_set(ns.local_ranks_filter, failing("local_ranks_filter")),
+        stop_timeout=number("stop_timeout", 5.0), last_call=number("last_call", 3.0),
         join_timeout=number("join_timeout", 600.0, positive=True),
         lease_timeout=number("lease_timeout", 5.0, positive=True),
-        server_wait=number("server_wait", 60.0),
-        warnings=tuple(warnings),
+        server_wait=number("server_wait", 60.0), warnings=tuple(warnings),
     )
 
 
 # --------------------------------------------------------------------------------------- value parsers
 # Each takes `fail(why)`, which raises OptionsError naming the flag the caller knows about.
-
-Fail = Callable[[str], NoReturn]
 
 
 def _int(text: str, fail: Fail) -> int:
@@ -332,6 +309,13 @@ def _int(text: str, fail: Fail) -> int:
         return int(text.strip())
     except ValueError:
         fail(f"expected an integer, got {text!r}")
+
+
+def _rank(text: str, fail: Fail) -> int:
+    rank = _int(text, fail)
+    if rank < 0:
+        fail(f"local rank must be >= 0, got {rank}")
+    return rank
 
 
 def parse_endpoint(text: str, fail: Fail) -> tuple[str, int]:
@@ -407,26 +391,18 @@ def count_gpus(environ: Mapping[str, str], proc_dir: str = "/proc/driver/nvidia/
                dev_dir: str = "/dev") -> int:
     """NVIDIA GPUs this process may use, found without importing torch or loading CUDA."""
     visible = environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None:
-        count = 0
-        for entry in visible.split(","):
-            entry = entry.strip()
-            if not entry:
-                continue
-            if entry.startswith("-"):   # CUDA stops at the first invalid index: it and later are hidden
-                break
-            count += 1
-        return count
-    try:
-        count = len(os.listdir(proc_dir))   # one entry per GPU (PCI bus id), present with the driver
-    except OSError:
-        count = 0
-    if count:
-        return count
-    try:
-        return sum(1 for n in os.listdir(dev_dir) if re.fullmatch(r"nvidia\d+", n))
-    except OSError:
-        return 0
+    if visible is not None:   # CUDA stops at the first invalid index ("-1"): it and later are hidden
+        entries = [e.strip() for e in visible.split(",") if e.strip()]
+        return len(list(itertools.takewhile(lambda e: not e.startswith("-"), entries)))
+    # The driver lists one directory per GPU in /proc; without /proc, count the device nodes.
+    for directory, pattern in ((proc_dir, r".+"), (dev_dir, r"nvidia\d+")):
+        try:
+            found = sum(1 for n in os.listdir(directory) if re.fullmatch(pattern, n))
+        except OSError:
+            found = 0
+        if found:
+            return found
+    return 0
 
 
 def parse_std(text: str, fail: Fail) -> StdSpec:
@@ -445,9 +421,7 @@ def parse_std(text: str, fail: Fail) -> StdSpec:
         rank_text, sep, value = item.partition(":")
         if not sep:
             fail(f"expected LOCAL_RANK:STD items such as 0:1,1:2, got {item!r}")
-        rank = _int(rank_text, fail)
-        if rank < 0:
-            fail(f"local rank must be >= 0, got {rank}")
+        rank = _rank(rank_text, fail)
         if rank in pairs:
             fail(f"local rank {rank} given twice")
         pairs[rank] = one(value)
@@ -457,13 +431,7 @@ def parse_std(text: str, fail: Fail) -> StdSpec:
 def _rank_set(text: str | None, fail: Fail) -> frozenset[int] | None:
     if text is None or not text.strip():
         return None   # torchrun treats an empty filter as "all ranks"
-    ranks = set()
-    for item in text.split(","):
-        rank = _int(item, fail)
-        if rank < 0:
-            fail(f"local rank must be >= 0, got {rank}")
-        ranks.add(rank)
-    return frozenset(ranks)
+    return frozenset(_rank(item, fail) for item in text.split(","))
 
 
 def _default_node_id() -> str:

@@ -29,7 +29,6 @@ from dataclasses import dataclass
 from typing import Any, TextIO
 
 from node_agent.options import Std
-from protocol.messages import WorkerFailure
 
 _PR_SET_PDEATHSIG = 1
 _MAX_PIECE = 64 * 1024          # a line longer than this without a newline is passed on in pieces
@@ -61,13 +60,17 @@ class WorkerExit:
     seen_at: float = 0.0         # unix time the exit was reaped
 
 
-class WorkerSpawnError(RuntimeError):
-    """A worker could not be started (missing program, bad cwd, ...); the others were stopped."""
+class WorkerSpawnError(OSError):
+    """A worker could not be started (missing program, not executable, ...); the workers already
+    started were killed. errno/strerror are the cause's, so `except OSError` callers keep working."""
 
     def __init__(self, launch: WorkerLaunch, cause: OSError) -> None:
-        super().__init__(f"cannot start local rank {launch.local_rank} ({launch.argv[0]}): {cause}")
+        super().__init__(cause.errno, cause.strerror or str(cause))
         self.launch = launch
         self.cause = cause
+
+    def __str__(self) -> str:
+        return f"cannot start local rank {self.launch.local_rank} ({self.launch.argv[0]!r}): {self.strerror}"
 
 
 class Console:
@@ -185,6 +188,7 @@ class WorkerGroup:
         self._changed = asyncio.Condition()
         self._started = False
         self._stopping: asyncio.Task[None] | None = None
+        self._start_done = asyncio.Event()
 
     @property
     def pids(self) -> list[int]:
@@ -194,16 +198,27 @@ class WorkerGroup:
         return list(self._exits)
 
     async def start(self) -> None:
-        if self._started:
-            raise RuntimeError("a WorkerGroup starts once")
+        """Spawn every worker. A stop() arriving meanwhile ends the spawning; a worker that cannot be
+        spawned makes the others be killed and raises WorkerSpawnError."""
+        if self._started or self._stopping is not None:
+            raise RuntimeError("a WorkerGroup starts once, and not after stop()")
         self._started = True
         prctl = _prctl()
-        for launch in self._launches:
-            try:
-                await self._spawn(launch, prctl)
-            except OSError as e:
-                await self.stop(signal.SIGKILL)
-                raise WorkerSpawnError(launch, e) from e
+        failed: tuple[WorkerLaunch, OSError] | None = None
+        try:
+            for launch in self._launches:
+                if self._stopping is not None:
+                    break
+                try:
+                    await self._spawn(launch, prctl)
+                except OSError as e:
+                    failed = (launch, e)
+                    break
+        finally:
+            self._start_done.set()   # stop() waits for this, so it sees every worker we spawned
+        if failed is not None:
+            await self.stop(signal.SIGKILL)
+            raise WorkerSpawnError(*failed) from failed[1]
 
     async def _spawn(self, launch: WorkerLaunch, prctl: Any) -> None:
         error_file = launch.env.get("TORCHELASTIC_ERROR_FILE")
@@ -212,25 +227,33 @@ class WorkerGroup:
                 os.unlink(error_file)
             except FileNotFoundError:
                 pass
-        out_r, out_w = os.pipe()
-        err_r, err_w = os.pipe()
+        sinks: list[tuple[TextIO | None, Callable[[str], None] | None]] = []
+        fds: list[int] = []
         extra: dict[str, Any] = {"process_group": 0} if sys.version_info >= (3, 11) else {}
         try:
+            for stream, std in (("stdout", Std.OUT), ("stderr", Std.ERR)):
+                sinks.append(self._sink(launch, stream, std))
+            out_r, out_w = os.pipe()
+            fds += (out_r, out_w)
+            err_r, err_w = os.pipe()
+            fds += (err_r, err_w)
             proc = await asyncio.create_subprocess_exec(
                 *launch.argv, env=launch.env, stdin=subprocess.DEVNULL, stdout=out_w, stderr=err_w,
                 preexec_fn=_child_setup(os.getpid(), prctl), **extra)
         except BaseException:
-            for fd in (out_r, err_r):
+            for fd in fds:
                 os.close(fd)
+            for file, _ in sinks:
+                if file is not None:
+                    file.close()
             raise
-        finally:
-            os.close(out_w)   # the child has its copies; ours would keep the pipes from ever ending
-            os.close(err_w)
+        os.close(out_w)   # the child has its copies; ours would keep the pipes from ever ending
+        os.close(err_w)
         self._procs.append(proc)
         self._groups.add(proc.pid)
         self._reapers.append(asyncio.create_task(self._reap(launch, proc)))
-        for fd, stream, std in ((out_r, "stdout", Std.OUT), (err_r, "stderr", Std.ERR)):
-            await self._pump(fd, stream, self._sink(launch, stream, std))
+        await self._pump(out_r, sinks[0])
+        await self._pump(err_r, sinks[1])
 
     def _sink(self, launch: WorkerLaunch, stream: str, std: Std
               ) -> tuple[TextIO | None, Callable[[str], None] | None]:
@@ -247,8 +270,7 @@ class WorkerGroup:
             echo = lambda text: self._console.line(stream, head + text)   # noqa: E731
         return file, echo
 
-    async def _pump(self, fd: int, stream: str,
-                    sink: tuple[TextIO | None, Callable[[str], None] | None]) -> None:
+    async def _pump(self, fd: int, sink: tuple[TextIO | None, Callable[[str], None] | None]) -> None:
         pipe = os.fdopen(fd, "rb", buffering=0)
         try:
             transport, pump = await asyncio.get_running_loop().connect_read_pipe(
@@ -305,6 +327,8 @@ class WorkerGroup:
         await asyncio.shield(self._stopping)
 
     async def _stop(self, sig: int) -> None:
+        if self._started:
+            await self._start_done.wait()   # at most the spawn in flight: start() checks for us
         self._signal_groups(sig)
         running = [t for t in self._reapers if not t.done()]
         if running:
@@ -362,14 +386,3 @@ def read_error_file(path: str) -> tuple[str, str, float] | None:
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
-
-def describe_failure(ex: WorkerExit, *, host: str = "", node_id: str = "",
-                     reason: str = "exited") -> WorkerFailure:
-    """The wire form of a failed exit, with the worker's own error message when it left one."""
-    message, tb, ts = "", "", ex.seen_at
-    parsed = read_error_file(ex.error_file) if ex.error_file else None
-    if parsed is not None:
-        message, tb, ts = parsed[0], parsed[1], parsed[2] or ex.seen_at
-    return WorkerFailure(local_rank=ex.local_rank, rank=ex.rank, exitcode=ex.exitcode,
-                         signal=ex.signal_name, reason=reason, message=message, traceback=tb,
-                         timestamp=ts, host=host, node_id=node_id)

@@ -127,12 +127,15 @@ class Rendezvous:
                     and failures[0].timestamp < job.root_cause.timestamp:
                 job.root_cause = failures[0]
             return self.view(job_id, node.node_id, now, accepted=False, reason=stale)
-        # A member whose connection just dropped is the likelier cause: its loss comes first, and
-        # this failure (a peer's collective breaking) then belongs to a round that no longer runs.
-        suspects = [n for n in self._members(job) if job.nodes[n].dropped and n != node.node_id]
+        # A member whose connection just dropped (or whose lease ran out before the next tick) is
+        # the likelier cause: its loss comes first, and this failure (a peer's collective breaking)
+        # then belongs to a round that no longer runs.
+        suspects = [n for n in self._members(job) if n != node.node_id
+                    and (job.nodes[n].dropped or job.nodes[n].lease_expires <= now)]
         if suspects:
             for nid in suspects:
-                self._lose(job, job.nodes[nid], now, "its connection closed")
+                self._lose(job, job.nodes[nid], now, "its connection closed" if job.nodes[nid].dropped
+                           else f"no contact for {now - job.nodes[nid].last_seen:.1f}s")
             return self.view(job_id, node.node_id, now, accepted=False,
                              reason=f"failure attributed to the loss of {', '.join(suspects)}")
         first = failures[0]

@@ -231,6 +231,20 @@ def test_spare_is_promoted_at_once_when_a_member_is_lost():
     assert job(rz).restart_count == 0
 
 
+def test_spare_that_is_lost_leaves_the_queue_and_the_others_move_up():
+    rz = running(["a", "b"], cfg(min_nodes=1, max_nodes=2))
+    first = round_id(rz)
+    for i, n in enumerate(("s1", "s2", "s3")):
+        join(rz, n, 5.0 + i, job(rz).config)
+    leave(rz, "s1", 9.0)
+    rz.connection_dropped(JOB, "s2", 9.0)
+    rz.tick(9.0 + DROP_GRACE_S)
+    assert job(rz).spares == ["s3"] and view(rz, "s3", 10.0).spare_position == 0
+    assert round_id(rz) == first                     # losing a spare restarts nothing
+    leave(rz, "b", 11.0)
+    assert members(rz) == ["a", "s3"]
+
+
 def test_scale_up_candidate_that_leaves_before_the_last_call_ends_restarts_nothing():
     rz = running(["a", "b"], cfg(min_nodes=2, max_nodes=4, last_call_s=3.0))
     first = round_id(rz)
@@ -357,6 +371,17 @@ def test_failure_report_while_a_peer_connection_dropped_is_attributed_to_that_lo
     assert round_id(rz) > first and members(rz) == ["a", "b"]
 
 
+def test_failure_report_after_a_peer_lease_ran_out_is_attributed_to_that_loss():
+    rz = running(["a", "b", "c"], cfg(min_nodes=2, max_nodes=3, max_restarts=0, lease_timeout_s=5.0))
+    first = round_id(rz)
+    poll(rz, "a", 4.0)
+    poll(rz, "b", 4.0)
+    status = fail(rz, "a", first, 5.5)               # c's lease ended at 5.02; no tick has run yet
+    assert status.accepted is False and "c" in status.reason
+    assert "c" not in job(rz).nodes and job(rz).restart_count == 0
+    assert job(rz).state == JobState.RUNNING and members(rz) == ["a", "b"]
+
+
 # ---- success ------------------------------------------------------------------------------------
 
 def test_job_succeeds_only_when_every_member_of_the_round_has_reported_success():
@@ -469,18 +494,21 @@ def test_failures_further_apart_than_the_window_do_not_exclude():
     assert job(rz).restart_count == 2
 
 
-def test_excluded_node_is_readmitted_after_its_cooldown():
-    rz = running(["a", "b"], cfg(**EXCL))
+def test_excluded_node_is_readmitted_after_its_cooldown_and_rejoins_last():
+    rz = running(["a", "b", "c"], cfg(**{**EXCL, "max_nodes": 4, "last_call_s": 2.0}))
     fail(rz, "b", round_id(rz), 10.0)
     fail(rz, "b", round_id(rz), 20.0)
     excluded_round = round_id(rz)
+    assert members(rz) == ["a", "c"]
     assert rz.next_deadline() == 30.0
     rz.tick(29.9)
     assert job(rz).excluded == ["b"]
     rz.tick(30.0)
-    assert job(rz).excluded == []
-    assert members(rz) == ["a", "b"] and round_id(rz) > excluded_round   # fills max: at once
-    assert any(e.kind == "node_readmitted" for e in job(rz).events)
+    assert job(rz).excluded == [] and view(rz, "b", 30.0).node_state == NodeState.WAITING
+    assert any(e.kind == "node_readmitted" and e.node_id == "b" for e in job(rz).events)
+    assert rz.next_deadline() == 32.0                 # below max: a scale-up after the last call
+    rz.tick(32.0)
+    assert members(rz) == ["a", "c", "b"] and round_id(rz) > excluded_round
 
 
 def test_excluded_node_is_readmitted_as_spare_when_the_round_is_at_max():
@@ -516,6 +544,7 @@ def test_agent_restarted_on_an_excluded_node_stays_excluded():
     fail(rz, "b", round_id(rz), 20.0)
     status = join(rz, "b", 21.0, job(rz).config, instance="b#2")
     assert status.node_state == NodeState.EXCLUDED and status.excluded_for_s == 9.0
+    assert job(rz).excluded == ["b"] and rz.next_deadline() == 30.0
     assert members(rz) == ["a"] and job(rz).nodes["b"].instance == "b#2"
 
 
@@ -527,7 +556,7 @@ def test_rejoin_with_a_new_instance_replaces_the_old_node():
     first = round_id(rz)
     status = join(rz, "a", 5.0, c, instance="a#2")
     assert job(rz).nodes["a"].instance == "a#2"
-    assert any(e.kind == "node_lost" and "a" in e.node_id and "new agent instance" in e.message
+    assert any(e.kind == "node_lost" and e.node_id == "a" and "new agent instance" in e.message
                for e in job(rz).events)
     assert job(rz).state == JobState.RUNNING and round_id(rz) > first
     assert status.node_state == NodeState.MEMBER and members(rz) == ["b", "a"]   # a rejoined last

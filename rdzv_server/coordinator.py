@@ -1,0 +1,154 @@
+"""The asyncio machinery around the pure rendezvous core (no HTTP here).
+
+Long-polls wait on a per-job asyncio.Event that is set (and replaced) whenever the job's epoch
+moves, so agents learn of a new round the moment it is decided. One background task sleeps until
+the core's next deadline and ticks it; any request that may bring a deadline closer re-arms it.
+Both the aiohttp app and `node-agent --standalone` (in-process, no HTTP) drive this class.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Callable, Optional
+
+from protocol.errors import ErrorCode
+from protocol.messages import NodeState, NodeStatus, PollRequest
+from rdzv_server.rendezvous import Rendezvous, RendezvousError
+
+log = logging.getLogger("rdzv_server")
+
+
+class Coordinator:
+    """Owns the core and the asyncio machinery around it (waiters, the deadline timer)."""
+
+    def __init__(self, core: Optional[Rendezvous] = None, clock: Callable[[], float] = time.time) -> None:
+        self.core = core or Rendezvous()
+        self.clock = clock
+        self.shutting_down = False
+        self.open_polls = 0
+        self._job_events: dict[str, asyncio.Event] = {}
+        self._epochs: dict[str, int] = {}
+        self._logged: dict[str, int] = {}
+        self._rearm: Optional[asyncio.Event] = None
+        self._timer: Optional[asyncio.Task] = None
+
+    # -- lifecycle --
+    async def start(self) -> None:
+        self._rearm = asyncio.Event()
+        self._timer = asyncio.create_task(self._deadline_loop(), name="rdzv-deadlines")
+        for job_id in self.core.jobs:
+            self._after(job_id)
+
+    def release_polls(self) -> None:
+        """Answer every open long-poll now (with "going away"): the server is stopping."""
+        self.shutting_down = True
+        for ev in list(self._job_events.values()):
+            ev.set()
+
+    async def stop(self) -> None:
+        # Wake the timer and let it see the flag: on Python 3.11, wait_for can swallow a cancel
+        # that arrives as its event fires, so cancelling alone may leave the loop running.
+        self.release_polls()
+        if self._timer is not None:
+            assert self._rearm is not None
+            self._rearm.set()
+            try:
+                await asyncio.wait_for(asyncio.shield(self._timer), 1.0)
+            except asyncio.TimeoutError:
+                self._timer.cancel()
+                await asyncio.gather(self._timer, return_exceptions=True)
+
+    # -- change propagation --
+    def _after(self, job_id: str) -> None:
+        """After any core call on `job_id`: log new decisions, wake long-polls, re-arm the timer."""
+        job = self.core.jobs.get(job_id)
+        if job is None:
+            return
+        last = self._logged.get(job_id, 0)
+        for ev in job.events:
+            if ev.seq > last:
+                log.info("%s", ev.message, extra={"job_id": job_id, "event": ev.kind, "node_id": ev.node_id,
+                                                  "round_id": ev.round_id})
+        self._logged[job_id] = job.event_seq
+        if self._epochs.get(job_id) != job.epoch:
+            self._epochs[job_id] = job.epoch
+            old = self._job_events.pop(job_id, None)
+            if old is not None:
+                old.set()
+        if self._rearm is not None:
+            self._rearm.set()
+
+    def job_event(self, job_id: str) -> asyncio.Event:
+        ev = self._job_events.get(job_id)
+        if ev is None:
+            ev = self._job_events[job_id] = asyncio.Event()
+        return ev
+
+    async def _deadline_loop(self) -> None:
+        assert self._rearm is not None
+        while not self.shutting_down:
+            deadline = self.core.next_deadline()
+            timeout = None if deadline is None else max(0.0, deadline - self.clock())
+            try:
+                await asyncio.wait_for(self._rearm.wait(), timeout)
+            except asyncio.TimeoutError:
+                pass
+            self._rearm.clear()
+            if self.shutting_down:
+                break
+            for job_id in self.core.tick(self.clock()):
+                self._after(job_id)
+
+    # -- requests --
+    async def handle(self, action: str, job_id: str, req: object) -> NodeStatus:
+        """One agent request, by its action name (the route's last part)."""
+        if action == "poll":
+            return await self.long_poll(job_id, req)  # type: ignore[arg-type]
+        core = self.core
+        fn = {"join": core.join, "failure": core.report_failure, "success": core.report_success,
+              "leave": core.leave}[action]
+        return self.call(job_id, fn, req)
+
+    def call(self, job_id: str, fn: Callable[..., NodeStatus], req: object) -> NodeStatus:
+        try:
+            return fn(job_id, req, self.clock())
+        finally:
+            self._after(job_id)
+
+    async def long_poll(self, job_id: str, req: PollRequest) -> NodeStatus:
+        status = self.call(job_id, self.core.poll, req)
+        wait = min(req.wait_s, status.lease_timeout_s / 2)
+        deadline = self.clock() + wait
+        self.open_polls += 1
+        try:
+            while not _poll_ready(status, req.known_round) and not self.shutting_down:
+                remaining = deadline - self.clock()
+                if remaining <= 0:
+                    break
+                try:
+                    await asyncio.wait_for(self.job_event(job_id).wait(), remaining)
+                except asyncio.TimeoutError:
+                    pass
+                if job_id not in self.core.jobs:
+                    break
+                status = self.core.view(job_id, req.node_id, self.clock())
+        except asyncio.CancelledError:
+            # The agent's connection closed mid-poll: likely dead. Give it a short grace.
+            if not self.shutting_down:
+                self.core.connection_dropped(job_id, req.node_id, self.clock())
+                self._after(job_id)
+            raise
+        finally:
+            self.open_polls -= 1
+        if self.shutting_down:
+            raise RendezvousError(ErrorCode.SHUTTING_DOWN, "server is shutting down; retry shortly")
+        return status
+
+
+def _poll_ready(status: NodeStatus, known_round: int) -> bool:
+    if status.job_state.finished or status.node_state == NodeState.GONE:
+        return True
+    if status.node_state == NodeState.MEMBER:
+        return status.round_id != known_round
+    return known_round != -1

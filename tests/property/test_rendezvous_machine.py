@@ -1,0 +1,356 @@
+"""A hypothesis state machine over the rendezvous core: random joins, polls, losses, failures,
+successes, leaves and time, with the core's invariants checked after every step.
+
+Time moves only through `_advance`, which ticks at every deadline on the way, as the server shell
+does; so after each step no deadline of the core lies in the past.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import hypothesis.strategies as st
+from hypothesis import HealthCheck, settings
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from protocol.errors import ErrorCode
+from protocol.messages import (
+    FailureReport,
+    JobConfig,
+    JobState,
+    JoinRequest,
+    LeaveRequest,
+    NodeState,
+    PollRequest,
+    SuccessReport,
+    WorkerFailure,
+)
+from rdzv_server.records import JobRecord
+from rdzv_server.rendezvous import DROP_GRACE_S, Rendezvous, RendezvousError
+
+JOB = "prop"
+LEASE = 5.0
+
+
+class RendezvousMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.rz = Rendezvous()
+        self.now = 1000.0
+        self.next_id = 0
+        self.instances: dict[str, int] = {}
+        self.config = JobConfig()
+        self.max_round_id = 0
+        self.max_restarts_seen = 0
+        self.finished: Optional[JobState] = None
+        self.successes: dict[int, set[str]] = {}
+        self.last_round: Optional[tuple[int, list]] = None   # (round id, [(node id, record, exclusions)])
+
+    @initialize(min_nodes=st.integers(1, 3), extra=st.integers(0, 2), max_restarts=st.integers(0, 4),
+                last_call_s=st.sampled_from([0.0, 0.5, 2.0]), exclude_after=st.integers(0, 3),
+                cooldown=st.sampled_from([0.0, 3.0, 8.0]))
+    def configure(self, min_nodes, extra, max_restarts, last_call_s, exclude_after, cooldown) -> None:
+        self.config = JobConfig(min_nodes=min_nodes, max_nodes=min_nodes + extra, max_restarts=max_restarts,
+                                last_call_s=last_call_s, join_timeout_s=30.0, lease_timeout_s=LEASE,
+                                exclude_after=exclude_after, exclude_window_s=20.0,
+                                exclude_cooldown_s=cooldown, exclude_cooldown_max_s=12.0)
+
+    # ---- helpers ------------------------------------------------------------------------------
+
+    @property
+    def job(self) -> Optional[JobRecord]:
+        return self.rz.jobs.get(JOB)
+
+    def _live(self) -> bool:
+        return self.job is not None and not self.job.state.finished
+
+    def _members(self) -> list[str]:
+        job = self.job
+        return list(job.round.members) if job is not None and job.round is not None else []
+
+    def _advance(self, to: float) -> None:
+        """Move the clock to `to`, ticking at every deadline passed on the way."""
+        while True:
+            deadline = self.rz.next_deadline()
+            if deadline is None or deadline > to:
+                break
+            self.now = max(self.now, deadline)
+            self.rz.tick(self.now)
+        self.now = max(self.now, to)
+        self.rz.tick(self.now)
+        deadline = self.rz.next_deadline()
+        assert deadline is None or deadline > self.now, "a deadline was left in the past after tick"
+
+    def _join(self, node_id: str, lws: int, config: JobConfig) -> None:
+        self.rz.join(JOB, JoinRequest(v=1, node_id=node_id, addr=f"10.0.0.{len(node_id)}:{node_id}",
+                                      local_world_size=lws, master_port=30000 + self.instances[node_id],
+                                      config=config, instance=f"{node_id}/{self.instances[node_id]}"), self.now)
+
+    # ---- rules --------------------------------------------------------------------------------
+
+    @rule(lws=st.integers(1, 4))
+    def join(self, lws: int) -> None:
+        node_id = f"n{self.next_id}"
+        self.next_id += 1
+        self.instances[node_id] = 1
+        if self.job is not None and self.job.state.finished:
+            try:
+                self._join(node_id, lws, self.config)
+            except RendezvousError as e:
+                assert e.code == ErrorCode.JOB_FINISHED and self.job.state.value in e.message
+            else:
+                raise AssertionError("a finished job admitted a node")
+            return
+        self._join(node_id, lws, self.config)
+        assert node_id in self.job.nodes
+        assert self.job.nodes[node_id].state in (NodeState.WAITING, NodeState.MEMBER, NodeState.SPARE)
+
+    @precondition(lambda self: self._live())
+    @rule()
+    def join_with_another_config(self) -> None:
+        other = JobConfig(min_nodes=self.config.min_nodes, max_nodes=self.config.max_nodes + 1)
+        node_id = f"n{self.next_id}"
+        self.next_id += 1
+        self.instances[node_id] = 1
+        epoch = self.job.epoch
+        try:
+            self._join(node_id, 1, other)
+        except RendezvousError as e:
+            assert e.code == ErrorCode.CONFIG_CONFLICT and "max_nodes" in e.message
+        else:
+            raise AssertionError("a conflicting config was accepted")
+        assert node_id not in self.job.nodes and self.job.epoch == epoch
+
+    @precondition(lambda self: self._live() and self.job.nodes)
+    @rule(data=st.data(), new_instance=st.booleans())
+    def rejoin(self, data, new_instance: bool) -> None:
+        node_id = data.draw(st.sampled_from(sorted(self.job.nodes)))
+        before = self.job.nodes[node_id]
+        state, round_id = before.state, (self.job.round.round_id if self.job.round else None)
+        if new_instance:
+            self.instances[node_id] += 1
+        self._join(node_id, before.local_world_size, self.config)
+        after = self.job.nodes[node_id]
+        assert after.instance == f"{node_id}/{self.instances[node_id]}"
+        if not new_instance:
+            assert after is before and after.state == state
+            assert (self.job.round.round_id if self.job.round else None) == round_id
+        else:
+            assert after is not before
+            assert any(e.kind == "node_lost" and e.node_id == node_id for e in self.job.events[-8:])
+
+    @precondition(lambda self: self._live() and self.job.nodes)
+    @rule(data=st.data())
+    def renew(self, data) -> None:
+        node_id = data.draw(st.sampled_from(sorted(self.job.nodes)))
+        self.rz.poll(JOB, PollRequest(v=1, node_id=node_id), self.now)
+        assert self.job.nodes[node_id].lease_expires == self.now + LEASE
+
+    @precondition(lambda self: self._live() and self.job.nodes)
+    @rule()
+    def renew_all(self) -> None:
+        for node_id in sorted(self.job.nodes):
+            self.rz.poll(JOB, PollRequest(v=1, node_id=node_id), self.now)
+
+    @precondition(lambda self: self._live() and self.job.nodes)
+    @rule(data=st.data())
+    def lose_by_lease(self, data) -> None:
+        node_id = data.draw(st.sampled_from(sorted(self.job.nodes)))
+        expires = self.job.nodes[node_id].lease_expires
+        self._advance(expires - 0.01)
+        if self._live():
+            for other in sorted(self.job.nodes):
+                if other != node_id:
+                    self.rz.poll(JOB, PollRequest(v=1, node_id=other), self.now)
+        self._advance(expires)
+        if self._live():
+            assert node_id not in self.job.nodes
+
+    @precondition(lambda self: self._live() and self.job.nodes)
+    @rule(data=st.data(), then_tick=st.booleans())
+    def drop_connection(self, data, then_tick: bool) -> None:
+        node_id = data.draw(st.sampled_from(sorted(self.job.nodes)))
+        self.rz.connection_dropped(JOB, node_id, self.now)
+        assert self.job.nodes[node_id].lease_expires <= self.now + DROP_GRACE_S
+        if then_tick:
+            self._advance(self.now + DROP_GRACE_S)
+            if self._live():
+                assert node_id not in self.job.nodes
+
+    @precondition(lambda self: self._live() and self.job.round is not None)
+    @rule(data=st.data(), stale=st.booleans())
+    def fail(self, data, stale: bool) -> None:
+        job = self.job
+        node_id = data.draw(st.sampled_from(job.round.members))
+        current = job.round.round_id
+        round_id = current - 1 if stale else current
+        suspects = [m for m in job.round.members if m != node_id
+                    and (job.nodes[m].dropped or job.nodes[m].lease_expires <= self.now)]
+        restarts = job.restart_count
+        status = self.rz.report_failure(JOB, FailureReport(v=1, node_id=node_id, round_id=round_id, failures=[
+            WorkerFailure(local_rank=0, rank=0, exitcode=1)]), self.now)
+        if stale or suspects:
+            assert not status.accepted
+            assert job.restart_count == restarts
+            if not stale:
+                assert all(s not in job.nodes for s in suspects)
+        else:
+            assert status.accepted
+            assert job.restart_count == restarts + 1
+            if job.restart_count > self.config.max_restarts:
+                assert job.state == JobState.FAILED and status.root_cause is not None
+            else:
+                assert job.state != JobState.RUNNING or job.round.round_id > current
+
+    @precondition(lambda self: self._live() and self.job.round is not None)
+    @rule(data=st.data())
+    def succeed(self, data) -> None:
+        job = self.job
+        node_id = data.draw(st.sampled_from(job.round.members))
+        round_id, members = job.round.round_id, set(job.round.members)
+        status = self.rz.report_success(JOB, SuccessReport(v=1, node_id=node_id, round_id=round_id), self.now)
+        assert status.accepted
+        done = self.successes.setdefault(round_id, set())
+        done.add(node_id)
+        assert (job.state == JobState.SUCCEEDED) == (members <= done)
+
+    @precondition(lambda self: self._live() and self.job.nodes)
+    @rule(data=st.data())
+    def leave(self, data) -> None:
+        node_id = data.draw(st.sampled_from(sorted(self.job.nodes)))
+        was_member = node_id in self._members()
+        round_id = self.job.round.round_id if self.job.round else None
+        self.rz.leave(JOB, LeaveRequest(v=1, node_id=node_id), self.now)
+        assert node_id not in self.job.nodes
+        if was_member:
+            assert self.job.round is None or self.job.round.round_id != round_id
+
+    @rule(dt=st.sampled_from([0.1, 0.5, 1.0, 2.0, 4.0, 6.0]))
+    def advance_time(self, dt: float) -> None:
+        self._advance(self.now + dt)
+
+    @rule(steps=st.integers(1, 8))
+    def advance_time_while_agents_poll(self, steps: int) -> None:
+        """Healthy agents: every live node polls each second while time goes on."""
+        for _ in range(steps):
+            if self._live():
+                for node_id in sorted(self.job.nodes):
+                    self.rz.poll(JOB, PollRequest(v=1, node_id=node_id), self.now)
+            self._advance(self.now + 1.0)
+
+    # ---- invariants ---------------------------------------------------------------------------
+
+    @invariant()
+    def ranks_offsets_and_world_size_are_consistent(self) -> None:
+        job = self.job
+        if job is None or job.round is None:
+            return
+        r = job.round
+        assignments = [r.assignments[m] for m in r.members]
+        assert [a.group_rank for a in assignments] == list(range(len(r.members)))
+        assert len(set(r.members)) == len(r.members)
+        offset = 0
+        for m, a in zip(r.members, assignments):
+            assert a.rank_offset == offset and a.round_id == r.round_id
+            assert a.group_world_size == len(r.members)
+            offset += a.local_world_size
+            assert a.world_size == r.world_size
+            assert (a.master_addr, a.restart_count) == (r.assignments[r.members[0]].master_addr, r.restart_count)
+        assert r.world_size == offset
+        rank0 = job.nodes.get(r.members[0])
+        if rank0 is not None:
+            assert r.assignments[r.members[0]].master_addr == rank0.addr
+        assert self.config.min_nodes <= len(r.members) <= self.config.max_nodes
+        if job.state == JobState.RUNNING:
+            assert r.restart_count == job.restart_count
+
+    @invariant()
+    def group_ranks_are_stable_and_newcomers_go_last(self) -> None:
+        """Nodes present without a break since the last round keep their order, ahead of the rest."""
+        job = self.job
+        if job is None or job.round is None:
+            return
+        r = job.round
+        if self.last_round is not None and self.last_round[0] != r.round_id:
+            before = [nid for nid, rec, excl in self.last_round[1]
+                      if job.nodes.get(nid) is rec and rec.exclusions == excl and nid in r.members]
+            assert r.members[: len(before)] == before, (self.last_round, r.members)
+        self.last_round = (r.round_id, [(m, job.nodes[m], job.nodes[m].exclusions) for m in r.members])
+
+    @invariant()
+    def successes_belong_to_the_current_round(self) -> None:
+        job = self.job
+        if job is None or job.round is None:
+            return
+        assert set(job.successes) <= self.successes.get(job.round.round_id, set())
+        assert set(job.successes) <= set(job.round.members)
+
+    @invariant()
+    def round_ids_and_restart_count_only_grow(self) -> None:
+        job = self.job
+        if job is None:
+            return
+        assert job.last_round_id >= self.max_round_id
+        if job.round is not None:
+            assert job.round.round_id == job.last_round_id
+        self.max_round_id = job.last_round_id
+        assert self.max_restarts_seen <= job.restart_count <= self.config.max_restarts + 1
+        self.max_restarts_seen = job.restart_count
+        if job.restart_count > self.config.max_restarts:
+            assert job.state == JobState.FAILED
+
+    @invariant()
+    def every_node_is_in_exactly_one_place_matching_its_state(self) -> None:
+        job = self.job
+        if job is None:
+            return
+        places = {NodeState.MEMBER: self._members(), NodeState.WAITING: job.waiting,
+                  NodeState.SPARE: job.spares, NodeState.EXCLUDED: job.excluded}
+        seen: list[str] = [n for ids in places.values() for n in ids]
+        assert len(seen) == len(set(seen)), f"a node is in two places: {places}"
+        assert set(seen) == set(job.nodes)
+        for state, ids in places.items():
+            for n in ids:
+                assert job.nodes[n].state == state
+        if job.state == JobState.WAITING:
+            assert job.round is None and not job.spares
+        if job.state == JobState.RUNNING:
+            assert job.round is not None
+
+    @invariant()
+    def views_agree_with_the_records(self) -> None:
+        job = self.job
+        if job is None or job.state.finished:
+            return
+        for n, node in job.nodes.items():
+            v = self.rz.view(JOB, n, self.now)
+            assert v.node_state == node.state and v.restart_count == job.restart_count
+            assert (v.assignment is not None) == (node.state == NodeState.MEMBER)
+            if node.state == NodeState.SPARE:
+                assert job.spares[v.spare_position] == n
+            if node.state == NodeState.EXCLUDED:
+                assert v.excluded_for_s > 0 or node.excluded_until <= self.now
+
+    @invariant()
+    def a_finished_job_stays_finished(self) -> None:
+        job = self.job
+        if job is None:
+            return
+        if self.finished is not None:
+            assert job.state == self.finished
+        elif job.state.finished:
+            self.finished = job.state
+            assert job.reason and job.events[-1].kind == f"job_{job.state.value}"
+
+    @invariant()
+    def events_are_numbered_and_readable(self) -> None:
+        job = self.job
+        if job is None:
+            return
+        seqs = [e.seq for e in job.events]
+        assert seqs == list(range(seqs[0], seqs[0] + len(seqs)))
+        assert all(e.message for e in job.events)
+
+
+TestRendezvousMachine = RendezvousMachine.TestCase
+TestRendezvousMachine.settings = settings(max_examples=100, stateful_step_count=40, deadline=None,
+                                          suppress_health_check=[HealthCheck.too_slow])

@@ -1,0 +1,266 @@
+"""The node-agent command line: torchrun aliases, -j, nproc resolution, Std specs and errors."""
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+
+from node_agent.options import (
+    OptionsError, Std, StdSpec, build_argparser, count_gpus, parse_options,
+)
+
+EP = ["--endpoint", "rdzv.example:29400"]
+NO_GPU = {"CUDA_VISIBLE_DEVICES": ""}
+
+
+def parse(*argv: str, environ: dict[str, str] | None = None):
+    return parse_options(list(argv), environ=NO_GPU if environ is None else environ)
+
+
+def error_of(*argv: str, environ: dict[str, str] | None = None) -> str:
+    with pytest.raises(OptionsError) as info:
+        parse(*argv, environ=environ)
+    message = str(info.value)
+    assert "\n" not in message
+    return message
+
+
+def test_defaults() -> None:
+    o = parse(*EP, "train.py")
+    assert (o.endpoint_host, o.endpoint_port, o.endpoint) == ("rdzv.example", 29400, "rdzv.example:29400")
+    assert (o.nproc, o.min_nodes, o.max_nodes) == (1, 1, 1)
+    assert (o.job_id, o.max_restarts, o.role) == ("default", 0, "default")
+    assert o.node_id == f"{socket.gethostname()}-{os.getpid()}"
+    assert (o.stop_timeout, o.last_call, o.join_timeout, o.lease_timeout, o.server_wait) == (5, 3, 600, 5, 60)
+    assert (o.module, o.no_python, o.standalone, o.log_dir, o.local_addr) == (False, False, False, None, None)
+    assert o.redirects.for_rank(0) == Std.NONE and o.tee.for_rank(5) == Std.NONE
+    assert o.local_ranks_filter is None and o.warnings == ()
+    assert (o.script, o.script_args) == ("train.py", ())
+
+
+@pytest.mark.parametrize("flag", ["--endpoint", "--rdzv-endpoint", "--rdzv_endpoint"])
+@pytest.mark.parametrize("joined", [False, True])
+def test_endpoint_aliases(flag: str, joined: bool) -> None:
+    argv = [f"{flag}=h1:1234"] if joined else [flag, "h1:1234"]
+    o = parse(*argv, "t.py")
+    assert (o.endpoint_host, o.endpoint_port) == ("h1", 1234)
+
+
+@pytest.mark.parametrize("argv, attr, value", [
+    (["--nproc", "3"], "nproc", 3),
+    (["--nproc-per-node", "4"], "nproc", 4),
+    (["--nproc_per_node=5"], "nproc", 5),
+    (["--job-id", "j1"], "job_id", "j1"),
+    (["--rdzv-id", "j2"], "job_id", "j2"),
+    (["--rdzv_id", "j3"], "job_id", "j3"),
+    (["--max-restarts", "4"], "max_restarts", 4),
+    (["--max_restarts=2"], "max_restarts", 2),
+    (["--log-dir", "/x"], "log_dir", "/x"),
+    (["--log_dir", "/y"], "log_dir", "/y"),
+    (["--local-addr", "10.0.0.1"], "local_addr", "10.0.0.1"),
+    (["--local_addr", "10.0.0.2"], "local_addr", "10.0.0.2"),
+    (["--no-python"], "no_python", True),
+    (["--no_python"], "no_python", True),
+    (["-m"], "module", True),
+    (["--module"], "module", True),
+    (["--role", "trainer"], "role", "trainer"),
+    (["--node-id", "n-7"], "node_id", "n-7"),
+    (["--local-ranks-filter", "0,2"], "local_ranks_filter", frozenset({0, 2})),
+    (["--local_ranks_filter=1"], "local_ranks_filter", frozenset({1})),
+    (["--stop-timeout", "0.5"], "stop_timeout", 0.5),
+    (["--last-call", "0"], "last_call", 0.0),
+    (["--join-timeout", "30"], "join_timeout", 30.0),
+    (["--lease-timeout", "2.5"], "lease_timeout", 2.5),
+    (["--server-wait", "0"], "server_wait", 0.0),
+])
+def test_aliases_and_values(argv: list[str], attr: str, value: object) -> None:
+    assert getattr(parse(*EP, *argv, "t.py"), attr) == value
+
+
+def test_script_args_are_untouched() -> None:
+    o = parse(*EP, "--nproc", "2", "train.py", "--lr", "0.1", "--nproc", "3", "-m", "--", "x", "--endpoint")
+    assert o.nproc == 2 and not o.module
+    assert (o.script, o.script_args) == ("train.py", ("--lr", "0.1", "--nproc", "3", "-m", "--", "x", "--endpoint"))
+
+
+def test_double_dash_before_script_and_module_mode() -> None:
+    o = parse(*EP, "-m", "--", "pkg.train", "--", "a")
+    assert o.module and (o.script, o.script_args) == ("pkg.train", ("--", "a"))
+
+
+@pytest.mark.parametrize("spec, nodes, nproc", [
+    ("2x4", (2, 2), 4), ("1:4x8", (1, 4), 8), ("4", (1, 1), 4), ("3:3x1", (3, 3), 1),
+])
+def test_j_spec(spec: str, nodes: tuple[int, int], nproc: int) -> None:
+    for argv in (["-j", spec], [f"-j{spec}"], ["--j", spec]):
+        o = parse(*EP, *argv, "t.py")
+        assert ((o.min_nodes, o.max_nodes), o.nproc) == (nodes, nproc)
+
+
+@pytest.mark.parametrize("other", [["--nnodes", "2"], ["--nproc", "2"], ["--nproc-per-node", "2"]])
+def test_j_conflicts_with_explicit_counts(other: list[str]) -> None:
+    message = error_of(*EP, "-j", "2x4", *other, "t.py")
+    assert "-j" in message and other[0] in message
+
+
+@pytest.mark.parametrize("spec", ["2y4", "x4", "2x", "1:2:3x4", "0x4", "3:2x4", "2x0"])
+def test_j_errors(spec: str) -> None:
+    assert error_of(*EP, "-j", spec, "t.py").startswith("-j:")
+
+
+@pytest.mark.parametrize("text, expected", [("3", (3, 3)), ("1:4", (1, 4)), ("2:2", (2, 2))])
+def test_nnodes(text: str, expected: tuple[int, int]) -> None:
+    o = parse(*EP, "--nnodes", text, "t.py")
+    assert (o.min_nodes, o.max_nodes) == expected
+
+
+@pytest.mark.parametrize("text", ["3:2", "0", "0:2", "abc", "1:2:3", "", "1:x", "-1"])
+def test_nnodes_errors(text: str) -> None:
+    assert error_of(*EP, f"--nnodes={text}", "t.py").startswith("--nnodes:")
+
+
+def test_nproc_cpu_and_auto_without_gpus() -> None:
+    assert parse(*EP, "--nproc", "cpu", "t.py").nproc == os.cpu_count()
+    assert parse(*EP, "--nproc", "auto", "t.py").nproc == os.cpu_count()
+
+
+def test_nproc_gpu_and_auto_follow_visible_gpus() -> None:
+    env = {"CUDA_VISIBLE_DEVICES": "0,1,3"}
+    assert parse(*EP, "--nproc", "gpu", "t.py", environ=env).nproc == 3
+    assert parse(*EP, "--nproc", "auto", "t.py", environ=env).nproc == 3
+    o = parse(*EP, "--nproc-per-node", "gpu", "t.py", environ=env)
+    assert (o.nproc, o.nproc_spec) == (3, "gpu")
+
+
+def test_nproc_gpu_without_gpus_is_an_error() -> None:
+    message = error_of(*EP, "--nproc-per-node", "gpu", "t.py", environ={"CUDA_VISIBLE_DEVICES": "-1"})
+    assert message.startswith("--nproc-per-node:") and "GPU" in message
+
+
+@pytest.mark.parametrize("text", ["0", "-2", "many", "1.5", "xpu"])
+def test_nproc_errors(text: str) -> None:
+    assert error_of(*EP, f"--nproc={text}", "t.py").startswith("--nproc:")
+
+
+@pytest.mark.parametrize("visible, count", [
+    ("0,1,2", 3), ("", 0), ("-1", 0), ("0,,1", 2), ("0,-1,1", 1), ("GPU-abc,GPU-def", 2), (" 1 ", 1),
+])
+def test_count_gpus_honours_cuda_visible_devices(visible: str, count: int, tmp_path) -> None:
+    proc = tmp_path / "gpus"
+    proc.mkdir()
+    (proc / "0000:01:00.0").mkdir()   # would say 1 if CUDA_VISIBLE_DEVICES were ignored
+    assert count_gpus({"CUDA_VISIBLE_DEVICES": visible}, proc_dir=str(proc), dev_dir=str(tmp_path)) == count
+
+
+def test_count_gpus_from_proc_then_dev(tmp_path) -> None:
+    proc, dev = tmp_path / "gpus", tmp_path / "dev"
+    dev.mkdir()
+    for name in ("nvidia0", "nvidia1", "nvidia7", "nvidiactl", "nvidia-uvm", "nvidia-caps", "null"):
+        (dev / name).touch()
+    assert count_gpus({}, proc_dir=str(proc), dev_dir=str(dev)) == 3        # no /proc entry: /dev
+    proc.mkdir()
+    assert count_gpus({}, proc_dir=str(proc), dev_dir=str(dev)) == 3        # empty /proc dir: /dev
+    for bus in ("0000:01:00.0", "0000:41:00.0"):
+        (proc / bus).mkdir()
+    assert count_gpus({}, proc_dir=str(proc), dev_dir=str(dev)) == 2        # /proc wins
+    assert count_gpus({}, proc_dir=str(tmp_path / "no"), dev_dir=str(tmp_path / "no")) == 0
+
+
+def test_std_specs() -> None:
+    o = parse(*EP, "-r", "3", "-t", "0:1,2:2", "t.py")
+    assert [o.redirects.for_rank(r) for r in range(3)] == [Std.ALL] * 3
+    assert [o.tee.for_rank(r) for r in range(4)] == [Std.OUT, Std.NONE, Std.ERR, Std.NONE]
+    o = parse(*EP, "--redirects=0:3", "--tee", "2", "t.py")
+    assert o.redirects == StdSpec(per_rank=((0, Std.ALL),))
+    assert (o.redirects.for_rank(1), o.tee.for_rank(9)) == (Std.NONE, Std.ERR)
+
+
+@pytest.mark.parametrize("flag", ["-r", "--redirects", "-t", "--tee"])
+@pytest.mark.parametrize("value", ["4", "x", "0:5", "a:1", "0:1,0:2", "0:1,1", "-1:1"])
+def test_std_errors_name_the_flag(flag: str, value: str) -> None:
+    joined = f"{flag}={value}" if flag.startswith("--") else flag + value   # "-1:1" looks like a flag
+    assert error_of(*EP, joined, "t.py").startswith(f"{flag}:")
+
+
+@pytest.mark.parametrize("value", ["a", "0,x", "-1", "1,,2"])
+def test_local_ranks_filter_errors(value: str) -> None:
+    assert error_of(*EP, "--local_ranks_filter", value, "t.py").startswith("--local_ranks_filter:")
+
+
+@pytest.mark.parametrize("text, host, port", [
+    ("[::1]:29400", "::1", 29400), ("[fe80::1]:80", "fe80::1", 80), ("[::1]", "::1", 29400),
+    ("node7", "node7", 29400), ("10.1.2.3:1", "10.1.2.3", 1), ("h:65535", "h", 65535),
+])
+def test_endpoint_forms(text: str, host: str, port: int) -> None:
+    o = parse("--endpoint", text, "t.py")
+    assert (o.endpoint_host, o.endpoint_port) == (host, port)
+    assert parse("--endpoint", o.endpoint, "t.py").endpoint == o.endpoint   # round trip, brackets kept
+
+
+@pytest.mark.parametrize("text", ["h:x", "h:0", "h:65536", "h:", ":80", "::1:80", "[::1", "[::1]80", "[]:1"])
+def test_endpoint_errors_use_the_spelling_given(text: str) -> None:
+    assert error_of("--rdzv_endpoint", text, "t.py").startswith("--rdzv_endpoint:")
+    assert error_of("--endpoint", text, "t.py").startswith("--endpoint:")
+
+
+def test_missing_endpoint() -> None:
+    assert error_of("t.py") == "--endpoint HOST:PORT is required (or --standalone)"
+
+
+def test_standalone() -> None:
+    o = parse("--standalone", "--nproc", "2", "t.py")
+    assert o.standalone and o.endpoint_host is None and (o.min_nodes, o.max_nodes) == (1, 1)
+    o = parse("--standalone", "--nnodes", "1:4", "--rdzv-endpoint", "h:1", "t.py")
+    assert (o.min_nodes, o.max_nodes, o.endpoint_host) == (1, 1, None)
+    assert any("--rdzv-endpoint" in w for w in o.warnings) and any("1:4" in w for w in o.warnings)
+
+
+def test_ignored_torchrun_flags_warn() -> None:
+    o = parse(*EP, "--rdzv-backend", "c10d", "--rdzv_conf", "a=1", "--monitor-interval", "1",
+              "--start_method=fork", "t.py")
+    assert len(o.warnings) == 4
+    for flag in ("--rdzv-backend", "--rdzv_conf", "--monitor-interval", "--start_method"):
+        assert any(w.startswith(flag) for w in o.warnings)
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["--max-restarts", "-1"], "--max-restarts"),
+    (["--max_restarts", "two"], "--max_restarts"),
+    (["--stop-timeout", "-1"], "--stop-timeout"),
+    (["--stop-timeout", "nan"], "--stop-timeout"),
+    (["--last-call", "soon"], "--last-call"),
+    (["--join-timeout", "0"], "--join-timeout"),
+    (["--lease-timeout", "inf"], "--lease-timeout"),
+    (["--server-wait", "-3"], "--server-wait"),
+    (["--node-id", "bad id!"], "--node-id"),
+    (["--job-id", ""], "--job-id"),
+])
+def test_value_errors_name_the_flag(argv: list[str], flag: str) -> None:
+    assert error_of(*EP, *argv, "t.py").startswith(f"{flag}:")
+
+
+def test_module_and_no_python_conflict() -> None:
+    message = error_of(*EP, "-m", "--no-python", "t.py")
+    assert "--no-python" in message and "-m" in message
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--bogus", "t.py"], "--bogus"),
+    (["--endp", "h:1", "t.py"], "--endp"),          # no abbreviations
+    (["--nproc"], "--nproc"),                        # value missing
+    ([], "script"),
+    (["--nproc", "2"], "script"),
+])
+def test_argparse_errors_become_options_errors(argv: list[str], needle: str) -> None:
+    assert needle in error_of(*EP, *argv)
+
+
+def test_help_is_readable() -> None:
+    text = build_argparser().format_help()
+    for flag in ("--endpoint, --rdzv-endpoint, --rdzv_endpoint HOST:PORT", "--nproc-per-node",
+                 "-j, --j [MIN:]NxM", "--local-ranks-filter", "--no-python", "--standalone"):
+        assert flag in text
+    with pytest.raises(SystemExit) as info:
+        parse("--help")
+    assert info.value.code == 0
