@@ -21,6 +21,7 @@ from typing import Optional, TextIO
 from protocol.messages import Assignment, JobConfig, NodeStatus, WorkerFailure
 from node_agent.transport import ServerRejected, ServerUnreachable, Transport, free_port
 from node_agent.environment import worker_argv, worker_env
+from node_agent.hangwatch import HangWatch
 from node_agent.options import AgentOptions
 from node_agent.policy import (Action, Exit, Leave, Rejoin, ReportFailure, ReportSuccess, Spawn, StopWorkers,
                                SupervisionPolicy)
@@ -49,9 +50,13 @@ class Agent:
         self._signalled = asyncio.Event()   # set with every queued signal: cuts backoff waits short
         self._attempts = 0
         self._signal_count = 0
+        self._hang_task: Optional[asyncio.Task] = None
         self._exit: Optional[Exit] = None
         self._log_root = opts.log_dir
         self._tmp_root: Optional[str] = None
+        self.hangs = HangWatch(opts.hang_timeout) if opts.hang_timeout > 0 else None
+        self._first_beat = asyncio.Event()
+        self._last_view: Optional[tuple] = None
 
     def say(self, message: str) -> None:
         for line in message.splitlines() or [""]:
@@ -92,6 +97,8 @@ class Agent:
                 if poll_task is None:
                     poll_task = asyncio.create_task(self._poll_once(self.policy.known_round))
                 waiting = {poll_task, signal_task} | ({self._group_task} if self._group_task else set())
+                if self._hang_task is not None:
+                    waiting.add(self._hang_task)
                 done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
                 if signal_task in done:
                     signum = signal_task.result()
@@ -99,6 +106,11 @@ class Agent:
                         self._signalled.clear()
                     signal_task = asyncio.create_task(self._signals.get())
                     await self._apply(self.policy.on_signal(signum, self.now()))
+                    continue
+                if self._hang_task is not None and self._hang_task in done:
+                    overdue = self._hang_task.result()
+                    self._hang_task = None
+                    await self._on_hang(overdue)
                     continue
                 if self._group_task is not None and self._group_task in done:
                     exits = self._group_task.result()
@@ -110,7 +122,7 @@ class Agent:
                     poll_task = None
                     await self._on_server_result(result)
         finally:
-            pending = [t for t in (poll_task, signal_task) if t is not None]
+            pending = [t for t in (poll_task, signal_task, self._hang_task) if t is not None]
             for task in pending:
                 task.cancel()
             await asyncio.gather(*pending, return_exceptions=True)
@@ -142,7 +154,22 @@ class Agent:
             await self._backoff()
         else:
             self._attempts = 0
+            self._describe(result)
             await self._apply(self.policy.on_status(result, self.now()))
+
+    def _describe(self, status: NodeStatus) -> None:
+        """Say once when this node starts waiting, becomes a spare or is excluded."""
+        view = (status.node_state, status.spare_position, status.round_id)
+        if view == self._last_view or status.node_state.value in ("member", "gone"):
+            self._last_view = view
+            return
+        self._last_view = view
+        if status.node_state.value == "spare":
+            self.say(f"job is at max nodes: waiting as spare #{status.spare_position + 1}")
+        elif status.node_state.value == "excluded":
+            self.say(f"node excluded for {status.excluded_for_s:.0f}s more: {status.reason}")
+        elif status.node_state.value == "waiting":
+            self.say(f"waiting for the next round: {status.reason or 'collecting nodes'}")
 
     async def _backoff(self) -> None:
         """Jittered exponential backoff between retries of an unreachable server (not a sync wait)."""
@@ -157,7 +184,8 @@ class Agent:
         opts = self.opts
         config = JobConfig(min_nodes=opts.min_nodes, max_nodes=opts.max_nodes, max_restarts=opts.max_restarts,
                            last_call_s=opts.last_call, join_timeout_s=opts.join_timeout,
-                           lease_timeout_s=opts.lease_timeout)
+                           lease_timeout_s=opts.lease_timeout, exclude_after=opts.exclude_after,
+                           exclude_window_s=opts.exclude_window, exclude_cooldown_s=opts.exclude_cooldown)
         while self._exit is None:
             try:
                 return await self.client.join(addr=self.addr, host=self.hostname, local_world_size=opts.nproc,
@@ -234,11 +262,14 @@ class Agent:
                 log_dir=rank_dir if self._log_root else None,
                 redirect=opts.redirects.for_rank(local_rank), tee=opts.tee.for_rank(local_rank),
                 echo=opts.local_ranks_filter is None or local_rank in opts.local_ranks_filter,
-                prefix=f"[{self.hostname}:{rank}]"))
+                prefix=f"[{self.hostname}:{rank}]", heartbeat=self.hangs is not None))
         self.say(f"round {a.round_id}: group rank {a.group_rank}/{a.group_world_size}, ranks "
                  f"{a.rank_offset}..{a.rank_offset + a.local_world_size - 1} of world size {a.world_size}, "
                  f"master {a.master_addr}:{a.master_port}, restart count {a.restart_count}/{a.max_restarts}")
-        self.group = WorkerGroup(launches, stop_timeout=opts.stop_timeout)
+        if self.hangs is not None:
+            self.hangs.reset()
+        self.group = WorkerGroup(launches, stop_timeout=opts.stop_timeout,
+                                 on_beat=self._on_beat if self.hangs is not None else None)
         try:
             await self.group.start()
         except OSError as exc:
@@ -250,14 +281,52 @@ class Agent:
             await self._apply(self.policy.on_workers_failed([failure], self.now()))
             return
         self._group_task = asyncio.create_task(self.group.wait())
+        if self.hangs is not None:
+            self._hang_task = asyncio.create_task(self._watch_hangs(self.hangs))
 
     async def _stop_workers(self, action: StopWorkers) -> None:
+        if self._hang_task is not None:
+            self._hang_task.cancel()
+            self._hang_task = None
         if self._group_task is not None:
             self._group_task.cancel()
             self._group_task = None
         if self.group is not None:
             group, self.group = self.group, None
             await group.stop(action.signum)
+
+    # -- hang detection --
+
+    def _on_beat(self, local_rank: int) -> None:
+        assert self.hangs is not None
+        self.hangs.beat(local_rank, self.now())
+        self._first_beat.set()
+
+    async def _watch_hangs(self, watch: HangWatch) -> list[int]:
+        """Return the local ranks that stopped beating; sleeps until the watch's next deadline."""
+        while True:
+            deadline = watch.next_deadline()
+            if deadline is None:
+                self._first_beat.clear()
+                await self._first_beat.wait()
+                continue
+            overdue = watch.overdue(self.now())
+            if overdue:
+                return overdue
+            await asyncio.sleep(max(0.0, deadline - self.now()))
+
+    async def _on_hang(self, local_ranks: list[int]) -> None:
+        assert self.hangs is not None and self.group is not None
+        launches = {w.local_rank: w for w in self.group.launches}
+        failures = []
+        for lr in local_ranks:
+            silent = self.now() - self.hangs.last_beat[lr]
+            failures.append(WorkerFailure(
+                local_rank=lr, rank=launches[lr].rank, exitcode=-signal.SIGKILL, signal="SIGKILL", reason="hang",
+                message=f"no heartbeat for {silent:.1f}s (hang timeout {self.opts.hang_timeout:g}s); killed",
+                timestamp=time.time(), host=self.hostname, node_id=self.opts.node_id))
+        self.say(f"worker rank {failures[0].rank} (local {local_ranks[0]}) is hung: {failures[0].message}")
+        await self._apply(self.policy.on_workers_failed(failures, self.now()))
 
     async def _on_worker_exits(self, exits: list[WorkerExit]) -> None:
         failed = [e for e in exits if e.exitcode != 0]

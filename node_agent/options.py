@@ -76,6 +76,10 @@ class AgentOptions:
     join_timeout: float = 600.0
     lease_timeout: float = 5.0
     server_wait: float = 60.0
+    hang_timeout: float = 0.0          # 0: hang detection off
+    exclude_after: int = 3
+    exclude_window: float = 600.0
+    exclude_cooldown: float = 60.0
     warnings: tuple[str, ...] = ()
 
     @property
@@ -155,6 +159,15 @@ _FLAGS: list[tuple[tuple[str, ...], str, str | None, str]] = [
      "seconds of silence after which the server drops a node; default 5"),
     (("--server-wait", "--server_wait"), "server_wait", "S",
      "seconds to keep retrying an unreachable server; default 60"),
+    (("--hang-timeout", "--hang_timeout"), "hang_timeout", "S",
+     "kill and report a worker that called node_agent.heartbeat.beat() but then stopped for this "
+     "long; default 0 (off)"),
+    (("--exclude-after", "--exclude_after"), "exclude_after", "K",
+     "exclude a node after K worker failures within --exclude-window (job-wide); 0 never; default 3"),
+    (("--exclude-window", "--exclude_window"), "exclude_window", "S",
+     "window for counting a node's failures; default 600"),
+    (("--exclude-cooldown", "--exclude_cooldown"), "exclude_cooldown", "S",
+     "first exclusion's length, doubling each time up to 1 h; default 60"),
 ]
 _IGNORED = {   # torchrun flags with no meaning here: accepted so launch lines work, then warned about
     "rdzv_backend": ("--rdzv-backend", "--rdzv_backend"),
@@ -284,6 +297,12 @@ def parse_options(argv: Sequence[str], environ: Mapping[str, str] = os.environ) 
         if max_restarts < 0:
             fail("max_restarts", f"must be >= 0, got {max_restarts}")
 
+    exclude_after = 3
+    if ns.exclude_after is not None:
+        exclude_after = _int(ns.exclude_after, failing("exclude_after"))
+        if exclude_after < 0:
+            fail("exclude_after", f"must be >= 0, got {exclude_after}")
+
     return AgentOptions(
         script=ns.script, script_args=tuple(ns.script_args), endpoint_host=host, endpoint_port=port,
         nproc=nproc, nproc_spec=nproc_text, min_nodes=min_nodes, max_nodes=max_nodes,
@@ -296,7 +315,9 @@ def parse_options(argv: Sequence[str], environ: Mapping[str, str] = os.environ) 
         stop_timeout=number("stop_timeout", 5.0), last_call=number("last_call", 3.0),
         join_timeout=number("join_timeout", 600.0, positive=True),
         lease_timeout=number("lease_timeout", 5.0, positive=True),
-        server_wait=number("server_wait", 60.0), warnings=tuple(warnings),
+        server_wait=number("server_wait", 60.0), hang_timeout=number("hang_timeout", 0.0),
+        exclude_after=exclude_after, exclude_window=number("exclude_window", 600.0, positive=True),
+        exclude_cooldown=number("exclude_cooldown", 60.0), warnings=tuple(warnings),
     )
 
 

@@ -164,7 +164,7 @@ class SupervisionPolicy:
 
 
 def failure_summary(status: NodeStatus) -> str:
-    lines = [f"job {status.job_id} failed after {status.restart_count} restart(s): {status.reason}"]
+    lines = [f"job {status.job_id} failed: {status.reason}"]
     rc = status.root_cause
     if rc is not None:
         how = f"signal {rc.signal}" if rc.signal else f"exit code {rc.exitcode}"

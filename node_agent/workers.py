@@ -28,6 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TextIO
 
+from node_agent.heartbeat import ENV_FD as HEARTBEAT_ENV
 from node_agent.options import Std
 
 _PR_SET_PDEATHSIG = 1
@@ -47,6 +48,7 @@ class WorkerLaunch:
     tee: Std = Std.NONE          # streams that go to the log file and the console
     echo: bool = True            # False: kept off the console (--local-ranks-filter)
     prefix: str = ""             # e.g. "[host:rank 3]"
+    heartbeat: bool = False      # give the worker a heartbeat pipe (NODE_AGENT_HEARTBEAT_FD)
 
 
 @dataclass(frozen=True)
@@ -175,8 +177,10 @@ class WorkerGroup:
     """One round's local workers. Not reusable: the next round makes a new group."""
 
     def __init__(self, launches: list[WorkerLaunch], *, stop_timeout: float,
-                 console: Console | None = None) -> None:
+                 console: Console | None = None, on_beat: Callable[[int], None] | None = None) -> None:
         self._launches = list(launches)
+        self._on_beat = on_beat              # called with the local rank on each heartbeat byte
+        self._heartbeat_fds: list[int] = []
         self._stop_timeout = stop_timeout
         self._console = console or Console()
         self._procs: list[asyncio.subprocess.Process] = []
@@ -189,6 +193,10 @@ class WorkerGroup:
         self._started = False
         self._stopping: asyncio.Task[None] | None = None
         self._start_done = asyncio.Event()
+
+    @property
+    def launches(self) -> list[WorkerLaunch]:
+        return list(self._launches)
 
     @property
     def pids(self) -> list[int]:
@@ -230,6 +238,8 @@ class WorkerGroup:
         sinks: list[tuple[TextIO | None, Callable[[str], None] | None]] = []
         fds: list[int] = []
         extra: dict[str, Any] = {"process_group": 0} if sys.version_info >= (3, 11) else {}
+        env = launch.env
+        hb_w = -1
         try:
             for stream, std in (("stdout", Std.OUT), ("stderr", Std.ERR)):
                 sinks.append(self._sink(launch, stream, std))
@@ -237,8 +247,14 @@ class WorkerGroup:
             fds += (out_r, out_w)
             err_r, err_w = os.pipe()
             fds += (err_r, err_w)
+            if launch.heartbeat and self._on_beat is not None:
+                hb_r, hb_w = os.pipe()
+                fds += (hb_r, hb_w)
+                os.set_blocking(hb_w, False)   # a worker must never block on its heartbeat
+                env = {**env, HEARTBEAT_ENV: str(hb_w)}
+                extra["pass_fds"] = (hb_w,)
             proc = await asyncio.create_subprocess_exec(
-                *launch.argv, env=launch.env, stdin=subprocess.DEVNULL, stdout=out_w, stderr=err_w,
+                *launch.argv, env=env, stdin=subprocess.DEVNULL, stdout=out_w, stderr=err_w,
                 preexec_fn=_child_setup(os.getpid(), prctl), **extra)
         except BaseException:
             for fd in fds:
@@ -249,6 +265,9 @@ class WorkerGroup:
             raise
         os.close(out_w)   # the child has its copies; ours would keep the pipes from ever ending
         os.close(err_w)
+        if hb_w >= 0:
+            os.close(hb_w)
+            self._watch_heartbeat(hb_r, launch.local_rank)
         self._procs.append(proc)
         self._groups.add(proc.pid)
         self._reapers.append(asyncio.create_task(self._reap(launch, proc)))
@@ -341,6 +360,7 @@ class WorkerGroup:
                                                  f"{_KILL_WAIT_S:g}s after SIGKILL")
         # Children of the workers left in their groups die with them: nobody supervises them now.
         self._signal_groups(signal.SIGKILL)
+        self._close_heartbeats()
         pending = [p.done for p in self._pumps if not p.done.done()]
         if pending:
             _, open_ = await asyncio.wait(pending, timeout=_DRAIN_WAIT_S)
@@ -348,6 +368,33 @@ class WorkerGroup:
                 for transport in self._transports:
                     transport.close()
                 await asyncio.wait(open_, timeout=_DRAIN_WAIT_S)
+
+    def _watch_heartbeat(self, fd: int, local_rank: int) -> None:
+        os.set_blocking(fd, False)
+        self._heartbeat_fds.append(fd)
+        loop = asyncio.get_running_loop()
+
+        def readable() -> None:
+            try:
+                data = os.read(fd, 4096)
+            except BlockingIOError:
+                return
+            except OSError:
+                data = b""
+            if not data:            # the worker (and every copy of its end) is gone
+                loop.remove_reader(fd)
+                return
+            if self._on_beat is not None:
+                self._on_beat(local_rank)
+
+        loop.add_reader(fd, readable)
+
+    def _close_heartbeats(self) -> None:
+        loop = asyncio.get_running_loop()
+        for fd in self._heartbeat_fds:
+            loop.remove_reader(fd)
+            os.close(fd)
+        self._heartbeat_fds.clear()
 
     def _signal_groups(self, sig: int) -> None:
         for pgid in list(self._groups):
