@@ -27,6 +27,7 @@ soak: venv
 bench: venv
 	$(PY) benchmarks/bench_rendezvous.py
 	$(PY) benchmarks/bench_recovery.py
+	$(PY) benchmarks/bench_elastic.py
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache .hypothesis
