@@ -115,3 +115,23 @@ def test_bad_flags_and_unreachable_server_give_one_clear_line(cluster, tmp_path)
     gone = cluster.agent("--endpoint", "127.0.0.1:1", "--server-wait", "1", "--lease-timeout", "1", SLEEPER)
     assert gone.wait() == 1
     assert "unreachable" in gone.output and "Traceback" not in gone.output
+
+
+def test_log_dir_holds_a_folder_per_job_attempt_and_local_rank(cluster, tmp_path):
+    logs = tmp_path / "logs"
+    out = tmp_path / "out"
+    out.mkdir()
+    agent = cluster.agent("--standalone", "--nproc", "2", "--job-id", "logjob", "--node-id", "n1",
+                          "--log-dir", str(logs), "--redirects", "3", "--max-restarts", "1", ALLREDUCE,
+                          env={"OUT_DIR": str(out), "FAIL_RANK": "1", "FAIL_MODE": "once"})
+    assert agent.wait() == 0, agent.output
+    attempts = sorted(p.name for p in (logs / "logjob" / "n1").iterdir())
+    assert attempts == ["attempt_1", "attempt_2"]
+    for attempt in attempts:
+        for local_rank in ("0", "1"):
+            rank_dir = logs / "logjob" / "n1" / attempt / local_rank
+            assert (rank_dir / "stdout.log").exists() and (rank_dir / "stderr.log").exists()
+    error = (logs / "logjob" / "n1" / "attempt_1" / "1" / "error.json").read_text()
+    assert "planned failure of rank 1" in error                      # torch's @record wrote it
+    assert "planned failure" in (logs / "logjob" / "n1" / "attempt_1" / "1" / "stderr.log").read_text()
+    assert "planned failure" not in agent.output   # redirected (-r 3): it stayed off the console
