@@ -200,3 +200,12 @@ async def test_status_and_job_json_show_members_with_ranks(server, http):
     assert detail["config"]["max_nodes"] == 1 and detail["restart_count"] == 0
     page = await (await http.get(url(server, "/"))).text()
     assert "job7" in page
+
+
+async def test_unknown_fields_from_a_newer_agent_are_ignored(server, http):
+    body = {"v": 1, "node_id": "new", "addr": "10.0.0.9", "local_world_size": 1, "master_port": 1234,
+            "config": {"min_nodes": 1, "max_nodes": 1, "future_knob": True}, "gpu_model": "H200"}
+    async with http.post(url(server, "/v1/jobs/job8/join"), data=msgpack.packb(body), headers=MSGPACK) as resp:
+        reply = msgpack.unpackb(await resp.read())
+        assert resp.status == 200, reply
+    assert reply["node_state"] == "member" and reply["assignment"]["master_port"] == 1234
