@@ -142,14 +142,16 @@ class Agent:
         self._signals.put_nowait(signum)
         self._signalled.set()
 
-    async def _poll_once(self, known_round: int) -> NodeStatus | ServerUnreachable:
+    async def _poll_once(self, known_round: int) -> NodeStatus | ServerUnreachable | ServerRejected:
         try:
             return await self.client.poll(known_round, POLL_WAIT_S, master_port=free_port(self.addr))
-        except ServerUnreachable as exc:
+        except (ServerUnreachable, ServerRejected) as exc:
             return exc
 
-    async def _on_server_result(self, result: NodeStatus | ServerUnreachable) -> None:
-        if isinstance(result, ServerUnreachable):
+    async def _on_server_result(self, result: NodeStatus | ServerUnreachable | ServerRejected) -> None:
+        if isinstance(result, ServerRejected):
+            await self._apply(self.policy.on_rejected(result.code, result.message, self.now()))
+        elif isinstance(result, ServerUnreachable):
             await self._apply(self.policy.on_server_unreachable(str(result), self.now()))
             await self._backoff()
         else:
@@ -310,9 +312,15 @@ class Agent:
                 self._first_beat.clear()
                 await self._first_beat.wait()
                 continue
+            group = self.group
+            for exited in group.exits() if group is not None else []:
+                watch.forget(exited.local_rank)   # a rank that finished is not hung
             overdue = watch.overdue(self.now())
             if overdue:
                 return overdue
+            deadline = watch.next_deadline()
+            if deadline is None:
+                continue
             await asyncio.sleep(max(0.0, deadline - self.now()))
 
     async def _on_hang(self, local_ranks: list[int]) -> None:
@@ -322,8 +330,8 @@ class Agent:
         for lr in local_ranks:
             silent = self.now() - self.hangs.last_beat[lr]
             failures.append(WorkerFailure(
-                local_rank=lr, rank=launches[lr].rank, exitcode=-signal.SIGKILL, signal="SIGKILL", reason="hang",
-                message=f"no heartbeat for {silent:.1f}s (hang timeout {self.opts.hang_timeout:g}s); killed",
+                local_rank=lr, rank=launches[lr].rank, exitcode=-signal.SIGTERM, signal="SIGTERM", reason="hang",
+                message=f"no heartbeat for {silent:.1f}s (hang timeout {self.opts.hang_timeout:g}s); stopped",
                 timestamp=time.time(), host=self.hostname, node_id=self.opts.node_id))
         self.say(f"worker rank {failures[0].rank} (local {local_ranks[0]}) is hung: {failures[0].message}")
         await self._apply(self.policy.on_workers_failed(failures, self.now()))
@@ -331,6 +339,9 @@ class Agent:
     async def _on_worker_exits(self, exits: list[WorkerExit]) -> None:
         failed = [e for e in exits if e.exitcode != 0]
         if not failed:
+            if self._hang_task is not None:
+                self._hang_task.cancel()
+                self._hang_task = None
             await self._apply(self.policy.on_workers_succeeded(self.now()))
             return
         failures = [self._failure(e) for e in failed]
@@ -340,10 +351,11 @@ class Agent:
         await self._apply(self.policy.on_workers_failed(failures, self.now()))
 
     def _failure(self, e: WorkerExit) -> WorkerFailure:
-        message, tb, ts = "", "", time.time()
+        # Order failures by when the agent reaped them: error.json's timestamps are whole seconds.
+        message, tb, ts = "", "", e.seen_at or time.time()
         parsed = read_error_file(e.error_file) if e.error_file else None
         if parsed is not None:
-            message, tb, ts = parsed[0], parsed[1], parsed[2] or ts
+            message, tb = parsed[0], parsed[1]
         return WorkerFailure(local_rank=e.local_rank, rank=e.rank, exitcode=e.exitcode, signal=e.signal_name,
                              message=message, traceback=tb, timestamp=ts, host=self.hostname,
                              node_id=self.opts.node_id)

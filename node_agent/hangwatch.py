@@ -15,6 +15,9 @@ class HangWatch:
     def beat(self, local_rank: int, now: float) -> None:
         self.last_beat[local_rank] = now
 
+    def forget(self, local_rank: int) -> None:
+        self.last_beat.pop(local_rank, None)
+
     def reset(self) -> None:
         self.last_beat.clear()
 

@@ -270,7 +270,7 @@ def parse_options(argv: Sequence[str], environ: Mapping[str, str] = os.environ) 
         host, port = parse_endpoint(ns.endpoint, failing("endpoint"))
 
     node_id = ns.node_id if ns.node_id is not None else _default_node_id()
-    if not _NODE_ID.match(node_id):
+    if not _NODE_ID.fullmatch(node_id):
         fail("node_id", f"must be 1-128 of [A-Za-z0-9._:@-] starting with a letter or digit, "
                         f"got {node_id!r}")
     job_id = ns.job_id if ns.job_id is not None else "default"

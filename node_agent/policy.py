@@ -112,6 +112,18 @@ class SupervisionPolicy:
             self.running_round = -1
         return actions
 
+    def on_rejected(self, code: str, message: str, now: float) -> list[Action]:
+        """The server refused a poll. It forgot the job or node (it restarted): start afresh."""
+        if self.exiting:
+            return []
+        self.unreachable_since = None
+        if code in ("unknown_job", "unknown_node"):
+            actions = self._stop(f"the server no longer knows this {code.split('_')[1]}")
+            self.running_round = -1
+            return actions + [Rejoin(message)]
+        self.exiting = True
+        return self._stop("the server refused this agent") + [Exit(1, f"the server refused this agent: {message}")]
+
     def on_workers_failed(self, failures: list[WorkerFailure], now: float) -> list[Action]:
         if self.exiting or self.workers != Workers.RUNNING:
             return []

@@ -82,7 +82,7 @@ class _Request(msgspec.Struct, kw_only=True):
     node_id: str
 
     def __post_init__(self) -> None:
-        _check(bool(_NODE_ID.match(self.node_id)), "node_id",
+        _check(bool(_NODE_ID.fullmatch(self.node_id)), "node_id",
                f"must be 1-128 of [A-Za-z0-9._:@-] starting with a letter or digit, got {self.node_id!r}")
 
 
@@ -181,7 +181,7 @@ class NodeStatus(msgspec.Struct, kw_only=True):
     reason: str = ""                   # why things stand as they do (last decision, or why not accepted)
     spare_position: int = -1           # 0-based place in the spare queue
     excluded_for_s: float = 0.0        # cooldown left when excluded
-    root_cause: Optional[WorkerFailure] = None  # first failure of the job, once it failed
+    root_cause: Optional[WorkerFailure] = None  # once FAILED: first failure in time of the round that failed last
     lease_timeout_s: float = 5.0
 
 

@@ -59,7 +59,7 @@ async def error_middleware(request: web.Request, handler: Callable[[web.Request]
 
 def _job_id(request: web.Request) -> str:
     job_id = request.match_info["job_id"]
-    if not _JOB_ID.match(job_id):
+    if not _JOB_ID.fullmatch(job_id):
         raise DecodeError(ErrorCode.BAD_REQUEST,
                           f"job id must be 1-128 of [A-Za-z0-9._:-] starting with a letter or digit, got {job_id!r}")
     return job_id

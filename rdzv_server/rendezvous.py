@@ -42,6 +42,9 @@ from rdzv_server.rounds import build_round
 
 # After a long-poll's connection closes, the node has this long (capped by its lease) to reconnect.
 DROP_GRACE_S = 1.0
+# A finished job's id may start a new run this long after it finished (its agents have exited by
+# then: they leave as soon as they see the end). Sooner, a join is refused as late for that run.
+REUSE_FINISHED_AFTER_S = 10.0
 
 
 class RendezvousError(Exception):
@@ -61,6 +64,10 @@ class Rendezvous:
 
     def join(self, job_id: str, req: JoinRequest, now: float) -> NodeStatus:
         job = self.jobs.get(job_id)
+        previous = None
+        if job is not None and job.state.finished and job.finished_at is not None \
+                and now - job.finished_at >= REUSE_FINISHED_AFTER_S:
+            previous, job = job, None
         if job is None:
             job = JobRecord(job_id=job_id, config=req.config, state=JobState.WAITING, created_at=now,
                             join_deadline=now + req.config.join_timeout_s)
@@ -69,6 +76,9 @@ class Rendezvous:
             _event(job, now, "job_created",
                    f"job created by {req.node_id}: nodes {c.min_nodes}:{c.max_nodes}, "
                    f"max_restarts {c.max_restarts}", req.node_id)
+            if previous is not None:
+                _event(job, now, "job_reused", f"job id reused: the previous run {previous.state.value} "
+                       f"({previous.reason})")
         elif job.state.finished:
             raise RendezvousError(ErrorCode.JOB_FINISHED,
                                   f"job {job_id!r} has already {job.state.value}: {job.reason}")
@@ -123,7 +133,7 @@ class Rendezvous:
         if stale:
             # A late report on the round that just failed may hold the earlier failure: keep the
             # job-wide root cause the first failure in time, but do not count it again.
-            if req.round_id == job.root_cause_round and job.root_cause is not None \
+            if not job.state.finished and req.round_id == job.root_cause_round and job.root_cause is not None \
                     and failures[0].timestamp < job.root_cause.timestamp:
                 job.root_cause = failures[0]
             return self.view(job_id, node.node_id, now, accepted=False, reason=stale)

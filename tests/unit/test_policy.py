@@ -138,3 +138,26 @@ def test_hang_watch_ignores_ranks_that_never_beat_and_reports_the_silent_one():
     w.beat(0, 14.0)
     assert w.overdue(17.0) == [1]
     assert w.overdue(20.0) == [1, 0]
+
+
+def test_server_that_forgot_the_job_makes_us_stop_and_rejoin_from_scratch():
+    p = running(1)
+    actions = p.on_rejected("unknown_job", "no job 'j' on this server", 5.0)
+    assert isinstance(actions[0], StopWorkers) and isinstance(actions[1], Rejoin)
+    assert p.known_round == -1
+    assert p.on_status(member(1), 6.0) == [Spawn(assignment(1))]   # round 1 of the new run: spawned again
+
+
+def test_any_other_refusal_ends_the_agent_with_the_servers_words():
+    p = running(1)
+    actions = p.on_rejected("bad_request", "node_id: must be ...", 5.0)
+    assert isinstance(actions[0], StopWorkers) and actions[-1] == Exit(1, "the server refused this agent: "
+                                                                          "node_id: must be ...")
+
+
+def test_hang_watch_forgets_a_rank_that_exited():
+    w = HangWatch(1.0)
+    w.beat(0, 0.0)
+    w.beat(1, 0.0)
+    w.forget(0)
+    assert w.overdue(5.0) == [1]

@@ -609,3 +609,20 @@ def test_unknown_job_and_unknown_node_are_refused():
     with pytest.raises(RendezvousError) as err:
         fail(rz, "ghost", 1, 1.0)
     assert err.value.code == ErrorCode.UNKNOWN_NODE and "ghost" in err.value.message
+
+
+def test_finished_job_id_starts_a_new_run_once_the_old_one_is_well_over():
+    from rdzv_server.rendezvous import REUSE_FINISHED_AFTER_S
+    core = Rendezvous()
+    cfg = JobConfig(min_nodes=1, max_nodes=1)
+    first = core.join("j", JoinRequest(v=1, node_id="a", addr="h", local_world_size=1, master_port=1,
+                                       config=cfg, instance="i1"), 0.0)
+    core.report_success("j", SuccessReport(v=1, node_id="a", round_id=first.round_id), 1.0)
+    with pytest.raises(RendezvousError) as err:
+        core.join("j", JoinRequest(v=1, node_id="b", addr="h", local_world_size=1, master_port=1,
+                                   config=cfg, instance="i2"), 2.0)
+    assert err.value.code == ErrorCode.JOB_FINISHED
+    again = core.join("j", JoinRequest(v=1, node_id="b", addr="h", local_world_size=1, master_port=1,
+                                       config=cfg, instance="i2"), 1.0 + REUSE_FINISHED_AFTER_S)
+    assert again.job_state == JobState.RUNNING and again.restart_count == 0
+    assert any(e.kind == "job_reused" for e in core.jobs["j"].events)
