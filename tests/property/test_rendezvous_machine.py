@@ -25,7 +25,7 @@ from protocol.messages import (
     WorkerFailure,
 )
 from rdzv_server.records import JobRecord
-from rdzv_server.rendezvous import DROP_GRACE_S, Rendezvous, RendezvousError
+from rdzv_server.rendezvous import REUSE_FINISHED_AFTER_S, DROP_GRACE_S, Rendezvous, RendezvousError
 
 JOB = "prop"
 LEASE = 5.0
@@ -93,6 +93,8 @@ class RendezvousMachine(RuleBasedStateMachine):
         self.next_id += 1
         self.instances[node_id] = 1
         if self.job is not None and self.job.state.finished:
+            if self.now - self.job.finished_at >= REUSE_FINISHED_AFTER_S:
+                return   # the id would start a new run (unit-tested); this machine models one run
             try:
                 self._join(node_id, lws, self.config)
             except RendezvousError as e:
