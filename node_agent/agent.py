@@ -295,7 +295,22 @@ class Agent:
             self._group_task = None
         if self.group is not None:
             group, self.group = self.group, None
-            await group.stop(action.signum)
+            keeper = asyncio.create_task(self._keep_lease())
+            try:
+                await group.stop(action.signum)   # up to --stop-timeout: the lease must not lapse meanwhile
+            finally:
+                keeper.cancel()
+                await asyncio.gather(keeper, return_exceptions=True)
+
+    async def _keep_lease(self) -> None:
+        """Renew the lease with instant polls while the loop is busy (no long-poll in flight)."""
+        interval = max(0.2, self.opts.lease_timeout / 3)
+        while True:
+            await asyncio.sleep(interval)   # periodic renewal, not synchronisation
+            try:
+                await self.client.poll(self.policy.known_round, 0.0)
+            except (ServerUnreachable, ServerRejected):
+                pass
 
     # -- hang detection --
 

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 from typing import Optional
 
@@ -158,3 +159,70 @@ def pid_gone(pid: int, timeout: float) -> bool:
         return True
     except psutil.TimeoutExpired:
         return False
+
+
+# ---------------------------------------------------------------------------------------------- waits
+
+
+def wait_until(predicate, timeout: float, what, interval: float = 0.1):
+    """Poll `predicate` until it returns something truthy (returned) or fail the test at `timeout`.
+
+    For conditions with no event to block on (a server status, files from workers). `what` says
+    what was awaited; a callable is called at the deadline, so the message can show the state then.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() >= deadline:
+            text = what() if callable(what) else what
+            raise AssertionError(f"timed out after {timeout:g}s waiting for {text}")
+        time.sleep(interval)
+
+
+def read_jsonl(directory, prefix: str) -> list[dict]:
+    """Every JSON line in DIR/PREFIX*.jsonl; a torn last line (a writer mid-write) is skipped."""
+    out = []
+    for name in sorted(os.listdir(directory)):
+        if name.startswith(prefix) and name.endswith(".jsonl"):
+            with open(os.path.join(directory, name)) as f:
+                for line in f:
+                    try:
+                        out.append(json.loads(line))
+                    except ValueError:
+                        pass
+    return out
+
+
+ROUND_LINE = re.compile(
+    r"\[node-agent (?P<node>\S+)\] round (?P<round>\d+): group rank (?P<group_rank>\d+)/(?P<group_world>\d+), "
+    r"ranks (?P<first>\d+)\.\.(?P<last>\d+) of world size (?P<world>\d+), master (?P<master_addr>.+):"
+    r"(?P<master_port>\d+), restart count (?P<restart>\d+)/(?P<max_restarts>\d+)")
+
+
+def announced_rounds(proc: Proc) -> list[dict]:
+    """The rounds an agent announced (one line per spawn), in order, as dicts of ints/strings."""
+    with proc._cond:
+        lines = list(proc.lines)
+    out = []
+    for line in lines:
+        m = ROUND_LINE.search(line)
+        if m:
+            d = m.groupdict()
+            out.append({k: (v if k in ("node", "master_addr") else int(v)) for k, v in d.items()})
+    return out
+
+
+def job_view(cluster: "Cluster", job_id: str, missing_ok: bool = False) -> Optional[dict]:
+    """GET /v1/jobs/ID; with missing_ok, None while no agent has created the job yet."""
+    try:
+        return cluster.get(f"/v1/jobs/{job_id}")
+    except urllib.error.HTTPError as exc:
+        if missing_ok and exc.code == 404:
+            return None
+        raise
+
+
+def job_events(cluster: "Cluster", job_id: str) -> list[dict]:
+    return cluster.get(f"/v1/jobs/{job_id}/events")["events"]
