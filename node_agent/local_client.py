@@ -5,7 +5,6 @@ coordinator is the same one `rdzv-server` runs, so rounds and restarts behave id
 """
 from __future__ import annotations
 
-from typing import Awaitable, Callable
 
 from protocol.messages import NodeStatus
 from node_agent.transport import ServerRejected, ServerUnreachable, Transport

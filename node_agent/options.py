@@ -8,45 +8,21 @@ the agent can trust them. Nothing here imports torch: GPUs are counted from the 
 from __future__ import annotations
 
 import argparse
-import enum
-import itertools
 import math
 import os
-import re
-import socket
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
-DEFAULT_PORT = 29400          # torchrun's default when the endpoint names no port
-_NODE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}$")   # the protocol's node id rule
-_J_SPEC = re.compile(r"^(?:(\d+):)?(\d+)x(\d+)$")
-Fail = Callable[[str], NoReturn]   # raises OptionsError naming a flag, with the reason given
+from protocol.messages import NODE_ID
+from node_agent.option_values import (  # noqa: F401  (Std, StdSpec, count_gpus: re-exported)
+    DEFAULT_PORT, Fail, Std, StdSpec, _default_node_id, _int, _rank_set, _split_j, count_gpus, parse_endpoint,
+    parse_nnodes, parse_std, resolve_nproc,
+)
 
 
 class OptionsError(ValueError):
     """A bad command line; the message is one line meant for the user."""
-
-
-class Std(enum.IntFlag):
-    """Which of a worker's standard streams a setting covers (torchrun's numbering)."""
-    NONE = 0
-    OUT = 1
-    ERR = 2
-    ALL = 3
-
-
-@dataclass(frozen=True)
-class StdSpec:
-    """A `-r/--redirects` or `-t/--tee` value: one Std for all ranks, or a map (missing ranks: NONE)."""
-    default: Std = Std.NONE
-    per_rank: tuple[tuple[int, Std], ...] = ()
-
-    def for_rank(self, local_rank: int) -> Std:
-        for rank, std in self.per_rank:
-            if rank == local_rank:
-                return std
-        return self.default
 
 
 @dataclass(frozen=True)
@@ -270,7 +246,7 @@ def parse_options(argv: Sequence[str], environ: Mapping[str, str] = os.environ) 
         host, port = parse_endpoint(ns.endpoint, failing("endpoint"))
 
     node_id = ns.node_id if ns.node_id is not None else _default_node_id()
-    if not _NODE_ID.fullmatch(node_id):
+    if not NODE_ID.fullmatch(node_id):
         fail("node_id", f"must be 1-128 of [A-Za-z0-9._:@-] starting with a letter or digit, "
                         f"got {node_id!r}")
     job_id = ns.job_id if ns.job_id is not None else "default"
@@ -319,144 +295,3 @@ def parse_options(argv: Sequence[str], environ: Mapping[str, str] = os.environ) 
         exclude_after=exclude_after, exclude_window=number("exclude_window", 600.0, positive=True),
         exclude_cooldown=number("exclude_cooldown", 60.0), warnings=tuple(warnings),
     )
-
-
-# --------------------------------------------------------------------------------------- value parsers
-# Each takes `fail(why)`, which raises OptionsError naming the flag the caller knows about.
-
-
-def _int(text: str, fail: Fail) -> int:
-    try:
-        return int(text.strip())
-    except ValueError:
-        fail(f"expected an integer, got {text!r}")
-
-
-def _rank(text: str, fail: Fail) -> int:
-    rank = _int(text, fail)
-    if rank < 0:
-        fail(f"local rank must be >= 0, got {rank}")
-    return rank
-
-
-def parse_endpoint(text: str, fail: Fail) -> tuple[str, int]:
-    """`host:port`, `host` (default port), `[v6]:port` or `[v6]` -> (host, port)."""
-    text = text.strip()
-    if text.startswith("["):
-        host, sep, rest = text[1:].partition("]")
-        if not sep or not host:
-            fail(f"bad IPv6 address in {text!r}, expected [ADDR]:PORT")
-        if rest and not rest.startswith(":"):
-            fail(f"unexpected {rest!r} after the address in {text!r}")
-        port_text = rest[1:] if rest else None
-    elif text.count(":") > 1:
-        fail(f"IPv6 addresses need brackets, e.g. [::1]:{DEFAULT_PORT}; got {text!r}")
-    else:
-        host, sep, port_text_ = text.partition(":")
-        port_text = port_text_ if sep else None
-    if not host:
-        fail(f"missing host in {text!r}, expected HOST:PORT")
-    if port_text is None:
-        return host, DEFAULT_PORT
-    if not port_text.isdigit() or not 1 <= int(port_text) <= 65535:
-        fail(f"bad port {port_text!r} in {text!r}, expected 1-65535")
-    return host, int(port_text)
-
-
-def parse_nnodes(text: str, fail: Fail) -> tuple[int, int]:
-    parts = text.split(":")
-    if len(parts) > 2:
-        fail(f"expected MIN:MAX or N, got {text!r}")
-    lo, hi = _int(parts[0], fail), _int(parts[-1], fail)
-    if lo < 1:
-        fail(f"need at least 1 node, got {text!r}")
-    if lo > hi:
-        fail(f"MIN ({lo}) is larger than MAX ({hi}) in {text!r}")
-    return lo, hi
-
-
-def _split_j(text: str, fail: Fail) -> tuple[str, str]:
-    """TorchX `[MIN:]NxM` (or a bare M: one node of M workers) -> (nnodes text, nproc text)."""
-    text = text.strip()
-    if text.isdigit():
-        return "1", text
-    m = _J_SPEC.match(text)
-    if not m:
-        fail(f"expected [MIN:]NxM such as 2x4 or 1:4x8, got {text!r}")
-    lo, hi, per_node = m.groups()
-    return (f"{lo}:{hi}" if lo is not None else hi), per_node
-
-
-def resolve_nproc(text: str, environ: Mapping[str, str], fail: Fail) -> int:
-    text = text.strip()
-    if text == "cpu":
-        return os.cpu_count() or 1
-    if text in ("gpu", "auto"):
-        gpus = count_gpus(environ)
-        if gpus > 0:
-            return gpus
-        if text == "gpu":
-            fail("'gpu' asked for one worker per GPU, but no GPU is visible "
-                 "(CUDA_VISIBLE_DEVICES, /proc/driver/nvidia/gpus, /dev/nvidia*)")
-        return os.cpu_count() or 1
-    try:
-        n = int(text)
-    except ValueError:
-        fail(f"expected an integer >= 1 or gpu, cpu, auto; got {text!r}")
-    if n < 1:
-        fail(f"must be >= 1, got {n}")
-    return n
-
-
-def count_gpus(environ: Mapping[str, str], proc_dir: str = "/proc/driver/nvidia/gpus",
-               dev_dir: str = "/dev") -> int:
-    """NVIDIA GPUs this process may use, found without importing torch or loading CUDA."""
-    visible = environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None:   # CUDA stops at the first invalid index ("-1"): it and later are hidden
-        entries = [e.strip() for e in visible.split(",") if e.strip()]
-        return len(list(itertools.takewhile(lambda e: not e.startswith("-"), entries)))
-    # The driver lists one directory per GPU in /proc; without /proc, count the device nodes.
-    for directory, pattern in ((proc_dir, r".+"), (dev_dir, r"nvidia\d+")):
-        try:
-            found = sum(1 for n in os.listdir(directory) if re.fullmatch(pattern, n))
-        except OSError:
-            found = 0
-        if found:
-            return found
-    return 0
-
-
-def parse_std(text: str, fail: Fail) -> StdSpec:
-    """torchrun's Std spec: `3` for every rank, or `0:1,1:2` per local rank."""
-    def one(value: str) -> Std:
-        v = value.strip()
-        if v not in ("0", "1", "2", "3"):
-            fail(f"expected 0 (none), 1 (stdout), 2 (stderr) or 3 (both), got {value!r}")
-        return Std(int(v))
-
-    text = text.strip()
-    if ":" not in text:
-        return StdSpec(default=one(text))
-    pairs: dict[int, Std] = {}
-    for item in text.split(","):
-        rank_text, sep, value = item.partition(":")
-        if not sep:
-            fail(f"expected LOCAL_RANK:STD items such as 0:1,1:2, got {item!r}")
-        rank = _rank(rank_text, fail)
-        if rank in pairs:
-            fail(f"local rank {rank} given twice")
-        pairs[rank] = one(value)
-    return StdSpec(per_rank=tuple(sorted(pairs.items())))
-
-
-def _rank_set(text: str | None, fail: Fail) -> frozenset[int] | None:
-    if text is None or not text.strip():
-        return None   # torchrun treats an empty filter as "all ranks"
-    return frozenset(_rank(item, fail) for item in text.split(","))
-
-
-def _default_node_id() -> str:
-    # Host names can be long or carry characters the server refuses; keep it a valid id.
-    host = re.sub(r"[^A-Za-z0-9._-]", "-", socket.gethostname()).lstrip("._-") or "node"
-    suffix = f"-{os.getpid()}"
-    return host[: 128 - len(suffix)] + suffix

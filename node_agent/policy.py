@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import enum
 import signal as _signal
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional, Union
 
 from protocol.messages import Assignment, JobState, NodeState, NodeStatus, WorkerFailure
@@ -79,7 +79,6 @@ class SupervisionPolicy:
     workers: Workers = Workers.NONE
     unreachable_since: Optional[float] = None
     exiting: bool = False
-    last_status: Optional[NodeStatus] = field(default=None, repr=False)
 
     @property
     def known_round(self) -> int:
@@ -88,7 +87,6 @@ class SupervisionPolicy:
 
     def on_status(self, status: NodeStatus, now: float) -> list[Action]:
         self.unreachable_since = None
-        self.last_status = status
         if self.exiting:
             return []
         actions: list[Action] = []

@@ -5,7 +5,7 @@ that a client of another version gets `unsupported_version` rather than a confus
 """
 from __future__ import annotations
 
-from typing import Any, TypeVar, Union
+from typing import Any, TypeVar
 
 import msgspec
 

@@ -16,7 +16,7 @@ import msgspec
 
 PROTOCOL_VERSION = 1
 
-_NODE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}$")
+NODE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}$")
 
 
 class JobState(str, enum.Enum):
@@ -82,7 +82,7 @@ class _Request(msgspec.Struct, kw_only=True):
     node_id: str
 
     def __post_init__(self) -> None:
-        _check(bool(_NODE_ID.fullmatch(self.node_id)), "node_id",
+        _check(bool(NODE_ID.fullmatch(self.node_id)), "node_id",
                f"must be 1-128 of [A-Za-z0-9._:@-] starting with a letter or digit, got {self.node_id!r}")
 
 

@@ -258,7 +258,7 @@ class Rendezvous:
                 self._admit(job, node, now)
         if job.last_call_deadline is not None and job.last_call_deadline <= now:
             job.last_call_deadline = None
-            self._form_round(job, now, "last call ended with " + _count(job, _candidates(job)))
+            self._form_round(job, now, "last call ended with " + _count(_candidates(job)))
         if job.state == JobState.WAITING and job.last_call_deadline is None and \
                 job.join_deadline is not None and job.join_deadline <= now:
             have = len(job.waiting)
@@ -298,7 +298,7 @@ class Rendezvous:
         job.epoch += 1
         if len(chosen) < cfg.min_nodes:
             if job.round is not None or job.state != JobState.WAITING:
-                _event(job, now, "round_waiting", f"{why}; {_count(job, chosen)} < min "
+                _event(job, now, "round_waiting", f"{why}; {_count(chosen)} < min "
                        f"{cfg.min_nodes}: waiting for nodes")
             job.round = None
             job.state = JobState.WAITING
@@ -435,7 +435,7 @@ def _describe(f: WorkerFailure) -> str:
     return f"{text}: {f.message}" if f.message else text
 
 
-def _count(job: JobRecord, nodes: list[str]) -> str:
+def _count(nodes: list[str]) -> str:
     return f"{len(nodes)} node{'s' if len(nodes) != 1 else ''}"
 
 
