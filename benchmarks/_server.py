@@ -6,6 +6,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 from typing import Iterator
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -14,6 +15,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 @contextlib.contextmanager
 def running_server(*extra: str) -> Iterator[int]:
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    state = tempfile.TemporaryDirectory(prefix="rdzv-bench-state-")
+    if not any(arg.startswith("--state-dir") for arg in extra):
+        extra = (*extra, "--state-dir", state.name)
     proc = subprocess.Popen([sys.executable, "-m", "rdzv_server.cli", "--host", "127.0.0.1", "--port", "0",
                              "--log-level", "warning", *extra],
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
@@ -31,3 +35,4 @@ def running_server(*extra: str) -> Iterator[int]:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+        state.cleanup()

@@ -9,6 +9,7 @@ import json
 import os
 import re
 import subprocess
+import tempfile
 import sys
 import threading
 import time
@@ -37,7 +38,9 @@ def main() -> int:
     procs: list[subprocess.Popen] = []
     try:
         banner("starting rdzv-server on a free port")
-        server = subprocess.Popen([PY, "-m", "rdzv_server.cli", "--host", "127.0.0.1", "--port", "0"],
+        state_dir = tempfile.mkdtemp(prefix="rdzv-demo-state-")
+        server = subprocess.Popen([PY, "-m", "rdzv_server.cli", "--host", "127.0.0.1", "--port", "0",
+                                   "--state-dir", state_dir],
                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
         procs.append(server)
         assert server.stdout is not None

@@ -18,6 +18,7 @@ import time
 import uuid
 from typing import Optional, TextIO
 
+from protocol.errors import ErrorCode
 from protocol.messages import Assignment, JobConfig, NodeStatus, WorkerFailure
 from node_agent.transport import ServerRejected, ServerUnreachable, Transport, free_port
 from node_agent.environment import worker_argv, worker_env
@@ -176,7 +177,7 @@ class Agent:
     async def _backoff(self) -> None:
         """Jittered exponential backoff between retries of an unreachable server (not a sync wait)."""
         self._attempts += 1
-        delay = min(2.0, 0.05 * 2 ** self._attempts) * random.uniform(0.5, 1.0)
+        delay = min(1.0, 0.05 * 2 ** self._attempts) * random.uniform(0.5, 1.0)
         try:
             await asyncio.wait_for(self._signalled.wait(), delay)
         except asyncio.TimeoutError:
@@ -194,6 +195,9 @@ class Agent:
                                               master_port=free_port(self.addr), config=config,
                                               instance=self.instance, role=opts.role)
             except ServerRejected as exc:
+                if exc.code == ErrorCode.NODE_DRAINED.value:   # an operator took this node out: done here
+                    await self._apply(self.policy.on_drained(exc.message))
+                    return None
                 raise AgentError(f"the rendezvous server refused to let node {opts.node_id} join job "
                                  f"{opts.job_id!r}: {exc.message}") from None
             except ServerUnreachable as exc:

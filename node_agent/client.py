@@ -44,5 +44,7 @@ class RdzvClient(Transport):
         if isinstance(reply, ErrorReply):
             if reply.code == ErrorCode.SHUTTING_DOWN.value:
                 raise ServerUnreachable(f"server going away: {reply.message}")
+            if reply.code == ErrorCode.STORE_UNAVAILABLE.value:
+                raise ServerUnreachable(f"server cannot save state: {reply.message}")
             raise ServerRejected(reply.code, reply.message)
         return reply

@@ -122,6 +122,11 @@ class SupervisionPolicy:
         self.exiting = True
         return self._stop("the server refused this agent") + [Exit(1, f"the server refused this agent: {message}")]
 
+    def on_drained(self, message: str) -> list[Action]:
+        """An operator drained this node: stop anything running and exit 0 (nothing failed here)."""
+        self.exiting = True
+        return self._stop("node drained by the operator") + [Exit(0, message)]
+
     def on_workers_failed(self, failures: list[WorkerFailure], now: float) -> list[Action]:
         if self.exiting or self.workers != Workers.RUNNING:
             return []

@@ -16,7 +16,10 @@ class ErrorCode(str, enum.Enum):
     CONFIG_CONFLICT = "config_conflict"      # join asked for a config that differs from the job's
     NODE_CONFLICT = "node_conflict"          # node id in use by another live agent
     JOB_FINISHED = "job_finished"            # job succeeded/failed/closed: no new joins
+    NODE_DRAINED = "node_drained"            # an operator removed this node from the job: do not rejoin
+    FORBIDDEN = "forbidden"                  # operator action from an address not allowed to make it
     SHUTTING_DOWN = "shutting_down"          # server is going away; retry elsewhere/later
+    STORE_UNAVAILABLE = "store_unavailable"  # the state store could not commit; retry shortly
     INTERNAL = "internal"                    # a bug: reported without a traceback
 
 
@@ -32,6 +35,9 @@ HTTP_STATUS: dict[ErrorCode, int] = {
     ErrorCode.CONFIG_CONFLICT: 409,
     ErrorCode.NODE_CONFLICT: 409,
     ErrorCode.JOB_FINISHED: 410,
+    ErrorCode.NODE_DRAINED: 410,
+    ErrorCode.FORBIDDEN: 403,
     ErrorCode.SHUTTING_DOWN: 503,
+    ErrorCode.STORE_UNAVAILABLE: 503,
     ErrorCode.INTERNAL: 500,
 }

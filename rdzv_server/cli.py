@@ -12,6 +12,7 @@ from typing import Optional
 from aiohttp import web
 
 from rdzv_server.app import Coordinator, create_app
+from rdzv_server.store import SqliteStore, StoreError
 
 
 class _JsonFormatter(logging.Formatter):
@@ -36,13 +37,17 @@ def build_parser() -> argparse.ArgumentParser:
                                 description="Standalone rendezvous server for node-agent jobs.")
     p.add_argument("--host", default="0.0.0.0", help="address to listen on (default 0.0.0.0)")
     p.add_argument("--port", type=int, default=29400, help="port to listen on; 0 picks a free one (default 29400)")
+    p.add_argument("--state-dir", default="rdzv-state", metavar="DIR",
+                   help="folder for the durable state store (created when missing; default ./rdzv-state). "
+                        "'none' keeps state in memory only: it does not survive a restart")
     p.add_argument("--log-format", choices=("text", "json"), default="text")
     p.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info")
     return p
 
 
-async def serve(host: str, port: int, ready: Optional[asyncio.Future] = None) -> None:
-    app = create_app(Coordinator())
+async def serve(host: str, port: int, ready: Optional[asyncio.Future] = None,
+                store: Optional[SqliteStore] = None) -> None:
+    app = create_app(Coordinator(store=store))
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=2.0)
     await runner.setup()
     site = web.TCPSite(runner, host, port, reuse_address=True)
@@ -75,7 +80,18 @@ def main(argv: Optional[list[str]] = None) -> int:
     logger.addHandler(handler)
     logger.setLevel(args.log_level.upper())
     try:
-        asyncio.run(serve(args.host, args.port))
+        store = None if args.state_dir.lower() in ("none", "memory", "") else SqliteStore(args.state_dir)
+    except StoreError as exc:
+        print(f"rdzv-server: error: {exc}", file=sys.stderr)
+        return 1
+    if store is None:
+        print("rdzv-server: state in memory only (--state-dir none): jobs do not survive a restart",
+              file=sys.stderr)
+    try:
+        asyncio.run(serve(args.host, args.port, store=store))
+    except StoreError as exc:
+        print(f"rdzv-server: error: {exc}", file=sys.stderr)
+        return 1
     except OSError as exc:
         print(f"rdzv-server: cannot listen on {args.host}:{args.port}: {exc.strerror or exc}", file=sys.stderr)
         return 1

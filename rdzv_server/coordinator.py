@@ -14,7 +14,10 @@ from typing import Callable, Optional
 
 from protocol.errors import ErrorCode
 from protocol.messages import NodeState, NodeStatus, PollRequest
+from rdzv_server.persistence import Persister, StoreUnavailable
+from rdzv_server.records import Event, JobRecord
 from rdzv_server.rendezvous import Rendezvous, RendezvousError
+from rdzv_server.store import SqliteStore
 
 log = logging.getLogger("rdzv_server")
 
@@ -22,9 +25,13 @@ log = logging.getLogger("rdzv_server")
 class Coordinator:
     """Owns the core and the asyncio machinery around it (waiters, the deadline timer)."""
 
-    def __init__(self, core: Optional[Rendezvous] = None, clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, core: Optional[Rendezvous] = None, clock: Callable[[], float] = time.time,
+                 store: Optional[SqliteStore] = None) -> None:
+        """`store`: the durable store (already opened); None keeps state in memory only."""
         self.core = core or Rendezvous()
         self.clock = clock
+        self.store = store
+        self.persister = Persister(store, clock)
         self.shutting_down = False
         self.open_polls = 0
         self._job_events: dict[str, asyncio.Event] = {}
@@ -32,13 +39,28 @@ class Coordinator:
         self._logged: dict[str, int] = {}
         self._rearm: Optional[asyncio.Event] = None
         self._timer: Optional[asyncio.Task] = None
+        # Called once per new event, after the core recorded it (metrics hook here).
+        self.event_listeners: list[Callable[[JobRecord, Event], None]] = []
 
     # -- lifecycle --
     async def start(self) -> None:
+        if self.store is not None:
+            loaded = self.store.load()
+            self.core.jobs.update(loaded.jobs)
+            self.persister.adopt(loaded.jobs)
+            for job in loaded.jobs.values():
+                self._logged[job.job_id] = job.event_seq      # logged by the previous run
+            if loaded.alive_at is not None:
+                now = self.clock()
+                self.core.restored(now, max(0.0, now - loaded.alive_at), loaded.clean_shutdown)
+            log.info("state store %s: %d job(s) restored", self.store.path, len(loaded.jobs))
+        self.persister.start()
         self._rearm = asyncio.Event()
         self._timer = asyncio.create_task(self._deadline_loop(), name="rdzv-deadlines")
         for job_id in self.core.jobs:
             self._after(job_id)
+        for job_id in self.core.jobs:
+            await self._durable(job_id)
 
     def release_polls(self) -> None:
         """Answer every open long-poll now (with "going away"): the server is stopping."""
@@ -58,6 +80,7 @@ class Coordinator:
             except asyncio.TimeoutError:
                 self._timer.cancel()
                 await asyncio.gather(self._timer, return_exceptions=True)
+        await self.persister.close()
 
     # -- change propagation --
     def _after(self, job_id: str) -> None:
@@ -70,7 +93,10 @@ class Coordinator:
             if ev.seq > last:
                 log.info("%s", ev.message, extra={"job_id": job_id, "event": ev.kind, "node_id": ev.node_id,
                                                   "round_id": ev.round_id})
+                for listener in self.event_listeners:
+                    listener(job, ev)
         self._logged[job_id] = job.event_seq
+        self.persister.note(job)
         if self._epochs.get(job_id) != job.epoch:
             self._epochs[job_id] = job.epoch
             old = self._job_events.pop(job_id, None)
@@ -108,7 +134,28 @@ class Coordinator:
         core = self.core
         fn = {"join": core.join, "failure": core.report_failure, "success": core.report_success,
               "leave": core.leave}[action]
-        return self.call(job_id, fn, req)
+        status = self.call(job_id, fn, req)
+        await self._durable(job_id)
+        return status
+
+    async def operate(self, action: str, job_id: str, *args: object) -> JobRecord:
+        """An operator action (see operator_rules.py): close, drain, clear_exclusion or resize."""
+        core = self.core
+        fn = {"close": core.close_job, "drain": core.drain_node, "clear_exclusion": core.clear_exclusion,
+              "resize": core.resize}[action]
+        try:
+            job = fn(job_id, *args, self.clock())  # type: ignore[operator]
+        finally:
+            self._after(job_id)
+        await self._durable(job_id)
+        return job
+
+    async def _durable(self, job_id: str) -> None:
+        """Wait until the job's state, as any reply would show it, is in the store."""
+        try:
+            await self.persister.durable(job_id)
+        except StoreUnavailable as exc:
+            raise RendezvousError(ErrorCode.STORE_UNAVAILABLE, f"{exc}; retry shortly") from None
 
     def call(self, job_id: str, fn: Callable[..., NodeStatus], req: object) -> NodeStatus:
         try:
@@ -143,6 +190,7 @@ class Coordinator:
             self.open_polls -= 1
         if self.shutting_down:
             raise RendezvousError(ErrorCode.SHUTTING_DOWN, "server is shutting down; retry shortly")
+        await self._durable(job_id)
         return status
 
 

@@ -65,6 +65,8 @@ class JobRecord(msgspec.Struct, kw_only=True):
     waiting: list[str] = msgspec.field(default_factory=list)  # admitted, for the next round, in order
     spares: list[str] = msgspec.field(default_factory=list)
     excluded: list[str] = msgspec.field(default_factory=list)
+    drained: dict[str, str] = msgspec.field(default_factory=dict)  # node id -> operator's reason: may not join
+    join_config: Optional[JobConfig] = None    # the config joins must match, once an operator resized the job
     restart_count: int = 0
     forming_since: Optional[float] = None      # when the next round started forming
     last_call_deadline: Optional[float] = None

@@ -37,6 +37,8 @@ from protocol.messages import (
     SuccessReport,
     WorkerFailure,
 )
+from rdzv_server.errors import RendezvousError
+from rdzv_server.operator_rules import OperatorRules
 from rdzv_server.records import Event, JobRecord, NodeRecord
 from rdzv_server.rounds import build_round
 
@@ -47,14 +49,7 @@ DROP_GRACE_S = 1.0
 REUSE_FINISHED_AFTER_S = 10.0
 
 
-class RendezvousError(Exception):
-    def __init__(self, code: ErrorCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
-
-
-class Rendezvous:
+class Rendezvous(OperatorRules):
     """All jobs of one server. Not thread-safe: one event loop drives it."""
 
     def __init__(self, jobs: Optional[dict[str, JobRecord]] = None) -> None:
@@ -83,17 +78,21 @@ class Rendezvous:
             raise RendezvousError(ErrorCode.JOB_FINISHED,
                                   f"job {job_id!r} has already {job.state.value}: {job.reason}")
         else:
-            diffs = job.config.differences(req.config)
+            diffs = (job.join_config or job.config).differences(req.config)
             if diffs:
                 raise RendezvousError(ErrorCode.CONFIG_CONFLICT,
                                       f"job {job_id!r} exists with another config: " + "; ".join(diffs))
+        if req.node_id in job.drained:
+            raise RendezvousError(ErrorCode.NODE_DRAINED, f"node {req.node_id} was drained from job {job_id!r} "
+                                  f"by the operator ({job.drained[req.node_id]})")
         existing = job.nodes.get(req.node_id)
         if existing is not None and existing.instance == req.instance:
             existing.addr, existing.master_port = req.addr, req.master_port or existing.master_port
             _renew(job, existing, now)
             return self.view(job_id, req.node_id, now)
         if existing is not None:
-            self._remove(job, existing, now, "node_lost", f"node {req.node_id} restarted (new agent instance)")
+            self._remove(job, existing, now, "node_lost", f"node {req.node_id} restarted (new agent instance)",
+                         failed_at=existing.last_seen)
         node = NodeRecord(node_id=req.node_id, instance=req.instance, addr=req.addr, host=req.host or req.addr,
                           role=req.role, local_world_size=req.local_world_size, master_port=req.master_port,
                           state=NodeState.WAITING, joined_at=now, last_seen=now,
@@ -166,7 +165,7 @@ class Rendezvous:
         cfg = job.config
         if cfg.exclude_after and len(node.failure_times) >= cfg.exclude_after:
             self._exclude(job, node, now)
-        self._form_round(job, now, why)
+        self._form_round(job, now, why, "failure", failed_at=first.timestamp)
         return self.view(job_id, node.node_id, now)
 
     def report_success(self, job_id: str, req: SuccessReport, now: float) -> NodeStatus:
@@ -220,6 +219,27 @@ class Rendezvous:
         deadlines = [d for job in self.jobs.values() if not job.state.finished for d in _deadlines(job)]
         return min(deadlines, default=None)
 
+    def restored(self, now: float, away_s: float, clean: bool) -> None:
+        """The server restarted on a saved state: nobody is blamed for the time it was away.
+
+        Every live node gets a fresh lease plus one more lease of grace to reconnect; pending
+        last-call and join deadlines move by the time away. Exclusion cooldowns keep running.
+        """
+        how = "after a clean shutdown" if clean else "without a clean shutdown (killed or crashed)"
+        for job in self.jobs.values():
+            if job.state.finished:
+                continue
+            grace = 2 * job.config.lease_timeout_s
+            for node in job.nodes.values():
+                node.dropped = False
+                node.lease_expires = now + grace
+            if job.last_call_deadline is not None:
+                job.last_call_deadline += away_s
+            if job.join_deadline is not None:
+                job.join_deadline += away_s
+            _event(job, now, "server_restarted", f"server restarted {how}; away about {away_s:.1f}s; "
+                   f"{len(job.nodes)} node leases renewed for {grace:g}s", data={"away_s": round(away_s, 3)})
+
     # ---- views ---------------------------------------------------------------------------
 
     def view(self, job_id: str, node_id: str, now: float, *, accepted: bool = True,
@@ -258,7 +278,7 @@ class Rendezvous:
                 self._admit(job, node, now)
         if job.last_call_deadline is not None and job.last_call_deadline <= now:
             job.last_call_deadline = None
-            self._form_round(job, now, "last call ended with " + _count(_candidates(job)))
+            self._form_round(job, now, "last call ended with " + _count(_candidates(job)), _growth(job))
         if job.state == JobState.WAITING and job.last_call_deadline is None and \
                 job.join_deadline is not None and job.join_deadline <= now:
             have = len(job.waiting)
@@ -274,12 +294,14 @@ class Rendezvous:
             job.waiting.append(node.node_id)
             if job.forming_since is None:
                 job.forming_since = now
+                _event(job, now, "round_opened", f"round {job.last_round_id + 1} opened by {node.node_id}: "
+                       f"collecting nodes ({cfg.min_nodes}:{cfg.max_nodes})", node.node_id)
             total = len(self._members(job)) + len(job.waiting)
             if total >= cfg.max_nodes:
-                self._form_round(job, now, f"max_nodes {cfg.max_nodes} reached")
+                self._form_round(job, now, f"max_nodes {cfg.max_nodes} reached", _growth(job))
             elif total >= cfg.min_nodes and job.last_call_deadline is None:
                 if cfg.last_call_s <= 0:
-                    self._form_round(job, now, f"{total} nodes (last call 0s)")
+                    self._form_round(job, now, f"{total} nodes (last call 0s)", _growth(job))
                 else:
                     job.last_call_deadline = now + cfg.last_call_s
         else:
@@ -288,8 +310,13 @@ class Rendezvous:
             _event(job, now, "node_spare", f"node {node.node_id} is spare #{len(job.spares)} "
                    f"(job at max_nodes {cfg.max_nodes})", node.node_id)
 
-    def _form_round(self, job: JobRecord, now: float, why: str) -> None:
-        """Form the next round from live members + waiting + spares, or go back to waiting."""
+    def _form_round(self, job: JobRecord, now: float, why: str, cause: str,
+                    failed_at: Optional[float] = None) -> None:
+        """Form the next round from live members + waiting + spares, or go back to waiting.
+
+        `cause` is the reason's category (see CAUSES); `failed_at`, when a failure or loss caused it,
+        is when that happened (worker exit, or the lost node's last contact).
+        """
         cfg = job.config
         candidates = _candidates(job)
         chosen, rest = candidates[: cfg.max_nodes], candidates[cfg.max_nodes:]
@@ -299,7 +326,7 @@ class Rendezvous:
         if len(chosen) < cfg.min_nodes:
             if job.round is not None or job.state != JobState.WAITING:
                 _event(job, now, "round_waiting", f"{why}; {_count(chosen)} < min "
-                       f"{cfg.min_nodes}: waiting for nodes")
+                       f"{cfg.min_nodes}: waiting for nodes", data={"cause": cause})
             job.round = None
             job.state = JobState.WAITING
             job.waiting, job.spares = chosen, rest
@@ -324,13 +351,15 @@ class Rendezvous:
         _event(job, now, "round_completed",
                f"round {job.round.round_id}: {len(chosen)} nodes, world size {job.round.world_size} ({why})",
                round_id=job.round.round_id,
-               data={"nodes": len(chosen), "world_size": job.round.world_size, "reason": why,
-                     "formation_s": round(now - opened, 6)})
+               data={"nodes": len(chosen), "world_size": job.round.world_size, "reason": why, "cause": cause,
+                     "formation_s": round(now - opened, 6),
+                     **({"since_failure_s": round(max(0.0, now - failed_at), 6)} if failed_at else {})})
 
     def _lose(self, job: JobRecord, node: NodeRecord, now: float, why: str) -> None:
-        self._remove(job, node, now, "node_lost", f"node {node.node_id} lost: {why}")
+        self._remove(job, node, now, "node_lost", f"node {node.node_id} lost: {why}", failed_at=node.last_seen)
 
-    def _remove(self, job: JobRecord, node: NodeRecord, now: float, kind: str, message: str) -> None:
+    def _remove(self, job: JobRecord, node: NodeRecord, now: float, kind: str, message: str,
+                failed_at: Optional[float] = None) -> None:
         was_member = node.node_id in self._members(job)
         del job.nodes[node.node_id]
         for queue in (job.waiting, job.spares, job.excluded, job.successes):
@@ -340,7 +369,7 @@ class Rendezvous:
         _event(job, now, kind, message, node.node_id)
         if was_member:
             job.forming_since = now
-            self._form_round(job, now, message)
+            self._form_round(job, now, message, kind, failed_at)
         elif job.last_call_deadline is not None:
             # The window was for a round with more nodes: below min, or (while a round runs) with no
             # newcomer left, there is nothing for it to form.
@@ -403,6 +432,14 @@ class Rendezvous:
 def _candidates(job: JobRecord) -> list[str]:
     members = job.round.members if job.round is not None else []
     return [n for n in members if n in job.nodes] + job.waiting + job.spares
+
+
+# The category of a round's reason (label `cause` on round events and metrics).
+CAUSES = ("start", "scale_up", "failure", "node_lost", "node_left", "node_drained", "resized")
+
+
+def _growth(job: JobRecord) -> str:
+    return "scale_up" if job.last_round_id else "start"
 
 
 def _deadlines(job: JobRecord) -> Iterable[float]:

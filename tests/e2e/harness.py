@@ -116,8 +116,11 @@ class Cluster:
         self.server: Optional[Proc] = None
         self.port = 0
 
-    def start_server(self, *extra: str) -> int:
-        self.server = Proc([sys.executable, "-m", "rdzv_server.cli", "--host", "127.0.0.1", "--port", "0",
+    def start_server(self, *extra: str, port: int = 0) -> int:
+        """Start (or restart) the server; its state dir is the same for the whole test unless given."""
+        if not any(arg.startswith("--state-dir") for arg in extra):
+            extra = (*extra, "--state-dir", os.path.join(str(self.tmp), "server-state"))
+        self.server = Proc([sys.executable, "-m", "rdzv_server.cli", "--host", "127.0.0.1", "--port", str(port),
                             *extra], child_env(), "server")
         self.procs.append(self.server)
         self.port = int(self.server.wait_for_line(r"listening on http://[^:]+:(\d+)", 30).group(1))

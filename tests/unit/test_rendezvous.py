@@ -626,3 +626,36 @@ def test_finished_job_id_starts_a_new_run_once_the_old_one_is_well_over():
                                        config=cfg, instance="i2"), 1.0 + REUSE_FINISHED_AFTER_S)
     assert again.job_state == JobState.RUNNING and again.restart_count == 0
     assert any(e.kind == "job_reused" for e in core.jobs["j"].events)
+
+
+# ---- restart on a saved state -----------------------------------------------------------------
+
+def test_restart_renews_every_lease_and_moves_pending_deadlines():
+    rz = Rendezvous()
+    c = cfg(min_nodes=2, max_nodes=3, lease_timeout_s=5.0, last_call_s=10.0)
+    join(rz, "a", 0.0, c)
+    join(rz, "b", 0.0, c)                      # min reached: last call until 10.0
+    rz.connection_dropped(JOB, "b", 1.0)
+    job = rz.jobs[JOB]
+    assert job.last_call_deadline == 10.0
+    # the server was away from 1.0 to 60.0: every lease has long lapsed on the clock
+    rz.restored(60.0, away_s=59.0, clean=False)
+    assert all(n.lease_expires == 70.0 and not n.dropped for n in job.nodes.values())
+    assert job.last_call_deadline == 69.0
+    assert rz.tick(60.0) == []                 # nobody lost for the time the server was away
+    last = job.events[-1]
+    assert last.kind == "server_restarted" and "without a clean shutdown" in last.message
+    assert last.data == {"away_s": 59.0}
+    # a node that does not come back within the grace is lost then, as usual
+    poll(rz, "a", 66.0)
+    rz.tick(70.0)
+    assert "b" not in job.nodes and "a" in job.nodes
+
+
+def test_restart_leaves_finished_jobs_alone():
+    rz = Rendezvous()
+    join(rz, "a", 0.0, cfg(min_nodes=1, max_nodes=1, max_restarts=0))
+    fail(rz, "a", rz.jobs[JOB].round.round_id, 1.0)
+    seq = rz.jobs[JOB].event_seq
+    rz.restored(50.0, away_s=40.0, clean=True)
+    assert rz.jobs[JOB].event_seq == seq and rz.jobs[JOB].state == JobState.FAILED

@@ -1,0 +1,11 @@
+"""The one exception the rendezvous core raises: a request it cannot obey, with a typed code."""
+from __future__ import annotations
+
+from protocol.errors import ErrorCode
+
+
+class RendezvousError(Exception):
+    def __init__(self, code: ErrorCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message

@@ -1,0 +1,183 @@
+"""Group commit between the event loop and the durable store.
+
+Rule: a reply that depends on a change is sent only after that change is on disk. Requests mark
+their job dirty (`note`) and then `await durable(job_id)`. One writer task takes every dirty job,
+encodes a snapshot on the loop (fast, msgspec), and commits the whole batch in one SQLite
+transaction on a single worker thread, so the loop keeps serving while the disk works and many
+changes share one fsync. Changes made while a commit is in flight ride the next one.
+
+A job is dirty when its (epoch, event_seq) moved: every decision of the core records an event or
+bumps the epoch. Lease renewals alone are not written: after a restart all leases are re-armed.
+A failed commit keeps the jobs dirty (retried after a pause) and fails the waiting replies with
+`StoreUnavailable`; the state in memory is never rolled back.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+from rdzv_server.records import JobRecord
+from rdzv_server.store import SqliteStore, snapshot
+
+log = logging.getLogger("rdzv_server")
+
+ALIVE_EVERY_S = 2.0      # an idle server still marks itself alive this often (dates an outage)
+RETRY_AFTER_S = 0.5      # pause before retrying a failed commit
+
+
+class StoreUnavailable(Exception):
+    """A commit failed: the change is kept in memory and retried, but not yet durable."""
+
+
+@dataclass
+class CommitStats:
+    commits: int = 0
+    jobs_written: int = 0
+    total_s: float = 0.0
+    max_s: float = 0.0
+    failures: int = 0
+
+
+@dataclass
+class _Saved:
+    key: tuple[int, int]          # (epoch, event_seq) last noted
+    events_up_to: int             # events with seq <= this are on disk
+    created_at: float             # tells a reused job id (a new run) from the old one
+
+
+class Persister:
+    def __init__(self, store: Optional[SqliteStore], clock: Callable[[], float] = time.time) -> None:
+        self.store = store
+        self.clock = clock
+        self.stats = CommitStats()
+        self._saved: dict[str, _Saved] = {}
+        self._dirty: dict[str, JobRecord] = {}
+        self._next: Optional[asyncio.Future] = None                 # the commit that will carry _dirty
+        self._inflight: dict[str, asyncio.Future] = {}              # job -> commit now carrying it
+        self._writer: Optional[asyncio.Task] = None
+        self._alive: Optional[asyncio.Task] = None
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="rdzv-store") if store else None
+        self._closing = False
+
+    def adopt(self, jobs: dict[str, JobRecord]) -> None:
+        """Jobs loaded from the store: already on disk up to now."""
+        for job in jobs.values():
+            self._saved[job.job_id] = _Saved((job.epoch, job.event_seq), job.event_seq, job.created_at)
+
+    def start(self) -> None:
+        if self.store is not None:
+            self._alive = asyncio.create_task(self._alive_loop(), name="rdzv-store-alive")
+
+    def note(self, job: JobRecord) -> None:
+        """`job` may have changed: schedule it for the next commit if it did."""
+        if self.store is None:
+            return
+        saved = self._saved.get(job.job_id)
+        key = (job.epoch, job.event_seq)
+        if saved is not None and saved.key == key and saved.created_at == job.created_at:
+            return
+        if saved is None or saved.created_at != job.created_at:
+            saved = self._saved[job.job_id] = _Saved(key, 0, job.created_at)
+            saved.events_up_to = -1       # marks "reset the history" for the first commit of this run
+        saved.key = key
+        self._dirty[job.job_id] = job
+        if self._next is None:
+            self._next = asyncio.get_running_loop().create_future()
+            self._next.add_done_callback(_consume)
+        if self._writer is None or self._writer.done():
+            self._writer = asyncio.create_task(self._write_loop(), name="rdzv-store-writer")
+
+    async def durable(self, job_id: str) -> None:
+        """Return once every change noted so far for `job_id` is committed."""
+        fut = self._next if job_id in self._dirty else self._inflight.get(job_id)
+        if fut is not None:
+            await asyncio.shield(fut)
+
+    async def _write_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while self._dirty:
+            fut, self._next = self._next, None
+            jobs, self._dirty = self._dirty, {}
+            snaps = []
+            for job in jobs.values():
+                saved = self._saved[job.job_id]
+                snaps.append(snapshot(job, max(saved.events_up_to, 0), reset_events=saved.events_up_to < 0))
+                self._inflight[job.job_id] = fut        # type: ignore[assignment]
+            started = time.perf_counter()
+            try:
+                assert self.store is not None
+                await loop.run_in_executor(self._executor, self.store.write, snaps, self.clock())
+            except Exception as exc:   # disk full, I/O error: keep the changes, fail the replies
+                self.stats.failures += 1
+                log.error("state store commit failed (%s); %d job(s) kept in memory, retrying", exc, len(jobs))
+                for job_id, job in jobs.items():
+                    self._dirty.setdefault(job_id, job)
+                if self._next is None:
+                    self._next = loop.create_future()
+                    self._next.add_done_callback(_consume)
+                assert fut is not None
+                fut.set_exception(StoreUnavailable(f"state store commit failed: {exc}"))
+                if not self._closing:
+                    await asyncio.sleep(RETRY_AFTER_S)
+                else:
+                    break
+            else:
+                for s in snaps:
+                    if s.events:
+                        self._saved[s.job_id].events_up_to = s.events[-1][0]
+                    elif self._saved[s.job_id].events_up_to < 0:
+                        self._saved[s.job_id].events_up_to = 0
+                took = time.perf_counter() - started
+                self.stats.commits += 1
+                self.stats.jobs_written += len(snaps)
+                self.stats.total_s += took
+                self.stats.max_s = max(self.stats.max_s, took)
+                assert fut is not None
+                fut.set_result(None)
+            finally:
+                for job_id in jobs:
+                    if self._inflight.get(job_id) is fut:
+                        del self._inflight[job_id]
+
+    async def _alive_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(ALIVE_EVERY_S)     # a periodic mark, not a synchronisation wait
+            if self._writer is None or self._writer.done():
+                try:
+                    await loop.run_in_executor(self._executor, self.store.write, [], self.clock())  # type: ignore
+                except Exception as exc:
+                    log.error("state store liveness mark failed: %s", exc)
+
+    async def close(self) -> None:
+        """Flush what is pending, mark a clean shutdown, release the store."""
+        if self.store is None:
+            return
+        self._closing = True
+        if self._alive is not None:
+            self._alive.cancel()
+            await asyncio.gather(self._alive, return_exceptions=True)
+        if self._writer is not None:
+            await asyncio.gather(self._writer, return_exceptions=True)
+        assert self._executor is not None
+        clean = not self._dirty
+        await asyncio.get_running_loop().run_in_executor(self._executor, self._close_store, clean)
+        self._executor.shutdown(wait=True)
+
+    def _close_store(self, clean: bool) -> None:
+        assert self.store is not None
+        if clean:
+            self.store.close(self.clock())
+        else:
+            log.error("stopping with %d job(s) not written to the state store", len(self._dirty))
+            self.store.release()
+
+
+def _consume(fut: asyncio.Future) -> None:
+    """A commit nobody awaited may fail: its error is logged, not 'never retrieved'."""
+    if not fut.cancelled():
+        fut.exception()

@@ -1,0 +1,120 @@
+"""Group commit: replies wait for their change to be on disk; many changes share a commit;
+a failed commit fails the waiting replies, keeps the change, and is retried."""
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+from protocol.messages import JobConfig, JobState
+from rdzv_server.persistence import Persister, StoreUnavailable
+from rdzv_server.records import Event, JobRecord
+from rdzv_server.store import JobSnapshot, SqliteStore
+
+
+class GatedStore:
+    """A store double whose commits wait on a gate, to see what a commit carries."""
+
+    def __init__(self) -> None:
+        self.batches: list[list[JobSnapshot]] = []
+        self.gate = threading.Event()
+        self.fail_next = 0
+
+    def write(self, snapshots: list[JobSnapshot], alive_at: float) -> None:
+        self.gate.wait(10)
+        if self.fail_next:
+            self.fail_next -= 1
+            raise OSError(28, "No space left on device")
+        if snapshots:
+            self.batches.append(snapshots)
+
+    def close(self, now: float) -> None:
+        pass
+
+    def release(self) -> None:
+        pass
+
+
+def job(job_id: str) -> JobRecord:
+    return JobRecord(job_id=job_id, config=JobConfig(), state=JobState.WAITING, created_at=1.0)
+
+
+def change(j: JobRecord, what: str) -> None:
+    j.record(Event(t=2.0, seq=0, kind="note", message=what))
+
+
+async def test_changes_made_during_a_commit_ride_the_next_one_together():
+    store = GatedStore()
+    p = Persister(store)  # type: ignore[arg-type]
+    a, b = job("a"), job("b")
+    change(a, "first")
+    p.note(a)
+    first = asyncio.ensure_future(p.durable("a"))
+    await asyncio.sleep(0)                       # let the writer take the first batch
+    change(a, "second")
+    p.note(a)
+    change(b, "other job")
+    p.note(b)
+    later = [asyncio.ensure_future(p.durable("a")), asyncio.ensure_future(p.durable("b"))]
+    assert not first.done()
+    store.gate.set()
+    await asyncio.gather(first, *later)
+    assert [[s.job_id for s in batch] for batch in store.batches] == [["a"], ["a", "b"]]
+    # the second commit of "a" carries only the event the first did not
+    assert len(store.batches[0][0].events) == 1 and len(store.batches[1][0].events) == 1
+    await p.close()
+
+
+async def test_unchanged_jobs_are_not_written():
+    store = GatedStore()
+    store.gate.set()
+    p = Persister(store)  # type: ignore[arg-type]
+    a = job("a")
+    change(a, "x")
+    p.note(a)
+    await p.durable("a")
+    a.nodes = {}                                  # not a decision: no epoch or event change
+    p.note(a)
+    await p.durable("a")
+    assert len(store.batches) == 1
+    await p.close()
+
+
+async def test_a_failed_commit_fails_the_reply_and_is_retried(monkeypatch):
+    monkeypatch.setattr("rdzv_server.persistence.RETRY_AFTER_S", 0.0)
+    store = GatedStore()
+    store.fail_next = 1
+    store.gate.set()
+    p = Persister(store)  # type: ignore[arg-type]
+    a = job("a")
+    change(a, "x")
+    p.note(a)
+    with pytest.raises(StoreUnavailable, match="No space left"):
+        await p.durable("a")
+    await p.durable("a")                          # the retry carries it
+    assert [s.job_id for s in store.batches[0]] == ["a"] and len(store.batches[0][0].events) == 1
+    assert p.stats.failures == 1 and p.stats.commits == 1
+    await p.close()
+
+
+async def test_in_memory_mode_writes_nothing():
+    p = Persister(None)
+    a = job("a")
+    change(a, "x")
+    p.note(a)
+    await p.durable("a")
+    await p.close()
+
+
+async def test_round_trip_through_sqlite_with_the_persister(tmp_path):
+    p = Persister(SqliteStore(str(tmp_path)))
+    a = job("a")
+    for i in range(5):
+        change(a, f"event {i}")
+        p.note(a)
+    await p.durable("a")
+    await p.close()
+    loaded = SqliteStore(str(tmp_path)).load()
+    assert [e.message for e in loaded.jobs["a"].events] == [f"event {i}" for i in range(5)]
+    assert loaded.clean_shutdown

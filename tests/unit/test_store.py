@@ -1,0 +1,158 @@
+"""The SQLite state store: every job state round-trips; bad files are refused, never reset."""
+from __future__ import annotations
+
+import os
+import sqlite3
+
+import msgspec
+import pytest
+
+from protocol.messages import FailureReport, JobConfig, JoinRequest, WorkerFailure
+from rdzv_server.records import MAX_EVENTS_PER_JOB, Event, JobRecord
+from rdzv_server.rendezvous import Rendezvous
+from rdzv_server.store import DB_NAME, SCHEMA_VERSION, SqliteStore, StoreError, snapshot
+
+
+def _join(rz: Rendezvous, job: str, node: str, now: float, **cfg) -> None:
+    config = JobConfig(**{"lease_timeout_s": 1e4, "last_call_s": 0.0, **cfg})
+    rz.join(job, JoinRequest(v=1, node_id=node, addr=f"10.0.0.{len(node)}", local_world_size=2,
+                             master_port=29500, config=config, instance=f"{node}#1"), now)
+
+
+def _fail(rz: Rendezvous, job: str, node: str, now: float) -> None:
+    round_id = rz.jobs[job].round.round_id
+    failure = WorkerFailure(local_rank=1, rank=3, exitcode=7, message="boom", timestamp=now - 0.5)
+    rz.report_failure(job, FailureReport(v=1, node_id=node, round_id=round_id, failures=[failure]), now)
+
+
+def every_state() -> Rendezvous:
+    """One core holding a job in every state the server can keep."""
+    rz = Rendezvous()
+    _join(rz, "waiting", "a", 1.0, min_nodes=2, max_nodes=2)
+    for n in ("a", "b", "c"):      # running with a spare
+        _join(rz, "running", n, 2.0, min_nodes=2, max_nodes=2)
+    _fail(rz, "running", "a", 3.0)
+    for n in ("a", "b"):           # one node excluded after a failure
+        _join(rz, "excluded", n, 4.0, min_nodes=1, max_nodes=2, exclude_after=1)
+    _fail(rz, "excluded", "b", 5.0)
+    _join(rz, "failed", "a", 6.0, max_restarts=0)
+    _fail(rz, "failed", "a", 7.0)
+    _join(rz, "closed", "a", 8.0)
+    rz.close_job("closed", "maintenance", 9.0)
+    for n in ("a", "b"):
+        _join(rz, "operated", n, 10.0, min_nodes=1, max_nodes=2)
+    rz.drain_node("operated", "b", "bad disk", 11.0)
+    rz.resize("operated", 1, 3, 12.0)
+    return rz
+
+
+def _save(store: SqliteStore, rz: Rendezvous, now: float = 100.0) -> None:
+    store.write([snapshot(job, 0, reset_events=True) for job in rz.jobs.values()], now)
+
+
+def _builtins(jobs: dict[str, JobRecord]) -> dict:
+    return {k: msgspec.to_builtins(v) for k, v in jobs.items()}
+
+
+def test_every_job_state_round_trips(tmp_path):
+    rz = every_state()
+    assert {j.state.value for j in rz.jobs.values()} == {"waiting", "running", "failed", "closed"}
+    assert rz.jobs["running"].spares and rz.jobs["excluded"].excluded and rz.jobs["operated"].drained
+    store = SqliteStore(str(tmp_path))
+    _save(store, rz, now=123.5)
+    store.close(now=124.0)
+
+    loaded = SqliteStore(str(tmp_path)).load()
+    assert _builtins(loaded.jobs) == _builtins(rz.jobs)
+    assert loaded.alive_at == 124.0 and loaded.clean_shutdown is True
+
+
+def test_a_store_not_closed_cleanly_says_so(tmp_path):
+    store = SqliteStore(str(tmp_path))
+    _save(store, every_state(), now=50.0)
+    store.release()                        # as if killed: no clean-shutdown mark
+    loaded = SqliteStore(str(tmp_path)).load()
+    assert loaded.clean_shutdown is False and loaded.alive_at == 50.0
+
+
+def test_new_events_are_appended_and_old_ones_pruned(tmp_path):
+    rz = Rendezvous()
+    _join(rz, "j", "a", 1.0)
+    job = rz.jobs["j"]
+    store = SqliteStore(str(tmp_path))
+    store.write([snapshot(job, 0, reset_events=True)], 1.0)
+    saved = job.event_seq
+    for i in range(MAX_EVENTS_PER_JOB + 20):
+        job.record(Event(t=2.0 + i, seq=0, kind="note", message=f"event {i}"))
+    store.write([snapshot(job, saved, reset_events=False)], 3.0)
+    store.release()
+    store = SqliteStore(str(tmp_path))
+    events = store.load().jobs["j"].events
+    assert [e.seq for e in events] == [e.seq for e in job.events]
+    assert len(events) == MAX_EVENTS_PER_JOB
+    rows = store._db.execute("SELECT count(*) FROM events").fetchone()[0]
+    assert rows == MAX_EVENTS_PER_JOB          # pruned on disk too, not only on load
+
+
+def test_reused_job_id_drops_the_old_history(tmp_path):
+    rz = Rendezvous()
+    _join(rz, "j", "a", 1.0)
+    store = SqliteStore(str(tmp_path))
+    store.write([snapshot(rz.jobs["j"], 0, reset_events=True)], 1.0)
+    fresh = JobRecord(job_id="j", config=JobConfig(), state=rz.jobs["j"].state, created_at=5.0)
+    fresh.record(Event(t=5.0, seq=0, kind="job_created", message="second run"))
+    store.write([snapshot(fresh, 0, reset_events=True)], 5.0)
+    store.release()
+    events = SqliteStore(str(tmp_path)).load().jobs["j"].events
+    assert [e.message for e in events] == ["second run"]
+
+
+def test_newer_schema_is_refused(tmp_path):
+    SqliteStore(str(tmp_path)).release()
+    db = sqlite3.connect(tmp_path / DB_NAME)
+    db.execute(f"PRAGMA user_version = {SCHEMA_VERSION + 1}")
+    db.close()
+    with pytest.raises(StoreError, match=rf"schema version {SCHEMA_VERSION + 1}, newer"):
+        SqliteStore(str(tmp_path))
+
+
+def test_a_corrupt_file_is_refused_and_left_as_it_was(tmp_path):
+    path = tmp_path / DB_NAME
+    garbage = os.urandom(8192)
+    path.write_bytes(garbage)
+    with pytest.raises(StoreError, match="corrupt"):
+        SqliteStore(str(tmp_path))
+    assert path.read_bytes() == garbage        # never silently reset
+
+
+def test_an_unreadable_record_names_the_job(tmp_path):
+    store = SqliteStore(str(tmp_path))
+    _save(store, every_state())
+    store._db.execute("UPDATE jobs SET record = ? WHERE job_id = 'running'", (b"\x93\x01\x02\x03",))
+    store.release()
+    with pytest.raises(StoreError, match="job 'running' has an unreadable record"):
+        SqliteStore(str(tmp_path)).load()
+
+
+def test_another_sqlite_database_is_not_ours(tmp_path):
+    db = sqlite3.connect(tmp_path / DB_NAME)
+    db.execute("CREATE TABLE t (x)")
+    db.commit()
+    db.close()
+    with pytest.raises(StoreError, match="not an rdzv-server state store"):
+        SqliteStore(str(tmp_path))
+
+
+def test_two_servers_cannot_share_a_state_dir(tmp_path):
+    first = SqliteStore(str(tmp_path))
+    with pytest.raises(StoreError, match="in use by another rdzv-server"):
+        SqliteStore(str(tmp_path))
+    first.release()
+    SqliteStore(str(tmp_path)).release()       # free again once the first one is gone
+
+
+def test_a_state_dir_that_cannot_be_created_is_a_clear_error(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    with pytest.raises(StoreError, match=r"cannot use --state-dir .*file/state"):
+        SqliteStore(str(blocker / "state"))
