@@ -29,6 +29,8 @@ from node_agent.policy import (Action, Exit, Leave, Rejoin, ReportFailure, Repor
 from node_agent.workers import WorkerExit, WorkerGroup, WorkerLaunch, read_error_file
 
 POLL_WAIT_S = 2.0
+# Retry pause cap while the server is away: a restarted server sees every agent back within about this.
+BACKOFF_MAX_S = 0.5
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
 
 
@@ -177,7 +179,7 @@ class Agent:
     async def _backoff(self) -> None:
         """Jittered exponential backoff between retries of an unreachable server (not a sync wait)."""
         self._attempts += 1
-        delay = min(1.0, 0.05 * 2 ** self._attempts) * random.uniform(0.5, 1.0)
+        delay = min(BACKOFF_MAX_S, 0.05 * 2 ** self._attempts) * random.uniform(0.5, 1.0)
         try:
             await asyncio.wait_for(self._signalled.wait(), delay)
         except asyncio.TimeoutError:

@@ -14,6 +14,7 @@ from typing import Callable, Optional
 
 from protocol.errors import ErrorCode
 from protocol.messages import NodeState, NodeStatus, PollRequest
+from rdzv_server.looplag import LoopLagProbe
 from rdzv_server.persistence import Persister, StoreUnavailable
 from rdzv_server.records import Event, JobRecord
 from rdzv_server.rendezvous import Rendezvous, RendezvousError
@@ -32,6 +33,7 @@ class Coordinator:
         self.clock = clock
         self.store = store
         self.persister = Persister(store, clock)
+        self.loop_lag = LoopLagProbe()
         self.shutting_down = False
         self.open_polls = 0
         self._job_events: dict[str, asyncio.Event] = {}
@@ -55,6 +57,7 @@ class Coordinator:
                 self.core.restored(now, max(0.0, now - loaded.alive_at), loaded.clean_shutdown)
             log.info("state store %s: %d job(s) restored", self.store.path, len(loaded.jobs))
         self.persister.start()
+        self.loop_lag.start()
         self._rearm = asyncio.Event()
         self._timer = asyncio.create_task(self._deadline_loop(), name="rdzv-deadlines")
         for job_id in self.core.jobs:
@@ -81,6 +84,13 @@ class Coordinator:
                 self._timer.cancel()
                 await asyncio.gather(self._timer, return_exceptions=True)
         await self.persister.close()
+        await self.loop_lag.stop()
+        st = self.persister.stats
+        if st.commits:
+            log.info("state store: %d commits of %d job snapshots, mean %.1f ms, max %.1f ms; %s", st.commits,
+                     st.jobs_written, st.total_s / st.commits * 1000, st.max_s * 1000, self.loop_lag.summary())
+        else:
+            log.info("%s", self.loop_lag.summary())
 
     # -- change propagation --
     def _after(self, job_id: str) -> None:
