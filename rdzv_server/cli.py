@@ -40,17 +40,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--state-dir", default="rdzv-state", metavar="DIR",
                    help="folder for the durable state store (created when missing; default ./rdzv-state). "
                         "'none' keeps state in memory only: it does not survive a restart")
+    p.add_argument("--allow-remote-admin", action="store_true",
+                   help="accept /v1/admin/ actions from any address, not only loopback (no authentication!)")
     p.add_argument("--log-format", choices=("text", "json"), default="text")
     p.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info")
     return p
 
 
 async def serve(host: str, port: int, ready: Optional[asyncio.Future] = None,
-                store: Optional[SqliteStore] = None) -> None:
-    app = create_app(Coordinator(store=store))
+                store: Optional[SqliteStore] = None, allow_remote_admin: bool = False) -> None:
+    app = create_app(Coordinator(store=store), allow_remote_admin=allow_remote_admin)
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=2.0)
     await runner.setup()
-    site = web.TCPSite(runner, host, port, reuse_address=True)
+    # A large accept backlog: after a restart every agent reconnects at once, and a SYN dropped from
+    # a full queue is retried by the kernel only after a second.
+    site = web.TCPSite(runner, host, port, reuse_address=True, backlog=4096)
     await site.start()
     bound = runner.addresses[0]
     print(f"rdzv-server listening on http://{bound[0]}:{bound[1]}", flush=True)
@@ -88,7 +92,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         print("rdzv-server: state in memory only (--state-dir none): jobs do not survive a restart",
               file=sys.stderr)
     try:
-        asyncio.run(serve(args.host, args.port, store=store))
+        asyncio.run(serve(args.host, args.port, store=store, allow_remote_admin=args.allow_remote_admin))
     except StoreError as exc:
         print(f"rdzv-server: error: {exc}", file=sys.stderr)
         return 1
