@@ -23,7 +23,7 @@ which is the shell's cue to wake long-polls. `next_deadline()` tells the shell w
 """
 from __future__ import annotations
 
-from typing import Iterable, Optional
+from typing import Optional
 
 from protocol.errors import ErrorCode
 from protocol.messages import (
@@ -40,7 +40,8 @@ from protocol.messages import (
 from rdzv_server.errors import RendezvousError
 from rdzv_server.operator_rules import OperatorRules
 from rdzv_server.records import Event, JobRecord, NodeRecord
-from rdzv_server.rounds import build_round
+from rdzv_server.rounds import CAUSES, build_round  # noqa: F401  (CAUSES re-exported)
+from rdzv_server.rounds import candidates, count_nodes, deadlines, growth_cause
 
 # After a long-poll's connection closes, the node has this long (capped by its lease) to reconnect.
 DROP_GRACE_S = 1.0
@@ -216,8 +217,8 @@ class Rendezvous(OperatorRules):
         return changed
 
     def next_deadline(self) -> Optional[float]:
-        deadlines = [d for job in self.jobs.values() if not job.state.finished for d in _deadlines(job)]
-        return min(deadlines, default=None)
+        due = [d for job in self.jobs.values() if not job.state.finished for d in deadlines(job)]
+        return min(due, default=None)
 
     def restored(self, now: float, away_s: float, clean: bool) -> None:
         """The server restarted on a saved state: nobody is blamed for the time it was away.
@@ -278,7 +279,7 @@ class Rendezvous(OperatorRules):
                 self._admit(job, node, now)
         if job.last_call_deadline is not None and job.last_call_deadline <= now:
             job.last_call_deadline = None
-            self._form_round(job, now, "last call ended with " + _count(_candidates(job)), _growth(job))
+            self._form_round(job, now, "last call ended with " + count_nodes(candidates(job)), growth_cause(job))
         if job.state == JobState.WAITING and job.last_call_deadline is None and \
                 job.join_deadline is not None and job.join_deadline <= now:
             have = len(job.waiting)
@@ -298,10 +299,10 @@ class Rendezvous(OperatorRules):
                        f"collecting nodes ({cfg.min_nodes}:{cfg.max_nodes})", node.node_id)
             total = len(self._members(job)) + len(job.waiting)
             if total >= cfg.max_nodes:
-                self._form_round(job, now, f"max_nodes {cfg.max_nodes} reached", _growth(job))
+                self._form_round(job, now, f"max_nodes {cfg.max_nodes} reached", growth_cause(job))
             elif total >= cfg.min_nodes and job.last_call_deadline is None:
                 if cfg.last_call_s <= 0:
-                    self._form_round(job, now, f"{total} nodes (last call 0s)", _growth(job))
+                    self._form_round(job, now, f"{total} nodes (last call 0s)", growth_cause(job))
                 else:
                     job.last_call_deadline = now + cfg.last_call_s
         else:
@@ -318,14 +319,14 @@ class Rendezvous(OperatorRules):
         is when that happened (worker exit, or the lost node's last contact).
         """
         cfg = job.config
-        candidates = _candidates(job)
-        chosen, rest = candidates[: cfg.max_nodes], candidates[cfg.max_nodes:]
+        pool = candidates(job)
+        chosen, rest = pool[: cfg.max_nodes], pool[cfg.max_nodes:]
         job.last_call_deadline = None
         job.successes = []
         job.epoch += 1
         if len(chosen) < cfg.min_nodes:
             if job.round is not None or job.state != JobState.WAITING:
-                _event(job, now, "round_waiting", f"{why}; {_count(chosen)} < min "
+                _event(job, now, "round_waiting", f"{why}; {count_nodes(chosen)} < min "
                        f"{cfg.min_nodes}: waiting for nodes", data={"cause": cause})
             job.round = None
             job.state = JobState.WAITING
@@ -429,28 +430,6 @@ class Rendezvous(OperatorRules):
         return node
 
 
-def _candidates(job: JobRecord) -> list[str]:
-    members = job.round.members if job.round is not None else []
-    return [n for n in members if n in job.nodes] + job.waiting + job.spares
-
-
-# The category of a round's reason (label `cause` on round events and metrics).
-CAUSES = ("start", "scale_up", "failure", "node_lost", "node_left", "node_drained", "resized")
-
-
-def _growth(job: JobRecord) -> str:
-    return "scale_up" if job.last_round_id else "start"
-
-
-def _deadlines(job: JobRecord) -> Iterable[float]:
-    yield from (n.lease_expires for n in job.nodes.values())
-    yield from (job.nodes[n].excluded_until for n in job.excluded)
-    if job.last_call_deadline is not None:
-        yield job.last_call_deadline
-    if job.state == JobState.WAITING and job.last_call_deadline is None and job.join_deadline is not None:
-        yield job.join_deadline     # a pending last call forms a round: the join timeout waits for it
-
-
 def _renew(job: JobRecord, node: NodeRecord, now: float) -> None:
     node.last_seen = now
     node.dropped = False
@@ -470,10 +449,6 @@ def _describe(f: WorkerFailure) -> str:
     what = f"{f.reason}, {how}" if f.reason and f.reason != "exited" else how
     text = f"rank {f.rank} (local {f.local_rank}) on {f.host or f.node_id}: {what}"
     return f"{text}: {f.message}" if f.message else text
-
-
-def _count(nodes: list[str]) -> str:
-    return f"{len(nodes)} node{'s' if len(nodes) != 1 else ''}"
 
 
 def _event(job: JobRecord, now: float, kind: str, message: str, node_id: str = "", round_id: int = -1,
