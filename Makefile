@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP_FLAGS := --disable-pip-version-check -q
 PYTEST_WORKERS ?= 4
 
-.PHONY: venv demo test soak bench clean
+.PHONY: venv chromium demo test soak bench clean
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -14,11 +14,16 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 
 venv: $(VENV)/.installed
 
+# Headless Chromium (Debian's package) for the status-page browser test; installs only when missing.
+chromium:
+	@command -v chromium >/dev/null 2>&1 || { s=$$([ "$$(id -u)" -eq 0 ] || echo sudo); \
+		$$s apt-get update && $$s apt-get install -y --no-install-recommends chromium; }
+
 demo: venv
 	$(PY) examples/demo.py
 
 # pytest exits 5 when it collected no test: make treats any non-zero exit as failure.
-test: venv
+test: venv chromium
 	$(PY) -m pytest -n $(PYTEST_WORKERS) -m "not soak" -q -p no:cacheprovider
 
 soak: venv

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
 from typing import Awaitable, Callable, Optional
 
 from aiohttp import web
@@ -11,17 +10,13 @@ from aiohttp import web
 from protocol.codec import CONTENT_TYPE, MAX_BODY_BYTES, REQUEST_TYPES, DecodeError, decode_request, encode
 from protocol.errors import HTTP_STATUS, ErrorCode
 from protocol.messages import ErrorReply
-from rdzv_server import views
+from rdzv_server import admin, page, views
 from rdzv_server.coordinator import Coordinator
+from rdzv_server.metrics import METRICS, ServerMetrics, metrics_endpoint, metrics_middleware
 from rdzv_server.rendezvous import RendezvousError
+from rdzv_server.routing import COORDINATOR, job_id_of
 
 log = logging.getLogger("rdzv_server")
-
-_JOB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
-
-
-COORDINATOR = web.AppKey("coordinator", Coordinator)
-
 
 def _error(code: ErrorCode, message: str, *, as_json: bool) -> web.Response:
     status = HTTP_STATUS[code]
@@ -33,7 +28,7 @@ def _error(code: ErrorCode, message: str, *, as_json: bool) -> web.Response:
 
 @web.middleware
 async def error_middleware(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]):
-    as_json = request.method != "POST"
+    as_json = request.method != "POST" or request.path.startswith("/v1/admin/")
     try:
         return await handler(request)
     except DecodeError as exc:
@@ -57,14 +52,6 @@ async def error_middleware(request: web.Request, handler: Callable[[web.Request]
         return _error(ErrorCode.INTERNAL, "internal server error (logged on the server)", as_json=as_json)
 
 
-def _job_id(request: web.Request) -> str:
-    job_id = request.match_info["job_id"]
-    if not _JOB_ID.fullmatch(job_id):
-        raise DecodeError(ErrorCode.BAD_REQUEST,
-                          f"job id must be 1-128 of [A-Za-z0-9._:-] starting with a letter or digit, got {job_id!r}")
-    return job_id
-
-
 async def agent_request(request: web.Request) -> web.Response:
     coord = request.app[COORDINATOR]
     action = request.match_info["action"]
@@ -75,7 +62,7 @@ async def agent_request(request: web.Request) -> web.Response:
     if request.content_type not in (CONTENT_TYPE, "application/x-msgpack", "application/octet-stream"):
         raise DecodeError(ErrorCode.UNSUPPORTED_MEDIA_TYPE,
                           f"content type {request.content_type!r}: agent routes take {CONTENT_TYPE}")
-    job_id = _job_id(request)
+    job_id = job_id_of(request)
     if coord.shutting_down:
         raise RendezvousError(ErrorCode.SHUTTING_DOWN, "server is shutting down; retry shortly")
     req = decode_request(cls, await request.read())
@@ -94,7 +81,7 @@ async def status(request: web.Request) -> web.Response:
 
 async def job_detail(request: web.Request) -> web.Response:
     coord = request.app[COORDINATOR]
-    job = coord.core.jobs.get(_job_id(request))
+    job = coord.core.jobs.get(job_id_of(request))
     if job is None:
         raise RendezvousError(ErrorCode.UNKNOWN_JOB, f"no job {request.match_info['job_id']!r} on this server")
     return web.json_response(views.job_detail(job, coord.clock()))
@@ -102,7 +89,7 @@ async def job_detail(request: web.Request) -> web.Response:
 
 async def job_events(request: web.Request) -> web.Response:
     coord = request.app[COORDINATOR]
-    job = coord.core.jobs.get(_job_id(request))
+    job = coord.core.jobs.get(job_id_of(request))
     if job is None:
         raise RendezvousError(ErrorCode.UNKNOWN_JOB, f"no job {request.match_info['job_id']!r} on this server")
     return web.json_response(views.job_events(job))
@@ -110,12 +97,26 @@ async def job_events(request: web.Request) -> web.Response:
 
 async def index(request: web.Request) -> web.Response:
     coord = request.app[COORDINATOR]
-    return web.Response(text=views.status_page(coord.core, coord.clock()), content_type="text/html")
+    refresh = page.refresh_seconds(request.query.get("refresh"))
+    return web.Response(text=page.index_page(coord.core, coord.clock(), refresh), content_type="text/html")
 
 
-def create_app(coordinator: Optional[Coordinator] = None) -> web.Application:
-    app = web.Application(middlewares=[error_middleware], client_max_size=MAX_BODY_BYTES)
+async def job_page(request: web.Request) -> web.Response:
+    """One job's HTML page; an unknown (or malformed) id gets a 404 page, never a traceback."""
+    coord = request.app[COORDINATOR]
+    job_id, now = request.match_info["job_id"], coord.clock()
+    text = page.job_page(coord.core, job_id, now, page.refresh_seconds(request.query.get("refresh")))
+    if text is None:
+        return web.Response(text=page.not_found_page(coord.core, job_id, now), status=404,
+                            content_type="text/html")
+    return web.Response(text=text, content_type="text/html")
+
+
+def create_app(coordinator: Optional[Coordinator] = None, *, allow_remote_admin: bool = False) -> web.Application:
+    app = web.Application(middlewares=[metrics_middleware, error_middleware], client_max_size=MAX_BODY_BYTES)
     app[COORDINATOR] = coordinator or Coordinator()
+    app[METRICS] = ServerMetrics(app[COORDINATOR])
+    app[COORDINATOR].event_listeners.append(app[METRICS].on_event)
 
     async def lifecycle(app: web.Application):
         await app[COORDINATOR].start()
@@ -130,8 +131,11 @@ def create_app(coordinator: Optional[Coordinator] = None) -> web.Application:
     app.on_shutdown.append(on_shutdown)
     app.router.add_post("/v1/jobs/{job_id}/{action}", agent_request)
     app.router.add_get("/healthz", healthz)
+    app.router.add_get("/metrics", metrics_endpoint)
     app.router.add_get("/v1/status", status)
     app.router.add_get("/v1/jobs/{job_id}", job_detail)
     app.router.add_get("/v1/jobs/{job_id}/events", job_events)
+    admin.add_routes(app, allow_remote=allow_remote_admin)
     app.router.add_get("/", index)
+    app.router.add_get("/jobs/{job_id}", job_page)
     return app

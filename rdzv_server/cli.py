@@ -13,15 +13,16 @@ from aiohttp import web
 
 from rdzv_server.app import Coordinator, create_app
 from rdzv_server.store import SqliteStore, StoreError
+from rdzv_server.views import iso
 
 
 class _JsonFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
-        doc = {"time": self.formatTime(record, "%Y-%m-%dT%H:%M:%S"), "level": record.levelname,
-               "message": record.getMessage()}
+        doc = {"time": iso(record.created), "level": record.levelname, "message": record.getMessage()}
         for key in ("job_id", "event", "node_id", "round_id"):
-            if hasattr(record, key):
-                doc[key] = getattr(record, key)
+            value = getattr(record, key, None)
+            if value not in (None, "", -1):      # -1 / "": not about one round / node
+                doc[key] = value
         return json.dumps(doc)
 
 

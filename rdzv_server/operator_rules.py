@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from protocol.errors import ErrorCode
-from protocol.messages import JobConfig, JobState
+from protocol.messages import JobConfig, JobState, NodeState
 from rdzv_server.errors import RendezvousError
 from rdzv_server.records import Event, JobRecord
 
@@ -34,11 +34,14 @@ class OperatorRules(_Base):
         node leaving would; its agent sees the node gone, stops its workers and exits.
         """
         job = self._open_job(job_id)
-        node = job.nodes.get(node_id)
-        if node is None:
-            raise RendezvousError(ErrorCode.UNKNOWN_NODE, f"node {node_id!r} is not part of job {job_id!r}")
         why = reason or "no reason given"
         job.drained[node_id] = why
+        node = job.nodes.get(node_id)
+        if node is None:    # lost or not yet joined: it may not (re)join
+            job.epoch += 1
+            job.record(Event(t=now, seq=0, kind="node_drained", node_id=node_id,
+                             message=f"node {node_id} (not in the job now) drained by operator: {why}"))
+            return job
         self._remove(job, node, now, "node_drained", f"node {node_id} drained by operator: {why}")
         return job
 
@@ -85,6 +88,11 @@ class OperatorRules(_Base):
             extra = job.waiting or job.spares
             if len(members) > max_nodes or len(members) < min_nodes or (extra and len(members) < max_nodes):
                 self._form_round(job, now, why, "resized")
+            elif job.waiting:      # already at the new max: newcomers become spares, no round to form
+                for nid in job.waiting:
+                    job.nodes[nid].state = NodeState.SPARE
+                job.spares, job.waiting = job.waiting + job.spares, []
+                job.last_call_deadline = job.forming_since = None
         elif len(job.waiting) + len(job.spares) >= min_nodes:
             self._form_round(job, now, why, "resized")
         return job

@@ -40,7 +40,7 @@ from protocol.messages import (
 from rdzv_server.errors import RendezvousError
 from rdzv_server.operator_rules import OperatorRules
 from rdzv_server.records import Event, JobRecord, NodeRecord
-from rdzv_server.rounds import CAUSES, build_round  # noqa: F401  (CAUSES re-exported)
+from rdzv_server.rounds import build_round
 from rdzv_server.rounds import candidates, count_nodes, deadlines, growth_cause
 
 # After a long-poll's connection closes, the node has this long (capped by its lease) to reconnect.

@@ -1,16 +1,14 @@
-"""Operator views of the rendezvous state: JSON documents and a plain HTML page.
+"""Operator views of the rendezvous state: the JSON documents (the HTML page in page.py renders these).
 
 Read-only: nothing here changes a job. Times are ISO 8601 UTC; durations are seconds.
 """
 from __future__ import annotations
 
 import datetime as dt
-import html
 from typing import Any, Optional
 
 import msgspec
 
-from protocol.messages import JobState
 from rdzv_server.records import JobRecord, NodeRecord
 from rdzv_server.rendezvous import Rendezvous
 
@@ -31,13 +29,20 @@ def _node(job: JobRecord, node: NodeRecord, now: float) -> dict[str, Any]:
     if job.round is not None and node.node_id in job.round.assignments:
         a = job.round.assignments[node.node_id]
         out.update(group_rank=a.group_rank, rank_offset=a.rank_offset,
-                   worker_state="succeeded" if node.node_id in job.successes else "running")
+                   worker_state=_worker_state(job, node.node_id))
     if node.node_id in job.spares:
         out["spare_position"] = job.spares.index(node.node_id)
     if node.node_id in job.excluded:
         out["excluded_for_s"] = round(max(0.0, node.excluded_until - now), 1)
         out["exclusions"] = node.exclusions
     return out
+
+
+def _worker_state(job: JobRecord, node_id: str) -> str:
+    """What the server knows of a member's workers: running, succeeded, or stopped (job ended)."""
+    if node_id in job.successes:
+        return "succeeded"
+    return "stopped" if job.state.finished else "running"
 
 
 def job_summary(job: JobRecord, now: float) -> dict[str, Any]:
@@ -54,6 +59,7 @@ def job_summary(job: JobRecord, now: float) -> dict[str, Any]:
         "waiting": [_node(job, job.nodes[n], now) for n in job.waiting],
         "spares": [_node(job, job.nodes[n], now) for n in job.spares],
         "excluded": [_node(job, job.nodes[n], now) for n in job.excluded],
+        "drained": [{"node_id": n, "reason": why} for n, why in job.drained.items()],
     }
 
 
@@ -75,30 +81,3 @@ def job_events(job: JobRecord) -> dict[str, Any]:
 
 def server_status(core: Rendezvous, now: float) -> dict[str, Any]:
     return {"time": iso(now), "jobs": [job_summary(j, now) for j in core.jobs.values()]}
-
-
-_COLOURS = {JobState.RUNNING: "#1a7f37", JobState.WAITING: "#9a6700", JobState.SUCCEEDED: "#0969da",
-            JobState.FAILED: "#cf222e", JobState.CLOSED: "#6e7781"}
-
-
-def status_page(core: Rendezvous, now: float) -> str:
-    rows = []
-    for job in core.jobs.values():
-        s = job_summary(job, now)
-        members = "".join(
-            f"<tr><td>{n.get('group_rank', '')}</td><td>{html.escape(n['node_id'])}</td>"
-            f"<td>{html.escape(n['addr'])}</td><td>{n['local_world_size']}</td><td>{n['lease_age_s']:.1f}s</td></tr>"
-            for n in s["nodes"])
-        events = "".join(f"<li>{html.escape(iso(e.t) or '')} {html.escape(e.message)}</li>" for e in job.events[-8:])
-        rows.append(
-            f"<section><h2><span style='color:{_COLOURS[job.state]}'>&#9679;</span> {html.escape(job.job_id)} "
-            f"&mdash; {job.state.value}</h2><p>round {s['round_id']} &middot; world size {s['world_size']} "
-            f"&middot; restarts {job.restart_count}/{job.config.max_restarts} &middot; spares {len(s['spares'])}"
-            f" &middot; excluded {len(s['excluded'])}</p><p>{html.escape(job.reason)}</p>"
-            f"<table><tr><th>group rank</th><th>node</th><th>addr</th><th>workers</th><th>lease age</th></tr>"
-            f"{members}</table><ul>{events}</ul></section>")
-    body = "".join(rows) or "<p>No jobs yet.</p>"
-    return ("<!doctype html><html><head><meta charset='utf-8'><meta http-equiv='refresh' content='2'>"
-            "<title>rdzv-server</title><style>body{font-family:system-ui,sans-serif;margin:2em;}"
-            "table{border-collapse:collapse}td,th{border:1px solid #ccc;padding:2px 8px}</style></head>"
-            f"<body><h1>rdzv-server</h1>{body}</body></html>")

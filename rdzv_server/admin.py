@@ -1,0 +1,167 @@
+"""Operator actions over HTTP: JSON in, JSON out, under /v1/admin/ (curl-friendly).
+
+    POST /v1/admin/jobs/{job_id}/close                          {"reason": "..."}            (body optional)
+    POST /v1/admin/jobs/{job_id}/nodes/{node_id}/drain          {"reason": "..."}            (body optional)
+    POST /v1/admin/jobs/{job_id}/nodes/{node_id}/clear-exclusion                             (lifts a drain too)
+    POST /v1/admin/jobs/{job_id}/resize                         {"min_nodes": 1, "max_nodes": 4}  (omitted: kept)
+
+Each answers 200 with the job as `GET /v1/jobs/{job_id}` shows it after the action, or a JSON
+error `{"code", "message"}` (the app's error middleware maps the core's refusals).
+
+There is no authentication yet, so these routes only obey requests from a loopback peer
+(127.0.0.0/8, ::1) unless the server runs with `--allow-remote-admin`. The peer is the TCP
+peer (`request.remote`), not a forwarded-for header: a client cannot claim to be local.
+"""
+from __future__ import annotations
+
+import ipaddress
+import json
+import logging
+from typing import Any, Optional
+
+from aiohttp import web
+
+from protocol.codec import DecodeError
+from protocol.errors import ErrorCode
+from protocol.messages import NODE_ID
+from rdzv_server import views
+from rdzv_server.routing import COORDINATOR, job_id_of
+from rdzv_server.errors import RendezvousError
+
+log = logging.getLogger("rdzv_server")
+
+ALLOW_REMOTE_ADMIN = web.AppKey("allow_remote_admin", bool)
+MAX_REASON_CHARS = 500
+PREFIX = "/v1/admin/jobs/{job_id}"
+
+
+def add_routes(app: web.Application, *, allow_remote: bool = False) -> None:
+    """Register the admin routes on `app`; `allow_remote` is `rdzv-server --allow-remote-admin`."""
+    app[ALLOW_REMOTE_ADMIN] = allow_remote
+    app.router.add_post(PREFIX + "/close", close_job)
+    app.router.add_post(PREFIX + "/nodes/{node_id}/drain", drain_node)
+    app.router.add_post(PREFIX + "/nodes/{node_id}/clear-exclusion", clear_exclusion)
+    app.router.add_post(PREFIX + "/resize", resize_job)
+
+
+# -- checks -----------------------------------------------------------------------------------------
+
+
+def bad_request(message: str) -> DecodeError:
+    return DecodeError(ErrorCode.BAD_REQUEST, message)
+
+
+def is_loopback(remote: Optional[str]) -> bool:
+    """True for 127.0.0.0/8, ::1 and IPv4-mapped loopback (::ffff:127.x.y.z)."""
+    if not remote:
+        return False
+    try:
+        addr = ipaddress.ip_address(remote.split("%", 1)[0])
+    except ValueError:
+        return False
+    if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
+        addr = addr.ipv4_mapped
+    return addr.is_loopback
+
+
+def _check_peer(request: web.Request) -> None:
+    if request.app.get(ALLOW_REMOTE_ADMIN, False) or is_loopback(request.remote):
+        return
+    raise RendezvousError(ErrorCode.FORBIDDEN,
+                          f"admin actions are only accepted from loopback (127.0.0.1, ::1); this request came "
+                          f"from {request.remote or 'an unknown peer'}. Run rdzv-ctl on the server's host, or "
+                          f"start rdzv-server with --allow-remote-admin (there is no authentication yet)")
+
+
+def _node_id(request: web.Request) -> str:
+    node_id = request.match_info["node_id"]
+    if not NODE_ID.fullmatch(node_id):
+        raise bad_request(f"node id must be 1-128 of [A-Za-z0-9._:@-] starting with a letter or digit, "
+                          f"got {node_id!r}")
+    return node_id
+
+
+async def _body(request: web.Request, fields: dict[str, type]) -> dict[str, Any]:
+    """The JSON object in the body ({} when empty), checked against `fields` (name -> type)."""
+    raw = await request.read()
+    if not raw.strip():
+        return {}
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise bad_request(f"body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise bad_request(f"body must be a JSON object, got {type(body).__name__}")
+    unknown = sorted(set(body) - set(fields))
+    if unknown:
+        expected = ", ".join(fields) or "no fields"
+        raise bad_request(f"unknown field(s) {', '.join(map(repr, unknown))}; this action takes {expected}")
+    for name, value in body.items():
+        want = fields[name]
+        if value is None:
+            continue
+        if not isinstance(value, want) or (want is int and isinstance(value, bool)):
+            raise bad_request(f"field {name!r} must be {'an integer' if want is int else 'a string'}, "
+                              f"got {json.dumps(value)}")
+    return {k: v for k, v in body.items() if v is not None}
+
+
+def _reason(body: dict[str, Any]) -> str:
+    reason = body.get("reason", "").strip()
+    if len(reason) > MAX_REASON_CHARS:
+        raise bad_request(f"field 'reason' must be at most {MAX_REASON_CHARS} characters, got {len(reason)}")
+    return reason
+
+
+async def _operate(request: web.Request, what: str, action: str, job_id: str, *args: object) -> web.Response:
+    """Apply one operator action (logged with the peer that asked) and answer with the job."""
+    coord = request.app[COORDINATOR]
+    if coord.shutting_down:
+        raise RendezvousError(ErrorCode.SHUTTING_DOWN, "server is shutting down; retry shortly")
+    log.info("operator request from %s: %s", request.remote, what,
+             extra={"job_id": job_id, "event": "operator_request"})
+    job = await coord.operate(action, job_id, *args)
+    return web.json_response(views.job_detail(job, coord.clock()))
+
+
+# -- handlers ---------------------------------------------------------------------------------------
+
+
+async def close_job(request: web.Request) -> web.Response:
+    _check_peer(request)
+    job_id = job_id_of(request)
+    body = await _body(request, {"reason": str})
+    reason = _reason(body)
+    return await _operate(request, f"close job {job_id} ({reason or 'no reason given'})", "close", job_id, reason)
+
+
+async def drain_node(request: web.Request) -> web.Response:
+    _check_peer(request)
+    job_id, node_id = job_id_of(request), _node_id(request)
+    body = await _body(request, {"reason": str})
+    reason = _reason(body)
+    return await _operate(request, f"drain node {node_id} ({reason or 'no reason given'})", "drain", job_id,
+                          node_id, reason)
+
+
+async def clear_exclusion(request: web.Request) -> web.Response:
+    _check_peer(request)
+    job_id, node_id = job_id_of(request), _node_id(request)
+    await _body(request, {})
+    return await _operate(request, f"clear exclusion or drain of node {node_id}", "clear_exclusion", job_id,
+                          node_id)
+
+
+async def resize_job(request: web.Request) -> web.Response:
+    _check_peer(request)
+    job_id = job_id_of(request)
+    body = await _body(request, {"min_nodes": int, "max_nodes": int})
+    if not body:
+        raise bad_request("give min_nodes and/or max_nodes (an omitted one keeps its value)")
+    job = request.app[COORDINATOR].core.jobs.get(job_id)
+    if job is None:
+        raise RendezvousError(ErrorCode.UNKNOWN_JOB, f"no job {job_id!r} on this server")
+    min_nodes = body.get("min_nodes", job.config.min_nodes)
+    max_nodes = body.get("max_nodes", job.config.max_nodes)
+    return await _operate(request, f"resize to nodes {min_nodes}:{max_nodes}", "resize", job_id, min_nodes,
+                          max_nodes)

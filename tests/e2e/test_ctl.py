@@ -1,0 +1,128 @@
+"""End-to-end: `rdzv-ctl` against a real server with real agents running a job.
+
+The command is run as a user would (the installed console script, else `python -m`), and each
+test checks both what it prints and what the server's JSON then says. Waits are bounded polls of
+the JSON API or process exits; nothing sleeps to synchronise.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.e2e.harness import SCRIPTS, child_env, job_view, pid_gone, read_records, wait_until
+
+pytestmark = pytest.mark.e2e
+WORKER = os.path.join(SCRIPTS, "chaos_worker.py")     # plain python: records its round, idles
+FAST = ("--lease-timeout", "3", "--last-call", "1", "--stop-timeout", "2")
+LIMIT = 60.0
+CONSOLE_SCRIPT = os.path.join(os.path.dirname(sys.executable), "rdzv-ctl")
+
+
+def ctl(cluster, *args: str, expect: int = 0) -> subprocess.CompletedProcess:
+    argv = [CONSOLE_SCRIPT] if os.access(CONSOLE_SCRIPT, os.X_OK) else [sys.executable, "-m", "rdzv_server.ctl"]
+    env = child_env(RDZV_SERVER=f"http://{cluster.endpoint()}")
+    done = subprocess.run([*argv, *args], capture_output=True, text=True, env=env, timeout=60)
+    assert done.returncode == expect, f"rdzv-ctl {' '.join(args)} exited {done.returncode}:\n" \
+                                      f"{done.stdout}\n{done.stderr}"
+    return done
+
+
+def start_agents(cluster, out, job: str, names: tuple[str, ...], nnodes: str):
+    return {name: cluster.agent("--endpoint", cluster.endpoint(), "--nnodes", nnodes, "--nproc", "1",
+                                "--job-id", job, "--max-restarts", "3", "--node-id", name, *FAST, WORKER,
+                                name=name, env={"OUT_DIR": str(out), "NODE": name})
+            for name in names}
+
+
+def wait_members(cluster, job: str, members: list[str], min_round: int = 1) -> dict:
+    """Wait until the job runs a round of exactly `members` (in any order: agents race to join)."""
+    def ready():
+        view = job_view(cluster, job, missing_ok=True)
+        if not view or view["state"] != "running" or (view["round_id"] or 0) < min_round:
+            return None
+        if sorted(n["node_id"] for n in view["nodes"]) != sorted(members):
+            return None
+        return view
+    return wait_until(ready, LIMIT, lambda: f"job {job} running with {members}: {job_view(cluster, job, True)}")
+
+
+def test_status_events_drain_and_close_through_rdzv_ctl(cluster, tmp_path):
+    cluster.start_server()
+    agents = start_agents(cluster, tmp_path, "ctljob", ("node-a", "node-b", "node-c"), "2:3")
+    view = wait_members(cluster, "ctljob", ["node-a", "node-b", "node-c"])
+    first_round = view["round_id"]
+    wait_until(lambda: len([r for r in read_records(tmp_path) if r["world"] == 3]) >= 3, LIMIT,
+               "three workers of the 3-node round started")
+
+    status = ctl(cluster, "status").stdout
+    header, *rows = status.splitlines()
+    assert header.split() == ["JOB", "STATE", "ROUND", "WORLD", "NODES", "RESTARTS", "SPARES", "EXCLUDED", "REASON"]
+    (row,) = [r for r in rows if r.startswith("ctljob")]
+    assert row.split()[:8] == ["ctljob", "running", str(first_round), "3", "3", "(2:3)", "0/3", "0"]
+    assert header.index("STATE") == row.index("running")          # columns line up
+
+    detail = ctl(cluster, "job", "ctljob").stdout
+    assert "state      running" in detail and "RANK  NODE" in detail
+    ranks = {line.split()[1]: int(line.split()[0]) for line in detail.splitlines() if line[:1].isdigit()}
+    assert ranks == {n["node_id"]: n["group_rank"] for n in view["nodes"]}
+
+    drained = ctl(cluster, "drain", "ctljob", "node-c", "--reason", "bad disk").stdout
+    assert drained.startswith("drained node node-c from job ctljob")
+    assert sorted(line.split()[1] for line in drained.splitlines() if line[:1].isdigit()) == ["node-a", "node-b"]
+    assert agents["node-c"].wait(LIMIT) == 0, agents["node-c"].output       # drained: exits 0
+    for rec in [r for r in read_records(tmp_path) if r["node"] == "node-c"]:
+        assert pid_gone(rec["pid"], 10), f"worker {rec['pid']} of the drained node still runs"
+    order = [n["node_id"] for n in view["nodes"] if n["node_id"] != "node-c"]
+    view = wait_members(cluster, "ctljob", ["node-a", "node-b"], min_round=first_round + 1)
+    assert view["restart_count"] == 0 and view["world_size"] == 2
+    assert [n["node_id"] for n in view["nodes"]] == order          # survivors keep their relative ranks
+
+    events = ctl(cluster, "events", "ctljob").stdout.splitlines()
+    assert events[0].split() == ["TIME", "KIND", "NODE", "ROUND", "MESSAGE"]
+    (drain_line,) = [e for e in events if " node_drained " in e]
+    assert "node-c" in drain_line and "bad disk" in drain_line
+    assert drain_line[2] == ":" and drain_line[5] == ":" and drain_line[8] == "."     # HH:MM:SS.mmm
+    last_two = ctl(cluster, "events", "ctljob", "--last", "2").stdout.splitlines()
+    assert len(last_two) == 3 and last_two[1:] == events[-2:]
+    refused = ctl(cluster, "job", "nosuch", expect=1)
+    assert refused.stdout == "" and len(refused.stderr.strip().splitlines()) == 1
+    assert cluster.endpoint() in refused.stderr and "no job 'nosuch'" in refused.stderr
+
+    closed = ctl(cluster, "close", "ctljob", "--reason", "end of test").stdout
+    assert closed.startswith("closed job ctljob") and "state      closed" in closed
+    for name in ("node-a", "node-b"):
+        code = agents[name].wait(LIMIT)
+        assert code != 0 and "closed" in agents[name].output, agents[name].output
+    final = job_view(cluster, "ctljob")
+    assert final["state"] == "closed" and "end of test" in final["reason"]
+    assert "job_closed" in ctl(cluster, "--json", "events", "ctljob", "--last", "1").stdout
+
+
+def test_resize_and_clear_through_rdzv_ctl_and_json_output(cluster, tmp_path):
+    cluster.start_server()
+    agents = start_agents(cluster, tmp_path, "rsjob", ("node-a", "node-b"), "2:2")
+    view = wait_members(cluster, "rsjob", ["node-a", "node-b"])
+    first, (rank0, rank1) = view["round_id"], [n["node_id"] for n in view["nodes"]]
+    out = ctl(cluster, "resize", "rsjob", "--nnodes", "1:1").stdout
+    assert out.startswith("resized job rsjob to nodes 1:1")
+    view = wait_members(cluster, "rsjob", [rank0], min_round=first + 1)     # rank 0 stays rank 0
+    assert [n["node_id"] for n in view["spares"]] == [rank1] and view["restart_count"] == 0
+    back = ctl(cluster, "--json", "resize", "rsjob", "--nnodes", ":2").stdout
+    assert '"max_nodes": 2' in back and '"min_nodes": 1' in back
+    wait_members(cluster, "rsjob", ["node-a", "node-b"], min_round=first + 2)
+    gone = ctl(cluster, "clear", "rsjob", rank1, expect=1).stderr
+    assert "neither excluded nor drained" in gone
+    ctl(cluster, "close", "rsjob")
+    for proc in agents.values():
+        assert proc.wait(LIMIT) != 0
+
+
+def test_rdzv_ctl_reports_an_unreachable_server_and_bad_usage_without_a_traceback(cluster):
+    cluster.port = 1          # nothing listens there
+    down = ctl(cluster, "status", expect=1)
+    assert "cannot reach rdzv-server at http://127.0.0.1:1" in down.stderr and "Traceback" not in down.stderr
+    usage = ctl(cluster, "resize", "job", "--nnodes", "two", expect=2)
+    assert "--nnodes" in usage.stderr and "Traceback" not in usage.stderr

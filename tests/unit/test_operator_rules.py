@@ -1,0 +1,94 @@
+"""Operator actions on the pure core: close, drain, clear an exclusion or drain, resize."""
+from __future__ import annotations
+
+import pytest
+
+from protocol.errors import ErrorCode
+from protocol.messages import JobState, NodeState
+from rdzv_server.rendezvous import Rendezvous, RendezvousError
+from tests.unit.test_rendezvous import JOB, cfg, fail, join, poll
+
+
+def running(nodes=("a", "b"), **kw) -> Rendezvous:
+    rz = Rendezvous()
+    c = cfg(min_nodes=len(nodes), max_nodes=len(nodes), last_call_s=0.0, **kw)
+    for i, n in enumerate(nodes):
+        join(rz, n, float(i), c)
+    assert rz.jobs[JOB].state == JobState.RUNNING
+    return rz
+
+
+def test_close_ends_the_job_and_tells_every_node():
+    rz = running()
+    rz.close_job(JOB, "maintenance", 5.0)
+    status = poll(rz, "a", 6.0)
+    assert status.job_state == JobState.CLOSED and "closed by operator: maintenance" in status.reason
+    with pytest.raises(RendezvousError) as err:
+        rz.close_job(JOB, "again", 7.0)
+    assert err.value.code == ErrorCode.JOB_FINISHED
+
+
+def test_drain_reforms_without_the_node_uses_no_restart_and_keeps_it_out_until_cleared():
+    rz = running(("a", "b", "c"))
+    job = rz.jobs[JOB]
+    rz.resize(JOB, 1, 3, 3.0)
+    rz.drain_node(JOB, "b", "bad disk", 4.0)
+    assert job.round.members == ["a", "c"] and job.restart_count == 0
+    assert job.events[-1].data["cause"] == "node_drained"
+    assert poll(rz, "b", 5.0).node_state == NodeState.GONE
+    with pytest.raises(RendezvousError) as err:
+        join(rz, "b", 6.0, cfg(min_nodes=3, max_nodes=3, last_call_s=0.0), instance="b#2")
+    assert err.value.code == ErrorCode.NODE_DRAINED and "bad disk" in err.value.message
+    rz.clear_exclusion(JOB, "b", 7.0)
+    join(rz, "b", 8.0, cfg(min_nodes=3, max_nodes=3, last_call_s=0.0), instance="b#2")
+    assert "b" in job.nodes and job.nodes["b"].state in (NodeState.WAITING, NodeState.MEMBER)
+
+
+def test_a_node_not_in_the_job_can_be_drained_ahead():
+    rz = running()
+    rz.drain_node(JOB, "ghost", "known bad", 3.0)
+    with pytest.raises(RendezvousError) as err:
+        join(rz, "ghost", 4.0, cfg(min_nodes=2, max_nodes=2, last_call_s=0.0))
+    assert err.value.code == ErrorCode.NODE_DRAINED
+    assert rz.jobs[JOB].round.round_id == 1          # nothing else changed
+
+
+def test_clear_exclusion_readmits_at_once_and_forgets_the_history():
+    rz = running(("a", "b"), exclude_after=1, max_restarts=5)
+    rz.resize(JOB, 1, 2, 2.0)
+    fail(rz, "b", rz.jobs[JOB].round.round_id, 3.0)
+    job = rz.jobs[JOB]
+    assert job.excluded == ["b"]
+    rz.clear_exclusion(JOB, "b", 4.0)
+    assert job.excluded == [] and job.nodes["b"].failure_times == [] and job.nodes["b"].exclusions == 0
+    with pytest.raises(RendezvousError) as err:
+        rz.clear_exclusion(JOB, "a", 5.0)
+    assert err.value.code == ErrorCode.NOT_FOUND
+
+
+def test_resize_down_to_members_turns_waiting_nodes_into_spares_without_a_new_round():
+    rz = Rendezvous()
+    c = cfg(min_nodes=2, max_nodes=4, last_call_s=10.0)
+    join(rz, "a", 0.0, c)
+    join(rz, "b", 0.0, c)
+    rz.tick(10.0)                                   # round 1 with a, b
+    join(rz, "c", 11.0, c)                          # waits for a last call (scale-up)
+    job = rz.jobs[JOB]
+    assert job.waiting == ["c"] and job.last_call_deadline is not None
+    rz.resize(JOB, 2, 2, 12.0)
+    assert job.round.round_id == 1 and job.spares == ["c"] and job.last_call_deadline is None
+    assert job.nodes["c"].state == NodeState.SPARE
+    assert rz.tick(30.0) == [] and job.round.round_id == 1
+
+
+def test_resize_checks_its_numbers_and_keeps_joins_matching_the_start_config():
+    rz = running(("a", "b"))
+    with pytest.raises(RendezvousError) as err:
+        rz.resize(JOB, 3, 2, 2.0)
+    assert err.value.code == ErrorCode.BAD_REQUEST and "max_nodes" in err.value.message
+    rz.resize(JOB, 1, 1, 3.0)
+    job = rz.jobs[JOB]
+    assert len(job.round.members) == 1 and job.spares == ["b"] and job.restart_count == 0
+    # a restarted agent joins with the flags it started with: that is not a config conflict
+    join(rz, "b", 4.0, cfg(min_nodes=2, max_nodes=2, last_call_s=0.0), instance="b#2")
+    assert job.spares == ["b"]

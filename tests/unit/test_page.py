@@ -1,0 +1,246 @@
+"""The status page rendered from a hand-built rendezvous core: time is plain floats, no server.
+
+Markup is parsed with html.parser, so "escaped" means: the browser sees the hostile text as text,
+and no element came out of it.
+"""
+from __future__ import annotations
+
+from html.parser import HTMLParser
+
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+
+from protocol.messages import (FailureReport, JobConfig, JoinRequest, NodeState, SuccessReport,
+                               WorkerFailure)
+from rdzv_server import page, views
+from rdzv_server.app import create_app
+from rdzv_server.coordinator import Coordinator
+from rdzv_server.records import Event, NodeRecord
+from rdzv_server.rendezvous import Rendezvous
+
+T = 1_700_000_000.0          # 2023-11-14T22:13:20Z
+HOSTILE = "<script>alert(1)</script>"
+
+
+class Markup(HTMLParser):
+    """Start tags with their attributes, and the text a reader sees (whitespace collapsed)."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__(convert_charrefs=True)
+        self.tags: list[tuple[str, dict[str, str]]] = []
+        self._text: list[str] = []
+        self._skip = 0
+        self.feed(text)
+        self.close()
+        self.text = " ".join(" ".join(self._text).split())
+
+    def handle_starttag(self, tag, attrs):
+        self.tags.append((tag, {k: v or "" for k, v in attrs}))
+        self._skip += tag in ("style", "title")
+
+    def handle_endtag(self, tag):
+        self._skip -= tag in ("style", "title")
+
+    def handle_data(self, data):
+        if not self._skip:
+            self._text.append(data)
+
+    def attr(self, name: str) -> list[str]:
+        return [a[name] for _, a in self.tags if name in a]
+
+
+def cfg(**kw) -> JobConfig:
+    return JobConfig(**{"min_nodes": 2, "max_nodes": 2, "max_restarts": 3, "lease_timeout_s": 10_000.0, **kw})
+
+
+def join(rz: Rendezvous, job: str, node: str, now: float, config: JobConfig, host: str = "", lws: int = 1):
+    return rz.join(job, JoinRequest(v=1, node_id=node, addr=f"10.0.0.{len(node)}", host=host or f"host-{node}",
+                                    local_world_size=lws, master_port=29500, config=config,
+                                    instance=f"{node}#1"), now)
+
+
+def fail(rz: Rendezvous, job: str, node: str, now: float, message: str = "", exitcode: int = 1):
+    round_id = rz.jobs[job].round.round_id
+    failure = WorkerFailure(local_rank=0, rank=0, exitcode=exitcode, message=message)
+    return rz.report_failure(job, FailureReport(v=1, node_id=node, round_id=round_id, failures=[failure]), now)
+
+
+def running(rz: Rendezvous, job: str, nodes: list[str], config: JobConfig, t: float = T, **kw) -> None:
+    for i, n in enumerate(nodes):
+        join(rz, job, n, t + i, config, **kw)
+    deadline = rz.next_deadline()
+    if rz.jobs[job].round is None and deadline is not None:
+        rz.tick(deadline)
+    assert rz.jobs[job].round is not None
+
+
+def health_of(markup: Markup) -> dict[str, str]:
+    return {a["data-job"]: a["data-health"] for _, a in markup.tags if "data-health" in a}
+
+
+# ---- the overview -------------------------------------------------------------------------------
+
+def test_every_job_has_its_state_and_health_colour():
+    rz = Rendezvous()
+    running(rz, "ok", ["a", "b"], cfg())
+    join(rz, "waits", "w", T, cfg(min_nodes=3, max_nodes=3))
+    running(rz, "dies", ["d"], cfg(min_nodes=1, max_nodes=1, max_restarts=0))
+    fail(rz, "dies", "d", T + 5)
+    running(rz, "done", ["s"], cfg(min_nodes=1, max_nodes=1))
+    rz.report_success("done", SuccessReport(v=1, node_id="s", round_id=rz.jobs["done"].round.round_id), T + 6)
+    running(rz, "shut", ["c"], cfg(min_nodes=1, max_nodes=1))
+    rz.close_job("shut", "maintenance", T + 7)
+    running(rz, "short", ["x", "y"], cfg(max_nodes=3, last_call_s=1.0))   # 2 of max 3
+    running(rz, "tired", ["p", "q"], cfg())
+    fail(rz, "tired", "p", T + 8)
+    fail(rz, "tired", "p", T + 9)                                              # 2 of 3 restarts used
+
+    m = Markup(page.index_page(rz, T + 60))
+
+    assert health_of(m) == {"ok": "green", "waits": "amber", "dies": "red", "done": "blue", "shut": "grey",
+                            "short": "orange", "tired": "orange"}
+    assert "1 node short of max 3" in m.text and "restarts 2/3 used" in m.text
+    assert "7 jobs" in m.text
+    for state in ("running", "waiting", "failed", "succeeded", "closed"):
+        assert ("span", {"class": f"badge s-{state}"}) in m.tags, state
+    # jobs needing a human come first: failed, then waiting, then running
+    order = [a["data-job"] for t, a in m.tags if t == "section"]
+    assert order[:2] == ["dies", "waits"] and order[-2:] == ["shut", "done"], order
+
+
+def test_overview_shows_round_world_restarts_members_and_recent_events():
+    rz = Rendezvous()
+    running(rz, "job-1", ["alpha", "bravo"], cfg(), lws=4)
+    fail(rz, "job-1", "bravo", T + 30, message="CUDA error: out of memory")
+    m = Markup(page.index_page(rz, T + 90))
+
+    job = views.job_detail(rz.jobs["job-1"], T + 90)
+    assert job["round_id"] == 2 and job["world_size"] == 8
+    assert "round #2 world size 8" in m.text and "restarts 1 / 3" in m.text, m.text
+    assert sorted(m.attr("data-node")) == ["alpha", "bravo"]
+    # group rank, node, host / addr, local world, ranks, lease age, worker state, recent failures
+    assert "0 alpha host-alpha 10.0.0.5 4 0–3 1m 30s running 0" in m.text, m.text
+    assert "1 bravo host-bravo 10.0.0.5 4 4–7 1m 00s running 1" in m.text, m.text
+    # the failure is in the recent events, highlighted, with its UTC time and age
+    seq = next(e.seq for e in rz.jobs["job-1"].events if e.kind == "worker_failed")
+    assert ("tr", {"class": "event ev-bad", "data-kind": "worker_failed", "data-seq": str(seq)}) in m.tags
+    assert "CUDA error: out of memory" in m.text
+    assert "2023-11-14T22:13:50.000Z (1m 00s ago)" in m.text
+    # only the last few events on the overview, newest first
+    seqs = [int(s) for s in m.attr("data-seq")]
+    assert seqs == sorted(seqs, reverse=True) and len(seqs) == page.INDEX_EVENTS
+    assert seqs[0] == rz.jobs["job-1"].events[-1].seq
+    assert "/jobs/job-1" in m.attr("href")
+
+
+def test_spares_and_excluded_nodes_with_time_left():
+    rz = Rendezvous()
+    config = cfg(max_nodes=2, exclude_after=1, exclude_cooldown_s=60.0, max_restarts=5)
+    running(rz, "j", ["a", "b"], config)
+    join(rz, "j", "c", T + 5, config)                     # job at max: spare #1
+    fail(rz, "j", "b", T + 10)                            # b excluded for 60 s; spare c promoted
+    m = Markup(page.index_page(rz, T + 25))
+    assert rz.jobs["j"].nodes["b"].state == NodeState.EXCLUDED
+    assert "time left exclusions b host-b 10.0.0.1 45s 1" in m.text, m.text
+    join(rz, "j", "d", T + 26, config)
+    m = Markup(page.index_page(rz, T + 27))
+    assert "lease age #1 d host-d" in m.text, m.text
+
+
+def test_no_jobs_yet():
+    m = Markup(page.index_page(Rendezvous(), T))
+    assert "0 jobs" in m.text and "No jobs yet" in m.text
+    assert ("meta", {"http-equiv": "refresh", "content": "2"}) in m.tags
+    assert "2023-11-14T22:13:20.000Z" in m.text          # server time in the header
+
+
+def test_refresh_can_be_paused_and_is_bounded():
+    assert [page.refresh_seconds(v) for v in (None, "0", "5", "-3", "99999", "soon")] == [2, 0, 5, 0, 3600, 2]
+    m = Markup(page.index_page(Rendezvous(), T, refresh=0))
+    assert not [a for t, a in m.tags if t == "meta" and a.get("http-equiv") == "refresh"]
+    assert "auto-refresh paused" in m.text
+
+
+# ---- escaping -----------------------------------------------------------------------------------
+
+def test_client_strings_are_escaped_everywhere():
+    rz = Rendezvous()
+    running(rz, "j", ["a", "b"], cfg(min_nodes=1, max_nodes=3), host=HOSTILE)
+    fail(rz, "j", "a", T + 3, message='<img src=x onerror="alert(2)">')
+    # a node id the protocol would refuse today, as an older store might hold it
+    job = rz.jobs["j"]
+    job.nodes["<script>"] = NodeRecord(node_id="<script>", instance="i", addr="<b>addr</b>", host=HOSTILE,
+                                       role="default", local_world_size=1, master_port=1, state=NodeState.SPARE,
+                                       joined_at=T, last_seen=T, lease_expires=T + 100)
+    job.spares.append("<script>")
+    job.record(Event(t=T + 4, seq=0, kind="note<b>", message="</td></tr></table><script>x()</script>",
+                     node_id="<script>", data={"k<i>": "v<i>"}))
+
+    for text in (page.index_page(rz, T + 5), page.job_page(rz, "j", T + 5),
+                 page.not_found_page(rz, "<script>alert(3)</script>", T + 5)):
+        assert text is not None
+        m = Markup(text)
+        assert not {t for t, _ in m.tags} & {"script", "img"}, m.tags
+        for raw in ("<script", "<img", "<b>addr", "<i>"):
+            assert raw not in text, raw
+    m = Markup(page.job_page(rz, "j", T + 5) or "")
+    assert HOSTILE in m.text and '<img src=x onerror="alert(2)">' in m.text
+    assert "</td></tr></table><script>x()</script>" in m.text and "k<i> v<i>" in m.text
+    assert f"#1 <script> {HOSTILE} <b>addr</b>" in m.text, m.text
+    assert "No job <script>alert(3)</script> on this server" in Markup(
+        page.not_found_page(rz, "<script>alert(3)</script>", T)).text
+
+
+# ---- one job ------------------------------------------------------------------------------------
+
+def test_job_page_has_config_failures_and_the_newest_events_first():
+    rz = Rendezvous()
+    running(rz, "j", ["a", "b"], cfg(max_restarts=7))
+    fail(rz, "j", "b", T + 10, message="boom", exitcode=-9)
+    for i in range(250):
+        rz.jobs["j"].record(Event(t=T + 20 + i, seq=0, kind="note", message=f"note {i}"))
+    m = Markup(page.job_page(rz, "j", T + 300) or "")
+
+    assert "max_restarts 7" in m.text and "lease_timeout_s 10000.0" in m.text
+    assert "Last failure (the root cause)" in m.text and "exitcode -9" in m.text and "message boom" in m.text
+    seqs = [int(s) for s in m.attr("data-seq")]
+    last = rz.jobs["j"].events[-1].seq
+    assert seqs == list(range(last, last - page.DETAIL_EVENTS, -1))
+    assert sorted(m.attr("data-node")) == ["a", "b"]
+    assert page.job_page(rz, "missing", T) is None
+
+
+def test_not_found_page_names_the_id_and_lists_known_jobs():
+    rz = Rendezvous()
+    running(rz, "real-job", ["a", "b"], cfg())
+    m = Markup(page.not_found_page(rz, "nope", T))
+    assert "No job nope on this server" in m.text and "real-job" in m.text
+    assert "/jobs/real-job" in m.attr("href")
+
+
+# ---- over HTTP ----------------------------------------------------------------------------------
+
+async def test_app_serves_the_pages_as_html_and_unknown_jobs_as_a_404_page():
+    rz = Rendezvous()
+    running(rz, "j", ["a", "b"], cfg())
+    client = TestClient(TestServer(create_app(Coordinator(rz, clock=lambda: T + 1)), host="127.0.0.1"))
+    await client.start_server()
+    try:
+        for path in ("/", "/?refresh=0", "/jobs/j"):
+            resp = await client.get(path)
+            assert resp.status == 200 and resp.content_type == "text/html", path
+            assert "a" in Markup(await resp.text()).attr("data-node")
+        resp = await client.get("/jobs/%3Cb%3Eghost")
+        body = await resp.text()
+        assert resp.status == 404 and resp.content_type == "text/html"
+        assert "No job <b>ghost on this server" in Markup(body).text and "<b>ghost" not in body
+        resp = await client.get("/v1/jobs/j")                  # the JSON API still answers as before
+        assert resp.status == 200 and (await resp.json())["job_id"] == "j"
+    finally:
+        await client.close()
+
+
+@pytest.mark.parametrize("seconds,text", [(0.04, "0.0s"), (9.4, "9.4s"), (42, "42s"), (245, "4m 05s"),
+                                          (7380, "2h 03m"), (273_605, "3d 4h")])
+def test_ages_read_at_a_glance(seconds, text):
+    assert page._age(seconds) == text
