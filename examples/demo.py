@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import tempfile
 import sys
@@ -36,17 +37,23 @@ def pump(proc: subprocess.Popen, label: str) -> threading.Thread:
 def main() -> int:
     env = dict(os.environ, PYTHONPATH=ROOT)
     procs: list[subprocess.Popen] = []
+    state_dir = tempfile.mkdtemp(prefix="rdzv-demo-state-")
     try:
         banner("starting rdzv-server on a free port")
-        state_dir = tempfile.mkdtemp(prefix="rdzv-demo-state-")
         server = subprocess.Popen([PY, "-m", "rdzv_server.cli", "--host", "127.0.0.1", "--port", "0",
                                    "--state-dir", state_dir],
                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
         procs.append(server)
         assert server.stdout is not None
-        first = server.stdout.readline()
-        print(f"server | {first}", end="")
-        port = int(re.search(r":(\d+)\s*$", first).group(1))
+        while True:                      # log lines may come first; the port is on the "listening" line
+            line = server.stdout.readline()
+            if not line:
+                raise SystemExit("demo: rdzv-server exited before it listened")
+            print(f"server | {line}", end="")
+            found = re.search(r"listening on http://\S+:(\d+)\s*$", line)
+            if found:
+                port = int(found.group(1))
+                break
         pump(server, "server")
         banner(f"starting 2 node agents x 2 workers (job 'demo', endpoint 127.0.0.1:{port})")
         agents = []
@@ -75,6 +82,9 @@ def main() -> int:
             ranks = f"{n['rank_offset']}..{n['rank_offset'] + n['local_world_size'] - 1}"
             print(f"  {n['node_id']}: group rank {n['group_rank']}, global ranks {ranks}, addr {n['addr']}")
         print(f"agent exit codes: {codes}")
+        banner(f"rdzv-ctl status (the status page was at http://127.0.0.1:{port}/, metrics at /metrics)")
+        subprocess.run([PY, "-m", "rdzv_server.ctl", "--endpoint", f"127.0.0.1:{port}", "status"], env=env,
+                       timeout=30)
         ok = job["state"] == "succeeded" and all(c == 0 for c in codes.values()) and job["restart_count"] == 1
         print("DEMO OK" if ok else "DEMO FAILED")
         return 0 if ok else 1
@@ -88,6 +98,7 @@ def main() -> int:
                 p.wait(max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 p.kill()
+        shutil.rmtree(state_dir, ignore_errors=True)
 
 
 if __name__ == "__main__":
