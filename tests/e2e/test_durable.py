@@ -114,3 +114,26 @@ def test_agents_give_up_when_the_server_stays_away_past_their_window(cluster, tm
         assert "rendezvous server unreachable for" in a.output and "limit 4s" in a.output, a.output
     assert all(pid_gone(pid, 10) for pid in workers), "workers outlived their agent"
     assert all((out / f"sigterm-{r}").exists() for r in (0, 1)), "workers were not stopped with SIGTERM"
+
+
+@pytest.mark.parametrize("bad", ["corrupt", "not_a_dir"])
+def test_server_refuses_a_bad_state_dir_with_one_clear_line(tmp_path, bad):
+    import subprocess
+    import sys
+
+    from tests.e2e.harness import child_env
+    if bad == "corrupt":
+        state = tmp_path / "state"
+        state.mkdir()
+        (state / "rdzv-state.sqlite3").write_bytes(b"garbage" * 1000)
+        expect = "file is not a database"
+    else:
+        (tmp_path / "file").write_text("x")
+        state = tmp_path / "file" / "state"
+        expect = "cannot use --state-dir"
+    run = subprocess.run([sys.executable, "-m", "rdzv_server.cli", "--host", "127.0.0.1", "--port", "0",
+                          "--state-dir", str(state)], capture_output=True, text=True, env=child_env(), timeout=60)
+    assert run.returncode == 1 and expect in run.stderr, run.stderr
+    assert "Traceback" not in run.stderr + run.stdout and "listening" not in run.stdout
+    if bad == "corrupt":
+        assert (state / "rdzv-state.sqlite3").read_bytes() == b"garbage" * 1000
