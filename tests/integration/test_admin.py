@@ -8,41 +8,24 @@ from __future__ import annotations
 import asyncio
 import json
 
-import aiohttp
 import msgpack
 import pytest
 from aiohttp import web
-from aiohttp.test_utils import TestServer
 
 from rdzv_server.admin import is_loopback
+from tests.integration.support import start_app, url
 from rdzv_server.app import COORDINATOR, create_app
 
 MSGPACK = {"Content-Type": "application/msgpack"}
 
 
-async def start(app: web.Application) -> TestServer:
-    srv = TestServer(app, host="127.0.0.1", port=0)
-    await srv.start_server()
-    return srv
-
-
 @pytest.fixture
 async def server():
-    srv = await start(create_app())
+    srv = await start_app(create_app())
     try:
         yield srv
     finally:
         await srv.close()
-
-
-@pytest.fixture
-async def http():
-    async with aiohttp.ClientSession() as session:
-        yield session
-
-
-def url(server, path: str) -> str:
-    return f"http://127.0.0.1:{server.port}{path}"
 
 
 class Node:
@@ -208,7 +191,7 @@ def with_peer(app: web.Application, peer: str) -> web.Application:
 
 @pytest.mark.parametrize("peer", ["10.1.2.3", "2001:db8::7"])
 async def test_admin_from_a_non_loopback_peer_is_forbidden_unless_allowed(http, peer):
-    srv = await start(with_peer(create_app(), peer))
+    srv = await start_app(with_peer(create_app(), peer))
     try:
         await running_job(http, srv, "remote", ("a",))
         reply = await admin(http, srv, "remote/close", {"reason": "x"}, expect=403)
@@ -221,7 +204,7 @@ async def test_admin_from_a_non_loopback_peer_is_forbidden_unless_allowed(http, 
             assert resp.status == 200
     finally:
         await srv.close()
-    allowed = await start(with_peer(create_app(allow_remote_admin=True), peer))
+    allowed = await start_app(with_peer(create_app(allow_remote_admin=True), peer))
     try:
         await running_job(http, allowed, "remote", ("a",))
         assert (await admin(http, allowed, "remote/close", {"reason": "x"}))["state"] == "closed"

@@ -16,6 +16,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from prometheus_client.parser import text_string_to_metric_families
 
 from protocol.messages import JobState, NodeState
+from tests.integration.support import start_app, url, wait_until
 from rdzv_server.app import COORDINATOR, create_app
 from rdzv_server.coordinator import Coordinator
 from rdzv_server.rounds import CAUSES
@@ -38,16 +39,8 @@ def clock():
     return Clock()
 
 
-@pytest.fixture
-async def http():
-    async with aiohttp.ClientSession() as session:
-        yield session
-
-
 async def start(coordinator: Coordinator) -> TestServer:
-    srv = TestServer(create_app(coordinator), host="127.0.0.1", port=0)
-    await srv.start_server()
-    return srv
+    return await start_app(create_app(coordinator))
 
 
 @pytest.fixture
@@ -57,10 +50,6 @@ async def server(clock):
         yield srv
     finally:
         await srv.close()
-
-
-def url(server, path: str) -> str:
-    return f"http://127.0.0.1:{server.port}{path}"
 
 
 class Node:
@@ -253,12 +242,3 @@ async def test_a_restarted_server_counts_only_its_own_restarts(tmp_path, http, c
         assert s["rdzv_rounds_total", {"cause": "failure"}] == 1
     finally:
         await second.close()
-
-
-async def wait_until(predicate, timeout: float = 5.0) -> None:
-    """Wait for a condition that no event announces (bounded; fails the test on timeout)."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while not predicate():
-        assert loop.time() < deadline, "condition not reached in time"
-        await asyncio.sleep(0.01)

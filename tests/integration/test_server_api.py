@@ -10,8 +10,8 @@ import asyncio
 import aiohttp
 import msgpack
 import pytest
-from aiohttp.test_utils import TestServer
 
+from tests.integration.support import start_app, url, wait_until
 from rdzv_server.app import COORDINATOR, create_app
 
 MSGPACK = {"Content-Type": "application/msgpack"}
@@ -19,31 +19,11 @@ MSGPACK = {"Content-Type": "application/msgpack"}
 
 @pytest.fixture
 async def server():
-    srv = TestServer(create_app(), host="127.0.0.1", port=0)
-    await srv.start_server()
+    srv = await start_app(create_app())
     try:
         yield srv
     finally:
         await srv.close()
-
-
-@pytest.fixture
-async def http():
-    async with aiohttp.ClientSession() as session:
-        yield session
-
-
-async def wait_until(predicate, timeout: float = 5.0) -> None:
-    """Wait for a condition that no event announces (bounded; fails the test on timeout)."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while not predicate():
-        assert loop.time() < deadline, "condition not reached in time"
-        await asyncio.sleep(0.01)
-
-
-def url(server, path: str) -> str:
-    return f"http://127.0.0.1:{server.port}{path}"
 
 
 class MsgpackNode:
