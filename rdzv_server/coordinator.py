@@ -99,12 +99,11 @@ class Coordinator:
         if job is None:
             return
         last = self._logged.get(job_id, 0)
-        for ev in job.events:
-            if ev.seq > last:
-                log.info("%s", ev.message, extra={"job_id": job_id, "event": ev.kind, "node_id": ev.node_id,
-                                                  "round_id": ev.round_id})
-                for listener in self.event_listeners:
-                    listener(job, ev)
+        for ev in job.events_after(last):
+            log.info("%s", ev.message, extra={"job_id": job_id, "event": ev.kind, "node_id": ev.node_id,
+                                              "round_id": ev.round_id})
+            for listener in self.event_listeners:
+                listener(job, ev)
         self._logged[job_id] = job.event_seq
         self.persister.note(job)
         if self._epochs.get(job_id) != job.epoch:

@@ -81,6 +81,11 @@ class JobRecord(msgspec.Struct, kw_only=True):
     event_seq: int = 0
     events: list[Event] = msgspec.field(default_factory=list)
 
+    def events_after(self, seq: int) -> list[Event]:
+        """The kept events newer than `seq` (seqs are consecutive, so no scan of the history)."""
+        newer = self.event_seq - seq
+        return self.events[-newer:] if newer > 0 else []
+
     def record(self, event: Event) -> None:
         self.event_seq += 1
         event.seq = self.event_seq

@@ -67,7 +67,7 @@ _event_decoder = msgspec.msgpack.Decoder(Event)
 def snapshot(job: JobRecord, events_saved_up_to: int, reset_events: bool) -> JobSnapshot:
     """Encode a job as it is now: its record, and the events after `events_saved_up_to`."""
     record = _encoder.encode(msgspec.structs.replace(job, events=[]))
-    new = [(e.seq, _encoder.encode(e)) for e in job.events if e.seq > events_saved_up_to]
+    new = [(e.seq, _encoder.encode(e)) for e in job.events_after(events_saved_up_to)]
     return JobSnapshot(job.job_id, record, new, reset_events, job.event_seq - MAX_EVENTS_PER_JOB)
 
 
