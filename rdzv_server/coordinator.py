@@ -38,7 +38,7 @@ class Coordinator:
         self.open_polls = 0
         self._job_events: dict[str, asyncio.Event] = {}
         self._epochs: dict[str, int] = {}
-        self._logged: dict[str, int] = {}
+        self._logged: dict[str, tuple[float, int]] = {}   # job id -> (created_at, last event seq seen)
         self._rearm: Optional[asyncio.Event] = None
         self._timer: Optional[asyncio.Task] = None
         # Called once per new event, after the core recorded it (metrics hook here).
@@ -51,7 +51,7 @@ class Coordinator:
             self.core.jobs.update(loaded.jobs)
             self.persister.adopt(loaded.jobs)
             for job in loaded.jobs.values():
-                self._logged[job.job_id] = job.event_seq      # logged by the previous run
+                self._logged[job.job_id] = (job.created_at, job.event_seq)   # logged by the previous run
             if loaded.alive_at is not None:
                 now = self.clock()
                 self.core.restored(now, max(0.0, now - loaded.alive_at), loaded.clean_shutdown)
@@ -98,13 +98,15 @@ class Coordinator:
         job = self.core.jobs.get(job_id)
         if job is None:
             return
-        last = self._logged.get(job_id, 0)
+        created, last = self._logged.get(job_id, (job.created_at, 0))
+        if created != job.created_at:       # the id started a new run: its events count from 1 again
+            last = 0
         for ev in job.events_after(last):
             log.info("%s", ev.message, extra={"job_id": job_id, "event": ev.kind, "node_id": ev.node_id,
                                               "round_id": ev.round_id})
             for listener in self.event_listeners:
                 listener(job, ev)
-        self._logged[job_id] = job.event_seq
+        self._logged[job_id] = (job.created_at, job.event_seq)
         self.persister.note(job)
         if self._epochs.get(job_id) != job.epoch:
             self._epochs[job_id] = job.epoch
