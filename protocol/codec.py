@@ -61,8 +61,9 @@ def decode_request(cls: type[T], body: bytes) -> T:
         raise DecodeError(ErrorCode.TOO_LARGE, f"body of {len(body)} bytes exceeds {MAX_BODY_BYTES}")
     try:
         raw = _any_decoder.decode(body)
-    except msgspec.DecodeError as exc:
-        raise DecodeError(ErrorCode.BAD_REQUEST, f"body is not valid MessagePack: {exc}") from None
+    except (msgspec.DecodeError, UnicodeDecodeError, RecursionError) as exc:
+        # msgspec lets invalid UTF-8 in a string and very deep nesting escape as these two.
+        raise DecodeError(ErrorCode.BAD_REQUEST, f"body is not valid MessagePack: {_short(exc)}") from None
     if not isinstance(raw, dict):
         raise DecodeError(ErrorCode.BAD_REQUEST, f"body must be a map, got {type(raw).__name__}")
     version = raw.get("v")
@@ -74,7 +75,15 @@ def decode_request(cls: type[T], body: bytes) -> T:
     try:
         return _request_decoders[cls].decode(body)
     except msgspec.ValidationError as exc:
-        raise DecodeError(ErrorCode.BAD_REQUEST, str(exc)) from None
+        raise DecodeError(ErrorCode.BAD_REQUEST, _short(exc)) from None
+    except (msgspec.DecodeError, UnicodeDecodeError, RecursionError) as exc:
+        raise DecodeError(ErrorCode.BAD_REQUEST, f"body is not valid MessagePack: {_short(exc)}") from None
+
+
+def _short(exc: Exception) -> str:
+    """An error's text, bounded: it may quote what the client sent."""
+    text = str(exc) if not isinstance(exc, RecursionError) else "nested too deeply"
+    return text if len(text) <= 300 else text[:300] + "..."
 
 
 def decode_reply(body: bytes) -> NodeStatus | ErrorReply:

@@ -41,3 +41,11 @@ HTTP_STATUS: dict[ErrorCode, int] = {
     ErrorCode.STORE_UNAVAILABLE: 503,
     ErrorCode.INTERNAL: 500,
 }
+
+# Errors that say "not now" rather than "no": an agent keeps its workers and retries, as for an outage.
+RETRYABLE: frozenset[ErrorCode] = frozenset({ErrorCode.SHUTTING_DOWN, ErrorCode.STORE_UNAVAILABLE})
+
+
+def unknown_job(job_id: str) -> str:
+    """The one wording of "no such job", wherever a job id is looked up."""
+    return f"no job {job_id!r} on this server"

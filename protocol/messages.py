@@ -9,14 +9,39 @@ Structs are encoded as MessagePack maps keyed by the field names shown here.
 from __future__ import annotations
 
 import enum
-import re
-from typing import Optional
+from typing import Annotated, Optional
 
 import msgspec
+from msgspec import Meta
+
+from protocol.ids import NODE_ID, NODE_ID_RULE
 
 PROTOCOL_VERSION = 1
 
-NODE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}$")
+# Bounds of every field on the wire (docs/protocol.md lists them). Floats must be finite: a range
+# check refuses NaN and infinities. They keep one hostile value from poisoning a job's arithmetic,
+# its store record or its status page.
+MAX_NODES = 100_000                  # nodes in one job
+MAX_LOCAL_WORLD_SIZE = 4096          # workers on one node
+MAX_RESTARTS = 1_000_000
+MAX_DURATION_S = 7 * 24 * 3600.0     # any timeout or window: a week
+MAX_ROUND = 2 ** 53                  # round ids and counters stay exact as JSON numbers
+MAX_UNIX_TIME = 32503680000.0        # year 3000
+MAX_SHORT_TEXT = 256                 # addresses, host names, roles, instances, signal names
+MAX_REASON = 1024                    # a leave's reason
+MAX_MESSAGE = 4096                   # a worker's error message
+MAX_TRACEBACK = 16384
+
+Count = Annotated[int, Meta(ge=0, le=MAX_ROUND)]
+RoundRef = Annotated[int, Meta(ge=-1, le=MAX_ROUND)]
+Nodes = Annotated[int, Meta(ge=1, le=MAX_NODES)]
+Workers = Annotated[int, Meta(ge=1, le=MAX_LOCAL_WORLD_SIZE)]
+Port = Annotated[int, Meta(ge=0, le=65535)]
+Rank = Annotated[int, Meta(ge=0, le=MAX_NODES * MAX_LOCAL_WORLD_SIZE)]
+Seconds = Annotated[float, Meta(ge=0, le=MAX_DURATION_S)]
+PositiveSeconds = Annotated[float, Meta(gt=0, le=MAX_DURATION_S)]
+UnixTime = Annotated[float, Meta(ge=0, le=MAX_UNIX_TIME)]
+ShortText = Annotated[str, Meta(max_length=MAX_SHORT_TEXT)]
 
 
 class JobState(str, enum.Enum):
@@ -44,29 +69,26 @@ def _check(cond: bool, field: str, why: str) -> None:
         raise ValueError(f"{field}: {why}")
 
 
-class JobConfig(msgspec.Struct, kw_only=True):
-    """A job's settings, fixed by its first join. All durations are seconds."""
-    min_nodes: int = 1
-    max_nodes: int = 1
-    max_restarts: int = 3
-    last_call_s: float = 3.0
-    join_timeout_s: float = 600.0
-    lease_timeout_s: float = 5.0
-    exclude_after: int = 3             # worker failures of one node within exclude_window_s ...
-    exclude_window_s: float = 600.0
-    exclude_cooldown_s: float = 60.0   # ... exclude it this long, doubling each time
-    exclude_cooldown_max_s: float = 3600.0
+class JobConfig(msgspec.Struct, kw_only=True, frozen=True):
+    """A job's settings, fixed by its first join. All durations are seconds.
+
+    The one definition of every job setting and its default: the agent's command line, the wire
+    and docs/protocol.md all take them from here.
+    """
+    min_nodes: Nodes = 1
+    max_nodes: Nodes = 1
+    max_restarts: Annotated[int, Meta(ge=0, le=MAX_RESTARTS)] = 0   # torchrun's default
+    last_call_s: Seconds = 3.0
+    join_timeout_s: PositiveSeconds = 600.0
+    lease_timeout_s: PositiveSeconds = 5.0
+    exclude_after: Annotated[int, Meta(ge=0, le=1000)] = 3   # worker failures of one node within ...
+    exclude_window_s: PositiveSeconds = 600.0
+    exclude_cooldown_s: Seconds = 60.0   # ... exclude it this long, doubling each time
+    exclude_cooldown_max_s: Seconds = 3600.0
 
     def __post_init__(self) -> None:
-        _check(self.min_nodes >= 1, "min_nodes", f"must be >= 1, got {self.min_nodes}")
         _check(self.max_nodes >= self.min_nodes, "max_nodes",
                f"must be >= min_nodes ({self.min_nodes}), got {self.max_nodes}")
-        _check(self.max_restarts >= 0, "max_restarts", f"must be >= 0, got {self.max_restarts}")
-        _check(self.last_call_s >= 0, "last_call_s", f"must be >= 0, got {self.last_call_s}")
-        _check(self.join_timeout_s > 0, "join_timeout_s", f"must be > 0, got {self.join_timeout_s}")
-        _check(self.lease_timeout_s > 0, "lease_timeout_s", f"must be > 0, got {self.lease_timeout_s}")
-        _check(self.exclude_after >= 0, "exclude_after", f"must be >= 0 (0 disables), got {self.exclude_after}")
-        _check(self.exclude_cooldown_s >= 0, "exclude_cooldown_s", f"must be >= 0, got {self.exclude_cooldown_s}")
 
     def differences(self, other: "JobConfig") -> list[str]:
         """Human-readable `field: ours vs theirs` for every field that differs."""
@@ -82,25 +104,18 @@ class _Request(msgspec.Struct, kw_only=True):
     node_id: str
 
     def __post_init__(self) -> None:
-        _check(bool(NODE_ID.fullmatch(self.node_id)), "node_id",
-               f"must be 1-128 of [A-Za-z0-9._:@-] starting with a letter or digit, got {self.node_id!r}")
+        _check(bool(NODE_ID.fullmatch(self.node_id)), "node_id", f"must be {NODE_ID_RULE}, got {self.node_id!r}")
 
 
 class JoinRequest(_Request, kw_only=True):
     """Admit this node to the job, creating the job with `config` if it is new."""
-    addr: str                          # address other nodes can reach this node at
-    local_world_size: int
-    master_port: int                   # a free port on this node, used if it becomes group rank 0
+    addr: Annotated[str, Meta(min_length=1, max_length=MAX_SHORT_TEXT)]   # where other nodes reach this one
+    local_world_size: Workers
+    master_port: Port                  # a free port on this node, used if it becomes group rank 0
     config: JobConfig = msgspec.field(default_factory=JobConfig)
-    instance: str = ""                 # random per agent process: tells a restarted agent from a duplicate
-    role: str = "default"
-    host: str = ""                     # host name, for operators and failure summaries
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        _check(bool(self.addr), "addr", "must not be empty")
-        _check(self.local_world_size >= 1, "local_world_size", f"must be >= 1, got {self.local_world_size}")
-        _check(0 <= self.master_port <= 65535, "master_port", f"must be 0..65535, got {self.master_port}")
+    instance: ShortText = ""           # random per agent process: tells a restarted agent from a duplicate
+    role: Annotated[str, Meta(min_length=1, max_length=64)] = "default"
+    host: ShortText = ""               # host name, for operators and failure summaries
 
 
 class PollRequest(_Request, kw_only=True):
@@ -109,51 +124,42 @@ class PollRequest(_Request, kw_only=True):
     Every poll renews the node's lease. `known_round` is the round whose workers the agent runs
     (-1 when it runs none). `master_port` refreshes the port published for the next round.
     """
-    known_round: int = -1
-    wait_s: float = 2.0
-    master_port: int = 0
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        _check(0 <= self.wait_s <= 60, "wait_s", f"must be 0..60, got {self.wait_s}")
-        _check(0 <= self.master_port <= 65535, "master_port", f"must be 0..65535, got {self.master_port}")
+    known_round: RoundRef = -1
+    wait_s: Annotated[float, Meta(ge=0, le=60)] = 2.0
+    master_port: Port = 0
 
 
-class WorkerFailure(msgspec.Struct, kw_only=True):
+class WorkerFailure(msgspec.Struct, kw_only=True, frozen=True):
     """One failed worker, as the agent saw it."""
-    local_rank: int
-    rank: int
-    exitcode: int                      # negative: killed by signal -exitcode
-    signal: str = ""                   # e.g. "SIGSEGV" when killed by a signal
-    reason: str = "exited"             # "exited", "hang", ...
-    message: str = ""                  # from the worker's error file when it wrote one
-    traceback: str = ""
-    timestamp: float = 0.0             # unix time the failure was seen
-    host: str = ""
-    node_id: str = ""
+    local_rank: Annotated[int, Meta(ge=0, le=MAX_LOCAL_WORLD_SIZE)]
+    rank: Rank
+    exitcode: Annotated[int, Meta(ge=-(2 ** 31), le=2 ** 31)]   # negative: killed by signal -exitcode
+    signal: ShortText = ""             # e.g. "SIGSEGV" when killed by a signal
+    reason: ShortText = "exited"       # "exited", "hang", ...
+    message: Annotated[str, Meta(max_length=MAX_MESSAGE)] = ""   # from the worker's error file
+    traceback: Annotated[str, Meta(max_length=MAX_TRACEBACK)] = ""
+    timestamp: UnixTime = 0.0          # unix time the failure was seen
+    host: ShortText = ""
+    node_id: ShortText = ""
 
 
 class FailureReport(_Request, kw_only=True):
-    round_id: int
-    failures: list[WorkerFailure]
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        _check(len(self.failures) >= 1, "failures", "must name at least one failed worker")
+    round_id: RoundRef
+    failures: Annotated[list[WorkerFailure], Meta(min_length=1, max_length=MAX_LOCAL_WORLD_SIZE)]
 
 
 class SuccessReport(_Request, kw_only=True):
-    round_id: int
+    round_id: RoundRef
 
 
 class LeaveRequest(_Request, kw_only=True):
-    reason: str = "left"
+    reason: Annotated[str, Meta(max_length=MAX_REASON)] = "left"
 
 
 REQUESTS = (JoinRequest, PollRequest, FailureReport, SuccessReport, LeaveRequest)
 
 
-class Assignment(msgspec.Struct, kw_only=True):
+class Assignment(msgspec.Struct, kw_only=True, frozen=True):
     """What one node runs in one round. The same round id means the same world for every member."""
     round_id: int
     group_rank: int

@@ -70,8 +70,9 @@ class OperatorRules(_Base):
         """Change a job's min/max nodes. Joins keep matching the config the job started with."""
         job = self._open_job(job_id)
         try:
-            config = msgspec.structs.replace(job.config, min_nodes=min_nodes, max_nodes=max_nodes)
-            JobConfig.__post_init__(config)
+            # convert, not replace: it checks the fields' bounds as a join's decoding would
+            config = msgspec.convert({**msgspec.structs.asdict(job.config), "min_nodes": min_nodes,
+                                      "max_nodes": max_nodes}, JobConfig)
         except (msgspec.ValidationError, ValueError) as exc:
             raise RendezvousError(ErrorCode.BAD_REQUEST, f"cannot resize job {job_id!r}: {exc}") from None
         old = job.config

@@ -25,6 +25,8 @@ from __future__ import annotations
 
 from typing import Optional
 
+import msgspec
+
 from protocol.errors import ErrorCode
 from protocol.messages import (
     FailureReport,
@@ -437,11 +439,8 @@ def _renew(job: JobRecord, node: NodeRecord, now: float) -> None:
 
 
 def _stamp(f: WorkerFailure, node: NodeRecord, now: float) -> WorkerFailure:
-    f.host = f.host or node.host
-    f.node_id = node.node_id
-    if not f.timestamp:
-        f.timestamp = now
-    return f
+    """A copy of `f` with the reporter's host, node id and (when missing) the arrival time."""
+    return msgspec.structs.replace(f, host=f.host or node.host, node_id=node.node_id, timestamp=f.timestamp or now)
 
 
 def _describe(f: WorkerFailure) -> str:

@@ -33,7 +33,7 @@ QUIET = dict(lease_timeout_s=10_000.0)
 # ---- helpers ------------------------------------------------------------------------------------
 
 def cfg(**kw) -> JobConfig:
-    base: dict = dict(min_nodes=2, max_nodes=3, **QUIET)
+    base: dict = dict(min_nodes=2, max_nodes=3, max_restarts=3, **QUIET)
     base.update(kw)
     return JobConfig(**base)
 

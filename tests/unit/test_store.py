@@ -14,7 +14,7 @@ from rdzv_server.store import DB_NAME, SCHEMA_VERSION, SqliteStore, StoreError, 
 
 
 def _join(rz: Rendezvous, job: str, node: str, now: float, **cfg) -> None:
-    config = JobConfig(**{"lease_timeout_s": 1e4, "last_call_s": 0.0, **cfg})
+    config = JobConfig(**{"lease_timeout_s": 1e4, "last_call_s": 0.0, "max_restarts": 3, **cfg})
     rz.join(job, JoinRequest(v=1, node_id=node, addr=f"10.0.0.{len(node)}", local_world_size=2,
                              master_port=29500, config=config, instance=f"{node}#1"), now)
 
