@@ -7,7 +7,7 @@ import re
 import subprocess
 import sys
 import tempfile
-from typing import Iterator
+from collections.abc import Iterator
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

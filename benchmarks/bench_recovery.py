@@ -67,8 +67,9 @@ def run_pair(commands: list[list[str]], log: str, rss_of: int = -1) -> tuple[flo
 
 
 def node_agent_once(port: int, job: str, log: str) -> tuple[float, float]:
-    cmd = lambda n: [sys.executable, "-m", "node_agent.cli", "--endpoint", f"127.0.0.1:{port}", "--nnodes", "2",
-                     "--nproc", "2", "--job-id", job, "--max-restarts", "1", "--node-id", n, WORKER]
+    def cmd(n: str) -> list[str]:
+        return [sys.executable, "-m", "node_agent.cli", "--endpoint", f"127.0.0.1:{port}", "--nnodes", "2",
+                "--nproc", "2", "--job-id", job, "--max-restarts", "1", "--node-id", n, WORKER]
     return run_pair([cmd("a"), cmd("b")], log, rss_of=0)
 
 
@@ -126,7 +127,8 @@ def main() -> None:
     print(f"RESULT agent_peak_rss_mb median={statistics.median(rss):.1f}")
     line = f"RESULT standalone_trivial_s node_agent={ours_standalone:.3f}"
     if have_torch:
-        line += f" torchrun={standalone_wall([sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc-per-node', '1'], trivial, args.repeat):.3f}"
+        torchrun = [sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc-per-node', '1']
+        line += f" torchrun={standalone_wall(torchrun, trivial, args.repeat):.3f}"
     print(line)
     shutil.rmtree(tmp, ignore_errors=True)
 

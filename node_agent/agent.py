@@ -16,7 +16,7 @@ import sys
 import tempfile
 import time
 import uuid
-from typing import Optional, TextIO
+from typing import TextIO
 
 from protocol.errors import ErrorCode
 from protocol.messages import Assignment, JobConfig, NodeStatus, WorkerFailure
@@ -47,19 +47,19 @@ class Agent:
         self.instance = uuid.uuid4().hex[:12]
         self.addr = addr
         self.policy = SupervisionPolicy(server_wait_s=max(opts.server_wait, opts.lease_timeout))
-        self.group: Optional[WorkerGroup] = None
-        self._group_task: Optional[asyncio.Task] = None
+        self.group: WorkerGroup | None = None
+        self._group_task: asyncio.Task | None = None
         self._signals: asyncio.Queue[int] = asyncio.Queue()
         self._signalled = asyncio.Event()   # set with every queued signal: cuts backoff waits short
         self._attempts = 0
         self._signal_count = 0
-        self._hang_task: Optional[asyncio.Task] = None
-        self._exit: Optional[Exit] = None
+        self._hang_task: asyncio.Task | None = None
+        self._exit: Exit | None = None
         self._log_root = opts.log_dir
-        self._tmp_root: Optional[str] = None
+        self._tmp_root: str | None = None
         self.hangs = HangWatch(opts.hang_timeout) if opts.hang_timeout > 0 else None
         self._first_beat = asyncio.Event()
-        self._last_view: Optional[tuple] = None
+        self._last_view: tuple | None = None
 
     def say(self, message: str) -> None:
         for line in message.splitlines() or [""]:
@@ -93,7 +93,7 @@ class Agent:
         status = await self._join()
         if status is not None:
             await self._apply(self.policy.on_status(status, self.now()))
-        poll_task: Optional[asyncio.Task] = None
+        poll_task: asyncio.Task | None = None
         signal_task = asyncio.create_task(self._signals.get())
         try:
             while self._exit is None:
@@ -185,7 +185,7 @@ class Agent:
         except asyncio.TimeoutError:
             pass
 
-    async def _join(self) -> Optional[NodeStatus]:
+    async def _join(self) -> NodeStatus | None:
         opts = self.opts
         config = JobConfig(min_nodes=opts.min_nodes, max_nodes=opts.max_nodes, max_restarts=opts.max_restarts,
                            last_call_s=opts.last_call, join_timeout_s=opts.join_timeout,
@@ -239,7 +239,7 @@ class Agent:
             elif isinstance(action, Exit):
                 self._exit = action
 
-    async def _report(self, fn, *args) -> Optional[NodeStatus]:
+    async def _report(self, fn, *args) -> NodeStatus | None:
         """Send a report, retrying while the server is away (within the policy's window)."""
         while self._exit is None:
             try:

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import asyncio
 import sys
-from typing import Optional
 
 from node_agent.agent import Agent, AgentError
 from node_agent.options import AgentOptions, OptionsError, parse_options
@@ -22,7 +21,7 @@ async def _run(opts: AgentOptions) -> int:
     return await Agent(opts, client, addr).run()
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     try:
         opts = parse_options(sys.argv[1:] if argv is None else argv)
     except OptionsError as exc:

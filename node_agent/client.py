@@ -3,7 +3,6 @@ kinds from `transport` (`ServerUnreachable`, `ServerRejected`)."""
 from __future__ import annotations
 
 import asyncio
-from typing import Optional
 
 import aiohttp
 
@@ -18,9 +17,9 @@ class RdzvClient(Transport):
         bracketed = f"[{host}]" if ":" in host else host
         self.base = f"http://{bracketed}:{port}/v1/jobs/{job_id}"
         super().__init__(node_id)
-        self._session: Optional[aiohttp.ClientSession] = None
+        self._session: aiohttp.ClientSession | None = None
 
-    async def __aenter__(self) -> "RdzvClient":
+    async def __aenter__(self) -> RdzvClient:
         self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=8, force_close=False))
         return self
 

@@ -4,7 +4,6 @@ A rank is watched only after its first beat, so scripts that never call `beat()`
 """
 from __future__ import annotations
 
-from typing import Optional
 
 
 class HangWatch:
@@ -21,7 +20,7 @@ class HangWatch:
     def reset(self) -> None:
         self.last_beat.clear()
 
-    def next_deadline(self) -> Optional[float]:
+    def next_deadline(self) -> float | None:
         if not self.last_beat:
             return None
         return min(self.last_beat.values()) + self.timeout_s

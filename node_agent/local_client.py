@@ -19,7 +19,7 @@ class LocalClient(Transport):
         self.job_id = job_id
         self.coordinator = Coordinator()
 
-    async def __aenter__(self) -> "LocalClient":
+    async def __aenter__(self) -> LocalClient:
         await self.coordinator.start()
         return self
 

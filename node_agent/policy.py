@@ -19,7 +19,6 @@ from __future__ import annotations
 import enum
 import signal as _signal
 from dataclasses import dataclass
-from typing import Optional, Union
 
 from protocol.messages import Assignment, JobState, NodeState, NodeStatus, WorkerFailure
 
@@ -62,7 +61,7 @@ class Exit:
     message: str
 
 
-Action = Union[Spawn, StopWorkers, ReportFailure, ReportSuccess, Rejoin, Leave, Exit]
+Action = Spawn | StopWorkers | ReportFailure | ReportSuccess | Rejoin | Leave | Exit
 
 
 class Workers(enum.Enum):
@@ -77,7 +76,7 @@ class SupervisionPolicy:
     server_wait_s: float
     running_round: int = -1          # the round whose workers we run (or ran, until told otherwise)
     workers: Workers = Workers.NONE
-    unreachable_since: Optional[float] = None
+    unreachable_since: float | None = None
     exiting: bool = False
 
     @property

@@ -32,7 +32,7 @@ class Transport:
     def __init__(self, node_id: str) -> None:
         self.node_id = node_id
 
-    async def __aenter__(self) -> "Transport":
+    async def __aenter__(self) -> Transport:
         return self
 
     async def __aexit__(self, *exc: object) -> None:

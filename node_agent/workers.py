@@ -309,7 +309,7 @@ class WorkerGroup:
         except OSError:
             self._groups.discard(proc.pid)  # empty: never signal this id again (pid reuse)
         error_file = launch.env.get("TORCHELASTIC_ERROR_FILE")
-        if error_file and not os.path.exists(error_file):
+        if error_file and not os.path.exists(error_file):   # noqa: ASYNC240 - one local stat
             error_file = None
         async with self._changed:
             self._exits.append(WorkerExit(

@@ -9,7 +9,7 @@ Structs are encoded as MessagePack maps keyed by the field names shown here.
 from __future__ import annotations
 
 import enum
-from typing import Annotated, Optional
+from typing import Annotated
 
 import msgspec
 from msgspec import Meta
@@ -90,7 +90,7 @@ class JobConfig(msgspec.Struct, kw_only=True, frozen=True):
         _check(self.max_nodes >= self.min_nodes, "max_nodes",
                f"must be >= min_nodes ({self.min_nodes}), got {self.max_nodes}")
 
-    def differences(self, other: "JobConfig") -> list[str]:
+    def differences(self, other: JobConfig) -> list[str]:
         """Human-readable `field: ours vs theirs` for every field that differs."""
         return [
             f"{name}: job has {getattr(self, name)!r}, join asked {getattr(other, name)!r}"
@@ -182,12 +182,12 @@ class NodeStatus(msgspec.Struct, kw_only=True):
     node_state: NodeState
     round_id: int                      # the job's current round (-1: none yet)
     restart_count: int
-    assignment: Optional[Assignment] = None   # set when node_state is member
+    assignment: Assignment | None = None   # set when node_state is member
     accepted: bool = True              # False: the request was stale (old round) and was not obeyed
     reason: str = ""                   # why things stand as they do (last decision, or why not accepted)
     spare_position: int = -1           # 0-based place in the spare queue
     excluded_for_s: float = 0.0        # cooldown left when excluded
-    root_cause: Optional[WorkerFailure] = None  # once FAILED: first failure in time of the round that failed last
+    root_cause: WorkerFailure | None = None  # once FAILED: first failure in time of the round that failed last
     lease_timeout_s: float = 5.0
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import ipaddress
 import json
 import logging
-from typing import Any, Optional
+from typing import Any
 
 from aiohttp import web
 
@@ -51,7 +51,7 @@ def bad_request(message: str) -> DecodeError:
     return DecodeError(ErrorCode.BAD_REQUEST, message)
 
 
-def is_loopback(remote: Optional[str]) -> bool:
+def is_loopback(remote: str | None) -> bool:
     """True for 127.0.0.0/8, ::1 and IPv4-mapped loopback (::ffff:127.x.y.z)."""
     if not remote:
         return False

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Awaitable, Callable, Optional
+from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
@@ -112,7 +112,7 @@ async def job_page(request: web.Request) -> web.Response:
     return web.Response(text=text, content_type="text/html")
 
 
-def create_app(coordinator: Optional[Coordinator] = None, *, allow_remote_admin: bool = False) -> web.Application:
+def create_app(coordinator: Coordinator | None = None, *, allow_remote_admin: bool = False) -> web.Application:
     app = web.Application(middlewares=[metrics_middleware, error_middleware], client_max_size=MAX_BODY_BYTES)
     app[COORDINATOR] = coordinator or Coordinator()
     app[METRICS] = ServerMetrics(app[COORDINATOR])

@@ -7,7 +7,6 @@ import json
 import logging
 import signal
 import sys
-from typing import Optional
 
 from aiohttp import web
 
@@ -48,8 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-async def serve(host: str, port: int, ready: Optional[asyncio.Future] = None,
-                store: Optional[SqliteStore] = None, allow_remote_admin: bool = False) -> None:
+async def serve(host: str, port: int, ready: asyncio.Future | None = None,
+                store: SqliteStore | None = None, allow_remote_admin: bool = False) -> None:
     app = create_app(Coordinator(store=store), allow_remote_admin=allow_remote_admin)
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=2.0)
     await runner.setup()
@@ -74,7 +73,7 @@ async def serve(host: str, port: int, ready: Optional[asyncio.Future] = None,
         print("rdzv-server stopped", flush=True)
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if not 0 <= args.port <= 65535:
         print(f"rdzv-server: --port must be 0..65535, got {args.port}", file=sys.stderr)

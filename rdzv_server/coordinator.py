@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Callable, Optional
+from collections.abc import Callable
 
 from protocol.errors import ErrorCode
 from protocol.messages import NodeState, NodeStatus, PollRequest
@@ -26,8 +26,8 @@ log = logging.getLogger("rdzv_server")
 class Coordinator:
     """Owns the core and the asyncio machinery around it (waiters, the deadline timer)."""
 
-    def __init__(self, core: Optional[Rendezvous] = None, clock: Callable[[], float] = time.time,
-                 store: Optional[SqliteStore] = None) -> None:
+    def __init__(self, core: Rendezvous | None = None, clock: Callable[[], float] = time.time,
+                 store: SqliteStore | None = None) -> None:
         """`store`: the durable store (already opened); None keeps state in memory only."""
         self.core = core or Rendezvous()
         self.clock = clock
@@ -39,8 +39,8 @@ class Coordinator:
         self._job_events: dict[str, asyncio.Event] = {}
         self._epochs: dict[str, int] = {}
         self._logged: dict[str, tuple[float, int]] = {}   # job id -> (created_at, last event seq seen)
-        self._rearm: Optional[asyncio.Event] = None
-        self._timer: Optional[asyncio.Task] = None
+        self._rearm: asyncio.Event | None = None
+        self._timer: asyncio.Task | None = None
         # Called once per new event, after the core recorded it (metrics hook here).
         self.event_listeners: list[Callable[[JobRecord, Event], None]] = []
 

@@ -21,7 +21,8 @@ import sys
 import urllib.error
 import urllib.parse
 import urllib.request
-from typing import Any, Optional, Sequence
+from typing import Any
+from collections.abc import Sequence
 
 DEFAULT_SERVER = "http://127.0.0.1:29400"
 REASON_WIDTH = 60
@@ -98,7 +99,7 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     """Columns padded to their widest cell; the last column is not padded."""
     cells = [[str(h) for h in headers]] + [["-" if c is None else str(c) for c in row] for row in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in cells]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in cells]
     return "\n".join(lines)
 
 
@@ -107,7 +108,7 @@ def truncate(text: str, width: int) -> str:
     return text if len(text) <= width else text[: width - 3] + "..."
 
 
-def duration(seconds: Optional[float]) -> str:
+def duration(seconds: float | None) -> str:
     if seconds is None:
         return "-"
     if seconds < 60:
@@ -119,7 +120,7 @@ def duration(seconds: Optional[float]) -> str:
     return f"{h}h{m:02d}m"
 
 
-def clock(iso_time: Optional[str]) -> str:
+def clock(iso_time: str | None) -> str:
     """'2024-05-01T12:34:56.789Z' -> '12:34:56.789' (UTC, as the server sends it)."""
     if not iso_time:
         return "-"
@@ -190,7 +191,7 @@ def format_job(doc: dict[str, Any]) -> str:
     return "\n".join(out)
 
 
-def format_events(doc: dict[str, Any], last: Optional[int]) -> str:
+def format_events(doc: dict[str, Any], last: int | None) -> str:
     events = doc.get("events", [])
     if last is not None:
         events = events[-last:] if last > 0 else []
@@ -233,7 +234,8 @@ def _nnodes(text: str) -> dict[str, int]:
         elif not sep:
             body["max_nodes"] = body["min_nodes"]
     except (ValueError, KeyError):
-        raise argparse.ArgumentTypeError(f"expected MIN:MAX, N, MIN: or :MAX with whole numbers, got {text!r}")
+        raise argparse.ArgumentTypeError(
+            f"expected MIN:MAX, N, MIN: or :MAX with whole numbers, got {text!r}") from None
     if not body:
         raise argparse.ArgumentTypeError(f"give at least one of MIN and MAX, got {text!r}")
     return body
@@ -307,7 +309,7 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     args.json = getattr(args, "json", False)

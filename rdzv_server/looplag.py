@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Optional
 
 INTERVAL_S = 0.05
 
@@ -15,7 +14,7 @@ class LoopLagProbe:
         self.samples = 0
         self.max_s = 0.0
         self.total_s = 0.0
-        self._task: Optional[asyncio.Task] = None
+        self._task: asyncio.Task | None = None
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="rdzv-loop-lag")

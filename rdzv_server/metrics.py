@@ -34,7 +34,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Awaitable, Callable, Iterable, Optional
+from collections.abc import Awaitable, Callable, Iterable
 
 from aiohttp import web
 import prometheus_client
@@ -85,7 +85,7 @@ class StateCollector(Collector):
         return self._families(jobs, nodes, self.coordinator.open_polls)
 
     @staticmethod
-    def _families(jobs: dict, nodes: dict, polls: Optional[int]) -> list[GaugeMetricFamily]:
+    def _families(jobs: dict, nodes: dict, polls: int | None) -> list[GaugeMetricFamily]:
         fam_jobs = GaugeMetricFamily("rdzv_jobs", "Jobs held by this server, by state.", labels=["state"])
         for state, n in jobs.items():
             fam_jobs.add_metric([state.value], n)

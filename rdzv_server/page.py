@@ -10,7 +10,8 @@ from __future__ import annotations
 import datetime as dt
 import html
 import urllib.parse
-from typing import Any, Iterable, Optional
+from typing import Any
+from collections.abc import Iterable
 
 from rdzv_server import views
 from rdzv_server.rendezvous import Rendezvous
@@ -104,7 +105,7 @@ def _epoch(iso: str) -> float:
     return dt.datetime.fromisoformat(iso.replace("Z", "+00:00")).timestamp()
 
 
-def _when(iso: Optional[str], now: float) -> str:
+def _when(iso: str | None, now: float) -> str:
     """UTC ISO time in monospace with its age; a dash when there is none."""
     if not iso:
         return "&mdash;"
@@ -117,7 +118,7 @@ def _clip(text: str, limit: int) -> str:
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
-def _badge(state: str, text: Optional[str] = None) -> str:
+def _badge(state: str, text: str | None = None) -> str:
     return f'<span class="badge s-{_e(state)}">{_e(text or state)}</span>'
 
 
@@ -157,7 +158,7 @@ def _restarts(used: int, budget: int) -> str:
             f'<i style="width:{min(frac, 1.0) * 100:.0f}%"></i></span>{used} / {budget}</span>')
 
 
-def _lease(age: float, timeout: Optional[float]) -> str:
+def _lease(age: float, timeout: float | None) -> str:
     """A lease's age, orange past half the lease timeout, red past it."""
     cls = "" if not timeout else "bad-text" if age > timeout else "warn-text" if age > timeout / 2 else ""
     return f'<span class="{cls}">{_age(age)}</span>'
@@ -172,7 +173,7 @@ def _host(n: dict[str, Any]) -> str:
 
 # ---- tables -------------------------------------------------------------------------------------
 
-def _members(job: dict[str, Any], timeout: Optional[float]) -> str:
+def _members(job: dict[str, Any], timeout: float | None) -> str:
     rows = []
     for n in job["nodes"]:
         lws, offset = n["local_world_size"], n.get("rank_offset")
@@ -190,7 +191,7 @@ def _members(job: dict[str, Any], timeout: Optional[float]) -> str:
                    "worker state", ">recent failures"], rows, "no members: no round is running")
 
 
-def _others(job: dict[str, Any], timeout: Optional[float], now: float) -> str:
+def _others(job: dict[str, Any], timeout: float | None, now: float) -> str:
     """Waiting, spare and excluded nodes (each table only when it has rows)."""
     out = []
     if job["waiting"]:
@@ -214,7 +215,7 @@ def _others(job: dict[str, Any], timeout: Optional[float], now: float) -> str:
     return "".join(out)
 
 
-def _chips(data: Optional[dict[str, Any]], message: str) -> str:
+def _chips(data: dict[str, Any] | None, message: str) -> str:
     if not data:
         return ""
     keys = [k for k in _DETAIL_KEYS if k in data] + sorted(k for k in data if k not in _DETAIL_KEYS)
@@ -278,7 +279,7 @@ def _card(job: dict[str, Any], events: list[dict[str, Any]], now: float, *, full
     return "".join(parts)
 
 
-def _failure(title: str, f: Optional[dict[str, Any]], now: float) -> str:
+def _failure(title: str, f: dict[str, Any] | None, now: float) -> str:
     if not f:
         return f'<div><h3>{title}</h3><div class="box"><div class="empty">none</div></div></div>'
     ts = views.iso(f.get("timestamp")) if f.get("timestamp") else None
@@ -297,7 +298,7 @@ def _config(config: dict[str, Any]) -> str:
 
 # ---- whole pages --------------------------------------------------------------------------------
 
-def refresh_seconds(raw: Optional[str]) -> int:
+def refresh_seconds(raw: str | None) -> int:
     """The ?refresh= query value: seconds between reloads, 0 for none; the default when unreadable."""
     try:
         return max(0, min(3600, int(raw))) if raw is not None else DEFAULT_REFRESH_S
@@ -362,7 +363,7 @@ def index_page(core: Rendezvous, now: float, refresh: int = DEFAULT_REFRESH_S) -
     return _layout("rdzv-server status", now, body, refresh, "/", _counts([j for j, _ in jobs]))
 
 
-def job_page(core: Rendezvous, job_id: str, now: float, refresh: int = DEFAULT_REFRESH_S) -> Optional[str]:
+def job_page(core: Rendezvous, job_id: str, now: float, refresh: int = DEFAULT_REFRESH_S) -> str | None:
     """One job in full; None when the server has no such job (see `not_found_page`)."""
     record = core.jobs.get(job_id)
     if record is None:

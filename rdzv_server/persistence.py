@@ -18,7 +18,7 @@ import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable, Optional
+from collections.abc import Callable
 
 from rdzv_server.records import JobRecord
 from rdzv_server.store import SqliteStore, snapshot
@@ -50,16 +50,16 @@ class _Saved:
 
 
 class Persister:
-    def __init__(self, store: Optional[SqliteStore], clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, store: SqliteStore | None, clock: Callable[[], float] = time.time) -> None:
         self.store = store
         self.clock = clock
         self.stats = CommitStats()
         self._saved: dict[str, _Saved] = {}
         self._dirty: dict[str, JobRecord] = {}
-        self._next: Optional[asyncio.Future] = None                 # the commit that will carry _dirty
+        self._next: asyncio.Future | None = None                 # the commit that will carry _dirty
         self._inflight: dict[str, asyncio.Future] = {}              # job -> commit now carrying it
-        self._writer: Optional[asyncio.Task] = None
-        self._alive: Optional[asyncio.Task] = None
+        self._writer: asyncio.Task | None = None
+        self._alive: asyncio.Task | None = None
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="rdzv-store") if store else None
         self._closing = False
 

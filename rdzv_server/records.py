@@ -5,7 +5,6 @@ and the status API both read them). No behaviour lives here; the rules are in `r
 """
 from __future__ import annotations
 
-from typing import Optional
 
 import msgspec
 
@@ -60,22 +59,22 @@ class JobRecord(msgspec.Struct, kw_only=True):
     state: JobState
     created_at: float
     nodes: dict[str, NodeRecord] = msgspec.field(default_factory=dict)
-    round: Optional[RoundRecord] = None        # the round now running (None while waiting)
+    round: RoundRecord | None = None        # the round now running (None while waiting)
     last_round_id: int = 0                     # ids only grow, across all rounds ever formed
     waiting: list[str] = msgspec.field(default_factory=list)  # admitted, for the next round, in order
     spares: list[str] = msgspec.field(default_factory=list)
     excluded: list[str] = msgspec.field(default_factory=list)
     drained: dict[str, str] = msgspec.field(default_factory=dict)  # node id -> operator's reason: may not join
-    join_config: Optional[JobConfig] = None    # the config joins must match, once an operator resized the job
+    join_config: JobConfig | None = None    # the config joins must match, once an operator resized the job
     restart_count: int = 0
-    forming_since: Optional[float] = None      # when the next round started forming
-    last_call_deadline: Optional[float] = None
-    join_deadline: Optional[float] = None
+    forming_since: float | None = None      # when the next round started forming
+    last_call_deadline: float | None = None
+    join_deadline: float | None = None
     successes: list[str] = msgspec.field(default_factory=list)
-    root_cause: Optional[WorkerFailure] = None        # first failure in time of the last failed round
+    root_cause: WorkerFailure | None = None        # first failure in time of the last failed round
     root_cause_round: int = -1
-    last_failure: Optional[WorkerFailure] = None
-    finished_at: Optional[float] = None
+    last_failure: WorkerFailure | None = None
+    finished_at: float | None = None
     reason: str = ""                           # the latest decision's reason
     epoch: int = 0                             # bumped when any node's assignment view may change
     event_seq: int = 0

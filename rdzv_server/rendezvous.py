@@ -23,7 +23,6 @@ which is the shell's cue to wake long-polls. `next_deadline()` tells the shell w
 """
 from __future__ import annotations
 
-from typing import Optional
 
 import msgspec
 
@@ -55,7 +54,7 @@ REUSE_FINISHED_AFTER_S = 10.0
 class Rendezvous(OperatorRules):
     """All jobs of one server. Not thread-safe: one event loop drives it."""
 
-    def __init__(self, jobs: Optional[dict[str, JobRecord]] = None) -> None:
+    def __init__(self, jobs: dict[str, JobRecord] | None = None) -> None:
         self.jobs: dict[str, JobRecord] = jobs if jobs is not None else {}
 
     # ---- requests -------------------------------------------------------------------------
@@ -218,7 +217,7 @@ class Rendezvous(OperatorRules):
                 changed.append(job.job_id)
         return changed
 
-    def next_deadline(self) -> Optional[float]:
+    def next_deadline(self) -> float | None:
         due = [d for job in self.jobs.values() if not job.state.finished for d in deadlines(job)]
         return min(due, default=None)
 
@@ -314,7 +313,7 @@ class Rendezvous(OperatorRules):
                    f"(job at max_nodes {cfg.max_nodes})", node.node_id)
 
     def _form_round(self, job: JobRecord, now: float, why: str, cause: str,
-                    failed_at: Optional[float] = None) -> None:
+                    failed_at: float | None = None) -> None:
         """Form the next round from live members + waiting + spares, or go back to waiting.
 
         `cause` is the reason's category (see CAUSES); `failed_at`, when a failure or loss caused it,
@@ -362,7 +361,7 @@ class Rendezvous(OperatorRules):
         self._remove(job, node, now, "node_lost", f"node {node.node_id} lost: {why}", failed_at=node.last_seen)
 
     def _remove(self, job: JobRecord, node: NodeRecord, now: float, kind: str, message: str,
-                failed_at: Optional[float] = None) -> None:
+                failed_at: float | None = None) -> None:
         was_member = node.node_id in self._members(job)
         del job.nodes[node.node_id]
         for queue in (job.waiting, job.spares, job.excluded, job.successes):
@@ -451,5 +450,5 @@ def _describe(f: WorkerFailure) -> str:
 
 
 def _event(job: JobRecord, now: float, kind: str, message: str, node_id: str = "", round_id: int = -1,
-           data: Optional[dict] = None) -> None:
+           data: dict | None = None) -> None:
     job.record(Event(t=now, seq=0, kind=kind, message=message, node_id=node_id, round_id=round_id, data=data or {}))

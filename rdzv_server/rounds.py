@@ -6,7 +6,7 @@ group-rank-0 node published: its worker rank 0 hosts the store.
 """
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 from protocol.messages import Assignment, JobState
 from rdzv_server.records import JobRecord, RoundRecord

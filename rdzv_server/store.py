@@ -18,7 +18,6 @@ import fcntl
 import os
 import sqlite3
 from dataclasses import dataclass, field
-from typing import Optional
 
 import msgspec
 
@@ -55,7 +54,7 @@ class JobSnapshot:
 @dataclass
 class Loaded:
     jobs: dict[str, JobRecord]
-    alive_at: Optional[float]                   # None for a new store
+    alive_at: float | None                   # None for a new store
     clean_shutdown: bool
 
 

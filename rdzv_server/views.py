@@ -5,7 +5,7 @@ Read-only: nothing here changes a job. Times are ISO 8601 UTC; durations are sec
 from __future__ import annotations
 
 import datetime as dt
-from typing import Any, Optional
+from typing import Any
 
 import msgspec
 
@@ -13,7 +13,7 @@ from rdzv_server.records import JobRecord, NodeRecord
 from rdzv_server.rendezvous import Rendezvous
 
 
-def iso(t: Optional[float]) -> Optional[str]:
+def iso(t: float | None) -> str | None:
     if t is None:
         return None
     return dt.datetime.fromtimestamp(t, tz=dt.timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")

@@ -15,7 +15,6 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from typing import Optional
 
 import psutil
 
@@ -113,7 +112,7 @@ class Cluster:
     def __init__(self, tmp_path) -> None:
         self.tmp = tmp_path
         self.procs: list[Proc] = []
-        self.server: Optional[Proc] = None
+        self.server: Proc | None = None
         self.port = 0
 
     def start_server(self, *extra: str, port: int = 0) -> int:
@@ -126,7 +125,7 @@ class Cluster:
         self.port = int(self.server.wait_for_line(r"listening on http://[^:]+:(\d+)", 30).group(1))
         return self.port
 
-    def agent(self, *args: str, name: str = "agent", env: Optional[dict[str, str]] = None) -> Proc:
+    def agent(self, *args: str, name: str = "agent", env: dict[str, str] | None = None) -> Proc:
         argv = [sys.executable, "-m", "node_agent.cli", *args]
         proc = Proc(argv, child_env(**(env or {})), name)
         self.procs.append(proc)
@@ -217,7 +216,7 @@ def announced_rounds(proc: Proc) -> list[dict]:
     return out
 
 
-def job_view(cluster: "Cluster", job_id: str, missing_ok: bool = False) -> Optional[dict]:
+def job_view(cluster: Cluster, job_id: str, missing_ok: bool = False) -> dict | None:
     """GET /v1/jobs/ID; with missing_ok, None while no agent has created the job yet."""
     try:
         return cluster.get(f"/v1/jobs/{job_id}")
@@ -227,5 +226,5 @@ def job_view(cluster: "Cluster", job_id: str, missing_ok: bool = False) -> Optio
         raise
 
 
-def job_events(cluster: "Cluster", job_id: str) -> list[dict]:
+def job_events(cluster: Cluster, job_id: str) -> list[dict]:
     return cluster.get(f"/v1/jobs/{job_id}/events")["events"]

@@ -16,7 +16,7 @@ import subprocess
 import urllib.error
 import urllib.request
 from html.parser import HTMLParser
-from typing import Callable, Optional, Union
+from collections.abc import Callable
 
 import pytest
 
@@ -69,7 +69,7 @@ def run_chromium(tmp_path, *args: str) -> str:
     return out
 
 
-def dump_dom(tmp_path, url: str) -> "Element":
+def dump_dom(tmp_path, url: str) -> Element:
     """The DOM Chromium built from `url`, parsed. (--dump-dom itself needs scripts enabled, so "renders
     without JavaScript" is checked as: the page has no script at all.)"""
     dom = parse(run_chromium(tmp_path, "--dump-dom", url))
@@ -100,14 +100,14 @@ def screenshot(tmp_path, url: str, name: str) -> str:
 class Element:
     def __init__(self, tag: str, attrs: dict[str, str]) -> None:
         self.tag, self.attrs = tag, attrs
-        self.children: list[Union["Element", str]] = []
+        self.children: list[Element | str] = []
 
     @property
     def text(self) -> str:
         """Text content, whitespace collapsed (as a reader sees it)."""
         parts: list[str] = []
 
-        def walk(el: "Element") -> None:
+        def walk(el: Element) -> None:
             for c in el.children:
                 if isinstance(c, str):
                     parts.append(c)
@@ -116,7 +116,7 @@ class Element:
         walk(self)
         return " ".join(" ".join(parts).split())
 
-    def find_all(self, match: Callable[["Element"], bool]) -> list["Element"]:
+    def find_all(self, match: Callable[[Element], bool]) -> list[Element]:
         found = []
         for c in self.children:
             if isinstance(c, Element):
@@ -178,7 +178,7 @@ def workers(out) -> list[dict]:
     return [json.loads(p.read_text()) for p in out.glob("chaos-*.json")]
 
 
-def failed_then_running(cluster) -> Optional[tuple[dict, list[dict]]]:
+def failed_then_running(cluster) -> tuple[dict, list[dict]] | None:
     """(job, events) once a worker_failed event is followed by a completed round that now runs."""
     job = job_view(cluster, JOB, missing_ok=True)
     if job is None or job["state"] != "running":

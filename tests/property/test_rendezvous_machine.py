@@ -6,7 +6,6 @@ does; so after each step no deadline of the core lies in the past.
 """
 from __future__ import annotations
 
-from typing import Optional
 
 import hypothesis.strategies as st
 from hypothesis import HealthCheck, settings
@@ -41,9 +40,9 @@ class RendezvousMachine(RuleBasedStateMachine):
         self.config = JobConfig()
         self.max_round_id = 0
         self.max_restarts_seen = 0
-        self.finished: Optional[JobState] = None
+        self.finished: JobState | None = None
         self.successes: dict[int, set[str]] = {}
-        self.last_round: Optional[tuple[int, list]] = None   # (round id, [(node id, record, exclusions)])
+        self.last_round: tuple[int, list] | None = None   # (round id, [(node id, record, exclusions)])
 
     @initialize(min_nodes=st.integers(1, 3), extra=st.integers(0, 2), max_restarts=st.integers(0, 4),
                 last_call_s=st.sampled_from([0.0, 0.5, 2.0]), exclude_after=st.integers(0, 3),
@@ -57,7 +56,7 @@ class RendezvousMachine(RuleBasedStateMachine):
     # ---- helpers ------------------------------------------------------------------------------
 
     @property
-    def job(self) -> Optional[JobRecord]:
+    def job(self) -> JobRecord | None:
         return self.rz.jobs.get(JOB)
 
     def _live(self) -> bool:
@@ -251,7 +250,7 @@ class RendezvousMachine(RuleBasedStateMachine):
         assert [a.group_rank for a in assignments] == list(range(len(r.members)))
         assert len(set(r.members)) == len(r.members)
         offset = 0
-        for m, a in zip(r.members, assignments):
+        for a in assignments:
             assert a.rank_offset == offset and a.round_id == r.round_id
             assert a.group_world_size == len(r.members)
             offset += a.local_world_size

@@ -5,7 +5,6 @@ Every scenario drives `Rendezvous` directly with `now` values; deadlines are app
 """
 from __future__ import annotations
 
-from typing import Optional
 
 import pytest
 
@@ -39,7 +38,7 @@ def cfg(**kw) -> JobConfig:
 
 
 def join(rz: Rendezvous, node: str, now: float, config: JobConfig, *, lws: int = 1,
-         instance: Optional[str] = None, port: Optional[int] = None) -> NodeStatus:
+         instance: str | None = None, port: int | None = None) -> NodeStatus:
     return rz.join(JOB, JoinRequest(v=1, node_id=node, addr=f"addr-{node}", local_world_size=lws,
                                     master_port=port if port is not None else 20000 + len(node),
                                     config=config, instance=instance or f"{node}#1"), now)

@@ -4,7 +4,6 @@ FAIL_RANK=R FAIL_MODE=once|always makes rank R exit 1 (once: only at restart cou
 """
 import json
 import os
-import sys
 
 import torch
 import torch.distributed as dist
