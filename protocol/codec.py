@@ -45,7 +45,8 @@ class DecodeError(Exception):
 
 
 _encoder = msgspec.msgpack.Encoder()
-_request_decoders = {cls: msgspec.msgpack.Decoder(cls) for cls in REQUEST_TYPES.values()}
+_request_decoders: dict[type, msgspec.msgpack.Decoder[Any]] = {
+    cls: msgspec.msgpack.Decoder(cls) for cls in REQUEST_TYPES.values()}
 _status_decoder = msgspec.msgpack.Decoder(NodeStatus)
 _error_decoder = msgspec.msgpack.Decoder(ErrorReply)
 _any_decoder = msgspec.msgpack.Decoder()

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 from aiohttp import web
 
@@ -27,7 +27,8 @@ def _error(code: ErrorCode, message: str, *, as_json: bool) -> web.Response:
 
 
 @web.middleware
-async def error_middleware(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]):
+async def error_middleware(request: web.Request,
+                           handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
     as_json = request.method != "POST" or request.path.startswith("/v1/admin/")
     try:
         return await handler(request)
@@ -65,7 +66,7 @@ async def agent_request(request: web.Request) -> web.Response:
     job_id = job_id_of(request)
     if coord.shutting_down:
         raise RendezvousError(ErrorCode.SHUTTING_DOWN, "server is shutting down; retry shortly")
-    req = decode_request(cls, await request.read())
+    req: object = decode_request(cls, await request.read())
     status = await coord.handle(action, job_id, req)
     return web.Response(body=encode(status), content_type=CONTENT_TYPE)
 
@@ -116,9 +117,9 @@ def create_app(coordinator: Coordinator | None = None, *, allow_remote_admin: bo
     app = web.Application(middlewares=[metrics_middleware, error_middleware], client_max_size=MAX_BODY_BYTES)
     app[COORDINATOR] = coordinator or Coordinator()
     app[METRICS] = ServerMetrics(app[COORDINATOR])
-    app[COORDINATOR].event_listeners.append(app[METRICS].on_event)
+    app[COORDINATOR].effect_listeners.append(app[METRICS].on_effects)
 
-    async def lifecycle(app: web.Application):
+    async def lifecycle(app: web.Application) -> AsyncIterator[None]:
         await app[COORDINATOR].start()
         yield
         await app[COORDINATOR].stop()

@@ -1,9 +1,17 @@
 """The asyncio machinery around the pure rendezvous core (no HTTP here).
 
-Long-polls wait on a per-job asyncio.Event that is set (and replaced) whenever the job's epoch
-moves, so agents learn of a new round the moment it is decided. One background task sleeps until
-the core's next deadline and ticks it; any request that may bring a deadline closer re-arms it.
+After every core call the shell drains the core's outbox once (`_apply`) and hands each effect to
+its consumer: new events to the log and the listeners (metrics), changed jobs to the store, woken
+jobs to their long-polls (a per-job asyncio.Event, set and replaced, so agents learn of a new round
+the moment it is decided). One background task sleeps until the core's next deadline and ticks it;
+it is re-armed only when a call sets a deadline earlier than the one it sleeps to.
 Both the aiohttp app and `node-agent --standalone` (in-process, no HTTP) drive this class.
+
+The clock is wall time (`time.time`), not monotonic: lease expiries and last-call/join deadlines
+are saved with the job and must still mean the same after a restart, possibly on another machine
+once the store is shared, while a monotonic clock starts again at every boot. A wall-clock step is
+absorbed like an outage (leases are re-armed on restore). The agent, which saves nothing, uses
+monotonic time.
 """
 from __future__ import annotations
 
@@ -11,12 +19,14 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
+from typing import Any
 
 from protocol.errors import ErrorCode
 from protocol.messages import NodeState, NodeStatus, PollRequest
 from rdzv_server.looplag import LoopLagProbe
 from rdzv_server.persistence import Persister, StoreUnavailable
-from rdzv_server.records import Event, JobRecord
+from rdzv_server.outbox import Outbox
+from rdzv_server.records import JobRecord
 from rdzv_server.rendezvous import Rendezvous, RendezvousError
 from rdzv_server.store import SqliteStore
 
@@ -37,21 +47,18 @@ class Coordinator:
         self.shutting_down = False
         self.open_polls = 0
         self._job_events: dict[str, asyncio.Event] = {}
-        self._epochs: dict[str, int] = {}
-        self._logged: dict[str, tuple[float, int]] = {}   # job id -> (created_at, last event seq seen)
+        self._armed: float | None = None          # the deadline the timer sleeps to (None: none)
         self._rearm: asyncio.Event | None = None
-        self._timer: asyncio.Task | None = None
-        # Called once per new event, after the core recorded it (metrics hook here).
-        self.event_listeners: list[Callable[[JobRecord, Event], None]] = []
+        self.timer_wakeups = 0                    # times the deadline task woke (re-armed or due)
+        self._timer: asyncio.Task[None] | None = None
+        # Each gets every drained outbox, after logging (metrics hook here). A listener must not raise.
+        self.effect_listeners: list[Callable[[Outbox], None]] = []
 
     # -- lifecycle --
     async def start(self) -> None:
         if self.store is not None:
             loaded = self.store.load()
             self.core.jobs.update(loaded.jobs)
-            self.persister.adopt(loaded.jobs)
-            for job in loaded.jobs.values():
-                self._logged[job.job_id] = (job.created_at, job.event_seq)   # logged by the previous run
             if loaded.alive_at is not None:
                 now = self.clock()
                 self.core.restored(now, max(0.0, now - loaded.alive_at), loaded.clean_shutdown)
@@ -60,9 +67,9 @@ class Coordinator:
         self.loop_lag.start()
         self._rearm = asyncio.Event()
         self._timer = asyncio.create_task(self._deadline_loop(), name="rdzv-deadlines")
-        for job_id in self.core.jobs:
-            self._after(job_id)
-        for job_id in self.core.jobs:
+        changed = list(self.core.outbox.changed)
+        self._apply()
+        for job_id in changed:
             await self._durable(job_id)
 
     def release_polls(self) -> None:
@@ -93,28 +100,23 @@ class Coordinator:
             log.info("%s", self.loop_lag.summary())
 
     # -- change propagation --
-    def _after(self, job_id: str) -> None:
-        """After any core call on `job_id`: log new decisions, wake long-polls, re-arm the timer."""
-        job = self.core.jobs.get(job_id)
-        if job is None:
-            return
-        created, last = self._logged.get(job_id, (job.created_at, 0))
-        if created != job.created_at:       # the id started a new run: its events count from 1 again
-            last = 0
-        for ev in job.events_after(last):
-            log.info("%s", ev.message, extra={"job_id": job_id, "event": ev.kind, "node_id": ev.node_id,
+    def _apply(self) -> None:
+        """After any core call: drain its outbox once and hand each effect to its consumer."""
+        effects = self.core.take_effects()
+        for job, ev in effects.events:
+            log.info("%s", ev.message, extra={"job_id": job.job_id, "event": ev.kind.value, "node_id": ev.node_id,
                                               "round_id": ev.round_id})
-            for listener in self.event_listeners:
-                listener(job, ev)
-        self._logged[job_id] = (job.created_at, job.event_seq)
-        self.persister.note(job)
-        if self._epochs.get(job_id) != job.epoch:
-            self._epochs[job_id] = job.epoch
+        for listener in self.effect_listeners:
+            listener(effects)
+        self.persister.note(effects)
+        for job_id in effects.woken:
             old = self._job_events.pop(job_id, None)
             if old is not None:
                 old.set()
-        if self._rearm is not None:
-            self._rearm.set()
+        if effects.earliest is not None and (self._armed is None or effects.earliest < self._armed):
+            self._armed = effects.earliest
+            if self._rearm is not None:
+                self._rearm.set()
 
     def job_event(self, job_id: str) -> asyncio.Event:
         ev = self._job_events.get(job_id)
@@ -124,40 +126,43 @@ class Coordinator:
 
     async def _deadline_loop(self) -> None:
         assert self._rearm is not None
-        while not self.shutting_down:
-            deadline = self.core.next_deadline()
+        while True:
+            if self.shutting_down:
+                break
+            self._armed = deadline = self.core.next_deadline()
             timeout = None if deadline is None else max(0.0, deadline - self.clock())
             try:
                 await asyncio.wait_for(self._rearm.wait(), timeout)
             except asyncio.TimeoutError:
                 pass
             self._rearm.clear()
-            if self.shutting_down:
-                break
-            for job_id in self.core.tick(self.clock()):
-                self._after(job_id)
+            self.timer_wakeups += 1
+            if not self.shutting_down and self._armed is not None and self._armed <= self.clock():
+                self.core.tick(self.clock())
+                self._apply()
 
     # -- requests --
     async def handle(self, action: str, job_id: str, req: object) -> NodeStatus:
         """One agent request, by its action name (the route's last part)."""
-        if action == "poll":
-            return await self.long_poll(job_id, req)  # type: ignore[arg-type]
+        if isinstance(req, PollRequest):
+            return await self.long_poll(job_id, req)
         core = self.core
-        fn = {"join": core.join, "failure": core.report_failure, "success": core.report_success,
-              "leave": core.leave}[action]
-        status = self.call(job_id, fn, req)
+        calls: dict[str, Callable[[str, Any, float], NodeStatus]] = {
+            "join": core.join, "failure": core.report_failure, "success": core.report_success, "leave": core.leave}
+        status = self.call(job_id, calls[action], req)
         await self._durable(job_id)
         return status
 
-    async def operate(self, action: str, job_id: str, *args: object) -> JobRecord:
+    async def operate(self, action: str, job_id: str, *args: Any) -> JobRecord:
         """An operator action (see operator_rules.py): close, drain, clear_exclusion or resize."""
         core = self.core
-        fn = {"close": core.close_job, "drain": core.drain_node, "clear_exclusion": core.clear_exclusion,
-              "resize": core.resize}[action]
+        calls: dict[str, Callable[..., JobRecord]] = {
+            "close": core.close_job, "drain": core.drain_node, "clear_exclusion": core.clear_exclusion,
+            "resize": core.resize}
         try:
-            job = fn(job_id, *args, self.clock())  # type: ignore[operator]
+            job = calls[action](job_id, *args, self.clock())
         finally:
-            self._after(job_id)
+            self._apply()
         await self._durable(job_id)
         return job
 
@@ -168,11 +173,11 @@ class Coordinator:
         except StoreUnavailable as exc:
             raise RendezvousError(ErrorCode.STORE_UNAVAILABLE, f"{exc}; retry shortly") from None
 
-    def call(self, job_id: str, fn: Callable[..., NodeStatus], req: object) -> NodeStatus:
+    def call(self, job_id: str, fn: Callable[[str, Any, float], NodeStatus], req: object) -> NodeStatus:
         try:
             return fn(job_id, req, self.clock())
         finally:
-            self._after(job_id)
+            self._apply()
 
     async def long_poll(self, job_id: str, req: PollRequest) -> NodeStatus:
         status = self.call(job_id, self.core.poll, req)
@@ -195,7 +200,7 @@ class Coordinator:
             # The agent's connection closed mid-poll: likely dead. Give it a short grace.
             if not self.shutting_down:
                 self.core.connection_dropped(job_id, req.node_id, self.clock())
-                self._after(job_id)
+                self._apply()
             raise
         finally:
             self.open_polls -= 1

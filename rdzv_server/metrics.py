@@ -1,14 +1,14 @@
 """Prometheus metrics of the rendezvous server, served as `GET /metrics` (text format).
 
 Every app owns one `CollectorRegistry` (never the global one), so several servers can share a
-process. State is read at scrape time from the core; history is counted from the core's events
-(`Coordinator.event_listeners`); HTTP traffic is measured by `metrics_middleware`.
+process. State is read at scrape time from the core; history is counted from the core's effects
+(`Coordinator.effect_listeners`); HTTP traffic is measured by `metrics_middleware`.
 
 Metrics (all prefixed `rdzv_`):
   rdzv_jobs{state}                          gauge: jobs held by the server, every JobState (0 included)
   rdzv_nodes{state}                         gauge: nodes of unfinished jobs: waiting, member, spare, excluded
   rdzv_open_long_polls                      gauge: agent long-polls waiting for an answer now
-  rdzv_rounds_total{cause}                  counter: rounds formed, by cause (rounds.CAUSES)
+  rdzv_rounds_total{cause}                  counter: rounds formed, by cause (events.RoundCause)
   rdzv_restarts_total                       counter: restarts of a job's workers after a worker failure
                                             (one per accepted failure report; the report that exhausts
                                             max_restarts fails the job instead and is not counted)
@@ -45,8 +45,9 @@ from prometheus_client.registry import Collector
 from protocol.codec import REQUEST_TYPES
 from protocol.messages import JobState, NodeState
 from rdzv_server.coordinator import Coordinator
-from rdzv_server.records import Event, JobRecord
-from rdzv_server.rounds import CAUSES
+from rdzv_server.events import EventKind, RoundCause
+from rdzv_server.outbox import Outbox
+from rdzv_server.records import Event
 
 # No `*_created` series: they double the output and no dashboard here reads them (process-wide switch).
 prometheus_client.disable_created_metrics()
@@ -58,7 +59,8 @@ ROUND_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2
 # 1 ms .. 30 s: a long-poll answers after at most its wait_s (<= half the lease).
 HTTP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0)
 FAILURE_REASONS = ("exited", "hang", "spawn failed")
-LOSS_CAUSES = ("failure", "node_lost")
+LOSS_CAUSES = (RoundCause.FAILURE.value, RoundCause.NODE_LOST.value)
+CAUSES = tuple(c.value for c in RoundCause)
 METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
 NODE_STATES = tuple(s for s in NodeState if s != NodeState.GONE)
 
@@ -113,8 +115,9 @@ class StoreCollector(Collector):
         return self._families(st.commits, st.failures, st.total_s, st.max_s, lag.max_s)
 
     @staticmethod
-    def _families(commits: int, failures: int, total_s: float, max_s: float, lag_s: float) -> list:
-        out = []
+    def _families(commits: int, failures: int, total_s: float, max_s: float,
+                  lag_s: float) -> list[CounterMetricFamily | GaugeMetricFamily]:
+        out: list[CounterMetricFamily | GaugeMetricFamily] = []
         for name, text, value in (
                 ("rdzv_store_commits", "State store commits (each one fsynced transaction).", commits),
                 ("rdzv_store_commit_failures", "State store commits that failed (kept and retried).", failures),
@@ -126,14 +129,14 @@ class StoreCollector(Collector):
                 ("rdzv_store_commit_max_seconds", "Longest state store commit since start.", max_s),
                 ("rdzv_event_loop_lag_max_seconds", "Longest delay of the event loop since start (a stall).",
                  lag_s)):
-            fam = GaugeMetricFamily(name, text)
-            fam.add_metric([], value)
-            out.append(fam)
+            gauge = GaugeMetricFamily(name, text)
+            gauge.add_metric([], value)
+            out.append(gauge)
         return out
 
 
 class ServerMetrics:
-    """One app's registry and metrics. `on_event` is the coordinator's event listener."""
+    """One app's registry and metrics. `on_effects` is the coordinator's effect listener."""
 
     def __init__(self, coordinator: Coordinator) -> None:
         self.registry = CollectorRegistry()
@@ -167,18 +170,20 @@ class ServerMetrics:
         self.latency = Histogram("rdzv_http_request_duration_seconds", "HTTP request latency (long-polls "
                                  "included), by route template, method and status.",
                                  ["route", "method", "status"], buckets=HTTP_BUCKETS, registry=r)
-        self._restart_seen: dict[str, tuple[float, int]] = {}   # job id -> (created_at, restart_count)
 
-    def on_event(self, job: JobRecord, event: Event) -> None:
-        """Coordinator event listener. A metrics bug must never fail a request: log it and go on."""
+    def on_effects(self, effects: Outbox) -> None:
+        """Coordinator effect listener. A metrics bug must never fail a request: log it and go on."""
         try:
-            self._count(job, event)
+            for _job, event in effects.events:
+                self._count(event)
+            if effects.restarts:
+                self.restarts.inc(len(effects.restarts))
         except Exception:
-            log.exception("metrics: could not count event %s of job %s", event.kind, job.job_id)
+            log.exception("metrics: could not count the core's effects")
 
-    def _count(self, job: JobRecord, event: Event) -> None:
+    def _count(self, event: Event) -> None:
         kind, data = event.kind, event.data
-        if kind == "round_completed":
+        if kind == EventKind.ROUND_COMPLETED:
             cause = data.get("cause", "")
             self.rounds.labels(cause if cause in CAUSES else "other").inc()
             if "formation_s" in data:
@@ -186,27 +191,11 @@ class ServerMetrics:
             if "since_failure_s" in data:
                 self.recovery.labels(cause if cause in LOSS_CAUSES else "other").observe(
                     float(data["since_failure_s"]))
-        elif kind == "worker_failed":
+        elif kind == EventKind.WORKER_FAILED:
             reason = data.get("reason", "")
             self.worker_failures.labels(reason if reason in FAILURE_REASONS else "other").inc()
-        elif kind == "node_lost":
+        elif kind == EventKind.NODE_LOST:
             self.nodes_lost.inc()
-        self._count_restart(job, event)
-
-    def _count_restart(self, job: JobRecord, event: Event) -> None:
-        # The core bumps restart_count, then records that report's worker_failed events: on a job
-        # seen for the first time (new, reused id, or restored from the store) the baseline is the
-        # count before this event.
-        seen = self._restart_seen.get(job.job_id)
-        if seen is None or seen[0] != job.created_at:
-            seen = (job.created_at, job.restart_count - (1 if event.kind == "worker_failed" else 0))
-        delta = job.restart_count - seen[1]
-        if delta > 0 and job.state != JobState.FAILED:
-            self.restarts.inc(delta)
-        if job.state.finished:
-            self._restart_seen.pop(job.job_id, None)
-        else:
-            self._restart_seen[job.job_id] = (job.created_at, job.restart_count)
 
     def observe_request(self, request: web.Request, status: str, seconds: float) -> None:
         route, method = route_label(request), request.method if request.method in METHODS else "other"

@@ -14,14 +14,17 @@ from typing import Any
 from collections.abc import Iterable
 
 from rdzv_server import views
+from rdzv_server.events import EventKind
 from rdzv_server.rendezvous import Rendezvous
 
 DEFAULT_REFRESH_S = 2
 INDEX_EVENTS = 6          # events per job on the overview
 DETAIL_EVENTS = 200       # events on a job's own page
-_BAD = {"worker_failed", "node_lost", "job_failed", "node_excluded"}
-_WARN = {"round_waiting", "node_drained", "job_closed", "server_restarted", "node_left"}
-_GOOD = {"round_completed", "job_succeeded", "node_readmitted"}
+# How an event kind is coloured in the history tables.
+_BAD = {k.value for k in (EventKind.WORKER_FAILED, EventKind.NODE_LOST, EventKind.JOB_FAILED, EventKind.NODE_EXCLUDED)}
+_WARN = {k.value for k in (EventKind.ROUND_ABANDONED, EventKind.NODE_DRAINED, EventKind.JOB_CLOSED,
+                           EventKind.SERVER_RESTARTED, EventKind.NODE_LEFT)}
+_GOOD = {k.value for k in (EventKind.ROUND_COMPLETED, EventKind.JOB_SUCCEEDED, EventKind.NODE_READMITTED)}
 _FINISHED = {"succeeded", "failed", "closed"}
 # How a job's state ranks on the overview: what needs a human comes first.
 _ORDER = {"failed": 0, "waiting": 1, "running": 2, "closed": 3, "succeeded": 4}

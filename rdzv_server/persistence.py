@@ -1,14 +1,14 @@
 """Group commit between the event loop and the durable store.
 
-Rule: a reply that depends on a change is sent only after that change is on disk. Requests mark
-their job dirty (`note`) and then `await durable(job_id)`. One writer task takes every dirty job,
+Rule: a reply that depends on a change is sent only after that change is on disk. The shell hands
+the core's effects to `note` (the jobs whose saved state changed, their new events, the ids that
+started a new run) and then `await durable(job_id)`. One writer task takes every dirty job,
 encodes a snapshot on the loop (fast, msgspec), and commits the whole batch in one SQLite
 transaction on a single worker thread, so the loop keeps serving while the disk works and many
 changes share one fsync. Changes made while a commit is in flight ride the next one.
 
-A job is dirty when its (epoch, event_seq) moved: every decision of the core records an event or
-bumps the epoch. Lease renewals alone are not written: after a restart all leases are re-armed.
-A failed commit keeps the jobs dirty (retried after a pause) and fails the waiting replies with
+Lease renewals alone are not written: after a restart all leases are re-armed. A failed commit
+keeps the jobs dirty (retried after a pause) and fails the waiting replies with
 `StoreUnavailable`; the state in memory is never rolled back.
 """
 from __future__ import annotations
@@ -20,7 +20,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from collections.abc import Callable
 
-from rdzv_server.records import JobRecord
+from rdzv_server.outbox import Outbox
+from rdzv_server.records import MAX_EVENTS_PER_JOB, Event, JobRecord
 from rdzv_server.store import SqliteStore, snapshot
 
 log = logging.getLogger("rdzv_server")
@@ -42,20 +43,14 @@ class CommitStats:
     failures: int = 0
 
 
-@dataclass
-class _Saved:
-    key: tuple[int, int]          # (epoch, event_seq) last noted
-    events_up_to: int             # events with seq <= this are on disk
-    created_at: float             # tells a reused job id (a new run) from the old one
-
-
 class Persister:
     def __init__(self, store: SqliteStore | None, clock: Callable[[], float] = time.time) -> None:
         self.store = store
         self.clock = clock
         self.stats = CommitStats()
-        self._saved: dict[str, _Saved] = {}
         self._dirty: dict[str, JobRecord] = {}
+        self._events: dict[str, list[Event]] = {}                  # job -> events not yet on disk
+        self._reset: set[str] = set()                               # jobs whose old history goes first
         self._next: asyncio.Future | None = None                 # the commit that will carry _dirty
         self._inflight: dict[str, asyncio.Future] = {}              # job -> commit now carrying it
         self._writer: asyncio.Task | None = None
@@ -63,28 +58,23 @@ class Persister:
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="rdzv-store") if store else None
         self._closing = False
 
-    def adopt(self, jobs: dict[str, JobRecord]) -> None:
-        """Jobs loaded from the store: already on disk up to now."""
-        for job in jobs.values():
-            self._saved[job.job_id] = _Saved((job.epoch, job.event_seq), job.event_seq, job.created_at)
-
     def start(self) -> None:
         if self.store is not None:
             self._alive = asyncio.create_task(self._alive_loop(), name="rdzv-store-alive")
 
-    def note(self, job: JobRecord) -> None:
-        """`job` may have changed: schedule it for the next commit if it did."""
-        if self.store is None:
+    def note(self, effects: Outbox) -> None:
+        """Schedule what the core changed (`effects`, drained from it) for the next commit."""
+        if self.store is None or not effects.changed:
             return
-        saved = self._saved.get(job.job_id)
-        key = (job.epoch, job.event_seq)
-        if saved is not None and saved.key == key and saved.created_at == job.created_at:
-            return
-        if saved is None or saved.created_at != job.created_at:
-            saved = self._saved[job.job_id] = _Saved(key, 0, job.created_at)
-            saved.events_up_to = -1       # marks "reset the history" for the first commit of this run
-        saved.key = key
-        self._dirty[job.job_id] = job
+        for job_id in effects.new_runs:
+            self._reset.add(job_id)
+            self._events.pop(job_id, None)
+        for job, event in effects.events:
+            pending = self._events.setdefault(job.job_id, [])
+            pending.append(event)
+            if len(pending) > MAX_EVENTS_PER_JOB:     # older ones would be pruned on disk anyway
+                del pending[: len(pending) - MAX_EVENTS_PER_JOB]
+        self._dirty.update(effects.changed)
         if self._next is None:
             self._next = asyncio.get_running_loop().create_future()
             self._next.add_done_callback(_consume)
@@ -101,42 +91,42 @@ class Persister:
         loop = asyncio.get_running_loop()
         while self._dirty:
             fut, self._next = self._next, None
+            assert fut is not None
             jobs, self._dirty = self._dirty, {}
-            snaps = []
-            for job in jobs.values():
-                saved = self._saved[job.job_id]
-                snaps.append(snapshot(job, max(saved.events_up_to, 0), reset_events=saved.events_up_to < 0))
-                self._inflight[job.job_id] = fut        # type: ignore[assignment]
+            events, resets = self._events, self._reset
+            self._events, self._reset = {}, set()
+            for job_id in jobs:
+                self._inflight[job_id] = fut
             started = time.perf_counter()
             try:
                 assert self.store is not None
+                snaps = [snapshot(job, events.get(job_id, []), reset_events=job_id in resets)
+                         for job_id, job in jobs.items()]
                 await loop.run_in_executor(self._executor, self.store.write, snaps, self.clock())
             except Exception as exc:   # disk full, I/O error: keep the changes, fail the replies
                 self.stats.failures += 1
                 log.error("state store commit failed (%s); %d job(s) kept in memory, retrying", exc, len(jobs))
                 for job_id, job in jobs.items():
                     self._dirty.setdefault(job_id, job)
+                    if job_id in self._reset:    # a newer run started meanwhile: these events are moot
+                        continue
+                    self._events[job_id] = events.get(job_id, []) + self._events.get(job_id, [])
+                    if job_id in resets:
+                        self._reset.add(job_id)
                 if self._next is None:
                     self._next = loop.create_future()
                     self._next.add_done_callback(_consume)
-                assert fut is not None
                 fut.set_exception(StoreUnavailable(f"state store commit failed: {exc}"))
                 if not self._closing:
                     await asyncio.sleep(RETRY_AFTER_S)
                 else:
                     break
             else:
-                for s in snaps:
-                    if s.events:
-                        self._saved[s.job_id].events_up_to = s.events[-1][0]
-                    elif self._saved[s.job_id].events_up_to < 0:
-                        self._saved[s.job_id].events_up_to = 0
                 took = time.perf_counter() - started
                 self.stats.commits += 1
                 self.stats.jobs_written += len(snaps)
                 self.stats.total_s += took
                 self.stats.max_s = max(self.stats.max_s, took)
-                assert fut is not None
                 fut.set_result(None)
             finally:
                 for job_id in jobs:

@@ -1,14 +1,16 @@
 """Plain-data records the rendezvous core keeps per job.
 
 They are msgspec structs so the whole state of a job can be encoded as it is (the durable store
-and the status API both read them). No behaviour lives here; the rules are in `rendezvous.py`.
+and the status API both read them). No behaviour lives here; the rules are in `job_rules.py`.
 """
 from __future__ import annotations
 
+from typing import Any
 
 import msgspec
 
 from protocol.messages import Assignment, JobConfig, JobState, NodeState, WorkerFailure
+from rdzv_server.events import EventKind
 
 MAX_EVENTS_PER_JOB = 1000
 
@@ -46,11 +48,11 @@ class Event(msgspec.Struct, kw_only=True):
     """One decision or fact in a job's history, with the reason a human reads."""
     t: float
     seq: int                           # per job, grows by one per event
-    kind: str                          # job_created, node_joined, round_completed, node_lost, ...
+    kind: EventKind
     message: str
     node_id: str = ""
     round_id: int = -1
-    data: dict = msgspec.field(default_factory=dict)
+    data: dict[str, Any] = msgspec.field(default_factory=dict)
 
 
 class JobRecord(msgspec.Struct, kw_only=True):

@@ -1,4 +1,4 @@
-"""Turning an ordered list of member nodes into one round's assignments, and small facts about rounds.
+"""Turning an ordered list of member nodes into one round's assignments; what a node sees of its round.
 
 Group rank is the position in the list. A node's global rank offset is the sum of the local world
 sizes before it, so nodes may run different numbers of workers. MASTER_ADDR/PORT are the ones the
@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from protocol.messages import Assignment, JobState
+from protocol.messages import Assignment, JobState, NodeState, NodeStatus, WorkerFailure
+from rdzv_server.events import RoundCause
 from rdzv_server.records import JobRecord, RoundRecord
 
 
@@ -43,12 +44,9 @@ def candidates(job: JobRecord) -> list[str]:
     return [n for n in members if n in job.nodes] + job.waiting + job.spares
 
 
-# The category of a round's reason (label `cause` on round events and metrics).
-CAUSES = ("start", "scale_up", "failure", "node_lost", "node_left", "node_drained", "resized")
-
-
-def growth_cause(job: JobRecord) -> str:
-    return "scale_up" if job.last_round_id else "start"
+def growth_cause(job: JobRecord) -> RoundCause:
+    """A round formed because nodes arrived: the job's first, or a scale-up."""
+    return RoundCause.SCALE_UP if job.last_round_id else RoundCause.START
 
 
 def deadlines(job: JobRecord) -> Iterable[float]:
@@ -62,3 +60,32 @@ def deadlines(job: JobRecord) -> Iterable[float]:
 
 def count_nodes(nodes: list[str]) -> str:
     return f"{len(nodes)} node{'s' if len(nodes) != 1 else ''}"
+
+
+def node_status(job: JobRecord, node_id: str, now: float, *, accepted: bool = True, reason: str = "") -> NodeStatus:
+    """Where `node_id` stands in its job; built fresh (assignments and failures in it are frozen)."""
+    node = job.nodes.get(node_id)
+    state = node.state if node is not None and not job.state.finished else NodeState.GONE
+    status = NodeStatus(job_id=job.job_id, job_state=job.state, node_state=state,
+                        round_id=job.round.round_id if job.round else -1, restart_count=job.restart_count,
+                        accepted=accepted, reason=reason or job.reason,
+                        lease_timeout_s=job.config.lease_timeout_s)
+    if job.state.finished:
+        status.root_cause = job.root_cause if job.state == JobState.FAILED else None
+        if job.round is not None and node_id in job.round.assignments:
+            status.assignment = job.round.assignments[node_id]
+    elif state == NodeState.MEMBER and job.round is not None:
+        status.assignment = job.round.assignments[node_id]
+    elif state == NodeState.SPARE:
+        status.spare_position = job.spares.index(node_id)
+    elif state == NodeState.EXCLUDED and node is not None:
+        status.excluded_for_s = max(0.0, node.excluded_until - now)
+    return status
+
+
+def describe(f: WorkerFailure) -> str:
+    """One line for a failed worker: rank, host, how it ended, its message."""
+    how = f"signal {f.signal}" if f.signal else f"exit code {f.exitcode}"
+    what = f"{f.reason}, {how}" if f.reason and f.reason != "exited" else how
+    text = f"rank {f.rank} (local {f.local_rank}) on {f.host or f.node_id}: {what}"
+    return f"{text}: {f.message}" if f.message else text

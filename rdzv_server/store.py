@@ -18,6 +18,7 @@ import fcntl
 import os
 import sqlite3
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import msgspec
 
@@ -58,15 +59,17 @@ class Loaded:
     clean_shutdown: bool
 
 
+T = TypeVar("T")
+
 _encoder = msgspec.msgpack.Encoder()
 _job_decoder = msgspec.msgpack.Decoder(JobRecord)
 _event_decoder = msgspec.msgpack.Decoder(Event)
 
 
-def snapshot(job: JobRecord, events_saved_up_to: int, reset_events: bool) -> JobSnapshot:
-    """Encode a job as it is now: its record, and the events after `events_saved_up_to`."""
+def snapshot(job: JobRecord, new_events: list[Event], reset_events: bool) -> JobSnapshot:
+    """Encode a job as it is now: its record without its history, and the events not yet saved."""
     record = _encoder.encode(msgspec.structs.replace(job, events=[]))
-    new = [(e.seq, _encoder.encode(e)) for e in job.events_after(events_saved_up_to)]
+    new = [(e.seq, _encoder.encode(e)) for e in new_events]
     return JobSnapshot(job.job_id, record, new, reset_events, job.event_seq - MAX_EVENTS_PER_JOB)
 
 
@@ -136,7 +139,7 @@ class SqliteStore:
         alive = meta.get("alive_at")
         return Loaded(jobs, float(alive) if alive is not None else None, meta.get("clean_shutdown") == "1")
 
-    def _decode(self, job_id: str, blob: bytes, decoder: msgspec.msgpack.Decoder, what: str):
+    def _decode(self, job_id: str, blob: bytes, decoder: msgspec.msgpack.Decoder[T], what: str) -> T:
         try:
             return decoder.decode(blob)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:

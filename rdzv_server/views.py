@@ -74,7 +74,7 @@ def job_detail(job: JobRecord, now: float) -> dict[str, Any]:
 
 def job_events(job: JobRecord) -> dict[str, Any]:
     return {"job_id": job.job_id, "events": [
-        {"seq": e.seq, "time": iso(e.t), "kind": e.kind, "message": e.message, "node_id": e.node_id or None,
+        {"seq": e.seq, "time": iso(e.t), "kind": e.kind.value, "message": e.message, "node_id": e.node_id or None,
          "round_id": e.round_id if e.round_id >= 0 else None, **({"data": e.data} if e.data else {})}
         for e in job.events]}
 

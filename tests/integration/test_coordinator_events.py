@@ -1,4 +1,4 @@
-"""Every new event of a job reaches the coordinator's listeners once, also after its id is reused."""
+"""Every new event of a job reaches the coordinator's effect listeners once, also after its id is reused."""
 from __future__ import annotations
 
 from protocol.messages import FailureReport, JobConfig, JoinRequest, WorkerFailure
@@ -10,7 +10,7 @@ async def test_listeners_see_each_event_once_and_the_events_of_a_reused_job_id()
     now = [1.0]
     coord = Coordinator(clock=lambda: now[0])
     seen: list[tuple[int, str]] = []
-    coord.event_listeners.append(lambda job, ev: seen.append((ev.seq, ev.kind)))
+    coord.effect_listeners.append(lambda effects: seen.extend((ev.seq, ev.kind) for _, ev in effects.events))
     cfg = JobConfig(max_restarts=0, lease_timeout_s=1e4)
     await coord.handle("join", "j", JoinRequest(v=1, node_id="a", addr="x", local_world_size=1, master_port=1,
                                                 config=cfg, instance="a1"))

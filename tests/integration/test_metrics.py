@@ -19,7 +19,7 @@ from protocol.messages import JobState, NodeState
 from tests.integration.support import start_app, url, wait_until
 from rdzv_server.app import COORDINATOR, create_app
 from rdzv_server.coordinator import Coordinator
-from rdzv_server.rounds import CAUSES
+from rdzv_server.metrics import CAUSES
 from rdzv_server.store import SqliteStore
 
 MSGPACK = {"Content-Type": "application/msgpack"}

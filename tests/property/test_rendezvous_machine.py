@@ -1,8 +1,10 @@
 """A hypothesis state machine over the rendezvous core: random joins, polls, losses, failures,
-successes, leaves and time, with the core's invariants checked after every step.
+successes, leaves, operator actions and time, with the core's invariants checked after every step.
 
 Time moves only through `_advance`, which ticks at every deadline on the way, as the server shell
-does; so after each step no deadline of the core lies in the past.
+does; so after each step no deadline of the core lies in the past. The outbox is drained after
+every step as the shell does, and checked against the records: every event handed over once, every
+view change woken, and no deadline set earlier than the shell's timer without saying so.
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ from protocol.messages import (
     SuccessReport,
     WorkerFailure,
 )
+from rdzv_server.events import EventKind
 from rdzv_server.records import JobRecord
 from rdzv_server.rendezvous import REUSE_FINISHED_AFTER_S, DROP_GRACE_S, Rendezvous, RendezvousError
 
@@ -43,6 +46,12 @@ class RendezvousMachine(RuleBasedStateMachine):
         self.finished: JobState | None = None
         self.successes: dict[int, set[str]] = {}
         self.last_round: tuple[int, list] | None = None   # (round id, [(node id, record, exclusions)])
+        # what the shell knows: the deadline its timer sleeps to, the last event and epoch handed over
+        self.armed: float | None = None
+        self.ticked = False
+        self.seen_seq = 0
+        self.seen_epoch = 0
+        self.seen_restarts = 0
 
     @initialize(min_nodes=st.integers(1, 3), extra=st.integers(0, 2), max_restarts=st.integers(0, 4),
                 last_call_s=st.sampled_from([0.0, 0.5, 2.0]), exclude_after=st.integers(0, 3),
@@ -76,6 +85,7 @@ class RendezvousMachine(RuleBasedStateMachine):
             self.rz.tick(self.now)
         self.now = max(self.now, to)
         self.rz.tick(self.now)
+        self.ticked = True          # the shell's timer fired: it computes its next deadline afresh
         deadline = self.rz.next_deadline()
         assert deadline is None or deadline > self.now, "a deadline was left in the past after tick"
 
@@ -238,7 +248,84 @@ class RendezvousMachine(RuleBasedStateMachine):
                     self.rz.poll(JOB, PollRequest(v=1, node_id=node_id), self.now)
             self._advance(self.now + 1.0)
 
+    # ---- operator actions ---------------------------------------------------------------------
+
+    @precondition(lambda self: self._live())
+    @rule()
+    def close(self) -> None:
+        self.rz.close_job(JOB, "enough", self.now)
+        assert self.job.state == JobState.CLOSED and "enough" in self.job.reason
+        try:
+            self.rz.close_job(JOB, "again", self.now)
+        except RendezvousError as e:
+            assert e.code == ErrorCode.JOB_FINISHED
+        else:
+            raise AssertionError("a finished job was closed again")
+
+    @precondition(lambda self: self._live())
+    @rule(data=st.data(), known=st.booleans())
+    def drain(self, data, known: bool) -> None:
+        node_id = data.draw(st.sampled_from(sorted(self.job.nodes))) if known and self.job.nodes else "ghost"
+        was_member = node_id in self._members()
+        round_id = self.job.round.round_id if self.job.round else None
+        self.rz.drain_node(JOB, node_id, "bad host", self.now)
+        assert node_id not in self.job.nodes and node_id in self.job.drained
+        if was_member:
+            assert self.job.round is None or self.job.round.round_id != round_id
+        epoch = self.job.epoch
+        self.instances.setdefault(node_id, 1)
+        try:
+            self._join(node_id, 1, self.config)
+        except RendezvousError as e:
+            assert e.code == ErrorCode.NODE_DRAINED and "bad host" in e.message
+        else:
+            raise AssertionError("a drained node joined again")
+        assert node_id not in self.job.nodes and self.job.epoch == epoch
+
+    @precondition(lambda self: self._live() and (self.job.excluded or self.job.drained))
+    @rule(data=st.data())
+    def clear(self, data) -> None:
+        node_id = data.draw(st.sampled_from(sorted(set(self.job.excluded) | set(self.job.drained))))
+        drained = node_id in self.job.drained
+        self.rz.clear_exclusion(JOB, node_id, self.now)
+        assert node_id not in self.job.excluded and node_id not in self.job.drained
+        if not drained:
+            assert self.job.nodes[node_id].state in (NodeState.WAITING, NodeState.MEMBER, NodeState.SPARE)
+
+    @precondition(lambda self: self._live())
+    @rule(min_nodes=st.integers(0, 4), extra=st.integers(-1, 2))
+    def resize(self, min_nodes: int, extra: int) -> None:
+        before = self.job.config
+        try:
+            self.rz.resize(JOB, min_nodes, min_nodes + extra, self.now)
+        except RendezvousError as e:
+            assert e.code == ErrorCode.BAD_REQUEST and (min_nodes < 1 or extra < 0)
+            assert self.job.config == before
+            return
+        assert (self.job.config.min_nodes, self.job.config.max_nodes) == (min_nodes, min_nodes + extra)
+
     # ---- invariants ---------------------------------------------------------------------------
+
+    @invariant()
+    def the_outbox_hands_over_every_effect(self) -> None:
+        """As the shell: drain once per step; nothing needed was left out of it."""
+        effects = self.rz.take_effects()
+        deadline = self.rz.next_deadline()
+        job = self.job
+        if job is not None:
+            seqs = [e.seq for j, e in effects.events if j is job]
+            assert seqs == list(range(self.seen_seq + 1, job.event_seq + 1)), (seqs, self.seen_seq)
+            if seqs:
+                assert effects.changed.get(JOB) is job
+            if job.epoch != self.seen_epoch:
+                assert JOB in effects.woken
+            restarted = job.restart_count - self.seen_restarts
+            assert len(effects.restarts) == restarted - (1 if restarted and job.state == JobState.FAILED else 0)
+            self.seen_seq, self.seen_epoch, self.seen_restarts = job.event_seq, job.epoch, job.restart_count
+        if not self.ticked and deadline is not None and (self.armed is None or deadline < self.armed):
+            # the shell sleeps to `armed`: a deadline set earlier must have been announced
+            assert effects.earliest is not None and effects.earliest <= deadline, (effects.earliest, deadline)
+        self.armed, self.ticked = deadline, False
 
     @invariant()
     def ranks_offsets_and_world_size_are_consistent(self) -> None:
@@ -260,7 +347,7 @@ class RendezvousMachine(RuleBasedStateMachine):
         rank0 = job.nodes.get(r.members[0])
         if rank0 is not None:
             assert r.assignments[r.members[0]].master_addr == rank0.addr
-        assert self.config.min_nodes <= len(r.members) <= self.config.max_nodes
+        assert job.config.min_nodes <= len(r.members) <= job.config.max_nodes
         if job.state == JobState.RUNNING:
             assert r.restart_count == job.restart_count
 
@@ -340,7 +427,9 @@ class RendezvousMachine(RuleBasedStateMachine):
             assert job.state == self.finished
         elif job.state.finished:
             self.finished = job.state
-            assert job.reason and job.events[-1].kind == f"job_{job.state.value}"
+            finished = {JobState.SUCCEEDED: EventKind.JOB_SUCCEEDED, JobState.FAILED: EventKind.JOB_FAILED,
+                        JobState.CLOSED: EventKind.JOB_CLOSED}
+            assert job.reason and job.events[-1].kind == finished[job.state]
 
     @invariant()
     def events_are_numbered_and_readable(self) -> None:

@@ -15,6 +15,7 @@ from protocol.messages import (FailureReport, JobConfig, JoinRequest, NodeState,
 from rdzv_server import page, views
 from rdzv_server.app import create_app
 from rdzv_server.coordinator import Coordinator
+from rdzv_server.events import EventKind
 from rdzv_server.records import Event, NodeRecord
 from rdzv_server.rendezvous import Rendezvous
 
@@ -173,7 +174,7 @@ def test_client_strings_are_escaped_everywhere():
                                        role="default", local_world_size=1, master_port=1, state=NodeState.SPARE,
                                        joined_at=T, last_seen=T, lease_expires=T + 100)
     job.spares.append("<script>")
-    job.record(Event(t=T + 4, seq=0, kind="note<b>", message="</td></tr></table><script>x()</script>",
+    job.record(Event(t=T + 4, seq=0, kind=EventKind.NODE_LEFT, message="</td></tr></table><script>x()</script>",
                      node_id="<script>", data={"k<i>": "v<i>"}))
 
     for text in (page.index_page(rz, T + 5), page.job_page(rz, "j", T + 5),
@@ -198,7 +199,7 @@ def test_job_page_has_config_failures_and_the_newest_events_first():
     running(rz, "j", ["a", "b"], cfg(max_restarts=7))
     fail(rz, "j", "b", T + 10, message="boom", exitcode=-9)
     for i in range(250):
-        rz.jobs["j"].record(Event(t=T + 20 + i, seq=0, kind="note", message=f"note {i}"))
+        rz.jobs["j"].record(Event(t=T + 20 + i, seq=0, kind=EventKind.NODE_LEFT, message=f"note {i}"))
     m = Markup(page.job_page(rz, "j", T + 300) or "")
 
     assert "max_restarts 7" in m.text and "lease_timeout_s 10000.0" in m.text

@@ -8,6 +8,8 @@ import threading
 import pytest
 
 from protocol.messages import JobConfig, JobState
+from rdzv_server.events import EventKind
+from rdzv_server.outbox import Outbox
 from rdzv_server.persistence import Persister, StoreUnavailable
 from rdzv_server.records import Event, JobRecord
 from rdzv_server.store import JobSnapshot, SqliteStore
@@ -40,22 +42,22 @@ def job(job_id: str) -> JobRecord:
     return JobRecord(job_id=job_id, config=JobConfig(), state=JobState.WAITING, created_at=1.0)
 
 
-def change(j: JobRecord, what: str) -> None:
-    j.record(Event(t=2.0, seq=0, kind="note", message=what))
+def change(j: JobRecord, what: str) -> Outbox:
+    """A decision of the core about `j`, as the core's outbox would hand it over."""
+    event = Event(t=2.0, seq=0, kind=EventKind.NODE_JOINED, message=what)
+    j.record(event)
+    return Outbox(events=[(j, event)], changed={j.job_id: j})
 
 
 async def test_changes_made_during_a_commit_ride_the_next_one_together():
     store = GatedStore()
     p = Persister(store)  # type: ignore[arg-type]
     a, b = job("a"), job("b")
-    change(a, "first")
-    p.note(a)
+    p.note(change(a, "first"))
     first = asyncio.ensure_future(p.durable("a"))
     await asyncio.sleep(0)                       # let the writer take the first batch
-    change(a, "second")
-    p.note(a)
-    change(b, "other job")
-    p.note(b)
+    p.note(change(a, "second"))
+    p.note(change(b, "other job"))
     later = [asyncio.ensure_future(p.durable("a")), asyncio.ensure_future(p.durable("b"))]
     assert not first.done()
     store.gate.set()
@@ -71,11 +73,10 @@ async def test_unchanged_jobs_are_not_written():
     store.gate.set()
     p = Persister(store)  # type: ignore[arg-type]
     a = job("a")
-    change(a, "x")
-    p.note(a)
+    p.note(change(a, "x"))
     await p.durable("a")
-    a.nodes = {}                                  # not a decision: no epoch or event change
-    p.note(a)
+    a.nodes = {}                                  # not a decision: the core reports no change
+    p.note(Outbox())
     await p.durable("a")
     assert len(store.batches) == 1
     await p.close()
@@ -88,8 +89,7 @@ async def test_a_failed_commit_fails_the_reply_and_is_retried(monkeypatch):
     store.gate.set()
     p = Persister(store)  # type: ignore[arg-type]
     a = job("a")
-    change(a, "x")
-    p.note(a)
+    p.note(change(a, "x"))
     with pytest.raises(StoreUnavailable, match="No space left"):
         await p.durable("a")
     await p.durable("a")                          # the retry carries it
@@ -101,8 +101,7 @@ async def test_a_failed_commit_fails_the_reply_and_is_retried(monkeypatch):
 async def test_in_memory_mode_writes_nothing():
     p = Persister(None)
     a = job("a")
-    change(a, "x")
-    p.note(a)
+    p.note(change(a, "x"))
     await p.durable("a")
     await p.close()
 
@@ -111,8 +110,7 @@ async def test_round_trip_through_sqlite_with_the_persister(tmp_path):
     p = Persister(SqliteStore(str(tmp_path)))
     a = job("a")
     for i in range(5):
-        change(a, f"event {i}")
-        p.note(a)
+        p.note(change(a, f"event {i}"))
     await p.durable("a")
     await p.close()
     loaded = SqliteStore(str(tmp_path)).load()

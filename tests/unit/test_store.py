@@ -9,6 +9,7 @@ import pytest
 
 from protocol.messages import FailureReport, JobConfig, JoinRequest, WorkerFailure
 from rdzv_server.records import MAX_EVENTS_PER_JOB, Event, JobRecord
+from rdzv_server.events import EventKind
 from rdzv_server.rendezvous import Rendezvous
 from rdzv_server.store import DB_NAME, SCHEMA_VERSION, SqliteStore, StoreError, snapshot
 
@@ -47,7 +48,7 @@ def every_state() -> Rendezvous:
 
 
 def _save(store: SqliteStore, rz: Rendezvous, now: float = 100.0) -> None:
-    store.write([snapshot(job, 0, reset_events=True) for job in rz.jobs.values()], now)
+    store.write([snapshot(job, job.events, reset_events=True) for job in rz.jobs.values()], now)
 
 
 def _builtins(jobs: dict[str, JobRecord]) -> dict:
@@ -80,11 +81,11 @@ def test_new_events_are_appended_and_old_ones_pruned(tmp_path):
     _join(rz, "j", "a", 1.0)
     job = rz.jobs["j"]
     store = SqliteStore(str(tmp_path))
-    store.write([snapshot(job, 0, reset_events=True)], 1.0)
+    store.write([snapshot(job, job.events, reset_events=True)], 1.0)
     saved = job.event_seq
     for i in range(MAX_EVENTS_PER_JOB + 20):
-        job.record(Event(t=2.0 + i, seq=0, kind="note", message=f"event {i}"))
-    store.write([snapshot(job, saved, reset_events=False)], 3.0)
+        job.record(Event(t=2.0 + i, seq=0, kind=EventKind.NODE_JOINED, message=f"event {i}"))
+    store.write([snapshot(job, job.events_after(saved), reset_events=False)], 3.0)
     store.release()
     store = SqliteStore(str(tmp_path))
     events = store.load().jobs["j"].events
@@ -98,10 +99,10 @@ def test_reused_job_id_drops_the_old_history(tmp_path):
     rz = Rendezvous()
     _join(rz, "j", "a", 1.0)
     store = SqliteStore(str(tmp_path))
-    store.write([snapshot(rz.jobs["j"], 0, reset_events=True)], 1.0)
+    store.write([snapshot(rz.jobs["j"], rz.jobs["j"].events, reset_events=True)], 1.0)
     fresh = JobRecord(job_id="j", config=JobConfig(), state=rz.jobs["j"].state, created_at=5.0)
-    fresh.record(Event(t=5.0, seq=0, kind="job_created", message="second run"))
-    store.write([snapshot(fresh, 0, reset_events=True)], 5.0)
+    fresh.record(Event(t=5.0, seq=0, kind=EventKind.JOB_CREATED, message="second run"))
+    store.write([snapshot(fresh, fresh.events, reset_events=True)], 5.0)
     store.release()
     events = SqliteStore(str(tmp_path)).load().jobs["j"].events
     assert [e.message for e in events] == ["second run"]

@@ -1,0 +1,50 @@
+"""The kinds of events in a job's history, and the causes of rounds.
+
+Event kinds are facts in the past tense; their values are the strings the events API, the status
+page, the metrics and the logs show.
+"""
+from __future__ import annotations
+
+import enum
+
+
+class EventKind(str, enum.Enum):
+    JOB_CREATED = "job_created"
+    JOB_REUSED = "job_reused"              # a finished job's id started a new run
+    NODE_JOINED = "node_joined"
+    NODE_BENCHED = "node_spare"            # admitted as a spare (the job is at max_nodes)
+    NODE_EXCLUDED = "node_excluded"
+    NODE_READMITTED = "node_readmitted"    # exclusion over (cooldown ended, or cleared by an operator)
+    NODE_LOST = "node_lost"
+    NODE_LEFT = "node_left"
+    NODE_DRAINED = "node_drained"
+    NODE_UNDRAINED = "node_undrained"
+    NODE_SUCCEEDED = "node_succeeded"
+    WORKER_FAILED = "worker_failed"
+    ROUND_OPENED = "round_opened"          # the first node is waiting for the next round
+    ROUND_COMPLETED = "round_completed"
+    ROUND_ABANDONED = "round_waiting"      # below min_nodes after a change: back to collecting nodes
+    JOB_RESIZED = "job_resized"
+    JOB_SUCCEEDED = "job_succeeded"
+    JOB_FAILED = "job_failed"
+    JOB_CLOSED = "job_closed"
+    SERVER_RESTARTED = "server_restarted"
+
+
+class RoundCause(str, enum.Enum):
+    """Why a round was formed (the `cause` of round events and of the rounds metric)."""
+    START = "start"
+    SCALE_UP = "scale_up"
+    FAILURE = "failure"
+    NODE_LOST = "node_lost"
+    NODE_LEFT = "node_left"
+    NODE_DRAINED = "node_drained"
+    RESIZED = "resized"
+
+
+# A node taken out of the job: the event recorded and the cause of the round that follows.
+REMOVAL_CAUSE = {
+    EventKind.NODE_LOST: RoundCause.NODE_LOST,
+    EventKind.NODE_LEFT: RoundCause.NODE_LEFT,
+    EventKind.NODE_DRAINED: RoundCause.NODE_DRAINED,
+}
