@@ -57,9 +57,28 @@ def encode(message: Any) -> bytes:
 
 
 def decode_request(cls: type[T], body: bytes) -> T:
-    """Decode a request body into `cls`, or raise DecodeError naming what was wrong."""
+    """Decode a request body into `cls`, or raise DecodeError naming what was wrong.
+
+    The typed decode comes first (one pass for every good request); only a body it refuses is
+    looked at untyped, so that a client of another version hears `unsupported_version` rather than
+    a confusing field error.
+    """
     if len(body) > MAX_BODY_BYTES:
         raise DecodeError(ErrorCode.TOO_LARGE, f"body of {len(body)} bytes exceeds {MAX_BODY_BYTES}")
+    try:
+        req = _request_decoders[cls].decode(body)
+    except (msgspec.ValidationError, msgspec.DecodeError, UnicodeDecodeError, RecursionError) as exc:
+        _check_version(body)
+        if isinstance(exc, msgspec.ValidationError):
+            raise DecodeError(ErrorCode.BAD_REQUEST, _short(exc)) from None
+        raise DecodeError(ErrorCode.BAD_REQUEST, f"body is not valid MessagePack: {_short(exc)}") from None
+    if req.v != PROTOCOL_VERSION:      # every request type has `v`
+        _check_version(body)
+    return req
+
+
+def _check_version(body: bytes) -> None:
+    """Raise DecodeError when the body is not a map, has no `v`, or speaks another version."""
     try:
         raw = _any_decoder.decode(body)
     except (msgspec.DecodeError, UnicodeDecodeError, RecursionError) as exc:
@@ -70,15 +89,11 @@ def decode_request(cls: type[T], body: bytes) -> T:
     version = raw.get("v")
     if version is None:
         raise DecodeError(ErrorCode.BAD_REQUEST, "Object missing required field `v` (protocol version)")
-    if version != PROTOCOL_VERSION:
+    if version != PROTOCOL_VERSION or type(version) is not int:
+        if version == PROTOCOL_VERSION:
+            return            # `true` or `1.0`: the typed decode names the field
         raise DecodeError(ErrorCode.UNSUPPORTED_VERSION,
                           f"protocol version {version!r} is not supported; this server speaks {PROTOCOL_VERSION}")
-    try:
-        return _request_decoders[cls].decode(body)
-    except msgspec.ValidationError as exc:
-        raise DecodeError(ErrorCode.BAD_REQUEST, _short(exc)) from None
-    except (msgspec.DecodeError, UnicodeDecodeError, RecursionError) as exc:
-        raise DecodeError(ErrorCode.BAD_REQUEST, f"body is not valid MessagePack: {_short(exc)}") from None
 
 
 def _short(exc: Exception) -> str:

@@ -28,7 +28,13 @@ class Outbox:
 
     def drain(self) -> Outbox:
         """Everything collected so far, leaving this outbox empty."""
+        if not (self.events or self.woken or self.changed or self.new_runs or self.restarts) \
+                and self.earliest is None:
+            return _EMPTY          # the common case (a renewal): nothing to allocate
         taken = Outbox(self.events, self.woken, self.changed, self.new_runs, self.restarts, self.earliest)
         self.events, self.woken, self.changed, self.new_runs, self.restarts = [], set(), {}, set(), []
         self.earliest = None
         return taken
+
+
+_EMPTY = Outbox()
