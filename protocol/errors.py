@@ -17,7 +17,9 @@ class ErrorCode(str, enum.Enum):
     NODE_CONFLICT = "node_conflict"          # node id in use by another live agent
     JOB_FINISHED = "job_finished"            # job succeeded/failed/closed: no new joins
     NODE_DRAINED = "node_drained"            # an operator removed this node from the job: do not rejoin
-    FORBIDDEN = "forbidden"                  # operator action from an address not allowed to make it
+    UNAUTHORIZED = "unauthorized"            # no or wrong token, or no credential for this node
+    FORBIDDEN = "forbidden"                  # not allowed: a foreign origin or host, a credential of another agent
+    LIMIT_REACHED = "limit_reached"          # a server limit (jobs, long-polls per peer, ...): retry later
     SHUTTING_DOWN = "shutting_down"          # server is going away; retry elsewhere/later
     STORE_UNAVAILABLE = "store_unavailable"  # the state store could not commit; retry shortly
     INTERNAL = "internal"                    # a bug: reported without a traceback
@@ -36,14 +38,17 @@ HTTP_STATUS: dict[ErrorCode, int] = {
     ErrorCode.NODE_CONFLICT: 409,
     ErrorCode.JOB_FINISHED: 410,
     ErrorCode.NODE_DRAINED: 410,
+    ErrorCode.UNAUTHORIZED: 401,
     ErrorCode.FORBIDDEN: 403,
+    ErrorCode.LIMIT_REACHED: 503,
     ErrorCode.SHUTTING_DOWN: 503,
     ErrorCode.STORE_UNAVAILABLE: 503,
     ErrorCode.INTERNAL: 500,
 }
 
 # Errors that say "not now" rather than "no": an agent keeps its workers and retries, as for an outage.
-RETRYABLE: frozenset[ErrorCode] = frozenset({ErrorCode.SHUTTING_DOWN, ErrorCode.STORE_UNAVAILABLE})
+RETRYABLE: frozenset[ErrorCode] = frozenset({ErrorCode.SHUTTING_DOWN, ErrorCode.STORE_UNAVAILABLE,
+                                             ErrorCode.LIMIT_REACHED})
 
 
 def unknown_job(job_id: str) -> str:

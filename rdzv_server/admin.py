@@ -8,13 +8,13 @@
 Each answers 200 with the job as `GET /v1/jobs/{job_id}` shows it after the action, or a JSON
 error `{"code", "message"}` (the app's error middleware maps the core's refusals).
 
-There is no authentication yet, so these routes only obey requests from a loopback peer
-(127.0.0.0/8, ::1) unless the server runs with `--allow-remote-admin`. The peer is the TCP
-peer (`request.remote`), not a forwarded-for header: a client cannot claim to be local.
+Who may call them is decided in access.py: a JSON content type, then the admin token when the
+server has one (`--admin-token-file`), else only a loopback peer (127.0.0.0/8, ::1) unless the
+server runs with `--allow-remote-admin`. The peer is the TCP peer (`request.remote`), not a
+forwarded-for header: a client cannot claim to be local.
 """
 from __future__ import annotations
 
-import ipaddress
 import json
 import logging
 from typing import Any
@@ -22,22 +22,20 @@ from typing import Any
 from aiohttp import web
 
 from protocol.codec import DecodeError
-from protocol.errors import ErrorCode
-from protocol.messages import NODE_ID
+from protocol.errors import ErrorCode, unknown_job
+from protocol.ids import node_id_problem
 from rdzv_server import views
 from rdzv_server.routing import COORDINATOR, job_id_of
 from rdzv_server.errors import RendezvousError
 
 log = logging.getLogger("rdzv_server")
 
-ALLOW_REMOTE_ADMIN = web.AppKey("allow_remote_admin", bool)
 MAX_REASON_CHARS = 500
 PREFIX = "/v1/admin/jobs/{job_id}"
 
 
-def add_routes(app: web.Application, *, allow_remote: bool = False) -> None:
-    """Register the admin routes on `app`; `allow_remote` is `rdzv-server --allow-remote-admin`."""
-    app[ALLOW_REMOTE_ADMIN] = allow_remote
+def add_routes(app: web.Application) -> None:
+    """Register the admin routes on `app` (who may use them: access.py)."""
     app.router.add_post(PREFIX + "/close", close_job)
     app.router.add_post(PREFIX + "/nodes/{node_id}/drain", drain_node)
     app.router.add_post(PREFIX + "/nodes/{node_id}/clear-exclusion", clear_exclusion)
@@ -51,33 +49,11 @@ def bad_request(message: str) -> DecodeError:
     return DecodeError(ErrorCode.BAD_REQUEST, message)
 
 
-def is_loopback(remote: str | None) -> bool:
-    """True for 127.0.0.0/8, ::1 and IPv4-mapped loopback (::ffff:127.x.y.z)."""
-    if not remote:
-        return False
-    try:
-        addr = ipaddress.ip_address(remote.split("%", 1)[0])
-    except ValueError:
-        return False
-    if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
-        addr = addr.ipv4_mapped
-    return addr.is_loopback
-
-
-def _check_peer(request: web.Request) -> None:
-    if request.app.get(ALLOW_REMOTE_ADMIN, False) or is_loopback(request.remote):
-        return
-    raise RendezvousError(ErrorCode.FORBIDDEN,
-                          f"admin actions are only accepted from loopback (127.0.0.1, ::1); this request came "
-                          f"from {request.remote or 'an unknown peer'}. Run rdzv-ctl on the server's host, or "
-                          f"start rdzv-server with --allow-remote-admin (there is no authentication yet)")
-
-
 def _node_id(request: web.Request) -> str:
     node_id = request.match_info["node_id"]
-    if not NODE_ID.fullmatch(node_id):
-        raise bad_request(f"node id must be 1-128 of [A-Za-z0-9._:@-] starting with a letter or digit, "
-                          f"got {node_id!r}")
+    problem = node_id_problem(node_id)
+    if problem:
+        raise bad_request(problem)
     return node_id
 
 
@@ -88,8 +64,9 @@ async def _body(request: web.Request, fields: dict[str, type]) -> dict[str, Any]
         return {}
     try:
         body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise bad_request(f"body is not valid JSON: {exc}") from None
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+        why = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)[:200]
+        raise bad_request(f"body is not valid JSON: {why}") from None
     if not isinstance(body, dict):
         raise bad_request(f"body must be a JSON object, got {type(body).__name__}")
     unknown = sorted(set(body) - set(fields))
@@ -128,7 +105,6 @@ async def _operate(request: web.Request, what: str, action: str, job_id: str, *a
 
 
 async def close_job(request: web.Request) -> web.Response:
-    _check_peer(request)
     job_id = job_id_of(request)
     body = await _body(request, {"reason": str})
     reason = _reason(body)
@@ -136,7 +112,6 @@ async def close_job(request: web.Request) -> web.Response:
 
 
 async def drain_node(request: web.Request) -> web.Response:
-    _check_peer(request)
     job_id, node_id = job_id_of(request), _node_id(request)
     body = await _body(request, {"reason": str})
     reason = _reason(body)
@@ -145,7 +120,6 @@ async def drain_node(request: web.Request) -> web.Response:
 
 
 async def clear_exclusion(request: web.Request) -> web.Response:
-    _check_peer(request)
     job_id, node_id = job_id_of(request), _node_id(request)
     await _body(request, {})
     return await _operate(request, f"clear exclusion or drain of node {node_id}", "clear_exclusion", job_id,
@@ -153,14 +127,13 @@ async def clear_exclusion(request: web.Request) -> web.Response:
 
 
 async def resize_job(request: web.Request) -> web.Response:
-    _check_peer(request)
     job_id = job_id_of(request)
     body = await _body(request, {"min_nodes": int, "max_nodes": int})
     if not body:
         raise bad_request("give min_nodes and/or max_nodes (an omitted one keeps its value)")
     job = request.app[COORDINATOR].core.jobs.get(job_id)
     if job is None:
-        raise RendezvousError(ErrorCode.UNKNOWN_JOB, f"no job {job_id!r} on this server")
+        raise RendezvousError(ErrorCode.UNKNOWN_JOB, unknown_job(job_id))
     min_nodes = body.get("min_nodes", job.config.min_nodes)
     max_nodes = body.get("max_nodes", job.config.max_nodes)
     return await _operate(request, f"resize to nodes {min_nodes}:{max_nodes}", "resize", job_id, min_nodes,

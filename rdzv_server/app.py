@@ -8,9 +8,10 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from aiohttp import web
 
 from protocol.codec import CONTENT_TYPE, MAX_BODY_BYTES, REQUEST_TYPES, DecodeError, decode_request, encode
-from protocol.errors import HTTP_STATUS, ErrorCode
+from protocol.errors import HTTP_STATUS, RETRYABLE, ErrorCode, unknown_job
 from protocol.messages import ErrorReply
 from rdzv_server import admin, page, views
+from rdzv_server.access import ACCESS, Access, access_middleware
 from rdzv_server.coordinator import Coordinator
 from rdzv_server.metrics import METRICS, ServerMetrics, metrics_endpoint, metrics_middleware
 from rdzv_server.rendezvous import RendezvousError
@@ -18,12 +19,19 @@ from rdzv_server.routing import COORDINATOR, job_id_of
 
 log = logging.getLogger("rdzv_server")
 
-def _error(code: ErrorCode, message: str, *, as_json: bool) -> web.Response:
+# Warnings for operators about how exposed this server is (shown on the status page).
+NOTES = web.AppKey("notes", tuple)
+
+def _error(code: ErrorCode, message: str, *, as_json: bool, headers: dict[str, str] | None = None
+           ) -> web.Response:
     status = HTTP_STATUS[code]
+    extra = dict(headers or {})
+    if code in RETRYABLE:
+        extra.setdefault("Retry-After", "1")
     if as_json:
-        return web.json_response({"code": code.value, "message": message}, status=status)
+        return web.json_response({"code": code.value, "message": message}, status=status, headers=extra)
     return web.Response(body=encode(ErrorReply(code=code.value, message=message)), status=status,
-                        content_type=CONTENT_TYPE)
+                        content_type=CONTENT_TYPE, headers=extra)
 
 
 @web.middleware
@@ -35,7 +43,7 @@ async def error_middleware(request: web.Request,
     except DecodeError as exc:
         return _error(exc.code, exc.message, as_json=as_json)
     except RendezvousError as exc:
-        return _error(exc.code, exc.message, as_json=as_json)
+        return _error(exc.code, exc.message, as_json=as_json, headers=exc.headers)
     except web.HTTPRequestEntityTooLarge:
         return _error(ErrorCode.TOO_LARGE, f"body exceeds {MAX_BODY_BYTES} bytes", as_json=as_json)
     except web.HTTPNotFound:
@@ -84,7 +92,7 @@ async def job_detail(request: web.Request) -> web.Response:
     coord = request.app[COORDINATOR]
     job = coord.core.jobs.get(job_id_of(request))
     if job is None:
-        raise RendezvousError(ErrorCode.UNKNOWN_JOB, f"no job {request.match_info['job_id']!r} on this server")
+        raise RendezvousError(ErrorCode.UNKNOWN_JOB, unknown_job(request.match_info["job_id"]))
     return web.json_response(views.job_detail(job, coord.clock()))
 
 
@@ -92,14 +100,15 @@ async def job_events(request: web.Request) -> web.Response:
     coord = request.app[COORDINATOR]
     job = coord.core.jobs.get(job_id_of(request))
     if job is None:
-        raise RendezvousError(ErrorCode.UNKNOWN_JOB, f"no job {request.match_info['job_id']!r} on this server")
+        raise RendezvousError(ErrorCode.UNKNOWN_JOB, unknown_job(request.match_info["job_id"]))
     return web.json_response(views.job_events(job))
 
 
 async def index(request: web.Request) -> web.Response:
     coord = request.app[COORDINATOR]
     refresh = page.refresh_seconds(request.query.get("refresh"))
-    return web.Response(text=page.index_page(coord.core, coord.clock(), refresh), content_type="text/html")
+    text = page.index_page(coord.core, coord.clock(), refresh, request.app.get(NOTES, ()))
+    return web.Response(text=text, content_type="text/html")
 
 
 async def job_page(request: web.Request) -> web.Response:
@@ -113,8 +122,13 @@ async def job_page(request: web.Request) -> web.Response:
     return web.Response(text=text, content_type="text/html")
 
 
-def create_app(coordinator: Coordinator | None = None, *, allow_remote_admin: bool = False) -> web.Application:
-    app = web.Application(middlewares=[metrics_middleware, error_middleware], client_max_size=MAX_BODY_BYTES)
+def create_app(coordinator: Coordinator | None = None, *, allow_remote_admin: bool = False,
+               access: Access | None = None) -> web.Application:
+    """The server's app. `access` holds the token and admin settings (`allow_remote_admin` is a
+    shorthand for Access(allow_remote_admin=True))."""
+    app = web.Application(middlewares=[metrics_middleware, error_middleware, access_middleware],
+                          client_max_size=MAX_BODY_BYTES)
+    app[ACCESS] = access or Access(allow_remote_admin=allow_remote_admin)
     app[COORDINATOR] = coordinator or Coordinator()
     app[METRICS] = ServerMetrics(app[COORDINATOR])
     app[COORDINATOR].effect_listeners.append(app[METRICS].on_effects)
@@ -136,7 +150,7 @@ def create_app(coordinator: Coordinator | None = None, *, allow_remote_admin: bo
     app.router.add_get("/v1/status", status)
     app.router.add_get("/v1/jobs/{job_id}", job_detail)
     app.router.add_get("/v1/jobs/{job_id}/events", job_events)
-    admin.add_routes(app, allow_remote=allow_remote_admin)
+    admin.add_routes(app)
     app.router.add_get("/", index)
     app.router.add_get("/jobs/{job_id}", job_page)
     return app

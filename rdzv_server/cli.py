@@ -1,35 +1,21 @@
-"""`rdzv-server`: parse flags, start the aiohttp app, stop cleanly on SIGTERM/SIGINT."""
+"""`rdzv-server`: parse flags into a ServerConfig, check what can be checked before serving, serve.
+
+Every bad flag or unusable file is one line on stderr and a non-zero exit (2 for a bad flag, 1 for
+a file or address that cannot be used), never a traceback.
+"""
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
-import logging
-import signal
+import ipaddress
+import sqlite3
+import ssl
 import sys
 
-from aiohttp import web
-
-from rdzv_server.app import Coordinator, create_app
+from rdzv_server import logs
+from rdzv_server.access import Access, TokenError, read_token
+from rdzv_server.serve import ListenError, ServerConfig, serve
 from rdzv_server.store import SqliteStore, StoreError
-from rdzv_server.views import iso
-
-
-class _JsonFormatter(logging.Formatter):
-    def format(self, record: logging.LogRecord) -> str:
-        doc = {"time": iso(record.created), "level": record.levelname, "message": record.getMessage()}
-        for key in ("job_id", "event", "node_id", "round_id"):
-            value = getattr(record, key, None)
-            if value not in (None, "", -1):      # -1 / "": not about one round / node
-                doc[key] = value
-        return json.dumps(doc)
-
-
-class _TextFormatter(logging.Formatter):
-    def format(self, record: logging.LogRecord) -> str:
-        job = getattr(record, "job_id", None)
-        prefix = f"[{job}] " if job else ""
-        return f"{self.formatTime(record, '%H:%M:%S')} {record.levelname.lower()} {prefix}{record.getMessage()}"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -40,64 +26,108 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--state-dir", default="rdzv-state", metavar="DIR",
                    help="folder for the durable state store (created when missing; default ./rdzv-state). "
                         "'none' keeps state in memory only: it does not survive a restart")
+    p.add_argument("--token-file", metavar="F",
+                   help="file holding the token every agent (node-agent --token-file) and every status reader "
+                        "must present as a bearer token")
+    p.add_argument("--admin-token-file", metavar="F",
+                   help="file holding the token for the /v1/admin/ actions (rdzv-ctl --admin-token-file); "
+                        "without one, admin actions are accepted from loopback only")
+    p.add_argument("--public-status", action="store_true",
+                   help="serve the status views (JSON, page, /metrics) without a token")
+    p.add_argument("--allowed-host", action="append", default=[], metavar="NAME",
+                   help="a host name the status views answer to when they need no token (repeatable; IP "
+                        "addresses, localhost and this host's names always work)")
     p.add_argument("--allow-remote-admin", action="store_true",
-                   help="accept /v1/admin/ actions from any address, not only loopback (no authentication!)")
+                   help="accept /v1/admin/ actions from any address when there is no --admin-token-file")
+    p.add_argument("--tls-cert", metavar="F", help="serve https with this certificate (PEM, with its chain)")
+    p.add_argument("--tls-key", metavar="F", help="the private key of --tls-cert (PEM)")
     p.add_argument("--log-format", choices=("text", "json"), default="text")
     p.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info")
     return p
 
 
-async def serve(host: str, port: int, ready: asyncio.Future | None = None,
-                store: SqliteStore | None = None, allow_remote_admin: bool = False) -> None:
-    app = create_app(Coordinator(store=store), allow_remote_admin=allow_remote_admin)
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=2.0)
-    await runner.setup()
-    # A large accept backlog: after a restart every agent reconnects at once, and a SYN dropped from
-    # a full queue is retried by the kernel only after a second.
-    site = web.TCPSite(runner, host, port, reuse_address=True, backlog=4096)
-    await site.start()
-    bound = runner.addresses[0]
-    print(f"rdzv-server listening on http://{bound[0]}:{bound[1]}", flush=True)
-    if ready is not None:
-        ready.set_result(bound[1])
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+class UsageError(Exception):
+    """A flag combination or file that cannot be used (exit 1 or 2 as `code` says)."""
+
+    def __init__(self, message: str, code: int = 1) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def config_from(args: argparse.Namespace) -> ServerConfig:
+    if not 0 <= args.port <= 65535:
+        raise UsageError(f"--port must be 0..65535, got {args.port}", 2)
+    if bool(args.tls_cert) != bool(args.tls_key):
+        raise UsageError("--tls-cert and --tls-key go together", 2)
     try:
-        await stop.wait()
-    finally:
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.remove_signal_handler(sig)
-        await runner.cleanup()
-        print("rdzv-server stopped", flush=True)
+        access = Access(
+            agent_token=read_token(args.token_file, "--token-file") if args.token_file else None,
+            admin_token=read_token(args.admin_token_file, "--admin-token-file") if args.admin_token_file else None,
+            public_status=args.public_status, allow_remote_admin=args.allow_remote_admin,
+            allowed_hosts=frozenset(h.lower() for h in args.allowed_host))
+    except TokenError as exc:
+        raise UsageError(str(exc)) from None
+    tls = None
+    if args.tls_cert:
+        tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        try:
+            tls.load_cert_chain(args.tls_cert, args.tls_key)
+        except (OSError, ssl.SSLError) as exc:
+            raise UsageError(f"cannot use --tls-cert {args.tls_cert} / --tls-key {args.tls_key}: "
+                             f"{getattr(exc, 'strerror', None) or exc}") from None
+    return ServerConfig(host=args.host, port=args.port, access=access, tls=tls, notes=tuple(_notes(args, access)))
+
+
+def _notes(args: argparse.Namespace, access: Access) -> list[str]:
+    """What an operator should know about how exposed this server is (start-up line and status page)."""
+    notes = []
+    if not _loopback_only(args.host):
+        if access.agent_token is None:
+            notes.append(f"listening on {args.host} without --token-file: anyone who can reach this port can "
+                         "join, report for and end jobs")
+        if args.tls_cert is None and access.agent_token is not None:
+            notes.append("tokens are sent without TLS (no --tls-cert): anyone on the network path can read them")
+    return notes
+
+
+def _loopback_only(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def open_store(state_dir: str) -> SqliteStore | None:
+    if state_dir.lower() in ("none", "memory", ""):
+        print("rdzv-server: state in memory only (--state-dir none): jobs do not survive a restart",
+              file=sys.stderr)
+        return None
+    return SqliteStore(state_dir)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if not 0 <= args.port <= 65535:
-        print(f"rdzv-server: --port must be 0..65535, got {args.port}", file=sys.stderr)
-        return 2
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(_JsonFormatter() if args.log_format == "json" else _TextFormatter())
-    logger = logging.getLogger("rdzv_server")
-    logger.addHandler(handler)
-    logger.setLevel(args.log_level.upper())
     try:
-        store = None if args.state_dir.lower() in ("none", "memory", "") else SqliteStore(args.state_dir)
+        config = config_from(args)
+        logs.setup(args.log_format, args.log_level)
+        for note in config.notes:
+            print(f"rdzv-server: warning: {note}", file=sys.stderr)
+        store = open_store(args.state_dir)
+        asyncio.run(serve(config, store=store))
+    except UsageError as exc:
+        print(f"rdzv-server: error: {exc}", file=sys.stderr)
+        return exc.code
     except StoreError as exc:
         print(f"rdzv-server: error: {exc}", file=sys.stderr)
         return 1
-    if store is None:
-        print("rdzv-server: state in memory only (--state-dir none): jobs do not survive a restart",
-              file=sys.stderr)
-    try:
-        asyncio.run(serve(args.host, args.port, store=store, allow_remote_admin=args.allow_remote_admin))
-    except StoreError as exc:
-        print(f"rdzv-server: error: {exc}", file=sys.stderr)
+    except sqlite3.Error as exc:     # e.g. a full disk at start-up: the store says what it could not do
+        print(f"rdzv-server: error: the state store in {args.state_dir} failed: {exc}", file=sys.stderr)
+        return 1
+    except ListenError as exc:
+        print(f"rdzv-server: {exc}", file=sys.stderr)
         return 1
     except OSError as exc:
-        print(f"rdzv-server: cannot listen on {args.host}:{args.port}: {exc.strerror or exc}", file=sys.stderr)
+        print(f"rdzv-server: error: {exc.strerror or exc}", file=sys.stderr)
         return 1
     return 0
 

@@ -5,7 +5,8 @@ from protocol.errors import ErrorCode
 
 
 class RendezvousError(Exception):
-    def __init__(self, code: ErrorCode, message: str) -> None:
+    def __init__(self, code: ErrorCode, message: str, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
+        self.headers = headers or {}    # extra HTTP headers for the reply (WWW-Authenticate, ...)

@@ -309,7 +309,8 @@ def refresh_seconds(raw: str | None) -> int:
         return DEFAULT_REFRESH_S
 
 
-def _layout(title: str, now: float, body: str, refresh: int, path: str, summary: str = "") -> str:
+def _layout(title: str, now: float, body: str, refresh: int, path: str, summary: str = "",
+            notes: tuple[str, ...] = ()) -> str:
     meta = f'<meta http-equiv="refresh" content="{refresh}">' if refresh else ""
     toggle = (f'refreshes every {refresh}s &middot; <a href="{path}?refresh=0">pause</a>' if refresh else
               f'auto-refresh paused &middot; <a href="{path}">resume</a>')
@@ -319,7 +320,12 @@ def _layout(title: str, now: float, body: str, refresh: int, path: str, summary:
         f"<style>{_CSS}</style></head><body>"
         f'<div class="top"><h1><a href="/">rdzv-server</a></h1><span>{summary}</span>'
         f'<span class="right muted">server time <span class="mono" id="server-time">{_e(views.iso(now))}</span>'
-        f" &middot; {toggle}</span></div><main>{body}</main></body></html>")
+        f" &middot; {toggle}</span></div><main>{_notes(notes)}{body}</main></body></html>")
+
+
+def _notes(notes: tuple[str, ...]) -> str:
+    """The server's warnings about its own exposure (no token on a network address, ...)."""
+    return "".join(f'<div class="box warn-text" data-note="1">&#9888; {_e(n)}</div>' for n in notes)
 
 
 def _summary_row(job: dict[str, Any], events: list[dict[str, Any]], now: float) -> str:
@@ -350,7 +356,7 @@ def _counts(jobs: list[dict[str, Any]]) -> str:
     return f'<b id="job-count">{n} job{"s" if n != 1 else ""}</b> {badges}'
 
 
-def index_page(core: Rendezvous, now: float, refresh: int = DEFAULT_REFRESH_S) -> str:
+def index_page(core: Rendezvous, now: float, refresh: int = DEFAULT_REFRESH_S, notes: tuple[str, ...] = ()) -> str:
     status = views.server_status(core, now)
     order = sorted(status["jobs"], key=lambda j: (_ORDER.get(j["state"], 9), j["job_id"]))
     jobs = [(views.job_detail(core.jobs[j["job_id"]], now), views.job_events(core.jobs[j["job_id"]])["events"])
@@ -363,7 +369,7 @@ def index_page(core: Rendezvous, now: float, refresh: int = DEFAULT_REFRESH_S) -
                 ">excluded", "latest event"]
         body = ("<h2>Jobs</h2>" + _table(head, rows, "", "summary")
                 + "<h2>Details</h2>" + "".join(_card(j, ev, now, full=False) for j, ev in jobs))
-    return _layout("rdzv-server status", now, body, refresh, "/", _counts([j for j, _ in jobs]))
+    return _layout("rdzv-server status", now, body, refresh, "/", _counts([j for j, _ in jobs]), notes)
 
 
 def job_page(core: Rendezvous, job_id: str, now: float, refresh: int = DEFAULT_REFRESH_S) -> str | None:

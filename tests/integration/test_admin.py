@@ -12,7 +12,7 @@ import msgpack
 import pytest
 from aiohttp import web
 
-from rdzv_server.admin import is_loopback
+from rdzv_server.access import is_loopback
 from tests.integration.support import start_app, url
 from rdzv_server.app import COORDINATOR, create_app
 
@@ -129,11 +129,13 @@ async def test_resize_down_reforms_with_one_node_and_makes_the_other_spare(serve
     assert [n["node_id"] for n in grown["nodes"]] == ["a", "b"] and grown["spares"] == []
 
 
-async def test_a_curl_style_form_content_type_is_read_as_json(server, http):
+async def test_a_form_or_text_content_type_is_refused_as_a_browser_could_send_it(server, http):
     await running_job(http, server, "curljob", ("a",))
-    doc = await admin(http, server, "curljob/close", raw=b'{"reason": "from curl -d"}',
-                      content_type="application/x-www-form-urlencoded")
-    assert doc["state"] == "closed" and "from curl -d" in doc["reason"]
+    for content_type in ("application/x-www-form-urlencoded", "text/plain"):   # what a cross-site page can send
+        doc = await admin(http, server, "curljob/close", raw=b'{"reason": "from curl -d"}',
+                          content_type=content_type, expect=415)
+        assert doc["code"] == "unsupported_media_type" and "application/json" in doc["message"]
+    assert server.app[COORDINATOR].core.jobs["curljob"].state.value == "running"
 
 
 @pytest.mark.parametrize("path, raw, needle", [

@@ -1,0 +1,71 @@
+"""The server's log: one line per decision, in text or JSON, safe against what clients send.
+
+Messages quote client strings (addresses, host names, reasons, worker messages) as they came, so
+the text format escapes control characters: a newline in a join's `addr` cannot forge a second,
+well-formed log line. JSON lines are escaped by JSON itself. A record with an exception (a bug)
+carries its traceback, indented under the line. aiohttp's own complaints about malformed HTTP from
+clients become one quoted line each, without a traceback (they are the client's fault, not ours).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import sys
+
+from rdzv_server.views import iso
+
+_CONTROL = {c: f"\\x{c:02x}" for c in range(32) if c not in (9,)} | {0x7F: "\\x7f", 10: "\\n", 13: "\\r"}
+
+
+def escape(text: str) -> str:
+    """`text` on one line: control characters shown as escapes."""
+    return text.translate(_CONTROL)
+
+
+class JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        doc = {"time": iso(record.created), "level": record.levelname, "message": record.getMessage()}
+        for key in ("job_id", "event", "node_id", "round_id"):
+            value = getattr(record, key, None)
+            if value not in (None, "", -1):      # -1 / "": not about one round / node
+                doc[key] = value
+        if record.exc_info:
+            doc["traceback"] = self.formatException(record.exc_info)
+        return json.dumps(doc)
+
+
+class TextFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        job = getattr(record, "job_id", None)
+        prefix = f"[{escape(str(job))}] " if job else ""
+        line = f"{self.formatTime(record, '%H:%M:%S')} {record.levelname.lower()} {prefix}{escape(record.getMessage())}"
+        if record.exc_info:
+            trace = self.formatException(record.exc_info)
+            line += "\n" + "\n".join("    " + ln for ln in trace.splitlines())
+        return line
+
+
+class _ClientErrorFilter(logging.Filter):
+    """aiohttp's 'Error handling request' for a malformed request: one line, no traceback."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and record.exc_info[1] is not None:
+            exc = record.exc_info[1]
+            record.msg = "malformed request from a client: %s: %s"
+            record.args = (type(exc).__name__, escape(str(exc))[:200])
+            record.exc_info = None
+            record.levelno, record.levelname = logging.INFO, "INFO"
+        return True
+
+
+def setup(fmt: str, level: str) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())
+    logger = logging.getLogger("rdzv_server")
+    logger.addHandler(handler)
+    logger.setLevel(level.upper())
+    server_log = logging.getLogger("aiohttp.server")
+    server_log.addFilter(_ClientErrorFilter())
+    server_log.addHandler(handler)
+    server_log.setLevel(level.upper())
+    server_log.propagate = False

@@ -1,0 +1,116 @@
+"""Serving the app: the listening socket, TLS, the process's limits, and a clean stop on a signal.
+
+The listening socket is made here rather than by aiohttp so that its options are ours:
+- a large accept backlog: after a restart every agent reconnects at once, and a SYN dropped from a
+  full queue is retried by the kernel only after a second;
+- TCP keepalive (inherited by every accepted connection on Linux), so a long-poll whose host died
+  silently or was cut off is noticed by the kernel within seconds, not at the next write;
+- the soft open-file limit is raised to the hard one first, so many agents (or a flood of idle
+  connections) do not run the process out of descriptors.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import resource
+import signal
+import socket
+import ssl
+from dataclasses import dataclass, field
+
+from aiohttp import web
+
+from rdzv_server.access import Access
+from rdzv_server.app import NOTES, create_app
+from rdzv_server.coordinator import Coordinator
+from rdzv_server.store import SqliteStore
+
+log = logging.getLogger("rdzv_server")
+
+LISTEN_BACKLOG = 4096
+# Keepalive: first probe after KEEPIDLE s of silence, then every KEEPINTVL s; KEEPCNT unanswered
+# probes end the connection (about 2 + 2 x 1 = 4 s, inside the default 5 s lease).
+KEEPIDLE_S, KEEPINTVL_S, KEEPCNT = 2, 1, 2
+
+
+class ListenError(Exception):
+    """The server cannot listen on the address it was given."""
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "0.0.0.0"
+    port: int = 29400
+    access: Access = field(default_factory=Access)
+    tls: ssl.SSLContext | None = None
+    notes: tuple[str, ...] = ()          # warnings for operators (start-up and the status page)
+
+
+def raise_open_file_limit() -> int:
+    """Raise the soft RLIMIT_NOFILE to the hard limit; return the limit now in force."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+        except (ValueError, OSError):
+            pass
+    return soft
+
+
+def listening_socket(host: str, port: int) -> socket.socket:
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        family, kind, proto, _, addr = infos[0]
+        sock = socket.socket(family, kind, proto)
+    except OSError as exc:
+        raise ListenError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        if hasattr(socket, "TCP_KEEPIDLE"):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, KEEPIDLE_S)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, KEEPINTVL_S)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, KEEPCNT)
+        sock.bind(addr)
+        sock.listen(LISTEN_BACKLOG)
+        sock.setblocking(False)
+    except OSError as exc:
+        sock.close()
+        raise ListenError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    return sock
+
+
+async def serve(config: ServerConfig, store: SqliteStore | None = None,
+                ready: asyncio.Future[int] | None = None) -> None:
+    limit = raise_open_file_limit()
+    app = create_app(Coordinator(store=store), access=config.access)
+    app[NOTES] = config.notes
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=2.0,
+                           keepalive_timeout=75.0)
+    await runner.setup()
+    try:
+        sock = listening_socket(config.host, config.port)
+        site = web.SockSite(runner, sock, ssl_context=config.tls, backlog=LISTEN_BACKLOG)
+        await site.start()
+    except BaseException:
+        await runner.cleanup()
+        raise
+    bound = sock.getsockname()
+    scheme = "https" if config.tls else "http"
+    host = f"[{bound[0]}]" if ":" in bound[0] else bound[0]
+    print(f"rdzv-server listening on {scheme}://{host}:{bound[1]}", flush=True)
+    log.info("serving on %s://%s:%d (open-file limit %d)", scheme, host, bound[1], limit)
+    if ready is not None:
+        ready.set_result(bound[1])
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+        await runner.cleanup()
+        print("rdzv-server stopped", flush=True)
