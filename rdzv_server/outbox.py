@@ -2,7 +2,7 @@
 
 The core appends to the outbox as it decides; the shell drains it once per call and hands each part
 to its consumer: logging and metrics take `events`, long-polls wake on `woken`, the store writes
-`changed` (and resets the history of `new_runs`), metrics count `restarts`, and the deadline timer
+`changed` (resets the history of `new_runs`, deletes `pruned`), metrics count `restarts`, and the deadline timer
 re-arms when `earliest` comes before the deadline it sleeps to. Nobody diffs state to find out.
 """
 from __future__ import annotations
@@ -19,6 +19,7 @@ class Outbox:
     woken: set[str] = field(default_factory=set)        # jobs where some node's view changed
     changed: dict[str, JobRecord] = field(default_factory=dict)   # jobs whose saved state changed
     new_runs: set[str] = field(default_factory=set)     # job ids that started a new run (history reset)
+    pruned: set[str] = field(default_factory=set)       # finished jobs forgotten after their retention
     restarts: list[str] = field(default_factory=list)   # one entry per accepted failure report that restarts
     earliest: float | None = None                       # the earliest deadline set (None: none set)
 
@@ -28,11 +29,13 @@ class Outbox:
 
     def drain(self) -> Outbox:
         """Everything collected so far, leaving this outbox empty."""
-        if not (self.events or self.woken or self.changed or self.new_runs or self.restarts) \
+        if not (self.events or self.woken or self.changed or self.new_runs or self.restarts or self.pruned) \
                 and self.earliest is None:
             return _EMPTY          # the common case (a renewal): nothing to allocate
-        taken = Outbox(self.events, self.woken, self.changed, self.new_runs, self.restarts, self.earliest)
+        taken = Outbox(self.events, self.woken, self.changed, self.new_runs, self.pruned, self.restarts,
+                       self.earliest)
         self.events, self.woken, self.changed, self.new_runs, self.restarts = [], set(), {}, set(), []
+        self.pruned = set()
         self.earliest = None
         return taken
 

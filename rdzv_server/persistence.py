@@ -51,6 +51,7 @@ class Persister:
         self._dirty: dict[str, JobRecord] = {}
         self._events: dict[str, list[Event]] = {}                  # job -> events not yet on disk
         self._reset: set[str] = set()                               # jobs whose old history goes first
+        self._deleted: set[str] = set()                             # pruned jobs to delete
         self._next: asyncio.Future | None = None                 # the commit that will carry _dirty
         self._inflight: dict[str, asyncio.Future] = {}              # job -> commit now carrying it
         self._writer: asyncio.Task | None = None
@@ -64,9 +65,15 @@ class Persister:
 
     def note(self, effects: Outbox) -> None:
         """Schedule what the core changed (`effects`, drained from it) for the next commit."""
-        if self.store is None or not effects.changed:
+        if self.store is None or not (effects.changed or effects.pruned):
             return
+        for job_id in effects.pruned:
+            self._deleted.add(job_id)
+            self._dirty.pop(job_id, None)
+            self._events.pop(job_id, None)
+            self._reset.discard(job_id)
         for job_id in effects.new_runs:
+            self._deleted.discard(job_id)
             self._reset.add(job_id)
             self._events.pop(job_id, None)
         for job, event in effects.events:
@@ -89,12 +96,12 @@ class Persister:
 
     async def _write_loop(self) -> None:
         loop = asyncio.get_running_loop()
-        while self._dirty:
+        while self._dirty or self._deleted:
             fut, self._next = self._next, None
             assert fut is not None
             jobs, self._dirty = self._dirty, {}
-            events, resets = self._events, self._reset
-            self._events, self._reset = {}, set()
+            events, resets, deleted = self._events, self._reset, self._deleted
+            self._events, self._reset, self._deleted = {}, set(), set()
             for job_id in jobs:
                 self._inflight[job_id] = fut
             started = time.perf_counter()
@@ -102,7 +109,7 @@ class Persister:
                 assert self.store is not None
                 snaps = [snapshot(job, events.get(job_id, []), reset_events=job_id in resets)
                          for job_id, job in jobs.items()]
-                await loop.run_in_executor(self._executor, self.store.write, snaps, self.clock())
+                await loop.run_in_executor(self._executor, self.store.write, snaps, self.clock(), deleted)
             except Exception as exc:   # disk full, I/O error: keep the changes, fail the replies
                 self.stats.failures += 1
                 log.error("state store commit failed (%s); %d job(s) kept in memory, retrying", exc, len(jobs))
@@ -113,6 +120,7 @@ class Persister:
                     self._events[job_id] = events.get(job_id, []) + self._events.get(job_id, [])
                     if job_id in resets:
                         self._reset.add(job_id)
+                self._deleted |= deleted - set(self._dirty)
                 if self._next is None:
                     self._next = loop.create_future()
                     self._next.add_done_callback(_consume)

@@ -11,7 +11,9 @@ coordinator.py for why) and `node-agent --standalone` does the same through the 
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 
 from protocol.errors import ErrorCode, unknown_job
 from protocol.messages import (FailureReport, JobConfig, JobState, JoinRequest, LeaveRequest, NodeStatus,
@@ -29,12 +31,27 @@ __all__ = ["DROP_GRACE_S", "REUSE_FINISHED_AFTER_S", "Rendezvous", "RendezvousEr
 # then: they leave as soon as they see the end). Sooner, a join is refused as late for that run.
 REUSE_FINISHED_AFTER_S = 10.0
 
+
+@dataclass(frozen=True)
+class Limits:
+    """What one server holds at most (`rdzv-server --retain-finished`, `--max-jobs`, `--max-nodes`)."""
+    retain_finished_s: float = 3600.0    # a finished job is forgotten this long after it ended
+    max_jobs: int = 10_000               # jobs held, finished ones included (the oldest finished go first)
+    max_nodes: int = 1_000_000           # node records over all jobs
+
+
+def node_room(config: JobConfig) -> int:
+    """Node records one job may hold: its max_nodes, plus as many (at least 16) spares and waiters."""
+    return config.max_nodes + max(16, config.max_nodes)
+
 class Rendezvous:
     """All jobs of one server. Not thread-safe: one event loop drives it."""
 
-    def __init__(self, jobs: dict[str, JobRecord] | None = None) -> None:
+    def __init__(self, jobs: dict[str, JobRecord] | None = None, limits: Limits | None = None) -> None:
         self.jobs: dict[str, JobRecord] = jobs if jobs is not None else {}
+        self.limits = limits or Limits()
         self.outbox = Outbox()
+        self.node_count = sum(len(j.nodes) for j in self.jobs.values())
 
     def take_effects(self) -> Outbox:
         """What the calls since the last take did (see outbox.py)."""
@@ -48,15 +65,44 @@ class Rendezvous:
             if job.finished_at is None or now - job.finished_at < REUSE_FINISHED_AFTER_S:
                 raise RendezvousError(ErrorCode.JOB_FINISHED,
                                       f"job {job_id!r} has already {job.state.value}: {job.reason}")
+            self._check_room(None, now)
             rules = self._create(job_id, req.config, req.node_id, now)
             rules.record(now, EventKind.JOB_REUSED,
                          f"job id reused: the previous run {job.state.value} ({job.reason})")
         elif job is None:
+            self._check_room(None, now)
             rules = self._create(job_id, req.config, req.node_id, now)
         else:
             rules = JobRules(job, self.outbox)
-        rules.join(req, now)
+            if req.node_id not in job.nodes:
+                self._check_room(job, now)
+        with self._counting(rules.job):
+            rules.join(req, now)
         return rules.view(req.node_id, now)
+
+    @contextmanager
+    def _counting(self, job: JobRecord) -> Iterator[None]:
+        """Keep `node_count` (all jobs' node records) right across a call that may add or remove some."""
+        before = len(job.nodes)
+        try:
+            yield
+        finally:
+            self.node_count += len(job.nodes) - before
+
+    def _check_room(self, job: JobRecord | None, now: float) -> None:
+        """Refuse a new job or node record past the server's limits (after forgetting what may go)."""
+        lim = self.limits
+        if job is None and len(self.jobs) >= lim.max_jobs:
+            self._prune(now, oldest_first=len(self.jobs) - lim.max_jobs + 1)
+            if len(self.jobs) >= lim.max_jobs:
+                raise RendezvousError(ErrorCode.LIMIT_REACHED, f"this server holds {len(self.jobs)} jobs, its "
+                                      f"limit (--max-jobs {lim.max_jobs}), and none has finished; retry later")
+        if job is not None and len(job.nodes) >= node_room(job.config):
+            raise RendezvousError(ErrorCode.LIMIT_REACHED, f"job {job.job_id!r} holds {len(job.nodes)} nodes, "
+                                  f"its limit (max_nodes {job.config.max_nodes} plus as many spares)")
+        if self.node_count >= lim.max_nodes:
+            raise RendezvousError(ErrorCode.LIMIT_REACHED, f"this server holds {self.node_count} nodes, its "
+                                  f"limit (--max-nodes {lim.max_nodes}); retry later")
 
     def poll(self, job_id: str, req: PollRequest, now: float) -> NodeStatus:
         rules = self.rules(job_id)
@@ -65,7 +111,8 @@ class Rendezvous:
 
     def report_failure(self, job_id: str, req: FailureReport, now: float) -> NodeStatus:
         rules = self.rules(job_id)
-        why_not = rules.report_failure(req, now)
+        with self._counting(rules.job):          # a suspect peer may be lost
+            why_not = rules.report_failure(req, now)
         return rules.view(req.node_id, now, accepted=not why_not, reason=why_not)
 
     def report_success(self, job_id: str, req: SuccessReport, now: float) -> NodeStatus:
@@ -75,7 +122,8 @@ class Rendezvous:
 
     def leave(self, job_id: str, req: LeaveRequest, now: float) -> NodeStatus:
         rules = self.rules(job_id)
-        rules.leave(req.node_id, req.reason, now)
+        with self._counting(rules.job):
+            rules.leave(req.node_id, req.reason, now)
         return rules.view(req.node_id, now)
 
     def connection_dropped(self, job_id: str, node_id: str, now: float) -> None:
@@ -107,7 +155,8 @@ class Rendezvous:
         if rules.job.state.finished:
             raise RendezvousError(ErrorCode.JOB_FINISHED, f"job {job_id!r} has already "
                                   f"{rules.job.state.value}: {rules.job.reason}")
-        action(rules)
+        with self._counting(rules.job):
+            action(rules)
         return rules.job
 
     # ---- time ----------------------------------------------------------------------------
@@ -119,14 +168,31 @@ class Rendezvous:
             if job.state.finished:
                 continue
             seq = job.event_seq
-            JobRules(job, self.outbox).tick(now)
+            with self._counting(job):
+                JobRules(job, self.outbox).tick(now)
             if job.event_seq != seq:      # every decision records an event
                 changed.append(job.job_id)
+        self._prune(now)
         return changed
 
     def next_deadline(self) -> float | None:
-        due = (JobRules(job, self.outbox).next_deadline() for job in self.jobs.values())
+        due = [JobRules(job, self.outbox).next_deadline() if not job.state.finished
+               else (job.finished_at or 0.0) + self.limits.retain_finished_s for job in self.jobs.values()]
         return min((d for d in due if d is not None), default=None)
+
+    def _prune(self, now: float, oldest_first: int = 0) -> None:
+        """Forget finished jobs past their retention, and `oldest_first` more of them (oldest first)."""
+        finished = [j for j in self.jobs.values() if j.state.finished]
+        cutoff = now - self.limits.retain_finished_s
+        gone = [j for j in finished if (j.finished_at or 0.0) <= cutoff]
+        if oldest_first:
+            rest = sorted((j for j in finished if (j.finished_at or 0.0) > cutoff), key=lambda j: j.finished_at or 0.0)
+            gone += rest[:oldest_first]
+        for job in gone:
+            del self.jobs[job.job_id]
+            self.node_count -= len(job.nodes)
+            self.outbox.pruned.add(job.job_id)
+            self.outbox.changed.pop(job.job_id, None)
 
     def restored(self, now: float, away_s: float, clean: bool) -> None:
         """The server restarted on a saved state: nobody is blamed for the time it was away."""

@@ -18,6 +18,7 @@ import fcntl
 import os
 import sqlite3
 from dataclasses import dataclass, field
+from collections.abc import Collection
 from typing import TypeVar
 
 import msgspec
@@ -147,11 +148,14 @@ class SqliteStore:
 
     # ---- writing (from the store thread) ----
 
-    def write(self, snapshots: list[JobSnapshot], alive_at: float) -> None:
-        """Commit the snapshots (and the liveness mark) in one transaction."""
+    def write(self, snapshots: list[JobSnapshot], alive_at: float, deleted: Collection[str] = ()) -> None:
+        """Commit the snapshots, the deletion of `deleted` jobs and the liveness mark in one transaction."""
         db = self._db
         db.execute("BEGIN IMMEDIATE")
         try:
+            for job_id in deleted:
+                db.execute("DELETE FROM jobs WHERE job_id = ?", (job_id,))
+                db.execute("DELETE FROM events WHERE job_id = ?", (job_id,))
             for s in snapshots:
                 db.execute("INSERT OR REPLACE INTO jobs (job_id, record) VALUES (?, ?)", (s.job_id, s.record))
                 if s.reset_events:
@@ -164,7 +168,8 @@ class SqliteStore:
                            [("alive_at", repr(alive_at)), ("clean_shutdown", "0")])
             db.execute("COMMIT")
         except BaseException:
-            db.execute("ROLLBACK")
+            if db.in_transaction:       # a failed COMMIT has already rolled back: do not hide its error
+                db.execute("ROLLBACK")
             raise
 
     def close(self, now: float) -> None:

@@ -23,7 +23,7 @@ class GatedStore:
         self.gate = threading.Event()
         self.fail_next = 0
 
-    def write(self, snapshots: list[JobSnapshot], alive_at: float) -> None:
+    def write(self, snapshots: list[JobSnapshot], alive_at: float, deleted=()) -> None:
         self.gate.wait(10)
         if self.fail_next:
             self.fail_next -= 1

@@ -168,7 +168,7 @@ def test_first_round_below_min_fails_the_job_at_join_timeout():
     assert job(rz).state == JobState.FAILED
     assert "2 of min 3" in job(rz).reason and "join_timeout" in job(rz).reason
     assert view(rz, "a", 600.0).job_state == JobState.FAILED
-    assert rz.next_deadline() is None
+    assert rz.next_deadline() == 600.0 + rz.limits.retain_finished_s   # only forgetting it is left
 
 
 def test_min_reached_inside_the_last_call_before_join_timeout_forms_the_round():
@@ -346,7 +346,7 @@ def test_failures_past_max_restarts_fail_the_job_and_every_agent_sees_the_root_c
         assert v.job_state == JobState.FAILED
         assert v.root_cause is not None and v.root_cause.rank == 1 and v.root_cause.node_id == "b"
         assert "max_restarts=1" in v.reason and "rank 1" in v.reason
-    assert rz.next_deadline() is None
+    assert rz.next_deadline() == 6.0 + rz.limits.retain_finished_s     # only forgetting it is left
 
 
 def test_failure_report_for_an_old_round_is_stale_and_changes_nothing():

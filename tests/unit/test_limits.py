@@ -1,0 +1,73 @@
+"""Bounded state: finished jobs are forgotten after their retention (memory and store), and the
+server's job and node limits refuse cleanly, changing nothing."""
+from __future__ import annotations
+
+import pytest
+
+from protocol.errors import ErrorCode
+from protocol.messages import JobConfig, JoinRequest, SuccessReport
+from rdzv_server.rendezvous import Limits, Rendezvous, RendezvousError, node_room
+from rdzv_server.store import SqliteStore, snapshot
+
+ONE = JobConfig(min_nodes=1, max_nodes=1, last_call_s=0.0, lease_timeout_s=1e4)
+
+
+def join(rz: Rendezvous, job: str, node: str, now: float, config: JobConfig = ONE) -> None:
+    rz.join(job, JoinRequest(v=1, node_id=node, addr="10.0.0.1", local_world_size=1, master_port=1,
+                             config=config, instance=node), now)
+
+
+def finish(rz: Rendezvous, job: str, now: float) -> None:
+    join(rz, job, "a", now)
+    rz.report_success(job, SuccessReport(v=1, node_id="a", round_id=1), now)
+    assert rz.jobs[job].state.finished
+
+
+def test_finished_jobs_are_forgotten_after_the_retention_and_the_store_deletes_them(tmp_path):
+    rz = Rendezvous(limits=Limits(retain_finished_s=60.0))
+    finish(rz, "old", 10.0)
+    join(rz, "live", "a", 20.0, JobConfig(min_nodes=2, max_nodes=2, lease_timeout_s=1e4))
+    store = SqliteStore(str(tmp_path))
+    store.write([snapshot(j, j.events, reset_events=True) for j in rz.jobs.values()], 20.0)
+    assert rz.next_deadline() == 70.0
+    rz.tick(69.9)
+    assert "old" in rz.jobs
+    rz.tick(70.0)
+    out = rz.take_effects()
+    assert "old" not in rz.jobs and "live" in rz.jobs and out.pruned == {"old"}
+    assert rz.node_count == 1
+    store.write([], 70.0, deleted=out.pruned)
+    store.release()
+    loaded = SqliteStore(str(tmp_path)).load().jobs
+    assert set(loaded) == {"live"}
+
+
+def test_at_max_jobs_the_oldest_finished_go_first_and_then_new_jobs_are_refused():
+    rz = Rendezvous(limits=Limits(max_jobs=3))
+    finish(rz, "f1", 1.0)
+    finish(rz, "f2", 2.0)
+    join(rz, "u1", "a", 3.0, JobConfig(min_nodes=2, max_nodes=2))
+    join(rz, "u2", "a", 4.0, JobConfig(min_nodes=2, max_nodes=2))     # f1 goes to make room
+    assert set(rz.jobs) == {"f2", "u1", "u2"}
+    join(rz, "u3", "a", 5.0, JobConfig(min_nodes=2, max_nodes=2))     # then f2
+    with pytest.raises(RendezvousError) as err:
+        join(rz, "u4", "a", 6.0)
+    assert err.value.code == ErrorCode.LIMIT_REACHED and "--max-jobs 3" in err.value.message
+    assert set(rz.jobs) == {"u1", "u2", "u3"}
+
+
+def test_a_job_holds_at_most_its_max_nodes_plus_as_many_spares_and_the_server_its_node_limit():
+    config = JobConfig(min_nodes=1, max_nodes=2, lease_timeout_s=1e4)
+    rz = Rendezvous()
+    for i in range(node_room(config)):
+        join(rz, "j", f"n{i}", 1.0, config)
+    with pytest.raises(RendezvousError) as err:
+        join(rz, "j", "one-more", 1.0, config)
+    assert err.value.code == ErrorCode.LIMIT_REACHED and "one-more" not in rz.jobs["j"].nodes
+    join(rz, "j", "n0", 2.0, config)                 # a known node may always come back
+    small = Rendezvous(limits=Limits(max_nodes=2))
+    join(small, "j", "a", 1.0, config)
+    join(small, "k", "a", 1.0, config)
+    with pytest.raises(RendezvousError) as err:
+        join(small, "j", "b", 1.0, config)
+    assert "--max-nodes 2" in err.value.message and small.node_count == 2
