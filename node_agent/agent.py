@@ -19,7 +19,7 @@ import uuid
 from typing import TextIO
 
 from protocol.errors import ErrorCode
-from protocol.messages import Assignment, JobConfig, NodeStatus, WorkerFailure
+from protocol.messages import Assignment, NodeStatus, WorkerFailure
 from node_agent.transport import ServerRejected, ServerUnreachable, Transport, free_port
 from node_agent.environment import worker_argv, worker_env
 from node_agent.hangwatch import HangWatch
@@ -46,7 +46,7 @@ class Agent:
         self.hostname = socket.gethostname()
         self.instance = uuid.uuid4().hex[:12]
         self.addr = addr
-        self.policy = SupervisionPolicy(server_wait_s=max(opts.server_wait, opts.lease_timeout))
+        self.policy = SupervisionPolicy(server_wait_s=max(opts.server_wait, opts.job.lease_timeout_s))
         self.group: WorkerGroup | None = None
         self._group_task: asyncio.Task | None = None
         self._signals: asyncio.Queue[int] = asyncio.Queue()
@@ -187,14 +187,10 @@ class Agent:
 
     async def _join(self) -> NodeStatus | None:
         opts = self.opts
-        config = JobConfig(min_nodes=opts.min_nodes, max_nodes=opts.max_nodes, max_restarts=opts.max_restarts,
-                           last_call_s=opts.last_call, join_timeout_s=opts.join_timeout,
-                           lease_timeout_s=opts.lease_timeout, exclude_after=opts.exclude_after,
-                           exclude_window_s=opts.exclude_window, exclude_cooldown_s=opts.exclude_cooldown)
         while self._exit is None:
             try:
                 return await self.client.join(addr=self.addr, host=self.hostname, local_world_size=opts.nproc,
-                                              master_port=free_port(self.addr), config=config,
+                                              master_port=free_port(self.addr), config=opts.job,
                                               instance=self.instance, role=opts.role)
             except ServerRejected as exc:
                 if exc.code == ErrorCode.NODE_DRAINED.value:   # an operator took this node out: done here
@@ -310,7 +306,7 @@ class Agent:
 
     async def _keep_lease(self) -> None:
         """Renew the lease with instant polls while the loop is busy (no long-poll in flight)."""
-        interval = max(0.2, self.opts.lease_timeout / 3)
+        interval = max(0.2, self.opts.job.lease_timeout_s / 3)
         while True:
             await asyncio.sleep(interval)   # periodic renewal, not synchronisation
             try:
