@@ -26,7 +26,10 @@ from node_agent.hangwatch import HangWatch
 from node_agent.options import AgentOptions
 from node_agent.policy import (Action, Exit, Leave, Rejoin, ReportFailure, ReportSuccess, Spawn, StopWorkers,
                                SupervisionPolicy)
-from node_agent.workers import WorkerExit, WorkerGroup, WorkerLaunch, read_error_file
+from node_agent.error_file import read_error_file
+from node_agent.launch import WorkerLaunch
+from node_agent.worker import WorkerExit
+from node_agent.workers import WorkerGroup
 
 POLL_WAIT_S = 2.0
 # Retry pause cap while the server is away: a restarted server sees every agent back within about this.
