@@ -49,7 +49,7 @@ class Workers(enum.Enum):
     FAILED = "failed"        # a local worker failed; group stopped; reported
 
 
-@dataclass
+@dataclass(slots=True)   # slots: a misspelt attribute is an error (mypy and at run time), not a new one
 class SupervisionPolicy:
     server_wait_s: float
     running_round: int = -1          # the round whose workers we run (or ran, until told otherwise)

@@ -13,11 +13,13 @@ from dataclasses import dataclass, field
 
 import pytest
 
+from node_agent.actions import Action
 from node_agent.agent import Agent
 from node_agent.facts import DeadlinePassed, Fact, ServerNotReached, ServerRefused, StatusReceived
 from node_agent.launch import WorkerLaunch
 from node_agent.local_client import LocalClient
 from node_agent.options import AgentOptions
+from node_agent.policy import SupervisionPolicy
 from node_agent.transport import ServerUnreachable
 from node_agent.worker import WorkerExit, WorkerSpawnError, signal_name
 from protocol.errors import ErrorCode
@@ -104,6 +106,16 @@ class ScriptedServer(LocalClient):
 
 
 @dataclass
+class RecordingPolicy(SupervisionPolicy):
+    """The agent's own policy, noting every fact it is given."""
+    seen: list[Fact] = field(default_factory=list)
+
+    def handle(self, fact: Fact, now: float) -> list[Action]:
+        self.seen.append(fact)
+        return super().handle(fact, now)
+
+
+@dataclass
 class Run:
     """One agent running in this process, and what the test sees of it."""
     agent: Agent
@@ -148,13 +160,7 @@ async def start(tmp_path) -> AsyncIterator[Callable[..., Run]]:
 
         agent = Agent(opts, server, "127.0.0.1", console, make_group=make_group)
         facts: list[Fact] = []
-        handle = agent.policy.handle
-
-        def recording(fact: Fact, now: float) -> list:  # type: ignore[type-arg]
-            facts.append(fact)
-            return handle(fact, now)
-
-        agent.policy.handle = recording  # type: ignore[method-assign]
+        agent.policy = RecordingPolicy(server_wait_s=agent.policy.server_wait_s, seen=facts)
         run = Run(agent, server, console, groups, asyncio.create_task(agent.run()), facts, errors)
         runs.append(run)
         return run
