@@ -39,7 +39,7 @@ class Agent:
         self.addr = addr
         self.hostname = socket.gethostname()
         self.instance = uuid.uuid4().hex[:12]   # tells a restarted agent from a duplicate node id
-        self.facts: asyncio.Queue[Fact] = asyncio.Queue()
+        self.facts: asyncio.Queue[Fact | BaseException] = asyncio.Queue()   # or what broke a source
         self.policy = SupervisionPolicy(server_wait_s=max(opts.server_wait, opts.job.lease_timeout_s))
         self.narrator = Narrator(opts.node_id, console)
         self.workers = LocalWorkers(opts, self.facts.put_nowait, hostname=self.hostname, clock=self.now,
@@ -83,12 +83,14 @@ class Agent:
     async def _next_fact(self) -> Fact:
         """The next fact, or DeadlinePassed once the policy's next deadline comes first."""
         deadline = self.policy.next_deadline()
-        if deadline is None:
-            return await self.facts.get()
         try:
-            return await asyncio.wait_for(self.facts.get(), max(0.0, deadline - self.now()))
+            item = await asyncio.wait_for(self.facts.get(), None if deadline is None
+                                          else max(0.0, deadline - self.now()))
         except asyncio.TimeoutError:
             return DeadlinePassed()
+        if isinstance(item, BaseException):
+            raise item   # a source broke (a bug): end here, loudly, rather than wait forever
+        return item
 
     async def _do(self, action: Action, link: ServerLink) -> None:
         match action:

@@ -7,7 +7,10 @@ never sees anything else, so a test can feed it any history with plain numbers f
 """
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
+from typing import Any
 
 from protocol.messages import (FailureReport, JoinRequest, LeaveRequest, NodeStatus, PollRequest, SuccessReport,
                                WorkerFailure)
@@ -74,3 +77,19 @@ class DeadlinePassed:
 
 Fact = (StatusReceived | ServerNotReached | ServerRefused | WorkersExited | WorkersHung | SpawnFailed
         | SignalReceived | DeadlinePassed)
+
+# How a source hands the loop its news: a fact, or the exception that broke the source (a bug), which
+# the loop raises so that it is seen instead of leaving the agent waiting for news that never comes.
+Put = Callable[[Fact | BaseException], None]
+
+
+def start_source(work: Coroutine[Any, Any, None], put: Put) -> asyncio.Task[None]:
+    """Run `work` (which puts facts) as a task whose unexpected failure reaches the loop."""
+    def done(task: asyncio.Task[None]) -> None:
+        error = None if task.cancelled() else task.exception()
+        if error is not None:
+            put(error)
+
+    task = asyncio.create_task(work)
+    task.add_done_callback(done)
+    return task

@@ -14,7 +14,7 @@ import tempfile
 from collections.abc import Callable
 from typing import Protocol
 
-from node_agent.facts import Fact, SpawnFailed, WorkersExited, WorkersHung
+from node_agent.facts import Put, SpawnFailed, WorkersExited, WorkersHung, start_source
 from node_agent.failures import exit_failure, hang_failure, spawn_failure
 from node_agent.hangwatch import HangWatch
 from node_agent.launch import WorkerLaunch, build_launches
@@ -53,7 +53,7 @@ def process_group(launches: list[WorkerLaunch], *, stop_timeout: float,
 
 
 class LocalWorkers:
-    def __init__(self, opts: AgentOptions, put: Callable[[Fact], None], *, hostname: str,
+    def __init__(self, opts: AgentOptions, put: Put, *, hostname: str,
                  clock: Callable[[], float], make_group: GroupFactory = process_group) -> None:
         self.opts = opts
         self._put = put
@@ -68,6 +68,8 @@ class LocalWorkers:
 
     async def spawn(self, a: Assignment) -> None:
         """Start the round's workers; their news (or the spawn's failure) comes back as facts."""
+        if self.group is not None:   # a group whose workers all succeeded: sweep up after it first
+            await self.stop()
         opts = self.opts
         if opts.log_dir is None and self._tmp_root is None:
             self._tmp_root = tempfile.mkdtemp(prefix="node-agent-")
@@ -89,9 +91,9 @@ class LocalWorkers:
             failed = exc.launch if isinstance(exc, WorkerSpawnError) else launches[0]
             self._spawn_failed(a.round_id, exc, failed.rank, failed.local_rank, failed.argv[0])
             return
-        self._watchers.append(asyncio.create_task(self._watch_exits(group, a.round_id)))
+        self._watchers.append(start_source(self._watch_exits(group, a.round_id), self._put))
         if self._hangs is not None:
-            self._watchers.append(asyncio.create_task(self._watch_hangs(group, self._hangs, a.round_id)))
+            self._watchers.append(start_source(self._watch_hangs(group, self._hangs, a.round_id), self._put))
 
     async def stop(self, signum: int = signal.SIGTERM) -> None:
         """Stop the running group, if any (up to --stop-timeout, then SIGKILL)."""

@@ -16,7 +16,7 @@ import contextlib
 import random
 from collections.abc import AsyncIterator, Awaitable, Callable
 
-from node_agent.facts import Fact, Request, ServerNotReached, ServerRefused, StatusReceived
+from node_agent.facts import Put, Request, ServerNotReached, ServerRefused, StatusReceived, start_source
 from node_agent.transport import ServerRejected, ServerUnreachable, Transport
 from protocol.messages import FailureReport, JoinRequest, NodeStatus, PollRequest, SuccessReport, WorkerFailure
 
@@ -26,7 +26,7 @@ BACKOFF_MAX_S = 0.5
 
 
 class ServerLink:
-    def __init__(self, client: Transport, put: Callable[[Fact], None], clock: Callable[[], float], *,
+    def __init__(self, client: Transport, put: Put, clock: Callable[[], float], *,
                  join: Callable[[], Awaitable[NodeStatus]],
                  poll: Callable[[float], Awaitable[NodeStatus]]) -> None:
         """`join()` sends this node's join; `poll(wait_s)` a poll saying which round it runs."""
@@ -95,7 +95,7 @@ class ServerLink:
 
     def _send(self, request: Request, call: Callable[[], Awaitable[NodeStatus]]) -> None:
         self._cancel(request)
-        self._tasks[request] = asyncio.create_task(self._until_answered(request, call))
+        self._tasks[request] = start_source(self._until_answered(request, call), self._put)
 
     async def _until_answered(self, request: Request, call: Callable[[], Awaitable[NodeStatus]]) -> None:
         tries = 0

@@ -21,64 +21,11 @@ from node_agent.local_client import LocalClient
 from node_agent.options import AgentOptions
 from node_agent.policy import SupervisionPolicy
 from node_agent.transport import ServerUnreachable
-from node_agent.worker import WorkerExit, WorkerSpawnError, signal_name
+from node_agent.worker import WorkerExit, WorkerSpawnError
 from protocol.errors import ErrorCode
 from protocol.messages import JobConfig, NodeStatus, PollRequest
 from rdzv_server.coordinator import Coordinator
-
-LIMIT = 10.0   # bound on anything awaited: a hang fails the test instead of stalling CI
-
-
-class FakeGroup:
-    """A worker group whose workers end when the test says so."""
-
-    def __init__(self, launches: list[WorkerLaunch], *, stop_timeout: float,
-                 on_beat: Callable[[int], None] | None, spawn_error: OSError | None = None) -> None:
-        self.launches = launches
-        self.on_beat = on_beat
-        self.spawn_error = spawn_error
-        self.stopped_with: int | None = None
-        self.signals: list[int] = []
-        self._exits: list[WorkerExit] = []
-        self._changed = asyncio.Event()
-
-    @property
-    def env(self) -> dict[str, str]:
-        return self.launches[0].env
-
-    async def start(self) -> None:
-        if self.spawn_error is not None:
-            raise self.spawn_error
-
-    def end(self, **codes: int) -> None:
-        """Workers end: `end(r0=0, r1=3)` -- local rank 0 exits 0, local rank 1 exits 3."""
-        for name, code in codes.items():
-            launch = self.launches[int(name[1:])]
-            self._exits.append(WorkerExit(local_rank=launch.local_rank, rank=launch.rank, pid=1000 + launch.rank,
-                                          exitcode=code, signal_name=signal_name(code), error_file=None,
-                                          seen_at=1.0))
-        self._changed.set()
-
-    async def wait(self) -> list[WorkerExit]:
-        while True:
-            failed = [e for e in self._exits if e.exitcode != 0]
-            if failed or len(self._exits) == len(self.launches):
-                return failed or list(self._exits)
-            self._changed.clear()
-            await self._changed.wait()
-
-    def exits(self) -> list[WorkerExit]:
-        return list(self._exits)
-
-    def send_signal(self, sig: int) -> None:
-        self.signals.append(sig)
-
-    async def stop(self, sig: int = signal.SIGTERM) -> None:
-        if self.stopped_with is None:
-            self.stopped_with = sig
-            ended = {e.local_rank for e in self._exits}
-            self.end(**{f"r{w.local_rank}": -sig for w in self.launches if w.local_rank not in ended})
-
+from tests.unit.agent_fakes import LIMIT, FakeGroup
 
 class ScriptedServer(LocalClient):
     """The in-process server, recording every request, which the test can take away or restart."""
@@ -141,7 +88,7 @@ async def start(tmp_path) -> AsyncIterator[Callable[..., Run]]:
     runs: list[Run] = []
 
     def start_agent(*, nproc: int = 2, server_wait: float = 60.0, hang_timeout: float = 0.0,
-                    **job: object) -> Run:
+                    group_type: type[FakeGroup] = FakeGroup, **job: object) -> Run:
         config = JobConfig(**{"last_call_s": 0.0, **job})  # type: ignore[arg-type]
         opts = AgentOptions(script="train.py", nproc=nproc, job_id="j1", job=config, node_id="n1",
                             standalone=True, log_dir=str(tmp_path), server_wait=server_wait,
@@ -153,7 +100,7 @@ async def start(tmp_path) -> AsyncIterator[Callable[..., Run]]:
 
         def make_group(launches: list[WorkerLaunch], *, stop_timeout: float,
                        on_beat: Callable[[int], None] | None) -> FakeGroup:
-            group = FakeGroup(launches, stop_timeout=stop_timeout, on_beat=on_beat,
+            group = group_type(launches, stop_timeout=stop_timeout, on_beat=on_beat,
                               spawn_error=errors.pop(0) if errors else None)
             groups.put_nowait(group)
             return group
@@ -256,3 +203,16 @@ async def test_a_server_that_forgot_the_job_is_joined_again_from_scratch(start) 
     second.end(r0=0, r1=0)
     assert await run.exit_code() == 0
     assert isinstance(run.facts[-1], StatusReceived)
+
+
+class BrokenGroup(FakeGroup):
+    async def wait(self) -> list[WorkerExit]:
+        raise RuntimeError("a bug in the group")
+
+
+async def test_a_broken_source_ends_the_agent_loudly_with_its_workers_stopped(start) -> None:
+    run = start(group_type=BrokenGroup)
+    group = await run.next_group()
+    with pytest.raises(RuntimeError, match="a bug in the group"):
+        await run.exit_code()
+    assert group.stopped_with == signal.SIGTERM
