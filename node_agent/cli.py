@@ -4,7 +4,7 @@ from __future__ import annotations
 import asyncio
 import sys
 
-from node_agent.agent import Agent, AgentError
+from node_agent.agent import Agent
 from node_agent.options import AgentOptions, OptionsError, parse_options
 from node_agent.transport import local_addr_towards
 
@@ -31,9 +31,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"node-agent: warning: {warning}", file=sys.stderr)
     try:
         return asyncio.run(_run(opts))
-    except AgentError as exc:
-        print(f"node-agent: error: {exc}", file=sys.stderr)
-        return 1
     except KeyboardInterrupt:
         return 130
 

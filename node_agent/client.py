@@ -7,9 +7,8 @@ import asyncio
 import aiohttp
 
 from protocol.codec import CONTENT_TYPE, decode_reply, encode
-from protocol.errors import ErrorCode
 from protocol.messages import ErrorReply, NodeStatus
-from node_agent.transport import ServerRejected, ServerUnreachable, Transport
+from node_agent.transport import ServerUnreachable, Transport, refusal
 
 
 class RdzvClient(Transport):
@@ -35,15 +34,11 @@ class RdzvClient(Transport):
                                           timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
                 body = await resp.read()
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
-            raise ServerUnreachable(f"{type(exc).__name__}: {exc}".rstrip(": ")) from None
+            raise ServerUnreachable(f"{type(exc).__name__}: {exc}".rstrip(": ")) from exc
         try:
             reply = decode_reply(body)
-        except Exception:
-            raise ServerUnreachable(f"unreadable reply (HTTP {resp.status}) from {self.base}") from None
+        except Exception as exc:   # not our protocol (a proxy's error page, a cut body): not an answer
+            raise ServerUnreachable(f"unreadable reply (HTTP {resp.status}) from {self.base}") from exc
         if isinstance(reply, ErrorReply):
-            if reply.code == ErrorCode.SHUTTING_DOWN.value:
-                raise ServerUnreachable(f"server going away: {reply.message}")
-            if reply.code == ErrorCode.STORE_UNAVAILABLE.value:
-                raise ServerUnreachable(f"server cannot save state: {reply.message}")
-            raise ServerRejected(reply.code, reply.message)
+            raise refusal(reply.code, reply.message)
         return reply

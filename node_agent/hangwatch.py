@@ -5,8 +5,9 @@ A rank is watched only after its first beat, so scripts that never call `beat()`
 from __future__ import annotations
 
 
-
 class HangWatch:
+    __slots__ = ("timeout_s", "last_beat")   # a misspelt attribute is an error, not a new one
+
     def __init__(self, timeout_s: float) -> None:
         self.timeout_s = timeout_s
         self.last_beat: dict[int, float] = {}

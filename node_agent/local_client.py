@@ -5,10 +5,8 @@ coordinator is the same one `rdzv-server` runs, so rounds and restarts behave id
 """
 from __future__ import annotations
 
-
 from protocol.messages import NodeStatus
-from node_agent.transport import ServerRejected, ServerUnreachable, Transport
-from protocol.errors import ErrorCode
+from node_agent.transport import Transport, refusal
 from rdzv_server.coordinator import Coordinator
 from rdzv_server.rendezvous import RendezvousError
 
@@ -26,10 +24,8 @@ class LocalClient(Transport):
     async def __aexit__(self, *exc: object) -> None:
         await self.coordinator.stop()
 
-    async def _send(self, action: str, req: object, timeout: float) -> NodeStatus:
+    async def _send(self, action: str, message: object, timeout: float) -> NodeStatus:
         try:
-            return await self.coordinator.handle(action, self.job_id, req)
+            return await self.coordinator.handle(action, self.job_id, message)
         except RendezvousError as exc:
-            if exc.code == ErrorCode.SHUTTING_DOWN:
-                raise ServerUnreachable(exc.message) from None
-            raise ServerRejected(exc.code.value, exc.message) from None
+            raise refusal(exc.code.value, exc.message) from exc

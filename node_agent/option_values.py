@@ -51,6 +51,13 @@ def _int(text: str, fail: Fail) -> int:
         fail(f"expected an integer, got {text!r}")
 
 
+def _seconds(text: str, fail: Fail) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        fail(f"expected a number of seconds, got {text!r}")
+
+
 def _rank(text: str, fail: Fail) -> int:
     rank = _int(text, fail)
     if rank < 0:

@@ -8,16 +8,22 @@ the agent can trust them. Nothing here imports torch: GPUs are counted from the 
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import os
-from collections.abc import Mapping, Sequence
+import re
+from collections.abc import Callable, Mapping, Sequence
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
-from protocol.messages import NODE_ID
+import msgspec
+
+from protocol.ids import job_id_problem, node_id_problem
+from protocol.messages import JobConfig
 from node_agent.option_values import (  # noqa: F401  (Std, StdSpec, count_gpus: re-exported)
-    DEFAULT_PORT, Fail, Std, StdSpec, _default_node_id, _int, _rank_set, _split_j, count_gpus, parse_endpoint,
-    parse_nnodes, parse_std, resolve_nproc,
+    DEFAULT_PORT, Fail, Std, StdSpec, _default_node_id, _int, _rank_set, _seconds, _split_j, count_gpus,
+    parse_endpoint, parse_nnodes, parse_std, resolve_nproc,
 )
 
 
@@ -33,10 +39,8 @@ class AgentOptions:
     endpoint_port: int | None = None
     nproc: int = 1
     nproc_spec: str = "1"              # as typed ("gpu", "4", ...), for logs
-    min_nodes: int = 1
-    max_nodes: int = 1
     job_id: str = "default"
-    max_restarts: int = 0
+    job: JobConfig = JobConfig()       # the job's settings, sent with every join (defaults: JobConfig's)
     node_id: str = ""
     local_addr: str | None = None
     role: str = "default"
@@ -48,14 +52,8 @@ class AgentOptions:
     local_ranks_filter: frozenset[int] | None = None   # None: every local rank shows on the console
     standalone: bool = False
     stop_timeout: float = 5.0
-    last_call: float = 3.0
-    join_timeout: float = 600.0
-    lease_timeout: float = 5.0
     server_wait: float = 60.0
     hang_timeout: float = 0.0          # 0: hang detection off
-    exclude_after: int = 3
-    exclude_window: float = 600.0
-    exclude_cooldown: float = 60.0
     warnings: tuple[str, ...] = ()
 
     @property
@@ -96,6 +94,9 @@ class _Spelled(argparse.Action):
         namespace.__dict__.setdefault("_spelling", {})[self.dest] = option_string
 
 
+# (spellings, dest, metavar, help). A dest that names a JobConfig field is that job setting: its default
+# (shown as {default} in the help) and its bounds are JobConfig's; other defaults are AgentOptions'.
+# A metavar of None marks an on/off flag.
 _FLAGS: list[tuple[tuple[str, ...], str, str | None, str]] = [
     (("--endpoint", "--rdzv-endpoint", "--rdzv_endpoint"), "endpoint", "HOST:PORT",
      f"rendezvous server address (port defaults to {DEFAULT_PORT}; IPv6 as [::1]:PORT)"),
@@ -105,13 +106,13 @@ _FLAGS: list[tuple[tuple[str, ...], str, str | None, str]] = [
     (("--nnodes",), "nnodes", "MIN:MAX|N", "number of nodes, or an elastic range; default 1:1"),
     (("-j", "--j"), "j", "[MIN:]NxM", "TorchX shorthand: N nodes (elastic MIN:N) of M workers each"),
     (("--job-id", "--rdzv-id", "--rdzv_id"), "job_id", "ID",
-     "job id shared by every node of the job; default 'default'"),
+     "job id shared by every node of the job; default {default!r}"),
     (("--max-restarts", "--max_restarts"), "max_restarts", "K",
-     "job-wide worker group restarts before the job fails; default 0"),
+     "job-wide worker group restarts before the job fails; default {default}"),
     (("--node-id", "--node_id"), "node_id", "ID", "this node's id at the server; default HOSTNAME-PID"),
     (("--local-addr", "--local_addr"), "local_addr", "ADDR",
      "address other nodes reach this node at (MASTER_ADDR when it is group rank 0)"),
-    (("--role",), "role", "NAME", "worker role (ROLE_NAME); default 'default'"),
+    (("--role",), "role", "NAME", "worker role (ROLE_NAME); default {default!r}"),
     (("-m", "--module"), "module", None, "run the script as a module, like python -m"),
     (("--no-python", "--no_python"), "no_python", None, "run the script directly, not with python"),
     (("--log-dir", "--log_dir"), "log_dir", "DIR",
@@ -126,25 +127,36 @@ _FLAGS: list[tuple[tuple[str, ...], str, str | None, str]] = [
     (("--standalone",), "standalone", None,
      "single node: run an embedded rendezvous server, no --endpoint needed"),
     (("--stop-timeout", "--stop_timeout"), "stop_timeout", "S",
-     "seconds between SIGTERM and SIGKILL when stopping workers; default 5"),
-    (("--last-call", "--last_call"), "last_call", "S",
-     "seconds an elastic round waits for more nodes once it has MIN; default 3"),
-    (("--join-timeout", "--join_timeout"), "join_timeout", "S",
-     "seconds to wait for a round to form; default 600"),
-    (("--lease-timeout", "--lease_timeout"), "lease_timeout", "S",
-     "seconds of silence after which the server drops a node; default 5"),
+     "seconds between SIGTERM and SIGKILL when stopping workers; default {default:g}"),
+    (("--last-call", "--last_call"), "last_call_s", "S",
+     "seconds an elastic round waits for more nodes once it has MIN; default {default:g}"),
+    (("--join-timeout", "--join_timeout"), "join_timeout_s", "S",
+     "seconds to wait for a round to form; default {default:g}"),
+    (("--lease-timeout", "--lease_timeout"), "lease_timeout_s", "S",
+     "seconds of silence after which the server drops a node; default {default:g}"),
     (("--server-wait", "--server_wait"), "server_wait", "S",
-     "seconds to keep retrying an unreachable server; default 60"),
+     "seconds to keep retrying an unreachable server; default {default:g}"),
     (("--hang-timeout", "--hang_timeout"), "hang_timeout", "S",
      "kill and report a worker that called node_agent.heartbeat.beat() but then stopped for this "
-     "long; default 0 (off)"),
+     "long; default {default:g} (off)"),
     (("--exclude-after", "--exclude_after"), "exclude_after", "K",
-     "exclude a node after K worker failures within --exclude-window (job-wide); 0 never; default 3"),
-    (("--exclude-window", "--exclude_window"), "exclude_window", "S",
-     "window for counting a node's failures; default 600"),
-    (("--exclude-cooldown", "--exclude_cooldown"), "exclude_cooldown", "S",
-     "first exclusion's length, doubling each time up to 1 h; default 60"),
+     "exclude a node after K worker failures within --exclude-window (job-wide); 0 never; default {default}"),
+    (("--exclude-window", "--exclude_window"), "exclude_window_s", "S",
+     "window for counting a node's failures; default {default:g}"),
+    (("--exclude-cooldown", "--exclude_cooldown"), "exclude_cooldown_s", "S",
+     "first exclusion's length, doubling each time up to {cooldown_max:g} s; default {default:g}"),
 ]
+_JOB_DEFAULTS: dict[str, Any] = {f.name: f.default for f in msgspec.structs.fields(JobConfig)}
+_AGENT_DEFAULTS: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(AgentOptions)}
+_JOB_FLAGS = [dest for _, dest, _, _ in _FLAGS if dest in _JOB_DEFAULTS]   # job settings with a flag
+_SPELLING = {dest: flags[0] for flags, dest, _, _ in _FLAGS}
+
+
+def _help(dest: str, text: str) -> str:
+    default = _JOB_DEFAULTS.get(dest, _AGENT_DEFAULTS.get(dest))
+    return text.format(default=default, cooldown_max=_JOB_DEFAULTS["exclude_cooldown_max_s"])
+
+
 _IGNORED = {   # torchrun flags with no meaning here: accepted so launch lines work, then warned about
     "rdzv_backend": ("--rdzv-backend", "--rdzv_backend"),
     "rdzv_conf": ("--rdzv-conf", "--rdzv_conf"),
@@ -162,12 +174,13 @@ def build_argparser() -> argparse.ArgumentParser:
         formatter_class=_Formatter,
     )
     # Defaults are None so explicit use can be told apart (-j conflicts, --standalone); the real
-    # defaults are applied in parse_options. A metavar of None marks an on/off flag.
+    # defaults are applied in parse_options.
     for flags, dest, metavar, text in _FLAGS:
         if metavar is None:
-            p.add_argument(*flags, dest=dest, action="store_true", help=text)
+            p.add_argument(*flags, dest=dest, action="store_true", help=_help(dest, text))
         else:
-            p.add_argument(*flags, dest=dest, action=_Spelled, default=None, metavar=metavar, help=text)
+            p.add_argument(*flags, dest=dest, action=_Spelled, default=None, metavar=metavar,
+                           help=_help(dest, text))
     for dest, flags in _IGNORED.items():
         p.add_argument(*flags, dest=dest, action=_Spelled, default=None, metavar="VALUE",
                        help="accepted for torchrun compatibility; ignored")
@@ -208,7 +221,7 @@ def parse_options(argv: Sequence[str], environ: Mapping[str, str] = os.environ) 
     spelling: dict[str, str] = ns.__dict__.get("_spelling", {})
 
     def name(dest: str) -> str:
-        return spelling.get(dest) or "--" + dest.replace("_", "-")
+        return spelling.get(dest) or _SPELLING.get(dest) or "--" + dest.replace("_", "-")
 
     def fail(dest: str, why: str) -> NoReturn:
         raise OptionsError(f"{name(dest)}: {why}")
@@ -246,52 +259,50 @@ def parse_options(argv: Sequence[str], environ: Mapping[str, str] = os.environ) 
         host, port = parse_endpoint(ns.endpoint, failing("endpoint"))
 
     node_id = ns.node_id if ns.node_id is not None else _default_node_id()
-    if not NODE_ID.fullmatch(node_id):
-        fail("node_id", f"must be 1-128 of [A-Za-z0-9._:@-] starting with a letter or digit, "
-                        f"got {node_id!r}")
-    job_id = ns.job_id if ns.job_id is not None else "default"
-    if not job_id:
-        fail("job_id", "must not be empty")
+    job_id = ns.job_id if ns.job_id is not None else _AGENT_DEFAULTS["job_id"]
+    for dest, problem in (("node_id", node_id_problem(node_id)), ("job_id", job_id_problem(job_id))):
+        if problem:   # the server's own rule, checked before anything connects
+            fail(dest, problem)
     if ns.local_addr is not None and not ns.local_addr:
         fail("local_addr", "must not be empty")
 
-    def number(dest: str, default: float, *, positive: bool = False) -> float:
+    def number(dest: str) -> float:
+        """A setting of this agent's own (not the job's): seconds, >= 0 and finite."""
         raw = getattr(ns, dest)
         if raw is None:
-            return default
-        try:
-            value = float(raw)
-        except ValueError:
-            fail(dest, f"expected a number of seconds, got {raw!r}")
-        if not math.isfinite(value) or value < 0 or (positive and value == 0):
-            fail(dest, f"must be {'> 0' if positive else '>= 0'} and finite, got {raw!r}")
+            return float(_AGENT_DEFAULTS[dest])
+        value = _seconds(raw, failing(dest))
+        if not math.isfinite(value) or value < 0:
+            fail(dest, f"must be >= 0 and finite, got {raw!r}")
         return value
 
-    max_restarts = 0
-    if ns.max_restarts is not None:
-        max_restarts = _int(ns.max_restarts, failing("max_restarts"))
-        if max_restarts < 0:
-            fail("max_restarts", f"must be >= 0, got {max_restarts}")
-
-    exclude_after = 3
-    if ns.exclude_after is not None:
-        exclude_after = _int(ns.exclude_after, failing("exclude_after"))
-        if exclude_after < 0:
-            fail("exclude_after", f"must be >= 0, got {exclude_after}")
-
+    given = {dest: getattr(ns, dest) for dest in _JOB_FLAGS if getattr(ns, dest) is not None}
+    job = _job_config(given, min_nodes, max_nodes, nodes_flag="j" if ns.j else "nnodes", fail=fail)
     return AgentOptions(
         script=ns.script, script_args=tuple(ns.script_args), endpoint_host=host, endpoint_port=port,
-        nproc=nproc, nproc_spec=nproc_text, min_nodes=min_nodes, max_nodes=max_nodes,
-        job_id=job_id, max_restarts=max_restarts, node_id=node_id, local_addr=ns.local_addr,
-        role=ns.role if ns.role is not None else "default", module=ns.module, no_python=ns.no_python,
+        nproc=nproc, nproc_spec=nproc_text, job_id=job_id, job=job, node_id=node_id, local_addr=ns.local_addr,
+        role=ns.role if ns.role is not None else _AGENT_DEFAULTS["role"], module=ns.module, no_python=ns.no_python,
         log_dir=ns.log_dir, standalone=ns.standalone,
         redirects=parse_std(ns.redirects or "0", failing("redirects")),
         tee=parse_std(ns.tee or "0", failing("tee")),
         local_ranks_filter=_rank_set(ns.local_ranks_filter, failing("local_ranks_filter")),
-        stop_timeout=number("stop_timeout", 5.0), last_call=number("last_call", 3.0),
-        join_timeout=number("join_timeout", 600.0, positive=True),
-        lease_timeout=number("lease_timeout", 5.0, positive=True),
-        server_wait=number("server_wait", 60.0), hang_timeout=number("hang_timeout", 0.0),
-        exclude_after=exclude_after, exclude_window=number("exclude_window", 600.0, positive=True),
-        exclude_cooldown=number("exclude_cooldown", 60.0), warnings=tuple(warnings),
+        stop_timeout=number("stop_timeout"), server_wait=number("server_wait"),
+        hang_timeout=number("hang_timeout"), warnings=tuple(warnings),
     )
+
+
+def _job_config(given: dict[str, str], min_nodes: int, max_nodes: int, *, nodes_flag: str,
+                fail: Callable[[str, str], NoReturn]) -> JobConfig:
+    """The job's settings from the flags given (dest -> text); JobConfig supplies the defaults and bounds."""
+    values: dict[str, Any] = {"min_nodes": min_nodes, "max_nodes": max_nodes}
+    for dest, raw in given.items():
+        why = functools.partial(fail, dest)
+        values[dest] = _int(raw, why) if isinstance(_JOB_DEFAULTS[dest], int) else _seconds(raw, why)
+    try:
+        return msgspec.convert(values, JobConfig)
+    except msgspec.ValidationError as exc:   # e.g. "Expected `int` >= 0 - at `$.max_restarts`"
+        text, _, where = str(exc).partition(" - at ")
+        field = where.strip("`").removeprefix("$.")
+        dest = nodes_flag if field in ("min_nodes", "max_nodes") else field
+        got = f", got {given[dest]!r}" if dest in given else ""
+        fail(dest, re.sub(r"^Expected `\w+` ", "must be ", text) + got)

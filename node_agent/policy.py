@@ -1,67 +1,45 @@
-"""The agent's supervision policy: given what happened and `now`, decide what to do. No I/O.
+"""The agent's supervision policy: given one fact and `now`, decide what to do. No I/O.
 
-Facts come in (the server's status, local workers failing or finishing, the server being
-unreachable, a signal) and actions come out (`Spawn`, `StopWorkers`, `ReportFailure`,
-`ReportSuccess`, `Rejoin`, `Leave`, `Exit`). The loop in `agent.py` executes them in order.
+Facts come in (facts.py: the server's status, a refusal or an outage, local workers failing or
+finishing, a signal, a deadline passing) and actions go out (actions.py: `Spawn`, `StopWorkers`,
+`ReportFailure`, `ReportSuccess`, `Rejoin`, `Leave`, `Exit`). The loop in `agent.py` runs them in order
+and sleeps until `next_deadline()` when no fact comes sooner, so timed rules fire on time.
 
 Rules:
 - the server's view wins: when it names a round we do not run, stop ours and spawn that one;
   when we are not a member (waiting, spare, excluded), run nothing;
-- a local failure stops the local group and is reported once for the round it happened in;
+- a local failure (an exit, a hang, a spawn error) stops the local group and is reported once for the
+  round it happened in; news about a round we no longer run is old news and changes nothing;
   the server then answers with the next round (or the job's end);
 - all local workers succeeding is reported once; we keep following the server until the job ends
   (another node failing still means a job-wide restart);
-- the server being unreachable leaves workers running; past `server_wait_s` we give up;
+- the server being unreachable leaves workers running; `server_wait_s` after the first failed try
+  (timed rule: it fires even when no other fact comes) we stop them and give up;
+- a refused join ends the agent (exit 0 when an operator drained the node: nothing failed here);
+  a refused poll means start afresh when the server forgot the job or node, and the end otherwise;
+  a refused report is dropped (the next poll says where things stand);
 - a signal stops the workers, leaves the job, and exits with 128 + signal.
+
+Timed rules are listed in `_timed_rules()`: a rule is a time and what to do once it has come.
+"Fencing" would be one more there: while workers run and the server is unreachable, stop them once
+the lease must have lapsed on the server (the `sent_at` of the last answered request + the lease
+timeout + a margin), say so, and rejoin when the server answers again.
 """
 from __future__ import annotations
 
 import enum
-import signal as _signal
+import signal
+from collections.abc import Callable
 from dataclasses import dataclass
 
-from protocol.messages import Assignment, JobState, NodeState, NodeStatus, WorkerFailure
+from node_agent.actions import Action, Exit, Leave, Rejoin, ReportFailure, ReportSuccess, Spawn, StopWorkers
+from node_agent.facts import (DeadlinePassed, Fact, ServerNotReached, ServerRefused, SignalReceived, SpawnFailed,
+                              StatusReceived, WorkersExited, WorkersHung)
+from node_agent.narration import failure_summary
+from protocol.errors import ErrorCode
+from protocol.messages import JobState, JoinRequest, NodeState, NodeStatus, PollRequest, WorkerFailure
 
-
-@dataclass(frozen=True)
-class Spawn:
-    assignment: Assignment
-
-
-@dataclass(frozen=True)
-class StopWorkers:
-    reason: str
-    signum: int = _signal.SIGTERM
-
-
-@dataclass(frozen=True)
-class ReportFailure:
-    round_id: int
-    failures: tuple[WorkerFailure, ...]
-
-
-@dataclass(frozen=True)
-class ReportSuccess:
-    round_id: int
-
-
-@dataclass(frozen=True)
-class Rejoin:
-    reason: str
-
-
-@dataclass(frozen=True)
-class Leave:
-    reason: str
-
-
-@dataclass(frozen=True)
-class Exit:
-    code: int
-    message: str
-
-
-Action = Spawn | StopWorkers | ReportFailure | ReportSuccess | Rejoin | Leave | Exit
+TimedRule = tuple[float, Callable[[float], list[Action]]]   # (when, what to do once it has come)
 
 
 class Workers(enum.Enum):
@@ -71,12 +49,13 @@ class Workers(enum.Enum):
     FAILED = "failed"        # a local worker failed; group stopped; reported
 
 
-@dataclass
+@dataclass(slots=True)   # slots: a misspelt attribute is an error (mypy and at run time), not a new one
 class SupervisionPolicy:
     server_wait_s: float
     running_round: int = -1          # the round whose workers we run (or ran, until told otherwise)
     workers: Workers = Workers.NONE
     unreachable_since: float | None = None
+    unreachable_error: str = ""      # the last try's error, for the message when we give up
     exiting: bool = False
 
     @property
@@ -84,10 +63,60 @@ class SupervisionPolicy:
         """What the long-poll tells the server we run: -1 once we run nothing for a round."""
         return self.running_round
 
-    def on_status(self, status: NodeStatus, now: float) -> list[Action]:
-        self.unreachable_since = None
+    def handle(self, fact: Fact, now: float) -> list[Action]:
+        """Everything the policy knows arrives here, one fact at a time."""
         if self.exiting:
-            return []
+            return []   # on the way out: news no longer matters (a second signal is the shell's)
+        match fact:
+            case StatusReceived(status=status):
+                self.unreachable_since = None
+                return self._status(status)
+            case ServerRefused():
+                self.unreachable_since = None
+                return self._refused(fact)
+            case ServerNotReached(error=error):
+                if self.unreachable_since is None:
+                    self.unreachable_since = now
+                self.unreachable_error = error
+                return self._due(now)
+            case WorkersExited(round_id=round_id, failures=failures) if failures:
+                return self._failed(round_id, failures)
+            case WorkersExited(round_id=round_id):
+                return self._succeeded(round_id)
+            case WorkersHung(round_id=round_id, failures=failures):
+                return self._failed(round_id, failures)
+            case SpawnFailed(round_id=round_id, failure=failure):
+                return self._failed(round_id, (failure,))
+            case SignalReceived(signum=signum):
+                return self._signalled(signum)
+            case DeadlinePassed():
+                return self._due(now)
+        raise TypeError(f"not a fact: {fact!r}")
+
+    def next_deadline(self) -> float | None:
+        """When the earliest timed rule fires unless a fact comes first (None: no rule is armed)."""
+        return min((when for when, _ in self._timed_rules()), default=None)
+
+    def _timed_rules(self) -> list[TimedRule]:
+        rules: list[TimedRule] = []
+        if not self.exiting and self.unreachable_since is not None:
+            rules.append((self.unreachable_since + self.server_wait_s, self._give_up))
+        return rules
+
+    def _due(self, now: float) -> list[Action]:
+        for when, rule in self._timed_rules():
+            if now >= when:
+                return rule(now)
+        return []
+
+    def _give_up(self, now: float) -> list[Action]:
+        assert self.unreachable_since is not None
+        self.exiting = True
+        return self._stop("rendezvous server unreachable") + [
+            Exit(1, f"rendezvous server unreachable for {now - self.unreachable_since:.0f}s "
+                    f"(limit {self.server_wait_s:g}s): {self.unreachable_error}")]
+
+    def _status(self, status: NodeStatus) -> list[Action]:
         actions: list[Action] = []
         if status.job_state.finished:
             return self._finish(status)
@@ -109,58 +138,43 @@ class SupervisionPolicy:
             self.running_round = -1
         return actions
 
-    def on_rejected(self, code: str, message: str, now: float) -> list[Action]:
-        """The server refused a poll. It forgot the job or node (it restarted): start afresh."""
-        if self.exiting:
-            return []
-        self.unreachable_since = None
-        if code in ("unknown_job", "unknown_node"):
-            actions = self._stop(f"the server no longer knows this {code.split('_')[1]}")
+    def _refused(self, fact: ServerRefused) -> list[Action]:
+        if fact.request is JoinRequest:
+            self.exiting = True
+            if fact.code == ErrorCode.NODE_DRAINED.value:   # an operator took this node out: done here
+                return self._stop("node drained by the operator") + [Exit(0, fact.message)]
+            return self._stop("the server refused this node's join") + [
+                Exit(1, f"the rendezvous server refused this node's join: {fact.message}")]
+        if fact.request is not PollRequest:
+            return []   # a refused report: dropped; the next poll says where things stand
+        if fact.code in (ErrorCode.UNKNOWN_JOB.value, ErrorCode.UNKNOWN_NODE.value):
+            # The server forgot the job or node (it restarted without its state): start afresh.
+            actions = self._stop(f"the server no longer knows this {fact.code.split('_')[1]}")
             self.running_round = -1
-            return actions + [Rejoin(message)]
+            return actions + [Rejoin(fact.message)]
         self.exiting = True
-        return self._stop("the server refused this agent") + [Exit(1, f"the server refused this agent: {message}")]
+        return self._stop("the server refused this agent") + [
+            Exit(1, f"the server refused this agent: {fact.message}")]
 
-    def on_drained(self, message: str) -> list[Action]:
-        """An operator drained this node: stop anything running and exit 0 (nothing failed here)."""
-        self.exiting = True
-        return self._stop("node drained by the operator") + [Exit(0, message)]
-
-    def on_workers_failed(self, failures: list[WorkerFailure], now: float) -> list[Action]:
-        if self.exiting or self.workers != Workers.RUNNING:
+    def _failed(self, round_id: int, failures: tuple[WorkerFailure, ...]) -> list[Action]:
+        if self.workers != Workers.RUNNING or round_id != self.running_round:
             return []
         self.workers = Workers.FAILED
-        first = failures[0]
-        return [StopWorkers(f"local rank {first.local_rank} failed"),
-                ReportFailure(self.running_round, tuple(failures))]
+        return [StopWorkers(f"local rank {failures[0].local_rank} failed"), ReportFailure(round_id, failures)]
 
-    def on_workers_succeeded(self, now: float) -> list[Action]:
-        if self.exiting or self.workers != Workers.RUNNING:
+    def _succeeded(self, round_id: int) -> list[Action]:
+        if self.workers != Workers.RUNNING or round_id != self.running_round:
             return []
         self.workers = Workers.SUCCEEDED
-        return [ReportSuccess(self.running_round)]
+        return [ReportSuccess(round_id)]
 
-    def on_server_unreachable(self, error: str, now: float) -> list[Action]:
-        if self.exiting:
-            return []
-        if self.unreachable_since is None:
-            self.unreachable_since = now
-        if now - self.unreachable_since < self.server_wait_s:
-            return []
-        self.exiting = True
-        return self._stop("rendezvous server unreachable") + [
-            Exit(1, f"rendezvous server unreachable for {now - self.unreachable_since:.0f}s "
-                    f"(limit {self.server_wait_s:g}s): {error}")]
-
-    def on_signal(self, signum: int, now: float) -> list[Action]:
-        name = _signal.Signals(signum).name
-        if self.exiting:
-            return []
+    def _signalled(self, signum: int) -> list[Action]:
+        name = signal.Signals(signum).name
         self.exiting = True
         return self._stop(f"agent received {name}", signum) + [
             Leave(f"agent received {name}"), Exit(128 + signum, f"node-agent stopped by {name}")]
 
-    def _stop(self, reason: str, signum: int = _signal.SIGTERM) -> list[Action]:
+    def _stop(self, reason: str, signum: int = signal.SIGTERM) -> list[Action]:
         if self.workers == Workers.RUNNING:
             self.workers = Workers.NONE
             return [StopWorkers(reason, signum)]
@@ -175,20 +189,3 @@ class SupervisionPolicy:
         if status.job_state == JobState.FAILED:
             return actions + [Exit(1, failure_summary(status))]
         return actions + [Exit(1, f"job {status.job_id} {status.job_state.value}: {status.reason}")]
-
-
-def failure_summary(status: NodeStatus) -> str:
-    lines = [f"job {status.job_id} failed: {status.reason}"]
-    rc = status.root_cause
-    if rc is not None:
-        how = f"signal {rc.signal}" if rc.signal else f"exit code {rc.exitcode}"
-        lines.append("root cause (first failure in time across all nodes):")
-        lines.append(f"  host      : {rc.host} (node {rc.node_id})")
-        lines.append(f"  rank      : {rc.rank} (local rank {rc.local_rank})")
-        lines.append(f"  failure   : {rc.reason}, {how}")
-        if rc.message:
-            lines.append(f"  error     : {rc.message}")
-        if rc.traceback:
-            lines.append("  traceback :")
-            lines.extend("    " + ln for ln in rc.traceback.rstrip().splitlines())
-    return "\n".join(lines)

@@ -2,13 +2,20 @@
 
 Two transports implement it: `client.RdzvClient` (HTTP + MessagePack, the normal case) and
 `local_client.LocalClient` (an in-process server for `--standalone`, no HTTP at all).
-Both raise only these two exceptions.
+Both raise only these two exceptions, and decide which error codes are worth a retry by one rule
+(`refusal`, over `protocol.errors.RETRYABLE`).
 """
 from __future__ import annotations
 
 import socket
+
+from protocol.codec import REQUEST_TYPES
+from protocol.errors import RETRYABLE
 from protocol.messages import (PROTOCOL_VERSION, FailureReport, JobConfig, JoinRequest, LeaveRequest, NodeStatus,
                                PollRequest, SuccessReport, WorkerFailure)
+
+# The action (route) of each request type: the protocol's one table, read backwards.
+ACTION_OF: dict[type, str] = {cls: action for action, cls in REQUEST_TYPES.items()}
 
 
 class ServerUnreachable(Exception):
@@ -24,10 +31,18 @@ class ServerRejected(Exception):
         self.message = message
 
 
+def refusal(code: str, message: str) -> ServerUnreachable | ServerRejected:
+    """The exception for an error reply: a retryable code ("not now") counts as the server being away."""
+    if code in {c.value for c in RETRYABLE}:
+        return ServerUnreachable(f"server busy ({code}): {message}")
+    return ServerRejected(code, message)
+
+
 class Transport:
     """Builds each request; a subclass only sends it (`_send`) and maps its errors to ours."""
 
     REQUEST_TIMEOUT_S = 10.0
+    LEAVE_TIMEOUT_S = 2.0      # leaving is a courtesy: never hold up an exit for long
 
     def __init__(self, node_id: str) -> None:
         self.node_id = node_id
@@ -41,30 +56,31 @@ class Transport:
     async def _send(self, action: str, message: object, timeout: float) -> NodeStatus:
         raise NotImplementedError
 
+    async def _request(self, message: object, timeout: float | None = None) -> NodeStatus:
+        return await self._send(ACTION_OF[type(message)], message,
+                                self.REQUEST_TIMEOUT_S if timeout is None else timeout)
+
     async def join(self, *, addr: str, host: str, local_world_size: int, master_port: int, config: JobConfig,
                    instance: str, role: str) -> NodeStatus:
-        return await self._send("join", JoinRequest(
+        return await self._request(JoinRequest(
             v=PROTOCOL_VERSION, node_id=self.node_id, addr=addr, host=host, local_world_size=local_world_size,
-            master_port=master_port, config=config, instance=instance, role=role), self.REQUEST_TIMEOUT_S)
+            master_port=master_port, config=config, instance=instance, role=role))
 
     async def poll(self, known_round: int, wait_s: float, master_port: int = 0) -> NodeStatus:
-        return await self._send("poll", PollRequest(v=PROTOCOL_VERSION, node_id=self.node_id,
-                                                    known_round=known_round, wait_s=wait_s,
-                                                    master_port=master_port),
-                                wait_s + self.REQUEST_TIMEOUT_S)
+        return await self._request(PollRequest(v=PROTOCOL_VERSION, node_id=self.node_id, known_round=known_round,
+                                               wait_s=wait_s, master_port=master_port),
+                                   wait_s + self.REQUEST_TIMEOUT_S)
 
     async def report_failure(self, round_id: int, failures: list[WorkerFailure]) -> NodeStatus:
-        return await self._send("failure", FailureReport(v=PROTOCOL_VERSION, node_id=self.node_id,
-                                                         round_id=round_id, failures=failures),
-                                self.REQUEST_TIMEOUT_S)
+        return await self._request(FailureReport(v=PROTOCOL_VERSION, node_id=self.node_id, round_id=round_id,
+                                                 failures=failures))
 
     async def report_success(self, round_id: int) -> NodeStatus:
-        return await self._send("success", SuccessReport(v=PROTOCOL_VERSION, node_id=self.node_id,
-                                                         round_id=round_id), self.REQUEST_TIMEOUT_S)
+        return await self._request(SuccessReport(v=PROTOCOL_VERSION, node_id=self.node_id, round_id=round_id))
 
     async def leave(self, reason: str) -> NodeStatus:
-        return await self._send("leave", LeaveRequest(v=PROTOCOL_VERSION, node_id=self.node_id, reason=reason),
-                                2.0)
+        return await self._request(LeaveRequest(v=PROTOCOL_VERSION, node_id=self.node_id, reason=reason),
+                                   self.LEAVE_TIMEOUT_S)
 
 
 def local_addr_towards(host: str, port: int) -> str:
@@ -74,7 +90,7 @@ def local_addr_towards(host: str, port: int) -> str:
         infos = socket.getaddrinfo(host, port, family, socket.SOCK_DGRAM)
         with socket.socket(family, socket.SOCK_DGRAM) as s:
             s.connect(infos[0][4])
-            return s.getsockname()[0]
+            return str(s.getsockname()[0])
     except OSError:
         return socket.gethostname()
 
@@ -84,4 +100,4 @@ def free_port(addr: str = "") -> int:
     family = socket.AF_INET6 if ":" in addr else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as s:
         s.bind(("", 0))
-        return s.getsockname()[1]
+        return int(s.getsockname()[1])

@@ -1,62 +1,20 @@
-"""The process layer with real processes: output routing, exits, stopping, process groups, PDEATHSIG."""
+"""A round's workers as a group, with real processes: first failure, stopping, escalation, spawn errors."""
 from __future__ import annotations
 
 import asyncio
-import io
-import json
 import os
-import re
 import signal
-import subprocess
-import sys
-import textwrap
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 
 import psutil
 import pytest
 
-from node_agent.options import Std
-from node_agent.workers import (
-    Console, WorkerGroup, WorkerLaunch, WorkerSpawnError, _child_setup, _prctl, read_error_file,
-)
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-LIMIT = 30.0   # upper bound for anything awaited here; a hang fails the test instead of stalling CI
-
-
-class RecordingConsole(Console):
-    """A console writing to memory, which a test can await a line from."""
-
-    def __init__(self) -> None:
-        self.out, self.err = io.StringIO(), io.StringIO()
-        super().__init__(self.out, self.err)
-        self._watch: list[tuple[str, asyncio.Future[str]]] = []
-
-    def line(self, stream: str, text: str) -> None:
-        super().line(stream, text)
-        for needle, fut in self._watch:
-            if needle in text and not fut.done():
-                fut.set_result(text)
-
-    def lines(self, stream: str) -> list[str]:
-        return (self.out if stream == "stdout" else self.err).getvalue().splitlines()
-
-    async def seen(self, needle: str) -> str:
-        for line in self.lines("stdout") + self.lines("stderr"):
-            if needle in line:
-                return line
-        fut: asyncio.Future[str] = asyncio.get_running_loop().create_future()
-        self._watch.append((needle, fut))
-        return await asyncio.wait_for(fut, LIMIT)
-
-
-def launch(local_rank: int, code: str, *, env: dict[str, str] | None = None, log_dir: str | None = None,
-           **kw: object) -> WorkerLaunch:
-    rank = 10 + local_rank
-    return WorkerLaunch(local_rank=local_rank, rank=rank, argv=[sys.executable, "-c", textwrap.dedent(code)],
-                        env={**os.environ, "LOCAL_RANK": str(local_rank), **(env or {})},
-                        log_dir=log_dir, prefix=f"[h:rank {rank}]", **kw)  # type: ignore[arg-type]
+from node_agent.launch import WorkerLaunch
+from node_agent.error_file import read_error_file
+from node_agent.worker import WorkerSpawnError
+from node_agent.workers import WorkerGroup
+from tests.integration.worker_support import LIMIT, RecordingConsole, kill_strays, launch
 
 
 @pytest.fixture
@@ -64,11 +22,7 @@ def strays() -> Iterator[list[int]]:
     """Pids a test learned of that are not our children: killed at teardown if still there."""
     pids: list[int] = []
     yield pids
-    for pid in pids:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    kill_strays(pids)
 
 
 @pytest.fixture
@@ -91,77 +45,13 @@ def console_of(group: WorkerGroup) -> RecordingConsole:
     return c
 
 
-PRINTER = """
-    import os, sys
-    r = os.environ["LOCAL_RANK"]
-    print(f"out {r} {os.environ['MARK']}")
-    print(f"err {r}", file=sys.stderr)
-    sys.stdout.write(f"tail {r}")   # a last line without newline
-"""
-
-
-async def test_output_goes_to_files_and_prefixed_console(make_group, tmp_path) -> None:
-    env = {"MARK": "m"}
-    group = make_group([
-        launch(0, PRINTER, env=env, log_dir=str(tmp_path / "0"), redirect=Std.OUT, tee=Std.ERR),
-        launch(1, PRINTER, env=env, log_dir=None, redirect=Std.ALL),          # no dir: console instead
-        launch(2, PRINTER, env=env, log_dir=str(tmp_path / "2"), echo=False),  # filtered off the console
-        launch(3, PRINTER, env=env, log_dir=str(tmp_path / "3"), tee=Std.ALL),
-    ])
+async def test_wait_returns_every_exit_once_all_succeeded(make_group) -> None:
+    group = make_group([launch(i, f"import time; time.sleep({0.2 * i})") for i in range(3)])
     await group.start()
     exits = await asyncio.wait_for(group.wait(), LIMIT)
-    assert sorted((e.local_rank, e.rank, e.exitcode) for e in exits) == [(i, 10 + i, 0) for i in range(4)]
-    await group.stop()   # also waits for the output to be pumped out
-    console = console_of(group)
-
-    assert (tmp_path / "0" / "stdout.log").read_text() == "out 0 m\ntail 0"
-    assert (tmp_path / "0" / "stderr.log").read_text() == "err 0\n"
-    assert (tmp_path / "3" / "stdout.log").read_text() == "out 3 m\ntail 3"
-    assert (tmp_path / "3" / "stderr.log").read_text() == "err 3\n"
-    assert not (tmp_path / "1").exists() and not (tmp_path / "2").exists()
-    assert sorted(console.lines("stdout")) == sorted([
-        "[h:rank 11] out 1 m", "[h:rank 11] tail 1", "[h:rank 13] out 3 m", "[h:rank 13] tail 3"])
-    assert sorted(console.lines("stderr")) == ["[h:rank 10] err 0", "[h:rank 11] err 1", "[h:rank 13] err 3"]
-
-
-async def test_long_lines_and_bad_utf8_are_kept(make_group, tmp_path) -> None:
-    code = """
-        import sys
-        w = sys.stdout.buffer.write
-        w(b"A" * 300000 + b"\\n")
-        w("\\u00e9".encode() * 100000 + b"\\xff\\xfe end\\n")   # 2-byte chars split across reads
-        w(b"last")
-    """
-    group = make_group([launch(0, code, log_dir=str(tmp_path), tee=Std.OUT)])
-    await group.start()
-    assert [e.exitcode for e in await asyncio.wait_for(group.wait(), LIMIT)] == [0]
-    await group.stop()
-    expected = "A" * 300000 + "\n" + "\u00e9" * 100000 + "\ufffd\ufffd end\n" + "last"
-    assert (tmp_path / "stdout.log").read_text(encoding="utf-8") == expected
-    lines = console_of(group).lines("stdout")
-    assert len(lines) > 4 and all(line.startswith("[h:rank 10] ") for line in lines)   # long lines in pieces
-    assert "".join(line[len("[h:rank 10] "):] for line in lines) == expected.replace("\n", "")
-
-
-async def test_console_lines_never_interleave(make_group) -> None:
-    code = """
-        import os
-        tag = "ab"[int(os.environ["LOCAL_RANK"])] * 500
-        for i in range(2000):
-            print(tag, i)
-    """
-    group = make_group([launch(0, code), launch(1, code)])
-    group._console = Console(io.StringIO(), io.StringIO())   # the real console, writing to memory
-    await group.start()
-    await asyncio.wait_for(group.wait(), LIMIT)
-    await group.stop()
-    text = group._console._out.getvalue()  # type: ignore[union-attr]
-    seen: dict[str, list[int]] = {"10": [], "11": []}
-    for line in text.splitlines():
-        m = re.fullmatch(r"\[h:rank (1[01])\] (a{500}|b{500}) (\d+)", line)
-        assert m is not None, line[:80]
-        seen[m.group(1)].append(int(m.group(3)))
-    assert seen == {"10": list(range(2000)), "11": list(range(2000))}
+    assert sorted((e.local_rank, e.rank, e.exitcode, e.signal_name) for e in exits) == \
+        [(i, 10 + i, 0, "") for i in range(3)]
+    assert exits == group.exits() and sorted(e.pid for e in exits) == sorted(group.pids)
 
 
 async def test_failure_is_reported_while_others_still_run(make_group, strays) -> None:
@@ -266,49 +156,6 @@ async def test_spawn_error_stops_the_started_workers(make_group, tmp_path) -> No
     assert [(e.local_rank, e.signal_name) for e in group.exits()] == [(0, "SIGKILL")]
 
 
-async def test_worker_dies_with_a_sigkilled_agent(strays) -> None:
-    parent_code = textwrap.dedent(f"""
-        import asyncio, os, sys
-        sys.path.insert(0, {ROOT!r})
-        from node_agent.workers import WorkerGroup, WorkerLaunch
-
-        async def main():
-            argv = [sys.executable, "-c", "import time; time.sleep(600)"]
-            group = WorkerGroup([WorkerLaunch(local_rank=0, rank=0, argv=argv, env=dict(os.environ),
-                                              log_dir=None)], stop_timeout=1)
-            await group.start()
-            print(group.pids[0], flush=True)
-            await asyncio.Event().wait()   # until killed
-
-        asyncio.run(main())
-    """)
-    parent = await asyncio.create_subprocess_exec(sys.executable, "-c", parent_code, stdout=subprocess.PIPE)
-    try:
-        line = await asyncio.wait_for(parent.stdout.readline(), LIMIT)  # type: ignore[union-attr]
-        worker_pid = int(line)
-        strays.append(worker_pid)
-        worker = psutil.Process(worker_pid)
-        assert worker.ppid() == parent.pid
-        parent.kill()
-        await parent.wait()
-        await asyncio.to_thread(worker.wait, 5)   # raises TimeoutExpired if it outlived its agent
-        assert not worker.is_running()
-    finally:
-        if parent.returncode is None:
-            parent.kill()
-            await parent.wait()
-
-
-def test_child_exits_when_its_parent_is_already_gone(tmp_path) -> None:
-    # The child setup compares getppid() with the pid the agent had at fork time; a mismatch means
-    # the agent died before PDEATHSIG was armed, and the child must not go on to run the worker.
-    marker = tmp_path / "ran"
-    proc = subprocess.Popen([sys.executable, "-c", f"open({str(marker)!r}, 'w')"],
-                            preexec_fn=_child_setup(os.getpid() + 1_000_000, _prctl()))
-    assert proc.wait(timeout=LIMIT) == 1
-    assert not marker.exists()
-
-
 TORCH_ERROR = {"message": {"message": "ValueError: boom", "extraInfo": {
     "py_callstack": "Traceback (most recent call last):\n  File \"t.py\", line 1\nValueError: boom\n",
     "timestamp": "1700000000"}}}
@@ -339,20 +186,3 @@ async def test_error_file_is_reported_and_stale_ones_removed(make_group, tmp_pat
     assert traceback.startswith("Traceback") and traceback.endswith("ValueError: boom\n")
     other = [e for e in group.exits() if e.local_rank == 1][0]
     assert other.error_file is None and not paths[1].exists()
-
-
-def test_read_error_file_variants(tmp_path) -> None:
-    plain = tmp_path / "plain.json"
-    plain.write_text(json.dumps({"message": "RuntimeError: plain"}))
-    message, traceback, timestamp = read_error_file(str(plain)) or ("", "", 0.0)
-    assert (message, traceback) == ("RuntimeError: plain", "") and timestamp == os.path.getmtime(plain)
-
-    no_time = tmp_path / "no_time.json"
-    no_time.write_text(json.dumps({"message": {"message": "E: x", "extraInfo": {"py_callstack": "tb"}}}))
-    assert read_error_file(str(no_time)) == ("E: x", "tb", os.path.getmtime(no_time))
-
-    for name, content in (("bad.json", "{not json"), ("empty.json", ""), ("other.json", '{"x": 1}'),
-                          ("list.json", "[1, 2]"), ("num.json", '{"message": 5}')):
-        (tmp_path / name).write_text(content)
-        assert read_error_file(str(tmp_path / name)) is None, name
-    assert read_error_file(str(tmp_path / "missing.json")) is None

@@ -9,6 +9,8 @@ import pytest
 from node_agent.options import (
     OptionsError, Std, StdSpec, build_argparser, count_gpus, parse_options,
 )
+from protocol.ids import job_id_problem, node_id_problem
+from protocol.messages import JobConfig
 
 EP = ["--endpoint", "rdzv.example:29400"]
 NO_GPU = {"CUDA_VISIBLE_DEVICES": ""}
@@ -29,10 +31,11 @@ def error_of(*argv: str, environ: dict[str, str] | None = None) -> str:
 def test_defaults() -> None:
     o = parse(*EP, "train.py")
     assert (o.endpoint_host, o.endpoint_port, o.endpoint) == ("rdzv.example", 29400, "rdzv.example:29400")
-    assert (o.nproc, o.min_nodes, o.max_nodes) == (1, 1, 1)
-    assert (o.job_id, o.max_restarts, o.role) == ("default", 0, "default")
+    assert (o.nproc, o.job.min_nodes, o.job.max_nodes) == (1, 1, 1)
+    assert (o.job_id, o.job.max_restarts, o.role) == ("default", 0, "default")
     assert o.node_id == f"{socket.gethostname()}-{os.getpid()}"
-    assert (o.stop_timeout, o.last_call, o.join_timeout, o.lease_timeout, o.server_wait) == (5, 3, 600, 5, 60)
+    assert (o.stop_timeout, o.server_wait, o.hang_timeout) == (5, 60, 0)
+    assert o.job == JobConfig()   # every job setting left out takes JobConfig's default, as on the wire
     assert (o.module, o.no_python, o.standalone, o.log_dir, o.local_addr) == (False, False, False, None, None)
     assert o.redirects.for_rank(0) == Std.NONE and o.tee.for_rank(5) == Std.NONE
     assert o.local_ranks_filter is None and o.warnings == ()
@@ -54,8 +57,8 @@ def test_endpoint_aliases(flag: str, joined: bool) -> None:
     (["--job-id", "j1"], "job_id", "j1"),
     (["--rdzv-id", "j2"], "job_id", "j2"),
     (["--rdzv_id", "j3"], "job_id", "j3"),
-    (["--max-restarts", "4"], "max_restarts", 4),
-    (["--max_restarts=2"], "max_restarts", 2),
+    (["--max-restarts", "4"], "job.max_restarts", 4),
+    (["--max_restarts=2"], "job.max_restarts", 2),
     (["--log-dir", "/x"], "log_dir", "/x"),
     (["--log_dir", "/y"], "log_dir", "/y"),
     (["--local-addr", "10.0.0.1"], "local_addr", "10.0.0.1"),
@@ -69,13 +72,21 @@ def test_endpoint_aliases(flag: str, joined: bool) -> None:
     (["--local-ranks-filter", "0,2"], "local_ranks_filter", frozenset({0, 2})),
     (["--local_ranks_filter=1"], "local_ranks_filter", frozenset({1})),
     (["--stop-timeout", "0.5"], "stop_timeout", 0.5),
-    (["--last-call", "0"], "last_call", 0.0),
-    (["--join-timeout", "30"], "join_timeout", 30.0),
-    (["--lease-timeout", "2.5"], "lease_timeout", 2.5),
+    (["--last-call", "0"], "job.last_call_s", 0.0),
+    (["--join-timeout", "30"], "job.join_timeout_s", 30.0),
+    (["--lease-timeout", "2.5"], "job.lease_timeout_s", 2.5),
+    (["--lease_timeout=1e-3"], "job.lease_timeout_s", 0.001),
+    (["--exclude-after", "0"], "job.exclude_after", 0),
+    (["--exclude_window", "60"], "job.exclude_window_s", 60.0),
+    (["--exclude-cooldown", "0"], "job.exclude_cooldown_s", 0.0),
     (["--server-wait", "0"], "server_wait", 0.0),
+    (["--hang-timeout", "1.5"], "hang_timeout", 1.5),
 ])
 def test_aliases_and_values(argv: list[str], attr: str, value: object) -> None:
-    assert getattr(parse(*EP, *argv, "t.py"), attr) == value
+    opts: object = parse(*EP, *argv, "t.py")
+    for part in attr.split("."):
+        opts = getattr(opts, part)
+    assert opts == value
 
 
 def test_script_args_are_untouched() -> None:
@@ -95,7 +106,7 @@ def test_double_dash_before_script_and_module_mode() -> None:
 def test_j_spec(spec: str, nodes: tuple[int, int], nproc: int) -> None:
     for argv in (["-j", spec], [f"-j{spec}"], ["--j", spec]):
         o = parse(*EP, *argv, "t.py")
-        assert ((o.min_nodes, o.max_nodes), o.nproc) == (nodes, nproc)
+        assert ((o.job.min_nodes, o.job.max_nodes), o.nproc) == (nodes, nproc)
 
 
 @pytest.mark.parametrize("other", [["--nnodes", "2"], ["--nproc", "2"], ["--nproc-per-node", "2"]])
@@ -112,7 +123,7 @@ def test_j_errors(spec: str) -> None:
 @pytest.mark.parametrize("text, expected", [("3", (3, 3)), ("1:4", (1, 4)), ("2:2", (2, 2))])
 def test_nnodes(text: str, expected: tuple[int, int]) -> None:
     o = parse(*EP, "--nnodes", text, "t.py")
-    assert (o.min_nodes, o.max_nodes) == expected
+    assert (o.job.min_nodes, o.job.max_nodes) == expected
 
 
 @pytest.mark.parametrize("text", ["3:2", "0", "0:2", "abc", "1:2:3", "", "1:x", "-1"])
@@ -210,9 +221,9 @@ def test_missing_endpoint() -> None:
 
 def test_standalone() -> None:
     o = parse("--standalone", "--nproc", "2", "t.py")
-    assert o.standalone and o.endpoint_host is None and (o.min_nodes, o.max_nodes) == (1, 1)
+    assert o.standalone and o.endpoint_host is None and (o.job.min_nodes, o.job.max_nodes) == (1, 1)
     o = parse("--standalone", "--nnodes", "1:4", "--rdzv-endpoint", "h:1", "t.py")
-    assert (o.min_nodes, o.max_nodes, o.endpoint_host) == (1, 1, None)
+    assert (o.job.min_nodes, o.job.max_nodes, o.endpoint_host) == (1, 1, None)
     assert any("--rdzv-endpoint" in w for w in o.warnings) and any("1:4" in w for w in o.warnings)
 
 
@@ -235,9 +246,38 @@ def test_ignored_torchrun_flags_warn() -> None:
     (["--server-wait", "-3"], "--server-wait"),
     (["--node-id", "bad id!"], "--node-id"),
     (["--job-id", ""], "--job-id"),
+    (["--rdzv_id", "has/slash"], "--rdzv_id"),
+    (["--rdzv-id", "x" * 129], "--rdzv-id"),
+    (["--lease_timeout", "0"], "--lease_timeout"),
+    (["--last-call", "-1"], "--last-call"),
+    (["--last-call", "1e9"], "--last-call"),          # over JobConfig's bound (a week)
+    (["--exclude-after", "1001"], "--exclude-after"),
+    (["--exclude-window", "0"], "--exclude-window"),
+    (["--hang-timeout", "inf"], "--hang-timeout"),
+    (["--nnodes", "1:100001"], "--nnodes"),           # over JobConfig's max_nodes bound
 ])
 def test_value_errors_name_the_flag(argv: list[str], flag: str) -> None:
     assert error_of(*EP, *argv, "t.py").startswith(f"{flag}:")
+
+
+def test_id_errors_use_the_protocols_words() -> None:
+    # The same rule and wording the server applies, so a bad id is refused before connecting.
+    assert error_of(*EP, "--job-id", "a b", "t.py") == f"--job-id: {job_id_problem('a b')}"
+    assert error_of(*EP, "--node-id=.n", "t.py") == f"--node-id: {node_id_problem('.n')}"
+
+
+def test_job_setting_bounds_are_named_with_the_value_given() -> None:
+    assert error_of(*EP, "--max-restarts", "-1", "t.py") == "--max-restarts: must be >= 0, got '-1'"
+    assert error_of(*EP, "--join-timeout", "0", "t.py") == "--join-timeout: must be > 0.0, got '0'"
+
+
+def test_help_shows_jobconfigs_defaults() -> None:
+    text = " ".join(build_argparser().format_help().split())
+    defaults = JobConfig()
+    assert f"before the job fails; default {defaults.max_restarts}" in text
+    assert f"once it has MIN; default {defaults.last_call_s:g}" in text
+    assert f"(job-wide); 0 never; default {defaults.exclude_after}" in text
+    assert f"drops a node; default {defaults.lease_timeout_s:g}" in text
 
 
 def test_module_and_no_python_conflict() -> None:

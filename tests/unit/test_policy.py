@@ -3,10 +3,14 @@ from __future__ import annotations
 
 import signal
 
-from node_agent.hangwatch import HangWatch
-from node_agent.policy import (Exit, Leave, Rejoin, ReportFailure, ReportSuccess, Spawn, StopWorkers,
-                               SupervisionPolicy, Workers)
-from protocol.messages import Assignment, JobState, NodeState, NodeStatus, WorkerFailure
+import pytest
+
+from node_agent.actions import Exit, Leave, Rejoin, ReportFailure, ReportSuccess, Spawn, StopWorkers
+from node_agent.facts import (DeadlinePassed, ServerNotReached, ServerRefused, SignalReceived, SpawnFailed,
+                              StatusReceived, WorkersExited, WorkersHung)
+from node_agent.policy import SupervisionPolicy, Workers
+from protocol.messages import (Assignment, FailureReport, JobState, JoinRequest, NodeState, NodeStatus,
+                               PollRequest, SuccessReport, WorkerFailure)
 
 
 def assignment(round_id: int, restart_count: int = 0) -> Assignment:
@@ -15,149 +19,197 @@ def assignment(round_id: int, restart_count: int = 0) -> Assignment:
                       restart_count=restart_count, max_restarts=3)
 
 
-def member(round_id: int, restart_count: int = 0) -> NodeStatus:
-    return NodeStatus(job_id="j", job_state=JobState.RUNNING, node_state=NodeState.MEMBER, round_id=round_id,
-                      restart_count=restart_count, assignment=assignment(round_id, restart_count))
+def member(round_id: int, restart_count: int = 0) -> StatusReceived:
+    return StatusReceived(PollRequest, NodeStatus(
+        job_id="j", job_state=JobState.RUNNING, node_state=NodeState.MEMBER, round_id=round_id,
+        restart_count=restart_count, assignment=assignment(round_id, restart_count)), sent_at=0.0)
 
 
-def status(job_state=JobState.RUNNING, node_state=NodeState.WAITING, **kw) -> NodeStatus:
-    return NodeStatus(job_id="j", job_state=job_state, node_state=node_state, round_id=kw.pop("round_id", -1),
-                      restart_count=kw.pop("restart_count", 0), **kw)
+def status(job_state: JobState = JobState.RUNNING, node_state: NodeState = NodeState.WAITING,
+           **kw: object) -> StatusReceived:
+    return StatusReceived(PollRequest, NodeStatus(job_id="j", job_state=job_state, node_state=node_state,
+                                                  round_id=kw.pop("round_id", -1),  # type: ignore[arg-type]
+                                                  restart_count=0, **kw), sent_at=0.0)  # type: ignore[arg-type]
 
 
 def failure(rank: int = 1) -> WorkerFailure:
     return WorkerFailure(local_rank=rank, rank=rank, exitcode=1, message="boom", host="h1")
 
 
-def running(round_id: int = 1) -> SupervisionPolicy:
-    p = SupervisionPolicy(server_wait_s=60)
-    p.on_status(member(round_id), 0.0)
+def failed(round_id: int, rank: int = 1) -> WorkersExited:
+    return WorkersExited(round_id, (failure(rank),))
+
+
+def unreachable(error: str = "refused") -> ServerNotReached:
+    return ServerNotReached(PollRequest, error)
+
+
+def running(round_id: int = 1, server_wait_s: float = 60) -> SupervisionPolicy:
+    p = SupervisionPolicy(server_wait_s=server_wait_s)
+    p.handle(member(round_id), 0.0)
     return p
 
 
-def test_first_assignment_spawns_the_round():
+def test_first_assignment_spawns_the_round() -> None:
     p = SupervisionPolicy(server_wait_s=60)
-    actions = p.on_status(member(1), 0.0)
-    assert actions == [Spawn(assignment(1))]
+    assert p.handle(member(1), 0.0) == [Spawn(assignment(1))]
     assert p.known_round == 1 and p.workers == Workers.RUNNING
 
 
-def test_same_round_again_changes_nothing():
+def test_same_round_again_changes_nothing() -> None:
     p = running(1)
-    assert p.on_status(member(1), 1.0) == []
+    assert p.handle(member(1), 1.0) == []
 
 
-def test_new_round_from_the_server_stops_ours_then_spawns_it():
+def test_new_round_from_the_server_stops_ours_then_spawns_it() -> None:
     p = running(1)
-    actions = p.on_status(member(2, restart_count=1), 1.0)
+    actions = p.handle(member(2, restart_count=1), 1.0)
     assert isinstance(actions[0], StopWorkers) and actions[1] == Spawn(assignment(2, 1))
     assert p.known_round == 2
 
 
-def test_local_failure_stops_the_group_and_reports_it_for_the_running_round_once():
+def test_local_failure_stops_the_group_and_reports_it_for_the_running_round_once() -> None:
     p = running(3)
-    actions = p.on_workers_failed([failure()], 1.0)
+    actions = p.handle(failed(3), 1.0)
     assert isinstance(actions[0], StopWorkers)
     assert actions[1] == ReportFailure(3, (failure(),))
-    assert p.on_workers_failed([failure()], 1.1) == []       # reported once
-    assert p.on_status(member(4, 1), 1.2) == [Spawn(assignment(4, 1))]  # nothing left to stop
+    assert p.handle(failed(3, rank=0), 1.1) == []                      # reported once
+    assert p.handle(member(4, 1), 1.2) == [Spawn(assignment(4, 1))]    # nothing left to stop
 
 
-def test_all_local_workers_succeeding_is_reported_once_and_we_keep_following_the_server():
+@pytest.mark.parametrize("fact", [WorkersHung(3, (failure(),)), SpawnFailed(3, failure())])
+def test_a_hang_or_a_spawn_error_is_a_failure_like_an_exit(fact: WorkersHung | SpawnFailed) -> None:
+    p = running(3)
+    assert p.handle(fact, 1.0) == [StopWorkers("local rank 1 failed"), ReportFailure(3, (failure(),))]
+
+
+def test_news_about_a_round_we_no_longer_run_changes_nothing() -> None:
     p = running(1)
-    assert p.on_workers_succeeded(1.0) == [ReportSuccess(1)]
-    assert p.on_workers_succeeded(1.1) == []
-    assert p.on_status(member(2, 1), 2.0) == [Spawn(assignment(2, 1))]  # another node failed: run again
+    p.handle(member(2, 1), 1.0)
+    for old in (failed(1), WorkersExited(1, ()), WorkersHung(1, (failure(),)), SpawnFailed(1, failure())):
+        assert p.handle(old, 2.0) == []
+    assert p.workers == Workers.RUNNING and p.handle(failed(2), 3.0)[1] == ReportFailure(2, (failure(),))
 
 
-def test_becoming_a_spare_or_waiting_stops_our_workers():
+def test_all_local_workers_succeeding_is_reported_once_and_we_keep_following_the_server() -> None:
+    p = running(1)
+    assert p.handle(WorkersExited(1, ()), 1.0) == [ReportSuccess(1)]
+    assert p.handle(WorkersExited(1, ()), 1.1) == []
+    assert p.handle(member(2, 1), 2.0) == [Spawn(assignment(2, 1))]   # another node failed: run again
+
+
+def test_becoming_a_spare_or_waiting_stops_our_workers() -> None:
     for state in (NodeState.SPARE, NodeState.WAITING, NodeState.EXCLUDED):
         p = running(1)
-        actions = p.on_status(status(node_state=state, round_id=2), 1.0)
+        actions = p.handle(status(node_state=state, round_id=2), 1.0)
         assert [type(a) for a in actions] == [StopWorkers]
         assert p.known_round == -1
 
 
-def test_gone_means_stop_and_rejoin():
+def test_gone_means_stop_and_rejoin() -> None:
     p = running(1)
-    actions = p.on_status(status(node_state=NodeState.GONE, reason="lease lost"), 1.0)
-    assert isinstance(actions[0], StopWorkers) and isinstance(actions[1], Rejoin)
+    actions = p.handle(status(node_state=NodeState.GONE, reason="lease lost"), 1.0)
+    assert isinstance(actions[0], StopWorkers) and actions[1] == Rejoin("lease lost")
 
 
-def test_job_succeeded_exits_zero():
+def test_job_succeeded_exits_zero() -> None:
     p = running(1)
-    p.on_workers_succeeded(1.0)
-    actions = p.on_status(status(job_state=JobState.SUCCEEDED, node_state=NodeState.GONE, reason="done"), 2.0)
+    p.handle(WorkersExited(1, ()), 1.0)
+    actions = p.handle(status(job_state=JobState.SUCCEEDED, node_state=NodeState.GONE, reason="done"), 2.0)
     assert actions == [Exit(0, "job j succeeded: done")]
 
 
-def test_job_failed_exits_nonzero_with_the_root_cause():
+def test_job_failed_exits_nonzero_with_the_root_cause() -> None:
     p = running(1)
     rc = WorkerFailure(local_rank=1, rank=3, exitcode=1, message="RuntimeError: boom", host="h2", node_id="n2",
                        traceback="Traceback...\n  line 1")
-    actions = p.on_status(status(job_state=JobState.FAILED, node_state=NodeState.GONE, root_cause=rc,
-                                 reason="worker failures exceeded max_restarts=0"), 2.0)
+    actions = p.handle(status(job_state=JobState.FAILED, node_state=NodeState.GONE, root_cause=rc,
+                              reason="worker failures exceeded max_restarts=0"), 2.0)
     assert isinstance(actions[0], StopWorkers)
     exit_ = actions[-1]
     assert isinstance(exit_, Exit) and exit_.code == 1
-    assert "rank 3" in exit_.message.replace("rank      : 3", "rank 3") and "RuntimeError: boom" in exit_.message
+    assert "rank      : 3" in exit_.message and "RuntimeError: boom" in exit_.message
     assert "h2" in exit_.message and "Traceback" in exit_.message
 
 
-def test_unreachable_server_keeps_workers_until_the_window_ends():
+def test_unreachable_server_keeps_workers_until_the_window_ends() -> None:
     p = running(1)
-    assert p.on_server_unreachable("refused", 10.0) == []
-    assert p.on_server_unreachable("refused", 69.0) == []
-    actions = p.on_server_unreachable("refused", 70.0)
+    assert p.next_deadline() is None
+    assert p.handle(unreachable(), 10.0) == []
+    assert p.next_deadline() == 70.0                          # counted from the first failed try
+    assert p.handle(unreachable(), 69.0) == [] and p.next_deadline() == 70.0
+    actions = p.handle(unreachable("timed out"), 70.0)
     assert isinstance(actions[0], StopWorkers) and isinstance(actions[-1], Exit) and actions[-1].code == 1
-    assert "unreachable" in actions[-1].message
+    assert actions[-1].message == "rendezvous server unreachable for 60s (limit 60s): timed out"
+    assert p.next_deadline() is None                          # exiting: nothing more is armed
 
 
-def test_reaching_the_server_again_resets_the_window():
+def test_the_server_wait_fires_on_its_deadline_without_another_try() -> None:
     p = running(1)
-    p.on_server_unreachable("refused", 10.0)
-    p.on_status(member(1), 50.0)
-    assert p.on_server_unreachable("refused", 100.0) == []
+    p.handle(unreachable("connection refused"), 10.0)
+    assert p.handle(DeadlinePassed(), 69.9) == []             # early wake-up: nothing due yet
+    actions = p.handle(DeadlinePassed(), 70.0)
+    assert [type(a) for a in actions] == [StopWorkers, Exit] and "connection refused" in actions[-1].message
 
 
-def test_signal_stops_workers_with_that_signal_leaves_and_exits_128_plus_signal():
+def test_reaching_the_server_again_resets_the_window() -> None:
     p = running(1)
-    actions = p.on_signal(signal.SIGTERM, 1.0)
-    assert actions[0] == StopWorkers("agent received SIGTERM", signal.SIGTERM)
-    assert isinstance(actions[1], Leave) and actions[2].code == 128 + signal.SIGTERM
-    assert p.on_status(member(2), 2.0) == []            # exiting: the server's news no longer matters
+    p.handle(unreachable(), 10.0)
+    p.handle(member(1), 50.0)
+    assert p.next_deadline() is None and p.handle(DeadlinePassed(), 100.0) == []
+    assert p.handle(unreachable(), 100.0) == [] and p.next_deadline() == 160.0
 
 
-def test_hang_watch_ignores_ranks_that_never_beat_and_reports_the_silent_one():
-    w = HangWatch(5.0)
-    assert w.next_deadline() is None and w.overdue(100.0) == []
-    w.beat(0, 10.0)
-    w.beat(1, 12.0)
-    assert w.next_deadline() == 15.0
-    assert w.overdue(14.9) == []
-    w.beat(0, 14.0)
-    assert w.overdue(17.0) == [1]
-    assert w.overdue(20.0) == [1, 0]
-
-
-def test_server_that_forgot_the_job_makes_us_stop_and_rejoin_from_scratch():
+def test_a_refusal_is_an_answer_too() -> None:
     p = running(1)
-    actions = p.on_rejected("unknown_job", "no job 'j' on this server", 5.0)
-    assert isinstance(actions[0], StopWorkers) and isinstance(actions[1], Rejoin)
+    p.handle(unreachable(), 10.0)
+    p.handle(ServerRefused(FailureReport, "bad_request", "stale"), 20.0)
+    assert p.next_deadline() is None
+
+
+def test_signal_stops_workers_with_that_signal_leaves_and_exits_128_plus_signal() -> None:
+    p = running(1)
+    actions = p.handle(SignalReceived(signal.SIGTERM), 1.0)
+    assert actions == [StopWorkers("agent received SIGTERM", signal.SIGTERM), Leave("agent received SIGTERM"),
+                       Exit(128 + signal.SIGTERM, "node-agent stopped by SIGTERM")]
+    assert p.handle(member(2), 2.0) == []                    # exiting: the server's news no longer matters
+    assert p.handle(SignalReceived(signal.SIGINT), 2.0) == []
+
+
+def test_server_that_forgot_the_job_makes_us_stop_and_rejoin_from_scratch() -> None:
+    p = running(1)
+    actions = p.handle(ServerRefused(PollRequest, "unknown_job", "no job 'j' on this server"), 5.0)
+    assert isinstance(actions[0], StopWorkers) and actions[1] == Rejoin("no job 'j' on this server")
     assert p.known_round == -1
-    assert p.on_status(member(1), 6.0) == [Spawn(assignment(1))]   # round 1 of the new run: spawned again
+    assert p.handle(member(1), 6.0) == [Spawn(assignment(1))]   # round 1 of the new run: spawned again
 
 
-def test_any_other_refusal_ends_the_agent_with_the_servers_words():
+def test_any_other_poll_refusal_ends_the_agent_with_the_servers_words() -> None:
     p = running(1)
-    actions = p.on_rejected("bad_request", "node_id: must be ...", 5.0)
-    assert isinstance(actions[0], StopWorkers) and actions[-1] == Exit(1, "the server refused this agent: "
-                                                                          "node_id: must be ...")
+    actions = p.handle(ServerRefused(PollRequest, "bad_request", "node_id: must be ..."), 5.0)
+    assert isinstance(actions[0], StopWorkers)
+    assert actions[-1] == Exit(1, "the server refused this agent: node_id: must be ...")
 
 
-def test_hang_watch_forgets_a_rank_that_exited():
-    w = HangWatch(1.0)
-    w.beat(0, 0.0)
-    w.beat(1, 0.0)
-    w.forget(0)
-    assert w.overdue(5.0) == [1]
+def test_a_refused_report_is_dropped() -> None:
+    p = running(1)
+    p.handle(failed(1), 1.0)
+    assert p.handle(ServerRefused(FailureReport, "bad_request", "too long"), 2.0) == []
+    assert p.handle(ServerRefused(SuccessReport, "unknown_node", "gone"), 2.0) == []
+    assert not p.exiting
+
+
+def test_a_refused_join_ends_the_agent_and_a_drained_node_exits_zero() -> None:
+    p = SupervisionPolicy(server_wait_s=60)
+    assert p.handle(ServerRefused(JoinRequest, "node_drained", "node a drained: flaky NIC"), 1.0) == [
+        Exit(0, "node a drained: flaky NIC")]
+    p = running(1)   # a rejoin refused while workers run: they stop first
+    actions = p.handle(ServerRefused(JoinRequest, "config_conflict", "max_nodes: job has 2, join asked 3"), 1.0)
+    assert isinstance(actions[0], StopWorkers)
+    assert actions[-1] == Exit(1, "the rendezvous server refused this node's join: max_nodes: job has 2, "
+                                  "join asked 3")
+
+
+def test_not_a_fact_is_a_type_error() -> None:
+    with pytest.raises(TypeError):
+        SupervisionPolicy(server_wait_s=1).handle("poll", 0.0)  # type: ignore[arg-type]

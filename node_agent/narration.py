@@ -1,0 +1,96 @@
+"""The agent's own lines on its console, `[node-agent NODE] ...`: every one of them is worded here.
+
+The loop shows each fact with the actions the policy chose for it, then each action as it runs it.
+Worker output never comes through here (output.py prefixes it with host and rank instead).
+"""
+from __future__ import annotations
+
+import signal
+import sys
+from typing import TextIO
+
+from node_agent.actions import Action, Exit, Rejoin, Spawn
+from node_agent.facts import Fact, ServerRefused, SpawnFailed, StatusReceived, WorkersExited, WorkersHung
+from protocol.messages import Assignment, FailureReport, NodeState, NodeStatus, SuccessReport, WorkerFailure
+
+
+class Narrator:
+    def __init__(self, node_id: str, console: TextIO | None = None) -> None:
+        self.node_id = node_id
+        self.console = console
+        self._last_view: tuple[NodeState, int, int] | None = None
+
+    def say(self, message: str) -> None:
+        for line in message.splitlines() or [""]:
+            print(f"[node-agent {self.node_id}] {line}", file=self.console or sys.stderr, flush=True)
+
+    def fact(self, fact: Fact, actions: list[Action]) -> None:
+        """What happened, said before the actions it led to run (failures only when they count)."""
+        match fact:
+            case StatusReceived(status=status):
+                self._describe(status)
+            case ServerRefused(request=request, message=message) if request in (FailureReport, SuccessReport):
+                self.say(f"server rejected the report: {message}")
+            case WorkersExited(failures=(first, *_)) if actions:
+                self.say(f"{worker(first)} failed with {how(first)}; stopping local workers")
+            case WorkersHung(failures=(first, *_)) if actions:
+                self.say(f"{worker(first)} is hung: {first.message}")
+            case SpawnFailed(failure=failure) if actions:
+                self.say(f"{worker(failure)} did not start: {failure.message}")
+
+    def action(self, action: Action) -> None:
+        """What the agent does, said as it starts doing it."""
+        match action:
+            case Spawn(assignment=a):
+                self.say(round_line(a))
+            case Rejoin(reason=reason):
+                self.say(f"rejoining: {reason}")
+            case Exit(message=message):
+                self.say(message)
+
+    def forced_exit(self, signum: int) -> None:
+        self.say(f"second {signal.Signals(signum).name}: forced exit")
+
+    def _describe(self, status: NodeStatus) -> None:
+        """Say once when this node starts waiting, becomes a spare or is excluded."""
+        view = (status.node_state, status.spare_position, status.round_id)
+        if view == self._last_view:
+            return
+        self._last_view = view
+        if status.node_state == NodeState.SPARE:
+            self.say(f"job is at max nodes: waiting as spare #{status.spare_position + 1}")
+        elif status.node_state == NodeState.EXCLUDED:
+            self.say(f"node excluded for {status.excluded_for_s:.0f}s more: {status.reason}")
+        elif status.node_state == NodeState.WAITING:
+            self.say(f"waiting for the next round: {status.reason or 'collecting nodes'}")
+
+
+def round_line(a: Assignment) -> str:
+    return (f"round {a.round_id}: group rank {a.group_rank}/{a.group_world_size}, ranks "
+            f"{a.rank_offset}..{a.rank_offset + a.local_world_size - 1} of world size {a.world_size}, "
+            f"master {a.master_addr}:{a.master_port}, restart count {a.restart_count}/{a.max_restarts}")
+
+
+def worker(f: WorkerFailure) -> str:
+    return f"worker rank {f.rank} (local {f.local_rank})"
+
+
+def how(f: WorkerFailure) -> str:
+    return f"signal {f.signal}" if f.signal else f"exit code {f.exitcode}"
+
+
+def failure_summary(status: NodeStatus) -> str:
+    """The job's end on every node's console: why it failed and the first failure in time."""
+    lines = [f"job {status.job_id} failed: {status.reason}"]
+    rc = status.root_cause
+    if rc is not None:
+        lines.append("root cause (first failure in time across all nodes):")
+        lines.append(f"  host      : {rc.host} (node {rc.node_id})")
+        lines.append(f"  rank      : {rc.rank} (local rank {rc.local_rank})")
+        lines.append(f"  failure   : {rc.reason}, {how(rc)}")
+        if rc.message:
+            lines.append(f"  error     : {rc.message}")
+        if rc.traceback:
+            lines.append("  traceback :")
+            lines.extend("    " + ln for ln in rc.traceback.rstrip().splitlines())
+    return "\n".join(lines)

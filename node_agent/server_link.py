@@ -1,0 +1,117 @@
+"""The agent's conversation with the rendezvous server. Each request runs as a task; its outcome
+becomes a fact on the agent's queue.
+
+- A try that gets no answer becomes `ServerNotReached` and is tried again after a jittered,
+  exponentially growing pause (capped, so a restarted server sees every agent back quickly). The
+  policy decides when to give up; cancelling the task (at exit) ends the retries.
+- An answer becomes `StatusReceived` (with the time the answered try went out); a typed refusal
+  becomes `ServerRefused`.
+- One request of each kind at a time: a newer one replaces an older one still trying.
+- The long-poll runs only while joined; a (re)join cancels it, and the next join's answer starts it.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+from node_agent.facts import Put, Request, ServerNotReached, ServerRefused, StatusReceived, start_source
+from node_agent.transport import ServerRejected, ServerUnreachable, Transport
+from protocol.messages import FailureReport, JoinRequest, NodeStatus, PollRequest, SuccessReport, WorkerFailure
+
+POLL_WAIT_S = 2.0
+# Retry pause cap while the server is away: a restarted server sees every agent back within about this.
+BACKOFF_MAX_S = 0.5
+
+
+class ServerLink:
+    def __init__(self, client: Transport, put: Put, clock: Callable[[], float], *,
+                 join: Callable[[], Awaitable[NodeStatus]],
+                 poll: Callable[[float], Awaitable[NodeStatus]]) -> None:
+        """`join()` sends this node's join; `poll(wait_s)` a poll saying which round it runs."""
+        self._client = client
+        self._put = put
+        self._clock = clock
+        self._join = join
+        self._poll = poll
+        self._tasks: dict[Request, asyncio.Task[None]] = {}
+        self.joined = False
+
+    def rejoin(self) -> None:
+        """Join (again): polls stop until the server has answered the join."""
+        self.joined = False
+        self._cancel(PollRequest)
+        self._send(JoinRequest, self._join)
+
+    def keep_polling(self) -> None:
+        """Have one long-poll in flight while joined: it is the lease, and the way news arrives."""
+        task = self._tasks.get(PollRequest)
+        if self.joined and (task is None or task.done()):
+            self._send(PollRequest, lambda: self._poll(POLL_WAIT_S))
+
+    def report_failure(self, round_id: int, failures: tuple[WorkerFailure, ...]) -> None:
+        self._send(FailureReport, lambda: self._client.report_failure(round_id, list(failures)))
+
+    def report_success(self, round_id: int) -> None:
+        self._send(SuccessReport, lambda: self._client.report_success(round_id))
+
+    async def leave(self, reason: str) -> None:
+        """Say goodbye, once and briefly: the lease expires anyway if this does not get through."""
+        try:
+            await self._client.leave(reason)
+        except (ServerUnreachable, ServerRejected):
+            pass
+
+    @contextlib.asynccontextmanager
+    async def lease_kept(self, interval: float) -> AsyncIterator[None]:
+        """Renew the lease with instant polls while the loop is busy (its long-poll is not re-issued)."""
+        async def renew() -> None:
+            while True:
+                await asyncio.sleep(interval)   # periodic renewal, not synchronisation
+                try:
+                    await self._poll(0.0)
+                except (ServerUnreachable, ServerRejected):
+                    pass
+
+        keeper = asyncio.create_task(renew())
+        try:
+            yield
+        finally:
+            keeper.cancel()
+            await asyncio.gather(keeper, return_exceptions=True)
+
+    async def close(self) -> None:
+        tasks = list(self._tasks.values())
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._tasks.clear()
+
+    def _cancel(self, request: Request) -> None:
+        task = self._tasks.pop(request, None)
+        if task is not None:
+            task.cancel()
+
+    def _send(self, request: Request, call: Callable[[], Awaitable[NodeStatus]]) -> None:
+        self._cancel(request)
+        self._tasks[request] = start_source(self._until_answered(request, call), self._put)
+
+    async def _until_answered(self, request: Request, call: Callable[[], Awaitable[NodeStatus]]) -> None:
+        tries = 0
+        while True:
+            sent_at = self._clock()
+            try:
+                status = await call()
+            except ServerRejected as exc:
+                self._put(ServerRefused(request, exc.code, exc.message))
+                return
+            except ServerUnreachable as exc:
+                self._put(ServerNotReached(request, str(exc)))
+                tries += 1
+                await asyncio.sleep(min(BACKOFF_MAX_S, 0.05 * 2 ** tries) * random.uniform(0.5, 1.0))
+                continue
+            if request is JoinRequest:
+                self.joined = True
+            self._put(StatusReceived(request, status, sent_at))
+            return

@@ -1,0 +1,62 @@
+"""Stand-ins the agent's tests share: a worker group whose workers end when the test says so."""
+from __future__ import annotations
+
+import asyncio
+import signal
+from collections.abc import Callable
+
+from node_agent.launch import WorkerLaunch
+from node_agent.worker import WorkerExit, signal_name
+
+LIMIT = 10.0   # bound on anything awaited: a hang fails the test instead of stalling CI
+
+
+class FakeGroup:
+    """A worker group whose workers end when the test says so."""
+
+    def __init__(self, launches: list[WorkerLaunch], *, stop_timeout: float,
+                 on_beat: Callable[[int], None] | None, spawn_error: OSError | None = None) -> None:
+        self.launches = launches
+        self.on_beat = on_beat
+        self.spawn_error = spawn_error
+        self.stopped_with: int | None = None
+        self.signals: list[int] = []
+        self._exits: list[WorkerExit] = []
+        self._changed = asyncio.Event()
+
+    @property
+    def env(self) -> dict[str, str]:
+        return self.launches[0].env
+
+    async def start(self) -> None:
+        if self.spawn_error is not None:
+            raise self.spawn_error
+
+    def end(self, **codes: int) -> None:
+        """Workers end: `end(r0=0, r1=3)` -- local rank 0 exits 0, local rank 1 exits 3."""
+        for name, code in codes.items():
+            launch = self.launches[int(name[1:])]
+            self._exits.append(WorkerExit(local_rank=launch.local_rank, rank=launch.rank, pid=1000 + launch.rank,
+                                          exitcode=code, signal_name=signal_name(code), error_file=None,
+                                          seen_at=1.0))
+        self._changed.set()
+
+    async def wait(self) -> list[WorkerExit]:
+        while True:
+            failed = [e for e in self._exits if e.exitcode != 0]
+            if failed or len(self._exits) == len(self.launches):
+                return failed or list(self._exits)
+            self._changed.clear()
+            await self._changed.wait()
+
+    def exits(self) -> list[WorkerExit]:
+        return list(self._exits)
+
+    def send_signal(self, sig: int) -> None:
+        self.signals.append(sig)
+
+    async def stop(self, sig: int = signal.SIGTERM) -> None:
+        if self.stopped_with is None:
+            self.stopped_with = sig
+            ended = {e.local_rank for e in self._exits}
+            self.end(**{f"r{w.local_rank}": -sig for w in self.launches if w.local_rank not in ended})

@@ -1,0 +1,218 @@
+"""The whole agent loop in one process: the real Agent and the real coordinator (through LocalClient,
+no HTTP), with a scripted worker group in place of processes. The test decides when workers end, fail,
+hang or cannot start, when signals come and when the server goes away; it awaits what the agent does.
+"""
+from __future__ import annotations
+
+import asyncio
+import io
+import os
+import signal
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+import pytest
+
+from node_agent.actions import Action
+from node_agent.agent import Agent
+from node_agent.facts import DeadlinePassed, Fact, ServerNotReached, ServerRefused, StatusReceived
+from node_agent.launch import WorkerLaunch
+from node_agent.local_client import LocalClient
+from node_agent.options import AgentOptions
+from node_agent.policy import SupervisionPolicy
+from node_agent.transport import ServerUnreachable
+from node_agent.worker import WorkerExit, WorkerSpawnError
+from protocol.errors import ErrorCode
+from protocol.messages import JobConfig, NodeStatus, PollRequest
+from rdzv_server.coordinator import Coordinator
+from tests.unit.agent_fakes import LIMIT, FakeGroup
+
+class ScriptedServer(LocalClient):
+    """The in-process server, recording every request, which the test can take away or restart."""
+
+    def __init__(self, job_id: str, node_id: str) -> None:
+        super().__init__(job_id, node_id)
+        self.sent: list[str] = []
+        self.down = False
+        self._told_down = False
+
+    async def _send(self, action: str, message: object, timeout: float) -> NodeStatus:
+        self.sent.append(action)
+        if self.down:
+            if not self._told_down:
+                self._told_down = True
+                raise ServerUnreachable("connection refused")
+            await asyncio.Event().wait()   # later tries never answer: only the agent's timer can end this
+        return await super()._send(action, message, timeout)
+
+    async def restart_without_state(self) -> None:
+        """What a server restarted without its state store looks like: it forgot every job."""
+        old, self.coordinator = self.coordinator, Coordinator()
+        await old.stop()
+        await self.coordinator.start()
+
+
+@dataclass
+class RecordingPolicy(SupervisionPolicy):
+    """The agent's own policy, noting every fact it is given."""
+    seen: list[Fact] = field(default_factory=list)
+
+    def handle(self, fact: Fact, now: float) -> list[Action]:
+        self.seen.append(fact)
+        return super().handle(fact, now)
+
+
+@dataclass
+class Run:
+    """One agent running in this process, and what the test sees of it."""
+    agent: Agent
+    server: ScriptedServer
+    console: io.StringIO
+    groups: asyncio.Queue[FakeGroup]
+    task: asyncio.Task[int]
+    facts: list[Fact] = field(default_factory=list)
+    spawn_errors: list[OSError] = field(default_factory=list)
+
+    async def next_group(self) -> FakeGroup:
+        return await asyncio.wait_for(self.groups.get(), LIMIT)
+
+    async def exit_code(self) -> int:
+        return await asyncio.wait_for(self.task, LIMIT)
+
+    def lines(self) -> list[str]:
+        return self.console.getvalue().splitlines()
+
+
+@pytest.fixture
+async def start(tmp_path) -> AsyncIterator[Callable[..., Run]]:
+    runs: list[Run] = []
+
+    def start_agent(*, nproc: int = 2, server_wait: float = 60.0, hang_timeout: float = 0.0,
+                    group_type: type[FakeGroup] = FakeGroup, **job: object) -> Run:
+        config = JobConfig(**{"last_call_s": 0.0, **job})  # type: ignore[arg-type]
+        opts = AgentOptions(script="train.py", nproc=nproc, job_id="j1", job=config, node_id="n1",
+                            standalone=True, log_dir=str(tmp_path), server_wait=server_wait,
+                            hang_timeout=hang_timeout, stop_timeout=1.0)
+        server = ScriptedServer(opts.job_id, opts.node_id)
+        groups: asyncio.Queue[FakeGroup] = asyncio.Queue()
+        console = io.StringIO()
+        errors: list[OSError] = []
+
+        def make_group(launches: list[WorkerLaunch], *, stop_timeout: float,
+                       on_beat: Callable[[int], None] | None) -> FakeGroup:
+            group = group_type(launches, stop_timeout=stop_timeout, on_beat=on_beat,
+                              spawn_error=errors.pop(0) if errors else None)
+            groups.put_nowait(group)
+            return group
+
+        agent = Agent(opts, server, "127.0.0.1", console, make_group=make_group)
+        facts: list[Fact] = []
+        agent.policy = RecordingPolicy(server_wait_s=agent.policy.server_wait_s, seen=facts)
+        run = Run(agent, server, console, groups, asyncio.create_task(agent.run()), facts, errors)
+        runs.append(run)
+        return run
+
+    yield start_agent
+    for run in runs:   # a failed test must not leave an agent running
+        run.task.cancel()
+        await asyncio.gather(run.task, return_exceptions=True)
+
+
+async def test_a_failure_is_reported_and_the_next_round_runs_to_success(start) -> None:
+    run = start(max_restarts=1)
+    first = await run.next_group()
+    assert (first.env["RANK"], first.env["TORCHELASTIC_RESTART_COUNT"], first.env["WORLD_SIZE"]) == ("0", "0", "2")
+    first.end(r0=0, r1=3)
+    second = await run.next_group()
+    assert first.stopped_with == signal.SIGTERM                  # stopped before the next round started
+    assert second.env["TORCHELASTIC_RESTART_COUNT"] == "1"
+    second.end(r0=0, r1=0)
+    assert await run.exit_code() == 0
+    assert run.server.sent[0] == "join" and run.server.sent.count("failure") == 1
+    assert run.server.sent.count("success") == 1 and "leave" not in run.server.sent
+    lines = run.lines()
+    assert "[node-agent n1] worker rank 1 (local 1) failed with exit code 3; stopping local workers" in lines
+    assert any("round 2: group rank 0/1" in line and "restart count 1/1" in line for line in lines), lines
+    assert lines[-1].startswith("[node-agent n1] job j1 succeeded")
+
+
+async def test_a_failure_past_the_budget_ends_the_job_with_the_root_cause(start) -> None:
+    run = start(max_restarts=0)
+    (await run.next_group()).end(r1=-signal.SIGSEGV)
+    assert await run.exit_code() == 1
+    text = run.console.getvalue()
+    assert "job j1 failed" in text and "rank      : 1 (local rank 1)" in text and "signal SIGSEGV" in text
+
+
+async def test_a_signal_stops_the_workers_leaves_and_exits_128_plus_the_signal(start) -> None:
+    run = start()
+    group = await run.next_group()
+    assert signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, None)   # the agent's handler is in place
+    os.kill(os.getpid(), signal.SIGTERM)
+    assert await run.exit_code() == 128 + signal.SIGTERM
+    assert group.stopped_with == signal.SIGTERM and run.server.sent[-1] == "leave"
+    assert run.lines()[-1] == "[node-agent n1] node-agent stopped by SIGTERM"
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL            # handlers given back
+
+
+async def test_an_unreachable_server_ends_the_agent_by_its_timer_not_by_another_fact(start) -> None:
+    run = start(server_wait=0.3, lease_timeout_s=0.3)
+    group = await run.next_group()
+    run.server.down = True   # the next try is refused; every later one hangs unanswered
+    assert await run.exit_code() == 1
+    assert group.stopped_with == signal.SIGTERM
+    assert "rendezvous server unreachable" in run.lines()[-1] and "connection refused" in run.lines()[-1]
+    outage = run.facts[next(i for i, f in enumerate(run.facts) if isinstance(f, ServerNotReached)):]
+    assert [type(f) for f in outage] == [ServerNotReached, DeadlinePassed]
+
+
+async def test_a_spawn_error_is_reported_as_the_rounds_failure(start) -> None:
+    run = start(max_restarts=1)
+    missing = WorkerLaunch(local_rank=1, rank=1, argv=["/no/such/python"], env={}, log_dir=None)
+    run.spawn_errors.append(WorkerSpawnError(missing, FileNotFoundError(2, "No such file or directory")))
+    await run.next_group()                       # this one cannot start
+    second = await run.next_group()              # the failure was reported: the next round runs
+    assert second.env["TORCHELASTIC_RESTART_COUNT"] == "1"
+    assert any("worker rank 1 (local 1) did not start: cannot start '/no/such/python'" in line
+               for line in run.lines()), run.lines()
+    second.end(r0=0, r1=0)
+    assert await run.exit_code() == 0
+
+
+async def test_a_worker_that_stops_beating_is_reported_hung(start) -> None:
+    run = start(hang_timeout=0.2, max_restarts=0)
+    group = await run.next_group()
+    assert group.on_beat is not None
+    group.on_beat(1)   # local rank 1 beats once, then falls silent
+    assert await run.exit_code() == 1
+    assert group.stopped_with == signal.SIGTERM
+    text = run.console.getvalue()
+    assert "worker rank 1 (local 1) is hung: no heartbeat for" in text and "failure   : hang" in text
+
+
+async def test_a_server_that_forgot_the_job_is_joined_again_from_scratch(start) -> None:
+    run = start(lease_timeout_s=0.5)
+    first = await run.next_group()
+    await run.server.restart_without_state()
+    second = await run.next_group()
+    assert first.stopped_with == signal.SIGTERM and second.env["TORCHELASTIC_RESTART_COUNT"] == "0"
+    refusal = next(f for f in run.facts if isinstance(f, ServerRefused))
+    assert (refusal.request, refusal.code) == (PollRequest, ErrorCode.UNKNOWN_JOB.value)
+    assert run.server.sent.count("join") == 2
+    assert any(line.startswith("[node-agent n1] rejoining: no job 'j1'") for line in run.lines()), run.lines()
+    second.end(r0=0, r1=0)
+    assert await run.exit_code() == 0
+    assert isinstance(run.facts[-1], StatusReceived)
+
+
+class BrokenGroup(FakeGroup):
+    async def wait(self) -> list[WorkerExit]:
+        raise RuntimeError("a bug in the group")
+
+
+async def test_a_broken_source_ends_the_agent_loudly_with_its_workers_stopped(start) -> None:
+    run = start(group_type=BrokenGroup)
+    group = await run.next_group()
+    with pytest.raises(RuntimeError, match="a bug in the group"):
+        await run.exit_code()
+    assert group.stopped_with == signal.SIGTERM

@@ -1,0 +1,68 @@
+"""The round's workers as a source of facts (with a scripted group in place of processes)."""
+from __future__ import annotations
+
+import asyncio
+import signal
+from collections.abc import Callable
+
+from node_agent.facts import Fact, SpawnFailed, WorkersExited
+from node_agent.launch import WorkerLaunch
+from node_agent.local_workers import LocalWorkers
+from node_agent.options import AgentOptions
+from node_agent.worker import WorkerExit
+from protocol.messages import Assignment
+from tests.unit.agent_fakes import LIMIT, FakeGroup
+
+
+def assignment(round_id: int) -> Assignment:
+    return Assignment(round_id=round_id, group_rank=0, group_world_size=1, rank_offset=0, world_size=2,
+                      local_world_size=2, master_addr="127.0.0.1", master_port=1, restart_count=0, max_restarts=0)
+
+
+def local_workers(log_dir: str) -> tuple[LocalWorkers, list[FakeGroup], asyncio.Queue[Fact | BaseException]]:
+    facts: asyncio.Queue[Fact | BaseException] = asyncio.Queue()
+    groups: list[FakeGroup] = []
+
+    def make(launches: list[WorkerLaunch], *, stop_timeout: float,
+             on_beat: Callable[[int], None] | None) -> FakeGroup:
+        groups.append(FakeGroup(launches, stop_timeout=stop_timeout, on_beat=on_beat))
+        return groups[-1]
+
+    opts = AgentOptions(script="train.py", nproc=2, node_id="n1", log_dir=log_dir)
+    return LocalWorkers(opts, facts.put_nowait, hostname="h", clock=lambda: 0.0, make_group=make), groups, facts
+
+
+async def test_a_round_that_succeeded_is_swept_up_before_the_next_one_starts(tmp_path) -> None:
+    workers, groups, facts = local_workers(str(tmp_path))
+    await workers.spawn(assignment(1))
+    groups[0].end(r0=0, r1=0)
+    assert await asyncio.wait_for(facts.get(), LIMIT) == WorkersExited(1, ())
+    await workers.spawn(assignment(2))
+    assert groups[0].stopped_with == signal.SIGTERM and groups[1].stopped_with is None
+    await workers.close()
+    assert groups[1].stopped_with == signal.SIGTERM
+
+
+async def test_no_room_for_the_workers_files_is_a_spawn_failure(tmp_path) -> None:
+    (tmp_path / "j").write_text("a file where the job's directory would go")
+    workers, groups, facts = local_workers(str(tmp_path))
+    workers.opts = AgentOptions(script="train.py", nproc=2, job_id="j", node_id="n1", log_dir=str(tmp_path))
+    await workers.spawn(assignment(1))
+    fact = facts.get_nowait()
+    assert isinstance(fact, SpawnFailed) and fact.round_id == 1 and groups == []
+    assert fact.failure.reason == "spawn failed" and "train.py" in fact.failure.message
+
+
+class BrokenGroup(FakeGroup):
+    async def wait(self) -> list[WorkerExit]:
+        raise RuntimeError("a bug in the group")
+
+
+async def test_a_source_that_breaks_hands_the_loop_its_exception(tmp_path) -> None:
+    facts: asyncio.Queue[Fact | BaseException] = asyncio.Queue()
+    opts = AgentOptions(script="train.py", nproc=2, node_id="n1", log_dir=str(tmp_path))
+    workers = LocalWorkers(opts, facts.put_nowait, hostname="h", clock=lambda: 0.0, make_group=BrokenGroup)
+    await workers.spawn(assignment(1))
+    item = await asyncio.wait_for(facts.get(), LIMIT)
+    assert isinstance(item, RuntimeError) and str(item) == "a bug in the group"
+    await workers.close()

@@ -1,0 +1,88 @@
+"""The agent's own console lines: what each fact and action is told as."""
+from __future__ import annotations
+
+import io
+import signal
+
+from node_agent.actions import Exit, Leave, Rejoin, ReportFailure, Spawn, StopWorkers
+from node_agent.facts import (ServerNotReached, ServerRefused, SpawnFailed, StatusReceived, WorkersExited,
+                              WorkersHung)
+from node_agent.narration import Narrator, failure_summary
+from protocol.messages import (Assignment, FailureReport, JobState, NodeState, NodeStatus, PollRequest,
+                               WorkerFailure)
+
+FAILURE = WorkerFailure(local_rank=1, rank=5, exitcode=-11, signal="SIGSEGV", message="boom", host="h2",
+                        node_id="n2")
+REPORT = [StopWorkers("x"), ReportFailure(1, (FAILURE,))]
+
+
+def narrator() -> tuple[Narrator, io.StringIO]:
+    out = io.StringIO()
+    return Narrator("n1", out), out
+
+
+def status(state: NodeState, **kw: object) -> StatusReceived:
+    return StatusReceived(PollRequest, NodeStatus(job_id="j", job_state=JobState.RUNNING, node_state=state,
+                                                  round_id=2, restart_count=0, **kw), 0.0)  # type: ignore[arg-type]
+
+
+def test_every_line_carries_the_node_and_multi_line_messages_are_split() -> None:
+    n, out = narrator()
+    n.say("one\ntwo")
+    n.forced_exit(signal.SIGINT)
+    assert out.getvalue().splitlines() == ["[node-agent n1] one", "[node-agent n1] two",
+                                           "[node-agent n1] second SIGINT: forced exit"]
+
+
+def test_failures_are_told_only_when_the_policy_acted_on_them() -> None:
+    n, out = narrator()
+    n.fact(WorkersExited(1, (FAILURE,)), [])          # old news: the policy ignored it
+    n.fact(WorkersExited(1, ()), [])                  # success: nothing to tell
+    n.fact(WorkersExited(1, (FAILURE,)), REPORT)
+    n.fact(WorkersHung(1, (FAILURE,)), REPORT)
+    n.fact(SpawnFailed(1, FAILURE), REPORT)
+    assert out.getvalue().splitlines() == [
+        "[node-agent n1] worker rank 5 (local 1) failed with signal SIGSEGV; stopping local workers",
+        "[node-agent n1] worker rank 5 (local 1) is hung: boom",
+        "[node-agent n1] worker rank 5 (local 1) did not start: boom"]
+
+
+def test_waiting_spare_and_excluded_are_told_once_each() -> None:
+    n, out = narrator()
+    for _ in range(2):
+        n.fact(status(NodeState.SPARE, spare_position=0), [])
+    n.fact(status(NodeState.EXCLUDED, excluded_for_s=59.6, reason="3 failures"), [])
+    n.fact(status(NodeState.WAITING), [])
+    n.fact(status(NodeState.MEMBER), [])
+    assert out.getvalue().splitlines() == [
+        "[node-agent n1] job is at max nodes: waiting as spare #1",
+        "[node-agent n1] node excluded for 60s more: 3 failures",
+        "[node-agent n1] waiting for the next round: collecting nodes"]
+
+
+def test_refused_reports_spawns_rejoins_and_exits_are_told_outages_and_leaves_are_not() -> None:
+    n, out = narrator()
+    n.fact(ServerRefused(FailureReport, "bad_request", "stale round"), [])
+    n.fact(ServerRefused(PollRequest, "unknown_job", "no job"), [])     # told through the Rejoin it causes
+    n.fact(ServerNotReached(PollRequest, "refused"), [])
+    a = Assignment(round_id=3, group_rank=1, group_world_size=2, rank_offset=2, world_size=4, local_world_size=2,
+                   master_addr="10.0.0.1", master_port=29500, restart_count=1, max_restarts=3)
+    for action in (Spawn(a), StopWorkers("x"), Leave("bye"), Rejoin("no job 'j'"), Exit(0, "job j succeeded")):
+        n.action(action)
+    assert out.getvalue().splitlines() == [
+        "[node-agent n1] server rejected the report: stale round",
+        "[node-agent n1] round 3: group rank 1/2, ranks 2..3 of world size 4, master 10.0.0.1:29500, "
+        "restart count 1/3",
+        "[node-agent n1] rejoining: no job 'j'",
+        "[node-agent n1] job j succeeded"]
+
+
+def test_failure_summary_names_the_root_cause() -> None:
+    tb = WorkerFailure(local_rank=1, rank=5, exitcode=1, message="E: x", traceback="Traceback\n  line\n",
+                       host="h2", node_id="n2", reason="exited")
+    text = failure_summary(NodeStatus(job_id="j", job_state=JobState.FAILED, node_state=NodeState.GONE,
+                                      round_id=2, restart_count=3, reason="budget used", root_cause=tb))
+    assert text.splitlines() == [
+        "job j failed: budget used", "root cause (first failure in time across all nodes):",
+        "  host      : h2 (node n2)", "  rank      : 5 (local rank 1)", "  failure   : exited, exit code 1",
+        "  error     : E: x", "  traceback :", "    Traceback", "      line"]

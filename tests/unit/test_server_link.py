@@ -1,0 +1,140 @@
+"""The server link: every request's outcome becomes a fact; retries, replacement and polling rules."""
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import pytest
+
+from node_agent.facts import Fact, ServerNotReached, ServerRefused, StatusReceived
+from node_agent.server_link import ServerLink
+from node_agent.transport import ServerRejected, ServerUnreachable, Transport
+from protocol.messages import (FailureReport, JobConfig, JobState, JoinRequest, NodeState, NodeStatus, PollRequest,
+                               SuccessReport, WorkerFailure)
+
+LIMIT = 10.0
+STATUS = NodeStatus(job_id="j", job_state=JobState.RUNNING, node_state=NodeState.WAITING, round_id=-1,
+                    restart_count=0)
+
+
+class Scripted(Transport):
+    """Answers each action from a script: an exception to raise, "hold" to never answer, else STATUS."""
+
+    def __init__(self) -> None:
+        super().__init__("n1")
+        self.script: dict[str, list[object]] = {}
+        self.sent: list[tuple[str, object]] = []
+        self._sending = asyncio.Event()   # set (and replaced) at every request
+
+    async def until_sent(self, count: int) -> list[str]:
+        """The actions sent, once there are `count` of them."""
+        while len(self.sent) < count:
+            await asyncio.wait_for(self._sending.wait(), LIMIT)
+        return [action for action, _ in self.sent]
+
+    async def _send(self, action: str, message: object, timeout: float) -> NodeStatus:
+        self.sent.append((action, message))
+        sending, self._sending = self._sending, asyncio.Event()
+        sending.set()
+        outcome = self.script.get(action, [])
+        step = outcome.pop(0) if outcome else None
+        if isinstance(step, Exception):
+            raise step
+        if step == "hold":
+            await asyncio.Event().wait()
+        return STATUS
+
+
+class Clock:
+    t = 0.0
+
+    def __call__(self) -> float:
+        self.t += 1.0
+        return self.t
+
+
+@pytest.fixture
+async def link() -> AsyncIterator[tuple[ServerLink, Scripted, asyncio.Queue[Fact]]]:
+    client = Scripted()
+    facts: asyncio.Queue[Fact] = asyncio.Queue()
+    made = ServerLink(client, facts.put_nowait, Clock(),
+                      join=lambda: client.join(addr="a", host="h", local_world_size=1, master_port=1,
+                                               config=JobConfig(), instance="i", role="default"),
+                      poll=lambda wait_s: client.poll(-1, wait_s))
+    yield made, client, facts
+    await made.close()
+
+
+async def next_fact(facts: asyncio.Queue[Fact]) -> Fact:
+    return await asyncio.wait_for(facts.get(), LIMIT)
+
+
+async def test_a_request_is_retried_while_unreachable_and_each_try_is_a_fact(link) -> None:
+    sl, client, facts = link
+    client.script["join"] = [ServerUnreachable("refused"), ServerUnreachable("timeout"), None]
+    sl.rejoin()
+    assert await next_fact(facts) == ServerNotReached(JoinRequest, "refused")
+    assert await next_fact(facts) == ServerNotReached(JoinRequest, "timeout")
+    answered = await next_fact(facts)
+    assert isinstance(answered, StatusReceived) and answered.request is JoinRequest
+    assert answered.status == STATUS and answered.sent_at == 3.0    # the third try's send time
+    assert sl.joined
+
+
+async def test_a_refusal_is_a_fact_and_ends_the_request(link) -> None:
+    sl, client, facts = link
+    client.script["failure"] = [ServerRejected("bad_request", "stale round")]
+    sl.report_failure(3, (WorkerFailure(local_rank=0, rank=0, exitcode=1),))
+    assert await next_fact(facts) == ServerRefused(FailureReport, "bad_request", "stale round")
+    assert [a for a, _ in client.sent] == ["failure"]
+
+
+async def test_polls_wait_for_the_join_and_a_rejoin_stops_them(link) -> None:
+    sl, client, facts = link
+    client.script["join"] = ["hold"]
+    sl.rejoin()
+    assert await client.until_sent(1) == ["join"]
+    sl.keep_polling()                  # not joined yet: no poll
+    assert PollRequest not in sl._tasks
+    sl.rejoin()                        # the held join is replaced by a new one, which is answered
+    assert (await next_fact(facts)).request is JoinRequest  # type: ignore[union-attr]
+    client.script["poll"] = ["hold"]
+    sl.keep_polling()
+    poll = sl._tasks[PollRequest]
+    sl.keep_polling()                  # one long-poll at a time
+    assert sl._tasks[PollRequest] is poll
+    assert await client.until_sent(3) == ["join", "join", "poll"]
+    sl.rejoin()
+    assert not sl.joined and (await next_fact(facts)).request is JoinRequest  # type: ignore[union-attr]
+    assert facts.empty()               # the cancelled poll said nothing
+
+
+async def test_a_newer_report_replaces_one_still_trying(link) -> None:
+    sl, client, facts = link
+    client.script["success"] = ["hold", None]
+    sl.report_success(1)
+    await client.until_sent(1)
+    sl.report_success(2)
+    answered = await next_fact(facts)
+    assert isinstance(answered, StatusReceived) and answered.request is SuccessReport
+    assert [m.round_id for a, m in client.sent] == [1, 2] and facts.empty()  # type: ignore[attr-defined]
+
+
+async def test_leave_is_a_courtesy_and_the_lease_is_kept_while_busy(link) -> None:
+    sl, client, _ = link
+    client.script["leave"] = [ServerUnreachable("refused")]
+    await sl.leave("bye")              # no exception, no fact: the lease lapses anyway
+    polled = asyncio.Event()
+    client.script["poll"] = [ServerUnreachable("refused")]
+    original = client._send
+
+    async def noting(action: str, message: object, timeout: float) -> NodeStatus:
+        if action == "poll":
+            polled.set()
+        return await original(action, message, timeout)
+
+    client._send = noting  # type: ignore[method-assign]
+    async with sl.lease_kept(0.01):
+        await asyncio.wait_for(polled.wait(), LIMIT)   # a renewal went out while we were "busy"
+    assert [a for a, m in client.sent if a == "poll" and m.wait_s == 0.0]  # type: ignore[attr-defined]
+    assert PollRequest not in sl._tasks
