@@ -48,6 +48,8 @@ _FINISHED_KIND = {JobState.SUCCEEDED: EventKind.JOB_SUCCEEDED, JobState.FAILED: 
 class JobRules:
     """One job's rules over its record; cheap to make for each call."""
 
+    __slots__ = ("job", "out")     # a misspelt `self.x = ...` is a type error, not a new attribute
+
     def __init__(self, job: JobRecord, out: Outbox) -> None:
         self.job = job
         self.out = out
