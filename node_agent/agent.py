@@ -40,7 +40,8 @@ class Agent:
         self.hostname = socket.gethostname()
         self.instance = uuid.uuid4().hex[:12]   # tells a restarted agent from a duplicate node id
         self.facts: asyncio.Queue[Fact | BaseException] = asyncio.Queue()   # or what broke a source
-        self.policy = SupervisionPolicy(server_wait_s=max(opts.server_wait, opts.job.lease_timeout_s))
+        self.policy = SupervisionPolicy(server_wait_s=max(opts.server_wait, opts.job.lease_timeout_s),
+                                        lease_timeout_s=opts.job.lease_timeout_s)
         self.narrator = Narrator(opts.node_id, console)
         self.workers = LocalWorkers(opts, self.facts.put_nowait, hostname=self.hostname, clock=self.now,
                                     make_group=make_group)

@@ -17,7 +17,8 @@ async def _run(opts: AgentOptions) -> int:
     from node_agent.client import RdzvClient
     assert opts.endpoint_host is not None and opts.endpoint_port is not None
     addr = opts.local_addr or local_addr_towards(opts.endpoint_host, opts.endpoint_port)
-    client = RdzvClient(opts.endpoint_host, opts.endpoint_port, opts.job_id, opts.node_id)
+    client = RdzvClient(opts.endpoint_host, opts.endpoint_port, opts.job_id, opts.node_id,
+                        scheme=opts.endpoint_scheme, token=opts.token, tls_ca=opts.tls_ca)
     return await Agent(opts, client, addr).run()
 
 

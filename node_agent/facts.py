@@ -35,6 +35,10 @@ class ServerNotReached:
     error: str
 
 
+# A refusal code of the agent's own (not the server's): the server's TLS certificate is not trusted.
+TLS_UNTRUSTED = "tls_untrusted"
+
+
 @dataclass(frozen=True)
 class ServerRefused:
     """The server answered `request` with a typed error that a retry would not change."""

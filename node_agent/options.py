@@ -20,6 +20,7 @@ from typing import Any, NoReturn
 import msgspec
 
 from protocol.ids import job_id_problem, node_id_problem
+from protocol.tokens import MAX_TOKEN_CHARS, token_problem
 from protocol.messages import JobConfig
 from node_agent.option_values import (  # noqa: F401  (Std, StdSpec, count_gpus: re-exported)
     DEFAULT_PORT, Fail, Std, StdSpec, _default_node_id, _int, _rank_set, _seconds, _split_j, count_gpus,
@@ -37,6 +38,9 @@ class AgentOptions:
     script_args: tuple[str, ...] = ()
     endpoint_host: str | None = None
     endpoint_port: int | None = None
+    endpoint_scheme: str = "http"      # https with --tls-ca or an https:// endpoint
+    token: str | None = None           # the server's bearer token (--token-file, RDZV_TOKEN_FILE, RDZV_TOKEN)
+    tls_ca: str | None = None          # CA bundle that must have signed the server's certificate
     nproc: int = 1
     nproc_spec: str = "1"              # as typed ("gpu", "4", ...), for logs
     job_id: str = "default"
@@ -98,8 +102,12 @@ class _Spelled(argparse.Action):
 # (shown as {default} in the help) and its bounds are JobConfig's; other defaults are AgentOptions'.
 # A metavar of None marks an on/off flag.
 _FLAGS: list[tuple[tuple[str, ...], str, str | None, str]] = [
-    (("--endpoint", "--rdzv-endpoint", "--rdzv_endpoint"), "endpoint", "HOST:PORT",
-     f"rendezvous server address (port defaults to {DEFAULT_PORT}; IPv6 as [::1]:PORT)"),
+    (("--endpoint", "--rdzv-endpoint", "--rdzv_endpoint"), "endpoint", "[https://]HOST:PORT",
+     f"rendezvous server address (port defaults to {DEFAULT_PORT}; IPv6 as [::1]:PORT; https:// for TLS)"),
+    (("--token-file", "--token_file"), "token_file", "F",
+     "file holding the server's token (or set RDZV_TOKEN_FILE, or RDZV_TOKEN to the token itself)"),
+    (("--tls-ca", "--tls_ca"), "tls_ca", "F",
+     "CA certificates (PEM) that signed the server's TLS certificate; implies https"),
     (("--nproc", "--nproc-per-node", "--nproc_per_node"), "nproc", "N|gpu|cpu|auto",
      "workers on this node: a number, one per GPU, one per CPU, or auto (GPUs if any, else CPUs); "
      "default 1"),
@@ -256,7 +264,17 @@ def parse_options(argv: Sequence[str], environ: Mapping[str, str] = os.environ) 
     elif ns.endpoint is None:
         raise OptionsError("--endpoint HOST:PORT is required (or --standalone)")
     else:
-        host, port = parse_endpoint(ns.endpoint, failing("endpoint"))
+        text = ns.endpoint.strip()
+        scheme, sep, rest = text.partition("://")
+        if sep and scheme.lower() not in ("http", "https"):
+            fail("endpoint", f"expected http:// or https://, got {scheme + sep!r}")
+        scheme = scheme.lower() if sep else ("https" if ns.tls_ca else "http")
+        if scheme == "http" and ns.tls_ca:
+            fail("tls_ca", f"needs an https endpoint, got {text!r}")
+        host, port = parse_endpoint(rest if sep else text, failing("endpoint"))
+    token = _token(ns.token_file, name("token_file"), environ)
+    if ns.tls_ca is not None and not os.path.isfile(ns.tls_ca):
+        fail("tls_ca", f"no such file: {ns.tls_ca}")
 
     node_id = ns.node_id if ns.node_id is not None else _default_node_id()
     job_id = ns.job_id if ns.job_id is not None else _AGENT_DEFAULTS["job_id"]
@@ -280,6 +298,7 @@ def parse_options(argv: Sequence[str], environ: Mapping[str, str] = os.environ) 
     job = _job_config(given, min_nodes, max_nodes, nodes_flag="j" if ns.j else "nnodes", fail=fail)
     return AgentOptions(
         script=ns.script, script_args=tuple(ns.script_args), endpoint_host=host, endpoint_port=port,
+        endpoint_scheme=scheme if host is not None else "http", token=token, tls_ca=ns.tls_ca,
         nproc=nproc, nproc_spec=nproc_text, job_id=job_id, job=job, node_id=node_id, local_addr=ns.local_addr,
         role=ns.role if ns.role is not None else _AGENT_DEFAULTS["role"], module=ns.module, no_python=ns.no_python,
         log_dir=ns.log_dir, standalone=ns.standalone,
@@ -289,6 +308,28 @@ def parse_options(argv: Sequence[str], environ: Mapping[str, str] = os.environ) 
         stop_timeout=number("stop_timeout"), server_wait=number("server_wait"),
         hang_timeout=number("hang_timeout"), warnings=tuple(warnings),
     )
+
+
+def _token(path: str | None, flag: str, environ: Mapping[str, str]) -> str | None:
+    """The server's token from --token-file, else $RDZV_TOKEN_FILE, else $RDZV_TOKEN (None: no token)."""
+    where = flag
+    if path is None and environ.get("RDZV_TOKEN_FILE"):
+        path, where = environ["RDZV_TOKEN_FILE"], "$RDZV_TOKEN_FILE"
+    if path is not None:
+        try:
+            with open(path, "rb") as f:
+                raw = f.read(MAX_TOKEN_CHARS + 64).strip()
+        except OSError as exc:
+            raise OptionsError(f"{where} {path}: {exc.strerror or exc}") from None
+        where = f"{where} {path}"
+    elif environ.get("RDZV_TOKEN"):
+        raw, where = environ["RDZV_TOKEN"].strip().encode(), "$RDZV_TOKEN"
+    else:
+        return None
+    problem = token_problem(raw)
+    if problem:
+        raise OptionsError(f"{where}: {problem}")
+    return raw.decode()
 
 
 def _job_config(given: dict[str, str], min_nodes: int, max_nodes: int, *, nodes_flag: str,

@@ -15,9 +15,13 @@ Rules:
   (another node failing still means a job-wide restart);
 - the server being unreachable leaves workers running; `server_wait_s` after the first failed try
   (timed rule: it fires even when no other fact comes) we stop them and give up;
-- a refused join ends the agent (exit 0 when an operator drained the node: nothing failed here);
-  a refused poll means start afresh when the server forgot the job or node, and the end otherwise;
-  a refused report is dropped (the next poll says where things stand);
+- a refused join ends the agent (exit 0 when an operator drained the node: nothing failed here),
+  except a node id still held by a live agent (`node_conflict`): that may be this node's previous
+  agent, not yet noticed dead, so the join is retried each second for a lease and a bit;
+- a refused poll means start afresh when the server forgot the job or node, and the end otherwise;
+  a refused report is dropped (the next poll says where things stand); a request refused because
+  another agent took this node over (`forbidden`) or because this agent has no valid token
+  (`unauthorized`) ends the agent, whatever it was;
 - a signal stops the workers, leaves the job, and exits with 128 + signal.
 
 Timed rules are listed in `_timed_rules()`: a rule is a time and what to do once it has come.
@@ -33,8 +37,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from node_agent.actions import Action, Exit, Leave, Rejoin, ReportFailure, ReportSuccess, Spawn, StopWorkers
-from node_agent.facts import (DeadlinePassed, Fact, ServerNotReached, ServerRefused, SignalReceived, SpawnFailed,
-                              StatusReceived, WorkersExited, WorkersHung)
+from node_agent.facts import (TLS_UNTRUSTED, DeadlinePassed, Fact, ServerNotReached, ServerRefused, SignalReceived,
+                              SpawnFailed, StatusReceived, WorkersExited, WorkersHung)
 from node_agent.narration import failure_summary
 from protocol.errors import ErrorCode
 from protocol.messages import JobState, JoinRequest, NodeState, NodeStatus, PollRequest, WorkerFailure
@@ -49,14 +53,20 @@ class Workers(enum.Enum):
     FAILED = "failed"        # a local worker failed; group stopped; reported
 
 
+CONFLICT_RETRY_S = 1.0
+
+
 @dataclass(slots=True)   # slots: a misspelt attribute is an error (mypy and at run time), not a new one
 class SupervisionPolicy:
     server_wait_s: float
+    lease_timeout_s: float = 5.0
     running_round: int = -1          # the round whose workers we run (or ran, until told otherwise)
     workers: Workers = Workers.NONE
     unreachable_since: float | None = None
     unreachable_error: str = ""      # the last try's error, for the message when we give up
     exiting: bool = False
+    conflict_since: float | None = None   # when a join was first refused for a live agent holding the id
+    retry_join_at: float | None = None
 
     @property
     def known_round(self) -> int:
@@ -70,10 +80,11 @@ class SupervisionPolicy:
         match fact:
             case StatusReceived(status=status):
                 self.unreachable_since = None
+                self.conflict_since = None
                 return self._status(status)
             case ServerRefused():
                 self.unreachable_since = None
-                return self._refused(fact)
+                return self._refused(fact, now)
             case ServerNotReached(error=error):
                 if self.unreachable_since is None:
                     self.unreachable_since = now
@@ -101,7 +112,13 @@ class SupervisionPolicy:
         rules: list[TimedRule] = []
         if not self.exiting and self.unreachable_since is not None:
             rules.append((self.unreachable_since + self.server_wait_s, self._give_up))
+        if not self.exiting and self.retry_join_at is not None:
+            rules.append((self.retry_join_at, self._retry_join))
         return rules
+
+    def _retry_join(self, now: float) -> list[Action]:
+        self.retry_join_at = None
+        return [Rejoin("this node id is still held by a live agent; trying again")]
 
     def _due(self, now: float) -> list[Action]:
         for when, rule in self._timed_rules():
@@ -138,7 +155,23 @@ class SupervisionPolicy:
             self.running_round = -1
         return actions
 
-    def _refused(self, fact: ServerRefused) -> list[Action]:
+    def _refused(self, fact: ServerRefused, now: float) -> list[Action]:
+        if fact.code == ErrorCode.NODE_CONFLICT.value and fact.request is JoinRequest:
+            # Maybe our own predecessor, dead but not yet noticed: wait out its lease, then give up.
+            if self.conflict_since is None:
+                self.conflict_since = now
+            if now - self.conflict_since < self.lease_timeout_s + 2 * CONFLICT_RETRY_S:
+                self.retry_join_at = now + CONFLICT_RETRY_S
+                return []
+        if fact.code == ErrorCode.FORBIDDEN.value and fact.request is not JoinRequest:
+            self.exiting = True
+            return self._stop("another agent took this node over") + [
+                Exit(1, f"this node was taken over by another agent that joined with the same node id; "
+                        f"this agent stops ({fact.message})")]
+        if fact.code in (ErrorCode.UNAUTHORIZED.value, TLS_UNTRUSTED):
+            self.exiting = True
+            return self._stop("the server refused this agent") + [
+                Exit(1, f"the rendezvous server refused this agent: {fact.message}")]
         if fact.request is JoinRequest:
             self.exiting = True
             if fact.code == ErrorCode.NODE_DRAINED.value:   # an operator took this node out: done here

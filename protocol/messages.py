@@ -31,6 +31,7 @@ MAX_SHORT_TEXT = 256                 # addresses, host names, roles, instances, 
 MAX_REASON = 1024                    # a leave's reason
 MAX_MESSAGE = 4096                   # a worker's error message
 MAX_TRACEBACK = 16384
+MAX_CREDENTIAL = 64
 
 Count = Annotated[int, Meta(ge=0, le=MAX_ROUND)]
 RoundRef = Annotated[int, Meta(ge=-1, le=MAX_ROUND)]
@@ -102,6 +103,8 @@ class JobConfig(msgspec.Struct, kw_only=True, frozen=True):
 class _Request(msgspec.Struct, kw_only=True):
     v: int
     node_id: str
+    # The node's secret from the reply to its join; every later request for the node carries it.
+    credential: Annotated[str, Meta(max_length=MAX_CREDENTIAL)] = ""
 
     def __post_init__(self) -> None:
         _check(bool(NODE_ID.fullmatch(self.node_id)), "node_id", f"must be {NODE_ID_RULE}, got {self.node_id!r}")
@@ -189,6 +192,7 @@ class NodeStatus(msgspec.Struct, kw_only=True):
     excluded_for_s: float = 0.0        # cooldown left when excluded
     root_cause: WorkerFailure | None = None  # once FAILED: first failure in time of the round that failed last
     lease_timeout_s: float = 5.0
+    credential: str = ""               # only in the reply to a join that created this node's record
 
 
 class ErrorReply(msgspec.Struct, kw_only=True):

@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import time
 from collections.abc import Callable
 from typing import Any
 
 from protocol.errors import ErrorCode
-from protocol.messages import NodeState, NodeStatus, PollRequest
+from protocol.messages import JoinRequest, NodeState, NodeStatus, PollRequest
 from rdzv_server.looplag import LoopLagProbe
 from rdzv_server.persistence import Persister, StoreUnavailable
 from rdzv_server.outbox import Outbox
@@ -148,10 +149,14 @@ class Coordinator:
             return await self.long_poll(job_id, req)
         core = self.core
         calls: dict[str, Callable[[str, Any, float], NodeStatus]] = {
-            "join": core.join, "failure": core.report_failure, "success": core.report_success, "leave": core.leave}
+            "join": self._join, "failure": core.report_failure, "success": core.report_success, "leave": core.leave}
         status = self.call(job_id, calls[action], req)
         await self._durable(job_id)
         return status
+
+    def _join(self, job_id: str, req: JoinRequest, now: float) -> NodeStatus:
+        # A fresh secret per join: the core keeps it only if the join makes a new node record.
+        return self.core.join(job_id, req, now, secrets.token_urlsafe(24))
 
     async def operate(self, action: str, job_id: str, *args: Any) -> JobRecord:
         """An operator action (see operator_rules.py): close, drain, clear_exclusion or resize."""

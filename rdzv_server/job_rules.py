@@ -29,8 +29,9 @@ from typing import Any
 import msgspec
 
 from protocol.errors import ErrorCode
-from protocol.messages import (FailureReport, JobState, JoinRequest, NodeState, NodeStatus, PollRequest,
-                               SuccessReport, WorkerFailure)
+from protocol.messages import (FailureReport, JobState, JoinRequest, LeaveRequest, NodeState, NodeStatus,
+                               PollRequest, SuccessReport, WorkerFailure)
+from rdzv_server import credentials
 from rdzv_server.errors import RendezvousError
 from rdzv_server.events import REMOVAL_CAUSE, EventKind, RoundCause
 from rdzv_server.outbox import Outbox
@@ -67,24 +68,32 @@ class JobRules:
             raise RendezvousError(ErrorCode.NODE_DRAINED, f"node {req.node_id} was drained from job "
                                   f"{job.job_id!r} by the operator ({job.drained[req.node_id]})")
 
-    def join(self, req: JoinRequest, now: float) -> None:
+    def join(self, req: JoinRequest, now: float, credential: str = "") -> str:
+        """Admit the node (again); returns the credential of a newly made record ("" otherwise)."""
         self.check_join(req)
         job = self.job
         existing = job.nodes.get(req.node_id)
-        if existing is not None and existing.instance == req.instance:
+        if existing is not None and credentials.owns(existing, req.credential, req.instance):
             port = req.master_port or existing.master_port
             if (existing.addr, existing.master_port) != (req.addr, port):
                 existing.addr, existing.master_port = req.addr, port
                 self.changed()
             self.renew(existing, now)
-            return
+            return ""
+        if existing is not None and existing.credential_digest and not existing.dropped \
+                and existing.lease_expires > now:
+            raise RendezvousError(ErrorCode.NODE_CONFLICT, f"node id {req.node_id!r} is held by a live agent of "
+                                  f"job {job.job_id!r} (heard from {now - existing.last_seen:.1f}s ago, at "
+                                  f"{existing.addr}); give this agent another node id, or wait until that "
+                                  f"agent is gone ({max(0.0, existing.lease_expires - now):.1f}s without contact)")
         if existing is not None:
             self.remove(existing, now, EventKind.NODE_LOST, f"node {req.node_id} restarted (new agent instance)",
                         failed_at=existing.last_seen)
         node = NodeRecord(node_id=req.node_id, instance=req.instance, addr=req.addr, host=req.host or req.addr,
                           role=req.role, local_world_size=req.local_world_size, master_port=req.master_port,
                           state=NodeState.WAITING, joined_at=now, last_seen=now,
-                          lease_expires=now + job.config.lease_timeout_s)
+                          lease_expires=now + job.config.lease_timeout_s,
+                          credential_digest=credentials.digest(credential))
         self.out.deadline(node.lease_expires)
         if existing is not None:
             # Same node, new agent: its failure history and any exclusion stay with the node id, so
@@ -102,10 +111,12 @@ class JobRules:
                         f"{node.excluded_until - now:g}s (its agent restarted)", node.node_id)
         else:
             self.admit(node, now)
+        return credential
 
     def poll(self, req: PollRequest, now: float) -> None:
         node = self.job.nodes.get(req.node_id)
         if node is not None:
+            credentials.check(node, req.credential)
             if req.master_port:      # a hint for the next round; saved with that round, not on its own
                 node.master_port = req.master_port
             self.renew(node, now)
@@ -114,6 +125,7 @@ class JobRules:
         """Count a failure of the running round; returns why it was not acted on ("" when it was)."""
         job = self.job
         node = self.node(req.node_id)
+        credentials.check(node, req.credential)
         self.renew(node, now)
         failures = sorted((_stamp(f, node, now) for f in req.failures), key=lambda f: f.timestamp)
         stale = self.stale(node, req.round_id)
@@ -160,6 +172,7 @@ class JobRules:
         """Count a node's success; returns why it was not acted on ("" when it was)."""
         job = self.job
         node = self.node(req.node_id)
+        credentials.check(node, req.credential)
         self.renew(node, now)
         stale = self.stale(node, req.round_id)
         if stale:
@@ -174,8 +187,11 @@ class JobRules:
                         f"all {len(job.round.members)} nodes of round {job.round.round_id} succeeded")
         return ""
 
-    def leave(self, node_id: str, reason: str, now: float) -> None:
+    def leave(self, req: LeaveRequest, now: float) -> None:
+        node_id, reason = req.node_id, req.reason
         node = self.job.nodes.get(node_id)
+        if node is not None:
+            credentials.check(node, req.credential)
         if node is not None and not self.job.state.finished:
             self.remove(node, now, EventKind.NODE_LEFT, f"node {node.node_id} left: {reason}")
 

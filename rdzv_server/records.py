@@ -31,6 +31,7 @@ class NodeRecord(msgspec.Struct, kw_only=True):
     failure_times: list[float] = msgspec.field(default_factory=list)
     exclusions: int = 0                # how often it was excluded (cooldown doubles each time)
     excluded_until: float = 0.0
+    credential_digest: str = ""        # sha256 of the secret its join was given ("": none was issued)
 
 
 class RoundRecord(msgspec.Struct, kw_only=True):

@@ -59,7 +59,8 @@ class Rendezvous:
 
     # ---- requests -------------------------------------------------------------------------
 
-    def join(self, job_id: str, req: JoinRequest, now: float) -> NodeStatus:
+    def join(self, job_id: str, req: JoinRequest, now: float, credential: str = "") -> NodeStatus:
+        """Admit a node; `credential` is the secret a newly made node record gets (the shell makes it)."""
         job = self.jobs.get(job_id)
         if job is not None and job.state.finished:
             if job.finished_at is None or now - job.finished_at < REUSE_FINISHED_AFTER_S:
@@ -77,8 +78,10 @@ class Rendezvous:
             if req.node_id not in job.nodes:
                 self._check_room(job, now)
         with self._counting(rules.job):
-            rules.join(req, now)
-        return rules.view(req.node_id, now)
+            issued = rules.join(req, now, credential)
+        status = rules.view(req.node_id, now)
+        status.credential = issued
+        return status
 
     @contextmanager
     def _counting(self, job: JobRecord) -> Iterator[None]:
@@ -123,7 +126,7 @@ class Rendezvous:
     def leave(self, job_id: str, req: LeaveRequest, now: float) -> NodeStatus:
         rules = self.rules(job_id)
         with self._counting(rules.job):
-            rules.leave(req.node_id, req.reason, now)
+            rules.leave(req, now)
         return rules.view(req.node_id, now)
 
     def connection_dropped(self, job_id: str, node_id: str, now: float) -> None:

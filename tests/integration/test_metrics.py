@@ -16,7 +16,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from prometheus_client.parser import text_string_to_metric_families
 
 from protocol.messages import JobState, NodeState
-from tests.integration.support import start_app, url, wait_until
+from tests.integration.support import remember_credential, start_app, url, wait_until, with_credential
 from rdzv_server.app import COORDINATOR, create_app
 from rdzv_server.coordinator import Coordinator
 from rdzv_server.metrics import CAUSES
@@ -60,11 +60,12 @@ class Node:
         self.instance, self.config = instance, config
 
     async def post(self, action: str, body: dict) -> dict:
-        body = {"v": 1, "node_id": self.node_id, **body}
+        body = with_credential(self.server, self.job, {"v": 1, "node_id": self.node_id, **body})
         async with self.http.post(url(self.server, f"/v1/jobs/{self.job}/{action}"), data=msgpack.packb(body),
                                   headers=MSGPACK) as resp:
             reply = msgpack.unpackb(await resp.read())
             assert resp.status == 200, reply
+            remember_credential(self.server, self.job, self.node_id, reply)
             return reply
 
     async def join(self) -> dict:

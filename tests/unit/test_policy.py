@@ -213,3 +213,40 @@ def test_a_refused_join_ends_the_agent_and_a_drained_node_exits_zero() -> None:
 def test_not_a_fact_is_a_type_error() -> None:
     with pytest.raises(TypeError):
         SupervisionPolicy(server_wait_s=1).handle("poll", 0.0)  # type: ignore[arg-type]
+
+
+# ---- credentials and tokens ----------------------------------------------------------------------
+
+def test_a_node_taken_over_by_another_agent_stops_its_workers_and_exits_saying_so() -> None:
+    p = running(1)
+    actions = p.handle(ServerRefused(PollRequest, "forbidden", "the credential is not node a's"), 5.0)
+    assert isinstance(actions[0], StopWorkers) and isinstance(actions[-1], Exit)
+    assert actions[-1].code == 1 and "taken over" in actions[-1].message
+    assert p.next_deadline() is None
+
+
+def test_a_refused_token_ends_the_agent_with_the_servers_words() -> None:
+    p = SupervisionPolicy(server_wait_s=60)
+    actions = p.handle(ServerRefused(JoinRequest, "unauthorized", "missing or wrong token: --token-file"), 0.0)
+    assert actions == [Exit(1, "the rendezvous server refused this agent: missing or wrong token: --token-file")]
+
+
+def test_a_node_id_held_by_a_live_agent_is_retried_for_a_lease_then_given_up() -> None:
+    p = SupervisionPolicy(server_wait_s=60, lease_timeout_s=5.0)
+    conflict = ServerRefused(JoinRequest, "node_conflict", "node id 'a' is held by a live agent")
+    assert p.handle(conflict, 0.0) == []
+    assert p.next_deadline() == 1.0                          # the retry fires by the timer
+    assert p.handle(DeadlinePassed(), 1.0) == [Rejoin("this node id is still held by a live agent; trying again")]
+    for t in range(1, 7):
+        assert p.handle(conflict, float(t)) == []            # within lease + 2 s: keep trying
+        p.handle(DeadlinePassed(), t + 1.0)
+    final = p.handle(conflict, 7.5)
+    assert isinstance(final[-1], Exit) and final[-1].code == 1 and "held by a live agent" in final[-1].message
+
+
+def test_a_conflict_that_clears_starts_the_count_again() -> None:
+    p = SupervisionPolicy(server_wait_s=60, lease_timeout_s=5.0)
+    conflict = ServerRefused(JoinRequest, "node_conflict", "held")
+    p.handle(conflict, 0.0)
+    p.handle(member(1), 2.0)                                  # the old agent was dead after all: we are in
+    assert p.conflict_since is None and p.workers == Workers.RUNNING
