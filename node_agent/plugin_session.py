@@ -159,6 +159,8 @@ class ServerSession:
             self._stopped = True
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(5.0)
+            if not self._thread.is_alive():
+                self._loop.close()
 
     def _call(self, coro: Coroutine[Any, Any, T]) -> T:
         if self._stopped:

@@ -267,19 +267,25 @@ class RdzvServerHandler(RendezvousHandler):
                 if time.monotonic() >= deadline:
                     raise RendezvousConnectionError(
                         f"round {a.round_id}: cannot reach group rank 0's store at {a.master_addr}:{a.master_port} "
-                        f"for {self.settings.store_timeout_s:g}s (--rdzv-conf read_timeout): {exc}") from None
+                        f"for {self.settings.store_timeout_s:g}s (--rdzv-conf read_timeout): {_first_line(exc)}") from None
 
     def _wait_for_key(self, store: dist.Store, key: str, a: Assignment) -> bool:
+        """Until group rank 0's agent publishes `key`; False when the round moves on first (rank 0 may
+        never come: it died, or finished its workers and cannot run another round)."""
         deadline = time.monotonic() + self.settings.store_timeout_s
+        problem = "it did not publish the workers' port"
         for pause in _pauses():
-            if store.check([key]):
-                return True
+            try:
+                if store.check([key]):
+                    return True
+            except dist.DistError as exc:    # its store went away: the server will say why
+                problem = f"its store failed: {_first_line(exc)}"
             if self._moved_on(a.round_id):
                 return False
             if time.monotonic() >= deadline:
                 raise RendezvousConnectionError(
-                    f"round {a.round_id}: group rank 0's agent did not publish the workers' port within "
-                    f"{self.settings.store_timeout_s:g}s (--rdzv-conf read_timeout)")
+                    f"round {a.round_id}: group rank 0's agent at {a.master_addr}:{a.master_port}: {problem} "
+                    f"within {self.settings.store_timeout_s:g}s (--rdzv-conf read_timeout)")
             time.sleep(pause)
         return False
 
@@ -378,6 +384,10 @@ class RoundStore(dist.Store):
             if time.monotonic() >= deadline:
                 raise dist.DistStoreError(f"exit barrier: the other agents did not come within {deadline_s:g}s")
             time.sleep(pause)
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
 
 
 def _pauses() -> Iterator[float]:

@@ -28,7 +28,9 @@ LIMIT = 90.0
 
 
 def torchrun(cluster, out, node: str, *, job: str, nnodes: str, nproc: int = 1, max_restarts: int = 3,
-             conf: str = FAST, env: dict[str, str] | None = None) -> Proc:
+             conf: str = FAST, env: dict[str, str] | None = None, node_id: bool = True) -> Proc:
+    """A torchrun agent; its node id at the server is `node` (with node_id), else torch's HOST-PID default."""
+    conf = f"{conf},node_id={node}" if node_id else conf
     argv = [*TORCHRUN, "--rdzv-backend", "rdzv-server", "--rdzv-endpoint", cluster.endpoint(), "--rdzv-id", job,
             "--nnodes", nnodes, "--nproc-per-node", str(nproc), "--max-restarts", str(max_restarts),
             "--monitor-interval", "0.1", "--rdzv-conf", conf, STEPS]
@@ -81,8 +83,8 @@ def test_two_agents_recover_from_a_worker_crash_with_the_job_wide_count(cluster,
     out = tmp_path / "out"
     out.mkdir()
     crash = {"FAIL_RANK": "3", "FAIL_STEP": "2", "FAIL_ONCE": str(tmp_path / "crashed"), "STEPS": "8"}
-    agents = [torchrun(cluster, out, node, job="crash", nnodes="2", nproc=2, max_restarts=2, env=crash)
-              for node in ("a", "b")]
+    agents = [torchrun(cluster, out, node, job="crash", nnodes="2", nproc=2, max_restarts=2, env=crash,
+                       node_id=False) for node in ("a", "b")]
 
     codes = [proc_exit(p) for p in agents]
     assert codes == [0, 0], "\n\n".join(p.output for p in agents)
@@ -136,10 +138,9 @@ def test_survivor_goes_on_when_a_torchrun_agent_is_sigkilled(cluster, tmp_path):
 
     _, recs = wait_world(out, world=1, nodes={"a"}, exclude={both}, what="(after b's agent was killed)")
     assert_clean_world(recs, 1)
-    job = job_view(cluster, "loss")
-    assert [n["node_id"] for n in job["nodes"]] == [next(iter({n["node_id"] for n in job["nodes"]}))]
-    lost = [e for e in job_events(cluster, "loss") if e["kind"] == "node_lost"]
-    assert len(lost) == 1, lost
+    assert [n["node_id"] for n in job_view(cluster, "loss")["nodes"]] == ["a"]
+    lost = [e["node_id"] for e in job_events(cluster, "loss") if e["kind"] == "node_lost"]
+    assert lost == ["b"]
     stop_job(out)
     assert proc_exit(a) == 0, a.output
     job = job_view(cluster, "loss")
@@ -158,6 +159,30 @@ def test_exhausted_budget_fails_the_job_and_stops_every_agent(cluster, tmp_path)
     assert (job["state"], job["restart_count"]) == ("failed", 2), job
     assert "exceeded max_restarts=1" in job["reason"], job
     assert "fails on purpose" in job["root_cause"]["message"], job["root_cause"]
+
+
+def test_a_node_that_finished_leaves_when_another_fails_after_it(cluster, tmp_path):
+    """torch's agent never restarts workers that succeeded: a finished node cannot join the round a
+    later failure starts. It leaves at once (not after torch's 5-minute exit barrier), exits non-zero,
+    and the others go on without it."""
+    cluster.start_server("--state-dir", "none")
+    out = tmp_path / "out"
+    out.mkdir()
+    env = {"FAIL_RANK": "1", "FAIL_STEP": "end", "FAIL_ONCE": str(tmp_path / "failed"), "STEPS": "4",
+           "JOB_URL": f"http://{cluster.endpoint()}/v1/jobs/late"}   # fail once the other node reported success
+    a = torchrun(cluster, out, "a", job="late", nnodes="1:2", env=env)
+    b = torchrun(cluster, out, "b", job="late", nnodes="1:2", env=env)
+    # rank 1 is whichever node joined second; its node fails after the other one's workers finished
+    first, _ = wait_world(out, world=2, nodes={"a", "b"})
+    failing = next(r["node"] for r in worlds(out)[first] if r["rank"] == 1)
+    finishing, other = (a, b) if failing == "b" else (b, a)
+    assert proc_exit(finishing) == 1, finishing.output
+    assert "torchrun's agent cannot run them again, so this node left the job" in finishing.output
+    assert proc_exit(other) == 0, other.output
+    job = job_view(cluster, "late")
+    assert (job["state"], job["restart_count"], job["world_size"]) == ("succeeded", 1, 1), job
+    left = [e["node_id"] for e in job_events(cluster, "late") if e["kind"] == "node_left"]
+    assert left == [finishing.name]
 
 
 def run_alone(args: list[str], tmp_path) -> tuple[int, str]:
