@@ -267,7 +267,8 @@ class RdzvServerHandler(RendezvousHandler):
                 if time.monotonic() >= deadline:
                     raise RendezvousConnectionError(
                         f"round {a.round_id}: cannot reach group rank 0's store at {a.master_addr}:{a.master_port} "
-                        f"for {self.settings.store_timeout_s:g}s (--rdzv-conf read_timeout): {_first_line(exc)}") from None
+                        f"for {self.settings.store_timeout_s:g}s (--rdzv-conf read_timeout): "
+                        f"{_first_line(exc)}") from None
 
     def _wait_for_key(self, store: dist.Store, key: str, a: Assignment) -> bool:
         """Until group rank 0's agent publishes `key`; False when the round moves on first (rank 0 may
