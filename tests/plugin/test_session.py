@@ -4,6 +4,7 @@ unreachable server. Nodes are sessions in this process, each with its own loop t
 from __future__ import annotations
 
 import socket
+import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
@@ -115,3 +116,27 @@ def test_an_unreachable_server_ends_the_session_with_the_endpoint_named(sessions
     a = start(sessions, "127.0.0.1", port, "nowhere", "a", server_wait="0.3", lease_timeout="0.3")
     with pytest.raises(ServerLost, match=f"cannot reach the rdzv-server at 127.0.0.1:{port}"):
         a.next_assignment(-1, None)
+
+
+def admin(server: Cluster, path: str) -> None:
+    request = urllib.request.Request(f"http://{server.endpoint()}/v1/admin/jobs/{path}", data=b"{}", method="POST",
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=10):
+        pass
+
+
+def test_a_drained_node_is_refused_when_it_rejoins(server, sessions):
+    a = start(sessions, "127.0.0.1", server.port, "drain", "a", nnodes=(1, 2))
+    a.next_assignment(-1, None)
+    admin(server, "drain/nodes/a/drain")
+    wait_until(lambda: a.ended is not None, 30, "a to be refused after the drain")
+    assert isinstance(a.ended, JoinRefused) and a.ended.code == "node_drained"
+
+
+def test_a_job_closed_by_an_operator_ends_for_every_node(server, sessions):
+    a = start(sessions, "127.0.0.1", server.port, "close", "a", nnodes=(1, 2))
+    ra = a.next_assignment(-1, None)
+    admin(server, "close/close")
+    wait_until(lambda: needs_rendezvous(a.view, ra.round_id), 30, "a to hear that the job was closed")
+    with pytest.raises(JobFinished, match="job 'close' closed: closed by operator"):
+        a.next_assignment(ra.round_id, None)
