@@ -17,8 +17,9 @@ while they are healthy (> 0 makes it restart them); `shutdown()` once at the end
   every node on. When the server has already moved on (another node failed, a node was lost or
   joined), we adopt the newer round without a report. A failed or closed job is RendezvousClosedError.
 - Success: torch tells a handler nothing about its workers' fate. An agent enters its exit barrier
-  (on the store we return) only when all its workers exited 0, so `RoundStore` reports success when
-  the barrier starts; `shutdown()` without an exception on its way out is the fallback.
+  (on the store we return) only when all its workers exited 0, so `RoundStore` (plugin_store.py)
+  reports success when the barrier starts; `shutdown()` with no exception on its way out is the
+  fallback. Failures: plugin_failures.py reads torch's own failure records.
 - Stores: every agent hosts a TCPStore (its "agent store") from the start and publishes its port
   at join; the server hands group rank 0's address and port to the round as master_addr/port. The
   agents of a round use that store under the prefix `rdzv-server/JOB/ROUND/`, so a restarted round
@@ -34,10 +35,8 @@ import io
 import os
 import sys
 import time
-from collections.abc import Callable, Iterator
 from datetime import timedelta
-from types import FrameType
-from typing import Any, NoReturn
+from typing import NoReturn
 
 import torch.distributed as dist
 from torch.distributed.elastic.rendezvous import (RendezvousClosedError, RendezvousConnectionError,
@@ -46,17 +45,15 @@ from torch.distributed.elastic.rendezvous import (RendezvousClosedError, Rendezv
 from torch.distributed.elastic.utils.distributed import get_free_port
 
 from node_agent.client import RdzvClient
+from node_agent.plugin_failures import agent_failures, worker_failures
 from node_agent.plugin_session import (JobFinished, JoinRefused, ServerLost, ServerSession, SessionEnded,
                                        needs_rendezvous, still_in_round)
 from node_agent.plugin_settings import (BACKEND, IGNORED_KEYS, PluginSettings, SettingsError, TorchrunLine,
                                         plugin_settings)
+from node_agent.plugin_store import RoundStore, first_line, pauses
 from protocol.errors import ErrorCode
-from protocol.messages import MAX_MESSAGE, MAX_TRACEBACK, Assignment, JobState, WorkerFailure
+from protocol.messages import Assignment, JobState, WorkerFailure
 
-try:   # the key prefix of torch's exit barrier (torch.distributed.elastic.agent.server.api)
-    from torch.distributed.elastic.agent.server.api import _TERMINAL_STATE_SYNC_ID as EXIT_BARRIER
-except ImportError:   # pragma: no cover - a torch that moved it; the value of 2.3 to 2.13
-    EXIT_BARRIER = "torchelastic/agent/terminal_state"
 RESTART_COUNT_ENV = "RDZV_SERVER_RESTART_COUNT"   # the job-wide count, for workers (torch's is per agent)
 WORKER_PORT_KEY = "worker_master_port"
 CONNECT_TRY_S = 2.0   # connecting to group rank 0's store is retried in tries this long, to notice a new round
@@ -268,19 +265,19 @@ class RdzvServerHandler(RendezvousHandler):
                     raise RendezvousConnectionError(
                         f"round {a.round_id}: cannot reach group rank 0's store at {a.master_addr}:{a.master_port} "
                         f"for {self.settings.store_timeout_s:g}s (--rdzv-conf read_timeout): "
-                        f"{_first_line(exc)}") from None
+                        f"{first_line(exc)}") from None
 
     def _wait_for_key(self, store: dist.Store, key: str, a: Assignment) -> bool:
         """Until group rank 0's agent publishes `key`; False when the round moves on first (rank 0 may
         never come: it died, or finished its workers and cannot run another round)."""
         deadline = time.monotonic() + self.settings.store_timeout_s
         problem = "it did not publish the workers' port"
-        for pause in _pauses():
+        for pause in pauses():
             try:
                 if store.check([key]):
                     return True
             except dist.DistError as exc:    # its store went away: the server will say why
-                problem = f"its store failed: {_first_line(exc)}"
+                problem = f"its store failed: {first_line(exc)}"
             if self._moved_on(a.round_id):
                 return False
             if time.monotonic() >= deadline:
@@ -318,122 +315,3 @@ class RdzvServerHandler(RendezvousHandler):
             self._shut_down = True
             with contextlib.suppress(Exception):
                 self._session.close(leave_reason="the torchrun agent exited")
-
-
-class RoundStore(dist.Store):
-    """The agents' store for one round: passes everything through, and watches torch's exit barrier.
-
-    An agent enters the barrier only when all its workers exited 0, the one sign of success torch
-    gives: the first `add` reports it to the server. While waiting in it, the wait ends early when
-    the job moves on without this node (a failure elsewhere, the job failed), instead of after
-    torch's 5-minute barrier timeout.
-    """
-
-    def __init__(self, inner: dist.Store, on_exit_barrier: Callable[[], None], moved_on: Callable[[], str]) -> None:
-        super().__init__()
-        self._inner = inner
-        self._on_exit_barrier = on_exit_barrier
-        self._moved_on = moved_on
-        self._timeout: timedelta = inner.timeout   # type: ignore[attr-defined]  # missing from torch's stub
-
-    def set(self, key: str, value: Any) -> None:
-        self._inner.set(key, value)
-
-    def get(self, key: str) -> bytes:
-        return self._inner.get(key)
-
-    def add(self, key: str, value: int) -> int:
-        if key.startswith(EXIT_BARRIER):
-            self._on_exit_barrier()
-        return self._inner.add(key, value)
-
-    def compare_set(self, key: str, expected: Any, desired: Any) -> bytes:
-        return self._inner.compare_set(key, expected, desired)
-
-    def multi_get(self, keys: list[str]) -> list[bytes]:
-        return self._inner.multi_get(keys)
-
-    def multi_set(self, keys: list[str], values: list[Any]) -> None:
-        self._inner.multi_set(keys, values)   # type: ignore[attr-defined]  # missing from torch's stub
-
-    def check(self, keys: list[str]) -> bool:
-        return self._inner.check(keys)
-
-    def delete_key(self, key: str) -> bool:
-        return self._inner.delete_key(key)
-
-    def num_keys(self) -> int:
-        return self._inner.num_keys()
-
-    def set_timeout(self, timeout: timedelta) -> None:
-        self._timeout = timeout
-        self._inner.set_timeout(timeout)
-
-    def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
-        if not any(k.startswith(EXIT_BARRIER) for k in keys):
-            self._inner.wait(keys) if timeout is None else self._inner.wait(keys, timeout)
-            return
-        # Checked, not a blocking wait in slices: c10d logs two warnings for every wait that times out.
-        deadline_s = (timeout or self._timeout).total_seconds()
-        deadline = time.monotonic() + deadline_s
-        for pause in _pauses():
-            if self._inner.check(keys):
-                return
-            why = self._moved_on()
-            if why:
-                raise dist.DistStoreError(f"exit barrier abandoned: {why}")
-            if time.monotonic() >= deadline:
-                raise dist.DistStoreError(f"exit barrier: the other agents did not come within {deadline_s:g}s")
-            time.sleep(pause)
-
-
-def _first_line(exc: BaseException) -> str:
-    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-
-
-def _pauses() -> Iterator[float]:
-    """Pauses between checks of a store key: quick at first (it is usually there at once), then 0.2 s."""
-    pause = 0.005
-    while True:
-        yield pause
-        pause = min(0.2, pause * 2)
-
-
-# ------------------------------------------------------------------------ torch's worker failures
-
-
-def agent_failures(exc: BaseException | None) -> dict[int, Any] | None:
-    """torch passes its worker failures to no handler method. They ride on the ChildFailedError that
-    leaves its launcher (at shutdown), or sit in the run loop that called next_rendezvous
-    (`_invoke_run`'s `run_result`). Best effort: None when neither is there."""
-    failures = getattr(exc, "failures", None)
-    if isinstance(failures, dict):
-        return failures
-    frame: FrameType | None = sys._getframe(1)
-    while frame is not None:
-        if frame.f_code.co_name == "_invoke_run":
-            found = getattr(frame.f_locals.get("run_result"), "failures", None)
-            return found if isinstance(found, dict) else None
-        frame = frame.f_back
-    return None
-
-
-def worker_failures(failures: dict[int, Any] | None, a: Assignment, host: str) -> list[WorkerFailure]:
-    """torch's ProcessFailures by global rank -> the failure report; one generic failure without them."""
-    out = []
-    for rank, f in sorted((failures or {}).items()):
-        try:
-            message, tb = f.message, ""
-            if isinstance(message, dict):   # an error file written by @record
-                tb = str(message.get("extraInfo", {}).get("py_callstack", ""))
-                message = message.get("message", "")
-            code = int(f.exitcode)
-            out.append(WorkerFailure(local_rank=int(f.local_rank), rank=int(rank), exitcode=code,
-                                     signal=f.signal_name() if code < 0 else "", message=str(message)[:MAX_MESSAGE],
-                                     traceback=tb[-MAX_TRACEBACK:], timestamp=float(f.timestamp or time.time()),
-                                     host=host))
-        except (AttributeError, TypeError, ValueError):
-            continue
-    return out or [WorkerFailure(local_rank=0, rank=a.rank_offset, exitcode=1, timestamp=time.time(), host=host,
-                                 message="torchrun's agent restarted its workers after a failure "
-                                         "(which worker, torch did not say)")]

@@ -8,7 +8,7 @@ import pytest
 import torch.distributed as dist
 from torch.distributed.elastic.utils.store import barrier
 
-from node_agent.torchrun_plugin import EXIT_BARRIER, RoundStore
+from node_agent.plugin_store import EXIT_BARRIER, RoundStore
 
 
 @pytest.fixture
