@@ -17,22 +17,26 @@ try:   # the key prefix of torch's exit barrier (torch.distributed.elastic.agent
     from torch.distributed.elastic.agent.server.api import _TERMINAL_STATE_SYNC_ID as EXIT_BARRIER
 except ImportError:   # pragma: no cover - a torch that moved it; the value of 2.3 to 2.13
     EXIT_BARRIER = "torchelastic/agent/terminal_state"
+JOB_SUCCEEDED = "job succeeded"
 
 
 class RoundStore(dist.Store):
     """The agents' store for one round: passes everything through, and watches torch's exit barrier.
 
     An agent enters the barrier only when all its workers exited 0, the one sign of success torch
-    gives: the first `add` reports it to the server. While waiting in it, the wait ends early when
-    the job moves on without this node (a failure elsewhere, the job failed), instead of after
-    torch's 5-minute barrier timeout.
+    gives: the first `add` reports it to the server. The wait in it ends as soon as the server says
+    the job succeeded (every node reported), even if group rank 0's agent, which hosts this store,
+    has exited already; and it is abandoned when the job moves on without this node (a failure
+    elsewhere, the job failed), instead of after torch's 5-minute barrier timeout.
     """
 
-    def __init__(self, inner: dist.Store, on_exit_barrier: Callable[[], None], moved_on: Callable[[], str]) -> None:
+    def __init__(self, inner: dist.Store, on_exit_barrier: Callable[[], None],
+                 barrier_over: Callable[[], str]) -> None:
+        """`barrier_over()`: JOB_SUCCEEDED, why the job moved on without this node, or "" (not over)."""
         super().__init__()
         self._inner = inner
         self._on_exit_barrier = on_exit_barrier
-        self._moved_on = moved_on
+        self._barrier_over = barrier_over
         self._timeout: timedelta = inner.timeout   # type: ignore[attr-defined]  # missing from torch's stub
 
     def set(self, key: str, value: Any) -> None:
@@ -75,14 +79,20 @@ class RoundStore(dist.Store):
         # Checked, not a blocking wait in slices: c10d logs two warnings for every wait that times out.
         deadline_s = (timeout or self._timeout).total_seconds()
         deadline = time.monotonic() + deadline_s
+        problem = f"the other agents did not come within {deadline_s:g}s"
         for pause in pauses():
-            if self._inner.check(keys):
+            try:
+                if self._inner.check(keys):
+                    return
+            except dist.DistError as exc:     # rank 0's agent may be gone: the server knows how things stand
+                problem = f"the round's store failed: {first_line(exc)}"
+            why = self._barrier_over()
+            if why == JOB_SUCCEEDED:
                 return
-            why = self._moved_on()
             if why:
                 raise dist.DistStoreError(f"exit barrier abandoned: {why}")
             if time.monotonic() >= deadline:
-                raise dist.DistStoreError(f"exit barrier: the other agents did not come within {deadline_s:g}s")
+                raise dist.DistStoreError(f"exit barrier: {problem}")
             time.sleep(pause)
 
 

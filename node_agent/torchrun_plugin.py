@@ -50,7 +50,7 @@ from node_agent.plugin_session import (JobFinished, JoinRefused, ServerLost, Ser
                                        needs_rendezvous, still_in_round)
 from node_agent.plugin_settings import (BACKEND, IGNORED_KEYS, PluginSettings, SettingsError, TorchrunLine,
                                         plugin_settings)
-from node_agent.plugin_store import RoundStore, first_line, pauses
+from node_agent.plugin_store import JOB_SUCCEEDED, RoundStore, first_line, pauses
 from protocol.errors import ErrorCode
 from protocol.messages import Assignment, JobState, WorkerFailure
 
@@ -246,7 +246,7 @@ class RdzvServerHandler(RendezvousHandler):
             if not self._wait_for_key(inner, WORKER_PORT_KEY, a):
                 return None
             port = int(inner.get(WORKER_PORT_KEY))
-        store = RoundStore(inner, self._report_success, lambda: self._moved_on(a.round_id))
+        store = RoundStore(inner, self._report_success, lambda: self._barrier_over(a.round_id))
         return RendezvousInfo(store, a.group_rank, a.group_world_size, RendezvousStoreInfo(a.master_addr, port))
 
     def _connect(self, a: Assignment) -> dist.Store | None:
@@ -299,6 +299,10 @@ class RdzvServerHandler(RendezvousHandler):
             assert view is not None
             return f"job {view.job_state.value}, round {view.round_id}, this node {view.node_state.value}"
         return ""
+
+    def _barrier_over(self, round_id: int) -> str:
+        view = self._session.view if self._session is not None else None
+        return JOB_SUCCEEDED if view is not None and view.job_state is JobState.SUCCEEDED else self._moved_on(round_id)
 
     def _report_success(self) -> None:
         """This node's workers of the running round all exited 0 (torch's exit barrier began)."""

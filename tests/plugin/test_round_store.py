@@ -8,7 +8,7 @@ import pytest
 import torch.distributed as dist
 from torch.distributed.elastic.utils.store import barrier
 
-from node_agent.plugin_store import EXIT_BARRIER, RoundStore
+from node_agent.plugin_store import EXIT_BARRIER, JOB_SUCCEEDED, RoundStore
 
 
 @pytest.fixture
@@ -40,6 +40,14 @@ def test_the_exit_barrier_is_abandoned_when_the_job_moves_on(tcp_store):
     store = RoundStore(dist.PrefixStore("job/1", tcp_store), lambda: None, lambda: next(checks))
     with pytest.raises(dist.DistStoreError, match="exit barrier abandoned: round 2 formed"):
         barrier(store, 2, EXIT_BARRIER, 60)    # the other agent never arrives
+
+
+def test_the_exit_barrier_ends_when_the_server_says_every_node_succeeded(tcp_store):
+    checks = iter(["", JOB_SUCCEEDED])
+    store = RoundStore(dist.PrefixStore("job/1", tcp_store), lambda: None, lambda: next(checks))
+    barrier(store, 2, EXIT_BARRIER, 60)    # returns: the other agent reported success and went away
+    with pytest.raises(StopIteration):
+        next(checks)
 
 
 def test_other_keys_pass_through_with_the_round_prefix(tcp_store):
