@@ -76,6 +76,7 @@ class Rendezvous:
         else:
             rules = JobRules(job, self.outbox)
             if req.node_id not in job.nodes:
+                rules.check_join(req)       # a refusal for what was asked comes before one for room
                 self._check_room(job, now)
         with self._counting(rules.job):
             issued = rules.join(req, now, credential)

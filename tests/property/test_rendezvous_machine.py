@@ -27,7 +27,7 @@ from protocol.messages import (
 )
 from rdzv_server.events import EventKind
 from rdzv_server.records import JobRecord
-from rdzv_server.rendezvous import REUSE_FINISHED_AFTER_S, DROP_GRACE_S, Rendezvous, RendezvousError
+from rdzv_server.rendezvous import REUSE_FINISHED_AFTER_S, DROP_GRACE_S, Rendezvous, RendezvousError, node_room
 
 JOB = "prop"
 LEASE = 5.0
@@ -110,6 +110,14 @@ class RendezvousMachine(RuleBasedStateMachine):
                 assert e.code == ErrorCode.JOB_FINISHED and self.job.state.value in e.message
             else:
                 raise AssertionError("a finished job admitted a node")
+            return
+        if self.job is not None and len(self.job.nodes) >= node_room(self.job.config):
+            try:
+                self._join(node_id, lws, self.config)
+            except RendezvousError as e:
+                assert e.code == ErrorCode.LIMIT_REACHED and node_id not in self.job.nodes
+            else:
+                raise AssertionError("a job took more nodes than its room")
             return
         self._join(node_id, lws, self.config)
         assert node_id in self.job.nodes
