@@ -4,8 +4,8 @@ loses a Slurm node and finishes on the other.
 """
 from __future__ import annotations
 
-import json
 import os
+import subprocess
 import sys
 
 import pytest
@@ -18,6 +18,20 @@ pytestmark = pytest.mark.e2e
 SBATCH = deploy_path("slurm", "rdzv-train.sbatch")
 LIMIT = 90.0
 FAST = "--lease-timeout 3 --last-call 1 --stop-timeout 2"
+
+
+def test_shellcheck_finds_nothing():
+    result = subprocess.run([debian_tool("shellcheck"), "--severity=style", "--shell=bash", SBATCH],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_script_refuses_to_run_outside_slurm(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    result = subprocess.run(["bash", SBATCH, "train.py"], env=env, cwd=tmp_path, capture_output=True, text=True,
+                            timeout=30)
+    assert result.returncode != 0 and "run this with sbatch" in result.stderr
+    assert not list(tmp_path.iterdir())          # and started nothing
 
 
 @pytest.fixture(scope="module")
