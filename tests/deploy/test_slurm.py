@@ -4,13 +4,15 @@ loses a Slurm node and finishes on the other.
 """
 from __future__ import annotations
 
+import fcntl
 import os
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
-from tests.deploy.slurm_cluster import SlurmCluster, job_id_of, wait_exit
+from tests.deploy.slurm_cluster import SlurmCluster
 from tests.deploy.tools import debian_tool, deploy_path
 from tests.e2e.harness import SCRIPTS, read_jsonl, read_records, wait_until
 
@@ -34,16 +36,23 @@ def test_script_refuses_to_run_outside_slurm(tmp_path):
     assert not list(tmp_path.iterdir())          # and started nothing
 
 
+# One test Slurm at a time on this machine (pytest -n runs this module's tests in several workers, and
+# other checkouts may run it too): two at once double the load of a 2-core machine for nothing.
+LOCK = os.path.join(tempfile.gettempdir(), "elastic-launcher-test-slurm.lock")
+
+
 @pytest.fixture(scope="module")
 def slurm(tmp_path_factory):
-    for tool in ("slurmctld", "slurmd", "sbatch", "srun", "scontrol", "sinfo"):
+    for tool in ("slurmctld", "slurmd", "sbatch", "srun", "scontrol", "sinfo", "scancel"):
         debian_tool(tool)
-    cluster = SlurmCluster(str(tmp_path_factory.mktemp("slurm")))
-    try:
-        cluster.start()
-        yield cluster
-    finally:
-        cluster.close()
+    with open(LOCK, "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)      # released when the file closes, or if this process dies
+        cluster = SlurmCluster(str(tmp_path_factory.mktemp("slurm")))
+        try:
+            cluster.start()
+            yield cluster
+        finally:
+            cluster.close()
 
 
 def job_env(tmp_path, **extra: str) -> dict[str, str]:
@@ -57,12 +66,12 @@ def output_of(tmp_path) -> str:
 
 
 def test_sbatch_runs_a_gloo_job_with_one_agent_per_slurm_node(slurm, tmp_path):
-    proc = slurm.sbatch(["--nodes=2", "-o", str(tmp_path / "job.out"), SBATCH,
-                         os.path.join(SCRIPTS, "allreduce.py")], job_env(tmp_path, MAX_RESTARTS="0"), str(tmp_path))
-    code, said = wait_exit(proc, LIMIT)
+    batch = slurm.sbatch(["--nodes=2", "-o", str(tmp_path / "job.out"), SBATCH,
+                          os.path.join(SCRIPTS, "allreduce.py")], job_env(tmp_path, MAX_RESTARTS="0"), str(tmp_path))
+    code = batch.wait(LIMIT)
     out = output_of(tmp_path)
-    assert code == 0, f"sbatch: {said}\njob output:\n{out}\n{slurm.logs()}"
-    job = f"slurm-{job_id_of(said)}"
+    assert code == 0, f"job output:\n{out}\n{slurm.logs()}"
+    job = f"slurm-{batch.id}"
     records = sorted(read_records(tmp_path), key=lambda r: int(r["env"]["RANK"]))
     assert [int(r["env"]["RANK"]) for r in records] == [0, 1], out
     for r in records:
@@ -73,20 +82,20 @@ def test_sbatch_runs_a_gloo_job_with_one_agent_per_slurm_node(slurm, tmp_path):
     assert "[node-agent n1]" in out and "[node-agent n2]" in out, out
     assert f"job {job} succeeded" in out
     # the job's own server stopped cleanly and its state dir went with it
-    with open(tmp_path / f"rdzv-server-{job_id_of(said)}.log") as f:
+    with open(tmp_path / f"rdzv-server-{batch.id}.log") as f:
         assert "rdzv-server stopped" in f.read()
     assert not [n for n in os.listdir(tmp_path) if n.startswith("rdzv-state-")]
 
 
 def test_sbatch_hands_back_the_exit_status_of_a_failed_job(slurm, tmp_path):
     env = job_env(tmp_path, MAX_RESTARTS="1", FAIL_RANK="1", FAIL_MODE="always")
-    proc = slurm.sbatch(["--nodes=2", "-o", str(tmp_path / "job.out"), SBATCH,
-                         os.path.join(SCRIPTS, "allreduce.py")], env, str(tmp_path))
-    code, said = wait_exit(proc, LIMIT)
+    batch = slurm.sbatch(["--nodes=2", "-o", str(tmp_path / "job.out"), SBATCH,
+                          os.path.join(SCRIPTS, "allreduce.py")], env, str(tmp_path))
+    code = batch.wait(LIMIT)
     out = output_of(tmp_path)
     assert code != 0, out
     assert f"finished with exit status {code}" in out
-    job = f"slurm-{job_id_of(said)}"
+    job = f"slurm-{batch.id}"
     # rank 1 failed at the first attempt and at the one restart allowed, then the job failed
     assert f"job {job} failed: worker failures exceeded max_restarts=1" in out, out
     assert "planned failure of rank 1 at attempt 1" in out, out
@@ -94,8 +103,8 @@ def test_sbatch_hands_back_the_exit_status_of_a_failed_job(slurm, tmp_path):
 
 def test_elastic_sbatch_carries_on_when_a_slurm_node_fails(slurm, tmp_path):
     env = job_env(tmp_path, MIN_NODES="1", STEP_SLEEP="0.1")
-    proc = slurm.sbatch(["--nodes=2", "--no-kill", "-o", str(tmp_path / "job.out"), SBATCH,
-                         os.path.join(SCRIPTS, "elastic_loop.py")], env, str(tmp_path))
+    batch = slurm.sbatch(["--nodes=2", "--no-kill", "-o", str(tmp_path / "job.out"), SBATCH,
+                          os.path.join(SCRIPTS, "elastic_loop.py")], env, str(tmp_path))
     try:
         def world_steps(size: int):
             return {r["rank"] for r in read_jsonl(tmp_path, "steps-") if r["kind"] == "step" and r["world"] == size}
@@ -106,13 +115,13 @@ def test_elastic_sbatch_carries_on_when_a_slurm_node_fails(slurm, tmp_path):
         wait_until(lambda: world_steps(1) == {0}, LIMIT,
                    lambda: f"the 1-node world after n2 failed; out:\n{output_of(tmp_path)}")
         (tmp_path / "stop").touch()
-        code, said = wait_exit(proc, LIMIT)
+        code = batch.wait(LIMIT)
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        if not batch.finished():
+            batch.cancel()
         slurm.run("scontrol", "update", "nodename=n2", "state=resume")
     out = output_of(tmp_path)
-    job = f"slurm-{job_id_of(said)}"
+    job = f"slurm-{batch.id}"
     assert code == 0, out
     assert f"but job {job} succeeded" in out        # srun reported the lost node; the job went on
     done = [r for r in read_jsonl(tmp_path, "steps-") if r["kind"] == "done"]
