@@ -10,6 +10,7 @@ import subprocess
 import sys
 import tempfile
 
+import psutil
 import pytest
 
 from tests.deploy.slurm_cluster import SlurmCluster
@@ -127,3 +128,34 @@ def test_elastic_sbatch_carries_on_when_a_slurm_node_fails(slurm, tmp_path):
     done = [r for r in read_jsonl(tmp_path, "steps-") if r["kind"] == "done"]
     assert [r["world"] for r in done] == [1], out
     wait_until(lambda: slurm.node_states().get("n2") == "idle", 30, "n2 back in service")
+
+
+def agent_of(node: str, job_id: str):
+    """The node-agent process srun started on this Slurm node for this job."""
+    for proc in psutil.process_iter():
+        try:
+            env = proc.environ()
+            if env.get("SLURMD_NODENAME") == node and env.get("SLURM_JOB_ID") == job_id and \
+                    any(part.endswith("node-agent") for part in proc.cmdline()[:2]):
+                return proc
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            pass
+    return None
+
+
+def test_fixed_size_job_ends_when_an_agent_dies_instead_of_waiting_for_its_node(slurm, tmp_path):
+    # --join-timeout stays at 600 s: had srun not stopped the other agent, it would wait that long
+    batch = slurm.sbatch(["--nodes=2", "-o", str(tmp_path / "job.out"), SBATCH,
+                          os.path.join(SCRIPTS, "elastic_loop.py")], job_env(tmp_path), str(tmp_path))
+    try:
+        wait_until(lambda: {r["rank"] for r in read_jsonl(tmp_path, "steps-") if r["kind"] == "step"} == {0, 1},
+                   LIMIT, lambda: f"the 2-node world; out:\n{output_of(tmp_path)}")
+        victim = wait_until(lambda: agent_of("n2", batch.id), LIMIT, "n2's node-agent")
+        victim.kill()
+        code = batch.wait(LIMIT)
+    finally:
+        if not batch.finished():
+            batch.cancel()
+    out = output_of(tmp_path)
+    assert code != 0 and f"finished with exit status {code}" in out, out
+    assert not [r for r in read_jsonl(tmp_path, "steps-") if r["kind"] == "done"]   # nobody finished training
