@@ -18,47 +18,41 @@ PENDING_SERVER = {"--token-file": 1, "--admin-token-file": 1, "--public-status":
 PENDING_AGENT = {"--token-file": 1, "--tls-ca": 1}
 
 
-def _known(parser: argparse.ArgumentParser) -> set[str]:
-    return set(parser._option_string_actions)
+def _strip_pending(argv: Sequence[str], pending: Mapping[str, int], parser: argparse.ArgumentParser,
+                   options_end_at_first_word: bool) -> list[str]:
+    """argv without the pending flags the parser does not know yet (and their values).
 
-
-def _strip_pending(argv: Sequence[str], pending: Mapping[str, int], known: set[str],
-                   stop_at_script: bool) -> list[str]:
-    out: list[str] = []
-    i = 0
-    args = list(argv)
+    With `options_end_at_first_word` (node-agent), the first word that is not an option or an
+    option's value is the training script: it and everything after it are kept untouched.
+    """
+    known = parser._option_string_actions
+    args, out, i = list(argv), [], 0
     while i < len(args):
         tok = args[i]
-        if stop_at_script and not tok.startswith("-"):
-            return out + args[i:]
         flag = tok.split("=", 1)[0]
+        if options_end_at_first_word and not tok.startswith("-"):
+            return out + args[i:]
         if flag in pending and flag not in known:
             i += 1 if "=" in tok else 1 + pending[flag]
             continue
-        out.append(tok)
-        if stop_at_script and "=" not in tok and flag in known:
-            action = build_argparser()._option_string_actions[flag]
-            if action.nargs != 0:
-                out.append(args[i + 1])
-                i += 1
-        i += 1
+        takes_value = flag in known and known[flag].nargs != 0 and "=" not in tok
+        out += args[i:i + 2] if takes_value else [tok]
+        i += 2 if takes_value else 1
     return out
 
 
 def server_args(argv: Sequence[str]) -> argparse.Namespace:
     """rdzv-server's own parser on argv (without the program name); a bad flag fails the test."""
     parser = build_parser()
-    args = _strip_pending(argv, PENDING_SERVER, _known(parser), stop_at_script=False)
     try:
-        return parser.parse_args(args)
+        return parser.parse_args(_strip_pending(argv, PENDING_SERVER, parser, False))
     except SystemExit as exc:
         raise AssertionError(f"rdzv-server rejects {list(argv)}") from exc
 
 
 def agent_options(argv: Sequence[str], environ: Mapping[str, str]) -> AgentOptions:
     """node-agent's own option parsing on argv (without the program name)."""
-    args = _strip_pending(argv, PENDING_AGENT, _known(build_argparser()), stop_at_script=True)
-    return parse_options(args, environ)
+    return parse_options(_strip_pending(argv, PENDING_AGENT, build_argparser(), True), environ)
 
 
 def expand_k8s(args: Sequence[str], env: Mapping[str, str]) -> list[str]:

@@ -136,3 +136,15 @@ def test_agent_unit_runs_the_example_settings():
     settings = unit_settings(AGENT_UNIT)
     assert "RDZV_TOKEN_FILE=%d/token" in settings["Environment"]
     assert any(v.startswith("token:") for v in settings["LoadCredential"])
+
+
+def test_command_line_checks_reject_flags_the_programs_do_not_have():
+    # the checks above would be worthless if they let anything through
+    with pytest.raises(AssertionError):
+        server_args(["--host", "0.0.0.0", "--prot", "29400"])
+    with pytest.raises(ValueError):
+        agent_options(["--endpoint", "h:1", "--node-idd", "x", "train.py"], {})
+    # a pending trust flag is taken off only with its value; the script's own flags are left alone
+    opts = agent_options(["--endpoint", "h:1", "--token-file", "/t", "--node-id", "n", "train.py", "--token-file",
+                          "x"], {})
+    assert (opts.node_id, opts.script, opts.script_args) == ("n", "train.py", ("--token-file", "x"))
