@@ -83,6 +83,13 @@ async def healthz(request: web.Request) -> web.Response:
     return web.json_response({"ok": True})
 
 
+async def readyz(request: web.Request) -> web.Response:
+    """Ready to serve agents: the state is loaded and the server is not stopping (503 otherwise)."""
+    coord = request.app[COORDINATOR]
+    ready = coord.started and not coord.shutting_down
+    return web.json_response({"ready": ready}, status=200 if ready else 503)
+
+
 async def status(request: web.Request) -> web.Response:
     coord = request.app[COORDINATOR]
     return web.json_response(views.server_status(coord.core, coord.clock()))
@@ -146,6 +153,7 @@ def create_app(coordinator: Coordinator | None = None, *, allow_remote_admin: bo
     app.on_shutdown.append(on_shutdown)
     app.router.add_post("/v1/jobs/{job_id}/{action}", agent_request)
     app.router.add_get("/healthz", healthz)
+    app.router.add_get("/readyz", readyz)
     app.router.add_get("/metrics", metrics_endpoint)
     app.router.add_get("/v1/status", status)
     app.router.add_get("/v1/jobs/{job_id}", job_detail)

@@ -46,6 +46,7 @@ class Coordinator:
         self.persister = Persister(store, clock)
         self.loop_lag = LoopLagProbe()
         self.shutting_down = False
+        self.started = False                      # the saved state is loaded: agents may be served
         self.open_polls = 0
         self._job_events: dict[str, asyncio.Event] = {}
         self._armed: float | None = None          # the deadline the timer sleeps to (None: none)
@@ -72,6 +73,7 @@ class Coordinator:
         self._apply()
         for job_id in changed:
             await self._durable(job_id)
+        self.started = True
 
     def release_polls(self) -> None:
         """Answer every open long-poll now (with "going away"): the server is stopping."""

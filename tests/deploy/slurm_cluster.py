@@ -12,7 +12,6 @@ import os
 import signal
 import socket
 import subprocess
-from typing import Optional
 
 import psutil
 
@@ -60,7 +59,7 @@ class SlurmCluster:
             "JobCompType=jobcomp/none", "AccountingStorageType=accounting_storage/none",
             f"PlugStackConfig={plugstack}",
             *(f"NodeName={n} NodeHostname={self.host} NodeAddr=127.0.0.1 Port={p} CPUs={cpus} "
-              f"RealMemory=1000 State=UNKNOWN" for n, p in zip(NODES, node_ports)),
+              f"RealMemory=1000 State=UNKNOWN" for n, p in zip(NODES, node_ports, strict=True)),
             f"PartitionName=debug Nodes={','.join(NODES)} Default=YES MaxTime=INFINITE State=UP "
             f"OverSubscribe=YES",
         ]
@@ -134,7 +133,7 @@ class SlurmCluster:
         out = self.run("sinfo", "-h", "-N", "-o", "%N %T").stdout
         return dict(line.split()[:2] for line in out.splitlines() if line.strip())
 
-    def sbatch(self, args: list[str], env: dict[str, str], cwd: str) -> "BatchJob":
+    def sbatch(self, args: list[str], env: dict[str, str], cwd: str) -> BatchJob:
         """Submit a batch job; `BatchJob.wait()` gives its exit status. (`sbatch --wait` would do, but it
         checks on the job with growing pauses and notices the end up to half a minute late.)"""
         full = dict(self.env, **env)
