@@ -39,7 +39,8 @@ class AgentOptions:
     endpoint_host: str | None = None
     endpoint_port: int | None = None
     endpoint_scheme: str = "http"      # https with --tls-ca or an https:// endpoint
-    token: str | None = None           # the server's bearer token (--token-file, RDZV_TOKEN_FILE, RDZV_TOKEN)
+    token_file: str | None = None      # --token-file or $RDZV_TOKEN_FILE: read at start-up (agent_token)
+    token: str | None = None           # $RDZV_TOKEN: the token itself
     tls_ca: str | None = None          # CA bundle that must have signed the server's certificate
     nproc: int = 1
     nproc_spec: str = "1"              # as typed ("gpu", "4", ...), for logs
@@ -272,7 +273,13 @@ def parse_options(argv: Sequence[str], environ: Mapping[str, str] = os.environ) 
         if scheme == "http" and ns.tls_ca:
             fail("tls_ca", f"needs an https endpoint, got {text!r}")
         host, port = parse_endpoint(rest if sep else text, failing("endpoint"))
-    token = _token(ns.token_file, name("token_file"), environ)
+    token_file = ns.token_file if ns.token_file is not None else environ.get("RDZV_TOKEN_FILE") or None
+    token = None
+    if token_file is None and environ.get("RDZV_TOKEN"):
+        token = environ["RDZV_TOKEN"].strip()
+        problem = token_problem(token.encode())
+        if problem:
+            raise OptionsError(f"$RDZV_TOKEN: {problem}")
     if ns.tls_ca is not None and not os.path.isfile(ns.tls_ca):
         fail("tls_ca", f"no such file: {ns.tls_ca}")
 
@@ -298,7 +305,8 @@ def parse_options(argv: Sequence[str], environ: Mapping[str, str] = os.environ) 
     job = _job_config(given, min_nodes, max_nodes, nodes_flag="j" if ns.j else "nnodes", fail=fail)
     return AgentOptions(
         script=ns.script, script_args=tuple(ns.script_args), endpoint_host=host, endpoint_port=port,
-        endpoint_scheme=scheme if host is not None else "http", token=token, tls_ca=ns.tls_ca,
+        endpoint_scheme=scheme if host is not None else "http", token_file=token_file, token=token,
+        tls_ca=ns.tls_ca,
         nproc=nproc, nproc_spec=nproc_text, job_id=job_id, job=job, node_id=node_id, local_addr=ns.local_addr,
         role=ns.role if ns.role is not None else _AGENT_DEFAULTS["role"], module=ns.module, no_python=ns.no_python,
         log_dir=ns.log_dir, standalone=ns.standalone,
@@ -310,25 +318,18 @@ def parse_options(argv: Sequence[str], environ: Mapping[str, str] = os.environ) 
     )
 
 
-def _token(path: str | None, flag: str, environ: Mapping[str, str]) -> str | None:
-    """The server's token from --token-file, else $RDZV_TOKEN_FILE, else $RDZV_TOKEN (None: no token)."""
-    where = flag
-    if path is None and environ.get("RDZV_TOKEN_FILE"):
-        path, where = environ["RDZV_TOKEN_FILE"], "$RDZV_TOKEN_FILE"
-    if path is not None:
-        try:
-            with open(path, "rb") as f:
-                raw = f.read(MAX_TOKEN_CHARS + 64).strip()
-        except OSError as exc:
-            raise OptionsError(f"{where} {path}: {exc.strerror or exc}") from None
-        where = f"{where} {path}"
-    elif environ.get("RDZV_TOKEN"):
-        raw, where = environ["RDZV_TOKEN"].strip().encode(), "$RDZV_TOKEN"
-    else:
-        return None
+def agent_token(opts: AgentOptions) -> str | None:
+    """The server's token: the file's (read now, at start-up), else $RDZV_TOKEN's, else None."""
+    if opts.token_file is None:
+        return opts.token
+    try:
+        with open(opts.token_file, "rb") as f:
+            raw = f.read(MAX_TOKEN_CHARS + 64).strip()
+    except OSError as exc:
+        raise OptionsError(f"--token-file {opts.token_file}: {exc.strerror or exc}") from None
     problem = token_problem(raw)
     if problem:
-        raise OptionsError(f"{where}: {problem}")
+        raise OptionsError(f"--token-file {opts.token_file}: {problem}")
     return raw.decode()
 
 
