@@ -29,6 +29,7 @@ class EventKind(str, enum.Enum):
     JOB_FAILED = "job_failed"
     JOB_CLOSED = "job_closed"
     SERVER_RESTARTED = "server_restarted"
+    LEASES_EXTENDED = "leases_extended"    # the server heard from no agent for a while: its fault, not theirs
 
 
 class RoundCause(str, enum.Enum):

@@ -50,7 +50,7 @@ def growth_cause(job: JobRecord) -> RoundCause:
 
 
 def deadlines(job: JobRecord) -> Iterable[float]:
-    yield from (n.lease_expires for n in job.nodes.values())
+    yield from (n.lease_expires for n in job.nodes.values() if n.holding == 0)   # held: no lease runs
     yield from (job.nodes[n].excluded_until for n in job.excluded)
     if job.last_call_deadline is not None:
         yield job.last_call_deadline

@@ -1,0 +1,109 @@
+"""Lease rules (rdzv_server/leases.py) with plain numbers for time: a held poll is the lease, a
+silent server blames nobody, a lagging server judges nobody, nodes lost together leave together."""
+from __future__ import annotations
+
+from protocol.messages import JobConfig, JoinRequest, PollRequest
+from rdzv_server.events import EventKind
+from rdzv_server.leases import OUTAGE_LIMIT_S, QUIET_S
+from rdzv_server.rendezvous import Rendezvous
+
+LEASE = 5.0
+CFG = JobConfig(min_nodes=1, max_nodes=3, last_call_s=0.0, lease_timeout_s=LEASE, join_timeout_s=1e4)
+
+
+def job_with(*nodes: str, now: float = 0.0) -> Rendezvous:
+    rz = Rendezvous()
+    for n in nodes:
+        rz.join("j", JoinRequest(v=1, node_id=n, addr="10.0.0.1", local_world_size=1, master_port=1, config=CFG,
+                                 instance=n), now)
+    rz.tick(now)
+    return rz
+
+
+def poll(rz: Rendezvous, node: str, now: float) -> None:
+    rz.poll("j", PollRequest(v=1, node_id=node), now)
+
+
+def kinds(rz: Rendezvous) -> list[str]:
+    return [e.kind for e in rz.jobs["j"].events]
+
+
+def test_a_held_poll_is_the_lease_and_its_answer_starts_the_lease_again():
+    rz = job_with("a", "b")
+    rz.hold_poll("j", PollRequest(v=1, node_id="a"), 1.0)
+    for t in (10.0, 20.0, 30.0):                 # b keeps talking; a's poll is held the whole time
+        poll(rz, "b", t)
+        rz.tick(t)
+    assert "a" in rz.jobs["j"].nodes
+    assert rz.next_deadline() == 30.0 + LEASE    # a held poll sets no deadline
+    rz.take_effects()
+    rz.poll_ended("j", "a", 31.0)
+    assert rz.take_effects().earliest == 31.0 + LEASE
+    poll(rz, "b", 34.0)
+    rz.tick(31.0 + LEASE)
+    assert "a" not in rz.jobs["j"].nodes and "b" in rz.jobs["j"].nodes
+
+
+def test_a_held_polls_connection_closing_loses_the_node_after_the_grace():
+    rz = job_with("a", "b")
+    rz.hold_poll("j", PollRequest(v=1, node_id="a"), 1.0)
+    rz.connection_dropped("j", "a", 2.0)
+    poll(rz, "b", 2.5)
+    rz.tick(3.0)
+    assert "a" not in rz.jobs["j"].nodes and "its connection closed" in rz.jobs["j"].events[-2].message
+
+
+def test_a_single_silent_death_among_nodes_still_heard_is_a_loss_within_the_lease():
+    rz = job_with("a", "b", "c")
+    round_before = rz.jobs["j"].round.round_id
+    for t in (2.0, 4.0):
+        poll(rz, "b", t)
+        poll(rz, "c", t)
+    rz.tick(LEASE)                                # a was last heard at 0.0
+    assert "a" not in rz.jobs["j"].nodes
+    assert rz.jobs["j"].round.round_id == round_before + 1
+
+
+def test_when_the_server_hears_from_nobody_leases_are_extended_until_the_outage_limit():
+    rz = job_with("a", "b")
+    rz.tick(LEASE)                                # quiet for a whole lease: the server's own outage
+    assert set(rz.jobs["j"].nodes) == {"a", "b"}
+    assert kinds(rz).count(EventKind.LEASES_EXTENDED) == 1 and QUIET_S < LEASE
+    t = LEASE
+    while t < OUTAGE_LIMIT_S - LEASE:             # still nobody: extended again, said once
+        t += LEASE
+        rz.tick(t)
+    assert set(rz.jobs["j"].nodes) == {"a", "b"} and kinds(rz).count(EventKind.LEASES_EXTENDED) == 1
+    rz.tick(OUTAGE_LIMIT_S + LEASE)               # silence that long means what it says
+    assert rz.jobs["j"].nodes == {}
+
+
+def test_agents_coming_back_after_the_servers_outage_carry_on_in_the_same_round():
+    rz = job_with("a", "b")
+    round_id = rz.jobs["j"].round.round_id
+    rz.tick(8.0)                                  # link down from 0 to 10 s
+    poll(rz, "a", 10.0)
+    poll(rz, "b", 10.2)
+    rz.tick(13.0)
+    assert rz.jobs["j"].round.round_id == round_id and set(rz.jobs["j"].nodes) == {"a", "b"}
+    assert EventKind.NODE_LOST not in kinds(rz)
+
+
+def test_no_lease_lapses_while_the_server_runs_behind_it_is_judged_once_caught_up():
+    rz = job_with("a", "b")
+    poll(rz, "b", 4.5)
+    rz.tick(LEASE + 0.5, lag_s=3.0)               # a's poll may be waiting in the server's own backlog
+    assert "a" in rz.jobs["j"].nodes
+    poll(rz, "b", 6.0)
+    rz.tick(rz.next_deadline(), lag_s=0.0)        # caught up, and a still silent: now it is a loss
+    assert "a" not in rz.jobs["j"].nodes
+
+
+def test_nodes_lost_together_leave_together_in_one_new_round():
+    rz = job_with("a", "b", "c")
+    round_id = rz.jobs["j"].round.round_id
+    poll(rz, "c", 4.0)
+    rz.tick(LEASE)                                # a and b lapse in the same tick
+    job = rz.jobs["j"]
+    assert set(job.nodes) == {"c"} and job.round.round_id == round_id + 1
+    assert job.round.members == ["c"] and "2 nodes lost" in job.round.reason
