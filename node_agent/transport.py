@@ -103,6 +103,23 @@ def local_addr_towards(host: str, port: int) -> str:
         return socket.gethostname()
 
 
+# TCP keepalive on the agent's connections: a server whose host died or was cut off is noticed in
+# about 2 + 2 x 1 s even while a long-poll is held for much longer (the server does the same).
+KEEPIDLE_S, KEEPINTVL_S, KEEPCNT = 2, 1, 2
+
+
+def keepalive_socket(addr_info: tuple[Any, ...]) -> socket.socket:
+    """A client socket with keepalive probes (aiohttp's TCPConnector `socket_factory`)."""
+    family, kind, proto = addr_info[0], addr_info[1], addr_info[2]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    if hasattr(socket, "TCP_KEEPIDLE"):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, KEEPIDLE_S)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, KEEPINTVL_S)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, KEEPCNT)
+    return sock
+
+
 def free_port(addr: str = "") -> int:
     """A port free right now on this machine (the rank-0 worker binds it for the store)."""
     family = socket.AF_INET6 if ":" in addr else socket.AF_INET

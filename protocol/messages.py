@@ -32,6 +32,7 @@ MAX_REASON = 1024                    # a leave's reason
 MAX_MESSAGE = 4096                   # a worker's error message
 MAX_TRACEBACK = 16384
 MAX_CREDENTIAL = 64
+MAX_POLL_WAIT_S = 60.0               # agents ask for this and let the server choose the hold
 
 Count = Annotated[int, Meta(ge=0, le=MAX_ROUND)]
 RoundRef = Annotated[int, Meta(ge=-1, le=MAX_ROUND)]
@@ -128,7 +129,7 @@ class PollRequest(_Request, kw_only=True):
     (-1 when it runs none). `master_port` refreshes the port published for the next round.
     """
     known_round: RoundRef = -1
-    wait_s: Annotated[float, Meta(ge=0, le=60)] = 2.0
+    wait_s: Annotated[float, Meta(ge=0, le=MAX_POLL_WAIT_S)] = 2.0
     master_port: Port = 0
 
 

@@ -75,7 +75,7 @@ async def agent_request(request: web.Request) -> web.Response:
     if coord.shutting_down:
         raise RendezvousError(ErrorCode.SHUTTING_DOWN, "server is shutting down; retry shortly")
     req: object = decode_request(cls, await request.read())
-    status = await coord.handle(action, job_id, req)
+    status = await coord.handle(action, job_id, req, request.remote or "")
     return web.Response(body=encode(status), content_type=CONTENT_TYPE)
 
 

@@ -88,6 +88,10 @@ class Persister:
         if self._writer is None or self._writer.done():
             self._writer = asyncio.create_task(self._write_loop(), name="rdzv-store-writer")
 
+    def pending(self, job_id: str) -> bool:
+        """Whether a change of `job_id` is noted but not yet committed."""
+        return job_id in self._dirty or job_id in self._inflight
+
     async def durable(self, job_id: str) -> None:
         """Return once every change noted so far for `job_id` is committed."""
         fut = self._next if job_id in self._dirty else self._inflight.get(job_id)
