@@ -38,7 +38,7 @@ def join(rules: JobRules, req: JoinRequest, now: float, credential: str = "") ->
         port = req.master_port or existing.master_port
         if (existing.addr, existing.master_port) != (req.addr, port):
             existing.addr, existing.master_port = req.addr, port
-            rules.changed()
+            rules.node_changed(existing.node_id)
         leases.renew(job, existing, now)
         return ""
     if existing is not None and existing.credential_digest and leases.live(existing, now):
@@ -61,6 +61,7 @@ def join(rules: JobRules, req: JoinRequest, now: float, credential: str = "") ->
         node.failure_times, node.exclusions = list(existing.failure_times), existing.exclusions
         node.excluded_until = existing.excluded_until
     job.nodes[node.node_id] = node
+    rules.node_changed(node.node_id)
     rules.record(now, EventKind.NODE_JOINED, f"node {node.node_id} joined from {node.addr} "
                  f"with {node.local_world_size} workers", node.node_id)
     if node.excluded_until > now:

@@ -50,7 +50,7 @@ class Coordinator:
         self.core = core or Rendezvous()
         self.clock = clock
         self.store = store
-        self.persister = Persister(store, clock)
+        self.persister = Persister(store, clock, on_rollback=self._put_back)
         self.loop_lag = LoopLagProbe()
         self.shutting_down = False
         self.started = False                      # the saved state is loaded: agents may be served
@@ -127,6 +127,13 @@ class Coordinator:
             self._armed = effects.earliest
             if self._rearm is not None:
                 self._rearm.set()
+
+    def _put_back(self, job_id: str, job: JobRecord | None) -> None:
+        """A refused commit's job, as last committed (None: never saved), replaces the one in memory."""
+        self.core.put_back(job_id, job, self.clock())
+        self._apply()
+        self.waiters.wake_job(job_id)
+        log.warning("job's unsaved change refused: back to its last saved state", extra={"job_id": job_id})
 
     def clock_moved(self) -> None:
         """The clock jumped (a test's manual clock, an operator setting the time): the deadline

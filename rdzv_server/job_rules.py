@@ -106,6 +106,7 @@ class JobRules:
                         {"rank": f.rank, "local_rank": f.local_rank, "exitcode": f.exitcode, "signal": f.signal,
                          "reason": f.reason, "host": f.host, "message": f.message})
         node.failure_times = [t for t in node.failure_times if t > now - job.config.exclude_window_s] + [now]
+        self.node_changed(node.node_id)
         cfg = job.config
         if job.restart_count > cfg.max_restarts:
             self.finish(now, JobState.FAILED, f"worker failures exceeded max_restarts={cfg.max_restarts}; "
@@ -286,6 +287,7 @@ class JobRules:
         job = self.job
         was_member = node.node_id in self.members()
         del job.nodes[node.node_id]
+        self.node_changed(node.node_id)
         for queue in (job.waiting, job.spares, job.excluded, job.successes):
             if node.node_id in queue:
                 queue.remove(node.node_id)
@@ -308,6 +310,7 @@ class JobRules:
         cooldown = min(cfg.exclude_cooldown_s * (2 ** node.exclusions), cfg.exclude_cooldown_max_s)
         node.exclusions += 1
         node.excluded_until = now + cooldown
+        self.node_changed(node.node_id)
         self.out.deadline(node.excluded_until)
         node.failure_times = []
         node.state = NodeState.EXCLUDED
@@ -370,6 +373,11 @@ class JobRules:
     def changed(self) -> None:
         """The job's saved state changed: the store must write it before a reply depends on it."""
         self.out.changed[self.job.job_id] = self.job
+
+    def node_changed(self, node_id: str) -> None:
+        """A node's saved record changed, or it was removed (snapshots.py: rows that scale with the change)."""
+        self.out.nodes.setdefault(self.job.job_id, set()).add(node_id)
+        self.changed()
 
 
 def _stamp(f: WorkerFailure, node: NodeRecord, now: float) -> WorkerFailure:

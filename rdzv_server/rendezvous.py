@@ -242,6 +242,20 @@ class Rendezvous:
             if not job.state.finished:
                 _rearm(JobRules(job, self.outbox), now, away_s, how)
 
+    def put_back(self, job_id: str, job: JobRecord | None, now: float) -> None:
+        """A job as last saved takes the place of one whose change the store refused (None: it was
+        never saved). Its nodes get fresh leases, as after a restart: the refusal was not theirs."""
+        old = self.jobs.pop(job_id, None)
+        self.node_count -= len(old.nodes) if old is not None else 0
+        if job is None:
+            return
+        self.jobs[job_id] = job
+        self.node_count += len(job.nodes)
+        for node in job.nodes.values():
+            node.dropped, node.holding = False, 0
+            node.lease_expires = now + job.config.lease_timeout_s
+        self.outbox.deadline(now + job.config.lease_timeout_s)
+
     # ---- lookups -------------------------------------------------------------------------
 
     def rules(self, job_id: str) -> JobRules:

@@ -53,6 +53,7 @@ class RendezvousMachine(RuleBasedStateMachine):
         self.seen_seq = 0
         self.seen_epoch = 0
         self.seen_restarts = 0
+        self.readmitted: set[str] = set()   # excluded then cleared since the last round: a newcomer again
 
     @initialize(min_nodes=st.integers(1, 3), extra=st.integers(0, 2), max_restarts=st.integers(0, 4),
                 last_call_s=st.sampled_from([0.0, 0.5, 2.0]), exclude_after=st.integers(0, 3),
@@ -312,6 +313,8 @@ class RendezvousMachine(RuleBasedStateMachine):
     def clear(self, data) -> None:
         node_id = data.draw(st.sampled_from(sorted(set(self.job.excluded) | set(self.job.drained))))
         drained = node_id in self.job.drained
+        if not drained:
+            self.readmitted.add(node_id)
         self.rz.clear_exclusion(JOB, node_id, self.now)
         assert node_id not in self.job.excluded and node_id not in self.job.drained
         if not drained:
@@ -384,9 +387,11 @@ class RendezvousMachine(RuleBasedStateMachine):
             return
         r = job.round
         if self.last_round is not None and self.last_round[0] != r.round_id:
-            before = [nid for nid, rec, excl in self.last_round[1]
-                      if job.nodes.get(nid) is rec and rec.exclusions == excl and nid in r.members]
+            before = [nid for nid, rec, excl in self.last_round[1] if job.nodes.get(nid) is rec
+                      and rec.exclusions == excl and nid not in self.readmitted and nid in r.members]
             assert r.members[: len(before)] == before, (self.last_round, r.members)
+        if self.last_round is None or self.last_round[0] != r.round_id:
+            self.readmitted = set()
         self.last_round = (r.round_id, [(m, job.nodes[m], job.nodes[m].exclusions) for m in r.members])
 
     @invariant()

@@ -7,7 +7,8 @@ import pytest
 from protocol.errors import ErrorCode
 from protocol.messages import JobConfig, JoinRequest, SuccessReport
 from rdzv_server.rendezvous import Limits, Rendezvous, RendezvousError, node_room
-from rdzv_server.store import SqliteStore, snapshot
+from rdzv_server.snapshots import snapshot
+from rdzv_server.store import SqliteStore
 
 ONE = JobConfig(min_nodes=1, max_nodes=1, last_call_s=0.0, lease_timeout_s=1e4)
 
@@ -28,7 +29,7 @@ def test_finished_jobs_are_forgotten_after_the_retention_and_the_store_deletes_t
     finish(rz, "old", 10.0)
     join(rz, "live", "a", 20.0, JobConfig(min_nodes=2, max_nodes=2, lease_timeout_s=1e4))
     store = SqliteStore(str(tmp_path))
-    store.write([snapshot(j, j.events, reset_events=True) for j in rz.jobs.values()], 20.0)
+    store.write([snapshot(j, j.nodes, j.events, reset=True) for j in rz.jobs.values()], 20.0)
     assert rz.next_deadline() == 70.0
     rz.tick(69.9)
     assert "old" in rz.jobs
