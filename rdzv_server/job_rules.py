@@ -40,6 +40,7 @@ from rdzv_server.rounds import (build_round, candidates, count_nodes, deadlines,
                                 node_status)
 
 DROP_GRACE_S = leases.DROP_GRACE_S
+MAX_FAILURE_EVENTS = 8       # worker_failed events one report records; the rest are summed up in one more
 
 _FINISHED_KIND = {JobState.SUCCEEDED: EventKind.JOB_SUCCEEDED, JobState.FAILED: EventKind.JOB_FAILED,
                   JobState.CLOSED: EventKind.JOB_CLOSED}
@@ -79,6 +80,10 @@ class JobRules:
         job = self.job
         node = self.node(req.node_id)
         credentials.check(node, req.credential)
+        wrong = [f.local_rank for f in req.failures if f.local_rank >= node.local_world_size]
+        if wrong or len(req.failures) > node.local_world_size:
+            raise RendezvousError(ErrorCode.BAD_REQUEST, f"the report names {len(req.failures)} failure(s) and local "
+                                  f"rank(s) {wrong[:5]}, but node {node.node_id} runs {node.local_world_size} workers")
         leases.renew(job, node, now)
         failures = sorted((_stamp(f, node, now) for f in req.failures), key=lambda f: f.timestamp)
         stale = self.stale(node, req.round_id)
@@ -101,10 +106,15 @@ class JobRules:
         first = failures[0]
         job.root_cause, job.root_cause_round, job.last_failure = first, req.round_id, first
         job.restart_count += 1
-        for f in failures:
+        for f in failures[:MAX_FAILURE_EVENTS]:
             self.record(now, EventKind.WORKER_FAILED, describe(f), node.node_id, req.round_id,
                         {"rank": f.rank, "local_rank": f.local_rank, "exitcode": f.exitcode, "signal": f.signal,
                          "reason": f.reason, "host": f.host, "message": f.message})
+        rest = failures[MAX_FAILURE_EVENTS:]
+        if rest:       # one line for the rest: a node of many workers must not flood the history
+            self.record(now, EventKind.WORKER_FAILED, f"and {len(rest)} more worker(s) of node {node.node_id} "
+                        f"failed in round {req.round_id}", node.node_id, req.round_id,
+                        {"count": len(rest), "reason": rest[0].reason})
         node.failure_times = [t for t in node.failure_times if t > now - job.config.exclude_window_s] + [now]
         self.node_changed(node.node_id)
         cfg = job.config
