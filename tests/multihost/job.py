@@ -21,7 +21,7 @@ TRAIN_LOOP = os.path.join(ROOT, "tests", "multihost", "scripts", "train_loop.py"
 LEASE_S = 5.0          # the agent's default --lease-timeout, passed explicitly so bounds derive from it
 # Within the namespaces every host has the same host name, which resolves to 127.0.0.1: gloo must be
 # told which interface carries the host's address. (Issue 12 item 5: the agent will set this itself.)
-WORKER_ENV = {"GLOO_SOCKET_IFNAME": "eth0"}
+GLOO_IFNAME = "eth0"
 
 
 class _NsHTTPConnection(http.client.HTTPConnection):
@@ -71,16 +71,24 @@ class MultiHostJob:
         return f"{self.server_addr}:{self.port}"
 
     def start_agent(self, host: str, *, nnodes: str = "2:3", endpoint: str | None = None,
-                    extra: tuple[str, ...] = (), env: dict[str, str] | None = None) -> Proc:
+                    extra: tuple[str, ...] = (), gloo_ifname: str | None = GLOO_IFNAME) -> Proc:
+        """An agent on `host` running scripts/train_loop.py; `gloo_ifname=None` leaves
+        GLOO_SOCKET_IFNAME unset."""
         argv = [sys.executable, "-m", "node_agent.cli", "--endpoint", endpoint or self.endpoint(),
                 "--nnodes", nnodes, "--nproc", "1", "--job-id", self.job_id, "--node-id", host,
                 "--max-restarts", "3", "--lease-timeout", f"{LEASE_S:g}", *extra, TRAIN_LOOP]
-        proc = self._start(host, argv, host, {"HOST": host, "OUT_DIR": str(self.out), **WORKER_ENV, **(env or {})})
+        env = {"HOST": host, "OUT_DIR": str(self.out)}
+        if gloo_ifname is not None:
+            env["GLOO_SOCKET_IFNAME"] = gloo_ifname
+        proc = self._start(host, argv, host, env)
         self.agents[host] = proc
         return proc
 
     def _start(self, host: str, argv: list[str], name: str, env: dict[str, str]) -> Proc:
-        proc = Proc(self.net.exec_argv(host, argv), child_env(**env), name)
+        full = child_env(**env)
+        if "GLOO_SOCKET_IFNAME" not in env:
+            full.pop("GLOO_SOCKET_IFNAME", None)
+        proc = Proc(self.net.exec_argv(host, argv), full, name)
         self._procs.append(proc)
         return proc
 

@@ -21,6 +21,9 @@ from tests.multihost.job import MultiHostJob, parse_time
 
 POLL_S = 0.05
 SETUP_LIMIT_S = 120.0     # a job of 3 hosts trains within seconds; this only stops a hang
+# Two lease renewals of one node are told apart when further apart than this (they come about every
+# 2 s, a long-poll's hold; one reading of a renewal's time is late by up to one status request).
+RENEWAL_JITTER_S = 0.5
 
 
 class MissingBehaviour(AssertionError):
@@ -124,11 +127,12 @@ def lose_host(job: MultiHostJob, fault: str, victim: str, survivors: list[str], 
 
 def server_outage(job: MultiHostJob, hosts: list[str], outage_s: float, *, measure_recovery: bool = False,
                   limit_s: float = SETUP_LIMIT_S) -> Observed:
-    """The server's own link goes down for `outage_s`, then comes back. Returns once every member
-    of the round has renewed its lease after the link came back (the outage is then over for the
-    server) or the job has moved to another round. With `measure_recovery`, in the latter case, only
-    once new workers train at full size (`survivors_training_s`: from the cut to the last host's
-    first step)."""
+    """The server's own link goes down for `outage_s`, then comes back. Returns once the server has
+    had two renewals from every member of the round since the link came back (the outage is over
+    for the server: at least one of the two was a request, even if the server re-armed the leases
+    itself), or once the job has moved to another round. With `measure_recovery`, in the latter
+    case, only once new workers train at full size (`survivors_training_s`: from the cut to the last
+    host's first step). `notes` says which outcome it was."""
     before = job.view()
     assert before is not None and before["round_id"] is not None, job.diagnosis()
     old = [p for h in hosts for p in live_workers(job, h)]
@@ -138,20 +142,26 @@ def server_outage(job: MultiHostJob, hosts: list[str], outage_s: float, *, measu
     time.sleep(outage_s)            # the fault's length, not a wait for anything
     job.net.reconnect(job.server_host)
     back = time.time()
-    seen.notes = f"(link down {back - seen.t0:.1f} s)"
+    renewals: dict[str, list[float]] = {h: [] for h in hosts}
 
     def over() -> str | None:
         asked = time.time()
         view = job.view()
-        if view is None or view["round_id"] != before["round_id"]:
-            return "the job moved to another round"
-        members = {n["node_id"]: asked - n["lease_age_s"] for n in view["nodes"]}
-        if set(members) == set(hosts) and min(members.values()) > back:
-            return "every member renewed its lease"
-        return None
-    outcome = wait_until(over, limit_s, lambda: f"the server to hear from every member again\n{job.diagnosis()}")
+        if view is None or view["round_id"] != before["round_id"] or \
+                sorted(n["node_id"] for n in view["nodes"]) != sorted(hosts):
+            return "moved to another round"
+        for node in view["nodes"]:
+            # asked - age: the renewal's time, late by at most this request's own delay
+            renewed = asked - node["lease_age_s"]
+            times = renewals[node["node_id"]]
+            if renewed > back and (not times or renewed - times[-1] > RENEWAL_JITTER_S):
+                times.append(renewed)
+        return "renewed" if all(len(t) >= 2 for t in renewals.values()) else None
+    outcome = wait_until(over, limit_s, lambda: f"the server to hear from every member again "
+                                                f"(renewals since: {renewals})\n{job.diagnosis()}")
     _count_after(job, seen, hosts)
-    disturbed = outcome != "every member renewed its lease" or seen.losses or any(seen.restarted.values())
+    seen.notes = f"(link down {back - seen.t0:.1f} s; afterwards: {outcome})"
+    disturbed = outcome != "renewed" or seen.losses or any(seen.restarted.values())
     if measure_recovery and (disturbed or not all(alive(p) for p in old)):
         first = wait_until(lambda: job.training(hosts, len(hosts), since=seen.t0, old_pids=old_pids), limit_s,
                            lambda: f"the job training again after the outage\n{job.diagnosis()}")

@@ -31,17 +31,23 @@ def issue12(what: str):
     return pytest.mark.xfail(strict=True, raises=MissingBehaviour, reason=f"issue 12: {what}")
 
 
-@issue12("a server-side outage is taken for the loss of every node (leases lapse together)")
-def test_server_link_down_for_10s_restarts_no_worker(multihost):
+@pytest.mark.parametrize("outage_s", [
+    1.0,        # a blip well inside the lease: handled today
+    pytest.param(10.0, marks=issue12("a server-side outage is taken for the loss of every node (their leases "
+                                     "lapse together)")),
+])
+def test_server_link_down_restarts_no_worker(multihost, outage_s):
     job = multihost(["a", "b"])
     pids = start_training(job, ["a", "b"])
 
-    seen = server_outage(job, ["a", "b"], outage_s=10.0)
+    seen = server_outage(job, ["a", "b"], outage_s=outage_s)
     print(seen.summary())
 
-    if seen.losses or seen.rounds or any(seen.restarted.values()):
-        raise MissingBehaviour(f"the server's own outage restarted workers: {seen.summary()}\n{job.diagnosis()}")
-    # the same workers go on training after the outage
+    stopped = [h for h in pids if pids[h] not in {p.pid for p in live_workers(job, h)}]
+    if seen.losses or seen.rounds or any(seen.restarted.values()) or stopped:
+        raise MissingBehaviour(f"the server's own outage cost workers (stopped on {stopped}): {seen.summary()}\n"
+                               f"{job.diagnosis()}")
+    # the job goes on: the same workers, still training
     after = time.time()
     wait_until(lambda: all(job.steps(h, since=after) for h in pids), SETUP_LIMIT_S,
                lambda: f"steps after the outage\n{job.diagnosis()}")
@@ -59,7 +65,7 @@ def test_cut_off_host_is_dropped_and_its_workers_fenced(multihost):
 
     assert seen.losses >= 1, f"the server never dropped the cut-off host\n{job.diagnosis()}"
     assert seen.survivors_training_s is not None, f"the survivors never trained at world 2\n{job.diagnosis()}"
-    if seen.fencing_s is None:
+    if seen.fencing_s is None or seen.fencing_s > FENCE_BOUND_S:
         still = [p.pid for p in live_workers(job, "c")]
         raise MissingBehaviour(f"the cut-off host's workers {still} still ran {FENCE_BOUND_S:g} s after the cut: "
                                f"{seen.summary()}\n{job.diagnosis()}")
@@ -76,7 +82,7 @@ def test_host_partitioned_from_server_is_dropped_fenced_and_rejoins(multihost):
     lost = [e for e in job.events_of("node_lost", since=seen.t0) if e["node_id"] == "c"]
     assert lost, f"the server never dropped the partitioned host\n{job.diagnosis()}"
     assert seen.survivors_training_s is not None, f"the survivors never trained at world 2\n{job.diagnosis()}"
-    fenced = seen.fencing_s is not None
+    fenced = seen.fencing_s is not None and seen.fencing_s <= FENCE_BOUND_S
     still = [p.pid for p in live_workers(job, "c")]
 
     # the partition heals: the host comes back into the job and all three train together again
