@@ -11,8 +11,14 @@ For each fault, from the moment it is injected:
 - for the server's own outage: the workers restarted, and when the job trained again if it did;
 - for the flapping host: rounds and restarts of the healthy hosts over the whole schedule.
 
+Faults: cut (host c's link down, no FIN), partition (c from the server only, by firewall), server3 and
+server10 (the server's own link down 3 s / 10 s), flap (c's link 7 s down / 8 s up, --flap-duration).
+
 Run: sudo .venv/bin/python benchmarks/bench_faults.py [--repeat 3] [--only cut,partition,...]
-Prints one line per run, then one RESULT line per fault (medians over the runs; `-` = never seen).
+Prints one line per run, then one RESULT line per fault: medians over the runs (`-` = never seen,
+`(k/n)` = seen in k of n runs); for the server's outages, detection is the first node dropped and
+survivors_training_s the job training again at full size; restarts_a_b = the most worker starts on
+host a or b after the fault, runs_restarting_a_b = in how many runs they restarted at all.
 """
 from __future__ import annotations
 
@@ -98,7 +104,8 @@ def main() -> int:
               f"survivors_training_s={median([s.survivors_training_s for s in runs])} "
               f"fencing_s={median([s.fencing_s for s in runs])} rounds={median([float(s.rounds) for s in runs])} "
               f"losses={median([float(s.losses) for s in runs])} "
-              f"restarts_a_b={median([float(w) for w in worst_restarts])}", flush=True)
+              f"restarts_a_b={median([float(w) for w in worst_restarts])} "
+              f"runs_restarting_a_b={sum(1 for w in worst_restarts if w)}/{len(runs)}", flush=True)
     return 0
 
 
