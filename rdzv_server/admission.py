@@ -29,15 +29,18 @@ def check_join(rules: JobRules, req: JoinRequest) -> None:
                               f"{job.job_id!r} by the operator ({job.drained[req.node_id]})")
 
 
-def join(rules: JobRules, req: JoinRequest, now: float, credential: str = "") -> str:
-    """Admit the node (again); returns the credential of a newly made record ("" otherwise)."""
+def join(rules: JobRules, req: JoinRequest, now: float, credential: str = "", via: tuple[str, str] = ("", "")
+         ) -> str:
+    """Admit the node (again); returns the credential of a newly made record ("" otherwise).
+    `via`: (the address the join came from, the server's address it reached), as the shell saw them."""
     check_join(rules, req)
     job = rules.job
     existing = job.nodes.get(req.node_id)
     if existing is not None and credentials.owns(existing, req.credential, req.instance):
         port = req.master_port or existing.master_port
-        if (existing.addr, existing.master_port) != (req.addr, port):
+        if (existing.addr, existing.master_port, existing.seen_from, existing.server_addr) != (req.addr, port, *via):
             existing.addr, existing.master_port = req.addr, port
+            existing.seen_from, existing.server_addr = via
             rules.node_changed(existing.node_id)
         leases.renew(job, existing, now)
         return ""
@@ -53,7 +56,7 @@ def join(rules: JobRules, req: JoinRequest, now: float, credential: str = "") ->
                       role=req.role, local_world_size=req.local_world_size, master_port=req.master_port,
                       state=NodeState.WAITING, joined_at=now, last_seen=now,
                       lease_expires=now + job.config.lease_timeout_s,
-                      credential_digest=credentials.digest(credential))
+                      credential_digest=credentials.digest(credential), seen_from=via[0], server_addr=via[1])
     rules.out.deadline(node.lease_expires)
     if existing is not None:
         # Same node, new agent: its failure history and any exclusion stay with the node id, so

@@ -76,7 +76,9 @@ async def agent_request(request: web.Request) -> web.Response:
     if coord.shutting_down:
         raise RendezvousError(ErrorCode.SHUTTING_DOWN, "server is shutting down; retry shortly")
     req: object = decode_request(cls, await read_body(request))
-    status = await coord.handle(action, job_id, req, request.remote or "")
+    sockname = request.transport.get_extra_info("sockname") if request.transport is not None else None
+    local = str(sockname[0]) if sockname else ""
+    status = await coord.handle(action, job_id, req, request.remote or "", local)
     return web.Response(body=encode(status), content_type=CONTENT_TYPE)
 
 

@@ -33,6 +33,8 @@ class NodeRecord(msgspec.Struct, kw_only=True):
     exclusions: int = 0                # how often it was excluded (cooldown doubles each time)
     excluded_until: float = 0.0
     credential_digest: str = ""        # sha256 of the secret its join was given ("": none was issued)
+    seen_from: str = ""                # the address its join came from (as the server saw it)
+    server_addr: str = ""              # the server's address its join reached
 
 
 class RoundRecord(msgspec.Struct, kw_only=True):

@@ -36,8 +36,6 @@ def first_within(bound_s: float, verdict):
     return found
 
 
-@pytest.mark.xfail(strict=True, raises=MissingBehaviour,
-                   reason="issue 12: a loopback MASTER_ADDR on a multi-host job hangs with no error")
 def test_loopback_endpoint_on_a_multi_host_job_fails_clearly_within_seconds(multihost):
     job = multihost(["a", "b"], server_host="a")
     port = job.start_server(listen="0.0.0.0")       # inside host a's namespace: its lo and eth0 only
@@ -65,9 +63,6 @@ def test_loopback_endpoint_on_a_multi_host_job_fails_clearly_within_seconds(mult
                                f"{exited})\n{job.diagnosis()}")
 
 
-@pytest.mark.xfail(strict=True, raises=MissingBehaviour,
-                   reason="issue 12: with a host name that resolves to loopback, gloo advertises it unless "
-                          "GLOO_SOCKET_IFNAME is set, and the agent does not set it")
 def test_agent_sets_gloo_interface_when_the_host_name_resolves_to_loopback(multihost):
     job = multihost(["a", "b"])
     job.start_server()

@@ -107,3 +107,22 @@ def test_nodes_lost_together_leave_together_in_one_new_round():
     job = rz.jobs["j"]
     assert set(job.nodes) == {"c"} and job.round.round_id == round_id + 1
     assert job.round.members == ["c"] and "2 nodes lost" in job.round.reason
+
+
+def test_a_loopback_rank_0_on_a_multi_host_round_gets_a_reachable_master_addr():
+    rz = Rendezvous()
+    c = JobConfig(min_nodes=2, max_nodes=2, lease_timeout_s=LEASE)
+    # a runs on the server's host and reached it by loopback; b came from another host to 10.0.0.1
+    rz.join("j", JoinRequest(v=1, node_id="a", addr="127.0.0.1", local_world_size=1, master_port=7,
+                             config=c, instance="a"), 1.0, via=("127.0.0.1", "127.0.0.1"))
+    rz.join("j", JoinRequest(v=1, node_id="b", addr="10.0.0.2", local_world_size=1, master_port=8,
+                             config=c, instance="b"), 1.0, via=("10.0.0.2", "10.0.0.1"))
+    job = rz.jobs["j"]
+    assert {a.master_addr for a in job.round.assignments.values()} == {"10.0.0.1"}
+    said = [e.message for e in job.events if e.kind == EventKind.MASTER_ADDR_CORRECTED]
+    assert len(said) == 1 and "--local-addr" in said[0] and "127.0.0.1" in said[0]
+    one_host = Rendezvous()                                   # every node on loopback: nothing to correct
+    for n in ("a", "b"):
+        one_host.join("j", JoinRequest(v=1, node_id=n, addr="127.0.0.1", local_world_size=1, master_port=7,
+                                       config=c, instance=n), 1.0, via=("127.0.0.1", "127.0.0.1"))
+    assert {a.master_addr for a in one_host.jobs["j"].round.assignments.values()} == {"127.0.0.1"}
