@@ -67,12 +67,20 @@ def join(rules: JobRules, req: JoinRequest, now: float, credential: str = "", vi
     rules.node_changed(node.node_id)
     rules.record(now, EventKind.NODE_JOINED, f"node {node.node_id} joined from {node.addr} "
                  f"with {node.local_world_size} workers", node.node_id)
+    why = "its agent restarted"
+    losses, cfg = leases.recent_losses(job, node.node_id, now), job.config
+    if cfg.exclude_lost_after and losses >= cfg.exclude_lost_after:
+        # A host that keeps dropping out would cost every other node a round each way: kept out.
+        hold = min(cfg.exclude_lost_cooldown_s * 2 ** (losses - cfg.exclude_lost_after), cfg.exclude_cooldown_max_s)
+        if now + hold > node.excluded_until:
+            node.excluded_until = now + hold
+            why = f"it was lost {losses} times within {cfg.exclude_window_s:g}s: a flapping host"
     if node.excluded_until > now:
         node.state = NodeState.EXCLUDED
         job.excluded.append(node.node_id)
         rules.out.deadline(node.excluded_until)
-        rules.record(now, EventKind.NODE_EXCLUDED, f"node {node.node_id} stays excluded for "
-                     f"{node.excluded_until - now:g}s (its agent restarted)", node.node_id)
+        rules.record(now, EventKind.NODE_EXCLUDED, f"node {node.node_id} is kept out for "
+                     f"{node.excluded_until - now:g}s ({why})", node.node_id)
     else:
         rules.admit(node, now)
     return credential

@@ -283,6 +283,7 @@ class JobRules:
         members = set(self.members())
         lost = []
         for node in nodes:
+            leases.note_loss(self.job, node.node_id, now)
             message = f"node {node.node_id} lost: {leases.why_lapsed(self.job, node, now)}"
             self.remove(node, now, EventKind.NODE_LOST, message, form=False)
             if node.node_id in members:

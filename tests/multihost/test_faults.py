@@ -114,7 +114,6 @@ def _flapping_host_costs_at_most_3_restarts(job, duration_s: float) -> None:
                                f"(at most 3): {seen.summary()}\n{job.diagnosis()}")
 
 
-@issue12("a flapping node is re-admitted every time: losses count toward no exclusion, no hold-off")
 def test_flapping_host_costs_healthy_hosts_at_most_3_restarts(multihost):
     """Three flaps (45 s): without damping each costs the healthy hosts two rounds (its loss and its
     return), 5 or 6 in all, so this tells damped from undamped in a third of the soak's time."""
@@ -122,6 +121,5 @@ def test_flapping_host_costs_healthy_hosts_at_most_3_restarts(multihost):
 
 
 @pytest.mark.soak
-@issue12("a flapping node is re-admitted every time: losses count toward no exclusion, no hold-off")
 def test_flapping_host_for_2_minutes_costs_healthy_hosts_at_most_3_restarts(multihost):
     _flapping_host_costs_at_most_3_restarts(multihost(["a", "b", "c"]), duration_s=120.0)
