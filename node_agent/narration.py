@@ -9,8 +9,9 @@ import signal
 import sys
 from typing import TextIO
 
-from node_agent.actions import Action, Exit, Rejoin, Spawn
-from node_agent.facts import Fact, ServerRefused, SpawnFailed, StatusReceived, WorkersExited, WorkersHung
+from node_agent.actions import Action, Exit, Rejoin, Spawn, StopWorkers
+from node_agent.facts import (Fact, PeersProbed, ServerRefused, SpawnFailed, StatusReceived, WorkersExited,
+                              WorkersHung)
 from protocol.messages import Assignment, FailureReport, NodeState, NodeStatus, SuccessReport, WorkerFailure
 
 
@@ -21,6 +22,7 @@ class Narrator:
         self.addr = addr                   # the address this node advertises
         self._last_view: tuple[NodeState, int, int] | None = None
         self._said_master = False
+        self._said_peers = False
 
     def say(self, message: str) -> None:
         for line in message.splitlines() or [""]:
@@ -30,6 +32,7 @@ class Narrator:
         """What happened, said before the actions it led to run (failures only when they count)."""
         match fact:
             case StatusReceived(status=status):
+                self._said_peers = False        # the server answers again: a next outage is told anew
                 self._describe(status)
             case ServerRefused(request=request, message=message) if request in (FailureReport, SuccessReport):
                 self.say(f"server rejected the report: {message}")
@@ -39,6 +42,12 @@ class Narrator:
                 self.say(f"{worker(first)} is hung: {first.message}")
             case SpawnFailed(failure=failure) if actions:
                 self.say(f"{worker(failure)} did not start: {failure.message}")
+            case PeersProbed(server_away=False) if actions and isinstance(actions[0], StopWorkers):
+                self.say(actions[0].reason)
+            case PeersProbed(server_away=True) if not self._said_peers:
+                self._said_peers = True
+                self.say("the server does not answer, nor does it answer the round's other nodes: the server "
+                         "itself is away, so the workers keep running")
 
     def action(self, action: Action) -> None:
         """What the agent does, said as it starts doing it."""

@@ -122,6 +122,7 @@ class JoinRequest(_Request, kw_only=True):
     instance: ShortText = ""           # random per agent process: tells a restarted agent from a duplicate
     role: Annotated[str, Meta(min_length=1, max_length=64)] = "default"
     host: ShortText = ""               # host name, for operators and failure summaries
+    probe_port: Port = 0               # where this node's agent answers the others' "are you there?" (0: none)
 
 
 class PollRequest(_Request, kw_only=True):
@@ -165,6 +166,12 @@ class LeaveRequest(_Request, kw_only=True):
 REQUESTS = (JoinRequest, PollRequest, FailureReport, SuccessReport, LeaveRequest)
 
 
+class Witness(msgspec.Struct, kw_only=True, frozen=True):
+    """Another member's agent, to ask "are you there?" (a TCP connect) while the server is silent."""
+    addr: str
+    port: int
+
+
 class Assignment(msgspec.Struct, kw_only=True, frozen=True):
     """What one node runs in one round. The same round id means the same world for every member."""
     round_id: int
@@ -179,6 +186,9 @@ class Assignment(msgspec.Struct, kw_only=True, frozen=True):
     max_restarts: int
     role_rank_offset: int = 0
     role_world_size: int = 0
+    # Up to two other members' agents: reachable while the server is not means the server (or this
+    # node's link to it) is what broke, not this node's network: its workers keep running.
+    witnesses: tuple[Witness, ...] = ()
 
 
 class NodeStatus(msgspec.Struct, kw_only=True):

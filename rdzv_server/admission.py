@@ -38,8 +38,9 @@ def join(rules: JobRules, req: JoinRequest, now: float, credential: str = "", vi
     existing = job.nodes.get(req.node_id)
     if existing is not None and credentials.owns(existing, req.credential, req.instance):
         port = req.master_port or existing.master_port
-        if (existing.addr, existing.master_port, existing.seen_from, existing.server_addr) != (req.addr, port, *via):
-            existing.addr, existing.master_port = req.addr, port
+        if (existing.addr, existing.master_port, existing.seen_from, existing.server_addr, existing.probe_port) != \
+                (req.addr, port, *via, req.probe_port):
+            existing.addr, existing.master_port, existing.probe_port = req.addr, port, req.probe_port
             existing.seen_from, existing.server_addr = via
             rules.node_changed(existing.node_id)
         leases.renew(job, existing, now)
@@ -56,7 +57,8 @@ def join(rules: JobRules, req: JoinRequest, now: float, credential: str = "", vi
                       role=req.role, local_world_size=req.local_world_size, master_port=req.master_port,
                       state=NodeState.WAITING, joined_at=now, last_seen=now,
                       lease_expires=now + job.config.lease_timeout_s,
-                      credential_digest=credentials.digest(credential), seen_from=via[0], server_addr=via[1])
+                      credential_digest=credentials.digest(credential), seen_from=via[0], server_addr=via[1],
+                      probe_port=req.probe_port)
     rules.out.deadline(node.lease_expires)
     if existing is not None:
         # Same node, new agent: its failure history and any exclusion stay with the node id, so

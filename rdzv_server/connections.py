@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
+import struct
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -92,6 +94,22 @@ class ConnectionGuard:
             return await handler(request)
         finally:
             self._busy.discard(protocol)
+
+
+_TCP_INFO_LAST_ACK_RECV = 56      # struct tcp_info (Linux): u32 milliseconds since the last ACK came in
+
+
+def silence_s(request: web.Request) -> float:
+    """How long the client's side of the connection has been silent (no ACK, not even to a keepalive
+    probe): the age of the last evidence that the client is alive. 0 where TCP_INFO is not available."""
+    sock = request.transport.get_extra_info("socket") if request.transport is not None else None
+    if sock is None or not hasattr(socket, "TCP_INFO"):
+        return 0.0
+    try:
+        info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 104)
+        return float(struct.unpack_from("I", info, _TCP_INFO_LAST_ACK_RECV)[0]) / 1000.0
+    except (OSError, struct.error):
+        return 0.0
 
 
 async def read_body(request: web.Request) -> bytes:

@@ -176,11 +176,13 @@ class Coordinator:
                 self._apply()
 
     # -- requests --
-    async def handle(self, action: str, job_id: str, req: object, peer: str = "", local: str = "") -> NodeStatus:
+    async def handle(self, action: str, job_id: str, req: object, peer: str = "", local: str = "",
+                     silence: Callable[[], float] | None = None) -> NodeStatus:
         """One agent request, by its action name (the route's last part); `peer` is the address it came
-        from and `local` the server's address it reached."""
+        from, `local` the server's address it reached, `silence()` how long its connection has been
+        silent (connections.silence_s)."""
         if isinstance(req, PollRequest):
-            return await self.long_poll(job_id, req, peer)
+            return await self.long_poll(job_id, req, peer, silence)
         core = self.core
         calls: dict[str, Callable[[str, Any, float], NodeStatus]] = {
             "join": lambda j, r, now: self._join(j, r, now, (peer, local)), "failure": core.report_failure,
@@ -226,7 +228,8 @@ class Coordinator:
         base = min(max(self.core.node_count / TARGET_POLL_RATE, status.lease_timeout_s / 2), MAX_HOLD_S)
         return min(wait_s, base * random.uniform(0.8, 1.0))
 
-    async def long_poll(self, job_id: str, req: PollRequest, peer: str = "") -> NodeStatus:
+    async def long_poll(self, job_id: str, req: PollRequest, peer: str = "",
+                        silence: Callable[[], float] | None = None) -> NodeStatus:
         """Answer when this node's view changes or its hold ends; meanwhile the open poll is its lease."""
         held = self._polls_by_peer.get(peer, 0)
         if self.max_polls_per_peer and held >= self.max_polls_per_peer:
@@ -262,7 +265,8 @@ class Coordinator:
             if left:
                 self._polls_by_peer[peer] = left
             if not dropped:
-                self.core.poll_ended(job_id, req.node_id, self.clock())
+                now = self.clock()
+                self.core.poll_ended(job_id, req.node_id, now, now - silence() if silence is not None else now)
                 self._apply()
         if self.shutting_down:
             raise RendezvousError(ErrorCode.SHUTTING_DOWN, "server is shutting down; retry shortly")

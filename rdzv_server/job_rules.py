@@ -69,11 +69,12 @@ class JobRules:
             else:
                 leases.renew(self.job, node, now)
 
-    def poll_ended(self, node_id: str, now: float) -> None:
-        """The server answered a long-poll of the node (it no longer holds it)."""
+    def poll_ended(self, node_id: str, now: float, heard_at: float | None = None) -> None:
+        """The server answered a long-poll of the node (it no longer holds it); `heard_at`: the last
+        sign of life on its connection."""
         node = self.job.nodes.get(node_id)
         if node is not None:
-            leases.release(self.job, node, now, self.out)
+            leases.release(self.job, node, now, self.out, heard_at)
 
     def report_failure(self, req: FailureReport, now: float) -> str:
         """Count a failure of the running round; returns why it was not acted on ("" when it was)."""

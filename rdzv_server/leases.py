@@ -42,10 +42,13 @@ def hold(job: JobRecord, node: NodeRecord, now: float) -> None:
     node.holding += 1
 
 
-def release(job: JobRecord, node: NodeRecord, now: float, out: Outbox) -> None:
-    """A held long-poll was answered: the lease runs again, from now."""
+def release(job: JobRecord, node: NodeRecord, now: float, out: Outbox, heard_at: float | None = None) -> None:
+    """A held long-poll was answered: the lease runs again, from the last evidence that the node was
+    alive (`heard_at`: its connection's last ACK, a keepalive probe's answer included), not from the
+    answer itself, which says nothing about the node: a host cut off during the hold is still found
+    within a lease of the cut."""
     node.holding = max(0, node.holding - 1)
-    renew(job, node, now)
+    renew(job, node, max(node.last_seen, min(now, heard_at if heard_at is not None else now)))
     if node.holding == 0:
         out.deadline(node.lease_expires)
 

@@ -34,6 +34,7 @@ class NodeRecord(msgspec.Struct, kw_only=True):
     excluded_until: float = 0.0
     credential_digest: str = ""        # sha256 of the secret its join was given ("": none was issued)
     seen_from: str = ""                # the address its join came from (as the server saw it)
+    probe_port: int = 0                # where its agent answers other agents' probes (0: none)
     server_addr: str = ""              # the server's address its join reached
 
 

@@ -133,11 +133,12 @@ class Rendezvous:
         rules.poll(req, now, hold=True)
         return rules.view(req.node_id, now)
 
-    def poll_ended(self, job_id: str, node_id: str, now: float) -> None:
-        """A held poll was answered: the node's lease runs again, from now."""
+    def poll_ended(self, job_id: str, node_id: str, now: float, heard_at: float | None = None) -> None:
+        """A held poll was answered: the node's lease runs again, from `heard_at` (the last sign of life
+        on its connection; leases.py)."""
         job = self.jobs.get(job_id)
         if job is not None:
-            JobRules(job, self.outbox).poll_ended(node_id, now)
+            JobRules(job, self.outbox).poll_ended(node_id, now, heard_at)
 
     def report_failure(self, job_id: str, req: FailureReport, now: float) -> NodeStatus:
         rules = self.rules(job_id)

@@ -54,7 +54,6 @@ def test_server_link_down_restarts_no_worker(multihost, outage_s):
         assert {r["pid"] for r in job.records(host) if r["t"] >= seen.t0} == {pid}, job.diagnosis()
 
 
-@issue12("a cut-off agent keeps its workers until --server-wait runs out (no fencing)")
 def test_cut_off_host_is_dropped_and_its_workers_fenced(multihost):
     job = multihost(["a", "b", "c"])
     start_training(job, ["a", "b", "c"])
@@ -70,7 +69,6 @@ def test_cut_off_host_is_dropped_and_its_workers_fenced(multihost):
                                f"{seen.summary()}\n{job.diagnosis()}")
 
 
-@issue12("an agent that cannot reach the server keeps its workers until --server-wait runs out (no fencing)")
 def test_host_partitioned_from_server_is_dropped_fenced_and_rejoins(multihost):
     job = multihost(["a", "b", "c"])
     start_training(job, ["a", "b", "c"])
