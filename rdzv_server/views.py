@@ -154,7 +154,9 @@ def job_events(job: JobRecord, after: int | None = None, limit: int = MAX_EVENTS
 def ordered_jobs(core: Rendezvous) -> list[JobRecord]:
     """Every job in the views' order: unfinished ones first (forming before running, then by id),
     then finished ones, newest first (then by id)."""
-    forming, running, finished = [], [], []
+    forming: list[JobRecord] = []
+    running: list[JobRecord] = []
+    finished: list[JobRecord] = []
     for job in core.jobs.values():
         (forming if job.state == JobState.WAITING else running if job.state == JobState.RUNNING
          else finished).append(job)
