@@ -3,8 +3,9 @@ running 10,000-node job, built with the rendezvous core directly (no agents).
 
 For each view: the time to build the document and encode it (json.dumps, as the JSON routes do; the
 HTML string for the page), median and max of --repeat runs, and the size of the answer; then the
-same routes over HTTP (aiohttp's test server in this process, the server's real app), median.
-Run: .venv/bin/python benchmarks/bench_views.py [--jobs 20000] [--nodes 10000] [--repeat 20]
+same routes over HTTP (aiohttp's test server in this process, the server's real app), median; then
+how long /healthz waits while two clients fetch `/` and `/v1/status` back to back.
+Run: .venv/bin/python benchmarks/bench_views.py [--jobs 20000] [--nodes 10000] [--repeat 20] [--busy 5]
 """
 from __future__ import annotations
 
@@ -61,23 +62,48 @@ def timed(make: Callable[[], str], repeat: int) -> tuple[float, float, int]:
     return statistics.median(times) * 1000, max(times) * 1000, size
 
 
-async def over_http(core: Rendezvous, now: float, paths: list[str], repeat: int) -> dict[str, float]:
+async def over_http(core: Rendezvous, now: float, paths: list[str], repeat: int,
+                    busy_s: float) -> tuple[dict[str, float], list[float], int]:
+    """Median time of each path over HTTP; then /healthz latencies (ms) probed every 20 ms while two
+    clients fetch `/` and `/v1/status` back to back for `busy_s` (how long the views hold the loop)."""
     client = TestClient(TestServer(create_app(Coordinator(core, clock=lambda: now)), host="127.0.0.1"))
     await client.start_server()
     out = {}
+
+    async def fetch(path: str) -> None:
+        async with client.get(path) as resp:
+            await resp.read()
+            assert resp.status == 200, (path, resp.status)
+
     try:
         for path in paths:
             times = []
             for _ in range(repeat):
                 t0 = time.perf_counter()
-                async with client.get(path) as resp:
-                    await resp.read()
-                    assert resp.status == 200, (path, resp.status)
+                await fetch(path)
                 times.append(time.perf_counter() - t0)
             out[path] = statistics.median(times) * 1000
+        stop = time.perf_counter() + busy_s
+        served = [0]
+
+        async def hammer(path: str) -> None:
+            while time.perf_counter() < stop:
+                await fetch(path)
+                served[0] += 1
+
+        async def probe() -> list[float]:
+            waits = []
+            while time.perf_counter() < stop:
+                t0 = time.perf_counter()
+                await fetch("/healthz")
+                waits.append((time.perf_counter() - t0) * 1000)
+                await asyncio.sleep(0.02)
+            return waits
+
+        *_, health = await asyncio.gather(hammer("/"), hammer("/v1/status"), probe())
     finally:
         await client.close()
-    return out
+    return out, health, served[0]
 
 
 def main() -> None:
@@ -85,6 +111,7 @@ def main() -> None:
     ap.add_argument("--jobs", type=int, default=20_000)
     ap.add_argument("--nodes", type=int, default=10_000)
     ap.add_argument("--repeat", type=int, default=20)
+    ap.add_argument("--busy", type=float, default=5.0, help="seconds of back-to-back views for the /healthz probe")
     args = ap.parse_args()
     t0 = time.perf_counter()
     core, now = build(args.jobs, args.nodes)
@@ -108,9 +135,12 @@ def main() -> None:
     ]
     print(f"{'view':48} {'median ms':>10} {'max ms':>8} {'bytes':>10} {'HTTP ms':>8}")
     rendered = [(name, path, *timed(make, args.repeat)) for name, path, make in cases]
-    http = asyncio.run(over_http(core, now, [path for _, path, *_ in rendered], args.repeat))
+    http, health, served = asyncio.run(over_http(core, now, [path for _, path, *_ in rendered], args.repeat,
+                                                 args.busy))
     for name, path, median, worst, size in rendered:
         print(f"{name:48} {median:10.1f} {worst:8.1f} {size:10,} {http[path]:8.1f}")
+    print(f"/healthz while / and /v1/status were fetched back to back for {args.busy:g}s ({served} views): "
+          f"median {statistics.median(health):.1f} ms, max {max(health):.1f} ms over {len(health)} probes")
 
 
 if __name__ == "__main__":
