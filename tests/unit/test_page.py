@@ -177,6 +177,7 @@ def test_client_strings_are_escaped_everywhere():
                                        role="default", local_world_size=1, master_port=1, state=NodeState.SPARE,
                                        joined_at=T, last_seen=T, lease_expires=T + 100)
     job.spares.append("<script>")
+    job.drained["<script>drained"] = '<img src=y onerror="alert(4)">'
     job.record(Event(t=T + 4, seq=0, kind=EventKind.NODE_LEFT, message="</td></tr></table><script>x()</script>",
                      node_id="<script>", data={"k<i>": "v<i>"}))
 
@@ -191,6 +192,7 @@ def test_client_strings_are_escaped_everywhere():
     assert HOSTILE in m.text and '<img src=x onerror="alert(2)">' in m.text
     assert "</td></tr></table><script>x()</script>" in m.text and "k<i> v<i>" in m.text
     assert f"#1 <script> {HOSTILE} <b>addr</b>" in m.text, m.text
+    assert '<script>drained <img src=y onerror="alert(4)">' in m.text, m.text
     assert "No job <script>alert(3)</script> on this server" in Markup(
         page.not_found_page(rz, "<script>alert(3)</script>", T)).text
 
