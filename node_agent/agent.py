@@ -20,6 +20,7 @@ from typing import TextIO
 
 from node_agent.actions import Action, Exit, Leave, Rejoin, ReportFailure, ReportSuccess, Spawn, StopWorkers
 from node_agent.facts import DeadlinePassed, Fact, SignalReceived
+from node_agent.interfaces import gloo_interface
 from node_agent.local_workers import GroupFactory, LocalWorkers, process_group
 from node_agent.narration import Narrator
 from node_agent.options import AgentOptions
@@ -42,7 +43,7 @@ class Agent:
         self.facts: asyncio.Queue[Fact | BaseException] = asyncio.Queue()   # or what broke a source
         self.policy = SupervisionPolicy(server_wait_s=max(opts.server_wait, opts.job.lease_timeout_s),
                                         lease_timeout_s=opts.job.lease_timeout_s)
-        self.narrator = Narrator(opts.node_id, console)
+        self.narrator = Narrator(opts.node_id, console, addr)
         self.workers = LocalWorkers(opts, self.facts.put_nowait, hostname=self.hostname, clock=self.now,
                                     make_group=make_group)
         self._signal_count = 0
@@ -69,6 +70,10 @@ class Agent:
             await self.workers.close()
 
     async def _run(self, link: ServerLink) -> int:
+        chosen = gloo_interface(self.addr, os.environ)
+        if chosen is not None:     # workers inherit the agent's environment
+            os.environ["GLOO_SOCKET_IFNAME"] = chosen[0]
+            self.narrator.say(chosen[1])
         link.rejoin()
         while self._exit is None:
             fact = await self._next_fact()

@@ -15,10 +15,12 @@ from protocol.messages import Assignment, FailureReport, NodeState, NodeStatus, 
 
 
 class Narrator:
-    def __init__(self, node_id: str, console: TextIO | None = None) -> None:
+    def __init__(self, node_id: str, console: TextIO | None = None, addr: str = "") -> None:
         self.node_id = node_id
         self.console = console
+        self.addr = addr                   # the address this node advertises
         self._last_view: tuple[NodeState, int, int] | None = None
+        self._said_master = False
 
     def say(self, message: str) -> None:
         for line in message.splitlines() or [""]:
@@ -43,6 +45,11 @@ class Narrator:
         match action:
             case Spawn(assignment=a):
                 self.say(round_line(a))
+                if a.group_rank == 0 and a.master_addr != self.addr and not self._said_master and self.addr:
+                    self._said_master = True
+                    self.say(f"this node advertises {self.addr}, which the other hosts cannot reach (a loopback "
+                             f"address: it reached the server by loopback); the server gives them MASTER_ADDR "
+                             f"{a.master_addr} instead. Start this agent with --local-addr ADDR to choose it.")
             case Rejoin(reason=reason):
                 self.say(f"rejoining: {reason}")
             case Exit(message=message):
@@ -57,12 +64,14 @@ class Narrator:
         if view == self._last_view:
             return
         self._last_view = view
+        # The status's reason is the job's latest news, not necessarily about this node: say whose it is.
+        news = f" (job {status.job_id}: {status.reason})" if status.reason else ""
         if status.node_state == NodeState.SPARE:
-            self.say(f"job is at max nodes: waiting as spare #{status.spare_position + 1}")
+            self.say(f"job is at max nodes: waiting as spare #{status.spare_position + 1}{news}")
         elif status.node_state == NodeState.EXCLUDED:
-            self.say(f"node excluded for {status.excluded_for_s:.0f}s more: {status.reason}")
+            self.say(f"this node is excluded for {status.excluded_for_s:.0f}s more{news}")
         elif status.node_state == NodeState.WAITING:
-            self.say(f"waiting for the next round: {status.reason or 'collecting nodes'}")
+            self.say(f"waiting for the next round{news or ': collecting nodes'}")
 
 
 def round_line(a: Assignment) -> str:

@@ -154,6 +154,12 @@ _FLAGS: list[tuple[tuple[str, ...], str, str | None, str]] = [
      "window for counting a node's failures; default {default:g}"),
     (("--exclude-cooldown", "--exclude_cooldown"), "exclude_cooldown_s", "S",
      "first exclusion's length, doubling each time up to {cooldown_max:g} s; default {default:g}"),
+    (("--exclude-lost-after", "--exclude_lost_after"), "exclude_lost_after", "K",
+     "keep a node out when it was lost K times within --exclude-window (a flapping host); 0 never; "
+     "default {default}"),
+    (("--exclude-lost-cooldown", "--exclude_lost_cooldown"), "exclude_lost_cooldown_s", "S",
+     "how long such a node is kept out the first time, doubling each time up to {cooldown_max:g} s; "
+     "default {default:g}"),
 ]
 _JOB_DEFAULTS: dict[str, Any] = {f.name: f.default for f in msgspec.structs.fields(JobConfig)}
 _AGENT_DEFAULTS: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(AgentOptions)}

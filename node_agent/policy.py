@@ -138,9 +138,11 @@ class SupervisionPolicy:
         if status.job_state.finished:
             return self._finish(status)
         if status.node_state == NodeState.GONE:
-            actions += self._stop(f"the server no longer counts this node ({status.reason or 'lease lost'})")
+            # The reason is the job's latest news (maybe about another node): said as the job's.
+            news = f" (job {status.job_id}: {status.reason})" if status.reason else ""
+            actions += self._stop("the server no longer counts this node")
             self.running_round = -1
-            return actions + [Rejoin(status.reason or "node no longer part of the job")]
+            return actions + [Rejoin(f"the server no longer counts this node{news}")]
         if status.node_state == NodeState.MEMBER and status.assignment is not None:
             a = status.assignment
             if a.round_id != self.running_round:

@@ -87,6 +87,8 @@ class JobConfig(msgspec.Struct, kw_only=True, frozen=True):
     exclude_window_s: PositiveSeconds = 600.0
     exclude_cooldown_s: Seconds = 60.0   # ... exclude it this long, doubling each time
     exclude_cooldown_max_s: Seconds = 3600.0
+    exclude_lost_after: Annotated[int, Meta(ge=0, le=1000)] = 2   # losses of one node within exclude_window_s ...
+    exclude_lost_cooldown_s: Seconds = 300.0   # ... keep it out this long when it comes back (a flapping host)
 
     def __post_init__(self) -> None:
         _check(self.max_nodes >= self.min_nodes, "max_nodes",

@@ -29,15 +29,18 @@ def check_join(rules: JobRules, req: JoinRequest) -> None:
                               f"{job.job_id!r} by the operator ({job.drained[req.node_id]})")
 
 
-def join(rules: JobRules, req: JoinRequest, now: float, credential: str = "") -> str:
-    """Admit the node (again); returns the credential of a newly made record ("" otherwise)."""
+def join(rules: JobRules, req: JoinRequest, now: float, credential: str = "", via: tuple[str, str] = ("", "")
+         ) -> str:
+    """Admit the node (again); returns the credential of a newly made record ("" otherwise).
+    `via`: (the address the join came from, the server's address it reached), as the shell saw them."""
     check_join(rules, req)
     job = rules.job
     existing = job.nodes.get(req.node_id)
     if existing is not None and credentials.owns(existing, req.credential, req.instance):
         port = req.master_port or existing.master_port
-        if (existing.addr, existing.master_port) != (req.addr, port):
+        if (existing.addr, existing.master_port, existing.seen_from, existing.server_addr) != (req.addr, port, *via):
             existing.addr, existing.master_port = req.addr, port
+            existing.seen_from, existing.server_addr = via
             rules.node_changed(existing.node_id)
         leases.renew(job, existing, now)
         return ""
@@ -53,7 +56,7 @@ def join(rules: JobRules, req: JoinRequest, now: float, credential: str = "") ->
                       role=req.role, local_world_size=req.local_world_size, master_port=req.master_port,
                       state=NodeState.WAITING, joined_at=now, last_seen=now,
                       lease_expires=now + job.config.lease_timeout_s,
-                      credential_digest=credentials.digest(credential))
+                      credential_digest=credentials.digest(credential), seen_from=via[0], server_addr=via[1])
     rules.out.deadline(node.lease_expires)
     if existing is not None:
         # Same node, new agent: its failure history and any exclusion stay with the node id, so
@@ -64,12 +67,20 @@ def join(rules: JobRules, req: JoinRequest, now: float, credential: str = "") ->
     rules.node_changed(node.node_id)
     rules.record(now, EventKind.NODE_JOINED, f"node {node.node_id} joined from {node.addr} "
                  f"with {node.local_world_size} workers", node.node_id)
+    why = "its agent restarted"
+    losses, cfg = leases.recent_losses(job, node.node_id, now), job.config
+    if cfg.exclude_lost_after and losses >= cfg.exclude_lost_after:
+        # A host that keeps dropping out would cost every other node a round each way: kept out.
+        hold = min(cfg.exclude_lost_cooldown_s * 2 ** (losses - cfg.exclude_lost_after), cfg.exclude_cooldown_max_s)
+        if now + hold > node.excluded_until:
+            node.excluded_until = now + hold
+            why = f"it was lost {losses} times within {cfg.exclude_window_s:g}s: a flapping host"
     if node.excluded_until > now:
         node.state = NodeState.EXCLUDED
         job.excluded.append(node.node_id)
         rules.out.deadline(node.excluded_until)
-        rules.record(now, EventKind.NODE_EXCLUDED, f"node {node.node_id} stays excluded for "
-                     f"{node.excluded_until - now:g}s (its agent restarted)", node.node_id)
+        rules.record(now, EventKind.NODE_EXCLUDED, f"node {node.node_id} is kept out for "
+                     f"{node.excluded_until - now:g}s ({why})", node.node_id)
     else:
         rules.admit(node, now)
     return credential

@@ -12,6 +12,7 @@ from protocol.errors import HTTP_STATUS, RETRYABLE, ErrorCode, unknown_job
 from protocol.messages import ErrorReply
 from rdzv_server import admin, page, views
 from rdzv_server.access import ACCESS, Access, access_middleware
+from rdzv_server.connections import read_body
 from rdzv_server.coordinator import Coordinator
 from rdzv_server.metrics import METRICS, ServerMetrics, metrics_endpoint, metrics_middleware
 from rdzv_server.records import MAX_EVENTS_PER_JOB, JobRecord
@@ -75,8 +76,10 @@ async def agent_request(request: web.Request) -> web.Response:
     job_id = job_id_of(request)
     if coord.shutting_down:
         raise RendezvousError(ErrorCode.SHUTTING_DOWN, "server is shutting down; retry shortly")
-    req: object = decode_request(cls, await request.read())
-    status = await coord.handle(action, job_id, req, request.remote or "")
+    req: object = decode_request(cls, await read_body(request))
+    sockname = request.transport.get_extra_info("sockname") if request.transport is not None else None
+    local = str(sockname[0]) if sockname else ""
+    status = await coord.handle(action, job_id, req, request.remote or "", local)
     return web.Response(body=encode(status), content_type=CONTENT_TYPE)
 
 

@@ -176,20 +176,22 @@ class Coordinator:
                 self._apply()
 
     # -- requests --
-    async def handle(self, action: str, job_id: str, req: object, peer: str = "") -> NodeStatus:
-        """One agent request, by its action name (the route's last part); `peer` is its address."""
+    async def handle(self, action: str, job_id: str, req: object, peer: str = "", local: str = "") -> NodeStatus:
+        """One agent request, by its action name (the route's last part); `peer` is the address it came
+        from and `local` the server's address it reached."""
         if isinstance(req, PollRequest):
             return await self.long_poll(job_id, req, peer)
         core = self.core
         calls: dict[str, Callable[[str, Any, float], NodeStatus]] = {
-            "join": self._join, "failure": core.report_failure, "success": core.report_success, "leave": core.leave}
+            "join": lambda j, r, now: self._join(j, r, now, (peer, local)), "failure": core.report_failure,
+            "success": core.report_success, "leave": core.leave}
         status = self.call(job_id, calls[action], req)
         await self._durable(job_id)
         return status
 
-    def _join(self, job_id: str, req: JoinRequest, now: float) -> NodeStatus:
+    def _join(self, job_id: str, req: JoinRequest, now: float, via: tuple[str, str]) -> NodeStatus:
         # A fresh secret per join: the core keeps it only if the join makes a new node record.
-        return self.core.join(job_id, req, now, secrets.token_urlsafe(24))
+        return self.core.join(job_id, req, now, secrets.token_urlsafe(24), via)
 
     async def operate(self, action: str, job_id: str, *args: Any) -> JobRecord:
         """An operator action (see operator_rules.py): close, drain, clear_exclusion or resize."""

@@ -37,7 +37,7 @@ from rdzv_server.events import REMOVAL_CAUSE, EventKind, RoundCause
 from rdzv_server.outbox import Outbox
 from rdzv_server.records import Event, JobRecord, NodeRecord
 from rdzv_server.rounds import (build_round, candidates, count_nodes, deadlines, describe, growth_cause,
-                                node_status)
+                                master_address, node_status)
 
 DROP_GRACE_S = leases.DROP_GRACE_S
 MAX_FAILURE_EVENTS = 8       # worker_failed events one report records; the rest are summed up in one more
@@ -259,6 +259,9 @@ class JobRules:
         opened = job.forming_since if job.forming_since is not None else now
         job.last_round_id += 1
         job.round = build_round(job, chosen, job.last_round_id, opened, now, why)
+        _, corrected = master_address([job.nodes[n] for n in chosen])
+        if corrected:
+            self.record(now, EventKind.MASTER_ADDR_CORRECTED, corrected, chosen[0], job.last_round_id)
         job.state = JobState.RUNNING
         job.waiting, job.spares = [], rest
         for nid in chosen:
@@ -280,6 +283,7 @@ class JobRules:
         members = set(self.members())
         lost = []
         for node in nodes:
+            leases.note_loss(self.job, node.node_id, now)
             message = f"node {node.node_id} lost: {leases.why_lapsed(self.job, node, now)}"
             self.remove(node, now, EventKind.NODE_LOST, message, form=False)
             if node.node_id in members:

@@ -25,6 +25,8 @@ from rdzv_server.records import JobRecord, NodeRecord
 DROP_GRACE_S = 1.0
 QUIET_S = 4.0
 OUTAGE_LIMIT_S = 60.0
+MAX_LOSS_HISTORY = 1000      # nodes whose losses a job remembers
+MAX_LOSSES_KEPT = 32         # losses remembered per node
 
 
 def renew(job: JobRecord, node: NodeRecord, now: float) -> None:
@@ -82,6 +84,21 @@ def extend(job: JobRecord, nodes: list[NodeRecord], now: float, by: float, out: 
         node.dropped = False
         node.lease_expires = now + by
     out.deadline(now + by)
+
+
+def note_loss(job: JobRecord, node_id: str, now: float) -> None:
+    """Remember when a node was lost (its record is gone): a host that keeps dropping out is kept
+    out when it comes back (admission.py), so it cannot cost every other node a round each way."""
+    window = job.config.exclude_window_s
+    history = job.loss_times
+    history[node_id] = [t for t in history.get(node_id, []) if t > now - window][-MAX_LOSSES_KEPT:] + [now]
+    if len(history) > MAX_LOSS_HISTORY:          # bounded: the nodes lost longest ago are forgotten
+        for old in sorted(history, key=lambda n: history[n][-1])[: len(history) - MAX_LOSS_HISTORY]:
+            del history[old]
+
+
+def recent_losses(job: JobRecord, node_id: str, now: float) -> int:
+    return sum(t > now - job.config.exclude_window_s for t in job.loss_times.get(node_id, []))
 
 
 def why_lapsed(job: JobRecord, node: NodeRecord, now: float) -> str:

@@ -161,13 +161,9 @@ class Persister:
                         del self._inflight[job_id]
 
     async def _roll_back(self, job_ids: list[str], futs: dict[str, asyncio.Future[None]], why: str) -> None:
-        """Refuse the replies waiting on `job_ids` and put those jobs back as last committed."""
-        error = StoreUnavailable(why)
-        for job_id in job_ids:
-            for fut in (futs.get(job_id), self._next.pop(job_id, None)):
-                if fut is not None and not fut.done():
-                    fut.set_exception(error)
-            self._forget(job_id)
+        """Put `job_ids` back as last committed, then refuse the replies waiting on them (so a refusal
+        means the change is already gone). Changes noted meanwhile were built on the refused ones:
+        refused with them."""
         loop = asyncio.get_running_loop()
         while True:
             try:
@@ -177,9 +173,14 @@ class Persister:
             except Exception as exc:     # the store cannot even be read: keep trying, the state is held
                 log.error("state store cannot be read back (%s); retrying", exc)
                 await asyncio.sleep(RETRY_AFTER_S)   # a retry pause, not a synchronisation wait
-        if self.on_rollback is not None:
-            for job_id, job in saved.items():
-                self.on_rollback(job_id, job)
+        error = StoreUnavailable(why)
+        for job_id in job_ids:
+            if self.on_rollback is not None:
+                self.on_rollback(job_id, saved[job_id])
+            for fut in (futs.get(job_id), self._next.pop(job_id, None)):
+                if fut is not None and not fut.done():
+                    fut.set_exception(error)
+            self._forget(job_id)
 
     def _read_back(self, job_ids: list[str]) -> dict[str, JobRecord | None]:
         assert self.store is not None

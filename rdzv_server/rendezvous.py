@@ -67,7 +67,8 @@ class Rendezvous:
 
     # ---- requests -------------------------------------------------------------------------
 
-    def join(self, job_id: str, req: JoinRequest, now: float, credential: str = "") -> NodeStatus:
+    def join(self, job_id: str, req: JoinRequest, now: float, credential: str = "",
+             via: tuple[str, str] = ("", "")) -> NodeStatus:
         """Admit a node; `credential` is the secret a newly made node record gets (the shell makes it)."""
         self._heard(now)
         job = self.jobs.get(job_id)
@@ -88,7 +89,7 @@ class Rendezvous:
                 admission.check_join(rules, req)   # a refusal for what was asked comes before one for room
                 self._check_room(job, now)
         with self._counting(rules.job):
-            issued = admission.join(rules, req, now, credential)
+            issued = admission.join(rules, req, now, credential, via)
         status = rules.view(req.node_id, now)
         status.credential = issued
         return status

@@ -6,11 +6,12 @@ group-rank-0 node published: its worker rank 0 hosts the store.
 """
 from __future__ import annotations
 
+import ipaddress
 from collections.abc import Iterable
 
 from protocol.messages import Assignment, JobState, NodeState, NodeStatus, WorkerFailure
 from rdzv_server.events import RoundCause
-from rdzv_server.records import JobRecord, RoundRecord
+from rdzv_server.records import JobRecord, NodeRecord, RoundRecord
 
 
 def build_round(job: JobRecord, members: list[str], round_id: int, opened_at: float, now: float,
@@ -20,6 +21,7 @@ def build_round(job: JobRecord, members: list[str], round_id: int, opened_at: fl
     role_sizes: dict[str, int] = {}
     for n in nodes:
         role_sizes[n.role] = role_sizes.get(n.role, 0) + n.local_world_size
+    master_addr, _ = master_address(nodes)
     master = nodes[0]
     assignments: dict[str, Assignment] = {}
     offset = 0
@@ -28,7 +30,7 @@ def build_round(job: JobRecord, members: list[str], round_id: int, opened_at: fl
         role_offset = role_offsets.get(n.role, 0)
         assignments[n.node_id] = Assignment(
             round_id=round_id, group_rank=group_rank, group_world_size=len(nodes), rank_offset=offset,
-            world_size=world_size, local_world_size=n.local_world_size, master_addr=master.addr,
+            world_size=world_size, local_world_size=n.local_world_size, master_addr=master_addr,
             master_port=master.master_port, restart_count=job.restart_count,
             max_restarts=job.config.max_restarts, role_rank_offset=role_offset,
             role_world_size=role_sizes[n.role])
@@ -37,6 +39,34 @@ def build_round(job: JobRecord, members: list[str], round_id: int, opened_at: fl
     return RoundRecord(round_id=round_id, members=list(members), assignments=assignments, opened_at=opened_at,
                        completed_at=now, reason=reason, world_size=world_size,
                        restart_count=job.restart_count)
+
+
+def master_address(nodes: list[NodeRecord]) -> tuple[str, str]:
+    """(MASTER_ADDR for these members, why it is not the group-rank-0 node's own `addr`, or "").
+
+    A node that advertises a loopback address (its agent reached the server by 127.0.0.1) is
+    unreachable from the other hosts of the round: they would look for the store on their own
+    loopback and hang. Then the address its join came from stands in, or, when that is loopback
+    too (it runs on the server's own host), the server's address the other hosts reached.
+    """
+    master = nodes[0]
+    if not _loopback(master.addr) or all(_loopback(n.addr) and _loopback(n.seen_from or n.addr) for n in nodes):
+        return master.addr, ""
+    if master.seen_from and not _loopback(master.seen_from):
+        better = master.seen_from
+    else:
+        better = next((n.server_addr for n in nodes if n.server_addr and not _loopback(n.server_addr)), "")
+    if not better:
+        return master.addr, ""
+    return better, (f"node {master.node_id} advertises the loopback address {master.addr}, which the other hosts "
+                    f"cannot reach; MASTER_ADDR is {better} instead (start its agent with --local-addr to choose)")
+
+
+def _loopback(addr: str) -> bool:
+    try:
+        return ipaddress.ip_address(addr.split("%", 1)[0]).is_loopback
+    except ValueError:
+        return addr == "localhost"
 
 
 def candidates(job: JobRecord) -> list[str]:

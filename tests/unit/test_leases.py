@@ -107,3 +107,67 @@ def test_nodes_lost_together_leave_together_in_one_new_round():
     job = rz.jobs["j"]
     assert set(job.nodes) == {"c"} and job.round.round_id == round_id + 1
     assert job.round.members == ["c"] and "2 nodes lost" in job.round.reason
+
+
+def test_a_loopback_rank_0_on_a_multi_host_round_gets_a_reachable_master_addr():
+    rz = Rendezvous()
+    c = JobConfig(min_nodes=2, max_nodes=2, lease_timeout_s=LEASE)
+    # a runs on the server's host and reached it by loopback; b came from another host to 10.0.0.1
+    rz.join("j", JoinRequest(v=1, node_id="a", addr="127.0.0.1", local_world_size=1, master_port=7,
+                             config=c, instance="a"), 1.0, via=("127.0.0.1", "127.0.0.1"))
+    rz.join("j", JoinRequest(v=1, node_id="b", addr="10.0.0.2", local_world_size=1, master_port=8,
+                             config=c, instance="b"), 1.0, via=("10.0.0.2", "10.0.0.1"))
+    job = rz.jobs["j"]
+    assert {a.master_addr for a in job.round.assignments.values()} == {"10.0.0.1"}
+    said = [e.message for e in job.events if e.kind == EventKind.MASTER_ADDR_CORRECTED]
+    assert len(said) == 1 and "--local-addr" in said[0] and "127.0.0.1" in said[0]
+    one_host = Rendezvous()                                   # every node on loopback: nothing to correct
+    for n in ("a", "b"):
+        one_host.join("j", JoinRequest(v=1, node_id=n, addr="127.0.0.1", local_world_size=1, master_port=7,
+                                       config=c, instance=n), 1.0, via=("127.0.0.1", "127.0.0.1"))
+    assert {a.master_addr for a in one_host.jobs["j"].round.assignments.values()} == {"127.0.0.1"}
+
+
+def test_a_flapping_host_is_kept_out_so_it_costs_the_others_at_most_three_rounds_in_five_minutes():
+    c = JobConfig(min_nodes=2, max_nodes=3, last_call_s=0.0, lease_timeout_s=LEASE, join_timeout_s=1e4)
+    rz = Rendezvous()
+
+    def join(n: str, t: float, instance: str) -> None:
+        rz.join("j", JoinRequest(v=1, node_id=n, addr="10.0.0.1", local_world_size=1, master_port=1, config=c,
+                                 instance=instance), t)
+
+    for n in ("a", "b", "c"):
+        join(n, 0.0, n)
+    job = rz.jobs["j"]
+    first_round = job.round.round_id
+    t, flaps = 0.0, 0
+    while t < 300.0:                  # c: 7 s cut off (its lease lapses), 8 s back, again and again
+        down_at = t
+        while t < down_at + 7.0:
+            t += 1.0
+            for n in ("a", "b"):
+                poll(rz, n, t)
+            rz.tick(t)
+        flaps += 1
+        join("c", t, f"c{flaps}")     # its agent reconnects (the old record was lost)
+        while t < down_at + 15.0:
+            t += 1.0
+            for n in ("a", "b", "c"):
+                if n in job.nodes:
+                    poll(rz, n, t)
+            rz.tick(t)
+    rounds = job.round.round_id - first_round
+    assert rounds <= 3, [e.message for e in job.events if e.kind == "round_completed"]
+    kept_out = [e.message for e in job.events if e.kind == EventKind.NODE_EXCLUDED]
+    assert kept_out and "flapping" in kept_out[0] and "c" not in job.round.members
+
+
+def test_a_single_loss_is_forgiven_at_once():
+    rz = job_with("a", "b", "c")
+    for t in (2.0, 4.0):
+        poll(rz, "b", t)
+        poll(rz, "c", t)
+    rz.tick(LEASE)                                # a lost once
+    rz.join("j", JoinRequest(v=1, node_id="a", addr="10.0.0.1", local_world_size=1, master_port=1, config=CFG,
+                             instance="a2"), 6.0)
+    assert rz.jobs["j"].nodes["a"].state != "excluded"

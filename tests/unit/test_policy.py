@@ -109,7 +109,9 @@ def test_becoming_a_spare_or_waiting_stops_our_workers() -> None:
 def test_gone_means_stop_and_rejoin() -> None:
     p = running(1)
     actions = p.handle(status(node_state=NodeState.GONE, reason="lease lost"), 1.0)
-    assert isinstance(actions[0], StopWorkers) and actions[1] == Rejoin("lease lost")
+    # the reason is the job's news, said as the job's (it may be about another node)
+    assert isinstance(actions[0], StopWorkers)
+    assert actions[1] == Rejoin("the server no longer counts this node (job j: lease lost)")
 
 
 def test_job_succeeded_exits_zero() -> None:
