@@ -28,7 +28,7 @@ from node_agent.options import AgentOptions
 from node_agent.policy import SupervisionPolicy
 from node_agent.server_link import ServerLink
 from node_agent.transport import Transport, free_port
-from node_agent.witness import WitnessServer, server_away_for_all
+from node_agent.witness import WitnessServer, ask_witnesses
 from protocol.messages import NodeStatus, Witness
 
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
@@ -126,7 +126,7 @@ class Agent:
                 self._exit = action
 
     async def _probe(self, witnesses: tuple[Witness, ...]) -> None:
-        self.facts.put_nowait(PeersProbed(await server_away_for_all(witnesses)))
+        self.facts.put_nowait(PeersProbed(await ask_witnesses(witnesses)))
 
     def _on_signal(self, signum: int) -> None:
         self._signal_count += 1

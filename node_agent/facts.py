@@ -76,8 +76,8 @@ class SignalReceived:
 
 @dataclass(frozen=True)
 class PeersProbed:
-    """What the round's witnesses said (ProbePeers): whether the server is away for them too."""
-    server_away: bool
+    """What the round's witnesses said (ProbePeers): witness.SERVER_AWAY, SERVER_HEARD or SILENT."""
+    verdict: str
 
 
 @dataclass(frozen=True)

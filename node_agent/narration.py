@@ -42,9 +42,9 @@ class Narrator:
                 self.say(f"{worker(first)} is hung: {first.message}")
             case SpawnFailed(failure=failure) if actions:
                 self.say(f"{worker(failure)} did not start: {failure.message}")
-            case PeersProbed(server_away=False) if actions and isinstance(actions[0], StopWorkers):
+            case PeersProbed() if actions and isinstance(actions[0], StopWorkers):
                 self.say(actions[0].reason)
-            case PeersProbed(server_away=True) if not self._said_peers:
+            case PeersProbed(verdict="server_away") if not self._said_peers:
                 self._said_peers = True
                 self.say("the server does not answer, nor does it answer the round's other nodes: the server "
                          "itself is away, so the workers keep running")

@@ -48,6 +48,7 @@ from node_agent.actions import (Action, Exit, Leave, ProbePeers, Rejoin, ReportF
 from node_agent.facts import (TLS_UNTRUSTED, DeadlinePassed, Fact, PeersProbed, ServerNotReached, ServerRefused,
                               SignalReceived, SpawnFailed, StatusReceived, WorkersExited, WorkersHung)
 from node_agent.narration import failure_summary
+from node_agent.witness import SERVER_AWAY, SERVER_HEARD, SILENT
 from protocol.errors import ErrorCode
 from protocol.messages import (MAX_MESSAGE, Assignment, JobState, JoinRequest, NodeState, NodeStatus, PollRequest,
                                WorkerFailure)
@@ -102,8 +103,8 @@ class SupervisionPolicy:
                 self.conflict_since = None
                 self.renewed_at, self.probe_at, self.suspect = sent_at, None, False
                 return self._status(status)
-            case PeersProbed(server_away=server_away):
-                return self._peers(server_away, now)
+            case PeersProbed(verdict=verdict):
+                return self._peers(verdict, now)
             case ServerRefused():
                 self.unreachable_since = None
                 return self._refused(fact, now)
@@ -160,18 +161,18 @@ class SupervisionPolicy:
     def _probe(self, now: float) -> list[Action]:
         assert self.assignment is not None
         if not self.assignment.witnesses:     # a server that names none: nobody can vouch for the network
-            return self._peers(False, now)
+            return self._peers(SILENT, now)
         self.probing = True
         return [ProbePeers(self.assignment.witnesses)]
 
-    def _peers(self, server_away: bool, now: float) -> list[Action]:
+    def _peers(self, verdict: str, now: float) -> list[Action]:
         self.probing = False
         if self.workers != Workers.RUNNING or self.unreachable_since is None or self.assignment is None:
             return []          # the server answered meanwhile, or the workers ended: moot
-        if server_away:
+        if verdict == SERVER_AWAY:
             self.probe_at, self.suspect = now + REPROBE_S, False
             return []
-        if not self.suspect and self.assignment.witnesses:
+        if verdict == SERVER_HEARD and not self.suspect:   # maybe a witness not yet aware: ask again
             self.probe_at, self.suspect = now + CONFIRM_S, True
             return []
         a = self.assignment

@@ -51,8 +51,14 @@ class WitnessServer:
             await self._server.wait_closed()
 
 
-async def server_away_for_all(witnesses: tuple[Witness, ...], timeout: float = PROBE_TIMEOUT_S) -> bool:
-    """Whether the witnesses say the server is away for them too (at least one answers, none hears it)."""
+# What the witnesses said, together (PeersProbed.verdict):
+SERVER_AWAY = "server_away"      # some answered, none hears the server: the server itself is away
+SERVER_HEARD = "server_heard"    # one hears the server: only this node is cut off from it
+SILENT = "silent"                # none answered: this node is cut off from everyone
+
+
+async def ask_witnesses(witnesses: tuple[Witness, ...], timeout: float = PROBE_TIMEOUT_S) -> str:
+    """The witnesses' verdict (SERVER_AWAY, SERVER_HEARD or SILENT)."""
     async def ask(w: Witness) -> bytes:
         try:
             reader, writer = await asyncio.wait_for(asyncio.open_connection(w.addr, w.port), timeout)
@@ -66,4 +72,6 @@ async def server_away_for_all(witnesses: tuple[Witness, ...], timeout: float = P
             writer.close()
 
     answers = await asyncio.gather(*(ask(w) for w in witnesses))
-    return ALONE in answers and IN_CONTACT not in answers
+    if IN_CONTACT in answers:
+        return SERVER_HEARD
+    return SERVER_AWAY if ALONE in answers else SILENT

@@ -11,6 +11,7 @@ from node_agent.actions import Exit, Leave, ProbePeers, Rejoin, ReportFailure, R
 from node_agent.facts import (DeadlinePassed, PeersProbed, ServerNotReached, ServerRefused, SignalReceived, SpawnFailed,
                               StatusReceived, WorkersExited, WorkersHung)
 from node_agent.policy import SupervisionPolicy, Workers
+from node_agent.witness import SERVER_AWAY, SERVER_HEARD, SILENT
 from protocol.messages import (Assignment, FailureReport, JobState, JoinRequest, NodeState, NodeStatus,
                                PollRequest, SuccessReport, WorkerFailure)
 
@@ -277,20 +278,28 @@ def test_a_cut_off_node_asks_its_witnesses_once_its_lease_must_have_lapsed_and_f
     probe = p.handle(DeadlinePassed(), 16.0)
     assert len(probe) == 1 and isinstance(probe[0], ProbePeers)
     assert p.next_deadline() == 14.0 + 60                       # probing: only the give-up rule is armed
-    assert p.handle(PeersProbed(server_away=False), 16.5) == []    # once more, in case a witness is slow to see
+    assert p.handle(PeersProbed(SERVER_HEARD), 16.5) == []    # once more, in case a witness is slow to see
     assert p.next_deadline() == 17.5
     assert isinstance(p.handle(DeadlinePassed(), 17.5)[0], ProbePeers)
-    actions = p.handle(PeersProbed(server_away=False), 17.6)
+    actions = p.handle(PeersProbed(SERVER_HEARD), 17.6)
     assert isinstance(actions[0], StopWorkers) and "fenced" in actions[0].reason
     assert isinstance(actions[1], ReportFailure) and actions[1].failures[0].reason == "fenced"
     assert p.workers == Workers.FAILED
+
+
+def test_silent_witnesses_fence_at_once():
+    p = fenced_policy()
+    p.handle(unreachable(), 14.0)
+    p.handle(DeadlinePassed(), 16.0)
+    actions = p.handle(PeersProbed(SILENT), 17.0)
+    assert isinstance(actions[0], StopWorkers) and "fenced" in actions[0].reason
 
 
 def test_witnesses_that_do_not_hear_the_server_either_keep_the_workers_and_are_asked_again():
     p = fenced_policy()
     p.handle(unreachable(), 14.0)
     p.handle(DeadlinePassed(), 16.0)
-    assert p.handle(PeersProbed(server_away=True), 16.2) == [] and p.workers == Workers.RUNNING
+    assert p.handle(PeersProbed(SERVER_AWAY), 16.2) == [] and p.workers == Workers.RUNNING
     assert p.next_deadline() == 16.2 + 1.0
     assert isinstance(p.handle(DeadlinePassed(), 17.2)[0], ProbePeers)
 
