@@ -71,6 +71,13 @@ def _check(cond: bool, field: str, why: str) -> None:
         raise ValueError(f"{field}: {why}")
 
 
+def _printable(**fields: str) -> None:
+    """Names and addresses end up in logs and on screens: no control characters (worker messages and
+    tracebacks may hold them; they are escaped wherever they are shown)."""
+    for name, value in fields.items():
+        _check(value.isprintable(), name, f"must not contain control characters, got {value[:64]!r}")
+
+
 class JobConfig(msgspec.Struct, kw_only=True, frozen=True):
     """A job's settings, fixed by its first join. All durations are seconds.
 
@@ -124,6 +131,10 @@ class JoinRequest(_Request, kw_only=True):
     host: ShortText = ""               # host name, for operators and failure summaries
     probe_port: Port = 0               # where this node's agent answers the others' "are you there?" (0: none)
 
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _printable(addr=self.addr, host=self.host, role=self.role, instance=self.instance)
+
 
 class PollRequest(_Request, kw_only=True):
     """Long-poll: returns as soon as this node's view differs from `known_round`, else after `wait_s`.
@@ -149,6 +160,9 @@ class WorkerFailure(msgspec.Struct, kw_only=True, frozen=True):
     host: ShortText = ""
     node_id: ShortText = ""
 
+    def __post_init__(self) -> None:
+        _printable(signal=self.signal, reason=self.reason, host=self.host, node_id=self.node_id)
+
 
 class FailureReport(_Request, kw_only=True):
     round_id: RoundRef
@@ -161,6 +175,10 @@ class SuccessReport(_Request, kw_only=True):
 
 class LeaveRequest(_Request, kw_only=True):
     reason: Annotated[str, Meta(max_length=MAX_REASON)] = "left"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _printable(reason=self.reason)
 
 
 REQUESTS = (JoinRequest, PollRequest, FailureReport, SuccessReport, LeaveRequest)

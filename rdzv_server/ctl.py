@@ -40,10 +40,19 @@ def _quote(part: str) -> str:
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     """Columns padded to their widest cell; the last column is not padded."""
-    cells = [[str(h) for h in headers]] + [["-" if c is None else str(c) for c in row] for row in rows]
+    # Cells may quote what clients sent (worker messages): control characters are shown escaped, so
+    # nothing a client sent can move the cursor or recolour the operator's terminal.
+    cells = [[str(h) for h in headers]] + [["-" if c is None else _visible(str(c)) for c in row] for row in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in cells]
     return "\n".join(lines)
+
+
+_CONTROL = {c: f"\\x{c:02x}" for c in [*range(32), 127]}
+
+
+def _visible(text: str) -> str:
+    return text.translate(_CONTROL)
 
 
 def truncate(text: str, width: int) -> str:
