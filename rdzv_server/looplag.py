@@ -17,6 +17,7 @@ class LoopLagProbe:
         self.max_s = 0.0
         self.total_s = 0.0
         self._recent: list[tuple[float, float]] = []   # (when, lag) of the lags worth noting, oldest first
+        self._last_wake: float | None = None            # monotonic time the probe last ran
         self._task: asyncio.Task | None = None
 
     def start(self) -> None:
@@ -30,6 +31,7 @@ class LoopLagProbe:
     async def _run(self) -> None:
         while True:
             t0 = time.perf_counter()
+            self._last_wake = time.monotonic()
             await asyncio.sleep(INTERVAL_S)      # the measurement itself, not a synchronisation wait
             lag = max(0.0, time.perf_counter() - t0 - INTERVAL_S)
             self.samples += 1
@@ -39,11 +41,14 @@ class LoopLagProbe:
                 self._recent.append((time.monotonic(), lag))
 
     def recent_s(self) -> float:
-        """How far behind the loop has run lately (seconds): the backlog requests may wait in."""
-        cutoff = time.monotonic() - self.RECENT_S
-        while self._recent and self._recent[0][0] < cutoff:
+        """How far behind the loop has run lately (seconds): the backlog requests may wait in. A stall
+        still in progress counts too (the probe has not run since): whoever asks right after a stall
+        may run before the probe does."""
+        now = time.monotonic()
+        while self._recent and self._recent[0][0] < now - self.RECENT_S:
             self._recent.pop(0)
-        return max((lag for _, lag in self._recent), default=0.0)
+        ongoing = now - self._last_wake - INTERVAL_S if self._last_wake is not None else 0.0
+        return max([ongoing, *(lag for _, lag in self._recent)])
 
     def summary(self) -> str:
         mean = self.total_s / self.samples if self.samples else 0.0

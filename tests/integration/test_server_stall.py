@@ -1,0 +1,76 @@
+"""The lag rule: a server whose own event loop stalls for longer than the lease declares no node
+lost (the requests that would have renewed the leases were waiting in its own backlog).
+
+The agents run on another thread with their own event loop, as agents on other hosts would, so
+their polls keep arriving while the server's loop is stuck."""
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import aiohttp
+import msgpack
+
+from rdzv_server.app import COORDINATOR, create_app
+from rdzv_server.events import EventKind
+from rdzv_server.looplag import LoopLagProbe
+from tests.integration.support import start_app, url
+
+LEASE = 1.0
+MSGPACK = {"Content-Type": "application/msgpack"}
+
+
+async def test_the_probe_reports_a_stall_still_in_progress():
+    probe = LoopLagProbe()
+    probe.start()
+    try:
+        await asyncio.sleep(0.2)                  # the probe has run: no stall
+        assert probe.recent_s() < 0.2
+        time.sleep(0.6)                           # the loop is stuck; nobody has run since
+        assert probe.recent_s() >= 0.5
+    finally:
+        await probe.stop()
+
+
+def agents(base: str, stop: threading.Event, polls: list[int]) -> None:
+    """Two agents polling all along (short holds), on their own loop."""
+    async def main() -> None:
+        async with aiohttp.ClientSession() as http:
+            creds = {}
+            for n in ("a", "b"):
+                body = {"v": 1, "node_id": n, "addr": "10.0.0.1", "local_world_size": 1, "master_port": 1,
+                        "config": {"min_nodes": 2, "max_nodes": 2, "lease_timeout_s": LEASE, "last_call_s": 0}}
+                async with http.post(f"{base}/join", data=msgpack.packb(body), headers=MSGPACK) as r:
+                    creds[n] = msgpack.unpackb(await r.read())["credential"]
+
+            async def poll(n: str) -> None:
+                while not stop.is_set():
+                    body = {"v": 1, "node_id": n, "credential": creds[n], "known_round": 1, "wait_s": 0.05}
+                    async with http.post(f"{base}/poll", data=msgpack.packb(body), headers=MSGPACK) as r:
+                        await r.read()
+                    polls.append(1)
+            await asyncio.gather(poll("a"), poll("b"))
+    asyncio.run(main())
+
+
+async def test_a_stalled_server_blames_no_node_for_its_own_stall():
+    srv = await start_app(create_app())
+    stop, polls = threading.Event(), []
+    thread = threading.Thread(target=agents, args=(url(srv, "/v1/jobs/j"), stop, polls), daemon=True)
+    thread.start()
+    try:
+        while len(polls) < 20:                    # both agents poll, round 1 runs
+            await asyncio.sleep(0.01)
+        time.sleep(2.5 * LEASE)                   # the server's loop stalls (a GC pause, a blocked handler)
+        seen = len(polls)
+        while len(polls) < seen + 20:             # the polls that waited in the backlog, and more
+            await asyncio.sleep(0.01)
+        job = srv.app[COORDINATOR].core.jobs["j"]
+        assert not [e.message for e in job.events if e.kind == EventKind.NODE_LOST]
+        assert job.round.round_id == 1 and set(job.nodes) == {"a", "b"}
+    finally:
+        stop.set()
+        while thread.is_alive():                  # its last polls need this loop to answer them
+            await asyncio.sleep(0.01)
+        await srv.close()
