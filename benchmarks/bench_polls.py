@@ -37,11 +37,13 @@ async def _node(session: aiohttp.ClientSession, base: str, i: int, n: int, start
             "config": {"min_nodes": n, "max_nodes": n, "last_call_s": 30.0, "lease_timeout_s": 10.0}}
     async with session.post(f"{base}/join", data=msgpack.packb(body), headers=HEADERS) as r:
         reply = msgpack.unpackb(await r.read())
+    cred = reply["credential"]
     known = -1
     while time.time() < stop:
         if reply.get("assignment") is not None:
             known = reply["assignment"]["round_id"]
-        poll = {"v": 1, "node_id": node, "known_round": known, "wait_s": 2.0}
+        poll = {"v": 1, "node_id": node, "credential": reply.get("credential") or cred, "known_round": known,
+                "wait_s": 2.0}
         async with session.post(f"{base}/poll", data=msgpack.packb(poll), headers=HEADERS) as r:
             reply = msgpack.unpackb(await r.read())
         if start <= time.time() < stop and known != -1:
@@ -69,9 +71,10 @@ def main() -> None:
     p.add_argument("--warmup", type=float, default=8.0, help="seconds for joins and the first round")
     p.add_argument("--seconds", type=float, default=20.0, help="measured window")
     p.add_argument("--server-root", default=ROOT)
+    p.add_argument("--server-arg", action="append", default=[], help="extra rdzv-server flag (repeatable)")
     args = p.parse_args()
     pids: list[int] = []
-    with running_server("--state-dir", "none", root=args.server_root, pids=pids) as port:
+    with running_server("--state-dir", "none", *args.server_arg, root=args.server_root, pids=pids) as port:
         server = psutil.Process(pids[0])
         start = time.time() + args.warmup
         stop = start + args.seconds

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+from collections.abc import Coroutine
+from typing import Any
 import ipaddress
 import math
 import sqlite3
@@ -57,6 +59,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-connections", type=int, default=0, metavar="N",
                    help="open connections at most (the longest-idle one makes room); default: the open-file "
                         "limit less a reserve")
+    p.add_argument("--event-loop", choices=("auto", "asyncio", "uvloop"), default="auto",
+                   help="event loop: uvloop when installed (auto), or the standard one")
+    p.add_argument("--no-gc-tuning", action="store_true",
+                   help="leave Python's garbage collector as it is (for comparisons; see docs/benchmarks.md)")
     p.add_argument("--log-format", choices=("text", "json"), default="text")
     p.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info")
     return p
@@ -101,7 +107,8 @@ def config_from(args: argparse.Namespace) -> ServerConfig:
     return ServerConfig(host=args.host, port=args.port, access=access, tls=tls, notes=tuple(_notes(args, access)),
                         limits=Limits(retain_finished_s=args.retain_finished, max_jobs=args.max_jobs,
                                       max_nodes=args.max_nodes),
-                        max_polls_per_peer=args.max_polls_per_peer, max_connections=args.max_connections)
+                        max_polls_per_peer=args.max_polls_per_peer, max_connections=args.max_connections,
+                        gc_tuning=not args.no_gc_tuning)
 
 
 def _notes(args: argparse.Namespace, access: Access) -> list[str]:
@@ -131,6 +138,20 @@ def open_store(state_dir: str) -> SqliteStore | None:
     return SqliteStore(state_dir)
 
 
+def run_loop(main: Coroutine[Any, Any, None], choice: str) -> None:
+    """Run `main` on uvloop when it is installed (or asked for), else on asyncio's own loop."""
+    if choice != "asyncio":
+        try:
+            import uvloop
+        except ImportError:
+            if choice == "uvloop":
+                raise UsageError("--event-loop uvloop: uvloop is not installed (pip install uvloop)") from None
+        else:
+            uvloop.run(main)
+            return
+    asyncio.run(main)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -139,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
         for note in config.notes:
             print(f"rdzv-server: warning: {note}", file=sys.stderr)
         store = open_store(args.state_dir)
-        asyncio.run(serve(config, store=store))
+        run_loop(serve(config, store=store), args.event_loop)
     except UsageError as exc:
         print(f"rdzv-server: error: {exc}", file=sys.stderr)
         return exc.code

@@ -15,7 +15,7 @@ import msgpack
 from rdzv_server.app import COORDINATOR, create_app
 from rdzv_server.events import EventKind
 from rdzv_server.looplag import LoopLagProbe
-from tests.integration.support import start_app, url
+from tests.integration.support import start_app, url, wait_until
 
 LEASE = 1.0
 MSGPACK = {"Content-Type": "application/msgpack"}
@@ -27,7 +27,7 @@ async def test_the_probe_reports_a_stall_still_in_progress():
     try:
         await asyncio.sleep(0.2)                  # the probe has run: no stall
         assert probe.recent_s() < 0.2
-        time.sleep(0.6)                           # the loop is stuck; nobody has run since
+        time.sleep(0.6)      # noqa: ASYNC251 - the loop is stuck on purpose: nobody has run since
         assert probe.recent_s() >= 0.5
     finally:
         await probe.stop()
@@ -60,17 +60,14 @@ async def test_a_stalled_server_blames_no_node_for_its_own_stall():
     thread = threading.Thread(target=agents, args=(url(srv, "/v1/jobs/j"), stop, polls), daemon=True)
     thread.start()
     try:
-        while len(polls) < 20:                    # both agents poll, round 1 runs
-            await asyncio.sleep(0.01)
-        time.sleep(2.5 * LEASE)                   # the server's loop stalls (a GC pause, a blocked handler)
+        await wait_until(lambda: len(polls) >= 20, 30)      # both agents poll, round 1 runs
+        time.sleep(2.5 * LEASE)   # noqa: ASYNC251 - the server's loop stalls (a GC pause, a blocked handler)
         seen = len(polls)
-        while len(polls) < seen + 20:             # the polls that waited in the backlog, and more
-            await asyncio.sleep(0.01)
+        await wait_until(lambda: len(polls) >= seen + 20, 30)   # the polls that waited in the backlog, and more
         job = srv.app[COORDINATOR].core.jobs["j"]
         assert not [e.message for e in job.events if e.kind == EventKind.NODE_LOST]
         assert job.round.round_id == 1 and set(job.nodes) == {"a", "b"}
     finally:
         stop.set()
-        while thread.is_alive():                  # its last polls need this loop to answer them
-            await asyncio.sleep(0.01)
+        await wait_until(lambda: not thread.is_alive(), 30)     # its last polls need this loop to answer
         await srv.close()
