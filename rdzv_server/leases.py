@@ -14,7 +14,8 @@ Evidence must be about the node, never about the server itself:
   extended instead, and nobody is lost, until the silence has lasted OUTAGE_LIMIT_S (the agents'
   default --server-wait), after which it means what it says;
 - a lease does not lapse while the server runs `lag_s` behind (its event loop late, requests
-  waiting in its own backlog); it is judged again once the server has caught up.
+  waiting in its own backlog); it is judged again once the server has caught up. A connection that
+  closed is evidence about the node itself, busy server or not.
 Several nodes lapsing at once leave together, so one round forms without any of them.
 """
 from __future__ import annotations
@@ -77,7 +78,8 @@ def lapsed(job: JobRecord, now: float, lag_s: float) -> tuple[list[NodeRecord], 
     deferred: list[NodeRecord] = []
     for node in job.nodes.values():
         if node.holding == 0 and node.lease_expires <= now:
-            (gone if node.lease_expires + lag_s <= now else deferred).append(node)
+            # a closed connection is evidence about the node however busy the server is
+            (gone if node.dropped or node.lease_expires + lag_s <= now else deferred).append(node)
     return gone, deferred
 
 

@@ -171,3 +171,12 @@ def test_a_single_loss_is_forgiven_at_once():
     rz.join("j", JoinRequest(v=1, node_id="a", addr="10.0.0.1", local_world_size=1, master_port=1, config=CFG,
                              instance="a2"), 6.0)
     assert rz.jobs["j"].nodes["a"].state != "excluded"
+
+
+def test_a_closed_connection_is_evidence_even_while_the_server_runs_behind():
+    rz = job_with("a", "b")
+    rz.hold_poll("j", PollRequest(v=1, node_id="a"), 1.0)
+    rz.connection_dropped("j", "a", 1.0)
+    poll(rz, "b", 2.0)
+    rz.tick(2.5, lag_s=3.0)
+    assert "a" not in rz.jobs["j"].nodes
