@@ -392,7 +392,14 @@ def _run_chaos(cluster, tmp_path, faults: int, seed: int) -> None:
         stayed = [n for n in sorted(before, key=before.get) if n in after and n not in removed]
         pairs += len(stayed) > 1
         assert sorted(stayed, key=after.get) == stayed, (rid, before, after, removed, ctx)
-        newcomers = [after[n] for n in after if n not in before or n in removed]
+        # A member of round R whose agent never announced it (stopped, or R was replaced before it
+        # spawned) is missing from `before` without being new: only nodes that joined since R, or
+        # that no earlier round shows, are certainly newcomers.
+        joined = {e["node_id"] for e in events if e["kind"] == "node_joined"
+                  and completed[rid]["seq"] < e["seq"] < completed[nxt]["seq"]}
+        seen_earlier = {n for r in ranks_in if r < rid for n in ranks_in[r]}
+        newcomers = [after[n] for n in after if n in removed or n in joined
+                     or (n not in before and n not in seen_earlier)]
         if stayed and newcomers:
             assert max(after[n] for n in stayed) < min(newcomers), (rid, before, after, removed, ctx)
     # Only injected crashes consume the budget: node loss, joins and leaves never do.
