@@ -34,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from typing import Any
 from collections.abc import Awaitable, Callable, Iterable
 
 from aiohttp import web
@@ -167,6 +168,7 @@ class ServerMetrics:
             self.recovery.labels(cause)
         self.requests = Counter("rdzv_http_requests_total", "HTTP requests answered, by route template, "
                                 "method and status.", ["route", "method", "status"], registry=r)
+        self._children: dict[tuple[str, str, str], tuple[Any, Any]] = {}
         self.latency = Histogram("rdzv_http_request_duration_seconds", "HTTP request latency (long-polls "
                                  "included), by route template, method and status.",
                                  ["route", "method", "status"], buckets=HTTP_BUCKETS, registry=r)
@@ -201,8 +203,12 @@ class ServerMetrics:
 
     def observe_request(self, request: web.Request, status: str, seconds: float) -> None:
         route, method = route_label(request), request.method if request.method in METHODS else "other"
-        self.requests.labels(route, method, status).inc()
-        self.latency.labels(route, method, status).observe(seconds)
+        key = (route, method, status)
+        children = self._children.get(key)
+        if children is None:        # the label sets are few (route templates): look each up once
+            children = self._children[key] = (self.requests.labels(*key), self.latency.labels(*key))
+        children[0].inc()
+        children[1].observe(seconds)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
