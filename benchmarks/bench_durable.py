@@ -77,10 +77,11 @@ async def agent(session, base, i, n, job, state):
             "config": {"min_nodes": n, "max_nodes": n, "last_call_s": 30.0, "lease_timeout_s": 5.0}}
     async with session.post(f"{base}/v1/jobs/{job}/join", data=msgpack.packb(body), headers=HEADERS) as r:
         reply = msgpack.unpackb(await r.read())
+    cred = reply["credential"]            # every later request for the node carries it
     known = -1
     attempts = 0
     while not state["done"]:
-        poll = {"v": 1, "node_id": f"node-{i}", "known_round": known, "wait_s": 2.0}
+        poll = {"v": 1, "node_id": f"node-{i}", "credential": cred, "known_round": known, "wait_s": 2.0}
         try:
             async with session.post(f"{base}/v1/jobs/{job}/poll", data=msgpack.packb(poll), headers=HEADERS,
                                     timeout=aiohttp.ClientTimeout(total=10)) as r:

@@ -33,12 +33,13 @@ async def agent(session, base, i, n, state) -> None:
             "config": {"min_nodes": n, "max_nodes": n, "last_call_s": 30.0, "lease_timeout_s": 5.0}}
     async with session.post(f"{base}/v1/jobs/size/join", data=msgpack.packb(body), headers=HEADERS) as r:
         reply = msgpack.unpackb(await r.read())
+    cred = reply["credential"]            # every later request for the node carries it
     known = -1
     while not state["done"]:
         if reply.get("assignment") and known < 0:
             known = reply["round_id"]
             state["assigned"] += 1
-        poll = {"v": 1, "node_id": f"node-{i}", "known_round": known, "wait_s": POLL_WAIT_S}
+        poll = {"v": 1, "node_id": f"node-{i}", "credential": cred, "known_round": known, "wait_s": POLL_WAIT_S}
         async with session.post(f"{base}/v1/jobs/size/poll", data=msgpack.packb(poll), headers=HEADERS) as r:
             reply = msgpack.unpackb(await r.read())
 

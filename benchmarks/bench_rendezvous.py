@@ -27,9 +27,10 @@ async def one_node(session, base, i, n, job, joined, assigned):
             "config": {"min_nodes": n, "max_nodes": n, "last_call_s": 30.0, "lease_timeout_s": 30.0}}
     async with session.post(f"{base}/v1/jobs/{job}/join", data=msgpack.packb(body), headers=HEADERS) as r:
         reply = msgpack.unpackb(await r.read())
+    cred = reply["credential"]            # every later request for the node carries it
     joined.append(time.perf_counter())
     while reply.get("assignment") is None:
-        poll = {"v": 1, "node_id": f"node-{i}", "known_round": -1, "wait_s": 10.0}
+        poll = {"v": 1, "node_id": f"node-{i}", "credential": cred, "known_round": -1, "wait_s": 10.0}
         async with session.post(f"{base}/v1/jobs/{job}/poll", data=msgpack.packb(poll), headers=HEADERS) as r:
             reply = msgpack.unpackb(await r.read())
     assigned.append(time.perf_counter())
