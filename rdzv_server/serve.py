@@ -25,6 +25,7 @@ from rdzv_server.access import Access
 from rdzv_server.app import NOTES, create_app
 from rdzv_server.connections import FD_RESERVE, ConnectionGuard
 from rdzv_server.coordinator import MAX_POLLS_PER_PEER, Coordinator
+from rdzv_server.heap import HeapTrimmer
 from rdzv_server.rendezvous import Limits, Rendezvous
 from rdzv_server.store import SqliteStore
 
@@ -113,6 +114,8 @@ async def serve(config: ServerConfig, store: SqliteStore | None = None,
     app = create_app(coordinator, access=config.access)
     app.middlewares.insert(0, guard.middleware)
     app[NOTES] = config.notes
+    trimmer = HeapTrimmer()
+    coordinator.effect_listeners.append(trimmer.on_effects)
     # keepalive_timeout: aiohttp closes a connection that sends no request for this long (a new
     # one included), so idle connections do not pile up.
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=2.0,
@@ -144,6 +147,7 @@ async def serve(config: ServerConfig, store: SqliteStore | None = None,
     finally:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(sig)
+        trimmer.cancel()
         server.close()                  # no new connections; then aiohttp answers and closes the open ones
         await runner.cleanup()
         print("rdzv-server stopped", flush=True)

@@ -96,6 +96,7 @@ class SqliteStore:
         version = db.execute("PRAGMA user_version").fetchone()[0]
         tables = db.execute("SELECT count(*) FROM sqlite_master").fetchone()[0]
         if app_id == 0 and version == 0 and tables == 0:     # a new, empty file
+            db.execute("PRAGMA auto_vacuum = INCREMENTAL")     # before the first table: freed pages can go back
             db.executescript("BEGIN;" + _SCHEMA + f"PRAGMA application_id = {APPLICATION_ID};"
                              f"PRAGMA user_version = {SCHEMA_VERSION}; COMMIT;")
         elif app_id != APPLICATION_ID:
@@ -111,6 +112,9 @@ class SqliteStore:
         check = db.execute("PRAGMA quick_check").fetchone()[0]
         if check != "ok":
             raise StoreError(f"{self.path} failed its integrity check ({check}); {_MOVE_AWAY}")
+        if db.execute("PRAGMA auto_vacuum").fetchone()[0] != 2:    # a store from before: convert it once
+            db.execute("PRAGMA auto_vacuum = INCREMENTAL")
+            db.execute("VACUUM")
         db.execute("PRAGMA journal_mode = WAL")
         db.execute("PRAGMA synchronous = FULL")
 
@@ -193,6 +197,9 @@ class SqliteStore:
             db.executemany("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)",
                            [("alive_at", repr(alive_at)), ("clean_shutdown", "0")])
             db.execute("COMMIT")
+            if deleted:           # forgotten jobs: give their pages back, file and log both
+                db.executescript("PRAGMA incremental_vacuum;")   # (execute() would step it once only)
+                db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
         except BaseException:
             if db.in_transaction:       # a failed COMMIT has already rolled back: do not hide its error
                 db.execute("ROLLBACK")
