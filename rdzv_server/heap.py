@@ -12,7 +12,7 @@ import asyncio
 import ctypes
 import ctypes.util
 import logging
-from typing import Callable
+from collections.abc import Callable
 
 from rdzv_server.outbox import Outbox
 
