@@ -117,7 +117,7 @@ def test_a_bad_rdzv_conf_value_names_its_key(conf, message):
     ("host:0", "job42", "--rdzv-endpoint: .*port '?0"),     # port 0 names no server
     ("host:http", "job42", "--rdzv-endpoint: bad port 'http'"),
     ("127.0.0.1:29400", "none", "--rdzv-id is required with --rdzv-backend rdzv-server"),
-    ("127.0.0.1:29400", "team/exp1", "--rdzv-id: job id must be"),
+    ("127.0.0.1:29400", "team exp1", "--rdzv-id: job id must be"),
 ])
 def test_a_bad_endpoint_or_id_is_one_line(endpoint, run_id, message):
     with pytest.raises(SettingsError, match="^" + message):

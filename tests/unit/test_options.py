@@ -246,8 +246,8 @@ def test_ignored_torchrun_flags_warn() -> None:
     (["--server-wait", "-3"], "--server-wait"),
     (["--node-id", "bad id!"], "--node-id"),
     (["--job-id", ""], "--job-id"),
-    (["--rdzv_id", "has/slash"], "--rdzv_id"),
-    (["--rdzv-id", "x" * 129], "--rdzv-id"),
+    (["--rdzv_id", "has space"], "--rdzv_id"),
+    (["--rdzv-id", "x" * 513], "--rdzv-id"),
     (["--lease_timeout", "0"], "--lease_timeout"),
     (["--last-call", "-1"], "--last-call"),
     (["--last-call", "1e9"], "--last-call"),          # over JobConfig's bound (a week)
