@@ -32,6 +32,7 @@ MAX_REASON = 1024                    # a leave's reason
 MAX_MESSAGE = 4096                   # a worker's error message
 MAX_TRACEBACK = 16384
 MAX_CREDENTIAL = 64
+MAX_COMMAND = 64                     # a join's command fingerprint
 
 Count = Annotated[int, Meta(ge=0, le=MAX_ROUND)]
 RoundRef = Annotated[int, Meta(ge=-1, le=MAX_ROUND)]
@@ -119,6 +120,9 @@ class JoinRequest(_Request, kw_only=True):
     instance: ShortText = ""           # random per agent process: tells a restarted agent from a duplicate
     role: Annotated[str, Meta(min_length=1, max_length=64)] = "default"
     host: ShortText = ""               # host name, for operators and failure summaries
+    # A fingerprint of the script and arguments this node runs ("": not checked). Every node of an open
+    # job must run the job's command: a join with another is refused (config_conflict).
+    command: Annotated[str, Meta(max_length=MAX_COMMAND)] = ""
 
 
 class PollRequest(_Request, kw_only=True):

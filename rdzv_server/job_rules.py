@@ -64,6 +64,10 @@ class JobRules:
         if diffs:
             raise RendezvousError(ErrorCode.CONFIG_CONFLICT,
                                   f"job {job.job_id!r} exists with another config: " + "; ".join(diffs))
+        if job.command and req.command and req.command != job.command:
+            raise RendezvousError(ErrorCode.CONFIG_CONFLICT, f"job {job.job_id!r} runs another command (fingerprint "
+                                  f"{job.command}, this node's {req.command}): give this run its own --rdzv-id, or "
+                                  "--no-command-check on every node if their scripts or arguments differ on purpose")
         if req.node_id in job.drained:
             raise RendezvousError(ErrorCode.NODE_DRAINED, f"node {req.node_id} was drained from job "
                                   f"{job.job_id!r} by the operator ({job.drained[req.node_id]})")
@@ -72,6 +76,9 @@ class JobRules:
         """Admit the node (again); returns the credential of a newly made record ("" otherwise)."""
         self.check_join(req)
         job = self.job
+        if req.command and not job.command:     # the first node that names its command sets the job's
+            job.command = req.command
+            self.changed()
         existing = job.nodes.get(req.node_id)
         if existing is not None and credentials.owns(existing, req.credential, req.instance):
             port = req.master_port or existing.master_port
