@@ -48,6 +48,7 @@ class Leave:
 class Exit:
     code: int
     message: str
+    root_cause: WorkerFailure | None = None   # the job's first failure, when the job failed
 
 
 Action = Spawn | StopWorkers | ReportFailure | ReportSuccess | Rejoin | Leave | Exit

@@ -67,6 +67,7 @@ class SupervisionPolicy:
     exiting: bool = False
     conflict_since: float | None = None   # when a join was first refused for a live agent holding the id
     retry_join_at: float | None = None
+    ran: bool = False                # this node's workers were started in some round of the job
 
     @property
     def known_round(self) -> int:
@@ -147,6 +148,7 @@ class SupervisionPolicy:
                 actions += self._stop(f"round {a.round_id} replaces round {self.running_round}")
                 self.running_round = a.round_id
                 self.workers = Workers.RUNNING
+                self.ran = True
                 actions.append(Spawn(a))
             return actions
         # waiting, spare or excluded: run nothing
@@ -217,8 +219,11 @@ class SupervisionPolicy:
     def _finish(self, status: NodeStatus) -> list[Action]:
         self.exiting = True
         actions = self._stop(f"job {status.job_state.value}")
+        if status.job_state == JobState.SUCCEEDED and not self.ran:   # a spare, say: nothing ran here
+            return actions + [Exit(1, f"job {status.job_id} succeeded without this node: its workers never ran "
+                                      f"({status.reason})")]
         if status.job_state == JobState.SUCCEEDED:
             return actions + [Exit(0, f"job {status.job_id} succeeded: {status.reason}")]
         if status.job_state == JobState.FAILED:
-            return actions + [Exit(1, failure_summary(status))]
+            return actions + [Exit(1, failure_summary(status), status.root_cause)]
         return actions + [Exit(1, f"job {status.job_id} {status.job_state.value}: {status.reason}")]
