@@ -3,7 +3,8 @@
 OUT_DIR: where rank<RANK>.json goes ({"env": the launcher's variables, "argv": ..., "tty": stdin/stdout
 are terminals}). EXIT_RANK=R EXIT_CODE=C: rank R exits with C (after writing torch's error file when
 TORCHELASTIC_ERROR_FILE is set, as @record would). SLEEP_RANK=R: rank R waits until SIGTERM (or the
-signal in WAIT_SIGNAL), then writes signal-<RANK> and exits after GRACE seconds.
+signal in WAIT_SIGNAL), then writes signal-<RANK> and exits after GRACE seconds. WAIT_FILE=F: every
+rank waits until F exists, then exits 0.
 """
 import json
 import os
@@ -17,14 +18,21 @@ VARS = ["RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "LOCAL_WOR
         "TORCH_NCCL_ASYNC_ERROR_HANDLING", "TORCHELASTIC_ERROR_FILE", "OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES"]
 
 rank = os.environ["RANK"]
-print(f"hello stdout from rank {rank}", flush=True)
-print(f"hello stderr from rank {rank}", file=sys.stderr, flush=True)
+# One write per line: ranks writing to one terminal at once then never split each other's lines.
+sys.stdout.write(f"hello stdout from rank {rank}\n")
+sys.stdout.flush()
+sys.stderr.write(f"hello stderr from rank {rank}\n")
+sys.stderr.flush()
 out = os.environ.get("OUT_DIR")
 if out:
     record = {"env": {k: os.environ.get(k) for k in VARS}, "argv": sys.argv[1:],
               "tty": [os.isatty(0), os.isatty(1)]}
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(record, f)
+if os.environ.get("WAIT_FILE"):
+    print(f"rank {rank} waiting for {os.environ['WAIT_FILE']}", flush=True)
+    while not os.path.exists(os.environ["WAIT_FILE"]):
+        time.sleep(0.05)   # the worker's own wait for the test's go
 if os.environ.get("SLEEP_RANK") == rank:
     got = []
     sig = getattr(signal, os.environ.get("WAIT_SIGNAL", "SIGTERM"))
