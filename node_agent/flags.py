@@ -144,7 +144,7 @@ FLAGS: tuple[Flag, ...] = (
           "let nodes whose script or arguments differ join one job (by default the server refuses them)"),
 )
 BY_DEST: dict[str, Flag] = {f.dest: f for f in FLAGS}
-TORCHRUN_SPELLINGS: frozenset[str] = frozenset(s for f in FLAGS for s in f.torchrun)
+TORCHRUN_SPELLINGS: frozenset[str] = frozenset(s for f in FLAGS for s in f.torchrun) | {"-h", "--help"}
 
 
 class _Parser(argparse.ArgumentParser):
