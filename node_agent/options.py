@@ -236,10 +236,10 @@ def parse_options(argv: Sequence[str], environ: Mapping[str, str] = os.environ) 
         if nproc > len(visible):
             fail("virtual_local_rank", f"{nproc} workers but CUDA_VISIBLE_DEVICES lists {len(visible)} devices")
 
-    token = server_token(get("token_file") or conf.get("token_file"), line.name("token_file"), environ,
-                         _one_line)
+    token_from = line.name("token_file") if get("token_file") or "token_file" not in conf else "--rdzv-conf token_file"
+    token = server_token(get("token_file") or conf.get("token_file"), token_from, environ, _one_line)
     if tls_ca is not None and not os.path.isfile(tls_ca):
-        fail("tls_ca", f"no such file: {tls_ca}")
+        _one_line(f"{line.name('tls_ca') if get('tls_ca') else '--rdzv-conf tls_ca'}: no such file: {tls_ca}")
 
     stop_default = environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT")
     return AgentOptions(

@@ -205,3 +205,14 @@ def test_the_command_fingerprint_goes_with_joins_unless_turned_off() -> None:
     assert parse(*SERVER, "--rdzv-id", "j", "t.py").command == command_fingerprint("python", "t.py", ())
     assert parse(*SERVER, "--rdzv-id", "j", "--no-command-check", "t.py").command == ""
     assert error_of(*SERVER, "--rdzv-id", "x" * 513, "t.py").startswith("--rdzv-id: job id must be 1-512")
+
+
+def test_the_servers_token_and_ca_from_rdzv_conf(tmp_path) -> None:
+    token = tmp_path / "token"
+    token.write_text("conf-token-0123456789abcdef\n")
+    o = parse(*SERVER, "--rdzv-id", "j", "--rdzv-conf", f"token_file={token}", "t.py")
+    assert (o.token, o.endpoint_scheme) == ("conf-token-0123456789abcdef", "http")
+    assert error_of(*SERVER, "--rdzv-conf", "token_file=/no/such", "t.py").startswith(
+        "--rdzv-conf token_file /no/such: No such file")
+    assert error_of(*SERVER, "--rdzv-conf", "tls_ca=/no/such", "t.py") == "--rdzv-conf tls_ca: no such file: /no/such"
+    assert error_of(*SERVER, "--tls_ca", "/no/such", "t.py") == "--tls_ca: no such file: /no/such"
