@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP_FLAGS := --disable-pip-version-check -q
 PYTEST_WORKERS ?= 4
 
-.PHONY: venv chromium deploy-tools demo test soak bench clean
+.PHONY: venv chromium deploy-tools netns-tools demo test multihost soak bench bench-faults clean
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -18,6 +18,12 @@ venv: $(VENV)/.installed
 chromium:
 	@command -v chromium >/dev/null 2>&1 || { s=$$([ "$$(id -u)" -eq 0 ] || echo sudo); \
 		$$s apt-get update && $$s apt-get install -y --no-install-recommends chromium; }
+
+# nft (Debian's nftables) for the multi-host tests' firewall faults; installs only when missing, and only
+# as root: the tests need root for network namespaces and skip, saying so, without it.
+netns-tools:
+	@[ "$$(id -u)" -ne 0 ] || command -v nft >/dev/null 2>&1 || \
+		{ apt-get update && apt-get install -y --no-install-recommends nftables; }
 
 demo: venv
 	$(PY) examples/demo.py
@@ -33,16 +39,24 @@ deploy-tools:
 		$$s apt-get update && $$s env DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends $$missing; fi
 
 # pytest exits 5 when it collected no test: make treats any non-zero exit as failure.
-test: venv chromium deploy-tools
+test: venv chromium deploy-tools netns-tools
 	$(PY) -m pytest -n $(PYTEST_WORKERS) -m "not soak" -q -p no:cacheprovider
 
-soak: venv
+# The multi-host tests alone (tests/multihost: hosts as network namespaces, faults on their links).
+multihost: venv netns-tools
+	$(PY) -m pytest -n $(PYTEST_WORKERS) -m "multihost and not soak" -q -p no:cacheprovider tests/multihost
+
+soak: venv netns-tools
 	$(PY) -m pytest -m soak -q -p no:cacheprovider -s
 
 bench: venv
 	$(PY) benchmarks/bench_rendezvous.py
 	$(PY) benchmarks/bench_recovery.py
 	$(PY) benchmarks/bench_elastic.py
+
+# The fault table of docs/benchmarks.md (needs root and network namespaces; about 10 minutes).
+bench-faults: venv netns-tools
+	$(PY) benchmarks/bench_faults.py --repeat 3
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache .hypothesis

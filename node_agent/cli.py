@@ -22,11 +22,11 @@ from node_agent.launch import make_run_dir
 from node_agent.launch_form import Mode
 from node_agent.narration import Narrator, reply_of, start_lines
 from node_agent.option_values import StdSpec
-from node_agent.options import AgentOptions, OptionsError, parse_options
+from node_agent.options import AgentOptions, OptionsError, agent_token, parse_options
 from node_agent.transport import Transport, local_addr_towards
 
 
-def _transport(opts: AgentOptions) -> tuple[Transport, str]:
+def _transport(opts: AgentOptions, token: str | None) -> tuple[Transport, str]:
     """The way to the rendezvous, and the address other nodes reach this one at."""
     if opts.mode is Mode.STANDALONE:
         # Like torchrun --standalone, but the rendezvous runs in this process with no HTTP at all.
@@ -34,17 +34,18 @@ def _transport(opts: AgentOptions) -> tuple[Transport, str]:
         return LocalClient(opts.job_id, opts.node_id), opts.local_addr or "127.0.0.1"
     if opts.mode is Mode.STATIC:
         from node_agent.static_client import StaticClient
-        return StaticClient(opts.job_id, opts.node_id, node_rank=opts.node_rank, nnodes=opts.job.max_nodes,
-                            master_addr=opts.master_addr, master_port=opts.master_port), opts.master_addr
+        client = StaticClient(opts.job_id, opts.node_id, node_rank=opts.node_rank, nnodes=opts.job.max_nodes,
+                              master_addr=opts.master_addr, master_port=opts.master_port)
+        return client, opts.local_addr or local_addr_towards(opts.master_addr, opts.master_port)
     from node_agent.client import RdzvClient
     assert opts.endpoint_host is not None and opts.endpoint_port is not None
     addr = opts.local_addr or local_addr_towards(opts.endpoint_host, opts.endpoint_port)
     return RdzvClient(opts.endpoint_host, opts.endpoint_port, opts.job_id, opts.node_id,
-                      scheme=opts.endpoint_scheme, token=opts.token, tls_ca=opts.tls_ca), addr
+                      scheme=opts.endpoint_scheme, token=token, tls_ca=opts.tls_ca), addr
 
 
-async def _run(opts: AgentOptions) -> int:
-    transport, addr = _transport(opts)
+async def _run(opts: AgentOptions, token: str | None) -> int:
+    transport, addr = _transport(opts, token)
     agent = Agent(opts, transport, addr)
     code = await agent.run()
     if code != 0 and opts.reply_file:
@@ -55,6 +56,7 @@ async def _run(opts: AgentOptions) -> int:
 def main(argv: list[str] | None = None) -> int:
     try:
         opts = parse_options(sys.argv[1:] if argv is None else argv)
+        token = agent_token(opts)
     except OptionsError as exc:
         print(f"node-agent: error: {exc}", file=sys.stderr)
         return 2
@@ -70,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     for line in start_lines(opts):
         narrator.say(line)
     try:
-        return asyncio.run(_run(opts))
+        return asyncio.run(_run(opts, token))
     except KeyboardInterrupt:
         return 130
     finally:

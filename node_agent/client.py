@@ -20,7 +20,7 @@ import yarl
 from protocol.codec import CONTENT_TYPE, decode_reply, encode
 from protocol.messages import ErrorReply, NodeStatus
 from node_agent.facts import NOT_RDZV_SERVER, TLS_UNTRUSTED
-from node_agent.transport import ServerRejected, ServerUnreachable, Transport, refusal
+from node_agent.transport import ServerRejected, ServerUnreachable, Transport, keepalive_socket, refusal
 
 GATEWAY_AWAY = (502, 503, 504)   # a proxy answering for a server that is away
 
@@ -42,7 +42,8 @@ class RdzvClient(Transport):
     async def __aenter__(self) -> RdzvClient:
         if self._tls_ca is not None:
             self._ssl = ssl.create_default_context(cafile=self._tls_ca)
-        self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=8, force_close=False))
+        connector = aiohttp.TCPConnector(limit=8, force_close=False, socket_factory=keepalive_socket)
+        self._session = aiohttp.ClientSession(connector=connector)
         return self
 
     async def __aexit__(self, *exc: object) -> None:

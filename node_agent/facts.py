@@ -77,12 +77,18 @@ class SignalReceived:
 
 
 @dataclass(frozen=True)
+class PeersProbed:
+    """What the round's witnesses said (ProbePeers): whether the server is away for them too."""
+    server_away: bool
+
+
+@dataclass(frozen=True)
 class DeadlinePassed:
     """The policy's `next_deadline()` came with no other fact before it."""
 
 
 Fact = (StatusReceived | ServerNotReached | ServerRefused | WorkersExited | WorkersHung | SpawnFailed
-        | SignalReceived | DeadlinePassed)
+        | SignalReceived | PeersProbed | DeadlinePassed)
 
 # How a source hands the loop its news: a fact, or the exception that broke the source (a bug), which
 # the loop raises so that it is seen instead of leaving the agent waiting for news that never comes.

@@ -140,6 +140,12 @@ FLAGS: tuple[Flag, ...] = (
           "window for counting a node's failures; default {default:g}"),
     _ours(("--exclude-cooldown", "--exclude_cooldown"), "exclude_cooldown_s", "S",
           "first exclusion's length, doubling each time up to {cooldown_max:g} s; default {default:g}"),
+    _ours(("--exclude-lost-after", "--exclude_lost_after"), "exclude_lost_after", "K",
+          "keep a node out when it was lost K times within --exclude-window (a flapping host); 0 never; "
+          "default {default}"),
+    _ours(("--exclude-lost-cooldown", "--exclude_lost_cooldown"), "exclude_lost_cooldown_s", "S",
+          "how long such a node is kept out the first time, doubling each time up to {cooldown_max:g} s; "
+          "default {default:g}"),
     _ours(("--no-command-check", "--no_command_check"), "no_command_check", None,
           "let nodes whose script or arguments differ join one job (by default the server refuses them)"),
 )

@@ -26,11 +26,12 @@ from node_agent.job_identity import TORCHRUN_DEFAULT_ID, command_fingerprint, de
 from node_agent.launch_form import Mode, launch_form
 from node_agent.option_values import (  # noqa: F401  (Std, StdSpec, count_gpus: re-exported)
     DEFAULT_PORT, Fail, Std, StdSpec, _default_node_id, _int, _rank_set, _seconds, _split_j, count_gpus,
-    parse_filters, parse_nnodes, parse_signals, parse_std, resolve_nproc, server_token,
+    parse_filters, parse_nnodes, parse_signals, parse_std, resolve_nproc,
 )
 from node_agent.rdzv_conf import AGENT_NOTES, IGNORED_KEYS, INT_KEYS, KNOWN_KEYS, SECONDS_KEYS, parse_conf
 from protocol.ids import job_id_problem, node_id_problem
 from protocol.messages import JobConfig
+from protocol.tokens import MAX_TOKEN_CHARS, token_problem
 
 DEFAULT_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)   # torchrun's
 DEFAULT_TEE_PREFIX = "[${role_name}${local_rank}]:"     # torchrun's prefix of tee'd lines
@@ -48,7 +49,8 @@ class AgentOptions:
     endpoint_host: str | None = None   # the rdzv-server (server mode)
     endpoint_port: int | None = None
     endpoint_scheme: str = "http"      # https with --tls-ca or an https:// endpoint
-    token: str | None = None           # the server's bearer token (--token-file, RDZV_TOKEN_FILE, RDZV_TOKEN)
+    token_file: str | None = None      # --token-file, --rdzv-conf token_file or $RDZV_TOKEN_FILE: read at start-up
+    token: str | None = None           # $RDZV_TOKEN: the token itself
     tls_ca: str | None = None          # CA bundle that must have signed the server's certificate
     nproc: int = 1
     nproc_spec: str = "1"              # as typed ("gpu", "4", ...), for logs
@@ -236,15 +238,20 @@ def parse_options(argv: Sequence[str], environ: Mapping[str, str] = os.environ) 
         if nproc > len(visible):
             fail("virtual_local_rank", f"{nproc} workers but CUDA_VISIBLE_DEVICES lists {len(visible)} devices")
 
-    token_from = line.name("token_file") if get("token_file") or "token_file" not in conf else "--rdzv-conf token_file"
-    token = server_token(get("token_file") or conf.get("token_file"), token_from, environ, _one_line)
+    token_file = get("token_file") or conf.get("token_file") or environ.get("RDZV_TOKEN_FILE") or None
+    token = None
+    if token_file is None and environ.get("RDZV_TOKEN"):
+        token = environ["RDZV_TOKEN"].strip()
+        if problem := token_problem(token.encode()):
+            _one_line(f"$RDZV_TOKEN: {problem}")
     if tls_ca is not None and not os.path.isfile(tls_ca):
         _one_line(f"{line.name('tls_ca') if get('tls_ca') else '--rdzv-conf tls_ca'}: no such file: {tls_ca}")
 
     stop_default = environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT")
     return AgentOptions(
         script=script, script_args=script_args, mode=form.mode, endpoint_host=form.host, endpoint_port=form.port,
-        endpoint_scheme=form.scheme, token=token if form.mode is Mode.SERVER else None, tls_ca=tls_ca,
+        endpoint_scheme=form.scheme, token_file=token_file if form.mode is Mode.SERVER else None,
+        token=token if form.mode is Mode.SERVER else None, tls_ca=tls_ca,
         nproc=nproc, nproc_spec=nproc_text, job_id=job_id, job_id_source=source,
         command="" if get("no_command_check") else fingerprint,
         job=_job_config(line, conf, min_nodes, max_nodes, nodes_flag), node_id=node_id,
@@ -265,6 +272,21 @@ def parse_options(argv: Sequence[str], environ: Mapping[str, str] = os.environ) 
         server_wait=_non_negative(line, "server_wait", conf.get("server_wait"), "--rdzv-conf server_wait"),
         hang_timeout=_non_negative(line, "hang_timeout"), warnings=tuple(warnings),
     )
+
+
+def agent_token(opts: AgentOptions) -> str | None:
+    """The server's token: the file's (read now, at start-up, not while parsing), else $RDZV_TOKEN's."""
+    if opts.token_file is None:
+        return opts.token
+    try:
+        with open(opts.token_file, "rb") as f:
+            raw = f.read(MAX_TOKEN_CHARS + 64).strip()
+    except OSError as exc:
+        raise OptionsError(f"--token-file {opts.token_file}: {exc.strerror or exc}") from None
+    problem = token_problem(raw)
+    if problem:
+        raise OptionsError(f"--token-file {opts.token_file}: {problem}")
+    return raw.decode()
 
 
 def _one_line(message: str) -> NoReturn:

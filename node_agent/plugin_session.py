@@ -30,9 +30,9 @@ import msgspec
 from node_agent.plugin_settings import PluginSettings
 from node_agent.transport import ServerRejected, ServerUnreachable, Transport
 from protocol.errors import ErrorCode
-from protocol.messages import Assignment, JobState, NodeState, NodeStatus, WorkerFailure
+from protocol.messages import MAX_POLL_WAIT_S, Assignment, JobState, NodeState, NodeStatus, WorkerFailure
 
-POLL_WAIT_S = 2.0          # as the node agent: a held poll returns well inside the lease
+POLL_WAIT_S = MAX_POLL_WAIT_S   # as the node agent: the server picks the hold
 BACKOFF_MAX_S = 0.5
 FORGOTTEN = (ErrorCode.UNKNOWN_JOB.value, ErrorCode.UNKNOWN_NODE.value)   # the server lost us: join again
 T = TypeVar("T")

@@ -72,11 +72,11 @@ class Transport:
         return cls(v=PROTOCOL_VERSION, node_id=self.node_id, credential=self.credential, **fields)
 
     async def join(self, *, addr: str, host: str, local_world_size: int, master_port: int, config: JobConfig,
-                   instance: str, role: str, command: str = "") -> NodeStatus:
+                   instance: str, role: str, probe_port: int = 0, command: str = "") -> NodeStatus:
         # torchrun allows an empty role (TorchX passes --role ""); the server's rule wants a name.
         return await self._request(self._for_node(
             JoinRequest, addr=addr, host=host, local_world_size=local_world_size, master_port=master_port,
-            config=config, instance=instance, role=role or "default", command=command))
+            config=config, instance=instance, role=role or "default", probe_port=probe_port, command=command))
 
     async def poll(self, known_round: int, wait_s: float, master_port: int = 0) -> NodeStatus:
         return await self._request(self._for_node(PollRequest, known_round=known_round, wait_s=wait_s,
@@ -102,6 +102,23 @@ def local_addr_towards(host: str, port: int) -> str:
             return str(s.getsockname()[0])
     except OSError:
         return socket.gethostname()
+
+
+# TCP keepalive on the agent's connections: a server whose host died or was cut off is noticed in
+# about 2 + 2 x 1 s even while a long-poll is held for much longer (the server does the same).
+KEEPIDLE_S, KEEPINTVL_S, KEEPCNT = 2, 1, 2
+
+
+def keepalive_socket(addr_info: tuple[Any, ...]) -> socket.socket:
+    """A client socket with keepalive probes (aiohttp's TCPConnector `socket_factory`)."""
+    family, kind, proto = addr_info[0], addr_info[1], addr_info[2]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    if hasattr(socket, "TCP_KEEPIDLE"):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, KEEPIDLE_S)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, KEEPINTVL_S)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, KEEPCNT)
+    return sock
 
 
 def free_port(addr: str = "") -> int:

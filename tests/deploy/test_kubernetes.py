@@ -232,7 +232,7 @@ def test_training_pods_run_node_agent_against_the_service(rendered, variant):
     spec = (one(rendered["training"], "Job")["spec"] if variant == "indexed-job"
             else one(rendered["jobset"], "JobSet")["spec"]["replicatedJobs"][0]["template"]["spec"])
     assert spec["completionMode"] == "Indexed"
-    assert spec["completions"] == spec["parallelism"] == opts.max_nodes
+    assert spec["completions"] == spec["parallelism"] == opts.job.max_nodes
     # the agent's token is the key the server's Secret holds
     volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
     token = next(a.split("=", 1)[1] for a in c["args"] if a.startswith("--token-file="))

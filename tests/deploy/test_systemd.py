@@ -130,7 +130,7 @@ def test_agent_unit_runs_the_example_settings():
     assert argv[0].endswith("/node-agent")
     opts = agent_options(argv[1:], {"CUDA_VISIBLE_DEVICES": "0,1,2,3"})     # a host with 4 GPUs
     assert (opts.endpoint, opts.job_id, opts.node_id) == (env["RDZV_ENDPOINT"], "llama-7b", "gpu-node-17")
-    assert (opts.min_nodes, opts.max_nodes, opts.nproc, opts.max_restarts) == (2, 4, 4, 3)
+    assert (opts.job.min_nodes, opts.job.max_nodes, opts.nproc, opts.job.max_restarts) == (2, 4, 4, 3)
     assert [opts.script, *opts.script_args] == env["TRAIN_COMMAND"].split()
     # the token reaches the agent through RDZV_TOKEN_FILE, a credential of the unit
     settings = unit_settings(AGENT_UNIT)

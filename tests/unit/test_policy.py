@@ -5,8 +5,10 @@ import signal
 
 import pytest
 
-from node_agent.actions import Exit, Leave, Rejoin, ReportFailure, ReportSuccess, Spawn, StopWorkers
-from node_agent.facts import (DeadlinePassed, ServerNotReached, ServerRefused, SignalReceived, SpawnFailed,
+import msgspec
+
+from node_agent.actions import Exit, Leave, ProbePeers, Rejoin, ReportFailure, ReportSuccess, Spawn, StopWorkers
+from node_agent.facts import (DeadlinePassed, PeersProbed, ServerNotReached, ServerRefused, SignalReceived, SpawnFailed,
                               StatusReceived, WorkersExited, WorkersHung)
 from node_agent.policy import SupervisionPolicy, Workers
 from protocol.messages import (Assignment, FailureReport, JobState, JoinRequest, NodeState, NodeStatus,
@@ -14,7 +16,7 @@ from protocol.messages import (Assignment, FailureReport, JobState, JoinRequest,
 
 
 def assignment(round_id: int, restart_count: int = 0) -> Assignment:
-    return Assignment(round_id=round_id, group_rank=0, group_world_size=2, rank_offset=0, world_size=4,
+    return Assignment(round_id=round_id, group_rank=0, group_world_size=1, rank_offset=0, world_size=4,
                       local_world_size=2, master_addr="10.0.0.1", master_port=29500,
                       restart_count=restart_count, max_restarts=3)
 
@@ -109,7 +111,9 @@ def test_becoming_a_spare_or_waiting_stops_our_workers() -> None:
 def test_gone_means_stop_and_rejoin() -> None:
     p = running(1)
     actions = p.handle(status(node_state=NodeState.GONE, reason="lease lost"), 1.0)
-    assert isinstance(actions[0], StopWorkers) and actions[1] == Rejoin("lease lost")
+    # the reason is the job's news, said as the job's (it may be about another node)
+    assert isinstance(actions[0], StopWorkers)
+    assert actions[1] == Rejoin("the server no longer counts this node (job j: lease lost)")
 
 
 def test_job_succeeded_exits_zero() -> None:
@@ -258,3 +262,52 @@ def test_a_conflict_that_clears_starts_the_count_again() -> None:
     p.handle(conflict, 0.0)
     p.handle(member(1), 2.0)                                  # the old agent was dead after all: we are in
     assert p.conflict_since is None and p.workers == Workers.RUNNING
+
+
+# ---- fencing -----------------------------------------------------------------------------------------
+
+def fenced_policy(witnesses=("10.0.0.2",)) -> SupervisionPolicy:
+    from protocol.messages import Witness
+    p = SupervisionPolicy(server_wait_s=60, lease_timeout_s=5.0)
+    a = msgspec.structs.replace(assignment(1), group_world_size=2,
+                                witnesses=tuple(Witness(addr=w, port=4000) for w in witnesses))
+    p.handle(StatusReceived(PollRequest, NodeStatus(job_id="j", job_state=JobState.RUNNING,
+                                                    node_state=NodeState.MEMBER, round_id=1, restart_count=0,
+                                                    assignment=a), sent_at=10.0), 10.5)
+    assert p.workers == Workers.RUNNING
+    return p
+
+
+def test_a_cut_off_node_asks_its_witnesses_once_its_lease_must_have_lapsed_and_fences_if_none_answers():
+    p = fenced_policy()
+    assert p.handle(unreachable(), 14.0) == []                  # first failed try at 14: keep going
+    assert p.next_deadline() == 10.0 + 5.0 + 0.5                # sent at 10 + lease + margin
+    probe = p.handle(DeadlinePassed(), 16.0)
+    assert len(probe) == 1 and isinstance(probe[0], ProbePeers)
+    assert p.next_deadline() == 14.0 + 60                       # probing: only the give-up rule is armed
+    assert p.handle(PeersProbed(server_away=False), 16.5) == []    # once more, in case a witness is slow to see
+    assert p.next_deadline() == 17.5
+    assert isinstance(p.handle(DeadlinePassed(), 17.5)[0], ProbePeers)
+    actions = p.handle(PeersProbed(server_away=False), 17.6)
+    assert isinstance(actions[0], StopWorkers) and "fenced" in actions[0].reason
+    assert isinstance(actions[1], ReportFailure) and actions[1].failures[0].reason == "fenced"
+    assert p.workers == Workers.FAILED
+
+
+def test_witnesses_that_do_not_hear_the_server_either_keep_the_workers_and_are_asked_again():
+    p = fenced_policy()
+    p.handle(unreachable(), 14.0)
+    p.handle(DeadlinePassed(), 16.0)
+    assert p.handle(PeersProbed(server_away=True), 16.2) == [] and p.workers == Workers.RUNNING
+    assert p.next_deadline() == 16.2 + 1.0
+    assert isinstance(p.handle(DeadlinePassed(), 17.2)[0], ProbePeers)
+
+
+def test_a_node_alone_in_its_round_is_never_fenced_and_a_server_naming_no_witness_fences_at_once():
+    p = running(1)                                               # group world size 1
+    p.handle(unreachable(), 14.0)
+    assert p.next_deadline() == 14.0 + 60
+    q = fenced_policy(witnesses=())
+    q.handle(unreachable(), 14.0)
+    actions = q.handle(DeadlinePassed(), 16.0)
+    assert isinstance(actions[0], StopWorkers) and "fenced" in actions[0].reason

@@ -9,7 +9,7 @@ import pytest
 
 from node_agent.job_identity import command_fingerprint
 from node_agent.launch_form import Mode
-from node_agent.options import OptionsError, parse_options
+from node_agent.options import OptionsError, agent_token, parse_options
 
 BASE = {"CUDA_VISIBLE_DEVICES": "", "USER": "alice", "LOGNAME": "alice"}
 
@@ -211,8 +211,11 @@ def test_the_servers_token_and_ca_from_rdzv_conf(tmp_path) -> None:
     token = tmp_path / "token"
     token.write_text("conf-token-0123456789abcdef\n")
     o = parse(*SERVER, "--rdzv-id", "j", "--rdzv-conf", f"token_file={token}", "t.py")
-    assert (o.token, o.endpoint_scheme) == ("conf-token-0123456789abcdef", "http")
-    assert error_of(*SERVER, "--rdzv-conf", "token_file=/no/such", "t.py").startswith(
-        "--rdzv-conf token_file /no/such: No such file")
+    assert (o.token_file, agent_token(o), o.endpoint_scheme) == (str(token), "conf-token-0123456789abcdef", "http")
+    missing = parse(*SERVER, "--rdzv-conf", "token_file=/no/such", "t.py")     # read at start-up, not here
+    with pytest.raises(OptionsError, match="^--token-file /no/such: No such file"):
+        agent_token(missing)
+    assert agent_token(parse(*SERVER, "t.py", RDZV_TOKEN="env-token-0123456789abcdef")) == "env-token-0123456789abcdef"
+    assert error_of(*SERVER, "t.py", RDZV_TOKEN="short").startswith("$RDZV_TOKEN:")
     assert error_of(*SERVER, "--rdzv-conf", "tls_ca=/no/such", "t.py") == "--rdzv-conf tls_ca: no such file: /no/such"
     assert error_of(*SERVER, "--tls_ca", "/no/such", "t.py") == "--tls_ca: no such file: /no/such"
