@@ -147,10 +147,12 @@ def test_log_dir_holds_torchruns_layout_fresh_for_every_run(cluster, tmp_path):
 
 
 def test_redirects_without_a_log_dir_hide_the_output_in_a_kept_temporary_directory(cluster, tmp_path):
-    agent = cluster.agent("--nproc-per-node", "2", "-r", "3", ECHO, env={"OUT_DIR": str(tmp_path)})
+    agent = cluster.agent("--nproc-per-node", "2", "-r", "3", ECHO,
+                          env={"OUT_DIR": str(tmp_path), "TMPDIR": str(tmp_path)})
     assert agent.wait() == 0, agent.output
     kept = agent.wait_for_line(r"worker logs and error files are kept in (\S+)").group(1)
     assert "hello" not in agent.output                                # no worker line reached the console
     assert len(read_records(tmp_path)) == 2
+    assert kept.startswith(str(tmp_path))                          # torchrun's place: TMPDIR
     with open(os.path.join(kept, "attempt_0", "1", "stdout.log")) as f:
         assert f.read() == "hello stdout from rank 1\n"
