@@ -54,6 +54,7 @@ class ProbePeers:
 class Exit:
     code: int
     message: str
+    root_cause: WorkerFailure | None = None   # the job's first failure, when the job failed
 
 
 Action = Spawn | StopWorkers | ReportFailure | ReportSuccess | Rejoin | Leave | ProbePeers | Exit

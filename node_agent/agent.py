@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import signal
 import socket
 import time
 import uuid
@@ -30,8 +29,6 @@ from node_agent.server_link import ServerLink
 from node_agent.transport import Transport, free_port
 from node_agent.witness import WitnessServer, ask_witnesses
 from protocol.messages import NodeStatus, Witness
-
-FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
 
 
 class Agent:
@@ -53,13 +50,18 @@ class Agent:
         # answers the other members' "are you there, and do you hear the server?" (witness.py)
         self.witness = WitnessServer(addr, lambda: self.policy.in_contact)
 
+    @property
+    def exit(self) -> Exit | None:
+        """How the agent ended (None while it runs)."""
+        return self._exit
+
     @staticmethod
     def now() -> float:
         return time.monotonic()
 
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
-        for sig in FORWARDED_SIGNALS:
+        for sig in self.opts.signals:
             loop.add_signal_handler(sig, self._on_signal, sig)
         await self.witness.start()
         try:
@@ -70,7 +72,7 @@ class Agent:
                 finally:
                     await link.close()
         finally:
-            for sig in FORWARDED_SIGNALS:
+            for sig in self.opts.signals:
                 loop.remove_signal_handler(sig)
             await self.workers.close()
             await self.witness.close()
@@ -140,7 +142,8 @@ class Agent:
     async def _join(self) -> NodeStatus:
         return await self.transport.join(
             addr=self.addr, host=self.hostname, local_world_size=self.opts.nproc, master_port=free_port(self.addr),
-            config=self.opts.job, instance=self.instance, role=self.opts.role, probe_port=self.witness.port)
+            config=self.opts.job, instance=self.instance, role=self.opts.role, probe_port=self.witness.port,
+            command=self.opts.command)
 
     async def _poll(self, wait_s: float) -> NodeStatus:
         return await self.transport.poll(self.policy.known_round, wait_s, master_port=free_port(self.addr))

@@ -15,11 +15,14 @@ from protocol.messages import Assignment
 
 
 def worker_env(*, base: Mapping[str, str], assignment: Assignment, local_rank: int, job_id: str,
-               role: str, error_file: str | None, nccl_async: str | None = None) -> dict[str, str]:
+               role: str, error_file: str | None, nccl_async: str | None = None,
+               virtual_local_rank: bool = False) -> dict[str, str]:
     """The full environment of one worker: `base` (the agent's own) plus the launcher's variables.
 
     `nccl_async` overrides TORCH_NCCL_ASYNC_ERROR_HANDLING; left None, the base's value is kept and
     "1" is used when it has none (torchrun's rule: NCCL errors abort instead of hanging).
+    `virtual_local_rank` (torchrun's --virtual-local-rank): LOCAL_RANK is 0 in every worker, and
+    CUDA_VISIBLE_DEVICES shows each worker only its own GPU (the local rank's entry of the agent's list).
     """
     a = assignment
     if not 0 <= local_rank < a.local_world_size:
@@ -48,6 +51,13 @@ def worker_env(*, base: Mapping[str, str], assignment: Assignment, local_rank: i
         "TORCH_NCCL_ASYNC_ERROR_HANDLING":
             nccl_async if nccl_async is not None else base.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
     })
+    if virtual_local_rank:
+        visible = base.get("CUDA_VISIBLE_DEVICES")
+        devices = [d.strip() for d in visible.split(",")] if visible is not None else None
+        if devices is not None and local_rank >= len(devices):
+            raise ValueError(f"local rank {local_rank} has no GPU in CUDA_VISIBLE_DEVICES={visible!r}")
+        env["LOCAL_RANK"] = "0"
+        env["CUDA_VISIBLE_DEVICES"] = devices[local_rank] if devices is not None else str(local_rank)
     if error_file is not None:
         env["TORCHELASTIC_ERROR_FILE"] = error_file
     # Several workers each sizing OpenMP to every core oversubscribe the node; torchrun sets 1.
@@ -56,9 +66,16 @@ def worker_env(*, base: Mapping[str, str], assignment: Assignment, local_rank: i
     return env
 
 
+# --run-path: torchrun runs the script with runpy.run_path in a fresh interpreter (its spawned worker).
+RUN_PATH = "import runpy, sys; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
+
+
 def worker_argv(opts: AgentOptions, environ: Mapping[str, str] = os.environ) -> list[str]:
-    """The command each worker runs: `python -u script args`, `python -u -m module args`, or the
-    program itself with --no-python. PYTHON_EXEC picks the interpreter, as in torchrun."""
+    """The command each worker runs: `python -u script args`, `python -u -m module args`, the
+    program itself with --no-python, or the script through runpy with --run-path (which wins over the
+    others, as in torchrun). PYTHON_EXEC picks the interpreter, as in torchrun."""
+    if opts.run_path:
+        return [sys.executable, "-u", "-c", RUN_PATH, opts.script, *opts.script_args]
     if opts.no_python:
         return [opts.script, *opts.script_args]
     python = environ.get("PYTHON_EXEC") or sys.executable

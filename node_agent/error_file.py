@@ -1,8 +1,11 @@
-"""Reading a worker's error file: what torch's `@record` (TORCHELASTIC_ERROR_FILE) wrote when it failed."""
+"""Error files in torch's format: reading a worker's (what torch's `@record` wrote to its
+TORCHELASTIC_ERROR_FILE when it failed), and writing the agent's own for whoever launched it."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import sys
 
 
 def read_error_file(path: str) -> tuple[str, str, float] | None:
@@ -25,3 +28,25 @@ def read_error_file(path: str) -> tuple[str, str, float] | None:
         return str(body.get("message", "")), str(tb or ""), ts
     except (OSError, ValueError, KeyError, TypeError):
         return None
+
+
+def write_reply_file(path: str, message: str, traceback: str, timestamp: float, error_code: int | None) -> None:
+    """Write an error file in torch's format (what `@record` writes, and torchrun copies to its own
+    TORCHELASTIC_ERROR_FILE): {"message": {"message", "extraInfo": {"py_callstack", "timestamp"}, "errorCode"}}.
+
+    Schedulers read it to show a job's root cause. Written whole (a temporary file renamed into place);
+    a failure to write it is said on stderr and does not change the agent's exit status.
+    """
+    body: dict[str, object] = {"message": message,
+                               "extraInfo": {"py_callstack": traceback, "timestamp": str(int(timestamp))}}
+    if error_code is not None:
+        body["errorCode"] = error_code
+    tmp = f"{path}.{os.getpid()}.tmp"
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump({"message": body}, f)
+        os.replace(tmp, path)
+    except OSError as exc:
+        print(f"node-agent: cannot write the error file {path}: {exc.strerror or exc}", file=sys.stderr)
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)

@@ -35,8 +35,10 @@ class ServerNotReached:
     error: str
 
 
-# A refusal code of the agent's own (not the server's): the server's TLS certificate is not trusted.
+# Refusal codes of the agent's own (not the server's): the server's TLS certificate is not trusted;
+# the endpoint answered, but it is not an rdzv-server (another HTTP service, or not HTTP at all).
 TLS_UNTRUSTED = "tls_untrusted"
+NOT_RDZV_SERVER = "not_rdzv_server"
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ The group itself is made by `make_group`, so a test can put a scripted one in it
 from __future__ import annotations
 
 import asyncio
+import os
 import shutil
 import signal
 import tempfile
@@ -17,7 +18,7 @@ from typing import Protocol
 from node_agent.facts import Put, SpawnFailed, WorkersExited, WorkersHung, start_source
 from node_agent.failures import exit_failure, hang_failure, spawn_failure
 from node_agent.hangwatch import HangWatch
-from node_agent.launch import WorkerLaunch, build_launches
+from node_agent.launch import WorkerLaunch, build_launches, make_run_dir
 from node_agent.options import AgentOptions
 from node_agent.worker import WorkerExit, WorkerSpawnError
 from node_agent.workers import WorkerGroup
@@ -64,18 +65,18 @@ class LocalWorkers:
         self._watchers: list[asyncio.Task[None]] = []
         self._hangs = HangWatch(opts.hang_timeout) if opts.hang_timeout > 0 else None
         self._first_beat = asyncio.Event()
-        self._tmp_root: str | None = None   # error files' home when there is no --log-dir
+        self._tmp_root: str | None = None   # logs' home when the CLI made no run directory (tests)
 
     async def spawn(self, a: Assignment) -> None:
         """Start the round's workers; their news (or the spawn's failure) comes back as facts."""
         if self.group is not None:   # a group whose workers all succeeded: sweep up after it first
             await self.stop()
         opts = self.opts
-        if opts.log_dir is None and self._tmp_root is None:
-            self._tmp_root = tempfile.mkdtemp(prefix="node-agent-")
         try:
-            launches = build_launches(a, opts, files_root=opts.log_dir or self._tmp_root or ".",
-                                      hostname=self._hostname)
+            if opts.run_dir is None and self._tmp_root is None:
+                self._tmp_root = make_run_dir(opts.log_dir or tempfile.mkdtemp(prefix="node-agent_"), opts.job_id)
+            launches = build_launches(a, opts, run_dir=opts.run_dir or self._tmp_root or ".",
+                                      hostname=self._hostname, stdin_tty=_stdin_is_tty())
         except OSError as exc:   # no room for the workers' directories: they cannot start
             self._spawn_failed(a.round_id, exc, a.rank_offset, 0, opts.script)
             return
@@ -109,8 +110,8 @@ class LocalWorkers:
 
     async def close(self) -> None:
         await self.stop()
-        if self._tmp_root is not None:
-            shutil.rmtree(self._tmp_root, ignore_errors=True)
+        if self._tmp_root is not None and self.opts.log_dir is None:
+            shutil.rmtree(os.path.dirname(self._tmp_root), ignore_errors=True)
 
     def _stop_watching(self) -> None:
         for task in self._watchers:
@@ -157,3 +158,10 @@ class LocalWorkers:
             deadline = watch.next_deadline()
             if deadline is not None:
                 await asyncio.sleep(max(0.0, deadline - self._clock()))   # the watch's deadline, not a poll
+
+
+def _stdin_is_tty() -> bool:
+    try:
+        return os.isatty(0)
+    except OSError:
+        return False

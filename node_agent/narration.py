@@ -7,11 +7,15 @@ from __future__ import annotations
 
 import signal
 import sys
+import time
 from typing import TextIO
 
 from node_agent.actions import Action, Exit, Rejoin, Spawn, StopWorkers
 from node_agent.facts import (Fact, PeersProbed, ServerRefused, SpawnFailed, StatusReceived, WorkersExited,
                               WorkersHung)
+from node_agent.launch_form import Mode
+from node_agent.option_values import StdSpec
+from node_agent.options import AgentOptions
 from protocol.messages import Assignment, FailureReport, NodeState, NodeStatus, SuccessReport, WorkerFailure
 
 
@@ -112,3 +116,32 @@ def failure_summary(status: NodeStatus) -> str:
             lines.append("  traceback :")
             lines.extend("    " + ln for ln in rc.traceback.rstrip().splitlines())
     return "\n".join(lines)
+
+
+def start_lines(opts: AgentOptions) -> list[str]:
+    """What the agent says before it starts: a job id it chose, and what a static launch means."""
+    lines = []
+    if opts.job_id_source:
+        lines.append(f"job id {opts.job_id} (from {opts.job_id_source}; --rdzv-id sets another)")
+    if opts.log_dir is None and (opts.redirects != StdSpec() or opts.tee != StdSpec()):
+        lines.append(f"worker logs go to {opts.run_dir} (a temporary directory: no --log-dir)")
+    if opts.mode is Mode.STATIC:
+        lines.append(f"static launch: node rank {opts.node_rank} of {opts.job.max_nodes}, master "
+                     f"{opts.master_addr}:{opts.master_port}; no rendezvous server, so restarts are this "
+                     f"node's own (as with torchrun's static backend)")
+    return lines
+
+
+def reply_of(end: Exit | None, code: int) -> tuple[str, str, float, int | None]:
+    """(message, traceback, unix time, error code) for the agent's reply file (TORCHELASTIC_ERROR_FILE).
+
+    For a failed job: the root cause, as torch's launcher copies its first failed worker's error file
+    (with the worker's exit code as errorCode); otherwise the reason this agent stopped.
+    """
+    rc = end.root_cause if end is not None else None
+    if rc is not None:
+        message = rc.message or f"{worker(rc)} on {rc.host or rc.node_id} failed with {how(rc)}"
+        return message, rc.traceback, rc.timestamp or time.time(), rc.exitcode
+    if end is not None:
+        return end.message, "", time.time(), None
+    return f"node-agent exited with status {code}", "", time.time(), None

@@ -1,4 +1,5 @@
-"""Parsers for node-agent flag values (endpoint, nnodes, nproc, -j, redirects/tee, rank sets).
+"""Parsers for node-agent flag values (endpoint, nnodes, nproc, -j, redirects/tee, rank sets, signals,
+filters, the server's token).
 
 Each takes `fail(why)`, which raises the caller's OptionsError naming the flag as typed; the
 flag table and argparse wiring stay in `options.py`.
@@ -9,10 +10,13 @@ import enum
 import itertools
 import os
 import re
+import signal
 import socket
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import NoReturn
+
+from protocol.tokens import MAX_TOKEN_CHARS, token_problem
 
 DEFAULT_PORT = 29400          # torchrun's default when the endpoint names no port
 _J_SPEC = re.compile(r"^(?:(\d+):)?(\d+)x(\d+)$")
@@ -65,7 +69,7 @@ def _rank(text: str, fail: Fail) -> int:
     return rank
 
 
-def parse_endpoint(text: str, fail: Fail) -> tuple[str, int]:
+def parse_endpoint(text: str, fail: Fail, allow_port_0: bool = False) -> tuple[str, int]:
     """`host:port`, `host` (default port), `[v6]:port` or `[v6]` -> (host, port)."""
     text = text.strip()
     if text.startswith("["):
@@ -84,9 +88,47 @@ def parse_endpoint(text: str, fail: Fail) -> tuple[str, int]:
         fail(f"missing host in {text!r}, expected HOST:PORT")
     if port_text is None:
         return host, DEFAULT_PORT
-    if not port_text.isdigit() or not 1 <= int(port_text) <= 65535:
+    if not port_text.isdigit() or not (0 if allow_port_0 else 1) <= int(port_text) <= 65535:
         fail(f"bad port {port_text!r} in {text!r}, expected 1-65535")
     return host, int(port_text)
+
+
+def parse_server(text: str, tls_ca: str | None, fail: Fail, allow_port_0: bool = False) -> tuple[str, str, int]:
+    """`[http[s]://]HOST[:PORT]` -> (scheme, host, port); https when the URL says so or a CA is given."""
+    text = text.strip()
+    scheme, sep, rest = text.partition("://")
+    if sep and scheme.lower() not in ("http", "https"):
+        fail(f"expected http:// or https://, got {scheme + sep!r}")
+    scheme = scheme.lower() if sep else ("https" if tls_ca else "http")
+    if scheme == "http" and tls_ca:
+        fail(f"--tls-ca needs an https endpoint, got {text!r}")
+    host, port = parse_endpoint(rest if sep else text, fail, allow_port_0)
+    return scheme, host, port
+
+
+def server_token(path: str | None, flag: str, environ: Mapping[str, str], fail: Fail) -> str | None:
+    """The server's token from `path`, else $RDZV_TOKEN_FILE, else $RDZV_TOKEN (None: no token).
+
+    `fail` gets the whole line (naming the flag, variable or file), not just the reason.
+    """
+    where = flag
+    if path is None and environ.get("RDZV_TOKEN_FILE"):
+        path, where = environ["RDZV_TOKEN_FILE"], "$RDZV_TOKEN_FILE"
+    if path is not None:
+        try:
+            with open(path, "rb") as f:
+                raw = f.read(MAX_TOKEN_CHARS + 64).strip()
+        except OSError as exc:
+            fail(f"{where} {path}: {exc.strerror or exc}")
+        where = f"{where} {path}"
+    elif environ.get("RDZV_TOKEN"):
+        raw, where = environ["RDZV_TOKEN"].strip().encode(), "$RDZV_TOKEN"
+    else:
+        return None
+    problem = token_problem(raw)
+    if problem:
+        fail(f"{where}: {problem}")
+    return raw.decode()
 
 
 def parse_nnodes(text: str, fail: Fail) -> tuple[int, int]:
@@ -173,6 +215,31 @@ def parse_std(text: str, fail: Fail) -> StdSpec:
             fail(f"local rank {rank} given twice")
         pairs[rank] = one(value)
     return StdSpec(per_rank=tuple(sorted(pairs.items())))
+
+
+def parse_signals(text: str, fail: Fail) -> tuple[int, ...]:
+    """torchrun's `SIGTERM,SIGUSR1,...` (names; SIG may be left out) -> signal numbers, in order."""
+    found: list[int] = []
+    for item in (i.strip().upper() for i in text.split(",")):
+        if not item:
+            continue
+        name = item if item.startswith("SIG") else "SIG" + item
+        number = getattr(signal.Signals, name, None) if not name.startswith("SIG_") else None
+        if number is None:
+            fail(f"{item!r} is not a signal name (such as SIGTERM or SIGUSR1)")
+        if number in (signal.SIGKILL, signal.SIGSTOP):
+            fail(f"{name} cannot be handled by any process")
+        if number not in found:
+            found.append(int(number))
+    if not found:
+        fail("expected at least one signal name, such as SIGTERM")
+    return tuple(found)
+
+
+def parse_filters(text: str) -> tuple[str, ...]:
+    """torchrun's duplicate filters: comma-separated, `,,` for a comma inside one. As in torchrun an
+    empty item is kept, and matches every line."""
+    return tuple(p.replace("\x00", ",") for p in text.replace(",,", "\x00").split(","))
 
 
 def _rank_set(text: str | None, fail: Fail) -> frozenset[int] | None:

@@ -1,31 +1,40 @@
-"""The node agent's command line: argparse in, one frozen `AgentOptions` out.
+"""The node agent's command line: flags (and torchrun's PET_* variables) in, one frozen `AgentOptions` out.
 
-torchrun's spellings are accepted as aliases so an existing launch line keeps working. Every bad input
-becomes `OptionsError` with one line naming the flag as the user spelled it; argparse never exits or
-prints a traceback (only `--help` exits, with status 0). Values are checked here, once, so the rest of
-the agent can trust them. Nothing here imports torch: GPUs are counted from the driver's files.
+Every torchrun flag means what it means to torchrun, or is refused with one line naming the
+equivalent or why (flags.py has the table, launch_form.py the choice of rendezvous). Every bad input
+becomes `OptionsError` with one line naming the flag as the user spelled it (or the PET_* variable it
+came from); argparse never exits or prints a traceback (only `--help` exits, with status 0). Values are
+checked here, once, so the rest of the agent can trust them. Nothing here imports torch: GPUs are
+counted from the driver's files.
 """
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import functools
 import math
 import os
 import re
+import signal
 from collections.abc import Callable, Mapping, Sequence
-import dataclasses
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
 import msgspec
 
-from protocol.ids import job_id_problem, node_id_problem
-from protocol.tokens import MAX_TOKEN_CHARS, token_problem
-from protocol.messages import JobConfig
+from node_agent.flags import BY_DEST, FLAGS, FlagError, build_argparser as _build, pet_values, split_command_line
+from node_agent.job_identity import TORCHRUN_DEFAULT_ID, command_fingerprint, default_job_id
+from node_agent.launch_form import Mode, launch_form
 from node_agent.option_values import (  # noqa: F401  (Std, StdSpec, count_gpus: re-exported)
     DEFAULT_PORT, Fail, Std, StdSpec, _default_node_id, _int, _rank_set, _seconds, _split_j, count_gpus,
-    parse_endpoint, parse_nnodes, parse_std, resolve_nproc,
+    parse_filters, parse_nnodes, parse_signals, parse_std, resolve_nproc,
 )
+from node_agent.rdzv_conf import AGENT_NOTES, IGNORED_KEYS, INT_KEYS, KNOWN_KEYS, SECONDS_KEYS, parse_conf
+from protocol.ids import job_id_problem, node_id_problem
+from protocol.messages import JobConfig
+from protocol.tokens import MAX_TOKEN_CHARS, token_problem
+
+DEFAULT_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)   # torchrun's
+DEFAULT_TEE_PREFIX = "[${role_name}${local_rank}]:"     # torchrun's prefix of tee'd lines
 
 
 class OptionsError(ValueError):
@@ -36,30 +45,48 @@ class OptionsError(ValueError):
 class AgentOptions:
     script: str
     script_args: tuple[str, ...] = ()
-    endpoint_host: str | None = None
+    mode: Mode = Mode.SERVER
+    endpoint_host: str | None = None   # the rdzv-server (server mode)
     endpoint_port: int | None = None
     endpoint_scheme: str = "http"      # https with --tls-ca or an https:// endpoint
-    token_file: str | None = None      # --token-file or $RDZV_TOKEN_FILE: read at start-up (agent_token)
+    token_file: str | None = None      # --token-file, --rdzv-conf token_file or $RDZV_TOKEN_FILE: read at start-up
     token: str | None = None           # $RDZV_TOKEN: the token itself
     tls_ca: str | None = None          # CA bundle that must have signed the server's certificate
     nproc: int = 1
     nproc_spec: str = "1"              # as typed ("gpu", "4", ...), for logs
     job_id: str = "default"
+    job_id_source: str = ""            # where a job id that was not given came from (said at start)
+    command: str = ""                  # the command's fingerprint, sent with joins ("": not checked)
     job: JobConfig = JobConfig()       # the job's settings, sent with every join (defaults: JobConfig's)
     node_id: str = ""
     local_addr: str | None = None
     role: str = "default"
     module: bool = False
     no_python: bool = False
+    run_path: bool = False
+    node_rank: int = 0                 # static mode: this node's rank, node rank 0's address and the store port
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29500
     log_dir: str | None = None
+    run_dir: str | None = None         # this run's log directory (the CLI makes it); None: a temporary one
     redirects: StdSpec = StdSpec()
     tee: StdSpec = StdSpec()
     local_ranks_filter: frozenset[int] | None = None   # None: every local rank shows on the console
-    standalone: bool = False
-    stop_timeout: float = 5.0
+    dup_stdout: tuple[str, ...] = ()   # --duplicate-stdout-filters
+    dup_stderr: tuple[str, ...] = ()
+    log_line_prefix: str | None = None  # --log-line-prefix: a template for every console line
+    tee_prefix: str = DEFAULT_TEE_PREFIX   # tee'd console lines (TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE)
+    virtual_local_rank: bool = False
+    signals: tuple[int, ...] = DEFAULT_SIGNALS
+    reply_file: str | None = None      # the agent's own TORCHELASTIC_ERROR_FILE: the job's root cause goes there
+    stop_timeout: float = 30.0         # torchrun's shutdown timeout
     server_wait: float = 60.0
     hang_timeout: float = 0.0          # 0: hang detection off
     warnings: tuple[str, ...] = ()
+
+    @property
+    def standalone(self) -> bool:
+        return self.mode is Mode.STANDALONE
 
     @property
     def endpoint(self) -> str | None:
@@ -70,262 +97,185 @@ class AgentOptions:
         return f"{host}:{self.endpoint_port}"
 
 
-# ---------------------------------------------------------------------------------------------- parsing
-
-
-class _Parser(argparse.ArgumentParser):
-    # argparse would print usage and sys.exit(2); the CLI decides how to show errors instead.
-    def error(self, message: str) -> NoReturn:
-        if message.startswith("the following arguments are required"):   # only the script is
-            message = "missing the training script: node-agent [options] SCRIPT [ARGS...]"
-        raise OptionsError(message)
-
-
-class _Formatter(argparse.HelpFormatter):
-    # List every alias once and the metavar once: "--nproc, --nproc-per-node N" rather than a
-    # metavar after each alias, which makes the aliased flags unreadable.
-    def _format_action_invocation(self, action: argparse.Action) -> str:
-        if not action.option_strings or action.nargs == 0:
-            return super()._format_action_invocation(action)
-        return f"{', '.join(action.option_strings)} {self._format_args(action, action.dest.upper())}"
-
-
-class _Spelled(argparse.Action):
-    """Store a value and remember which spelling the user typed, so errors name that spelling."""
-
-    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
-                 values: Any, option_string: str | None = None) -> None:
-        setattr(namespace, self.dest, values)
-        namespace.__dict__.setdefault("_spelling", {})[self.dest] = option_string
-
-
-# (spellings, dest, metavar, help). A dest that names a JobConfig field is that job setting: its default
-# (shown as {default} in the help) and its bounds are JobConfig's; other defaults are AgentOptions'.
-# A metavar of None marks an on/off flag.
-_FLAGS: list[tuple[tuple[str, ...], str, str | None, str]] = [
-    (("--endpoint", "--rdzv-endpoint", "--rdzv_endpoint"), "endpoint", "[https://]HOST:PORT",
-     f"rendezvous server address (port defaults to {DEFAULT_PORT}; IPv6 as [::1]:PORT; https:// for TLS)"),
-    (("--token-file", "--token_file"), "token_file", "F",
-     "file holding the server's token (or set RDZV_TOKEN_FILE, or RDZV_TOKEN to the token itself)"),
-    (("--tls-ca", "--tls_ca"), "tls_ca", "F",
-     "CA certificates (PEM) that signed the server's TLS certificate; implies https"),
-    (("--nproc", "--nproc-per-node", "--nproc_per_node"), "nproc", "N|gpu|cpu|auto",
-     "workers on this node: a number, one per GPU, one per CPU, or auto (GPUs if any, else CPUs); "
-     "default 1"),
-    (("--nnodes",), "nnodes", "MIN:MAX|N", "number of nodes, or an elastic range; default 1:1"),
-    (("-j", "--j"), "j", "[MIN:]NxM", "TorchX shorthand: N nodes (elastic MIN:N) of M workers each"),
-    (("--job-id", "--rdzv-id", "--rdzv_id"), "job_id", "ID",
-     "job id shared by every node of the job; default {default!r}"),
-    (("--max-restarts", "--max_restarts"), "max_restarts", "K",
-     "job-wide worker group restarts before the job fails; default {default}"),
-    (("--node-id", "--node_id"), "node_id", "ID", "this node's id at the server; default HOSTNAME-PID"),
-    (("--local-addr", "--local_addr"), "local_addr", "ADDR",
-     "address other nodes reach this node at (MASTER_ADDR when it is group rank 0)"),
-    (("--role",), "role", "NAME", "worker role (ROLE_NAME); default {default!r}"),
-    (("-m", "--module"), "module", None, "run the script as a module, like python -m"),
-    (("--no-python", "--no_python"), "no_python", None, "run the script directly, not with python"),
-    (("--log-dir", "--log_dir"), "log_dir", "DIR",
-     "directory for per-rank stdout.log/stderr.log and error.json"),
-    (("-r", "--redirects"), "redirects", "STD",
-     "send worker streams to log files only: 0 none, 1 stdout, 2 stderr, 3 both, or a "
-     "per-local-rank map such as 0:1,1:2"),
-    (("-t", "--tee"), "tee", "STD",
-     "send worker streams to log files and the console (same format as --redirects)"),
-    (("--local-ranks-filter", "--local_ranks_filter"), "local_ranks_filter", "R,R,...",
-     "show only these local ranks on the console (log files keep everything)"),
-    (("--standalone",), "standalone", None,
-     "single node: run an embedded rendezvous server, no --endpoint needed"),
-    (("--stop-timeout", "--stop_timeout"), "stop_timeout", "S",
-     "seconds between SIGTERM and SIGKILL when stopping workers; default {default:g}"),
-    (("--last-call", "--last_call"), "last_call_s", "S",
-     "seconds an elastic round waits for more nodes once it has MIN; default {default:g}"),
-    (("--join-timeout", "--join_timeout"), "join_timeout_s", "S",
-     "seconds to wait for a round to form; default {default:g}"),
-    (("--lease-timeout", "--lease_timeout"), "lease_timeout_s", "S",
-     "seconds of silence after which the server drops a node; default {default:g}"),
-    (("--server-wait", "--server_wait"), "server_wait", "S",
-     "seconds to keep retrying an unreachable server; default {default:g}"),
-    (("--hang-timeout", "--hang_timeout"), "hang_timeout", "S",
-     "kill and report a worker that called node_agent.heartbeat.beat() but then stopped for this "
-     "long; default {default:g} (off)"),
-    (("--exclude-after", "--exclude_after"), "exclude_after", "K",
-     "exclude a node after K worker failures within --exclude-window (job-wide); 0 never; default {default}"),
-    (("--exclude-window", "--exclude_window"), "exclude_window_s", "S",
-     "window for counting a node's failures; default {default:g}"),
-    (("--exclude-cooldown", "--exclude_cooldown"), "exclude_cooldown_s", "S",
-     "first exclusion's length, doubling each time up to {cooldown_max:g} s; default {default:g}"),
-    (("--exclude-lost-after", "--exclude_lost_after"), "exclude_lost_after", "K",
-     "keep a node out when it was lost K times within --exclude-window (a flapping host); 0 never; "
-     "default {default}"),
-    (("--exclude-lost-cooldown", "--exclude_lost_cooldown"), "exclude_lost_cooldown_s", "S",
-     "how long such a node is kept out the first time, doubling each time up to {cooldown_max:g} s; "
-     "default {default:g}"),
-]
 _JOB_DEFAULTS: dict[str, Any] = {f.name: f.default for f in msgspec.structs.fields(JobConfig)}
 _AGENT_DEFAULTS: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(AgentOptions)}
-_JOB_FLAGS = [dest for _, dest, _, _ in _FLAGS if dest in _JOB_DEFAULTS]   # job settings with a flag
-_SPELLING = {dest: flags[0] for flags, dest, _, _ in _FLAGS}
-
-
-def _help(dest: str, text: str) -> str:
-    default = _JOB_DEFAULTS.get(dest, _AGENT_DEFAULTS.get(dest))
-    return text.format(default=default, cooldown_max=_JOB_DEFAULTS["exclude_cooldown_max_s"])
-
-
-_IGNORED = {   # torchrun flags with no meaning here: accepted so launch lines work, then warned about
-    "rdzv_backend": ("--rdzv-backend", "--rdzv_backend"),
-    "rdzv_conf": ("--rdzv-conf", "--rdzv_conf"),
-    "monitor_interval": ("--monitor-interval", "--monitor_interval"),
-    "start_method": ("--start-method", "--start_method"),
+_JOB_FLAGS = [f.dest for f in FLAGS if f.dest in _JOB_DEFAULTS]   # job settings with a flag
+_REFUSED = {
+    "logs_specs": "node-agent loads no torch plugins (it never imports torch); its log layout is torchrun's "
+                  "default, under --log-dir",
+    "numa_binding": "node-agent cannot tell which NUMA node a GPU is on without loading CUDA; start workers "
+                    "under numactl instead (--no-python numactl --cpunodebind=N python train.py)",
 }
 
 
-def build_argparser() -> argparse.ArgumentParser:
-    p = _Parser(
-        prog="node-agent",
-        description="Join an elastic training job at a rendezvous server, then run and supervise this "
-                    "node's workers (a drop-in replacement for torchrun).",
-        allow_abbrev=False,
-        formatter_class=_Formatter,
-    )
-    # Defaults are None so explicit use can be told apart (-j conflicts, --standalone); the real
-    # defaults are applied in parse_options.
-    for flags, dest, metavar, text in _FLAGS:
-        if metavar is None:
-            p.add_argument(*flags, dest=dest, action="store_true", help=_help(dest, text))
-        else:
-            p.add_argument(*flags, dest=dest, action=_Spelled, default=None, metavar=metavar,
-                           help=_help(dest, text))
-    for dest, flags in _IGNORED.items():
-        p.add_argument(*flags, dest=dest, action=_Spelled, default=None, metavar="VALUE",
-                       help="accepted for torchrun compatibility; ignored")
-    p.add_argument("script", help="training script (or module with -m, or program with --no-python)")
-    p.add_argument("script_args", nargs=argparse.REMAINDER,
-                   help="everything after the script goes to it untouched")
-    return p
+def build_argparser():   # type: ignore[no-untyped-def]
+    """The parser, its help showing the defaults (JobConfig's for job settings, AgentOptions' otherwise)."""
+    def text(dest: str, help: str) -> str:
+        default = _JOB_DEFAULTS.get(dest, _AGENT_DEFAULTS.get(dest))
+        return help.format(default=default, cooldown_max=_JOB_DEFAULTS["exclude_cooldown_max_s"])
+    return _build({f.dest: text(f.dest, f.help) for f in FLAGS})
 
 
-def _script_index(parser: argparse.ArgumentParser, argv: list[str]) -> int | None:
-    """Index of the script in argv, found the way argparse would, or None to let argparse complain.
+class _Line:
+    """The flags as given: on the command line, else in torchrun's PET_* variables. Errors name the
+    spelling used (`--rdzv_id`, `$PET_NNODES`)."""
 
-    Splitting here rather than trusting nargs=REMAINDER keeps the script's arguments byte for byte:
-    argparse drops a `--` that follows the script.
-    """
-    actions = parser._option_string_actions
-    i = 0
-    while i < len(argv):
-        tok = argv[i]
-        if tok == "--":
-            return i + 1 if i + 1 < len(argv) else None
-        if not tok.startswith("-") or tok == "-":
-            return i
-        action = actions.get(tok.split("=", 1)[0] if tok.startswith("--") else tok[:2])
-        if action is None:
-            return None
-        # "--flag value" and "-j value" use the next token; "--flag=v" and "-j2x4" carry their own
-        i += 2 if tok in actions and action.nargs != 0 else 1
-    return None
+    def __init__(self, ns: Any, environ: Mapping[str, str]) -> None:
+        typed: dict[str, str] = ns.__dict__.get("_spelling", {})
+        self.values: dict[str, Any] = {}
+        self.spelling: dict[str, str] = {}
+        pet = pet_values(environ)
+        for flag in FLAGS:
+            value = getattr(ns, flag.dest)
+            if value is not None:
+                self.values[flag.dest] = value
+                self.spelling[flag.dest] = typed.get(flag.dest) or flag.spellings[0]
+            elif flag.dest in pet:
+                raw, where = pet[flag.dest]
+                self.spelling[flag.dest] = where
+                self.values[flag.dest] = raw if flag.metavar is not None else self._switch(flag.dest, raw)
+
+    def _switch(self, dest: str, raw: str) -> bool:
+        try:
+            return bool(int(raw))       # torchrun's rule for PET_STANDALONE, PET_MODULE, ...
+        except ValueError:
+            self.fail(dest, f"expected 0 or 1, got {raw!r}")
+
+    def get(self, dest: str) -> Any:
+        return self.values.get(dest)
+
+    def name(self, dest: str) -> str:
+        return self.spelling.get(dest) or BY_DEST[dest].spellings[0]
+
+    def fail(self, dest: str, why: str) -> NoReturn:
+        raise OptionsError(f"{self.name(dest)}: {why}")
+
+    def failing(self, dest: str) -> Fail:
+        return lambda why: self.fail(dest, why)
 
 
 def parse_options(argv: Sequence[str], environ: Mapping[str, str] = os.environ) -> AgentOptions:
     parser = build_argparser()
-    args = list(argv)
-    at = _script_index(parser, args)
-    ns = parser.parse_args(args if at is None else args[: at + 1])
-    ns.script_args = [] if at is None else args[at + 1:]
-    spelling: dict[str, str] = ns.__dict__.get("_spelling", {})
+    try:
+        options, rest = split_command_line(parser, argv)
+        ns = parser.parse_args([*options, "--", rest[0]] if rest else options)
+    except FlagError as exc:
+        raise OptionsError(str(exc)) from None
+    line = _Line(ns, environ)
+    script, script_args = ns.script, tuple(rest[1:])
+    get, fail = line.get, line.fail
+    warnings: list[str] = []
 
-    def name(dest: str) -> str:
-        return spelling.get(dest) or _SPELLING.get(dest) or "--" + dest.replace("_", "-")
-
-    def fail(dest: str, why: str) -> NoReturn:
-        raise OptionsError(f"{name(dest)}: {why}")
-
-    def failing(dest: str) -> Fail:
-        return lambda why: fail(dest, why)
-
-    warnings = [f"{name(d)} is ignored by node-agent" for d in _IGNORED if getattr(ns, d) is not None]
-
-    if ns.module and ns.no_python:
+    run_path, module, no_python = bool(get("run_path")), bool(get("module")), bool(get("no_python"))
+    if module and no_python and not run_path:     # --run-path takes precedence over both, as in torchrun
         raise OptionsError("--no-python cannot be combined with -m/--module")
+    for dest, why in _REFUSED.items():
+        if get(dest) is not None:
+            fail(dest, f"not supported: {why}")
+    if get("event_log_handler") not in (None, "null"):
+        fail("event_log_handler", "only 'null': node-agent records the job's events at the rdzv-server "
+                                  "(rdzv-ctl events JOB, or GET /v1/jobs/JOB/events)")
+    if get("start_method") not in (None, "spawn", "fork", "forkserver"):
+        fail("start_method", f"expected spawn, fork or forkserver, got {get('start_method')!r}")
+    if get("monitor_interval") is not None:
+        _non_negative(line, "monitor_interval")
 
     # Node and worker counts: -j is shorthand for --nnodes plus --nproc, so both at once is ambiguous.
-    nproc_text: str = ns.nproc if ns.nproc is not None else "1"
-    nnodes_text: str = ns.nnodes if ns.nnodes is not None else "1:1"
-    if ns.j is not None:
+    nproc_text: str = get("nproc") if get("nproc") is not None else "1"
+    nnodes_text: str = get("nnodes") if get("nnodes") is not None else "1:1"
+    if get("j") is not None:
         for other in ("nnodes", "nproc"):
-            if getattr(ns, other) is not None:
-                raise OptionsError(f"{name('j')} conflicts with {name(other)}: give one or the other")
-        nnodes_text, nproc_text = _split_j(ns.j, failing("j"))
-    min_nodes, max_nodes = parse_nnodes(nnodes_text, failing("j" if ns.j else "nnodes"))
-    nproc = resolve_nproc(nproc_text, environ, failing("j" if ns.j else "nproc"))
+            if get(other) is not None:
+                raise OptionsError(f"{line.name('j')} conflicts with {line.name(other)}: give one or the other")
+        nnodes_text, nproc_text = _split_j(get("j"), line.failing("j"))
+    nodes_flag = "j" if get("j") is not None else "nnodes"
+    min_nodes, max_nodes = parse_nnodes(nnodes_text, line.failing(nodes_flag))
+    if nproc_text.strip() == "xpu":
+        fail("j" if get("j") else "nproc", "node-agent counts NVIDIA GPUs only (gpu); give the number of workers")
+    nproc = resolve_nproc(nproc_text, environ, line.failing("j" if get("j") else "nproc"))
 
-    host: str | None = None
-    port: int | None = None
-    if ns.standalone:
-        if ns.endpoint is not None:
-            warnings.append(f"{name('endpoint')} is ignored with --standalone")
-        if (min_nodes, max_nodes) != (1, 1):
-            warnings.append(f"--standalone runs one node: nnodes {min_nodes}:{max_nodes} becomes 1:1")
+    try:
+        conf = parse_conf(get("rdzv_conf") or "")
+    except ValueError as exc:
+        fail("rdzv_conf", str(exc))
+    for key in conf:
+        if key not in KNOWN_KEYS and key not in AGENT_NOTES:
+            fail("rdzv_conf", f"unknown key {key!r}; known keys: {', '.join(sorted({*KNOWN_KEYS, *AGENT_NOTES}))}")
+        if key in AGENT_NOTES or key in IGNORED_KEYS:
+            warnings.append(f"--rdzv-conf {key} has no effect: {AGENT_NOTES.get(key) or IGNORED_KEYS[key]}")
+
+    given_id = get("job_id") if get("job_id") not in (None, TORCHRUN_DEFAULT_ID) else None
+    tls_ca = get("tls_ca") or conf.get("tls_ca")
+    form = launch_form(backend=get("rdzv_backend"), endpoint=get("endpoint"), endpoint_flag=line.name("endpoint"),
+                       standalone=bool(get("standalone")), master_addr=get("master_addr"),
+                       master_port=get("master_port"), nodes=(min_nodes, max_nodes), job_id=given_id, tls_ca=tls_ca,
+                       fail=fail)
+    warnings += form.warnings
+    if form.one_node:
         min_nodes = max_nodes = 1
-    elif ns.endpoint is None:
-        raise OptionsError("--endpoint HOST:PORT is required (or --standalone)")
-    else:
-        text = ns.endpoint.strip()
-        scheme, sep, rest = text.partition("://")
-        if sep and scheme.lower() not in ("http", "https"):
-            fail("endpoint", f"expected http:// or https://, got {scheme + sep!r}")
-        scheme = scheme.lower() if sep else ("https" if ns.tls_ca else "http")
-        if scheme == "http" and ns.tls_ca:
-            fail("tls_ca", f"needs an https endpoint, got {text!r}")
-        host, port = parse_endpoint(rest if sep else text, failing("endpoint"))
-    token_file = ns.token_file if ns.token_file is not None else environ.get("RDZV_TOKEN_FILE") or None
-    token = None
-    if token_file is None and environ.get("RDZV_TOKEN"):
-        token = environ["RDZV_TOKEN"].strip()
-        problem = token_problem(token.encode())
-        if problem:
-            raise OptionsError(f"$RDZV_TOKEN: {problem}")
-    if ns.tls_ca is not None and not os.path.isfile(ns.tls_ca):
-        fail("tls_ca", f"no such file: {ns.tls_ca}")
-
-    node_id = ns.node_id if ns.node_id is not None else _default_node_id()
-    job_id = ns.job_id if ns.job_id is not None else _AGENT_DEFAULTS["job_id"]
+    kind = "run-path" if run_path else "program" if no_python else "module" if module else "python"
+    fingerprint = command_fingerprint(kind, script, script_args)
+    job_id, source = form.job_id or given_id, ""
+    if job_id is None and form.mode is Mode.STATIC:
+        job_id = get("job_id") or TORCHRUN_DEFAULT_ID   # torchrun's run id; no server, so nothing to merge
+    if job_id is None:
+        job_id, source = default_job_id(environ, fingerprint)
+    node_id = get("node_id") or conf.get("node_id") or _default_node_id()
     for dest, problem in (("node_id", node_id_problem(node_id)), ("job_id", job_id_problem(job_id))):
         if problem:   # the server's own rule, checked before anything connects
             fail(dest, problem)
-    if ns.local_addr is not None and not ns.local_addr:
+
+    node_rank = _int(get("node_rank"), line.failing("node_rank")) if get("node_rank") is not None else 0
+    if form.mode is Mode.STATIC and not 0 <= node_rank < max_nodes:
+        fail("node_rank", f"must be 0..{max_nodes - 1} for --nnodes {nnodes_text}, got {node_rank}")
+    if get("local_addr") is not None and not get("local_addr"):
         fail("local_addr", "must not be empty")
+    role = get("role") if get("role") is not None else "default"
+    if len(role) > 64:
+        fail("role", f"at most 64 characters, got {len(role)}")
+    if get("virtual_local_rank") and environ.get("CUDA_VISIBLE_DEVICES") is not None:
+        visible = environ["CUDA_VISIBLE_DEVICES"].split(",")   # torchrun's reading: each entry, even empty
+        if nproc > len(visible):
+            fail("virtual_local_rank", f"{nproc} workers but CUDA_VISIBLE_DEVICES lists {len(visible)} devices")
 
-    def number(dest: str) -> float:
-        """A setting of this agent's own (not the job's): seconds, >= 0 and finite."""
-        raw = getattr(ns, dest)
-        if raw is None:
-            return float(_AGENT_DEFAULTS[dest])
-        value = _seconds(raw, failing(dest))
-        if not math.isfinite(value) or value < 0:
-            fail(dest, f"must be >= 0 and finite, got {raw!r}")
-        return value
+    token_file = get("token_file") or conf.get("token_file") or environ.get("RDZV_TOKEN_FILE") or None
+    token = None
+    if token_file is None and environ.get("RDZV_TOKEN"):
+        token = environ["RDZV_TOKEN"].strip()
+        if problem := token_problem(token.encode()):
+            _one_line(f"$RDZV_TOKEN: {problem}")
+    if tls_ca is not None and not os.path.isfile(tls_ca):
+        _one_line(f"{line.name('tls_ca') if get('tls_ca') else '--rdzv-conf tls_ca'}: no such file: {tls_ca}")
 
-    given = {dest: getattr(ns, dest) for dest in _JOB_FLAGS if getattr(ns, dest) is not None}
-    job = _job_config(given, min_nodes, max_nodes, nodes_flag="j" if ns.j else "nnodes", fail=fail)
+    stop_default = environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT")
     return AgentOptions(
-        script=ns.script, script_args=tuple(ns.script_args), endpoint_host=host, endpoint_port=port,
-        endpoint_scheme=scheme if host is not None else "http", token_file=token_file, token=token,
-        tls_ca=ns.tls_ca,
-        nproc=nproc, nproc_spec=nproc_text, job_id=job_id, job=job, node_id=node_id, local_addr=ns.local_addr,
-        role=ns.role if ns.role is not None else _AGENT_DEFAULTS["role"], module=ns.module, no_python=ns.no_python,
-        log_dir=ns.log_dir, standalone=ns.standalone,
-        redirects=parse_std(ns.redirects or "0", failing("redirects")),
-        tee=parse_std(ns.tee or "0", failing("tee")),
-        local_ranks_filter=_rank_set(ns.local_ranks_filter, failing("local_ranks_filter")),
-        stop_timeout=number("stop_timeout"), server_wait=number("server_wait"),
-        hang_timeout=number("hang_timeout"), warnings=tuple(warnings),
+        script=script, script_args=script_args, mode=form.mode, endpoint_host=form.host, endpoint_port=form.port,
+        endpoint_scheme=form.scheme, token_file=token_file if form.mode is Mode.SERVER else None,
+        token=token if form.mode is Mode.SERVER else None, tls_ca=tls_ca,
+        nproc=nproc, nproc_spec=nproc_text, job_id=job_id, job_id_source=source,
+        command="" if get("no_command_check") else fingerprint,
+        job=_job_config(line, conf, min_nodes, max_nodes, nodes_flag), node_id=node_id,
+        local_addr=get("local_addr"), role=role, module=module, no_python=no_python, run_path=run_path,
+        node_rank=node_rank, master_addr=form.master_addr, master_port=form.master_port,
+        log_dir=get("log_dir") or None,
+        redirects=parse_std(get("redirects") or "0", line.failing("redirects")),
+        tee=parse_std(get("tee") or "0", line.failing("tee")),
+        local_ranks_filter=_rank_set(get("local_ranks_filter"), line.failing("local_ranks_filter")),
+        dup_stdout=parse_filters(get("dup_stdout")) if get("dup_stdout") is not None else (),
+        dup_stderr=parse_filters(get("dup_stderr")) if get("dup_stderr") is not None else (),
+        log_line_prefix=get("log_line_prefix"),
+        tee_prefix=environ.get("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE") or DEFAULT_TEE_PREFIX,
+        virtual_local_rank=bool(get("virtual_local_rank")),
+        signals=parse_signals(get("signals"), line.failing("signals")) if get("signals") else DEFAULT_SIGNALS,
+        reply_file=environ.get("TORCHELASTIC_ERROR_FILE") or None,
+        stop_timeout=_non_negative(line, "stop_timeout", stop_default, "$TORCH_ELASTIC_SHUTDOWN_TIMEOUT"),
+        server_wait=_non_negative(line, "server_wait", conf.get("server_wait"), "--rdzv-conf server_wait"),
+        hang_timeout=_non_negative(line, "hang_timeout"), warnings=tuple(warnings),
     )
 
 
 def agent_token(opts: AgentOptions) -> str | None:
-    """The server's token: the file's (read now, at start-up), else $RDZV_TOKEN's, else None."""
+    """The server's token: the file's (read now, at start-up, not while parsing), else $RDZV_TOKEN's."""
     if opts.token_file is None:
         return opts.token
     try:
@@ -339,18 +289,47 @@ def agent_token(opts: AgentOptions) -> str | None:
     return raw.decode()
 
 
-def _job_config(given: dict[str, str], min_nodes: int, max_nodes: int, *, nodes_flag: str,
-                fail: Callable[[str, str], NoReturn]) -> JobConfig:
-    """The job's settings from the flags given (dest -> text); JobConfig supplies the defaults and bounds."""
+def _one_line(message: str) -> NoReturn:
+    raise OptionsError(message)
+
+
+def _non_negative(line: _Line, dest: str, fallback: str | None = None, fallback_name: str = "") -> float:
+    """A setting of this agent's own (not the job's): seconds, >= 0 and finite."""
+    raw, fail = line.get(dest), line.failing(dest)
+    if raw is None and fallback is not None:
+        raw, fail = fallback, lambda why: _one_line(f"{fallback_name}: {why}")
+    if raw is None:
+        return float(_AGENT_DEFAULTS.get(dest, 0.0))
+    value = _seconds(raw, fail)
+    if not math.isfinite(value) or value < 0:
+        fail(f"must be >= 0 and finite, got {raw!r}")
+    return value
+
+
+def _job_config(line: _Line, conf: Mapping[str, str], min_nodes: int, max_nodes: int, nodes_flag: str) -> JobConfig:
+    """The job's settings from the flags given, then --rdzv-conf's keys (which win, as for the plugin);
+    JobConfig supplies the defaults and bounds."""
     values: dict[str, Any] = {"min_nodes": min_nodes, "max_nodes": max_nodes}
-    for dest, raw in given.items():
-        why = functools.partial(fail, dest)
-        values[dest] = _int(raw, why) if isinstance(_JOB_DEFAULTS[dest], int) else _seconds(raw, why)
+    source: dict[str, tuple[str, Callable[[str], NoReturn]]] = {}   # field -> (text, fail)
+    for dest in _JOB_FLAGS:
+        if line.get(dest) is not None:
+            source[dest] = (line.get(dest), line.failing(dest))
+    for key, value in conf.items():
+        field = SECONDS_KEYS.get(key) or (key if key in INT_KEYS and key in _JOB_DEFAULTS else None)
+        if field is not None and not (key == "timeout" and "join_timeout" in conf):
+            source[field] = (value, functools.partial(_conf_fail, key))
+    for field, (raw, fail) in source.items():
+        values[field] = _int(raw, fail) if isinstance(_JOB_DEFAULTS[field], int) else _seconds(raw, fail)
     try:
         return msgspec.convert(values, JobConfig)
     except msgspec.ValidationError as exc:   # e.g. "Expected `int` >= 0 - at `$.max_restarts`"
         text, _, where = str(exc).partition(" - at ")
         field = where.strip("`").removeprefix("$.")
-        dest = nodes_flag if field in ("min_nodes", "max_nodes") else field
-        got = f", got {given[dest]!r}" if dest in given else ""
-        fail(dest, re.sub(r"^Expected `\w+` ", "must be ", text) + got)
+        why = re.sub(r"^Expected `\w+` ", "must be ", text)
+        if field in source:
+            source[field][1](f"{why}, got {source[field][0]!r}")
+        line.fail(nodes_flag if field in ("min_nodes", "max_nodes") else field, why)
+
+
+def _conf_fail(key: str, why: str) -> NoReturn:
+    raise OptionsError(f"--rdzv-conf {key}: {why}")

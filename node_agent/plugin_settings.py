@@ -21,7 +21,9 @@ from typing import NoReturn
 
 import msgspec
 
-from node_agent.option_values import parse_endpoint
+from node_agent.option_values import parse_server, server_token
+from node_agent.rdzv_conf import (FILE_KEYS, IGNORED_KEYS, INT_KEYS, KNOWN_KEYS, LOCAL_SECONDS,  # noqa: F401
+                                  SECONDS_KEYS)
 from node_agent.transport import local_addr_towards
 from protocol.ids import job_id_problem, node_id_problem
 from protocol.messages import JobConfig
@@ -56,29 +58,9 @@ class PluginSettings:
     server_wait_s: float           # keep retrying an unreachable server this long, then give up
     close_timeout_s: float         # at shutdown, how long the last report and leave may take
     store_timeout_s: float         # agents' c10d store operations of a round
-
-
-# rdzv_conf keys: torch's (c10d backend) and ours. Seconds unless said.
-SECONDS_KEYS = {
-    "join_timeout": "join_timeout_s",          # torch: how long a rendezvous may wait for MIN nodes
-    "timeout": "join_timeout_s",               # torch's older spelling of join_timeout
-    "last_call_timeout": "last_call_s",        # torch: wait this long for more nodes once MIN are there
-    "heartbeat_timeout": "lease_timeout_s",    # torch: a node silent this long is dead
-    "lease_timeout": "lease_timeout_s",        # ours, same meaning
-    "exclude_window": "exclude_window_s",
-    "exclude_cooldown": "exclude_cooldown_s",
-}
-LOCAL_SECONDS = {"close_timeout": 10.0, "read_timeout": 60.0, "server_wait": 60.0}   # this node only
-INT_KEYS = ("max_restarts", "exclude_after", "local_world_size")
-# torch's c10d keys that have no meaning here (the server replaces the c10d store and its heartbeats).
-IGNORED_KEYS = {
-    "is_host": "no agent hosts the rendezvous: the rdzv-server does",
-    "store_type": "the rendezvous state lives in the rdzv-server, not in a c10d store",
-    "keep_alive_interval": "the long-poll renews the lease at least every lease_timeout/2",
-    "keep_alive_max_attempt": "use heartbeat_timeout (or lease_timeout)",
-    "use_libuv": "the agents' round store is always a TCPStore",
-}
-KNOWN_KEYS = sorted({*SECONDS_KEYS, *LOCAL_SECONDS, *INT_KEYS, *IGNORED_KEYS, "node_id"})
+    scheme: str = "http"           # https with --rdzv-conf tls_ca=F or an https:// endpoint
+    token: str | None = None       # the server's bearer token (token_file=F, $RDZV_TOKEN_FILE, $RDZV_TOKEN)
+    tls_ca: str | None = None      # CA bundle that must have signed the server's certificate
 
 
 def _fail(key: str, why: str) -> NoReturn:
@@ -113,7 +95,8 @@ def default_node_id() -> str:
 
 
 def plugin_settings(*, endpoint: str, run_id: str, min_nodes: int, max_nodes: int, local_addr: str | None,
-                    conf: Mapping[str, object], torchrun: TorchrunLine | None) -> PluginSettings:
+                    conf: Mapping[str, object], torchrun: TorchrunLine | None,
+                    environ: Mapping[str, str] = os.environ) -> PluginSettings:
     unknown = sorted(k for k in conf if k not in KNOWN_KEYS)
     if unknown:
         raise SettingsError(f"--rdzv-conf: unknown key {unknown[0]!r} for --rdzv-backend {BACKEND}; "
@@ -122,7 +105,12 @@ def plugin_settings(*, endpoint: str, run_id: str, min_nodes: int, max_nodes: in
 
     def bad_endpoint(why: str) -> NoReturn:
         raise SettingsError(f"--rdzv-endpoint: {why}")
-    host, port = parse_endpoint(endpoint_text, bad_endpoint)
+    tls_ca = str(conf["tls_ca"]) if conf.get("tls_ca") else None
+    if tls_ca is not None and not os.path.isfile(tls_ca):
+        _fail("tls_ca", f"no such file: {tls_ca}")
+    scheme, host, port = parse_server(endpoint_text, tls_ca, bad_endpoint)
+    token = server_token(str(conf["token_file"]) if conf.get("token_file") else None, "--rdzv-conf token_file",
+                         environ, _whole_line)
     if port == 0:
         bad_endpoint("port 0 names no server; give the rdzv-server's HOST:PORT")
     if run_id == TORCHRUN_DEFAULT_ID:
@@ -160,7 +148,12 @@ def plugin_settings(*, endpoint: str, run_id: str, min_nodes: int, max_nodes: in
         addr=local_addr or local_addr_towards(host, port), hostname=socket.gethostname(),
         local_world_size=local_world_size, role=torchrun.role if torchrun else "default", config=config,
         server_wait_s=max(local["server_wait"], config.lease_timeout_s),
-        close_timeout_s=local["close_timeout"], store_timeout_s=local["read_timeout"] or LOCAL_SECONDS["read_timeout"])
+        close_timeout_s=local["close_timeout"], store_timeout_s=local["read_timeout"] or LOCAL_SECONDS["read_timeout"],
+        scheme=scheme, token=token, tls_ca=tls_ca)
+
+
+def _whole_line(message: str) -> NoReturn:
+    raise SettingsError(message)
 
 
 def _name_key(message: str, typed: dict[str, str]) -> str:

@@ -87,6 +87,7 @@ class SupervisionPolicy:
     probe_at: float | None = None         # the witnesses answered: ask again then
     probing: bool = False
     suspect: bool = False                 # the witnesses once said this node is the one cut off
+    ran: bool = False                # this node's workers were started in some round of the job
 
     @property
     def known_round(self) -> int:
@@ -219,6 +220,7 @@ class SupervisionPolicy:
                 self.running_round = a.round_id
                 self.workers = Workers.RUNNING
                 self.assignment = a
+                self.ran = True
                 actions.append(Spawn(a))
             return actions
         # waiting, spare or excluded: run nothing
@@ -289,8 +291,11 @@ class SupervisionPolicy:
     def _finish(self, status: NodeStatus) -> list[Action]:
         self.exiting = True
         actions = self._stop(f"job {status.job_state.value}")
+        if status.job_state == JobState.SUCCEEDED and not self.ran:   # a spare, say: nothing ran here
+            return actions + [Exit(1, f"job {status.job_id} succeeded without this node: its workers never ran "
+                                      f"({status.reason})")]
         if status.job_state == JobState.SUCCEEDED:
             return actions + [Exit(0, f"job {status.job_id} succeeded: {status.reason}")]
         if status.job_state == JobState.FAILED:
-            return actions + [Exit(1, failure_summary(status))]
+            return actions + [Exit(1, failure_summary(status), status.root_cause)]
         return actions + [Exit(1, f"job {status.job_id} {status.job_state.value}: {status.reason}")]

@@ -205,7 +205,8 @@ class RdzvServerHandler(RendezvousHandler):
             s = self.settings
             self._agent_store = dist.TCPStore(s.addr, 0, is_master=True, wait_for_workers=False,
                                               timeout=timedelta(seconds=s.store_timeout_s))
-            session = ServerSession(s, RdzvClient(s.host, s.port, s.job_id, s.node_id),
+            client = RdzvClient(s.host, s.port, s.job_id, s.node_id, scheme=s.scheme, token=s.token, tls_ca=s.tls_ca)
+            session = ServerSession(s, client,
                                     master_port=self._agent_store.port, say=self.say)
             session.start()
             self._session = session

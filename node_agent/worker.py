@@ -1,8 +1,10 @@
 """One worker process: start it, signal it, reap it, pump its output.
 
 Rules this module keeps:
-- Each worker leads its own process group, so a stop reaches the worker's own children too, and a
-  terminal's Ctrl-C reaches only the agent, which decides what the workers get.
+- Each worker leads its own session (so its own process group), as under torchrun: a stop reaches the
+  worker's own children too, a terminal's Ctrl-C reaches only the agent, which decides what the
+  workers get, and a worker given the agent's terminal as stdin can read it (breakpoint()) without
+  being stopped by job control. Without a terminal, stdin is /dev/null.
 - Each worker dies with the agent: PR_SET_PDEATHSIG(SIGKILL) is set in the child before exec, and a
   child whose parent is already gone by then exits at once. Without this, a SIGKILLed agent leaves
   workers training unsupervised (torchrun's orphans).
@@ -69,9 +71,7 @@ def _prctl() -> Any:
 
 
 def _child_setup(parent_pid: int, prctl: Any) -> Callable[[], None]:
-    def setup() -> None:   # runs in the child between fork and exec
-        if sys.version_info < (3, 11):
-            os.setpgid(0, 0)   # 3.11+ does this through Popen(process_group=0)
+    def setup() -> None:   # runs in the child between fork and exec (after Popen's setsid)
         if prctl is not None:
             prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
         # The agent may have died between fork and prctl: then no signal will ever come.
@@ -124,16 +124,20 @@ class Worker:
                 pass
         sinks: list[Sink] = []
         fds: list[int] = []
-        extra: dict[str, Any] = {"process_group": 0} if sys.version_info >= (3, 11) else {}
+        extra: dict[str, Any] = {}
         env = launch.env
         hb_r = hb_w = -1
+        ends: list[tuple[int, int]] = []   # per stream: (our end to read, or -1; the worker's end)
         try:
             for stream, std in STREAMS:
-                sinks.append(open_sink(launch, stream, std, self._console))
-            out_r, out_w = os.pipe()
-            fds += (out_r, out_w)
-            err_r, err_w = os.pipe()
-            fds += (err_r, err_w)
+                sink = open_sink(launch, stream, std, self._console)
+                sinks.append(sink)
+                if sink.direct is not None:
+                    ends.append((-1, sink.direct))
+                else:
+                    r, w = os.pipe()
+                    fds += (r, w)
+                    ends.append((r, w))
             if launch.heartbeat and self._on_beat is not None:
                 hb_r, hb_w = os.pipe()
                 fds += (hb_r, hb_w)
@@ -141,7 +145,8 @@ class Worker:
                 env = {**env, HEARTBEAT_ENV: str(hb_w)}
                 extra["pass_fds"] = (hb_w,)
             self._proc = await asyncio.create_subprocess_exec(
-                *launch.argv, env=env, stdin=subprocess.DEVNULL, stdout=out_w, stderr=err_w,
+                *launch.argv, env=env, stdin=None if launch.stdin_tty else subprocess.DEVNULL,
+                stdout=ends[0][1], stderr=ends[1][1], start_new_session=True,
                 preexec_fn=_child_setup(os.getpid(), _prctl()), **extra)
         except BaseException:
             for fd in fds:
@@ -150,14 +155,17 @@ class Worker:
                 sink.close()
             raise
         self._group_alive = True
-        os.close(out_w)   # the child has its copies; ours would keep the pipes from ever ending
-        os.close(err_w)
+        for r, w in ends:
+            if r >= 0:
+                os.close(w)   # the child has its copy; ours would keep the pipe from ever ending
         if hb_w >= 0:
             os.close(hb_w)
             self._watch_heartbeat(hb_r)
         self.reaper = asyncio.create_task(self._reap(self._proc))
-        for fd, sink in ((out_r, sinks[0]), (err_r, sinks[1])):
-            transport, line_pump = await pump(fd, sink)
+        for (r, _), sink in zip(ends, sinks, strict=True):
+            if r < 0:
+                continue
+            transport, line_pump = await pump(r, sink)
             self._transports.append(transport)
             self._pumps.append(line_pump)
 

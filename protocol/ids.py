@@ -1,15 +1,17 @@
 """The identifier rules both sides check: a job id (in the URL path) and a node id (in every request).
 
 Defined once here so the agent can refuse a bad `--job-id`/`--node-id` before it connects, with the
-same words the server would use.
+same words the server would use. Job ids take what schedulers and tools put in torchrun's --rdzv-id
+(`team/exp1`, `app_id`, long generated names); clients percent-encode them as a path segment, and pages
+and logs escape them. Characters that mean something in a URL, HTML or a shell are not allowed.
 """
 from __future__ import annotations
 
 import re
 
-JOB_ID_RULE = "1-128 of [A-Za-z0-9._:-] starting with a letter or digit"
+JOB_ID_RULE = "1-512 of [A-Za-z0-9_.:@/+=~-] starting with a letter or digit"
 NODE_ID_RULE = "1-128 of [A-Za-z0-9._:@-] starting with a letter or digit"
-JOB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
+JOB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:@/+=~-]{0,511}")
 NODE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}")
 
 

@@ -33,6 +33,7 @@ MAX_MESSAGE = 4096                   # a worker's error message
 MAX_TRACEBACK = 16384
 MAX_CREDENTIAL = 64
 MAX_POLL_WAIT_S = 60.0               # agents ask for this and let the server choose the hold
+MAX_COMMAND = 64                     # a join's command fingerprint
 
 Count = Annotated[int, Meta(ge=0, le=MAX_ROUND)]
 RoundRef = Annotated[int, Meta(ge=-1, le=MAX_ROUND)]
@@ -130,6 +131,9 @@ class JoinRequest(_Request, kw_only=True):
     role: Annotated[str, Meta(min_length=1, max_length=64)] = "default"
     host: ShortText = ""               # host name, for operators and failure summaries
     probe_port: Port = 0               # where this node's agent answers the others' "are you there?" (0: none)
+    # A fingerprint of the script and arguments this node runs ("": not checked). Every node of an open
+    # job must run the job's command: a join with another is refused (config_conflict).
+    command: Annotated[str, Meta(max_length=MAX_COMMAND)] = ""
 
     def __post_init__(self) -> None:
         super().__post_init__()

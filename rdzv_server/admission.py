@@ -1,10 +1,11 @@
 """Admission: who may join a job, and what a join does to the node's record.
 
 Functions over one job's `JobRules` (the same purity: `now` in, no I/O). A join is refused before
-anything changes when it asks for another config, names a drained node, or names a node that a live
-agent holds (`node_conflict`: its lease runs or a poll of it is held open) without that node's
-credential. The agent that owns a node may join again (an idempotent repeat, or a changed address);
-a new agent of a node whose agent is gone replaces it, keeping its failure history and exclusion.
+anything changes when it asks for another config or runs another command, names a drained node, or
+names a node that a live agent holds (`node_conflict`: its lease runs or a poll of it is held open)
+without that node's credential. The agent that owns a node may join again (an idempotent repeat, or a
+changed address); a new agent of a node whose agent is gone replaces it, keeping its failure history
+and exclusion.
 """
 from __future__ import annotations
 
@@ -24,6 +25,10 @@ def check_join(rules: JobRules, req: JoinRequest) -> None:
     if diffs:
         raise RendezvousError(ErrorCode.CONFIG_CONFLICT,
                               f"job {job.job_id!r} exists with another config: " + "; ".join(diffs))
+    if job.command and req.command and req.command != job.command:
+        raise RendezvousError(ErrorCode.CONFIG_CONFLICT, f"job {job.job_id!r} runs another command (fingerprint "
+                              f"{job.command}, this node's {req.command}): give this run its own --rdzv-id, or "
+                              "--no-command-check on every node if their scripts or arguments differ on purpose")
     if req.node_id in job.drained:
         raise RendezvousError(ErrorCode.NODE_DRAINED, f"node {req.node_id} was drained from job "
                               f"{job.job_id!r} by the operator ({job.drained[req.node_id]})")
@@ -35,6 +40,9 @@ def join(rules: JobRules, req: JoinRequest, now: float, credential: str = "", vi
     `via`: (the address the join came from, the server's address it reached), as the shell saw them."""
     check_join(rules, req)
     job = rules.job
+    if req.command and not job.command:     # the first node that names its command sets the job's
+        job.command = req.command
+        rules.changed()
     existing = job.nodes.get(req.node_id)
     if existing is not None and credentials.owns(existing, req.credential, req.instance):
         port = req.master_port or existing.master_port

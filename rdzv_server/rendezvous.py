@@ -28,8 +28,9 @@ from rdzv_server.records import JobRecord
 
 __all__ = ["DROP_GRACE_S", "REUSE_FINISHED_AFTER_S", "Rendezvous", "RendezvousError"]
 
-# A finished job's id may start a new run this long after it finished (its agents have exited by
-# then: they leave as soon as they see the end). Sooner, a join is refused as late for that run.
+# A finished job's id starts a new run at once for a join from an agent that was not part of the
+# finished run. An agent of that run (same instance) joining again within this long is late for it
+# and refused; after it, anything starts a new run (the old run's agents have exited by then).
 REUSE_FINISHED_AFTER_S = 10.0
 
 
@@ -73,7 +74,8 @@ class Rendezvous:
         self._heard(now)
         job = self.jobs.get(job_id)
         if job is not None and job.state.finished:
-            if job.finished_at is None or now - job.finished_at < REUSE_FINISHED_AFTER_S:
+            late = job.finished_at is None or now - job.finished_at < REUSE_FINISHED_AFTER_S
+            if late and (not req.instance or any(n.instance == req.instance for n in job.nodes.values())):
                 raise RendezvousError(ErrorCode.JOB_FINISHED,
                                       f"job {job_id!r} has already {job.state.value}: {job.reason}")
             self._check_room(None, now)

@@ -11,6 +11,7 @@ from tests.e2e.harness import SCRIPTS, pid_gone, read_records
 pytestmark = pytest.mark.e2e
 ALLREDUCE = os.path.join(SCRIPTS, "allreduce.py")
 SLEEPER = os.path.join(SCRIPTS, "sleeper.py")
+ECHO = os.path.join(SCRIPTS, "echo_env.py")
 
 
 def two_agents(cluster, out, *, max_restarts=0, env=None, job="job", script=ALLREDUCE, nproc="2"):
@@ -117,21 +118,41 @@ def test_bad_flags_and_unreachable_server_give_one_clear_line(cluster, tmp_path)
     assert "unreachable" in gone.output and "Traceback" not in gone.output
 
 
-def test_log_dir_holds_a_folder_per_job_attempt_and_local_rank(cluster, tmp_path):
+def test_log_dir_holds_torchruns_layout_fresh_for_every_run(cluster, tmp_path):
     logs = tmp_path / "logs"
     out = tmp_path / "out"
     out.mkdir()
-    agent = cluster.agent("--standalone", "--nproc", "2", "--job-id", "logjob", "--node-id", "n1",
-                          "--log-dir", str(logs), "--redirects", "3", "--max-restarts", "1", ALLREDUCE,
-                          env={"OUT_DIR": str(out), "FAIL_RANK": "1", "FAIL_MODE": "once"})
+    runs = []
+    for _ in range(2):      # the same command twice: a directory of its own each time
+        agent = cluster.agent("--standalone", "--nproc", "2", "--job-id", "logjob", "--node-id", "n1",
+                              "--log-dir", str(logs), "--redirects", "3", "--max-restarts", "1", ALLREDUCE,
+                              env={"OUT_DIR": str(out), "FAIL_RANK": "1", "FAIL_MODE": "once"})
+        assert agent.wait() == 0, agent.output
+        assert "planned failure" not in agent.output   # redirected (-r 3): it stayed off the console
+        runs.append(agent)
+        for f in out.iterdir():
+            f.unlink()
+    run_dirs = sorted(logs.iterdir())
+    assert len(run_dirs) == 2 and all(d.name.startswith("logjob_") for d in run_dirs)
+    for run in run_dirs:     # LOG_DIR/ID_XXXXXXXX/attempt_RESTART_COUNT/LOCAL_RANK/
+        assert sorted(p.name for p in run.iterdir()) == ["attempt_0", "attempt_1"]
+        for attempt in ("attempt_0", "attempt_1"):
+            for local_rank in ("0", "1"):
+                rank_dir = run / attempt / local_rank
+                assert (rank_dir / "stdout.log").exists() and (rank_dir / "stderr.log").exists()
+        error = (run / "attempt_0" / "1" / "error.json").read_text()
+        assert "planned failure of rank 1" in error                      # torch's @record wrote it
+        assert "planned failure" in (run / "attempt_0" / "1" / "stderr.log").read_text()
+        assert "planned failure" not in (run / "attempt_1" / "1" / "stderr.log").read_text()
+
+
+def test_redirects_without_a_log_dir_hide_the_output_in_a_kept_temporary_directory(cluster, tmp_path):
+    agent = cluster.agent("--nproc-per-node", "2", "-r", "3", ECHO,
+                          env={"OUT_DIR": str(tmp_path), "TMPDIR": str(tmp_path)})
     assert agent.wait() == 0, agent.output
-    attempts = sorted(p.name for p in (logs / "logjob" / "n1").iterdir())
-    assert attempts == ["attempt_1", "attempt_2"]
-    for attempt in attempts:
-        for local_rank in ("0", "1"):
-            rank_dir = logs / "logjob" / "n1" / attempt / local_rank
-            assert (rank_dir / "stdout.log").exists() and (rank_dir / "stderr.log").exists()
-    error = (logs / "logjob" / "n1" / "attempt_1" / "1" / "error.json").read_text()
-    assert "planned failure of rank 1" in error                      # torch's @record wrote it
-    assert "planned failure" in (logs / "logjob" / "n1" / "attempt_1" / "1" / "stderr.log").read_text()
-    assert "planned failure" not in agent.output   # redirected (-r 3): it stayed off the console
+    kept = agent.wait_for_line(r"worker logs and error files are kept in (\S+)").group(1)
+    assert "hello" not in agent.output                                # no worker line reached the console
+    assert len(read_records(tmp_path)) == 2
+    assert kept.startswith(str(tmp_path))                          # torchrun's place: TMPDIR
+    with open(os.path.join(kept, "attempt_0", "1", "stdout.log")) as f:
+        assert f.read() == "hello stdout from rank 1\n"

@@ -10,7 +10,7 @@ import pytest
 
 from node_agent.launch import WorkerLaunch
 from node_agent.option_values import Std
-from node_agent.output import Console, LinePump, Sink
+from node_agent.output import Console, LinePump, Sink, open_sink
 from node_agent.worker import Worker, WorkerExit
 from tests.integration.worker_support import LIMIT, RecordingConsole, launch
 
@@ -81,9 +81,8 @@ async def test_long_lines_and_bad_utf8_are_kept(run, tmp_path) -> None:
     assert [e.exitcode for e in await run([launch(0, code, log_dir=str(tmp_path), tee=Std.OUT)], console)] == [0]
     expected = "A" * 300000 + "\n" + "\u00e9" * 100000 + "\ufffd\ufffd end\n" + "last"
     assert (tmp_path / "stdout.log").read_text(encoding="utf-8") == expected
-    lines = console.lines("stdout")
-    assert len(lines) > 4 and all(line.startswith("[h:rank 10] ") for line in lines)   # long lines in pieces
-    assert "".join(line[len("[h:rank 10] "):] for line in lines) == expected.replace("\n", "")
+    # Long lines reach the console in pieces, and still as one line each with one prefix.
+    assert console.lines("stdout") == ["[h:rank 10] " + line for line in expected.split("\n")]
 
 
 async def test_console_lines_never_interleave(run) -> None:
@@ -109,12 +108,12 @@ class _Broken(io.StringIO):
 
 
 async def test_a_failing_log_file_is_dropped_with_one_line_and_the_console_goes_on() -> None:
-    echoed: list[str] = []
-    pump = LinePump(Sink(_Broken(), echoed.append))
+    echoed: list[tuple[str, bool]] = []
+    pump = LinePump(Sink(_Broken(), lambda text, ends_line: echoed.append((text, ends_line))))
     pump.data_received(b"one\ntwo\n")
     pump.connection_lost(None)
-    assert echoed[0].startswith("(log file ") and "No space left" in echoed[0]
-    assert echoed[1:] == ["one", "two"] and pump.done.done()
+    assert echoed[0][0].startswith("(log file ") and "No space left" in echoed[0][0]
+    assert echoed[1:] == [("one", True), ("two", True)] and pump.done.done()
 
 
 def test_a_broken_console_is_dropped_per_stream() -> None:
@@ -124,3 +123,76 @@ def test_a_broken_console_is_dropped_per_stream() -> None:
     console.line("stdout", "kept")
     console.line("stderr", "not tried again")
     assert out.getvalue() == "kept\n" and console._broken == {"stderr"}
+
+
+async def test_by_default_a_worker_writes_to_the_console_itself_and_tee_prefixes_like_torchrun(run, tmp_path) -> None:
+    code = """
+        import os, sys
+        r = os.environ["LOCAL_RANK"]
+        print(f"out {r} tty={os.isatty(1)}")
+        print(f"err {r}", file=sys.stderr)
+    """
+    out_path, err_path = tmp_path / "console.out", tmp_path / "console.err"
+    out, err = _real_files(out_path, err_path)     # real files: the workers get their fds
+    with out, err:
+        console = Console(out, err)
+        plain = launch(0, code, log_dir=str(tmp_path / "0"), prefix="", prefix_all=False)
+        teed = launch(1, code, log_dir=str(tmp_path / "1"), prefix="[default1]:", prefix_all=False, tee=Std.ERR)
+        assert open_sink(plain, "stdout", Std.OUT, console).direct == out.fileno()
+        assert [e.exitcode for e in await run([plain, teed], console)] == [0, 0]
+    assert sorted(out_path.read_text().splitlines()) == ["out 0 tty=False", "out 1 tty=False"]
+    assert sorted(err_path.read_text().splitlines()) == ["[default1]:err 1", "err 0"]
+    assert (tmp_path / "1" / "stderr.log").read_text() == "err 1\n" and not (tmp_path / "0").exists()
+
+
+def _real_files(*paths):
+    return tuple(open(p, "w") for p in paths)   # noqa: SIM115 - closed by the caller's with
+
+
+async def test_a_partial_line_shows_without_waiting_for_its_end(run, tmp_path) -> None:
+    go = tmp_path / "go"
+    code = f"""
+        import os, sys, time
+        sys.stdout.write("\\r 10%")
+        while not os.path.exists({str(go)!r}):   # held until the test saw the partial line
+            time.sleep(0.01)
+        sys.stdout.write("\\r 20%\\n")
+    """
+    console = RecordingConsole()
+    task = run([launch(0, code)], console)
+    assert await console.seen(" 10%") == "[h:rank 10] \r 10%"      # shown while the worker waits
+    assert not task.done()
+    go.touch()
+    assert [e.exitcode for e in await task] == [0]
+    # Each redraw keeps the prefix: on a terminal the line reads "[h:rank 10]  20%".
+    assert console.out.getvalue() == "[h:rank 10] \r[h:rank 10]  10%\r[h:rank 10]  20%\n"
+
+
+def test_an_unfinished_line_is_ended_before_another_writers_line() -> None:
+    out = io.StringIO()
+    console = Console(out, io.StringIO())
+    a, b = object(), object()
+    console.write("stdout", a, "[a]", "abc", ends_line=False)
+    console.write("stdout", b, "[b]", "xyz", ends_line=True)
+    console.write("stdout", a, "[a]", "def", ends_line=True)
+    console.write("stdout", a, "[a]", "ghi", ends_line=False)
+    console.write("stdout", a, "[a]", "jkl", ends_line=True)
+    assert out.getvalue() == "[a]abc\n[b]xyz\n[a]def\n[a]ghijkl\n"
+
+
+async def test_duplicate_filters_copy_matching_teed_lines_of_every_rank(run, tmp_path) -> None:
+    code = """
+        import os
+        r = os.environ["LOCAL_RANK"]
+        print(f"apple {r}")
+        print(f"pear {r}")
+        print(f"orange, {r}")
+    """
+    common = dict(prefix_all=False, attempt_dir=str(tmp_path), dup_stdout=("apple", "orange,"))
+    launches = [launch(r, code, log_dir=str(tmp_path / str(r)), prefix=f"[default{r}]:", tee=Std.OUT, **common)
+                for r in (0, 1)]
+    launches.append(launch(2, code, log_dir=str(tmp_path / "2"), prefix="[default2]:", redirect=Std.OUT, **common))
+    await run(launches, RecordingConsole())
+    assert sorted((tmp_path / "filtered_stdout.log").read_text().splitlines()) == [
+        "[default0]:apple 0", "[default0]:orange, 0", "[default1]:apple 1", "[default1]:orange, 1"]
+    assert not (tmp_path / "filtered_stderr.log").exists()

@@ -13,6 +13,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from node_agent.client import RdzvClient
+from node_agent.facts import NOT_RDZV_SERVER
 from node_agent.local_client import LocalClient
 from node_agent.transport import ACTION_OF, ServerRejected, ServerUnreachable, Transport, refusal
 from protocol.codec import REQUEST_TYPES
@@ -156,7 +157,7 @@ async def test_http_errors_below_the_protocol_are_unreachable() -> None:
         async with RdzvClient("127.0.0.1", srv.port or 0, "j", "n1") as client:
             with pytest.raises(ServerUnreachable) as info:
                 await join(client)
-            assert "unreadable reply (HTTP 502)" in str(info.value)
+            assert "HTTP 502 from a gateway" in str(info.value)   # the server behind it is away: retry
             client.REQUEST_TIMEOUT_S = 0.2
             with pytest.raises(ServerUnreachable) as info:
                 await asyncio.wait_for(client.poll(-1, 0.0), LIMIT)
@@ -167,3 +168,57 @@ async def test_http_errors_below_the_protocol_are_unreachable() -> None:
     async with RdzvClient("127.0.0.1", srv.port or 0, "j", "n1") as client:   # nobody listens there now
         with pytest.raises(ServerUnreachable):
             await join(client)
+
+
+@pytest.mark.parametrize("status, content_type, body", [
+    (404, "text/html", "<html>not found</html>"),                     # another web service
+    (200, "application/json", '{"kind": "etcd"}'),                    # an HTTP API that is not ours
+    (400, "application/msgpack", "\x81\xa1a\x01"),                     # MessagePack, but not our protocol
+])
+async def test_an_endpoint_that_is_not_an_rdzv_server_is_refused_as_such(status: int, content_type: str,
+                                                                          body: str) -> None:
+    async def other(request: web.Request) -> web.Response:
+        return web.Response(status=status, body=body.encode("latin-1"), content_type=content_type)
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", other)
+    srv = await start_app(app)
+    port = srv.port or 0
+    try:
+        async with RdzvClient("127.0.0.1", port, "j", "n1") as client:
+            with pytest.raises(ServerRejected) as info:
+                await join(client)
+    finally:
+        await srv.close()
+    assert info.value.code == NOT_RDZV_SERVER
+    assert info.value.message.startswith(f"http://127.0.0.1:{port} is not an rdzv-server: it answered "
+                                         f"HTTP {status} ({content_type})")
+
+
+async def test_an_endpoint_that_does_not_speak_http_is_refused_as_such() -> None:
+    async def junk(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.read(100)
+        writer.write(b"\x00\x01 not http\r\n\r\n")   # as a c10d TCPStore or a gRPC port might answer
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(junk, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        async with RdzvClient("127.0.0.1", port, "j", "n1") as client:
+            with pytest.raises(ServerRejected) as info:
+                await join(client)
+    finally:
+        server.close()
+        await server.wait_closed()
+    assert info.value.code == NOT_RDZV_SERVER and "its reply is not HTTP" in info.value.message
+
+
+@pytest.mark.parametrize("job_id", ["team/exp1", "a" * 300, "app_id:7@host+x=y~z"])
+async def test_job_ids_with_slashes_and_long_ones_travel_as_one_path_segment(connect, job_id: str) -> None:
+    open_one, coordinator = connect
+    client = await open_one(job_id, "n1")
+    status = await join(client)
+    assert status.job_id == job_id and status.job_state == JobState.RUNNING
+    assert (await client.poll(status.round_id, 0.0)).job_id == job_id
+    assert list(coordinator().core.jobs) == [job_id]

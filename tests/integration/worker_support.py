@@ -24,11 +24,11 @@ class RecordingConsole(Console):
         super().__init__(self.out, self.err)
         self._watch: list[tuple[str, asyncio.Future[str]]] = []
 
-    def line(self, stream: str, text: str) -> None:
-        super().line(stream, text)
+    def write(self, stream: str, writer: object, prefix: str, text: str, *, ends_line: bool) -> None:
+        super().write(stream, writer, prefix, text, ends_line=ends_line)
         for needle, fut in self._watch:
             if needle in text and not fut.done():
-                fut.set_result(text)
+                fut.set_result(prefix + text)
 
     def lines(self, stream: str) -> list[str]:
         return (self.out if stream == "stdout" else self.err).getvalue().splitlines()
@@ -44,11 +44,13 @@ class RecordingConsole(Console):
 
 def launch(local_rank: int, code: str, *, env: dict[str, str] | None = None, log_dir: str | None = None,
            **kw: object) -> WorkerLaunch:
-    """Local rank `local_rank` (global rank 10 + it) running the Python source `code`."""
+    """Local rank `local_rank` (global rank 10 + it) running the Python source `code`. Its console lines
+    are prefixed `[h:rank N] ` (as with --log-line-prefix), so they pass through the test's console."""
     rank = 10 + local_rank
+    kw = {"prefix": f"[h:rank {rank}] ", "prefix_all": True, **kw}
     return WorkerLaunch(local_rank=local_rank, rank=rank, argv=[sys.executable, "-c", textwrap.dedent(code)],
                         env={**os.environ, "LOCAL_RANK": str(local_rank), **(env or {})},
-                        log_dir=log_dir, prefix=f"[h:rank {rank}]", **kw)  # type: ignore[arg-type]
+                        log_dir=log_dir, **kw)  # type: ignore[arg-type]
 
 
 def kill_strays(pids: list[int]) -> None:

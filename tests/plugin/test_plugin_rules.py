@@ -1,6 +1,8 @@
 """The plugin's pure decisions (plugin_session.py) and its settings (plugin_settings.py)."""
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from node_agent.plugin_session import assignment_after, needs_rendezvous, still_in_round, takes_poll_reply
@@ -117,7 +119,7 @@ def test_a_bad_rdzv_conf_value_names_its_key(conf, message):
     ("host:0", "job42", "--rdzv-endpoint: .*port '?0"),     # port 0 names no server
     ("host:http", "job42", "--rdzv-endpoint: bad port 'http'"),
     ("127.0.0.1:29400", "none", "--rdzv-id is required with --rdzv-backend rdzv-server"),
-    ("127.0.0.1:29400", "team/exp1", "--rdzv-id: job id must be"),
+    ("127.0.0.1:29400", "team exp1", "--rdzv-id: job id must be"),
 ])
 def test_a_bad_endpoint_or_id_is_one_line(endpoint, run_id, message):
     with pytest.raises(SettingsError, match="^" + message):
@@ -127,3 +129,30 @@ def test_a_bad_endpoint_or_id_is_one_line(endpoint, run_id, message):
 def test_an_empty_endpoint_is_torchs_default_and_ipv6_needs_brackets():
     assert (settings(endpoint="").host, settings(endpoint="").port) == ("localhost", 29400)
     assert (settings(endpoint="[::1]:7").host, settings(endpoint="[::1]:7").port) == ("::1", 7)
+
+
+def test_the_servers_token_and_ca_come_from_rdzv_conf_or_the_agents_variables(tmp_path):
+    token, ca = tmp_path / "token", tmp_path / "ca.pem"
+    token.write_text("plugin-token-0123456789abcdef\n")
+    ca.write_text("PEM")
+    s = settings({"token_file": str(token), "tls_ca": str(ca)})
+    assert (s.scheme, s.token, s.tls_ca, s.host, s.port) == ("https", "plugin-token-0123456789abcdef", str(ca),
+                                                             "127.0.0.1", 29400)
+    assert settings(endpoint="https://h:1").scheme == "https"
+    env = plugin_settings(endpoint="h:1", run_id="j", min_nodes=1, max_nodes=1, local_addr="10.0.0.1", conf={},
+                          torchrun=None, environ={"RDZV_TOKEN": "env-token-0123456789abcdef"})
+    assert (env.scheme, env.token, env.tls_ca) == ("http", "env-token-0123456789abcdef", None)
+    assert (settings().token, settings().scheme) == (None, "http")
+
+
+@pytest.mark.parametrize("conf, endpoint, message", [
+    ({"tls_ca": "/no/such/ca.pem"}, "h:1", "--rdzv-conf tls_ca: no such file: /no/such/ca.pem"),
+    ({"token_file": "/no/such/token"}, "h:1", "--rdzv-conf token_file /no/such/token: No such file"),
+    ({"tls_ca": "CA"}, "http://h:1", "--rdzv-endpoint: --tls-ca needs an https endpoint"),
+])
+def test_a_bad_token_or_ca_is_one_line(tmp_path, conf, endpoint, message):
+    if conf.get("tls_ca") == "CA":
+        (tmp_path / "ca.pem").write_text("PEM")
+        conf = {"tls_ca": str(tmp_path / "ca.pem")}
+    with pytest.raises(SettingsError, match="^" + re.escape(message)):
+        settings(conf, endpoint=endpoint)

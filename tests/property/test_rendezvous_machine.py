@@ -104,8 +104,9 @@ class RendezvousMachine(RuleBasedStateMachine):
         self.next_id += 1
         self.instances[node_id] = 1
         if self.job is not None and self.job.state.finished:
-            if self.now - self.job.finished_at >= REUSE_FINISHED_AFTER_S:
+            if self.now - self.job.finished_at >= REUSE_FINISHED_AFTER_S or not self.job.nodes:
                 return   # the id would start a new run (unit-tested); this machine models one run
+            node_id = sorted(self.job.nodes)[0]    # an agent of the finished run: late for it
             try:
                 self._join(node_id, lws, self.config)
             except RendezvousError as e:

@@ -17,6 +17,7 @@ from node_agent.actions import Action
 from node_agent.agent import Agent
 from node_agent.facts import DeadlinePassed, Fact, ServerNotReached, ServerRefused, StatusReceived
 from node_agent.launch import WorkerLaunch
+from node_agent.launch_form import Mode
 from node_agent.local_client import LocalClient
 from node_agent.options import AgentOptions
 from node_agent.policy import SupervisionPolicy
@@ -91,7 +92,7 @@ async def start(tmp_path) -> AsyncIterator[Callable[..., Run]]:
                     group_type: type[FakeGroup] = FakeGroup, **job: object) -> Run:
         config = JobConfig(**{"last_call_s": 0.0, **job})  # type: ignore[arg-type]
         opts = AgentOptions(script="train.py", nproc=nproc, job_id="j1", job=config, node_id="n1",
-                            standalone=True, log_dir=str(tmp_path), server_wait=server_wait,
+                            mode=Mode.STANDALONE, log_dir=str(tmp_path), server_wait=server_wait,
                             hang_timeout=hang_timeout, stop_timeout=1.0)
         server = ScriptedServer(opts.job_id, opts.node_id)
         groups: asyncio.Queue[FakeGroup] = asyncio.Queue()

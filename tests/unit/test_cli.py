@@ -9,7 +9,7 @@ from protocol.ids import job_id_problem, node_id_problem
 
 @pytest.mark.parametrize("argv, line", [
     (["--job-id", "no spaces", "t.py"], f"node-agent: error: --job-id: {job_id_problem('no spaces')}"),
-    (["--rdzv_id=a/b", "t.py"], f"node-agent: error: --rdzv_id: {job_id_problem('a/b')}"),
+    (["--rdzv_id=a%b", "t.py"], f"node-agent: error: --rdzv_id: {job_id_problem('a%b')}"),
     (["--node-id", "x" * 129, "t.py"], f"node-agent: error: --node-id: {node_id_problem('x' * 129)}"),
     (["--max-restarts", "-2", "t.py"], "node-agent: error: --max-restarts: must be >= 0, got '-2'"),
 ])

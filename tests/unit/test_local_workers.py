@@ -44,9 +44,9 @@ async def test_a_round_that_succeeded_is_swept_up_before_the_next_one_starts(tmp
 
 
 async def test_no_room_for_the_workers_files_is_a_spawn_failure(tmp_path) -> None:
-    (tmp_path / "j").write_text("a file where the job's directory would go")
+    (tmp_path / "logs").write_text("a file where the log directory would go")
     workers, groups, facts = local_workers(str(tmp_path))
-    workers.opts = AgentOptions(script="train.py", nproc=2, job_id="j", node_id="n1", log_dir=str(tmp_path))
+    workers.opts = AgentOptions(script="train.py", nproc=2, job_id="j", node_id="n1", log_dir=str(tmp_path / "logs"))
     await workers.spawn(assignment(1))
     fact = facts.get_nowait()
     assert isinstance(fact, SpawnFailed) and fact.round_id == 1 and groups == []

@@ -1,11 +1,16 @@
 """The node-agent command line: torchrun aliases, -j, nproc resolution, Std specs and errors."""
 from __future__ import annotations
 
+import getpass
 import os
+import signal
 import socket
+import uuid
 
 import pytest
 
+from node_agent.job_identity import command_fingerprint
+from node_agent.launch_form import Mode
 from node_agent.options import (
     OptionsError, Std, StdSpec, build_argparser, count_gpus, parse_options,
 )
@@ -30,11 +35,16 @@ def error_of(*argv: str, environ: dict[str, str] | None = None) -> str:
 
 def test_defaults() -> None:
     o = parse(*EP, "train.py")
+    assert o.mode is Mode.SERVER and not o.standalone
     assert (o.endpoint_host, o.endpoint_port, o.endpoint) == ("rdzv.example", 29400, "rdzv.example:29400")
     assert (o.nproc, o.job.min_nodes, o.job.max_nodes) == (1, 1, 1)
-    assert (o.job_id, o.job.max_restarts, o.role) == ("default", 0, "default")
+    assert (o.job.max_restarts, o.role) == (0, "default")
+    assert o.command == command_fingerprint("python", "train.py", ())
+    assert o.job_id == f"{getpass.getuser()}-{o.command[:12]}" and o.job_id_source   # said at start
     assert o.node_id == f"{socket.gethostname()}-{os.getpid()}"
-    assert (o.stop_timeout, o.server_wait, o.hang_timeout) == (5, 60, 0)
+    assert (o.stop_timeout, o.server_wait, o.hang_timeout) == (30, 60, 0)   # torchrun's shutdown grace
+    assert o.signals == (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
+    assert (o.reply_file, o.log_line_prefix, o.tee_prefix) == (None, None, "[${role_name}${local_rank}]:")
     assert o.job == JobConfig()   # every job setting left out takes JobConfig's default, as on the wire
     assert (o.module, o.no_python, o.standalone, o.log_dir, o.local_addr) == (False, False, False, None, None)
     assert o.redirects.for_rank(0) == Std.NONE and o.tee.for_rank(5) == Std.NONE
@@ -46,8 +56,8 @@ def test_defaults() -> None:
 @pytest.mark.parametrize("joined", [False, True])
 def test_endpoint_aliases(flag: str, joined: bool) -> None:
     argv = [f"{flag}=h1:1234"] if joined else [flag, "h1:1234"]
-    o = parse(*argv, "t.py")
-    assert (o.endpoint_host, o.endpoint_port) == ("h1", 1234)
+    o = parse(*argv, "--rdzv-backend", "c10d", "t.py")
+    assert (o.mode, o.endpoint_host, o.endpoint_port) == (Mode.SERVER, "h1", 1234)
 
 
 @pytest.mark.parametrize("argv, attr, value", [
@@ -211,28 +221,25 @@ def test_endpoint_forms(text: str, host: str, port: int) -> None:
 
 @pytest.mark.parametrize("text", ["h:x", "h:0", "h:65536", "h:", ":80", "::1:80", "[::1", "[::1]80", "[]:1"])
 def test_endpoint_errors_use_the_spelling_given(text: str) -> None:
-    assert error_of("--rdzv_endpoint", text, "t.py").startswith("--rdzv_endpoint:")
-    assert error_of("--endpoint", text, "t.py").startswith("--endpoint:")
-
-
-def test_missing_endpoint() -> None:
-    assert error_of("t.py") == "--endpoint HOST:PORT is required (or --standalone)"
+    assert error_of("--rdzv_endpoint", text, "--nnodes", "2", "t.py").startswith("--rdzv_endpoint:")
+    assert error_of("--endpoint", text, "t.py").startswith("--endpoint:")   # port 0: ours always names a server
 
 
 def test_standalone() -> None:
     o = parse("--standalone", "--nproc", "2", "t.py")
     assert o.standalone and o.endpoint_host is None and (o.job.min_nodes, o.job.max_nodes) == (1, 1)
-    o = parse("--standalone", "--nnodes", "1:4", "--rdzv-endpoint", "h:1", "t.py")
-    assert (o.job.min_nodes, o.job.max_nodes, o.endpoint_host) == (1, 1, None)
+    uuid.UUID(o.job_id)                               # torchrun's: a fresh run id
+    o = parse("--standalone", "--nnodes", "1:4", "--rdzv-endpoint", "h:1", "--rdzv-id", "mine", "t.py")
+    assert (o.job.min_nodes, o.job.max_nodes, o.endpoint_host, o.job_id) == (1, 1, None, "mine")
     assert any("--rdzv-endpoint" in w for w in o.warnings) and any("1:4" in w for w in o.warnings)
 
 
-def test_ignored_torchrun_flags_warn() -> None:
-    o = parse(*EP, "--rdzv-backend", "c10d", "--rdzv_conf", "a=1", "--monitor-interval", "1",
-              "--start_method=fork", "t.py")
-    assert len(o.warnings) == 4
-    for flag in ("--rdzv-backend", "--rdzv_conf", "--monitor-interval", "--start_method"):
-        assert any(w.startswith(flag) for w in o.warnings)
+def test_accepted_torchrun_flags_with_nothing_to_do() -> None:
+    o = parse(*EP, "--rdzv-backend", "c10d", "--monitor-interval", "1", "--start_method=fork",
+              "--event-log-handler", "null", "t.py")
+    assert o.warnings == ()
+    assert error_of(*EP, "--start-method", "thread", "t.py").startswith("--start-method: expected spawn")
+    assert error_of(*EP, "--monitor-interval", "x", "t.py").startswith("--monitor-interval:")
 
 
 @pytest.mark.parametrize("argv, flag", [
@@ -246,8 +253,8 @@ def test_ignored_torchrun_flags_warn() -> None:
     (["--server-wait", "-3"], "--server-wait"),
     (["--node-id", "bad id!"], "--node-id"),
     (["--job-id", ""], "--job-id"),
-    (["--rdzv_id", "has/slash"], "--rdzv_id"),
-    (["--rdzv-id", "x" * 129], "--rdzv-id"),
+    (["--rdzv_id", "has space"], "--rdzv_id"),
+    (["--rdzv-id", "x" * 513], "--rdzv-id"),
     (["--lease_timeout", "0"], "--lease_timeout"),
     (["--last-call", "-1"], "--last-call"),
     (["--last-call", "1e9"], "--last-call"),          # over JobConfig's bound (a week)
@@ -287,7 +294,7 @@ def test_module_and_no_python_conflict() -> None:
 
 @pytest.mark.parametrize("argv, needle", [
     (["--bogus", "t.py"], "--bogus"),
-    (["--endp", "h:1", "t.py"], "--endp"),          # no abbreviations
+    (["--s", "t.py"], "ambiguous option: --s could match"),
     (["--nproc"], "--nproc"),                        # value missing
     ([], "script"),
     (["--nproc", "2"], "script"),

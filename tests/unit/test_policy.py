@@ -132,9 +132,17 @@ def test_job_failed_exits_nonzero_with_the_root_cause() -> None:
                               reason="worker failures exceeded max_restarts=0"), 2.0)
     assert isinstance(actions[0], StopWorkers)
     exit_ = actions[-1]
-    assert isinstance(exit_, Exit) and exit_.code == 1
+    assert isinstance(exit_, Exit) and exit_.code == 1 and exit_.root_cause == rc   # for the reply file
     assert "rank      : 3" in exit_.message and "RuntimeError: boom" in exit_.message
     assert "h2" in exit_.message and "Traceback" in exit_.message
+
+
+@pytest.mark.parametrize("node_state", [NodeState.SPARE, NodeState.WAITING, NodeState.EXCLUDED])
+def test_a_node_whose_workers_never_ran_does_not_exit_zero_when_the_job_succeeds(node_state: NodeState) -> None:
+    p = SupervisionPolicy(server_wait_s=60)
+    assert p.handle(status(node_state=node_state), 0.0) == []                 # never a member
+    actions = p.handle(status(job_state=JobState.SUCCEEDED, node_state=NodeState.GONE, reason="done"), 1.0)
+    assert actions == [Exit(1, "job j succeeded without this node: its workers never ran (done)")]
 
 
 def test_unreachable_server_keeps_workers_until_the_window_ends() -> None:

@@ -450,18 +450,20 @@ def test_master_addr_and_port_are_the_ones_group_rank_0_published_last():
 
 # ---- finished jobs ------------------------------------------------------------------------------
 
-def test_finished_job_refuses_new_joins_saying_how_it_finished():
+def test_finished_job_refuses_a_late_join_of_its_own_agents_saying_how_it_finished():
     rz = running(["a"], cfg(min_nodes=1, max_nodes=1))
+    join(rz, "b", 1.0, job(rz).config)                            # b: a spare of the run
     succeed(rz, "a", round_id(rz), 5.0)
-    with pytest.raises(RendezvousError) as err:
-        join(rz, "b", 6.0, job(rz).config)
-    assert err.value.code == ErrorCode.JOB_FINISHED and "succeeded" in err.value.message
-    assert "b" not in job(rz).nodes
+    for node in ("a", "b"):
+        with pytest.raises(RendezvousError) as err:
+            join(rz, node, 6.0, job(rz).config)                     # same agent instance as in the run
+        assert err.value.code == ErrorCode.JOB_FINISHED and "succeeded" in err.value.message
+    assert job(rz).state == JobState.SUCCEEDED
 
     rz = running(["a"], cfg(min_nodes=1, max_nodes=1, max_restarts=0))
     fail(rz, "a", round_id(rz), 5.0)
     with pytest.raises(RendezvousError) as err:
-        join(rz, "a", 6.0, job(rz).config, instance="a#2")
+        join(rz, "a", 6.0, job(rz).config)
     assert err.value.code == ErrorCode.JOB_FINISHED and "failed" in err.value.message
     assert "max_restarts" in err.value.message
 
@@ -610,21 +612,47 @@ def test_unknown_job_and_unknown_node_are_refused():
     assert err.value.code == ErrorCode.UNKNOWN_NODE and "ghost" in err.value.message
 
 
-def test_finished_job_id_starts_a_new_run_once_the_old_one_is_well_over():
+def test_finished_job_id_starts_a_new_run_at_once_for_an_agent_that_was_not_in_it():
     from rdzv_server.rendezvous import REUSE_FINISHED_AFTER_S
     core = Rendezvous()
     cfg = JobConfig(min_nodes=1, max_nodes=1)
-    first = core.join("j", JoinRequest(v=1, node_id="a", addr="h", local_world_size=1, master_port=1,
-                                       config=cfg, instance="i1"), 0.0)
+
+    def join_as(node: str, instance: str, now: float):
+        return core.join("j", JoinRequest(v=1, node_id=node, addr="h", local_world_size=1, master_port=1,
+                                          config=cfg, instance=instance), now)
+
+    first = join_as("a", "i1", 0.0)
     core.report_success("j", SuccessReport(v=1, node_id="a", round_id=first.round_id), 1.0)
-    with pytest.raises(RendezvousError) as err:
-        core.join("j", JoinRequest(v=1, node_id="b", addr="h", local_world_size=1, master_port=1,
-                                   config=cfg, instance="i2"), 2.0)
-    assert err.value.code == ErrorCode.JOB_FINISHED
-    again = core.join("j", JoinRequest(v=1, node_id="b", addr="h", local_world_size=1, master_port=1,
-                                       config=cfg, instance="i2"), 1.0 + REUSE_FINISHED_AFTER_S)
+    for node, instance in (("a", "i1"), ("b", "")):   # the finished run's own agent, or one that says nothing
+        with pytest.raises(RendezvousError) as err:
+            join_as(node, instance, 2.0)
+        assert err.value.code == ErrorCode.JOB_FINISHED and "succeeded" in err.value.message
+    again = join_as("a", "i2", 2.0)                   # a new agent (the same command run again): a new run
     assert again.job_state == JobState.RUNNING and again.restart_count == 0
-    assert any(e.kind == "job_reused" for e in core.jobs["j"].events)
+    assert [e.kind for e in core.jobs["j"].events][:2] == ["job_created", "job_reused"]
+    core.report_success("j", SuccessReport(v=1, node_id="a", credential=again.credential,
+                                           round_id=again.round_id), 3.0)
+    late = join_as("b", "", 3.0 + REUSE_FINISHED_AFTER_S)   # long after the end: anything starts a new run
+    assert late.job_state == JobState.RUNNING
+
+
+def test_a_join_whose_command_differs_from_the_jobs_is_refused_naming_both():
+    core = Rendezvous()
+    cfg = JobConfig(min_nodes=2, max_nodes=2)
+
+    def join_as(node: str, command: str):
+        return core.join("j", JoinRequest(v=1, node_id=node, addr="h", local_world_size=1, master_port=1,
+                                          config=cfg, instance=node, command=command), 0.0)
+
+    join_as("a", "")                 # not checked: the job takes the first command it is given
+    join_as("b", "f1")
+    assert core.jobs["j"].command == "f1"
+    with pytest.raises(RendezvousError) as err:
+        join_as("c", "f2")
+    assert err.value.code == ErrorCode.CONFIG_CONFLICT and "f1" in err.value.message and "f2" in err.value.message
+    assert "c" not in core.jobs["j"].nodes
+    join_as("d", "")                 # --no-command-check: admitted (as a spare: the job is full)
+    assert core.jobs["j"].nodes["d"].state == NodeState.SPARE
 
 
 # ---- restart on a saved state -----------------------------------------------------------------

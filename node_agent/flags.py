@@ -1,0 +1,263 @@
+"""Every flag node-agent accepts: its spellings, its `PET_*` variable, and how a command line is split.
+
+torchrun's flags (torch 2.13, `torch/distributed/run.py`) are all here, in all their spellings, with the
+`PET_<NAME>` variable torchrun reads when the flag is left out. node-agent's own flags come on top.
+Like torchrun, a long flag may be shortened to any prefix that names one flag (`--redirect=3`); when a
+prefix could name one of torchrun's flags and one of ours, torchrun's wins, so a torchrun line never
+changes meaning.
+
+The table only says what is typed; `options.py` decides what the values mean.
+"""
+from __future__ import annotations
+
+import argparse
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, NoReturn
+
+
+class FlagError(ValueError):
+    """A command line that cannot be split or parsed; one line meant for the user."""
+
+
+@dataclass(frozen=True)
+class Flag:
+    spellings: tuple[str, ...]
+    dest: str
+    metavar: str | None        # None: an on/off flag
+    help: str
+    pet: str | None = None     # the PET_* variable torchrun reads when the flag is left out
+    torchrun: tuple[str, ...] = ()   # the spellings torchrun itself accepts (empty: ours only)
+
+
+def _t(spellings: tuple[str, ...], dest: str, metavar: str | None, help: str, pet: bool = True) -> Flag:
+    """A torchrun flag: every spelling is torchrun's; its PET_* name comes from torchrun's first long one."""
+    first = next(s for s in spellings if s.startswith("--"))
+    return Flag(spellings, dest, metavar, help, f"PET_{first[2:].replace('-', '_').upper()}" if pet else None,
+                spellings)
+
+
+def _both(ours: tuple[str, ...], torchrun: tuple[str, ...], dest: str, metavar: str | None, help: str) -> Flag:
+    """One of our flags that is also a torchrun flag under other spellings."""
+    return Flag((*ours, *torchrun), dest, metavar, help,
+                f"PET_{torchrun[0][2:].replace('-', '_').upper()}", torchrun)
+
+
+def _ours(spellings: tuple[str, ...], dest: str, metavar: str | None, help: str) -> Flag:
+    return Flag(spellings, dest, metavar, help)
+
+
+# A dest that names a JobConfig field is that job setting: its default ({default} in the help) and bounds
+# are JobConfig's; other defaults are AgentOptions'. Defaults here are None so use can be told apart.
+FLAGS: tuple[Flag, ...] = (
+    _both(("--endpoint",), ("--rdzv-endpoint", "--rdzv_endpoint"), "endpoint", "[https://]HOST:PORT",
+          "the rdzv-server (port 29400 when left out; [::1]:PORT for IPv6; https:// for TLS). "
+          "--endpoint always names an rdzv-server; --rdzv-endpoint follows torchrun: with the default "
+          "--rdzv-backend static it names the master of a static launch"),
+    _t(("--rdzv-backend", "--rdzv_backend"), "rdzv_backend", "NAME",
+       "torchrun's rendezvous backend: static (torchrun's default: --node-rank/--master-addr/--master-port, "
+       "or one node with no server) or any other name (c10d, etcd, rdzv-server): the rdzv-server at "
+       "--rdzv-endpoint"),
+    _t(("--rdzv-conf", "--rdzv_conf"), "rdzv_conf", "K=V,...",
+       "rendezvous settings: join_timeout, last_call_timeout, heartbeat_timeout, ... (docs/switching.md)"),
+    _t(("--standalone",), "standalone", None,
+       "one node: an in-process rendezvous, no server (also the default for one node without "
+       "rendezvous flags)"),
+    _ours(("--token-file", "--token_file"), "token_file", "F",
+          "file holding the server's token (or set RDZV_TOKEN_FILE, or RDZV_TOKEN to the token itself)"),
+    _ours(("--tls-ca", "--tls_ca"), "tls_ca", "F",
+          "CA certificates (PEM) that signed the server's TLS certificate; implies https"),
+    _both(("--nproc",), ("--nproc-per-node", "--nproc_per_node"), "nproc", "N|gpu|cpu|auto",
+          "workers on this node: a number, one per GPU, one per CPU, or auto (GPUs if any, else CPUs); "
+          "default 1"),
+    _t(("--nnodes",), "nnodes", "MIN:MAX|N", "number of nodes, or an elastic range; default 1:1"),
+    _ours(("-j", "--j"), "j", "[MIN:]NxM", "TorchX shorthand: N nodes (elastic MIN:N) of M workers each"),
+    _both(("--job-id",), ("--rdzv-id", "--rdzv_id"), "job_id", "ID",
+          "job id shared by every node of the job; default: the scheduler's job id (SLURM_JOB_ID, "
+          "JOBSET_NAME, ...), else your user name and a hash of the command"),
+    _t(("--max-restarts", "--max_restarts"), "max_restarts", "K",
+       "job-wide worker group restarts before the job fails; default {default}"),
+    _t(("--node-rank", "--node_rank"), "node_rank", "R", "this node's rank in a static launch; default 0"),
+    _t(("--master-addr", "--master_addr"), "master_addr", "ADDR",
+       "node rank 0's address in a static launch (worker rank 0 hosts the store there); default 127.0.0.1"),
+    _t(("--master-port", "--master_port"), "master_port", "PORT",
+       "the workers' store port on node rank 0 in a static launch; default 29500"),
+    _ours(("--node-id", "--node_id"), "node_id", "ID", "this node's id at the server; default HOSTNAME-PID"),
+    _t(("--local-addr", "--local_addr"), "local_addr", "ADDR",
+       "address other nodes reach this node at (MASTER_ADDR when it is group rank 0)"),
+    _t(("--role",), "role", "NAME", "worker role (ROLE_NAME); default {default!r}"),
+    _t(("-m", "--module"), "module", None, "run the script as a module, like python -m"),
+    _t(("--no-python", "--no_python"), "no_python", None, "run the script directly, not with python"),
+    _t(("--run-path", "--run_path"), "run_path", None,
+       "run the script with runpy.run_path in a fresh interpreter (torchrun's --run-path)"),
+    _t(("--log-dir", "--log_dir"), "log_dir", "DIR",
+       "base directory of this run's logs: DIR/ID_XXXXXXXX/attempt_N/LOCAL_RANK/ holds stdout.log, stderr.log "
+       "and error.json (torchrun's layout, a new ID_XXXXXXXX for every run)"),
+    _t(("-r", "--redirects"), "redirects", "STD",
+       "send worker streams to log files only: 0 none, 1 stdout, 2 stderr, 3 both, or a "
+       "per-local-rank map such as 0:1,1:2"),
+    _t(("-t", "--tee"), "tee", "STD",
+       "send worker streams to log files and the console, prefixed [ROLE LOCAL_RANK]: (format as -r)"),
+    _t(("--local-ranks-filter", "--local_ranks_filter"), "local_ranks_filter", "R,R,...",
+       "show only these local ranks on the console (log files keep everything)"),
+    _t(("--duplicate-stdout-filters", "--duplicate_stdout_filters"), "dup_stdout", "TEXT,...",
+       "also copy tee'd stdout lines containing any TEXT to attempt_N/filtered_stdout.log (,, is a comma)"),
+    _t(("--duplicate-stderr-filters", "--duplicate_stderr_filters"), "dup_stderr", "TEXT,...",
+       "the same for stderr (attempt_N/filtered_stderr.log)"),
+    _ours(("--log-line-prefix", "--log_line_prefix"), "log_line_prefix", "TEMPLATE",
+          "prefix every console line of the workers: ${{role_name}}, ${{rank}}, ${{local_rank}}, ${{host}}; "
+          "e.g. '[${{host}}:${{rank}}] '"),
+    _both(("--stop-timeout", "--stop_timeout"), ("--shutdown-timeout", "--shutdown_timeout"), "stop_timeout",
+          "S", "seconds between the stop signal and SIGKILL when stopping workers; default "
+               "$TORCH_ELASTIC_SHUTDOWN_TIMEOUT, else {default:g}"),
+    _t(("--signals-to-handle", "--signals_to_handle"), "signals", "SIG,...",
+       "signals that stop the workers (forwarded to them) and the agent; default SIGTERM,SIGINT,SIGHUP,SIGQUIT"),
+    _t(("--virtual-local-rank", "--virtual_local_rank"), "virtual_local_rank", None,
+       "LOCAL_RANK=0 in every worker, each seeing only its own GPU through CUDA_VISIBLE_DEVICES"),
+    _t(("--monitor-interval", "--monitor_interval"), "monitor_interval", "S",
+       "accepted; node-agent sees a worker exit at once instead of polling"),
+    _t(("--start-method", "--start_method"), "start_method", "spawn|fork|forkserver",
+       "accepted; like torchrun, scripts always start as new processes"),
+    _t(("--event-log-handler", "--event_log_handler"), "event_log_handler", "NAME",
+       "null only: the job's events are at the rdzv-server (rdzv-ctl events JOB)"),
+    _t(("--logs-specs", "--logs_specs"), "logs_specs", "NAME", "not supported (see docs/switching.md)", pet=False),
+    _t(("--numa-binding", "--numa_binding"), "numa_binding", "MODE", "not supported (see docs/switching.md)",
+       pet=False),
+    _ours(("--last-call", "--last_call"), "last_call_s", "S",
+          "seconds an elastic round waits for more nodes once it has MIN; default {default:g}"),
+    _ours(("--join-timeout", "--join_timeout"), "join_timeout_s", "S",
+          "seconds to wait for a round to form; default {default:g}"),
+    _ours(("--lease-timeout", "--lease_timeout"), "lease_timeout_s", "S",
+          "seconds of silence after which the server drops a node; default {default:g}"),
+    _ours(("--server-wait", "--server_wait"), "server_wait", "S",
+          "seconds to keep retrying an unreachable server; default {default:g}"),
+    _ours(("--hang-timeout", "--hang_timeout"), "hang_timeout", "S",
+          "kill and report a worker that called node_agent.heartbeat.beat() but then stopped for this "
+          "long; default {default:g} (off)"),
+    _ours(("--exclude-after", "--exclude_after"), "exclude_after", "K",
+          "exclude a node after K worker failures within --exclude-window (job-wide); 0 never; default {default}"),
+    _ours(("--exclude-window", "--exclude_window"), "exclude_window_s", "S",
+          "window for counting a node's failures; default {default:g}"),
+    _ours(("--exclude-cooldown", "--exclude_cooldown"), "exclude_cooldown_s", "S",
+          "first exclusion's length, doubling each time up to {cooldown_max:g} s; default {default:g}"),
+    _ours(("--exclude-lost-after", "--exclude_lost_after"), "exclude_lost_after", "K",
+          "keep a node out when it was lost K times within --exclude-window (a flapping host); 0 never; "
+          "default {default}"),
+    _ours(("--exclude-lost-cooldown", "--exclude_lost_cooldown"), "exclude_lost_cooldown_s", "S",
+          "how long such a node is kept out the first time, doubling each time up to {cooldown_max:g} s; "
+          "default {default:g}"),
+    _ours(("--no-command-check", "--no_command_check"), "no_command_check", None,
+          "let nodes whose script or arguments differ join one job (by default the server refuses them)"),
+)
+BY_DEST: dict[str, Flag] = {f.dest: f for f in FLAGS}
+TORCHRUN_SPELLINGS: frozenset[str] = frozenset(s for f in FLAGS for s in f.torchrun) | {"-h", "--help"}
+
+
+class _Parser(argparse.ArgumentParser):
+    # argparse would print usage and sys.exit(2); the CLI decides how to show errors instead.
+    def error(self, message: str) -> NoReturn:
+        if message.startswith("the following arguments are required"):   # only the script is
+            message = "missing the training script: node-agent [options] SCRIPT [ARGS...]"
+        raise FlagError(message)
+
+
+class _Formatter(argparse.HelpFormatter):
+    # List every alias once and the metavar once: "--nproc, --nproc-per-node N" rather than a
+    # metavar after each alias, which makes the aliased flags unreadable.
+    def _format_action_invocation(self, action: argparse.Action) -> str:
+        if not action.option_strings or action.nargs == 0:
+            return super()._format_action_invocation(action)
+        return f"{', '.join(action.option_strings)} {self._format_args(action, action.dest.upper())}"
+
+
+class _Spelled(argparse.Action):
+    """Store a value and remember which spelling the user typed, so errors name that spelling."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: Any, option_string: str | None = None) -> None:
+        setattr(namespace, self.dest, values)
+        namespace.__dict__.setdefault("_spelling", {})[self.dest] = option_string
+
+
+def build_argparser(help_of: Mapping[str, str] | None = None) -> argparse.ArgumentParser:
+    """The parser of the launcher's own options (everything before the script)."""
+    p = _Parser(prog="node-agent", allow_abbrev=False, formatter_class=_Formatter,
+                description="Join an elastic training job (at a rendezvous server, or on this node alone), "
+                            "then run and supervise this node's workers: a drop-in replacement for torchrun.")
+    for flag in FLAGS:
+        text = (help_of or {}).get(flag.dest, flag.help)
+        if flag.metavar is None:
+            p.add_argument(*flag.spellings, dest=flag.dest, action="store_true", default=None, help=text)
+        else:
+            p.add_argument(*flag.spellings, dest=flag.dest, action=_Spelled, default=None, metavar=flag.metavar,
+                           help=text)
+    p.add_argument("script", help="training script (or module with -m, or program with --no-python)")
+    p.add_argument("script_args", nargs=argparse.REMAINDER,
+                   help="everything after the script goes to it untouched")
+    return p
+
+
+def resolve(parser: argparse.ArgumentParser, name: str) -> str | None:
+    """The full spelling a long option `name` stands for (itself, or the flag it is a prefix of).
+
+    None when nothing matches (argparse then says what is wrong). A prefix of several flags resolves to
+    torchrun's one when exactly one of them is torchrun's, else it is ambiguous.
+    """
+    actions = parser._option_string_actions
+    if name in actions:
+        return name
+    matches = [s for s in actions if s.startswith(name) and s.startswith("--")]
+    by_action: dict[int, list[str]] = {}
+    for spelling in matches:
+        by_action.setdefault(id(actions[spelling]), []).append(spelling)
+    if len(by_action) > 1:
+        torchrun = [group for group in by_action.values() if any(s in TORCHRUN_SPELLINGS for s in group)]
+        if len(torchrun) != 1:
+            raise FlagError(f"ambiguous option: {name} could match {', '.join(sorted(matches))}")
+        by_action = {0: torchrun[0]}
+    if not by_action:
+        return None
+    group = next(iter(by_action.values()))
+    return next((s for s in group if s in TORCHRUN_SPELLINGS), group[0])
+
+
+def split_command_line(parser: argparse.ArgumentParser, argv: Sequence[str]) -> tuple[list[str], list[str]]:
+    """(the launcher's options, prefixes written out in full; the script and its arguments).
+
+    The script is found the way argparse would (the first token that is not an option or an option's
+    value), but its arguments are kept byte for byte: argparse would drop a `--` after the script.
+    When the line cannot be split (an unknown option), everything is returned as options so that
+    argparse names the problem.
+    """
+    actions = parser._option_string_actions
+    options: list[str] = []
+    i = 0
+    while i < len(argv):
+        tok = argv[i]
+        if tok == "--":
+            return options, list(argv[i + 1:])
+        if not tok.startswith("-") or tok == "-":
+            return options, list(argv[i:])
+        if tok.startswith("--"):
+            name, eq, value = tok.partition("=")
+            full = resolve(parser, name)
+            if full is None:
+                return [*options, *argv[i:]], []
+            options.append(f"{full}={value}" if eq else full)
+            takes_value = not eq and actions[full].nargs != 0
+        else:
+            action = actions.get(tok[:2])
+            if action is None:
+                return [*options, *argv[i:]], []
+            options.append(tok)
+            takes_value = len(tok) == 2 and action.nargs != 0
+        if takes_value and i + 1 < len(argv):
+            options.append(argv[i + 1])
+            i += 1
+        i += 1
+    return options, []
+
+
+def pet_values(environ: Mapping[str, str]) -> dict[str, tuple[str, str]]:
+    """dest -> (value, "$PET_NAME") for every torchrun flag whose PET_* variable is set and not empty."""
+    return {f.dest: (environ[f.pet], f"${f.pet}") for f in FLAGS if f.pet and environ.get(f.pet)}

@@ -1,0 +1,71 @@
+"""Which job a node belongs to at a shared rdzv-server: the job's id, and a fingerprint of its command.
+
+No default may put unrelated runs into one job (a second user's run would become a spare of the
+first's and "succeed" without running). So the id is, in this order:
+1. the one given: `--rdzv-id`/`--job-id`, or `$PET_RDZV_ID` (torchrun's default `none` counts as none);
+2. the scheduler's job id: Slurm (`slurm-JOBID`, `.STEP` inside an srun step), a Kubernetes JobSet
+   (`jobset-NAME`), PBS (`pbs-JOBID`), LSF (`lsf-JOBID`): the same on every node of that job only;
+3. else the user's name and a hash of the command (`alice-3f2a9c1b7d0e`): every node running the same
+   command finds the same job; another user, script or argument makes another job.
+Whatever the id, each join carries the command's fingerprint, and the server refuses a node whose
+command differs from the job's (two runs that picked the same id by accident).
+"""
+from __future__ import annotations
+
+import getpass
+import hashlib
+import json
+import re
+from collections.abc import Mapping, Sequence
+
+TORCHRUN_DEFAULT_ID = "none"
+# (variable, id format); the first one set wins.
+SCHEDULER_IDS = (
+    ("SLURM_JOB_ID", "slurm-{}"),
+    ("JOBSET_NAME", "jobset-{}"),
+    ("PBS_JOBID", "pbs-{}"),
+    ("LSB_JOBID", "lsf-{}"),
+)
+
+
+def command_fingerprint(kind: str, script: str, args: Sequence[str]) -> str:
+    """A short hash of how the workers are started: `kind` (python, module, program, run-path), the
+    script and its arguments. The same on every node that runs the same command."""
+    return hashlib.sha256(json.dumps([kind, script, *args]).encode()).hexdigest()[:16]
+
+
+def _clean(text: str) -> str:
+    """`text` as a piece of a job id: other characters become '-', and it starts with a letter or digit."""
+    return re.sub(r"^[^A-Za-z0-9]+", "", re.sub(r"[^A-Za-z0-9_.:@+=~-]", "-", text)) or "x"
+
+
+def scheduler_job_id(environ: Mapping[str, str]) -> tuple[str, str] | None:
+    """(id, where it came from) from the scheduler's variables, or None outside a known scheduler."""
+    for variable, form in SCHEDULER_IDS:
+        value = environ.get(variable, "").strip()
+        if value:
+            job_id = form.format(_clean(value))
+            step = environ.get("SLURM_STEP_ID", "").strip() if variable == "SLURM_JOB_ID" else ""
+            if step:
+                return f"{job_id}.{_clean(step)}", f"${variable}.$SLURM_STEP_ID"
+            return job_id, f"${variable}"
+    return None
+
+
+def default_job_id(environ: Mapping[str, str], fingerprint: str) -> tuple[str, str]:
+    """(id, where it came from) when no id was given: the scheduler's, else user and command."""
+    found = scheduler_job_id(environ)
+    if found is not None:
+        return found
+    return f"{_clean(_user(environ))}-{fingerprint[:12]}", "your user name and the command's fingerprint"
+
+
+def _user(environ: Mapping[str, str]) -> str:
+    """The user's name as getpass finds it, from `environ` first."""
+    for variable in ("LOGNAME", "USER", "LNAME", "USERNAME"):
+        if environ.get(variable):
+            return environ[variable]
+    try:
+        return getpass.getuser()
+    except (KeyError, OSError):   # no user name for this uid (some containers)
+        return "user"
