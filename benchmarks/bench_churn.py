@@ -38,7 +38,9 @@ async def one_job(session: aiohttp.ClientSession, base: str, i: int) -> None:
         reply = msgpack.unpackb(await r.read())
     done = {"v": 1, "node_id": "n", "credential": reply["credential"], "round_id": reply["round_id"]}
     async with session.post(f"{base}/{job}/success", data=msgpack.packb(done), headers=HEADERS) as r:
-        assert msgpack.unpackb(await r.read())["job_state"] == "succeeded"
+        ended = msgpack.unpackb(await r.read())
+    if ended.get("job_state") != "succeeded":
+        raise SystemExit(f"bench_churn: job {job}: the success report was answered {r.status} {ended!r}")
 
 
 async def churn(port: int, jobs: int, concurrency: int, server: psutil.Process, peak: list[int]) -> None:
