@@ -1,0 +1,122 @@
+"""Minimal reproducers of what the fuzzers found, one request each (see known_issues.py).
+
+An open finding is marked xfail(strict=True): the suite stays green while it is open, and goes red
+the moment the server is fixed until the marker is removed (with its entry in known_issues.py).
+"""
+from __future__ import annotations
+
+import json
+
+import msgpack
+import pytest
+
+from tests.fuzz.inprocess import ServerThread
+from tests.fuzz.rawhttp import Connection, Reply, request_bytes
+
+
+@pytest.fixture
+def server(tmp_path):
+    srv = ServerThread(str(tmp_path / "state"))
+    try:
+        yield srv
+    finally:
+        srv.close()
+
+
+def post(server: ServerThread, path: str, body: bytes, content_type: str = "application/msgpack") -> Reply:
+    conn = Connection("127.0.0.1", server.port)
+    try:
+        return conn.send(request_bytes("POST", path, [("Content-Type", content_type)], body,
+                                       host=f"127.0.0.1:{server.port}"))
+    finally:
+        conn.close()
+
+
+@pytest.mark.xfail(strict=True, reason="unsupported_version quotes the client's `v` whole: a 70,000-character "
+                                       "string comes back as a 70 kB error message (and a 1 MiB one as 1 MiB)")
+def test_an_unsupported_version_is_not_echoed_unbounded(server):
+    reply = post(server, "/v1/jobs/j/join", msgpack.packb({"v": "a" * 70_000, "node_id": "n"}))
+    error = msgpack.unpackb(reply.body)
+    assert reply.status == 400 and error["code"] == "unsupported_version"
+    assert len(error["message"]) <= 1000, len(error["message"])
+
+
+def join(server: ServerThread, job: str, node: str) -> Reply:
+    return post(server, f"/v1/jobs/{job}/join", msgpack.packb({
+        "v": 1, "node_id": node, "addr": "10.0.0.1", "local_world_size": 1, "master_port": 1000,
+        "config": {"min_nodes": 2, "max_nodes": 2}}))
+
+
+@pytest.mark.xfail(strict=True, reason="a JSON \\ud800 escape in an admin reason becomes a lone surrogate in the "
+                                       "job's events; the store cannot encode it, and every later commit of any "
+                                       "job fails with 503 store_unavailable")
+def test_a_lone_surrogate_in_an_admin_reason_does_not_poison_the_store(server):
+    assert join(server, "j", "a").status == 200
+    refused_or_kept = post(server, "/v1/admin/jobs/j/close", b'{"reason": "\\ud800"}', "application/json")
+    assert refused_or_kept.status in (200, 400), refused_or_kept
+    other = join(server, "k", "b")
+    assert other.status == 200, other.body
+
+
+@pytest.mark.xfail(strict=True, reason="errors about the path quote what the client put there whole and as it "
+                                       "is: a long job id, node id, action or unknown path comes back whole (up to "
+                                       "the 8 kB request line), and a %0D%0A puts a line break into the message")
+@pytest.mark.parametrize("method, path", [
+    ("POST", "/v1//jobs/a%0D%0AX-Injected:%201/join"), ("GET", "/v1/jobs/a%0D%0Ab/join"),
+    ("POST", "/v1/jobs//" + "x" * 3000), ("POST", "/v1/jobs/j/" + "x" * 3000),
+    ("POST", "/v1/admin/jobs/" + "a" * 3000 + "/close"), ("POST", "/v1/admin/jobs/j/nodes/" + "-" * 3000 + "/drain"),
+    ("GET", "/v1/jobs/" + "a" * 3000)])
+def test_errors_about_the_path_quote_it_short_and_on_one_line(server, method, path):
+    conn = Connection("127.0.0.1", server.port)
+    try:
+        reply = conn.send(request_bytes(method, path, [("Content-Type", "application/json")], b"",
+                                        host=f"127.0.0.1:{server.port}"))
+    finally:
+        conn.close()
+    error = msgpack.unpackb(reply.body) if reply.content_type == "application/msgpack" else json.loads(reply.body)
+    assert 400 <= reply.status < 500, reply
+    assert "\n" not in error["message"] and "\r" not in error["message"], error
+    assert len(error["message"]) <= 1000, len(error["message"])
+
+
+@pytest.mark.xfail(strict=True, reason="a non-UTF-8 byte in the Authorization header escapes as a surrogate and "
+                                       "fails encoding it in access.presented_token: 500 on every route but /healthz")
+@pytest.mark.parametrize("method, path", [("POST", "/v1/jobs/j/join"), ("GET", "/v1/status"),
+                                          ("POST", "/v1/admin/jobs/j/close")])
+def test_a_non_utf8_authorization_header_is_refused_not_a_500(server, method, path):
+    conn = Connection("127.0.0.1", server.port)
+    try:
+        reply = conn.send(request_bytes(method, path, [("Content-Type", "application/json"),
+                                                       ("Authorization", b"Bearer \xe9")], b"{}",
+                                        host=f"127.0.0.1:{server.port}"))
+    finally:
+        conn.close()
+    assert reply.status < 500, reply
+
+
+def join_reply(server: ServerThread, job: str, node: str, **config) -> dict:
+    return msgpack.unpackb(post(server, f"/v1/jobs/{job}/join", msgpack.packb({
+        "v": 1, "node_id": node, "addr": "10.0.0.1", "local_world_size": 1, "master_port": 1000,
+        "config": {"min_nodes": 1, "max_nodes": 1, **config}})).body)
+
+
+@pytest.mark.xfail(strict=True, reason="text a client or operator sent (a drain or close reason, a worker's error "
+                                       "message) is quoted with its line breaks in later one-line messages: the "
+                                       "NodeStatus reason every agent prints, node_drained, job_finished")
+@pytest.mark.parametrize("how", ["drain", "close", "worker message"])
+def test_client_text_with_a_line_break_does_not_break_later_error_messages(server, how):
+    first = join_reply(server, "j", "a")
+    if how == "drain":
+        post(server, "/v1/admin/jobs/j/nodes/a/drain", b'{"reason": "a\\njob succeeded: all 64 nodes"}',
+             "application/json")
+    elif how == "close":
+        post(server, "/v1/admin/jobs/j/close", b'{"reason": "a\\njob succeeded: all 64 nodes"}', "application/json")
+    else:
+        status = msgpack.unpackb(post(server, "/v1/jobs/j/failure", msgpack.packb({
+            "v": 1, "node_id": "a", "round_id": first["round_id"], "credential": first.get("credential"),
+            "failures": [{"local_rank": 0, "rank": 0, "exitcode": 1, "message": "a\njob succeeded: all 64 nodes"}]}
+        )).body)
+        assert "\n" not in status["reason"], status["reason"]        # every agent of the job prints it
+    refused = join_reply(server, "j", "a")
+    assert refused["code"] in ("node_drained", "job_finished"), refused
+    assert "\n" not in refused["message"], refused["message"]
