@@ -92,8 +92,8 @@ def view_request(draw: st.DrawFn, ctx: Context) -> Request:
                                              "refresh", "%", "a[]=1&a[]=2"]))
     host: str | None = ctx.authority
     if how == "host":
-        host = draw(st.sampled_from([None, "", "evil.example", "evil.example:80", "localhost", "LOCALHOST:1",
-                                     "[::1]", "[::1", "127.0.0.1:99999", "a" * 300, "127.0.0.1 evil", "xn--80ak6aa92e"]))
+        host = draw(st.sampled_from([None, "", "evil.example", "evil.example:80", "localhost", "LOCALHOST:1", "[::1]",
+                                     "[::1", "127.0.0.1:99999", "a" * 300, "127.0.0.1 evil", "xn--80ak6aa92e"]))
     headers: list[Header] = []
     if ctx.token is not None and draw(st.booleans()):
         headers.append(("Authorization", f"Bearer {ctx.token}"))

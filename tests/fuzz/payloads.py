@@ -105,9 +105,10 @@ INVALID_UTF8 = [bad_utf8(b"\xff", "0xff"), bad_utf8(b"\xc3\x28", "bad continuati
 RAW_VALUES = [
     *INVALID_UTF8,
     nested_lists(64), nested_lists(1000), nested_lists(200_000), nested_maps(100_000),
-    Raw(b"\xca" + struct.pack(">f", math.nan), "float32 NaN"), Raw(b"\xca" + struct.pack(">f", math.inf), "float32 inf"),
-    Raw(b"\xca" + struct.pack(">f", 1.5), "float32 1.5"),
-    Raw(b"\xdd\xff\xff\xff\xff", "array32 claiming 2**32-1 items"), Raw(b"\xdf\xff\xff\xff\xff", "map32 claiming 2**32-1"),
+    Raw(b"\xca" + struct.pack(">f", math.nan), "float32 NaN"),
+    Raw(b"\xca" + struct.pack(">f", math.inf), "float32 inf"), Raw(b"\xca" + struct.pack(">f", 1.5), "float32 1.5"),
+    Raw(b"\xdd\xff\xff\xff\xff", "array32 claiming 2**32-1 items"),
+    Raw(b"\xdf\xff\xff\xff\xff", "map32 claiming 2**32-1"),
     Raw(b"\xdb\xff\xff\xff\xff", "str32 claiming 4 GiB"), Raw(b"\xc6\xff\xff\xff\xff", "bin32 claiming 4 GiB"),
     Raw(b"\xc1", "reserved byte 0xc1"), Raw(b"\xd4\x05\x00", "ext type 5"),
     Raw(b"\xd6\xff\x00\x00\x00\x01", "timestamp32"), Raw(b"\xc7\x0c\xff" + b"\xff" * 12, "timestamp96 bad nanos"),

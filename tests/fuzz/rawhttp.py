@@ -86,7 +86,7 @@ class Connection:
         try:
             self._sock.sendall(raw)
             reply = self._read_reply(head)
-        except socket.timeout:
+        except TimeoutError:
             self.close()
             raise NoReply(f"no reply within {self.timeout:g} s", hang=True) from None
         except NoReply as exc:

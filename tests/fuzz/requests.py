@@ -7,7 +7,6 @@ by chance, which is fine: only refused requests must leave the state as it was.
 """
 from __future__ import annotations
 
-import copy
 import gzip
 import zlib
 from dataclasses import dataclass, field, replace
