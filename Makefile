@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP_FLAGS := --disable-pip-version-check -q
 PYTEST_WORKERS ?= 4
 
-.PHONY: venv chromium demo test soak bench clean
+.PHONY: venv chromium demo test soak fuzz bench clean
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -28,6 +28,12 @@ test: venv chromium
 
 soak: venv
 	$(PY) -m pytest -m soak -q -p no:cacheprovider -s
+
+# 100,000+ hostile and malformed requests against a real server with a durable store (tests/fuzz/soak.py):
+# prints counts by status, RSS and state dir size before/after; exits 1 on any 5xx, hang, crash or state
+# change from a refused request. FUZZ_ARGS passes options, e.g. FUZZ_ARGS="--requests 20000 --keep".
+fuzz: venv
+	$(PY) -m tests.fuzz.soak $(FUZZ_ARGS)
 
 bench: venv
 	$(PY) benchmarks/bench_rendezvous.py

@@ -7,6 +7,7 @@ replaced by the raw value, so the map around it stays well formed.
 """
 from __future__ import annotations
 
+import functools
 import json
 import math
 import struct
@@ -133,12 +134,14 @@ _SCALARS = st.one_of(st.sampled_from(HOSTILE_INTS), MSGPACK_INTS, st.sampled_fro
                      st.none())
 
 
+@functools.cache           # (one strategy object: hypothesis validates each new one)
 def msgpack_values() -> st.SearchStrategy[Any]:
     """Any value a hostile MessagePack field could hold."""
     small = st.one_of(_SCALARS, st.sampled_from(RAW_VALUES))
     return st.one_of(small, st.lists(_SCALARS, max_size=4), st.dictionaries(st.text(max_size=8), _SCALARS, max_size=3))
 
 
+@functools.cache
 def msgpack_keys() -> st.SearchStrategy[Any]:
     """Map keys: unknown names, and keys of other types than str."""
     return st.one_of(st.text(max_size=20), st.sampled_from(["credential ", "V", "__class__", "", "\x00", "a" * 5000]),
@@ -151,17 +154,30 @@ def msgpack_keys() -> st.SearchStrategy[Any]:
 RAW_JSON = [Raw(t.encode(), t[:20]) for t in (
     "NaN", "Infinity", "-Infinity", "1e400", "-1e400", "1.0", "2e0", "-0", "1" + "0" * 5000, "2" * 4000,
     str(2 ** 70), str(2 ** 64 - 1), str(-(2 ** 63)), '"\\ud800"', '"\\u0000"', '"a\\nb"', '"\\u202e"', "true",
-    "null", "[]", "{}", '"2"', "[" * 100_000 + "]" * 100_000, '{"a":' * 50_000 + "1" + "}" * 50_000)
-    if t not in AVOIDED_JSON_TEXT]
+    "null", "[]", "{}", '"2"', "[" * 100_000 + "]" * 100_000, '{"a":' * 50_000 + "1" + "}" * 50_000)]
 RAW_JSON += [Raw(b'"\xff\xfe"', "invalid UTF-8 string"), Raw(b'"\x01\x1f"', "raw control characters"),
              Raw(b'"' + b"r" * 600 + b'"', "600-character string"), Raw(b'"' + b"r" * 200_000 + b'"', "200 kB string")]
 
 
+# Leave out the payloads of open findings whose harm outlasts the request (see known_issues.py).
+# `make fuzz` sends them (an open finding must fail it); the suite's fuzz test does not.
+AVOIDING = True
+
+
+def raw_json() -> list[Raw]:
+    return [r for r in RAW_JSON if not (AVOIDING and r.data.decode("utf-8", "replace") in AVOIDED_JSON_TEXT)]
+
+
 def json_values() -> st.SearchStrategy[Any]:
+    return _json_values(AVOIDING)
+
+
+@functools.cache
+def _json_values(avoiding: bool) -> st.SearchStrategy[Any]:
     json_scalars = st.one_of(st.integers(min_value=-(2 ** 80), max_value=2 ** 80), st.sampled_from(HOSTILE_INTS),
                              st.floats(allow_nan=False, allow_infinity=False), st.sampled_from(HOSTILE_TEXT),
                              st.text(max_size=30), st.booleans(), st.none())
-    return st.one_of(json_scalars, st.sampled_from(RAW_JSON), st.lists(json_scalars, max_size=3))
+    return st.one_of(json_scalars, st.sampled_from(raw_json()), st.lists(json_scalars, max_size=3))
 
 
 def json_body(value: Any) -> bytes:

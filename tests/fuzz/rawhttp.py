@@ -82,7 +82,10 @@ class Connection:
         meanwhile (no byte of a reply received) is replaced once by a fresh one."""
         fresh = self._sock is None
         if self._sock is None:
-            self._sock = socket.create_connection((self.host, self.port), timeout=self.timeout)
+            try:
+                self._sock = socket.create_connection((self.host, self.port), timeout=self.timeout)
+            except OSError as exc:
+                raise NoReply(f"cannot connect: {exc}") from None
         try:
             self._sock.sendall(raw)
             reply = self._read_reply(head)

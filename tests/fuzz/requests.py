@@ -7,6 +7,7 @@ by chance, which is fine: only refused requests must leave the state as it was.
 """
 from __future__ import annotations
 
+import functools
 import gzip
 import zlib
 from dataclasses import dataclass, field, replace
@@ -119,7 +120,9 @@ def _parent(body: Any, path: tuple[Any, ...]) -> Any:
 
 
 def _no_long_poll(body: dict[str, Any]) -> dict[str, Any]:
-    """A poll that stays valid must not be held (the server would wait up to a minute)."""
+    """A poll that stays valid must not be held (the server would wait up to a minute; 2 s by default)."""
+    if "wait_s" not in body:
+        body["wait_s"] = 0.0
     wait = body.get("wait_s")
     if isinstance(wait, (int, float)) and not isinstance(wait, bool) and 0 < wait <= 60:
         body["wait_s"] = 0.0
@@ -171,7 +174,8 @@ def agent_request(draw: st.DrawFn, ctx: Context) -> Request:
         label, forged = "agent.other-node", other.node_id != node.node_id
     elif kind == "body":
         raw, label = draw(hostile_msgpack_body(body))
-    body = _no_long_poll(body)
+    if action == "poll":
+        body = _no_long_poll(body)
     encoded = raw if raw is not None else payloads.packb(body)
     headers: list[Header] = [("Content-Type", MSGPACK)]
     if ctx.token is not None:
@@ -284,6 +288,7 @@ SEGMENTS = ["", ".", "..", "%2e%2e", "%2F", "a%2Fb", "a%00b", "%00", "%ff", "%",
             "%ED%A0%80", "%F4%90%80%80", "a%0D%0AX-Injected:%201", "0", "A" * 128]
 
 
+@functools.cache
 def segments() -> st.SearchStrategy[str]:
     return st.one_of(st.sampled_from(SEGMENTS), st.text(min_size=1, max_size=40).map(lambda t: quote(t, safe="")),
                      st.sampled_from(POOL_JOBS))
