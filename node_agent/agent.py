@@ -18,15 +18,18 @@ import time
 import uuid
 from typing import TextIO
 
-from node_agent.actions import Action, Exit, Leave, Rejoin, ReportFailure, ReportSuccess, Spawn, StopWorkers
-from node_agent.facts import DeadlinePassed, Fact, SignalReceived
+from node_agent.actions import (Action, Exit, Leave, ProbePeers, Rejoin, ReportFailure, ReportSuccess, Spawn,
+                                StopWorkers)
+from node_agent.facts import DeadlinePassed, Fact, PeersProbed, SignalReceived, start_source
+from node_agent.interfaces import gloo_interface
 from node_agent.local_workers import GroupFactory, LocalWorkers, process_group
 from node_agent.narration import Narrator
 from node_agent.options import AgentOptions
 from node_agent.policy import SupervisionPolicy
 from node_agent.server_link import ServerLink
 from node_agent.transport import Transport, free_port
-from protocol.messages import NodeStatus
+from node_agent.witness import WitnessServer, server_away_for_all
+from protocol.messages import NodeStatus, Witness
 
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
 
@@ -40,12 +43,15 @@ class Agent:
         self.hostname = socket.gethostname()
         self.instance = uuid.uuid4().hex[:12]   # tells a restarted agent from a duplicate node id
         self.facts: asyncio.Queue[Fact | BaseException] = asyncio.Queue()   # or what broke a source
-        self.policy = SupervisionPolicy(server_wait_s=max(opts.server_wait, opts.job.lease_timeout_s))
-        self.narrator = Narrator(opts.node_id, console)
+        self.policy = SupervisionPolicy(server_wait_s=max(opts.server_wait, opts.job.lease_timeout_s),
+                                        lease_timeout_s=opts.job.lease_timeout_s)
+        self.narrator = Narrator(opts.node_id, console, addr)
         self.workers = LocalWorkers(opts, self.facts.put_nowait, hostname=self.hostname, clock=self.now,
                                     make_group=make_group)
         self._signal_count = 0
         self._exit: Exit | None = None
+        # answers the other members' "are you there, and do you hear the server?" (witness.py)
+        self.witness = WitnessServer(addr, lambda: self.policy.in_contact)
 
     @staticmethod
     def now() -> float:
@@ -55,6 +61,7 @@ class Agent:
         loop = asyncio.get_running_loop()
         for sig in FORWARDED_SIGNALS:
             loop.add_signal_handler(sig, self._on_signal, sig)
+        await self.witness.start()
         try:
             async with self.transport as client:
                 link = ServerLink(client, self.facts.put_nowait, self.now, join=self._join, poll=self._poll)
@@ -66,8 +73,13 @@ class Agent:
             for sig in FORWARDED_SIGNALS:
                 loop.remove_signal_handler(sig)
             await self.workers.close()
+            await self.witness.close()
 
     async def _run(self, link: ServerLink) -> int:
+        chosen = gloo_interface(self.addr, os.environ)
+        if chosen is not None:     # workers inherit the agent's environment
+            os.environ["GLOO_SOCKET_IFNAME"] = chosen[0]
+            self.narrator.say(chosen[1])
         link.rejoin()
         while self._exit is None:
             fact = await self._next_fact()
@@ -108,8 +120,13 @@ class Agent:
                 link.rejoin()
             case Leave(reason=reason):
                 await link.leave(reason)
+            case ProbePeers(witnesses=witnesses):
+                start_source(self._probe(witnesses), self.facts.put_nowait)
             case Exit():
                 self._exit = action
+
+    async def _probe(self, witnesses: tuple[Witness, ...]) -> None:
+        self.facts.put_nowait(PeersProbed(await server_away_for_all(witnesses)))
 
     def _on_signal(self, signum: int) -> None:
         self._signal_count += 1
@@ -123,7 +140,7 @@ class Agent:
     async def _join(self) -> NodeStatus:
         return await self.transport.join(
             addr=self.addr, host=self.hostname, local_world_size=self.opts.nproc, master_port=free_port(self.addr),
-            config=self.opts.job, instance=self.instance, role=self.opts.role)
+            config=self.opts.job, instance=self.instance, role=self.opts.role, probe_port=self.witness.port)
 
     async def _poll(self, wait_s: float) -> NodeStatus:
         return await self.transport.poll(self.policy.known_round, wait_s, master_port=free_port(self.addr))

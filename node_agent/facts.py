@@ -35,6 +35,10 @@ class ServerNotReached:
     error: str
 
 
+# A refusal code of the agent's own (not the server's): the server's TLS certificate is not trusted.
+TLS_UNTRUSTED = "tls_untrusted"
+
+
 @dataclass(frozen=True)
 class ServerRefused:
     """The server answered `request` with a typed error that a retry would not change."""
@@ -71,12 +75,18 @@ class SignalReceived:
 
 
 @dataclass(frozen=True)
+class PeersProbed:
+    """What the round's witnesses said (ProbePeers): whether the server is away for them too."""
+    server_away: bool
+
+
+@dataclass(frozen=True)
 class DeadlinePassed:
     """The policy's `next_deadline()` came with no other fact before it."""
 
 
 Fact = (StatusReceived | ServerNotReached | ServerRefused | WorkersExited | WorkersHung | SpawnFailed
-        | SignalReceived | DeadlinePassed)
+        | SignalReceived | PeersProbed | DeadlinePassed)
 
 # How a source hands the loop its news: a fact, or the exception that broke the source (a bug), which
 # the loop raises so that it is seen instead of leaving the agent waiting for news that never comes.

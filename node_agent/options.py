@@ -20,6 +20,7 @@ from typing import Any, NoReturn
 import msgspec
 
 from protocol.ids import job_id_problem, node_id_problem
+from protocol.tokens import MAX_TOKEN_CHARS, token_problem
 from protocol.messages import JobConfig
 from node_agent.option_values import (  # noqa: F401  (Std, StdSpec, count_gpus: re-exported)
     DEFAULT_PORT, Fail, Std, StdSpec, _default_node_id, _int, _rank_set, _seconds, _split_j, count_gpus,
@@ -37,6 +38,10 @@ class AgentOptions:
     script_args: tuple[str, ...] = ()
     endpoint_host: str | None = None
     endpoint_port: int | None = None
+    endpoint_scheme: str = "http"      # https with --tls-ca or an https:// endpoint
+    token_file: str | None = None      # --token-file or $RDZV_TOKEN_FILE: read at start-up (agent_token)
+    token: str | None = None           # $RDZV_TOKEN: the token itself
+    tls_ca: str | None = None          # CA bundle that must have signed the server's certificate
     nproc: int = 1
     nproc_spec: str = "1"              # as typed ("gpu", "4", ...), for logs
     job_id: str = "default"
@@ -98,8 +103,12 @@ class _Spelled(argparse.Action):
 # (shown as {default} in the help) and its bounds are JobConfig's; other defaults are AgentOptions'.
 # A metavar of None marks an on/off flag.
 _FLAGS: list[tuple[tuple[str, ...], str, str | None, str]] = [
-    (("--endpoint", "--rdzv-endpoint", "--rdzv_endpoint"), "endpoint", "HOST:PORT",
-     f"rendezvous server address (port defaults to {DEFAULT_PORT}; IPv6 as [::1]:PORT)"),
+    (("--endpoint", "--rdzv-endpoint", "--rdzv_endpoint"), "endpoint", "[https://]HOST:PORT",
+     f"rendezvous server address (port defaults to {DEFAULT_PORT}; IPv6 as [::1]:PORT; https:// for TLS)"),
+    (("--token-file", "--token_file"), "token_file", "F",
+     "file holding the server's token (or set RDZV_TOKEN_FILE, or RDZV_TOKEN to the token itself)"),
+    (("--tls-ca", "--tls_ca"), "tls_ca", "F",
+     "CA certificates (PEM) that signed the server's TLS certificate; implies https"),
     (("--nproc", "--nproc-per-node", "--nproc_per_node"), "nproc", "N|gpu|cpu|auto",
      "workers on this node: a number, one per GPU, one per CPU, or auto (GPUs if any, else CPUs); "
      "default 1"),
@@ -145,6 +154,12 @@ _FLAGS: list[tuple[tuple[str, ...], str, str | None, str]] = [
      "window for counting a node's failures; default {default:g}"),
     (("--exclude-cooldown", "--exclude_cooldown"), "exclude_cooldown_s", "S",
      "first exclusion's length, doubling each time up to {cooldown_max:g} s; default {default:g}"),
+    (("--exclude-lost-after", "--exclude_lost_after"), "exclude_lost_after", "K",
+     "keep a node out when it was lost K times within --exclude-window (a flapping host); 0 never; "
+     "default {default}"),
+    (("--exclude-lost-cooldown", "--exclude_lost_cooldown"), "exclude_lost_cooldown_s", "S",
+     "how long such a node is kept out the first time, doubling each time up to {cooldown_max:g} s; "
+     "default {default:g}"),
 ]
 _JOB_DEFAULTS: dict[str, Any] = {f.name: f.default for f in msgspec.structs.fields(JobConfig)}
 _AGENT_DEFAULTS: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(AgentOptions)}
@@ -256,7 +271,23 @@ def parse_options(argv: Sequence[str], environ: Mapping[str, str] = os.environ) 
     elif ns.endpoint is None:
         raise OptionsError("--endpoint HOST:PORT is required (or --standalone)")
     else:
-        host, port = parse_endpoint(ns.endpoint, failing("endpoint"))
+        text = ns.endpoint.strip()
+        scheme, sep, rest = text.partition("://")
+        if sep and scheme.lower() not in ("http", "https"):
+            fail("endpoint", f"expected http:// or https://, got {scheme + sep!r}")
+        scheme = scheme.lower() if sep else ("https" if ns.tls_ca else "http")
+        if scheme == "http" and ns.tls_ca:
+            fail("tls_ca", f"needs an https endpoint, got {text!r}")
+        host, port = parse_endpoint(rest if sep else text, failing("endpoint"))
+    token_file = ns.token_file if ns.token_file is not None else environ.get("RDZV_TOKEN_FILE") or None
+    token = None
+    if token_file is None and environ.get("RDZV_TOKEN"):
+        token = environ["RDZV_TOKEN"].strip()
+        problem = token_problem(token.encode())
+        if problem:
+            raise OptionsError(f"$RDZV_TOKEN: {problem}")
+    if ns.tls_ca is not None and not os.path.isfile(ns.tls_ca):
+        fail("tls_ca", f"no such file: {ns.tls_ca}")
 
     node_id = ns.node_id if ns.node_id is not None else _default_node_id()
     job_id = ns.job_id if ns.job_id is not None else _AGENT_DEFAULTS["job_id"]
@@ -280,6 +311,8 @@ def parse_options(argv: Sequence[str], environ: Mapping[str, str] = os.environ) 
     job = _job_config(given, min_nodes, max_nodes, nodes_flag="j" if ns.j else "nnodes", fail=fail)
     return AgentOptions(
         script=ns.script, script_args=tuple(ns.script_args), endpoint_host=host, endpoint_port=port,
+        endpoint_scheme=scheme if host is not None else "http", token_file=token_file, token=token,
+        tls_ca=ns.tls_ca,
         nproc=nproc, nproc_spec=nproc_text, job_id=job_id, job=job, node_id=node_id, local_addr=ns.local_addr,
         role=ns.role if ns.role is not None else _AGENT_DEFAULTS["role"], module=ns.module, no_python=ns.no_python,
         log_dir=ns.log_dir, standalone=ns.standalone,
@@ -289,6 +322,21 @@ def parse_options(argv: Sequence[str], environ: Mapping[str, str] = os.environ) 
         stop_timeout=number("stop_timeout"), server_wait=number("server_wait"),
         hang_timeout=number("hang_timeout"), warnings=tuple(warnings),
     )
+
+
+def agent_token(opts: AgentOptions) -> str | None:
+    """The server's token: the file's (read now, at start-up), else $RDZV_TOKEN's, else None."""
+    if opts.token_file is None:
+        return opts.token
+    try:
+        with open(opts.token_file, "rb") as f:
+            raw = f.read(MAX_TOKEN_CHARS + 64).strip()
+    except OSError as exc:
+        raise OptionsError(f"--token-file {opts.token_file}: {exc.strerror or exc}") from None
+    problem = token_problem(raw)
+    if problem:
+        raise OptionsError(f"--token-file {opts.token_file}: {problem}")
+    return raw.decode()
 
 
 def _job_config(given: dict[str, str], min_nodes: int, max_nodes: int, *, nodes_flag: str,

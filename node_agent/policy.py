@@ -15,9 +15,20 @@ Rules:
   (another node failing still means a job-wide restart);
 - the server being unreachable leaves workers running; `server_wait_s` after the first failed try
   (timed rule: it fires even when no other fact comes) we stop them and give up;
-- a refused join ends the agent (exit 0 when an operator drained the node: nothing failed here);
-  a refused poll means start afresh when the server forgot the job or node, and the end otherwise;
-  a refused report is dropped (the next poll says where things stand);
+- fencing (timed rule): once this node's lease must have lapsed on the server (its last answered
+  request + the lease + FENCE_MARGIN_S, and at least FENCE_MARGIN_S after the first failed try), the
+  round's witnesses are asked whether they hear the server (witness.py). If they answer and do not,
+  the server itself is away: the round goes on, the workers stay, and they are asked again every
+  REPROBE_S. If one hears it, or none answers, this node is the one cut off and the server has
+  replaced its round by now: its workers are stopped and the round's failure reported (once the
+  server is back, the report is stale or restarts the round);
+- a refused join ends the agent (exit 0 when an operator drained the node: nothing failed here),
+  except a node id still held by a live agent (`node_conflict`): that may be this node's previous
+  agent, not yet noticed dead, so the join is retried each second for a lease and a bit;
+- a refused poll means start afresh when the server forgot the job or node, and the end otherwise;
+  a refused report is dropped (the next poll says where things stand); a request refused because
+  another agent took this node over (`forbidden`) or because this agent has no valid token
+  (`unauthorized`) ends the agent, whatever it was;
 - a signal stops the workers, leaves the job, and exits with 128 + signal.
 
 Timed rules are listed in `_timed_rules()`: a rule is a time and what to do once it has come.
@@ -32,12 +43,14 @@ import signal
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from node_agent.actions import Action, Exit, Leave, Rejoin, ReportFailure, ReportSuccess, Spawn, StopWorkers
-from node_agent.facts import (DeadlinePassed, Fact, ServerNotReached, ServerRefused, SignalReceived, SpawnFailed,
-                              StatusReceived, WorkersExited, WorkersHung)
+from node_agent.actions import (Action, Exit, Leave, ProbePeers, Rejoin, ReportFailure, ReportSuccess, Spawn,
+                                StopWorkers)
+from node_agent.facts import (TLS_UNTRUSTED, DeadlinePassed, Fact, PeersProbed, ServerNotReached, ServerRefused,
+                              SignalReceived, SpawnFailed, StatusReceived, WorkersExited, WorkersHung)
 from node_agent.narration import failure_summary
 from protocol.errors import ErrorCode
-from protocol.messages import JobState, JoinRequest, NodeState, NodeStatus, PollRequest, WorkerFailure
+from protocol.messages import (MAX_MESSAGE, Assignment, JobState, JoinRequest, NodeState, NodeStatus, PollRequest,
+                               WorkerFailure)
 
 TimedRule = tuple[float, Callable[[float], list[Action]]]   # (when, what to do once it has come)
 
@@ -49,14 +62,30 @@ class Workers(enum.Enum):
     FAILED = "failed"        # a local worker failed; group stopped; reported
 
 
+CONFLICT_RETRY_S = 1.0
+FENCE_MARGIN_S = 0.5
+REPROBE_S = 1.0
+# A witness may not have noticed yet that the server is away for it too (its own connection's
+# keepalive runs on its own clock): a "cut off" verdict is asked once more this much later.
+CONFIRM_S = 1.0
+
+
 @dataclass(slots=True)   # slots: a misspelt attribute is an error (mypy and at run time), not a new one
 class SupervisionPolicy:
     server_wait_s: float
+    lease_timeout_s: float = 5.0
     running_round: int = -1          # the round whose workers we run (or ran, until told otherwise)
     workers: Workers = Workers.NONE
     unreachable_since: float | None = None
     unreachable_error: str = ""      # the last try's error, for the message when we give up
     exiting: bool = False
+    conflict_since: float | None = None   # when a join was first refused for a live agent holding the id
+    retry_join_at: float | None = None
+    assignment: Assignment | None = None  # the round we run (its witnesses, its size)
+    renewed_at: float | None = None       # when the last answered request went out: the lease ran from then
+    probe_at: float | None = None         # the witnesses answered: ask again then
+    probing: bool = False
+    suspect: bool = False                 # the witnesses once said this node is the one cut off
 
     @property
     def known_round(self) -> int:
@@ -68,12 +97,16 @@ class SupervisionPolicy:
         if self.exiting:
             return []   # on the way out: news no longer matters (a second signal is the shell's)
         match fact:
-            case StatusReceived(status=status):
+            case StatusReceived(status=status, sent_at=sent_at):
                 self.unreachable_since = None
+                self.conflict_since = None
+                self.renewed_at, self.probe_at, self.suspect = sent_at, None, False
                 return self._status(status)
+            case PeersProbed(server_away=server_away):
+                return self._peers(server_away, now)
             case ServerRefused():
                 self.unreachable_since = None
-                return self._refused(fact)
+                return self._refused(fact, now)
             case ServerNotReached(error=error):
                 if self.unreachable_since is None:
                     self.unreachable_since = now
@@ -101,7 +134,59 @@ class SupervisionPolicy:
         rules: list[TimedRule] = []
         if not self.exiting and self.unreachable_since is not None:
             rules.append((self.unreachable_since + self.server_wait_s, self._give_up))
+        if not self.exiting and self.retry_join_at is not None:
+            rules.append((self.retry_join_at, self._retry_join))
+        fence = self._fence_at()
+        if fence is not None:
+            rules.append((fence, self._probe))
         return rules
+
+    def _fence_at(self) -> float | None:
+        """When to ask the witnesses whether this node is the one cut off (None: no need)."""
+        a = self.assignment
+        if self.exiting or self.probing or self.workers != Workers.RUNNING or self.unreachable_since is None \
+                or a is None or a.group_world_size < 2:     # alone in its round: nobody to split from
+            return None
+        if self.probe_at is not None:
+            return self.probe_at
+        lapsed = (self.renewed_at if self.renewed_at is not None else self.unreachable_since) + self.lease_timeout_s
+        return max(lapsed, self.unreachable_since) + FENCE_MARGIN_S
+
+    @property
+    def in_contact(self) -> bool:
+        """Whether this agent hears the server (what it tells the other agents that ask: witness.py)."""
+        return self.unreachable_since is None
+
+    def _probe(self, now: float) -> list[Action]:
+        assert self.assignment is not None
+        if not self.assignment.witnesses:     # a server that names none: nobody can vouch for the network
+            return self._peers(False, now)
+        self.probing = True
+        return [ProbePeers(self.assignment.witnesses)]
+
+    def _peers(self, server_away: bool, now: float) -> list[Action]:
+        self.probing = False
+        if self.workers != Workers.RUNNING or self.unreachable_since is None or self.assignment is None:
+            return []          # the server answered meanwhile, or the workers ended: moot
+        if server_away:
+            self.probe_at, self.suspect = now + REPROBE_S, False
+            return []
+        if not self.suspect and self.assignment.witnesses:
+            self.probe_at, self.suspect = now + CONFIRM_S, True
+            return []
+        a = self.assignment
+        self.workers, self.probe_at = Workers.FAILED, None
+        silent = now - (self.renewed_at if self.renewed_at is not None else self.unreachable_since)
+        why = (f"fenced: no answer from the server for {silent:.1f}s (lease {self.lease_timeout_s:g}s), while the "
+               f"round's other nodes are silent or still hear it: this node is cut off, and the server has "
+               f"replaced its round")
+        failure = WorkerFailure(local_rank=0, rank=a.rank_offset, exitcode=-signal.SIGTERM, signal="SIGTERM",
+                                reason="fenced", message=why[:MAX_MESSAGE])
+        return [StopWorkers(why), ReportFailure(self.running_round, (failure,))]
+
+    def _retry_join(self, now: float) -> list[Action]:
+        self.retry_join_at = None
+        return [Rejoin("this node id is still held by a live agent; trying again")]
 
     def _due(self, now: float) -> list[Action]:
         for when, rule in self._timed_rules():
@@ -121,15 +206,18 @@ class SupervisionPolicy:
         if status.job_state.finished:
             return self._finish(status)
         if status.node_state == NodeState.GONE:
-            actions += self._stop(f"the server no longer counts this node ({status.reason or 'lease lost'})")
+            # The reason is the job's latest news (maybe about another node): said as the job's.
+            news = f" (job {status.job_id}: {status.reason})" if status.reason else ""
+            actions += self._stop("the server no longer counts this node")
             self.running_round = -1
-            return actions + [Rejoin(status.reason or "node no longer part of the job")]
+            return actions + [Rejoin(f"the server no longer counts this node{news}")]
         if status.node_state == NodeState.MEMBER and status.assignment is not None:
             a = status.assignment
             if a.round_id != self.running_round:
                 actions += self._stop(f"round {a.round_id} replaces round {self.running_round}")
                 self.running_round = a.round_id
                 self.workers = Workers.RUNNING
+                self.assignment = a
                 actions.append(Spawn(a))
             return actions
         # waiting, spare or excluded: run nothing
@@ -138,7 +226,23 @@ class SupervisionPolicy:
             self.running_round = -1
         return actions
 
-    def _refused(self, fact: ServerRefused) -> list[Action]:
+    def _refused(self, fact: ServerRefused, now: float) -> list[Action]:
+        if fact.code == ErrorCode.NODE_CONFLICT.value and fact.request is JoinRequest:
+            # Maybe our own predecessor, dead but not yet noticed: wait out its lease, then give up.
+            if self.conflict_since is None:
+                self.conflict_since = now
+            if now - self.conflict_since < self.lease_timeout_s + 2 * CONFLICT_RETRY_S:
+                self.retry_join_at = now + CONFLICT_RETRY_S
+                return []
+        if fact.code == ErrorCode.FORBIDDEN.value and fact.request is not JoinRequest:
+            self.exiting = True
+            return self._stop("another agent took this node over") + [
+                Exit(1, f"this node was taken over by another agent that joined with the same node id; "
+                        f"this agent stops ({fact.message})")]
+        if fact.code in (ErrorCode.UNAUTHORIZED.value, TLS_UNTRUSTED):
+            self.exiting = True
+            return self._stop("the server refused this agent") + [
+                Exit(1, f"the rendezvous server refused this agent: {fact.message}")]
         if fact.request is JoinRequest:
             self.exiting = True
             if fact.code == ErrorCode.NODE_DRAINED.value:   # an operator took this node out: done here

@@ -18,9 +18,12 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 from node_agent.facts import Put, Request, ServerNotReached, ServerRefused, StatusReceived, start_source
 from node_agent.transport import ServerRejected, ServerUnreachable, Transport
-from protocol.messages import FailureReport, JoinRequest, NodeStatus, PollRequest, SuccessReport, WorkerFailure
+from protocol.messages import (MAX_POLL_WAIT_S, FailureReport, JoinRequest, NodeStatus, PollRequest, SuccessReport,
+                               WorkerFailure)
 
-POLL_WAIT_S = 2.0
+# The longest hold a poll asks for: the server picks the hold (about half a lease for small jobs,
+# longer for large ones so a big fleet does not poll in waves; docs/protocol.md).
+POLL_WAIT_S = MAX_POLL_WAIT_S
 # Retry pause cap while the server is away: a restarted server sees every agent back within about this.
 BACKOFF_MAX_S = 0.5
 

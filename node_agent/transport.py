@@ -8,11 +8,14 @@ Both raise only these two exceptions, and decide which error codes are worth a r
 from __future__ import annotations
 
 import socket
+from typing import Any, TypeVar
 
 from protocol.codec import REQUEST_TYPES
 from protocol.errors import RETRYABLE
 from protocol.messages import (PROTOCOL_VERSION, FailureReport, JobConfig, JoinRequest, LeaveRequest, NodeStatus,
                                PollRequest, SuccessReport, WorkerFailure)
+
+R = TypeVar("R", JoinRequest, PollRequest, FailureReport, SuccessReport, LeaveRequest)
 
 # The action (route) of each request type: the protocol's one table, read backwards.
 ACTION_OF: dict[type, str] = {cls: action for action, cls in REQUEST_TYPES.items()}
@@ -46,6 +49,7 @@ class Transport:
 
     def __init__(self, node_id: str) -> None:
         self.node_id = node_id
+        self.credential = ""     # the node's secret from its join's reply; every later request carries it
 
     async def __aenter__(self) -> Transport:
         return self
@@ -57,30 +61,34 @@ class Transport:
         raise NotImplementedError
 
     async def _request(self, message: object, timeout: float | None = None) -> NodeStatus:
-        return await self._send(ACTION_OF[type(message)], message,
-                                self.REQUEST_TIMEOUT_S if timeout is None else timeout)
+        status = await self._send(ACTION_OF[type(message)], message,
+                                  self.REQUEST_TIMEOUT_S if timeout is None else timeout)
+        if status.credential:            # a join made this node's record afresh: a new secret
+            self.credential = status.credential
+        return status
+
+    def _for_node(self, cls: type[R], **fields: Any) -> R:
+        """A request of type `cls` from this node, carrying its credential."""
+        return cls(v=PROTOCOL_VERSION, node_id=self.node_id, credential=self.credential, **fields)
 
     async def join(self, *, addr: str, host: str, local_world_size: int, master_port: int, config: JobConfig,
-                   instance: str, role: str) -> NodeStatus:
-        return await self._request(JoinRequest(
-            v=PROTOCOL_VERSION, node_id=self.node_id, addr=addr, host=host, local_world_size=local_world_size,
-            master_port=master_port, config=config, instance=instance, role=role))
+                   instance: str, role: str, probe_port: int = 0) -> NodeStatus:
+        return await self._request(self._for_node(
+            JoinRequest, addr=addr, host=host, local_world_size=local_world_size, master_port=master_port,
+            config=config, instance=instance, role=role, probe_port=probe_port))
 
     async def poll(self, known_round: int, wait_s: float, master_port: int = 0) -> NodeStatus:
-        return await self._request(PollRequest(v=PROTOCOL_VERSION, node_id=self.node_id, known_round=known_round,
-                                               wait_s=wait_s, master_port=master_port),
-                                   wait_s + self.REQUEST_TIMEOUT_S)
+        return await self._request(self._for_node(PollRequest, known_round=known_round, wait_s=wait_s,
+                                                  master_port=master_port), wait_s + self.REQUEST_TIMEOUT_S)
 
     async def report_failure(self, round_id: int, failures: list[WorkerFailure]) -> NodeStatus:
-        return await self._request(FailureReport(v=PROTOCOL_VERSION, node_id=self.node_id, round_id=round_id,
-                                                 failures=failures))
+        return await self._request(self._for_node(FailureReport, round_id=round_id, failures=failures))
 
     async def report_success(self, round_id: int) -> NodeStatus:
-        return await self._request(SuccessReport(v=PROTOCOL_VERSION, node_id=self.node_id, round_id=round_id))
+        return await self._request(self._for_node(SuccessReport, round_id=round_id))
 
     async def leave(self, reason: str) -> NodeStatus:
-        return await self._request(LeaveRequest(v=PROTOCOL_VERSION, node_id=self.node_id, reason=reason),
-                                   self.LEAVE_TIMEOUT_S)
+        return await self._request(self._for_node(LeaveRequest, reason=reason), self.LEAVE_TIMEOUT_S)
 
 
 def local_addr_towards(host: str, port: int) -> str:
@@ -93,6 +101,23 @@ def local_addr_towards(host: str, port: int) -> str:
             return str(s.getsockname()[0])
     except OSError:
         return socket.gethostname()
+
+
+# TCP keepalive on the agent's connections: a server whose host died or was cut off is noticed in
+# about 2 + 2 x 1 s even while a long-poll is held for much longer (the server does the same).
+KEEPIDLE_S, KEEPINTVL_S, KEEPCNT = 2, 1, 2
+
+
+def keepalive_socket(addr_info: tuple[Any, ...]) -> socket.socket:
+    """A client socket with keepalive probes (aiohttp's TCPConnector `socket_factory`)."""
+    family, kind, proto = addr_info[0], addr_info[1], addr_info[2]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    if hasattr(socket, "TCP_KEEPIDLE"):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, KEEPIDLE_S)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, KEEPINTVL_S)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, KEEPCNT)
+    return sock
 
 
 def free_port(addr: str = "") -> int:

@@ -31,6 +31,8 @@ MAX_SHORT_TEXT = 256                 # addresses, host names, roles, instances, 
 MAX_REASON = 1024                    # a leave's reason
 MAX_MESSAGE = 4096                   # a worker's error message
 MAX_TRACEBACK = 16384
+MAX_CREDENTIAL = 64
+MAX_POLL_WAIT_S = 60.0               # agents ask for this and let the server choose the hold
 
 Count = Annotated[int, Meta(ge=0, le=MAX_ROUND)]
 RoundRef = Annotated[int, Meta(ge=-1, le=MAX_ROUND)]
@@ -85,6 +87,8 @@ class JobConfig(msgspec.Struct, kw_only=True, frozen=True):
     exclude_window_s: PositiveSeconds = 600.0
     exclude_cooldown_s: Seconds = 60.0   # ... exclude it this long, doubling each time
     exclude_cooldown_max_s: Seconds = 3600.0
+    exclude_lost_after: Annotated[int, Meta(ge=0, le=1000)] = 2   # losses of one node within exclude_window_s ...
+    exclude_lost_cooldown_s: Seconds = 300.0   # ... keep it out this long when it comes back (a flapping host)
 
     def __post_init__(self) -> None:
         _check(self.max_nodes >= self.min_nodes, "max_nodes",
@@ -102,6 +106,8 @@ class JobConfig(msgspec.Struct, kw_only=True, frozen=True):
 class _Request(msgspec.Struct, kw_only=True):
     v: int
     node_id: str
+    # The node's secret from the reply to its join; every later request for the node carries it.
+    credential: Annotated[str, Meta(max_length=MAX_CREDENTIAL)] = ""
 
     def __post_init__(self) -> None:
         _check(bool(NODE_ID.fullmatch(self.node_id)), "node_id", f"must be {NODE_ID_RULE}, got {self.node_id!r}")
@@ -116,6 +122,7 @@ class JoinRequest(_Request, kw_only=True):
     instance: ShortText = ""           # random per agent process: tells a restarted agent from a duplicate
     role: Annotated[str, Meta(min_length=1, max_length=64)] = "default"
     host: ShortText = ""               # host name, for operators and failure summaries
+    probe_port: Port = 0               # where this node's agent answers the others' "are you there?" (0: none)
 
 
 class PollRequest(_Request, kw_only=True):
@@ -125,7 +132,7 @@ class PollRequest(_Request, kw_only=True):
     (-1 when it runs none). `master_port` refreshes the port published for the next round.
     """
     known_round: RoundRef = -1
-    wait_s: Annotated[float, Meta(ge=0, le=60)] = 2.0
+    wait_s: Annotated[float, Meta(ge=0, le=MAX_POLL_WAIT_S)] = 2.0
     master_port: Port = 0
 
 
@@ -159,6 +166,12 @@ class LeaveRequest(_Request, kw_only=True):
 REQUESTS = (JoinRequest, PollRequest, FailureReport, SuccessReport, LeaveRequest)
 
 
+class Witness(msgspec.Struct, kw_only=True, frozen=True):
+    """Another member's agent, to ask "are you there?" (a TCP connect) while the server is silent."""
+    addr: str
+    port: int
+
+
 class Assignment(msgspec.Struct, kw_only=True, frozen=True):
     """What one node runs in one round. The same round id means the same world for every member."""
     round_id: int
@@ -173,6 +186,9 @@ class Assignment(msgspec.Struct, kw_only=True, frozen=True):
     max_restarts: int
     role_rank_offset: int = 0
     role_world_size: int = 0
+    # Up to two other members' agents: reachable while the server is not means the server (or this
+    # node's link to it) is what broke, not this node's network: its workers keep running.
+    witnesses: tuple[Witness, ...] = ()
 
 
 class NodeStatus(msgspec.Struct, kw_only=True):
@@ -189,6 +205,7 @@ class NodeStatus(msgspec.Struct, kw_only=True):
     excluded_for_s: float = 0.0        # cooldown left when excluded
     root_cause: WorkerFailure | None = None  # once FAILED: first failure in time of the round that failed last
     lease_timeout_s: float = 5.0
+    credential: str = ""               # only in the reply to a join that created this node's record
 
 
 class ErrorReply(msgspec.Struct, kw_only=True):

@@ -27,10 +27,9 @@ from dataclasses import dataclass, field
 from aiohttp import web
 
 from protocol.errors import ErrorCode
+from protocol.tokens import MAX_TOKEN_CHARS, token_problem
 from rdzv_server.errors import RendezvousError
 
-MIN_TOKEN_CHARS = 16
-MAX_TOKEN_CHARS = 4096
 JSON = "application/json"
 
 HTML_HEADERS = {
@@ -50,17 +49,12 @@ def read_token(path: str, flag: str) -> bytes:
     """The token in `path` (surrounding whitespace removed), or TokenError naming `flag`."""
     try:
         with open(path, "rb") as f:
-            raw = f.read(MAX_TOKEN_CHARS + 1)
+            token = f.read(MAX_TOKEN_CHARS + 64).strip()
     except OSError as exc:
         raise TokenError(f"{flag} {path}: {exc.strerror or exc}") from None
-    token = raw.strip()
-    if len(raw) > MAX_TOKEN_CHARS:
-        raise TokenError(f"{flag} {path}: longer than {MAX_TOKEN_CHARS} bytes; is it the right file?")
-    if len(token) < MIN_TOKEN_CHARS:
-        raise TokenError(f"{flag} {path}: the token must be at least {MIN_TOKEN_CHARS} characters "
-                         f"(got {len(token)}); make one with: openssl rand -hex 32 > {path}")
-    if any(b < 0x21 or b > 0x7E for b in token):
-        raise TokenError(f"{flag} {path}: the token must be printable ASCII without spaces")
+    problem = token_problem(token)
+    if problem:
+        raise TokenError(f"{flag} {path}: {problem}")
     return token
 
 

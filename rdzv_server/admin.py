@@ -25,6 +25,7 @@ from protocol.codec import DecodeError
 from protocol.errors import ErrorCode, unknown_job
 from protocol.ids import node_id_problem
 from rdzv_server import views
+from rdzv_server.connections import read_body
 from rdzv_server.routing import COORDINATOR, job_id_of
 from rdzv_server.errors import RendezvousError
 
@@ -59,7 +60,7 @@ def _node_id(request: web.Request) -> str:
 
 async def _body(request: web.Request, fields: dict[str, type]) -> dict[str, Any]:
     """The JSON object in the body ({} when empty), checked against `fields` (name -> type)."""
-    raw = await request.read()
+    raw = await read_body(request)
     if not raw.strip():
         return {}
     try:

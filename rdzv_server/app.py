@@ -12,8 +12,10 @@ from protocol.errors import HTTP_STATUS, RETRYABLE, ErrorCode, unknown_job
 from protocol.messages import ErrorReply
 from rdzv_server import admin, page, views
 from rdzv_server.access import ACCESS, Access, access_middleware
+from rdzv_server.connections import read_body, silence_s
 from rdzv_server.coordinator import Coordinator
 from rdzv_server.metrics import METRICS, ServerMetrics, metrics_endpoint, metrics_middleware
+from rdzv_server.records import MAX_EVENTS_PER_JOB, JobRecord
 from rdzv_server.rendezvous import RendezvousError
 from rdzv_server.routing import COORDINATOR, job_id_of
 
@@ -74,8 +76,10 @@ async def agent_request(request: web.Request) -> web.Response:
     job_id = job_id_of(request)
     if coord.shutting_down:
         raise RendezvousError(ErrorCode.SHUTTING_DOWN, "server is shutting down; retry shortly")
-    req: object = decode_request(cls, await request.read())
-    status = await coord.handle(action, job_id, req)
+    req: object = decode_request(cls, await read_body(request))
+    sockname = request.transport.get_extra_info("sockname") if request.transport is not None else None
+    local = str(sockname[0]) if sockname else ""
+    status = await coord.handle(action, job_id, req, request.remote or "", local, lambda: silence_s(request))
     return web.Response(body=encode(status), content_type=CONTENT_TYPE)
 
 
@@ -83,39 +87,61 @@ async def healthz(request: web.Request) -> web.Response:
     return web.json_response({"ok": True})
 
 
-async def status(request: web.Request) -> web.Response:
+async def readyz(request: web.Request) -> web.Response:
+    """Ready to serve agents: the state is loaded and the server is not stopping (503 otherwise)."""
     coord = request.app[COORDINATOR]
-    return web.json_response(views.server_status(coord.core, coord.clock()))
+    ready = coord.started and not coord.shutting_down
+    return web.json_response({"ready": ready}, status=200 if ready else 503)
+
+
+async def status(request: web.Request) -> web.Response:
+    """One page of jobs (?offset=, ?limit=), each with its counts and the first few nodes of each list."""
+    coord, q = request.app[COORDINATOR], request.query
+    offset = views.query_int(q, "offset", 0)
+    limit = views.query_int(q, "limit", views.STATUS_LIMIT, low=1, high=views.STATUS_LIMIT_MAX)
+    return web.json_response(views.server_status(coord.core, coord.clock(), offset, limit))
+
+
+def _job(request: web.Request) -> JobRecord:
+    job = request.app[COORDINATOR].core.jobs.get(job_id_of(request))
+    if job is None:
+        raise RendezvousError(ErrorCode.UNKNOWN_JOB, unknown_job(request.match_info["job_id"]))
+    return job
 
 
 async def job_detail(request: web.Request) -> web.Response:
-    coord = request.app[COORDINATOR]
-    job = coord.core.jobs.get(job_id_of(request))
-    if job is None:
-        raise RendezvousError(ErrorCode.UNKNOWN_JOB, unknown_job(request.match_info["job_id"]))
-    return web.json_response(views.job_detail(job, coord.clock()))
+    """One job with one page of each node list (?node_offset=, ?node_limit=)."""
+    q = request.query
+    offset = views.query_int(q, "node_offset", 0)
+    limit = views.query_int(q, "node_limit", views.NODE_LIMIT, low=1, high=views.NODE_LIMIT_MAX)
+    job = _job(request)
+    return web.json_response(views.job_detail(job, request.app[COORDINATOR].clock(), offset, limit))
 
 
 async def job_events(request: web.Request) -> web.Response:
-    coord = request.app[COORDINATOR]
-    job = coord.core.jobs.get(job_id_of(request))
-    if job is None:
-        raise RendezvousError(ErrorCode.UNKNOWN_JOB, unknown_job(request.match_info["job_id"]))
-    return web.json_response(views.job_events(job))
+    """The kept history; ?after=SEQ for the events newer than SEQ, ?limit=N for at most N."""
+    q = request.query
+    after = views.query_int(q, "after", -1)
+    limit = views.query_int(q, "limit", MAX_EVENTS_PER_JOB, high=MAX_EVENTS_PER_JOB)
+    return web.json_response(views.job_events(_job(request), None if after < 0 else after, limit))
 
 
 async def index(request: web.Request) -> web.Response:
-    coord = request.app[COORDINATOR]
-    refresh = page.refresh_seconds(request.query.get("refresh"))
-    text = page.index_page(coord.core, coord.clock(), refresh, request.app.get(NOTES, ()))
+    """The overview: one page of jobs (?offset=, ?limit=), cards for the first few of them."""
+    coord, q = request.app[COORDINATOR], request.query
+    query = page.PageQuery.of(q)
+    text = page.index_page(coord.core, coord.clock(), query.refresh, request.app.get(NOTES, ()),
+                           offset=query.offset, limit=query.limit)
     return web.Response(text=text, content_type="text/html")
 
 
 async def job_page(request: web.Request) -> web.Response:
-    """One job's HTML page; an unknown (or malformed) id gets a 404 page, never a traceback."""
+    """One job's HTML page (?node_offset=, ?node_limit= page its node tables); an unknown (or
+    malformed) id gets a 404 page, never a traceback."""
     coord = request.app[COORDINATOR]
-    job_id, now = request.match_info["job_id"], coord.clock()
-    text = page.job_page(coord.core, job_id, now, page.refresh_seconds(request.query.get("refresh")))
+    job_id, now, query = request.match_info["job_id"], coord.clock(), page.PageQuery.of(request.query)
+    text = page.job_page(coord.core, job_id, now, query.refresh, node_offset=query.node_offset,
+                         node_limit=query.node_limit)
     if text is None:
         return web.Response(text=page.not_found_page(coord.core, job_id, now), status=404,
                             content_type="text/html")
@@ -146,6 +172,7 @@ def create_app(coordinator: Coordinator | None = None, *, allow_remote_admin: bo
     app.on_shutdown.append(on_shutdown)
     app.router.add_post("/v1/jobs/{job_id}/{action}", agent_request)
     app.router.add_get("/healthz", healthz)
+    app.router.add_get("/readyz", readyz)
     app.router.add_get("/metrics", metrics_endpoint)
     app.router.add_get("/v1/status", status)
     app.router.add_get("/v1/jobs/{job_id}", job_detail)

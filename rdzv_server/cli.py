@@ -8,12 +8,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import ipaddress
+import math
 import sqlite3
 import ssl
 import sys
 
 from rdzv_server import logs
 from rdzv_server.access import Access, TokenError, read_token
+from rdzv_server.coordinator import MAX_POLLS_PER_PEER
+from rdzv_server.rendezvous import Limits
 from rdzv_server.serve import ListenError, ServerConfig, serve
 from rdzv_server.store import SqliteStore, StoreError
 
@@ -41,6 +44,19 @@ def build_parser() -> argparse.ArgumentParser:
                    help="accept /v1/admin/ actions from any address when there is no --admin-token-file")
     p.add_argument("--tls-cert", metavar="F", help="serve https with this certificate (PEM, with its chain)")
     p.add_argument("--tls-key", metavar="F", help="the private key of --tls-cert (PEM)")
+    limits = Limits()
+    p.add_argument("--retain-finished", type=float, default=limits.retain_finished_s, metavar="S",
+                   help="forget a finished job (memory and store) this long after it ended "
+                        f"(default {limits.retain_finished_s:g})")
+    p.add_argument("--max-jobs", type=int, default=limits.max_jobs, metavar="N",
+                   help=f"jobs held at most, finished ones included (default {limits.max_jobs})")
+    p.add_argument("--max-nodes", type=int, default=limits.max_nodes, metavar="N",
+                   help=f"node records held at most over all jobs (default {limits.max_nodes})")
+    p.add_argument("--max-polls-per-peer", type=int, default=MAX_POLLS_PER_PEER, metavar="N",
+                   help=f"long-polls held open for one client address; 0: no limit (default {MAX_POLLS_PER_PEER})")
+    p.add_argument("--max-connections", type=int, default=0, metavar="N",
+                   help="open connections at most (the longest-idle one makes room); default: the open-file "
+                        "limit less a reserve")
     p.add_argument("--log-format", choices=("text", "json"), default="text")
     p.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info")
     return p
@@ -59,6 +75,13 @@ def config_from(args: argparse.Namespace) -> ServerConfig:
         raise UsageError(f"--port must be 0..65535, got {args.port}", 2)
     if bool(args.tls_cert) != bool(args.tls_key):
         raise UsageError("--tls-cert and --tls-key go together", 2)
+    if not math.isfinite(args.retain_finished) or args.retain_finished < 0:
+        raise UsageError(f"--retain-finished must be >= 0 seconds, got {args.retain_finished}", 2)
+    for flag, value, least in (("--max-jobs", args.max_jobs, 1), ("--max-nodes", args.max_nodes, 1),
+                               ("--max-polls-per-peer", args.max_polls_per_peer, 0),
+                               ("--max-connections", args.max_connections, 0)):
+        if value < least:
+            raise UsageError(f"{flag} must be >= {least}, got {value}", 2)
     try:
         access = Access(
             agent_token=read_token(args.token_file, "--token-file") if args.token_file else None,
@@ -75,7 +98,10 @@ def config_from(args: argparse.Namespace) -> ServerConfig:
         except (OSError, ssl.SSLError) as exc:
             raise UsageError(f"cannot use --tls-cert {args.tls_cert} / --tls-key {args.tls_key}: "
                              f"{getattr(exc, 'strerror', None) or exc}") from None
-    return ServerConfig(host=args.host, port=args.port, access=access, tls=tls, notes=tuple(_notes(args, access)))
+    return ServerConfig(host=args.host, port=args.port, access=access, tls=tls, notes=tuple(_notes(args, access)),
+                        limits=Limits(retain_finished_s=args.retain_finished, max_jobs=args.max_jobs,
+                                      max_nodes=args.max_nodes),
+                        max_polls_per_peer=args.max_polls_per_peer, max_connections=args.max_connections)
 
 
 def _notes(args: argparse.Namespace, access: Access) -> list[str]:

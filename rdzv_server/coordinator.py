@@ -17,36 +17,48 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
+import secrets
 import time
 from collections.abc import Callable
 from typing import Any
 
 from protocol.errors import ErrorCode
-from protocol.messages import NodeState, NodeStatus, PollRequest
+from protocol.messages import JoinRequest, NodeState, NodeStatus, PollRequest
 from rdzv_server.looplag import LoopLagProbe
 from rdzv_server.persistence import Persister, StoreUnavailable
 from rdzv_server.outbox import Outbox
 from rdzv_server.records import JobRecord
 from rdzv_server.rendezvous import Rendezvous, RendezvousError
 from rdzv_server.store import SqliteStore
+from rdzv_server.waiters import Waiter, Waiters
 
 log = logging.getLogger("rdzv_server")
+
+# Long-poll holds: together, the nodes of the server poll about this often per second ...
+TARGET_POLL_RATE = 500.0
+MAX_HOLD_S = 30.0           # ... but a poll is held no longer than this (the agent asks for up to 60 s)
+MAX_POLLS_PER_PEER = 4096   # held polls from one address (an agent holds one)
 
 
 class Coordinator:
     """Owns the core and the asyncio machinery around it (waiters, the deadline timer)."""
 
     def __init__(self, core: Rendezvous | None = None, clock: Callable[[], float] = time.time,
-                 store: SqliteStore | None = None) -> None:
+                 store: SqliteStore | None = None, max_polls_per_peer: int = MAX_POLLS_PER_PEER) -> None:
         """`store`: the durable store (already opened); None keeps state in memory only."""
         self.core = core or Rendezvous()
         self.clock = clock
         self.store = store
-        self.persister = Persister(store, clock)
+        self.persister = Persister(store, clock, on_rollback=self._put_back)
         self.loop_lag = LoopLagProbe()
         self.shutting_down = False
+        self.started = False                      # the saved state is loaded: agents may be served
         self.open_polls = 0
-        self._job_events: dict[str, asyncio.Event] = {}
+        self.max_polls_per_peer = max_polls_per_peer      # 0: no limit
+        self._polls_by_peer: dict[str, int] = {}
+        self.waiters = Waiters()
+        self._deliveries: set[asyncio.Task[None]] = set()
         self._armed: float | None = None          # the deadline the timer sleeps to (None: none)
         self._rearm: asyncio.Event | None = None
         self.timer_wakeups = 0                    # times the deadline task woke (re-armed or due)
@@ -71,12 +83,12 @@ class Coordinator:
         self._apply()
         for job_id in changed:
             await self._durable(job_id)
+        self.started = True
 
     def release_polls(self) -> None:
         """Answer every open long-poll now (with "going away"): the server is stopping."""
         self.shutting_down = True
-        for ev in list(self._job_events.values()):
-            ev.set()
+        self.waiters.wake_all()
 
     async def stop(self) -> None:
         # Wake the timer and let it see the flag: on Python 3.11, wait_for can swallow a cancel
@@ -110,19 +122,41 @@ class Coordinator:
             listener(effects)
         self.persister.note(effects)
         for job_id in effects.woken:
-            old = self._job_events.pop(job_id, None)
-            if old is not None:
-                old.set()
+            self._deliver(job_id)
         if effects.earliest is not None and (self._armed is None or effects.earliest < self._armed):
             self._armed = effects.earliest
             if self._rearm is not None:
                 self._rearm.set()
 
-    def job_event(self, job_id: str) -> asyncio.Event:
-        ev = self._job_events.get(job_id)
-        if ev is None:
-            ev = self._job_events[job_id] = asyncio.Event()
-        return ev
+    def _put_back(self, job_id: str, job: JobRecord | None) -> None:
+        """A refused commit's job, as last committed (None: never saved), replaces the one in memory."""
+        self.core.put_back(job_id, job, self.clock())
+        self._apply()
+        self.waiters.wake_job(job_id)
+        log.warning("job's unsaved change refused: back to its last saved state", extra={"job_id": job_id})
+
+    def clock_moved(self) -> None:
+        """The clock jumped (a test's manual clock, an operator setting the time): the deadline
+        timer sleeps in loop time, so it measures again from the clock's new reading."""
+        self._armed = None
+        if self._rearm is not None:
+            self._rearm.set()
+
+    def _deliver(self, job_id: str) -> None:
+        """Wake the polls held for `job_id`, once what they will show is saved (one wait for all)."""
+        if not self.persister.pending(job_id):
+            self.waiters.wake_job(job_id)
+            return
+        task = asyncio.get_running_loop().create_task(self._deliver_saved(job_id))
+        self._deliveries.add(task)
+        task.add_done_callback(self._deliveries.discard)
+
+    async def _deliver_saved(self, job_id: str) -> None:
+        try:
+            await self.persister.durable(job_id)
+        except StoreUnavailable:
+            pass                    # each poll then waits for the commit itself and answers the error
+        self.waiters.wake_job(job_id)
 
     async def _deadline_loop(self) -> None:
         assert self._rearm is not None
@@ -138,20 +172,28 @@ class Coordinator:
             self._rearm.clear()
             self.timer_wakeups += 1
             if not self.shutting_down and self._armed is not None and self._armed <= self.clock():
-                self.core.tick(self.clock())
+                self.core.tick(self.clock(), self.loop_lag.recent_s())
                 self._apply()
 
     # -- requests --
-    async def handle(self, action: str, job_id: str, req: object) -> NodeStatus:
-        """One agent request, by its action name (the route's last part)."""
+    async def handle(self, action: str, job_id: str, req: object, peer: str = "", local: str = "",
+                     silence: Callable[[], float] | None = None) -> NodeStatus:
+        """One agent request, by its action name (the route's last part); `peer` is the address it came
+        from, `local` the server's address it reached, `silence()` how long its connection has been
+        silent (connections.silence_s)."""
         if isinstance(req, PollRequest):
-            return await self.long_poll(job_id, req)
+            return await self.long_poll(job_id, req, peer, silence)
         core = self.core
         calls: dict[str, Callable[[str, Any, float], NodeStatus]] = {
-            "join": core.join, "failure": core.report_failure, "success": core.report_success, "leave": core.leave}
+            "join": lambda j, r, now: self._join(j, r, now, (peer, local)), "failure": core.report_failure,
+            "success": core.report_success, "leave": core.leave}
         status = self.call(job_id, calls[action], req)
         await self._durable(job_id)
         return status
+
+    def _join(self, job_id: str, req: JoinRequest, now: float, via: tuple[str, str]) -> NodeStatus:
+        # A fresh secret per join: the core keeps it only if the join makes a new node record.
+        return self.core.join(job_id, req, now, secrets.token_urlsafe(24), via)
 
     async def operate(self, action: str, job_id: str, *args: Any) -> JobRecord:
         """An operator action (see operator_rules.py): close, drain, clear_exclusion or resize."""
@@ -179,31 +221,53 @@ class Coordinator:
         finally:
             self._apply()
 
-    async def long_poll(self, job_id: str, req: PollRequest) -> NodeStatus:
-        status = self.call(job_id, self.core.poll, req)
-        wait = min(req.wait_s, status.lease_timeout_s / 2)
-        deadline = self.clock() + wait
+    def hold_for(self, status: NodeStatus, wait_s: float) -> float:
+        """How long to hold a poll: long enough that all nodes together poll about TARGET_POLL_RATE
+        times a second (at least half a lease, at most MAX_HOLD_S), jittered so polls do not come in
+        waves, and never longer than the agent asked."""
+        base = min(max(self.core.node_count / TARGET_POLL_RATE, status.lease_timeout_s / 2), MAX_HOLD_S)
+        return min(wait_s, base * random.uniform(0.8, 1.0))
+
+    async def long_poll(self, job_id: str, req: PollRequest, peer: str = "",
+                        silence: Callable[[], float] | None = None) -> NodeStatus:
+        """Answer when this node's view changes or its hold ends; meanwhile the open poll is its lease."""
+        held = self._polls_by_peer.get(peer, 0)
+        if self.max_polls_per_peer and held >= self.max_polls_per_peer:
+            raise RendezvousError(ErrorCode.LIMIT_REACHED, f"{held} long-polls are held open for {peer or 'one peer'}, "
+                                  f"the server's limit (--max-polls-per-peer {self.max_polls_per_peer})")
+        status = self.call(job_id, self.core.hold_poll, req)
+        loop = asyncio.get_running_loop()
+        ends = loop.time() + self.hold_for(status, req.wait_s)
         self.open_polls += 1
+        self._polls_by_peer[peer] = held + 1
+        dropped = False
         try:
-            while not _poll_ready(status, req.known_round) and not self.shutting_down:
-                remaining = deadline - self.clock()
-                if remaining <= 0:
-                    break
+            while not _poll_ready(status, req.known_round) and not self.shutting_down and loop.time() < ends:
+                waiter = Waiter(job_id, ends)
+                self.waiters.add(waiter)
                 try:
-                    await asyncio.wait_for(self.job_event(job_id).wait(), remaining)
-                except asyncio.TimeoutError:
-                    pass
+                    await waiter.fut
+                finally:
+                    self.waiters.discard(waiter)
                 if job_id not in self.core.jobs:
                     break
                 status = self.core.view(job_id, req.node_id, self.clock())
         except asyncio.CancelledError:
             # The agent's connection closed mid-poll: likely dead. Give it a short grace.
+            dropped = True
             if not self.shutting_down:
                 self.core.connection_dropped(job_id, req.node_id, self.clock())
                 self._apply()
             raise
         finally:
             self.open_polls -= 1
+            left = self._polls_by_peer.pop(peer, 1) - 1
+            if left:
+                self._polls_by_peer[peer] = left
+            if not dropped:
+                now = self.clock()
+                self.core.poll_ended(job_id, req.node_id, now, now - silence() if silence is not None else now)
+                self._apply()
         if self.shutting_down:
             raise RendezvousError(ErrorCode.SHUTTING_DOWN, "server is shutting down; retry shortly")
         await self._durable(job_id)

@@ -1,15 +1,18 @@
 """`rdzv-ctl`: read and steer a running rdzv-server from a shell.
 
-    rdzv-ctl [--server URL | --endpoint HOST:PORT] [--json] COMMAND ...
-      status                          every job, one line each
-      job JOB                         one job: its round, members, spares, exclusions, last failure
-      events JOB [--last N]           the job's history
+    rdzv-ctl [--server URL | --endpoint HOST:PORT] [--json] [--token-file F] [--admin-token-file F]
+             [--tls-ca F] COMMAND ...
+      status [--offset N] [--limit N] one page of jobs, one line each
+      job JOB [--node-offset N] [--node-limit N]
+                                      one job: its round, members, spares, exclusions, last failure
+      events JOB [--last N] [--after SEQ]  the job's history
       drain JOB NODE [--reason R]     take a node out of the job (it may not rejoin until cleared)
       clear JOB NODE                  lift a node's exclusion or drain
       close JOB [--reason R]          end the job now (its agents exit non-zero)
       resize JOB --nnodes MIN:MAX     change min/max nodes (MIN: or :MAX keeps the other)
 
-Standard library only (argparse, urllib, json), so it starts fast and runs wherever Python does.
+The standard library (argparse, urllib, ssl, json) plus the token rule of protocol/ (no aiohttp), so
+it starts fast. HTTP, tokens and TLS are in ctl_client.py.
 Exit status: 0 done, 1 the server refused or could not be reached (one line on stderr), 2 bad usage.
 """
 from __future__ import annotations
@@ -18,74 +21,14 @@ import argparse
 import json
 import os
 import sys
-import urllib.error
 import urllib.parse
-import urllib.request
-from typing import Any
 from collections.abc import Sequence
+from typing import Any
 
-DEFAULT_SERVER = "http://127.0.0.1:29400"
+from rdzv_server.ctl_client import (ADMIN_TOKEN_ENV, DEFAULT_SERVER, TOKEN_ENV, Client, CtlError, UsageError,
+                                    read_token, server_url, tls_context)
+
 REASON_WIDTH = 60
-
-
-class CtlError(Exception):
-    """A failure to report in one line (no traceback) and exit 1."""
-
-
-# -- HTTP -------------------------------------------------------------------------------------------
-
-
-class Client:
-    def __init__(self, server: str, timeout: float) -> None:
-        self.server = server.rstrip("/")
-        self.timeout = timeout
-
-    def get(self, path: str) -> Any:
-        return self._call(urllib.request.Request(self.server + path, headers={"Accept": "application/json"}))
-
-    def post(self, path: str, body: dict[str, Any]) -> Any:
-        data = json.dumps(body).encode()
-        return self._call(urllib.request.Request(self.server + path, data=data, method="POST", headers={
-            "Content-Type": "application/json", "Accept": "application/json"}))
-
-    def _call(self, req: urllib.request.Request) -> Any:
-        try:
-            with urllib.request.urlopen(req, timeout=self.timeout) as resp:
-                raw = resp.read()
-        except urllib.error.HTTPError as exc:
-            raise CtlError(f"server {self.server} refused {req.get_method()} {req.selector}: "
-                           f"{_error_text(exc)}") from None
-        except urllib.error.URLError as exc:
-            reason = getattr(exc.reason, "strerror", None) or exc.reason
-            raise CtlError(f"cannot reach rdzv-server at {self.server}: {reason}") from None
-        except (OSError, ValueError) as exc:   # timeouts, resets, a malformed URL
-            raise CtlError(f"cannot reach rdzv-server at {self.server}: {exc}") from None
-        try:
-            return json.loads(raw)
-        except ValueError:
-            raise CtlError(f"server {self.server} answered {req.selector} with something that is not JSON "
-                           f"(is it an rdzv-server?)") from None
-
-
-def _error_text(exc: urllib.error.HTTPError) -> str:
-    try:
-        doc = json.loads(exc.read())
-        return f"{exc.code} {doc['code']}: {doc['message']}"
-    except (ValueError, KeyError, TypeError, OSError):
-        return f"HTTP {exc.code} {exc.reason}"
-
-
-def _server_url(args: argparse.Namespace) -> str:
-    if getattr(args, "endpoint", None):
-        url = args.endpoint
-    else:
-        url = getattr(args, "server", None) or os.environ.get("RDZV_SERVER") or DEFAULT_SERVER
-    if "://" not in url:
-        url = "http://" + url
-    parsed = urllib.parse.urlsplit(url)
-    if parsed.scheme not in ("http", "https") or not parsed.hostname:
-        raise CtlError(f"server address must look like http://HOST:PORT or HOST:PORT, got {url!r}")
-    return url
 
 
 def _quote(part: str) -> str:
@@ -138,15 +81,39 @@ def _ranks(node: dict[str, Any]) -> str:
     return str(first) if n <= 1 else f"{first}-{first + n - 1}"
 
 
+def _listed(doc: dict[str, Any], key: str) -> int:
+    """How many nodes a list has: the server's count (a list may be cut), else the list's length."""
+    return int(doc.get("counts", {}).get(key, len(doc.get(key) or [])))
+
+
 def format_status(doc: dict[str, Any]) -> str:
     jobs = doc.get("jobs", [])
+    total = doc.get("total", len(jobs))
     if not jobs:
+        if total:
+            return f"no jobs from offset {doc.get('offset')} (the server holds {_plural(total, 'job')})"
         return f"no jobs on this server (server time {doc.get('time', '?')})"
     rows = [(j["job_id"], j["state"], j.get("round_id"), j["world_size"],
-             f"{len(j['nodes'])} ({j['min_nodes']}:{j['max_nodes']})",
-             f"{j['restart_count']}/{j['max_restarts']}", len(j["spares"]), len(j["excluded"]),
+             f"{_listed(j, 'nodes')} ({j['min_nodes']}:{j['max_nodes']})",
+             f"{j['restart_count']}/{j['max_restarts']}", _listed(j, "spares"), _listed(j, "excluded"),
              truncate(j.get("reason", ""), REASON_WIDTH)) for j in jobs]
-    return table(("JOB", "STATE", "ROUND", "WORLD", "NODES", "RESTARTS", "SPARES", "EXCLUDED", "REASON"), rows)
+    out = table(("JOB", "STATE", "ROUND", "WORLD", "NODES", "RESTARTS", "SPARES", "EXCLUDED", "REASON"), rows)
+    offset = doc.get("offset", 0)
+    if offset or len(jobs) < total:
+        out += f"\njobs {offset + 1}-{offset + len(jobs)} of {total}"
+        if doc.get("next_offset") is not None:
+            out += f"; next page: rdzv-ctl status --offset {doc['next_offset']}"
+    return out
+
+
+def _cut(doc: dict[str, Any], key: str, what: str) -> list[str]:
+    """'N more WHAT (...)' when the server sent only part of a node list."""
+    shown, count = len(doc.get(key) or []), _listed(doc, key)
+    offset = doc.get("node_offset", 0)
+    if offset + shown >= count:
+        return [] if not offset or shown else [f"(no {what} from {offset}: {count} in all)"]
+    return [f"... {count - offset - shown} more {what} (rdzv-ctl job {doc['job_id']} "
+            f"--node-offset {offset + shown})"]
 
 
 def format_job(doc: dict[str, Any]) -> str:
@@ -165,21 +132,25 @@ def format_job(doc: dict[str, Any]) -> str:
         out.append(table(("RANK", "NODE", "ADDR", "WORKERS", "RANKS", "LEASE AGE", "WORKER STATE"), [
             (n.get("group_rank"), n["node_id"], n["addr"], n["local_world_size"], _ranks(n),
              duration(n["lease_age_s"]), n.get("worker_state", n["state"])) for n in doc["nodes"]]))
-    else:
+    elif not _listed(doc, "nodes"):
         out.append("no round running")
+    out += _cut(doc, "nodes", "members")
     for title, key in (("waiting", "waiting"), ("spares", "spares")):
         if doc.get(key):
             out += ["", f"{title}:", table(("NODE", "ADDR", "WORKERS", "LEASE AGE"), [
                 (n["node_id"], n["addr"], n["local_world_size"], duration(n["lease_age_s"])) for n in doc[key]])]
+        out += _cut(doc, key, title)
     if doc.get("excluded"):
         out += ["", "excluded:", table(("NODE", "ADDR", "EXCLUSIONS", "TIME LEFT", "LEASE AGE"), [
             (n["node_id"], n["addr"], n.get("exclusions"), duration(n.get("excluded_for_s")),
              duration(n["lease_age_s"])) for n in doc["excluded"]])]
+    out += _cut(doc, "excluded", "excluded nodes")
     drained = doc.get("drained")
     if drained:   # newer servers list drained nodes; show them when present
         items = drained.items() if isinstance(drained, dict) else \
             [(d.get("node_id"), d.get("reason")) for d in drained]
         out += ["", "drained:", table(("NODE", "REASON"), list(items))]
+    out += _cut(doc, "drained", "drained nodes")
     failure = doc.get("last_failure")
     if failure:
         how = f"signal {failure['signal']}" if failure.get("signal") else f"exit code {failure.get('exitcode')}"
@@ -193,7 +164,7 @@ def format_job(doc: dict[str, Any]) -> str:
 
 def format_events(doc: dict[str, Any], last: int | None) -> str:
     events = doc.get("events", [])
-    if last is not None:
+    if last is not None:       # the server already kept only the last N; an older one sends them all
         events = events[-last:] if last > 0 else []
     if not events:
         return f"no events for job {doc.get('job_id')}"
@@ -241,20 +212,23 @@ def _nnodes(text: str) -> dict[str, int]:
     return body
 
 
+def _query(**params: int | None) -> str:
+    given = {k: v for k, v in params.items() if v is not None}
+    return "?" + urllib.parse.urlencode(given) if given else ""
+
+
 def run(args: argparse.Namespace, client: Client) -> str:
     cmd = args.command
     if cmd == "status":
-        doc = client.get("/v1/status")
+        doc = client.get("/v1/status" + _query(offset=args.offset, limit=args.limit))
         return json.dumps(doc, indent=2) if args.json else format_status(doc)
     job = _quote(args.job)
     if cmd == "job":
-        doc = client.get(f"/v1/jobs/{job}")
+        doc = client.get(f"/v1/jobs/{job}" + _query(node_offset=args.node_offset, node_limit=args.node_limit))
         return json.dumps(doc, indent=2) if args.json else format_job(doc)
     if cmd == "events":
-        doc = client.get(f"/v1/jobs/{job}/events")
+        doc = client.get(f"/v1/jobs/{job}/events" + _query(after=args.after, limit=args.last))
         if args.json:
-            if args.last is not None:
-                doc["events"] = doc["events"][-args.last:] if args.last > 0 else []
             return json.dumps(doc, indent=2)
         return format_events(doc, args.last)
     if cmd == "drain":
@@ -272,6 +246,13 @@ def run(args: argparse.Namespace, client: Client) -> str:
     return json.dumps(doc, indent=2) if args.json else f"{done}\n\n{format_job(doc)}"
 
 
+def _positive(text: str) -> int:
+    n = _count(text)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}")
+    return n
+
+
 def build_parser() -> argparse.ArgumentParser:
     # Connection options are accepted before or after the command (`rdzv-ctl status --json`).
     common = argparse.ArgumentParser(add_help=False)
@@ -284,14 +265,28 @@ def build_parser() -> argparse.ArgumentParser:
                         help="print the server's JSON instead of tables")
     common.add_argument("--timeout", type=_seconds, default=argparse.SUPPRESS, metavar="S",
                         help="seconds to wait for the server (default 10)")
+    common.add_argument("--token-file", metavar="F", default=argparse.SUPPRESS,
+                        help=f"file holding the server's token, for reading (or set ${TOKEN_ENV})")
+    common.add_argument("--admin-token-file", metavar="F", default=argparse.SUPPRESS,
+                        help=f"file holding the server's admin token, for drain/clear/close/resize "
+                             f"(or set ${ADMIN_TOKEN_ENV}); it reads too")
+    common.add_argument("--tls-ca", metavar="F", default=argparse.SUPPRESS,
+                        help="CA certificate(s) that signed the server's TLS certificate (https:// servers)")
     p = argparse.ArgumentParser(prog="rdzv-ctl", parents=[common], allow_abbrev=False,
                                 description="Inspect and steer jobs on an rdzv-server.")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    sub.add_parser("status", parents=[common], help="every job, one line each")
-    sub.add_parser("job", parents=[common], help="one job in detail").add_argument("job", metavar="JOB")
+    st = sub.add_parser("status", parents=[common], help="one page of jobs, one line each")
+    st.add_argument("--offset", type=_count, metavar="N", help="skip the first N jobs (the next page)")
+    st.add_argument("--limit", type=_positive, metavar="N", help="at most N jobs (the server caps it)")
+    jb = sub.add_parser("job", parents=[common], help="one job in detail")
+    jb.add_argument("job", metavar="JOB")
+    jb.add_argument("--node-offset", type=_count, metavar="N", help="skip the first N nodes of each list")
+    jb.add_argument("--node-limit", type=_positive, metavar="N", help="at most N nodes per list")
     ev = sub.add_parser("events", parents=[common], help="a job's history of rounds and decisions")
     ev.add_argument("job", metavar="JOB")
-    ev.add_argument("--last", type=_count, metavar="N", help="only the last N events")
+    ev.add_argument("--last", type=_count, metavar="N",
+                    help="at most N events: the newest N (with --after, the first N after SEQ)")
+    ev.add_argument("--after", type=_count, metavar="SEQ", help="only events after event number SEQ")
     dr = sub.add_parser("drain", parents=[common], help="take a node out of a job (it may not rejoin)")
     dr.add_argument("job", metavar="JOB")
     dr.add_argument("node", metavar="NODE")
@@ -309,16 +304,27 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _client(args: argparse.Namespace) -> Client:
+    """The client the options describe; UsageError when a file they name cannot be used."""
+    tls_ca = getattr(args, "tls_ca", None)
+    server = server_url(getattr(args, "server", None), getattr(args, "endpoint", None), tls_ca)
+    return Client(server, getattr(args, "timeout", 10.0),
+                  token=read_token("--token-file", getattr(args, "token_file", None), TOKEN_ENV),
+                  admin_token=read_token("--admin-token-file", getattr(args, "admin_token_file", None),
+                                         ADMIN_TOKEN_ENV),
+                  tls=tls_context(tls_ca))
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    args = build_parser().parse_args(argv)
     args.json = getattr(args, "json", False)
     try:
-        server = _server_url(args)
-    except CtlError as exc:
-        parser.error(str(exc))        # exits 2, like any other bad usage
+        client = _client(args)
+    except UsageError as exc:
+        print(f"rdzv-ctl: {exc}", file=sys.stderr)
+        return 2
     try:
-        text = run(args, Client(server, getattr(args, "timeout", 10.0)))
+        text = run(args, client)
     except CtlError as exc:
         print(f"rdzv-ctl: {exc}", file=sys.stderr)
         return 1

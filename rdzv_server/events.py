@@ -29,6 +29,8 @@ class EventKind(str, enum.Enum):
     JOB_FAILED = "job_failed"
     JOB_CLOSED = "job_closed"
     SERVER_RESTARTED = "server_restarted"
+    LEASES_EXTENDED = "leases_extended"    # the server heard from no agent for a while: its fault, not theirs
+    MASTER_ADDR_CORRECTED = "master_addr_corrected"   # rank 0 advertised loopback on a multi-host round
 
 
 class RoundCause(str, enum.Enum):

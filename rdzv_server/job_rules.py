@@ -29,17 +29,18 @@ from typing import Any
 import msgspec
 
 from protocol.errors import ErrorCode
-from protocol.messages import (FailureReport, JobState, JoinRequest, NodeState, NodeStatus, PollRequest,
-                               SuccessReport, WorkerFailure)
+from protocol.messages import (FailureReport, JobState, LeaveRequest, NodeState, NodeStatus,
+                               PollRequest, SuccessReport, WorkerFailure)
+from rdzv_server import credentials, leases
 from rdzv_server.errors import RendezvousError
 from rdzv_server.events import REMOVAL_CAUSE, EventKind, RoundCause
 from rdzv_server.outbox import Outbox
 from rdzv_server.records import Event, JobRecord, NodeRecord
 from rdzv_server.rounds import (build_round, candidates, count_nodes, deadlines, describe, growth_cause,
-                                node_status)
+                                master_address, node_status)
 
-# After a long-poll's connection closes, the node has this long (capped by its lease) to reconnect.
-DROP_GRACE_S = 1.0
+DROP_GRACE_S = leases.DROP_GRACE_S
+MAX_FAILURE_EVENTS = 8       # worker_failed events one report records; the rest are summed up in one more
 
 _FINISHED_KIND = {JobState.SUCCEEDED: EventKind.JOB_SUCCEEDED, JobState.FAILED: EventKind.JOB_FAILED,
                   JobState.CLOSED: EventKind.JOB_CLOSED}
@@ -56,65 +57,35 @@ class JobRules:
 
     # ---- requests -------------------------------------------------------------------------
 
-    def check_join(self, req: JoinRequest) -> None:
-        """Refuse a join to this (open) job before anything changes."""
-        job = self.job
-        diffs = (job.join_config or job.config).differences(req.config)
-        if diffs:
-            raise RendezvousError(ErrorCode.CONFIG_CONFLICT,
-                                  f"job {job.job_id!r} exists with another config: " + "; ".join(diffs))
-        if req.node_id in job.drained:
-            raise RendezvousError(ErrorCode.NODE_DRAINED, f"node {req.node_id} was drained from job "
-                                  f"{job.job_id!r} by the operator ({job.drained[req.node_id]})")
-
-    def join(self, req: JoinRequest, now: float) -> None:
-        self.check_join(req)
-        job = self.job
-        existing = job.nodes.get(req.node_id)
-        if existing is not None and existing.instance == req.instance:
-            port = req.master_port or existing.master_port
-            if (existing.addr, existing.master_port) != (req.addr, port):
-                existing.addr, existing.master_port = req.addr, port
-                self.changed()
-            self.renew(existing, now)
-            return
-        if existing is not None:
-            self.remove(existing, now, EventKind.NODE_LOST, f"node {req.node_id} restarted (new agent instance)",
-                        failed_at=existing.last_seen)
-        node = NodeRecord(node_id=req.node_id, instance=req.instance, addr=req.addr, host=req.host or req.addr,
-                          role=req.role, local_world_size=req.local_world_size, master_port=req.master_port,
-                          state=NodeState.WAITING, joined_at=now, last_seen=now,
-                          lease_expires=now + job.config.lease_timeout_s)
-        self.out.deadline(node.lease_expires)
-        if existing is not None:
-            # Same node, new agent: its failure history and any exclusion stay with the node id, so
-            # restarting the agent does not cut a cooldown short.
-            node.failure_times, node.exclusions = list(existing.failure_times), existing.exclusions
-            node.excluded_until = existing.excluded_until
-        job.nodes[node.node_id] = node
-        self.record(now, EventKind.NODE_JOINED, f"node {node.node_id} joined from {node.addr} "
-                    f"with {node.local_world_size} workers", node.node_id)
-        if node.excluded_until > now:
-            node.state = NodeState.EXCLUDED
-            job.excluded.append(node.node_id)
-            self.out.deadline(node.excluded_until)
-            self.record(now, EventKind.NODE_EXCLUDED, f"node {node.node_id} stays excluded for "
-                        f"{node.excluded_until - now:g}s (its agent restarted)", node.node_id)
-        else:
-            self.admit(node, now)
-
-    def poll(self, req: PollRequest, now: float) -> None:
+    def poll(self, req: PollRequest, now: float, hold: bool = False) -> None:
+        """A poll renews the lease; one the shell will hold open (`hold`) stops it until `poll_ended`."""
         node = self.job.nodes.get(req.node_id)
         if node is not None:
+            credentials.check(node, req.credential)
             if req.master_port:      # a hint for the next round; saved with that round, not on its own
                 node.master_port = req.master_port
-            self.renew(node, now)
+            if hold:
+                leases.hold(self.job, node, now)
+            else:
+                leases.renew(self.job, node, now)
+
+    def poll_ended(self, node_id: str, now: float, heard_at: float | None = None) -> None:
+        """The server answered a long-poll of the node (it no longer holds it); `heard_at`: the last
+        sign of life on its connection."""
+        node = self.job.nodes.get(node_id)
+        if node is not None:
+            leases.release(self.job, node, now, self.out, heard_at)
 
     def report_failure(self, req: FailureReport, now: float) -> str:
         """Count a failure of the running round; returns why it was not acted on ("" when it was)."""
         job = self.job
         node = self.node(req.node_id)
-        self.renew(node, now)
+        credentials.check(node, req.credential)
+        wrong = [f.local_rank for f in req.failures if f.local_rank >= node.local_world_size]
+        if wrong or len(req.failures) > node.local_world_size:
+            raise RendezvousError(ErrorCode.BAD_REQUEST, f"the report names {len(req.failures)} failure(s) and local "
+                                  f"rank(s) {wrong[:5]}, but node {node.node_id} runs {node.local_world_size} workers")
+        leases.renew(job, node, now)
         failures = sorted((_stamp(f, node, now) for f in req.failures), key=lambda f: f.timestamp)
         stale = self.stale(node, req.round_id)
         if stale:
@@ -128,21 +99,25 @@ class JobRules:
         # A member whose connection just dropped (or whose lease ran out before the next tick) is
         # the likelier cause: its loss comes first, and this failure (a peer's collective breaking)
         # then belongs to a round that no longer runs.
-        suspects = [n for n in self.members() if n != node.node_id
-                    and (job.nodes[n].dropped or job.nodes[n].lease_expires <= now)]
+        suspects = [n for n in self.members() if n != node.node_id and n in job.nodes
+                    and not leases.live(job.nodes[n], now)]
         if suspects:
-            for nid in suspects:
-                self.lose(job.nodes[nid], now, "its connection closed" if job.nodes[nid].dropped
-                          else f"no contact for {now - job.nodes[nid].last_seen:.1f}s")
+            self.lose_all([job.nodes[n] for n in suspects], now)
             return f"failure attributed to the loss of {', '.join(suspects)}"
         first = failures[0]
         job.root_cause, job.root_cause_round, job.last_failure = first, req.round_id, first
         job.restart_count += 1
-        for f in failures:
+        for f in failures[:MAX_FAILURE_EVENTS]:
             self.record(now, EventKind.WORKER_FAILED, describe(f), node.node_id, req.round_id,
                         {"rank": f.rank, "local_rank": f.local_rank, "exitcode": f.exitcode, "signal": f.signal,
                          "reason": f.reason, "host": f.host, "message": f.message})
+        rest = failures[MAX_FAILURE_EVENTS:]
+        if rest:       # one line for the rest: a node of many workers must not flood the history
+            self.record(now, EventKind.WORKER_FAILED, f"and {len(rest)} more worker(s) of node {node.node_id} "
+                        f"failed in round {req.round_id}", node.node_id, req.round_id,
+                        {"count": len(rest), "reason": rest[0].reason})
         node.failure_times = [t for t in node.failure_times if t > now - job.config.exclude_window_s] + [now]
+        self.node_changed(node.node_id)
         cfg = job.config
         if job.restart_count > cfg.max_restarts:
             self.finish(now, JobState.FAILED, f"worker failures exceeded max_restarts={cfg.max_restarts}; "
@@ -160,7 +135,8 @@ class JobRules:
         """Count a node's success; returns why it was not acted on ("" when it was)."""
         job = self.job
         node = self.node(req.node_id)
-        self.renew(node, now)
+        credentials.check(node, req.credential)
+        leases.renew(job, node, now)
         stale = self.stale(node, req.round_id)
         if stale:
             return stale
@@ -174,30 +150,39 @@ class JobRules:
                         f"all {len(job.round.members)} nodes of round {job.round.round_id} succeeded")
         return ""
 
-    def leave(self, node_id: str, reason: str, now: float) -> None:
+    def leave(self, req: LeaveRequest, now: float) -> None:
+        node_id, reason = req.node_id, req.reason
         node = self.job.nodes.get(node_id)
+        if node is not None:
+            credentials.check(node, req.credential)
         if node is not None and not self.job.state.finished:
             self.remove(node, now, EventKind.NODE_LEFT, f"node {node.node_id} left: {reason}")
 
     def connection_dropped(self, node_id: str, now: float) -> None:
         """A node's long-poll connection closed under it: give it a short grace to come back."""
-        job = self.job
-        node = job.nodes.get(node_id)
-        if node is None or job.state.finished:
-            return
-        node.dropped = True
-        node.lease_expires = min(node.lease_expires, now + min(DROP_GRACE_S, job.config.lease_timeout_s))
-        self.out.deadline(node.lease_expires)
+        node = self.job.nodes.get(node_id)
+        if node is not None and not self.job.state.finished:
+            leases.drop(self.job, node, now, self.out)
 
     # ---- time ----------------------------------------------------------------------------
 
-    def tick(self, now: float) -> None:
-        """Apply every deadline of this job that has passed."""
+    def tick(self, now: float, lag_s: float = 0.0, quiet_s: float | None = None, say_quiet: bool = True) -> int:
+        """Apply every deadline of this job that has passed. `quiet_s`: how long the server has heard
+        from no agent, when that is long enough to be its own fault (leases.py); lapsing leases are
+        then extended (and said so when `say_quiet`). Returns how many were extended."""
         job = self.job
-        for node in [n for n in job.nodes.values() if n.lease_expires <= now]:
-            why = "its connection closed" if node.dropped else \
-                f"no contact for {now - node.last_seen:.1f}s (lease {job.config.lease_timeout_s:g}s)"
-            self.lose(node, now, why)
+        gone, deferred = leases.lapsed(job, now, lag_s)
+        if deferred:                    # judged again once the server has caught up
+            leases.extend(job, deferred, now, min(lag_s, job.config.lease_timeout_s), self.out)
+        extended = 0
+        if gone and quiet_s is not None:
+            leases.extend(job, gone, now, job.config.lease_timeout_s, self.out)
+            extended, gone = len(gone), []
+            if say_quiet:
+                self.record(now, EventKind.LEASES_EXTENDED, f"server heard from no agent for {quiet_s:.1f}s (its own "
+                            f"link or process was cut off or stalled, not {extended} node(s)): leases extended")
+        if gone:
+            self.lose_all(gone, now)
         for nid in list(job.excluded):
             node = job.nodes[nid]
             if node.excluded_until <= now:
@@ -211,6 +196,7 @@ class JobRules:
                 job.join_deadline is not None and job.join_deadline <= now:
             self.finish(now, JobState.FAILED, f"only {len(job.waiting)} of min {job.config.min_nodes} nodes "
                         f"joined within join_timeout {job.config.join_timeout_s:g}s")
+        return extended
 
     def next_deadline(self) -> float | None:
         return None if self.job.state.finished else min(deadlines(self.job), default=None)
@@ -274,6 +260,9 @@ class JobRules:
         opened = job.forming_since if job.forming_since is not None else now
         job.last_round_id += 1
         job.round = build_round(job, chosen, job.last_round_id, opened, now, why)
+        _, corrected = master_address([job.nodes[n] for n in chosen])
+        if corrected:
+            self.record(now, EventKind.MASTER_ADDR_CORRECTED, corrected, chosen[0], job.last_round_id)
         job.state = JobState.RUNNING
         job.waiting, job.spares = [], rest
         for nid in chosen:
@@ -290,23 +279,39 @@ class JobRules:
         self.record(now, EventKind.ROUND_COMPLETED, f"round {job.round.round_id}: {len(chosen)} nodes, world size "
                     f"{job.round.world_size} ({why})", round_id=job.round.round_id, data=data)
 
-    def lose(self, node: NodeRecord, now: float, why: str) -> None:
-        self.remove(node, now, EventKind.NODE_LOST, f"node {node.node_id} lost: {why}", failed_at=node.last_seen)
+    def lose_all(self, nodes: list[NodeRecord], now: float) -> None:
+        """Nodes lost together leave together: one round forms without any of them."""
+        members = set(self.members())
+        lost = []
+        for node in nodes:
+            leases.note_loss(self.job, node.node_id, now)
+            message = f"node {node.node_id} lost: {leases.why_lapsed(self.job, node, now)}"
+            self.remove(node, now, EventKind.NODE_LOST, message, form=False)
+            if node.node_id in members:
+                lost.append((node, message))
+        if lost:
+            self.job.forming_since = now
+            names = ", ".join(n.node_id for n, _ in lost[:10]) + (" ..." if len(lost) > 10 else "")
+            why = lost[0][1] if len(lost) == 1 else f"{len(lost)} nodes lost: {names}"
+            self.form_round(now, why, RoundCause.NODE_LOST, failed_at=min(n.last_seen for n, _ in lost))
 
     def remove(self, node: NodeRecord, now: float, kind: EventKind, message: str,
-               failed_at: float | None = None) -> None:
-        """Take a node out of the job (lost, left or drained); a member's going re-forms the round."""
+               failed_at: float | None = None, form: bool = True) -> None:
+        """Take a node out of the job (lost, left or drained); a member's going re-forms the round
+        (unless `form` is False: the caller forms it once for several)."""
         job = self.job
         was_member = node.node_id in self.members()
         del job.nodes[node.node_id]
+        self.node_changed(node.node_id)
         for queue in (job.waiting, job.spares, job.excluded, job.successes):
             if node.node_id in queue:
                 queue.remove(node.node_id)
         self.wake()
         self.record(now, kind, message, node.node_id)
         if was_member:
-            job.forming_since = now
-            self.form_round(now, message, REMOVAL_CAUSE[kind], failed_at)
+            if form:
+                job.forming_since = now
+                self.form_round(now, message, REMOVAL_CAUSE[kind], failed_at)
         elif job.last_call_deadline is not None:
             # The window was for a round with more nodes: below min, or (while a round runs) with no
             # newcomer left, there is nothing for it to form.
@@ -320,6 +325,7 @@ class JobRules:
         cooldown = min(cfg.exclude_cooldown_s * (2 ** node.exclusions), cfg.exclude_cooldown_max_s)
         node.exclusions += 1
         node.excluded_until = now + cooldown
+        self.node_changed(node.node_id)
         self.out.deadline(node.excluded_until)
         node.failure_times = []
         node.state = NodeState.EXCLUDED
@@ -363,12 +369,6 @@ class JobRules:
                                   f"node {node_id!r} is not part of job {self.job.job_id!r}: join again")
         return node
 
-    def renew(self, node: NodeRecord, now: float) -> None:
-        """Traffic from the node: its lease runs from now. (Later only: no deadline moves closer.)"""
-        node.last_seen = now
-        node.dropped = False
-        node.lease_expires = now + self.job.config.lease_timeout_s
-
     # ---- effects -------------------------------------------------------------------------
 
     def record(self, now: float, kind: EventKind, message: str, node_id: str = "", round_id: int = -1,
@@ -388,6 +388,11 @@ class JobRules:
     def changed(self) -> None:
         """The job's saved state changed: the store must write it before a reply depends on it."""
         self.out.changed[self.job.job_id] = self.job
+
+    def node_changed(self, node_id: str) -> None:
+        """A node's saved record changed, or it was removed (snapshots.py: rows that scale with the change)."""
+        self.out.nodes.setdefault(self.job.job_id, set()).add(node_id)
+        self.changed()
 
 
 def _stamp(f: WorkerFailure, node: NodeRecord, now: float) -> WorkerFailure:

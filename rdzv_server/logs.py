@@ -12,6 +12,8 @@ import json
 import logging
 import sys
 
+from aiohttp.http_exceptions import HttpProcessingError
+
 from rdzv_server.views import iso
 
 _CONTROL = {c: f"\\x{c:02x}" for c in range(32) if c not in (9,)} | {0x7F: "\\x7f", 10: "\\n", 13: "\\r"}
@@ -46,11 +48,12 @@ class TextFormatter(logging.Formatter):
 
 
 class _ClientErrorFilter(logging.Filter):
-    """aiohttp's 'Error handling request' for a malformed request: one line, no traceback."""
+    """aiohttp's 'Error handling request' for a malformed request: one line, no traceback (anything
+    else it logs, a bug of ours among them, keeps its traceback)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if record.exc_info and record.exc_info[1] is not None:
-            exc = record.exc_info[1]
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, (HttpProcessingError, ConnectionError)):
             record.msg = "malformed request from a client: %s: %s"
             record.args = (type(exc).__name__, escape(str(exc))[:200])
             record.exc_info = None

@@ -10,10 +10,13 @@ INTERVAL_S = 0.05
 class LoopLagProbe:
     """Wakes every INTERVAL_S and records how much later than asked it woke."""
 
+    RECENT_S = 5.0           # `recent_s` is the worst lag seen this long back
+
     def __init__(self) -> None:
         self.samples = 0
         self.max_s = 0.0
         self.total_s = 0.0
+        self._recent: list[tuple[float, float]] = []   # (when, lag) of the lags worth noting, oldest first
         self._task: asyncio.Task | None = None
 
     def start(self) -> None:
@@ -32,6 +35,15 @@ class LoopLagProbe:
             self.samples += 1
             self.total_s += lag
             self.max_s = max(self.max_s, lag)
+            if lag >= INTERVAL_S:
+                self._recent.append((time.monotonic(), lag))
+
+    def recent_s(self) -> float:
+        """How far behind the loop has run lately (seconds): the backlog requests may wait in."""
+        cutoff = time.monotonic() - self.RECENT_S
+        while self._recent and self._recent[0][0] < cutoff:
+            self._recent.pop(0)
+        return max((lag for _, lag in self._recent), default=0.0)
 
     def summary(self) -> str:
         mean = self.total_s / self.samples if self.samples else 0.0

@@ -193,7 +193,9 @@ class ServerMetrics:
                     float(data["since_failure_s"]))
         elif kind == EventKind.WORKER_FAILED:
             reason = data.get("reason", "")
-            self.worker_failures.labels(reason if reason in FAILURE_REASONS else "other").inc()
+            count = data.get("count", 1)
+            self.worker_failures.labels(reason if reason in FAILURE_REASONS else "other").inc(
+                count if isinstance(count, int) and count > 0 else 1)
         elif kind == EventKind.NODE_LOST:
             self.nodes_lost.inc()
 

@@ -53,6 +53,7 @@ def clear_exclusion(rules: JobRules, node_id: str, now: float) -> None:
                               f"node {node_id!r} is neither excluded nor drained in job {job.job_id!r}")
     job.excluded.remove(node_id)
     node.excluded_until, node.failure_times, node.exclusions = now, [], 0
+    rules.node_changed(node_id)
     rules.record(now, EventKind.NODE_READMITTED, f"exclusion of node {node_id} cleared by operator", node_id)
     rules.wake()
     rules.admit(node, now)

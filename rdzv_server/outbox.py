@@ -18,6 +18,7 @@ class Outbox:
     events: list[tuple[JobRecord, Event]] = field(default_factory=list)   # in the order recorded
     woken: set[str] = field(default_factory=set)        # jobs where some node's view changed
     changed: dict[str, JobRecord] = field(default_factory=dict)   # jobs whose saved state changed
+    nodes: dict[str, set[str]] = field(default_factory=dict)      # job -> nodes whose saved record changed
     new_runs: set[str] = field(default_factory=set)     # job ids that started a new run (history reset)
     pruned: set[str] = field(default_factory=set)       # finished jobs forgotten after their retention
     restarts: list[str] = field(default_factory=list)   # one entry per accepted failure report that restarts
@@ -32,9 +33,10 @@ class Outbox:
         if not (self.events or self.woken or self.changed or self.new_runs or self.restarts or self.pruned) \
                 and self.earliest is None:
             return _EMPTY          # the common case (a renewal): nothing to allocate
-        taken = Outbox(self.events, self.woken, self.changed, self.new_runs, self.pruned, self.restarts,
-                       self.earliest)
-        self.events, self.woken, self.changed, self.new_runs, self.restarts = [], set(), {}, set(), []
+        taken = Outbox(self.events, self.woken, self.changed, self.nodes, self.new_runs, self.pruned,
+                       self.restarts, self.earliest)
+        self.events, self.woken, self.changed, self.nodes, self.new_runs = [], set(), {}, {}, set()
+        self.restarts = []
         self.pruned = set()
         self.earliest = None
         return taken

@@ -1,37 +1,43 @@
 """Group commit between the event loop and the durable store.
 
-Rule: a reply that depends on a change is sent only after that change is on disk. The shell hands
-the core's effects to `note` (the jobs whose saved state changed, their new events, the ids that
-started a new run) and then `await durable(job_id)`. One writer task takes every dirty job,
-encodes a snapshot on the loop (fast, msgspec), and commits the whole batch in one SQLite
-transaction on a single worker thread, so the loop keeps serving while the disk works and many
-changes share one fsync. Changes made while a commit is in flight ride the next one.
+Rule: a reply that depends on a change is sent only after that change is committed. The shell hands
+the core's effects to `note` (the jobs whose saved state changed, the node rows and events that
+changed with them, the ids that started a new run, the jobs forgotten) and then
+`await durable(job_id)`. One writer task takes every dirty job, encodes its rows on the loop (fast,
+msgspec; snapshots.py) and commits the whole batch in one transaction on a single worker thread, so
+the loop keeps serving while the disk works and many changes share one fsync. Changes made while a
+commit is in flight ride the next one.
 
-Lease renewals alone are not written: after a restart all leases are re-armed. A failed commit
-keeps the jobs dirty (retried after a pause) and fails the waiting replies with
-`StoreUnavailable`; the state in memory is never rolled back.
+A failed commit (a full disk, an I/O error) refuses every reply waiting on it with
+`StoreUnavailable`, and the change is not kept: each job it carried is put back as it was last
+committed (read back from the store; `on_rollback` hands it to the shell). A job whose rows cannot
+even be encoded (a bug) is refused and put back the same way, without holding up the others.
+Lease renewals alone are not written: after a restart all leases are re-armed.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from collections.abc import Callable
 
 from rdzv_server.outbox import Outbox
 from rdzv_server.records import MAX_EVENTS_PER_JOB, Event, JobRecord
-from rdzv_server.store import SqliteStore, snapshot
+from rdzv_server.snapshots import JobSnapshot, snapshot
+from rdzv_server.store import SqliteStore, describe_failure
 
 log = logging.getLogger("rdzv_server")
 
 ALIVE_EVERY_S = 2.0      # an idle server still marks itself alive this often (dates an outage)
-RETRY_AFTER_S = 0.5      # pause before retrying a failed commit
+RETRY_AFTER_S = 0.5      # pause before reading back jobs when the store failed even that
+
+Rollback = Callable[[str, "JobRecord | None"], None]
 
 
 class StoreUnavailable(Exception):
-    """A commit failed: the change is kept in memory and retried, but not yet durable."""
+    """A commit failed: the change was refused and the job put back as last committed."""
 
 
 @dataclass
@@ -44,18 +50,21 @@ class CommitStats:
 
 
 class Persister:
-    def __init__(self, store: SqliteStore | None, clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, store: SqliteStore | None, clock: Callable[[], float] = time.time,
+                 on_rollback: Rollback | None = None) -> None:
         self.store = store
         self.clock = clock
+        self.on_rollback = on_rollback
         self.stats = CommitStats()
         self._dirty: dict[str, JobRecord] = {}
-        self._events: dict[str, list[Event]] = {}                  # job -> events not yet on disk
-        self._reset: set[str] = set()                               # jobs whose old history goes first
-        self._deleted: set[str] = set()                             # pruned jobs to delete
-        self._next: asyncio.Future | None = None                 # the commit that will carry _dirty
-        self._inflight: dict[str, asyncio.Future] = {}              # job -> commit now carrying it
-        self._writer: asyncio.Task | None = None
-        self._alive: asyncio.Task | None = None
+        self._events: dict[str, list[Event]] = {}          # job -> events not yet committed
+        self._nodes: dict[str, set[str]] = {}              # job -> nodes whose rows are not yet committed
+        self._reset: set[str] = set()                      # jobs whose old rows go first (a new run)
+        self._deleted: set[str] = set()                    # forgotten jobs to delete
+        self._next: dict[str, asyncio.Future[None]] = {}   # job -> the commit that will carry its change
+        self._inflight: dict[str, asyncio.Future[None]] = {}   # job -> the commit carrying it now
+        self._writer: asyncio.Task[None] | None = None
+        self._alive: asyncio.Task[None] | None = None
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="rdzv-store") if store else None
         self._closing = False
 
@@ -69,87 +78,124 @@ class Persister:
             return
         for job_id in effects.pruned:
             self._deleted.add(job_id)
-            self._dirty.pop(job_id, None)
-            self._events.pop(job_id, None)
-            self._reset.discard(job_id)
+            self._forget(job_id)
         for job_id in effects.new_runs:
             self._deleted.discard(job_id)
             self._reset.add(job_id)
             self._events.pop(job_id, None)
+            self._nodes.pop(job_id, None)       # the old run's rows go; the new run marks its own
         for job, event in effects.events:
             pending = self._events.setdefault(job.job_id, [])
             pending.append(event)
             if len(pending) > MAX_EVENTS_PER_JOB:     # older ones would be pruned on disk anyway
                 del pending[: len(pending) - MAX_EVENTS_PER_JOB]
-        self._dirty.update(effects.changed)
-        if self._next is None:
-            self._next = asyncio.get_running_loop().create_future()
-            self._next.add_done_callback(_consume)
+        for job_id, node_ids in effects.nodes.items():
+            self._nodes.setdefault(job_id, set()).update(node_ids)
+        loop = asyncio.get_running_loop()
+        for job_id, job in effects.changed.items():
+            self._dirty[job_id] = job
+            if job_id not in self._next:
+                fut = self._next[job_id] = loop.create_future()
+                fut.add_done_callback(_consume)
         if self._writer is None or self._writer.done():
             self._writer = asyncio.create_task(self._write_loop(), name="rdzv-store-writer")
 
+    def pending(self, job_id: str) -> bool:
+        """Whether a change of `job_id` is noted but not yet committed."""
+        return job_id in self._next or job_id in self._inflight
+
     async def durable(self, job_id: str) -> None:
-        """Return once every change noted so far for `job_id` is committed."""
-        fut = self._next if job_id in self._dirty else self._inflight.get(job_id)
+        """Return once every change noted so far for `job_id` is committed (or raise StoreUnavailable)."""
+        fut = self._next.get(job_id) or self._inflight.get(job_id)
         if fut is not None:
             await asyncio.shield(fut)
+
+    def _forget(self, job_id: str) -> None:
+        self._dirty.pop(job_id, None)
+        self._events.pop(job_id, None)
+        self._nodes.pop(job_id, None)
+        self._reset.discard(job_id)
 
     async def _write_loop(self) -> None:
         loop = asyncio.get_running_loop()
         while self._dirty or self._deleted:
-            fut, self._next = self._next, None
-            assert fut is not None
-            jobs, self._dirty = self._dirty, {}
-            events, resets, deleted = self._events, self._reset, self._deleted
-            self._events, self._reset, self._deleted = {}, set(), set()
-            for job_id in jobs:
-                self._inflight[job_id] = fut
+            jobs, futs = self._dirty, self._next
+            events, nodes, resets, deleted = self._events, self._nodes, self._reset, self._deleted
+            self._dirty, self._next, self._events, self._nodes = {}, {}, {}, {}
+            self._reset, self._deleted = set(), set()
+            self._inflight.update(futs)
+            snaps: list[JobSnapshot] = []
+            broken: list[str] = []
+            for job_id, job in jobs.items():
+                try:
+                    snaps.append(snapshot(job, nodes.get(job_id, ()), events.get(job_id, []), reset=job_id in resets))
+                except Exception:    # a bug: this job's change is refused; the others are committed
+                    log.exception("cannot encode job %r for the state store", job_id)
+                    broken.append(job_id)
             started = time.perf_counter()
             try:
                 assert self.store is not None
-                snaps = [snapshot(job, events.get(job_id, []), reset_events=job_id in resets)
-                         for job_id, job in jobs.items()]
                 await loop.run_in_executor(self._executor, self.store.write, snaps, self.clock(), deleted)
-            except Exception as exc:   # disk full, I/O error: keep the changes, fail the replies
+            except Exception as exc:
                 self.stats.failures += 1
-                log.error("state store commit failed (%s); %d job(s) kept in memory, retrying", exc, len(jobs))
-                for job_id, job in jobs.items():
-                    self._dirty.setdefault(job_id, job)
-                    if job_id in self._reset:    # a newer run started meanwhile: these events are moot
-                        continue
-                    self._events[job_id] = events.get(job_id, []) + self._events.get(job_id, [])
-                    if job_id in resets:
-                        self._reset.add(job_id)
+                why = describe_failure(exc, self.store.state_dir if self.store else "")
+                log.error("state store commit failed: %s; %d job(s) put back as last committed and their "
+                          "requests refused", why, len(jobs))
                 self._deleted |= deleted - set(self._dirty)
-                if self._next is None:
-                    self._next = loop.create_future()
-                    self._next.add_done_callback(_consume)
-                fut.set_exception(StoreUnavailable(f"state store commit failed: {exc}"))
-                if not self._closing:
-                    await asyncio.sleep(RETRY_AFTER_S)
-                else:
-                    break
+                # the jobs' changes noted meanwhile were built on the refused ones: refused with them
+                await self._roll_back(list(jobs), futs, f"state store commit failed: {why}")
             else:
                 took = time.perf_counter() - started
                 self.stats.commits += 1
                 self.stats.jobs_written += len(snaps)
                 self.stats.total_s += took
                 self.stats.max_s = max(self.stats.max_s, took)
-                fut.set_result(None)
+                for job_id, fut in futs.items():
+                    if job_id not in broken:
+                        fut.set_result(None)
+                if broken:
+                    await self._roll_back(broken, futs, "the server could not save this change (a bug; see its log)")
             finally:
-                for job_id in jobs:
+                for job_id, fut in futs.items():
                     if self._inflight.get(job_id) is fut:
                         del self._inflight[job_id]
 
+    async def _roll_back(self, job_ids: list[str], futs: dict[str, asyncio.Future[None]], why: str) -> None:
+        """Put `job_ids` back as last committed, then refuse the replies waiting on them (so a refusal
+        means the change is already gone). Changes noted meanwhile were built on the refused ones:
+        refused with them."""
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                assert self.store is not None
+                saved = await loop.run_in_executor(self._executor, self._read_back, job_ids)
+                break
+            except Exception as exc:     # the store cannot even be read: keep trying, the state is held
+                log.error("state store cannot be read back (%s); retrying", exc)
+                await asyncio.sleep(RETRY_AFTER_S)   # a retry pause, not a synchronisation wait
+        error = StoreUnavailable(why)
+        for job_id in job_ids:
+            if self.on_rollback is not None:
+                self.on_rollback(job_id, saved[job_id])
+            for fut in (futs.get(job_id), self._next.pop(job_id, None)):
+                if fut is not None and not fut.done():
+                    fut.set_exception(error)
+            self._forget(job_id)
+
+    def _read_back(self, job_ids: list[str]) -> dict[str, JobRecord | None]:
+        assert self.store is not None
+        return {job_id: self.store.load_job(job_id) for job_id in job_ids}
+
     async def _alive_loop(self) -> None:
         loop = asyncio.get_running_loop()
+        assert self.store is not None
         while True:
             await asyncio.sleep(ALIVE_EVERY_S)     # a periodic mark, not a synchronisation wait
             if self._writer is None or self._writer.done():
                 try:
-                    await loop.run_in_executor(self._executor, self.store.write, [], self.clock())  # type: ignore
+                    await loop.run_in_executor(self._executor, self.store.write, [], self.clock())
                 except Exception as exc:
-                    log.error("state store liveness mark failed: %s", exc)
+                    log.error("state store liveness mark failed: %s", describe_failure(exc, self.store.state_dir))
 
     async def close(self) -> None:
         """Flush what is pending, mark a clean shutdown, release the store."""
@@ -175,7 +221,7 @@ class Persister:
             self.store.release()
 
 
-def _consume(fut: asyncio.Future) -> None:
+def _consume(fut: asyncio.Future[None]) -> None:
     """A commit nobody awaited may fail: its error is logged, not 'never retrieved'."""
     if not fut.cancelled():
         fut.exception()

@@ -28,9 +28,14 @@ class NodeRecord(msgspec.Struct, kw_only=True):
     last_seen: float
     lease_expires: float
     dropped: bool = False              # its long-poll connection closed: lease cut to a short grace
+    holding: int = 0                   # its long-polls held open now: the lease waits (leases.py)
     failure_times: list[float] = msgspec.field(default_factory=list)
     exclusions: int = 0                # how often it was excluded (cooldown doubles each time)
     excluded_until: float = 0.0
+    credential_digest: str = ""        # sha256 of the secret its join was given ("": none was issued)
+    seen_from: str = ""                # the address its join came from (as the server saw it)
+    probe_port: int = 0                # where its agent answers other agents' probes (0: none)
+    server_addr: str = ""              # the server's address its join reached
 
 
 class RoundRecord(msgspec.Struct, kw_only=True):
@@ -67,6 +72,7 @@ class JobRecord(msgspec.Struct, kw_only=True):
     spares: list[str] = msgspec.field(default_factory=list)
     excluded: list[str] = msgspec.field(default_factory=list)
     drained: dict[str, str] = msgspec.field(default_factory=dict)  # node id -> operator's reason: may not join
+    loss_times: dict[str, list[float]] = msgspec.field(default_factory=dict)  # node id -> when it was lost
     join_config: JobConfig | None = None    # the config joins must match, once an operator resized the job
     restart_count: int = 0
     forming_since: float | None = None      # when the next round started forming

@@ -18,10 +18,11 @@ from dataclasses import dataclass
 from protocol.errors import ErrorCode, unknown_job
 from protocol.messages import (FailureReport, JobConfig, JobState, JoinRequest, LeaveRequest, NodeStatus,
                                PollRequest, SuccessReport)
-from rdzv_server import operator_rules
+from rdzv_server import admission, operator_rules
 from rdzv_server.errors import RendezvousError
 from rdzv_server.events import EventKind
 from rdzv_server.job_rules import DROP_GRACE_S, JobRules
+from rdzv_server.leases import OUTAGE_LIMIT_S, QUIET_S
 from rdzv_server.outbox import Outbox
 from rdzv_server.records import JobRecord
 
@@ -52,6 +53,13 @@ class Rendezvous:
         self.limits = limits or Limits()
         self.outbox = Outbox()
         self.node_count = sum(len(j.nodes) for j in self.jobs.values())
+        self.heard_at: float | None = None   # the last agent request of any job (None: none yet)
+        self._quiet_noted: set[str] = set()   # jobs told of the server's silence since it last heard
+
+    def _heard(self, now: float) -> None:
+        if self.heard_at is None or now > self.heard_at:
+            self.heard_at = now
+            self._quiet_noted.clear()
 
     def take_effects(self) -> Outbox:
         """What the calls since the last take did (see outbox.py)."""
@@ -59,7 +67,10 @@ class Rendezvous:
 
     # ---- requests -------------------------------------------------------------------------
 
-    def join(self, job_id: str, req: JoinRequest, now: float) -> NodeStatus:
+    def join(self, job_id: str, req: JoinRequest, now: float, credential: str = "",
+             via: tuple[str, str] = ("", "")) -> NodeStatus:
+        """Admit a node; `credential` is the secret a newly made node record gets (the shell makes it)."""
+        self._heard(now)
         job = self.jobs.get(job_id)
         if job is not None and job.state.finished:
             if job.finished_at is None or now - job.finished_at < REUSE_FINISHED_AFTER_S:
@@ -75,10 +86,13 @@ class Rendezvous:
         else:
             rules = JobRules(job, self.outbox)
             if req.node_id not in job.nodes:
+                admission.check_join(rules, req)   # a refusal for what was asked comes before one for room
                 self._check_room(job, now)
         with self._counting(rules.job):
-            rules.join(req, now)
-        return rules.view(req.node_id, now)
+            issued = admission.join(rules, req, now, credential, via)
+        status = rules.view(req.node_id, now)
+        status.credential = issued
+        return status
 
     @contextmanager
     def _counting(self, job: JobRecord) -> Iterator[None]:
@@ -105,25 +119,45 @@ class Rendezvous:
                                   f"limit (--max-nodes {lim.max_nodes}); retry later")
 
     def poll(self, job_id: str, req: PollRequest, now: float) -> NodeStatus:
+        """A poll answered at once: it renews the node's lease."""
         rules = self.rules(job_id)
+        self._heard(now)
         rules.poll(req, now)
         return rules.view(req.node_id, now)
 
+    def hold_poll(self, job_id: str, req: PollRequest, now: float) -> NodeStatus:
+        """A poll the shell holds open until `poll_ended` (or `connection_dropped`): meanwhile the
+        open connection is the node's lease."""
+        rules = self.rules(job_id)
+        self._heard(now)
+        rules.poll(req, now, hold=True)
+        return rules.view(req.node_id, now)
+
+    def poll_ended(self, job_id: str, node_id: str, now: float, heard_at: float | None = None) -> None:
+        """A held poll was answered: the node's lease runs again, from `heard_at` (the last sign of life
+        on its connection; leases.py)."""
+        job = self.jobs.get(job_id)
+        if job is not None:
+            JobRules(job, self.outbox).poll_ended(node_id, now, heard_at)
+
     def report_failure(self, job_id: str, req: FailureReport, now: float) -> NodeStatus:
         rules = self.rules(job_id)
+        self._heard(now)
         with self._counting(rules.job):          # a suspect peer may be lost
             why_not = rules.report_failure(req, now)
         return rules.view(req.node_id, now, accepted=not why_not, reason=why_not)
 
     def report_success(self, job_id: str, req: SuccessReport, now: float) -> NodeStatus:
         rules = self.rules(job_id)
+        self._heard(now)
         why_not = rules.report_success(req, now)
         return rules.view(req.node_id, now, accepted=not why_not, reason=why_not)
 
     def leave(self, job_id: str, req: LeaveRequest, now: float) -> NodeStatus:
         rules = self.rules(job_id)
+        self._heard(now)
         with self._counting(rules.job):
-            rules.leave(req.node_id, req.reason, now)
+            rules.leave(req, now)
         return rules.view(req.node_id, now)
 
     def connection_dropped(self, job_id: str, node_id: str, now: float) -> None:
@@ -161,15 +195,23 @@ class Rendezvous:
 
     # ---- time ----------------------------------------------------------------------------
 
-    def tick(self, now: float) -> list[str]:
-        """Apply every deadline that has passed; return the ids of the jobs that changed."""
+    def tick(self, now: float, lag_s: float = 0.0) -> list[str]:
+        """Apply every deadline that has passed; return the ids of the jobs that changed.
+
+        `lag_s`: how far behind the server's own event loop runs (leases.py: no lease lapses while
+        the server itself is behind).
+        """
+        quiet = now - self.heard_at if self.heard_at is not None else 0.0
+        quiet_s = quiet if QUIET_S <= quiet < OUTAGE_LIMIT_S else None
         changed = []
         for job in self.jobs.values():
             if job.state.finished:
                 continue
             seq = job.event_seq
             with self._counting(job):
-                JobRules(job, self.outbox).tick(now)
+                extended = JobRules(job, self.outbox).tick(now, lag_s, quiet_s, job.job_id not in self._quiet_noted)
+            if extended:
+                self._quiet_noted.add(job.job_id)
             if job.event_seq != seq:      # every decision records an event
                 changed.append(job.job_id)
         self._prune(now)
@@ -197,9 +239,24 @@ class Rendezvous:
     def restored(self, now: float, away_s: float, clean: bool) -> None:
         """The server restarted on a saved state: nobody is blamed for the time it was away."""
         how = "after a clean shutdown" if clean else "without a clean shutdown (killed or crashed)"
+        self.heard_at = now              # its silence while it was away is not the agents' fault
         for job in self.jobs.values():
             if not job.state.finished:
                 _rearm(JobRules(job, self.outbox), now, away_s, how)
+
+    def put_back(self, job_id: str, job: JobRecord | None, now: float) -> None:
+        """A job as last saved takes the place of one whose change the store refused (None: it was
+        never saved). Its nodes get fresh leases, as after a restart: the refusal was not theirs."""
+        old = self.jobs.pop(job_id, None)
+        self.node_count -= len(old.nodes) if old is not None else 0
+        if job is None:
+            return
+        self.jobs[job_id] = job
+        self.node_count += len(job.nodes)
+        for node in job.nodes.values():
+            node.dropped, node.holding = False, 0
+            node.lease_expires = now + job.config.lease_timeout_s
+        self.outbox.deadline(now + job.config.lease_timeout_s)
 
     # ---- lookups -------------------------------------------------------------------------
 
@@ -231,6 +288,7 @@ def _rearm(rules: JobRules, now: float, away_s: float, how: str) -> None:
     grace = 2 * job.config.lease_timeout_s
     for node in job.nodes.values():
         node.dropped = False
+        node.holding = 0                 # the connections of held polls did not survive the restart
         node.lease_expires = now + grace
     rules.out.deadline(now + grace)
     if job.last_call_deadline is not None:

@@ -6,11 +6,12 @@ group-rank-0 node published: its worker rank 0 hosts the store.
 """
 from __future__ import annotations
 
+import ipaddress
 from collections.abc import Iterable
 
-from protocol.messages import Assignment, JobState, NodeState, NodeStatus, WorkerFailure
+from protocol.messages import Assignment, JobState, NodeState, NodeStatus, WorkerFailure, Witness
 from rdzv_server.events import RoundCause
-from rdzv_server.records import JobRecord, RoundRecord
+from rdzv_server.records import JobRecord, NodeRecord, RoundRecord
 
 
 def build_round(job: JobRecord, members: list[str], round_id: int, opened_at: float, now: float,
@@ -20,6 +21,8 @@ def build_round(job: JobRecord, members: list[str], round_id: int, opened_at: fl
     role_sizes: dict[str, int] = {}
     for n in nodes:
         role_sizes[n.role] = role_sizes.get(n.role, 0) + n.local_world_size
+    reach = reachable_addresses(nodes)
+    master_addr = reach[0]
     master = nodes[0]
     assignments: dict[str, Assignment] = {}
     offset = 0
@@ -28,10 +31,10 @@ def build_round(job: JobRecord, members: list[str], round_id: int, opened_at: fl
         role_offset = role_offsets.get(n.role, 0)
         assignments[n.node_id] = Assignment(
             round_id=round_id, group_rank=group_rank, group_world_size=len(nodes), rank_offset=offset,
-            world_size=world_size, local_world_size=n.local_world_size, master_addr=master.addr,
+            world_size=world_size, local_world_size=n.local_world_size, master_addr=master_addr,
             master_port=master.master_port, restart_count=job.restart_count,
             max_restarts=job.config.max_restarts, role_rank_offset=role_offset,
-            role_world_size=role_sizes[n.role])
+            role_world_size=role_sizes[n.role], witnesses=_witnesses(nodes, reach, group_rank))
         offset += n.local_world_size
         role_offsets[n.role] = role_offset + n.local_world_size
     return RoundRecord(round_id=round_id, members=list(members), assignments=assignments, opened_at=opened_at,
@@ -39,9 +42,52 @@ def build_round(job: JobRecord, members: list[str], round_id: int, opened_at: fl
                        restart_count=job.restart_count)
 
 
+def _witnesses(nodes: list[NodeRecord], reach: list[str], rank: int) -> tuple[Witness, ...]:
+    """The next two members after `rank` in the ring that answer probes (a different pair for each node)."""
+    out: list[Witness] = []
+    for step in range(1, len(nodes)):
+        other = (rank + step) % len(nodes)
+        if nodes[other].probe_port:
+            out.append(Witness(addr=reach[other], port=nodes[other].probe_port))
+            if len(out) == WITNESSES:
+                break
+    return tuple(out)
+
+
+def reachable_addresses(nodes: list[NodeRecord]) -> list[str]:
+    """The address the other members reach each node at: its own, except a loopback one on a
+    multi-host round (its agent reached the server by 127.0.0.1: the other hosts would look for it
+    on their own loopback and hang). Then the address its join came from stands in, or, when that
+    is loopback too (it runs on the server's own host), the server's address the other hosts reached."""
+    if all(_loopback(n.addr) and _loopback(n.seen_from or n.addr) for n in nodes):
+        return [n.addr for n in nodes]          # one host: loopback is right
+    server = next((n.server_addr for n in nodes if n.server_addr and not _loopback(n.server_addr)), "")
+    return [n.addr if not _loopback(n.addr) else
+            n.seen_from if n.seen_from and not _loopback(n.seen_from) else server or n.addr for n in nodes]
+
+
+def master_address(nodes: list[NodeRecord]) -> tuple[str, str]:
+    """(MASTER_ADDR for these members, why it is not the group-rank-0 node's own `addr`, or "")."""
+    master, better = nodes[0], reachable_addresses(nodes)[0]
+    if better == master.addr:
+        return master.addr, ""
+    return better, (f"node {master.node_id} advertises the loopback address {master.addr}, which the other hosts "
+                    f"cannot reach; MASTER_ADDR is {better} instead (start its agent with --local-addr to choose)")
+
+
+def _loopback(addr: str) -> bool:
+    try:
+        return ipaddress.ip_address(addr.split("%", 1)[0]).is_loopback
+    except ValueError:
+        return addr == "localhost"
+
+
 def candidates(job: JobRecord) -> list[str]:
     members = job.round.members if job.round is not None else []
     return [n for n in members if n in job.nodes] + job.waiting + job.spares
+
+
+WITNESSES = 2      # other members each node may probe while the server is silent
 
 
 def growth_cause(job: JobRecord) -> RoundCause:
@@ -50,7 +96,7 @@ def growth_cause(job: JobRecord) -> RoundCause:
 
 
 def deadlines(job: JobRecord) -> Iterable[float]:
-    yield from (n.lease_expires for n in job.nodes.values())
+    yield from (n.lease_expires for n in job.nodes.values() if n.holding == 0)   # held: no lease runs
     yield from (job.nodes[n].excluded_until for n in job.excluded)
     if job.last_call_deadline is not None:
         yield job.last_call_deadline

@@ -22,12 +22,15 @@ from aiohttp import web
 
 from rdzv_server.access import Access
 from rdzv_server.app import NOTES, create_app
-from rdzv_server.coordinator import Coordinator
+from rdzv_server.connections import FD_RESERVE, ConnectionGuard
+from rdzv_server.coordinator import MAX_POLLS_PER_PEER, Coordinator
+from rdzv_server.rendezvous import Limits, Rendezvous
 from rdzv_server.store import SqliteStore
 
 log = logging.getLogger("rdzv_server")
 
 LISTEN_BACKLOG = 4096
+IDLE_TIMEOUT_S = 60.0
 # Keepalive: first probe after KEEPIDLE s of silence, then every KEEPINTVL s; KEEPCNT unanswered
 # probes end the connection (about 2 + 2 x 1 = 4 s, inside the default 5 s lease).
 KEEPIDLE_S, KEEPINTVL_S, KEEPCNT = 2, 1, 2
@@ -44,6 +47,9 @@ class ServerConfig:
     access: Access = field(default_factory=Access)
     tls: ssl.SSLContext | None = None
     notes: tuple[str, ...] = ()          # warnings for operators (start-up and the status page)
+    limits: Limits = field(default_factory=Limits)
+    max_polls_per_peer: int = MAX_POLLS_PER_PEER
+    max_connections: int = 0             # 0: as many as the open-file limit allows
 
 
 def raise_open_file_limit() -> int:
@@ -84,15 +90,24 @@ def listening_socket(host: str, port: int) -> socket.socket:
 async def serve(config: ServerConfig, store: SqliteStore | None = None,
                 ready: asyncio.Future[int] | None = None) -> None:
     limit = raise_open_file_limit()
-    app = create_app(Coordinator(store=store), access=config.access)
+    hard = max(64, limit - FD_RESERVE)
+    guard = ConnectionGuard(min(config.max_connections or hard, hard), hard)
+    coordinator = Coordinator(Rendezvous(limits=config.limits), store=store,
+                              max_polls_per_peer=config.max_polls_per_peer)
+    app = create_app(coordinator, access=config.access)
+    app.middlewares.insert(0, guard.middleware)
     app[NOTES] = config.notes
+    # keepalive_timeout: aiohttp closes a connection that sends no request for this long (a new
+    # one included), so idle connections do not pile up.
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=2.0,
-                           keepalive_timeout=75.0)
+                           keepalive_timeout=IDLE_TIMEOUT_S)
     await runner.setup()
+    loop = asyncio.get_running_loop()
     try:
         sock = listening_socket(config.host, config.port)
-        site = web.SockSite(runner, sock, ssl_context=config.tls, backlog=LISTEN_BACKLOG)
-        await site.start()
+        assert runner.server is not None        # made by setup()
+        server = await loop.create_server(guard.factory(runner.server), sock=sock, ssl=config.tls,
+                                          backlog=LISTEN_BACKLOG)
     except BaseException:
         await runner.cleanup()
         raise
@@ -104,7 +119,6 @@ async def serve(config: ServerConfig, store: SqliteStore | None = None,
     if ready is not None:
         ready.set_result(bound[1])
     stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     try:
@@ -112,5 +126,6 @@ async def serve(config: ServerConfig, store: SqliteStore | None = None,
     finally:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(sig)
+        server.close()                  # no new connections; then aiohttp answers and closes the open ones
         await runner.cleanup()
         print("rdzv-server stopped", flush=True)

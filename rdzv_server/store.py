@@ -1,10 +1,13 @@
 """The durable store: every job's state in one SQLite file under `--state-dir`.
 
-Layout (schema version in `PRAGMA user_version`, our mark in `PRAGMA application_id`):
-- `jobs(job_id, record)`: the job's JobRecord without its events, MessagePack-encoded (msgspec);
+Layout (schema version in `PRAGMA user_version`, our mark in `PRAGMA application_id`), the rows of
+snapshots.py, MessagePack-encoded (msgspec):
+- `jobs(job_id, record)`: the job's JobRecord without its nodes and its events;
+- `nodes(job_id, node_id, record)`: one row per node record (a commit writes only those that changed);
 - `events(job_id, seq, record)`: its event history, one row per event, the newest
   MAX_EVENTS_PER_JOB kept;
 - `meta(key, value)`: `alive_at` (the last time this server was known up) and `clean_shutdown`.
+A store of schema 1 (nodes inside the job row) is moved to this layout when it is opened.
 
 This class does blocking I/O; the server calls `write` from one worker thread (see persistence.py)
 so the event loop never waits on the disk. WAL mode with synchronous=FULL: a commit is on disk
@@ -14,24 +17,31 @@ A store that is not ours, is corrupt, or has a newer schema is an error at start
 """
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
 import sqlite3
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from collections.abc import Collection
 from typing import TypeVar
 
 import msgspec
 
-from rdzv_server.records import MAX_EVENTS_PER_JOB, Event, JobRecord
+from rdzv_server.records import MAX_EVENTS_PER_JOB, JobRecord
+from rdzv_server.snapshots import JobSnapshot, assemble, event_decoder, job_decoder, node_decoder
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 APPLICATION_ID = 0x52445A56          # "RDZV": tells our file from any other SQLite database
 DB_NAME = "rdzv-state.sqlite3"
 LOCK_NAME = "rdzv-state.lock"
 
+_NODES_TABLE = """
+CREATE TABLE nodes (job_id TEXT NOT NULL, node_id TEXT NOT NULL, record BLOB NOT NULL,
+                    PRIMARY KEY (job_id, node_id)) WITHOUT ROWID;
+"""
 _SCHEMA = """
 CREATE TABLE jobs (job_id TEXT PRIMARY KEY, record BLOB NOT NULL);
+""" + _NODES_TABLE + """
 CREATE TABLE events (job_id TEXT NOT NULL, seq INTEGER NOT NULL, record BLOB NOT NULL,
                      PRIMARY KEY (job_id, seq)) WITHOUT ROWID;
 CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -44,16 +54,6 @@ class StoreError(Exception):
 
 
 @dataclass
-class JobSnapshot:
-    """What one commit writes for one job (encoded on the event loop, written on the thread)."""
-    job_id: str
-    record: bytes                               # JobRecord without events
-    events: list[tuple[int, bytes]] = field(default_factory=list)   # new events: (seq, encoded)
-    reset_events: bool = False                  # a new run reused the id: drop the old history first
-    keep_after_seq: int = 0                     # older events may be deleted
-
-
-@dataclass
 class Loaded:
     jobs: dict[str, JobRecord]
     alive_at: float | None                   # None for a new store
@@ -63,15 +63,6 @@ class Loaded:
 T = TypeVar("T")
 
 _encoder = msgspec.msgpack.Encoder()
-_job_decoder = msgspec.msgpack.Decoder(JobRecord)
-_event_decoder = msgspec.msgpack.Decoder(Event)
-
-
-def snapshot(job: JobRecord, new_events: list[Event], reset_events: bool) -> JobSnapshot:
-    """Encode a job as it is now: its record without its history, and the events not yet saved."""
-    record = _encoder.encode(msgspec.structs.replace(job, events=[]))
-    new = [(e.seq, _encoder.encode(e)) for e in new_events]
-    return JobSnapshot(job.job_id, record, new, reset_events, job.event_seq - MAX_EVENTS_PER_JOB)
 
 
 class SqliteStore:
@@ -115,6 +106,8 @@ class SqliteStore:
                              "release, or move the file away to start with an empty state")
         elif version < 1:
             raise StoreError(f"{self.path} has an unknown schema version {version}; {_MOVE_AWAY}")
+        elif version == 1:
+            self._migrate_from_1()
         check = db.execute("PRAGMA quick_check").fetchone()[0]
         if check != "ok":
             raise StoreError(f"{self.path} failed its integrity check ({check}); {_MOVE_AWAY}")
@@ -123,22 +116,50 @@ class SqliteStore:
 
     # ---- reading (once, at start-up) ----
 
-    def load(self) -> Loaded:
-        jobs: dict[str, JobRecord] = {}
+    def _migrate_from_1(self) -> None:
+        """Schema 1 kept a job's nodes inside its row: move them to rows of their own, in one transaction."""
+        db = self._db
+        db.execute("BEGIN IMMEDIATE")
         try:
-            rows = self._db.execute("SELECT job_id, record FROM jobs").fetchall()
-            for job_id, blob in rows:
-                jobs[job_id] = self._decode(job_id, blob, _job_decoder, "record")
-                events = self._db.execute(
-                    "SELECT seq, record FROM events WHERE job_id = ? ORDER BY seq DESC LIMIT ?",
-                    (job_id, MAX_EVENTS_PER_JOB)).fetchall()
-                jobs[job_id].events = [self._decode(job_id, b, _event_decoder, f"event {s}")
-                                       for s, b in reversed(events)]
+            db.execute(_NODES_TABLE)          # not executescript: that would commit the transaction
+            for job_id, blob in db.execute("SELECT job_id, record FROM jobs").fetchall():
+                job = self._decode(job_id, blob, job_decoder, "record")
+                db.executemany("INSERT INTO nodes (job_id, node_id, record) VALUES (?, ?, ?)",
+                               [(job_id, nid, _encoder.encode(n)) for nid, n in job.nodes.items()])
+                db.execute("UPDATE jobs SET record = ? WHERE job_id = ?",
+                           (_encoder.encode(msgspec.structs.replace(job, nodes={})), job_id))
+            db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+            db.execute("COMMIT")
+        except BaseException:
+            if db.in_transaction:
+                db.execute("ROLLBACK")
+            raise
+
+    # ---- reading (at start-up; one job again after a failed commit) ----
+
+    def load(self) -> Loaded:
+        try:
+            ids = [row[0] for row in self._db.execute("SELECT job_id FROM jobs").fetchall()]
+            jobs = {job_id: job for job_id in ids if (job := self.load_job(job_id)) is not None}
             meta = dict(self._db.execute("SELECT key, value FROM meta").fetchall())
         except sqlite3.Error as exc:
             raise StoreError(f"cannot read state store {self.path}: {_sqlite_reason(exc)}; {_MOVE_AWAY}") from None
         alive = meta.get("alive_at")
         return Loaded(jobs, float(alive) if alive is not None else None, meta.get("clean_shutdown") == "1")
+
+    def load_job(self, job_id: str) -> JobRecord | None:
+        """The job as last committed (None when it is not saved)."""
+        db = self._db
+        row = db.execute("SELECT record FROM jobs WHERE job_id = ?", (job_id,)).fetchone()
+        if row is None:
+            return None
+        job = self._decode(job_id, row[0], job_decoder, "record")
+        nodes = [self._decode(job_id, b, node_decoder, f"node {n}") for n, b in
+                 db.execute("SELECT node_id, record FROM nodes WHERE job_id = ?", (job_id,)).fetchall()]
+        events = db.execute("SELECT seq, record FROM events WHERE job_id = ? ORDER BY seq DESC LIMIT ?",
+                            (job_id, MAX_EVENTS_PER_JOB)).fetchall()
+        return assemble(job, nodes, [self._decode(job_id, b, event_decoder, f"event {s}")
+                                     for s, b in reversed(events)])
 
     def _decode(self, job_id: str, blob: bytes, decoder: msgspec.msgpack.Decoder[T], what: str) -> T:
         try:
@@ -154,12 +175,17 @@ class SqliteStore:
         db.execute("BEGIN IMMEDIATE")
         try:
             for job_id in deleted:
-                db.execute("DELETE FROM jobs WHERE job_id = ?", (job_id,))
-                db.execute("DELETE FROM events WHERE job_id = ?", (job_id,))
+                for table in ("jobs", "nodes", "events"):
+                    db.execute(f"DELETE FROM {table} WHERE job_id = ?", (job_id,))
             for s in snapshots:
                 db.execute("INSERT OR REPLACE INTO jobs (job_id, record) VALUES (?, ?)", (s.job_id, s.record))
-                if s.reset_events:
+                if s.reset:
+                    db.execute("DELETE FROM nodes WHERE job_id = ?", (s.job_id,))
                     db.execute("DELETE FROM events WHERE job_id = ?", (s.job_id,))
+                db.executemany("INSERT OR REPLACE INTO nodes (job_id, node_id, record) VALUES (?, ?, ?)",
+                               [(s.job_id, nid, blob) for nid, blob in s.nodes.items() if blob is not None])
+                db.executemany("DELETE FROM nodes WHERE job_id = ? AND node_id = ?",
+                               [(s.job_id, nid) for nid, blob in s.nodes.items() if blob is None])
                 db.executemany("INSERT OR REPLACE INTO events (job_id, seq, record) VALUES (?, ?, ?)",
                                [(s.job_id, seq, blob) for seq, blob in s.events])
                 if s.keep_after_seq > 0 and s.events:
@@ -191,4 +217,12 @@ def _sqlite_reason(exc: sqlite3.Error) -> str:
     text = str(exc)
     if "not a database" in text or "malformed" in text:
         return f"{text} (the file is corrupt or not a database)"
+    return text
+
+
+def describe_failure(exc: BaseException, state_dir: str) -> str:
+    """A failed commit in words an operator acts on: a full disk is named as such."""
+    text = str(exc)
+    if "disk is full" in text or getattr(exc, "errno", None) == errno.ENOSPC:
+        return f"the disk holding --state-dir {state_dir} is full ({text})"
     return text

@@ -9,6 +9,7 @@ import json
 import os
 import re
 import signal
+import ssl
 import subprocess
 import sys
 import threading
@@ -114,6 +115,9 @@ class Cluster:
         self.procs: list[Proc] = []
         self.server: Proc | None = None
         self.port = 0
+        self.scheme = "http"
+        self.token: str | None = None        # sent with get() when set
+        self.ca: str | None = None           # verifies get() over https
 
     def start_server(self, *extra: str, port: int = 0) -> int:
         """Start (or restart) the server; its state dir is the same for the whole test unless given."""
@@ -122,7 +126,8 @@ class Cluster:
         self.server = Proc([sys.executable, "-m", "rdzv_server.cli", "--host", "127.0.0.1", "--port", str(port),
                             *extra], child_env(), "server")
         self.procs.append(self.server)
-        self.port = int(self.server.wait_for_line(r"listening on http://[^:]+:(\d+)", 30).group(1))
+        found = self.server.wait_for_line(r"listening on (https?)://[^:]+:(\d+)", 30)
+        self.scheme, self.port = found.group(1), int(found.group(2))
         return self.port
 
     def agent(self, *args: str, name: str = "agent", env: dict[str, str] | None = None) -> Proc:
@@ -135,7 +140,11 @@ class Cluster:
         return f"127.0.0.1:{self.port}"
 
     def get(self, path: str) -> dict:
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}{path}", timeout=10) as resp:
+        request = urllib.request.Request(f"{self.scheme}://127.0.0.1:{self.port}{path}")
+        if self.token is not None:
+            request.add_header("Authorization", f"Bearer {self.token}")
+        context = ssl.create_default_context(cafile=self.ca) if self.ca else None
+        with urllib.request.urlopen(request, timeout=10, context=context) as resp:
             return json.load(resp)
 
     def close(self) -> None:

@@ -7,11 +7,15 @@ the JSON API or process exits; nothing sleeps to synchronise.
 from __future__ import annotations
 
 import os
+import ssl
 import subprocess
 import sys
+import urllib.request
 
+import msgpack
 import pytest
 
+from tests.e2e.certs import make_ca, make_server_cert
 from tests.e2e.harness import SCRIPTS, child_env, job_view, pid_gone, read_records, wait_until
 
 pytestmark = pytest.mark.e2e
@@ -21,10 +25,13 @@ LIMIT = 60.0
 CONSOLE_SCRIPT = os.path.join(os.path.dirname(sys.executable), "rdzv-ctl")
 
 
-def ctl(cluster, *args: str, expect: int = 0) -> subprocess.CompletedProcess:
+def ctl(cluster, *args: str, expect: int = 0, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     argv = [CONSOLE_SCRIPT] if os.access(CONSOLE_SCRIPT, os.X_OK) else [sys.executable, "-m", "rdzv_server.ctl"]
-    env = child_env(RDZV_SERVER=f"http://{cluster.endpoint()}")
-    done = subprocess.run([*argv, *args], capture_output=True, text=True, env=env, timeout=60)
+    child = child_env(RDZV_SERVER=f"{cluster.scheme}://{cluster.endpoint()}")
+    for name in ("RDZV_TOKEN_FILE", "RDZV_ADMIN_TOKEN_FILE"):    # only the token files the test gives
+        child.pop(name, None)
+    child.update(env or {})
+    done = subprocess.run([*argv, *args], capture_output=True, text=True, env=child, timeout=60)
     assert done.returncode == expect, f"rdzv-ctl {' '.join(args)} exited {done.returncode}:\n" \
                                       f"{done.stdout}\n{done.stderr}"
     return done
@@ -126,3 +133,70 @@ def test_rdzv_ctl_reports_an_unreachable_server_and_bad_usage_without_a_tracebac
     assert "cannot reach rdzv-server at http://127.0.0.1:1" in down.stderr and "Traceback" not in down.stderr
     usage = ctl(cluster, "resize", "job", "--nnodes", "two", expect=2)
     assert "--nnodes" in usage.stderr and "Traceback" not in usage.stderr
+
+
+def one_line(done: subprocess.CompletedProcess) -> str:
+    """The single line rdzv-ctl printed on stderr (no traceback, nothing on stdout)."""
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and done.stdout == "" and "Traceback" not in done.stderr, done.stderr
+    return lines[0]
+
+
+def test_rdzv_ctl_presents_tokens_and_verifies_tls(cluster, tmp_path):
+    agent_token, admin_token = "ctl-agent-token-0123456789abcdef", "ctl-admin-token-0123456789abcdef"
+    files = {}
+    for name, value in (("agent", agent_token), ("admin", admin_token), ("wrong", "not-the-token-0123456789")):
+        files[name] = str(tmp_path / f"{name}.token")
+        (tmp_path / f"{name}.token").write_text(value + "\n")
+    ca = make_ca(str(tmp_path))
+    cert, key = make_server_cert(str(tmp_path), ca)
+    other_ca = make_ca(str(tmp_path), "other-ca")[0]
+    cluster.start_server("--token-file", files["agent"], "--admin-token-file", files["admin"],
+                         "--tls-cert", cert, "--tls-key", key, "--state-dir", "none")
+    assert cluster.scheme == "https"
+    cluster.token, cluster.ca = agent_token, ca[0]
+    # a job for the views and the admin actions: one join on the wire, with the agent token
+    join = {"v": 1, "node_id": "n1", "addr": "127.0.0.1", "local_world_size": 1, "master_port": 1,
+            "config": {"min_nodes": 2, "max_nodes": 2}}
+    request = urllib.request.Request(f"https://{cluster.endpoint()}/v1/jobs/tokjob/join", data=msgpack.packb(join),
+                                     headers={"Content-Type": "application/msgpack",
+                                              "Authorization": f"Bearer {agent_token}"})
+    with urllib.request.urlopen(request, timeout=10, context=ssl.create_default_context(cafile=ca[0])) as resp:
+        assert resp.status == 200
+    tls = ("--tls-ca", ca[0])
+
+    line = one_line(ctl(cluster, "status", *tls, expect=1))
+    assert "needs its token" in line and "--token-file" in line and cluster.endpoint() in line, line
+    line = one_line(ctl(cluster, "status", *tls, "--token-file", files["wrong"], expect=1))
+    assert f"--token-file {files['wrong']}" in line and "not one of this server's tokens" in line, line
+    assert "not-the-token" not in line                                  # a token is never printed
+    rows = ctl(cluster, "status", *tls, "--token-file", files["agent"]).stdout.splitlines()
+    assert rows[1].split()[:2] == ["tokjob", "waiting"], rows
+    by_env = ctl(cluster, "job", "tokjob", *tls, env={"RDZV_TOKEN_FILE": files["agent"]}).stdout
+    assert "state      waiting" in by_env and "waiting:" in by_env and "n1" in by_env, by_env
+    by_admin = ctl(cluster, "--json", "job", "tokjob", *tls, env={"RDZV_ADMIN_TOKEN_FILE": files["admin"]}).stdout
+    assert '"counts"' in by_admin                                       # the admin token reads too
+
+    for args in ((), ("--tls-ca", other_ca)):
+        line = one_line(ctl(cluster, "status", "--token-file", files["agent"], *args, expect=1))
+        assert "cannot verify the TLS certificate" in line and "--tls-ca" in line, line
+
+    line = one_line(ctl(cluster, "close", "tokjob", *tls, "--token-file", files["agent"], expect=1))
+    assert "--admin-token-file" in line and "admin token" in line, line
+    line = one_line(ctl(cluster, "close", "tokjob", *tls, "--admin-token-file", files["wrong"], expect=1))
+    assert f"--admin-token-file {files['wrong']}" in line and "not this server's admin token" in line, line
+    assert job_view(cluster, "tokjob")["state"] == "waiting"            # refused: nothing changed
+    closed = ctl(cluster, "close", "tokjob", "--reason", "tokens work", *tls,
+                 env={"RDZV_ADMIN_TOKEN_FILE": files["admin"]}).stdout
+    assert closed.startswith("closed job tokjob") and "state      closed" in closed
+    assert job_view(cluster, "tokjob")["state"] == "closed"
+
+    # unusable files and options: one line, exit 2, before any request
+    line = one_line(ctl(cluster, "status", *tls, "--token-file", str(tmp_path / "missing"), expect=2))
+    assert line.startswith(f"rdzv-ctl: --token-file {tmp_path / 'missing'}: No such file"), line
+    line = one_line(ctl(cluster, "status", *tls, expect=2, env={"RDZV_ADMIN_TOKEN_FILE": files["admin"] + "x"}))
+    assert "$RDZV_ADMIN_TOKEN_FILE" in line, line
+    line = one_line(ctl(cluster, "status", "--tls-ca", ca[0], "--server", f"http://{cluster.endpoint()}", expect=2))
+    assert "--tls-ca needs an https:// server" in line, line
+    line = one_line(ctl(cluster, "status", "--tls-ca", str(tmp_path / "nope.pem"), expect=2))
+    assert "--tls-ca" in line and "nope.pem" in line, line

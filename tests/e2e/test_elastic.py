@@ -235,7 +235,7 @@ def test_node_failing_repeatedly_is_excluded_then_readmitted_after_cooldown(clus
                              env={"FAIL_FILE": str(fail_file)} if n == "c" else None)
               for n in ("a", "b", "c")}
 
-    agents["c"].wait_for_line(r"node excluded for", LIMIT)       # the agent's own announcement
+    agents["c"].wait_for_line(r"node is excluded for", LIMIT)    # the agent's own announcement
     fail_file.unlink()          # c's worker works from now on: after its cooldown it must come back
     job = job_view(cluster, "excl")
     assert [e["node_id"] for e in job["excluded"]] == ["c"], job

@@ -29,7 +29,7 @@ def test_job_status_and_events_show_every_field(cluster, tmp_path):
     start_agent(cluster, tmp_path, "a", **start)
     wait_until(lambda: (v := job_view(cluster, "api", missing_ok=True)) and v["waiting"], LIMIT, "a to wait")
     b = start_agent(cluster, tmp_path, "b", **start, env={"FAIL_FILE": str(fail_file)})
-    b.wait_for_line(r"node excluded for", LIMIT)
+    b.wait_for_line(r"node is excluded for", LIMIT)
     start_agent(cluster, tmp_path, "c", **start)
     wait_until(lambda: job_view(cluster, "api")["state"] == "running", LIMIT, "a and c to run")
     start_agent(cluster, tmp_path, "d", **start)

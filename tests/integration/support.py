@@ -13,6 +13,24 @@ async def start_app(app: web.Application) -> TestServer:
     return srv
 
 
+# Node credentials the tests' wire clients were given: (job, node) -> the latest secret. Kept apart
+# from any one client object, as several may speak for the same node (another connection, or the
+# same agent after its server restarted). A stale one is harmless: a join that makes a new record
+# answers with a new secret.
+_CREDENTIALS: dict[tuple[str, str], str] = {}
+
+
+def with_credential(server: TestServer, job: str, body: dict) -> dict:
+    """`body` with the credential its node was given, unless it names one itself."""
+    known = _CREDENTIALS.get((job, body["node_id"]))
+    return body if known is None or "credential" in body else {**body, "credential": known}
+
+
+def remember_credential(server: TestServer, job: str, node_id: str, reply: dict) -> None:
+    if reply.get("credential"):
+        _CREDENTIALS[(job, node_id)] = reply["credential"]
+
+
 def url(server: TestServer, path: str) -> str:
     return f"http://127.0.0.1:{server.port}{path}"
 

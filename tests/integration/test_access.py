@@ -152,3 +152,11 @@ def test_token_files_are_checked_with_one_clear_line(tmp_path):
     with pytest.raises(TokenError, match="--admin-token-file .*missing"):
         read_token(str(tmp_path / "missing"), "--admin-token-file")
 
+
+
+async def test_readiness_is_open_and_says_ready_once_the_state_is_loaded(tokened, http):
+    async with http.get(url(tokened, "/readyz")) as resp:
+        assert resp.status == 200 and (await resp.json()) == {"ready": True}
+    tokened.app[COORDINATOR].release_polls()          # stopping: a load balancer should look elsewhere
+    async with http.get(url(tokened, "/readyz")) as resp:
+        assert resp.status == 503

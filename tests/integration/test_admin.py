@@ -13,7 +13,7 @@ import pytest
 from aiohttp import web
 
 from rdzv_server.access import is_loopback
-from tests.integration.support import start_app, url
+from tests.integration.support import remember_credential, start_app, url, with_credential
 from rdzv_server.app import COORDINATOR, create_app
 
 MSGPACK = {"Content-Type": "application/msgpack"}
@@ -36,11 +36,12 @@ class Node:
         self.config = {"lease_timeout_s": 60, "last_call_s": 0, **config}
 
     async def post(self, action: str, body: dict, expect: int = 200) -> dict:
+        body = with_credential(self.server, self.job, {"v": 1, "node_id": self.node_id, **body})
         async with self.http.post(url(self.server, f"/v1/jobs/{self.job}/{action}"),
-                                  data=msgpack.packb({"v": 1, "node_id": self.node_id, **body}),
-                                  headers=MSGPACK) as resp:
+                                  data=msgpack.packb(body), headers=MSGPACK) as resp:
             reply = msgpack.unpackb(await resp.read())
             assert resp.status == expect, reply
+            remember_credential(self.server, self.job, self.node_id, reply)
             return reply
 
     async def join(self, expect: int = 200) -> dict:

@@ -16,7 +16,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from prometheus_client.parser import text_string_to_metric_families
 
 from protocol.messages import JobState, NodeState
-from tests.integration.support import start_app, url, wait_until
+from tests.integration.support import remember_credential, start_app, url, wait_until, with_credential
 from rdzv_server.app import COORDINATOR, create_app
 from rdzv_server.coordinator import Coordinator
 from rdzv_server.metrics import CAUSES
@@ -60,11 +60,12 @@ class Node:
         self.instance, self.config = instance, config
 
     async def post(self, action: str, body: dict) -> dict:
-        body = {"v": 1, "node_id": self.node_id, **body}
+        body = with_credential(self.server, self.job, {"v": 1, "node_id": self.node_id, **body})
         async with self.http.post(url(self.server, f"/v1/jobs/{self.job}/{action}"), data=msgpack.packb(body),
                                   headers=MSGPACK) as resp:
             reply = msgpack.unpackb(await resp.read())
             assert resp.status == 200, reply
+            remember_credential(self.server, self.job, self.node_id, reply)
             return reply
 
     async def join(self) -> dict:
@@ -119,7 +120,10 @@ async def test_join_failure_lease_lapse_and_rejoin_are_counted_exactly(server, h
     # Two workers of b failed, the first 0.25 s ago: one restart, two worker failures.
     reply = await b.fail(round1, failure(1, T0 + 0.9, "hang"), failure(0, T0 + 0.75))
     assert reply["restart_count"] == 1 and reply["round_id"] == round1 + 1
+    clock.now = T0 + 9.0
+    await b.poll(known_round=round1 + 1, wait_s=0)                      # b is heard from, a is not
     clock.now = T0 + 10.5                                               # a's lease (until T0+10) lapsed
+    server.app[COORDINATOR].clock_moved()
     woken = await b.poll(known_round=round1 + 1)                        # re-arms the timer: a is lost
     assert woken["node_state"] == "waiting" and woken["job_state"] == "waiting"
 
@@ -162,7 +166,7 @@ async def test_join_failure_lease_lapse_and_rejoin_are_counted_exactly(server, h
     # Requests, by route template (the action filled in), never by raw path.
     assert http_count(s, "/v1/jobs/{job_id}/join", "POST", 200) == 3
     assert http_count(s, "/v1/jobs/{job_id}/failure", "POST", 200) == 1
-    assert http_count(s, "/v1/jobs/{job_id}/poll", "POST", 200) == 1
+    assert http_count(s, "/v1/jobs/{job_id}/poll", "POST", 200) == 2       # b healthy, then b woken
     assert http_count(s, "/metrics", "GET", 200) == 1                   # this scrape is counted after it
     assert http_count(s, "unmatched", "GET", 404) == 1
     assert http_count(s, "/v1/jobs/{job_id}", "GET", 404) == 1
@@ -192,6 +196,7 @@ async def test_lost_member_forms_a_round_timed_from_its_last_contact(server, htt
     # so the middleware's count) is complete once the core marked the node dropped.
     await wait_until(lambda: coord.core.jobs["n"].nodes["b"].dropped)
     clock.now = T0 + 1.5                                                # past the 1 s reconnect grace
+    coord.clock_moved()
     woken = await a.poll(known_round=round2)
     assert woken["round_id"] == round2 + 1 and woken["assignment"]["world_size"] == 2
     s = await scrape(http, server)

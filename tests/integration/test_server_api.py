@@ -11,7 +11,7 @@ import aiohttp
 import msgpack
 import pytest
 
-from tests.integration.support import start_app, url, wait_until
+from tests.integration.support import remember_credential, start_app, url, wait_until, with_credential
 from rdzv_server.app import COORDINATOR, create_app
 
 MSGPACK = {"Content-Type": "application/msgpack"}
@@ -34,11 +34,13 @@ class MsgpackNode:
         self.lws, self.port, self.config = lws, port, config
 
     async def post(self, action: str, body: dict, expect: int = 200) -> dict:
+        body = with_credential(self.server, self.job, body)
         async with self.http.post(url(self.server, f"/v1/jobs/{self.job}/{action}"), data=msgpack.packb(body),
                                   headers=MSGPACK) as resp:
             assert resp.headers["Content-Type"].startswith("application/msgpack")
             reply = msgpack.unpackb(await resp.read())
             assert resp.status == expect, reply
+            remember_credential(self.server, self.job, self.node_id, reply)
             return reply
 
     async def join(self, expect: int = 200) -> dict:

@@ -26,8 +26,9 @@ from protocol.messages import (
     WorkerFailure,
 )
 from rdzv_server.events import EventKind
+from rdzv_server.leases import OUTAGE_LIMIT_S, QUIET_S
 from rdzv_server.records import JobRecord
-from rdzv_server.rendezvous import REUSE_FINISHED_AFTER_S, DROP_GRACE_S, Rendezvous, RendezvousError
+from rdzv_server.rendezvous import REUSE_FINISHED_AFTER_S, DROP_GRACE_S, Rendezvous, RendezvousError, node_room
 
 JOB = "prop"
 LEASE = 5.0
@@ -52,6 +53,7 @@ class RendezvousMachine(RuleBasedStateMachine):
         self.seen_seq = 0
         self.seen_epoch = 0
         self.seen_restarts = 0
+        self.readmitted: set[str] = set()   # excluded then cleared since the last round: a newcomer again
 
     @initialize(min_nodes=st.integers(1, 3), extra=st.integers(0, 2), max_restarts=st.integers(0, 4),
                 last_call_s=st.sampled_from([0.0, 0.5, 2.0]), exclude_after=st.integers(0, 3),
@@ -111,6 +113,14 @@ class RendezvousMachine(RuleBasedStateMachine):
             else:
                 raise AssertionError("a finished job admitted a node")
             return
+        if self.job is not None and len(self.job.nodes) >= node_room(self.job.config):
+            try:
+                self._join(node_id, lws, self.config)
+            except RendezvousError as e:
+                assert e.code == ErrorCode.LIMIT_REACHED and node_id not in self.job.nodes
+            else:
+                raise AssertionError("a job took more nodes than its room")
+            return
         self._join(node_id, lws, self.config)
         assert node_id in self.job.nodes
         assert self.job.nodes[node_id].state in (NodeState.WAITING, NodeState.MEMBER, NodeState.SPARE)
@@ -162,7 +172,11 @@ class RendezvousMachine(RuleBasedStateMachine):
         for node_id in sorted(self.job.nodes):
             self.rz.poll(JOB, PollRequest(v=1, node_id=node_id), self.now)
 
-    @precondition(lambda self: self._live() and self.job.nodes)
+    def _heard_lately(self) -> bool:
+        """Whether the server heard from some agent within QUIET_S: only then is a lapse a loss."""
+        return self.rz.heard_at is not None and self.now - self.rz.heard_at < QUIET_S
+
+    @precondition(lambda self: self._live() and len(self.job.nodes) >= 2)
     @rule(data=st.data())
     def lose_by_lease(self, data) -> None:
         node_id = data.draw(st.sampled_from(sorted(self.job.nodes)))
@@ -173,8 +187,19 @@ class RendezvousMachine(RuleBasedStateMachine):
                 if other != node_id:
                     self.rz.poll(JOB, PollRequest(v=1, node_id=other), self.now)
         self._advance(expires)
-        if self._live():
-            assert node_id not in self.job.nodes
+        if self._live() and node_id in self.job.nodes:
+            # still there: only because its lease had been extended before (the server was quiet)
+            assert any(e.kind == EventKind.LEASES_EXTENDED for e in self.job.events), node_id
+
+    @precondition(lambda self: self._live() and self.job.nodes)
+    @rule(dt=st.sampled_from([4.5, 8.0, 20.0]))
+    def server_hears_nothing(self, dt: float) -> None:
+        """The server's own link is cut: nobody is heard; lapses within the outage limit lose nobody."""
+        heard, seq = self.rz.heard_at or 0.0, self.job.event_seq
+        self._advance(self.now + dt)
+        for e in self.job.events_after(seq):
+            if e.kind == EventKind.NODE_LOST:      # only a loss decided before the silence grew suspicious
+                assert e.t - heard < QUIET_S or e.t - heard >= OUTAGE_LIMIT_S, (e, heard)
 
     @precondition(lambda self: self._live() and self.job.nodes)
     @rule(data=st.data(), then_tick=st.booleans())
@@ -183,8 +208,9 @@ class RendezvousMachine(RuleBasedStateMachine):
         self.rz.connection_dropped(JOB, node_id, self.now)
         assert self.job.nodes[node_id].lease_expires <= self.now + DROP_GRACE_S
         if then_tick:
+            heard = self._heard_lately()
             self._advance(self.now + DROP_GRACE_S)
-            if self._live():
+            if self._live() and heard and self._heard_lately():
                 assert node_id not in self.job.nodes
 
     @precondition(lambda self: self._live() and self.job.round is not None)
@@ -287,6 +313,8 @@ class RendezvousMachine(RuleBasedStateMachine):
     def clear(self, data) -> None:
         node_id = data.draw(st.sampled_from(sorted(set(self.job.excluded) | set(self.job.drained))))
         drained = node_id in self.job.drained
+        if not drained:
+            self.readmitted.add(node_id)
         self.rz.clear_exclusion(JOB, node_id, self.now)
         assert node_id not in self.job.excluded and node_id not in self.job.drained
         if not drained:
@@ -359,9 +387,11 @@ class RendezvousMachine(RuleBasedStateMachine):
             return
         r = job.round
         if self.last_round is not None and self.last_round[0] != r.round_id:
-            before = [nid for nid, rec, excl in self.last_round[1]
-                      if job.nodes.get(nid) is rec and rec.exclusions == excl and nid in r.members]
+            before = [nid for nid, rec, excl in self.last_round[1] if job.nodes.get(nid) is rec
+                      and rec.exclusions == excl and nid not in self.readmitted and nid in r.members]
             assert r.members[: len(before)] == before, (self.last_round, r.members)
+        if self.last_round is None or self.last_round[0] != r.round_id:
+            self.readmitted = set()
         self.last_round = (r.round_id, [(m, job.nodes[m], job.nodes[m].exclusions) for m in r.members])
 
     @invariant()

@@ -7,7 +7,8 @@ import pytest
 from protocol.errors import ErrorCode
 from protocol.messages import JobConfig, JoinRequest, SuccessReport
 from rdzv_server.rendezvous import Limits, Rendezvous, RendezvousError, node_room
-from rdzv_server.store import SqliteStore, snapshot
+from rdzv_server.snapshots import snapshot
+from rdzv_server.store import SqliteStore
 
 ONE = JobConfig(min_nodes=1, max_nodes=1, last_call_s=0.0, lease_timeout_s=1e4)
 
@@ -28,7 +29,7 @@ def test_finished_jobs_are_forgotten_after_the_retention_and_the_store_deletes_t
     finish(rz, "old", 10.0)
     join(rz, "live", "a", 20.0, JobConfig(min_nodes=2, max_nodes=2, lease_timeout_s=1e4))
     store = SqliteStore(str(tmp_path))
-    store.write([snapshot(j, j.events, reset_events=True) for j in rz.jobs.values()], 20.0)
+    store.write([snapshot(j, j.nodes, j.events, reset=True) for j in rz.jobs.values()], 20.0)
     assert rz.next_deadline() == 70.0
     rz.tick(69.9)
     assert "old" in rz.jobs
@@ -71,3 +72,22 @@ def test_a_job_holds_at_most_its_max_nodes_plus_as_many_spares_and_the_server_it
     with pytest.raises(RendezvousError) as err:
         join(small, "j", "b", 1.0, config)
     assert "--max-nodes 2" in err.value.message and small.node_count == 2
+
+
+def test_a_failure_report_is_bounded_by_its_nodes_workers_and_floods_no_history():
+    from protocol.messages import FailureReport, WorkerFailure
+    many = JobConfig(min_nodes=1, max_nodes=1, max_restarts=5, last_call_s=0.0, lease_timeout_s=1e4)
+    rz = Rendezvous()
+    rz.join("j", JoinRequest(v=1, node_id="a", addr="10.0.0.1", local_world_size=64, master_port=1,
+                             config=many, instance="a"), 1.0)
+    before = rz.jobs["j"].event_seq
+    with pytest.raises(RendezvousError) as err:                 # a local rank the node does not have
+        rz.report_failure("j", FailureReport(v=1, node_id="a", round_id=1, failures=[
+            WorkerFailure(local_rank=64, rank=64, exitcode=1)]), 2.0)
+    assert err.value.code == ErrorCode.BAD_REQUEST and "runs 64 workers" in err.value.message
+    assert rz.jobs["j"].event_seq == before and rz.jobs["j"].restart_count == 0
+    failures = [WorkerFailure(local_rank=r, rank=r, exitcode=1, message="x" * 4096) for r in range(64)]
+    rz.report_failure("j", FailureReport(v=1, node_id="a", round_id=1, failures=failures), 3.0)
+    failed = [e for e in rz.jobs["j"].events_after(before) if e.kind == "worker_failed"]
+    assert len(failed) == 9 and failed[-1].data == {"count": 56, "reason": "exited"}
+    assert rz.jobs["j"].restart_count == 1

@@ -56,7 +56,7 @@ def test_waiting_spare_and_excluded_are_told_once_each() -> None:
     n.fact(status(NodeState.MEMBER), [])
     assert out.getvalue().splitlines() == [
         "[node-agent n1] job is at max nodes: waiting as spare #1",
-        "[node-agent n1] node excluded for 60s more: 3 failures",
+        "[node-agent n1] this node is excluded for 60s more (job j: 3 failures)",
         "[node-agent n1] waiting for the next round: collecting nodes"]
 
 

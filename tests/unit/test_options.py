@@ -298,7 +298,7 @@ def test_argparse_errors_become_options_errors(argv: list[str], needle: str) -> 
 
 def test_help_is_readable() -> None:
     text = build_argparser().format_help()
-    for flag in ("--endpoint, --rdzv-endpoint, --rdzv_endpoint HOST:PORT", "--nproc-per-node",
+    for flag in ("--endpoint, --rdzv-endpoint, --rdzv_endpoint [https://]HOST:PORT", "--nproc-per-node",
                  "-j, --j [MIN:]NxM", "--local-ranks-filter", "--no-python", "--standalone"):
         assert flag in text
     with pytest.raises(SystemExit) as info:

@@ -12,7 +12,7 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from protocol.messages import (FailureReport, JobConfig, JoinRequest, NodeState, SuccessReport,
                                WorkerFailure)
-from rdzv_server import page, views
+from rdzv_server import page, page_cards, page_parts, views
 from rdzv_server.app import create_app
 from rdzv_server.coordinator import Coordinator
 from rdzv_server.events import EventKind
@@ -104,9 +104,12 @@ def test_every_job_has_its_state_and_health_colour():
     assert "7 jobs" in m.text
     for state in ("running", "waiting", "failed", "succeeded", "closed"):
         assert ("span", {"class": f"badge s-{state}"}) in m.tags, state
-    # jobs needing a human come first: failed, then waiting, then running
-    order = [a["data-job"] for t, a in m.tags if t == "section"]
-    assert order[:2] == ["dies", "waits"] and order[-2:] == ["shut", "done"], order
+    # unfinished jobs first (forming before running), then finished ones, newest first
+    order = [a["data-job"] for t, a in m.tags if t == "tr" and "data-job" in a]
+    assert order == ["waits", "ok", "short", "tired", "shut", "done", "dies"], order
+    # cards for the first few jobs of the page only
+    cards = [a["data-job"] for t, a in m.tags if t == "section"]
+    assert cards == order[:page.INDEX_CARDS], cards
 
 
 def test_overview_shows_round_world_restarts_members_and_recent_events():
@@ -129,7 +132,7 @@ def test_overview_shows_round_world_restarts_members_and_recent_events():
     assert "2023-11-14T22:13:50.000Z (1m 00s ago)" in m.text
     # only the last few events on the overview, newest first
     seqs = [int(s) for s in m.attr("data-seq")]
-    assert seqs == sorted(seqs, reverse=True) and len(seqs) == page.INDEX_EVENTS
+    assert seqs == sorted(seqs, reverse=True) and len(seqs) == page_cards.INDEX_EVENTS
     assert seqs[0] == rz.jobs["job-1"].events[-1].seq
     assert "/jobs/job-1" in m.attr("href")
 
@@ -174,6 +177,7 @@ def test_client_strings_are_escaped_everywhere():
                                        role="default", local_world_size=1, master_port=1, state=NodeState.SPARE,
                                        joined_at=T, last_seen=T, lease_expires=T + 100)
     job.spares.append("<script>")
+    job.drained["<script>drained"] = '<img src=y onerror="alert(4)">'
     job.record(Event(t=T + 4, seq=0, kind=EventKind.NODE_LEFT, message="</td></tr></table><script>x()</script>",
                      node_id="<script>", data={"k<i>": "v<i>"}))
 
@@ -188,6 +192,7 @@ def test_client_strings_are_escaped_everywhere():
     assert HOSTILE in m.text and '<img src=x onerror="alert(2)">' in m.text
     assert "</td></tr></table><script>x()</script>" in m.text and "k<i> v<i>" in m.text
     assert f"#1 <script> {HOSTILE} <b>addr</b>" in m.text, m.text
+    assert '<script>drained <img src=y onerror="alert(4)">' in m.text, m.text
     assert "No job <script>alert(3)</script> on this server" in Markup(
         page.not_found_page(rz, "<script>alert(3)</script>", T)).text
 
@@ -206,7 +211,7 @@ def test_job_page_has_config_failures_and_the_newest_events_first():
     assert "Last failure (the root cause)" in m.text and "exitcode -9" in m.text and "message boom" in m.text
     seqs = [int(s) for s in m.attr("data-seq")]
     last = rz.jobs["j"].events[-1].seq
-    assert seqs == list(range(last, last - page.DETAIL_EVENTS, -1))
+    assert seqs == list(range(last, last - page_cards.DETAIL_EVENTS, -1))
     assert sorted(m.attr("data-node")) == ["a", "b"]
     assert page.job_page(rz, "missing", T) is None
 
@@ -244,4 +249,4 @@ async def test_app_serves_the_pages_as_html_and_unknown_jobs_as_a_404_page():
 @pytest.mark.parametrize("seconds,text", [(0.04, "0.0s"), (9.4, "9.4s"), (42, "42s"), (245, "4m 05s"),
                                           (7380, "2h 03m"), (273_605, "3d 4h")])
 def test_ages_read_at_a_glance(seconds, text):
-    assert page._age(seconds) == text
+    assert page_parts.age(seconds) == text

@@ -12,7 +12,8 @@ from rdzv_server.events import EventKind
 from rdzv_server.outbox import Outbox
 from rdzv_server.persistence import Persister, StoreUnavailable
 from rdzv_server.records import Event, JobRecord
-from rdzv_server.store import JobSnapshot, SqliteStore
+from rdzv_server.snapshots import JobSnapshot
+from rdzv_server.store import SqliteStore
 
 
 class GatedStore:
@@ -22,6 +23,8 @@ class GatedStore:
         self.batches: list[list[JobSnapshot]] = []
         self.gate = threading.Event()
         self.fail_next = 0
+        self.state_dir = "/nowhere"
+        self.saved: dict[str, JobRecord] = {}      # what load_job gives back: "as last committed"
 
     def write(self, snapshots: list[JobSnapshot], alive_at: float, deleted=()) -> None:
         self.gate.wait(10)
@@ -30,6 +33,9 @@ class GatedStore:
             raise OSError(28, "No space left on device")
         if snapshots:
             self.batches.append(snapshots)
+
+    def load_job(self, job_id: str) -> JobRecord | None:
+        return self.saved.get(job_id)
 
     def close(self, now: float) -> None:
         pass
@@ -82,17 +88,21 @@ async def test_unchanged_jobs_are_not_written():
     await p.close()
 
 
-async def test_a_failed_commit_fails_the_reply_and_is_retried(monkeypatch):
-    monkeypatch.setattr("rdzv_server.persistence.RETRY_AFTER_S", 0.0)
+async def test_a_failed_commit_refuses_the_reply_names_a_full_disk_and_puts_the_job_back():
     store = GatedStore()
     store.fail_next = 1
     store.gate.set()
-    p = Persister(store)  # type: ignore[arg-type]
+    put_back: list[tuple[str, JobRecord | None]] = []
+    p = Persister(store, on_rollback=lambda job_id, saved: put_back.append((job_id, saved)))  # type: ignore[arg-type]
     a = job("a")
     p.note(change(a, "x"))
-    with pytest.raises(StoreUnavailable, match="No space left"):
+    with pytest.raises(StoreUnavailable, match="disk holding --state-dir /nowhere is full"):
         await p.durable("a")
-    await p.durable("a")                          # the retry carries it
+    await asyncio.wait_for(p._writer, 5)           # the refusal is complete once the writer is idle
+    assert put_back == [("a", None)]               # never saved: the change is not kept
+    assert not p.pending("a") and store.batches == []
+    p.note(change(a, "y"))                         # the next change goes through
+    await p.durable("a")
     assert [s.job_id for s in store.batches[0]] == ["a"] and len(store.batches[0][0].events) == 1
     assert p.stats.failures == 1 and p.stats.commits == 1
     await p.close()

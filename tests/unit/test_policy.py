@@ -5,8 +5,10 @@ import signal
 
 import pytest
 
-from node_agent.actions import Exit, Leave, Rejoin, ReportFailure, ReportSuccess, Spawn, StopWorkers
-from node_agent.facts import (DeadlinePassed, ServerNotReached, ServerRefused, SignalReceived, SpawnFailed,
+import msgspec
+
+from node_agent.actions import Exit, Leave, ProbePeers, Rejoin, ReportFailure, ReportSuccess, Spawn, StopWorkers
+from node_agent.facts import (DeadlinePassed, PeersProbed, ServerNotReached, ServerRefused, SignalReceived, SpawnFailed,
                               StatusReceived, WorkersExited, WorkersHung)
 from node_agent.policy import SupervisionPolicy, Workers
 from protocol.messages import (Assignment, FailureReport, JobState, JoinRequest, NodeState, NodeStatus,
@@ -14,7 +16,7 @@ from protocol.messages import (Assignment, FailureReport, JobState, JoinRequest,
 
 
 def assignment(round_id: int, restart_count: int = 0) -> Assignment:
-    return Assignment(round_id=round_id, group_rank=0, group_world_size=2, rank_offset=0, world_size=4,
+    return Assignment(round_id=round_id, group_rank=0, group_world_size=1, rank_offset=0, world_size=4,
                       local_world_size=2, master_addr="10.0.0.1", master_port=29500,
                       restart_count=restart_count, max_restarts=3)
 
@@ -109,7 +111,9 @@ def test_becoming_a_spare_or_waiting_stops_our_workers() -> None:
 def test_gone_means_stop_and_rejoin() -> None:
     p = running(1)
     actions = p.handle(status(node_state=NodeState.GONE, reason="lease lost"), 1.0)
-    assert isinstance(actions[0], StopWorkers) and actions[1] == Rejoin("lease lost")
+    # the reason is the job's news, said as the job's (it may be about another node)
+    assert isinstance(actions[0], StopWorkers)
+    assert actions[1] == Rejoin("the server no longer counts this node (job j: lease lost)")
 
 
 def test_job_succeeded_exits_zero() -> None:
@@ -213,3 +217,89 @@ def test_a_refused_join_ends_the_agent_and_a_drained_node_exits_zero() -> None:
 def test_not_a_fact_is_a_type_error() -> None:
     with pytest.raises(TypeError):
         SupervisionPolicy(server_wait_s=1).handle("poll", 0.0)  # type: ignore[arg-type]
+
+
+# ---- credentials and tokens ----------------------------------------------------------------------
+
+def test_a_node_taken_over_by_another_agent_stops_its_workers_and_exits_saying_so() -> None:
+    p = running(1)
+    actions = p.handle(ServerRefused(PollRequest, "forbidden", "the credential is not node a's"), 5.0)
+    assert isinstance(actions[0], StopWorkers) and isinstance(actions[-1], Exit)
+    assert actions[-1].code == 1 and "taken over" in actions[-1].message
+    assert p.next_deadline() is None
+
+
+def test_a_refused_token_ends_the_agent_with_the_servers_words() -> None:
+    p = SupervisionPolicy(server_wait_s=60)
+    actions = p.handle(ServerRefused(JoinRequest, "unauthorized", "missing or wrong token: --token-file"), 0.0)
+    assert actions == [Exit(1, "the rendezvous server refused this agent: missing or wrong token: --token-file")]
+
+
+def test_a_node_id_held_by_a_live_agent_is_retried_for_a_lease_then_given_up() -> None:
+    p = SupervisionPolicy(server_wait_s=60, lease_timeout_s=5.0)
+    conflict = ServerRefused(JoinRequest, "node_conflict", "node id 'a' is held by a live agent")
+    assert p.handle(conflict, 0.0) == []
+    assert p.next_deadline() == 1.0                          # the retry fires by the timer
+    assert p.handle(DeadlinePassed(), 1.0) == [Rejoin("this node id is still held by a live agent; trying again")]
+    for t in range(1, 7):
+        assert p.handle(conflict, float(t)) == []            # within lease + 2 s: keep trying
+        p.handle(DeadlinePassed(), t + 1.0)
+    final = p.handle(conflict, 7.5)
+    assert isinstance(final[-1], Exit) and final[-1].code == 1 and "held by a live agent" in final[-1].message
+
+
+def test_a_conflict_that_clears_starts_the_count_again() -> None:
+    p = SupervisionPolicy(server_wait_s=60, lease_timeout_s=5.0)
+    conflict = ServerRefused(JoinRequest, "node_conflict", "held")
+    p.handle(conflict, 0.0)
+    p.handle(member(1), 2.0)                                  # the old agent was dead after all: we are in
+    assert p.conflict_since is None and p.workers == Workers.RUNNING
+
+
+# ---- fencing -----------------------------------------------------------------------------------------
+
+def fenced_policy(witnesses=("10.0.0.2",)) -> SupervisionPolicy:
+    from protocol.messages import Witness
+    p = SupervisionPolicy(server_wait_s=60, lease_timeout_s=5.0)
+    a = msgspec.structs.replace(assignment(1), group_world_size=2,
+                                witnesses=tuple(Witness(addr=w, port=4000) for w in witnesses))
+    p.handle(StatusReceived(PollRequest, NodeStatus(job_id="j", job_state=JobState.RUNNING,
+                                                    node_state=NodeState.MEMBER, round_id=1, restart_count=0,
+                                                    assignment=a), sent_at=10.0), 10.5)
+    assert p.workers == Workers.RUNNING
+    return p
+
+
+def test_a_cut_off_node_asks_its_witnesses_once_its_lease_must_have_lapsed_and_fences_if_none_answers():
+    p = fenced_policy()
+    assert p.handle(unreachable(), 14.0) == []                  # first failed try at 14: keep going
+    assert p.next_deadline() == 10.0 + 5.0 + 0.5                # sent at 10 + lease + margin
+    probe = p.handle(DeadlinePassed(), 16.0)
+    assert len(probe) == 1 and isinstance(probe[0], ProbePeers)
+    assert p.next_deadline() == 14.0 + 60                       # probing: only the give-up rule is armed
+    assert p.handle(PeersProbed(server_away=False), 16.5) == []    # once more, in case a witness is slow to see
+    assert p.next_deadline() == 17.5
+    assert isinstance(p.handle(DeadlinePassed(), 17.5)[0], ProbePeers)
+    actions = p.handle(PeersProbed(server_away=False), 17.6)
+    assert isinstance(actions[0], StopWorkers) and "fenced" in actions[0].reason
+    assert isinstance(actions[1], ReportFailure) and actions[1].failures[0].reason == "fenced"
+    assert p.workers == Workers.FAILED
+
+
+def test_witnesses_that_do_not_hear_the_server_either_keep_the_workers_and_are_asked_again():
+    p = fenced_policy()
+    p.handle(unreachable(), 14.0)
+    p.handle(DeadlinePassed(), 16.0)
+    assert p.handle(PeersProbed(server_away=True), 16.2) == [] and p.workers == Workers.RUNNING
+    assert p.next_deadline() == 16.2 + 1.0
+    assert isinstance(p.handle(DeadlinePassed(), 17.2)[0], ProbePeers)
+
+
+def test_a_node_alone_in_its_round_is_never_fenced_and_a_server_naming_no_witness_fences_at_once():
+    p = running(1)                                               # group world size 1
+    p.handle(unreachable(), 14.0)
+    assert p.next_deadline() == 14.0 + 60
+    q = fenced_policy(witnesses=())
+    q.handle(unreachable(), 14.0)
+    actions = q.handle(DeadlinePassed(), 16.0)
+    assert isinstance(actions[0], StopWorkers) and "fenced" in actions[0].reason

@@ -7,11 +7,12 @@ import sqlite3
 import msgspec
 import pytest
 
-from protocol.messages import FailureReport, JobConfig, JoinRequest, WorkerFailure
+from protocol.messages import FailureReport, JobConfig, JoinRequest, LeaveRequest, WorkerFailure
 from rdzv_server.records import MAX_EVENTS_PER_JOB, Event, JobRecord
 from rdzv_server.events import EventKind
 from rdzv_server.rendezvous import Rendezvous
-from rdzv_server.store import DB_NAME, SCHEMA_VERSION, SqliteStore, StoreError, snapshot
+from rdzv_server.snapshots import snapshot
+from rdzv_server.store import DB_NAME, SCHEMA_VERSION, SqliteStore, StoreError
 
 
 def _join(rz: Rendezvous, job: str, node: str, now: float, **cfg) -> None:
@@ -48,7 +49,7 @@ def every_state() -> Rendezvous:
 
 
 def _save(store: SqliteStore, rz: Rendezvous, now: float = 100.0) -> None:
-    store.write([snapshot(job, job.events, reset_events=True) for job in rz.jobs.values()], now)
+    store.write([snapshot(job, job.nodes, job.events, reset=True) for job in rz.jobs.values()], now)
 
 
 def _builtins(jobs: dict[str, JobRecord]) -> dict:
@@ -81,11 +82,11 @@ def test_new_events_are_appended_and_old_ones_pruned(tmp_path):
     _join(rz, "j", "a", 1.0)
     job = rz.jobs["j"]
     store = SqliteStore(str(tmp_path))
-    store.write([snapshot(job, job.events, reset_events=True)], 1.0)
+    store.write([snapshot(job, job.nodes, job.events, reset=True)], 1.0)
     saved = job.event_seq
     for i in range(MAX_EVENTS_PER_JOB + 20):
         job.record(Event(t=2.0 + i, seq=0, kind=EventKind.NODE_JOINED, message=f"event {i}"))
-    store.write([snapshot(job, job.events_after(saved), reset_events=False)], 3.0)
+    store.write([snapshot(job, (), job.events_after(saved), reset=False)], 3.0)
     store.release()
     store = SqliteStore(str(tmp_path))
     events = store.load().jobs["j"].events
@@ -99,10 +100,10 @@ def test_reused_job_id_drops_the_old_history(tmp_path):
     rz = Rendezvous()
     _join(rz, "j", "a", 1.0)
     store = SqliteStore(str(tmp_path))
-    store.write([snapshot(rz.jobs["j"], rz.jobs["j"].events, reset_events=True)], 1.0)
+    store.write([snapshot(rz.jobs["j"], rz.jobs["j"].nodes, rz.jobs["j"].events, reset=True)], 1.0)
     fresh = JobRecord(job_id="j", config=JobConfig(), state=rz.jobs["j"].state, created_at=5.0)
     fresh.record(Event(t=5.0, seq=0, kind=EventKind.JOB_CREATED, message="second run"))
-    store.write([snapshot(fresh, fresh.events, reset_events=True)], 5.0)
+    store.write([snapshot(fresh, fresh.nodes, fresh.events, reset=True)], 5.0)
     store.release()
     events = SqliteStore(str(tmp_path)).load().jobs["j"].events
     assert [e.message for e in events] == ["second run"]
@@ -157,3 +158,59 @@ def test_a_state_dir_that_cannot_be_created_is_a_clear_error(tmp_path):
     blocker.write_text("not a directory")
     with pytest.raises(StoreError, match=r"cannot use --state-dir .*file/state"):
         SqliteStore(str(blocker / "state"))
+
+
+# ---- rows that scale with the change --------------------------------------------------------------
+
+def test_a_commit_writes_only_the_node_rows_the_core_changed_and_deletes_removed_ones(tmp_path):
+    rz = Rendezvous()
+    for n in ("a", "b", "c"):
+        _join(rz, "j", n, 1.0, min_nodes=1, max_nodes=5)
+    first = rz.take_effects()
+    assert first.nodes == {"j": {"a", "b", "c"}}
+    store = SqliteStore(str(tmp_path))
+    store.write([snapshot(rz.jobs["j"], first.nodes["j"], rz.jobs["j"].events, reset=True)], 1.0)
+    _join(rz, "j", "d", 2.0, min_nodes=1, max_nodes=5)         # a newcomer: one row, whatever the job's size
+    rz.leave("j", LeaveRequest(v=1, node_id="a"), 2.0)
+    second = rz.take_effects()
+    assert second.nodes == {"j": {"d", "a"}}
+    snap = snapshot(rz.jobs["j"], second.nodes["j"], [], reset=False)
+    assert set(snap.nodes) == {"a", "d"} and snap.nodes["a"] is None and snap.nodes["d"] is not None
+    store.write([snap], 2.0)
+    assert sorted(r[0] for r in store._db.execute("SELECT node_id FROM nodes")) == ["b", "c", "d"]
+    store.release()
+    loaded = SqliteStore(str(tmp_path)).load().jobs["j"]
+    assert set(loaded.nodes) == {"b", "c", "d"}
+    assert {n: loaded.nodes[n].state for n in loaded.nodes} == {n: rz.jobs["j"].nodes[n].state for n in "bcd"}
+
+
+def test_a_schema_1_store_is_moved_to_per_node_rows_when_opened(tmp_path):
+    rz = every_state()
+    path = os.path.join(str(tmp_path), DB_NAME)
+    db = sqlite3.connect(path)
+    db.executescript("CREATE TABLE jobs (job_id TEXT PRIMARY KEY, record BLOB NOT NULL);"
+                     "CREATE TABLE events (job_id TEXT NOT NULL, seq INTEGER NOT NULL, record BLOB NOT NULL, "
+                     "PRIMARY KEY (job_id, seq)) WITHOUT ROWID;"
+                     "CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);"
+                     "PRAGMA application_id = 1380211286; PRAGMA user_version = 1;")
+    enc = msgspec.msgpack.Encoder()
+    for job in rz.jobs.values():              # schema 1: the nodes inside the job's row
+        db.execute("INSERT INTO jobs VALUES (?, ?)", (job.job_id, enc.encode(msgspec.structs.replace(job, events=[]))))
+    db.commit()
+    db.close()
+    store = SqliteStore(str(tmp_path))
+    assert store._db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
+    loaded = store.load().jobs
+    for job_id, job in rz.jobs.items():
+        assert msgspec.to_builtins(msgspec.structs.replace(loaded[job_id], events=[])) == \
+            msgspec.to_builtins(msgspec.structs.replace(job, events=[])), job_id
+
+
+def test_load_job_reads_one_job_as_last_committed(tmp_path):
+    rz = every_state()
+    store = SqliteStore(str(tmp_path))
+    store.write([snapshot(job, job.nodes, job.events, reset=True) for job in rz.jobs.values()], 1.0)
+    _join(rz, "waiting", "b", 2.0, min_nodes=2, max_nodes=2)      # not committed
+    saved = store.load_job("waiting")
+    assert saved is not None and set(saved.nodes) == {"a"} and saved.round is None
+    assert store.load_job("never") is None

@@ -1,0 +1,51 @@
+"""torch's worker failures, for the plugin's failure reports.
+
+torch's elastic agent passes the failures of its workers to no rendezvous handler method. They ride
+on the ChildFailedError that leaves its launcher (at shutdown), or sit in the run loop that called
+next_rendezvous (`_invoke_run`'s `run_result`): both hold torch's ProcessFailure objects by global
+rank. Reading them is best effort (no torch import here, only their attributes); without them the
+report says that the node's workers failed, not which.
+"""
+from __future__ import annotations
+
+import sys
+import time
+from types import FrameType
+from typing import Any
+
+from protocol.messages import MAX_MESSAGE, MAX_TRACEBACK, Assignment, WorkerFailure
+
+
+def agent_failures(exc: BaseException | None) -> dict[int, Any] | None:
+    """torch's ProcessFailures by global rank, from `exc` or the calling run loop; None when not found."""
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict):
+        return failures
+    frame: FrameType | None = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "_invoke_run":
+            found = getattr(frame.f_locals.get("run_result"), "failures", None)
+            return found if isinstance(found, dict) else None
+        frame = frame.f_back
+    return None
+
+
+def worker_failures(failures: dict[int, Any] | None, a: Assignment, host: str) -> list[WorkerFailure]:
+    """torch's ProcessFailures by global rank -> the failure report; one generic failure without them."""
+    out = []
+    for rank, f in sorted((failures or {}).items()):
+        try:
+            message, tb = f.message, ""
+            if isinstance(message, dict):   # an error file written by @record
+                tb = str(message.get("extraInfo", {}).get("py_callstack", ""))
+                message = message.get("message", "")
+            code = int(f.exitcode)
+            out.append(WorkerFailure(local_rank=int(f.local_rank), rank=int(rank), exitcode=code,
+                                     signal=f.signal_name() if code < 0 else "", message=str(message)[:MAX_MESSAGE],
+                                     traceback=tb[-MAX_TRACEBACK:], timestamp=float(f.timestamp or time.time()),
+                                     host=host))
+        except (AttributeError, TypeError, ValueError):
+            continue
+    return out or [WorkerFailure(local_rank=0, rank=a.rank_offset, exitcode=1, timestamp=time.time(), host=host,
+                                 message="torchrun's agent restarted its workers after a failure "
+                                         "(which worker, torch did not say)")]

@@ -1,0 +1,108 @@
+"""The agents' c10d store for one round of the torchrun plugin.
+
+Group rank 0's agent hosts a TCPStore; the agents of a round use it under a key prefix of their own
+(`rdzv-server/JOB/ROUND/`). `RoundStore` passes everything through to that prefixed store, and
+watches torch's exit barrier on it (see the class).
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+try:   # the key prefix of torch's exit barrier (torch.distributed.elastic.agent.server.api)
+    from torch.distributed.elastic.agent.server.api import _TERMINAL_STATE_SYNC_ID as EXIT_BARRIER
+except ImportError:   # pragma: no cover - a torch that moved it; the value of 2.3 to 2.13
+    EXIT_BARRIER = "torchelastic/agent/terminal_state"
+JOB_SUCCEEDED = "job succeeded"
+
+
+class RoundStore(dist.Store):
+    """The agents' store for one round: passes everything through, and watches torch's exit barrier.
+
+    An agent enters the barrier only when all its workers exited 0, the one sign of success torch
+    gives: the first `add` reports it to the server. The wait in it ends as soon as the server says
+    the job succeeded (every node reported), even if group rank 0's agent, which hosts this store,
+    has exited already; and it is abandoned when the job moves on without this node (a failure
+    elsewhere, the job failed), instead of after torch's 5-minute barrier timeout.
+    """
+
+    def __init__(self, inner: dist.Store, on_exit_barrier: Callable[[], None],
+                 barrier_over: Callable[[], str]) -> None:
+        """`barrier_over()`: JOB_SUCCEEDED, why the job moved on without this node, or "" (not over)."""
+        super().__init__()
+        self._inner = inner
+        self._on_exit_barrier = on_exit_barrier
+        self._barrier_over = barrier_over
+        self._timeout: timedelta = inner.timeout   # type: ignore[attr-defined]  # missing from torch's stub
+
+    def set(self, key: str, value: Any) -> None:
+        self._inner.set(key, value)
+
+    def get(self, key: str) -> bytes:
+        return self._inner.get(key)
+
+    def add(self, key: str, value: int) -> int:
+        if key.startswith(EXIT_BARRIER):
+            self._on_exit_barrier()
+        return self._inner.add(key, value)
+
+    def compare_set(self, key: str, expected: Any, desired: Any) -> bytes:
+        return self._inner.compare_set(key, expected, desired)
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        return self._inner.multi_get(keys)
+
+    def multi_set(self, keys: list[str], values: list[Any]) -> None:
+        self._inner.multi_set(keys, values)   # type: ignore[attr-defined]  # missing from torch's stub
+
+    def check(self, keys: list[str]) -> bool:
+        return self._inner.check(keys)
+
+    def delete_key(self, key: str) -> bool:
+        return self._inner.delete_key(key)
+
+    def num_keys(self) -> int:
+        return self._inner.num_keys()
+
+    def set_timeout(self, timeout: timedelta) -> None:
+        self._timeout = timeout
+        self._inner.set_timeout(timeout)
+
+    def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
+        if not any(k.startswith(EXIT_BARRIER) for k in keys):
+            self._inner.wait(keys) if timeout is None else self._inner.wait(keys, timeout)
+            return
+        # Checked, not a blocking wait in slices: c10d logs two warnings for every wait that times out.
+        deadline_s = (timeout or self._timeout).total_seconds()
+        deadline = time.monotonic() + deadline_s
+        problem = f"the other agents did not come within {deadline_s:g}s"
+        for pause in pauses():
+            try:
+                if self._inner.check(keys):
+                    return
+            except dist.DistError as exc:     # rank 0's agent may be gone: the server knows how things stand
+                problem = f"the round's store failed: {first_line(exc)}"
+            why = self._barrier_over()
+            if why == JOB_SUCCEEDED:
+                return
+            if why:
+                raise dist.DistStoreError(f"exit barrier abandoned: {why}")
+            if time.monotonic() >= deadline:
+                raise dist.DistStoreError(f"exit barrier: {problem}")
+            time.sleep(pause)
+
+
+def first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+
+
+def pauses() -> Iterator[float]:
+    """Pauses between checks of a store key: quick at first (it is usually there at once), then 0.2 s."""
+    pause = 0.005
+    while True:
+        yield pause
+        pause = min(0.2, pause * 2)

@@ -1,0 +1,17 @@
+"""The bearer-token rule both sides check, so a token the server accepts the agent accepts too."""
+from __future__ import annotations
+
+MIN_TOKEN_CHARS = 16
+MAX_TOKEN_CHARS = 4096
+
+
+def token_problem(token: bytes) -> str:
+    """Why `token` (already stripped of surrounding whitespace) cannot be a token ("" when it can)."""
+    if len(token) > MAX_TOKEN_CHARS:
+        return f"longer than {MAX_TOKEN_CHARS} bytes; is it the right file?"
+    if len(token) < MIN_TOKEN_CHARS:
+        return (f"the token must be at least {MIN_TOKEN_CHARS} characters (got {len(token)}); "
+                "make one with: openssl rand -hex 32")
+    if any(b < 0x21 or b > 0x7E for b in token):
+        return "the token must be printable ASCII without spaces"
+    return ""

@@ -1,0 +1,157 @@
+"""`rdzv-ctl`'s side of HTTP: the server's address, its tokens, TLS, and one-line errors.
+
+Standard library only (urllib, ssl, json), so rdzv-ctl starts fast. Tokens: the agent token (or the
+admin token) reads the status views; the admin token is sent with the admin actions. The token
+rule is the server's own (protocol/tokens.py), so a file the server accepts rdzv-ctl accepts too.
+"""
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import ssl
+import urllib.error
+import urllib.parse
+import urllib.request
+from dataclasses import dataclass
+from typing import Any
+
+from protocol.tokens import MAX_TOKEN_CHARS, token_problem
+
+DEFAULT_SERVER = "http://127.0.0.1:29400"
+TOKEN_ENV = "RDZV_TOKEN_FILE"
+ADMIN_TOKEN_ENV = "RDZV_ADMIN_TOKEN_FILE"
+
+
+class CtlError(Exception):
+    """A failure to report in one line (no traceback) and exit 1."""
+
+
+class UsageError(Exception):
+    """Options that cannot work (an unreadable token or CA file): one line, exit 2."""
+
+
+@dataclass(frozen=True)
+class Token:
+    value: str
+    source: str          # where it came from, as the user would name it: "--token-file F" or "$RDZV_TOKEN_FILE (F)"
+
+
+def read_token(flag: str, path: str | None, env: str) -> Token | None:
+    """The token in the file `flag` names, else the one in the file $`env` names, else None."""
+    source = f"{flag} {path}"
+    if path is None:
+        path = os.environ.get(env) or None
+        if path is None:
+            return None
+        source = f"${env} ({path})"
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(MAX_TOKEN_CHARS + 64).strip()
+    except OSError as exc:
+        raise UsageError(f"{source}: {exc.strerror or exc}") from None
+    problem = token_problem(raw)
+    if problem:
+        raise UsageError(f"{source}: {problem}")
+    return Token(raw.decode("ascii"), source)
+
+
+def server_url(server: str | None, endpoint: str | None, tls_ca: str | None) -> str:
+    """The server's base URL: --endpoint, --server, $RDZV_SERVER or the default; https when only
+    --tls-ca says so."""
+    url = endpoint or server or os.environ.get("RDZV_SERVER") or DEFAULT_SERVER
+    if "://" not in url:
+        url = ("https://" if tls_ca else "http://") + url
+    parsed = urllib.parse.urlsplit(url)
+    if parsed.scheme not in ("http", "https") or not parsed.hostname:
+        raise UsageError(f"server address must look like http://HOST:PORT, https://HOST:PORT or HOST:PORT, "
+                         f"got {url!r}")
+    if tls_ca and parsed.scheme != "https":
+        raise UsageError(f"--tls-ca needs an https:// server, got {url!r}")
+    return url
+
+
+def tls_context(ca_file: str | None) -> ssl.SSLContext | None:
+    if ca_file is None:
+        return None
+    try:
+        return ssl.create_default_context(cafile=ca_file)
+    except (OSError, ssl.SSLError) as exc:
+        raise UsageError(f"--tls-ca {ca_file}: {getattr(exc, 'strerror', None) or exc}") from None
+
+
+class Client:
+    def __init__(self, server: str, timeout: float, *, token: Token | None = None, admin_token: Token | None = None,
+                 tls: ssl.SSLContext | None = None) -> None:
+        self.server = server.rstrip("/")
+        self.timeout = timeout
+        self.token = token
+        self.admin_token = admin_token
+        self.tls = tls
+
+    def get(self, path: str) -> Any:
+        return self._call(urllib.request.Request(self.server + path, headers={"Accept": "application/json"}),
+                          self.token or self.admin_token, admin=False)
+
+    def post(self, path: str, body: dict[str, Any]) -> Any:
+        data = json.dumps(body).encode()
+        return self._call(urllib.request.Request(self.server + path, data=data, method="POST", headers={
+            "Content-Type": "application/json", "Accept": "application/json"}), self.admin_token, admin=True)
+
+    def _call(self, req: urllib.request.Request, token: Token | None, *, admin: bool) -> Any:
+        if token is not None:
+            req.add_header("Authorization", f"Bearer {token.value}")
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout, context=self.tls) as resp:
+                raw = resp.read()
+        except urllib.error.HTTPError as exc:
+            raise CtlError(self._refusal(req, exc, token, admin)) from None
+        except urllib.error.URLError as exc:
+            raise CtlError(self._unreachable(exc.reason)) from None
+        except (OSError, ValueError, http.client.HTTPException) as exc:   # timeouts, resets, a malformed URL
+            raise CtlError(self._unreachable(exc)) from None
+        try:
+            return json.loads(raw)
+        except ValueError:
+            raise CtlError(f"server {self.server} answered {req.selector} with something that is not JSON "
+                           f"(is it an rdzv-server?)") from None
+
+    def _refusal(self, req: urllib.request.Request, exc: urllib.error.HTTPError, token: Token | None,
+                 admin: bool) -> str:
+        what = f"server {self.server} refused {req.get_method()} {req.selector}"
+        if exc.code == 401:
+            if admin:
+                if token is None:
+                    return (f"{what}: admin actions on this server need its admin token: pass --admin-token-file F "
+                            f"(or set ${ADMIN_TOKEN_ENV}), F being the file of the server's --admin-token-file")
+                return f"{what}: the admin token from {token.source} is not this server's admin token (401)"
+            if token is None:
+                return (f"{what}: this server's status needs its token: pass --token-file F (or set "
+                        f"${TOKEN_ENV}), F being the file of the server's --token-file (or --admin-token-file)")
+            return f"{what}: the token from {token.source} is not one of this server's tokens (401)"
+        text = _error_text(exc)
+        if exc.code == 403 and admin and "loopback" in text:
+            text += " (with an admin token on the server: rdzv-ctl --admin-token-file F)"
+        return f"{what}: {text}"
+
+    def _unreachable(self, reason: object) -> str:
+        if isinstance(reason, ssl.SSLCertVerificationError):
+            return (f"cannot verify the TLS certificate of {self.server}: {reason.verify_message or reason}; "
+                    f"pass --tls-ca F, F being the CA certificate that signed the server's certificate")
+        if isinstance(reason, ssl.SSLError):
+            return (f"TLS with {self.server} failed: {reason.reason or reason} (does the server serve https? "
+                    f"without --tls-cert it serves http://)")
+        if isinstance(reason, (http.client.RemoteDisconnected, http.client.BadStatusLine)) and \
+                self.server.startswith("http://"):
+            return (f"rdzv-server at {self.server} closed the connection without an answer (if it serves TLS, "
+                    f"use https:// and --tls-ca)")
+        text = getattr(reason, "strerror", None) or reason
+        return f"cannot reach rdzv-server at {self.server}: {text}"
+
+
+def _error_text(exc: urllib.error.HTTPError) -> str:
+    try:
+        doc = json.loads(exc.read())
+        return f"{exc.code} {doc['code']}: {doc['message']}"
+    except (ValueError, KeyError, TypeError, OSError):
+        return f"HTTP {exc.code} {exc.reason}"

@@ -1,0 +1,74 @@
+"""Held long-polls, woken together: no task, future-with-timeout or timer per poll.
+
+Each held poll is one `Waiter` (a future and its hold's end, in the event loop's time). A job's
+waiters are woken in one pass when the core says the job changed; holds that end are found by one
+timer armed for the earliest end (a heap, entries of answered polls skipped lazily). A woken poll
+looks at its node's view again and answers if it changed, or waits on until its hold ends.
+"""
+from __future__ import annotations
+
+import asyncio
+import heapq
+import itertools
+from dataclasses import dataclass, field
+
+
+@dataclass(eq=False, slots=True)
+class Waiter:
+    job_id: str
+    ends: float                                  # loop time at which the hold ends
+    fut: asyncio.Future[None] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+
+    def wake(self) -> None:
+        if not self.fut.done():
+            self.fut.set_result(None)
+
+
+class Waiters:
+    def __init__(self) -> None:
+        self._by_job: dict[str, set[Waiter]] = {}
+        self._ends: list[tuple[float, int, Waiter]] = []
+        self._seq = itertools.count()
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at = float("inf")
+
+    def __len__(self) -> int:
+        return sum(len(ws) for ws in self._by_job.values())
+
+    def add(self, waiter: Waiter) -> None:
+        self._by_job.setdefault(waiter.job_id, set()).add(waiter)
+        heapq.heappush(self._ends, (waiter.ends, next(self._seq), waiter))
+        if waiter.ends < self._timer_at:
+            self._arm(waiter.ends)
+
+    def discard(self, waiter: Waiter) -> None:
+        waiters = self._by_job.get(waiter.job_id)
+        if waiters is not None:
+            waiters.discard(waiter)
+            if not waiters:
+                del self._by_job[waiter.job_id]
+
+    def wake_job(self, job_id: str) -> None:
+        """Every poll held for `job_id` looks again, in one pass."""
+        for waiter in self._by_job.get(job_id, ()):
+            waiter.wake()
+
+    def wake_all(self) -> None:
+        for waiters in self._by_job.values():
+            for waiter in waiters:
+                waiter.wake()
+
+    def _arm(self, at: float) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer_at = at
+        self._timer = asyncio.get_running_loop().call_at(at, self._holds_ended)
+
+    def _holds_ended(self) -> None:
+        self._timer, self._timer_at = None, float("inf")
+        now = asyncio.get_running_loop().time()
+        ends = self._ends
+        while ends and (ends[0][0] <= now or ends[0][2].fut.done()):
+            heapq.heappop(ends)[2].wake()
+        if ends:
+            self._arm(ends[0][0])

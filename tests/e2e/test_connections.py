@@ -1,0 +1,64 @@
+"""A flood of idle connections cannot lock agents or /healthz out: at the cap the longest-idle
+connection makes room; a held long-poll is never the one closed."""
+from __future__ import annotations
+
+import socket
+import urllib.request
+
+import msgpack
+import pytest
+
+from tests.e2e.harness import wait_until
+
+pytestmark = pytest.mark.e2e
+
+
+def open_polls(port: int) -> float:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
+        for line in resp.read().decode().splitlines():
+            if line.startswith("rdzv_open_long_polls "):
+                return float(line.split()[1])
+    return -1.0
+
+
+def post(port: int, action: str, body: dict, timeout: float = 10) -> dict:
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/jobs/conn/{action}", data=msgpack.packb(body),
+                                     method="POST", headers={"Content-Type": "application/msgpack"})
+    with urllib.request.urlopen(request, timeout=timeout) as resp:
+        return msgpack.unpackb(resp.read())
+
+
+def test_idle_connections_over_the_cap_make_room_for_healthz_and_agents(cluster):
+    port = cluster.start_server("--state-dir", "none", "--max-connections", "40")
+    joined = post(port, "join", {"v": 1, "node_id": "a", "addr": "10.0.0.1", "local_world_size": 1,
+                                 "master_port": 1, "config": {"min_nodes": 2, "max_nodes": 2}})
+    held = socket.create_connection(("127.0.0.1", port))       # a's long-poll, held by the server
+    body = msgpack.packb({"v": 1, "node_id": "a", "credential": joined["credential"], "known_round": -1,
+                          "wait_s": 30.0})
+    held.sendall(b"POST /v1/jobs/conn/poll HTTP/1.1\r\nHost: x\r\nContent-Type: application/msgpack\r\n"
+                 + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+    wait_until(lambda: open_polls(port) == 1, 30, "the server holding a's poll")
+    idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(120)]   # never send anything
+    try:
+        for _ in range(5):
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=10) as resp:
+                assert resp.status == 200
+        post(port, "join", {"v": 1, "node_id": "b", "addr": "10.0.0.2", "local_world_size": 1,
+                            "master_port": 2, "config": {"min_nodes": 2, "max_nodes": 2}})
+        held.settimeout(10)
+        answer = held.recv(4096)                                 # the held poll is answered: round formed
+        assert answer.startswith(b"HTTP/1.1 200") and b"member" in answer
+        closed = 0
+        for sock in idle:                                        # the server closed idle ones to make room
+            sock.settimeout(0.05)
+            try:
+                closed += sock.recv(1) == b""
+            except ConnectionResetError:
+                closed += 1
+            except TimeoutError:
+                pass                                             # still open: one of the newest
+        assert closed >= 120 - 40
+    finally:
+        held.close()
+        for sock in idle:
+            sock.close()

@@ -1,0 +1,47 @@
+"""torch's worker failures -> the plugin's failure report (plugin_failures.py), with torch's own
+ProcessFailure and error-file format."""
+from __future__ import annotations
+
+import json
+import signal
+from types import SimpleNamespace
+
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+from node_agent.plugin_failures import agent_failures, worker_failures
+from protocol.messages import Assignment
+
+ROUND = Assignment(round_id=3, group_rank=1, group_world_size=2, rank_offset=4, world_size=8, local_world_size=4,
+                   master_addr="10.0.0.1", master_port=1, restart_count=0, max_restarts=3)
+
+
+def test_failures_carry_torchs_exit_code_signal_and_record_message(tmp_path):
+    error_file = tmp_path / "error.json"     # what @record writes
+    error_file.write_text(json.dumps({"message": {"message": "RuntimeError: boom", "extraInfo": {
+        "py_callstack": "Traceback (most recent call last): ...", "timestamp": "1700000000"}}}))
+    failures = {6: ProcessFailure(local_rank=2, pid=11, exitcode=1, error_file=str(error_file)),
+                5: ProcessFailure(local_rank=1, pid=12, exitcode=-signal.SIGKILL, error_file=str(tmp_path / "none"))}
+    crashed, killed = sorted(worker_failures(failures, ROUND, "host-b"), key=lambda f: f.rank, reverse=True)
+    assert (crashed.rank, crashed.local_rank, crashed.exitcode, crashed.message) == (6, 2, 1, "RuntimeError: boom")
+    assert crashed.traceback.startswith("Traceback") and crashed.timestamp == 1700000000 and crashed.host == "host-b"
+    assert (killed.rank, killed.exitcode, killed.signal) == (5, -9, "SIGKILL")
+
+
+def test_without_torchs_failures_the_report_says_the_node_failed():
+    (only,) = worker_failures(None, ROUND, "host-b")
+    assert (only.rank, only.local_rank, only.exitcode) == (4, 0, 1)
+    assert "which worker, torch did not say" in only.message
+
+
+def test_failures_are_found_on_childfailederror_or_in_torchs_run_loop():
+    failure = ProcessFailure(local_rank=0, pid=1, exitcode=2, error_file="/nonexistent")
+    assert agent_failures(ChildFailedError("train.py", {7: failure})) == {7: failure}
+
+    def _invoke_run():   # named as torch's agent loop, holding its result as torch does
+        run_result = SimpleNamespace(failures={3: failure})   # noqa: F841 (read through the frame)
+        return handler_next_rendezvous()
+
+    def handler_next_rendezvous():
+        return agent_failures(None)
+    assert _invoke_run() == {3: failure}
+    assert agent_failures(None) is None

@@ -1,0 +1,129 @@
+"""The plugin's pure decisions (plugin_session.py) and its settings (plugin_settings.py)."""
+from __future__ import annotations
+
+import pytest
+
+from node_agent.plugin_session import assignment_after, needs_rendezvous, still_in_round, takes_poll_reply
+from node_agent.plugin_settings import SettingsError, TorchrunLine, plugin_settings
+from protocol.messages import Assignment, JobState, NodeState, NodeStatus
+
+
+def status(node: NodeState = NodeState.MEMBER, round_id: int = 1, job: JobState = JobState.RUNNING) -> NodeStatus:
+    assignment = None
+    if node is NodeState.MEMBER:
+        assignment = Assignment(round_id=round_id, group_rank=0, group_world_size=1, rank_offset=0, world_size=1,
+                                local_world_size=1, master_addr="127.0.0.1", master_port=1, restart_count=0,
+                                max_restarts=0)
+    return NodeStatus(job_id="j", job_state=job, node_state=node, round_id=round_id, restart_count=0,
+                      assignment=assignment)
+
+
+# ------------------------------------------------------------------------------- needs_rendezvous
+
+def test_nothing_to_do_while_the_server_runs_our_round():
+    assert not needs_rendezvous(status(round_id=3), 3)
+
+
+@pytest.mark.parametrize("view", [
+    status(round_id=4),                                    # a newer round: failure elsewhere, node lost or joined
+    status(NodeState.WAITING, round_id=-1),                # the round dissolved (below min nodes)
+    status(NodeState.SPARE), status(NodeState.EXCLUDED), status(NodeState.GONE),
+    status(NodeState.GONE, job=JobState.FAILED), status(NodeState.GONE, job=JobState.CLOSED),
+])
+def test_torch_restarts_its_workers_when_the_job_moved_on(view):
+    assert needs_rendezvous(view, 3)
+
+
+def test_a_late_reply_about_an_older_round_and_a_succeeded_job_are_no_news():
+    assert not needs_rendezvous(status(round_id=2), 3)
+    assert not needs_rendezvous(status(NodeState.GONE, job=JobState.SUCCEEDED), 3)
+
+
+def test_no_workers_running_means_nothing_to_restart():
+    assert not needs_rendezvous(status(round_id=4), -1)
+    assert not needs_rendezvous(None, 3)
+
+
+def test_still_in_round_means_our_own_workers_failed():
+    assert still_in_round(status(round_id=3), 3)
+    assert not still_in_round(status(round_id=4), 3)
+    assert not still_in_round(status(NodeState.WAITING, round_id=-1), 3)
+    assert not still_in_round(status(round_id=3, job=JobState.FAILED), 3)
+
+
+def test_assignment_after_takes_only_a_newer_round():
+    assert assignment_after(status(round_id=3), 3) is None
+    a = assignment_after(status(round_id=4), 3)
+    assert a is not None and a.round_id == 4
+    assert assignment_after(status(NodeState.SPARE), 3) is None
+
+
+# ------------------------------------------------------------------------------- poll-reply order
+
+def test_a_poll_sent_after_the_latest_answer_is_taken_as_it_comes():
+    assert takes_poll_reply(status(round_id=5), status(NodeState.WAITING, round_id=-1), sent_before_latest=False)
+
+
+def test_a_poll_sent_before_the_latest_answer_is_taken_only_when_it_shows_progress():
+    view = status(round_id=5)
+    assert not takes_poll_reply(view, status(round_id=4), sent_before_latest=True)
+    assert not takes_poll_reply(view, status(NodeState.WAITING, round_id=-1), sent_before_latest=True)
+    assert takes_poll_reply(view, status(round_id=6), sent_before_latest=True)
+    assert takes_poll_reply(view, status(NodeState.GONE, job=JobState.FAILED), sent_before_latest=True)
+    assert not takes_poll_reply(status(NodeState.GONE, job=JobState.FAILED), status(round_id=6), True)
+
+
+# ------------------------------------------------------------------------------------- settings
+
+def settings(conf=None, torchrun=None, endpoint="127.0.0.1:29400", run_id="job42", nnodes=(1, 4)):
+    return plugin_settings(endpoint=endpoint, run_id=run_id, min_nodes=nnodes[0], max_nodes=nnodes[1],
+                           local_addr="10.0.0.1", conf=conf or {}, torchrun=torchrun)
+
+
+def test_torchrun_rdzv_conf_keys_become_the_job_config():
+    s = settings({"join_timeout": "120", "last_call_timeout": "2.5", "heartbeat_timeout": "7", "close_timeout": "4",
+                  "read_timeout": "30", "max_restarts": "5", "exclude_after": "0"}, TorchrunLine(8, 3, "trainer"))
+    c = s.config
+    assert (c.min_nodes, c.max_nodes, c.join_timeout_s, c.last_call_s, c.lease_timeout_s) == (1, 4, 120, 2.5, 7)
+    assert (c.max_restarts, c.exclude_after) == (5, 0)       # --rdzv-conf max_restarts wins over --max-restarts
+    assert (s.close_timeout_s, s.store_timeout_s, s.local_world_size, s.role) == (4, 30, 8, "trainer")
+    assert (s.host, s.port, s.addr, s.job_id) == ("127.0.0.1", 29400, "10.0.0.1", "job42")
+
+
+def test_max_restarts_and_workers_come_from_the_torchrun_line_by_default():
+    s = settings({"timeout": "900"}, TorchrunLine(local_world_size=2, max_restarts=3))
+    assert (s.config.max_restarts, s.local_world_size, s.config.join_timeout_s) == (3, 2, 900)
+    assert settings({"timeout": "900", "join_timeout": "60"}).config.join_timeout_s == 60
+    plain = settings()
+    assert (plain.config.max_restarts, plain.local_world_size, plain.port) == (0, 1, 29400)
+
+
+@pytest.mark.parametrize("conf, message", [
+    ({"join_timeout": "soon"}, "--rdzv-conf join_timeout: expected a number of seconds, got 'soon'"),
+    ({"last_call_timeout": "-1"}, "--rdzv-conf last_call_timeout: expected a number of seconds >= 0, got '-1'"),
+    ({"heartbeat_timeout": "0"}, "--rdzv-conf heartbeat_timeout: expected `float` > 0.0"),
+    ({"max_restarts": "2.5"}, "--rdzv-conf max_restarts: expected a whole number, got '2.5'"),
+    ({"local_world_size": "0"}, "--rdzv-conf local_world_size: expected at least 1 worker, got 0"),
+    ({"node_id": "a b"}, "--rdzv-conf node_id: node id must be"),
+    ({"jion_timeout": "5"}, "--rdzv-conf: unknown key 'jion_timeout' for --rdzv-backend rdzv-server; known keys:"),
+])
+def test_a_bad_rdzv_conf_value_names_its_key(conf, message):
+    with pytest.raises(SettingsError) as info:
+        settings(conf)
+    assert str(info.value).startswith(message), str(info.value)
+
+
+@pytest.mark.parametrize("endpoint, run_id, message", [
+    ("host:0", "job42", "--rdzv-endpoint: .*port '?0"),     # port 0 names no server
+    ("host:http", "job42", "--rdzv-endpoint: bad port 'http'"),
+    ("127.0.0.1:29400", "none", "--rdzv-id is required with --rdzv-backend rdzv-server"),
+    ("127.0.0.1:29400", "team/exp1", "--rdzv-id: job id must be"),
+])
+def test_a_bad_endpoint_or_id_is_one_line(endpoint, run_id, message):
+    with pytest.raises(SettingsError, match="^" + message):
+        settings(endpoint=endpoint, run_id=run_id)
+
+
+def test_an_empty_endpoint_is_torchs_default_and_ipv6_needs_brackets():
+    assert (settings(endpoint="").host, settings(endpoint="").port) == ("localhost", 29400)
+    assert (settings(endpoint="[::1]:7").host, settings(endpoint="[::1]:7").port) == ("::1", 7)

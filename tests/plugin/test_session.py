@@ -1,0 +1,142 @@
+"""`ServerSession` (the plugin's side of the protocol, no torch) against a real rdzv-server process:
+joins, the job-wide failure report, adopting a round another node caused, leaving, refusals and an
+unreachable server. Nodes are sessions in this process, each with its own loop thread."""
+from __future__ import annotations
+
+import socket
+import urllib.request
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from node_agent.client import RdzvClient
+from node_agent.plugin_session import JobFinished, JoinRefused, ServerLost, ServerSession, needs_rendezvous
+from node_agent.plugin_settings import plugin_settings
+from protocol.messages import WorkerFailure
+from tests.e2e.harness import Cluster, job_view, wait_until
+
+pytestmark = pytest.mark.e2e
+FAILURE = [WorkerFailure(local_rank=0, rank=0, exitcode=1, message="boom")]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory) -> Iterator[Cluster]:
+    cluster = Cluster(tmp_path_factory.mktemp("session"))
+    try:
+        cluster.start_server("--state-dir", "none")
+        yield cluster
+    finally:
+        cluster.close()
+
+
+@pytest.fixture
+def sessions() -> Iterator[list[ServerSession]]:
+    made: list[ServerSession] = []
+    yield made
+    for s in made:
+        s.close()
+
+
+def start(sessions: list[ServerSession], host: str, port: int, job: str, node: str, nnodes: tuple[int, int] = (2, 2),
+          **conf: str) -> ServerSession:
+    settings = plugin_settings(endpoint=f"{host}:{port}", run_id=job, min_nodes=nnodes[0], max_nodes=nnodes[1],
+                               local_addr="127.0.0.1", torchrun=None,
+                               conf={"node_id": node, "last_call_timeout": "0", "lease_timeout": "3", **conf})
+    session = ServerSession(settings, RdzvClient(settings.host, settings.port, job, node), master_port=1234,
+                            say=lambda line: None)
+    session.start()
+    sessions.append(session)
+    return session
+
+
+def first_rounds(*nodes: ServerSession):
+    with ThreadPoolExecutor(len(nodes)) as pool:
+        futures = [pool.submit(n.next_assignment, -1, None) for n in nodes]
+        return [f.result(60) for f in futures]
+
+
+def test_a_failure_report_moves_every_node_on_and_is_counted_once(server, sessions):
+    a = start(sessions, "127.0.0.1", server.port, "fail-once", "a", max_restarts="3")
+    b = start(sessions, "127.0.0.1", server.port, "fail-once", "b", max_restarts="3")
+    ra, rb = first_rounds(a, b)
+    assert (ra.round_id, rb.round_id) == (1, 1) and {ra.group_rank, rb.group_rank} == {0, 1}
+    assert {ra.master_port, rb.master_port} == {1234}   # every agent publishes its store port
+
+    ra2 = a.next_assignment(1, FAILURE)                  # a's workers failed: it reports round 1
+    assert (ra2.round_id, ra2.restart_count) == (2, 1)
+    wait_until(lambda: needs_rendezvous(b.view, 1), 30, "b's long-poll to bring round 2")
+    rb2 = b.next_assignment(1, None)                     # b adopts round 2: no report of its own
+    assert (rb2.round_id, rb2.restart_count) == (2, 1)
+    assert not needs_rendezvous(a.view, 2) and not needs_rendezvous(b.view, 2)
+    job = job_view(server, "fail-once")
+    assert (job["restart_count"], job["round_id"], job["last_failure"]["message"]) == (1, 2, "boom"), job
+
+
+def test_a_node_that_leaves_starts_a_smaller_round_for_the_others(server, sessions):
+    a = start(sessions, "127.0.0.1", server.port, "leave", "a", nnodes=(1, 2))
+    b = start(sessions, "127.0.0.1", server.port, "leave", "b", nnodes=(1, 2))
+    ra, rb = first_rounds(a, b)
+    if ra.round_id < rb.round_id:     # the first to join formed round 1 alone: it follows into round 2
+        ra = a.next_assignment(ra.round_id, None)
+    if rb.round_id < ra.round_id:
+        rb = b.next_assignment(rb.round_id, None)
+    assert (ra.round_id, ra.group_world_size) == (rb.round_id, 2)
+    b.leave("done here")
+    wait_until(lambda: needs_rendezvous(a.view, ra.round_id), 30, "a to hear that b left")
+    after = a.next_assignment(ra.round_id, None)
+    assert (after.round_id, after.group_world_size, after.restart_count) == (ra.round_id + 1, 1, 0)
+
+
+def test_an_exhausted_budget_ends_the_job_for_every_node(server, sessions):
+    a = start(sessions, "127.0.0.1", server.port, "budget", "a", max_restarts="0")
+    b = start(sessions, "127.0.0.1", server.port, "budget", "b", max_restarts="0")
+    first_rounds(a, b)
+    with pytest.raises(JobFinished, match="failed: worker failures exceeded max_restarts=0"):
+        a.next_assignment(1, FAILURE)
+    wait_until(lambda: b.view is not None and b.view.job_state.finished, 30, "b to hear that the job failed")
+    assert needs_rendezvous(b.view, 1)
+    with pytest.raises(JobFinished):
+        b.next_assignment(1, None)
+
+
+def test_a_join_with_other_settings_is_refused(server, sessions):
+    start(sessions, "127.0.0.1", server.port, "conflict", "a", nnodes=(1, 1))
+    sessions[0].next_assignment(-1, None)
+    b = start(sessions, "127.0.0.1", server.port, "conflict", "b", nnodes=(1, 2))
+    with pytest.raises(JoinRefused, match="config_conflict|max_nodes") as info:
+        b.next_assignment(-1, None)
+    assert info.value.code == "config_conflict"
+
+
+def test_an_unreachable_server_ends_the_session_with_the_endpoint_named(sessions):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    a = start(sessions, "127.0.0.1", port, "nowhere", "a", server_wait="0.3", lease_timeout="0.3")
+    with pytest.raises(ServerLost, match=f"cannot reach the rdzv-server at 127.0.0.1:{port}"):
+        a.next_assignment(-1, None)
+
+
+def admin(server: Cluster, path: str) -> None:
+    request = urllib.request.Request(f"http://{server.endpoint()}/v1/admin/jobs/{path}", data=b"{}", method="POST",
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=10):
+        pass
+
+
+def test_a_drained_node_is_refused_when_it_rejoins(server, sessions):
+    a = start(sessions, "127.0.0.1", server.port, "drain", "a", nnodes=(1, 2))
+    a.next_assignment(-1, None)
+    admin(server, "drain/nodes/a/drain")
+    wait_until(lambda: a.ended is not None, 30, "a to be refused after the drain")
+    assert isinstance(a.ended, JoinRefused) and a.ended.code == "node_drained"
+
+
+def test_a_job_closed_by_an_operator_ends_for_every_node(server, sessions):
+    a = start(sessions, "127.0.0.1", server.port, "close", "a", nnodes=(1, 2))
+    ra = a.next_assignment(-1, None)
+    admin(server, "close/close")
+    wait_until(lambda: needs_rendezvous(a.view, ra.round_id), 30, "a to hear that the job was closed")
+    with pytest.raises(JobFinished, match="job 'close' closed: closed by operator"):
+        a.next_assignment(ra.round_id, None)

@@ -1,0 +1,213 @@
+"""Unchanged `torchrun --rdzv-backend rdzv-server` agents against a real rdzv-server on 127.0.0.1.
+
+Each test starts the server (`--port 0 --state-dir none`) and torchrun agents as the user would
+(the `torchrun` console script; torch finds the plugin through its entry point), with gloo
+all-reduce workers (scripts/steps.py) that log every step, so a test sees which world each worker
+ran in. Waits are on a worker's log or the server's JSON status, bounded; nothing asserts a time.
+Every agent and worker is killed at teardown, orphans of a SIGKILLed agent included.
+"""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import sys
+import urllib.request
+from collections import defaultdict
+
+import pytest
+
+from tests.e2e.harness import Proc, child_env, job_events, job_view, read_jsonl, wait_until
+
+pytestmark = pytest.mark.e2e
+STEPS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts", "steps.py")
+_console = os.path.join(os.path.dirname(sys.executable), "torchrun")
+TORCHRUN = [_console] if os.path.exists(_console) else [sys.executable, "-m", "torch.distributed.run"]
+FAST = "lease_timeout=3,last_call_timeout=1"   # quick node loss and elastic rounds on a loaded machine
+LIMIT = 90.0
+
+
+def torchrun(cluster, out, node: str, *, job: str, nnodes: str, nproc: int = 1, max_restarts: int = 3,
+             conf: str = FAST, env: dict[str, str] | None = None, node_id: bool = True) -> Proc:
+    """A torchrun agent; its node id at the server is `node` (with node_id), else torch's HOST-PID default."""
+    conf = f"{conf},node_id={node}" if node_id else conf
+    argv = [*TORCHRUN, "--rdzv-backend", "rdzv-server", "--rdzv-endpoint", cluster.endpoint(), "--rdzv-id", job,
+            "--nnodes", nnodes, "--nproc-per-node", str(nproc), "--max-restarts", str(max_restarts),
+            "--monitor-interval", "0.1", "--rdzv-conf", conf, STEPS]
+    proc = Proc(argv, child_env(OUT_DIR=str(out), NODE=node, **(env or {})), node)
+    cluster.procs.append(proc)
+    return proc
+
+
+def worlds(out) -> dict[tuple, list[dict]]:
+    """Worker lines grouped by the world they ran in: (master addr, master port, world size)."""
+    groups: dict[tuple, list[dict]] = defaultdict(list)
+    for rec in read_jsonl(out, "steps-"):
+        groups[(rec["env"]["MASTER_ADDR"], rec["env"]["MASTER_PORT"], rec["world"])].append(rec)
+    return groups
+
+
+def wait_world(out, *, world: int, nodes: set[str], exclude=(), what: str = "") -> tuple[tuple, list[dict]]:
+    """Wait until every rank 0..world-1 of one world, on exactly `nodes`, has done an all-reduce step."""
+    def ready():
+        for key, recs in worlds(out).items():
+            steps = [r for r in recs if r["kind"] == "step"]
+            if key not in exclude and key[2] == world and {r["rank"] for r in steps} == set(range(world)) \
+                    and {r["node"] for r in recs} == nodes:
+                return key, recs
+        return None
+
+    def state():
+        seen = {k: sorted({(r["node"], r["rank"]) for r in v}) for k, v in worlds(out).items()}
+        return f"a world of size {world} on {sorted(nodes)} {what}; worker worlds so far: {seen}"
+    return wait_until(ready, LIMIT, state)
+
+
+def assert_clean_world(recs: list[dict], world: int) -> None:
+    """Every rank of the world took part in every step, and they all saw the same job-wide count."""
+    assert {r["sum"] for r in recs if r["kind"] == "step"} == {float(world)}
+    assert len({r["env"]["RDZV_SERVER_RESTART_COUNT"] for r in recs}) == 1, recs
+    assert {r["env"]["TORCHELASTIC_USE_AGENT_STORE"] for r in recs} == {"False"}
+
+
+def stop_job(out) -> None:
+    (out / "stop").write_text("stop")
+
+
+def proc_exit(proc: Proc) -> int:
+    return proc.wait(LIMIT)
+
+
+def test_two_agents_recover_from_a_worker_crash_with_the_job_wide_count(cluster, tmp_path):
+    cluster.start_server("--state-dir", "none")
+    out = tmp_path / "out"
+    out.mkdir()
+    crash = {"FAIL_RANK": "3", "FAIL_STEP": "2", "FAIL_ONCE": str(tmp_path / "crashed"), "STEPS": "8"}
+    agents = [torchrun(cluster, out, node, job="crash", nnodes="2", nproc=2, max_restarts=2, env=crash,
+                       node_id=False) for node in ("a", "b")]
+
+    codes = [proc_exit(p) for p in agents]
+    assert codes == [0, 0], "\n\n".join(p.output for p in agents)
+    first, _ = wait_world(out, world=4, nodes={"a", "b"}, what="(before the crash)")
+    second, recs = wait_world(out, world=4, nodes={"a", "b"}, exclude={first}, what="(after the crash)")
+    assert_clean_world(recs, 4)
+    assert {r["env"]["RDZV_SERVER_RESTART_COUNT"] for r in recs} == {"1"}
+    assert sorted(r["rank"] for r in recs if r["kind"] == "done") == [0, 1, 2, 3]
+    # torch's own count is per agent: the crashed node's agent restarted once
+    crashed_node = next(r["node"] for r in recs if r["rank"] == 3)
+    assert {r["env"]["TORCHELASTIC_RESTART_COUNT"] for r in recs if r["node"] == crashed_node} == {"1"}
+
+    job = job_view(cluster, "crash")
+    assert (job["state"], job["restart_count"], job["max_restarts"]) == ("succeeded", 1, 2), job
+    assert job["world_size"] == 4 and {n["local_world_size"] for n in job["nodes"]} == {2}
+    assert job["last_failure"]["exitcode"] != 0, job["last_failure"]
+    causes = [e["data"]["cause"] for e in job_events(cluster, "crash") if e["kind"] == "round_completed"]
+    assert causes == ["start", "failure"], causes
+    with urllib.request.urlopen(f"http://{cluster.endpoint()}/", timeout=10) as resp:
+        page = resp.read().decode()
+    assert 'data-job="crash"' in page and re.search(r">\s*1 / 2\s*<", page), page
+
+
+def test_a_node_joining_later_grows_the_job(cluster, tmp_path):
+    cluster.start_server("--state-dir", "none")
+    out = tmp_path / "out"
+    out.mkdir()
+    a = torchrun(cluster, out, "a", job="grow", nnodes="1:2")
+    alone, _ = wait_world(out, world=1, nodes={"a"}, what="(a alone)")
+    b = torchrun(cluster, out, "b", job="grow", nnodes="1:2")
+    _, recs = wait_world(out, world=2, nodes={"a", "b"}, exclude={alone}, what="(after b joined)")
+    assert_clean_world(recs, 2)
+    stop_job(out)
+    assert [proc_exit(a), proc_exit(b)] == [0, 0], a.output + "\n\n" + b.output
+
+    job = job_view(cluster, "grow")
+    assert (job["state"], job["restart_count"], job["world_size"]) == ("succeeded", 0, 2), job
+    causes = [e["data"]["cause"] for e in job_events(cluster, "grow") if e["kind"] == "round_completed"]
+    assert causes == ["start", "scale_up"], causes
+
+
+def test_survivor_goes_on_when_a_torchrun_agent_is_sigkilled(cluster, tmp_path):
+    cluster.start_server("--state-dir", "none")
+    out = tmp_path / "out"
+    out.mkdir()
+    a = torchrun(cluster, out, "a", job="loss", nnodes="1:2")
+    b = torchrun(cluster, out, "b", job="loss", nnodes="1:2")
+    both, _ = wait_world(out, world=2, nodes={"a", "b"}, what="(both nodes)")
+    b.remember_descendants()        # its workers outlive a SIGKILLed torchrun agent: kill them at teardown
+    os.kill(b.pid, signal.SIGKILL)
+
+    _, recs = wait_world(out, world=1, nodes={"a"}, exclude={both}, what="(after b's agent was killed)")
+    assert_clean_world(recs, 1)
+    assert [n["node_id"] for n in job_view(cluster, "loss")["nodes"]] == ["a"]
+    lost = [e["node_id"] for e in job_events(cluster, "loss") if e["kind"] == "node_lost"]
+    assert lost == ["b"]
+    stop_job(out)
+    assert proc_exit(a) == 0, a.output
+    job = job_view(cluster, "loss")
+    assert (job["state"], job["restart_count"], job["world_size"]) == ("succeeded", 0, 1), job
+
+
+def test_exhausted_budget_fails_the_job_and_stops_every_agent(cluster, tmp_path):
+    cluster.start_server("--state-dir", "none")
+    out = tmp_path / "out"
+    out.mkdir()
+    env = {"FAIL_RANK": "1", "FAIL_ALWAYS": "1"}
+    agents = [torchrun(cluster, out, node, job="doomed", nnodes="2", max_restarts=1, env=env) for node in ("a", "b")]
+    codes = [p.wait(LIMIT) for p in agents]
+    assert all(code != 0 for code in codes), "\n\n".join(p.output for p in agents)
+    job = job_view(cluster, "doomed")
+    assert (job["state"], job["restart_count"]) == ("failed", 2), job
+    assert "exceeded max_restarts=1" in job["reason"], job
+    assert "fails on purpose" in job["root_cause"]["message"], job["root_cause"]
+
+
+def test_a_node_that_finished_leaves_when_another_fails_after_it(cluster, tmp_path):
+    """torch's agent never restarts workers that succeeded: a finished node cannot join the round a
+    later failure starts. It leaves at once (not after torch's 5-minute exit barrier), exits non-zero,
+    and the others go on without it."""
+    cluster.start_server("--state-dir", "none")
+    out = tmp_path / "out"
+    out.mkdir()
+    env = {"FAIL_RANK": "1", "FAIL_STEP": "end", "FAIL_ONCE": str(tmp_path / "failed"), "STEPS": "4",
+           "JOB_URL": f"http://{cluster.endpoint()}/v1/jobs/late"}   # fail once the other node reported success
+    a = torchrun(cluster, out, "a", job="late", nnodes="1:2", env=env)
+    b = torchrun(cluster, out, "b", job="late", nnodes="1:2", env=env)
+    # rank 1 is whichever node joined second; its node fails after the other one's workers finished
+    first, _ = wait_world(out, world=2, nodes={"a", "b"})
+    failing = next(r["node"] for r in worlds(out)[first] if r["rank"] == 1)
+    finishing, other = (a, b) if failing == "b" else (b, a)
+    assert proc_exit(finishing) == 1, finishing.output
+    assert "torchrun's agent cannot run them again, so this node left the job" in finishing.output
+    assert proc_exit(other) == 0, other.output
+    job = job_view(cluster, "late")
+    assert (job["state"], job["restart_count"], job["world_size"]) == ("succeeded", 1, 1), job
+    left = [e["node_id"] for e in job_events(cluster, "late") if e["kind"] == "node_left"]
+    assert left == [finishing.name]
+
+
+def run_alone(args: list[str], tmp_path) -> tuple[int, str]:
+    proc = Proc([*TORCHRUN, *args, STEPS], child_env(OUT_DIR=str(tmp_path)), "torchrun")
+    try:
+        return proc.wait(LIMIT), proc.output
+    finally:
+        proc.kill_all()
+
+
+def test_a_bad_rdzv_conf_value_is_one_clear_line(tmp_path):
+    code, output = run_alone(["--rdzv-backend", "rdzv-server", "--rdzv-endpoint", "127.0.0.1:1", "--rdzv-id", "j",
+                              "--rdzv-conf", "join_timeout=soon"], tmp_path)
+    assert code == 2, output
+    assert "--rdzv-conf join_timeout: expected a number of seconds, got 'soon'" in output, output
+    assert "Traceback" not in output, output
+
+
+def test_an_unreachable_endpoint_is_one_clear_line(tmp_path):
+    import socket
+    with socket.socket() as s:    # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    code, output = run_alone(["--rdzv-backend", "rdzv-server", "--rdzv-endpoint", f"127.0.0.1:{port}",
+                              "--rdzv-id", "j", "--rdzv-conf", "server_wait=1,lease_timeout=1"], tmp_path)
+    assert code == 1, output
+    assert f"cannot reach the rdzv-server at 127.0.0.1:{port}" in output, output
+    assert "Traceback" not in output, output

@@ -1,0 +1,173 @@
+"""Lease rules (rdzv_server/leases.py) with plain numbers for time: a held poll is the lease, a
+silent server blames nobody, a lagging server judges nobody, nodes lost together leave together."""
+from __future__ import annotations
+
+from protocol.messages import JobConfig, JoinRequest, PollRequest
+from rdzv_server.events import EventKind
+from rdzv_server.leases import OUTAGE_LIMIT_S, QUIET_S
+from rdzv_server.rendezvous import Rendezvous
+
+LEASE = 5.0
+CFG = JobConfig(min_nodes=1, max_nodes=3, last_call_s=0.0, lease_timeout_s=LEASE, join_timeout_s=1e4)
+
+
+def job_with(*nodes: str, now: float = 0.0) -> Rendezvous:
+    rz = Rendezvous()
+    for n in nodes:
+        rz.join("j", JoinRequest(v=1, node_id=n, addr="10.0.0.1", local_world_size=1, master_port=1, config=CFG,
+                                 instance=n), now)
+    rz.tick(now)
+    return rz
+
+
+def poll(rz: Rendezvous, node: str, now: float) -> None:
+    rz.poll("j", PollRequest(v=1, node_id=node), now)
+
+
+def kinds(rz: Rendezvous) -> list[str]:
+    return [e.kind for e in rz.jobs["j"].events]
+
+
+def test_a_held_poll_is_the_lease_and_its_answer_starts_the_lease_again():
+    rz = job_with("a", "b")
+    rz.hold_poll("j", PollRequest(v=1, node_id="a"), 1.0)
+    for t in (10.0, 20.0, 30.0):                 # b keeps talking; a's poll is held the whole time
+        poll(rz, "b", t)
+        rz.tick(t)
+    assert "a" in rz.jobs["j"].nodes
+    assert rz.next_deadline() == 30.0 + LEASE    # a held poll sets no deadline
+    rz.take_effects()
+    rz.poll_ended("j", "a", 31.0)
+    assert rz.take_effects().earliest == 31.0 + LEASE
+    poll(rz, "b", 34.0)
+    rz.tick(31.0 + LEASE)
+    assert "a" not in rz.jobs["j"].nodes and "b" in rz.jobs["j"].nodes
+
+
+def test_a_held_polls_connection_closing_loses_the_node_after_the_grace():
+    rz = job_with("a", "b")
+    rz.hold_poll("j", PollRequest(v=1, node_id="a"), 1.0)
+    rz.connection_dropped("j", "a", 2.0)
+    poll(rz, "b", 2.5)
+    rz.tick(3.0)
+    assert "a" not in rz.jobs["j"].nodes and "its connection closed" in rz.jobs["j"].events[-2].message
+
+
+def test_a_single_silent_death_among_nodes_still_heard_is_a_loss_within_the_lease():
+    rz = job_with("a", "b", "c")
+    round_before = rz.jobs["j"].round.round_id
+    for t in (2.0, 4.0):
+        poll(rz, "b", t)
+        poll(rz, "c", t)
+    rz.tick(LEASE)                                # a was last heard at 0.0
+    assert "a" not in rz.jobs["j"].nodes
+    assert rz.jobs["j"].round.round_id == round_before + 1
+
+
+def test_when_the_server_hears_from_nobody_leases_are_extended_until_the_outage_limit():
+    rz = job_with("a", "b")
+    rz.tick(LEASE)                                # quiet for a whole lease: the server's own outage
+    assert set(rz.jobs["j"].nodes) == {"a", "b"}
+    assert kinds(rz).count(EventKind.LEASES_EXTENDED) == 1 and QUIET_S < LEASE
+    t = LEASE
+    while t < OUTAGE_LIMIT_S - LEASE:             # still nobody: extended again, said once
+        t += LEASE
+        rz.tick(t)
+    assert set(rz.jobs["j"].nodes) == {"a", "b"} and kinds(rz).count(EventKind.LEASES_EXTENDED) == 1
+    rz.tick(OUTAGE_LIMIT_S + LEASE)               # silence that long means what it says
+    assert rz.jobs["j"].nodes == {}
+
+
+def test_agents_coming_back_after_the_servers_outage_carry_on_in_the_same_round():
+    rz = job_with("a", "b")
+    round_id = rz.jobs["j"].round.round_id
+    rz.tick(8.0)                                  # link down from 0 to 10 s
+    poll(rz, "a", 10.0)
+    poll(rz, "b", 10.2)
+    rz.tick(13.0)
+    assert rz.jobs["j"].round.round_id == round_id and set(rz.jobs["j"].nodes) == {"a", "b"}
+    assert EventKind.NODE_LOST not in kinds(rz)
+
+
+def test_no_lease_lapses_while_the_server_runs_behind_it_is_judged_once_caught_up():
+    rz = job_with("a", "b")
+    poll(rz, "b", 4.5)
+    rz.tick(LEASE + 0.5, lag_s=3.0)               # a's poll may be waiting in the server's own backlog
+    assert "a" in rz.jobs["j"].nodes
+    poll(rz, "b", 6.0)
+    rz.tick(rz.next_deadline(), lag_s=0.0)        # caught up, and a still silent: now it is a loss
+    assert "a" not in rz.jobs["j"].nodes
+
+
+def test_nodes_lost_together_leave_together_in_one_new_round():
+    rz = job_with("a", "b", "c")
+    round_id = rz.jobs["j"].round.round_id
+    poll(rz, "c", 4.0)
+    rz.tick(LEASE)                                # a and b lapse in the same tick
+    job = rz.jobs["j"]
+    assert set(job.nodes) == {"c"} and job.round.round_id == round_id + 1
+    assert job.round.members == ["c"] and "2 nodes lost" in job.round.reason
+
+
+def test_a_loopback_rank_0_on_a_multi_host_round_gets_a_reachable_master_addr():
+    rz = Rendezvous()
+    c = JobConfig(min_nodes=2, max_nodes=2, lease_timeout_s=LEASE)
+    # a runs on the server's host and reached it by loopback; b came from another host to 10.0.0.1
+    rz.join("j", JoinRequest(v=1, node_id="a", addr="127.0.0.1", local_world_size=1, master_port=7,
+                             config=c, instance="a"), 1.0, via=("127.0.0.1", "127.0.0.1"))
+    rz.join("j", JoinRequest(v=1, node_id="b", addr="10.0.0.2", local_world_size=1, master_port=8,
+                             config=c, instance="b"), 1.0, via=("10.0.0.2", "10.0.0.1"))
+    job = rz.jobs["j"]
+    assert {a.master_addr for a in job.round.assignments.values()} == {"10.0.0.1"}
+    said = [e.message for e in job.events if e.kind == EventKind.MASTER_ADDR_CORRECTED]
+    assert len(said) == 1 and "--local-addr" in said[0] and "127.0.0.1" in said[0]
+    one_host = Rendezvous()                                   # every node on loopback: nothing to correct
+    for n in ("a", "b"):
+        one_host.join("j", JoinRequest(v=1, node_id=n, addr="127.0.0.1", local_world_size=1, master_port=7,
+                                       config=c, instance=n), 1.0, via=("127.0.0.1", "127.0.0.1"))
+    assert {a.master_addr for a in one_host.jobs["j"].round.assignments.values()} == {"127.0.0.1"}
+
+
+def test_a_flapping_host_is_kept_out_so_it_costs_the_others_at_most_three_rounds_in_five_minutes():
+    c = JobConfig(min_nodes=2, max_nodes=3, last_call_s=0.0, lease_timeout_s=LEASE, join_timeout_s=1e4)
+    rz = Rendezvous()
+
+    def join(n: str, t: float, instance: str) -> None:
+        rz.join("j", JoinRequest(v=1, node_id=n, addr="10.0.0.1", local_world_size=1, master_port=1, config=c,
+                                 instance=instance), t)
+
+    for n in ("a", "b", "c"):
+        join(n, 0.0, n)
+    job = rz.jobs["j"]
+    first_round = job.round.round_id
+    t, flaps = 0.0, 0
+    while t < 300.0:                  # c: 7 s cut off (its lease lapses), 8 s back, again and again
+        down_at = t
+        while t < down_at + 7.0:
+            t += 1.0
+            for n in ("a", "b"):
+                poll(rz, n, t)
+            rz.tick(t)
+        flaps += 1
+        join("c", t, f"c{flaps}")     # its agent reconnects (the old record was lost)
+        while t < down_at + 15.0:
+            t += 1.0
+            for n in ("a", "b", "c"):
+                if n in job.nodes:
+                    poll(rz, n, t)
+            rz.tick(t)
+    rounds = job.round.round_id - first_round
+    assert rounds <= 3, [e.message for e in job.events if e.kind == "round_completed"]
+    kept_out = [e.message for e in job.events if e.kind == EventKind.NODE_EXCLUDED]
+    assert kept_out and "flapping" in kept_out[0] and "c" not in job.round.members
+
+
+def test_a_single_loss_is_forgiven_at_once():
+    rz = job_with("a", "b", "c")
+    for t in (2.0, 4.0):
+        poll(rz, "b", t)
+        poll(rz, "c", t)
+    rz.tick(LEASE)                                # a lost once
+    rz.join("j", JoinRequest(v=1, node_id="a", addr="10.0.0.1", local_world_size=1, master_port=1, config=CFG,
+                             instance="a2"), 6.0)
+    assert rz.jobs["j"].nodes["a"].state != "excluded"
