@@ -11,7 +11,7 @@ in the log's format), a clean SIGTERM, and a restart on the same state dir that 
 client's canary exactly as it was. Exit 1 on any 5xx, hang (no reply within --hang-s), crash,
 state change from a refused request, or any other problem listed at the end.
 
-    python -m tests.fuzz.soak [--requests 100000] [--clients 3] [--avoid-known]
+    python -m tests.fuzz.soak [--requests 100000] [--clients 3] [--keep]
 """
 from __future__ import annotations
 
@@ -88,6 +88,14 @@ def canary_view(port: int, job_id: str) -> dict[str, Any] | None:
     return view
 
 
+def read_client(path: str, code: int | None) -> dict[str, Any]:
+    try:
+        with open(path) as f:
+            return dict(json.load(f))
+    except (OSError, ValueError):
+        return {"sent": 0, "problems": {"client crashed": [f"{path}: no results (client exit {code})"]}}
+
+
 async def load(port: int, pid: int, args: argparse.Namespace, workdir: str) -> dict[str, Any]:
     stop = asyncio.Event()
     raw, held = RawResults(), list[HeldConnection]()
@@ -104,7 +112,7 @@ async def load(port: int, pid: int, args: argparse.Namespace, workdir: str) -> d
     clients = [await asyncio.create_subprocess_exec(
         sys.executable, "-m", "tests.fuzz.soak_client", "--port", str(port), "--index", str(i), "--requests",
         str(per_client), "--out", os.path.join(workdir, f"client-{i}.json"), "--hang-s", str(args.hang_s),
-        *(["--avoid-known"] if args.avoid_known else []), cwd=ROOT) for i in range(args.clients)]
+        cwd=ROOT) for i in range(args.clients)]
     background = [asyncio.create_task(t) for t in (
         probe.run(stop), live.run(stop), raw_flood(port, stop, args.hang_s, raw), sample_rss(),
         *(hold(port, kind, stop, held) for kind, n in (("slow-headers", args.slow), ("slow-body", args.slow),
@@ -112,22 +120,18 @@ async def load(port: int, pid: int, args: argparse.Namespace, workdir: str) -> d
     codes = await asyncio.gather(*(c.wait() for c in clients))
     stop.set()
     await asyncio.gather(*background)
-    results = []
-    for i in range(args.clients):
-        try:
-            with open(os.path.join(workdir, f"client-{i}.json")) as f:
-                results.append(json.load(f))
-        except (OSError, ValueError):
-            results.append({"sent": 0, "problems": {"client crashed": [f"client {i} exited {codes[i]}"]}})
+    results = [read_client(os.path.join(workdir, f"client-{i}.json"), code) for i, code in enumerate(codes)]
     return {"clients": results, "raw": raw, "held": held, "probe": probe, "live": live, "peak_rss": peak[0]}
 
 
 def scan_log(path: str) -> tuple[Counter[str], list[str], Counter[str]]:
-    """Lines by level, lines that are not in the log's format (outside a traceback), and the server's
-    errors by known issue ("new" for the others, with the text in the second list)."""
+    """Lines by level (and how many hold a Unicode line separator), lines that are not in the log's
+    format (outside a traceback), and the server's errors by known issue ("new" for the others, with
+    the text in the second list)."""
     levels, odd, errors = Counter[str](), list[str](), Counter[str]()
+    levels["with a Unicode line separator"] = 0
     with open(path, errors="replace") as f:
-        lines = f.read().splitlines()
+        lines = f.read().split("\n")[:-1]      # (not splitlines: the log's lines end at \n only)
     i = 0
     while i < len(lines):
         match = LOG_LINE.match(lines[i])
@@ -136,6 +140,8 @@ def scan_log(path: str) -> tuple[Counter[str], list[str], Counter[str]]:
             i += 1
             continue
         levels[match.group(1)] += 1
+        if any(sep in lines[i] for sep in ("\u2028", "\u2029", "\x85")):   # some viewers break lines there
+            levels["with a Unicode line separator"] += 1
         j = i + 1
         while j < len(lines) and lines[j].startswith("    "):         # a traceback under its line
             j += 1
@@ -160,8 +166,6 @@ def main() -> int:
     p.add_argument("--hang-s", type=float, default=20.0, help="a request with no reply this long is a hang")
     p.add_argument("--slow", type=int, default=50, help="slow-header and slow-body connections (each)")
     p.add_argument("--idle", type=int, default=500, help="idle connections held open")
-    p.add_argument("--avoid-known", action="store_true", help="leave out payloads of open findings that "
-                   "spoil the server for every later request (see tests/fuzz/known_issues.py)")
     p.add_argument("--keep", action="store_true", help="keep the work dir (server log, state, client results)")
     args = p.parse_args()
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -220,9 +224,10 @@ def report(args: argparse.Namespace, out: dict[str, Any], seconds: float, proble
     print(f"  5xx: {fivexx:,}   hangs (no reply in {args.hang_s:g} s): {hangs:,}")
     credentials = any(c.get("credentials") for c in clients)
     forged = sum(c.get("forged_accepted", 0) for c in clients)
-    print(f"  requests naming a live canary node without its credential and accepted: {forged:,} "
-          f"({'credentials handed out: each is a problem' if credentials else 'the server hands out no node credentials yet'})")
-    print(f"  canaries: {sum(c.get('canaries', 0) for c in clients):,} (a new one whenever accepted requests spoiled one)")
+    why = "credentials handed out: each is a problem" if credentials else "the server hands out no credentials yet"
+    print(f"  requests naming a live canary node without its credential and accepted: {forged:,} ({why})")
+    canaries = sum(c.get("canaries", 0) for c in clients)
+    print(f"  canaries: {canaries:,} (a new one whenever accepted requests spoiled one)")
     print(f"  server RSS: {mb(rss_before)} before, {mb(rss_after)} after, peak {mb(out['peak_rss'])}")
     print(f"  state dir: {state_before / 1e3:.1f} kB before, {state_after / 1e3:.1f} kB after")
     print(f"  /healthz: {probe.count:,} probes, {probe.failures} failed, slowest {probe.slowest_s * 1000:.0f} ms")
@@ -233,7 +238,8 @@ def report(args: argparse.Namespace, out: dict[str, Any], seconds: float, proble
         print(f"  {kind} connections: {len(conns)}, closed by the server: {len(closed)}"
               + (f" (after {min(closed):.1f}-{max(closed):.1f} s)" if closed else ""))
     levels, odd, errors = scan_log(log_path)
-    print(f"  server log: {sum(levels.values()):,} lines ({', '.join(f'{k} {v:,}' for k, v in levels.items())}), "
+    lines = sum(v for k, v in levels.items() if not k.startswith("with"))
+    print(f"  server log: {lines:,} lines ({', '.join(f'{k} {v:,}' for k, v in levels.items())}), "
           f"{os.path.getsize(log_path) / 1e6:.1f} MB; stopped {stop_s:.1f} s after SIGTERM")
     for issue, n in sorted((known + Counter({k: v for k, v in errors.items() if k != "new"})).items()):
         print(f"  known issue (xfail {issue}): {n:,} replies or log errors")

@@ -7,7 +7,7 @@ lease age must not drop (a refused request must not renew a lease). An accepted 
 it: the baseline is taken again, and a canary that requests finished or took a node out is
 replaced. Results go to a JSON file for soak.py.
 
-    python -m tests.fuzz.soak_client --port P --index I --requests N --out FILE [--hang-s S] [--avoid-known]
+    python -m tests.fuzz.soak_client --port P --index I --requests N --out FILE [--hang-s S]
 """
 from __future__ import annotations
 
@@ -169,8 +169,7 @@ class FuzzClient:
         except (NoReply, OSError):
             return True
 
-    def run(self, total: int, avoid_known: bool) -> None:
-        payloads.AVOIDING = avoid_known
+    def run(self, total: int) -> None:
 
         strategy: tuple[Context, st.SearchStrategy[Request]] | None = None
 
@@ -208,12 +207,11 @@ def main() -> int:
     p.add_argument("--requests", type=int, required=True)
     p.add_argument("--out", required=True)
     p.add_argument("--hang-s", type=float, default=20.0)
-    p.add_argument("--avoid-known", action="store_true")
     args = p.parse_args()
     started = time.monotonic()
     client = FuzzClient(args.port, args.index, args.hang_s)
     try:
-        client.run(args.requests, args.avoid_known)
+        client.run(args.requests)
     except BaseException:        # a bug of the fuzzer (or an unreadable reply): reported, not lost
         client.problem("fuzzer error", traceback.format_exc())
         raise

@@ -3,9 +3,10 @@
 Each raw request goes on a fresh connection, closed once the first line of a reply came (aiohttp
 drops a request whose client half-closed, so the client never does). The outcome is the reply's
 status, "closed" (the server hung up without one), "waiting" (a request incomplete on purpose that
-the server still waits on) or "hang" (no reply within the limit to a complete request). Slow clients dribble a header line or a
-body a few bytes at a time; idle connections send nothing. Whether and when the server drops them
-is reported; that it keeps answering /healthz meanwhile is checked by soak.py.
+the server still waits on) or "hang" (no reply within the limit to a complete request). Slow
+clients dribble a header line or a body a few bytes at a time; idle connections send nothing.
+Whether and when the server drops them is reported; that it keeps answering /healthz meanwhile is
+checked by soak.py.
 """
 from __future__ import annotations
 
