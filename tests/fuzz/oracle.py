@@ -46,7 +46,7 @@ def decode_error(reply: Reply) -> dict[str, Any] | str:
 def field_named(name: str, message: str) -> bool:
     """Whether `message` names the field at `name` ("config.min_nodes", "failures[0].rank")."""
     last = name.rsplit(".", 1)[-1].split("[", 1)[0]
-    return last in message
+    return last in message or last.replace("_", " ") in message     # "local rank(s) [7]" names local_rank
 
 
 def problems(request: Request, reply: Reply) -> list[str]:

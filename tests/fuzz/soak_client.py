@@ -173,22 +173,22 @@ class FuzzClient:
 
         strategy: tuple[Context, st.SearchStrategy[Request]] | None = None
 
-        @settings(max_examples=CHUNK, database=None, deadline=None, phases=[Phase.generate],
-                  suppress_health_check=list(HealthCheck))
-        @given(st.data())
-        def chunk(data: st.DataObject) -> None:
+        def one(data: st.DataObject) -> None:
             nonlocal strategy
             if strategy is None or strategy[0] is not self.ctx:      # (made once per context: it is validated)
                 strategy = (self.ctx, any_request(self.ctx))
-            if self.sent < total:
-                request = data.draw(strategy[1])
-                try:
-                    self.fire(request)
-                except Exception:    # a bug of the fuzzer, or a reply it cannot read: reported, not fatal
-                    self.problem("fuzzer error", f"{traceback.format_exc()} on {request.describe()}")
-                    self.rebase()
+            request = data.draw(strategy[1])
+            try:
+                self.fire(request)
+            except Exception:    # a bug of the fuzzer, or a reply it cannot read: reported, not fatal
+                self.problem("fuzzer error", f"{traceback.format_exc()} on {request.describe()}")
+                self.rebase()
 
         while self.sent < total and not self.dead:
+            # Exactly the examples still wanted: every example draws a request (hypothesis checks that
+            # an example draws the same way when it is run again).
+            chunk = settings(max_examples=min(CHUNK, total - self.sent), database=None, deadline=None,
+                             phases=[Phase.generate], suppress_health_check=list(HealthCheck))(given(st.data())(one))
             chunk()
         if not self.dead:
             self.check_canary(None, None)
