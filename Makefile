@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP_FLAGS := --disable-pip-version-check -q
 PYTEST_WORKERS ?= 4
 
-.PHONY: venv chromium deploy-tools netns-tools demo test multihost soak bench bench-faults clean
+.PHONY: venv chromium deploy-tools netns-tools demo test multihost soak fuzz bench bench-faults clean
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -48,6 +48,12 @@ multihost: venv netns-tools
 
 soak: venv netns-tools
 	$(PY) -m pytest -m soak -q -p no:cacheprovider -s
+
+# 100,000+ hostile and malformed requests against a real server with a durable store (tests/fuzz/soak.py):
+# prints counts by status, RSS and state dir size before/after; exits 1 on any 5xx, hang, crash or state
+# change from a refused request. FUZZ_ARGS passes options, e.g. FUZZ_ARGS="--requests 20000 --keep".
+fuzz: venv
+	$(PY) -m tests.fuzz.soak $(FUZZ_ARGS)
 
 bench: venv
 	$(PY) benchmarks/bench_rendezvous.py
