@@ -19,9 +19,12 @@ def running_server(*extra: str, root: str = ROOT, pids: list[int] | None = None)
     state = tempfile.TemporaryDirectory(prefix="rdzv-bench-state-")
     if not any(arg.startswith("--state-dir") for arg in extra):
         extra = (*extra, "--state-dir", state.name)
+    # RDZV_BENCH_LOG=FILE keeps the server's log (info level) for a look at what happened.
+    log_path = os.environ.get("RDZV_BENCH_LOG")
+    log = open(log_path, "a") if log_path else subprocess.DEVNULL  # noqa: SIM115 (closed with the server)
     proc = subprocess.Popen([sys.executable, "-m", "rdzv_server.cli", "--host", "127.0.0.1", "--port", "0",
-                             "--log-level", "warning", *extra],
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env, cwd=root)
+                             "--log-level", "info" if log_path else "warning", *extra],
+                            stdout=subprocess.PIPE, stderr=log, text=True, env=env, cwd=root)
     if pids is not None:
         pids.append(proc.pid)
     try:
@@ -38,4 +41,6 @@ def running_server(*extra: str, root: str = ROOT, pids: list[int] | None = None)
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+        if log_path:
+            log.close()  # type: ignore[union-attr]
         state.cleanup()

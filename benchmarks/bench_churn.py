@@ -33,7 +33,8 @@ def dir_size(path: str) -> int:
 async def one_job(session: aiohttp.ClientSession, base: str, i: int) -> None:
     job = f"oneshot-{i}"
     body = {"v": 1, "node_id": "n", "addr": "127.0.0.1", "local_world_size": 1, "master_port": 1,
-            "config": {"min_nodes": 1, "max_nodes": 1, "last_call_s": 0.0}}
+            "config": {"min_nodes": 1, "max_nodes": 1, "last_call_s": 0.0,
+                       "lease_timeout_s": 60.0}}  # a one-shot client holds no poll: a starved client must not lapse
     async with session.post(f"{base}/{job}/join", data=msgpack.packb(body), headers=HEADERS) as r:
         reply = msgpack.unpackb(await r.read())
     done = {"v": 1, "node_id": "n", "credential": reply["credential"], "round_id": reply["round_id"]}

@@ -64,6 +64,9 @@ class Rendezvous:
 
     def take_effects(self) -> Outbox:
         """What the calls since the last take did (see outbox.py)."""
+        for job, _ in self.outbox.events:      # a job that just ended is due to be forgotten in time
+            if job.state.finished and job.finished_at is not None:
+                self.outbox.deadline(job.finished_at + self.limits.retain_finished_s)
         return self.outbox.drain()
 
     # ---- requests -------------------------------------------------------------------------

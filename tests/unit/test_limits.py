@@ -43,6 +43,16 @@ def test_finished_jobs_are_forgotten_after_the_retention_and_the_store_deletes_t
     assert set(loaded) == {"live"}
 
 
+def test_the_call_that_ends_a_job_asks_the_timer_for_its_retention_deadline():
+    # A one-node job whose lease is long: without this the timer would sleep to the lease and keep
+    # the finished job (and its store rows) past the retention.
+    rz = Rendezvous(limits=Limits(retain_finished_s=5.0))
+    join(rz, "one", "a", 10.0, JobConfig(min_nodes=1, max_nodes=1, lease_timeout_s=600.0))
+    assert rz.take_effects().earliest == 610.0
+    rz.report_success("one", SuccessReport(v=1, node_id="a", round_id=1), 11.0)
+    assert rz.take_effects().earliest == 16.0
+
+
 def test_at_max_jobs_the_oldest_finished_go_first_and_then_new_jobs_are_refused():
     rz = Rendezvous(limits=Limits(max_jobs=3))
     finish(rz, "f1", 1.0)
