@@ -26,6 +26,8 @@ from protocol.messages import (MAX_POLL_WAIT_S, FailureReport, JoinRequest, Node
 POLL_WAIT_S = MAX_POLL_WAIT_S
 # Retry pause cap while the server is away: a restarted server sees every agent back within about this.
 BACKOFF_MAX_S = 0.5
+# How long a leave waits for a join still on its way (see leave()).
+JOIN_LANDING_S = 2.0
 
 
 class ServerLink:
@@ -60,7 +62,15 @@ class ServerLink:
         self._send(SuccessReport, lambda: self._client.report_success(round_id))
 
     async def leave(self, reason: str) -> None:
-        """Say goodbye, once and briefly: the lease expires anyway if this does not get through."""
+        """Say goodbye, once and briefly: the lease expires anyway if this does not get through.
+
+        A join still on its way may yet admit this node: the leave waits for it (briefly) so that
+        it can name the node with its credential, instead of leaving a record that lapses later and
+        counts as a loss of this node id (flap damping)."""
+        joining = self._tasks.get(JoinRequest)
+        if joining is not None and not joining.done():
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(asyncio.shield(joining), JOIN_LANDING_S)
         try:
             await self._client.leave(reason)
         except (ServerUnreachable, ServerRejected):

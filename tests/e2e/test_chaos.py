@@ -97,7 +97,11 @@ class Chaos:
         self.log.append(text)
 
     def context(self) -> str:
-        return f"seed {self.seed}; faults: {self.log}"
+        try:          # the server's own account of the last decisions, for whoever reads a failure
+            recent = [f"{e.get('kind')}: {e.get('message')}" for e in job_events(self.cluster, JOB)[-25:]]
+        except Exception as exc:  # noqa: BLE001 (a failure message must not fail itself)
+            recent = [f"(events unavailable: {exc})"]
+        return f"seed {self.seed}; faults: {self.log}; the server's last events: {recent}"
 
     def records(self) -> list[dict]:
         out = []

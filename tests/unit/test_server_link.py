@@ -42,6 +42,9 @@ class Scripted(Transport):
             raise step
         if step == "hold":
             await asyncio.Event().wait()
+        if isinstance(step, asyncio.Event):      # answered once the test sets it
+            await step.wait()
+            self.sent.append((f"{action} answered", None))
         return STATUS
 
 
@@ -118,6 +121,23 @@ async def test_a_newer_report_replaces_one_still_trying(link) -> None:
     answered = await next_fact(facts)
     assert isinstance(answered, StatusReceived) and answered.request is SuccessReport
     assert [m.round_id for a, m in client.sent] == [1, 2] and facts.empty()  # type: ignore[attr-defined]
+
+
+async def test_a_leave_waits_for_a_join_in_flight_so_the_node_it_admits_is_left_not_lost(link) -> None:
+    # SIGTERM while the join is on its way: leaving at once would go without the node's credential
+    # and be refused, the join would then admit a node nobody runs, and its lease would lapse as a loss.
+    sl, client, facts = link
+    answer = asyncio.Event()
+    client.script["join"] = [answer]
+    sl.rejoin()
+    assert await client.until_sent(1) == ["join"]
+    leaving = asyncio.create_task(sl.leave("bye"))
+    for _ in range(20):                 # let the leave run as far as it can without the join's answer
+        await asyncio.sleep(0)
+    assert [action for action, _ in client.sent] == ["join"]
+    answer.set()
+    await asyncio.wait_for(leaving, LIMIT)
+    assert [action for action, _ in client.sent] == ["join", "join answered", "leave"]
 
 
 async def test_leave_is_a_courtesy_and_the_lease_is_kept_while_busy(link) -> None:
