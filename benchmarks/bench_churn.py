@@ -44,9 +44,9 @@ async def one_job(session: aiohttp.ClientSession, base: str, i: int) -> None:
         raise SystemExit(f"bench_churn: job {job}: the success report was answered {r.status} {ended!r}")
 
 
-async def churn(port: int, jobs: int, concurrency: int, server: psutil.Process, peak: list[int]) -> None:
+async def churn(port: int, jobs: range, concurrency: int, server: psutil.Process, peak: list[int]) -> None:
     base = f"http://127.0.0.1:{port}/v1/jobs"
-    queue = iter(range(jobs))
+    queue = iter(jobs)
 
     async def worker(session: aiohttp.ClientSession) -> None:
         for i in queue:
@@ -64,6 +64,7 @@ def main() -> None:
     p.add_argument("--retain", type=float, default=10.0, help="the server's --retain-finished")
     p.add_argument("--concurrency", type=int, default=64)
     p.add_argument("--server-arg", action="append", default=[], help="extra rdzv-server flag (repeatable)")
+    p.add_argument("--rounds", type=int, default=1, help="churn this many times (new job ids each time)")
     args = p.parse_args()
     state = tempfile.mkdtemp(prefix="rdzv-churn-")
     pids: list[int] = []
@@ -72,22 +73,28 @@ def main() -> None:
         server = psutil.Process(pids[0])
         time.sleep(1.0)                                     # start-up allocations settle (a measurement)
         rss0, disk0 = server.memory_info().rss, dir_size(state)
-        peak = [rss0]
-        started = time.time()
-        asyncio.run(churn(port, args.jobs, args.concurrency, server, peak))
-        took = time.time() - started
-        rss_end, disk_peak = server.memory_info().rss, dir_size(state)
-        time.sleep(args.retain + 8.0)     # the retention passes, the timer forgets them, the heap is trimmed (5 s)
-        rss_after, disk_after = server.memory_info().rss, dir_size(state)
+        for n in range(args.rounds):
+            peak = [rss0]
+            started = time.time()
+            asyncio.run(churn(port, range(n * args.jobs, (n + 1) * args.jobs), args.concurrency, server, peak))
+            took = time.time() - started
+            rss_end, disk_peak = server.memory_info().rss, dir_size(state)
+            time.sleep(args.retain + 8.0)  # the retention passes, the timer forgets them, the heap is trimmed (5 s)
+            rss_after, disk_after = server.memory_info().rss, dir_size(state)
+            report(n + 1, args.jobs, took, rss0, max(peak[0], rss_end), rss_after, disk0, disk_peak, disk_after)
+
+
+def report(n: int, jobs: int, took: float, rss0: int, rss_peak: int, rss_after: int,
+           disk0: int, disk_peak: int, disk_after: int) -> None:
     mib = 1 << 20
-    print(f"{args.jobs} one-shot jobs in {took:.1f} s ({2 * args.jobs / took:.0f} requests/s)")
-    print(f"server RSS: start {rss0 / mib:.0f} MiB, peak {max(peak[0], rss_end) / mib:.0f} MiB, "
+    print(f"round {n}: {jobs} one-shot jobs in {took:.1f} s ({2 * jobs / took:.0f} requests/s)")
+    print(f"  server RSS: start {rss0 / mib:.0f} MiB, peak {rss_peak / mib:.0f} MiB, "
           f"after the retention {rss_after / mib:.0f} MiB")
-    print(f"state dir: start {disk0 / 1024:.0f} KiB, after the jobs {disk_peak / 1024:.0f} KiB, "
+    print(f"  state dir: start {disk0 / 1024:.0f} KiB, after the jobs {disk_peak / 1024:.0f} KiB, "
           f"after the retention {disk_after / 1024:.0f} KiB")
-    print(f"RESULT jobs={args.jobs} rss_start_mib={rss0 / mib:.0f} rss_peak_mib={max(peak[0], rss_end) / mib:.0f} "
+    print(f"RESULT round={n} jobs={jobs} rss_start_mib={rss0 / mib:.0f} rss_peak_mib={rss_peak / mib:.0f} "
           f"rss_after_mib={rss_after / mib:.0f} disk_start_kib={disk0 / 1024:.0f} "
-          f"disk_after_kib={disk_after / 1024:.0f}")
+          f"disk_after_kib={disk_after / 1024:.0f}", flush=True)
 
 
 if __name__ == "__main__":
