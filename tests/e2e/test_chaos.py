@@ -41,7 +41,9 @@ MAX_ALIVE = 4
 LIMIT = 60.0      # bound on any one wait: a stuck job fails the test instead of stalling it
 FLAGS = ("--nnodes", f"{MIN_ALIVE}:{MAX_ALIVE}", "--nproc", "1", "--job-id", JOB, "--max-restarts", "100000",
          "--lease-timeout", "3", "--last-call", "0.5", "--stop-timeout", "2",
-         "--exclude-after", "0")     # exclusion has tests of its own; here it would only stall the soak
+         # Exclusion (after failures, and of a node id lost again and again: flap damping) has tests
+         # of its own; here, where node ids are re-used on purpose, it would only stall the soak.
+         "--exclude-after", "0", "--exclude-lost-after", "0")
 
 
 def alive(rec: dict) -> bool:
