@@ -154,5 +154,5 @@ async def resize_job(request: web.Request) -> web.Response:
         raise RendezvousError(ErrorCode.UNKNOWN_JOB, unknown_job(job_id))
     min_nodes = body.get("min_nodes", job.config.min_nodes)
     max_nodes = body.get("max_nodes", job.config.max_nodes)
-    return await _operate(request, f"resize to nodes {min_nodes}:{max_nodes}", "resize", job_id, min_nodes,
-                          max_nodes)
+    return await _operate(request, f"resize to nodes {quote(min_nodes)}:{quote(max_nodes)}", "resize", job_id,
+                          min_nodes, max_nodes)
