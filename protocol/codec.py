@@ -20,6 +20,7 @@ from protocol.messages import (
     PollRequest,
     SuccessReport,
 )
+from protocol.quoting import quote
 
 CONTENT_TYPE = "application/msgpack"
 MAX_BODY_BYTES = 1 << 20
@@ -93,7 +94,7 @@ def _check_version(body: bytes) -> None:
         if version == PROTOCOL_VERSION:
             return            # `true` or `1.0`: the typed decode names the field
         raise DecodeError(ErrorCode.UNSUPPORTED_VERSION,
-                          f"protocol version {version!r} is not supported; this server speaks {PROTOCOL_VERSION}")
+                          f"protocol version {quote(version)} is not supported; this server speaks {PROTOCOL_VERSION}")
 
 
 def _short(exc: Exception) -> str:

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import enum
 
+from protocol.quoting import quote
+
 
 class ErrorCode(str, enum.Enum):
     BAD_REQUEST = "bad_request"              # body is not valid MessagePack or a field has the wrong type/value
@@ -53,4 +55,4 @@ RETRYABLE: frozenset[ErrorCode] = frozenset({ErrorCode.SHUTTING_DOWN, ErrorCode.
 
 def unknown_job(job_id: str) -> str:
     """The one wording of "no such job", wherever a job id is looked up."""
-    return f"no job {job_id!r} on this server"
+    return f"no job {quote(job_id)} on this server"

@@ -15,6 +15,7 @@ import msgspec
 from msgspec import Meta
 
 from protocol.ids import NODE_ID, NODE_ID_RULE
+from protocol.quoting import quote
 
 PROTOCOL_VERSION = 1
 
@@ -76,7 +77,7 @@ def _printable(**fields: str) -> None:
     """Names and addresses end up in logs and on screens: no control characters (worker messages and
     tracebacks may hold them; they are escaped wherever they are shown)."""
     for name, value in fields.items():
-        _check(value.isprintable(), name, f"must not contain control characters, got {value[:64]!r}")
+        _check(value.isprintable(), name, f"must not contain control characters, got {quote(value)}")
 
 
 class JobConfig(msgspec.Struct, kw_only=True, frozen=True):
@@ -118,7 +119,7 @@ class _Request(msgspec.Struct, kw_only=True):
     credential: Annotated[str, Meta(max_length=MAX_CREDENTIAL)] = ""
 
     def __post_init__(self) -> None:
-        _check(bool(NODE_ID.fullmatch(self.node_id)), "node_id", f"must be {NODE_ID_RULE}, got {self.node_id!r}")
+        _check(bool(NODE_ID.fullmatch(self.node_id)), "node_id", f"must be {NODE_ID_RULE}, got {quote(self.node_id)}")
 
 
 class JoinRequest(_Request, kw_only=True):

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from aiohttp import web
 
 from protocol.errors import ErrorCode
+from protocol.quoting import quote
 from protocol.tokens import MAX_TOKEN_CHARS, token_problem
 from rdzv_server.errors import RendezvousError
 
@@ -87,8 +88,12 @@ def route_class(request: web.Request) -> str:
 
 
 def presented_token(request: web.Request) -> bytes | None:
-    """The token in `Authorization: Bearer T` or as the password of `Basic` auth."""
+    """The token in `Authorization: Bearer T` or as the password of `Basic` auth (a header that is
+    not ASCII, which no token is, is refused: aiohttp hands its bytes over as lone surrogates)."""
     header = request.headers.get("Authorization", "")
+    if not header.isascii():
+        raise _unauthorized("the Authorization header is not ASCII (a token is printable ASCII): "
+                            "send 'Authorization: Bearer TOKEN'", 'Bearer realm="rdzv-server"')
     scheme, _, value = header.partition(" ")
     scheme = scheme.lower()
     if scheme == "bearer":
@@ -143,7 +148,7 @@ def _check_admin(request: web.Request, access: Access, given: bytes | None) -> N
     if request.method == "POST":
         if request.content_type != JSON:
             raise RendezvousError(ErrorCode.UNSUPPORTED_MEDIA_TYPE,
-                                  f"admin actions take Content-Type: {JSON}, got {request.content_type!r} "
+                                  f"admin actions take Content-Type: {JSON}, got {quote(request.content_type)} "
                                   f"(with curl: -H 'Content-Type: {JSON}')")
         origin = request.headers.get("Origin")
         if origin is not None and not _same_origin(origin, request):
@@ -174,8 +179,8 @@ def _check_host(request: web.Request, access: Access) -> None:
     if name and (_is_ip(name) or name in _own_names() or name in access.allowed_hosts):
         return
     raise RendezvousError(ErrorCode.FORBIDDEN,
-                          f"Host {host[:100]!r} is not one of this server's names; start rdzv-server with "
-                          f"--allowed-host {name[:100] or 'NAME'} to serve it (views without a token only "
+                          f"Host {quote(host)} is not one of this server's names; start rdzv-server with "
+                          f"--allowed-host {quote(name) if name else 'NAME'} to serve it (views without a token only "
                           f"answer their own names, against DNS rebinding)")
 
 
@@ -225,7 +230,7 @@ async def access_middleware(request: web.Request,
     check(request, request.app[ACCESS])
     if request.headers.get("Content-Encoding", "identity").lower() not in ("identity", ""):
         raise RendezvousError(ErrorCode.UNSUPPORTED_MEDIA_TYPE, "compressed request bodies are not accepted "
-                              f"(Content-Encoding {request.headers['Content-Encoding'][:40]!r})")
+                              f"(Content-Encoding {quote(request.headers['Content-Encoding'])})")
     response = await handler(request)
     if response.content_type == "text/html":
         response.headers.update(HTML_HEADERS)

@@ -24,6 +24,7 @@ from aiohttp import web
 from protocol.codec import DecodeError
 from protocol.errors import ErrorCode, unknown_job
 from protocol.ids import node_id_problem
+from protocol.quoting import one_line, quote
 from rdzv_server import views
 from rdzv_server.connections import read_body
 from rdzv_server.routing import COORDINATOR, job_id_of
@@ -73,22 +74,38 @@ async def _body(request: web.Request, fields: dict[str, type]) -> dict[str, Any]
     unknown = sorted(set(body) - set(fields))
     if unknown:
         expected = ", ".join(fields) or "no fields"
-        raise bad_request(f"unknown field(s) {', '.join(map(repr, unknown))}; this action takes {expected}")
+        names = ", ".join(map(quote, unknown[:5])) + (f" and {len(unknown) - 5} more" if len(unknown) > 5 else "")
+        raise bad_request(f"unknown field(s) {names}; this action takes {expected}")
     for name, value in body.items():
         want = fields[name]
         if value is None:
             continue
         if not isinstance(value, want) or (want is int and isinstance(value, bool)):
             raise bad_request(f"field {name!r} must be {'an integer' if want is int else 'a string'}, "
-                              f"got {json.dumps(value)}")
+                              f"got {quote(value)}")
+        if isinstance(value, str) and not _is_unicode(value):
+            raise bad_request(f"field {name!r} is not valid Unicode text: it holds a lone surrogate "
+                              f"(a \\ud800-\\udfff escape), got {quote(value)}")
     return {k: v for k, v in body.items() if v is not None}
 
 
+def _is_unicode(text: str) -> bool:
+    """False for a string with a lone surrogate (JSON's "\\ud800" decodes to one): no UTF-8 codec,
+    the store's included, can encode it."""
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def _reason(body: dict[str, Any]) -> str:
+    """The operator's reason, kept on one line: it goes into the job's reason, which every agent
+    prints and later refusals (node_drained, job_finished) quote."""
     reason = body.get("reason", "").strip()
     if len(reason) > MAX_REASON_CHARS:
         raise bad_request(f"field 'reason' must be at most {MAX_REASON_CHARS} characters, got {len(reason)}")
-    return reason
+    return one_line(reason)
 
 
 async def _operate(request: web.Request, what: str, action: str, job_id: str, *args: object) -> web.Response:
@@ -137,5 +154,5 @@ async def resize_job(request: web.Request) -> web.Response:
         raise RendezvousError(ErrorCode.UNKNOWN_JOB, unknown_job(job_id))
     min_nodes = body.get("min_nodes", job.config.min_nodes)
     max_nodes = body.get("max_nodes", job.config.max_nodes)
-    return await _operate(request, f"resize to nodes {min_nodes}:{max_nodes}", "resize", job_id, min_nodes,
-                          max_nodes)
+    return await _operate(request, f"resize to nodes {quote(min_nodes)}:{quote(max_nodes)}", "resize", job_id,
+                          min_nodes, max_nodes)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from protocol.errors import ErrorCode
 from protocol.messages import JoinRequest, NodeState
+from protocol.quoting import quote
 from rdzv_server import credentials, leases
 from rdzv_server.errors import RendezvousError
 from rdzv_server.events import EventKind
@@ -27,8 +28,9 @@ def check_join(rules: JobRules, req: JoinRequest) -> None:
                               f"job {job.job_id!r} exists with another config: " + "; ".join(diffs))
     if job.command and req.command and req.command != job.command:
         raise RendezvousError(ErrorCode.CONFIG_CONFLICT, f"job {job.job_id!r} runs another command (fingerprint "
-                              f"{job.command}, this node's {req.command}): give this run its own --rdzv-id, or "
-                              "--no-command-check on every node if their scripts or arguments differ on purpose")
+                              f"{quote(job.command)}, this node's {quote(req.command)}): give this run its own "
+                              "--rdzv-id, or --no-command-check on every node if their scripts or arguments differ "
+                              "on purpose")
     if req.node_id in job.drained:
         raise RendezvousError(ErrorCode.NODE_DRAINED, f"node {req.node_id} was drained from job "
                               f"{job.job_id!r} by the operator ({job.drained[req.node_id]})")

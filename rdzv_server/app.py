@@ -10,6 +10,7 @@ from aiohttp import web
 from protocol.codec import CONTENT_TYPE, MAX_BODY_BYTES, REQUEST_TYPES, DecodeError, decode_request, encode
 from protocol.errors import HTTP_STATUS, RETRYABLE, ErrorCode, unknown_job
 from protocol.messages import ErrorReply
+from protocol.quoting import quote
 from rdzv_server import admin, page, views
 from rdzv_server.access import ACCESS, Access, access_middleware
 from rdzv_server.connections import read_body, silence_s
@@ -49,10 +50,11 @@ async def error_middleware(request: web.Request,
     except web.HTTPRequestEntityTooLarge:
         return _error(ErrorCode.TOO_LARGE, f"body exceeds {MAX_BODY_BYTES} bytes", as_json=as_json)
     except web.HTTPNotFound:
-        return _error(ErrorCode.NOT_FOUND, f"no route {request.method} {request.path}", as_json=as_json)
+        return _error(ErrorCode.NOT_FOUND, f"no route {request.method} {quote(request.path)}", as_json=as_json)
     except web.HTTPMethodNotAllowed as exc:
         return _error(ErrorCode.METHOD_NOT_ALLOWED,
-                      f"{request.method} not allowed on {request.path}; use {', '.join(sorted(exc.allowed_methods))}",
+                      f"{request.method} not allowed on {quote(request.path)}; "
+                      f"use {', '.join(sorted(exc.allowed_methods))}",
                       as_json=as_json)
     except web.HTTPException:
         raise
@@ -69,10 +71,10 @@ async def agent_request(request: web.Request) -> web.Response:
     cls = REQUEST_TYPES.get(action)
     if cls is None:
         raise DecodeError(ErrorCode.NOT_FOUND,
-                          f"no agent action {action!r}; expected one of {', '.join(REQUEST_TYPES)}")
+                          f"no agent action {quote(action)}; expected one of {', '.join(REQUEST_TYPES)}")
     if request.content_type not in (CONTENT_TYPE, "application/x-msgpack", "application/octet-stream"):
         raise DecodeError(ErrorCode.UNSUPPORTED_MEDIA_TYPE,
-                          f"content type {request.content_type!r}: agent routes take {CONTENT_TYPE}")
+                          f"content type {quote(request.content_type)}: agent routes take {CONTENT_TYPE}")
     job_id = job_id_of(request)
     if coord.shutting_down:
         raise RendezvousError(ErrorCode.SHUTTING_DOWN, "server is shutting down; retry shortly")

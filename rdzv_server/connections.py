@@ -20,6 +20,7 @@ from typing import Any
 from aiohttp import web
 
 from protocol.errors import ErrorCode
+from protocol.quoting import quote
 from rdzv_server.errors import RendezvousError
 
 log = logging.getLogger("rdzv_server")
@@ -112,10 +113,23 @@ def silence_s(request: web.Request) -> float:
         return 0.0
 
 
+class ClientGone(web.HTTPClientError):
+    """The client closed its connection before its body arrived: nobody is left to answer (counted
+    as 499, nginx's "client closed request")."""
+    status_code = 499
+
+
 async def read_body(request: web.Request) -> bytes:
-    """The request's body, or a refusal when it does not arrive in BODY_TIMEOUT_S."""
+    """The request's body, or a refusal when it does not arrive in BODY_TIMEOUT_S or cannot be read
+    (a malformed chunked body, one cut short); a client gone mid-body is one line of the log."""
     try:
         return await asyncio.wait_for(request.read(), BODY_TIMEOUT_S)
     except asyncio.TimeoutError:
         raise RendezvousError(ErrorCode.BAD_REQUEST, f"the request body did not arrive within "
                               f"{BODY_TIMEOUT_S:g}s") from None
+    except ConnectionError as exc:
+        log.info("client %s closed the connection before its request body arrived (%s %s): %s",
+                 request.remote, request.method, quote(request.path), exc)
+        raise ClientGone() from None
+    except web.RequestPayloadError as exc:
+        raise RendezvousError(ErrorCode.BAD_REQUEST, f"the request body could not be read: {exc}") from None

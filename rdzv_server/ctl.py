@@ -25,6 +25,7 @@ import urllib.parse
 from collections.abc import Sequence
 from typing import Any
 
+from protocol.quoting import one_line
 from rdzv_server.ctl_client import (ADMIN_TOKEN_ENV, DEFAULT_SERVER, TOKEN_ENV, Client, CtlError, UsageError,
                                     read_token, server_url, tls_context)
 
@@ -48,11 +49,8 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     return "\n".join(lines)
 
 
-_CONTROL = {c: f"\\x{c:02x}" for c in [*range(32), 127]}
-
-
 def _visible(text: str) -> str:
-    return text.translate(_CONTROL)
+    return one_line(text).replace("\t", "\\t")
 
 
 def truncate(text: str, width: int) -> str:
@@ -128,7 +126,7 @@ def _cut(doc: dict[str, Any], key: str, what: str) -> list[str]:
 def format_job(doc: dict[str, Any]) -> str:
     out = [f"job        {doc['job_id']}",
            f"state      {doc['state']}" + (f" since {doc['finished_at']}" if doc.get("finished_at") else ""),
-           f"reason     {doc.get('reason') or '-'}",
+           f"reason     {_visible(doc.get('reason') or '-')}",
            f"round      {doc['round_id'] if doc.get('round_id') is not None else '-'}: "
            f"{_plural(doc['group_world_size'], 'node')}, world size {doc['world_size']} "
            f"(nodes {doc['min_nodes']}:{doc['max_nodes']})",
@@ -166,7 +164,7 @@ def format_job(doc: dict[str, Any]) -> str:
         text = f"rank {failure.get('rank')} (local {failure.get('local_rank')}) on " \
                f"{failure.get('host') or failure.get('node_id')}: {failure.get('reason', 'exited')}, {how}"
         if failure.get("message"):
-            text += f": {failure['message']}"
+            text += f": {_visible(failure['message'])}"
         out += ["", f"last failure  {text}"]
     return "\n".join(out)
 

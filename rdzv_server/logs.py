@@ -1,8 +1,9 @@
 """The server's log: one line per decision, in text or JSON, safe against what clients send.
 
-Messages quote client strings (addresses, host names, reasons, worker messages) as they came, so
-the text format escapes control characters: a newline in a join's `addr` cannot forge a second,
-well-formed log line. JSON lines are escaped by JSON itself. A record with an exception (a bug)
+Messages quote client strings (addresses, host names, reasons, worker messages), so the text
+format escapes what a terminal or a log viewer takes as a line break or a control sequence (C0 and
+C1 controls, U+2028/U+2029; see protocol/quoting.py): a newline in a join's `addr` cannot forge a
+second, well-formed log line. JSON lines are escaped by JSON itself. A record with an exception (a bug)
 carries its traceback, indented under the line. aiohttp's own complaints about malformed HTTP from
 clients become one quoted line each, without a traceback (they are the client's fault, not ours).
 """
@@ -13,16 +14,10 @@ import logging
 import sys
 
 from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.web import RequestPayloadError
 
+from protocol.quoting import one_line
 from rdzv_server.views import iso
-
-_CONTROL = {c: f"\\x{c:02x}" for c in range(32) if c not in (9,)} | {0x7F: "\\x7f", 10: "\\n", 13: "\\r"}
-
-
-def escape(text: str) -> str:
-    """`text` on one line: control characters shown as escapes."""
-    return text.translate(_CONTROL)
-
 
 class JsonFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
@@ -39,8 +34,9 @@ class JsonFormatter(logging.Formatter):
 class TextFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         job = getattr(record, "job_id", None)
-        prefix = f"[{escape(str(job))}] " if job else ""
-        line = f"{self.formatTime(record, '%H:%M:%S')} {record.levelname.lower()} {prefix}{escape(record.getMessage())}"
+        prefix = f"[{one_line(str(job))}] " if job else ""
+        message = one_line(record.getMessage())
+        line = f"{self.formatTime(record, '%H:%M:%S')} {record.levelname.lower()} {prefix}{message}"
         if record.exc_info:
             trace = self.formatException(record.exc_info)
             line += "\n" + "\n".join("    " + ln for ln in trace.splitlines())
@@ -48,14 +44,16 @@ class TextFormatter(logging.Formatter):
 
 
 class _ClientErrorFilter(logging.Filter):
-    """aiohttp's 'Error handling request' for a malformed request: one line, no traceback (anything
-    else it logs, a bug of ours among them, keeps its traceback)."""
+    """aiohttp's 'Error handling request' for a malformed request, and its 'Unhandled exception' for a
+    body it cannot decode (RequestPayloadError: not the gzip/deflate its Content-Encoding says, met
+    while it drains a refused request's body): one line, no traceback (anything else it logs, a bug
+    of ours among them, keeps its traceback)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         exc = record.exc_info[1] if record.exc_info else None
-        if isinstance(exc, (HttpProcessingError, ConnectionError)):
+        if isinstance(exc, (HttpProcessingError, RequestPayloadError, ConnectionError)):
             record.msg = "malformed request from a client: %s: %s"
-            record.args = (type(exc).__name__, escape(str(exc))[:200])
+            record.args = (type(exc).__name__, one_line(str(exc))[:200])
             record.exc_info = None
             record.levelno, record.levelname = logging.INFO, "INFO"
         return True

@@ -10,6 +10,7 @@ import ipaddress
 from collections.abc import Iterable
 
 from protocol.messages import Assignment, JobState, NodeState, NodeStatus, WorkerFailure, Witness
+from protocol.quoting import one_line
 from rdzv_server.events import RoundCause
 from rdzv_server.records import JobRecord, NodeRecord, RoundRecord
 
@@ -130,8 +131,9 @@ def node_status(job: JobRecord, node_id: str, now: float, *, accepted: bool = Tr
 
 
 def describe(f: WorkerFailure) -> str:
-    """One line for a failed worker: rank, host, how it ended, its message."""
+    """One line for a failed worker: rank, host, how it ended, its message (line breaks escaped: the
+    line becomes the job's reason, which agents print and refusals quote)."""
     how = f"signal {f.signal}" if f.signal else f"exit code {f.exitcode}"
     what = f"{f.reason}, {how}" if f.reason and f.reason != "exited" else how
     text = f"rank {f.rank} (local {f.local_rank}) on {f.host or f.node_id}: {what}"
-    return f"{text}: {f.message}" if f.message else text
+    return f"{text}: {one_line(f.message)}" if f.message else text

@@ -20,6 +20,7 @@ import msgspec
 
 from protocol.errors import ErrorCode
 from protocol.messages import JobState
+from protocol.quoting import quote
 from rdzv_server.errors import RendezvousError
 from rdzv_server.records import MAX_EVENTS_PER_JOB, JobRecord, NodeRecord
 from rdzv_server.rendezvous import Rendezvous
@@ -53,7 +54,7 @@ def query_int(query: Mapping[str, str], name: str, default: int, *, low: int = 0
         if not strict:
             return default
         raise RendezvousError(ErrorCode.BAD_REQUEST, f"query parameter {name!r} must be a whole number "
-                                                     f">= {low}, got {raw[:40]!r}")
+                                                     f">= {low}, got {quote(raw)}")
     return value if high is None else min(value, high)
 
 

@@ -1,0 +1,43 @@
+"""How anything a client sent is shown in a message or a log line: short and on one line.
+
+`quote` is for a value inside an error message (`got 'xyz...'`): repr-style, so control and
+line-separator characters, lone surrogates and non-printable characters come out as escapes, and
+cut to a bound, so a 1 MiB field cannot become a 1 MiB reply. `one_line` is for text that is
+shown as prose (a reason, a worker's message, a log line): the characters that a terminal or a
+log viewer takes as a line break or a control sequence are escaped, the rest is left as it is.
+"""
+from __future__ import annotations
+
+import re
+
+QUOTE_CHARS = 80     # of the client's value; its escapes may make the quote a few times longer
+
+# C0 controls but tab, DEL, C1 controls (NEL U+0085, CSI U+009B, ...), the Unicode line and paragraph
+# separators, and the bidirectional overrides (which make a viewer show text in another order).
+_UNSAFE = re.compile("[\x00-\x08\x0a-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069\ud800-\udfff]")
+_NAMED = {"\n": "\\n", "\r": "\\r"}
+
+
+def _escaped(match: re.Match[str]) -> str:
+    char = match.group()
+    if char in _NAMED:
+        return _NAMED[char]
+    code = ord(char)
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
+
+
+def one_line(text: str) -> str:
+    """`text` with its line breaks and control characters shown as escapes (`\\n`, `\\x85`, `\\u2028`)."""
+    return _UNSAFE.sub(_escaped, text)
+
+
+def quote(value: object, limit: int = QUOTE_CHARS) -> str:
+    """`value` quoted for an error message: repr-style (one line, escapes for anything unprintable),
+    and at most `limit` characters of it, saying how long it was when it is cut."""
+    if isinstance(value, (str, bytes)):
+        if len(value) <= limit:
+            return repr(value)
+        unit = "characters" if isinstance(value, str) else "bytes"
+        return f"{value[:limit]!r}... ({len(value)} {unit})"
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
