@@ -68,6 +68,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="the node count the server keeps up with, when the sweep is not run")
     p.add_argument("--server-arg", action="append", default=[], metavar="ARG",
                    help="extra rdzv-server flag, e.g. --server-arg=--max-polls-per-peer=0 (repeatable)")
+    p.add_argument("--nice", type=int, default=0,
+                   help="run the server and the clients at this nice value (root: -10 puts them ahead of other "
+                        "work on a shared machine; the figures say so)")
     p.add_argument("--out", default=os.path.join(DOCS, "bench-scale.json"))
     p.add_argument("--plots", default=DOCS, help="folder for the PNG plots ('' for none)")
     p.add_argument("--fresh", action="store_true", help="replace the JSON instead of merging into it")
@@ -87,7 +90,7 @@ def _kept_up(r: dict[str, Any]) -> bool:
 
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     quick = args.quick
-    s = Settings(clients=args.clients, per_address=args.per_address, server_args=args.server_arg,
+    s = Settings(clients=args.clients, per_address=args.per_address, server_args=args.server_arg, nice=args.nice,
                  steady_s=10.0 if quick else args.steady, settle_s=2.0 if quick else 5.0,
                  post_s=3.0 if quick else 10.0, view_samples=3 if quick else 5)
     cap = max_nodes_per_process()

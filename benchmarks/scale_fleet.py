@@ -1,16 +1,19 @@
 """One client process of `bench_scale.py`: many simulated nodes that talk to the server as the agent does.
 
-Each simulated node uses the agent's own transport (`node_agent.client.RdzvClient`: the typed wire,
-the credential from its join on every later request, the agent's error mapping) and follows the
+Each simulated node speaks through the agent's `Transport` (the typed wire, the credential from its
+join on every later request, the agent's error mapping) over a lean HTTP/1.1 connection of its own
+(scale_wire.py: cheap enough that the clients stay out of the way on 2 cores, and it times each
+reply by the kernel's receive time), and follows the
 agent's rules (node_agent/server_link.py, policy.py): one long-poll always in flight asking for the
 longest hold (`wait_s` 60), the next one sent as soon as one returns, the agent's jittered
 exponential backoff after a try that got no answer (or a retryable refusal), a fresh join when
 told `gone` or when a poll is refused for an unknown job or node, and an exit when anything else is
 refused. It runs no workers, so `known_round` is the last round it was assigned.
 
-Nodes share one aiohttp session per source address. The nodes of a process are spread over several
-loopback source addresses (127.0.0.0/8), as a real fleet comes from many hosts: the server limits
-the long-polls it holds for one address (--max-polls-per-peer).
+The nodes of a process are spread over several loopback source addresses (127.0.0.0/8), as a real
+fleet comes from many hosts: the server limits the long-polls it holds for one address
+(--max-polls-per-peer). A failure report goes on a second connection, as the agent's does while its
+long-poll is held.
 
 The controller drives the process over a pipe (commands below); every time is `time.monotonic()`,
 which on Linux is one clock for every process of the machine.
@@ -20,36 +23,22 @@ from __future__ import annotations
 import asyncio
 import random
 import secrets
+import traceback
 import time
 from collections import Counter
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
 
-import aiohttp
 import psutil
 
-from node_agent.client import RdzvClient
+from benchmarks.scale_wire import WireClient
 from node_agent.server_link import BACKOFF_MAX_S, POLL_WAIT_S
 from node_agent.transport import ServerRejected, ServerUnreachable
 from protocol.errors import ErrorCode
 from protocol.messages import JobConfig, NodeState, NodeStatus, WorkerFailure
 
 LAG_PROBE_S = 0.02          # the client's own loop-lateness probe interval
-
-
-class SharedSessionClient(RdzvClient):
-    """The agent's HTTP transport on a session shared by the nodes of one source address."""
-
-    def __init__(self, session: aiohttp.ClientSession, port: int, job_id: str, node_id: str) -> None:
-        super().__init__("127.0.0.1", port, job_id, node_id)
-        self._session = session
-
-    async def __aenter__(self) -> SharedSessionClient:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        return None
 
 
 @dataclass
@@ -68,31 +57,52 @@ class Tally:
     unreachable: Counter[str] = field(default_factory=Counter)   # tries that got no answer, by kind
     refused: Counter[str] = field(default_factory=Counter)       # typed refusals, by code
     exited: int = 0                         # nodes that stopped as the agent would (a refused join, ...)
+    crashes: list[str] = field(default_factory=list)     # a simulated node's own bug: the run is void
+    reissue: list[float] = field(default_factory=list)   # answer -> this node's next poll sent (own lateness)
+    gone: list[tuple[float, float]] = field(default_factory=list)   # told gone: (own gap before the poll, its RTT)
+
+    def lateness(self) -> dict[str, float]:
+        """How late the nodes sent their next poll after an answer (p99, max, ms), since the last call."""
+        gaps, self.reissue = sorted(self.reissue), []
+        if not gaps:
+            return {"reissue_p99_ms": 0.0, "reissue_max_ms": 0.0}
+        return {"reissue_p99_ms": 1000 * gaps[int(0.99 * (len(gaps) - 1))], "reissue_max_ms": 1000 * gaps[-1]}
 
 
 class SimNode:
-    def __init__(self, spec: NodeSpec, client: SharedSessionClient, tally: Tally) -> None:
+    def __init__(self, spec: NodeSpec, port: int, tally: Tally) -> None:
         self.spec = spec
-        self.client = client
+        self.client = WireClient(port, spec.job_id, spec.node_id, spec.addr)      # joins and polls
+        self.reporter = WireClient(port, spec.job_id, spec.node_id, spec.addr)    # reports, beside a held poll
         self.tally = tally
         self.instance = secrets.token_hex(6)
         self.known_round = -1
         self.join_sent: float | None = None       # the first join's send time
         self.join_answered: float | None = None   # the first join's reply time
         self.seen: dict[int, float] = {}          # round id -> when this node first held its assignment
+        self.answered_at = 0.0                    # when the last answer to this node's own loop came
+        self.poll_sent = 0.0
+        self.poll_gap = 0.0                       # the last answer -> the poll now in flight
         self.finished = False
 
     async def run(self) -> None:
         try:
             await self._join()
             while not self.finished:
+                self.poll_sent = time.monotonic()
+                self.poll_gap = self.poll_sent - self.answered_at
+                self.tally.reissue.append(self.poll_gap)
                 status = await self._until_answered("poll", lambda: self.client.poll(self.known_round, POLL_WAIT_S))
+                self.answered_at = self.client.arrived
                 if status is not None:
                     self.tally.polls += 1
                     self.tally.polls_by_second[int(time.monotonic())] += 1
                     await self.on_status(status)
         except _Exit:
             self.tally.exited += 1
+        except Exception as exc:     # a bug of the harness: the controller stops the run and shows it
+            self.tally.crashes.append(f"{self.spec.node_id}: {traceback.format_exc(limit=-3)}")
+            raise exc
 
     async def _join(self) -> None:
         if self.join_sent is None:
@@ -105,22 +115,26 @@ class SimNode:
             config=cfg, instance=self.instance, role="default"))
         if status is None:
             raise _Exit()
+        self.answered_at = self.client.arrived
         if self.join_answered is None:
-            self.join_answered = time.monotonic()
+            self.join_answered = self.answered_at
         await self.on_status(status)
 
-    async def on_status(self, status: NodeStatus) -> None:
+    async def on_status(self, status: NodeStatus, arrived: float | None = None) -> None:
         """Act on a status as the agent's policy does (no workers: only the round it would run)."""
         if status.job_state.finished:
             self.finished = True
         elif status.node_state == NodeState.GONE:
+            # Evidence for whoever declared this node lost: was it late itself, or did its poll wait?
+            if len(self.tally.gone) < 10_000:
+                self.tally.gone.append((self.poll_gap, self.client.arrived - self.poll_sent))
             self.known_round = -1
             await self._join()
         elif status.node_state == NodeState.MEMBER and status.assignment is not None:
             rid = status.assignment.round_id
             if rid != self.known_round:
                 self.known_round = rid
-                self.seen.setdefault(rid, time.monotonic())
+                self.seen.setdefault(rid, self.client.arrived if arrived is None else arrived)
         else:
             self.known_round = -1
 
@@ -129,14 +143,15 @@ class SimNode:
         round_id = self.known_round
         failure = WorkerFailure(local_rank=0, rank=0, exitcode=1, message="bench_scale: simulated failure",
                                 timestamp=time.time())
+        self.reporter.credential = self.client.credential
         sent = time.monotonic()
-        status = await self._until_answered("failure", lambda: self.client.report_failure(round_id, [failure]))
-        answered = time.monotonic()
+        status = await self._until_answered("failure", lambda: self.reporter.report_failure(round_id, [failure]))
+        answered = self.reporter.arrived
         out = {"node_id": self.spec.node_id, "old_round": round_id, "sent": sent, "answered": answered,
                "accepted": bool(status and status.accepted), "reason": status.reason if status else "refused",
                "new_round": status.round_id if status else -1}
         if status is not None:
-            await self.on_status(status)
+            await self.on_status(status, answered)
         return out
 
     async def _until_answered(self, what: str, call: Any) -> NodeStatus | None:
@@ -195,23 +210,19 @@ class Fleet:
         self.tasks: list[asyncio.Task[None]] = []
         self.probe = LagProbe()
         self.proc = psutil.Process()
-        self.sessions: dict[str, aiohttp.ClientSession] = {}
 
     async def open(self) -> None:
         for spec in self.specs:
-            if spec.addr not in self.sessions:
-                conn = aiohttp.TCPConnector(limit=0, local_addr=(spec.addr, 0), keepalive_timeout=120)
-                self.sessions[spec.addr] = aiohttp.ClientSession(connector=conn)
-            client = SharedSessionClient(self.sessions[spec.addr], self.port, spec.job_id, spec.node_id)
-            self.nodes[f"{spec.job_id}/{spec.node_id}"] = SimNode(spec, client, self.tally)
+            self.nodes[f"{spec.job_id}/{spec.node_id}"] = SimNode(spec, self.port, self.tally)
         self.tasks.append(asyncio.create_task(self.probe.run()))
 
     async def close(self) -> None:
         for task in self.tasks:
             task.cancel()
         await asyncio.gather(*self.tasks, return_exceptions=True)
-        for session in self.sessions.values():
-            await session.close()
+        for node in self.nodes.values():
+            node.client.close()
+            node.reporter.close()
 
     async def command(self, cmd: dict[str, Any]) -> Any:
         what = cmd["cmd"]
@@ -222,7 +233,7 @@ class Fleet:
             want = cmd["min_round"]
             return {"holding": sum(1 for n in self.nodes.values()
                                    if n.known_round > 0 and n.known_round >= want.get(n.spec.job_id, 1 << 62)),
-                    "exited": self.tally.exited}
+                    "exited": self.tally.exited, "crashes": self.tally.crashes[:3]}
         if what == "times":          # per node of `job`: first join sent/answered, when it first held each round
             return [{"key": k, "join_sent": n.join_sent, "join_answered": n.join_answered, "seen": n.seen}
                     for k, n in self.nodes.items() if n.spec.job_id == cmd["job"]]
@@ -234,7 +245,8 @@ class Fleet:
             out = {"cpu_s": cpu.user + cpu.system, "t": time.monotonic(), "lag": self.probe.take(),
                    "polls": t.polls, "polls_by_second": dict(t.polls_by_second), "rejoins": t.rejoins,
                    "unreachable": dict(t.unreachable), "refused": dict(t.refused), "exited": t.exited,
-                   "rss_mib": self.proc.memory_info().rss / 2 ** 20}
+                   "rss_mib": self.proc.memory_info().rss / 2 ** 20,
+                   **t.lateness(), "gone": list(t.gone)}
             t.polls_by_second.clear()
             return out
         raise ValueError(f"unknown command {what!r}")
