@@ -71,6 +71,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--nice", type=int, default=0,
                    help="run the server and the clients at this nice value (root: -10 puts them ahead of other "
                         "work on a shared machine; the figures say so)")
+    p.add_argument("--profile", default="", metavar="DIR",
+                   help="py-spy the server through each one-job run's steady window and round change (raw "
+                        "stacks into DIR, a summary into the JSON)")
     p.add_argument("--out", default=os.path.join(DOCS, "bench-scale.json"))
     p.add_argument("--plots", default=DOCS, help="folder for the PNG plots ('' for none)")
     p.add_argument("--fresh", action="store_true", help="replace the JSON instead of merging into it")
@@ -91,6 +94,7 @@ def _kept_up(r: dict[str, Any]) -> bool:
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     quick = args.quick
     s = Settings(clients=args.clients, per_address=args.per_address, server_args=args.server_arg, nice=args.nice,
+                 profile_dir=args.profile,
                  steady_s=10.0 if quick else args.steady, settle_s=2.0 if quick else 5.0,
                  post_s=3.0 if quick else 10.0, view_samples=3 if quick else 5)
     cap = max_nodes_per_process()

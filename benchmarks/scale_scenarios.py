@@ -19,6 +19,7 @@ from typing import Any
 
 from benchmarks._server import running_server
 from benchmarks.scale_clients import Clients, Placement, make_specs
+from benchmarks.scale_profile import Profile
 from benchmarks.scale_probe import ServerSampler, load, lost_events, server_counters, time_views, window
 
 CLIENT_CPU_LIMIT_PCT = 80.0     # a client process busier than this may have been the bottleneck
@@ -37,6 +38,7 @@ class Settings:
     server_cpu_share: float = 1.0  # < 1: the server is held to this share of one core (cgroup)
     formation_timeout_s: float = 300.0
     nice: int = 0                  # the server's and clients' priority (negative: ahead of other work here)
+    profile_dir: str = ""          # py-spy the server through the steady window and the round change
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -212,6 +214,8 @@ def one_job(n: int, s: Settings, label: str = "one_job") -> dict[str, Any]:
         out["formation"] = {"complete": formed, **_formation(_all_times(clients, job), m0["t"]),
                             **_phase(m0, m1, c0, c1)}
         time.sleep(s.settle_s)                   # let the join storm's aftermath pass
+        prof = Profile(pids[0], s.steady_s + 10, os.path.join(s.profile_dir, f"{label}-{n}.pyspy.txt")) \
+            if s.profile_dir else None
         m2, c2 = sampler.mark(), clients.ask({"cmd": "window"})
         time.sleep(s.steady_s)                   # the measured window
         m3, c3 = sampler.mark(), clients.ask({"cmd": "window"})
@@ -221,6 +225,8 @@ def one_job(n: int, s: Settings, label: str = "one_job") -> dict[str, Any]:
         out["round_change"] = _round_change(clients, failer, job, n, s.formation_timeout_s)
         m5, c5 = sampler.mark(), clients.ask({"cmd": "window"})
         out["round_change"].update(_phase(m4, m5, c4, c5))
+        if prof is not None:
+            out["profile"] = prof.summary()
         time.sleep(s.post_s)                     # room for a late loss to show
         c6 = clients.ask({"cmd": "window"})
         out["losses"] = _losses(port, [job], 2, _tallies(c6))
