@@ -31,6 +31,7 @@ import datetime as dt
 import json
 import os
 import platform
+import signal
 import subprocess
 import sys
 from typing import Any
@@ -143,6 +144,7 @@ def _key(r: dict[str, Any]) -> tuple[str, int]:
 
 def write(results: list[dict[str, Any]], args: argparse.Namespace) -> dict[str, Any]:
     meta = {"when": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "commit": _commit(),
+            "server_commit": _commit("rdzv_server", "protocol"),
             "python": platform.python_version(), "cores": os.cpu_count(), "command": " ".join(sys.argv)}
     for r in results:
         r["meta"] = meta
@@ -162,16 +164,19 @@ def write(results: list[dict[str, Any]], args: argparse.Namespace) -> dict[str, 
     return doc
 
 
-def _commit() -> str:
+def _commit(*paths: str) -> str:
+    """The checkout's commit, or the last one that changed `paths` (the server measured)."""
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                              check=True).stdout.strip()
+        return subprocess.run(["git", "log", "-1", "--format=%h", "--", *paths], cwd=ROOT, capture_output=True,
+                              text=True, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    # A stop by signal unwinds like Ctrl-C, so the server and client processes are stopped too.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     results = run(args)
     doc = write(results, args)
     if args.plots:

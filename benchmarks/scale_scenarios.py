@@ -33,6 +33,7 @@ class Settings:
     settle_s: float = 5.0          # after formation, before the steady window
     steady_s: float = 60.0
     view_samples: int = 5
+    view_spacing_s: float = 1.0
     post_s: float = 10.0           # after the round change, before losses are counted
     server_args: list[str] = field(default_factory=list)
     server_cpu_share: float = 1.0  # < 1: the server is held to this share of one core (cgroup)
@@ -220,7 +221,7 @@ def one_job(n: int, s: Settings, label: str = "one_job") -> dict[str, Any]:
         time.sleep(s.steady_s)                   # the measured window
         m3, c3 = sampler.mark(), clients.ask({"cmd": "window"})
         out["steady"] = _steady(m2, m3, c2, c3)
-        out["status_views"] = {**time_views(port, job, s.view_samples, 1.0), "load": load()}
+        out["status_views"] = {**time_views(port, job, s.view_samples, s.view_spacing_s), "load": load()}
         m4, c4 = sampler.mark(), clients.ask({"cmd": "window"})
         out["round_change"] = _round_change(clients, failer, job, n, s.formation_timeout_s)
         m5, c5 = sampler.mark(), clients.ask({"cmd": "window"})
