@@ -34,6 +34,7 @@ import platform
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -92,7 +93,7 @@ def _kept_up(r: dict[str, Any]) -> bool:
             and r["losses"]["rejoins"] == 0 and r["steady"]["server_cpu_pct"] < 90)
 
 
-def run(args: argparse.Namespace) -> list[dict[str, Any]]:
+def run(args: argparse.Namespace, save: Callable[[dict[str, Any]], None]) -> list[dict[str, Any]]:
     quick = args.quick
     s = Settings(clients=args.clients, per_address=args.per_address, server_args=args.server_arg, nice=args.nice,
                  profile_dir=args.profile,
@@ -104,16 +105,19 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         for n in args.nodes:
             r = _note_cap(one_job(min(n, cap), s), n, cap)
             print(summary_line(r), flush=True)
+            save(r)
             results.append(r)
     if not args.no_many and not quick or args.only_many:
         jobs = min(args.jobs, cap // args.nodes_per_job)
         ms = Settings(**{**s.__dict__, "clients": max(s.clients, -(-jobs * args.nodes_per_job // cap))})
         r = _note_cap(many_jobs(jobs, args.nodes_per_job, args.duration, ms), args.jobs * args.nodes_per_job, cap)
         print(summary_line(r), flush=True)
+        save(r)
         results.append(r)
     elif quick and not args.no_many:
         r = many_jobs(5, 200, 20.0, s, view_every_s=5.0)
         print(summary_line(r), flush=True)
+        save(r)
         results.append(r)
     if not args.no_overload and not quick and not args.only_many:
         kept = args.kept_up or max((r["nodes"] for r in results if r["kind"] == "one_job" and _kept_up(r)), default=0)
@@ -126,6 +130,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             r.update(kept_up_with=kept, overload_of=want, load_factor=round(want / kept, 2) if kept else None)
             r = _note_cap(r, want, cap)
             print(summary_line(r), flush=True)
+            save(r)
             results.append(r)
     return results
 
@@ -142,14 +147,14 @@ def _key(r: dict[str, Any]) -> tuple[str, int]:
     return r["kind"], r["nodes"]
 
 
-def write(results: list[dict[str, Any]], args: argparse.Namespace) -> dict[str, Any]:
+def write(results: list[dict[str, Any]], args: argparse.Namespace, fresh: bool) -> dict[str, Any]:
     meta = {"when": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "commit": _commit(),
             "server_commit": _commit("rdzv_server", "protocol"),
             "python": platform.python_version(), "cores": os.cpu_count(), "command": " ".join(sys.argv)}
     for r in results:
         r["meta"] = meta
     doc: dict[str, Any] = {"scenarios": []}
-    if not args.fresh and os.path.exists(args.out):
+    if not fresh and os.path.exists(args.out):
         with open(args.out) as f:
             doc = json.load(f)
     keep = {_key(r): r for r in doc.get("scenarios", [])}
@@ -177,8 +182,16 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     # A stop by signal unwinds like Ctrl-C, so the server and client processes are stopped too.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    results = run(args)
-    doc = write(results, args)
+    saved: list[dict[str, Any]] = []
+
+    def save(r: dict[str, Any]) -> None:        # after every scenario: a later failure loses nothing
+        saved.append(r)
+        write([r], args, fresh=args.fresh and len(saved) == 1)
+
+    run(args, save)
+    if not saved:
+        return 1
+    doc = write([], args, fresh=False)
     if args.plots:
         from benchmarks.scale_plots import plot_all
         for path in plot_all(doc, args.plots):

@@ -21,6 +21,7 @@ import psutil
 from prometheus_client.parser import text_string_to_metric_families
 
 STATUS_VIEWS = ("/v1/status", "/v1/jobs/{job}", "/metrics")
+VIEW_TIMEOUT_S = 30.0
 
 
 def load() -> list[float]:
@@ -111,17 +112,26 @@ def time_views(port: int, job: str, samples: int, spacing_s: float) -> dict[str,
     out: dict[str, Any] = {}
     times: dict[str, list[float]] = {v: [] for v in STATUS_VIEWS}
     sizes: dict[str, int] = {}
+    errors: dict[str, list[str]] = {v: [] for v in STATUS_VIEWS}
     for _ in range(samples):
         for view in STATUS_VIEWS:
             path = view.format(job=job)
             t0 = time.perf_counter()
-            status, body = _get(port, path)
+            try:
+                status, body = _get(port, path, VIEW_TIMEOUT_S)
+            except (OSError, ValueError) as exc:       # a view that does not answer is a figure too
+                errors[view].append(f"{type(exc).__name__}: {exc} after {time.perf_counter() - t0:.1f} s")
+                continue
             times[view].append(time.perf_counter() - t0)
             sizes[view] = len(body)
             if status != 200:
-                raise RuntimeError(f"GET {path}: HTTP {status}")
+                errors[view].append(f"HTTP {status}")
         time.sleep(spacing_s)         # a reader's pace, not a synchronisation
     for view, ts in times.items():
-        out[view] = {"median_ms": round(1000 * statistics.median(ts), 1), "max_ms": round(1000 * max(ts), 1),
-                     "bytes": sizes[view], "samples": len(ts)}
+        out[view] = {"median_ms": round(1000 * statistics.median(ts), 1) if ts else None,
+                     "max_ms": round(1000 * max(ts), 1) if ts else None, "bytes": sizes.get(view),
+                     "samples": len(ts)}
+        if errors[view]:
+            out[view].update(failed=len(errors[view]), error=errors[view][0])
+            out[view]["max_ms"] = 1000 * VIEW_TIMEOUT_S     # at least this long: it did not answer in time
     return out

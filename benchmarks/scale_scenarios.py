@@ -244,6 +244,17 @@ def _steady(ma: dict, mb: dict, ca: list[dict], cb: list[dict]) -> dict[str, Any
             "clients": phase["clients"]}
 
 
+def _merge_views(samples: list[dict[str, Any]]) -> dict[str, Any]:
+    ok = [v for v in samples if v["median_ms"] is not None]
+    out = {"median_ms": statistics.median(v["median_ms"] for v in ok) if ok else None,
+           "max_ms": max((v["max_ms"] for v in samples if v["max_ms"] is not None), default=None),
+           "bytes": ok[-1]["bytes"] if ok else None, "samples": len(samples)}
+    failed = [v for v in samples if v.get("failed")]
+    if failed:
+        out.update(failed=sum(v["failed"] for v in failed), error=failed[0]["error"])
+    return out
+
+
 def _all_times(clients: Clients, job: str) -> list[dict]:
     return [t for per_client in clients.ask({"cmd": "times", "job": job}) for t in per_client]
 
@@ -276,10 +287,8 @@ def many_jobs(jobs: int, per_job: int, duration_s: float, s: Settings, view_ever
             time.sleep(max(0.0, min(view_every_s, end - time.monotonic())))   # the hold's pace
         m3, c3 = sampler.mark(), clients.ask({"cmd": "window"})
         out["steady"] = _steady(m2, m3, c2, c3)
-        out["status_views"] = {view: {"median_ms": statistics.median(v[view]["median_ms"] for v in views),
-                                      "max_ms": max(v[view]["max_ms"] for v in views),
-                                      "bytes": views[-1][view]["bytes"], "samples": len(views)}
-                               for view in views[0] if view != "load"} if views else {}
+        out["status_views"] = {view: _merge_views([v[view] for v in views]) for view in views[0] if view != "load"} \
+            if views else {}
         out["round_change"] = _round_change(clients, where[names[0]][per_job // 2], names[0], per_job,
                                             s.formation_timeout_s)
         time.sleep(s.post_s)
