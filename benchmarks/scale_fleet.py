@@ -6,9 +6,10 @@ join on every later request, the agent's error mapping) over a lean HTTP/1.1 con
 reply by the kernel's receive time), and follows the
 agent's rules (node_agent/server_link.py, policy.py): one long-poll always in flight asking for the
 longest hold (`wait_s` 60), the next one sent as soon as one returns, the agent's jittered
-exponential backoff after a try that got no answer (or a retryable refusal), a fresh join when
-told `gone` or when a poll is refused for an unknown job or node, and an exit when anything else is
-refused. It runs no workers, so `known_round` is the last round it was assigned.
+exponential backoff after a try that got no answer (or a retryable refusal), a join refused as
+`node_conflict` tried again every second for a lease and 2 s more, a fresh join when told `gone` or
+when a poll is refused for an unknown job or node, and an exit when anything else is refused. It
+runs no workers, so `known_round` is the last round it was assigned.
 
 The nodes of a process are spread over several loopback source addresses (127.0.0.0/8), as a real
 fleet comes from many hosts: the server limits the long-polls it holds for one address
@@ -33,6 +34,7 @@ from typing import Any
 import psutil
 
 from benchmarks.scale_wire import WireClient
+from node_agent.policy import CONFLICT_RETRY_S
 from node_agent.server_link import BACKOFF_MAX_S, POLL_WAIT_S
 from node_agent.transport import ServerRejected, ServerUnreachable
 from protocol.errors import ErrorCode
@@ -155,13 +157,21 @@ class SimNode:
         return out
 
     async def _until_answered(self, what: str, call: Any) -> NodeStatus | None:
-        """The agent's retry rule (server_link.py): None when refused for good."""
+        """The agent's retry rules (server_link.py, policy.py): None when refused for good."""
         tries = 0
+        conflict_since: float | None = None
         while True:
             try:
                 return await call()     # type: ignore[no-any-return]
             except ServerRejected as exc:
                 self.tally.refused[exc.code] += 1
+                if what == "join" and exc.code == ErrorCode.NODE_CONFLICT.value:
+                    # Maybe our own earlier try, answered too late: wait out its lease, then give up.
+                    now = time.monotonic()
+                    conflict_since = now if conflict_since is None else conflict_since
+                    if now - conflict_since < self.spec.config.lease_timeout_s + 2 * CONFLICT_RETRY_S:
+                        await asyncio.sleep(CONFLICT_RETRY_S)
+                        continue
                 if what == "poll" and exc.code in (ErrorCode.UNKNOWN_JOB.value, ErrorCode.UNKNOWN_NODE.value):
                     self.known_round = -1
                     await self._join()

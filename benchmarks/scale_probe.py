@@ -85,9 +85,14 @@ def server_counters(port: int) -> dict[str, Any]:
     """Nodes lost and rounds formed (by cause) since the server started, and its worst loop lag."""
     _, body = _get(port, "/metrics")
     lost, rounds, lag, open_polls = 0.0, {}, 0.0, 0.0
+    store = {"commits": 0, "commit_s": 0.0, "commit_max_s": 0.0}
+    names = {"rdzv_store_commits_total": "commits", "rdzv_store_commit_seconds_total": "commit_s",
+             "rdzv_store_commit_max_seconds": "commit_max_s"}
     for fam in text_string_to_metric_families(body.decode()):
         for s in fam.samples:
-            if s.name == "rdzv_nodes_lost_total":
+            if s.name in names:
+                store[names[s.name]] = round(s.value, 4)
+            elif s.name == "rdzv_nodes_lost_total":
                 lost = s.value
             elif s.name == "rdzv_rounds_total":
                 rounds[s.labels["cause"]] = int(s.value)
@@ -96,7 +101,7 @@ def server_counters(port: int) -> dict[str, Any]:
             elif s.name == "rdzv_open_long_polls":
                 open_polls = s.value
     return {"nodes_lost": int(lost), "rounds": {k: v for k, v in rounds.items() if v}, "loop_lag_max_s": lag,
-            "open_long_polls": int(open_polls)}
+            "open_long_polls": int(open_polls), "store": store}
 
 
 def lost_events(port: int, job: str, limit: int = 5) -> list[str]:

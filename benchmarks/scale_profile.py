@@ -48,24 +48,31 @@ class Profile:
         _, err = self.proc.communicate(timeout=120)
         if not os.path.exists(self.out):
             return {"error": f"py-spy wrote nothing: {err.decode(errors='replace')[-300:]}"}
-        leaf: Counter[str] = Counter()
-        buckets: Counter[str] = Counter()
-        total = 0
-        with open(self.out) as f:
-            for line in f:
-                stack, _, count = line.rstrip("\n").rpartition(" ")
-                if not count.isdigit():
-                    continue
-                n = int(count)
-                total += n
-                frames = stack.split(";")
-                leaf[frames[-1]] += n
-                for name, markers in BUCKETS:
-                    if any(m in stack for m in markers):
-                        buckets[name] += n
-                        break
-                else:
-                    buckets["other"] += n
-        pct = lambda n: round(100 * n / max(total, 1), 1)    # noqa: E731
-        return {"samples": total, "file": self.out, "by_area_pct": {k: pct(v) for k, v in buckets.most_common()},
-                "top_self_pct": [[k, pct(v)] for k, v in leaf.most_common(top)]}
+        return summarise(self.out, top)
+
+
+def summarise(path: str, top: int = 12) -> dict[str, Any]:
+    """Shares of samples by area (first matching bucket) and by innermost function, from a raw py-spy file."""
+    leaf: Counter[str] = Counter()
+    buckets: Counter[str] = Counter()
+    total = 0
+    with open(path) as f:
+        for line in f:
+            stack, _, count = line.rstrip("\n").rpartition(" ")
+            if not count.isdigit():
+                continue
+            n = int(count)
+            total += n
+            frames = stack.split(";")
+            leaf[frames[-1]] += n
+            for name, markers in BUCKETS:
+                if any(m in stack for m in markers):
+                    buckets[name] += n
+                    break
+            else:
+                buckets["other"] += n
+    def pct(n: int) -> float:
+        return round(100 * n / max(total, 1), 1)
+
+    return {"samples": total, "file": path, "by_area_pct": {k: pct(v) for k, v in buckets.most_common()},
+            "top_self_pct": [[k, pct(v)] for k, v in leaf.most_common(top)]}

@@ -37,7 +37,8 @@ class Settings:
     post_s: float = 10.0           # after the round change, before losses are counted
     server_args: list[str] = field(default_factory=list)
     server_cpu_share: float = 1.0  # < 1: the server is held to this share of one core (cgroup)
-    formation_timeout_s: float = 300.0
+    formation_timeout_s: float = 120.0
+    round_change_timeout_s: float = 60.0
     nice: int = 0                  # the server's and clients' priority (negative: ahead of other work here)
     profile_dir: str = ""          # py-spy the server through the steady window and the round change
 
@@ -187,7 +188,7 @@ def _losses(port: int, jobs: list[str], expected_rounds: int, tallies: dict[str,
     out = {"nodes_lost": c["nodes_lost"], "rounds": c["rounds"], "expected_rounds": expected_rounds,
            "extra_rounds": total - expected_rounds, "rejoins": tallies["rejoins"], "nodes_exited": tallies["exited"],
            "spurious": c["nodes_lost"] + max(0, total - expected_rounds),
-           "server_loop_lag_max_ms": round(1000 * c["loop_lag_max_s"], 1),
+           "server_loop_lag_max_ms": round(1000 * c["loop_lag_max_s"], 1), "store_commits": c["store"],
            "client_unreachable": tallies["unreachable"], "client_refused": tallies["refused"],
            "gone_evidence": tallies.get("gone_evidence")}
     if c["nodes_lost"]:
@@ -223,7 +224,7 @@ def one_job(n: int, s: Settings, label: str = "one_job") -> dict[str, Any]:
         out["steady"] = _steady(m2, m3, c2, c3)
         out["status_views"] = {**time_views(port, job, s.view_samples, s.view_spacing_s), "load": load()}
         m4, c4 = sampler.mark(), clients.ask({"cmd": "window"})
-        out["round_change"] = _round_change(clients, failer, job, n, s.formation_timeout_s)
+        out["round_change"] = _round_change(clients, failer, job, n, s.round_change_timeout_s)
         m5, c5 = sampler.mark(), clients.ask({"cmd": "window"})
         out["round_change"].update(_phase(m4, m5, c4, c5))
         if prof is not None:
@@ -290,7 +291,7 @@ def many_jobs(jobs: int, per_job: int, duration_s: float, s: Settings, view_ever
         out["status_views"] = {view: _merge_views([v[view] for v in views]) for view in views[0] if view != "load"} \
             if views else {}
         out["round_change"] = _round_change(clients, where[names[0]][per_job // 2], names[0], per_job,
-                                            s.formation_timeout_s)
+                                            s.round_change_timeout_s)
         time.sleep(s.post_s)
         c6 = clients.ask({"cmd": "window"})
         out["losses"] = _losses(port, names, jobs + 1, _tallies(c6))
