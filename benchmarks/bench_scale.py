@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import importlib.util
 import json
 import os
 import platform
@@ -150,6 +151,7 @@ def _key(r: dict[str, Any]) -> tuple[str, int]:
 def write(results: list[dict[str, Any]], args: argparse.Namespace, fresh: bool) -> dict[str, Any]:
     meta = {"when": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "commit": _commit(),
             "server_commit": _commit("rdzv_server", "protocol"),
+            "event_loop": "uvloop" if importlib.util.find_spec("uvloop") else "asyncio",   # the server's `auto`
             "python": platform.python_version(), "cores": os.cpu_count(), "command": " ".join(sys.argv)}
     for r in results:
         r["meta"] = meta
