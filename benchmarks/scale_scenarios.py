@@ -39,6 +39,7 @@ class Settings:
     server_cpu_share: float = 1.0  # < 1: the server is held to this share of one core (cgroup)
     formation_timeout_s: float = 120.0
     round_change_timeout_s: float = 60.0
+    probe_port: int = 29600        # what the nodes' joins say; 0 like a client without a witness (the plugin)
     nice: int = 0                  # the server's and clients' priority (negative: ahead of other work here)
     profile_dir: str = ""          # py-spy the server through the steady window and the round change
 
@@ -198,7 +199,7 @@ def _losses(port: int, jobs: list[str], expected_rounds: int, tallies: dict[str,
 
 def one_job(n: int, s: Settings, label: str = "one_job") -> dict[str, Any]:
     job = f"scale-{n}"
-    per_client, where = make_specs({job: n}, s.clients, s.per_address)
+    per_client, where = make_specs({job: n}, s.clients, s.per_address, s.probe_port)
     failer = where[job][n // 2]
     out: dict[str, Any] = {"kind": label, "nodes": n, "jobs": 1, "clients": s.clients,
                            "server_args": s.server_args, "load_start": load()}
@@ -262,7 +263,7 @@ def _all_times(clients: Clients, job: str) -> list[dict]:
 
 def many_jobs(jobs: int, per_job: int, duration_s: float, s: Settings, view_every_s: float = 10.0) -> dict[str, Any]:
     names = [f"fleet-{j:03d}" for j in range(jobs)]
-    per_client, where = make_specs({name: per_job for name in names}, s.clients, s.per_address)
+    per_client, where = make_specs({name: per_job for name in names}, s.clients, s.per_address, s.probe_port)
     total = jobs * per_job
     out: dict[str, Any] = {"kind": "many_jobs", "nodes": total, "jobs": jobs, "nodes_per_job": per_job,
                            "clients": s.clients, "duration_s": duration_s, "server_args": s.server_args,
