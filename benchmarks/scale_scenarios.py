@@ -209,7 +209,7 @@ def one_job(n: int, s: Settings, label: str = "one_job") -> dict[str, Any]:
         if note:
             out["server_cpu_note"] = note
         _prioritise(pids + clients.pids(), s.nice)
-        out["nice"] = s.nice
+        out["nice"], out["probe_port"] = s.nice, s.probe_port
         m0, c0 = sampler.mark(), clients.ask({"cmd": "window"})
         clients.ask({"cmd": "start"})
         formed = _wait_holding(clients, {job: 1}, n, s.formation_timeout_s)
@@ -272,7 +272,7 @@ def many_jobs(jobs: int, per_job: int, duration_s: float, s: Settings, view_ever
     with running_server(*s.server_args, pids=pids) as port, ServerSampler(pids[0]) as sampler, \
             Clients(port, per_client) as clients:
         _prioritise(pids + clients.pids(), s.nice)
-        out["nice"] = s.nice
+        out["nice"], out["probe_port"] = s.nice, s.probe_port
         m0, c0 = sampler.mark(), clients.ask({"cmd": "window"})
         clients.ask({"cmd": "start"})
         formed = _wait_holding(clients, {name: 1 for name in names}, total, s.formation_timeout_s)
