@@ -72,8 +72,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--server-arg", action="append", default=[], metavar="ARG",
                    help="extra rdzv-server flag, e.g. --server-arg=--max-polls-per-peer=0 (repeatable)")
     p.add_argument("--nice", type=int, default=0,
-                   help="run the server and the clients at this nice value (root: -10 puts them ahead of other "
-                        "work on a shared machine; the figures say so)")
+                   help="run the server and the clients at this nice value, each in a session of its own whose "
+                        "scheduler autogroup gets it too (root: -20 puts them ahead of other work on a shared "
+                        "machine; the figures say so)")
     p.add_argument("--no-probe-port", action="store_true",
                    help="nodes join without a witness port (probe_port 0), as a client without one does")
     p.add_argument("--profile", default="", metavar="DIR",

@@ -61,13 +61,13 @@ def make_specs(jobs: dict[str, int], clients: int, per_address: int,
 class Clients:
     """The client processes of one scenario. Every call sends a command and waits for the answers."""
 
-    def __init__(self, port: int, per_client: list[list[NodeSpec]]) -> None:
+    def __init__(self, port: int, per_client: list[list[NodeSpec]], new_session: bool = False) -> None:
         ctx = mp.get_context("spawn")          # a clean interpreter: no state of the controller's
         self.conns: list[Connection] = []
         self.procs: list[Any] = []
         for specs in per_client:
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=client_main, args=(port, specs, child), daemon=True)
+            proc = ctx.Process(target=client_main, args=(port, specs, child, new_session), daemon=True)
             proc.start()
             child.close()
             self.conns.append(parent)

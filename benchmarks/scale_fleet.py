@@ -22,6 +22,7 @@ which on Linux is one clock for every process of the machine.
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 import secrets
 import traceback
@@ -263,8 +264,11 @@ class Fleet:
         raise ValueError(f"unknown command {what!r}")
 
 
-def client_main(port: int, specs: list[NodeSpec], conn: Connection) -> None:
-    """Entry point of a client process: serve the controller's commands until `stop`."""
+def client_main(port: int, specs: list[NodeSpec], conn: Connection, new_session: bool = False) -> None:
+    """Entry point of a client process: serve the controller's commands until `stop`. `new_session`:
+    in a session of its own, so the controller can give its scheduler autogroup a priority."""
+    if new_session:
+        os.setsid()
     async def main() -> None:
         fleet = Fleet(port, specs)
         await fleet.open()

@@ -36,6 +36,13 @@ def _clients(r: dict[str, Any]) -> str:
     return f"{cpu:.0f}% / {lag:.0f} ms{flag}"
 
 
+def _others(r: dict[str, Any]) -> str:
+    """CPU (% of a core) the machine's other work took during the steady window and the round change:
+    on 2 shared cores, work beside the benchmark delays the server whatever its priority."""
+    vals = [_get(r, "steady", "others_pct"), _get(r, "round_change", "window", "others_pct")]
+    return " / ".join("-" if v is None else f"{v:.0f}%" for v in vals)
+
+
 def _label(r: dict[str, Any]) -> str:
     if r["kind"] == "many_jobs":
         return f"{r['jobs']} jobs x {r['nodes_per_job']:,} ({r['duration_s']:.0f} s)"
@@ -57,12 +64,13 @@ def summary_line(r: dict[str, Any]) -> str:
             f"RSS {st['server_rss_mib']:.0f} MiB; /v1/status {_ms(views.get('median_ms'))} "
             f"(max {_ms(views.get('max_ms'))}); lost "
             f"{lo['nodes_lost']}, extra rounds {lo['extra_rounds']}, rejoins {lo['rejoins']}; clients {_clients(r)}; "
-            f"load {_load(r)}" + (f"; CAPPED: {r['capped']}" if r.get("capped") else ""))
+            f"load {_load(r)}, others {_others(r)}" + (f"; CAPPED: {r['capped']}" if r.get("capped") else ""))
 
 
 HEADER = ("| nodes | formation: first join -> all / last join -> all | round change: wake p50 / p99 | failure reply "
           "| steady CPU (% core) / polls/s | RSS steady / peak | /v1/status median (max) | lost / extra rounds "
-          "/ rejoins | clients: max CPU / lag p99 | load 1-min |\n" + "|---" * 10 + "|")
+          "/ rejoins | clients: max CPU / lag p99 | load 1-min | others' CPU: steady / round change |\n"
+          + "|---" * 11 + "|")
 
 
 def markdown_table(doc: dict[str, Any]) -> str:
@@ -80,5 +88,6 @@ def markdown_table(doc: dict[str, Any]) -> str:
             f"| {_ms(rc['failure_reply_ms'])} | {st['server_cpu_pct']:.0f}% / {st['polls_per_s']:.0f} "
             f"| {st['server_rss_mib']:.0f} / {r['server_rss_peak_mib']:.0f} MiB "
             f"| {_ms(views.get('median_ms'))} ({_ms(views.get('max_ms'))}) "
-            f"| {lo['nodes_lost']} / {lo['extra_rounds']} / {lo['rejoins']} | {_clients(r)} | {_load(r)} |")
+            f"| {lo['nodes_lost']} / {lo['extra_rounds']} / {lo['rejoins']} | {_clients(r)} | {_load(r)} "
+            f"| {_others(r)} |")
     return "\n".join(rows)

@@ -6,6 +6,8 @@ tests never assert times. The figures themselves come from `make bench-scale`.
 """
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from benchmarks.scale_report import markdown_table, summary_line
@@ -16,8 +18,7 @@ pytestmark = pytest.mark.e2e
 
 def test_fifty_nodes_form_change_round_and_lose_nothing():
     r = one_job(50, Settings(clients=2, per_address=20, settle_s=0.2, steady_s=1.0, view_samples=1, view_spacing_s=0.0,
-                             post_s=0.5,
-                             formation_timeout_s=60.0))
+                             post_s=0.5, formation_timeout_s=60.0, nice=1))
     assert r["formation"]["complete"] and r["formation"]["assigned"] == 50
     change = r["round_change"]
     assert change["complete"] and change["accepted"]
@@ -30,6 +31,10 @@ def test_fifty_nodes_form_change_round_and_lose_nothing():
     assert len(r["steady"]["clients"]["cpu_pct"]) == 2          # both client processes reported
     assert set(r["status_views"]) >= {"/v1/status", "/v1/jobs/{job}", "/metrics"}
     assert r["load_start"] and r["load_end"]
+    # --nice reaches the server and the clients; with autogroup scheduling, through sessions of their own
+    assert r["priority"].startswith("server and clients at nice 1")
+    if os.path.exists("/proc/self/autogroup"):
+        assert r["priority"].endswith("each in its own session's autogroup")
     assert "50" in summary_line(r)
     table = markdown_table({"scenarios": [r]})
-    assert table.count("\n") == 2 and "| 50 |" in table
+    assert table.count("\n") == 2 and "| 50 |" in table and table.splitlines()[2].count("|") == 12
