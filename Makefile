@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP_FLAGS := --disable-pip-version-check -q
 PYTEST_WORKERS ?= 4
 
-.PHONY: venv chromium deploy-tools netns-tools demo test multihost soak fuzz bench bench-faults clean
+.PHONY: venv chromium deploy-tools netns-tools demo test multihost soak fuzz bench bench-faults bench-scale clean
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -63,6 +63,15 @@ bench: venv
 # The fault table of docs/benchmarks.md (needs root and network namespaces; about 10 minutes).
 bench-faults: venv netns-tools
 	$(PY) benchmarks/bench_faults.py --repeat 3
+
+# Fleet scale (issue 14): one job of 100 ... 10,000 simulated nodes, 100 jobs x 1,000, overload; writes
+# docs/bench-scale.json and docs/bench-scale-*.png. BENCH_SCALE_ARGS=--quick for a short run, --full for 10 min.
+$(VENV)/.bench-installed: $(VENV)/.installed
+	$(PY) -m pip install $(PIP_FLAGS) -c constraints.txt -e '.[test,train,bench]'
+	touch $@
+
+bench-scale: venv $(VENV)/.bench-installed
+	$(PY) benchmarks/bench_scale.py $(BENCH_SCALE_ARGS)
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache .hypothesis

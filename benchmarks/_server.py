@@ -13,8 +13,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @contextlib.contextmanager
-def running_server(*extra: str, root: str = ROOT, pids: list[int] | None = None) -> Iterator[int]:
-    """Yield the port of a server started from the checkout at `root` (its pid appended to `pids`)."""
+def running_server(*extra: str, root: str = ROOT, pids: list[int] | None = None,
+                   new_session: bool = False) -> Iterator[int]:
+    """Yield the port of a server started from the checkout at `root` (its pid appended to `pids`);
+    `new_session`: in a session of its own (so its scheduler autogroup can be given a priority)."""
     env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
     state = tempfile.TemporaryDirectory(prefix="rdzv-bench-state-")
     if not any(arg.startswith("--state-dir") for arg in extra):
@@ -24,7 +26,8 @@ def running_server(*extra: str, root: str = ROOT, pids: list[int] | None = None)
     log = open(log_path, "a") if log_path else subprocess.DEVNULL  # noqa: SIM115 (closed with the server)
     proc = subprocess.Popen([sys.executable, "-m", "rdzv_server.cli", "--host", "127.0.0.1", "--port", "0",
                              "--log-level", "info" if log_path else "warning", *extra],
-                            stdout=subprocess.PIPE, stderr=log, text=True, env=env, cwd=root)
+                            stdout=subprocess.PIPE, stderr=log, text=True, env=env, cwd=root,
+                            start_new_session=new_session)
     if pids is not None:
         pids.append(proc.pid)
     try:

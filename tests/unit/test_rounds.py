@@ -1,0 +1,54 @@
+"""Round building (rdzv_server/rounds.py): which address the other members reach each node at, and
+that forming a round again does not parse every member's address again (at 5,000 members the parsing
+was most of the time a failure report took to answer)."""
+from __future__ import annotations
+
+import ipaddress
+
+import pytest
+
+from protocol.messages import FailureReport, JobConfig, JoinRequest, WorkerFailure
+from rdzv_server import rounds
+from rdzv_server.rendezvous import Rendezvous
+
+MEMBERS = 40
+
+
+@pytest.mark.parametrize(("addr", "loopback"), [
+    ("127.0.0.1", True), ("127.1.2.3", True), ("::1", True), ("localhost", True),
+    ("10.0.0.1", False), ("fe80::1%eth0", False), ("node-7.example", False), ("127.0.0.999", False)])
+def test_loopback_addresses_are_told_apart_the_same_way_every_time(addr: str, loopback: bool):
+    rounds._loopback.cache_clear()
+    assert rounds._loopback(addr) is loopback
+    assert rounds._loopback(addr) is loopback            # the cached answer is the same
+
+
+def test_a_round_formed_again_parses_no_member_address_again(monkeypatch: pytest.MonkeyPatch):
+    parsed: list[str] = []
+    real = ipaddress.ip_address
+
+    def counting(addr: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
+        parsed.append(addr)
+        return real(addr)
+
+    monkeypatch.setattr(ipaddress, "ip_address", counting)
+    rounds._loopback.cache_clear()
+    rz = Rendezvous()
+    cfg = JobConfig(min_nodes=MEMBERS, max_nodes=MEMBERS, max_restarts=5, lease_timeout_s=1e4)
+    for i in range(MEMBERS):
+        addr = f"10.1.{i // 200}.{i % 200 + 1}"
+        rz.join("j", JoinRequest(v=1, node_id=f"n{i}", addr=addr, local_world_size=8, master_port=29500,
+                                 config=cfg, instance=f"n{i}", probe_port=29600), 1.0, via=(addr, "10.1.9.9"))
+    first = rz.jobs["j"].round
+    assert first is not None and len(first.members) == MEMBERS
+    assert len(set(parsed)) > MEMBERS            # every member's address and the server's were looked at
+    parsed.clear()
+
+    failure = WorkerFailure(local_rank=0, rank=0, exitcode=1)
+    status = rz.report_failure("j", FailureReport(v=1, node_id="n3", round_id=first.round_id, failures=[failure]), 2.0)
+    second = rz.jobs["j"].round
+    assert status.accepted and second is not None and second.round_id == first.round_id + 1
+    assert parsed == []
+    # ... and the round carries the same addresses as before
+    assert {a.master_addr for a in second.assignments.values()} == {"10.1.0.1"}
+    assert [w.addr for w in second.assignments["n0"].witnesses] == ["10.1.0.2", "10.1.0.3"]
