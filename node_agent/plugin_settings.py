@@ -25,11 +25,12 @@ from node_agent.option_values import parse_server, server_token
 from node_agent.rdzv_conf import (FILE_KEYS, IGNORED_KEYS, INT_KEYS, KNOWN_KEYS, LOCAL_SECONDS,  # noqa: F401
                                   SECONDS_KEYS)
 from node_agent.transport import local_addr_towards
+from node_agent.job_identity import TORCHRUN_DEFAULT_ID
 from protocol.ids import job_id_problem, node_id_problem
 from protocol.messages import JobConfig
 
 BACKEND = "rdzv-server"
-TORCHRUN_DEFAULT_ID = "none"      # torchrun's --rdzv-id default: would merge unrelated runs on one server
+# torchrun's --rdzv-id default (job_identity.py) would merge unrelated runs on one server: refused here
 
 
 class SettingsError(ValueError):
