@@ -118,7 +118,8 @@ async def restart_run(nodes: int, outage: float, state_dir: str) -> dict:
         # a long-poll reply itself comes back only when the poll's wait ends.
         while True:
             since = time.perf_counter() - restarted.listening
-            async with session.get(f"{base}/v1/jobs/restart") as r:
+            # node_limit: the view lists 500 nodes unless asked for more (2,000 at most)
+            async with session.get(f"{base}/v1/jobs/restart?node_limit={nodes}") as r:
                 view = await r.json()
             if len(view["nodes"]) == nodes and all(n["lease_age_s"] < since for n in view["nodes"]):
                 seen_all = time.perf_counter()
