@@ -18,7 +18,8 @@ async def _run(opts: AgentOptions, token: str | None) -> int:
     assert opts.endpoint_host is not None and opts.endpoint_port is not None
     addr = opts.local_addr or local_addr_towards(opts.endpoint_host, opts.endpoint_port)
     client = RdzvClient(opts.endpoint_host, opts.endpoint_port, opts.job_id, opts.node_id,
-                        scheme=opts.endpoint_scheme, token=token, tls_ca=opts.tls_ca)
+                        scheme=opts.endpoint_scheme, token=token, tls_ca=opts.tls_ca,
+                        replicas=opts.endpoint_replicas)
     return await Agent(opts, client, addr).run()
 
 

@@ -39,6 +39,7 @@ class AgentOptions:
     endpoint_host: str | None = None
     endpoint_port: int | None = None
     endpoint_scheme: str = "http"      # https with --tls-ca or an https:// endpoint
+    endpoint_replicas: tuple[tuple[str, int], ...] = ()   # more replicas of the server: --endpoint a:P,b:P
     token_file: str | None = None      # --token-file or $RDZV_TOKEN_FILE: read at start-up (agent_token)
     token: str | None = None           # $RDZV_TOKEN: the token itself
     tls_ca: str | None = None          # CA bundle that must have signed the server's certificate
@@ -104,7 +105,8 @@ class _Spelled(argparse.Action):
 # A metavar of None marks an on/off flag.
 _FLAGS: list[tuple[tuple[str, ...], str, str | None, str]] = [
     (("--endpoint", "--rdzv-endpoint", "--rdzv_endpoint"), "endpoint", "[https://]HOST:PORT",
-     f"rendezvous server address (port defaults to {DEFAULT_PORT}; IPv6 as [::1]:PORT; https:// for TLS)"),
+     f"rendezvous server address (port defaults to {DEFAULT_PORT}; IPv6 as [::1]:PORT; https:// for TLS); "
+     "replicas of one server as a comma-separated list (the agent follows the leader)"),
     (("--token-file", "--token_file"), "token_file", "F",
      "file holding the server's token (or set RDZV_TOKEN_FILE, or RDZV_TOKEN to the token itself)"),
     (("--tls-ca", "--tls_ca"), "tls_ca", "F",
@@ -262,6 +264,8 @@ def parse_options(argv: Sequence[str], environ: Mapping[str, str] = os.environ) 
 
     host: str | None = None
     port: int | None = None
+    replicas: tuple[tuple[str, int], ...] = ()
+    endpoint_scheme = "http"
     if ns.standalone:
         if ns.endpoint is not None:
             warnings.append(f"{name('endpoint')} is ignored with --standalone")
@@ -271,14 +275,20 @@ def parse_options(argv: Sequence[str], environ: Mapping[str, str] = os.environ) 
     elif ns.endpoint is None:
         raise OptionsError("--endpoint HOST:PORT is required (or --standalone)")
     else:
-        text = ns.endpoint.strip()
-        scheme, sep, rest = text.partition("://")
-        if sep and scheme.lower() not in ("http", "https"):
-            fail("endpoint", f"expected http:// or https://, got {scheme + sep!r}")
-        scheme = scheme.lower() if sep else ("https" if ns.tls_ca else "http")
-        if scheme == "http" and ns.tls_ca:
-            fail("tls_ca", f"needs an https endpoint, got {text!r}")
-        host, port = parse_endpoint(rest if sep else text, failing("endpoint"))
+        places: list[tuple[str, int]] = []
+        for text in (part.strip() for part in ns.endpoint.split(",")):    # replicas: a:29400,b:29400
+            scheme, sep, rest = text.partition("://")
+            if sep and scheme.lower() not in ("http", "https"):
+                fail("endpoint", f"expected http:// or https://, got {scheme + sep!r}")
+            scheme = scheme.lower() if sep else ("https" if ns.tls_ca else "http")
+            if scheme == "http" and ns.tls_ca:
+                fail("tls_ca", f"needs an https endpoint, got {text!r}")
+            if places and scheme != endpoint_scheme:
+                fail("endpoint", f"every replica needs the same scheme, got {ns.endpoint!r}")
+            endpoint_scheme = scheme
+            places.append(parse_endpoint(rest if sep else text, failing("endpoint")))
+        (host, port), replicas = places[0], tuple(places[1:])
+        scheme = endpoint_scheme
     token_file = ns.token_file if ns.token_file is not None else environ.get("RDZV_TOKEN_FILE") or None
     token = None
     if token_file is None and environ.get("RDZV_TOKEN"):
@@ -311,7 +321,7 @@ def parse_options(argv: Sequence[str], environ: Mapping[str, str] = os.environ) 
     job = _job_config(given, min_nodes, max_nodes, nodes_flag="j" if ns.j else "nnodes", fail=fail)
     return AgentOptions(
         script=ns.script, script_args=tuple(ns.script_args), endpoint_host=host, endpoint_port=port,
-        endpoint_scheme=scheme if host is not None else "http", token_file=token_file, token=token,
+        endpoint_scheme=endpoint_scheme, endpoint_replicas=replicas, token_file=token_file, token=token,
         tls_ca=ns.tls_ca,
         nproc=nproc, nproc_spec=nproc_text, job_id=job_id, job=job, node_id=node_id, local_addr=ns.local_addr,
         role=ns.role if ns.role is not None else _AGENT_DEFAULTS["role"], module=ns.module, no_python=ns.no_python,

@@ -134,7 +134,8 @@ class EtcdClient:
 
     # ---- the calls ----
 
-    def range(self, key: str, range_end: str | None = None, revision: int = 0) -> tuple[list[KeyValue], int]:
+    def range(self, key: str, range_end: str | None = None, revision: int = 0,
+              keys_only: bool = False) -> tuple[list[KeyValue], int]:
         """The keys in [key, range_end) (just `key` without one), at `revision` (0: now), and the
         revision read; pages through large ranges at one revision."""
         found: list[KeyValue] = []
@@ -145,6 +146,8 @@ class EtcdClient:
                 body.update(range_end=b64(range_end), limit=str(RANGE_PAGE))
             if revision:
                 body["revision"] = str(revision)
+            if keys_only:
+                body["keys_only"] = True
             reply = self.call("/v3/kv/range", body)
             revision = revision or int(reply["header"]["revision"])
             page = key_values(reply)

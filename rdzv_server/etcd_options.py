@@ -8,6 +8,7 @@ import os
 import ssl
 
 from rdzv_server.etcd_client import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_TXN_OPS, EtcdSettings, parse_store_url
+from rdzv_server.etcd_store import MIN_TXN_OPS
 from rdzv_server.leadership import DEFAULT_TTL_S
 
 PASSWORD_ENV = "RDZV_ETCD_PASSWORD"
@@ -76,8 +77,8 @@ def settings_from(args: argparse.Namespace) -> EtcdSettings:
     prefix = args.etcd_prefix
     if not prefix or not prefix.isprintable() or not prefix.isascii():
         raise ValueError(f"--etcd-prefix must be printable ASCII, got {prefix!r}")
-    if args.etcd_max_txn_ops < 16:
-        raise ValueError(f"--etcd-max-txn-ops must be >= 16, got {args.etcd_max_txn_ops}")
+    if args.etcd_max_txn_ops < MIN_TXN_OPS:
+        raise ValueError(f"--etcd-max-txn-ops must be >= {MIN_TXN_OPS} (one job's commit), got {args.etcd_max_txn_ops}")
     if args.etcd_max_request_bytes < 256 * 1024:
         raise ValueError(f"--etcd-max-request-bytes must be >= 262144, got {args.etcd_max_request_bytes}")
     if args.leader_ttl < 2:

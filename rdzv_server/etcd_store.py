@@ -9,7 +9,8 @@ Keys, under the deployment's prefix P (several deployments share one etcd by the
   commit rewrites only the buckets of the nodes that changed; a bucket keeps the op count of any
   commit under etcd's --max-txn-ops default of 128 whatever the job's size);
 - `P jobs/ID/e/SEQ`: the events one commit added, keyed by the first one's number (zero-padded,
-  so keys sort by number); packs wholly older than the kept history are deleted by a range.
+  so keys sort by number); packs wholly older than the kept history are deleted by a range (the
+  first numbers of a job's packs are kept here, as its buckets are).
 
 Every commit is an etcd transaction whose compare says the election key still has the create
 revision it had when this replica won. A deposed leader that has not noticed yet commits nothing:
@@ -39,6 +40,7 @@ from rdzv_server.store_api import Loaded, StoreError
 
 NODE_BUCKETS = 64
 REQUEST_MARGIN = 64 * 1024           # room under --max-request-bytes for keys and framing
+MIN_TXN_OPS = NODE_BUCKETS + 8       # one job's commit at most: every bucket, its row, events, the mark
 
 T = TypeVar("T")
 Buckets = dict[int, dict[str, bytes]]       # bucket -> node id -> encoded record
@@ -74,6 +76,7 @@ class EtcdStore:
         self.fence: int | None = None        # create revision of our election key while we lead
         self.on_deposed: Callable[[], None] | None = None     # called (from the store thread) on a refusal
         self._buckets: dict[str, Buckets] = {}
+        self._packs: dict[str, list[int]] = {}     # job -> first event number of each pack, ascending
 
     @property
     def where(self) -> str:
@@ -94,6 +97,7 @@ class EtcdStore:
         for kv in kvs:
             by_job.setdefault(kv.key[len(self._jobs):].split("/", 1)[0], []).append(kv)
         self._buckets.clear()
+        self._packs.clear()
         jobs = {job_id: job for job_id, rows in by_job.items() if (job := self._assemble(job_id, rows)) is not None}
         meta = self._decode("meta", meta_kvs[0].value, _meta_decoder) if meta_kvs else None
         return Loaded(jobs, meta.alive_at if meta else None, bool(meta and meta.clean))
@@ -102,12 +106,14 @@ class EtcdStore:
         start = f"{self._jobs}{job_id}/"
         kvs, _ = self._client.range(start, prefix_end(start))
         self._buckets.pop(job_id, None)
+        self._packs.pop(job_id, None)
         return self._assemble(job_id, kvs)
 
     def _assemble(self, job_id: str, kvs: list[KeyValue]) -> JobRecord | None:
         row: bytes | None = None
         buckets: Buckets = {}
         events: list[bytes] = []
+        packs: list[int] = []
         start = f"{self._jobs}{job_id}/"
         for kv in kvs:                      # in key order: e/ packs by first event number
             kind, _, rest = kv.key[len(start):].partition("/")
@@ -118,6 +124,7 @@ class EtcdStore:
             elif kind == "e":
                 pack: list[bytes] = self._decode(kv.key, kv.value, _pack_decoder)
                 events.extend(pack)
+                packs.append(int(rest))
         if row is None:
             return None
         job = self._decode(start + "row", row, job_decoder)
@@ -126,6 +133,7 @@ class EtcdStore:
         decoded = (self._decode(start + "e/", blob, event_decoder) for blob in events[-2 * MAX_EVENTS_PER_JOB:])
         kept = [e for e in decoded if e.seq <= job.event_seq]
         self._buckets[job_id] = buckets
+        self._packs[job_id] = packs
         return assemble(job, nodes, kept[-MAX_EVENTS_PER_JOB:])
 
     def _decode(self, key: str, blob: bytes, decoder: msgspec.msgpack.Decoder[T]) -> T:
@@ -144,8 +152,8 @@ class EtcdStore:
             raise Deposed("this replica is not the leader: it commits nothing")
         max_ops = self.settings.max_txn_ops - 1            # one op is the liveness mark
         max_bytes = self.settings.max_request_bytes - REQUEST_MARGIN
-        parts: list[tuple[list[dict[str, Any]], dict[str, Buckets | None]]] = [([], {})]
-        done: Buckets | None
+        parts: list[tuple[list[dict[str, Any]], dict[str, tuple[Buckets, list[int]] | None]]] = [([], {})]
+        done: tuple[Buckets, list[int]] | None
         size = 0
         writing = {s.job_id for s in snapshots}
         for job_id in deleted:
@@ -154,7 +162,7 @@ class EtcdStore:
                 parts[0][0].append(delete(start, prefix_end(start)))
                 parts[0][1][job_id] = None
         for s in snapshots:
-            ops, nbytes, buckets = self._job_ops(s)
+            ops, nbytes, after = self._job_ops(s)
             if len(ops) > max_ops or nbytes > max_bytes:
                 raise StoreError(f"job {s.job_id!r}: one commit of {len(ops)} operations and {nbytes} bytes "
                                  f"exceeds what etcd takes in one transaction (--max-txn-ops "
@@ -163,7 +171,7 @@ class EtcdStore:
                 parts.append(([], {}))
                 size = 0
             parts[-1][0].extend(ops)
-            parts[-1][1][s.job_id] = buckets
+            parts[-1][1][s.job_id] = after
             size += nbytes
         parts[-1][0].append(put(self.prefix + "meta", _encoder.encode(Meta(alive_at))))
         for ops, updates in parts:
@@ -171,8 +179,9 @@ class EtcdStore:
             for job_id, done in updates.items():
                 if done is None:
                     self._buckets.pop(job_id, None)
+                    self._packs.pop(job_id, None)
                 else:
-                    self._buckets[job_id] = done
+                    self._buckets[job_id], self._packs[job_id] = done
 
     def _commit(self, fence: int, ops: list[dict[str, Any]]) -> None:
         ok, _ = self._client.txn([created_at(self.leader_key, fence)], ops)
@@ -183,13 +192,13 @@ class EtcdStore:
             raise Deposed(f"commit refused: the election key {self.leader_key} is no longer this replica's "
                           f"(created at revision {fence}): another replica leads")
 
-    def _job_ops(self, s: JobSnapshot) -> tuple[list[dict[str, Any]], int, Buckets]:
-        """One job's operations, their size, and its node buckets once they are committed."""
+    def _job_ops(self, s: JobSnapshot) -> tuple[list[dict[str, Any]], int, tuple[Buckets, list[int]]]:
+        """One job's operations, their size, and its node buckets and event packs once committed."""
         start = f"{self._jobs}{s.job_id}/"
         ops = [put(start + "row", s.record)]
         nbytes = len(s.record)
         committed: Buckets = {} if s.reset else self._committed(s.job_id)
-        touched: Buckets = {b: {} for b in range(NODE_BUCKETS)} if s.reset else {}
+        touched: Buckets = {}
         for nid, blob in s.nodes.items():
             b = bucket_of(nid)
             rows = touched.get(b)
@@ -199,29 +208,55 @@ class EtcdStore:
                 rows.pop(nid, None)
             else:
                 rows[nid] = blob
-        for b, rows in sorted(touched.items()):
+        written = {b for b, rows in touched.items() if rows}
+        for b in sorted(touched):
             key = f"{start}n/{b:02x}"
-            if rows:
-                encoded = _encoder.encode(rows)
+            if touched[b]:
+                encoded = _encoder.encode(touched[b])
                 ops.append(put(key, encoded))
                 nbytes += len(encoded)
-            else:
+            elif not s.reset:
                 ops.append(delete(key))
+        if s.reset:     # the old run's other buckets go: a range per run of buckets not written
+            first = None
+            for b in range(NODE_BUCKETS + 1):
+                if b < NODE_BUCKETS and b not in written:
+                    first = b if first is None else first
+                elif first is not None:
+                    ops.append(delete(f"{start}n/{first:02x}", f"{start}n/{b:02x}" if b < NODE_BUCKETS
+                                      else prefix_end(f"{start}n/")))
+                    first = None
         events = f"{start}e/"
+        packs = [] if s.reset else list(self._pack_starts(s.job_id))
         pack_key = None
         if s.events:
             pack_key = f"{events}{s.events[0][0]:012d}"
             pack = _encoder.encode([blob for _, blob in s.events])
             ops.append(put(pack_key, pack))
             nbytes += len(pack)
+            packs.append(s.events[0][0])
         if s.reset:     # the old run's history goes, around the new run's first pack
             ops.extend([delete(events, pack_key), delete(pack_key + "\0", prefix_end(events))] if pack_key
                        else [delete(events, prefix_end(events))])
-        elif s.events and s.keep_after_seq > MAX_EVENTS_PER_JOB:
-            # packs that start at or before keep_after - MAX hold only events older than the kept ones
-            ops.append(delete(events, f"{events}{s.keep_after_seq - MAX_EVENTS_PER_JOB + 1:012d}"))
+        elif s.events:
+            # a pack is wholly older than the kept history when the next one starts at or before keep_after + 1
+            old = 0
+            while old + 1 < len(packs) and packs[old + 1] <= s.keep_after_seq + 1:
+                old += 1
+            if old:
+                ops.append(delete(events, f"{events}{packs[old]:012d}"))
+                packs = packs[old:]
         after = {b: rows for b, rows in {**committed, **touched}.items() if rows}
-        return ops, nbytes, after
+        return ops, nbytes, (after, packs)
+
+    def _pack_starts(self, job_id: str) -> list[int]:
+        """The first event numbers of the job's packs (read once when this replica has not loaded them)."""
+        packs = self._packs.get(job_id)
+        if packs is None:
+            start = f"{self._jobs}{job_id}/e/"
+            kvs, _ = self._client.range(start, prefix_end(start), keys_only=True)
+            packs = self._packs[job_id] = [int(kv.key[len(start):]) for kv in kvs]
+        return packs
 
     def _committed(self, job_id: str) -> Buckets:
         """The job's node buckets as committed (read once when this replica has not loaded them)."""
