@@ -168,7 +168,7 @@ class Leadership:
             await self.on_elected()
             await asyncio.wait({keeper, refused}, return_when=asyncio.FIRST_COMPLETED)
         finally:
-            self.leading = False
+            self.leading, self.leader_url = False, None
             self.store.fence = None
             keeper.cancel()
             refused.cancel()
