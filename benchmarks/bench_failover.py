@@ -1,0 +1,235 @@
+"""Replicas on etcd: how fast agents are served again when the leader is killed, whether anything the
+servers acknowledged is lost across failovers, and what the etcd store costs a formation.
+
+Everything runs on this machine: a 3-member etcd cluster (Debian's etcd, `make etcd`) on loopback
+ports, rdzv-server replicas on it, and simulated agents (_fleet.py: aiohttp + plain msgpack, the
+credential of their join on every request, one long-poll held with wait_s 60).
+
+1. Formation: N nodes join one job (min = max = N); the time from the first join until every node
+   has its assignment, on the SQLite store and on the etcd store (one replica), same run.
+2. Failovers: two replicas, AGENTS agents in JOBS jobs, under load (a worker failure reported every
+   0.2 s on average, which restarts that job's round; a new node joining as a spare every second).
+   FAILOVERS times: the load is paused (writes in flight answered), the leader SIGKILLed, and
+   - renewal: the time from the kill until every agent has sent the poll that the new leader
+     answered (the send time of each agent's first answered poll since the kill, the latest one);
+   - lost: every acknowledged change checked against the new leader: each job's restart count at
+     least the highest one acknowledged, each acknowledged joiner still a node of its job;
+   then the killed replica is started again (as the standby) and the load resumes.
+Targets (issue 15): renewal <= 2 s with 1,000 agents; 0 acknowledged changes lost over 50
+failovers; formation of 1,000 nodes on etcd <= 1.5x the SQLite figure.
+Run: .venv/bin/python benchmarks/bench_failover.py [--agents 1000] [--failovers 50] (make bench-failover)
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+
+import aiohttp
+import msgpack
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+from benchmarks._fleet import HEADERS, Fleet  # noqa: E402
+from benchmarks._server import running_server  # noqa: E402
+from tests.etcd_cluster import EtcdCluster  # noqa: E402
+
+
+def start_replica(store: str, prefix: str, port: int = 0) -> tuple[subprocess.Popen[str], int]:
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.Popen([sys.executable, "-m", "rdzv_server.cli", "--host", "127.0.0.1", "--port", str(port),
+                             "--store", store, "--etcd-prefix", prefix, "--log-level", "warning"],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env, cwd=ROOT)
+    assert proc.stdout is not None
+    match = re.search(r":(\d+)\s*$", proc.stdout.readline())
+    if not match:
+        raise RuntimeError("replica did not start")
+    return proc, int(match.group(1))
+
+
+def ready(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url + "/readyz", timeout=2) as resp:
+            return resp.status == 200
+    except (OSError, urllib.error.URLError):
+        return False
+
+
+async def wait_leader(urls: list[str], timeout: float = 30.0) -> int:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for i, url in enumerate(urls):
+            if await asyncio.to_thread(ready, url):
+                return i
+        await asyncio.sleep(0.02)      # polling readiness: no event to wait on across processes
+    raise RuntimeError("no replica became the leader")
+
+
+# ---- 1. formation ----
+
+async def formation(base: str, n: int, job: str) -> float:
+    """Seconds from the first join until all `n` nodes have their assignment."""
+    config = {"min_nodes": n, "max_nodes": n, "last_call_s": 30.0, "lease_timeout_s": 30.0}
+
+    async def node(session: aiohttp.ClientSession, i: int) -> None:
+        body = {"v": 1, "node_id": f"node-{i}", "addr": "127.0.0.1", "local_world_size": 8, "master_port": 1,
+                "config": config}
+        async with session.post(f"{base}/v1/jobs/{job}/join", data=msgpack.packb(body), headers=HEADERS) as r:
+            reply = msgpack.unpackb(await r.read())
+            assert r.status == 200, reply
+        credential = reply["credential"]
+        while reply.get("assignment") is None:
+            poll = {"v": 1, "node_id": f"node-{i}", "credential": credential, "known_round": -1, "wait_s": 60.0}
+            async with session.post(f"{base}/v1/jobs/{job}/poll", data=msgpack.packb(poll), headers=HEADERS) as r:
+                reply = msgpack.unpackb(await r.read())
+                assert r.status == 200, reply
+
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+                                     timeout=aiohttp.ClientTimeout(total=120)) as session:
+        t0 = time.perf_counter()
+        await asyncio.gather(*(node(session, i) for i in range(n)))
+        return time.perf_counter() - t0
+
+
+def formations(etcd: EtcdCluster, n: int, repeat: int) -> tuple[float, float]:
+    sqlite: list[float] = []
+    on_etcd: list[float] = []
+    with running_server() as port:
+        for k in range(repeat):
+            sqlite.append(asyncio.run(formation(f"http://127.0.0.1:{port}", n, f"form-{k}")))
+            print(f"formation {k}: {n} nodes on SQLite in {sqlite[-1]:.2f} s", flush=True)
+    proc, port = start_replica(etcd.url, "/bench-formation/")
+    try:
+        asyncio.run(wait_leader([f"http://127.0.0.1:{port}"]))
+        for k in range(repeat):
+            on_etcd.append(asyncio.run(formation(f"http://127.0.0.1:{port}", n, f"form-{k}")))
+            print(f"formation {k}: {n} nodes on etcd in {on_etcd[-1]:.2f} s", flush=True)
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    return statistics.median(sqlite), statistics.median(on_etcd)
+
+
+# ---- 2. failovers ----
+
+def check_acked(url: str, fleet: Fleet) -> int:
+    """Acknowledged changes the replica at `url` does not hold (0 when nothing was lost)."""
+    lost = 0
+    for job in set(fleet.acked.restarts) | set(fleet.acked.joined):
+        with urllib.request.urlopen(f"{url}/v1/jobs/{job}?node_limit=2000", timeout=30) as resp:
+            view = json.load(resp)
+        if view["restart_count"] < fleet.acked.restarts.get(job, 0):
+            print(f"LOST: job {job} restart count {view['restart_count']} < acknowledged "
+                  f"{fleet.acked.restarts[job]}", flush=True)
+            lost += 1
+        present = {n["node_id"] for name in ("nodes", "waiting", "spares") for n in view[name]}
+        missing = fleet.acked.joined.get(job, set()) - present
+        if missing:
+            print(f"LOST: job {job}: acknowledged joiners missing: {sorted(missing)[:5]}", flush=True)
+            lost += len(missing)
+    return lost
+
+
+async def failovers(etcd: EtcdCluster, agents: int, jobs: int, count: int) -> tuple[list[float], int, int]:
+    prefix = f"/bench-failover-{os.getpid()}/"
+    procs: list[subprocess.Popen[str]] = []
+    ports: list[int] = []
+    for _ in range(2):
+        proc, port = await asyncio.to_thread(start_replica, etcd.url, prefix)
+        procs.append(proc)
+        ports.append(port)
+    urls = [f"http://127.0.0.1:{p}" for p in ports]
+    per_job = agents // jobs
+    config = {"min_nodes": per_job, "max_nodes": per_job, "last_call_s": 1.0, "lease_timeout_s": 10.0,
+              "max_restarts": 1_000_000}
+    renewals: list[float] = []
+    lost = 0
+    paused = asyncio.Event()
+    inflight: set[asyncio.Task[None]] = set()
+    try:
+        await wait_leader(urls)
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+            fleet = Fleet(session, urls, config)
+            first = [fleet.add(f"job-{i % jobs}", f"node-{i}") for i in range(per_job * jobs)]
+            await asyncio.wait_for(asyncio.gather(*(a.assigned.wait() for a in first)), 120)
+            print(f"{len(first)} agents in {jobs} jobs formed", flush=True)
+
+            async def load() -> None:
+                extra = 0
+                while True:
+                    await asyncio.sleep(random.expovariate(5.0))   # about 5 changes a second
+                    if paused.is_set():
+                        continue
+                    if random.random() < 0.2:
+                        fleet.add(f"job-{extra % jobs}", f"extra-{extra}")
+                        extra += 1
+                    else:
+                        task = asyncio.create_task(random.choice(first).fail())
+                        inflight.add(task)
+                        task.add_done_callback(inflight.discard)
+
+            loader = asyncio.create_task(load())
+            for k in range(count):
+                await asyncio.sleep(2.0)                          # load runs between failovers
+                paused.set()
+                await asyncio.gather(*inflight, return_exceptions=True)
+                leader = await wait_leader(urls)
+                fleet.renewed_at.clear()
+                fleet.mark = time.time()
+                procs[leader].send_signal(signal.SIGKILL)
+                killed_at = time.time()
+                procs[leader].wait()
+                new = await wait_leader(urls)
+                deadline = time.monotonic() + 60
+                while len(fleet.renewed_at) < len(fleet.agents) and time.monotonic() < deadline:
+                    await asyncio.sleep(0.05)     # the agents' polls are answered after their holds
+                waited = [fleet.renewed_at.get(a.node, float("inf")) for a in fleet.agents]
+                renewals.append(max(waited) - killed_at)
+                gone = await asyncio.to_thread(check_acked, urls[new], fleet)
+                lost += gone
+                print(f"failover {k}: replica {leader} killed; every agent renewed with replica {new} after "
+                      f"{renewals[-1]:.2f} s; {fleet.acked.count} changes acknowledged so far, {gone} lost",
+                      flush=True)
+                procs[leader], _ = await asyncio.to_thread(start_replica, etcd.url, prefix, ports[leader])
+                paused.clear()
+            loader.cancel()
+            await asyncio.gather(loader, return_exceptions=True)
+            await fleet.close()
+            return renewals, lost, fleet.acked.count
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--agents", type=int, default=1000)
+    p.add_argument("--jobs", type=int, default=10)
+    p.add_argument("--failovers", type=int, default=50)
+    p.add_argument("--formation-nodes", type=int, default=1000)
+    p.add_argument("--repeat", type=int, default=3, help="formations on each store")
+    args = p.parse_args()
+    with tempfile.TemporaryDirectory(prefix="bench-etcd-") as tmp, EtcdCluster(3, base_dir=tmp) as etcd:
+        sqlite, on_etcd = formations(etcd, args.formation_nodes, args.repeat)
+        print(f"RESULT formation nodes={args.formation_nodes} sqlite_s={sqlite:.2f} etcd_s={on_etcd:.2f} "
+              f"ratio={on_etcd / sqlite:.2f} (target <= 1.5)", flush=True)
+        renewals, lost, acked = asyncio.run(failovers(etcd, args.agents, args.jobs, args.failovers))
+        print(f"RESULT failovers={len(renewals)} agents={args.agents} renewal_s median={statistics.median(renewals):.2f} "
+              f"p90={sorted(renewals)[int(0.9 * (len(renewals) - 1))]:.2f} max={max(renewals):.2f} (target <= 2) "
+              f"acknowledged={acked} lost={lost} (target 0)", flush=True)
+
+
+if __name__ == "__main__":
+    main()
