@@ -51,6 +51,7 @@ class Fleet:
         self.renewed_at: dict[str, float] = {}   # node -> send time of its first poll answered since `mark`
         self.mark = 0.0
         self.agents: list[SimAgent] = []
+        self.all_renewed = asyncio.Event()          # set once every agent has a renewed_at
 
     def add(self, job: str, node: str) -> SimAgent:
         agent = SimAgent(self, job, node)
@@ -99,6 +100,8 @@ class SimAgent:
                     self.fleet.acked.note(self.job, self.node, action, reply)
                 elif sent >= self.fleet.mark and self.node not in self.fleet.renewed_at:
                     self.fleet.renewed_at[self.node] = sent
+                    if len(self.fleet.renewed_at) >= len(self.fleet.agents):
+                        self.fleet.all_renewed.set()
                 if reply.get("credential"):
                     self.credential = reply["credential"]
                 return reply
