@@ -52,6 +52,8 @@ class Fleet:
         self.mark = 0.0
         self.agents: list[SimAgent] = []
         self.all_renewed = asyncio.Event()          # set once every agent has a renewed_at
+        self.lost: list[str] = []                   # agents the server declared lost
+        self.refused: list[str] = []                # joins refused (none expected)
 
     def add(self, job: str, node: str) -> SimAgent:
         agent = SimAgent(self, job, node)
@@ -75,6 +77,7 @@ class SimAgent:
         self.member = False
         self.assigned = asyncio.Event()
         self.task: asyncio.Task[None] | None = None
+        self.doing = ""                  # what it is waiting for, for a report on agents that do not renew
 
     async def call(self, action: str, body: dict, timeout: float = 75.0) -> dict:
         """POST until a server answers 200 or refuses for good; follows the leader."""
@@ -84,13 +87,15 @@ class SimAgent:
         while True:
             sent = time.time()
             server = self.server
+            self.doing = f"{action} at {server} since {sent:.3f} (try {tries})"
             try:
                 async with self.fleet.session.post(f"{server}/v1/jobs/{self.job}/{action}", data=data,
                                                    headers=HEADERS, timeout=aiohttp.ClientTimeout(total=timeout)) as r:
                     reply = msgpack.unpackb(await r.read())
                     leader = r.headers.get("Rdzv-Leader", "")
                     status = r.status
-            except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+            except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+                self.doing += f": {type(exc).__name__} {exc}"
                 self._skip(server)
                 tries += 1
                 await asyncio.sleep(min(0.5, 0.05 * 2 ** tries) * random.uniform(0.5, 1.0))
@@ -106,6 +111,7 @@ class SimAgent:
                     self.credential = reply["credential"]
                 return reply
             code = reply.get("code", "")
+            self.doing += f": {code}"
             if code == "not_leader" and leader and leader != server:
                 self.server = leader.rstrip("/")
                 continue
@@ -125,13 +131,27 @@ class SimAgent:
     async def run(self) -> None:
         join = {"addr": "127.0.0.1", "local_world_size": 8, "master_port": 20000, "config": self.fleet.config,
                 "instance": f"{self.node}#1"}
-        reply = await self.call("join", join)
+        reply = await self.join(join)
         while True:
             self._see(reply)
+            if reply.get("node_state") == "gone":      # lost while away: join again, as node-agent does
+                self.fleet.lost.append(self.node)
+                reply = await self.join(join)
+                continue
             try:
                 reply = await self.call("poll", {"known_round": self.round if self.member else -1, "wait_s": 60.0})
             except Refused:
-                reply = await self.call("join", join)
+                reply = await self.join(join)
+
+    async def join(self, body: dict) -> dict:
+        """Join; a refusal is recorded and the join tried again each second (node-agent retries a
+        node_conflict for a lease, and gives up on the others; here they are counted)."""
+        while True:
+            try:
+                return await self.call("join", body)
+            except Refused as exc:
+                self.fleet.refused.append(f"{self.node}: join {exc.code}")
+                await asyncio.sleep(1.0)
 
     def _see(self, reply: dict) -> None:
         self.member = reply.get("node_state") == "member"

@@ -195,7 +195,9 @@ async def failovers(etcd: EtcdCluster, agents: int, jobs: int, count: int) -> tu
                 try:      # the agents' polls are answered after their holds
                     await asyncio.wait_for(fleet.all_renewed.wait(), 60)
                 except asyncio.TimeoutError:
-                    print(f"{len(fleet.agents) - len(fleet.renewed_at)} agents not renewed in 60 s", flush=True)
+                    late = [a for a in fleet.agents if a.node not in fleet.renewed_at]
+                    print(f"{len(late)} agents not renewed in 60 s: " +
+                          "; ".join(f"{a.node}: {a.doing}" for a in late[:5]), flush=True)
                 waited = [fleet.renewed_at.get(a.node, float("inf")) for a in fleet.agents]
                 renewals.append(max(waited) - killed_at)
                 gone = await asyncio.to_thread(check_acked, urls[new], fleet)
@@ -208,7 +210,10 @@ async def failovers(etcd: EtcdCluster, agents: int, jobs: int, count: int) -> tu
             loader.cancel()
             await asyncio.gather(loader, return_exceptions=True)
             await fleet.close()
-            return renewals, lost, fleet.acked.count
+            if fleet.lost or fleet.refused:
+                print(f"agents lost: {fleet.lost[:10]} ({len(fleet.lost)}); joins refused: {fleet.refused[:10]} "
+                      f"({len(fleet.refused)})", flush=True)
+            return renewals, lost + len(fleet.lost), fleet.acked.count
     finally:
         for proc in procs:
             proc.kill()
@@ -223,6 +228,7 @@ def main() -> None:
     p.add_argument("--formation-nodes", type=int, default=1000)
     p.add_argument("--repeat", type=int, default=3, help="formations on each store")
     args = p.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))     # stop like Ctrl-C: every process cleaned up
     with tempfile.TemporaryDirectory(prefix="bench-etcd-") as tmp, EtcdCluster(3, base_dir=tmp) as etcd:
         sqlite, on_etcd = formations(etcd, args.formation_nodes, args.repeat)
         print(f"RESULT formation nodes={args.formation_nodes} sqlite_s={sqlite:.2f} etcd_s={on_etcd:.2f} "

@@ -3,7 +3,8 @@
 Functions over one job's `JobRules` (the same purity: `now` in, no I/O). A join is refused before
 anything changes when it asks for another config, names a drained node, or names a node that a live
 agent holds (`node_conflict`: its lease runs or a poll of it is held open) without that node's
-credential. The agent that owns a node may join again (an idempotent repeat, or a changed address);
+credential. The agent that owns a node may join again (an idempotent repeat, or a changed address;
+without the secret when its instance made the record: the reply with the secret was lost);
 a new agent of a node whose agent is gone replaces it, keeping its failure history and exclusion.
 """
 from __future__ import annotations
@@ -45,6 +46,14 @@ def join(rules: JobRules, req: JoinRequest, now: float, credential: str = "", vi
             rules.node_changed(existing.node_id)
         leases.renew(job, existing, now)
         return ""
+    if existing is not None and existing.credential_digest and req.instance and req.instance == existing.instance:
+        # The agent that made this record (its instance) joins again without the record's secret: the
+        # reply that carried it was lost (the server restarted, or another replica took over, after the
+        # join was committed). A fresh secret replaces the one it never received.
+        existing.credential_digest = credentials.digest(credential)
+        rules.node_changed(existing.node_id)
+        leases.renew(job, existing, now)
+        return credential
     if existing is not None and existing.credential_digest and leases.live(existing, now):
         raise RendezvousError(ErrorCode.NODE_CONFLICT, f"node id {req.node_id!r} is held by a live agent of "
                               f"job {job.job_id!r} (heard from {now - existing.last_seen:.1f}s ago, at "

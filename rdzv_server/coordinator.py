@@ -84,12 +84,14 @@ class Coordinator:
         """Load the saved state and serve it, at start-up or when elected: a takeover is handled
         exactly like a restart (every lease re-armed, nobody blamed for the time away)."""
         if self.store is not None:
+            started = time.perf_counter()
             loaded = await self.persister.run(self.store.load)
             self.core = Rendezvous({**self.core.jobs, **loaded.jobs}, limits=self.core.limits)
             if loaded.alive_at is not None:
                 now = self.clock()
                 self.core.restored(now, max(0.0, now - loaded.alive_at), loaded.clean_shutdown)
-            log.info("%s: %d job(s) restored", self.store.where, len(loaded.jobs))
+            log.info("%s: %d job(s) restored in %.0f ms", self.store.where, len(loaded.jobs),
+                     (time.perf_counter() - started) * 1000)
         self.persister.start()
         changed = list(self.core.outbox.changed)
         self._apply()

@@ -138,6 +138,7 @@ class Leadership:
                 announced = url
             if lease and not await _listening(url):
                 log.warning("the leader at %s refuses connections (its process is gone): revoking its lease", url)
+                self.leader_url = announced = None      # agents are not sent to it any more
                 await self._call(self._client.revoke, lease)
                 continue
             await asyncio.sleep(POLL_S)         # polling the key; a watch would save little for two replicas
