@@ -26,3 +26,10 @@ def etcd():
 @pytest.fixture
 def settings(etcd) -> EtcdSettings:
     return EtcdSettings(parse_store_url(etcd.url, tls=False), prefix=f"/t{next(_prefixes)}/", timeout_s=2.0)
+
+
+@pytest.fixture
+async def http():
+    import aiohttp
+    async with aiohttp.ClientSession() as session:
+        yield session
