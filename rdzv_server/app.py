@@ -169,8 +169,8 @@ def create_app(coordinator: Coordinator | None = None, *, allow_remote_admin: bo
     """The server's app. `access` holds the token and admin settings (`allow_remote_admin` is a
     shorthand for Access(allow_remote_admin=True)); `standby`: a replica that serves only once the
     election makes it the leader."""
-    app = web.Application(middlewares=[metrics_middleware, error_middleware, standby_middleware,
-                                       access_middleware],
+    app = web.Application(middlewares=[metrics_middleware, error_middleware, access_middleware,
+                                       standby_middleware],
                           client_max_size=MAX_BODY_BYTES)
     app[ACCESS] = access or Access(allow_remote_admin=allow_remote_admin)
     app[COORDINATOR] = coordinator or Coordinator()
