@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import datetime
 import json
 import os
 import random
@@ -46,16 +47,34 @@ from benchmarks._server import running_server  # noqa: E402
 from tests.etcd_cluster import EtcdCluster  # noqa: E402
 
 
-def start_replica(store: str, prefix: str, port: int = 0) -> tuple[subprocess.Popen[str], int]:
+def start_replica(store: str, prefix: str, port: int = 0, log: str = os.devnull) -> tuple[subprocess.Popen[str], int]:
+    """A replica; its JSON log lines are appended to `log`."""
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.Popen([sys.executable, "-m", "rdzv_server.cli", "--host", "127.0.0.1", "--port", str(port),
-                             "--store", store, "--etcd-prefix", prefix, "--log-level", "warning"],
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env, cwd=ROOT)
+    with open(log, "a") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "rdzv_server.cli", "--host", "127.0.0.1", "--port",
+                                 str(port), "--store", store, "--etcd-prefix", prefix, "--log-format", "json"],
+                                stdout=subprocess.PIPE, stderr=err, text=True, env=env, cwd=ROOT)
     assert proc.stdout is not None
     match = re.search(r":(\d+)\s*$", proc.stdout.readline())
     if not match:
         raise RuntimeError("replica did not start")
     return proc, int(match.group(1))
+
+
+def served_at(log: str, after: float) -> float | None:
+    """When the replica logging to `log` last finished a takeover (its 'job(s) restored' line) after `after`."""
+    found = None
+    with open(log) as f:
+        for line in f:
+            try:
+                doc = json.loads(line)
+            except ValueError:
+                continue
+            if "job(s) restored" in doc.get("message", ""):
+                t = datetime.datetime.fromisoformat(doc["time"].replace("Z", "+00:00")).timestamp()
+                if t >= after:
+                    found = t
+    return found
 
 
 def ready(url: str) -> bool:
@@ -140,7 +159,7 @@ def check_acked(url: str, fleet: Fleet) -> int:
             print(f"LOST: job {job} restart count {view['restart_count']} < acknowledged "
                   f"{fleet.acked.restarts[job]}", flush=True)
             lost += 1
-        present = {n["node_id"] for name in ("nodes", "waiting", "spares") for n in view[name]}
+        present = {n["node_id"] for name in ("nodes", "waiting", "spares", "excluded") for n in view[name]}
         missing = fleet.acked.joined.get(job, set()) - present
         if missing:
             print(f"LOST: job {job}: acknowledged joiners missing: {sorted(missing)[:5]}", flush=True)
@@ -148,12 +167,15 @@ def check_acked(url: str, fleet: Fleet) -> int:
     return lost
 
 
-async def failovers(etcd: EtcdCluster, agents: int, jobs: int, count: int) -> tuple[list[float], int, int]:
+async def failovers(etcd: EtcdCluster, agents: int, jobs: int, count: int
+                    ) -> tuple[list[float], list[float], int, int]:
     prefix = f"/bench-failover-{os.getpid()}/"
     procs: list[subprocess.Popen[str]] = []
     ports: list[int] = []
-    for _ in range(2):
-        proc, port = await asyncio.to_thread(start_replica, etcd.url, prefix)
+    logs = [os.path.join(etcd.dir, f"replica-{i}.log") for i in range(2)]
+    takeovers: list[float] = []
+    for i in range(2):
+        proc, port = await asyncio.to_thread(start_replica, etcd.url, prefix, 0, logs[i])
         procs.append(proc)
         ports.append(port)
     urls = [f"http://127.0.0.1:{p}" for p in ports]
@@ -207,12 +229,15 @@ async def failovers(etcd: EtcdCluster, agents: int, jobs: int, count: int) -> tu
                           "; ".join(f"{a.node}: {a.doing}" for a in late[:5]), flush=True)
                 waited = [fleet.renewed_at.get(a.node, float("inf")) for a in fleet.agents]
                 renewals.append(max(waited) - killed_at)
+                served = await asyncio.to_thread(served_at, logs[new], killed_at)
+                takeovers.append(served - killed_at if served is not None else float("nan"))
                 gone = await asyncio.to_thread(check_acked, urls[new], fleet)
                 lost += gone
-                print(f"failover {k}: replica {leader} killed; every agent renewed with replica {new} after "
-                      f"{renewals[-1]:.2f} s; {fleet.acked.count} changes acknowledged so far, {gone} lost",
-                      flush=True)
-                procs[leader], _ = await asyncio.to_thread(start_replica, etcd.url, prefix, ports[leader])
+                print(f"failover {k}: replica {leader} killed; replica {new} served {takeovers[-1]:.2f} s later; "
+                      f"every agent renewed with it after {renewals[-1]:.2f} s; {fleet.acked.count} changes "
+                      f"acknowledged so far, {gone} lost", flush=True)
+                procs[leader], _ = await asyncio.to_thread(start_replica, etcd.url, prefix, ports[leader],
+                                                           logs[leader])
                 paused.clear()
             loader.cancel()
             await asyncio.gather(loader, return_exceptions=True)
@@ -220,7 +245,7 @@ async def failovers(etcd: EtcdCluster, agents: int, jobs: int, count: int) -> tu
             if fleet.lost or fleet.refused:
                 print(f"agents lost: {fleet.lost[:10]} ({len(fleet.lost)}); joins refused: {fleet.refused[:10]} "
                       f"({len(fleet.refused)})", flush=True)
-            return renewals, lost + len(fleet.lost), fleet.acked.count
+            return renewals, takeovers, lost + len(fleet.lost), fleet.acked.count
     finally:
         for proc in procs:
             proc.kill()
@@ -244,10 +269,11 @@ def main() -> None:
                   f"ratio={et_total / sq_total:.2f}; after_last_join_ms sqlite={sq_after * 1000:.0f} "
                   f"etcd={et_after * 1000:.0f} ratio={et_after / sq_after:.2f} (target <= 1.5)", flush=True)
         if args.failovers:
-            renewals, lost, acked = asyncio.run(failovers(etcd, args.agents, args.jobs, args.failovers))
+            renewals, takeovers, lost, acked = asyncio.run(failovers(etcd, args.agents, args.jobs, args.failovers))
             p90 = sorted(renewals)[int(0.9 * (len(renewals) - 1))]
             print(f"RESULT failovers={len(renewals)} agents={args.agents} renewal_s median="
                   f"{statistics.median(renewals):.2f} p90={p90:.2f} max={max(renewals):.2f} (target <= 2) "
+                  f"takeover_s median={statistics.median(takeovers):.2f} max={max(takeovers):.2f} "
                   f"acknowledged={acked} lost={lost} (target 0)", flush=True)
 
 

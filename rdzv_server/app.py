@@ -21,6 +21,9 @@ from rdzv_server.routing import COORDINATOR, job_id_of
 
 log = logging.getLogger("rdzv_server")
 
+# A replica parks an agent's request this long while an election or takeover is under way.
+ELECTION_WAIT_S = 3.0
+
 # Warnings for operators about how exposed this server is (shown on the status page).
 NOTES = web.AppKey("notes", tuple)
 
@@ -74,7 +77,7 @@ async def agent_request(request: web.Request) -> web.Response:
         raise DecodeError(ErrorCode.UNSUPPORTED_MEDIA_TYPE,
                           f"content type {request.content_type!r}: agent routes take {CONTENT_TYPE}")
     job_id = job_id_of(request)
-    if not coord.serving():
+    if not await coord.until_serving(ELECTION_WAIT_S):
         raise coord.not_serving()
     req: object = decode_request(cls, await read_body(request))
     sockname = request.transport.get_extra_info("sockname") if request.transport is not None else None
@@ -93,7 +96,8 @@ async def standby_middleware(request: web.Request,
     """A replica that does not lead holds no state: its views and admin actions would show nothing
     true, so they answer where the leader is instead."""
     coord = request.app[COORDINATOR]
-    if (coord.started and coord.leading()) or coord.shutting_down or request.path in _STANDBY_ROUTES:
+    agent_route = request.method == "POST" and request.path.startswith("/v1/jobs/")   # agent_request decides
+    if (coord.started and coord.leading()) or coord.shutting_down or request.path in _STANDBY_ROUTES or agent_route:
         return await handler(request)
     raise coord.not_serving()
 

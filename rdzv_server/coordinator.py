@@ -55,9 +55,14 @@ class Coordinator:
         self.loop_lag = LoopLagProbe()
         self.shutting_down = False
         self.started = False                      # the saved state is loaded: agents may be served
-        # Replicas: whether this one may serve now (its leadership is sure), and where the leader is.
+        # Replicas: whether this one may serve now (its leadership is sure), where the leader is, and
+        # whether an election or takeover is under way (no leader serves yet, none is known).
         self.leading: Callable[[], bool] = lambda: True
         self.leader_url: Callable[[], str | None] = lambda: None
+        self.electing: Callable[[], bool] = lambda: False
+        self._served = asyncio.Event()           # set while started
+        self._news = asyncio.Event()             # set (and replaced) when the election's outcome changes
+        self.parked = 0                          # agent requests waiting for an election to end
         self.open_polls = 0
         self.max_polls_per_peer = max_polls_per_peer      # 0: no limit
         self._polls_by_peer: dict[str, int] = {}
@@ -98,6 +103,8 @@ class Coordinator:
         for job_id in changed:
             await self._durable(job_id)
         self.started = True
+        self._served.set()
+        self.election_news()
 
     async def step_down(self) -> None:
         """This replica no longer leads: held polls answer `not_leader`, commits in flight are
@@ -105,6 +112,7 @@ class Coordinator:
         if not self.started:
             return
         self.started = False
+        self._served.clear()
         self.waiters.wake_all()
         old, self.persister = self.persister, Persister(self.store, self.clock, on_rollback=self._put_back)
         await old.abandon()
@@ -114,6 +122,28 @@ class Coordinator:
     def serving(self) -> bool:
         """Agents may be served: the state is loaded, the server is not stopping, it leads."""
         return self.started and not self.shutting_down and self.leading()
+
+    async def until_serving(self, timeout: float) -> bool:
+        """While an election or takeover is under way, wait (up to `timeout`) for this replica to
+        serve or a leader to be known: an agent's request parked here is served the moment the
+        takeover ends, instead of being refused and retried after a backoff."""
+        loop = asyncio.get_running_loop()
+        ends = loop.time() + timeout
+        while not self.serving() and self.electing() and loop.time() < ends:
+            served, news = asyncio.ensure_future(self._served.wait()), asyncio.ensure_future(self._news.wait())
+            self.parked += 1
+            try:
+                await asyncio.wait({served, news}, timeout=ends - loop.time(), return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                self.parked -= 1
+                served.cancel()
+                news.cancel()
+        return self.serving()
+
+    def election_news(self) -> None:
+        """The leader became known (or unknown): requests parked by `until_serving` look again."""
+        self._news.set()
+        self._news = asyncio.Event()
 
     def not_serving(self) -> RendezvousError:
         """Why a request is not served here: stopping, or not the leader (and where the leader is)."""

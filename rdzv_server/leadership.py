@@ -59,7 +59,8 @@ class Leadership:
         self.on_elected = on_elected
         self.on_deposed = on_deposed
         self.leading = False
-        self.leader_url: str | None = None       # where the leader is, as far as this replica knows
+        self._leader_url: str | None = None
+        self.on_news: Callable[[], None] = lambda: None     # the leader became known, or unknown
         self._lease = 0
         self._sure_until = 0.0                    # monotonic: our lease surely lives until then
         self._store_refused = asyncio.Event()
@@ -72,9 +73,25 @@ class Leadership:
         """From the store's thread: a commit was refused, so another replica leads."""
         self._loop.call_soon_threadsafe(self._store_refused.set)
 
+    @property
+    def leader_url(self) -> str | None:
+        """Where the leader is, as far as this replica knows (its own URL while it leads)."""
+        return self._leader_url
+
+    @leader_url.setter
+    def leader_url(self, url: str | None) -> None:
+        if url != self._leader_url:
+            self._leader_url = url
+            self.on_news()
+
     def sure(self) -> bool:
         """Whether this replica leads and its lease surely still lives (checked on every request)."""
         return self.leading and time.monotonic() < self._sure_until
+
+    def electing(self) -> bool:
+        """No replica serves that this one knows of: the key is gone (or names a leader found gone),
+        or this one won and is loading the state."""
+        return not self._stopping and (self.leader_url is None or (self.leading and self.sure()))
 
     def start(self) -> None:
         self._task = asyncio.create_task(self.run(), name="rdzv-election")
@@ -124,6 +141,7 @@ class Leadership:
         while True:
             kvs, _ = await self._call(self._client.range, self.key)
             if not kvs:
+                self.leader_url = announced = None
                 if await self._campaign():
                     return
                 continue

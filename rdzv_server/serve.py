@@ -137,6 +137,8 @@ async def serve(config: ServerConfig, store: Store | None = None,
                                 on_elected=coordinator.take_over, on_deposed=coordinator.step_down)
         coordinator.leading = leadership.sure
         coordinator.leader_url = lambda: None if leadership is None or leadership.leading else leadership.leader_url
+        coordinator.electing = lambda: leadership is not None and leadership.electing()
+        leadership.on_news = coordinator.election_news
         leadership.start()
         log.info("replica %s on %s: standing by until elected", url, replication.store.where)
     if ready is not None:

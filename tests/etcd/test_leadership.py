@@ -28,14 +28,17 @@ class Replica:
         self.srv = None
         self.leadership: Leadership | None = None
 
-    async def start(self) -> Replica:
+    async def start(self, campaign: bool = True) -> Replica:
         self.srv = await start_app(self.app)
         c = self.coordinator
         self.leadership = Leadership(self.store.settings, self.store, url(self.srv, ""), self.ttl,
                                      on_elected=c.take_over, on_deposed=c.step_down)
         c.leading = self.leadership.sure
         c.leader_url = lambda: None if self.leadership.leading else self.leadership.leader_url
-        self.leadership.start()
+        c.electing = self.leadership.electing
+        self.leadership.on_news = c.election_news
+        if campaign:
+            self.leadership.start()
         return self
 
     async def close(self) -> None:
@@ -124,3 +127,16 @@ async def test_a_clean_stop_hands_leadership_over_without_waiting_out_the_lease(
         assert len(restarted) == 1 and "after a clean shutdown" in restarted[0].message
     finally:
         await standby.close()
+
+
+async def test_a_request_during_an_election_waits_for_the_takeover_instead_of_a_refusal(settings, http):
+    replica = await Replica(settings).start(campaign=False)     # no leader known yet, none elected
+    try:
+        join = asyncio.create_task(post(http, replica, "join", join_body("a")))
+        await wait_until(lambda: replica.coordinator.parked == 1, 10)
+        replica.leadership.start()
+        status, reply, _ = await asyncio.wait_for(join, 20)
+        assert status == 200 and reply["node_state"] == "waiting"
+        assert replica.coordinator.parked == 0
+    finally:
+        await replica.close()
