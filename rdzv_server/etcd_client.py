@@ -120,6 +120,16 @@ def key_values(reply: dict[str, Any]) -> list[KeyValue]:
                      int(kv.get("lease", 0))) for kv in reply.get("kvs", [])]
 
 
+def explain(message: str) -> str:
+    """etcd's message, with what to do where etcd's own words do not say it."""
+    if "CommonName of client" in message:
+        # With client-cert-auth and auth both on, the gateway cannot pass a certificate's CN on as the
+        # user, so it refuses any client certificate that has one.
+        return (f"{message} (with etcd authentication on, etcd's HTTP gateway refuses a client certificate "
+                "that has a Common Name: give --etcd-cert one without a CN; --etcd-user names the user)")
+    return message
+
+
 class EtcdClient:
     def __init__(self, settings: EtcdSettings) -> None:
         self.settings = settings
@@ -198,13 +208,17 @@ class EtcdClient:
             try:
                 status, reply = self._post(endpoint, route, data)
             except (OSError, http.client.HTTPException) as exc:
-                failures.append(f"{endpoint}: {getattr(exc, 'strerror', None) or exc or type(exc).__name__}")
+                detail = str(getattr(exc, "strerror", None) or exc or type(exc).__name__)
+                if isinstance(exc, (ssl.SSLError, ConnectionResetError)) and self._tls and not self.settings.cert:
+                    # a member that requires client certificates ends the handshake in several ways
+                    detail += " (no client certificate was offered: does etcd require one? --etcd-cert/--etcd-key)"
+                failures.append(f"{endpoint}: {detail}")
                 tried += 1
                 continue
             if status == 200:
                 self._current = index
                 return reply
-            message = str(reply.get("message") or reply.get("error") or f"HTTP {status}")
+            message = explain(str(reply.get("message") or reply.get("error") or f"HTTP {status}"))
             if status == 401 and "auth token" in message and not reauthenticated and self.settings.user:
                 self._token, reauthenticated = None, True       # an expired token: once more, with a new one
                 continue
@@ -243,14 +257,22 @@ class EtcdClient:
             # A streamed route (keep-alive) answers one JSON document per line: the first is ours.
             reply = json.loads(raw.split(b"\n", 1)[0] or b"{}")
         except ValueError:
-            raise http.client.HTTPException(f"HTTP {resp.status} with a body that is not JSON") from None
+            if resp.status == 200:
+                raise http.client.HTTPException("HTTP 200 with a body that is not JSON") from None
+            # etcd's HTTP front answers some refusals in plain text (e.g. the gateway's CommonName check)
+            text = raw.decode("utf-8", "replace").strip().splitlines()
+            reply = {"message": (text[0][:300] if text else f"HTTP {resp.status}")}
         return resp.status, reply if isinstance(reply, dict) else {}
 
     def _authenticate(self, endpoint: str) -> str:
         body = json.dumps({"name": self.settings.user, "password": self.settings.password or ""}).encode()
         status, reply = self._post(endpoint, "/v3/auth/authenticate", body)
         if status != 200 or "token" not in reply:
-            raise EtcdRefused(f"{endpoint} refused the user {self.settings.user!r}: "
-                              f"{reply.get('message') or reply.get('error') or f'HTTP {status}'}")
+            message = str(reply.get("message") or reply.get("error") or f"HTTP {status}")
+            if status >= 500 or status == 429:
+                raise http.client.HTTPException(message)         # this member cannot tell: the next one
+            if "CommonName of client" in message:
+                raise EtcdRefused(f"{endpoint}: {explain(message)}")
+            raise EtcdRefused(f"{endpoint} refused the user {self.settings.user!r}: {message}")
         return str(reply["token"])
 
