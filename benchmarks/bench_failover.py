@@ -14,6 +14,8 @@ credential of their join on every request, one long-poll held with wait_s 60).
      answered (the send time of each agent's first answered poll since the kill, the latest one);
    - lost: every acknowledged change checked against the new leader: each job's restart count at
      least the highest one acknowledged, each acknowledged joiner still a node of its job;
+   - restarted: jobs whose round id or restart count differ between the killed leader before the
+     kill and the new leader once every agent is renewed (a new round = workers restarted);
    then the killed replica is started again (as the standby) and the load resumes.
 Targets (issue 15): renewal <= 2 s with 1,000 agents; 0 acknowledged changes lost over 50
 failovers; formation of 1,000 nodes on etcd <= 1.5x the SQLite figure.
@@ -167,8 +169,24 @@ def check_acked(url: str, fleet: Fleet) -> int:
     return lost
 
 
+def rounds(url: str, jobs: int, settle_s: float = 30.0) -> dict[str, tuple[object, int]]:
+    """Each job's (round id, restart count) at the replica at `url`, once every job runs a round (a
+    restart the load asked for has formed its new round)."""
+    deadline = time.monotonic() + settle_s
+    while True:
+        found, running = {}, True
+        for i in range(jobs):
+            with urllib.request.urlopen(f"{url}/v1/jobs/job-{i}?node_limit=1", timeout=30) as resp:
+                view = json.load(resp)
+            found[f"job-{i}"] = (view["round_id"], view["restart_count"])
+            running = running and view["state"] == "running"
+        if running or time.monotonic() > deadline:
+            return found
+        time.sleep(0.1)            # polling another process's state: no event to wait on
+
+
 async def failovers(etcd: EtcdCluster, agents: int, jobs: int, count: int
-                    ) -> tuple[list[float], list[float], int, int]:
+                    ) -> tuple[list[float], list[float], int, int, int]:
     prefix = f"/bench-failover-{os.getpid()}/"
     procs: list[subprocess.Popen[str]] = []
     ports: list[int] = []
@@ -183,7 +201,7 @@ async def failovers(etcd: EtcdCluster, agents: int, jobs: int, count: int
     config = {"min_nodes": per_job, "max_nodes": per_job, "last_call_s": 1.0, "lease_timeout_s": 10.0,
               "max_restarts": 1_000_000}
     renewals: list[float] = []
-    lost = 0
+    lost = restarted = 0
     paused = asyncio.Event()
     inflight: set[asyncio.Task[None]] = set()
     try:
@@ -214,6 +232,7 @@ async def failovers(etcd: EtcdCluster, agents: int, jobs: int, count: int
                 paused.set()
                 await asyncio.gather(*inflight, return_exceptions=True)
                 leader = await wait_leader(urls)
+                before = await asyncio.to_thread(rounds, urls[leader], jobs)
                 fleet.renewed_at.clear()
                 fleet.all_renewed.clear()
                 fleet.mark = time.time()
@@ -233,9 +252,13 @@ async def failovers(etcd: EtcdCluster, agents: int, jobs: int, count: int
                 takeovers.append(served - killed_at if served is not None else float("nan"))
                 gone = await asyncio.to_thread(check_acked, urls[new], fleet)
                 lost += gone
+                after = await asyncio.to_thread(rounds, urls[new], jobs)
+                changed = sum(before[job] != after[job] for job in before)   # a new round: workers restarted
+                restarted += changed
                 print(f"failover {k}: replica {leader} killed; replica {new} served {takeovers[-1]:.2f} s later; "
                       f"every agent renewed with it after {renewals[-1]:.2f} s; {fleet.acked.count} changes "
-                      f"acknowledged so far, {gone} lost", flush=True)
+                      f"acknowledged so far, {gone} lost; {changed} job(s) in a new round; "
+                      f"load {os.getloadavg()[0]:.1f}", flush=True)
                 procs[leader], _ = await asyncio.to_thread(start_replica, etcd.url, prefix, ports[leader],
                                                            logs[leader])
                 paused.clear()
@@ -245,7 +268,7 @@ async def failovers(etcd: EtcdCluster, agents: int, jobs: int, count: int
             if fleet.lost or fleet.refused:
                 print(f"agents lost: {fleet.lost[:10]} ({len(fleet.lost)}); joins refused: {fleet.refused[:10]} "
                       f"({len(fleet.refused)})", flush=True)
-            return renewals, takeovers, lost + len(fleet.lost), fleet.acked.count
+            return renewals, takeovers, lost + len(fleet.lost), fleet.acked.count, restarted
     finally:
         for proc in procs:
             proc.kill()
@@ -261,20 +284,24 @@ def main() -> None:
     p.add_argument("--repeat", type=int, default=3, help="formations on each store")
     args = p.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))     # stop like Ctrl-C: every process cleaned up
+    print(f"load average at start {os.getloadavg()[0]:.1f} ({os.cpu_count()} cores)", flush=True)
     with tempfile.TemporaryDirectory(prefix="bench-etcd-") as tmp, EtcdCluster(3, base_dir=tmp) as etcd:
         if args.formation_nodes:
             got = formations(etcd, args.formation_nodes, args.repeat)
             (sq_total, sq_after), (et_total, et_after) = got["SQLite"], got["etcd"]
             print(f"RESULT formation nodes={args.formation_nodes} total_s sqlite={sq_total:.2f} etcd={et_total:.2f} "
                   f"ratio={et_total / sq_total:.2f}; after_last_join_ms sqlite={sq_after * 1000:.0f} "
-                  f"etcd={et_after * 1000:.0f} ratio={et_after / sq_after:.2f} (target <= 1.5)", flush=True)
+                  f"etcd={et_after * 1000:.0f} ratio={et_after / sq_after:.2f} (target <= 1.5); "
+                  f"load {os.getloadavg()[0]:.1f}", flush=True)
         if args.failovers:
-            renewals, takeovers, lost, acked = asyncio.run(failovers(etcd, args.agents, args.jobs, args.failovers))
+            renewals, takeovers, lost, acked, restarted = asyncio.run(
+                failovers(etcd, args.agents, args.jobs, args.failovers))
             p90 = sorted(renewals)[int(0.9 * (len(renewals) - 1))]
             print(f"RESULT failovers={len(renewals)} agents={args.agents} renewal_s median="
                   f"{statistics.median(renewals):.2f} p90={p90:.2f} max={max(renewals):.2f} (target <= 2) "
                   f"takeover_s median={statistics.median(takeovers):.2f} max={max(takeovers):.2f} "
-                  f"acknowledged={acked} lost={lost} (target 0)", flush=True)
+                  f"acknowledged={acked} lost={lost} (target 0) jobs_restarted_by_failover={restarted} "
+                  f"(target 0); load {os.getloadavg()[0]:.1f}", flush=True)
 
 
 if __name__ == "__main__":
