@@ -44,13 +44,19 @@ def join(rules: JobRules, req: JoinRequest, now: float, credential: str = "", vi
             existing.addr, existing.master_port, existing.probe_port = req.addr, port, req.probe_port
             existing.seen_from, existing.server_addr = via
             rules.node_changed(existing.node_id)
+        existing.credential_used = existing.credential_used or bool(existing.credential_digest)
         leases.renew(job, existing, now)
         return ""
-    if existing is not None and existing.credential_digest and req.instance and req.instance == existing.instance:
-        # The agent that made this record (its instance) joins again without the record's secret: the
-        # reply that carried it was lost (the server restarted, or another replica took over, after the
-        # join was committed). A fresh secret replaces the one it never received.
+    if (existing is not None and existing.credential_digest and not existing.credential_used and req.instance
+            and req.instance == existing.instance):
+        # The agent that made this record (its instance) joins again without the record's secret, which
+        # no request has carried yet: the reply that carried it was lost (the server restarted, or another
+        # replica took over, after the join was committed). A fresh secret replaces the one it never
+        # received. Once a request has carried the secret the agent has it, and such a join is a stale
+        # duplicate (a request of an abandoned connection delivered late, after a partition heals): it
+        # must not take the node from the agent, so the rules below answer it.
         existing.credential_digest = credentials.digest(credential)
+        existing.credential_used = False
         rules.node_changed(existing.node_id)
         leases.renew(job, existing, now)
         return credential

@@ -38,3 +38,19 @@ def test_another_agent_still_cannot_take_a_live_node_without_its_secret():
     with pytest.raises(RendezvousError) as err:
         join(rz, "a", 1.2, "thief", instance="")
     assert err.value.code == ErrorCode.NODE_CONFLICT
+
+
+def test_a_late_duplicate_of_the_join_cannot_take_the_node_from_its_agent():
+    """After a partition heals, a join the agent sent and abandoned may still be delivered (the same
+    instance, no secret). Once the agent has used its secret, that duplicate is refused and the
+    agent's secret stays good."""
+    rz = Rendezvous()
+    join(rz, "a", 1.0, "secret-a", instance="agent-a-1")
+    rz.poll("j", PollRequest(v=1, node_id="a", credential="secret-a"), 1.1)      # the agent has it
+    with pytest.raises(RendezvousError) as err:
+        join(rz, "a", 1.2, "from-the-duplicate", instance="agent-a-1")
+    assert err.value.code == ErrorCode.NODE_CONFLICT
+    rz.poll("j", PollRequest(v=1, node_id="a", credential="secret-a"), 1.3)
+    with pytest.raises(RendezvousError) as err:
+        rz.poll("j", PollRequest(v=1, node_id="a", credential="from-the-duplicate"), 1.3)
+    assert err.value.code == ErrorCode.FORBIDDEN
