@@ -152,7 +152,11 @@ def test_one_etcd_member_down_changes_nothing(replicas, tmp_path):
     wait_until(lambda: len(starts(out)) == 4 + 6, LIMIT, "the 6 workers of the new round")
     (out / "stop").touch()
     assert [a.wait(LIMIT) for a in agents] == [0, 0, 0], "\n".join(a.output for a in agents)
-    assert replicas.get(leader, "/v1/jobs/member")["state"] == "succeeded"
+    # Asked of whichever replica leads now: when the killed member led etcd, etcd's own election can
+    # outlast the tests' 2 s lease on a loaded machine and move the leadership; the job must not notice.
+    final = replicas.get(replicas.leader(LIMIT), "/v1/jobs/member")
+    assert final["state"] == "succeeded" and final["restart_count"] == 0
+    assert len(starts(out)) == 4 + 6, "a worker was restarted"
 
 
 def test_all_etcd_members_down_workers_train_on_and_the_job_resumes(replicas, tmp_path):
