@@ -5,7 +5,8 @@ PY := $(VENV)/bin/python
 PIP_FLAGS := --disable-pip-version-check -q
 PYTEST_WORKERS ?= 4
 
-.PHONY: venv chromium deploy-tools netns-tools demo test multihost soak fuzz bench bench-faults bench-scale clean
+.PHONY: venv chromium deploy-tools netns-tools etcd demo test multihost soak fuzz bench bench-faults bench-scale \
+	bench-failover clean
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -25,6 +26,12 @@ netns-tools:
 	@[ "$$(id -u)" -ne 0 ] || command -v nft >/dev/null 2>&1 || \
 		{ apt-get update && apt-get install -y --no-install-recommends nftables; }
 
+# etcd (Debian's etcd-server) for the replicated-server tests, which start their own clusters on free
+# loopback ports; installs only when missing.
+etcd:
+	@PATH="$$PATH:/usr/sbin:/sbin" command -v etcd >/dev/null 2>&1 || { s=$$([ "$$(id -u)" -eq 0 ] || echo sudo); \
+		$$s apt-get update && $$s env DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends etcd-server; }
+
 demo: venv
 	$(PY) examples/demo.py
 
@@ -39,14 +46,14 @@ deploy-tools:
 		$$s apt-get update && $$s env DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends $$missing; fi
 
 # pytest exits 5 when it collected no test: make treats any non-zero exit as failure.
-test: venv chromium deploy-tools netns-tools
+test: venv chromium deploy-tools netns-tools etcd
 	$(PY) -m pytest -n $(PYTEST_WORKERS) -m "not soak" -q -p no:cacheprovider
 
 # The multi-host tests alone (tests/multihost: hosts as network namespaces, faults on their links).
 multihost: venv netns-tools
 	$(PY) -m pytest -n $(PYTEST_WORKERS) -m "multihost and not soak" -q -p no:cacheprovider tests/multihost
 
-soak: venv netns-tools
+soak: venv netns-tools etcd
 	$(PY) -m pytest -m soak -q -p no:cacheprovider -s
 
 # 100,000+ hostile and malformed requests against a real server with a durable store (tests/fuzz/soak.py):
@@ -72,6 +79,11 @@ $(VENV)/.bench-installed: $(VENV)/.installed
 
 bench-scale: venv $(VENV)/.bench-installed
 	$(PY) benchmarks/bench_scale.py $(BENCH_SCALE_ARGS)
+
+# Replicas on etcd: failover time with 1,000 simulated agents, acknowledged changes over 50 failovers,
+# formation on etcd vs SQLite (docs/benchmarks.md; about 10 minutes).
+bench-failover: venv etcd
+	$(PY) benchmarks/bench_failover.py
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache .hypothesis

@@ -41,7 +41,8 @@ def _transport(opts: AgentOptions, token: str | None) -> tuple[Transport, str]:
     assert opts.endpoint_host is not None and opts.endpoint_port is not None
     addr = opts.local_addr or local_addr_towards(opts.endpoint_host, opts.endpoint_port)
     return RdzvClient(opts.endpoint_host, opts.endpoint_port, opts.job_id, opts.node_id,
-                      scheme=opts.endpoint_scheme, token=token, tls_ca=opts.tls_ca), addr
+                      scheme=opts.endpoint_scheme, token=token, tls_ca=opts.tls_ca,
+                      replicas=opts.endpoint_replicas), addr
 
 
 async def _run(opts: AgentOptions, token: str | None) -> int:

@@ -51,7 +51,8 @@ def _ours(spellings: tuple[str, ...], dest: str, metavar: str | None, help: str)
 # are JobConfig's; other defaults are AgentOptions'. Defaults here are None so use can be told apart.
 FLAGS: tuple[Flag, ...] = (
     _both(("--endpoint",), ("--rdzv-endpoint", "--rdzv_endpoint"), "endpoint", "[https://]HOST:PORT",
-          "the rdzv-server (port 29400 when left out; [::1]:PORT for IPv6; https:// for TLS). "
+          "the rdzv-server (port 29400 when left out; [::1]:PORT for IPv6; https:// for TLS; replicas of one "
+          "server on etcd as a comma-separated list, the agent follows the leader). "
           "--endpoint always names an rdzv-server; --rdzv-endpoint follows torchrun: with the default "
           "--rdzv-backend static it names the master of a static launch"),
     _t(("--rdzv-backend", "--rdzv_backend"), "rdzv_backend", "NAME",

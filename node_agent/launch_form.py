@@ -37,6 +37,7 @@ class Form:
     scheme: str = "http"
     host: str | None = None           # the rdzv-server (server mode)
     port: int | None = None
+    replicas: tuple[tuple[str, int], ...] = ()   # more replicas of the server: --endpoint a:P,b:P
     master_addr: str = "127.0.0.1"    # static mode: node rank 0, where worker rank 0 hosts the store
     master_port: int = STATIC_MASTER_PORT
     job_id: str | None = None         # an id this form imposes (standalone: a fresh one when none was given)
@@ -72,13 +73,22 @@ def _dynamic(endpoint: str, flag: str, max_nodes: int, fresh_id: str, tls_ca: st
         if max_nodes == 1:          # torchrun's c10d agent would host the rendezvous itself
             return Form(Mode.STANDALONE, job_id=fresh_id, one_node=True)
         endpoint = f"localhost:{DEFAULT_PORT}"   # torch's default for an empty endpoint
-    scheme, host, port = parse_server(endpoint, tls_ca, lambda why: fail("endpoint", why), allow_port_0=port_0)
-    if port == 0:
+    first, *more = endpoint.split(",")        # replicas of one server (on etcd): a:29400,b:29400
+    scheme, host, port = parse_server(first, tls_ca, lambda why: fail("endpoint", why), allow_port_0=port_0)
+    replicas = []
+    for text in more:
+        other, replica_host, replica_port = parse_server(text, tls_ca, lambda why: fail("endpoint", why))
+        if other != scheme:
+            fail("endpoint", f"every replica needs the same scheme, got {endpoint!r}")
+        replicas.append((replica_host, replica_port))
+    if port == 0 and not replicas:
         if max_nodes == 1:          # TorchX's single-node line: torchrun hosts it on a free port
             return Form(Mode.STANDALONE, job_id=fresh_id, one_node=True)
         fail("endpoint", f"port 0 in {endpoint!r} asks the agent to host the rendezvous itself, which serves "
                          f"one node only; for {max_nodes} nodes give an rdzv-server's HOST:PORT")
-    return Form(Mode.SERVER, scheme=scheme, host=host, port=port)
+    if port == 0:
+        fail("endpoint", f"port 0 names no server in a list of replicas: {endpoint!r}")
+    return Form(Mode.SERVER, scheme=scheme, host=host, port=port, replicas=tuple(replicas))
 
 
 def _static(endpoint: str | None, flag: str, backend: str | None, master_addr: str | None,

@@ -49,6 +49,7 @@ class AgentOptions:
     endpoint_host: str | None = None   # the rdzv-server (server mode)
     endpoint_port: int | None = None
     endpoint_scheme: str = "http"      # https with --tls-ca or an https:// endpoint
+    endpoint_replicas: tuple[tuple[str, int], ...] = ()   # more replicas of the server: --endpoint a:P,b:P
     token_file: str | None = None      # --token-file, --rdzv-conf token_file or $RDZV_TOKEN_FILE: read at start-up
     token: str | None = None           # $RDZV_TOKEN: the token itself
     tls_ca: str | None = None          # CA bundle that must have signed the server's certificate
@@ -250,7 +251,8 @@ def parse_options(argv: Sequence[str], environ: Mapping[str, str] = os.environ) 
     stop_default = environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT")
     return AgentOptions(
         script=script, script_args=script_args, mode=form.mode, endpoint_host=form.host, endpoint_port=form.port,
-        endpoint_scheme=form.scheme, token_file=token_file if form.mode is Mode.SERVER else None,
+        endpoint_scheme=form.scheme, endpoint_replicas=form.replicas,
+        token_file=token_file if form.mode is Mode.SERVER else None,
         token=token if form.mode is Mode.SERVER else None, tls_ca=tls_ca,
         nproc=nproc, nproc_spec=nproc_text, job_id=job_id, job_id_source=source,
         command="" if get("no_command_check") else fingerprint,

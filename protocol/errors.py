@@ -24,6 +24,7 @@ class ErrorCode(str, enum.Enum):
     LIMIT_REACHED = "limit_reached"          # a server limit (jobs, long-polls per peer, ...): retry later
     SHUTTING_DOWN = "shutting_down"          # server is going away; retry elsewhere/later
     STORE_UNAVAILABLE = "store_unavailable"  # the state store could not commit; retry shortly
+    NOT_LEADER = "not_leader"                # a standby replica: the Rdzv-Leader header says where the leader is
     INTERNAL = "internal"                    # a bug: reported without a traceback
 
 
@@ -45,12 +46,13 @@ HTTP_STATUS: dict[ErrorCode, int] = {
     ErrorCode.LIMIT_REACHED: 503,
     ErrorCode.SHUTTING_DOWN: 503,
     ErrorCode.STORE_UNAVAILABLE: 503,
+    ErrorCode.NOT_LEADER: 503,
     ErrorCode.INTERNAL: 500,
 }
 
 # Errors that say "not now" rather than "no": an agent keeps its workers and retries, as for an outage.
 RETRYABLE: frozenset[ErrorCode] = frozenset({ErrorCode.SHUTTING_DOWN, ErrorCode.STORE_UNAVAILABLE,
-                                             ErrorCode.LIMIT_REACHED})
+                                             ErrorCode.LIMIT_REACHED, ErrorCode.NOT_LEADER})
 
 
 def unknown_job(job_id: str) -> str:

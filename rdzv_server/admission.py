@@ -4,8 +4,9 @@ Functions over one job's `JobRules` (the same purity: `now` in, no I/O). A join 
 anything changes when it asks for another config or runs another command, names a drained node, or
 names a node that a live agent holds (`node_conflict`: its lease runs or a poll of it is held open)
 without that node's credential. The agent that owns a node may join again (an idempotent repeat, or a
-changed address); a new agent of a node whose agent is gone replaces it, keeping its failure history
-and exclusion.
+changed address; without the secret when its instance made the record and no request has used the
+secret yet: the reply with the secret was lost); a new agent of a node whose agent is gone replaces
+it, keeping its failure history and exclusion.
 """
 from __future__ import annotations
 
@@ -53,8 +54,22 @@ def join(rules: JobRules, req: JoinRequest, now: float, credential: str = "", vi
             existing.addr, existing.master_port, existing.probe_port = req.addr, port, req.probe_port
             existing.seen_from, existing.server_addr = via
             rules.node_changed(existing.node_id)
+        existing.credential_used = existing.credential_used or bool(existing.credential_digest)
         leases.renew(job, existing, now)
         return ""
+    if (existing is not None and existing.credential_digest and not existing.credential_used and req.instance
+            and req.instance == existing.instance):
+        # The agent that made this record (its instance) joins again without the record's secret, which
+        # no request has carried yet: the reply that carried it was lost (the server restarted, or another
+        # replica took over, after the join was committed). A fresh secret replaces the one it never
+        # received. Once a request has carried the secret the agent has it, and such a join is a stale
+        # duplicate (a request of an abandoned connection delivered late, after a partition heals): it
+        # must not take the node from the agent, so the rules below answer it.
+        existing.credential_digest = credentials.digest(credential)
+        existing.credential_used = False
+        rules.node_changed(existing.node_id)
+        leases.renew(job, existing, now)
+        return credential
     if existing is not None and existing.credential_digest and leases.live(existing, now):
         raise RendezvousError(ErrorCode.NODE_CONFLICT, f"node id {req.node_id!r} is held by a live agent of "
                               f"job {job.job_id!r} (heard from {now - existing.last_seen:.1f}s ago, at "

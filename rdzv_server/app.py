@@ -22,6 +22,9 @@ from rdzv_server.routing import COORDINATOR, job_id_of
 
 log = logging.getLogger("rdzv_server")
 
+# A replica parks an agent's request this long while an election or takeover is under way.
+ELECTION_WAIT_S = 3.0
+
 # Warnings for operators about how exposed this server is (shown on the status page).
 NOTES = web.AppKey("notes", tuple)
 
@@ -76,8 +79,8 @@ async def agent_request(request: web.Request) -> web.Response:
         raise DecodeError(ErrorCode.UNSUPPORTED_MEDIA_TYPE,
                           f"content type {quote(request.content_type)}: agent routes take {CONTENT_TYPE}")
     job_id = job_id_of(request)
-    if coord.shutting_down:
-        raise RendezvousError(ErrorCode.SHUTTING_DOWN, "server is shutting down; retry shortly")
+    if not await coord.until_serving(ELECTION_WAIT_S):
+        raise coord.not_serving()
     req: object = decode_request(cls, await read_body(request))
     sockname = request.transport.get_extra_info("sockname") if request.transport is not None else None
     local = str(sockname[0]) if sockname else ""
@@ -85,14 +88,31 @@ async def agent_request(request: web.Request) -> web.Response:
     return web.Response(body=encode(status), content_type=CONTENT_TYPE)
 
 
+# Answered by a standby replica too; everything else there is refused with `not_leader`.
+_STANDBY_ROUTES = frozenset({"/healthz", "/readyz", "/metrics"})
+
+
+@web.middleware
+async def standby_middleware(request: web.Request,
+                             handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
+    """A replica that does not lead holds no state: its views and admin actions would show nothing
+    true, so they answer where the leader is instead."""
+    coord = request.app[COORDINATOR]
+    agent_route = request.method == "POST" and request.path.startswith("/v1/jobs/")   # agent_request decides
+    if (coord.started and coord.leading()) or coord.shutting_down or request.path in _STANDBY_ROUTES or agent_route:
+        return await handler(request)
+    raise coord.not_serving()
+
+
 async def healthz(request: web.Request) -> web.Response:
     return web.json_response({"ok": True})
 
 
 async def readyz(request: web.Request) -> web.Response:
-    """Ready to serve agents: the state is loaded and the server is not stopping (503 otherwise)."""
+    """Ready to serve agents: the state is loaded, the server is not stopping, and it leads (503
+    otherwise: a Kubernetes Service sends traffic to the leader only)."""
     coord = request.app[COORDINATOR]
-    ready = coord.started and not coord.shutting_down
+    ready = coord.serving()
     return web.json_response({"ready": ready}, status=200 if ready else 503)
 
 
@@ -151,10 +171,12 @@ async def job_page(request: web.Request) -> web.Response:
 
 
 def create_app(coordinator: Coordinator | None = None, *, allow_remote_admin: bool = False,
-               access: Access | None = None) -> web.Application:
+               access: Access | None = None, standby: bool = False) -> web.Application:
     """The server's app. `access` holds the token and admin settings (`allow_remote_admin` is a
-    shorthand for Access(allow_remote_admin=True))."""
-    app = web.Application(middlewares=[metrics_middleware, error_middleware, access_middleware],
+    shorthand for Access(allow_remote_admin=True)); `standby`: a replica that serves only once the
+    election makes it the leader."""
+    app = web.Application(middlewares=[metrics_middleware, error_middleware, access_middleware,
+                                       standby_middleware],
                           client_max_size=MAX_BODY_BYTES)
     app[ACCESS] = access or Access(allow_remote_admin=allow_remote_admin)
     app[COORDINATOR] = coordinator or Coordinator()
@@ -162,7 +184,7 @@ def create_app(coordinator: Coordinator | None = None, *, allow_remote_admin: bo
     app[COORDINATOR].effect_listeners.append(app[METRICS].on_effects)
 
     async def lifecycle(app: web.Application) -> AsyncIterator[None]:
-        await app[COORDINATOR].start()
+        await app[COORDINATOR].start(take_over=not standby)
         yield
         await app[COORDINATOR].stop()
 

@@ -15,11 +15,12 @@ import sqlite3
 import ssl
 import sys
 
-from rdzv_server import logs
+from rdzv_server import etcd_options, logs
 from rdzv_server.access import Access, TokenError, read_token
 from rdzv_server.coordinator import MAX_POLLS_PER_PEER
 from rdzv_server.rendezvous import Limits
-from rdzv_server.serve import ListenError, ServerConfig, serve
+from rdzv_server.etcd_store import EtcdStore
+from rdzv_server.serve import ListenError, Replication, ServerConfig, serve
 from rdzv_server.store import SqliteStore, StoreError
 
 
@@ -28,7 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
                                 description="Standalone rendezvous server for node-agent jobs.")
     p.add_argument("--host", default="0.0.0.0", help="address to listen on (default 0.0.0.0)")
     p.add_argument("--port", type=int, default=29400, help="port to listen on; 0 picks a free one (default 29400)")
-    p.add_argument("--state-dir", default="rdzv-state", metavar="DIR",
+    p.add_argument("--state-dir", metavar="DIR",
                    help="folder for the durable state store (created when missing; default ./rdzv-state). "
                         "'none' keeps state in memory only: it does not survive a restart")
     p.add_argument("--token-file", metavar="F",
@@ -63,6 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="event loop: uvloop when installed (auto), or the standard one")
     p.add_argument("--no-gc-tuning", action="store_true",
                    help="leave Python's garbage collector as it is (for comparisons; see docs/benchmarks.md)")
+    etcd_options.add_arguments(p)
     p.add_argument("--log-format", choices=("text", "json"), default="text")
     p.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info")
     return p
@@ -130,6 +132,24 @@ def _loopback_only(host: str) -> bool:
         return host == "localhost"
 
 
+def replication(args: argparse.Namespace) -> Replication | None:
+    """The etcd store and the election, with --store etcd://... (None: one server on --state-dir)."""
+    if args.store is None:
+        for flag in ("advertise_url", "etcd_cacert", "etcd_cert", "etcd_user"):
+            if getattr(args, flag):
+                raise UsageError(f"--{flag.replace('_', '-')} needs --store etcd://...", 2)
+        return None
+    if args.state_dir is not None:
+        raise UsageError("--state-dir and --store are two places for the state: give one", 2)
+    try:
+        settings = etcd_options.settings_from(args)
+    except ValueError as exc:
+        raise UsageError(str(exc), 2) from None
+    if args.advertise_url is not None and not args.advertise_url.startswith(("http://", "https://")):
+        raise UsageError(f"--advertise-url must be an http:// or https:// URL, got {args.advertise_url!r}", 2)
+    return Replication(EtcdStore(settings), args.advertise_url, args.leader_ttl)
+
+
 def open_store(state_dir: str) -> SqliteStore | None:
     if state_dir.lower() in ("none", "memory", ""):
         print("rdzv-server: state in memory only (--state-dir none): jobs do not survive a restart",
@@ -159,8 +179,11 @@ def main(argv: list[str] | None = None) -> int:
         logs.setup(args.log_format, args.log_level)
         for note in config.notes:
             print(f"rdzv-server: warning: {note}", file=sys.stderr)
-        store = open_store(args.state_dir)
-        run_loop(serve(config, store=store), args.event_loop)
+        replicas = replication(args)
+        if replicas is not None:
+            run_loop(serve(config, replication=replicas), args.event_loop)
+        else:
+            run_loop(serve(config, store=open_store(args.state_dir or "rdzv-state")), args.event_loop)
     except UsageError as exc:
         print(f"rdzv-server: error: {exc}", file=sys.stderr)
         return exc.code

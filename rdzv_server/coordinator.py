@@ -30,7 +30,7 @@ from rdzv_server.persistence import Persister, StoreUnavailable
 from rdzv_server.outbox import Outbox
 from rdzv_server.records import JobRecord
 from rdzv_server.rendezvous import Rendezvous, RendezvousError
-from rdzv_server.store import SqliteStore
+from rdzv_server.store_api import Store
 from rdzv_server.waiters import Waiter, Waiters
 
 log = logging.getLogger("rdzv_server")
@@ -39,13 +39,14 @@ log = logging.getLogger("rdzv_server")
 TARGET_POLL_RATE = 500.0
 MAX_HOLD_S = 30.0           # ... but a poll is held no longer than this (the agent asks for up to 60 s)
 MAX_POLLS_PER_PEER = 4096   # held polls from one address (an agent holds one)
+LEADER_HEADER = "Rdzv-Leader"   # on a not_leader reply: the leader's advertised URL
 
 
 class Coordinator:
     """Owns the core and the asyncio machinery around it (waiters, the deadline timer)."""
 
     def __init__(self, core: Rendezvous | None = None, clock: Callable[[], float] = time.time,
-                 store: SqliteStore | None = None, max_polls_per_peer: int = MAX_POLLS_PER_PEER) -> None:
+                 store: Store | None = None, max_polls_per_peer: int = MAX_POLLS_PER_PEER) -> None:
         """`store`: the durable store (already opened); None keeps state in memory only."""
         self.core = core or Rendezvous()
         self.clock = clock
@@ -54,6 +55,14 @@ class Coordinator:
         self.loop_lag = LoopLagProbe()
         self.shutting_down = False
         self.started = False                      # the saved state is loaded: agents may be served
+        # Replicas: whether this one may serve now (its leadership is sure), where the leader is, and
+        # whether an election or takeover is under way (no leader serves yet, none is known).
+        self.leading: Callable[[], bool] = lambda: True
+        self.leader_url: Callable[[], str | None] = lambda: None
+        self.electing: Callable[[], bool] = lambda: False
+        self._served = asyncio.Event()           # set while started
+        self._news = asyncio.Event()             # set (and replaced) when the election's outcome changes
+        self.parked = 0                          # agent requests waiting for an election to end
         self.open_polls = 0
         self.max_polls_per_peer = max_polls_per_peer      # 0: no limit
         self._polls_by_peer: dict[str, int] = {}
@@ -67,23 +76,85 @@ class Coordinator:
         self.effect_listeners: list[Callable[[Outbox], None]] = []
 
     # -- lifecycle --
-    async def start(self) -> None:
-        if self.store is not None:
-            loaded = self.store.load()
-            self.core.jobs.update(loaded.jobs)
-            if loaded.alive_at is not None:
-                now = self.clock()
-                self.core.restored(now, max(0.0, now - loaded.alive_at), loaded.clean_shutdown)
-            log.info("state store %s: %d job(s) restored", self.store.path, len(loaded.jobs))
-        self.persister.start()
+    async def start(self, *, take_over: bool = True) -> None:
+        """Start the machinery; `take_over`: load the saved state and serve it now (a replica
+        standing by waits for the election to call `take_over`)."""
         self.loop_lag.start()
         self._rearm = asyncio.Event()
         self._timer = asyncio.create_task(self._deadline_loop(), name="rdzv-deadlines")
+        if take_over:
+            await self.take_over()
+
+    async def take_over(self) -> None:
+        """Load the saved state and serve it, at start-up or when elected: a takeover is handled
+        exactly like a restart (every lease re-armed, nobody blamed for the time away)."""
+        if self.store is not None:
+            started = time.perf_counter()
+            loaded = await self.persister.run(self.store.load)
+            self.core = Rendezvous({**self.core.jobs, **loaded.jobs}, limits=self.core.limits)
+            if loaded.alive_at is not None:
+                now = self.clock()
+                self.core.restored(now, max(0.0, now - loaded.alive_at), loaded.clean_shutdown)
+            log.info("%s: %d job(s) restored in %.0f ms", self.store.where, len(loaded.jobs),
+                     (time.perf_counter() - started) * 1000)
+        self.persister.start()
         changed = list(self.core.outbox.changed)
         self._apply()
         for job_id in changed:
             await self._durable(job_id)
         self.started = True
+        self._served.set()
+        self.election_news()
+
+    async def step_down(self) -> None:
+        """This replica no longer leads: held polls answer `not_leader`, commits in flight are
+        refused, the state is dropped (the next leader loads it from the store)."""
+        if not self.started:
+            return
+        self.started = False
+        self._served.clear()
+        self.waiters.wake_all()
+        old, self.persister = self.persister, Persister(self.store, self.clock, on_rollback=self._put_back)
+        await old.abandon()
+        self.core = Rendezvous(limits=self.core.limits)
+        self.clock_moved()
+
+    def serving(self) -> bool:
+        """Agents may be served: the state is loaded, the server is not stopping, it leads."""
+        return self.started and not self.shutting_down and self.leading()
+
+    async def until_serving(self, timeout: float) -> bool:
+        """While an election or takeover is under way, wait (up to `timeout`) for this replica to
+        serve or a leader to be known: an agent's request parked here is served the moment the
+        takeover ends, instead of being refused and retried after a backoff."""
+        loop = asyncio.get_running_loop()
+        ends = loop.time() + timeout
+        while not self.serving() and self.electing() and loop.time() < ends:
+            served, news = asyncio.ensure_future(self._served.wait()), asyncio.ensure_future(self._news.wait())
+            self.parked += 1
+            try:
+                await asyncio.wait({served, news}, timeout=ends - loop.time(), return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                self.parked -= 1
+                served.cancel()
+                news.cancel()
+        return self.serving()
+
+    def election_news(self) -> None:
+        """The leader became known (or unknown): requests parked by `until_serving` look again."""
+        self._news.set()
+        self._news = asyncio.Event()
+
+    def not_serving(self) -> RendezvousError:
+        """Why a request is not served here: stopping, or not the leader (and where the leader is)."""
+        if self.shutting_down:
+            return RendezvousError(ErrorCode.SHUTTING_DOWN, "server is shutting down; retry shortly")
+        url = self.leader_url()
+        if url:
+            return RendezvousError(ErrorCode.NOT_LEADER, f"this replica is a standby; the leader is {url}",
+                                   headers={LEADER_HEADER: url})
+        return RendezvousError(ErrorCode.NOT_LEADER, "this replica is a standby and no leader is known yet "
+                               "(an election is under way); retry shortly")
 
     def release_polls(self) -> None:
         """Answer every open long-poll now (with "going away"): the server is stopping."""
@@ -242,7 +313,7 @@ class Coordinator:
         self._polls_by_peer[peer] = held + 1
         dropped = False
         try:
-            while not _poll_ready(status, req.known_round) and not self.shutting_down and loop.time() < ends:
+            while not _poll_ready(status, req.known_round) and self.serving() and loop.time() < ends:
                 waiter = Waiter(job_id, ends)
                 self.waiters.add(waiter)
                 try:
@@ -268,8 +339,8 @@ class Coordinator:
                 now = self.clock()
                 self.core.poll_ended(job_id, req.node_id, now, now - silence() if silence is not None else now)
                 self._apply()
-        if self.shutting_down:
-            raise RendezvousError(ErrorCode.SHUTTING_DOWN, "server is shutting down; retry shortly")
+        if not self.serving():
+            raise self.not_serving()
         await self._durable(job_id)
         return status
 

@@ -29,7 +29,8 @@ def owns(node: NodeRecord, credential: str, instance: str) -> bool:
 
 
 def check(node: NodeRecord, credential: str) -> None:
-    """Raise unless `credential` is the node's (a node made without one accepts any)."""
+    """Raise unless `credential` is the node's (a node made without one accepts any); once it is,
+    the node's agent is known to hold its secret."""
     if not node.credential_digest:
         return
     if not credential:
@@ -38,3 +39,4 @@ def check(node: NodeRecord, credential: str) -> None:
     if not hmac.compare_digest(digest(credential), node.credential_digest):
         raise RendezvousError(ErrorCode.FORBIDDEN, f"the credential is not node {node.node_id}'s: another agent "
                               "joined with this node id and took the node over (or the request is forged)")
+    node.credential_used = True

@@ -267,7 +267,7 @@ def build_parser() -> argparse.ArgumentParser:
     where.add_argument("--server", metavar="URL", default=argparse.SUPPRESS,
                        help=f"server URL (default: $RDZV_SERVER or {DEFAULT_SERVER})")
     where.add_argument("--endpoint", metavar="HOST:PORT", default=argparse.SUPPRESS,
-                       help="server as node-agent's --endpoint spells it")
+                       help="server as node-agent's --endpoint spells it (replicas: a:29400,b:29400)")
     common.add_argument("--json", action="store_true", default=argparse.SUPPRESS,
                         help="print the server's JSON instead of tables")
     common.add_argument("--timeout", type=_seconds, default=argparse.SUPPRESS, metavar="S",

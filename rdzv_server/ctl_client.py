@@ -13,6 +13,7 @@ import ssl
 import urllib.error
 import urllib.parse
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,8 +59,13 @@ def read_token(flag: str, path: str | None, env: str) -> Token | None:
 
 def server_url(server: str | None, endpoint: str | None, tls_ca: str | None) -> str:
     """The server's base URL: --endpoint, --server, $RDZV_SERVER or the default; https when only
-    --tls-ca says so."""
-    url = endpoint or server or os.environ.get("RDZV_SERVER") or DEFAULT_SERVER
+    --tls-ca says so. Replicas are a comma-separated list: each is checked, and they are kept
+    comma-separated (Client tries them in turn)."""
+    text = endpoint or server or os.environ.get("RDZV_SERVER") or DEFAULT_SERVER
+    return ",".join(_one_url(part.strip(), tls_ca) for part in text.split(","))
+
+
+def _one_url(url: str, tls_ca: str | None) -> str:
     if "://" not in url:
         url = ("https://" if tls_ca else "http://") + url
     parsed = urllib.parse.urlsplit(url)
@@ -80,23 +86,48 @@ def tls_context(ca_file: str | None) -> ssl.SSLContext | None:
         raise UsageError(f"--tls-ca {ca_file}: {getattr(exc, 'strerror', None) or exc}") from None
 
 
+LEADER_HEADER = "Rdzv-Leader"     # a standby replica's not_leader reply names the leader here
+
+
 class Client:
     def __init__(self, server: str, timeout: float, *, token: Token | None = None, admin_token: Token | None = None,
                  tls: ssl.SSLContext | None = None) -> None:
-        self.server = server.rstrip("/")
+        """`server`: a base URL, or several replicas' comma-separated: the leader among them answers."""
+        self.replicas = [url.rstrip("/") for url in server.split(",")]
+        self.server = self.replicas[0]
         self.timeout = timeout
         self.token = token
         self.admin_token = admin_token
         self.tls = tls
 
     def get(self, path: str) -> Any:
-        return self._call(urllib.request.Request(self.server + path, headers={"Accept": "application/json"}),
-                          self.token or self.admin_token, admin=False)
+        return self._at_leader(lambda: urllib.request.Request(self.server + path, headers={
+            "Accept": "application/json"}), self.token or self.admin_token, admin=False)
 
     def post(self, path: str, body: dict[str, Any]) -> Any:
         data = json.dumps(body).encode()
-        return self._call(urllib.request.Request(self.server + path, data=data, method="POST", headers={
+        return self._at_leader(lambda: urllib.request.Request(self.server + path, data=data, method="POST", headers={
             "Content-Type": "application/json", "Accept": "application/json"}), self.admin_token, admin=True)
+
+    def _at_leader(self, request: Callable[[], urllib.request.Request], token: Token | None, *, admin: bool) -> Any:
+        """The request at each replica in turn until one answers; a standby's answer names the leader."""
+        tried: list[str] = []
+        while True:
+            try:
+                return self._call(request(), token, admin=admin)
+            except _NotLeader as moved:
+                tried.append(self.server)
+                if moved.leader and moved.leader not in tried:
+                    self.server = moved.leader
+                    continue
+                error = CtlError(moved.text)
+            except CtlError as exc:
+                tried.append(self.server)
+                error = exc
+            untried = [r for r in self.replicas if r not in tried]
+            if not untried:
+                raise error
+            self.server = untried[0]
 
     def _call(self, req: urllib.request.Request, token: Token | None, *, admin: bool) -> Any:
         if token is not None:
@@ -105,6 +136,9 @@ class Client:
             with urllib.request.urlopen(req, timeout=self.timeout, context=self.tls) as resp:
                 raw = resp.read()
         except urllib.error.HTTPError as exc:
+            if exc.code == 503 and (exc.headers.get(LEADER_HEADER) is not None or len(self.replicas) > 1):
+                raise _NotLeader(exc.headers.get(LEADER_HEADER, "").rstrip("/"),
+                                 self._refusal(req, exc, token, admin)) from None
             raise CtlError(self._refusal(req, exc, token, admin)) from None
         except urllib.error.URLError as exc:
             raise CtlError(self._unreachable(exc.reason)) from None
@@ -147,6 +181,15 @@ class Client:
                     f"use https:// and --tls-ca)")
         text = getattr(reason, "strerror", None) or reason
         return f"cannot reach rdzv-server at {self.server}: {text}"
+
+
+class _NotLeader(Exception):
+    """A replica that does not lead (or is stopping) answered; `leader`: where it says the leader is."""
+
+    def __init__(self, leader: str, text: str) -> None:
+        super().__init__(text)
+        self.leader = leader
+        self.text = text
 
 
 def _error_text(exc: urllib.error.HTTPError) -> str:

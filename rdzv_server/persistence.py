@@ -22,11 +22,12 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TypeVar
 
 from rdzv_server.outbox import Outbox
 from rdzv_server.records import MAX_EVENTS_PER_JOB, Event, JobRecord
 from rdzv_server.snapshots import JobSnapshot, snapshot
-from rdzv_server.store import SqliteStore, describe_failure
+from rdzv_server.store_api import Store
 
 log = logging.getLogger("rdzv_server")
 
@@ -34,6 +35,7 @@ ALIVE_EVERY_S = 2.0      # an idle server still marks itself alive this often (d
 RETRY_AFTER_S = 0.5      # pause before reading back jobs when the store failed even that
 
 Rollback = Callable[[str, "JobRecord | None"], None]
+T = TypeVar("T")
 
 
 class StoreUnavailable(Exception):
@@ -50,7 +52,7 @@ class CommitStats:
 
 
 class Persister:
-    def __init__(self, store: SqliteStore | None, clock: Callable[[], float] = time.time,
+    def __init__(self, store: Store | None, clock: Callable[[], float] = time.time,
                  on_rollback: Rollback | None = None) -> None:
         self.store = store
         self.clock = clock
@@ -71,6 +73,10 @@ class Persister:
     def start(self) -> None:
         if self.store is not None:
             self._alive = asyncio.create_task(self._alive_loop(), name="rdzv-store-alive")
+
+    async def run(self, fn: Callable[..., T], *args: object) -> T:
+        """Call a blocking store method on the store's thread (a load at start-up or takeover)."""
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
     def note(self, effects: Outbox) -> None:
         """Schedule what the core changed (`effects`, drained from it) for the next commit."""
@@ -138,7 +144,7 @@ class Persister:
                 await loop.run_in_executor(self._executor, self.store.write, snaps, self.clock(), deleted)
             except Exception as exc:
                 self.stats.failures += 1
-                why = describe_failure(exc, self.store.state_dir if self.store else "")
+                why = self.store.describe_failure(exc) if self.store is not None else str(exc)
                 log.error("state store commit failed: %s; %d job(s) put back as last committed and their "
                           "requests refused", why, len(jobs))
                 self._deleted |= deleted - set(self._dirty)
@@ -195,7 +201,7 @@ class Persister:
                 try:
                     await loop.run_in_executor(self._executor, self.store.write, [], self.clock())
                 except Exception as exc:
-                    log.error("state store liveness mark failed: %s", describe_failure(exc, self.store.state_dir))
+                    log.error("state store liveness mark failed: %s", self.store.describe_failure(exc))
 
     async def close(self) -> None:
         """Flush what is pending, mark a clean shutdown, release the store."""
@@ -211,6 +217,25 @@ class Persister:
         clean = not self._dirty
         await asyncio.get_running_loop().run_in_executor(self._executor, self._close_store, clean)
         self._executor.shutdown(wait=True)
+
+    async def abandon(self) -> None:
+        """This replica stopped leading: refuse every reply still waiting for a commit, stop writing,
+        and wait for the store's thread to finish what it is doing (its commit is fenced: a deposed
+        leader's is refused); the store stays open for a later term."""
+        error = StoreUnavailable("this replica stopped leading before the change was committed")
+        waiting = [*self._next.values(), *self._inflight.values()]     # the writer forgets its own on cancel
+        for task in (self._alive, self._writer):
+            if task is not None:
+                task.cancel()
+        await asyncio.gather(*(t for t in (self._alive, self._writer) if t is not None), return_exceptions=True)
+        for fut in [*waiting, *self._next.values()]:
+            if not fut.done():
+                fut.set_exception(error)
+        self._next.clear()
+        self._inflight.clear()
+        self._dirty.clear()
+        if self._executor is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self._executor.shutdown, True)
 
     def _close_store(self, clean: bool) -> None:
         assert self.store is not None

@@ -33,6 +33,7 @@ class NodeRecord(msgspec.Struct, kw_only=True):
     exclusions: int = 0                # how often it was excluded (cooldown doubles each time)
     excluded_until: float = 0.0
     credential_digest: str = ""        # sha256 of the secret its join was given ("": none was issued)
+    credential_used: bool = False      # a request has carried that secret: its agent has it (admission.py)
     seen_from: str = ""                # the address its join came from (as the server saw it)
     probe_port: int = 0                # where its agent answers other agents' probes (0: none)
     server_addr: str = ""              # the server's address its join reached

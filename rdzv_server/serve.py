@@ -27,7 +27,9 @@ from rdzv_server.connections import FD_RESERVE, ConnectionGuard
 from rdzv_server.coordinator import MAX_POLLS_PER_PEER, Coordinator
 from rdzv_server.heap import HeapTrimmer
 from rdzv_server.rendezvous import Limits, Rendezvous
-from rdzv_server.store import SqliteStore
+from rdzv_server.etcd_store import EtcdStore
+from rdzv_server.leadership import Leadership
+from rdzv_server.store_api import Store
 
 log = logging.getLogger("rdzv_server")
 
@@ -69,6 +71,14 @@ def tune_gc() -> None:
     gc.set_threshold(GC_THRESHOLD_0, 20, 20)
 
 
+@dataclass(frozen=True)
+class Replication:
+    """One replica of several on etcd: the store, this replica's URL for agents, the leader's lease."""
+    store: EtcdStore
+    advertise_url: str | None = None      # None: http(s)://THIS-HOST:PORT
+    leader_ttl_s: int = 5
+
+
 def raise_open_file_limit() -> int:
     """Raise the soft RLIMIT_NOFILE to the hard limit; return the limit now in force."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -104,14 +114,18 @@ def listening_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-async def serve(config: ServerConfig, store: SqliteStore | None = None,
-                ready: asyncio.Future[int] | None = None) -> None:
+async def serve(config: ServerConfig, store: Store | None = None,
+                ready: asyncio.Future[int] | None = None, replication: Replication | None = None) -> None:
+    """Serve until SIGTERM/SIGINT. With `replication`, the process listens at once but serves agents
+    only while it leads; a standby answers `not_leader` and where the leader is."""
+    if replication is not None:
+        store = replication.store
     limit = raise_open_file_limit()
     hard = max(64, limit - FD_RESERVE)
     guard = ConnectionGuard(min(config.max_connections or hard, hard), hard)
     coordinator = Coordinator(Rendezvous(limits=config.limits), store=store,
                               max_polls_per_peer=config.max_polls_per_peer)
-    app = create_app(coordinator, access=config.access)
+    app = create_app(coordinator, access=config.access, standby=replication is not None)
     app.middlewares.insert(0, guard.middleware)
     app[NOTES] = config.notes
     trimmer = HeapTrimmer()
@@ -137,6 +151,17 @@ async def serve(config: ServerConfig, store: SqliteStore | None = None,
     host = f"[{bound[0]}]" if ":" in bound[0] else bound[0]
     print(f"rdzv-server listening on {scheme}://{host}:{bound[1]}", flush=True)
     log.info("serving on %s://%s:%d (open-file limit %d)", scheme, host, bound[1], limit)
+    leadership: Leadership | None = None
+    if replication is not None:
+        url = replication.advertise_url or f"{scheme}://{_advertised_host(config.host, host)}:{bound[1]}"
+        leadership = Leadership(replication.store.settings, replication.store, url, replication.leader_ttl_s,
+                                on_elected=coordinator.take_over, on_deposed=coordinator.step_down)
+        coordinator.leading = leadership.sure
+        coordinator.leader_url = lambda: None if leadership is None or leadership.leading else leadership.leader_url
+        coordinator.electing = lambda: leadership is not None and leadership.electing()
+        leadership.on_news = coordinator.election_news
+        leadership.start()
+        log.info("replica %s on %s: standing by until elected", url, replication.store.where)
     if ready is not None:
         ready.set_result(bound[1])
     stop = asyncio.Event()
@@ -149,5 +174,18 @@ async def serve(config: ServerConfig, store: SqliteStore | None = None,
             loop.remove_signal_handler(sig)
         trimmer.cancel()
         server.close()                  # no new connections; then aiohttp answers and closes the open ones
-        await runner.cleanup()
+        if leadership is not None:
+            leadership.stop_campaigning()
+        await runner.cleanup()          # the last commits and the clean-shutdown mark, still fenced
+        if leadership is not None:
+            await leadership.resign()
         print("rdzv-server stopped", flush=True)
+
+
+def _advertised_host(configured: str, bound: str) -> str:
+    """The host agents are told to reach this replica at: the listening address, or this host's
+    name when it listens on every address."""
+    if configured in ("0.0.0.0", "::", ""):
+        name = socket.getfqdn()
+        return f"[{name}]" if ":" in name else name
+    return bound

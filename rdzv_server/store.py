@@ -21,7 +21,6 @@ import errno
 import fcntl
 import os
 import sqlite3
-from dataclasses import dataclass
 from collections.abc import Collection
 from typing import TypeVar
 
@@ -29,6 +28,9 @@ import msgspec
 
 from rdzv_server.records import MAX_EVENTS_PER_JOB, JobRecord
 from rdzv_server.snapshots import JobSnapshot, assemble, event_decoder, job_decoder, node_decoder
+from rdzv_server.store_api import Loaded, StoreError
+
+__all__ = ["Loaded", "SqliteStore", "StoreError", "describe_failure"]
 
 SCHEMA_VERSION = 2
 APPLICATION_ID = 0x52445A56          # "RDZV": tells our file from any other SQLite database
@@ -47,17 +49,6 @@ CREATE TABLE events (job_id TEXT NOT NULL, seq INTEGER NOT NULL, record BLOB NOT
 CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 """
 _MOVE_AWAY = "refusing to start; move the file away to start with an empty state"
-
-
-class StoreError(Exception):
-    """The store cannot be used; the message says which file and why."""
-
-
-@dataclass
-class Loaded:
-    jobs: dict[str, JobRecord]
-    alive_at: float | None                   # None for a new store
-    clean_shutdown: bool
 
 
 T = TypeVar("T")
@@ -117,6 +108,13 @@ class SqliteStore:
             db.execute("VACUUM")
         db.execute("PRAGMA journal_mode = WAL")
         db.execute("PRAGMA synchronous = FULL")
+
+    @property
+    def where(self) -> str:
+        return f"state store {self.path}"
+
+    def describe_failure(self, exc: BaseException) -> str:
+        return describe_failure(exc, self.state_dir)
 
     # ---- reading (once, at start-up) ----
 

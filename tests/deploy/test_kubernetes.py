@@ -28,6 +28,7 @@ CRD_SCHEMAS = {
     ("jobset.x-k8s.io/v1alpha2", "JobSet"): "jobset-jobset-v1alpha2.yaml",
 }
 KUSTOMIZATIONS = [".", "server", "training", "network", "monitoring", "jobset"]
+OTHER_KUSTOMIZATIONS = ["replicated"]      # checked in their own test files
 
 
 @pytest.fixture(scope="module")
@@ -110,7 +111,7 @@ def test_every_manifest_file_is_rendered_by_some_kustomization():
     kustomizations = {p for p in files if os.path.basename(p) == "kustomization.yaml"}
     # every kustomization is rendered here, and every other manifest is a resource of one of them
     assert {os.path.dirname(p) for p in kustomizations} == {os.path.normpath(os.path.join(K8S, k))
-                                                           for k in KUSTOMIZATIONS}
+                                                           for k in KUSTOMIZATIONS + OTHER_KUSTOMIZATIONS}
     assert files - kustomizations <= listed
 
 
@@ -124,9 +125,10 @@ def test_server_kustomization_refuses_to_render_without_token_files(tmp_path):
 
 
 def test_token_files_are_kept_out_of_git():
-    for name in ("token", "admin-token"):
-        result = subprocess.run(["git", "check-ignore", "-q", os.path.join(K8S, "server", name)])
-        assert result.returncode == 0, f"deploy/kubernetes/server/{name} is not ignored by git"
+    for where in ("server", "replicated"):
+        for name in ("token", "admin-token"):
+            result = subprocess.run(["git", "check-ignore", "-q", os.path.join(K8S, where, name)])
+            assert result.returncode == 0, f"deploy/kubernetes/{where}/{name} is not ignored by git"
 
 
 # -- the server ----------------------------------------------------------------------------------------

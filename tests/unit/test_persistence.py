@@ -13,7 +13,7 @@ from rdzv_server.outbox import Outbox
 from rdzv_server.persistence import Persister, StoreUnavailable
 from rdzv_server.records import Event, JobRecord
 from rdzv_server.snapshots import JobSnapshot
-from rdzv_server.store import SqliteStore
+from rdzv_server.store import SqliteStore, describe_failure
 
 
 class GatedStore:
@@ -42,6 +42,9 @@ class GatedStore:
 
     def release(self) -> None:
         pass
+
+    def describe_failure(self, exc: BaseException) -> str:
+        return describe_failure(exc, self.state_dir)
 
 
 def job(job_id: str) -> JobRecord:

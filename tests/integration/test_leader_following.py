@@ -1,0 +1,110 @@
+"""node-agent's client among replicas: it follows the leader a standby names, skips a replica it
+cannot reach, and leaves a held poll whose replica no longer answers /readyz as the leader.
+rdzv-ctl does the same with several servers. Real apps on loopback; the 'standby' is the real app
+of a replica that does not lead (create_app(..., standby=True) never elected)."""
+from __future__ import annotations
+
+import asyncio
+import socket
+
+import pytest
+from aiohttp import web
+
+from node_agent import client as client_module
+from node_agent.client import RdzvClient
+from node_agent.transport import ServerUnreachable
+from protocol.messages import JobConfig
+from rdzv_server.app import create_app
+from rdzv_server.coordinator import Coordinator
+from rdzv_server.ctl_client import Client
+from tests.integration.support import start_app
+
+LIMIT = 10.0
+ONE_NODE = JobConfig(min_nodes=1, max_nodes=1, max_restarts=1, last_call_s=0.0)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def join(client: RdzvClient):
+    return await asyncio.wait_for(client.join(addr="127.0.0.1", host="h", local_world_size=1, master_port=1,
+                                              config=ONE_NODE, instance="i1", role="default"), LIMIT)
+
+
+@pytest.fixture
+async def leader_and_standby():
+    leader = await start_app(create_app(Coordinator()))
+    standby_coord = Coordinator()
+    standby_coord.leader_url = lambda: f"http://127.0.0.1:{leader.port}"
+    standby = await start_app(create_app(standby_coord, standby=True))
+    try:
+        yield leader, standby
+    finally:
+        await standby.close()
+        await leader.close()
+
+
+async def test_the_agent_follows_the_leader_a_standby_names(leader_and_standby):
+    leader, standby = leader_and_standby
+    async with RdzvClient("127.0.0.1", standby.port or 0, "j", "n1", replicas=(("127.0.0.1", free_port()),)) as c:
+        status = await join(c)
+        assert status.round_id >= 1 and c.endpoints.current == f"http://127.0.0.1:{leader.port}"
+
+
+async def test_an_unreachable_replica_is_skipped_for_the_next(leader_and_standby):
+    leader, _ = leader_and_standby
+    async with RdzvClient("127.0.0.1", free_port(), "j", "n1", replicas=(("127.0.0.1", leader.port or 0),)) as c:
+        await join(c)
+        assert c.endpoints.current == f"http://127.0.0.1:{leader.port}"
+
+
+async def test_no_replica_answering_is_an_outage_not_a_refusal():
+    async with RdzvClient("127.0.0.1", free_port(), "j", "n1", replicas=(("127.0.0.1", free_port()),)) as c:
+        with pytest.raises(ServerUnreachable):
+            await join(c)
+
+
+async def test_a_held_poll_is_left_when_its_replica_stops_answering_as_the_leader(monkeypatch):
+    """A leader frozen or replaced keeps the poll's connection open: /readyz tells."""
+    held = asyncio.Event()
+    checked = asyncio.Event()
+    ready = {"status": 200, "asked": 0}
+
+    async def hold(request: web.Request) -> web.Response:
+        held.set()
+        await asyncio.sleep(3600)
+        raise AssertionError("unreachable")
+
+    async def readyz(request: web.Request) -> web.Response:
+        ready["asked"] += 1
+        if ready["asked"] >= 3:
+            checked.set()
+        return web.json_response({}, status=ready["status"])
+
+    app = web.Application()
+    app.router.add_post("/v1/jobs/{job_id}/{action}", hold)
+    app.router.add_get("/readyz", readyz)
+    srv = await start_app(app)
+    monkeypatch.setattr(client_module, "LEADER_CHECK_S", 0.1)
+    try:
+        async with RdzvClient("127.0.0.1", srv.port or 0, "j", "n1", replicas=(("127.0.0.1", free_port()),)) as c:
+            poll = asyncio.create_task(c.poll(1, 60.0))
+            await held.wait()
+            await asyncio.wait_for(checked.wait(), LIMIT)     # three checks answered 200: the poll stays held
+            assert not poll.done()
+            ready["status"] = 503
+            with pytest.raises(ServerUnreachable):       # left, and the other replica tried: nobody there
+                await asyncio.wait_for(poll, LIMIT)
+            assert c.endpoints.current != f"http://127.0.0.1:{srv.port}"
+    finally:
+        await srv.close()
+
+
+async def test_rdzv_ctl_follows_the_leader(leader_and_standby):
+    leader, standby = leader_and_standby
+    ctl = Client(f"http://127.0.0.1:{free_port()},http://127.0.0.1:{standby.port}", 5.0)
+    doc = await asyncio.to_thread(ctl.get, "/v1/status")
+    assert doc["jobs"] == [] and ctl.server == f"http://127.0.0.1:{leader.port}"
