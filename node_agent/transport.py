@@ -10,8 +10,10 @@ from __future__ import annotations
 import socket
 from typing import Any, TypeVar
 
+import msgspec
+
 from protocol.codec import REQUEST_TYPES
-from protocol.errors import RETRYABLE
+from protocol.errors import RETRYABLE, ErrorCode
 from protocol.messages import (PROTOCOL_VERSION, FailureReport, JobConfig, JoinRequest, LeaveRequest, NodeStatus,
                                PollRequest, SuccessReport, WorkerFailure)
 
@@ -60,9 +62,17 @@ class Transport:
     async def _send(self, action: str, message: object, timeout: float) -> NodeStatus:
         raise NotImplementedError
 
-    async def _request(self, message: object, timeout: float | None = None) -> NodeStatus:
-        status = await self._send(ACTION_OF[type(message)], message,
-                                  self.REQUEST_TIMEOUT_S if timeout is None else timeout)
+    async def _request(self, message: msgspec.Struct, timeout: float | None = None) -> NodeStatus:
+        action, limit = ACTION_OF[type(message)], self.REQUEST_TIMEOUT_S if timeout is None else timeout
+        try:
+            status = await self._send(action, message, limit)
+        except ServerRejected as exc:
+            # Sent with a secret that a join answered meanwhile replaced (a rejoin racing a report or a
+            # poll): the refusal is about the old record, not a takeover. Once more, with the new one.
+            sent_with = getattr(message, "credential", "")
+            if exc.code != ErrorCode.FORBIDDEN.value or not sent_with or sent_with == self.credential:
+                raise
+            status = await self._send(action, msgspec.structs.replace(message, credential=self.credential), limit)
         if status.credential:            # a join made this node's record afresh: a new secret
             self.credential = status.credential
         return status

@@ -158,3 +158,35 @@ async def test_leave_is_a_courtesy_and_the_lease_is_kept_while_busy(link) -> Non
         await asyncio.wait_for(polled.wait(), LIMIT)   # a renewal went out while we were "busy"
     assert [a for a, m in client.sent if a == "poll" and m.wait_s == 0.0]  # type: ignore[attr-defined]
     assert PollRequest not in sl._tasks
+
+
+class Racing(Scripted):
+    """Refuses a request carrying the secret `old` as forbidden; `rejoined` says whether a join's
+    answer replaced the secret meanwhile (the race) or not (a real takeover)."""
+
+    def __init__(self, rejoined: bool) -> None:
+        super().__init__()
+        self.credential, self.rejoined = "old", rejoined
+
+    async def _send(self, action: str, message: object, timeout: float) -> NodeStatus:
+        self.sent.append((action, message))
+        if getattr(message, "credential", "") == "old":
+            if self.rejoined:
+                self.credential = "new"
+            raise ServerRejected("forbidden", "the credential is not node n1's")
+        return STATUS
+
+
+async def test_a_request_refused_for_a_secret_a_join_replaced_meanwhile_goes_again_with_the_new_one() -> None:
+    # A report built before a rejoin's answer carries the old secret; the server, which made the node
+    # afresh, refuses it as forbidden. That is not a takeover: the request goes again, once.
+    client = Racing(rejoined=True)
+    assert await client.report_success(3) == STATUS
+    assert [m.credential for _, m in client.sent] == ["old", "new"]
+
+
+async def test_a_request_refused_for_the_secret_still_held_is_a_takeover() -> None:
+    client = Racing(rejoined=False)
+    with pytest.raises(ServerRejected):
+        await client.report_success(3)
+    assert len(client.sent) == 1
