@@ -11,6 +11,7 @@ coordinator.py for why) and `node-agent --standalone` does the same through the 
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -66,7 +67,7 @@ class Rendezvous:
         """What the calls since the last take did (see outbox.py)."""
         for job, _ in self.outbox.events:      # a job that just ended is due to be forgotten in time
             if job.state.finished and job.finished_at is not None:
-                self.outbox.deadline(job.finished_at + self.limits.retain_finished_s)
+                self.outbox.deadline(self._forget_at(job.finished_at))
         return self.outbox.drain()
 
     # ---- requests -------------------------------------------------------------------------
@@ -224,8 +225,14 @@ class Rendezvous:
 
     def next_deadline(self) -> float | None:
         due = [JobRules(job, self.outbox).next_deadline() if not job.state.finished
-               else (job.finished_at or 0.0) + self.limits.retain_finished_s for job in self.jobs.values()]
+               else self._forget_at(job.finished_at or 0.0) for job in self.jobs.values()]
         return min((d for d in due if d is not None), default=None)
+
+    def _forget_at(self, finished_at: float) -> float:
+        """When a job that ended at `finished_at` is forgotten: its retention, rounded up to the whole
+        second, so that many jobs ending close together are forgotten in one tick, not one tick each
+        (every tick looks at every job)."""
+        return float(math.ceil(finished_at + self.limits.retain_finished_s))
 
     def _prune(self, now: float, oldest_first: int = 0) -> None:
         """Forget finished jobs past their retention, and `oldest_first` more of them (oldest first)."""

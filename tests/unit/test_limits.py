@@ -53,6 +53,17 @@ def test_the_call_that_ends_a_job_asks_the_timer_for_its_retention_deadline():
     assert rz.take_effects().earliest == 16.0
 
 
+def test_jobs_ending_within_one_second_are_forgotten_in_one_tick():
+    rz = Rendezvous(limits=Limits(retain_finished_s=5.0))
+    for i, t in enumerate((10.1, 10.5, 10.9)):
+        finish(rz, f"j{i}", t)
+    assert rz.take_effects().earliest == 16.0 and rz.next_deadline() == 16.0
+    rz.tick(15.05)                     # before the first one's retention ends
+    assert len(rz.jobs) == 3
+    rz.tick(16.0)
+    assert rz.jobs == {} and rz.take_effects().pruned == {"j0", "j1", "j2"}
+
+
 def test_at_max_jobs_the_oldest_finished_go_first_and_then_new_jobs_are_refused():
     rz = Rendezvous(limits=Limits(max_jobs=3))
     finish(rz, "f1", 1.0)
