@@ -176,6 +176,10 @@ class SupervisionPolicy:
         if verdict == SERVER_HEARD and not self.suspect:   # maybe a witness not yet aware: ask again
             self.probe_at, self.suspect = now + CONFIRM_S, True
             return []
+        if verdict == SILENT and self.assignment.witnesses and not self.suspect:
+            # Maybe only too slow to answer (a loaded host, not a cut link): ask once more, at once.
+            self.probe_at, self.suspect = now, True
+            return []
         a = self.assignment
         self.workers, self.probe_at = Workers.FAILED, None
         silent = now - (self.renewed_at if self.renewed_at is not None else self.unreachable_since)

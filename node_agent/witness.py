@@ -8,7 +8,7 @@ tells the server the port at join, and the server hands each member up to two ot
   server has replaced this node's round: its workers must stop;
 - witnesses that answer but do not hear the server either: the server itself is away (its link, its
   process): the round goes on and the workers stay;
-- no answer at all: this node is cut off from everyone: its workers must stop.
+- no answer at all, twice: this node is cut off from everyone: its workers must stop.
 """
 from __future__ import annotations
 

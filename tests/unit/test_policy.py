@@ -295,12 +295,25 @@ def test_a_cut_off_node_asks_its_witnesses_once_its_lease_must_have_lapsed_and_f
     assert p.workers == Workers.FAILED
 
 
-def test_silent_witnesses_fence_at_once():
+def test_silent_witnesses_are_asked_once_more_at_once_and_fence_if_still_silent():
+    # A witness on a loaded host may miss the probe's time limit: one silence is not yet proof.
     p = fenced_policy()
     p.handle(unreachable(), 14.0)
     p.handle(DeadlinePassed(), 16.0)
-    actions = p.handle(PeersProbed(SILENT), 17.0)
+    assert p.handle(PeersProbed(SILENT), 17.0) == [] and p.workers == Workers.RUNNING
+    assert p.next_deadline() == 17.0                            # the second probe goes at once
+    assert isinstance(p.handle(DeadlinePassed(), 17.0)[0], ProbePeers)
+    actions = p.handle(PeersProbed(SILENT), 18.0)
     assert isinstance(actions[0], StopWorkers) and "fenced" in actions[0].reason
+
+
+def test_a_silence_then_witnesses_that_do_not_hear_the_server_keep_the_workers():
+    p = fenced_policy()
+    p.handle(unreachable(), 14.0)
+    p.handle(DeadlinePassed(), 16.0)
+    p.handle(PeersProbed(SILENT), 17.0)
+    p.handle(DeadlinePassed(), 17.0)
+    assert p.handle(PeersProbed(SERVER_AWAY), 17.3) == [] and p.workers == Workers.RUNNING
 
 
 def test_witnesses_that_do_not_hear_the_server_either_keep_the_workers_and_are_asked_again():
