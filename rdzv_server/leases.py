@@ -13,6 +13,10 @@ Evidence must be about the node, never about the server itself:
   between requests), it is the server that was cut off or stalled: leases that lapse then are
   extended instead, and nobody is lost, until the silence has lasted OUTAGE_LIMIT_S (the agents'
   default --server-wait), after which it means what it says;
+- a lease that runs out after the server has heard from nobody for SUSPECT_QUIET_S waits: the
+  server's own link may have just gone, and a held poll's last sign of life can predate that by a
+  keepalive period, so such a lease could otherwise run out before the quiet rule sees the outage;
+  it is judged again once someone is heard (then it lapses) or by the quiet rule;
 - a lease does not lapse while the server runs `lag_s` behind (its event loop late, requests
   waiting in its own backlog); it is judged again once the server has caught up. A connection that
   closed is evidence about the node itself, busy server or not.
@@ -25,6 +29,7 @@ from rdzv_server.records import JobRecord, NodeRecord
 
 DROP_GRACE_S = 1.0
 QUIET_S = 4.0
+SUSPECT_QUIET_S = 1.5   # silence from everyone past this: a lapsing lease waits (judged again once someone is heard)
 OUTAGE_LIMIT_S = 60.0
 MAX_LOSS_HISTORY = 1000      # nodes whose losses a job remembers
 MAX_LOSSES_KEPT = 32         # losses remembered per node

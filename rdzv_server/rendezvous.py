@@ -23,7 +23,7 @@ from rdzv_server import admission, operator_rules
 from rdzv_server.errors import RendezvousError
 from rdzv_server.events import EventKind
 from rdzv_server.job_rules import DROP_GRACE_S, JobRules
-from rdzv_server.leases import OUTAGE_LIMIT_S, QUIET_S
+from rdzv_server.leases import OUTAGE_LIMIT_S, QUIET_S, SUSPECT_QUIET_S
 from rdzv_server.outbox import Outbox
 from rdzv_server.records import JobRecord
 
@@ -144,6 +144,8 @@ class Rendezvous:
         on its connection; leases.py)."""
         job = self.jobs.get(job_id)
         if job is not None:
+            if heard_at is not None:          # a sign of life too, for telling an outage apart
+                self._heard(min(heard_at, now))
             JobRules(job, self.outbox).poll_ended(node_id, now, heard_at)
 
     def report_failure(self, job_id: str, req: FailureReport, now: float) -> NodeStatus:
@@ -209,6 +211,12 @@ class Rendezvous:
         """
         quiet = now - self.heard_at if self.heard_at is not None else 0.0
         quiet_s = quiet if QUIET_S <= quiet < OUTAGE_LIMIT_S else None
+        if SUSPECT_QUIET_S <= quiet < QUIET_S:
+            # A lease that ran out after the server last heard from anyone says nothing about that
+            # node yet (the server's own link may have just gone; a held poll's last sign of life can
+            # predate it by a keepalive period): judged again once someone is heard, or by the quiet
+            # rule above once the silence lasts.
+            lag_s = max(lag_s, quiet)
         changed = []
         for job in self.jobs.values():
             if job.state.finished:

@@ -120,7 +120,7 @@ async def test_join_failure_lease_lapse_and_rejoin_are_counted_exactly(server, h
     # Two workers of b failed, the first 0.25 s ago: one restart, two worker failures.
     reply = await b.fail(round1, failure(1, T0 + 0.9, "hang"), failure(0, T0 + 0.75))
     assert reply["restart_count"] == 1 and reply["round_id"] == round1 + 1
-    clock.now = T0 + 9.0
+    clock.now = T0 + 9.5
     await b.poll(known_round=round1 + 1, wait_s=0)                      # b is heard from, a is not
     clock.now = T0 + 10.5                                               # a's lease (until T0+10) lapsed
     server.app[COORDINATOR].clock_moved()

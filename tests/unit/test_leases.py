@@ -39,7 +39,7 @@ def test_a_held_poll_is_the_lease_and_its_answer_starts_the_lease_again():
     rz.take_effects()
     rz.poll_ended("j", "a", 31.0)
     assert rz.take_effects().earliest == 31.0 + LEASE
-    poll(rz, "b", 34.0)
+    poll(rz, "b", 35.5)                           # the others are still heard as a's lease runs out
     rz.tick(31.0 + LEASE)
     assert "a" not in rz.jobs["j"].nodes and "b" in rz.jobs["j"].nodes
 
@@ -94,9 +94,23 @@ def test_no_lease_lapses_while_the_server_runs_behind_it_is_judged_once_caught_u
     poll(rz, "b", 4.5)
     rz.tick(LEASE + 0.5, lag_s=3.0)               # a's poll may be waiting in the server's own backlog
     assert "a" in rz.jobs["j"].nodes
-    poll(rz, "b", 6.0)
-    rz.tick(rz.next_deadline(), lag_s=0.0)        # caught up, and a still silent: now it is a loss
+    due = rz.next_deadline()
+    poll(rz, "b", due - 0.5)
+    rz.tick(due, lag_s=0.0)                       # caught up, and a still silent: now it is a loss
     assert "a" not in rz.jobs["j"].nodes
+
+
+def test_a_lease_that_runs_out_while_nobody_is_heard_waits_for_the_quiet_rule():
+    # The server's own link went down just after b's last request; a's lease, backdated to its held
+    # poll's last sign of life, runs out 2 s into that silence: no evidence about a yet.
+    rz = job_with("a", "b")
+    poll(rz, "b", 3.0)
+    rz.tick(LEASE)                                # quiet 2 s: a waits
+    assert "a" in rz.jobs["j"].nodes
+    due = rz.next_deadline()
+    rz.tick(due)                                  # still nobody: the quiet rule extends every lease
+    assert set(rz.jobs["j"].nodes) == {"a", "b"}
+    assert any(e.kind == "leases_extended" for e in rz.jobs["j"].events)
 
 
 def test_nodes_lost_together_leave_together_in_one_new_round():

@@ -259,8 +259,8 @@ def test_scale_up_candidate_that_leaves_before_the_last_call_ends_restarts_nothi
 def test_node_whose_lease_expires_is_lost_and_the_next_round_keeps_the_budget():
     rz = running(["a", "b", "c"], cfg(min_nodes=2, max_nodes=3, lease_timeout_s=5.0))
     first = round_id(rz)
-    poll(rz, "a", 3.0)
-    poll(rz, "b", 3.0)                               # c's lease (renewed at join) runs out first
+    poll(rz, "a", 4.0)
+    poll(rz, "b", 4.0)                               # c's lease (renewed at join) runs out first
     deadline = rz.next_deadline()
     assert deadline == pytest.approx(0.02 + 5.0)
     rz.tick(deadline)
@@ -586,7 +586,7 @@ def test_every_decision_records_a_readable_event_and_round_ids_only_grow():
     poll(rz, "a", 3.0)
     poll(rz, "b", 3.0)
     fail(rz, "b", round_id(rz), 4.0)                  # restart
-    poll(rz, "a", 7.0)
+    poll(rz, "a", 8.5)
     rz.tick(9.0)                                      # b's lease ran out
     succeed(rz, "a", round_id(rz), 9.5)
     ks = kinds(rz)
@@ -674,7 +674,7 @@ def test_restart_renews_every_lease_and_moves_pending_deadlines():
     assert last.kind == "server_restarted" and "without a clean shutdown" in last.message
     assert last.data == {"away_s": 59.0}
     # a node that does not come back within the grace is lost then, as usual (the other one is back)
-    poll(rz, "a", 68.0)
+    poll(rz, "a", 69.0)
     rz.tick(70.0)
     assert "b" not in job.nodes and "a" in job.nodes
 
