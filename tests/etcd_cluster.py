@@ -11,31 +11,19 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
 import urllib.error
 import urllib.request
 
+from tests.ports import free_ports
+
 ETCD = shutil.which("etcd") or "/usr/bin/etcd"
 
 
 def etcd_available() -> bool:
     return os.path.exists(ETCD)
-
-
-def _free_ports(n: int) -> list[int]:
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 class EtcdCluster:
@@ -50,7 +38,7 @@ class EtcdCluster:
 
     def start(self, timeout: float = 30.0) -> EtcdCluster:
         for attempt in range(3):           # a free port taken between our check and etcd's bind: again
-            ports = _free_ports(2 * self.size)
+            ports = free_ports(2 * self.size)
             self.client_ports, self.peer_ports = ports[: self.size], ports[self.size:]
             for i in range(self.size):
                 self.start_member(i)

@@ -16,19 +16,9 @@ import subprocess
 import psutil
 
 from tests.e2e.harness import wait_until
+from tests.ports import free_ports
 
 NODES = ("n1", "n2")
-
-
-def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 class SlurmCluster:
@@ -37,7 +27,7 @@ class SlurmCluster:
         self.conf = os.path.join(root, "slurm.conf")
         self.daemons: list[subprocess.Popen] = []
         self.host = socket.gethostname().split(".")[0]
-        ctld_port, *node_ports = _free_ports(1 + len(NODES))
+        ctld_port, *node_ports = free_ports(1 + len(NODES))
         for sub in ("state", "log", *(os.path.join("spool", n) for n in NODES)):
             os.makedirs(os.path.join(root, sub), exist_ok=True)
         plugstack = os.path.join(root, "plugstack.conf")    # empty: ignore /etc/slurm/plugstack.conf

@@ -12,9 +12,7 @@ import glob
 import io
 import json
 import os
-import random
 import signal
-import socket
 import sys
 from collections.abc import Callable
 
@@ -25,6 +23,7 @@ from node_agent.flags import resolve
 from node_agent.options import OptionsError, build_argparser, parse_options
 from tests.e2e import torchrun_parity as parity
 from tests.e2e.harness import SCRIPTS, Cluster, Proc, child_env, read_records
+from tests.ports import free_port
 
 pytestmark = pytest.mark.e2e
 ECHO = os.path.join(SCRIPTS, "echo_env.py")
@@ -149,21 +148,6 @@ def start(cluster: Cluster, launcher: str, argv: list[str], env: dict[str, str],
 
 def worker_lines(proc: Proc) -> list[str]:
     return sorted(line for line in proc.lines if "hello" in line)
-
-
-def free_port() -> int:
-    """A free port below Linux's ephemeral range (32768-60999), as 29500 is: a client retrying to connect
-    to a port in that range before its server listens can be given the same port as its own source
-    port and connect to itself, and then the server cannot listen there (EADDRINUSE)."""
-    for _ in range(100):
-        port = random.randint(20000, 32000)
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise AssertionError("no free port in 20000-32000")
 
 
 def both(cluster: Cluster, tmp_path, argv: list[str], env: dict[str, str] | None = None, *,

@@ -9,7 +9,6 @@ import datetime as dt
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -31,14 +30,9 @@ from tests.e2e.certs import make_ca, make_server_cert
 from tests.e2e.harness import Proc, child_env, wait_until
 from tests.etcd_cluster import ETCD, etcd_available
 from tests.unit.test_store import _builtins, every_state
+from tests.ports import free_port
 
 PREFIX = "/secure/"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def make_client_cert(directory: str, ca, name: str, common_name: str | None) -> tuple[str, str]:

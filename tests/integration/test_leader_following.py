@@ -5,7 +5,6 @@ of a replica that does not lead (create_app(..., standby=True) never elected).""
 from __future__ import annotations
 
 import asyncio
-import socket
 
 import pytest
 from aiohttp import web
@@ -18,15 +17,10 @@ from rdzv_server.app import create_app
 from rdzv_server.coordinator import Coordinator
 from rdzv_server.ctl_client import Client
 from tests.integration.support import start_app
+from tests.ports import free_port
 
 LIMIT = 10.0
 ONE_NODE = JobConfig(min_nodes=1, max_nodes=1, max_restarts=1, last_call_s=0.0)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 async def join(client: RdzvClient):
