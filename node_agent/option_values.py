@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import NoReturn
 
-from protocol.tokens import MAX_TOKEN_CHARS, token_problem
+from protocol.tokens import read_token_file, token_problem
 
 DEFAULT_PORT = 29400          # torchrun's default when the endpoint names no port
 _J_SPEC = re.compile(r"^(?:(\d+):)?(\d+)x(\d+)$")
@@ -116,18 +116,15 @@ def server_token(path: str | None, flag: str, environ: Mapping[str, str], fail: 
         path, where = environ["RDZV_TOKEN_FILE"], "$RDZV_TOKEN_FILE"
     if path is not None:
         try:
-            with open(path, "rb") as f:
-                raw = f.read(MAX_TOKEN_CHARS + 64).strip()
-        except OSError as exc:
-            fail(f"{where} {path}: {exc.strerror or exc}")
-        where = f"{where} {path}"
-    elif environ.get("RDZV_TOKEN"):
-        raw, where = environ["RDZV_TOKEN"].strip().encode(), "$RDZV_TOKEN"
-    else:
+            return read_token_file(path).decode()
+        except ValueError as exc:
+            fail(f"{where} {path}: {exc}")
+    if not environ.get("RDZV_TOKEN"):
         return None
+    raw = environ["RDZV_TOKEN"].strip().encode()
     problem = token_problem(raw)
     if problem:
-        fail(f"{where}: {problem}")
+        fail(f"$RDZV_TOKEN: {problem}")
     return raw.decode()
 
 

@@ -31,7 +31,7 @@ from node_agent.option_values import (  # noqa: F401  (Std, StdSpec, count_gpus:
 from node_agent.rdzv_conf import AGENT_NOTES, IGNORED_KEYS, INT_KEYS, KNOWN_KEYS, SECONDS_KEYS, parse_conf
 from protocol.ids import job_id_problem, node_id_problem
 from protocol.messages import JobConfig
-from protocol.tokens import MAX_TOKEN_CHARS, token_problem
+from protocol.tokens import read_token_file, token_problem
 
 DEFAULT_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)   # torchrun's
 DEFAULT_TEE_PREFIX = "[${role_name}${local_rank}]:"     # torchrun's prefix of tee'd lines
@@ -281,14 +281,9 @@ def agent_token(opts: AgentOptions) -> str | None:
     if opts.token_file is None:
         return opts.token
     try:
-        with open(opts.token_file, "rb") as f:
-            raw = f.read(MAX_TOKEN_CHARS + 64).strip()
-    except OSError as exc:
-        raise OptionsError(f"--token-file {opts.token_file}: {exc.strerror or exc}") from None
-    problem = token_problem(raw)
-    if problem:
-        raise OptionsError(f"--token-file {opts.token_file}: {problem}")
-    return raw.decode()
+        return read_token_file(opts.token_file).decode()
+    except ValueError as exc:
+        raise OptionsError(f"--token-file {opts.token_file}: {exc}") from None
 
 
 def _one_line(message: str) -> NoReturn:

@@ -5,6 +5,20 @@ MIN_TOKEN_CHARS = 16
 MAX_TOKEN_CHARS = 4096
 
 
+def read_token_file(path: str) -> bytes:
+    """The token in the file at `path`, without surrounding whitespace; ValueError saying why the
+    file cannot be read or holds no token (callers prefix it with the flag or variable that named it)."""
+    try:
+        with open(path, "rb") as f:
+            token = f.read(MAX_TOKEN_CHARS + 64).strip()
+    except OSError as exc:
+        raise ValueError(exc.strerror or str(exc)) from None
+    problem = token_problem(token)
+    if problem:
+        raise ValueError(problem)
+    return token
+
+
 def token_problem(token: bytes) -> str:
     """Why `token` (already stripped of surrounding whitespace) cannot be a token ("" when it can)."""
     if len(token) > MAX_TOKEN_CHARS:

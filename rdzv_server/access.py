@@ -28,7 +28,7 @@ from aiohttp import web
 
 from protocol.errors import ErrorCode
 from protocol.quoting import quote
-from protocol.tokens import MAX_TOKEN_CHARS, token_problem
+from protocol.tokens import read_token_file
 from rdzv_server.errors import RendezvousError
 
 JSON = "application/json"
@@ -49,14 +49,9 @@ class TokenError(Exception):
 def read_token(path: str, flag: str) -> bytes:
     """The token in `path` (surrounding whitespace removed), or TokenError naming `flag`."""
     try:
-        with open(path, "rb") as f:
-            token = f.read(MAX_TOKEN_CHARS + 64).strip()
-    except OSError as exc:
-        raise TokenError(f"{flag} {path}: {exc.strerror or exc}") from None
-    problem = token_problem(token)
-    if problem:
-        raise TokenError(f"{flag} {path}: {problem}")
-    return token
+        return read_token_file(path)
+    except ValueError as exc:
+        raise TokenError(f"{flag} {path}: {exc}") from None
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from protocol.tokens import MAX_TOKEN_CHARS, token_problem
+from protocol.tokens import read_token_file
 
 DEFAULT_SERVER = "http://127.0.0.1:29400"
 TOKEN_ENV = "RDZV_TOKEN_FILE"
@@ -47,14 +47,9 @@ def read_token(flag: str, path: str | None, env: str) -> Token | None:
             return None
         source = f"${env} ({path})"
     try:
-        with open(path, "rb") as f:
-            raw = f.read(MAX_TOKEN_CHARS + 64).strip()
-    except OSError as exc:
-        raise UsageError(f"{source}: {exc.strerror or exc}") from None
-    problem = token_problem(raw)
-    if problem:
-        raise UsageError(f"{source}: {problem}")
-    return Token(raw.decode("ascii"), source)
+        return Token(read_token_file(path).decode("ascii"), source)
+    except ValueError as exc:
+        raise UsageError(f"{source}: {exc}") from None
 
 
 def server_url(server: str | None, endpoint: str | None, tls_ca: str | None) -> str:
