@@ -20,22 +20,11 @@ import msgpack
 import pytest
 
 from tests.e2e.harness import SCRIPTS, read_jsonl, wait_until
-from tests.e2e.replicas import Replicas
 
 pytestmark = pytest.mark.e2e
 LOOP = os.path.join(SCRIPTS, "elastic_loop.py")
 FAST = ("--lease-timeout", "3", "--last-call", "1", "--stop-timeout", "2")
 LIMIT = 90.0
-
-
-@pytest.fixture
-def replicas(cluster, tmp_path):
-    r = Replicas(cluster, tmp_path)
-    try:
-        r.start(2)
-        yield r
-    finally:
-        r.close()
 
 
 def start_agent(replicas, out, node, job, *extra, nnodes="2"):

@@ -10,20 +10,9 @@ import signal
 import pytest
 
 from tests.e2e.harness import wait_until
-from tests.e2e.replicas import Replicas
 from tests.e2e.test_failover import LIMIT, finish, renewed_at, running_job, start_agent
 
 pytestmark = [pytest.mark.e2e, pytest.mark.soak]
-
-
-@pytest.fixture
-def replicas(cluster, tmp_path):
-    r = Replicas(cluster, tmp_path)
-    try:
-        r.start(2)
-        yield r
-    finally:
-        r.close()
 
 
 def test_many_failovers_restart_no_worker(replicas, tmp_path):
