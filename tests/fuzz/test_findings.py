@@ -24,15 +24,6 @@ from tests.fuzz.rawhttp import Connection, NoReply, Reply, request_bytes
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-@pytest.fixture
-def server(tmp_path):
-    srv = ServerThread(str(tmp_path / "state"))
-    try:
-        yield srv
-    finally:
-        srv.close()
-
-
 def post(server: ServerThread, path: str, body: bytes, content_type: str = "application/msgpack") -> Reply:
     conn = Connection("127.0.0.1", server.port)
     try:
