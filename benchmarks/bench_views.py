@@ -22,10 +22,11 @@ from aiohttp.test_utils import TestClient, TestServer
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from protocol.messages import JobConfig, JoinRequest, SuccessReport  # noqa: E402
-from rdzv_server import page, views  # noqa: E402
-from rdzv_server.app import create_app  # noqa: E402
 from rdzv_server.coordinator import Coordinator  # noqa: E402
-from rdzv_server.rendezvous import Limits, Rendezvous  # noqa: E402
+from rdzv_server.core.rendezvous import Limits, Rendezvous  # noqa: E402
+from rdzv_server.web import views  # noqa: E402
+from rdzv_server.web.app import create_app  # noqa: E402
+from rdzv_server.web.page import render as page  # noqa: E402
 
 T = 1_700_000_000.0
 

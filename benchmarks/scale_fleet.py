@@ -25,8 +25,8 @@ import asyncio
 import os
 import random
 import secrets
-import traceback
 import time
+import traceback
 from collections import Counter
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
@@ -35,9 +35,9 @@ from typing import Any
 import psutil
 
 from benchmarks.scale_wire import WireClient
-from node_agent.policy import CONFLICT_RETRY_S
+from node_agent.client.transport import ServerRejected, ServerUnreachable
+from node_agent.core.policy import CONFLICT_RETRY_S
 from node_agent.server_link import BACKOFF_MAX_S, POLL_WAIT_S
-from node_agent.transport import ServerRejected, ServerUnreachable
 from protocol.errors import ErrorCode
 from protocol.messages import JobConfig, NodeState, NodeStatus, WorkerFailure
 

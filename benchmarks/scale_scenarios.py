@@ -19,8 +19,8 @@ from typing import Any
 
 from benchmarks._server import running_server
 from benchmarks.scale_clients import Clients, Placement, make_specs
-from benchmarks.scale_profile import Profile
 from benchmarks.scale_probe import ServerSampler, load, lost_events, server_counters, time_views, window
+from benchmarks.scale_profile import Profile
 
 CLIENT_CPU_LIMIT_PCT = 80.0     # a client process busier than this may have been the bottleneck
 CLIENT_LAG_LIMIT_MS = 50.0      # ... and so may one whose own event loop ran this late (p99)

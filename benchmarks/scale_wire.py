@@ -9,7 +9,7 @@ reply's time is when the kernel received it, however late the process reads it.
 
 It is the agent's `Transport` (request building, the node's credential on every request after its
 join), sending the same bytes an HTTP client would: one keep-alive connection per node, from the
-node's own source address, a new one after any error. Errors map as in node_agent/client.py.
+node's own source address, a new one after any error. Errors map as in node_agent/client/http.py.
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import socket
 import struct
 import time
 
-from node_agent.transport import ServerUnreachable, Transport, refusal
+from node_agent.client.transport import ServerUnreachable, Transport, refusal
 from protocol.codec import CONTENT_TYPE, decode_reply, encode
 from protocol.messages import ErrorReply, NodeStatus
 

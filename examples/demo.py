@@ -10,8 +10,8 @@ import os
 import re
 import shutil
 import subprocess
-import tempfile
 import sys
+import tempfile
 import threading
 import time
 import urllib.request
@@ -58,7 +58,7 @@ def main() -> int:
         banner(f"starting 2 node agents x 2 workers (job 'demo', endpoint 127.0.0.1:{port})")
         agents = []
         for name in ("node-a", "node-b"):
-            cmd = [PY, "-m", "node_agent.cli", "--endpoint", f"127.0.0.1:{port}", "--nnodes", "2",
+            cmd = [PY, "-m", "node_agent.cli.main", "--endpoint", f"127.0.0.1:{port}", "--nnodes", "2",
                    "--nproc", "2", "--job-id", "demo", "--max-restarts", "2", "--node-id", name,
                    os.path.join(ROOT, "examples", "train_ddp.py"), "--steps", "30", "--crash-rank", "3",
                    "--crash-step", "10"]
@@ -83,7 +83,7 @@ def main() -> int:
             print(f"  {n['node_id']}: group rank {n['group_rank']}, global ranks {ranks}, addr {n['addr']}")
         print(f"agent exit codes: {codes}")
         banner(f"rdzv-ctl status (the status page was at http://127.0.0.1:{port}/, metrics at /metrics)")
-        subprocess.run([PY, "-m", "rdzv_server.ctl", "--endpoint", f"127.0.0.1:{port}", "status"], env=env,
+        subprocess.run([PY, "-m", "rdzv_ctl.cli", "--endpoint", f"127.0.0.1:{port}", "status"], env=env,
                        timeout=30)
         ok = job["state"] == "succeeded" and all(c == 0 for c in codes.values()) and job["restart_count"] == 1
         print("DEMO OK" if ok else "DEMO FAILED")

@@ -17,17 +17,26 @@ import time
 import uuid
 from typing import TextIO
 
-from node_agent.actions import (Action, Exit, Leave, ProbePeers, Rejoin, ReportFailure, ReportSuccess, Spawn,
-                                StopWorkers)
-from node_agent.facts import DeadlinePassed, Fact, PeersProbed, SignalReceived, start_source
-from node_agent.interfaces import gloo_interface
-from node_agent.local_workers import GroupFactory, LocalWorkers, process_group
+from node_agent.cli.options import AgentOptions
+from node_agent.client.transport import Transport, free_port
+from node_agent.core.actions import (
+    Action,
+    Exit,
+    Leave,
+    ProbePeers,
+    Rejoin,
+    ReportFailure,
+    ReportSuccess,
+    Spawn,
+    StopWorkers,
+)
+from node_agent.core.facts import DeadlinePassed, Fact, PeersProbed, SignalReceived, start_source
+from node_agent.core.policy import SupervisionPolicy
 from node_agent.narration import Narrator
-from node_agent.options import AgentOptions
-from node_agent.policy import SupervisionPolicy
 from node_agent.server_link import ServerLink
-from node_agent.transport import Transport, free_port
 from node_agent.witness import WitnessServer, ask_witnesses
+from node_agent.workers.interfaces import gloo_interface
+from node_agent.workers.local import GroupFactory, LocalWorkers, process_group
 from protocol.messages import NodeStatus, Witness
 
 

@@ -10,12 +10,19 @@ import sys
 import time
 from typing import TextIO
 
-from node_agent.actions import Action, Exit, Rejoin, Spawn, StopWorkers
-from node_agent.facts import (Fact, PeersProbed, ServerRefused, SpawnFailed, StatusReceived, WorkersExited,
-                              WorkersHung)
-from node_agent.launch_form import Mode
-from node_agent.option_values import StdSpec
-from node_agent.options import AgentOptions
+from node_agent.cli.launch_form import Mode
+from node_agent.cli.options import AgentOptions
+from node_agent.cli.values import StdSpec
+from node_agent.core.actions import Action, Exit, Rejoin, Spawn, StopWorkers
+from node_agent.core.facts import (
+    Fact,
+    PeersProbed,
+    ServerRefused,
+    SpawnFailed,
+    StatusReceived,
+    WorkersExited,
+    WorkersHung,
+)
 from protocol.messages import Assignment, FailureReport, NodeState, NodeStatus, SuccessReport, WorkerFailure
 
 

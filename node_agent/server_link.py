@@ -16,10 +16,17 @@ import contextlib
 import random
 from collections.abc import AsyncIterator, Awaitable, Callable
 
-from node_agent.facts import Put, Request, ServerNotReached, ServerRefused, StatusReceived, start_source
-from node_agent.transport import ServerRejected, ServerUnreachable, Transport
-from protocol.messages import (MAX_POLL_WAIT_S, FailureReport, JoinRequest, NodeStatus, PollRequest, SuccessReport,
-                               WorkerFailure)
+from node_agent.client.transport import ServerRejected, ServerUnreachable, Transport
+from node_agent.core.facts import Put, Request, ServerNotReached, ServerRefused, StatusReceived, start_source
+from protocol.messages import (
+    MAX_POLL_WAIT_S,
+    FailureReport,
+    JoinRequest,
+    NodeStatus,
+    PollRequest,
+    SuccessReport,
+    WorkerFailure,
+)
 
 # The longest hold a poll asks for: the server picks the hold (about half a lease for small jobs,
 # longer for large ones so a big fleet does not poll in waves; docs/protocol.md).

@@ -3,28 +3,28 @@
 Everything here is plain data (msgspec structs) plus the MessagePack encoders and
 decoders for each direction. Nothing in this package does I/O.
 """
-from protocol.errors import ErrorCode, HTTP_STATUS
+from protocol.codec import (
+    REQUEST_TYPES,
+    DecodeError,
+    decode_reply,
+    decode_request,
+    encode,
+)
+from protocol.errors import HTTP_STATUS, ErrorCode
 from protocol.messages import (
     PROTOCOL_VERSION,
     Assignment,
     ErrorReply,
     FailureReport,
     JobConfig,
+    JobState,
     JoinRequest,
     LeaveRequest,
     NodeState,
-    JobState,
     NodeStatus,
     PollRequest,
     SuccessReport,
     WorkerFailure,
-)
-from protocol.codec import (
-    DecodeError,
-    decode_reply,
-    decode_request,
-    encode,
-    REQUEST_TYPES,
 )
 
 __all__ = [

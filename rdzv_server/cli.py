@@ -7,21 +7,22 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-from collections.abc import Coroutine
-from typing import Any
 import ipaddress
 import math
 import sqlite3
 import ssl
 import sys
+from collections.abc import Coroutine
+from typing import Any
 
-from rdzv_server import etcd_options, logs
-from rdzv_server.access import Access, TokenError, read_token
+from rdzv_server import logs
 from rdzv_server.coordinator import MAX_POLLS_PER_PEER
-from rdzv_server.rendezvous import Limits
-from rdzv_server.etcd_store import EtcdStore
+from rdzv_server.core.rendezvous import Limits
 from rdzv_server.serve import ListenError, Replication, ServerConfig, serve
-from rdzv_server.store import SqliteStore, StoreError
+from rdzv_server.store.etcd import options as etcd_options
+from rdzv_server.store.etcd.store import EtcdStore
+from rdzv_server.store.sqlite import SqliteStore, StoreError
+from rdzv_server.web.access import Access, TokenError, read_token
 
 
 def build_parser() -> argparse.ArgumentParser:

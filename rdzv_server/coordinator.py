@@ -25,12 +25,12 @@ from typing import Any
 
 from protocol.errors import ErrorCode
 from protocol.messages import JoinRequest, NodeState, NodeStatus, PollRequest
+from rdzv_server.core.outbox import Outbox
+from rdzv_server.core.records import JobRecord
+from rdzv_server.core.rendezvous import Rendezvous, RendezvousError
 from rdzv_server.looplag import LoopLagProbe
-from rdzv_server.persistence import Persister, StoreUnavailable
-from rdzv_server.outbox import Outbox
-from rdzv_server.records import JobRecord
-from rdzv_server.rendezvous import Rendezvous, RendezvousError
-from rdzv_server.store_api import Store
+from rdzv_server.store.api import Store
+from rdzv_server.store.persistence import Persister, StoreUnavailable
 from rdzv_server.waiters import Waiter, Waiters
 
 log = logging.getLogger("rdzv_server")

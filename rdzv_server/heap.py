@@ -14,7 +14,7 @@ import ctypes.util
 import logging
 from collections.abc import Callable
 
-from rdzv_server.outbox import Outbox
+from rdzv_server.core.outbox import Outbox
 
 log = logging.getLogger("rdzv_server.heap")
 

@@ -9,6 +9,7 @@ clients become one quoted line each, without a traceback (they are the client's 
 """
 from __future__ import annotations
 
+import datetime as dt
 import json
 import logging
 import sys
@@ -17,7 +18,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web import RequestPayloadError
 
 from protocol.quoting import one_line
-from rdzv_server.views import iso
+
 
 class JsonFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
@@ -70,3 +71,10 @@ def setup(fmt: str, level: str) -> None:
     server_log.addHandler(handler)
     server_log.setLevel(level.upper())
     server_log.propagate = False
+
+
+def iso(t: float | None) -> str | None:
+    """A wall-clock time as ISO 8601 UTC with milliseconds (logs and the operator views)."""
+    if t is None:
+        return None
+    return dt.datetime.fromtimestamp(t, tz=dt.timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")

@@ -21,15 +21,15 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
-from rdzv_server.access import Access
-from rdzv_server.app import NOTES, create_app
-from rdzv_server.connections import FD_RESERVE, ConnectionGuard
 from rdzv_server.coordinator import MAX_POLLS_PER_PEER, Coordinator
+from rdzv_server.core.rendezvous import Limits, Rendezvous
 from rdzv_server.heap import HeapTrimmer
-from rdzv_server.rendezvous import Limits, Rendezvous
-from rdzv_server.etcd_store import EtcdStore
-from rdzv_server.leadership import Leadership
-from rdzv_server.store_api import Store
+from rdzv_server.store.api import Store
+from rdzv_server.store.etcd.election import Leadership
+from rdzv_server.store.etcd.store import EtcdStore
+from rdzv_server.web.access import Access
+from rdzv_server.web.app import NOTES, create_app
+from rdzv_server.web.connections import FD_RESERVE, ConnectionGuard
 
 log = logging.getLogger("rdzv_server")
 

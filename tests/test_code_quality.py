@@ -1,7 +1,7 @@
 """The type checker and the linter are part of the suite: CI fails on them like on any test.
 
 Settings live in pyproject.toml ([tool.mypy], [tool.ruff]). mypy checks protocol/, rdzv_server/
-and node_agent/ with every function typed, so a misspelt attribute in a rule module is an error.
+node_agent/ and rdzv_ctl/ with every function typed, so a misspelt attribute in a rule module is an error.
 """
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import os
 import subprocess
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.packages import ROOT, modules
 
 
 def run(*argv: str) -> subprocess.CompletedProcess[str]:
@@ -28,19 +28,7 @@ def test_ruff_finds_nothing():
     assert done.returncode == 0, done.stdout + done.stderr
 
 
-PACKAGES = ("protocol", "rdzv_server", "node_agent")
 MAX_LINES = 400
-
-
-def modules() -> dict[str, str]:
-    """Dotted module name -> file, for every module of the three packages."""
-    found = {}
-    for package in PACKAGES:
-        for name in sorted(os.listdir(os.path.join(ROOT, package))):
-            if name.endswith(".py"):
-                module = package if name == "__init__.py" else f"{package}.{name[:-3]}"
-                found[module] = os.path.join(ROOT, package, name)
-    return found
 
 
 def imports_at_load(path: str, known: set[str]) -> set[str]:

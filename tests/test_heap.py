@@ -5,8 +5,8 @@ import asyncio
 
 import pytest
 
+from rdzv_server.core.outbox import Outbox
 from rdzv_server.heap import HeapTrimmer
-from rdzv_server.outbox import Outbox
 
 
 @pytest.mark.asyncio

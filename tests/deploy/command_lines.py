@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Mapping, Sequence
 
-from node_agent.options import AgentOptions, parse_options
+from node_agent.cli.options import AgentOptions, parse_options
 from rdzv_server.cli import build_parser
 
 

@@ -131,7 +131,7 @@ class Cluster:
         return self.port
 
     def agent(self, *args: str, name: str = "agent", env: dict[str, str] | None = None) -> Proc:
-        argv = [sys.executable, "-m", "node_agent.cli", *args]
+        argv = [sys.executable, "-m", "node_agent.cli.main", *args]
         proc = Proc(argv, child_env(**(env or {})), name)
         self.procs.append(proc)
         return proc

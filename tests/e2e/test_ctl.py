@@ -26,7 +26,7 @@ CONSOLE_SCRIPT = os.path.join(os.path.dirname(sys.executable), "rdzv-ctl")
 
 
 def ctl(cluster, *args: str, expect: int = 0, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    argv = [CONSOLE_SCRIPT] if os.access(CONSOLE_SCRIPT, os.X_OK) else [sys.executable, "-m", "rdzv_server.ctl"]
+    argv = [CONSOLE_SCRIPT] if os.access(CONSOLE_SCRIPT, os.X_OK) else [sys.executable, "-m", "rdzv_ctl.cli"]
     child = child_env(RDZV_SERVER=f"{cluster.scheme}://{cluster.endpoint()}")
     for name in ("RDZV_TOKEN_FILE", "RDZV_ADMIN_TOKEN_FILE"):    # only the token files the test gives
         child.pop(name, None)

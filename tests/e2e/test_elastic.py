@@ -14,8 +14,7 @@ from collections import defaultdict
 
 import pytest
 
-from tests.e2e.harness import (SCRIPTS, announced_rounds, job_events, job_view, pid_gone, read_jsonl,
-                               wait_until)
+from tests.e2e.harness import SCRIPTS, announced_rounds, job_events, job_view, pid_gone, read_jsonl, wait_until
 
 pytestmark = pytest.mark.e2e
 LOOP = os.path.join(SCRIPTS, "elastic_loop.py")

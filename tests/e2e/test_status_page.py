@@ -15,8 +15,8 @@ import struct
 import subprocess
 import urllib.error
 import urllib.request
-from html.parser import HTMLParser
 from collections.abc import Callable
+from html.parser import HTMLParser
 
 import pytest
 

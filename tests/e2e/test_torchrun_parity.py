@@ -19,8 +19,8 @@ from collections.abc import Callable
 import pytest
 from torch.distributed.run import get_args_parser
 
-from node_agent.flags import resolve
-from node_agent.options import OptionsError, build_argparser, parse_options
+from node_agent.cli.flags import resolve
+from node_agent.cli.options import OptionsError, build_argparser, parse_options
 from tests.e2e import torchrun_parity as parity
 from tests.e2e.harness import SCRIPTS, Cluster, Proc, child_env, read_records
 from tests.ports import free_port

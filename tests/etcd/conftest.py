@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from rdzv_server.etcd_client import EtcdSettings, parse_store_url
+from rdzv_server.store.etcd.client import EtcdSettings, parse_store_url
 from tests.etcd_cluster import EtcdCluster, etcd_available
 
 _prefixes = itertools.count()

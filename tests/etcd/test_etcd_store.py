@@ -7,14 +7,14 @@ import dataclasses
 import msgspec
 import pytest
 
-from rdzv_server.etcd_client import EtcdClient, EtcdSettings, created_at, delete, prefix_end, put
-from rdzv_server.etcd_store import MIN_TXN_OPS, NODE_BUCKETS, Deposed, EtcdStore
-from rdzv_server.records import MAX_EVENTS_PER_JOB, Event, JobRecord
-from rdzv_server.events import EventKind
-from rdzv_server.rendezvous import Rendezvous
-from rdzv_server.snapshots import snapshot
-from rdzv_server.store_api import StoreError
 from protocol.messages import JobConfig, LeaveRequest
+from rdzv_server.core.events import EventKind
+from rdzv_server.core.records import MAX_EVENTS_PER_JOB, Event, JobRecord
+from rdzv_server.core.rendezvous import Rendezvous
+from rdzv_server.store.api import StoreError
+from rdzv_server.store.etcd.client import EtcdClient, EtcdSettings, created_at, delete, prefix_end, put
+from rdzv_server.store.etcd.store import MIN_TXN_OPS, NODE_BUCKETS, Deposed, EtcdStore
+from rdzv_server.store.snapshots import snapshot
 from tests.unit.test_store import _builtins, _join, every_state
 
 

@@ -22,15 +22,15 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from rdzv_server.etcd_client import EtcdClient, EtcdSettings, b64, created_at, prefix_end, put
-from rdzv_server.etcd_store import EtcdStore
-from rdzv_server.snapshots import snapshot
-from rdzv_server.store_api import StoreError
+from rdzv_server.store.api import StoreError
+from rdzv_server.store.etcd.client import EtcdClient, EtcdSettings, b64, created_at, prefix_end, put
+from rdzv_server.store.etcd.store import EtcdStore
+from rdzv_server.store.snapshots import snapshot
 from tests.e2e.certs import make_ca, make_server_cert
 from tests.e2e.harness import Proc, child_env, wait_until
 from tests.etcd_cluster import ETCD, etcd_available
-from tests.unit.test_store import _builtins, every_state
 from tests.ports import free_port
+from tests.unit.test_store import _builtins, every_state
 
 PREFIX = "/secure/"
 

@@ -8,11 +8,11 @@ import asyncio
 import msgpack
 import pytest
 
-from rdzv_server.app import create_app
 from rdzv_server.coordinator import Coordinator
-from rdzv_server.etcd_client import EtcdClient, delete
-from rdzv_server.etcd_store import EtcdStore
-from rdzv_server.leadership import Leadership
+from rdzv_server.store.etcd.client import EtcdClient, delete
+from rdzv_server.store.etcd.election import Leadership
+from rdzv_server.store.etcd.store import EtcdStore
+from rdzv_server.web.app import create_app
 from tests.integration.support import remember_credential, start_app, url, wait_until, with_credential
 
 MSGPACK = {"Content-Type": "application/msgpack"}

@@ -13,10 +13,10 @@ from typing import Any, TypeVar
 import msgspec
 from aiohttp import web
 
-from rdzv_server.app import create_app
 from rdzv_server.coordinator import Coordinator
-from rdzv_server.records import JobRecord
-from rdzv_server.store import SqliteStore
+from rdzv_server.core.records import JobRecord
+from rdzv_server.store.sqlite import SqliteStore
+from rdzv_server.web.app import create_app
 
 T = TypeVar("T")
 

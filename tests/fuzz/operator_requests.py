@@ -8,8 +8,19 @@ from hypothesis import strategies as st
 
 from tests.fuzz import payloads
 from tests.fuzz.rawhttp import Header
-from tests.fuzz.requests import (AGENT_ACTIONS, CONTENT_TYPES, JSON, MSGPACK, POOL_JOBS, Context, Request,
-                                 agent_request, hostile_headers, segments, valid_body)
+from tests.fuzz.requests import (
+    AGENT_ACTIONS,
+    CONTENT_TYPES,
+    JSON,
+    MSGPACK,
+    POOL_JOBS,
+    Context,
+    Request,
+    agent_request,
+    hostile_headers,
+    segments,
+    valid_body,
+)
 
 ADMIN_FIELDS: dict[str, dict[str, Any]] = {
     "close": {"reason": "fuzz"}, "drain": {"reason": "fuzz"}, "clear-exclusion": {},

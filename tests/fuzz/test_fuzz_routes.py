@@ -13,9 +13,9 @@ Bounded for `make test`: a few thousand requests. `make fuzz` (tests/fuzz/soak.p
 from __future__ import annotations
 
 import itertools
-from collections import Counter
 import logging
 import secrets
+from collections import Counter
 from dataclasses import replace
 
 import msgpack
@@ -23,7 +23,7 @@ from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, rule, run_state_machine_as_test
 
-from rdzv_server.records import JobRecord
+from rdzv_server.core.records import JobRecord
 from tests.fuzz import oracle, payloads
 from tests.fuzz.inprocess import ServerThread, differences
 from tests.fuzz.known_issues import known, known_log

@@ -6,8 +6,8 @@ import base64
 import msgpack
 import pytest
 
-from rdzv_server.access import Access, TokenError, read_token
-from rdzv_server.app import COORDINATOR, create_app
+from rdzv_server.web.access import Access, TokenError, read_token
+from rdzv_server.web.app import COORDINATOR, create_app
 from tests.integration.support import start_app, url
 
 AGENT = b"agent-token-0123456789abcdef"

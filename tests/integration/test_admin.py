@@ -12,9 +12,9 @@ import msgpack
 import pytest
 from aiohttp import web
 
-from rdzv_server.access import is_loopback
+from rdzv_server.web.access import is_loopback
+from rdzv_server.web.app import COORDINATOR, create_app
 from tests.integration.support import remember_credential, start_app, url, with_credential
-from rdzv_server.app import COORDINATOR, create_app
 
 MSGPACK = {"Content-Type": "application/msgpack"}
 

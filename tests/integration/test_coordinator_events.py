@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from protocol.messages import FailureReport, JobConfig, JoinRequest, WorkerFailure
 from rdzv_server.coordinator import Coordinator
-from rdzv_server.rendezvous import REUSE_FINISHED_AFTER_S
+from rdzv_server.core.rendezvous import REUSE_FINISHED_AFTER_S
 
 
 async def test_listeners_see_each_event_once_and_the_events_of_a_reused_job_id():

@@ -6,8 +6,8 @@ import asyncio
 
 from protocol.messages import JobConfig, JoinRequest, PollRequest
 from rdzv_server.coordinator import Coordinator
-from rdzv_server.events import EventKind
-from rdzv_server.outbox import Outbox
+from rdzv_server.core.events import EventKind
+from rdzv_server.core.outbox import Outbox
 
 
 def join(node: str, config: JobConfig) -> JoinRequest:

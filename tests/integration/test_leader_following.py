@@ -9,13 +9,13 @@ import asyncio
 import pytest
 from aiohttp import web
 
-from node_agent import client as client_module
-from node_agent.client import RdzvClient
-from node_agent.transport import ServerUnreachable
+from node_agent.client import http as client_module
+from node_agent.client.http import RdzvClient
+from node_agent.client.transport import ServerUnreachable
 from protocol.messages import JobConfig
-from rdzv_server.app import create_app
+from rdzv_ctl.client import Client
 from rdzv_server.coordinator import Coordinator
-from rdzv_server.ctl_client import Client
+from rdzv_server.web.app import create_app
 from tests.integration.support import start_app
 from tests.ports import free_port
 

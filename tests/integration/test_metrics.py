@@ -16,11 +16,11 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from prometheus_client.parser import text_string_to_metric_families
 
 from protocol.messages import JobState, NodeState
-from tests.integration.support import remember_credential, start_app, url, wait_until, with_credential
-from rdzv_server.app import COORDINATOR, create_app
 from rdzv_server.coordinator import Coordinator
-from rdzv_server.metrics import CAUSES
-from rdzv_server.store import SqliteStore
+from rdzv_server.store.sqlite import SqliteStore
+from rdzv_server.web.app import COORDINATOR, create_app
+from rdzv_server.web.metrics import CAUSES
+from tests.integration.support import remember_credential, start_app, url, wait_until, with_credential
 
 MSGPACK = {"Content-Type": "application/msgpack"}
 T0 = 1000.0

@@ -8,12 +8,11 @@ from collections.abc import AsyncIterator, Callable
 
 import pytest
 
-from node_agent.launch import WorkerLaunch
-from node_agent.option_values import Std
-from node_agent.output import Console, LinePump, Sink, open_sink
-from node_agent.worker import Worker, WorkerExit
+from node_agent.cli.values import Std
+from node_agent.workers.launch import WorkerLaunch
+from node_agent.workers.output import Console, LinePump, Sink, open_sink
+from node_agent.workers.process import Worker, WorkerExit
 from tests.integration.worker_support import LIMIT, RecordingConsole, launch
-
 
 
 @pytest.fixture

@@ -11,8 +11,8 @@ import aiohttp
 import msgpack
 import pytest
 
+from rdzv_server.web.app import COORDINATOR, create_app
 from tests.integration.support import remember_credential, start_app, url, wait_until, with_credential
-from rdzv_server.app import COORDINATOR, create_app
 
 MSGPACK = {"Content-Type": "application/msgpack"}
 

@@ -12,9 +12,9 @@ import time
 import aiohttp
 import msgpack
 
-from rdzv_server.app import COORDINATOR, create_app
-from rdzv_server.events import EventKind
+from rdzv_server.core.events import EventKind
 from rdzv_server.looplag import LoopLagProbe
+from rdzv_server.web.app import COORDINATOR, create_app
 from tests.integration.support import start_app, url, wait_until
 
 LEASE = 1.0

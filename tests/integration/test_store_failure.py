@@ -5,9 +5,9 @@ import sqlite3
 
 import msgpack
 
-from rdzv_server.app import COORDINATOR, create_app
 from rdzv_server.coordinator import Coordinator
-from rdzv_server.store import SqliteStore
+from rdzv_server.store.sqlite import SqliteStore
+from rdzv_server.web.app import COORDINATOR, create_app
 from tests.integration.support import remember_credential, start_app, url, with_credential
 
 MSGPACK = {"Content-Type": "application/msgpack"}

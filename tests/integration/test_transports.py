@@ -12,16 +12,16 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from node_agent.client import RdzvClient
-from node_agent.facts import NOT_RDZV_SERVER
-from node_agent.local_client import LocalClient
-from node_agent.transport import ACTION_OF, ServerRejected, ServerUnreachable, Transport, refusal
+from node_agent.client.http import RdzvClient
+from node_agent.client.local import LocalClient
+from node_agent.client.transport import ACTION_OF, ServerRejected, ServerUnreachable, Transport, refusal
+from node_agent.core.facts import NOT_RDZV_SERVER
 from protocol.codec import REQUEST_TYPES
 from protocol.errors import RETRYABLE, ErrorCode
 from protocol.messages import JobConfig, JobState, NodeState, NodeStatus, WorkerFailure
-from rdzv_server.app import create_app
 from rdzv_server.coordinator import Coordinator
-from rdzv_server.routing import COORDINATOR
+from rdzv_server.web.app import create_app
+from rdzv_server.web.routing import COORDINATOR
 from tests.integration.support import start_app
 
 LIMIT = 10.0

@@ -12,9 +12,9 @@ from collections.abc import AsyncIterator, Callable, Iterator
 import psutil
 import pytest
 
-from node_agent.launch import WorkerLaunch
-from node_agent.option_values import Std
-from node_agent.worker import Worker, WorkerExit, _child_setup, _prctl, signal_name
+from node_agent.cli.values import Std
+from node_agent.workers.launch import WorkerLaunch
+from node_agent.workers.process import Worker, WorkerExit, _child_setup, _prctl, signal_name
 from tests.integration.worker_support import LIMIT, ROOT, RecordingConsole, kill_strays, launch
 
 
@@ -132,9 +132,9 @@ async def test_worker_dies_with_a_sigkilled_agent(strays) -> None:
     parent_code = textwrap.dedent(f"""
         import asyncio, os, sys
         sys.path.insert(0, {ROOT!r})
-        from node_agent.launch import WorkerLaunch
-        from node_agent.output import Console
-        from node_agent.worker import Worker
+        from node_agent.workers.launch import WorkerLaunch
+        from node_agent.workers.output import Console
+        from node_agent.workers.process import Worker
 
         async def main():
             argv = [sys.executable, "-c", "import time; time.sleep(600)"]

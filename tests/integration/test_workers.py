@@ -10,10 +10,10 @@ from collections.abc import AsyncIterator, Callable, Iterator
 import psutil
 import pytest
 
-from node_agent.launch import WorkerLaunch
-from node_agent.error_file import read_error_file
-from node_agent.worker import WorkerSpawnError
-from node_agent.workers import WorkerGroup
+from node_agent.workers.error_file import read_error_file
+from node_agent.workers.group import WorkerGroup
+from node_agent.workers.launch import WorkerLaunch
+from node_agent.workers.process import WorkerSpawnError
 from tests.integration.worker_support import LIMIT, RecordingConsole, kill_strays, launch
 
 

@@ -9,8 +9,8 @@ import signal
 import sys
 import textwrap
 
-from node_agent.launch import WorkerLaunch
-from node_agent.output import Console
+from node_agent.workers.launch import WorkerLaunch
+from node_agent.workers.output import Console
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LIMIT = 30.0   # upper bound for anything awaited here; a hang fails the test instead of stalling CI

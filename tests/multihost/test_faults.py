@@ -19,8 +19,15 @@ import pytest
 
 from tests.e2e.harness import wait_until
 from tests.multihost.job import LEASE_S
-from tests.multihost.scenarios import (SETUP_LIMIT_S, MissingBehaviour, flap, live_workers, lose_host,
-                                       server_outage, start_training)
+from tests.multihost.scenarios import (
+    SETUP_LIMIT_S,
+    MissingBehaviour,
+    flap,
+    live_workers,
+    lose_host,
+    server_outage,
+    start_training,
+)
 
 pytestmark = pytest.mark.multihost
 
@@ -33,7 +40,7 @@ def issue12(what: str):
 
 @pytest.mark.parametrize("outage_s", [
     1.0,        # a blip well inside the lease
-    10.0,       # longer than the lease: the server blames itself, not the nodes (rdzv_server/leases.py)
+    10.0,       # longer than the lease: the server blames itself, not the nodes (rdzv_server/core/leases.py)
 ])
 def test_server_link_down_restarts_no_worker(multihost, outage_s):
     job = multihost(["a", "b"])

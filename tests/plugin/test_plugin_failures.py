@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
-from node_agent.plugin_failures import agent_failures, worker_failures
+from node_agent.plugin.failures import agent_failures, worker_failures
 from protocol.messages import Assignment
 
 ROUND = Assignment(round_id=3, group_rank=1, group_world_size=2, rank_offset=4, world_size=8, local_world_size=4,

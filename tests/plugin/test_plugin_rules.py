@@ -5,8 +5,8 @@ import re
 
 import pytest
 
-from node_agent.plugin_session import assignment_after, needs_rendezvous, still_in_round, takes_poll_reply
-from node_agent.plugin_settings import SettingsError, TorchrunLine, plugin_settings
+from node_agent.plugin.session import assignment_after, needs_rendezvous, still_in_round, takes_poll_reply
+from node_agent.plugin.settings import SettingsError, TorchrunLine, plugin_settings
 from protocol.messages import Assignment, JobState, NodeState, NodeStatus
 
 

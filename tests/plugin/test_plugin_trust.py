@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 
-from node_agent.torchrun_plugin import create_handler
+from node_agent.plugin.handler import create_handler
 from tests.e2e.certs import make_ca, make_server_cert
 from tests.e2e.harness import job_view
 

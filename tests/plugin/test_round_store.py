@@ -8,7 +8,7 @@ import pytest
 import torch.distributed as dist
 from torch.distributed.elastic.utils.store import barrier
 
-from node_agent.plugin_store import EXIT_BARRIER, JOB_SUCCEEDED, RoundStore
+from node_agent.plugin.round_store import EXIT_BARRIER, JOB_SUCCEEDED, RoundStore
 
 
 @pytest.fixture

@@ -10,9 +10,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from node_agent.client import RdzvClient
-from node_agent.plugin_session import JobFinished, JoinRefused, ServerLost, ServerSession, needs_rendezvous
-from node_agent.plugin_settings import plugin_settings
+from node_agent.client.http import RdzvClient
+from node_agent.plugin.session import JobFinished, JoinRefused, ServerLost, ServerSession, needs_rendezvous
+from node_agent.plugin.settings import plugin_settings
 from protocol.messages import WorkerFailure
 from tests.e2e.harness import Cluster, job_view, wait_until
 

@@ -1,13 +1,13 @@
-"""Only modules whose path contains "plugin" may import torch, and the entry point torch loads in
-every torchrun launch (plugin_entry.py) imports nothing heavy."""
+"""Only the plugin's package (node_agent/plugin/) may import torch, and the entry point torch loads in
+every torchrun launch (node_agent/plugin/entry.py) imports nothing heavy."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 
-from tests.e2e.harness import ROOT, child_env
+from tests.e2e.harness import child_env
+from tests.packages import modules
 
 PROBE = """
 import importlib, json, sys
@@ -24,12 +24,10 @@ def loaded_after_import(*modules: str) -> list[str]:
 
 
 def test_no_agent_or_server_module_outside_the_plugin_imports_torch():
-    modules = [f"{pkg}.{name[:-3]}" for pkg in ("node_agent", "rdzv_server", "protocol")
-               for name in sorted(os.listdir(os.path.join(ROOT, pkg)))
-               if name.endswith(".py") and "plugin" not in name and name != "__init__.py"]
-    assert "node_agent.agent" in modules and "rdzv_server.app" in modules
-    assert not [m for m in loaded_after_import(*modules) if m.split(".")[0] == "torch"]
+    outside = [m for m in modules() if not m.startswith("node_agent.plugin") and not m.endswith("__main__")]
+    assert "node_agent.agent" in outside and "rdzv_server.web.app" in outside
+    assert not [m for m in loaded_after_import(*outside) if m.split(".")[0] == "torch"]
 
 
 def test_the_entry_point_module_loads_nothing():
-    assert loaded_after_import("node_agent.plugin_entry") == []
+    assert loaded_after_import("node_agent.plugin.entry") == []

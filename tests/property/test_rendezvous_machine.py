@@ -8,7 +8,6 @@ view change woken, and no deadline set earlier than the shell's timer without sa
 """
 from __future__ import annotations
 
-
 import hypothesis.strategies as st
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
@@ -25,10 +24,10 @@ from protocol.messages import (
     SuccessReport,
     WorkerFailure,
 )
-from rdzv_server.events import EventKind
-from rdzv_server.leases import OUTAGE_LIMIT_S, QUIET_S
-from rdzv_server.records import JobRecord
-from rdzv_server.rendezvous import REUSE_FINISHED_AFTER_S, DROP_GRACE_S, Rendezvous, RendezvousError, node_room
+from rdzv_server.core.events import EventKind
+from rdzv_server.core.leases import OUTAGE_LIMIT_S, QUIET_S
+from rdzv_server.core.records import JobRecord
+from rdzv_server.core.rendezvous import DROP_GRACE_S, REUSE_FINISHED_AFTER_S, Rendezvous, RendezvousError, node_room
 
 JOB = "prop"
 LEASE = 5.0

@@ -5,8 +5,8 @@ import asyncio
 import signal
 from collections.abc import Callable
 
-from node_agent.launch import WorkerLaunch
-from node_agent.worker import WorkerExit, signal_name
+from node_agent.workers.launch import WorkerLaunch
+from node_agent.workers.process import WorkerExit, signal_name
 
 LIMIT = 10.0   # bound on anything awaited: a hang fails the test instead of stalling CI
 

@@ -13,20 +13,21 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from node_agent.actions import Action
 from node_agent.agent import Agent
-from node_agent.facts import DeadlinePassed, Fact, ServerNotReached, ServerRefused, StatusReceived
-from node_agent.launch import WorkerLaunch
-from node_agent.launch_form import Mode
-from node_agent.local_client import LocalClient
-from node_agent.options import AgentOptions
-from node_agent.policy import SupervisionPolicy
-from node_agent.transport import ServerUnreachable
-from node_agent.worker import WorkerExit, WorkerSpawnError
+from node_agent.cli.launch_form import Mode
+from node_agent.cli.options import AgentOptions
+from node_agent.client.local import LocalClient
+from node_agent.client.transport import ServerUnreachable
+from node_agent.core.actions import Action
+from node_agent.core.facts import DeadlinePassed, Fact, ServerNotReached, ServerRefused, StatusReceived
+from node_agent.core.policy import SupervisionPolicy
+from node_agent.workers.launch import WorkerLaunch
+from node_agent.workers.process import WorkerExit, WorkerSpawnError
 from protocol.errors import ErrorCode
 from protocol.messages import JobConfig, NodeStatus, PollRequest
 from rdzv_server.coordinator import Coordinator
 from tests.unit.agent_fakes import LIMIT, FakeGroup
+
 
 class ScriptedServer(LocalClient):
     """The in-process server, recording every request, which the test can take away or restart."""

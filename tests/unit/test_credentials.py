@@ -5,9 +5,16 @@ from __future__ import annotations
 import pytest
 
 from protocol.errors import ErrorCode
-from protocol.messages import (FailureReport, JobConfig, JoinRequest, LeaveRequest, PollRequest, SuccessReport,
-                               WorkerFailure)
-from rdzv_server.rendezvous import Rendezvous, RendezvousError
+from protocol.messages import (
+    FailureReport,
+    JobConfig,
+    JoinRequest,
+    LeaveRequest,
+    PollRequest,
+    SuccessReport,
+    WorkerFailure,
+)
+from rdzv_server.core.rendezvous import Rendezvous, RendezvousError
 
 CFG = JobConfig(min_nodes=2, max_nodes=2, max_restarts=3, last_call_s=0.0, lease_timeout_s=5.0)
 

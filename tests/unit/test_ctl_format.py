@@ -2,7 +2,8 @@
 list lengths, and a line saying how to see what a cut list left out."""
 from __future__ import annotations
 
-from rdzv_server import ctl, views
+from rdzv_ctl import cli as ctl
+from rdzv_server.web import views
 from tests.unit.test_views import NOW, server
 
 

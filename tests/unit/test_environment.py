@@ -5,8 +5,8 @@ import sys
 
 import pytest
 
-from node_agent.environment import worker_argv, worker_env
-from node_agent.options import parse_options
+from node_agent.cli.options import parse_options
+from node_agent.workers.environment import worker_argv, worker_env
 from protocol.messages import Assignment
 
 # Node 1 of 2, 4 workers each: global ranks 4..7 of 8.

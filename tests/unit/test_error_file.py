@@ -4,9 +4,9 @@ from __future__ import annotations
 import json
 import os
 
-from node_agent.actions import Exit
-from node_agent.error_file import read_error_file, write_reply_file
+from node_agent.core.actions import Exit
 from node_agent.narration import reply_of
+from node_agent.workers.error_file import read_error_file, write_reply_file
 from protocol.messages import WorkerFailure
 
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from node_agent.options import parse_options
+from node_agent.cli.options import parse_options
 from rdzv_server import cli
-from rdzv_server.etcd_options import settings_from
+from rdzv_server.store.etcd.options import settings_from
 
 
 def args(*argv: str):
@@ -51,6 +51,6 @@ def test_node_agent_takes_replicas_as_one_comma_separated_endpoint():
 
 
 def test_node_agent_replicas_share_one_scheme():
-    from node_agent.options import OptionsError
+    from node_agent.cli.options import OptionsError
     with pytest.raises(OptionsError, match="same scheme"):
         parse_options(["--endpoint", "https://a:1,http://b:2", "train.py"], {})

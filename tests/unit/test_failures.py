@@ -4,9 +4,9 @@ from __future__ import annotations
 import json
 import signal
 
-from node_agent.failures import SPAWN_FAILED_EXITCODE, exit_failure, hang_failure, spawn_failure
-from node_agent.launch import WorkerLaunch
-from node_agent.worker import WorkerExit
+from node_agent.workers.failures import SPAWN_FAILED_EXITCODE, exit_failure, hang_failure, spawn_failure
+from node_agent.workers.launch import WorkerLaunch
+from node_agent.workers.process import WorkerExit
 from protocol.messages import MAX_MESSAGE, MAX_TRACEBACK
 
 

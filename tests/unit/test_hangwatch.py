@@ -1,7 +1,7 @@
 """Pure hang detection: which local ranks stopped beating, with plain-float time."""
 from __future__ import annotations
 
-from node_agent.hangwatch import HangWatch
+from node_agent.core.hangwatch import HangWatch
 
 
 def test_hang_watch_ignores_ranks_that_never_beat_and_reports_the_silent_one() -> None:

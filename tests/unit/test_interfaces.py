@@ -5,7 +5,7 @@ import socket
 
 import pytest
 
-from node_agent.interfaces import gloo_interface, interface_of
+from node_agent.workers.interfaces import gloo_interface, interface_of
 
 
 def test_the_loopback_interface_is_found_by_its_address():

@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import os
 
-from node_agent.launch import attempt_dir, build_launches, make_run_dir
-from node_agent.option_values import Std
-from node_agent.options import parse_options
+from node_agent.cli.options import parse_options
+from node_agent.cli.values import Std
+from node_agent.workers.launch import attempt_dir, build_launches, make_run_dir
 from protocol.messages import Assignment
 
 # Node 1 of 2, 3 workers each: global ranks 3..5 of 6.

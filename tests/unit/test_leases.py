@@ -1,11 +1,11 @@
-"""Lease rules (rdzv_server/leases.py) with plain numbers for time: a held poll is the lease, a
+"""Lease rules (rdzv_server/core/leases.py) with plain numbers for time: a held poll is the lease, a
 silent server blames nobody, a lagging server judges nobody, nodes lost together leave together."""
 from __future__ import annotations
 
 from protocol.messages import JobConfig, JoinRequest, PollRequest
-from rdzv_server.events import EventKind
-from rdzv_server.leases import OUTAGE_LIMIT_S, QUIET_S
-from rdzv_server.rendezvous import Rendezvous
+from rdzv_server.core.events import EventKind
+from rdzv_server.core.leases import OUTAGE_LIMIT_S, QUIET_S
+from rdzv_server.core.rendezvous import Rendezvous
 
 LEASE = 5.0
 CFG = JobConfig(min_nodes=1, max_nodes=3, last_call_s=0.0, lease_timeout_s=LEASE, join_timeout_s=1e4)

@@ -6,9 +6,9 @@ import pytest
 
 from protocol.errors import ErrorCode
 from protocol.messages import JobConfig, JoinRequest, SuccessReport
-from rdzv_server.rendezvous import Limits, Rendezvous, RendezvousError, node_room
-from rdzv_server.snapshots import snapshot
-from rdzv_server.store import SqliteStore
+from rdzv_server.core.rendezvous import Limits, Rendezvous, RendezvousError, node_room
+from rdzv_server.store.snapshots import snapshot
+from rdzv_server.store.sqlite import SqliteStore
 
 ONE = JobConfig(min_nodes=1, max_nodes=1, last_call_s=0.0, lease_timeout_s=1e4)
 

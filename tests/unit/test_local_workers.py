@@ -5,11 +5,11 @@ import asyncio
 import signal
 from collections.abc import Callable
 
-from node_agent.facts import Fact, SpawnFailed, WorkersExited
-from node_agent.launch import WorkerLaunch
-from node_agent.local_workers import LocalWorkers
-from node_agent.options import AgentOptions
-from node_agent.worker import WorkerExit
+from node_agent.cli.options import AgentOptions
+from node_agent.core.facts import Fact, SpawnFailed, WorkersExited
+from node_agent.workers.launch import WorkerLaunch
+from node_agent.workers.local import LocalWorkers
+from node_agent.workers.process import WorkerExit
 from protocol.messages import Assignment
 from tests.unit.agent_fakes import LIMIT, FakeGroup
 

@@ -7,7 +7,7 @@ import pytest
 
 from protocol.errors import ErrorCode
 from protocol.messages import JobConfig, JoinRequest, PollRequest
-from rdzv_server.rendezvous import Rendezvous, RendezvousError
+from rdzv_server.core.rendezvous import Rendezvous, RendezvousError
 
 CFG = JobConfig(min_nodes=2, max_nodes=2, last_call_s=0.0, lease_timeout_s=5.0)
 

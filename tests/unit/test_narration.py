@@ -4,12 +4,17 @@ from __future__ import annotations
 import io
 import signal
 
-from node_agent.actions import Exit, Leave, Rejoin, ReportFailure, Spawn, StopWorkers
-from node_agent.facts import (ServerNotReached, ServerRefused, SpawnFailed, StatusReceived, WorkersExited,
-                              WorkersHung)
+from node_agent.core.actions import Exit, Leave, Rejoin, ReportFailure, Spawn, StopWorkers
+from node_agent.core.facts import (
+    ServerNotReached,
+    ServerRefused,
+    SpawnFailed,
+    StatusReceived,
+    WorkersExited,
+    WorkersHung,
+)
 from node_agent.narration import Narrator, failure_summary
-from protocol.messages import (Assignment, FailureReport, JobState, NodeState, NodeStatus, PollRequest,
-                               WorkerFailure)
+from protocol.messages import Assignment, FailureReport, JobState, NodeState, NodeStatus, PollRequest, WorkerFailure
 
 FAILURE = WorkerFailure(local_rank=1, rank=5, exitcode=-11, signal="SIGSEGV", message="boom", host="h2",
                         node_id="n2")

@@ -5,7 +5,7 @@ import pytest
 
 from protocol.errors import ErrorCode
 from protocol.messages import JobState, NodeState
-from rdzv_server.rendezvous import Rendezvous, RendezvousError
+from rdzv_server.core.rendezvous import Rendezvous, RendezvousError
 from tests.unit.test_rendezvous import JOB, cfg, fail, join, poll
 
 

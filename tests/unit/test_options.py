@@ -9,10 +9,15 @@ import uuid
 
 import pytest
 
-from node_agent.job_identity import command_fingerprint
-from node_agent.launch_form import Mode
-from node_agent.options import (
-    OptionsError, Std, StdSpec, build_argparser, count_gpus, parse_options,
+from node_agent.cli.job_identity import command_fingerprint
+from node_agent.cli.launch_form import Mode
+from node_agent.cli.options import (
+    OptionsError,
+    Std,
+    StdSpec,
+    build_argparser,
+    count_gpus,
+    parse_options,
 )
 from protocol.ids import job_id_problem, node_id_problem
 from protocol.messages import JobConfig

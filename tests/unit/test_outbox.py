@@ -3,8 +3,8 @@ deadline came closer. Plain numbers for time; the shell's use of it is in test_c
 from __future__ import annotations
 
 from protocol.messages import FailureReport, JobConfig, JoinRequest, PollRequest, WorkerFailure
-from rdzv_server.events import EventKind
-from rdzv_server.rendezvous import Rendezvous
+from rdzv_server.core.events import EventKind
+from rdzv_server.core.rendezvous import Rendezvous
 
 CFG = JobConfig(min_nodes=1, max_nodes=2, max_restarts=1, last_call_s=3.0, lease_timeout_s=5.0)
 

@@ -10,14 +10,16 @@ from html.parser import HTMLParser
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
-from protocol.messages import (FailureReport, JobConfig, JoinRequest, NodeState, SuccessReport,
-                               WorkerFailure)
-from rdzv_server import page, page_cards, page_parts, views
-from rdzv_server.app import create_app
+from protocol.messages import FailureReport, JobConfig, JoinRequest, NodeState, SuccessReport, WorkerFailure
 from rdzv_server.coordinator import Coordinator
-from rdzv_server.events import EventKind
-from rdzv_server.records import Event, NodeRecord
-from rdzv_server.rendezvous import Rendezvous
+from rdzv_server.core.events import EventKind
+from rdzv_server.core.records import Event, NodeRecord
+from rdzv_server.core.rendezvous import Rendezvous
+from rdzv_server.web import views
+from rdzv_server.web.app import create_app
+from rdzv_server.web.page import cards as page_cards
+from rdzv_server.web.page import parts as page_parts
+from rdzv_server.web.page import render as page
 
 T = 1_700_000_000.0          # 2023-11-14T22:13:20Z
 HOSTILE = "<script>alert(1)</script>"

@@ -8,12 +8,12 @@ import threading
 import pytest
 
 from protocol.messages import JobConfig, JobState
-from rdzv_server.events import EventKind
-from rdzv_server.outbox import Outbox
-from rdzv_server.persistence import Persister, StoreUnavailable
-from rdzv_server.records import Event, JobRecord
-from rdzv_server.snapshots import JobSnapshot
-from rdzv_server.store import SqliteStore, describe_failure
+from rdzv_server.core.events import EventKind
+from rdzv_server.core.outbox import Outbox
+from rdzv_server.core.records import Event, JobRecord
+from rdzv_server.store.persistence import Persister, StoreUnavailable
+from rdzv_server.store.snapshots import JobSnapshot
+from rdzv_server.store.sqlite import SqliteStore, describe_failure
 
 
 class GatedStore:

@@ -3,17 +3,34 @@ from __future__ import annotations
 
 import signal
 
+import msgspec
 import pytest
 
-import msgspec
-
-from node_agent.actions import Exit, Leave, ProbePeers, Rejoin, ReportFailure, ReportSuccess, Spawn, StopWorkers
-from node_agent.facts import (DeadlinePassed, PeersProbed, ServerNotReached, ServerRefused, SignalReceived, SpawnFailed,
-                              StatusReceived, WorkersExited, WorkersHung)
-from node_agent.policy import SupervisionPolicy, Workers
+from node_agent.core.actions import Exit, Leave, ProbePeers, Rejoin, ReportFailure, ReportSuccess, Spawn, StopWorkers
+from node_agent.core.facts import (
+    DeadlinePassed,
+    PeersProbed,
+    ServerNotReached,
+    ServerRefused,
+    SignalReceived,
+    SpawnFailed,
+    StatusReceived,
+    WorkersExited,
+    WorkersHung,
+)
+from node_agent.core.policy import SupervisionPolicy, Workers
 from node_agent.witness import SERVER_AWAY, SERVER_HEARD, SILENT
-from protocol.messages import (Assignment, FailureReport, JobState, JoinRequest, NodeState, NodeStatus,
-                               PollRequest, SuccessReport, WorkerFailure)
+from protocol.messages import (
+    Assignment,
+    FailureReport,
+    JobState,
+    JoinRequest,
+    NodeState,
+    NodeStatus,
+    PollRequest,
+    SuccessReport,
+    WorkerFailure,
+)
 
 
 def assignment(round_id: int, restart_count: int = 0) -> Assignment:

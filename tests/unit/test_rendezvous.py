@@ -5,7 +5,6 @@ Every scenario drives `Rendezvous` directly with `now` values; deadlines are app
 """
 from __future__ import annotations
 
-
 import pytest
 
 from protocol.errors import ErrorCode
@@ -21,8 +20,8 @@ from protocol.messages import (
     SuccessReport,
     WorkerFailure,
 )
-from rdzv_server.records import JobRecord
-from rdzv_server.rendezvous import DROP_GRACE_S, Rendezvous, RendezvousError
+from rdzv_server.core.records import JobRecord
+from rdzv_server.core.rendezvous import DROP_GRACE_S, Rendezvous, RendezvousError
 
 JOB = "job-1"
 # Long leases unless a test is about leases, so that time can jump without polls.
@@ -613,7 +612,7 @@ def test_unknown_job_and_unknown_node_are_refused():
 
 
 def test_finished_job_id_starts_a_new_run_at_once_for_an_agent_that_was_not_in_it():
-    from rdzv_server.rendezvous import REUSE_FINISHED_AFTER_S
+    from rdzv_server.core.rendezvous import REUSE_FINISHED_AFTER_S
     core = Rendezvous()
     cfg = JobConfig(min_nodes=1, max_nodes=1)
 

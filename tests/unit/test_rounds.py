@@ -1,4 +1,4 @@
-"""Round building (rdzv_server/rounds.py): which address the other members reach each node at, and
+"""Round building (rdzv_server/core/rounds.py): which address the other members reach each node at, and
 that forming a round again does not parse every member's address again (at 5,000 members the parsing
 was most of the time a failure report took to answer)."""
 from __future__ import annotations
@@ -8,8 +8,8 @@ import ipaddress
 import pytest
 
 from protocol.messages import FailureReport, JobConfig, JoinRequest, WorkerFailure
-from rdzv_server import rounds
-from rdzv_server.rendezvous import Rendezvous
+from rdzv_server.core import rounds
+from rdzv_server.core.rendezvous import Rendezvous
 
 MEMBERS = 40
 

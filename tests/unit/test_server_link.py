@@ -6,11 +6,20 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from node_agent.facts import Fact, ServerNotReached, ServerRefused, StatusReceived
+from node_agent.client.transport import ServerRejected, ServerUnreachable, Transport
+from node_agent.core.facts import Fact, ServerNotReached, ServerRefused, StatusReceived
 from node_agent.server_link import ServerLink
-from node_agent.transport import ServerRejected, ServerUnreachable, Transport
-from protocol.messages import (FailureReport, JobConfig, JobState, JoinRequest, NodeState, NodeStatus, PollRequest,
-                               SuccessReport, WorkerFailure)
+from protocol.messages import (
+    FailureReport,
+    JobConfig,
+    JobState,
+    JoinRequest,
+    NodeState,
+    NodeStatus,
+    PollRequest,
+    SuccessReport,
+    WorkerFailure,
+)
 
 LIMIT = 10.0
 STATUS = NodeStatus(job_id="j", job_state=JobState.RUNNING, node_state=NodeState.WAITING, round_id=-1,

@@ -8,11 +8,11 @@ import msgspec
 import pytest
 
 from protocol.messages import FailureReport, JobConfig, JoinRequest, LeaveRequest, WorkerFailure
-from rdzv_server.records import MAX_EVENTS_PER_JOB, Event, JobRecord
-from rdzv_server.events import EventKind
-from rdzv_server.rendezvous import Rendezvous
-from rdzv_server.snapshots import snapshot
-from rdzv_server.store import DB_NAME, SCHEMA_VERSION, SqliteStore, StoreError
+from rdzv_server.core.events import EventKind
+from rdzv_server.core.records import MAX_EVENTS_PER_JOB, Event, JobRecord
+from rdzv_server.core.rendezvous import Rendezvous
+from rdzv_server.store.snapshots import snapshot
+from rdzv_server.store.sqlite import DB_NAME, SCHEMA_VERSION, SqliteStore, StoreError
 
 
 def _join(rz: Rendezvous, job: str, node: str, now: float, **cfg) -> None:

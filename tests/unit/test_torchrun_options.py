@@ -7,9 +7,9 @@ import uuid
 
 import pytest
 
-from node_agent.job_identity import command_fingerprint
-from node_agent.launch_form import Mode
-from node_agent.options import OptionsError, agent_token, parse_options
+from node_agent.cli.job_identity import command_fingerprint
+from node_agent.cli.launch_form import Mode
+from node_agent.cli.options import OptionsError, agent_token, parse_options
 
 BASE = {"CUDA_VISIBLE_DEVICES": "", "USER": "alice", "LOGNAME": "alice"}
 

@@ -13,10 +13,12 @@ import re
 from aiohttp.test_utils import TestClient, TestServer
 
 from protocol.messages import JobConfig, JoinRequest, SuccessReport
-from rdzv_server import page, page_cards, views
-from rdzv_server.app import create_app
 from rdzv_server.coordinator import Coordinator
-from rdzv_server.rendezvous import Limits, Rendezvous
+from rdzv_server.core.rendezvous import Limits, Rendezvous
+from rdzv_server.web import views
+from rdzv_server.web.app import create_app
+from rdzv_server.web.page import cards as page_cards
+from rdzv_server.web.page import render as page
 
 T = 1_700_000_000.0
 

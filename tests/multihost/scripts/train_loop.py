@@ -47,7 +47,6 @@ emit(kind="launched")
 import torch  # noqa: E402  (after "launched": the import takes seconds)
 import torch.distributed as dist  # noqa: E402
 
-
 timeout = timedelta(seconds=float(os.environ.get("COLLECTIVE_TIMEOUT_S", "600")))
 pause = float(os.environ.get("STEP_SLEEP", "0.2"))
 try:

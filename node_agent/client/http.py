@@ -1,0 +1,133 @@
+"""HTTP(S) transport to the rendezvous server. aiohttp's exceptions stop here: callers see the two
+kinds from `transport` (`ServerUnreachable`, `ServerRejected`).
+
+Refused at once (waiting will not fix them), so the agent stops with one line:
+- a server whose TLS certificate does not verify against --tls-ca (`TLS_UNTRUSTED`);
+- an endpoint that answers but is not an rdzv-server (`NOT_RDZV_SERVER`): a reply that is not our
+  protocol, or not HTTP at all (a c10d store, etcd's gRPC port). A gateway's 502/503/504 page is the
+  exception: the server behind it is away, which is worth waiting for.
+The job id is one path segment, percent-encoded (`team/exp1` is `team%2Fexp1`).
+"""
+from __future__ import annotations
+
+import asyncio
+import ssl
+import urllib.parse
+
+import aiohttp
+import yarl
+
+from node_agent.client.endpoints import LEADER_CHECK_S, LEADER_CHECK_TIMEOUT_S, LEADER_HEADER, Endpoints, origin
+from node_agent.client.transport import ServerRejected, ServerUnreachable, Transport, keepalive_socket, refusal
+from node_agent.core.facts import NOT_RDZV_SERVER, TLS_UNTRUSTED
+from protocol.codec import CONTENT_TYPE, decode_reply, encode
+from protocol.errors import ErrorCode
+from protocol.messages import ErrorReply, NodeStatus
+
+GATEWAY_AWAY = (502, 503, 504)   # a proxy answering for a server that is away
+
+
+class RdzvClient(Transport):
+    def __init__(self, host: str, port: int, job_id: str, node_id: str, *, scheme: str = "http",
+                 token: str | None = None, tls_ca: str | None = None,
+                 replicas: tuple[tuple[str, int], ...] = ()) -> None:
+        """`replicas`: more endpoints of the same server (replicas on etcd), after host:port."""
+        self.endpoints = Endpoints([origin(scheme, h, p) for h, p in ((host, port), *replicas)])
+        self._path = f"/v1/jobs/{urllib.parse.quote(job_id, safe='')}"
+        super().__init__(node_id)
+        self._headers = {"Content-Type": CONTENT_TYPE}
+        if token is not None:
+            self._headers["Authorization"] = f"Bearer {token}"
+        self._tls_ca = tls_ca
+        self._ssl: ssl.SSLContext | bool = True
+        self._session: aiohttp.ClientSession | None = None
+
+    async def __aenter__(self) -> RdzvClient:
+        if self._tls_ca is not None:
+            self._ssl = ssl.create_default_context(cafile=self._tls_ca)
+        connector = aiohttp.TCPConnector(limit=8, force_close=False, socket_factory=keepalive_socket)
+        self._session = aiohttp.ClientSession(connector=connector)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+    @property
+    def base(self) -> str:
+        return self.endpoints.current + self._path
+
+    async def _send(self, action: str, message: object, timeout: float) -> NodeStatus:
+        """One request, to the leader: a standby's answer names it, an unreachable replica is skipped."""
+        data = encode(message)
+        moves = 0
+        while True:
+            try:
+                reply, leader = await self._post(action, data, timeout)
+            except ServerUnreachable:
+                moves += 1
+                if moves >= len(self.endpoints.configured):
+                    raise
+                self.endpoints.skip()
+                continue
+            if isinstance(reply, ErrorReply):
+                if reply.code == ErrorCode.NOT_LEADER.value and moves <= len(self.endpoints.configured):
+                    moves += 1
+                    if self.endpoints.follow(leader):
+                        continue
+                    self.endpoints.skip()
+                raise refusal(reply.code, reply.message)
+            return reply
+
+    async def _post(self, action: str, data: bytes, timeout: float) -> tuple[NodeStatus | ErrorReply, str]:
+        request = asyncio.ensure_future(self._post_once(self.base, action, data, timeout))
+        if action != "poll" or not self.endpoints.replicated:
+            return await request
+        try:
+            while True:       # a held poll: is the replica holding it still the leader?
+                done, _ = await asyncio.wait({request}, timeout=LEADER_CHECK_S)
+                if done:
+                    return request.result()
+                if not await self._leads(self.endpoints.current):
+                    raise ServerUnreachable(f"{self.endpoints.current} no longer answers as the leader")
+        finally:
+            if not request.done():
+                request.cancel()
+                await asyncio.gather(request, return_exceptions=True)
+
+    async def _leads(self, server: str) -> bool:
+        assert self._session is not None
+        try:
+            async with self._session.get(f"{server}/readyz", ssl=self._ssl,
+                                         timeout=aiohttp.ClientTimeout(total=LEADER_CHECK_TIMEOUT_S)) as resp:
+                return resp.status == 200
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+            return False
+
+    async def _post_once(self, base: str, action: str, data: bytes,
+                         timeout: float) -> tuple[NodeStatus | ErrorReply, str]:
+        assert self._session is not None, "use `async with RdzvClient(...)`"
+        server = base[: -len(self._path)]
+        url = yarl.URL(f"{base}/{action}", encoded=True)   # keep the job id's %2F as it is
+        try:
+            async with self._session.post(url, data=data, headers=self._headers,
+                                          ssl=self._ssl, timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
+                body = await resp.read()
+                leader = resp.headers.get(LEADER_HEADER, "")
+        except (aiohttp.ClientConnectorCertificateError, aiohttp.ClientSSLError) as exc:
+            raise ServerRejected(TLS_UNTRUSTED, f"TLS with {server} failed: "
+                                 f"{getattr(exc, 'certificate_error', None) or exc} (check --tls-ca)") from exc
+        except aiohttp.ClientResponseError as exc:   # the reply was not HTTP
+            raise ServerRejected(NOT_RDZV_SERVER, f"{server} is not an rdzv-server: its reply is not "
+                                 f"HTTP ({str(exc.message).splitlines()[0]}); check the endpoint") from exc
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+            raise ServerUnreachable(f"{type(exc).__name__}: {exc}".rstrip(": ")) from exc
+        try:
+            reply = decode_reply(body)
+        except Exception as exc:   # not our protocol: another service, or a gateway whose server is away
+            if resp.status in GATEWAY_AWAY:
+                raise ServerUnreachable(f"HTTP {resp.status} from a gateway at {server}") from exc
+            raise ServerRejected(NOT_RDZV_SERVER, f"{server} is not an rdzv-server: it answered HTTP "
+                                 f"{resp.status} ({resp.content_type or 'no content type'}) that is not the "
+                                 f"rendezvous protocol; check the endpoint") from exc
+        return reply, leader

@@ -1,0 +1,31 @@
+"""In-process transport for `--standalone`: the agent drives a rendezvous coordinator directly.
+
+No HTTP server and no aiohttp import, so a single-node job starts as fast as Python does. The
+coordinator is the same one `rdzv-server` runs, so rounds and restarts behave identically.
+"""
+from __future__ import annotations
+
+from node_agent.client.transport import Transport, refusal
+from protocol.messages import NodeStatus
+from rdzv_server.coordinator import Coordinator
+from rdzv_server.core.rendezvous import RendezvousError
+
+
+class LocalClient(Transport):
+    def __init__(self, job_id: str, node_id: str) -> None:
+        super().__init__(node_id)
+        self.job_id = job_id
+        self.coordinator = Coordinator()
+
+    async def __aenter__(self) -> LocalClient:
+        await self.coordinator.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.coordinator.stop()
+
+    async def _send(self, action: str, message: object, timeout: float) -> NodeStatus:
+        try:
+            return await self.coordinator.handle(action, self.job_id, message)
+        except RendezvousError as exc:
+            raise refusal(exc.code.value, exc.message) from exc

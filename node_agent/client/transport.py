@@ -1,0 +1,148 @@
+"""What the agent needs from a way of talking to the rendezvous server, whatever it is.
+
+Two transports implement it: `client.RdzvClient` (HTTP + MessagePack, the normal case) and
+`local_client.LocalClient` (an in-process server for `--standalone`, no HTTP at all).
+Both raise only these two exceptions, and decide which error codes are worth a retry by one rule
+(`refusal`, over `protocol.errors.RETRYABLE`).
+"""
+from __future__ import annotations
+
+import socket
+from typing import Any, TypeVar
+
+import msgspec
+
+from protocol.codec import REQUEST_TYPES
+from protocol.errors import RETRYABLE, ErrorCode
+from protocol.messages import (
+    PROTOCOL_VERSION,
+    FailureReport,
+    JobConfig,
+    JoinRequest,
+    LeaveRequest,
+    NodeStatus,
+    PollRequest,
+    SuccessReport,
+    WorkerFailure,
+)
+
+R = TypeVar("R", JoinRequest, PollRequest, FailureReport, SuccessReport, LeaveRequest)
+
+# The action (route) of each request type: the protocol's one table, read backwards.
+ACTION_OF: dict[type, str] = {cls: action for action, cls in REQUEST_TYPES.items()}
+
+
+class ServerUnreachable(Exception):
+    """The server could not be reached or is going away: retry later."""
+
+
+class ServerRejected(Exception):
+    """The server answered with a typed error (bad request, config conflict, ...)."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+
+
+def refusal(code: str, message: str) -> ServerUnreachable | ServerRejected:
+    """The exception for an error reply: a retryable code ("not now") counts as the server being away."""
+    if code in {c.value for c in RETRYABLE}:
+        return ServerUnreachable(f"server busy ({code}): {message}")
+    return ServerRejected(code, message)
+
+
+class Transport:
+    """Builds each request; a subclass only sends it (`_send`) and maps its errors to ours."""
+
+    REQUEST_TIMEOUT_S = 10.0
+    LEAVE_TIMEOUT_S = 2.0      # leaving is a courtesy: never hold up an exit for long
+
+    def __init__(self, node_id: str) -> None:
+        self.node_id = node_id
+        self.credential = ""     # the node's secret from its join's reply; every later request carries it
+
+    async def __aenter__(self) -> Transport:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        return None
+
+    async def _send(self, action: str, message: object, timeout: float) -> NodeStatus:
+        raise NotImplementedError
+
+    async def _request(self, message: msgspec.Struct, timeout: float | None = None) -> NodeStatus:
+        action, limit = ACTION_OF[type(message)], self.REQUEST_TIMEOUT_S if timeout is None else timeout
+        try:
+            status = await self._send(action, message, limit)
+        except ServerRejected as exc:
+            # Sent with a secret that a join answered meanwhile replaced (a rejoin racing a report or a
+            # poll): the refusal is about the old record, not a takeover. Once more, with the new one.
+            sent_with = getattr(message, "credential", "")
+            if exc.code != ErrorCode.FORBIDDEN.value or not sent_with or sent_with == self.credential:
+                raise
+            status = await self._send(action, msgspec.structs.replace(message, credential=self.credential), limit)
+        if status.credential:            # a join made this node's record afresh: a new secret
+            self.credential = status.credential
+        return status
+
+    def _for_node(self, cls: type[R], **fields: Any) -> R:
+        """A request of type `cls` from this node, carrying its credential."""
+        return cls(v=PROTOCOL_VERSION, node_id=self.node_id, credential=self.credential, **fields)
+
+    async def join(self, *, addr: str, host: str, local_world_size: int, master_port: int, config: JobConfig,
+                   instance: str, role: str, probe_port: int = 0, command: str = "") -> NodeStatus:
+        # torchrun allows an empty role (TorchX passes --role ""); the server's rule wants a name.
+        return await self._request(self._for_node(
+            JoinRequest, addr=addr, host=host, local_world_size=local_world_size, master_port=master_port,
+            config=config, instance=instance, role=role or "default", probe_port=probe_port, command=command))
+
+    async def poll(self, known_round: int, wait_s: float, master_port: int = 0) -> NodeStatus:
+        return await self._request(self._for_node(PollRequest, known_round=known_round, wait_s=wait_s,
+                                                  master_port=master_port), wait_s + self.REQUEST_TIMEOUT_S)
+
+    async def report_failure(self, round_id: int, failures: list[WorkerFailure]) -> NodeStatus:
+        return await self._request(self._for_node(FailureReport, round_id=round_id, failures=failures))
+
+    async def report_success(self, round_id: int) -> NodeStatus:
+        return await self._request(self._for_node(SuccessReport, round_id=round_id))
+
+    async def leave(self, reason: str) -> NodeStatus:
+        return await self._request(self._for_node(LeaveRequest, reason=reason), self.LEAVE_TIMEOUT_S)
+
+
+def local_addr_towards(host: str, port: int) -> str:
+    """The local address this machine uses to reach host:port (no packet is sent)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        infos = socket.getaddrinfo(host, port, family, socket.SOCK_DGRAM)
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            s.connect(infos[0][4])
+            return str(s.getsockname()[0])
+    except OSError:
+        return socket.gethostname()
+
+
+# TCP keepalive on the agent's connections: a server whose host died or was cut off is noticed in
+# about 2 + 2 x 1 s even while a long-poll is held for much longer (the server does the same).
+KEEPIDLE_S, KEEPINTVL_S, KEEPCNT = 2, 1, 2
+
+
+def keepalive_socket(addr_info: tuple[Any, ...]) -> socket.socket:
+    """A client socket with keepalive probes (aiohttp's TCPConnector `socket_factory`)."""
+    family, kind, proto = addr_info[0], addr_info[1], addr_info[2]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    if hasattr(socket, "TCP_KEEPIDLE"):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, KEEPIDLE_S)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, KEEPINTVL_S)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, KEEPCNT)
+    return sock
+
+
+def free_port(addr: str = "") -> int:
+    """A port free right now on this machine (the rank-0 worker binds it for the store)."""
+    family = socket.AF_INET6 if ":" in addr else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        return int(s.getsockname()[1])

@@ -1,0 +1,60 @@
+"""What the agent does, as actions named in the imperative: the policy returns them, the loop runs them
+in order. They carry the policy's reason, which the narration shows."""
+from __future__ import annotations
+
+import signal
+from dataclasses import dataclass
+
+from protocol.messages import Assignment, Witness, WorkerFailure
+
+
+@dataclass(frozen=True)
+class Spawn:
+    """Start this node's workers for the assignment's round."""
+    assignment: Assignment
+
+
+@dataclass(frozen=True)
+class StopWorkers:
+    """Stop the local workers (`signum`, then SIGKILL after --stop-timeout)."""
+    reason: str
+    signum: int = signal.SIGTERM
+
+
+@dataclass(frozen=True)
+class ReportFailure:
+    round_id: int
+    failures: tuple[WorkerFailure, ...]
+
+
+@dataclass(frozen=True)
+class ReportSuccess:
+    round_id: int
+
+
+@dataclass(frozen=True)
+class Rejoin:
+    """Join the job again from scratch (the server no longer counts this node)."""
+    reason: str
+
+
+@dataclass(frozen=True)
+class Leave:
+    """Tell the server this node is going (a courtesy: its lease would lapse anyway)."""
+    reason: str
+
+
+@dataclass(frozen=True)
+class ProbePeers:
+    """Ask the round's witnesses whether they are there (the server is silent); answer: PeersProbed."""
+    witnesses: tuple[Witness, ...]
+
+
+@dataclass(frozen=True)
+class Exit:
+    code: int
+    message: str
+    root_cause: WorkerFailure | None = None   # the job's first failure, when the job failed
+
+
+Action = Spawn | StopWorkers | ReportFailure | ReportSuccess | Rejoin | Leave | ProbePeers | Exit

@@ -1,0 +1,114 @@
+"""What the agent learns, as facts named in the past tense. They reach the policy one at a time.
+
+Every source of news puts its facts on the agent's one queue: the server link (replies, refusals,
+outages), the local workers (exits, hangs, spawn errors), the signal handler, and the loop's timer
+(`DeadlinePassed`, when the policy's own next deadline comes before any other fact). The policy
+never sees anything else, so a test can feed it any history with plain numbers for time.
+"""
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
+from typing import Any
+
+from protocol.messages import (
+    FailureReport,
+    JoinRequest,
+    LeaveRequest,
+    NodeStatus,
+    PollRequest,
+    SuccessReport,
+    WorkerFailure,
+)
+
+# Which request a server fact answers: the protocol's own request types (their action names are
+# protocol.codec.REQUEST_TYPES), so no table of names is repeated here.
+Request = type[JoinRequest] | type[PollRequest] | type[FailureReport] | type[SuccessReport] | type[LeaveRequest]
+
+
+@dataclass(frozen=True)
+class StatusReceived:
+    """The server answered `request` with where this node and its job stand."""
+    request: Request
+    status: NodeStatus
+    sent_at: float               # agent clock when the answered try went out: the lease was renewed after it
+
+
+@dataclass(frozen=True)
+class ServerNotReached:
+    """A try of `request` got no answer (connection refused, timeout, server going away)."""
+    request: Request
+    error: str
+
+
+# Refusal codes of the agent's own (not the server's): the server's TLS certificate is not trusted;
+# the endpoint answered, but it is not an rdzv-server (another HTTP service, or not HTTP at all).
+TLS_UNTRUSTED = "tls_untrusted"
+NOT_RDZV_SERVER = "not_rdzv_server"
+
+
+@dataclass(frozen=True)
+class ServerRefused:
+    """The server answered `request` with a typed error that a retry would not change."""
+    request: Request
+    code: str
+    message: str
+
+
+@dataclass(frozen=True)
+class WorkersExited:
+    """The round's local workers ended: the failed ones as soon as any failed, or all of them succeeded."""
+    round_id: int
+    failures: tuple[WorkerFailure, ...]   # empty: every local worker exited 0
+
+
+@dataclass(frozen=True)
+class WorkersHung:
+    """Workers of the round stopped sending heartbeats for longer than --hang-timeout."""
+    round_id: int
+    failures: tuple[WorkerFailure, ...]
+
+
+@dataclass(frozen=True)
+class SpawnFailed:
+    """The round's workers could not be started."""
+    round_id: int
+    failure: WorkerFailure
+
+
+@dataclass(frozen=True)
+class SignalReceived:
+    """The agent got a signal to stop (SIGTERM, SIGINT, SIGHUP, SIGQUIT)."""
+    signum: int
+
+
+@dataclass(frozen=True)
+class PeersProbed:
+    """What the round's witnesses said (ProbePeers): witness.SERVER_AWAY, SERVER_HEARD or SILENT."""
+    verdict: str
+
+
+@dataclass(frozen=True)
+class DeadlinePassed:
+    """The policy's `next_deadline()` came with no other fact before it."""
+
+
+Fact = (StatusReceived | ServerNotReached | ServerRefused | WorkersExited | WorkersHung | SpawnFailed
+        | SignalReceived | PeersProbed | DeadlinePassed)
+
+# How a source hands the loop its news: a fact, or the exception that broke the source (a bug), which
+# the loop raises so that it is seen instead of leaving the agent waiting for news that never comes.
+Put = Callable[[Fact | BaseException], None]
+
+
+def start_source(work: Coroutine[Any, Any, None], put: Put) -> asyncio.Task[None]:
+    """Run `work` (which puts facts) as a task whose unexpected failure reaches the loop."""
+    def done(task: asyncio.Task[None]) -> None:
+        error = None if task.cancelled() else task.exception()
+        if error is not None:
+            put(error)
+
+    task = asyncio.create_task(work)
+    task.add_done_callback(done)
+    return task

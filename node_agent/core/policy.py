@@ -1,0 +1,333 @@
+"""The agent's supervision policy: given one fact and `now`, decide what to do. No I/O.
+
+Facts come in (facts.py: the server's status, a refusal or an outage, local workers failing or
+finishing, a signal, a deadline passing) and actions go out (actions.py: `Spawn`, `StopWorkers`,
+`ReportFailure`, `ReportSuccess`, `Rejoin`, `Leave`, `Exit`). The loop in `agent.py` runs them in order
+and sleeps until `next_deadline()` when no fact comes sooner, so timed rules fire on time.
+
+Rules:
+- the server's view wins: when it names a round we do not run, stop ours and spawn that one;
+  when we are not a member (waiting, spare, excluded), run nothing;
+- a local failure (an exit, a hang, a spawn error) stops the local group and is reported once for the
+  round it happened in; news about a round we no longer run is old news and changes nothing;
+  the server then answers with the next round (or the job's end);
+- all local workers succeeding is reported once; we keep following the server until the job ends
+  (another node failing still means a job-wide restart);
+- the server being unreachable leaves workers running; `server_wait_s` after the first failed try
+  (timed rule: it fires even when no other fact comes) we stop them and give up;
+- fencing (timed rule): once this node's lease must have lapsed on the server (its last answered
+  request + the lease + FENCE_MARGIN_S, and at least FENCE_MARGIN_S after the first failed try), the
+  round's witnesses are asked whether they hear the server (witness.py). If they answer and do not,
+  the server itself is away: the round goes on, the workers stay, and they are asked again every
+  REPROBE_S. If one hears it, or none answers, this node is the one cut off and the server has
+  replaced its round by now: its workers are stopped and the round's failure reported (once the
+  server is back, the report is stale or restarts the round);
+- a refused join ends the agent (exit 0 when an operator drained the node: nothing failed here),
+  except a node id still held by a live agent (`node_conflict`): that may be this node's previous
+  agent, not yet noticed dead, so the join is retried each second for a lease and a bit;
+- a refused poll means start afresh when the server forgot the job or node, and the end otherwise;
+  a refused report is dropped (the next poll says where things stand); a request refused because
+  another agent took this node over (`forbidden`) or because this agent has no valid token
+  (`unauthorized`) ends the agent, whatever it was;
+- a signal stops the workers, leaves the job, and exits with 128 + signal.
+
+Timed rules are listed in `_timed_rules()`: a rule is a time and what to do once it has come.
+"Fencing" would be one more there: while workers run and the server is unreachable, stop them once
+the lease must have lapsed on the server (the `sent_at` of the last answered request + the lease
+timeout + a margin), say so, and rejoin when the server answers again.
+"""
+from __future__ import annotations
+
+import enum
+import signal
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from node_agent.core.actions import (
+    Action,
+    Exit,
+    Leave,
+    ProbePeers,
+    Rejoin,
+    ReportFailure,
+    ReportSuccess,
+    Spawn,
+    StopWorkers,
+)
+from node_agent.core.facts import (
+    TLS_UNTRUSTED,
+    DeadlinePassed,
+    Fact,
+    PeersProbed,
+    ServerNotReached,
+    ServerRefused,
+    SignalReceived,
+    SpawnFailed,
+    StatusReceived,
+    WorkersExited,
+    WorkersHung,
+)
+from node_agent.narration import failure_summary
+from node_agent.witness import SERVER_AWAY, SERVER_HEARD, SILENT
+from protocol.errors import ErrorCode
+from protocol.messages import (
+    MAX_MESSAGE,
+    Assignment,
+    JobState,
+    JoinRequest,
+    NodeState,
+    NodeStatus,
+    PollRequest,
+    WorkerFailure,
+)
+
+TimedRule = tuple[float, Callable[[float], list[Action]]]   # (when, what to do once it has come)
+
+
+class Workers(enum.Enum):
+    NONE = "none"            # nothing running
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"  # all local workers exited 0; reported
+    FAILED = "failed"        # a local worker failed; group stopped; reported
+
+
+CONFLICT_RETRY_S = 1.0
+FENCE_MARGIN_S = 0.5
+REPROBE_S = 1.0
+# A witness may not have noticed yet that the server is away for it too (its own connection's
+# keepalive runs on its own clock): a "cut off" verdict is asked once more this much later.
+CONFIRM_S = 1.0
+
+
+@dataclass(slots=True)   # slots: a misspelt attribute is an error (mypy and at run time), not a new one
+class SupervisionPolicy:
+    server_wait_s: float
+    lease_timeout_s: float = 5.0
+    running_round: int = -1          # the round whose workers we run (or ran, until told otherwise)
+    workers: Workers = Workers.NONE
+    unreachable_since: float | None = None
+    unreachable_error: str = ""      # the last try's error, for the message when we give up
+    exiting: bool = False
+    conflict_since: float | None = None   # when a join was first refused for a live agent holding the id
+    retry_join_at: float | None = None
+    assignment: Assignment | None = None  # the round we run (its witnesses, its size)
+    renewed_at: float | None = None       # when the last answered request went out: the lease ran from then
+    probe_at: float | None = None         # the witnesses answered: ask again then
+    probing: bool = False
+    suspect: bool = False                 # the witnesses once said this node is the one cut off
+    ran: bool = False                # this node's workers were started in some round of the job
+
+    @property
+    def known_round(self) -> int:
+        """What the long-poll tells the server we run: -1 once we run nothing for a round."""
+        return self.running_round
+
+    def handle(self, fact: Fact, now: float) -> list[Action]:
+        """Everything the policy knows arrives here, one fact at a time."""
+        if self.exiting:
+            return []   # on the way out: news no longer matters (a second signal is the shell's)
+        match fact:
+            case StatusReceived(status=status, sent_at=sent_at):
+                self.unreachable_since = None
+                self.conflict_since = None
+                self.renewed_at, self.probe_at, self.suspect = sent_at, None, False
+                return self._status(status)
+            case PeersProbed(verdict=verdict):
+                return self._peers(verdict, now)
+            case ServerRefused():
+                self.unreachable_since = None
+                return self._refused(fact, now)
+            case ServerNotReached(error=error):
+                if self.unreachable_since is None:
+                    self.unreachable_since = now
+                self.unreachable_error = error
+                return self._due(now)
+            case WorkersExited(round_id=round_id, failures=failures) if failures:
+                return self._failed(round_id, failures)
+            case WorkersExited(round_id=round_id):
+                return self._succeeded(round_id)
+            case WorkersHung(round_id=round_id, failures=failures):
+                return self._failed(round_id, failures)
+            case SpawnFailed(round_id=round_id, failure=failure):
+                return self._failed(round_id, (failure,))
+            case SignalReceived(signum=signum):
+                return self._signalled(signum)
+            case DeadlinePassed():
+                return self._due(now)
+        raise TypeError(f"not a fact: {fact!r}")
+
+    def next_deadline(self) -> float | None:
+        """When the earliest timed rule fires unless a fact comes first (None: no rule is armed)."""
+        return min((when for when, _ in self._timed_rules()), default=None)
+
+    def _timed_rules(self) -> list[TimedRule]:
+        rules: list[TimedRule] = []
+        if not self.exiting and self.unreachable_since is not None:
+            rules.append((self.unreachable_since + self.server_wait_s, self._give_up))
+        if not self.exiting and self.retry_join_at is not None:
+            rules.append((self.retry_join_at, self._retry_join))
+        fence = self._fence_at()
+        if fence is not None:
+            rules.append((fence, self._probe))
+        return rules
+
+    def _fence_at(self) -> float | None:
+        """When to ask the witnesses whether this node is the one cut off (None: no need)."""
+        a = self.assignment
+        if self.exiting or self.probing or self.workers != Workers.RUNNING or self.unreachable_since is None \
+                or a is None or a.group_world_size < 2:     # alone in its round: nobody to split from
+            return None
+        if self.probe_at is not None:
+            return self.probe_at
+        lapsed = (self.renewed_at if self.renewed_at is not None else self.unreachable_since) + self.lease_timeout_s
+        return max(lapsed, self.unreachable_since) + FENCE_MARGIN_S
+
+    @property
+    def in_contact(self) -> bool:
+        """Whether this agent hears the server (what it tells the other agents that ask: witness.py)."""
+        return self.unreachable_since is None
+
+    def _probe(self, now: float) -> list[Action]:
+        assert self.assignment is not None
+        if not self.assignment.witnesses:     # a server that names none: nobody can vouch for the network
+            return self._peers(SILENT, now)
+        self.probing = True
+        return [ProbePeers(self.assignment.witnesses)]
+
+    def _peers(self, verdict: str, now: float) -> list[Action]:
+        self.probing = False
+        if self.workers != Workers.RUNNING or self.unreachable_since is None or self.assignment is None:
+            return []          # the server answered meanwhile, or the workers ended: moot
+        if verdict == SERVER_AWAY:
+            self.probe_at, self.suspect = now + REPROBE_S, False
+            return []
+        if verdict == SERVER_HEARD and not self.suspect:   # maybe a witness not yet aware: ask again
+            self.probe_at, self.suspect = now + CONFIRM_S, True
+            return []
+        if verdict == SILENT and self.assignment.witnesses and not self.suspect:
+            # Maybe only too slow to answer (a loaded host, not a cut link): ask once more, at once.
+            self.probe_at, self.suspect = now, True
+            return []
+        a = self.assignment
+        self.workers, self.probe_at = Workers.FAILED, None
+        silent = now - (self.renewed_at if self.renewed_at is not None else self.unreachable_since)
+        why = (f"fenced: no answer from the server for {silent:.1f}s (lease {self.lease_timeout_s:g}s), while the "
+               f"round's other nodes are silent or still hear it: this node is cut off, and the server has "
+               f"replaced its round")
+        failure = WorkerFailure(local_rank=0, rank=a.rank_offset, exitcode=-signal.SIGTERM, signal="SIGTERM",
+                                reason="fenced", message=why[:MAX_MESSAGE])
+        return [StopWorkers(why), ReportFailure(self.running_round, (failure,))]
+
+    def _retry_join(self, now: float) -> list[Action]:
+        self.retry_join_at = None
+        return [Rejoin("this node id is still held by a live agent; trying again")]
+
+    def _due(self, now: float) -> list[Action]:
+        for when, rule in self._timed_rules():
+            if now >= when:
+                return rule(now)
+        return []
+
+    def _give_up(self, now: float) -> list[Action]:
+        assert self.unreachable_since is not None
+        self.exiting = True
+        return self._stop("rendezvous server unreachable") + [
+            Exit(1, f"rendezvous server unreachable for {now - self.unreachable_since:.0f}s "
+                    f"(limit {self.server_wait_s:g}s): {self.unreachable_error}")]
+
+    def _status(self, status: NodeStatus) -> list[Action]:
+        actions: list[Action] = []
+        if status.job_state.finished:
+            return self._finish(status)
+        if status.node_state == NodeState.GONE:
+            # The reason is the job's latest news (maybe about another node): said as the job's.
+            news = f" (job {status.job_id}: {status.reason})" if status.reason else ""
+            actions += self._stop("the server no longer counts this node")
+            self.running_round = -1
+            return actions + [Rejoin(f"the server no longer counts this node{news}")]
+        if status.node_state == NodeState.MEMBER and status.assignment is not None:
+            a = status.assignment
+            if a.round_id != self.running_round:
+                actions += self._stop(f"round {a.round_id} replaces round {self.running_round}")
+                self.running_round = a.round_id
+                self.workers = Workers.RUNNING
+                self.assignment = a
+                self.ran = True
+                actions.append(Spawn(a))
+            return actions
+        # waiting, spare or excluded: run nothing
+        if self.running_round != -1:
+            actions += self._stop(f"node is {status.node_state.value}: {status.reason}")
+            self.running_round = -1
+        return actions
+
+    def _refused(self, fact: ServerRefused, now: float) -> list[Action]:
+        if fact.code == ErrorCode.NODE_CONFLICT.value and fact.request is JoinRequest:
+            # Maybe our own predecessor, dead but not yet noticed: wait out its lease, then give up.
+            if self.conflict_since is None:
+                self.conflict_since = now
+            if now - self.conflict_since < self.lease_timeout_s + 2 * CONFLICT_RETRY_S:
+                self.retry_join_at = now + CONFLICT_RETRY_S
+                return []
+        if fact.code == ErrorCode.FORBIDDEN.value and fact.request is not JoinRequest:
+            self.exiting = True
+            return self._stop("another agent took this node over") + [
+                Exit(1, f"this node was taken over by another agent that joined with the same node id; "
+                        f"this agent stops ({fact.message})")]
+        if fact.code in (ErrorCode.UNAUTHORIZED.value, TLS_UNTRUSTED):
+            self.exiting = True
+            return self._stop("the server refused this agent") + [
+                Exit(1, f"the rendezvous server refused this agent: {fact.message}")]
+        if fact.request is JoinRequest:
+            self.exiting = True
+            if fact.code == ErrorCode.NODE_DRAINED.value:   # an operator took this node out: done here
+                return self._stop("node drained by the operator") + [Exit(0, fact.message)]
+            return self._stop("the server refused this node's join") + [
+                Exit(1, f"the rendezvous server refused this node's join: {fact.message}")]
+        if fact.request is not PollRequest:
+            return []   # a refused report: dropped; the next poll says where things stand
+        if fact.code in (ErrorCode.UNKNOWN_JOB.value, ErrorCode.UNKNOWN_NODE.value):
+            # The server forgot the job or node (it restarted without its state): start afresh.
+            actions = self._stop(f"the server no longer knows this {fact.code.split('_')[1]}")
+            self.running_round = -1
+            return actions + [Rejoin(fact.message)]
+        self.exiting = True
+        return self._stop("the server refused this agent") + [
+            Exit(1, f"the server refused this agent: {fact.message}")]
+
+    def _failed(self, round_id: int, failures: tuple[WorkerFailure, ...]) -> list[Action]:
+        if self.workers != Workers.RUNNING or round_id != self.running_round:
+            return []
+        self.workers = Workers.FAILED
+        return [StopWorkers(f"local rank {failures[0].local_rank} failed"), ReportFailure(round_id, failures)]
+
+    def _succeeded(self, round_id: int) -> list[Action]:
+        if self.workers != Workers.RUNNING or round_id != self.running_round:
+            return []
+        self.workers = Workers.SUCCEEDED
+        return [ReportSuccess(round_id)]
+
+    def _signalled(self, signum: int) -> list[Action]:
+        name = signal.Signals(signum).name
+        self.exiting = True
+        return self._stop(f"agent received {name}", signum) + [
+            Leave(f"agent received {name}"), Exit(128 + signum, f"node-agent stopped by {name}")]
+
+    def _stop(self, reason: str, signum: int = signal.SIGTERM) -> list[Action]:
+        if self.workers == Workers.RUNNING:
+            self.workers = Workers.NONE
+            return [StopWorkers(reason, signum)]
+        self.workers = Workers.NONE
+        return []
+
+    def _finish(self, status: NodeStatus) -> list[Action]:
+        self.exiting = True
+        actions = self._stop(f"job {status.job_state.value}")
+        if status.job_state == JobState.SUCCEEDED and not self.ran:   # a spare, say: nothing ran here
+            return actions + [Exit(1, f"job {status.job_id} succeeded without this node: its workers never ran "
+                                      f"({status.reason})")]
+        if status.job_state == JobState.SUCCEEDED:
+            return actions + [Exit(0, f"job {status.job_id} succeeded: {status.reason}")]
+        if status.job_state == JobState.FAILED:
+            return actions + [Exit(1, failure_summary(status), status.root_cause)]
+        return actions + [Exit(1, f"job {status.job_id} {status.job_state.value}: {status.reason}")]

@@ -1,0 +1,340 @@
+"""A torchrun rendezvous handler backed by rdzv-server: `torchrun --rdzv-backend rdzv-server ...`.
+
+torch finds it through the `torchrun.handlers` entry point (plugin_entry.py), so an unchanged torchrun
+line, and every tool that writes one, gets the server's membership, leases, node-loss propagation,
+job-wide restart budget, events and status page. This is the one module of the agent and server
+packages that imports torch (besides workers and tests); it runs inside torchrun's agent process.
+
+How torch's agent uses a handler (torch 2.13, SimpleElasticAgent): `next_rendezvous()` before it
+starts the workers and again whenever it restarts them; `num_nodes_waiting()` on every monitor tick
+while they are healthy (> 0 makes it restart them); `shutdown()` once at the end. Nothing else.
+
+- Membership and rounds come from the server through `ServerSession` (plugin_session.py), whose
+  background long-poll renews the lease and notices a newer round, a lost node or the job's end at
+  once; `num_nodes_waiting()` turns that into a restart of torch's workers.
+- Restart counting: when torch asks for a new round while the server still runs ours, our own
+  workers failed, so we report a failure for that round: the server counts it job-wide and moves
+  every node on. When the server has already moved on (another node failed, a node was lost or
+  joined), we adopt the newer round without a report. A failed or closed job is RendezvousClosedError.
+- Success: torch tells a handler nothing about its workers' fate. An agent enters its exit barrier
+  (on the store we return) only when all its workers exited 0, so `RoundStore` (plugin_store.py)
+  reports success when the barrier starts; `shutdown()` with no exception on its way out is the
+  fallback. Failures: plugin_failures.py reads torch's own failure records.
+- Stores: every agent hosts a TCPStore (its "agent store") from the start and publishes its port
+  at join; the server hands group rank 0's address and port to the round as master_addr/port. The
+  agents of a round use that store under the prefix `rdzv-server/JOB/ROUND/`, so a restarted round
+  never reads the keys of an earlier one. Workers do not share it (use_agent_store is False): group
+  rank 0's agent picks a free port, passes it to the others through the round store, and worker
+  rank 0 hosts the workers' own store there, fresh with every start, as under node-agent.
+"""
+from __future__ import annotations
+
+import atexit
+import contextlib
+import io
+import os
+import sys
+import time
+from datetime import timedelta
+from typing import NoReturn
+
+import torch.distributed as dist
+from torch.distributed.elastic.rendezvous import (
+    RendezvousClosedError,
+    RendezvousConnectionError,
+    RendezvousHandler,
+    RendezvousInfo,
+    RendezvousParameters,
+    RendezvousStoreInfo,
+)
+from torch.distributed.elastic.utils.distributed import get_free_port
+
+from node_agent.client.http import RdzvClient
+from node_agent.plugin.failures import agent_failures, worker_failures
+from node_agent.plugin.round_store import JOB_SUCCEEDED, RoundStore, first_line, pauses
+from node_agent.plugin.session import (
+    JobFinished,
+    JoinRefused,
+    ServerLost,
+    ServerSession,
+    SessionEnded,
+    needs_rendezvous,
+    still_in_round,
+)
+from node_agent.plugin.settings import (
+    BACKEND,
+    IGNORED_KEYS,
+    PluginSettings,
+    SettingsError,
+    TorchrunLine,
+    plugin_settings,
+)
+from protocol.errors import ErrorCode
+from protocol.messages import Assignment, JobState, WorkerFailure
+
+RESTART_COUNT_ENV = "RDZV_SERVER_RESTART_COUNT"   # the job-wide count, for workers (torch's is per agent)
+WORKER_PORT_KEY = "worker_master_port"
+CONNECT_TRY_S = 2.0   # connecting to group rank 0's store is retried in tries this long, to notice a new round
+
+
+def create_handler(params: RendezvousParameters) -> RdzvServerHandler:
+    try:
+        settings = plugin_settings(endpoint=params.endpoint or "", run_id=params.run_id, min_nodes=params.min_nodes,
+                                   max_nodes=params.max_nodes, local_addr=params.local_addr, conf=params.config,
+                                   torchrun=torchrun_line(params))
+    except SettingsError as exc:
+        _exit(2, f"torchrun --rdzv-backend {BACKEND}: {exc}")
+    handler = RdzvServerHandler(settings)
+    for key in sorted(set(params.config) & set(IGNORED_KEYS)):
+        handler.say(f"--rdzv-conf {key} has no effect with --rdzv-backend {BACKEND}: {IGNORED_KEYS[key]}")
+    return handler
+
+
+def torchrun_line(params: RendezvousParameters) -> TorchrunLine | None:
+    """--nproc-per-node, --max-restarts and --role as torchrun read them: torch gives a handler none
+    of them. None when this process's command line is not the torchrun line that made `params`."""
+    try:
+        from torch.distributed.run import determine_local_world_size, get_args_parser
+        with contextlib.redirect_stderr(io.StringIO()):
+            args, _ = get_args_parser().parse_known_args(sys.argv[1:])
+        if args.rdzv_backend != params.backend or args.rdzv_id != params.run_id:
+            return None
+        return TorchrunLine(local_world_size=determine_local_world_size(args.nproc_per_node),
+                            max_restarts=int(args.max_restarts), role=str(args.role))
+    except (SystemExit, Exception):   # best effort: --rdzv-conf local_world_size/max_restarts give them too
+        return None
+
+
+def _exit(code: int, message: str) -> NoReturn:
+    """One line and an exit status instead of a traceback (torchrun prints any exception in full)."""
+    print(message, file=sys.stderr, flush=True)
+    raise SystemExit(code)
+
+
+class RdzvServerHandler(RendezvousHandler):
+    def __init__(self, settings: PluginSettings) -> None:
+        self.settings = settings
+        self._session: ServerSession | None = None
+        self._agent_store: dist.TCPStore | None = None
+        self._assignment: Assignment | None = None   # the round torch's workers run
+        self._succeeded_round = -1                   # the round whose success this node reported
+        self._rounds = 0                             # rounds handed to torch
+        self._closed = False
+        self._shut_down = False
+        atexit.register(self._leave_at_exit)
+
+    def say(self, message: str) -> None:
+        print(f"[rdzv-server plugin {self.settings.node_id}] {message}", file=sys.stderr, flush=True)
+
+    # -- RendezvousHandler --
+
+    def get_backend(self) -> str:
+        return BACKEND
+
+    @property
+    def use_agent_store(self) -> bool:
+        """False: worker rank 0 hosts the workers' store, fresh with every start (see the top)."""
+        return False
+
+    def get_run_id(self) -> str:
+        return self.settings.job_id
+
+    def is_closed(self) -> bool:
+        view = self._session.view if self._session is not None else None
+        return self._closed or (view is not None and view.job_state.finished)
+
+    def set_closed(self) -> None:
+        """Closes the rendezvous for this node: it leaves the job (closing a whole job is an operator
+        action: `rdzv-ctl close`)."""
+        self._closed = True
+        if self._session is not None:
+            with contextlib.suppress(SessionEnded):
+                self._session.leave("torchrun closed the rendezvous on this node")
+
+    def num_nodes_waiting(self) -> int:
+        session, running = self._session, self._assignment
+        if session is None or running is None:
+            return 0
+        return 1 if session.ended is not None or needs_rendezvous(session.view, running.round_id) else 0
+
+    def next_rendezvous(self) -> RendezvousInfo:
+        if self._closed:
+            raise RendezvousClosedError(f"the rendezvous of job {self.settings.job_id!r} is closed on this node")
+        session = self._start()
+        ran = self._assignment
+        failures = None
+        if ran is not None and self._succeeded_round != ran.round_id and still_in_round(session.view, ran.round_id):
+            failures = worker_failures(agent_failures(None), ran, self.settings.hostname)
+            self.say(f"round {ran.round_id}: this node's workers failed; reporting it")
+        self._assignment = None
+        after = ran.round_id if ran is not None else -1
+        while True:
+            assignment = self._next_assignment(session, after, failures)
+            failures = None
+            info = self._round_info(assignment)
+            if info is not None:
+                break
+            after = assignment.round_id   # the round moved on while this node set up its store
+        self._assignment, self._rounds = assignment, self._rounds + 1
+        os.environ[RESTART_COUNT_ENV] = str(assignment.restart_count)
+        bootstrap = info.bootstrap_store_info
+        assert bootstrap is not None
+        self.say(f"round {assignment.round_id}: group rank {assignment.group_rank}/{assignment.group_world_size}, "
+                 f"world size {assignment.world_size}, master {bootstrap.master_addr}:{bootstrap.master_port}, "
+                 f"job restart count {assignment.restart_count}/{assignment.max_restarts}")
+        return info
+
+    def shutdown(self) -> bool:
+        """torch's launcher calls it at the end, with its exception (if any) on the way out."""
+        if self._shut_down:
+            return True
+        self._shut_down = True
+        session, ran = self._session, self._assignment
+        if session is None:
+            return True
+        exc = sys.exc_info()[1]
+        failures: list[WorkerFailure] | None = None
+        leave, verdict = "", ""
+        if ran is not None and self._succeeded_round != ran.round_id:
+            if exc is None:      # torch's agent returned: its workers succeeded (no exit barrier was seen)
+                self._report_success()
+            else:
+                failures = worker_failures(agent_failures(exc), ran, self.settings.hostname)
+                leave = "the torchrun agent stopped after its workers failed"
+        view = session.view
+        if self._succeeded_round >= 0 and view is not None and view.job_state is not JobState.SUCCEEDED:
+            if view.job_state.finished:
+                verdict = f"this node's workers finished, but {view.job_id!r} {view.job_state.value}: {view.reason}"
+            elif needs_rendezvous(view, self._succeeded_round):
+                leave = "its workers finished, and torchrun's agent cannot start them again for a new round"
+                verdict = (f"the job went on to round {view.round_id} after this node's workers finished; "
+                           "torchrun's agent cannot run them again, so this node left the job")
+        if not failures and not verdict and view is not None and not view.job_state.finished:
+            leave = leave or "the torchrun agent is exiting"
+        session.close(ran.round_id if ran is not None else -1, failures, leave)
+        if verdict and exc is None:
+            _exit(1, f"[rdzv-server plugin {self.settings.node_id}] {verdict}")
+        return True
+
+    # -- internals --
+
+    def _start(self) -> ServerSession:
+        if self._session is None:
+            s = self.settings
+            self._agent_store = dist.TCPStore(s.addr, 0, is_master=True, wait_for_workers=False,
+                                              timeout=timedelta(seconds=s.store_timeout_s))
+            client = RdzvClient(s.host, s.port, s.job_id, s.node_id, scheme=s.scheme, token=s.token, tls_ca=s.tls_ca)
+            session = ServerSession(s, client,
+                                    master_port=self._agent_store.port, say=self.say)
+            session.start()
+            self._session = session
+        return self._session
+
+    def _next_assignment(self, session: ServerSession, after: int, failures: list[WorkerFailure] | None
+                         ) -> Assignment:
+        try:
+            return session.next_assignment(after, failures)
+        except JobFinished as exc:
+            raise RendezvousClosedError(str(exc)) from None
+        except JoinRefused as exc:
+            if exc.code == ErrorCode.NODE_DRAINED.value:   # an operator took this node out: done, as node-agent
+                self._exit_cleanly(0, str(exc))
+            if self._rounds == 0:
+                self._exit_cleanly(1, str(exc))
+            raise RendezvousClosedError(str(exc)) from None
+        except ServerLost as exc:
+            if self._rounds == 0:
+                self._exit_cleanly(1, str(exc))
+            raise RendezvousConnectionError(str(exc)) from None
+
+    def _exit_cleanly(self, code: int, message: str) -> NoReturn:
+        self.say(message)
+        self.shutdown()
+        raise SystemExit(code)
+
+    def _round_info(self, a: Assignment) -> RendezvousInfo | None:
+        """The round's store and the workers' MASTER_ADDR/PORT; None when the round moved on meanwhile."""
+        base = self._agent_store if a.group_rank == 0 else self._connect(a)
+        if base is None:
+            return None
+        inner = dist.PrefixStore(f"rdzv-server/{self.settings.job_id}/{a.round_id}", base)
+        if a.group_rank == 0:
+            port = get_free_port()
+            inner.set(WORKER_PORT_KEY, str(port))
+        else:
+            if not self._wait_for_key(inner, WORKER_PORT_KEY, a):
+                return None
+            port = int(inner.get(WORKER_PORT_KEY))
+        store = RoundStore(inner, self._report_success, lambda: self._barrier_over(a.round_id))
+        return RendezvousInfo(store, a.group_rank, a.group_world_size, RendezvousStoreInfo(a.master_addr, port))
+
+    def _connect(self, a: Assignment) -> dist.Store | None:
+        """A client of group rank 0's agent store, retried until it answers or the round moves on."""
+        deadline = time.monotonic() + self.settings.store_timeout_s
+        while True:
+            try:
+                store = dist.TCPStore(a.master_addr, a.master_port, is_master=False, wait_for_workers=False,
+                                      timeout=timedelta(seconds=CONNECT_TRY_S))
+                store.set_timeout(timedelta(seconds=self.settings.store_timeout_s))
+                return store
+            except (RuntimeError, OSError) as exc:
+                if self._moved_on(a.round_id):
+                    return None
+                if time.monotonic() >= deadline:
+                    raise RendezvousConnectionError(
+                        f"round {a.round_id}: cannot reach group rank 0's store at {a.master_addr}:{a.master_port} "
+                        f"for {self.settings.store_timeout_s:g}s (--rdzv-conf read_timeout): "
+                        f"{first_line(exc)}") from None
+
+    def _wait_for_key(self, store: dist.Store, key: str, a: Assignment) -> bool:
+        """Until group rank 0's agent publishes `key`; False when the round moves on first (rank 0 may
+        never come: it died, or finished its workers and cannot run another round)."""
+        deadline = time.monotonic() + self.settings.store_timeout_s
+        problem = "it did not publish the workers' port"
+        for pause in pauses():
+            try:
+                if store.check([key]):
+                    return True
+            except dist.DistError as exc:    # its store went away: the server will say why
+                problem = f"its store failed: {first_line(exc)}"
+            if self._moved_on(a.round_id):
+                return False
+            if time.monotonic() >= deadline:
+                raise RendezvousConnectionError(
+                    f"round {a.round_id}: group rank 0's agent at {a.master_addr}:{a.master_port}: {problem} "
+                    f"within {self.settings.store_timeout_s:g}s (--rdzv-conf read_timeout)")
+            time.sleep(pause)
+        return False
+
+    def _moved_on(self, round_id: int) -> str:
+        """Why `round_id` is over for this node ("" while it is not)."""
+        session = self._session
+        if session is None:
+            return ""
+        if session.ended is not None:
+            return str(session.ended)
+        view = session.view
+        if needs_rendezvous(view, round_id):
+            assert view is not None
+            return f"job {view.job_state.value}, round {view.round_id}, this node {view.node_state.value}"
+        return ""
+
+    def _barrier_over(self, round_id: int) -> str:
+        view = self._session.view if self._session is not None else None
+        return JOB_SUCCEEDED if view is not None and view.job_state is JobState.SUCCEEDED else self._moved_on(round_id)
+
+    def _report_success(self) -> None:
+        """This node's workers of the running round all exited 0 (torch's exit barrier began)."""
+        ran, session = self._assignment, self._session
+        if ran is None or session is None or self._succeeded_round == ran.round_id:
+            return
+        self._succeeded_round = ran.round_id
+        with contextlib.suppress(SessionEnded):
+            session.report_success(ran.round_id)
+
+    def _leave_at_exit(self) -> None:
+        """torch skips shutdown() when a signal stops its agent: leave, so the others go on at once."""
+        if self._session is not None and not self._shut_down:
+            self._shut_down = True
+            with contextlib.suppress(Exception):
+                self._session.close(leave_reason="the torchrun agent exited")

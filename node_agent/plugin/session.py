@@ -1,0 +1,338 @@
+"""The torchrun plugin's side of the agent protocol: the node's conversation with rdzv-server.
+
+torch's elastic agent calls its rendezvous handler from its main thread and blocks on every call;
+our transport (`node_agent.client.http.RdzvClient`) is asyncio. `ServerSession` runs its own event loop
+in a daemon thread of the torchrun agent process. The handler's blocking calls (`next_assignment`,
+`report_success`, `leave`, `close`) run coroutines on that loop and wait for them. Between them one
+long-poll is always in flight, from the first join to the end (docs/protocol.md, "What a client
+must do"): it renews the node's lease while torch's workers run, rejoins when the server forgot the
+node, and keeps `view`, the node's latest status, which `num_nodes_waiting()` and `is_closed()` read.
+
+Ordering: replies to the handler's own requests (join, failure, success) and to the background poll
+can arrive out of order. A poll reply to a request sent before the handler's latest request was
+answered may describe an older state, so it is taken only when it shows progress (a newer round, a
+finished job); the next poll is sent after, and is taken as it comes.
+
+The decisions are the pure functions at the top (tested without a server); the rest is I/O.
+"""
+from __future__ import annotations
+
+import asyncio
+import random
+import threading
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any, TypeVar
+
+import msgspec
+
+from node_agent.client.transport import ServerRejected, ServerUnreachable, Transport
+from node_agent.plugin.settings import PluginSettings
+from protocol.errors import ErrorCode
+from protocol.messages import MAX_POLL_WAIT_S, Assignment, JobState, NodeState, NodeStatus, WorkerFailure
+
+POLL_WAIT_S = MAX_POLL_WAIT_S   # as the node agent: the server picks the hold
+BACKOFF_MAX_S = 0.5
+FORGOTTEN = (ErrorCode.UNKNOWN_JOB.value, ErrorCode.UNKNOWN_NODE.value)   # the server lost us: join again
+T = TypeVar("T")
+
+
+# ------------------------------------------------------------------------------------------ rules
+
+
+def needs_rendezvous(view: NodeStatus | None, running_round: int) -> bool:
+    """Whether torch's agent, running the workers of `running_round`, must stop them and call
+    next_rendezvous: the server formed a newer round (a node failed, was lost or arrived), this
+    node is no longer in a round, or the job failed or was closed."""
+    if view is None or running_round < 0:
+        return False
+    if view.job_state.finished:
+        return view.job_state is not JobState.SUCCEEDED
+    if view.node_state is NodeState.MEMBER and view.assignment is not None:
+        return view.assignment.round_id > running_round   # an older round is a late reply: not news
+    return True
+
+
+def still_in_round(view: NodeStatus | None, round_id: int) -> bool:
+    """The server still runs `round_id` with this node in it: when torch asks for a new round now,
+    it is because this node's own workers failed."""
+    return (view is not None and not view.job_state.finished and view.node_state is NodeState.MEMBER
+            and view.assignment is not None and view.assignment.round_id == round_id)
+
+
+def assignment_after(view: NodeStatus, round_id: int) -> Assignment | None:
+    """This node's assignment when it is a member of a round newer than `round_id`."""
+    if view.node_state is NodeState.MEMBER and view.assignment is not None and view.assignment.round_id > round_id:
+        return view.assignment
+    return None
+
+
+def takes_poll_reply(view: NodeStatus | None, reply: NodeStatus, sent_before_latest: bool) -> bool:
+    """Whether a poll reply replaces the view (see "Ordering" above)."""
+    if view is None or not sent_before_latest:
+        return True
+    if view.job_state.finished:
+        return False
+    if reply.job_state.finished:
+        return True
+    return reply.node_state is NodeState.MEMBER and reply.round_id > view.round_id
+
+
+# ------------------------------------------------------------------------------------ exceptions
+
+
+class SessionEnded(Exception):
+    """This node can take no further part in the job."""
+
+
+class ServerLost(SessionEnded):
+    """The server stayed unreachable past `server_wait`, or refused a poll."""
+
+
+class JoinRefused(SessionEnded):
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class JobFinished(SessionEnded):
+    def __init__(self, status: NodeStatus) -> None:
+        super().__init__(describe_end(status))
+        self.status = status
+
+
+def describe_end(status: NodeStatus) -> str:
+    """One line: the job's end as the server gives it (a failure's reason carries the root cause)."""
+    return f"job {status.job_id!r} {status.job_state.value}: {status.reason}"
+
+
+# --------------------------------------------------------------------------------------- session
+
+
+class ServerSession:
+    def __init__(self, settings: PluginSettings, transport: Transport, master_port: int,
+                 say: Callable[[str], None]) -> None:
+        self.settings = settings
+        self.view: NodeStatus | None = None     # written on the loop thread only; read from any thread
+        self.ended: SessionEnded | None = None
+        self.master_port = master_port          # published at join: this node's agent store
+        self.say = say
+        self._client = transport
+        self._instance = uuid.uuid4().hex[:12]
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="rdzv-server-plugin", daemon=True)
+        self._answered = 0                      # handler requests answered: "Ordering" above
+        self._changed = asyncio.Event()
+        self._follower: asyncio.Task[None] | None = None
+        self._said: tuple[str, int, int] | None = None
+        self._left = False                      # left the job: follow no more, never rejoin
+        self._closed = False
+        self._stopped = False
+
+    # -- blocking API, for torch's thread --
+
+    def start(self) -> None:
+        self._thread.start()
+        self._call(self._client.__aenter__())
+
+    def next_assignment(self, ran_round: int, failures: list[WorkerFailure] | None) -> Assignment:
+        """Report this node's failure of `ran_round` (when given), then wait for a round after it."""
+        return self._call(self._next_assignment(ran_round, failures))
+
+    def report_success(self, round_id: int) -> None:
+        self._call(self._report("success", lambda: self._client.report_success(round_id),
+                                self.settings.server_wait_s))
+
+    def leave(self, reason: str) -> None:
+        self._call(self._leave(reason))
+
+    def close(self, failed_round: int = -1, failures: list[WorkerFailure] | None = None,
+              leave_reason: str = "") -> None:
+        """The last report and leave (each within `close_timeout`), then stop the loop."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._call(self._close(failed_round, failures, leave_reason))
+        finally:
+            self._stopped = True
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(5.0)
+            if not self._thread.is_alive():
+                self._loop.close()
+
+    def _call(self, coro: Coroutine[Any, Any, T]) -> T:
+        if self._stopped:
+            coro.close()
+            raise SessionEnded("the plugin's session with the rdzv-server is closed")
+        future = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        try:
+            return future.result()
+        except BaseException:
+            future.cancel()      # e.g. torch's SignalException arrived while we waited
+            raise
+
+    # -- on the loop --
+
+    async def _next_assignment(self, ran_round: int, failures: list[WorkerFailure] | None) -> Assignment:
+        if self.view is None:
+            await self._join()
+            self._follower = asyncio.create_task(self._follow())
+            self._follower.add_done_callback(self._follower_done)
+        elif failures:
+            await self._report("failure", lambda: self._client.report_failure(ran_round, failures),
+                               self.settings.server_wait_s)
+        while True:
+            if self.ended is not None:
+                raise self.ended
+            view = self.view
+            assert view is not None
+            if view.job_state.finished:
+                raise JobFinished(view)
+            assignment = assignment_after(view, ran_round)
+            if assignment is not None:
+                return assignment
+            self._describe(view)
+            changed = self._changed
+            await changed.wait()
+
+    async def _join(self) -> None:
+        s = self.settings
+        try:
+            await self._retrying(lambda: self._client.join(
+                addr=s.addr, host=s.hostname, local_world_size=s.local_world_size, master_port=self.master_port,
+                config=s.config, instance=self._instance, role=s.role), s.server_wait_s)
+        except ServerRejected as exc:
+            raise JoinRefused(exc.code, f"the rdzv-server refused to let node {s.node_id} join job "
+                                        f"{s.job_id!r}: {exc.message}") from None
+
+    async def _report(self, what: str, send: Callable[[], Awaitable[NodeStatus]], limit: float) -> None:
+        try:
+            await self._retrying(send, limit)
+        except ServerRejected as exc:
+            if exc.code in FORGOTTEN:
+                self._forgotten(exc)
+            else:
+                self.say(f"the rdzv-server refused the {what} report: {exc.message}")
+        except ServerLost as exc:
+            self.say(f"{what} report not delivered: {exc}")
+
+    async def _retrying(self, send: Callable[[], Awaitable[NodeStatus]], limit: float) -> NodeStatus:
+        """Send until answered, retrying an unreachable server for `limit` seconds; the reply is the view."""
+        started = time.monotonic()
+        attempt = 0
+        while True:
+            try:
+                status = await send()
+            except ServerUnreachable as exc:
+                waited = time.monotonic() - started
+                if waited >= limit:
+                    raise ServerLost(self._unreachable(waited, exc)) from None
+                attempt += 1
+                await asyncio.sleep(min(BACKOFF_MAX_S, 0.05 * 2 ** attempt) * random.uniform(0.5, 1.0))
+                continue
+            self._answered += 1
+            self._set(status)
+            return status
+
+    def _unreachable(self, waited: float, exc: Exception) -> str:
+        s = self.settings
+        return (f"cannot reach the rdzv-server at {s.host}:{s.port} (--rdzv-endpoint) for {waited:.0f}s "
+                f"(--rdzv-conf server_wait={s.server_wait_s:g}): {exc}")
+
+    async def _follow(self) -> None:
+        """One long-poll in flight until the job ends or the session closes."""
+        unreachable_since: float | None = None
+        attempt = 0
+        while self.ended is None and not self._left:
+            view = self.view
+            assert view is not None
+            if view.job_state.finished:
+                return
+            if view.node_state is NodeState.GONE:
+                self.say(f"rejoining: {view.reason or 'the server no longer knows this node'}")
+                try:
+                    await self._join()
+                except SessionEnded as exc:
+                    self._end(exc)
+                continue
+            known = view.assignment.round_id if view.node_state is NodeState.MEMBER and view.assignment else -1
+            answered = self._answered
+            try:
+                reply = await self._client.poll(known, POLL_WAIT_S)
+            except ServerUnreachable as exc:
+                now = time.monotonic()
+                unreachable_since = unreachable_since if unreachable_since is not None else now
+                if now - unreachable_since >= self.settings.server_wait_s:
+                    self._end(ServerLost(self._unreachable(now - unreachable_since, exc)))
+                    return
+                attempt += 1
+                await asyncio.sleep(min(BACKOFF_MAX_S, 0.05 * 2 ** attempt) * random.uniform(0.5, 1.0))
+                continue
+            except ServerRejected as exc:
+                if exc.code in FORGOTTEN:
+                    self._forgotten(exc)
+                    continue
+                self._end(ServerLost(f"the rdzv-server refused a poll: {exc}"))
+                return
+            unreachable_since, attempt = None, 0
+            if takes_poll_reply(self.view, reply, sent_before_latest=answered != self._answered):
+                self._set(reply)
+
+    def _follower_done(self, task: asyncio.Task[None]) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            self._end(ServerLost(f"plugin error while following the job: {task.exception()!r}"))
+
+    def _forgotten(self, exc: ServerRejected) -> None:
+        """The server has no record of this node or job (a server without a store restarted)."""
+        if self.view is not None and not self.view.job_state.finished:
+            self._set(msgspec.structs.replace(self.view, node_state=NodeState.GONE, assignment=None,
+                                              reason=exc.message))
+
+    def _set(self, status: NodeStatus) -> None:
+        self.view = status
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    def _end(self, exc: SessionEnded) -> None:
+        if self.ended is None:
+            self.ended = exc
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    def _describe(self, view: NodeStatus) -> None:
+        """Say once when this node starts waiting, becomes a spare or is excluded."""
+        seen = (view.node_state.value, view.spare_position, view.round_id)
+        if seen == self._said:
+            return
+        self._said = seen
+        if view.node_state is NodeState.SPARE:
+            self.say(f"job is at max nodes: waiting as spare #{view.spare_position + 1}")
+        elif view.node_state is NodeState.EXCLUDED:
+            self.say(f"node excluded for {view.excluded_for_s:.0f}s more: {view.reason}")
+        elif view.node_state is NodeState.WAITING:
+            self.say(f"waiting for the next round: {view.reason or 'collecting nodes'}")
+
+    async def _leave(self, reason: str) -> None:
+        view, self._left = self.view, True
+        if view is None or view.job_state.finished or view.node_state is NodeState.GONE:
+            return
+        if isinstance(self.ended, ServerLost):
+            return   # no use waiting for a server that stayed away
+        try:
+            await self._client.leave(reason)
+        except (ServerUnreachable, ServerRejected):
+            pass     # a courtesy: the lease runs out anyway
+
+    async def _close(self, failed_round: int, failures: list[WorkerFailure] | None, leave_reason: str) -> None:
+        view = self.view
+        if failures and view is not None and not view.job_state.finished and self.ended is None:
+            await self._report("failure", lambda: self._client.report_failure(failed_round, failures),
+                               self.settings.close_timeout_s)
+        if leave_reason:
+            await self._leave(leave_reason)
+        if self._follower is not None:
+            self._follower.cancel()
+            await asyncio.gather(self._follower, return_exceptions=True)
+        await self._client.__aexit__(None, None, None)

@@ -1,0 +1,164 @@
+"""Settings of the torchrun plugin: torchrun's rendezvous parameters and `--rdzv-conf` in, one
+frozen `PluginSettings` out. No torch import, so the rules are tested without it.
+
+torchrun hands a rendezvous handler only the endpoint, the run id, MIN:MAX nodes, `--local-addr` and
+the `--rdzv-conf` key/value pairs (strings). Two things the server needs are not among them: the
+number of workers on this node and `--max-restarts`. `TorchrunLine` carries those, read by the
+plugin from torchrun's own command line; `--rdzv-conf local_world_size=N,max_restarts=K` override
+them (and are the way to give them when torch's launcher is driven from Python).
+
+Every bad value raises `SettingsError` with one line naming the key as the user typed it.
+"""
+from __future__ import annotations
+
+import math
+import os
+import re
+import socket
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import NoReturn
+
+import msgspec
+
+from node_agent.cli.job_identity import TORCHRUN_DEFAULT_ID
+from node_agent.cli.rdzv_conf import FILE_KEYS, IGNORED_KEYS, INT_KEYS, KNOWN_KEYS, LOCAL_SECONDS, SECONDS_KEYS  # noqa: F401
+from node_agent.cli.values import parse_server, server_token
+from node_agent.client.transport import local_addr_towards
+from protocol.ids import job_id_problem, node_id_problem
+from protocol.messages import JobConfig
+
+BACKEND = "rdzv-server"
+# torchrun's --rdzv-id default (job_identity.py) would merge unrelated runs on one server: refused here
+
+
+class SettingsError(ValueError):
+    """A bad rendezvous parameter; the message is one line for the user."""
+
+
+@dataclass(frozen=True)
+class TorchrunLine:
+    """What the plugin read from torchrun's command line (None when it is not torchrun's)."""
+    local_world_size: int
+    max_restarts: int
+    role: str = "default"
+
+
+@dataclass(frozen=True)
+class PluginSettings:
+    host: str                      # the rdzv-server
+    port: int
+    job_id: str
+    node_id: str
+    addr: str                      # where other nodes reach this one (MASTER_ADDR when group rank 0)
+    hostname: str
+    local_world_size: int
+    role: str
+    config: JobConfig              # the job's settings, the same on every node
+    server_wait_s: float           # keep retrying an unreachable server this long, then give up
+    close_timeout_s: float         # at shutdown, how long the last report and leave may take
+    store_timeout_s: float         # agents' c10d store operations of a round
+    scheme: str = "http"           # https with --rdzv-conf tls_ca=F or an https:// endpoint
+    token: str | None = None       # the server's bearer token (token_file=F, $RDZV_TOKEN_FILE, $RDZV_TOKEN)
+    tls_ca: str | None = None      # CA bundle that must have signed the server's certificate
+
+
+def _fail(key: str, why: str) -> NoReturn:
+    raise SettingsError(f"--rdzv-conf {key}: {why}")
+
+
+def _seconds(key: str, value: object) -> float:
+    try:
+        number = float(str(value).strip())
+    except ValueError:
+        _fail(key, f"expected a number of seconds, got {value!r}")
+    if not math.isfinite(number) or number < 0:
+        _fail(key, f"expected a number of seconds >= 0, got {value!r}")
+    return number
+
+
+def _count(key: str, value: object) -> int:
+    try:
+        number = int(str(value).strip())
+    except ValueError:
+        _fail(key, f"expected a whole number, got {value!r}")
+    if number < 0:
+        _fail(key, f"expected a whole number >= 0, got {value!r}")
+    return number
+
+
+def default_node_id() -> str:
+    """HOSTNAME-PID, trimmed to the node-id rule (host names may carry characters it refuses)."""
+    host = re.sub(r"[^A-Za-z0-9._-]", "-", socket.gethostname()).lstrip("._-") or "node"
+    suffix = f"-{os.getpid()}"
+    return host[: 128 - len(suffix)] + suffix
+
+
+def plugin_settings(*, endpoint: str, run_id: str, min_nodes: int, max_nodes: int, local_addr: str | None,
+                    conf: Mapping[str, object], torchrun: TorchrunLine | None,
+                    environ: Mapping[str, str] = os.environ) -> PluginSettings:
+    unknown = sorted(k for k in conf if k not in KNOWN_KEYS)
+    if unknown:
+        raise SettingsError(f"--rdzv-conf: unknown key {unknown[0]!r} for --rdzv-backend {BACKEND}; "
+                            f"known keys: {', '.join(KNOWN_KEYS)}")
+    endpoint_text = endpoint.strip() or "localhost"   # torch's default when the endpoint is empty
+
+    def bad_endpoint(why: str) -> NoReturn:
+        raise SettingsError(f"--rdzv-endpoint: {why}")
+    tls_ca = str(conf["tls_ca"]) if conf.get("tls_ca") else None
+    if tls_ca is not None and not os.path.isfile(tls_ca):
+        _fail("tls_ca", f"no such file: {tls_ca}")
+    scheme, host, port = parse_server(endpoint_text, tls_ca, bad_endpoint)
+    token = server_token(str(conf["token_file"]) if conf.get("token_file") else None, "--rdzv-conf token_file",
+                         environ, _whole_line)
+    if port == 0:
+        bad_endpoint("port 0 names no server; give the rdzv-server's HOST:PORT")
+    if run_id == TORCHRUN_DEFAULT_ID:
+        raise SettingsError(f"--rdzv-id is required with --rdzv-backend {BACKEND}: torchrun's default id "
+                            f"{TORCHRUN_DEFAULT_ID!r} would merge unrelated runs on a shared server")
+    if problem := job_id_problem(run_id):
+        raise SettingsError(f"--rdzv-id: {problem}")
+
+    job: dict[str, object] = {"min_nodes": min_nodes, "max_nodes": max_nodes}
+    typed: dict[str, str] = {}          # JobConfig field -> the rdzv_conf key it came from
+    for key, field in SECONDS_KEYS.items():
+        if key in conf and not (key == "timeout" and "join_timeout" in conf):
+            job[field], typed[field] = _seconds(key, conf[key]), key
+    local = {key: _seconds(key, conf[key]) if key in conf else default for key, default in LOCAL_SECONDS.items()}
+    ints = {key: _count(key, conf[key]) for key in INT_KEYS if key in conf}
+    for key in ("exclude_after", "max_restarts"):
+        if key in ints:
+            job[key], typed[key] = ints[key], key
+    if "max_restarts" not in ints and torchrun is not None:
+        job["max_restarts"], typed["max_restarts"] = torchrun.max_restarts, "max_restarts (from --max-restarts)"
+    local_world_size = ints["local_world_size"] if "local_world_size" in ints else (
+        torchrun.local_world_size if torchrun else 1)
+    if local_world_size < 1:
+        _fail("local_world_size", f"expected at least 1 worker, got {local_world_size}")
+    try:
+        config = msgspec.convert(job, JobConfig)
+    except msgspec.ValidationError as exc:
+        raise SettingsError(f"--rdzv-conf {_name_key(str(exc), typed)}") from None
+
+    node_id = str(conf.get("node_id") or default_node_id())
+    if problem := node_id_problem(node_id):
+        _fail("node_id", problem)
+    return PluginSettings(
+        host=host, port=port, job_id=run_id, node_id=node_id,
+        addr=local_addr or local_addr_towards(host, port), hostname=socket.gethostname(),
+        local_world_size=local_world_size, role=torchrun.role if torchrun else "default", config=config,
+        server_wait_s=max(local["server_wait"], config.lease_timeout_s),
+        close_timeout_s=local["close_timeout"], store_timeout_s=local["read_timeout"] or LOCAL_SECONDS["read_timeout"],
+        scheme=scheme, token=token, tls_ca=tls_ca)
+
+
+def _whole_line(message: str) -> NoReturn:
+    raise SettingsError(message)
+
+
+def _name_key(message: str, typed: dict[str, str]) -> str:
+    """msgspec names JobConfig fields ("... - at `$.last_call_s`"); name the rdzv_conf key instead."""
+    m = re.search(r"(.*) - at `\$\.(\w+)`", message)
+    if m is None:
+        return message
+    return f"{typed.get(m.group(2), m.group(2))}: {m.group(1).replace('Expected', 'expected')}"

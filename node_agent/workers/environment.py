@@ -1,0 +1,85 @@
+"""What a worker process is started with: its environment and its command line.
+
+The names and meanings are torchrun's, so training scripts written for torchrun run unchanged. One
+difference on purpose: TORCHELASTIC_RESTART_COUNT is the job-wide count from the server, the same on
+every node.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Mapping
+
+from node_agent.cli.options import AgentOptions
+from protocol.messages import Assignment
+
+
+def worker_env(*, base: Mapping[str, str], assignment: Assignment, local_rank: int, job_id: str,
+               role: str, error_file: str | None, nccl_async: str | None = None,
+               virtual_local_rank: bool = False) -> dict[str, str]:
+    """The full environment of one worker: `base` (the agent's own) plus the launcher's variables.
+
+    `nccl_async` overrides TORCH_NCCL_ASYNC_ERROR_HANDLING; left None, the base's value is kept and
+    "1" is used when it has none (torchrun's rule: NCCL errors abort instead of hanging).
+    `virtual_local_rank` (torchrun's --virtual-local-rank): LOCAL_RANK is 0 in every worker, and
+    CUDA_VISIBLE_DEVICES shows each worker only its own GPU (the local rank's entry of the agent's list).
+    """
+    a = assignment
+    if not 0 <= local_rank < a.local_world_size:
+        raise ValueError(f"local_rank {local_rank} outside 0..{a.local_world_size - 1}")
+    env = dict(base)
+    # A TORCHELASTIC_ERROR_FILE inherited from whoever launched the agent must not reach workers:
+    # they would overwrite that launcher's error file instead of reporting to us.
+    env.pop("TORCHELASTIC_ERROR_FILE", None)
+    env.update({
+        "RANK": str(a.rank_offset + local_rank),
+        "LOCAL_RANK": str(local_rank),
+        "GROUP_RANK": str(a.group_rank),
+        "ROLE_RANK": str(a.role_rank_offset + local_rank),
+        "ROLE_NAME": role,
+        "LOCAL_WORLD_SIZE": str(a.local_world_size),
+        "WORLD_SIZE": str(a.world_size),
+        "GROUP_WORLD_SIZE": str(a.group_world_size),
+        "ROLE_WORLD_SIZE": str(a.role_world_size or a.world_size),   # 0: one role, the whole world
+        "MASTER_ADDR": a.master_addr,
+        "MASTER_PORT": str(a.master_port),
+        "TORCHELASTIC_RESTART_COUNT": str(a.restart_count),
+        "TORCHELASTIC_MAX_RESTARTS": str(a.max_restarts),
+        "TORCHELASTIC_RUN_ID": job_id,
+        # Worker rank 0 hosts the c10d store at MASTER_ADDR:MASTER_PORT; the agent runs no store.
+        "TORCHELASTIC_USE_AGENT_STORE": "False",
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING":
+            nccl_async if nccl_async is not None else base.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
+    })
+    if virtual_local_rank:
+        visible = base.get("CUDA_VISIBLE_DEVICES")
+        devices = [d.strip() for d in visible.split(",")] if visible is not None else None
+        if devices is not None and local_rank >= len(devices):
+            raise ValueError(f"local rank {local_rank} has no GPU in CUDA_VISIBLE_DEVICES={visible!r}")
+        env["LOCAL_RANK"] = "0"
+        env["CUDA_VISIBLE_DEVICES"] = devices[local_rank] if devices is not None else str(local_rank)
+    if error_file is not None:
+        env["TORCHELASTIC_ERROR_FILE"] = error_file
+    # Several workers each sizing OpenMP to every core oversubscribe the node; torchrun sets 1.
+    if "OMP_NUM_THREADS" not in base and a.local_world_size > 1:
+        env["OMP_NUM_THREADS"] = "1"
+    return env
+
+
+# --run-path: torchrun runs the script with runpy.run_path in a fresh interpreter (its spawned worker).
+RUN_PATH = "import runpy, sys; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
+
+
+def worker_argv(opts: AgentOptions, environ: Mapping[str, str] = os.environ) -> list[str]:
+    """The command each worker runs: `python -u script args`, `python -u -m module args`, the
+    program itself with --no-python, or the script through runpy with --run-path (which wins over the
+    others, as in torchrun). PYTHON_EXEC picks the interpreter, as in torchrun."""
+    if opts.run_path:
+        return [sys.executable, "-u", "-c", RUN_PATH, opts.script, *opts.script_args]
+    if opts.no_python:
+        return [opts.script, *opts.script_args]
+    python = environ.get("PYTHON_EXEC") or sys.executable
+    # -u: unbuffered, so a worker's last lines before a crash reach its log.
+    if opts.module:
+        return [python, "-u", "-m", opts.script, *opts.script_args]
+    return [python, "-u", opts.script, *opts.script_args]

@@ -1,0 +1,142 @@
+"""One round's local workers as a group: start them all, learn of the first failure, stop them all.
+
+Each process is a `Worker` (worker.py); the group adds the rules that concern them together:
+- a worker that cannot be spawned makes the ones already started be killed;
+- `wait()` returns the moment any worker fails (the others still run), or once all succeeded;
+- `stop()` signals every process group, escalates to SIGKILL after the stop timeout, sweeps away
+  whatever the workers left in their groups, and waits (bounded) for their output to be written.
+"""
+from __future__ import annotations
+
+import asyncio
+import signal
+from collections.abc import Callable
+
+from node_agent.workers.launch import WorkerLaunch
+from node_agent.workers.output import Console
+from node_agent.workers.process import Worker, WorkerExit, WorkerSpawnError
+
+_KILL_WAIT_S = 10.0             # after SIGKILL, how long to wait for a reap before giving up on it
+_DRAIN_WAIT_S = 2.0             # after the workers are gone, how long their pipes may stay open
+
+
+class WorkerGroup:
+    """One round's local workers. Not reusable: the next round makes a new group."""
+
+    def __init__(self, launches: list[WorkerLaunch], *, stop_timeout: float,
+                 console: Console | None = None, on_beat: Callable[[int], None] | None = None) -> None:
+        self._launches = list(launches)
+        self._on_beat = on_beat              # called with the local rank on each heartbeat byte
+        self._stop_timeout = stop_timeout
+        self._console = console or Console()
+        self._workers: list[Worker] = []     # those spawned, in local-rank order
+        self._exits: list[WorkerExit] = []   # in the order they were reaped
+        self._changed = asyncio.Event()      # set (and replaced) at every exit
+        self._started = False
+        self._stopping: asyncio.Task[None] | None = None
+        self._start_done = asyncio.Event()
+
+    @property
+    def launches(self) -> list[WorkerLaunch]:
+        return list(self._launches)
+
+    @property
+    def pids(self) -> list[int]:
+        return [w.pid for w in self._workers if w.pid is not None]
+
+    @property
+    def stopping(self) -> bool:
+        return self._stopping is not None
+
+    def exits(self) -> list[WorkerExit]:
+        return list(self._exits)
+
+    async def start(self) -> None:
+        """Spawn every worker. A stop() arriving meanwhile ends the spawning; a worker that cannot be
+        spawned makes the others be killed and raises WorkerSpawnError."""
+        if self._started or self._stopping is not None:
+            raise RuntimeError("a WorkerGroup starts once, and not after stop()")
+        self._started = True
+        failed: tuple[WorkerLaunch, OSError] | None = None
+        try:
+            for launch in self._launches:
+                if self.stopping:   # a stop() came while the previous worker was being spawned
+                    break
+                worker = Worker(launch, console=self._console, on_beat=self._on_beat, on_exit=self._reaped)
+                try:
+                    await worker.start()
+                except OSError as e:
+                    failed = (launch, e)
+                    break
+                finally:
+                    if worker.pid is not None:   # spawned, even if its output could not be attached
+                        self._workers.append(worker)
+        finally:
+            self._start_done.set()   # stop() waits for this, so it sees every worker we spawned
+        if failed is not None:
+            await self.stop(signal.SIGKILL)
+            raise WorkerSpawnError(*failed) from failed[1]
+
+    def _reaped(self, exit_: WorkerExit) -> None:
+        self._exits.append(exit_)
+        changed, self._changed = self._changed, asyncio.Event()
+        changed.set()
+
+    async def wait(self) -> list[WorkerExit]:
+        """Return the failed exits as soon as any worker fails, or every exit once all succeeded."""
+        if not self._started:
+            raise RuntimeError("wait() before start()")
+        await self._start_done.wait()
+        while True:
+            failed = [e for e in self._exits if e.exitcode != 0]
+            if failed:
+                return failed
+            if len(self._exits) == len(self._workers):
+                return list(self._exits)
+            await self._changed.wait()
+
+    def send_signal(self, sig: int) -> None:
+        """Forward `sig` to the process group of every worker still running."""
+        for worker in self._workers:
+            worker.send_signal(sig)
+
+    async def stop(self, sig: int = signal.SIGTERM) -> None:
+        """Stop every worker: `sig`, then SIGKILL after stop_timeout; reap all, finish their logs.
+
+        Safe to call again or concurrently: later calls wait for the same stop, and a later SIGKILL
+        cuts the grace period short (a second Ctrl-C).
+        """
+        if self._stopping is None:
+            self._stopping = asyncio.create_task(self._stop(sig))
+        elif sig == signal.SIGKILL and not self._stopping.done():
+            self._signal_groups(signal.SIGKILL)
+        await asyncio.shield(self._stopping)
+
+    async def _stop(self, sig: int) -> None:
+        if self._started:
+            await self._start_done.wait()   # at most the spawn in flight: start() checks for us
+        self._signal_groups(sig)
+        running = [w.reaper for w in self._workers if w.reaper is not None and not w.reaper.done()]
+        if running:
+            _, late = await asyncio.wait(running, timeout=self._stop_timeout)
+            if late:
+                self._signal_groups(signal.SIGKILL)
+                _, stuck = await asyncio.wait(late, timeout=_KILL_WAIT_S)
+                if stuck:   # uninterruptible sleep (D state): nothing more we can do
+                    self._console.line("stderr", f"{len(stuck)} worker(s) still alive "
+                                                 f"{_KILL_WAIT_S:g}s after SIGKILL")
+        # Children of the workers left in their groups die with them: nobody supervises them now.
+        self._signal_groups(signal.SIGKILL)
+        for worker in self._workers:
+            worker.close_heartbeat()
+        pending = [f for w in self._workers for f in w.output_pending()]
+        if pending:
+            _, open_ = await asyncio.wait(pending, timeout=_DRAIN_WAIT_S)
+            if open_:   # a process outside the groups holds a pipe: stop reading, keep what we have
+                for worker in self._workers:
+                    worker.close_output()
+                await asyncio.wait(open_, timeout=_DRAIN_WAIT_S)
+
+    def _signal_groups(self, sig: int) -> None:
+        for worker in self._workers:
+            worker.signal_group(sig)

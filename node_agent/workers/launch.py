@@ -1,0 +1,84 @@
+"""What each worker of a round is started with: `WorkerLaunch`, built from the server's assignment,
+the agent's options and its environment.
+
+Log layout (torchrun's): RUN/attempt_RESTART/LOCAL_RANK/{stdout.log, stderr.log, error.json}, with
+RUN = LOG_DIR/JOB_XXXXXXXX made fresh for every run of the agent (two runs with the same id never
+share files), and filtered_stdout.log / filtered_stderr.log in the attempt's directory. A new round
+with the same restart count (a node joined or was lost) writes on in the same directory.
+"""
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+from collections.abc import Mapping
+from dataclasses import dataclass
+from string import Template
+
+from node_agent.cli.options import AgentOptions
+from node_agent.cli.values import Std
+from node_agent.workers.environment import worker_argv, worker_env
+from protocol.messages import Assignment
+
+
+@dataclass(frozen=True)
+class WorkerLaunch:
+    local_rank: int
+    rank: int
+    argv: list[str]
+    env: dict[str, str]
+    log_dir: str | None          # this rank's directory: stdout.log / stderr.log when redirected or tee'd
+    redirect: Std = Std.NONE     # streams that go to the log file only
+    tee: Std = Std.NONE          # streams that go to the log file and the console
+    echo: bool = True            # False: kept off the console (--local-ranks-filter)
+    prefix: str = ""             # console prefix of tee'd lines, e.g. "[default0]:"
+    prefix_all: bool = False     # the prefix goes on every console line, tee'd or not (--log-line-prefix)
+    dup_stdout: tuple[str, ...] = ()   # tee'd lines holding any of these also go to filtered_stdout.log
+    dup_stderr: tuple[str, ...] = ()
+    attempt_dir: str | None = None     # where filtered_*.log go
+    stdin_tty: bool = False      # the worker reads the agent's terminal (breakpoint() works)
+    heartbeat: bool = False      # give the worker a heartbeat pipe (NODE_AGENT_HEARTBEAT_FD)
+
+    @property
+    def error_file(self) -> str | None:
+        """Where the worker writes its error (torch's @record), when it has a place for one."""
+        return self.env.get("TORCHELASTIC_ERROR_FILE") or None
+
+
+def make_run_dir(root: str, job_id: str) -> str:
+    """ROOT/JOB_XXXXXXXX, new for this run (torchrun's `<log_dir>/<run_id>_<random>`)."""
+    os.makedirs(root, exist_ok=True)
+    name = re.sub(r"[^A-Za-z0-9_.:@+=~-]", "_", job_id)[:200]   # one path component, never too long
+    return tempfile.mkdtemp(prefix=f"{name}_", dir=root)
+
+
+def attempt_dir(run_dir: str, restart_count: int) -> str:
+    return os.path.join(run_dir, f"attempt_{restart_count}")
+
+
+def build_launches(a: Assignment, opts: AgentOptions, *, run_dir: str, hostname: str, stdin_tty: bool = False,
+                   environ: Mapping[str, str] = os.environ) -> list[WorkerLaunch]:
+    """One launch per local rank of the assignment, its directory made under `run_dir`."""
+    argv = worker_argv(opts, environ)
+    base = attempt_dir(run_dir, a.restart_count)
+    launches = []
+    for local_rank in range(a.local_world_size):
+        rank_dir = os.path.join(base, str(local_rank))
+        os.makedirs(rank_dir, exist_ok=True)
+        rank = a.rank_offset + local_rank
+        template = opts.log_line_prefix if opts.log_line_prefix is not None else opts.tee_prefix
+        prefix = Template(template).safe_substitute(role_name=opts.role, rank=rank, local_rank=local_rank,
+                                                    host=hostname)
+        launches.append(WorkerLaunch(
+            local_rank=local_rank, rank=rank,
+            # torchrun's macro: ${local_rank} in the arguments becomes the worker's local rank
+            argv=[argv[0], *(Template(arg).safe_substitute(local_rank=str(local_rank)) for arg in argv[1:])],
+            env=worker_env(base=environ, assignment=a, local_rank=local_rank, job_id=opts.job_id, role=opts.role,
+                           error_file=os.path.join(rank_dir, "error.json"),
+                           virtual_local_rank=opts.virtual_local_rank),
+            log_dir=rank_dir, redirect=opts.redirects.for_rank(local_rank), tee=opts.tee.for_rank(local_rank),
+            echo=opts.local_ranks_filter is None or local_rank in opts.local_ranks_filter,
+            prefix=prefix, prefix_all=opts.log_line_prefix is not None,
+            dup_stdout=opts.dup_stdout, dup_stderr=opts.dup_stderr, attempt_dir=base, stdin_tty=stdin_tty,
+            heartbeat=opts.hang_timeout > 0))
+    return launches

@@ -1,0 +1,167 @@
+"""This node's workers for the round it runs, as a source of facts for the agent's loop.
+
+`spawn()` builds the round's launches and starts a group; from then on the group's news arrives as
+facts, tagged with the round: `WorkersExited` (the first failure, or all succeeded), `WorkersHung`
+(heartbeats stopped for longer than --hang-timeout) and `SpawnFailed`. `stop()` ends the group.
+The group itself is made by `make_group`, so a test can put a scripted one in its place.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import signal
+import tempfile
+from collections.abc import Callable
+from typing import Protocol
+
+from node_agent.cli.options import AgentOptions
+from node_agent.core.facts import Put, SpawnFailed, WorkersExited, WorkersHung, start_source
+from node_agent.core.hangwatch import HangWatch
+from node_agent.workers.failures import exit_failure, hang_failure, spawn_failure
+from node_agent.workers.group import WorkerGroup
+from node_agent.workers.launch import WorkerLaunch, build_launches, make_run_dir
+from node_agent.workers.process import WorkerExit, WorkerSpawnError
+from protocol.messages import Assignment
+
+
+class Group(Protocol):
+    """What the agent needs of a round's worker group (`workers.WorkerGroup`, or a test's stand-in)."""
+
+    @property
+    def launches(self) -> list[WorkerLaunch]: ...
+
+    async def start(self) -> None: ...
+
+    async def wait(self) -> list[WorkerExit]: ...
+
+    def exits(self) -> list[WorkerExit]: ...
+
+    def send_signal(self, sig: int) -> None: ...
+
+    async def stop(self, sig: int = signal.SIGTERM) -> None: ...
+
+
+class GroupFactory(Protocol):
+    def __call__(self, launches: list[WorkerLaunch], *, stop_timeout: float,
+                 on_beat: Callable[[int], None] | None) -> Group: ...
+
+
+def process_group(launches: list[WorkerLaunch], *, stop_timeout: float,
+                  on_beat: Callable[[int], None] | None) -> Group:
+    """The real thing: one child process per launch."""
+    return WorkerGroup(launches, stop_timeout=stop_timeout, on_beat=on_beat)
+
+
+class LocalWorkers:
+    def __init__(self, opts: AgentOptions, put: Put, *, hostname: str,
+                 clock: Callable[[], float], make_group: GroupFactory = process_group) -> None:
+        self.opts = opts
+        self._put = put
+        self._hostname = hostname
+        self._clock = clock
+        self._make_group = make_group
+        self.group: Group | None = None
+        self._watchers: list[asyncio.Task[None]] = []
+        self._hangs = HangWatch(opts.hang_timeout) if opts.hang_timeout > 0 else None
+        self._first_beat = asyncio.Event()
+        self._tmp_root: str | None = None   # logs' home when the CLI made no run directory (tests)
+
+    async def spawn(self, a: Assignment) -> None:
+        """Start the round's workers; their news (or the spawn's failure) comes back as facts."""
+        if self.group is not None:   # a group whose workers all succeeded: sweep up after it first
+            await self.stop()
+        opts = self.opts
+        try:
+            if opts.run_dir is None and self._tmp_root is None:
+                self._tmp_root = make_run_dir(opts.log_dir or tempfile.mkdtemp(prefix="node-agent_"), opts.job_id)
+            launches = build_launches(a, opts, run_dir=opts.run_dir or self._tmp_root or ".",
+                                      hostname=self._hostname, stdin_tty=_stdin_is_tty())
+        except OSError as exc:   # no room for the workers' directories: they cannot start
+            self._spawn_failed(a.round_id, exc, a.rank_offset, 0, opts.script)
+            return
+        if self._hangs is not None:
+            self._hangs.reset()
+        group = self._make_group(launches, stop_timeout=opts.stop_timeout,
+                                 on_beat=self._on_beat if self._hangs is not None else None)
+        self.group = group
+        try:
+            await group.start()
+        except OSError as exc:   # the group killed those already started
+            self.group = None
+            failed = exc.launch if isinstance(exc, WorkerSpawnError) else launches[0]
+            self._spawn_failed(a.round_id, exc, failed.rank, failed.local_rank, failed.argv[0])
+            return
+        self._watchers.append(start_source(self._watch_exits(group, a.round_id), self._put))
+        if self._hangs is not None:
+            self._watchers.append(start_source(self._watch_hangs(group, self._hangs, a.round_id), self._put))
+
+    async def stop(self, signum: int = signal.SIGTERM) -> None:
+        """Stop the running group, if any (up to --stop-timeout, then SIGKILL)."""
+        self._stop_watching()
+        group, self.group = self.group, None
+        if group is not None:
+            await group.stop(signum)
+
+    def kill(self) -> None:
+        """SIGKILL every worker now, without waiting (the agent is about to exit)."""
+        if self.group is not None:
+            self.group.send_signal(signal.SIGKILL)
+
+    async def close(self) -> None:
+        await self.stop()
+        if self._tmp_root is not None and self.opts.log_dir is None:
+            shutil.rmtree(os.path.dirname(self._tmp_root), ignore_errors=True)
+
+    def _stop_watching(self) -> None:
+        for task in self._watchers:
+            task.cancel()
+        self._watchers.clear()
+
+    def _spawn_failed(self, round_id: int, exc: OSError, rank: int, local_rank: int, program: str) -> None:
+        self._put(SpawnFailed(round_id, spawn_failure(exc, local_rank=local_rank, rank=rank, program=program,
+                                                      host=self._hostname, node_id=self.opts.node_id)))
+
+    async def _watch_exits(self, group: Group, round_id: int) -> None:
+        exits = await group.wait()
+        failures = tuple(exit_failure(e, host=self._hostname, node_id=self.opts.node_id)
+                         for e in exits if e.exitcode != 0)
+        if not failures:   # all done: nothing is left to hang
+            for task in self._watchers:
+                if task is not asyncio.current_task():
+                    task.cancel()
+        self._put(WorkersExited(round_id, failures))
+
+    def _on_beat(self, local_rank: int) -> None:
+        assert self._hangs is not None
+        self._hangs.beat(local_rank, self._clock())
+        self._first_beat.set()
+
+    async def _watch_hangs(self, group: Group, watch: HangWatch, round_id: int) -> None:
+        """Sleep until the watch's next deadline; report the ranks that stopped beating."""
+        while True:
+            if watch.next_deadline() is None:   # no rank has beaten yet (or all exited)
+                self._first_beat.clear()
+                await self._first_beat.wait()
+                continue
+            for exited in group.exits():
+                watch.forget(exited.local_rank)   # a rank that finished is not hung
+            now = self._clock()
+            overdue = watch.overdue(now)
+            if overdue:
+                launches = {launch.local_rank: launch for launch in group.launches}
+                self._put(WorkersHung(round_id, tuple(
+                    hang_failure(launches[lr], silent_s=now - watch.last_beat[lr],
+                                 hang_timeout_s=watch.timeout_s, host=self._hostname, node_id=self.opts.node_id)
+                    for lr in overdue)))
+                return
+            deadline = watch.next_deadline()
+            if deadline is not None:
+                await asyncio.sleep(max(0.0, deadline - self._clock()))   # the watch's deadline, not a poll
+
+
+def _stdin_is_tty() -> bool:
+    try:
+        return os.isatty(0)
+    except OSError:
+        return False

@@ -1,0 +1,217 @@
+"""Where a worker's output goes: its log files and the agent's console, as torchrun sends it.
+
+- A stream that goes to the console with no prefix, no log file and no filter is the agent's own
+  console, handed to the worker as it is (as torchrun does): the worker writes to the terminal itself,
+  so `isatty()`, colours, progress bars and `breakpoint()` behave as in `python train.py`.
+- Otherwise the worker writes into a pipe that the agent reads: log files get the text as written;
+  the console gets it with the prefix at the start of each line (torchrun's `[role local_rank]:` for
+  tee'd streams, or --log-line-prefix for all), and again after each `\\r`, so a redrawn progress bar
+  keeps it. Whole lines are written at once; a partial line (a progress bar, a prompt) shows once it
+  has waited FLUSH_DELAY_S for its end. When another worker writes while a line is unfinished, that
+  line is ended first: lines of two ranks never mix.
+- A log file that fails (disk full) is dropped with one line on the console: the worker must never
+  block on a full pipe because we stopped reading it. A console that breaks (closed terminal) is
+  dropped; the log files go on.
+"""
+from __future__ import annotations
+
+import asyncio
+import codecs
+import io
+import os
+import re
+import subprocess
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TextIO
+
+from node_agent.cli.values import Std
+from node_agent.workers.launch import WorkerLaunch
+
+MAX_PIECE = 64 * 1024          # a line longer than this without a newline is passed on in pieces
+FLUSH_DELAY_S = 0.05           # a partial line shows after this long without its end
+STREAMS = (("stdout", Std.OUT), ("stderr", Std.ERR))
+_REDRAW = re.compile(r"\r(?=[^\n])")    # a carriage return that starts a redrawn line
+
+
+class Console:
+    """Where echoed worker output goes: the agent's stdout and stderr unless given other streams."""
+
+    def __init__(self, out: TextIO | None = None, err: TextIO | None = None) -> None:
+        self._out = out
+        self._err = err
+        self._broken: set[str] = set()
+        self._open: dict[str, object] = {}    # stream -> the writer whose line is unfinished
+
+    def _target(self, stream: str) -> TextIO:
+        return (self._out or sys.stdout) if stream == "stdout" else (self._err or sys.stderr)
+
+    def fileno(self, stream: str) -> int | None:
+        """The file descriptor behind `stream`, for a worker to write to directly (None: there is none)."""
+        try:
+            return self._target(stream).fileno()
+        except (OSError, ValueError, AttributeError, io.UnsupportedOperation):
+            return None
+
+    def line(self, stream: str, text: str) -> None:
+        """Write one full line (no newline in `text`) to "stdout" or "stderr"."""
+        self.write(stream, self, "", text, ends_line=True)
+
+    def write(self, stream: str, writer: object, prefix: str, text: str, *, ends_line: bool) -> None:
+        """Write `writer`'s text, a whole line (`ends_line`) or a piece of one, in one write."""
+        if stream in self._broken:
+            return
+        parts = []
+        owner = self._open.get(stream)
+        if owner is not None and owner is not writer:   # end another writer's unfinished line first
+            parts.append("\n")
+            owner = None
+        if owner is None:
+            parts.append(prefix)
+        parts.append(_REDRAW.sub(lambda _: "\r" + prefix, text) if prefix else text)
+        if ends_line:
+            parts.append("\n")
+            self._open.pop(stream, None)
+        else:
+            self._open[stream] = writer
+        try:
+            target = self._target(stream)
+            target.write("".join(parts))   # one write: a line stays whole even with other writers
+            target.flush()
+        except (OSError, ValueError):      # closed or broken console: keep logging to files, drop echo
+            self._broken.add(stream)
+
+
+@dataclass
+class Sink:
+    """One stream's destinations: a log file, the console (through `echo`), a filtered copy, or the
+    console itself handed to the worker (`direct`: a file descriptor, or subprocess.DEVNULL)."""
+    file: TextIO | None
+    echo: Callable[[str, bool], None] | None       # (text, ends_line)
+    filtered: Callable[[str], None] | None = None  # a whole line that may go to filtered_*.log
+    direct: int | None = None
+
+    def close(self) -> None:
+        if self.file is not None:
+            try:
+                self.file.close()
+            except OSError:
+                pass
+
+
+def open_sink(launch: WorkerLaunch, stream: str, std: Std, console: Console) -> Sink:
+    """`stream` ("stdout"/"stderr") of one worker, routed by its redirect/tee/echo settings."""
+    file: TextIO | None = None
+    logged = launch.log_dir is not None and bool((launch.redirect | launch.tee) & std)
+    tee = logged and bool(launch.tee & std)
+    on_console = launch.echo and (tee or not logged)
+    prefix = launch.prefix if (tee or launch.prefix_all) else ""
+    filters = (launch.dup_stdout if stream == "stdout" else launch.dup_stderr) if tee and launch.echo else ()
+    if on_console and not logged and not prefix:
+        fd = console.fileno(stream)
+        if fd is not None:
+            return Sink(None, None, direct=fd)     # torchrun's console: the worker writes to it itself
+    if not on_console and not logged:
+        return Sink(None, None, direct=subprocess.DEVNULL)
+    if logged:
+        assert launch.log_dir is not None
+        os.makedirs(launch.log_dir, exist_ok=True)
+        # Append: a directory reused by a later round keeps the earlier output.
+        file = open(os.path.join(launch.log_dir, f"{stream}.log"), "a", encoding="utf-8", newline="",
+                    buffering=1)
+    echo: Callable[[str, bool], None] | None = None
+    if on_console:
+        def echo(text: str, ends_line: bool) -> None:
+            console.write(stream, echo, prefix, text, ends_line=ends_line)
+    filtered = None
+    if filters and launch.attempt_dir is not None:
+        path = os.path.join(launch.attempt_dir, f"filtered_{stream}.log")
+
+        def filtered(line: str) -> None:
+            if any(needle in line for needle in filters):
+                try:     # one append per line: the ranks of a node share the file
+                    with open(path, "a", encoding="utf-8") as f:
+                        f.write(f"{prefix}{line}\n")
+                except OSError:
+                    pass
+    return Sink(file, echo, filtered)
+
+
+class LinePump(asyncio.Protocol):
+    """Reads one worker stream into its sink. `done` resolves once the pipe closed."""
+
+    def __init__(self, sink: Sink) -> None:
+        self._sink = sink
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._pending = ""          # the console's unshown start of a line
+        self._line = ""             # the current line as far as shown, for the filters
+        self._timer: asyncio.TimerHandle | None = None
+        self._loop = asyncio.get_running_loop()
+        self.done: asyncio.Future[None] = self._loop.create_future()
+
+    def data_received(self, data: bytes) -> None:
+        self._feed(self._decoder.decode(data))
+
+    def eof_received(self) -> bool:
+        return False   # close the transport: connection_lost then flushes
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._feed(self._decoder.decode(b"", final=True))
+        if self._timer is not None:
+            self._timer.cancel()
+        self._show_pending()
+        if self._line and self._sink.filtered is not None:
+            self._sink.filtered(self._line)
+        self._sink.close()
+        if not self.done.done():
+            self.done.set_result(None)
+
+    def _feed(self, text: str) -> None:
+        if not text:
+            return
+        sink = self._sink
+        if sink.file is not None:
+            try:   # the file gets the text as written
+                sink.file.write(text)
+            except OSError as e:   # disk full and the like: the worker must not block on its pipe
+                file, sink.file = sink.file, None
+                if sink.echo is not None:
+                    sink.echo(f"(log file {getattr(file, 'name', '?')} failed: {e}; not writing it)", True)
+        *lines, self._pending = (self._pending + text).split("\n")
+        for line in lines:
+            self._show(line, ends_line=True)
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if len(self._pending) >= MAX_PIECE:
+            self._show_pending()
+        elif self._pending:
+            self._timer = self._loop.call_later(FLUSH_DELAY_S, self._show_pending)
+
+    def _show_pending(self) -> None:
+        self._timer = None
+        if self._pending:
+            pending, self._pending = self._pending, ""
+            self._show(pending, ends_line=False)
+
+    def _show(self, text: str, *, ends_line: bool) -> None:
+        sink = self._sink
+        if sink.echo is not None:
+            sink.echo(text, ends_line)
+        if sink.filtered is not None:
+            self._line += text
+            if ends_line:
+                line, self._line = self._line, ""
+                sink.filtered(line)
+
+
+async def pump(fd: int, sink: Sink) -> tuple[asyncio.ReadTransport, LinePump]:
+    """Start reading the pipe `fd` (ours from now on) into `sink`."""
+    pipe = os.fdopen(fd, "rb", buffering=0)
+    try:
+        return await asyncio.get_running_loop().connect_read_pipe(lambda: LinePump(sink), pipe)
+    except BaseException:
+        pipe.close()
+        sink.close()
+        raise

@@ -1,0 +1,236 @@
+"""One worker process: start it, signal it, reap it, pump its output.
+
+Rules this module keeps:
+- Each worker leads its own session (so its own process group), as under torchrun: a stop reaches the
+  worker's own children too, a terminal's Ctrl-C reaches only the agent, which decides what the
+  workers get, and a worker given the agent's terminal as stdin can read it (breakpoint()) without
+  being stopped by job control. Without a terminal, stdin is /dev/null.
+- Each worker dies with the agent: PR_SET_PDEATHSIG(SIGKILL) is set in the child before exec, and a
+  child whose parent is already gone by then exits at once. Without this, a SIGKILLed agent leaves
+  workers training unsupervised (torchrun's orphans).
+- An exit is seen the moment it happens. Output goes through pipes we create ourselves rather than
+  asyncio's PIPE: asyncio (3.11) only completes `Process.wait()` once every pipe is closed, and a
+  worker's surviving child holding stdout open would delay the failure report indefinitely.
+- A process group is signalled only while it may have members: once it is seen empty its id is never
+  used again (the id may be reused by an unrelated process).
+"""
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import functools
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from node_agent.heartbeat import ENV_FD as HEARTBEAT_ENV
+from node_agent.workers.launch import WorkerLaunch
+from node_agent.workers.output import STREAMS, Console, LinePump, Sink, open_sink, pump
+
+_PR_SET_PDEATHSIG = 1
+
+
+@dataclass(frozen=True)
+class WorkerExit:
+    local_rank: int
+    rank: int
+    pid: int
+    exitcode: int                # negative: killed by signal -exitcode
+    signal_name: str             # "" when it exited by itself
+    error_file: str | None       # the worker's TORCHELASTIC_ERROR_FILE, when it wrote one
+    seen_at: float = 0.0         # unix time the exit was reaped
+
+
+class WorkerSpawnError(OSError):
+    """A worker could not be started (missing program, not executable, ...); the workers already
+    started were killed. errno/strerror are the cause's, so `except OSError` callers keep working."""
+
+    def __init__(self, launch: WorkerLaunch, cause: OSError) -> None:
+        super().__init__(cause.errno, cause.strerror or str(cause))
+        self.launch = launch
+        self.cause = cause
+
+    def __str__(self) -> str:
+        return f"cannot start local rank {self.launch.local_rank} ({self.launch.argv[0]!r}): {self.strerror}"
+
+
+@functools.cache
+def _prctl() -> Any:
+    """libc's prctl, loaded in the parent so the child does no library loading after fork."""
+    if not sys.platform.startswith("linux"):
+        return None
+    fn = ctypes.CDLL(None, use_errno=True).prctl
+    fn.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def _child_setup(parent_pid: int, prctl: Any) -> Callable[[], None]:
+    def setup() -> None:   # runs in the child between fork and exec (after Popen's setsid)
+        if prctl is not None:
+            prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        # The agent may have died between fork and prctl: then no signal will ever come.
+        if os.getppid() != parent_pid:
+            os._exit(1)
+    return setup
+
+
+def signal_name(exitcode: int) -> str:
+    if exitcode >= 0:
+        return ""
+    try:
+        return signal.Signals(-exitcode).name
+    except ValueError:
+        return f"SIG{-exitcode}"
+
+
+class Worker:
+    """One child process, from its start to its reaping. Not reusable."""
+
+    def __init__(self, launch: WorkerLaunch, *, console: Console, on_beat: Callable[[int], None] | None = None,
+                 on_exit: Callable[[WorkerExit], None] | None = None) -> None:
+        self.launch = launch
+        self._console = console
+        self._on_beat = on_beat          # called with the local rank on each heartbeat byte
+        self._on_exit = on_exit          # called once, when the process has been reaped
+        self._proc: asyncio.subprocess.Process | None = None
+        self._group_alive = False        # its process group may still have members
+        self._heartbeat_fd = -1
+        self._pumps: list[LinePump] = []
+        self._transports: list[asyncio.BaseTransport] = []
+        self.reaper: asyncio.Task[WorkerExit] | None = None
+        self.exit: WorkerExit | None = None
+
+    @property
+    def pid(self) -> int | None:
+        return None if self._proc is None else self._proc.pid
+
+    @property
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.returncode is None
+
+    async def start(self) -> None:
+        """Spawn the process and start pumping its output. Raises OSError when it cannot be spawned."""
+        launch = self.launch
+        if launch.error_file:   # a stale file from an earlier run would be taken for this run's error
+            try:
+                os.unlink(launch.error_file)
+            except FileNotFoundError:
+                pass
+        sinks: list[Sink] = []
+        fds: list[int] = []
+        extra: dict[str, Any] = {}
+        env = launch.env
+        hb_r = hb_w = -1
+        ends: list[tuple[int, int]] = []   # per stream: (our end to read, or -1; the worker's end)
+        try:
+            for stream, std in STREAMS:
+                sink = open_sink(launch, stream, std, self._console)
+                sinks.append(sink)
+                if sink.direct is not None:
+                    ends.append((-1, sink.direct))
+                else:
+                    r, w = os.pipe()
+                    fds += (r, w)
+                    ends.append((r, w))
+            if launch.heartbeat and self._on_beat is not None:
+                hb_r, hb_w = os.pipe()
+                fds += (hb_r, hb_w)
+                os.set_blocking(hb_w, False)   # a worker must never block on its heartbeat
+                env = {**env, HEARTBEAT_ENV: str(hb_w)}
+                extra["pass_fds"] = (hb_w,)
+            self._proc = await asyncio.create_subprocess_exec(
+                *launch.argv, env=env, stdin=None if launch.stdin_tty else subprocess.DEVNULL,
+                stdout=ends[0][1], stderr=ends[1][1], start_new_session=True,
+                preexec_fn=_child_setup(os.getpid(), _prctl()), **extra)
+        except BaseException:
+            for fd in fds:
+                os.close(fd)
+            for sink in sinks:
+                sink.close()
+            raise
+        self._group_alive = True
+        for r, w in ends:
+            if r >= 0:
+                os.close(w)   # the child has its copy; ours would keep the pipe from ever ending
+        if hb_w >= 0:
+            os.close(hb_w)
+            self._watch_heartbeat(hb_r)
+        self.reaper = asyncio.create_task(self._reap(self._proc))
+        for (r, _), sink in zip(ends, sinks, strict=True):
+            if r < 0:
+                continue
+            transport, line_pump = await pump(r, sink)
+            self._transports.append(transport)
+            self._pumps.append(line_pump)
+
+    async def _reap(self, proc: asyncio.subprocess.Process) -> WorkerExit:
+        code = await proc.wait()
+        try:
+            os.killpg(proc.pid, 0)          # anything left in its group (the worker's children)?
+        except OSError:
+            self._group_alive = False       # empty: never signal this id again (pid reuse)
+        error_file = self.launch.error_file
+        if error_file and not os.path.exists(error_file):   # noqa: ASYNC240 - one local stat
+            error_file = None
+        self.exit = WorkerExit(local_rank=self.launch.local_rank, rank=self.launch.rank, pid=proc.pid,
+                               exitcode=code, signal_name=signal_name(code), error_file=error_file,
+                               seen_at=time.time())
+        if self._on_exit is not None:
+            self._on_exit(self.exit)
+        return self.exit
+
+    def send_signal(self, sig: int) -> None:
+        """Forward `sig` to the worker's process group, if the worker still runs."""
+        if self.running:
+            self.signal_group(sig)
+
+    def signal_group(self, sig: int) -> None:
+        """Send `sig` to the worker's process group (its children included) while it may have members."""
+        if not self._group_alive or self._proc is None:
+            return
+        try:
+            os.killpg(self._proc.pid, sig)
+        except (ProcessLookupError, PermissionError):   # gone, or a member changed user: out of reach
+            self._group_alive = False
+
+    def output_pending(self) -> list[asyncio.Future[None]]:
+        """The worker's streams still open (a surviving child may hold them)."""
+        return [p.done for p in self._pumps if not p.done.done()]
+
+    def close_output(self) -> None:
+        """Stop reading the worker's streams, keeping what was read."""
+        for transport in self._transports:
+            transport.close()
+
+    def _watch_heartbeat(self, fd: int) -> None:
+        os.set_blocking(fd, False)
+        self._heartbeat_fd = fd
+        loop = asyncio.get_running_loop()
+        local_rank = self.launch.local_rank
+
+        def readable() -> None:
+            try:
+                data = os.read(fd, 4096)
+            except BlockingIOError:
+                return
+            except OSError:
+                data = b""
+            if not data:            # the worker (and every copy of its end) is gone
+                loop.remove_reader(fd)
+                return
+            if self._on_beat is not None:
+                self._on_beat(local_rank)
+
+        loop.add_reader(fd, readable)
+
+    def close_heartbeat(self) -> None:
+        if self._heartbeat_fd >= 0:
+            asyncio.get_running_loop().remove_reader(self._heartbeat_fd)
+            os.close(self._heartbeat_fd)
+            self._heartbeat_fd = -1

@@ -1,0 +1,355 @@
+"""`rdzv-ctl`: read and steer a running rdzv-server from a shell.
+
+    rdzv-ctl [--server URL | --endpoint HOST:PORT] [--json] [--token-file F] [--admin-token-file F]
+             [--tls-ca F] COMMAND ...
+      status [--offset N] [--limit N] one page of jobs, one line each
+      job JOB [--node-offset N] [--node-limit N]
+                                      one job: its round, members, spares, exclusions, last failure
+      events JOB [--last N] [--after SEQ]  the job's history
+      drain JOB NODE [--reason R]     take a node out of the job (it may not rejoin until cleared)
+      clear JOB NODE                  lift a node's exclusion or drain
+      close JOB [--reason R]          end the job now (its agents exit non-zero)
+      resize JOB --nnodes MIN:MAX     change min/max nodes (MIN: or :MAX keeps the other)
+
+The standard library (argparse, urllib, ssl, json) plus the token rule of protocol/ (no aiohttp), so
+it starts fast. HTTP, tokens and TLS are in ctl_client.py.
+Exit status: 0 done, 1 the server refused or could not be reached (one line on stderr), 2 bad usage.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import urllib.parse
+from collections.abc import Sequence
+from typing import Any
+
+from protocol.quoting import one_line
+from rdzv_ctl.client import (
+    ADMIN_TOKEN_ENV,
+    DEFAULT_SERVER,
+    TOKEN_ENV,
+    Client,
+    CtlError,
+    UsageError,
+    read_token,
+    server_url,
+    tls_context,
+)
+
+REASON_WIDTH = 60
+
+
+def _quote(part: str) -> str:
+    return urllib.parse.quote(part, safe="")
+
+
+# -- formatting -------------------------------------------------------------------------------------
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """Columns padded to their widest cell; the last column is not padded."""
+    # Cells may quote what clients sent (worker messages): control characters are shown escaped, so
+    # nothing a client sent can move the cursor or recolour the operator's terminal.
+    cells = [[str(h) for h in headers]] + [["-" if c is None else _visible(str(c)) for c in row] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in cells]
+    return "\n".join(lines)
+
+
+def _visible(text: str) -> str:
+    return one_line(text).replace("\t", "\\t")
+
+
+def truncate(text: str, width: int) -> str:
+    text = " ".join((text or "").split())
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
+def duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    if seconds < 60:
+        return f"{seconds:.1f}s"
+    m, s = divmod(int(seconds), 60)
+    if m < 60:
+        return f"{m}m{s:02d}s"
+    h, m = divmod(m, 60)
+    return f"{h}h{m:02d}m"
+
+
+def clock(iso_time: str | None) -> str:
+    """'2024-05-01T12:34:56.789Z' -> '12:34:56.789' (UTC, as the server sends it)."""
+    if not iso_time:
+        return "-"
+    return iso_time.split("T", 1)[-1].rstrip("Z")
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}{'' if n == 1 else 's'}"
+
+
+def _ranks(node: dict[str, Any]) -> str:
+    first, n = node.get("rank_offset"), node.get("local_world_size", 0)
+    if first is None:
+        return "-"
+    return str(first) if n <= 1 else f"{first}-{first + n - 1}"
+
+
+def _listed(doc: dict[str, Any], key: str) -> int:
+    """How many nodes a list has: the server's count (a list may be cut), else the list's length."""
+    return int(doc.get("counts", {}).get(key, len(doc.get(key) or [])))
+
+
+def format_status(doc: dict[str, Any]) -> str:
+    jobs = doc.get("jobs", [])
+    total = doc.get("total", len(jobs))
+    if not jobs:
+        if total:
+            return f"no jobs from offset {doc.get('offset')} (the server holds {_plural(total, 'job')})"
+        return f"no jobs on this server (server time {doc.get('time', '?')})"
+    rows = [(j["job_id"], j["state"], j.get("round_id"), j["world_size"],
+             f"{_listed(j, 'nodes')} ({j['min_nodes']}:{j['max_nodes']})",
+             f"{j['restart_count']}/{j['max_restarts']}", _listed(j, "spares"), _listed(j, "excluded"),
+             truncate(j.get("reason", ""), REASON_WIDTH)) for j in jobs]
+    out = table(("JOB", "STATE", "ROUND", "WORLD", "NODES", "RESTARTS", "SPARES", "EXCLUDED", "REASON"), rows)
+    offset = doc.get("offset", 0)
+    if offset or len(jobs) < total:
+        out += f"\njobs {offset + 1}-{offset + len(jobs)} of {total}"
+        if doc.get("next_offset") is not None:
+            out += f"; next page: rdzv-ctl status --offset {doc['next_offset']}"
+    return out
+
+
+def _cut(doc: dict[str, Any], key: str, what: str) -> list[str]:
+    """'N more WHAT (...)' when the server sent only part of a node list."""
+    shown, count = len(doc.get(key) or []), _listed(doc, key)
+    offset = doc.get("node_offset", 0)
+    if offset + shown >= count:
+        return [] if not offset or shown else [f"(no {what} from {offset}: {count} in all)"]
+    return [f"... {count - offset - shown} more {what} (rdzv-ctl job {doc['job_id']} "
+            f"--node-offset {offset + shown})"]
+
+
+def format_job(doc: dict[str, Any]) -> str:
+    out = [f"job        {doc['job_id']}",
+           f"state      {doc['state']}" + (f" since {doc['finished_at']}" if doc.get("finished_at") else ""),
+           f"reason     {_visible(doc.get('reason') or '-')}",
+           f"round      {doc['round_id'] if doc.get('round_id') is not None else '-'}: "
+           f"{_plural(doc['group_world_size'], 'node')}, world size {doc['world_size']} "
+           f"(nodes {doc['min_nodes']}:{doc['max_nodes']})",
+           f"restarts   {doc['restart_count']}/{doc['max_restarts']}",
+           f"created    {doc.get('created_at') or '-'}"]
+    if doc.get("last_call_ends_in_s") is not None:
+        out.append(f"last call  ends in {duration(max(0.0, doc['last_call_ends_in_s']))}")
+    out.append("")
+    if doc["nodes"]:
+        out.append(table(("RANK", "NODE", "ADDR", "WORKERS", "RANKS", "LEASE AGE", "WORKER STATE"), [
+            (n.get("group_rank"), n["node_id"], n["addr"], n["local_world_size"], _ranks(n),
+             duration(n["lease_age_s"]), n.get("worker_state", n["state"])) for n in doc["nodes"]]))
+    elif not _listed(doc, "nodes"):
+        out.append("no round running")
+    out += _cut(doc, "nodes", "members")
+    for title, key in (("waiting", "waiting"), ("spares", "spares")):
+        if doc.get(key):
+            out += ["", f"{title}:", table(("NODE", "ADDR", "WORKERS", "LEASE AGE"), [
+                (n["node_id"], n["addr"], n["local_world_size"], duration(n["lease_age_s"])) for n in doc[key]])]
+        out += _cut(doc, key, title)
+    if doc.get("excluded"):
+        out += ["", "excluded:", table(("NODE", "ADDR", "EXCLUSIONS", "TIME LEFT", "LEASE AGE"), [
+            (n["node_id"], n["addr"], n.get("exclusions"), duration(n.get("excluded_for_s")),
+             duration(n["lease_age_s"])) for n in doc["excluded"]])]
+    out += _cut(doc, "excluded", "excluded nodes")
+    drained = doc.get("drained")
+    if drained:   # newer servers list drained nodes; show them when present
+        items = drained.items() if isinstance(drained, dict) else \
+            [(d.get("node_id"), d.get("reason")) for d in drained]
+        out += ["", "drained:", table(("NODE", "REASON"), list(items))]
+    out += _cut(doc, "drained", "drained nodes")
+    failure = doc.get("last_failure")
+    if failure:
+        how = f"signal {failure['signal']}" if failure.get("signal") else f"exit code {failure.get('exitcode')}"
+        text = f"rank {failure.get('rank')} (local {failure.get('local_rank')}) on " \
+               f"{failure.get('host') or failure.get('node_id')}: {failure.get('reason', 'exited')}, {how}"
+        if failure.get("message"):
+            text += f": {_visible(failure['message'])}"
+        out += ["", f"last failure  {text}"]
+    return "\n".join(out)
+
+
+def format_events(doc: dict[str, Any], last: int | None) -> str:
+    events = doc.get("events", [])
+    if last is not None:       # the server already kept only the last N; an older one sends them all
+        events = events[-last:] if last > 0 else []
+    if not events:
+        return f"no events for job {doc.get('job_id')}"
+    return table(("TIME", "KIND", "NODE", "ROUND", "MESSAGE"), [
+        (clock(e.get("time")), e["kind"], e.get("node_id"), e.get("round_id"), e["message"]) for e in events])
+
+
+# -- commands ---------------------------------------------------------------------------------------
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected seconds > 0, got {text!r}")
+    return value
+
+
+def _count(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {text!r}")
+    return n
+
+
+def _nnodes(text: str) -> dict[str, int]:
+    """'2:4' -> both; '3' -> 3:3; '2:' or ':4' -> only the given side (the server keeps the other)."""
+    lo, sep, hi = text.partition(":")
+    try:
+        body = {"min_nodes": int(lo)} if lo else {}
+        if sep and hi:
+            body["max_nodes"] = int(hi)
+        elif not sep:
+            body["max_nodes"] = body["min_nodes"]
+    except (ValueError, KeyError):
+        raise argparse.ArgumentTypeError(
+            f"expected MIN:MAX, N, MIN: or :MAX with whole numbers, got {text!r}") from None
+    if not body:
+        raise argparse.ArgumentTypeError(f"give at least one of MIN and MAX, got {text!r}")
+    return body
+
+
+def _query(**params: int | None) -> str:
+    given = {k: v for k, v in params.items() if v is not None}
+    return "?" + urllib.parse.urlencode(given) if given else ""
+
+
+def run(args: argparse.Namespace, client: Client) -> str:
+    cmd = args.command
+    if cmd == "status":
+        doc = client.get("/v1/status" + _query(offset=args.offset, limit=args.limit))
+        return json.dumps(doc, indent=2) if args.json else format_status(doc)
+    job = _quote(args.job)
+    if cmd == "job":
+        doc = client.get(f"/v1/jobs/{job}" + _query(node_offset=args.node_offset, node_limit=args.node_limit))
+        return json.dumps(doc, indent=2) if args.json else format_job(doc)
+    if cmd == "events":
+        doc = client.get(f"/v1/jobs/{job}/events" + _query(after=args.after, limit=args.last))
+        if args.json:
+            return json.dumps(doc, indent=2)
+        return format_events(doc, args.last)
+    if cmd == "drain":
+        doc = client.post(f"/v1/admin/jobs/{job}/nodes/{_quote(args.node)}/drain", {"reason": args.reason})
+        done = f"drained node {args.node} from job {args.job}"
+    elif cmd == "clear":
+        doc = client.post(f"/v1/admin/jobs/{job}/nodes/{_quote(args.node)}/clear-exclusion", {})
+        done = f"cleared node {args.node} in job {args.job}: it may join again"
+    elif cmd == "close":
+        doc = client.post(f"/v1/admin/jobs/{job}/close", {"reason": args.reason})
+        done = f"closed job {args.job}"
+    else:   # resize
+        doc = client.post(f"/v1/admin/jobs/{job}/resize", args.nnodes)
+        done = f"resized job {args.job} to nodes {doc['min_nodes']}:{doc['max_nodes']}"
+    return json.dumps(doc, indent=2) if args.json else f"{done}\n\n{format_job(doc)}"
+
+
+def _positive(text: str) -> int:
+    n = _count(text)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}")
+    return n
+
+
+def build_parser() -> argparse.ArgumentParser:
+    # Connection options are accepted before or after the command (`rdzv-ctl status --json`).
+    common = argparse.ArgumentParser(add_help=False)
+    where = common.add_mutually_exclusive_group()
+    where.add_argument("--server", metavar="URL", default=argparse.SUPPRESS,
+                       help=f"server URL (default: $RDZV_SERVER or {DEFAULT_SERVER})")
+    where.add_argument("--endpoint", metavar="HOST:PORT", default=argparse.SUPPRESS,
+                       help="server as node-agent's --endpoint spells it (replicas: a:29400,b:29400)")
+    common.add_argument("--json", action="store_true", default=argparse.SUPPRESS,
+                        help="print the server's JSON instead of tables")
+    common.add_argument("--timeout", type=_seconds, default=argparse.SUPPRESS, metavar="S",
+                        help="seconds to wait for the server (default 10)")
+    common.add_argument("--token-file", metavar="F", default=argparse.SUPPRESS,
+                        help=f"file holding the server's token, for reading (or set ${TOKEN_ENV})")
+    common.add_argument("--admin-token-file", metavar="F", default=argparse.SUPPRESS,
+                        help=f"file holding the server's admin token, for drain/clear/close/resize "
+                             f"(or set ${ADMIN_TOKEN_ENV}); it reads too")
+    common.add_argument("--tls-ca", metavar="F", default=argparse.SUPPRESS,
+                        help="CA certificate(s) that signed the server's TLS certificate (https:// servers)")
+    p = argparse.ArgumentParser(prog="rdzv-ctl", parents=[common], allow_abbrev=False,
+                                description="Inspect and steer jobs on an rdzv-server.")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    st = sub.add_parser("status", parents=[common], help="one page of jobs, one line each")
+    st.add_argument("--offset", type=_count, metavar="N", help="skip the first N jobs (the next page)")
+    st.add_argument("--limit", type=_positive, metavar="N", help="at most N jobs (the server caps it)")
+    jb = sub.add_parser("job", parents=[common], help="one job in detail")
+    jb.add_argument("job", metavar="JOB")
+    jb.add_argument("--node-offset", type=_count, metavar="N", help="skip the first N nodes of each list")
+    jb.add_argument("--node-limit", type=_positive, metavar="N", help="at most N nodes per list")
+    ev = sub.add_parser("events", parents=[common], help="a job's history of rounds and decisions")
+    ev.add_argument("job", metavar="JOB")
+    ev.add_argument("--last", type=_count, metavar="N",
+                    help="at most N events: the newest N (with --after, the first N after SEQ)")
+    ev.add_argument("--after", type=_count, metavar="SEQ", help="only events after event number SEQ")
+    dr = sub.add_parser("drain", parents=[common], help="take a node out of a job (it may not rejoin)")
+    dr.add_argument("job", metavar="JOB")
+    dr.add_argument("node", metavar="NODE")
+    dr.add_argument("--reason", default="", help="why (recorded in the job's events)")
+    cl = sub.add_parser("clear", parents=[common], help="lift a node's exclusion or drain")
+    cl.add_argument("job", metavar="JOB")
+    cl.add_argument("node", metavar="NODE")
+    co = sub.add_parser("close", parents=[common], help="end a job now (its agents exit non-zero)")
+    co.add_argument("job", metavar="JOB")
+    co.add_argument("--reason", default="", help="why (recorded in the job's events)")
+    rs = sub.add_parser("resize", parents=[common], help="change a job's min/max nodes")
+    rs.add_argument("job", metavar="JOB")
+    rs.add_argument("--nnodes", type=_nnodes, required=True, metavar="MIN:MAX",
+                    help="new node range: MIN:MAX, N (= N:N), MIN: or :MAX (keeps the other)")
+    return p
+
+
+def _client(args: argparse.Namespace) -> Client:
+    """The client the options describe; UsageError when a file they name cannot be used."""
+    tls_ca = getattr(args, "tls_ca", None)
+    server = server_url(getattr(args, "server", None), getattr(args, "endpoint", None), tls_ca)
+    return Client(server, getattr(args, "timeout", 10.0),
+                  token=read_token("--token-file", getattr(args, "token_file", None), TOKEN_ENV),
+                  admin_token=read_token("--admin-token-file", getattr(args, "admin_token_file", None),
+                                         ADMIN_TOKEN_ENV),
+                  tls=tls_context(tls_ca))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    args.json = getattr(args, "json", False)
+    try:
+        client = _client(args)
+    except UsageError as exc:
+        print(f"rdzv-ctl: {exc}", file=sys.stderr)
+        return 2
+    try:
+        text = run(args, client)
+    except CtlError as exc:
+        print(f"rdzv-ctl: {exc}", file=sys.stderr)
+        return 1
+    try:
+        print(text, flush=True)
+    except BrokenPipeError:      # `rdzv-ctl events JOB | head`: stop quietly, as the docs of `signal` advise
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,113 @@
+"""Admission: who may join a job, and what a join does to the node's record.
+
+Functions over one job's `JobRules` (the same purity: `now` in, no I/O). A join is refused before
+anything changes when it asks for another config or runs another command, names a drained node, or
+names a node that a live agent holds (`node_conflict`: its lease runs or a poll of it is held open)
+without that node's credential. The agent that owns a node may join again (an idempotent repeat, or a
+changed address; without the secret when its instance made the record and no request has used the
+secret yet: the reply with the secret was lost); a new agent of a node whose agent is gone replaces
+it, keeping its failure history and exclusion.
+"""
+from __future__ import annotations
+
+from protocol.errors import ErrorCode
+from protocol.messages import JoinRequest, NodeState
+from protocol.quoting import quote
+from rdzv_server.core import credentials, leases
+from rdzv_server.core.errors import RendezvousError
+from rdzv_server.core.events import EventKind
+from rdzv_server.core.job_rules import JobRules
+from rdzv_server.core.records import NodeRecord
+
+
+def check_join(rules: JobRules, req: JoinRequest) -> None:
+    """Refuse a join to this (open) job before anything changes."""
+    job = rules.job
+    diffs = (job.join_config or job.config).differences(req.config)
+    if diffs:
+        raise RendezvousError(ErrorCode.CONFIG_CONFLICT,
+                              f"job {job.job_id!r} exists with another config: " + "; ".join(diffs))
+    if job.command and req.command and req.command != job.command:
+        raise RendezvousError(ErrorCode.CONFIG_CONFLICT, f"job {job.job_id!r} runs another command (fingerprint "
+                              f"{quote(job.command)}, this node's {quote(req.command)}): give this run its own "
+                              "--rdzv-id, or --no-command-check on every node if their scripts or arguments differ "
+                              "on purpose")
+    if req.node_id in job.drained:
+        raise RendezvousError(ErrorCode.NODE_DRAINED, f"node {req.node_id} was drained from job "
+                              f"{job.job_id!r} by the operator ({job.drained[req.node_id]})")
+
+
+def join(rules: JobRules, req: JoinRequest, now: float, credential: str = "", via: tuple[str, str] = ("", "")
+         ) -> str:
+    """Admit the node (again); returns the credential of a newly made record ("" otherwise).
+    `via`: (the address the join came from, the server's address it reached), as the shell saw them."""
+    check_join(rules, req)
+    job = rules.job
+    if req.command and not job.command:     # the first node that names its command sets the job's
+        job.command = req.command
+        rules.changed()
+    existing = job.nodes.get(req.node_id)
+    if existing is not None and credentials.owns(existing, req.credential, req.instance):
+        port = req.master_port or existing.master_port
+        if (existing.addr, existing.master_port, existing.seen_from, existing.server_addr, existing.probe_port) != \
+                (req.addr, port, *via, req.probe_port):
+            existing.addr, existing.master_port, existing.probe_port = req.addr, port, req.probe_port
+            existing.seen_from, existing.server_addr = via
+            rules.node_changed(existing.node_id)
+        existing.credential_used = existing.credential_used or bool(existing.credential_digest)
+        leases.renew(job, existing, now)
+        return ""
+    if (existing is not None and existing.credential_digest and not existing.credential_used and req.instance
+            and req.instance == existing.instance):
+        # The agent that made this record (its instance) joins again without the record's secret, which
+        # no request has carried yet: the reply that carried it was lost (the server restarted, or another
+        # replica took over, after the join was committed). A fresh secret replaces the one it never
+        # received. Once a request has carried the secret the agent has it, and such a join is a stale
+        # duplicate (a request of an abandoned connection delivered late, after a partition heals): it
+        # must not take the node from the agent, so the rules below answer it.
+        existing.credential_digest = credentials.digest(credential)
+        existing.credential_used = False
+        rules.node_changed(existing.node_id)
+        leases.renew(job, existing, now)
+        return credential
+    if existing is not None and existing.credential_digest and leases.live(existing, now):
+        raise RendezvousError(ErrorCode.NODE_CONFLICT, f"node id {req.node_id!r} is held by a live agent of "
+                              f"job {job.job_id!r} (heard from {now - existing.last_seen:.1f}s ago, at "
+                              f"{existing.addr}); give this agent another node id, or wait until that "
+                              f"agent is gone ({max(0.0, existing.lease_expires - now):.1f}s without contact)")
+    if existing is not None:
+        rules.remove(existing, now, EventKind.NODE_LOST, f"node {req.node_id} restarted (new agent instance)",
+                     failed_at=existing.last_seen)
+    node = NodeRecord(node_id=req.node_id, instance=req.instance, addr=req.addr, host=req.host or req.addr,
+                      role=req.role, local_world_size=req.local_world_size, master_port=req.master_port,
+                      state=NodeState.WAITING, joined_at=now, last_seen=now,
+                      lease_expires=now + job.config.lease_timeout_s,
+                      credential_digest=credentials.digest(credential), seen_from=via[0], server_addr=via[1],
+                      probe_port=req.probe_port)
+    rules.out.deadline(node.lease_expires)
+    if existing is not None:
+        # Same node, new agent: its failure history and any exclusion stay with the node id, so
+        # restarting the agent does not cut a cooldown short.
+        node.failure_times, node.exclusions = list(existing.failure_times), existing.exclusions
+        node.excluded_until = existing.excluded_until
+    job.nodes[node.node_id] = node
+    rules.node_changed(node.node_id)
+    rules.record(now, EventKind.NODE_JOINED, f"node {node.node_id} joined from {node.addr} "
+                 f"with {node.local_world_size} workers", node.node_id)
+    why = "its agent restarted"
+    losses, cfg = leases.recent_losses(job, node.node_id, now), job.config
+    if cfg.exclude_lost_after and losses >= cfg.exclude_lost_after:
+        # A host that keeps dropping out would cost every other node a round each way: kept out.
+        hold = min(cfg.exclude_lost_cooldown_s * 2 ** (losses - cfg.exclude_lost_after), cfg.exclude_cooldown_max_s)
+        if now + hold > node.excluded_until:
+            node.excluded_until = now + hold
+            why = f"it was lost {losses} times within {cfg.exclude_window_s:g}s: a flapping host"
+    if node.excluded_until > now:
+        node.state = NodeState.EXCLUDED
+        job.excluded.append(node.node_id)
+        rules.out.deadline(node.excluded_until)
+        rules.record(now, EventKind.NODE_EXCLUDED, f"node {node.node_id} is kept out for "
+                     f"{node.excluded_until - now:g}s ({why})", node.node_id)
+    else:
+        rules.admit(node, now)
+    return credential

@@ -1,0 +1,416 @@
+"""The rules of one job: rounds, leases, restarts, spares and exclusions, applied to its JobRecord.
+
+Theory of operation
+-------------------
+A job is a sequence of rounds. A round is one agreed fact: the ordered list of member nodes, and
+for each its group rank, global rank offset, the world size, the master address and the job-wide
+restart count. Nodes outside the round are *waiting* (admitted for the next round), *spare*
+(the job is at max: promoted when a member goes) or *excluded* (failed too often: cooling down).
+
+The next round is formed by `form_round`, from (live members in their old order) + waiting +
+spares, capped at max_nodes. That keeps ranks stable: rank 0 stays rank 0 while it lives.
+What triggers it:
+- the first round: at max nodes at once; at >= min nodes when the last-call window ends;
+- a worker failure of the running round: at once, restart count + 1 (job FAILED past the budget);
+- a member lost (lease expired, connection dropped) or leaving: at once, no budget consumed;
+  below min the job goes back to waiting for nodes until join_timeout;
+- a newcomer while running below max: after the last-call window, or at once when it fills max.
+
+Rules of the code: every method takes `now` (seconds; see `rendezvous.py` for which clock) and does
+no I/O. A request that cannot be obeyed raises `RendezvousError` before anything changes. Every
+decision records an `Event` with its reason; whatever a node's view or the saved state depends on
+goes to the outbox (`outbox.py`), which is how the shell learns what happened. Objects handed in
+(requests, failures, configs) are frozen or copied before they are kept.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from protocol.errors import ErrorCode
+from protocol.messages import (
+    FailureReport,
+    JobState,
+    LeaveRequest,
+    NodeState,
+    NodeStatus,
+    PollRequest,
+    SuccessReport,
+    WorkerFailure,
+)
+from rdzv_server.core import credentials, leases
+from rdzv_server.core.errors import RendezvousError
+from rdzv_server.core.events import REMOVAL_CAUSE, EventKind, RoundCause
+from rdzv_server.core.outbox import Outbox
+from rdzv_server.core.records import Event, JobRecord, NodeRecord
+from rdzv_server.core.rounds import (
+    build_round,
+    candidates,
+    count_nodes,
+    deadlines,
+    describe,
+    growth_cause,
+    master_address,
+    node_status,
+)
+
+DROP_GRACE_S = leases.DROP_GRACE_S
+MAX_FAILURE_EVENTS = 8       # worker_failed events one report records; the rest are summed up in one more
+
+_FINISHED_KIND = {JobState.SUCCEEDED: EventKind.JOB_SUCCEEDED, JobState.FAILED: EventKind.JOB_FAILED,
+                  JobState.CLOSED: EventKind.JOB_CLOSED}
+
+
+class JobRules:
+    """One job's rules over its record; cheap to make for each call."""
+
+    __slots__ = ("job", "out")     # a misspelt `self.x = ...` is a type error, not a new attribute
+
+    def __init__(self, job: JobRecord, out: Outbox) -> None:
+        self.job = job
+        self.out = out
+
+    # ---- requests -------------------------------------------------------------------------
+
+    def poll(self, req: PollRequest, now: float, hold: bool = False) -> None:
+        """A poll renews the lease; one the shell will hold open (`hold`) stops it until `poll_ended`."""
+        node = self.job.nodes.get(req.node_id)
+        if node is not None:
+            credentials.check(node, req.credential)
+            if req.master_port:      # a hint for the next round; saved with that round, not on its own
+                node.master_port = req.master_port
+            if hold:
+                leases.hold(self.job, node, now)
+            else:
+                leases.renew(self.job, node, now)
+
+    def poll_ended(self, node_id: str, now: float, heard_at: float | None = None) -> None:
+        """The server answered a long-poll of the node (it no longer holds it); `heard_at`: the last
+        sign of life on its connection."""
+        node = self.job.nodes.get(node_id)
+        if node is not None:
+            leases.release(self.job, node, now, self.out, heard_at)
+
+    def report_failure(self, req: FailureReport, now: float) -> str:
+        """Count a failure of the running round; returns why it was not acted on ("" when it was)."""
+        job = self.job
+        node = self.node(req.node_id)
+        credentials.check(node, req.credential)
+        wrong = [f.local_rank for f in req.failures if f.local_rank >= node.local_world_size]
+        if wrong or len(req.failures) > node.local_world_size:
+            raise RendezvousError(ErrorCode.BAD_REQUEST, f"the report names {len(req.failures)} failure(s) and local "
+                                  f"rank(s) {wrong[:5]}, but node {node.node_id} runs {node.local_world_size} workers")
+        leases.renew(job, node, now)
+        failures = sorted((_stamp(f, node, now) for f in req.failures), key=lambda f: f.timestamp)
+        stale = self.stale(node, req.round_id)
+        if stale:
+            # A late report on the round that just failed may hold the earlier failure: keep the
+            # job-wide root cause the first failure in time, but do not count it again.
+            if not job.state.finished and req.round_id == job.root_cause_round and job.root_cause is not None \
+                    and failures[0].timestamp < job.root_cause.timestamp:
+                job.root_cause = failures[0]
+                self.changed()
+            return stale
+        # A member whose connection just dropped (or whose lease ran out before the next tick) is
+        # the likelier cause: its loss comes first, and this failure (a peer's collective breaking)
+        # then belongs to a round that no longer runs.
+        suspects = [n for n in self.members() if n != node.node_id and n in job.nodes
+                    and not leases.live(job.nodes[n], now)]
+        if suspects:
+            self.lose_all([job.nodes[n] for n in suspects], now)
+            return f"failure attributed to the loss of {', '.join(suspects)}"
+        first = failures[0]
+        job.root_cause, job.root_cause_round, job.last_failure = first, req.round_id, first
+        job.restart_count += 1
+        for f in failures[:MAX_FAILURE_EVENTS]:
+            self.record(now, EventKind.WORKER_FAILED, describe(f), node.node_id, req.round_id,
+                        {"rank": f.rank, "local_rank": f.local_rank, "exitcode": f.exitcode, "signal": f.signal,
+                         "reason": f.reason, "host": f.host, "message": f.message})
+        rest = failures[MAX_FAILURE_EVENTS:]
+        if rest:       # one line for the rest: a node of many workers must not flood the history
+            self.record(now, EventKind.WORKER_FAILED, f"and {len(rest)} more worker(s) of node {node.node_id} "
+                        f"failed in round {req.round_id}", node.node_id, req.round_id,
+                        {"count": len(rest), "reason": rest[0].reason})
+        node.failure_times = [t for t in node.failure_times if t > now - job.config.exclude_window_s] + [now]
+        self.node_changed(node.node_id)
+        cfg = job.config
+        if job.restart_count > cfg.max_restarts:
+            self.finish(now, JobState.FAILED, f"worker failures exceeded max_restarts={cfg.max_restarts}; "
+                        f"root cause: {describe(job.root_cause or first)}")
+            return ""
+        self.out.restarts.append(job.job_id)
+        why = f"worker failure on {node.node_id} ({describe(first)}); restart {job.restart_count}" \
+              f"/{cfg.max_restarts}"
+        if cfg.exclude_after and len(node.failure_times) >= cfg.exclude_after:
+            self.exclude(node, now)
+        self.form_round(now, why, RoundCause.FAILURE, failed_at=first.timestamp)
+        return ""
+
+    def report_success(self, req: SuccessReport, now: float) -> str:
+        """Count a node's success; returns why it was not acted on ("" when it was)."""
+        job = self.job
+        node = self.node(req.node_id)
+        credentials.check(node, req.credential)
+        leases.renew(job, node, now)
+        stale = self.stale(node, req.round_id)
+        if stale:
+            return stale
+        if node.node_id not in job.successes:
+            job.successes.append(node.node_id)
+            self.record(now, EventKind.NODE_SUCCEEDED, f"node {node.node_id} finished round {req.round_id}",
+                        node.node_id, req.round_id)
+        assert job.round is not None
+        if set(job.round.members) <= set(job.successes):
+            self.finish(now, JobState.SUCCEEDED,
+                        f"all {len(job.round.members)} nodes of round {job.round.round_id} succeeded")
+        return ""
+
+    def leave(self, req: LeaveRequest, now: float) -> None:
+        node_id, reason = req.node_id, req.reason
+        node = self.job.nodes.get(node_id)
+        if node is not None:
+            credentials.check(node, req.credential)
+        if node is not None and not self.job.state.finished:
+            self.remove(node, now, EventKind.NODE_LEFT, f"node {node.node_id} left: {reason}")
+
+    def connection_dropped(self, node_id: str, now: float) -> None:
+        """A node's long-poll connection closed under it: give it a short grace to come back."""
+        node = self.job.nodes.get(node_id)
+        if node is not None and not self.job.state.finished:
+            leases.drop(self.job, node, now, self.out)
+
+    # ---- time ----------------------------------------------------------------------------
+
+    def tick(self, now: float, lag_s: float = 0.0, quiet_s: float | None = None, say_quiet: bool = True) -> int:
+        """Apply every deadline of this job that has passed. `quiet_s`: how long the server has heard
+        from no agent, when that is long enough to be its own fault (leases.py); lapsing leases are
+        then extended (and said so when `say_quiet`). Returns how many were extended."""
+        job = self.job
+        gone, deferred = leases.lapsed(job, now, lag_s)
+        if deferred:                    # judged again once the server has caught up
+            leases.extend(job, deferred, now, min(lag_s, job.config.lease_timeout_s), self.out)
+        extended = 0
+        if gone and quiet_s is not None:
+            leases.extend(job, gone, now, job.config.lease_timeout_s, self.out)
+            extended, gone = len(gone), []
+            if say_quiet:
+                self.record(now, EventKind.LEASES_EXTENDED, f"server heard from no agent for {quiet_s:.1f}s (its own "
+                            f"link or process was cut off or stalled, not {extended} node(s)): leases extended")
+        if gone:
+            self.lose_all(gone, now)
+        for nid in list(job.excluded):
+            node = job.nodes[nid]
+            if node.excluded_until <= now:
+                job.excluded.remove(nid)
+                self.record(now, EventKind.NODE_READMITTED, f"node {nid} finished its exclusion cooldown", nid)
+                self.admit(node, now)
+        if job.last_call_deadline is not None and job.last_call_deadline <= now:
+            job.last_call_deadline = None
+            self.form_round(now, "last call ended with " + count_nodes(candidates(job)), growth_cause(job))
+        if job.state == JobState.WAITING and job.last_call_deadline is None and \
+                job.join_deadline is not None and job.join_deadline <= now:
+            self.finish(now, JobState.FAILED, f"only {len(job.waiting)} of min {job.config.min_nodes} nodes "
+                        f"joined within join_timeout {job.config.join_timeout_s:g}s")
+        return extended
+
+    def next_deadline(self) -> float | None:
+        return None if self.job.state.finished else min(deadlines(self.job), default=None)
+
+    def view(self, node_id: str, now: float, *, accepted: bool = True, reason: str = "") -> NodeStatus:
+        return node_status(self.job, node_id, now, accepted=accepted, reason=reason)
+
+    # ---- the mechanics of rounds (operator rules use these too) -----------------------------
+
+    def admit(self, node: NodeRecord, now: float) -> None:
+        """Place a newly joined (or readmitted) node: waiting for the next round, or spare."""
+        job, cfg = self.job, self.job.config
+        if len(self.members()) + len(job.waiting) < cfg.max_nodes:
+            node.state = NodeState.WAITING
+            job.waiting.append(node.node_id)
+            if job.forming_since is None:
+                job.forming_since = now
+                self.record(now, EventKind.ROUND_OPENED, f"round {job.last_round_id + 1} opened by {node.node_id}: "
+                            f"collecting nodes ({cfg.min_nodes}:{cfg.max_nodes})", node.node_id)
+            total = len(self.members()) + len(job.waiting)
+            if total >= cfg.max_nodes:
+                self.form_round(now, f"max_nodes {cfg.max_nodes} reached", growth_cause(job))
+            elif total >= cfg.min_nodes and job.last_call_deadline is None:
+                if cfg.last_call_s <= 0:
+                    self.form_round(now, f"{total} nodes (last call 0s)", growth_cause(job))
+                else:
+                    job.last_call_deadline = now + cfg.last_call_s
+                    self.out.deadline(job.last_call_deadline)
+        else:
+            node.state = NodeState.SPARE
+            job.spares.append(node.node_id)
+            self.record(now, EventKind.NODE_BENCHED, f"node {node.node_id} is spare #{len(job.spares)} "
+                        f"(job at max_nodes {cfg.max_nodes})", node.node_id)
+
+    def form_round(self, now: float, why: str, cause: RoundCause, failed_at: float | None = None) -> None:
+        """Form the next round from live members + waiting + spares, or go back to waiting.
+
+        `failed_at`, when a failure or loss caused it, is when that happened (worker exit, or the
+        lost node's last contact).
+        """
+        job, cfg = self.job, self.job.config
+        pool = candidates(job)
+        chosen, rest = pool[: cfg.max_nodes], pool[cfg.max_nodes:]
+        job.last_call_deadline = None
+        job.successes = []
+        self.wake()
+        if len(chosen) < cfg.min_nodes:
+            if job.round is not None or job.state != JobState.WAITING:
+                self.record(now, EventKind.ROUND_ABANDONED, f"{why}; {count_nodes(chosen)} < min "
+                            f"{cfg.min_nodes}: waiting for nodes", data={"cause": cause.value})
+            job.round = None
+            job.state = JobState.WAITING
+            job.waiting, job.spares = chosen, rest
+            for nid in chosen:
+                job.nodes[nid].state = NodeState.WAITING
+            if job.join_deadline is None:
+                job.join_deadline = now + cfg.join_timeout_s
+                self.out.deadline(job.join_deadline)
+            job.reason = f"{why}; waiting for nodes"
+            return
+        opened = job.forming_since if job.forming_since is not None else now
+        job.last_round_id += 1
+        job.round = build_round(job, chosen, job.last_round_id, opened, now, why)
+        _, corrected = master_address([job.nodes[n] for n in chosen])
+        if corrected:
+            self.record(now, EventKind.MASTER_ADDR_CORRECTED, corrected, chosen[0], job.last_round_id)
+        job.state = JobState.RUNNING
+        job.waiting, job.spares = [], rest
+        for nid in chosen:
+            job.nodes[nid].state = NodeState.MEMBER
+        for nid in rest:
+            job.nodes[nid].state = NodeState.SPARE
+        job.forming_since = None
+        job.join_deadline = None
+        job.reason = why
+        data: dict[str, Any] = {"nodes": len(chosen), "world_size": job.round.world_size, "reason": why,
+                                "cause": cause.value, "formation_s": round(now - opened, 6)}
+        if failed_at:
+            data["since_failure_s"] = round(max(0.0, now - failed_at), 6)
+        self.record(now, EventKind.ROUND_COMPLETED, f"round {job.round.round_id}: {len(chosen)} nodes, world size "
+                    f"{job.round.world_size} ({why})", round_id=job.round.round_id, data=data)
+
+    def lose_all(self, nodes: list[NodeRecord], now: float) -> None:
+        """Nodes lost together leave together: one round forms without any of them."""
+        members = set(self.members())
+        lost = []
+        for node in nodes:
+            leases.note_loss(self.job, node.node_id, now)
+            message = f"node {node.node_id} lost: {leases.why_lapsed(self.job, node, now)}"
+            self.remove(node, now, EventKind.NODE_LOST, message, form=False)
+            if node.node_id in members:
+                lost.append((node, message))
+        if lost:
+            self.job.forming_since = now
+            names = ", ".join(n.node_id for n, _ in lost[:10]) + (" ..." if len(lost) > 10 else "")
+            why = lost[0][1] if len(lost) == 1 else f"{len(lost)} nodes lost: {names}"
+            self.form_round(now, why, RoundCause.NODE_LOST, failed_at=min(n.last_seen for n, _ in lost))
+
+    def remove(self, node: NodeRecord, now: float, kind: EventKind, message: str,
+               failed_at: float | None = None, form: bool = True) -> None:
+        """Take a node out of the job (lost, left or drained); a member's going re-forms the round
+        (unless `form` is False: the caller forms it once for several)."""
+        job = self.job
+        was_member = node.node_id in self.members()
+        del job.nodes[node.node_id]
+        self.node_changed(node.node_id)
+        for queue in (job.waiting, job.spares, job.excluded, job.successes):
+            if node.node_id in queue:
+                queue.remove(node.node_id)
+        self.wake()
+        self.record(now, kind, message, node.node_id)
+        if was_member:
+            if form:
+                job.forming_since = now
+                self.form_round(now, message, REMOVAL_CAUSE[kind], failed_at)
+        elif job.last_call_deadline is not None:
+            # The window was for a round with more nodes: below min, or (while a round runs) with no
+            # newcomer left, there is nothing for it to form.
+            if len(self.members()) + len(job.waiting) < job.config.min_nodes:
+                job.last_call_deadline = None
+            elif job.round is not None and not job.waiting:
+                job.last_call_deadline = job.forming_since = None
+
+    def exclude(self, node: NodeRecord, now: float) -> None:
+        job, cfg = self.job, self.job.config
+        cooldown = min(cfg.exclude_cooldown_s * (2 ** node.exclusions), cfg.exclude_cooldown_max_s)
+        node.exclusions += 1
+        node.excluded_until = now + cooldown
+        self.node_changed(node.node_id)
+        self.out.deadline(node.excluded_until)
+        node.failure_times = []
+        node.state = NodeState.EXCLUDED
+        for queue in (job.waiting, job.spares):
+            if node.node_id in queue:
+                queue.remove(node.node_id)
+        job.excluded.append(node.node_id)
+        if job.round is not None and node.node_id in job.round.members:
+            job.round.members = [m for m in job.round.members if m != node.node_id]
+        self.record(now, EventKind.NODE_EXCLUDED, f"node {node.node_id} excluded for {cooldown:g}s after "
+                    f"{cfg.exclude_after} worker failures within {cfg.exclude_window_s:g}s", node.node_id)
+
+    def finish(self, now: float, state: JobState, why: str) -> None:
+        job = self.job
+        job.state = state
+        job.reason = why
+        job.finished_at = now
+        job.last_call_deadline = job.join_deadline = None
+        self.wake()
+        self.record(now, _FINISHED_KIND[state], f"job {state.value}: {why}")
+
+    def stale(self, node: NodeRecord, round_id: int) -> str:
+        """Why a report about `round_id` from `node` is not about the running round ("" when it is)."""
+        job = self.job
+        if job.state.finished:
+            return f"job already {job.state.value}"
+        if job.round is None or job.round.round_id != round_id:
+            current = job.round.round_id if job.round else "none (waiting for nodes)"
+            return f"stale: report for round {round_id} but the current round is {current}"
+        if node.node_id not in job.round.members:
+            return f"stale: node {node.node_id} is not a member of round {round_id}"
+        return ""
+
+    def members(self) -> list[str]:
+        return list(self.job.round.members) if self.job.round is not None else []
+
+    def node(self, node_id: str) -> NodeRecord:
+        node = self.job.nodes.get(node_id)
+        if node is None:
+            raise RendezvousError(ErrorCode.UNKNOWN_NODE,
+                                  f"node {node_id!r} is not part of job {self.job.job_id!r}: join again")
+        return node
+
+    # ---- effects -------------------------------------------------------------------------
+
+    def record(self, now: float, kind: EventKind, message: str, node_id: str = "", round_id: int = -1,
+               data: dict[str, Any] | None = None) -> None:
+        event = Event(t=now, seq=0, kind=kind, message=message, node_id=node_id, round_id=round_id,
+                      data=data or {})
+        self.job.record(event)
+        self.out.events.append((self.job, event))
+        self.changed()
+
+    def wake(self) -> None:
+        """Some node's view of the job may have changed: answer its held long-poll."""
+        self.job.epoch += 1
+        self.out.woken.add(self.job.job_id)
+        self.changed()
+
+    def changed(self) -> None:
+        """The job's saved state changed: the store must write it before a reply depends on it."""
+        self.out.changed[self.job.job_id] = self.job
+
+    def node_changed(self, node_id: str) -> None:
+        """A node's saved record changed, or it was removed (snapshots.py: rows that scale with the change)."""
+        self.out.nodes.setdefault(self.job.job_id, set()).add(node_id)
+        self.changed()
+
+
+def _stamp(f: WorkerFailure, node: NodeRecord, now: float) -> WorkerFailure:
+    """A copy of `f` with the reporter's host, node id and (when missing) the arrival time."""
+    return msgspec.structs.replace(f, host=f.host or node.host, node_id=node.node_id, timestamp=f.timestamp or now)

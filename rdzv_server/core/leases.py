@@ -1,0 +1,117 @@
+"""Leases: when the server may conclude that a node is gone, and when it must not.
+
+A node's lease says the server has reason to think it alive:
+- every request from the node renews it: the lease then runs `lease_timeout_s` from that request;
+- while a long-poll of the node is held open the lease does not run at all: the open connection
+  is the lease (TCP keepalive on the server's sockets ends a connection whose host died or was cut
+  off, which counts as the connection closing);
+- when a held poll's connection closes under it, the node has DROP_GRACE_S (capped by its lease)
+  to come back: a dying agent's connection is the fastest evidence there is.
+
+Evidence must be about the node, never about the server itself:
+- when the server heard from no agent at all for QUIET_S (longer than any healthy node waits
+  between requests), it is the server that was cut off or stalled: leases that lapse then are
+  extended instead, and nobody is lost, until the silence has lasted OUTAGE_LIMIT_S (the agents'
+  default --server-wait), after which it means what it says;
+- a lease that runs out after the server has heard from nobody for SUSPECT_QUIET_S waits: the
+  server's own link may have just gone, and a held poll's last sign of life can predate that by a
+  keepalive period, so such a lease could otherwise run out before the quiet rule sees the outage;
+  it is judged again once someone is heard (then it lapses) or by the quiet rule;
+- a lease does not lapse while the server runs `lag_s` behind (its event loop late, requests
+  waiting in its own backlog); it is judged again once the server has caught up. A connection that
+  closed is evidence about the node itself, busy server or not.
+Several nodes lapsing at once leave together, so one round forms without any of them.
+"""
+from __future__ import annotations
+
+from rdzv_server.core.outbox import Outbox
+from rdzv_server.core.records import JobRecord, NodeRecord
+
+DROP_GRACE_S = 1.0
+QUIET_S = 4.0
+SUSPECT_QUIET_S = 1.5   # silence from everyone past this: a lapsing lease waits (judged again once someone is heard)
+OUTAGE_LIMIT_S = 60.0
+MAX_LOSS_HISTORY = 1000      # nodes whose losses a job remembers
+MAX_LOSSES_KEPT = 32         # losses remembered per node
+
+
+def renew(job: JobRecord, node: NodeRecord, now: float) -> None:
+    """Traffic from the node: its lease runs from now (later only: no deadline comes closer)."""
+    node.last_seen = now
+    node.dropped = False
+    node.lease_expires = now + job.config.lease_timeout_s
+
+
+def hold(job: JobRecord, node: NodeRecord, now: float) -> None:
+    """A long-poll of the node is now held open: its lease stops running."""
+    renew(job, node, now)
+    node.holding += 1
+
+
+def release(job: JobRecord, node: NodeRecord, now: float, out: Outbox, heard_at: float | None = None) -> None:
+    """A held long-poll was answered: the lease runs again, from the last evidence that the node was
+    alive (`heard_at`: its connection's last ACK, a keepalive probe's answer included), not from the
+    answer itself, which says nothing about the node: a host cut off during the hold is still found
+    within a lease of the cut."""
+    node.holding = max(0, node.holding - 1)
+    renew(job, node, max(node.last_seen, min(now, heard_at if heard_at is not None else now)))
+    if node.holding == 0:
+        out.deadline(node.lease_expires)
+
+
+def drop(job: JobRecord, node: NodeRecord, now: float, out: Outbox) -> None:
+    """A held long-poll's connection closed under it: a short grace to come back."""
+    node.holding = max(0, node.holding - 1)
+    node.dropped = True
+    node.lease_expires = min(node.lease_expires, now + min(DROP_GRACE_S, job.config.lease_timeout_s))
+    out.deadline(node.lease_expires)
+
+
+def running(node: NodeRecord) -> bool:
+    """Whether the node's lease is running (no poll of it held open)."""
+    return node.holding == 0
+
+
+def live(node: NodeRecord, now: float) -> bool:
+    """Whether the node may still be alive: a poll held open, or a lease not yet lapsed."""
+    return node.holding > 0 or (not node.dropped and node.lease_expires > now)
+
+
+def lapsed(job: JobRecord, now: float, lag_s: float) -> tuple[list[NodeRecord], list[NodeRecord]]:
+    """(nodes whose lease has lapsed, nodes whose lease would have but the server runs behind)."""
+    gone: list[NodeRecord] = []
+    deferred: list[NodeRecord] = []
+    for node in job.nodes.values():
+        if node.holding == 0 and node.lease_expires <= now:
+            # a closed connection is evidence about the node however busy the server is
+            (gone if node.dropped or node.lease_expires + lag_s <= now else deferred).append(node)
+    return gone, deferred
+
+
+def extend(job: JobRecord, nodes: list[NodeRecord], now: float, by: float, out: Outbox) -> None:
+    """Give `nodes` `by` seconds more (the server was cut off or behind: not their fault)."""
+    for node in nodes:
+        node.dropped = False
+        node.lease_expires = now + by
+    out.deadline(now + by)
+
+
+def note_loss(job: JobRecord, node_id: str, now: float) -> None:
+    """Remember when a node was lost (its record is gone): a host that keeps dropping out is kept
+    out when it comes back (admission.py), so it cannot cost every other node a round each way."""
+    window = job.config.exclude_window_s
+    history = job.loss_times
+    history[node_id] = [t for t in history.get(node_id, []) if t > now - window][-MAX_LOSSES_KEPT:] + [now]
+    if len(history) > MAX_LOSS_HISTORY:          # bounded: the nodes lost longest ago are forgotten
+        for old in sorted(history, key=lambda n: history[n][-1])[: len(history) - MAX_LOSS_HISTORY]:
+            del history[old]
+
+
+def recent_losses(job: JobRecord, node_id: str, now: float) -> int:
+    return sum(t > now - job.config.exclude_window_s for t in job.loss_times.get(node_id, []))
+
+
+def why_lapsed(job: JobRecord, node: NodeRecord, now: float) -> str:
+    if node.dropped:
+        return "its connection closed"
+    return f"no contact for {now - node.last_seen:.1f}s (lease {job.config.lease_timeout_s:g}s)"

@@ -1,0 +1,90 @@
+"""Operator actions on an open job: close it, drain a node, clear an exclusion, change min/max.
+
+Functions over one job's `JobRules`, with the same purity (`now` in, no I/O). Each either raises
+`RendezvousError` having changed nothing, or records an event saying who asked and why. The
+registry (`rendezvous.py`) refuses them on a finished job before calling them.
+"""
+from __future__ import annotations
+
+import msgspec
+
+from protocol.errors import ErrorCode
+from protocol.messages import JobConfig, JobState, NodeState
+from rdzv_server.core.errors import RendezvousError
+from rdzv_server.core.events import EventKind, RoundCause
+from rdzv_server.core.job_rules import JobRules
+
+
+def close(rules: JobRules, reason: str, now: float) -> None:
+    """End a job now: agents stop their workers and exit (non-zero: the job did not succeed)."""
+    rules.finish(now, JobState.CLOSED, f"closed by operator: {reason or 'no reason given'}")
+
+
+def drain(rules: JobRules, node_id: str, reason: str, now: float) -> None:
+    """Take a node out of the job; it may not join again until its drain is cleared.
+
+    A member's departure re-forms the round at once without using the restart budget, as a
+    node leaving would; its agent sees the node gone, stops its workers and exits.
+    """
+    job = rules.job
+    why = reason or "no reason given"
+    job.drained[node_id] = why
+    node = job.nodes.get(node_id)
+    if node is None:    # lost or not yet joined: it may not (re)join
+        rules.wake()
+        rules.record(now, EventKind.NODE_DRAINED, f"node {node_id} (not in the job now) drained by operator: {why}",
+                     node_id)
+        return
+    rules.remove(node, now, EventKind.NODE_DRAINED, f"node {node_id} drained by operator: {why}")
+
+
+def clear_exclusion(rules: JobRules, node_id: str, now: float) -> None:
+    """Readmit an excluded node now (its failure history is forgotten), or lift a drain."""
+    job = rules.job
+    if node_id in job.drained:
+        del job.drained[node_id]
+        rules.wake()
+        rules.record(now, EventKind.NODE_UNDRAINED,
+                     f"drain of node {node_id} cleared by operator: it may join again", node_id)
+        return
+    node = job.nodes.get(node_id)
+    if node is None or node_id not in job.excluded:
+        raise RendezvousError(ErrorCode.NOT_FOUND,
+                              f"node {node_id!r} is neither excluded nor drained in job {job.job_id!r}")
+    job.excluded.remove(node_id)
+    node.excluded_until, node.failure_times, node.exclusions = now, [], 0
+    rules.node_changed(node_id)
+    rules.record(now, EventKind.NODE_READMITTED, f"exclusion of node {node_id} cleared by operator", node_id)
+    rules.wake()
+    rules.admit(node, now)
+
+
+def resize(rules: JobRules, min_nodes: int, max_nodes: int, now: float) -> None:
+    """Change a job's min/max nodes. Joins keep matching the config the job started with."""
+    job = rules.job
+    try:
+        # convert, not replace: it checks the fields' bounds as a join's decoding would
+        config = msgspec.convert({**msgspec.structs.asdict(job.config), "min_nodes": min_nodes,
+                                  "max_nodes": max_nodes}, JobConfig)
+    except msgspec.ValidationError as exc:
+        raise RendezvousError(ErrorCode.BAD_REQUEST, f"cannot resize job {job.job_id!r}: {exc}") from None
+    old = job.config
+    if job.join_config is None:
+        job.join_config = old
+    job.config = config
+    rules.wake()
+    rules.record(now, EventKind.JOB_RESIZED, f"nodes {old.min_nodes}:{old.max_nodes} -> {min_nodes}:{max_nodes} "
+                 "by operator", data={"min_nodes": min_nodes, "max_nodes": max_nodes})
+    members = rules.members()
+    why = f"resized to {min_nodes}:{max_nodes} by operator"
+    if job.round is not None:
+        extra = job.waiting or job.spares
+        if len(members) > max_nodes or len(members) < min_nodes or (extra and len(members) < max_nodes):
+            rules.form_round(now, why, RoundCause.RESIZED)
+        elif job.waiting:      # already at the new max: newcomers become spares, no round to form
+            for nid in job.waiting:
+                job.nodes[nid].state = NodeState.SPARE
+            job.spares, job.waiting = job.waiting + job.spares, []
+            job.last_call_deadline = job.forming_since = None
+    elif len(job.waiting) + len(job.spares) >= min_nodes:
+        rules.form_round(now, why, RoundCause.RESIZED)

@@ -1,0 +1,103 @@
+"""Plain-data records the rendezvous core keeps per job.
+
+They are msgspec structs so the whole state of a job can be encoded as it is (the durable store
+and the status API both read them). No behaviour lives here; the rules are in `job_rules.py`.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from protocol.messages import Assignment, JobConfig, JobState, NodeState, WorkerFailure
+from rdzv_server.core.events import EventKind
+
+MAX_EVENTS_PER_JOB = 1000
+
+
+class NodeRecord(msgspec.Struct, kw_only=True):
+    node_id: str
+    instance: str
+    addr: str
+    host: str
+    role: str
+    local_world_size: int
+    master_port: int
+    state: NodeState
+    joined_at: float
+    last_seen: float
+    lease_expires: float
+    dropped: bool = False              # its long-poll connection closed: lease cut to a short grace
+    holding: int = 0                   # its long-polls held open now: the lease waits (leases.py)
+    failure_times: list[float] = msgspec.field(default_factory=list)
+    exclusions: int = 0                # how often it was excluded (cooldown doubles each time)
+    excluded_until: float = 0.0
+    credential_digest: str = ""        # sha256 of the secret its join was given ("": none was issued)
+    credential_used: bool = False      # a request has carried that secret: its agent has it (admission.py)
+    seen_from: str = ""                # the address its join came from (as the server saw it)
+    probe_port: int = 0                # where its agent answers other agents' probes (0: none)
+    server_addr: str = ""              # the server's address its join reached
+
+
+class RoundRecord(msgspec.Struct, kw_only=True):
+    round_id: int
+    members: list[str]                 # node ids by group rank
+    assignments: dict[str, Assignment]
+    opened_at: float                   # when the decision to form it was taken (or first node waited)
+    completed_at: float
+    reason: str
+    world_size: int
+    restart_count: int
+
+
+class Event(msgspec.Struct, kw_only=True):
+    """One decision or fact in a job's history, with the reason a human reads."""
+    t: float
+    seq: int                           # per job, grows by one per event
+    kind: EventKind
+    message: str
+    node_id: str = ""
+    round_id: int = -1
+    data: dict[str, Any] = msgspec.field(default_factory=dict)
+
+
+class JobRecord(msgspec.Struct, kw_only=True):
+    job_id: str
+    config: JobConfig
+    state: JobState
+    created_at: float
+    nodes: dict[str, NodeRecord] = msgspec.field(default_factory=dict)
+    round: RoundRecord | None = None        # the round now running (None while waiting)
+    last_round_id: int = 0                     # ids only grow, across all rounds ever formed
+    waiting: list[str] = msgspec.field(default_factory=list)  # admitted, for the next round, in order
+    spares: list[str] = msgspec.field(default_factory=list)
+    excluded: list[str] = msgspec.field(default_factory=list)
+    drained: dict[str, str] = msgspec.field(default_factory=dict)  # node id -> operator's reason: may not join
+    loss_times: dict[str, list[float]] = msgspec.field(default_factory=dict)  # node id -> when it was lost
+    join_config: JobConfig | None = None    # the config joins must match, once an operator resized the job
+    command: str = ""                       # fingerprint of the command every node runs ("": not checked)
+    restart_count: int = 0
+    forming_since: float | None = None      # when the next round started forming
+    last_call_deadline: float | None = None
+    join_deadline: float | None = None
+    successes: list[str] = msgspec.field(default_factory=list)
+    root_cause: WorkerFailure | None = None        # first failure in time of the last failed round
+    root_cause_round: int = -1
+    last_failure: WorkerFailure | None = None
+    finished_at: float | None = None
+    reason: str = ""                           # the latest decision's reason
+    epoch: int = 0                             # bumped when any node's assignment view may change
+    event_seq: int = 0
+    events: list[Event] = msgspec.field(default_factory=list)
+
+    def events_after(self, seq: int) -> list[Event]:
+        """The kept events newer than `seq` (seqs are consecutive, so no scan of the history)."""
+        newer = self.event_seq - seq
+        return self.events[-newer:] if newer > 0 else []
+
+    def record(self, event: Event) -> None:
+        self.event_seq += 1
+        event.seq = self.event_seq
+        self.events.append(event)
+        if len(self.events) > MAX_EVENTS_PER_JOB:
+            del self.events[: len(self.events) - MAX_EVENTS_PER_JOB]

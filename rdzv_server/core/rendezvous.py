@@ -1,0 +1,329 @@
+"""The rendezvous core: every job of one server, and what happens across them.
+
+One job's rules live in `job_rules.py` (rounds, leases, restarts, spares, exclusions) and the
+operator's actions in `operator_rules.py`; this registry creates jobs, reuses finished ids, routes
+each request to its job's rules, ticks deadlines, and re-arms everything after a restart. What each
+call did is collected in `outbox` for the shell to drain (see `outbox.py`).
+
+Time: every method takes `now` and does no I/O. The rules only compare and subtract times, so any
+clock works as long as one core is driven by one clock; the server passes wall time (see
+coordinator.py for why) and `node-agent --standalone` does the same through the same shell.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+from protocol.errors import ErrorCode, unknown_job
+from protocol.messages import (
+    FailureReport,
+    JobConfig,
+    JobState,
+    JoinRequest,
+    LeaveRequest,
+    NodeStatus,
+    PollRequest,
+    SuccessReport,
+)
+from rdzv_server.core import admission, operator_rules
+from rdzv_server.core.errors import RendezvousError
+from rdzv_server.core.events import EventKind
+from rdzv_server.core.job_rules import DROP_GRACE_S, JobRules
+from rdzv_server.core.leases import OUTAGE_LIMIT_S, QUIET_S, SUSPECT_QUIET_S
+from rdzv_server.core.outbox import Outbox
+from rdzv_server.core.records import JobRecord
+
+__all__ = ["DROP_GRACE_S", "REUSE_FINISHED_AFTER_S", "Rendezvous", "RendezvousError"]
+
+# A finished job's id starts a new run at once for a join from an agent that was not part of the
+# finished run. An agent of that run (same instance) joining again within this long is late for it
+# and refused; after it, anything starts a new run (the old run's agents have exited by then).
+REUSE_FINISHED_AFTER_S = 10.0
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one server holds at most (`rdzv-server --retain-finished`, `--max-jobs`, `--max-nodes`)."""
+    retain_finished_s: float = 3600.0    # a finished job is forgotten this long after it ended
+    max_jobs: int = 10_000               # jobs held, finished ones included (the oldest finished go first)
+    max_nodes: int = 1_000_000           # node records over all jobs
+
+
+def node_room(config: JobConfig) -> int:
+    """Node records one job may hold: its max_nodes, plus as many (at least 16) spares and waiters."""
+    return config.max_nodes + max(16, config.max_nodes)
+
+class Rendezvous:
+    """All jobs of one server. Not thread-safe: one event loop drives it."""
+
+    def __init__(self, jobs: dict[str, JobRecord] | None = None, limits: Limits | None = None) -> None:
+        self.jobs: dict[str, JobRecord] = jobs if jobs is not None else {}
+        self.limits = limits or Limits()
+        self.outbox = Outbox()
+        self.node_count = sum(len(j.nodes) for j in self.jobs.values())
+        self.heard_at: float | None = None   # the last agent request of any job (None: none yet)
+        self._quiet_noted: set[str] = set()   # jobs told of the server's silence since it last heard
+
+    def _heard(self, now: float) -> None:
+        if self.heard_at is None or now > self.heard_at:
+            self.heard_at = now
+            self._quiet_noted.clear()
+
+    def take_effects(self) -> Outbox:
+        """What the calls since the last take did (see outbox.py)."""
+        for job, _ in self.outbox.events:      # a job that just ended is due to be forgotten in time
+            if job.state.finished and job.finished_at is not None:
+                self.outbox.deadline(self._forget_at(job.finished_at))
+        return self.outbox.drain()
+
+    # ---- requests -------------------------------------------------------------------------
+
+    def join(self, job_id: str, req: JoinRequest, now: float, credential: str = "",
+             via: tuple[str, str] = ("", "")) -> NodeStatus:
+        """Admit a node; `credential` is the secret a newly made node record gets (the shell makes it)."""
+        self._heard(now)
+        job = self.jobs.get(job_id)
+        if job is not None and job.state.finished:
+            late = job.finished_at is None or now - job.finished_at < REUSE_FINISHED_AFTER_S
+            if late and (not req.instance or any(n.instance == req.instance for n in job.nodes.values())):
+                raise RendezvousError(ErrorCode.JOB_FINISHED,
+                                      f"job {job_id!r} has already {job.state.value}: {job.reason}")
+            self._check_room(None, now)
+            rules = self._create(job_id, req.config, req.node_id, now)
+            rules.record(now, EventKind.JOB_REUSED,
+                         f"job id reused: the previous run {job.state.value} ({job.reason})")
+        elif job is None:
+            self._check_room(None, now)
+            rules = self._create(job_id, req.config, req.node_id, now)
+        else:
+            rules = JobRules(job, self.outbox)
+            if req.node_id not in job.nodes:
+                admission.check_join(rules, req)   # a refusal for what was asked comes before one for room
+                self._check_room(job, now)
+        with self._counting(rules.job):
+            issued = admission.join(rules, req, now, credential, via)
+        status = rules.view(req.node_id, now)
+        status.credential = issued
+        return status
+
+    @contextmanager
+    def _counting(self, job: JobRecord) -> Iterator[None]:
+        """Keep `node_count` (all jobs' node records) right across a call that may add or remove some."""
+        before = len(job.nodes)
+        try:
+            yield
+        finally:
+            self.node_count += len(job.nodes) - before
+
+    def _check_room(self, job: JobRecord | None, now: float) -> None:
+        """Refuse a new job or node record past the server's limits (after forgetting what may go)."""
+        lim = self.limits
+        if job is None and len(self.jobs) >= lim.max_jobs:
+            self._prune(now, oldest_first=len(self.jobs) - lim.max_jobs + 1)
+            if len(self.jobs) >= lim.max_jobs:
+                raise RendezvousError(ErrorCode.LIMIT_REACHED, f"this server holds {len(self.jobs)} jobs, its "
+                                      f"limit (--max-jobs {lim.max_jobs}), and none has finished; retry later")
+        if job is not None and len(job.nodes) >= node_room(job.config):
+            raise RendezvousError(ErrorCode.LIMIT_REACHED, f"job {job.job_id!r} holds {len(job.nodes)} nodes, "
+                                  f"its limit (max_nodes {job.config.max_nodes} plus as many spares)")
+        if self.node_count >= lim.max_nodes:
+            raise RendezvousError(ErrorCode.LIMIT_REACHED, f"this server holds {self.node_count} nodes, its "
+                                  f"limit (--max-nodes {lim.max_nodes}); retry later")
+
+    def poll(self, job_id: str, req: PollRequest, now: float) -> NodeStatus:
+        """A poll answered at once: it renews the node's lease."""
+        rules = self.rules(job_id)
+        self._heard(now)
+        rules.poll(req, now)
+        return rules.view(req.node_id, now)
+
+    def hold_poll(self, job_id: str, req: PollRequest, now: float) -> NodeStatus:
+        """A poll the shell holds open until `poll_ended` (or `connection_dropped`): meanwhile the
+        open connection is the node's lease."""
+        rules = self.rules(job_id)
+        self._heard(now)
+        rules.poll(req, now, hold=True)
+        return rules.view(req.node_id, now)
+
+    def poll_ended(self, job_id: str, node_id: str, now: float, heard_at: float | None = None) -> None:
+        """A held poll was answered: the node's lease runs again, from `heard_at` (the last sign of life
+        on its connection; leases.py)."""
+        job = self.jobs.get(job_id)
+        if job is not None:
+            if heard_at is not None:          # a sign of life too, for telling an outage apart
+                self._heard(min(heard_at, now))
+            JobRules(job, self.outbox).poll_ended(node_id, now, heard_at)
+
+    def report_failure(self, job_id: str, req: FailureReport, now: float) -> NodeStatus:
+        rules = self.rules(job_id)
+        self._heard(now)
+        with self._counting(rules.job):          # a suspect peer may be lost
+            why_not = rules.report_failure(req, now)
+        return rules.view(req.node_id, now, accepted=not why_not, reason=why_not)
+
+    def report_success(self, job_id: str, req: SuccessReport, now: float) -> NodeStatus:
+        rules = self.rules(job_id)
+        self._heard(now)
+        why_not = rules.report_success(req, now)
+        return rules.view(req.node_id, now, accepted=not why_not, reason=why_not)
+
+    def leave(self, job_id: str, req: LeaveRequest, now: float) -> NodeStatus:
+        rules = self.rules(job_id)
+        self._heard(now)
+        with self._counting(rules.job):
+            rules.leave(req, now)
+        return rules.view(req.node_id, now)
+
+    def connection_dropped(self, job_id: str, node_id: str, now: float) -> None:
+        """A node's long-poll connection closed under it: give it a short grace to come back."""
+        job = self.jobs.get(job_id)
+        if job is not None:
+            JobRules(job, self.outbox).connection_dropped(node_id, now)
+
+    def view(self, job_id: str, node_id: str, now: float, *, accepted: bool = True,
+             reason: str = "") -> NodeStatus:
+        return self.rules(job_id).view(node_id, now, accepted=accepted, reason=reason)
+
+    # ---- operator actions (operator_rules.py) ---------------------------------------------
+
+    def close_job(self, job_id: str, reason: str, now: float) -> JobRecord:
+        return self._operate(job_id, lambda r: operator_rules.close(r, reason, now))
+
+    def drain_node(self, job_id: str, node_id: str, reason: str, now: float) -> JobRecord:
+        return self._operate(job_id, lambda r: operator_rules.drain(r, node_id, reason, now))
+
+    def clear_exclusion(self, job_id: str, node_id: str, now: float) -> JobRecord:
+        return self._operate(job_id, lambda r: operator_rules.clear_exclusion(r, node_id, now))
+
+    def resize(self, job_id: str, min_nodes: int, max_nodes: int, now: float) -> JobRecord:
+        return self._operate(job_id, lambda r: operator_rules.resize(r, min_nodes, max_nodes, now))
+
+    def _operate(self, job_id: str, action: Callable[[JobRules], None]) -> JobRecord:
+        rules = self.rules(job_id)
+        if rules.job.state.finished:
+            raise RendezvousError(ErrorCode.JOB_FINISHED, f"job {job_id!r} has already "
+                                  f"{rules.job.state.value}: {rules.job.reason}")
+        with self._counting(rules.job):
+            action(rules)
+        return rules.job
+
+    # ---- time ----------------------------------------------------------------------------
+
+    def tick(self, now: float, lag_s: float = 0.0) -> list[str]:
+        """Apply every deadline that has passed; return the ids of the jobs that changed.
+
+        `lag_s`: how far behind the server's own event loop runs (leases.py: no lease lapses while
+        the server itself is behind).
+        """
+        quiet = now - self.heard_at if self.heard_at is not None else 0.0
+        quiet_s = quiet if QUIET_S <= quiet < OUTAGE_LIMIT_S else None
+        if SUSPECT_QUIET_S <= quiet < QUIET_S:
+            # A lease that ran out after the server last heard from anyone says nothing about that
+            # node yet (the server's own link may have just gone; a held poll's last sign of life can
+            # predate it by a keepalive period): judged again once someone is heard, or by the quiet
+            # rule above once the silence lasts.
+            lag_s = max(lag_s, quiet)
+        changed = []
+        for job in self.jobs.values():
+            if job.state.finished:
+                continue
+            seq = job.event_seq
+            with self._counting(job):
+                extended = JobRules(job, self.outbox).tick(now, lag_s, quiet_s, job.job_id not in self._quiet_noted)
+            if extended:
+                self._quiet_noted.add(job.job_id)
+            if job.event_seq != seq:      # every decision records an event
+                changed.append(job.job_id)
+        self._prune(now)
+        return changed
+
+    def next_deadline(self) -> float | None:
+        due = [JobRules(job, self.outbox).next_deadline() if not job.state.finished
+               else self._forget_at(job.finished_at or 0.0) for job in self.jobs.values()]
+        return min((d for d in due if d is not None), default=None)
+
+    def _forget_at(self, finished_at: float) -> float:
+        """When a job that ended at `finished_at` is forgotten: its retention, rounded up to the whole
+        second, so that many jobs ending close together are forgotten in one tick, not one tick each
+        (every tick looks at every job)."""
+        return float(math.ceil(finished_at + self.limits.retain_finished_s))
+
+    def _prune(self, now: float, oldest_first: int = 0) -> None:
+        """Forget finished jobs past their retention, and `oldest_first` more of them (oldest first)."""
+        finished = [j for j in self.jobs.values() if j.state.finished]
+        cutoff = now - self.limits.retain_finished_s
+        gone = [j for j in finished if (j.finished_at or 0.0) <= cutoff]
+        if oldest_first:
+            rest = sorted((j for j in finished if (j.finished_at or 0.0) > cutoff), key=lambda j: j.finished_at or 0.0)
+            gone += rest[:oldest_first]
+        for job in gone:
+            del self.jobs[job.job_id]
+            self.node_count -= len(job.nodes)
+            self.outbox.pruned.add(job.job_id)
+            self.outbox.changed.pop(job.job_id, None)
+
+    def restored(self, now: float, away_s: float, clean: bool) -> None:
+        """The server restarted on a saved state: nobody is blamed for the time it was away."""
+        how = "after a clean shutdown" if clean else "without a clean shutdown (killed or crashed)"
+        self.heard_at = now              # its silence while it was away is not the agents' fault
+        for job in self.jobs.values():
+            if not job.state.finished:
+                _rearm(JobRules(job, self.outbox), now, away_s, how)
+
+    def put_back(self, job_id: str, job: JobRecord | None, now: float) -> None:
+        """A job as last saved takes the place of one whose change the store refused (None: it was
+        never saved). Its nodes get fresh leases, as after a restart: the refusal was not theirs."""
+        old = self.jobs.pop(job_id, None)
+        self.node_count -= len(old.nodes) if old is not None else 0
+        if job is None:
+            return
+        self.jobs[job_id] = job
+        self.node_count += len(job.nodes)
+        for node in job.nodes.values():
+            node.dropped, node.holding = False, 0
+            node.lease_expires = now + job.config.lease_timeout_s
+        self.outbox.deadline(now + job.config.lease_timeout_s)
+
+    # ---- lookups -------------------------------------------------------------------------
+
+    def rules(self, job_id: str) -> JobRules:
+        job = self.jobs.get(job_id)
+        if job is None:
+            raise RendezvousError(ErrorCode.UNKNOWN_JOB, unknown_job(job_id))
+        return JobRules(job, self.outbox)
+
+    def _create(self, job_id: str, config: JobConfig, creator: str, now: float) -> JobRules:
+        job = JobRecord(job_id=job_id, config=config, state=JobState.WAITING, created_at=now,
+                        join_deadline=now + config.join_timeout_s)
+        self.jobs[job_id] = job
+        self.outbox.new_runs.add(job_id)
+        self.outbox.deadline(now + config.join_timeout_s)
+        rules = JobRules(job, self.outbox)
+        rules.record(now, EventKind.JOB_CREATED, f"job created by {creator}: nodes "
+                     f"{config.min_nodes}:{config.max_nodes}, max_restarts {config.max_restarts}", creator)
+        return rules
+
+
+def _rearm(rules: JobRules, now: float, away_s: float, how: str) -> None:
+    """One job after the server came back on a saved state: nobody is blamed for the time it was away.
+
+    Every live node gets a fresh lease plus one more lease of grace to reconnect; pending
+    last-call and join deadlines move by the time away. Exclusion cooldowns keep running.
+    """
+    job = rules.job
+    grace = 2 * job.config.lease_timeout_s
+    for node in job.nodes.values():
+        node.dropped = False
+        node.holding = 0                 # the connections of held polls did not survive the restart
+        node.lease_expires = now + grace
+    rules.out.deadline(now + grace)
+    if job.last_call_deadline is not None:
+        job.last_call_deadline += away_s
+        rules.out.deadline(job.last_call_deadline)
+    if job.join_deadline is not None:
+        job.join_deadline += away_s
+        rules.out.deadline(job.join_deadline)
+    rules.record(now, EventKind.SERVER_RESTARTED, f"server restarted {how}; away about {away_s:.1f}s; "
+                f"{len(job.nodes)} node leases renewed for {grace:g}s", data={"away_s": round(away_s, 3)})

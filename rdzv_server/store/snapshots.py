@@ -1,0 +1,56 @@
+"""What a commit writes for one job, in the shape every store keeps: rows that scale with the change.
+
+A job is saved as three kinds of rows: the job's own record (a JobRecord without its nodes and its
+history), one row per node record, and one row per event. A commit writes the job's row, the rows of
+the nodes the core said changed (or deletes them), and the new events; a node's lease and its place
+in the round (its `state`) are not saved with it, as they are re-armed or derived from the job's
+lists when the job is loaded. Encoding happens on the event loop (fast, msgspec); stores (SQLite,
+etcd) only move the bytes.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import msgspec
+
+from protocol.messages import NodeState
+from rdzv_server.core.records import MAX_EVENTS_PER_JOB, Event, JobRecord, NodeRecord
+
+
+@dataclass
+class JobSnapshot:
+    job_id: str
+    record: bytes                                         # JobRecord without nodes and events
+    nodes: dict[str, bytes | None] = field(default_factory=dict)   # node id -> record, None: delete it
+    events: list[tuple[int, bytes]] = field(default_factory=list)  # new events: (seq, encoded)
+    reset: bool = False                                   # a new run reused the id: drop old nodes and events
+    keep_after_seq: int = 0                               # older events may be deleted
+
+
+_encoder = msgspec.msgpack.Encoder()
+job_decoder = msgspec.msgpack.Decoder(JobRecord)
+node_decoder = msgspec.msgpack.Decoder(NodeRecord)
+event_decoder = msgspec.msgpack.Decoder(Event)
+
+
+def snapshot(job: JobRecord, node_ids: Iterable[str], new_events: list[Event], reset: bool) -> JobSnapshot:
+    """Encode a job as it is now: its own record, the named nodes' records, the events not yet saved."""
+    record = _encoder.encode(msgspec.structs.replace(job, nodes={}, events=[]))
+    nodes = {nid: (_encoder.encode(job.nodes[nid]) if nid in job.nodes else None) for nid in node_ids}
+    events = [(e.seq, _encoder.encode(e)) for e in new_events]
+    return JobSnapshot(job.job_id, record, nodes, events, reset, job.event_seq - MAX_EVENTS_PER_JOB)
+
+
+def assemble(job: JobRecord, nodes: Iterable[NodeRecord], events: list[Event]) -> JobRecord:
+    """A loaded job: its rows put together, each node's derived fields set from the job's lists."""
+    if not job.nodes:                     # a job row from before per-node rows keeps its nodes inside
+        job.nodes = {n.node_id: n for n in nodes}
+    job.events = events
+    members = set(job.round.members) if job.round is not None else set()
+    place = {**{n: NodeState.WAITING for n in job.waiting}, **{n: NodeState.SPARE for n in job.spares},
+             **{n: NodeState.EXCLUDED for n in job.excluded}, **{n: NodeState.MEMBER for n in members}}
+    for node in job.nodes.values():
+        node.state = place.get(node.node_id, NodeState.WAITING)
+        node.holding = 0
+    return job

@@ -1,0 +1,232 @@
+"""Who may use which route: bearer tokens, the admin rule, browser safety, security headers.
+
+Routes fall into four classes (see `route_class`):
+- health (`/healthz`, `/readyz`): always open;
+- agent (`POST /v1/jobs/{job_id}/{action}`): the agent token when the server has one (each node's
+  own credential is checked by the core, not here);
+- views (JSON status, events, the HTML page, `/metrics`): the agent or the admin token when the
+  server has one, unless `--public-status`; a browser may send it as the password of HTTP Basic
+  auth (any user name). Views served without a token only answer a `Host` that is one of the
+  server's names (an IP literal, localhost, this host's names, `--allowed-host`), which defeats
+  DNS rebinding;
+- admin (`/v1/admin/...`): a JSON content type (a page cannot send one cross-site without a CORS
+  preflight, which this server never grants) and no foreign `Origin`; then the admin token when
+  the server has one, else a loopback peer unless `--allow-remote-admin`.
+Tokens are compared in constant time and never logged or shown.
+"""
+from __future__ import annotations
+
+import base64
+import binascii
+import hmac
+import ipaddress
+import socket
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+from aiohttp import web
+
+from protocol.errors import ErrorCode
+from protocol.quoting import quote
+from protocol.tokens import read_token_file
+from rdzv_server.core.errors import RendezvousError
+
+JSON = "application/json"
+
+HTML_HEADERS = {
+    "X-Content-Type-Options": "nosniff",
+    "Content-Security-Policy": "default-src 'none'; style-src 'unsafe-inline'; img-src data:; "
+                               "base-uri 'none'; form-action 'none'; frame-ancestors 'none'",
+    "X-Frame-Options": "DENY",
+    "Referrer-Policy": "no-referrer",
+}
+
+
+class TokenError(Exception):
+    """A token file that cannot be used; the message names the file and why."""
+
+
+def read_token(path: str, flag: str) -> bytes:
+    """The token in `path` (surrounding whitespace removed), or TokenError naming `flag`."""
+    try:
+        return read_token_file(path)
+    except ValueError as exc:
+        raise TokenError(f"{flag} {path}: {exc}") from None
+
+
+@dataclass(frozen=True)
+class Access:
+    """The server's access settings (from its command line)."""
+    agent_token: bytes | None = None
+    admin_token: bytes | None = None
+    public_status: bool = False
+    allow_remote_admin: bool = False
+    allowed_hosts: frozenset[str] = field(default_factory=frozenset)
+
+    @property
+    def views_need_token(self) -> bool:
+        return not self.public_status and (self.agent_token is not None or self.admin_token is not None)
+
+
+ACCESS = web.AppKey("access", Access)
+
+
+def route_class(request: web.Request) -> str:
+    path = request.path
+    if path in ("/healthz", "/readyz"):
+        return "health"
+    if path.startswith("/v1/admin/"):
+        return "admin"
+    if request.method == "POST" and path.startswith("/v1/jobs/"):
+        return "agent"
+    return "views"
+
+
+def presented_token(request: web.Request) -> bytes | None:
+    """The token in `Authorization: Bearer T` or as the password of `Basic` auth (a header that is
+    not ASCII, which no token is, is refused: aiohttp hands its bytes over as lone surrogates)."""
+    header = request.headers.get("Authorization", "")
+    if not header.isascii():
+        raise _unauthorized("the Authorization header is not ASCII (a token is printable ASCII): "
+                            "send 'Authorization: Bearer TOKEN'", 'Bearer realm="rdzv-server"')
+    scheme, _, value = header.partition(" ")
+    scheme = scheme.lower()
+    if scheme == "bearer":
+        return value.strip().encode()
+    if scheme == "basic":
+        try:
+            decoded = base64.b64decode(value.strip(), validate=True)
+        except (binascii.Error, ValueError):
+            return None
+        return decoded.partition(b":")[2]
+    return None
+
+
+def _matches(given: bytes | None, *tokens: bytes | None) -> bool:
+    if given is None:
+        return False
+    ok = False
+    for token in tokens:
+        if token is not None:
+            ok |= hmac.compare_digest(given, token)   # no early exit: constant time over the tokens
+    return ok
+
+
+def _unauthorized(message: str, scheme: str) -> RendezvousError:
+    return RendezvousError(ErrorCode.UNAUTHORIZED, message, {"WWW-Authenticate": scheme})
+
+
+def check(request: web.Request, access: Access) -> None:
+    """Raise RendezvousError when `request` may not use its route."""
+    kind = route_class(request)
+    if kind == "health":
+        return
+    given = presented_token(request)
+    if kind == "agent":
+        if access.agent_token is not None and not _matches(given, access.agent_token):
+            raise _unauthorized("missing or wrong token: start node-agent with --token-file "
+                                "(the file the server's --token-file names)", 'Bearer realm="rdzv-server"')
+        return
+    if kind == "views":
+        if access.views_need_token:
+            if not _matches(given, access.agent_token, access.admin_token):
+                raise _unauthorized("this server's status needs its token: send it as "
+                                    "'Authorization: Bearer TOKEN' (or as the password of HTTP Basic auth)",
+                                    'Basic realm="rdzv-server"')
+        else:
+            _check_host(request, access)
+        return
+    _check_admin(request, access, given)
+
+
+def _check_admin(request: web.Request, access: Access, given: bytes | None) -> None:
+    if request.method == "POST":
+        if request.content_type != JSON:
+            raise RendezvousError(ErrorCode.UNSUPPORTED_MEDIA_TYPE,
+                                  f"admin actions take Content-Type: {JSON}, got {quote(request.content_type)} "
+                                  f"(with curl: -H 'Content-Type: {JSON}')")
+        origin = request.headers.get("Origin")
+        if origin is not None and not _same_origin(origin, request):
+            raise RendezvousError(ErrorCode.FORBIDDEN, "admin actions from a web page of another origin "
+                                  "are refused")
+    if access.admin_token is not None:
+        if not _matches(given, access.admin_token):
+            raise _unauthorized("admin actions need the admin token: rdzv-ctl --admin-token-file F "
+                                "(the file the server's --admin-token-file names)", 'Bearer realm="rdzv-admin"')
+        return
+    if access.allow_remote_admin or is_loopback(request.remote):
+        return
+    raise RendezvousError(ErrorCode.FORBIDDEN,
+                          f"admin actions are only accepted from loopback (127.0.0.1, ::1); this request came "
+                          f"from {request.remote or 'an unknown peer'}. Run rdzv-ctl on the server's host, or "
+                          f"give the server an --admin-token-file (or --allow-remote-admin on a trusted network)")
+
+
+def _same_origin(origin: str, request: web.Request) -> bool:
+    """An `Origin` of this server itself (scheme://host[:port] equal to what the request addressed)."""
+    host = request.headers.get("Host", "")
+    return origin in (f"http://{host}", f"https://{host}")
+
+
+def _check_host(request: web.Request, access: Access) -> None:
+    host = request.headers.get("Host", "")
+    name = _host_name(host)
+    if name and (_is_ip(name) or name in _own_names() or name in access.allowed_hosts):
+        return
+    raise RendezvousError(ErrorCode.FORBIDDEN,
+                          f"Host {quote(host)} is not one of this server's names; start rdzv-server with "
+                          f"--allowed-host {quote(name) if name else 'NAME'} to serve it (views without a token only "
+                          f"answer their own names, against DNS rebinding)")
+
+
+def _host_name(host: str) -> str:
+    host = host.strip().lower()
+    if host.startswith("["):                        # [v6]:port
+        return host[1:host.find("]")] if "]" in host else ""
+    return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
+
+
+def _is_ip(name: str) -> bool:
+    try:
+        ipaddress.ip_address(name.split("%", 1)[0])
+        return True
+    except ValueError:
+        return False
+
+
+_NAMES: frozenset[str] | None = None
+
+
+def _own_names() -> frozenset[str]:
+    global _NAMES
+    if _NAMES is None:
+        names = {"localhost", "localhost.localdomain", socket.gethostname().lower()}
+        names.add(socket.getfqdn().lower())
+        _NAMES = frozenset(names)
+    return _NAMES
+
+
+def is_loopback(remote: str | None) -> bool:
+    """True for 127.0.0.0/8, ::1 and IPv4-mapped loopback (::ffff:127.x.y.z)."""
+    if not remote:
+        return False
+    try:
+        addr = ipaddress.ip_address(remote.split("%", 1)[0])
+    except ValueError:
+        return False
+    if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
+        addr = addr.ipv4_mapped
+    return addr.is_loopback
+
+
+@web.middleware
+async def access_middleware(request: web.Request,
+                            handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
+    check(request, request.app[ACCESS])
+    if request.headers.get("Content-Encoding", "identity").lower() not in ("identity", ""):
+        raise RendezvousError(ErrorCode.UNSUPPORTED_MEDIA_TYPE, "compressed request bodies are not accepted "
+                              f"(Content-Encoding {quote(request.headers['Content-Encoding'])})")
+    response = await handler(request)
+    if response.content_type == "text/html":
+        response.headers.update(HTML_HEADERS)
+    return response

@@ -1,0 +1,158 @@
+"""Operator actions over HTTP: JSON in, JSON out, under /v1/admin/ (curl-friendly).
+
+    POST /v1/admin/jobs/{job_id}/close                          {"reason": "..."}            (body optional)
+    POST /v1/admin/jobs/{job_id}/nodes/{node_id}/drain          {"reason": "..."}            (body optional)
+    POST /v1/admin/jobs/{job_id}/nodes/{node_id}/clear-exclusion                             (lifts a drain too)
+    POST /v1/admin/jobs/{job_id}/resize                         {"min_nodes": 1, "max_nodes": 4}  (omitted: kept)
+
+Each answers 200 with the job as `GET /v1/jobs/{job_id}` shows it after the action, or a JSON
+error `{"code", "message"}` (the app's error middleware maps the core's refusals).
+
+Who may call them is decided in access.py: a JSON content type, then the admin token when the
+server has one (`--admin-token-file`), else only a loopback peer (127.0.0.0/8, ::1) unless the
+server runs with `--allow-remote-admin`. The peer is the TCP peer (`request.remote`), not a
+forwarded-for header: a client cannot claim to be local.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+from aiohttp import web
+
+from protocol.codec import DecodeError
+from protocol.errors import ErrorCode, unknown_job
+from protocol.ids import node_id_problem
+from protocol.quoting import one_line, quote
+from rdzv_server.core.errors import RendezvousError
+from rdzv_server.web import views
+from rdzv_server.web.connections import read_body
+from rdzv_server.web.routing import COORDINATOR, job_id_of
+
+log = logging.getLogger("rdzv_server")
+
+MAX_REASON_CHARS = 500
+PREFIX = "/v1/admin/jobs/{job_id}"
+
+
+def add_routes(app: web.Application) -> None:
+    """Register the admin routes on `app` (who may use them: access.py)."""
+    app.router.add_post(PREFIX + "/close", close_job)
+    app.router.add_post(PREFIX + "/nodes/{node_id}/drain", drain_node)
+    app.router.add_post(PREFIX + "/nodes/{node_id}/clear-exclusion", clear_exclusion)
+    app.router.add_post(PREFIX + "/resize", resize_job)
+
+
+# -- checks -----------------------------------------------------------------------------------------
+
+
+def bad_request(message: str) -> DecodeError:
+    return DecodeError(ErrorCode.BAD_REQUEST, message)
+
+
+def _node_id(request: web.Request) -> str:
+    node_id = request.match_info["node_id"]
+    problem = node_id_problem(node_id)
+    if problem:
+        raise bad_request(problem)
+    return node_id
+
+
+async def _body(request: web.Request, fields: dict[str, type]) -> dict[str, Any]:
+    """The JSON object in the body ({} when empty), checked against `fields` (name -> type)."""
+    raw = await read_body(request)
+    if not raw.strip():
+        return {}
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+        why = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)[:200]
+        raise bad_request(f"body is not valid JSON: {why}") from None
+    if not isinstance(body, dict):
+        raise bad_request(f"body must be a JSON object, got {type(body).__name__}")
+    unknown = sorted(set(body) - set(fields))
+    if unknown:
+        expected = ", ".join(fields) or "no fields"
+        names = ", ".join(map(quote, unknown[:5])) + (f" and {len(unknown) - 5} more" if len(unknown) > 5 else "")
+        raise bad_request(f"unknown field(s) {names}; this action takes {expected}")
+    for name, value in body.items():
+        want = fields[name]
+        if value is None:
+            continue
+        if not isinstance(value, want) or (want is int and isinstance(value, bool)):
+            raise bad_request(f"field {name!r} must be {'an integer' if want is int else 'a string'}, "
+                              f"got {quote(value)}")
+        if isinstance(value, str) and not _is_unicode(value):
+            raise bad_request(f"field {name!r} is not valid Unicode text: it holds a lone surrogate "
+                              f"(a \\ud800-\\udfff escape), got {quote(value)}")
+    return {k: v for k, v in body.items() if v is not None}
+
+
+def _is_unicode(text: str) -> bool:
+    """False for a string with a lone surrogate (JSON's "\\ud800" decodes to one): no UTF-8 codec,
+    the store's included, can encode it."""
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _reason(body: dict[str, Any]) -> str:
+    """The operator's reason, kept on one line: it goes into the job's reason, which every agent
+    prints and later refusals (node_drained, job_finished) quote."""
+    reason = body.get("reason", "").strip()
+    if len(reason) > MAX_REASON_CHARS:
+        raise bad_request(f"field 'reason' must be at most {MAX_REASON_CHARS} characters, got {len(reason)}")
+    return one_line(reason)
+
+
+async def _operate(request: web.Request, what: str, action: str, job_id: str, *args: object) -> web.Response:
+    """Apply one operator action (logged with the peer that asked) and answer with the job."""
+    coord = request.app[COORDINATOR]
+    if coord.shutting_down:
+        raise RendezvousError(ErrorCode.SHUTTING_DOWN, "server is shutting down; retry shortly")
+    log.info("operator request from %s: %s", request.remote, what,
+             extra={"job_id": job_id, "event": "operator_request"})
+    job = await coord.operate(action, job_id, *args)
+    return web.json_response(views.job_detail(job, coord.clock()))
+
+
+# -- handlers ---------------------------------------------------------------------------------------
+
+
+async def close_job(request: web.Request) -> web.Response:
+    job_id = job_id_of(request)
+    body = await _body(request, {"reason": str})
+    reason = _reason(body)
+    return await _operate(request, f"close job {job_id} ({reason or 'no reason given'})", "close", job_id, reason)
+
+
+async def drain_node(request: web.Request) -> web.Response:
+    job_id, node_id = job_id_of(request), _node_id(request)
+    body = await _body(request, {"reason": str})
+    reason = _reason(body)
+    return await _operate(request, f"drain node {node_id} ({reason or 'no reason given'})", "drain", job_id,
+                          node_id, reason)
+
+
+async def clear_exclusion(request: web.Request) -> web.Response:
+    job_id, node_id = job_id_of(request), _node_id(request)
+    await _body(request, {})
+    return await _operate(request, f"clear exclusion or drain of node {node_id}", "clear_exclusion", job_id,
+                          node_id)
+
+
+async def resize_job(request: web.Request) -> web.Response:
+    job_id = job_id_of(request)
+    body = await _body(request, {"min_nodes": int, "max_nodes": int})
+    if not body:
+        raise bad_request("give min_nodes and/or max_nodes (an omitted one keeps its value)")
+    job = request.app[COORDINATOR].core.jobs.get(job_id)
+    if job is None:
+        raise RendezvousError(ErrorCode.UNKNOWN_JOB, unknown_job(job_id))
+    min_nodes = body.get("min_nodes", job.config.min_nodes)
+    max_nodes = body.get("max_nodes", job.config.max_nodes)
+    return await _operate(request, f"resize to nodes {quote(min_nodes)}:{quote(max_nodes)}", "resize", job_id,
+                          min_nodes, max_nodes)

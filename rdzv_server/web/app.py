@@ -1,0 +1,208 @@
+"""The aiohttp shell: routes, decoding, typed errors. The asyncio machinery is in coordinator.py."""
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+from aiohttp import web
+
+from protocol.codec import CONTENT_TYPE, MAX_BODY_BYTES, REQUEST_TYPES, DecodeError, decode_request, encode
+from protocol.errors import HTTP_STATUS, RETRYABLE, ErrorCode, unknown_job
+from protocol.messages import ErrorReply
+from protocol.quoting import quote
+from rdzv_server.coordinator import Coordinator
+from rdzv_server.core.records import MAX_EVENTS_PER_JOB, JobRecord
+from rdzv_server.core.rendezvous import RendezvousError
+from rdzv_server.web import admin, views
+from rdzv_server.web.access import ACCESS, Access, access_middleware
+from rdzv_server.web.connections import read_body, silence_s
+from rdzv_server.web.metrics import METRICS, ServerMetrics, metrics_endpoint, metrics_middleware
+from rdzv_server.web.page import render as page
+from rdzv_server.web.routing import COORDINATOR, job_id_of
+
+log = logging.getLogger("rdzv_server")
+
+# A replica parks an agent's request this long while an election or takeover is under way.
+ELECTION_WAIT_S = 3.0
+
+# Warnings for operators about how exposed this server is (shown on the status page).
+NOTES = web.AppKey("notes", tuple)
+
+def _error(code: ErrorCode, message: str, *, as_json: bool, headers: dict[str, str] | None = None
+           ) -> web.Response:
+    status = HTTP_STATUS[code]
+    extra = dict(headers or {})
+    if code in RETRYABLE:
+        extra.setdefault("Retry-After", "1")
+    if as_json:
+        return web.json_response({"code": code.value, "message": message}, status=status, headers=extra)
+    return web.Response(body=encode(ErrorReply(code=code.value, message=message)), status=status,
+                        content_type=CONTENT_TYPE, headers=extra)
+
+
+@web.middleware
+async def error_middleware(request: web.Request,
+                           handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
+    as_json = request.method != "POST" or request.path.startswith("/v1/admin/")
+    try:
+        return await handler(request)
+    except DecodeError as exc:
+        return _error(exc.code, exc.message, as_json=as_json)
+    except RendezvousError as exc:
+        return _error(exc.code, exc.message, as_json=as_json, headers=exc.headers)
+    except web.HTTPRequestEntityTooLarge:
+        return _error(ErrorCode.TOO_LARGE, f"body exceeds {MAX_BODY_BYTES} bytes", as_json=as_json)
+    except web.HTTPNotFound:
+        return _error(ErrorCode.NOT_FOUND, f"no route {request.method} {quote(request.path)}", as_json=as_json)
+    except web.HTTPMethodNotAllowed as exc:
+        return _error(ErrorCode.METHOD_NOT_ALLOWED,
+                      f"{request.method} not allowed on {quote(request.path)}; "
+                      f"use {', '.join(sorted(exc.allowed_methods))}",
+                      as_json=as_json)
+    except web.HTTPException:
+        raise
+    except asyncio.CancelledError:
+        raise
+    except Exception:  # a bug: log it here, never send a traceback to the client
+        log.exception("internal error on %s %s", request.method, request.path)
+        return _error(ErrorCode.INTERNAL, "internal server error (logged on the server)", as_json=as_json)
+
+
+async def agent_request(request: web.Request) -> web.Response:
+    coord = request.app[COORDINATOR]
+    action = request.match_info["action"]
+    cls = REQUEST_TYPES.get(action)
+    if cls is None:
+        raise DecodeError(ErrorCode.NOT_FOUND,
+                          f"no agent action {quote(action)}; expected one of {', '.join(REQUEST_TYPES)}")
+    if request.content_type not in (CONTENT_TYPE, "application/x-msgpack", "application/octet-stream"):
+        raise DecodeError(ErrorCode.UNSUPPORTED_MEDIA_TYPE,
+                          f"content type {quote(request.content_type)}: agent routes take {CONTENT_TYPE}")
+    job_id = job_id_of(request)
+    if not await coord.until_serving(ELECTION_WAIT_S):
+        raise coord.not_serving()
+    req: object = decode_request(cls, await read_body(request))
+    sockname = request.transport.get_extra_info("sockname") if request.transport is not None else None
+    local = str(sockname[0]) if sockname else ""
+    status = await coord.handle(action, job_id, req, request.remote or "", local, lambda: silence_s(request))
+    return web.Response(body=encode(status), content_type=CONTENT_TYPE)
+
+
+# Answered by a standby replica too; everything else there is refused with `not_leader`.
+_STANDBY_ROUTES = frozenset({"/healthz", "/readyz", "/metrics"})
+
+
+@web.middleware
+async def standby_middleware(request: web.Request,
+                             handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
+    """A replica that does not lead holds no state: its views and admin actions would show nothing
+    true, so they answer where the leader is instead."""
+    coord = request.app[COORDINATOR]
+    agent_route = request.method == "POST" and request.path.startswith("/v1/jobs/")   # agent_request decides
+    if (coord.started and coord.leading()) or coord.shutting_down or request.path in _STANDBY_ROUTES or agent_route:
+        return await handler(request)
+    raise coord.not_serving()
+
+
+async def healthz(request: web.Request) -> web.Response:
+    return web.json_response({"ok": True})
+
+
+async def readyz(request: web.Request) -> web.Response:
+    """Ready to serve agents: the state is loaded, the server is not stopping, and it leads (503
+    otherwise: a Kubernetes Service sends traffic to the leader only)."""
+    coord = request.app[COORDINATOR]
+    ready = coord.serving()
+    return web.json_response({"ready": ready}, status=200 if ready else 503)
+
+
+async def status(request: web.Request) -> web.Response:
+    """One page of jobs (?offset=, ?limit=), each with its counts and the first few nodes of each list."""
+    coord, q = request.app[COORDINATOR], request.query
+    offset = views.query_int(q, "offset", 0)
+    limit = views.query_int(q, "limit", views.STATUS_LIMIT, low=1, high=views.STATUS_LIMIT_MAX)
+    return web.json_response(views.server_status(coord.core, coord.clock(), offset, limit))
+
+
+def _job(request: web.Request) -> JobRecord:
+    job = request.app[COORDINATOR].core.jobs.get(job_id_of(request))
+    if job is None:
+        raise RendezvousError(ErrorCode.UNKNOWN_JOB, unknown_job(request.match_info["job_id"]))
+    return job
+
+
+async def job_detail(request: web.Request) -> web.Response:
+    """One job with one page of each node list (?node_offset=, ?node_limit=)."""
+    q = request.query
+    offset = views.query_int(q, "node_offset", 0)
+    limit = views.query_int(q, "node_limit", views.NODE_LIMIT, low=1, high=views.NODE_LIMIT_MAX)
+    job = _job(request)
+    return web.json_response(views.job_detail(job, request.app[COORDINATOR].clock(), offset, limit))
+
+
+async def job_events(request: web.Request) -> web.Response:
+    """The kept history; ?after=SEQ for the events newer than SEQ, ?limit=N for at most N."""
+    q = request.query
+    after = views.query_int(q, "after", -1)
+    limit = views.query_int(q, "limit", MAX_EVENTS_PER_JOB, high=MAX_EVENTS_PER_JOB)
+    return web.json_response(views.job_events(_job(request), None if after < 0 else after, limit))
+
+
+async def index(request: web.Request) -> web.Response:
+    """The overview: one page of jobs (?offset=, ?limit=), cards for the first few of them."""
+    coord, q = request.app[COORDINATOR], request.query
+    query = page.PageQuery.of(q)
+    text = page.index_page(coord.core, coord.clock(), query.refresh, request.app.get(NOTES, ()),
+                           offset=query.offset, limit=query.limit)
+    return web.Response(text=text, content_type="text/html")
+
+
+async def job_page(request: web.Request) -> web.Response:
+    """One job's HTML page (?node_offset=, ?node_limit= page its node tables); an unknown (or
+    malformed) id gets a 404 page, never a traceback."""
+    coord = request.app[COORDINATOR]
+    job_id, now, query = request.match_info["job_id"], coord.clock(), page.PageQuery.of(request.query)
+    text = page.job_page(coord.core, job_id, now, query.refresh, node_offset=query.node_offset,
+                         node_limit=query.node_limit)
+    if text is None:
+        return web.Response(text=page.not_found_page(coord.core, job_id, now), status=404,
+                            content_type="text/html")
+    return web.Response(text=text, content_type="text/html")
+
+
+def create_app(coordinator: Coordinator | None = None, *, allow_remote_admin: bool = False,
+               access: Access | None = None, standby: bool = False) -> web.Application:
+    """The server's app. `access` holds the token and admin settings (`allow_remote_admin` is a
+    shorthand for Access(allow_remote_admin=True)); `standby`: a replica that serves only once the
+    election makes it the leader."""
+    app = web.Application(middlewares=[metrics_middleware, error_middleware, access_middleware,
+                                       standby_middleware],
+                          client_max_size=MAX_BODY_BYTES)
+    app[ACCESS] = access or Access(allow_remote_admin=allow_remote_admin)
+    app[COORDINATOR] = coordinator or Coordinator()
+    app[METRICS] = ServerMetrics(app[COORDINATOR])
+    app[COORDINATOR].effect_listeners.append(app[METRICS].on_effects)
+
+    async def lifecycle(app: web.Application) -> AsyncIterator[None]:
+        await app[COORDINATOR].start(take_over=not standby)
+        yield
+        await app[COORDINATOR].stop()
+
+    async def on_shutdown(app: web.Application) -> None:
+        # Release long-polls first so they answer "going away" instead of being cut.
+        app[COORDINATOR].release_polls()
+
+    app.cleanup_ctx.append(lifecycle)
+    app.on_shutdown.append(on_shutdown)
+    app.router.add_post("/v1/jobs/{job_id}/{action}", agent_request)
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/readyz", readyz)
+    app.router.add_get("/metrics", metrics_endpoint)
+    app.router.add_get("/v1/status", status)
+    app.router.add_get("/v1/jobs/{job_id}", job_detail)
+    app.router.add_get("/v1/jobs/{job_id}/events", job_events)
+    admin.add_routes(app)
+    app.router.add_get("/", index)
+    app.router.add_get("/jobs/{job_id}", job_page)
+    return app

@@ -1,0 +1,135 @@
+"""A cap on open connections that a flood of idle ones cannot turn against agents and /healthz.
+
+aiohttp closes a connection that sends no request within its keepalive timeout; on top of that
+the server keeps at most `max_connections`: past it, the longest-idle connections (no request in
+progress: never a held long-poll) are closed to make room for the new ones, so a real agent or a
+health check always gets in. A connection is refused (accepted and closed at once) only past a hard
+limit below the open-file limit with nobody idle, so accepting never fails with "Too many open
+files". Request bodies must arrive within BODY_TIMEOUT_S.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import struct
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from aiohttp import web
+
+from protocol.errors import ErrorCode
+from protocol.quoting import quote
+from rdzv_server.core.errors import RendezvousError
+
+log = logging.getLogger("rdzv_server")
+
+BODY_TIMEOUT_S = 10.0       # a request body slower than this is refused (a slow-body client holds nothing)
+FD_RESERVE = 256            # descriptors kept free for the store, logs and the like
+FRESH_S = 10.0              # a connection accepted but not yet connected (TLS handshake) counts this long
+
+
+class _Refused(asyncio.Protocol):
+    """The protocol of a connection over the cap with nobody idle to make room: closed at once."""
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        transport.close()
+
+
+class ConnectionGuard:
+    """`max_connections`: the cap kept by closing the longest-idle connections (checked after each
+    accept, once the accepted connection is in place); `hard_limit`: past it a new connection is
+    refused at once (the open-file limit must never be reached)."""
+
+    def __init__(self, max_connections: int, hard_limit: int | None = None) -> None:
+        self.max_connections = max_connections
+        self.hard_limit = max(hard_limit or max_connections, max_connections)
+        self.refused = 0
+        self.evicted = 0
+        self._busy: set[Any] = set()                     # protocols with a request in progress
+        self._fresh: list[tuple[float, Any]] = []        # (when, protocol) made, not yet connected
+        self._trim_soon = False
+
+    def factory(self, server: web.Server) -> Callable[[], asyncio.BaseProtocol]:
+        """Wrap aiohttp's protocol factory (`AppRunner.server`); `server.connections` lists its open
+        connections, oldest first."""
+        def make() -> asyncio.BaseProtocol:
+            # asyncio accepts in batches and connects them (after TLS: their handshakes) later:
+            # count those too for a while, so a burst cannot slip past the limits.
+            now = time.monotonic()
+            self._fresh = [(t, h) for t, h in self._fresh if h.transport is None and now - t < FRESH_S]
+            count = len(server.connections) + len(self._fresh)
+            if count >= self.hard_limit and not self._make_room(server):
+                self.refused += 1
+                return _Refused()
+            if count >= self.max_connections and not self._trim_soon:
+                self._trim_soon = True
+                asyncio.get_running_loop().call_later(0.05, self._trim, server)
+            handler = server()
+            self._fresh.append((now, handler))
+            return handler
+        return make
+
+    def _trim(self, server: web.Server) -> None:
+        self._trim_soon = False
+        excess = len(server.connections) - self.max_connections
+        while excess > 0 and self._make_room(server):
+            excess -= 1
+
+    def _make_room(self, server: web.Server) -> bool:
+        for handler in server.connections:
+            if handler not in self._busy and handler.transport is not None and not handler.transport.is_closing():
+                handler.transport.close()
+                self.evicted += 1
+                return True
+        return False
+
+    @web.middleware
+    async def middleware(self, request: web.Request,
+                         handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
+        """Marks a connection busy while it has a request in progress (a held long-poll is busy)."""
+        protocol = request.protocol
+        self._busy.add(protocol)
+        try:
+            return await handler(request)
+        finally:
+            self._busy.discard(protocol)
+
+
+_TCP_INFO_LAST_ACK_RECV = 56      # struct tcp_info (Linux): u32 milliseconds since the last ACK came in
+
+
+def silence_s(request: web.Request) -> float:
+    """How long the client's side of the connection has been silent (no ACK, not even to a keepalive
+    probe): the age of the last evidence that the client is alive. 0 where TCP_INFO is not available."""
+    sock = request.transport.get_extra_info("socket") if request.transport is not None else None
+    if sock is None or not hasattr(socket, "TCP_INFO"):
+        return 0.0
+    try:
+        info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 104)
+        return float(struct.unpack_from("I", info, _TCP_INFO_LAST_ACK_RECV)[0]) / 1000.0
+    except (OSError, struct.error):
+        return 0.0
+
+
+class ClientGone(web.HTTPClientError):
+    """The client closed its connection before its body arrived: nobody is left to answer (counted
+    as 499, nginx's "client closed request")."""
+    status_code = 499
+
+
+async def read_body(request: web.Request) -> bytes:
+    """The request's body, or a refusal when it does not arrive in BODY_TIMEOUT_S or cannot be read
+    (a malformed chunked body, one cut short); a client gone mid-body is one line of the log."""
+    try:
+        return await asyncio.wait_for(request.read(), BODY_TIMEOUT_S)
+    except asyncio.TimeoutError:
+        raise RendezvousError(ErrorCode.BAD_REQUEST, f"the request body did not arrive within "
+                              f"{BODY_TIMEOUT_S:g}s") from None
+    except ConnectionError as exc:
+        log.info("client %s closed the connection before its request body arrived (%s %s): %s",
+                 request.remote, request.method, quote(request.path), exc)
+        raise ClientGone() from None
+    except web.RequestPayloadError as exc:
+        raise RendezvousError(ErrorCode.BAD_REQUEST, f"the request body could not be read: {exc}") from None

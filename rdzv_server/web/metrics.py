@@ -1,0 +1,258 @@
+"""Prometheus metrics of the rendezvous server, served as `GET /metrics` (text format).
+
+Every app owns one `CollectorRegistry` (never the global one), so several servers can share a
+process. State is read at scrape time from the core; history is counted from the core's effects
+(`Coordinator.effect_listeners`); HTTP traffic is measured by `metrics_middleware`.
+
+Metrics (all prefixed `rdzv_`):
+  rdzv_jobs{state}                          gauge: jobs held by the server, every JobState (0 included)
+  rdzv_nodes{state}                         gauge: nodes of unfinished jobs: waiting, member, spare, excluded
+  rdzv_open_long_polls                      gauge: agent long-polls waiting for an answer now
+  rdzv_rounds_total{cause}                  counter: rounds formed, by cause (events.RoundCause)
+  rdzv_restarts_total                       counter: restarts of a job's workers after a worker failure
+                                            (one per accepted failure report; the report that exhausts
+                                            max_restarts fails the job instead and is not counted)
+  rdzv_worker_failures_total{reason}        counter: failed workers reported ("exited", "hang",
+                                            "spawn failed", else "other")
+  rdzv_nodes_lost_total                     counter: nodes lost (lease expired, connection dropped,
+                                            agent restarted); nodes that leave are not counted
+  rdzv_round_formation_seconds              histogram: first node waiting (or failure) -> round formed
+  rdzv_failure_to_round_seconds{cause}      histogram: worker failure / lost node's last contact -> the
+                                            next round formed (cause "failure" or "node_lost")
+  rdzv_store_commits_total, rdzv_store_commit_failures_total, rdzv_store_commit_seconds_total
+                                            counters: durable store commits (one fsynced transaction each)
+  rdzv_store_commit_max_seconds             gauge: longest commit since start
+  rdzv_event_loop_lag_max_seconds           gauge: longest event loop stall since start
+  rdzv_http_requests_total{route,method,status}            counter
+  rdzv_http_request_duration_seconds{route,method,status}  histogram (long-polls included: up to 30 s+)
+`route` is the route's template (`/v1/jobs/{job_id}`), with an agent action filled in
+(`/v1/jobs/{job_id}/poll`: a bounded set, and joins must not share buckets with long-polls);
+requests no route matches are "unmatched". A request the client abandoned has status "499".
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any
+
+import prometheus_client
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from protocol.codec import REQUEST_TYPES
+from protocol.messages import JobState, NodeState
+from rdzv_server.coordinator import Coordinator
+from rdzv_server.core.events import EventKind, RoundCause
+from rdzv_server.core.outbox import Outbox
+from rdzv_server.core.records import Event
+
+# No `*_created` series: they double the output and no dashboard here reads them (process-wide switch).
+prometheus_client.disable_created_metrics()
+
+log = logging.getLogger("rdzv_server")
+
+# 1 ms .. 60 s, roughly 1-2.5-5 per decade.
+ROUND_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0)
+# 1 ms .. 30 s: a long-poll answers after at most its wait_s (<= half the lease).
+HTTP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0)
+FAILURE_REASONS = ("exited", "hang", "spawn failed")
+LOSS_CAUSES = (RoundCause.FAILURE.value, RoundCause.NODE_LOST.value)
+CAUSES = tuple(c.value for c in RoundCause)
+METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
+NODE_STATES = tuple(s for s in NodeState if s != NodeState.GONE)
+
+
+class StateCollector(Collector):
+    """Gauges computed from the core at scrape time: no bookkeeping on the request path."""
+
+    def __init__(self, coordinator: Coordinator) -> None:
+        self.coordinator = coordinator
+
+    def describe(self) -> Iterable[GaugeMetricFamily]:
+        return self._families({}, {}, None)
+
+    def collect(self) -> Iterable[GaugeMetricFamily]:
+        jobs = {s: 0 for s in JobState}
+        nodes = {s: 0 for s in NODE_STATES}
+        for job in self.coordinator.core.jobs.values():
+            jobs[job.state] += 1
+            if job.state.finished:
+                continue          # its agents are told the job ended: none of its nodes is live
+            for node in job.nodes.values():
+                if node.state in nodes:
+                    nodes[node.state] += 1
+        return self._families(jobs, nodes, self.coordinator.open_polls)
+
+    @staticmethod
+    def _families(jobs: dict, nodes: dict, polls: int | None) -> list[GaugeMetricFamily]:
+        fam_jobs = GaugeMetricFamily("rdzv_jobs", "Jobs held by this server, by state.", labels=["state"])
+        for state, n in jobs.items():
+            fam_jobs.add_metric([state.value], n)
+        fam_nodes = GaugeMetricFamily("rdzv_nodes", "Nodes of unfinished jobs, by state "
+                                      "(waiting, member, spare, excluded).", labels=["state"])
+        for state, n in nodes.items():
+            fam_nodes.add_metric([state.value], n)
+        fam_polls = GaugeMetricFamily("rdzv_open_long_polls", "Agent long-polls now waiting for an answer.")
+        if polls is not None:
+            fam_polls.add_metric([], polls)
+        return [fam_jobs, fam_nodes, fam_polls]
+
+
+class StoreCollector(Collector):
+    """The durable store's commits and the event loop's lag, read at scrape time."""
+
+    def __init__(self, coordinator: Coordinator) -> None:
+        self.coordinator = coordinator
+
+    def describe(self) -> Iterable:
+        return self._families(0, 0, 0.0, 0.0, 0.0)
+
+    def collect(self) -> Iterable:
+        st, lag = self.coordinator.persister.stats, self.coordinator.loop_lag
+        return self._families(st.commits, st.failures, st.total_s, st.max_s, lag.max_s)
+
+    @staticmethod
+    def _families(commits: int, failures: int, total_s: float, max_s: float,
+                  lag_s: float) -> list[CounterMetricFamily | GaugeMetricFamily]:
+        out: list[CounterMetricFamily | GaugeMetricFamily] = []
+        for name, text, value in (
+                ("rdzv_store_commits", "State store commits (each one fsynced transaction).", commits),
+                ("rdzv_store_commit_failures", "State store commits that failed (kept and retried).", failures),
+                ("rdzv_store_commit_seconds", "Time spent committing, summed over all commits.", total_s)):
+            fam = CounterMetricFamily(name, text)
+            fam.add_metric([], value)
+            out.append(fam)
+        for name, text, value in (
+                ("rdzv_store_commit_max_seconds", "Longest state store commit since start.", max_s),
+                ("rdzv_event_loop_lag_max_seconds", "Longest delay of the event loop since start (a stall).",
+                 lag_s)):
+            gauge = GaugeMetricFamily(name, text)
+            gauge.add_metric([], value)
+            out.append(gauge)
+        return out
+
+
+class ServerMetrics:
+    """One app's registry and metrics. `on_effects` is the coordinator's effect listener."""
+
+    def __init__(self, coordinator: Coordinator) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        r.register(StateCollector(coordinator))
+        r.register(StoreCollector(coordinator))
+        self.rounds = Counter("rdzv_rounds_total", "Rounds formed, by cause (what triggered the round).",
+                              ["cause"], registry=r)
+        for cause in CAUSES:
+            self.rounds.labels(cause)
+        self.restarts = Counter(
+            "rdzv_restarts_total", "Restarts after a worker failure: one per accepted failure report "
+            "(job-wide restart count + 1). The report that exhausts max_restarts fails the job instead "
+            "and is not counted (see rdzv_jobs{state=\"failed\"}).", registry=r)
+        self.worker_failures = Counter("rdzv_worker_failures_total", "Failed workers reported by agents, "
+                                       "by reason (exited, hang, spawn failed, other).", ["reason"], registry=r)
+        for reason in (*FAILURE_REASONS, "other"):
+            self.worker_failures.labels(reason)
+        self.nodes_lost = Counter("rdzv_nodes_lost_total", "Nodes lost: lease expired, long-poll connection "
+                                  "dropped, or agent restarted (nodes that leave are not counted).", registry=r)
+        self.formation = Histogram("rdzv_round_formation_seconds", "Time from a round starting to form "
+                                   "(first node waiting, or the failure/loss) to the round being formed.",
+                                   buckets=ROUND_BUCKETS, registry=r)
+        self.recovery = Histogram("rdzv_failure_to_round_seconds", "Time from a worker failure (or a lost "
+                                  "node's last contact) to the next round being formed, by cause.",
+                                  ["cause"], buckets=ROUND_BUCKETS, registry=r)
+        for cause in LOSS_CAUSES:
+            self.recovery.labels(cause)
+        self.requests = Counter("rdzv_http_requests_total", "HTTP requests answered, by route template, "
+                                "method and status.", ["route", "method", "status"], registry=r)
+        self._children: dict[tuple[str, str, str], tuple[Any, Any]] = {}
+        self.latency = Histogram("rdzv_http_request_duration_seconds", "HTTP request latency (long-polls "
+                                 "included), by route template, method and status.",
+                                 ["route", "method", "status"], buckets=HTTP_BUCKETS, registry=r)
+
+    def on_effects(self, effects: Outbox) -> None:
+        """Coordinator effect listener. A metrics bug must never fail a request: log it and go on."""
+        try:
+            for _job, event in effects.events:
+                self._count(event)
+            if effects.restarts:
+                self.restarts.inc(len(effects.restarts))
+        except Exception:
+            log.exception("metrics: could not count the core's effects")
+
+    def _count(self, event: Event) -> None:
+        kind, data = event.kind, event.data
+        if kind == EventKind.ROUND_COMPLETED:
+            cause = data.get("cause", "")
+            self.rounds.labels(cause if cause in CAUSES else "other").inc()
+            if "formation_s" in data:
+                self.formation.observe(float(data["formation_s"]))
+            if "since_failure_s" in data:
+                self.recovery.labels(cause if cause in LOSS_CAUSES else "other").observe(
+                    float(data["since_failure_s"]))
+        elif kind == EventKind.WORKER_FAILED:
+            reason = data.get("reason", "")
+            count = data.get("count", 1)
+            self.worker_failures.labels(reason if reason in FAILURE_REASONS else "other").inc(
+                count if isinstance(count, int) and count > 0 else 1)
+        elif kind == EventKind.NODE_LOST:
+            self.nodes_lost.inc()
+
+    def observe_request(self, request: web.Request, status: str, seconds: float) -> None:
+        route, method = route_label(request), request.method if request.method in METHODS else "other"
+        key = (route, method, status)
+        children = self._children.get(key)
+        if children is None:        # the label sets are few (route templates): look each up once
+            children = self._children[key] = (self.requests.labels(*key), self.latency.labels(*key))
+        children[0].inc()
+        children[1].observe(seconds)
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+METRICS = web.AppKey("metrics", ServerMetrics)
+
+
+def route_label(request: web.Request) -> str:
+    """The matched route's template (bounded cardinality), never the raw path."""
+    resource = request.match_info.route.resource
+    if resource is None:
+        return "unmatched"
+    template = resource.canonical
+    action = request.match_info.get("action")
+    if "{action}" in template and action in REQUEST_TYPES:
+        template = template.replace("{action}", action)
+    return template
+
+
+@web.middleware
+async def metrics_middleware(request: web.Request,
+                             handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
+    """Count and time every request; outermost, so it sees the status the client gets."""
+    metrics = request.app.get(METRICS)
+    if metrics is None:
+        return await handler(request)
+    start = time.perf_counter()
+    status = "500"
+    try:
+        response = await handler(request)
+        status = str(response.status)
+        return response
+    except web.HTTPException as exc:
+        status = str(exc.status)
+        raise
+    except asyncio.CancelledError:
+        status = "499"          # the client went away before the answer (nginx's convention)
+        raise
+    finally:
+        metrics.observe_request(request, status, time.perf_counter() - start)
+
+
+async def metrics_endpoint(request: web.Request) -> web.Response:
+    """GET /metrics: Prometheus text format."""
+    body = request.app[METRICS].exposition()
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})

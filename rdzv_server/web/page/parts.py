@@ -1,0 +1,141 @@
+"""Small pieces of the status page's HTML: escaping, links, times and ages, badges, tables, pagers.
+
+Every client-supplied string goes through `esc` (html.escape with quotes), and every link through
+`link`, so a node id or host can never turn into markup.
+"""
+from __future__ import annotations
+
+import datetime as dt
+import html
+import urllib.parse
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from rdzv_server.core.events import EventKind
+
+FINISHED = {"succeeded", "failed", "closed"}
+# How an event kind is coloured in the history tables.
+BAD = {k.value for k in (EventKind.WORKER_FAILED, EventKind.NODE_LOST, EventKind.JOB_FAILED, EventKind.NODE_EXCLUDED)}
+WARN = {k.value for k in (EventKind.ROUND_ABANDONED, EventKind.NODE_DRAINED, EventKind.JOB_CLOSED,
+                          EventKind.SERVER_RESTARTED, EventKind.NODE_LEFT)}
+GOOD = {k.value for k in (EventKind.ROUND_COMPLETED, EventKind.JOB_SUCCEEDED, EventKind.NODE_READMITTED)}
+
+
+def esc(value: Any) -> str:
+    return "&mdash;" if value is None or value == "" else html.escape(str(value), quote=True)
+
+
+def job_path(job_id: str) -> str:
+    """The job page's path (not escaped: pass it to `link`)."""
+    return "/jobs/" + urllib.parse.quote(job_id, safe="")
+
+
+def link(path: str, params: Mapping[str, int | None] | None = None) -> str:
+    """An escaped href for `path` with the non-None query parameters."""
+    query = urllib.parse.urlencode({k: v for k, v in (params or {}).items() if v is not None})
+    return html.escape(path + ("?" + query if query else ""), quote=True)
+
+
+def href(job_id: str) -> str:
+    return link(job_path(job_id))
+
+
+def age(seconds: float) -> str:
+    """A short human duration: 0.4s, 12s, 4m 05s, 2h 03m, 3d 4h."""
+    s = max(0.0, float(seconds))
+    m, h = int(s) // 60, int(s) // 3600
+    return (f"{s:.1f}s" if s < 9.95 else f"{s:.0f}s" if s < 59.5 else f"{m}m {int(s) % 60:02d}s" if m < 60
+            else f"{h}h {m % 60:02d}m" if h < 24 else f"{h // 24}d {h % 24}h")
+
+
+def epoch(iso: str) -> float:
+    return dt.datetime.fromisoformat(iso.replace("Z", "+00:00")).timestamp()
+
+
+def when(iso: str | None, now: float) -> str:
+    """UTC ISO time in monospace with its age; a dash when there is none."""
+    if not iso:
+        return "&mdash;"
+    ago = now - epoch(iso)
+    rel = f"{age(ago)} ago" if ago >= 0 else f"in {age(-ago)}"
+    return f'<span class="mono nowrap">{esc(iso)}</span> <span class="muted nowrap">({rel})</span>'
+
+
+def clip(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def plural(n: int, word: str) -> str:
+    return f"{n:,} {word}{'' if n == 1 else 's'}"
+
+
+def badge(state: str, text: str | None = None) -> str:
+    return f'<span class="badge s-{esc(state)}">{esc(text or state)}</span>'
+
+
+def table(head: Iterable[str], rows: list[str], empty: str, cls: str = "", more: str = "") -> str:
+    """A boxed table (or the `empty` sentence when there are no rows); `more` is a last line in the box,
+    e.g. how many rows were left out."""
+    if not rows:
+        return f'<div class="box"><div class="empty">{esc(empty)}</div></div>'
+    # a heading starting with ">" is a right-aligned (numeric) column
+    ths = "".join(f'<th class="num">{h[1:]}</th>' if h.startswith(">") else f"<th>{h}</th>" for h in head)
+    tail = f'<div class="cut">{more}</div>' if more else ""
+    return (f'<div class="box"><table class="{cls}"><thead><tr>{ths}</tr></thead>'
+            f'<tbody>{"".join(rows)}</tbody></table>{tail}</div>')
+
+
+def pager(what: str, offset: int, shown: int, total: int, path: str, params: Mapping[str, int | None],
+          offset_key: str, limit: int) -> str:
+    """'jobs 51–100 of 20,000' with links to the previous and next page (other parameters kept)."""
+    if total <= shown and offset == 0:
+        return ""
+    first, last = (offset + 1, offset + shown) if shown else (0, 0)
+    parts = [f"{what} {first:,}&ndash;{last:,} of {total:,}"]
+    if offset > 0:
+        parts.append(f'<a rel="prev" href="{link(path, {**params, offset_key: max(0, offset - limit)})}">'
+                     f"&larr; previous</a>")
+    if offset + limit < total:
+        parts.append(f'<a rel="next" href="{link(path, {**params, offset_key: offset + limit})}">next &rarr;</a>')
+    return f'<nav class="pager">{" ".join(parts)}</nav>'
+
+
+def health(job: dict[str, Any]) -> tuple[str, list[str]]:
+    """(colour, warnings) for a job summary: the colour of its state, orange when running degraded."""
+    state = job["state"]
+    colour = {"running": "green", "waiting": "amber", "failed": "red", "succeeded": "blue"}.get(state, "grey")
+    if state in FINISHED:
+        return colour, []
+    warns = []
+    used, budget = job["restart_count"], job["max_restarts"]
+    if used and used * 2 > budget:
+        warns.append(f"restarts {used}/{budget} used" + (" (none left)" if used >= budget else ""))
+    short = job["max_nodes"] - job["group_world_size"]
+    if state == "running" and short > 0:
+        warns.append(f"{short} node{'s' if short != 1 else ''} short of max {job['max_nodes']}")
+    excluded = job["counts"]["excluded"]
+    if excluded:
+        warns.append(f"{excluded} node{'s' if excluded != 1 else ''} excluded")
+    if warns and state == "running":
+        colour = "orange"
+    return colour, warns
+
+
+def restarts(used: int, budget: int) -> str:
+    frac = 1.0 if budget == 0 and used else (used / budget if budget else 0.0)
+    level = "full" if used >= budget and used else ("mid" if used * 2 > budget else "")
+    return (f'<span class="nowrap" title="restarts used / max_restarts"><span class="bar {level}">'
+            f'<i style="width:{min(frac, 1.0) * 100:.0f}%"></i></span>{used} / {budget}</span>')
+
+
+def lease(seconds: float, timeout: float | None) -> str:
+    """A lease's age, orange past half the lease timeout, red past it."""
+    cls = "" if not timeout else "bad-text" if seconds > timeout else "warn-text" if seconds > timeout / 2 else ""
+    return f'<span class="{cls}">{age(seconds)}</span>'
+
+
+def host(n: dict[str, Any]) -> str:
+    name, addr = n.get("host") or "", n.get("addr") or ""
+    if name and name != addr:
+        return f'<span class="mono">{esc(name)}</span> <span class="mono muted">{esc(addr)}</span>'
+    return f'<span class="mono">{esc(addr or name)}</span>'

@@ -1,0 +1,201 @@
+"""The human status page: `GET /` (one page of jobs) and `GET /jobs/{job_id}` (one job, its nodes paged).
+
+Plain HTML with inline CSS, no script and no build step; it reloads itself (<meta refresh>).
+Everything shown is read from the JSON documents of `views` (server_status, job_detail,
+job_events), so the page and the API never disagree. Every string goes through html.escape:
+node ids, hosts and failure messages come from clients. Times are UTC ISO 8601 plus an age.
+
+Bounded whatever the server holds: the overview lists one page of jobs (`?offset=`, `?limit=`)
+with cards for the first few, each card's node tables stop after a few rows, and the job page
+shows one page of each node list (`?node_offset=`, `?node_limit=`). Pieces: page_parts.py (small
+HTML helpers), page_cards.py (one job's card), page_style.py (the CSS).
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from rdzv_server.core.rendezvous import Rendezvous
+from rdzv_server.logs import iso
+from rdzv_server.web import views
+from rdzv_server.web.page.cards import DETAIL_EVENTS, INDEX_EVENTS, card, config, failure
+from rdzv_server.web.page.parts import (
+    age,
+    badge,
+    clip,
+    epoch,
+    esc,
+    health,
+    href,
+    job_path,
+    link,
+    pager,
+    plural,
+    restarts,
+    table,
+)
+from rdzv_server.web.page.style import CSS
+
+__all__ = ["DETAIL_EVENTS", "INDEX_EVENTS", "PageQuery", "index_page", "job_page", "not_found_page",
+           "refresh_seconds"]
+
+DEFAULT_REFRESH_S = 2
+INDEX_JOBS = 50           # rows of the overview's summary table per page
+INDEX_JOBS_MAX = 200
+INDEX_CARDS = 5           # jobs of the page shown as cards (the first ones: what needs a human comes first)
+CARD_NODES = 10           # rows per node table on an overview card
+JOB_NODES = 100           # rows per node table on a job's page
+JOB_NODES_MAX = 1000
+NOT_FOUND_JOBS = 20       # jobs the 404 page lists
+# How a job's state ranks in the header's counts.
+_ORDER = {"failed": 0, "waiting": 1, "running": 2, "closed": 3, "succeeded": 4}
+
+
+def refresh_seconds(raw: str | None) -> int:
+    """The ?refresh= query value: seconds between reloads, 0 for none; the default when unreadable."""
+    try:
+        return max(0, min(3600, int(raw))) if raw is not None else DEFAULT_REFRESH_S
+    except ValueError:
+        return DEFAULT_REFRESH_S
+
+
+@dataclass(frozen=True)
+class PageQuery:
+    """The page's query parameters; unreadable ones fall back to their default (a page answers no 400)."""
+    refresh: int = DEFAULT_REFRESH_S
+    offset: int = 0
+    limit: int = INDEX_JOBS
+    node_offset: int = 0
+    node_limit: int = JOB_NODES
+
+    @classmethod
+    def of(cls, query: Mapping[str, str]) -> PageQuery:
+        def number(name: str, default: int, low: int, high: int | None = None) -> int:
+            return views.query_int(query, name, default, low=low, high=high, strict=False)
+        return cls(refresh=refresh_seconds(query.get("refresh")), offset=number("offset", 0, 0),
+                   limit=number("limit", INDEX_JOBS, 1, INDEX_JOBS_MAX),
+                   node_offset=number("node_offset", 0, 0), node_limit=number("node_limit", JOB_NODES, 1,
+                                                                               JOB_NODES_MAX))
+
+
+def _layout(title: str, now: float, body: str, refresh: int, path: str, params: Mapping[str, int | None],
+            summary: str = "", notes: tuple[str, ...] = ()) -> str:
+    meta = f'<meta http-equiv="refresh" content="{refresh}">' if refresh else ""
+    toggle = (f'refreshes every {refresh}s &middot; <a href="{link(path, {**params, "refresh": 0})}">pause</a>'
+              if refresh else f'auto-refresh paused &middot; <a href="{link(path, params)}">resume</a>')
+    return (
+        '<!doctype html><html lang="en"><head><meta charset="utf-8">'
+        f'<meta name="viewport" content="width=device-width,initial-scale=1">{meta}<title>{esc(title)}</title>'
+        f"<style>{CSS}</style></head><body>"
+        f'<div class="top"><h1><a href="/">rdzv-server</a></h1><span>{summary}</span>'
+        f'<span class="right muted">server time <span class="mono" id="server-time">{esc(iso(now))}</span>'
+        f" &middot; {toggle}</span></div><main>{_notes(notes)}{body}</main></body></html>")
+
+
+def _notes(notes: tuple[str, ...]) -> str:
+    """The server's warnings about its own exposure (no token on a network address, ...)."""
+    return "".join(f'<div class="box warn-text" data-note="1">&#9888; {esc(n)}</div>' for n in notes)
+
+
+def _paused(refresh: int) -> int | None:
+    """The refresh parameter links carry: only a non-default one."""
+    return None if refresh == DEFAULT_REFRESH_S else refresh
+
+
+# ---- the overview -------------------------------------------------------------------------------
+
+def _summary_row(job: dict[str, Any], events: list[dict[str, Any]], now: float) -> str:
+    colour, warns = health(job)
+    last = events[-1] if events else None
+    latest = (f'<span class="mono">{esc(last["kind"])}</span> <span class="muted">'
+              f'{age(now - epoch(last["time"]))} ago</span>') if last else "&mdash;"
+    if job["state"] == "failed":
+        note = f'<span class="bad-text">{esc(clip(job["reason"], 90))}</span>'
+    else:
+        note = f'<span class="warn-text">{esc("; ".join(warns))}</span>' if warns else ""
+    counts = job["counts"]
+    return (f'<tr data-job="{esc(job["job_id"])}" data-health="{colour}"><td><span class="dot h-{colour}"></span></td>'
+            f'<td class="mono"><a href="{href(job["job_id"])}">{esc(job["job_id"])}</a></td>'
+            f'<td>{badge(job["state"])}</td><td class="note">{note}</td><td class="num">{esc(job["round_id"])}</td>'
+            f'<td class="num">{job["world_size"]}</td>'
+            f'<td class="num">{job["group_world_size"]} <span class="muted">of {job["min_nodes"]}:{job["max_nodes"]}'
+            f'</span></td><td>{restarts(job["restart_count"], job["max_restarts"])}</td>'
+            f'<td class="num">{counts["spares"]}</td><td class="num">{counts["excluded"]}</td>'
+            f"<td>{latest}</td></tr>")
+
+
+def _counts(states: dict[str, int]) -> str:
+    n = sum(states.values())
+    badges = " ".join(badge(s, f"{c:,} {s}") for s, c in sorted(states.items(), key=lambda kv: _ORDER.get(kv[0], 9)))
+    return f'<b id="job-count">{plural(n, "job")}</b> {badges}'
+
+
+def index_page(core: Rendezvous, now: float, refresh: int = DEFAULT_REFRESH_S, notes: tuple[str, ...] = (),
+               *, offset: int = 0, limit: int = INDEX_JOBS) -> str:
+    """One page of jobs in the views' order (unfinished first, then the newest finished): a summary
+    row each, and a card for each of the first INDEX_CARDS."""
+    status = views.server_status(core, now, offset, limit, list_limit=0)
+    page = status["jobs"]
+    params = {"offset": offset or None, "limit": None if limit == INDEX_JOBS else limit, "refresh": _paused(refresh)}
+    if not page:
+        empty = ("No jobs yet: agents create a job with their first join." if not status["total"] else
+                 f"No jobs on this page: the server holds {plural(status['total'], 'job')}.")
+        body = f'<div class="box"><div class="empty">{esc(empty)}</div></div>'
+    else:
+        rows = [_summary_row(j, views.job_events(core.jobs[j["job_id"]], limit=1)["events"], now) for j in page]
+        head = ["", "job", "state", "attention", ">round", ">world size", ">nodes", "restarts", ">spares",
+                ">excluded", "latest event"]
+        nav = pager("jobs", offset, len(page), status["total"], "/", params, "offset", limit)
+        cards = []
+        for j in page[:INDEX_CARDS]:
+            record = core.jobs[j["job_id"]]
+            cards.append(card(views.job_detail(record, now, 0, CARD_NODES),
+                              views.job_events(record, limit=INDEX_EVENTS)["events"], now, full=False))
+        shown = (f'<p class="muted">The first {len(cards)} jobs of this page; every job has its own page.</p>'
+                 if len(page) > len(cards) else "")
+        body = (f"<h2>Jobs</h2>{nav}" + table(head, rows, "", "summary") + nav
+                + "<h2>Details</h2>" + shown + "".join(cards))
+    return _layout("rdzv-server status", now, body, refresh, "/", params, _counts(status["job_states"]), notes)
+
+
+# ---- one job ------------------------------------------------------------------------------------
+
+def job_page(core: Rendezvous, job_id: str, now: float, refresh: int = DEFAULT_REFRESH_S, *,
+             node_offset: int = 0, node_limit: int = JOB_NODES) -> str | None:
+    """One job in full, one page of each node list; None when the server has no such job (see
+    `not_found_page`)."""
+    record = core.jobs.get(job_id)
+    if record is None:
+        return None
+    job = views.job_detail(record, now, node_offset, node_limit)
+    events = views.job_events(record, limit=DETAIL_EVENTS)["events"]
+    root, last = job["root_cause"], job["last_failure"]
+    failures = (failure("Last failure (the root cause)" if root == last else "Last failure", last, now)
+                + ("" if root == last else failure("Root cause (first failure of the last failed round)", root, now)))
+    extra = f'<div class="grid"><div>{failures}</div>{config(job["config"])}</div>'
+    path = job_path(job_id)
+    params = {"node_offset": node_offset or None, "node_limit": None if node_limit == JOB_NODES else node_limit,
+              "refresh": _paused(refresh)}
+    longest = max(job["counts"][k] for k in views.NODE_LISTS)
+    shown = max(len(job[k]) for k in views.NODE_LISTS)
+    nav = pager("nodes (per list)", node_offset, shown, longest, path, params, "node_offset", node_limit)
+    body = f'<p><a href="/">&larr; all jobs</a></p>{card(job, events, now, full=True, extra=extra, pager=nav)}'
+    title = f'job <b class="mono">{esc(job_id)}</b>'
+    return _layout(f"{job_id} · rdzv-server", now, body, refresh, path, params, title)
+
+
+def not_found_page(core: Rendezvous, job_id: str, now: float, refresh: int = DEFAULT_REFRESH_S) -> str:
+    """The 404 page; it reloads too, so it turns into the job's page once the job's first agent joins.
+    It names the first few jobs the server holds (the overview pages through all of them)."""
+    status = views.server_status(core, now, 0, NOT_FOUND_JOBS, list_limit=0)
+    known = "".join(f'<li><a class="mono" href="{href(j["job_id"])}">{esc(j["job_id"])}</a> '
+                    f'{badge(j["state"])}</li>' for j in status["jobs"])
+    rest = status["total"] - len(status["jobs"])
+    if rest > 0:
+        known += f'<li>and {rest:,} more on <a href="/">the overview</a></li>'
+    body = (f'<section class="job h-grey"><header><span class="id">No job <span class="mono">{esc(job_id)}</span> '
+            f'on this server</span></header><p class="muted">No agent has joined it yet, or its state was dropped. '
+            f'Jobs this server knows:</p><ul>{known or "<li>none</li>"}</ul><p><a href="/">&larr; all jobs</a></p>'
+            f"</section>")
+    return _layout("job not found · rdzv-server", now, body, refresh, job_path(job_id), {}, "job not found")

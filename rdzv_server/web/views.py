@@ -1,0 +1,179 @@
+"""Operator views of the rendezvous state: the JSON documents (the HTML page in page.py renders these).
+
+Read-only: nothing here changes a job. Times are ISO 8601 UTC; durations are seconds.
+
+Every document is bounded whatever the server holds: `server_status` is one page of jobs with at
+most `list_limit` nodes per list, `job_detail` one page of each node list, `job_events` at most the
+kept history. Counts are always the whole truth; `lists_cut` says a list shows only part of it.
+The only work that grows with the number of jobs is ordering them (one sort of small keys).
+"""
+from __future__ import annotations
+
+import itertools
+from collections import Counter
+from collections.abc import Mapping
+from operator import attrgetter
+from typing import Any
+
+import msgspec
+
+from protocol.errors import ErrorCode
+from protocol.messages import JobState
+from protocol.quoting import quote
+from rdzv_server.core.errors import RendezvousError
+from rdzv_server.core.records import MAX_EVENTS_PER_JOB, JobRecord, NodeRecord
+from rdzv_server.core.rendezvous import Rendezvous
+from rdzv_server.logs import iso
+
+STATUS_LIMIT = 50            # jobs per page of GET /v1/status unless ?limit= says otherwise
+STATUS_LIMIT_MAX = 200
+LIST_LIMIT = 8               # nodes shown per list (members, waiting, spares, ...) of each job in the status
+NODE_LIMIT = 500             # nodes per list of GET /v1/jobs/{id} unless ?node_limit= says otherwise
+NODE_LIMIT_MAX = 2000
+NODE_LISTS = ("nodes", "waiting", "spares", "excluded", "drained")
+
+
+def query_int(query: Mapping[str, str], name: str, default: int, *, low: int = 0, high: int | None = None,
+              strict: bool = True) -> int:
+    """The integer `?name=`, at most `high`; a value that is not a whole number >= `low` is a 400 naming
+    the parameter (or, not `strict`, the default: for the HTML page, which never answers an error)."""
+    raw = query.get(name)
+    if raw is None:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        value = low - 1
+    if value < low:
+        if not strict:
+            return default
+        raise RendezvousError(ErrorCode.BAD_REQUEST, f"query parameter {name!r} must be a whole number "
+                                                     f">= {low}, got {quote(raw)}")
+    return value if high is None else min(value, high)
+
+
+# ---- nodes ------------------------------------------------------------------------------------------
+
+def _node(job: JobRecord, node: NodeRecord, now: float, succeeded: set[str]) -> dict[str, Any]:
+    return {
+        "node_id": node.node_id, "state": node.state.value, "host": node.host, "addr": node.addr,
+        "role": node.role, "local_world_size": node.local_world_size,
+        "lease_age_s": round(now - node.last_seen, 3), "joined_at": iso(node.joined_at),
+        "recent_failures": len(node.failure_times),
+    }
+
+
+def _member(job: JobRecord, node: NodeRecord, now: float, succeeded: set[str]) -> dict[str, Any]:
+    out = _node(job, node, now, succeeded)
+    if job.round is not None and node.node_id in job.round.assignments:
+        a = job.round.assignments[node.node_id]
+        worker = "succeeded" if node.node_id in succeeded else "stopped" if job.state.finished else "running"
+        out.update(group_rank=a.group_rank, rank_offset=a.rank_offset, worker_state=worker)
+    return out
+
+
+def _excluded(job: JobRecord, node: NodeRecord, now: float, succeeded: set[str]) -> dict[str, Any]:
+    out = _node(job, node, now, succeeded)
+    out["excluded_for_s"] = round(max(0.0, node.excluded_until - now), 1)
+    out["exclusions"] = node.exclusions
+    return out
+
+
+def node_lists(job: JobRecord, now: float, offset: int, limit: int) -> dict[str, Any]:
+    """Entries offset..offset+limit of each node list, every list's full count, and whether any was cut."""
+    r = job.round
+    members = r.members if r else []
+    succeeded = set(job.successes) if r and job.successes else set()
+    counts = {"nodes": len(members), "waiting": len(job.waiting), "spares": len(job.spares),
+              "excluded": len(job.excluded), "drained": len(job.drained)}
+    end = offset + limit
+
+    def page(ids: list[str], make: Any) -> list[dict[str, Any]]:
+        return [make(job, job.nodes[n], now, succeeded) for n in ids[offset:end] if n in job.nodes]
+
+    spares = page(job.spares, _node)
+    for position, spare in enumerate(spares, start=offset):
+        spare["spare_position"] = position
+    lists: dict[str, Any] = {
+        "nodes": page(members, _member), "waiting": page(job.waiting, _node), "spares": spares,
+        "excluded": page(job.excluded, _excluded),
+        "drained": [{"node_id": n, "reason": why} for n, why in itertools.islice(job.drained.items(), offset, end)],
+    }
+    cut = any(len(lists[name]) < counts[name] for name in NODE_LISTS)
+    return {"counts": counts, **lists, "lists_cut": cut}
+
+
+# ---- jobs -------------------------------------------------------------------------------------------
+
+def _job_head(job: JobRecord) -> dict[str, Any]:
+    r = job.round
+    return {
+        "job_id": job.job_id, "state": job.state.value, "reason": job.reason,
+        "round_id": r.round_id if r else None, "min_nodes": job.config.min_nodes,
+        "max_nodes": job.config.max_nodes, "world_size": r.world_size if r else 0,
+        "group_world_size": len(r.members) if r else 0,
+        "restart_count": job.restart_count, "max_restarts": job.config.max_restarts,
+        "created_at": iso(job.created_at), "finished_at": iso(job.finished_at),
+    }
+
+
+def job_summary(job: JobRecord, now: float, list_limit: int = LIST_LIMIT) -> dict[str, Any]:
+    """A job as the status lists it: its head, its counts, and the first `list_limit` nodes of each list."""
+    return {**_job_head(job), **node_lists(job, now, 0, list_limit)}
+
+
+def job_detail(job: JobRecord, now: float, node_offset: int = 0, node_limit: int = NODE_LIMIT) -> dict[str, Any]:
+    out = {**_job_head(job), **node_lists(job, now, node_offset, node_limit),
+           "node_offset": node_offset, "node_limit": node_limit}
+    out["config"] = msgspec.to_builtins(job.config)
+    out["last_failure"] = msgspec.to_builtins(job.last_failure) if job.last_failure else None
+    out["root_cause"] = msgspec.to_builtins(job.root_cause) if job.root_cause else None
+    out["last_call_ends_in_s"] = round(job.last_call_deadline - now, 3) if job.last_call_deadline else None
+    return out
+
+
+def job_events(job: JobRecord, after: int | None = None, limit: int = MAX_EVENTS_PER_JOB) -> dict[str, Any]:
+    """The kept events, oldest first: with `after`, the first `limit` newer than that seq (`more` says
+    whether others follow); without, the newest `limit`."""
+    if after is None:
+        kept, more = (job.events[-limit:] if limit else []), False
+    else:
+        newer = job.events_after(after)
+        kept, more = newer[:limit], len(newer) > limit
+    return {"job_id": job.job_id, "last_seq": job.event_seq, "more": more, "events": [
+        {"seq": e.seq, "time": iso(e.t), "kind": e.kind.value, "message": e.message, "node_id": e.node_id or None,
+         "round_id": e.round_id if e.round_id >= 0 else None, **({"data": e.data} if e.data else {})}
+        for e in kept]}
+
+
+def ordered_jobs(core: Rendezvous) -> list[JobRecord]:
+    """Every job in the views' order: unfinished ones first (forming before running, then by id),
+    then finished ones, newest first (then by id)."""
+    forming: list[JobRecord] = []
+    running: list[JobRecord] = []
+    finished: list[JobRecord] = []
+    for job in core.jobs.values():
+        (forming if job.state == JobState.WAITING else running if job.state == JobState.RUNNING
+         else finished).append(job)
+    by_id = attrgetter("job_id")
+    forming.sort(key=by_id)
+    running.sort(key=by_id)
+    finished.sort(key=by_id)
+    finished.sort(key=lambda j: j.finished_at or 0.0, reverse=True)    # stable: ties stay by id
+    return forming + running + finished
+
+
+def state_counts(core: Rendezvous) -> dict[str, int]:
+    """How many jobs the server holds in each state."""
+    return {state.value: n for state, n in Counter(job.state for job in core.jobs.values()).items()}
+
+
+def server_status(core: Rendezvous, now: float, offset: int = 0, limit: int = STATUS_LIMIT,
+                  list_limit: int = LIST_LIMIT) -> dict[str, Any]:
+    """One page of jobs in `ordered_jobs` order; `total` and `job_states` count every job."""
+    page = ordered_jobs(core)[offset:offset + limit]
+    total = len(core.jobs)
+    return {"time": iso(now), "total": total, "offset": offset, "limit": limit,
+            "next_offset": offset + limit if offset + limit < total else None,
+            "job_states": state_counts(core), "list_limit": list_limit,
+            "jobs": [job_summary(j, now, list_limit) for j in page]}
