@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import random
 import secrets
 import time
 import traceback
@@ -35,11 +34,12 @@ from typing import Any
 import psutil
 
 from benchmarks.scale_wire import WireClient
+from node_agent.client.replies import Refusal, refusal
+from node_agent.client.retry import Backoff
 from node_agent.client.transport import ServerRejected, ServerUnreachable
 from node_agent.core.policy import CONFLICT_RETRY_S
-from node_agent.server_link import BACKOFF_MAX_S, POLL_WAIT_S
-from protocol.errors import ErrorCode
-from protocol.messages import JobConfig, NodeState, NodeStatus, WorkerFailure
+from node_agent.server_link import POLL_WAIT_S
+from protocol.messages import FailureReport, JobConfig, JoinRequest, NodeState, NodeStatus, PollRequest, WorkerFailure
 
 LAG_PROBE_S = 0.02          # the client's own loop-lateness probe interval
 
@@ -159,32 +159,33 @@ class SimNode:
         return out
 
     async def _until_answered(self, what: str, call: Any) -> NodeStatus | None:
-        """The agent's retry rules (server_link.py, policy.py): None when refused for good."""
-        tries = 0
+        """The agent's retry rules (the client core's backoff and refusal rules): None when refused for good."""
+        backoff = Backoff()
         conflict_since: float | None = None
+        request = {"join": JoinRequest, "poll": PollRequest}.get(what, FailureReport)
         while True:
             try:
                 return await call()     # type: ignore[no-any-return]
             except ServerRejected as exc:
                 self.tally.refused[exc.code] += 1
-                if what == "join" and exc.code == ErrorCode.NODE_CONFLICT.value:
+                meaning = refusal(exc.code, request)
+                if meaning is Refusal.CONFLICT:
                     # Maybe our own earlier try, answered too late: wait out its lease, then give up.
                     now = time.monotonic()
                     conflict_since = now if conflict_since is None else conflict_since
                     if now - conflict_since < self.spec.config.lease_timeout_s + 2 * CONFLICT_RETRY_S:
                         await asyncio.sleep(CONFLICT_RETRY_S)
                         continue
-                if what == "poll" and exc.code in (ErrorCode.UNKNOWN_JOB.value, ErrorCode.UNKNOWN_NODE.value):
+                if meaning is Refusal.FORGOTTEN:
                     self.known_round = -1
                     await self._join()
                     return None
-                if what == "join" or what == "poll":
-                    raise _Exit() from None
-                return None           # a refused report: dropped, as the agent does
+                if meaning is Refusal.DROPPED:
+                    return None           # a refused report: dropped, as the agent does
+                raise _Exit() from None
             except ServerUnreachable as exc:
                 self.tally.unreachable[str(exc).split(":")[0][:60]] += 1
-                tries += 1
-                await asyncio.sleep(min(BACKOFF_MAX_S, 0.05 * 2 ** tries) * random.uniform(0.5, 1.0))
+                await backoff.pause()
 
 
 class _Exit(Exception):

@@ -23,6 +23,7 @@ from node_agent.core.facts import (
     WorkersExited,
     WorkersHung,
 )
+from node_agent.core.summary import how
 from protocol.messages import Assignment, FailureReport, NodeState, NodeStatus, SuccessReport, WorkerFailure
 
 
@@ -102,27 +103,6 @@ def round_line(a: Assignment) -> str:
 
 def worker(f: WorkerFailure) -> str:
     return f"worker rank {f.rank} (local {f.local_rank})"
-
-
-def how(f: WorkerFailure) -> str:
-    return f"signal {f.signal}" if f.signal else f"exit code {f.exitcode}"
-
-
-def failure_summary(status: NodeStatus) -> str:
-    """The job's end on every node's console: why it failed and the first failure in time."""
-    lines = [f"job {status.job_id} failed: {status.reason}"]
-    rc = status.root_cause
-    if rc is not None:
-        lines.append("root cause (first failure in time across all nodes):")
-        lines.append(f"  host      : {rc.host} (node {rc.node_id})")
-        lines.append(f"  rank      : {rc.rank} (local rank {rc.local_rank})")
-        lines.append(f"  failure   : {rc.reason}, {how(rc)}")
-        if rc.message:
-            lines.append(f"  error     : {rc.message}")
-        if rc.traceback:
-            lines.append("  traceback :")
-            lines.extend("    " + ln for ln in rc.traceback.rstrip().splitlines())
-    return "\n".join(lines)
 
 
 def start_lines(opts: AgentOptions) -> list[str]:

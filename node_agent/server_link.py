@@ -1,9 +1,9 @@
 """The agent's conversation with the rendezvous server. Each request runs as a task; its outcome
 becomes a fact on the agent's queue.
 
-- A try that gets no answer becomes `ServerNotReached` and is tried again after a jittered,
-  exponentially growing pause (capped, so a restarted server sees every agent back quickly). The
-  policy decides when to give up; cancelling the task (at exit) ends the retries.
+- A try that gets no answer becomes `ServerNotReached` and is tried again after the client's one
+  backoff (client/retry.py). The policy decides when to give up; cancelling the task (at exit) ends
+  the retries.
 - An answer becomes `StatusReceived` (with the time the answered try went out); a typed refusal
   becomes `ServerRefused`.
 - One request of each kind at a time: a newer one replaces an older one still trying.
@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import random
 from collections.abc import AsyncIterator, Awaitable, Callable
 
+from node_agent.client.retry import until_answered
 from node_agent.client.transport import ServerRejected, ServerUnreachable, Transport
 from node_agent.core.facts import Put, Request, ServerNotReached, ServerRefused, StatusReceived, start_source
 from protocol.messages import (
@@ -31,8 +31,6 @@ from protocol.messages import (
 # The longest hold a poll asks for: the server picks the hold (about half a lease for small jobs,
 # longer for large ones so a big fleet does not poll in waves; docs/protocol.md).
 POLL_WAIT_S = MAX_POLL_WAIT_S
-# Retry pause cap while the server is away: a restarted server sees every agent back within about this.
-BACKOFF_MAX_S = 0.5
 # How long a leave waits for a join still on its way (see leave()).
 JOIN_LANDING_S = 2.0
 
@@ -118,20 +116,19 @@ class ServerLink:
         self._tasks[request] = start_source(self._until_answered(request, call), self._put)
 
     async def _until_answered(self, request: Request, call: Callable[[], Awaitable[NodeStatus]]) -> None:
-        tries = 0
-        while True:
+        sent_at = 0.0      # when the try that is answered went out: the lease was renewed after it
+
+        def timed_call() -> Awaitable[NodeStatus]:
+            nonlocal sent_at
             sent_at = self._clock()
-            try:
-                status = await call()
-            except ServerRejected as exc:
-                self._put(ServerRefused(request, exc.code, exc.message))
-                return
-            except ServerUnreachable as exc:
-                self._put(ServerNotReached(request, str(exc)))
-                tries += 1
-                await asyncio.sleep(min(BACKOFF_MAX_S, 0.05 * 2 ** tries) * random.uniform(0.5, 1.0))
-                continue
-            if request is JoinRequest:
-                self.joined = True
-            self._put(StatusReceived(request, status, sent_at))
+            return call()
+
+        try:
+            status = await until_answered(
+                timed_call, on_unreachable=lambda exc: self._put(ServerNotReached(request, str(exc))))
+        except ServerRejected as exc:
+            self._put(ServerRefused(request, exc.code, exc.message))
             return
+        if request is JoinRequest:
+            self.joined = True
+        self._put(StatusReceived(request, status, sent_at))

@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 from collections.abc import Callable
 
+from node_agent.core.facts import SERVER_AWAY, SERVER_HEARD, SILENT
 from protocol.messages import Witness
 
 IN_CONTACT = b"rdzv-agent in-contact\n"
@@ -51,10 +52,6 @@ class WitnessServer:
             await self._server.wait_closed()
 
 
-# What the witnesses said, together (PeersProbed.verdict):
-SERVER_AWAY = "server_away"      # some answered, none hears the server: the server itself is away
-SERVER_HEARD = "server_heard"    # one hears the server: only this node is cut off from it
-SILENT = "silent"                # none answered: this node is cut off from everyone
 
 
 async def ask_witnesses(witnesses: tuple[Witness, ...], timeout: float = PROBE_TIMEOUT_S) -> str:

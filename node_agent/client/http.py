@@ -18,8 +18,8 @@ import aiohttp
 import yarl
 
 from node_agent.client.endpoints import LEADER_CHECK_S, LEADER_CHECK_TIMEOUT_S, LEADER_HEADER, Endpoints, origin
+from node_agent.client.replies import NOT_RDZV_SERVER, TLS_UNTRUSTED
 from node_agent.client.transport import ServerRejected, ServerUnreachable, Transport, keepalive_socket, refusal
-from node_agent.core.facts import NOT_RDZV_SERVER, TLS_UNTRUSTED
 from protocol.codec import CONTENT_TYPE, decode_reply, encode
 from protocol.errors import ErrorCode
 from protocol.messages import ErrorReply, NodeStatus

@@ -42,12 +42,6 @@ class ServerNotReached:
     error: str
 
 
-# Refusal codes of the agent's own (not the server's): the server's TLS certificate is not trusted;
-# the endpoint answered, but it is not an rdzv-server (another HTTP service, or not HTTP at all).
-TLS_UNTRUSTED = "tls_untrusted"
-NOT_RDZV_SERVER = "not_rdzv_server"
-
-
 @dataclass(frozen=True)
 class ServerRefused:
     """The server answered `request` with a typed error that a retry would not change."""
@@ -83,9 +77,15 @@ class SignalReceived:
     signum: int
 
 
+# What the witnesses said, together (PeersProbed.verdict):
+SERVER_AWAY = "server_away"      # some answered, none hears the server: the server itself is away
+SERVER_HEARD = "server_heard"    # one hears the server: only this node is cut off from it
+SILENT = "silent"                # none answered: this node is cut off from everyone
+
+
 @dataclass(frozen=True)
 class PeersProbed:
-    """What the round's witnesses said (ProbePeers): witness.SERVER_AWAY, SERVER_HEARD or SILENT."""
+    """What the round's witnesses said (ProbePeers): SERVER_AWAY, SERVER_HEARD or SILENT."""
     verdict: str
 
 

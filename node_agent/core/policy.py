@@ -43,6 +43,7 @@ import signal
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from node_agent.client.replies import News, Refusal, news, refusal, succeeded_without
 from node_agent.core.actions import (
     Action,
     Exit,
@@ -55,7 +56,9 @@ from node_agent.core.actions import (
     StopWorkers,
 )
 from node_agent.core.facts import (
-    TLS_UNTRUSTED,
+    SERVER_AWAY,
+    SERVER_HEARD,
+    SILENT,
     DeadlinePassed,
     Fact,
     PeersProbed,
@@ -67,17 +70,12 @@ from node_agent.core.facts import (
     WorkersExited,
     WorkersHung,
 )
-from node_agent.narration import failure_summary
-from node_agent.witness import SERVER_AWAY, SERVER_HEARD, SILENT
-from protocol.errors import ErrorCode
+from node_agent.core.summary import failure_summary
 from protocol.messages import (
     MAX_MESSAGE,
     Assignment,
     JobState,
-    JoinRequest,
-    NodeState,
     NodeStatus,
-    PollRequest,
     WorkerFailure,
 )
 
@@ -236,64 +234,62 @@ class SupervisionPolicy:
                     f"(limit {self.server_wait_s:g}s): {self.unreachable_error}")]
 
     def _status(self, status: NodeStatus) -> list[Action]:
-        actions: list[Action] = []
-        if status.job_state.finished:
-            return self._finish(status)
-        if status.node_state == NodeState.GONE:
-            # The reason is the job's latest news (maybe about another node): said as the job's.
-            news = f" (job {status.job_id}: {status.reason})" if status.reason else ""
-            actions += self._stop("the server no longer counts this node")
-            self.running_round = -1
-            return actions + [Rejoin(f"the server no longer counts this node{news}")]
-        if status.node_state == NodeState.MEMBER and status.assignment is not None:
-            a = status.assignment
-            if a.round_id != self.running_round:
-                actions += self._stop(f"round {a.round_id} replaces round {self.running_round}")
-                self.running_round = a.round_id
-                self.workers = Workers.RUNNING
-                self.assignment = a
-                self.ran = True
-                actions.append(Spawn(a))
-            return actions
-        # waiting, spare or excluded: run nothing
-        if self.running_round != -1:
-            actions += self._stop(f"node is {status.node_state.value}: {status.reason}")
-            self.running_round = -1
-        return actions
+        match news(status, self.running_round):
+            case News.FINISHED:
+                return self._finish(status)
+            case News.REJOIN:
+                # The reason is the job's latest news (maybe about another node): said as the job's.
+                why = f" (job {status.job_id}: {status.reason})" if status.reason else ""
+                actions = self._stop("the server no longer counts this node")
+                self.running_round = -1
+                return actions + [Rejoin(f"the server no longer counts this node{why}")]
+            case News.NEW_ROUND:
+                a = status.assignment
+                assert a is not None
+                actions = self._stop(f"round {a.round_id} replaces round {self.running_round}")
+                self.running_round, self.workers, self.assignment, self.ran = a.round_id, Workers.RUNNING, a, True
+                return actions + [Spawn(a)]
+            case News.NOT_MEMBER if self.running_round != -1:   # waiting, spare or excluded: run nothing
+                actions = self._stop(f"node is {status.node_state.value}: {status.reason}")
+                self.running_round = -1
+                return actions
+        return []
 
     def _refused(self, fact: ServerRefused, now: float) -> list[Action]:
-        if fact.code == ErrorCode.NODE_CONFLICT.value and fact.request is JoinRequest:
-            # Maybe our own predecessor, dead but not yet noticed: wait out its lease, then give up.
-            if self.conflict_since is None:
-                self.conflict_since = now
-            if now - self.conflict_since < self.lease_timeout_s + 2 * CONFLICT_RETRY_S:
-                self.retry_join_at = now + CONFLICT_RETRY_S
-                return []
-        if fact.code == ErrorCode.FORBIDDEN.value and fact.request is not JoinRequest:
-            self.exiting = True
-            return self._stop("another agent took this node over") + [
-                Exit(1, f"this node was taken over by another agent that joined with the same node id; "
-                        f"this agent stops ({fact.message})")]
-        if fact.code in (ErrorCode.UNAUTHORIZED.value, TLS_UNTRUSTED):
-            self.exiting = True
-            return self._stop("the server refused this agent") + [
-                Exit(1, f"the rendezvous server refused this agent: {fact.message}")]
-        if fact.request is JoinRequest:
-            self.exiting = True
-            if fact.code == ErrorCode.NODE_DRAINED.value:   # an operator took this node out: done here
-                return self._stop("node drained by the operator") + [Exit(0, fact.message)]
-            return self._stop("the server refused this node's join") + [
-                Exit(1, f"the rendezvous server refused this node's join: {fact.message}")]
-        if fact.request is not PollRequest:
-            return []   # a refused report: dropped; the next poll says where things stand
-        if fact.code in (ErrorCode.UNKNOWN_JOB.value, ErrorCode.UNKNOWN_NODE.value):
-            # The server forgot the job or node (it restarted without its state): start afresh.
-            actions = self._stop(f"the server no longer knows this {fact.code.split('_')[1]}")
-            self.running_round = -1
-            return actions + [Rejoin(fact.message)]
+        match refusal(fact.code, fact.request):
+            case Refusal.CONFLICT:
+                # Maybe our own predecessor, dead but not yet noticed: wait out its lease, then give up.
+                if self.conflict_since is None:
+                    self.conflict_since = now
+                if now - self.conflict_since < self.lease_timeout_s + 2 * CONFLICT_RETRY_S:
+                    self.retry_join_at = now + CONFLICT_RETRY_S
+                    return []
+                return self._end(1, "the server refused this node's join",
+                                 f"the rendezvous server refused this node's join: {fact.message}")
+            case Refusal.TAKEN_OVER:
+                return self._end(1, "another agent took this node over",
+                                 f"this node was taken over by another agent that joined with the same node id; "
+                                 f"this agent stops ({fact.message})")
+            case Refusal.UNAUTHORIZED:
+                return self._end(1, "the server refused this agent",
+                                 f"the rendezvous server refused this agent: {fact.message}")
+            case Refusal.DRAINED:      # an operator took this node out: done here, nothing failed
+                return self._end(0, "node drained by the operator", fact.message)
+            case Refusal.JOIN_REFUSED:
+                return self._end(1, "the server refused this node's join",
+                                 f"the rendezvous server refused this node's join: {fact.message}")
+            case Refusal.DROPPED:
+                return []      # a refused report: the next poll says where things stand
+            case Refusal.FORGOTTEN:
+                # The server forgot the job or node (it restarted without its state): start afresh.
+                actions = self._stop(f"the server no longer knows this {fact.code.split('_')[1]}")
+                self.running_round = -1
+                return actions + [Rejoin(fact.message)]
+        return self._end(1, "the server refused this agent", f"the server refused this agent: {fact.message}")
+
+    def _end(self, code: int, stop_reason: str, message: str) -> list[Action]:
         self.exiting = True
-        return self._stop("the server refused this agent") + [
-            Exit(1, f"the server refused this agent: {fact.message}")]
+        return self._stop(stop_reason) + [Exit(code, message)]
 
     def _failed(self, round_id: int, failures: tuple[WorkerFailure, ...]) -> list[Action]:
         if self.workers != Workers.RUNNING or round_id != self.running_round:
@@ -323,7 +319,7 @@ class SupervisionPolicy:
     def _finish(self, status: NodeStatus) -> list[Action]:
         self.exiting = True
         actions = self._stop(f"job {status.job_state.value}")
-        if status.job_state == JobState.SUCCEEDED and not self.ran:   # a spare, say: nothing ran here
+        if succeeded_without(status, self.ran):   # a spare, say: nothing ran here
             return actions + [Exit(1, f"job {status.job_id} succeeded without this node: its workers never ran "
                                       f"({status.reason})")]
         if status.job_state == JobState.SUCCEEDED:

@@ -18,27 +18,38 @@ The decisions are the pure functions at the top (tested without a server); the r
 from __future__ import annotations
 
 import asyncio
-import random
+import functools
 import threading
-import time
 import uuid
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
 import msgspec
 
+from node_agent.client.replies import News, Refusal, newer_assignment, news, refusal, takes_poll_reply
+from node_agent.client.retry import Backoff, GaveUp, until_answered
 from node_agent.client.transport import ServerRejected, ServerUnreachable, Transport
 from node_agent.plugin.settings import PluginSettings
-from protocol.errors import ErrorCode
-from protocol.messages import MAX_POLL_WAIT_S, Assignment, JobState, NodeState, NodeStatus, WorkerFailure
+from protocol.messages import (
+    MAX_POLL_WAIT_S,
+    Assignment,
+    FailureReport,
+    JobState,
+    JoinRequest,
+    NodeState,
+    NodeStatus,
+    PollRequest,
+    WorkerFailure,
+)
 
 POLL_WAIT_S = MAX_POLL_WAIT_S   # as the node agent: the server picks the hold
-BACKOFF_MAX_S = 0.5
-FORGOTTEN = (ErrorCode.UNKNOWN_JOB.value, ErrorCode.UNKNOWN_NODE.value)   # the server lost us: join again
+CONFLICT_RETRY_S = 1.0          # a join refused for a live holder of the node id: tried again this often
 T = TypeVar("T")
 
 
 # ------------------------------------------------------------------------------------------ rules
+# What a reply means is the client core's rule (client/replies.py); these two say what it means for
+# torch's call order.
 
 
 def needs_rendezvous(view: NodeStatus | None, running_round: int) -> bool:
@@ -47,36 +58,17 @@ def needs_rendezvous(view: NodeStatus | None, running_round: int) -> bool:
     node is no longer in a round, or the job failed or was closed."""
     if view is None or running_round < 0:
         return False
-    if view.job_state.finished:
+    meaning = news(view, running_round)
+    if meaning is News.FINISHED:
         return view.job_state is not JobState.SUCCEEDED
-    if view.node_state is NodeState.MEMBER and view.assignment is not None:
-        return view.assignment.round_id > running_round   # an older round is a late reply: not news
-    return True
+    return meaning is not News.NONE    # an older round is a late reply: not news
 
 
 def still_in_round(view: NodeStatus | None, round_id: int) -> bool:
     """The server still runs `round_id` with this node in it: when torch asks for a new round now,
     it is because this node's own workers failed."""
-    return (view is not None and not view.job_state.finished and view.node_state is NodeState.MEMBER
-            and view.assignment is not None and view.assignment.round_id == round_id)
-
-
-def assignment_after(view: NodeStatus, round_id: int) -> Assignment | None:
-    """This node's assignment when it is a member of a round newer than `round_id`."""
-    if view.node_state is NodeState.MEMBER and view.assignment is not None and view.assignment.round_id > round_id:
-        return view.assignment
-    return None
-
-
-def takes_poll_reply(view: NodeStatus | None, reply: NodeStatus, sent_before_latest: bool) -> bool:
-    """Whether a poll reply replaces the view (see "Ordering" above)."""
-    if view is None or not sent_before_latest:
-        return True
-    if view.job_state.finished:
-        return False
-    if reply.job_state.finished:
-        return True
-    return reply.node_state is NodeState.MEMBER and reply.round_id > view.round_id
+    return (view is not None and news(view, round_id) is News.NONE and view.assignment is not None
+            and view.assignment.round_id == round_id)
 
 
 # ------------------------------------------------------------------------------------ exceptions
@@ -190,7 +182,7 @@ class ServerSession:
             assert view is not None
             if view.job_state.finished:
                 raise JobFinished(view)
-            assignment = assignment_after(view, ran_round)
+            assignment = newer_assignment(view, ran_round)
             if assignment is not None:
                 return assignment
             self._describe(view)
@@ -199,42 +191,43 @@ class ServerSession:
 
     async def _join(self) -> None:
         s = self.settings
-        try:
-            await self._retrying(lambda: self._client.join(
-                addr=s.addr, host=s.hostname, local_world_size=s.local_world_size, master_port=self.master_port,
-                config=s.config, instance=self._instance, role=s.role), s.server_wait_s)
-        except ServerRejected as exc:
-            raise JoinRefused(exc.code, f"the rdzv-server refused to let node {s.node_id} join job "
-                                        f"{s.job_id!r}: {exc.message}") from None
+        conflict = Backoff(first_s=CONFLICT_RETRY_S, max_s=CONFLICT_RETRY_S, jitter=lambda low, high: 1.0)
+        loop = asyncio.get_running_loop()
+        conflict_until = loop.time() + s.config.lease_timeout_s + 2 * CONFLICT_RETRY_S
+        while True:
+            try:
+                await self._retrying(lambda: self._client.join(
+                    addr=s.addr, host=s.hostname, local_world_size=s.local_world_size, master_port=self.master_port,
+                    config=s.config, instance=self._instance, role=s.role), s.server_wait_s)
+                return
+            except ServerRejected as exc:
+                # Maybe our own predecessor, dead but not yet noticed: wait out its lease, then give up.
+                if refusal(exc.code, JoinRequest) is Refusal.CONFLICT and loop.time() < conflict_until:
+                    await conflict.pause()
+                    continue
+                raise JoinRefused(exc.code, f"the rdzv-server refused to let node {s.node_id} join job "
+                                            f"{s.job_id!r}: {exc.message}") from None
 
     async def _report(self, what: str, send: Callable[[], Awaitable[NodeStatus]], limit: float) -> None:
         try:
             await self._retrying(send, limit)
         except ServerRejected as exc:
-            if exc.code in FORGOTTEN:
-                self._forgotten(exc)
-            else:
+            if refusal(exc.code, FailureReport) is Refusal.DROPPED:    # the next poll says where things stand
                 self.say(f"the rdzv-server refused the {what} report: {exc.message}")
+            else:
+                self._refused(exc)
         except ServerLost as exc:
             self.say(f"{what} report not delivered: {exc}")
 
     async def _retrying(self, send: Callable[[], Awaitable[NodeStatus]], limit: float) -> NodeStatus:
         """Send until answered, retrying an unreachable server for `limit` seconds; the reply is the view."""
-        started = time.monotonic()
-        attempt = 0
-        while True:
-            try:
-                status = await send()
-            except ServerUnreachable as exc:
-                waited = time.monotonic() - started
-                if waited >= limit:
-                    raise ServerLost(self._unreachable(waited, exc)) from None
-                attempt += 1
-                await asyncio.sleep(min(BACKOFF_MAX_S, 0.05 * 2 ** attempt) * random.uniform(0.5, 1.0))
-                continue
-            self._answered += 1
-            self._set(status)
-            return status
+        try:
+            status = await until_answered(send, give_up_after=limit)
+        except GaveUp as exc:
+            raise ServerLost(self._unreachable(exc.waited_s, exc.last)) from None
+        self._answered += 1
+        self._set(status)
+        return status
 
     def _unreachable(self, waited: float, exc: Exception) -> str:
         s = self.settings
@@ -243,8 +236,6 @@ class ServerSession:
 
     async def _follow(self) -> None:
         """One long-poll in flight until the job ends or the session closes."""
-        unreachable_since: float | None = None
-        attempt = 0
         while self.ended is None and not self._left:
             view = self.view
             assert view is not None
@@ -260,25 +251,27 @@ class ServerSession:
             known = view.assignment.round_id if view.node_state is NodeState.MEMBER and view.assignment else -1
             answered = self._answered
             try:
-                reply = await self._client.poll(known, POLL_WAIT_S)
-            except ServerUnreachable as exc:
-                now = time.monotonic()
-                unreachable_since = unreachable_since if unreachable_since is not None else now
-                if now - unreachable_since >= self.settings.server_wait_s:
-                    self._end(ServerLost(self._unreachable(now - unreachable_since, exc)))
-                    return
-                attempt += 1
-                await asyncio.sleep(min(BACKOFF_MAX_S, 0.05 * 2 ** attempt) * random.uniform(0.5, 1.0))
-                continue
-            except ServerRejected as exc:
-                if exc.code in FORGOTTEN:
-                    self._forgotten(exc)
-                    continue
-                self._end(ServerLost(f"the rdzv-server refused a poll: {exc}"))
+                reply = await until_answered(functools.partial(self._client.poll, known, POLL_WAIT_S),
+                                             give_up_after=self.settings.server_wait_s)
+            except GaveUp as exc:
+                self._end(ServerLost(self._unreachable(exc.waited_s, exc.last)))
                 return
-            unreachable_since, attempt = None, 0
+            except ServerRejected as exc:
+                self._refused(exc)
+                continue
             if takes_poll_reply(self.view, reply, sent_before_latest=answered != self._answered):
                 self._set(reply)
+
+    def _refused(self, exc: ServerRejected) -> None:
+        """A refused poll or report: join again when the server forgot this node, else the end."""
+        match refusal(exc.code, PollRequest):
+            case Refusal.FORGOTTEN:
+                self._forgotten(exc)
+            case Refusal.TAKEN_OVER:
+                self._end(ServerLost(f"this node was taken over by another agent that joined with the same "
+                                     f"node id: {exc.message}"))
+            case _:
+                self._end(ServerLost(f"the rdzv-server refused a poll: {exc}"))
 
     def _follower_done(self, task: asyncio.Task[None]) -> None:
         if not task.cancelled() and task.exception() is not None:

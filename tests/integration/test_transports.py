@@ -14,8 +14,8 @@ from aiohttp.test_utils import TestServer
 
 from node_agent.client.http import RdzvClient
 from node_agent.client.local import LocalClient
+from node_agent.client.replies import NOT_RDZV_SERVER
 from node_agent.client.transport import ACTION_OF, ServerRejected, ServerUnreachable, Transport, refusal
-from node_agent.core.facts import NOT_RDZV_SERVER
 from protocol.codec import REQUEST_TYPES
 from protocol.errors import RETRYABLE, ErrorCode
 from protocol.messages import JobConfig, JobState, NodeState, NodeStatus, WorkerFailure

@@ -5,7 +5,9 @@ import re
 
 import pytest
 
-from node_agent.plugin.session import assignment_after, needs_rendezvous, still_in_round, takes_poll_reply
+from node_agent.client.replies import newer_assignment as assignment_after
+from node_agent.client.replies import takes_poll_reply
+from node_agent.plugin.session import needs_rendezvous, still_in_round
 from node_agent.plugin.settings import SettingsError, TorchrunLine, plugin_settings
 from protocol.messages import Assignment, JobState, NodeState, NodeStatus
 

@@ -13,7 +13,8 @@ from node_agent.core.facts import (
     WorkersExited,
     WorkersHung,
 )
-from node_agent.narration import Narrator, failure_summary
+from node_agent.core.summary import failure_summary
+from node_agent.narration import Narrator
 from protocol.messages import Assignment, FailureReport, JobState, NodeState, NodeStatus, PollRequest, WorkerFailure
 
 FAILURE = WorkerFailure(local_rank=1, rank=5, exitcode=-11, signal="SIGSEGV", message="boom", host="h2",

@@ -8,6 +8,9 @@ import pytest
 
 from node_agent.core.actions import Exit, Leave, ProbePeers, Rejoin, ReportFailure, ReportSuccess, Spawn, StopWorkers
 from node_agent.core.facts import (
+    SERVER_AWAY,
+    SERVER_HEARD,
+    SILENT,
     DeadlinePassed,
     PeersProbed,
     ServerNotReached,
@@ -19,7 +22,6 @@ from node_agent.core.facts import (
     WorkersHung,
 )
 from node_agent.core.policy import SupervisionPolicy, Workers
-from node_agent.witness import SERVER_AWAY, SERVER_HEARD, SILENT
 from protocol.messages import (
     Assignment,
     FailureReport,

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import socket
 
-from node_agent.witness import SERVER_AWAY, SERVER_HEARD, SILENT, WitnessServer, ask_witnesses
+from node_agent.core.facts import SERVER_AWAY, SERVER_HEARD, SILENT
+from node_agent.witness import WitnessServer, ask_witnesses
 from protocol.messages import Witness
 
 

@@ -1,0 +1,100 @@
+"""What a server reply or refusal means for a node: the client protocol's pure rules, written once for
+node-agent (core/policy.py) and the torchrun plugin (plugin/session.py). No I/O.
+
+A node runs round R (-1: none). The server's view of it (`NodeStatus`) means one of `News`:
+- the job ended (FINISHED): stop and exit, whatever the round;
+- the server no longer counts the node (REJOIN): stop what runs and join again;
+- a round newer than R with this node in it (NEW_ROUND): stop R, run that one;
+- R itself, or an older round (NONE): a late reply about the past is no news;
+- waiting, spare or excluded (NOT_MEMBER): run nothing.
+Replies can arrive out of order (a join, a report and the long-poll are in flight at once), which is
+why only a newer round is news.
+
+A typed refusal means one of `Refusal`; which request was refused matters (a refused report is
+dropped, a refused join or poll ends the node, a forgotten node joins again).
+"""
+from __future__ import annotations
+
+import enum
+
+from protocol.errors import ErrorCode
+from protocol.messages import Assignment, JobState, JoinRequest, NodeState, NodeStatus, PollRequest
+
+# Refusal codes of the client's own (not the server's): the server's TLS certificate is not trusted;
+# the endpoint answered, but it is not an rdzv-server (another HTTP service, or not HTTP at all).
+TLS_UNTRUSTED = "tls_untrusted"
+NOT_RDZV_SERVER = "not_rdzv_server"
+
+
+class News(enum.Enum):
+    NONE = "none"
+    NEW_ROUND = "new_round"
+    NOT_MEMBER = "not_member"
+    REJOIN = "rejoin"
+    FINISHED = "finished"
+
+
+def news(view: NodeStatus, running_round: int) -> News:
+    """What `view` means for a node that runs `running_round` (-1: none)."""
+    if view.job_state.finished:
+        return News.FINISHED
+    if view.node_state is NodeState.GONE:
+        return News.REJOIN
+    if view.node_state is NodeState.MEMBER and view.assignment is not None:
+        return News.NEW_ROUND if view.assignment.round_id > running_round else News.NONE
+    return News.NOT_MEMBER
+
+
+def newer_assignment(view: NodeStatus, running_round: int) -> Assignment | None:
+    """This node's assignment when `view` names a round newer than `running_round`."""
+    return view.assignment if news(view, running_round) is News.NEW_ROUND else None
+
+
+def takes_poll_reply(view: NodeStatus | None, reply: NodeStatus, sent_before_latest: bool) -> bool:
+    """Whether a poll reply replaces the node's view. A poll sent before the latest answered request
+    may describe an older state: it counts only when it shows progress (a newer round, the job's end)."""
+    if view is None or not sent_before_latest:
+        return True
+    if view.job_state.finished:
+        return False
+    if reply.job_state.finished:
+        return True
+    return reply.node_state is NodeState.MEMBER and reply.round_id > view.round_id
+
+
+def succeeded_without(view: NodeStatus, ran: bool) -> bool:
+    """The job succeeded, but this node's workers never ran (a spare, say): not a success here."""
+    return view.job_state is JobState.SUCCEEDED and not ran
+
+
+class Refusal(enum.Enum):
+    FORGOTTEN = "forgotten"        # the server has no record of the job or node (restarted without state): join again
+    CONFLICT = "conflict"          # a join for a node id a live agent holds: maybe our own predecessor; retry a while
+    TAKEN_OVER = "taken_over"      # another agent joined with this node id: this one must stop
+    UNAUTHORIZED = "unauthorized"  # no valid token, or the server's certificate is not trusted: stop
+    DRAINED = "drained"            # an operator took this node out: stop, and that is no failure
+    JOIN_REFUSED = "join_refused"  # any other refused join: stop
+    POLL_REFUSED = "poll_refused"  # any other refused poll: stop
+    DROPPED = "dropped"            # a refused report: dropped; the next poll says where things stand
+
+
+FORGOTTEN_CODES = (ErrorCode.UNKNOWN_JOB.value, ErrorCode.UNKNOWN_NODE.value)
+
+
+def refusal(code: str, request: type) -> Refusal:
+    """What a refusal with `code` of a `request` (a protocol request type) means for the node."""
+    if code in (ErrorCode.UNAUTHORIZED.value, TLS_UNTRUSTED):
+        return Refusal.UNAUTHORIZED
+    if request is JoinRequest:
+        if code == ErrorCode.NODE_CONFLICT.value:
+            return Refusal.CONFLICT
+        if code == ErrorCode.NODE_DRAINED.value:
+            return Refusal.DRAINED
+        return Refusal.JOIN_REFUSED
+    if code == ErrorCode.FORBIDDEN.value:
+        return Refusal.TAKEN_OVER
+    if request is not PollRequest:
+        return Refusal.DROPPED
+    if code in FORGOTTEN_CODES:
+        return Refusal.FORGOTTEN
+    return Refusal.POLL_REFUSED

@@ -1,0 +1,68 @@
+"""Trying a request again while the server cannot be reached: the client's one backoff.
+
+The pause grows from BACKOFF_FIRST_S and doubles per try up to BACKOFF_MAX_S, each jittered down to
+half so a fleet of nodes does not come back in one wave; the cap is low so that a restarted server
+sees every node back within about that long. A typed refusal (`ServerRejected`) is never retried
+here: what it means is the caller's rule (replies.py).
+"""
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+from node_agent.client.transport import ServerUnreachable
+
+BACKOFF_FIRST_S = 0.05
+BACKOFF_MAX_S = 0.5
+T = TypeVar("T")
+
+
+class Backoff:
+    """The pauses between tries of one request; `reset()` once it was answered."""
+
+    def __init__(self, first_s: float = BACKOFF_FIRST_S, max_s: float = BACKOFF_MAX_S,
+                 jitter: Callable[[float, float], float] = random.uniform) -> None:
+        self.first_s, self.max_s, self._jitter = first_s, max_s, jitter
+        self.tries = 0
+
+    def next_pause(self) -> float:
+        self.tries += 1
+        return min(self.max_s, self.first_s * 2 ** self.tries) * self._jitter(0.5, 1.0)
+
+    async def pause(self) -> None:
+        await asyncio.sleep(self.next_pause())   # waiting out an outage: there is nothing to await
+
+    def reset(self) -> None:
+        self.tries = 0
+
+
+class GaveUp(Exception):
+    """The server stayed unreachable for longer than the caller allowed."""
+
+    def __init__(self, waited_s: float, last: ServerUnreachable) -> None:
+        super().__init__(f"{waited_s:.0f}s: {last}")
+        self.waited_s = waited_s
+        self.last = last
+
+
+async def until_answered(send: Callable[[], Awaitable[T]], *,
+                         on_unreachable: Callable[[ServerUnreachable], None] | None = None,
+                         give_up_after: float | None = None,
+                         clock: Callable[[], float] = time.monotonic) -> T:
+    """`send()` until it is answered. Each try that reaches no server is told to `on_unreachable`
+    and tried again after the backoff; after `give_up_after` seconds of that, `GaveUp`. A typed
+    refusal is raised at once."""
+    backoff, started = Backoff(), clock()
+    while True:
+        try:
+            return await send()
+        except ServerUnreachable as exc:
+            if on_unreachable is not None:
+                on_unreachable(exc)
+            waited = clock() - started
+            if give_up_after is not None and waited >= give_up_after:
+                raise GaveUp(waited, exc) from exc
+            await backoff.pause()
