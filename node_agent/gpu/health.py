@@ -86,16 +86,22 @@ def warnings(h: GpuHealth) -> list[str]:
         if slow:
             out.append(f"{_name(h)}: clocks throttled: {', '.join(slow)}")
     out.extend(f"{_name(h)}: NVML error: {e}" for e in h.errors)
+    if h.unchecked is not None:
+        out.append(f"{_name(h)} not checked: {h.unchecked}")
     return out
 
 
 def judge(found: Sequence[GpuHealth]) -> Verdict:
     """The node's verdict on its GPUs' facts: Unhealthy when any GPU has a fault (every faulty GPU named,
-    one line), else Healthy; warnings either way."""
+    one line); Skipped when no GPU could be checked at all; else Healthy. Warnings either way (a GPU that
+    could not be checked while others were is one)."""
     notes = tuple(w for h in found for w in warnings(h))
     bad = [f"{_name(h)}: {'; '.join(fs)}" for h in found if (fs := faults(h))]
     if bad:
         return Unhealthy(reason=one_line(" | ".join(bad)), warnings=notes)
+    if found and all(h.unchecked is not None for h in found):
+        return Skipped(reason=one_line(" | ".join(f"{_name(h)} not checked: {h.unchecked}" for h in found)),
+                       warnings=notes)
     return Healthy(warnings=notes)
 
 
@@ -134,40 +140,46 @@ async def run_health_check(command: str | Sequence[str], *, timeout: float = SCR
     if not argv:
         return Unhealthy("--health-check is empty")
     shown = quote(argv[0])
+    # Output through a pipe of our own, not asyncio's: its Process.wait() also waits for its pipes to
+    # close, and a child of the check may hold them open long after the check itself has exited.
+    rfd, wfd = os.pipe()
     try:
-        proc = await asyncio.create_subprocess_exec(
-            *argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.STDOUT, start_new_session=True, env=env)
-    except FileNotFoundError:
-        return Unhealthy(f"health check {shown} not found")
-    except PermissionError:
-        return Unhealthy(f"health check {shown} is not executable (permission denied)")
+        proc = await asyncio.create_subprocess_exec(*argv, stdin=asyncio.subprocess.DEVNULL, stdout=wfd,
+                                                    stderr=wfd, start_new_session=True, env=env)
     except OSError as exc:
-        return Unhealthy(f"health check {shown} cannot be started: {one_line(exc.strerror or str(exc))}")
+        os.close(rfd)
+        return Unhealthy(_not_started(shown, exc))
+    finally:
+        os.close(wfd)
+    stream = asyncio.StreamReader()
+    transport, _ = await asyncio.get_running_loop().connect_read_pipe(
+        lambda: asyncio.StreamReaderProtocol(stream), os.fdopen(rfd, "rb", buffering=0))
     kept = bytearray()
     total = 0
 
     async def drain() -> None:
         nonlocal total
-        assert proc.stdout is not None
-        while chunk := await proc.stdout.read(65536):
+        while chunk := await stream.read(65536):
             total += len(chunk)
             if len(kept) < output_limit:
                 kept.extend(chunk[:output_limit - len(kept)])
 
     reader = asyncio.ensure_future(drain())
-    with contextlib.suppress(asyncio.TimeoutError):
-        await asyncio.wait_for(proc.wait(), timeout)
-    timed_out = proc.returncode is None
-    if not timed_out:       # exited: its output may still be in the pipe, or a child of its may hold it
-        left = timeout - (time.monotonic() - start)
+    try:
         with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(asyncio.shield(reader), max(0.0, min(PIPE_GRACE_S, left)))
-    if timed_out or not reader.done():
-        _kill_group(proc.pid)
-    reader.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await reader
+            await asyncio.wait_for(proc.wait(), timeout)
+        timed_out = proc.returncode is None
+        if not timed_out:       # exited: the rest of its output is in the pipe, or a child of its holds it
+            left = timeout - (time.monotonic() - start)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(asyncio.shield(reader), max(0.0, min(PIPE_GRACE_S, left)))
+        if timed_out or not reader.done():
+            _kill_group(proc.pid)
+    finally:
+        reader.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await reader
+        transport.close()
     if proc.returncode is None:
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(proc.wait(), REAP_TIMEOUT_S)
@@ -186,6 +198,14 @@ async def run_health_check(command: str | Sequence[str], *, timeout: float = SCR
     else:
         how = f"exited with status {code}"
     return Unhealthy(f"health check {shown} {how}{said}", output=output, seconds=elapsed)
+
+
+def _not_started(shown: str, exc: OSError) -> str:
+    if isinstance(exc, FileNotFoundError):
+        return f"health check {shown} not found"
+    if isinstance(exc, PermissionError):
+        return f"health check {shown} is not executable (permission denied)"
+    return f"health check {shown} cannot be started: {one_line(exc.strerror or str(exc))}"
 
 
 def _kill_group(pid: int) -> None:

@@ -69,6 +69,7 @@ class GpuHealth:
     retired_pages_pending: bool | None = None  # pages wait for retirement (before Ampere)
     throttle_reasons: int | None = None       # NVML clock event reasons, a bit mask
     errors: tuple[str, ...] = ()              # other NVML errors met, one line each
+    unchecked: str | None = None              # why nothing could be asked about this GPU
 
 
 def healthy(index: int, bus_id: str = "") -> GpuHealth:
@@ -89,7 +90,7 @@ class GpuProbe(Protocol):
         """Every GPU this process can reach, in the probe's index order. Raises ProbeUnavailable."""
 
     def health(self, index: int) -> GpuHealth:
-        """The health facts of GPU `index`; never raises."""
+        """The health facts of GPU `index`. Raises ProbeUnavailable only when the probe is not open."""
 
 
 def _code(exc: BaseException) -> int | None:
@@ -196,15 +197,15 @@ class NvmlProbe:
             return ()                       # no MIG on this GPU or driver
 
     def health(self, index: int) -> GpuHealth:
+        nv = self._api()
         try:
-            nv = self._api()
             handle = self._handles.get(index)
             if handle is None:
                 handle = self._handles[index] = nv.nvmlDeviceGetHandleByIndex(index)
         except Exception as exc:
             if _code(exc) in LOST_ERRORS:
                 return GpuHealth(index=index, lost=_text(exc))
-            return GpuHealth(index=index, errors=(f"no handle: {_text(exc)}",))
+            return GpuHealth(index=index, unchecked=f"NVML gives no handle: {_text(exc)}")
         facts = _Facts(self, index)
         out = GpuHealth(index=index, bus_id=facts.ask("pci", lambda: normalize_bus_id(
             _str(nv.nvmlDeviceGetPciInfo(handle).busId))) or "")
@@ -306,6 +307,8 @@ class FakeGpuProbe:
         return list(self.gpus)
 
     def health(self, index: int) -> GpuHealth:
+        if self.unavailable is not None:
+            raise ProbeUnavailable(self.unavailable)
         self.asked.append(index)
         bus_id = next((g.bus_id for g in self.gpus if g.index == index), "")
         return self.faults.get(index, healthy(index, bus_id))

@@ -44,6 +44,14 @@ class BindMode(str, Enum):
 MODES: tuple[str, ...] = tuple(m.value for m in BindMode)
 
 
+def parse_bind_mode(text: str) -> BindMode:
+    """`--numa-binding`'s value (torchrun's spellings, exactly); ValueError naming the modes otherwise."""
+    try:
+        return BindMode(text)
+    except ValueError:
+        raise ValueError(f"expected one of {', '.join(MODES)}; got {text!r}") from None
+
+
 def parse_cpu_list(text: str) -> frozenset[int]:
     """sysfs's list form ("0-3,8,10-11", maybe empty) -> the numbers. ValueError on anything else."""
     out: set[int] = set()

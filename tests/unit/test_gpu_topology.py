@@ -20,6 +20,7 @@ from node_agent.gpu.topology import (
     format_cpu_list,
     gpu_numa_node,
     normalize_bus_id,
+    parse_bind_mode,
     parse_cpu_list,
     pci_gpus,
     plan_binding,
@@ -115,6 +116,13 @@ def test_cpu_lists_and_bus_ids_parse_and_print():
             parse_cpu_list(bad)
     with pytest.raises(ValueError):
         normalize_bus_id("GPU-1234")
+
+
+def test_modes_are_torchrun_s_and_an_unknown_one_is_refused_with_the_list():
+    assert [parse_bind_mode(m) for m in ("node", "socket", "exclusive", "core-complex")] == list(BindMode)
+    for bad in ("core_complex", "NODE", ""):
+        with pytest.raises(ValueError, match="expected one of node, socket, exclusive, core-complex; got"):
+            parse_bind_mode(bad)
 
 
 def test_node_mode_gives_the_numa_node_of_each_rank_s_gpu(machine):
