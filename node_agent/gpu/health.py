@@ -173,9 +173,9 @@ async def run_health_check(command: str | Sequence[str], *, timeout: float = SCR
             left = timeout - (time.monotonic() - start)
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(asyncio.shield(reader), max(0.0, min(PIPE_GRACE_S, left)))
-        if timed_out or not reader.done():
+    finally:                    # also when the caller cancels us: nothing of the check outlives it
+        if proc.returncode is None or not reader.done():
             _kill_group(proc.pid)
-    finally:
         reader.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await reader

@@ -319,6 +319,23 @@ async def test_a_check_that_exits_but_leaves_a_child_holding_its_output_is_judge
     assert gone_within(int(pidfile.read_text()), 5)
 
 
+async def test_a_check_cancelled_by_the_agent_takes_its_processes_with_it(tmp_path):
+    import asyncio
+
+    pidfile = tmp_path / "child.pid"
+    started = tmp_path / "started"
+    check = script(tmp_path, f"sleep 600 & echo $! > {pidfile}; touch {started}; wait")
+    task = asyncio.ensure_future(run_health_check(check, timeout=60))
+    while not started.exists():                 # the check's own signal that its child is running
+        await asyncio.sleep(0)
+        if task.done():
+            pytest.fail(f"the check ended early: {task.result()}")
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert gone_within(int(pidfile.read_text()), 5)
+
+
 async def test_megabytes_of_output_are_kept_bounded_and_quoted():
     code = "import sys; sys.stdout.write('\\x1b[31m' + 'y' * (5 << 20)); sys.exit(1)"
     verdict = await run_health_check([sys.executable, "-c", code], timeout=30)
