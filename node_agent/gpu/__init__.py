@@ -1,0 +1,12 @@
+"""What the agent knows about a node's NVIDIA GPUs, learnt without torch and without a CUDA context.
+
+- `topology`: sysfs read under one root path (NUMA nodes, sockets, cores, last-level caches, a PCI
+  device's NUMA node) and the pure plan of torchrun's `--numa-binding` modes per local rank.
+- `devices`: which GPU each local rank uses (`CUDA_VISIBLE_DEVICES` honoured, `--virtual-local-rank`).
+- `nvml`: the `GpuProbe` interface (devices and their health facts), its NVML implementation and a fake.
+- `health`: the pure verdict on a probe's findings, the `--health-check CMD` runner, and the classifier
+  of a worker's failure message (GPU fault or not).
+
+Rule for this package: it imports only the standard library, `protocol`, and (lazily, inside the NVML
+probe, on GPU nodes) `pynvml` from nvidia-ml-py. Never torch: the agent must not load CUDA.
+"""

@@ -1,0 +1,254 @@
+"""Is this node's GPU healthy: the verdict on a probe's facts, the site's `--health-check CMD`, and
+whether a worker's failure message names a GPU fault.
+
+`judge` is pure (facts in, verdict out). `check_gpus` asks a probe (blocking NVML calls: run it in a
+thread). `run_health_check` runs the site's command under a time bound with its output bounded. None of
+them raises for anything the GPUs, NVML or the command do: every outcome is a verdict with one line
+saying why.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import re
+import shlex
+import signal
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from node_agent.gpu.nvml import RECOVERY_ACTIONS, THROTTLE_WARNINGS, GpuHealth, GpuProbe, ProbeUnavailable
+from protocol.quoting import one_line, quote
+
+SCRIPT_TIMEOUT_S = 30.0
+OUTPUT_LIMIT = 64 * 1024          # bytes of a command's output kept
+REAP_TIMEOUT_S = 5.0              # after SIGKILL: a child in uninterruptible sleep is left behind
+PIPE_GRACE_S = 1.0                # after the command exits: its children may hold the output open
+
+
+@dataclass(frozen=True)
+class Healthy:
+    warnings: tuple[str, ...] = ()
+    seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class Unhealthy:
+    reason: str                       # one line
+    warnings: tuple[str, ...] = ()
+    output: str = ""                  # a command's output, bounded and escaped onto one line
+    seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class Skipped:
+    reason: str                       # one line: why nothing was checked
+    warnings: tuple[str, ...] = ()
+    seconds: float = 0.0
+
+
+Verdict = Healthy | Unhealthy | Skipped
+
+
+def _name(h: GpuHealth) -> str:
+    return f"GPU {h.index}" + (f" ({h.bus_id})" if h.bus_id else "")
+
+
+def faults(h: GpuHealth) -> list[str]:
+    """What makes this GPU unhealthy, one short phrase each; unknown facts count for nothing."""
+    found = []
+    if h.lost is not None:
+        found.append(f"NVML: {h.lost}")
+    if h.recovery_action not in (None, 0):
+        action = RECOVERY_ACTIONS.get(h.recovery_action or 0, f"action {h.recovery_action}")
+        found.append(f"the driver asks for recovery: {action}")
+    if h.reset_required:
+        found.append("a GPU reset is pending")
+    if h.drain_and_reset:
+        found.append("the driver recommends drain and reset")
+    if h.uncorrectable_ecc:
+        found.append(f"{h.uncorrectable_ecc} volatile uncorrectable ECC error{'s' if h.uncorrectable_ecc > 1 else ''}")
+    if h.remap_failed:
+        found.append("row remapping failed")
+    if h.remap_pending:
+        found.append("row remapping pending (needs a GPU reset)")
+    if h.retired_pages_pending:
+        found.append("retired pages pending (needs a GPU reset)")
+    return found
+
+
+def warnings(h: GpuHealth) -> list[str]:
+    """What is worth a log line but not an eviction: clock throttling, NVML errors on single queries."""
+    out = []
+    if h.throttle_reasons:
+        slow = [text for bit, text in THROTTLE_WARNINGS.items() if h.throttle_reasons & bit]
+        if slow:
+            out.append(f"{_name(h)}: clocks throttled: {', '.join(slow)}")
+    out.extend(f"{_name(h)}: NVML error: {e}" for e in h.errors)
+    if h.unchecked is not None:
+        out.append(f"{_name(h)} not checked: {h.unchecked}")
+    return out
+
+
+def judge(found: Sequence[GpuHealth]) -> Verdict:
+    """The node's verdict on its GPUs' facts: Unhealthy when any GPU has a fault (every faulty GPU named,
+    one line); Skipped when no GPU could be checked at all; else Healthy. Warnings either way (a GPU that
+    could not be checked while others were is one)."""
+    notes = tuple(w for h in found for w in warnings(h))
+    bad = [f"{_name(h)}: {'; '.join(fs)}" for h in found if (fs := faults(h))]
+    if bad:
+        return Unhealthy(reason=one_line(" | ".join(bad)), warnings=notes)
+    if found and all(h.unchecked is not None for h in found):
+        return Skipped(reason=one_line(" | ".join(f"{_name(h)} not checked: {h.unchecked}" for h in found)),
+                       warnings=notes)
+    return Healthy(warnings=notes)
+
+
+def check_gpus(probe: GpuProbe, indices: Sequence[int]) -> Verdict:
+    """Ask `probe` (already open) about each GPU in `indices` and judge. Skipped (never Healthy) when
+    the probe is unavailable or breaks; the time taken is in the verdict."""
+    start = time.monotonic()
+    try:
+        verdict = judge([probe.health(i) for i in indices]) if indices else Skipped("no GPU to check")
+    except ProbeUnavailable as exc:
+        verdict = Skipped(one_line(str(exc)))
+    except Exception as exc:           # a bug in the bindings must not take the node out
+        verdict = Skipped(one_line(f"GPU check failed: {type(exc).__name__}: {exc}"))
+    return _timed(verdict, time.monotonic() - start)
+
+
+def _timed(verdict: Verdict, seconds: float) -> Verdict:
+    if isinstance(verdict, Healthy):
+        return Healthy(verdict.warnings, seconds)
+    if isinstance(verdict, Unhealthy):
+        return Unhealthy(verdict.reason, verdict.warnings, verdict.output, seconds)
+    return Skipped(verdict.reason, verdict.warnings, seconds)
+
+
+async def run_health_check(command: str | Sequence[str], *, timeout: float = SCRIPT_TIMEOUT_S,
+                           output_limit: int = OUTPUT_LIMIT, env: dict[str, str] | None = None) -> Verdict:
+    """Run the site's check (`command` split like a shell would, not run through one): exit 0 is
+    Healthy; a non-zero exit, a signal, not found, not executable, or running past `timeout` is
+    Unhealthy with one line quoting the first line of its output. stdout and stderr are read together,
+    the first `output_limit` bytes kept; its whole process group is killed at the deadline."""
+    start = time.monotonic()
+    try:
+        argv = shlex.split(command) if isinstance(command, str) else list(command)
+    except ValueError as exc:
+        return Unhealthy(f"--health-check {quote(command)} cannot be parsed: {exc}")
+    if not argv:
+        return Unhealthy("--health-check is empty")
+    shown = quote(argv[0])
+    # Output through a pipe of our own, not asyncio's: its Process.wait() also waits for its pipes to
+    # close, and a child of the check may hold them open long after the check itself has exited.
+    rfd, wfd = os.pipe()
+    try:
+        proc = await asyncio.create_subprocess_exec(*argv, stdin=asyncio.subprocess.DEVNULL, stdout=wfd,
+                                                    stderr=wfd, start_new_session=True, env=env)
+    except OSError as exc:
+        os.close(rfd)
+        return Unhealthy(_not_started(shown, exc))
+    finally:
+        os.close(wfd)
+    stream = asyncio.StreamReader()
+    transport, _ = await asyncio.get_running_loop().connect_read_pipe(
+        lambda: asyncio.StreamReaderProtocol(stream), os.fdopen(rfd, "rb", buffering=0))
+    kept = bytearray()
+    total = 0
+
+    async def drain() -> None:
+        nonlocal total
+        while chunk := await stream.read(65536):
+            total += len(chunk)
+            if len(kept) < output_limit:
+                kept.extend(chunk[:output_limit - len(kept)])
+
+    reader = asyncio.ensure_future(drain())
+    try:
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(proc.wait(), timeout)
+        timed_out = proc.returncode is None
+        if not timed_out:       # exited: the rest of its output is in the pipe, or a child of its holds it
+            left = timeout - (time.monotonic() - start)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(asyncio.shield(reader), max(0.0, min(PIPE_GRACE_S, left)))
+    finally:                    # also when the caller cancels us: nothing of the check outlives it
+        if proc.returncode is None or not reader.done():
+            _kill_group(proc.pid)
+        reader.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await reader
+        transport.close()
+    if proc.returncode is None:
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(proc.wait(), REAP_TIMEOUT_S)
+    elapsed = time.monotonic() - start
+    output = _shown_output(bytes(kept), total)
+    first = next((line.strip() for line in bytes(kept).decode(errors="replace").splitlines() if line.strip()), "")
+    said = f": {quote(first)}" if first else " (no output)"
+    if timed_out:
+        return Unhealthy(f"health check {shown} did not finish within {timeout:g} s{said}", output=output,
+                         seconds=elapsed)
+    code = proc.returncode
+    if code == 0:
+        return Healthy(seconds=elapsed)
+    if code is not None and code < 0:
+        how = f"was killed by {_signal_name(-code)}"
+    else:
+        how = f"exited with status {code}"
+    return Unhealthy(f"health check {shown} {how}{said}", output=output, seconds=elapsed)
+
+
+def _not_started(shown: str, exc: OSError) -> str:
+    if isinstance(exc, FileNotFoundError):
+        return f"health check {shown} not found"
+    if isinstance(exc, PermissionError):
+        return f"health check {shown} is not executable (permission denied)"
+    return f"health check {shown} cannot be started: {one_line(exc.strerror or str(exc))}"
+
+
+def _kill_group(pid: int) -> None:
+    with contextlib.suppress(OSError):
+        os.killpg(pid, signal.SIGKILL)
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
+
+
+def _shown_output(kept: bytes, total: int) -> str:
+    text = one_line(kept.decode(errors="replace"))
+    return text + (f" ... (output cut at {len(kept)} of {total} bytes)" if total > len(kept) else "")
+
+
+# Worker failure messages that name a broken GPU. Xid numbers from NVIDIA's Xid catalogue: 48 double-bit
+# ECC, 63/64 row remapping or page retirement, 74 NVLink, 79 fallen off the bus, 92/94/95 ECC rate,
+# contained and uncontained ECC, 119/120 GSP, 140 unrecovered ECC.
+_HARDWARE_XIDS = {48, 63, 64, 74, 79, 92, 94, 95, 119, 120, 140}
+_FAULTS = (
+    (re.compile(r"uncorrectable\s+ECC\s+error", re.I), "uncorrectable ECC error"),
+    (re.compile(r"uncorrectable\s+NVLink\s+error", re.I), "uncorrectable NVLink error"),
+    (re.compile(r"fallen\s+off\s+the\s+bus", re.I), "GPU has fallen off the bus"),
+    (re.compile(r"GPU\s+is\s+lost", re.I), "GPU is lost"),
+    (re.compile(r"GPU\s+requires\s+(?:a\s+)?reset", re.I), "GPU requires reset"),
+)
+# "NVRM: Xid (PCI:0000:3b:00): 79, pid=...", "Xid 79", "XID: 79"
+_XID = re.compile(r"\bXid\b\s*(?:\(PCI:[0-9a-f:.]+\))?\s*:?\s*(\d{1,3})\b", re.I)
+SCAN_LIMIT = 1 << 20
+
+
+def classify_failure(message: str) -> str | None:
+    """The GPU fault a worker's failure message names, as a short phrase, or None when it names none.
+    A device-side assert or an illegal memory access is the program's bug, not the GPU's: None."""
+    text = message if len(message) <= SCAN_LIMIT else message[:SCAN_LIMIT // 2] + message[-SCAN_LIMIT // 2:]
+    for pattern, phrase in _FAULTS:
+        if pattern.search(text):
+            return phrase
+    for m in _XID.finditer(text):
+        if int(m.group(1)) in _HARDWARE_XIDS:
+            return f"Xid {int(m.group(1))}"
+    return None

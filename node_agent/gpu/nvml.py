@@ -1,0 +1,314 @@
+"""The GPUs and their health facts, through one small interface: `GpuProbe`.
+
+`NvmlProbe` reads NVML through nvidia-ml-py (`pynvml`, imported on `open()`, never at module load);
+`FakeGpuProbe` reports whatever a test or a dry run tells it to. A probe is opened once and may stay open
+while workers run (`open()`/`close()`, or `with`): NVML keeps its handles, and the driver its state, for as
+long as this process holds the library initialised.
+
+Nothing from NVML escapes as an exception: `open()` and `devices()` raise only `ProbeUnavailable` (the one
+line a "check skipped" verdict quotes), `health()` never raises; every NVML error lands in a field. "Not
+supported" (an old driver, a consumer card, a feature the GPU lacks) is unknown, never unhealthy.
+
+No `nvidia-smi` fallback: nvidia-smi loads the same libnvidia-ml.so.1 that pynvml does, so it works only
+where installing the `[gpu]` extra would too; its query fields change between drivers (one unknown field
+fails the whole query) and each run spawns a process, well over the check's 0.1 s budget.
+"""
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field, replace
+from types import TracebackType
+from typing import Any, Protocol
+
+from node_agent.gpu.topology import normalize_bus_id
+from protocol.quoting import one_line
+
+# NVML's numbers (nvml.h), so that the verdict needs no pynvml.
+RECOVERY_ACTIONS = {0: "none", 1: "GPU reset", 2: "node reboot", 3: "drain P2P", 4: "drain and reset",
+                    5: "recover IMEX domain", 6: "bus reset", 7: "system reboot"}
+FI_RESET_STATUS, FI_DRAIN_AND_RESET_STATUS, FI_RECOVERY_ACTION = 226, 227, 230
+ERR_NOT_SUPPORTED, ERR_NO_PERMISSION, ERR_NOT_FOUND, ERR_DRIVER_NOT_LOADED = 3, 4, 6, 9
+ERR_LIBRARY_NOT_FOUND, ERR_FUNCTION_NOT_FOUND, ERR_GPU_IS_LOST, ERR_RESET_REQUIRED = 12, 13, 15, 16
+ERR_NO_DATA = 21
+UNKNOWN_ERRORS = {ERR_NOT_SUPPORTED, ERR_NO_PERMISSION, ERR_NOT_FOUND, ERR_FUNCTION_NOT_FOUND, ERR_NO_DATA}
+LOST_ERRORS = {ERR_GPU_IS_LOST, ERR_RESET_REQUIRED}
+# Clock event reasons worth a warning (hardware or thermal slowdowns); idle, application clocks, the
+# software power cap and sync boost are normal under load.
+THROTTLE_WARNINGS = {0x8: "hardware slowdown", 0x20: "software thermal slowdown",
+                     0x40: "hardware thermal slowdown", 0x80: "hardware power brake"}
+
+
+class ProbeUnavailable(Exception):
+    """The GPUs cannot be looked at (no nvidia-ml-py, no NVML library, driver not loaded, ...): the check
+    is skipped, with this one-line reason."""
+
+
+@dataclass(frozen=True)
+class GpuInfo:
+    index: int                          # NVML's index
+    uuid: str                           # "GPU-..."; "" when NVML could not say
+    bus_id: str                         # sysfs form "0000:3b:00.0"; "" when NVML could not say
+    name: str = ""
+    mig_uuids: tuple[str, ...] = ()     # its MIG instances' UUIDs ("MIG-...") when MIG is on
+    error: str | None = None            # why the facts above are missing (e.g. "GPU is lost")
+
+
+@dataclass(frozen=True)
+class GpuHealth:
+    """One GPU's health facts. None: unknown (not supported, or not asked)."""
+    index: int
+    bus_id: str = ""
+    lost: str | None = None                   # NVML answered "GPU is lost" / "GPU requires reset"
+    recovery_action: int | None = None        # NVML_FI_DEV_GET_GPU_RECOVERY_ACTION (r570+)
+    reset_required: bool | None = None        # NVML_FI_DEV_RESET_STATUS (older drivers)
+    drain_and_reset: bool | None = None       # NVML_FI_DEV_DRAIN_AND_RESET_STATUS
+    uncorrectable_ecc: int | None = None      # volatile uncorrectable ECC errors since the driver loaded
+    remap_pending: bool | None = None         # row remapping waits for a GPU reset
+    remap_failed: bool | None = None          # a row could not be remapped
+    retired_pages_pending: bool | None = None  # pages wait for retirement (before Ampere)
+    throttle_reasons: int | None = None       # NVML clock event reasons, a bit mask
+    errors: tuple[str, ...] = ()              # other NVML errors met, one line each
+    unchecked: str | None = None              # why nothing could be asked about this GPU
+
+
+def healthy(index: int, bus_id: str = "") -> GpuHealth:
+    """The facts of a GPU with nothing wrong and every query supported."""
+    return GpuHealth(index=index, bus_id=bus_id, recovery_action=0, reset_required=False, drain_and_reset=False,
+                     uncorrectable_ecc=0, remap_pending=False, remap_failed=False, retired_pages_pending=False,
+                     throttle_reasons=0)
+
+
+class GpuProbe(Protocol):
+    def open(self) -> None:
+        """Start (idempotent). Raises ProbeUnavailable."""
+
+    def close(self) -> None:
+        """Release what open() took; never raises."""
+
+    def devices(self) -> list[GpuInfo]:
+        """Every GPU this process can reach, in the probe's index order. Raises ProbeUnavailable."""
+
+    def health(self, index: int) -> GpuHealth:
+        """The health facts of GPU `index`. Raises ProbeUnavailable only when the probe is not open."""
+
+
+def _code(exc: BaseException) -> int | None:
+    value = getattr(exc, "value", None)
+    return value if isinstance(value, int) else None
+
+
+def _text(exc: BaseException) -> str:
+    try:
+        text = str(exc) or type(exc).__name__
+    except Exception:                       # pynvml's __str__ calls into the library
+        text = type(exc).__name__
+    return one_line(text)
+
+
+class NvmlProbe:
+    """GpuProbe on NVML. `load` imports the bindings (tests hand in a stand-in module)."""
+
+    def __init__(self, load: Callable[[], Any] | None = None) -> None:
+        self._load = load if load is not None else (lambda: importlib.import_module("pynvml"))
+        self._nv: Any = None
+        self._handles: dict[int, Any] = {}
+        self._unsupported: set[tuple[int, str]] = set()
+
+    def __enter__(self) -> NvmlProbe:
+        self.open()
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
+
+    @property
+    def is_open(self) -> bool:
+        return self._nv is not None
+
+    def open(self) -> None:
+        if self._nv is not None:
+            return
+        try:
+            nv = self._load()
+        except ImportError as exc:
+            raise ProbeUnavailable("nvidia-ml-py is not installed (pip install 'elastic-launcher[gpu]')") from exc
+        except Exception as exc:
+            raise ProbeUnavailable(f"nvidia-ml-py failed to load: {_text(exc)}") from exc
+        try:
+            nv.nvmlInit()
+        except Exception as exc:
+            code = _code(exc)
+            if code == ERR_LIBRARY_NOT_FOUND:
+                reason = "the NVML library (libnvidia-ml.so.1) is not found: is the NVIDIA driver installed?"
+            elif code == ERR_DRIVER_NOT_LOADED:
+                reason = "the NVIDIA driver is not loaded"
+            else:
+                reason = f"NVML failed to start: {_text(exc)}"
+            raise ProbeUnavailable(reason) from exc
+        self._nv = nv
+
+    def close(self) -> None:
+        nv, self._nv = self._nv, None
+        self._handles.clear()
+        if nv is not None:
+            try:
+                nv.nvmlShutdown()
+            except Exception:
+                pass
+
+    def _api(self) -> Any:
+        if self._nv is None:
+            raise ProbeUnavailable("NVML is not open")
+        return self._nv
+
+    def devices(self) -> list[GpuInfo]:
+        nv = self._api()
+        try:
+            count = int(nv.nvmlDeviceGetCount())
+        except Exception as exc:
+            raise ProbeUnavailable(f"NVML cannot count the GPUs: {_text(exc)}") from exc
+        return [self._describe(nv, index) for index in range(count)]
+
+    def _describe(self, nv: Any, index: int) -> GpuInfo:
+        try:
+            handle = nv.nvmlDeviceGetHandleByIndex(index)
+            self._handles[index] = handle
+            uuid = _str(nv.nvmlDeviceGetUUID(handle))
+            bus_id = normalize_bus_id(_str(nv.nvmlDeviceGetPciInfo(handle).busId))
+            name = _str(nv.nvmlDeviceGetName(handle))
+        except Exception as exc:
+            return GpuInfo(index=index, uuid="", bus_id="", error=_text(exc))
+        return GpuInfo(index=index, uuid=uuid, bus_id=bus_id, name=name, mig_uuids=self._migs(nv, handle))
+
+    def _migs(self, nv: Any, handle: Any) -> tuple[str, ...]:
+        try:
+            if nv.nvmlDeviceGetMigMode(handle)[0] != 1:
+                return ()
+            found = []
+            for slot in range(int(nv.nvmlDeviceGetMaxMigDeviceCount(handle))):
+                try:
+                    found.append(_str(nv.nvmlDeviceGetUUID(nv.nvmlDeviceGetMigDeviceHandleByIndex(handle, slot))))
+                except Exception:
+                    continue                # an empty slot answers NOT_FOUND
+            return tuple(found)
+        except Exception:
+            return ()                       # no MIG on this GPU or driver
+
+    def health(self, index: int) -> GpuHealth:
+        nv = self._api()
+        try:
+            handle = self._handles.get(index)
+            if handle is None:
+                handle = self._handles[index] = nv.nvmlDeviceGetHandleByIndex(index)
+        except Exception as exc:
+            if _code(exc) in LOST_ERRORS:
+                return GpuHealth(index=index, lost=_text(exc))
+            return GpuHealth(index=index, unchecked=f"NVML gives no handle: {_text(exc)}")
+        facts = _Facts(self, index)
+        out = GpuHealth(index=index, bus_id=facts.ask("pci", lambda: normalize_bus_id(
+            _str(nv.nvmlDeviceGetPciInfo(handle).busId))) or "")
+        fields = facts.ask("fields", lambda: _fields(nv, handle, (FI_RECOVERY_ACTION, FI_RESET_STATUS,
+                                                                   FI_DRAIN_AND_RESET_STATUS)))
+        if fields is not None:
+            action, reset, drain = fields
+            out = replace(out, recovery_action=action, reset_required=None if reset is None else reset != 0,
+                          drain_and_reset=None if drain is None else drain != 0)
+        ecc = facts.ask("ecc", lambda: int(nv.nvmlDeviceGetTotalEccErrors(handle, 1, 0)))  # uncorrected, volatile
+        rows = facts.ask("remap", lambda: tuple(int(v) for v in nv.nvmlDeviceGetRemappedRows(handle)))
+        pages = None
+        if rows is None:                    # row remapping (Ampere+) replaced page retirement
+            pages = facts.ask("pages", lambda: int(nv.nvmlDeviceGetRetiredPagesPendingStatus(handle)) != 0)
+        throttle = facts.ask("throttle", lambda: int(_throttle(nv, handle)))
+        return replace(out, lost=facts.lost, uncorrectable_ecc=ecc, throttle_reasons=throttle,
+                       remap_pending=None if rows is None else rows[2] != 0,
+                       remap_failed=None if rows is None else rows[3] != 0,
+                       retired_pages_pending=pages, errors=tuple(facts.errors))
+
+
+class _Facts:
+    """Runs one NVML query at a time, sorting its failure: unknown (remembered, not asked again), lost,
+    or an error to report."""
+
+    def __init__(self, probe: NvmlProbe, index: int) -> None:
+        self.probe, self.index = probe, index
+        self.lost: str | None = None
+        self.errors: list[str] = []
+
+    def ask(self, name: str, query: Callable[[], Any]) -> Any:
+        key = (self.index, name)
+        if key in self.probe._unsupported or self.lost is not None:
+            return None
+        try:
+            return query()
+        except Exception as exc:
+            code = _code(exc)
+            if code in LOST_ERRORS:
+                self.lost = _text(exc)
+            elif code in UNKNOWN_ERRORS or isinstance(exc, AttributeError):   # old bindings lack a call
+                self.probe._unsupported.add(key)
+            else:
+                self.errors.append(f"{name}: {_text(exc)}")
+            return None
+
+
+def _str(value: object) -> str:
+    return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
+
+
+def _fields(nv: Any, handle: Any, ids: Iterable[int]) -> tuple[int | None, ...] | None:
+    """NVML field values as ints, None for a field this GPU or driver does not support."""
+    values = nv.nvmlDeviceGetFieldValues(handle, list(ids))
+    out: list[int | None] = []
+    for v in values:
+        if v.nvmlReturn != 0:
+            out.append(None)
+            continue
+        member = {0: "dVal", 1: "uiVal", 2: "ulVal", 3: "ullVal", 4: "sllVal", 5: "siVal", 6: "usVal"}
+        out.append(int(getattr(v.value, member.get(int(v.valueType), "uiVal"))))
+    return tuple(out) if any(x is not None for x in out) else None
+
+
+def _throttle(nv: Any, handle: Any) -> Any:
+    if hasattr(nv, "nvmlDeviceGetCurrentClocksEventReasons"):
+        return nv.nvmlDeviceGetCurrentClocksEventReasons(handle)
+    return nv.nvmlDeviceGetCurrentClocksThrottleReasons(handle)
+
+
+@dataclass
+class FakeGpuProbe:
+    """A GpuProbe that reports what it is given: `unavailable` makes open() fail with that reason;
+    `faults[index]` replaces that GPU's all-good facts. Counts opens and closes."""
+    gpus: list[GpuInfo] = field(default_factory=list)
+    faults: dict[int, GpuHealth] = field(default_factory=dict)
+    unavailable: str | None = None
+    opened: int = 0
+    closed: int = 0
+    asked: list[int] = field(default_factory=list)
+
+    @classmethod
+    def with_gpus(cls, count: int, *, name: str = "NVIDIA H100 80GB HBM3") -> FakeGpuProbe:
+        """`count` GPUs at PCI addresses 0000:1b:00.0, 0000:1c:00.0, ... with UUIDs GPU-00000000-..."""
+        return cls(gpus=[GpuInfo(index=i, uuid=f"GPU-{i:08x}-1111-2222-3333-444444444444",
+                                 bus_id=f"0000:{0x1b + i:02x}:00.0", name=name) for i in range(count)])
+
+    def open(self) -> None:
+        if self.unavailable is not None:
+            raise ProbeUnavailable(self.unavailable)
+        self.opened += 1
+
+    def close(self) -> None:
+        self.closed += 1
+
+    def devices(self) -> list[GpuInfo]:
+        if self.unavailable is not None:
+            raise ProbeUnavailable(self.unavailable)
+        return list(self.gpus)
+
+    def health(self, index: int) -> GpuHealth:
+        if self.unavailable is not None:
+            raise ProbeUnavailable(self.unavailable)
+        self.asked.append(index)
+        bus_id = next((g.bus_id for g in self.gpus if g.index == index), "")
+        return self.faults.get(index, healthy(index, bus_id))
