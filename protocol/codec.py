@@ -12,6 +12,7 @@ import msgspec
 from protocol.errors import ErrorCode
 from protocol.messages import (
     PROTOCOL_VERSION,
+    AgentRequest,
     ErrorReply,
     FailureReport,
     JoinRequest,
@@ -25,9 +26,9 @@ from protocol.quoting import quote
 CONTENT_TYPE = "application/msgpack"
 MAX_BODY_BYTES = 1 << 20
 
-T = TypeVar("T")
+R = TypeVar("R", bound=AgentRequest)
 
-REQUEST_TYPES: dict[str, type] = {
+REQUEST_TYPES: dict[str, type[AgentRequest]] = {
     "join": JoinRequest,
     "poll": PollRequest,
     "failure": FailureReport,
@@ -57,7 +58,7 @@ def encode(message: Any) -> bytes:
     return _encoder.encode(message)
 
 
-def decode_request(cls: type[T], body: bytes) -> T:
+def decode_request(cls: type[R], body: bytes) -> R:
     """Decode a request body into `cls`, or raise DecodeError naming what was wrong.
 
     The typed decode comes first (one pass for every good request); only a body it refuses is
@@ -67,7 +68,7 @@ def decode_request(cls: type[T], body: bytes) -> T:
     if len(body) > MAX_BODY_BYTES:
         raise DecodeError(ErrorCode.TOO_LARGE, f"body of {len(body)} bytes exceeds {MAX_BODY_BYTES}")
     try:
-        req = _request_decoders[cls].decode(body)
+        req: R = _request_decoders[cls].decode(body)
     except (msgspec.ValidationError, msgspec.DecodeError, UnicodeDecodeError, RecursionError) as exc:
         _check_version(body)
         if isinstance(exc, msgspec.ValidationError):

@@ -186,6 +186,10 @@ class LeaveRequest(_Request, kw_only=True):
         _printable(reason=self.reason)
 
 
+# Every request an agent sends, by type (protocol.codec.REQUEST_TYPES names their routes).
+AgentRequest = JoinRequest | PollRequest | FailureReport | SuccessReport | LeaveRequest
+
+
 REQUESTS = (JoinRequest, PollRequest, FailureReport, SuccessReport, LeaveRequest)
 
 

@@ -21,16 +21,27 @@ import random
 import secrets
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Protocol
 
 from protocol.errors import ErrorCode
-from protocol.messages import JoinRequest, NodeState, NodeStatus, PollRequest
+from protocol.messages import (
+    AgentRequest,
+    FailureReport,
+    JoinRequest,
+    LeaveRequest,
+    NodeState,
+    NodeStatus,
+    PollRequest,
+    SuccessReport,
+)
+from rdzv_server.core.errors import RendezvousError
+from rdzv_server.core.operator_rules import OperatorAction
 from rdzv_server.core.outbox import Outbox
 from rdzv_server.core.records import JobRecord
-from rdzv_server.core.rendezvous import Rendezvous, RendezvousError
-from rdzv_server.looplag import LoopLagProbe
+from rdzv_server.core.rendezvous import Rendezvous
+from rdzv_server.serving import Serving
 from rdzv_server.store.api import Store
-from rdzv_server.store.persistence import Persister, StoreUnavailable
+from rdzv_server.store.persistence import Durability, NotDurable, Persister, StoreUnavailable
 from rdzv_server.waiters import Waiter, Waiters
 
 log = logging.getLogger("rdzv_server")
@@ -39,30 +50,34 @@ log = logging.getLogger("rdzv_server")
 TARGET_POLL_RATE = 500.0
 MAX_HOLD_S = 30.0           # ... but a poll is held no longer than this (the agent asks for up to 60 s)
 MAX_POLLS_PER_PEER = 4096   # held polls from one address (an agent holds one)
-LEADER_HEADER = "Rdzv-Leader"   # on a not_leader reply: the leader's advertised URL
+
+class LagSource(Protocol):
+    """How far behind the event loop runs (looplag.LoopLagProbe in the server; nothing in --standalone)."""
+
+    def start(self) -> None: ...
+    async def stop(self) -> None: ...
+    def recent_s(self) -> float: ...
+    def summary(self) -> str: ...
+
+    @property
+    def max_s(self) -> float: ...
 
 
 class Coordinator:
     """Owns the core and the asyncio machinery around it (waiters, the deadline timer)."""
 
     def __init__(self, core: Rendezvous | None = None, clock: Callable[[], float] = time.time,
-                 store: Store | None = None, max_polls_per_peer: int = MAX_POLLS_PER_PEER) -> None:
-        """`store`: the durable store (already opened); None keeps state in memory only."""
+                 store: Store | None = None, max_polls_per_peer: int = MAX_POLLS_PER_PEER,
+                 loop_lag: LagSource | None = None) -> None:
+        """`store`: the durable store (already opened); None keeps state in memory only and builds no
+        commit machinery. `loop_lag`: the server's event-loop lag probe (leases wait out the server's
+        own stalls); None: no probe (an in-process coordinator)."""
         self.core = core or Rendezvous()
         self.clock = clock
         self.store = store
-        self.persister = Persister(store, clock, on_rollback=self._put_back)
-        self.loop_lag = LoopLagProbe()
-        self.shutting_down = False
-        self.started = False                      # the saved state is loaded: agents may be served
-        # Replicas: whether this one may serve now (its leadership is sure), where the leader is, and
-        # whether an election or takeover is under way (no leader serves yet, none is known).
-        self.leading: Callable[[], bool] = lambda: True
-        self.leader_url: Callable[[], str | None] = lambda: None
-        self.electing: Callable[[], bool] = lambda: False
-        self._served = asyncio.Event()           # set while started
-        self._news = asyncio.Event()             # set (and replaced) when the election's outcome changes
-        self.parked = 0                          # agent requests waiting for an election to end
+        self.persister: Durability = self._durability()
+        self.loop_lag = loop_lag
+        self.gate = Serving()
         self.open_polls = 0
         self.max_polls_per_peer = max_polls_per_peer      # 0: no limit
         self._polls_by_peer: dict[str, int] = {}
@@ -75,11 +90,28 @@ class Coordinator:
         # Each gets every drained outbox, after logging (metrics hook here). A listener must not raise.
         self.effect_listeners: list[Callable[[Outbox], None]] = []
 
+    def _durability(self) -> Durability:
+        if self.store is None:
+            return NotDurable()
+        return Persister(self.store, self.clock, on_rollback=self._put_back)
+
+    @property
+    def started(self) -> bool:
+        return self.gate.started
+
+    @property
+    def shutting_down(self) -> bool:
+        return self.gate.shutting_down
+
+    def serving(self) -> bool:
+        return self.gate.serving()
+
     # -- lifecycle --
     async def start(self, *, take_over: bool = True) -> None:
         """Start the machinery; `take_over`: load the saved state and serve it now (a replica
         standing by waits for the election to call `take_over`)."""
-        self.loop_lag.start()
+        if self.loop_lag is not None:
+            self.loop_lag.start()
         self._rearm = asyncio.Event()
         self._timer = asyncio.create_task(self._deadline_loop(), name="rdzv-deadlines")
         if take_over:
@@ -88,77 +120,37 @@ class Coordinator:
     async def take_over(self) -> None:
         """Load the saved state and serve it, at start-up or when elected: a takeover is handled
         exactly like a restart (every lease re-armed, nobody blamed for the time away)."""
-        if self.store is not None:
+        if isinstance(self.persister, Persister):
             started = time.perf_counter()
-            loaded = await self.persister.run(self.store.load)
+            loaded = await self.persister.load()
             self.core = Rendezvous({**self.core.jobs, **loaded.jobs}, limits=self.core.limits)
             if loaded.alive_at is not None:
                 now = self.clock()
                 self.core.restored(now, max(0.0, now - loaded.alive_at), loaded.clean_shutdown)
-            log.info("%s: %d job(s) restored in %.0f ms", self.store.where, len(loaded.jobs),
+            log.info("%s: %d job(s) restored in %.0f ms", self.persister.store.where, len(loaded.jobs),
                      (time.perf_counter() - started) * 1000)
         self.persister.start()
         changed = list(self.core.outbox.changed)
         self._apply()
         for job_id in changed:
             await self._durable(job_id)
-        self.started = True
-        self._served.set()
-        self.election_news()
+        self.gate.start()
 
     async def step_down(self) -> None:
         """This replica no longer leads: held polls answer `not_leader`, commits in flight are
         refused, the state is dropped (the next leader loads it from the store)."""
-        if not self.started:
+        if not self.gate.started:
             return
-        self.started = False
-        self._served.clear()
+        self.gate.stop()
         self.waiters.wake_all()
-        old, self.persister = self.persister, Persister(self.store, self.clock, on_rollback=self._put_back)
+        old, self.persister = self.persister, self._durability()
         await old.abandon()
         self.core = Rendezvous(limits=self.core.limits)
         self.clock_moved()
 
-    def serving(self) -> bool:
-        """Agents may be served: the state is loaded, the server is not stopping, it leads."""
-        return self.started and not self.shutting_down and self.leading()
-
-    async def until_serving(self, timeout: float) -> bool:
-        """While an election or takeover is under way, wait (up to `timeout`) for this replica to
-        serve or a leader to be known: an agent's request parked here is served the moment the
-        takeover ends, instead of being refused and retried after a backoff."""
-        loop = asyncio.get_running_loop()
-        ends = loop.time() + timeout
-        while not self.serving() and self.electing() and loop.time() < ends:
-            served, news = asyncio.ensure_future(self._served.wait()), asyncio.ensure_future(self._news.wait())
-            self.parked += 1
-            try:
-                await asyncio.wait({served, news}, timeout=ends - loop.time(), return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                self.parked -= 1
-                served.cancel()
-                news.cancel()
-        return self.serving()
-
-    def election_news(self) -> None:
-        """The leader became known (or unknown): requests parked by `until_serving` look again."""
-        self._news.set()
-        self._news = asyncio.Event()
-
-    def not_serving(self) -> RendezvousError:
-        """Why a request is not served here: stopping, or not the leader (and where the leader is)."""
-        if self.shutting_down:
-            return RendezvousError(ErrorCode.SHUTTING_DOWN, "server is shutting down; retry shortly")
-        url = self.leader_url()
-        if url:
-            return RendezvousError(ErrorCode.NOT_LEADER, f"this replica is a standby; the leader is {url}",
-                                   headers={LEADER_HEADER: url})
-        return RendezvousError(ErrorCode.NOT_LEADER, "this replica is a standby and no leader is known yet "
-                               "(an election is under way); retry shortly")
-
     def release_polls(self) -> None:
         """Answer every open long-poll now (with "going away"): the server is stopping."""
-        self.shutting_down = True
+        self.gate.shutting_down = True
         self.waiters.wake_all()
 
     async def stop(self) -> None:
@@ -174,13 +166,16 @@ class Coordinator:
                 self._timer.cancel()
                 await asyncio.gather(self._timer, return_exceptions=True)
         await self.persister.close()
-        await self.loop_lag.stop()
+        lag = ""
+        if self.loop_lag is not None:
+            await self.loop_lag.stop()
+            lag = self.loop_lag.summary()
         st = self.persister.stats
         if st.commits:
             log.info("state store: %d commits of %d job snapshots, mean %.1f ms, max %.1f ms; %s", st.commits,
-                     st.jobs_written, st.total_s / st.commits * 1000, st.max_s * 1000, self.loop_lag.summary())
-        else:
-            log.info("%s", self.loop_lag.summary())
+                     st.jobs_written, st.total_s / st.commits * 1000, st.max_s * 1000, lag)
+        elif lag:
+            log.info("%s", lag)
 
     # -- change propagation --
     def _apply(self) -> None:
@@ -232,7 +227,7 @@ class Coordinator:
     async def _deadline_loop(self) -> None:
         assert self._rearm is not None
         while True:
-            if self.shutting_down:
+            if self.gate.shutting_down:
                 break
             self._armed = deadline = self.core.next_deadline()
             timeout = None if deadline is None else max(0.0, deadline - self.clock())
@@ -242,38 +237,36 @@ class Coordinator:
                 pass
             self._rearm.clear()
             self.timer_wakeups += 1
-            if not self.shutting_down and self._armed is not None and self._armed <= self.clock():
-                self.core.tick(self.clock(), self.loop_lag.recent_s())
+            if not self.gate.shutting_down and self._armed is not None and self._armed <= self.clock():
+                self.core.tick(self.clock(), self.loop_lag.recent_s() if self.loop_lag is not None else 0.0)
                 self._apply()
 
     # -- requests --
-    async def handle(self, action: str, job_id: str, req: object, peer: str = "", local: str = "",
+    async def handle(self, job_id: str, req: AgentRequest, peer: str = "", local: str = "",
                      silence: Callable[[], float] | None = None) -> NodeStatus:
-        """One agent request, by its action name (the route's last part); `peer` is the address it came
-        from, `local` the server's address it reached, `silence()` how long its connection has been
-        silent (connections.silence_s)."""
-        if isinstance(req, PollRequest):
-            return await self.long_poll(job_id, req, peer, silence)
+        """One agent request, by its type; `peer` is the address it came from, `local` the server's
+        address it reached, `silence()` how long its connection has been silent (connections.silence_s)."""
         core = self.core
-        calls: dict[str, Callable[[str, Any, float], NodeStatus]] = {
-            "join": lambda j, r, now: self._join(j, r, now, (peer, local)), "failure": core.report_failure,
-            "success": core.report_success, "leave": core.leave}
-        status = self.call(job_id, calls[action], req)
+        match req:
+            case PollRequest():
+                return await self.long_poll(job_id, req, peer, silence)
+            case JoinRequest():
+                # A fresh secret per join: the core keeps it only if the join makes a new node record.
+                secret = secrets.token_urlsafe(24)
+                status = self.call(lambda now: core.join(job_id, req, now, secret, (peer, local)))
+            case FailureReport():
+                status = self.call(lambda now: core.report_failure(job_id, req, now))
+            case SuccessReport():
+                status = self.call(lambda now: core.report_success(job_id, req, now))
+            case LeaveRequest():
+                status = self.call(lambda now: core.leave(job_id, req, now))
         await self._durable(job_id)
         return status
 
-    def _join(self, job_id: str, req: JoinRequest, now: float, via: tuple[str, str]) -> NodeStatus:
-        # A fresh secret per join: the core keeps it only if the join makes a new node record.
-        return self.core.join(job_id, req, now, secrets.token_urlsafe(24), via)
-
-    async def operate(self, action: str, job_id: str, *args: Any) -> JobRecord:
-        """An operator action (see operator_rules.py): close, drain, clear_exclusion or resize."""
-        core = self.core
-        calls: dict[str, Callable[..., JobRecord]] = {
-            "close": core.close_job, "drain": core.drain_node, "clear_exclusion": core.clear_exclusion,
-            "resize": core.resize}
+    async def operate(self, job_id: str, action: OperatorAction) -> JobRecord:
+        """An operator action (core/operator_rules.py): close, drain, clear an exclusion, resize."""
         try:
-            job = calls[action](job_id, *args, self.clock())
+            job = self.core.operate(job_id, action, self.clock())
         finally:
             self._apply()
         await self._durable(job_id)
@@ -286,9 +279,10 @@ class Coordinator:
         except StoreUnavailable as exc:
             raise RendezvousError(ErrorCode.STORE_UNAVAILABLE, f"{exc}; retry shortly") from None
 
-    def call(self, job_id: str, fn: Callable[[str, Any, float], NodeStatus], req: object) -> NodeStatus:
+    def call(self, fn: Callable[[float], NodeStatus]) -> NodeStatus:
+        """One core call, with `now`; its effects are applied whether it succeeds or raises."""
         try:
-            return fn(job_id, req, self.clock())
+            return fn(self.clock())
         finally:
             self._apply()
 
@@ -306,14 +300,14 @@ class Coordinator:
         if self.max_polls_per_peer and held >= self.max_polls_per_peer:
             raise RendezvousError(ErrorCode.LIMIT_REACHED, f"{held} long-polls are held open for {peer or 'one peer'}, "
                                   f"the server's limit (--max-polls-per-peer {self.max_polls_per_peer})")
-        status = self.call(job_id, self.core.hold_poll, req)
+        status = self.call(lambda now: self.core.hold_poll(job_id, req, now))
         loop = asyncio.get_running_loop()
         ends = loop.time() + self.hold_for(status, req.wait_s)
         self.open_polls += 1
         self._polls_by_peer[peer] = held + 1
         dropped = False
         try:
-            while not _poll_ready(status, req.known_round) and self.serving() and loop.time() < ends:
+            while not _poll_ready(status, req.known_round) and self.gate.serving() and loop.time() < ends:
                 waiter = Waiter(job_id, ends)
                 self.waiters.add(waiter)
                 try:
@@ -326,7 +320,7 @@ class Coordinator:
         except asyncio.CancelledError:
             # The agent's connection closed mid-poll: likely dead. Give it a short grace.
             dropped = True
-            if not self.shutting_down:
+            if not self.gate.shutting_down:
                 self.core.connection_dropped(job_id, req.node_id, self.clock())
                 self._apply()
             raise
@@ -339,8 +333,8 @@ class Coordinator:
                 now = self.clock()
                 self.core.poll_ended(job_id, req.node_id, now, now - silence() if silence is not None else now)
                 self._apply()
-        if not self.serving():
-            raise self.not_serving()
+        if not self.gate.serving():
+            raise self.gate.not_serving()
         await self._durable(job_id)
         return status
 

@@ -156,10 +156,9 @@ async def serve(config: ServerConfig, store: Store | None = None,
         url = replication.advertise_url or f"{scheme}://{_advertised_host(config.host, host)}:{bound[1]}"
         leadership = Leadership(replication.store.settings, replication.store, url, replication.leader_ttl_s,
                                 on_elected=coordinator.take_over, on_deposed=coordinator.step_down)
-        coordinator.leading = leadership.sure
-        coordinator.leader_url = lambda: None if leadership is None or leadership.leading else leadership.leader_url
-        coordinator.electing = lambda: leadership is not None and leadership.electing()
-        leadership.on_news = coordinator.election_news
+        coordinator.gate.follow(leadership.sure, lambda: None if leadership is None or leadership.leading
+                                else leadership.leader_url, leadership.electing)
+        leadership.on_news = coordinator.gate.election_news
         leadership.start()
         log.info("replica %s on %s: standing by until elected", url, replication.store.where)
     if ready is not None:

@@ -6,7 +6,7 @@ coordinator is the same one `rdzv-server` runs, so rounds and restarts behave id
 from __future__ import annotations
 
 from node_agent.client.transport import Transport, refusal
-from protocol.messages import NodeStatus
+from protocol.messages import AgentRequest, NodeStatus
 from rdzv_server.coordinator import Coordinator
 from rdzv_server.core.rendezvous import RendezvousError
 
@@ -26,6 +26,7 @@ class LocalClient(Transport):
 
     async def _send(self, action: str, message: object, timeout: float) -> NodeStatus:
         try:
-            return await self.coordinator.handle(action, self.job_id, message)
+            assert isinstance(message, AgentRequest)
+            return await self.coordinator.handle(self.job_id, message)
         except RendezvousError as exc:
             raise refusal(exc.code.value, exc.message) from exc

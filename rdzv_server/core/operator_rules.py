@@ -6,6 +6,8 @@ registry (`rendezvous.py`) refuses them on a finished job before calling them.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import msgspec
 
 from protocol.errors import ErrorCode
@@ -13,6 +15,44 @@ from protocol.messages import JobConfig, JobState, NodeState
 from rdzv_server.core.errors import RendezvousError
 from rdzv_server.core.events import EventKind, RoundCause
 from rdzv_server.core.job_rules import JobRules
+
+
+@dataclass(frozen=True)
+class CloseJob:
+    reason: str
+
+
+@dataclass(frozen=True)
+class DrainNode:
+    node_id: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class ClearExclusion:
+    node_id: str
+
+
+@dataclass(frozen=True)
+class ResizeJob:
+    min_nodes: int
+    max_nodes: int
+
+
+OperatorAction = CloseJob | DrainNode | ClearExclusion | ResizeJob
+
+
+def apply(rules: JobRules, action: OperatorAction, now: float) -> None:
+    """One operator action on an open job, by its type."""
+    match action:
+        case CloseJob(reason=reason):
+            close(rules, reason, now)
+        case DrainNode(node_id=node_id, reason=reason):
+            drain(rules, node_id, reason, now)
+        case ClearExclusion(node_id=node_id):
+            clear_exclusion(rules, node_id, now)
+        case ResizeJob(min_nodes=min_nodes, max_nodes=max_nodes):
+            resize(rules, min_nodes, max_nodes, now)
 
 
 def close(rules: JobRules, reason: str, now: float) -> None:

@@ -12,7 +12,7 @@ coordinator.py for why) and `node-agent --standalone` does the same through the 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -189,24 +189,25 @@ class Rendezvous:
     # ---- operator actions (operator_rules.py) ---------------------------------------------
 
     def close_job(self, job_id: str, reason: str, now: float) -> JobRecord:
-        return self._operate(job_id, lambda r: operator_rules.close(r, reason, now))
+        return self.operate(job_id, operator_rules.CloseJob(reason), now)
 
     def drain_node(self, job_id: str, node_id: str, reason: str, now: float) -> JobRecord:
-        return self._operate(job_id, lambda r: operator_rules.drain(r, node_id, reason, now))
+        return self.operate(job_id, operator_rules.DrainNode(node_id, reason), now)
 
     def clear_exclusion(self, job_id: str, node_id: str, now: float) -> JobRecord:
-        return self._operate(job_id, lambda r: operator_rules.clear_exclusion(r, node_id, now))
+        return self.operate(job_id, operator_rules.ClearExclusion(node_id), now)
 
     def resize(self, job_id: str, min_nodes: int, max_nodes: int, now: float) -> JobRecord:
-        return self._operate(job_id, lambda r: operator_rules.resize(r, min_nodes, max_nodes, now))
+        return self.operate(job_id, operator_rules.ResizeJob(min_nodes, max_nodes), now)
 
-    def _operate(self, job_id: str, action: Callable[[JobRules], None]) -> JobRecord:
+    def operate(self, job_id: str, action: operator_rules.OperatorAction, now: float) -> JobRecord:
+        """An operator action on an open job (refused on a finished one, changing nothing)."""
         rules = self.rules(job_id)
         if rules.job.state.finished:
             raise RendezvousError(ErrorCode.JOB_FINISHED, f"job {job_id!r} has already "
                                   f"{rules.job.state.value}: {rules.job.reason}")
         with self._counting(rules.job):
-            action(rules)
+            operator_rules.apply(rules, action, now)
         return rules.job
 
     # ---- time ----------------------------------------------------------------------------

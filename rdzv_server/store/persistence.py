@@ -22,11 +22,10 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TypeVar
 
 from rdzv_server.core.outbox import Outbox
 from rdzv_server.core.records import MAX_EVENTS_PER_JOB, Event, JobRecord
-from rdzv_server.store.api import Store
+from rdzv_server.store.api import Loaded, Store
 from rdzv_server.store.snapshots import JobSnapshot, snapshot
 
 log = logging.getLogger("rdzv_server")
@@ -35,7 +34,6 @@ ALIVE_EVERY_S = 2.0      # an idle server still marks itself alive this often (d
 RETRY_AFTER_S = 0.5      # pause before reading back jobs when the store failed even that
 
 Rollback = Callable[[str, "JobRecord | None"], None]
-T = TypeVar("T")
 
 
 class StoreUnavailable(Exception):
@@ -52,7 +50,7 @@ class CommitStats:
 
 
 class Persister:
-    def __init__(self, store: Store | None, clock: Callable[[], float] = time.time,
+    def __init__(self, store: Store, clock: Callable[[], float] = time.time,
                  on_rollback: Rollback | None = None) -> None:
         self.store = store
         self.clock = clock
@@ -67,20 +65,18 @@ class Persister:
         self._inflight: dict[str, asyncio.Future[None]] = {}   # job -> the commit carrying it now
         self._writer: asyncio.Task[None] | None = None
         self._alive: asyncio.Task[None] | None = None
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix="rdzv-store") if store else None
-        self._closing = False
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="rdzv-store")
 
     def start(self) -> None:
-        if self.store is not None:
-            self._alive = asyncio.create_task(self._alive_loop(), name="rdzv-store-alive")
+        self._alive = asyncio.create_task(self._alive_loop(), name="rdzv-store-alive")
 
-    async def run(self, fn: Callable[..., T], *args: object) -> T:
-        """Call a blocking store method on the store's thread (a load at start-up or takeover)."""
-        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+    async def load(self) -> Loaded:
+        """Everything saved, read on the store's thread (at start-up or takeover)."""
+        return await asyncio.get_running_loop().run_in_executor(self._executor, self.store.load)
 
     def note(self, effects: Outbox) -> None:
         """Schedule what the core changed (`effects`, drained from it) for the next commit."""
-        if self.store is None or not (effects.changed or effects.pruned):
+        if not (effects.changed or effects.pruned):
             return
         for job_id in effects.pruned:
             self._deleted.add(job_id)
@@ -140,11 +136,10 @@ class Persister:
                     broken.append(job_id)
             started = time.perf_counter()
             try:
-                assert self.store is not None
                 await loop.run_in_executor(self._executor, self.store.write, snaps, self.clock(), deleted)
             except Exception as exc:
                 self.stats.failures += 1
-                why = self.store.describe_failure(exc) if self.store is not None else str(exc)
+                why = self.store.describe_failure(exc)
                 log.error("state store commit failed: %s; %d job(s) put back as last committed and their "
                           "requests refused", why, len(jobs))
                 self._deleted |= deleted - set(self._dirty)
@@ -173,7 +168,6 @@ class Persister:
         loop = asyncio.get_running_loop()
         while True:
             try:
-                assert self.store is not None
                 saved = await loop.run_in_executor(self._executor, self._read_back, job_ids)
                 break
             except Exception as exc:     # the store cannot even be read: keep trying, the state is held
@@ -189,12 +183,10 @@ class Persister:
             self._forget(job_id)
 
     def _read_back(self, job_ids: list[str]) -> dict[str, JobRecord | None]:
-        assert self.store is not None
         return {job_id: self.store.load_job(job_id) for job_id in job_ids}
 
     async def _alive_loop(self) -> None:
         loop = asyncio.get_running_loop()
-        assert self.store is not None
         while True:
             await asyncio.sleep(ALIVE_EVERY_S)     # a periodic mark, not a synchronisation wait
             if self._writer is None or self._writer.done():
@@ -205,15 +197,11 @@ class Persister:
 
     async def close(self) -> None:
         """Flush what is pending, mark a clean shutdown, release the store."""
-        if self.store is None:
-            return
-        self._closing = True
         if self._alive is not None:
             self._alive.cancel()
             await asyncio.gather(self._alive, return_exceptions=True)
         if self._writer is not None:
             await asyncio.gather(self._writer, return_exceptions=True)
-        assert self._executor is not None
         clean = not self._dirty
         await asyncio.get_running_loop().run_in_executor(self._executor, self._close_store, clean)
         self._executor.shutdown(wait=True)
@@ -234,11 +222,9 @@ class Persister:
         self._next.clear()
         self._inflight.clear()
         self._dirty.clear()
-        if self._executor is not None:
-            await asyncio.get_running_loop().run_in_executor(None, self._executor.shutdown, True)
+        await asyncio.get_running_loop().run_in_executor(None, self._executor.shutdown, True)
 
     def _close_store(self, clean: bool) -> None:
-        assert self.store is not None
         if clean:
             self.store.close(self.clock())
         else:
@@ -250,3 +236,32 @@ def _consume(fut: asyncio.Future[None]) -> None:
     """A commit nobody awaited may fail: its error is logged, not 'never retrieved'."""
     if not fut.cancelled():
         fut.exception()
+
+
+class NotDurable:
+    """State in memory only (`--state-dir none`, an in-process coordinator): every change is as durable
+    as it will ever be the moment it is made, so no reply waits and nothing runs in the background."""
+
+    def __init__(self) -> None:
+        self.stats = CommitStats()
+
+    def start(self) -> None:
+        pass
+
+    def note(self, effects: Outbox) -> None:
+        pass
+
+    def pending(self, job_id: str) -> bool:
+        return False
+
+    async def durable(self, job_id: str) -> None:
+        pass
+
+    async def close(self) -> None:
+        pass
+
+    async def abandon(self) -> None:
+        pass
+
+
+Durability = Persister | NotDurable

@@ -26,6 +26,7 @@ from protocol.errors import ErrorCode, unknown_job
 from protocol.ids import node_id_problem
 from protocol.quoting import one_line, quote
 from rdzv_server.core.errors import RendezvousError
+from rdzv_server.core.operator_rules import ClearExclusion, CloseJob, DrainNode, OperatorAction, ResizeJob
 from rdzv_server.web import views
 from rdzv_server.web.connections import read_body
 from rdzv_server.web.routing import COORDINATOR, job_id_of
@@ -108,14 +109,14 @@ def _reason(body: dict[str, Any]) -> str:
     return one_line(reason)
 
 
-async def _operate(request: web.Request, what: str, action: str, job_id: str, *args: object) -> web.Response:
+async def _operate(request: web.Request, what: str, job_id: str, action: OperatorAction) -> web.Response:
     """Apply one operator action (logged with the peer that asked) and answer with the job."""
     coord = request.app[COORDINATOR]
-    if coord.shutting_down:
+    if coord.gate.shutting_down:
         raise RendezvousError(ErrorCode.SHUTTING_DOWN, "server is shutting down; retry shortly")
     log.info("operator request from %s: %s", request.remote, what,
              extra={"job_id": job_id, "event": "operator_request"})
-    job = await coord.operate(action, job_id, *args)
+    job = await coord.operate(job_id, action)
     return web.json_response(views.job_detail(job, coord.clock()))
 
 
@@ -126,22 +127,22 @@ async def close_job(request: web.Request) -> web.Response:
     job_id = job_id_of(request)
     body = await _body(request, {"reason": str})
     reason = _reason(body)
-    return await _operate(request, f"close job {job_id} ({reason or 'no reason given'})", "close", job_id, reason)
+    return await _operate(request, f"close job {job_id} ({reason or 'no reason given'})", job_id, CloseJob(reason))
 
 
 async def drain_node(request: web.Request) -> web.Response:
     job_id, node_id = job_id_of(request), _node_id(request)
     body = await _body(request, {"reason": str})
     reason = _reason(body)
-    return await _operate(request, f"drain node {node_id} ({reason or 'no reason given'})", "drain", job_id,
-                          node_id, reason)
+    return await _operate(request, f"drain node {node_id} ({reason or 'no reason given'})", job_id,
+                          DrainNode(node_id, reason))
 
 
 async def clear_exclusion(request: web.Request) -> web.Response:
     job_id, node_id = job_id_of(request), _node_id(request)
     await _body(request, {})
-    return await _operate(request, f"clear exclusion or drain of node {node_id}", "clear_exclusion", job_id,
-                          node_id)
+    return await _operate(request, f"clear exclusion or drain of node {node_id}", job_id,
+                          ClearExclusion(node_id))
 
 
 async def resize_job(request: web.Request) -> web.Response:
@@ -154,5 +155,5 @@ async def resize_job(request: web.Request) -> web.Response:
         raise RendezvousError(ErrorCode.UNKNOWN_JOB, unknown_job(job_id))
     min_nodes = body.get("min_nodes", job.config.min_nodes)
     max_nodes = body.get("max_nodes", job.config.max_nodes)
-    return await _operate(request, f"resize to nodes {quote(min_nodes)}:{quote(max_nodes)}", "resize", job_id,
-                          min_nodes, max_nodes)
+    return await _operate(request, f"resize to nodes {quote(min_nodes)}:{quote(max_nodes)}", job_id,
+                          ResizeJob(min_nodes, max_nodes))

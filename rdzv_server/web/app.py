@@ -14,6 +14,7 @@ from protocol.quoting import quote
 from rdzv_server.coordinator import Coordinator
 from rdzv_server.core.records import MAX_EVENTS_PER_JOB, JobRecord
 from rdzv_server.core.rendezvous import RendezvousError
+from rdzv_server.looplag import LoopLagProbe
 from rdzv_server.web import admin, views
 from rdzv_server.web.access import ACCESS, Access, access_middleware
 from rdzv_server.web.connections import read_body, silence_s
@@ -80,12 +81,12 @@ async def agent_request(request: web.Request) -> web.Response:
         raise DecodeError(ErrorCode.UNSUPPORTED_MEDIA_TYPE,
                           f"content type {quote(request.content_type)}: agent routes take {CONTENT_TYPE}")
     job_id = job_id_of(request)
-    if not await coord.until_serving(ELECTION_WAIT_S):
-        raise coord.not_serving()
-    req: object = decode_request(cls, await read_body(request))
+    if not await coord.gate.until_serving(ELECTION_WAIT_S):
+        raise coord.gate.not_serving()
+    req = decode_request(cls, await read_body(request))
     sockname = request.transport.get_extra_info("sockname") if request.transport is not None else None
     local = str(sockname[0]) if sockname else ""
-    status = await coord.handle(action, job_id, req, request.remote or "", local, lambda: silence_s(request))
+    status = await coord.handle(job_id, req, request.remote or "", local, lambda: silence_s(request))
     return web.Response(body=encode(status), content_type=CONTENT_TYPE)
 
 
@@ -100,9 +101,10 @@ async def standby_middleware(request: web.Request,
     true, so they answer where the leader is instead."""
     coord = request.app[COORDINATOR]
     agent_route = request.method == "POST" and request.path.startswith("/v1/jobs/")   # agent_request decides
-    if (coord.started and coord.leading()) or coord.shutting_down or request.path in _STANDBY_ROUTES or agent_route:
+    gate = coord.gate
+    if (gate.started and gate.leading()) or gate.shutting_down or request.path in _STANDBY_ROUTES or agent_route:
         return await handler(request)
-    raise coord.not_serving()
+    raise gate.not_serving()
 
 
 async def healthz(request: web.Request) -> web.Response:
@@ -181,6 +183,8 @@ def create_app(coordinator: Coordinator | None = None, *, allow_remote_admin: bo
                           client_max_size=MAX_BODY_BYTES)
     app[ACCESS] = access or Access(allow_remote_admin=allow_remote_admin)
     app[COORDINATOR] = coordinator or Coordinator()
+    if app[COORDINATOR].loop_lag is None:     # the server watches its own loop (leases wait out its stalls)
+        app[COORDINATOR].loop_lag = LoopLagProbe()
     app[METRICS] = ServerMetrics(app[COORDINATOR])
     app[COORDINATOR].effect_listeners.append(app[METRICS].on_effects)
 

@@ -113,7 +113,7 @@ class StoreCollector(Collector):
 
     def collect(self) -> Iterable:
         st, lag = self.coordinator.persister.stats, self.coordinator.loop_lag
-        return self._families(st.commits, st.failures, st.total_s, st.max_s, lag.max_s)
+        return self._families(st.commits, st.failures, st.total_s, st.max_s, lag.max_s if lag is not None else 0.0)
 
     @staticmethod
     def _families(commits: int, failures: int, total_s: float, max_s: float,

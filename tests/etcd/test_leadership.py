@@ -33,10 +33,9 @@ class Replica:
         c = self.coordinator
         self.leadership = Leadership(self.store.settings, self.store, url(self.srv, ""), self.ttl,
                                      on_elected=c.take_over, on_deposed=c.step_down)
-        c.leading = self.leadership.sure
-        c.leader_url = lambda: None if self.leadership.leading else self.leadership.leader_url
-        c.electing = self.leadership.electing
-        self.leadership.on_news = c.election_news
+        c.gate.follow(self.leadership.sure, lambda: None if self.leadership.leading else self.leadership.leader_url,
+                      self.leadership.electing)
+        self.leadership.on_news = c.gate.election_news
         if campaign:
             self.leadership.start()
         return self
@@ -133,10 +132,10 @@ async def test_a_request_during_an_election_waits_for_the_takeover_instead_of_a_
     replica = await Replica(settings).start(campaign=False)     # no leader known yet, none elected
     try:
         join = asyncio.create_task(post(http, replica, "join", join_body("a")))
-        await wait_until(lambda: replica.coordinator.parked == 1, 10)
+        await wait_until(lambda: replica.coordinator.gate.parked == 1, 10)
         replica.leadership.start()
         status, reply, _ = await asyncio.wait_for(join, 20)
         assert status == 200 and reply["node_state"] == "waiting"
-        assert replica.coordinator.parked == 0
+        assert replica.coordinator.gate.parked == 0
     finally:
         await replica.close()

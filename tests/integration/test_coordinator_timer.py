@@ -27,8 +27,8 @@ async def test_renewals_do_not_wake_the_timer_but_an_earlier_deadline_does():
     await coord.start()
     try:
         config = JobConfig(min_nodes=2, max_nodes=2, lease_timeout_s=600.0)
-        a = await coord.handle("join", "j", join("a", config))
-        await coord.handle("join", "j", join("b", config))
+        a = await coord.handle("j", join("a", config))
+        await coord.handle("j", join("b", config))
         for _ in range(100):                       # yields (no time passes) until the timer took the lease
             if coord.timer_wakeups:
                 break
@@ -36,7 +36,7 @@ async def test_renewals_do_not_wake_the_timer_but_an_earlier_deadline_does():
         woken = coord.timer_wakeups
         assert woken == 1                          # the first deadline (a lease) armed it, once
         for _ in range(50):
-            await coord.handle("poll", "j", PollRequest(v=1, node_id="a", credential=a.credential, known_round=1,
+            await coord.handle("j", PollRequest(v=1, node_id="a", credential=a.credential, known_round=1,
                                                         wait_s=0.0))
             await asyncio.sleep(0)                 # a yield: the timer task runs if it was woken
         assert coord.timer_wakeups == woken        # 50 renewals: not one wake-up

@@ -32,7 +32,7 @@ async def join(client: RdzvClient):
 async def leader_and_standby():
     leader = await start_app(create_app(Coordinator()))
     standby_coord = Coordinator()
-    standby_coord.leader_url = lambda: f"http://127.0.0.1:{leader.port}"
+    standby_coord.gate.leader_url = lambda: f"http://127.0.0.1:{leader.port}"
     standby = await start_app(create_app(standby_coord, standby=True))
     try:
         yield leader, standby

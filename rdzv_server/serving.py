@@ -1,0 +1,82 @@
+"""Whether this server may serve agents now: its state is loaded, it is not stopping, and, when it is
+one of several replicas, it leads.
+
+A lone server (SQLite or memory) leads from the start. A replica on etcd is told by its election
+(store/etcd/election.py, wired in serve.py through `follow`) whether it leads, where the leader is,
+and whether an election or takeover is under way. While one is, an agent's request is parked here
+(`until_serving`) and served the moment this replica leads, instead of being refused and retried
+after a backoff; a standby's refusal names the leader (`not_serving`).
+"""
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+from protocol.errors import ErrorCode
+from rdzv_server.core.errors import RendezvousError
+
+LEADER_HEADER = "Rdzv-Leader"   # on a not_leader reply: the leader's advertised URL
+
+
+class Serving:
+    def __init__(self) -> None:
+        self.started = False                      # the saved state is loaded: agents may be served
+        self.shutting_down = False
+        # Replicas: whether this one may serve now (its leadership is sure), where the leader is, and
+        # whether an election or takeover is under way (no leader serves yet, none is known).
+        self.leading: Callable[[], bool] = lambda: True
+        self.leader_url: Callable[[], str | None] = lambda: None
+        self.electing: Callable[[], bool] = lambda: False
+        self.parked = 0                           # agent requests waiting for an election to end
+        self._served = asyncio.Event()            # set while started
+        self._news = asyncio.Event()              # set (and replaced) when the election's outcome changes
+
+    def follow(self, leading: Callable[[], bool], leader_url: Callable[[], str | None],
+               electing: Callable[[], bool]) -> None:
+        """Take leadership from an election instead of leading from the start."""
+        self.leading, self.leader_url, self.electing = leading, leader_url, electing
+
+    def start(self) -> None:
+        self.started = True
+        self._served.set()
+        self.election_news()
+
+    def stop(self) -> None:
+        self.started = False
+        self._served.clear()
+
+    def serving(self) -> bool:
+        """Agents may be served: the state is loaded, the server is not stopping, it leads."""
+        return self.started and not self.shutting_down and self.leading()
+
+    async def until_serving(self, timeout: float) -> bool:
+        """While an election or takeover is under way, wait (up to `timeout`) for this replica to
+        serve or a leader to be known."""
+        loop = asyncio.get_running_loop()
+        ends = loop.time() + timeout
+        while not self.serving() and self.electing() and loop.time() < ends:
+            served, news = asyncio.ensure_future(self._served.wait()), asyncio.ensure_future(self._news.wait())
+            self.parked += 1
+            try:
+                await asyncio.wait({served, news}, timeout=ends - loop.time(), return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                self.parked -= 1
+                served.cancel()
+                news.cancel()
+        return self.serving()
+
+    def election_news(self) -> None:
+        """The leader became known (or unknown): requests parked by `until_serving` look again."""
+        self._news.set()
+        self._news = asyncio.Event()
+
+    def not_serving(self) -> RendezvousError:
+        """Why a request is not served here: stopping, or not the leader (and where the leader is)."""
+        if self.shutting_down:
+            return RendezvousError(ErrorCode.SHUTTING_DOWN, "server is shutting down; retry shortly")
+        url = self.leader_url()
+        if url:
+            return RendezvousError(ErrorCode.NOT_LEADER, f"this replica is a standby; the leader is {url}",
+                                   headers={LEADER_HEADER: url})
+        return RendezvousError(ErrorCode.NOT_LEADER, "this replica is a standby and no leader is known yet "
+                               "(an election is under way); retry shortly")
