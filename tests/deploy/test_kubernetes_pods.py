@@ -16,7 +16,7 @@ import tempfile
 import jsonschema
 import pytest
 
-from tests.deploy.command_lines import expand_k8s, server_args
+from tests.deploy.command_lines import agent_options, expand_k8s, server_args
 from tests.deploy.pod_files import (
     PodFiles,
     container_env,
@@ -26,13 +26,21 @@ from tests.deploy.pod_files import (
     pointed_at,
     unreadable,
 )
-from tests.deploy.test_kubernetes import K8S, KUSTOMIZATIONS, OTHER_KUSTOMIZATIONS, container, one, render, validate
-from tests.deploy.tools import deploy_path
+from tests.deploy.test_kubernetes import (
+    K8S,
+    KUSTOMIZATIONS,
+    OTHER_KUSTOMIZATIONS,
+    SAMPLE,
+    container,
+    one,
+    render,
+    validate,
+)
+from tests.deploy.tools import ROOT, deploy_path
 from tests.e2e.harness import Proc, child_env
 from tests.ports import free_port
 
 SERVER_IMAGE = "registry.example.com/rdzv-server"       # what server/ and replicated/ set with `images:`
-FIELDS = {"metadata.name": "pod-0", "status.podIP": "10.1.2.3"}
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="reading as the pod's uid needs root (setuid)")
 
 
@@ -89,7 +97,7 @@ def test_each_process_can_read_every_file_it_is_pointed_at(rendered, sources, no
     pod = dict(all_pods(rendered))[which]
     c = container(pod["spec"])
     files = PodFiles(node_root, pod, c, sources)
-    paths = pointed_at(c, container_env(c, FIELDS))
+    paths = pointed_at(c, container_env(c, SAMPLE))
     assert paths, f"{which}: no token file named: the check would prove nothing"
     user = image_user(deploy_path("container", "Dockerfile")) if c["image"].startswith(SERVER_IMAGE) else None
     for who in identities(pod["spec"], c, user):
@@ -107,7 +115,7 @@ def test_the_check_fails_where_the_kubelet_would_refuse(rendered, sources, node_
     c = container(spec)
     files = PodFiles(node_root, broken, c, sources)
     who = identities(spec, c, image_user(deploy_path("container", "Dockerfile")))[0]
-    problems = unreadable(files, pointed_at(c, container_env(c, FIELDS)), who)
+    problems = unreadable(files, pointed_at(c, container_env(c, SAMPLE)), who)
     assert problems and all("Permission denied" in why for why in problems.values()), problems
 
 
@@ -117,7 +125,7 @@ def test_the_check_fails_where_the_kubelet_would_refuse(rendered, sources, node_
 @pytest.mark.parametrize("which", ["server:Deployment/rdzv-server", "replicated:Deployment/rdzv-server"])
 def test_rdzv_ctl_in_the_server_pod_finds_both_tokens(rendered, which):
     c = container(dict(all_pods(rendered))[which]["spec"])
-    env = container_env(c, FIELDS)
+    env = container_env(c, SAMPLE)
     args = server_args(expand_k8s(c["args"], env))
     # rdzv-ctl reads $RDZV_TOKEN_FILE (status, job, events) and $RDZV_ADMIN_TOKEN_FILE (drain, close, ...)
     assert env.get("RDZV_TOKEN_FILE") == args.token_file and args.token_file
@@ -132,7 +140,7 @@ def test_the_docs_operator_commands_work_in_the_server_pod(rendered, sources, no
     pod = dict(all_pods(rendered))["server:Deployment/rdzv-server"]
     c = container(pod["spec"])
     files = PodFiles(node_root, pod, c, sources)
-    env = container_env(c, FIELDS)
+    env = container_env(c, SAMPLE)
     port = free_port()
     argv = []
     for arg in c["args"]:
@@ -183,3 +191,38 @@ def test_the_servicemonitor_presents_the_token_the_server_reads(rendered):
     for bad in ({"credentials": {"name": "rdzv-tokens"}}, {"type": "Basic", "credentials": auth["credentials"]}):
         with pytest.raises(jsonschema.ValidationError):
             validate({**monitor, "spec": {**monitor["spec"], "endpoints": [{**endpoint, "authorization": bad}]}})
+
+
+# -- a lost server node --------------------------------------------------------------------------------
+
+
+def node_loss_budget() -> dict[str, int]:
+    """The table under 'The server's node is lost' in docs/deploy.md: step -> seconds."""
+    with open(os.path.join(ROOT, "docs", "deploy.md")) as f:
+        text = f.read()
+    table = text[text.index("<!-- node-loss budget"):].split("\n\n", 1)[0]
+    rows = [line.split("|")[1:3] for line in table.splitlines() if line.startswith("| ") and "---" not in line]
+    return {step.strip(): int(seconds) for step, seconds in rows[1:]}
+
+
+def toleration_seconds(pod: dict) -> dict[str, int]:
+    return {t["key"]: t["tolerationSeconds"] for t in pod["spec"].get("tolerations", [])
+            if t.get("effect") == "NoExecute" and "tolerationSeconds" in t}
+
+
+def test_agents_wait_out_the_loss_of_the_servers_node(rendered):
+    """The documented sequence after a silent node loss (detection, eviction, forced detach, attach and
+    start) uses the manifests' own tolerations, adds up, and fits in the training pods' --server-wait."""
+    budget = node_loss_budget()
+    total = budget.pop("total")
+    assert set(budget) == {"node found lost", "server pod evicted", "volume detached",
+                           "volume attached, server started"}
+    assert sum(budget.values()) == total
+    for which in ("server:Deployment/rdzv-server", "replicated:Deployment/rdzv-server"):
+        tolerations = toleration_seconds(dict(all_pods(rendered))[which])
+        assert tolerations == {"node.kubernetes.io/not-ready": budget["server pod evicted"],
+                               "node.kubernetes.io/unreachable": budget["server pod evicted"]}, which
+    for which in ("training:Job/train-example", "jobset:JobSet/train-example/node"):
+        c = container(dict(all_pods(rendered))[which]["spec"])
+        argv = expand_k8s(c["command"][1:] + c["args"], container_env(c, SAMPLE))
+        assert agent_options(argv, {"CUDA_VISIBLE_DEVICES": "0"}).server_wait >= total, which
