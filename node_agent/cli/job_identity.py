@@ -4,7 +4,8 @@ No default may put unrelated runs into one job (a second user's run would become
 first's and "succeed" without running). So the id is, in this order:
 1. the one given: `--rdzv-id`/`--job-id`, or `$PET_RDZV_ID` (torchrun's default `none` counts as none);
 2. the scheduler's job id: Slurm (`slurm-JOBID`, `.STEP` inside an srun step), a Kubernetes JobSet
-   (`jobset-NAME`), PBS (`pbs-JOBID`), LSF (`lsf-JOBID`): the same on every node of that job only;
+   (`jobset-NAME`, `-UID` with `$JOBSET_UID`: a JobSet made again under the same name is another
+   job), PBS (`pbs-JOBID`), LSF (`lsf-JOBID`): the same on every node of that job only;
 3. else the user's name and a hash of the command (`alice-3f2a9c1b7d0e`): every node running the same
    command finds the same job; another user, script or argument makes another job.
 Whatever the id, each join carries the command's fingerprint, and the server refuses a node whose
@@ -45,9 +46,12 @@ def scheduler_job_id(environ: Mapping[str, str]) -> tuple[str, str] | None:
         value = environ.get(variable, "").strip()
         if value:
             job_id = form.format(_clean(value))
-            step = environ.get("SLURM_STEP_ID", "").strip() if variable == "SLURM_JOB_ID" else ""
-            if step:
-                return f"{job_id}.{_clean(step)}", f"${variable}.$SLURM_STEP_ID"
+            # Slurm's step inside an srun step; a JobSet's uid, as its name is reused by a new JobSet
+            qualifier, sep = {"SLURM_JOB_ID": ("SLURM_STEP_ID", "."), "JOBSET_NAME": ("JOBSET_UID", "-")}.get(
+                variable, ("", ""))
+            extra = environ.get(qualifier, "").strip() if qualifier else ""
+            if extra:
+                return f"{job_id}{sep}{_clean(extra)}", f"${variable}{sep}${qualifier}"
             return job_id, f"${variable}"
     return None
 

@@ -2,7 +2,9 @@
 others standing by): the endpoints it was given, and the leader a standby named.
 
 A standby answers `not_leader` with the leader's URL in the `Rdzv-Leader` header: the agent follows
-it at once. A replica that cannot be reached is skipped for the next one given. A DNS name that
+it at once. A replica that cannot be reached is skipped for the next one given; a followed leader
+that cannot be reached sends the agent back to the endpoints given (with one endpoint, a Kubernetes
+Service or a name for every replica, that is where a standby names the new leader). A DNS name that
 resolves to several addresses is one endpoint: aiohttp tries its addresses in turn, and a standby
 among them names the leader.
 """
@@ -29,6 +31,11 @@ class Endpoints:
     @property
     def replicated(self) -> bool:
         return len(self.configured) > 1
+
+    @property
+    def following(self) -> bool:
+        """The endpoint in use is a leader a standby named, not one of those given."""
+        return self.current not in self.configured
 
     def follow(self, leader: str) -> bool:
         """A standby named the leader: use it from now on (False when it is the one in use)."""

@@ -66,7 +66,7 @@ class RdzvClient(Transport):
                 reply, leader = await self._post(action, data, timeout)
             except ServerUnreachable:
                 moves += 1
-                if moves >= len(self.endpoints.configured):
+                if moves >= len(self.endpoints.configured) and not self.endpoints.following:
                     raise
                 self.endpoints.skip()
                 continue

@@ -43,7 +43,8 @@ class SlurmCluster:
             f"SlurmdSpoolDir={root}/spool/%n",
             f"SlurmctldPidFile={root}/slurmctld.pid", f"SlurmdPidFile={root}/slurmd-%n.pid",
             f"SlurmctldLogFile={root}/log/slurmctld.log", f"SlurmdLogFile={root}/log/slurmd-%n.log",
-            "ProctrackType=proctrack/pgid", "TaskPlugin=task/none", "MpiDefault=none",
+            # task/affinity: a step's tasks are bound to the CPUs they were given, as on most clusters
+            "ProctrackType=proctrack/pgid", "TaskPlugin=task/affinity", "MpiDefault=none",
             "SelectType=select/cons_tres", "SelectTypeParameters=CR_CPU",
             "SchedulerType=sched/builtin", "ReturnToService=2",
             "JobCompType=jobcomp/none", "AccountingStorageType=accounting_storage/none",

@@ -15,6 +15,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from node_agent.cli.options import AgentOptions
 from tests.deploy.command_lines import agent_options, expand_k8s, server_args
 from tests.deploy.tools import deploy_path, venv_tool
 
@@ -206,30 +207,58 @@ def test_network_policies_let_agents_reach_the_server_and_each_other_on_every_po
 # -- the training side ---------------------------------------------------------------------------------
 
 
+# What the downward API gives one pod: its name and IP, and the labels and annotations the Job and
+# JobSet controllers put on their pods (batch.kubernetes.io/* from Kubernetes 1.27, the JobSet's uid
+# label from JobSet v0.9.0). A label a pod lacks reads as "".
+SAMPLE = {"metadata.name": "train-example-0-x7k2p", "status.podIP": "10.1.2.3",
+          "metadata.labels['batch.kubernetes.io/job-name']": "train-example",
+          "metadata.labels['batch.kubernetes.io/controller-uid']": "0b5a5d8e-1c2f-4a8e-9d7b-3f2e1a0c9b8d",
+          "metadata.annotations['jobset.sigs.k8s.io/jobset-name']": "train-example",
+          "metadata.labels['jobset.sigs.k8s.io/jobset-uid']": "5f1c2d3e-aaaa-4bbb-8ccc-0123456789ab",
+          "metadata.annotations['jobset.sigs.k8s.io/restart-attempt']": "0"}
+UIDS = ("metadata.labels['batch.kubernetes.io/controller-uid']", "metadata.labels['jobset.sigs.k8s.io/jobset-uid']")
+
+
+def agent_of(pod: dict, fields: dict[str, str]) -> tuple[dict[str, str], AgentOptions]:
+    """The container's env (in order: Kubernetes expands $(VAR) from the entries before) and the
+    options node-agent makes of its command line, in a pod whose downward API gives `fields`."""
+    c = container(pod["spec"])
+    env: dict[str, str] = {}
+    for e in c["env"]:
+        env[e["name"]] = (fields.get(e["valueFrom"]["fieldRef"]["fieldPath"], "") if "valueFrom" in e
+                          else expand_k8s([e["value"]], env)[0])
+    return env, agent_options(expand_k8s(c["command"][1:] + c["args"], env), {"CUDA_VISIBLE_DEVICES": "0"})
+
+
+@pytest.mark.parametrize("variant", ["indexed-job", "jobset"])
+def test_a_training_job_id_is_one_per_workload_object(rendered, variant):
+    """Every pod of one Job (JobSet) has the same job id; a Job (JobSet) deleted and applied again
+    under the same name, a new object with a new uid, has another: a finished job's id is not reused."""
+    pod = training_pods(rendered)[variant]
+    _, first = agent_of(pod, SAMPLE)
+    _, other_pod = agent_of(pod, {**SAMPLE, "metadata.name": "train-example-1-q9z8w", "status.podIP": "10.1.2.4"})
+    assert other_pod.job_id == first.job_id
+    again = {**SAMPLE, **{f: "9d8c7b6a-0000-4111-8222-333344445555" for f in UIDS}}
+    assert agent_of(pod, again)[1].job_id != first.job_id
+    # the uid comes from a field that controller sets on every pod (for a JobSet: its own uid, the same
+    # on the pods of all its Jobs, not a child Job's)
+    refs = {e["valueFrom"]["fieldRef"]["fieldPath"] for e in container(pod["spec"])["env"] if "valueFrom" in e}
+    assert refs & set(UIDS) == {UIDS[0] if variant == "indexed-job" else UIDS[1]}
+
+
 @pytest.mark.parametrize("variant", ["indexed-job", "jobset"])
 def test_training_pods_run_node_agent_against_the_service(rendered, variant):
     pod = training_pods(rendered)[variant]
     c = container(pod["spec"])
-    # what the downward API would put in the env of one pod
-    sample = {"metadata.name": "train-example-0-x7k2p", "status.podIP": "10.1.2.3",
-              "metadata.labels['batch.kubernetes.io/job-name']": "train-example",
-              "metadata.labels['batch.kubernetes.io/controller-uid']": "0b5a5d8e-1c2f-4a8e-9d7b-3f2e1a0c9b8d",
-              "metadata.annotations['jobset.sigs.k8s.io/jobset-name']": "train-example",
-              "metadata.annotations['jobset.sigs.k8s.io/restart-attempt']": "0"}
-    env: dict[str, str] = {}
-    for e in c["env"]:     # in order: Kubernetes expands $(VAR) from the entries before
-        env[e["name"]] = (sample[e["valueFrom"]["fieldRef"]["fieldPath"]] if "valueFrom" in e
-                          else expand_k8s([e["value"]], env)[0])
-    argv = expand_k8s(c["command"][1:] + c["args"], env)
+    env, opts = agent_of(pod, SAMPLE)
     assert c["command"][0] == "node-agent"
-    opts = agent_options(argv, {"CUDA_VISIBLE_DEVICES": "0"})
     svc = one(rendered["server"], "Service", "rdzv-server")
     assert (opts.endpoint_host, opts.endpoint_port) == (svc["metadata"]["name"], svc["spec"]["ports"][0]["port"])
     # node id: the pod's name; the address other pods reach it at: the pod's IP; one job id per
     # Job object (its uid) or per JobSet attempt
     assert (opts.node_id, opts.local_addr) == ("train-example-0-x7k2p", "10.1.2.3")
     assert opts.job_id == {"indexed-job": "train-example-0b5a5d8e-1c2f-4a8e-9d7b-3f2e1a0c9b8d",
-                           "jobset": "train-example-attempt-0"}[variant]
+                           "jobset": "train-example-5f1c2d3e-aaaa-4bbb-8ccc-0123456789ab-attempt-0"}[variant]
     # as many pods as the nodes the job waits for
     spec = (one(rendered["training"], "Job")["spec"] if variant == "indexed-job"
             else one(rendered["jobset"], "JobSet")["spec"]["replicatedJobs"][0]["template"]["spec"])

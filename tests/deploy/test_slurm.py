@@ -1,6 +1,7 @@
-"""deploy/slurm/rdzv-train.sbatch run for real: sbatch on a one-machine Slurm (slurmctld + two slurmd),
-two node-agents started by srun, a gloo job, the exit status handed back, and an elastic run that
-loses a Slurm node and finishes on the other.
+"""deploy/slurm/rdzv-train.sbatch run for real: sbatch on a one-machine Slurm (slurmctld + two slurmd,
+CPU binding by task/affinity), two node-agents started by srun, each with all its node's CPUs, a gloo
+job, the agents' own exit status handed back, and an elastic run that loses a Slurm node and
+finishes on the other.
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ pytestmark = pytest.mark.e2e
 SBATCH = deploy_path("slurm", "rdzv-train.sbatch")
 LIMIT = 90.0
 FAST = "--lease-timeout 3 --last-call 1 --stop-timeout 2"
+NODES = ["--nodes=2", "--gpus-per-node=0"]      # the script asks for GPUs; this Slurm has none
 
 
 def test_shellcheck_finds_nothing():
@@ -67,7 +69,7 @@ def output_of(tmp_path) -> str:
 
 
 def test_sbatch_runs_a_gloo_job_with_one_agent_per_slurm_node(slurm, tmp_path):
-    batch = slurm.sbatch(["--nodes=2", "-o", str(tmp_path / "job.out"), SBATCH,
+    batch = slurm.sbatch([*NODES, "-o", str(tmp_path / "job.out"), SBATCH,
                           os.path.join(SCRIPTS, "allreduce.py")], job_env(tmp_path, MAX_RESTARTS="0"), str(tmp_path))
     code = batch.wait(LIMIT)
     out = output_of(tmp_path)
@@ -79,6 +81,9 @@ def test_sbatch_runs_a_gloo_job_with_one_agent_per_slurm_node(slurm, tmp_path):
         assert r["sum"] == 3.0 and r["world"] == 2          # 1 + 2: both ranks took part
         assert r["env"]["TORCHELASTIC_RUN_ID"] == job
     assert sorted(r["env"]["GROUP_RANK"] for r in records) == ["0", "1"]
+    # each node's agent and worker hold every CPU of their Slurm node (CPUs=this host's count), not one
+    for r in records:
+        assert len(r["cpus"]) == os.cpu_count(), f"worker {r['env']['RANK']} is bound to CPUs {r['cpus']}"
     # one agent per Slurm node, named after it
     assert "[node-agent n1]" in out and "[node-agent n2]" in out, out
     assert f"job {job} succeeded" in out
@@ -90,12 +95,13 @@ def test_sbatch_runs_a_gloo_job_with_one_agent_per_slurm_node(slurm, tmp_path):
 
 def test_sbatch_hands_back_the_exit_status_of_a_failed_job(slurm, tmp_path):
     env = job_env(tmp_path, MAX_RESTARTS="1", FAIL_RANK="1", FAIL_MODE="always")
-    batch = slurm.sbatch(["--nodes=2", "-o", str(tmp_path / "job.out"), SBATCH,
+    batch = slurm.sbatch([*NODES, "-o", str(tmp_path / "job.out"), SBATCH,
                           os.path.join(SCRIPTS, "allreduce.py")], env, str(tmp_path))
     code = batch.wait(LIMIT)
     out = output_of(tmp_path)
-    assert code != 0, out
-    assert f"finished with exit status {code}" in out
+    # the agents' own status (1 for a failed job), not srun's 143 for the agent it stopped with SIGTERM
+    assert code == 1, out
+    assert "finished with exit status 1" in out
     job = f"slurm-{batch.id}"
     # rank 1 failed at the first attempt and at the one restart allowed, then the job failed
     assert f"job {job} failed: worker failures exceeded max_restarts=1" in out, out
@@ -104,7 +110,7 @@ def test_sbatch_hands_back_the_exit_status_of_a_failed_job(slurm, tmp_path):
 
 def test_elastic_sbatch_carries_on_when_a_slurm_node_fails(slurm, tmp_path):
     env = job_env(tmp_path, MIN_NODES="1", STEP_SLEEP="0.1")
-    batch = slurm.sbatch(["--nodes=2", "--no-kill", "-o", str(tmp_path / "job.out"), SBATCH,
+    batch = slurm.sbatch([*NODES, "--no-kill", "-o", str(tmp_path / "job.out"), SBATCH,
                           os.path.join(SCRIPTS, "elastic_loop.py")], env, str(tmp_path))
     try:
         def world_steps(size: int):
@@ -145,7 +151,7 @@ def agent_of(node: str, job_id: str):
 
 def test_fixed_size_job_ends_when_an_agent_dies_instead_of_waiting_for_its_node(slurm, tmp_path):
     # --join-timeout stays at 600 s: had srun not stopped the other agent, it would wait that long
-    batch = slurm.sbatch(["--nodes=2", "-o", str(tmp_path / "job.out"), SBATCH,
+    batch = slurm.sbatch([*NODES, "-o", str(tmp_path / "job.out"), SBATCH,
                           os.path.join(SCRIPTS, "elastic_loop.py")], job_env(tmp_path), str(tmp_path))
     try:
         wait_until(lambda: {r["rank"] for r in read_jsonl(tmp_path, "steps-") if r["kind"] == "step"} == {0, 1},

@@ -102,3 +102,28 @@ async def test_rdzv_ctl_follows_the_leader(leader_and_standby):
     ctl = Client(f"http://127.0.0.1:{free_port()},http://127.0.0.1:{standby.port}", 5.0)
     doc = await asyncio.to_thread(ctl.get, "/v1/status")
     assert doc["jobs"] == [] and ctl.server == f"http://127.0.0.1:{leader.port}"
+
+
+async def test_a_followed_leader_that_is_gone_sends_the_agent_back_to_its_endpoint():
+    """One endpoint (a Kubernetes Service in front of both replicas, or a DNS name for both): a standby
+    there names the leader, the agent follows it to the leader's own address; when that leader is gone,
+    the agent goes back to the endpoint it was given, where a standby names the new leader, instead of
+    knocking at the old leader's address until --server-wait ends."""
+    first = await start_app(create_app(Coordinator()))
+    second = await start_app(create_app(Coordinator()))
+    standby_coord = Coordinator()
+    leader = {"url": f"http://127.0.0.1:{first.port}"}
+    standby_coord.leader_url = lambda: leader["url"]
+    standby = await start_app(create_app(standby_coord, standby=True))
+    try:
+        async with RdzvClient("127.0.0.1", standby.port or 0, "j", "n1") as c:
+            await join(c)
+            assert c.endpoints.current == f"http://127.0.0.1:{first.port}"
+            await first.close()                          # the leader is gone; the other replica took over
+            leader["url"] = f"http://127.0.0.1:{second.port}"
+            status = await asyncio.wait_for(join(c), LIMIT)
+            assert status.round_id >= 1 and c.endpoints.current == f"http://127.0.0.1:{second.port}"
+    finally:
+        await standby.close()
+        await second.close()
+        await first.close()

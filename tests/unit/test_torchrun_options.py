@@ -193,6 +193,11 @@ def test_the_job_id_comes_from_the_flag_then_the_scheduler_then_user_and_command
     assert (o.job_id, o.job_id_source) == ("slurm-77", "$SLURM_JOB_ID")
     assert parse(*SERVER, "--rdzv-id", "none", "t.py", SLURM_JOB_ID="77", SLURM_STEP_ID="3").job_id == "slurm-77.3"
     assert parse(*SERVER, "t.py", JOBSET_NAME="train-a").job_id == "jobset-train-a"
+    # a JobSet deleted and made again under its name is a new object, with a new uid: a new job
+    uid = "5f1c2d3e-aaaa-4bbb-8ccc-0123456789ab"
+    o = parse(*SERVER, "t.py", JOBSET_NAME="train-a", JOBSET_UID=uid)
+    assert (o.job_id, o.job_id_source) == (f"jobset-train-a-{uid}", "$JOBSET_NAME-$JOBSET_UID")
+    assert parse(*SERVER, "t.py", JOBSET_NAME="train-a", JOBSET_UID="").job_id == "jobset-train-a"
     mine = parse(*SERVER, "t.py", "--lr", "1")
     assert mine.job_id == f"alice-{command_fingerprint('python', 't.py', ('--lr', '1'))[:12]}"
     assert parse(*SERVER, "t.py", "--lr", "1").job_id == mine.job_id           # every node of the command

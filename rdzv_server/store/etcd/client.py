@@ -47,12 +47,20 @@ class EtcdSettings:
     key: str | None = None
     user: str | None = None
     password: str | None = None
-    timeout_s: float = 5.0                  # one request to one member
+    timeout_s: float = 1.25                 # one request to one member: request_timeout_s(the leader TTL)
     max_txn_ops: int = DEFAULT_MAX_TXN_OPS
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
 
     def describe(self) -> str:
         return f"etcd {','.join(self.endpoints)} (prefix {self.prefix})"
+
+
+def request_timeout_s(leader_ttl_s: float) -> float:
+    """How long one request waits for one member, for the store and the election alike: a quarter of
+    the leader's lease (at least 0.5 s). A member that takes connections but never answers (stopped,
+    overloaded, cut off after the handshake) then costs a commit or a renewal that long before the
+    next member is tried, and a request tried at every member of three still ends inside the lease."""
+    return max(0.5, leader_ttl_s / 4)
 
 
 def parse_store_url(url: str, tls: bool) -> tuple[str, ...]:

@@ -20,7 +20,8 @@ noticed commits nothing.
 - A clean stop revokes the lease after the last commit, so a standby takes over within POLL_S.
 
 The etcd calls block; they run on a thread of the election's own, with their own connections and a
-timeout short enough that a renewal never waits past the lease.
+timeout short enough that a renewal never waits past the lease (`request_timeout_s`, which the
+store's commits use too).
 """
 from __future__ import annotations
 
@@ -34,7 +35,15 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from rdzv_server.store.api import StoreError
-from rdzv_server.store.etcd.client import EtcdClient, EtcdRefused, EtcdSettings, EtcdUnavailable, created_at, put
+from rdzv_server.store.etcd.client import (
+    EtcdClient,
+    EtcdRefused,
+    EtcdSettings,
+    EtcdUnavailable,
+    created_at,
+    put,
+    request_timeout_s,
+)
 from rdzv_server.store.etcd.store import EtcdStore
 
 log = logging.getLogger("rdzv_server")
@@ -51,7 +60,7 @@ class Leadership:
                  on_elected: Callable[[], Awaitable[None]], on_deposed: Callable[[], Awaitable[None]]) -> None:
         self.ttl_s = ttl_s
         self.margin_s = min(1.0, ttl_s / 4)
-        self._client = EtcdClient(dataclasses.replace(settings, timeout_s=max(0.5, ttl_s / 4)))
+        self._client = EtcdClient(dataclasses.replace(settings, timeout_s=request_timeout_s(ttl_s)))
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="rdzv-election")
         self.store = store
         self.key = store.leader_key

@@ -7,7 +7,13 @@ import argparse
 import os
 import ssl
 
-from rdzv_server.store.etcd.client import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_TXN_OPS, EtcdSettings, parse_store_url
+from rdzv_server.store.etcd.client import (
+    DEFAULT_MAX_REQUEST_BYTES,
+    DEFAULT_MAX_TXN_OPS,
+    EtcdSettings,
+    parse_store_url,
+    request_timeout_s,
+)
 from rdzv_server.store.etcd.election import DEFAULT_TTL_S
 from rdzv_server.store.etcd.store import MIN_TXN_OPS
 
@@ -77,12 +83,18 @@ def settings_from(args: argparse.Namespace) -> EtcdSettings:
     prefix = args.etcd_prefix
     if not prefix or not prefix.isprintable() or not prefix.isascii():
         raise ValueError(f"--etcd-prefix must be printable ASCII, got {prefix!r}")
+    _check_limits(args)
+    # a commit waits on a member that does not answer no longer than a renewal of the lease does
+    return EtcdSettings(endpoints, prefix if prefix.endswith("/") else prefix + "/", args.etcd_cacert,
+                        args.etcd_cert, args.etcd_key, user or None, password,
+                        timeout_s=request_timeout_s(args.leader_ttl),
+                        max_txn_ops=args.etcd_max_txn_ops, max_request_bytes=args.etcd_max_request_bytes)
+
+
+def _check_limits(args: argparse.Namespace) -> None:
     if args.etcd_max_txn_ops < MIN_TXN_OPS:
         raise ValueError(f"--etcd-max-txn-ops must be >= {MIN_TXN_OPS} (one job's commit), got {args.etcd_max_txn_ops}")
     if args.etcd_max_request_bytes < 256 * 1024:
         raise ValueError(f"--etcd-max-request-bytes must be >= 262144, got {args.etcd_max_request_bytes}")
     if args.leader_ttl < 2:
         raise ValueError(f"--leader-ttl must be >= 2 seconds (etcd's shortest lease), got {args.leader_ttl}")
-    return EtcdSettings(endpoints, prefix if prefix.endswith("/") else prefix + "/", args.etcd_cacert,
-                        args.etcd_cert, args.etcd_key, user or None, password,
-                        max_txn_ops=args.etcd_max_txn_ops, max_request_bytes=args.etcd_max_request_bytes)

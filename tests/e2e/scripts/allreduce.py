@@ -26,7 +26,8 @@ def main() -> None:
     dist.init_process_group("gloo")
     t = torch.tensor([float(rank + 1)])
     dist.all_reduce(t)
-    record_ = {"env": env, "sum": t.item(), "world": dist.get_world_size(), "pid": os.getpid()}
+    record_ = {"env": env, "sum": t.item(), "world": dist.get_world_size(), "pid": os.getpid(),
+               "cpus": sorted(os.sched_getaffinity(0))}
     path = os.path.join(os.environ["OUT_DIR"], f"rank{rank}-attempt{attempt}.json")
     with open(path, "w") as f:
         json.dump(record_, f)
