@@ -135,7 +135,8 @@ FLAGS: tuple[FlagRow, ...] = (
             "(`--no-python numactl --cpunodebind=N python train.py`)", refusal="numactl"),
     FlagRow(("--signals-to-handle", "--signals_to_handle"), "PET_SIGNALS_TO_HANDLE", "SIGTERM,SIGUSR1", SAME,
             "each stops the workers with that signal (then SIGKILL after the grace) and the agent exits "
-            "128+N; Slurm's `--signal=USR1@90` reaches the workers", lambda o: o.signals == (15, 10)),
+            "128+N; Slurm's `--signal=USR1@90` reaches the workers; the workers get the list as "
+            "`TORCHELASTIC_SIGNALS_TO_HANDLE`", lambda o: o.signals == (15, 10)),
     FlagRow(("--shutdown-timeout", "--shutdown_timeout"), "PET_SHUTDOWN_TIMEOUT", "45", SAME,
             "the stop grace (also `--stop-timeout`); default `TORCH_ELASTIC_SHUTDOWN_TIMEOUT`, else 30 s",
             lambda o: o.stop_timeout == 45),
@@ -171,7 +172,7 @@ FORMS: tuple[FormRow, ...] = (
     FormRow("grace", "SIGTERM to the launcher while a worker saves for 6 s", SAME,
             "the worker gets SIGTERM and 30 s (torchrun's grace) to finish"),
     FormRow("usr1", "`--signals-to-handle SIGTERM,SIGUSR1` and SIGUSR1 to the launcher (Slurm's warning)", SAME,
-            "the workers get SIGUSR1"),
+            "the workers get SIGUSR1, and `TORCHELASTIC_SIGNALS_TO_HANDLE=SIGTERM,SIGUSR1`"),
     FormRow("run_path", "`--run-path train.py`", SAME, "the same workers"),
     FormRow("module", "`-m package.module`", SAME, "the same workers"),
     FormRow("no_python", "`--no-python program args`", SAME, "the same workers"),
