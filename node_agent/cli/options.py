@@ -224,7 +224,7 @@ def parse_options(argv: Sequence[str], environ: Mapping[str, str] = os.environ) 
     form = launch_form(backend=get("rdzv_backend"), endpoint=get("endpoint"), endpoint_flag=line.name("endpoint"),
                        standalone=bool(get("standalone")), master_addr=get("master_addr"),
                        master_port=get("master_port"), nodes=(min_nodes, max_nodes), job_id=given_id, tls_ca=tls_ca,
-                       fail=fail)
+                       fail=fail, node_rank_given=get("node_rank") is not None)
     warnings += form.warnings
     if form.one_node:
         min_nodes = max_nodes = 1

@@ -60,7 +60,8 @@ FLAGS: tuple[FlagRow, ...] = (
     FlagRow(("--rdzv-endpoint", "--rdzv_endpoint"), "PET_RDZV_ENDPOINT", "h:29400", MAPPED,
             "with a backend other than static: the rdzv-server (port 29400 when left out; an empty endpoint "
             "means localhost:29400). Port 0 (TorchX's `localhost:0`) or none, with one node: the in-process "
-            "rendezvous, as torchrun hosts it itself. With the static backend: node rank 0, as in torchrun",
+            "rendezvous, as torchrun hosts it itself. With the static backend: node rank 0, as in torchrun; "
+            "several nodes there without `--node-rank` are refused (every one would be rank 0: torchrun hangs)",
             lambda o: (o.endpoint_host, o.endpoint_port) == ("h", 29400),
             context=("--rdzv-backend", "c10d", "--nnodes", "2")),
     FlagRow(("--rdzv-id", "--rdzv_id"), "PET_RDZV_ID", "team/exp1", SAME,

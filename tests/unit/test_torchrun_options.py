@@ -60,9 +60,39 @@ def test_static_launches_follow_node_rank_and_the_master() -> None:
 
 
 def test_an_endpoint_without_a_backend_is_torchruns_static_master_with_a_warning() -> None:
-    o = parse("--rdzv-endpoint", "srv:29400", "--nnodes", "2", "t.py")
-    assert (o.mode, o.master_addr, o.master_port) == (Mode.STATIC, "srv", 29400)
+    o = parse("--rdzv-endpoint", "srv:29400", "--nnodes", "2", "--node-rank", "1", "t.py")
+    assert (o.mode, o.node_rank, o.master_addr, o.master_port) == (Mode.STATIC, 1, "srv", 29400)
     assert len(o.warnings) == 1 and "--rdzv-backend c10d" in o.warnings[0]
+    o = parse("--rdzv-endpoint", "srv:29400", "--nnodes", "1", "t.py")          # one node: rank 0 is right
+    assert (o.mode, o.master_addr, o.master_port) == (Mode.STATIC, "srv", 29400)
+
+
+@pytest.mark.parametrize("argv, env, named", [
+    (["--nnodes", "2", "--rdzv-endpoint", "srv:29400"], {}, "--rdzv-endpoint"),
+    (["--nnodes", "1:4", "--rdzv_endpoint=srv:29400"], {}, "--rdzv_endpoint"),
+    (["--nnodes", "2", "--rdzv-backend", "static", "--rdzv-endpoint", "srv:29400"], {}, "--rdzv-endpoint"),
+    ([], {"PET_NNODES": "2", "PET_RDZV_ENDPOINT": "srv:29400"}, "$PET_RDZV_ENDPOINT"),
+])
+def test_several_nodes_at_an_endpoint_with_no_backend_and_no_node_rank_are_refused(
+        argv: list[str], env: dict[str, str], named: str) -> None:
+    """Every node would be node rank 0 of a static launch and wait for the others forever."""
+    line = error_of(*argv, "t.py", **env)
+    assert line.startswith(f"{named}: ") and "node rank 0" in line
+    assert "--rdzv-backend c10d" in line and "--node-rank" in line
+
+
+@pytest.mark.parametrize("argv, env, mode", [
+    (["--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "srv:29400"], {}, Mode.SERVER),
+    (["--nnodes", "2", "--rdzv-backend", "rdzv-server", "--rdzv-endpoint", "srv:29400"], {}, Mode.SERVER),
+    (["--nnodes", "2", "--endpoint", "srv:29400"], {}, Mode.SERVER),
+    ([], {"PET_NNODES": "2", "PET_RDZV_ENDPOINT": "srv:29400", "PET_RDZV_BACKEND": "c10d"}, Mode.SERVER),
+    ([], {"PET_NNODES": "2", "PET_RDZV_ENDPOINT": "srv:29400", "PET_NODE_RANK": "1"}, Mode.STATIC),
+    (["--nnodes", "2", "--node-rank", "0", "--master-addr", "srv", "--master-port", "29500"], {}, Mode.STATIC),
+    (["--standalone", "--nnodes", "2", "--rdzv-endpoint", "srv:29400"], {}, Mode.STANDALONE),
+])
+def test_the_other_multi_node_forms_at_an_endpoint_still_start(argv: list[str], env: dict[str, str],
+                                                                mode: Mode) -> None:
+    assert parse(*argv, "t.py", **env).mode is mode
 
 
 @pytest.mark.parametrize("argv, start", [
