@@ -166,7 +166,20 @@ def test_rdzv_conf_keys_become_the_jobs_settings() -> None:
                                                         "--rdzv-conf read_timeout"]
 
 
+@pytest.mark.parametrize("argv", [
+    ["--rdzv-conf='join_timeout=5,last_call_timeout=1,timeout=5'"],      # PyTorch's launcher tests' line
+    ["--rdzv-conf", '"join_timeout=5, last_call_timeout=1"'],
+    ["--rdzv_conf", "' join_timeout = 5 ,last_call_timeout=1 '"],
+])
+def test_one_pair_of_stray_quotes_around_rdzv_conf_is_dropped(argv: list[str]) -> None:
+    o = parse("--endpoint", "h", *argv, "t.py")
+    assert (o.job.join_timeout_s, o.job.last_call_s) == (5.0, 1.0)
+
+
 @pytest.mark.parametrize("conf, start", [
+    ("'join_timeout=5", "--rdzv_conf: unknown key \"'join_timeout\""),     # no pair: the key check stays strict
+    ("''join_timeout=5''", "--rdzv_conf: unknown key \"'join_timeout\""),  # one pair only
+    ("'join_timeout=5\"", "--rdzv_conf: unknown key \"'join_timeout\""),  # not a matching pair
     ("join_timeout=soon", "--rdzv-conf join_timeout: expected a number of seconds"),
     ("last_call_timeout=-1", "--rdzv-conf last_call_timeout: must be >= 0.0"),
     ("joint_timeout=1", "--rdzv_conf: unknown key 'joint_timeout'; known keys: close_timeout,"),
