@@ -128,9 +128,12 @@ FLAGS: tuple[FlagRow, ...] = (
     FlagRow(("--local-addr", "--local_addr"), "PET_LOCAL_ADDR", "10.0.0.2", SAME,
             "the address other nodes reach this node at (`MASTER_ADDR` when it is group rank 0)",
             lambda o: o.local_addr == "10.0.0.2"),
+    FlagRow(("--logs-specs", "--logs_specs"), None, "default", SAME,
+            "torchrun's own log layout (torch's `DefaultLogsSpecs`), which node-agent writes under `--log-dir`",
+            lambda o: o.warnings == ()),
     FlagRow(("--logs-specs", "--logs_specs"), None, "custom", REFUSED,
-            "node-agent loads no torch plugins (it never imports torch); its layout is torchrun's default, "
-            "under `--log-dir`", refusal="--log-dir"),
+            "any other name: node-agent loads no torch plugins (it never imports torch); its layout is "
+            "torchrun's default, under `--log-dir`", refusal="only 'default'"),
     FlagRow(("--numa-binding", "--numa_binding"), None, "node", REFUSED,
             "node-agent cannot tell a GPU's NUMA node without loading CUDA; start the workers under `numactl` "
             "(`--no-python numactl --cpunodebind=N python train.py`)", refusal="numactl"),
@@ -204,8 +207,8 @@ def render() -> str:
         "|---|---|---|",
     ]
     for r in FLAGS:
-        flags = ", ".join(f"`{f}`" for f in r.flags) + (f" `{r.value}`" if r.value in ("xpu", "console", "null")
-                                                          else "")
+        shown = r.value in ("xpu", "console", "null", "default")      # a row about that one value
+        flags = ", ".join(f"`{f}`" for f in r.flags) + (f" `{r.value}`" if shown else "")
         lines.append(f"| {_cell(flags)} | {f'`{r.pet}`' if r.pet else ''} | **{r.verdict}**: {_cell(r.text)} |")
     lines += [
         "",

@@ -204,8 +204,15 @@ def test_signals_to_handle() -> None:
     assert error_of("--signals-to-handle", "SIGKILL", "t.py").startswith("--signals-to-handle: SIGKILL cannot")
 
 
+@pytest.mark.parametrize("argv", [["--logs-specs", "default"], ["--logs_specs", "default"], ["--logs-spec=default"]])
+def test_logs_specs_default_is_torchruns_layout_which_node_agent_writes(argv: list[str]) -> None:
+    o = parse(*argv, "t.py")
+    assert o.warnings == () and o.script == "t.py"
+
+
 @pytest.mark.parametrize("argv, words", [
-    (["--logs-specs", "mine"], ["--logs-specs: not supported", "--log-dir"]),
+    (["--logs-specs", "mine"], ["--logs-specs: only 'default', got 'mine'", "--log-dir"]),
+    (["--logs_specs=custom"], ["--logs_specs: only 'default', got 'custom'", "--log-dir"]),
     (["--numa_binding", "node"], ["--numa_binding: not supported", "numactl"]),
     (["--event-log-handler", "console"], ["--event-log-handler: only 'null'", "rdzv-ctl events"]),
     (["--nproc-per-node", "xpu"], ["--nproc-per-node:", "NVIDIA"]),
