@@ -42,8 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--public-status", action="store_true",
                    help="serve the status views (JSON, page, /metrics) without a token")
     p.add_argument("--allowed-host", action="append", default=[], metavar="NAME",
-                   help="a host name the status views answer to when they need no token (repeatable; IP "
-                        "addresses, localhost and this host's names always work)")
+                   help="a host name the status views and admin actions answer to when they need no token "
+                        "(repeatable; IP addresses, localhost and this host's names always work)")
     p.add_argument("--allow-remote-admin", action="store_true",
                    help="accept /v1/admin/ actions from any address when there is no --admin-token-file")
     p.add_argument("--tls-cert", metavar="F", help="serve https with this certificate (PEM, with its chain)")

@@ -8,7 +8,9 @@
   Slurm and MPI scripts). No server: every node computes its own ranks from the values given
   (node rank R of --nnodes, the same --nproc-per-node on every node) and worker rank 0 hosts the
   workers' store at A:P. Restarts are this node's own, as under torchrun's static backend: nothing
-  tells the other nodes.
+  tells the other nodes. Several nodes at an endpoint (`--rdzv-endpoint`) with no node rank are
+  refused: every node would be node rank 0, and wait forever for the others (torchrun hangs there);
+  such a line nearly always meant a rendezvous server and lacks `--rdzv-backend c10d`.
 - `server`: an rdzv-server at the endpoint (`--endpoint`, or `--rdzv-endpoint` with any backend but
   static).
 """
@@ -50,8 +52,9 @@ Fail = Callable[[str, str], NoReturn]   # (dest, why)
 
 def launch_form(*, backend: str | None, endpoint: str | None, endpoint_flag: str, standalone: bool,
                 master_addr: str | None, master_port: str | None, nodes: tuple[int, int], job_id: str | None,
-                tls_ca: str | None, fail: Fail) -> Form:
-    """Decide the form. `endpoint_flag` is how the endpoint was given (`--endpoint` always means a server)."""
+                tls_ca: str | None, fail: Fail, node_rank_given: bool = False) -> Form:
+    """Decide the form. `endpoint_flag` is how the endpoint was given (`--endpoint` always means a server);
+    `node_rank_given`: --node-rank (or $PET_NODE_RANK) is on the line."""
     max_nodes = nodes[1]
     fresh_id = job_id or str(uuid.uuid4())     # torchrun's standalone run id when none was given
     ours = endpoint is not None and endpoint_flag == "--endpoint"
@@ -64,7 +67,7 @@ def launch_form(*, backend: str | None, endpoint: str | None, endpoint_flag: str
         return _dynamic(endpoint or "", endpoint_flag, max_nodes, fresh_id, tls_ca, fail, port_0=not ours)
     if not endpoint and master_port is None and max_nodes == 1:
         return Form(Mode.STANDALONE, job_id=fresh_id, one_node=True)   # torchrun's own shortcut
-    return _static(endpoint, endpoint_flag, backend, master_addr, master_port, max_nodes, fail)
+    return _static(endpoint, endpoint_flag, backend, master_addr, master_port, nodes, node_rank_given, fail)
 
 
 def _dynamic(endpoint: str, flag: str, max_nodes: int, fresh_id: str, tls_ca: str | None, fail: Fail,
@@ -92,10 +95,17 @@ def _dynamic(endpoint: str, flag: str, max_nodes: int, fresh_id: str, tls_ca: st
 
 
 def _static(endpoint: str | None, flag: str, backend: str | None, master_addr: str | None,
-            master_port: str | None, max_nodes: int, fail: Fail) -> Form:
+            master_port: str | None, nodes: tuple[int, int], node_rank_given: bool, fail: Fail) -> Form:
     warnings: list[str] = []
     if endpoint:
         host, port = parse_endpoint(endpoint, lambda why: fail("endpoint", why))
+        if nodes[1] > 1 and not node_rank_given:
+            nnodes = f"{nodes[0]}:{nodes[1]}" if nodes[0] != nodes[1] else str(nodes[1])
+            how = "no --rdzv-backend" if backend is None else f"--rdzv-backend {backend}"
+            fail("endpoint", f"with {nnodes} nodes, {how} and no --node-rank, every node is node rank 0 of a "
+                             f"static launch and waits for the others forever (so does torchrun): for an "
+                             f"rdzv-server at {endpoint!r} add --rdzv-backend c10d (PET_RDZV_BACKEND=c10d); for a "
+                             f"static launch give each node its --node-rank (PET_NODE_RANK)")
         if backend is None and flag.startswith("--"):
             warnings.append(f"{flag} with torchrun's default --rdzv-backend static names node rank 0 of a "
                             f"static launch (as in torchrun); for an rdzv-server give --rdzv-backend c10d "

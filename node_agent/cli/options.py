@@ -115,11 +115,15 @@ class AgentOptions:
 _JOB_DEFAULTS: dict[str, Any] = {f.name: f.default for f in msgspec.structs.fields(JobConfig)}
 _AGENT_DEFAULTS: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(AgentOptions)}
 _JOB_FLAGS = [f.dest for f in FLAGS if f.dest in _JOB_DEFAULTS]   # job settings with a flag
-_REFUSED = {
-    "logs_specs": "node-agent loads no torch plugins (it never imports torch); its log layout is torchrun's "
-                  "default, under --log-dir",
-    "numa_binding": "node-agent cannot tell which NUMA node a GPU is on without loading CUDA; start workers "
-                    "under numactl instead (--no-python numactl --cpunodebind=N python train.py)",
+# torchrun flags that only take the value that means what node-agent does anyway: dest -> (that
+# value, or None when there is none; why any other is refused).
+_ONLY: dict[str, tuple[str | None, str]] = {
+    "logs_specs": ("default", "node-agent loads no torch plugins (it never imports torch); its log layout is "
+                              "torchrun's default (`default`, torch's DefaultLogsSpecs), under --log-dir"),
+    "numa_binding": (None, "node-agent cannot tell which NUMA node a GPU is on without loading CUDA; start "
+                           "workers under numactl instead (--no-python numactl --cpunodebind=N python train.py)"),
+    "event_log_handler": ("null", "node-agent records the job's events at the rdzv-server (rdzv-ctl events JOB, "
+                                  "or GET /v1/jobs/JOB/events)"),
 }
 
 
@@ -184,12 +188,9 @@ def parse_options(argv: Sequence[str], environ: Mapping[str, str] = os.environ) 
     run_path, module, no_python = bool(get("run_path")), bool(get("module")), bool(get("no_python"))
     if module and no_python and not run_path:     # --run-path takes precedence over both, as in torchrun
         raise OptionsError("--no-python cannot be combined with -m/--module")
-    for dest, why in _REFUSED.items():
-        if get(dest) is not None:
-            fail(dest, f"not supported: {why}")
-    if get("event_log_handler") not in (None, "null"):
-        fail("event_log_handler", "only 'null': node-agent records the job's events at the rdzv-server "
-                                  "(rdzv-ctl events JOB, or GET /v1/jobs/JOB/events)")
+    for dest, (only, why) in _ONLY.items():
+        if get(dest) not in (None, only):
+            fail(dest, f"only {only!r}, got {get(dest)!r}: {why}" if only else f"not supported: {why}")
     if get("start_method") not in (None, "spawn", "fork", "forkserver"):
         fail("start_method", f"expected spawn, fork or forkserver, got {get('start_method')!r}")
     if get("monitor_interval") is not None:
@@ -224,7 +225,7 @@ def parse_options(argv: Sequence[str], environ: Mapping[str, str] = os.environ) 
     form = launch_form(backend=get("rdzv_backend"), endpoint=get("endpoint"), endpoint_flag=line.name("endpoint"),
                        standalone=bool(get("standalone")), master_addr=get("master_addr"),
                        master_port=get("master_port"), nodes=(min_nodes, max_nodes), job_id=given_id, tls_ca=tls_ca,
-                       fail=fail)
+                       fail=fail, node_rank_given=get("node_rank") is not None)
     warnings += form.warnings
     if form.one_node:
         min_nodes = max_nodes = 1

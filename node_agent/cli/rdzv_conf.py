@@ -6,6 +6,10 @@ error naming it (torch's c10d backend ignores unknown keys, so a misspelt timeou
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import TypeVar, cast
+
+V = TypeVar("V")
 # Seconds that become job settings (JobConfig fields): the same on every node of the job.
 SECONDS_KEYS = {
     "join_timeout": "join_timeout_s",          # torch: how long a rendezvous may wait for MIN nodes
@@ -38,8 +42,28 @@ AGENT_NOTES = {
 }
 
 
+def unquoted(conf: Mapping[str, V]) -> dict[str, V]:
+    """`conf` less one pair of stray quotes around the whole `--rdzv-conf` text.
+
+    A line that quotes the value twice (`"--rdzv-conf='join_timeout=5,last_call_timeout=1'"`, as
+    PyTorch's own launcher tests write it) reaches us, and torch's parser, with a quote before the
+    first key and after the last value. One matching pair is dropped, no more: keys are still checked
+    strictly, so a lone quote or a second pair still names the key it spoils."""
+    items = list(conf.items())
+    if not items:
+        return {}
+    first, (last, value) = items[0][0], items[-1]
+    quote = first[:1]
+    if quote not in ("'", '"') or not isinstance(value, str) or not value.endswith(quote) or len(first) < 2:
+        return dict(conf)
+    items[-1] = (last, cast(V, value[:-1].strip()))       # (a str: V is str here)
+    items[0] = (first[1:].strip(), items[0][1])          # after: the first item may be the last
+    return dict(items)
+
+
 def parse_conf(text: str) -> dict[str, str]:
-    """torchrun's `key=value,key=value` (spaces around keys and values dropped); ValueError on a bad item."""
+    """torchrun's `key=value,key=value` (spaces around keys and values dropped, one pair of stray
+    quotes around the whole removed: `unquoted`); ValueError on a bad item."""
     conf: dict[str, str] = {}
     for item in text.split(",") if text.strip() else []:
         key, sep, value = item.partition("=")
@@ -49,4 +73,8 @@ def parse_conf(text: str) -> dict[str, str]:
         if not sep or not value:
             raise ValueError(f"{key} has no value")
         conf[key] = value
+    conf = unquoted(conf)
+    for key, value in conf.items():
+        if not key or not value:
+            raise ValueError(f"expected KEY=VALUE items separated by commas, got {text!r}")
     return conf

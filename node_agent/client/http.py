@@ -4,8 +4,12 @@ kinds from `transport` (`ServerUnreachable`, `ServerRejected`).
 Refused at once (waiting will not fix them), so the agent stops with one line:
 - a server whose TLS certificate does not verify against --tls-ca (`TLS_UNTRUSTED`);
 - an endpoint that answers but is not an rdzv-server (`NOT_RDZV_SERVER`): a reply that is not our
-  protocol, or not HTTP at all (a c10d store, etcd's gRPC port). A gateway's 502/503/504 page is the
-  exception: the server behind it is away, which is worth waiting for.
+  protocol, or not HTTP at all (etcd's gRPC port). A gateway's 502/503/504 page is the exception:
+  the server behind it is away, which is worth waiting for. A c10d TCPStore sends no reply at all:
+  while an endpoint has never answered, a request that gets no reply within PROBE_AFTER_S (or loses
+  its connection without one) has the endpoint asked whether it is a TCPStore (`c10d_store`), and
+  one that is is refused at once. Silence or a closed connection alone is waited for as before: a
+  stalled server, or a proxy whose server restarts, look the same.
 The job id is one path segment, percent-encoded (`team/exp1` is `team%2Fexp1`).
 """
 from __future__ import annotations
@@ -17,6 +21,7 @@ import urllib.parse
 import aiohttp
 import yarl
 
+from node_agent.client.c10d_store import answers_as_c10d_store
 from node_agent.client.endpoints import LEADER_CHECK_S, LEADER_CHECK_TIMEOUT_S, LEADER_HEADER, Endpoints, origin
 from node_agent.client.replies import NOT_RDZV_SERVER, TLS_UNTRUSTED
 from node_agent.client.transport import ServerRejected, ServerUnreachable, Transport, keepalive_socket, refusal
@@ -25,6 +30,7 @@ from protocol.errors import ErrorCode
 from protocol.messages import ErrorReply, NodeStatus
 
 GATEWAY_AWAY = (502, 503, 504)   # a proxy answering for a server that is away
+PROBE_AFTER_S = 1.0              # an rdzv-server answers a join, failure, success or leave well within this
 
 
 class RdzvClient(Transport):
@@ -41,6 +47,7 @@ class RdzvClient(Transport):
         self._tls_ca = tls_ca
         self._ssl: ssl.SSLContext | bool = True
         self._session: aiohttp.ClientSession | None = None
+        self._heard: set[str] = set()      # endpoints that have answered HTTP: no TCPStore there
 
     async def __aenter__(self) -> RdzvClient:
         if self._tls_ca is not None:
@@ -81,6 +88,8 @@ class RdzvClient(Transport):
 
     async def _post(self, action: str, data: bytes, timeout: float) -> tuple[NodeStatus | ErrorReply, str]:
         request = asyncio.ensure_future(self._post_once(self.base, action, data, timeout))
+        if action != "poll" and self.endpoints.current not in self._heard:
+            return await self._first_contact(request, self.endpoints.current)
         if action != "poll" or not self.endpoints.replicated:
             return await request
         try:
@@ -90,6 +99,28 @@ class RdzvClient(Transport):
                     return request.result()
                 if not await self._leads(self.endpoints.current):
                     raise ServerUnreachable(f"{self.endpoints.current} no longer answers as the leader")
+        finally:
+            if not request.done():
+                request.cancel()
+                await asyncio.gather(request, return_exceptions=True)
+
+    async def _first_contact(self, request: asyncio.Future[tuple[NodeStatus | ErrorReply, str]],
+                             server: str) -> tuple[NodeStatus | ErrorReply, str]:
+        """`request`'s reply; but an endpoint that has never answered, and does not answer this request
+        soon, or drops it after connecting, is asked whether it is a c10d TCPStore (refused if so)."""
+        try:
+            done, _ = await asyncio.wait({request}, timeout=PROBE_AFTER_S)
+            failed = request.exception() if done else None
+            dropped = isinstance(failed, ServerUnreachable) and not isinstance(failed.__cause__,
+                                                                               aiohttp.ClientConnectorError)
+            if done and (server in self._heard or not dropped):
+                return request.result()      # answered (HTTP), or failed to connect at all (nothing listens)
+            url = yarl.URL(server)
+            if await answers_as_c10d_store(url.host or "", url.port or 0):
+                raise ServerRejected(NOT_RDZV_SERVER, f"{server} is not an rdzv-server: a c10d TCPStore answers "
+                                     f"there (torchrun's c10d rendezvous and every training job's MASTER_PORT host "
+                                     f"one); point the endpoint at rdzv-server")
+            return await request
         finally:
             if not request.done():
                 request.cancel()
@@ -112,6 +143,7 @@ class RdzvClient(Transport):
         try:
             async with self._session.post(url, data=data, headers=self._headers,
                                           ssl=self._ssl, timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
+                self._heard.add(server)
                 body = await resp.read()
                 leader = resp.headers.get(LEADER_HEADER, "")
         except (aiohttp.ClientConnectorCertificateError, aiohttp.ClientSSLError) as exc:

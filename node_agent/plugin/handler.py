@@ -68,6 +68,7 @@ from node_agent.plugin.settings import (
     SettingsError,
     TorchrunLine,
     plugin_settings,
+    unquoted,
 )
 from protocol.errors import ErrorCode
 from protocol.messages import Assignment, JobState, WorkerFailure
@@ -85,7 +86,7 @@ def create_handler(params: RendezvousParameters) -> RdzvServerHandler:
     except SettingsError as exc:
         _exit(2, f"torchrun --rdzv-backend {BACKEND}: {exc}")
     handler = RdzvServerHandler(settings)
-    for key in sorted(set(params.config) & set(IGNORED_KEYS)):
+    for key in sorted(set(unquoted(params.config)) & set(IGNORED_KEYS)):
         handler.say(f"--rdzv-conf {key} has no effect with --rdzv-backend {BACKEND}: {IGNORED_KEYS[key]}")
     return handler
 

@@ -22,7 +22,15 @@ from typing import NoReturn
 import msgspec
 
 from node_agent.cli.job_identity import TORCHRUN_DEFAULT_ID
-from node_agent.cli.rdzv_conf import FILE_KEYS, IGNORED_KEYS, INT_KEYS, KNOWN_KEYS, LOCAL_SECONDS, SECONDS_KEYS  # noqa: F401
+from node_agent.cli.rdzv_conf import (  # noqa: F401
+    FILE_KEYS,
+    IGNORED_KEYS,
+    INT_KEYS,
+    KNOWN_KEYS,
+    LOCAL_SECONDS,
+    SECONDS_KEYS,
+    unquoted,
+)
 from node_agent.cli.values import parse_server, server_token
 from node_agent.client.transport import local_addr_towards
 from protocol.ids import job_id_problem, node_id_problem
@@ -97,6 +105,7 @@ def default_node_id() -> str:
 def plugin_settings(*, endpoint: str, run_id: str, min_nodes: int, max_nodes: int, local_addr: str | None,
                     conf: Mapping[str, object], torchrun: TorchrunLine | None,
                     environ: Mapping[str, str] = os.environ) -> PluginSettings:
+    conf = unquoted(conf)      # torch's parser leaves a quoted --rdzv-conf's quotes in the first key and last value
     unknown = sorted(k for k in conf if k not in KNOWN_KEYS)
     if unknown:
         raise SettingsError(f"--rdzv-conf: unknown key {unknown[0]!r} for --rdzv-backend {BACKEND}; "

@@ -2,27 +2,40 @@
 
 The names and meanings are torchrun's, so training scripts written for torchrun run unchanged. One
 difference on purpose: TORCHELASTIC_RESTART_COUNT is the job-wide count from the server, the same on
-every node.
+every node. The agent's own secrets stay with the agent: the server's token (RDZV_TOKEN, or the file
+RDZV_TOKEN_FILE names) is not passed on to user code, its children or /proc/PID/environ.
 """
 from __future__ import annotations
 
 import os
+import signal
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
-from node_agent.cli.options import AgentOptions
+from node_agent.cli.options import DEFAULT_SIGNALS, AgentOptions
 from protocol.messages import Assignment
+
+# The agent's credentials for the server (and rdzv-ctl's admin token file): never a worker's.
+AGENT_SECRETS = ("RDZV_TOKEN", "RDZV_TOKEN_FILE", "RDZV_ADMIN_TOKEN_FILE")
+
+
+def signals_text(signals: Sequence[int]) -> str:
+    """torchrun's form of --signals-to-handle: names joined by commas (`SIGTERM,SIGINT,SIGHUP,SIGQUIT`)."""
+    return ",".join(signal.Signals(s).name for s in signals)
 
 
 def worker_env(*, base: Mapping[str, str], assignment: Assignment, local_rank: int, job_id: str,
                role: str, error_file: str | None, nccl_async: str | None = None,
-               virtual_local_rank: bool = False) -> dict[str, str]:
-    """The full environment of one worker: `base` (the agent's own) plus the launcher's variables.
+               virtual_local_rank: bool = False, signals: Sequence[int] = DEFAULT_SIGNALS) -> dict[str, str]:
+    """The full environment of one worker: `base` (the agent's own, less AGENT_SECRETS) plus the
+    launcher's variables.
 
     `nccl_async` overrides TORCH_NCCL_ASYNC_ERROR_HANDLING; left None, the base's value is kept and
     "1" is used when it has none (torchrun's rule: NCCL errors abort instead of hanging).
     `virtual_local_rank` (torchrun's --virtual-local-rank): LOCAL_RANK is 0 in every worker, and
     CUDA_VISIBLE_DEVICES shows each worker only its own GPU (the local rank's entry of the agent's list).
+    `signals`: the agent's --signals-to-handle, which torchrun exports as TORCHELASTIC_SIGNALS_TO_HANDLE
+    (torch's own process launchers in a worker read it).
     """
     a = assignment
     if not 0 <= local_rank < a.local_world_size:
@@ -31,6 +44,8 @@ def worker_env(*, base: Mapping[str, str], assignment: Assignment, local_rank: i
     # A TORCHELASTIC_ERROR_FILE inherited from whoever launched the agent must not reach workers:
     # they would overwrite that launcher's error file instead of reporting to us.
     env.pop("TORCHELASTIC_ERROR_FILE", None)
+    for name in AGENT_SECRETS:
+        env.pop(name, None)
     env.update({
         "RANK": str(a.rank_offset + local_rank),
         "LOCAL_RANK": str(local_rank),
@@ -48,6 +63,7 @@ def worker_env(*, base: Mapping[str, str], assignment: Assignment, local_rank: i
         "TORCHELASTIC_RUN_ID": job_id,
         # Worker rank 0 hosts the c10d store at MASTER_ADDR:MASTER_PORT; the agent runs no store.
         "TORCHELASTIC_USE_AGENT_STORE": "False",
+        "TORCHELASTIC_SIGNALS_TO_HANDLE": signals_text(signals),
         "TORCH_NCCL_ASYNC_ERROR_HANDLING":
             nccl_async if nccl_async is not None else base.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
     })

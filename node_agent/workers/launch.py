@@ -75,7 +75,7 @@ def build_launches(a: Assignment, opts: AgentOptions, *, run_dir: str, hostname:
             argv=[argv[0], *(Template(arg).safe_substitute(local_rank=str(local_rank)) for arg in argv[1:])],
             env=worker_env(base=environ, assignment=a, local_rank=local_rank, job_id=opts.job_id, role=opts.role,
                            error_file=os.path.join(rank_dir, "error.json"),
-                           virtual_local_rank=opts.virtual_local_rank),
+                           virtual_local_rank=opts.virtual_local_rank, signals=opts.signals),
             log_dir=rank_dir, redirect=opts.redirects.for_rank(local_rank), tee=opts.tee.for_rank(local_rank),
             echo=opts.local_ranks_filter is None or local_rank in opts.local_ranks_filter,
             prefix=prefix, prefix_all=opts.log_line_prefix is not None,

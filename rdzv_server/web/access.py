@@ -3,7 +3,10 @@
 Routes fall into four classes (see `route_class`):
 - health (`/healthz`, `/readyz`): always open;
 - agent (`POST /v1/jobs/{job_id}/{action}`): the agent token when the server has one (each node's
-  own credential is checked by the core, not here);
+  own credential is checked by the core, not here). A request with an `Origin` comes from a web
+  page (every browser sends one with a POST; agents never do): it must be same-origin and address
+  the server by one of its names, against DNS rebinding. Agents themselves may use any name (a
+  Kubernetes Service, a DNS alias): they hold node credentials, and the token where there is one;
 - views (JSON status, events, the HTML page, `/metrics`): the agent or the admin token when the
   server has one, unless `--public-status`; a browser may send it as the password of HTTP Basic
   auth (any user name). Views served without a token only answer a `Host` that is one of the
@@ -11,7 +14,9 @@ Routes fall into four classes (see `route_class`):
   DNS rebinding;
 - admin (`/v1/admin/...`): a JSON content type (a page cannot send one cross-site without a CORS
   preflight, which this server never grants) and no foreign `Origin`; then the admin token when
-  the server has one, else a loopback peer unless `--allow-remote-admin`.
+  the server has one, else a `Host` that is one of the server's names (whatever the `Origin`: a
+  page whose domain was rebound to 127.0.0.1 is "same-origin" and comes from loopback) and a
+  loopback peer unless `--allow-remote-admin`.
 Tokens are compared in constant time and never logged or shown.
 """
 from __future__ import annotations
@@ -123,6 +128,8 @@ def check(request: web.Request, access: Access) -> None:
         return
     given = presented_token(request)
     if kind == "agent":
+        if "Origin" in request.headers:
+            _check_page(request, access, "agent routes")
         if access.agent_token is not None and not _matches(given, access.agent_token):
             raise _unauthorized("missing or wrong token: start node-agent with --token-file "
                                 "(the file the server's --token-file names)", 'Bearer realm="rdzv-server"')
@@ -134,7 +141,7 @@ def check(request: web.Request, access: Access) -> None:
                                     "'Authorization: Bearer TOKEN' (or as the password of HTTP Basic auth)",
                                     'Basic realm="rdzv-server"')
         else:
-            _check_host(request, access)
+            _check_host(request, access, "views without a token")
         return
     _check_admin(request, access, given)
 
@@ -154,12 +161,13 @@ def _check_admin(request: web.Request, access: Access, given: bytes | None) -> N
             raise _unauthorized("admin actions need the admin token: rdzv-ctl --admin-token-file F "
                                 "(the file the server's --admin-token-file names)", 'Bearer realm="rdzv-admin"')
         return
-    if access.allow_remote_admin or is_loopback(request.remote):
-        return
-    raise RendezvousError(ErrorCode.FORBIDDEN,
-                          f"admin actions are only accepted from loopback (127.0.0.1, ::1); this request came "
-                          f"from {request.remote or 'an unknown peer'}. Run rdzv-ctl on the server's host, or "
-                          f"give the server an --admin-token-file (or --allow-remote-admin on a trusted network)")
+    if not (access.allow_remote_admin or is_loopback(request.remote)):
+        raise RendezvousError(ErrorCode.FORBIDDEN,
+                              f"admin actions are only accepted from loopback (127.0.0.1, ::1); this request came "
+                              f"from {request.remote or 'an unknown peer'}. Run rdzv-ctl on the server's host, or "
+                              f"give the server an --admin-token-file (or --allow-remote-admin on a trusted "
+                              f"network)")
+    _check_host(request, access, "admin actions without an admin token")
 
 
 def _same_origin(origin: str, request: web.Request) -> bool:
@@ -168,15 +176,24 @@ def _same_origin(origin: str, request: web.Request) -> bool:
     return origin in (f"http://{host}", f"https://{host}")
 
 
-def _check_host(request: web.Request, access: Access) -> None:
+def _check_page(request: web.Request, access: Access, what: str) -> None:
+    """A request from a web page (it has an `Origin`): only a page of this server, at one of its names."""
+    if not _same_origin(request.headers["Origin"], request):
+        raise RendezvousError(ErrorCode.FORBIDDEN, f"{what} refuse requests from a web page of another origin")
+    _check_host(request, access, f"{what} from a web page")
+
+
+def _check_host(request: web.Request, access: Access, what: str) -> None:
+    """The `Host` must be one of the server's names: a page whose domain an attacker rebound to this
+    server's address (DNS rebinding) sends its own domain there, and its `Origin` matches it."""
     host = request.headers.get("Host", "")
     name = _host_name(host)
     if name and (_is_ip(name) or name in _own_names() or name in access.allowed_hosts):
         return
     raise RendezvousError(ErrorCode.FORBIDDEN,
                           f"Host {quote(host)} is not one of this server's names; start rdzv-server with "
-                          f"--allowed-host {quote(name) if name else 'NAME'} to serve it (views without a token only "
-                          f"answer their own names, against DNS rebinding)")
+                          f"--allowed-host {quote(name) if name else 'NAME'} to serve it ({what} only "
+                          f"answer the server's own names, against DNS rebinding)")
 
 
 def _host_name(host: str) -> str:

@@ -17,7 +17,7 @@ from rdzv_server.core.rendezvous import RendezvousError
 from rdzv_server.looplag import LoopLagProbe
 from rdzv_server.web import admin, views
 from rdzv_server.web.access import ACCESS, Access, access_middleware
-from rdzv_server.web.connections import read_body, silence_s
+from rdzv_server.web.connections import SlowBody, read_body, send_and_close, silence_s
 from rdzv_server.web.metrics import METRICS, ServerMetrics, metrics_endpoint, metrics_middleware
 from rdzv_server.web.page import render as page
 from rdzv_server.web.routing import COORDINATOR, job_id_of
@@ -51,7 +51,10 @@ async def error_middleware(request: web.Request,
     except DecodeError as exc:
         return _error(exc.code, exc.message, as_json=as_json)
     except RendezvousError as exc:
-        return _error(exc.code, exc.message, as_json=as_json, headers=exc.headers)
+        response = _error(exc.code, exc.message, as_json=as_json, headers=exc.headers)
+        if isinstance(exc, SlowBody):      # nothing more to read from a client this slow
+            await send_and_close(request, response)
+        return response
     except web.HTTPRequestEntityTooLarge:
         return _error(ErrorCode.TOO_LARGE, f"body exceeds {MAX_BODY_BYTES} bytes", as_json=as_json)
     except web.HTTPNotFound:
@@ -81,9 +84,10 @@ async def agent_request(request: web.Request) -> web.Response:
         raise DecodeError(ErrorCode.UNSUPPORTED_MEDIA_TYPE,
                           f"content type {quote(request.content_type)}: agent routes take {CONTENT_TYPE}")
     job_id = job_id_of(request)
+    body = await read_body(request)         # first: an oversized body is refused at once, even by a standby
     if not await coord.gate.until_serving(ELECTION_WAIT_S):
         raise coord.gate.not_serving()
-    req = decode_request(cls, await read_body(request))
+    req = decode_request(cls, body)
     sockname = request.transport.get_extra_info("sockname") if request.transport is not None else None
     local = str(sockname[0]) if sockname else ""
     status = await coord.handle(job_id, req, request.remote or "", local, lambda: silence_s(request))

@@ -5,7 +5,11 @@ the server keeps at most `max_connections`: past it, the longest-idle connection
 progress: never a held long-poll) are closed to make room for the new ones, so a real agent or a
 health check always gets in. A connection is refused (accepted and closed at once) only past a hard
 limit below the open-file limit with nobody idle, so accepting never fails with "Too many open
-files". Request bodies must arrive within BODY_TIMEOUT_S.
+files".
+
+Request bodies: one that announces more than MAX_BODY_BYTES is refused (413) before any of it is
+read; one that has not arrived within BODY_TIMEOUT_S is refused (400) and its connection closed at
+once (aiohttp would otherwise go on reading it for its 10 s "lingering" close: 20 s in all).
 """
 from __future__ import annotations
 
@@ -19,6 +23,7 @@ from typing import Any
 
 from aiohttp import web
 
+from protocol.codec import MAX_BODY_BYTES
 from protocol.errors import ErrorCode
 from protocol.quoting import quote
 from rdzv_server.core.errors import RendezvousError
@@ -119,14 +124,29 @@ class ClientGone(web.HTTPClientError):
     status_code = 499
 
 
+class SlowBody(RendezvousError):
+    """A body that did not arrive in time: the refusal is sent, then the connection closed."""
+
+
+async def send_and_close(request: web.Request, response: web.StreamResponse) -> None:
+    """Send `response` now and close the connection, without reading the rest of the body."""
+    await response.prepare(request)
+    await response.write_eof()
+    request.protocol.force_close()
+
+
 async def read_body(request: web.Request) -> bytes:
-    """The request's body, or a refusal when it does not arrive in BODY_TIMEOUT_S or cannot be read
-    (a malformed chunked body, one cut short); a client gone mid-body is one line of the log."""
+    """The request's body, or a refusal when it announces more than MAX_BODY_BYTES, does not arrive
+    in BODY_TIMEOUT_S or cannot be read (a malformed chunked body, one cut short); a client gone
+    mid-body is one line of the log. (A chunked body over the limit: aiohttp's 413 while reading.)"""
+    if request.content_length is not None and request.content_length > MAX_BODY_BYTES:
+        raise RendezvousError(ErrorCode.TOO_LARGE, f"the body announces {request.content_length} bytes "
+                              f"(Content-Length); at most {MAX_BODY_BYTES} are accepted")
     try:
         return await asyncio.wait_for(request.read(), BODY_TIMEOUT_S)
     except asyncio.TimeoutError:
-        raise RendezvousError(ErrorCode.BAD_REQUEST, f"the request body did not arrive within "
-                              f"{BODY_TIMEOUT_S:g}s") from None
+        raise SlowBody(ErrorCode.BAD_REQUEST, f"the request body did not arrive within "
+                       f"{BODY_TIMEOUT_S:g}s") from None
     except ConnectionError as exc:
         log.info("client %s closed the connection before its request body arrived (%s %s): %s",
                  request.remote, request.method, quote(request.path), exc)

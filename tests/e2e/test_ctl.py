@@ -16,13 +16,15 @@ import msgpack
 import pytest
 
 from tests.e2e.certs import make_ca, make_server_cert
-from tests.e2e.harness import SCRIPTS, child_env, job_view, pid_gone, read_records, wait_until
+from tests.e2e.harness import SCRIPTS, Proc, child_env, job_view, pid_gone, read_records, wait_until
 
 pytestmark = pytest.mark.e2e
 WORKER = os.path.join(SCRIPTS, "chaos_worker.py")     # plain python: records its round, idles
 FAST = ("--lease-timeout", "3", "--last-call", "1", "--stop-timeout", "2")
 LIMIT = 60.0
 CONSOLE_SCRIPT = os.path.join(os.path.dirname(sys.executable), "rdzv-ctl")
+FAKE_DNS = os.path.join(SCRIPTS, "fake_dns.py")      # a name for 127.0.0.1 that is not the server's own
+SERVICE = "rdzv-server.ns.svc"
 
 
 def ctl(cluster, *args: str, expect: int = 0, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
@@ -125,6 +127,28 @@ def test_resize_and_clear_through_rdzv_ctl_and_json_output(cluster, tmp_path):
     ctl(cluster, "close", "rsjob")
     for proc in agents.values():
         assert proc.wait(LIMIT) != 0
+
+
+def test_agents_and_rdzv_ctl_through_a_name_that_is_not_one_of_the_servers(cluster, tmp_path):
+    """A name of the server that is not one of its own (here a Kubernetes Service's, which only the
+    agent's and rdzv-ctl's processes resolve, to 127.0.0.1): an agent works through it; an admin
+    action without an admin token is refused there (DNS rebinding) and works through 127.0.0.1."""
+    cluster.start_server()
+    service = f"{SERVICE}:{cluster.port}"
+    agent = Proc([sys.executable, FAKE_DNS, f"{SERVICE}=127.0.0.1", "-m", "node_agent", "--endpoint", service,
+                  "--nnodes", "1", "--nproc", "1", "--job-id", "svcjob", "--node-id", "node-a", *FAST, WORKER],
+                 child_env(OUT_DIR=str(tmp_path), NODE="node-a"), "node-a")
+    cluster.procs.append(agent)
+    wait_members(cluster, "svcjob", ["node-a"])
+    refused = subprocess.run([sys.executable, FAKE_DNS, f"{SERVICE}=127.0.0.1", "-m", "rdzv_ctl.cli",
+                              "--endpoint", service, "close", "svcjob"],
+                             capture_output=True, text=True, env=child_env(), timeout=60)
+    assert refused.returncode == 1
+    line = one_line(refused)
+    assert f"Host '{service}'" in line and f"--allowed-host '{SERVICE}'" in line, line
+    assert job_view(cluster, "svcjob")["state"] == "running"
+    ctl(cluster, "close", "svcjob")
+    assert agent.wait(LIMIT) != 0 and "closed" in agent.output, agent.output
 
 
 def test_rdzv_ctl_reports_an_unreachable_server_and_bad_usage_without_a_traceback(cluster):

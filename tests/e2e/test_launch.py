@@ -7,6 +7,7 @@ import signal
 import pytest
 
 from tests.e2e.harness import SCRIPTS, pid_gone, read_records
+from tests.tcpstore import tcp_store
 
 pytestmark = pytest.mark.e2e
 ALLREDUCE = os.path.join(SCRIPTS, "allreduce.py")
@@ -116,6 +117,18 @@ def test_bad_flags_and_unreachable_server_give_one_clear_line(cluster, tmp_path)
     gone = cluster.agent("--endpoint", "127.0.0.1:1", "--server-wait", "1", "--lease-timeout", "1", SLEEPER)
     assert gone.wait() == 1
     assert "unreachable" in gone.output and "Traceback" not in gone.output
+
+
+def test_an_endpoint_where_a_c10d_store_listens_is_one_clear_line_at_once(cluster, tmp_path):
+    """A torchrun-style line whose endpoint is a c10d TCPStore: refused as such, not waited on for
+    --server-wait (600 s here: the agent's exit within the bound is the proof) as "unreachable"."""
+    with tcp_store() as port:
+        agent = cluster.agent("--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--nnodes", "2",
+                              "--server-wait", "600", "--job-id", "store", SLEEPER)
+        assert agent.wait(60) == 1, agent.output
+    lines = [line for line in agent.output.splitlines() if "TCPStore" in line]
+    assert len(lines) == 1 and f"127.0.0.1:{port} is not an rdzv-server: a c10d TCPStore" in lines[0], agent.output
+    assert "unreachable" not in agent.output and "Traceback" not in agent.output
 
 
 def test_log_dir_holds_torchruns_layout_fresh_for_every_run(cluster, tmp_path):

@@ -315,6 +315,9 @@ def run_usr1(cluster, tmp_path) -> None:
     left = stop_by_signal(cluster, tmp_path, ["--signals-to-handle", "SIGTERM,SIGUSR1"],
                           {"SLEEP_RANK": "0", "WAIT_SIGNAL": "SIGUSR1"}, signal.SIGUSR1)
     assert left == {launcher: "done-0=saved signal-0=SIGUSR1" for launcher in LAUNCHERS}
+    exported = {launcher: [r["env"]["TORCHELASTIC_SIGNALS_TO_HANDLE"] for r in read_records(tmp_path / launcher)]
+                for launcher in LAUNCHERS}
+    assert exported == {launcher: ["SIGTERM,SIGUSR1"] for launcher in LAUNCHERS}
 
 
 def run_run_path(cluster, tmp_path) -> None:

@@ -50,10 +50,13 @@ def test_a_job_runs_over_tls_with_a_token_and_a_missing_token_or_wrong_ca_is_one
     out = tmp_path / "out"
     out.mkdir()
     agents = [cluster.agent("--endpoint", endpoint, "--tls-ca", ca[0], "--node-id", node, *base, ALLREDUCE,
-                            name=node, env={"OUT_DIR": str(out), "RDZV_TOKEN_FILE": tokens}) for node in "ab"]
+                            name=node, env={"OUT_DIR": str(out), **given})
+              for node, given in (("a", {"RDZV_TOKEN_FILE": tokens}), ("b", {"RDZV_TOKEN": TOKEN}))]
     assert [a.wait(LIMIT) for a in agents] == [0, 0], "\n".join(a.output for a in agents)
     records = read_records(out)
     assert sorted(r["env"]["RANK"] for r in records) == ["0", "1"] and {r["sum"] for r in records} == {3.0}
+    for r in records:          # the token stays with the agent: no worker sees it, nor where its file is
+        assert r["env"]["RDZV_TOKEN"] is None and r["env"]["RDZV_TOKEN_FILE"] is None, r["env"]
     assert job_view(cluster, "tls-job")["state"] == "succeeded"
 
 

@@ -60,7 +60,8 @@ FLAGS: tuple[FlagRow, ...] = (
     FlagRow(("--rdzv-endpoint", "--rdzv_endpoint"), "PET_RDZV_ENDPOINT", "h:29400", MAPPED,
             "with a backend other than static: the rdzv-server (port 29400 when left out; an empty endpoint "
             "means localhost:29400). Port 0 (TorchX's `localhost:0`) or none, with one node: the in-process "
-            "rendezvous, as torchrun hosts it itself. With the static backend: node rank 0, as in torchrun",
+            "rendezvous, as torchrun hosts it itself. With the static backend: node rank 0, as in torchrun; "
+            "several nodes there without `--node-rank` are refused (every one would be rank 0: torchrun hangs)",
             lambda o: (o.endpoint_host, o.endpoint_port) == ("h", 29400),
             context=("--rdzv-backend", "c10d", "--nnodes", "2")),
     FlagRow(("--rdzv-id", "--rdzv_id"), "PET_RDZV_ID", "team/exp1", SAME,
@@ -127,15 +128,19 @@ FLAGS: tuple[FlagRow, ...] = (
     FlagRow(("--local-addr", "--local_addr"), "PET_LOCAL_ADDR", "10.0.0.2", SAME,
             "the address other nodes reach this node at (`MASTER_ADDR` when it is group rank 0)",
             lambda o: o.local_addr == "10.0.0.2"),
+    FlagRow(("--logs-specs", "--logs_specs"), None, "default", SAME,
+            "torchrun's own log layout (torch's `DefaultLogsSpecs`), which node-agent writes under `--log-dir`",
+            lambda o: o.warnings == ()),
     FlagRow(("--logs-specs", "--logs_specs"), None, "custom", REFUSED,
-            "node-agent loads no torch plugins (it never imports torch); its layout is torchrun's default, "
-            "under `--log-dir`", refusal="--log-dir"),
+            "any other name: node-agent loads no torch plugins (it never imports torch); its layout is "
+            "torchrun's default, under `--log-dir`", refusal="only 'default'"),
     FlagRow(("--numa-binding", "--numa_binding"), None, "node", REFUSED,
             "node-agent cannot tell a GPU's NUMA node without loading CUDA; start the workers under `numactl` "
             "(`--no-python numactl --cpunodebind=N python train.py`)", refusal="numactl"),
     FlagRow(("--signals-to-handle", "--signals_to_handle"), "PET_SIGNALS_TO_HANDLE", "SIGTERM,SIGUSR1", SAME,
             "each stops the workers with that signal (then SIGKILL after the grace) and the agent exits "
-            "128+N; Slurm's `--signal=USR1@90` reaches the workers", lambda o: o.signals == (15, 10)),
+            "128+N; Slurm's `--signal=USR1@90` reaches the workers; the workers get the list as "
+            "`TORCHELASTIC_SIGNALS_TO_HANDLE`", lambda o: o.signals == (15, 10)),
     FlagRow(("--shutdown-timeout", "--shutdown_timeout"), "PET_SHUTDOWN_TIMEOUT", "45", SAME,
             "the stop grace (also `--stop-timeout`); default `TORCH_ELASTIC_SHUTDOWN_TIMEOUT`, else 30 s",
             lambda o: o.stop_timeout == 45),
@@ -171,7 +176,7 @@ FORMS: tuple[FormRow, ...] = (
     FormRow("grace", "SIGTERM to the launcher while a worker saves for 6 s", SAME,
             "the worker gets SIGTERM and 30 s (torchrun's grace) to finish"),
     FormRow("usr1", "`--signals-to-handle SIGTERM,SIGUSR1` and SIGUSR1 to the launcher (Slurm's warning)", SAME,
-            "the workers get SIGUSR1"),
+            "the workers get SIGUSR1, and `TORCHELASTIC_SIGNALS_TO_HANDLE=SIGTERM,SIGUSR1`"),
     FormRow("run_path", "`--run-path train.py`", SAME, "the same workers"),
     FormRow("module", "`-m package.module`", SAME, "the same workers"),
     FormRow("no_python", "`--no-python program args`", SAME, "the same workers"),
@@ -202,8 +207,8 @@ def render() -> str:
         "|---|---|---|",
     ]
     for r in FLAGS:
-        flags = ", ".join(f"`{f}`" for f in r.flags) + (f" `{r.value}`" if r.value in ("xpu", "console", "null")
-                                                          else "")
+        shown = r.value in ("xpu", "console", "null", "default")      # a row about that one value
+        flags = ", ".join(f"`{f}`" for f in r.flags) + (f" `{r.value}`" if shown else "")
         lines.append(f"| {_cell(flags)} | {f'`{r.pet}`' if r.pet else ''} | **{r.verdict}**: {_cell(r.text)} |")
     lines += [
         "",

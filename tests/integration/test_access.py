@@ -123,6 +123,68 @@ async def test_views_without_a_token_answer_only_their_own_host_names(http):
         await srv.close()
 
 
+async def test_a_page_rebound_to_loopback_cannot_close_a_job_or_join_one(http):
+    """DNS rebinding: a page at evil.example whose name now resolves to 127.0.0.1 sends requests from
+    loopback, and its Origin matches the Host it sends. Without tokens neither may act."""
+    srv = await start_app(create_app())
+    try:
+        async with http.post(url(srv, "/v1/jobs/j/join"), data=join_body("a"), headers=MSGPACK) as resp:
+            assert resp.status == 200
+        evil = f"evil.example:{srv.port}"
+        page = {"Host": evil, "Origin": f"http://{evil}"}
+        async with http.post(url(srv, "/v1/admin/jobs/j/close"), data=b"{}",
+                             headers={"Content-Type": "application/json", **page}) as resp:
+            assert resp.status == 403
+            assert "--allowed-host 'evil.example'" in (await resp.json())["message"]
+        async with http.post(url(srv, "/v1/admin/jobs/j/close"), data=b"{}",      # no Origin at all
+                             headers={"Content-Type": "application/json", "Host": evil}) as resp:
+            assert resp.status == 403
+        for headers in (page, {"Host": f"127.0.0.1:{srv.port}", "Origin": "http://evil.example"},
+                        {"Host": evil, "Origin": "null"}):
+            async with http.post(url(srv, "/v1/jobs/k/join"), data=join_body("b"),
+                                 headers={**MSGPACK, **headers}) as resp:
+                assert resp.status == 403, headers
+                assert "web page" in msgpack.unpackb(await resp.read())["message"]
+        assert srv.app[COORDINATOR].core.jobs["j"].state.value == "waiting"
+        assert "k" not in srv.app[COORDINATOR].core.jobs
+        for host in ("localhost", f"127.0.0.1:{srv.port}"):                         # rdzv-ctl on the host
+            async with http.post(url(srv, "/v1/admin/jobs/j/resize"), data=b'{"max_nodes": 3}',
+                                 headers={"Content-Type": "application/json", "Host": host}) as resp:
+                assert resp.status == 200, host
+    finally:
+        await srv.close()
+
+
+async def test_agents_and_token_holders_may_name_the_server_by_any_dns_name(tokened, http):
+    """Agents behind a Kubernetes Service or a DNS alias send that name as Host, and no Origin."""
+    service = {"Host": "rdzv-server.ns.svc:29400"}
+    open_srv = await start_app(create_app())
+    try:
+        async with http.post(url(open_srv, "/v1/jobs/j/join"), data=join_body("a"),
+                             headers={**MSGPACK, **service}) as resp:
+            assert resp.status == 200                                  # no token on this server
+    finally:
+        await open_srv.close()
+    async with http.post(url(tokened, "/v1/jobs/j/join"), data=join_body("a"),
+                         headers={**MSGPACK, **service, **bearer(AGENT)}) as resp:
+        assert resp.status == 200
+    async with http.post(url(tokened, "/v1/admin/jobs/j/close"), data=b"{}",
+                         headers={"Content-Type": "application/json", **service, **bearer(ADMIN)}) as resp:
+        assert resp.status == 200 and (await resp.json())["state"] == "closed"
+
+
+async def test_allowed_host_names_admit_admin_actions_without_a_token(http):
+    srv = await start_app(create_app(access=Access(allowed_hosts=frozenset({"rdzv.example"}))))
+    try:
+        async with http.post(url(srv, "/v1/jobs/j/join"), data=join_body("a"), headers=MSGPACK) as resp:
+            assert resp.status == 200
+        async with http.post(url(srv, "/v1/admin/jobs/j/close"), data=b"{}",
+                             headers={"Content-Type": "application/json", "Host": "rdzv.example:29400"}) as resp:
+            assert resp.status == 200
+    finally:
+        await srv.close()
+
+
 async def test_html_has_security_headers_and_compressed_bodies_are_refused(http):
     srv = await start_app(create_app())
     try:

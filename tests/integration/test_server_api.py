@@ -6,11 +6,13 @@ also pin the wire format for clients written elsewhere.
 from __future__ import annotations
 
 import asyncio
+import json
 
 import aiohttp
 import msgpack
 import pytest
 
+from rdzv_server.web import connections
 from rdzv_server.web.app import COORDINATOR, create_app
 from tests.integration.support import remember_credential, start_app, url, wait_until, with_credential
 
@@ -148,6 +150,51 @@ async def test_oversized_body_is_refused_with_413(server, http):
     async with http.post(url(server, "/v1/jobs/j/join"), data=b"\x00" * (2 << 20), headers=MSGPACK) as resp:
         assert resp.status == 413
         assert msgpack.unpackb(await resp.read())["code"] == "too_large"
+
+
+async def raw_request(server, head: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A connection that sends `head` (the request line and headers) and nothing after it."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+    writer.write(head.encode() + b"\r\n")
+    await writer.drain()
+    return reader, writer
+
+
+async def reply_of(reader: asyncio.StreamReader) -> tuple[str, bytes]:
+    """The status line and body of one reply (its Content-Length body)."""
+    head = (await reader.readuntil(b"\r\n\r\n")).decode()
+    length = next(int(line.split(":")[1]) for line in head.split("\r\n") if line.lower().startswith("content-length"))
+    return head.split("\r\n")[0], await reader.readexactly(length)
+
+
+@pytest.mark.parametrize("path, content_type", [("/v1/jobs/big/join", "application/msgpack"),
+                                                ("/v1/admin/jobs/big/close", "application/json")])
+async def test_a_body_announced_over_the_limit_is_refused_at_once_without_reading_it(server, path: str,
+                                                                                      content_type: str):
+    reader, writer = await raw_request(server, f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                                               f"Content-Type: {content_type}\r\nContent-Length: {64 << 20}\r\n")
+    try:   # no body is sent: the reply cannot wait for it (the bound only guards against a hang)
+        status, body = await asyncio.wait_for(reply_of(reader), 5)
+    finally:
+        writer.close()
+    assert status == "HTTP/1.1 413 Request Entity Too Large"
+    reply = msgpack.unpackb(body) if content_type.endswith("msgpack") else json.loads(body)
+    assert reply["code"] == "too_large" and f"announces {64 << 20} bytes" in reply["message"]
+    assert server.app[COORDINATOR].core.jobs == {}
+
+
+async def test_a_body_that_does_not_arrive_in_time_is_refused_and_its_connection_closed(server, monkeypatch):
+    monkeypatch.setattr(connections, "BODY_TIMEOUT_S", 0.2)
+    reader, writer = await raw_request(server, "POST /v1/jobs/slow/join HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                                               "Content-Type: application/msgpack\r\nContent-Length: 100\r\n")
+    writer.write(b"\x82")                     # one byte of the 100 announced, then nothing
+    try:
+        status, body = await asyncio.wait_for(reply_of(reader), 5)
+        assert status == "HTTP/1.1 400 Bad Request" and "did not arrive within 0.2s" in msgpack.unpackb(body)["message"]
+        # closed once the refusal is sent; aiohttp's lingering close would read on for 10 s more
+        assert await asyncio.wait_for(reader.read(), 5) == b""
+    finally:
+        writer.close()
 
 
 async def test_unknown_routes_jobs_and_nodes_are_typed_4xx(server, http):

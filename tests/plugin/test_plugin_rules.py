@@ -102,6 +102,17 @@ def test_max_restarts_and_workers_come_from_the_torchrun_line_by_default():
     assert (plain.config.max_restarts, plain.local_world_size, plain.port) == (0, 1, 29400)
 
 
+def test_one_pair_of_stray_quotes_around_rdzv_conf_is_dropped():
+    """torch's own parser keeps the quotes of `--rdzv-conf='join_timeout=5,...'` (PyTorch's launcher
+    tests write it so): in the first key and the last value."""
+    s = settings({"'join_timeout": "5", "last_call_timeout": "1", "timeout": "5'"})
+    assert (s.config.join_timeout_s, s.config.last_call_s) == (5.0, 1.0)
+    assert settings({'"max_restarts': '2"'}).config.max_restarts == 2
+    for spoiled in ({"'join_timeout": "5"}, {"'join_timeout": '5"'}, {"''join_timeout": "5''"}):
+        with pytest.raises(SettingsError, match="unknown key \"'join_timeout\""):
+            settings(spoiled)
+
+
 @pytest.mark.parametrize("conf, message", [
     ({"join_timeout": "soon"}, "--rdzv-conf join_timeout: expected a number of seconds, got 'soon'"),
     ({"last_call_timeout": "-1"}, "--rdzv-conf last_call_timeout: expected a number of seconds >= 0, got '-1'"),

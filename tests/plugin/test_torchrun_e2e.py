@@ -18,6 +18,7 @@ from collections import defaultdict
 import pytest
 
 from tests.e2e.harness import Proc, child_env, job_events, job_view, read_jsonl, wait_until
+from tests.tcpstore import tcp_store
 
 pytestmark = pytest.mark.e2e
 STEPS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts", "steps.py")
@@ -198,6 +199,15 @@ def test_a_bad_rdzv_conf_value_is_one_clear_line(tmp_path):
                               "--rdzv-conf", "join_timeout=soon"], tmp_path)
     assert code == 2, output
     assert "--rdzv-conf join_timeout: expected a number of seconds, got 'soon'" in output, output
+    assert "Traceback" not in output, output
+
+
+def test_an_endpoint_where_a_c10d_store_listens_is_one_clear_line(tmp_path):
+    with tcp_store() as port:     # server_wait=600: the exit within run_alone's bound is the proof it did not wait
+        code, output = run_alone(["--rdzv-backend", "rdzv-server", "--rdzv-endpoint", f"127.0.0.1:{port}",
+                                  "--rdzv-id", "j", "--rdzv-conf", "server_wait=600"], tmp_path)
+    assert code != 0, output
+    assert f"127.0.0.1:{port} is not an rdzv-server: a c10d TCPStore answers there" in output, output
     assert "Traceback" not in output, output
 
 

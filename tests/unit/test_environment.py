@@ -7,6 +7,7 @@ import pytest
 
 from node_agent.cli.options import parse_options
 from node_agent.workers.environment import worker_argv, worker_env
+from node_agent.workers.launch import build_launches
 from protocol.messages import Assignment
 
 # Node 1 of 2, 4 workers each: global ranks 4..7 of 8.
@@ -39,6 +40,7 @@ def test_every_variable_for_a_two_node_assignment() -> None:
         "TORCHELASTIC_MAX_RESTARTS": "5",
         "TORCHELASTIC_RUN_ID": "job-9",
         "TORCHELASTIC_USE_AGENT_STORE": "False",
+        "TORCHELASTIC_SIGNALS_TO_HANDLE": "SIGTERM,SIGINT,SIGHUP,SIGQUIT",    # torchrun's default
         "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
         "TORCHELASTIC_ERROR_FILE": "/logs/2/error.json",
         "OMP_NUM_THREADS": "1",
@@ -79,6 +81,30 @@ def test_nccl_async_error_handling() -> None:
     assert env_for(0, base={"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3"})["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "3"
     assert env_for(0, base={"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3"},
                    nccl_async="0")["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "0"
+
+
+def test_the_agents_token_does_not_reach_the_workers() -> None:
+    base = {"PATH": "/bin", "RDZV_TOKEN": "secret-token-0123456789", "RDZV_TOKEN_FILE": "/run/secrets/token",
+            "RDZV_ADMIN_TOKEN_FILE": "/run/secrets/admin", "RDZV_SERVER": "http://h:29400"}
+    env = env_for(0, base=base)
+    assert not {"RDZV_TOKEN", "RDZV_TOKEN_FILE", "RDZV_ADMIN_TOKEN_FILE"} & set(env)
+    assert env["RDZV_SERVER"] == "http://h:29400" and base["RDZV_TOKEN"] == "secret-token-0123456789"
+
+
+def test_the_agents_token_does_not_reach_workers_it_launches(tmp_path) -> None:
+    environ = {"PATH": "/bin", "RDZV_TOKEN": "secret-token-0123456789"}
+    options = parse_options(["--endpoint", "h", "train.py"], environ)
+    assert options.token == "secret-token-0123456789"                 # the agent itself uses it
+    launches = build_launches(SECOND_NODE, options, run_dir=str(tmp_path), hostname="h", environ=environ)
+    assert [launch.env.get("RDZV_TOKEN") for launch in launches] == [None] * 4
+
+
+def test_signals_to_handle_are_exported_in_torchruns_form(tmp_path) -> None:
+    environ = {"PATH": "/bin"}
+    for flag, exported in (("SIGTERM,SIGUSR1", "SIGTERM,SIGUSR1"), ("term, usr2", "SIGTERM,SIGUSR2")):
+        options = parse_options(["--signals-to-handle", flag, "--standalone", "train.py"], environ)
+        launches = build_launches(SECOND_NODE, options, run_dir=str(tmp_path), hostname="h", environ=environ)
+        assert {launch.env["TORCHELASTIC_SIGNALS_TO_HANDLE"] for launch in launches} == {exported}
 
 
 def test_local_rank_out_of_range() -> None:

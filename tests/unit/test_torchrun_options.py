@@ -60,9 +60,39 @@ def test_static_launches_follow_node_rank_and_the_master() -> None:
 
 
 def test_an_endpoint_without_a_backend_is_torchruns_static_master_with_a_warning() -> None:
-    o = parse("--rdzv-endpoint", "srv:29400", "--nnodes", "2", "t.py")
-    assert (o.mode, o.master_addr, o.master_port) == (Mode.STATIC, "srv", 29400)
+    o = parse("--rdzv-endpoint", "srv:29400", "--nnodes", "2", "--node-rank", "1", "t.py")
+    assert (o.mode, o.node_rank, o.master_addr, o.master_port) == (Mode.STATIC, 1, "srv", 29400)
     assert len(o.warnings) == 1 and "--rdzv-backend c10d" in o.warnings[0]
+    o = parse("--rdzv-endpoint", "srv:29400", "--nnodes", "1", "t.py")          # one node: rank 0 is right
+    assert (o.mode, o.master_addr, o.master_port) == (Mode.STATIC, "srv", 29400)
+
+
+@pytest.mark.parametrize("argv, env, named", [
+    (["--nnodes", "2", "--rdzv-endpoint", "srv:29400"], {}, "--rdzv-endpoint"),
+    (["--nnodes", "1:4", "--rdzv_endpoint=srv:29400"], {}, "--rdzv_endpoint"),
+    (["--nnodes", "2", "--rdzv-backend", "static", "--rdzv-endpoint", "srv:29400"], {}, "--rdzv-endpoint"),
+    ([], {"PET_NNODES": "2", "PET_RDZV_ENDPOINT": "srv:29400"}, "$PET_RDZV_ENDPOINT"),
+])
+def test_several_nodes_at_an_endpoint_with_no_backend_and_no_node_rank_are_refused(
+        argv: list[str], env: dict[str, str], named: str) -> None:
+    """Every node would be node rank 0 of a static launch and wait for the others forever."""
+    line = error_of(*argv, "t.py", **env)
+    assert line.startswith(f"{named}: ") and "node rank 0" in line
+    assert "--rdzv-backend c10d" in line and "--node-rank" in line
+
+
+@pytest.mark.parametrize("argv, env, mode", [
+    (["--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "srv:29400"], {}, Mode.SERVER),
+    (["--nnodes", "2", "--rdzv-backend", "rdzv-server", "--rdzv-endpoint", "srv:29400"], {}, Mode.SERVER),
+    (["--nnodes", "2", "--endpoint", "srv:29400"], {}, Mode.SERVER),
+    ([], {"PET_NNODES": "2", "PET_RDZV_ENDPOINT": "srv:29400", "PET_RDZV_BACKEND": "c10d"}, Mode.SERVER),
+    ([], {"PET_NNODES": "2", "PET_RDZV_ENDPOINT": "srv:29400", "PET_NODE_RANK": "1"}, Mode.STATIC),
+    (["--nnodes", "2", "--node-rank", "0", "--master-addr", "srv", "--master-port", "29500"], {}, Mode.STATIC),
+    (["--standalone", "--nnodes", "2", "--rdzv-endpoint", "srv:29400"], {}, Mode.STANDALONE),
+])
+def test_the_other_multi_node_forms_at_an_endpoint_still_start(argv: list[str], env: dict[str, str],
+                                                                mode: Mode) -> None:
+    assert parse(*argv, "t.py", **env).mode is mode
 
 
 @pytest.mark.parametrize("argv, start", [
@@ -136,7 +166,20 @@ def test_rdzv_conf_keys_become_the_jobs_settings() -> None:
                                                         "--rdzv-conf read_timeout"]
 
 
+@pytest.mark.parametrize("argv", [
+    ["--rdzv-conf='join_timeout=5,last_call_timeout=1,timeout=5'"],      # PyTorch's launcher tests' line
+    ["--rdzv-conf", '"join_timeout=5, last_call_timeout=1"'],
+    ["--rdzv_conf", "' join_timeout = 5 ,last_call_timeout=1 '"],
+])
+def test_one_pair_of_stray_quotes_around_rdzv_conf_is_dropped(argv: list[str]) -> None:
+    o = parse("--endpoint", "h", *argv, "t.py")
+    assert (o.job.join_timeout_s, o.job.last_call_s) == (5.0, 1.0)
+
+
 @pytest.mark.parametrize("conf, start", [
+    ("'join_timeout=5", "--rdzv_conf: unknown key \"'join_timeout\""),     # no pair: the key check stays strict
+    ("''join_timeout=5''", "--rdzv_conf: unknown key \"'join_timeout\""),  # one pair only
+    ("'join_timeout=5\"", "--rdzv_conf: unknown key \"'join_timeout\""),  # not a matching pair
     ("join_timeout=soon", "--rdzv-conf join_timeout: expected a number of seconds"),
     ("last_call_timeout=-1", "--rdzv-conf last_call_timeout: must be >= 0.0"),
     ("joint_timeout=1", "--rdzv_conf: unknown key 'joint_timeout'; known keys: close_timeout,"),
@@ -161,8 +204,15 @@ def test_signals_to_handle() -> None:
     assert error_of("--signals-to-handle", "SIGKILL", "t.py").startswith("--signals-to-handle: SIGKILL cannot")
 
 
+@pytest.mark.parametrize("argv", [["--logs-specs", "default"], ["--logs_specs", "default"], ["--logs-spec=default"]])
+def test_logs_specs_default_is_torchruns_layout_which_node_agent_writes(argv: list[str]) -> None:
+    o = parse(*argv, "t.py")
+    assert o.warnings == () and o.script == "t.py"
+
+
 @pytest.mark.parametrize("argv, words", [
-    (["--logs-specs", "mine"], ["--logs-specs: not supported", "--log-dir"]),
+    (["--logs-specs", "mine"], ["--logs-specs: only 'default', got 'mine'", "--log-dir"]),
+    (["--logs_specs=custom"], ["--logs_specs: only 'default', got 'custom'", "--log-dir"]),
     (["--numa_binding", "node"], ["--numa_binding: not supported", "numactl"]),
     (["--event-log-handler", "console"], ["--event-log-handler: only 'null'", "rdzv-ctl events"]),
     (["--nproc-per-node", "xpu"], ["--nproc-per-node:", "NVIDIA"]),
