@@ -1,6 +1,41 @@
+import glob
 import os
+import shutil
 import sys
+import tempfile
+
+import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
+
+# What an agent (without --log-dir) or torchrun makes in the temp dir for a run: it must not outlive it.
+RUN_DIRS = ("node-agent_*", "torchelastic_*")
+
+
+def leftovers(directory: str) -> list[str]:
+    return sorted(os.path.basename(p) for pattern in RUN_DIRS for p in glob.glob(os.path.join(directory, pattern)))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def private_tmpdir(tmp_path_factory):
+    """The session's own temp dir (each xdist worker its own), for this process and every process it
+    starts: at the end, any agent or torchrun run directory left in it fails the run. A test whose
+    processes may be killed before they can clean up (SIGKILL) points their TMPDIR at its tmp_path;
+    other people's processes on the machine never see this directory, nor does it see theirs."""
+    tmp_path_factory.getbasetemp()       # pytest's own directories stay where they were
+    saved = os.environ.get("TMPDIR"), tempfile.tempdir
+    root = tempfile.mkdtemp(prefix="rdzv-tests-")
+    os.environ["TMPDIR"] = root
+    tempfile.tempdir = root
+    try:
+        yield root
+    finally:
+        left = leftovers(root)
+        os.environ.pop("TMPDIR", None) if saved[0] is None else os.environ.update(TMPDIR=saved[0])
+        tempfile.tempdir = saved[1]
+        shutil.rmtree(root, ignore_errors=True)
+        assert not left, (f"the tests left {len(left)} run director{'y' if len(left) == 1 else 'ies'} in the temp "
+                          f"dir: {left[:20]} (an agent or torchrun that could not clean up: point its TMPDIR at the "
+                          f"test's tmp_path, or find why it kept them)")

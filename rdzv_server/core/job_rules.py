@@ -274,6 +274,7 @@ class JobRules:
             job.reason = f"{why}; waiting for nodes"
             return
         opened = job.forming_since if job.forming_since is not None else now
+        promoted = max(0, len(chosen) - (len(pool) - len(job.spares)))    # the pool ends with the spares
         job.last_round_id += 1
         job.round = build_round(job, chosen, job.last_round_id, opened, now, why)
         _, corrected = master_address([job.nodes[n] for n in chosen])
@@ -292,6 +293,8 @@ class JobRules:
                                 "cause": cause.value, "formation_s": round(now - opened, 6)}
         if failed_at:
             data["since_failure_s"] = round(max(0.0, now - failed_at), 6)
+        if promoted:
+            data["promoted"] = promoted
         self.record(now, EventKind.ROUND_COMPLETED, f"round {job.round.round_id}: {len(chosen)} nodes, world size "
                     f"{job.round.world_size} ({why})", round_id=job.round.round_id, data=data)
 

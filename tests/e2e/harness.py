@@ -119,12 +119,20 @@ class Cluster:
         self.token: str | None = None        # sent with get() when set
         self.ca: str | None = None           # verifies get() over https
 
+    def temp_dir(self) -> str:
+        """The TMPDIR of the processes this test starts. An agent without --log-dir makes its run
+        directory there and removes it when it exits, but one killed at teardown (SIGKILL) cannot: its
+        directory then stays in the test's tmp_path, not in the session's temp dir (tests/conftest.py)."""
+        path = os.path.join(str(self.tmp), "tmp")
+        os.makedirs(path, exist_ok=True)
+        return path
+
     def start_server(self, *extra: str, port: int = 0) -> int:
         """Start (or restart) the server; its state dir is the same for the whole test unless given."""
         if not any(arg.startswith("--state-dir") for arg in extra):
             extra = (*extra, "--state-dir", os.path.join(str(self.tmp), "server-state"))
         self.server = Proc([sys.executable, "-m", "rdzv_server.cli", "--host", "127.0.0.1", "--port", str(port),
-                            *extra], child_env(), "server")
+                            *extra], child_env(TMPDIR=self.temp_dir()), "server")
         self.procs.append(self.server)
         found = self.server.wait_for_line(r"listening on (https?)://[^:]+:(\d+)", 30)
         self.scheme, self.port = found.group(1), int(found.group(2))
@@ -132,7 +140,7 @@ class Cluster:
 
     def agent(self, *args: str, name: str = "agent", env: dict[str, str] | None = None) -> Proc:
         argv = [sys.executable, "-m", "node_agent.cli.main", *args]
-        proc = Proc(argv, child_env(**(env or {})), name)
+        proc = Proc(argv, child_env(**{"TMPDIR": self.temp_dir(), **(env or {})}), name)
         self.procs.append(proc)
         return proc
 

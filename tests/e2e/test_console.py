@@ -34,10 +34,10 @@ if rank == "0":
 class PtyAgent:
     """node-agent with a pseudo-terminal as its stdin, stdout and stderr."""
 
-    def __init__(self, *argv: str) -> None:
+    def __init__(self, tmp: str, *argv: str) -> None:
         self.master, slave = pty.openpty()
         self.proc = subprocess.Popen([sys.executable, "-m", "node_agent", *argv], stdin=slave, stdout=slave,
-                                     stderr=slave, env=child_env(PYTHONBREAKPOINT="pdb.set_trace"),
+                                     stderr=slave, env=child_env(PYTHONBREAKPOINT="pdb.set_trace", TMPDIR=tmp),
                                      start_new_session=True)
         os.close(slave)
         self.seen = b""
@@ -76,11 +76,11 @@ class PtyAgent:
 
 
 @pytest.fixture
-def on_a_terminal():
+def on_a_terminal(tmp_path):
     started: list[PtyAgent] = []
 
     def start(*argv: str) -> PtyAgent:
-        agent = PtyAgent(*argv)
+        agent = PtyAgent(str(tmp_path), *argv)      # killed at the end: its run directory stays there
         started.append(agent)
         return agent
 

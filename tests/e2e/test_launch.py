@@ -159,6 +159,34 @@ def test_log_dir_holds_torchruns_layout_fresh_for_every_run(cluster, tmp_path):
         assert "planned failure" not in (run / "attempt_1" / "1" / "stderr.log").read_text()
 
 
+def test_a_temporary_run_directory_goes_at_exit_unless_it_holds_an_error_file(cluster, tmp_path):
+    """Without --log-dir the agent makes its run directory in TMPDIR: removed when the agent exits
+    (done, or stopped by SIGTERM) with nothing in it to read; kept, and its path said, with a worker's
+    error file. (The harness points every agent's TMPDIR into its test's tmp_path, where one killed
+    at teardown leaves its directory: this test is what checks the agent's own clean-up.)"""
+    tmp, out = tmp_path / "tmp", tmp_path / "out"
+    tmp.mkdir()
+    out.mkdir()
+    env = {"OUT_DIR": str(out), "TMPDIR": str(tmp)}
+    done = cluster.agent("--standalone", "--nproc-per-node", "2", ECHO, env=env)
+    assert done.wait() == 0, done.output
+    assert list(tmp.iterdir()) == [] and "kept in" not in done.output, done.output
+    go = out / "go"
+    stopped = cluster.agent("--standalone", "--nproc-per-node", "1", ECHO, env={**env, "WAIT_FILE": str(go)})
+    stopped.wait_for_line("rank 0 waiting for", 60)
+    assert [p.name.startswith("node-agent_") for p in tmp.iterdir()] == [True]      # while it runs
+    stopped.popen.send_signal(signal.SIGTERM)
+    assert stopped.wait() != 0
+    assert list(tmp.iterdir()) == [], stopped.output
+    failed = cluster.agent("--standalone", "--nproc-per-node", "2", "--max-restarts", "0", ECHO,
+                           env={**env, "EXIT_RANK": "1", "EXIT_CODE": "3"})
+    assert failed.wait() != 0
+    kept = failed.wait_for_line(r"worker logs and error files are kept in (\S+)").group(1)
+    assert [str(p) for p in tmp.iterdir()] == [os.path.dirname(kept)], kept
+    with open(os.path.join(kept, "attempt_0", "1", "error.json")) as f:
+        assert "rank 1 gives up" in f.read()
+
+
 def test_redirects_without_a_log_dir_hide_the_output_in_a_kept_temporary_directory(cluster, tmp_path):
     agent = cluster.agent("--nproc-per-node", "2", "-r", "3", ECHO,
                           env={"OUT_DIR": str(tmp_path), "TMPDIR": str(tmp_path)})

@@ -1,9 +1,11 @@
 """The human status page in a real browser: headless Chromium renders `GET /` and `GET /jobs/{id}` of
-a live server whose job just had a worker fail and runs again.
+a live server whose job just had a worker fail and runs again, with the picture of its history.
 
 Chromium comes from Debian's `chromium` package (`make chromium`); without it this test fails, it is
 never skipped. Waits poll the server's JSON API; the page is then checked against that same JSON.
-A screenshot of the overview is kept at test-artifacts/status-page.png (and the job page beside it).
+A screenshot of the overview is kept at test-artifacts/status-page.png (and the job page beside it,
+test-artifacts/status-page-job.png: its picture shows the failed round and the restart). The picture's
+rendered size is measured in a copy of the page with a script added (the page itself has none).
 """
 from __future__ import annotations
 
@@ -76,6 +78,26 @@ def dump_dom(tmp_path, url: str) -> Element:
     assert dom.find_all(lambda e: e.tag == "html"), f"chromium returned no document for {url}"
     assert not dom.find_all(lambda e: e.tag == "script"), f"{url} has a script: the page must not need one"
     return dom
+
+
+# Added to a copy of the job page (the page itself has no script): the rendered boxes of its picture.
+MEASURE = """<script>
+const svg = document.querySelector("svg.history"), box = e => e.getBoundingClientRect();
+const marks = sel => [...svg.querySelectorAll(sel)].map(
+    e => [e.getAttribute("data-round") || e.getAttribute("data-kind"), box(e).width, box(e).height]);
+const out = {svg: [box(svg).width, box(svg).height], rounds: marks("[data-round]"),
+             failures: marks('[data-kind="worker_failed"]')};
+document.body.insertAdjacentHTML("beforeend", "<pre id=measure></pre>");
+document.getElementById("measure").textContent = JSON.stringify(out);
+</script>"""
+
+
+def measure_picture(tmp_path, html: str) -> dict:
+    """The sizes Chromium lays out for the picture in `html` (a page as served), at the screenshot's size."""
+    copy = tmp_path / "measure.html"
+    copy.write_text(html.replace("</body>", MEASURE + "</body>"))
+    dom = parse(run_chromium(tmp_path, "--window-size=1400,1000", "--dump-dom", copy.as_uri()))
+    return json.loads(one(dom, lambda e: e.attrs.get("id") == "measure", "measurements").text)
 
 
 def screenshot(tmp_path, url: str, name: str) -> str:
@@ -243,6 +265,11 @@ def test_status_pages_render_a_failed_and_restarted_job_in_chromium(cluster, tmp
     assert "ev-bad" in fail_row.classes() and failure["message"] in fail_row.text, fail_row.attrs
     link = one(card, lambda e: e.tag == "a" and "id" in e.classes(), "job link")
     assert link.attrs["href"] == f"/jobs/{JOB}"
+    # the card's small picture of the history: a bar per round, the failure marked
+    small = one(card, lambda e: e.tag == "svg", "picture on the card")
+    assert small.classes() == {"history", "compact"} and small.attrs["role"] == "img", small.attrs
+    rounds = sorted(e["round_id"] for e in events if e["kind"] == "round_completed")
+    assert sorted(int(e.attrs["data-round"]) for e in small.find_all(lambda e: "data-round" in e.attrs)) == rounds
 
     shot = screenshot(tmp_path, base + "/", "status-page.png")
     with open(shot, "rb") as f:
@@ -260,6 +287,24 @@ def test_status_pages_render_a_failed_and_restarted_job_in_chromium(cluster, tmp
     kinds = {r.attrs["data-kind"] for r in rows}
     assert {"job_created", "node_joined", "round_completed", "worker_failed"} <= kinds, kinds
     assert sorted(r.attrs["data-node"] for r in dom.find_all(lambda e: "data-node" in e.attrs)) == sorted(NODES)
+    # the picture of the history: one bar per round (the running one outlined), the failure, the restart
+    picture = one(dom, lambda e: e.tag == "svg" and "history" in e.classes(), "picture of the history")
+    bars = picture.find_all(lambda e: "data-round" in e.attrs)
+    assert [(int(b.attrs["data-round"]), b.attrs["data-cause"]) for b in bars] == \
+        [(rounds[0], "start")] + [(r, "failure") for r in rounds[1:]], (rounds, [b.attrs for b in bars])
+    assert [b.attrs.get("data-current") for b in bars][-1] == "1"
+    assert {e.attrs["data-kind"] for e in picture.find_all(lambda e: "data-kind" in e.attrs)} >= {
+        "worker_failed", "restart", "node_joined"}
+    assert f"History of job {JOB}" == picture.attrs["aria-label"] and "restarts used 1 of 3" in picture.text
+    # ... laid out by the browser at a readable size, every bar and the failure with a box of its own
+    status, _, served = http_get(cluster, f"/jobs/{JOB}?refresh=0")
+    assert status == 200
+    sizes = measure_picture(tmp_path, served)
+    width, height = sizes["svg"]
+    assert width >= 1000 and 150 <= height <= 400, sizes
+    assert sorted(int(r) for r, _, _ in sizes["rounds"]) == rounds, sizes
+    assert all(w >= 1 and h >= 10 for _, w, h in sizes["rounds"]) and sizes["failures"], sizes
+    assert all(w > 0 for _, w, _ in sizes["failures"]), sizes
     screenshot(tmp_path, f"{base}/jobs/{JOB}", "status-page-job.png")
 
     # ---- an unknown job: a 404 page that says so, in HTML, escaped

@@ -77,7 +77,9 @@ class MultiHostJob:
         argv = [sys.executable, "-m", "node_agent.cli.main", "--endpoint", endpoint or self.endpoint(),
                 "--nnodes", nnodes, "--nproc", "1", "--job-id", self.job_id, "--node-id", host,
                 "--max-restarts", "3", "--lease-timeout", f"{LEASE_S:g}", *extra, TRAIN_LOOP]
-        env = {"HOST": host, "OUT_DIR": str(self.out)}
+        tmp = self.out / "tmp"          # where an agent killed at teardown leaves its run directory
+        tmp.mkdir(exist_ok=True)
+        env = {"HOST": host, "OUT_DIR": str(self.out), "TMPDIR": str(tmp)}
         if gloo_ifname is not None:
             env["GLOO_SOCKET_IFNAME"] = gloo_ifname
         proc = self._start(host, argv, host, env)

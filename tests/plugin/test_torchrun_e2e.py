@@ -35,7 +35,8 @@ def torchrun(cluster, out, node: str, *, job: str, nnodes: str, nproc: int = 1, 
     argv = [*TORCHRUN, "--rdzv-backend", "rdzv-server", "--rdzv-endpoint", cluster.endpoint(), "--rdzv-id", job,
             "--nnodes", nnodes, "--nproc-per-node", str(nproc), "--max-restarts", str(max_restarts),
             "--monitor-interval", "0.1", "--rdzv-conf", conf, STEPS]
-    proc = Proc(argv, child_env(OUT_DIR=str(out), NODE=node, **(env or {})), node)
+    # torchrun makes a torchelastic_* log directory in TMPDIR at every run and never removes it
+    proc = Proc(argv, child_env(OUT_DIR=str(out), NODE=node, TMPDIR=cluster.temp_dir(), **(env or {})), node)
     cluster.procs.append(proc)
     return proc
 
@@ -187,7 +188,7 @@ def test_a_node_that_finished_leaves_when_another_fails_after_it(cluster, tmp_pa
 
 
 def run_alone(args: list[str], tmp_path) -> tuple[int, str]:
-    proc = Proc([*TORCHRUN, *args, STEPS], child_env(OUT_DIR=str(tmp_path)), "torchrun")
+    proc = Proc([*TORCHRUN, *args, STEPS], child_env(OUT_DIR=str(tmp_path), TMPDIR=str(tmp_path)), "torchrun")
     try:
         return proc.wait(LIMIT), proc.output
     finally:

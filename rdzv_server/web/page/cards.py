@@ -125,9 +125,10 @@ def events_table(events: list[dict[str, Any]], now: float, details: bool) -> str
 
 
 def card(job: dict[str, Any], events: list[dict[str, Any]], now: float, *, full: bool, extra: str = "",
-         pager: str = "") -> str:
+         pager: str = "", picture: str = "") -> str:
     """A job's card: `full` on its own page (node tables paged by `pager`), else the overview's, whose
-    node tables stop at what `job` holds and link to the job's page for the rest."""
+    node tables stop at what `job` holds and link to the job's page for the rest. `picture`: the
+    job's history drawn (history.py), under its stats."""
     colour, warns = health(job)
     timeout = (job.get("config") or {}).get("lease_timeout_s")
     jid, counts = job["job_id"], job["counts"]
@@ -154,6 +155,7 @@ def card(job: dict[str, Any], events: list[dict[str, Any]], now: float, *, full:
         (f'<p class="reason"><span class="muted">last decision:</span> {esc(job["reason"])}</p>'
          if job["reason"] else ""),
         f'<p class="warns">&#9888; {esc("; ".join(warns))}</p>' if warns else "",
+        (f'<h3>History</h3>{picture}' if full else picture) if picture else "",
         pager, "<h3>Members</h3>", _members(job, timeout, full), _others(job, timeout, now, full), pager, extra,
         f'<h3>{"Event history, newest first" if full else "Recent events"}</h3>',
         events_table(events, now, details=full),

@@ -7,8 +7,9 @@ node ids, hosts and failure messages come from clients. Times are UTC ISO 8601 p
 
 Bounded whatever the server holds: the overview lists one page of jobs (`?offset=`, `?limit=`)
 with cards for the first few, each card's node tables stop after a few rows, and the job page
-shows one page of each node list (`?node_offset=`, `?node_limit=`). Pieces: page_parts.py (small
-HTML helpers), page_cards.py (one job's card), page_style.py (the CSS).
+shows one page of each node list (`?node_offset=`, `?node_limit=`). Pieces: parts.py (small
+HTML helpers), cards.py (one job's card), history.py and svg.py (the picture of a job's history),
+style.py (the CSS).
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from rdzv_server.core.rendezvous import Rendezvous
 from rdzv_server.logs import iso
 from rdzv_server.web import views
 from rdzv_server.web.page.cards import DETAIL_EVENTS, INDEX_EVENTS, card, config, failure
+from rdzv_server.web.page.history import history_svg
 from rdzv_server.web.page.parts import (
     age,
     badge,
@@ -150,8 +152,9 @@ def index_page(core: Rendezvous, now: float, refresh: int = DEFAULT_REFRESH_S, n
         cards = []
         for j in page[:INDEX_CARDS]:
             record = core.jobs[j["job_id"]]
-            cards.append(card(views.job_detail(record, now, 0, CARD_NODES),
-                              views.job_events(record, limit=INDEX_EVENTS)["events"], now, full=False))
+            detail = views.job_detail(record, now, 0, CARD_NODES)
+            cards.append(card(detail, views.job_events(record, limit=INDEX_EVENTS)["events"], now, full=False,
+                              picture=history_svg(detail, record.events, now, compact=True)))
         shown = (f'<p class="muted">The first {len(cards)} jobs of this page; every job has its own page.</p>'
                  if len(page) > len(cards) else "")
         body = (f"<h2>Jobs</h2>{nav}" + table(head, rows, "", "summary") + nav
@@ -180,7 +183,9 @@ def job_page(core: Rendezvous, job_id: str, now: float, refresh: int = DEFAULT_R
     longest = max(job["counts"][k] for k in views.NODE_LISTS)
     shown = max(len(job[k]) for k in views.NODE_LISTS)
     nav = pager("nodes (per list)", node_offset, shown, longest, path, params, "node_offset", node_limit)
-    body = f'<p><a href="/">&larr; all jobs</a></p>{card(job, events, now, full=True, extra=extra, pager=nav)}'
+    picture = history_svg(job, record.events, now)
+    body = (f'<p><a href="/">&larr; all jobs</a></p>'
+            f'{card(job, events, now, full=True, extra=extra, pager=nav, picture=picture)}')
     title = f'job <b class="mono">{esc(job_id)}</b>'
     return _layout(f"{job_id} · rdzv-server", now, body, refresh, path, params, title)
 

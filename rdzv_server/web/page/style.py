@@ -52,5 +52,6 @@ border:1px solid var(--line);font-size:11.5px;color:var(--muted)}
 .kv td:first-child{color:var(--muted);width:40%}.more{display:inline-block;margin-top:10px;font-weight:500}
 pre{margin:0;white-space:pre-wrap;font-size:12px}
 table.summary td,table.summary th{white-space:nowrap}table.summary td.note{white-space:normal;width:30%}
+svg.history{display:block;width:100%;max-width:1200px;height:auto;margin:10px 0 4px}
 .pager{margin:8px 0;color:var(--muted)}.pager a{margin:0 6px}.cut{padding:6px 12px;color:var(--muted)}
 """

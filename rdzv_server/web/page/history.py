@@ -1,0 +1,386 @@
+"""A picture of one job's history: an inline SVG (no script) of its rounds, its member count, and its
+failures, losses, joins and promoted spares over time, from the job's view and its kept events.
+
+Pure: `history_svg(job, events, now)` takes the job's view (`views.job_detail` or `job_summary`) and
+the events its record keeps, and returns markup. Bounded for a 2-node job or a 1,000-node one: the
+record keeps at most MAX_EVENTS_PER_JOB events, one pass reads them, rounds narrower than a few
+pixels are drawn together as one span and marks closer than a few pixels as one mark with its count,
+so the SVG never has a row per node and its size has a ceiling. Every client string (the job id,
+reasons, messages) is escaped, and clipped.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from rdzv_server.core.events import EventKind
+from rdzv_server.core.records import MAX_EVENTS_PER_JOB, Event
+from rdzv_server.web.page import svg
+from rdzv_server.web.page.parts import age, clip, epoch, plural
+from rdzv_server.web.page.svg import CAUSES, FINISH, INK, MARKS, MUTED, Frame, Legend, cause_label, num, stamp, x_
+
+MIN_SPAN_S = 1.0         # the shortest time axis (a job a few ms old is not drawn over the whole width)
+TEXT = 120               # characters of a client's text in a tooltip
+SAMPLES = 2              # messages a grouped mark's tooltip quotes
+FINISHED = {EventKind.JOB_SUCCEEDED: "succeeded", EventKind.JOB_FAILED: "failed", EventKind.JOB_CLOSED: "closed"}
+# Events drawn as marks, by the key of their style in svg.MARKS.
+MARKED = {EventKind.WORKER_FAILED: "worker_failed", EventKind.NODE_EXCLUDED: "node_excluded",
+          EventKind.NODE_LOST: "node_lost", EventKind.NODE_LEFT: "node_left", EventKind.NODE_DRAINED: "node_drained",
+          EventKind.NODE_JOINED: "node_joined", EventKind.NODE_BENCHED: "node_spare",
+          EventKind.NODE_READMITTED: "node_readmitted", EventKind.SERVER_RESTARTED: "server_restarted",
+          EventKind.LEASES_EXTENDED: "server_restarted", EventKind.JOB_RESIZED: "job_resized"}
+_SEVERITY = {c: i for i, c in enumerate(CAUSES)}
+_MARK_ORDER = {k: i for i, k in enumerate(MARKS)}
+
+
+@dataclass(slots=True)
+class Span:
+    """A round (`round_id` set) or a time the job waited for nodes (None), from `start` to `end`."""
+    start: float
+    end: float | None = None          # None: still open at the end of the picture
+    round_id: int | None = None
+    nodes: int = 0
+    world_size: int = 0
+    cause: str = ""                   # a RoundCause value; "" for a round formed before the kept history
+    reason: str = ""
+    current: bool = False
+
+
+@dataclass(slots=True)
+class Mark:
+    t: float
+    kind: str                         # a key of svg.MARKS
+    text: str
+    count: int = 1
+
+
+@dataclass(slots=True)
+class History:
+    t0: float
+    t1: float                         # the end of the picture: now, or when the job finished
+    cut: bool                         # older events were dropped: what came before t0 is unknown
+    spans: list[Span]
+    marks: list[Mark]
+    finish: tuple[float, str] | None  # when the job finished, and how
+
+
+def _int(value: Any) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
+
+
+def read_history(job: Mapping[str, Any], events: Sequence[Event], now: float) -> History:
+    """One pass over the kept events (oldest first; at most the last MAX_EVENTS_PER_JOB are read)."""
+    events = events[-MAX_EVENTS_PER_JOB:]
+    cut = bool(events) and events[0].seq > 1
+    t0 = events[0].t if events else epoch(job["created_at"])
+    spans: list[Span] = []
+    marks: list[Mark] = []
+    finish = None
+    # A whole history starts with the job forming its first round; a cut one with the unknown.
+    current: list[Span | None] = [None if cut else Span(t0)]
+
+    def close(t: float, then: Span | None) -> None:
+        if current[0] is not None:
+            current[0].end = t
+            spans.append(current[0])
+        current[0] = then
+
+    for e in events:
+        kind, data = e.kind, e.data
+        if kind == EventKind.ROUND_COMPLETED:
+            cause = str(data.get("cause", ""))
+            close(e.t, Span(e.t, round_id=e.round_id, nodes=_int(data.get("nodes")),
+                            world_size=_int(data.get("world_size")), cause=cause, reason=str(data.get("reason", ""))))
+            if cause == "failure":
+                marks.append(Mark(e.t, "restart", f"restart: round {e.round_id} formed after a worker failure"))
+            promoted = _int(data.get("promoted"))
+            if promoted:
+                marks.append(Mark(e.t, "promoted", f"{plural(promoted, 'spare')} promoted into round {e.round_id}",
+                                  promoted))
+        elif kind == EventKind.ROUND_ABANDONED:
+            close(e.t, Span(e.t, reason=e.message))
+        elif kind in FINISHED:
+            close(e.t, None)
+            finish = (e.t, FINISHED[kind])
+        elif kind == EventKind.NODE_BENCHED and marks and marks[-1].kind == "node_joined" and marks[-1].t == e.t:
+            marks[-1] = Mark(e.t, "node_spare", e.message)     # its join, decided at once: one mark
+        elif kind in MARKED:
+            marks.append(Mark(e.t, MARKED[kind], e.message, (_int(data.get("count")) or 1) if data else 1))
+    if current[0] is not None:
+        spans.append(current[0])
+    rid = job.get("round_id")
+    if rid is not None and finish is None:
+        if not any(s.round_id == rid for s in spans):     # formed before the oldest kept event
+            spans.insert(0, Span(t0, round_id=rid, nodes=_int(job.get("group_world_size")),
+                                 world_size=_int(job.get("world_size")), reason="formed before the kept history"))
+        for s in spans:
+            s.current = s.round_id == rid and s.end is None
+    finished = epoch(job["finished_at"]) if job.get("finished_at") else None
+    t1 = finish[0] if finish else finished if finished is not None else now
+    return History(t0, max(t1, t0), cut, spans, marks, finish)
+
+
+# ---- the lanes ----------------------------------------------------------------------------------
+
+def _end(s: Span, h: History) -> float:
+    return s.end if s.end is not None else h.t1
+
+
+def _tip(f: Frame, text: str) -> str:
+    """A tooltip (on the job's page; the overview's small picture has none: its size stays small)."""
+    return "" if f.compact else f"<title>{x_(text)}</title>"
+
+
+def _span_text(s: Span, h: History) -> str:
+    when = f"{stamp(s.start)} to {'now' if s.current else stamp(_end(s, h))} UTC ({age(_end(s, h) - s.start)})"
+    if s.round_id is None:
+        return f"waiting for nodes, {when}" + (f": {clip(s.reason, TEXT)}" if s.reason else "")
+    head = (f"round {s.round_id}{' (the current one)' if s.current else ''}: {plural(s.nodes, 'node')}, world size "
+            f"{s.world_size:,}, cause: {cause_label(s.cause)}, {when}")
+    return f"{head}; {clip(s.reason, TEXT)}" if s.reason else head
+
+
+def _groups(h: History, f: Frame) -> list[list[Span]]:
+    """The spans in time order; neighbours each narrower than `f.round_px` share a group (drawn as
+    one) until the group is that wide. The current round is always its own."""
+    out: list[list[Span]] = []
+    group_x = 0.0                    # where the last group starts
+    for s in h.spans:
+        x0, x1 = f.x(s.start), f.x(_end(s, h))
+        last = out[-1] if out else None
+        if last and x1 - x0 < f.round_px and x0 - group_x < f.round_px and not s.current and not last[0].current:
+            last.append(s)
+        else:
+            out.append([s])
+            group_x = x0
+    return out
+
+
+def _group_text(g: list[Span], h: History) -> str:
+    """The tooltip of a group of narrow spans."""
+    rounds = [s for s in g if s.round_id is not None]
+    counts: dict[str, int] = {}
+    for s in rounds:
+        counts[s.cause] = counts.get(s.cause, 0) + 1
+    waits = len(g) - len(rounds)
+    return (f"rounds {rounds[0].round_id} to {rounds[-1].round_id}: {plural(len(rounds), 'round')} in "
+            f"{age(_end(g[-1], h) - g[0].start)} from {stamp(g[0].start)} UTC, by cause: "
+            + ", ".join(f"{cause_label(k)} {n}" for k, n in counts.items())
+            + (f"; waited for nodes {plural(waits, 'time')}" if waits else ""))
+
+
+def _rounds_lane(h: History, f: Frame, groups: list[list[Span]], legend: Legend) -> list[str]:
+    """A bar per round (or group of narrow ones) coloured by its cause, labelled when there is room."""
+    y, height = f.lanes["rounds"]
+    out, labels = ['<g stroke="#fff" stroke-width="1">'], []
+    for g in groups:
+        x0 = f.x(g[0].start)
+        width = max(f.x(_end(g[-1], h)) - x0, 1.0)
+        box = f'x="{num(x0)}" width="{num(width)}"'
+        rounds = [s for s in g if s.round_id is not None]
+        if not rounds:
+            legend.add("waiting")
+            out.append(f'<rect data-waiting="1" {box} y="{y + 3}" height="{height - 6}" fill="#fff8c5" '
+                       f'stroke="#d4a72c" stroke-dasharray="3 2">{_tip(f, _span_text(g[0], h))}</rect>')
+            continue
+        worst = min(rounds, key=lambda s: _SEVERITY.get(s.cause, len(_SEVERITY)))
+        cause = worst.cause if worst.cause in CAUSES else ""
+        legend.add(f"cause:{cause}")
+        s = g[0]
+        if len(g) == 1:
+            attrs, text = f'data-round="{s.round_id}" data-cause="{x_(s.cause)}"', _span_text(s, h)
+            label = f"#{s.round_id}"
+            if s.cause and width > 7 * (len(label) + len(cause_label(s.cause))) + 12:
+                label += f" {cause_label(s.cause)}"
+            if width > 7 * len(label) + 6:
+                labels.append(f'<text x="{num(x0 + width / 2)}" y="{y + height / 2 + 4}" text-anchor="middle" '
+                              f'fill="#fff" font-weight="600">{x_(label)}</text>')
+        else:
+            attrs = f'data-rounds="{rounds[0].round_id}-{rounds[-1].round_id}"'
+            text = "" if f.compact else _group_text(g, h)
+        if s.current:
+            legend.add("current")
+            attrs += f' data-current="1" stroke="{INK}" stroke-width="2.5"'
+        out.append(f'<rect {attrs} {box} y="{y + 1}" height="{height - 2}" rx="2" fill="{CAUSES[cause][0]}">'
+                   f'{_tip(f, text)}</rect>')
+    return [*out, "</g>", *labels]
+
+
+def _members(h: History, f: Frame, groups: list[list[Span]], job: Mapping[str, Any], legend: Legend) -> list[str]:
+    """The member count as a filled step line; the current round's time shaded; min/max nodes dashed."""
+    y, height = f.lanes["members"]
+    low, high = _int(job.get("min_nodes")), _int(job.get("max_nodes"))
+    top, ticks = svg.members_scale(max((s.nodes for s in h.spans), default=0), low, high, f.compact)
+
+    def yv(v: float) -> float:
+        return y + height - v / top * height
+
+    out = [f'<rect x="{f.left}" y="{y}" width="{f.right - f.left}" height="{height}" fill="#fbfcfd"/>']
+    out += [f'<line x1="{f.left}" x2="{f.right}" y1="{yv(t):.1f}" y2="{yv(t):.1f}" stroke="{svg.GRID}"/>'
+            f'<text x="{f.left - 6}" y="{yv(t) + 4:.1f}" text-anchor="end" fill="{MUTED}">{t:,}</text>' for t in ticks]
+    for s in h.spans:
+        if s.current:
+            out.append(f'<rect x="{f.x(s.start):.1f}" y="{y}" width="{max(f.x(h.t1) - f.x(s.start), 1):.1f}" '
+                       f'height="{height}" fill="#ddf4ff"/>')
+    out += svg.limit_lines(f, yv, low, high, top)
+    if groups:
+        legend.add("members")
+        d = [f"M{f.x(groups[0][0].start):.1f},{yv(0):.1f}"]
+        for g in groups:
+            values = [s.nodes for s in g]
+            d.append(f"H{f.x(g[0].start):.1f}")
+            if len(values) > 1:
+                d.append(f"V{yv(min(values)):.1f}V{yv(max(values)):.1f}")
+            d.append(f"V{yv(values[-1]):.1f}H{f.x(_end(g[-1], h)):.1f}")
+        line = "".join(d)
+        out.append(f'<path d="{line}V{yv(0):.1f}Z" fill="#0969da" fill-opacity=".13"/>'
+                   f'<path class="members" d="{line}" fill="none" stroke="#0969da" stroke-width="2"/>')
+        last = h.spans[-1]
+        if last.current:
+            text = f"{plural(last.nodes, 'node')}, world size {last.world_size:,}"
+            out.append(f'<text x="{f.x(h.t1) - 6:.1f}" y="{max(yv(last.nodes) - 6, y + 11):.1f}" text-anchor="end" '
+                       f'fill="{INK}" font-weight="600">{x_(text)}</text>')
+    return out
+
+
+@dataclass(slots=True)
+class _Bucket:
+    """The marks of one lane closer than `mark_px`: drawn as one, in the style of its commonest kind."""
+    first: Mark
+    last: Mark
+    counts: dict[str, int]
+    marks: int = 0
+    samples: tuple[Mark, ...] = ()      # the first few, quoted in the tooltip
+
+    def add(self, m: Mark) -> None:
+        self.last = m
+        self.marks += 1
+        self.counts[m.kind] = self.counts.get(m.kind, 0) + m.count
+        if len(self.samples) < SAMPLES:
+            self.samples += (m,)
+
+    def kind(self) -> str:
+        return max(self.counts, key=lambda k: (self.counts[k], -_MARK_ORDER[k]))
+
+    def text(self) -> str:
+        first, last = self.first, self.last
+        if self.marks == 1 and first.count == 1:
+            return f"{stamp(first.t)} UTC: {clip(first.text, TEXT)}"
+        quoted = "; ".join(clip(m.text, TEXT // 2) for m in self.samples)
+        return (f"{stamp(first.t)} to {stamp(last.t)} UTC: " + ", ".join(
+            f"{n:,} x {MARKS[k].label}" for k, n in self.counts.items()) + f": {quoted}"
+            + ("; ..." if self.marks > SAMPLES else ""))
+
+
+def _buckets(h: History, f: Frame) -> list[tuple[str, _Bucket]]:
+    """Each lane's marks in buckets at least `f.mark_px` apart (so at most a few hundred per lane)."""
+    width = f.mark_px / (f.right - f.left) * f.span       # mark_px, in seconds
+    open_: dict[str, _Bucket] = {}
+    out: list[tuple[str, _Bucket]] = []
+    for m in h.marks:
+        lane = MARKS[m.kind].lane
+        bucket = open_.get(lane)
+        if bucket is None or m.t - bucket.first.t >= width:
+            bucket = open_[lane] = _Bucket(m, m, {})
+            out.append((lane, bucket))
+        bucket.add(m)
+    return out
+
+
+def _marks(h: History, f: Frame, legend: Legend) -> list[str]:
+    """A mark per bucket in its lane (restarts and server events as lines across the rounds and
+    members), with the bucket's count beside it where there is room."""
+    out: list[str] = []
+    labels: list[str] = []
+    top, bottom = f.lanes["rounds"][0], f.lanes["members"][0] + f.lanes["members"][1]
+    buckets = [(lane, b) for lane, b in _buckets(h, f) if lane in f.lanes or (lane == "line" and not f.compact)]
+    room: dict[int, float] = {}      # bucket -> how far right its count may reach: the next mark in its lane
+    following: dict[str, float] = {}
+    for lane, b in reversed(buckets):
+        room[id(b)] = following.get(lane, f.right + 40)
+        following[lane] = f.x(b.first.t) - 5
+    for lane, bucket in buckets:
+        kind = bucket.kind()
+        style = MARKS[kind]
+        legend.update(bucket.counts)
+        x, count = f.x(bucket.first.t), sum(bucket.counts.values())
+        attrs = f' data-kind="{kind}" data-count="{count}"'
+        if lane == "line":
+            height = (bottom - top) / 2
+            out.append(svg.glyph(style.shape, x, top + height, style.colour, height - 2, attrs, _tip(f, bucket.text())))
+            continue
+        lane_y, lane_h = f.lanes[lane]
+        cy = lane_y + lane_h / 2
+        out.append(svg.glyph(style.shape, x, cy, style.colour, 3.5 if f.compact else 4.5, attrs,
+                             _tip(f, bucket.text())))
+        words = f"{count:,}"
+        if count > 1 and x + 7 + 6 * len(words) < room[id(bucket)]:
+            labels.append(f'<text x="{num(x + 7)}" y="{num(cy + 4)}">{words}</text>')
+    return [*out, f'<g font-size="10" fill="{MUTED}">', *labels, "</g>"]
+
+
+def _finish(h: History, f: Frame, legend: Legend) -> list[str]:
+    if h.finish is None:
+        return []
+    t, state = h.finish
+    legend.add(f"finish:{state}")
+    x, colour = f.x(t), FINISH[state]
+    top, (y, height) = f.lanes["rounds"][0], f.lanes["members"]
+    return [f'<line x1="{x:.1f}" x2="{x:.1f}" y1="{top}" y2="{y + height}" stroke="{colour}" stroke-width="2.5"/>'
+            f'<text x="{x - 5:.1f}" y="{y + 13}" text-anchor="end" fill="{colour}" font-weight="600">job {state}'
+            f"</text>"]
+
+
+# ---- the picture --------------------------------------------------------------------------------
+
+def summary(job: Mapping[str, Any], h: History) -> str:
+    """What the picture shows, in words (its <desc>, for screen readers and the page's text)."""
+    rounds = [s for s in h.spans if s.round_id is not None and s.cause]
+    causes: dict[str, int] = {}
+    for s in rounds:
+        causes[cause_label(s.cause)] = causes.get(cause_label(s.cause), 0) + 1
+    counts: dict[str, int] = {}
+    for m in h.marks:
+        counts[m.kind] = counts.get(m.kind, 0) + m.count
+    parts = [f"From {svg.day(h.t0)} {stamp(h.t0)} to {stamp(h.t1)} UTC ({age(h.t1 - h.t0)})"
+             + ("; older events were not kept" if h.cut else "")]
+    parts.append(f"{plural(len(rounds), 'round')} formed" + (" (" + ", ".join(f"{k}: {n}" for k, n in causes.items())
+                                                            + ")" if causes else ""))
+    seen = [f"{n:,} x {MARKS[k].label}" for k, n in counts.items() if MARKS[k].lane != "in" or k == "promoted"]
+    if seen:
+        parts.append(", ".join(seen))
+    parts.append(f"restarts used {job.get('restart_count', 0)} of {job.get('max_restarts', 0)}")
+    last = h.spans[-1] if h.spans else None
+    if h.finish:
+        parts.append(f"job {h.finish[1]} at {stamp(h.finish[0])} UTC")
+    elif last is not None and last.current:
+        parts.append(f"now round {last.round_id}: {plural(last.nodes, 'node')}, world size {last.world_size:,}")
+    else:
+        parts.append("now waiting for nodes")
+    return "; ".join(parts) + "."
+
+
+def history_svg(job: Mapping[str, Any], events: Sequence[Event], now: float, *, compact: bool = False) -> str:
+    """The picture of `job` (a view dict) from its kept `events`: rounds by cause, member count, marks
+    for failures, nodes going and coming, restarts; a legend of what it shows; `compact` for a card."""
+    h = read_history(job, events, now)
+    f = svg.frame(h.t0, h.t1, MIN_SPAN_S, compact)
+    legend = Legend()
+    groups = _groups(h, f)
+    body = [*svg.lane_labels(f), *svg.axis(f, h.t1, h.finish is None), *_members(h, f, groups, job, legend),
+            *_rounds_lane(h, f, groups, legend), *_marks(h, f, legend), *_finish(h, f, legend)]
+    if h.cut:
+        legend.add("cut")
+    if not any(s.round_id is not None for s in h.spans):
+        y, height = f.lanes["members"]
+        body.append(f'<text x="{(f.left + f.right) / 2}" y="{y + height / 2 + 4}" text-anchor="middle" '
+                    f'fill="{MUTED}">no round formed yet</text>')
+    items, legend_height = legend.render(f.bottom + 22)
+    total = f.bottom + 22 + legend_height
+    title = f"History of job {clip(str(job.get('job_id', '')), TEXT)}"
+    rounds = sum(1 for s in h.spans if s.round_id is not None)
+    return (f'<svg class="history{" compact" if compact else ""}" xmlns="http://www.w3.org/2000/svg" '
+            f'viewBox="0 0 {svg.W} {total:.0f}" role="img" aria-label="{x_(title)}" data-round-count="{rounds}" '
+            f'font-family="system-ui, sans-serif" font-size="11"><title>{x_(title)}</title>'
+            f"<desc>{x_(summary(job, h))}</desc>{''.join(body)}{''.join(items)}</svg>")
