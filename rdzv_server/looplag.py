@@ -18,7 +18,7 @@ class LoopLagProbe:
         self.total_s = 0.0
         self._recent: list[tuple[float, float]] = []   # (when, lag) of the lags worth noting, oldest first
         self._last_wake: float | None = None            # monotonic time the probe last ran
-        self._task: asyncio.Task | None = None
+        self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="rdzv-loop-lag")

@@ -17,8 +17,9 @@ import sys
 import tempfile
 
 from node_agent.agent import Agent
+from node_agent.cli.command_line import OptionsError
 from node_agent.cli.launch_form import Mode
-from node_agent.cli.options import AgentOptions, OptionsError, agent_token, parse_options
+from node_agent.cli.options import AgentOptions, agent_token, parse_options
 from node_agent.cli.values import StdSpec
 from node_agent.client.transport import Transport, local_addr_towards
 from node_agent.narration import Narrator, reply_of, start_lines

@@ -9,23 +9,20 @@ counted from the driver's files.
 """
 from __future__ import annotations
 
+import argparse
 import dataclasses
-import functools
-import math
 import os
-import re
 import signal
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, NoReturn
+from typing import Any
 
-import msgspec
-
-from node_agent.cli.flags import BY_DEST, FLAGS, FlagError, pet_values, split_command_line
+from node_agent.cli.command_line import JOB_DEFAULTS, CommandLine, OptionsError, job_config, non_negative, one_line
+from node_agent.cli.flags import FLAGS, FlagError, split_command_line
 from node_agent.cli.flags import build_argparser as _build
 from node_agent.cli.job_identity import TORCHRUN_DEFAULT_ID, command_fingerprint, default_job_id
 from node_agent.cli.launch_form import Mode, launch_form
-from node_agent.cli.rdzv_conf import AGENT_NOTES, IGNORED_KEYS, INT_KEYS, KNOWN_KEYS, SECONDS_KEYS, parse_conf
+from node_agent.cli.rdzv_conf import AGENT_NOTES, IGNORED_KEYS, KNOWN_KEYS, parse_conf
 from node_agent.cli.values import (  # noqa: F401  (Std, StdSpec, count_gpus: re-exported)
     DEFAULT_PORT,
     Fail,
@@ -51,10 +48,6 @@ DEFAULT_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
 DEFAULT_TEE_PREFIX = "[${role_name}${local_rank}]:"     # torchrun's prefix of tee'd lines
 
 
-class OptionsError(ValueError):
-    """A bad command line; the message is one line meant for the user."""
-
-
 @dataclass(frozen=True)
 class AgentOptions:
     script: str
@@ -68,7 +61,6 @@ class AgentOptions:
     token: str | None = None           # $RDZV_TOKEN: the token itself
     tls_ca: str | None = None          # CA bundle that must have signed the server's certificate
     nproc: int = 1
-    nproc_spec: str = "1"              # as typed ("gpu", "4", ...), for logs
     job_id: str = "default"
     job_id_source: str = ""            # where a job id that was not given came from (said at start)
     command: str = ""                  # the command's fingerprint, sent with joins ("": not checked)
@@ -112,9 +104,7 @@ class AgentOptions:
         return f"{host}:{self.endpoint_port}"
 
 
-_JOB_DEFAULTS: dict[str, Any] = {f.name: f.default for f in msgspec.structs.fields(JobConfig)}
 _AGENT_DEFAULTS: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(AgentOptions)}
-_JOB_FLAGS = [f.dest for f in FLAGS if f.dest in _JOB_DEFAULTS]   # job settings with a flag
 # torchrun flags that only take the value that means what node-agent does anyway: dest -> (that
 # value, or None when there is none; why any other is refused).
 _ONLY: dict[str, tuple[str | None, str]] = {
@@ -127,50 +117,12 @@ _ONLY: dict[str, tuple[str | None, str]] = {
 }
 
 
-def build_argparser():   # type: ignore[no-untyped-def]
+def build_argparser() -> argparse.ArgumentParser:
     """The parser, its help showing the defaults (JobConfig's for job settings, AgentOptions' otherwise)."""
     def text(dest: str, help: str) -> str:
-        default = _JOB_DEFAULTS.get(dest, _AGENT_DEFAULTS.get(dest))
-        return help.format(default=default, cooldown_max=_JOB_DEFAULTS["exclude_cooldown_max_s"])
+        default = JOB_DEFAULTS.get(dest, _AGENT_DEFAULTS.get(dest))
+        return help.format(default=default, cooldown_max=JOB_DEFAULTS["exclude_cooldown_max_s"])
     return _build({f.dest: text(f.dest, f.help) for f in FLAGS})
-
-
-class _Line:
-    """The flags as given: on the command line, else in torchrun's PET_* variables. Errors name the
-    spelling used (`--rdzv_id`, `$PET_NNODES`)."""
-
-    def __init__(self, ns: Any, environ: Mapping[str, str]) -> None:
-        typed: dict[str, str] = ns.__dict__.get("_spelling", {})
-        self.values: dict[str, Any] = {}
-        self.spelling: dict[str, str] = {}
-        pet = pet_values(environ)
-        for flag in FLAGS:
-            value = getattr(ns, flag.dest)
-            if value is not None:
-                self.values[flag.dest] = value
-                self.spelling[flag.dest] = typed.get(flag.dest) or flag.spellings[0]
-            elif flag.dest in pet:
-                raw, where = pet[flag.dest]
-                self.spelling[flag.dest] = where
-                self.values[flag.dest] = raw if flag.metavar is not None else self._switch(flag.dest, raw)
-
-    def _switch(self, dest: str, raw: str) -> bool:
-        try:
-            return bool(int(raw))       # torchrun's rule for PET_STANDALONE, PET_MODULE, ...
-        except ValueError:
-            self.fail(dest, f"expected 0 or 1, got {raw!r}")
-
-    def get(self, dest: str) -> Any:
-        return self.values.get(dest)
-
-    def name(self, dest: str) -> str:
-        return self.spelling.get(dest) or BY_DEST[dest].spellings[0]
-
-    def fail(self, dest: str, why: str) -> NoReturn:
-        raise OptionsError(f"{self.name(dest)}: {why}")
-
-    def failing(self, dest: str) -> Fail:
-        return lambda why: self.fail(dest, why)
 
 
 def parse_options(argv: Sequence[str], environ: Mapping[str, str] = os.environ) -> AgentOptions:
@@ -180,98 +132,36 @@ def parse_options(argv: Sequence[str], environ: Mapping[str, str] = os.environ) 
         ns = parser.parse_args([*options, "--", rest[0]] if rest else options)
     except FlagError as exc:
         raise OptionsError(str(exc)) from None
-    line = _Line(ns, environ)
+    line = CommandLine(ns, environ)
     script, script_args = ns.script, tuple(rest[1:])
-    get, fail = line.get, line.fail
-    warnings: list[str] = []
-
-    run_path, module, no_python = bool(get("run_path")), bool(get("module")), bool(get("no_python"))
-    if module and no_python and not run_path:     # --run-path takes precedence over both, as in torchrun
-        raise OptionsError("--no-python cannot be combined with -m/--module")
-    for dest, (only, why) in _ONLY.items():
-        if get(dest) not in (None, only):
-            fail(dest, f"only {only!r}, got {get(dest)!r}: {why}" if only else f"not supported: {why}")
-    if get("start_method") not in (None, "spawn", "fork", "forkserver"):
-        fail("start_method", f"expected spawn, fork or forkserver, got {get('start_method')!r}")
-    if get("monitor_interval") is not None:
-        _non_negative(line, "monitor_interval")
-
-    # Node and worker counts: -j is shorthand for --nnodes plus --nproc, so both at once is ambiguous.
-    nproc_text: str = get("nproc") if get("nproc") is not None else "1"
-    nnodes_text: str = get("nnodes") if get("nnodes") is not None else "1:1"
-    if get("j") is not None:
-        for other in ("nnodes", "nproc"):
-            if get(other) is not None:
-                raise OptionsError(f"{line.name('j')} conflicts with {line.name(other)}: give one or the other")
-        nnodes_text, nproc_text = _split_j(get("j"), line.failing("j"))
-    nodes_flag = "j" if get("j") is not None else "nnodes"
-    min_nodes, max_nodes = parse_nnodes(nnodes_text, line.failing(nodes_flag))
-    if nproc_text.strip() == "xpu":
-        fail("j" if get("j") else "nproc", "node-agent counts NVIDIA GPUs only (gpu); give the number of workers")
-    nproc = resolve_nproc(nproc_text, environ, line.failing("j" if get("j") else "nproc"))
-
-    try:
-        conf = parse_conf(get("rdzv_conf") or "")
-    except ValueError as exc:
-        fail("rdzv_conf", str(exc))
-    for key in conf:
-        if key not in KNOWN_KEYS and key not in AGENT_NOTES:
-            fail("rdzv_conf", f"unknown key {key!r}; known keys: {', '.join(sorted({*KNOWN_KEYS, *AGENT_NOTES}))}")
-        if key in AGENT_NOTES or key in IGNORED_KEYS:
-            warnings.append(f"--rdzv-conf {key} has no effect: {AGENT_NOTES.get(key) or IGNORED_KEYS[key]}")
-
+    get = line.get
+    _check_refused(line)
+    counts = _counts(line, environ)
+    conf, warnings = _rdzv_conf(line)
     given_id = get("job_id") if get("job_id") not in (None, TORCHRUN_DEFAULT_ID) else None
     tls_ca = get("tls_ca") or conf.get("tls_ca")
     form = launch_form(backend=get("rdzv_backend"), endpoint=get("endpoint"), endpoint_flag=line.name("endpoint"),
                        standalone=bool(get("standalone")), master_addr=get("master_addr"),
-                       master_port=get("master_port"), nodes=(min_nodes, max_nodes), job_id=given_id, tls_ca=tls_ca,
-                       fail=fail, node_rank_given=get("node_rank") is not None)
+                       master_port=get("master_port"), nodes=(counts.min_nodes, counts.max_nodes), job_id=given_id,
+                       tls_ca=tls_ca, fail=line.fail, node_rank_given=get("node_rank") is not None)
     warnings += form.warnings
-    if form.one_node:
-        min_nodes = max_nodes = 1
+    min_nodes, max_nodes = (1, 1) if form.one_node else (counts.min_nodes, counts.max_nodes)
+    run_path, module, no_python = bool(get("run_path")), bool(get("module")), bool(get("no_python"))
     kind = "run-path" if run_path else "program" if no_python else "module" if module else "python"
     fingerprint = command_fingerprint(kind, script, script_args)
-    job_id, source = form.job_id or given_id, ""
-    if job_id is None and form.mode is Mode.STATIC:
-        job_id = get("job_id") or TORCHRUN_DEFAULT_ID   # torchrun's run id; no server, so nothing to merge
-    if job_id is None:
-        job_id, source = default_job_id(environ, fingerprint)
-    node_id = get("node_id") or conf.get("node_id") or _default_node_id()
-    for dest, problem in (("node_id", node_id_problem(node_id)), ("job_id", job_id_problem(job_id))):
-        if problem:   # the server's own rule, checked before anything connects
-            fail(dest, problem)
-
-    node_rank = _int(get("node_rank"), line.failing("node_rank")) if get("node_rank") is not None else 0
-    if form.mode is Mode.STATIC and not 0 <= node_rank < max_nodes:
-        fail("node_rank", f"must be 0..{max_nodes - 1} for --nnodes {nnodes_text}, got {node_rank}")
-    if get("local_addr") is not None and not get("local_addr"):
-        fail("local_addr", "must not be empty")
-    role = get("role") if get("role") is not None else "default"
-    if len(role) > 64:
-        fail("role", f"at most 64 characters, got {len(role)}")
-    if get("virtual_local_rank") and environ.get("CUDA_VISIBLE_DEVICES") is not None:
-        visible = environ["CUDA_VISIBLE_DEVICES"].split(",")   # torchrun's reading: each entry, even empty
-        if nproc > len(visible):
-            fail("virtual_local_rank", f"{nproc} workers but CUDA_VISIBLE_DEVICES lists {len(visible)} devices")
-
-    token_file = get("token_file") or conf.get("token_file") or environ.get("RDZV_TOKEN_FILE") or None
-    token = None
-    if token_file is None and environ.get("RDZV_TOKEN"):
-        token = environ["RDZV_TOKEN"].strip()
-        if problem := token_problem(token.encode()):
-            _one_line(f"$RDZV_TOKEN: {problem}")
-    if tls_ca is not None and not os.path.isfile(tls_ca):
-        _one_line(f"{line.name('tls_ca') if get('tls_ca') else '--rdzv-conf tls_ca'}: no such file: {tls_ca}")
-
+    job_id, source, node_id = _identity(line, form.mode, form.job_id or given_id, conf, environ, fingerprint)
+    node_rank = _node_rank(line, form.mode, max_nodes, counts.nnodes_text)
+    role = _role(line, counts.nproc, environ)
+    token_file, token = _token(line, conf, environ, tls_ca)
     stop_default = environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT")
     return AgentOptions(
         script=script, script_args=script_args, mode=form.mode, endpoint_host=form.host, endpoint_port=form.port,
         endpoint_scheme=form.scheme, endpoint_replicas=form.replicas,
         token_file=token_file if form.mode is Mode.SERVER else None,
         token=token if form.mode is Mode.SERVER else None, tls_ca=tls_ca,
-        nproc=nproc, nproc_spec=nproc_text, job_id=job_id, job_id_source=source,
+        nproc=counts.nproc, job_id=job_id, job_id_source=source,
         command="" if get("no_command_check") else fingerprint,
-        job=_job_config(line, conf, min_nodes, max_nodes, nodes_flag), node_id=node_id,
+        job=job_config(line, conf, min_nodes, max_nodes, counts.nodes_flag), node_id=node_id,
         local_addr=get("local_addr"), role=role, module=module, no_python=no_python, run_path=run_path,
         node_rank=node_rank, master_addr=form.master_addr, master_port=form.master_port,
         log_dir=get("log_dir") or None,
@@ -285,11 +175,120 @@ def parse_options(argv: Sequence[str], environ: Mapping[str, str] = os.environ) 
         virtual_local_rank=bool(get("virtual_local_rank")),
         signals=parse_signals(get("signals"), line.failing("signals")) if get("signals") else DEFAULT_SIGNALS,
         reply_file=environ.get("TORCHELASTIC_ERROR_FILE") or None,
-        stop_timeout=_non_negative(line, "stop_timeout", stop_default, "$TORCH_ELASTIC_SHUTDOWN_TIMEOUT"),
-        server_wait=_non_negative(line, "server_wait", conf.get("server_wait"), "--rdzv-conf server_wait"),
-        hang_timeout=_non_negative(line, "hang_timeout"), warnings=tuple(warnings),
+        stop_timeout=non_negative(line, _AGENT_DEFAULTS, "stop_timeout", stop_default,
+                                  "$TORCH_ELASTIC_SHUTDOWN_TIMEOUT"),
+        server_wait=non_negative(line, _AGENT_DEFAULTS, "server_wait", conf.get("server_wait"),
+                                 "--rdzv-conf server_wait"),
+        hang_timeout=non_negative(line, _AGENT_DEFAULTS, "hang_timeout"), warnings=tuple(warnings),
     )
 
+
+def _check_refused(line: CommandLine) -> None:
+    """Flags whose combination or value node-agent refuses, before anything else is read."""
+    get = line.get
+    if get("module") and get("no_python") and not get("run_path"):   # --run-path wins over both, as in torchrun
+        raise OptionsError("--no-python cannot be combined with -m/--module")
+    for dest, (only, why) in _ONLY.items():
+        if get(dest) not in (None, only):
+            line.fail(dest, f"only {only!r}, got {get(dest)!r}: {why}" if only else f"not supported: {why}")
+    if get("start_method") not in (None, "spawn", "fork", "forkserver"):
+        line.fail("start_method", f"expected spawn, fork or forkserver, got {get('start_method')!r}")
+    if get("monitor_interval") is not None:
+        non_negative(line, _AGENT_DEFAULTS, "monitor_interval")
+
+
+@dataclass(frozen=True)
+class _Counts:
+    min_nodes: int
+    max_nodes: int
+    nproc: int
+    nodes_flag: str          # the flag the node counts came from (errors name it)
+    nnodes_text: str         # the node counts as given
+
+
+def _counts(line: CommandLine, environ: Mapping[str, str]) -> _Counts:
+    """Node and worker counts: -j is shorthand for --nnodes plus --nproc, so both at once is ambiguous."""
+    get = line.get
+    nproc_text: str = get("nproc") if get("nproc") is not None else "1"
+    nnodes_text: str = get("nnodes") if get("nnodes") is not None else "1:1"
+    if get("j") is not None:
+        for other in ("nnodes", "nproc"):
+            if get(other) is not None:
+                raise OptionsError(f"{line.name('j')} conflicts with {line.name(other)}: give one or the other")
+        nnodes_text, nproc_text = _split_j(get("j"), line.failing("j"))
+    nodes_flag = "j" if get("j") is not None else "nnodes"
+    min_nodes, max_nodes = parse_nnodes(nnodes_text, line.failing(nodes_flag))
+    if nproc_text.strip() == "xpu":
+        line.fail("j" if get("j") else "nproc", "node-agent counts NVIDIA GPUs only (gpu); give the number of workers")
+    nproc = resolve_nproc(nproc_text, environ, line.failing("j" if get("j") else "nproc"))
+    return _Counts(min_nodes, max_nodes, nproc, nodes_flag, nnodes_text)
+
+
+def _rdzv_conf(line: CommandLine) -> tuple[dict[str, str], list[str]]:
+    """--rdzv-conf's keys (each one known), and a warning for each that has no effect here."""
+    try:
+        conf = parse_conf(line.get("rdzv_conf") or "")
+    except ValueError as exc:
+        line.fail("rdzv_conf", str(exc))
+    warnings = []
+    for key in conf:
+        if key not in KNOWN_KEYS and key not in AGENT_NOTES:
+            line.fail("rdzv_conf", f"unknown key {key!r}; known keys: {', '.join(sorted({*KNOWN_KEYS, *AGENT_NOTES}))}")
+        if key in AGENT_NOTES or key in IGNORED_KEYS:
+            warnings.append(f"--rdzv-conf {key} has no effect: {AGENT_NOTES.get(key) or IGNORED_KEYS[key]}")
+    return conf, warnings
+
+
+def _identity(line: CommandLine, mode: Mode, job_id: str | None, conf: Mapping[str, str],
+              environ: Mapping[str, str], fingerprint: str) -> tuple[str, str, str]:
+    """The job id (and where it came from when not given) and this node's id, checked by the server's rules."""
+    source = ""
+    if job_id is None and mode is Mode.STATIC:
+        job_id = line.get("job_id") or TORCHRUN_DEFAULT_ID   # torchrun's run id; no server, so nothing to merge
+    if job_id is None:
+        job_id, source = default_job_id(environ, fingerprint)
+    node_id = line.get("node_id") or conf.get("node_id") or _default_node_id()
+    for dest, problem in (("node_id", node_id_problem(node_id)), ("job_id", job_id_problem(job_id))):
+        if problem:   # the server's own rule, checked before anything connects
+            line.fail(dest, problem)
+    return job_id, source, node_id
+
+
+def _node_rank(line: CommandLine, mode: Mode, max_nodes: int, nnodes_text: str) -> int:
+    get = line.get
+    node_rank = _int(get("node_rank"), line.failing("node_rank")) if get("node_rank") is not None else 0
+    if mode is Mode.STATIC and not 0 <= node_rank < max_nodes:
+        line.fail("node_rank", f"must be 0..{max_nodes - 1} for --nnodes {nnodes_text}, got {node_rank}")
+    if get("local_addr") is not None and not get("local_addr"):
+        line.fail("local_addr", "must not be empty")
+    return node_rank
+
+
+def _role(line: CommandLine, nproc: int, environ: Mapping[str, str]) -> str:
+    get = line.get
+    role: str = get("role") if get("role") is not None else "default"
+    if len(role) > 64:
+        line.fail("role", f"at most 64 characters, got {len(role)}")
+    if get("virtual_local_rank") and environ.get("CUDA_VISIBLE_DEVICES") is not None:
+        visible = environ["CUDA_VISIBLE_DEVICES"].split(",")   # torchrun's reading: each entry, even empty
+        if nproc > len(visible):
+            line.fail("virtual_local_rank", f"{nproc} workers but CUDA_VISIBLE_DEVICES lists {len(visible)} devices")
+    return role
+
+
+def _token(line: CommandLine, conf: Mapping[str, str], environ: Mapping[str, str],
+           tls_ca: str | None) -> tuple[str | None, str | None]:
+    """The token file (read at start-up), else $RDZV_TOKEN's token; and a --tls-ca that must exist."""
+    get = line.get
+    token_file = get("token_file") or conf.get("token_file") or environ.get("RDZV_TOKEN_FILE") or None
+    token = None
+    if token_file is None and environ.get("RDZV_TOKEN"):
+        token = environ["RDZV_TOKEN"].strip()
+        if problem := token_problem(token.encode()):
+            one_line(f"$RDZV_TOKEN: {problem}")
+    if tls_ca is not None and not os.path.isfile(tls_ca):
+        one_line(f"{line.name('tls_ca') if get('tls_ca') else '--rdzv-conf tls_ca'}: no such file: {tls_ca}")
+    return token_file, token
 
 def agent_token(opts: AgentOptions) -> str | None:
     """The server's token: the file's (read now, at start-up, not while parsing), else $RDZV_TOKEN's."""
@@ -301,47 +300,3 @@ def agent_token(opts: AgentOptions) -> str | None:
         raise OptionsError(f"--token-file {opts.token_file}: {exc}") from None
 
 
-def _one_line(message: str) -> NoReturn:
-    raise OptionsError(message)
-
-
-def _non_negative(line: _Line, dest: str, fallback: str | None = None, fallback_name: str = "") -> float:
-    """A setting of this agent's own (not the job's): seconds, >= 0 and finite."""
-    raw, fail = line.get(dest), line.failing(dest)
-    if raw is None and fallback is not None:
-        raw, fail = fallback, lambda why: _one_line(f"{fallback_name}: {why}")
-    if raw is None:
-        return float(_AGENT_DEFAULTS.get(dest, 0.0))
-    value = _seconds(raw, fail)
-    if not math.isfinite(value) or value < 0:
-        fail(f"must be >= 0 and finite, got {raw!r}")
-    return value
-
-
-def _job_config(line: _Line, conf: Mapping[str, str], min_nodes: int, max_nodes: int, nodes_flag: str) -> JobConfig:
-    """The job's settings from the flags given, then --rdzv-conf's keys (which win, as for the plugin);
-    JobConfig supplies the defaults and bounds."""
-    values: dict[str, Any] = {"min_nodes": min_nodes, "max_nodes": max_nodes}
-    source: dict[str, tuple[str, Callable[[str], NoReturn]]] = {}   # field -> (text, fail)
-    for dest in _JOB_FLAGS:
-        if line.get(dest) is not None:
-            source[dest] = (line.get(dest), line.failing(dest))
-    for key, value in conf.items():
-        field = SECONDS_KEYS.get(key) or (key if key in INT_KEYS and key in _JOB_DEFAULTS else None)
-        if field is not None and not (key == "timeout" and "join_timeout" in conf):
-            source[field] = (value, functools.partial(_conf_fail, key))
-    for field, (raw, fail) in source.items():
-        values[field] = _int(raw, fail) if isinstance(_JOB_DEFAULTS[field], int) else _seconds(raw, fail)
-    try:
-        return msgspec.convert(values, JobConfig)
-    except msgspec.ValidationError as exc:   # e.g. "Expected `int` >= 0 - at `$.max_restarts`"
-        text, _, where = str(exc).partition(" - at ")
-        field = where.strip("`").removeprefix("$.")
-        why = re.sub(r"^Expected `\w+` ", "must be ", text)
-        if field in source:
-            source[field][1](f"{why}, got {source[field][0]!r}")
-        line.fail(nodes_flag if field in ("min_nodes", "max_nodes") else field, why)
-
-
-def _conf_fail(key: str, why: str) -> NoReturn:
-    raise OptionsError(f"--rdzv-conf {key}: {why}")

@@ -30,7 +30,7 @@ class Backoff:
 
     def next_pause(self) -> float:
         self.tries += 1
-        return min(self.max_s, self.first_s * 2 ** self.tries) * self._jitter(0.5, 1.0)
+        return min(self.max_s, self.first_s * 2.0 ** self.tries) * self._jitter(0.5, 1.0)
 
     async def pause(self) -> None:
         await asyncio.sleep(self.next_pause())   # waiting out an outage: there is nothing to await

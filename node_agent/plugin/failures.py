@@ -1,33 +1,16 @@
 """torch's worker failures, for the plugin's failure reports.
 
-torch's elastic agent passes the failures of its workers to no rendezvous handler method. They ride
-on the ChildFailedError that leaves its launcher (at shutdown), or sit in the run loop that called
-next_rendezvous (`_invoke_run`'s `run_result`): both hold torch's ProcessFailure objects by global
-rank. Reading them is best effort (no torch import here, only their attributes); without them the
-report says that the node's workers failed, not which.
+torch's elastic agent passes the failures of its workers to no rendezvous handler method;
+torch_internals.run_loop_failures finds torch's ProcessFailure objects by global rank. Reading them
+is best effort (no torch import here, only their attributes); without them the report says that the
+node's workers failed, not which.
 """
 from __future__ import annotations
 
-import sys
 import time
-from types import FrameType
 from typing import Any
 
 from protocol.messages import MAX_MESSAGE, MAX_TRACEBACK, Assignment, WorkerFailure
-
-
-def agent_failures(exc: BaseException | None) -> dict[int, Any] | None:
-    """torch's ProcessFailures by global rank, from `exc` or the calling run loop; None when not found."""
-    failures = getattr(exc, "failures", None)
-    if isinstance(failures, dict):
-        return failures
-    frame: FrameType | None = sys._getframe(1)
-    while frame is not None:
-        if frame.f_code.co_name == "_invoke_run":
-            found = getattr(frame.f_locals.get("run_result"), "failures", None)
-            return found if isinstance(found, dict) else None
-        frame = frame.f_back
-    return None
 
 
 def worker_failures(failures: dict[int, Any] | None, a: Assignment, host: str) -> list[WorkerFailure]:

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import io
 import os
 import sys
 import time
@@ -47,10 +46,11 @@ from torch.distributed.elastic.rendezvous import (
     RendezvousParameters,
     RendezvousStoreInfo,
 )
-from torch.distributed.elastic.utils.distributed import get_free_port
 
+from node_agent.cli.rdzv_conf import IGNORED_KEYS, unquoted
 from node_agent.client.http import RdzvClient
-from node_agent.plugin.failures import agent_failures, worker_failures
+from node_agent.client.transport import free_port
+from node_agent.plugin.failures import worker_failures
 from node_agent.plugin.round_store import JOB_SUCCEEDED, RoundStore, first_line, pauses
 from node_agent.plugin.session import (
     JobFinished,
@@ -63,13 +63,12 @@ from node_agent.plugin.session import (
 )
 from node_agent.plugin.settings import (
     BACKEND,
-    IGNORED_KEYS,
     PluginSettings,
     SettingsError,
     TorchrunLine,
     plugin_settings,
-    unquoted,
 )
+from node_agent.plugin.torch_internals import PrefixStore, Store, TCPStore, run_loop_failures, torchrun_args
 from protocol.errors import ErrorCode
 from protocol.messages import Assignment, JobState, WorkerFailure
 
@@ -94,16 +93,10 @@ def create_handler(params: RendezvousParameters) -> RdzvServerHandler:
 def torchrun_line(params: RendezvousParameters) -> TorchrunLine | None:
     """--nproc-per-node, --max-restarts and --role as torchrun read them: torch gives a handler none
     of them. None when this process's command line is not the torchrun line that made `params`."""
-    try:
-        from torch.distributed.run import determine_local_world_size, get_args_parser
-        with contextlib.redirect_stderr(io.StringIO()):
-            args, _ = get_args_parser().parse_known_args(sys.argv[1:])
-        if args.rdzv_backend != params.backend or args.rdzv_id != params.run_id:
-            return None
-        return TorchrunLine(local_world_size=determine_local_world_size(args.nproc_per_node),
-                            max_restarts=int(args.max_restarts), role=str(args.role))
-    except (SystemExit, Exception):   # best effort: --rdzv-conf local_world_size/max_restarts give them too
+    args = torchrun_args(sys.argv[1:])
+    if args is None or args.rdzv_backend != params.backend or args.rdzv_id != params.run_id:
         return None
+    return TorchrunLine(local_world_size=args.local_world_size, max_restarts=args.max_restarts, role=args.role)
 
 
 def _exit(code: int, message: str) -> NoReturn:
@@ -116,7 +109,7 @@ class RdzvServerHandler(RendezvousHandler):
     def __init__(self, settings: PluginSettings) -> None:
         self.settings = settings
         self._session: ServerSession | None = None
-        self._agent_store: dist.TCPStore | None = None
+        self._agent_store: TCPStore | None = None
         self._assignment: Assignment | None = None   # the round torch's workers run
         self._succeeded_round = -1                   # the round whose success this node reported
         self._rounds = 0                             # rounds handed to torch
@@ -165,7 +158,7 @@ class RdzvServerHandler(RendezvousHandler):
         ran = self._assignment
         failures = None
         if ran is not None and self._succeeded_round != ran.round_id and still_in_round(session.view, ran.round_id):
-            failures = worker_failures(agent_failures(None), ran, self.settings.hostname)
+            failures = worker_failures(run_loop_failures(None), ran, self.settings.hostname)
             self.say(f"round {ran.round_id}: this node's workers failed; reporting it")
         self._assignment = None
         after = ran.round_id if ran is not None else -1
@@ -200,7 +193,7 @@ class RdzvServerHandler(RendezvousHandler):
             if exc is None:      # torch's agent returned: its workers succeeded (no exit barrier was seen)
                 self._report_success()
             else:
-                failures = worker_failures(agent_failures(exc), ran, self.settings.hostname)
+                failures = worker_failures(run_loop_failures(exc), ran, self.settings.hostname)
                 leave = "the torchrun agent stopped after its workers failed"
         view = session.view
         if self._succeeded_round >= 0 and view is not None and view.job_state is not JobState.SUCCEEDED:
@@ -222,7 +215,7 @@ class RdzvServerHandler(RendezvousHandler):
     def _start(self) -> ServerSession:
         if self._session is None:
             s = self.settings
-            self._agent_store = dist.TCPStore(s.addr, 0, is_master=True, wait_for_workers=False,
+            self._agent_store = TCPStore(s.addr, 0, is_master=True, wait_for_workers=False,
                                               timeout=timedelta(seconds=s.store_timeout_s))
             client = RdzvClient(s.host, s.port, s.job_id, s.node_id, scheme=s.scheme, token=s.token, tls_ca=s.tls_ca)
             session = ServerSession(s, client,
@@ -258,9 +251,9 @@ class RdzvServerHandler(RendezvousHandler):
         base = self._agent_store if a.group_rank == 0 else self._connect(a)
         if base is None:
             return None
-        inner = dist.PrefixStore(f"rdzv-server/{self.settings.job_id}/{a.round_id}", base)
+        inner = PrefixStore(f"rdzv-server/{self.settings.job_id}/{a.round_id}", base)
         if a.group_rank == 0:
-            port = get_free_port()
+            port = free_port(self.settings.addr)
             inner.set(WORKER_PORT_KEY, str(port))
         else:
             if not self._wait_for_key(inner, WORKER_PORT_KEY, a):
@@ -269,12 +262,12 @@ class RdzvServerHandler(RendezvousHandler):
         store = RoundStore(inner, self._report_success, lambda: self._barrier_over(a.round_id))
         return RendezvousInfo(store, a.group_rank, a.group_world_size, RendezvousStoreInfo(a.master_addr, port))
 
-    def _connect(self, a: Assignment) -> dist.Store | None:
+    def _connect(self, a: Assignment) -> Store | None:
         """A client of group rank 0's agent store, retried until it answers or the round moves on."""
         deadline = time.monotonic() + self.settings.store_timeout_s
         while True:
             try:
-                store = dist.TCPStore(a.master_addr, a.master_port, is_master=False, wait_for_workers=False,
+                store = TCPStore(a.master_addr, a.master_port, is_master=False, wait_for_workers=False,
                                       timeout=timedelta(seconds=CONNECT_TRY_S))
                 store.set_timeout(timedelta(seconds=self.settings.store_timeout_s))
                 return store
@@ -287,7 +280,7 @@ class RdzvServerHandler(RendezvousHandler):
                         f"for {self.settings.store_timeout_s:g}s (--rdzv-conf read_timeout): "
                         f"{first_line(exc)}") from None
 
-    def _wait_for_key(self, store: dist.Store, key: str, a: Assignment) -> bool:
+    def _wait_for_key(self, store: Store, key: str, a: Assignment) -> bool:
         """Until group rank 0's agent publishes `key`; False when the round moves on first (rank 0 may
         never come: it died, or finished its workers and cannot run another round)."""
         deadline = time.monotonic() + self.settings.store_timeout_s

@@ -13,14 +13,12 @@ from typing import Any
 
 import torch.distributed as dist
 
-try:   # the key prefix of torch's exit barrier (torch.distributed.elastic.agent.server.api)
-    from torch.distributed.elastic.agent.server.api import _TERMINAL_STATE_SYNC_ID as EXIT_BARRIER
-except ImportError:   # pragma: no cover - a torch that moved it; the value of 2.3 to 2.13
-    EXIT_BARRIER = "torchelastic/agent/terminal_state"
+from node_agent.plugin.torch_internals import EXIT_BARRIER, Store, store_timeout
+
 JOB_SUCCEEDED = "job succeeded"
 
 
-class RoundStore(dist.Store):
+class RoundStore(Store):
     """The agents' store for one round: passes everything through, and watches torch's exit barrier.
 
     An agent enters the barrier only when all its workers exited 0, the one sign of success torch
@@ -30,14 +28,14 @@ class RoundStore(dist.Store):
     elsewhere, the job failed), instead of after torch's 5-minute barrier timeout.
     """
 
-    def __init__(self, inner: dist.Store, on_exit_barrier: Callable[[], None],
+    def __init__(self, inner: Store, on_exit_barrier: Callable[[], None],
                  barrier_over: Callable[[], str]) -> None:
         """`barrier_over()`: JOB_SUCCEEDED, why the job moved on without this node, or "" (not over)."""
         super().__init__()
         self._inner = inner
         self._on_exit_barrier = on_exit_barrier
         self._barrier_over = barrier_over
-        self._timeout: timedelta = inner.timeout   # type: ignore[attr-defined]  # missing from torch's stub
+        self._timeout = store_timeout(inner)
 
     def set(self, key: str, value: Any) -> None:
         self._inner.set(key, value)

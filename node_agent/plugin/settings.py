@@ -22,9 +22,7 @@ from typing import NoReturn
 import msgspec
 
 from node_agent.cli.job_identity import TORCHRUN_DEFAULT_ID
-from node_agent.cli.rdzv_conf import (  # noqa: F401
-    FILE_KEYS,
-    IGNORED_KEYS,
+from node_agent.cli.rdzv_conf import (
     INT_KEYS,
     KNOWN_KEYS,
     LOCAL_SECONDS,

@@ -48,14 +48,7 @@ def join(rules: JobRules, req: JoinRequest, now: float, credential: str = "", vi
         rules.changed()
     existing = job.nodes.get(req.node_id)
     if existing is not None and credentials.owns(existing, req.credential, req.instance):
-        port = req.master_port or existing.master_port
-        if (existing.addr, existing.master_port, existing.seen_from, existing.server_addr, existing.probe_port) != \
-                (req.addr, port, *via, req.probe_port):
-            existing.addr, existing.master_port, existing.probe_port = req.addr, port, req.probe_port
-            existing.seen_from, existing.server_addr = via
-            rules.node_changed(existing.node_id)
-        existing.credential_used = existing.credential_used or bool(existing.credential_digest)
-        leases.renew(job, existing, now)
+        _rejoined(rules, existing, req, via, now)
         return ""
     if (existing is not None and existing.credential_digest and not existing.credential_used and req.instance
             and req.instance == existing.instance):
@@ -78,6 +71,28 @@ def join(rules: JobRules, req: JoinRequest, now: float, credential: str = "", vi
     if existing is not None:
         rules.remove(existing, now, EventKind.NODE_LOST, f"node {req.node_id} restarted (new agent instance)",
                      failed_at=existing.last_seen)
+    node = _new_record(rules, req, now, credential, via, existing)
+    _place(rules, node, now)
+    return credential
+
+
+def _rejoined(rules: JobRules, node: NodeRecord, req: JoinRequest, via: tuple[str, str], now: float) -> None:
+    """The node's own agent joined again (a retry, or after the server restarted): refresh what changed."""
+    port = req.master_port or node.master_port
+    if (node.addr, node.master_port, node.seen_from, node.server_addr, node.probe_port) != \
+            (req.addr, port, *via, req.probe_port):
+        node.addr, node.master_port, node.probe_port = req.addr, port, req.probe_port
+        node.seen_from, node.server_addr = via
+        rules.node_changed(node.node_id)
+    node.credential_used = node.credential_used or bool(node.credential_digest)
+    leases.renew(rules.job, node, now)
+
+
+def _new_record(rules: JobRules, req: JoinRequest, now: float, credential: str, via: tuple[str, str],
+                previous: NodeRecord | None) -> NodeRecord:
+    """A new record for the node, holding the digest of its secret; it keeps a previous record's
+    failure history and exclusion (a restarted agent does not cut a cooldown short)."""
+    job = rules.job
     node = NodeRecord(node_id=req.node_id, instance=req.instance, addr=req.addr, host=req.host or req.addr,
                       role=req.role, local_world_size=req.local_world_size, master_port=req.master_port,
                       state=NodeState.WAITING, joined_at=now, last_seen=now,
@@ -85,17 +100,21 @@ def join(rules: JobRules, req: JoinRequest, now: float, credential: str = "", vi
                       credential_digest=credentials.digest(credential), seen_from=via[0], server_addr=via[1],
                       probe_port=req.probe_port)
     rules.out.deadline(node.lease_expires)
-    if existing is not None:
-        # Same node, new agent: its failure history and any exclusion stay with the node id, so
-        # restarting the agent does not cut a cooldown short.
-        node.failure_times, node.exclusions = list(existing.failure_times), existing.exclusions
-        node.excluded_until = existing.excluded_until
+    if previous is not None:
+        node.failure_times, node.exclusions = list(previous.failure_times), previous.exclusions
+        node.excluded_until = previous.excluded_until
     job.nodes[node.node_id] = node
     rules.node_changed(node.node_id)
     rules.record(now, EventKind.NODE_JOINED, f"node {node.node_id} joined from {node.addr} "
                  f"with {node.local_world_size} workers", node.node_id)
+    return node
+
+
+def _place(rules: JobRules, node: NodeRecord, now: float) -> None:
+    """Admit a new node, or keep it out while its exclusion (or a flapping host's hold-off) lasts."""
+    job, cfg = rules.job, rules.job.config
     why = "its agent restarted"
-    losses, cfg = leases.recent_losses(job, node.node_id, now), job.config
+    losses = leases.recent_losses(job, node.node_id, now)
     if cfg.exclude_lost_after and losses >= cfg.exclude_lost_after:
         # A host that keeps dropping out would cost every other node a round each way: kept out.
         hold = min(cfg.exclude_lost_cooldown_s * 2 ** (losses - cfg.exclude_lost_after), cfg.exclude_cooldown_max_s)
@@ -110,4 +129,3 @@ def join(rules: JobRules, req: JoinRequest, now: float, credential: str = "", vi
                      f"{node.excluded_until - now:g}s ({why})", node.node_id)
     else:
         rules.admit(node, now)
-    return credential

@@ -24,39 +24,31 @@ goes to the outbox (`outbox.py`), which is how the shell learns what happened. O
 """
 from __future__ import annotations
 
-from typing import Any
-
-import msgspec
-
 from protocol.errors import ErrorCode
 from protocol.messages import (
-    FailureReport,
     JobState,
     LeaveRequest,
     NodeState,
     NodeStatus,
     PollRequest,
-    SuccessReport,
-    WorkerFailure,
 )
 from rdzv_server.core import credentials, leases
 from rdzv_server.core.errors import RendezvousError
 from rdzv_server.core.events import REMOVAL_CAUSE, EventKind, RoundCause
 from rdzv_server.core.outbox import Outbox
+from rdzv_server.core.payloads import Payload, RoundFormed, RoundWaiting, as_data
 from rdzv_server.core.records import Event, JobRecord, NodeRecord
 from rdzv_server.core.rounds import (
     build_round,
     candidates,
     count_nodes,
     deadlines,
-    describe,
     growth_cause,
     master_address,
     node_status,
 )
 
 DROP_GRACE_S = leases.DROP_GRACE_S
-MAX_FAILURE_EVENTS = 8       # worker_failed events one report records; the rest are summed up in one more
 
 _FINISHED_KIND = {JobState.SUCCEEDED: EventKind.JOB_SUCCEEDED, JobState.FAILED: EventKind.JOB_FAILED,
                   JobState.CLOSED: EventKind.JOB_CLOSED}
@@ -91,80 +83,6 @@ class JobRules:
         node = self.job.nodes.get(node_id)
         if node is not None:
             leases.release(self.job, node, now, self.out, heard_at)
-
-    def report_failure(self, req: FailureReport, now: float) -> str:
-        """Count a failure of the running round; returns why it was not acted on ("" when it was)."""
-        job = self.job
-        node = self.node(req.node_id)
-        credentials.check(node, req.credential)
-        wrong = [f.local_rank for f in req.failures if f.local_rank >= node.local_world_size]
-        if wrong or len(req.failures) > node.local_world_size:
-            raise RendezvousError(ErrorCode.BAD_REQUEST, f"the report names {len(req.failures)} failure(s) and local "
-                                  f"rank(s) {wrong[:5]}, but node {node.node_id} runs {node.local_world_size} workers")
-        leases.renew(job, node, now)
-        failures = sorted((_stamp(f, node, now) for f in req.failures), key=lambda f: f.timestamp)
-        stale = self.stale(node, req.round_id)
-        if stale:
-            # A late report on the round that just failed may hold the earlier failure: keep the
-            # job-wide root cause the first failure in time, but do not count it again.
-            if not job.state.finished and req.round_id == job.root_cause_round and job.root_cause is not None \
-                    and failures[0].timestamp < job.root_cause.timestamp:
-                job.root_cause = failures[0]
-                self.changed()
-            return stale
-        # A member whose connection just dropped (or whose lease ran out before the next tick) is
-        # the likelier cause: its loss comes first, and this failure (a peer's collective breaking)
-        # then belongs to a round that no longer runs.
-        suspects = [n for n in self.members() if n != node.node_id and n in job.nodes
-                    and not leases.live(job.nodes[n], now)]
-        if suspects:
-            self.lose_all([job.nodes[n] for n in suspects], now)
-            return f"failure attributed to the loss of {', '.join(suspects)}"
-        first = failures[0]
-        job.root_cause, job.root_cause_round, job.last_failure = first, req.round_id, first
-        job.restart_count += 1
-        for f in failures[:MAX_FAILURE_EVENTS]:
-            self.record(now, EventKind.WORKER_FAILED, describe(f), node.node_id, req.round_id,
-                        {"rank": f.rank, "local_rank": f.local_rank, "exitcode": f.exitcode, "signal": f.signal,
-                         "reason": f.reason, "host": f.host, "message": f.message})
-        rest = failures[MAX_FAILURE_EVENTS:]
-        if rest:       # one line for the rest: a node of many workers must not flood the history
-            self.record(now, EventKind.WORKER_FAILED, f"and {len(rest)} more worker(s) of node {node.node_id} "
-                        f"failed in round {req.round_id}", node.node_id, req.round_id,
-                        {"count": len(rest), "reason": rest[0].reason})
-        node.failure_times = [t for t in node.failure_times if t > now - job.config.exclude_window_s] + [now]
-        self.node_changed(node.node_id)
-        cfg = job.config
-        if job.restart_count > cfg.max_restarts:
-            self.finish(now, JobState.FAILED, f"worker failures exceeded max_restarts={cfg.max_restarts}; "
-                        f"root cause: {describe(job.root_cause or first)}")
-            return ""
-        self.out.restarts.append(job.job_id)
-        why = f"worker failure on {node.node_id} ({describe(first)}); restart {job.restart_count}" \
-              f"/{cfg.max_restarts}"
-        if cfg.exclude_after and len(node.failure_times) >= cfg.exclude_after:
-            self.exclude(node, now)
-        self.form_round(now, why, RoundCause.FAILURE, failed_at=first.timestamp)
-        return ""
-
-    def report_success(self, req: SuccessReport, now: float) -> str:
-        """Count a node's success; returns why it was not acted on ("" when it was)."""
-        job = self.job
-        node = self.node(req.node_id)
-        credentials.check(node, req.credential)
-        leases.renew(job, node, now)
-        stale = self.stale(node, req.round_id)
-        if stale:
-            return stale
-        if node.node_id not in job.successes:
-            job.successes.append(node.node_id)
-            self.record(now, EventKind.NODE_SUCCEEDED, f"node {node.node_id} finished round {req.round_id}",
-                        node.node_id, req.round_id)
-        assert job.round is not None
-        if set(job.round.members) <= set(job.successes):
-            self.finish(now, JobState.SUCCEEDED,
-                        f"all {len(job.round.members)} nodes of round {job.round.round_id} succeeded")
-        return ""
 
     def leave(self, req: LeaveRequest, now: float) -> None:
         node_id, reason = req.node_id, req.reason
@@ -262,7 +180,7 @@ class JobRules:
         if len(chosen) < cfg.min_nodes:
             if job.round is not None or job.state != JobState.WAITING:
                 self.record(now, EventKind.ROUND_ABANDONED, f"{why}; {count_nodes(chosen)} < min "
-                            f"{cfg.min_nodes}: waiting for nodes", data={"cause": cause.value})
+                            f"{cfg.min_nodes}: waiting for nodes", data=RoundWaiting(cause=cause.value))
             job.round = None
             job.state = JobState.WAITING
             job.waiting, job.spares = chosen, rest
@@ -289,12 +207,9 @@ class JobRules:
         job.forming_since = None
         job.join_deadline = None
         job.reason = why
-        data: dict[str, Any] = {"nodes": len(chosen), "world_size": job.round.world_size, "reason": why,
-                                "cause": cause.value, "formation_s": round(now - opened, 6)}
-        if failed_at:
-            data["since_failure_s"] = round(max(0.0, now - failed_at), 6)
-        if promoted:
-            data["promoted"] = promoted
+        data = RoundFormed(nodes=len(chosen), world_size=job.round.world_size, reason=why, cause=cause.value,
+                           formation_s=round(now - opened, 6), promoted=promoted,
+                           since_failure_s=round(max(0.0, now - failed_at), 6) if failed_at else None)
         self.record(now, EventKind.ROUND_COMPLETED, f"round {job.round.round_id}: {len(chosen)} nodes, world size "
                     f"{job.round.world_size} ({why})", round_id=job.round.round_id, data=data)
 
@@ -366,18 +281,6 @@ class JobRules:
         self.wake()
         self.record(now, _FINISHED_KIND[state], f"job {state.value}: {why}")
 
-    def stale(self, node: NodeRecord, round_id: int) -> str:
-        """Why a report about `round_id` from `node` is not about the running round ("" when it is)."""
-        job = self.job
-        if job.state.finished:
-            return f"job already {job.state.value}"
-        if job.round is None or job.round.round_id != round_id:
-            current = job.round.round_id if job.round else "none (waiting for nodes)"
-            return f"stale: report for round {round_id} but the current round is {current}"
-        if node.node_id not in job.round.members:
-            return f"stale: node {node.node_id} is not a member of round {round_id}"
-        return ""
-
     def members(self) -> list[str]:
         return list(self.job.round.members) if self.job.round is not None else []
 
@@ -391,9 +294,9 @@ class JobRules:
     # ---- effects -------------------------------------------------------------------------
 
     def record(self, now: float, kind: EventKind, message: str, node_id: str = "", round_id: int = -1,
-               data: dict[str, Any] | None = None) -> None:
+               data: Payload | None = None) -> None:
         event = Event(t=now, seq=0, kind=kind, message=message, node_id=node_id, round_id=round_id,
-                      data=data or {})
+                      data=as_data(data))
         self.job.record(event)
         self.out.events.append((self.job, event))
         self.changed()
@@ -412,8 +315,3 @@ class JobRules:
         """A node's saved record changed, or it was removed (snapshots.py: rows that scale with the change)."""
         self.out.nodes.setdefault(self.job.job_id, set()).add(node_id)
         self.changed()
-
-
-def _stamp(f: WorkerFailure, node: NodeRecord, now: float) -> WorkerFailure:
-    """A copy of `f` with the reporter's host, node id and (when missing) the arrival time."""
-    return msgspec.structs.replace(f, host=f.host or node.host, node_id=node.node_id, timestamp=f.timestamp or now)

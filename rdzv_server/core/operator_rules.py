@@ -15,6 +15,7 @@ from protocol.messages import JobConfig, JobState, NodeState
 from rdzv_server.core.errors import RendezvousError
 from rdzv_server.core.events import EventKind, RoundCause
 from rdzv_server.core.job_rules import JobRules
+from rdzv_server.core.payloads import JobResized
 
 
 @dataclass(frozen=True)
@@ -114,7 +115,7 @@ def resize(rules: JobRules, min_nodes: int, max_nodes: int, now: float) -> None:
     job.config = config
     rules.wake()
     rules.record(now, EventKind.JOB_RESIZED, f"nodes {old.min_nodes}:{old.max_nodes} -> {min_nodes}:{max_nodes} "
-                 "by operator", data={"min_nodes": min_nodes, "max_nodes": max_nodes})
+                 "by operator", data=JobResized(min_nodes=min_nodes, max_nodes=max_nodes))
     members = rules.members()
     why = f"resized to {min_nodes}:{max_nodes} by operator"
     if job.round is not None:

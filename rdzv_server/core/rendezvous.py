@@ -27,12 +27,13 @@ from protocol.messages import (
     PollRequest,
     SuccessReport,
 )
-from rdzv_server.core import admission, operator_rules
+from rdzv_server.core import admission, operator_rules, reports
 from rdzv_server.core.errors import RendezvousError
 from rdzv_server.core.events import EventKind
 from rdzv_server.core.job_rules import DROP_GRACE_S, JobRules
 from rdzv_server.core.leases import OUTAGE_LIMIT_S, QUIET_S, SUSPECT_QUIET_S
 from rdzv_server.core.outbox import Outbox
+from rdzv_server.core.payloads import LeasesExtended
 from rdzv_server.core.records import JobRecord
 
 __all__ = ["DROP_GRACE_S", "REUSE_FINISHED_AFTER_S", "Rendezvous", "RendezvousError"]
@@ -160,13 +161,13 @@ class Rendezvous:
         rules = self.rules(job_id)
         self._heard(now)
         with self._counting(rules.job):          # a suspect peer may be lost
-            why_not = rules.report_failure(req, now)
+            why_not = reports.failure(rules, req, now)
         return rules.view(req.node_id, now, accepted=not why_not, reason=why_not)
 
     def report_success(self, job_id: str, req: SuccessReport, now: float) -> NodeStatus:
         rules = self.rules(job_id)
         self._heard(now)
-        why_not = rules.report_success(req, now)
+        why_not = reports.success(rules, req, now)
         return rules.view(req.node_id, now, accepted=not why_not, reason=why_not)
 
     def leave(self, job_id: str, req: LeaveRequest, now: float) -> NodeStatus:
@@ -327,4 +328,4 @@ def _rearm(rules: JobRules, now: float, away_s: float, how: str) -> None:
         job.join_deadline += away_s
         rules.out.deadline(job.join_deadline)
     rules.record(now, EventKind.SERVER_RESTARTED, f"server restarted {how}; away about {away_s:.1f}s; "
-                f"{len(job.nodes)} node leases renewed for {grace:g}s", data={"away_s": round(away_s, 3)})
+                f"{len(job.nodes)} node leases renewed for {grace:g}s", data=LeasesExtended(away_s=round(away_s, 3)))

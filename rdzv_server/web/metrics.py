@@ -40,7 +40,7 @@ from typing import Any
 import prometheus_client
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from protocol.codec import REQUEST_TYPES
@@ -48,10 +48,11 @@ from protocol.messages import JobState, NodeState
 from rdzv_server.coordinator import Coordinator
 from rdzv_server.core.events import EventKind, RoundCause
 from rdzv_server.core.outbox import Outbox
+from rdzv_server.core.payloads import RoundFormed, WorkerFailed, WorkersFailed, payload_of
 from rdzv_server.core.records import Event
 
 # No `*_created` series: they double the output and no dashboard here reads them (process-wide switch).
-prometheus_client.disable_created_metrics()
+prometheus_client.disable_created_metrics()   # type: ignore[no-untyped-call]  # untyped in the library
 
 log = logging.getLogger("rdzv_server")
 
@@ -77,7 +78,7 @@ class StateCollector(Collector):
 
     def collect(self) -> Iterable[GaugeMetricFamily]:
         jobs = {s: 0 for s in JobState}
-        nodes = {s: 0 for s in NODE_STATES}
+        nodes: dict[NodeState, int] = {s: 0 for s in NODE_STATES}
         for job in self.coordinator.core.jobs.values():
             jobs[job.state] += 1
             if job.state.finished:
@@ -88,14 +89,14 @@ class StateCollector(Collector):
         return self._families(jobs, nodes, self.coordinator.open_polls)
 
     @staticmethod
-    def _families(jobs: dict, nodes: dict, polls: int | None) -> list[GaugeMetricFamily]:
+    def _families(jobs: dict[JobState, int], nodes: dict[NodeState, int], polls: int | None) -> list[GaugeMetricFamily]:
         fam_jobs = GaugeMetricFamily("rdzv_jobs", "Jobs held by this server, by state.", labels=["state"])
         for state, n in jobs.items():
             fam_jobs.add_metric([state.value], n)
         fam_nodes = GaugeMetricFamily("rdzv_nodes", "Nodes of unfinished jobs, by state "
                                       "(waiting, member, spare, excluded).", labels=["state"])
-        for state, n in nodes.items():
-            fam_nodes.add_metric([state.value], n)
+        for node_state, n in nodes.items():
+            fam_nodes.add_metric([node_state.value], n)
         fam_polls = GaugeMetricFamily("rdzv_open_long_polls", "Agent long-polls now waiting for an answer.")
         if polls is not None:
             fam_polls.add_metric([], polls)
@@ -108,10 +109,10 @@ class StoreCollector(Collector):
     def __init__(self, coordinator: Coordinator) -> None:
         self.coordinator = coordinator
 
-    def describe(self) -> Iterable:
+    def describe(self) -> Iterable[Metric]:
         return self._families(0, 0, 0.0, 0.0, 0.0)
 
-    def collect(self) -> Iterable:
+    def collect(self) -> Iterable[Metric]:
         st, lag = self.coordinator.persister.stats, self.coordinator.loop_lag
         return self._families(st.commits, st.failures, st.total_s, st.max_s, lag.max_s if lag is not None else 0.0)
 
@@ -184,21 +185,18 @@ class ServerMetrics:
             log.exception("metrics: could not count the core's effects")
 
     def _count(self, event: Event) -> None:
-        kind, data = event.kind, event.data
-        if kind == EventKind.ROUND_COMPLETED:
-            cause = data.get("cause", "")
-            self.rounds.labels(cause if cause in CAUSES else "other").inc()
-            if "formation_s" in data:
-                self.formation.observe(float(data["formation_s"]))
-            if "since_failure_s" in data:
-                self.recovery.labels(cause if cause in LOSS_CAUSES else "other").observe(
-                    float(data["since_failure_s"]))
-        elif kind == EventKind.WORKER_FAILED:
-            reason = data.get("reason", "")
-            count = data.get("count", 1)
-            self.worker_failures.labels(reason if reason in FAILURE_REASONS else "other").inc(
-                count if isinstance(count, int) and count > 0 else 1)
-        elif kind == EventKind.NODE_LOST:
+        match payload_of(event.kind, event.data):
+            case RoundFormed(cause=cause, formation_s=formation_s, since_failure_s=since_failure_s):
+                self.rounds.labels(cause if cause in CAUSES else "other").inc()
+                if formation_s is not None:
+                    self.formation.observe(formation_s)
+                if since_failure_s is not None:
+                    self.recovery.labels(cause if cause in LOSS_CAUSES else "other").observe(since_failure_s)
+            case WorkerFailed(reason=reason):
+                self.worker_failures.labels(reason if reason in FAILURE_REASONS else "other").inc()
+            case WorkersFailed(reason=reason, count=count):
+                self.worker_failures.labels(reason if reason in FAILURE_REASONS else "other").inc(max(1, count))
+        if event.kind == EventKind.NODE_LOST:
             self.nodes_lost.inc()
 
     def observe_request(self, request: web.Request, status: str, seconds: float) -> None:

@@ -80,7 +80,7 @@ async def answers(path: str, standby: bool) -> int:
     """The status the real app gives `path` on a replica that leads, or on a standby that knows its leader."""
     coord = Coordinator()
     if standby:
-        coord.leader_url = lambda: "http://10.1.2.4:29400"
+        coord.gate.leader_url = lambda: "http://10.1.2.4:29400"
     srv = await start_app(create_app(coord, standby=standby))
     try:
         async with aiohttp.ClientSession() as session, session.get(f"http://127.0.0.1:{srv.port}{path}") as resp:

@@ -113,7 +113,7 @@ async def test_a_followed_leader_that_is_gone_sends_the_agent_back_to_its_endpoi
     second = await start_app(create_app(Coordinator()))
     standby_coord = Coordinator()
     leader = {"url": f"http://127.0.0.1:{first.port}"}
-    standby_coord.leader_url = lambda: leader["url"]
+    standby_coord.gate.leader_url = lambda: leader["url"]
     standby = await start_app(create_app(standby_coord, standby=True))
     try:
         async with RdzvClient("127.0.0.1", standby.port or 0, "j", "n1") as c:

@@ -8,7 +8,8 @@ from types import SimpleNamespace
 
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
-from node_agent.plugin.failures import agent_failures, worker_failures
+from node_agent.plugin.failures import worker_failures
+from node_agent.plugin.torch_internals import run_loop_failures as agent_failures
 from protocol.messages import Assignment
 
 ROUND = Assignment(round_id=3, group_rank=1, group_world_size=2, rank_offset=4, world_size=8, local_world_size=4,

@@ -26,6 +26,7 @@ from node_agent.gpu.health import (
     run_health_check,
 )
 from node_agent.gpu.nvml import FakeGpuProbe, GpuHealth, NvmlProbe, ProbeUnavailable, healthy
+from protocol.quoting import quote
 
 OK = healthy(3, "0000:3b:00.0")
 
@@ -366,7 +367,7 @@ async def test_a_check_that_is_not_executable_is_unhealthy(tmp_path):
     if os.geteuid() == 0 and os.access(path, os.X_OK):
         pytest.skip("root may execute anything here")
     verdict = await run_health_check(path, timeout=10)
-    assert verdict == Unhealthy(f"health check {path!r} is not executable (permission denied)")
+    assert verdict == Unhealthy(f"health check {quote(path)} is not executable (permission denied)")
 
 
 # A worker's failure message: a GPU fault or the program's own bug.

@@ -11,7 +11,7 @@ from protocol.messages import JobConfig, JobState
 from rdzv_server.core.events import EventKind
 from rdzv_server.core.outbox import Outbox
 from rdzv_server.core.records import Event, JobRecord
-from rdzv_server.store.persistence import Persister, StoreUnavailable
+from rdzv_server.store.persistence import NotDurable, Persister, StoreUnavailable
 from rdzv_server.store.snapshots import JobSnapshot
 from rdzv_server.store.sqlite import SqliteStore, describe_failure
 
@@ -112,9 +112,10 @@ async def test_a_failed_commit_refuses_the_reply_names_a_full_disk_and_puts_the_
 
 
 async def test_in_memory_mode_writes_nothing():
-    p = Persister(None)
+    p = NotDurable()
     a = job("a")
     p.note(change(a, "x"))
+    assert not p.pending("a")
     await p.durable("a")
     await p.close()
 

@@ -205,9 +205,17 @@ class EtcdStore:
         """One job's operations, their size, and its node buckets and event packs once committed."""
         start = f"{self._jobs}{s.job_id}/"
         ops = [put(start + "row", s.record)]
-        nbytes = len(s.record)
         committed: Buckets = {} if s.reset else self._committed(s.job_id)
+        touched, nbytes = self._node_ops(s, start, committed, ops)
+        packs, event_bytes = self._event_ops(s, start, ops)
+        after = {b: rows for b, rows in {**committed, **touched}.items() if rows}
+        return ops, len(s.record) + nbytes + event_bytes, (after, packs)
+
+    @staticmethod
+    def _node_ops(s: JobSnapshot, start: str, committed: Buckets, ops: list[dict[str, Any]]) -> tuple[Buckets, int]:
+        """The node buckets a job's changed nodes touch, as operations (appended to `ops`); their size."""
         touched: Buckets = {}
+        nbytes = 0
         for nid, blob in s.nodes.items():
             b = bucket_of(nid)
             rows = touched.get(b)
@@ -235,14 +243,19 @@ class EtcdStore:
                     ops.append(delete(f"{start}n/{first:02x}", f"{start}n/{b:02x}" if b < NODE_BUCKETS
                                       else prefix_end(f"{start}n/")))
                     first = None
+        return touched, nbytes
+
+    def _event_ops(self, s: JobSnapshot, start: str, ops: list[dict[str, Any]]) -> tuple[list[int], int]:
+        """The job's new events as one pack, and the old packs to delete (appended to `ops`); the packs
+        kept once committed, and the pack's size."""
         events = f"{start}e/"
         packs = [] if s.reset else list(self._pack_starts(s.job_id))
-        pack_key = None
+        pack_key, nbytes = None, 0
         if s.events:
             pack_key = f"{events}{s.events[0][0]:012d}"
             pack = _encoder.encode([blob for _, blob in s.events])
             ops.append(put(pack_key, pack))
-            nbytes += len(pack)
+            nbytes = len(pack)
             packs.append(s.events[0][0])
         if s.reset:     # the old run's history goes, around the new run's first pack
             ops.extend([delete(events, pack_key), delete(pack_key + "\0", prefix_end(events))] if pack_key
@@ -255,8 +268,7 @@ class EtcdStore:
             if old:
                 ops.append(delete(events, f"{events}{packs[old]:012d}"))
                 packs = packs[old:]
-        after = {b: rows for b, rows in {**committed, **touched}.items() if rows}
-        return ops, nbytes, (after, packs)
+        return packs, nbytes
 
     def _pack_starts(self, job_id: str) -> list[int]:
         """The first event numbers of the job's packs (read once when this replica has not loaded them)."""

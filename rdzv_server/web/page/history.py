@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rdzv_server.core.events import EventKind
+from rdzv_server.core.payloads import RoundFormed, WorkersFailed, payload_of
 from rdzv_server.core.records import MAX_EVENTS_PER_JOB, Event
 from rdzv_server.web.page import svg
 from rdzv_server.web.page.parts import age, clip, epoch, plural
@@ -87,14 +88,14 @@ def read_history(job: Mapping[str, Any], events: Sequence[Event], now: float) ->
         current[0] = then
 
     for e in events:
-        kind, data = e.kind, e.data
-        if kind == EventKind.ROUND_COMPLETED:
-            cause = str(data.get("cause", ""))
-            close(e.t, Span(e.t, round_id=e.round_id, nodes=_int(data.get("nodes")),
-                            world_size=_int(data.get("world_size")), cause=cause, reason=str(data.get("reason", ""))))
+        kind, payload = e.kind, payload_of(e.kind, e.data)
+        if isinstance(payload, RoundFormed):
+            cause = payload.cause
+            close(e.t, Span(e.t, round_id=e.round_id, nodes=_int(payload.nodes), world_size=_int(payload.world_size),
+                            cause=cause, reason=payload.reason))
             if cause == "failure":
                 marks.append(Mark(e.t, "restart", f"restart: round {e.round_id} formed after a worker failure"))
-            promoted = _int(data.get("promoted"))
+            promoted = _int(payload.promoted)
             if promoted:
                 marks.append(Mark(e.t, "promoted", f"{plural(promoted, 'spare')} promoted into round {e.round_id}",
                                   promoted))
@@ -106,7 +107,7 @@ def read_history(job: Mapping[str, Any], events: Sequence[Event], now: float) ->
         elif kind == EventKind.NODE_BENCHED and marks and marks[-1].kind == "node_joined" and marks[-1].t == e.t:
             marks[-1] = Mark(e.t, "node_spare", e.message)     # its join, decided at once: one mark
         elif kind in MARKED:
-            marks.append(Mark(e.t, MARKED[kind], e.message, (_int(data.get("count")) or 1) if data else 1))
+            marks.append(Mark(e.t, MARKED[kind], e.message, payload.count if isinstance(payload, WorkersFailed) else 1))
     if current[0] is not None:
         spans.append(current[0])
     rid = job.get("round_id")

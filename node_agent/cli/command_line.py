@@ -1,0 +1,111 @@
+"""The command line as given: each flag's value from the command line, else from torchrun's PET_*
+variable, and the spelling the user used, so that every error names the flag as they wrote it
+(`--rdzv_id`, `$PET_NNODES`). Also the job's settings built from it (`job_config`)."""
+from __future__ import annotations
+
+import functools
+import math
+import re
+from collections.abc import Callable, Mapping
+from typing import Any, NoReturn
+
+import msgspec
+
+from node_agent.cli.flags import BY_DEST, FLAGS, pet_values
+from node_agent.cli.rdzv_conf import INT_KEYS, SECONDS_KEYS
+from node_agent.cli.values import Fail, _int, _seconds
+from protocol.messages import JobConfig
+
+
+class OptionsError(ValueError):
+    """A bad command line; the message is one line meant for the user."""
+
+
+JOB_DEFAULTS: dict[str, Any] = {f.name: f.default for f in msgspec.structs.fields(JobConfig)}
+_JOB_FLAGS = [f.dest for f in FLAGS if f.dest in JOB_DEFAULTS]   # job settings with a flag
+
+
+class CommandLine:
+    """The flags as given: on the command line, else in torchrun's PET_* variables. Errors name the
+    spelling used (`--rdzv_id`, `$PET_NNODES`)."""
+
+    def __init__(self, ns: Any, environ: Mapping[str, str]) -> None:
+        typed: dict[str, str] = ns.__dict__.get("_spelling", {})
+        self.values: dict[str, Any] = {}
+        self.spelling: dict[str, str] = {}
+        pet = pet_values(environ)
+        for flag in FLAGS:
+            value = getattr(ns, flag.dest)
+            if value is not None:
+                self.values[flag.dest] = value
+                self.spelling[flag.dest] = typed.get(flag.dest) or flag.spellings[0]
+            elif flag.dest in pet:
+                raw, where = pet[flag.dest]
+                self.spelling[flag.dest] = where
+                self.values[flag.dest] = raw if flag.metavar is not None else self._switch(flag.dest, raw)
+
+    def _switch(self, dest: str, raw: str) -> bool:
+        try:
+            return bool(int(raw))       # torchrun's rule for PET_STANDALONE, PET_MODULE, ...
+        except ValueError:
+            self.fail(dest, f"expected 0 or 1, got {raw!r}")
+
+    def get(self, dest: str) -> Any:
+        return self.values.get(dest)
+
+    def name(self, dest: str) -> str:
+        return self.spelling.get(dest) or BY_DEST[dest].spellings[0]
+
+    def fail(self, dest: str, why: str) -> NoReturn:
+        raise OptionsError(f"{self.name(dest)}: {why}")
+
+    def failing(self, dest: str) -> Fail:
+        return lambda why: self.fail(dest, why)
+
+
+def one_line(message: str) -> NoReturn:
+    raise OptionsError(message)
+
+
+def non_negative(line: CommandLine, agent_defaults: Mapping[str, Any], dest: str, fallback: str | None = None,
+                 fallback_name: str = "") -> float:
+    """A setting of this agent's own (not the job's): seconds, >= 0 and finite."""
+    raw, fail = line.get(dest), line.failing(dest)
+    if raw is None and fallback is not None:
+        raw, fail = fallback, lambda why: one_line(f"{fallback_name}: {why}")
+    if raw is None:
+        return float(agent_defaults.get(dest, 0.0))
+    value = _seconds(raw, fail)
+    if not math.isfinite(value) or value < 0:
+        fail(f"must be >= 0 and finite, got {raw!r}")
+    return value
+
+
+def job_config(line: CommandLine, conf: Mapping[str, str], min_nodes: int, max_nodes: int,
+               nodes_flag: str) -> JobConfig:
+    """The job's settings from the flags given, then --rdzv-conf's keys (which win, as for the plugin);
+    JobConfig supplies the defaults and bounds."""
+    values: dict[str, Any] = {"min_nodes": min_nodes, "max_nodes": max_nodes}
+    source: dict[str, tuple[str, Callable[[str], NoReturn]]] = {}   # field -> (text, fail)
+    for dest in _JOB_FLAGS:
+        if line.get(dest) is not None:
+            source[dest] = (line.get(dest), line.failing(dest))
+    for key, value in conf.items():
+        field = SECONDS_KEYS.get(key) or (key if key in INT_KEYS and key in JOB_DEFAULTS else None)
+        if field is not None and not (key == "timeout" and "join_timeout" in conf):
+            source[field] = (value, functools.partial(_conf_fail, key))
+    for field, (raw, fail) in source.items():
+        values[field] = _int(raw, fail) if isinstance(JOB_DEFAULTS[field], int) else _seconds(raw, fail)
+    try:
+        return msgspec.convert(values, JobConfig)
+    except msgspec.ValidationError as exc:   # e.g. "Expected `int` >= 0 - at `$.max_restarts`"
+        text, _, where = str(exc).partition(" - at ")
+        field = where.strip("`").removeprefix("$.")
+        why = re.sub(r"^Expected `\w+` ", "must be ", text)
+        if field in source:
+            source[field][1](f"{why}, got {source[field][0]!r}")
+        line.fail(nodes_flag if field in ("min_nodes", "max_nodes") else field, why)
+
+
+def _conf_fail(key: str, why: str) -> NoReturn:
+    raise OptionsError(f"--rdzv-conf {key}: {why}")

@@ -1,0 +1,90 @@
+"""The typed payloads of the events that the status page, the metrics and `rdzv-ctl events` read.
+
+An event keeps its payload as a plain map (`Event.data`: stored as it is, served in the events API
+as it is), but it is written from one of these structs (`as_data`) and read back through one
+(`payload_of`), so a misspelt or missing key is a type error where it is made and where it is read,
+not a silent `.get()` default. A map that does not fit (written by an older server) reads as None.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from rdzv_server.core.events import EventKind
+
+
+class RoundFormed(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """round_completed: the round's size, why and how fast it formed."""
+    nodes: int
+    world_size: int
+    reason: str
+    cause: str                        # a RoundCause value
+    formation_s: float | None = None  # from the decision to form it (or the first node waiting) to now
+    since_failure_s: float | None = None   # from the failure that caused it to now
+    promoted: int = 0                 # spares taken into it
+
+
+class RoundWaiting(msgspec.Struct, kw_only=True):
+    """round_waiting: the round dissolved below min nodes, and what caused it."""
+    cause: str
+
+
+class WorkerFailed(msgspec.Struct, kw_only=True):
+    """worker_failed: one worker's failure, as its node reported it."""
+    rank: int
+    local_rank: int
+    exitcode: int
+    signal: str
+    reason: str
+    host: str
+    message: str
+
+
+class WorkersFailed(msgspec.Struct, kw_only=True):
+    """worker_failed, once per report for the failures past the first few: how many more, and why."""
+    count: int
+    reason: str
+
+
+class JobResized(msgspec.Struct, kw_only=True):
+    min_nodes: int
+    max_nodes: int
+
+
+class LeasesExtended(msgspec.Struct, kw_only=True):
+    """leases_extended: how long the server was away (or heard from nobody)."""
+    away_s: float
+
+
+Payload = RoundFormed | RoundWaiting | WorkerFailed | WorkersFailed | JobResized | LeasesExtended
+
+_TYPES: dict[EventKind, tuple[type[Payload], ...]] = {
+    EventKind.ROUND_COMPLETED: (RoundFormed,),
+    EventKind.ROUND_ABANDONED: (RoundWaiting,),
+    EventKind.WORKER_FAILED: (WorkersFailed, WorkerFailed),
+    EventKind.JOB_RESIZED: (JobResized,),
+    EventKind.LEASES_EXTENDED: (LeasesExtended,),
+}
+
+
+def as_data(payload: Payload | None) -> dict[str, Any]:
+    """The map an event keeps for `payload`."""
+    if payload is None:
+        return {}
+    data: dict[str, Any] = msgspec.to_builtins(payload)
+    return data
+
+
+def payload_of(kind: EventKind | str, data: dict[str, Any] | None) -> Payload | None:
+    """The typed payload of an event of `kind` with `data` (None: the kind has none, or it does not fit)."""
+    try:
+        types = _TYPES[EventKind(kind)]
+    except (ValueError, KeyError):
+        return None
+    for cls in types:
+        try:
+            return msgspec.convert(data or {}, cls)
+        except msgspec.ValidationError:
+            continue
+    return None

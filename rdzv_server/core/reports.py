@@ -1,0 +1,114 @@
+"""A node's report on the round it ran: a worker failure (the job-wide restart, or the job's end past
+the budget) or its success (the job succeeds once every member has). Functions over one job's
+`JobRules`, with the same purity (`now` in, no I/O); a report about a round that no longer runs is
+stale and changes nothing but the node's lease (and, for a late failure, maybe the root cause).
+"""
+from __future__ import annotations
+
+import msgspec
+
+from protocol.errors import ErrorCode
+from protocol.messages import FailureReport, JobState, SuccessReport, WorkerFailure
+from rdzv_server.core import credentials, leases
+from rdzv_server.core.errors import RendezvousError
+from rdzv_server.core.events import EventKind, RoundCause
+from rdzv_server.core.job_rules import JobRules
+from rdzv_server.core.payloads import WorkerFailed, WorkersFailed
+from rdzv_server.core.records import NodeRecord
+from rdzv_server.core.rounds import describe
+
+MAX_FAILURE_EVENTS = 8       # worker_failed events one report records; the rest are summed up in one more
+
+
+def failure(rules: JobRules, req: FailureReport, now: float) -> str:
+    """Count a failure of the running round; returns why it was not acted on ("" when it was)."""
+    job = rules.job
+    node = rules.node(req.node_id)
+    credentials.check(node, req.credential)
+    wrong = [f.local_rank for f in req.failures if f.local_rank >= node.local_world_size]
+    if wrong or len(req.failures) > node.local_world_size:
+        raise RendezvousError(ErrorCode.BAD_REQUEST, f"the report names {len(req.failures)} failure(s) and local "
+                              f"rank(s) {wrong[:5]}, but node {node.node_id} runs {node.local_world_size} workers")
+    leases.renew(job, node, now)
+    failures = sorted((_stamp(f, node, now) for f in req.failures), key=lambda f: f.timestamp)
+    why_not = not_running(rules, node, req.round_id)
+    if why_not:
+        # A late report on the round that just failed may hold the earlier failure: keep the
+        # job-wide root cause the first failure in time, but do not count it again.
+        if not job.state.finished and req.round_id == job.root_cause_round and job.root_cause is not None \
+                and failures[0].timestamp < job.root_cause.timestamp:
+            job.root_cause = failures[0]
+            rules.changed()
+        return why_not
+    # A member whose connection just dropped (or whose lease ran out before the next tick) is
+    # the likelier cause: its loss comes first, and this failure (a peer's collective breaking)
+    # then belongs to a round that no longer runs.
+    suspects = [n for n in rules.members() if n != node.node_id and n in job.nodes
+                and not leases.live(job.nodes[n], now)]
+    if suspects:
+        rules.lose_all([job.nodes[n] for n in suspects], now)
+        return f"failure attributed to the loss of {', '.join(suspects)}"
+    first = failures[0]
+    job.root_cause, job.root_cause_round, job.last_failure = first, req.round_id, first
+    job.restart_count += 1
+    for f in failures[:MAX_FAILURE_EVENTS]:
+        rules.record(now, EventKind.WORKER_FAILED, describe(f), node.node_id, req.round_id,
+                    WorkerFailed(rank=f.rank, local_rank=f.local_rank, exitcode=f.exitcode, signal=f.signal,
+                                 reason=f.reason, host=f.host, message=f.message))
+    rest = failures[MAX_FAILURE_EVENTS:]
+    if rest:       # one line for the rest: a node of many workers must not flood the history
+        rules.record(now, EventKind.WORKER_FAILED, f"and {len(rest)} more worker(s) of node {node.node_id} "
+                    f"failed in round {req.round_id}", node.node_id, req.round_id,
+                    WorkersFailed(count=len(rest), reason=rest[0].reason))
+    node.failure_times = [t for t in node.failure_times if t > now - job.config.exclude_window_s] + [now]
+    rules.node_changed(node.node_id)
+    cfg = job.config
+    if job.restart_count > cfg.max_restarts:
+        rules.finish(now, JobState.FAILED, f"worker failures exceeded max_restarts={cfg.max_restarts}; "
+                    f"root cause: {describe(job.root_cause or first)}")
+        return ""
+    rules.out.restarts.append(job.job_id)
+    why = f"worker failure on {node.node_id} ({describe(first)}); restart {job.restart_count}" \
+          f"/{cfg.max_restarts}"
+    if cfg.exclude_after and len(node.failure_times) >= cfg.exclude_after:
+        rules.exclude(node, now)
+    rules.form_round(now, why, RoundCause.FAILURE, failed_at=first.timestamp)
+    return ""
+
+
+def success(rules: JobRules, req: SuccessReport, now: float) -> str:
+    """Count a node's success; returns why it was not acted on ("" when it was)."""
+    job = rules.job
+    node = rules.node(req.node_id)
+    credentials.check(node, req.credential)
+    leases.renew(job, node, now)
+    why_not = not_running(rules, node, req.round_id)
+    if why_not:
+        return why_not
+    if node.node_id not in job.successes:
+        job.successes.append(node.node_id)
+        rules.record(now, EventKind.NODE_SUCCEEDED, f"node {node.node_id} finished round {req.round_id}",
+                    node.node_id, req.round_id)
+    assert job.round is not None
+    if set(job.round.members) <= set(job.successes):
+        rules.finish(now, JobState.SUCCEEDED,
+                    f"all {len(job.round.members)} nodes of round {job.round.round_id} succeeded")
+    return ""
+
+
+def not_running(rules: JobRules, node: NodeRecord, round_id: int) -> str:
+    """Why a report about `round_id` from `node` is not about the running round ("" when it is)."""
+    job = rules.job
+    if job.state.finished:
+        return f"job already {job.state.value}"
+    if job.round is None or job.round.round_id != round_id:
+        current = job.round.round_id if job.round else "none (waiting for nodes)"
+        return f"stale: report for round {round_id} but the current round is {current}"
+    if node.node_id not in job.round.members:
+        return f"stale: node {node.node_id} is not a member of round {round_id}"
+    return ""
+
+
+def _stamp(f: WorkerFailure, node: NodeRecord, now: float) -> WorkerFailure:
+    """A copy of `f` with the reporter's host, node id and (when missing) the arrival time."""
+    return msgspec.structs.replace(f, host=f.host or node.host, node_id=node.node_id, timestamp=f.timestamp or now)
