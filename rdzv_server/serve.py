@@ -30,6 +30,7 @@ from rdzv_server.store.etcd.store import EtcdStore
 from rdzv_server.web.access import Access
 from rdzv_server.web.app import NOTES, create_app
 from rdzv_server.web.connections import FD_RESERVE, ConnectionGuard
+from rdzv_server.web.metrics import METRICS
 
 log = logging.getLogger("rdzv_server")
 
@@ -127,6 +128,7 @@ async def serve(config: ServerConfig, store: Store | None = None,
                               max_polls_per_peer=config.max_polls_per_peer)
     app = create_app(coordinator, access=config.access, standby=replication is not None)
     app.middlewares.insert(0, guard.middleware)
+    app[METRICS].watch_connections(lambda: (guard.refused, guard.evicted))
     app[NOTES] = config.notes
     trimmer = HeapTrimmer()
     coordinator.effect_listeners.append(trimmer.on_effects)

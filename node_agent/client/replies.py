@@ -72,6 +72,7 @@ class Refusal(enum.Enum):
     CONFLICT = "conflict"          # a join for a node id a live agent holds: maybe our own predecessor; retry a while
     TAKEN_OVER = "taken_over"      # another agent joined with this node id: this one must stop
     UNAUTHORIZED = "unauthorized"  # no valid token, or the server's certificate is not trusted: stop
+    NOT_A_SERVER = "not_a_server"  # the endpoint answers, but it is not an rdzv-server: stop
     DRAINED = "drained"            # an operator took this node out: stop, and that is no failure
     JOIN_REFUSED = "join_refused"  # any other refused join: stop
     POLL_REFUSED = "poll_refused"  # any other refused poll: stop
@@ -85,6 +86,8 @@ def refusal(code: str, request: type) -> Refusal:
     """What a refusal with `code` of a `request` (a protocol request type) means for the node."""
     if code in (ErrorCode.UNAUTHORIZED.value, TLS_UNTRUSTED):
         return Refusal.UNAUTHORIZED
+    if code == NOT_RDZV_SERVER:
+        return Refusal.NOT_A_SERVER
     if request is JoinRequest:
         if code == ErrorCode.NODE_CONFLICT.value:
             return Refusal.CONFLICT

@@ -273,6 +273,8 @@ class SupervisionPolicy:
             case Refusal.UNAUTHORIZED:
                 return self._end(1, "the server refused this agent",
                                  f"the rendezvous server refused this agent: {fact.message}")
+            case Refusal.NOT_A_SERVER:      # the message names what answered
+                return self._end(1, "the endpoint is not an rdzv-server", fact.message)
             case Refusal.DRAINED:      # an operator took this node out: done here, nothing failed
                 return self._end(0, "node drained by the operator", fact.message)
             case Refusal.JOIN_REFUSED:

@@ -23,6 +23,8 @@ Metrics (all prefixed `rdzv_`):
                                             counters: durable store commits (one fsynced transaction each)
   rdzv_store_commit_max_seconds             gauge: longest commit since start
   rdzv_event_loop_lag_max_seconds           gauge: longest event loop stall since start
+  rdzv_connections_refused_total            counter: connections closed at once, past the hard limit (a flood)
+  rdzv_connections_evicted_total            counter: idle connections closed to make room for new ones
   rdzv_http_requests_total{route,method,status}            counter
   rdzv_http_request_duration_seconds{route,method,status}  histogram (long-polls included: up to 30 s+)
 `route` is the route's template (`/v1/jobs/{job_id}`), with an agent action filled in
@@ -137,6 +139,31 @@ class StoreCollector(Collector):
         return out
 
 
+class ConnectionCollector(Collector):
+    """The connection guard's refusals and evictions (rdzv-server only: an app alone has no guard)."""
+
+    def __init__(self, counts: Callable[[], tuple[int, int]]) -> None:
+        self.counts = counts
+
+    def describe(self) -> Iterable[Metric]:
+        return self._families(0, 0)
+
+    def collect(self) -> Iterable[Metric]:
+        return self._families(*self.counts())
+
+    @staticmethod
+    def _families(refused: int, evicted: int) -> list[Metric]:
+        out: list[Metric] = []
+        for name, text, value in (
+                ("rdzv_connections_refused", "Connections closed at once past the hard connection limit.", refused),
+                ("rdzv_connections_evicted", "Idle connections closed to make room for new ones (--max-connections).",
+                 evicted)):
+            fam = CounterMetricFamily(name, text)
+            fam.add_metric([], value)
+            out.append(fam)
+        return out
+
+
 class ServerMetrics:
     """One app's registry and metrics. `on_effects` is the coordinator's effect listener."""
 
@@ -198,6 +225,10 @@ class ServerMetrics:
                 self.worker_failures.labels(reason if reason in FAILURE_REASONS else "other").inc(max(1, count))
         if event.kind == EventKind.NODE_LOST:
             self.nodes_lost.inc()
+
+    def watch_connections(self, counts: Callable[[], tuple[int, int]]) -> None:
+        """Export the connection guard's (refused, evicted) counts."""
+        self.registry.register(ConnectionCollector(counts))
 
     def observe_request(self, request: web.Request, status: str, seconds: float) -> None:
         route, method = route_label(request), request.method if request.method in METHODS else "other"

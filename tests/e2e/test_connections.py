@@ -13,12 +13,16 @@ from tests.e2e.harness import wait_until
 pytestmark = pytest.mark.e2e
 
 
-def open_polls(port: int) -> float:
+def metric(port: int, name: str) -> float:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
         for line in resp.read().decode().splitlines():
-            if line.startswith("rdzv_open_long_polls "):
+            if line.startswith(name + " "):
                 return float(line.split()[1])
     return -1.0
+
+
+def open_polls(port: int) -> float:
+    return metric(port, "rdzv_open_long_polls")
 
 
 def post(port: int, action: str, body: dict, timeout: float = 10) -> dict:
@@ -58,6 +62,8 @@ def test_idle_connections_over_the_cap_make_room_for_healthz_and_agents(cluster)
             except TimeoutError:
                 pass                                             # still open: one of the newest
         assert closed >= 120 - 40
+        assert metric(port, "rdzv_connections_evicted_total") >= closed    # and operators can see it
+        assert metric(port, "rdzv_connections_refused_total") >= 0
     finally:
         held.close()
         for sock in idle:

@@ -95,6 +95,8 @@ REFUSALS = [   # (request, code, what it means)
     (JoinRequest, "config_conflict", Refusal.JOIN_REFUSED),
     (JoinRequest, "unauthorized", Refusal.UNAUTHORIZED),
     (JoinRequest, "tls_untrusted", Refusal.UNAUTHORIZED),
+    (JoinRequest, "not_rdzv_server", Refusal.NOT_A_SERVER),
+    (PollRequest, "not_rdzv_server", Refusal.NOT_A_SERVER),
     (PollRequest, "unknown_job", Refusal.FORGOTTEN),
     (PollRequest, "unknown_node", Refusal.FORGOTTEN),
     (PollRequest, "forbidden", Refusal.TAKEN_OVER),
@@ -113,7 +115,7 @@ def test_the_refusal_rule(request_type, code, meaning):
 
 AGENT_ENDS = {   # the agent's exit status per meaning (None: it goes on)
     Refusal.FORGOTTEN: None, Refusal.CONFLICT: None, Refusal.DROPPED: None, Refusal.DRAINED: 0,
-    Refusal.TAKEN_OVER: 1, Refusal.UNAUTHORIZED: 1, Refusal.JOIN_REFUSED: 1, Refusal.POLL_REFUSED: 1,
+    Refusal.TAKEN_OVER: 1, Refusal.UNAUTHORIZED: 1, Refusal.NOT_A_SERVER: 1, Refusal.JOIN_REFUSED: 1, Refusal.POLL_REFUSED: 1,
 }
 
 

@@ -1,0 +1,100 @@
+"""The folders are layers, and this test keeps them so: each package may import only the layers below
+it (every import counts, module-level or inside a function). The rules are the ones each package's
+`__init__` docstring states; a new sub-package must be given its rule here."""
+from __future__ import annotations
+
+import ast
+
+from tests.packages import modules
+
+# package prefix -> the prefixes it may import (its own is always allowed). The most specific prefix wins.
+ALLOWED: dict[str, tuple[str, ...]] = {
+    "protocol": (),
+    "rdzv_server.core": ("protocol",),
+    "rdzv_server.store": ("protocol", "rdzv_server.core"),
+    # the shell: coordinator, serving, waiters, lag probe, logs, heap, and serve/cli that put it together
+    "rdzv_server": ("protocol", "rdzv_server.core", "rdzv_server.store", "rdzv_server.web"),
+    "rdzv_server.web": ("protocol", "rdzv_server.core", "rdzv_server.coordinator", "rdzv_server.serving",
+                        "rdzv_server.looplag", "rdzv_server.logs", "rdzv_server.store.api",
+                        "rdzv_server.store.persistence"),
+    "rdzv_ctl": ("protocol",),
+    "node_agent.core": ("protocol", "node_agent.client.replies"),
+    "node_agent.client": ("protocol", "rdzv_server.coordinator", "rdzv_server.core"),   # local: in-process server
+    "node_agent.gpu": ("protocol",),
+    "node_agent.workers": ("protocol", "node_agent.core", "node_agent.cli", "node_agent.heartbeat",
+                           "node_agent.gpu"),
+    "node_agent.cli": ("protocol", "node_agent", "rdzv_server.coordinator", "rdzv_server.core"),
+    "node_agent.plugin": ("protocol", "node_agent.client", "node_agent.cli.job_identity", "node_agent.cli.rdzv_conf",
+                          "node_agent.cli.values"),
+    "node_agent": ("protocol", "node_agent.core", "node_agent.client", "node_agent.workers", "node_agent.cli",
+                   "node_agent.gpu"),
+}
+OURS = ("protocol", "rdzv_server", "node_agent", "rdzv_ctl")
+
+
+def rule_of(module: str) -> str:
+    parts = module.split(".")
+    for n in range(len(parts), 0, -1):
+        prefix = ".".join(parts[:n])
+        if prefix in ALLOWED:
+            return prefix
+    raise AssertionError(f"{module}: no layer rule for its package; add one to tests/test_layers.py")
+
+
+def imported(path: str, module: str) -> set[str]:
+    """Every module of ours that `path` imports, anywhere in it."""
+    package = module if path.endswith("__init__.py") else module.rpartition(".")[0]
+    out: set[str] = set()
+    with open(path) as f:
+        tree = ast.parse(f.read())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:          # relative: from the package up `level - 1` steps
+                up = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(up + ([base] if base else []))
+            out.update(f"{base}.{a.name}" for a in node.names)
+            out.add(base)
+    return {m for m in out if m.split(".")[0] in OURS}
+
+
+def within(name: str, prefix: str) -> bool:
+    return name == prefix or name.startswith(prefix + ".")
+
+
+def violations(graph: dict[str, set[str]]) -> list[str]:
+    found = []
+    for module, deps in sorted(graph.items()):
+        layer = rule_of(module)
+        for dep in sorted(deps):
+            if within(dep, layer) or any(within(dep, ok) for ok in ALLOWED[layer]):
+                continue
+            if dep in (layer.rpartition(".")[0], layer.split(".")[0]):
+                continue          # `from pkg import sub`: the package itself, named on the way to a module
+            found.append(f"{module} imports {dep} ({layer} may import only {', '.join(ALLOWED[layer]) or 'itself'})")
+    return found
+
+
+def graph() -> dict[str, set[str]]:
+    return {m: imported(p, m) - {m} for m, p in modules().items()}
+
+
+def test_every_package_imports_only_the_layers_below_it():
+    g = graph()
+    assert "rdzv_server.core.job_rules" in g and "node_agent.core.policy" in g
+    assert violations(g) == []
+
+
+def test_a_planted_violation_is_named():
+    g = graph()
+    g["rdzv_server.core.job_rules"].add("rdzv_server.web.views")       # the core reaching into the web layer
+    g["node_agent.core.policy"].add("node_agent.workers.process")      # the pure policy starting processes
+    g["rdzv_ctl.cli"].add("rdzv_server.coordinator")                   # the operator's client importing the server
+    found = violations(g)
+    assert [v.split(" (")[0] for v in found] == [
+        "node_agent.core.policy imports node_agent.workers.process",
+        "rdzv_ctl.cli imports rdzv_server.coordinator",
+        "rdzv_server.core.job_rules imports rdzv_server.web.views",
+    ]
