@@ -11,8 +11,8 @@ import pytest
 
 from node_agent.client.c10d_store import answers_as_c10d_store
 from node_agent.client.http import RdzvClient
-from node_agent.client.transport import ServerRejected, ServerUnreachable
 from node_agent.client.replies import NOT_RDZV_SERVER
+from node_agent.client.transport import ServerRejected, ServerUnreachable
 from protocol.messages import JobConfig
 from rdzv_server.web.app import create_app
 from tests.integration.support import start_app
