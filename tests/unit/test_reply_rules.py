@@ -115,7 +115,8 @@ def test_the_refusal_rule(request_type, code, meaning):
 
 AGENT_ENDS = {   # the agent's exit status per meaning (None: it goes on)
     Refusal.FORGOTTEN: None, Refusal.CONFLICT: None, Refusal.DROPPED: None, Refusal.DRAINED: 0,
-    Refusal.TAKEN_OVER: 1, Refusal.UNAUTHORIZED: 1, Refusal.NOT_A_SERVER: 1, Refusal.JOIN_REFUSED: 1, Refusal.POLL_REFUSED: 1,
+    Refusal.TAKEN_OVER: 1, Refusal.UNAUTHORIZED: 1, Refusal.NOT_A_SERVER: 1, Refusal.JOIN_REFUSED: 1,
+    Refusal.POLL_REFUSED: 1,
 }
 
 
