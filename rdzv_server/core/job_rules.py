@@ -278,6 +278,7 @@ class JobRules:
         job.reason = why
         job.finished_at = now
         job.last_call_deadline = job.join_deadline = None
+        self.out.finished.append(job.job_id)
         self.wake()
         self.record(now, _FINISHED_KIND[state], f"job {state.value}: {why}")
 

@@ -22,6 +22,7 @@ class Outbox:
     new_runs: set[str] = field(default_factory=set)     # job ids that started a new run (history reset)
     pruned: set[str] = field(default_factory=set)       # finished jobs forgotten after their retention
     restarts: list[str] = field(default_factory=list)   # one entry per accepted failure report that restarts
+    finished: list[str] = field(default_factory=list)   # jobs that ended (the registry's own: rendezvous.py)
     earliest: float | None = None                       # the earliest deadline set (None: none set)
 
     def deadline(self, at: float) -> None:
@@ -34,9 +35,10 @@ class Outbox:
                 and self.earliest is None:
             return _EMPTY          # the common case (a renewal): nothing to allocate
         taken = Outbox(self.events, self.woken, self.changed, self.nodes, self.new_runs, self.pruned,
-                       self.restarts, self.earliest)
+                       self.restarts, self.finished, self.earliest)
         self.events, self.woken, self.changed, self.nodes, self.new_runs = [], set(), {}, {}, set()
         self.restarts = []
+        self.finished = []
         self.pruned = set()
         self.earliest = None
         return taken

@@ -11,6 +11,7 @@ coordinator.py for why) and `node-agent --standalone` does the same through the 
 """
 from __future__ import annotations
 
+import heapq
 import math
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -66,6 +67,11 @@ class Rendezvous:
         self.node_count = sum(len(j.nodes) for j in self.jobs.values())
         self.heard_at: float | None = None   # the last agent request of any job (None: none yet)
         self._quiet_noted: set[str] = set()   # jobs told of the server's silence since it last heard
+        # Finished jobs by when they ended, oldest first: forgetting one is O(log n), never a scan. An
+        # entry whose job was forgotten, reused or ended again since is skipped when it comes up.
+        self._ended: list[tuple[float, str]] = [(j.finished_at or 0.0, j.job_id) for j in self.jobs.values()
+                                                if j.state.finished]
+        heapq.heapify(self._ended)
 
     def _heard(self, now: float) -> None:
         if self.heard_at is None or now > self.heard_at:
@@ -74,6 +80,7 @@ class Rendezvous:
 
     def take_effects(self) -> Outbox:
         """What the calls since the last take did (see outbox.py)."""
+        self._note_ended()
         for job, _ in self.outbox.events:      # a job that just ended is due to be forgotten in time
             if job.state.finished and job.finished_at is not None:
                 self.outbox.deadline(self._forget_at(job.finished_at))
@@ -242,8 +249,10 @@ class Rendezvous:
         return changed
 
     def next_deadline(self) -> float | None:
-        due = [JobRules(job, self.outbox).next_deadline() if not job.state.finished
-               else self._forget_at(job.finished_at or 0.0) for job in self.jobs.values()]
+        due = [JobRules(job, self.outbox).next_deadline() for job in self.jobs.values() if not job.state.finished]
+        oldest = self._oldest_ended()
+        if oldest is not None:
+            due.append(self._forget_at(oldest.finished_at or 0.0))
         return min((d for d in due if d is not None), default=None)
 
     def _forget_at(self, finished_at: float) -> float:
@@ -252,15 +261,31 @@ class Rendezvous:
         (every tick looks at every job)."""
         return float(math.ceil(finished_at + self.limits.retain_finished_s))
 
+    def _note_ended(self) -> None:
+        for job_id in self.outbox.finished:
+            job = self.jobs.get(job_id)
+            if job is not None and job.finished_at is not None:
+                heapq.heappush(self._ended, (job.finished_at, job_id))
+        self.outbox.finished.clear()
+
+    def _oldest_ended(self) -> JobRecord | None:
+        """The finished job that ended first (stale heap entries are dropped on the way)."""
+        self._note_ended()
+        while self._ended:
+            at, job_id = self._ended[0]
+            job = self.jobs.get(job_id)
+            if job is not None and job.state.finished and (job.finished_at or 0.0) == at:
+                return job
+            heapq.heappop(self._ended)
+        return None
+
     def _prune(self, now: float, oldest_first: int = 0) -> None:
         """Forget finished jobs past their retention, and `oldest_first` more of them (oldest first)."""
-        finished = [j for j in self.jobs.values() if j.state.finished]
         cutoff = now - self.limits.retain_finished_s
-        gone = [j for j in finished if (j.finished_at or 0.0) <= cutoff]
-        if oldest_first:
-            rest = sorted((j for j in finished if (j.finished_at or 0.0) > cutoff), key=lambda j: j.finished_at or 0.0)
-            gone += rest[:oldest_first]
-        for job in gone:
+        while (job := self._oldest_ended()) is not None and ((job.finished_at or 0.0) <= cutoff or oldest_first > 0):
+            if (job.finished_at or 0.0) > cutoff:
+                oldest_first -= 1
+            heapq.heappop(self._ended)
             del self.jobs[job.job_id]
             self.node_count -= len(job.nodes)
             self.outbox.pruned.add(job.job_id)

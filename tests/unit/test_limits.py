@@ -6,6 +6,7 @@ import pytest
 
 from protocol.errors import ErrorCode
 from protocol.messages import JobConfig, JoinRequest, SuccessReport
+from rdzv_server.core.records import JobRecord
 from rdzv_server.core.rendezvous import Limits, Rendezvous, RendezvousError, node_room
 from rdzv_server.store.snapshots import snapshot
 from rdzv_server.store.sqlite import SqliteStore
@@ -76,6 +77,33 @@ def test_at_max_jobs_the_oldest_finished_go_first_and_then_new_jobs_are_refused(
         join(rz, "u4", "a", 6.0)
     assert err.value.code == ErrorCode.LIMIT_REACHED and "--max-jobs 3" in err.value.message
     assert set(rz.jobs) == {"u1", "u2", "u3"}
+
+
+def test_eviction_at_max_jobs_looks_only_at_the_oldest_finished_job():
+    """Forgetting to make room is O(log n): the finished jobs are not scanned or sorted at each new job.
+    A reused id's old end, and a job restored finished from the store, are ordered by when they ended."""
+    restored = Rendezvous(limits=Limits(max_jobs=9))
+    finish(restored, "early", 1.0)
+    jobs = _Scans(restored.jobs)
+    rz = Rendezvous(jobs, limits=Limits(max_jobs=9))   # as restored from a store
+    for i in range(2, 10):
+        finish(rz, f"f{i}", float(i))
+    finish(rz, "f2", 20.0)       # f2 reused after it ended: its old place in the order no longer counts
+    jobs.scans = 0
+    join(rz, "new", "a", 30.0, JobConfig(min_nodes=2, max_nodes=2))
+    assert "early" not in rz.jobs and len(rz.jobs) == 9 and jobs.scans == 0
+    join(rz, "new2", "a", 31.0, JobConfig(min_nodes=2, max_nodes=2))
+    assert "f3" not in rz.jobs and "f2" in rz.jobs and jobs.scans == 0   # f3 ended at 3.0; f2's run at 20.0
+
+
+class _Scans(dict[str, JobRecord]):
+    """The registry's jobs, counting every walk over all of them."""
+
+    scans = 0
+
+    def values(self):  # type: ignore[override]
+        self.scans += 1
+        return super().values()
 
 
 def test_a_job_holds_at_most_its_max_nodes_plus_as_many_spares_and_the_server_its_node_limit():
