@@ -1,7 +1,7 @@
 """The agent's one loop: facts in, actions out.
 
 Facts arrive on one queue from the server link (server_link.py), the local workers
-(local_workers.py) and the signal handler; when none comes before the policy's next deadline, the
+(workers/local.py) and the signal handler; when none comes before the policy's next deadline, the
 loop makes one itself (`DeadlinePassed`), so a timed rule fires on time. Each fact goes through the
 pure policy (policy.py); the actions it returns are run here, in order, and narrated (narration.py).
 

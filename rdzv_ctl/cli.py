@@ -12,7 +12,7 @@
       resize JOB --nnodes MIN:MAX     change min/max nodes (MIN: or :MAX keeps the other)
 
 The standard library (argparse, urllib, ssl, json) plus the token rule of protocol/ (no aiohttp), so
-it starts fast. HTTP, tokens and TLS are in ctl_client.py.
+it starts fast. HTTP, tokens and TLS are in rdzv_ctl/client.py.
 Exit status: 0 done, 1 the server refused or could not be reached (one line on stderr), 2 bad usage.
 """
 from __future__ import annotations

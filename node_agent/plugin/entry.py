@@ -2,7 +2,7 @@
 
 torch loads every registered handler entry point whenever `torch.distributed.elastic.rendezvous` is
 imported, by any torchrun launch whatever its backend. So this module imports nothing: the plugin
-(`torchrun_plugin.py`, with torch, aiohttp and the protocol) loads only when a launch asks for
+(`plugin/handler.py`, with torch, aiohttp and the protocol) loads only when a launch asks for
 `--rdzv-backend rdzv-server`.
 """
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """A torchrun rendezvous handler backed by rdzv-server: `torchrun --rdzv-backend rdzv-server ...`.
 
-torch finds it through the `torchrun.handlers` entry point (plugin_entry.py), so an unchanged torchrun
+torch finds it through the `torchrun.handlers` entry point (plugin/entry.py), so an unchanged torchrun
 line, and every tool that writes one, gets the server's membership, leases, node-loss propagation,
 job-wide restart budget, events and status page. This is the one module of the agent and server
 packages that imports torch (besides workers and tests); it runs inside torchrun's agent process.
@@ -9,7 +9,7 @@ How torch's agent uses a handler (torch 2.13, SimpleElasticAgent): `next_rendezv
 starts the workers and again whenever it restarts them; `num_nodes_waiting()` on every monitor tick
 while they are healthy (> 0 makes it restart them); `shutdown()` once at the end. Nothing else.
 
-- Membership and rounds come from the server through `ServerSession` (plugin_session.py), whose
+- Membership and rounds come from the server through `ServerSession` (plugin/session.py), whose
   background long-poll renews the lease and notices a newer round, a lost node or the job's end at
   once; `num_nodes_waiting()` turns that into a restart of torch's workers.
 - Restart counting: when torch asks for a new round while the server still runs ours, our own
@@ -17,9 +17,9 @@ while they are healthy (> 0 makes it restart them); `shutdown()` once at the end
   every node on. When the server has already moved on (another node failed, a node was lost or
   joined), we adopt the newer round without a report. A failed or closed job is RendezvousClosedError.
 - Success: torch tells a handler nothing about its workers' fate. An agent enters its exit barrier
-  (on the store we return) only when all its workers exited 0, so `RoundStore` (plugin_store.py)
+  (on the store we return) only when all its workers exited 0, so `RoundStore` (plugin/round_store.py)
   reports success when the barrier starts; `shutdown()` with no exception on its way out is the
-  fallback. Failures: plugin_failures.py reads torch's own failure records.
+  fallback. Failures: plugin/failures.py reads torch's own failure records.
 - Stores: every agent hosts a TCPStore (its "agent store") from the start and publishes its port
   at join; the server hands group rank 0's address and port to the round as master_addr/port. The
   agents of a round use that store under the prefix `rdzv-server/JOB/ROUND/`, so a restarted round

@@ -19,7 +19,7 @@ from tests.unit.test_store import _builtins, _join, every_state
 
 
 def elected(settings: EtcdSettings) -> EtcdStore:
-    """A store whose replica holds the election key (as leadership.py would leave it)."""
+    """A store whose replica holds the election key (as store/etcd/election.py would leave it)."""
     store = EtcdStore(settings)
     client = EtcdClient(settings)
     ok, reply = client.txn([created_at(store.leader_key, 0)], [put(store.leader_key, b"http://me:1")])

@@ -1,4 +1,4 @@
-"""torch's worker failures -> the plugin's failure report (plugin_failures.py), with torch's own
+"""torch's worker failures -> the plugin's failure report (plugin/failures.py), with torch's own
 ProcessFailure and error-file format."""
 from __future__ import annotations
 

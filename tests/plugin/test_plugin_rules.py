@@ -1,4 +1,4 @@
-"""The plugin's pure decisions (plugin_session.py) and its settings (plugin_settings.py)."""
+"""The plugin's pure decisions (plugin/session.py) and its settings (plugin/settings.py)."""
 from __future__ import annotations
 
 import re

@@ -3,7 +3,7 @@
 The election key (`P leader`) holds the leader's advertised URL and is attached to the leader's
 etcd lease. A replica wins by creating the key in a transaction whose compare says it does not
 exist; the key's create revision is then the leader's fence: every commit of the store compares
-it (etcd_store.py), so once the key is gone or belongs to another replica, a leader that has not
+it (store/etcd/store.py), so once the key is gone or belongs to another replica, a leader that has not
 noticed commits nothing.
 
 - The leader renews its lease every TTL/4. It knows the lease lives until the send time of its

@@ -2,7 +2,7 @@
 commit fenced on the leader's election key.
 
 Keys, under the deployment's prefix P (several deployments share one etcd by their prefixes):
-- `P leader`: the election key (leadership.py), holding the leader's advertised URL;
+- `P leader`: the election key (store/etcd/election.py), holding the leader's advertised URL;
 - `P meta`: when the leader was last known alive, and whether it stopped cleanly;
 - `P jobs/ID/row`: the job's JobRecord without nodes and events;
 - `P jobs/ID/n/BB`: the job's node records, in NODE_BUCKETS buckets by a hash of the node id (a
