@@ -68,7 +68,8 @@ def sources(rendered) -> dict[tuple[str, str], dict]:
 @pytest.fixture
 def node_root():
     """A folder every uid may traverse (pytest's tmp_path is root's alone) standing for a node's disk."""
-    path = tempfile.mkdtemp(prefix="pod-files-")
+    # In /tmp itself: the suite's per-process TMPDIR (tests/conftest.py) is root's alone, like tmp_path.
+    path = tempfile.mkdtemp(prefix="pod-files-", dir="/tmp")
     os.chmod(path, 0o755)
     try:
         yield path
