@@ -6,6 +6,7 @@ group-rank-0 node published: its worker rank 0 hosts the store.
 """
 from __future__ import annotations
 
+import bisect
 import functools
 import ipaddress
 from collections.abc import Iterable
@@ -24,6 +25,7 @@ def build_round(job: JobRecord, members: list[str], round_id: int, opened_at: fl
     for n in nodes:
         role_sizes[n.role] = role_sizes.get(n.role, 0) + n.local_world_size
     reach = reachable_addresses(nodes)
+    probers = [i for i, n in enumerate(nodes) if n.probe_port]
     master_addr = reach[0]
     master = nodes[0]
     assignments: dict[str, Assignment] = {}
@@ -36,7 +38,7 @@ def build_round(job: JobRecord, members: list[str], round_id: int, opened_at: fl
             world_size=world_size, local_world_size=n.local_world_size, master_addr=master_addr,
             master_port=master.master_port, restart_count=job.restart_count,
             max_restarts=job.config.max_restarts, role_rank_offset=role_offset,
-            role_world_size=role_sizes[n.role], witnesses=_witnesses(nodes, reach, group_rank))
+            role_world_size=role_sizes[n.role], witnesses=_witnesses(nodes, reach, probers, group_rank))
         offset += n.local_world_size
         role_offsets[n.role] = role_offset + n.local_world_size
     return RoundRecord(round_id=round_id, members=list(members), assignments=assignments, opened_at=opened_at,
@@ -44,12 +46,17 @@ def build_round(job: JobRecord, members: list[str], round_id: int, opened_at: fl
                        restart_count=job.restart_count)
 
 
-def _witnesses(nodes: list[NodeRecord], reach: list[str], rank: int) -> tuple[Witness, ...]:
-    """The next two members after `rank` in the ring that answer probes (a different pair for each node)."""
+def _witnesses(nodes: list[NodeRecord], reach: list[str], probers: list[int], rank: int) -> tuple[Witness, ...]:
+    """The next two members after `rank` in the ring that answer probes (a different pair for each node).
+
+    `probers` are the positions of the members with a probe port, in order: a binary search finds the
+    first after `rank`, so a round costs O(N log N) however few members answer probes (walking the ring
+    from each member was O(N^2) in a round of nodes without a probe port: 11 s at 10,000 nodes)."""
     out: list[Witness] = []
-    for step in range(1, len(nodes)):
-        other = (rank + step) % len(nodes)
-        if nodes[other].probe_port:
+    start = bisect.bisect_right(probers, rank)
+    for k in range(min(len(probers), WITNESSES + 1)):
+        other = probers[(start + k) % len(probers)]
+        if other != rank:
             out.append(Witness(addr=reach[other], port=nodes[other].probe_port))
             if len(out) == WITNESSES:
                 break

@@ -6,9 +6,12 @@ from __future__ import annotations
 import ipaddress
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
-from protocol.messages import FailureReport, JobConfig, JoinRequest, WorkerFailure
+from protocol.messages import FailureReport, JobConfig, JobState, JoinRequest, NodeState, WorkerFailure
 from rdzv_server.core import rounds
+from rdzv_server.core.records import JobRecord, NodeRecord
 from rdzv_server.core.rendezvous import Rendezvous
 
 MEMBERS = 40
@@ -52,3 +55,27 @@ def test_a_round_formed_again_parses_no_member_address_again(monkeypatch: pytest
     # ... and the round carries the same addresses as before
     assert {a.master_addr for a in second.assignments.values()} == {"10.1.0.1"}
     assert [w.addr for w in second.assignments["n0"].witnesses] == ["10.1.0.2", "10.1.0.3"]
+
+
+def _ring_walk(ports: list[int], rank: int) -> list[int]:
+    """The rule written the slow, obvious way: the next two others after `rank`, around the ring,
+    that have a probe port."""
+    n = len(ports)
+    return [o for o in ((rank + step) % n for step in range(1, n)) if ports[o]][:rounds.WITNESSES]
+
+
+@given(st.lists(st.sampled_from([0, 0, 29600]), min_size=1, max_size=30))
+def test_each_member_gets_the_next_two_members_that_answer_probes(ports: list[int]):
+    job = JobRecord(job_id="j", config=JobConfig(min_nodes=1, max_nodes=len(ports)), state=JobState.RUNNING,
+                    created_at=0.0)
+    members = []
+    for i, port in enumerate(ports):
+        node = NodeRecord(node_id=f"n{i}", instance=f"n{i}", addr=f"10.2.0.{i + 1}", host=f"h{i}", role="default",
+                          local_world_size=1, master_port=29500, state=NodeState.MEMBER, joined_at=0.0,
+                          last_seen=0.0, lease_expires=10.0, probe_port=port)
+        job.nodes[node.node_id] = node
+        members.append(node.node_id)
+    built = rounds.build_round(job, members, 1, 0.0, 0.0, "test")
+    for i in range(len(ports)):
+        got = [w.addr for w in built.assignments[f"n{i}"].witnesses]
+        assert got == [f"10.2.0.{o + 1}" for o in _ring_walk(ports, i)]
