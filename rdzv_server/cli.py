@@ -16,8 +16,8 @@ from collections.abc import Coroutine
 from typing import Any
 
 from rdzv_server import logs
-from rdzv_server.coordinator import MAX_POLLS_PER_PEER
 from rdzv_server.core.rendezvous import Limits
+from rdzv_server.poll_limits import MAX_POLLS_PER_NODE, MAX_POLLS_PER_PEER
 from rdzv_server.serve import ListenError, Replication, ServerConfig, serve
 from rdzv_server.store.etcd import options as etcd_options
 from rdzv_server.store.etcd.store import EtcdStore
@@ -57,7 +57,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-nodes", type=int, default=limits.max_nodes, metavar="N",
                    help=f"node records held at most over all jobs (default {limits.max_nodes})")
     p.add_argument("--max-polls-per-peer", type=int, default=MAX_POLLS_PER_PEER, metavar="N",
-                   help=f"long-polls held open for one client address; 0: no limit (default {MAX_POLLS_PER_PEER})")
+                   help="long-polls held open for one client address; 0: no limit (the default: many agents may "
+                        "share one address behind NAT)")
+    p.add_argument("--max-polls-per-node", type=int, default=MAX_POLLS_PER_NODE, metavar="N",
+                   help=f"long-polls held open for one node (its credential); 0: no limit "
+                        f"(default {MAX_POLLS_PER_NODE}; an agent holds one)")
     p.add_argument("--max-connections", type=int, default=0, metavar="N",
                    help="open connections at most (the longest-idle one makes room); default: the open-file "
                         "limit less a reserve")
@@ -88,6 +92,7 @@ def config_from(args: argparse.Namespace) -> ServerConfig:
         raise UsageError(f"--retain-finished must be >= 0 seconds, got {args.retain_finished}", 2)
     for flag, value, least in (("--max-jobs", args.max_jobs, 1), ("--max-nodes", args.max_nodes, 1),
                                ("--max-polls-per-peer", args.max_polls_per_peer, 0),
+                               ("--max-polls-per-node", args.max_polls_per_node, 0),
                                ("--max-connections", args.max_connections, 0)):
         if value < least:
             raise UsageError(f"{flag} must be >= {least}, got {value}", 2)
@@ -110,7 +115,8 @@ def config_from(args: argparse.Namespace) -> ServerConfig:
     return ServerConfig(host=args.host, port=args.port, access=access, tls=tls, notes=tuple(_notes(args, access)),
                         limits=Limits(retain_finished_s=args.retain_finished, max_jobs=args.max_jobs,
                                       max_nodes=args.max_nodes),
-                        max_polls_per_peer=args.max_polls_per_peer, max_connections=args.max_connections,
+                        max_polls_per_peer=args.max_polls_per_peer,
+                        max_polls_per_node=args.max_polls_per_node, max_connections=args.max_connections,
                         gc_tuning=not args.no_gc_tuning)
 
 

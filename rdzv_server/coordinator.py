@@ -34,11 +34,13 @@ from protocol.messages import (
     PollRequest,
     SuccessReport,
 )
+from protocol.quoting import quote
 from rdzv_server.core.errors import RendezvousError
 from rdzv_server.core.operator_rules import OperatorAction
 from rdzv_server.core.outbox import Outbox
 from rdzv_server.core.records import JobRecord
 from rdzv_server.core.rendezvous import Rendezvous
+from rdzv_server.poll_limits import MAX_POLLS_PER_NODE, MAX_POLLS_PER_PEER, HeldPolls
 from rdzv_server.serving import Serving
 from rdzv_server.store.api import Store
 from rdzv_server.store.persistence import Durability, NotDurable, Persister, StoreUnavailable
@@ -49,7 +51,6 @@ log = logging.getLogger("rdzv_server")
 # Long-poll holds: together, the nodes of the server poll about this often per second ...
 TARGET_POLL_RATE = 500.0
 MAX_HOLD_S = 30.0           # ... but a poll is held no longer than this (the agent asks for up to 60 s)
-MAX_POLLS_PER_PEER = 4096   # held polls from one address (an agent holds one)
 
 class LagSource(Protocol):
     """How far behind the event loop runs (looplag.LoopLagProbe in the server; nothing in --standalone)."""
@@ -68,7 +69,7 @@ class Coordinator:
 
     def __init__(self, core: Rendezvous | None = None, clock: Callable[[], float] = time.time,
                  store: Store | None = None, max_polls_per_peer: int = MAX_POLLS_PER_PEER,
-                 loop_lag: LagSource | None = None) -> None:
+                 loop_lag: LagSource | None = None, max_polls_per_node: int = MAX_POLLS_PER_NODE) -> None:
         """`store`: the durable store (already opened); None keeps state in memory only and builds no
         commit machinery. `loop_lag`: the server's event-loop lag probe (leases wait out the server's
         own stalls); None: no probe (an in-process coordinator)."""
@@ -79,8 +80,8 @@ class Coordinator:
         self.loop_lag = loop_lag
         self.gate = Serving()
         self.open_polls = 0
-        self.max_polls_per_peer = max_polls_per_peer      # 0: no limit
-        self._polls_by_peer: dict[str, int] = {}
+        self.polls_by_peer = HeldPolls(max_polls_per_peer, "--max-polls-per-peer", "the address")   # 0: no limit
+        self.polls_by_node = HeldPolls(max_polls_per_node, "--max-polls-per-node", "node")
         self.waiters = Waiters()
         self._deliveries: set[asyncio.Task[None]] = set()
         self._armed: float | None = None          # the deadline the timer sleeps to (None: none)
@@ -296,15 +297,22 @@ class Coordinator:
     async def long_poll(self, job_id: str, req: PollRequest, peer: str = "",
                         silence: Callable[[], float] | None = None) -> NodeStatus:
         """Answer when this node's view changes or its hold ends; meanwhile the open poll is its lease."""
-        held = self._polls_by_peer.get(peer, 0)
-        if self.max_polls_per_peer and held >= self.max_polls_per_peer:
-            raise RendezvousError(ErrorCode.LIMIT_REACHED, f"{held} long-polls are held open for {peer or 'one peer'}, "
-                                  f"the server's limit (--max-polls-per-peer {self.max_polls_per_peer})")
-        status = self.call(lambda now: self.core.hold_poll(job_id, req, now))
+        node = (job_id, req.node_id)
+        self.polls_by_peer.take(peer, peer or "one peer")
+        try:
+            self.polls_by_node.take(node, quote(req.node_id))
+        except RendezvousError:
+            self.polls_by_peer.give_back(peer)
+            raise
+        try:
+            status = self.call(lambda now: self.core.hold_poll(job_id, req, now))
+        except BaseException:
+            self.polls_by_peer.give_back(peer)
+            self.polls_by_node.give_back(node)
+            raise
         loop = asyncio.get_running_loop()
         ends = loop.time() + self.hold_for(status, req.wait_s)
         self.open_polls += 1
-        self._polls_by_peer[peer] = held + 1
         dropped = False
         try:
             while not _poll_ready(status, req.known_round) and self.gate.serving() and loop.time() < ends:
@@ -326,9 +334,8 @@ class Coordinator:
             raise
         finally:
             self.open_polls -= 1
-            left = self._polls_by_peer.pop(peer, 1) - 1
-            if left:
-                self._polls_by_peer[peer] = left
+            self.polls_by_peer.give_back(peer)
+            self.polls_by_node.give_back(node)
             if not dropped:
                 now = self.clock()
                 self.core.poll_ended(job_id, req.node_id, now, now - silence() if silence is not None else now)

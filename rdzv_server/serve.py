@@ -21,9 +21,10 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
-from rdzv_server.coordinator import MAX_POLLS_PER_PEER, Coordinator
+from rdzv_server.coordinator import Coordinator
 from rdzv_server.core.rendezvous import Limits, Rendezvous
 from rdzv_server.heap import HeapTrimmer
+from rdzv_server.poll_limits import MAX_POLLS_PER_NODE, MAX_POLLS_PER_PEER
 from rdzv_server.store.api import Store
 from rdzv_server.store.etcd.election import Leadership
 from rdzv_server.store.etcd.store import EtcdStore
@@ -55,6 +56,7 @@ class ServerConfig:
     notes: tuple[str, ...] = ()          # warnings for operators (start-up and the status page)
     limits: Limits = field(default_factory=Limits)
     max_polls_per_peer: int = MAX_POLLS_PER_PEER
+    max_polls_per_node: int = MAX_POLLS_PER_NODE
     max_connections: int = 0             # 0: as many as the open-file limit allows
     gc_tuning: bool = True
 
@@ -125,7 +127,8 @@ async def serve(config: ServerConfig, store: Store | None = None,
     hard = max(64, limit - FD_RESERVE)
     guard = ConnectionGuard(min(config.max_connections or hard, hard), hard)
     coordinator = Coordinator(Rendezvous(limits=config.limits), store=store,
-                              max_polls_per_peer=config.max_polls_per_peer)
+                              max_polls_per_peer=config.max_polls_per_peer,
+                              max_polls_per_node=config.max_polls_per_node)
     app = create_app(coordinator, access=config.access, standby=replication is not None)
     app.middlewares.insert(0, guard.middleware)
     app[METRICS].watch_connections(lambda: (guard.refused, guard.evicted))
