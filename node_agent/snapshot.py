@@ -82,11 +82,12 @@ def agreed_step(reduce_min: Callable[[int], int], where: str | None = None) -> i
     `reduce_min(x)` returns the minimum of x over all ranks (every rank calls it the same number of
     times), e.g. an all_reduce with ReduceOp.MIN of a one-element tensor.
     """
-    mine = newest(where)
+    where = where or directory()
+    mine = newest(where) if where is not None else None
     step = reduce_min(-1 if mine is None else mine)
     if step < 0:
         return None
-    held = os.path.exists(path(step, where))
+    held = where is not None and os.path.exists(path(step, where))
     return step if reduce_min(1 if held else 0) == 1 else None
 
 
