@@ -148,7 +148,7 @@ def save(data: bytes | Writer, step: int, *, where: str | None = None, keep: int
             if isinstance(data, bytes | bytearray):
                 out.write(data)
             else:
-                data(out)   # type: ignore[arg-type]   (a file-like object is what writers take)
+                data(out)   # type: ignore[arg-type]  # file-like: what writers such as torch.save take
         if out.full:   # the writer swallowed the refusal
             raise MemoryDirFull("full")
     except Exception as exc:

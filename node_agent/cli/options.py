@@ -36,8 +36,8 @@ from node_agent.cli.values import (  # noqa: F401  (Std, StdSpec, count_gpus: re
     count_gpus,
     parse_filters,
     parse_nnodes,
-    parse_size,
     parse_signals,
+    parse_size,
     parse_std,
     resolve_nproc,
 )
