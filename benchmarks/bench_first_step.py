@@ -165,7 +165,13 @@ def main() -> None:
     p.add_argument("--snapshot-mb", type=int, default=768, help="the snapshot-load benchmark's size (0: skip)")
     p.add_argument("--out", default=os.path.join(ROOT, "docs"), help="where the JSON and the PNG go")
     p.add_argument("--keep", action="store_true", help="keep the runs' logs and markers")
+    p.add_argument("--replot", metavar="JSON", help="only draw the chart again from an earlier run's JSON")
     args = p.parse_args()
+    if args.replot:
+        with open(args.replot) as f:
+            saved = json.load(f)
+        report.plot(saved["runs"], saved["launchers"], os.path.join(args.out, "bench-first-step.png"), saved["note"])
+        return
     launchers = [name.strip() for name in args.launchers.split(",") if name.strip()]
     if unknown := [name for name in launchers if name not in LAUNCHERS]:
         p.error(f"unknown launcher {unknown[0]!r}; known: {', '.join(LAUNCHERS)}")

@@ -93,7 +93,7 @@ def plot(runs: list[dict[str, Any]], launchers: list[str], path: str, note: str)
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(10, 1.2 + 0.45 * len(runs)))
+    fig, ax = plt.subplots(figsize=(10, 1.8 + 0.45 * len(runs)))
     colors = ["#8c564b", "#1f77b4", "#2ca02c", "#9467bd", "#ff7f0e", "#d62728"]
     labels, y = [], 0
     totals = [r["result"]["total"] for r in runs if r["result"] is not None]
@@ -117,9 +117,10 @@ def plot(runs: list[dict[str, Any]], launchers: list[str], path: str, note: str)
     ax.set_yticks(range(len(labels)), labels, fontsize=8)
     ax.invert_yaxis()
     ax.set_xlabel("seconds from the crash until every rank has finished a training step again")
-    ax.set_title(f"Crash -> training again, 2 nodes x 2 workers, gloo DDP ({note})", fontsize=9)
+    ax.set_title(f"Crash -> training again, 2 nodes x 2 workers, gloo DDP\n{note}", fontsize=9)
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colors]
-    ax.legend(handles, [p for p, _ in PARTS], fontsize=7, loc="lower right")
+    ax.legend(handles, [p for p, _ in PARTS], fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.1),
+              ncol=len(PARTS), frameon=False)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
