@@ -13,7 +13,7 @@ import sys
 import pytest
 
 from benchmarks.bench_first_step import LAUNCHERS
-from benchmarks.first_step_report import PARTS, table
+from benchmarks.first_step_report import PARTS, recovery, table
 
 pytestmark = pytest.mark.e2e
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -41,3 +41,16 @@ def test_every_launcher_gives_a_run_and_the_recovering_ones_every_part(tmp_path)
         assert f"| {launcher} |" in done.stdout
     if importlib.util.find_spec("matplotlib") is not None:
         assert (tmp_path / "bench-first-step.png").stat().st_size > 0
+
+
+def test_a_recovery_is_read_along_the_last_rank_to_step_and_needs_every_rank():
+    marks = [("step", 0, 1.0), ("crash", 1, 10.0)]
+    for rank, delay in ((0, 0.0), (1, 2.0)):
+        for k, (_, marker) in enumerate(PARTS):
+            marks.append((marker, rank, 11.0 + delay + k))
+    r = recovery(marks, world=2)
+    assert r is not None and r["last_rank"] == 1 and r["total"] == 8.0
+    assert r["parts"] == {"restart": 3.0, "import": 1.0, "process group": 1.0, "model + optimizer": 1.0,
+                          "snapshot load": 1.0, "first step": 1.0}
+    assert recovery([m for m in marks if not (m[0] == "step" and m[1] == 1)], world=2) is None
+    assert recovery([m for m in marks if m[0] != "crash"], world=2) is None
