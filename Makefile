@@ -6,7 +6,7 @@ PIP_FLAGS := --disable-pip-version-check -q
 PYTEST_WORKERS ?= 4
 
 .PHONY: venv chromium deploy-tools netns-tools etcd demo test multihost soak fuzz bench bench-faults bench-scale \
-	bench-failover clean
+	bench-failover bench-first-step clean
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -79,6 +79,12 @@ $(VENV)/.bench-installed: $(VENV)/.installed
 
 bench-scale: venv $(VENV)/.bench-installed
 	$(PY) benchmarks/bench_scale.py $(BENCH_SCALE_ARGS)
+
+# Crash -> every rank training again (issue 22): node-agent cold and warm, torchrun with the plugin, torchrun
+# c10d, 2 nodes x 2 real torch DDP workers, interleaved; writes docs/bench-first-step.json and .png (about 10
+# minutes). BENCH_FIRST_STEP_ARGS passes options, e.g. "--pairs 5" or "--snapshot-mb 0".
+bench-first-step: venv $(VENV)/.bench-installed
+	$(PY) benchmarks/bench_first_step.py $(BENCH_FIRST_STEP_ARGS)
 
 # Replicas on etcd: failover time with 1,000 simulated agents, acknowledged changes over 50 failovers,
 # formation on etcd vs SQLite (docs/benchmarks.md; about 10 minutes).

@@ -2,18 +2,92 @@
 
 It reads only what torchrun provides in the environment. `--crash-rank R --crash-step S` makes
 global rank R raise once (on the first attempt, TORCHELASTIC_RESTART_COUNT=0) to show recovery.
+
+Snapshots (off unless asked): `--snapshot-every N` saves model + optimizer state every N steps into the
+node agent's in-memory directory ($NODE_AGENT_MEMORY_DIR, kept across worker restarts), `--disk-every M`
+into `--ckpt-dir` (rank 0). On start all ranks agree on the newest step every rank holds in memory and
+load it memory-mapped (no copy); else the newest on disk; else they start from scratch. Under torchrun
+(no memory directory) only the disk is used. `--markers FILE` appends timestamped lines (start, import,
+pg, built, loaded, step, crash) for benchmarks/bench_first_step.py.
 """
 from __future__ import annotations
 
-import argparse
-import os
-import socket
+import time
 
-import torch
-import torch.distributed as dist
-import torch.nn as nn
-from torch.distributed.elastic.multiprocessing.errors import record
-from torch.nn.parallel import DistributedDataParallel as DDP
+STARTED = time.time()   # the interpreter's first line of ours: a restart's "restart" part ends here
+
+import argparse  # noqa: E402
+import os  # noqa: E402
+import socket  # noqa: E402
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.nn as nn  # noqa: E402
+from torch.distributed.elastic.multiprocessing.errors import record  # noqa: E402
+from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
+
+try:   # the node agent's torch-free snapshot helper; absent when only torch is installed
+    from node_agent import snapshot
+except ImportError:
+    snapshot = None  # type: ignore[assignment]
+
+IMPORTED = time.time()
+
+
+def mark(args: argparse.Namespace, what: str, t: float | None = None) -> None:
+    if args.markers:
+        line = f"{what} {os.environ.get('RANK', '?')} {os.environ.get('TORCHELASTIC_RESTART_COUNT', '?')} " \
+               f"{time.time() if t is None else t:.6f}\n"
+        with open(args.markers, "a") as f:   # one short append: lines from many processes do not mix
+            f.write(line)
+
+
+def build(args: argparse.Namespace) -> nn.Module:
+    if args.width <= 0:
+        return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1))
+    layers: list[nn.Module] = []
+    for _ in range(args.depth):
+        layers += [nn.Linear(args.width, args.width), nn.GELU()]
+    return nn.Sequential(*layers)
+
+
+def reduce_min(x: int) -> int:
+    t = torch.tensor([x], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return int(t.item())
+
+
+def resume(args: argparse.Namespace, model: nn.Module, opt: torch.optim.Optimizer) -> tuple[int, str]:
+    """(the step to go on after, where its state came from): memory, disk or scratch."""
+    mem = snapshot.agreed_step(reduce_min) if snapshot is not None and args.snapshot_every else None
+    disk = -1
+    if args.ckpt_dir and args.disk_every and os.path.isdir(args.ckpt_dir):
+        held = [int(n[5:-3]) for n in os.listdir(args.ckpt_dir) if n.startswith("step-") and n.endswith(".pt")]
+        disk = reduce_min(max(held, default=-1))
+    if mem is not None and mem >= disk:
+        path, step, source = snapshot.path(mem), mem, "memory"
+    elif disk >= 0:
+        path, step, source = os.path.join(args.ckpt_dir, f"step-{disk}.pt"), disk, "disk"
+    else:
+        return -1, "scratch"
+    state = torch.load(path, mmap=True)   # memory-mapped: no copy of the file (/dev/shm is memory already)
+    model.load_state_dict(state["model"])
+    opt.load_state_dict(state["opt"])
+    return step, source
+
+
+def save(args: argparse.Namespace, model: nn.Module, opt: torch.optim.Optimizer, step: int, rank: int) -> None:
+    state = {"model": model.state_dict(), "opt": opt.state_dict()}
+    if args.snapshot_every and step % args.snapshot_every == 0 and snapshot is not None and snapshot.directory():
+        try:
+            snapshot.save(lambda f: torch.save(state, f), step)
+        except snapshot.MemoryDirFull as exc:   # no room: say so and train on (the last snapshot stays)
+            print(f"rank {rank}: {exc}", flush=True)
+    if args.disk_every and args.ckpt_dir and step % args.disk_every == 0 and rank == 0:
+        os.makedirs(args.ckpt_dir, exist_ok=True)
+        final = os.path.join(args.ckpt_dir, f"step-{step}.pt")
+        torch.save(state, final + ".tmp")
+        os.replace(final + ".tmp", final)
 
 
 @record
@@ -23,30 +97,51 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--crash-rank", type=int, default=-1)
     p.add_argument("--crash-step", type=int, default=5)
+    p.add_argument("--snapshot-every", type=int, default=0, help="steps between in-memory snapshots (0: none)")
+    p.add_argument("--disk-every", type=int, default=0, help="steps between disk checkpoints (0: none)")
+    p.add_argument("--ckpt-dir", default="", help="directory of the disk checkpoints")
+    p.add_argument("--width", type=int, default=0, help="DEPTH x Linear(WIDTH, WIDTH) (0: a tiny model)")
+    p.add_argument("--depth", type=int, default=4)
+    p.add_argument("--optimizer", choices=("sgd", "adamw"), default="sgd")
+    p.add_argument("--markers", default="", help="append timestamped progress lines to this file")
     args = p.parse_args()
+    mark(args, "start", STARTED)
+    mark(args, "import", IMPORTED)
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     restart = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+    mark(args, "pg")
     print(f"rank {rank}/{world} (local {os.environ['LOCAL_RANK']}, node group rank {os.environ['GROUP_RANK']}) "
           f"on {socket.gethostname()} pid {os.getpid()}, attempt {restart}, "
           f"master {os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}", flush=True)
 
     torch.manual_seed(0)
-    model = DDP(nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1)))
-    opt = torch.optim.SGD(model.parameters(), lr=args.lr)
-    data = torch.Generator().manual_seed(1000 + rank)
-    for step in range(args.steps):
-        x = torch.randn(64, 16, generator=data)
-        y = x.sum(dim=1, keepdim=True)
+    model = build(args)
+    opt = (torch.optim.AdamW(model.parameters(), lr=args.lr * 0.01) if args.optimizer == "adamw"
+           else torch.optim.SGD(model.parameters(), lr=args.lr))
+    mark(args, "built")
+    last, source = resume(args, model, opt) if args.snapshot_every or args.disk_every else (-1, "scratch")
+    if source != "scratch" or args.snapshot_every or args.disk_every:
+        print(f"rank {rank}: resumed from step {last} ({source})", flush=True)
+    mark(args, "loaded")
+    model = DDP(model)
+    width = args.width if args.width > 0 else 16
+    for step in range(last + 1, args.steps):
+        x = torch.randn(8 if args.width > 0 else 64, width, generator=torch.Generator().manual_seed(step * 1000 + rank))
+        y = x if args.width > 0 else x.sum(dim=1, keepdim=True)
         loss = nn.functional.mse_loss(model(x), y)
         opt.zero_grad()
         loss.backward()
         opt.step()
         if rank == args.crash_rank and step == args.crash_step and restart == 0:
+            mark(args, "crash")
             raise RuntimeError(f"injected crash on rank {rank} at step {step}")
         mean = loss.detach().clone()
         dist.all_reduce(mean)
+        if step == last + 1:
+            mark(args, "step")
+        save(args, model.module, opt, step, rank)
         if rank == 0 and (step % 5 == 0 or step == args.steps - 1):
             print(f"step {step:3d}  loss {mean.item() / world:.4f}", flush=True)
     dist.destroy_process_group()

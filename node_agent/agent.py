@@ -53,7 +53,7 @@ class Agent:
                                         lease_timeout_s=opts.job.lease_timeout_s)
         self.narrator = Narrator(opts.node_id, console, addr)
         self.workers = LocalWorkers(opts, self.facts.put_nowait, hostname=self.hostname, clock=self.now,
-                                    make_group=make_group)
+                                    make_group=make_group, say=self.narrator.say)
         self._signal_count = 0
         self._exit: Exit | None = None
         # answers the other members' "are you there, and do you hear the server?" (witness.py)

@@ -136,6 +136,12 @@ FLAGS: tuple[Flag, ...] = (
     _ours(("--hang-timeout", "--hang_timeout"), "hang_timeout", "S",
           "kill and report a worker that called node_agent.heartbeat.beat() but then stopped for this "
           "long; default {default:g} (off)"),
+    _ours(("--memory-dir-limit", "--memory_dir_limit"), "memory_dir_limit", "SIZE",
+          "size limit of the node's in-memory checkpoint directories ($NODE_AGENT_MEMORY_DIR, in /dev/shm, "
+          "kept across worker restarts), shared by the local ranks: 8G, 512M, ...; 0 turns them off; "
+          "default half of /dev/shm's free space"),
+    _ours(("--no-memory-dir", "--no_memory_dir"), "no_memory_dir", None,
+          "no in-memory checkpoint directory (the same as --memory-dir-limit 0)"),
     _ours(("--exclude-after", "--exclude_after"), "exclude_after", "K",
           "exclude a node after K worker failures within --exclude-window (job-wide); 0 never; default {default}"),
     _ours(("--exclude-window", "--exclude_window"), "exclude_window_s", "S",

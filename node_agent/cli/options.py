@@ -37,6 +37,7 @@ from node_agent.cli.values import (  # noqa: F401  (Std, StdSpec, count_gpus: re
     parse_filters,
     parse_nnodes,
     parse_signals,
+    parse_size,
     parse_std,
     resolve_nproc,
 )
@@ -89,6 +90,7 @@ class AgentOptions:
     stop_timeout: float = 30.0         # torchrun's shutdown timeout
     server_wait: float = 60.0
     hang_timeout: float = 0.0          # 0: hang detection off
+    memory_dir_limit: int | None = None   # bytes for the node's in-memory checkpoints; None: the default; 0: off
     warnings: tuple[str, ...] = ()
 
     @property
@@ -180,6 +182,7 @@ def parse_options(argv: Sequence[str], environ: Mapping[str, str] = os.environ) 
         server_wait=non_negative(line, _AGENT_DEFAULTS, "server_wait", conf.get("server_wait"),
                                  "--rdzv-conf server_wait"),
         hang_timeout=non_negative(line, _AGENT_DEFAULTS, "hang_timeout"), warnings=tuple(warnings),
+        memory_dir_limit=_memory_dir_limit(line),
     )
 
 
@@ -274,6 +277,17 @@ def _role(line: CommandLine, nproc: int, environ: Mapping[str, str]) -> str:
         if nproc > len(visible):
             line.fail("virtual_local_rank", f"{nproc} workers but CUDA_VISIBLE_DEVICES lists {len(visible)} devices")
     return role
+
+
+def _memory_dir_limit(line: CommandLine) -> int | None:
+    """--memory-dir-limit in bytes; --no-memory-dir is 0, and contradicts any other limit."""
+    limit = parse_size(line.get("memory_dir_limit"), line.failing("memory_dir_limit")) \
+        if line.get("memory_dir_limit") is not None else None
+    if line.get("no_memory_dir"):
+        if limit:
+            raise OptionsError(f"{line.name('no_memory_dir')} conflicts with {line.name('memory_dir_limit')}")
+        return 0
+    return limit
 
 
 def _token(line: CommandLine, conf: Mapping[str, str], environ: Mapping[str, str],

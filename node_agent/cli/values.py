@@ -55,6 +55,21 @@ def _int(text: str, fail: Fail) -> int:
         fail(f"expected an integer, got {text!r}")
 
 
+_SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*([KMGT]?)(?:i?B)?", re.IGNORECASE)
+MAX_SIZE = 2**50   # a petabyte: no node has that much memory
+
+
+def parse_size(text: str, fail: Fail) -> int:
+    """Bytes from `8G`, `512M`, `1.5GiB`, `4096` (K/M/G/T are powers of 1024)."""
+    m = _SIZE.fullmatch(text.strip())
+    if not m:
+        fail(f"expected a size such as 8G, 512M or 0, got {text!r}")
+    size = int(float(m.group(1)) * 1024 ** " KMGT".index(m.group(2).upper() or " "))
+    if size > MAX_SIZE:
+        fail(f"at most {MAX_SIZE} bytes (1P), got {text!r}")
+    return size
+
+
 def _seconds(text: str, fail: Fail) -> float:
     try:
         return float(text)

@@ -13,6 +13,8 @@ import sys
 from collections.abc import Mapping, Sequence
 
 from node_agent.cli.options import DEFAULT_SIGNALS, AgentOptions
+from node_agent.snapshot import DIR_VAR as MEMORY_DIR_VAR
+from node_agent.snapshot import LIMIT_VAR as MEMORY_LIMIT_VAR
 from protocol.messages import Assignment
 
 # The agent's credentials for the server (and rdzv-ctl's admin token file): never a worker's.
@@ -26,7 +28,8 @@ def signals_text(signals: Sequence[int]) -> str:
 
 def worker_env(*, base: Mapping[str, str], assignment: Assignment, local_rank: int, job_id: str,
                role: str, error_file: str | None, nccl_async: str | None = None,
-               virtual_local_rank: bool = False, signals: Sequence[int] = DEFAULT_SIGNALS) -> dict[str, str]:
+               virtual_local_rank: bool = False, signals: Sequence[int] = DEFAULT_SIGNALS,
+               memory_dir: str | None = None, memory_limit: int | None = None) -> dict[str, str]:
     """The full environment of one worker: `base` (the agent's own, less AGENT_SECRETS) plus the
     launcher's variables.
 
@@ -36,6 +39,8 @@ def worker_env(*, base: Mapping[str, str], assignment: Assignment, local_rank: i
     CUDA_VISIBLE_DEVICES shows each worker only its own GPU (the local rank's entry of the agent's list).
     `signals`: the agent's --signals-to-handle, which torchrun exports as TORCHELASTIC_SIGNALS_TO_HANDLE
     (torch's own process launchers in a worker read it).
+    `memory_dir`: the local rank's in-memory checkpoint directory (NODE_AGENT_MEMORY_DIR, with its size
+    limit in bytes in NODE_AGENT_MEMORY_LIMIT; node_agent/snapshot.py reads both); None: neither is set.
     """
     a = assignment
     if not 0 <= local_rank < a.local_world_size:
@@ -44,7 +49,7 @@ def worker_env(*, base: Mapping[str, str], assignment: Assignment, local_rank: i
     # A TORCHELASTIC_ERROR_FILE inherited from whoever launched the agent must not reach workers:
     # they would overwrite that launcher's error file instead of reporting to us.
     env.pop("TORCHELASTIC_ERROR_FILE", None)
-    for name in AGENT_SECRETS:
+    for name in (*AGENT_SECRETS, MEMORY_DIR_VAR, MEMORY_LIMIT_VAR):   # an outer agent's memory dir is not ours
         env.pop(name, None)
     env.update({
         "RANK": str(a.rank_offset + local_rank),
@@ -76,6 +81,10 @@ def worker_env(*, base: Mapping[str, str], assignment: Assignment, local_rank: i
         env["CUDA_VISIBLE_DEVICES"] = devices[local_rank] if devices is not None else str(local_rank)
     if error_file is not None:
         env["TORCHELASTIC_ERROR_FILE"] = error_file
+    if memory_dir is not None:
+        env[MEMORY_DIR_VAR] = memory_dir
+        if memory_limit is not None:
+            env[MEMORY_LIMIT_VAR] = str(memory_limit)
     # Several workers each sizing OpenMP to every core oversubscribe the node; torchrun sets 1.
     if "OMP_NUM_THREADS" not in base and a.local_world_size > 1:
         env["OMP_NUM_THREADS"] = "1"

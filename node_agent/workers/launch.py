@@ -57,8 +57,10 @@ def attempt_dir(run_dir: str, restart_count: int) -> str:
 
 
 def build_launches(a: Assignment, opts: AgentOptions, *, run_dir: str, hostname: str, stdin_tty: bool = False,
-                   environ: Mapping[str, str] = os.environ) -> list[WorkerLaunch]:
-    """One launch per local rank of the assignment, its directory made under `run_dir`."""
+                   environ: Mapping[str, str] = os.environ, memory_dirs: Mapping[int, str] | None = None,
+                   memory_limit: int | None = None) -> list[WorkerLaunch]:
+    """One launch per local rank of the assignment, its directory made under `run_dir`; `memory_dirs`:
+    each local rank's in-memory checkpoint directory (workers/memory.py), when there are some."""
     argv = worker_argv(opts, environ)
     base = attempt_dir(run_dir, a.restart_count)
     launches = []
@@ -75,7 +77,8 @@ def build_launches(a: Assignment, opts: AgentOptions, *, run_dir: str, hostname:
             argv=[argv[0], *(Template(arg).safe_substitute(local_rank=str(local_rank)) for arg in argv[1:])],
             env=worker_env(base=environ, assignment=a, local_rank=local_rank, job_id=opts.job_id, role=opts.role,
                            error_file=os.path.join(rank_dir, "error.json"),
-                           virtual_local_rank=opts.virtual_local_rank, signals=opts.signals),
+                           virtual_local_rank=opts.virtual_local_rank, signals=opts.signals,
+                           memory_dir=(memory_dirs or {}).get(local_rank), memory_limit=memory_limit),
             log_dir=rank_dir, redirect=opts.redirects.for_rank(local_rank), tee=opts.tee.for_rank(local_rank),
             echo=opts.local_ranks_filter is None or local_rank in opts.local_ranks_filter,
             prefix=prefix, prefix_all=opts.log_line_prefix is not None,

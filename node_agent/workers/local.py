@@ -21,6 +21,7 @@ from node_agent.core.hangwatch import HangWatch
 from node_agent.workers.failures import exit_failure, hang_failure, spawn_failure
 from node_agent.workers.group import WorkerGroup
 from node_agent.workers.launch import WorkerLaunch, build_launches, make_run_dir
+from node_agent.workers.memory import MemoryDirs
 from node_agent.workers.process import WorkerExit, WorkerSpawnError
 from protocol.messages import Assignment
 
@@ -54,8 +55,8 @@ def process_group(launches: list[WorkerLaunch], *, stop_timeout: float,
 
 
 class LocalWorkers:
-    def __init__(self, opts: AgentOptions, put: Put, *, hostname: str,
-                 clock: Callable[[], float], make_group: GroupFactory = process_group) -> None:
+    def __init__(self, opts: AgentOptions, put: Put, *, hostname: str, clock: Callable[[], float],
+                 make_group: GroupFactory = process_group, say: Callable[[str], None] = lambda _: None) -> None:
         self.opts = opts
         self._put = put
         self._hostname = hostname
@@ -66,6 +67,8 @@ class LocalWorkers:
         self._hangs = HangWatch(opts.hang_timeout) if opts.hang_timeout > 0 else None
         self._first_beat = asyncio.Event()
         self._tmp_root: str | None = None   # logs' home when the CLI made no run directory (tests)
+        # in-memory checkpoints: made before the first workers start, kept until close()
+        self.memory = MemoryDirs(opts.job_id, opts.nproc, opts.memory_dir_limit, say=say)
 
     async def spawn(self, a: Assignment) -> None:
         """Start the round's workers; their news (or the spawn's failure) comes back as facts."""
@@ -76,7 +79,9 @@ class LocalWorkers:
             if opts.run_dir is None and self._tmp_root is None:
                 self._tmp_root = make_run_dir(opts.log_dir or tempfile.mkdtemp(prefix="node-agent_"), opts.job_id)
             launches = build_launches(a, opts, run_dir=opts.run_dir or self._tmp_root or ".",
-                                      hostname=self._hostname, stdin_tty=_stdin_is_tty())
+                                      hostname=self._hostname, stdin_tty=_stdin_is_tty(),
+                                      memory_dirs=self.memory.dirs(a.local_world_size),
+                                      memory_limit=self.memory.rank_limit)
         except OSError as exc:   # no room for the workers' directories: they cannot start
             self._spawn_failed(a.round_id, exc, a.rank_offset, 0, opts.script)
             return
@@ -110,6 +115,7 @@ class LocalWorkers:
 
     async def close(self) -> None:
         await self.stop()
+        self.memory.close()   # the job ended or the node leaves: its snapshots go with it
         if self._tmp_root is not None and self.opts.log_dir is None:
             shutil.rmtree(os.path.dirname(self._tmp_root), ignore_errors=True)
 

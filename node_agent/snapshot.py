@@ -1,0 +1,182 @@
+"""In-memory snapshots for a worker: the node agent's memory directory, used from the training script.
+
+The agent gives each local rank a directory in shared memory (/dev/shm) that outlives worker restarts
+and is removed when the job ends or the node leaves: NODE_AGENT_MEMORY_DIR names it and
+NODE_AGENT_MEMORY_LIMIT its size limit in bytes. A restarted worker finds there what its predecessor
+saved and loads it without touching remote storage. Nothing here imports torch (the agent may import
+this module): `save` takes bytes or a callable that writes into a file, e.g.
+`save(lambda f: torch.save(state, f), step)`; load with `torch.load(path(step), mmap=True)` (no copy).
+
+Rules:
+- A snapshot is the file `step-N`, written as `step-N.tmp` and renamed, so a reader never sees half a
+  file. `save` keeps the newest `keep` snapshots: before it writes, it drops all but the newest
+  `keep - 1`, so at any moment at most `keep` files are there and the last complete one survives a
+  failed write.
+- The limit: what is kept plus the new snapshot must fit. A save that would pass it raises
+  `MemoryDirFull` (naming the limit and the sizes) and leaves no partial file; so does a full /dev/shm.
+  The worker catches it and trains on: the agent never stops training for it.
+- All ranks resume from the same step: `agreed_step` takes the MIN of every rank's newest step, then
+  checks every rank holds that step (a rank that lost its copy, e.g. a replaced node, makes everyone
+  fall back to disk).
+"""
+from __future__ import annotations
+
+import errno
+import os
+import re
+from collections.abc import Callable
+from typing import BinaryIO
+
+DIR_VAR = "NODE_AGENT_MEMORY_DIR"
+LIMIT_VAR = "NODE_AGENT_MEMORY_LIMIT"
+_NAME = re.compile(r"step-(\d{1,18})")
+
+Writer = Callable[[BinaryIO], object]
+
+
+class MemoryDirFull(OSError):
+    """A snapshot does not fit the memory directory's limit (or /dev/shm is full)."""
+
+
+def directory(environ: dict[str, str] | None = None) -> str | None:
+    """This worker's memory directory, or None (not under node-agent, or switched off)."""
+    value = (os.environ if environ is None else environ).get(DIR_VAR)
+    return value if value and os.path.isdir(value) else None
+
+
+def limit(environ: dict[str, str] | None = None) -> int | None:
+    """The size limit in bytes of this worker's snapshots (None: none given)."""
+    value = (os.environ if environ is None else environ).get(LIMIT_VAR, "")
+    return int(value) if value.isdigit() else None
+
+
+def steps(where: str | None = None) -> list[int]:
+    """The complete snapshots' steps, oldest first."""
+    where = where or directory()
+    if where is None:
+        return []
+    found = []
+    for name in os.listdir(where):
+        m = _NAME.fullmatch(name)
+        if m:
+            found.append(int(m.group(1)))
+    return sorted(found)
+
+
+def path(step: int, where: str | None = None) -> str:
+    where = where or directory()
+    if where is None:
+        raise FileNotFoundError(f"no memory directory (${DIR_VAR} is not set)")
+    return os.path.join(where, f"step-{step}")
+
+
+def newest(where: str | None = None) -> int | None:
+    """The newest complete snapshot's step, or None."""
+    held = steps(where)
+    return held[-1] if held else None
+
+
+def agreed_step(reduce_min: Callable[[int], int], where: str | None = None) -> int | None:
+    """The newest step every rank holds, or None (then load from disk, or start from scratch).
+
+    `reduce_min(x)` returns the minimum of x over all ranks (every rank calls it the same number of
+    times), e.g. an all_reduce with ReduceOp.MIN of a one-element tensor.
+    """
+    where = where or directory()
+    mine = newest(where) if where is not None else None
+    step = reduce_min(-1 if mine is None else mine)
+    if step < 0:
+        return None
+    held = where is not None and os.path.exists(path(step, where))
+    return step if reduce_min(1 if held else 0) == 1 else None
+
+
+class _Bounded:
+    """A file that refuses to grow past `room` bytes. Once full it stays full and drops later writes:
+    a writer's clean-up (torch.save finishing its zip file) must not hide the first refusal."""
+
+    def __init__(self, f: BinaryIO, room: int | None) -> None:
+        self._f = f
+        self._room = room
+        self.written = 0
+        self.full = False
+
+    def write(self, data: bytes) -> int:
+        if self.full:
+            return len(data)
+        if self._room is not None and self.written + len(data) > self._room:
+            self.full = True
+            raise MemoryDirFull(f"needs more than the {self._room} bytes left")
+        self.written += len(data)
+        return self._f.write(data)
+
+    def flush(self) -> None:
+        self._f.flush()
+
+    def tell(self) -> int:
+        return self._f.tell()
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        return self._f.seek(offset, whence)
+
+    def seekable(self) -> bool:
+        return True
+
+
+def save(data: bytes | Writer, step: int, *, where: str | None = None, keep: int = 2,
+         max_bytes: int | None = None) -> str:
+    """Write the snapshot of `step` atomically; return its path. Raises MemoryDirFull (see above)."""
+    if step < 0 or keep < 1:
+        raise ValueError(f"step must be >= 0 and keep >= 1, got step={step}, keep={keep}")
+    where = where or directory()
+    if where is None:
+        raise FileNotFoundError(f"no memory directory (${DIR_VAR} is not set)")
+    bound = max_bytes if max_bytes is not None else limit()
+    held = [s for s in steps(where) if s != step]
+    for old in held[:max(0, len(held) - (keep - 1))]:
+        _remove(path(old, where))
+    kept = sum(_size(path(s, where)) for s in held[-(keep - 1):]) if keep > 1 else 0
+    room = None if bound is None else bound - kept
+    final = path(step, where)
+    tmp = final + ".tmp"
+    out: _Bounded | None = None
+    try:
+        if room is not None and isinstance(data, bytes | bytearray) and len(data) > room:
+            raise MemoryDirFull(f"needs {len(data)} bytes")
+        with open(tmp, "wb") as f:
+            out = _Bounded(f, room)
+            if isinstance(data, bytes | bytearray):
+                out.write(data)
+            else:
+                data(out)   # type: ignore[arg-type]  # file-like: what writers such as torch.save take
+        if out.full:   # the writer swallowed the refusal
+            raise MemoryDirFull("full")
+    except Exception as exc:
+        _remove(tmp)
+        full = (out is not None and out.full) or isinstance(exc, MemoryDirFull)
+        if full or (isinstance(exc, OSError) and exc.errno == errno.ENOSPC):   # or /dev/shm itself is full
+            need = f"needs more than the {room} bytes left" if room is not None else "found /dev/shm full"
+            raise MemoryDirFull(
+                f"snapshot of step {step} does not fit the memory directory {where}: limit {_text(bound)}, "
+                f"{kept} bytes kept in {min(len(held), keep - 1)} older snapshot(s), the new one {need}") from exc
+        raise
+    os.replace(tmp, final)
+    return final
+
+
+def _text(bound: int | None) -> str:
+    return "none" if bound is None else f"{bound} bytes ({bound / 2**20:.1f} MiB)"
+
+
+def _size(p: str) -> int:
+    try:
+        return os.path.getsize(p)
+    except OSError:
+        return 0
+
+
+def _remove(p: str) -> None:
+    try:
+        os.unlink(p)
+    except FileNotFoundError:
+        pass

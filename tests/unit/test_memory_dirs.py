@@ -1,0 +1,185 @@
+"""The agent's in-memory checkpoint directories (workers/memory.py), their flags and the workers'
+variables; the worker's helper (node_agent/snapshot.py)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+
+import pytest
+
+from node_agent import snapshot
+from node_agent.cli.command_line import OptionsError
+from node_agent.cli.options import parse_options
+from node_agent.workers.environment import worker_env
+from node_agent.workers.memory import MemoryDirs, sweep
+from protocol.messages import Assignment
+
+ONE = Assignment(round_id=1, group_rank=0, group_world_size=1, rank_offset=0, world_size=2, local_world_size=2,
+                 master_addr="127.0.0.1", master_port=1, restart_count=0, max_restarts=0)
+
+
+def test_one_directory_per_local_rank_the_same_every_round_removed_on_close(tmp_path) -> None:
+    said: list[str] = []
+    dirs = MemoryDirs("job/1", 2, 4 * 2**20, say=said.append, base=str(tmp_path))
+    first = dirs.dirs(2)
+    assert sorted(first) == [0, 1] and all(os.path.isdir(d) for d in first.values())
+    assert dirs.dirs(2) == first and dirs.rank_limit == 2 * 2**20
+    assert os.path.basename(os.path.dirname(first[0])).startswith("job_1.")   # one path component
+    assert any("2 MiB per local rank" in line for line in said)
+    dirs.close()
+    assert not os.path.exists(os.path.dirname(first[0]))
+
+
+def test_off_means_no_directory(tmp_path) -> None:
+    dirs = MemoryDirs("j", 2, 0, say=lambda _: None, base=str(tmp_path))
+    assert dirs.dirs(2) == {} and os.listdir(tmp_path) == []
+
+
+def test_no_room_for_the_directory_is_a_warning_not_a_failed_job(tmp_path) -> None:
+    (tmp_path / "file").write_text("not a directory")
+    said: list[str] = []
+    dirs = MemoryDirs("j", 1, None, say=said.append, base=str(tmp_path / "file"))
+    assert dirs.dirs(1) == {} and not dirs.enabled
+    assert said and said[-1].startswith("no in-memory checkpoint directory")
+
+
+def test_the_default_limit_is_half_the_free_space(tmp_path) -> None:
+    dirs = MemoryDirs("j", 1, None, say=lambda _: None, base=str(tmp_path))
+    dirs.dirs(1)
+    st = os.statvfs(tmp_path)
+    assert dirs.rank_limit is not None and 0 < dirs.rank_limit <= st.f_blocks * st.f_frsize // 2
+    dirs.close()
+
+
+def test_the_sweep_removes_directories_of_dead_agents_only(tmp_path) -> None:
+    done = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead_pid = int(done.stdout)
+    live = MemoryDirs("live", 1, 2**20, say=lambda _: None, base=str(tmp_path))
+    live_dir = os.path.dirname(live.dirs(1)[0])
+    parent = os.path.dirname(live_dir)
+    for name, owner in (("dead", f"{dead_pid} 1"), ("reused", f"{os.getpid()} 1"), ("broken", "x")):
+        os.makedirs(os.path.join(parent, name, "0"))
+        with open(os.path.join(parent, name, "owner"), "w") as f:
+            f.write(owner)
+    os.makedirs(os.path.join(parent, "making"))           # no owner file yet: being made
+    assert sweep(parent) == 2                            # dead, and our pid with another start time
+    assert sorted(os.listdir(parent)) == sorted(["broken", "making", os.path.basename(live_dir)])
+    said: list[str] = []
+    os.makedirs(os.path.join(parent, "dead2"))
+    with open(os.path.join(parent, "dead2", "owner"), "w") as f:
+        f.write(f"{dead_pid} 1")
+    MemoryDirs("next", 1, 2**20, say=said.append, base=str(tmp_path)).dirs(1)
+    assert "removed 1 in-memory checkpoint directory left by agents that were killed" in said
+
+
+@pytest.mark.parametrize(("argv", "limit"), [
+    ([], None), (["--memory-dir-limit", "8G"], 8 * 2**30), (["--memory_dir_limit=512M"], 512 * 2**20),
+    (["--memory-dir-limit", "1.5GiB"], 3 * 2**29), (["--memory-dir-limit", "4096"], 4096),
+    (["--memory-dir-limit", "0"], 0), (["--no-memory-dir"], 0), (["--no-memory-dir", "--memory-dir-limit", "0"], 0),
+])
+def test_memory_dir_flags(argv: list[str], limit: int | None) -> None:
+    assert parse_options(["--standalone", *argv, "train.py"], {}).memory_dir_limit == limit
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--memory-dir-limit", "8X"], "--memory-dir-limit: expected a size such as 8G, 512M or 0, got '8X'"),
+    (["--memory-dir-limit", "2000T"], "--memory-dir-limit: at most"),
+    (["--no-memory-dir", "--memory-dir-limit", "1G"], "--no-memory-dir conflicts with --memory-dir-limit"),
+])
+def test_bad_memory_dir_flags_name_the_flag(argv: list[str], message: str) -> None:
+    with pytest.raises(OptionsError, match="^" + message.replace("(", r"\(")):
+        parse_options(["--standalone", *argv, "train.py"], {})
+
+
+def test_the_workers_environment_names_the_directory_and_its_limit() -> None:
+    base = {"PATH": "/bin", snapshot.DIR_VAR: "/outer", snapshot.LIMIT_VAR: "1"}   # an outer agent's
+    env = worker_env(base=base, assignment=ONE, local_rank=1, job_id="j", role="r", error_file=None,
+                     memory_dir="/dev/shm/x/1", memory_limit=1024)
+    assert env[snapshot.DIR_VAR] == "/dev/shm/x/1" and env[snapshot.LIMIT_VAR] == "1024"
+    off = worker_env(base=base, assignment=ONE, local_rank=1, job_id="j", role="r", error_file=None)
+    assert snapshot.DIR_VAR not in off and snapshot.LIMIT_VAR not in off
+
+
+# ------------------------------------------------------------------------------- the worker's helper
+
+
+def test_save_keeps_the_newest_and_never_leaves_a_partial_file(tmp_path) -> None:
+    where = str(tmp_path)
+    for step in (1, 2, 3):
+        snapshot.save(b"a" * 10, step, where=where)
+    assert snapshot.steps(where) == [2, 3] and snapshot.newest(where) == 3
+    snapshot.save(lambda f: f.write(b"b" * 10), 4, where=where, keep=3)
+    assert snapshot.steps(where) == [2, 3, 4]
+    with open(snapshot.path(4, where), "rb") as f:
+        assert f.read() == b"b" * 10
+    (tmp_path / "step-9.tmp").write_bytes(b"half")         # a write cut short is not a snapshot
+    assert snapshot.newest(where) == 4
+
+
+@pytest.mark.parametrize("as_writer", [False, True])
+def test_a_snapshot_past_the_limit_raises_memory_dir_full_and_keeps_the_last_one(tmp_path, as_writer) -> None:
+    where = str(tmp_path)
+    snapshot.save(b"a" * 600, 1, where=where, max_bytes=1000)
+    data = b"b" * 600
+
+    def writer(f) -> None:   # like torch.save: finishes its file even after a refused write
+        try:
+            f.write(data[:300])
+            f.write(data[300:])
+        finally:
+            f.write(b"end")
+    with pytest.raises(snapshot.MemoryDirFull) as caught:
+        snapshot.save(writer if as_writer else data, 2, where=where, max_bytes=1000)
+    message = str(caught.value)
+    assert "snapshot of step 2 does not fit the memory directory" in message
+    assert "limit 1000 bytes" in message and "600 bytes kept in 1 older snapshot" in message
+    assert "400 bytes left" in message
+    assert os.listdir(where) == ["step-1"]
+
+
+def test_the_limit_comes_from_the_agents_variable(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv(snapshot.DIR_VAR, str(tmp_path))
+    monkeypatch.setenv(snapshot.LIMIT_VAR, "100")
+    with pytest.raises(snapshot.MemoryDirFull, match="limit 100 bytes"):
+        snapshot.save(b"x" * 101, 1)
+    assert snapshot.save(b"x" * 100, 1) == str(tmp_path / "step-1")
+
+
+def ranks_agree(held: list[list[int]]):
+    """(the results, a rank's body): agreed_step on every rank at once, each in a thread, with a
+    `reduce_min` that sees all ranks' values (a stand-in for all_reduce)."""
+    n = len(held)
+    barrier = threading.Barrier(n)
+    values: list[int] = [0] * n
+    results: list[int | None] = [None] * n
+
+    def run(rank: int, where: str) -> None:
+        def reduce_min(x: int) -> int:
+            values[rank] = x
+            barrier.wait()
+            low = min(values)
+            barrier.wait()
+            return low
+        results[rank] = snapshot.agreed_step(reduce_min, where)
+    return results, run
+
+
+@pytest.mark.parametrize(("held", "agreed"), [
+    ([[5, 10], [5, 10]], 10), ([[5, 10], [5]], 5), ([[10], [5]], None), ([[5, 10], []], None), ([[], []], None),
+])
+def test_all_ranks_agree_on_the_newest_step_every_rank_holds(tmp_path, held, agreed) -> None:
+    results, run = ranks_agree(held)
+    threads = []
+    for rank, steps in enumerate(held):
+        where = tmp_path / str(rank)
+        where.mkdir()
+        for step in steps:
+            snapshot.save(b"s", step, where=str(where), keep=3)
+        threads.append(threading.Thread(target=run, args=(rank, str(where))))
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert results == [agreed] * len(held)
