@@ -178,8 +178,19 @@ class SuccessReport(_Request, kw_only=True):
     round_id: RoundRef
 
 
+class Unhealthy(str, enum.Enum):
+    """Why a node left as unhealthy (LeaveRequest.unhealthy): a kind, so metrics can count by it."""
+    GPU = "gpu"                      # NVML found a fault on a GPU its workers use
+    HEALTH_CHECK = "health_check"    # the site's --health-check failed
+    GPU_FAULT = "gpu_fault"          # a worker's error named a GPU fault (ECC, fallen off the bus, Xid)
+    STUCK_WORKER = "stuck_worker"    # a worker outlived SIGKILL (uninterruptible sleep)
+
+
 class LeaveRequest(_Request, kw_only=True):
     reason: Annotated[str, Meta(max_length=MAX_REASON)] = "left"
+    # Set when the node leaves because it is unhealthy: the server keeps its host out of every job for a
+    # while. Absent from older agents (a plain leave); ignored by older servers.
+    unhealthy: Unhealthy | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -40,6 +40,7 @@ from node_agent.cli.values import (  # noqa: F401  (Std, StdSpec, count_gpus: re
     parse_std,
     resolve_nproc,
 )
+from node_agent.gpu.topology import parse_bind_mode
 from protocol.ids import job_id_problem, node_id_problem
 from protocol.messages import JobConfig
 from protocol.tokens import read_token_file, token_problem
@@ -90,6 +91,12 @@ class AgentOptions:
     server_wait: float = 60.0
     hang_timeout: float = 0.0          # 0: hang detection off
     warnings: tuple[str, ...] = ()
+    numa_binding: str | None = None    # --numa-binding: a topology.BindMode value
+    gpu_check: bool = True             # --no-gpu-check: False (on only where the node has /dev/nvidia*)
+    gpu_check_interval: float = 5.0
+    health_check: str | None = None    # --health-check CMD
+    health_check_timeout: float = 30.0
+    kill_timeout: float = 10.0         # after SIGKILL: a worker still alive then marks the node unhealthy
 
     @property
     def standalone(self) -> bool:
@@ -110,8 +117,6 @@ _AGENT_DEFAULTS: dict[str, Any] = {f.name: f.default for f in dataclasses.fields
 _ONLY: dict[str, tuple[str | None, str]] = {
     "logs_specs": ("default", "node-agent loads no torch plugins (it never imports torch); its log layout is "
                               "torchrun's default (`default`, torch's DefaultLogsSpecs), under --log-dir"),
-    "numa_binding": (None, "node-agent cannot tell which NUMA node a GPU is on without loading CUDA; start "
-                           "workers under numactl instead (--no-python numactl --cpunodebind=N python train.py)"),
     "event_log_handler": ("null", "node-agent records the job's events at the rdzv-server (rdzv-ctl events JOB, "
                                   "or GET /v1/jobs/JOB/events)"),
 }
@@ -180,7 +185,28 @@ def parse_options(argv: Sequence[str], environ: Mapping[str, str] = os.environ) 
         server_wait=non_negative(line, _AGENT_DEFAULTS, "server_wait", conf.get("server_wait"),
                                  "--rdzv-conf server_wait"),
         hang_timeout=non_negative(line, _AGENT_DEFAULTS, "hang_timeout"), warnings=tuple(warnings),
+        **_gpu_options(line),
     )
+
+
+def _gpu_options(line: CommandLine) -> dict[str, Any]:
+    """--numa-binding, the GPU check and --health-check (node_agent/gpu/)."""
+    get = line.get
+    mode = get("numa_binding")
+    if mode is not None:
+        try:
+            mode = parse_bind_mode(mode).value
+        except ValueError as exc:
+            line.fail("numa_binding", str(exc))
+    check = get("health_check")
+    if check is not None and not check.strip():
+        line.fail("health_check", "must name a command")
+    interval = non_negative(line, _AGENT_DEFAULTS, "gpu_check_interval")
+    if interval == 0:
+        line.fail("gpu_check_interval", "must be > 0 (turn the check off with --no-gpu-check)")
+    return {"numa_binding": mode, "gpu_check": not get("no_gpu_check"), "gpu_check_interval": interval,
+            "health_check": check, "health_check_timeout": non_negative(line, _AGENT_DEFAULTS, "health_check_timeout"),
+            "kill_timeout": non_negative(line, _AGENT_DEFAULTS, "kill_timeout")}
 
 
 def _check_refused(line: CommandLine) -> None:

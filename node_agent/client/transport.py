@@ -23,6 +23,7 @@ from protocol.messages import (
     NodeStatus,
     PollRequest,
     SuccessReport,
+    Unhealthy,
     WorkerFailure,
 )
 
@@ -107,8 +108,9 @@ class Transport:
     async def report_success(self, round_id: int) -> NodeStatus:
         return await self._request(self._for_node(SuccessReport, round_id=round_id))
 
-    async def leave(self, reason: str) -> NodeStatus:
-        return await self._request(self._for_node(LeaveRequest, reason=reason), self.LEAVE_TIMEOUT_S)
+    async def leave(self, reason: str, unhealthy: Unhealthy | None = None) -> NodeStatus:
+        return await self._request(self._for_node(LeaveRequest, reason=reason, unhealthy=unhealthy),
+                                   self.LEAVE_TIMEOUT_S)
 
 
 def local_addr_towards(host: str, port: int) -> str:

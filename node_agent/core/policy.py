@@ -41,11 +41,12 @@ from __future__ import annotations
 import enum
 import signal
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from node_agent.client.replies import News, Refusal, news, refusal, succeeded_without
 from node_agent.core.actions import (
     Action,
+    CheckNode,
     Exit,
     Leave,
     ProbePeers,
@@ -56,11 +57,16 @@ from node_agent.core.actions import (
     StopWorkers,
 )
 from node_agent.core.facts import (
+    CHECK_FAILURE,
+    CHECK_JOIN,
+    CHECK_RESTART,
+    CHECK_RUNNING,
     SERVER_AWAY,
     SERVER_HEARD,
     SILENT,
     DeadlinePassed,
     Fact,
+    NodeChecked,
     PeersProbed,
     ServerNotReached,
     ServerRefused,
@@ -70,11 +76,14 @@ from node_agent.core.facts import (
     WorkersExited,
     WorkersHung,
 )
+from node_agent.core.node_health import NodeHealth
 from node_agent.core.summary import failure_summary
+from protocol.errors import ErrorCode
 from protocol.messages import (
     MAX_MESSAGE,
     Assignment,
     JobState,
+    JoinRequest,
     NodeStatus,
     WorkerFailure,
 )
@@ -114,6 +123,7 @@ class SupervisionPolicy:
     probing: bool = False
     suspect: bool = False                 # the witnesses once said this node is the one cut off
     ran: bool = False                # this node's workers were started in some round of the job
+    health: NodeHealth = field(default_factory=NodeHealth)   # the node's own checks (node_health.py)
 
     @property
     def known_round(self) -> int:
@@ -124,6 +134,7 @@ class SupervisionPolicy:
         """Everything the policy knows arrives here, one fact at a time."""
         if self.exiting:
             return []   # on the way out: news no longer matters (a second signal is the shell's)
+        self.health.last_now = now
         match fact:
             case StatusReceived(status=status, sent_at=sent_at):
                 self.unreachable_since = None
@@ -150,6 +161,8 @@ class SupervisionPolicy:
                 return self._failed(round_id, (failure,))
             case SignalReceived(signum=signum):
                 return self._signalled(signum)
+            case NodeChecked():
+                return self._checked(fact, now)
             case DeadlinePassed():
                 return self._due(now)
         raise TypeError(f"not a fact: {fact!r}")
@@ -167,6 +180,11 @@ class SupervisionPolicy:
         fence = self._fence_at()
         if fence is not None:
             rules.append((fence, self._probe))
+        check = self.health.due(self.running_round if self.workers == Workers.RUNNING else None)
+        if not self.exiting and check is not None:
+            rules.append((check, lambda now: self.health.periodic(self.running_round)))
+        if not self.exiting and self.health.retry_at is not None:
+            rules.append((self.health.retry_at, self.health.retry))
         return rules
 
     def _fence_at(self) -> float | None:
@@ -234,6 +252,8 @@ class SupervisionPolicy:
                     f"(limit {self.server_wait_s:g}s): {self.unreachable_error}")]
 
     def _status(self, status: NodeStatus) -> list[Action]:
+        if self.health.out and not status.job_state.finished:
+            return []      # left as unhealthy: a late answer from before is no news until the next check
         match news(status, self.running_round):
             case News.FINISHED:
                 return self._finish(status)
@@ -247,8 +267,9 @@ class SupervisionPolicy:
                 a = status.assignment
                 assert a is not None
                 actions = self._stop(f"round {a.round_id} replaces round {self.running_round}")
-                self.running_round, self.workers, self.assignment, self.ran = a.round_id, Workers.RUNNING, a, True
-                return actions + [Spawn(a)]
+                restart, self.ran = self.ran, True
+                self.running_round, self.workers, self.assignment = a.round_id, Workers.RUNNING, a
+                return actions + self.health.spawn(a, restart)
             case News.NOT_MEMBER if self.running_round != -1:   # waiting, spare or excluded: run nothing
                 actions = self._stop(f"node is {status.node_state.value}: {status.reason}")
                 self.running_round = -1
@@ -256,6 +277,9 @@ class SupervisionPolicy:
         return []
 
     def _refused(self, fact: ServerRefused, now: float) -> list[Action]:
+        if fact.code == ErrorCode.HOST_UNHEALTHY.value and fact.request is JoinRequest:
+            self.health.failed(CHECK_JOIN, now)    # held out by the server: ask again after the back-off
+            return []
         match refusal(fact.code, fact.request):
             case Refusal.CONFLICT:
                 # Maybe our own predecessor, dead but not yet noticed: wait out its lease, then give up.
@@ -297,7 +321,26 @@ class SupervisionPolicy:
         if self.workers != Workers.RUNNING or round_id != self.running_round:
             return []
         self.workers = Workers.FAILED
+        if self.health.enabled:     # a broken GPU makes the node leave instead of counting a restart
+            return [StopWorkers(f"local rank {failures[0].local_rank} failed"),
+                    CheckNode(CHECK_FAILURE, round_id, failures)]
         return [StopWorkers(f"local rank {failures[0].local_rank} failed"), ReportFailure(round_id, failures)]
+
+    def _checked(self, fact: NodeChecked, now: float) -> list[Action]:
+        if fact.problem is None:
+            self.health.passed(fact.stage, now)
+            if fact.stage == CHECK_FAILURE:
+                return [ReportFailure(fact.round_id, fact.failures)]
+            if fact.stage == CHECK_JOIN:
+                return [Rejoin("the node's checks passed")]
+            a = self.health.take_pending(self.running_round) if fact.stage == CHECK_RESTART else None
+            return [Spawn(a)] if a is not None and self.workers == Workers.RUNNING else []
+        if self.health.out or (fact.stage == CHECK_RUNNING and fact.round_id != self.running_round):
+            return []      # already out, or about a round since replaced (its own check comes)
+        self.health.failed(fact.stage, now)
+        actions = self._stop(f"node unhealthy: {fact.problem}")
+        joined, self.running_round = fact.stage != CHECK_JOIN, -1
+        return actions + ([Leave(f"unhealthy: {fact.problem}", fact.kind)] if joined else [])
 
     def _succeeded(self, round_id: int) -> list[Action]:
         if self.workers != Workers.RUNNING or round_id != self.running_round:
