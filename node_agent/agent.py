@@ -59,7 +59,6 @@ class Agent:
                                     make_group=make_group)
         # the node's own checks (GPUs, --health-check) and --numa-binding: node_checks.py
         self.checks = checks if checks is not None else NodeChecks(opts, self.narrator.say)
-        self.policy.health = NodeHealth(enabled=self.checks.enabled, interval_s=opts.gpu_check_interval)
         self._signal_count = 0
         self._exit: Exit | None = None
         # answers the other members' "are you there, and do you hear the server?" (witness.py)
@@ -100,6 +99,8 @@ class Agent:
             self.narrator.say(chosen[1])
         self.checks.start()      # said before any worker starts
         self.workers.cpu_affinity = self.checks.cpu_affinity
+        self.policy.health = NodeHealth(enabled=self.checks.enabled, interval_s=self.opts.gpu_check_interval,
+                                        retry_min_s=self.checks.retry_min_s)
         if self.policy.health.enabled:
             await self._do(CheckNode(CHECK_JOIN, -1), link)    # the node joins once its checks pass
         else:

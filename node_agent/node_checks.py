@@ -20,6 +20,7 @@ from collections.abc import Callable, Mapping, Sequence
 from node_agent.cli.options import AgentOptions
 from node_agent.core.actions import CheckNode
 from node_agent.core.facts import CHECK_FAILURE, NodeChecked
+from node_agent.core.node_health import RETRY_MIN_S
 from node_agent.gpu.health import Healthy, Skipped, Unhealthy, check_gpus, classify_failure, run_health_check
 from node_agent.gpu.node import NodeGpus, has_nvidia_devices, survey
 from node_agent.gpu.nvml import GpuProbe, NvmlProbe, ProbeUnavailable
@@ -44,6 +45,7 @@ class NodeChecks:
         self.last_seconds: float | None = None   # the last NVML check's time
         self._lock = asyncio.Lock()             # one NVML check at a time
         self._said: set[str] = set()
+        self.retry_min_s = RETRY_MIN_S          # the first back-off once found unhealthy (tests shorten it)
 
     @property
     def enabled(self) -> bool:

@@ -35,6 +35,7 @@ class NodeHealth:
     retry_at: float | None = None         # found unhealthy: out of the job until this check
     unhealthy_in_row: int = 0
     pending: Assignment | None = None     # a restart waiting for its check
+    retry_min_s: float = RETRY_MIN_S
 
     @property
     def out(self) -> bool:
@@ -70,7 +71,7 @@ class NodeHealth:
         """Found unhealthy: out until the next check; returns the back-off."""
         if stage == CHECK_RUNNING:
             self.checking = False
-        delay: float = min(RETRY_MAX_S, RETRY_MIN_S * 2.0 ** min(self.unhealthy_in_row, 16))
+        delay: float = min(RETRY_MAX_S, self.retry_min_s * 2.0 ** min(self.unhealthy_in_row, 16))
         self.unhealthy_in_row += 1
         self.retry_at, self.pending, self.next_check_at = now + delay, None, None
         return delay
