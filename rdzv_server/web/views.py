@@ -176,4 +176,5 @@ def server_status(core: Rendezvous, now: float, offset: int = 0, limit: int = ST
     return {"time": iso(now), "total": total, "offset": offset, "limit": limit,
             "next_offset": offset + limit if offset + limit < total else None,
             "job_states": state_counts(core), "list_limit": list_limit,
-            "jobs": [job_summary(j, now, list_limit) for j in page]}
+            "jobs": [job_summary(j, now, list_limit) for j in page],
+            "unhealthy_hosts": [h.view(now) for h in core.unhealthy.current(now)[:list_limit]]}

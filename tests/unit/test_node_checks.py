@@ -143,7 +143,8 @@ async def test_an_unhealthy_gpu_keeps_the_node_out_until_it_is_repaired_in_place
     probe.faults[1] = ecc(1)
     node = start(probe=probe)
     answer = await node.checks.next(CHECK_JOIN)
-    assert answer.kind is Unhealthy.GPU and "GPU 1 (0000:1c:00.0): 2 volatile uncorrectable ECC errors" in answer.problem
+    assert answer.kind is Unhealthy.GPU
+    assert "GPU 1 (0000:1c:00.0): 2 volatile uncorrectable ECC errors" in answer.problem
     assert "join" not in node.server.sent
     assert "not joining: this node is unhealthy: GPU check: GPU 1 (0000:1c:00.0): 2 volatile uncorrectable ECC" \
         in node.text()
@@ -164,7 +165,7 @@ async def test_a_gpu_that_breaks_while_workers_run_makes_the_node_leave_without_
     assert "failure" not in node.server.sent
     job = node.server.coordinator.core.jobs["j1"]
     assert job.restart_count == 0
-    assert any(kind == "node_left" and "unhealthy: GPU check: GPU 0 (0000:1b:00.0): NVML: GPU is lost" in reason
+    assert any(kind == "node_unhealthy" and "unhealthy: GPU check: GPU 0 (0000:1b:00.0): NVML: GPU is lost" in reason
                for kind, reason in node.events())
 
 
@@ -216,7 +217,7 @@ async def test_workers_that_outlive_sigkill_make_the_node_leave(start) -> None:
     group = await node.next_group()
     group.end(r1=1)                                     # stopping the failed group leaves 4242 behind
     await asyncio.wait_for(_left(node), LIMIT)
-    assert any(kind == "node_left" and "worker process 4242 still alive 10s after SIGKILL" in reason
+    assert any(kind == "node_unhealthy" and "worker process 4242 still alive 10s after SIGKILL" in reason
                for kind, reason in node.events()), node.events()
 
 
@@ -247,6 +248,7 @@ async def test_a_failure_naming_a_gpu_fault_is_the_gpu_s_and_a_device_side_asser
     answer = await checks.check(CheckNode(CHECK_FAILURE, 2, (ecc_failure,)))
     assert answer.kind is Unhealthy.GPU_FAULT and "uncorrectable ECC error" in answer.problem
     assert answer.failures == (ecc_failure,)
-    assert_failure = msgspec.structs.replace(ecc_failure, message="RuntimeError: CUDA error: device-side assert triggered")
+    assert_failure = msgspec.structs.replace(ecc_failure,
+                                             message="RuntimeError: CUDA error: device-side assert triggered")
     assert (await checks.check(CheckNode(CHECK_FAILURE, 2, (assert_failure,)))).problem is None
     checks.close()
