@@ -95,7 +95,7 @@ class Rendezvous:
              via: tuple[str, str] = ("", "")) -> NodeStatus:
         """Admit a node; `credential` is the secret a newly made node record gets (the shell makes it)."""
         self._heard(now)
-        self.unhealthy.check(req.host, req.node_id, now)
+        self.unhealthy.check(req.host or req.addr, req.node_id, now)
         job = self.jobs.get(job_id)
         if job is not None and job.state.finished:
             late = job.finished_at is None or now - job.finished_at < REUSE_FINISHED_AFTER_S
@@ -189,7 +189,7 @@ class Rendezvous:
         with self._counting(rules.job):
             rules.leave(req, now)          # checks the node's credential first
         if node is not None and req.unhealthy is not None and not finished:
-            self.unhealthy.hold(node.host, req.unhealthy.value, req.reason, job_id, req.node_id, now)
+            self.unhealthy.hold(node.host or node.addr, req.unhealthy.value, req.reason, job_id, req.node_id, now)
         return rules.view(req.node_id, now)
 
     def connection_dropped(self, job_id: str, node_id: str, now: float) -> None:

@@ -168,6 +168,9 @@ def state_counts(core: Rendezvous) -> dict[str, int]:
     return {state.value: n for state, n in Counter(job.state for job in core.jobs.values()).items()}
 
 
+HOSTS_LIMIT = 100      # unhealthy hosts listed at most (the oldest holds first)
+
+
 def server_status(core: Rendezvous, now: float, offset: int = 0, limit: int = STATUS_LIMIT,
                   list_limit: int = LIST_LIMIT) -> dict[str, Any]:
     """One page of jobs in `ordered_jobs` order; `total` and `job_states` count every job."""
@@ -177,4 +180,4 @@ def server_status(core: Rendezvous, now: float, offset: int = 0, limit: int = ST
             "next_offset": offset + limit if offset + limit < total else None,
             "job_states": state_counts(core), "list_limit": list_limit,
             "jobs": [job_summary(j, now, list_limit) for j in page],
-            "unhealthy_hosts": [h.view(now) for h in core.unhealthy.current(now)[:list_limit]]}
+            "unhealthy_hosts": [h.view(now) for h in core.unhealthy.current(now)[:HOSTS_LIMIT]]}
