@@ -170,7 +170,7 @@ class Agent:
         return await self.transport.join(
             addr=self.addr, host=self.hostname, local_world_size=self.opts.nproc, master_port=free_port(self.addr),
             config=self.opts.job, instance=self.instance, role=self.opts.role, probe_port=self.witness.port,
-            command=self.opts.command)
+            command=self.opts.command, checks=self.checks.summary)
 
     async def _poll(self, wait_s: float) -> NodeStatus:
         return await self.transport.poll(self.policy.known_round, wait_s, master_port=free_port(self.addr))

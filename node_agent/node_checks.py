@@ -56,6 +56,14 @@ class NodeChecks:
     def cpu_affinity(self) -> Mapping[int, frozenset[int]]:
         return self.gpus.cpu_affinity if self.gpus is not None else {}
 
+    @property
+    def summary(self) -> str:
+        """What the node checks of itself, one short line for the server's views ("": nothing to say)."""
+        gpus = "" if not self.gpu_node else f"GPU check skipped: {self.skipped}" if self.skipped is not None \
+            else "GPU check on (NVML, held open)" if self.probe is not None else ""
+        script = "--health-check" if self.opts.health_check is not None else ""
+        return "; ".join(p for p in (gpus, script) if p)[:200]
+
     def start(self) -> None:
         """Open NVML where it is needed and survey the GPUs; say what the workers will get, once."""
         wants_devices = self.gpu_node or (self.opts.numa_binding is not None and has_nvidia_devices(self._dev_dir))

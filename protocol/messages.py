@@ -135,10 +135,13 @@ class JoinRequest(_Request, kw_only=True):
     # A fingerprint of the script and arguments this node runs ("": not checked). Every node of an open
     # job must run the job's command: a join with another is refused (config_conflict).
     command: Annotated[str, Meta(max_length=MAX_COMMAND)] = ""
+    # What the node checks of itself, for operators ("GPU check skipped: ..." where NVML is missing on a
+    # GPU node: never silently healthy); "": nothing to say (a CPU node, or an older agent).
+    checks: ShortText = ""
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        _printable(addr=self.addr, host=self.host, role=self.role, instance=self.instance)
+        _printable(addr=self.addr, host=self.host, role=self.role, instance=self.instance, checks=self.checks)
 
 
 class PollRequest(_Request, kw_only=True):

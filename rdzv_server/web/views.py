@@ -59,7 +59,7 @@ def _node(job: JobRecord, node: NodeRecord, now: float, succeeded: set[str]) -> 
         "node_id": node.node_id, "state": node.state.value, "host": node.host, "addr": node.addr,
         "role": node.role, "local_world_size": node.local_world_size,
         "lease_age_s": round(now - node.last_seen, 3), "joined_at": iso(node.joined_at),
-        "recent_failures": len(node.failure_times),
+        "recent_failures": len(node.failure_times), "checks": node.checks,
     }
 
 

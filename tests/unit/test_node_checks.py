@@ -22,6 +22,8 @@ from node_agent.gpu.nvml import FakeGpuProbe, healthy
 from node_agent.node_checks import NodeChecks
 from node_agent.workers.launch import WorkerLaunch
 from protocol.messages import JobConfig, Unhealthy, WorkerFailure
+from rdzv_server.web import views
+from rdzv_server.web.page import parts
 from tests.unit.agent_fakes import LIMIT, FakeGroup
 from tests.unit.test_agent_loop import ScriptedServer
 
@@ -132,6 +134,7 @@ async def test_a_healthy_gpu_node_checks_before_joining_then_runs(start) -> None
     answer = await node.checks.next(CHECK_JOIN)
     assert answer.problem is None and node.probe.asked == [0, 1]      # the two GPUs its workers use
     group = await node.next_group()
+    assert node.server.coordinator.core.jobs["j1"].nodes["n1"].checks == "GPU check on (NVML, held open)"
     assert node.server.sent[0] == "join"
     group.end(r0=0, r1=0)
     assert await asyncio.wait_for(node.task, LIMIT) == 0
@@ -224,6 +227,10 @@ async def test_workers_that_outlive_sigkill_make_the_node_leave(start) -> None:
 async def test_nvml_missing_on_a_gpu_node_is_one_warning_and_the_job_runs(start) -> None:
     node = start(probe=FakeGpuProbe(unavailable="nvidia-ml-py is not installed"))
     group = await node.next_group()
+    job = node.server.coordinator.core.jobs["j1"]
+    shown = views.job_detail(job, 0.0)["nodes"][0]
+    assert shown["checks"] == "GPU check skipped: nvidia-ml-py is not installed"      # the server's views say so
+    assert '<span class="warn-text">GPU check skipped: nvidia-ml-py is not installed</span>' in parts.host(shown)
     group.end(r0=0, r1=0)
     assert await asyncio.wait_for(node.task, LIMIT) == 0
     assert node.text().count("warning: GPU check skipped: nvidia-ml-py is not installed") == 1
@@ -252,3 +259,18 @@ async def test_a_failure_naming_a_gpu_fault_is_the_gpu_s_and_a_device_side_asser
                                              message="RuntimeError: CUDA error: device-side assert triggered")
     assert (await checks.check(CheckNode(CHECK_FAILURE, 2, (assert_failure,)))).problem is None
     checks.close()
+
+
+async def test_a_host_held_out_by_the_server_asks_again_after_a_back_off_and_joins_once_cleared(start) -> None:
+    node = start()
+    held = node.server.coordinator.core.unhealthy
+    now = node.server.coordinator.clock()                               # the server's clock: wall time
+    held.hold(node.agent.hostname, "gpu", "unhealthy: GPU check: ...", "j0", "n0", now)
+    joins = await node.checks.next(CHECK_JOIN)
+    assert joins.problem is None                                        # its own check passes ...
+    while "held out as unhealthy" not in node.text():                   # ... but the server refuses it
+        assert (await node.checks.next(CHECK_JOIN)).problem is None
+    assert "the server keeps this host out: host" in node.text()
+    assert node.task.done() is False and node.made == []
+    held.clear(node.agent.hostname, now)                                # the operator's clear-unhealthy
+    await node.next_group()
