@@ -82,9 +82,9 @@ class NodeHealth:
         return [CheckNode(CHECK_JOIN, -1)]
 
     def take_pending(self, round_id: int) -> Assignment | None:
-        """The restart whose check passed, if it is still the round to run; arms the periodic check."""
-        a, self.pending = self.pending, None
+        """The restart of `round_id`, whose check passed, if it still waits; arms the periodic check."""
+        a = self.pending
         if a is None or a.round_id != round_id:
-            return None
-        self.next_check_at = self.last_now + self.interval_s
+            return None             # an answer about a round since replaced: its own check comes
+        self.pending, self.next_check_at = None, self.last_now + self.interval_s
         return a

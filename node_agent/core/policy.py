@@ -333,7 +333,8 @@ class SupervisionPolicy:
                 return [ReportFailure(fact.round_id, fact.failures)]
             if fact.stage == CHECK_JOIN:
                 return [Rejoin("the node's checks passed")]
-            a = self.health.take_pending(self.running_round) if fact.stage == CHECK_RESTART else None
+            a = self.health.take_pending(fact.round_id) if fact.stage == CHECK_RESTART \
+                and fact.round_id == self.running_round else None
             return [Spawn(a)] if a is not None and self.workers == Workers.RUNNING else []
         if self.health.out or (fact.stage == CHECK_RUNNING and fact.round_id != self.running_round):
             return []      # already out, or about a round since replaced (its own check comes)
