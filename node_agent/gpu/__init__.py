@@ -6,6 +6,7 @@
 - `nvml`: the `GpuProbe` interface (devices and their health facts), its NVML implementation and a fake.
 - `health`: the pure verdict on a probe's findings, the `--health-check CMD` runner, and the classifier
   of a worker's failure message (GPU fault or not).
+- `node`: the survey the agent makes once at start (which GPU each rank uses, --numa-binding's CPUs).
 
 Rule for this package: it imports only the standard library, `protocol`, and (lazily, inside the NVML
 probe, on GPU nodes) `pynvml` from nvidia-ml-py. Never torch: the agent must not load CUDA.
