@@ -4,6 +4,7 @@ The test breaks a GPU, a --health-check or a worker's death and awaits what the 
 from __future__ import annotations
 
 import asyncio
+import os
 import io
 import signal
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -26,6 +27,7 @@ from rdzv_server.web import views
 from rdzv_server.web.page import parts
 from tests.unit.agent_fakes import LIMIT, FakeGroup
 from tests.unit.test_agent_loop import ScriptedServer
+from tests.unit.test_gpu_topology import write_machine
 
 
 class RecordingChecks(NodeChecks):
@@ -274,3 +276,29 @@ async def test_a_host_held_out_by_the_server_asks_again_after_a_back_off_and_joi
     assert node.task.done() is False and node.made == []
     held.clear(node.agent.hostname, now)                                # the operator's clear-unhealthy
     await node.next_group()
+
+
+async def test_numa_binding_reaches_every_worker_s_launch_and_is_said_once(start, tmp_path) -> None:
+    write_machine(tmp_path / "sysfs", nodes={0: [0, 2], 1: [1, 3]}, socket={0: 0, 1: 1, 2: 0, 3: 1},
+                  siblings={0: [0], 1: [1], 2: [2], 3: [3]}, l3=None, gpus={bus(0): 1, bus(1): 0})
+    node = start(numa_binding="node")
+    first = await node.next_group()
+    # the agent's own affinity on this box cuts the sets; the plan's CPUs are what it may use
+    allowed = os.sched_getaffinity(0)
+    assert [la.cpu_affinity for la in first.launches] == [frozenset({1, 3} & allowed) or None,
+                                                         frozenset({0, 2} & allowed) or None]
+    first.end(r1=1)
+    second = await node.next_group()                   # a restart gets the same binding
+    assert [la.cpu_affinity for la in second.launches] == [la.cpu_affinity for la in first.launches]
+    assert node.text().count("NUMA binding, local rank 1: NUMA node 0") == (1 if {0, 2} & allowed else 0)
+
+
+async def test_a_health_check_that_cannot_run_keeps_the_node_out_saying_why(start, tmp_path) -> None:
+    script = tmp_path / "check.sh"
+    script.write_text("#!/bin/sh\nexit 0\n")            # not executable
+    node = start(health_check=str(script))
+    answer = await node.checks.next(CHECK_JOIN)
+    assert answer.kind is Unhealthy.HEALTH_CHECK
+    assert answer.problem == f"health check '{script}' is not executable (permission denied)"
+    assert f"not joining: this node is unhealthy: health check '{script}' is not executable" in node.text()
+    assert "join" not in node.server.sent
