@@ -48,7 +48,8 @@ def survey(nproc: int, environ: Mapping[str, str], *, probe: GpuProbe | None, nu
         devices = gpus_from_sysfs(root, dev_dir)
     visible = visible_gpus(devices, environ.get("CUDA_VISIBLE_DEVICES"), environ.get("CUDA_DEVICE_ORDER"))
     ranks = rank_gpus(visible, nproc, virtual_local_rank=virtual_local_rank)
-    warnings = [*visible.notes] if (devices or numa_binding) else []
+    # notes about CUDA_VISIBLE_DEVICES matter only where there are GPUs to see
+    warnings = [*visible.notes] if devices or has_nvidia_devices(dev_dir) else []
     if ranks.warning:
         warnings.append(ranks.warning)
     if numa_binding is None:

@@ -4,8 +4,8 @@ The test breaks a GPU, a --health-check or a worker's death and awaits what the 
 from __future__ import annotations
 
 import asyncio
-import os
 import io
+import os
 import signal
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field, replace
