@@ -172,6 +172,11 @@ async def test_a_gpu_that_breaks_while_workers_run_makes_the_node_leave_without_
     assert job.restart_count == 0
     assert any(kind == "node_unhealthy" and "unhealthy: GPU check: GPU 0 (0000:1b:00.0): NVML: GPU is lost" in reason
                for kind, reason in node.events())
+    node.probe.faults.clear()                          # repaired in place: it checks, rejoins, runs again
+    again = await node.next_group()
+    assert again.env["TORCHELASTIC_RESTART_COUNT"] == "0"
+    again.end(r0=0, r1=0)
+    assert await asyncio.wait_for(node.task, LIMIT) == 0
 
 
 async def _left(node: Node) -> None:
@@ -266,6 +271,7 @@ async def test_a_failure_naming_a_gpu_fault_is_the_gpu_s_and_a_device_side_asser
 async def test_a_host_held_out_by_the_server_asks_again_after_a_back_off_and_joins_once_cleared(start) -> None:
     node = start()
     held = node.server.coordinator.core.unhealthy
+    held.hold_s = 3600.0                              # as rdzv-server's (the in-process server holds nobody)
     now = node.server.coordinator.clock()                               # the server's clock: wall time
     held.hold(node.agent.hostname, "gpu", "unhealthy: GPU check: ...", "j0", "n0", now)
     joins = await node.checks.next(CHECK_JOIN)
