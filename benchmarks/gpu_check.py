@@ -54,7 +54,8 @@ def nvml_figures() -> Any:
     return probe
 
 
-def run_job(extra: list[str], label: str) -> None:
+def run_job(extra: list[str], label: str) -> bool:
+    """One DDP job with a crash; True when it succeeded after its restart."""
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp:
         env = dict(os.environ, PYTHONPATH=ROOT, GPU_CHECK_MARKER=os.path.join(tmp, "crashed"))
         argv = [sys.executable, "-m", "node_agent", "--standalone", "--nproc-per-node", "gpu", "--max-restarts",
@@ -74,6 +75,7 @@ def run_job(extra: list[str], label: str) -> None:
         print(f"  crash -> step again (every rank): {max(e['t'] for e in again) - crash['t']:.2f} s")
     if done.returncode != 0:
         print("  agent's last lines: " + " | ".join(done.stderr.strip().splitlines()[-5:]))
+    return done.returncode == 0 and crash is not None and bool(again)
 
 
 def main() -> int:
@@ -90,9 +92,9 @@ def main() -> int:
         print(line)
     if probe is not None:
         probe.close()
-    run_job(["--numa-binding", "node"], "NCCL DDP, --numa-binding node, GPU check on (NVML held by the agent)")
-    run_job(["--no-gpu-check"], "NCCL DDP, --no-gpu-check (no NVML held)")
-    return 0
+    ok = [run_job(["--numa-binding", "node"], "NCCL DDP, --numa-binding node, GPU check on (NVML held by the agent)"),
+          run_job(["--no-gpu-check"], "NCCL DDP, --no-gpu-check (no NVML held)")]
+    return 0 if all(ok) else 1
 
 
 if __name__ == "__main__":
