@@ -29,7 +29,9 @@ Rules:
   a refused report is dropped (the next poll says where things stand); a request refused because
   another agent took this node over (`forbidden`) or because this agent has no valid token
   (`unauthorized`) ends the agent, whatever it was;
-- a signal stops the workers, leaves the job, and exits with 128 + signal.
+- a signal stops the workers, leaves the job, and exits with 128 + signal;
+- the node's own checks (GPUs, --health-check, workers alive after SIGKILL): node_health.py says when
+  they run and that an unhealthy node leaves (no failure reported) and checks again after a back-off.
 
 Timed rules are listed in `_timed_rules()`: a rule is a time and what to do once it has come.
 "Fencing" would be one more there: while workers run and the server is unreachable, stop them once
