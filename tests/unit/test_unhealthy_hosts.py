@@ -9,6 +9,7 @@ from protocol.codec import decode_request, encode
 from protocol.errors import ErrorCode
 from protocol.messages import JobConfig, JobState, JoinRequest, LeaveRequest, NodeStatus, Unhealthy
 from rdzv_ctl import cli as ctl
+from rdzv_server import cli as server_cli
 from rdzv_server.core.events import EventKind
 from rdzv_server.core.payloads import NodeUnhealthy, payload_of
 from rdzv_server.core.rendezvous import Limits, Rendezvous, RendezvousError
@@ -125,3 +126,13 @@ def test_rdzv_ctl_status_lists_the_held_hosts() -> None:
     leave_unhealthy(rz, "n2", 10.0)
     last = ctl.format_status(views.server_status(rz, 20.0)).splitlines()[-1]
     assert last.startswith("unhealthy host host-n2: held out 3590.0s more (node n2 of job a, gpu: unhealthy: GPU ")
+
+
+def test_rdzv_server_s_unhealthy_hold_flag() -> None:
+    def config(*argv: str) -> Limits:
+        return server_cli.config_from(server_cli.build_parser().parse_args(["--state-dir", "none", *argv])).limits
+    assert config().unhealthy_hold_s == 3600.0
+    assert config("--unhealthy-hold", "0").unhealthy_hold_s == 0.0
+    with pytest.raises(server_cli.UsageError) as bad:
+        config("--unhealthy-hold", "-5")
+    assert bad.value.code == 2 and str(bad.value) == "--unhealthy-hold must be 0..604800 seconds, got -5.0"
