@@ -100,7 +100,7 @@ class Agent:
         self.checks.start()      # said before any worker starts
         self.workers.cpu_affinity = self.checks.cpu_affinity
         self.policy.health = NodeHealth(enabled=self.checks.enabled, interval_s=self.opts.gpu_check_interval,
-                                        retry_min_s=self.checks.retry_min_s)
+                                        retry_min_s=self.checks.retry_min_s, give_up_s=self.opts.job.join_timeout_s)
         if self.policy.health.enabled:
             await self._do(CheckNode(CHECK_JOIN, -1), link)    # the node joins once its checks pass
         else:

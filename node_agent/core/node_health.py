@@ -11,7 +11,9 @@ with a `NodeChecked`. The rules (policy.py applies them through this state):
   does not join, or leaves its round saying why and of what kind: no failure is reported, so no restart
   counts against the job's budget, and the server re-forms the round as for a lost node. It checks
   again after a back-off (RETRY_MIN_S, doubling up to RETRY_MAX_S) and joins once healthy, so a node
-  repaired in place comes back. Server news meanwhile is old news, except the job's end.
+  repaired in place comes back. Server news meanwhile is old news, except the job's end. A node out
+  for longer than `give_up_s` (the job's join timeout: as long as the job itself would wait for nodes)
+  gives up and exits 1 with its last finding: it never learns of the job's end while it is out.
 """
 from __future__ import annotations
 
@@ -36,6 +38,9 @@ class NodeHealth:
     unhealthy_in_row: int = 0
     pending: Assignment | None = None     # a restart waiting for its check
     retry_min_s: float = RETRY_MIN_S
+    give_up_s: float = 600.0              # out this long without passing a check: the agent ends
+    out_since: float | None = None
+    problem: str = ""                     # the last finding that kept the node out
 
     @property
     def out(self) -> bool:
@@ -62,19 +67,25 @@ class NodeHealth:
         return [CheckNode(CHECK_RUNNING, running_round)]
 
     def passed(self, stage: str, now: float) -> None:
-        self.unhealthy_in_row = 0
+        self.unhealthy_in_row, self.out_since = 0, None
         if stage == CHECK_RUNNING:
             self.checking = False
             self.next_check_at = now + self.interval_s
 
-    def failed(self, stage: str, now: float) -> float:
+    def failed(self, stage: str, now: float, problem: str) -> float:
         """Found unhealthy: out until the next check; returns the back-off."""
+        self.problem = problem
+        if self.out_since is None:
+            self.out_since = now
         if stage == CHECK_RUNNING:
             self.checking = False
         delay: float = min(RETRY_MAX_S, self.retry_min_s * 2.0 ** min(self.unhealthy_in_row, 16))
         self.unhealthy_in_row += 1
         self.retry_at, self.pending, self.next_check_at = now + delay, None, None
         return delay
+
+    def gave_up(self, now: float) -> bool:
+        return self.out_since is not None and now - self.out_since >= self.give_up_s
 
     def retry(self, now: float) -> list[Action]:
         """The back-off is over: check again (and join when it passes)."""

@@ -186,7 +186,7 @@ class SupervisionPolicy:
         if not self.exiting and check is not None:
             rules.append((check, lambda now: self.health.periodic(self.running_round)))
         if not self.exiting and self.health.retry_at is not None:
-            rules.append((self.health.retry_at, self.health.retry))
+            rules.append((self.health.retry_at, self._retry_health))
         return rules
 
     def _fence_at(self) -> float | None:
@@ -280,7 +280,7 @@ class SupervisionPolicy:
 
     def _refused(self, fact: ServerRefused, now: float) -> list[Action]:
         if fact.code == ErrorCode.HOST_UNHEALTHY.value and fact.request is JoinRequest:
-            self.health.failed(CHECK_JOIN, now)    # held out by the server: ask again after the back-off
+            self.health.failed(CHECK_JOIN, now, fact.message)    # held out by the server: ask again later
             return []
         match refusal(fact.code, fact.request):
             case Refusal.CONFLICT:
@@ -340,10 +340,18 @@ class SupervisionPolicy:
             return [Spawn(a)] if a is not None and self.workers == Workers.RUNNING else []
         if self.health.out or (fact.stage == CHECK_RUNNING and fact.round_id != self.running_round):
             return []      # already out, or about a round since replaced (its own check comes)
-        self.health.failed(fact.stage, now)
+        self.health.failed(fact.stage, now, fact.problem)
         actions = self._stop(f"node unhealthy: {fact.problem}")
         joined, self.running_round = fact.stage != CHECK_JOIN, -1
         return actions + ([Leave(f"unhealthy: {fact.problem}", fact.kind)] if joined else [])
+
+    def _retry_health(self, now: float) -> list[Action]:
+        h = self.health
+        if h.gave_up(now):
+            out = now - h.out_since if h.out_since is not None else 0.0
+            return self._end(1, "node unhealthy", f"this node stayed unhealthy for {out:.0f}s (the job's join "
+                                                  f"timeout {h.give_up_s:g}s): {h.problem}")
+        return h.retry(now)
 
     def _succeeded(self, round_id: int) -> list[Action]:
         if self.workers != Workers.RUNNING or round_id != self.running_round:

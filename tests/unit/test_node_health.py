@@ -72,6 +72,7 @@ def test_an_unhealthy_node_leaves_without_reporting_and_checks_again_after_a_dou
 
 def test_the_back_off_is_capped() -> None:
     p = checked()
+    p.health.give_up_s = 1e9
     p.handle(bad(CHECK_JOIN, -1), 0.0)
     delays = []
     for _ in range(12):
@@ -107,3 +108,20 @@ def test_without_checks_a_failure_is_reported_at_once_but_a_stuck_worker_still_t
     assert p.handle(stuck, 2.0) == [Leave("unhealthy: worker process 42 still alive 10s after SIGKILL",
                                           Unhealthy.STUCK_WORKER)]
     assert p.handle(DeadlinePassed(), 7.0) == [CheckNode(CHECK_JOIN, -1)]   # the shell checks the pid is gone
+
+
+def test_a_node_out_for_longer_than_the_job_s_join_timeout_gives_up_with_its_last_finding() -> None:
+    p = checked()
+    p.health.give_up_s = 60.0
+    p.handle(bad(CHECK_JOIN, -1), 0.0)
+    now = 0.0
+    while True:
+        when = p.next_deadline()
+        assert when is not None
+        actions = p.handle(DeadlinePassed(), when)
+        if actions != [CheckNode(CHECK_JOIN, -1)]:
+            break
+        now = when
+        p.handle(bad(CHECK_JOIN, -1), now)
+    assert when >= 60.0 and actions == [Exit(1, f"this node stayed unhealthy for {when:.0f}s (the job's join "
+                                                "timeout 60s): GPU check: GPU 0: NVML: GPU is lost")]
