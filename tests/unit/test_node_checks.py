@@ -23,6 +23,7 @@ from node_agent.gpu.nvml import FakeGpuProbe, healthy
 from node_agent.node_checks import NodeChecks
 from node_agent.workers.launch import WorkerLaunch
 from protocol.messages import JobConfig, Unhealthy, WorkerFailure
+from protocol.quoting import quote
 from rdzv_server.web import views
 from rdzv_server.web.page import parts
 from tests.unit.agent_fakes import LIMIT, FakeGroup
@@ -217,7 +218,7 @@ async def test_a_failing_health_check_before_a_restart_makes_the_node_leave(star
     first.end(r1=1)
     answer = await node.checks.next(CHECK_RESTART)
     assert answer.kind is Unhealthy.HEALTH_CHECK
-    assert answer.problem == f"health check '{script}' exited with status 3: 'IB port 1 down'"
+    assert answer.problem == f"health check {quote(str(script))} exited with status 3: 'IB port 1 down'"
     await asyncio.wait_for(_left(node), LIMIT)
     assert len(node.made) == 1                                          # the restart never spawned here
 
@@ -305,6 +306,6 @@ async def test_a_health_check_that_cannot_run_keeps_the_node_out_saying_why(star
     node = start(health_check=str(script))
     answer = await node.checks.next(CHECK_JOIN)
     assert answer.kind is Unhealthy.HEALTH_CHECK
-    assert answer.problem == f"health check '{script}' is not executable (permission denied)"
-    assert f"not joining: this node is unhealthy: health check '{script}' is not executable" in node.text()
+    assert answer.problem == f"health check {quote(str(script))} is not executable (permission denied)"
+    assert f"not joining: this node is unhealthy: {answer.problem}" in node.text()
     assert "join" not in node.server.sent
