@@ -83,6 +83,7 @@ from node_agent.core.summary import failure_summary
 from protocol.errors import ErrorCode
 from protocol.messages import (
     MAX_MESSAGE,
+    MAX_REASON,
     Assignment,
     JobState,
     JoinRequest,
@@ -343,7 +344,7 @@ class SupervisionPolicy:
         self.health.failed(fact.stage, now, fact.problem)
         actions = self._stop(f"node unhealthy: {fact.problem}")
         joined, self.running_round = fact.stage != CHECK_JOIN, -1
-        return actions + ([Leave(f"unhealthy: {fact.problem}", fact.kind)] if joined else [])
+        return actions + ([Leave(f"unhealthy: {fact.problem}"[:MAX_REASON], fact.kind)] if joined else [])
 
     def _retry_health(self, now: float) -> list[Action]:
         h = self.health

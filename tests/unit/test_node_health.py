@@ -14,7 +14,7 @@ from node_agent.core.facts import (
 )
 from node_agent.core.node_health import RETRY_MAX_S, NodeHealth
 from node_agent.core.policy import SupervisionPolicy, Workers
-from protocol.messages import JobState, NodeState, Unhealthy
+from protocol.messages import MAX_REASON, JobState, NodeState, Unhealthy
 from tests.unit.test_policy import failure, member, status
 
 
@@ -125,3 +125,12 @@ def test_a_node_out_for_longer_than_the_job_s_join_timeout_gives_up_with_its_las
         p.handle(bad(CHECK_JOIN, -1), now)
     assert when >= 60.0 and actions == [Exit(1, f"this node stayed unhealthy for {when:.0f}s (the job's join "
                                                 "timeout 60s): GPU check: GPU 0: NVML: GPU is lost")]
+
+
+def test_a_long_finding_is_cut_to_what_a_leave_may_carry() -> None:
+    p = checked()
+    p.handle(member(1), 0.0)
+    many = " | ".join(f"GPU {i} (0000:{i:02x}:00.0): 3 volatile uncorrectable ECC errors; row remapping failed"
+                      for i in range(64))
+    leave = p.handle(NodeChecked(CHECK_RUNNING, 1, many, Unhealthy.GPU), 1.0)[-1]
+    assert isinstance(leave, Leave) and len(leave.reason) == MAX_REASON and leave.reason.startswith("unhealthy: GPU 0")
