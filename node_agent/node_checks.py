@@ -66,8 +66,10 @@ class NodeChecks:
 
     def start(self) -> None:
         """Open NVML where it is needed and survey the GPUs; say what the workers will get, once."""
-        wants_devices = self.gpu_node or (self.opts.numa_binding is not None and has_nvidia_devices(self._dev_dir))
-        if wants_devices:
+        has_gpus = has_nvidia_devices(self._dev_dir)
+        if not has_gpus and self.opts.numa_binding is None:
+            return                  # a CPU node: nothing to survey (the agent's start-up stays as it was)
+        if self.gpu_node or (has_gpus and self.opts.numa_binding is not None):   # --no-gpu-check: NVML only to bind
             probe = self._make_probe()
             try:
                 probe.open()
