@@ -16,23 +16,26 @@ from __future__ import annotations
 import asyncio
 import os
 from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 from node_agent.cli.options import AgentOptions
 from node_agent.core.actions import CheckNode
 from node_agent.core.facts import CHECK_FAILURE, NodeChecked
 from node_agent.core.node_health import RETRY_MIN_S
-from node_agent.gpu.health import Healthy, Skipped, Unhealthy, check_gpus, classify_failure, run_health_check
-from node_agent.gpu.node import NodeGpus, has_nvidia_devices, survey
-from node_agent.gpu.nvml import GpuProbe, NvmlProbe, ProbeUnavailable
+from node_agent.gpu import has_nvidia_devices
 from protocol.messages import Unhealthy as Kind
 from protocol.messages import WorkerFailure
 from protocol.quoting import one_line
 
-ProbeFactory = Callable[[], GpuProbe]
+if TYPE_CHECKING:      # the GPU modules are imported where used: a CPU node's agent starts without them
+    from node_agent.gpu.node import NodeGpus
+    from node_agent.gpu.nvml import GpuProbe
+
+ProbeFactory = Callable[[], "GpuProbe"]
 
 
 class NodeChecks:
-    def __init__(self, opts: AgentOptions, say: Callable[[str], None], *, probe: ProbeFactory = NvmlProbe,
+    def __init__(self, opts: AgentOptions, say: Callable[[str], None], *, probe: ProbeFactory | None = None,
                  root: str = "/", dev_dir: str = "/dev", environ: Mapping[str, str] = os.environ) -> None:
         self.opts = opts
         self._say = say
@@ -69,8 +72,10 @@ class NodeChecks:
         has_gpus = has_nvidia_devices(self._dev_dir)
         if not has_gpus and self.opts.numa_binding is None:
             return                  # a CPU node: nothing to survey (the agent's start-up stays as it was)
+        from node_agent.gpu.node import survey
+        from node_agent.gpu.nvml import NvmlProbe, ProbeUnavailable
         if self.gpu_node or (has_gpus and self.opts.numa_binding is not None):   # --no-gpu-check: NVML only to bind
-            probe = self._make_probe()
+            probe = (self._make_probe or NvmlProbe)()
             try:
                 probe.open()
                 self.probe = probe
@@ -93,6 +98,8 @@ class NodeChecks:
             probe.close()
 
     async def check(self, action: CheckNode, stuck: Sequence[int] = ()) -> NodeChecked:
+        from node_agent.gpu.health import Healthy, Unhealthy, check_gpus, run_health_check
+
         def bad(problem: str, kind: Kind) -> NodeChecked:
             return NodeChecked(action.stage, action.round_id, one_line(problem), kind, action.failures)
 
@@ -110,13 +117,12 @@ class NodeChecks:
             self._warn(verdict.warnings)
             if isinstance(verdict, Unhealthy):
                 return bad(f"GPU check: {verdict.reason}", Kind.GPU)
-            if isinstance(verdict, Skipped):
+            if not isinstance(verdict, Healthy):
                 self._warn((f"GPU check skipped: {verdict.reason}",))
         if self.opts.health_check is not None and action.stage != CHECK_FAILURE:
             script = await run_health_check(self.opts.health_check, timeout=self.opts.health_check_timeout)
             if isinstance(script, Unhealthy):
                 return bad(script.reason, Kind.HEALTH_CHECK)
-            assert isinstance(script, Healthy | Skipped)
         return NodeChecked(action.stage, action.round_id, None, None, action.failures)
 
     def _warn(self, warnings: Sequence[str]) -> None:
@@ -128,6 +134,7 @@ class NodeChecks:
 
 def _named_fault(failures: Sequence[WorkerFailure]) -> str | None:
     """The first failure whose error names a GPU fault (a device-side assert is the program's own bug)."""
+    from node_agent.gpu.health import classify_failure
     for f in failures:
         phrase = classify_failure(f"{f.message}\n{f.traceback}")
         if phrase is not None:

@@ -40,7 +40,6 @@ from node_agent.cli.values import (  # noqa: F401  (Std, StdSpec, count_gpus: re
     parse_std,
     resolve_nproc,
 )
-from node_agent.gpu.topology import parse_bind_mode
 from protocol.ids import job_id_problem, node_id_problem
 from protocol.messages import JobConfig
 from protocol.tokens import read_token_file, token_problem
@@ -194,6 +193,7 @@ def _gpu_options(line: CommandLine) -> dict[str, Any]:
     get = line.get
     mode = get("numa_binding")
     if mode is not None:
+        from node_agent.gpu.topology import parse_bind_mode  # only when asked: a CPU node's start stays light
         try:
             mode = parse_bind_mode(mode).value
         except ValueError as exc:

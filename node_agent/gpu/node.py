@@ -7,21 +7,13 @@ the devices; it never raises for anything the machine says. Its lines are said o
 from __future__ import annotations
 
 import os
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from node_agent.gpu import has_nvidia_devices
 from node_agent.gpu.devices import RankGpus, gpu_numa_nodes, gpus_from_sysfs, rank_gpus, visible_gpus
 from node_agent.gpu.nvml import GpuInfo, GpuProbe, ProbeUnavailable
 from node_agent.gpu.topology import BindingPlan, Bound, parse_bind_mode, plan_binding, read_topology
-
-
-def has_nvidia_devices(dev_dir: str = "/dev") -> bool:
-    """Whether the node has NVIDIA GPU device nodes (/dev/nvidia0, ...): where the GPU check is on."""
-    try:
-        return any(re.fullmatch(r"nvidia\d+", name) for name in os.listdir(dev_dir))
-    except OSError:
-        return False
 
 
 @dataclass(frozen=True)
