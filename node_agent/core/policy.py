@@ -341,10 +341,13 @@ class SupervisionPolicy:
             return [Spawn(a)] if a is not None and self.workers == Workers.RUNNING else []
         if self.health.out or (fact.stage == CHECK_RUNNING and fact.round_id != self.running_round):
             return []      # already out, or about a round since replaced (its own check comes)
+        # Told to the server when it leaves a round, and once when it does not join (the job's history says
+        # why it is missing), not at every check while it stays out.
+        tell = fact.stage != CHECK_JOIN or self.health.out_since is None
         self.health.failed(fact.stage, now, fact.problem)
         actions = self._stop(f"node unhealthy: {fact.problem}")
-        joined, self.running_round = fact.stage != CHECK_JOIN, -1
-        return actions + ([Leave(f"unhealthy: {fact.problem}"[:MAX_REASON], fact.kind)] if joined else [])
+        self.running_round = -1
+        return actions + ([Leave(f"unhealthy: {fact.problem}"[:MAX_REASON], fact.kind)] if tell else [])
 
     def _retry_health(self, now: float) -> list[Action]:
         h = self.health

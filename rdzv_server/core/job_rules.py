@@ -95,6 +95,10 @@ class JobRules:
                         data=NodeUnhealthy(kind=req.unhealthy.value, host=node.host))
         elif node is not None and not self.job.state.finished:
             self.remove(node, now, EventKind.NODE_LEFT, f"node {node.node_id} left: {reason}")
+        elif node is None and not self.job.state.finished and req.unhealthy is not None:
+            # a node whose own check failed before it joined: the history says why it is missing
+            self.record(now, EventKind.NODE_UNHEALTHY, f"node {node_id} did not join: {reason}", node_id,
+                        data=NodeUnhealthy(kind=req.unhealthy.value, host=""))
 
     def connection_dropped(self, node_id: str, now: float) -> None:
         """A node's long-poll connection closed under it: give it a short grace to come back."""

@@ -64,7 +64,7 @@ def test_an_unhealthy_node_leaves_without_reporting_and_checks_again_after_a_dou
     assert p.workers == Workers.NONE and p.running_round == -1 and p.next_deadline() == 6.1
     assert p.handle(status(node_state=NodeState.GONE), 2.0) == []   # a late answer from before: no rejoin
     assert p.handle(DeadlinePassed(), 6.1) == [CheckNode(CHECK_JOIN, -1)]
-    assert p.handle(bad(CHECK_JOIN, -1), 6.2) == []                # still broken: no join, no leave
+    assert p.handle(bad(CHECK_JOIN, -1), 6.2) == []                # still broken: no join, no second leave
     assert p.next_deadline() == 16.2                               # 5 s, then 10 s
     assert p.handle(DeadlinePassed(), 16.2) == [CheckNode(CHECK_JOIN, -1)]
     assert p.handle(NodeChecked(CHECK_JOIN, -1), 16.3) == [Rejoin("the node's checks passed")]
@@ -134,3 +134,11 @@ def test_a_long_finding_is_cut_to_what_a_leave_may_carry() -> None:
                       for i in range(64))
     leave = p.handle(NodeChecked(CHECK_RUNNING, 1, many, Unhealthy.GPU), 1.0)[-1]
     assert isinstance(leave, Leave) and len(leave.reason) == MAX_REASON and leave.reason.startswith("unhealthy: GPU 0")
+
+
+def test_a_node_unhealthy_before_its_first_join_tells_the_server_once() -> None:
+    p = checked()
+    told = Leave("unhealthy: GPU check: GPU 0: NVML: GPU is lost", Unhealthy.GPU)
+    assert p.handle(bad(CHECK_JOIN, -1), 0.0) == [told]
+    assert p.handle(DeadlinePassed(), 5.0) == [CheckNode(CHECK_JOIN, -1)]
+    assert p.handle(bad(CHECK_JOIN, -1), 5.1) == []

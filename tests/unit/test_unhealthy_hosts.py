@@ -136,3 +136,14 @@ def test_rdzv_server_s_unhealthy_hold_flag() -> None:
     with pytest.raises(server_cli.UsageError) as bad:
         config("--unhealthy-hold", "-5")
     assert bad.value.code == 2 and str(bad.value) == "--unhealthy-hold must be 0..604800 seconds, got -5.0"
+
+
+def test_a_node_unhealthy_before_joining_is_in_the_job_s_history_but_holds_nothing() -> None:
+    rz = Rendezvous()
+    join(rz, "n1", 0.0)
+    leave_unhealthy(rz, "sick", 1.0, kind=Unhealthy.HEALTH_CHECK)      # never joined: no credential, no record
+    event = rz.jobs["a"].events[-1]
+    assert (event.kind, event.node_id) == (EventKind.NODE_UNHEALTHY, "sick")
+    assert event.message.startswith("node sick did not join: unhealthy: ")
+    assert payload_of(event.kind, event.data) == NodeUnhealthy(kind="health_check", host="")
+    assert "sick" not in rz.jobs["a"].nodes and rz.unhealthy.current(1.0) == []
