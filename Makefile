@@ -6,7 +6,7 @@ PIP_FLAGS := --disable-pip-version-check -q
 PYTEST_WORKERS ?= 4
 
 .PHONY: venv chromium deploy-tools netns-tools etcd demo test multihost soak fuzz bench bench-faults bench-scale \
-	bench-failover bench-first-step clean
+	bench-failover bench-first-step gpu-check clean
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -90,6 +90,14 @@ bench-first-step: venv $(VENV)/.bench-installed
 # formation on etcd vs SQLite (docs/benchmarks.md; about 10 minutes).
 bench-failover: venv etcd
 	$(PY) benchmarks/bench_failover.py
+
+# On a node with an NVIDIA GPU: the built-in GPU check on the real NVML (its time), --numa-binding node, and
+# NCCL DDP under node-agent with a crash and the time until it steps again (docs/benchmarks.md). Without a
+# GPU it says so and exits 0; not part of `make test`. GPU_PYTHON: a Python with CUDA torch and nvidia-ml-py
+# (the venv's torch is the CPU build), e.g. `make gpu-check GPU_PYTHON=/usr/bin/python3`.
+GPU_PYTHON ?= $(if $(wildcard $(PY)),$(PY),$(PYTHON))
+gpu-check:
+	PYTHONPATH=$(CURDIR) $(GPU_PYTHON) benchmarks/gpu_check.py
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache .hypothesis

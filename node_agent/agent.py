@@ -21,6 +21,7 @@ from node_agent.cli.options import AgentOptions
 from node_agent.client.transport import Transport, free_port
 from node_agent.core.actions import (
     Action,
+    CheckNode,
     Exit,
     Leave,
     ProbePeers,
@@ -30,9 +31,11 @@ from node_agent.core.actions import (
     Spawn,
     StopWorkers,
 )
-from node_agent.core.facts import DeadlinePassed, Fact, PeersProbed, SignalReceived, start_source
+from node_agent.core.facts import CHECK_JOIN, DeadlinePassed, Fact, PeersProbed, SignalReceived, start_source
+from node_agent.core.node_health import NodeHealth
 from node_agent.core.policy import SupervisionPolicy
 from node_agent.narration import Narrator
+from node_agent.node_checks import NodeChecks
 from node_agent.server_link import ServerLink
 from node_agent.witness import WitnessServer, ask_witnesses
 from node_agent.workers.interfaces import gloo_interface
@@ -42,7 +45,7 @@ from protocol.messages import NodeStatus, Witness
 
 class Agent:
     def __init__(self, opts: AgentOptions, transport: Transport, addr: str, console: TextIO | None = None, *,
-                 make_group: GroupFactory = process_group) -> None:
+                 make_group: GroupFactory = process_group, checks: NodeChecks | None = None) -> None:
         self.opts = opts
         self.transport = transport
         self.addr = addr
@@ -54,6 +57,8 @@ class Agent:
         self.narrator = Narrator(opts.node_id, console, addr)
         self.workers = LocalWorkers(opts, self.facts.put_nowait, hostname=self.hostname, clock=self.now,
                                     make_group=make_group, say=self.narrator.say)
+        # the node's own checks (GPUs, --health-check) and --numa-binding: node_checks.py
+        self.checks = checks if checks is not None else NodeChecks(opts, self.narrator.say)
         self._signal_count = 0
         self._exit: Exit | None = None
         # answers the other members' "are you there, and do you hear the server?" (witness.py)
@@ -85,13 +90,21 @@ class Agent:
                 loop.remove_signal_handler(sig)
             await self.workers.close()
             await self.witness.close()
+            self.checks.close()
 
     async def _run(self, link: ServerLink) -> int:
         chosen = gloo_interface(self.addr, os.environ)
         if chosen is not None:     # workers inherit the agent's environment
             os.environ["GLOO_SOCKET_IFNAME"] = chosen[0]
             self.narrator.say(chosen[1])
-        link.rejoin()
+        self.checks.start()      # said before any worker starts
+        self.workers.cpu_affinity = self.checks.cpu_affinity
+        self.policy.health = NodeHealth(enabled=self.checks.enabled, interval_s=self.opts.gpu_check_interval,
+                                        retry_min_s=self.checks.retry_min_s, give_up_s=self.opts.job.join_timeout_s)
+        if self.policy.health.enabled:
+            await self._do(CheckNode(CHECK_JOIN, -1), link)    # the node joins once its checks pass
+        else:
+            link.rejoin()
         while self._exit is None:
             fact = await self._next_fact()
             actions = self.policy.handle(fact, self.now())
@@ -129,12 +142,17 @@ class Agent:
                 link.report_success(round_id)
             case Rejoin():
                 link.rejoin()
-            case Leave(reason=reason):
-                await link.leave(reason)
+            case Leave(reason=reason, unhealthy=unhealthy):
+                await link.leave(reason, unhealthy)
+            case CheckNode():
+                start_source(self._check(action), self.facts.put_nowait)
             case ProbePeers(witnesses=witnesses):
                 start_source(self._probe(witnesses), self.facts.put_nowait)
             case Exit():
                 self._exit = action
+
+    async def _check(self, action: CheckNode) -> None:
+        self.facts.put_nowait(await self.checks.check(action, self.workers.stuck_pids))
 
     async def _probe(self, witnesses: tuple[Witness, ...]) -> None:
         self.facts.put_nowait(PeersProbed(await ask_witnesses(witnesses)))
@@ -152,7 +170,7 @@ class Agent:
         return await self.transport.join(
             addr=self.addr, host=self.hostname, local_world_size=self.opts.nproc, master_port=free_port(self.addr),
             config=self.opts.job, instance=self.instance, role=self.opts.role, probe_port=self.witness.port,
-            command=self.opts.command)
+            command=self.opts.command, checks=self.checks.summary)
 
     async def _poll(self, wait_s: float) -> NodeStatus:
         return await self.transport.poll(self.policy.known_round, wait_s, master_port=free_port(self.addr))

@@ -15,7 +15,9 @@ from node_agent.cli.options import AgentOptions
 from node_agent.cli.values import StdSpec
 from node_agent.core.actions import Action, Exit, Rejoin, Spawn, StopWorkers
 from node_agent.core.facts import (
+    CHECK_JOIN,
     Fact,
+    NodeChecked,
     PeersProbed,
     ServerRefused,
     SpawnFailed,
@@ -24,7 +26,15 @@ from node_agent.core.facts import (
     WorkersHung,
 )
 from node_agent.core.summary import how
-from protocol.messages import Assignment, FailureReport, NodeState, NodeStatus, SuccessReport, WorkerFailure
+from protocol.messages import (
+    Assignment,
+    FailureReport,
+    JoinRequest,
+    NodeState,
+    NodeStatus,
+    SuccessReport,
+    WorkerFailure,
+)
 
 
 class Narrator:
@@ -54,6 +64,13 @@ class Narrator:
                 self.say(f"{worker(first)} is hung: {first.message}")
             case SpawnFailed(failure=failure) if actions:
                 self.say(f"{worker(failure)} did not start: {failure.message}")
+            case NodeChecked(stage=stage, problem=str(problem)) if stage == CHECK_JOIN:
+                self.say(f"not joining: this node is unhealthy: {problem}; checking again after a back-off")
+            case NodeChecked(stage=stage, problem=str(problem)) if actions:
+                self.say(f"node unhealthy ({stage}): {problem}; leaving the job (no restart is counted) and "
+                         f"checking again after a back-off")
+            case ServerRefused(request=request, code="host_unhealthy", message=message) if request is JoinRequest:
+                self.say(f"the server keeps this host out: {message}; asking again after a back-off")
             case PeersProbed() if actions and isinstance(actions[0], StopWorkers):
                 self.say(actions[0].reason)
             case PeersProbed(verdict="server_away") if not self._said_peers:

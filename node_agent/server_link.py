@@ -25,6 +25,7 @@ from protocol.messages import (
     NodeStatus,
     PollRequest,
     SuccessReport,
+    Unhealthy,
     WorkerFailure,
 )
 
@@ -66,7 +67,7 @@ class ServerLink:
     def report_success(self, round_id: int) -> None:
         self._send(SuccessReport, lambda: self._client.report_success(round_id))
 
-    async def leave(self, reason: str) -> None:
+    async def leave(self, reason: str, unhealthy: Unhealthy | None = None) -> None:
         """Say goodbye, once and briefly: the lease expires anyway if this does not get through.
 
         A join still on its way may yet admit this node: the leave waits for it (briefly) so that
@@ -77,9 +78,11 @@ class ServerLink:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(asyncio.shield(joining), JOIN_LANDING_S)
         try:
-            await self._client.leave(reason)
+            await self._client.leave(reason, unhealthy)
         except (ServerUnreachable, ServerRejected):
             pass
+        self.joined = False          # no more polls: this node is no member until it joins again
+        self._cancel(PollRequest)
 
     @contextlib.asynccontextmanager
     async def lease_kept(self, interval: float) -> AsyncIterator[None]:

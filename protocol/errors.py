@@ -19,6 +19,7 @@ class ErrorCode(str, enum.Enum):
     NODE_CONFLICT = "node_conflict"          # node id in use by another live agent
     JOB_FINISHED = "job_finished"            # job succeeded/failed/closed: no new joins
     NODE_DRAINED = "node_drained"            # an operator removed this node from the job: do not rejoin
+    HOST_UNHEALTHY = "host_unhealthy"        # the host left a job unhealthy: kept out until the hold ends
     UNAUTHORIZED = "unauthorized"            # no or wrong token, or no credential for this node
     FORBIDDEN = "forbidden"                  # not allowed: a foreign origin or host, a credential of another agent
     LIMIT_REACHED = "limit_reached"          # a server limit (jobs, long-polls per peer, ...): retry later
@@ -41,6 +42,7 @@ HTTP_STATUS: dict[ErrorCode, int] = {
     ErrorCode.NODE_CONFLICT: 409,
     ErrorCode.JOB_FINISHED: 410,
     ErrorCode.NODE_DRAINED: 410,
+    ErrorCode.HOST_UNHEALTHY: 409,
     ErrorCode.UNAUTHORIZED: 401,
     ErrorCode.FORBIDDEN: 403,
     ErrorCode.LIMIT_REACHED: 503,

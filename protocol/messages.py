@@ -135,10 +135,13 @@ class JoinRequest(_Request, kw_only=True):
     # A fingerprint of the script and arguments this node runs ("": not checked). Every node of an open
     # job must run the job's command: a join with another is refused (config_conflict).
     command: Annotated[str, Meta(max_length=MAX_COMMAND)] = ""
+    # What the node checks of itself, for operators ("GPU check skipped: ..." where NVML is missing on a
+    # GPU node: never silently healthy); "": nothing to say (a CPU node, or an older agent).
+    checks: ShortText = ""
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        _printable(addr=self.addr, host=self.host, role=self.role, instance=self.instance)
+        _printable(addr=self.addr, host=self.host, role=self.role, instance=self.instance, checks=self.checks)
 
 
 class PollRequest(_Request, kw_only=True):
@@ -178,8 +181,19 @@ class SuccessReport(_Request, kw_only=True):
     round_id: RoundRef
 
 
+class Unhealthy(str, enum.Enum):
+    """Why a node left as unhealthy (LeaveRequest.unhealthy): a kind, so metrics can count by it."""
+    GPU = "gpu"                      # NVML found a fault on a GPU its workers use
+    HEALTH_CHECK = "health_check"    # the site's --health-check failed
+    GPU_FAULT = "gpu_fault"          # a worker's error named a GPU fault (ECC, fallen off the bus, Xid)
+    STUCK_WORKER = "stuck_worker"    # a worker outlived SIGKILL (uninterruptible sleep)
+
+
 class LeaveRequest(_Request, kw_only=True):
     reason: Annotated[str, Meta(max_length=MAX_REASON)] = "left"
+    # Set when the node leaves because it is unhealthy: the server keeps its host out of every job for a
+    # while. Absent from older agents (a plain leave); ignored by older servers.
+    unhealthy: Unhealthy | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -10,6 +10,7 @@
       clear JOB NODE                  lift a node's exclusion or drain
       close JOB [--reason R]          end the job now (its agents exit non-zero)
       resize JOB --nnodes MIN:MAX     change min/max nodes (MIN: or :MAX keeps the other)
+      clear-unhealthy HOST            let a host held out as unhealthy (a broken GPU, ...) join again
 
 The standard library (argparse, urllib, ssl, json) plus the token rule of protocol/ (no aiohttp), so
 it starts fast. HTTP, tokens and TLS are in rdzv_ctl/client.py.
@@ -103,6 +104,13 @@ def _listed(doc: dict[str, Any], key: str) -> int:
 
 
 def format_status(doc: dict[str, Any]) -> str:
+    held = [f"unhealthy host {h.get('host')}: held out {h.get('held_for_s')}s more (node {h.get('node_id')} of "
+            f"job {h.get('job_id')}, {h.get('kind')}: {truncate(str(h.get('reason', '')), REASON_WIDTH)})"
+            for h in doc.get("unhealthy_hosts") or []]
+    return "\n".join([_format_jobs(doc), *held])
+
+
+def _format_jobs(doc: dict[str, Any]) -> str:
     jobs = doc.get("jobs", [])
     total = doc.get("total", len(jobs))
     if not jobs:
@@ -238,6 +246,9 @@ def run(args: argparse.Namespace, client: Client) -> str:
     if cmd == "status":
         doc = client.get("/v1/status" + _query(offset=args.offset, limit=args.limit))
         return json.dumps(doc, indent=2) if args.json else format_status(doc)
+    if cmd == "clear-unhealthy":
+        doc = client.post(f"/v1/admin/hosts/{_quote(args.host)}/clear-unhealthy", {})
+        return json.dumps(doc, indent=2) if args.json else f"cleared host {args.host}: it may join again"
     job = _quote(args.job)
     if cmd == "job":
         doc = client.get(f"/v1/jobs/{job}" + _query(node_offset=args.node_offset, node_limit=args.node_limit))
@@ -317,6 +328,9 @@ def build_parser() -> argparse.ArgumentParser:
     rs.add_argument("job", metavar="JOB")
     rs.add_argument("--nnodes", type=_nnodes, required=True, metavar="MIN:MAX",
                     help="new node range: MIN:MAX, N (= N:N), MIN: or :MAX (keeps the other)")
+    cu = sub.add_parser("clear-unhealthy", parents=[common],
+                        help="let a host held out as unhealthy (it left a job with a broken GPU, ...) join again")
+    cu.add_argument("host", metavar="HOST")
     return p
 
 

@@ -56,6 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"jobs held at most, finished ones included (default {limits.max_jobs})")
     p.add_argument("--max-nodes", type=int, default=limits.max_nodes, metavar="N",
                    help=f"node records held at most over all jobs (default {limits.max_nodes})")
+    p.add_argument("--unhealthy-hold", type=float, default=limits.unhealthy_hold_s, metavar="S",
+                   help="keep a host whose node left a job unhealthy (a broken GPU, a failed --health-check) out "
+                        f"of every job this long; 0: never (default {limits.unhealthy_hold_s:g})")
     p.add_argument("--max-polls-per-peer", type=int, default=MAX_POLLS_PER_PEER, metavar="N",
                    help="long-polls held open for one client address; 0: no limit (the default: many agents may "
                         "share one address behind NAT)")
@@ -88,6 +91,8 @@ def config_from(args: argparse.Namespace) -> ServerConfig:
         raise UsageError(f"--port must be 0..65535, got {args.port}", 2)
     if bool(args.tls_cert) != bool(args.tls_key):
         raise UsageError("--tls-cert and --tls-key go together", 2)
+    if not math.isfinite(args.unhealthy_hold) or not 0 <= args.unhealthy_hold <= 7 * 24 * 3600:
+        raise UsageError(f"--unhealthy-hold must be 0..604800 seconds, got {args.unhealthy_hold}", 2)
     if not math.isfinite(args.retain_finished) or args.retain_finished < 0:
         raise UsageError(f"--retain-finished must be >= 0 seconds, got {args.retain_finished}", 2)
     for flag, value, least in (("--max-jobs", args.max_jobs, 1), ("--max-nodes", args.max_nodes, 1),
@@ -114,7 +119,7 @@ def config_from(args: argparse.Namespace) -> ServerConfig:
                              f"{getattr(exc, 'strerror', None) or exc}") from None
     return ServerConfig(host=args.host, port=args.port, access=access, tls=tls, notes=tuple(_notes(args, access)),
                         limits=Limits(retain_finished_s=args.retain_finished, max_jobs=args.max_jobs,
-                                      max_nodes=args.max_nodes),
+                                      max_nodes=args.max_nodes, unhealthy_hold_s=args.unhealthy_hold),
                         max_polls_per_peer=args.max_polls_per_peer,
                         max_polls_per_node=args.max_polls_per_node, max_connections=args.max_connections,
                         gc_tuning=not args.no_gc_tuning)

@@ -124,7 +124,9 @@ class Coordinator:
         if isinstance(self.persister, Persister):
             started = time.perf_counter()
             loaded = await self.persister.load()
+            held = self.core.unhealthy        # the hosts held out survive taking over (memory only)
             self.core = Rendezvous({**self.core.jobs, **loaded.jobs}, limits=self.core.limits)
+            self.core.unhealthy = held
             if loaded.alive_at is not None:
                 now = self.clock()
                 self.core.restored(now, max(0.0, now - loaded.alive_at), loaded.clean_shutdown)
@@ -272,6 +274,10 @@ class Coordinator:
             self._apply()
         await self._durable(job_id)
         return job
+
+    def clear_unhealthy(self, host: str) -> dict[str, object]:
+        """An operator lets a host held as unhealthy join again (core/unhealthy.py); the hold it ended."""
+        return self.core.unhealthy.clear(host, self.clock()).view(self.clock())
 
     async def _durable(self, job_id: str) -> None:
         """Wait until the job's state, as any reply would show it, is in the store."""

@@ -123,8 +123,9 @@ FLAGS: tuple[Flag, ...] = (
        "null only: the job's events are at the rdzv-server (rdzv-ctl events JOB)"),
     _t(("--logs-specs", "--logs_specs"), "logs_specs", "NAME",
        "only `default`: torchrun's log layout, the one node-agent writes (see docs/switching.md)", pet=False),
-    _t(("--numa-binding", "--numa_binding"), "numa_binding", "MODE", "not supported (see docs/switching.md)",
-       pet=False),
+    _t(("--numa-binding", "--numa_binding"), "numa_binding", "MODE",
+       "pin each worker to the CPUs near its GPU, as torchrun: node, socket, exclusive or core-complex "
+       "(read from sysfs; no NUMA information: a warning, workers unbound)", pet=False),
     _ours(("--last-call", "--last_call"), "last_call_s", "S",
           "seconds an elastic round waits for more nodes once it has MIN; default {default:g}"),
     _ours(("--join-timeout", "--join_timeout"), "join_timeout_s", "S",
@@ -154,6 +155,19 @@ FLAGS: tuple[Flag, ...] = (
     _ours(("--exclude-lost-cooldown", "--exclude_lost_cooldown"), "exclude_lost_cooldown_s", "S",
           "how long such a node is kept out the first time, doubling each time up to {cooldown_max:g} s; "
           "default {default:g}"),
+    _ours(("--no-gpu-check", "--no_gpu_check"), "no_gpu_check", None,
+          "do not check this node's NVIDIA GPUs through NVML (by default they are checked before joining, "
+          "before each restart and every --gpu-check-interval while workers run, where /dev/nvidia* exists)"),
+    _ours(("--gpu-check-interval", "--gpu_check_interval"), "gpu_check_interval", "S",
+          "seconds between GPU checks while workers run; default {default:g}"),
+    _ours(("--health-check", "--health_check"), "health_check", "CMD",
+          "the site's own node check, run at the same points (exit 0: healthy; otherwise the node leaves, "
+          "quoting its first line of output)"),
+    _ours(("--health-check-timeout", "--health_check_timeout"), "health_check_timeout", "S",
+          "longest a --health-check run may take (past it: unhealthy); default {default:g}"),
+    _ours(("--kill-timeout", "--kill_timeout"), "kill_timeout", "S",
+          "a worker still alive this long after SIGKILL (uninterruptible sleep, a GPU fault) marks the node "
+          "unhealthy: it leaves instead of waiting; default {default:g}"),
     _ours(("--no-command-check", "--no_command_check"), "no_command_check", None,
           "let nodes whose script or arguments differ join one job (by default the server refuses them)"),
 )

@@ -92,6 +92,12 @@ class AgentOptions:
     hang_timeout: float = 0.0          # 0: hang detection off
     memory_dir_limit: int | None = None   # bytes for the node's in-memory checkpoints; None: the default; 0: off
     warnings: tuple[str, ...] = ()
+    numa_binding: str | None = None    # --numa-binding: a topology.BindMode value
+    gpu_check: bool = True             # --no-gpu-check: False (on only where the node has /dev/nvidia*)
+    gpu_check_interval: float = 5.0
+    health_check: str | None = None    # --health-check CMD
+    health_check_timeout: float = 30.0
+    kill_timeout: float = 10.0         # after SIGKILL: a worker still alive then marks the node unhealthy
 
     @property
     def standalone(self) -> bool:
@@ -112,8 +118,6 @@ _AGENT_DEFAULTS: dict[str, Any] = {f.name: f.default for f in dataclasses.fields
 _ONLY: dict[str, tuple[str | None, str]] = {
     "logs_specs": ("default", "node-agent loads no torch plugins (it never imports torch); its log layout is "
                               "torchrun's default (`default`, torch's DefaultLogsSpecs), under --log-dir"),
-    "numa_binding": (None, "node-agent cannot tell which NUMA node a GPU is on without loading CUDA; start "
-                           "workers under numactl instead (--no-python numactl --cpunodebind=N python train.py)"),
     "event_log_handler": ("null", "node-agent records the job's events at the rdzv-server (rdzv-ctl events JOB, "
                                   "or GET /v1/jobs/JOB/events)"),
 }
@@ -183,7 +187,29 @@ def parse_options(argv: Sequence[str], environ: Mapping[str, str] = os.environ) 
                                  "--rdzv-conf server_wait"),
         hang_timeout=non_negative(line, _AGENT_DEFAULTS, "hang_timeout"), warnings=tuple(warnings),
         memory_dir_limit=_memory_dir_limit(line),
+        **_gpu_options(line),
     )
+
+
+def _gpu_options(line: CommandLine) -> dict[str, Any]:
+    """--numa-binding, the GPU check and --health-check (node_agent/gpu/)."""
+    get = line.get
+    mode = get("numa_binding")
+    if mode is not None:
+        from node_agent.gpu.topology import parse_bind_mode  # only when asked: a CPU node's start stays light
+        try:
+            mode = parse_bind_mode(mode).value
+        except ValueError as exc:
+            line.fail("numa_binding", str(exc))
+    check = get("health_check")
+    if check is not None and not check.strip():
+        line.fail("health_check", "must name a command")
+    interval = non_negative(line, _AGENT_DEFAULTS, "gpu_check_interval")
+    if interval == 0:
+        line.fail("gpu_check_interval", "must be > 0 (turn the check off with --no-gpu-check)")
+    return {"numa_binding": mode, "gpu_check": not get("no_gpu_check"), "gpu_check_interval": interval,
+            "health_check": check, "health_check_timeout": non_negative(line, _AGENT_DEFAULTS, "health_check_timeout"),
+            "kill_timeout": non_negative(line, _AGENT_DEFAULTS, "kill_timeout")}
 
 
 def _check_refused(line: CommandLine) -> None:

@@ -8,14 +8,16 @@ from __future__ import annotations
 from node_agent.client.transport import Transport, refusal
 from protocol.messages import AgentRequest, NodeStatus
 from rdzv_server.coordinator import Coordinator
-from rdzv_server.core.rendezvous import RendezvousError
+from rdzv_server.core.rendezvous import Limits, Rendezvous, RendezvousError
 
 
 class LocalClient(Transport):
     def __init__(self, job_id: str, node_id: str) -> None:
         super().__init__(node_id)
         self.job_id = job_id
-        self.coordinator = Coordinator()
+        # One node, one job: no other job for an unhealthy host to be kept out of, so no hold; the node
+        # checks itself again before it rejoins (core/node_health.py).
+        self.coordinator = Coordinator(Rendezvous(limits=Limits(unhealthy_hold_s=0.0)))
 
     async def __aenter__(self) -> LocalClient:
         await self.coordinator.start()

@@ -23,6 +23,7 @@ from protocol.messages import (
     NodeStatus,
     PollRequest,
     SuccessReport,
+    Unhealthy,
     WorkerFailure,
 )
 
@@ -91,11 +92,12 @@ class Transport:
         return cls(v=PROTOCOL_VERSION, node_id=self.node_id, credential=self.credential, **fields)
 
     async def join(self, *, addr: str, host: str, local_world_size: int, master_port: int, config: JobConfig,
-                   instance: str, role: str, probe_port: int = 0, command: str = "") -> NodeStatus:
+                   instance: str, role: str, probe_port: int = 0, command: str = "", checks: str = "") -> NodeStatus:
         # torchrun allows an empty role (TorchX passes --role ""); the server's rule wants a name.
         return await self._request(self._for_node(
             JoinRequest, addr=addr, host=host, local_world_size=local_world_size, master_port=master_port,
-            config=config, instance=instance, role=role or "default", probe_port=probe_port, command=command))
+            config=config, instance=instance, role=role or "default", probe_port=probe_port, command=command,
+            checks=checks))
 
     async def poll(self, known_round: int, wait_s: float, master_port: int = 0) -> NodeStatus:
         return await self._request(self._for_node(PollRequest, known_round=known_round, wait_s=wait_s,
@@ -107,8 +109,9 @@ class Transport:
     async def report_success(self, round_id: int) -> NodeStatus:
         return await self._request(self._for_node(SuccessReport, round_id=round_id))
 
-    async def leave(self, reason: str) -> NodeStatus:
-        return await self._request(self._for_node(LeaveRequest, reason=reason), self.LEAVE_TIMEOUT_S)
+    async def leave(self, reason: str, unhealthy: Unhealthy | None = None) -> NodeStatus:
+        return await self._request(self._for_node(LeaveRequest, reason=reason, unhealthy=unhealthy),
+                                   self.LEAVE_TIMEOUT_S)
 
 
 def local_addr_towards(host: str, port: int) -> str:

@@ -1,5 +1,6 @@
 """The agent's pure supervision policy: facts in (`facts`), actions out (`actions`), the rules
-between them (`policy`, with its own `next_deadline()`), and hang detection (`hangwatch`).
+between them (`policy`, with its own `next_deadline()`), hang detection (`hangwatch`), and when the
+node checks itself and what an unhealthy verdict does (`node_health`).
 
 No I/O and no clock: every call takes `now`. May import `protocol` and this package only.
 """

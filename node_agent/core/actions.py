@@ -5,7 +5,7 @@ from __future__ import annotations
 import signal
 from dataclasses import dataclass
 
-from protocol.messages import Assignment, Witness, WorkerFailure
+from protocol.messages import Assignment, Unhealthy, Witness, WorkerFailure
 
 
 @dataclass(frozen=True)
@@ -40,8 +40,19 @@ class Rejoin:
 
 @dataclass(frozen=True)
 class Leave:
-    """Tell the server this node is going (a courtesy: its lease would lapse anyway)."""
+    """Tell the server this node is going (a courtesy: its lease would lapse anyway); `unhealthy`: it
+    goes because it is unhealthy (the server then keeps its host out for a while)."""
     reason: str
+    unhealthy: Unhealthy | None = None
+
+
+@dataclass(frozen=True)
+class CheckNode:
+    """Run the node's checks (facts.CHECK_*); answer: NodeChecked. CHECK_FAILURE checks the GPUs and
+    the failures' messages only (a site script would hold up every restart)."""
+    stage: str
+    round_id: int
+    failures: tuple[WorkerFailure, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -57,4 +68,4 @@ class Exit:
     root_cause: WorkerFailure | None = None   # the job's first failure, when the job failed
 
 
-Action = Spawn | StopWorkers | ReportFailure | ReportSuccess | Rejoin | Leave | ProbePeers | Exit
+Action = Spawn | StopWorkers | ReportFailure | ReportSuccess | Rejoin | Leave | ProbePeers | CheckNode | Exit

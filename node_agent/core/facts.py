@@ -19,6 +19,7 @@ from protocol.messages import (
     NodeStatus,
     PollRequest,
     SuccessReport,
+    Unhealthy,
     WorkerFailure,
 )
 
@@ -89,13 +90,32 @@ class PeersProbed:
     verdict: str
 
 
+# Where a node check (CheckNode / NodeChecked) was asked for:
+CHECK_JOIN = "before joining"
+CHECK_RESTART = "before restarting"
+CHECK_RUNNING = "while workers run"
+CHECK_FAILURE = "after a worker failed"
+CHECK_STOP = "stopping workers"
+
+
+@dataclass(frozen=True)
+class NodeChecked:
+    """The node's checks ran (the GPUs through NVML, the site's --health-check, a failure's message, or
+    a stop that left workers alive): `problem` None when healthy, else one line and its kind."""
+    stage: str                                 # one of CHECK_*
+    round_id: int                              # the round it was asked for (-1: none)
+    problem: str | None = None
+    kind: Unhealthy | None = None
+    failures: tuple[WorkerFailure, ...] = ()   # CHECK_FAILURE: the failure, reported when healthy
+
+
 @dataclass(frozen=True)
 class DeadlinePassed:
     """The policy's `next_deadline()` came with no other fact before it."""
 
 
 Fact = (StatusReceived | ServerNotReached | ServerRefused | WorkersExited | WorkersHung | SpawnFailed
-        | SignalReceived | PeersProbed | DeadlinePassed)
+        | SignalReceived | PeersProbed | NodeChecked | DeadlinePassed)
 
 # How a source hands the loop its news: a fact, or the exception that broke the source (a bug), which
 # the loop raises so that it is seen instead of leaving the agent waiting for news that never comes.

@@ -29,7 +29,9 @@ Rules:
   a refused report is dropped (the next poll says where things stand); a request refused because
   another agent took this node over (`forbidden`) or because this agent has no valid token
   (`unauthorized`) ends the agent, whatever it was;
-- a signal stops the workers, leaves the job, and exits with 128 + signal.
+- a signal stops the workers, leaves the job, and exits with 128 + signal;
+- the node's own checks (GPUs, --health-check, workers alive after SIGKILL): node_health.py says when
+  they run and that an unhealthy node leaves (no failure reported) and checks again after a back-off.
 
 Timed rules are listed in `_timed_rules()`: a rule is a time and what to do once it has come.
 "Fencing" would be one more there: while workers run and the server is unreachable, stop them once
@@ -41,11 +43,12 @@ from __future__ import annotations
 import enum
 import signal
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from node_agent.client.replies import News, Refusal, news, refusal, succeeded_without
 from node_agent.core.actions import (
     Action,
+    CheckNode,
     Exit,
     Leave,
     ProbePeers,
@@ -56,11 +59,16 @@ from node_agent.core.actions import (
     StopWorkers,
 )
 from node_agent.core.facts import (
+    CHECK_FAILURE,
+    CHECK_JOIN,
+    CHECK_RESTART,
+    CHECK_RUNNING,
     SERVER_AWAY,
     SERVER_HEARD,
     SILENT,
     DeadlinePassed,
     Fact,
+    NodeChecked,
     PeersProbed,
     ServerNotReached,
     ServerRefused,
@@ -70,11 +78,15 @@ from node_agent.core.facts import (
     WorkersExited,
     WorkersHung,
 )
+from node_agent.core.node_health import NodeHealth
 from node_agent.core.summary import failure_summary
+from protocol.errors import ErrorCode
 from protocol.messages import (
     MAX_MESSAGE,
+    MAX_REASON,
     Assignment,
     JobState,
+    JoinRequest,
     NodeStatus,
     WorkerFailure,
 )
@@ -114,6 +126,7 @@ class SupervisionPolicy:
     probing: bool = False
     suspect: bool = False                 # the witnesses once said this node is the one cut off
     ran: bool = False                # this node's workers were started in some round of the job
+    health: NodeHealth = field(default_factory=NodeHealth)   # the node's own checks (node_health.py)
 
     @property
     def known_round(self) -> int:
@@ -124,6 +137,7 @@ class SupervisionPolicy:
         """Everything the policy knows arrives here, one fact at a time."""
         if self.exiting:
             return []   # on the way out: news no longer matters (a second signal is the shell's)
+        self.health.last_now = now
         match fact:
             case StatusReceived(status=status, sent_at=sent_at):
                 self.unreachable_since = None
@@ -150,6 +164,8 @@ class SupervisionPolicy:
                 return self._failed(round_id, (failure,))
             case SignalReceived(signum=signum):
                 return self._signalled(signum)
+            case NodeChecked():
+                return self._checked(fact, now)
             case DeadlinePassed():
                 return self._due(now)
         raise TypeError(f"not a fact: {fact!r}")
@@ -167,6 +183,11 @@ class SupervisionPolicy:
         fence = self._fence_at()
         if fence is not None:
             rules.append((fence, self._probe))
+        check = self.health.due(self.running_round if self.workers == Workers.RUNNING else None)
+        if not self.exiting and check is not None:
+            rules.append((check, lambda now: self.health.periodic(self.running_round)))
+        if not self.exiting and self.health.retry_at is not None:
+            rules.append((self.health.retry_at, self._retry_health))
         return rules
 
     def _fence_at(self) -> float | None:
@@ -234,6 +255,8 @@ class SupervisionPolicy:
                     f"(limit {self.server_wait_s:g}s): {self.unreachable_error}")]
 
     def _status(self, status: NodeStatus) -> list[Action]:
+        if self.health.out and not status.job_state.finished:
+            return []      # left as unhealthy: a late answer from before is no news until the next check
         match news(status, self.running_round):
             case News.FINISHED:
                 return self._finish(status)
@@ -247,8 +270,9 @@ class SupervisionPolicy:
                 a = status.assignment
                 assert a is not None
                 actions = self._stop(f"round {a.round_id} replaces round {self.running_round}")
-                self.running_round, self.workers, self.assignment, self.ran = a.round_id, Workers.RUNNING, a, True
-                return actions + [Spawn(a)]
+                restart, self.ran = self.ran, True
+                self.running_round, self.workers, self.assignment = a.round_id, Workers.RUNNING, a
+                return actions + self.health.spawn(a, restart)
             case News.NOT_MEMBER if self.running_round != -1:   # waiting, spare or excluded: run nothing
                 actions = self._stop(f"node is {status.node_state.value}: {status.reason}")
                 self.running_round = -1
@@ -256,6 +280,9 @@ class SupervisionPolicy:
         return []
 
     def _refused(self, fact: ServerRefused, now: float) -> list[Action]:
+        if fact.code == ErrorCode.HOST_UNHEALTHY.value and fact.request is JoinRequest:
+            self.health.failed(CHECK_JOIN, now, fact.message)    # held out by the server: ask again later
+            return []
         match refusal(fact.code, fact.request):
             case Refusal.CONFLICT:
                 # Maybe our own predecessor, dead but not yet noticed: wait out its lease, then give up.
@@ -297,7 +324,38 @@ class SupervisionPolicy:
         if self.workers != Workers.RUNNING or round_id != self.running_round:
             return []
         self.workers = Workers.FAILED
+        if self.health.enabled:     # a broken GPU makes the node leave instead of counting a restart
+            return [StopWorkers(f"local rank {failures[0].local_rank} failed"),
+                    CheckNode(CHECK_FAILURE, round_id, failures)]
         return [StopWorkers(f"local rank {failures[0].local_rank} failed"), ReportFailure(round_id, failures)]
+
+    def _checked(self, fact: NodeChecked, now: float) -> list[Action]:
+        if fact.problem is None:
+            self.health.passed(fact.stage, now)
+            if fact.stage == CHECK_FAILURE:
+                return [ReportFailure(fact.round_id, fact.failures)]
+            if fact.stage == CHECK_JOIN:
+                return [Rejoin("the node's checks passed")]
+            a = self.health.take_pending(fact.round_id) if fact.stage == CHECK_RESTART \
+                and fact.round_id == self.running_round else None
+            return [Spawn(a)] if a is not None and self.workers == Workers.RUNNING else []
+        if self.health.out or (fact.stage == CHECK_RUNNING and fact.round_id != self.running_round):
+            return []      # already out, or about a round since replaced (its own check comes)
+        # Told to the server when it leaves a round, and once when it does not join (the job's history says
+        # why it is missing), not at every check while it stays out.
+        tell = fact.stage != CHECK_JOIN or self.health.out_since is None
+        self.health.failed(fact.stage, now, fact.problem)
+        actions = self._stop(f"node unhealthy: {fact.problem}")
+        self.running_round = -1
+        return actions + ([Leave(f"unhealthy: {fact.problem}"[:MAX_REASON], fact.kind)] if tell else [])
+
+    def _retry_health(self, now: float) -> list[Action]:
+        h = self.health
+        if h.gave_up(now):
+            out = now - h.out_since if h.out_since is not None else 0.0
+            return self._end(1, "node unhealthy", f"this node stayed unhealthy for {out:.0f}s (the job's join "
+                                                  f"timeout {h.give_up_s:g}s): {h.problem}")
+        return h.retry(now)
 
     def _succeeded(self, round_id: int) -> list[Action]:
         if self.workers != Workers.RUNNING or round_id != self.running_round:

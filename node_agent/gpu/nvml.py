@@ -113,6 +113,7 @@ class NvmlProbe:
         self._load = load if load is not None else (lambda: importlib.import_module("pynvml"))
         self._nv: Any = None
         self._handles: dict[int, Any] = {}
+        self._bus_ids: dict[int, str] = {}     # from devices(): a check need not ask again
         self._unsupported: set[tuple[int, str]] = set()
 
     def __enter__(self) -> NvmlProbe:
@@ -180,6 +181,7 @@ class NvmlProbe:
             name = _str(nv.nvmlDeviceGetName(handle))
         except Exception as exc:
             return GpuInfo(index=index, uuid="", bus_id="", error=_text(exc))
+        self._bus_ids[index] = bus_id
         return GpuInfo(index=index, uuid=uuid, bus_id=bus_id, name=name, mig_uuids=self._migs(nv, handle))
 
     def _migs(self, nv: Any, handle: Any) -> tuple[str, ...]:
@@ -207,7 +209,7 @@ class NvmlProbe:
                 return GpuHealth(index=index, lost=_text(exc))
             return GpuHealth(index=index, unchecked=f"NVML gives no handle: {_text(exc)}")
         facts = _Facts(self, index)
-        out = GpuHealth(index=index, bus_id=facts.ask("pci", lambda: normalize_bus_id(
+        out = GpuHealth(index=index, bus_id=self._bus_ids.get(index) or facts.ask("pci", lambda: normalize_bus_id(
             _str(nv.nvmlDeviceGetPciInfo(handle).busId))) or "")
         fields = facts.ask("fields", lambda: _fields(nv, handle, (FI_RECOVERY_ACTION, FI_RESET_STATUS,
                                                                    FI_DRAIN_AND_RESET_STATUS)))

@@ -24,8 +24,11 @@ class WorkerGroup:
     """One round's local workers. Not reusable: the next round makes a new group."""
 
     def __init__(self, launches: list[WorkerLaunch], *, stop_timeout: float,
-                 console: Console | None = None, on_beat: Callable[[int], None] | None = None) -> None:
+                 console: Console | None = None, on_beat: Callable[[int], None] | None = None,
+                 kill_timeout: float = _KILL_WAIT_S) -> None:
         self._launches = list(launches)
+        self._kill_timeout = kill_timeout
+        self.stuck_pids: list[int] = []      # workers still alive kill_timeout after SIGKILL
         self._on_beat = on_beat              # called with the local rank on each heartbeat byte
         self._stop_timeout = stop_timeout
         self._console = console or Console()
@@ -121,10 +124,11 @@ class WorkerGroup:
             _, late = await asyncio.wait(running, timeout=self._stop_timeout)
             if late:
                 self._signal_groups(signal.SIGKILL)
-                _, stuck = await asyncio.wait(late, timeout=_KILL_WAIT_S)
-                if stuck:   # uninterruptible sleep (D state): nothing more we can do
+                _, stuck = await asyncio.wait(late, timeout=self._kill_timeout)
+                if stuck:   # uninterruptible sleep (D state): nothing more we can do; the agent leaves
+                    self.stuck_pids = [w.pid for w in self._workers if w.reaper in stuck and w.pid is not None]
                     self._console.line("stderr", f"{len(stuck)} worker(s) still alive "
-                                                 f"{_KILL_WAIT_S:g}s after SIGKILL")
+                                                 f"{self._kill_timeout:g}s after SIGKILL")
         # Children of the workers left in their groups die with them: nobody supervises them now.
         self._signal_groups(signal.SIGKILL)
         for worker in self._workers:

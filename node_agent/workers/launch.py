@@ -38,6 +38,7 @@ class WorkerLaunch:
     attempt_dir: str | None = None     # where filtered_*.log go
     stdin_tty: bool = False      # the worker reads the agent's terminal (breakpoint() works)
     heartbeat: bool = False      # give the worker a heartbeat pipe (NODE_AGENT_HEARTBEAT_FD)
+    cpu_affinity: frozenset[int] | None = None   # --numa-binding: the CPUs it runs on (None: unbound)
 
     @property
     def error_file(self) -> str | None:
@@ -58,9 +59,11 @@ def attempt_dir(run_dir: str, restart_count: int) -> str:
 
 def build_launches(a: Assignment, opts: AgentOptions, *, run_dir: str, hostname: str, stdin_tty: bool = False,
                    environ: Mapping[str, str] = os.environ, memory_dirs: Mapping[int, str] | None = None,
-                   memory_limit: int | None = None) -> list[WorkerLaunch]:
+                   memory_limit: int | None = None,
+                   cpu_affinity: Mapping[int, frozenset[int]] | None = None) -> list[WorkerLaunch]:
     """One launch per local rank of the assignment, its directory made under `run_dir`; `memory_dirs`:
-    each local rank's in-memory checkpoint directory (workers/memory.py), when there are some."""
+    each local rank's in-memory checkpoint directory (workers/memory.py), when there are some;
+    `cpu_affinity`: the CPUs of each bound local rank (--numa-binding)."""
     argv = worker_argv(opts, environ)
     base = attempt_dir(run_dir, a.restart_count)
     launches = []
@@ -83,5 +86,5 @@ def build_launches(a: Assignment, opts: AgentOptions, *, run_dir: str, hostname:
             echo=opts.local_ranks_filter is None or local_rank in opts.local_ranks_filter,
             prefix=prefix, prefix_all=opts.log_line_prefix is not None,
             dup_stdout=opts.dup_stdout, dup_stderr=opts.dup_stderr, attempt_dir=base, stdin_tty=stdin_tty,
-            heartbeat=opts.hang_timeout > 0))
+            heartbeat=opts.hang_timeout > 0, cpu_affinity=(cpu_affinity or {}).get(local_rank)))
     return launches

@@ -8,22 +8,23 @@ The group itself is made by `make_group`, so a test can put a scripted one in it
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import shutil
 import signal
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Protocol
 
 from node_agent.cli.options import AgentOptions
-from node_agent.core.facts import Put, SpawnFailed, WorkersExited, WorkersHung, start_source
+from node_agent.core.facts import CHECK_STOP, NodeChecked, Put, SpawnFailed, WorkersExited, WorkersHung, start_source
 from node_agent.core.hangwatch import HangWatch
 from node_agent.workers.failures import exit_failure, hang_failure, spawn_failure
 from node_agent.workers.group import WorkerGroup
 from node_agent.workers.launch import WorkerLaunch, build_launches, make_run_dir
 from node_agent.workers.memory import MemoryDirs
 from node_agent.workers.process import WorkerExit, WorkerSpawnError
-from protocol.messages import Assignment
+from protocol.messages import Assignment, Unhealthy
 
 
 class Group(Protocol):
@@ -49,9 +50,9 @@ class GroupFactory(Protocol):
 
 
 def process_group(launches: list[WorkerLaunch], *, stop_timeout: float,
-                  on_beat: Callable[[int], None] | None) -> Group:
+                  on_beat: Callable[[int], None] | None, kill_timeout: float = 10.0) -> Group:
     """The real thing: one child process per launch."""
-    return WorkerGroup(launches, stop_timeout=stop_timeout, on_beat=on_beat)
+    return WorkerGroup(launches, stop_timeout=stop_timeout, on_beat=on_beat, kill_timeout=kill_timeout)
 
 
 class LocalWorkers:
@@ -61,8 +62,12 @@ class LocalWorkers:
         self._put = put
         self._hostname = hostname
         self._clock = clock
-        self._make_group = make_group
+        self._make_group: GroupFactory = functools.partial(process_group, kill_timeout=opts.kill_timeout) \
+            if make_group is process_group else make_group
         self.group: Group | None = None
+        self.cpu_affinity: Mapping[int, frozenset[int]] = {}   # --numa-binding: local rank -> its CPUs
+        self.stuck_pids: list[int] = []      # workers that outlived SIGKILL (the node is unhealthy)
+        self._round = -1
         self._watchers: list[asyncio.Task[None]] = []
         self._hangs = HangWatch(opts.hang_timeout) if opts.hang_timeout > 0 else None
         self._first_beat = asyncio.Event()
@@ -81,7 +86,7 @@ class LocalWorkers:
             launches = build_launches(a, opts, run_dir=opts.run_dir or self._tmp_root or ".",
                                       hostname=self._hostname, stdin_tty=_stdin_is_tty(),
                                       memory_dirs=self.memory.dirs(a.local_world_size),
-                                      memory_limit=self.memory.rank_limit)
+                                      memory_limit=self.memory.rank_limit, cpu_affinity=self.cpu_affinity)
         except OSError as exc:   # no room for the workers' directories: they cannot start
             self._spawn_failed(a.round_id, exc, a.rank_offset, 0, opts.script)
             return
@@ -89,7 +94,7 @@ class LocalWorkers:
             self._hangs.reset()
         group = self._make_group(launches, stop_timeout=opts.stop_timeout,
                                  on_beat=self._on_beat if self._hangs is not None else None)
-        self.group = group
+        self.group, self._round = group, a.round_id
         try:
             await group.start()
         except OSError as exc:   # the group killed those already started
@@ -107,6 +112,13 @@ class LocalWorkers:
         group, self.group = self.group, None
         if group is not None:
             await group.stop(signum)
+            stuck = list(getattr(group, "stuck_pids", ()))
+            if stuck:      # they would hold the GPU (and this node's workers) forever: the node leaves
+                self.stuck_pids = stuck
+                self._put(NodeChecked(CHECK_STOP, self._round, f"worker process{'es' if len(stuck) > 1 else ''} "
+                                      f"{', '.join(map(str, stuck))} still alive {self.opts.kill_timeout:g}s after "
+                                      f"SIGKILL (uninterruptible sleep: a GPU or driver fault?)",
+                                      Unhealthy.STUCK_WORKER))
 
     def kill(self) -> None:
         """SIGKILL every worker now, without waiting (the agent is about to exit)."""

@@ -70,13 +70,24 @@ def _prctl() -> Any:
     return fn
 
 
-def _child_setup(parent_pid: int, prctl: Any) -> Callable[[], None]:
+def child_setup(parent_pid: int, prctl: Any, cpu_affinity: frozenset[int] | None = None) -> None:
+    """What every worker process does before it runs the script (in the child, after fork): die with
+    the agent, and run on its --numa-binding CPUs. The one place both happen, whatever forked it."""
+    if prctl is not None:
+        prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    # The agent may have died between fork and prctl: then no signal will ever come.
+    if os.getppid() != parent_pid:
+        os._exit(1)
+    if cpu_affinity:
+        try:
+            os.sched_setaffinity(0, cpu_affinity)
+        except OSError:     # a CPU taken away since the plan (cgroup change): run unbound rather than not at all
+            pass
+
+
+def _child_setup(parent_pid: int, prctl: Any, cpu_affinity: frozenset[int] | None = None) -> Callable[[], None]:
     def setup() -> None:   # runs in the child between fork and exec (after Popen's setsid)
-        if prctl is not None:
-            prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-        # The agent may have died between fork and prctl: then no signal will ever come.
-        if os.getppid() != parent_pid:
-            os._exit(1)
+        child_setup(parent_pid, prctl, cpu_affinity)
     return setup
 
 
@@ -147,7 +158,7 @@ class Worker:
             self._proc = await asyncio.create_subprocess_exec(
                 *launch.argv, env=env, stdin=None if launch.stdin_tty else subprocess.DEVNULL,
                 stdout=ends[0][1], stderr=ends[1][1], start_new_session=True,
-                preexec_fn=_child_setup(os.getpid(), _prctl()), **extra)
+                preexec_fn=_child_setup(os.getpid(), _prctl(), launch.cpu_affinity), **extra)
         except BaseException:
             for fd in fds:
                 os.close(fd)

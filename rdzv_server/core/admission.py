@@ -98,7 +98,7 @@ def _new_record(rules: JobRules, req: JoinRequest, now: float, credential: str, 
                       state=NodeState.WAITING, joined_at=now, last_seen=now,
                       lease_expires=now + job.config.lease_timeout_s,
                       credential_digest=credentials.digest(credential), seen_from=via[0], server_addr=via[1],
-                      probe_port=req.probe_port)
+                      probe_port=req.probe_port, checks=req.checks)
     rules.out.deadline(node.lease_expires)
     if previous is not None:
         node.failure_times, node.exclusions = list(previous.failure_times), previous.exclusions

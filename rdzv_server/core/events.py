@@ -17,6 +17,7 @@ class EventKind(str, enum.Enum):
     NODE_READMITTED = "node_readmitted"    # exclusion over (cooldown ended, or cleared by an operator)
     NODE_LOST = "node_lost"
     NODE_LEFT = "node_left"
+    NODE_UNHEALTHY = "node_unhealthy"      # left because its own checks found it unhealthy (a broken GPU, ...)
     NODE_DRAINED = "node_drained"
     NODE_UNDRAINED = "node_undrained"
     NODE_SUCCEEDED = "node_succeeded"
@@ -40,6 +41,7 @@ class RoundCause(str, enum.Enum):
     FAILURE = "failure"
     NODE_LOST = "node_lost"
     NODE_LEFT = "node_left"
+    NODE_UNHEALTHY = "node_unhealthy"
     NODE_DRAINED = "node_drained"
     RESIZED = "resized"
 
@@ -48,5 +50,6 @@ class RoundCause(str, enum.Enum):
 REMOVAL_CAUSE = {
     EventKind.NODE_LOST: RoundCause.NODE_LOST,
     EventKind.NODE_LEFT: RoundCause.NODE_LEFT,
+    EventKind.NODE_UNHEALTHY: RoundCause.NODE_UNHEALTHY,
     EventKind.NODE_DRAINED: RoundCause.NODE_DRAINED,
 }

@@ -36,7 +36,7 @@ from rdzv_server.core import credentials, leases
 from rdzv_server.core.errors import RendezvousError
 from rdzv_server.core.events import REMOVAL_CAUSE, EventKind, RoundCause
 from rdzv_server.core.outbox import Outbox
-from rdzv_server.core.payloads import Payload, RoundFormed, RoundWaiting, as_data
+from rdzv_server.core.payloads import NodeUnhealthy, Payload, RoundFormed, RoundWaiting, as_data
 from rdzv_server.core.records import Event, JobRecord, NodeRecord
 from rdzv_server.core.rounds import (
     build_round,
@@ -89,8 +89,16 @@ class JobRules:
         node = self.job.nodes.get(node_id)
         if node is not None:
             credentials.check(node, req.credential)
-        if node is not None and not self.job.state.finished:
+        if node is not None and not self.job.state.finished and req.unhealthy is not None:
+            # as a lost node: no restart counted, a spare or a smaller world takes over
+            self.remove(node, now, EventKind.NODE_UNHEALTHY, f"node {node.node_id} left: {reason}",
+                        data=NodeUnhealthy(kind=req.unhealthy.value, host=node.host))
+        elif node is not None and not self.job.state.finished:
             self.remove(node, now, EventKind.NODE_LEFT, f"node {node.node_id} left: {reason}")
+        elif node is None and not self.job.state.finished and req.unhealthy is not None:
+            # a node whose own check failed before it joined: the history says why it is missing
+            self.record(now, EventKind.NODE_UNHEALTHY, f"node {node_id} did not join: {reason}", node_id,
+                        data=NodeUnhealthy(kind=req.unhealthy.value, host=""))
 
     def connection_dropped(self, node_id: str, now: float) -> None:
         """A node's long-poll connection closed under it: give it a short grace to come back."""
@@ -128,8 +136,11 @@ class JobRules:
             self.form_round(now, "last call ended with " + count_nodes(candidates(job)), growth_cause(job))
         if job.state == JobState.WAITING and job.last_call_deadline is None and \
                 job.join_deadline is not None and job.join_deadline <= now:
+            unhealthy = sum(1 for e in job.events if e.kind == EventKind.NODE_UNHEALTHY)
             self.finish(now, JobState.FAILED, f"only {len(job.waiting)} of min {job.config.min_nodes} nodes "
-                        f"joined within join_timeout {job.config.join_timeout_s:g}s")
+                        f"joined within join_timeout {job.config.join_timeout_s:g}s" + (
+                            f" (no healthy set of {job.config.min_nodes} nodes: {unhealthy} left unhealthy)"
+                            if unhealthy else ""))
         return extended
 
     def next_deadline(self) -> float | None:
@@ -230,7 +241,7 @@ class JobRules:
             self.form_round(now, why, RoundCause.NODE_LOST, failed_at=min(n.last_seen for n, _ in lost))
 
     def remove(self, node: NodeRecord, now: float, kind: EventKind, message: str,
-               failed_at: float | None = None, form: bool = True) -> None:
+               failed_at: float | None = None, form: bool = True, data: Payload | None = None) -> None:
         """Take a node out of the job (lost, left or drained); a member's going re-forms the round
         (unless `form` is False: the caller forms it once for several)."""
         job = self.job
@@ -241,7 +252,7 @@ class JobRules:
             if node.node_id in queue:
                 queue.remove(node.node_id)
         self.wake()
-        self.record(now, kind, message, node.node_id)
+        self.record(now, kind, message, node.node_id, data=data)
         if was_member:
             if form:
                 job.forming_since = now

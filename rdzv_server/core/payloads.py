@@ -57,7 +57,13 @@ class LeasesExtended(msgspec.Struct, kw_only=True):
     away_s: float
 
 
-Payload = RoundFormed | RoundWaiting | WorkerFailed | WorkersFailed | JobResized | LeasesExtended
+class NodeUnhealthy(msgspec.Struct, kw_only=True):
+    """node_unhealthy: the kind of fault the node found (a protocol Unhealthy value) and its host."""
+    kind: str
+    host: str
+
+
+Payload = RoundFormed | RoundWaiting | WorkerFailed | WorkersFailed | JobResized | LeasesExtended | NodeUnhealthy
 
 _TYPES: dict[EventKind, tuple[type[Payload], ...]] = {
     EventKind.ROUND_COMPLETED: (RoundFormed,),
@@ -65,6 +71,7 @@ _TYPES: dict[EventKind, tuple[type[Payload], ...]] = {
     EventKind.WORKER_FAILED: (WorkersFailed, WorkerFailed),
     EventKind.JOB_RESIZED: (JobResized,),
     EventKind.LEASES_EXTENDED: (LeasesExtended,),
+    EventKind.NODE_UNHEALTHY: (NodeUnhealthy,),
 }
 
 

@@ -37,6 +37,7 @@ class NodeRecord(msgspec.Struct, kw_only=True):
     seen_from: str = ""                # the address its join came from (as the server saw it)
     probe_port: int = 0                # where its agent answers other agents' probes (0: none)
     server_addr: str = ""              # the server's address its join reached
+    checks: str = ""                   # what its agent checks of the node (JoinRequest.checks)
 
 
 class RoundRecord(msgspec.Struct, kw_only=True):

@@ -36,6 +36,7 @@ from rdzv_server.core.leases import OUTAGE_LIMIT_S, QUIET_S, SUSPECT_QUIET_S
 from rdzv_server.core.outbox import Outbox
 from rdzv_server.core.payloads import LeasesExtended
 from rdzv_server.core.records import JobRecord
+from rdzv_server.core.unhealthy import DEFAULT_HOLD_S, UnhealthyHosts
 
 __all__ = ["DROP_GRACE_S", "REUSE_FINISHED_AFTER_S", "Rendezvous", "RendezvousError"]
 
@@ -51,6 +52,7 @@ class Limits:
     retain_finished_s: float = 3600.0    # a finished job is forgotten this long after it ended
     max_jobs: int = 10_000               # jobs held, finished ones included (the oldest finished go first)
     max_nodes: int = 1_000_000           # node records over all jobs
+    unhealthy_hold_s: float = DEFAULT_HOLD_S   # a host that left unhealthy is kept out this long (0: never)
 
 
 def node_room(config: JobConfig) -> int:
@@ -66,6 +68,7 @@ class Rendezvous:
         self.outbox = Outbox()
         self.node_count = sum(len(j.nodes) for j in self.jobs.values())
         self.heard_at: float | None = None   # the last agent request of any job (None: none yet)
+        self.unhealthy = UnhealthyHosts(self.limits.unhealthy_hold_s)   # hosts kept out of every job
         self._quiet_noted: set[str] = set()   # jobs told of the server's silence since it last heard
         # Finished jobs by when they ended, oldest first: forgetting one is O(log n), never a scan. An
         # entry whose job was forgotten, reused or ended again since is skipped when it comes up.
@@ -92,6 +95,7 @@ class Rendezvous:
              via: tuple[str, str] = ("", "")) -> NodeStatus:
         """Admit a node; `credential` is the secret a newly made node record gets (the shell makes it)."""
         self._heard(now)
+        self.unhealthy.check(req.host or req.addr, req.node_id, now)
         job = self.jobs.get(job_id)
         if job is not None and job.state.finished:
             late = job.finished_at is None or now - job.finished_at < REUSE_FINISHED_AFTER_S
@@ -180,8 +184,12 @@ class Rendezvous:
     def leave(self, job_id: str, req: LeaveRequest, now: float) -> NodeStatus:
         rules = self.rules(job_id)
         self._heard(now)
+        node = rules.job.nodes.get(req.node_id)
+        finished = rules.job.state.finished
         with self._counting(rules.job):
-            rules.leave(req, now)
+            rules.leave(req, now)          # checks the node's credential first
+        if node is not None and req.unhealthy is not None and not finished:
+            self.unhealthy.hold(node.host or node.addr, req.unhealthy.value, req.reason, job_id, req.node_id, now)
         return rules.view(req.node_id, now)
 
     def connection_dropped(self, job_id: str, node_id: str, now: float) -> None:

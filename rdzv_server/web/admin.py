@@ -4,6 +4,7 @@
     POST /v1/admin/jobs/{job_id}/nodes/{node_id}/drain          {"reason": "..."}            (body optional)
     POST /v1/admin/jobs/{job_id}/nodes/{node_id}/clear-exclusion                             (lifts a drain too)
     POST /v1/admin/jobs/{job_id}/resize                         {"min_nodes": 1, "max_nodes": 4}  (omitted: kept)
+    POST /v1/admin/hosts/{host}/clear-unhealthy                 a host held out as unhealthy may join again
 
 Each answers 200 with the job as `GET /v1/jobs/{job_id}` shows it after the action, or a JSON
 error `{"code", "message"}` (the app's error middleware maps the core's refusals).
@@ -43,6 +44,7 @@ def add_routes(app: web.Application) -> None:
     app.router.add_post(PREFIX + "/nodes/{node_id}/drain", drain_node)
     app.router.add_post(PREFIX + "/nodes/{node_id}/clear-exclusion", clear_exclusion)
     app.router.add_post(PREFIX + "/resize", resize_job)
+    app.router.add_post("/v1/admin/hosts/{host}/clear-unhealthy", clear_unhealthy)
 
 
 # -- checks -----------------------------------------------------------------------------------------
@@ -143,6 +145,18 @@ async def clear_exclusion(request: web.Request) -> web.Response:
     await _body(request, {})
     return await _operate(request, f"clear exclusion or drain of node {node_id}", job_id,
                           ClearExclusion(node_id))
+
+
+async def clear_unhealthy(request: web.Request) -> web.Response:
+    """Server-wide, not one job's: the hold keeps the host out of every job (core/unhealthy.py)."""
+    host = request.match_info["host"]
+    if not host or len(host) > 256 or not host.isprintable():
+        raise bad_request(f"not a host name: {quote(host)}")
+    await _body(request, {})
+    coord = request.app[COORDINATOR]
+    log.info("operator request from %s: clear unhealthy host %s", request.remote, quote(host),
+             extra={"event": "operator_request"})
+    return web.json_response({"cleared": coord.clear_unhealthy(host)})
 
 
 async def resize_job(request: web.Request) -> web.Response:

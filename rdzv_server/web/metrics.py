@@ -16,6 +16,9 @@ Metrics (all prefixed `rdzv_`):
                                             "spawn failed", else "other")
   rdzv_nodes_lost_total                     counter: nodes lost (lease expired, connection dropped,
                                             agent restarted); nodes that leave are not counted
+  rdzv_nodes_unhealthy_total{reason}        counter: nodes that left a job unhealthy, by kind (gpu,
+                                            health_check, gpu_fault, stuck_worker)
+  rdzv_unhealthy_hosts                      gauge: hosts held out of every job as unhealthy now
   rdzv_round_formation_seconds              histogram: first node waiting (or failure) -> round formed
   rdzv_failure_to_round_seconds{cause}      histogram: worker failure / lost node's last contact -> the
                                             next round formed (cause "failure" or "node_lost")
@@ -46,11 +49,11 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from protocol.codec import REQUEST_TYPES
-from protocol.messages import JobState, NodeState
+from protocol.messages import JobState, NodeState, Unhealthy
 from rdzv_server.coordinator import Coordinator
 from rdzv_server.core.events import EventKind, RoundCause
 from rdzv_server.core.outbox import Outbox
-from rdzv_server.core.payloads import RoundFormed, WorkerFailed, WorkersFailed, payload_of
+from rdzv_server.core.payloads import NodeUnhealthy, RoundFormed, WorkerFailed, WorkersFailed, payload_of
 from rdzv_server.core.records import Event
 
 # No `*_created` series: they double the output and no dashboard here reads them (process-wide switch).
@@ -67,6 +70,7 @@ LOSS_CAUSES = (RoundCause.FAILURE.value, RoundCause.NODE_LOST.value)
 CAUSES = tuple(c.value for c in RoundCause)
 METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
 NODE_STATES = tuple(s for s in NodeState if s != NodeState.GONE)
+UNHEALTHY_KINDS = tuple(k.value for k in Unhealthy)
 
 
 class StateCollector(Collector):
@@ -76,7 +80,7 @@ class StateCollector(Collector):
         self.coordinator = coordinator
 
     def describe(self) -> Iterable[GaugeMetricFamily]:
-        return self._families({}, {}, None)
+        return self._families({}, {}, None, 0)
 
     def collect(self) -> Iterable[GaugeMetricFamily]:
         jobs = {s: 0 for s in JobState}
@@ -88,10 +92,12 @@ class StateCollector(Collector):
             for node in job.nodes.values():
                 if node.state in nodes:
                     nodes[node.state] += 1
-        return self._families(jobs, nodes, self.coordinator.open_polls)
+        held = len(self.coordinator.core.unhealthy.current(self.coordinator.clock()))
+        return self._families(jobs, nodes, self.coordinator.open_polls, held)
 
     @staticmethod
-    def _families(jobs: dict[JobState, int], nodes: dict[NodeState, int], polls: int | None) -> list[GaugeMetricFamily]:
+    def _families(jobs: dict[JobState, int], nodes: dict[NodeState, int], polls: int | None,
+                  held: int) -> list[GaugeMetricFamily]:
         fam_jobs = GaugeMetricFamily("rdzv_jobs", "Jobs held by this server, by state.", labels=["state"])
         for state, n in jobs.items():
             fam_jobs.add_metric([state.value], n)
@@ -102,7 +108,10 @@ class StateCollector(Collector):
         fam_polls = GaugeMetricFamily("rdzv_open_long_polls", "Agent long-polls now waiting for an answer.")
         if polls is not None:
             fam_polls.add_metric([], polls)
-        return [fam_jobs, fam_nodes, fam_polls]
+        fam_held = GaugeMetricFamily("rdzv_unhealthy_hosts", "Hosts held out of every job as unhealthy now "
+                                     "(rdzv-server --unhealthy-hold; cleared by rdzv-ctl clear-unhealthy).")
+        fam_held.add_metric([], held)
+        return [fam_jobs, fam_nodes, fam_polls, fam_held]
 
 
 class StoreCollector(Collector):
@@ -186,6 +195,10 @@ class ServerMetrics:
             self.worker_failures.labels(reason)
         self.nodes_lost = Counter("rdzv_nodes_lost_total", "Nodes lost: lease expired, long-poll connection "
                                   "dropped, or agent restarted (nodes that leave are not counted).", registry=r)
+        self.nodes_unhealthy = Counter("rdzv_nodes_unhealthy_total", "Nodes that left a job unhealthy, by "
+                                       "kind (gpu, health_check, gpu_fault, stuck_worker).", ["reason"], registry=r)
+        for kind in UNHEALTHY_KINDS:
+            self.nodes_unhealthy.labels(kind)
         self.formation = Histogram("rdzv_round_formation_seconds", "Time from a round starting to form "
                                    "(first node waiting, or the failure/loss) to the round being formed.",
                                    buckets=ROUND_BUCKETS, registry=r)
@@ -223,6 +236,8 @@ class ServerMetrics:
                 self.worker_failures.labels(reason if reason in FAILURE_REASONS else "other").inc()
             case WorkersFailed(reason=reason, count=count):
                 self.worker_failures.labels(reason if reason in FAILURE_REASONS else "other").inc(max(1, count))
+            case NodeUnhealthy(kind=kind):
+                self.nodes_unhealthy.labels(kind if kind in UNHEALTHY_KINDS else "other").inc()
         if event.kind == EventKind.NODE_LOST:
             self.nodes_lost.inc()
 

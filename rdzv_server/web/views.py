@@ -59,7 +59,7 @@ def _node(job: JobRecord, node: NodeRecord, now: float, succeeded: set[str]) -> 
         "node_id": node.node_id, "state": node.state.value, "host": node.host, "addr": node.addr,
         "role": node.role, "local_world_size": node.local_world_size,
         "lease_age_s": round(now - node.last_seen, 3), "joined_at": iso(node.joined_at),
-        "recent_failures": len(node.failure_times),
+        "recent_failures": len(node.failure_times), "checks": node.checks,
     }
 
 
@@ -168,6 +168,9 @@ def state_counts(core: Rendezvous) -> dict[str, int]:
     return {state.value: n for state, n in Counter(job.state for job in core.jobs.values()).items()}
 
 
+HOSTS_LIMIT = 100      # unhealthy hosts listed at most (the oldest holds first)
+
+
 def server_status(core: Rendezvous, now: float, offset: int = 0, limit: int = STATUS_LIMIT,
                   list_limit: int = LIST_LIMIT) -> dict[str, Any]:
     """One page of jobs in `ordered_jobs` order; `total` and `job_states` count every job."""
@@ -176,4 +179,5 @@ def server_status(core: Rendezvous, now: float, offset: int = 0, limit: int = ST
     return {"time": iso(now), "total": total, "offset": offset, "limit": limit,
             "next_offset": offset + limit if offset + limit < total else None,
             "job_states": state_counts(core), "list_limit": list_limit,
-            "jobs": [job_summary(j, now, list_limit) for j in page]}
+            "jobs": [job_summary(j, now, list_limit) for j in page],
+            "unhealthy_hosts": [h.view(now) for h in core.unhealthy.current(now)[:HOSTS_LIMIT]]}

@@ -134,9 +134,10 @@ FLAGS: tuple[FlagRow, ...] = (
     FlagRow(("--logs-specs", "--logs_specs"), None, "custom", REFUSED,
             "any other name: node-agent loads no torch plugins (it never imports torch); its layout is "
             "torchrun's default, under `--log-dir`", refusal="only 'default'"),
-    FlagRow(("--numa-binding", "--numa_binding"), None, "node", REFUSED,
-            "node-agent cannot tell a GPU's NUMA node without loading CUDA; start the workers under `numactl` "
-            "(`--no-python numactl --cpunodebind=N python train.py`)", refusal="numactl"),
+    FlagRow(("--numa-binding", "--numa_binding"), None, "node", SAME,
+            "`node`, `socket`, `exclusive`, `core-complex`: each worker's CPUs near its GPU, as torchrun's modes "
+            "(from sysfs and NVML, without CUDA); no NUMA information: one warning, workers unbound",
+            lambda o: o.numa_binding == "node"),
     FlagRow(("--signals-to-handle", "--signals_to_handle"), "PET_SIGNALS_TO_HANDLE", "SIGTERM,SIGUSR1", SAME,
             "each stops the workers with that signal (then SIGKILL after the grace) and the agent exits "
             "128+N; Slurm's `--signal=USR1@90` reaches the workers; the workers get the list as "

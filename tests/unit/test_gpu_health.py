@@ -394,3 +394,13 @@ def test_failure_messages_that_name_a_gpu_fault(message, fault):
 def test_a_huge_failure_message_is_scanned_at_both_ends():
     assert classify_failure("x" * (8 << 20) + "\nuncorrectable ECC error encountered") == "uncorrectable ECC error"
     assert classify_failure("Xid 79\n" + "x" * (8 << 20)) == "Xid 79"
+
+
+def test_a_check_after_listing_the_devices_asks_four_queries_per_gpu_and_not_the_pci_address_again():
+    nv = FakeNvml()
+    probe = probe_on(nv)
+    probe.devices()
+    nv.calls.clear()
+    assert check_gpus(probe, [0, 1]).__class__.__name__ == "Healthy"
+    assert nv.calls == ["nvmlDeviceGetFieldValues", "nvmlDeviceGetTotalEccErrors", "nvmlDeviceGetRemappedRows",
+                        "nvmlDeviceGetCurrentClocksEventReasons"] * 2

@@ -135,7 +135,9 @@ def lease(seconds: float, timeout: float | None) -> str:
 
 
 def host(n: dict[str, Any]) -> str:
-    name, addr = n.get("host") or "", n.get("addr") or ""
+    name, addr, checks = n.get("host") or "", n.get("addr") or "", n.get("checks") or ""
+    # what the node checks of itself; a skipped GPU check is shown as a warning, never as healthy
+    said = f'<br><span class="{"warn-text" if "skipped" in checks else "muted"}">{esc(checks)}</span>' if checks else ""
     if name and name != addr:
-        return f'<span class="mono">{esc(name)}</span> <span class="mono muted">{esc(addr)}</span>'
-    return f'<span class="mono">{esc(addr or name)}</span>'
+        return f'<span class="mono">{esc(name)}</span> <span class="mono muted">{esc(addr)}</span>{said}'
+    return f'<span class="mono">{esc(addr or name)}</span>{said}'

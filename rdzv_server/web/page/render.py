@@ -127,6 +127,18 @@ def _summary_row(job: dict[str, Any], events: list[dict[str, Any]], now: float) 
             f"<td>{latest}</td></tr>")
 
 
+def _unhealthy_hosts(holds: list[dict[str, Any]]) -> str:
+    """Hosts whose node left a job unhealthy, held out of every job (core/unhealthy.py)."""
+    if not holds:
+        return ""
+    rows = [f'<tr data-host="{esc(h["host"])}"><td class="mono">{esc(h["host"])}</td><td>{esc(h["kind"])}</td>'
+            f'<td class="mono">{esc(h["job_id"])} / {esc(h["node_id"])}</td><td class="num">{h["held_for_s"]:.0f}s</td>'
+            f'<td class="note">{esc(clip(h["reason"], 300))}</td></tr>' for h in holds]
+    return ("<h2>Unhealthy hosts</h2>" + table(["host", "kind", "left job / node", ">held for", "why"], rows, "")
+            + '<p class="muted">Kept out of every job; <span class="mono">rdzv-ctl clear-unhealthy HOST</span> '
+              "lets one join again.</p>")
+
+
 def _counts(states: dict[str, int]) -> str:
     n = sum(states.values())
     badges = " ".join(badge(s, f"{c:,} {s}") for s, c in sorted(states.items(), key=lambda kv: _ORDER.get(kv[0], 9)))
@@ -159,6 +171,7 @@ def index_page(core: Rendezvous, now: float, refresh: int = DEFAULT_REFRESH_S, n
                  if len(page) > len(cards) else "")
         body = (f"<h2>Jobs</h2>{nav}" + table(head, rows, "", "summary") + nav
                 + "<h2>Details</h2>" + shown + "".join(cards))
+    body += _unhealthy_hosts(status["unhealthy_hosts"])
     return _layout("rdzv-server status", now, body, refresh, "/", params, _counts(status["job_states"]), notes)
 
 

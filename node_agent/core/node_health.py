@@ -1,0 +1,101 @@
+"""When the agent checks its own node, and what a check's answer means. Pure: `now` comes in, no I/O.
+
+The checks themselves (the GPUs through NVML, the site's --health-check, a failure's message, workers
+left alive after SIGKILL) run in the shell (node_agent/node_checks.py), which answers each `CheckNode`
+with a `NodeChecked`. The rules (policy.py applies them through this state):
+- with checks on (a node with NVIDIA GPUs, or a --health-check): the node joins only after a check
+  passes; a new round after its workers ran once (a restart here) is spawned only after a check; while
+  workers run, a check every `interval_s`; a worker failure is checked (its GPUs, and whether its
+  message names a GPU fault) before it is reported;
+- a node found unhealthy (at any of these, or because a worker outlived SIGKILL, checks on or not)
+  does not join, or leaves its round saying why and of what kind: no failure is reported, so no restart
+  counts against the job's budget, and the server re-forms the round as for a lost node. It checks
+  again after a back-off (RETRY_MIN_S, doubling up to RETRY_MAX_S) and joins once healthy, so a node
+  repaired in place comes back. Server news meanwhile is old news, except the job's end. A node out
+  for longer than `give_up_s` (the job's join timeout: as long as the job itself would wait for nodes)
+  gives up and exits 1 with its last finding: it never learns of the job's end while it is out.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from node_agent.core.actions import Action, CheckNode, Spawn
+from node_agent.core.facts import CHECK_JOIN, CHECK_RESTART, CHECK_RUNNING
+from protocol.messages import Assignment
+
+RETRY_MIN_S = 5.0
+RETRY_MAX_S = 300.0
+
+
+@dataclass(slots=True)
+class NodeHealth:
+    enabled: bool = False                 # checks on (otherwise only a stuck worker takes the node out)
+    interval_s: float = 5.0
+    last_now: float = 0.0                 # the policy's latest `now` (arms the periodic check at a spawn)
+    next_check_at: float | None = None    # while workers run
+    checking: bool = False                # a periodic check is in flight
+    retry_at: float | None = None         # found unhealthy: out of the job until this check
+    unhealthy_in_row: int = 0
+    pending: Assignment | None = None     # a restart waiting for its check
+    retry_min_s: float = RETRY_MIN_S
+    give_up_s: float = 600.0              # out this long without passing a check: the agent ends
+    out_since: float | None = None
+    problem: str = ""                     # the last finding that kept the node out
+
+    @property
+    def out(self) -> bool:
+        """The node left (or did not join) as unhealthy and waits for its next check."""
+        return self.retry_at is not None
+
+    def spawn(self, a: Assignment, restart: bool) -> list[Action]:
+        """What to do with a new round: spawn it, or check first when it restarts this node's workers."""
+        if self.enabled and restart:
+            self.pending, self.next_check_at = a, None
+            return [CheckNode(CHECK_RESTART, a.round_id)]
+        self.pending = None
+        self.next_check_at = self.last_now + self.interval_s if self.enabled else None
+        return [Spawn(a)]
+
+    def due(self, running_round: int | None) -> float | None:
+        """When the periodic check is due (None: not while nothing runs, or one is in flight)."""
+        if not self.enabled or running_round is None or self.checking:
+            return None
+        return self.next_check_at
+
+    def periodic(self, running_round: int) -> list[Action]:
+        self.checking, self.next_check_at = True, None
+        return [CheckNode(CHECK_RUNNING, running_round)]
+
+    def passed(self, stage: str, now: float) -> None:
+        self.unhealthy_in_row, self.out_since = 0, None
+        if stage == CHECK_RUNNING:
+            self.checking = False
+            self.next_check_at = now + self.interval_s
+
+    def failed(self, stage: str, now: float, problem: str) -> float:
+        """Found unhealthy: out until the next check; returns the back-off."""
+        self.problem = problem
+        if self.out_since is None:
+            self.out_since = now
+        if stage == CHECK_RUNNING:
+            self.checking = False
+        delay: float = min(RETRY_MAX_S, self.retry_min_s * 2.0 ** min(self.unhealthy_in_row, 16))
+        self.unhealthy_in_row += 1
+        self.retry_at, self.pending, self.next_check_at = now + delay, None, None
+        return delay
+
+    def gave_up(self, now: float) -> bool:
+        return self.out_since is not None and now - self.out_since >= self.give_up_s
+
+    def retry(self, now: float) -> list[Action]:
+        """The back-off is over: check again (and join when it passes)."""
+        self.retry_at = None
+        return [CheckNode(CHECK_JOIN, -1)]
+
+    def take_pending(self, round_id: int) -> Assignment | None:
+        """The restart of `round_id`, whose check passed, if it still waits; arms the periodic check."""
+        a = self.pending
+        if a is None or a.round_id != round_id:
+            return None             # an answer about a round since replaced: its own check comes
+        self.pending, self.next_check_at = None, self.last_now + self.interval_s
+        return a

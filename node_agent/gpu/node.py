@@ -1,0 +1,54 @@
+"""What the agent learns about its node's GPUs once, at start: whether it has NVIDIA devices, which GPU
+each local rank uses, and (with --numa-binding) the CPUs each rank is pinned to.
+
+`survey` reads sysfs under `root` and asks an already opened probe (or, without NVML, sysfs alone) for
+the devices; it never raises for anything the machine says. Its lines are said once by the agent.
+"""
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from node_agent.gpu import has_nvidia_devices
+from node_agent.gpu.devices import RankGpus, gpu_numa_nodes, gpus_from_sysfs, rank_gpus, visible_gpus
+from node_agent.gpu.nvml import GpuInfo, GpuProbe, ProbeUnavailable
+from node_agent.gpu.topology import BindingPlan, Bound, parse_bind_mode, plan_binding, read_topology
+
+
+@dataclass(frozen=True)
+class NodeGpus:
+    ranks: RankGpus                             # local rank -> the GPU it uses
+    binding: BindingPlan | None = None          # --numa-binding's plan
+    lines: tuple[str, ...] = ()                 # each bound rank's binding, said once
+    warnings: tuple[str, ...] = ()              # said once, before any worker starts
+    cpu_affinity: Mapping[int, frozenset[int]] = field(default_factory=dict)
+
+
+def survey(nproc: int, environ: Mapping[str, str], *, probe: GpuProbe | None, numa_binding: str | None = None,
+           virtual_local_rank: bool = False, root: str = "/", dev_dir: str = "/dev",
+           allowed: frozenset[int] | None = None) -> NodeGpus:
+    """The node's GPUs for `nproc` workers. `probe`: open, or None (no NVML: the GPUs from sysfs).
+    `allowed`: the agent's own CPUs (default: its affinity)."""
+    devices: list[GpuInfo] | None = None
+    if probe is not None:
+        try:
+            devices = probe.devices()
+        except ProbeUnavailable:
+            devices = None
+    if devices is None:
+        devices = gpus_from_sysfs(root, dev_dir)
+    visible = visible_gpus(devices, environ.get("CUDA_VISIBLE_DEVICES"), environ.get("CUDA_DEVICE_ORDER"))
+    ranks = rank_gpus(visible, nproc, virtual_local_rank=virtual_local_rank)
+    # notes about CUDA_VISIBLE_DEVICES matter only where there are GPUs to see
+    warnings = [*visible.notes] if devices or has_nvidia_devices(dev_dir) else []
+    if ranks.warning:
+        warnings.append(ranks.warning)
+    if numa_binding is None:
+        return NodeGpus(ranks, warnings=tuple(warnings))
+    mode = parse_bind_mode(numa_binding)
+    cpus = allowed if allowed is not None else frozenset(os.sched_getaffinity(0))
+    plan = plan_binding(read_topology(root, mode), mode, gpu_numa_nodes(visible, root), nproc, cpus)
+    bound = [r for r in plan.ranks if isinstance(r, Bound)]
+    return NodeGpus(ranks, plan, lines=tuple(f"NUMA binding, {r.describe(mode)}" for r in bound),
+                    warnings=(*warnings, *plan.warnings()), cpu_affinity={r.local_rank: r.cpus for r in bound})

@@ -1,0 +1,80 @@
+"""Hosts that left a job unhealthy (a broken GPU, a failed --health-check, a worker stuck after SIGKILL),
+kept out of every job of this server for a while: no single-job launcher can do that.
+
+Pure (`now` in, no I/O), like the rest of the core. A hold starts when a node leaves with
+`LeaveRequest.unhealthy` set, is keyed by the host name its node joined with, ends `hold_s` later or
+when an operator clears it (`rdzv-ctl clear-unhealthy HOST`), and refuses that host's joins meanwhile
+(`host_unhealthy`, quoting why). Holds live in the server's memory only: a restarted server forgets
+them (each node checks itself again before it joins anyway).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from protocol.errors import ErrorCode
+from protocol.quoting import quote
+from rdzv_server.core.errors import RendezvousError
+
+DEFAULT_HOLD_S = 3600.0
+MAX_HOSTS = 10_000            # holds kept at most (the oldest go first): one server's memory stays bounded
+
+
+@dataclass(frozen=True)
+class Hold:
+    host: str
+    kind: str                 # a protocol.messages.Unhealthy value
+    reason: str               # the node's one line
+    job_id: str
+    node_id: str
+    since: float
+    until: float
+
+    def view(self, now: float) -> dict[str, object]:
+        return {"host": self.host, "kind": self.kind, "reason": self.reason, "job_id": self.job_id,
+                "node_id": self.node_id, "held_for_s": round(max(0.0, self.until - now), 1)}
+
+
+class UnhealthyHosts:
+    def __init__(self, hold_s: float = DEFAULT_HOLD_S) -> None:
+        self.hold_s = hold_s
+        self._holds: dict[str, Hold] = {}
+
+    def hold(self, host: str, kind: str, reason: str, job_id: str, node_id: str, now: float) -> Hold | None:
+        """Keep `host` out until now + hold_s (None: holds are off, or no host to hold)."""
+        if self.hold_s <= 0 or not host:
+            return None
+        self._holds.pop(host, None)
+        while len(self._holds) >= MAX_HOSTS:
+            del self._holds[next(iter(self._holds))]
+        held = self._holds[host] = Hold(host, kind, reason, job_id, node_id, now, now + self.hold_s)
+        return held
+
+    def check(self, host: str, node_id: str, now: float) -> None:
+        """Refuse a join from a held host."""
+        held = self.get(host, now)
+        if held is not None:
+            raise RendezvousError(ErrorCode.HOST_UNHEALTHY, (
+                f"host {quote(host)} (node {quote(node_id)}) is held out as unhealthy for {held.until - now:.0f}s "
+                f"more: node {quote(held.node_id)} of job {quote(held.job_id)} left with {held.reason}; an "
+                f"operator clears it with `rdzv-ctl clear-unhealthy {host}`"))
+
+    def get(self, host: str, now: float) -> Hold | None:
+        held = self._holds.get(host)
+        if held is not None and held.until <= now:
+            del self._holds[host]
+            return None
+        return held
+
+    def clear(self, host: str, now: float) -> Hold:
+        """An operator lets `host` join again; NOT_FOUND when it is not held."""
+        held = self.get(host, now)
+        if held is None:
+            raise RendezvousError(ErrorCode.NOT_FOUND, f"host {quote(host)} is not held as unhealthy")
+        del self._holds[host]
+        return held
+
+    def current(self, now: float) -> list[Hold]:
+        """The holds still running, oldest first."""
+        for host in [h for h, held in self._holds.items() if held.until <= now]:
+            del self._holds[host]
+        return sorted(self._holds.values(), key=lambda h: h.since)
