@@ -36,13 +36,13 @@ from node_agent.narration import Narrator
 from node_agent.server_link import ServerLink
 from node_agent.witness import WitnessServer, ask_witnesses
 from node_agent.workers.interfaces import gloo_interface
-from node_agent.workers.local import GroupFactory, LocalWorkers, process_group
+from node_agent.workers.local import GroupFactory, LocalWorkers
 from protocol.messages import NodeStatus, Witness
 
 
 class Agent:
     def __init__(self, opts: AgentOptions, transport: Transport, addr: str, console: TextIO | None = None, *,
-                 make_group: GroupFactory = process_group) -> None:
+                 make_group: GroupFactory | None = None) -> None:
         self.opts = opts
         self.transport = transport
         self.addr = addr
@@ -53,7 +53,7 @@ class Agent:
                                         lease_timeout_s=opts.job.lease_timeout_s)
         self.narrator = Narrator(opts.node_id, console, addr)
         self.workers = LocalWorkers(opts, self.facts.put_nowait, hostname=self.hostname, clock=self.now,
-                                    make_group=make_group)
+                                    make_group=make_group, warn=self.narrator.say)
         self._signal_count = 0
         self._exit: Exit | None = None
         # answers the other members' "are you there, and do you hear the server?" (witness.py)
@@ -91,6 +91,7 @@ class Agent:
         if chosen is not None:     # workers inherit the agent's environment
             os.environ["GLOO_SOCKET_IFNAME"] = chosen[0]
             self.narrator.say(chosen[1])
+        self.workers.warm_up()   # the environment is final: workers of the first round may start warm
         link.rejoin()
         while self._exit is None:
             fact = await self._next_fact()

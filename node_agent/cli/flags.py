@@ -148,6 +148,13 @@ FLAGS: tuple[Flag, ...] = (
     _ours(("--exclude-lost-cooldown", "--exclude_lost_cooldown"), "exclude_lost_cooldown_s", "S",
           "how long such a node is kept out the first time, doubling each time up to {cooldown_max:g} s; "
           "default {default:g}"),
+    _ours(("--warm-workers", "--warm_workers"), "warm_workers", "auto|off",
+          "auto: workers of a Python script or -m module are forked from an interpreter that has already "
+          "imported --warm-preload (a restart skips `import torch`); off: every worker starts cold; "
+          "default {default}"),
+    _ours(("--warm-preload", "--warm_preload"), "warm_preload", "MOD[,MOD...]",
+          "the modules warm workers find imported; default torch, torch.distributed, torch.nn, torch.optim, "
+          "torch._dynamo"),
     _ours(("--no-command-check", "--no_command_check"), "no_command_check", None,
           "let nodes whose script or arguments differ join one job (by default the server refuses them)"),
 )

@@ -35,6 +35,7 @@ from node_agent.cli.values import (  # noqa: F401  (Std, StdSpec, count_gpus: re
     _split_j,
     count_gpus,
     parse_filters,
+    parse_modules,
     parse_nnodes,
     parse_signals,
     parse_std,
@@ -46,6 +47,9 @@ from protocol.tokens import read_token_file, token_problem
 
 DEFAULT_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)   # torchrun's
 DEFAULT_TEE_PREFIX = "[${role_name}${local_rank}]:"     # torchrun's prefix of tee'd lines
+# What a typical training script imports before its first step (python -X importtime examples/train_ddp.py):
+# torch._dynamo comes with the first optimizer and costs as much as torch itself.
+DEFAULT_PRELOAD = ("torch", "torch.distributed", "torch.nn", "torch.optim", "torch._dynamo")
 
 
 @dataclass(frozen=True)
@@ -89,11 +93,18 @@ class AgentOptions:
     stop_timeout: float = 30.0         # torchrun's shutdown timeout
     server_wait: float = 60.0
     hang_timeout: float = 0.0          # 0: hang detection off
+    warm_workers: str = "auto"         # auto: Python entry points fork from a warm zygote; off: all cold
+    warm_preload: tuple[str, ...] = DEFAULT_PRELOAD
     warnings: tuple[str, ...] = ()
 
     @property
     def standalone(self) -> bool:
         return self.mode is Mode.STANDALONE
+
+    @property
+    def warm(self) -> bool:
+        """Workers may start warm: a Python script or module (not --no-python, not --run-path)."""
+        return self.warm_workers == "auto" and not self.no_python and not self.run_path
 
     @property
     def endpoint(self) -> str | None:
@@ -180,7 +191,19 @@ def parse_options(argv: Sequence[str], environ: Mapping[str, str] = os.environ) 
         server_wait=non_negative(line, _AGENT_DEFAULTS, "server_wait", conf.get("server_wait"),
                                  "--rdzv-conf server_wait"),
         hang_timeout=non_negative(line, _AGENT_DEFAULTS, "hang_timeout"), warnings=tuple(warnings),
+        warm_workers=_choice(line, "warm_workers", ("auto", "off")),
+        warm_preload=parse_modules(get("warm_preload"), line.failing("warm_preload"))
+        if get("warm_preload") is not None else DEFAULT_PRELOAD,
     )
+
+
+def _choice(line: CommandLine, dest: str, choices: tuple[str, ...]) -> str:
+    value = line.get(dest)
+    if value is None:
+        return str(_AGENT_DEFAULTS[dest])
+    if value not in choices:
+        line.fail(dest, f"expected {' or '.join(choices)}, got {value!r}")
+    return str(value)
 
 
 def _check_refused(line: CommandLine) -> None:

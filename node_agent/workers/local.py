@@ -21,7 +21,10 @@ from node_agent.core.hangwatch import HangWatch
 from node_agent.workers.failures import exit_failure, hang_failure, spawn_failure
 from node_agent.workers.group import WorkerGroup
 from node_agent.workers.launch import WorkerLaunch, build_launches, make_run_dir
+from node_agent.workers.environment import common_env, worker_argv
 from node_agent.workers.process import WorkerExit, WorkerSpawnError
+from node_agent.workers.warm.client import WarmZygote
+from node_agent.workers.warm.eligible import script_dir
 from protocol.messages import Assignment
 
 
@@ -53,19 +56,41 @@ def process_group(launches: list[WorkerLaunch], *, stop_timeout: float,
     return WorkerGroup(launches, stop_timeout=stop_timeout, on_beat=on_beat)
 
 
+def warm_zygote(opts: AgentOptions, warn: Callable[[str], None]) -> WarmZygote | None:
+    """The warm zygote for these options (not started yet), or None when every worker starts cold."""
+    if not opts.warm:
+        return None
+    python = worker_argv(opts)[0]   # the cold path's interpreter: PYTHON_EXEC or ours
+    path0 = os.getcwd() if opts.module else script_dir(opts.script)
+    return WarmZygote(python, opts.warm_preload, path0, common_env(os.environ, opts.nproc), warn)
+
+
 class LocalWorkers:
     def __init__(self, opts: AgentOptions, put: Put, *, hostname: str,
-                 clock: Callable[[], float], make_group: GroupFactory = process_group) -> None:
+                 clock: Callable[[], float], make_group: GroupFactory | None = None,
+                 warn: Callable[[str], None] = print) -> None:
         self.opts = opts
         self._put = put
         self._hostname = hostname
         self._clock = clock
-        self._make_group = make_group
+        # Only real processes start warm: a test's stand-in group gets no zygote.
+        self.warm = warm_zygote(opts, warn) if make_group is None else None
+        self._make_group: GroupFactory = make_group or self._process_group
         self.group: Group | None = None
         self._watchers: list[asyncio.Task[None]] = []
         self._hangs = HangWatch(opts.hang_timeout) if opts.hang_timeout > 0 else None
         self._first_beat = asyncio.Event()
         self._tmp_root: str | None = None   # logs' home when the CLI made no run directory (tests)
+
+    def _process_group(self, launches: list[WorkerLaunch], *, stop_timeout: float,
+                       on_beat: Callable[[int], None] | None) -> Group:
+        return WorkerGroup(launches, stop_timeout=stop_timeout, on_beat=on_beat, warm=self.warm)
+
+    def warm_up(self) -> None:
+        """Start the warm zygote now (before the first round), so that it is ready by the restart at least.
+        Called once the agent's environment is final: a zygote started before a change would not match."""
+        if self.warm is not None:
+            self.warm.start()
 
     async def spawn(self, a: Assignment) -> None:
         """Start the round's workers; their news (or the spawn's failure) comes back as facts."""
@@ -110,6 +135,8 @@ class LocalWorkers:
 
     async def close(self) -> None:
         await self.stop()
+        if self.warm is not None:
+            await self.warm.close()
         if self._tmp_root is not None and self.opts.log_dir is None:
             shutil.rmtree(os.path.dirname(self._tmp_root), ignore_errors=True)
 
