@@ -75,6 +75,7 @@ class LocalWorkers:
         self._clock = clock
         # Only real processes start warm: a test's stand-in group gets no zygote.
         self.warm = warm_zygote(opts, warn) if make_group is None else None
+        self._warn = warn
         self._make_group: GroupFactory = make_group or self._process_group
         self.group: Group | None = None
         self._watchers: list[asyncio.Task[None]] = []
@@ -117,6 +118,8 @@ class LocalWorkers:
             failed = exc.launch if isinstance(exc, WorkerSpawnError) else launches[0]
             self._spawn_failed(a.round_id, exc, failed.rank, failed.local_rank, failed.argv[0])
             return
+        if isinstance(group, WorkerGroup) and group.warm_pids:
+            self._warn(f"{len(group.warm_pids)} of {len(launches)} workers started warm")
         self._watchers.append(start_source(self._watch_exits(group, a.round_id), self._put))
         if self._hangs is not None:
             self._watchers.append(start_source(self._watch_hangs(group, self._hangs, a.round_id), self._put))

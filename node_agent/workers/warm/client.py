@@ -135,6 +135,7 @@ class WarmZygote:
         if sock is self._sock:
             self._sock = None
         self._ready = False
+        self._became_ready.clear()
         for worker in self._workers.values():
             worker.exited(-signal.SIGKILL)
         self._workers.clear()

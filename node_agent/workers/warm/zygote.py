@@ -179,6 +179,7 @@ def run_as_main(launch: dict[str, Any]) -> None:
     sys.path[0] = launch["path0"]
     _reseed()
     main = types.ModuleType("__main__")
+    main.__dict__.update(__annotations__={}, __builtins__=__builtins__)   # as the interpreter makes __main__
     sys.modules["__main__"] = main
     try:
         if launch["module"]:
@@ -206,8 +207,7 @@ def _run_script(main: types.ModuleType, script: str) -> None:
         print(f"{sys.executable}: can't open file {path!r}: [Errno {exc.errno}] {exc.strerror}", file=sys.stderr)
         raise SystemExit(2) from None
     from importlib.machinery import SourceFileLoader
-    main.__dict__.update(__file__=path, __cached__=None, __loader__=SourceFileLoader("__main__", path),
-                         __builtins__=__builtins__, __package__=None, __spec__=None)
+    main.__dict__.update(__file__=path, __cached__=None, __loader__=SourceFileLoader("__main__", path))
     code = compile(source, path, "exec", dont_inherit=True)
     exec(code, main.__dict__)
 

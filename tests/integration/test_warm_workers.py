@@ -1,0 +1,199 @@
+"""Warm workers for real: a worker forked by the zygote sees and ends exactly as a cold one does.
+
+Each case runs the same program cold (asyncio's subprocess) and warm (forked by a zygote that preloaded
+`json`, or torch where torch is the point) and compares what the worker saw and how its end was reported.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import sys
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import psutil
+import pytest
+
+from node_agent.workers.group import WorkerGroup
+from node_agent.workers.launch import WorkerLaunch
+from node_agent.workers.process import WorkerExit
+from node_agent.workers.warm.client import WarmZygote
+from node_agent.workers.warm.eligible import base_env
+from tests.integration.warm_scripts import DUMP, RECORD
+from tests.e2e.harness import pid_gone
+from tests.integration.worker_support import LIMIT, RecordingConsole, kill_strays
+
+# pytest changes PYTEST_CURRENT_TEST between phases: the workers' environment must not
+ENV = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
+MakeZygote = Callable[..., Awaitable[WarmZygote]]
+
+
+@pytest.fixture
+async def make_zygote(tmp_path) -> AsyncIterator[MakeZygote]:
+    made: list[WarmZygote] = []
+
+    async def make(preload: tuple[str, ...] = ("json",), warnings: list[str] | None = None) -> WarmZygote:
+        zygote = WarmZygote(sys.executable, preload, str(tmp_path), base_env(ENV),
+                            warnings.append if warnings is not None else print)
+        made.append(zygote)
+        zygote.start()
+        assert await zygote.wait_ready(LIMIT * 2), "the zygote never became ready"
+        return zygote
+
+    yield make
+    for zygote in made:
+        await zygote.close()
+
+
+@pytest.fixture
+def workdir(tmp_path, monkeypatch) -> str:
+    (tmp_path / "dump.py").write_text(DUMP)
+    (tmp_path / "dumpmod.py").write_text(DUMP)
+    (tmp_path / "rec.py").write_text(RECORD)
+    monkeypatch.chdir(tmp_path)
+    return str(tmp_path)
+
+
+class Run:
+    def __init__(self, exit_: WorkerExit, console: RecordingConsole, warm: bool, error: dict | None) -> None:
+        self.exit, self.console, self.warm, self.error = exit_, console, warm, error
+
+    def key(self) -> tuple[int, str]:
+        return self.exit.exitcode, self.exit.signal_name
+
+
+async def run(argv: list[str], zygote: WarmZygote | None, tmp: str, *, extra_env: dict[str, str] | None = None) -> Run:
+    error_file = os.path.join(tmp, "error.json")
+    env = {**ENV, **(extra_env or {}), "RANK": "3", "LOCAL_RANK": "0", "TORCHELASTIC_ERROR_FILE": error_file}
+    launch = WorkerLaunch(local_rank=0, rank=3, argv=[sys.executable, "-u", *argv], env=env, log_dir=None,
+                          prefix="[w] ", prefix_all=True)
+    console = RecordingConsole()
+    group = WorkerGroup([launch], stop_timeout=5, console=console, warm=zygote)
+    try:
+        await group.start()
+        warm = bool(group.warm_pids)
+        (exit_,) = await asyncio.wait_for(group.wait(), LIMIT)
+    finally:
+        await group.stop(signal.SIGKILL)
+    error = None
+    if exit_.error_file:
+        with open(exit_.error_file) as f:
+            error = json.load(f)
+        os.unlink(exit_.error_file)
+    return Run(exit_, console, warm, error)
+
+
+def dumped(path: str) -> dict:
+    with open(path) as f:
+        return json.load(f)
+
+
+@pytest.mark.parametrize("form", [["dump.py"], ["-m", "dumpmod"]], ids=["script", "module"])
+async def test_a_warm_worker_sees_what_a_cold_one_sees(make_zygote, workdir, form) -> None:
+    zygote = await make_zygote()
+    out = os.path.join(workdir, "seen.json")
+    cold = await run([*form, out, "0"], None, workdir)
+    seen_cold = dumped(out)
+    warm = await run([*form, out, "0"], zygote, workdir)
+    seen_warm = dumped(out)
+    assert (cold.warm, warm.warm) == (False, True)
+    assert seen_warm == seen_cold
+    assert seen_warm["name"] == "__main__" and seen_warm["argv"][1:] == [out, "0"]
+    assert seen_warm["file"] == os.path.join(workdir, "dump.py" if form == ["dump.py"] else "dumpmod.py")
+    assert seen_warm["path"][0] == workdir and seen_warm["environ"]["RANK"] == "3"
+
+
+@pytest.mark.parametrize("how", ["0", "3", "raise", "interrupt", "sigkill", "os_exit", "message"])
+async def test_a_warm_worker_ends_as_a_cold_one(make_zygote, workdir, how) -> None:
+    zygote = await make_zygote()
+    out = os.path.join(workdir, "seen.json")
+    cold = await run(["dump.py", out, how], None, workdir)
+    warm = await run(["dump.py", out, how], zygote, workdir)
+    assert warm.warm
+    assert warm.key() == cold.key()
+    assert warm.console.lines("stderr") == cold.console.lines("stderr")
+    expected = {"0": (0, ""), "3": (3, ""), "raise": (1, ""), "interrupt": (-2, "SIGINT"),
+                "sigkill": (-9, "SIGKILL"), "os_exit": (7, ""), "message": (1, "")}[how]
+    assert warm.key() == expected
+    if how == "raise":
+        assert warm.console.lines("stderr")[0] == "[w] Traceback (most recent call last):"
+        assert warm.console.lines("stderr")[-1] == "[w] ValueError: boom"
+
+
+async def test_a_worker_killed_from_outside_is_reported_with_its_signal(make_zygote, workdir) -> None:
+    zygote = await make_zygote()
+    error_file = os.path.join(workdir, "error.json")
+    launch = WorkerLaunch(local_rank=0, rank=0, argv=[sys.executable, "-u", "dump.py", "x.json", "child"],
+                          env={**ENV, "TORCHELASTIC_ERROR_FILE": error_file}, log_dir=None, prefix="[w] ",
+                          prefix_all=True)
+    console = RecordingConsole()
+    group = WorkerGroup([launch], stop_timeout=5, console=console, warm=zygote)
+    try:
+        await group.start()
+        assert group.warm_pids == group.pids
+        await console.seen("child")   # the worker has started; it exits 0 once its child is started
+        (exit_,) = await asyncio.wait_for(group.wait(), LIMIT)
+        assert exit_.exitcode == 0
+    finally:
+        await group.stop()
+    child = int((await console.seen("child")).split()[-1])
+    try:   # the worker's child was left in the worker's group: the stop swept it away (no orphan)
+        assert await asyncio.to_thread(pid_gone, child, LIMIT), "the warm worker's child outlived the stop"
+    finally:
+        kill_strays([child])
+
+
+async def test_sigkill_of_a_running_warm_worker_reads_as_sigkill(make_zygote, workdir) -> None:
+    zygote = await make_zygote()
+    code = "import os, time; print('up', os.getpid(), flush=True); time.sleep(600)"
+    with open(os.path.join(workdir, "sleep.py"), "w") as f:
+        f.write(code)
+    launch = WorkerLaunch(local_rank=0, rank=0, argv=[sys.executable, "-u", "sleep.py"], env=dict(ENV),
+                          log_dir=None, prefix="[w] ", prefix_all=True)
+    console = RecordingConsole()
+    group = WorkerGroup([launch], stop_timeout=5, console=console, warm=zygote)
+    try:
+        await group.start()
+        pid = int((await console.seen("up")).split()[-1])
+        assert group.warm_pids == [pid] and psutil.Process(pid).ppid() == zygote.pid
+        os.kill(pid, signal.SIGKILL)
+        (exit_,) = await asyncio.wait_for(group.wait(), LIMIT)
+        assert (exit_.exitcode, exit_.signal_name) == (-9, "SIGKILL")
+    finally:
+        await group.stop(signal.SIGKILL)
+
+
+async def test_a_preload_that_fails_is_one_warning_and_workers_still_start_warm(make_zygote, workdir) -> None:
+    warnings: list[str] = []
+    zygote = await make_zygote(("json", "no_such_module_xyz"), warnings)
+    assert len(warnings) == 1 and "'no_such_module_xyz'" in warnings[0] and "\n" not in warnings[0]
+    warm = await run(["dump.py", os.path.join(workdir, "seen.json"), "0"], zygote, workdir)
+    assert warm.warm and warm.key() == (0, "")
+
+
+async def test_a_launch_whose_environment_differs_from_the_zygotes_starts_cold(make_zygote, workdir) -> None:
+    zygote = await make_zygote()
+    out = os.path.join(workdir, "seen.json")
+    changed = await run(["dump.py", out, "0"], zygote, workdir, extra_env={"WARM_TEST_CHANGED": "1"})
+    assert not changed.warm and changed.key() == (0, "") and dumped(out)["environ"]["WARM_TEST_CHANGED"] == "1"
+    # the zygote is started anew with the new environment: the next such launch is warm
+    assert await zygote.wait_ready(LIMIT * 2)
+    again = await run(["dump.py", out, "0"], zygote, workdir, extra_env={"WARM_TEST_CHANGED": "1"})
+    assert again.warm and again.key() == (0, "")
+
+
+async def test_torch_zygote_is_clean_and_record_reports_the_same(make_zygote, workdir) -> None:
+    pytest.importorskip("torch")
+    zygote = await make_zygote(("torch", "torch.distributed"))
+    state = await zygote.query()
+    assert state is not None and "torch" in state["modules"]
+    # no Python thread but its own, CUDA untouched, no socket but the control socket
+    assert (state["threads"], state["cuda_initialized"], state["sockets"]) == (1, False, [state["control"]])
+    cold = await run(["rec.py"], None, workdir)
+    warm = await run(["rec.py"], zygote, workdir)
+    assert warm.warm and warm.key() == cold.key() == (1, "")
+    assert cold.error is not None and warm.error is not None
+    assert warm.error["message"]["message"] == cold.error["message"]["message"] == "RuntimeError: recorded failure"
+    assert warm.error["message"]["extraInfo"]["py_callstack"].splitlines()[-1] == \
+        cold.error["message"]["extraInfo"]["py_callstack"].splitlines()[-1]
