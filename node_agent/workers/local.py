@@ -18,10 +18,10 @@ from typing import Protocol
 from node_agent.cli.options import AgentOptions
 from node_agent.core.facts import Put, SpawnFailed, WorkersExited, WorkersHung, start_source
 from node_agent.core.hangwatch import HangWatch
+from node_agent.workers.environment import common_env, worker_argv
 from node_agent.workers.failures import exit_failure, hang_failure, spawn_failure
 from node_agent.workers.group import WorkerGroup
 from node_agent.workers.launch import WorkerLaunch, build_launches, make_run_dir
-from node_agent.workers.environment import common_env, worker_argv
 from node_agent.workers.process import WorkerExit, WorkerSpawnError
 from node_agent.workers.warm.client import WarmZygote
 from node_agent.workers.warm.eligible import script_dir

@@ -11,6 +11,7 @@ import os
 import signal
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
 
 import psutil
 import pytest
@@ -20,8 +21,8 @@ from node_agent.workers.launch import WorkerLaunch
 from node_agent.workers.process import WorkerExit
 from node_agent.workers.warm.client import WarmZygote
 from node_agent.workers.warm.eligible import base_env
-from tests.integration.warm_scripts import DUMP, RECORD
 from tests.e2e.harness import pid_gone
+from tests.integration.warm_scripts import DUMP, RECORD
 from tests.integration.worker_support import LIMIT, RecordingConsole, kill_strays
 
 # pytest changes PYTEST_CURRENT_TEST between phases: the workers' environment must not
@@ -78,8 +79,7 @@ async def run(argv: list[str], zygote: WarmZygote | None, tmp: str, *, extra_env
         await group.stop(signal.SIGKILL)
     error = None
     if exit_.error_file:
-        with open(exit_.error_file) as f:
-            error = json.load(f)
+        error = dumped(exit_.error_file)
         os.unlink(exit_.error_file)
     return Run(exit_, console, warm, error)
 
@@ -146,9 +146,7 @@ async def test_a_worker_killed_from_outside_is_reported_with_its_signal(make_zyg
 
 async def test_sigkill_of_a_running_warm_worker_reads_as_sigkill(make_zygote, workdir) -> None:
     zygote = await make_zygote()
-    code = "import os, time; print('up', os.getpid(), flush=True); time.sleep(600)"
-    with open(os.path.join(workdir, "sleep.py"), "w") as f:
-        f.write(code)
+    (Path(workdir) / "sleep.py").write_text("import os, time; print('up', os.getpid(), flush=True); time.sleep(600)")
     launch = WorkerLaunch(local_rank=0, rank=0, argv=[sys.executable, "-u", "sleep.py"], env=dict(ENV),
                           log_dir=None, prefix="[w] ", prefix_all=True)
     console = RecordingConsole()

@@ -5,13 +5,15 @@ DUMP = '''
 """Dumps what a worker sees to argv[1], then ends as argv[2] says."""
 import json, os, signal, subprocess, sys
 d = {"environ": dict(os.environ), "argv": sys.argv, "path": sys.path, "cwd": os.getcwd(), "name": __name__,
-     "file": __file__, "spec": __spec__ and [__spec__.name, __spec__.origin, type(__spec__.loader).__name__], "loader": type(__loader__).__name__, "package": __package__, "doc": __doc__, "cached": __cached__,
+     "file": __file__, "spec": __spec__ and [__spec__.name, __spec__.origin, type(__spec__.loader).__name__],
+     "loader": type(__loader__).__name__, "package": __package__, "doc": __doc__, "cached": __cached__,
      "main_keys": sorted(k for k in globals() if k.startswith("__")), "orig_argv": sys.orig_argv,
      "signals": {s.name: repr(signal.getsignal(s)) for s in signal.valid_signals()
                  if isinstance(s, signal.Signals) and s not in (signal.SIGKILL, signal.SIGSTOP)},
      "fds": sorted(os.listdir("/proc/self/fd")), "session_leader": os.getsid(0) == os.getpid(),
      "group_leader": os.getpgrp() == os.getpid(), "flags": str(sys.flags), "stdin": os.readlink("/proc/self/fd/0"),
-     "main_is_globals": sys.modules["__main__"].__dict__ is globals(), "sigmask": sorted(signal.pthread_sigmask(signal.SIG_BLOCK, [])),
+     "main_is_globals": sys.modules["__main__"].__dict__ is globals(),
+     "sigmask": sorted(signal.pthread_sigmask(signal.SIG_BLOCK, [])),
      "stdout": [sys.stdout.line_buffering, sys.stdout.write_through, sys.stdout.encoding]}
 with open(sys.argv[1], "w") as f:
     json.dump(d, f, indent=1, sort_keys=True)

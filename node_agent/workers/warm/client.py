@@ -178,8 +178,8 @@ class WarmZygote:
         if launch.base_env != self.env:
             # The agent's environment changed since the zygote started: this launch goes cold, the next warm.
             changed = sorted(k for k in {*launch.base_env, *self.env} if launch.base_env.get(k) != self.env.get(k))
-            self._warn(f"warm workers: the workers' environment differs from the zygote's ({', '.join(changed)[:200]}); "
-                       "this round starts cold, a new zygote is started for the next")
+            self._warn(f"warm workers: the workers' environment differs from the zygote's "
+                       f"({', '.join(changed)[:200]}); this round starts cold, a new zygote is started for the next")
             self._ready = False
             self.env = dict(launch.base_env)
             self._kill()

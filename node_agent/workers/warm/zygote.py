@@ -78,9 +78,9 @@ class Zygote:
     def serve(self) -> dict[str, Any]:
         """Answer the agent until it is gone; returns only in a forked child, with its launch."""
         while True:
-            ready, _, _ = select.select([self.sock, *self.children], [], [])
+            ready, _, _ = select.select([self.sock.fileno(), *self.children], [], [])
             for fd in ready:
-                if fd is self.sock:
+                if fd == self.sock.fileno():
                     launch = self._request()
                     if launch is not None:
                         return launch
@@ -115,7 +115,7 @@ class Zygote:
                 self._become_worker(message, fds)
             except BaseException:   # noqa: BLE001 - a child that failed to set up must not serve
                 os._exit(127)
-            return message
+            return dict(message)
         for fd in fds:
             os.close(fd)
         self.children[os.pidfd_open(pid)] = pid
@@ -145,7 +145,7 @@ class Zygote:
             os.close(fd)
         self.sock.detach()
         targets = [0, 1, 2] + ([launch["heartbeat_fd"]] if launch["heartbeat_fd"] >= 0 else [])
-        for src, dst in zip(high, targets):
+        for src, dst in zip(high, targets, strict=False):
             os.dup2(src, dst, inheritable=True)
         for fd in high:
             if fd not in targets:
@@ -184,7 +184,8 @@ def run_as_main(launch: dict[str, Any]) -> None:
     try:
         if launch["module"]:
             import runpy
-            runpy._run_module_as_main(launch["module"], alter_argv=True)   # what `python -m` itself calls
+            # what `python -m` itself calls: the same __main__, sys.argv[0] and traceback frames
+            runpy._run_module_as_main(launch["module"], alter_argv=True)  # type: ignore[attr-defined]
         else:
             _run_script(main, launch["script"])
     except SystemExit:
