@@ -1,6 +1,6 @@
 """A DDP worker that times its own start (for benchmarks/bench_warm_restart.py): when its code began, when
 the imports were done, when init_process_group returned, when its first step was done. Global rank 1
-crashes (os._exit(1)) after its first step on attempt 0, stamping the time first (8 s after the step, so that
+crashes (an uncaught RuntimeError, as a real crash: the interpreter then exits with torch loaded) after its first step on attempt 0, stamping the time first (8 s after the step, so that
 the agent's zygote is surely ready: the figures are those of a warm restart). On the next attempt each rank
 waits (at most 30 s) for OUT/done, so that the benchmark can read the zygote's memory meanwhile."""
 import json
@@ -32,7 +32,7 @@ if attempt == 0 and rank == 1:
     time.sleep(8)
     with open(os.path.join(out, "crash.json"), "w") as f:
         json.dump({"crash": time.time()}, f)
-    os._exit(1)
+    raise RuntimeError("injected crash")
 dist.barrier()   # attempt 0: rank 0 waits here until it is stopped
 deadline = time.time() + 30
 while attempt > 0 and not os.path.exists(os.path.join(out, "done")) and time.time() < deadline:
