@@ -195,3 +195,34 @@ async def test_torch_zygote_is_clean_and_record_reports_the_same(make_zygote, wo
     assert warm.error["message"]["message"] == cold.error["message"]["message"] == "RuntimeError: recorded failure"
     assert warm.error["message"]["extraInfo"]["py_callstack"].splitlines()[-1] == \
         cold.error["message"]["extraInfo"]["py_callstack"].splitlines()[-1]
+
+
+async def test_each_warm_worker_starts_from_the_clean_zygote_not_from_a_previous_worker(make_zygote, workdir) -> None:
+    zygote = await make_zygote()
+    (Path(workdir) / "dirty.py").write_text(
+        "import json, sys\nprint('seen', getattr(json, 'MARK', None), flush=True)\njson.MARK = 'dirty'\nsys.exit(5)\n")
+    first = await run(["dirty.py"], zygote, workdir)
+    second = await run(["dirty.py"], zygote, workdir)
+    assert first.warm and second.warm and first.key() == second.key() == (5, "")
+    assert first.console.lines("stdout") == second.console.lines("stdout") == ["[w] seen None"]
+
+
+async def test_a_zygote_that_dies_takes_its_workers_and_is_started_anew(make_zygote, workdir) -> None:
+    zygote = await make_zygote()
+    (Path(workdir) / "sleep.py").write_text("import os, time; print('up', os.getpid(), flush=True); time.sleep(600)")
+    launch = WorkerLaunch(local_rank=0, rank=0, argv=[sys.executable, "-u", "sleep.py"], env=dict(ENV),
+                          log_dir=None, prefix="[w] ", prefix_all=True)
+    group = WorkerGroup([launch], stop_timeout=5, console=RecordingConsole(), warm=zygote)
+    first = zygote.pid
+    assert first is not None
+    try:
+        await group.start()
+        assert group.warm_pids
+        os.kill(first, signal.SIGKILL)
+        (exit_,) = await asyncio.wait_for(group.wait(), LIMIT)
+        assert (exit_.exitcode, exit_.signal_name) == (-9, "SIGKILL")   # PDEATHSIG: it died with the zygote
+        assert await asyncio.to_thread(pid_gone, exit_.pid, LIMIT)
+    finally:
+        await group.stop(signal.SIGKILL)
+    assert await zygote.wait_ready(LIMIT * 2) and zygote.pid not in (None, first)
+    assert (await run(["dump.py", os.path.join(workdir, "seen.json"), "0"], zygote, workdir)).warm
