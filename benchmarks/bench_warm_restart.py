@@ -83,7 +83,8 @@ def main() -> None:
         print(f"{'warm' if mode == 'auto' else 'cold'} median: "
               + "  ".join(f"{k} {statistics.median(r[k] for r in rs):.2f}s "
                           f"({min(r[k] for r in rs):.2f}-{max(r[k] for r in rs):.2f})" for k in PARTS))
-    ratio = statistics.median(r["total"] for r in results["auto"]) / statistics.median(r["total"] for r in results["off"])
+    medians = {mode: statistics.median(r["total"] for r in rs) for mode, rs in results.items()}
+    ratio = medians["auto"] / medians["off"]
     print(f"warm/cold total: {ratio:.2f}")
 
 

@@ -1,7 +1,8 @@
 """A DDP worker that times its own start (for benchmarks/bench_warm_restart.py): when its code began, when
 the imports were done, when init_process_group returned, when its first step was done. Global rank 1
-crashes (an uncaught RuntimeError, as a real crash: the interpreter then exits with torch loaded) after its first step on attempt 0, stamping the time first (8 s after the step, so that
-the agent's zygote is surely ready: the figures are those of a warm restart). On the next attempt each rank
+crashes on attempt 0 (an uncaught RuntimeError, as a real crash: the interpreter then exits with torch
+loaded), stamping the time first, 8 s after its first step so that the agent's zygote is surely ready
+(the figures are those of a warm restart). On the next attempt each rank
 waits (at most 30 s) for OUT/done, so that the benchmark can read the zygote's memory meanwhile."""
 import json
 import os
