@@ -18,6 +18,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 import psutil
@@ -25,6 +26,7 @@ import psutil
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROBE = os.path.join(ROOT, "benchmarks", "scripts", "warm_probe_ddp.py")
 PARTS = ("restart", "import", "group", "step", "total")
+RESTART = ("exit_seen", "stop_round", "spawn")
 
 
 def one_run(mode: str, nproc: int) -> dict[str, float]:
@@ -32,7 +34,18 @@ def one_run(mode: str, nproc: int) -> dict[str, float]:
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
     argv = [sys.executable, "-m", "node_agent.cli.main", "--standalone", "--nproc", str(nproc), "--max-restarts", "1",
             "--warm-workers", mode, PROBE, out]
-    agent = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    agent = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    said: dict[str, float] = {}   # when the agent said it: its lines, time-stamped as they come
+
+    def listen() -> None:
+        assert agent.stderr is not None
+        for line in agent.stderr:
+            for key, needle in (("seen", "failed with"), ("round2", "round 2:")):
+                if needle in line and key not in said:
+                    said[key] = time.time()
+
+    reader = threading.Thread(target=listen, daemon=True)
+    reader.start()
     memory: dict[str, float] = {}
     try:
         first = os.path.join(out, "r0-a1.json")
@@ -51,6 +64,7 @@ def one_run(mode: str, nproc: int) -> dict[str, float]:
     finally:
         if agent.poll() is None:
             agent.kill()
+        reader.join(10)
     with open(os.path.join(out, "crash.json")) as f:
         crash = json.load(f)["crash"]
     ranks = []
@@ -62,7 +76,11 @@ def one_run(mode: str, nproc: int) -> dict[str, float]:
             "import": max(r["imported"] - r["began"] for r in ranks),
             "group": max(r["grouped"] - r["imported"] for r in ranks),
             "step": max(r["stepped"] - r["grouped"] for r in ranks),
-            "total": max(r["stepped"] for r in ranks) - crash, **memory}
+            "total": max(r["stepped"] for r in ranks) - crash, **memory,
+            # the restart's own parts: the crashed worker's exit seen by the agent; the others stopped, the
+            # failure reported and the next round formed; the next round's workers started and running code
+            "exit_seen": said.get("seen", crash) - crash, "stop_round": said.get("round2", 0) - said.get("seen", 0),
+            "spawn": max(r["began"] for r in ranks) - said.get("round2", 0)}
 
 
 def main() -> None:
@@ -77,12 +95,13 @@ def main() -> None:
             results[mode].append(r)
             print(f"{'warm' if mode == 'auto' else 'cold'} (forked: {bool(r['warm'])}): "
                   + "  ".join(f"{k} {r[k]:.2f}s" for k in PARTS)
+                  + "  (" + "  ".join(f"{k} {r[k]:.2f}s" for k in RESTART) + ")"
                   + "".join(f"  {k} {v:.0f}" for k, v in r.items() if k.startswith("zygote")), flush=True)
     print(f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     for mode, rs in results.items():
         print(f"{'warm' if mode == 'auto' else 'cold'} median: "
               + "  ".join(f"{k} {statistics.median(r[k] for r in rs):.2f}s "
-                          f"({min(r[k] for r in rs):.2f}-{max(r[k] for r in rs):.2f})" for k in PARTS))
+                          f"({min(r[k] for r in rs):.2f}-{max(r[k] for r in rs):.2f})" for k in (*PARTS, *RESTART)))
     medians = {mode: statistics.median(r["total"] for r in rs) for mode, rs in results.items()}
     ratio = medians["auto"] / medians["off"]
     print(f"warm/cold total: {ratio:.2f}")
