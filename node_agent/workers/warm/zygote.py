@@ -95,6 +95,7 @@ class Zygote:
         message = json.loads(data)
         if message["op"] == "query":
             _send(self.sock, {"op": "state", "pid": os.getpid(), "threads": _python_threads(),
+                              "native_threads": len(os.listdir("/proc/self/task")),
                               "cuda_initialized": _cuda_initialized(), "sockets": _sockets(),
                               "control": self.sock.fileno(), "modules": sorted(sys.modules)})
             return None
