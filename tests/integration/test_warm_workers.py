@@ -208,7 +208,8 @@ async def test_each_warm_worker_starts_from_the_clean_zygote_not_from_a_previous
 
 
 async def test_a_zygote_that_dies_takes_its_workers_and_is_started_anew(make_zygote, workdir) -> None:
-    zygote = await make_zygote()
+    warnings: list[str] = []
+    zygote = await make_zygote(warnings=warnings)
     (Path(workdir) / "sleep.py").write_text("import os, time; print('up', os.getpid(), flush=True); time.sleep(600)")
     launch = WorkerLaunch(local_rank=0, rank=0, argv=[sys.executable, "-u", "sleep.py"], env=dict(ENV),
                           log_dir=None, prefix="[w] ", prefix_all=True)
@@ -225,4 +226,5 @@ async def test_a_zygote_that_dies_takes_its_workers_and_is_started_anew(make_zyg
     finally:
         await group.stop(signal.SIGKILL)
     assert await zygote.wait_ready(LIMIT * 2) and zygote.pid not in (None, first)
+    assert warnings == [f"warm workers: the zygote ({sys.executable}) died; a new one is started"]
     assert (await run(["dump.py", os.path.join(workdir, "seen.json"), "0"], zygote, workdir)).warm

@@ -57,6 +57,7 @@ class WarmZygote:
         self._ready = False
         self._starts = 0
         self._closing = False
+        self._killed = False            # the zygote's end was our doing (said already, or closing)
         self._next_id = 0
         self._answers: dict[int, asyncio.Future[dict[str, Any]]] = {}   # spawn id (or -1: query) -> answer
         self._workers: dict[int, WarmProcess] = {}
@@ -134,6 +135,11 @@ class WarmZygote:
         sock.close()
         if sock is self._sock:
             self._sock = None
+        if not self._closing and not self._killed:   # when we killed it, the reason was said already
+            what = "died" if self._ready else "ended before it was ready"
+            then = "a new one is started" if self._starts < MAX_STARTS else "workers start cold from now on"
+            self._warn(f"warm workers: the zygote ({self.python}) {what}; {then}")
+        self._killed = False
         self._ready = False
         self._became_ready.clear()
         for worker in self._workers.values():
@@ -205,6 +211,7 @@ class WarmZygote:
         return self._ready
 
     def _kill(self) -> None:
+        self._killed = True
         self._ready = False
         self._became_ready.clear()
         if self._proc is not None and self._proc.returncode is None:

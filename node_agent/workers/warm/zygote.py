@@ -116,7 +116,8 @@ class Zygote:
         if pid == 0:
             try:
                 self._become_worker(message, fds)
-            except BaseException:   # noqa: BLE001 - a child that failed to set up must not serve
+            except BaseException as exc:   # noqa: BLE001 - a child that failed to set up must not serve
+                os.write(2, f"node-agent: the warm worker could not be set up: {exc!r}\n".encode())
                 os._exit(127)
             return dict(message)
         for fd in fds:
