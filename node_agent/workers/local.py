@@ -3,7 +3,8 @@
 `spawn()` builds the round's launches and starts a group; from then on the group's news arrives as
 facts, tagged with the round: `WorkersExited` (the first failure, or all succeeded), `WorkersHung`
 (heartbeats stopped for longer than --hang-timeout) and `SpawnFailed`. `stop()` ends the group.
-The group itself is made by `make_group`, so a test can put a scripted one in its place.
+The group itself is made by `make_group`, so a test can put a scripted one in its place; the real one
+(processes) gets the warm zygote (warm/), started by `warm_up()` once the agent's environment is final.
 """
 from __future__ import annotations
 
@@ -48,12 +49,6 @@ class Group(Protocol):
 class GroupFactory(Protocol):
     def __call__(self, launches: list[WorkerLaunch], *, stop_timeout: float,
                  on_beat: Callable[[int], None] | None) -> Group: ...
-
-
-def process_group(launches: list[WorkerLaunch], *, stop_timeout: float,
-                  on_beat: Callable[[int], None] | None) -> Group:
-    """The real thing: one child process per launch."""
-    return WorkerGroup(launches, stop_timeout=stop_timeout, on_beat=on_beat)
 
 
 def warm_zygote(opts: AgentOptions, warn: Callable[[str], None]) -> WarmZygote | None:
