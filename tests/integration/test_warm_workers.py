@@ -234,8 +234,8 @@ async def test_a_warm_worker_beats_through_its_heartbeat_pipe(make_zygote, workd
     zygote = await make_zygote()
     (Path(workdir) / "beat.py").write_text(
         "import os\nfrom node_agent.heartbeat import beat\nbeat()\nprint('fd', os.environ['NODE_AGENT_HEARTBEAT_FD'])\n")
-    launch = WorkerLaunch(local_rank=2, rank=2, argv=[sys.executable, "-u", "beat.py"], env=dict(ENV), log_dir=None,
-                          prefix="[w] ", prefix_all=True, heartbeat=True)
+    launch = WorkerLaunch(local_rank=2, rank=2, argv=[sys.executable, "-u", "beat.py"], env=dict(ENV),
+                          log_dir=None, prefix="[w] ", prefix_all=True, heartbeat=True)
     beats: asyncio.Queue[int] = asyncio.Queue()
     console = RecordingConsole()
     group = WorkerGroup([launch], stop_timeout=5, console=console, warm=zygote, on_beat=beats.put_nowait)
