@@ -233,7 +233,8 @@ async def test_a_zygote_that_dies_takes_its_workers_and_is_started_anew(make_zyg
 async def test_a_warm_worker_beats_through_its_heartbeat_pipe(make_zygote, workdir) -> None:
     zygote = await make_zygote()
     (Path(workdir) / "beat.py").write_text(
-        "import os\nfrom node_agent.heartbeat import beat\nbeat()\nprint('fd', os.environ['NODE_AGENT_HEARTBEAT_FD'])\n")
+        "import os\nfrom node_agent.heartbeat import beat\nbeat()\n"
+        "print('fd', os.environ['NODE_AGENT_HEARTBEAT_FD'])\n")
     launch = WorkerLaunch(local_rank=2, rank=2, argv=[sys.executable, "-u", "beat.py"], env=dict(ENV),
                           log_dir=None, prefix="[w] ", prefix_all=True, heartbeat=True)
     beats: asyncio.Queue[int] = asyncio.Queue()
