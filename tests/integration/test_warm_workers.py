@@ -6,6 +6,7 @@ Each case runs the same program cold (asyncio's subprocess) and warm (forked by 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import signal
@@ -20,7 +21,7 @@ from node_agent.workers.group import WorkerGroup
 from node_agent.workers.launch import WorkerLaunch
 from node_agent.workers.process import WorkerExit
 from node_agent.workers.warm.client import WarmZygote
-from node_agent.workers.warm.eligible import base_env
+from node_agent.workers.warm.eligible import base_env, warm_launch
 from tests.e2e.harness import pid_gone
 from tests.integration.warm_scripts import DUMP, RECORD
 from tests.integration.worker_support import LIMIT, RecordingConsole, kill_strays
@@ -248,3 +249,22 @@ async def test_a_warm_worker_beats_through_its_heartbeat_pipe(make_zygote, workd
         assert exit_.exitcode == 0
     finally:
         await group.stop(signal.SIGKILL)
+
+
+async def test_the_per_worker_hook_sets_the_cpu_affinity_in_the_child(make_zygote, workdir) -> None:
+    zygote = await make_zygote()
+    (Path(workdir) / "cpus.py").write_text("import os\nprint(sorted(os.sched_getaffinity(0)))\n")
+    cpu = min(os.sched_getaffinity(0))
+    launch = WorkerLaunch(local_rank=0, rank=0, argv=[sys.executable, "-u", "cpus.py"], env=dict(ENV), log_dir=None)
+    plan = warm_launch(launch, sys.executable)
+    assert plan is not None
+    r, w = os.pipe()
+    null = os.open(os.devnull, os.O_RDONLY)
+    try:
+        child = await zygote.spawn(dataclasses.replace(plan, cpus=(cpu,)), [null, w, w])
+    finally:
+        os.close(w)
+        os.close(null)
+    assert child is not None and await asyncio.wait_for(child.wait(), LIMIT) == 0
+    with os.fdopen(r) as out:
+        assert out.read() == f"[{cpu}]\n"

@@ -27,10 +27,12 @@ class WarmLaunch:
     env: dict[str, str]          # the worker's whole environment
     base_env: dict[str, str]     # without the per-worker variables: what the zygote must have started with
     heartbeat_fd: int            # the fd number the worker's heartbeat pipe must have (-1: none)
+    cpus: tuple[int, ...] = ()   # CPU affinity set in the forked child (zygote._per_worker_setup); (): inherited
 
     def message(self) -> dict[str, Any]:
         return {"argv": self.argv, "orig_argv": self.orig_argv, "script": self.script, "module": self.module,
-                "path0": self.path0, "cwd": self.cwd, "env": self.env, "heartbeat_fd": self.heartbeat_fd}
+                "path0": self.path0, "cwd": self.cwd, "env": self.env, "heartbeat_fd": self.heartbeat_fd,
+                "cpus": list(self.cpus)}
 
 
 def base_env(env: dict[str, str]) -> dict[str, str]:

@@ -155,11 +155,19 @@ class Zygote:
         for fd in high:
             if fd not in targets:
                 os.close(fd)
-        # TODO(--numa-binding): per-worker setup of the cold path's preexec (os.sched_setaffinity) goes here,
-        # read from the launch, before the user's code runs.
+        _per_worker_setup(launch)
         os.chdir(launch["cwd"])
         os.environ.clear()
         os.environ.update(launch["env"])
+
+
+def _per_worker_setup(launch: dict[str, Any]) -> None:
+    """The one place for what the cold path's preexec does per worker beyond its session and death signal:
+    the launch carries it (eligible.WarmLaunch.message). "cpus": the CPU affinity (--numa-binding).
+    TODO(--numa-binding): fill WarmLaunch.cpus from the launch where the cold path's preexec gets its CPUs."""
+    cpus = launch.get("cpus")
+    if cpus:
+        os.sched_setaffinity(0, cpus)
 
 
 def _reseed() -> None:
