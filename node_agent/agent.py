@@ -39,13 +39,13 @@ from node_agent.node_checks import NodeChecks
 from node_agent.server_link import ServerLink
 from node_agent.witness import WitnessServer, ask_witnesses
 from node_agent.workers.interfaces import gloo_interface
-from node_agent.workers.local import GroupFactory, LocalWorkers, process_group
+from node_agent.workers.local import GroupFactory, LocalWorkers
 from protocol.messages import NodeStatus, Witness
 
 
 class Agent:
     def __init__(self, opts: AgentOptions, transport: Transport, addr: str, console: TextIO | None = None, *,
-                 make_group: GroupFactory = process_group, checks: NodeChecks | None = None) -> None:
+                 make_group: GroupFactory | None = None, checks: NodeChecks | None = None) -> None:
         self.opts = opts
         self.transport = transport
         self.addr = addr
@@ -101,6 +101,7 @@ class Agent:
         self.workers.cpu_affinity = self.checks.cpu_affinity
         self.policy.health = NodeHealth(enabled=self.checks.enabled, interval_s=self.opts.gpu_check_interval,
                                         retry_min_s=self.checks.retry_min_s, give_up_s=self.opts.job.join_timeout_s)
+        self.workers.warm_up()   # the environment is final: workers of the first round may start warm
         if self.policy.health.enabled:
             await self._do(CheckNode(CHECK_JOIN, -1), link)    # the node joins once its checks pass
         else:

@@ -168,6 +168,13 @@ FLAGS: tuple[Flag, ...] = (
     _ours(("--kill-timeout", "--kill_timeout"), "kill_timeout", "S",
           "a worker still alive this long after SIGKILL (uninterruptible sleep, a GPU fault) marks the node "
           "unhealthy: it leaves instead of waiting; default {default:g}"),
+    _ours(("--warm-workers", "--warm_workers"), "warm_workers", "auto|off",
+          "auto: workers of a Python script or -m module are forked from an interpreter that has already "
+          "imported --warm-preload (a restart skips `import torch`); off: every worker starts cold; "
+          "default {default}"),
+    _ours(("--warm-preload", "--warm_preload"), "warm_preload", "MOD[,MOD...]",
+          "the modules warm workers find imported; default torch, torch.distributed, torch.nn, torch.optim, "
+          "torch._dynamo"),
     _ours(("--no-command-check", "--no_command_check"), "no_command_check", None,
           "let nodes whose script or arguments differ join one job (by default the server refuses them)"),
 )

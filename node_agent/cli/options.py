@@ -35,6 +35,7 @@ from node_agent.cli.values import (  # noqa: F401  (Std, StdSpec, count_gpus: re
     _split_j,
     count_gpus,
     parse_filters,
+    parse_modules,
     parse_nnodes,
     parse_signals,
     parse_size,
@@ -47,6 +48,9 @@ from protocol.tokens import read_token_file, token_problem
 
 DEFAULT_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)   # torchrun's
 DEFAULT_TEE_PREFIX = "[${role_name}${local_rank}]:"     # torchrun's prefix of tee'd lines
+# What a typical training script imports before its first step (python -X importtime examples/train_ddp.py):
+# torch._dynamo comes with the first optimizer and costs as much as torch itself.
+DEFAULT_PRELOAD = ("torch", "torch.distributed", "torch.nn", "torch.optim", "torch._dynamo")
 
 
 @dataclass(frozen=True)
@@ -91,6 +95,8 @@ class AgentOptions:
     server_wait: float = 60.0
     hang_timeout: float = 0.0          # 0: hang detection off
     memory_dir_limit: int | None = None   # bytes for the node's in-memory checkpoints; None: the default; 0: off
+    warm_workers: str = "auto"         # auto: Python entry points fork from a warm zygote; off: all cold
+    warm_preload: tuple[str, ...] = DEFAULT_PRELOAD
     warnings: tuple[str, ...] = ()
     numa_binding: str | None = None    # --numa-binding: a topology.BindMode value
     gpu_check: bool = True             # --no-gpu-check: False (on only where the node has /dev/nvidia*)
@@ -102,6 +108,11 @@ class AgentOptions:
     @property
     def standalone(self) -> bool:
         return self.mode is Mode.STANDALONE
+
+    @property
+    def warm(self) -> bool:
+        """Workers may start warm: a Python script or module (not --no-python, not --run-path)."""
+        return self.warm_workers == "auto" and not self.no_python and not self.run_path
 
     @property
     def endpoint(self) -> str | None:
@@ -188,6 +199,9 @@ def parse_options(argv: Sequence[str], environ: Mapping[str, str] = os.environ) 
         hang_timeout=non_negative(line, _AGENT_DEFAULTS, "hang_timeout"), warnings=tuple(warnings),
         memory_dir_limit=_memory_dir_limit(line),
         **_gpu_options(line),
+        warm_workers=_choice(line, "warm_workers", ("auto", "off")),
+        warm_preload=parse_modules(get("warm_preload"), line.failing("warm_preload"))
+        if get("warm_preload") is not None else DEFAULT_PRELOAD,
     )
 
 
@@ -210,6 +224,15 @@ def _gpu_options(line: CommandLine) -> dict[str, Any]:
     return {"numa_binding": mode, "gpu_check": not get("no_gpu_check"), "gpu_check_interval": interval,
             "health_check": check, "health_check_timeout": non_negative(line, _AGENT_DEFAULTS, "health_check_timeout"),
             "kill_timeout": non_negative(line, _AGENT_DEFAULTS, "kill_timeout")}
+
+
+def _choice(line: CommandLine, dest: str, choices: tuple[str, ...]) -> str:
+    value = line.get(dest)
+    if value is None:
+        return str(_AGENT_DEFAULTS[dest])
+    if value not in choices:
+        line.fail(dest, f"expected {' or '.join(choices)}, got {value!r}")
+    return str(value)
 
 
 def _check_refused(line: CommandLine) -> None:

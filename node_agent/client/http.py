@@ -103,6 +103,8 @@ class RdzvClient(Transport):
             if not request.done():
                 request.cancel()
                 await asyncio.gather(request, return_exceptions=True)
+            elif not request.cancelled():
+                request.exception()   # seen: a request that failed as we were cancelled is never logged at exit
 
     async def _first_contact(self, request: asyncio.Future[tuple[NodeStatus | ErrorReply, str]],
                              server: str) -> tuple[NodeStatus | ErrorReply, str]:
@@ -125,6 +127,8 @@ class RdzvClient(Transport):
             if not request.done():
                 request.cancel()
                 await asyncio.gather(request, return_exceptions=True)
+            elif not request.cancelled():
+                request.exception()   # seen: a request that failed as we were cancelled is never logged at exit
 
     async def _leads(self, server: str) -> bool:
         assert self._session is not None

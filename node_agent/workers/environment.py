@@ -19,6 +19,29 @@ from protocol.messages import Assignment
 
 # The agent's credentials for the server (and rdzv-ctl's admin token file): never a worker's.
 AGENT_SECRETS = ("RDZV_TOKEN", "RDZV_TOKEN_FILE", "RDZV_ADMIN_TOKEN_FILE")
+# The launcher's variables, set by worker_env for each worker: all else is the same in every worker of a
+# round (common_env), which is what a warm zygote is started with.
+PER_WORKER_VARS = frozenset({
+    "RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "LOCAL_WORLD_SIZE", "WORLD_SIZE",
+    "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT",
+    "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_USE_AGENT_STORE",
+    "TORCHELASTIC_SIGNALS_TO_HANDLE", "TORCH_NCCL_ASYNC_ERROR_HANDLING", "CUDA_VISIBLE_DEVICES",
+    "TORCHELASTIC_ERROR_FILE", MEMORY_DIR_VAR, MEMORY_LIMIT_VAR})
+
+
+def common_env(base: Mapping[str, str], local_world_size: int) -> dict[str, str]:
+    """What every worker's environment starts from: `base` less AGENT_SECRETS and an inherited error file,
+    with OMP_NUM_THREADS=1 when several workers share the node."""
+    env = dict(base)
+    # A TORCHELASTIC_ERROR_FILE inherited from whoever launched the agent must not reach workers:
+    # they would overwrite that launcher's error file instead of reporting to us.
+    env.pop("TORCHELASTIC_ERROR_FILE", None)
+    for name in (*AGENT_SECRETS, MEMORY_DIR_VAR, MEMORY_LIMIT_VAR):   # an outer agent's memory dir is not ours
+        env.pop(name, None)
+    # Several workers each sizing OpenMP to every core oversubscribe the node; torchrun sets 1.
+    if "OMP_NUM_THREADS" not in base and local_world_size > 1:
+        env["OMP_NUM_THREADS"] = "1"
+    return env
 
 
 def signals_text(signals: Sequence[int]) -> str:
@@ -45,12 +68,7 @@ def worker_env(*, base: Mapping[str, str], assignment: Assignment, local_rank: i
     a = assignment
     if not 0 <= local_rank < a.local_world_size:
         raise ValueError(f"local_rank {local_rank} outside 0..{a.local_world_size - 1}")
-    env = dict(base)
-    # A TORCHELASTIC_ERROR_FILE inherited from whoever launched the agent must not reach workers:
-    # they would overwrite that launcher's error file instead of reporting to us.
-    env.pop("TORCHELASTIC_ERROR_FILE", None)
-    for name in (*AGENT_SECRETS, MEMORY_DIR_VAR, MEMORY_LIMIT_VAR):   # an outer agent's memory dir is not ours
-        env.pop(name, None)
+    env = common_env(base, a.local_world_size)
     env.update({
         "RANK": str(a.rank_offset + local_rank),
         "LOCAL_RANK": str(local_rank),
@@ -85,9 +103,6 @@ def worker_env(*, base: Mapping[str, str], assignment: Assignment, local_rank: i
         env[MEMORY_DIR_VAR] = memory_dir
         if memory_limit is not None:
             env[MEMORY_LIMIT_VAR] = str(memory_limit)
-    # Several workers each sizing OpenMP to every core oversubscribe the node; torchrun sets 1.
-    if "OMP_NUM_THREADS" not in base and a.local_world_size > 1:
-        env["OMP_NUM_THREADS"] = "1"
     return env
 
 

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from node_agent.workers.launch import WorkerLaunch
 from node_agent.workers.output import Console
 from node_agent.workers.process import Worker, WorkerExit, WorkerSpawnError
+from node_agent.workers.warm.client import WarmZygote
 
 _KILL_WAIT_S = 10.0             # after SIGKILL, how long to wait for a reap before giving up on it
 _DRAIN_WAIT_S = 2.0             # after the workers are gone, how long their pipes may stay open
@@ -25,10 +26,11 @@ class WorkerGroup:
 
     def __init__(self, launches: list[WorkerLaunch], *, stop_timeout: float,
                  console: Console | None = None, on_beat: Callable[[int], None] | None = None,
-                 kill_timeout: float = _KILL_WAIT_S) -> None:
+                 kill_timeout: float = _KILL_WAIT_S, warm: WarmZygote | None = None) -> None:
         self._launches = list(launches)
         self._kill_timeout = kill_timeout
         self.stuck_pids: list[int] = []      # workers still alive kill_timeout after SIGKILL
+        self._warm = warm                    # forks the workers it can (warm/), the others start cold
         self._on_beat = on_beat              # called with the local rank on each heartbeat byte
         self._stop_timeout = stop_timeout
         self._console = console or Console()
@@ -48,6 +50,11 @@ class WorkerGroup:
         return [w.pid for w in self._workers if w.pid is not None]
 
     @property
+    def warm_pids(self) -> list[int]:
+        """The workers forked by the warm zygote."""
+        return [w.pid for w in self._workers if w.pid is not None and w.warm]
+
+    @property
     def stopping(self) -> bool:
         return self._stopping is not None
 
@@ -65,7 +72,8 @@ class WorkerGroup:
             for launch in self._launches:
                 if self.stopping:   # a stop() came while the previous worker was being spawned
                     break
-                worker = Worker(launch, console=self._console, on_beat=self._on_beat, on_exit=self._reaped)
+                worker = Worker(launch, console=self._console, on_beat=self._on_beat, on_exit=self._reaped,
+                                warm=self._warm)
                 try:
                     await worker.start()
                 except OSError as e:

@@ -3,12 +3,12 @@
 `spawn()` builds the round's launches and starts a group; from then on the group's news arrives as
 facts, tagged with the round: `WorkersExited` (the first failure, or all succeeded), `WorkersHung`
 (heartbeats stopped for longer than --hang-timeout) and `SpawnFailed`. `stop()` ends the group.
-The group itself is made by `make_group`, so a test can put a scripted one in its place.
+The group itself is made by `make_group`, so a test can put a scripted one in its place; the real one
+(processes) gets the warm zygote (warm/), started by `warm_up()` once the agent's environment is final.
 """
 from __future__ import annotations
 
 import asyncio
-import functools
 import os
 import shutil
 import signal
@@ -19,11 +19,14 @@ from typing import Protocol
 from node_agent.cli.options import AgentOptions
 from node_agent.core.facts import CHECK_STOP, NodeChecked, Put, SpawnFailed, WorkersExited, WorkersHung, start_source
 from node_agent.core.hangwatch import HangWatch
+from node_agent.workers.environment import common_env, worker_argv
 from node_agent.workers.failures import exit_failure, hang_failure, spawn_failure
 from node_agent.workers.group import WorkerGroup
 from node_agent.workers.launch import WorkerLaunch, build_launches, make_run_dir
 from node_agent.workers.memory import MemoryDirs
 from node_agent.workers.process import WorkerExit, WorkerSpawnError
+from node_agent.workers.warm.client import WarmZygote
+from node_agent.workers.warm.eligible import script_dir
 from protocol.messages import Assignment, Unhealthy
 
 
@@ -49,21 +52,27 @@ class GroupFactory(Protocol):
                  on_beat: Callable[[int], None] | None) -> Group: ...
 
 
-def process_group(launches: list[WorkerLaunch], *, stop_timeout: float,
-                  on_beat: Callable[[int], None] | None, kill_timeout: float = 10.0) -> Group:
-    """The real thing: one child process per launch."""
-    return WorkerGroup(launches, stop_timeout=stop_timeout, on_beat=on_beat, kill_timeout=kill_timeout)
+def warm_zygote(opts: AgentOptions, warn: Callable[[str], None]) -> WarmZygote | None:
+    """The warm zygote for these options (not started yet), or None when every worker starts cold."""
+    if not opts.warm:
+        return None
+    python = worker_argv(opts)[0]   # the cold path's interpreter: PYTHON_EXEC or ours
+    path0 = os.getcwd() if opts.module else script_dir(opts.script)
+    return WarmZygote(python, opts.warm_preload, path0, common_env(os.environ, opts.nproc), warn)
 
 
 class LocalWorkers:
-    def __init__(self, opts: AgentOptions, put: Put, *, hostname: str, clock: Callable[[], float],
-                 make_group: GroupFactory = process_group, say: Callable[[str], None] = lambda _: None) -> None:
+    def __init__(self, opts: AgentOptions, put: Put, *, hostname: str,
+                 clock: Callable[[], float], make_group: GroupFactory | None = None,
+                 say: Callable[[str], None] = lambda _: None) -> None:
         self.opts = opts
         self._put = put
         self._hostname = hostname
         self._clock = clock
-        self._make_group: GroupFactory = functools.partial(process_group, kill_timeout=opts.kill_timeout) \
-            if make_group is process_group else make_group
+        self._say = say
+        # Only real processes start warm: a test's stand-in group gets no zygote.
+        self.warm = warm_zygote(opts, say) if make_group is None else None
+        self._make_group: GroupFactory = make_group or self._process_group
         self.group: Group | None = None
         self.cpu_affinity: Mapping[int, frozenset[int]] = {}   # --numa-binding: local rank -> its CPUs
         self.stuck_pids: list[int] = []      # workers that outlived SIGKILL (the node is unhealthy)
@@ -74,6 +83,17 @@ class LocalWorkers:
         self._tmp_root: str | None = None   # logs' home when the CLI made no run directory (tests)
         # in-memory checkpoints: made before the first workers start, kept until close()
         self.memory = MemoryDirs(opts.job_id, opts.nproc, opts.memory_dir_limit, say=say)
+
+    def _process_group(self, launches: list[WorkerLaunch], *, stop_timeout: float,
+                       on_beat: Callable[[int], None] | None) -> Group:
+        return WorkerGroup(launches, stop_timeout=stop_timeout, on_beat=on_beat, kill_timeout=self.opts.kill_timeout,
+                           warm=self.warm)
+
+    def warm_up(self) -> None:
+        """Start the warm zygote now (before the first round), so that it is ready by the restart at least.
+        Called once the agent's environment is final: a zygote started before a change would not match."""
+        if self.warm is not None:
+            self.warm.start()
 
     async def spawn(self, a: Assignment) -> None:
         """Start the round's workers; their news (or the spawn's failure) comes back as facts."""
@@ -102,6 +122,8 @@ class LocalWorkers:
             failed = exc.launch if isinstance(exc, WorkerSpawnError) else launches[0]
             self._spawn_failed(a.round_id, exc, failed.rank, failed.local_rank, failed.argv[0])
             return
+        if isinstance(group, WorkerGroup) and group.warm_pids:
+            self._say(f"{len(group.warm_pids)} of {len(launches)} workers started warm")
         self._watchers.append(start_source(self._watch_exits(group, a.round_id), self._put))
         if self._hangs is not None:
             self._watchers.append(start_source(self._watch_hangs(group, self._hangs, a.round_id), self._put))
@@ -127,6 +149,8 @@ class LocalWorkers:
 
     async def close(self) -> None:
         await self.stop()
+        if self.warm is not None:
+            await self.warm.close()
         self.memory.close()   # the job ended or the node leaves: its snapshots go with it
         if self._tmp_root is not None and self.opts.log_dir is None:
             shutil.rmtree(os.path.dirname(self._tmp_root), ignore_errors=True)

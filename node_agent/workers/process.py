@@ -17,22 +17,36 @@ Rules this module keeps:
 from __future__ import annotations
 
 import asyncio
-import ctypes
-import functools
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from node_agent.heartbeat import ENV_FD as HEARTBEAT_ENV
+from node_agent.workers.deathsig import child_setup
+from node_agent.workers.deathsig import prctl as _prctl
+from node_agent.workers.deathsig import preexec as _child_setup
 from node_agent.workers.launch import WorkerLaunch
 from node_agent.workers.output import STREAMS, Console, LinePump, Sink, open_sink, pump
+from node_agent.workers.warm.client import WarmZygote
+from node_agent.workers.warm.eligible import warm_launch
 
-_PR_SET_PDEATHSIG = 1
+__all__ = ["Worker", "WorkerExit", "WorkerSpawnError", "_child_setup", "_prctl", "child_setup", "signal_name"]
+
+
+class ChildProcess(Protocol):
+    """A started worker: a child of the agent (asyncio's Process) or of the warm zygote (WarmProcess)."""
+
+    @property
+    def pid(self) -> int: ...
+
+    @property
+    def returncode(self) -> int | None: ...
+
+    async def wait(self) -> int: ...
 
 
 @dataclass(frozen=True)
@@ -59,38 +73,6 @@ class WorkerSpawnError(OSError):
         return f"cannot start local rank {self.launch.local_rank} ({self.launch.argv[0]!r}): {self.strerror}"
 
 
-@functools.cache
-def _prctl() -> Any:
-    """libc's prctl, loaded in the parent so the child does no library loading after fork."""
-    if not sys.platform.startswith("linux"):
-        return None
-    fn = ctypes.CDLL(None, use_errno=True).prctl
-    fn.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
-    fn.restype = ctypes.c_int
-    return fn
-
-
-def child_setup(parent_pid: int, prctl: Any, cpu_affinity: frozenset[int] | None = None) -> None:
-    """What every worker process does before it runs the script (in the child, after fork): die with
-    the agent, and run on its --numa-binding CPUs. The one place both happen, whatever forked it."""
-    if prctl is not None:
-        prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    # The agent may have died between fork and prctl: then no signal will ever come.
-    if os.getppid() != parent_pid:
-        os._exit(1)
-    if cpu_affinity:
-        try:
-            os.sched_setaffinity(0, cpu_affinity)
-        except OSError:     # a CPU taken away since the plan (cgroup change): run unbound rather than not at all
-            pass
-
-
-def _child_setup(parent_pid: int, prctl: Any, cpu_affinity: frozenset[int] | None = None) -> Callable[[], None]:
-    def setup() -> None:   # runs in the child between fork and exec (after Popen's setsid)
-        child_setup(parent_pid, prctl, cpu_affinity)
-    return setup
-
-
 def signal_name(exitcode: int) -> str:
     if exitcode >= 0:
         return ""
@@ -104,12 +86,14 @@ class Worker:
     """One child process, from its start to its reaping. Not reusable."""
 
     def __init__(self, launch: WorkerLaunch, *, console: Console, on_beat: Callable[[int], None] | None = None,
-                 on_exit: Callable[[WorkerExit], None] | None = None) -> None:
+                 on_exit: Callable[[WorkerExit], None] | None = None, warm: WarmZygote | None = None) -> None:
         self.launch = launch
+        self._warm = warm                # start from this zygote when it can (else cold)
+        self.warm = False                # this worker was forked by the zygote
         self._console = console
         self._on_beat = on_beat          # called with the local rank on each heartbeat byte
         self._on_exit = on_exit          # called once, when the process has been reaped
-        self._proc: asyncio.subprocess.Process | None = None
+        self._proc: ChildProcess | None = None
         self._group_alive = False        # its process group may still have members
         self._heartbeat_fd = -1
         self._pumps: list[LinePump] = []
@@ -155,10 +139,13 @@ class Worker:
                 os.set_blocking(hb_w, False)   # a worker must never block on its heartbeat
                 env = {**env, HEARTBEAT_ENV: str(hb_w)}
                 extra["pass_fds"] = (hb_w,)
-            self._proc = await asyncio.create_subprocess_exec(
-                *launch.argv, env=env, stdin=None if launch.stdin_tty else subprocess.DEVNULL,
-                stdout=ends[0][1], stderr=ends[1][1], start_new_session=True,
-                preexec_fn=_child_setup(os.getpid(), _prctl(), launch.cpu_affinity), **extra)
+            self._proc = await self._start_warm(ends[0][1], ends[1][1], hb_w)
+            self.warm = self._proc is not None
+            if self._proc is None:
+                self._proc = await asyncio.create_subprocess_exec(
+                    *launch.argv, env=env, stdin=None if launch.stdin_tty else subprocess.DEVNULL,
+                    stdout=ends[0][1], stderr=ends[1][1], start_new_session=True,
+                    preexec_fn=_child_setup(os.getpid(), _prctl(), launch.cpu_affinity), **extra)
         except BaseException:
             for fd in fds:
                 os.close(fd)
@@ -180,7 +167,21 @@ class Worker:
             self._transports.append(transport)
             self._pumps.append(line_pump)
 
-    async def _reap(self, proc: asyncio.subprocess.Process) -> WorkerExit:
+    async def _start_warm(self, stdout: int, stderr: int, heartbeat: int) -> ChildProcess | None:
+        """Fork the worker from the warm zygote; None when it must start cold (see warm/client.py)."""
+        if self._warm is None or not self._warm.ready:
+            return None
+        plan = warm_launch(self.launch, self._warm.python, heartbeat_fd=heartbeat)
+        if plan is None:
+            return None
+        stdin = 0 if self.launch.stdin_tty else os.open(os.devnull, os.O_RDONLY)
+        try:
+            return await self._warm.spawn(plan, [stdin, stdout, stderr, *([heartbeat] if heartbeat >= 0 else [])])
+        finally:
+            if stdin != 0:
+                os.close(stdin)
+
+    async def _reap(self, proc: ChildProcess) -> WorkerExit:
         code = await proc.wait()
         try:
             os.killpg(proc.pid, 0)          # anything left in its group (the worker's children)?

@@ -1,0 +1,255 @@
+"""The warm zygote: an interpreter that imports the preload list once, then forks one worker per request.
+
+Run by the agent as `PYTHON -u zygote.py FD PATH0 MOD[,MOD...]` (the worker's own interpreter and flags),
+it imports only the standard library, never node_agent: it must run under any PYTHON_EXEC.
+Before every fork it checks that it is still clean: no Python thread but its own, CUDA not initialised
+(torch.cuda.is_initialized()); it opens no socket but FD, the control socket the agent gave it.
+
+The wire (one SOCK_SEQPACKET datagram per message, JSON):
+  zygote -> agent  {"op": "ready", "failed": [[mod, error], ...]}      once, after the preloads
+  agent -> zygote  {"op": "spawn", "id": N, ...launch...} + fds [stdin, stdout, stderr(, heartbeat)]
+  zygote -> agent  {"op": "started", "id": N, "pid": P} or {"op": "refused", "id": N, "why": "..."}
+  zygote -> agent  {"op": "exited", "pid": P, "code": C}             C: waitpid's exit code, -SIG when killed
+  agent -> zygote  {"op": "query"} -> {"op": "state", ...}            what the tests check before a fork
+The zygote dies with the agent (PR_SET_PDEATHSIG, set by the agent) and each child with the zygote.
+"""
+from __future__ import annotations
+
+import ctypes
+import gc
+import importlib
+import json
+import os
+import select
+import signal
+import socket
+import sys
+import types
+from typing import Any
+
+MAX_MESSAGE = 1 << 20        # one launch (argv + environment); the agent starts a larger one cold
+_PR_SET_PDEATHSIG = 1
+_STARTUP_SIGNALS = {s: signal.getsignal(s) for s in signal.valid_signals()
+                    if s not in (signal.SIGKILL, signal.SIGSTOP)}   # as Python's start-up left them
+
+
+def _send(sock: socket.socket, message: dict[str, Any]) -> None:
+    sock.send(json.dumps(message).encode())
+
+
+def _python_threads() -> int:
+    threading = sys.modules.get("threading")
+    return 1 if threading is None else int(threading.active_count())
+
+
+def _cuda_initialized() -> bool:
+    torch = sys.modules.get("torch")
+    cuda = getattr(torch, "cuda", None)
+    return bool(cuda is not None and cuda.is_initialized())
+
+
+def _sockets() -> list[int]:
+    found = []
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            if os.readlink(f"/proc/self/fd/{name}").startswith("socket:"):
+                found.append(int(name))
+        except OSError:
+            pass
+    return found
+
+
+def _unclean() -> str:
+    """Why a fork now would not give a clean worker ("" when it would)."""
+    if _python_threads() != 1:
+        return f"{_python_threads()} Python threads in the zygote"
+    if _cuda_initialized():
+        return "CUDA is initialised in the zygote"
+    return ""
+
+
+class Zygote:
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.children: dict[int, int] = {}    # pidfd -> pid
+        libc = ctypes.CDLL(None, use_errno=True)   # loaded before any fork: the child loads nothing
+        self.prctl = libc.prctl
+        self.prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
+
+    def serve(self) -> dict[str, Any]:
+        """Answer the agent until it is gone; returns only in a forked child, with its launch."""
+        while True:
+            ready, _, _ = select.select([self.sock.fileno(), *self.children], [], [])
+            for fd in ready:
+                if fd == self.sock.fileno():
+                    launch = self._request()
+                    if launch is not None:
+                        return launch
+                else:
+                    self._reap(fd)
+
+    def _request(self) -> dict[str, Any] | None:
+        data, fds, _, _ = socket.recv_fds(self.sock, MAX_MESSAGE, 8)
+        if not data:   # the agent closed its end: nothing more to do
+            os._exit(0)
+        message = json.loads(data)
+        if message["op"] == "query":
+            _send(self.sock, {"op": "state", "pid": os.getpid(), "threads": _python_threads(),
+                              "native_threads": len(os.listdir("/proc/self/task")),
+                              "cuda_initialized": _cuda_initialized(), "sockets": _sockets(),
+                              "control": self.sock.fileno(), "modules": sorted(sys.modules)})
+            return None
+        why = _unclean()
+        if why:
+            for fd in fds:
+                os.close(fd)
+            _send(self.sock, {"op": "refused", "id": message["id"], "why": why})
+            return None
+        gc.freeze()
+        try:
+            pid = os.fork()
+        except OSError as exc:
+            for fd in fds:
+                os.close(fd)
+            _send(self.sock, {"op": "refused", "id": message["id"], "why": f"fork: {exc.strerror}"})
+            return None
+        if pid == 0:
+            try:
+                self._become_worker(message, fds)
+            except BaseException as exc:   # noqa: BLE001 - a child that failed to set up must not serve
+                os.write(2, f"node-agent: the warm worker could not be set up: {exc!r}\n".encode())
+                os._exit(127)
+            return dict(message)
+        for fd in fds:
+            os.close(fd)
+        self.children[os.pidfd_open(pid)] = pid
+        _send(self.sock, {"op": "started", "id": message["id"], "pid": pid})
+        return None
+
+    def _reap(self, pidfd: int) -> None:
+        pid = self.children.pop(pidfd)
+        os.close(pidfd)
+        _, status = os.waitpid(pid, 0)
+        _send(self.sock, {"op": "exited", "pid": pid, "code": os.waitstatus_to_exitcode(status)})
+
+    def _become_worker(self, launch: dict[str, Any], fds: list[int]) -> None:
+        """What a cold worker gets from Popen and Python's start-up, done in the forked child."""
+        parent = os.getppid()
+        gc.enable()                                   # as in a cold interpreter (the zygote's stay frozen)
+        os.setsid()                                   # its own session and process group
+        self.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)   # dies with the zygote, which dies with the agent
+        if os.getppid() != parent:
+            os._exit(1)
+        for s, handler in _STARTUP_SIGNALS.items():
+            if signal.getsignal(s) is not handler and handler is not None:
+                signal.signal(s, handler)
+        signal.pthread_sigmask(signal.SIG_SETMASK, [])
+        # The launch's fds onto 0, 1, 2 (and the heartbeat's number); the zygote's own fds are closed.
+        high = [os.dup(fd) for fd in fds]
+        for fd in [*fds, self.sock.fileno(), *self.children]:
+            os.close(fd)
+        self.sock.detach()
+        targets = [0, 1, 2] + ([launch["heartbeat_fd"]] if launch["heartbeat_fd"] >= 0 else [])
+        for src, dst in zip(high, targets, strict=False):
+            os.dup2(src, dst, inheritable=True)
+        for fd in high:
+            if fd not in targets:
+                os.close(fd)
+        _per_worker_setup(launch)
+        os.chdir(launch["cwd"])
+        os.environ.clear()
+        os.environ.update(launch["env"])
+
+
+def _per_worker_setup(launch: dict[str, Any]) -> None:
+    """The one place for what the cold path's preexec does per worker beyond its session and death signal:
+    the launch carries it (eligible.WarmLaunch.message). "cpus": the CPU affinity (--numa-binding).
+    eligible.warm_launch fills it from WorkerLaunch.cpu_affinity, as the cold path's deathsig.child_setup
+    gets it."""
+    cpus = launch.get("cpus")
+    if cpus:
+        try:
+            os.sched_setaffinity(0, cpus)
+        except OSError:     # as cold: a CPU taken away since the plan: run unbound rather than not at all
+            pass
+
+
+def _reseed() -> None:
+    """State that an interpreter seeds from the OS at import: a cold worker gets its own, so must this one.
+    (os.fork() already reseeds `random`.)"""
+    numpy_random = sys.modules.get("numpy.random")
+    if numpy_random is not None:
+        numpy_random.seed()
+
+
+def _strip_zygote_frames(exc: BaseException) -> None:
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
+        tb = tb.tb_next
+    exc.__traceback__ = tb
+
+
+def run_as_main(launch: dict[str, Any]) -> None:
+    """Run the worker's script or module as `python -u script` / `python -u -m module` would."""
+    sys.argv = list(launch["argv"])
+    sys.orig_argv = list(launch["orig_argv"])
+    sys.path[0] = launch["path0"]
+    _reseed()
+    main = types.ModuleType("__main__")
+    main.__dict__.update(__annotations__={}, __builtins__=__builtins__)   # as the interpreter makes __main__
+    sys.modules["__main__"] = main
+    try:
+        if launch["module"]:
+            import runpy
+            # what `python -m` itself calls: the same __main__, sys.argv[0] and traceback frames
+            runpy._run_module_as_main(launch["module"], alter_argv=True)  # type: ignore[attr-defined]
+        else:
+            _run_script(main, launch["script"])
+    except SystemExit:
+        raise
+    except BaseException as exc:
+        # Print as the interpreter would, without our frames; then let it exit (1, or SIGINT's death
+        # for a KeyboardInterrupt) after its usual shutdown (atexit, non-daemon threads).
+        _strip_zygote_frames(exc)
+        sys.excepthook(type(exc), exc, exc.__traceback__)
+        sys.excepthook = lambda *_: None
+        raise
+
+
+def _run_script(main: types.ModuleType, script: str) -> None:
+    path = os.path.abspath(script)
+    try:
+        with open(path, "rb") as f:
+            source = f.read()
+    except OSError as exc:
+        print(f"{sys.executable}: can't open file {path!r}: [Errno {exc.errno}] {exc.strerror}", file=sys.stderr)
+        raise SystemExit(2) from None
+    from importlib.machinery import SourceFileLoader
+    main.__dict__.update(__file__=path, __cached__=None, __loader__=SourceFileLoader("__main__", path))
+    code = compile(source, path, "exec", dont_inherit=True)
+    exec(code, main.__dict__)
+
+
+def main() -> None:
+    # Python's advice for fork without exec: no collection in the parent (no freed holes in its pages),
+    # gc.freeze() before each fork and gc.enable() in the child, so that the child's collections never
+    # touch (and copy) the zygote's objects. A worker's exit then takes less time than a cold one's.
+    gc.disable()
+    fd, path0, preload = int(sys.argv[1]), sys.argv[2], [m for m in sys.argv[3].split(",") if m]
+    sys.path[0] = path0   # preloads resolve as they would in the worker
+    sock = socket.socket(fileno=fd)
+    failed = []
+    for name in preload:
+        try:
+            importlib.import_module(name)
+        except BaseException as exc:   # noqa: BLE001 - a failed preload is reported, never fatal
+            failed.append([name, f"{type(exc).__name__}: {exc}"[:300]])
+    del sys.argv[1:]
+    gc.collect()   # the imports' garbage, once; from now on the zygote's objects are frozen (see _request)
+    _send(sock, {"op": "ready", "failed": failed, "unclean": _unclean()})
+    launch = Zygote(sock).serve()
+    run_as_main(launch)
+
+
+if __name__ == "__main__":
+    main()

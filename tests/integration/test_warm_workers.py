@@ -1,0 +1,270 @@
+"""Warm workers for real: a worker forked by the zygote sees and ends exactly as a cold one does.
+
+Each case runs the same program cold (asyncio's subprocess) and warm (forked by a zygote that preloaded
+`json`, or torch where torch is the point) and compares what the worker saw and how its end was reported.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import os
+import signal
+import sys
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+
+import psutil
+import pytest
+
+from node_agent.workers.group import WorkerGroup
+from node_agent.workers.launch import WorkerLaunch
+from node_agent.workers.process import WorkerExit
+from node_agent.workers.warm.client import WarmZygote
+from node_agent.workers.warm.eligible import base_env, warm_launch
+from tests.e2e.harness import pid_gone
+from tests.integration.warm_scripts import DUMP, RECORD
+from tests.integration.worker_support import LIMIT, RecordingConsole, kill_strays
+
+# pytest changes PYTEST_CURRENT_TEST between phases: the workers' environment must not
+ENV = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
+MakeZygote = Callable[..., Awaitable[WarmZygote]]
+
+
+@pytest.fixture
+async def make_zygote(tmp_path) -> AsyncIterator[MakeZygote]:
+    made: list[WarmZygote] = []
+
+    async def make(preload: tuple[str, ...] = ("json",), warnings: list[str] | None = None) -> WarmZygote:
+        zygote = WarmZygote(sys.executable, preload, str(tmp_path), base_env(ENV),
+                            warnings.append if warnings is not None else print)
+        made.append(zygote)
+        zygote.start()
+        assert await zygote.wait_ready(LIMIT * 2), "the zygote never became ready"
+        return zygote
+
+    yield make
+    for zygote in made:
+        await zygote.close()
+
+
+@pytest.fixture
+def workdir(tmp_path, monkeypatch) -> str:
+    (tmp_path / "dump.py").write_text(DUMP)
+    (tmp_path / "dumpmod.py").write_text(DUMP)
+    (tmp_path / "rec.py").write_text(RECORD)
+    monkeypatch.chdir(tmp_path)
+    return str(tmp_path)
+
+
+class Run:
+    def __init__(self, exit_: WorkerExit, console: RecordingConsole, warm: bool, error: dict | None) -> None:
+        self.exit, self.console, self.warm, self.error = exit_, console, warm, error
+
+    def key(self) -> tuple[int, str]:
+        return self.exit.exitcode, self.exit.signal_name
+
+
+async def run(argv: list[str], zygote: WarmZygote | None, tmp: str, *, extra_env: dict[str, str] | None = None) -> Run:
+    error_file = os.path.join(tmp, "error.json")
+    env = {**ENV, **(extra_env or {}), "RANK": "3", "LOCAL_RANK": "0", "TORCHELASTIC_ERROR_FILE": error_file}
+    launch = WorkerLaunch(local_rank=0, rank=3, argv=[sys.executable, "-u", *argv], env=env, log_dir=None,
+                          prefix="[w] ", prefix_all=True)
+    console = RecordingConsole()
+    group = WorkerGroup([launch], stop_timeout=5, console=console, warm=zygote)
+    try:
+        await group.start()
+        warm = bool(group.warm_pids)
+        (exit_,) = await asyncio.wait_for(group.wait(), LIMIT)
+    finally:
+        await group.stop(signal.SIGKILL)
+    error = None
+    if exit_.error_file:
+        error = dumped(exit_.error_file)
+        os.unlink(exit_.error_file)
+    return Run(exit_, console, warm, error)
+
+
+def dumped(path: str) -> dict:
+    with open(path) as f:
+        return json.load(f)
+
+
+@pytest.mark.parametrize("form", [["dump.py"], ["-m", "dumpmod"]], ids=["script", "module"])
+async def test_a_warm_worker_sees_what_a_cold_one_sees(make_zygote, workdir, form) -> None:
+    zygote = await make_zygote()
+    out = os.path.join(workdir, "seen.json")
+    cold = await run([*form, out, "0"], None, workdir)
+    seen_cold = dumped(out)
+    warm = await run([*form, out, "0"], zygote, workdir)
+    seen_warm = dumped(out)
+    assert (cold.warm, warm.warm) == (False, True)
+    assert seen_warm == seen_cold
+    assert seen_warm["name"] == "__main__" and seen_warm["argv"][1:] == [out, "0"]
+    assert seen_warm["file"] == os.path.join(workdir, "dump.py" if form == ["dump.py"] else "dumpmod.py")
+    assert seen_warm["path"][0] == workdir and seen_warm["environ"]["RANK"] == "3"
+
+
+@pytest.mark.parametrize("how", ["0", "3", "raise", "interrupt", "sigkill", "os_exit", "message"])
+async def test_a_warm_worker_ends_as_a_cold_one(make_zygote, workdir, how) -> None:
+    zygote = await make_zygote()
+    out = os.path.join(workdir, "seen.json")
+    cold = await run(["dump.py", out, how], None, workdir)
+    warm = await run(["dump.py", out, how], zygote, workdir)
+    assert warm.warm
+    assert warm.key() == cold.key()
+    assert warm.console.lines("stderr") == cold.console.lines("stderr")
+    expected = {"0": (0, ""), "3": (3, ""), "raise": (1, ""), "interrupt": (-2, "SIGINT"),
+                "sigkill": (-9, "SIGKILL"), "os_exit": (7, ""), "message": (1, "")}[how]
+    assert warm.key() == expected
+    if how == "raise":
+        assert warm.console.lines("stderr")[0] == "[w] Traceback (most recent call last):"
+        assert warm.console.lines("stderr")[-1] == "[w] ValueError: boom"
+
+
+async def test_a_worker_killed_from_outside_is_reported_with_its_signal(make_zygote, workdir) -> None:
+    zygote = await make_zygote()
+    error_file = os.path.join(workdir, "error.json")
+    launch = WorkerLaunch(local_rank=0, rank=0, argv=[sys.executable, "-u", "dump.py", "x.json", "child"],
+                          env={**ENV, "TORCHELASTIC_ERROR_FILE": error_file}, log_dir=None, prefix="[w] ",
+                          prefix_all=True)
+    console = RecordingConsole()
+    group = WorkerGroup([launch], stop_timeout=5, console=console, warm=zygote)
+    try:
+        await group.start()
+        assert group.warm_pids == group.pids
+        await console.seen("child")   # the worker has started; it exits 0 once its child is started
+        (exit_,) = await asyncio.wait_for(group.wait(), LIMIT)
+        assert exit_.exitcode == 0
+    finally:
+        await group.stop()
+    child = int((await console.seen("child")).split()[-1])
+    try:   # the worker's child was left in the worker's group: the stop swept it away (no orphan)
+        assert await asyncio.to_thread(pid_gone, child, LIMIT), "the warm worker's child outlived the stop"
+    finally:
+        kill_strays([child])
+
+
+async def test_sigkill_of_a_running_warm_worker_reads_as_sigkill(make_zygote, workdir) -> None:
+    zygote = await make_zygote()
+    (Path(workdir) / "sleep.py").write_text("import os, time; print('up', os.getpid(), flush=True); time.sleep(600)")
+    launch = WorkerLaunch(local_rank=0, rank=0, argv=[sys.executable, "-u", "sleep.py"], env=dict(ENV),
+                          log_dir=None, prefix="[w] ", prefix_all=True)
+    console = RecordingConsole()
+    group = WorkerGroup([launch], stop_timeout=5, console=console, warm=zygote)
+    try:
+        await group.start()
+        pid = int((await console.seen("up")).split()[-1])
+        assert group.warm_pids == [pid] and psutil.Process(pid).ppid() == zygote.pid
+        os.kill(pid, signal.SIGKILL)
+        (exit_,) = await asyncio.wait_for(group.wait(), LIMIT)
+        assert (exit_.exitcode, exit_.signal_name) == (-9, "SIGKILL")
+    finally:
+        await group.stop(signal.SIGKILL)
+
+
+async def test_a_preload_that_fails_is_one_warning_and_workers_still_start_warm(make_zygote, workdir) -> None:
+    warnings: list[str] = []
+    zygote = await make_zygote(("json", "no_such_module_xyz"), warnings)
+    assert len(warnings) == 1 and "'no_such_module_xyz'" in warnings[0] and "\n" not in warnings[0]
+    warm = await run(["dump.py", os.path.join(workdir, "seen.json"), "0"], zygote, workdir)
+    assert warm.warm and warm.key() == (0, "")
+
+
+async def test_a_launch_whose_environment_differs_from_the_zygotes_starts_cold(make_zygote, workdir) -> None:
+    zygote = await make_zygote()
+    out = os.path.join(workdir, "seen.json")
+    changed = await run(["dump.py", out, "0"], zygote, workdir, extra_env={"WARM_TEST_CHANGED": "1"})
+    assert not changed.warm and changed.key() == (0, "") and dumped(out)["environ"]["WARM_TEST_CHANGED"] == "1"
+    # the zygote is started anew with the new environment: the next such launch is warm
+    assert await zygote.wait_ready(LIMIT * 2)
+    again = await run(["dump.py", out, "0"], zygote, workdir, extra_env={"WARM_TEST_CHANGED": "1"})
+    assert again.warm and again.key() == (0, "")
+
+
+async def test_torch_zygote_is_clean_and_record_reports_the_same(make_zygote, workdir) -> None:
+    pytest.importorskip("torch")
+    zygote = await make_zygote(("torch", "torch.distributed"))
+    state = await zygote.query()
+    assert state is not None and "torch" in state["modules"]
+    # no Python thread but its own, CUDA untouched, no socket but the control socket
+    assert (state["threads"], state["cuda_initialized"], state["sockets"]) == (1, False, [state["control"]])
+    cold = await run(["rec.py"], None, workdir)
+    warm = await run(["rec.py"], zygote, workdir)
+    assert warm.warm and warm.key() == cold.key() == (1, "")
+    assert cold.error is not None and warm.error is not None
+    assert warm.error["message"]["message"] == cold.error["message"]["message"] == "RuntimeError: recorded failure"
+    assert warm.error["message"]["extraInfo"]["py_callstack"].splitlines()[-1] == \
+        cold.error["message"]["extraInfo"]["py_callstack"].splitlines()[-1]
+
+
+async def test_each_warm_worker_starts_from_the_clean_zygote_not_from_a_previous_worker(make_zygote, workdir) -> None:
+    zygote = await make_zygote()
+    (Path(workdir) / "dirty.py").write_text(
+        "import json, sys\nprint('seen', getattr(json, 'MARK', None), flush=True)\njson.MARK = 'dirty'\nsys.exit(5)\n")
+    first = await run(["dirty.py"], zygote, workdir)
+    second = await run(["dirty.py"], zygote, workdir)
+    assert first.warm and second.warm and first.key() == second.key() == (5, "")
+    assert first.console.lines("stdout") == second.console.lines("stdout") == ["[w] seen None"]
+
+
+async def test_a_zygote_that_dies_takes_its_workers_and_is_started_anew(make_zygote, workdir) -> None:
+    warnings: list[str] = []
+    zygote = await make_zygote(warnings=warnings)
+    (Path(workdir) / "sleep.py").write_text("import os, time; print('up', os.getpid(), flush=True); time.sleep(600)")
+    launch = WorkerLaunch(local_rank=0, rank=0, argv=[sys.executable, "-u", "sleep.py"], env=dict(ENV),
+                          log_dir=None, prefix="[w] ", prefix_all=True)
+    group = WorkerGroup([launch], stop_timeout=5, console=RecordingConsole(), warm=zygote)
+    first = zygote.pid
+    assert first is not None
+    try:
+        await group.start()
+        assert group.warm_pids
+        os.kill(first, signal.SIGKILL)
+        (exit_,) = await asyncio.wait_for(group.wait(), LIMIT)
+        assert (exit_.exitcode, exit_.signal_name) == (-9, "SIGKILL")   # PDEATHSIG: it died with the zygote
+        assert await asyncio.to_thread(pid_gone, exit_.pid, LIMIT)
+    finally:
+        await group.stop(signal.SIGKILL)
+    assert await zygote.wait_ready(LIMIT * 2) and zygote.pid not in (None, first)
+    assert warnings == [f"warm workers: the zygote ({sys.executable}) died; a new one is started"]
+    assert (await run(["dump.py", os.path.join(workdir, "seen.json"), "0"], zygote, workdir)).warm
+
+
+async def test_a_warm_worker_beats_through_its_heartbeat_pipe(make_zygote, workdir) -> None:
+    zygote = await make_zygote()
+    (Path(workdir) / "beat.py").write_text(
+        "import os\nfrom node_agent.heartbeat import beat\nbeat()\n"
+        "print('fd', os.environ['NODE_AGENT_HEARTBEAT_FD'])\n")
+    launch = WorkerLaunch(local_rank=2, rank=2, argv=[sys.executable, "-u", "beat.py"], env=dict(ENV),
+                          log_dir=None, prefix="[w] ", prefix_all=True, heartbeat=True)
+    beats: asyncio.Queue[int] = asyncio.Queue()
+    console = RecordingConsole()
+    group = WorkerGroup([launch], stop_timeout=5, console=console, warm=zygote, on_beat=beats.put_nowait)
+    try:
+        await group.start()
+        assert group.warm_pids
+        assert await asyncio.wait_for(beats.get(), LIMIT) == 2
+        (exit_,) = await asyncio.wait_for(group.wait(), LIMIT)
+        assert exit_.exitcode == 0
+    finally:
+        await group.stop(signal.SIGKILL)
+
+
+async def test_the_per_worker_hook_sets_the_cpu_affinity_in_the_child(make_zygote, workdir) -> None:
+    zygote = await make_zygote()
+    (Path(workdir) / "cpus.py").write_text("import os\nprint(sorted(os.sched_getaffinity(0)))\n")
+    cpu = min(os.sched_getaffinity(0))
+    launch = WorkerLaunch(local_rank=0, rank=0, argv=[sys.executable, "-u", "cpus.py"], env=dict(ENV), log_dir=None)
+    plan = warm_launch(launch, sys.executable)
+    assert plan is not None
+    r, w = os.pipe()
+    null = os.open(os.devnull, os.O_RDONLY)
+    try:
+        child = await zygote.spawn(dataclasses.replace(plan, cpus=(cpu,)), [null, w, w])
+    finally:
+        os.close(w)
+        os.close(null)
+    assert child is not None and await asyncio.wait_for(child.wait(), LIMIT) == 0
+    with os.fdopen(r) as out:
+        assert out.read() == f"[{cpu}]\n"

@@ -1,0 +1,47 @@
+"""Programs the warm-worker tests run cold and warm: each dumps what a worker sees, then ends as told."""
+from __future__ import annotations
+
+DUMP = '''
+"""Dumps what a worker sees to argv[1], then ends as argv[2] says."""
+import json, os, signal, subprocess, sys
+d = {"environ": dict(os.environ), "argv": sys.argv, "path": sys.path, "cwd": os.getcwd(), "name": __name__,
+     "file": __file__, "spec": __spec__ and [__spec__.name, __spec__.origin, type(__spec__.loader).__name__],
+     "loader": type(__loader__).__name__, "package": __package__, "doc": __doc__, "cached": __cached__,
+     "main_keys": sorted(k for k in globals() if k.startswith("__")), "orig_argv": sys.orig_argv,
+     "signals": {s.name: repr(signal.getsignal(s)) for s in signal.valid_signals()
+                 if isinstance(s, signal.Signals) and s not in (signal.SIGKILL, signal.SIGSTOP)},
+     "fds": sorted(os.listdir("/proc/self/fd")), "session_leader": os.getsid(0) == os.getpid(),
+     "group_leader": os.getpgrp() == os.getpid(), "flags": str(sys.flags), "stdin": os.readlink("/proc/self/fd/0"),
+     "main_is_globals": sys.modules["__main__"].__dict__ is globals(),
+     "sigmask": sorted(signal.pthread_sigmask(signal.SIG_BLOCK, [])),
+     "stdout": [sys.stdout.line_buffering, sys.stdout.write_through, sys.stdout.encoding]}
+with open(sys.argv[1], "w") as f:
+    json.dump(d, f, indent=1, sort_keys=True)
+how = sys.argv[2]
+if how == "raise":
+    raise ValueError("boom")
+if how == "interrupt":
+    raise KeyboardInterrupt
+if how == "sigkill":
+    os.kill(os.getpid(), signal.SIGKILL)
+if how == "os_exit":
+    os._exit(7)
+if how == "message":
+    sys.exit("a message")
+if how == "child":   # leaves a child behind in its process group
+    p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    print("child", p.pid, flush=True)
+if how.isdigit():
+    sys.exit(int(how))
+'''
+
+RECORD = '''
+from torch.distributed.elastic.multiprocessing.errors import record
+
+@record
+def main():
+    raise RuntimeError("recorded failure")
+
+if __name__ == "__main__":
+    main()
+'''

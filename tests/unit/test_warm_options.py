@@ -1,0 +1,80 @@
+"""--warm-workers and --warm-preload, and which launch may start warm (no process is started here)."""
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+from node_agent.cli.options import DEFAULT_PRELOAD, OptionsError, parse_options
+from node_agent.workers.launch import WorkerLaunch
+from node_agent.workers.warm.eligible import base_env, warm_launch
+
+ENV = {"PATH": "/usr/bin"}
+
+
+def parse(*argv: str):
+    return parse_options(["--standalone", *argv], ENV)
+
+
+def test_warm_workers_are_on_for_python_scripts_and_modules_by_default() -> None:
+    for opts in (parse("train.py"), parse("-m", "pkg.train")):
+        assert opts.warm_workers == "auto" and opts.warm and opts.warm_preload == DEFAULT_PRELOAD
+
+
+@pytest.mark.parametrize("argv", [("--warm-workers", "off", "train.py"), ("--no-python", "prog"),
+                                  ("--run-path", "train.py"), ("--warm_workers=off", "-m", "m")])
+def test_cold_start_keeps_for_off_no_python_and_run_path(argv) -> None:
+    assert not parse(*argv).warm
+
+
+def test_warm_preload_replaces_the_list() -> None:
+    assert parse("--warm-preload", "json, numpy ,json,", "t.py").warm_preload == ("json", "numpy")
+    assert parse("--warm-preload", "", "t.py").warm_preload == ()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (("--warm-workers", "on", "t.py"), "--warm-workers: expected auto or off, got 'on'"),
+    (("--warm-preload", "torch,os.path/x", "t.py"), "--warm-preload: 'os.path/x' is not a module name"),
+    (("--warm-preload", ",".join(f"m{i}" for i in range(65)), "t.py"), "--warm-preload: at most 64 modules"),
+])
+def test_bad_warm_flags_are_one_line_naming_the_flag(argv, message) -> None:
+    with pytest.raises(OptionsError) as err:
+        parse(*argv)
+    assert str(err.value).startswith(message) and "\n" not in str(err.value)
+
+
+def launch(argv: list[str], **env: str) -> WorkerLaunch:
+    return WorkerLaunch(local_rank=0, rank=0, argv=argv, env={**ENV, "RANK": "0", **env}, log_dir=None)
+
+
+def test_scripts_and_modules_of_the_zygotes_python_may_start_warm(tmp_path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "t.py").write_text("")
+    script = warm_launch(launch([sys.executable, "-u", "t.py", "a"]), sys.executable, heartbeat_fd=9)
+    assert script is not None and script.script == "t.py" and script.argv == ["t.py", "a"]
+    assert script.path0 == str(tmp_path) and script.env["NODE_AGENT_HEARTBEAT_FD"] == "9"
+    assert script.orig_argv == [sys.executable, "-u", "t.py", "a"] and script.base_env == ENV
+    module = warm_launch(launch([sys.executable, "-u", "-m", "pkg.m", "b"]), sys.executable)
+    assert module is not None and module.module == "pkg.m" and module.argv == ["-m", "b"]
+    assert module.path0 == os.getcwd() and module.heartbeat_fd == -1
+
+
+@pytest.mark.parametrize("argv", [
+    ["/other/python", "-u", "t.py"],            # not the zygote's interpreter
+    [sys.executable, "t.py"],                   # not the cold path's flags
+    [sys.executable, "-u", "-c", "print()"],    # --run-path's form
+    [sys.executable, "-u", "missing.py"],       # python itself reports it, cold
+    [sys.executable, "-u", "-m"],
+    ["t.py"],                                   # --no-python
+])
+def test_other_launches_start_cold(tmp_path, monkeypatch, argv) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "t.py").write_text("")
+    assert warm_launch(launch(argv), sys.executable) is None
+
+
+def test_the_launchers_per_worker_variables_are_not_part_of_the_zygotes_environment() -> None:
+    env = {**ENV, "RANK": "1", "LOCAL_RANK": "1", "MASTER_PORT": "1", "TORCHELASTIC_ERROR_FILE": "/e",
+           "NODE_AGENT_HEARTBEAT_FD": "7", "OMP_NUM_THREADS": "1"}
+    assert base_env(env) == {**ENV, "OMP_NUM_THREADS": "1"}
