@@ -68,12 +68,16 @@ class WorkerGroup:
             raise RuntimeError("a WorkerGroup starts once, and not after stop()")
         self._started = True
         failed: tuple[WorkerLaunch, OSError] | None = None
+        # A round's workers start alike: all from the zygote or all cold, decided once. A zygote becoming
+        # ready halfway would give a warm worker a head start of seconds over its cold peers (a fast
+        # failure could then stop them before they even ran).
+        warm = self._warm if self._warm is not None and self._warm.ready else None
         try:
             for launch in self._launches:
                 if self.stopping:   # a stop() came while the previous worker was being spawned
                     break
                 worker = Worker(launch, console=self._console, on_beat=self._on_beat, on_exit=self._reaped,
-                                warm=self._warm)
+                                warm=warm)
                 try:
                     await worker.start()
                 except OSError as e:
