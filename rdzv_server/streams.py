@@ -210,5 +210,6 @@ class StreamHub:
         for sub in list(self.open):
             silent = min(now - sub.heard, sub.stream.kernel_silence_s())
             if silent > sub.limit_s + lag and not sub.ended:
-                self.end(sub, ErrorCode.BAD_REQUEST, f"no frame for {silent:.1f}s (limit {sub.limit_s:g}s: "
+                # retryable: a node that was only paused (SIGSTOP) reconnects and learns where it stands
+                self.end(sub, ErrorCode.LIMIT_REACHED, f"no frame for {silent:.1f}s (limit {sub.limit_s:g}s: "
                          f"send a heartbeat every lease_timeout_s / 3)", "silent")

@@ -20,7 +20,7 @@ import aiohttp
 import msgspec
 
 from node_agent.client.endpoints import LEADER_CHECK_S, LEADER_HEADER
-from node_agent.client.http import RdzvClient
+from node_agent.client.http import GATEWAY_AWAY, PROBE_AFTER_S, RdzvClient
 from node_agent.client.transport import ServerRejected, ServerUnreachable, refusal
 from protocol.codec import encode
 from protocol.errors import ErrorCode
@@ -93,24 +93,29 @@ class StreamClient(RdzvClient):
     async def _send(self, action: str, message: object, timeout: float) -> NodeStatus:
         if self.streaming is None:
             self.streaming = await self._offered()
-        if not self.streaming:
+        if not self.streaming:      # None: not known yet; this request goes over HTTP, which says what is wrong
             return await super()._send(action, message, timeout)
         link = await self._open(timeout)
         if isinstance(message, PollRequest):
             return await self._poll(link, message)
         return await self._call(link, action, message, timeout)
 
-    async def _offered(self) -> bool:
-        """Whether the server speaks the stream (its /healthz says so); unreachable: ask again next time."""
+    async def _offered(self) -> bool | None:
+        """Whether the server speaks the stream (its /healthz says so); None when that cannot be told now
+        (nothing answers, or not soon: a TCPStore never does; a certificate that does not verify): the
+        request then goes over HTTP, whose answer says what is wrong, and the next one asks again."""
         assert self._session is not None
         try:
             async with self._session.get(f"{self.endpoints.current}/healthz", ssl=self._ssl,
-                                         timeout=aiohttp.ClientTimeout(total=self.REQUEST_TIMEOUT_S)) as resp:
+                                         timeout=aiohttp.ClientTimeout(total=PROBE_AFTER_S)) as resp:
+                if resp.status in GATEWAY_AWAY:
+                    return None
                 body = await resp.json(content_type=None)
-        except (aiohttp.ClientConnectorError, asyncio.TimeoutError) as exc:
-            raise ServerUnreachable(f"{type(exc).__name__}: {exc}".rstrip(": ")) from exc
-        except (aiohttp.ClientError, ValueError, OSError):
-            return False                   # not our server, or not HTTP: the HTTP path says which
+        except (aiohttp.ClientConnectorError, aiohttp.ClientSSLError, aiohttp.ServerDisconnectedError,
+                asyncio.TimeoutError, OSError):
+            return None
+        except (aiohttp.ClientError, ValueError):
+            return False                   # HTTP, but not our server's answer: an old server, or another service
         return isinstance(body, dict) and body.get("stream") == STREAM_VERSION
 
     async def _open(self, timeout: float) -> _Link:
@@ -121,9 +126,10 @@ class StreamClient(RdzvClient):
         assert self._session is not None
         for _ in range(len(self.endpoints.configured) + 1):
             try:
-                ws = await self._session.ws_connect(
+                ws = await asyncio.wait_for(self._session.ws_connect(
                     f"{self.base}/{STREAM_PATH}", headers=self._auth(), ssl=self._ssl, autoping=True, compress=0,
-                    max_msg_size=MAX_FRAME_BYTES, timeout=aiohttp.ClientWSTimeout(ws_close=2.0))
+                    max_msg_size=MAX_FRAME_BYTES, timeout=aiohttp.ClientWSTimeout(ws_close=2.0)),
+                    min(timeout, self.REQUEST_TIMEOUT_S))     # a frozen server accepts, then never answers
             except aiohttp.WSServerHandshakeError as exc:
                 if exc.status == 503 and exc.headers and self.endpoints.follow(exc.headers.get(LEADER_HEADER, "")):
                     continue               # a standby named the leader
@@ -234,6 +240,7 @@ class StreamClient(RdzvClient):
                 link.fail(ServerUnreachable("no status on the stream after subscribing"))
             elif not link.news.is_set() and self.endpoints.replicated and not await self._leads(self.endpoints.current):
                 link.fail(ServerUnreachable(f"{self.endpoints.current} no longer answers as the leader"))
+                self.endpoints.skip()         # as on HTTP: the next replica given names the leader
 
 
 def _handshake_refusal(exc: aiohttp.WSServerHandshakeError) -> Exception:
