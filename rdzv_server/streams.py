@@ -64,9 +64,14 @@ class Subscription:
 
 @dataclass
 class StreamCounts:
-    """What the metrics show: frames pushed, streams closed by reason."""
+    """What the metrics show: frames pushed, streams closed by reason, requests by action and outcome."""
     pushed: int = 0
     closed: dict[str, int] = field(default_factory=dict)
+    requests: dict[tuple[str, str], int] = field(default_factory=dict)
+
+    def request(self, action: str, outcome: str) -> None:
+        key = (action, outcome)
+        self.requests[key] = self.requests.get(key, 0) + 1
 
     def close(self, reason: str) -> None:
         self.closed[reason] = self.closed.get(reason, 0) + 1

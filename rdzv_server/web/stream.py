@@ -158,7 +158,7 @@ def _hello(sub: Subscription, frame: Hello) -> None:
 
 async def _request(request: web.Request, sub: Subscription, frame: Request) -> Reply:
     """One request on the stream, answered as on HTTP (a refusal is an error reply, not the end)."""
-    coord = request.app[COORDINATOR]
+    coord, counts = request.app[COORDINATOR], request.app[HUB].counts
     cls = REQUEST_TYPES.get(frame.action)
     if cls is None or frame.action == "poll":
         raise FrameError(ErrorCode.BAD_REQUEST, f"no stream action {quote(frame.action)}; expected one of join, "
@@ -166,6 +166,7 @@ async def _request(request: web.Request, sub: Subscription, frame: Request) -> R
     try:
         req = decode_request(cls, bytes(frame.body))
     except DecodeError as exc:
+        counts.request(frame.action, exc.code.value)
         return Reply(id=frame.id, error=ErrorReply(code=exc.code.value, message=exc.message))
     if req.node_id != sub.node_id:
         raise FrameError(ErrorCode.FORBIDDEN, f"a request for node {quote(req.node_id)} on the stream of node "
@@ -175,7 +176,9 @@ async def _request(request: web.Request, sub: Subscription, frame: Request) -> R
             raise coord.gate.not_serving()
         status: NodeStatus = await coord.handle(sub.job_id, req, request.remote or "", _local(request))
     except RendezvousError as exc:
+        counts.request(frame.action, exc.code.value)
         return Reply(id=frame.id, error=ErrorReply(code=exc.code.value, message=_with_leader(exc)))
+    counts.request(frame.action, "ok")
     return Reply(id=frame.id, status=status)
 
 
@@ -190,7 +193,8 @@ def _local(request: web.Request) -> str:
 
 
 class StreamCollector(Collector):
-    """rdzv_open_streams, rdzv_stream_frames_pushed_total, rdzv_streams_closed_total{reason}."""
+    """rdzv_open_streams, rdzv_stream_frames_pushed_total, rdzv_streams_closed_total{reason},
+    rdzv_stream_requests_total{action,outcome}."""
 
     def __init__(self, hub: StreamHub) -> None:
         self.hub = hub
@@ -205,6 +209,11 @@ class StreamCollector(Collector):
         for reason, count in sorted(hub.counts.closed.items()):
             closed.add_metric([reason], count)
         yield closed
+        requests = CounterMetricFamily("rdzv_stream_requests", "Requests answered on streams, by action and "
+                                       "outcome (ok, or the error code).", labels=["action", "outcome"])
+        for (action, outcome), count in sorted(hub.counts.requests.items()):
+            requests.add_metric([action, outcome], count)
+        yield requests
 
 
 def add_stream_route(app: web.Application) -> None:

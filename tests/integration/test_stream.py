@@ -109,7 +109,14 @@ async def test_a_round_is_pushed_to_every_node_and_a_failure_report_is_answered_
                                         "failures": [failure]})
     assert reply["status"]["round_id"] == 2          # the report's own reply, before any push to it
     assert (await b.recv())["status"]["assignment"]["round_id"] == 2
+    stale = await b.request("failure", {"v": 1, "node_id": "b", "credential": "not-b's", "round_id": 1,
+                                        "failures": [failure]})
+    assert stale["error"]["code"] == "forbidden" and stale["status"] is None    # refused; the stream stays
     assert (await a.recv())["status"]["assignment"]["round_id"] == 2
+    async with http.get(url(server, "/metrics")) as resp:
+        text = await resp.text()
+    assert 'rdzv_stream_requests_total{action="join",outcome="ok"} 2.0' in text
+    assert 'rdzv_stream_requests_total{action="failure",outcome="forbidden"} 1.0' in text
     await a.ws.close()
     await b.ws.close()
 
