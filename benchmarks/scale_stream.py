@@ -72,10 +72,7 @@ class StreamWire(WireClient):
             self.reader = None
         super().close()
         self.broken, self.subscribed = False, None
-        for fut in self.pending.values():
-            if not fut.done():
-                fut.set_exception(ConnectionResetError("the stream was closed"))
-        self.pending.clear()
+        _fail(self.pending, "the stream was closed")
 
     def beat(self) -> None:
         if self.sock is not None and not self.broken:
@@ -159,13 +156,10 @@ class StreamWire(WireClient):
                 if not data:
                     break
                 buf += data
-        except OSError:
+        except (OSError, ValueError):     # ValueError: the socket was closed under the read (close())
             pass
         self.broken = True
-        for fut in self.pending.values():
-            if not fut.done():
-                fut.set_exception(ConnectionResetError("the server closed the stream"))
-        self.pending.clear()
+        _fail(self.pending, "the server closed the stream")
         self.news.set()
 
     def _on_frame(self, opcode: int, payload: bytes) -> None:
@@ -184,6 +178,15 @@ class StreamWire(WireClient):
             self.news.set()
         elif isinstance(frame, Error):
             self.broken = True
+
+
+def _fail(pending: dict[int, asyncio.Future[tuple[Reply, float]]], why: str) -> None:
+    """Fail the requests awaiting a reply (one whose caller gave up already: marked seen, not logged)."""
+    for fut in pending.values():
+        if not fut.done():
+            fut.set_exception(ConnectionResetError(why))
+            fut.exception()
+    pending.clear()
 
 
 def _take_frame(buf: bytearray) -> tuple[int, bytes] | None:
