@@ -266,7 +266,9 @@ def _steady(ma: dict, mb: dict, ca: list[dict], cb: list[dict]) -> dict[str, Any
     phase, polls = _phase(ma, mb, ca, cb), _polls(ca, cb)
     win = phase["window"]
     return {**win, **polls, "server_rss_mib": round(mb["rss"] / 2 ** 20, 1),
-            "server_cpu_us_per_poll": round(win["server_cpu_pct"] * 1e4 / max(polls["polls_per_s"], 1e-9)),
+            # (None on the stream: nodes hold no polls, their heartbeats are the steady load)
+            "server_cpu_us_per_poll": round(win["server_cpu_pct"] * 1e4 / polls["polls_per_s"])
+            if polls["polls_per_s"] >= 1 else None,
             "clients": phase["clients"]}
 
 
