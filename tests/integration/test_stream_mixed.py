@@ -119,3 +119,60 @@ async def test_a_slow_reader_is_closed_once_over_its_cap_and_its_node_is_kept() 
 def _join(node: str) -> JoinRequest:
     return JoinRequest(v=1, node_id=node, addr="127.0.0.1", local_world_size=1, master_port=1, config=THREE,
                        instance=node)
+
+
+class Lag:
+    """A loop-lag probe that says the server runs `s` seconds behind."""
+
+    def __init__(self, s: float) -> None:
+        self.s = s
+
+    def recent_s(self) -> float:
+        return self.s
+
+
+class QuietStream(SlowStream):
+    """A node that sends nothing; `kernel_s`: how long its kernel has received nothing either."""
+
+    def __init__(self, kernel_s: float) -> None:
+        super().__init__()
+        self.kernel_s = kernel_s
+
+    def push(self, frame: bytes) -> bool:
+        return True
+
+    def kernel_silence_s(self) -> float:
+        return self.kernel_s
+
+
+async def test_silence_is_judged_past_the_servers_own_lag_and_with_the_kernels_evidence() -> None:
+    coord = Coordinator()
+    await coord.start()
+    hub = StreamHub(coord)
+    try:
+        statuses = {n: await coord.handle("j", _join(n)) for n in ("a", "b", "c")}
+        streams = {"a": QuietStream(kernel_s=9.0), "b": QuietStream(kernel_s=0.0), "c": QuietStream(kernel_s=9.0)}
+        subs = {}
+        for n, stream in streams.items():
+            subs[n] = hub.opened("j", n, stream)
+            hub.subscribe(subs[n], statuses[n].credential, -1, 0)
+            subs[n].limit_s = 1.0
+            subs[n].heard -= 5.0                   # silent for 5 s by the frames the server has read
+            subs[n].heard_wall -= 10.0             # (its last frame, on the coordinator's clock: a lease ago)
+        coord.loop_lag = Lag(10.0)                 # ... but the server runs 10 s behind: nobody is blamed
+        hub._sweep()
+        assert all(s.closed is None for s in streams.values())
+        coord.loop_lag = Lag(0.0)                  # caught up: a and c are silent; b's kernel heard it just now
+        hub._sweep()
+        assert streams["a"].closed is not None and streams["a"].closed[0] is ErrorCode.LIMIT_REACHED
+        assert streams["b"].closed is None and streams["c"].closed is not None
+        closed_at = coord.clock()
+        hub.closed(subs["a"])
+        node = coord.core.jobs["j"].nodes["a"]
+        # the lease runs again, from the last sign of life before the close (not from the close)
+        assert node.holding == 0 and not node.dropped and node.last_seen < closed_at
+        assert node.lease_expires == node.last_seen + THREE.lease_timeout_s
+        assert hub.counts.closed == {"silent": 1}
+    finally:
+        coord.loop_lag = None
+        await coord.stop()
