@@ -33,6 +33,7 @@ from typing import Any
 
 import psutil
 
+from benchmarks.scale_stream import StreamWire
 from benchmarks.scale_wire import WireClient
 from node_agent.client.replies import Refusal, refusal
 from node_agent.client.retry import Backoff
@@ -51,6 +52,7 @@ class NodeSpec:
     addr: str                    # loopback source address the node's connections come from
     config: JobConfig
     probe_port: int = 29600      # the agent's witness port in its join (0: a client without one)
+    transport: str = "poll"      # "poll": long-polls over HTTP; "stream": one stream per node (scale_stream.py)
 
 
 @dataclass
@@ -76,8 +78,12 @@ class Tally:
 class SimNode:
     def __init__(self, spec: NodeSpec, port: int, tally: Tally) -> None:
         self.spec = spec
-        self.client = WireClient(port, spec.job_id, spec.node_id, spec.addr)      # joins and polls
-        self.reporter = WireClient(port, spec.job_id, spec.node_id, spec.addr)    # reports, beside a held poll
+        if spec.transport == "stream":            # joins, reports and pushed rounds on one stream
+            self.client: WireClient = StreamWire(port, spec.job_id, spec.node_id, spec.addr)
+            self.reporter = self.client
+        else:
+            self.client = WireClient(port, spec.job_id, spec.node_id, spec.addr)      # joins and polls
+            self.reporter = WireClient(port, spec.job_id, spec.node_id, spec.addr)    # reports, beside a held poll
         self.tally = tally
         self.instance = secrets.token_hex(6)
         self.known_round = -1
@@ -212,6 +218,14 @@ class LagProbe:
                 "samples": len(lags)}
 
 
+async def _heartbeats(streams: list[StreamWire]) -> None:
+    """Every stream's heartbeat, lease / 3 apart (the agent's period), from one task for the process."""
+    while True:
+        await asyncio.sleep(min(s.lease_s for s in streams) / 3)     # a period, not a wait for an event
+        for s in streams:
+            s.beat()
+
+
 class Fleet:
     """The simulated nodes of one client process and the commands the controller sends it."""
 
@@ -228,6 +242,9 @@ class Fleet:
         for spec in self.specs:
             self.nodes[f"{spec.job_id}/{spec.node_id}"] = SimNode(spec, self.port, self.tally)
         self.tasks.append(asyncio.create_task(self.probe.run()))
+        streams = [n.client for n in self.nodes.values() if isinstance(n.client, StreamWire)]
+        if streams:
+            self.tasks.append(asyncio.create_task(_heartbeats(streams)))
 
     async def close(self) -> None:
         for task in self.tasks:

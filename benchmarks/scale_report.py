@@ -44,6 +44,8 @@ def _others(r: dict[str, Any]) -> str:
 
 
 def _label(r: dict[str, Any]) -> str:
+    if r.get("transport", "poll") != "poll":
+        return f"{_label({**r, 'kind': r['kind'].split('-')[0], 'transport': 'poll'})}, {r['transport']}"
     if r["kind"] == "many_jobs":
         return f"{r['jobs']} jobs x {r['nodes_per_job']:,} ({r['duration_s']:.0f} s)"
     if r["kind"] == "overload":
@@ -60,7 +62,7 @@ def summary_line(r: dict[str, Any]) -> str:
     return (f"[{_label(r)}] formation first->all {_s(first)}, last->all {_s(last)}; wake p50/p99 "
             f"{_ms(rc.get('wake_p50_ms'))}/{_ms(rc.get('wake_p99_ms'))} ({rc['answered']}/{rc['expected']}), "
             f"failure reply {_ms(rc['failure_reply_ms'])}; steady CPU {st['server_cpu_pct']:.0f}% "
-            f"({st['polls_per_s']:.0f} polls/s, {st['server_cpu_us_per_poll']} us/poll), "
+            f"({st['polls_per_s']:.0f} polls/s, {st['server_cpu_us_per_poll'] or '-'} us/poll), "
             f"RSS {st['server_rss_mib']:.0f} MiB; /v1/status {_ms(views.get('median_ms'))} "
             f"(max {_ms(views.get('max_ms'))}); lost "
             f"{lo['nodes_lost']}, extra rounds {lo['extra_rounds']}, rejoins {lo['rejoins']}; clients {_clients(r)}; "
@@ -75,10 +77,10 @@ HEADER = ("| nodes | formation: first join -> all / last join -> all | round cha
 
 def markdown_table(doc: dict[str, Any]) -> str:
     rows = [HEADER]
-    order = {"one_job": 0, "many_jobs": 1, "overload": 2}
-    for r in sorted(doc["scenarios"], key=lambda r: (order.get(r["kind"], 9), r["nodes"])):
+    order = {"one_job": 0, "one_job-stream": 0, "many_jobs": 1, "many_jobs-stream": 1, "overload": 2}
+    for r in sorted(doc["scenarios"], key=lambda r: (order.get(r["kind"], 9), r["nodes"], r["kind"])):
         f, st, rc, lo = r["formation"], r["steady"], r["round_change"], r["losses"]
-        if r["kind"] == "many_jobs":
+        if r["kind"].startswith("many_jobs"):
             form = f"all {r['jobs']} jobs {_s(f['all_jobs_s'])}"
         else:
             form = f"{_s(f['first_join_to_all_assigned_s'])} / {_s(f['last_join_to_all_assigned_s'])}"

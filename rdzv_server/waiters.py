@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import heapq
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 
@@ -31,6 +32,8 @@ class Waiters:
         self._seq = itertools.count()
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = float("inf")
+        # Told of every wake too (streams.StreamHub): a job id, or None for all jobs. Must not raise.
+        self.listeners: list[Callable[[str | None], None]] = []
 
     def __len__(self) -> int:
         return sum(len(ws) for ws in self._by_job.values())
@@ -52,11 +55,15 @@ class Waiters:
         """Every poll held for `job_id` looks again, in one pass."""
         for waiter in self._by_job.get(job_id, ()):
             waiter.wake()
+        for listener in self.listeners:
+            listener(job_id)
 
     def wake_all(self) -> None:
         for waiters in self._by_job.values():
             for waiter in waiters:
                 waiter.wake()
+        for listener in self.listeners:
+            listener(None)
 
     def _arm(self, at: float) -> None:
         if self._timer is not None:

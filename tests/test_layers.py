@@ -16,7 +16,7 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     "rdzv_server": ("protocol", "rdzv_server.core", "rdzv_server.store", "rdzv_server.web"),
     "rdzv_server.web": ("protocol", "rdzv_server.core", "rdzv_server.coordinator", "rdzv_server.serving",
                         "rdzv_server.looplag", "rdzv_server.logs", "rdzv_server.store.api",
-                        "rdzv_server.store.persistence"),
+                        "rdzv_server.store.persistence", "rdzv_server.streams"),
     "rdzv_ctl": ("protocol",),
     "node_agent.core": ("protocol", "node_agent.client.replies"),
     "node_agent.client": ("protocol", "rdzv_server.coordinator", "rdzv_server.core"),   # local: in-process server

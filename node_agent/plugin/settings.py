@@ -23,10 +23,12 @@ import msgspec
 
 from node_agent.cli.job_identity import TORCHRUN_DEFAULT_ID
 from node_agent.cli.rdzv_conf import (
+    DEFAULT_TRANSPORT,
     INT_KEYS,
     KNOWN_KEYS,
     LOCAL_SECONDS,
     SECONDS_KEYS,
+    transport_choice,
     unquoted,
 )
 from node_agent.cli.values import parse_server, server_token
@@ -67,6 +69,7 @@ class PluginSettings:
     scheme: str = "http"           # https with --rdzv-conf tls_ca=F or an https:// endpoint
     token: str | None = None       # the server's bearer token (token_file=F, $RDZV_TOKEN_FILE, $RDZV_TOKEN)
     tls_ca: str | None = None      # CA bundle that must have signed the server's certificate
+    transport: str = DEFAULT_TRANSPORT   # --rdzv-conf transport=auto|stream|poll
 
 
 def _fail(key: str, why: str) -> NoReturn:
@@ -156,7 +159,7 @@ def plugin_settings(*, endpoint: str, run_id: str, min_nodes: int, max_nodes: in
         local_world_size=local_world_size, role=torchrun.role if torchrun else "default", config=config,
         server_wait_s=max(local["server_wait"], config.lease_timeout_s),
         close_timeout_s=local["close_timeout"], store_timeout_s=local["read_timeout"] or LOCAL_SECONDS["read_timeout"],
-        scheme=scheme, token=token, tls_ca=tls_ca)
+        scheme=scheme, token=token, tls_ca=tls_ca, transport=_transport(conf))
 
 
 def _whole_line(message: str) -> NoReturn:
@@ -169,3 +172,10 @@ def _name_key(message: str, typed: dict[str, str]) -> str:
     if m is None:
         return message
     return f"{typed.get(m.group(2), m.group(2))}: {m.group(1).replace('Expected', 'expected')}"
+
+
+def _transport(conf: Mapping[str, object]) -> str:
+    try:
+        return transport_choice(str(conf["transport"]) if conf.get("transport") else None, "--rdzv-conf transport")
+    except ValueError as exc:
+        raise SettingsError(str(exc)) from None

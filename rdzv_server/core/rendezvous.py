@@ -81,6 +81,10 @@ class Rendezvous:
             self.heard_at = now
             self._quiet_noted.clear()
 
+    def heard(self, now: float) -> None:
+        """A frame from some agent that is no request (a stream's heartbeat): the server is not cut off."""
+        self._heard(now)
+
     def take_effects(self) -> Outbox:
         """What the calls since the last take did (see outbox.py)."""
         self._note_ended()

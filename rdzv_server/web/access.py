@@ -82,8 +82,8 @@ def route_class(request: web.Request) -> str:
         return "health"
     if path.startswith("/v1/admin/"):
         return "admin"
-    if request.method == "POST" and path.startswith("/v1/jobs/"):
-        return "agent"
+    if path.startswith("/v1/jobs/") and (request.method == "POST" or request.match_info.route.name == "agent-stream"):
+        return "agent"        # the agent's requests, and its stream (web/stream.py)
     return "views"
 
 

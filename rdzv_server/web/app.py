@@ -11,6 +11,7 @@ from protocol.codec import CONTENT_TYPE, MAX_BODY_BYTES, REQUEST_TYPES, DecodeEr
 from protocol.errors import HTTP_STATUS, RETRYABLE, ErrorCode, unknown_job
 from protocol.messages import ErrorReply
 from protocol.quoting import quote
+from protocol.stream import STREAM_VERSION
 from rdzv_server.coordinator import Coordinator
 from rdzv_server.core.records import MAX_EVENTS_PER_JOB, JobRecord
 from rdzv_server.core.rendezvous import RendezvousError
@@ -21,6 +22,7 @@ from rdzv_server.web.connections import SlowBody, read_body, send_and_close, sil
 from rdzv_server.web.metrics import METRICS, ServerMetrics, metrics_endpoint, metrics_middleware
 from rdzv_server.web.page import render as page
 from rdzv_server.web.routing import COORDINATOR, job_id_of
+from rdzv_server.web.stream import add_stream_route, register_metrics
 
 log = logging.getLogger("rdzv_server")
 
@@ -112,7 +114,7 @@ async def standby_middleware(request: web.Request,
 
 
 async def healthz(request: web.Request) -> web.Response:
-    return web.json_response({"ok": True})
+    return web.json_response({"ok": True, "stream": STREAM_VERSION})   # stream: the version it speaks
 
 
 async def readyz(request: web.Request) -> web.Response:
@@ -204,6 +206,8 @@ def create_app(coordinator: Coordinator | None = None, *, allow_remote_admin: bo
     app.cleanup_ctx.append(lifecycle)
     app.on_shutdown.append(on_shutdown)
     app.router.add_post("/v1/jobs/{job_id}/{action}", agent_request)
+    add_stream_route(app)
+    register_metrics(app, app[METRICS].registry)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/metrics", metrics_endpoint)
