@@ -36,6 +36,15 @@ class ServerUnreachable(Exception):
     """The server could not be reached or is going away: retry later."""
 
 
+class NoPath(ServerUnreachable):
+    """An answer was overdue and no endpoint answers a fresh connection: the server is away for now."""
+
+
+class PathBack(ServerUnreachable):
+    """An answer was overdue, but an endpoint answers a fresh connection: send the request again there
+    at once (the connection it waited on is stalled in TCP's back-off, or the leader moved)."""
+
+
 class ServerRejected(Exception):
     """The server answered with a typed error (bad request, config conflict, ...)."""
 
@@ -61,6 +70,7 @@ class Transport:
     def __init__(self, node_id: str) -> None:
         self.node_id = node_id
         self.credential = ""     # the node's secret from its join's reply; every later request carries it
+        self.hold_s = 0.0        # the longest the server said it holds this node's polls (0: not said)
 
     async def __aenter__(self) -> Transport:
         return self
@@ -70,6 +80,10 @@ class Transport:
 
     async def _send(self, action: str, message: object, timeout: float) -> NodeStatus:
         raise NotImplementedError
+
+    async def path_back(self) -> None:
+        """Wait until the server can be reached again (a transport without a network: at once)."""
+        return None
 
     async def _request(self, message: msgspec.Struct, timeout: float | None = None) -> NodeStatus:
         action, limit = ACTION_OF[type(message)], self.REQUEST_TIMEOUT_S if timeout is None else timeout
