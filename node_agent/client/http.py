@@ -112,6 +112,9 @@ class RdzvClient(Transport):
         next request goes there."""
         self.endpoints.use(await self.path.until_back(self.endpoints.in_order))
 
+    async def reach(self) -> str:
+        return await self.path.reach(self.endpoints.in_order())
+
     async def _post(self, action: str, data: bytes, timeout: float,
                     due: float) -> tuple[NodeStatus | ErrorReply, str]:
         request = asyncio.ensure_future(self._post_once(self.base, action, data, timeout))

@@ -31,6 +31,11 @@ CHECK_TIMEOUT_S = 1.0    # a server that does not answer /readyz on a new connec
 # whose server is away): checked again on the schedule.
 NOT_SERVING = frozenset({502, 503, 504})
 
+# What one round of checks found (PathCheck.reach), for a caller deciding whether it is cut off:
+REACHED = "reached"      # an endpoint answers ready: the path is back
+STANDBY = "standby"      # endpoints answer but none serves yet: a restart or replica takeover is under way
+NO_SERVER = "none"       # no endpoint answers at all
+
 Probe = Callable[[str], Awaitable[int | None]]   # an endpoint -> its /readyz HTTP status (None: no answer)
 
 
@@ -64,6 +69,7 @@ class PathCheck:
         self._clock, self._sleep = clock, sleep
         self._lock = asyncio.Lock()
         self._last: tuple[float, str | None] | None = None   # (when the last round ended, its answer)
+        self.answered = False                                # the last round: did any endpoint answer HTTP?
         self.rounds = 0                                      # rounds of checks made (for tests and logs)
 
     async def check(self, endpoints: list[str]) -> str | None:
@@ -75,8 +81,14 @@ class PathCheck:
             statuses = await asyncio.gather(*(self._probe(e) for e in endpoints))
             self.rounds += 1
             ready = next((e for e, s in zip(endpoints, statuses) if s is not None and s not in NOT_SERVING), None)
-            self._last = (self._clock(), ready)
+            self._last, self.answered = (self._clock(), ready), any(s is not None for s in statuses)
             return ready
+
+    async def reach(self, endpoints: list[str]) -> str:
+        """REACHED, STANDBY or NO_SERVER, by one round of checks (or the last one, if that was just now)."""
+        if await self.check(endpoints) is not None:
+            return REACHED
+        return STANDBY if self.answered else NO_SERVER
 
     async def until_back(self, endpoints: Callable[[], list[str]]) -> str:
         """Check on the schedule until an endpoint answers ready; that endpoint. Cancel to stop."""

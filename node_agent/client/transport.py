@@ -12,6 +12,7 @@ from typing import Any, TypeVar
 
 import msgspec
 
+from node_agent.client.path_check import REACHED
 from protocol.codec import REQUEST_TYPES
 from protocol.errors import RETRYABLE, ErrorCode
 from protocol.messages import (
@@ -84,6 +85,10 @@ class Transport:
     async def path_back(self) -> None:
         """Wait until the server can be reached again (a transport without a network: at once)."""
         return None
+
+    async def reach(self) -> str:
+        """Whether the server answers a fresh connection now (path_check.py: REACHED, STANDBY, NO_SERVER)."""
+        return REACHED
 
     async def _request(self, message: msgspec.Struct, timeout: float | None = None) -> NodeStatus:
         action, limit = ACTION_OF[type(message)], self.REQUEST_TIMEOUT_S if timeout is None else timeout
