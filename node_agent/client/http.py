@@ -68,6 +68,7 @@ class RdzvClient(Transport):
         return self
 
     async def __aexit__(self, *exc: object) -> None:
+        await self.path.close()
         if self._session is not None:
             await self._session.close()
 
@@ -107,10 +108,13 @@ class RdzvClient(Transport):
                 self.hold_s = reply.poll_hold_s
             return reply
 
-    async def path_back(self) -> None:
+    async def path_back(self) -> bool:
         """Wait until an endpoint answers ready over a fresh connection (on the check schedule); the
-        next request goes there."""
-        self.endpoints.use(await self.path.until_back(self.endpoints.in_order))
+        next request goes there. Whether none did at first (the server was away)."""
+        ready = await self.path.check(self.endpoints.in_order())
+        away = ready is None
+        self.endpoints.use(ready if ready is not None else await self.path.until_back(self.endpoints.in_order))
+        return away
 
     async def reach(self) -> str:
         return await self.path.reach(self.endpoints.in_order())

@@ -12,6 +12,8 @@ connection, each with CHECK_TIMEOUT_S, and:
   a fleet does not come back in one wave, never sooner than MIN_PAUSE_S after the last one.
 Checks are shared (`PathCheck`): requests overdue together cause one round of checks, not one each,
 so a node checks each endpoint at most 1 / MIN_PAUSE_S times a second, whatever it has in flight.
+What a round found (`reach`: REACHED, STANDBY, NO_SERVER; replies.py) is what the agent's fencing
+rule weighs beside the witnesses (core/policy.py).
 """
 from __future__ import annotations
 
@@ -19,6 +21,8 @@ import asyncio
 import random
 import time
 from collections.abc import Awaitable, Callable
+
+from node_agent.client.replies import NO_SERVER, REACHED, STANDBY
 
 SHORT_DUE_S = 2.0        # a join, report or leave is answered well within this (its durable commit included)
 HOLD_MARGIN_S = 1.0      # a held poll's answer is due this long after its hold ends
@@ -30,11 +34,6 @@ CHECK_TIMEOUT_S = 1.0    # a server that does not answer /readyz on a new connec
 # Answers that mean the endpoint is there but not serving (a standby, a restarting server, a gateway
 # whose server is away): checked again on the schedule.
 NOT_SERVING = frozenset({502, 503, 504})
-
-# What one round of checks found (PathCheck.reach), for a caller deciding whether it is cut off:
-REACHED = "reached"      # an endpoint answers ready: the path is back
-STANDBY = "standby"      # endpoints answer but none serves yet: a restart or replica takeover is under way
-NO_SERVER = "none"       # no endpoint answers at all
 
 Probe = Callable[[str], Awaitable[int | None]]   # an endpoint -> its /readyz HTTP status (None: no answer)
 
@@ -59,41 +58,64 @@ class CheckSchedule:
 
 
 class PathCheck:
-    """Rounds of /readyz checks over fresh connections (`probe`), shared by every request of a client."""
+    """Rounds of /readyz checks over fresh connections (`probe`), shared by every request of a client.
+
+    A round starts at most every MIN_PAUSE_S: callers asking meanwhile share it. While waiting for the
+    path (`until_back`) a round starts on the schedule even if the one before still waits on a silent
+    endpoint (each probe ends by CHECK_TIMEOUT_S), so a healed path is seen within one pause."""
 
     def __init__(self, probe: Probe, schedule: CheckSchedule | None = None,
-                 clock: Callable[[], float] = time.monotonic,
-                 sleep: Callable[[float], Awaitable[None]] = asyncio.sleep) -> None:
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self._probe = probe
         self.schedule = schedule or CheckSchedule()
-        self._clock, self._sleep = clock, sleep
-        self._lock = asyncio.Lock()
-        self._last: tuple[float, str | None] | None = None   # (when the last round ended, its answer)
-        self.answered = False                                # the last round: did any endpoint answer HTTP?
-        self.rounds = 0                                      # rounds of checks made (for tests and logs)
+        self._clock = clock
+        self._latest: tuple[float, asyncio.Future[str | None]] | None = None   # (when it started, the round)
+        self.answered = False       # the last round that ended: did any endpoint answer HTTP?
+        self.rounds = 0             # rounds started (for tests and logs)
+
+    def _start(self, endpoints: list[str]) -> asyncio.Future[str | None]:
+        now = self._clock()
+        if self._latest is None or now - self._latest[0] >= MIN_PAUSE_S:
+            self._latest = (now, asyncio.ensure_future(self._round(endpoints)))
+        return self._latest[1]
+
+    async def _round(self, endpoints: list[str]) -> str | None:
+        self.rounds += 1
+        statuses = await asyncio.gather(*(self._probe(e) for e in endpoints))
+        self.answered = any(s is not None for s in statuses)
+        return next((e for e, s in zip(endpoints, statuses, strict=True) if s is not None and s not in NOT_SERVING),
+                    None)
 
     async def check(self, endpoints: list[str]) -> str | None:
-        """One round: the first of `endpoints` (in order of preference) that answers ready, or None.
-        A round that ended less than MIN_PAUSE_S ago is not repeated: its answer is the answer."""
-        async with self._lock:
-            if self._last is not None and self._clock() - self._last[0] < MIN_PAUSE_S:
-                return self._last[1]
-            statuses = await asyncio.gather(*(self._probe(e) for e in endpoints))
-            self.rounds += 1
-            ready = next((e for e, s in zip(endpoints, statuses) if s is not None and s not in NOT_SERVING), None)
-            self._last, self.answered = (self._clock(), ready), any(s is not None for s in statuses)
-            return ready
+        """The first of `endpoints` (in order of preference) that answers ready, or None: by a new
+        round, or by the one that started less than MIN_PAUSE_S ago."""
+        return await asyncio.shield(self._start(endpoints))
 
     async def reach(self, endpoints: list[str]) -> str:
-        """REACHED, STANDBY or NO_SERVER, by one round of checks (or the last one, if that was just now)."""
+        """REACHED, STANDBY or NO_SERVER, by one round of checks (or the one just made)."""
         if await self.check(endpoints) is not None:
             return REACHED
         return STANDBY if self.answered else NO_SERVER
 
+    async def close(self) -> None:
+        """Stop a round still under way (the client is closing)."""
+        if self._latest is not None and not self._latest[1].done():
+            self._latest[1].cancel()
+            await asyncio.gather(self._latest[1], return_exceptions=True)
+
     async def until_back(self, endpoints: Callable[[], list[str]]) -> str:
-        """Check on the schedule until an endpoint answers ready; that endpoint. Cancel to stop."""
+        """A round on the schedule until one finds an endpoint ready; that endpoint. Cancel to stop."""
+        loop = asyncio.get_running_loop()
+        outstanding: set[asyncio.Future[str | None]] = set()
         while True:
-            ready = await self.check(endpoints())
-            if ready is not None:
-                return ready
-            await self._sleep(self.schedule.next_pause())   # waiting out an outage: nothing to await
+            outstanding.add(self._start(endpoints()))
+            ends = loop.time() + self.schedule.next_pause()
+            while (left := ends - loop.time()) > 0:
+                if not outstanding:
+                    await asyncio.sleep(left)      # the rest of the pause: waiting out an outage
+                    break
+                done, outstanding = await asyncio.wait(outstanding, timeout=left,
+                                                       return_when=asyncio.FIRST_COMPLETED)
+                ready = next((r for r in (f.result() for f in done) if r is not None), None)
+                if ready is not None:
+                    return ready

@@ -12,7 +12,7 @@ from typing import Any, TypeVar
 
 import msgspec
 
-from node_agent.client.path_check import REACHED
+from node_agent.client.replies import REACHED
 from protocol.codec import REQUEST_TYPES
 from protocol.errors import RETRYABLE, ErrorCode
 from protocol.messages import (
@@ -82,9 +82,10 @@ class Transport:
     async def _send(self, action: str, message: object, timeout: float) -> NodeStatus:
         raise NotImplementedError
 
-    async def path_back(self) -> None:
-        """Wait until the server can be reached again (a transport without a network: at once)."""
-        return None
+    async def path_back(self) -> bool:
+        """Wait until the server can be reached again; whether it was away (a transport without a
+        network: never)."""
+        return False
 
     async def reach(self) -> str:
         """Whether the server answers a fresh connection now (path_check.py: REACHED, STANDBY, NO_SERVER)."""

@@ -12,7 +12,7 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
-from node_agent.client.path_check import NO_SERVER
+from node_agent.client.replies import NO_SERVER
 from protocol.messages import (
     FailureReport,
     JoinRequest,

@@ -46,7 +46,7 @@ import signal
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from node_agent.client.replies import News, Refusal, news, refusal, succeeded_without
+from node_agent.client.replies import NO_SERVER, News, Refusal, news, refusal, succeeded_without
 from node_agent.core.actions import (
     Action,
     Exit,
@@ -58,7 +58,6 @@ from node_agent.core.actions import (
     Spawn,
     StopWorkers,
 )
-from node_agent.client.path_check import NO_SERVER
 from node_agent.core.facts import (
     ROUND_REPLACED,
     SERVER_HEARD,

@@ -1,5 +1,5 @@
-"""The client's "is the path back?" schedule (node_agent/client/path_check.py), with a fake probe,
-a fake clock and recorded pauses: bounded rate, jitter, standbys and silent endpoints waited for."""
+"""The client's "is the path back?" schedule (node_agent/client/path_check.py), with fake probes and
+recorded pauses: bounded rate, jitter, standbys and silent endpoints waited for, shared rounds."""
 from __future__ import annotations
 
 import asyncio
@@ -8,36 +8,45 @@ from node_agent.client.path_check import (
     CHECK_EVERY_S,
     HOLD_MARGIN_S,
     MIN_PAUSE_S,
-    NO_SERVER,
-    REACHED,
     SHORT_DUE_S,
-    STANDBY,
     CheckSchedule,
     PathCheck,
     answer_due,
 )
+from node_agent.client.replies import NO_SERVER, REACHED, STANDBY
+
+
+class Recorded(CheckSchedule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.pauses: list[float] = []
+
+    def next_pause(self) -> float:
+        self.pauses.append(super().next_pause())
+        return self.pauses[-1]
 
 
 class Fake:
-    """Endpoints answering what `answers` says (None: no answer at all); time moves only by pauses."""
+    """Endpoints answering what `answers` says, in turn (None: no answer at all; `silent`: an answer
+    only after `silent` seconds, as a probe of an endpoint whose path is down)."""
 
-    def __init__(self, answers: dict[str, list[int | None]]) -> None:
+    def __init__(self, answers: dict[str, list[int | None]], silent: float = 0.0) -> None:
         self.answers = answers
         self.asked: list[str] = []
         self.now = 0.0
-        self.pauses: list[float] = []
+        self.silent = silent
+        self.schedule = Recorded()
 
     async def probe(self, endpoint: str) -> int | None:
         self.asked.append(endpoint)
         seq = self.answers[endpoint]
-        return seq.pop(0) if len(seq) > 1 else seq[0]
+        answer = seq.pop(0) if len(seq) > 1 else seq[0]
+        if answer is None and self.silent:
+            await asyncio.sleep(self.silent)     # stands in for a probe's own timeout
+        return answer
 
-    async def sleep(self, s: float) -> None:
-        self.pauses.append(s)
-        self.now += s
-
-    def check(self, **kw: object) -> PathCheck:
-        return PathCheck(self.probe, clock=lambda: self.now, sleep=self.sleep, **kw)  # type: ignore[arg-type]
+    def check(self, fake_clock: bool = False) -> PathCheck:
+        return PathCheck(self.probe, self.schedule, **({"clock": lambda: self.now} if fake_clock else {}))
 
 
 def test_an_answer_is_due_after_the_servers_hold_plus_a_margin_and_other_requests_soon():
@@ -62,9 +71,18 @@ async def test_refusing_or_standby_endpoints_are_checked_on_the_schedule_until_o
     fake = Fake({"a": [None, None, None, 200], "b": [503]})
     check = fake.check()
     assert await check.until_back(lambda: ["a", "b"]) == "a"
-    assert check.rounds == 4 and len(fake.pauses) == 3
-    assert all(p >= MIN_PAUSE_S for p in fake.pauses)
+    assert check.rounds == 4 and len(fake.schedule.pauses) == 4      # one round per pause, never more
+    assert all(p >= MIN_PAUSE_S for p in fake.schedule.pauses)
     assert fake.asked.count("b") == 4                                # every endpoint in every round
+
+
+async def test_a_round_waiting_on_a_silent_endpoint_does_not_hold_up_the_next():
+    # Each failed probe takes 2 s (its timeout); the path heals at the fourth round: seen by that
+    # round, started one pause after the third, not after the three timeouts in a row.
+    fake = Fake({"a": [None, None, None, 200]}, silent=2.0)
+    check = fake.check()
+    assert await asyncio.wait_for(check.until_back(lambda: ["a"]), 10) == "a"
+    assert check.rounds == 4 and sum(fake.schedule.pauses[:3]) < 2.0   # started before any timed out
 
 
 async def test_a_standby_is_told_apart_from_nobody_and_a_replica_that_serves_is_preferred_in_order():
@@ -77,7 +95,7 @@ async def test_a_standby_is_told_apart_from_nobody_and_a_replica_that_serves_is_
 
 async def test_requests_overdue_together_share_one_round_of_checks():
     fake = Fake({"a": [None]})
-    check = fake.check()
+    check = fake.check(fake_clock=True)
     answers = await asyncio.gather(*(check.check(["a"]) for _ in range(20)))
     assert answers == [None] * 20
     assert check.rounds == 1 and fake.asked == ["a"]                 # not one check per request

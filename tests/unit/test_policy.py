@@ -6,7 +6,7 @@ import signal
 import msgspec
 import pytest
 
-from node_agent.client.path_check import NO_SERVER, REACHED, STANDBY
+from node_agent.client.replies import NO_SERVER, REACHED, STANDBY
 from node_agent.core.actions import Exit, Leave, ProbePeers, Rejoin, ReportFailure, ReportSuccess, Spawn, StopWorkers
 from node_agent.core.facts import (
     ROUND_REPLACED,

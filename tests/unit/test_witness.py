@@ -1,9 +1,8 @@
 """Agents vouch for each other on real loopback sockets: in contact, alone, or not there at all."""
 from __future__ import annotations
 
-import socket
-
 import asyncio
+import socket
 
 from node_agent.core.facts import ROUND_REPLACED, SERVER_AWAY, SERVER_HEARD, SILENT, STILL_MEMBER
 from node_agent.witness import ALONE, IN_CONTACT, WitnessServer, ask_witnesses, verdict
