@@ -40,7 +40,8 @@ QUIET_S = 4.0
 SUSPECT_QUIET_S = 1.5   # silence from everyone past this: a lapsing lease waits (judged again once someone is heard)
 OUTAGE_LIMIT_S = 60.0
 LEAD_S = 2.0            # a node heard this long before a silence began may have been cut off by it
-RESUME_GRACE_S = 2.5    # after a silence ends, the time a cut-off agent needs to come back
+RESUME_GRACE_S = 1.5    # after a silence ends, the time a cut-off agent needs to come back (path_check.py:
+                        # a check within about 0.65 s, then the request)
 MAX_LOSS_HISTORY = 1000      # nodes whose losses a job remembers
 MAX_LOSSES_KEPT = 32         # losses remembered per node
 
