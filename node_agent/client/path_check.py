@@ -80,11 +80,24 @@ class PathCheck:
         return self._latest[1]
 
     async def _round(self, endpoints: list[str]) -> str | None:
+        """Every endpoint at once; the first to answer ready ends the round (a silent one, the leader
+        that went away, is not waited for), the earliest given among those answering together."""
         self.rounds += 1
-        statuses = await asyncio.gather(*(self._probe(e) for e in endpoints))
-        self.answered = any(s is not None for s in statuses)
-        return next((e for e, s in zip(endpoints, statuses, strict=True) if s is not None and s not in NOT_SERVING),
-                    None)
+        probes = {asyncio.ensure_future(self._probe(e)): e for e in endpoints}
+        pending, answered, ready = set(probes), False, None
+        try:
+            while pending and ready is None:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                statuses = {probes[f]: f.result() for f in done}
+                answered = answered or any(s is not None for s in statuses.values())
+                ready = next((e for e in endpoints if statuses.get(e) is not None
+                              and statuses[e] not in NOT_SERVING), None)
+        finally:
+            for f in pending:
+                f.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+        self.answered = answered
+        return ready
 
     async def check(self, endpoints: list[str]) -> str | None:
         """The first of `endpoints` (in order of preference) that answers ready, or None: by a new

@@ -102,3 +102,16 @@ async def test_requests_overdue_together_share_one_round_of_checks():
     fake.now += MIN_PAUSE_S
     await check.check(["a"])
     assert check.rounds == 2
+
+
+async def test_a_replica_that_serves_is_taken_without_waiting_for_a_silent_one():
+    # The leader went silent (its probe waits out its timeout); the standby that took over answers
+    # 200 at once: the round ends with it, and the silent probe is stopped.
+    class Silent(Fake):
+        async def probe(self, endpoint: str) -> int | None:
+            if endpoint == "old":
+                await asyncio.Event().wait()       # never answers: only cancelling ends it
+            return 200
+
+    fake = Silent({})
+    assert await asyncio.wait_for(fake.check().check(["old", "new"]), 5) == "new"
