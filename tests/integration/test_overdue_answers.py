@@ -4,6 +4,7 @@ node_agent/client/path_check.py has the rules."""
 from __future__ import annotations
 
 import asyncio
+import gc
 
 import pytest
 from aiohttp import web
@@ -104,3 +105,40 @@ async def test_nothing_listening_is_checked_on_the_schedule_and_the_retry_goes_o
             assert reply.round_id == -1 and len(errors) == 1 and len(peers) == 1
         finally:
             await srv.cleanup()
+
+
+async def test_a_request_that_fails_while_the_path_is_checked_has_its_error_retrieved(monkeypatch):
+    # #21 item 6: "Task exception was never retrieved ... ServerUnreachable". The poll's connection is
+    # closed by the server while the client checks the path: that error is the poll's, and retrieved.
+    monkeypatch.setattr(path_check, "HOLD_MARGIN_S", 0.1)
+    checking = asyncio.Event()
+
+    async def poll(request: web.Request) -> web.StreamResponse:
+        await checking.wait()
+        assert request.transport is not None
+        request.transport.abort()            # the connection goes while the check is under way
+        return web.Response()
+
+    async def readyz(request: web.Request) -> web.Response:
+        checking.set()
+        await asyncio.sleep(0.5)
+        return web.json_response({}, status=200)
+
+    app = web.Application()
+    app.router.add_post("/v1/jobs/{job_id}/{action}", poll)
+    app.router.add_get("/readyz", readyz)
+    srv = await start_app(app)
+    unretrieved: list[dict] = []
+    loop = asyncio.get_running_loop()
+    loop.set_exception_handler(lambda _loop, context: unretrieved.append(context))
+    try:
+        async with RdzvClient("127.0.0.1", srv.port or 0, "j", "n1") as c:
+            c.hold_s = 0.1
+            with pytest.raises(ServerUnreachable):
+                await asyncio.wait_for(c.poll(-1, 60.0), LIMIT)
+        gc.collect()
+        await asyncio.sleep(0)
+        assert not [u for u in unretrieved if "never retrieved" in str(u.get("message"))], unretrieved
+    finally:
+        loop.set_exception_handler(None)
+        await srv.close()
