@@ -26,7 +26,6 @@ from node_agent.client.endpoints import LEADER_CHECK_S, LEADER_HEADER, Endpoints
 from node_agent.client.path_check import CHECK_TIMEOUT_S, PathCheck, answer_due
 from node_agent.client.replies import NOT_RDZV_SERVER, TLS_UNTRUSTED
 from node_agent.client.transport import (
-    NoPath,
     PathBack,
     ServerRejected,
     ServerUnreachable,
@@ -89,8 +88,6 @@ class RdzvClient(Transport):
                 resent += 1      # at once, on a new connection; a server slow but there is waited for longer
                 due = timeout if resent >= MAX_RESENDS else due * 2
                 continue
-            except NoPath:
-                raise            # every endpoint was checked: none serves now
             except ServerUnreachable:
                 moves += 1
                 if moves >= len(self.endpoints.configured) and not self.endpoints.following:
@@ -134,7 +131,7 @@ class RdzvClient(Transport):
     async def _answer_or_check(self, request: asyncio.Future[tuple[NodeStatus | ErrorReply, str]],
                                due: float) -> tuple[NodeStatus | ErrorReply, str]:
         """`request`'s answer; once it is overdue (or, held at a replica, every LEADER_CHECK_S), the
-        path is checked: `PathBack` (send again there) or `NoPath` (nobody serves now)."""
+        path is checked: `PathBack` (send again, there) once an endpoint answers a new connection."""
         waited = 0.0
         while True:
             slice_s = min(due - waited, LEADER_CHECK_S) if self.endpoints.replicated else due - waited
@@ -146,8 +143,20 @@ class RdzvClient(Transport):
             if request.done():
                 return request.result()
             if ready is None:
-                raise NoPath(f"no answer from {self.endpoints.current} in {waited:.1f}s, and no endpoint "
-                             f"answers a new connection")
+                # Nobody serves now: the request keeps its connection (it may yet be answered; its
+                # keepalive ends it if the path stays silent), and the path is checked on the
+                # schedule meanwhile; once an endpoint answers, the request goes again there.
+                back = asyncio.ensure_future(self.path.until_back(self.endpoints.in_order))
+                try:
+                    either: set[asyncio.Future[object]] = {request, back}   # type: ignore[arg-type]
+                    await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    if not back.done():
+                        back.cancel()
+                    await asyncio.gather(back, return_exceptions=True)
+                if request.done():
+                    return request.result()
+                ready = back.result()
             if waited >= due or ready != self.endpoints.current:
                 self.endpoints.use(ready)
                 raise PathBack(f"no answer in {waited:.1f}s; {ready} answers a new connection")

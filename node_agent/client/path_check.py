@@ -8,8 +8,13 @@ connection, each with CHECK_TIMEOUT_S, and:
 - one answers ready: the path is back; the request goes again at once, there (the stalled
   connection is closed), a replica taking over included;
 - none does (refused, silent, or 503 from a standby or a restarting server): the server is away for
-  now; the client waits for the next check, on `CheckSchedule`: about every CHECK_EVERY_S, jittered so
-  a fleet does not come back in one wave, never sooner than MIN_PAUSE_S after the last one.
+  now; the request keeps its connection (it may yet be answered, and TCP keepalive ends it if the
+  path stays silent: that failure is what tells the agent the server is unreachable), and the client
+  checks again on `CheckSchedule`: about every CHECK_EVERY_S, jittered so a fleet does not come back
+  in one wave, never sooner than MIN_PAUSE_S after the last one. Abandoning the connection instead
+  would tell the server the node went away (a closed poll is lost after a 1 s grace) when only the
+  server was slow to answer a check. A request that failed waits for the same checks before it goes
+  again (`RdzvClient.path_back`, retry.py).
 Checks are shared (`PathCheck`): requests overdue together cause one round of checks, not one each,
 so a node checks each endpoint at most 1 / MIN_PAUSE_S times a second, whatever it has in flight.
 What a round found (`reach`: REACHED, STANDBY, NO_SERVER; replies.py) is what the agent's fencing

@@ -37,10 +37,6 @@ class ServerUnreachable(Exception):
     """The server could not be reached or is going away: retry later."""
 
 
-class NoPath(ServerUnreachable):
-    """An answer was overdue and no endpoint answers a fresh connection: the server is away for now."""
-
-
 class PathBack(ServerUnreachable):
     """An answer was overdue, but an endpoint answers a fresh connection: send the request again there
     at once (the connection it waited on is stalled in TCP's back-off, or the leader moved)."""
