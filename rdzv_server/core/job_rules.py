@@ -254,6 +254,8 @@ class JobRules:
             # newcomer left, there is nothing for it to form.
             if len(self.members()) + len(job.waiting) < job.config.min_nodes:
                 job.last_call_deadline = None
+                if job.join_deadline is not None:      # hidden while the window was open: due again
+                    self.out.deadline(job.join_deadline)
             elif job.round is not None and not job.waiting:
                 job.last_call_deadline = job.forming_since = None
 
