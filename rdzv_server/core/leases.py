@@ -73,7 +73,7 @@ def release(job: JobRecord, node: NodeRecord, now: float, out: Outbox, heard_at:
 def drop(job: JobRecord, node: NodeRecord, now: float, out: Outbox) -> None:
     """A held long-poll's connection closed under it: a short grace to come back."""
     node.holding = max(0, node.holding - 1)
-    node.dropped = True
+    node.dropped, node.dropped_at = True, now
     node.lease_expires = min(node.lease_expires, now + min(DROP_GRACE_S, job.config.lease_timeout_s))
     out.deadline(node.lease_expires)
 
@@ -110,8 +110,7 @@ def grace_after_silence(job: JobRecord, silence: tuple[float, float] | None, now
         if node.holding or node.lease_expires > now or node.lease_expires >= until or node.last_seen >= ended:
             continue
         # a held poll's connection closed by its keepalive: late in the silence, not at its start
-        dropped_at = node.lease_expires - min(DROP_GRACE_S, job.config.lease_timeout_s)
-        cut_in_silence = (began + SUSPECT_QUIET_S <= dropped_at < ended if node.dropped
+        cut_in_silence = (began + SUSPECT_QUIET_S <= node.dropped_at < ended if node.dropped
                           else node.last_seen > began - LEAD_S)
         if cut_in_silence:
             node.dropped = False

@@ -249,3 +249,22 @@ def test_after_a_takeover_a_loss_gives_the_silence_since_the_previous_server_wen
     rz.tick(210.0)                                # the takeover's grace (two leases) ran out for a
     lost = [e.message for e in rz.jobs["j"].events if e.kind == EventKind.NODE_LOST]
     assert lost and "no contact for 14.0s" in lost[0]
+
+
+def test_a_held_poll_closed_late_in_a_silence_gets_the_grace_one_closed_after_it_does_not():
+    # The server's keepalive ends a's held poll 4 s into a 5 s blip: that says nothing about a.
+    rz = job_with("a", "b")
+    rz.hold_poll("j", PollRequest(v=1, node_id="a"), 9.0)
+    poll(rz, "b", 10.0)
+    rz.connection_dropped("j", "a", 14.0)          # nobody heard 10.0 -> 15.0
+    poll(rz, "b", 15.0)
+    rz.tick(15.0)
+    assert "a" in rz.jobs["j"].nodes and rz.jobs["j"].nodes["a"].lease_expires == 15.0 + RESUME_GRACE_S
+    rz2 = job_with("a", "b")
+    rz2.hold_poll("j", PollRequest(v=1, node_id="a"), 9.0)
+    poll(rz2, "b", 10.0)
+    poll(rz2, "b", 15.0)
+    rz2.connection_dropped("j", "a", 15.2)         # closed after the server heard again: evidence
+    poll(rz2, "b", 16.0)
+    rz2.tick(16.2)
+    assert "a" not in rz2.jobs["j"].nodes
