@@ -62,7 +62,7 @@ class Agent:
         self._signal_count = 0
         self._exit: Exit | None = None
         # answers the other members' "are you there, and do you hear the server?" (witness.py)
-        self.witness = WitnessServer(addr, lambda: self.policy.in_contact)
+        self.witness = WitnessServer(addr, lambda: self.policy.in_contact, lambda: self.policy.known_round)
 
     @property
     def exit(self) -> Exit | None:
@@ -156,7 +156,10 @@ class Agent:
         self.facts.put_nowait(await self.checks.check(action, self.workers.stuck_pids))
 
     async def _probe(self, witnesses: tuple[Witness, ...]) -> None:
-        self.facts.put_nowait(PeersProbed(await ask_witnesses(witnesses)))
+        """The witnesses asked, and the server checked over a fresh connection, together: nothing is
+        concluded from the witnesses alone (policy.py)."""
+        said, server = await asyncio.gather(ask_witnesses(witnesses, self.policy.known_round), self.transport.reach())
+        self.facts.put_nowait(PeersProbed(said, server))
 
     def _on_signal(self, signum: int) -> None:
         self._signal_count += 1

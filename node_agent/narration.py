@@ -13,9 +13,12 @@ from typing import TextIO
 from node_agent.cli.launch_form import Mode
 from node_agent.cli.options import AgentOptions
 from node_agent.cli.values import StdSpec
+from node_agent.client.replies import STANDBY
 from node_agent.core.actions import Action, Exit, Rejoin, Spawn, StopWorkers
 from node_agent.core.facts import (
     CHECK_JOIN,
+    SERVER_AWAY,
+    STILL_MEMBER,
     Fact,
     NodeChecked,
     PeersProbed,
@@ -73,7 +76,15 @@ class Narrator:
                 self.say(f"the server keeps this host out: {message}; asking again after a back-off")
             case PeersProbed() if actions and isinstance(actions[0], StopWorkers):
                 self.say(actions[0].reason)
-            case PeersProbed(verdict="server_away") if not self._said_peers:
+            case PeersProbed(server=server) if server == STANDBY and not self._said_peers:
+                self._said_peers = True
+                self.say("the server's replicas answer but none serves yet (a takeover or restart is under way): "
+                         "the workers keep running")
+            case PeersProbed(verdict=verdict) if verdict == STILL_MEMBER and not self._said_peers:
+                self._said_peers = True
+                self.say("the round's other nodes still hear the server, in this node's round: nothing was "
+                         "replaced, so the workers keep running while this node's own path comes back")
+            case PeersProbed(verdict=verdict) if verdict == SERVER_AWAY and not self._said_peers:
                 self._said_peers = True
                 self.say("the server does not answer, nor does it answer the round's other nodes: the server "
                          "itself is away, so the workers keep running")

@@ -128,7 +128,8 @@ class ServerLink:
 
         try:
             status = await until_answered(
-                timed_call, on_unreachable=lambda exc: self._put(ServerNotReached(request, str(exc))))
+                timed_call, on_unreachable=lambda exc: self._put(ServerNotReached(request, str(exc))),
+                path_back=self._client.path_back)
         except ServerRejected as exc:
             self._put(ServerRefused(request, exc.code, exc.message))
             return

@@ -247,6 +247,9 @@ class NodeStatus(msgspec.Struct, kw_only=True):
     root_cause: WorkerFailure | None = None  # once FAILED: first failure in time of the round that failed last
     lease_timeout_s: float = 5.0
     credential: str = ""               # only in the reply to a join that created this node's record
+    # The longest the server holds this node's polls now (0: an older server that does not say): an
+    # answer not come by then (plus a margin) is overdue, and the client checks the path.
+    poll_hold_s: float = 0.0
 
 
 class ErrorReply(msgspec.Struct, kw_only=True):

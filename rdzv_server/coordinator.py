@@ -23,6 +23,8 @@ import time
 from collections.abc import Callable
 from typing import Protocol
 
+import msgspec
+
 from protocol.errors import ErrorCode
 from protocol.messages import (
     AgentRequest,
@@ -249,6 +251,11 @@ class Coordinator:
                      silence: Callable[[], float] | None = None) -> NodeStatus:
         """One agent request, by its type; `peer` is the address it came from, `local` the server's
         address it reached, `silence()` how long its connection has been silent (connections.silence_s)."""
+        status = await self._handle(job_id, req, peer, local, silence)
+        return msgspec.structs.replace(status, poll_hold_s=round(self._hold_base(status), 3))
+
+    async def _handle(self, job_id: str, req: AgentRequest, peer: str, local: str,
+                      silence: Callable[[], float] | None) -> NodeStatus:
         core = self.core
         match req:
             case PollRequest():
@@ -297,8 +304,11 @@ class Coordinator:
         """How long to hold a poll: long enough that all nodes together poll about TARGET_POLL_RATE
         times a second (at least half a lease, at most MAX_HOLD_S), jittered so polls do not come in
         waves, and never longer than the agent asked."""
-        base = min(max(self.core.node_count / TARGET_POLL_RATE, status.lease_timeout_s / 2), MAX_HOLD_S)
-        return min(wait_s, base * random.uniform(0.8, 1.0))
+        return min(wait_s, self._hold_base(status) * random.uniform(0.8, 1.0))
+
+    def _hold_base(self, status: NodeStatus) -> float:
+        """The longest hold now (what replies tell agents: poll_hold_s)."""
+        return min(max(self.core.node_count / TARGET_POLL_RATE, status.lease_timeout_s / 2), MAX_HOLD_S)
 
     async def long_poll(self, job_id: str, req: PollRequest, peer: str = "",
                         silence: Callable[[], float] | None = None) -> NodeStatus:

@@ -3,8 +3,9 @@ rendezvous server.
 
 `transport` (what every way of talking provides, and its two exceptions), `http` (HTTP +
 MessagePack, leader redirects between replicas via `endpoints`), `stream` (one WebSocket per node,
-falling back to `http` where the server offers none), `local` and `static` (in-process,
-for single-node and static launches), `retry` (the one backoff), and `replies` (the pure rules: what
-a reply or a refusal means for a node running round R). May import `protocol`, and `rdzv_server`'s
+falling back to `http` where the server offers none), `path_check` (is the path back? an overdue
+answer has every endpoint checked over a fresh connection), `local` and `static` (in-process, for
+single-node and static launches), `retry` (the one backoff), and `replies` (the pure rules: what a
+reply or a refusal means for a node running round R). May import `protocol`, and `rdzv_server`'s
 shell for the in-process coordinator; never the workers, the CLI, the plugin or torch.
 """

@@ -11,11 +11,10 @@ among them names the leader.
 from __future__ import annotations
 
 LEADER_HEADER = "Rdzv-Leader"
-# While a long-poll is held this long without an answer, the agent asks the replica holding it
-# whether it still leads (GET /readyz): a leader frozen (SIGSTOP) or replaced keeps the connection
-# open and would otherwise hold the agent until the poll's own timeout.
+# While a long-poll is held this long without an answer, the agent checks the path (path_check.py:
+# every endpoint's /readyz on a new connection): a leader frozen (SIGSTOP), replaced or cut off keeps
+# the connection open and would otherwise hold the agent until the poll's own timeout.
 LEADER_CHECK_S = 5.0
-LEADER_CHECK_TIMEOUT_S = 2.0
 
 
 def origin(scheme: str, host: str, port: int) -> str:
@@ -44,6 +43,14 @@ class Endpoints:
             return False
         self.current = leader
         return True
+
+    def in_order(self) -> list[str]:
+        """Every endpoint, the one in use first: where to check whether the path is back."""
+        return [self.current, *(e for e in self.configured if e != self.current)]
+
+    def use(self, endpoint: str) -> None:
+        """`endpoint` answered ready over a fresh connection: send there from now on."""
+        self.current = endpoint
 
     def skip(self) -> None:
         """The endpoint in use cannot be reached: the next one given (the first after a named leader)."""

@@ -22,15 +22,24 @@ import aiohttp
 import yarl
 
 from node_agent.client.c10d_store import answers_as_c10d_store
-from node_agent.client.endpoints import LEADER_CHECK_S, LEADER_CHECK_TIMEOUT_S, LEADER_HEADER, Endpoints, origin
+from node_agent.client.endpoints import LEADER_CHECK_S, LEADER_HEADER, Endpoints, origin
+from node_agent.client.path_check import CHECK_TIMEOUT_S, PathCheck, answer_due
 from node_agent.client.replies import NOT_RDZV_SERVER, TLS_UNTRUSTED
-from node_agent.client.transport import ServerRejected, ServerUnreachable, Transport, keepalive_socket, refusal
+from node_agent.client.transport import (
+    PathBack,
+    ServerRejected,
+    ServerUnreachable,
+    Transport,
+    keepalive_socket,
+    refusal,
+)
 from protocol.codec import CONTENT_TYPE, decode_reply, encode
 from protocol.errors import ErrorCode
 from protocol.messages import ErrorReply, NodeStatus
 
 GATEWAY_AWAY = (502, 503, 504)   # a proxy answering for a server that is away
 PROBE_AFTER_S = 1.0              # an rdzv-server answers a join, failure, success or leave well within this
+MAX_RESENDS = 2                  # a request sent again because its answer was overdue while the path works
 
 
 class RdzvClient(Transport):
@@ -48,6 +57,7 @@ class RdzvClient(Transport):
         self._ssl: ssl.SSLContext | bool = True
         self._session: aiohttp.ClientSession | None = None
         self._heard: set[str] = set()      # endpoints that have answered HTTP: no TCPStore there
+        self.path = PathCheck(self._probe)  # is the path back? (fresh connections; path_check.py)
 
     async def __aenter__(self) -> RdzvClient:
         if self._tls_ca is not None:
@@ -57,6 +67,7 @@ class RdzvClient(Transport):
         return self
 
     async def __aexit__(self, *exc: object) -> None:
+        await self.path.close()
         if self._session is not None:
             await self._session.close()
 
@@ -65,12 +76,18 @@ class RdzvClient(Transport):
         return self.endpoints.current + self._path
 
     async def _send(self, action: str, message: object, timeout: float) -> NodeStatus:
-        """One request, to the leader: a standby's answer names it, an unreachable replica is skipped."""
+        """One request, to the leader: a standby's answer names it, an unreachable replica is skipped,
+        and an overdue answer has the path checked over a fresh connection (path_check.py)."""
         data = encode(message)
-        moves = 0
+        due = answer_due(action, float(getattr(message, "wait_s", 0.0)), self.hold_s)
+        moves = resent = 0
         while True:
             try:
-                reply, leader = await self._post(action, data, timeout)
+                reply, leader = await self._post(action, data, timeout, due)
+            except PathBack:
+                resent += 1      # at once, on a new connection; a server slow but there is waited for longer
+                due = timeout if resent >= MAX_RESENDS else due * 2
+                continue
             except ServerUnreachable:
                 moves += 1
                 if moves >= len(self.endpoints.configured) and not self.endpoints.following:
@@ -84,27 +101,65 @@ class RdzvClient(Transport):
                         continue
                     self.endpoints.skip()
                 raise refusal(reply.code, reply.message)
+            if reply.poll_hold_s > 0:
+                self.hold_s = reply.poll_hold_s
             return reply
 
-    async def _post(self, action: str, data: bytes, timeout: float) -> tuple[NodeStatus | ErrorReply, str]:
+    async def path_back(self) -> bool:
+        """Wait until an endpoint answers ready over a fresh connection (on the check schedule); the
+        next request goes there. Whether none did at first (the server was away)."""
+        ready = await self.path.check(self.endpoints.in_order())
+        away = ready is None
+        self.endpoints.use(ready if ready is not None else await self.path.until_back(self.endpoints.in_order))
+        return away
+
+    async def reach(self) -> str:
+        return await self.path.reach(self.endpoints.in_order())
+
+    async def _post(self, action: str, data: bytes, timeout: float,
+                    due: float) -> tuple[NodeStatus | ErrorReply, str]:
         request = asyncio.ensure_future(self._post_once(self.base, action, data, timeout))
-        if action != "poll" and self.endpoints.current not in self._heard:
-            return await self._first_contact(request, self.endpoints.current)
-        if action != "poll" or not self.endpoints.replicated:
-            return await request
         try:
-            while True:       # a held poll: is the replica holding it still the leader?
-                done, _ = await asyncio.wait({request}, timeout=LEADER_CHECK_S)
-                if done:
-                    return request.result()
-                if not await self._leads(self.endpoints.current):
-                    raise ServerUnreachable(f"{self.endpoints.current} no longer answers as the leader")
+            if action != "poll" and self.endpoints.current not in self._heard:
+                return await self._first_contact(request, self.endpoints.current)
+            return await self._answer_or_check(request, due)
         finally:
             if not request.done():
-                request.cancel()
-                await asyncio.gather(request, return_exceptions=True)
-            elif not request.cancelled():
-                request.exception()   # seen: a request that failed as we were cancelled is never logged at exit
+                request.cancel()     # closes its connection: a stalled one is not used again
+            await asyncio.gather(request, return_exceptions=True)   # its error is ours, or moot: retrieved
+
+    async def _answer_or_check(self, request: asyncio.Future[tuple[NodeStatus | ErrorReply, str]],
+                               due: float) -> tuple[NodeStatus | ErrorReply, str]:
+        """`request`'s answer; once it is overdue (or, held at a replica, every LEADER_CHECK_S), the
+        path is checked: `PathBack` (send again, there) once an endpoint answers a new connection."""
+        waited = 0.0
+        while True:
+            slice_s = min(due - waited, LEADER_CHECK_S) if self.endpoints.replicated else due - waited
+            done, _ = await asyncio.wait({request}, timeout=slice_s)
+            if done:
+                return request.result()
+            waited += slice_s
+            ready = await self.path.check(self.endpoints.in_order())
+            if request.done():
+                return request.result()
+            if ready is None:
+                # Nobody serves now: the request keeps its connection (it may yet be answered; its
+                # keepalive ends it if the path stays silent), and the path is checked on the
+                # schedule meanwhile; once an endpoint answers, the request goes again there.
+                back = asyncio.ensure_future(self.path.until_back(self.endpoints.in_order))
+                try:
+                    either: set[asyncio.Future[object]] = {request, back}   # type: ignore[arg-type]
+                    await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    if not back.done():
+                        back.cancel()
+                    await asyncio.gather(back, return_exceptions=True)
+                if request.done():
+                    return request.result()
+                ready = back.result()
+            if waited >= due or ready != self.endpoints.current:
+                self.endpoints.use(ready)
+                raise PathBack(f"no answer in {waited:.1f}s; {ready} answers a new connection")
 
     async def _first_contact(self, request: asyncio.Future[tuple[NodeStatus | ErrorReply, str]],
                              server: str) -> tuple[NodeStatus | ErrorReply, str]:
@@ -126,18 +181,16 @@ class RdzvClient(Transport):
         finally:
             if not request.done():
                 request.cancel()
-                await asyncio.gather(request, return_exceptions=True)
-            elif not request.cancelled():
-                request.exception()   # seen: a request that failed as we were cancelled is never logged at exit
 
-    async def _leads(self, server: str) -> bool:
-        assert self._session is not None
+    async def _probe(self, server: str) -> int | None:
+        """`server`'s /readyz status over a new connection (None: no answer within CHECK_TIMEOUT_S)."""
         try:
-            async with self._session.get(f"{server}/readyz", ssl=self._ssl,
-                                         timeout=aiohttp.ClientTimeout(total=LEADER_CHECK_TIMEOUT_S)) as resp:
-                return resp.status == 200
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
-            return False
+            async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as fresh:
+                async with fresh.get(f"{server}/readyz", ssl=self._ssl,
+                                     timeout=aiohttp.ClientTimeout(total=CHECK_TIMEOUT_S)) as resp:
+                    return resp.status
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError):
+            return None
 
     async def _post_once(self, base: str, action: str, data: bytes,
                          timeout: float) -> tuple[NodeStatus | ErrorReply, str]:

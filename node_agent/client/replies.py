@@ -25,6 +25,12 @@ from protocol.messages import Assignment, JobState, JoinRequest, NodeState, Node
 TLS_UNTRUSTED = "tls_untrusted"
 NOT_RDZV_SERVER = "not_rdzv_server"
 
+# What a fresh connection to the server found (path_check.py), for a node deciding whether it is the
+# one cut off (core/policy.py's fencing rule):
+REACHED = "reached"      # an endpoint answers ready: the path is back
+STANDBY = "standby"      # endpoints answer but none serves yet: a restart or replica takeover is under way
+NO_SERVER = "none"       # no endpoint answers at all
+
 
 class News(enum.Enum):
     NONE = "none"

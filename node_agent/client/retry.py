@@ -1,8 +1,12 @@
 """Trying a request again while the server cannot be reached: the client's one backoff.
 
-The pause grows from BACKOFF_FIRST_S and doubles per try up to BACKOFF_MAX_S, each jittered down to
-half so a fleet of nodes does not come back in one wave; the cap is low so that a restarted server
-sees every node back within about that long. A typed refusal (`ServerRejected`) is never retried
+With a transport on a network (`path_back`, path_check.py), a try that failed because the server is
+away waits until it answers a fresh connection again, and goes at once then: never on TCP's own
+back-off, and no longer than the check schedule. The pause (otherwise, or when the server answered
+a fresh connection at once: busy, or the connection was reset) grows from BACKOFF_FIRST_S and
+doubles per try up to BACKOFF_MAX_S, each jittered down to half so a fleet of nodes does not come
+back in one wave; the cap is low so that a restarted server sees every node back within about that
+long. A typed refusal (`ServerRejected`) is never retried
 here: what it means is the caller's rule (replies.py).
 """
 from __future__ import annotations
@@ -51,10 +55,12 @@ class GaveUp(Exception):
 async def until_answered(send: Callable[[], Awaitable[T]], *,
                          on_unreachable: Callable[[ServerUnreachable], None] | None = None,
                          give_up_after: float | None = None,
+                         path_back: Callable[[], Awaitable[bool]] | None = None,
                          clock: Callable[[], float] = time.monotonic) -> T:
     """`send()` until it is answered. Each try that reaches no server is told to `on_unreachable`
-    and tried again after the backoff; after `give_up_after` seconds of that, `GaveUp`. A typed
-    refusal is raised at once."""
+    and tried again after the backoff and, with `path_back` (the transport's: path_check.py), once
+    the server answers a fresh connection again; after `give_up_after` seconds of that, `GaveUp`.
+    A typed refusal is raised at once."""
     backoff, started = Backoff(), clock()
     while True:
         try:
@@ -65,4 +71,12 @@ async def until_answered(send: Callable[[], Awaitable[T]], *,
             waited = clock() - started
             if give_up_after is not None and waited >= give_up_after:
                 raise GaveUp(waited, exc) from exc
-            await backoff.pause()
+            if path_back is None:
+                await backoff.pause()
+                continue
+            left = None if give_up_after is None else max(0.0, give_up_after - (clock() - started))
+            try:
+                if not await asyncio.wait_for(path_back(), left):
+                    await backoff.pause()     # it answers a fresh connection: the failure was not the path
+            except asyncio.TimeoutError:
+                pass          # tried once more, then given up on

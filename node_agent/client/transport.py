@@ -12,6 +12,7 @@ from typing import Any, TypeVar
 
 import msgspec
 
+from node_agent.client.replies import REACHED
 from protocol.codec import REQUEST_TYPES
 from protocol.errors import RETRYABLE, ErrorCode
 from protocol.messages import (
@@ -35,6 +36,11 @@ ACTION_OF: dict[type, str] = {cls: action for action, cls in REQUEST_TYPES.items
 
 class ServerUnreachable(Exception):
     """The server could not be reached or is going away: retry later."""
+
+
+class PathBack(ServerUnreachable):
+    """An answer was overdue, but an endpoint answers a fresh connection: send the request again there
+    at once (the connection it waited on is stalled in TCP's back-off, or the leader moved)."""
 
 
 class ServerRejected(Exception):
@@ -62,6 +68,7 @@ class Transport:
     def __init__(self, node_id: str) -> None:
         self.node_id = node_id
         self.credential = ""     # the node's secret from its join's reply; every later request carries it
+        self.hold_s = 0.0        # the longest the server said it holds this node's polls (0: not said)
 
     async def __aenter__(self) -> Transport:
         return self
@@ -71,6 +78,15 @@ class Transport:
 
     async def _send(self, action: str, message: object, timeout: float) -> NodeStatus:
         raise NotImplementedError
+
+    async def path_back(self) -> bool:
+        """Wait until the server can be reached again; whether it was away (a transport without a
+        network: never)."""
+        return False
+
+    async def reach(self) -> str:
+        """Whether the server answers a fresh connection now (path_check.py: REACHED, STANDBY, NO_SERVER)."""
+        return REACHED
 
     async def _request(self, message: msgspec.Struct, timeout: float | None = None) -> NodeStatus:
         action, limit = ACTION_OF[type(message)], self.REQUEST_TIMEOUT_S if timeout is None else timeout

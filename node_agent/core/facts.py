@@ -12,6 +12,7 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
+from node_agent.client.replies import NO_SERVER
 from protocol.messages import (
     FailureReport,
     JoinRequest,
@@ -79,15 +80,20 @@ class SignalReceived:
 
 
 # What the witnesses said, together (PeersProbed.verdict):
-SERVER_AWAY = "server_away"      # some answered, none hears the server: the server itself is away
-SERVER_HEARD = "server_heard"    # one hears the server: only this node is cut off from it
-SILENT = "silent"                # none answered: this node is cut off from everyone
+ROUND_REPLACED = "round_replaced"  # one hears the server and holds a newer round: this node's round is over
+STILL_MEMBER = "still_member"      # one hears the server, which still runs this node's round
+SERVER_HEARD = "server_heard"      # one hears the server (an older witness: it names no round)
+SERVER_AWAY = "server_away"        # some answered, none hears the server: the server itself is away
+SILENT = "silent"                  # none answered: this node is cut off from everyone
+
 
 
 @dataclass(frozen=True)
 class PeersProbed:
-    """What the round's witnesses said (ProbePeers): SERVER_AWAY, SERVER_HEARD or SILENT."""
+    """What the round's witnesses said (ProbePeers), and what a fresh connection to the server found
+    meanwhile (path_check.py: REACHED, STANDBY or NO_SERVER)."""
     verdict: str
+    server: str = NO_SERVER
 
 
 # Where a node check (CheckNode / NodeChecked) was asked for:

@@ -15,13 +15,16 @@ Rules:
   (another node failing still means a job-wide restart);
 - the server being unreachable leaves workers running; `server_wait_s` after the first failed try
   (timed rule: it fires even when no other fact comes) we stop them and give up;
-- fencing (timed rule): once this node's lease must have lapsed on the server (its last answered
-  request + the lease + FENCE_MARGIN_S, and at least FENCE_MARGIN_S after the first failed try), the
-  round's witnesses are asked whether they hear the server (witness.py). If they answer and do not,
-  the server itself is away: the round goes on, the workers stay, and they are asked again every
-  REPROBE_S. If one hears it, or none answers, this node is the one cut off and the server has
-  replaced its round by now: its workers are stopped and the round's failure reported (once the
-  server is back, the report is stale or restarts the round);
+- fencing (timed rule), only on evidence: once this node's lease must have lapsed on the server (its
+  last answered request + the lease + FENCE_MARGIN_S, and at least FENCE_MARGIN_S after the first
+  failed try), the round's witnesses are asked which round they hold and whether they hear the server
+  (witness.py), and the server is checked over a fresh connection meanwhile (path_check.py). The
+  workers are stopped, and the round's failure reported, only when a witness that hears the server
+  holds a newer round (the server replaced this one), or when no witness answers, twice, and no
+  endpoint answers either (this node is cut off from everyone). A witness that hears the server in
+  this node's round, witnesses that do not hear it, a server that answers again (the link sends
+  again) or a replica that answers but does not serve yet (a takeover under way): the round goes on,
+  asked again every REPROBE_S;
 - a refused join ends the agent (exit 0 when an operator drained the node: nothing failed here),
   except a node id still held by a live agent (`node_conflict`): that may be this node's previous
   agent, not yet noticed dead, so the join is retried each second for a lease and a bit;
@@ -45,7 +48,7 @@ import signal
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from node_agent.client.replies import News, Refusal, news, refusal, succeeded_without
+from node_agent.client.replies import NO_SERVER, News, Refusal, news, refusal, succeeded_without
 from node_agent.core.actions import (
     Action,
     CheckNode,
@@ -63,7 +66,7 @@ from node_agent.core.facts import (
     CHECK_JOIN,
     CHECK_RESTART,
     CHECK_RUNNING,
-    SERVER_AWAY,
+    ROUND_REPLACED,
     SERVER_HEARD,
     SILENT,
     DeadlinePassed,
@@ -144,8 +147,8 @@ class SupervisionPolicy:
                 self.conflict_since = None
                 self.renewed_at, self.probe_at, self.suspect = sent_at, None, False
                 return self._status(status)
-            case PeersProbed(verdict=verdict):
-                return self._peers(verdict, now)
+            case PeersProbed(verdict=verdict, server=server):
+                return self._peers(verdict, server, now)
             case ServerRefused():
                 self.unreachable_since = None
                 return self._refused(fact, now)
@@ -207,32 +210,33 @@ class SupervisionPolicy:
         return self.unreachable_since is None
 
     def _probe(self, now: float) -> list[Action]:
-        assert self.assignment is not None
-        if not self.assignment.witnesses:     # a server that names none: nobody can vouch for the network
-            return self._peers(SILENT, now)
+        assert self.assignment is not None    # a server that names no witness: the server check alone
         self.probing = True
         return [ProbePeers(self.assignment.witnesses)]
 
-    def _peers(self, verdict: str, now: float) -> list[Action]:
+    def _peers(self, verdict: str, server: str, now: float) -> list[Action]:
         self.probing = False
         if self.workers != Workers.RUNNING or self.unreachable_since is None or self.assignment is None:
             return []          # the server answered meanwhile, or the workers ended: moot
-        if verdict == SERVER_AWAY:
+        evidence = verdict == ROUND_REPLACED or (verdict == SERVER_HEARD and self.suspect)
+        if not evidence and (server != NO_SERVER or verdict not in (SERVER_HEARD, SILENT)):
+            # The server answers a fresh connection (the link sends again), a replica takes over, the
+            # server still runs this round, or it is away for everyone: nothing to conclude; ask again.
             self.probe_at, self.suspect = now + REPROBE_S, False
             return []
-        if verdict == SERVER_HEARD and not self.suspect:   # maybe a witness not yet aware: ask again
-            self.probe_at, self.suspect = now + CONFIRM_S, True
-            return []
-        if verdict == SILENT and self.assignment.witnesses and not self.suspect:
-            # Maybe only too slow to answer (a loaded host, not a cut link): ask once more, at once.
-            self.probe_at, self.suspect = now, True
+        if not evidence and not self.suspect:
+            # An older witness that hears the server may be right, or not yet aware; a silent one maybe
+            # only too slow to answer (a loaded host, not a cut link): ask once more.
+            self.probe_at, self.suspect = now + (CONFIRM_S if verdict == SERVER_HEARD else 0.0), True
             return []
         a = self.assignment
         self.workers, self.probe_at = Workers.FAILED, None
         silent = now - (self.renewed_at if self.renewed_at is not None else self.unreachable_since)
-        why = (f"fenced: no answer from the server for {silent:.1f}s (lease {self.lease_timeout_s:g}s), while the "
-               f"round's other nodes are silent or still hear it: this node is cut off, and the server has "
-               f"replaced its round")
+        seen = ("a witness that hears the server runs a newer round" if verdict == ROUND_REPLACED else
+                "the round's other nodes still hear the server" if verdict == SERVER_HEARD else
+                "neither the round's other nodes nor any endpoint answer")
+        why = (f"fenced: no answer from the server for {silent:.1f}s (lease {self.lease_timeout_s:g}s), and "
+               f"{seen}: this node is cut off, and the server has replaced its round")
         failure = WorkerFailure(local_rank=0, rank=a.rank_offset, exitcode=-signal.SIGTERM, signal="SIGTERM",
                                 reason="fenced", message=why[:MAX_MESSAGE])
         return [StopWorkers(why), ReportFailure(self.running_round, (failure,))]

@@ -222,7 +222,7 @@ class ServerSession:
     async def _retrying(self, send: Callable[[], Awaitable[NodeStatus]], limit: float) -> NodeStatus:
         """Send until answered, retrying an unreachable server for `limit` seconds; the reply is the view."""
         try:
-            status = await until_answered(send, give_up_after=limit)
+            status = await until_answered(send, give_up_after=limit, path_back=self._client.path_back)
         except GaveUp as exc:
             raise ServerLost(self._unreachable(exc.waited_s, exc.last)) from None
         self._answered += 1
@@ -252,7 +252,8 @@ class ServerSession:
             answered = self._answered
             try:
                 reply = await until_answered(functools.partial(self._client.poll, known, POLL_WAIT_S),
-                                             give_up_after=self.settings.server_wait_s)
+                                             give_up_after=self.settings.server_wait_s,
+                                             path_back=self._client.path_back)
             except GaveUp as exc:
                 self._end(ServerLost(self._unreachable(exc.waited_s, exc.last)))
                 return

@@ -108,11 +108,14 @@ class JobRules:
 
     # ---- time ----------------------------------------------------------------------------
 
-    def tick(self, now: float, lag_s: float = 0.0, quiet_s: float | None = None, say_quiet: bool = True) -> int:
+    def tick(self, now: float, lag_s: float = 0.0, quiet_s: float | None = None, say_quiet: bool = True,
+             silence: tuple[float, float] | None = None) -> int:
         """Apply every deadline of this job that has passed. `quiet_s`: how long the server has heard
         from no agent, when that is long enough to be its own fault (leases.py); lapsing leases are
-        then extended (and said so when `say_quiet`). Returns how many were extended."""
+        then extended (and said so when `say_quiet`). `silence`: the last such silence that ended
+        (leases.grace_after_silence). Returns how many were extended."""
         job = self.job
+        leases.grace_after_silence(job, silence, now, self.out)
         gone, deferred = leases.lapsed(job, now, lag_s)
         if deferred:                    # judged again once the server has caught up
             leases.extend(job, deferred, now, min(lag_s, job.config.lease_timeout_s), self.out)
@@ -262,6 +265,8 @@ class JobRules:
             # newcomer left, there is nothing for it to form.
             if len(self.members()) + len(job.waiting) < job.config.min_nodes:
                 job.last_call_deadline = None
+                if job.join_deadline is not None:      # hidden while the window was open: due again
+                    self.out.deadline(job.join_deadline)
             elif job.round is not None and not job.waiting:
                 job.last_call_deadline = job.forming_since = None
 

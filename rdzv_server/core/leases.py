@@ -17,6 +17,14 @@ Evidence must be about the node, never about the server itself:
   server's own link may have just gone, and a held poll's last sign of life can predate that by a
   keepalive period, so such a lease could otherwise run out before the quiet rule sees the outage;
   it is judged again once someone is heard (then it lapses) or by the quiet rule;
+- a silence that ended (the server hears someone again after SUSPECT_QUIET_S or more of nobody) may
+  have been the server's own link, blocking every node: a node heard within LEAD_S before it began
+  (a healthy node's last sign of life, a keepalive ACK included, is at most about that old) and not
+  since had no chance to come back while it lasted, and the others come back first by chance. Its
+  lease, if it runs out before the silence's end + RESUME_GRACE_S (the time an agent needs to find
+  the path back over a fresh connection, node_agent/client/path_check.py), runs until then; a held
+  poll's connection that closed during the silence (its keepalive gave up) likewise. Once per silence,
+  so a node that really died is lost at most RESUME_GRACE_S later;
 - a lease does not lapse while the server runs `lag_s` behind (its event loop late, requests
   waiting in its own backlog); it is judged again once the server has caught up. A connection that
   closed is evidence about the node itself, busy server or not.
@@ -31,6 +39,9 @@ DROP_GRACE_S = 1.0
 QUIET_S = 4.0
 SUSPECT_QUIET_S = 1.5   # silence from everyone past this: a lapsing lease waits (judged again once someone is heard)
 OUTAGE_LIMIT_S = 60.0
+LEAD_S = 2.0            # a node heard this long before a silence began may have been cut off by it
+RESUME_GRACE_S = 1.5    # after a silence ends, the time a cut-off agent needs to come back (path_check.py:
+                        # a check within about 0.65 s, then the request)
 MAX_LOSS_HISTORY = 1000      # nodes whose losses a job remembers
 MAX_LOSSES_KEPT = 32         # losses remembered per node
 
@@ -62,7 +73,7 @@ def release(job: JobRecord, node: NodeRecord, now: float, out: Outbox, heard_at:
 def drop(job: JobRecord, node: NodeRecord, now: float, out: Outbox) -> None:
     """A held long-poll's connection closed under it: a short grace to come back."""
     node.holding = max(0, node.holding - 1)
-    node.dropped = True
+    node.dropped, node.dropped_at = True, now
     node.lease_expires = min(node.lease_expires, now + min(DROP_GRACE_S, job.config.lease_timeout_s))
     out.deadline(node.lease_expires)
 
@@ -86,6 +97,25 @@ def lapsed(job: JobRecord, now: float, lag_s: float) -> tuple[list[NodeRecord], 
             # a closed connection is evidence about the node however busy the server is
             (gone if node.dropped or node.lease_expires + lag_s <= now else deferred).append(node)
     return gone, deferred
+
+
+def grace_after_silence(job: JobRecord, silence: tuple[float, float] | None, now: float, out: Outbox) -> None:
+    """Leases running out now that the last silence (`silence`: (began, ended), the server's own time
+    with nobody heard) may explain run until its end + RESUME_GRACE_S instead."""
+    if silence is None:
+        return
+    began, ended = silence
+    until = ended + RESUME_GRACE_S
+    for node in job.nodes.values():
+        if node.holding or node.lease_expires > now or node.lease_expires >= until or node.last_seen >= ended:
+            continue
+        # a held poll's connection closed by its keepalive: late in the silence, not at its start
+        cut_in_silence = (began + SUSPECT_QUIET_S <= node.dropped_at < ended if node.dropped
+                          else node.last_seen > began - LEAD_S)
+        if cut_in_silence:
+            node.dropped = False
+            node.lease_expires = until
+            out.deadline(until)
 
 
 def extend(job: JobRecord, nodes: list[NodeRecord], now: float, by: float, out: Outbox) -> None:

@@ -70,6 +70,7 @@ class Rendezvous:
         self.heard_at: float | None = None   # the last agent request of any job (None: none yet)
         self.unhealthy = UnhealthyHosts(self.limits.unhealthy_hold_s)   # hosts kept out of every job
         self._quiet_noted: set[str] = set()   # jobs told of the server's silence since it last heard
+        self.silence: tuple[float, float] | None = None   # the last silence of SUSPECT_QUIET_S or more that ended
         # Finished jobs by when they ended, oldest first: forgetting one is O(log n), never a scan. An
         # entry whose job was forgotten, reused or ended again since is skipped when it comes up.
         self._ended: list[tuple[float, str]] = [(j.finished_at or 0.0, j.job_id) for j in self.jobs.values()
@@ -78,6 +79,8 @@ class Rendezvous:
 
     def _heard(self, now: float) -> None:
         if self.heard_at is None or now > self.heard_at:
+            if self.heard_at is not None and now - self.heard_at >= SUSPECT_QUIET_S:
+                self.silence = (self.heard_at, now)   # maybe the server's own link: leases.grace_after_silence
             self.heard_at = now
             self._quiet_noted.clear()
 
@@ -252,7 +255,8 @@ class Rendezvous:
                 continue
             seq = job.event_seq
             with self._counting(job):
-                extended = JobRules(job, self.outbox).tick(now, lag_s, quiet_s, job.job_id not in self._quiet_noted)
+                extended = JobRules(job, self.outbox).tick(now, lag_s, quiet_s, job.job_id not in self._quiet_noted,
+                                                           self.silence)
             if extended:
                 self._quiet_noted.add(job.job_id)
             if job.event_seq != seq:      # every decision records an event
@@ -348,12 +352,17 @@ class Rendezvous:
 def _rearm(rules: JobRules, now: float, away_s: float, how: str) -> None:
     """One job after the server came back on a saved state: nobody is blamed for the time it was away.
 
-    Every live node gets a fresh lease plus one more lease of grace to reconnect; pending
+    Every live node gets a fresh lease plus one more lease of grace to reconnect (agents find a new
+    leader within about a second of it serving: node_agent/client/path_check.py); pending
     last-call and join deadlines move by the time away. Exclusion cooldowns keep running.
+    A node's saved `last_seen` is as old as the last saved change of its job, not its last contact
+    (renewals are not saved): the previous server vouched for it until it went away, so its silence
+    counts from then at the latest, and a loss message gives that, not the saved figure.
     """
     job = rules.job
     grace = 2 * job.config.lease_timeout_s
     for node in job.nodes.values():
+        node.last_seen = min(now, max(node.last_seen, now - away_s))
         node.dropped = False
         node.holding = 0                 # the connections of held polls did not survive the restart
         node.lease_expires = now + grace

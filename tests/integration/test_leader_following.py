@@ -12,11 +12,12 @@ from aiohttp import web
 from node_agent.client import http as client_module
 from node_agent.client.http import RdzvClient
 from node_agent.client.transport import ServerUnreachable
-from protocol.messages import JobConfig
+from protocol.codec import CONTENT_TYPE, encode
+from protocol.messages import JobConfig, JobState, NodeState, NodeStatus
 from rdzv_ctl.client import Client
 from rdzv_server.coordinator import Coordinator
 from rdzv_server.web.app import create_app
-from tests.integration.support import start_app
+from tests.integration.support import start_app, wait_until
 from tests.ports import free_port
 
 LIMIT = 10.0
@@ -78,23 +79,41 @@ async def test_a_held_poll_is_left_when_its_replica_stops_answering_as_the_leade
             checked.set()
         return web.json_response({}, status=ready["status"])
 
+    other = {"status": 503, "asked": 0}
+
+    async def other_readyz(request: web.Request) -> web.Response:
+        other["asked"] += 1
+        return web.json_response({}, status=other["status"])
+
+    async def answer(request: web.Request) -> web.Response:
+        return web.Response(body=encode(NodeStatus(job_id="j", job_state=JobState.RUNNING,
+                                                   node_state=NodeState.WAITING, round_id=7, restart_count=0)),
+                            content_type=CONTENT_TYPE)
+
     app = web.Application()
     app.router.add_post("/v1/jobs/{job_id}/{action}", hold)
     app.router.add_get("/readyz", readyz)
-    srv = await start_app(app)
+    standby = web.Application()
+    standby.router.add_post("/v1/jobs/{job_id}/{action}", answer)
+    standby.router.add_get("/readyz", other_readyz)
+    srv, srv2 = await start_app(app), await start_app(standby)
     monkeypatch.setattr(client_module, "LEADER_CHECK_S", 0.1)
     try:
-        async with RdzvClient("127.0.0.1", srv.port or 0, "j", "n1", replicas=(("127.0.0.1", free_port()),)) as c:
+        async with RdzvClient("127.0.0.1", srv.port or 0, "j", "n1", replicas=(("127.0.0.1", srv2.port or 0),)) as c:
             poll = asyncio.create_task(c.poll(1, 60.0))
             await held.wait()
             await asyncio.wait_for(checked.wait(), LIMIT)     # three checks answered 200: the poll stays held
             assert not poll.done()
-            ready["status"] = 503
-            with pytest.raises(ServerUnreachable):       # left, and the other replica tried: nobody there
-                await asyncio.wait_for(poll, LIMIT)
-            assert c.endpoints.current != f"http://127.0.0.1:{srv.port}"
+            ready["status"] = 503                        # it stops leading, and the other does not serve yet:
+            asked = other["asked"]
+            await wait_until(lambda: other["asked"] >= asked + 2)   # both checked on the schedule meanwhile
+            assert not poll.done()                       # kept: nobody serves, and it may yet be answered
+            other["status"] = 200                        # the other replica takes over: the poll goes there
+            reply = await asyncio.wait_for(poll, LIMIT)
+            assert reply.round_id == 7 and c.endpoints.current == f"http://127.0.0.1:{srv2.port}"
     finally:
         await srv.close()
+        await srv2.close()
 
 
 async def test_rdzv_ctl_follows_the_leader(leader_and_standby):

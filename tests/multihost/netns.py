@@ -13,6 +13,8 @@ Faults:
   it sends is dropped silently, with no FIN or RST either way (a pulled cable, a dead switch port).
 - `partition(a, b)`: an nftables table in both hosts drops what comes from the other: both sides
   send, nothing arrives, no error is returned to either (a firewall or routing black hole).
+- `one_way(src, dst)`: an nftables (bridge) table on the switch drops what `src` sends to `dst`, not
+  the way back: one-way loss in the network, no error to either side.
 Namespaces, veths, the bridge and the nftables tables all go with `close()`, which first kills every
 process still inside (`ip netns pids`), whoever started it.
 """
@@ -124,6 +126,7 @@ class Network:
         self._addrs = {h: f"{self.subnet}.{i + 1}" for i, h in enumerate(hosts)}
         self._made: list[str] = []
         self._partitions: dict[str, set[str]] = {h: set() for h in hosts}
+        self._one_way: set[tuple[str, str]] = set()
         try:
             self._build()
         except BaseException:
@@ -206,6 +209,24 @@ class Network:
         nft(self.ns(host), f"table inet {NFT_TABLE}\ndelete table inet {NFT_TABLE}\n"
                            f"table inet {NFT_TABLE} {{\n\tchain input {{\n"
                            f"\t\ttype filter hook input priority 0; policy accept;\n{rules}\t}}\n}}\n")
+
+    def one_way(self, src: str, dst: str) -> None:
+        """Drop at the switch what `src` sends to `dst` (that direction only)."""
+        self._one_way.add((src, dst))
+        self._apply_one_way()
+
+    def heal_one_way(self, src: str, dst: str) -> None:
+        self._one_way.discard((src, dst))
+        self._apply_one_way()
+
+    def _apply_one_way(self) -> None:
+        missing = tool_missing()
+        if missing:
+            raise NetnsError(missing)
+        rules = "".join(f"\t\tip saddr {self.addr(s)} ip daddr {self.addr(d)} drop\n" for s, d in sorted(self._one_way))
+        nft(self.switch, f"table bridge {NFT_TABLE}\ndelete table bridge {NFT_TABLE}\n"
+                         f"table bridge {NFT_TABLE} {{\n\tchain forward {{\n"
+                         f"\t\ttype filter hook forward priority 0; policy accept;\n{rules}\t}}\n}}\n")
 
     # ---------------------------------------------------------------------------- talking inside
 

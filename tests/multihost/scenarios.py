@@ -41,14 +41,19 @@ class Observed:
     restarted: dict[str, int] = field(default_factory=dict)     # host -> workers started after t0
     rounds: int = 0                                              # rounds completed after t0
     losses: int = 0                                              # node_lost events after t0
+    healed_at: float | None = None                               # one-way loss: when it ended
+    rejoined_s: float | None = None                              # ... the victim's next join after it
+    full_size_s: float | None = None                             # ... every host's first step at full size
     notes: str = ""
 
     def summary(self) -> str:
         def s(v: float | None) -> str:
             return "-" if v is None else f"{v:.2f}"
+        healed = (f", after the heal: joined {s(self.rejoined_s)} s, full size {s(self.full_size_s)} s"
+                  if self.healed_at is not None else "")
         return (f"{self.fault}: detection {s(self.detection_s)} s, survivors training again "
                 f"{s(self.survivors_training_s)} s, fencing {s(self.fencing_s)} s, rounds {self.rounds}, "
-                f"losses {self.losses}, workers restarted {self.restarted} {self.notes}").rstrip()
+                f"losses {self.losses}, workers restarted {self.restarted}{healed} {self.notes}").rstrip()
 
 
 def alive(proc: psutil.Process) -> bool:
@@ -125,9 +130,30 @@ def lose_host(job: MultiHostJob, fault: str, victim: str, survivors: list[str], 
     return seen
 
 
+def next_renewal(job: MultiHostJob, host: str, limit_s: float = SETUP_LIMIT_S) -> float:
+    """The wall time of `host`'s next lease renewal (its long-poll answered and sent again), as the
+    server's view shows it, seen within about one status request."""
+    last: float | None = None
+
+    def renewed() -> float | None:
+        nonlocal last
+        asked = time.time()
+        view = job.view()
+        node = next((n for n in (view or {}).get("nodes", []) if n["node_id"] == host), None)
+        if node is None:
+            return None
+        at = asked - node["lease_age_s"]
+        if last is not None and at > last + RENEWAL_JITTER_S:
+            return at
+        last = at if last is None else max(last, at)
+        return None
+    return float(wait_until(renewed, limit_s, lambda: f"a lease renewal of {host}\n{job.diagnosis()}", interval=0.02))
+
+
 def server_outage(job: MultiHostJob, hosts: list[str], outage_s: float, *, measure_recovery: bool = False,
-                  limit_s: float = SETUP_LIMIT_S) -> Observed:
-    """The server's own link goes down for `outage_s`, then comes back. Returns once the server has
+                  phase_s: float | None = None, limit_s: float = SETUP_LIMIT_S) -> Observed:
+    """The server's own link goes down for `outage_s`, then comes back (with `phase_s`: that long after
+    a renewal of the first host's lease, a phase of its poll cycle). Returns once the server has
     had two renewals from every member of the round since the link came back (the outage is over
     for the server: at least one of the two was a request, even if the server re-armed the leases
     itself), or once the job has moved to another round. With `measure_recovery`, in the latter
@@ -137,6 +163,9 @@ def server_outage(job: MultiHostJob, hosts: list[str], outage_s: float, *, measu
     assert before is not None and before["round_id"] is not None, job.diagnosis()
     old = [p for h in hosts for p in live_workers(job, h)]
     old_pids = frozenset(p.pid for p in old)
+    if phase_s is not None:
+        at = next_renewal(job, hosts[0]) + phase_s
+        time.sleep(max(0.0, at - time.time()))      # to the phase: the fault's schedule
     seen = Observed("server_link_down", t0=time.time())
     job.net.cut(job.server_host)
     time.sleep(outage_s)            # the fault's length, not a wait for anything
@@ -187,4 +216,27 @@ def flap(job: MultiHostJob, flapper: str, healthy: list[str], *, duration_s: flo
         job.net.reconnect(flapper)
     _count_after(job, seen, [*healthy, flapper])
     seen.notes = f"({cycles} cycles of {down_s:g} s down / {up_s:g} s up over {duration_s:g} s)"
+    return seen
+
+
+def one_way_loss(job: MultiHostJob, victim: str, hosts: list[str], *, direction: str, down_s: float,
+                 limit_s: float = SETUP_LIMIT_S) -> Observed:
+    """Everything `victim` sends to the server ("out") or the server sends to it ("in") is lost for
+    `down_s`, then no more. Returns once every host trains at full size after the heal; `rejoined_s`
+    and `full_size_s` are measured from the heal."""
+    src, dst = (victim, job.server_host) if direction == "out" else (job.server_host, victim)
+    seen = Observed(f"one_way_{direction}", t0=time.time())
+    job.net.one_way(src, dst)
+    try:
+        time.sleep(down_s)          # the fault's length, not a wait for anything
+    finally:
+        job.net.heal_one_way(src, dst)
+    healed = seen.healed_at = time.time()
+    first = wait_until(lambda: job.training(hosts, len(hosts), since=healed), limit_s,
+                       lambda: f"all of {hosts} training at full size after the heal\n{job.diagnosis()}")
+    seen.full_size_s = max(r["t"] for r in first.values()) - healed
+    joins = [e for e in job.events_of("node_joined", since=healed) if e["node_id"] == victim]
+    if joins:
+        seen.rejoined_s = parse_time(joins[0]["time"]) - healed
+    _count_after(job, seen, hosts)
     return seen

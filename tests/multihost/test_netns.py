@@ -78,6 +78,17 @@ def test_partition_separates_exactly_two_hosts(net, listen):
     assert reach(net, "a", "server", ports["server"]) == "ok"
 
 
+def test_one_way_loss_drops_one_direction_between_two_hosts_at_the_switch(net, listen):
+    ports = {h: listen(h) for h in ("server", "a", "b")}
+    net.one_way("a", "server")
+    assert reach(net, "a", "server", ports["server"]) == "timeout"    # the SYN is lost
+    assert reach(net, "server", "a", ports["a"]) == "timeout"         # the SYN arrives, its SYN-ACK is lost
+    assert reach(net, "a", "b", ports["b"]) == "ok"
+    assert reach(net, "b", "server", ports["server"]) == "ok"
+    net.heal_one_way("a", "server")
+    assert reach(net, "a", "server", ports["server"]) == "ok"
+
+
 def test_close_kills_what_runs_inside_and_removes_the_namespaces(namespaces):
     n = netns.Network(["a"])
     sleeper = subprocess.Popen(n.exec_argv("a", ["sleep", "600"]), start_new_session=True)

@@ -25,7 +25,7 @@ from protocol.messages import (
     WorkerFailure,
 )
 from rdzv_server.core.events import EventKind
-from rdzv_server.core.leases import OUTAGE_LIMIT_S, QUIET_S
+from rdzv_server.core.leases import OUTAGE_LIMIT_S, QUIET_S, RESUME_GRACE_S, SUSPECT_QUIET_S
 from rdzv_server.core.records import JobRecord
 from rdzv_server.core.rendezvous import DROP_GRACE_S, REUSE_FINISHED_AFTER_S, Rendezvous, RendezvousError, node_room
 
@@ -188,8 +188,13 @@ class RendezvousMachine(RuleBasedStateMachine):
                     self.rz.poll(JOB, PollRequest(v=1, node_id=other), self.now)
         self._advance(expires)
         if self._live() and node_id in self.job.nodes:
-            # still there: only because its lease had been extended before (the server was quiet)
-            assert any(e.kind == EventKind.LEASES_EXTENDED for e in self.job.events), node_id
+            # still there: only because its lease had been extended before (the server was quiet), or
+            # because a silence of the server's own just ended (a grace to come back), or because
+            # nobody at all was heard for a while before it ran out (judged again later; leases.py)
+            silence = self.rz.silence
+            graced = silence is not None and self.job.nodes[node_id].lease_expires == silence[1] + RESUME_GRACE_S
+            quiet = self.rz.heard_at is not None and expires - self.rz.heard_at >= SUSPECT_QUIET_S
+            assert graced or quiet or any(e.kind == EventKind.LEASES_EXTENDED for e in self.job.events), node_id
 
     @precondition(lambda self: self._live() and self.job.nodes)
     @rule(dt=st.sampled_from([4.5, 8.0, 20.0]))

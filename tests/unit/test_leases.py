@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from protocol.messages import JobConfig, JoinRequest, PollRequest
 from rdzv_server.core.events import EventKind
-from rdzv_server.core.leases import OUTAGE_LIMIT_S, QUIET_S
+from rdzv_server.core.leases import OUTAGE_LIMIT_S, QUIET_S, RESUME_GRACE_S
 from rdzv_server.core.rendezvous import Rendezvous
 
 LEASE = 5.0
@@ -39,7 +39,8 @@ def test_a_held_poll_is_the_lease_and_its_answer_starts_the_lease_again():
     rz.take_effects()
     rz.poll_ended("j", "a", 31.0)
     assert rz.take_effects().earliest == 31.0 + LEASE
-    poll(rz, "b", 35.5)                           # the others are still heard as a's lease runs out
+    for t in (32.0, 33.0, 34.0, 35.0, 35.5):       # the others are still heard as a's lease runs out
+        poll(rz, "b", t)
     rz.tick(31.0 + LEASE)
     assert "a" not in rz.jobs["j"].nodes and "b" in rz.jobs["j"].nodes
 
@@ -107,8 +108,8 @@ def test_a_lease_that_runs_out_while_nobody_is_heard_waits_for_the_quiet_rule():
     poll(rz, "b", 3.0)
     rz.tick(LEASE)                                # quiet 2 s: a waits
     assert "a" in rz.jobs["j"].nodes
-    due = rz.next_deadline()
-    rz.tick(due)                                  # still nobody: the quiet rule extends every lease
+    while not any(e.kind == "leases_extended" for e in rz.jobs["j"].events) and rz.next_deadline() < 3.0 + 2 * LEASE:
+        rz.tick(rz.next_deadline())               # still nobody: the quiet rule extends every lease
     assert set(rz.jobs["j"].nodes) == {"a", "b"}
     assert any(e.kind == "leases_extended" for e in rz.jobs["j"].events)
 
@@ -116,7 +117,8 @@ def test_a_lease_that_runs_out_while_nobody_is_heard_waits_for_the_quiet_rule():
 def test_nodes_lost_together_leave_together_in_one_new_round():
     rz = job_with("a", "b", "c")
     round_id = rz.jobs["j"].round.round_id
-    poll(rz, "c", 4.0)
+    for t in (1.0, 2.0, 3.0, 4.0):                # c is heard throughout
+        poll(rz, "c", t)
     rz.tick(LEASE)                                # a and b lapse in the same tick
     job = rz.jobs["j"]
     assert set(job.nodes) == {"c"} and job.round.round_id == round_id + 1
@@ -194,3 +196,75 @@ def test_a_closed_connection_is_evidence_even_while_the_server_runs_behind():
     poll(rz, "b", 2.0)
     rz.tick(2.5, lag_s=3.0)
     assert "a" not in rz.jobs["j"].nodes
+
+
+def test_a_blip_just_after_an_answer_replaces_nobody_when_the_others_come_back_first():
+    # #26: a's last contact 1.8 s before a 3 s blip of the server's link (0.05 s after b and c were
+    # heard); b and c come back first, 0.1 s before a's lease runs out; a itself 3.4 s into the blip.
+    rz = job_with("a", "b", "c")
+    first = rz.jobs["j"].round.round_id
+    poll(rz, "a", 10.0)
+    for t in (10.5, 11.0, 11.75):
+        poll(rz, "b", t)
+        poll(rz, "c", t)
+    poll(rz, "b", 14.9)                           # the blip: 11.8 -> 14.8
+    rz.tick(15.0)                                 # a's lease ran out (10 + 5): the silence explains it
+    assert "a" in rz.jobs["j"].nodes
+    assert rz.jobs["j"].nodes["a"].lease_expires == 14.9 + RESUME_GRACE_S
+    poll(rz, "c", 15.0)
+    poll(rz, "a", 15.2)
+    rz.tick(14.9 + RESUME_GRACE_S)
+    assert set(rz.jobs["j"].nodes) == {"a", "b", "c"} and rz.jobs["j"].round.round_id == first
+    assert EventKind.NODE_LOST not in kinds(rz)
+
+
+def test_after_a_silence_a_node_that_does_not_come_back_is_lost_once_the_grace_ends():
+    rz = job_with("a", "b")
+    poll(rz, "a", 10.0)
+    poll(rz, "b", 11.5)
+    poll(rz, "b", 14.0)                           # nobody heard 11.5 -> 14.0
+    rz.tick(15.0)
+    assert "a" in rz.jobs["j"].nodes              # once, until the silence's end + the grace
+    for t in (15.0, 16.0):
+        poll(rz, "b", t)
+    rz.tick(14.0 + RESUME_GRACE_S)
+    assert "a" not in rz.jobs["j"].nodes
+
+
+def test_a_node_silent_since_well_before_the_silence_gets_no_grace():
+    rz = job_with("a", "b")
+    poll(rz, "a", 10.0)
+    for t in (11.0, 12.0, 13.0):                  # a silent while b is heard: not the server's fault
+        poll(rz, "b", t)
+    poll(rz, "b", 14.8)                           # a silence 13.0 -> 14.8, begun 3 s after a's last contact
+    rz.tick(15.0)
+    assert "a" not in rz.jobs["j"].nodes
+
+
+def test_after_a_takeover_a_loss_gives_the_silence_since_the_previous_server_went_away():
+    rz = job_with("a", "b")
+    rz.restored(200.0, away_s=4.0, clean=False)   # the saved last_seen (0.0) is 200 s old: not the silence
+    for t in (201.0, 202.0, 203.0, 204.0, 205.0, 206.0, 207.0, 208.0, 209.0, 210.0):
+        poll(rz, "b", t)
+    rz.tick(210.0)                                # the takeover's grace (two leases) ran out for a
+    lost = [e.message for e in rz.jobs["j"].events if e.kind == EventKind.NODE_LOST]
+    assert lost and "no contact for 14.0s" in lost[0]
+
+
+def test_a_held_poll_closed_late_in_a_silence_gets_the_grace_one_closed_after_it_does_not():
+    # The server's keepalive ends a's held poll 4 s into a 5 s blip: that says nothing about a.
+    rz = job_with("a", "b")
+    rz.hold_poll("j", PollRequest(v=1, node_id="a"), 9.0)
+    poll(rz, "b", 10.0)
+    rz.connection_dropped("j", "a", 14.0)          # nobody heard 10.0 -> 15.0
+    poll(rz, "b", 15.0)
+    rz.tick(15.0)
+    assert "a" in rz.jobs["j"].nodes and rz.jobs["j"].nodes["a"].lease_expires == 15.0 + RESUME_GRACE_S
+    rz2 = job_with("a", "b")
+    rz2.hold_poll("j", PollRequest(v=1, node_id="a"), 9.0)
+    poll(rz2, "b", 10.0)
+    poll(rz2, "b", 15.0)
+    rz2.connection_dropped("j", "a", 15.2)         # closed after the server heard again: evidence
+    poll(rz2, "b", 16.0)
+    rz2.tick(16.2)
+    assert "a" not in rz2.jobs["j"].nodes

@@ -4,8 +4,11 @@ from __future__ import annotations
 import io
 import signal
 
+from node_agent.client.replies import NO_SERVER, STANDBY
 from node_agent.core.actions import Exit, Leave, Rejoin, ReportFailure, Spawn, StopWorkers
 from node_agent.core.facts import (
+    STILL_MEMBER,
+    PeersProbed,
     ServerNotReached,
     ServerRefused,
     SpawnFailed,
@@ -92,3 +95,14 @@ def test_failure_summary_names_the_root_cause() -> None:
         "job j failed: budget used", "root cause (first failure in time across all nodes):",
         "  host      : h2 (node n2)", "  rank      : 5 (local rank 1)", "  failure   : exited, exit code 1",
         "  error     : E: x", "  traceback :", "    Traceback", "      line"]
+
+
+def test_a_probe_that_concludes_nothing_is_told_once_per_outage_and_says_why():
+    out = io.StringIO()
+    n = Narrator("node-b", out)
+    n.fact(PeersProbed(STILL_MEMBER, NO_SERVER), [])
+    n.fact(PeersProbed(STILL_MEMBER, NO_SERVER), [])
+    assert out.getvalue().count("nothing was replaced") == 1
+    out2 = io.StringIO()
+    Narrator("node-b", out2).fact(PeersProbed("server_away", STANDBY), [])
+    assert "takeover" in out2.getvalue()

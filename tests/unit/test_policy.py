@@ -6,11 +6,14 @@ import signal
 import msgspec
 import pytest
 
+from node_agent.client.replies import NO_SERVER, REACHED, STANDBY
 from node_agent.core.actions import Exit, Leave, ProbePeers, Rejoin, ReportFailure, ReportSuccess, Spawn, StopWorkers
 from node_agent.core.facts import (
+    ROUND_REPLACED,
     SERVER_AWAY,
     SERVER_HEARD,
     SILENT,
+    STILL_MEMBER,
     DeadlinePassed,
     PeersProbed,
     ServerNotReached,
@@ -344,11 +347,49 @@ def test_witnesses_that_do_not_hear_the_server_either_keep_the_workers_and_are_a
     assert isinstance(p.handle(DeadlinePassed(), 17.2)[0], ProbePeers)
 
 
-def test_a_node_alone_in_its_round_is_never_fenced_and_a_server_naming_no_witness_fences_at_once():
+def test_a_node_alone_in_its_round_is_never_fenced_and_one_with_no_witness_fences_on_the_server_check_alone():
     p = running(1)                                               # group world size 1
     p.handle(unreachable(), 14.0)
     assert p.next_deadline() == 14.0 + 60
     q = fenced_policy(witnesses=())
     q.handle(unreachable(), 14.0)
-    actions = q.handle(DeadlinePassed(), 16.0)
-    assert isinstance(actions[0], StopWorkers) and "fenced" in actions[0].reason
+    assert q.handle(DeadlinePassed(), 16.0) == [ProbePeers(())]   # nobody to ask: the server is still checked
+    assert q.handle(PeersProbed(SILENT, NO_SERVER), 16.5) == []   # once more, at once
+    assert q.handle(DeadlinePassed(), 16.5) == [ProbePeers(())]
+    actions = q.handle(PeersProbed(SILENT, NO_SERVER), 17.0)
+    assert isinstance(actions[0], StopWorkers) and "nor any endpoint answer" in actions[0].reason
+
+
+def test_a_witness_holding_a_newer_round_is_the_evidence_to_fence_at_once():
+    p = fenced_policy()
+    p.handle(unreachable(), 14.0)
+    p.handle(DeadlinePassed(), 16.0)
+    actions = p.handle(PeersProbed(ROUND_REPLACED, NO_SERVER), 16.2)
+    assert isinstance(actions[0], StopWorkers) and "runs a newer round" in actions[0].reason
+    assert isinstance(actions[1], ReportFailure) and p.workers == Workers.FAILED
+
+
+def test_a_witness_that_hears_the_server_in_this_nodes_round_is_no_evidence_however_often():
+    # #21 item 5: b's poll answer was lost in a blip; a and c heard the server, which had replaced nothing.
+    p = fenced_policy()
+    p.handle(unreachable(), 14.0)
+    t = 16.0
+    for _ in range(5):
+        assert isinstance(p.handle(DeadlinePassed(), t)[0], ProbePeers)
+        assert p.handle(PeersProbed(STILL_MEMBER, NO_SERVER), t + 0.1) == [] and p.workers == Workers.RUNNING
+        assert p.next_deadline() == t + 0.1 + 1.0                 # asked again a second later
+        t += 1.1
+
+
+@pytest.mark.parametrize("server", [REACHED, STANDBY])
+@pytest.mark.parametrize("verdict", [SILENT, SERVER_HEARD])
+def test_nothing_is_concluded_while_the_server_answers_a_fresh_connection_or_a_replica_takes_over(verdict, server):
+    # The server (or a standby while a takeover is under way) answers a new connection: the link sends
+    # again at once; a silent or older witness is no evidence then, twice or not.
+    p = fenced_policy()
+    p.handle(unreachable(), 14.0)
+    t = 16.0
+    for _ in range(3):
+        p.handle(DeadlinePassed(), t)
+        assert p.handle(PeersProbed(verdict, server), t + 0.1) == [] and p.workers == Workers.RUNNING
+        t = p.next_deadline()

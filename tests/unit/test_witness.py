@@ -1,10 +1,11 @@
 """Agents vouch for each other on real loopback sockets: in contact, alone, or not there at all."""
 from __future__ import annotations
 
+import asyncio
 import socket
 
-from node_agent.core.facts import SERVER_AWAY, SERVER_HEARD, SILENT
-from node_agent.witness import WitnessServer, ask_witnesses
+from node_agent.core.facts import ROUND_REPLACED, SERVER_AWAY, SERVER_HEARD, SILENT, STILL_MEMBER
+from node_agent.witness import ALONE, IN_CONTACT, WitnessServer, ask_witnesses, verdict
 from protocol.messages import Witness
 
 
@@ -14,13 +15,17 @@ def closed_port() -> int:
         return s.getsockname()[1]                 # nothing listens there once it is closed
 
 
-async def test_the_verdict_follows_what_the_witnesses_say_about_the_server():
-    hears, alone = [True], [False]
-    a, b = WitnessServer("127.0.0.1", lambda: hears[0]), WitnessServer("127.0.0.1", lambda: alone[0])
+async def test_the_verdict_follows_what_the_witnesses_say_about_the_server_and_their_round():
+    hears, alone, held = [True], [False], [3]
+    a = WitnessServer("127.0.0.1", lambda: hears[0], lambda: held[0])
+    b = WitnessServer("127.0.0.1", lambda: alone[0], lambda: 3)
     try:
         wa, wb = Witness(addr="127.0.0.1", port=await a.start()), Witness(addr="127.0.0.1", port=await b.start())
         nobody = Witness(addr="127.0.0.1", port=closed_port())
-        assert await ask_witnesses((wa, wb)) == SERVER_HEARD          # one still hears it: this node is cut off
+        assert await ask_witnesses((wa, wb), 3) == STILL_MEMBER       # it hears the server, in this node's round
+        held[0] = 4
+        assert await ask_witnesses((wa, wb), 3) == ROUND_REPLACED     # a newer round: this node's is over
+        assert await ask_witnesses((wa, wb), 4) == STILL_MEMBER
         hears[0] = False
         assert await ask_witnesses((wa, wb)) == SERVER_AWAY           # none hears it: the server is away
         assert await ask_witnesses((nobody, wb)) == SERVER_AWAY
@@ -29,3 +34,18 @@ async def test_the_verdict_follows_what_the_witnesses_say_about_the_server():
     finally:
         await a.close()
         await b.close()
+
+
+async def test_an_older_asker_gets_the_older_line_and_older_answers_are_still_understood():
+    w = WitnessServer("127.0.0.1", lambda: True, lambda: 7)
+    try:
+        port = await w.start()
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)   # asks nothing, as older agents
+        assert await asyncio.wait_for(reader.readline(), 5) == IN_CONTACT
+        writer.close()
+    finally:
+        await w.close()
+    assert verdict([IN_CONTACT, b""], 3) == SERVER_HEARD      # an older witness: hears it, names no round
+    assert verdict([ALONE], 3) == SERVER_AWAY
+    assert verdict([b"rdzv-agent in-contact round=2\n"], 3) == STILL_MEMBER   # older news: no evidence
+    assert verdict([b"garbage\n", b""], 3) == SILENT

@@ -1,0 +1,139 @@
+"""Is the path to the server back? Asked over a fresh connection, never the one a request waits on.
+
+A connection opened or in use while the path was down sits in TCP's retransmission back-off (SYN and
+segment retries at 1, 2, 4, 8 s): waiting on it learns that the path is back only at its next retry.
+So once a request's answer is overdue (`answer_due`: a held poll's hold, as the server said it, plus
+HOLD_MARGIN_S; any other request SHORT_DUE_S), the client asks every endpoint's /readyz over a new
+connection, each with CHECK_TIMEOUT_S, and:
+- one answers ready: the path is back; the request goes again at once, there (the stalled
+  connection is closed), a replica taking over included;
+- none does (refused, silent, or 503 from a standby or a restarting server): the server is away for
+  now; the request keeps its connection (it may yet be answered, and TCP keepalive ends it if the
+  path stays silent: that failure is what tells the agent the server is unreachable), and the client
+  checks again on `CheckSchedule`: about every CHECK_EVERY_S, jittered so a fleet does not come back
+  in one wave, never sooner than MIN_PAUSE_S after the last one. Abandoning the connection instead
+  would tell the server the node went away (a closed poll is lost after a 1 s grace) when only the
+  server was slow to answer a check. A request that failed waits for the same checks before it goes
+  again (`RdzvClient.path_back`, retry.py).
+Checks are shared (`PathCheck`): requests overdue together cause one round of checks, not one each,
+so a node checks each endpoint at most 1 / MIN_PAUSE_S times a second, whatever it has in flight.
+What a round found (`reach`: REACHED, STANDBY, NO_SERVER; replies.py) is what the agent's fencing
+rule weighs beside the witnesses (core/policy.py).
+"""
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections.abc import Awaitable, Callable
+
+from node_agent.client.replies import NO_SERVER, REACHED, STANDBY
+
+SHORT_DUE_S = 2.0        # a join, report or leave is answered well within this (its durable commit included)
+HOLD_MARGIN_S = 1.0      # a held poll's answer is due this long after its hold ends
+CHECK_EVERY_S = 0.5
+CHECK_JITTER = (0.7, 1.3)
+MIN_PAUSE_S = 0.3        # never more than about 3 rounds of checks a second
+CHECK_TIMEOUT_S = 1.0    # a server that does not answer /readyz on a new connection within this is away
+
+# Answers that mean the endpoint is there but not serving (a standby, a restarting server, a gateway
+# whose server is away): checked again on the schedule.
+NOT_SERVING = frozenset({502, 503, 504})
+
+Probe = Callable[[str], Awaitable[int | None]]   # an endpoint -> its /readyz HTTP status (None: no answer)
+
+
+def answer_due(action: str, wait_s: float, hold_s: float) -> float:
+    """How long a request may go unanswered before the path is checked. `hold_s`: the longest the
+    server said it holds this node's polls (0: not said, an older server: the poll's own wait)."""
+    if action != "poll" or wait_s <= 0:
+        return SHORT_DUE_S
+    return min(wait_s, hold_s if hold_s > 0 else wait_s) + HOLD_MARGIN_S
+
+
+class CheckSchedule:
+    """The pauses between rounds of checks: about CHECK_EVERY_S, jittered, never under MIN_PAUSE_S."""
+
+    def __init__(self, every_s: float = CHECK_EVERY_S,
+                 jitter: Callable[[float, float], float] = random.uniform) -> None:
+        self.every_s, self._jitter = every_s, jitter
+
+    def next_pause(self) -> float:
+        return max(MIN_PAUSE_S, self.every_s * self._jitter(*CHECK_JITTER))
+
+
+class PathCheck:
+    """Rounds of /readyz checks over fresh connections (`probe`), shared by every request of a client.
+
+    A round starts at most every MIN_PAUSE_S: callers asking meanwhile share it. While waiting for the
+    path (`until_back`) a round starts on the schedule even if the one before still waits on a silent
+    endpoint (each probe ends by CHECK_TIMEOUT_S), so a healed path is seen within one pause."""
+
+    def __init__(self, probe: Probe, schedule: CheckSchedule | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._probe = probe
+        self.schedule = schedule or CheckSchedule()
+        self._clock = clock
+        self._latest: tuple[float, asyncio.Future[str | None]] | None = None   # (when it started, the round)
+        self.answered = False       # the last round that ended: did any endpoint answer HTTP?
+        self.rounds = 0             # rounds started (for tests and logs)
+
+    def _start(self, endpoints: list[str]) -> asyncio.Future[str | None]:
+        now = self._clock()
+        if self._latest is None or now - self._latest[0] >= MIN_PAUSE_S:
+            self._latest = (now, asyncio.ensure_future(self._round(endpoints)))
+        return self._latest[1]
+
+    async def _round(self, endpoints: list[str]) -> str | None:
+        """Every endpoint at once; the first to answer ready ends the round (a silent one, the leader
+        that went away, is not waited for), the earliest given among those answering together."""
+        self.rounds += 1
+        probes = {asyncio.ensure_future(self._probe(e)): e for e in endpoints}
+        pending, answered, ready = set(probes), False, None
+        try:
+            while pending and ready is None:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                statuses = {probes[f]: f.result() for f in done}
+                answered = answered or any(s is not None for s in statuses.values())
+                ready = next((e for e in endpoints if statuses.get(e) is not None
+                              and statuses[e] not in NOT_SERVING), None)
+        finally:
+            for f in pending:
+                f.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+        self.answered = answered
+        return ready
+
+    async def check(self, endpoints: list[str]) -> str | None:
+        """The first of `endpoints` (in order of preference) that answers ready, or None: by a new
+        round, or by the one that started less than MIN_PAUSE_S ago."""
+        return await asyncio.shield(self._start(endpoints))
+
+    async def reach(self, endpoints: list[str]) -> str:
+        """REACHED, STANDBY or NO_SERVER, by one round of checks (or the one just made)."""
+        if await self.check(endpoints) is not None:
+            return REACHED
+        return STANDBY if self.answered else NO_SERVER
+
+    async def close(self) -> None:
+        """Stop a round still under way (the client is closing)."""
+        if self._latest is not None and not self._latest[1].done():
+            self._latest[1].cancel()
+            await asyncio.gather(self._latest[1], return_exceptions=True)
+
+    async def until_back(self, endpoints: Callable[[], list[str]]) -> str:
+        """A round on the schedule until one finds an endpoint ready; that endpoint. Cancel to stop."""
+        loop = asyncio.get_running_loop()
+        outstanding: set[asyncio.Future[str | None]] = set()
+        while True:
+            outstanding.add(self._start(endpoints()))
+            ends = loop.time() + self.schedule.next_pause()
+            while (left := ends - loop.time()) > 0:
+                if not outstanding:
+                    await asyncio.sleep(left)      # the rest of the pause: waiting out an outage
+                    break
+                done, outstanding = await asyncio.wait(outstanding, timeout=left,
+                                                       return_when=asyncio.FIRST_COMPLETED)
+                ready = next((r for r in (f.result() for f in done) if r is not None), None)
+                if ready is not None:
+                    return ready
