@@ -238,7 +238,8 @@ class StreamClient(RdzvClient):
                 await asyncio.wait_for(link.news.wait(), min(max(left, 0.0), LEADER_CHECK_S))
             if not link.news.is_set() and latest is None and loop.time() >= ends + self.REQUEST_TIMEOUT_S:
                 link.fail(ServerUnreachable("no status on the stream after subscribing"))
-            elif not link.news.is_set() and self.endpoints.replicated and await self._probe(self.endpoints.current) != 200:
+            elif (not link.news.is_set() and self.endpoints.replicated
+                  and await self._probe(self.endpoints.current) != 200):   # a fresh connection: is it still leader?
                 link.fail(ServerUnreachable(f"{self.endpoints.current} no longer answers as the leader"))
                 self.endpoints.skip()         # as on HTTP: the next replica given names the leader
 
