@@ -23,7 +23,7 @@ from node_agent.workers.process import WorkerExit
 from node_agent.workers.warm.client import WarmZygote
 from node_agent.workers.warm.eligible import base_env, warm_launch
 from tests.e2e.harness import pid_gone
-from tests.integration.warm_scripts import DUMP, RECORD
+from tests.integration.warm_scripts import DUMP, FAILING, RECORD
 from tests.integration.worker_support import LIMIT, RecordingConsole, kill_strays
 
 # pytest changes PYTEST_CURRENT_TEST between phases: the workers' environment must not
@@ -35,8 +35,9 @@ MakeZygote = Callable[..., Awaitable[WarmZygote]]
 async def make_zygote(tmp_path) -> AsyncIterator[MakeZygote]:
     made: list[WarmZygote] = []
 
-    async def make(preload: tuple[str, ...] = ("json",), warnings: list[str] | None = None) -> WarmZygote:
-        zygote = WarmZygote(sys.executable, preload, str(tmp_path), base_env(ENV),
+    async def make(preload: tuple[str, ...] = ("json",), warnings: list[str] | None = None,
+                   env: dict[str, str] | None = None) -> WarmZygote:
+        zygote = WarmZygote(sys.executable, preload, str(tmp_path), base_env({**ENV, **(env or {})}),
                             warnings.append if warnings is not None else print)
         made.append(zygote)
         zygote.start()
@@ -268,3 +269,27 @@ async def test_the_per_worker_hook_sets_the_cpu_affinity_in_the_child(make_zygot
     assert child is not None and await asyncio.wait_for(child.wait(), LIMIT) == 0
     with os.fdopen(r) as out:
         assert out.read() == f"[{cpu}]\n"
+
+
+@pytest.mark.parametrize("case", ["plain", "thread", "full_exit"])
+async def test_a_failed_warm_worker_ends_at_once_keeping_what_the_user_relies_on(make_zygote, workdir, case) -> None:
+    """Issue 27: a warm worker whose exception is printed exits without the interpreter's teardown, but
+    with the same status, traceback, atexit handlers and flushed files as a cold one. A non-daemon
+    thread still running, or NODE_AGENT_FULL_EXIT=1, keeps the full exit (its __del__ runs)."""
+    env = {"NODE_AGENT_FULL_EXIT": "1"} if case == "full_exit" else {}
+    zygote = await make_zygote(env=env)
+    (Path(workdir) / "failing.py").write_text(FAILING)
+    left: dict[str, set[str]] = {}
+    runs = {}
+    for how, z in (("cold", None), ("warm", zygote)):
+        out = Path(workdir) / how
+        out.mkdir()
+        runs[how] = await run(["failing.py", str(out), case], z, workdir, extra_env=env)
+        left[how] = {p.name for p in out.iterdir()}
+        assert (out / "buffered").read_text() == "kept"
+    assert runs["warm"].warm and runs["warm"].key() == runs["cold"].key() == (1, "")
+    assert runs["warm"].console.lines("stderr") == runs["cold"].console.lines("stderr")
+    assert runs["warm"].console.lines("stderr")[-1] == "[w] RuntimeError: failed"
+    full = {"atexit", "buffered", "finalized"} | ({"thread"} if case == "thread" else set())
+    assert left["cold"] == full
+    assert left["warm"] == (full if case != "plain" else {"atexit", "buffered"})   # teardown skipped

@@ -45,3 +45,27 @@ def main():
 if __name__ == "__main__":
     main()
 '''
+
+# A failing worker and what its end leaves behind: OUT/atexit (an atexit handler ran), OUT/buffered (a
+# file left open with unflushed text), OUT/finalized (an object's __del__ at interpreter teardown),
+# OUT/thread (a non-daemon thread's late write, with argv[2] == "thread").
+FAILING = '''
+import atexit, os, sys, threading, time
+out = sys.argv[1]
+atexit.register(lambda: open(os.path.join(out, "atexit"), "w").write("ran"))
+log = open(os.path.join(out, "buffered"), "w")
+log.write("kept")
+
+class Finalized:
+    def __del__(self, _open=open, _path=os.path.join(out, "finalized")):   # builtins may be gone by then
+        with _open(_path, "w") as f:
+            f.write("ran")
+
+marker = Finalized()
+if sys.argv[2] == "thread":
+    def late():
+        time.sleep(0.3)
+        open(os.path.join(out, "thread"), "w").write("ran")
+    threading.Thread(target=late).start()
+raise RuntimeError("failed")
+'''
