@@ -25,7 +25,7 @@ INT_KEYS = ("max_restarts", "exclude_after", "local_world_size")
 FILE_KEYS = ("token_file", "tls_ca")           # the server's token, the CA that signed its certificate
 # How this node talks to the server: auto (the stream where the server offers it), stream, poll (HTTP long-polls).
 TRANSPORTS = ("auto", "stream", "poll")
-DEFAULT_TRANSPORT = "auto"                     # the stream where the server offers one (docs/protocol.md)
+DEFAULT_TRANSPORT = "poll"   # long-polls; "auto": the stream where the server offers one (docs/protocol.md)
 # torch's c10d keys that have no meaning here (the server replaces the c10d store and its heartbeats).
 IGNORED_KEYS = {
     "is_host": "no agent hosts the rendezvous: the rdzv-server does",
