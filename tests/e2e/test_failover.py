@@ -141,12 +141,14 @@ def test_one_etcd_member_down_changes_nothing(replicas, tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     agents = [start_agent(replicas, out, n, "member", nnodes="2:3") for n in ("node-a", "node-b")]
-    leader, before, _ = running_job(replicas, out, "member")
+    _, before, _ = running_job(replicas, out, "member")
     replicas.etcd.kill_member(0)                      # the member every client tries first
     agents.append(start_agent(replicas, out, "node-c", "member", nnodes="2:3"))
-    view = wait_until(lambda: (v := replicas.get(leader, "/v1/jobs/member"))["round_id"] > before["round_id"]
-                      and len(v["nodes"]) == 3 and v, LIMIT, "the third node's round to form")
-    assert view["restart_count"] == 0 and replicas.ready(leader)
+    # Asked of whichever replica leads at the time: when the killed member led etcd, etcd's own election
+    # can outlast the tests' 2 s lease on a loaded machine and move the leadership (a standby answers 503).
+    view = wait_until(lambda: (v := replicas.get(replicas.leader(LIMIT), "/v1/jobs/member"))["round_id"]
+                      > before["round_id"] and len(v["nodes"]) == 3 and v, LIMIT, "the third node's round to form")
+    assert view["restart_count"] == 0
     wait_until(lambda: len(starts(out)) == 4 + 6, LIMIT, "the 6 workers of the new round")
     (out / "stop").touch()
     assert [a.wait(LIMIT) for a in agents] == [0, 0, 0], "\n".join(a.output for a in agents)
