@@ -55,9 +55,11 @@ from protocol.tokens import read_token_file, token_problem
 
 DEFAULT_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)   # torchrun's
 DEFAULT_TEE_PREFIX = "[${role_name}${local_rank}]:"     # torchrun's prefix of tee'd lines
-# What a typical training script imports before its first step (python -X importtime examples/train_ddp.py):
-# torch._dynamo comes with the first optimizer and costs as much as torch itself.
-DEFAULT_PRELOAD = ("torch", "torch.distributed", "torch.nn", "torch.optim", "torch._dynamo")
+# What a typical training script imports before its first step (python -X importtime examples/train_ddp.py).
+# Not torch._dynamo, though the first optimizer imports it and it costs as much as torch itself: with it
+# preloaded, 2 of 6 warm gloo DDP jobs hung at their end (the DDP Reducer's process-group destructor joins
+# gloo's thread holding the GIL while that thread waits for the GIL), 0 of 7 without it (docs/fault-tolerance.md).
+DEFAULT_PRELOAD = ("torch", "torch.distributed", "torch.nn", "torch.optim")
 
 
 @dataclass(frozen=True)

@@ -48,7 +48,7 @@ if __name__ == "__main__":
 
 # A failing worker and what its end leaves behind: OUT/atexit (an atexit handler ran), OUT/buffered (a
 # file left open with unflushed text), OUT/finalized (an object's __del__ at interpreter teardown),
-# OUT/thread (a non-daemon thread's late write, with argv[2] == "thread").
+# OUT/thread (a non-daemon thread's late write, with argv[2] == "thread"); argv[2] == "ok": it succeeds.
 FAILING = '''
 import atexit, os, sys, threading, time
 out = sys.argv[1]
@@ -67,5 +67,6 @@ if sys.argv[2] == "thread":
         time.sleep(0.3)
         open(os.path.join(out, "thread"), "w").write("ran")
     threading.Thread(target=late).start()
-raise RuntimeError("failed")
+if sys.argv[2] != "ok":
+    raise RuntimeError("failed")
 '''

@@ -205,7 +205,9 @@ def run_as_main(launch: dict[str, Any]) -> None:
             runpy._run_module_as_main(launch["module"], alter_argv=True)  # type: ignore[attr-defined]
         else:
             _run_script(main, launch["script"])
-    except SystemExit:
+    except SystemExit as exc:
+        if exc.code is None or isinstance(exc.code, int):   # sys.exit("message") prints: the full exit
+            exit_at_once(exc.code or 0)
         raise
     except BaseException as exc:
         # Print as the interpreter would, without our frames; then exit 1 (or SIGINT's death for a
@@ -214,19 +216,21 @@ def run_as_main(launch: dict[str, Any]) -> None:
         sys.excepthook(type(exc), exc, exc.__traceback__)
         sys.excepthook = lambda *_: None
         if not isinstance(exc, KeyboardInterrupt):
-            exit_failed_at_once()
+            exit_at_once(1)
         raise
+    exit_at_once(0)
 
 
-def exit_failed_at_once() -> None:
-    """A worker whose exception has been printed (and whose @record error file torch has written) is
-    done: end it now instead of after the interpreter's finalization, which with torch loaded tears
-    down every module, the process group and (on a GPU) CUDA and NCCL: 0.7-2 s here, 1.6-1.9 s on an
-    H100, all of it before the agent can start the next round. What the user keeps: atexit handlers run
-    (logging's flush among them), stdout/stderr and every file object still open are flushed, exit
-    status 1. What is skipped: module teardown and objects' __del__. A worker with a non-daemon Python
-    thread still running (it may be finishing a write) takes the full exit, as does one started with
-    NODE_AGENT_FULL_EXIT=1."""
+def exit_at_once(code: int) -> None:
+    """A worker whose script has ended (returned, sys.exit(N), or its exception printed and its @record
+    error file written) is done: end it now instead of after the interpreter's finalization, which with
+    torch loaded tears down every module, the process group and (on a GPU) CUDA and NCCL: 0.7-2 s here,
+    1.6-1.9 s on an H100, all of it before the agent can start the next round; in a forked worker that
+    teardown also hung now and then in gloo's process-group destructor. What the user keeps: atexit
+    handlers run (logging's flush among them), stdout/stderr and every file object still open are flushed,
+    the same exit status. What is skipped: module teardown and objects' __del__. A worker with a
+    non-daemon Python thread still running (it may be finishing a write) takes the full exit, as does one
+    started with NODE_AGENT_FULL_EXIT=1."""
     import threading
     if os.environ.get("NODE_AGENT_FULL_EXIT") == "1":
         return
@@ -237,7 +241,7 @@ def exit_failed_at_once() -> None:
         atexit._run_exitfuncs()
         _flush_open_files()
     finally:
-        os._exit(1)
+        os._exit(code & 0xFF)
 
 
 def _flush_open_files() -> None:
