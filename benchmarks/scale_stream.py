@@ -19,10 +19,9 @@ import struct
 import msgspec
 
 from benchmarks.scale_wire import WireClient
-from node_agent.client.stream import poll_ready
 from node_agent.client.transport import ServerUnreachable, refusal
 from protocol.codec import encode
-from protocol.messages import PROTOCOL_VERSION, NodeStatus, PollRequest
+from protocol.messages import PROTOCOL_VERSION, NodeStatus, PollRequest, poll_ready
 from protocol.stream import (
     Error,
     Heartbeat,

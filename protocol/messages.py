@@ -252,6 +252,17 @@ class NodeStatus(msgspec.Struct, kw_only=True):
     poll_hold_s: float = 0.0
 
 
+def poll_ready(status: NodeStatus, known_round: int) -> bool:
+    """Whether a poll that knows `known_round` is answered with `status` now, rather than held: the job
+    ended, the node is gone, a member's round is not the one it knows, or a node outside the round knows
+    one (-1: it knows none yet). The one rule for the server's holds and a stream client's waits."""
+    if status.job_state.finished or status.node_state == NodeState.GONE:
+        return True
+    if status.node_state == NodeState.MEMBER:
+        return status.round_id != known_round
+    return known_round != -1
+
+
 class ErrorReply(msgspec.Struct, kw_only=True):
     code: str
     message: str

@@ -31,10 +31,10 @@ from protocol.messages import (
     FailureReport,
     JoinRequest,
     LeaveRequest,
-    NodeState,
     NodeStatus,
     PollRequest,
     SuccessReport,
+    poll_ready,
 )
 from protocol.quoting import quote
 from rdzv_server.core.errors import RendezvousError
@@ -331,7 +331,7 @@ class Coordinator:
         self.open_polls += 1
         dropped = False
         try:
-            while not _poll_ready(status, req.known_round) and self.gate.serving() and loop.time() < ends:
+            while not poll_ready(status, req.known_round) and self.gate.serving() and loop.time() < ends:
                 waiter = Waiter(job_id, ends)
                 self.waiters.add(waiter)
                 try:
@@ -361,10 +361,3 @@ class Coordinator:
         await self._durable(job_id)
         return status
 
-
-def _poll_ready(status: NodeStatus, known_round: int) -> bool:
-    if status.job_state.finished or status.node_state == NodeState.GONE:
-        return True
-    if status.node_state == NodeState.MEMBER:
-        return status.round_id != known_round
-    return known_round != -1

@@ -24,7 +24,7 @@ from node_agent.client.http import GATEWAY_AWAY, PROBE_AFTER_S, RdzvClient
 from node_agent.client.transport import ServerRejected, ServerUnreachable, refusal
 from protocol.codec import encode
 from protocol.errors import ErrorCode
-from protocol.messages import PROTOCOL_VERSION, NodeState, NodeStatus, PollRequest
+from protocol.messages import PROTOCOL_VERSION, NodeStatus, PollRequest, poll_ready
 from protocol.stream import (
     MAX_FRAME_BYTES,
     STREAM_PATH,
@@ -43,14 +43,6 @@ from protocol.stream import (
 TRANSPORTS = ("auto", "stream", "poll")     # auto: the stream where the server offers it
 HEARTBEATS_PER_LEASE = 3
 
-
-def poll_ready(status: NodeStatus, known_round: int) -> bool:
-    """Whether a poll that knows `known_round` would be answered with `status` now (the server's rule)."""
-    if status.job_state.finished or status.node_state == NodeState.GONE:
-        return True
-    if status.node_state == NodeState.MEMBER:
-        return status.round_id != known_round
-    return known_round != -1
 
 
 class _Link:

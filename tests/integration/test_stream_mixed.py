@@ -6,10 +6,10 @@ from __future__ import annotations
 import asyncio
 
 from node_agent.client.http import RdzvClient
-from node_agent.client.stream import StreamClient, poll_ready
+from node_agent.client.stream import StreamClient
 from node_agent.client.transport import Transport
 from protocol.errors import ErrorCode
-from protocol.messages import JobConfig, JoinRequest, NodeStatus, WorkerFailure
+from protocol.messages import JobConfig, JoinRequest, NodeStatus, WorkerFailure, poll_ready
 from rdzv_server.coordinator import Coordinator
 from rdzv_server.streams import StreamHub
 from rdzv_server.web import app as app_module
