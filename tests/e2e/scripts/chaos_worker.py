@@ -15,6 +15,19 @@ import time
 
 out = os.environ["OUT_DIR"]
 pid = os.getpid()
+
+
+def agent_pid() -> int:
+    """The agent's pid: the parent, or, for a warm worker, the parent of the zygote that forked it."""
+    parent = os.getppid()
+    with open(f"/proc/{parent}/cmdline", "rb") as f:
+        if b"zygote.py" not in f.read():
+            return parent
+    with open(f"/proc/{parent}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[1])   # the field after the state: its ppid
+
+
+
 if os.environ.get("TERM_DELAY"):
     def on_term(signum, frame):
         time.sleep(float(os.environ["TERM_DELAY"]))
@@ -24,7 +37,7 @@ record = {
     "rank": int(os.environ["RANK"]), "world": int(os.environ["WORLD_SIZE"]),
     "group_rank": int(os.environ["GROUP_RANK"]), "group_world": int(os.environ["GROUP_WORLD_SIZE"]),
     "restart": int(os.environ["TORCHELASTIC_RESTART_COUNT"]), "master_port": int(os.environ["MASTER_PORT"]),
-    "master_addr": os.environ["MASTER_ADDR"], "pid": pid, "ppid": os.getppid(),
+    "master_addr": os.environ["MASTER_ADDR"], "pid": pid, "ppid": agent_pid(),
     "node": os.environ.get("NODE", ""), "t": time.time(),
 }
 tmp = os.path.join(out, f".chaos-{pid}.tmp")
