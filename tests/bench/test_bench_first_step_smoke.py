@@ -22,7 +22,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 def test_every_launcher_gives_a_run_and_the_recovering_ones_every_part(tmp_path):
     done = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_first_step.py"), "--pairs", "1",
                            "--width", "32", "--steps", "6", "--crash-step", "4", "--snapshot-mb", "2",
-                           "--timeout", "45", "--out", str(tmp_path)],
+                           "--timeout", "120", "--out", str(tmp_path)],
                           capture_output=True, text=True, timeout=600, env=dict(os.environ, PYTHONPATH=ROOT))
     assert done.returncode == 0, done.stdout + done.stderr
     out = json.loads((tmp_path / "bench-first-step.json").read_text())
