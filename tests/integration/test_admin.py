@@ -19,15 +19,6 @@ from tests.integration.support import remember_credential, start_app, url, with_
 MSGPACK = {"Content-Type": "application/msgpack"}
 
 
-@pytest.fixture
-async def server():
-    srv = await start_app(create_app())
-    try:
-        yield srv
-    finally:
-        await srv.close()
-
-
 class Node:
     """An agent reduced to its wire requests: dicts in, dicts out."""
 

@@ -13,19 +13,10 @@ import msgpack
 import pytest
 
 from rdzv_server.web import connections
-from rdzv_server.web.app import COORDINATOR, create_app
-from tests.integration.support import remember_credential, start_app, url, wait_until, with_credential
+from rdzv_server.web.app import COORDINATOR
+from tests.integration.support import remember_credential, url, wait_until, with_credential
 
 MSGPACK = {"Content-Type": "application/msgpack"}
-
-
-@pytest.fixture
-async def server():
-    srv = await start_app(create_app())
-    try:
-        yield srv
-    finally:
-        await srv.close()
 
 
 class MsgpackNode:

@@ -4,20 +4,8 @@ from __future__ import annotations
 
 import asyncio
 
-import pytest
-
-from rdzv_server.web.app import create_app
-from tests.integration.support import start_app, url
+from tests.integration.support import url
 from tests.integration.test_admin import running_job
-
-
-@pytest.fixture
-async def server():
-    srv = await start_app(create_app())
-    try:
-        yield srv
-    finally:
-        await srv.close()
 
 
 async def get_text(http, server, path: str) -> str:
