@@ -144,16 +144,16 @@ async def run_health_check(command: str | Sequence[str], *, timeout: float = SCR
     # close, and a child of the check may hold them open long after the check itself has exited.
     rfd, wfd = os.pipe()
     try:
-        proc = await asyncio.create_subprocess_exec(*argv, stdin=asyncio.subprocess.DEVNULL, stdout=wfd,
-                                                    stderr=wfd, start_new_session=True, env=env)
+        proc = await _start_in_own_group(argv, env, rfd, wfd)
     except OSError as exc:
-        os.close(rfd)
         return Unhealthy(_not_started(shown, exc))
-    finally:
-        os.close(wfd)
     stream = asyncio.StreamReader()
-    transport, _ = await asyncio.get_running_loop().connect_read_pipe(
-        lambda: asyncio.StreamReaderProtocol(stream), os.fdopen(rfd, "rb", buffering=0))
+    try:
+        transport, _ = await asyncio.get_running_loop().connect_read_pipe(
+            lambda: asyncio.StreamReaderProtocol(stream), os.fdopen(rfd, "rb", buffering=0))
+    except BaseException:
+        _kill_group(proc.pid)
+        raise
     kept = bytearray()
     total = 0
 
@@ -206,6 +206,38 @@ def _not_started(shown: str, exc: OSError) -> str:
     if isinstance(exc, PermissionError):
         return f"health check {shown} is not executable (permission denied)"
     return f"health check {shown} cannot be started: {one_line(exc.strerror or str(exc))}"
+
+
+async def _start_in_own_group(argv: list[str], env: dict[str, str] | None, rfd: int,
+                              wfd: int) -> asyncio.subprocess.Process:
+    """Start the check in a session of its own writing to `wfd` (closed here, as is `rfd` on failure)."""
+    spawn = asyncio.ensure_future(asyncio.create_subprocess_exec(
+        *argv, stdin=asyncio.subprocess.DEVNULL, stdout=wfd, stderr=wfd, start_new_session=True, env=env))
+    try:
+        # Shielded: cancelled mid-start, asyncio would kill the check but not the children it already
+        # forked. The start goes on; once it is done, its whole group is killed.
+        proc = await asyncio.shield(spawn)
+    except asyncio.CancelledError:
+        os.close(rfd)
+        with contextlib.suppress(BaseException):    # starting takes a moment: end it before we return
+            await asyncio.shield(spawn)
+        if spawn.done():
+            _end_cancelled_start(spawn, wfd)
+        else:                                       # cancelled once more while it started
+            spawn.add_done_callback(lambda started: _end_cancelled_start(started, wfd))
+        raise
+    except OSError:
+        os.close(rfd)
+        os.close(wfd)
+        raise
+    os.close(wfd)
+    return proc
+
+
+def _end_cancelled_start(spawn: asyncio.Future[asyncio.subprocess.Process], wfd: int) -> None:
+    os.close(wfd)
+    if not spawn.cancelled() and spawn.exception() is None:
+        _kill_group(spawn.result().pid)
 
 
 def _kill_group(pid: int) -> None:
