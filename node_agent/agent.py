@@ -31,12 +31,13 @@ from node_agent.core.actions import (
     Spawn,
     StopWorkers,
 )
-from node_agent.core.facts import CHECK_JOIN, DeadlinePassed, Fact, PeersProbed, SignalReceived, start_source
+from node_agent.core.facts import CHECK_JOIN, DeadlinePassed, Fact, PeersProbed, SignalReceived
 from node_agent.core.node_health import NodeHealth
 from node_agent.core.policy import SupervisionPolicy
 from node_agent.narration import Narrator
 from node_agent.node_checks import NodeChecks
 from node_agent.server_link import ServerLink
+from node_agent.sources import start_source
 from node_agent.witness import WitnessServer, ask_witnesses
 from node_agent.workers.interfaces import gloo_interface
 from node_agent.workers.local import GroupFactory, LocalWorkers

@@ -17,7 +17,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 from node_agent.client.retry import until_answered
 from node_agent.client.transport import ServerRejected, ServerUnreachable, Transport
-from node_agent.core.facts import Put, Request, ServerNotReached, ServerRefused, StatusReceived, start_source
+from node_agent.core.facts import Put, Request, ServerNotReached, ServerRefused, StatusReceived
+from node_agent.sources import start_source
 from protocol.messages import (
     MAX_POLL_WAIT_S,
     FailureReport,

@@ -22,7 +22,7 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     "node_agent.client": ("protocol", "rdzv_server.coordinator", "rdzv_server.core"),   # local: in-process server
     "node_agent.gpu": ("protocol",),
     "node_agent.workers": ("protocol", "node_agent.core", "node_agent.cli", "node_agent.heartbeat",
-                           "node_agent.gpu", "node_agent.snapshot", "node_agent.workers.warm"),
+                           "node_agent.gpu", "node_agent.snapshot", "node_agent.sources", "node_agent.workers.warm"),
     # the warm zygote's agent side; the zygote itself (zygote.py) imports nothing of ours
     "node_agent.workers.warm": ("node_agent.heartbeat", "node_agent.workers.deathsig", "node_agent.workers.environment",
                                 "node_agent.workers.launch"),

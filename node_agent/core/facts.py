@@ -7,10 +7,8 @@ never sees anything else, so a test can feed it any history with plain numbers f
 """
 from __future__ import annotations
 
-import asyncio
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 from node_agent.client.replies import NO_SERVER
 from protocol.messages import (
@@ -126,15 +124,3 @@ Fact = (StatusReceived | ServerNotReached | ServerRefused | WorkersExited | Work
 # How a source hands the loop its news: a fact, or the exception that broke the source (a bug), which
 # the loop raises so that it is seen instead of leaving the agent waiting for news that never comes.
 Put = Callable[[Fact | BaseException], None]
-
-
-def start_source(work: Coroutine[Any, Any, None], put: Put) -> asyncio.Task[None]:
-    """Run `work` (which puts facts) as a task whose unexpected failure reaches the loop."""
-    def done(task: asyncio.Task[None]) -> None:
-        error = None if task.cancelled() else task.exception()
-        if error is not None:
-            put(error)
-
-    task = asyncio.create_task(work)
-    task.add_done_callback(done)
-    return task

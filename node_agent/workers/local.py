@@ -17,8 +17,9 @@ from collections.abc import Callable, Mapping
 from typing import Protocol
 
 from node_agent.cli.options import AgentOptions
-from node_agent.core.facts import CHECK_STOP, NodeChecked, Put, SpawnFailed, WorkersExited, WorkersHung, start_source
+from node_agent.core.facts import CHECK_STOP, NodeChecked, Put, SpawnFailed, WorkersExited, WorkersHung
 from node_agent.core.hangwatch import HangWatch
+from node_agent.sources import start_source
 from node_agent.workers.environment import common_env, worker_argv
 from node_agent.workers.failures import exit_failure, hang_failure, spawn_failure
 from node_agent.workers.group import WorkerGroup
