@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP_FLAGS := --disable-pip-version-check -q
 PYTEST_WORKERS ?= 3
 
-.PHONY: venv chromium deploy-tools netns-tools etcd demo test multihost soak fuzz bench bench-faults bench-scale \
+.PHONY: venv chromium deploy-tools netns-tools etcd demo test multihost soak fuzz bench bench-faults bench-scale bench-blip \
 	bench-failover bench-first-step gpu-check clean
 
 $(VENV)/.installed: pyproject.toml constraints.txt
@@ -82,6 +82,12 @@ $(VENV)/.bench-installed: $(VENV)/.installed
 
 bench-scale: venv $(VENV)/.bench-installed
 	$(PY) benchmarks/bench_scale.py $(BENCH_SCALE_ARGS)
+
+# A 5 s blip of the server's port (nftables on loopback, root) under 500, 3,000 and 10,000 simulated nodes
+# that check the path as the agent does (issue 26): time until every node polls again, the server's stall,
+# losses. A fleet over net.core.somaxconn (4,096 by default) needs it raised: see docs/benchmarks.md.
+bench-blip: venv netns-tools $(VENV)/.bench-installed
+	$(PY) benchmarks/bench_scale.py --nodes 500,3000,10000 --blip 5 --out docs/bench-blip.json $(BENCH_BLIP_ARGS)
 
 # Crash -> every rank training again (issue 22): node-agent cold and warm, torchrun with the plugin, torchrun
 # c10d, 2 nodes x 2 real torch DDP workers, interleaved; writes docs/bench-first-step.json and .png (about 10

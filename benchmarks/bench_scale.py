@@ -23,6 +23,7 @@ Run: make bench-scale                        (the full sweep, the 100-job case f
      .venv/bin/python benchmarks/bench_scale.py --quick            (N = 100, 1,000; ~2 min)
      .venv/bin/python benchmarks/bench_scale.py --nodes 10000 --no-many --no-overload
      .venv/bin/python benchmarks/bench_scale.py --only-many --full  (100 x 1,000 for 10 minutes)
+     .venv/bin/python benchmarks/bench_scale.py --nodes 10000 --blip 5   (issue 26: a 5 s server blip)
 """
 from __future__ import annotations
 
@@ -40,6 +41,7 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks._server import ROOT  # noqa: E402
+from benchmarks.scale_blip import blip  # noqa: E402
 from benchmarks.scale_clients import max_nodes_per_process  # noqa: E402
 from benchmarks.scale_report import markdown_table, summary_line  # noqa: E402
 from benchmarks.scale_scenarios import Settings, many_jobs, one_job  # noqa: E402
@@ -82,6 +84,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--profile", default="", metavar="DIR",
                    help="py-spy the server through each one-job run's steady window and round change (raw "
                         "stacks into DIR, a summary into the JSON)")
+    p.add_argument("--blip", type=float, default=0.0, metavar="S",
+                   help="run only the server-blip scenario (issue 26) for each --nodes: the server's port "
+                        "silent for S seconds (nftables, root), then healed")
     p.add_argument("--out", default=os.path.join(DOCS, "bench-scale.json"))
     p.add_argument("--plots", default=DOCS, help="folder for the PNG plots ('' for none)")
     p.add_argument("--fresh", action="store_true", help="replace the JSON instead of merging into it")
@@ -107,6 +112,13 @@ def run(args: argparse.Namespace, save: Callable[[dict[str, Any]], None]) -> lis
                  post_s=3.0 if quick else 10.0, view_samples=3 if quick else 5)
     cap = max_nodes_per_process()
     results: list[dict[str, Any]] = []
+    if args.blip > 0:
+        for n in args.nodes:
+            r = _note_cap(blip(min(n, cap), s, args.blip), n, cap)
+            print(json.dumps({k: r[k] for k in ("nodes", "blip_s", "return", "losses")}, indent=1), flush=True)
+            save(r)
+            results.append(r)
+        return results
     if not args.only_many:
         for n in args.nodes:
             r = _note_cap(one_job(min(n, cap), s), n, cap)
@@ -198,6 +210,8 @@ def main(argv: list[str] | None = None) -> int:
     run(args, save)
     if not saved:
         return 1
+    if args.blip > 0:
+        return 0
     doc = write([], args, fresh=False)
     if args.plots:
         from benchmarks.scale_plots import plot_all

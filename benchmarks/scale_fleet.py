@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import os
 import secrets
+import socket
 import time
 import traceback
 from collections import Counter
@@ -35,6 +36,7 @@ import psutil
 
 from benchmarks.scale_stream import StreamWire
 from benchmarks.scale_wire import WireClient
+from node_agent.client.path_check import CHECK_TIMEOUT_S, PathCheck, answer_due
 from node_agent.client.replies import Refusal, refusal
 from node_agent.client.retry import Backoff
 from node_agent.client.transport import ServerRejected, ServerUnreachable
@@ -66,6 +68,8 @@ class Tally:
     crashes: list[str] = field(default_factory=list)     # a simulated node's own bug: the run is void
     reissue: list[float] = field(default_factory=list)   # answer -> this node's next poll sent (own lateness)
     gone: list[tuple[float, float]] = field(default_factory=list)   # told gone: (own gap before the poll, its RTT)
+    path_checks: int = 0                    # rounds of /readyz checks over fresh connections (overdue answers)
+    resent: list[float] = field(default_factory=list)   # when a request went again once a check found the path back
 
     def lateness(self) -> dict[str, float]:
         """How late the nodes sent their next poll after an answer (p99, max, ms), since the last call."""
@@ -94,6 +98,8 @@ class SimNode:
         self.poll_sent = 0.0
         self.poll_gap = 0.0                       # the last answer -> the poll now in flight
         self.finished = False
+        self.hold_s = 0.0                         # the longest hold the server said it gives this node's polls
+        self.path = PathCheck(self._probe)        # the agent's "is the path back?" (client/path_check.py)
 
     async def run(self) -> None:
         try:
@@ -102,9 +108,10 @@ class SimNode:
                 self.poll_sent = time.monotonic()
                 self.poll_gap = self.poll_sent - self.answered_at
                 self.tally.reissue.append(self.poll_gap)
-                status = await self._until_answered("poll", lambda: self.client.poll(self.known_round, POLL_WAIT_S))
+                status = await self._until_answered("poll", self._poll)
                 self.answered_at = self.client.arrived
                 if status is not None:
+                    self.hold_s = status.poll_hold_s or self.hold_s
                     self.tally.polls += 1
                     self.tally.polls_by_second[int(time.monotonic())] += 1
                     await self.on_status(status)
@@ -147,6 +154,58 @@ class SimNode:
                 self.seen.setdefault(rid, self.client.arrived if arrived is None else arrived)
         else:
             self.known_round = -1
+
+    async def _poll(self) -> NodeStatus:
+        """One poll as the agent's client sends it (client/http.py): once its answer is overdue, the path
+        is checked over fresh connections; once a check is answered, the poll goes again on a new
+        connection, the stalled one closed. Long-poll only: the stream client has its own heartbeats."""
+        if self.spec.transport != "poll":
+            return await self.client.poll(self.known_round, POLL_WAIT_S)    # type: ignore[no-any-return]
+        due = answer_due("poll", POLL_WAIT_S, self.hold_s)
+        while True:
+            request = asyncio.ensure_future(self.client.poll(self.known_round, POLL_WAIT_S))
+            try:
+                done, _ = await asyncio.wait({request}, timeout=due)
+                if done or not await self._path_back(request):
+                    return await request         # type: ignore[no-any-return]
+                self.tally.resent.append(time.monotonic())
+                due *= 2                         # a server slow but there is waited for longer
+            finally:
+                if not request.done():
+                    request.cancel()             # WireClient closes a connection cancelled mid-request
+                await asyncio.gather(request, return_exceptions=True)
+
+    async def _path_back(self, request: asyncio.Future[Any]) -> bool:
+        """Checks (one now, then on the schedule) until one is answered (True) or `request` is (False)."""
+        self.tally.path_checks += 1
+        if await self.path.check(["server"]) is not None:
+            return not request.done()
+        back = asyncio.ensure_future(self.path.until_back(lambda: ["server"]))
+        try:
+            await asyncio.wait({request, back}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not back.done():
+                back.cancel()
+            await asyncio.gather(back, return_exceptions=True)
+        return not request.done()
+
+    async def _probe(self, _endpoint: str) -> int | None:
+        """The server's /readyz status over a new connection from this node's address (None: no answer)."""
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setblocking(False)
+        loop = asyncio.get_running_loop()
+        try:
+            sock.bind((self.spec.addr, 0))
+            async with asyncio.timeout(CHECK_TIMEOUT_S):
+                await loop.sock_connect(sock, ("127.0.0.1", self.client.port))
+                await loop.sock_sendall(sock, f"GET /readyz HTTP/1.1\r\nHost: 127.0.0.1:{self.client.port}\r\n"
+                                              f"Connection: close\r\n\r\n".encode())
+                head = await loop.sock_recv(sock, 64)
+            return int(head.split(b" ", 2)[1])
+        except (OSError, asyncio.TimeoutError, ValueError, IndexError):
+            return None
+        finally:
+            sock.close()
 
     async def report_failure(self) -> dict[str, Any]:
         """One worker of this node failed: report it for the round it runs (and act on the reply)."""
@@ -191,7 +250,13 @@ class SimNode:
                 raise _Exit() from None
             except ServerUnreachable as exc:
                 self.tally.unreachable[str(exc).split(":")[0][:60]] += 1
-                await backoff.pause()
+                # The agent's retry (client/retry.py): once the server answers a fresh connection again,
+                # at once; the backoff only when it answered at once (the failure was not the path).
+                if self.spec.transport != "poll" or await self.path.check(["server"]) is not None:
+                    await backoff.pause()
+                else:
+                    await self.path.until_back(lambda: ["server"])
+                    self.tally.resent.append(time.monotonic())
 
 
 class _Exit(Exception):
@@ -276,7 +341,7 @@ class Fleet:
                    "polls": t.polls, "polls_by_second": dict(t.polls_by_second), "rejoins": t.rejoins,
                    "unreachable": dict(t.unreachable), "refused": dict(t.refused), "exited": t.exited,
                    "rss_mib": self.proc.memory_info().rss / 2 ** 20,
-                   **t.lateness(), "gone": list(t.gone)}
+                   **t.lateness(), "gone": list(t.gone), "path_checks": t.path_checks, "resent": t.resent[-20_000:]}
             t.polls_by_second.clear()
             return out
         raise ValueError(f"unknown command {what!r}")

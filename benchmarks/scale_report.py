@@ -79,6 +79,8 @@ def markdown_table(doc: dict[str, Any]) -> str:
     rows = [HEADER]
     order = {"one_job": 0, "one_job-stream": 0, "many_jobs": 1, "many_jobs-stream": 1, "overload": 2}
     for r in sorted(doc["scenarios"], key=lambda r: (order.get(r["kind"], 9), r["nodes"], r["kind"])):
+        if r["kind"] == "blip":          # its own figures (scale_blip.py), not this table's columns
+            continue
         f, st, rc, lo = r["formation"], r["steady"], r["round_change"], r["losses"]
         if r["kind"].startswith("many_jobs"):
             form = f"all {r['jobs']} jobs {_s(f['all_jobs_s'])}"

@@ -9,7 +9,8 @@ reply's time is when the kernel received it, however late the process reads it.
 
 It is the agent's `Transport` (request building, the node's credential on every request after its
 join), sending the same bytes an HTTP client would: one keep-alive connection per node, from the
-node's own source address, a new one after any error. Errors map as in node_agent/client/http.py.
+node's own source address, with the agent's TCP keepalive, a new one after any error. Errors map as
+in node_agent/client/http.py.
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import socket
 import struct
 import time
 
-from node_agent.client.transport import ServerUnreachable, Transport, refusal
+from node_agent.client.transport import ServerUnreachable, Transport, keepalive_socket, refusal
 from protocol.codec import CONTENT_TYPE, decode_reply, encode
 from protocol.messages import ErrorReply, NodeStatus
 
@@ -40,7 +41,7 @@ class WireClient(Transport):
         self.arrived = 0.0          # time.monotonic() at which the kernel received the last reply
 
     async def _connect(self) -> socket.socket:
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock = keepalive_socket((socket.AF_INET, socket.SOCK_STREAM, 0))   # the agent's keepalive probes
         sock.setblocking(False)
         sock.setsockopt(socket.SOL_SOCKET, SO_TIMESTAMPNS, 1)
         sock.bind((self.source, 0))

@@ -35,7 +35,9 @@ from rdzv_server.web.metrics import METRICS
 
 log = logging.getLogger("rdzv_server")
 
-LISTEN_BACKLOG = 4096
+# The kernel caps the backlog at net.core.somaxconn (4,096 by default): a fleet that comes back at
+# once with more nodes than that (a server restart, a healed link) needs that raised as well.
+LISTEN_BACKLOG = 65535
 GC_THRESHOLD_0 = 20_000       # allocations between young collections (CPython's default: 700)
 IDLE_TIMEOUT_S = 60.0
 # Keepalive: first probe after KEEPIDLE s of silence, then every KEEPINTVL s; KEEPCNT unanswered

@@ -109,13 +109,13 @@ class JobRules:
     # ---- time ----------------------------------------------------------------------------
 
     def tick(self, now: float, lag_s: float = 0.0, quiet_s: float | None = None, say_quiet: bool = True,
-             silence: tuple[float, float] | None = None) -> int:
+             silence: tuple[float, float] | None = None, wave: leases.ReturnWave | None = None) -> int:
         """Apply every deadline of this job that has passed. `quiet_s`: how long the server has heard
         from no agent, when that is long enough to be its own fault (leases.py); lapsing leases are
         then extended (and said so when `say_quiet`). `silence`: the last such silence that ended
-        (leases.grace_after_silence). Returns how many were extended."""
+        (leases.grace_after_silence), `wave` its nodes coming back since. Returns how many were extended."""
         job = self.job
-        leases.grace_after_silence(job, silence, now, self.out)
+        leases.grace_after_silence(job, silence, now, self.out, wave)
         gone, deferred = leases.lapsed(job, now, lag_s)
         if deferred:                    # judged again once the server has caught up
             leases.extend(job, deferred, now, min(lag_s, job.config.lease_timeout_s), self.out)

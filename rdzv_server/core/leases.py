@@ -23,14 +23,18 @@ Evidence must be about the node, never about the server itself:
   since had no chance to come back while it lasted, and the others come back first by chance. Its
   lease, if it runs out before the silence's end + RESUME_GRACE_S (the time an agent needs to find
   the path back over a fresh connection, node_agent/client/path_check.py), runs until then; a held
-  poll's connection that closed during the silence (its keepalive gave up) likewise. Once per silence,
-  so a node that really died is lost at most RESUME_GRACE_S later;
+  poll's connection that closed during the silence (its keepalive gave up) likewise. While the job's
+  nodes keep coming back (`ReturnWave`: thousands of them take the server seconds to take back), that
+  grace runs from the last one back instead, so a node that really died is lost RESUME_GRACE_S after
+  the others have returned;
 - a lease does not lapse while the server runs `lag_s` behind (its event loop late, requests
   waiting in its own backlog); it is judged again once the server has caught up. A connection that
   closed is evidence about the node itself, busy server or not.
 Several nodes lapsing at once leave together, so one round forms without any of them.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from rdzv_server.core.outbox import Outbox
 from rdzv_server.core.records import JobRecord, NodeRecord
@@ -99,13 +103,29 @@ def lapsed(job: JobRecord, now: float, lag_s: float) -> tuple[list[NodeRecord], 
     return gone, deferred
 
 
-def grace_after_silence(job: JobRecord, silence: tuple[float, float] | None, now: float, out: Outbox) -> None:
+@dataclass
+class ReturnWave:
+    """A job's nodes coming back after a silence ended: how many are back, and when that last grew."""
+    back: int = -1
+    grew_at: float = 0.0
+
+
+def grace_after_silence(job: JobRecord, silence: tuple[float, float] | None, now: float, out: Outbox,
+                        wave: ReturnWave | None = None) -> None:
     """Leases running out now that the last silence (`silence`: (began, ended), the server's own time
-    with nobody heard) may explain run until its end + RESUME_GRACE_S instead."""
+    with nobody heard) may explain run until RESUME_GRACE_S after its end, or after the last of the
+    job's nodes came back while they still come back (`wave`, kept by the caller per silence)."""
     if silence is None:
         return
     began, ended = silence
     until = ended + RESUME_GRACE_S
+    if wave is not None:
+        back = sum(1 for node in job.nodes.values() if node.last_seen >= ended)
+        if wave.back < 0:               # first seen: those back came back as the silence ended
+            wave.back, wave.grew_at = back, ended
+        elif back > wave.back:
+            wave.back, wave.grew_at = back, now
+        until = max(ended, wave.grew_at) + RESUME_GRACE_S
     for node in job.nodes.values():
         if node.holding or node.lease_expires > now or node.lease_expires >= until or node.last_seen >= ended:
             continue

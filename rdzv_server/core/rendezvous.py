@@ -32,7 +32,7 @@ from rdzv_server.core import admission, operator_rules, reports
 from rdzv_server.core.errors import RendezvousError
 from rdzv_server.core.events import EventKind
 from rdzv_server.core.job_rules import DROP_GRACE_S, JobRules
-from rdzv_server.core.leases import OUTAGE_LIMIT_S, QUIET_S, SUSPECT_QUIET_S
+from rdzv_server.core.leases import OUTAGE_LIMIT_S, QUIET_S, SUSPECT_QUIET_S, ReturnWave
 from rdzv_server.core.outbox import Outbox
 from rdzv_server.core.payloads import LeasesExtended
 from rdzv_server.core.records import JobRecord
@@ -71,6 +71,7 @@ class Rendezvous:
         self.unhealthy = UnhealthyHosts(self.limits.unhealthy_hold_s)   # hosts kept out of every job
         self._quiet_noted: set[str] = set()   # jobs told of the server's silence since it last heard
         self.silence: tuple[float, float] | None = None   # the last silence of SUSPECT_QUIET_S or more that ended
+        self._waves: dict[str, ReturnWave] = {}            # per job: its nodes coming back since that silence
         # Finished jobs by when they ended, oldest first: forgetting one is O(log n), never a scan. An
         # entry whose job was forgotten, reused or ended again since is skipped when it comes up.
         self._ended: list[tuple[float, str]] = [(j.finished_at or 0.0, j.job_id) for j in self.jobs.values()
@@ -81,6 +82,7 @@ class Rendezvous:
         if self.heard_at is None or now > self.heard_at:
             if self.heard_at is not None and now - self.heard_at >= SUSPECT_QUIET_S:
                 self.silence = (self.heard_at, now)   # maybe the server's own link: leases.grace_after_silence
+                self._waves.clear()
             self.heard_at = now
             self._quiet_noted.clear()
 
@@ -255,8 +257,9 @@ class Rendezvous:
                 continue
             seq = job.event_seq
             with self._counting(job):
+                wave = self._waves.setdefault(job.job_id, ReturnWave()) if self.silence is not None else None
                 extended = JobRules(job, self.outbox).tick(now, lag_s, quiet_s, job.job_id not in self._quiet_noted,
-                                                           self.silence)
+                                                           self.silence, wave)
             if extended:
                 self._quiet_noted.add(job.job_id)
             if job.event_seq != seq:      # every decision records an event

@@ -53,37 +53,56 @@ class ConnectionGuard:
         self.refused = 0
         self.evicted = 0
         self._busy: set[Any] = set()                     # protocols with a request in progress
-        self._fresh: list[tuple[float, Any]] = []        # (when, protocol) made, not yet connected
+        # Kept here, O(1) per accept: aiohttp's `Server.connections` copies the list of every open
+        # connection, and a fleet reconnecting at once (10,000 agents) made that quadratic.
+        self._open: dict[Any, None] = {}                 # connected handlers, oldest first
+        self._fresh: dict[Any, float] = {}               # handlers made, not yet connected: when
         self._trim_soon = False
 
     def factory(self, server: web.Server) -> Callable[[], asyncio.BaseProtocol]:
-        """Wrap aiohttp's protocol factory (`AppRunner.server`); `server.connections` lists its open
-        connections, oldest first."""
+        """Wrap aiohttp's protocol factory (`AppRunner.server`), following its connections as the
+        server's handlers report them made and lost."""
+        made, lost = server.connection_made, server.connection_lost
+
+        def on_made(handler: Any, transport: asyncio.Transport) -> None:
+            self._fresh.pop(handler, None)
+            self._open[handler] = None
+            made(handler, transport)
+
+        def on_lost(handler: Any, exc: BaseException | None = None) -> None:
+            self._open.pop(handler, None)
+            self._fresh.pop(handler, None)
+            lost(handler, exc)
+
+        server.connection_made = on_made      # type: ignore[method-assign]
+        server.connection_lost = on_lost      # type: ignore[method-assign]
+
         def make() -> asyncio.BaseProtocol:
             # asyncio accepts in batches and connects them (after TLS: their handshakes) later:
             # count those too for a while, so a burst cannot slip past the limits.
             now = time.monotonic()
-            self._fresh = [(t, h) for t, h in self._fresh if h.transport is None and now - t < FRESH_S]
-            count = len(server.connections) + len(self._fresh)
-            if count >= self.hard_limit and not self._make_room(server):
+            while self._fresh and now - next(iter(self._fresh.values())) >= FRESH_S:
+                del self._fresh[next(iter(self._fresh))]      # never connected (a failed handshake)
+            count = len(self._open) + len(self._fresh)
+            if count >= self.hard_limit and not self._make_room():
                 self.refused += 1
                 return _Refused()
             if count >= self.max_connections and not self._trim_soon:
                 self._trim_soon = True
-                asyncio.get_running_loop().call_later(0.05, self._trim, server)
+                asyncio.get_running_loop().call_later(0.05, self._trim)
             handler = server()
-            self._fresh.append((now, handler))
+            self._fresh[handler] = now
             return handler
         return make
 
-    def _trim(self, server: web.Server) -> None:
+    def _trim(self) -> None:
         self._trim_soon = False
-        excess = len(server.connections) - self.max_connections
-        while excess > 0 and self._make_room(server):
+        excess = len(self._open) - self.max_connections
+        while excess > 0 and self._make_room():
             excess -= 1
 
-    def _make_room(self, server: web.Server) -> bool:
-        for handler in server.connections:
+    def _make_room(self) -> bool:
+        for handler in self._open:
             if handler not in self._busy and handler.transport is not None and not handler.transport.is_closing():
                 handler.transport.close()
                 self.evicted += 1

@@ -231,6 +231,40 @@ def test_after_a_silence_a_node_that_does_not_come_back_is_lost_once_the_grace_e
     assert "a" not in rz.jobs["j"].nodes
 
 
+def test_while_nodes_keep_coming_back_after_a_silence_the_grace_runs_from_the_last_one_back():
+    # #26 at 10,000 nodes: the server takes seconds to take every node back after its link healed.
+    # Nodes returning a second apart, longer after the heal than RESUME_GRACE_S, all keep their place;
+    # one that never comes back is lost RESUME_GRACE_S after the last return, not before.
+    late = [f"n{i}" for i in range(1, 8)]
+    cfg = JobConfig(min_nodes=1, max_nodes=10, last_call_s=0.0, lease_timeout_s=LEASE, join_timeout_s=1e4)
+    rz = Rendezvous()
+    for n in ["n0", *late, "dead"]:
+        rz.join("j", JoinRequest(v=1, node_id=n, addr="10.0.0.1", local_world_size=1, master_port=1, config=cfg,
+                                 instance=n), 0.0)
+    rz.tick(0.0)
+    first = rz.jobs["j"].round.round_id
+    for n in ["n0", *late, "dead"]:
+        poll(rz, n, 10.0)
+    poll(rz, "n0", 14.0)                              # the silence: 10.0 -> 14.0
+    returns = {15.0 + i: n for i, n in enumerate(late)}    # n1 at 15.0 ... n7 at 21.0
+    lost_at, back = None, ["n0"]
+    t = 14.0
+    while t < 30.0:
+        if t in returns:
+            back.append(returns[t])
+        for n in back:                                # a node back polls on, as agents do
+            poll(rz, n, t)
+        rz.tick(t)
+        if lost_at is None and "dead" not in rz.jobs["j"].nodes:
+            lost_at = t
+        t += 0.5
+    assert set(rz.jobs["j"].nodes) == {"n0", *late}
+    assert lost_at is not None and max(returns) + RESUME_GRACE_S <= lost_at <= max(returns) + RESUME_GRACE_S + 0.5
+    lost = [e for e in rz.jobs["j"].events if e.kind == EventKind.NODE_LOST]
+    assert len(lost) == 1 and "dead" in str(lost[0])
+    assert rz.jobs["j"].round.round_id == first + 1  # one round without the dead node, no other
+
+
 def test_a_node_silent_since_well_before_the_silence_gets_no_grace():
     rz = job_with("a", "b")
     poll(rz, "a", 10.0)
