@@ -86,6 +86,10 @@ class Rendezvous:
             self.heard_at = now
             self._quiet_noted.clear()
 
+    def return_wave(self, job_id: str) -> ReturnWave | None:
+        """The job's nodes coming back since the last silence ended (leases.grace_after_silence)."""
+        return self._waves.get(job_id) if self.silence is not None else None
+
     def heard(self, now: float) -> None:
         """A frame from some agent that is no request (a stream's heartbeat): the server is not cut off."""
         self._heard(now)

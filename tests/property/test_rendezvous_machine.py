@@ -189,10 +189,12 @@ class RendezvousMachine(RuleBasedStateMachine):
         self._advance(expires)
         if self._live() and node_id in self.job.nodes:
             # still there: only because its lease had been extended before (the server was quiet), or
-            # because a silence of the server's own just ended (a grace to come back), or because
-            # nobody at all was heard for a while before it ran out (judged again later; leases.py)
-            silence = self.rz.silence
-            graced = silence is not None and self.job.nodes[node_id].lease_expires == silence[1] + RESUME_GRACE_S
+            # because a silence of the server's own just ended (a grace to come back, running from the
+            # silence's end or from the last node back since), or because nobody at all was heard for
+            # a while before it ran out (judged again later; leases.py)
+            silence, wave = self.rz.silence, self.rz.return_wave(JOB)
+            graced = silence is not None and self.job.nodes[node_id].lease_expires == \
+                max(silence[1], wave.grew_at if wave is not None else 0.0) + RESUME_GRACE_S
             quiet = self.rz.heard_at is not None and expires - self.rz.heard_at >= SUSPECT_QUIET_S
             assert graced or quiet or any(e.kind == EventKind.LEASES_EXTENDED for e in self.job.events), node_id
 
