@@ -16,6 +16,7 @@ import shlex
 import signal
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from node_agent.gpu.nvml import RECOVERY_ACTIONS, THROTTLE_WARNINGS, GpuHealth, GpuProbe, ProbeUnavailable
@@ -25,6 +26,7 @@ SCRIPT_TIMEOUT_S = 30.0
 OUTPUT_LIMIT = 64 * 1024          # bytes of a command's output kept
 REAP_TIMEOUT_S = 5.0              # after SIGKILL: a child in uninterruptible sleep is left behind
 PIPE_GRACE_S = 1.0                # after the command exits: its children may hold the output open
+MAX_CHECK_THREADS = 16            # GPUs asked at once
 
 
 @dataclass(frozen=True)
@@ -107,10 +109,17 @@ def judge(found: Sequence[GpuHealth]) -> Verdict:
 
 def check_gpus(probe: GpuProbe, indices: Sequence[int]) -> Verdict:
     """Ask `probe` (already open) about each GPU in `indices` and judge. Skipped (never Healthy) when
-    the probe is unavailable or breaks; the time taken is in the verdict."""
+    the probe is unavailable or breaks; the time taken is in the verdict. The GPUs are asked at once,
+    a thread each (NVML's calls are thread-safe and take 1-4 ms each: one after another, 8 GPUs'
+    calls add up past the check's 0.1 s budget)."""
     start = time.monotonic()
     try:
-        verdict = judge([probe.health(i) for i in indices]) if indices else Skipped("no GPU to check")
+        if not indices:
+            verdict: Verdict = Skipped("no GPU to check")
+        else:
+            with ThreadPoolExecutor(max_workers=min(len(indices), MAX_CHECK_THREADS),
+                                    thread_name_prefix="gpu-check") as pool:
+                verdict = judge(list(pool.map(probe.health, indices)))
     except ProbeUnavailable as exc:
         verdict = Skipped(one_line(str(exc)))
     except Exception as exc:           # a bug in the bindings must not take the node out

@@ -404,3 +404,24 @@ def test_a_check_after_listing_the_devices_asks_four_queries_per_gpu_and_not_the
     assert check_gpus(probe, [0, 1]).__class__.__name__ == "Healthy"
     assert nv.calls == ["nvmlDeviceGetFieldValues", "nvmlDeviceGetTotalEccErrors", "nvmlDeviceGetRemappedRows",
                         "nvmlDeviceGetCurrentClocksEventReasons"] * 2
+
+
+def test_the_gpus_are_asked_at_once_and_judged_in_order():
+    # NVML's calls take 1-4 ms each: 8 GPUs asked one after another passed the check's 0.1 s budget.
+    # Each stand-in GPU answers only once all 8 are being asked (a barrier), so a check asking them
+    # one by one would break the barrier and come back Skipped.
+    import threading
+
+    barrier = threading.Barrier(8, timeout=30)
+
+    class AllAtOnce(FakeGpuProbe):
+        def health(self, index: int) -> GpuHealth:
+            barrier.wait()
+            return super().health(index)
+
+    probe = AllAtOnce.with_gpus(8)
+    probe.faults[5] = replace(healthy(5), uncorrectable_ecc=3)
+    probe.open()
+    verdict = check_gpus(probe, list(range(8)))
+    assert isinstance(verdict, Unhealthy), verdict
+    assert "GPU 5" in verdict.reason and not barrier.broken
