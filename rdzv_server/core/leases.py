@@ -105,9 +105,11 @@ def lapsed(job: JobRecord, now: float, lag_s: float) -> tuple[list[NodeRecord], 
 
 @dataclass
 class ReturnWave:
-    """A job's nodes coming back after a silence ended: how many are back, and when that last grew."""
+    """A job's nodes coming back after a silence ended: how many are back, when that last grew, and
+    whether the grace has run out (then nothing is left to do for this silence: no scan per tick)."""
     back: int = -1
     grew_at: float = 0.0
+    over: bool = False
 
 
 def grace_after_silence(job: JobRecord, silence: tuple[float, float] | None, now: float, out: Outbox,
@@ -120,12 +122,17 @@ def grace_after_silence(job: JobRecord, silence: tuple[float, float] | None, now
     began, ended = silence
     until = ended + RESUME_GRACE_S
     if wave is not None:
+        if wave.over:
+            return
         back = sum(1 for node in job.nodes.values() if node.last_seen >= ended)
         if wave.back < 0:               # first seen: those back came back as the silence ended
             wave.back, wave.grew_at = back, ended
         elif back > wave.back:
             wave.back, wave.grew_at = back, now
         until = max(ended, wave.grew_at) + RESUME_GRACE_S
+        if now >= until:                # a lease given until then would have lapsed already
+            wave.over = True
+            return
     for node in job.nodes.values():
         if node.holding or node.lease_expires > now or node.lease_expires >= until or node.last_seen >= ended:
             continue
