@@ -310,6 +310,7 @@ class Rendezvous:
                 oldest_first -= 1
             heapq.heappop(self._ended)
             del self.jobs[job.job_id]
+            self._waves.pop(job.job_id, None)
             self.node_count -= len(job.nodes)
             self.outbox.pruned.add(job.job_id)
             self.outbox.changed.pop(job.job_id, None)
