@@ -1,6 +1,8 @@
 """One round's local workers as a group: start them all, learn of the first failure, stop them all.
 
 Each process is a `Worker` (worker.py); the group adds the rules that concern them together:
+- all start from the warm zygote or all cold; with `warm_wait_s`, a zygote still importing is waited for
+  (bounded; a stop() ends the wait);
 - a worker that cannot be spawned makes the ones already started be killed;
 - `wait()` returns the moment any worker fails (the others still run), or once all succeeded;
 - `stop()` signals every process group, escalates to SIGKILL after the stop timeout, sweeps away
@@ -26,11 +28,14 @@ class WorkerGroup:
 
     def __init__(self, launches: list[WorkerLaunch], *, stop_timeout: float,
                  console: Console | None = None, on_beat: Callable[[int], None] | None = None,
-                 kill_timeout: float = _KILL_WAIT_S, warm: WarmZygote | None = None) -> None:
+                 kill_timeout: float = _KILL_WAIT_S, warm: WarmZygote | None = None,
+                 warm_wait_s: float = 0.0) -> None:
         self._launches = list(launches)
         self._kill_timeout = kill_timeout
         self.stuck_pids: list[int] = []      # workers still alive kill_timeout after SIGKILL
         self._warm = warm                    # forks the workers it can (warm/), the others start cold
+        self._warm_wait_s = warm_wait_s      # how long start() waits for a zygote still importing
+        self._stop_asked = asyncio.Event()
         self._on_beat = on_beat              # called with the local rank on each heartbeat byte
         self._stop_timeout = stop_timeout
         self._console = console or Console()
@@ -62,17 +67,14 @@ class WorkerGroup:
         return list(self._exits)
 
     async def start(self) -> None:
-        """Spawn every worker. A stop() arriving meanwhile ends the spawning; a worker that cannot be
-        spawned makes the others be killed and raises WorkerSpawnError."""
-        if self._started or self._stopping is not None:
-            raise RuntimeError("a WorkerGroup starts once, and not after stop()")
+        """Spawn every worker. A stop() arriving meanwhile ends the spawning (a start after stop() spawns
+        nothing); a worker that cannot be spawned makes the others be killed and raises WorkerSpawnError."""
+        if self._started:
+            raise RuntimeError("a WorkerGroup starts once")
         self._started = True
         failed: tuple[WorkerLaunch, OSError] | None = None
-        # A round's workers start alike: all from the zygote or all cold, decided once. A zygote becoming
-        # ready halfway would give a warm worker a head start of seconds over its cold peers (a fast
-        # failure could then stop them before they even ran).
-        warm = self._warm if self._warm is not None and self._warm.ready else None
         try:
+            warm = await self._round_zygote()
             for launch in self._launches:
                 if self.stopping:   # a stop() came while the previous worker was being spawned
                     break
@@ -91,6 +93,23 @@ class WorkerGroup:
         if failed is not None:
             await self.stop(signal.SIGKILL)
             raise WorkerSpawnError(*failed) from failed[1]
+
+    async def _round_zygote(self) -> WarmZygote | None:
+        """The zygote if this round starts warm. A round's workers start alike, all from the zygote or all
+        cold, decided once: a zygote becoming ready halfway would give a warm worker a head start of
+        seconds over its cold peers (a fast failure could then stop them before they even ran)."""
+        zygote = self._warm
+        if zygote is None:
+            return None
+        if not zygote.ready and zygote.coming and self._warm_wait_s > 0 and not self.stopping:
+            waits = [asyncio.ensure_future(zygote.wait_ready(self._warm_wait_s)),
+                     asyncio.ensure_future(self._stop_asked.wait())]
+            try:
+                await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for waiting in waits:
+                    waiting.cancel()
+        return zygote if zygote.ready else None
 
     def _reaped(self, exit_: WorkerExit) -> None:
         self._exits.append(exit_)
@@ -122,6 +141,7 @@ class WorkerGroup:
         cuts the grace period short (a second Ctrl-C).
         """
         if self._stopping is None:
+            self._stop_asked.set()
             self._stopping = asyncio.create_task(self._stop(sig))
         elif sig == signal.SIGKILL and not self._stopping.done():
             self._signal_groups(signal.SIGKILL)

@@ -3,6 +3,9 @@
 `spawn()` builds the round's launches and starts a group; from then on the group's news arrives as
 facts, tagged with the round: `WorkersExited` (the first failure, or all succeeded), `WorkersHung`
 (heartbeats stopped for longer than --hang-timeout) and `SpawnFailed`. `stop()` ends the group.
+A round whose script imports a preloaded package waits (up to WARM_WAIT_S) for a zygote still importing
+them, the first round included: its workers would spend that time importing anyway, and a warm worker
+also ends fast when it fails. That wait runs in the background, so the agent's loop goes on meanwhile.
 The group itself is made by `make_group`, so a test can put a scripted one in its place; the real one
 (processes) gets the warm zygote (warm/), started by `warm_up()` once the agent's environment is final.
 """
@@ -27,8 +30,10 @@ from node_agent.workers.launch import WorkerLaunch, build_launches, make_run_dir
 from node_agent.workers.memory import MemoryDirs
 from node_agent.workers.process import WorkerExit, WorkerSpawnError
 from node_agent.workers.warm.client import WarmZygote
-from node_agent.workers.warm.eligible import script_dir
+from node_agent.workers.warm.eligible import script_dir, uses_preload
 from protocol.messages import Assignment, Unhealthy
+
+WARM_WAIT_S = 60.0   # a zygote importing longer than this (a hung file system?) lets the round start cold
 
 
 class Group(Protocol):
@@ -74,6 +79,10 @@ class LocalWorkers:
         # Only real processes start warm: a test's stand-in group gets no zygote.
         self.warm = warm_zygote(opts, say) if make_group is None else None
         self._make_group: GroupFactory = make_group or self._process_group
+        # a zygote still importing is worth waiting for only when the script itself imports what it preloads
+        self._warm_wait_s = WARM_WAIT_S if self.warm is not None and uses_preload(
+            opts.script, module=opts.module, preload=opts.warm_preload, cwd=os.getcwd()) else 0.0
+        self._starting: asyncio.Task[None] | None = None   # a start waiting for the zygote
         self.group: Group | None = None
         self.cpu_affinity: Mapping[int, frozenset[int]] = {}   # --numa-binding: local rank -> its CPUs
         self.stuck_pids: list[int] = []      # workers that outlived SIGKILL (the node is unhealthy)
@@ -88,7 +97,7 @@ class LocalWorkers:
     def _process_group(self, launches: list[WorkerLaunch], *, stop_timeout: float,
                        on_beat: Callable[[int], None] | None) -> Group:
         return WorkerGroup(launches, stop_timeout=stop_timeout, on_beat=on_beat, kill_timeout=self.opts.kill_timeout,
-                           warm=self.warm)
+                           warm=self.warm, warm_wait_s=self._warm_wait_s)
 
     def warm_up(self) -> None:
         """Start the warm zygote now (before the first round), so that it is ready by the restart at least.
@@ -116,25 +125,39 @@ class LocalWorkers:
         group = self._make_group(launches, stop_timeout=opts.stop_timeout,
                                  on_beat=self._on_beat if self._hangs is not None else None)
         self.group, self._round = group, a.round_id
+        if self.warm is not None and self._warm_wait_s > 0 and self.warm.coming:
+            # Not awaited: a signal, a new round or the lease must not wait on the zygote's imports.
+            self._starting = start_source(self._start(group, a.round_id), self._put)
+        else:
+            await self._start(group, a.round_id)
+
+    async def _start(self, group: Group, round_id: int) -> None:
+        launches = group.launches
         try:
             await group.start()
         except OSError as exc:   # the group killed those already started
-            self.group = None
+            if self.group is group:
+                self.group = None
             failed = exc.launch if isinstance(exc, WorkerSpawnError) else launches[0]
-            self._spawn_failed(a.round_id, exc, failed.rank, failed.local_rank, failed.argv[0])
+            self._spawn_failed(round_id, exc, failed.rank, failed.local_rank, failed.argv[0])
+            return
+        if self.group is not group:   # stopped while it waited for the zygote: nothing was started
             return
         if isinstance(group, WorkerGroup) and group.warm_pids:
             self._say(f"{len(group.warm_pids)} of {len(launches)} workers started warm")
-        self._watchers.append(start_source(self._watch_exits(group, a.round_id), self._put))
+        self._watchers.append(start_source(self._watch_exits(group, round_id), self._put))
         if self._hangs is not None:
-            self._watchers.append(start_source(self._watch_hangs(group, self._hangs, a.round_id), self._put))
+            self._watchers.append(start_source(self._watch_hangs(group, self._hangs, round_id), self._put))
 
     async def stop(self, signum: int = signal.SIGTERM) -> None:
         """Stop the running group, if any (up to --stop-timeout, then SIGKILL)."""
         self._stop_watching()
         group, self.group = self.group, None
+        starting, self._starting = self._starting, None
         if group is not None:
-            await group.stop(signum)
+            await group.stop(signum)   # also ends a start still waiting for the zygote
+            if starting is not None:   # its failure, if any, reached the loop already (start_source)
+                await asyncio.wait([starting])
             stuck = list(getattr(group, "stuck_pids", ()))
             if stuck:      # they would hold the GPU (and this node's workers) forever: the node leaves
                 self.stuck_pids = stuck

@@ -11,6 +11,7 @@ from tests.e2e.harness import ROOT, SCRIPTS, pid_gone
 
 pytestmark = pytest.mark.e2e
 PROBE = os.path.join(SCRIPTS, "warm_probe.py")
+FIRST = os.path.join(SCRIPTS, "warm_first_probe.py")
 TRAIN = os.path.join(ROOT, "examples", "train_ddp.py")
 
 
@@ -25,6 +26,30 @@ def test_warm_workers_die_with_a_sigkilled_agent(cluster):
     assert pid_gone(worker, 30), "a warm worker outlived its agent"
 
 
+def test_the_first_round_waits_for_the_zygote_when_the_script_imports_what_it_preloads(cluster):
+    agent = cluster.agent("--standalone", "--nproc", "2", "--max-restarts", "0", "--warm-preload", "json", FIRST)
+    assert agent.wait() == 0, agent.output          # no restart to spare: the first round itself is warm
+    assert "2 of 2 workers started warm" in agent.output
+
+
+def test_a_signal_while_the_first_round_waits_for_the_zygote_ends_the_agent_at_once(cluster, tmp_path):
+    """The wait for a zygote still importing runs beside the agent's loop: a SIGTERM is not held up by it."""
+    gate = tmp_path / "gate"
+    os.mkfifo(gate)
+    (tmp_path / "gated.py").write_text(f"with open({str(gate)!r}) as f:\n    f.read()\n")   # blocks: no writer
+    ran = tmp_path / "ran"
+    (tmp_path / "train.py").write_text(f"import gated\nopen({str(ran)!r}, 'w').close()\n")
+    agent = cluster.agent("--standalone", "--nproc", "1", "--warm-preload", "gated", str(tmp_path / "train.py"))
+    agent.wait_for_line(r"round \d+: group rank 0/1")
+    zygotes = [p for p in psutil.Process(agent.pid).children()
+               if any(arg.endswith("zygote.py") for arg in p.cmdline())]
+    assert len(zygotes) == 1, agent.output
+    agent.popen.send_signal(signal.SIGTERM)
+    assert agent.wait(30) != 0, agent.output        # not after the agent's 60 s wait for the zygote
+    assert pid_gone(zygotes[0].pid, 30), "the zygote outlived its agent"
+    assert not ran.exists(), "a worker ran although the agent was stopped before any started"
+
+
 def test_warm_workers_off_starts_every_worker_cold(cluster, tmp_path):
     agent = cluster.agent("--standalone", "--nproc", "1", "--max-restarts", "1", "--warm-workers", "off", PROBE)
     assert agent.wait() != 0, agent.output          # never warm: it fails every attempt
@@ -37,4 +62,5 @@ def test_real_ddp_training_recovers_from_a_crash_on_warm_workers(cluster):
     assert agent.wait(300) == 0, agent.output
     out = agent.output
     assert "injected crash on rank 1" in out and "training done: 20 steps on 2 workers" in out
-    assert "2 of 2 workers started warm" in out, out          # the restart forked both from the zygote
+    # both rounds forked from the zygote: the first waited for it (the script imports torch)
+    assert out.count("2 of 2 workers started warm") == 2, out

@@ -296,3 +296,80 @@ async def test_a_warm_worker_ends_at_once_keeping_what_the_user_relies_on(make_z
     full = {"atexit", "buffered", "finalized"} | ({"thread"} if case == "thread" else set())
     assert left["cold"] == full
     assert left["warm"] == (full if case in ("thread", "full_exit") else {"atexit", "buffered"})   # no teardown
+
+
+@pytest.fixture
+def gated_preload(workdir) -> Callable[[], Awaitable[None]]:
+    """A preload module whose import blocks on a FIFO: the zygote stays 'importing' until the test opens
+    the gate. The returned coroutine opens it (and first waits for the zygote to be blocked on it)."""
+    gate = os.path.join(workdir, "gate")
+    os.mkfifo(gate)
+    (Path(workdir) / "gated.py").write_text(f"with open({gate!r}) as f:\n    f.read()\n")
+
+    async def open_gate() -> None:
+        def write() -> None:
+            with open(gate, "w") as f:   # blocks until the zygote opens the FIFO to read it
+                f.write("go")
+        await asyncio.wait_for(asyncio.to_thread(write), LIMIT * 2)
+    return open_gate
+
+
+def importing_zygote(workdir: str, warnings: list[str]) -> WarmZygote:
+    zygote = WarmZygote(sys.executable, ("json", "gated"), workdir, base_env(ENV), warnings.append)
+    zygote.start()
+    return zygote
+
+
+async def test_a_round_waits_for_a_zygote_still_importing_and_starts_warm(workdir, gated_preload) -> None:
+    """The first round no longer starts cold because the zygote was not ready yet (issue 22)."""
+    zygote = importing_zygote(workdir, [])
+    launches = [WorkerLaunch(local_rank=i, rank=i, argv=[sys.executable, "-u", "dump.py",
+                                                         os.path.join(workdir, f"seen{i}.json"), "0"],
+                             env=dict(ENV), log_dir=None) for i in range(2)]
+    group = WorkerGroup(launches, stop_timeout=5, console=RecordingConsole(), warm=zygote, warm_wait_s=LIMIT * 4)
+    try:
+        assert zygote.coming and not zygote.ready
+        starting = asyncio.create_task(group.start())
+        await gated_preload()
+        await asyncio.wait_for(starting, LIMIT * 2)
+        assert len(group.warm_pids) == 2, "the round did not wait for the zygote"
+        exits = await asyncio.wait_for(group.wait(), LIMIT)
+        assert [e.exitcode for e in exits] == [0, 0]
+    finally:
+        await group.stop(signal.SIGKILL)
+        await zygote.close()
+
+
+async def test_a_stop_ends_the_wait_for_the_zygote_and_nothing_starts(workdir, gated_preload) -> None:
+    zygote = importing_zygote(workdir, [])
+    launch = WorkerLaunch(local_rank=0, rank=0, argv=[sys.executable, "-u", "dump.py",
+                                                      os.path.join(workdir, "seen.json"), "0"], env=dict(ENV),
+                          log_dir=None)
+    group = WorkerGroup([launch], stop_timeout=5, console=RecordingConsole(), warm=zygote, warm_wait_s=LIMIT * 100)
+    try:
+        starting = asyncio.create_task(group.start())
+        await asyncio.wait_for(group.stop(), LIMIT)        # while the zygote is still importing
+        await asyncio.wait_for(starting, LIMIT)
+        assert group.pids == [] and not await asyncio.to_thread(os.path.exists, os.path.join(workdir, "seen.json"))
+    finally:
+        await gated_preload()                              # let the zygote finish, then close it
+        await zygote.close()
+
+
+async def test_a_zygote_that_cannot_start_ends_the_wait_at_once(workdir) -> None:
+    warnings: list[str] = []
+    zygote = WarmZygote(os.path.join(workdir, "no-such-python"), ("json",), workdir, base_env(ENV), warnings.append)
+    zygote.start()
+    out = os.path.join(workdir, "seen.json")
+    launch = WorkerLaunch(local_rank=0, rank=0, argv=[sys.executable, "-u", "dump.py", out, "0"], env=dict(ENV),
+                          log_dir=None)
+    group = WorkerGroup([launch], stop_timeout=5, console=RecordingConsole(), warm=zygote, warm_wait_s=LIMIT * 100)
+    try:
+        await asyncio.wait_for(group.start(), LIMIT)       # not the hundredfold wait: the zygote never comes
+        assert group.pids and not group.warm_pids
+        (exit_,) = await asyncio.wait_for(group.wait(), LIMIT)
+        assert exit_.exitcode == 0 and await asyncio.to_thread(os.path.exists, out)
+        assert len(warnings) == 1 and "cannot start" in warnings[0]
+    finally:
+        await group.stop(signal.SIGKILL)
+        await zygote.close()

@@ -8,7 +8,7 @@ import pytest
 
 from node_agent.cli.options import DEFAULT_PRELOAD, OptionsError, parse_options
 from node_agent.workers.launch import WorkerLaunch
-from node_agent.workers.warm.eligible import base_env, warm_launch
+from node_agent.workers.warm.eligible import base_env, uses_preload, warm_launch
 
 ENV = {"PATH": "/usr/bin"}
 
@@ -78,3 +78,33 @@ def test_the_launchers_per_worker_variables_are_not_part_of_the_zygotes_environm
     env = {**ENV, "RANK": "1", "LOCAL_RANK": "1", "MASTER_PORT": "1", "TORCHELASTIC_ERROR_FILE": "/e",
            "NODE_AGENT_HEARTBEAT_FD": "7", "OMP_NUM_THREADS": "1"}
     assert base_env(env) == {**ENV, "OMP_NUM_THREADS": "1"}
+
+
+@pytest.mark.parametrize("source, uses", [
+    ("import torch\n", True),
+    ("import os, torch.distributed as dist\n", True),
+    ("from torch.nn.parallel import DistributedDataParallel\n", True),
+    ("def main():\n    import torch\n", True),                 # imported late, still imported
+    ("import json\nimport torchvision\n", False),           # another package whose name starts alike
+    ("from . import torch\n", False),                       # a relative import is the script's own module
+    ("import os\nprint('no torch here')\n", False),
+    ("this is not python (\n", True),                       # unreadable: assume it does (at worst a cold wait)
+], ids=["import", "dotted", "from", "nested", "torchvision", "relative", "none", "syntax-error"])
+def test_a_round_waits_for_the_zygote_only_when_the_script_imports_what_it_preloads(tmp_path, source, uses) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(source)
+    assert uses_preload(str(script), module=False, preload=DEFAULT_PRELOAD, cwd=str(tmp_path)) is uses
+
+
+def test_a_module_entry_point_is_found_on_the_path_without_importing_it(tmp_path) -> None:
+    package = tmp_path / "pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("raise SystemExit('the agent must not run this')\n")
+    (package / "train.py").write_text("import torch\n")
+    (package / "plain.py").write_text("import os\n")
+    (package / "__main__.py").write_text("import torch.optim\n")
+    cwd = str(tmp_path)
+    assert uses_preload("pkg.train", module=True, preload=DEFAULT_PRELOAD, cwd=cwd)
+    assert uses_preload("pkg", module=True, preload=DEFAULT_PRELOAD, cwd=cwd)            # pkg/__main__.py
+    assert not uses_preload("pkg.plain", module=True, preload=DEFAULT_PRELOAD, cwd=cwd)
+    assert uses_preload("pkg.nowhere", module=True, preload=DEFAULT_PRELOAD, cwd=cwd)    # not found: assume so

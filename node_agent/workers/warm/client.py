@@ -62,11 +62,18 @@ class WarmZygote:
         self._answers: dict[int, asyncio.Future[dict[str, Any]]] = {}   # spawn id (or -1: query) -> answer
         self._workers: dict[int, WarmProcess] = {}
         self._starting: asyncio.Task[None] | None = None
-        self._became_ready = asyncio.Event()
+        self._changed = asyncio.Event()   # set (and replaced) when it becomes ready, or dies, or cannot start
 
     @property
     def ready(self) -> bool:
         return self._ready
+
+    @property
+    def coming(self) -> bool:
+        """Not ready, but a zygote is on its way (starting, or importing its preloads)."""
+        if self._ready or self._closing:
+            return False
+        return self._sock is not None or (self._starting is not None and not self._starting.done())
 
     @property
     def pid(self) -> int | None:
@@ -89,6 +96,7 @@ class WarmZygote:
         except OSError as exc:
             ours.close()
             self._warn(f"warm workers off: cannot start {self.python}: {exc.strerror}; workers start cold")
+            self._notify()
             return
         finally:
             theirs.close()
@@ -119,7 +127,7 @@ class WarmZygote:
                 self._kill()
                 return
             self._ready = True
-            self._became_ready.set()
+            self._notify()
         elif op == "exited":
             worker = self._workers.pop(int(m["pid"]), None)
             if worker is not None:
@@ -141,7 +149,6 @@ class WarmZygote:
             self._warn(f"warm workers: the zygote ({self.python}) {what}; {then}")
         self._killed = False
         self._ready = False
-        self._became_ready.clear()
         for worker in self._workers.values():
             worker.exited(-signal.SIGKILL)
         self._workers.clear()
@@ -153,6 +160,11 @@ class WarmZygote:
             asyncio.get_running_loop().create_task(self._proc.wait())   # reap it
         if not self._closing:
             self.start()
+        self._notify()
+
+    def _notify(self) -> None:
+        changed, self._changed = self._changed, asyncio.Event()
+        changed.set()
 
     async def _ask(self, message: dict[str, Any], fds: Sequence[int] = ()) -> dict[str, Any] | None:
         sock = self._sock
@@ -205,15 +217,18 @@ class WarmZygote:
         return await self._ask({"op": "query"}) if self._ready else None
 
     async def wait_ready(self, timeout: float) -> bool:
-        """For tests and benchmarks: wait (bounded) until the zygote has imported its preloads."""
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(self._became_ready.wait(), timeout)
+        """Wait (bounded) while a zygote is on its way; whether one is ready. A zygote that cannot start,
+        or dies for the last time, ends the wait at once."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while not self._ready and self.coming and loop.time() < deadline:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._changed.wait(), deadline - loop.time())
         return self._ready
 
     def _kill(self) -> None:
         self._killed = True
         self._ready = False
-        self._became_ready.clear()
         if self._proc is not None and self._proc.returncode is None:
             with contextlib.suppress(ProcessLookupError):
                 self._proc.send_signal(signal.SIGKILL)

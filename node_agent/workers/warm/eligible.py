@@ -4,10 +4,16 @@ Warm: `PYTHON -u script args` and `PYTHON -u -m module args`, with PYTHON the zy
 environment equal to the zygote's but for the launcher's own per-worker variables (a different PYTHONPATH,
 OMP_NUM_THREADS, locale... would make an interpreter that started differently). Everything else
 (--no-python, --run-path, other programs, `-c`) starts cold.
+
+`uses_preload` tells whether a round should wait for a zygote still importing: only when the entry point
+itself imports a preloaded package (a script that does not import torch would wait for nothing).
 """
 from __future__ import annotations
 
+import ast
 import os
+import sys
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,6 +43,48 @@ class WarmLaunch:
 
 def base_env(env: dict[str, str]) -> dict[str, str]:
     return {k: v for k, v in env.items() if k not in PER_WORKER_VARS and k != HEARTBEAT_ENV}
+
+
+MAX_SOURCE = 4 << 20    # bytes of an entry point read to find its imports: past it, assume it imports them
+
+
+def uses_preload(entry: str, *, module: bool, preload: Iterable[str], cwd: str) -> bool:
+    """Whether the script (or `-m` module) imports a top-level package of `preload`, at any depth of its
+    own source. Read, never run. An entry point that cannot be found or parsed counts as a user: waiting
+    for the zygote costs it at most what a cold start would spend importing."""
+    wanted = {name.split(".")[0] for name in preload}
+    path = module_source(entry, [cwd, *sys.path]) if module else entry
+    if path is None:
+        return True
+    try:
+        with open(path, "rb") as f:
+            source = f.read(MAX_SOURCE + 1)
+        if len(source) > MAX_SOURCE:
+            return True
+        tree = ast.parse(source, filename=path)
+    except (OSError, SyntaxError, ValueError):
+        return True
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [node.module]
+        else:
+            continue
+        if any(name.split(".")[0] in wanted for name in names):
+            return True
+    return False
+
+
+def module_source(name: str, path: Iterable[str]) -> str | None:
+    """The file `python -m name` runs, found on `path` without importing anything (None: not a plain file)."""
+    parts = name.split(".")
+    for entry in path:
+        base = os.path.join(entry or ".", *parts)
+        for candidate in (base + ".py", os.path.join(base, "__main__.py")):
+            if os.path.isfile(candidate):
+                return candidate
+    return None
 
 
 def script_dir(script: str) -> str:
