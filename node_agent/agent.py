@@ -19,6 +19,7 @@ from typing import TextIO
 
 from node_agent.cli.options import AgentOptions
 from node_agent.client.transport import Transport, free_port
+from node_agent.client.witness import WitnessServer
 from node_agent.core.actions import (
     Action,
     CheckNode,
@@ -38,7 +39,7 @@ from node_agent.narration import Narrator
 from node_agent.node_checks import NodeChecks
 from node_agent.server_link import ServerLink
 from node_agent.sources import start_source
-from node_agent.witness import WitnessServer, ask_witnesses
+from node_agent.witness import ask_witnesses
 from node_agent.workers.interfaces import gloo_interface
 from node_agent.workers.local import GroupFactory, LocalWorkers
 from protocol.messages import NodeStatus, Witness

@@ -1,13 +1,5 @@
-"""Agents vouch for each other while the server is silent: "are you there, do you hear it, and which
-round do you hold?"
+"""What a round's witnesses say together (the wire and the listener: node_agent/client/witness.py).
 
-Each agent listens on a free port of its own address. It tells the server the port at join, and the
-server hands each member up to two other members to ask (Assignment.witnesses). The asker may send
-one line first, `rdzv-agent ask round=R` (the round it runs); the witness answers one line and closes:
-- to that question: `rdzv-agent in-contact round=W` or `rdzv-agent alone round=W` (W: the round it
-  runs, -1 for none);
-- to no question (an older asker sends none; the witness waits ASK_WAIT_S for it): the older answers
-  `rdzv-agent in-contact` or `rdzv-agent alone`, which a newer asker understands as well.
 An agent that lost the server asks its witnesses, and the policy (policy.py) concludes:
 - a witness that hears the server holds a newer round: the server replaced this node's round (the
   evidence to fence on);
@@ -20,60 +12,9 @@ An older witness's "in-contact" without a round is read as before: it hears the 
 """
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import re
-from collections.abc import Callable
-
+from node_agent.client.witness import PROBE_TIMEOUT_S, ask_each, read_answer
 from node_agent.core.facts import ROUND_REPLACED, SERVER_AWAY, SERVER_HEARD, SILENT, STILL_MEMBER
 from protocol.messages import Witness
-
-IN_CONTACT = b"rdzv-agent in-contact\n"     # the older answers, with no round
-ALONE = b"rdzv-agent alone\n"
-ASK = b"rdzv-agent ask round=%d\n"
-ANSWER = b"rdzv-agent %s round=%d\n"
-_ANSWER = re.compile(rb"rdzv-agent (in-contact|alone)(?: round=(-?\d{1,12}))?\n")
-_ASK = re.compile(rb"rdzv-agent ask round=(-?\d{1,12})\n")
-PROBE_TIMEOUT_S = 1.0
-ASK_WAIT_S = 0.3      # an older asker sends no question: answered the older way after this
-
-
-class WitnessServer:
-    def __init__(self, addr: str, in_contact: Callable[[], bool], holds: Callable[[], int] = lambda: -1) -> None:
-        """`in_contact()`: whether this agent hears the server; `holds()`: the round it runs (-1: none)."""
-        self.addr = addr
-        self.in_contact = in_contact
-        self.holds = holds
-        self.port = 0
-        self._server: asyncio.Server | None = None
-
-    async def start(self) -> int:
-        """Listen on a free port of `addr`; 0 when that is not possible (then nobody asks this node)."""
-        try:
-            self._server = await asyncio.start_server(self._answer, self.addr, 0)
-        except OSError:
-            return 0
-        self.port = int(self._server.sockets[0].getsockname()[1])
-        return self.port
-
-    async def _answer(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        with contextlib.suppress(OSError, asyncio.TimeoutError, ValueError):
-            try:
-                asked = _ASK.fullmatch(await asyncio.wait_for(reader.readline(), ASK_WAIT_S))
-            except asyncio.TimeoutError:
-                asked = None
-            contact = self.in_contact()
-            if asked is None:
-                writer.write(IN_CONTACT if contact else ALONE)
-            else:
-                writer.write(ANSWER % (b"in-contact" if contact else b"alone", self.holds()))
-            await writer.drain()
-        writer.close()
-
-    async def close(self) -> None:
-        if self._server is not None:
-            self._server.close()
-            await self._server.wait_closed()
 
 
 def verdict(answers: list[bytes], round_id: int) -> str:
@@ -81,12 +22,12 @@ def verdict(answers: list[bytes], round_id: int) -> str:
     heard: list[int | None] = []     # the round each witness that hears the server holds (None: not said)
     answered = False
     for line in answers:
-        m = _ANSWER.fullmatch(line)
-        if m is None:
+        answer = read_answer(line)
+        if answer is None:
             continue
         answered = True
-        if m.group(1) == b"in-contact":
-            heard.append(int(m.group(2)) if m.group(2) is not None else None)
+        if answer[0]:
+            heard.append(answer[1])
     if any(r is not None and r > round_id for r in heard):
         return ROUND_REPLACED
     if any(r is not None for r in heard):
@@ -98,18 +39,4 @@ def verdict(answers: list[bytes], round_id: int) -> str:
 
 async def ask_witnesses(witnesses: tuple[Witness, ...], round_id: int = -1, timeout: float = PROBE_TIMEOUT_S) -> str:
     """The witnesses' verdict (facts.py: ROUND_REPLACED, STILL_MEMBER, SERVER_HEARD, SERVER_AWAY or SILENT)."""
-    async def ask(w: Witness) -> bytes:
-        try:
-            reader, writer = await asyncio.wait_for(asyncio.open_connection(w.addr, w.port), timeout)
-        except (OSError, asyncio.TimeoutError):
-            return b""
-        try:
-            writer.write(ASK % round_id)
-            await writer.drain()
-            return await asyncio.wait_for(reader.readline(), timeout)
-        except (OSError, asyncio.TimeoutError, ValueError):
-            return b""
-        finally:
-            writer.close()
-
-    return verdict(list(await asyncio.gather(*(ask(w) for w in witnesses))), round_id)
+    return verdict(await ask_each(witnesses, round_id, timeout), round_id)

@@ -13,6 +13,12 @@ can arrive out of order. A poll reply to a request sent before the handler's lat
 answered may describe an older state, so it is taken only when it shows progress (a newer round, a
 finished job); the next poll is sent after, and is taken as it comes.
 
+Witness: like node-agent, the session answers the other members' "do you hear the server, and which
+round do you run?" (node_agent/witness.py) on a port it names at join, so a job's node-agent members get
+witnesses on plugin nodes too. It does not fence its own workers: torch's agent owns them and its
+rendezvous handler has no call to stop them; a plugin node cut off from the server ends its session
+after server_wait (ServerLost), and torch's agent then stops its workers.
+
 The decisions are the pure functions at the top (tested without a server); the rest is I/O.
 """
 from __future__ import annotations
@@ -29,6 +35,7 @@ import msgspec
 from node_agent.client.replies import News, Refusal, newer_assignment, news, refusal, takes_poll_reply
 from node_agent.client.retry import Backoff, GaveUp, until_answered
 from node_agent.client.transport import ServerRejected, ServerUnreachable, Transport
+from node_agent.client.witness import WitnessServer
 from node_agent.plugin.settings import PluginSettings
 from protocol.messages import (
     MAX_POLL_WAIT_S,
@@ -119,6 +126,9 @@ class ServerSession:
         self._follower: asyncio.Task[None] | None = None
         self._said: tuple[str, int, int] | None = None
         self._left = False                      # left the job: follow no more, never rejoin
+        self._running = -1                      # the round whose workers torch runs (the witness says it)
+        self._cut_off = False                   # the latest request reached no server (the witness says it)
+        self.witness = WitnessServer(settings.addr, lambda: not self._cut_off, lambda: self._running)
         self._closed = False
         self._stopped = False
 
@@ -127,6 +137,7 @@ class ServerSession:
     def start(self) -> None:
         self._thread.start()
         self._call(self._client.__aenter__())
+        self._call(self.witness.start())   # 0 when it cannot listen: then nobody asks this node
 
     def next_assignment(self, ran_round: int, failures: list[WorkerFailure] | None) -> Assignment:
         """Report this node's failure of `ran_round` (when given), then wait for a round after it."""
@@ -184,6 +195,7 @@ class ServerSession:
                 raise JobFinished(view)
             assignment = newer_assignment(view, ran_round)
             if assignment is not None:
+                self._running = assignment.round_id
                 return assignment
             self._describe(view)
             changed = self._changed
@@ -198,7 +210,8 @@ class ServerSession:
             try:
                 await self._retrying(lambda: self._client.join(
                     addr=s.addr, host=s.hostname, local_world_size=s.local_world_size, master_port=self.master_port,
-                    config=s.config, instance=self._instance, role=s.role), s.server_wait_s)
+                    config=s.config, instance=self._instance, role=s.role, probe_port=self.witness.port),
+                    s.server_wait_s)
                 return
             except ServerRejected as exc:
                 # Maybe our own predecessor, dead but not yet noticed: wait out its lease, then give up.
@@ -222,7 +235,8 @@ class ServerSession:
     async def _retrying(self, send: Callable[[], Awaitable[NodeStatus]], limit: float) -> NodeStatus:
         """Send until answered, retrying an unreachable server for `limit` seconds; the reply is the view."""
         try:
-            status = await until_answered(send, give_up_after=limit, path_back=self._client.path_back)
+            status = await until_answered(send, give_up_after=limit, path_back=self._client.path_back,
+                                          on_unreachable=self._lost_contact)
         except GaveUp as exc:
             raise ServerLost(self._unreachable(exc.waited_s, exc.last)) from None
         self._answered += 1
@@ -253,7 +267,7 @@ class ServerSession:
             try:
                 reply = await until_answered(functools.partial(self._client.poll, known, POLL_WAIT_S),
                                              give_up_after=self.settings.server_wait_s,
-                                             path_back=self._client.path_back)
+                                             path_back=self._client.path_back, on_unreachable=self._lost_contact)
             except GaveUp as exc:
                 self._end(ServerLost(self._unreachable(exc.waited_s, exc.last)))
                 return
@@ -284,7 +298,11 @@ class ServerSession:
             self._set(msgspec.structs.replace(self.view, node_state=NodeState.GONE, assignment=None,
                                               reason=exc.message))
 
+    def _lost_contact(self, _: Exception) -> None:
+        self._cut_off = True
+
     def _set(self, status: NodeStatus) -> None:
+        self._cut_off = False   # an answer: the server is heard
         self.view = status
         self._changed.set()
         self._changed = asyncio.Event()
@@ -329,4 +347,5 @@ class ServerSession:
         if self._follower is not None:
             self._follower.cancel()
             await asyncio.gather(self._follower, return_exceptions=True)
+        await self.witness.close()
         await self._client.__aexit__(None, None, None)

@@ -13,7 +13,7 @@ import pytest
 from node_agent.client.http import RdzvClient
 from node_agent.plugin.session import JobFinished, JoinRefused, ServerLost, ServerSession, needs_rendezvous
 from node_agent.plugin.settings import plugin_settings
-from protocol.messages import WorkerFailure
+from protocol.messages import Witness, WorkerFailure
 from tests.e2e.harness import Cluster, job_view, wait_until
 
 pytestmark = pytest.mark.e2e
@@ -140,3 +140,30 @@ def test_a_job_closed_by_an_operator_ends_for_every_node(server, sessions):
     wait_until(lambda: needs_rendezvous(a.view, ra.round_id), 30, "a to hear that the job was closed")
     with pytest.raises(JobFinished, match="job 'close' closed: closed by operator"):
         a.next_assignment(ra.round_id, None)
+
+
+def ask(witness: Witness, round_id: int) -> bytes:
+    """The witness question, asked as another agent would (witness.py's wire, by hand)."""
+    with socket.create_connection((witness.addr, witness.port), timeout=10) as conn:
+        conn.sendall(b"rdzv-agent ask round=%d\n" % round_id)
+        return conn.makefile("rb").readline()
+
+
+def test_plugin_nodes_are_witnesses_answering_with_the_round_torch_runs(tmp_path, sessions):
+    """Issue 23: the plugin's nodes answer witness probes, so the members of a job get witnesses on them;
+    one that no longer hears the server says so."""
+    cluster = Cluster(tmp_path)
+    try:
+        cluster.start_server("--state-dir", "none")
+        a = start(sessions, "127.0.0.1", cluster.port, "witness", "a", server_wait="600")
+        b = start(sessions, "127.0.0.1", cluster.port, "witness", "b", server_wait="600")
+        assert a.witness.port > 0 and b.witness.port > 0
+        ra, rb = first_rounds(a, b)
+        assert ra.witnesses == (Witness(addr="127.0.0.1", port=b.witness.port),)   # the server named them
+        assert rb.witnesses == (Witness(addr="127.0.0.1", port=a.witness.port),)
+        assert ask(ra.witnesses[0], ra.round_id) == b"rdzv-agent in-contact round=%d\n" % rb.round_id
+        cluster.server.kill_all()                     # the server is gone: b's long-poll fails
+        wait_until(lambda: ask(ra.witnesses[0], ra.round_id) == b"rdzv-agent alone round=%d\n" % rb.round_id,
+                   30, "b to say it no longer hears the server")
+    finally:
+        cluster.close()

@@ -4,8 +4,9 @@ from __future__ import annotations
 import asyncio
 import socket
 
+from node_agent.client.witness import ALONE, IN_CONTACT, WitnessServer
 from node_agent.core.facts import ROUND_REPLACED, SERVER_AWAY, SERVER_HEARD, SILENT, STILL_MEMBER
-from node_agent.witness import ALONE, IN_CONTACT, WitnessServer, ask_witnesses, verdict
+from node_agent.witness import ask_witnesses, verdict
 from protocol.messages import Witness
 
 
