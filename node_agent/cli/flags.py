@@ -176,7 +176,8 @@ FLAGS: tuple[Flag, ...] = (
           "imported --warm-preload (a restart skips `import torch`); off: every worker starts cold; "
           "default {default}"),
     _ours(("--warm-preload", "--warm_preload"), "warm_preload", "MOD[,MOD...]",
-          "the modules warm workers find imported; default torch, torch.distributed, torch.nn, torch.optim"),
+          "the modules warm workers find imported; default torch, torch.distributed, torch.nn, torch.optim, "
+          "torch._dynamo"),
     _ours(("--no-command-check", "--no_command_check"), "no_command_check", None,
           "let nodes whose script or arguments differ join one job (by default the server refuses them)"),
 )

@@ -55,11 +55,11 @@ from protocol.tokens import read_token_file, token_problem
 
 DEFAULT_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)   # torchrun's
 DEFAULT_TEE_PREFIX = "[${role_name}${local_rank}]:"     # torchrun's prefix of tee'd lines
-# What a typical training script imports before its first step (python -X importtime examples/train_ddp.py).
-# Not torch._dynamo, though the first optimizer imports it and it costs as much as torch itself: with it
-# preloaded, 2 of 6 warm gloo DDP jobs hung at their end (the DDP Reducer's process-group destructor joins
-# gloo's thread holding the GIL while that thread waits for the GIL), 0 of 7 without it (docs/fault-tolerance.md).
-DEFAULT_PRELOAD = ("torch", "torch.distributed", "torch.nn", "torch.optim")
+# What a typical training script imports before its first step (python -X importtime examples/train_ddp.py),
+# torch._dynamo included: the first optimizer step imports it, and it costs as much as torch itself. (It left
+# the list once for end-of-job hangs in gloo's process-group destructor; the zygote's pause at
+# destroy_process_group, zygote._let_gloo_threads_finish_at_destroy, ended them: docs/fault-tolerance.md.)
+DEFAULT_PRELOAD = ("torch", "torch.distributed", "torch.nn", "torch.optim", "torch._dynamo")
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ from node_agent.workers.process import WorkerExit
 from node_agent.workers.warm.client import WarmZygote
 from node_agent.workers.warm.eligible import base_env, warm_launch
 from tests.e2e.harness import pid_gone
-from tests.integration.warm_scripts import DUMP, FAILING, RECORD
+from tests.integration.warm_scripts import DESTROY, DUMP, FAILING, RECORD
 from tests.integration.worker_support import LIMIT, RecordingConsole, kill_strays
 
 # pytest changes PYTEST_CURRENT_TEST between phases: the workers' environment must not
@@ -373,3 +373,18 @@ async def test_a_zygote_that_cannot_start_ends_the_wait_at_once(workdir) -> None
     finally:
         await group.stop(signal.SIGKILL)
         await zygote.close()
+
+
+async def test_destroy_process_group_in_a_warm_worker_does_what_torchs_does_then_lets_gloo_finish(
+        make_zygote, workdir) -> None:
+    """The zygote's pause against torch's gloo teardown deadlock (zygote._let_gloo_threads_finish_at_destroy):
+    the script sees torch's function, which still destroys the group; only warm workers get the pause."""
+    pytest.importorskip("torch")
+    zygote = await make_zygote(("torch", "torch.distributed"))
+    (Path(workdir) / "destroy.py").write_text(DESTROY)
+    cold = await run(["destroy.py"], None, workdir)
+    warm = await run(["destroy.py"], zygote, workdir)
+    assert warm.warm and warm.key() == cold.key() == (0, "")
+    said = ["[w] before True", "[w] after False destroy_process_group"]
+    assert cold.console.lines("stdout") == [*said, "[w] paused False"]
+    assert warm.console.lines("stdout") == [*said, "[w] paused True"]

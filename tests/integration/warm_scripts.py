@@ -70,3 +70,16 @@ if sys.argv[2] == "thread":
 if sys.argv[2] != "ok":
     raise RuntimeError("failed")
 '''
+
+# A one-rank gloo group, destroyed: prints what the script can see of destroy_process_group and whether
+# the group is gone after it.
+DESTROY = '''
+import os, sys, tempfile
+import torch.distributed as dist
+store = dist.FileStore(os.path.join(tempfile.mkdtemp(), "store"), 1)
+dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+print("before", dist.is_initialized(), flush=True)
+dist.destroy_process_group()
+print("after", dist.is_initialized(), dist.destroy_process_group.__name__, flush=True)
+print("paused", hasattr(dist.destroy_process_group, "__wrapped__"), flush=True)
+'''
