@@ -52,7 +52,8 @@ def signals_text(signals: Sequence[int]) -> str:
 def worker_env(*, base: Mapping[str, str], assignment: Assignment, local_rank: int, job_id: str,
                role: str, error_file: str | None, nccl_async: str | None = None,
                virtual_local_rank: bool = False, signals: Sequence[int] = DEFAULT_SIGNALS,
-               memory_dir: str | None = None, memory_limit: int | None = None) -> dict[str, str]:
+               memory_dir: str | None = None, memory_limit: int | None = None,
+               agent_store: bool = False) -> dict[str, str]:
     """The full environment of one worker: `base` (the agent's own, less AGENT_SECRETS) plus the
     launcher's variables.
 
@@ -64,6 +65,8 @@ def worker_env(*, base: Mapping[str, str], assignment: Assignment, local_rank: i
     (torch's own process launchers in a worker read it).
     `memory_dir`: the local rank's in-memory checkpoint directory (NODE_AGENT_MEMORY_DIR, with its size
     limit in bytes in NODE_AGENT_MEMORY_LIMIT; node_agent/snapshot.py reads both); None: neither is set.
+    `agent_store`: the group-rank-0 node's agent hosts the c10d store at MASTER_ADDR:MASTER_PORT
+    (workers/store_host.py), so every rank connects to it as a client; else worker rank 0 hosts it.
     """
     a = assignment
     if not 0 <= local_rank < a.local_world_size:
@@ -84,8 +87,7 @@ def worker_env(*, base: Mapping[str, str], assignment: Assignment, local_rank: i
         "TORCHELASTIC_RESTART_COUNT": str(a.restart_count),
         "TORCHELASTIC_MAX_RESTARTS": str(a.max_restarts),
         "TORCHELASTIC_RUN_ID": job_id,
-        # Worker rank 0 hosts the c10d store at MASTER_ADDR:MASTER_PORT; the agent runs no store.
-        "TORCHELASTIC_USE_AGENT_STORE": "False",
+        "TORCHELASTIC_USE_AGENT_STORE": str(agent_store),
         "TORCHELASTIC_SIGNALS_TO_HANDLE": signals_text(signals),
         "TORCH_NCCL_ASYNC_ERROR_HANDLING":
             nccl_async if nccl_async is not None else base.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),

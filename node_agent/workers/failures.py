@@ -29,6 +29,16 @@ def exit_failure(e: WorkerExit, *, host: str, node_id: str) -> WorkerFailure:
                          timestamp=e.seen_at or time.time(), host=host, node_id=node_id)
 
 
+def store_failure(e: WorkerExit, *, rank: int, host: str, node_id: str) -> WorkerFailure:
+    """The round's c10d store host (workers/store_host.py) ended while the workers ran: their store is
+    gone. Reported as local rank 0's (a worker's fields are all the protocol has), saying what it was."""
+    how = f"was killed by {e.signal_name}" if e.signal_name else f"exited with status {e.exitcode}"
+    return WorkerFailure(local_rank=0, rank=rank, exitcode=e.exitcode or 1, signal=e.signal_name, reason="store exited",
+                         message=f"the round's c10d store, hosted by this node's agent (pid {e.pid}), {how} "
+                                 f"while the workers ran (its output: the run directory's attempt_N/store/)",
+                         timestamp=e.seen_at or time.time(), host=host, node_id=node_id)
+
+
 def hang_failure(launch: WorkerLaunch, *, silent_s: float, hang_timeout_s: float, host: str,
                  node_id: str) -> WorkerFailure:
     """A worker that stopped beating: the agent stops it with SIGTERM."""

@@ -3,6 +3,8 @@
 Each process is a `Worker` (worker.py); the group adds the rules that concern them together:
 - all start from the warm zygote or all cold; with `warm_wait_s`, a zygote still importing is waited for
   (bounded; a stop() ends the wait);
+- with a `store` launch (the round's c10d store host, workers/store_host.py), it is started first, like
+  a worker, and its end before the workers' is the round's failure (their store is gone);
 - a worker that cannot be spawned makes the ones already started be killed;
 - `wait()` returns the moment any worker fails (the others still run), or once all succeeded;
 - `stop()` signals every process group, escalates to SIGKILL after the stop timeout, sweeps away
@@ -29,13 +31,16 @@ class WorkerGroup:
     def __init__(self, launches: list[WorkerLaunch], *, stop_timeout: float,
                  console: Console | None = None, on_beat: Callable[[int], None] | None = None,
                  kill_timeout: float = _KILL_WAIT_S, warm: WarmZygote | None = None,
-                 warm_wait_s: float = 0.0) -> None:
+                 warm_wait_s: float = 0.0, store: WorkerLaunch | None = None) -> None:
         self._launches = list(launches)
         self._kill_timeout = kill_timeout
         self.stuck_pids: list[int] = []      # workers still alive kill_timeout after SIGKILL
         self._warm = warm                    # forks the workers it can (warm/), the others start cold
         self._warm_wait_s = warm_wait_s      # how long start() waits for a zygote still importing
         self._stop_asked = asyncio.Event()
+        self._store_launch = store
+        self._store: Worker | None = None    # the store host, once spawned
+        self._store_exit: WorkerExit | None = None
         self._on_beat = on_beat              # called with the local rank on each heartbeat byte
         self._stop_timeout = stop_timeout
         self._console = console or Console()
@@ -60,6 +65,11 @@ class WorkerGroup:
         return [w.pid for w in self._workers if w.pid is not None and w.warm]
 
     @property
+    def store_pid(self) -> int | None:
+        """The round's c10d store host, when this group runs one."""
+        return None if self._store is None else self._store.pid
+
+    @property
     def stopping(self) -> bool:
         return self._stopping is not None
 
@@ -75,7 +85,16 @@ class WorkerGroup:
         failed: tuple[WorkerLaunch, OSError] | None = None
         try:
             warm = await self._round_zygote()
-            for launch in self._launches:
+            launch = self._store_launch
+            if launch is not None and not self.stopping:
+                store = Worker(launch, console=self._console, on_exit=self._store_reaped, warm=warm)
+                try:
+                    await store.start()
+                except OSError as e:
+                    failed = (launch, e)
+                finally:
+                    self._store = store if store.pid is not None else None
+            for launch in self._launches if failed is None else ():
                 if self.stopping:   # a stop() came while the previous worker was being spawned
                     break
                 worker = Worker(launch, console=self._console, on_beat=self._on_beat, on_exit=self._reaped,
@@ -113,6 +132,13 @@ class WorkerGroup:
 
     def _reaped(self, exit_: WorkerExit) -> None:
         self._exits.append(exit_)
+        self._tell()
+
+    def _store_reaped(self, exit_: WorkerExit) -> None:
+        self._store_exit = exit_
+        self._tell()
+
+    def _tell(self) -> None:
         changed, self._changed = self._changed, asyncio.Event()
         changed.set()
 
@@ -123,6 +149,8 @@ class WorkerGroup:
         await self._start_done.wait()
         while True:
             failed = [e for e in self._exits if e.exitcode != 0]
+            if self._store_exit is not None and len(self._exits) < len(self._workers):
+                failed.append(self._store_exit)   # even with status 0: the workers have no store now
             if failed:
                 return failed
             if len(self._exits) == len(self._workers):
@@ -151,28 +179,32 @@ class WorkerGroup:
         if self._started:
             await self._start_done.wait()   # at most the spawn in flight: start() checks for us
         self._signal_groups(sig)
-        running = [w.reaper for w in self._workers if w.reaper is not None and not w.reaper.done()]
+        running = [w.reaper for w in self._processes() if w.reaper is not None and not w.reaper.done()]
         if running:
             _, late = await asyncio.wait(running, timeout=self._stop_timeout)
             if late:
                 self._signal_groups(signal.SIGKILL)
                 _, stuck = await asyncio.wait(late, timeout=self._kill_timeout)
                 if stuck:   # uninterruptible sleep (D state): nothing more we can do; the agent leaves
-                    self.stuck_pids = [w.pid for w in self._workers if w.reaper in stuck and w.pid is not None]
+                    self.stuck_pids = [w.pid for w in self._processes() if w.reaper in stuck and w.pid is not None]
                     self._console.line("stderr", f"{len(stuck)} worker(s) still alive "
                                                  f"{self._kill_timeout:g}s after SIGKILL")
         # Children of the workers left in their groups die with them: nobody supervises them now.
         self._signal_groups(signal.SIGKILL)
         for worker in self._workers:
             worker.close_heartbeat()
-        pending = [f for w in self._workers for f in w.output_pending()]
+        pending = [f for w in self._processes() for f in w.output_pending()]
         if pending:
             _, open_ = await asyncio.wait(pending, timeout=_DRAIN_WAIT_S)
             if open_:   # a process outside the groups holds a pipe: stop reading, keep what we have
-                for worker in self._workers:
+                for worker in self._processes():
                     worker.close_output()
                 await asyncio.wait(open_, timeout=_DRAIN_WAIT_S)
 
     def _signal_groups(self, sig: int) -> None:
-        for worker in self._workers:
+        for worker in self._processes():
             worker.signal_group(sig)
+
+    def _processes(self) -> list[Worker]:
+        """The workers and the store host: what a stop must end."""
+        return [*self._workers, *([self._store] if self._store is not None else [])]

@@ -3,7 +3,8 @@ the agent's options and its environment.
 
 Log layout (torchrun's): RUN/attempt_RESTART/LOCAL_RANK/{stdout.log, stderr.log, error.json}, with
 RUN = LOG_DIR/JOB_XXXXXXXX made fresh for every run of the agent (two runs with the same id never
-share files), and filtered_stdout.log / filtered_stderr.log in the attempt's directory. A new round
+share files), and filtered_stdout.log / filtered_stderr.log in the attempt's directory; the c10d store
+host's output (store_launch) in RUN/attempt_RESTART/store/. A new round
 with the same restart count (a node joined or was lost) writes on in the same directory.
 """
 from __future__ import annotations
@@ -17,8 +18,11 @@ from string import Template
 
 from node_agent.cli.options import AgentOptions
 from node_agent.cli.values import Std
-from node_agent.workers.environment import worker_argv, worker_env
+from node_agent.workers.environment import common_env, worker_argv, worker_env
+from node_agent.workers.store_host import SCRIPT as STORE_HOST
 from protocol.messages import Assignment
+
+STORE_RANK = -1     # the local rank and rank of the store host's launch: not a worker
 
 
 @dataclass(frozen=True)
@@ -46,6 +50,16 @@ class WorkerLaunch:
         return self.env.get("TORCHELASTIC_ERROR_FILE") or None
 
 
+def store_launch(a: Assignment, python: str, *, run_dir: str, environ: Mapping[str, str] = os.environ) -> WorkerLaunch:
+    """The round's c10d store host (workers/store_host.py) on the group-rank-0 node: started like a worker
+    (warm when the round is), its output in ATTEMPT_DIR/store/. local_rank -1: not a worker."""
+    log_dir = os.path.join(attempt_dir(run_dir, a.restart_count), "store")
+    os.makedirs(log_dir, exist_ok=True)
+    env = {**common_env(environ, a.local_world_size), "MASTER_ADDR": a.master_addr, "MASTER_PORT": str(a.master_port)}
+    return WorkerLaunch(local_rank=STORE_RANK, rank=STORE_RANK, argv=[python, "-u", STORE_HOST, str(a.master_port)],
+                        env=env, log_dir=log_dir, redirect=Std.ALL)
+
+
 def make_run_dir(root: str, job_id: str) -> str:
     """ROOT/JOB_XXXXXXXX, new for this run (torchrun's `<log_dir>/<run_id>_<random>`)."""
     os.makedirs(root, exist_ok=True)
@@ -59,7 +73,7 @@ def attempt_dir(run_dir: str, restart_count: int) -> str:
 
 def build_launches(a: Assignment, opts: AgentOptions, *, run_dir: str, hostname: str, stdin_tty: bool = False,
                    environ: Mapping[str, str] = os.environ, memory_dirs: Mapping[int, str] | None = None,
-                   memory_limit: int | None = None,
+                   memory_limit: int | None = None, agent_store: bool = False,
                    cpu_affinity: Mapping[int, frozenset[int]] | None = None) -> list[WorkerLaunch]:
     """One launch per local rank of the assignment, its directory made under `run_dir`; `memory_dirs`:
     each local rank's in-memory checkpoint directory (workers/memory.py), when there are some;
@@ -81,7 +95,8 @@ def build_launches(a: Assignment, opts: AgentOptions, *, run_dir: str, hostname:
             env=worker_env(base=environ, assignment=a, local_rank=local_rank, job_id=opts.job_id, role=opts.role,
                            error_file=os.path.join(rank_dir, "error.json"),
                            virtual_local_rank=opts.virtual_local_rank, signals=opts.signals,
-                           memory_dir=(memory_dirs or {}).get(local_rank), memory_limit=memory_limit),
+                           memory_dir=(memory_dirs or {}).get(local_rank), memory_limit=memory_limit,
+                           agent_store=agent_store),
             log_dir=rank_dir, redirect=opts.redirects.for_rank(local_rank), tee=opts.tee.for_rank(local_rank),
             echo=opts.local_ranks_filter is None or local_rank in opts.local_ranks_filter,
             prefix=prefix, prefix_all=opts.log_line_prefix is not None,

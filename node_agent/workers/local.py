@@ -24,9 +24,9 @@ from node_agent.core.facts import CHECK_STOP, NodeChecked, Put, SpawnFailed, Wor
 from node_agent.core.hangwatch import HangWatch
 from node_agent.sources import start_source
 from node_agent.workers.environment import common_env, worker_argv
-from node_agent.workers.failures import exit_failure, hang_failure, spawn_failure
+from node_agent.workers.failures import exit_failure, hang_failure, spawn_failure, store_failure
 from node_agent.workers.group import WorkerGroup
-from node_agent.workers.launch import WorkerLaunch, build_launches, make_run_dir
+from node_agent.workers.launch import STORE_RANK, WorkerLaunch, build_launches, make_run_dir, store_launch
 from node_agent.workers.memory import MemoryDirs
 from node_agent.workers.process import WorkerExit, WorkerSpawnError
 from node_agent.workers.warm.client import WarmZygote
@@ -83,6 +83,11 @@ class LocalWorkers:
         self._warm_wait_s = WARM_WAIT_S if self.warm is not None and uses_preload(
             opts.script, module=opts.module, preload=opts.warm_preload, cwd=os.getcwd()) else 0.0
         self._starting: asyncio.Task[None] | None = None   # a start waiting for the zygote
+        # The group-rank-0 node hosts the round's c10d store for a Python entry point that imports torch:
+        # a rule every node of a job reaches alike (the same command), as their workers must agree on it.
+        self.agent_store = make_group is None and not opts.no_python and uses_preload(
+            opts.script, module=opts.module, preload=("torch",), cwd=os.getcwd())
+        self._round_store: WorkerLaunch | None = None
         self.group: Group | None = None
         self.cpu_affinity: Mapping[int, frozenset[int]] = {}   # --numa-binding: local rank -> its CPUs
         self.stuck_pids: list[int] = []      # workers that outlived SIGKILL (the node is unhealthy)
@@ -97,7 +102,7 @@ class LocalWorkers:
     def _process_group(self, launches: list[WorkerLaunch], *, stop_timeout: float,
                        on_beat: Callable[[int], None] | None) -> Group:
         return WorkerGroup(launches, stop_timeout=stop_timeout, on_beat=on_beat, kill_timeout=self.opts.kill_timeout,
-                           warm=self.warm, warm_wait_s=self._warm_wait_s)
+                           warm=self.warm, warm_wait_s=self._warm_wait_s, store=self._round_store)
 
     def warm_up(self) -> None:
         """Start the warm zygote now (before the first round), so that it is ready by the restart at least.
@@ -113,10 +118,13 @@ class LocalWorkers:
         try:
             if opts.run_dir is None and self._tmp_root is None:
                 self._tmp_root = make_run_dir(opts.log_dir or tempfile.mkdtemp(prefix="node-agent_"), opts.job_id)
-            launches = build_launches(a, opts, run_dir=opts.run_dir or self._tmp_root or ".",
-                                      hostname=self._hostname, stdin_tty=_stdin_is_tty(),
+            run_dir = opts.run_dir or self._tmp_root or "."
+            launches = build_launches(a, opts, run_dir=run_dir, hostname=self._hostname, stdin_tty=_stdin_is_tty(),
                                       memory_dirs=self.memory.dirs(a.local_world_size),
-                                      memory_limit=self.memory.rank_limit, cpu_affinity=self.cpu_affinity)
+                                      memory_limit=self.memory.rank_limit, cpu_affinity=self.cpu_affinity,
+                                      agent_store=self.agent_store)
+            self._round_store = (store_launch(a, worker_argv(opts)[0], run_dir=run_dir)
+                                 if self.agent_store and a.group_rank == 0 else None)
         except OSError as exc:   # no room for the workers' directories: they cannot start
             self._spawn_failed(a.round_id, exc, a.rank_offset, 0, opts.script)
             return
@@ -139,6 +147,8 @@ class LocalWorkers:
             if self.group is group:
                 self.group = None
             failed = exc.launch if isinstance(exc, WorkerSpawnError) else launches[0]
+            if failed.local_rank == STORE_RANK:   # the store host: said as the node's first worker's
+                failed = launches[0]
             self._spawn_failed(round_id, exc, failed.rank, failed.local_rank, failed.argv[0])
             return
         if self.group is not group:   # stopped while it waited for the zygote: nothing was started
@@ -190,8 +200,11 @@ class LocalWorkers:
 
     async def _watch_exits(self, group: Group, round_id: int) -> None:
         exits = await group.wait()
-        failures = tuple(exit_failure(e, host=self._hostname, node_id=self.opts.node_id)
-                         for e in exits if e.exitcode != 0)
+        first = group.launches[0].rank if group.launches else 0
+        host, node = self._hostname, self.opts.node_id
+        failures = tuple(store_failure(e, rank=first, host=host, node_id=node) if e.local_rank == STORE_RANK
+                         else exit_failure(e, host=host, node_id=node)
+                         for e in exits if e.exitcode != 0 or e.local_rank == STORE_RANK)
         if not failures:   # all done: nothing is left to hang
             for task in self._watchers:
                 if task is not asyncio.current_task():

@@ -1,0 +1,89 @@
+"""The round's c10d store hosted beside the workers (workers/store_host.py): real processes, real torch.
+
+Started by the round's group before its workers, it serves their `init_process_group` with
+TORCHELASTIC_USE_AGENT_STORE=True (every rank a client); its end while they run is the round's failure."""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import sys
+
+import pytest
+
+from node_agent.workers.failures import store_failure
+from node_agent.workers.group import WorkerGroup
+from node_agent.workers.launch import STORE_RANK, WorkerLaunch
+from node_agent.workers.store_host import READY, SCRIPT
+from tests.e2e.harness import pid_gone
+from tests.integration.worker_support import LIMIT, RecordingConsole
+
+ENV = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
+ALLREDUCE = """
+import torch, torch.distributed as dist
+dist.init_process_group("gloo")
+t = torch.ones(1) * (dist.get_rank() + 1)
+dist.all_reduce(t)
+print("sum", int(t.item()), flush=True)
+dist.destroy_process_group()
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def store(port: int, argv: list[str] | None = None) -> WorkerLaunch:
+    return WorkerLaunch(local_rank=STORE_RANK, rank=STORE_RANK, argv=argv or [sys.executable, "-u", SCRIPT, str(port)],
+                        env={**ENV, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}, log_dir=None,
+                        prefix="[store] ", prefix_all=True)
+
+
+def worker(rank: int, port: int, argv: list[str]) -> WorkerLaunch:
+    env = {**ENV, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(port), "TORCHELASTIC_USE_AGENT_STORE": "True", "GLOO_SOCKET_IFNAME": "lo"}
+    return WorkerLaunch(local_rank=rank, rank=rank, argv=[sys.executable, "-u", *argv], env=env, log_dir=None,
+                        prefix=f"[{rank}] ", prefix_all=True)
+
+
+async def test_the_workers_rendezvous_on_the_store_host_which_the_stop_ends(tmp_path) -> None:
+    pytest.importorskip("torch")
+    script = tmp_path / "allreduce.py"
+    script.write_text(ALLREDUCE)
+    port = free_port()
+    console = RecordingConsole()
+    group = WorkerGroup([worker(r, port, [str(script)]) for r in range(2)], stop_timeout=5, console=console,
+                        store=store(port))
+    try:
+        await group.start()
+        exits = await asyncio.wait_for(group.wait(), LIMIT * 4)
+        assert sorted(e.exitcode for e in exits) == [0, 0], console.lines("stderr")
+        assert sorted(console.lines("stdout")) == ["[0] sum 3", "[1] sum 3", f"[store] {READY} {port}"]
+        store_pid = group.store_pid                   # the host outlives the workers, until the stop
+        assert store_pid is not None and not await asyncio.to_thread(pid_gone, store_pid, 0)
+    finally:
+        await group.stop()
+    assert await asyncio.to_thread(pid_gone, store_pid, LIMIT)
+
+
+async def test_a_store_host_that_ends_while_the_workers_run_fails_the_round(tmp_path) -> None:
+    sleeper = tmp_path / "sleep.py"
+    sleeper.write_text("import time\ntime.sleep(600)\n")
+    port = free_port()
+    gone = store(port, [sys.executable, "-c", "import sys; sys.exit(0)"])   # even a clean end leaves no store
+    group = WorkerGroup([worker(0, port, [str(sleeper)])], stop_timeout=5, console=RecordingConsole(), store=gone)
+    try:
+        await group.start()
+        (failed,) = await asyncio.wait_for(group.wait(), LIMIT)
+        assert failed.local_rank == STORE_RANK and failed.exitcode == 0
+        reported = store_failure(failed, rank=4, host="h", node_id="n")
+        assert (reported.local_rank, reported.rank, reported.exitcode, reported.reason) == (0, 4, 1, "store exited")
+        assert f"the round's c10d store, hosted by this node's agent (pid {failed.pid}), exited with status 0" \
+            in reported.message
+    finally:
+        await group.stop(signal.SIGKILL)
+    for pid in group.pids:
+        assert await asyncio.to_thread(pid_gone, pid, LIMIT)
