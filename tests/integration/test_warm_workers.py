@@ -17,6 +17,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from node_agent.cli.options import DEFAULT_PRELOAD
 from node_agent.workers.group import WorkerGroup
 from node_agent.workers.launch import WorkerLaunch
 from node_agent.workers.process import WorkerExit
@@ -185,7 +186,7 @@ async def test_a_launch_whose_environment_differs_from_the_zygotes_starts_cold(m
 
 async def test_torch_zygote_is_clean_and_record_reports_the_same(make_zygote, workdir) -> None:
     pytest.importorskip("torch")
-    zygote = await make_zygote(("torch", "torch.distributed"))
+    zygote = await make_zygote(DEFAULT_PRELOAD)        # torch._dynamo included: it must start nothing either
     state = await zygote.query()
     assert state is not None and "torch" in state["modules"]
     # no Python thread but its own, CUDA untouched, no socket but the control socket
