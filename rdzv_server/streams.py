@@ -5,6 +5,9 @@ A subscribed stream is a held long-poll that never ends: it takes the same core 
 cap, so every rule about leases stays in the core. What differs is how news leaves:
 - when the coordinator wakes a job, the job is marked and flushed once, soon after (`call_soon`),
   so the request that caused the change (a failure report) is answered before the fan-out starts;
+  the next flush waits FLUSH_GAP times as long as the last one took, so that fan-outs take at most
+  a third of the loop: in a join storm every join wakes the job, and a flush per join looks at every
+  subscriber's view (quadratic: a 10,000-node formation never completed); wakes meanwhile coalesce;
 - the flush looks at each subscriber's view once, and writes a frame only to those whose view
   changed, straight to their connection (`Stream.push`: no task, future or timer per wake-up);
   subscribers whose views are equal (everyone not in the round) share one encoded frame.
@@ -33,6 +36,7 @@ from rdzv_server.serving import LEADER_HEADER
 log = logging.getLogger("rdzv_server")
 
 SWEEP_S = 0.5              # how often silent streams are looked for
+FLUSH_GAP = 2.0            # after a flush that took T, the next waits until 2T later (see above)
 UNSUBSCRIBED_SILENCE_S = 30.0   # a stream that has not subscribed (yet) may be silent this long
 
 
@@ -84,6 +88,7 @@ class StreamHub:
         self._by_job: dict[str, set[Subscription]] = {}
         self._dirty: set[str] = set()
         self._flush_soon = False
+        self._next_flush_at = 0.0   # loop time before which no flush starts
         self._sweeper: asyncio.TimerHandle | None = None
         self.counts = StreamCounts()
         coord.waiters.listeners.append(self.wake)
@@ -164,11 +169,25 @@ class StreamHub:
         self._dirty.update(self._by_job if job_id is None else (job_id,))
         if not self._flush_soon and self._dirty:
             self._flush_soon = True
-            asyncio.get_running_loop().call_soon(self._flush)
+            loop = asyncio.get_running_loop()
+            wait = self._next_flush_at - loop.time()
+            if wait > 0:
+                loop.call_later(wait, self._flush)
+            else:
+                loop.call_soon(self._flush)
 
     def _flush(self) -> None:
         self._flush_soon = False
         dirty, self._dirty = self._dirty, set()
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        try:
+            self._flush_jobs(dirty)
+        finally:
+            done = loop.time()
+            self._next_flush_at = done + FLUSH_GAP * (done - started)
+
+    def _flush_jobs(self, dirty: set[str]) -> None:
         coord = self.coord
         for job_id in dirty:
             subs = self._by_job.get(job_id)
