@@ -106,6 +106,7 @@ class Zygote:
             _send(self.sock, {"op": "refused", "id": message["id"], "why": why})
             return None
         gc.freeze()
+        zygote = os.getpid()   # read before the fork: the child's getppid() is already init's if we died since
         try:
             pid = os.fork()
         except OSError as exc:
@@ -115,7 +116,7 @@ class Zygote:
             return None
         if pid == 0:
             try:
-                self._become_worker(message, fds)
+                self._become_worker(message, fds, zygote)
             except BaseException as exc:   # noqa: BLE001 - a child that failed to set up must not serve
                 os.write(2, f"node-agent: the warm worker could not be set up: {exc!r}\n".encode())
                 os._exit(127)
@@ -132,9 +133,8 @@ class Zygote:
         _, status = os.waitpid(pid, 0)
         _send(self.sock, {"op": "exited", "pid": pid, "code": os.waitstatus_to_exitcode(status)})
 
-    def _become_worker(self, launch: dict[str, Any], fds: list[int]) -> None:
+    def _become_worker(self, launch: dict[str, Any], fds: list[int], parent: int) -> None:
         """What a cold worker gets from Popen and Python's start-up, done in the forked child."""
-        parent = os.getppid()
         gc.enable()                                   # as in a cold interpreter (the zygote's stay frozen)
         os.setsid()                                   # its own session and process group
         self.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)   # dies with the zygote, which dies with the agent
