@@ -64,7 +64,8 @@ class Agent:
         self._signal_count = 0
         self._exit: Exit | None = None
         # answers the other members' "are you there, and do you hear the server?" (witness.py)
-        self.witness = WitnessServer(addr, lambda: self.policy.in_contact, lambda: self.policy.known_round)
+        self.witness = WitnessServer(addr, lambda: self.policy.in_contact, self._holds)
+        self._link: ServerLink | None = None
 
     @property
     def exit(self) -> Exit | None:
@@ -82,7 +83,8 @@ class Agent:
         await self.witness.start()
         try:
             async with self.transport as client:
-                link = ServerLink(client, self.facts.put_nowait, self.now, join=self._join, poll=self._poll)
+                link = self._link = ServerLink(client, self.facts.put_nowait, self.now, join=self._join,
+                                               poll=self._poll)
                 try:
                     return await self._run(link)
                 finally:
@@ -162,6 +164,13 @@ class Agent:
         concluded from the witnesses alone (policy.py)."""
         said, server = await asyncio.gather(ask_witnesses(witnesses, self.policy.known_round), self.transport.reach())
         self.facts.put_nowait(PeersProbed(said, server))
+
+    def _holds(self) -> int:
+        """The round a witness says this node runs: the policy's, or a newer one the server has already
+        assigned while the loop was busy (the answer that matters to a cut-off peer: it was replaced)."""
+        assigned = self._link.assigned_round if self._link is not None else -1
+        known = self.policy.known_round
+        return max(known, assigned) if known >= 0 else known
 
     def _on_signal(self, signum: int) -> None:
         self._signal_count += 1

@@ -49,6 +49,10 @@ class ServerLink:
         self._poll = poll
         self._tasks: dict[Request, asyncio.Task[None]] = {}
         self.joined = False
+        # The newest round the server assigned this node, as soon as the answer arrives: the agent's
+        # loop may be busy (stopping the old round's workers) before its policy hears of it, and a
+        # witness must not tell a cut-off peer "still your round" meanwhile.
+        self.assigned_round = -1
 
     def rejoin(self) -> None:
         """Join (again): polls stop until the server has answered the join."""
@@ -136,4 +140,6 @@ class ServerLink:
             return
         if request is JoinRequest:
             self.joined = True
+        if status.assignment is not None:
+            self.assigned_round = max(self.assigned_round, status.assignment.round_id)
         self._put(StatusReceived(request, status, sent_at))
