@@ -66,7 +66,7 @@ def worker_env(*, base: Mapping[str, str], assignment: Assignment, local_rank: i
     `memory_dir`: the local rank's in-memory checkpoint directory (NODE_AGENT_MEMORY_DIR, with its size
     limit in bytes in NODE_AGENT_MEMORY_LIMIT; node_agent/snapshot.py reads both); None: neither is set.
     `agent_store`: the group-rank-0 node's agent hosts the c10d store at MASTER_ADDR:MASTER_PORT
-    (workers/store_host.py), so every rank connects to it as a client; else worker rank 0 hosts it.
+    (workers/warm/store_host.py), so every rank connects to it as a client; else worker rank 0 hosts it.
     """
     a = assignment
     if not 0 <= local_rank < a.local_world_size:

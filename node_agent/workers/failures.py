@@ -30,7 +30,7 @@ def exit_failure(e: WorkerExit, *, host: str, node_id: str) -> WorkerFailure:
 
 
 def store_failure(e: WorkerExit, *, rank: int, host: str, node_id: str) -> WorkerFailure:
-    """The round's c10d store host (workers/store_host.py) ended while the workers ran: their store is
+    """The round's c10d store host (workers/warm/store_host.py) ended while the workers ran: their store is
     gone. Reported as local rank 0's (a worker's fields are all the protocol has), saying what it was."""
     how = f"was killed by {e.signal_name}" if e.signal_name else f"exited with status {e.exitcode}"
     return WorkerFailure(local_rank=0, rank=rank, exitcode=e.exitcode or 1, signal=e.signal_name, reason="store exited",

@@ -3,7 +3,7 @@
 Each process is a `Worker` (worker.py); the group adds the rules that concern them together:
 - all start from the warm zygote or all cold; with `warm_wait_s`, a zygote still importing is waited for
   (bounded; a stop() ends the wait);
-- with a `store` launch (the round's c10d store host, workers/store_host.py), it is started first, like
+- with a `store` launch (the round's c10d store host, workers/warm/store_host.py), it is started first, like
   a worker, and its end before the workers' is the round's failure (their store is gone);
 - a worker that cannot be spawned makes the ones already started be killed;
 - `wait()` returns the moment any worker fails (the others still run), or once all succeeded;

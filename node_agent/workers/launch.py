@@ -19,7 +19,7 @@ from string import Template
 from node_agent.cli.options import AgentOptions
 from node_agent.cli.values import Std
 from node_agent.workers.environment import common_env, worker_argv, worker_env
-from node_agent.workers.store_host import SCRIPT as STORE_HOST
+from node_agent.workers.warm.store_host import SCRIPT as STORE_HOST
 from protocol.messages import Assignment
 
 STORE_RANK = -1     # the local rank and rank of the store host's launch: not a worker
@@ -51,7 +51,7 @@ class WorkerLaunch:
 
 
 def store_launch(a: Assignment, python: str, *, run_dir: str, environ: Mapping[str, str] = os.environ) -> WorkerLaunch:
-    """The round's c10d store host (workers/store_host.py) on the group-rank-0 node: started like a worker
+    """The round's c10d store host (workers/warm/store_host.py) on the group-rank-0 node: started like a worker
     (warm when the round is), its output in ATTEMPT_DIR/store/. local_rank -1: not a worker."""
     log_dir = os.path.join(attempt_dir(run_dir, a.restart_count), "store")
     os.makedirs(log_dir, exist_ok=True)

@@ -30,7 +30,7 @@ from node_agent.workers.launch import STORE_RANK, WorkerLaunch, build_launches, 
 from node_agent.workers.memory import MemoryDirs
 from node_agent.workers.process import WorkerExit, WorkerSpawnError
 from node_agent.workers.warm.client import WarmZygote
-from node_agent.workers.warm.eligible import script_dir, uses_preload
+from node_agent.workers.warm.eligible import entry_imports, imports_any, script_dir
 from protocol.messages import Assignment, Unhealthy
 
 WARM_WAIT_S = 60.0   # a zygote importing longer than this (a hung file system?) lets the round start cold
@@ -79,14 +79,13 @@ class LocalWorkers:
         # Only real processes start warm: a test's stand-in group gets no zygote.
         self.warm = warm_zygote(opts, say) if make_group is None else None
         self._make_group: GroupFactory = make_group or self._process_group
+        imported = None if opts.no_python else entry_imports(opts.script, module=opts.module, cwd=os.getcwd())
         # a zygote still importing is worth waiting for only when the script itself imports what it preloads
-        self._warm_wait_s = WARM_WAIT_S if self.warm is not None and uses_preload(
-            opts.script, module=opts.module, preload=opts.warm_preload, cwd=os.getcwd()) else 0.0
+        self._warm_wait_s = WARM_WAIT_S if self.warm is not None and imports_any(imported, opts.warm_preload) else 0.0
         self._starting: asyncio.Task[None] | None = None   # a start waiting for the zygote
         # The group-rank-0 node hosts the round's c10d store for a Python entry point that imports torch:
         # a rule every node of a job reaches alike (the same command), as their workers must agree on it.
-        self.agent_store = make_group is None and not opts.no_python and uses_preload(
-            opts.script, module=opts.module, preload=("torch",), cwd=os.getcwd())
+        self.agent_store = make_group is None and not opts.no_python and imports_any(imported, ("torch",))
         self._round_store: WorkerLaunch | None = None
         self.group: Group | None = None
         self.cpu_affinity: Mapping[int, frozenset[int]] = {}   # --numa-binding: local rank -> its CPUs

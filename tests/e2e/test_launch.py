@@ -40,7 +40,7 @@ def test_two_agents_run_a_gloo_allreduce_with_torchruns_environment(cluster, tmp
         assert int(env["GROUP_RANK"]) * 2 + local == rank
         assert env["ROLE_RANK"] == env["RANK"] and env["ROLE_WORLD_SIZE"] == "4" and env["ROLE_NAME"] == "default"
         assert env["TORCHELASTIC_RESTART_COUNT"] == "0" and env["TORCHELASTIC_MAX_RESTARTS"] == "0"
-        # the script imports torch: the group-rank-0 agent hosts the c10d store (workers/store_host.py)
+        # the script imports torch: the group-rank-0 agent hosts the c10d store (workers/warm/store_host.py)
         assert env["TORCHELASTIC_RUN_ID"] == "job" and env["TORCHELASTIC_USE_AGENT_STORE"] == "True"
         assert env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1" and env["OMP_NUM_THREADS"] == "1"
         assert env["TORCHELASTIC_ERROR_FILE"].endswith("error.json")

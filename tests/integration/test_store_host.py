@@ -1,4 +1,4 @@
-"""The round's c10d store hosted beside the workers (workers/store_host.py): real processes, real torch.
+"""The round's c10d store hosted beside the workers (workers/warm/store_host.py): real processes, real torch.
 
 Started by the round's group before its workers, it serves their `init_process_group` with
 TORCHELASTIC_USE_AGENT_STORE=True (every rank a client); its end while they run is the round's failure."""
@@ -15,7 +15,7 @@ import pytest
 from node_agent.workers.failures import store_failure
 from node_agent.workers.group import WorkerGroup
 from node_agent.workers.launch import STORE_RANK, WorkerLaunch
-from node_agent.workers.store_host import READY, SCRIPT
+from node_agent.workers.warm.store_host import READY, SCRIPT
 from tests.e2e.harness import pid_gone
 from tests.integration.worker_support import LIMIT, RecordingConsole
 

@@ -49,31 +49,38 @@ MAX_SOURCE = 4 << 20    # bytes of an entry point read to find its imports: past
 
 
 def uses_preload(entry: str, *, module: bool, preload: Iterable[str], cwd: str) -> bool:
-    """Whether the script (or `-m` module) imports a top-level package of `preload`, at any depth of its
-    own source. Read, never run. An entry point that cannot be found or parsed counts as a user: waiting
-    for the zygote costs it at most what a cold start would spend importing."""
-    wanted = {name.split(".")[0] for name in preload}
+    """Whether the script (or `-m` module) imports a top-level package of `preload`."""
+    return imports_any(entry_imports(entry, module=module, cwd=cwd), preload)
+
+
+def imports_any(imported: frozenset[str] | None, modules: Iterable[str]) -> bool:
+    """Whether `imported` (entry_imports) holds the top-level package of any of `modules`. An entry point
+    that could not be read counts as importing them: waiting for the zygote, or the agent's store, costs
+    it at most what a cold start would."""
+    return imported is None or any(name.split(".")[0] in imported for name in modules)
+
+
+def entry_imports(entry: str, *, module: bool, cwd: str) -> frozenset[str] | None:
+    """The top-level packages the script (or `-m` module) imports, at any depth of its own source: read,
+    never run. None when it cannot be found, read or parsed."""
     path = module_source(entry, [cwd, *sys.path]) if module else entry
     if path is None:
-        return True
+        return None
     try:
         with open(path, "rb") as f:
             source = f.read(MAX_SOURCE + 1)
         if len(source) > MAX_SOURCE:
-            return True
+            return None
         tree = ast.parse(source, filename=path)
     except (OSError, SyntaxError, ValueError):
-        return True
+        return None
+    found: set[str] = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
-            names = [alias.name for alias in node.names]
+            found.update(alias.name.split(".")[0] for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            names = [node.module]
-        else:
-            continue
-        if any(name.split(".")[0] in wanted for name in names):
-            return True
-    return False
+            found.add(node.module.split(".")[0])
+    return frozenset(found)
 
 
 def module_source(name: str, path: Iterable[str]) -> str | None:
