@@ -32,14 +32,14 @@ from node_agent.core.actions import (
     Spawn,
     StopWorkers,
 )
-from node_agent.core.facts import CHECK_JOIN, DeadlinePassed, Fact, PeersProbed, SignalReceived
+from node_agent.core.facts import CHECK_JOIN, DeadlinePassed, Fact, SignalReceived
 from node_agent.core.node_health import NodeHealth
 from node_agent.core.policy import SupervisionPolicy
 from node_agent.narration import Narrator
 from node_agent.node_checks import NodeChecks
 from node_agent.server_link import ServerLink
 from node_agent.sources import start_source
-from node_agent.witness import ask_witnesses
+from node_agent.witness import probe_peers
 from node_agent.workers.interfaces import gloo_interface
 from node_agent.workers.local import GroupFactory, LocalWorkers
 from protocol.messages import NodeStatus, Witness
@@ -160,10 +160,7 @@ class Agent:
         self.facts.put_nowait(await self.checks.check(action, self.workers.stuck_pids))
 
     async def _probe(self, witnesses: tuple[Witness, ...]) -> None:
-        """The witnesses asked, and the server checked over a fresh connection, together: nothing is
-        concluded from the witnesses alone (policy.py)."""
-        said, server = await asyncio.gather(ask_witnesses(witnesses, self.policy.known_round), self.transport.reach())
-        self.facts.put_nowait(PeersProbed(said, server))
+        self.facts.put_nowait(await probe_peers(witnesses, self.policy.known_round, self.transport.reach))
 
     def _holds(self) -> int:
         """The round a witness says this node runs: the policy's, or a newer one the server has already

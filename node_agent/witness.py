@@ -12,8 +12,19 @@ An older witness's "in-contact" without a round is read as before: it hears the 
 """
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Awaitable, Callable
+
 from node_agent.client.witness import PROBE_TIMEOUT_S, ask_each, read_answer
-from node_agent.core.facts import ROUND_REPLACED, SERVER_AWAY, SERVER_HEARD, SILENT, STILL_MEMBER
+from node_agent.core.facts import (
+    ROUND_REPLACED,
+    SERVER_AWAY,
+    SERVER_CHECK_DECIDES,
+    SERVER_HEARD,
+    SILENT,
+    STILL_MEMBER,
+    PeersProbed,
+)
 from protocol.messages import Witness
 
 
@@ -40,3 +51,18 @@ def verdict(answers: list[bytes], round_id: int) -> str:
 async def ask_witnesses(witnesses: tuple[Witness, ...], round_id: int = -1, timeout: float = PROBE_TIMEOUT_S) -> str:
     """The witnesses' verdict (facts.py: ROUND_REPLACED, STILL_MEMBER, SERVER_HEARD, SERVER_AWAY or SILENT)."""
     return verdict(await ask_each(witnesses, round_id, timeout), round_id)
+
+
+async def probe_peers(witnesses: tuple[Witness, ...], round_id: int,
+                      reach: Callable[[], Awaitable[str]]) -> PeersProbed:
+    """The witnesses asked, and the server checked over a fresh connection (`reach`) meanwhile; the
+    check is waited for only where the verdict needs it (facts.SERVER_CHECK_DECIDES): a silent server
+    holds it up to path_check.CHECK_TIMEOUT_S, and a replaced round must be acted on at once."""
+    check = asyncio.ensure_future(reach())
+    try:
+        said = await ask_witnesses(witnesses, round_id)
+        server = await check if said in SERVER_CHECK_DECIDES else None
+    finally:
+        check.cancel()     # a shared check goes on for the other requests (path_check.py): only this wait ends
+        await asyncio.gather(check, return_exceptions=True)
+    return PeersProbed(said, server)

@@ -83,15 +83,20 @@ STILL_MEMBER = "still_member"      # one hears the server, which still runs this
 SERVER_HEARD = "server_heard"      # one hears the server (an older witness: it names no round)
 SERVER_AWAY = "server_away"        # some answered, none hears the server: the server itself is away
 SILENT = "silent"                  # none answered: this node is cut off from everyone
+# The verdicts the server check (a fresh connection) decides between; for the others the agent does
+# not wait for it (up to path_check.CHECK_TIMEOUT_S when the server is silent): a replaced round is
+# evidence enough, and the others mean "ask again" whatever the server says.
+SERVER_CHECK_DECIDES = frozenset({SERVER_HEARD, SILENT})
 
 
 
 @dataclass(frozen=True)
 class PeersProbed:
     """What the round's witnesses said (ProbePeers), and what a fresh connection to the server found
-    meanwhile (path_check.py: REACHED, STANDBY or NO_SERVER)."""
+    meanwhile (path_check.py: REACHED, STANDBY or NO_SERVER), where the verdict needs it
+    (SERVER_CHECK_DECIDES; None: not waited for)."""
     verdict: str
-    server: str = NO_SERVER
+    server: str | None = NO_SERVER
 
 
 # Where a node check (CheckNode / NodeChecked) was asked for:

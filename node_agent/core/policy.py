@@ -67,8 +67,8 @@ from node_agent.core.facts import (
     CHECK_RESTART,
     CHECK_RUNNING,
     ROUND_REPLACED,
+    SERVER_CHECK_DECIDES,
     SERVER_HEARD,
-    SILENT,
     DeadlinePassed,
     Fact,
     NodeChecked,
@@ -106,7 +106,7 @@ class Workers(enum.Enum):
 
 CONFLICT_RETRY_S = 1.0
 FENCE_MARGIN_S = 0.5
-REPROBE_S = 1.0
+REPROBE_S = 0.5     # a witness's answer costs one local connection: the fencing bound is the lease + ~1 s
 # A witness may not have noticed yet that the server is away for it too (its own connection's
 # keepalive runs on its own clock): a "cut off" verdict is asked once more this much later.
 CONFIRM_S = 1.0
@@ -214,12 +214,12 @@ class SupervisionPolicy:
         self.probing = True
         return [ProbePeers(self.assignment.witnesses)]
 
-    def _peers(self, verdict: str, server: str, now: float) -> list[Action]:
+    def _peers(self, verdict: str, server: str | None, now: float) -> list[Action]:
         self.probing = False
         if self.workers != Workers.RUNNING or self.unreachable_since is None or self.assignment is None:
             return []          # the server answered meanwhile, or the workers ended: moot
         evidence = verdict == ROUND_REPLACED or (verdict == SERVER_HEARD and self.suspect)
-        if not evidence and (server != NO_SERVER or verdict not in (SERVER_HEARD, SILENT)):
+        if not evidence and (server != NO_SERVER or verdict not in SERVER_CHECK_DECIDES):
             # The server answers a fresh connection (the link sends again), a replica takes over, the
             # server still runs this round, or it is away for everyone: nothing to conclude; ask again.
             self.probe_at, self.suspect = now + REPROBE_S, False

@@ -24,7 +24,7 @@ from node_agent.core.facts import (
     WorkersExited,
     WorkersHung,
 )
-from node_agent.core.policy import SupervisionPolicy, Workers
+from node_agent.core.policy import REPROBE_S, SupervisionPolicy, Workers
 from protocol.messages import (
     Assignment,
     FailureReport,
@@ -343,7 +343,7 @@ def test_witnesses_that_do_not_hear_the_server_either_keep_the_workers_and_are_a
     p.handle(unreachable(), 14.0)
     p.handle(DeadlinePassed(), 16.0)
     assert p.handle(PeersProbed(SERVER_AWAY), 16.2) == [] and p.workers == Workers.RUNNING
-    assert p.next_deadline() == 16.2 + 1.0
+    assert p.next_deadline() == 16.2 + REPROBE_S
     assert isinstance(p.handle(DeadlinePassed(), 17.2)[0], ProbePeers)
 
 
@@ -377,7 +377,7 @@ def test_a_witness_that_hears_the_server_in_this_nodes_round_is_no_evidence_howe
     for _ in range(5):
         assert isinstance(p.handle(DeadlinePassed(), t)[0], ProbePeers)
         assert p.handle(PeersProbed(STILL_MEMBER, NO_SERVER), t + 0.1) == [] and p.workers == Workers.RUNNING
-        assert p.next_deadline() == t + 0.1 + 1.0                 # asked again a second later
+        assert p.next_deadline() == t + 0.1 + REPROBE_S             # asked again a little later
         t += 1.1
 
 

@@ -4,9 +4,10 @@ from __future__ import annotations
 import asyncio
 import socket
 
+from node_agent.client.replies import NO_SERVER
 from node_agent.client.witness import ALONE, IN_CONTACT, WitnessServer
-from node_agent.core.facts import ROUND_REPLACED, SERVER_AWAY, SERVER_HEARD, SILENT, STILL_MEMBER
-from node_agent.witness import ask_witnesses, verdict
+from node_agent.core.facts import ROUND_REPLACED, SERVER_AWAY, SERVER_HEARD, SILENT, STILL_MEMBER, PeersProbed
+from node_agent.witness import ask_witnesses, probe_peers, verdict
 from protocol.messages import Witness
 
 
@@ -50,3 +51,30 @@ async def test_an_older_asker_gets_the_older_line_and_older_answers_are_still_un
     assert verdict([ALONE], 3) == SERVER_AWAY
     assert verdict([b"rdzv-agent in-contact round=2\n"], 3) == STILL_MEMBER   # older news: no evidence
     assert verdict([b"garbage\n", b""], 3) == SILENT
+
+
+async def test_a_probe_waits_for_the_server_check_only_where_the_witnesses_leave_it_open():
+    held, checks_ended = [4], []
+
+    async def silent_server() -> str:       # a cut path: the check would run to its own timeout
+        try:
+            await asyncio.Event().wait()
+        finally:
+            checks_ended.append(True)
+        return NO_SERVER
+
+    async def no_server() -> str:
+        return NO_SERVER
+
+    w = WitnessServer("127.0.0.1", lambda: True, lambda: held[0])
+    try:
+        witness = Witness(addr="127.0.0.1", port=await w.start())
+        # a witness holds a newer round: evidence at once, however long the server check would take
+        said = await asyncio.wait_for(probe_peers((witness,), 3, silent_server), 5)
+        assert said == PeersProbed(ROUND_REPLACED, None) and checks_ended == [True]
+        held[0] = 3
+        assert await asyncio.wait_for(probe_peers((witness,), 3, silent_server), 5) == PeersProbed(STILL_MEMBER, None)
+    finally:
+        await w.close()
+    nobody = Witness(addr="127.0.0.1", port=closed_port())
+    assert await probe_peers((nobody,), 3, no_server) == PeersProbed(SILENT, NO_SERVER)   # the check decides
