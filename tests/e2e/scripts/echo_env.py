@@ -2,7 +2,7 @@
 
 OUT_DIR: where rank<RANK>.json goes ({"env": the launcher's variables, "argv": ..., "tty": stdin/stdout
 are terminals}). EXIT_RANK=R EXIT_CODE=C: rank R exits with C (after writing torch's error file when
-TORCHELASTIC_ERROR_FILE is set, as @record would). SLEEP_RANK=R: rank R waits until SIGTERM (or the
+TORCHELASTIC_ERROR_FILE is set, as @record would), once every rank's record is in OUT_DIR. SLEEP_RANK=R: rank R waits until SIGTERM (or the
 signal in WAIT_SIGNAL), then writes signal-<RANK> and exits after GRACE seconds. WAIT_FILE=F: every
 rank waits until F exists, then exits 0.
 """
@@ -28,8 +28,9 @@ out = os.environ.get("OUT_DIR")
 if out:
     record = {"env": {k: os.environ.get(k) for k in VARS}, "argv": sys.argv[1:],
               "tty": [os.isatty(0), os.isatty(1)]}
-    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+    with open(os.path.join(out, f".rank{rank}.json"), "w") as f:
         json.dump(record, f)
+    os.replace(os.path.join(out, f".rank{rank}.json"), os.path.join(out, f"rank{rank}.json"))   # whole or absent
 if os.environ.get("WAIT_FILE"):
     print(f"rank {rank} waiting for {os.environ['WAIT_FILE']}", flush=True)
     while not os.path.exists(os.environ["WAIT_FILE"]):
@@ -49,6 +50,11 @@ if os.environ.get("SLEEP_RANK") == rank:
     sys.exit(0)
 if os.environ.get("EXIT_RANK") == rank:
     code = int(os.environ.get("EXIT_CODE", "1"))
+    # the launcher stops the other ranks when this one fails: first let every rank write its record
+    deadline = time.monotonic() + 60
+    while out and time.monotonic() < deadline and \
+            len([n for n in os.listdir(out) if n.startswith("rank")]) < int(os.environ["WORLD_SIZE"]):
+        time.sleep(0.02)
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if path:
         with open(path, "w") as f:
