@@ -74,7 +74,9 @@ class StreamWire(WireClient):
         _fail(self.pending, "the stream was closed")
 
     def beat(self) -> None:
-        if self.sock is not None and not self.broken:
+        # only once `hello` went out (the reader starts then): a heartbeat first breaks the protocol, and
+        # the server closes the stream (in a slow join storm that made every node reconnect, over and over)
+        if self.sock is not None and self.reader is not None and not self.broken:
             try:
                 self.sock.send(HEARTBEAT)
             except OSError:
