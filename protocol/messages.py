@@ -5,6 +5,10 @@ Rules that keep the wire open to other implementations:
 - unknown fields are ignored (an old server reads a newer agent), missing optional fields take defaults;
 - a field of the wrong type or out of range is rejected with an error that names it (`$.field`).
 Structs are encoded as MessagePack maps keyed by the field names shown here.
+Messages that hold only values (no containers that could point back at them) are not tracked by the
+cyclic garbage collector (`gc=False`): a server builds one Assignment and one NodeStatus per node
+per round change, and walking them in every young collection cost it tens of milliseconds at
+10,000 nodes (rdzv_server/gc_tuning.py).
 """
 from __future__ import annotations
 
@@ -155,7 +159,7 @@ class PollRequest(_Request, kw_only=True):
     master_port: Port = 0
 
 
-class WorkerFailure(msgspec.Struct, kw_only=True, frozen=True):
+class WorkerFailure(msgspec.Struct, kw_only=True, frozen=True, gc=False):
     """One failed worker, as the agent saw it."""
     local_rank: Annotated[int, Meta(ge=0, le=MAX_LOCAL_WORLD_SIZE)]
     rank: Rank
@@ -207,13 +211,13 @@ AgentRequest = JoinRequest | PollRequest | FailureReport | SuccessReport | Leave
 REQUESTS = (JoinRequest, PollRequest, FailureReport, SuccessReport, LeaveRequest)
 
 
-class Witness(msgspec.Struct, kw_only=True, frozen=True):
+class Witness(msgspec.Struct, kw_only=True, frozen=True, gc=False):
     """Another member's agent, to ask "are you there?" (a TCP connect) while the server is silent."""
     addr: str
     port: int
 
 
-class Assignment(msgspec.Struct, kw_only=True, frozen=True):
+class Assignment(msgspec.Struct, kw_only=True, frozen=True, gc=False):
     """What one node runs in one round. The same round id means the same world for every member."""
     round_id: int
     group_rank: int
@@ -232,7 +236,7 @@ class Assignment(msgspec.Struct, kw_only=True, frozen=True):
     witnesses: tuple[Witness, ...] = ()
 
 
-class NodeStatus(msgspec.Struct, kw_only=True):
+class NodeStatus(msgspec.Struct, kw_only=True, gc=False):
     """The server's reply to every agent request: where this node and its job stand now."""
     job_id: str
     job_state: JobState

@@ -60,7 +60,7 @@ class Reply(msgspec.Struct, tag="reply", tag_field="t", kw_only=True):
     error: ErrorReply | None = None
 
 
-class Status(msgspec.Struct, tag="status", tag_field="t", kw_only=True):
+class Status(msgspec.Struct, tag="status", tag_field="t", kw_only=True, gc=False):
     """The node's view changed (sent once right after `subscribe`, then on every change)."""
     status: NodeStatus
 

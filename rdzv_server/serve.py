@@ -11,7 +11,6 @@ The listening socket is made here rather than by aiohttp so that its options are
 from __future__ import annotations
 
 import asyncio
-import gc
 import logging
 import resource
 import signal
@@ -23,6 +22,7 @@ from aiohttp import web
 
 from rdzv_server.coordinator import Coordinator
 from rdzv_server.core.rendezvous import Limits, Rendezvous
+from rdzv_server.gc_tuning import Freezer, tune_gc
 from rdzv_server.heap import HeapTrimmer
 from rdzv_server.poll_limits import MAX_POLLS_PER_NODE, MAX_POLLS_PER_PEER
 from rdzv_server.store.api import Store
@@ -38,7 +38,6 @@ log = logging.getLogger("rdzv_server")
 # The kernel caps the backlog at net.core.somaxconn (4,096 by default): a fleet that comes back at
 # once with more nodes than that (a server restart, a healed link) needs that raised as well.
 LISTEN_BACKLOG = 65535
-GC_THRESHOLD_0 = 20_000       # allocations between young collections (CPython's default: 700)
 IDLE_TIMEOUT_S = 60.0
 # Keepalive: first probe after KEEPIDLE s of silence, then every KEEPINTVL s; KEEPCNT unanswered
 # probes end the connection (about 2 + 2 x 1 = 4 s, inside the default 5 s lease).
@@ -61,19 +60,6 @@ class ServerConfig:
     max_polls_per_node: int = MAX_POLLS_PER_NODE
     max_connections: int = 0             # 0: as many as the open-file limit allows
     gc_tuning: bool = True
-
-
-def tune_gc() -> None:
-    """Keep the cyclic garbage collector off the server's long-lived state.
-
-    Everything alive after start-up (modules, the app, the state restored from the store) is moved
-    out of the collector's view (`gc.freeze`), and young collections run less often: a server
-    holding thousands of long-polls otherwise spends a large share of its CPU walking objects
-    that are not garbage (docs/benchmarks.md has the figures).
-    """
-    gc.collect()
-    gc.freeze()
-    gc.set_threshold(GC_THRESHOLD_0, 20, 20)
 
 
 @dataclass(frozen=True)
@@ -142,8 +128,10 @@ async def serve(config: ServerConfig, store: Store | None = None,
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=2.0,
                            keepalive_timeout=IDLE_TIMEOUT_S)
     await runner.setup()                 # the state is loaded here (the coordinator's start)
-    if config.gc_tuning:
+    freezer = Freezer() if config.gc_tuning else None
+    if freezer is not None:
         tune_gc()
+        freezer.start()
     loop = asyncio.get_running_loop()
     try:
         sock = listening_socket(config.host, config.port)
@@ -179,6 +167,8 @@ async def serve(config: ServerConfig, store: Store | None = None,
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(sig)
         trimmer.cancel()
+        if freezer is not None:
+            await freezer.stop()
         server.close()                  # no new connections; then aiohttp answers and closes the open ones
         if leadership is not None:
             leadership.stop_campaigning()

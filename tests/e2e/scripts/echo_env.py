@@ -2,9 +2,9 @@
 
 OUT_DIR: where rank<RANK>.json goes ({"env": the launcher's variables, "argv": ..., "tty": stdin/stdout
 are terminals}). EXIT_RANK=R EXIT_CODE=C: rank R exits with C (after writing torch's error file when
-TORCHELASTIC_ERROR_FILE is set, as @record would), once every rank's record is in OUT_DIR. SLEEP_RANK=R: rank R waits until SIGTERM (or the
-signal in WAIT_SIGNAL), then writes signal-<RANK> and exits after GRACE seconds. WAIT_FILE=F: every
-rank waits until F exists, then exits 0.
+TORCHELASTIC_ERROR_FILE is set, as @record would), once every rank's record is in OUT_DIR.
+SLEEP_RANK=R: rank R waits until SIGTERM (or the signal in WAIT_SIGNAL), then writes signal-<RANK>
+and exits after GRACE seconds. WAIT_FILE=F: every rank waits until F exists, then exits 0.
 """
 import json
 import os

@@ -1,0 +1,53 @@
+"""The server's collector tuning: what survived a collection is frozen, frozen cycles reclaimed on refresh."""
+from __future__ import annotations
+
+import gc
+import weakref
+
+from rdzv_server.gc_tuning import Freezer
+
+
+class Node:
+    def __init__(self) -> None:
+        self.me = self                 # a cycle: only the cyclic collector frees it
+
+
+def test_survivors_of_a_collection_are_frozen_and_frozen_cycles_are_reclaimed_on_refresh():
+    clock = [0.0]
+    enabled = gc.isenabled()
+    gc.disable()                                       # only this test's own collections run meanwhile
+    try:
+        freezer = Freezer(refresh_s=600.0, clock=lambda: clock[0])
+        freezer.tick()
+        assert freezer.freezes == 0                    # no collection since it started: nothing to do
+        kept = Node()
+        probe = weakref.ref(kept)
+        gc.collect(0)                                  # a young collection: `kept` survives it
+        freezer.tick()
+        assert freezer.freezes == 1 and gc.get_freeze_count() > 0
+        before = gc.get_freeze_count()
+        freezer.tick()
+        assert freezer.freezes == 1 and gc.get_freeze_count() == before   # once per collection
+        del kept                                       # garbage now, but frozen: a full walk does not see it
+        gc.collect()
+        assert probe() is not None
+        clock[0] = 600.0                               # the refresh: unfrozen, collected, frozen again
+        freezer.tick()
+        assert probe() is None and freezer.refreshes == 1 and freezer.freezes == 2
+    finally:
+        gc.unfreeze()
+        if enabled:
+            gc.enable()
+
+
+def test_the_per_node_messages_a_round_change_builds_are_not_tracked_by_the_collector():
+    from protocol.messages import Assignment, JobState, NodeState, NodeStatus, Witness, WorkerFailure
+    from protocol.stream import Status
+    witness = Witness(addr="10.0.0.2", port=29600)
+    assignment = Assignment(round_id=1, group_rank=0, group_world_size=2, rank_offset=0, world_size=2,
+                            local_world_size=1, master_addr="10.0.0.1", master_port=29500, restart_count=0,
+                            max_restarts=3, witnesses=(witness,))
+    status = NodeStatus(job_id="j", job_state=JobState.RUNNING, node_state=NodeState.MEMBER, round_id=1,
+                        restart_count=0, assignment=assignment,
+                        root_cause=WorkerFailure(local_rank=0, rank=0, exitcode=1))
+    assert not any(gc.is_tracked(m) for m in (witness, assignment, status, status.root_cause, Status(status=status)))
