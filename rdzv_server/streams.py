@@ -105,7 +105,12 @@ class StreamHub:
     def heard(self, sub: Subscription) -> None:
         sub.heard = asyncio.get_running_loop().time()
         sub.heard_wall = self.coord.clock()
-        self.coord.core.heard(sub.heard_wall)     # the quiet rule (core/leases.py): agents are heard
+        # the quiet rule (core/leases.py): agents are heard; and a node that subscribed (its
+        # credential shown) was seen: one that only said hello speaks for nobody yet
+        if sub.held:
+            self.coord.core.heard(sub.heard_wall, sub.job_id, sub.node_id)
+        else:
+            self.coord.core.heard(sub.heard_wall)
 
     def subscribe(self, sub: Subscription, credential: str, known_round: int, master_port: int) -> None:
         """Hold the node's lease on this stream and push its view now (a repeat publishes a new

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import socket
 from typing import Any
 
 import aiohttp
@@ -42,6 +43,13 @@ from protocol.stream import (
 
 TRANSPORTS = ("auto", "stream", "poll")     # auto: the stream where the server offers it
 HEARTBEATS_PER_LEASE = 3
+# The server sends nothing to an idle node, so a stream whose path died (a partition, a cut, the
+# server's host gone) would look quiet, not broken, and the agent would neither fence nor give up.
+# Its heartbeats are what tell: the kernel ends the connection once one goes unacknowledged this
+# long (TCP_USER_TIMEOUT), within lease / 3 + this of the path's death: before the server, which
+# drops a silent stream after about a lease, has replaced the node's round. A server that is only
+# slow still acknowledges at once (its kernel does).
+UNACKED_LIMIT_S = 2.0
 
 
 
@@ -130,6 +138,7 @@ class StreamClient(RdzvClient):
                 if self.endpoints.replicated or self.endpoints.following:
                     self.endpoints.skip()
                 raise ServerUnreachable(f"{type(exc).__name__}: {exc}".rstrip(": ")) from exc
+            bound_unacked_sends(ws.get_extra_info("socket"))
             link = self._link = _Link(ws)
             await ws.send_bytes(encode_frame(Hello(v=PROTOCOL_VERSION, node_id=self.node_id)))
             link.tasks = [asyncio.create_task(self._read(link)), asyncio.create_task(self._beat(link))]
@@ -234,6 +243,13 @@ class StreamClient(RdzvClient):
                   and await self._probe(self.endpoints.current) != 200):   # a fresh connection: is it still leader?
                 link.fail(ServerUnreachable(f"{self.endpoints.current} no longer answers as the leader"))
                 self.endpoints.skip()         # as on HTTP: the next replica given names the leader
+
+
+def bound_unacked_sends(sock: Any, limit_s: float = UNACKED_LIMIT_S) -> None:
+    """TCP_USER_TIMEOUT on the stream's socket, where the platform has it (Linux)."""
+    if sock is not None and hasattr(socket, "TCP_USER_TIMEOUT"):
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, int(limit_s * 1000))
 
 
 def _handshake_refusal(exc: aiohttp.WSServerHandshakeError) -> Exception:

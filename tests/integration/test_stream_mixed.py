@@ -176,3 +176,24 @@ async def test_silence_is_judged_past_the_servers_own_lag_and_with_the_kernels_e
     finally:
         coord.loop_lag = None
         await coord.stop()
+
+
+async def test_a_heartbeat_shows_a_subscribed_node_as_seen_and_an_unsubscribed_stream_speaks_for_nobody() -> None:
+    clock = [1000.0]
+    coord = Coordinator(clock=lambda: clock[0])
+    await coord.start()
+    hub = StreamHub(coord)
+    try:
+        statuses = {n: await coord.handle("j", _join(n)) for n in ("a", "b")}
+        held = hub.opened("j", "a", QuietStream(kernel_s=0.0))
+        hub.subscribe(held, statuses["a"].credential, -1, 0)
+        hello_only = hub.opened("j", "b", QuietStream(kernel_s=0.0))     # said hello as b, never subscribed
+        nodes = coord.core.jobs["j"].nodes
+        b_seen = nodes["b"].last_seen
+        clock[0] += 30.0
+        hub.heard(held)
+        hub.heard(hello_only)
+        assert nodes["a"].last_seen == clock[0]      # the views show a lease age of 0, not 30 s
+        assert nodes["b"].last_seen == b_seen         # no credential shown: nothing said for b
+    finally:
+        await coord.stop()
