@@ -138,7 +138,8 @@ def run(args: argparse.Namespace, save: Callable[[dict[str, Any]], None]) -> lis
         save(r)
         results.append(r)
     if not args.no_overload and not quick and not args.only_many:
-        kept = args.kept_up or max((r["nodes"] for r in results if r["kind"] == "one_job" and _kept_up(r)), default=0)
+        kept = args.kept_up or max((r["nodes"] for r in results
+                                    if r["kind"].startswith("one_job") and _kept_up(r)), default=0)
         want = args.overload_nodes or 2 * kept
         if want:
             n = min(want, cap)
