@@ -51,3 +51,17 @@ def test_the_per_node_messages_a_round_change_builds_are_not_tracked_by_the_coll
                         restart_count=0, assignment=assignment,
                         root_cause=WorkerFailure(local_rank=0, rank=0, exitcode=1))
     assert not any(gc.is_tracked(m) for m in (witness, assignment, status, status.root_cause, Status(status=status)))
+
+
+def test_a_collection_of_an_older_generation_counts_too():
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        freezer = Freezer(clock=lambda: 0.0)
+        gc.collect(1)                                  # counted under generation 1 only
+        freezer.tick()
+        assert freezer.freezes == 1
+    finally:
+        gc.unfreeze()
+        if enabled:
+            gc.enable()
