@@ -4,8 +4,8 @@ Requests (join, failure, success, leave) go on the stream as frames with an id a
 a reply frame of that id; a poll is answered from the statuses the server pushes once subscribed
 (no request goes out: the stream is the lease, kept by a heartbeat every lease_timeout_s / 3).
 Against a server that does not offer the stream (its /healthz names no `stream` version), or when
-asked for `poll`, every call goes over HTTP as `RdzvClient` sends it: the stream is an upgrade, never
-a requirement. A standby's `not_leader` (a refused upgrade, or an error frame) names the leader,
+asked for `poll`, every call goes over HTTP as `RdzvClient` sends it, as in `auto` once something on
+the way refuses the upgrade itself: the stream is an upgrade, never a requirement. A standby's `not_leader` (a refused upgrade, or an error frame) names the leader,
 which is followed as on HTTP; a closed stream is `ServerUnreachable` for what waited on it, and the
 next call opens a new one (subscribing again re-syncs the node's view).
 """
@@ -95,7 +95,15 @@ class StreamClient(RdzvClient):
             self.streaming = await self._offered()
         if not self.streaming:      # None: not known yet; this request goes over HTTP, which says what is wrong
             return await super()._send(action, message, timeout)
-        link = await self._open(timeout)
+        try:
+            link = await self._open(timeout)
+        except UpgradeRefused:
+            if self.mode != "auto":
+                raise
+            # The server offers the stream but something on the way (a proxy, a gateway that does not
+            # pass WebSocket upgrades) refused it: auto means the stream only where it works.
+            self.streaming = False
+            return await super()._send(action, message, timeout)
         if isinstance(message, PollRequest):
             return await self._poll(link, message)
         return await self._call(link, action, message, timeout)
@@ -252,6 +260,11 @@ def bound_unacked_sends(sock: Any, limit_s: float = UNACKED_LIMIT_S) -> None:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, int(limit_s * 1000))
 
 
+class UpgradeRefused(ServerRejected):
+    """The upgrade to the stream was refused for what it is (not for the node's token or origin): in
+    `auto`, the client goes on over HTTP."""
+
+
 def _handshake_refusal(exc: aiohttp.WSServerHandshakeError) -> Exception:
     """A refused upgrade, as the HTTP client would see the same refusal."""
     if exc.status == 401:
@@ -259,6 +272,8 @@ def _handshake_refusal(exc: aiohttp.WSServerHandshakeError) -> Exception:
                               "token (start node-agent with --token-file)")
     if exc.status == 403:
         return ServerRejected(ErrorCode.FORBIDDEN.value, f"the stream's upgrade was refused: {exc.message}")
-    if exc.status in (404, 405):
-        return ServerRejected(ErrorCode.NOT_FOUND.value, "the server does not offer the stream (use --transport poll)")
+    if exc.status in (400, 404, 405, 426, 501):
+        return UpgradeRefused(ErrorCode.NOT_FOUND.value, f"the stream's upgrade was refused (HTTP {exc.status}): "
+                              "the server, or something on the way to it, does not pass WebSocket upgrades "
+                              "(use --transport poll, or auto)")
     return ServerUnreachable(f"the stream's upgrade got HTTP {exc.status}: {exc.message}")

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import asyncio
 
+from aiohttp import web
+
 from node_agent.client.http import RdzvClient
 from node_agent.client.stream import StreamClient
-from node_agent.client.transport import Transport
+from node_agent.client.transport import ServerRejected, Transport
 from protocol.errors import ErrorCode
 from protocol.messages import JobConfig, JoinRequest, NodeStatus, WorkerFailure, poll_ready
 from rdzv_server.coordinator import Coordinator
@@ -71,6 +73,39 @@ async def test_auto_falls_back_to_http_against_a_server_without_the_stream(monke
         assert poll_ready(await client.poll(-1, 0.0), -1)
     finally:
         await client.__aexit__(None, None, None)
+        await srv.close()
+
+
+async def test_auto_goes_on_over_http_when_something_on_the_way_refuses_the_upgrade() -> None:
+    @web.middleware
+    async def proxy_without_websockets(request: web.Request, handler):  # type: ignore[no-untyped-def]
+        if request.headers.get("Upgrade", "").lower() == "websocket":
+            raise web.HTTPBadRequest(text="this gateway does not pass upgrades")
+        return await handler(request)
+
+    app = create_app(Coordinator())
+    app.middlewares.insert(0, proxy_without_websockets)
+    srv = await start_app(app)
+    auto = StreamClient("127.0.0.1", srv.port or 0, "gw", "n1")
+    only = StreamClient("127.0.0.1", srv.port or 0, "gw", "n2", transport="stream")
+    try:
+        await auto.__aenter__()
+        await only.__aenter__()
+        status = await auto.join(addr="127.0.0.1", host="h", local_world_size=1, master_port=1,
+                                 config=JobConfig(min_nodes=1, max_nodes=2, last_call_s=5.0), instance="i",
+                                 role="default")
+        assert auto.streaming is False and status.node_state.value in ("waiting", "member")
+        assert (await auto.poll(-1, 0.0)).job_id == "gw"
+        try:                                   # asked for the stream only: the refusal says what to do
+            await only.join(addr="127.0.0.1", host="h", local_world_size=1, master_port=1,
+                            config=JobConfig(min_nodes=1, max_nodes=2, last_call_s=5.0), instance="i2",
+                            role="default")
+            raise AssertionError("a refused upgrade was not reported")
+        except ServerRejected as exc:
+            assert "HTTP 400" in exc.message and "--transport poll" in exc.message
+    finally:
+        await auto.__aexit__(None, None, None)
+        await only.__aexit__(None, None, None)
         await srv.close()
 
 
