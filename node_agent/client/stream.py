@@ -5,9 +5,10 @@ a reply frame of that id; a poll is answered from the statuses the server pushes
 (no request goes out: the stream is the lease, kept by a heartbeat every lease_timeout_s / 3).
 Against a server that does not offer the stream (its /healthz names no `stream` version), or when
 asked for `poll`, every call goes over HTTP as `RdzvClient` sends it, as in `auto` once something on
-the way refuses the upgrade itself: the stream is an upgrade, never a requirement. A standby's `not_leader` (a refused upgrade, or an error frame) names the leader,
-which is followed as on HTTP; a closed stream is `ServerUnreachable` for what waited on it, and the
-next call opens a new one (subscribing again re-syncs the node's view).
+the way refuses the upgrade itself: the stream is an upgrade, never a requirement. A standby's
+`not_leader` (a refused upgrade, or an error frame) names the leader, which is followed as on HTTP;
+a closed stream is `ServerUnreachable` for what waited on it, and the next call opens a new one
+(subscribing again re-syncs the node's view).
 """
 from __future__ import annotations
 
