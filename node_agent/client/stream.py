@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-import socket
 from typing import Any
 
 import aiohttp
@@ -23,7 +22,7 @@ import msgspec
 
 from node_agent.client.endpoints import LEADER_CHECK_S, LEADER_HEADER
 from node_agent.client.http import GATEWAY_AWAY, PROBE_AFTER_S, RdzvClient
-from node_agent.client.transport import ServerRejected, ServerUnreachable, refusal
+from node_agent.client.transport import ServerRejected, ServerUnreachable, bound_unacked_sends, refusal
 from protocol.codec import encode
 from protocol.errors import ErrorCode
 from protocol.messages import PROTOCOL_VERSION, NodeStatus, PollRequest, poll_ready
@@ -44,13 +43,6 @@ from protocol.stream import (
 
 TRANSPORTS = ("auto", "stream", "poll")     # auto: the stream where the server offers it
 HEARTBEATS_PER_LEASE = 3
-# The server sends nothing to an idle node, so a stream whose path died (a partition, a cut, the
-# server's host gone) would look quiet, not broken, and the agent would neither fence nor give up.
-# Its heartbeats are what tell: the kernel ends the connection once one goes unacknowledged this
-# long (TCP_USER_TIMEOUT), within lease / 3 + this of the path's death: before the server, which
-# drops a silent stream after about a lease, has replaced the node's round. A server that is only
-# slow still acknowledges at once (its kernel does).
-UNACKED_LIMIT_S = 2.0
 
 
 
@@ -147,6 +139,7 @@ class StreamClient(RdzvClient):
                 if self.endpoints.replicated or self.endpoints.following:
                     self.endpoints.skip()
                 raise ServerUnreachable(f"{type(exc).__name__}: {exc}".rstrip(": ")) from exc
+            # the server sends nothing to an idle node: the heartbeats' ACKs tell a dead path (transport.py)
             bound_unacked_sends(ws.get_extra_info("socket"))
             link = self._link = _Link(ws)
             await ws.send_bytes(encode_frame(Hello(v=PROTOCOL_VERSION, node_id=self.node_id)))
@@ -252,13 +245,6 @@ class StreamClient(RdzvClient):
                   and await self._probe(self.endpoints.current) != 200):   # a fresh connection: is it still leader?
                 link.fail(ServerUnreachable(f"{self.endpoints.current} no longer answers as the leader"))
                 self.endpoints.skip()         # as on HTTP: the next replica given names the leader
-
-
-def bound_unacked_sends(sock: Any, limit_s: float = UNACKED_LIMIT_S) -> None:
-    """TCP_USER_TIMEOUT on the stream's socket, where the platform has it (Linux)."""
-    if sock is not None and hasattr(socket, "TCP_USER_TIMEOUT"):
-        with contextlib.suppress(OSError):
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, int(limit_s * 1000))
 
 
 class UpgradeRefused(ServerRejected):

@@ -8,7 +8,7 @@ import pytest
 
 from node_agent.cli.options import DEFAULT_PRELOAD, OptionsError, parse_options
 from node_agent.workers.launch import WorkerLaunch
-from node_agent.workers.warm.eligible import base_env, uses_preload, warm_launch
+from node_agent.workers.warm.eligible import base_env, entry_imports, imports_any, warm_launch
 
 ENV = {"PATH": "/usr/bin"}
 
@@ -80,6 +80,11 @@ def test_the_launchers_per_worker_variables_are_not_part_of_the_zygotes_environm
     assert base_env(env) == {**ENV, "OMP_NUM_THREADS": "1"}
 
 
+def uses_preload(entry: str, *, module: bool, cwd: str) -> bool:
+    """The rule LocalWorkers applies for its wait (workers/local.py)."""
+    return imports_any(entry_imports(entry, module=module, cwd=cwd), DEFAULT_PRELOAD)
+
+
 @pytest.mark.parametrize("source, uses", [
     ("import torch\n", True),
     ("import os, torch.distributed as dist\n", True),
@@ -93,7 +98,7 @@ def test_the_launchers_per_worker_variables_are_not_part_of_the_zygotes_environm
 def test_a_round_waits_for_the_zygote_only_when_the_script_imports_what_it_preloads(tmp_path, source, uses) -> None:
     script = tmp_path / "train.py"
     script.write_text(source)
-    assert uses_preload(str(script), module=False, preload=DEFAULT_PRELOAD, cwd=str(tmp_path)) is uses
+    assert uses_preload(str(script), module=False, cwd=str(tmp_path)) is uses
 
 
 def test_a_module_entry_point_is_found_on_the_path_without_importing_it(tmp_path) -> None:
@@ -104,7 +109,7 @@ def test_a_module_entry_point_is_found_on_the_path_without_importing_it(tmp_path
     (package / "plain.py").write_text("import os\n")
     (package / "__main__.py").write_text("import torch.optim\n")
     cwd = str(tmp_path)
-    assert uses_preload("pkg.train", module=True, preload=DEFAULT_PRELOAD, cwd=cwd)
-    assert uses_preload("pkg", module=True, preload=DEFAULT_PRELOAD, cwd=cwd)            # pkg/__main__.py
-    assert not uses_preload("pkg.plain", module=True, preload=DEFAULT_PRELOAD, cwd=cwd)
-    assert uses_preload("pkg.nowhere", module=True, preload=DEFAULT_PRELOAD, cwd=cwd)    # not found: assume so
+    assert uses_preload("pkg.train", module=True, cwd=cwd)
+    assert uses_preload("pkg", module=True, cwd=cwd)            # pkg/__main__.py
+    assert not uses_preload("pkg.plain", module=True, cwd=cwd)
+    assert uses_preload("pkg.nowhere", module=True, cwd=cwd)    # not found: assume so

@@ -5,8 +5,9 @@ environment equal to the zygote's but for the launcher's own per-worker variable
 OMP_NUM_THREADS, locale... would make an interpreter that started differently). Everything else
 (--no-python, --run-path, other programs, `-c`) starts cold.
 
-`uses_preload` tells whether a round should wait for a zygote still importing: only when the entry point
-itself imports a preloaded package (a script that does not import torch would wait for nothing).
+`entry_imports` and `imports_any` tell whether a round should wait for a zygote still importing: only
+when the entry point itself imports a preloaded package (a script that does not import torch would
+wait for nothing); and whether the agent hosts the round's c10d store (the script imports torch).
 """
 from __future__ import annotations
 
@@ -46,11 +47,6 @@ def base_env(env: dict[str, str]) -> dict[str, str]:
 
 
 MAX_SOURCE = 4 << 20    # bytes of an entry point read to find its imports: past it, assume it imports them
-
-
-def uses_preload(entry: str, *, module: bool, preload: Iterable[str], cwd: str) -> bool:
-    """Whether the script (or `-m` module) imports a top-level package of `preload`."""
-    return imports_any(entry_imports(entry, module=module, cwd=cwd), preload)
 
 
 def imports_any(imported: frozenset[str] | None, modules: Iterable[str]) -> bool:
