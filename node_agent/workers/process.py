@@ -208,7 +208,18 @@ class Worker:
             return
         try:
             os.killpg(self._proc.pid, sig)
-        except (ProcessLookupError, PermissionError):   # gone, or a member changed user: out of reach
+        except ProcessLookupError:
+            # No such group: gone, or a warm worker the zygote forked an instant ago that has not made
+            # its own session yet (the zygote tells its pid right after the fork): then the process
+            # itself, still ours (not reaped), gets the signal; missing it left a worker running.
+            if not self.running:
+                self._group_alive = False
+                return
+            try:
+                os.kill(self._proc.pid, sig)
+            except (ProcessLookupError, PermissionError):
+                self._group_alive = False
+        except PermissionError:                         # a member changed user: out of reach
             self._group_alive = False
 
     def output_pending(self) -> list[asyncio.Future[None]]:

@@ -84,6 +84,21 @@ async def test_the_group_is_signalled_after_its_leader_exited_and_forgotten_once
     assert not worker._group_alive
 
 
+async def test_a_worker_not_yet_leading_its_own_group_is_signalled_itself(make_worker) -> None:
+    # A warm worker the zygote has just forked is ours before it has called setsid(): its group does
+    # not exist yet. Stand-in: a process in the test's own group, as the worker's process.
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-c", "import time; time.sleep(600)")
+    worker = make_worker(launch(0, "pass"))
+    worker._proc, worker._group_alive = proc, True       # type: ignore[assignment]
+    try:
+        worker.signal_group(signal.SIGKILL)
+        assert await asyncio.wait_for(proc.wait(), LIMIT) == -signal.SIGKILL
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+
+
 async def test_send_signal_reaches_a_running_worker(make_worker) -> None:
     code = """
         import signal, sys, time
