@@ -15,9 +15,10 @@ Rules:
   (another node failing still means a job-wide restart);
 - the server being unreachable leaves workers running; `server_wait_s` after the first failed try
   (timed rule: it fires even when no other fact comes) we stop them and give up;
-- fencing (timed rule), only on evidence: once this node's lease must have lapsed on the server (its
-  last answered request + the lease + FENCE_MARGIN_S, and at least FENCE_MARGIN_S after the first
-  failed try), the round's witnesses are asked which round they hold and whether they hear the server
+- fencing (timed rule), only on evidence: about when this node's lease must have lapsed on the server
+  (its last answered request + the lease + FENCE_MARGIN_S, and at least FENCE_MARGIN_S after the first
+  failed try; the first ask starts EARLY_ASK_S sooner, a silence is concluded on only after it), the
+  round's witnesses are asked which round they hold and whether they hear the server
   (witness.py), and the server is checked over a fresh connection meanwhile (path_check.py). The
   workers are stopped, and the round's failure reported, only when a witness that hears the server
   holds a newer round (the server replaced this one), or when no witness answers, twice, and no
@@ -110,6 +111,11 @@ REPROBE_S = 0.5     # a witness's answer costs one local connection: the fencing
 # A witness may not have noticed yet that the server is away for it too (its own connection's
 # keepalive runs on its own clock): a "cut off" verdict is asked once more this much later.
 CONFIRM_S = 1.0
+# A silent witness takes the probe's whole time limit (client/witness.py PROBE_TIMEOUT_S) to say
+# nothing, and a silence is confirmed by a second ask: the first ask starts this much before the lease
+# lapses, so that the confirming one ends about a second after it. Nothing is concluded before the
+# lapse but a witness holding a newer round.
+EARLY_ASK_S = 1.0
 
 
 @dataclass(slots=True)   # slots: a misspelt attribute is an error (mypy and at run time), not a new one
@@ -201,6 +207,11 @@ class SupervisionPolicy:
             return None
         if self.probe_at is not None:
             return self.probe_at
+        return max(self._lapse_at() - EARLY_ASK_S, self.unreachable_since + FENCE_MARGIN_S)
+
+    def _lapse_at(self) -> float:
+        """When this node's lease must have lapsed on the server (the earliest a silence may fence)."""
+        assert self.unreachable_since is not None
         lapsed = (self.renewed_at if self.renewed_at is not None else self.unreachable_since) + self.lease_timeout_s
         return max(lapsed, self.unreachable_since) + FENCE_MARGIN_S
 
@@ -223,6 +234,11 @@ class SupervisionPolicy:
             # The server answers a fresh connection (the link sends again), a replica takes over, the
             # server still runs this round, or it is away for everyone: nothing to conclude; ask again.
             self.probe_at, self.suspect = now + REPROBE_S, False
+            return []
+        if verdict != ROUND_REPLACED and (evidence or self.suspect) and now < self._lapse_at():
+            # Silent (or older) witnesses before the lease lapsed: the server has replaced nothing yet;
+            # confirmed, or not, by an ask once it has lapsed.
+            self.probe_at, self.suspect = self._lapse_at(), True
             return []
         if not evidence and not self.suspect:
             # An older witness that hears the server may be right, or not yet aware; a silent one maybe

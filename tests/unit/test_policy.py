@@ -304,7 +304,7 @@ def fenced_policy(witnesses=("10.0.0.2",)) -> SupervisionPolicy:
 def test_a_cut_off_node_asks_its_witnesses_once_its_lease_must_have_lapsed_and_fences_if_none_answers():
     p = fenced_policy()
     assert p.handle(unreachable(), 14.0) == []                  # first failed try at 14: keep going
-    assert p.next_deadline() == 10.0 + 5.0 + 0.5                # sent at 10 + lease + margin
+    assert p.next_deadline() == 10.0 + 5.0 + 0.5 - 1.0          # sent at 10 + lease + margin, asked 1 s sooner
     probe = p.handle(DeadlinePassed(), 16.0)
     assert len(probe) == 1 and isinstance(probe[0], ProbePeers)
     assert p.next_deadline() == 14.0 + 60                       # probing: only the give-up rule is armed
@@ -327,6 +327,30 @@ def test_silent_witnesses_are_asked_once_more_at_once_and_fence_if_still_silent(
     assert isinstance(p.handle(DeadlinePassed(), 17.0)[0], ProbePeers)
     actions = p.handle(PeersProbed(SILENT), 18.0)
     assert isinstance(actions[0], StopWorkers) and "fenced" in actions[0].reason
+
+
+def test_a_silence_before_the_lease_lapsed_is_confirmed_after_it_and_only_then_fences():
+    # The first ask starts a probe's time limit before the lapse (15.5 here), so that a silence is
+    # confirmed about a second after it: never concluded on before it.
+    p = fenced_policy()
+    p.handle(unreachable(), 14.0)
+    assert isinstance(p.handle(DeadlinePassed(), 14.5)[0], ProbePeers)
+    assert p.handle(PeersProbed(SILENT, NO_SERVER), 15.0) == []           # answered early: asked again at once
+    assert isinstance(p.handle(DeadlinePassed(), 15.0)[0], ProbePeers)
+    assert p.handle(PeersProbed(SILENT, NO_SERVER), 15.3) == [] and p.workers == Workers.RUNNING
+    assert p.next_deadline() == 15.5                                      # twice silent, lease not lapsed
+    assert isinstance(p.handle(DeadlinePassed(), 15.5)[0], ProbePeers)
+    actions = p.handle(PeersProbed(SILENT, NO_SERVER), 16.5)
+    assert isinstance(actions[0], StopWorkers) and "nor any endpoint answer" in actions[0].reason
+
+
+def test_a_silence_ending_at_the_lapse_is_confirmed_by_one_more_ask():
+    p = fenced_policy()
+    p.handle(unreachable(), 14.0)
+    p.handle(DeadlinePassed(), 14.5)
+    assert p.handle(PeersProbed(SILENT, NO_SERVER), 15.5) == [] and p.next_deadline() == 15.5
+    p.handle(DeadlinePassed(), 15.5)
+    assert isinstance(p.handle(PeersProbed(SILENT, NO_SERVER), 16.5)[0], StopWorkers)   # 1 s after the lapse
 
 
 def test_a_silence_then_witnesses_that_do_not_hear_the_server_keep_the_workers():
