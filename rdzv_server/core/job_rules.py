@@ -44,7 +44,7 @@ from rdzv_server.core.rounds import (
     count_nodes,
     deadlines,
     growth_cause,
-    master_address,
+    master_correction,
     node_status,
 )
 
@@ -209,7 +209,7 @@ class JobRules:
         promoted = max(0, len(chosen) - (len(pool) - len(job.spares)))    # the pool ends with the spares
         job.last_round_id += 1
         job.round = build_round(job, chosen, job.last_round_id, opened, now, why)
-        _, corrected = master_address([job.nodes[n] for n in chosen])
+        corrected = master_correction(job.round, job.nodes[chosen[0]])
         if corrected:
             self.record(now, EventKind.MASTER_ADDR_CORRECTED, corrected, chosen[0], job.last_round_id)
         job.state = JobState.RUNNING

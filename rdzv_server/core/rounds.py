@@ -6,8 +6,10 @@ group-rank-0 node published: its worker rank 0 hosts the store.
 """
 from __future__ import annotations
 
+import bisect
 import functools
 import ipaddress
+import itertools
 from collections.abc import Iterable
 
 from protocol.messages import Assignment, JobState, NodeState, NodeStatus, Witness, WorkerFailure
@@ -18,50 +20,69 @@ from rdzv_server.core.records import JobRecord, NodeRecord, RoundRecord
 
 def build_round(job: JobRecord, members: list[str], round_id: int, opened_at: float, now: float,
                 reason: str) -> RoundRecord:
+    """The round of `members` (by group rank): what each assignment is computed from, taken from their
+    records now. No assignment is built here: a failure report is answered before any is needed."""
     nodes = [job.nodes[nid] for nid in members]
-    world_size = sum(n.local_world_size for n in nodes)
-    role_sizes: dict[str, int] = {}
-    for n in nodes:
-        role_sizes[n.role] = role_sizes.get(n.role, 0) + n.local_world_size
-    reach = reachable_addresses(nodes)
-    witnesses = _witnesses(nodes, reach)
-    master_addr = reach[0]
-    master = nodes[0]
-    assignments: dict[str, Assignment] = {}
-    offset = 0
-    role_offsets: dict[str, int] = {}
-    for group_rank, n in enumerate(nodes):
-        role_offset = role_offsets.get(n.role, 0)
-        assignments[n.node_id] = Assignment(
-            round_id=round_id, group_rank=group_rank, group_world_size=len(nodes), rank_offset=offset,
-            world_size=world_size, local_world_size=n.local_world_size, master_addr=master_addr,
-            master_port=master.master_port, restart_count=job.restart_count,
-            max_restarts=job.config.max_restarts, role_rank_offset=role_offset,
-            role_world_size=role_sizes[n.role], witnesses=witnesses[group_rank])
-        offset += n.local_world_size
-        role_offsets[n.role] = role_offset + n.local_world_size
-    return RoundRecord(round_id=round_id, members=list(members), assignments=assignments, opened_at=opened_at,
-                       completed_at=now, reason=reason, world_size=world_size,
-                       restart_count=job.restart_count)
+    sizes = [n.local_world_size for n in nodes]
+    return RoundRecord(round_id=round_id, members=list(members), opened_at=opened_at, completed_at=now,
+                       reason=reason, world_size=sum(sizes), restart_count=job.restart_count,
+                       ranked=list(members), local_sizes=sizes, roles=[n.role for n in nodes],
+                       addrs=reachable_addresses(nodes), probe_ports=[n.probe_port for n in nodes],
+                       master_port=nodes[0].master_port, max_restarts=job.config.max_restarts)
 
 
-def _witnesses(nodes: list[NodeRecord], reach: list[str]) -> list[tuple[Witness, ...]]:
-    """For each member, the next two members after it in the ring that answer probes (a different pair
-    for each node), in one sweep: O(N) however few members answer probes (walking the ring from each
-    member was O(N^2) in a round of nodes without a probe port: 11 s at 10,000 nodes), and each
-    member's Witness built once and shared by the two tuples naming it (3 us a node before)."""
-    probers = [i for i, n in enumerate(nodes) if n.probe_port]
-    named = [Witness(addr=reach[i], port=nodes[i].probe_port) for i in probers]
-    m, out, nxt = len(probers), [], 0       # probers[nxt]: the first prober after the current rank
-    ring = named + named[:WITNESSES]        # the next WITNESSES from any position, without wrapping
-    for rank in range(len(nodes)):
-        while nxt < m and probers[nxt] <= rank:
-            nxt += 1
-        if m > WITNESSES:    # the member itself comes last going round from nxt: never among the first
-            out.append(tuple(ring[nxt % m:nxt % m + WITNESSES]))
-        else:
-            out.append(tuple(named[(nxt + k) % m] for k in range(m) if probers[(nxt + k) % m] != rank))
-    return out
+def assignment(r: RoundRecord, node_id: str) -> Assignment | None:
+    """`node_id`'s assignment in round `r` (None: it was not formed into it); built once, then kept."""
+    if r.legacy:
+        return r.legacy.get(node_id)
+    derived: _Derived | None = r.__dict__.get("derived")
+    if derived is None:
+        derived = r.__dict__["derived"] = _Derived(r)
+    built = derived.built.get(node_id)
+    if built is None:
+        rank = derived.rank.get(node_id)
+        if rank is None:
+            return None
+        role = r.roles[rank]
+        built = derived.built[node_id] = Assignment(
+            round_id=r.round_id, group_rank=rank, group_world_size=len(r.ranked), rank_offset=derived.offsets[rank],
+            world_size=r.world_size, local_world_size=r.local_sizes[rank], master_addr=r.addrs[0],
+            master_port=r.master_port, restart_count=r.restart_count, max_restarts=r.max_restarts,
+            role_rank_offset=derived.role_offsets[rank], role_world_size=derived.role_sizes[role],
+            witnesses=derived.witnesses(rank))
+    return built
+
+
+class _Derived:
+    """What the assignments of a round share, derived once from its columns (O(N), a few ms at 10,000)."""
+
+    def __init__(self, r: RoundRecord) -> None:
+        self.rank = {nid: i for i, nid in enumerate(r.ranked)}
+        self.offsets = list(itertools.accumulate(r.local_sizes, initial=0))
+        self.role_sizes: dict[str, int] = {}
+        self.role_offsets: list[int] = self.offsets
+        if len(set(r.roles)) > 1:            # one role (the usual case): its offsets are the ranks'
+            self.role_offsets = []
+            for role, size in zip(r.roles, r.local_sizes, strict=True):
+                at = self.role_sizes.get(role, 0)
+                self.role_offsets.append(at)
+                self.role_sizes[role] = at + size
+        elif r.roles:
+            self.role_sizes[r.roles[0]] = r.world_size
+        self.probers = [i for i, port in enumerate(r.probe_ports) if port]
+        named = [Witness(addr=r.addrs[i], port=r.probe_ports[i]) for i in self.probers]   # each shared
+        self.ring = named + named[:WITNESSES]      # the next WITNESSES from any position, without wrapping
+        self.built: dict[str, Assignment] = {}
+
+    def witnesses(self, rank: int) -> tuple[Witness, ...]:
+        """The next WITNESSES members after `rank` in the ring that answer probes, never itself: a
+        different pair for each node, found by bisection (walking the ring from each member was O(N^2)
+        in a round of nodes without a probe port: 11 s at 10,000 nodes)."""
+        probers, m = self.probers, len(self.probers)
+        after = bisect.bisect_right(probers, rank) % m if m else 0      # the first prober after `rank`
+        if m > WITNESSES:     # the member itself comes last going round from there: never among the first
+            return tuple(self.ring[after:after + WITNESSES])
+        return tuple(self.ring[(after + k) % m] for k in range(m) if probers[(after + k) % m] != rank)
 
 
 def reachable_addresses(nodes: list[NodeRecord]) -> list[str]:
@@ -76,13 +97,12 @@ def reachable_addresses(nodes: list[NodeRecord]) -> list[str]:
             n.seen_from if n.seen_from and not _loopback(n.seen_from) else server or n.addr for n in nodes]
 
 
-def master_address(nodes: list[NodeRecord]) -> tuple[str, str]:
-    """(MASTER_ADDR for these members, why it is not the group-rank-0 node's own `addr`, or "")."""
-    master, better = nodes[0], reachable_addresses(nodes)[0]
-    if better == master.addr:
-        return master.addr, ""
-    return better, (f"node {master.node_id} advertises the loopback address {master.addr}, which the other hosts "
-                    f"cannot reach; MASTER_ADDR is {better} instead (start its agent with --local-addr to choose)")
+def master_correction(r: RoundRecord, master: NodeRecord) -> str:
+    """Why round `r`'s MASTER_ADDR is not its group-rank-0 node's own `addr` ("": it is)."""
+    if r.addrs[0] == master.addr:
+        return ""
+    return (f"node {master.node_id} advertises the loopback address {master.addr}, which the other hosts "
+            f"cannot reach; MASTER_ADDR is {r.addrs[0]} instead (start its agent with --local-addr to choose)")
 
 
 @functools.lru_cache(maxsize=1 << 16)
@@ -131,10 +151,10 @@ def node_status(job: JobRecord, node_id: str, now: float, *, accepted: bool = Tr
                         lease_timeout_s=job.config.lease_timeout_s)
     if job.state.finished:
         status.root_cause = job.root_cause if job.state == JobState.FAILED else None
-        if job.round is not None and node_id in job.round.assignments:
-            status.assignment = job.round.assignments[node_id]
+        if job.round is not None:
+            status.assignment = assignment(job.round, node_id)
     elif state == NodeState.MEMBER and job.round is not None:
-        status.assignment = job.round.assignments[node_id]
+        status.assignment = assignment(job.round, node_id)
     elif state == NodeState.SPARE:
         status.spare_position = job.spares.index(node_id)
     elif state == NodeState.EXCLUDED and node is not None:

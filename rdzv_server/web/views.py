@@ -23,6 +23,7 @@ from protocol.quoting import quote
 from rdzv_server.core.errors import RendezvousError
 from rdzv_server.core.records import MAX_EVENTS_PER_JOB, JobRecord, NodeRecord
 from rdzv_server.core.rendezvous import Rendezvous
+from rdzv_server.core.rounds import assignment
 from rdzv_server.logs import iso
 
 STATUS_LIMIT = 50            # jobs per page of GET /v1/status unless ?limit= says otherwise
@@ -65,8 +66,8 @@ def _node(job: JobRecord, node: NodeRecord, now: float, succeeded: set[str]) -> 
 
 def _member(job: JobRecord, node: NodeRecord, now: float, succeeded: set[str]) -> dict[str, Any]:
     out = _node(job, node, now, succeeded)
-    if job.round is not None and node.node_id in job.round.assignments:
-        a = job.round.assignments[node.node_id]
+    a = assignment(job.round, node.node_id) if job.round is not None else None
+    if a is not None:
         worker = "succeeded" if node.node_id in succeeded else "stopped" if job.state.finished else "running"
         out.update(group_rank=a.group_rank, rank_offset=a.rank_offset, worker_state=worker)
     return out

@@ -28,6 +28,7 @@ from rdzv_server.core.events import EventKind
 from rdzv_server.core.leases import OUTAGE_LIMIT_S, QUIET_S, RESUME_GRACE_S, SUSPECT_QUIET_S
 from rdzv_server.core.records import JobRecord
 from rdzv_server.core.rendezvous import DROP_GRACE_S, REUSE_FINISHED_AFTER_S, Rendezvous, RendezvousError, node_room
+from rdzv_server.core.rounds import assignment
 
 JOB = "prop"
 LEASE = 5.0
@@ -368,7 +369,7 @@ class RendezvousMachine(RuleBasedStateMachine):
         if job is None or job.round is None:
             return
         r = job.round
-        assignments = [r.assignments[m] for m in r.members]
+        assignments = [assignment(r, m) for m in r.members]
         assert [a.group_rank for a in assignments] == list(range(len(r.members)))
         assert len(set(r.members)) == len(r.members)
         offset = 0
@@ -377,11 +378,11 @@ class RendezvousMachine(RuleBasedStateMachine):
             assert a.group_world_size == len(r.members)
             offset += a.local_world_size
             assert a.world_size == r.world_size
-            assert (a.master_addr, a.restart_count) == (r.assignments[r.members[0]].master_addr, r.restart_count)
+            assert (a.master_addr, a.restart_count) == (assignment(r, r.members[0]).master_addr, r.restart_count)
         assert r.world_size == offset
         rank0 = job.nodes.get(r.members[0])
         if rank0 is not None:
-            assert r.assignments[r.members[0]].master_addr == rank0.addr
+            assert assignment(r, r.members[0]).master_addr == rank0.addr
         assert job.config.min_nodes <= len(r.members) <= job.config.max_nodes
         if job.state == JobState.RUNNING:
             assert r.restart_count == job.restart_count

@@ -15,6 +15,7 @@ from protocol.messages import (
     WorkerFailure,
 )
 from rdzv_server.core.rendezvous import Rendezvous, RendezvousError
+from rdzv_server.core.rounds import assignment
 
 CFG = JobConfig(min_nodes=2, max_nodes=2, max_restarts=3, last_call_s=0.0, lease_timeout_s=5.0)
 
@@ -65,7 +66,7 @@ def test_a_live_nodes_id_cannot_be_taken_and_the_attempt_changes_nothing(running
         join(running, "a", 3.0, "thief", addr="6.6.6.6")
     assert err.value.code == ErrorCode.NODE_CONFLICT and "another node id" in err.value.message
     assert snapshot(running) == before
-    assert running.jobs["j"].round.assignments["a"].master_addr == "10.0.0.1"
+    assert assignment(running.jobs["j"].round, "a").master_addr == "10.0.0.1"
 
 
 @pytest.mark.parametrize("how", ["lease lapsed", "connection closed"])

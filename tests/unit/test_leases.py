@@ -6,6 +6,7 @@ from protocol.messages import JobConfig, JoinRequest, PollRequest
 from rdzv_server.core.events import EventKind
 from rdzv_server.core.leases import OUTAGE_LIMIT_S, QUIET_S, RESUME_GRACE_S
 from rdzv_server.core.rendezvous import Rendezvous
+from rdzv_server.core.rounds import assignment
 
 LEASE = 5.0
 CFG = JobConfig(min_nodes=1, max_nodes=3, last_call_s=0.0, lease_timeout_s=LEASE, join_timeout_s=1e4)
@@ -134,14 +135,14 @@ def test_a_loopback_rank_0_on_a_multi_host_round_gets_a_reachable_master_addr():
     rz.join("j", JoinRequest(v=1, node_id="b", addr="10.0.0.2", local_world_size=1, master_port=8,
                              config=c, instance="b"), 1.0, via=("10.0.0.2", "10.0.0.1"))
     job = rz.jobs["j"]
-    assert {a.master_addr for a in job.round.assignments.values()} == {"10.0.0.1"}
+    assert {assignment(job.round, m).master_addr for m in job.round.members} == {"10.0.0.1"}
     said = [e.message for e in job.events if e.kind == EventKind.MASTER_ADDR_CORRECTED]
     assert len(said) == 1 and "--local-addr" in said[0] and "127.0.0.1" in said[0]
     one_host = Rendezvous()                                   # every node on loopback: nothing to correct
     for n in ("a", "b"):
         one_host.join("j", JoinRequest(v=1, node_id=n, addr="127.0.0.1", local_world_size=1, master_port=7,
                                        config=c, instance=n), 1.0, via=("127.0.0.1", "127.0.0.1"))
-    assert {a.master_addr for a in one_host.jobs["j"].round.assignments.values()} == {"127.0.0.1"}
+    assert {assignment(r, m).master_addr for r in [one_host.jobs["j"].round] for m in r.members} == {"127.0.0.1"}
 
 
 def test_a_flapping_host_is_kept_out_so_it_costs_the_others_at_most_three_rounds_in_five_minutes():

@@ -53,8 +53,8 @@ def test_a_round_formed_again_parses_no_member_address_again(monkeypatch: pytest
     assert status.accepted and second is not None and second.round_id == first.round_id + 1
     assert parsed == []
     # ... and the round carries the same addresses as before
-    assert {a.master_addr for a in second.assignments.values()} == {"10.1.0.1"}
-    assert [w.addr for w in second.assignments["n0"].witnesses] == ["10.1.0.2", "10.1.0.3"]
+    assert {rounds.assignment(second, m).master_addr for m in second.members} == {"10.1.0.1"}
+    assert [w.addr for w in rounds.assignment(second, "n0").witnesses] == ["10.1.0.2", "10.1.0.3"]
 
 
 def _ring_walk(ports: list[int], rank: int) -> list[int]:
@@ -77,5 +77,22 @@ def test_each_member_gets_the_next_two_members_that_answer_probes(ports: list[in
         members.append(node.node_id)
     built = rounds.build_round(job, members, 1, 0.0, 0.0, "test")
     for i in range(len(ports)):
-        got = [w.addr for w in built.assignments[f"n{i}"].witnesses]
+        got = [w.addr for w in rounds.assignment(built, f"n{i}").witnesses]
         assert got == [f"10.2.0.{o + 1}" for o in _ring_walk(ports, i)]
+
+
+@given(st.lists(st.tuples(st.sampled_from(["trainer", "eval"]), st.integers(1, 4)), min_size=1, max_size=20))
+def test_each_member_gets_its_ranks_by_the_sizes_before_it_overall_and_in_its_role(spec: list[tuple[str, int]]):
+    job = JobRecord(job_id="j", config=JobConfig(min_nodes=1, max_nodes=len(spec)), state=JobState.RUNNING,
+                    created_at=0.0)
+    for i, (role, size) in enumerate(spec):
+        job.nodes[f"n{i}"] = NodeRecord(node_id=f"n{i}", instance=f"n{i}", addr="10.2.0.1", host="h", role=role,
+                                        local_world_size=size, master_port=29500, state=NodeState.MEMBER,
+                                        joined_at=0.0, last_seen=0.0, lease_expires=10.0)
+    built = rounds.build_round(job, list(job.nodes), 1, 0.0, 0.0, "test")
+    for i, (role, size) in enumerate(spec):
+        a = rounds.assignment(built, f"n{i}")
+        assert (a.group_rank, a.local_world_size, a.world_size) == (i, size, sum(s for _, s in spec))
+        assert a.rank_offset == sum(s for _, s in spec[:i])
+        assert a.role_rank_offset == sum(s for r, s in spec[:i] if r == role)
+        assert a.role_world_size == sum(s for r, s in spec if r == role)

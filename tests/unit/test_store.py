@@ -11,6 +11,7 @@ from protocol.messages import FailureReport, JobConfig, JoinRequest, LeaveReques
 from rdzv_server.core.events import EventKind
 from rdzv_server.core.records import MAX_EVENTS_PER_JOB, Event, JobRecord
 from rdzv_server.core.rendezvous import Rendezvous
+from rdzv_server.core.rounds import assignment
 from rdzv_server.store.snapshots import snapshot
 from rdzv_server.store.sqlite import DB_NAME, SCHEMA_VERSION, SqliteStore, StoreError
 
@@ -214,3 +215,46 @@ def test_load_job_reads_one_job_as_last_committed(tmp_path):
     saved = store.load_job("waiting")
     assert saved is not None and set(saved.nodes) == {"a"} and saved.round is None
     assert store.load_job("never") is None
+
+
+def _big_running_job(members: int) -> Rendezvous:
+    rz = Rendezvous()
+    config = JobConfig(min_nodes=members, max_nodes=members, lease_timeout_s=1e4, last_call_s=0.0, max_restarts=3)
+    for i in range(members):
+        rz.join("big", JoinRequest(v=1, node_id=f"n{i}", addr=f"10.3.{i // 200}.{i % 200 + 1}",
+                                   local_world_size=1 + i % 3, master_port=29500, config=config, instance=f"n{i}",
+                                   probe_port=29600 if i % 4 else 0, role="trainer" if i % 5 else "eval"), 1.0)
+    return rz
+
+
+def test_a_round_is_stored_without_its_assignments_and_loads_with_the_same_ones(tmp_path):
+    rz = _big_running_job(300)
+    job = rz.jobs["big"]
+    before = {m: assignment(job.round, m) for m in job.round.members}
+    assert len(set(before.values())) == 300 and before["n7"].witnesses
+    stored = msgspec.msgpack.decode(snapshot(job, job.nodes, [], reset=True).record)
+    assert "assignments" not in stored["round"]          # what they are computed from, not 300 of them
+    job.nodes["n0"].addr = "10.9.9.9"                    # a record changed since: the round does not move
+    store = SqliteStore(str(tmp_path))
+    _save(store, rz)
+    loaded = store.load().jobs["big"]
+    assert {m: assignment(loaded.round, m) for m in loaded.round.members} == before
+    assert assignment(loaded.round, "stranger") is None
+
+
+def test_a_round_saved_with_its_assignments_by_an_older_server_loads_with_them(tmp_path):
+    rz = _big_running_job(5)
+    job = rz.jobs["big"]
+    written = {m: assignment(job.round, m) for m in job.round.members}
+    old_round = msgspec.to_builtins(job.round)
+    for column in ("ranked", "local_sizes", "roles", "addrs", "probe_ports", "master_port", "max_restarts"):
+        del old_round[column]
+    old_round["assignments"] = msgspec.to_builtins(written)
+    snap = snapshot(job, job.nodes, [], reset=True)
+    record = msgspec.msgpack.decode(snap.record)
+    record["round"] = old_round
+    snap.record = msgspec.msgpack.encode(record)
+    store = SqliteStore(str(tmp_path))
+    store.write([snap], 1.0)
+    loaded = store.load().jobs["big"]
+    assert {m: assignment(loaded.round, m) for m in loaded.round.members} == written
