@@ -73,6 +73,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="the node count the server keeps up with, when the sweep is not run")
     p.add_argument("--server-arg", action="append", default=[], metavar="ARG",
                    help="extra rdzv-server flag, e.g. --server-arg=--max-polls-per-peer=0 (repeatable)")
+    p.add_argument("--server-nice", type=int, default=0,
+                   help="the server's nice value on top of --nice, in a session of its own (root: -10 puts it ahead of "
+                        "the simulated fleet on the same cores, as if it had its own machine; the figures say so)")
     p.add_argument("--nice", type=int, default=0,
                    help="run the server and the clients at this nice value, each in a session of its own whose "
                         "scheduler autogroup gets it too (root: -20 puts them ahead of other work on a shared "
@@ -107,6 +110,7 @@ def _kept_up(r: dict[str, Any]) -> bool:
 def run(args: argparse.Namespace, save: Callable[[dict[str, Any]], None]) -> list[dict[str, Any]]:
     quick = args.quick
     s = Settings(clients=args.clients, per_address=args.per_address, server_args=args.server_arg, nice=args.nice,
+                 server_nice=args.server_nice,
                  profile_dir=args.profile, probe_port=0 if args.no_probe_port else 29600, transport=args.transport,
                  steady_s=10.0 if quick else args.steady, settle_s=2.0 if quick else 5.0,
                  post_s=3.0 if quick else 10.0, view_samples=3 if quick else 5)

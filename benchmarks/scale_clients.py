@@ -59,10 +59,21 @@ def make_specs(jobs: dict[str, int], clients: int, per_address: int,
     return per_client, where
 
 
+def set_apart(per_client: list[list[NodeSpec]], placed: Placement) -> Placement:
+    """Move one node into a client process of its own (as a real agent has its host to itself), so that
+    what it times (the failure report's reply) is the server's answer, not its busy neighbours' turn."""
+    specs = per_client[placed.client]
+    spec = next(sp for sp in specs if f"{sp.job_id}/{sp.node_id}" == placed.key)
+    specs.remove(spec)
+    per_client.append([spec])
+    return Placement(len(per_client) - 1, placed.key)
+
+
 class Clients:
     """The client processes of one scenario. Every call sends a command and waits for the answers."""
 
     def __init__(self, port: int, per_client: list[list[NodeSpec]], new_session: bool = False) -> None:
+        self.port = port
         ctx = mp.get_context("spawn")          # a clean interpreter: no state of the controller's
         self.conns: list[Connection] = []
         self.procs: list[Any] = []

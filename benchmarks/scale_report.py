@@ -61,7 +61,9 @@ def summary_line(r: dict[str, Any]) -> str:
     views = r.get("status_views", {}).get("/v1/status", {})
     return (f"[{_label(r)}] formation first->all {_s(first)}, last->all {_s(last)}; wake p50/p99 "
             f"{_ms(rc.get('wake_p50_ms'))}/{_ms(rc.get('wake_p99_ms'))} ({rc['answered']}/{rc['expected']}), "
-            f"failure reply {_ms(rc['failure_reply_ms'])}; steady CPU {st['server_cpu_pct']:.0f}% "
+            f"failure reply {_ms(rc['failure_reply_ms'])}"
+            + (f", server's fan-out {_ms(rc['server_fan_out_ms'])}" if rc.get("server_fan_out_ms") else "")
+            + f"; steady CPU {st['server_cpu_pct']:.0f}% "
             f"({st['polls_per_s']:.0f} polls/s, {st['server_cpu_us_per_poll'] or '-'} us/poll), "
             f"RSS {st['server_rss_mib']:.0f} MiB; /v1/status {_ms(views.get('median_ms'))} "
             f"(max {_ms(views.get('max_ms'))}); lost "

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from benchmarks._server import running_server
-from benchmarks.scale_clients import Clients, Placement, make_specs
+from benchmarks.scale_clients import Clients, Placement, make_specs, set_apart
 from benchmarks.scale_probe import ServerSampler, load, lost_events, server_counters, time_views, window
 from benchmarks.scale_profile import Profile
 
@@ -41,6 +41,8 @@ class Settings:
     round_change_timeout_s: float = 60.0
     probe_port: int = 29600        # what the nodes' joins say; 0 like a client without a witness (the plugin)
     nice: int = 0                  # the server's and clients' priority (negative: ahead of other work here)
+    server_nice: int = 0           # the server's alone, on top (negative: ahead of the simulated fleet, as if
+                                   # the server had its cores to itself, as it would beside 10,000 real hosts)
     transport: str = "poll"        # the nodes' transport: "poll" (HTTP long-polls) or "stream"
     profile_dir: str = ""          # py-spy the server through the steady window and the round change
 
@@ -192,6 +194,7 @@ def _round_change(clients: Clients, failer: Placement, job: str, n: int, timeout
             if t["key"] != failer.key and new_round in t["seen"]:
                 waits.append(t["seen"][new_round] - reply["sent"])
     out = {"failure_reply_ms": round(1000 * (reply["answered"] - reply["sent"]), 1), "accepted": reply["accepted"],
+           "server_fan_out_ms": round(1000 * server_counters(clients.port)["last_fan_out_s"], 1),
            "old_round": reply["old_round"], "new_round": new_round, "answered": len(waits), "expected": n - 1,
            "complete": complete}
     if waits:
@@ -222,17 +225,19 @@ def _suffix(s: Settings) -> str:
 def one_job(n: int, s: Settings, label: str = "one_job") -> dict[str, Any]:
     job = f"scale-{n}"
     per_client, where = make_specs({job: n}, s.clients, s.per_address, s.probe_port, s.transport)
-    failer = where[job][n // 2]
+    failer = set_apart(per_client, where[job][n // 2])     # the node that fails times its reply alone
     out: dict[str, Any] = {"kind": label + _suffix(s), "nodes": n, "jobs": 1, "clients": s.clients,
                            "transport": s.transport,
                            "server_args": s.server_args, "load_start": load()}
     pids: list[int] = []
-    with running_server(*s.server_args, pids=pids, new_session=bool(s.nice)) as port, \
+    with running_server(*s.server_args, pids=pids, new_session=bool(s.nice or s.server_nice)) as port, \
             ServerSampler(pids[0]) as sampler, _cpu_share(pids[0], s.server_cpu_share) as note, \
             Clients(port, per_client, new_session=bool(s.nice)) as clients:
         if note:
             out["server_cpu_note"] = note
         out["priority"] = _prioritise(pids + clients.pids(), s.nice)
+        if s.server_nice:
+            out["server_priority"] = "the server alone: " + _prioritise(pids, s.nice + s.server_nice)
         out["nice"], out["probe_port"] = s.nice, s.probe_port
         m0, c0 = sampler.mark(), clients.ask({"cmd": "window"})
         clients.ask({"cmd": "start"})

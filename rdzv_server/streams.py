@@ -31,6 +31,7 @@ from protocol.quoting import quote
 from protocol.stream import Status, encode_frame
 from rdzv_server.coordinator import Coordinator
 from rdzv_server.core.errors import RendezvousError
+from rdzv_server.core.rounds import node_status
 from rdzv_server.serving import LEADER_HEADER
 
 log = logging.getLogger("rdzv_server")
@@ -70,6 +71,9 @@ class Subscription:
 class StreamCounts:
     """What the metrics show: frames pushed, streams closed by reason, requests by action and outcome."""
     pushed: int = 0
+    flushes: int = 0                   # fan-outs run, how long they took in all, and the last one
+    flush_s: float = 0.0
+    last_flush_s: float = 0.0
     closed: dict[str, int] = field(default_factory=dict)
     requests: dict[tuple[str, str], int] = field(default_factory=dict)
 
@@ -191,6 +195,9 @@ class StreamHub:
         finally:
             done = loop.time()
             self._next_flush_at = done + FLUSH_GAP * (done - started)
+            counts = self.counts
+            counts.flushes, counts.flush_s, counts.last_flush_s = counts.flushes + 1, counts.flush_s + done - started, \
+                done - started
 
     def _flush_jobs(self, dirty: set[str]) -> None:
         coord = self.coord
@@ -207,10 +214,10 @@ class StreamHub:
                 self._push_views(job_id, subs)
 
     def _push_views(self, job_id: str, subs: set[Subscription]) -> None:
-        core, now = self.coord.core, self.coord.clock()
+        job, now = self.coord.core.jobs[job_id], self.coord.clock()
         shared: dict[tuple[object, ...], bytes] = {}
         for sub in list(subs):
-            status = core.view(job_id, sub.node_id, now)
+            status = node_status(job, sub.node_id, now)       # core.view's own, without its lookups per node
             if status == sub.last:
                 continue
             sub.last = status

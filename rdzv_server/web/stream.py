@@ -15,7 +15,7 @@ import struct
 from collections.abc import Iterable
 
 from aiohttp import WSMsgType, web
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric, SummaryMetricFamily
 from prometheus_client.registry import Collector, CollectorRegistry
 
 from protocol.codec import REQUEST_TYPES, DecodeError, decode_request
@@ -193,8 +193,8 @@ def _local(request: web.Request) -> str:
 
 
 class StreamCollector(Collector):
-    """rdzv_open_streams, rdzv_stream_frames_pushed_total, rdzv_streams_closed_total{reason},
-    rdzv_stream_requests_total{action,outcome}."""
+    """rdzv_open_streams, rdzv_stream_frames_pushed_total, rdzv_stream_flush_seconds (a summary),
+    rdzv_stream_last_flush_seconds, rdzv_streams_closed_total{reason}, rdzv_stream_requests_total{action,outcome}."""
 
     def __init__(self, hub: StreamHub) -> None:
         self.hub = hub
@@ -204,6 +204,12 @@ class StreamCollector(Collector):
         yield GaugeMetricFamily("rdzv_open_streams", "Agent streams open now.", value=len(hub.open))
         yield CounterMetricFamily("rdzv_stream_frames_pushed", "Status frames pushed on streams.",
                                   value=hub.counts.pushed)
+        flushes = SummaryMetricFamily("rdzv_stream_flush_seconds", "Fan-outs: every subscriber of the woken jobs "
+                                      "looked at and its changed view written (the kernel's sends included).",
+                                      count_value=hub.counts.flushes, sum_value=hub.counts.flush_s)
+        yield flushes
+        yield GaugeMetricFamily("rdzv_stream_last_flush_seconds", "How long the last fan-out took.",
+                                value=hub.counts.last_flush_s)
         closed = CounterMetricFamily("rdzv_streams_closed", "Streams ended, by why (bad frames, silence, a "
                                      "slow reader, the client).", labels=["reason"])
         for reason, count in sorted(hub.counts.closed.items()):

@@ -117,6 +117,8 @@ async def test_a_round_is_pushed_to_every_node_and_a_failure_report_is_answered_
         text = await resp.text()
     assert 'rdzv_stream_requests_total{action="join",outcome="ok"} 2.0' in text
     assert 'rdzv_stream_requests_total{action="failure",outcome="forbidden"} 1.0' in text
+    fan_outs = float(text.split("\nrdzv_stream_flush_seconds_count ")[1].split()[0])
+    assert fan_outs >= 2 and "\nrdzv_stream_last_flush_seconds " in text   # round 1 formed, round 2
     await a.ws.close()
     await b.ws.close()
 
