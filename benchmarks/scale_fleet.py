@@ -111,7 +111,6 @@ class SimNode:
                 status = await self._until_answered("poll", self._poll)
                 self.answered_at = self.client.arrived
                 if status is not None:
-                    self.hold_s = status.poll_hold_s or self.hold_s
                     self.tally.polls += 1
                     self.tally.polls_by_second[int(time.monotonic())] += 1
                     await self.on_status(status)
@@ -139,6 +138,8 @@ class SimNode:
 
     async def on_status(self, status: NodeStatus, arrived: float | None = None) -> None:
         """Act on a status as the agent's policy does (no workers: only the round it would run)."""
+        if status.poll_hold_s > 0:         # what the agent's client keeps (client/http.py): its polls ask no longer
+            self.hold_s = self.client.hold_s = status.poll_hold_s
         if status.job_state.finished:
             self.finished = True
         elif status.node_state == NodeState.GONE:

@@ -43,6 +43,14 @@ NOT_SERVING = frozenset({502, 503, 504})
 Probe = Callable[[str], Awaitable[int | None]]   # an endpoint -> its /readyz HTTP status (None: no answer)
 
 
+def poll_wait(wanted_s: float, hold_s: float) -> float:
+    """The `wait_s` a poll asks for: no longer than the server last said it holds this node's polls
+    (`hold_s`, 0: not said). Its hold grows with the fleet; a poll held longer than the node knew would
+    be overdue (answer_due), checked and sent again, its held connection closed: at 10,000 joining
+    nodes, thousands of such closes a minute, each a node the server must not count as gone."""
+    return min(wanted_s, hold_s) if hold_s > 0 else wanted_s
+
+
 def answer_due(action: str, wait_s: float, hold_s: float) -> float:
     """How long a request may go unanswered before the path is checked. `hold_s`: the longest the
     server said it holds this node's polls (0: not said, an older server: the poll's own wait)."""

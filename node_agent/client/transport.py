@@ -13,6 +13,7 @@ from typing import Any, TypeVar
 
 import msgspec
 
+from node_agent.client.path_check import poll_wait
 from node_agent.client.replies import REACHED
 from protocol.codec import REQUEST_TYPES
 from protocol.errors import RETRYABLE, ErrorCode
@@ -117,6 +118,7 @@ class Transport:
             checks=checks))
 
     async def poll(self, known_round: int, wait_s: float, master_port: int = 0) -> NodeStatus:
+        wait_s = poll_wait(wait_s, self.hold_s)
         return await self._request(self._for_node(PollRequest, known_round=known_round, wait_s=wait_s,
                                                   master_port=master_port), wait_s + self.REQUEST_TIMEOUT_S)
 

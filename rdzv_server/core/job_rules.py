@@ -109,16 +109,18 @@ class JobRules:
     # ---- time ----------------------------------------------------------------------------
 
     def tick(self, now: float, lag_s: float = 0.0, quiet_s: float | None = None, say_quiet: bool = True,
-             silence: tuple[float, float] | None = None, wave: leases.ReturnWave | None = None) -> int:
+             silence: tuple[float, float] | None = None, wave: leases.ReturnWave | None = None,
+             suspect_s: float = 0.0) -> int:
         """Apply every deadline of this job that has passed. `quiet_s`: how long the server has heard
         from no agent, when that is long enough to be its own fault (leases.py); lapsing leases are
-        then extended (and said so when `say_quiet`). `silence`: the last such silence that ended
+        then extended (and said so when `say_quiet`). `suspect_s`: a shorter silence, which holds
+        lapsing leases back (leases.lapsed). `silence`: the last such silence that ended
         (leases.grace_after_silence), `wave` its nodes coming back since. Returns how many were extended."""
         job = self.job
         leases.grace_after_silence(job, silence, now, self.out, wave)
-        gone, deferred = leases.lapsed(job, now, lag_s)
-        if deferred:                    # judged again once the server has caught up
-            leases.extend(job, deferred, now, min(lag_s, job.config.lease_timeout_s), self.out)
+        gone, deferred = leases.lapsed(job, now, lag_s, suspect_s)
+        if deferred:                    # judged again once the server has caught up or heard someone
+            leases.extend(job, deferred, now, min(max(lag_s, suspect_s), job.config.lease_timeout_s), self.out)
         extended = 0
         if gone and quiet_s is not None:
             leases.extend(job, gone, now, job.config.lease_timeout_s, self.out)

@@ -29,7 +29,8 @@ Evidence must be about the node, never about the server itself:
   the others have returned;
 - a lease does not lapse while the server runs `lag_s` behind (its event loop late, requests
   waiting in its own backlog); it is judged again once the server has caught up. A connection that
-  closed is evidence about the node itself, busy server or not.
+  closed waits too: an agent closes a poll whose answer is overdue and sends it again on a new one,
+  which may be in that backlog (so a dead agent is found up to the lag later, at most a lease).
 Several nodes lapsing at once leave together, so one round forms without any of them.
 """
 from __future__ import annotations
@@ -92,14 +93,18 @@ def live(node: NodeRecord, now: float) -> bool:
     return node.holding > 0 or (not node.dropped and node.lease_expires > now)
 
 
-def lapsed(job: JobRecord, now: float, lag_s: float) -> tuple[list[NodeRecord], list[NodeRecord]]:
-    """(nodes whose lease has lapsed, nodes whose lease would have but the server runs behind)."""
+def lapsed(job: JobRecord, now: float, lag_s: float, quiet_s: float = 0.0) -> tuple[list[NodeRecord], list[NodeRecord]]:
+    """(nodes whose lease has lapsed, nodes whose lease would have but the server runs `lag_s` behind or
+    heard nobody for `quiet_s`, SUSPECT_QUIET_S or more: its own link may have just gone)."""
     gone: list[NodeRecord] = []
     deferred: list[NodeRecord] = []
     for node in job.nodes.values():
         if node.holding == 0 and node.lease_expires <= now:
-            # a closed connection is evidence about the node however busy the server is
-            (gone if node.dropped or node.lease_expires + lag_s <= now else deferred).append(node)
+            # A closed connection waits for a server behind too (its node may have sent its request
+            # again on a new one, waiting in the server's own backlog), but not for a quiet one: its
+            # closing was heard, and grace_after_silence covers one closed by the silence itself.
+            wait = lag_s if node.dropped else max(lag_s, quiet_s)
+            (gone if node.lease_expires + wait <= now else deferred).append(node)
     return gone, deferred
 
 
@@ -146,9 +151,9 @@ def grace_after_silence(job: JobRecord, silence: tuple[float, float] | None, now
 
 
 def extend(job: JobRecord, nodes: list[NodeRecord], now: float, by: float, out: Outbox) -> None:
-    """Give `nodes` `by` seconds more (the server was cut off or behind: not their fault)."""
+    """Give `nodes` `by` seconds more (the server was cut off or behind: not their fault). A node whose
+    connection closed stays so: if it does not come back, that is why it was lost."""
     for node in nodes:
-        node.dropped = False
         node.lease_expires = now + by
     out.deadline(now + by)
 

@@ -255,12 +255,11 @@ class Rendezvous:
         """
         quiet = now - self.heard_at if self.heard_at is not None else 0.0
         quiet_s = quiet if QUIET_S <= quiet < OUTAGE_LIMIT_S else None
-        if SUSPECT_QUIET_S <= quiet < QUIET_S:
-            # A lease that ran out after the server last heard from anyone says nothing about that
-            # node yet (the server's own link may have just gone; a held poll's last sign of life can
-            # predate it by a keepalive period): judged again once someone is heard, or by the quiet
-            # rule above once the silence lasts.
-            lag_s = max(lag_s, quiet)
+        # A lease that ran out after the server last heard from anyone says nothing about that node
+        # yet (the server's own link may have just gone; a held poll's last sign of life can predate
+        # it by a keepalive period): judged again once someone is heard, or by the quiet rule above
+        # once the silence lasts.
+        suspect_s = quiet if SUSPECT_QUIET_S <= quiet < QUIET_S else 0.0
         changed = []
         for job in self.jobs.values():
             if job.state.finished:
@@ -269,7 +268,7 @@ class Rendezvous:
             with self._counting(job):
                 wave = self._waves.setdefault(job.job_id, ReturnWave()) if self.silence is not None else None
                 extended = JobRules(job, self.outbox).tick(now, lag_s, quiet_s, job.job_id not in self._quiet_noted,
-                                                           self.silence, wave)
+                                                           self.silence, wave, suspect_s)
             if extended:
                 self._quiet_noted.add(job.job_id)
             if job.event_seq != seq:      # every decision records an event
