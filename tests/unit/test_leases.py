@@ -313,3 +313,18 @@ def test_a_held_poll_closed_late_in_a_silence_gets_the_grace_one_closed_after_it
     poll(rz2, "b", 16.0)
     rz2.tick(16.2)
     assert "a" not in rz2.jobs["j"].nodes
+
+
+def test_a_poll_held_longer_than_the_lease_and_closed_gets_the_whole_grace_from_its_close():
+    # At 10,000 nodes polls are held 16-20 s; an agent closes one whose answer is overdue and sends it
+    # again. The open poll was its lease until then: it has DROP_GRACE_S from the close, not none.
+    rz = job_with("a", "b")
+    rz.hold_poll("j", PollRequest(v=1, node_id="a"), 1.0)
+    for t in range(2, 22, 2):
+        poll(rz, "b", float(t))
+    rz.connection_dropped("j", "a", 21.0)
+    rz.tick(21.5)
+    assert "a" in rz.jobs["j"].nodes
+    poll(rz, "a", 21.6)
+    rz.tick(23.0)
+    assert "a" in rz.jobs["j"].nodes and EventKind.NODE_LOST not in kinds(rz)
