@@ -24,6 +24,7 @@ from rdzv_server.coordinator import Coordinator
 from rdzv_server.core.rendezvous import Limits, Rendezvous
 from rdzv_server.gc_tuning import Freezer, tune_gc
 from rdzv_server.heap import HeapTrimmer
+from rdzv_server.looplag import LoopLagProbe
 from rdzv_server.poll_limits import MAX_POLLS_PER_NODE, MAX_POLLS_PER_PEER
 from rdzv_server.store.api import Store
 from rdzv_server.store.etcd.election import Leadership
@@ -141,6 +142,8 @@ async def serve(config: ServerConfig, store: Store | None = None,
     except BaseException:
         await runner.cleanup()
         raise
+    if isinstance(coordinator.loop_lag, LoopLagProbe):
+        coordinator.loop_lag.watch_listener(sock)     # a node's next poll may wait in its accept queue
     bound = sock.getsockname()
     scheme = "https" if config.tls else "http"
     host = f"[{bound[0]}]" if ":" in bound[0] else bound[0]

@@ -1,0 +1,31 @@
+"""How far behind the server runs (rdzv_server/looplag.py): connections waiting in its accept queue
+count, as a stalled loop does: a node's next poll may be among them (leases.py waits for it)."""
+from __future__ import annotations
+
+import socket
+import sys
+
+import pytest
+
+from rdzv_server.looplag import ACCEPT_WAIT_S, LoopLagProbe
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="the accept queue is read from Linux's TCP_INFO")
+def test_connections_waiting_to_be_accepted_count_as_the_server_being_behind():
+    probe = LoopLagProbe()
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(16)
+        probe.watch_listener(listener)
+        assert probe.accept_queue() == 0 and probe.recent_s() == 0.0
+        clients = [socket.create_connection(listener.getsockname()) for _ in range(2)]
+        try:
+            assert probe.accept_queue() == 2 and probe.recent_s() >= ACCEPT_WAIT_S
+            accepted = [listener.accept()[0] for _ in clients]
+            assert probe.accept_queue() == 0 and probe.recent_s() == 0.0
+            for conn in accepted:
+                conn.close()
+        finally:
+            for c in clients:
+                c.close()
+    assert probe.accept_queue() == 0                  # a closed listener says nothing
