@@ -38,9 +38,6 @@ Rules:
   they run and that an unhealthy node leaves (no failure reported) and checks again after a back-off.
 
 Timed rules are listed in `_timed_rules()`: a rule is a time and what to do once it has come.
-"Fencing" would be one more there: while workers run and the server is unreachable, stop them once
-the lease must have lapsed on the server (the `sent_at` of the last answered request + the lease
-timeout + a margin), say so, and rejoin when the server answers again.
 """
 from __future__ import annotations
 
@@ -82,11 +79,11 @@ from node_agent.core.facts import (
     WorkersExited,
     WorkersHung,
 )
+from node_agent.core.fencing import CONFIRM_S, REPROBE_S, fenced, first_ask_at, lapse_at
 from node_agent.core.node_health import NodeHealth
 from node_agent.core.summary import failure_summary
 from protocol.errors import ErrorCode
 from protocol.messages import (
-    MAX_MESSAGE,
     MAX_REASON,
     Assignment,
     JobState,
@@ -106,16 +103,6 @@ class Workers(enum.Enum):
 
 
 CONFLICT_RETRY_S = 1.0
-FENCE_MARGIN_S = 0.5
-REPROBE_S = 0.5     # a witness's answer costs one local connection: the fencing bound is the lease + ~1 s
-# A witness may not have noticed yet that the server is away for it too (its own connection's
-# keepalive runs on its own clock): a "cut off" verdict is asked once more this much later.
-CONFIRM_S = 1.0
-# A silent witness takes the probe's whole time limit (client/witness.py PROBE_TIMEOUT_S) to say
-# nothing, and a silence is confirmed by a second ask: the first ask starts this much before the lease
-# lapses, so that the confirming one ends about a second after it. Nothing is concluded before the
-# lapse but a witness holding a newer round.
-EARLY_ASK_S = 1.0
 
 
 @dataclass(slots=True)   # slots: a misspelt attribute is an error (mypy and at run time), not a new one
@@ -207,13 +194,11 @@ class SupervisionPolicy:
             return None
         if self.probe_at is not None:
             return self.probe_at
-        return max(self._lapse_at() - EARLY_ASK_S, self.unreachable_since + FENCE_MARGIN_S)
+        return first_ask_at(self.renewed_at, self.unreachable_since, self.lease_timeout_s)
 
     def _lapse_at(self) -> float:
-        """When this node's lease must have lapsed on the server (the earliest a silence may fence)."""
         assert self.unreachable_since is not None
-        lapsed = (self.renewed_at if self.renewed_at is not None else self.unreachable_since) + self.lease_timeout_s
-        return max(lapsed, self.unreachable_since) + FENCE_MARGIN_S
+        return lapse_at(self.renewed_at, self.unreachable_since, self.lease_timeout_s)
 
     @property
     def in_contact(self) -> bool:
@@ -248,13 +233,7 @@ class SupervisionPolicy:
         a = self.assignment
         self.workers, self.probe_at = Workers.FAILED, None
         silent = now - (self.renewed_at if self.renewed_at is not None else self.unreachable_since)
-        seen = ("a witness that hears the server runs a newer round" if verdict == ROUND_REPLACED else
-                "the round's other nodes still hear the server" if verdict == SERVER_HEARD else
-                "neither the round's other nodes nor any endpoint answer")
-        why = (f"fenced: no answer from the server for {silent:.1f}s (lease {self.lease_timeout_s:g}s), and "
-               f"{seen}: this node is cut off, and the server has replaced its round")
-        failure = WorkerFailure(local_rank=0, rank=a.rank_offset, exitcode=-signal.SIGTERM, signal="SIGTERM",
-                                reason="fenced", message=why[:MAX_MESSAGE])
+        why, failure = fenced(verdict, silent, self.lease_timeout_s, a.rank_offset)
         return [StopWorkers(why), ReportFailure(self.running_round, (failure,))]
 
     def _retry_join(self, now: float) -> list[Action]:

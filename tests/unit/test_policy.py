@@ -24,7 +24,8 @@ from node_agent.core.facts import (
     WorkersExited,
     WorkersHung,
 )
-from node_agent.core.policy import REPROBE_S, SupervisionPolicy, Workers
+from node_agent.core.fencing import REPROBE_S
+from node_agent.core.policy import SupervisionPolicy, Workers
 from protocol.messages import (
     Assignment,
     FailureReport,

@@ -1,0 +1,47 @@
+"""When a node cut off from the server asks its round's witnesses, and what it concludes. No I/O.
+
+The policy (policy.py) holds the state; this module holds the times and the wording, so that the
+fencing bound (the lease + about a second) is read in one place.
+"""
+from __future__ import annotations
+
+import signal
+
+from node_agent.core.facts import ROUND_REPLACED, SERVER_HEARD
+from protocol.messages import MAX_MESSAGE, WorkerFailure
+
+FENCE_MARGIN_S = 0.5
+REPROBE_S = 0.5     # a witness's answer costs one local connection: the fencing bound is the lease + ~1 s
+# A witness may not have noticed yet that the server is away for it too (its own connection's
+# keepalive runs on its own clock): a "cut off" verdict is asked once more this much later.
+CONFIRM_S = 1.0
+# A silent witness takes the probe's whole time limit (client/witness.py PROBE_TIMEOUT_S) to say
+# nothing, and a silence is confirmed by a second ask: the first ask starts this much before the lease
+# lapses, so that the confirming one ends about a second after it. Nothing is concluded before the
+# lapse but a witness holding a newer round.
+EARLY_ASK_S = 1.0
+
+
+def lapse_at(renewed_at: float | None, unreachable_since: float, lease_timeout_s: float) -> float:
+    """When this node's lease must have lapsed on the server (the earliest a silence may fence): the
+    lease runs from when the last answered request went out."""
+    lapsed = (renewed_at if renewed_at is not None else unreachable_since) + lease_timeout_s
+    return max(lapsed, unreachable_since) + FENCE_MARGIN_S
+
+
+def first_ask_at(renewed_at: float | None, unreachable_since: float, lease_timeout_s: float) -> float:
+    """When to ask the witnesses first: shortly before the lapse, never at the first failed try."""
+    return max(lapse_at(renewed_at, unreachable_since, lease_timeout_s) - EARLY_ASK_S,
+               unreachable_since + FENCE_MARGIN_S)
+
+
+def fenced(verdict: str, silent_s: float, lease_timeout_s: float, rank: int) -> tuple[str, WorkerFailure]:
+    """What the node says, and reports for its round, when it stops its workers as the one cut off."""
+    seen = ("a witness that hears the server runs a newer round" if verdict == ROUND_REPLACED else
+            "the round's other nodes still hear the server" if verdict == SERVER_HEARD else
+            "neither the round's other nodes nor any endpoint answer")
+    why = (f"fenced: no answer from the server for {silent_s:.1f}s (lease {lease_timeout_s:g}s), and "
+           f"{seen}: this node is cut off, and the server has replaced its round")
+    failure = WorkerFailure(local_rank=0, rank=rank, exitcode=-signal.SIGTERM, signal="SIGTERM",
+                            reason="fenced", message=why[:MAX_MESSAGE])
+    return why, failure
