@@ -2,7 +2,8 @@
 
 OUT_DIR: where rank<RANK>-attempt<N>.json goes ({"dir": $NODE_AGENT_MEMORY_DIR, "limit": ..., "exists": the
 directory is there, "found": the newest step it held on start, "full": a MemoryDirFull message}).
-Every rank saves step 10 * (attempt + 1). CRASH_RANK=R: rank R exits 1 on the first attempt after saving.
+Every rank saves step 10 * (attempt + 1). CRASH_RANK=R: rank R exits 1 on the first attempt after saving,
+once every rank wrote its record.
 SAVE_BYTES=N: the snapshot's size (default 100). WAIT_FILE=F: wait until F exists before exiting 0.
 """
 import json
@@ -30,6 +31,11 @@ with open(tmp, "w") as f:
     json.dump(record, f)
 os.replace(tmp, os.path.join(out, f"rank{rank}-attempt{attempt}.json"))
 if attempt == 0 and str(rank) == os.environ.get("CRASH_RANK"):
+    # crash only once every rank has written its record: a rank still starting would be stopped first
+    others = [os.path.join(out, f"rank{r}-attempt0.json") for r in range(int(os.environ["WORLD_SIZE"]))]
+    deadline = time.monotonic() + 60
+    while not all(map(os.path.exists, others)) and time.monotonic() < deadline:
+        time.sleep(0.01)
     sys.exit(1)
 wait = os.environ.get("WAIT_FILE")
 while wait and not os.path.exists(wait):
