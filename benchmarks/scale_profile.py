@@ -37,6 +37,7 @@ class Profile:
 
     def __init__(self, pid: int, seconds: float, out: str) -> None:
         self.out = out
+        os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
         exe = _py_spy()
         self.proc = None if exe is None else subprocess.Popen(
             [exe, "record", "--pid", str(pid), "--duration", str(int(seconds)), "--rate", "200", "--format", "raw",

@@ -341,6 +341,8 @@ class Coordinator:
                 if job_id not in self.core.jobs:
                     break
                 status = self.core.view(job_id, req.node_id, self.clock())
+                if waiter.ended:
+                    break
         except asyncio.CancelledError:
             # The agent's connection closed mid-poll: likely dead. Give it a short grace.
             dropped = True

@@ -4,14 +4,22 @@ Each held poll is one `Waiter` (a future and its hold's end, in the event loop's
 waiters are woken in one pass when the core says the job changed; holds that end are found by one
 timer armed for the earliest end (a heap, entries of answered polls skipped lazily). A woken poll
 looks at its node's view again and answers if it changed, or waits on until its hold ends.
+
+Holds end on a grid of HOLD_TICK_S: the timer fires at most once a tick, for every hold that ends
+before the next one. uvloop's clock counts whole milliseconds, so a timer armed for an end less than
+a millisecond away fired at once, found nothing due yet, and was armed again: a busy loop that took
+40 us of CPU per hold end (151,000 timer calls for 10,000 ends over 2 s; 3-4 us and 21 calls with it).
 """
 from __future__ import annotations
 
 import asyncio
 import heapq
 import itertools
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+
+HOLD_TICK_S = 0.01     # a hold may end this much early or late: nothing next to holds of seconds
 
 
 @dataclass(eq=False, slots=True)
@@ -19,9 +27,15 @@ class Waiter:
     job_id: str
     ends: float                                  # loop time at which the hold ends
     fut: asyncio.Future[None] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+    ended: bool = False                          # woken because its hold ended (not by a change)
 
     def wake(self) -> None:
         if not self.fut.done():
+            self.fut.set_result(None)
+
+    def end(self) -> None:
+        if not self.fut.done():
+            self.ended = True
             self.fut.set_result(None)
 
 
@@ -66,6 +80,9 @@ class Waiters:
             listener(None)
 
     def _arm(self, at: float) -> None:
+        at = math.ceil(at / HOLD_TICK_S) * HOLD_TICK_S      # on the grid: one timer for every end in a tick
+        if at >= self._timer_at:
+            return
         if self._timer is not None:
             self._timer.cancel()
         self._timer_at = at
@@ -73,9 +90,9 @@ class Waiters:
 
     def _holds_ended(self) -> None:
         self._timer, self._timer_at = None, float("inf")
-        now = asyncio.get_running_loop().time()
+        due = asyncio.get_running_loop().time() + HOLD_TICK_S    # what ends before the next tick ends now
         ends = self._ends
-        while ends and (ends[0][0] <= now or ends[0][2].fut.done()):
-            heapq.heappop(ends)[2].wake()
+        while ends and (ends[0][0] <= due or ends[0][2].fut.done()):
+            heapq.heappop(ends)[2].end()
         if ends:
             self._arm(ends[0][0])
