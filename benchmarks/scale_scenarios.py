@@ -274,7 +274,10 @@ def _steady(ma: dict, mb: dict, ca: list[dict], cb: list[dict]) -> dict[str, Any
             # (None on the stream: nodes hold no polls, their heartbeats are the steady load)
             "server_cpu_us_per_poll": round(win["server_cpu_pct"] * 1e4 / polls["polls_per_s"])
             if polls["polls_per_s"] >= 1 else None,
-            "clients": phase["clients"]}
+            "clients": phase["clients"],
+            # long-polls all held since the formation: a window shorter than one hold sees none answered
+            **({"note": "no poll ended in the window: it is shorter than one hold (the replies' poll_hold_s)"}
+               if polls["polls"] == 0 and polls["peak_polls_per_s"] == 0 else {})}
 
 
 def _merge_views(samples: list[dict[str, Any]]) -> dict[str, Any]:
