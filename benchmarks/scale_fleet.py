@@ -199,6 +199,7 @@ class SimNode:
             sock.bind((self.spec.addr, 0))
             async with asyncio.timeout(CHECK_TIMEOUT_S):
                 await loop.sock_connect(sock, ("127.0.0.1", self.client.port))
+                self.path.connected()              # as the agent's probe says (client/http.py)
                 await loop.sock_sendall(sock, f"GET /readyz HTTP/1.1\r\nHost: 127.0.0.1:{self.client.port}\r\n"
                                               f"Connection: close\r\n\r\n".encode())
                 head = await loop.sock_recv(sock, 64)

@@ -184,13 +184,19 @@ class RdzvClient(Transport):
 
     async def _probe(self, server: str) -> int | None:
         """`server`'s /readyz status over a new connection (None: no answer within CHECK_TIMEOUT_S)."""
+        trace = aiohttp.TraceConfig()
+        trace.on_connection_create_end.append(self._probe_connected)
         try:
-            async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as fresh:
+            async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True),
+                                             trace_configs=[trace]) as fresh:
                 async with fresh.get(f"{server}/readyz", ssl=self._ssl,
                                      timeout=aiohttp.ClientTimeout(total=CHECK_TIMEOUT_S)) as resp:
                     return resp.status
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError):
             return None
+
+    async def _probe_connected(self, *_: object) -> None:
+        self.path.connected()                   # the path is back; the answer may take a while
 
     async def _post_once(self, base: str, action: str, data: bytes,
                          timeout: float) -> tuple[NodeStatus | ErrorReply, str]:

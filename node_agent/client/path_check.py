@@ -17,6 +17,9 @@ connection, each with CHECK_TIMEOUT_S, and:
   again (`RdzvClient.path_back`, retry.py).
 Checks are shared (`PathCheck`): requests overdue together cause one round of checks, not one each,
 so a node checks each endpoint at most 1 / MIN_PAUSE_S times a second, whatever it has in flight.
+A round whose probe has connected (`connected()`: the path is back, the server only slow to answer)
+is waited for before another starts: a fleet coming back to a busy server does not pile a new check
+per node every pause onto it (10,000 nodes did after a 5 s blip, and none got an answer in time).
 What a round found (`reach`: REACHED, STANDBY, NO_SERVER; replies.py) is what the agent's fencing
 rule weighs beside the witnesses (core/policy.py).
 """
@@ -83,14 +86,23 @@ class PathCheck:
         self.schedule = schedule or CheckSchedule()
         self._clock = clock
         self._latest: tuple[float, asyncio.Future[str | None]] | None = None   # (when it started, the round)
+        self._connected: tuple[float, asyncio.Future[str | None]] | None = None  # a round a probe got through
         self.answered = False       # the last round that ended: did any endpoint answer HTTP?
         self.rounds = 0             # rounds started (for tests and logs)
 
     def _start(self, endpoints: list[str]) -> asyncio.Future[str | None]:
         now = self._clock()
-        if self._latest is None or now - self._latest[0] >= MIN_PAUSE_S:
+        latest = self._latest
+        got_through = latest is not None and latest is self._connected and not latest[1].done()
+        if not got_through and (latest is None or now - latest[0] >= MIN_PAUSE_S):
             self._latest = (now, asyncio.ensure_future(self._round(endpoints)))
+        assert self._latest is not None
         return self._latest[1]
+
+    def connected(self) -> None:
+        """A probe of the round under way reached its endpoint (TCP connected): no other round starts
+        until this one ends (answered, or CHECK_TIMEOUT_S)."""
+        self._connected = self._latest
 
     async def _round(self, endpoints: list[str]) -> str | None:
         """Every endpoint at once; the first to answer ready ends the round (a silent one, the leader

@@ -29,8 +29,9 @@ def short_margin(monkeypatch):
     monkeypatch.setattr(path_check, "HOLD_MARGIN_S", 0.3)
 
 
-def server(first_answers: bool, ready: dict[str, int]) -> tuple[web.Application, list[object]]:
-    """An app whose first poll is never answered (its reply lost), unless `first_answers`."""
+def server(first_answers: bool, ready: dict[str, int], readyz_s: float = 0.0) -> tuple[web.Application, list[object]]:
+    """An app whose first poll is never answered (its reply lost), unless `first_answers`; /readyz
+    answers `ready["status"]`, after `readyz_s` from its second ask on."""
     peers: list[object] = []
 
     async def poll(request: web.Request) -> web.Response:
@@ -41,7 +42,10 @@ def server(first_answers: bool, ready: dict[str, int]) -> tuple[web.Application,
 
     async def readyz(request: web.Request) -> web.Response:
         ready["asked"] = ready.get("asked", 0) + 1
-        return web.json_response({}, status=ready["status"])
+        if ready["asked"] > 1:
+            await asyncio.sleep(readyz_s)
+        first = ready["asked"] == 1 and "first" in ready
+        return web.json_response({}, status=ready["first"] if first else ready["status"])
 
     app = web.Application()
     app.router.add_post("/v1/jobs/{job_id}/{action}", poll)
@@ -140,4 +144,21 @@ async def test_a_request_that_fails_while_the_path_is_checked_has_its_error_retr
         assert not [u for u in unretrieved if "never retrieved" in str(u.get("message"))], unretrieved
     finally:
         loop.set_exception_handler(None)
+        await srv.close()
+
+
+
+async def test_a_busy_server_that_accepted_the_check_is_waited_for_not_asked_again_each_pause():
+    # The first check finds a standby (503); the next connects but /readyz takes 0.9 s (a server
+    # swamped by a fleet coming back): the probe says it got through (path_check.connected), and no
+    # other check starts in the 0.3-0.65 s pauses meanwhile; the poll then goes again, on a new connection.
+    app, peers = server(False, ready := {"status": 200, "first": 503}, readyz_s=0.9)
+    srv = await start_app(app)
+    try:
+        async with RdzvClient("127.0.0.1", srv.port or 0, "j", "n1") as c:
+            c.hold_s = 0.2
+            reply = await asyncio.wait_for(c.poll(-1, 60.0), LIMIT)
+        assert reply.poll_hold_s == 0.2 and len(peers) == 2 and peers[0] != peers[1]
+        assert ready["asked"] == 2, ready                # the standby's, then one waited for
+    finally:
         await srv.close()

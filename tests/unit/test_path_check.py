@@ -115,3 +115,19 @@ async def test_a_replica_that_serves_is_taken_without_waiting_for_a_silent_one()
 
     fake = Silent({})
     assert await asyncio.wait_for(fake.check().check(["old", "new"]), 5) == "new"
+
+
+async def test_a_round_whose_probe_got_through_is_waited_for_before_another_starts():
+    # The path is back but the server is busy: the probe connected and waits 1.2 s for its answer.
+    # No new round is piled on every pause meanwhile (10,000 nodes coming back at once would).
+    class Busy(Fake):
+        async def probe(self, endpoint: str) -> int | None:
+            self.asked.append(endpoint)
+            check.connected()
+            await asyncio.sleep(1.2)
+            return 200
+
+    fake = Busy({"a": [200]})
+    check = fake.check()
+    assert await asyncio.wait_for(check.until_back(lambda: ["a"]), 10) == "a"
+    assert check.rounds == 1 and fake.asked == ["a"] and len(fake.schedule.pauses) >= 2   # pauses passed
