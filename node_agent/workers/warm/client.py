@@ -60,7 +60,8 @@ class WarmZygote:
         self._killed = False            # the zygote's end was our doing (said already, or closing)
         self._next_id = 0
         self._answers: dict[int, asyncio.Future[dict[str, Any]]] = {}   # spawn id (or -1: query) -> answer
-        self._workers: dict[int, WarmProcess] = {}
+        self._workers: dict[int, WarmProcess] = {}       # running: their exits still to come
+        self._handover: dict[int, WarmProcess] = {}      # started, not yet returned by spawn()
         self._starting: asyncio.Task[None] | None = None
         self._changed = asyncio.Event()   # set (and replaced) when it becomes ready, or dies, or cannot start
 
@@ -135,6 +136,11 @@ class WarmZygote:
         else:
             answer = self._answers.pop(int(m.get("id", -1)), None)
             if answer is not None and not answer.done():
+                if m.get("op") == "started":
+                    # Known from now on: its "exited" may be the very next message, read before spawn()
+                    # resumes (a script that ends at once), and an exit of an unknown pid is dropped.
+                    worker = self._handover[int(m["pid"])] = WarmProcess(int(m["pid"]))
+                    self._workers[worker.pid] = worker
                 answer.set_result(m)
 
     def _gone(self, sock: socket.socket) -> None:
@@ -208,9 +214,7 @@ class WarmZygote:
             if answer is not None and answer.get("why"):
                 self._warn(f"warm workers: the zygote refused a fork ({answer['why']}); this worker starts cold")
             return None
-        worker = WarmProcess(int(answer["pid"]))
-        self._workers[worker.pid] = worker
-        return worker
+        return self._handover.pop(int(answer["pid"]))     # registered when the answer was read
 
     async def query(self) -> dict[str, Any] | None:
         """The zygote's own state (threads, CUDA, sockets, modules): for tests and the curious."""
