@@ -147,7 +147,6 @@ async def test_a_request_that_fails_while_the_path_is_checked_has_its_error_retr
         await srv.close()
 
 
-
 async def test_a_busy_server_that_accepted_the_check_is_waited_for_not_asked_again_each_pause():
     # The first check finds a standby (503); the next connects but /readyz takes 0.9 s (a server
     # swamped by a fleet coming back): the probe says it got through (path_check.connected), and no
