@@ -36,7 +36,7 @@ import psutil
 
 from benchmarks.scale_stream import StreamWire
 from benchmarks.scale_wire import WireClient
-from node_agent.client.path_check import CHECK_TIMEOUT_S, PathCheck, answer_due
+from node_agent.client.path_check import ANSWER_WAIT_S, CHECK_TIMEOUT_S, PathCheck, answer_due
 from node_agent.client.replies import Refusal, refusal
 from node_agent.client.retry import Backoff
 from node_agent.client.transport import ServerRejected, ServerUnreachable
@@ -199,7 +199,8 @@ class SimNode:
             sock.bind((self.spec.addr, 0))
             async with asyncio.timeout(CHECK_TIMEOUT_S):
                 await loop.sock_connect(sock, ("127.0.0.1", self.client.port))
-                self.path.connected()              # as the agent's probe says (client/http.py)
+            self.path.connected()                  # as the agent's probe says (client/http.py)
+            async with asyncio.timeout(ANSWER_WAIT_S):
                 await loop.sock_sendall(sock, f"GET /readyz HTTP/1.1\r\nHost: 127.0.0.1:{self.client.port}\r\n"
                                               f"Connection: close\r\n\r\n".encode())
                 head = await loop.sock_recv(sock, 64)
@@ -254,7 +255,7 @@ class SimNode:
                 self.tally.unreachable[str(exc).split(":")[0][:60]] += 1
                 # The agent's retry (client/retry.py): once the server answers a fresh connection again,
                 # at once; the backoff only when it answered at once (the failure was not the path).
-                if self.spec.transport != "poll" or await self.path.check(["server"]) is not None:
+                if await self.path.check(["server"]) is not None:
                     await backoff.pause()
                 else:
                     await self.path.until_back(lambda: ["server"])
@@ -334,6 +335,9 @@ class Fleet:
         if what == "times":          # per node of `job`: first join sent/answered, when it first held each round
             return [{"key": k, "join_sent": n.join_sent, "join_answered": n.join_answered, "seen": n.seen}
                     for k, n in self.nodes.items() if n.spec.job_id == cmd["job"]]
+        if what == "streams":        # stream nodes subscribed now, and those of them on a stream opened since `since`
+            held = [n.client.holding(cmd["since"]) for n in self.nodes.values() if isinstance(n.client, StreamWire)]
+            return {"up": sum(up for up, _ in held), "reopened": sum(new for _, new in held)}
         if what == "fail":
             return await self.nodes[cmd["key"]].report_failure()
         if what == "window":         # a measured window ends: this process's CPU, lag and polls since last time

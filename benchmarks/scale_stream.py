@@ -15,11 +15,12 @@ import itertools
 import os
 import socket
 import struct
+import time
 
 import msgspec
 
 from benchmarks.scale_wire import WireClient
-from node_agent.client.transport import ServerUnreachable, refusal
+from node_agent.client.transport import ServerUnreachable, bound_unacked_sends, refusal
 from protocol.codec import encode
 from protocol.messages import PROTOCOL_VERSION, NodeStatus, PollRequest, poll_ready
 from protocol.stream import (
@@ -63,7 +64,13 @@ class StreamWire(WireClient):
         self.subscribed: str | None = None
         self.reader: asyncio.Task[None] | None = None
         self.lease_s = 5.0
+        self.opened_at = 0.0            # when the stream now open was opened (time.monotonic())
         self._ids = itertools.count()
+
+    def holding(self, since: float) -> tuple[bool, bool]:
+        """(subscribed and told its view on an open stream, and that stream opened after `since`)."""
+        up = self.sock is not None and not self.broken and self.subscribed is not None and self.latest is not None
+        return up, up and self.opened_at >= since
 
     def close(self) -> None:
         if self.reader is not None:
@@ -84,7 +91,9 @@ class StreamWire(WireClient):
 
     async def _open(self) -> socket.socket:
         sock = await self._connect()
+        bound_unacked_sends(sock)        # as the agent's stream: unacknowledged heartbeats end a dead path
         self.sock = sock
+        self.opened_at = time.monotonic()
         loop = asyncio.get_running_loop()
         key = base64.b64encode(os.urandom(16)).decode()
         await loop.sock_sendall(sock, (f"GET {self.url_path} HTTP/1.1\r\nHost: 127.0.0.1:{self.port}\r\n"

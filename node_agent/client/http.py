@@ -23,7 +23,7 @@ import yarl
 
 from node_agent.client.c10d_store import answers_as_c10d_store
 from node_agent.client.endpoints import LEADER_CHECK_S, LEADER_HEADER, Endpoints, origin
-from node_agent.client.path_check import CHECK_TIMEOUT_S, PathCheck, answer_due
+from node_agent.client.path_check import ANSWER_WAIT_S, CHECK_TIMEOUT_S, PathCheck, answer_due
 from node_agent.client.replies import NOT_RDZV_SERVER, TLS_UNTRUSTED
 from node_agent.client.transport import (
     PathBack,
@@ -183,14 +183,16 @@ class RdzvClient(Transport):
                 request.cancel()
 
     async def _probe(self, server: str) -> int | None:
-        """`server`'s /readyz status over a new connection (None: no answer within CHECK_TIMEOUT_S)."""
+        """`server`'s /readyz status over a new connection (None: none; its round gives up on it after
+        CHECK_TIMEOUT_S unless it has connected)."""
         trace = aiohttp.TraceConfig()
         trace.on_connection_create_end.append(self._probe_connected)
         try:
             async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True),
                                              trace_configs=[trace]) as fresh:
-                async with fresh.get(f"{server}/readyz", ssl=self._ssl,
-                                     timeout=aiohttp.ClientTimeout(total=CHECK_TIMEOUT_S)) as resp:
+                # connected within a round (CHECK_TIMEOUT_S), it may wait for its answer (path_check.py)
+                async with fresh.get(f"{server}/readyz", ssl=self._ssl, timeout=aiohttp.ClientTimeout(
+                        total=ANSWER_WAIT_S, sock_connect=CHECK_TIMEOUT_S)) as resp:
                     return resp.status
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError):
             return None

@@ -17,9 +17,13 @@ connection, each with CHECK_TIMEOUT_S, and:
   again (`RdzvClient.path_back`, retry.py).
 Checks are shared (`PathCheck`): requests overdue together cause one round of checks, not one each,
 so a node checks each endpoint at most 1 / MIN_PAUSE_S times a second, whatever it has in flight.
-A round whose probe has connected (`connected()`: the path is back, the server only slow to answer)
-is waited for before another starts: a fleet coming back to a busy server does not pile a new check
-per node every pause onto it (10,000 nodes did after a 5 s blip, and none got an answer in time).
+A round lasts CHECK_TIMEOUT_S at most. A probe that has connected (`connected()`: the path is back,
+the server only slow to answer, its connection waiting in the server's accept queue) is not given
+up with its round: it waits for its answer up to ANSWER_WAIT_S, and the next rounds ask that
+endpoint through it instead of opening another connection. Abandoning it would leave it in the
+queue all the same, for the server to accept and close, and add one more each round: 3,000
+simulated nodes checking a server after a 5 s blip filled its accept queue faster than it drained
+it (35,000 connections waiting after a minute, half the nodes never back).
 What a round found (`reach`: REACHED, STANDBY, NO_SERVER; replies.py) is what the agent's fencing
 rule weighs beside the witnesses (core/policy.py).
 """
@@ -29,6 +33,8 @@ import asyncio
 import random
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
 
 from node_agent.client.replies import NO_SERVER, REACHED, STANDBY
 
@@ -38,6 +44,7 @@ CHECK_EVERY_S = 0.5
 CHECK_JITTER = (0.7, 1.3)
 MIN_PAUSE_S = 0.3        # never more than about 3 rounds of checks a second
 CHECK_TIMEOUT_S = 1.0    # a server that does not answer /readyz on a new connection within this is away
+ANSWER_WAIT_S = 10.0     # a probe that has connected waits this long for its answer (the server is there)
 
 # Answers that mean the endpoint is there but not serving (a standby, a restarting server, a gateway
 # whose server is away): checked again on the schedule.
@@ -73,12 +80,21 @@ class CheckSchedule:
         return max(MIN_PAUSE_S, self.every_s * self._jitter(*CHECK_JITTER))
 
 
+@dataclass
+class _Kept:
+    """A probe that has connected, kept beyond its round; `ended`: when it got its answer (or gave up)."""
+    probe: asyncio.Future[int | None]
+    ended: float | None = None
+
+
 class PathCheck:
     """Rounds of /readyz checks over fresh connections (`probe`), shared by every request of a client.
 
     A round starts at most every MIN_PAUSE_S: callers asking meanwhile share it. While waiting for the
     path (`until_back`) a round starts on the schedule even if the one before still waits on a silent
-    endpoint (each probe ends by CHECK_TIMEOUT_S), so a healed path is seen within one pause."""
+    endpoint (each round ends by CHECK_TIMEOUT_S), so a healed path is seen within one pause. A probe
+    that has connected goes on past its round (see the module's docstring); its answer, once in, is
+    taken by the next round if that starts within CHECK_TIMEOUT_S."""
 
     def __init__(self, probe: Probe, schedule: CheckSchedule | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -86,41 +102,67 @@ class PathCheck:
         self.schedule = schedule or CheckSchedule()
         self._clock = clock
         self._latest: tuple[float, asyncio.Future[str | None]] | None = None   # (when it started, the round)
-        self._connected: tuple[float, asyncio.Future[str | None]] | None = None  # a round a probe got through
+        self._endpoint_of: dict[asyncio.Future[int | None], str] = {}          # probes under way
+        self._kept: dict[str, _Kept] = {}                                       # by endpoint
         self.answered = False       # the last round that ended: did any endpoint answer HTTP?
         self.rounds = 0             # rounds started (for tests and logs)
+        self.probes = 0             # probes started, each a new connection (for tests and logs)
 
     def _start(self, endpoints: list[str]) -> asyncio.Future[str | None]:
         now = self._clock()
         latest = self._latest
-        got_through = latest is not None and latest is self._connected and not latest[1].done()
-        if not got_through and (latest is None or now - latest[0] >= MIN_PAUSE_S):
+        if latest is None or now - latest[0] >= MIN_PAUSE_S:
             self._latest = (now, asyncio.ensure_future(self._round(endpoints)))
         assert self._latest is not None
         return self._latest[1]
 
     def connected(self) -> None:
-        """A probe of the round under way reached its endpoint (TCP connected): no other round starts
-        until this one ends (answered, or CHECK_TIMEOUT_S)."""
-        self._connected = self._latest
+        """Told by the probe under way (from its own task) once its connection is made: it is kept
+        past its round, and the next rounds ask its endpoint through it."""
+        task = asyncio.current_task()
+        endpoint = self._endpoint_of.get(task) if task is not None else None
+        if endpoint is not None and task is not None:
+            kept = self._kept[endpoint] = _Kept(task)
+            task.add_done_callback(lambda _: setattr(kept, "ended", self._clock()))
+
+    def _probe_for(self, endpoint: str) -> asyncio.Future[int | None]:
+        """The kept probe of `endpoint` (under way, or its answer if fresh: taken once), else a new one."""
+        kept = self._kept.get(endpoint)
+        if kept is not None:
+            if kept.ended is None:
+                return kept.probe
+            del self._kept[endpoint]
+            if self._clock() - kept.ended <= CHECK_TIMEOUT_S:
+                return kept.probe
+        self.probes += 1
+        probe = asyncio.ensure_future(self._probe(endpoint))
+        self._endpoint_of[probe] = endpoint
+        probe.add_done_callback(self._endpoint_of.pop)
+        return probe
+
+    def _is_kept(self, probe: asyncio.Future[int | None]) -> bool:
+        return any(k.probe is probe for k in self._kept.values())
 
     async def _round(self, endpoints: list[str]) -> str | None:
-        """Every endpoint at once; the first to answer ready ends the round (a silent one, the leader
-        that went away, is not waited for), the earliest given among those answering together."""
+        """Every endpoint at once for up to CHECK_TIMEOUT_S; the first to answer ready ends the round (a
+        silent one, the leader that went away, is not waited for), the earliest given among those
+        answering together."""
         self.rounds += 1
-        probes = {asyncio.ensure_future(self._probe(e)): e for e in endpoints}
+        probes = {self._probe_for(e): e for e in endpoints}
         pending, answered, ready = set(probes), False, None
+        ends = asyncio.get_running_loop().time() + CHECK_TIMEOUT_S
         try:
-            while pending and ready is None:
-                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-                statuses = {probes[f]: f.result() for f in done}
+            while pending and ready is None and (left := ends - asyncio.get_running_loop().time()) > 0:
+                done, pending = await asyncio.wait(pending, timeout=left, return_when=asyncio.FIRST_COMPLETED)
+                statuses = {probes[f]: _status(f) for f in done}
                 answered = answered or any(s is not None for s in statuses.values())
                 ready = next((e for e in endpoints if statuses.get(e) is not None
                               and statuses[e] not in NOT_SERVING), None)
         finally:
-            for f in pending:
+            dropped = [f for f in pending if not self._is_kept(f)]
+            for f in dropped:
                 f.cancel()
-            await asyncio.gather(*pending, return_exceptions=True)
+            await asyncio.gather(*dropped, return_exceptions=True)
         self.answered = answered
         return ready
 
@@ -136,10 +178,14 @@ class PathCheck:
         return STANDBY if self.answered else NO_SERVER
 
     async def close(self) -> None:
-        """Stop a round still under way (the client is closing)."""
-        if self._latest is not None and not self._latest[1].done():
-            self._latest[1].cancel()
-            await asyncio.gather(self._latest[1], return_exceptions=True)
+        """Stop a round and the kept probes still under way (the client is closing)."""
+        stop: list[asyncio.Future[Any]] = [k.probe for k in self._kept.values()]
+        if self._latest is not None:
+            stop.append(self._latest[1])
+        self._kept.clear()
+        for f in stop:
+            f.cancel()
+        await asyncio.gather(*stop, return_exceptions=True)
 
     async def until_back(self, endpoints: Callable[[], list[str]]) -> str:
         """A round on the schedule until one finds an endpoint ready; that endpoint. Cancel to stop."""
@@ -157,3 +203,8 @@ class PathCheck:
                 ready = next((r for r in (f.result() for f in done) if r is not None), None)
                 if ready is not None:
                     return ready
+
+
+def _status(probe: asyncio.Future[int | None]) -> int | None:
+    """A probe's answer (None: none, or it was stopped)."""
+    return None if probe.cancelled() or probe.exception() is not None else probe.result()

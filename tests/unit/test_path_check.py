@@ -117,17 +117,63 @@ async def test_a_replica_that_serves_is_taken_without_waiting_for_a_silent_one()
     assert await asyncio.wait_for(fake.check().check(["old", "new"]), 5) == "new"
 
 
-async def test_a_round_whose_probe_got_through_is_waited_for_before_another_starts():
-    # The path is back but the server is busy: the probe connected and waits 1.2 s for its answer.
-    # No new round is piled on every pause meanwhile (10,000 nodes coming back at once would).
+async def test_a_probe_that_connected_is_asked_again_by_the_next_rounds_not_opened_anew():
+    # The path is back but the server is busy: the probe connected and waits 2.5 s for its answer
+    # (its connection in the server's accept queue). Rounds go on on the schedule, each lasting
+    # CHECK_TIMEOUT_S, but none opens another connection: the one answer ends the wait.
     class Busy(Fake):
         async def probe(self, endpoint: str) -> int | None:
             self.asked.append(endpoint)
             check.connected()
-            await asyncio.sleep(1.2)
+            await asyncio.sleep(2.5)
             return 200
 
     fake = Busy({"a": [200]})
     check = fake.check()
     assert await asyncio.wait_for(check.until_back(lambda: ["a"]), 10) == "a"
-    assert check.rounds == 1 and fake.asked == ["a"] and len(fake.schedule.pauses) >= 2   # pauses passed
+    assert check.rounds >= 3 and fake.asked == ["a"] and check.probes == 1
+
+
+async def test_a_probe_that_never_connected_ends_with_its_round_and_the_next_round_opens_another():
+    started, stopped = [], []
+
+    class Silent(Fake):
+        async def probe(self, endpoint: str) -> int | None:
+            started.append(endpoint)
+            try:
+                await asyncio.Event().wait()        # a SYN nobody answers: only its round ends it
+            finally:
+                stopped.append(endpoint)
+            return None
+
+    fake = Silent({})
+    check = fake.check(fake_clock=True)
+    assert await check.check(["a"]) is None
+    assert stopped == ["a"]                          # given up with its round (CHECK_TIMEOUT_S)
+    fake.now += MIN_PAUSE_S
+    assert await check.check(["a"]) is None
+    assert started == ["a", "a"] and check.probes == 2
+
+
+async def test_a_kept_probes_answer_is_taken_by_the_next_round_once_and_close_stops_one_under_way():
+    answer = asyncio.Event()
+
+    class Slow(Fake):
+        async def probe(self, endpoint: str) -> int | None:
+            self.asked.append(endpoint)
+            check.connected()
+            await answer.wait()
+            return 200
+
+    fake = Slow({})
+    check = fake.check(fake_clock=True)
+    assert await check.check(["a"]) is None          # connected, no answer within the round
+    answer.set()
+    await asyncio.sleep(0)                           # the kept probe gets its answer between rounds
+    fake.now += MIN_PAUSE_S
+    assert await check.check(["a"]) == "a" and fake.asked == ["a"]   # taken from the kept probe
+    fake.now += MIN_PAUSE_S
+    answer.clear()
+    assert await check.check(["a"]) is None and fake.asked == ["a", "a"]   # used once: a new probe
+    await check.close()                              # stops the probe kept from that round
+    assert not check._kept                           # noqa: SLF001 (nothing left running)
