@@ -20,7 +20,7 @@ import http.client
 import subprocess
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from benchmarks._server import running_server
@@ -89,41 +89,44 @@ class HealthProbe:
                 "p99_ms": round(1000 * _pct(t, 0.99), 1), "max_ms": round(1000 * max(t), 1)}
 
 
-def _until_back(port: int, steady: int, healed: float) -> dict[str, Any]:
-    """Heal -> the server holds as many long-polls as before the blip (`steady`: a few nodes are always
-    between two polls), and 99 % of that."""
-    marks: dict[str, float | None] = {"back_99pct_s": None, "back_s": None}
-    lowest = steady
+def _until(count: Callable[[], int], want: int, healed: float) -> tuple[dict[str, Any], list[int]]:
+    """Heal -> `count()` reaches `want`, and 99 % of it, sampled every SAMPLE_S for up to
+    BACK_TIMEOUT_S: the marks (None: never) and every count seen."""
+    marks: dict[str, Any] = {"back_99pct_s": None, "back_s": None}
+    seen: list[int] = []
     while time.monotonic() - healed < BACK_TIMEOUT_S:
-        held = server_counters(port)["open_long_polls"]
-        lowest = min(lowest, held)
+        seen.append(count())
         since = round(time.monotonic() - healed, 2)
-        if marks["back_99pct_s"] is None and held >= 0.99 * steady:
+        if marks["back_99pct_s"] is None and seen[-1] >= 0.99 * want:
             marks["back_99pct_s"] = since
-        if held >= steady:
+        if seen[-1] >= want:
             marks["back_s"] = since
             break
         time.sleep(SAMPLE_S)
-    return {**marks, "polls_held_before": steady, "fewest_polls_held": lowest}
+    return marks, seen
+
+
+def _until_back(port: int, steady: int, healed: float) -> dict[str, Any]:
+    """Heal -> the server holds as many long-polls as before the blip (`steady`: a few nodes are always
+    between two polls), and 99 % of that."""
+    marks, seen = _until(lambda: int(server_counters(port)["open_long_polls"]), steady, healed)
+    return {**marks, "polls_held_before": steady, "fewest_polls_held": min([steady, *seen])}
 
 
 def _until_streams_back(clients: Clients, n: int, cut: float, healed: float) -> dict[str, Any]:
     """Stream nodes: heal -> every node subscribed again and told its view, as its simulated node
     sees it (an open stream is no sign of life on the server: a dead one is open there until swept).
     `reopened`: how many of them are on a stream opened since the cut (the rest kept theirs)."""
-    marks: dict[str, Any] = {"back_99pct_s": None, "back_s": None}
-    up = reopened = 0
-    while time.monotonic() - healed < BACK_TIMEOUT_S:
+    reopened = 0
+
+    def up() -> int:
+        nonlocal reopened
         answers = clients.ask({"cmd": "streams", "since": cut})
-        up, reopened = sum(a["up"] for a in answers), sum(a["reopened"] for a in answers)
-        since = round(time.monotonic() - healed, 2)
-        if marks["back_99pct_s"] is None and up >= 0.99 * n:
-            marks["back_99pct_s"] = since
-        if up >= n:
-            marks["back_s"] = since
-            break
-        time.sleep(SAMPLE_S)
-    return {**marks, "streams_up": up, "streams_reopened": reopened}
+        reopened = sum(a["reopened"] for a in answers)
+        return sum(a["up"] for a in answers)
+
+    marks, seen = _until(up, n, healed)
+    return {**marks, "streams_up": seen[-1] if seen else 0, "streams_reopened": reopened}
 
 
 def _resent(before: list[dict], after: list[dict], healed: float) -> dict[str, Any]:
