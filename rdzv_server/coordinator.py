@@ -42,6 +42,7 @@ from rdzv_server.core.operator_rules import OperatorAction
 from rdzv_server.core.outbox import Outbox
 from rdzv_server.core.records import JobRecord
 from rdzv_server.core.rendezvous import Rendezvous
+from rdzv_server.held_links import AckAge, HeldLinks, hear
 from rdzv_server.poll_limits import MAX_POLLS_PER_NODE, MAX_POLLS_PER_PEER, HeldPolls
 from rdzv_server.serving import Serving
 from rdzv_server.store.api import Store
@@ -86,6 +87,7 @@ class Coordinator:
         self.polls_by_peer = HeldPolls(max_polls_per_peer, "--max-polls-per-peer", "the address")   # 0: no limit
         self.polls_by_node = HeldPolls(max_polls_per_node, "--max-polls-per-node", "node")
         self.waiters = Waiters()
+        self.held_links = HeldLinks()             # the held polls' connections (quiet rule)
         self._deliveries: set[asyncio.Task[None]] = set()
         self._armed: float | None = None          # the deadline the timer sleeps to (None: none)
         self._rearm: asyncio.Event | None = None
@@ -259,20 +261,26 @@ class Coordinator:
             if not self.gate.shutting_down and self._armed is not None and self._armed <= self.clock() \
                     and loop.time() >= ticked + TICK_GAP_S:
                 ticked = loop.time()
+                self.held_links.check(self.core, self.clock())
                 self.core.tick(self.clock(), self.loop_lag.recent_s() if self.loop_lag is not None else 0.0)
                 self._apply()
                 look_again = True
 
+    def peer_heard(self, age_s: float) -> None:
+        """A connection's kernel last heard its peer `age_s` ago: the server's link worked then."""
+        hear(self.core, self.clock(), age_s)
+
     # -- requests --
     async def handle(self, job_id: str, req: AgentRequest, peer: str = "", local: str = "",
-                     silence: Callable[[], float] | None = None) -> NodeStatus:
+                     silence: AckAge | None = None) -> NodeStatus:
         """One agent request, by its type; `peer` is the address it came from, `local` the server's
-        address it reached, `silence()` how long its connection has been silent (connections.silence_s)."""
+        address it reached, `silence()` how long ago its connection's kernel last heard the node
+        (connections.ack_age_s; None: unknown)."""
         status = await self._handle(job_id, req, peer, local, silence)
         return msgspec.structs.replace(status, poll_hold_s=round(self._hold_base(status), 3))
 
     async def _handle(self, job_id: str, req: AgentRequest, peer: str, local: str,
-                      silence: Callable[[], float] | None) -> NodeStatus:
+                      silence: AckAge | None) -> NodeStatus:
         core = self.core
         match req:
             case PollRequest():
@@ -328,7 +336,7 @@ class Coordinator:
         return min(max(self.core.node_count / TARGET_POLL_RATE, status.lease_timeout_s / 2), MAX_HOLD_S)
 
     async def long_poll(self, job_id: str, req: PollRequest, peer: str = "",
-                        silence: Callable[[], float] | None = None) -> NodeStatus:
+                        silence: AckAge | None = None) -> NodeStatus:
         """Answer when this node's view changes or its hold ends; meanwhile the open poll is its lease."""
         node = (job_id, req.node_id)
         self.polls_by_peer.take(peer, peer or "one peer")
@@ -346,6 +354,8 @@ class Coordinator:
         loop = asyncio.get_running_loop()
         ends = loop.time() + self.hold_for(status, req.wait_s)
         self.open_polls += 1
+        if silence is not None:
+            self.held_links.add(silence)
         dropped = False
         try:
             while not poll_ready(status, req.known_round) and self.gate.serving() and loop.time() < ends:
@@ -369,11 +379,14 @@ class Coordinator:
             raise
         finally:
             self.open_polls -= 1
+            if silence is not None:
+                self.held_links.discard(silence)
             self.polls_by_peer.give_back(peer)
             self.polls_by_node.give_back(node)
             if not dropped:
                 now = self.clock()
-                self.core.poll_ended(job_id, req.node_id, now, now - silence() if silence is not None else now)
+                age = silence() if silence is not None else None
+                self.core.poll_ended(job_id, req.node_id, now, now - (age or 0.0))
                 self._apply()
         if not self.gate.serving():
             raise self.gate.not_serving()

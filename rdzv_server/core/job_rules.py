@@ -119,15 +119,18 @@ class JobRules:
         job = self.job
         leases.grace_after_silence(job, silence, now, self.out, wave)
         gone, deferred = leases.lapsed(job, now, lag_s, suspect_s)
-        if deferred:                    # judged again once the server has caught up or heard someone
-            leases.extend(job, deferred, now, min(max(lag_s, suspect_s), job.config.lease_timeout_s), self.out)
+        # judged again once the server has caught up or heard someone
+        leases.hold_back(job, deferred, now, lag_s, suspect_s, self.out)
         extended = 0
-        if gone and quiet_s is not None:
-            leases.extend(job, gone, now, job.config.lease_timeout_s, self.out)
-            extended, gone = len(gone), []
-            if say_quiet:
-                self.record(now, EventKind.LEASES_EXTENDED, f"server heard from no agent for {quiet_s:.1f}s (its own "
-                            f"link or process was cut off or stalled, not {extended} node(s)): leases extended")
+        if gone and quiet_s is not None:        # the quiet rule, for all but closings heard before it
+            held = [n for n in gone if not leases.closing_heard(n, now - quiet_s)]
+            gone = [n for n in gone if leases.closing_heard(n, now - quiet_s)]
+            if held:
+                leases.extend(job, held, now, job.config.lease_timeout_s, self.out)
+                extended = len(held)
+                if say_quiet:
+                    self.record(now, EventKind.LEASES_EXTENDED, f"server heard from no agent for {quiet_s:.1f}s (its "
+                                f"own link or process was cut off or stalled, not {extended} node(s)): leases extended")
         if gone:
             self.lose_all(gone, now)
         for nid in list(job.excluded):

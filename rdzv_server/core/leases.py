@@ -9,6 +9,11 @@ A node's lease says the server has reason to think it alive:
   to come back: a dying agent's connection is the fastest evidence there is.
 
 Evidence must be about the node, never about the server itself:
+- "heard" is any sign that the server's link works: a request, a stream's heartbeat, the kernel's
+  last ACK on a connection that closed (a FIN or RST just in says the link works), and, once the
+  server has heard nothing else for SUSPECT_QUIET_S, the freshest ACK on the held polls' connections
+  (their kernels answer keepalive probes: in a small job every long hold is otherwise a silence;
+  rdzv_server/held_links.py);
 - when the server heard from no agent at all for QUIET_S (longer than any healthy node waits
   between requests), it is the server that was cut off or stalled: leases that lapse then are
   extended instead, and nobody is lost, until the silence has lasted OUTAGE_LIMIT_S (the agents'
@@ -16,7 +21,9 @@ Evidence must be about the node, never about the server itself:
 - a lease that runs out after the server has heard from nobody for SUSPECT_QUIET_S waits: the
   server's own link may have just gone, and a held poll's last sign of life can predate that by a
   keepalive period, so such a lease could otherwise run out before the quiet rule sees the outage;
-  it is judged again once someone is heard (then it lapses) or by the quiet rule;
+  it is judged again once someone is heard (then it lapses) or by the quiet rule. Neither rule holds
+  a node whose connection closed before the silence or as it began (`closing_heard`): that closing
+  was heard, it is evidence about the node (a 2-node job lost a dead node a whole lease late);
 - a silence that ended (the server hears someone again after SUSPECT_QUIET_S or more of nobody) may
   have been the server's own link, blocking every node: a node heard within LEAD_S before it began
   (a healthy node's last sign of life, a keepalive ACK included, is at most about that old) and not
@@ -95,6 +102,19 @@ def live(node: NodeRecord, now: float) -> bool:
     return node.holding > 0 or (not node.dropped and node.lease_expires > now)
 
 
+def closing_heard(node: NodeRecord, began: float) -> bool:
+    """Whether the node's connection closed before the silence that `began` then, or as it began: a
+    close the server heard (the node's host sent it, or its keepalive gave up before the silence)
+    rather than one the silence itself may have caused (a keepalive giving up in it)."""
+    return node.dropped and node.dropped_at < began + SUSPECT_QUIET_S
+
+
+def patience_s(node: NodeRecord, now: float, lag_s: float, quiet_s: float) -> float:
+    """How long past its lease a node waits before it is judged: the server's lag, and a silence of
+    `quiet_s` (SUSPECT_QUIET_S or more) unless its closing was heard before the silence."""
+    return lag_s if quiet_s <= 0 or closing_heard(node, now - quiet_s) else max(lag_s, quiet_s)
+
+
 def lapsed(job: JobRecord, now: float, lag_s: float, quiet_s: float = 0.0) -> tuple[list[NodeRecord], list[NodeRecord]]:
     """(nodes whose lease has lapsed, nodes whose lease would have but the server runs `lag_s` behind or
     heard nobody for `quiet_s`, SUSPECT_QUIET_S or more: its own link may have just gone)."""
@@ -103,9 +123,8 @@ def lapsed(job: JobRecord, now: float, lag_s: float, quiet_s: float = 0.0) -> tu
     for node in job.nodes.values():
         if node.holding == 0 and node.lease_expires <= now:
             # A closed connection waits for a server behind too (its node may have sent its request
-            # again on a new one, waiting in the server's own backlog), but not for a quiet one: its
-            # closing was heard, and grace_after_silence covers one closed by the silence itself.
-            wait = lag_s if node.dropped else max(lag_s, quiet_s)
+            # again on a new one, waiting in the server's own backlog).
+            wait = patience_s(node, now, lag_s, quiet_s)
             (gone if node.lease_expires + wait <= now else deferred).append(node)
     return gone, deferred
 
@@ -144,7 +163,7 @@ def grace_after_silence(job: JobRecord, silence: tuple[float, float] | None, now
         if node.holding or node.lease_expires > now or node.lease_expires >= until or node.last_seen >= ended:
             continue
         # a held poll's connection closed by its keepalive: late in the silence, not at its start
-        cut_in_silence = (began + SUSPECT_QUIET_S <= node.dropped_at < ended if node.dropped
+        cut_in_silence = (not closing_heard(node, began) and node.dropped_at < ended if node.dropped
                           else node.last_seen > began - LEAD_S)
         if cut_in_silence:
             node.dropped = False
@@ -158,6 +177,15 @@ def extend(job: JobRecord, nodes: list[NodeRecord], now: float, by: float, out: 
     for node in nodes:
         node.lease_expires = now + by
     out.deadline(now + by)
+
+
+def hold_back(job: JobRecord, nodes: list[NodeRecord], now: float, lag_s: float, quiet_s: float,
+              out: Outbox) -> None:
+    """Judge `nodes` (`lapsed`'s deferred) again once each one's patience has passed, a lease at most."""
+    for node in nodes:
+        by = min(patience_s(node, now, lag_s, quiet_s), job.config.lease_timeout_s)
+        node.lease_expires = now + by
+        out.deadline(now + by)
 
 
 def note_loss(job: JobRecord, node_id: str, now: float) -> None:

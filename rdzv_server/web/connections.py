@@ -58,6 +58,9 @@ class ConnectionGuard:
         self._open: dict[Any, None] = {}                 # connected handlers, oldest first
         self._fresh: dict[Any, float] = {}               # handlers made, not yet connected: when
         self._trim_soon = False
+        # told how long ago a connection that just ended last heard its peer: a FIN or RST just in
+        # says the server's link works (the quiet rule, core/leases.py)
+        self.on_peer_heard: Callable[[float], None] | None = None
 
     def factory(self, server: web.Server) -> Callable[[], asyncio.BaseProtocol]:
         """Wrap aiohttp's protocol factory (`AppRunner.server`), following its connections as the
@@ -72,6 +75,10 @@ class ConnectionGuard:
         def on_lost(handler: Any, exc: BaseException | None = None) -> None:
             self._open.pop(handler, None)
             self._fresh.pop(handler, None)
+            if self.on_peer_heard is not None:     # the socket is still open here: asyncio closes it after
+                age = ack_age_s(handler.transport)
+                if age is not None:
+                    self.on_peer_heard(age)
             lost(handler, exc)
 
         server.connection_made = on_made      # type: ignore[method-assign]
@@ -121,20 +128,27 @@ class ConnectionGuard:
             self._busy.discard(protocol)
 
 
-_TCP_INFO_LAST_ACK_RECV = 56      # struct tcp_info (Linux): u32 milliseconds since the last ACK came in
+TCP_INFO_LAST_DATA_RECV = 52      # struct tcp_info (Linux): u32 ms since data last came in
+TCP_INFO_LAST_ACK_RECV = 56       # u32 ms since any ACK came in (data, a keepalive probe's answer, a FIN)
 
 
-def silence_s(request: web.Request) -> float:
-    """How long the client's side of the connection has been silent (no ACK, not even to a keepalive
-    probe): the age of the last evidence that the client is alive. 0 where TCP_INFO is not available."""
-    sock = request.transport.get_extra_info("socket") if request.transport is not None else None
+def tcp_info_age_s(transport: asyncio.BaseTransport | None, field: int) -> float | None:
+    """A `struct tcp_info` age field of the transport's socket, in seconds; None where unknown (no
+    socket, no TCP_INFO)."""
+    sock = transport.get_extra_info("socket") if transport is not None else None
     if sock is None or not hasattr(socket, "TCP_INFO"):
-        return 0.0
+        return None
     try:
         info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 104)
-        return float(struct.unpack_from("I", info, _TCP_INFO_LAST_ACK_RECV)[0]) / 1000.0
+        return float(struct.unpack_from("I", info, field)[0]) / 1000.0
     except (OSError, struct.error):
-        return 0.0
+        return None
+
+
+def ack_age_s(transport: asyncio.BaseTransport | None) -> float | None:
+    """How long ago the peer last showed that it and the path to it work (its last ACK, a keepalive
+    probe's answer included); None where unknown."""
+    return tcp_info_age_s(transport, TCP_INFO_LAST_ACK_RECV)
 
 
 class ClientGone(web.HTTPClientError):

@@ -10,7 +10,6 @@ with an `error` frame naming what was wrong; a request refused by the core only 
 from __future__ import annotations
 
 import logging
-import socket
 import struct
 from collections.abc import Iterable
 
@@ -37,6 +36,7 @@ from protocol.stream import (
 from rdzv_server.core.errors import RendezvousError
 from rdzv_server.serving import LEADER_HEADER
 from rdzv_server.streams import StreamHub, Subscription
+from rdzv_server.web.connections import TCP_INFO_LAST_DATA_RECV, tcp_info_age_s
 from rdzv_server.web.routing import COORDINATOR, job_id_of
 
 log = logging.getLogger("rdzv_server")
@@ -45,7 +45,6 @@ HUB = web.AppKey("stream_hub", StreamHub)
 ROUTE_NAME = "agent-stream"
 ELECTION_WAIT_S = 3.0             # a request waits this long for an election to end (as on HTTP, app.py)
 WRITE_BUFFER_CAP = 64 * 1024      # bytes a node may leave unread before its stream is closed
-_TCP_INFO_LAST_DATA_RECV = 52     # struct tcp_info (Linux): u32 ms since data last came in
 
 
 def ws_frame(payload: bytes, opcode: int = 0x2) -> bytes:
@@ -84,14 +83,8 @@ class WsStream:
         t.close()
 
     def kernel_silence_s(self) -> float:
-        sock = self.transport.get_extra_info("socket") if self.transport is not None else None
-        if sock is None or not hasattr(socket, "TCP_INFO"):
-            return float("inf")
-        try:
-            info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 104)
-            return float(struct.unpack_from("I", info, _TCP_INFO_LAST_DATA_RECV)[0]) / 1000.0
-        except (OSError, struct.error):
-            return float("inf")
+        age = tcp_info_age_s(self.transport, TCP_INFO_LAST_DATA_RECV)
+        return float("inf") if age is None else age
 
 
 async def agent_stream(request: web.Request) -> web.StreamResponse:

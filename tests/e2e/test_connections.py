@@ -3,12 +3,13 @@ connection makes room; a held long-poll is never the one closed."""
 from __future__ import annotations
 
 import socket
+import time
 import urllib.request
 
 import msgpack
 import pytest
 
-from tests.e2e.harness import wait_until
+from tests.e2e.harness import job_events, wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -68,3 +69,55 @@ def test_idle_connections_over_the_cap_make_room_for_healthz_and_agents(cluster)
         held.close()
         for sock in idle:
             sock.close()
+
+
+def send_poll(port: int, node: str, credential: str, known_round: int) -> socket.socket:
+    """A long-poll on its own connection, as raw HTTP: the test decides when that connection closes."""
+    sock = socket.create_connection(("127.0.0.1", port))
+    body = msgpack.packb({"v": 1, "node_id": node, "credential": credential, "known_round": known_round,
+                          "wait_s": 60.0})
+    sock.sendall(b"POST /v1/jobs/conn/poll HTTP/1.1\r\nHost: x\r\nContent-Type: application/msgpack\r\n"
+                 + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+    return sock
+
+
+def read_answer(sock: socket.socket, timeout: float) -> dict:
+    sock.settimeout(timeout)
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += sock.recv(65536)
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                  if line.lower().startswith(b"content-length"))
+    while len(body) < length:
+        body += sock.recv(65536)
+    assert head.startswith(b"HTTP/1.1 200"), head
+    return msgpack.unpackb(body)
+
+
+def test_a_connection_closed_late_in_anothers_held_poll_is_a_loss_after_the_grace(cluster):
+    # A 2-node job: a's poll is held and nobody else talks. 3.5 s in, b's agent dies and its kernel
+    # closes b's held poll (a FIN). The FIN is a sign that the server's link works: b is lost after
+    # the 1 s grace and a's poll answers with the round without it. (Taken for the quiet rule's
+    # "heard from nobody for 4 s", b's lease was extended 30 s, and a's poll ended with no news.)
+    port = cluster.start_server("--state-dir", "none")
+    config = {"min_nodes": 1, "max_nodes": 2, "last_call_s": 0.0, "lease_timeout_s": 30.0}
+    a = post(port, "join", {"v": 1, "node_id": "a", "addr": "10.0.0.1", "local_world_size": 1,
+                            "master_port": 1, "config": config})
+    b = post(port, "join", {"v": 1, "node_id": "b", "addr": "10.0.0.2", "local_world_size": 1,
+                            "master_port": 2, "config": config})
+    round_id = b["assignment"]["round_id"]
+    b_poll = send_poll(port, "b", b["credential"], round_id)
+    a_poll = send_poll(port, "a", a["credential"], round_id)
+    try:
+        wait_until(lambda: open_polls(port) == 2, 30, "the server holding both polls")
+        time.sleep(3.5)          # the scenario itself: b dies 3.5 s into a silence (not a synchronisation)
+        b_poll.close()
+        answer = read_answer(a_poll, 20.0)
+        assert answer["assignment"]["round_id"] > round_id
+        assert answer["assignment"]["world_size"] == 1
+        kinds = [e["kind"] for e in job_events(cluster, "conn")]
+        assert "node_lost" in kinds and "leases_extended" not in kinds
+    finally:
+        b_poll.close()
+        a_poll.close()

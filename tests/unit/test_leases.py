@@ -328,3 +328,41 @@ def test_a_poll_held_longer_than_the_lease_and_closed_gets_the_whole_grace_from_
     poll(rz, "a", 21.6)
     rz.tick(23.0)
     assert "a" in rz.jobs["j"].nodes and EventKind.NODE_LOST not in kinds(rz)
+
+
+def test_a_connection_closed_before_a_silence_is_not_held_back_by_it():
+    # Seen in CI: b's poll closed, then a's poll was held (nobody heard after it). A stall kept the
+    # server "behind" for 5 s; b's grace, held back for the lag meanwhile, was then held for the
+    # silence too, reached the quiet rule and was extended a whole lease, again and again.
+    rz = job_with("a", "b")
+    rz.hold_poll("j", PollRequest(v=1, node_id="b"), 0.5)
+    rz.connection_dropped("j", "b", 1.0)
+    rz.hold_poll("j", PollRequest(v=1, node_id="a"), 1.0)        # held from here on
+    t = 2.0
+    while t < 30.0:
+        rz.tick(t, lag_s=0.2 if t < 6.0 else 0.0)
+        if "b" not in rz.jobs["j"].nodes:
+            break
+        t = max(rz.next_deadline() or 30.0, t + 0.05)
+    assert "b" not in rz.jobs["j"].nodes and t <= 6.5
+    assert EventKind.LEASES_EXTENDED not in kinds(rz)
+
+
+def test_a_connection_whose_closing_was_heard_late_in_a_silence_is_a_loss_after_the_grace():
+    # a's poll is held from 15 s: nobody heard. At 18.5 s b's kernel closes b's poll (a FIN): the
+    # server heard that (connections.ConnectionGuard), so the close is evidence about b.
+    rz = job_with("a", "b")
+    rz.hold_poll("j", PollRequest(v=1, node_id="b"), 14.0)
+    rz.hold_poll("j", PollRequest(v=1, node_id="a"), 15.0)
+    rz.heard(18.5)
+    rz.connection_dropped("j", "b", 18.5)
+    rz.tick(19.5)
+    assert "b" not in rz.jobs["j"].nodes
+    # the same close with nothing heard (a keepalive giving up: maybe the server's own link) is
+    # taken for the silence's doing: b waits
+    rz2 = job_with("a", "b")
+    rz2.hold_poll("j", PollRequest(v=1, node_id="b"), 14.0)
+    rz2.hold_poll("j", PollRequest(v=1, node_id="a"), 15.0)
+    rz2.connection_dropped("j", "b", 18.5)
+    rz2.tick(19.5)
+    assert "b" in rz2.jobs["j"].nodes and EventKind.LEASES_EXTENDED in kinds(rz2)

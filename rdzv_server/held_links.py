@@ -1,0 +1,56 @@
+"""Held long-polls' connections as signs that the server's own link works.
+
+A held poll sends nothing until it is answered, so in a small job every long hold is, to the quiet
+rule (core/leases.py), a silence: the server heard from no agent for QUIET_S and extended every
+lapsing lease, a dead node's again and again (a 2-node job with polls held 15 s never lost it), and
+the suspect rule held each lapsing lease back "until someone is heard". The connections' kernels
+know better: they answer the server's keepalive probes (serve.py: after 2 s idle), so once the
+server has heard nothing else for SUSPECT_QUIET_S, the freshest ACK on a held connection says when
+the link was last known to work.
+"""
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+
+from rdzv_server.core.leases import OUTAGE_LIMIT_S, SUSPECT_QUIET_S
+from rdzv_server.core.rendezvous import Rendezvous
+
+CHECK_GAP_S = 0.5       # looked at no more often than this (an outage keeps the rule asking)
+MAX_CHECKED = 256       # connections looked at per check: when the link works, any live one answers
+
+
+AckAge = Callable[[], "float | None"]   # seconds since the connection's last ACK (None: unknown)
+
+
+def hear(core: Rendezvous, now: float, age_s: float) -> None:
+    """A connection's kernel last heard its peer `age_s` ago: the server's link worked then."""
+    if 0.0 <= age_s < OUTAGE_LIMIT_S:
+        core.heard(now - age_s)
+
+
+class HeldLinks:
+    def __init__(self) -> None:
+        self._ages: dict[AckAge, None] = {}
+        self._checked = float("-inf")
+
+    def add(self, age: AckAge) -> None:
+        self._ages[age] = None
+
+    def discard(self, age: AckAge) -> None:
+        self._ages.pop(age, None)
+
+    def freshest_s(self, now: float) -> float | None:
+        """The age of the freshest ACK among the held connections; None: none known, or asked too soon."""
+        if self._checked <= now < self._checked + CHECK_GAP_S:
+            return None
+        self._checked = now
+        ages = [a for a in (age() for age in itertools.islice(self._ages, MAX_CHECKED)) if a is not None]
+        return min(ages, default=None)
+
+    def check(self, core: Rendezvous, now: float) -> None:
+        """Before the rules about silences (core/leases.py) judge a lapsing lease, ask the held connections."""
+        if core.heard_at is not None and now - core.heard_at >= SUSPECT_QUIET_S:
+            age = self.freshest_s(now)
+            if age is not None:
+                hear(core, now, age)
