@@ -1,0 +1,48 @@
+"""A connection that ends tells the server how long ago its peer was last heard (ConnectionGuard's
+`on_peer_heard`, from the socket's TCP_INFO): a FIN just in is fresh evidence that the server's link
+works (the quiet rule, core/leases.py), however long the connection was idle before."""
+from __future__ import annotations
+
+import asyncio
+
+from aiohttp import web
+
+from rdzv_server.web.connections import ConnectionGuard, ack_age_s
+
+
+async def test_a_peer_closing_a_held_request_is_heard_at_its_fin():
+    guard = ConnectionGuard(100)
+    heard: asyncio.Future[float] = asyncio.get_running_loop().create_future()
+    guard.on_peer_heard = lambda age: heard.done() or heard.set_result(age)
+    held: asyncio.Future[web.Request] = asyncio.get_running_loop().create_future()
+
+    async def hold(request: web.Request) -> web.StreamResponse:
+        held.set_result(request)
+        await asyncio.Event().wait()
+        raise AssertionError("never answered")
+
+    app = web.Application(middlewares=[guard.middleware])
+    app.router.add_get("/hold", hold)
+    runner = web.AppRunner(app, handler_cancellation=True)
+    await runner.setup()
+    assert runner.server is not None
+    server = await asyncio.get_running_loop().create_server(guard.factory(runner.server), "127.0.0.1", 0)
+    writer = None
+    try:
+        port = server.sockets[0].getsockname()[1]
+        _, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"GET /hold HTTP/1.1\r\nHost: x\r\n\r\n")
+        request = await asyncio.wait_for(held, 10)
+        assert ack_age_s(request.transport) is not None          # Linux: TCP_INFO
+        idle = 0.0
+        while idle < 1.0:                  # until the server has heard nothing from the client for 1 s
+            await asyncio.sleep(0.05)
+            idle = ack_age_s(request.transport) or 0.0
+        writer.close()                     # the client's FIN
+        age = await asyncio.wait_for(heard, 10)
+        assert age < idle                  # fresher than anything before it: the FIN itself
+    finally:
+        if writer is not None:
+            writer.close()
+        server.close()
+        await runner.cleanup()
