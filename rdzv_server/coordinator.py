@@ -42,7 +42,7 @@ from rdzv_server.core.operator_rules import OperatorAction
 from rdzv_server.core.outbox import Outbox
 from rdzv_server.core.records import JobRecord
 from rdzv_server.core.rendezvous import Rendezvous
-from rdzv_server.held_links import AckAge, HeldLinks, hear
+from rdzv_server.held_links import AckAge, HeldLinks, hear_closed
 from rdzv_server.poll_limits import MAX_POLLS_PER_NODE, MAX_POLLS_PER_PEER, HeldPolls
 from rdzv_server.serving import Serving
 from rdzv_server.store.api import Store
@@ -266,9 +266,9 @@ class Coordinator:
                 self._apply()
                 look_again = True
 
-    def peer_heard(self, age_s: float) -> None:
-        """A connection's kernel last heard its peer `age_s` ago: the server's link worked then."""
-        hear(self.core, self.clock(), age_s)
+    def connection_closed(self, age: AckAge) -> None:
+        """A connection ended; `age()`: how long ago its kernel last heard the peer (held_links.py)."""
+        hear_closed(self.core, self.clock(), age)
 
     # -- requests --
     async def handle(self, job_id: str, req: AgentRequest, peer: str = "", local: str = "",

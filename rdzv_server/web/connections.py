@@ -58,9 +58,9 @@ class ConnectionGuard:
         self._open: dict[Any, None] = {}                 # connected handlers, oldest first
         self._fresh: dict[Any, float] = {}               # handlers made, not yet connected: when
         self._trim_soon = False
-        # told how long ago a connection that just ended last heard its peer: a FIN or RST just in
-        # says the server's link works (the quiet rule, core/leases.py)
-        self.on_peer_heard: Callable[[float], None] | None = None
+        # told of each connection that ended, with how to ask when its kernel last heard the peer
+        # (a FIN or RST just in says the server's link works: the rules about silences, core/leases.py)
+        self.on_closed: Callable[[Callable[[], float | None]], None] | None = None
 
     def factory(self, server: web.Server) -> Callable[[], asyncio.BaseProtocol]:
         """Wrap aiohttp's protocol factory (`AppRunner.server`), following its connections as the
@@ -75,10 +75,9 @@ class ConnectionGuard:
         def on_lost(handler: Any, exc: BaseException | None = None) -> None:
             self._open.pop(handler, None)
             self._fresh.pop(handler, None)
-            if self.on_peer_heard is not None:     # the socket is still open here: asyncio closes it after
-                age = ack_age_s(handler.transport)
-                if age is not None:
-                    self.on_peer_heard(age)
+            if self.on_closed is not None:     # the socket is still open here: asyncio closes it after
+                transport = handler.transport
+                self.on_closed(lambda: ack_age_s(transport))
             lost(handler, exc)
 
         server.connection_made = on_made      # type: ignore[method-assign]

@@ -1,6 +1,6 @@
-"""A connection that ends tells the server how long ago its peer was last heard (ConnectionGuard's
-`on_peer_heard`, from the socket's TCP_INFO): a FIN just in is fresh evidence that the server's link
-works (the quiet rule, core/leases.py), however long the connection was idle before."""
+"""A connection that ends tells the server how to ask when its peer was last heard (ConnectionGuard's
+`on_closed`: the socket's TCP_INFO, still open then): a FIN just in is fresh evidence that the
+server's link works (the rules about silences, core/leases.py), however long the connection was idle."""
 from __future__ import annotations
 
 import asyncio
@@ -12,8 +12,8 @@ from rdzv_server.web.connections import ConnectionGuard, ack_age_s
 
 async def test_a_peer_closing_a_held_request_is_heard_at_its_fin():
     guard = ConnectionGuard(100)
-    heard: asyncio.Future[float] = asyncio.get_running_loop().create_future()
-    guard.on_peer_heard = lambda age: heard.done() or heard.set_result(age)
+    heard: asyncio.Future[float | None] = asyncio.get_running_loop().create_future()
+    guard.on_closed = lambda age: heard.done() or heard.set_result(age())
     held: asyncio.Future[web.Request] = asyncio.get_running_loop().create_future()
 
     async def hold(request: web.Request) -> web.StreamResponse:
@@ -40,7 +40,7 @@ async def test_a_peer_closing_a_held_request_is_heard_at_its_fin():
             idle = ack_age_s(request.transport) or 0.0
         writer.close()                     # the client's FIN
         age = await asyncio.wait_for(heard, 10)
-        assert age < idle                  # fresher than anything before it: the FIN itself
+        assert age is not None and age < idle                  # fresher than anything before it: the FIN itself
     finally:
         if writer is not None:
             writer.close()
