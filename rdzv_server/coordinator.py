@@ -42,7 +42,7 @@ from rdzv_server.core.operator_rules import OperatorAction
 from rdzv_server.core.outbox import Outbox
 from rdzv_server.core.records import JobRecord
 from rdzv_server.core.rendezvous import Rendezvous
-from rdzv_server.held_links import AckAge, HeldLinks, hear_closed
+from rdzv_server.held_links import CLOSE_HEARD_S, AckAge, HeldLinks
 from rdzv_server.poll_limits import MAX_POLLS_PER_NODE, MAX_POLLS_PER_PEER, HeldPolls
 from rdzv_server.serving import Serving
 from rdzv_server.store.api import Store
@@ -266,10 +266,6 @@ class Coordinator:
                 self._apply()
                 look_again = True
 
-    def connection_closed(self, age: AckAge) -> None:
-        """A connection ended; `age()`: how long ago its kernel last heard the peer (held_links.py)."""
-        hear_closed(self.core, self.clock(), age)
-
     # -- requests --
     async def handle(self, job_id: str, req: AgentRequest, peer: str = "", local: str = "",
                      silence: AckAge | None = None) -> NodeStatus:
@@ -371,10 +367,13 @@ class Coordinator:
                 if waiter.ended:
                     break
         except asyncio.CancelledError:
-            # The agent's connection closed mid-poll: likely dead. Give it a short grace.
+            # The agent's connection closed mid-poll: likely dead. Give it a short grace. Closed by
+            # its host (a FIN or RST just in) rather than by a keepalive giving up: evidence (leases.py).
             dropped = True
             if not self.gate.shutting_down:
-                self.core.connection_dropped(job_id, req.node_id, self.clock())
+                age = silence() if silence is not None else None
+                self.core.connection_dropped(job_id, req.node_id, self.clock(),
+                                             heard=age is not None and age < CLOSE_HEARD_S)
                 self._apply()
             raise
         finally:

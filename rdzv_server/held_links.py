@@ -18,9 +18,9 @@ from rdzv_server.core.rendezvous import Rendezvous
 
 CHECK_GAP_S = 0.5       # looked at no more often than this (an outage keeps the rule asking)
 MAX_CHECKED = 256       # connections looked at per check: when the link works, any live one answers
-# A close heard sooner after the last sign of life changes nothing: the rules about silences begin at
-# SUSPECT_QUIET_S, and a closing within that of the last sign of life counts as heard (leases.closing_heard).
-CLOSE_EVIDENCE_AFTER_S = 0.5
+# A held poll's connection that ended with its last ACK this fresh was closed by the node's host (a FIN
+# or RST just in), not by a keepalive giving up (that takes 4 s of silence): evidence (leases.closing_heard).
+CLOSE_HEARD_S = 1.0
 
 
 AckAge = Callable[[], "float | None"]   # seconds since the connection's last ACK (None: unknown)
@@ -30,15 +30,6 @@ def hear(core: Rendezvous, now: float, age_s: float) -> None:
     """A connection's kernel last heard its peer `age_s` ago: the server's link worked then."""
     if 0.0 <= age_s < OUTAGE_LIMIT_S:
         core.heard(now - age_s)
-
-
-def hear_closed(core: Rendezvous, now: float, age: AckAge) -> None:
-    """A connection ended (a FIN or RST just in is fresh evidence): its kernel asked only once the server
-    has heard nothing else for CLOSE_EVIDENCE_AFTER_S, not a syscall for each of thousands of closes."""
-    if core.heard_at is None or now - core.heard_at >= CLOSE_EVIDENCE_AFTER_S:
-        age_s = age()
-        if age_s is not None:
-            hear(core, now, age_s)
 
 
 class HeldLinks:

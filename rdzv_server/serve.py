@@ -118,7 +118,6 @@ async def serve(config: ServerConfig, store: Store | None = None,
     coordinator = Coordinator(Rendezvous(limits=config.limits), store=store,
                               max_polls_per_peer=config.max_polls_per_peer,
                               max_polls_per_node=config.max_polls_per_node)
-    guard.on_closed = coordinator.connection_closed
     app = create_app(coordinator, access=config.access, standby=replication is not None)
     app.middlewares.insert(0, guard.middleware)
     app[METRICS].watch_connections(lambda: (guard.refused, guard.evicted))

@@ -100,11 +100,11 @@ class JobRules:
             self.record(now, EventKind.NODE_UNHEALTHY, f"node {node_id} did not join: {reason}", node_id,
                         data=NodeUnhealthy(kind=req.unhealthy.value, host=""))
 
-    def connection_dropped(self, node_id: str, now: float) -> None:
+    def connection_dropped(self, node_id: str, now: float, heard: bool = False) -> None:
         """A node's long-poll connection closed under it: give it a short grace to come back."""
         node = self.job.nodes.get(node_id)
         if node is not None and not self.job.state.finished:
-            leases.drop(self.job, node, now, self.out)
+            leases.drop(self.job, node, now, self.out, heard)
 
     # ---- time ----------------------------------------------------------------------------
 

@@ -9,8 +9,7 @@ A node's lease says the server has reason to think it alive:
   to come back: a dying agent's connection is the fastest evidence there is.
 
 Evidence must be about the node, never about the server itself:
-- "heard" is any sign that the server's link works: a request, a stream's heartbeat, the kernel's
-  last ACK on a connection that closed (a FIN or RST just in says the link works), and, once the
+- "heard" is any sign that the server's link works: a request, a stream's heartbeat, and, once the
   server has heard nothing else for SUSPECT_QUIET_S, the freshest ACK on the held polls' connections
   (their kernels answer keepalive probes: in a small job every long hold is otherwise a silence;
   rdzv_server/held_links.py);
@@ -22,8 +21,9 @@ Evidence must be about the node, never about the server itself:
   server's own link may have just gone, and a held poll's last sign of life can predate that by a
   keepalive period, so such a lease could otherwise run out before the quiet rule sees the outage;
   it is judged again once someone is heard (then it lapses) or by the quiet rule. Neither rule holds
-  a node whose connection closed before the silence or as it began (`closing_heard`): that closing
-  was heard, it is evidence about the node (a 2-node job lost a dead node a whole lease late);
+  a node whose connection its host closed (a FIN or RST just in), or that closed before the silence
+  or as it began (`closing_heard`): that is evidence about the node (a 2-node job lost a dead node a
+  whole lease late, or never);
 - a silence that ended (the server hears someone again after SUSPECT_QUIET_S or more of nobody) may
   have been the server's own link, blocking every node: a node heard within LEAD_S before it began
   (a healthy node's last sign of life, a keepalive ACK included, is at most about that old) and not
@@ -82,12 +82,12 @@ def release(job: JobRecord, node: NodeRecord, now: float, out: Outbox, heard_at:
         out.deadline(node.lease_expires)
 
 
-def drop(job: JobRecord, node: NodeRecord, now: float, out: Outbox) -> None:
+def drop(job: JobRecord, node: NodeRecord, now: float, out: Outbox, heard: bool = False) -> None:
     """A held long-poll's connection closed under it: a short grace to come back, from now. (Not
     capped by the expiry the hold began with: the open poll was the lease until now, and a poll held
     20 s at 10,000 nodes, closed by its agent to send it again, was lost at once.)"""
     node.holding = max(0, node.holding - 1)
-    node.dropped, node.dropped_at = True, now
+    node.dropped, node.dropped_at, node.drop_heard = True, now, heard
     node.lease_expires = now + min(DROP_GRACE_S, job.config.lease_timeout_s)
     out.deadline(node.lease_expires)
 
@@ -103,10 +103,10 @@ def live(node: NodeRecord, now: float) -> bool:
 
 
 def closing_heard(node: NodeRecord, began: float) -> bool:
-    """Whether the node's connection closed before the silence that `began` then, or as it began: a
-    close the server heard (the node's host sent it, or its keepalive gave up before the silence)
-    rather than one the silence itself may have caused (a keepalive giving up in it)."""
-    return node.dropped and node.dropped_at < began + SUSPECT_QUIET_S
+    """Whether the node's connection closed by its host (a FIN or RST came in), or before the silence
+    that `began` then, or as it began: evidence about the node, rather than a close the silence itself
+    may have caused (a keepalive giving up in it)."""
+    return node.dropped and (node.drop_heard or node.dropped_at < began + SUSPECT_QUIET_S)
 
 
 def patience_s(node: NodeRecord, now: float, lag_s: float, quiet_s: float) -> float:

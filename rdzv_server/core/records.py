@@ -29,6 +29,7 @@ class NodeRecord(msgspec.Struct, kw_only=True):
     lease_expires: float
     dropped: bool = False              # its long-poll connection closed: lease cut to a short grace
     dropped_at: float = 0.0            # when it closed (leases.grace_after_silence)
+    drop_heard: bool = False           # the close came from its host (a FIN or RST just in: leases.closing_heard)
     holding: int = 0                   # its long-polls held open now: the lease waits (leases.py)
     failure_times: list[float] = msgspec.field(default_factory=list)
     exclusions: int = 0                # how often it was excluded (cooldown doubles each time)

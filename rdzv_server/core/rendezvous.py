@@ -211,11 +211,12 @@ class Rendezvous:
             self.unhealthy.hold(node.host or node.addr, req.unhealthy.value, req.reason, job_id, req.node_id, now)
         return rules.view(req.node_id, now)
 
-    def connection_dropped(self, job_id: str, node_id: str, now: float) -> None:
-        """A node's long-poll connection closed under it: give it a short grace to come back."""
+    def connection_dropped(self, job_id: str, node_id: str, now: float, heard: bool = False) -> None:
+        """A node's long-poll connection closed under it: give it a short grace to come back. `heard`:
+        the close came from the node's host (a FIN or RST just in), not from a keepalive giving up."""
         job = self.jobs.get(job_id)
         if job is not None:
-            JobRules(job, self.outbox).connection_dropped(node_id, now)
+            JobRules(job, self.outbox).connection_dropped(node_id, now, heard)
 
     def view(self, job_id: str, node_id: str, now: float, *, accepted: bool = True,
              reason: str = "") -> NodeStatus:

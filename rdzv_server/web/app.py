@@ -18,7 +18,7 @@ from rdzv_server.core.rendezvous import RendezvousError
 from rdzv_server.looplag import LoopLagProbe
 from rdzv_server.web import admin, views
 from rdzv_server.web.access import ACCESS, Access, access_middleware
-from rdzv_server.web.connections import SlowBody, ack_age_s, read_body, send_and_close
+from rdzv_server.web.connections import SlowBody, read_body, request_ack_age_s, send_and_close
 from rdzv_server.web.metrics import METRICS, ServerMetrics, metrics_endpoint, metrics_middleware
 from rdzv_server.web.page import render as page
 from rdzv_server.web.routing import COORDINATOR, job_id_of
@@ -92,7 +92,7 @@ async def agent_request(request: web.Request) -> web.Response:
     req = decode_request(cls, body)
     sockname = request.transport.get_extra_info("sockname") if request.transport is not None else None
     local = str(sockname[0]) if sockname else ""
-    status = await coord.handle(job_id, req, request.remote or "", local, lambda: ack_age_s(request.transport))
+    status = await coord.handle(job_id, req, request.remote or "", local, lambda: request_ack_age_s(request))
     return web.Response(body=encode(status), content_type=CONTENT_TYPE)
 
 

@@ -32,6 +32,9 @@ log = logging.getLogger("rdzv_server")
 
 BODY_TIMEOUT_S = 10.0       # a request body slower than this is refused (a slow-body client holds nothing)
 FD_RESERVE = 256            # descriptors kept free for the store, logs and the like
+# request key: its connection's ack age when it ended (a typed key where aiohttp has them: 3.12 on)
+CLOSED_ACK_AGE: Any = (web.RequestKey("closed_ack_age_s", object) if hasattr(web, "RequestKey")
+                       else "rdzv.closed_ack_age_s")
 FRESH_S = 10.0              # a connection accepted but not yet connected (TLS handshake) counts this long
 
 
@@ -52,15 +55,12 @@ class ConnectionGuard:
         self.hard_limit = max(hard_limit or max_connections, max_connections)
         self.refused = 0
         self.evicted = 0
-        self._busy: set[Any] = set()                     # protocols with a request in progress
+        self._busy: dict[Any, web.Request] = {}          # protocols with a request in progress: it
         # Kept here, O(1) per accept: aiohttp's `Server.connections` copies the list of every open
         # connection, and a fleet reconnecting at once (10,000 agents) made that quadratic.
         self._open: dict[Any, None] = {}                 # connected handlers, oldest first
         self._fresh: dict[Any, float] = {}               # handlers made, not yet connected: when
         self._trim_soon = False
-        # told of each connection that ended, with how to ask when its kernel last heard the peer
-        # (a FIN or RST just in says the server's link works: the rules about silences, core/leases.py)
-        self.on_closed: Callable[[Callable[[], float | None]], None] | None = None
 
     def factory(self, server: web.Server) -> Callable[[], asyncio.BaseProtocol]:
         """Wrap aiohttp's protocol factory (`AppRunner.server`), following its connections as the
@@ -75,9 +75,9 @@ class ConnectionGuard:
         def on_lost(handler: Any, exc: BaseException | None = None) -> None:
             self._open.pop(handler, None)
             self._fresh.pop(handler, None)
-            if self.on_closed is not None:     # the socket is still open here: asyncio closes it after
-                transport = handler.transport
-                self.on_closed(lambda: ack_age_s(transport))
+            request = self._busy.get(handler)
+            if request is not None:   # the socket is still open here (the loop closes it after): ask now
+                request[CLOSED_ACK_AGE] = ack_age_s(handler.transport)
             lost(handler, exc)
 
         server.connection_made = on_made      # type: ignore[method-assign]
@@ -120,11 +120,11 @@ class ConnectionGuard:
                          handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
         """Marks a connection busy while it has a request in progress (a held long-poll is busy)."""
         protocol = request.protocol
-        self._busy.add(protocol)
+        self._busy[protocol] = request
         try:
             return await handler(request)
         finally:
-            self._busy.discard(protocol)
+            self._busy.pop(protocol, None)
 
 
 TCP_INFO_LAST_DATA_RECV = 52      # struct tcp_info (Linux): u32 ms since data last came in
@@ -148,6 +148,15 @@ def ack_age_s(transport: asyncio.BaseTransport | None) -> float | None:
     """How long ago the peer last showed that it and the path to it work (its last ACK, a keepalive
     probe's answer included); None where unknown."""
     return tcp_info_age_s(transport, TCP_INFO_LAST_ACK_RECV)
+
+
+def request_ack_age_s(request: web.Request) -> float | None:
+    """`ack_age_s` of the request's connection; once it has ended, as it was when it ended (a FIN or
+    RST just in: about 0)."""
+    if CLOSED_ACK_AGE in request:
+        age: float | None = request[CLOSED_ACK_AGE]
+        return age
+    return ack_age_s(request.transport)
 
 
 class ClientGone(web.HTTPClientError):

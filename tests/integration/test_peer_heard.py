@@ -1,24 +1,28 @@
-"""A connection that ends tells the server how to ask when its peer was last heard (ConnectionGuard's
-`on_closed`: the socket's TCP_INFO, still open then): a FIN just in is fresh evidence that the
-server's link works (the rules about silences, core/leases.py), however long the connection was idle."""
+"""A request whose connection ends keeps how long ago the connection's kernel last heard the peer, as
+it was at the end (ConnectionGuard: the socket's TCP_INFO, still open then): a FIN just in is fresh,
+however long the connection was idle, so a held poll closed by its node's host is told from one a
+keepalive gave up on (core/leases.py, closing_heard)."""
 from __future__ import annotations
 
 import asyncio
 
 from aiohttp import web
 
-from rdzv_server.web.connections import ConnectionGuard, ack_age_s
+from rdzv_server.web.connections import ConnectionGuard, ack_age_s, request_ack_age_s
 
 
 async def test_a_peer_closing_a_held_request_is_heard_at_its_fin():
     guard = ConnectionGuard(100)
     heard: asyncio.Future[float | None] = asyncio.get_running_loop().create_future()
-    guard.on_closed = lambda age: heard.done() or heard.set_result(age())
     held: asyncio.Future[web.Request] = asyncio.get_running_loop().create_future()
 
     async def hold(request: web.Request) -> web.StreamResponse:
         held.set_result(request)
-        await asyncio.Event().wait()
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:      # the connection ended: what the coordinator asks then
+            heard.set_result(request_ack_age_s(request))
+            raise
         raise AssertionError("never answered")
 
     app = web.Application(middlewares=[guard.middleware])

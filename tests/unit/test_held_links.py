@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from protocol.messages import PollRequest
 from rdzv_server.core.events import EventKind
-from rdzv_server.held_links import CHECK_GAP_S, CLOSE_EVIDENCE_AFTER_S, HeldLinks, hear_closed
+from rdzv_server.held_links import CHECK_GAP_S, HeldLinks
 from tests.unit.test_leases import LEASE, job_with
 
 
@@ -56,12 +56,3 @@ def test_the_connections_are_asked_at_most_every_check_gap_and_only_once_the_ser
     links.check(rz, 3.0 + CHECK_GAP_S + 2.0)
     assert asked == [1, 1]
 
-
-def test_a_closed_connections_kernel_is_asked_only_once_the_server_has_heard_nothing_for_a_while():
-    rz = job_with("a", "b")
-    rz.hold_poll("j", PollRequest(v=1, node_id="a"), 1.0)
-    asked = []
-    hear_closed(rz, 1.0 + CLOSE_EVIDENCE_AFTER_S / 2, lambda: asked.append(1) or 0.0)
-    assert asked == [] and rz.heard_at == 1.0          # heard just now: the close changes nothing
-    hear_closed(rz, 4.0, lambda: asked.append(1) or 0.01)   # a FIN just in, 3 s into a hold
-    assert asked == [1] and rz.heard_at == 4.0 - 0.01

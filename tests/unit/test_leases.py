@@ -349,13 +349,12 @@ def test_a_connection_closed_before_a_silence_is_not_held_back_by_it():
 
 
 def test_a_connection_whose_closing_was_heard_late_in_a_silence_is_a_loss_after_the_grace():
-    # a's poll is held from 15 s: nobody heard. At 18.5 s b's kernel closes b's poll (a FIN): the
-    # server heard that (connections.ConnectionGuard), so the close is evidence about b.
+    # a's poll is held from 15 s: nobody heard. At 18.5 s b's kernel closes b's poll (a FIN just in:
+    # connections.request_ack_age_s), so the close is evidence about b.
     rz = job_with("a", "b")
     rz.hold_poll("j", PollRequest(v=1, node_id="b"), 14.0)
     rz.hold_poll("j", PollRequest(v=1, node_id="a"), 15.0)
-    rz.heard(18.5)
-    rz.connection_dropped("j", "b", 18.5)
+    rz.connection_dropped("j", "b", 18.5, heard=True)
     rz.tick(19.5)
     assert "b" not in rz.jobs["j"].nodes
     # the same close with nothing heard (a keepalive giving up: maybe the server's own link) is
