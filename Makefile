@@ -6,7 +6,7 @@ PIP_FLAGS := --disable-pip-version-check -q
 PYTEST_WORKERS ?= 3
 
 .PHONY: venv chromium deploy-tools netns-tools etcd demo test multihost soak fuzz bench bench-faults bench-scale bench-blip \
-	bench-failover bench-first-step gpu-check clean
+	bench-failover bench-first-step gpu-check test-oldest clean
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -51,6 +51,18 @@ deploy-tools:
 test: venv chromium deploy-tools netns-tools etcd
 	$(PY) -m pytest -n $(PYTEST_WORKERS) -m "not soak and not multihost" -q -p no:cacheprovider
 	$(PY) -m pytest -n 2 -m "multihost and not soak" -q -p no:cacheprovider tests/multihost
+
+# The suite (the multi-host tests aside) on the oldest Python and dependency versions pyproject allows
+# (constraints-oldest.txt): a floor that is too low breaks a user's install, not ours. Not part of `make test`.
+PYTHON_OLDEST ?= python3.10
+OLDEST := .venv-oldest
+$(OLDEST)/.installed: pyproject.toml constraints.txt constraints-oldest.txt
+	$(PYTHON_OLDEST) -m venv $(OLDEST)
+	$(OLDEST)/bin/python -m pip install $(PIP_FLAGS) -c constraints.txt -c constraints-oldest.txt -e '.[test,train]'
+	touch $@
+
+test-oldest: $(OLDEST)/.installed chromium deploy-tools netns-tools etcd
+	$(OLDEST)/bin/python -m pytest -n $(PYTEST_WORKERS) -m "not soak and not multihost" -q -p no:cacheprovider
 
 # The multi-host tests alone (tests/multihost: hosts as network namespaces, faults on their links).
 multihost: venv netns-tools
@@ -109,4 +121,4 @@ gpu-check:
 	PYTHONPATH=$(CURDIR) $(GPU_PYTHON) benchmarks/gpu_check.py
 
 clean:
-	rm -rf $(VENV) *.egg-info .pytest_cache .hypothesis
+	rm -rf $(VENV) $(OLDEST) *.egg-info .pytest_cache .hypothesis
