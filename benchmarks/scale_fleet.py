@@ -24,7 +24,6 @@ from __future__ import annotations
 import asyncio
 import os
 import secrets
-import socket
 import time
 import traceback
 from collections import Counter
@@ -37,6 +36,7 @@ import psutil
 from benchmarks.scale_stream import StreamWire
 from benchmarks.scale_wire import WireClient
 from node_agent.client.path_check import ANSWER_WAIT_S, CHECK_TIMEOUT_S, PathCheck, answer_due
+from node_agent.client.readyz import readyz_status
 from node_agent.client.replies import Refusal, refusal
 from node_agent.client.retry import Backoff
 from node_agent.client.transport import ServerRejected, ServerUnreachable
@@ -191,24 +191,11 @@ class SimNode:
         return not request.done()
 
     async def _probe(self, _endpoint: str) -> int | None:
-        """The server's /readyz status over a new connection from this node's address (None: no answer)."""
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.setblocking(False)
-        loop = asyncio.get_running_loop()
-        try:
-            sock.bind((self.spec.addr, 0))
-            async with asyncio.timeout(CHECK_TIMEOUT_S):
-                await loop.sock_connect(sock, ("127.0.0.1", self.client.port))
-            self.path.connected()                  # as the agent's probe says (client/http.py)
-            async with asyncio.timeout(ANSWER_WAIT_S):
-                await loop.sock_sendall(sock, f"GET /readyz HTTP/1.1\r\nHost: 127.0.0.1:{self.client.port}\r\n"
-                                              f"Connection: close\r\n\r\n".encode())
-                head = await loop.sock_recv(sock, 64)
-            return int(head.split(b" ", 2)[1])
-        except (OSError, asyncio.TimeoutError, ValueError, IndexError):
-            return None
-        finally:
-            sock.close()
+        """The server's /readyz status over a new connection from this node's address (None: no answer):
+        the agent's probe (client/readyz.py)."""
+        return await readyz_status(f"http://127.0.0.1:{self.client.port}", ssl_context=None,
+                                   connect_s=CHECK_TIMEOUT_S, answer_s=ANSWER_WAIT_S, connected=self.path.connected,
+                                   local_host=self.spec.addr)
 
     async def report_failure(self) -> dict[str, Any]:
         """One worker of this node failed: report it for the round it runs (and act on the reply)."""

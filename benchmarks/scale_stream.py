@@ -19,7 +19,7 @@ import time
 
 import msgspec
 
-from benchmarks.scale_wire import WireClient
+from benchmarks.scale_wire import WireClient, deadline
 from node_agent.client.transport import ServerUnreachable, bound_unacked_sends, refusal
 from protocol.codec import encode
 from protocol.messages import PROTOCOL_VERSION, NodeStatus, PollRequest, poll_ready
@@ -114,7 +114,7 @@ class StreamWire(WireClient):
 
     async def _send(self, action: str, message: object, timeout: float) -> NodeStatus:
         try:
-            async with asyncio.timeout(timeout):
+            async with deadline(timeout):
                 if self.sock is None or self.broken:
                     self.close()
                     await self._open()

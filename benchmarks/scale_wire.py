@@ -23,6 +23,33 @@ from node_agent.client.transport import ServerUnreachable, Transport, keepalive_
 from protocol.codec import CONTENT_TYPE, decode_reply, encode
 from protocol.messages import ErrorReply, NodeStatus
 
+
+class _Deadline:
+    """asyncio.timeout (3.11+) for Python 3.10: the task is cancelled at the deadline and the block raises
+    TimeoutError. No task per request, unlike wait_for: 10,000 simulated nodes' CPU is the harness's limit."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds, self.fired = seconds, False
+        self.handle: asyncio.TimerHandle | None = None
+
+    async def __aenter__(self) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self.handle = asyncio.get_running_loop().call_later(self.seconds, self._fire, task)
+
+    def _fire(self, task: asyncio.Task[object]) -> None:
+        self.fired = True
+        task.cancel()
+
+    async def __aexit__(self, kind: object, *_: object) -> None:
+        if self.handle is not None:
+            self.handle.cancel()
+        if self.fired and kind is asyncio.CancelledError:
+            raise asyncio.TimeoutError
+
+
+deadline = getattr(asyncio, "timeout", _Deadline)
+
 # Linux's values (asm-generic); the socket module does not name them.
 SO_TIMESTAMPNS = getattr(socket, "SO_TIMESTAMPNS", 35)
 SCM_TIMESTAMPNS = SO_TIMESTAMPNS
@@ -61,7 +88,7 @@ class WireClient(Transport):
         body = encode(message)
         request = f"POST {self.path}{action} HTTP/1.1\r\n{self.head}{len(body)}\r\n\r\n".encode() + body
         try:
-            async with asyncio.timeout(timeout):
+            async with deadline(timeout):
                 if self.sock is None:
                     self.sock = await self._connect()
                 loop = asyncio.get_running_loop()

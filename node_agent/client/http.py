@@ -24,6 +24,7 @@ import yarl
 from node_agent.client.c10d_store import answers_as_c10d_store
 from node_agent.client.endpoints import LEADER_CHECK_S, LEADER_HEADER, Endpoints, origin
 from node_agent.client.path_check import ANSWER_WAIT_S, CHECK_TIMEOUT_S, PathCheck, answer_due
+from node_agent.client.readyz import readyz_status
 from node_agent.client.replies import NOT_RDZV_SERVER, TLS_UNTRUSTED
 from node_agent.client.transport import (
     PathBack,
@@ -62,6 +63,8 @@ class RdzvClient(Transport):
     async def __aenter__(self) -> RdzvClient:
         if self._tls_ca is not None:
             self._ssl = ssl.create_default_context(cafile=self._tls_ca)
+        elif any(e.startswith("https:") for e in self.endpoints.configured):
+            self._ssl = ssl.create_default_context()    # made once: the path checks use it too
         connector = aiohttp.TCPConnector(limit=8, force_close=False, socket_factory=keepalive_socket)
         self._session = aiohttp.ClientSession(connector=connector)
         return self
@@ -183,22 +186,10 @@ class RdzvClient(Transport):
                 request.cancel()
 
     async def _probe(self, server: str) -> int | None:
-        """`server`'s /readyz status over a new connection (None: none; its round gives up on it after
-        CHECK_TIMEOUT_S unless it has connected)."""
-        trace = aiohttp.TraceConfig()
-        trace.on_connection_create_end.append(self._probe_connected)
-        try:
-            async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True),
-                                             trace_configs=[trace]) as fresh:
-                # connected within a round (CHECK_TIMEOUT_S), it may wait for its answer (path_check.py)
-                async with fresh.get(f"{server}/readyz", ssl=self._ssl, timeout=aiohttp.ClientTimeout(
-                        total=ANSWER_WAIT_S, sock_connect=CHECK_TIMEOUT_S)) as resp:
-                    return resp.status
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError):
-            return None
-
-    async def _probe_connected(self, *_: object) -> None:
-        self.path.connected()                   # the path is back; the answer may take a while
+        """`server`'s /readyz status over a new connection (None: none). Connected within CHECK_TIMEOUT_S,
+        it is kept past its round and waits up to ANSWER_WAIT_S for TLS and the answer (path_check.py)."""
+        return await readyz_status(server, ssl_context=self._ssl if isinstance(self._ssl, ssl.SSLContext) else None,
+                                   connect_s=CHECK_TIMEOUT_S, answer_s=ANSWER_WAIT_S, connected=self.path.connected)
 
     async def _post_once(self, base: str, action: str, data: bytes,
                          timeout: float) -> tuple[NodeStatus | ErrorReply, str]:

@@ -23,7 +23,8 @@ up with its round: it waits for its answer up to ANSWER_WAIT_S, and the next rou
 endpoint through it instead of opening another connection. Abandoning it would leave it in the
 queue all the same, for the server to accept and close, and add one more each round: 3,000
 simulated nodes checking a server after a 5 s blip filled its accept queue faster than it drained
-it (35,000 connections waiting after a minute, half the nodes never back).
+it (35,000 connections waiting after a minute, half the nodes never back). The probe (readyz.py)
+says it has connected once the TCP handshake is done, before TLS, which a busy server does late too.
 What a round found (`reach`: REACHED, STANDBY, NO_SERVER; replies.py) is what the agent's fencing
 rule weighs beside the witnesses (core/policy.py).
 """

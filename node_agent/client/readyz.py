@@ -1,0 +1,91 @@
+"""One path check: an endpoint's `GET /readyz` status over a new connection (path_check.py's probe).
+
+Connecting and answering get limits of their own: the TCP handshake within `connect_s` (the kernel
+completes it for a listening server, however busy), then TLS and the answer within `answer_s`, and
+`connected()` is told between the two, so that a probe to a server that is there but slow is kept
+(path_check.py: one probe per endpoint in the server's accept queue, not one more each round). An
+HTTP client library times the TCP and TLS handshakes together: over TLS a probe to a busy server gave
+up after `connect_s` in its handshake, still queued on the server, and the next round added another.
+The request is the smallest HTTP/1.1 GET, and only the status line is read: nothing else of the
+answer matters here."""
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import socket
+import ssl
+from collections.abc import Callable
+from typing import Any
+
+import yarl
+
+STATUS_LINE_MAX = 256    # bytes: an HTTP status line is far shorter; anything longer is not an answer
+
+
+async def readyz_status(server: str, *, ssl_context: ssl.SSLContext | None, connect_s: float, answer_s: float,
+                        connected: Callable[[], None] = lambda: None, local_host: str | None = None) -> int | None:
+    """`server`'s (`http[s]://host:port`) /readyz status, or None: no connection within `connect_s`, no
+    status line within `answer_s` after it, a TLS failure, or an answer that is not HTTP. `ssl_context`
+    is used for https (the default context when None). `local_host`: the address to connect from."""
+    url = yarl.URL(server)
+    host, port = url.host or "", url.port or 0
+    tls = (ssl_context or ssl.create_default_context()) if url.scheme == "https" else None
+    try:
+        sock = await asyncio.wait_for(_connect(host, port, local_host), connect_s)
+    except (OSError, asyncio.TimeoutError):
+        return None
+    connected()
+    try:
+        return await asyncio.wait_for(_ask(sock, tls, host, url.raw_authority or host, answer_s), answer_s)
+    except (OSError, EOFError, asyncio.TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError,
+            ValueError):
+        return None
+    finally:
+        sock.close()             # the transport's, if it got that far: closed already, this is a no-op
+
+
+async def _ask(sock: socket.socket, tls: ssl.SSLContext | None, host: str, authority: str,
+               handshake_s: float) -> int | None:
+    reader, writer = await asyncio.open_connection(sock=sock, ssl=tls, server_hostname=host if tls else None,
+                                                   ssl_handshake_timeout=handshake_s if tls else None)
+    try:
+        writer.write(f"GET /readyz HTTP/1.1\r\nHost: {authority}\r\nConnection: close\r\nAccept: */*\r\n\r\n"
+                     .encode("ascii"))
+        return _status(await reader.readuntil(b"\n"))
+    finally:
+        writer.transport.abort()     # the status is all we wanted; no TLS goodbye to wait for
+
+
+async def _connect(host: str, port: int, local_host: str | None) -> socket.socket:
+    """A non-blocking socket connected to the first of `host`'s addresses that takes the connection."""
+    loop = asyncio.get_running_loop()
+    try:       # an address as it is (no resolver thread: a fleet's checks come together)
+        family = socket.AF_INET6 if ipaddress.ip_address(host).version == 6 else socket.AF_INET
+        infos: list[tuple[Any, ...]] = [(family, socket.SOCK_STREAM, 0, "", (host, port))]
+    except ValueError:
+        infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    failure: OSError = OSError(f"{host} has no address")
+    for family, kind, proto, _, addr in infos:
+        sock = socket.socket(family, kind, proto)
+        sock.setblocking(False)
+        try:
+            if local_host is not None:
+                sock.bind((local_host, 0))
+            await loop.sock_connect(sock, addr)
+            return sock
+        except OSError as exc:
+            failure = exc
+            sock.close()
+        except BaseException:
+            sock.close()
+            raise
+    raise failure
+
+
+def _status(line: bytes) -> int | None:
+    """`HTTP/1.1 200 OK\\r\\n` -> 200; None for anything that is not a status line."""
+    parts = line[:STATUS_LINE_MAX].split(None, 2)
+    if len(parts) < 2 or not parts[0].startswith(b"HTTP/1.") or not parts[1].isdigit() or len(parts[1]) != 3:
+        return None
+    return int(parts[1])
+
