@@ -57,6 +57,8 @@ test: venv chromium deploy-tools netns-tools etcd
 PYTHON_OLDEST ?= python3.10
 OLDEST := .venv-oldest
 $(OLDEST)/.installed: pyproject.toml constraints.txt constraints-oldest.txt
+	@command -v $(PYTHON_OLDEST) >/dev/null 2>&1 && $(PYTHON_OLDEST) -c 'import sys' 2>/dev/null || \
+		{ echo "make test-oldest: no $(PYTHON_OLDEST) here; name one with PYTHON_OLDEST=/path/to/python3.10"; exit 1; }
 	$(PYTHON_OLDEST) -m venv $(OLDEST)
 	$(OLDEST)/bin/python -m pip install $(PIP_FLAGS) -c constraints.txt -c constraints-oldest.txt -e '.[test,train]'
 	touch $@

@@ -19,7 +19,8 @@ import time
 
 import msgspec
 
-from benchmarks.scale_wire import WireClient, deadline
+from benchmarks.scale_wire import WireClient
+from node_agent.client.deadline import deadline
 from node_agent.client.transport import ServerUnreachable, bound_unacked_sends, refusal
 from protocol.codec import encode
 from protocol.messages import PROTOCOL_VERSION, NodeStatus, PollRequest, poll_ready

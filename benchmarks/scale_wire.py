@@ -19,36 +19,10 @@ import socket
 import struct
 import time
 
+from node_agent.client.deadline import deadline
 from node_agent.client.transport import ServerUnreachable, Transport, keepalive_socket, refusal
 from protocol.codec import CONTENT_TYPE, decode_reply, encode
 from protocol.messages import ErrorReply, NodeStatus
-
-
-class _Deadline:
-    """asyncio.timeout (3.11+) for Python 3.10: the task is cancelled at the deadline and the block raises
-    TimeoutError. No task per request, unlike wait_for: 10,000 simulated nodes' CPU is the harness's limit."""
-
-    def __init__(self, seconds: float) -> None:
-        self.seconds, self.fired = seconds, False
-        self.handle: asyncio.TimerHandle | None = None
-
-    async def __aenter__(self) -> None:
-        task = asyncio.current_task()
-        assert task is not None
-        self.handle = asyncio.get_running_loop().call_later(self.seconds, self._fire, task)
-
-    def _fire(self, task: asyncio.Task[object]) -> None:
-        self.fired = True
-        task.cancel()
-
-    async def __aexit__(self, kind: object, *_: object) -> None:
-        if self.handle is not None:
-            self.handle.cancel()
-        if self.fired and kind is asyncio.CancelledError:
-            raise asyncio.TimeoutError
-
-
-deadline = getattr(asyncio, "timeout", _Deadline)
 
 # Linux's values (asm-generic); the socket module does not name them.
 SO_TIMESTAMPNS = getattr(socket, "SO_TIMESTAMPNS", 35)

@@ -19,6 +19,8 @@ from typing import Any
 
 import yarl
 
+from node_agent.client.deadline import deadline
+
 STATUS_LINE_MAX = 256    # bytes: an HTTP status line is far shorter; anything longer is not an answer
 
 
@@ -31,26 +33,42 @@ async def readyz_status(server: str, *, ssl_context: ssl.SSLContext | None, conn
     host, port = url.host or "", url.port or 0
     tls = (ssl_context or ssl.create_default_context()) if url.scheme == "https" else None
     try:
-        sock = await asyncio.wait_for(_connect(host, port, local_host), connect_s)
+        async with deadline(connect_s):
+            sock = await _connect(host, port, local_host)
     except (OSError, asyncio.TimeoutError):
         return None
     connected()
+    request = (f"GET /readyz HTTP/1.1\r\nHost: {url.raw_authority or host}\r\nConnection: close\r\n"
+               f"Accept: */*\r\n\r\n").encode("ascii")
     try:
-        return await asyncio.wait_for(_ask(sock, tls, host, url.raw_authority or host, answer_s), answer_s)
+        async with deadline(answer_s):
+            return await (_ask(sock, request) if tls is None else _ask_tls(sock, request, tls, host, answer_s))
     except (OSError, EOFError, asyncio.TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError,
             ValueError):
         return None
     finally:
-        sock.close()             # the transport's, if it got that far: closed already, this is a no-op
+        sock.close()             # the transport's, if TLS got that far: closed already, this is a no-op
 
 
-async def _ask(sock: socket.socket, tls: ssl.SSLContext | None, host: str, authority: str,
-               handshake_s: float) -> int | None:
-    reader, writer = await asyncio.open_connection(sock=sock, ssl=tls, server_hostname=host if tls else None,
-                                                   ssl_handshake_timeout=handshake_s if tls else None)
+async def _ask(sock: socket.socket, request: bytes) -> int | None:
+    """Over the socket itself: no transport or stream objects for a plain check (a fleet's come together)."""
+    loop = asyncio.get_running_loop()
+    await loop.sock_sendall(sock, request)
+    head = b""
+    while b"\n" not in head and len(head) < STATUS_LINE_MAX:
+        chunk = await loop.sock_recv(sock, STATUS_LINE_MAX)
+        if not chunk:
+            break
+        head += chunk
+    return _status(head.split(b"\n", 1)[0])
+
+
+async def _ask_tls(sock: socket.socket, request: bytes, tls: ssl.SSLContext, host: str,
+                   handshake_s: float) -> int | None:
+    reader, writer = await asyncio.open_connection(sock=sock, ssl=tls, server_hostname=host,
+                                                   ssl_handshake_timeout=handshake_s)
     try:
-        writer.write(f"GET /readyz HTTP/1.1\r\nHost: {authority}\r\nConnection: close\r\nAccept: */*\r\n\r\n"
-                     .encode("ascii"))
+        writer.write(request)
         return _status(await reader.readuntil(b"\n"))
     finally:
         writer.transport.abort()     # the status is all we wanted; no TLS goodbye to wait for
