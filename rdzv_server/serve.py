@@ -31,7 +31,7 @@ from rdzv_server.store.etcd.election import Leadership
 from rdzv_server.store.etcd.store import EtcdStore
 from rdzv_server.web.access import Access
 from rdzv_server.web.app import NOTES, create_app
-from rdzv_server.web.connections import FD_RESERVE, ConnectionGuard
+from rdzv_server.web.connections import FD_RESERVE, GUARD, ConnectionGuard
 from rdzv_server.web.metrics import METRICS
 
 log = logging.getLogger("rdzv_server")
@@ -124,6 +124,7 @@ async def serve(config: ServerConfig, store: Store | None = None,
                               max_polls_per_node=config.max_polls_per_node)
     app = create_app(coordinator, access=config.access, standby=replication is not None)
     app.middlewares.insert(0, guard.middleware)
+    app[GUARD] = guard
     app[METRICS].watch_connections(lambda: (guard.refused, guard.evicted))
     app[NOTES] = config.notes
     trimmer = HeapTrimmer()

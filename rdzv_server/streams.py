@@ -64,7 +64,6 @@ class Subscription:
     held: bool = False
     last: NodeStatus | None = None
     ended: str = ""                    # why the hub ended it ("": still open, or the client's doing)
-    extra: dict[str, object] = field(default_factory=dict)
 
 
 @dataclass

@@ -8,6 +8,7 @@ import urllib.request
 
 import msgpack
 import pytest
+from websockets.sync.client import connect
 
 from tests.e2e.harness import job_events, wait_until
 
@@ -69,6 +70,30 @@ def test_idle_connections_over_the_cap_make_room_for_healthz_and_agents(cluster)
         held.close()
         for sock in idle:
             sock.close()
+
+
+def test_a_stream_counts_against_the_cap_and_is_never_closed_to_make_room(cluster):
+    """A stream is a connection aiohttp no longer holds (web/stream_connection.py): the guard still
+    counts it, and as a held poll it is never the idle one closed."""
+    port = cluster.start_server("--state-dir", "none", "--max-connections", "40")
+    body = {"v": 1, "node_id": "a", "addr": "10.0.0.1", "local_world_size": 1, "master_port": 1,
+            "config": {"min_nodes": 2, "max_nodes": 2}}
+    with connect(f"ws://127.0.0.1:{port}/v1/jobs/conn/stream", open_timeout=10) as ws:
+        ws.send(msgpack.packb({"t": "hello", "v": 1, "node_id": "a"}))
+        ws.send(msgpack.packb({"t": "request", "id": 1, "action": "join", "body": body}))
+        credential = msgpack.unpackb(ws.recv(timeout=10))["status"]["credential"]
+        ws.send(msgpack.packb({"t": "subscribe", "credential": credential, "known_round": -1}))
+        assert msgpack.unpackb(ws.recv(timeout=10))["status"]["node_state"] == "waiting"
+        idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(80)]   # never send anything
+        try:
+            wait_until(lambda: metric(port, "rdzv_connections_evicted_total") >= 80 + 1 - 40, 30,
+                       "the idle connections over the cap closed, the stream counted among the 40")
+            post(port, "join", dict(body, node_id="b", addr="10.0.0.2", master_port=2))
+            pushed = msgpack.unpackb(ws.recv(timeout=10))       # the stream is still open: the round comes
+            assert pushed["t"] == "status" and pushed["status"]["node_state"] == "member", pushed
+        finally:
+            for sock in idle:
+                sock.close()
 
 
 def send_poll(port: int, node: str, credential: str, known_round: int) -> socket.socket:

@@ -155,8 +155,9 @@ async def test_a_text_frame_and_an_oversize_frame_are_refused_without_a_5xx(serv
     assert "binary" in (await a.closed_with())["message"]
     b = await open_node(http, server, "j", "b")
     await b.ws.send_bytes(b"\x00" * (2 << 20))
-    msg = await asyncio.wait_for(b.ws.receive(), LIMIT)
-    assert msg.type in (aiohttp.WSMsgType.CLOSE, aiohttp.WSMsgType.CLOSED) and b.ws.close_code == 1009
+    refused = await b.closed_with()          # an error frame naming it, then the close (1009: too big)
+    assert refused["code"] == "too_large" and "exceeds limit" in refused["message"], refused
+    assert b.ws.close_code == 1009
     async with http.get(url(server, "/metrics")) as resp:
         text = await resp.text()
     assert 'reason="bad frame: too_large"' in text and 'status="5' not in text
