@@ -144,14 +144,14 @@ TCP_INFO_LAST_ACK_RECV = 56       # u32 ms since any ACK came in (data, a keepal
 
 def tcp_info_age_s(transport: asyncio.BaseTransport | None, field: int) -> float | None:
     """A `struct tcp_info` age field of the transport's socket, in seconds; None where unknown (no
-    socket, no TCP_INFO)."""
+    socket, no TCP_INFO, a socket already closed: uvloop's stand-in for it then raises ValueError)."""
     sock = transport.get_extra_info("socket") if transport is not None else None
     if sock is None or not hasattr(socket, "TCP_INFO"):
         return None
     try:
         info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 104)
         return float(struct.unpack_from("I", info, field)[0]) / 1000.0
-    except (OSError, struct.error):
+    except (OSError, ValueError, struct.error):
         return None
 
 

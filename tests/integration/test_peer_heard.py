@@ -50,3 +50,17 @@ async def test_a_peer_closing_a_held_request_is_heard_at_its_fin():
             writer.close()
         server.close()
         await runner.cleanup()
+
+
+def test_a_socket_closed_under_its_transport_reads_as_unknown() -> None:
+    """uvloop's stand-in for a transport's socket raises ValueError once the descriptor is closed
+    (a stream the sweep looks at while it closes): unknown, not an error that ends the sweep."""
+    class Closed:
+        def getsockopt(self, *args: object) -> bytes:
+            raise ValueError("negative file descriptor")
+
+    class Transport:
+        def get_extra_info(self, name: str) -> object:
+            return Closed() if name == "socket" else None
+
+    assert ack_age_s(Transport()) is None  # type: ignore[arg-type]
