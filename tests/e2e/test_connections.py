@@ -2,14 +2,18 @@
 connection makes room; a held long-poll is never the one closed."""
 from __future__ import annotations
 
+import contextlib
 import socket
+import ssl
 import time
 import urllib.request
 
 import msgpack
 import pytest
+from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect
 
+from tests.e2e.certs import make_ca, make_server_cert
 from tests.e2e.harness import job_events, wait_until
 
 pytestmark = pytest.mark.e2e
@@ -147,3 +151,36 @@ def test_a_connection_closed_late_in_anothers_held_poll_is_a_loss_after_the_grac
     finally:
         b_poll.close()
         a_poll.close()
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_a_stream_over_tls_is_taken_over_like_a_plain_one(cluster, tmp_path, loop):
+    """The stream's protocol takes over the TLS transport (asyncio's and uvloop's): the round is
+    pushed over it, a ping is answered, a bad frame gets its error frame before the close."""
+    ca = make_ca(str(tmp_path))
+    cert, key = make_server_cert(str(tmp_path), ca)
+    port = cluster.start_server("--tls-cert", cert, "--tls-key", key, "--state-dir", "none", "--event-loop", loop)
+    context = ssl.create_default_context(cafile=ca[0])
+    url = f"wss://127.0.0.1:{port}/v1/jobs/tls/stream"
+    with contextlib.ExitStack() as opened:
+        streams = [opened.enter_context(connect(url, ssl=context, open_timeout=10)) for _ in range(2)]
+        for i, ws in enumerate(streams):
+            node = f"n{i}"
+            ws.send(msgpack.packb({"t": "hello", "v": 1, "node_id": node}))
+            ws.send(msgpack.packb({"t": "request", "id": 1, "action": "join", "body": {
+                "v": 1, "node_id": node, "addr": f"10.0.0.{i + 1}", "local_world_size": 1, "master_port": 1,
+                "config": {"min_nodes": 2, "max_nodes": 2}}}))
+            credential = msgpack.unpackb(ws.recv(timeout=10))["status"]["credential"]
+            ws.send(msgpack.packb({"t": "subscribe", "credential": credential, "known_round": -1}))
+        first = msgpack.unpackb(streams[0].recv(timeout=10))          # its own view, waiting for n1
+        while first["status"]["node_state"] != "member":
+            first = msgpack.unpackb(streams[0].recv(timeout=10))
+        assert first["status"]["assignment"]["world_size"] == 2
+        streams[1].ping(b"x").wait(10)
+        streams[1].send(b"\xc1garbage")
+        while (frame := msgpack.unpackb(streams[1].recv(timeout=10)))["t"] == "status":
+            pass
+        assert frame["t"] == "error" and frame["code"] == "bad_request", frame
+        with pytest.raises(ConnectionClosed):
+            streams[1].recv(timeout=10)
+        assert streams[1].close_code == 1008
