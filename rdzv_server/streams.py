@@ -42,7 +42,7 @@ UNSUBSCRIBED_SILENCE_S = 30.0   # a stream that has not subscribed (yet) may be 
 
 
 class Stream(Protocol):
-    """One node's connection, as the hub sees it (web/stream.py implements it over a WebSocket)."""
+    """One node's connection, as the hub sees it (web/stream_connection.py implements it over a WebSocket)."""
 
     def push(self, frame: bytes) -> bool:
         """Write one encoded frame now; False: the connection is gone or over its write-buffer cap (closed)."""
