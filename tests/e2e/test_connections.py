@@ -169,18 +169,18 @@ def test_a_stream_over_tls_is_taken_over_like_a_plain_one(cluster, tmp_path, loo
             ws.send(msgpack.packb({"t": "hello", "v": 1, "node_id": node}))
             ws.send(msgpack.packb({"t": "request", "id": 1, "action": "join", "body": {
                 "v": 1, "node_id": node, "addr": f"10.0.0.{i + 1}", "local_world_size": 1, "master_port": 1,
-                "config": {"min_nodes": 2, "max_nodes": 2}}}))
+                "config": {"min_nodes": 2, "max_nodes": 2, "lease_timeout_s": 30.0}}}))
             credential = msgpack.unpackb(ws.recv(timeout=10))["status"]["credential"]
             ws.send(msgpack.packb({"t": "subscribe", "credential": credential, "known_round": -1}))
         first = msgpack.unpackb(streams[0].recv(timeout=10))          # its own view, waiting for n1
         while first["status"]["node_state"] != "member":
             first = msgpack.unpackb(streams[0].recv(timeout=10))
         assert first["status"]["assignment"]["world_size"] == 2
-        streams[1].ping(b"x").wait(10)
+        assert streams[0].ping(b"x").wait(10)        # answered (its pushes read: websockets 13 reads no further)
         streams[1].send(b"\xc1garbage")
         while (frame := msgpack.unpackb(streams[1].recv(timeout=10)))["t"] == "status":
             pass
         assert frame["t"] == "error" and frame["code"] == "bad_request", frame
-        with pytest.raises(ConnectionClosed):
+        with pytest.raises(ConnectionClosed) as closed:
             streams[1].recv(timeout=10)
-        assert streams[1].close_code == 1008
+        assert closed.value.rcvd is not None and closed.value.rcvd.code == 1008

@@ -64,9 +64,9 @@ async def test_frames_after_a_request_wait_for_its_reply(server) -> None:
         first, second = await recv(ws), await recv(ws)
         assert first["t"] == "reply" and first["id"] == 1, first
         assert second["t"] == "error" and second["code"] == "bad_request", second
-        with pytest.raises(ConnectionClosed):
+        with pytest.raises(ConnectionClosed) as closed:
             await asyncio.wait_for(ws.recv(), LIMIT)
-        assert ws.close_code == 1008
+        assert closed.value.rcvd is not None and closed.value.rcvd.code == 1008
 
 
 async def test_pings_are_answered_and_a_close_is_a_dropped_connection(server) -> None:
