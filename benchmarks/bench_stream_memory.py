@@ -1,12 +1,12 @@
 """What one open, subscribed stream costs the server in memory (issue 23's RSS goal: 10,000 streams
 in <= 150 MB).
 
-A real rdzv-server (no state dir) and N stream nodes from this process (aiohttp's WebSocket client,
+A real rdzv-server (no state dir; `--store`: SQLite) and N stream nodes from this process (aiohttp's WebSocket client,
 plain msgpack frames): each says hello, joins one job of N nodes and subscribes. Reported: the
 server's RSS before the nodes, once all hold their assignment, and the difference per stream; the
 server is asked for its RSS after a few seconds of heartbeats, so what the join storm freed and
 kept counts too.
-Run: .venv/bin/python benchmarks/bench_stream_memory.py [--nodes 4000] [--loop uvloop|asyncio]
+Run: .venv/bin/python benchmarks/bench_stream_memory.py [--nodes 4000] [--loop uvloop|asyncio] [--store]
 """
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ import re
 import resource
 import subprocess
 import sys
+import tempfile
 import time
 
 import aiohttp
@@ -28,9 +29,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BATCH = 200                     # nodes opening their streams at once
 
 
-def start_server(loop: str) -> tuple[subprocess.Popen[str], int]:
+def start_server(loop: str, state_dir: str) -> tuple[subprocess.Popen[str], int]:
     server = os.path.join(os.path.dirname(sys.executable), "rdzv-server")
-    cmd = [server, "--host", "127.0.0.1", "--port", "0", "--state-dir", "none", "--event-loop", loop]
+    cmd = [server, "--host", "127.0.0.1", "--port", "0", "--state-dir", state_dir, "--event-loop", loop]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     assert proc.stdout is not None
     for line in proc.stdout:
@@ -91,20 +92,23 @@ def main() -> None:
     ap.add_argument("--nodes", type=int, default=4000)
     ap.add_argument("--loop", choices=["uvloop", "asyncio"], default="uvloop")
     ap.add_argument("--settle", type=float, default=5.0, help="seconds of heartbeats before the RSS is read")
+    ap.add_argument("--store", action="store_true", help="the server keeps its state (SQLite, in a temporary dir)")
     args = ap.parse_args()
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))     # N client sockets here
     if args.nodes + 64 > hard:
         raise SystemExit(f"{args.nodes} streams need an open-file limit over {args.nodes + 64} (ulimit -n: {hard})")
-    proc, port = start_server(args.loop)
-    try:
-        figures = asyncio.run(measure(port, psutil.Process(proc.pid), args.nodes, args.settle))
-    finally:
-        proc.terminate()
-        proc.wait(10)
+    with tempfile.TemporaryDirectory() as state:
+        proc, port = start_server(args.loop, state if args.store else "none")
+        try:
+            figures = asyncio.run(measure(port, psutil.Process(proc.pid), args.nodes, args.settle))
+        finally:
+            proc.terminate()
+            proc.wait(10)
     figures = {k: round(v, 1) for k, v in figures.items()}
-    print(json.dumps({"nodes": args.nodes, "loop": args.loop, **figures}))
-    print(f"{args.nodes} subscribed streams ({args.loop}): server RSS {figures['rss_before_mib']:.0f} -> "
+    print(json.dumps({"nodes": args.nodes, "loop": args.loop, "store": args.store, **figures}))
+    store = "SQLite store" if args.store else "no store"
+    print(f"{args.nodes} subscribed streams ({args.loop}, {store}): server RSS {figures['rss_before_mib']:.0f} -> "
           f"{figures['rss_streams_mib']:.0f} MiB, {figures['kib_per_stream']:.1f} KiB a stream "
           f"(10,000 streams: ~{figures['rss_before_mib'] + figures['kib_per_stream'] * 10000 / 1024:.0f} MiB)")
 
