@@ -1,12 +1,13 @@
 """What one open, subscribed stream costs the server in memory (issue 23's RSS goal: 10,000 streams
 in <= 150 MB).
 
-A real rdzv-server (no state dir; `--store`: SQLite) and N stream nodes from this process (aiohttp's WebSocket client,
-plain msgpack frames): each says hello, joins one job of N nodes and subscribes. Reported: the
+A real rdzv-server (no state dir; `--store`: SQLite) and N stream nodes from this process
+(aiohttp's WebSocket client, plain msgpack frames), `--batch` at a time: each says hello, joins one
+job of N nodes and subscribes. Reported: the
 server's RSS before the nodes, once all hold their assignment, and the difference per stream; the
 server is asked for its RSS after a few seconds of heartbeats, so what the join storm freed and
 kept counts too.
-Run: .venv/bin/python benchmarks/bench_stream_memory.py [--nodes 4000] [--loop uvloop|asyncio] [--store]
+Run: .venv/bin/python benchmarks/bench_stream_memory.py [--nodes 4000] [--loop uvloop|asyncio] [--store] [--batch 200]
 """
 from __future__ import annotations
 
@@ -26,7 +27,6 @@ import msgpack
 import psutil
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BATCH = 200                     # nodes opening their streams at once
 
 
 def start_server(loop: str, state_dir: str) -> tuple[subprocess.Popen[str], int]:
@@ -67,13 +67,13 @@ async def until_assigned(streams: list[aiohttp.ClientWebSocketResponse], deadlin
     await asyncio.wait_for(asyncio.gather(*(one(ws) for ws in streams)), deadline_s)
 
 
-async def measure(port: int, server: psutil.Process, n: int, settle_s: float) -> dict[str, float]:
+async def measure(port: int, server: psutil.Process, n: int, settle_s: float, batch: int) -> dict[str, float]:
     before = server.memory_info().rss
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http:
         streams: list[aiohttp.ClientWebSocketResponse] = []
         started = time.monotonic()
-        for first in range(0, n, BATCH):
-            streams += await asyncio.gather(*(node(http, port, i, n) for i in range(first, min(n, first + BATCH))))
+        for first in range(0, n, batch):
+            streams += await asyncio.gather(*(node(http, port, i, n) for i in range(first, min(n, first + batch))))
         await until_assigned(streams, 120.0)
         formed = time.monotonic() - started
         heartbeat = msgpack.packb({"t": "heartbeat"})
@@ -92,6 +92,7 @@ def main() -> None:
     ap.add_argument("--nodes", type=int, default=4000)
     ap.add_argument("--loop", choices=["uvloop", "asyncio"], default="uvloop")
     ap.add_argument("--settle", type=float, default=5.0, help="seconds of heartbeats before the RSS is read")
+    ap.add_argument("--batch", type=int, default=200, help="nodes opening their streams at once")
     ap.add_argument("--store", action="store_true", help="the server keeps its state (SQLite, in a temporary dir)")
     args = ap.parse_args()
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -101,7 +102,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as state:
         proc, port = start_server(args.loop, state if args.store else "none")
         try:
-            figures = asyncio.run(measure(port, psutil.Process(proc.pid), args.nodes, args.settle))
+            figures = asyncio.run(measure(port, psutil.Process(proc.pid), args.nodes, args.settle, args.batch))
         finally:
             proc.terminate()
             proc.wait(10)
