@@ -41,7 +41,19 @@ def start_server(loop: str, state_dir: str) -> tuple[subprocess.Popen[str], int]
     raise SystemExit("rdzv-server did not start")
 
 
-async def node(http: aiohttp.ClientSession, port: int, i: int, n: int) -> aiohttp.ClientWebSocketResponse:
+Stream = aiohttp.ClientWebSocketResponse
+
+
+def assigned(msg: aiohttp.WSMessage) -> bool:
+    """Whether a message from the server is a status holding the node's assignment (its round)."""
+    if msg.type is not aiohttp.WSMsgType.BINARY:
+        raise SystemExit(f"a stream ended before its round: {msg}")
+    frame = msgpack.unpackb(msg.data)
+    return frame.get("t") == "status" and bool(frame["status"].get("assignment"))
+
+
+async def node(http: aiohttp.ClientSession, port: int, i: int, n: int) -> tuple[Stream, bool]:
+    """A node's stream, joined and subscribed; and whether its first status holds its assignment."""
     ws = await http.ws_connect(f"http://127.0.0.1:{port}/v1/jobs/mem/stream")
     await ws.send_bytes(msgpack.packb({"t": "hello", "v": 1, "node_id": f"n{i}"}))
     body = {"v": 1, "node_id": f"n{i}", "addr": f"10.{i >> 16}.{(i >> 8) & 255}.{i & 255}", "local_world_size": 8,
@@ -50,31 +62,26 @@ async def node(http: aiohttp.ClientSession, port: int, i: int, n: int) -> aiohtt
     reply = msgpack.unpackb((await ws.receive()).data)
     await ws.send_bytes(msgpack.packb({"t": "subscribe", "credential": reply["status"]["credential"],
                                        "known_round": -1}))
-    first = await ws.receive()
-    ws.assigned = bool(msgpack.unpackb(first.data)["status"].get("assignment"))  # type: ignore[attr-defined]
-    return ws
+    return ws, assigned(await ws.receive())
 
 
-async def until_assigned(streams: list[aiohttp.ClientWebSocketResponse], deadline_s: float) -> None:
+async def until_assigned(nodes: list[tuple[Stream, bool]], deadline_s: float) -> None:
     """Every node's stream has pushed it a status with an assignment (the round formed)."""
-    async def one(ws: aiohttp.ClientWebSocketResponse) -> None:
-        while not ws.assigned:  # type: ignore[attr-defined]
-            msg = await ws.receive()
-            if msg.type is not aiohttp.WSMsgType.BINARY:
-                raise SystemExit(f"a stream ended before its round: {msg}")
-            frame = msgpack.unpackb(msg.data)
-            ws.assigned = frame.get("t") == "status" and bool(frame["status"].get("assignment"))  # type: ignore
-    await asyncio.wait_for(asyncio.gather(*(one(ws) for ws in streams)), deadline_s)
+    async def one(ws: Stream) -> None:
+        while not assigned(await ws.receive()):
+            pass
+    await asyncio.wait_for(asyncio.gather(*(one(ws) for ws, done in nodes if not done)), deadline_s)
 
 
 async def measure(port: int, server: psutil.Process, n: int, settle_s: float, batch: int) -> dict[str, float]:
     before = server.memory_info().rss
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http:
-        streams: list[aiohttp.ClientWebSocketResponse] = []
+        nodes: list[tuple[Stream, bool]] = []
         started = time.monotonic()
         for first in range(0, n, batch):
-            streams += await asyncio.gather(*(node(http, port, i, n) for i in range(first, min(n, first + batch))))
-        await until_assigned(streams, 120.0)
+            nodes += await asyncio.gather(*(node(http, port, i, n) for i in range(first, min(n, first + batch))))
+        await until_assigned(nodes, 120.0)
+        streams = [ws for ws, _ in nodes]
         formed = time.monotonic() - started
         heartbeat = msgpack.packb({"t": "heartbeat"})
         for _ in range(int(settle_s)):
