@@ -19,7 +19,6 @@ import base64
 import hashlib
 import logging
 import struct
-from collections import deque
 from collections.abc import Awaitable, Callable
 
 from aiohttp import web
@@ -112,7 +111,7 @@ class StreamConnection(asyncio.Protocol):
         self.ws, self.transport, self.hub, self.on_message, self.cap = ws, transport, hub, on_message, cap
         self.remote, self.local = remote, local
         self.sub: Subscription = hub.opened(job_id, "", self)
-        self._waiting: deque[Frame] | None = None      # frames read while a message is awaited
+        self._waiting: list[Frame] | None = None       # frames read while a message is awaited
         self._task: asyncio.Task[None] | None = None
         self._parts: list[bytes] | None = None          # a fragmented message so far
         self._text = False
@@ -241,7 +240,7 @@ class StreamConnection(asyncio.Protocol):
             self._internal()
             return
         if pending is not None:
-            self._waiting = deque()
+            self._waiting = []
             self.transport.pause_reading()
             self._task = asyncio.ensure_future(self._finish(pending))
 
@@ -250,15 +249,13 @@ class StreamConnection(asyncio.Protocol):
             await pending
         except FrameError as exc:
             self._refuse(exc)
-        except asyncio.CancelledError:
-            raise
-        except Exception:
+        except Exception:  # (a cancel, the connection lost, is not one: it ends here)
             self._internal()
         self._task = None
         waiting, self._waiting = self._waiting, None
         if waiting is None or self._closing or self.transport.is_closing():
             return
-        self._take(list(waiting))
+        self._take(waiting)
         if self._waiting is None:
             self.transport.resume_reading()
 
