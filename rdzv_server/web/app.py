@@ -18,7 +18,7 @@ from rdzv_server.core.rendezvous import RendezvousError
 from rdzv_server.looplag import LoopLagProbe
 from rdzv_server.web import admin, views
 from rdzv_server.web.access import ACCESS, Access, access_middleware
-from rdzv_server.web.connections import SlowBody, read_body, request_ack_age_s, send_and_close
+from rdzv_server.web.connections import SlowBody, local_address, read_body, request_ack_age_s, send_and_close
 from rdzv_server.web.metrics import METRICS, ServerMetrics, metrics_endpoint, metrics_middleware
 from rdzv_server.web.page import render as page
 from rdzv_server.web.routing import COORDINATOR, job_id_of
@@ -90,9 +90,8 @@ async def agent_request(request: web.Request) -> web.Response:
     if not await coord.gate.until_serving(ELECTION_WAIT_S):
         raise coord.gate.not_serving()
     req = decode_request(cls, body)
-    sockname = request.transport.get_extra_info("sockname") if request.transport is not None else None
-    local = str(sockname[0]) if sockname else ""
-    status = await coord.handle(job_id, req, request.remote or "", local, lambda: request_ack_age_s(request))
+    status = await coord.handle(job_id, req, request.remote or "", local_address(request.transport),
+                                lambda: request_ack_age_s(request))
     return web.Response(body=encode(status), content_type=CONTENT_TYPE)
 
 

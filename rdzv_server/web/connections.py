@@ -155,6 +155,12 @@ def tcp_info_age_s(transport: asyncio.BaseTransport | None, field: int) -> float
         return None
 
 
+def local_address(transport: asyncio.BaseTransport | None) -> str:
+    """The server's own address on this connection (where the node reached it); "" where unknown."""
+    sockname = transport.get_extra_info("sockname") if transport is not None else None
+    return str(sockname[0]) if sockname else ""
+
+
 def ack_age_s(transport: asyncio.BaseTransport | None) -> float | None:
     """How long ago the peer last showed that it and the path to it work (its last ACK, a keepalive
     probe's answer included); None where unknown."""

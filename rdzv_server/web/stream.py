@@ -10,7 +10,6 @@ only gets an error reply.
 """
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Awaitable, Iterable
 
 from aiohttp import web
@@ -35,6 +34,7 @@ from protocol.stream import (
 from rdzv_server.core.errors import RendezvousError
 from rdzv_server.serving import LEADER_HEADER
 from rdzv_server.streams import StreamHub, Subscription
+from rdzv_server.web.connections import local_address
 from rdzv_server.web.routing import COORDINATOR, job_id_of
 from rdzv_server.web.stream_connection import Detached, StreamConnection, handshake, websocket
 
@@ -49,15 +49,12 @@ async def agent_stream(request: web.Request) -> web.StreamResponse:
     job_id = job_id_of(request)
     if not coord.serving():
         raise coord.gate.not_serving()          # before the upgrade: a standby names the leader (503)
-    try:
-        answer = handshake(request)
-    except FrameError as exc:
-        raise DecodeError(exc.code, exc.message) from None
+    answer = handshake(request)
     transport = request.transport
     if transport is None or transport.is_closing():
         raise ConnectionResetError("the node closed its connection before the upgrade")
     conn = StreamConnection(websocket(MAX_FRAME_BYTES), transport, hub, job_id, _message, WRITE_BUFFER_CAP,
-                            request.remote or "", _local(transport))
+                            request.remote or "", local_address(transport))
     conn.adopt(request, answer)
     return Detached(status=101)
 
@@ -125,11 +122,6 @@ async def _request(conn: StreamConnection, frame: Request) -> Reply:
 def _with_leader(exc: RendezvousError) -> str:
     leader = (exc.headers or {}).get(LEADER_HEADER, "")
     return f"{exc.message} [leader: {leader}]" if leader else exc.message
-
-
-def _local(transport: asyncio.BaseTransport) -> str:
-    sockname = transport.get_extra_info("sockname")
-    return str(sockname[0]) if sockname else ""
 
 
 class StreamCollector(Collector):

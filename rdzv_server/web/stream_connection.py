@@ -27,6 +27,7 @@ from websockets.frames import Frame, Opcode
 from websockets.protocol import Protocol as WebSocket
 from websockets.protocol import Side, State
 
+from protocol.codec import DecodeError
 from protocol.errors import ErrorCode
 from protocol.quoting import quote
 from protocol.stream import Error, FrameError, encode_frame
@@ -57,8 +58,8 @@ def ws_frame(payload: bytes, opcode: int = 0x2) -> bytes:
 
 
 def handshake(request: web.Request) -> bytes:
-    """The 101 answer to a WebSocket upgrade request (RFC 6455 4.2); FrameError naming what is wrong
-    when it is not one. (Here rather than websockets' ServerProtocol.accept: 3 us against 111 us a
+    """The 101 answer to a WebSocket upgrade request (RFC 6455 4.2); a refusal (400) naming what is
+    wrong when it is not one. (Here rather than websockets' ServerProtocol.accept: 3 us against 111 us a
     stream, 1 s of the server's loop in a 10,000-node join storm.)"""
     headers = request.headers
     key = headers.get("Sec-WebSocket-Key", "")
@@ -74,7 +75,7 @@ def handshake(request: web.Request) -> bytes:
         accept = base64.b64encode(hashlib.sha1((key + WS_GUID).encode()).digest())
         return b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n" \
                b"Sec-WebSocket-Accept: " + accept + b"\r\n\r\n"
-    raise FrameError(ErrorCode.BAD_REQUEST, f"this route takes a WebSocket upgrade (docs/protocol.md): {problem}")
+    raise DecodeError(ErrorCode.BAD_REQUEST, f"this route takes a WebSocket upgrade (docs/protocol.md): {problem}")
 
 
 def _key_ok(key: str) -> bool:
