@@ -42,3 +42,26 @@ async def wait_until(predicate, timeout: float = 5.0) -> None:
     while not predicate():
         assert loop.time() < deadline, "condition not reached in time"
         await asyncio.sleep(0.01)
+
+
+class FixedLag:
+    """A loop-lag probe (coordinator.LagSource) that says the server runs `lag_s` behind, whatever
+    the machine's load: tests that set the coordinator's clock by hand need its lag set too (a real
+    probe on a busy CI runner held a lease past the time such a test had set)."""
+
+    max_s = 0.0
+
+    def __init__(self, lag_s: float) -> None:
+        self.lag_s = lag_s
+
+    def start(self) -> None:
+        pass
+
+    async def stop(self) -> None:
+        pass
+
+    def recent_s(self) -> float:
+        return self.lag_s
+
+    def summary(self) -> str:
+        return "not measured (test)"

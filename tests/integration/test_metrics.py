@@ -20,7 +20,7 @@ from rdzv_server.coordinator import Coordinator
 from rdzv_server.store.sqlite import SqliteStore
 from rdzv_server.web.app import COORDINATOR, create_app
 from rdzv_server.web.metrics import CAUSES
-from tests.integration.support import remember_credential, start_app, url, wait_until, with_credential
+from tests.integration.support import FixedLag, remember_credential, start_app, url, wait_until, with_credential
 
 MSGPACK = {"Content-Type": "application/msgpack"}
 T0 = 1000.0
@@ -43,32 +43,9 @@ async def start(coordinator: Coordinator) -> TestServer:
     return await start_app(create_app(coordinator))
 
 
-class SteadyLoop:
-    """A loop-lag probe that says the server keeps up: these tests move the coordinator's clock by
-    hand, and a real probe would let the machine's load (a stall of half a second on a busy CI
-    runner) hold a lease past the time the test set."""
-
-    max_s = 0.0
-
-    def __init__(self, lag_s: float = 0.0) -> None:
-        self.lag_s = lag_s
-
-    def start(self) -> None:
-        pass
-
-    async def stop(self) -> None:
-        pass
-
-    def recent_s(self) -> float:
-        return self.lag_s
-
-    def summary(self) -> str:
-        return "not measured (test)"
-
-
 @pytest.fixture
 async def server(clock):
-    srv = await start(Coordinator(clock=clock, loop_lag=SteadyLoop()))
+    srv = await start(Coordinator(clock=clock, loop_lag=FixedLag(0.0)))
     try:
         yield srv
     finally:
@@ -251,7 +228,7 @@ async def test_failure_past_the_budget_fails_the_job_without_counting_a_restart(
 
 async def test_a_restarted_server_counts_only_its_own_restarts(tmp_path, http, clock):
     cfg = dict(min_nodes=1, max_nodes=1, max_restarts=5)
-    first = await start(Coordinator(clock=clock, store=SqliteStore(str(tmp_path)), loop_lag=SteadyLoop()))
+    first = await start(Coordinator(clock=clock, store=SqliteStore(str(tmp_path)), loop_lag=FixedLag(0.0)))
     try:
         a = Node(http, first, "r", "a", **cfg)
         round1 = (await a.join())["assignment"]["round_id"]
@@ -260,7 +237,7 @@ async def test_a_restarted_server_counts_only_its_own_restarts(tmp_path, http, c
     finally:
         await first.close()
     clock.now = T0 + 5
-    second = await start(Coordinator(clock=clock, store=SqliteStore(str(tmp_path)), loop_lag=SteadyLoop()))
+    second = await start(Coordinator(clock=clock, store=SqliteStore(str(tmp_path)), loop_lag=FixedLag(0.0)))
     try:
         a = Node(http, second, "r", "a", **cfg)
         round2 = (await a.poll(known_round=-1))["round_id"]

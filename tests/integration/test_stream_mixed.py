@@ -16,7 +16,7 @@ from rdzv_server.coordinator import Coordinator
 from rdzv_server.streams import StreamHub
 from rdzv_server.web import app as app_module
 from rdzv_server.web.app import create_app
-from tests.integration.support import start_app
+from tests.integration.support import FixedLag, start_app
 
 LIMIT = 10.0
 THREE = JobConfig(min_nodes=3, max_nodes=3, max_restarts=5, last_call_s=0.0)
@@ -156,16 +156,6 @@ def _join(node: str) -> JoinRequest:
                        instance=node)
 
 
-class Lag:
-    """A loop-lag probe that says the server runs `s` seconds behind."""
-
-    def __init__(self, s: float) -> None:
-        self.s = s
-
-    def recent_s(self) -> float:
-        return self.s
-
-
 class QuietStream(SlowStream):
     """A node that sends nothing; `kernel_s`: how long its kernel has received nothing either."""
 
@@ -194,10 +184,10 @@ async def test_silence_is_judged_past_the_servers_own_lag_and_with_the_kernels_e
             subs[n].limit_s = 1.0
             subs[n].heard -= 5.0                   # silent for 5 s by the frames the server has read
             subs[n].heard_wall -= 10.0             # (its last frame, on the coordinator's clock: a lease ago)
-        coord.loop_lag = Lag(10.0)                 # ... but the server runs 10 s behind: nobody is blamed
+        coord.loop_lag = FixedLag(10.0)                 # ... but the server runs 10 s behind: nobody is blamed
         hub._sweep()
         assert all(s.closed is None for s in streams.values())
-        coord.loop_lag = Lag(0.0)                  # caught up: a and c are silent; b's kernel heard it just now
+        coord.loop_lag = FixedLag(0.0)                  # caught up: a and c are silent; b's kernel heard it just now
         hub._sweep()
         assert streams["a"].closed is not None and streams["a"].closed[0] is ErrorCode.LIMIT_REACHED
         assert streams["b"].closed is None and streams["c"].closed is not None
