@@ -2,9 +2,10 @@
 
 After every core call the shell drains the core's outbox once (`_apply`) and hands each effect to
 its consumer: new events to the log and the listeners (metrics), changed jobs to the store, woken
-jobs to their long-polls (a per-job asyncio.Event, set and replaced, so agents learn of a new round
-the moment it is decided). One background task sleeps until the core's next deadline and ticks it;
-it is re-armed only when a call sets a deadline earlier than the one it sleeps to.
+jobs, once saved, to their held long-polls (waiters.py, long_polls.py) and streams (streams.py), so
+agents learn of a new round the moment it is decided. One background task sleeps until the core's
+next deadline and ticks it; it is re-armed only when a call sets a deadline earlier than the one it
+sleeps to.
 Both the aiohttp app and `node-agent --standalone` (in-process, no HTTP) drive this class.
 
 The clock is wall time (`time.time`), not monotonic: lease expiries and last-call/join deadlines
@@ -17,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import random
 import secrets
 import time
 from collections.abc import Callable
@@ -34,26 +34,22 @@ from protocol.messages import (
     NodeStatus,
     PollRequest,
     SuccessReport,
-    poll_ready,
 )
-from protocol.quoting import quote
+from rdzv_server import long_polls
 from rdzv_server.core.errors import RendezvousError
 from rdzv_server.core.operator_rules import OperatorAction
 from rdzv_server.core.outbox import Outbox
 from rdzv_server.core.records import JobRecord
 from rdzv_server.core.rendezvous import Rendezvous
-from rdzv_server.held_links import CLOSE_HEARD_S, AckAge, HeldLinks
+from rdzv_server.held_links import AckAge, HeldLinks
 from rdzv_server.poll_limits import MAX_POLLS_PER_NODE, MAX_POLLS_PER_PEER, HeldPolls
 from rdzv_server.serving import Serving
 from rdzv_server.store.api import Store
 from rdzv_server.store.persistence import Durability, NotDurable, Persister, StoreUnavailable
-from rdzv_server.waiters import Waiter, Waiters
+from rdzv_server.waiters import Waiters
 
 log = logging.getLogger("rdzv_server")
 
-# Long-poll holds: together, the nodes of the server poll about this often per second ...
-TARGET_POLL_RATE = 500.0
-MAX_HOLD_S = 30.0           # ... but a poll is held no longer than this (the agent asks for up to 60 s)
 TICK_GAP_S = 0.05           # deadlines are handled at most this often (each tick walks every node)
 
 class LagSource(Protocol):
@@ -268,19 +264,23 @@ class Coordinator:
 
     # -- requests --
     async def handle(self, job_id: str, req: AgentRequest, peer: str = "", local: str = "",
-                     silence: AckAge | None = None) -> NodeStatus:
+                     silence: AckAge | None = None, reply: long_polls.Reply | None = None) -> NodeStatus:
         """One agent request, by its type; `peer` is the address it came from, `local` the server's
         address it reached, `silence()` how long ago its connection's kernel last heard the node
-        (connections.ack_age_s; None: unknown)."""
-        status = await self._handle(job_id, req, peer, local, silence)
-        return msgspec.structs.replace(status, poll_hold_s=round(self._hold_base(status), 3))
+        (connections.ack_age_s; None: unknown); `reply`: a poll's answer may be sent through it
+        during a wake, before its task resumes (web/direct_reply.py)."""
+        return self.with_hold(await self._handle(job_id, req, peer, local, silence, reply))
+
+    def with_hold(self, status: NodeStatus) -> NodeStatus:
+        """`status` with the longest hold now (what replies tell agents: poll_hold_s)."""
+        return msgspec.structs.replace(status, poll_hold_s=round(long_polls.hold_base(self.core.node_count, status), 3))
 
     async def _handle(self, job_id: str, req: AgentRequest, peer: str, local: str,
-                      silence: AckAge | None) -> NodeStatus:
+                      silence: AckAge | None, reply: long_polls.Reply | None) -> NodeStatus:
         core = self.core
         match req:
             case PollRequest():
-                return await self.long_poll(job_id, req, peer, silence)
+                return await long_polls.long_poll(self, job_id, req, peer, silence, reply)
             case JoinRequest():
                 # A fresh secret per join: the core keeps it only if the join makes a new node record.
                 secret = secrets.token_urlsafe(24)
@@ -320,75 +320,3 @@ class Coordinator:
             return fn(self.clock())
         finally:
             self._apply()
-
-    def hold_for(self, status: NodeStatus, wait_s: float) -> float:
-        """How long to hold a poll: long enough that all nodes together poll about TARGET_POLL_RATE
-        times a second (at least half a lease, at most MAX_HOLD_S), jittered so polls do not come in
-        waves, and never longer than the agent asked."""
-        return min(wait_s, self._hold_base(status) * random.uniform(0.8, 1.0))
-
-    def _hold_base(self, status: NodeStatus) -> float:
-        """The longest hold now (what replies tell agents: poll_hold_s)."""
-        return min(max(self.core.node_count / TARGET_POLL_RATE, status.lease_timeout_s / 2), MAX_HOLD_S)
-
-    async def long_poll(self, job_id: str, req: PollRequest, peer: str = "",
-                        silence: AckAge | None = None) -> NodeStatus:
-        """Answer when this node's view changes or its hold ends; meanwhile the open poll is its lease."""
-        node = (job_id, req.node_id)
-        self.polls_by_peer.take(peer, peer or "one peer")
-        try:
-            self.polls_by_node.take(node, quote(req.node_id))
-        except RendezvousError:
-            self.polls_by_peer.give_back(peer)
-            raise
-        try:
-            status = self.call(lambda now: self.core.hold_poll(job_id, req, now))
-        except BaseException:
-            self.polls_by_peer.give_back(peer)
-            self.polls_by_node.give_back(node)
-            raise
-        loop = asyncio.get_running_loop()
-        ends = loop.time() + self.hold_for(status, req.wait_s)
-        self.open_polls += 1
-        if silence is not None:
-            self.held_links.add(silence)
-        dropped = False
-        try:
-            while not poll_ready(status, req.known_round) and self.gate.serving() and loop.time() < ends:
-                waiter = Waiter(job_id, ends)
-                self.waiters.add(waiter)
-                try:
-                    await waiter.fut
-                finally:
-                    self.waiters.discard(waiter)
-                if job_id not in self.core.jobs:
-                    break
-                status = self.core.view(job_id, req.node_id, self.clock())
-                if waiter.ended:
-                    break
-        except asyncio.CancelledError:
-            # The agent's connection closed mid-poll: likely dead. Give it a short grace. Closed by
-            # its host (a FIN or RST just in) rather than by a keepalive giving up: evidence (leases.py).
-            dropped = True
-            if not self.gate.shutting_down:
-                age = silence() if silence is not None else None
-                self.core.connection_dropped(job_id, req.node_id, self.clock(),
-                                             heard=age is not None and age < CLOSE_HEARD_S)
-                self._apply()
-            raise
-        finally:
-            self.open_polls -= 1
-            if silence is not None:
-                self.held_links.discard(silence)
-            self.polls_by_peer.give_back(peer)
-            self.polls_by_node.give_back(node)
-            if not dropped:
-                now = self.clock()
-                age = silence() if silence is not None else None
-                self.core.poll_ended(job_id, req.node_id, now, now - (age or 0.0))
-                self._apply()
-        if not self.gate.serving():
-            raise self.gate.not_serving()
-        await self._durable(job_id)
-        return status
-

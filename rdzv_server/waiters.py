@@ -5,6 +5,9 @@ waiters are woken in one pass when the core says the job changed; holds that end
 timer armed for the earliest end (a heap, entries of answered polls skipped lazily). A woken poll
 looks at its node's view again and answers if it changed, or waits on until its hold ends.
 
+A woken poll whose view is ready may be answered during the wake itself (`Waiter.answer`): its
+reply goes out at once, and its task only catches up afterwards.
+
 Holds end on a grid of HOLD_TICK_S: the timer fires at most once a tick, for every hold that ends
 before the next one. uvloop's clock counts whole milliseconds, so a timer armed for an end less than
 a millisecond away fired at once, found nothing due yet, and was armed again: a busy loop that took
@@ -15,9 +18,14 @@ from __future__ import annotations
 import asyncio
 import heapq
 import itertools
+import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+
+from protocol.messages import NodeStatus
+
+log = logging.getLogger("rdzv_server")
 
 HOLD_TICK_S = 0.01     # a hold may end this much early or late: nothing next to holds of seconds
 
@@ -28,9 +36,18 @@ class Waiter:
     ends: float                                  # loop time at which the hold ends
     fut: asyncio.Future[None] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
     ended: bool = False                          # woken because its hold ended (not by a change)
+    # Woken by a change, the poll may be answered at once, before its task resumes: `answer` sends
+    # the reply and returns it (None: nothing sent, the task looks again). See web/direct_reply.py.
+    answer: Callable[[], NodeStatus | None] | None = None
+    answered: NodeStatus | None = None
 
     def wake(self) -> None:
         if not self.fut.done():
+            if self.answer is not None:
+                try:
+                    self.answered = self.answer()
+                except Exception:        # a bug: the task answers (or fails) on its own path
+                    log.exception("answering a woken poll failed")
             self.fut.set_result(None)
 
     def end(self) -> None:

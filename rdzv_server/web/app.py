@@ -19,6 +19,7 @@ from rdzv_server.looplag import LoopLagProbe
 from rdzv_server.web import admin, views
 from rdzv_server.web.access import ACCESS, Access, access_middleware
 from rdzv_server.web.connections import SlowBody, local_address, read_body, request_ack_age_s, send_and_close
+from rdzv_server.web.direct_reply import AlreadyWritten, DirectReply
 from rdzv_server.web.metrics import METRICS, ServerMetrics, metrics_endpoint, metrics_middleware
 from rdzv_server.web.page import render as page
 from rdzv_server.web.routing import COORDINATOR, job_id_of
@@ -75,7 +76,7 @@ async def error_middleware(request: web.Request,
         return _error(ErrorCode.INTERNAL, "internal server error (logged on the server)", as_json=as_json)
 
 
-async def agent_request(request: web.Request) -> web.Response:
+async def agent_request(request: web.Request) -> web.StreamResponse:
     coord = request.app[COORDINATOR]
     action = request.match_info["action"]
     cls = REQUEST_TYPES.get(action)
@@ -90,8 +91,18 @@ async def agent_request(request: web.Request) -> web.Response:
     if not await coord.gate.until_serving(ELECTION_WAIT_S):
         raise coord.gate.not_serving()
     req = decode_request(cls, body)
-    status = await coord.handle(job_id, req, request.remote or "", local_address(request.transport),
-                                lambda: request_ack_age_s(request))
+    reply = DirectReply(request) if DirectReply.fits(request) else None
+    try:
+        status = await coord.handle(job_id, req, request.remote or "", local_address(request.transport),
+                                    lambda: request_ack_age_s(request), reply)
+    except Exception:
+        if reply is None or not reply.sent:
+            raise
+        # a bug after the answer went out: a second reply would garble the connection, so close it
+        log.exception("internal error on %s %s after its reply was sent", request.method, request.path)
+        return AlreadyWritten(keep_alive=False)
+    if reply is not None and reply.sent:       # answered during a wake (direct_reply.py)
+        return AlreadyWritten(keep_alive=True)
     return web.Response(body=encode(status), content_type=CONTENT_TYPE)
 
 

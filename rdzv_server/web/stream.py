@@ -35,8 +35,9 @@ from rdzv_server.core.errors import RendezvousError
 from rdzv_server.serving import LEADER_HEADER
 from rdzv_server.streams import StreamHub, Subscription
 from rdzv_server.web.connections import local_address
+from rdzv_server.web.direct_reply import AlreadyWritten
 from rdzv_server.web.routing import COORDINATOR, job_id_of
-from rdzv_server.web.stream_connection import Detached, StreamConnection, handshake, websocket
+from rdzv_server.web.stream_connection import StreamConnection, handshake, websocket
 
 HUB = web.AppKey("stream_hub", StreamHub)
 ROUTE_NAME = "agent-stream"
@@ -56,7 +57,7 @@ async def agent_stream(request: web.Request) -> web.StreamResponse:
     conn = StreamConnection(websocket(MAX_FRAME_BYTES), transport, hub, job_id, _message, WRITE_BUFFER_CAP,
                             request.remote or "", local_address(transport))
     conn.adopt(request, answer)
-    return Detached(status=101)
+    return AlreadyWritten(status=101)     # aiohttp lets the connection go
 
 
 def _message(conn: StreamConnection, payload: bytes) -> Awaitable[None] | None:

@@ -90,16 +90,6 @@ def websocket(max_frame: int) -> WebSocket:
     return WebSocket(Side.SERVER, state=State.OPEN, max_size=max_frame, logger=WS_LOG)
 
 
-class Detached(web.StreamResponse):
-    """What the route returns once the stream has its own protocol: aiohttp writes nothing more."""
-
-    async def prepare(self, request: web.BaseRequest) -> None:
-        return None
-
-    async def write_eof(self, data: bytes = b"") -> None:
-        return None
-
-
 class StreamConnection(asyncio.Protocol):
     """The hub's `Stream` over one upgraded connection (push, close, kernel silence) and the
     reader of its frames."""

@@ -1,0 +1,124 @@
+"""Long-polls held by the coordinator: how long each is held, the node's lease while it is open,
+and its answer.
+
+The open poll is the node's lease (the core's `hold_poll`, then `poll_ended`, or
+`connection_dropped` when its connection closes under it: core/leases.py). Held polls wait on the
+coordinator's `Waiters` and look again when their job changes. A poll woken by a change whose view
+is ready and saved may be answered during the wake itself (`answer_early` through the web layer's
+`Reply`, web/direct_reply.py): at 10,000 held polls each task's own answer came ~230 us after the
+one before; the task then only catches up (the poll's end, its caps given back).
+"""
+from __future__ import annotations
+
+import asyncio
+import functools
+import random
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from protocol.messages import NodeStatus, PollRequest, poll_ready
+from protocol.quoting import quote
+from rdzv_server.core.errors import RendezvousError
+from rdzv_server.held_links import CLOSE_HEARD_S, AckAge
+from rdzv_server.waiters import Waiter
+
+if TYPE_CHECKING:
+    from rdzv_server.coordinator import Coordinator
+
+# Holds: together, the nodes of the server poll about this often per second ...
+TARGET_POLL_RATE = 500.0
+MAX_HOLD_S = 30.0           # ... but a poll is held no longer than this (the agent asks for up to 60 s)
+
+# Sends a poll's reply straight to its connection; False: it could not (web/direct_reply.py).
+Reply = Callable[[NodeStatus], bool]
+
+
+def hold_base(node_count: int, status: NodeStatus) -> float:
+    """The longest hold now (what replies tell agents: poll_hold_s)."""
+    return min(max(node_count / TARGET_POLL_RATE, status.lease_timeout_s / 2), MAX_HOLD_S)
+
+
+def hold_for(node_count: int, status: NodeStatus, wait_s: float) -> float:
+    """How long to hold a poll: long enough that all nodes together poll about TARGET_POLL_RATE
+    times a second (at least half a lease, at most MAX_HOLD_S), jittered so polls do not come in
+    waves, and never longer than the agent asked."""
+    return min(wait_s, hold_base(node_count, status) * random.uniform(0.8, 1.0))
+
+
+async def long_poll(coord: Coordinator, job_id: str, req: PollRequest, peer: str = "",
+                    silence: AckAge | None = None, reply: Reply | None = None) -> NodeStatus:
+    """Answer when this node's view changes or its hold ends; meanwhile the open poll is its lease.
+    With `reply`, a change is answered during the wake itself; the task then only catches up."""
+    node = (job_id, req.node_id)
+    coord.polls_by_peer.take(peer, peer or "one peer")
+    try:
+        coord.polls_by_node.take(node, quote(req.node_id))
+    except RendezvousError:
+        coord.polls_by_peer.give_back(peer)
+        raise
+    try:
+        status = coord.call(lambda now: coord.core.hold_poll(job_id, req, now))
+    except BaseException:
+        coord.polls_by_peer.give_back(peer)
+        coord.polls_by_node.give_back(node)
+        raise
+    loop = asyncio.get_running_loop()
+    ends = loop.time() + hold_for(coord.core.node_count, status, req.wait_s)
+    coord.open_polls += 1
+    if silence is not None:
+        coord.held_links.add(silence)
+    dropped, early = False, None if reply is None else functools.partial(answer_early, coord, job_id, req, reply)
+    answered: NodeStatus | None = None
+    try:
+        while not poll_ready(status, req.known_round) and coord.gate.serving() and loop.time() < ends:
+            waiter = Waiter(job_id, ends, answer=early)
+            coord.waiters.add(waiter)
+            try:
+                await waiter.fut
+            finally:
+                coord.waiters.discard(waiter)
+                answered = waiter.answered
+            if answered is not None or job_id not in coord.core.jobs:
+                break
+            status = coord.core.view(job_id, req.node_id, coord.clock())
+            if waiter.ended:
+                break
+    except asyncio.CancelledError:
+        # The agent's connection closed mid-poll: likely dead. Give it a short grace. Closed by
+        # its host (a FIN or RST just in) rather than by a keepalive giving up: evidence (leases.py).
+        # (Closed after its answer went out: an ordinary end, below.)
+        dropped = answered is None
+        if dropped and not coord.gate.shutting_down:
+            age = silence() if silence is not None else None
+            coord.core.connection_dropped(job_id, req.node_id, coord.clock(),
+                                         heard=age is not None and age < CLOSE_HEARD_S)
+            coord._apply()
+        raise
+    finally:
+        coord.open_polls -= 1
+        if silence is not None:
+            coord.held_links.discard(silence)
+        coord.polls_by_peer.give_back(peer)
+        coord.polls_by_node.give_back(node)
+        if not dropped:
+            now = coord.clock()
+            age = silence() if silence is not None else None
+            coord.core.poll_ended(job_id, req.node_id, now, now - (age or 0.0))
+            coord._apply()
+    if answered is not None:
+        return answered
+    if not coord.gate.serving():
+        raise coord.gate.not_serving()
+    await coord._durable(job_id)
+    return status
+
+def answer_early(coord: Coordinator, job_id: str, req: PollRequest, reply: Reply) -> NodeStatus | None:
+    """Send a woken poll's answer now, if its view is ready and saved (what the task would send);
+    None: the task looks again (not serving, the job gone, a change not yet saved, not ready)."""
+    if coord.persister.pending(job_id) or not coord.gate.serving() or job_id not in coord.core.jobs:
+        return None
+    status = coord.core.view(job_id, req.node_id, coord.clock())
+    if not poll_ready(status, req.known_round):
+        return None
+    status = coord.with_hold(status)
+    return status if reply(status) else None
