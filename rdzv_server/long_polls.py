@@ -3,10 +3,11 @@ and its answer.
 
 The open poll is the node's lease (the core's `hold_poll`, then `poll_ended`, or
 `connection_dropped` when its connection closes under it: core/leases.py). Held polls wait on the
-coordinator's `Waiters` and look again when their job changes. A poll woken by a change whose view
-is ready and saved may be answered during the wake itself (`answer_early` through the web layer's
-`Reply`, web/direct_reply.py): at 10,000 held polls each task's own answer came ~230 us after the
-one before; the task then only catches up (the poll's end, its caps given back).
+coordinator's `Waiters`; when their job changes, `answer_early` looks at each poll's view without
+waking its task: nothing new, and the poll waits on; ready and saved, and its reply is written
+during the wake itself through the web layer's `Reply` (web/direct_reply.py: at 10,000 held polls
+each task's own answer came ~230 us after the one before), the task only catching up after (the
+poll's end, its caps given back).
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from protocol.messages import NodeStatus, PollRequest, poll_ready
 from protocol.quoting import quote
 from rdzv_server.core.errors import RendezvousError
 from rdzv_server.held_links import CLOSE_HEARD_S, AckAge
-from rdzv_server.waiters import Waiter
+from rdzv_server.waiters import Waiter, Wake
 
 if TYPE_CHECKING:
     from rdzv_server.coordinator import Coordinator
@@ -67,18 +68,18 @@ async def long_poll(coord: Coordinator, job_id: str, req: PollRequest, peer: str
     coord.open_polls += 1
     if silence is not None:
         coord.held_links.add(silence)
-    dropped, early = False, None if reply is None else functools.partial(answer_early, coord, job_id, req, reply)
-    answered: NodeStatus | None = None
+    dropped, sent = False, False
+    answer = functools.partial(answer_early, coord, job_id, req, reply)
     try:
         while not poll_ready(status, req.known_round) and coord.gate.serving() and loop.time() < ends:
-            waiter = Waiter(job_id, ends, answer=early)
+            waiter = Waiter(job_id, ends, answer=answer)
             coord.waiters.add(waiter)
             try:
                 await waiter.fut
             finally:
                 coord.waiters.discard(waiter)
-                answered = waiter.answered
-            if answered is not None or job_id not in coord.core.jobs:
+                sent = waiter.sent
+            if sent or job_id not in coord.core.jobs:
                 break
             status = coord.core.view(job_id, req.node_id, coord.clock())
             if waiter.ended:
@@ -87,7 +88,7 @@ async def long_poll(coord: Coordinator, job_id: str, req: PollRequest, peer: str
         # The agent's connection closed mid-poll: likely dead. Give it a short grace. Closed by
         # its host (a FIN or RST just in) rather than by a keepalive giving up: evidence (leases.py).
         # (Closed after its answer went out: an ordinary end, below.)
-        dropped = answered is None
+        dropped = not sent
         if dropped and not coord.gate.shutting_down:
             age = silence() if silence is not None else None
             coord.core.connection_dropped(job_id, req.node_id, coord.clock(),
@@ -105,20 +106,24 @@ async def long_poll(coord: Coordinator, job_id: str, req: PollRequest, peer: str
             age = silence() if silence is not None else None
             coord.core.poll_ended(job_id, req.node_id, now, now - (age or 0.0))
             coord._apply()
-    if answered is not None:
-        return answered
+    if sent:
+        return status       # the view before the wake: its reply, the newer one, went out already
     if not coord.gate.serving():
         raise coord.gate.not_serving()
     await coord._durable(job_id)
     return status
 
-def answer_early(coord: Coordinator, job_id: str, req: PollRequest, reply: Reply) -> NodeStatus | None:
-    """Send a woken poll's answer now, if its view is ready and saved (what the task would send);
-    None: the task looks again (not serving, the job gone, a change not yet saved, not ready)."""
-    if coord.persister.pending(job_id) or not coord.gate.serving() or job_id not in coord.core.jobs:
-        return None
+
+def answer_early(coord: Coordinator, job_id: str, req: PollRequest, reply: Reply | None) -> Wake:
+    """What a change of its job means for a held poll, decided without its task: nothing new
+    (UNCHANGED), or its reply sent now through `reply` (SENT: what the task would send, once
+    saved), or its task must look again (LOOK: not serving, the job gone, a change not yet saved,
+    or no `reply` to send through)."""
+    if not coord.gate.serving() or job_id not in coord.core.jobs:
+        return Wake.LOOK
     status = coord.core.view(job_id, req.node_id, coord.clock())
     if not poll_ready(status, req.known_round):
-        return None
-    status = coord.with_hold(status)
-    return status if reply(status) else None
+        return Wake.UNCHANGED
+    if reply is None or coord.persister.pending(job_id) or not reply(coord.with_hold(status)):
+        return Wake.LOOK
+    return Wake.SENT

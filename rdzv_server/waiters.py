@@ -5,8 +5,9 @@ waiters are woken in one pass when the core says the job changed; holds that end
 timer armed for the earliest end (a heap, entries of answered polls skipped lazily). A woken poll
 looks at its node's view again and answers if it changed, or waits on until its hold ends.
 
-A woken poll whose view is ready may be answered during the wake itself (`Waiter.answer`): its
-reply goes out at once, and its task only catches up afterwards.
+A poll told of a change may be settled without its task (`Waiter.answer`, long_polls.py): nothing
+new for it (it waits on, its task not woken: a join storm wakes a job once a commit), or its reply
+written during the wake itself (its task only catches up afterwards).
 
 Holds end on a grid of HOLD_TICK_S: the timer fires at most once a tick, for every hold that ends
 before the next one. uvloop's clock counts whole milliseconds, so a timer armed for an end less than
@@ -16,6 +17,7 @@ a millisecond away fired at once, found nothing due yet, and was armed again: a 
 from __future__ import annotations
 
 import asyncio
+import enum
 import heapq
 import itertools
 import logging
@@ -23,11 +25,16 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from protocol.messages import NodeStatus
-
 log = logging.getLogger("rdzv_server")
 
 HOLD_TICK_S = 0.01     # a hold may end this much early or late: nothing next to holds of seconds
+
+
+class Wake(enum.Enum):
+    """What a change meant for one held poll, decided without its task."""
+    SENT = "sent"              # its reply went out now: the task only catches up (the poll's end)
+    UNCHANGED = "unchanged"    # nothing new for this node: the poll waits on, its task not woken
+    LOOK = "look"              # its task looks again (not serving, the job gone, a change not yet saved)
 
 
 @dataclass(eq=False, slots=True)
@@ -36,19 +43,23 @@ class Waiter:
     ends: float                                  # loop time at which the hold ends
     fut: asyncio.Future[None] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
     ended: bool = False                          # woken because its hold ended (not by a change)
-    # Woken by a change, the poll may be answered at once, before its task resumes: `answer` sends
-    # the reply and returns it (None: nothing sent, the task looks again). See web/direct_reply.py.
-    answer: Callable[[], NodeStatus | None] | None = None
-    answered: NodeStatus | None = None
+    # Told of a change, a poll may be settled without waking its task (see Wake): `answer` decides.
+    answer: Callable[[], Wake] | None = None
+    sent: bool = False                           # its reply went out during a wake (Wake.SENT)
 
     def wake(self) -> None:
-        if not self.fut.done():
-            if self.answer is not None:
-                try:
-                    self.answered = self.answer()
-                except Exception:        # a bug: the task answers (or fails) on its own path
-                    log.exception("answering a woken poll failed")
-            self.fut.set_result(None)
+        if self.fut.done():
+            return
+        if self.answer is not None:
+            try:
+                outcome = self.answer()
+            except Exception:        # a bug: the task answers (or fails) on its own path
+                log.exception("answering a woken poll failed")
+                outcome = Wake.LOOK
+            if outcome is Wake.UNCHANGED:
+                return
+            self.sent = outcome is Wake.SENT
+        self.fut.set_result(None)
 
     def end(self) -> None:
         if not self.fut.done():

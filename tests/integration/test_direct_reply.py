@@ -11,7 +11,8 @@ import asyncio
 import msgpack
 import pytest
 
-from protocol.messages import JobConfig, JoinRequest, PollRequest
+from protocol.messages import JobConfig, JoinRequest, LeaveRequest, NodeStatus, PollRequest
+from rdzv_server import long_polls
 from rdzv_server.coordinator import Coordinator
 from rdzv_server.web import app as web_app
 from rdzv_server.web.app import COORDINATOR
@@ -155,6 +156,42 @@ async def test_a_change_not_yet_saved_is_not_sent_from_the_wake(monkeypatch):
         await coord.handle("j", _join("b"))
         status = await asyncio.wait_for(task, 10)
         assert sent == [] and status.round_id == 1
+    finally:
+        await coord.stop()
+
+
+async def test_a_change_that_leaves_a_polls_view_as_it_was_does_not_wake_its_task(monkeypatch):
+    created = []
+
+    class Counted(long_polls.Waiter):
+        def __init__(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+            super().__init__(*args, **kwargs)
+            created.append(self)
+
+    monkeypatch.setattr(long_polls, "Waiter", Counted)
+    coord = Coordinator()
+    await coord.start()
+    try:
+        sent = []
+        config = JobConfig(min_nodes=3, max_nodes=3, last_call_s=30.0, lease_timeout_s=10.0)
+
+        async def join(node: str) -> NodeStatus:
+            return await coord.handle("j", JoinRequest(v=1, node_id=node, addr="10.0.0.1", local_world_size=1,
+                                                       master_port=29500, config=config))
+        a, b = await join("a"), await join("b")
+        task = asyncio.ensure_future(coord.handle("j", PollRequest(v=1, node_id="a", credential=a.credential,
+                                                                   known_round=-1, wait_s=10.0),
+                                                  reply=lambda status: sent.append(status) or True))
+        await wait_until(lambda: coord.open_polls == 1)
+        epoch = coord.core.jobs["j"].epoch
+        await coord.handle("j", LeaveRequest(v=1, node_id="b", credential=b.credential))
+        assert coord.core.jobs["j"].epoch > epoch, "the leave should wake the job's polls"
+        # a is still waiting: its task was not woken (its future unset, no new Waiter), nothing sent
+        assert len(created) == 1 and not created[0].fut.done() and sent == []
+        await join("c")
+        await join("d")                   # the round forms: a's reply goes out from the wake
+        status = await asyncio.wait_for(task, 10)
+        assert len(created) == 1 and len(sent) == 1 and sent[0].round_id == 1 and status is not None
     finally:
         await coord.stop()
 

@@ -6,7 +6,7 @@ import asyncio
 import uvloop  # a test dependency (pyproject's test extra): the loop whose clock counts milliseconds
 
 from rdzv_server import waiters as waiters_mod
-from rdzv_server.waiters import HOLD_TICK_S, Waiter, Waiters
+from rdzv_server.waiters import HOLD_TICK_S, Waiter, Waiters, Wake
 
 
 def _hold_ends(n: int, spread_s: float) -> tuple[int, list[float], list[bool]]:
@@ -63,3 +63,26 @@ def test_a_wake_is_not_a_hold_ending():
         return woken.ended, timed.ended
 
     assert uvloop.run(run()) == (False, True)
+
+
+def test_a_change_is_settled_without_the_task_where_the_poll_can_say():
+    """Wake.UNCHANGED leaves the poll held (its future pending), SENT marks it sent and wakes its
+    task to catch up, LOOK (or an `answer` that raises) wakes the task to look itself."""
+    async def run() -> None:
+        outcomes = {"unchanged": Wake.UNCHANGED, "sent": Wake.SENT, "look": Wake.LOOK}
+        ws = Waiters()
+        held = {name: Waiter("job", 1e9, answer=lambda o=o: o) for name, o in outcomes.items()}
+
+        def broken() -> Wake:
+            raise RuntimeError("a bug in the writer")
+        held["broken"] = Waiter("job", 1e9, answer=broken)
+        held["plain"] = Waiter("job", 1e9)
+        for w in held.values():
+            ws.add(w)
+        ws.wake_job("job")
+        assert not held["unchanged"].fut.done()
+        assert held["sent"].fut.done() and held["sent"].sent
+        for name in ("look", "broken", "plain"):
+            assert held[name].fut.done() and not held[name].sent, name
+
+    asyncio.run(run())
