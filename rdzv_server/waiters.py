@@ -6,8 +6,9 @@ timer armed for the earliest end (a heap, entries of answered polls skipped lazi
 looks at its node's view again and answers if it changed, or waits on until its hold ends.
 
 A poll told of a change may be settled without its task (`Waiter.answer`, long_polls.py): nothing
-new for it (it waits on, its task not woken: a join storm wakes a job once a commit), or its reply
-written during the wake itself (its task only catches up afterwards).
+new for it (it waits on, its task not woken: a node leaving or an operator's action wakes every poll
+of the job, most of whose views stay as they were), or its reply written during the wake itself (its
+task only catches up afterwards).
 
 Holds end on a grid of HOLD_TICK_S: the timer fires at most once a tick, for every hold that ends
 before the next one. uvloop's clock counts whole milliseconds, so a timer armed for an end less than

@@ -99,7 +99,7 @@ async def agent_request(request: web.Request) -> web.StreamResponse:
         if reply is None or not reply.sent:
             raise
         # a bug after the answer went out: a second reply would garble the connection, so close it
-        log.exception("internal error on %s %s after its reply was sent", request.method, request.path)
+        log.exception("internal error on %s %s after its reply was sent", request.method, quote(request.path))
         return AlreadyWritten(keep_alive=False)
     if reply is not None and reply.sent:       # answered during a wake (direct_reply.py)
         return AlreadyWritten(keep_alive=True)

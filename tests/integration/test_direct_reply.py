@@ -100,6 +100,27 @@ async def test_a_woken_poll_is_answered_from_the_wake_as_aiohttp_would_and_its_c
     assert 'rdzv_http_requests_total{method="POST",route="/v1/jobs/{job_id}/poll",status="200"} 2.0' in metrics
 
 
+async def test_a_bug_after_the_reply_went_out_closes_the_connection_instead_of_a_second_reply(server, counting,
+                                                                                              monkeypatch, caplog):
+    a = await join(server, "a")
+    core = server.app[COORDINATOR].core
+
+    def broken(*args, **kwargs):  # type: ignore[no-untyped-def]
+        raise RuntimeError("a bug in the poll's end")
+    reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+    try:
+        writer.write(request("poll", poll("a", a["credential"], -1, 10.0)))
+        await wait_until(lambda: server.app[COORDINATOR].open_polls == 1)
+        monkeypatch.setattr(core, "poll_ended", broken)
+        await join(server, "b")
+        head, body = await read_reply(reader)
+        assert head[0] == "HTTP/1.1 200 OK" and body["node_state"] == "member" and len(counting) == 1
+        assert await asyncio.wait_for(reader.read(), 10) == b""     # nothing more: the connection closed
+    finally:
+        writer.close()
+    assert "after its reply was sent" in caplog.text and "a bug in the poll's end" in caplog.text
+
+
 @pytest.mark.parametrize("version, extra", [("1.0", ""), ("1.1", "Connection: close\r\n")])
 async def test_a_poll_that_closes_its_connection_is_answered_by_aiohttp(server, counting, version, extra):
     a = await join(server, "a")
