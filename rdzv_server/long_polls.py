@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 from protocol.messages import NodeStatus, PollRequest, poll_ready
 from protocol.quoting import quote
 from rdzv_server.core.errors import RendezvousError
+from rdzv_server.core.rounds import node_status
 from rdzv_server.held_links import CLOSE_HEARD_S, AckAge
 from rdzv_server.waiters import Waiter, Wake
 
@@ -119,9 +120,10 @@ def answer_early(coord: Coordinator, job_id: str, req: PollRequest, reply: Reply
     (UNCHANGED), or its reply sent now through `reply` (SENT: what the task would send, once
     saved), or its task must look again (LOOK: not serving, the job gone, a change not yet saved,
     or no `reply` to send through)."""
-    if not coord.gate.serving() or job_id not in coord.core.jobs:
+    job = coord.core.jobs.get(job_id)
+    if job is None or not coord.gate.serving():
         return Wake.LOOK
-    status = coord.core.view(job_id, req.node_id, coord.clock())
+    status = node_status(job, req.node_id, coord.clock())     # core.view's own, without its lookups
     if not poll_ready(status, req.known_round):
         return Wake.UNCHANGED
     if reply is None or coord.persister.pending(job_id) or not reply(coord.with_hold(status)):

@@ -9,7 +9,7 @@ from aiohttp import web
 
 from protocol.codec import CONTENT_TYPE, MAX_BODY_BYTES, REQUEST_TYPES, DecodeError, decode_request, encode
 from protocol.errors import HTTP_STATUS, RETRYABLE, ErrorCode, unknown_job
-from protocol.messages import ErrorReply
+from protocol.messages import ErrorReply, PollRequest
 from protocol.quoting import quote
 from protocol.stream import STREAM_VERSION
 from rdzv_server.coordinator import Coordinator
@@ -91,7 +91,7 @@ async def agent_request(request: web.Request) -> web.StreamResponse:
     if not await coord.gate.until_serving(ELECTION_WAIT_S):
         raise coord.gate.not_serving()
     req = decode_request(cls, body)
-    reply = DirectReply(request) if DirectReply.fits(request) else None
+    reply = DirectReply(request) if isinstance(req, PollRequest) and DirectReply.fits(request) else None
     try:
         status = await coord.handle(job_id, req, request.remote or "", local_address(request.transport),
                                     lambda: request_ack_age_s(request), reply)

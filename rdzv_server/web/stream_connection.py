@@ -214,7 +214,9 @@ class StreamConnection(asyncio.Protocol):
         elif frame.opcode is not Opcode.CONT:
             return                 # ping, pong, close: answered by websockets
         if not frame.fin:
-            self._parts = [*(self._parts or ()), bytes(frame.data)]
+            if self._parts is None:
+                self._parts = []
+            self._parts.append(bytes(frame.data))    # (not a new list each time: 1-byte fragments)
             return
         payload = b"".join((*self._parts, frame.data)) if self._parts else bytes(frame.data)
         self._parts = None
