@@ -31,6 +31,13 @@ def owns(node: NodeRecord, credential: str, instance: str) -> bool:
 def check(node: NodeRecord, credential: str) -> None:
     """Raise unless `credential` is the node's (a node made without one accepts any); once it is,
     the node's agent is known to hold its secret."""
+    verify(node, credential)
+    proven(node)
+
+
+def verify(node: NodeRecord, credential: str) -> None:
+    """`check` without noting anything: for a request that may still be refused after it (a
+    refused request changes nothing)."""
     if not node.credential_digest:
         return
     if not credential:
@@ -39,4 +46,9 @@ def check(node: NodeRecord, credential: str) -> None:
     if not hmac.compare_digest(digest(credential), node.credential_digest):
         raise RendezvousError(ErrorCode.FORBIDDEN, f"the credential is not node {node.node_id}'s: another agent "
                               "joined with this node id and took the node over (or the request is forged)")
-    node.credential_used = True
+
+
+def proven(node: NodeRecord) -> None:
+    """A request with the node's credential was accepted: its agent holds its secret."""
+    if node.credential_digest:
+        node.credential_used = True

@@ -24,11 +24,12 @@ def failure(rules: JobRules, req: FailureReport, now: float) -> str:
     """Count a failure of the running round; returns why it was not acted on ("" when it was)."""
     job = rules.job
     node = rules.node(req.node_id)
-    credentials.check(node, req.credential)
+    credentials.verify(node, req.credential)        # first: a forger learns nothing of the node
     wrong = [f.local_rank for f in req.failures if f.local_rank >= node.local_world_size]
     if wrong or len(req.failures) > node.local_world_size:
         raise RendezvousError(ErrorCode.BAD_REQUEST, f"the report names {len(req.failures)} failure(s) and local "
                               f"rank(s) {wrong[:5]}, but node {node.node_id} runs {node.local_world_size} workers")
+    credentials.proven(node)
     leases.renew(job, node, now)
     failures = sorted((_stamp(f, node, now) for f in req.failures), key=lambda f: f.timestamp)
     why_not = not_running(rules, node, req.round_id)

@@ -60,6 +60,20 @@ def test_requests_for_a_node_without_its_credential_are_refused_and_change_nothi
     assert snapshot(running) == before
 
 
+def test_a_report_refused_after_its_credential_checked_still_changes_nothing(running):
+    """Found by the route fuzzer: a failure report with the right credential but a local rank the
+    node does not run was refused, yet noted the credential as used (the lost-join-reply rule reads it)."""
+    node = running.jobs["j"].nodes["b"]
+    assert not node.credential_used
+    bad = FailureReport(v=1, node_id="b", credential="secret-b", round_id=1,
+                        failures=[WorkerFailure(local_rank=1, rank=1, exitcode=1)])
+    with pytest.raises(RendezvousError) as err:
+        running.report_failure("j", bad, 2.0)
+    assert err.value.code == ErrorCode.BAD_REQUEST and not node.credential_used
+    running.report_success("j", SuccessReport(v=1, node_id="b", credential="secret-b", round_id=1), 2.0)
+    assert node.credential_used                  # an accepted request still proves it
+
+
 def test_a_live_nodes_id_cannot_be_taken_and_the_attempt_changes_nothing(running):
     before = snapshot(running)
     with pytest.raises(RendezvousError) as err:
