@@ -58,6 +58,7 @@ class LagSource(Protocol):
     def start(self) -> None: ...
     async def stop(self) -> None: ...
     def recent_s(self) -> float: ...
+    def note_waited(self, waited_s: float) -> None: ...
     def summary(self) -> str: ...
 
     @property
@@ -264,23 +265,28 @@ class Coordinator:
 
     # -- requests --
     async def handle(self, job_id: str, req: AgentRequest, peer: str = "", local: str = "",
-                     silence: AckAge | None = None, reply: long_polls.Reply | None = None) -> NodeStatus:
+                     silence: AckAge | None = None, reply: long_polls.Reply | None = None,
+                     waited_s: float = 0.0) -> NodeStatus:
         """One agent request, by its type; `peer` is the address it came from, `local` the server's
         address it reached, `silence()` how long ago its connection's kernel last heard the node
         (connections.ack_age_s; None: unknown); `reply`: a poll's answer may be sent through it
-        during a wake, before its task resumes (web/direct_reply.py)."""
-        return self.with_hold(await self._handle(job_id, req, peer, local, silence, reply))
+        during a wake, before its task resumes (web/direct_reply.py); `waited_s`: how long the
+        request waited for the server since it arrived (the server is that far behind; a poll's
+        hold counts from its arrival)."""
+        if waited_s > 0 and self.loop_lag is not None:
+            self.loop_lag.note_waited(waited_s)
+        return self.with_hold(await self._handle(job_id, req, peer, local, silence, reply, waited_s))
 
     def with_hold(self, status: NodeStatus) -> NodeStatus:
         """`status` with the longest hold now (what replies tell agents: poll_hold_s)."""
         return msgspec.structs.replace(status, poll_hold_s=round(long_polls.hold_base(self.core.node_count, status), 3))
 
     async def _handle(self, job_id: str, req: AgentRequest, peer: str, local: str,
-                      silence: AckAge | None, reply: long_polls.Reply | None) -> NodeStatus:
+                      silence: AckAge | None, reply: long_polls.Reply | None, waited_s: float) -> NodeStatus:
         core = self.core
         match req:
             case PollRequest():
-                return await long_polls.long_poll(self, job_id, req, peer, silence, reply)
+                return await long_polls.long_poll(self, job_id, req, peer, silence, reply, waited_s)
             case JoinRequest():
                 # A fresh secret per join: the core keeps it only if the join makes a new node record.
                 secret = secrets.token_urlsafe(24)

@@ -48,9 +48,13 @@ def hold_for(node_count: int, status: NodeStatus, wait_s: float) -> float:
 
 
 async def long_poll(coord: Coordinator, job_id: str, req: PollRequest, peer: str = "",
-                    silence: AckAge | None = None, reply: Reply | None = None) -> NodeStatus:
+                    silence: AckAge | None = None, reply: Reply | None = None, waited_s: float = 0.0) -> NodeStatus:
     """Answer when this node's view changes or its hold ends; meanwhile the open poll is its lease.
-    With `reply`, a change is answered during the wake itself; the task then only catches up."""
+    With `reply`, a change is answered during the wake itself; the task then only catches up.
+    The hold counts from the poll's arrival, `waited_s` before now: the agent expects its answer
+    within the hold it was told of its sending (path_check.answer_due: the hold + 1 s), and a poll
+    handled late by a busy server, held its full hold after, was given up by its agent and sent
+    again, its closed connection taken for a dead node (tens of nodes in a 10,000-node run)."""
     node = (job_id, req.node_id)
     coord.polls_by_peer.take(peer, peer or "one peer")
     try:
@@ -65,7 +69,7 @@ async def long_poll(coord: Coordinator, job_id: str, req: PollRequest, peer: str
         coord.polls_by_node.give_back(node)
         raise
     loop = asyncio.get_running_loop()
-    ends = loop.time() + hold_for(coord.core.node_count, status, req.wait_s)
+    ends = loop.time() + max(0.0, hold_for(coord.core.node_count, status, req.wait_s) - waited_s)
     coord.open_polls += 1
     if silence is not None:
         coord.held_links.add(silence)

@@ -16,6 +16,8 @@ from protocol.errors import ErrorCode
 from rdzv_server.core.errors import RendezvousError
 
 LEADER_HEADER = "Rdzv-Leader"   # on a not_leader reply: the leader's advertised URL
+# An agent's request, on HTTP or on the stream, is parked this long while an election or takeover is under way.
+ELECTION_WAIT_S = 3.0
 
 
 class Serving:
@@ -49,7 +51,7 @@ class Serving:
         """Agents may be served: the state is loaded, the server is not stopping, it leads."""
         return self.started and not self.shutting_down and self.leading()
 
-    async def until_serving(self, timeout: float) -> bool:
+    async def until_serving(self, timeout: float = ELECTION_WAIT_S) -> bool:
         """While an election or takeover is under way, wait (up to `timeout`) for this replica to
         serve or a leader to be known."""
         loop = asyncio.get_running_loop()

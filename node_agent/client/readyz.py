@@ -42,7 +42,7 @@ async def readyz_status(server: str, *, ssl_context: ssl.SSLContext | None, conn
                f"Accept: */*\r\n\r\n").encode("ascii")
     try:
         async with deadline(answer_s):
-            return await (_ask(sock, request) if tls is None else _ask_tls(sock, request, tls, host, answer_s))
+            return await (_ask(sock, request) if tls is None else _ask_tls(sock, request, tls, host))
     except (OSError, EOFError, asyncio.TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError,
             ValueError):
         return None
@@ -63,10 +63,9 @@ async def _ask(sock: socket.socket, request: bytes) -> int | None:
     return _status(head.split(b"\n", 1)[0])
 
 
-async def _ask_tls(sock: socket.socket, request: bytes, tls: ssl.SSLContext, host: str,
-                   handshake_s: float) -> int | None:
-    reader, writer = await asyncio.open_connection(sock=sock, ssl=tls, server_hostname=host,
-                                                   ssl_handshake_timeout=handshake_s)
+async def _ask_tls(sock: socket.socket, request: bytes, tls: ssl.SSLContext, host: str) -> int | None:
+    """Over TLS: the handshake is bounded by the caller's `answer_s` deadline with the answer."""
+    reader, writer = await asyncio.open_connection(sock=sock, ssl=tls, server_hostname=host)
     try:
         writer.write(request)
         return _status(await reader.readuntil(b"\n"))

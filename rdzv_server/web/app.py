@@ -18,7 +18,14 @@ from rdzv_server.core.rendezvous import RendezvousError
 from rdzv_server.looplag import LoopLagProbe
 from rdzv_server.web import admin, views
 from rdzv_server.web.access import ACCESS, Access, access_middleware
-from rdzv_server.web.connections import SlowBody, local_address, read_body, request_ack_age_s, send_and_close
+from rdzv_server.web.connections import (
+    SlowBody,
+    local_address,
+    read_body,
+    request_ack_age_s,
+    request_waited_s,
+    send_and_close,
+)
 from rdzv_server.web.direct_reply import AlreadyWritten, DirectReply
 from rdzv_server.web.metrics import METRICS, ServerMetrics, metrics_endpoint, metrics_middleware
 from rdzv_server.web.page import render as page
@@ -26,9 +33,6 @@ from rdzv_server.web.routing import COORDINATOR, job_id_of
 from rdzv_server.web.stream import add_stream_route, register_metrics
 
 log = logging.getLogger("rdzv_server")
-
-# A replica parks an agent's request this long while an election or takeover is under way.
-ELECTION_WAIT_S = 3.0
 
 # Warnings for operators about how exposed this server is (shown on the status page).
 NOTES = web.AppKey("notes", tuple)
@@ -88,13 +92,13 @@ async def agent_request(request: web.Request) -> web.StreamResponse:
                           f"content type {quote(request.content_type)}: agent routes take {CONTENT_TYPE}")
     job_id = job_id_of(request)
     body = await read_body(request)         # first: an oversized body is refused at once, even by a standby
-    if not await coord.gate.until_serving(ELECTION_WAIT_S):
+    if not await coord.gate.until_serving():
         raise coord.gate.not_serving()
     req = decode_request(cls, body)
     reply = DirectReply(request) if isinstance(req, PollRequest) and DirectReply.fits(request) else None
     try:
         status = await coord.handle(job_id, req, request.remote or "", local_address(request.transport),
-                                    lambda: request_ack_age_s(request), reply)
+                                    lambda: request_ack_age_s(request), reply, request_waited_s(request))
     except Exception:
         if reply is None or not reply.sent:
             raise

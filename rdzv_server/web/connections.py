@@ -167,6 +167,12 @@ def ack_age_s(transport: asyncio.BaseTransport | None) -> float | None:
     return tcp_info_age_s(transport, TCP_INFO_LAST_ACK_RECV)
 
 
+def request_waited_s(request: web.Request) -> float:
+    """How long ago the request's last bytes arrived (its connection's kernel received them): how
+    long it waited for the server to get to it. 0.0 where unknown."""
+    return tcp_info_age_s(request.transport, TCP_INFO_LAST_DATA_RECV) or 0.0
+
+
 def request_ack_age_s(request: web.Request) -> float | None:
     """`ack_age_s` of the request's connection; once it has ended, as it was when it ended (a FIN or
     RST just in: about 0)."""

@@ -41,7 +41,6 @@ from rdzv_server.web.stream_connection import StreamConnection, handshake, webso
 
 HUB = web.AppKey("stream_hub", StreamHub)
 ROUTE_NAME = "agent-stream"
-ELECTION_WAIT_S = 3.0             # a request waits this long for an election to end (as on HTTP, app.py)
 WRITE_BUFFER_CAP = 64 * 1024      # bytes a node may leave unread before its stream is closed
 
 
@@ -110,7 +109,7 @@ async def _request(conn: StreamConnection, frame: Request) -> Reply:
         raise FrameError(ErrorCode.FORBIDDEN, f"a request for node {quote(req.node_id)} on the stream of node "
                          f"{quote(sub.node_id)}: a stream speaks for the node its hello named")
     try:
-        if not await coord.gate.until_serving(ELECTION_WAIT_S):
+        if not await coord.gate.until_serving():
             raise coord.gate.not_serving()
         status: NodeStatus = await coord.handle(sub.job_id, req, conn.remote, conn.local)
     except RendezvousError as exc:

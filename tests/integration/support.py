@@ -63,5 +63,8 @@ class FixedLag:
     def recent_s(self) -> float:
         return self.lag_s
 
+    def note_waited(self, waited_s: float) -> None:
+        pass
+
     def summary(self) -> str:
         return "not measured (test)"

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from rdzv_server.looplag import ACCEPT_WAIT_S, LoopLagProbe
+from rdzv_server.looplag import ACCEPT_WAIT_S, INTERVAL_S, LoopLagProbe
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="the accept queue is read from Linux's TCP_INFO")
@@ -29,3 +29,17 @@ def test_connections_waiting_to_be_accepted_count_as_the_server_being_behind():
             for c in clients:
                 c.close()
     assert probe.accept_queue() == 0                  # a closed listener says nothing
+
+
+def test_requests_that_waited_for_the_server_count_as_it_being_behind():
+    # a loop can run its timers on time while the requests it handles had waited seconds to be read
+    probe = LoopLagProbe()
+    probe.note_waited(INTERVAL_S / 2)                  # handled about when it came: not behind
+    assert probe.recent_s() == 0.0
+    for waited in (0.3, 1.7, 0.9):                     # a burst of late requests ...
+        probe.note_waited(waited)
+    assert probe.recent_s() == 1.7                     # ... the worst of them
+    for _ in range(10_000):
+        probe.note_waited(0.2)
+    assert len(probe._recent) <= 2, "each request's wait kept: a list growing with the request rate"
+    assert probe.recent_s() == 1.7
