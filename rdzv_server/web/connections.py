@@ -138,7 +138,8 @@ class ConnectionGuard:
 GUARD = web.AppKey("connection_guard", ConnectionGuard)     # the server's (an app alone has none)
 
 
-TCP_INFO_LAST_DATA_RECV = 52      # struct tcp_info (Linux): u32 ms since data last came in
+TCP_INFO_LAST_DATA_SENT = 44      # struct tcp_info (Linux): u32 ms since data last went out
+TCP_INFO_LAST_DATA_RECV = 52      # u32 ms since data last came in
 TCP_INFO_LAST_ACK_RECV = 56       # u32 ms since any ACK came in (data, a keepalive probe's answer, a FIN)
 
 
@@ -169,8 +170,14 @@ def ack_age_s(transport: asyncio.BaseTransport | None) -> float | None:
 
 def request_waited_s(request: web.Request) -> float:
     """How long ago the request's last bytes arrived (its connection's kernel received them): how
-    long it waited for the server to get to it. 0.0 where unknown."""
-    return tcp_info_age_s(request.transport, TCP_INFO_LAST_DATA_RECV) or 0.0
+    long it waited for the server to get to it. 0.0 where unknown, and for a request sent before
+    the reply to the one before it went out (pipelined): its wait was that request's, the client's
+    choice (a client must not make the server look behind to everyone by pipelining)."""
+    received = tcp_info_age_s(request.transport, TCP_INFO_LAST_DATA_RECV)
+    if received is None:
+        return 0.0
+    sent = tcp_info_age_s(request.transport, TCP_INFO_LAST_DATA_SENT)
+    return received if sent is None or sent >= received else 0.0
 
 
 def request_ack_age_s(request: web.Request) -> float | None:

@@ -56,3 +56,23 @@ async def test_a_poll_the_server_got_to_late_is_held_only_for_what_is_left_of_it
     finally:
         writer.close()
 
+
+
+async def test_a_poll_sent_behind_another_on_its_connection_is_held_in_full_and_says_nothing_of_the_server(
+        server, holds, monkeypatch):
+    # pipelined: the second waited for the first's hold, the client's choice, not the server's
+    # backlog; counted, it would make the server look behind to every node's lease
+    a = await join(server, "a")
+    coord = server.app[COORDINATOR]
+    noted: list[float] = []
+    monkeypatch.setattr(coord.loop_lag, "note_waited", noted.append)
+    reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+    try:
+        writer.write(request("poll", poll("a", a["credential"], -1, 10.0)) * 2)
+        for _ in range(2):
+            head, body = await read_reply(reader)
+            assert head[0] == "HTTP/1.1 200 OK" and body["node_state"] == "waiting"
+        assert len(holds) == 2, "the pipelined poll was taken for one the server got to late"
+        assert all(waited < HOLD_S for waited in noted), noted
+    finally:
+        writer.close()
