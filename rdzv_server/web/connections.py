@@ -146,12 +146,18 @@ TCP_INFO_LAST_ACK_RECV = 56       # u32 ms since any ACK came in (data, a keepal
 def tcp_info_age_s(transport: asyncio.BaseTransport | None, field: int) -> float | None:
     """A `struct tcp_info` age field of the transport's socket, in seconds; None where unknown (no
     socket, no TCP_INFO, a socket already closed: uvloop's stand-in for it then raises ValueError)."""
+    ages = tcp_info_ages_s(transport, (field,))
+    return None if ages is None else ages[0]
+
+
+def tcp_info_ages_s(transport: asyncio.BaseTransport | None, fields: tuple[int, ...]) -> tuple[float, ...] | None:
+    """`tcp_info_age_s` of several fields, read at once (one system call)."""
     sock = transport.get_extra_info("socket") if transport is not None else None
     if sock is None or not hasattr(socket, "TCP_INFO"):
         return None
     try:
         info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 104)
-        return float(struct.unpack_from("I", info, field)[0]) / 1000.0
+        return tuple(float(struct.unpack_from("I", info, field)[0]) / 1000.0 for field in fields)
     except (OSError, ValueError, struct.error):
         return None
 
@@ -173,11 +179,11 @@ def request_waited_s(request: web.Request) -> float:
     long it waited for the server to get to it. 0.0 where unknown, and for a request sent before
     the reply to the one before it went out (pipelined): its wait was that request's, the client's
     choice (a client must not make the server look behind to everyone by pipelining)."""
-    received = tcp_info_age_s(request.transport, TCP_INFO_LAST_DATA_RECV)
-    if received is None:
+    ages = tcp_info_ages_s(request.transport, (TCP_INFO_LAST_DATA_RECV, TCP_INFO_LAST_DATA_SENT))
+    if ages is None:
         return 0.0
-    sent = tcp_info_age_s(request.transport, TCP_INFO_LAST_DATA_SENT)
-    return received if sent is None or sent >= received else 0.0
+    received, sent = ages
+    return received if sent >= received else 0.0
 
 
 def request_ack_age_s(request: web.Request) -> float | None:
