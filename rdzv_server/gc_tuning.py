@@ -6,11 +6,13 @@ loop for 20-110 ms, and it tends to come in the middle of an allocation burst: a
 just when a failure report waits for its reply (docs/benchmarks.md, "Pushed rounds").
 - At start-up, everything alive (modules, the app, the state restored from the store) is moved out
   of the collector's view (`gc.freeze`), and young collections run less often (`tune_gc`).
-- After that, `Freezer` freezes what survived the collections of the last CHECK_S (if any ran):
-  every collection then walks only what came since, whatever the fleet. Without it, what a round
-  change or a join storm left alive sits in the middle generation, and each of its collections
-  walked it all again (117-146 ms at 10,000 streams, measured); this server makes almost no cyclic
-  garbage (0-18 objects a collection), so freezing costs it next to nothing.
+- After that, `Freezer` freezes whatever is alive every CHECK_S, whether a collection ran or not:
+  a collection then walks only what came since. Freezing only after a collection was not enough:
+  CPython's young count falls with every object freed, old or young, so while the polls held at
+  10,000 nodes (58 tracked objects each) were answered and sent again no collection ran, and the
+  first one after a round change walked 580,000 young objects in 0.4-0.9 s, just as the report
+  waited for its reply. This server makes almost no cyclic garbage (9-18 objects a minute at
+  10,000 nodes), so freezing some unseen costs it next to nothing.
 - A frozen object that later becomes part of a garbage cycle is not reclaimed while frozen, so
   every REFRESH_S everything is unfrozen and collected once (one full walk, logged with its time),
   then frozen again. CPython would make such full walks on its own anyway, whenever the long-lived
@@ -39,25 +41,19 @@ def tune_gc() -> None:
     gc.set_threshold(GC_THRESHOLD_0, 20, 20)
 
 
-def collections() -> int:
-    """Collections of any generation so far (CPython counts each under the oldest it walked)."""
-    return sum(int(g["collections"]) for g in gc.get_stats())
-
-
 class Freezer:
-    """Freezes what survived the latest collections; unfreezes and collects once every `refresh_s`."""
+    """Freezes what is alive every tick; unfreezes and collects once every `refresh_s`."""
 
     def __init__(self, refresh_s: float = REFRESH_S, clock: Callable[[], float] = time.monotonic) -> None:
         self.refresh_s = refresh_s
         self._clock = clock
-        self._seen = collections()
         self._refreshed_at = clock()
         self.freezes = 0
         self.refreshes = 0
         self._task: asyncio.Task[None] | None = None
 
     def tick(self) -> None:
-        """One check: a collection since the last one freezes its survivors; a refresh when due."""
+        """One check: a refresh when due, then what is alive frozen (O(1): the lists are moved)."""
         if self._clock() - self._refreshed_at >= self.refresh_s:
             self._refreshed_at = self._clock()
             started = time.perf_counter()
@@ -66,10 +62,7 @@ class Freezer:
             self.refreshes += 1
             log.info("garbage collector: the hourly full collection took %.2fs and freed %d objects",
                      time.perf_counter() - started, freed)
-        elif collections() == self._seen:
-            return
         gc.freeze()
-        self._seen = collections()
         self.freezes += 1
 
     def start(self, every_s: float = CHECK_S) -> None:
