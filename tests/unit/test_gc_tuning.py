@@ -1,4 +1,5 @@
-"""The server's collector tuning: what is alive is frozen each tick, frozen cycles reclaimed on refresh."""
+"""The server's collector tuning: each tick collects the young generation and freezes its survivors
+(never garbage); frozen cycles are reclaimed on refresh."""
 from __future__ import annotations
 
 import gc
@@ -12,16 +13,32 @@ class Node:
         self.me = self                 # a cycle: only the cyclic collector frees it
 
 
-def test_what_is_alive_is_frozen_each_tick_and_frozen_cycles_are_reclaimed_on_refresh():
-    clock = [0.0]
+def test_a_tick_collects_young_garbage_and_freezes_what_survived():
     enabled = gc.isenabled()
     gc.disable()                                       # only this test's own collections run meanwhile
+    try:
+        freezer = Freezer(refresh_s=600.0, clock=lambda: 0.0)
+        kept, dropped = Node(), Node()
+        dropped_probe = weakref.ref(dropped)
+        del dropped                                    # cyclic garbage before the tick: collected, not frozen
+        freezer.tick()                                 # no collection of CPython's own since: it runs one
+        assert dropped_probe() is None
+        assert freezer.freezes == 1 and gc.is_tracked(kept) and _frozen(kept)
+    finally:
+        gc.unfreeze()
+        if enabled:
+            gc.enable()
+
+
+def test_a_cycle_that_dies_frozen_is_reclaimed_on_refresh():
+    clock = [0.0]
+    enabled = gc.isenabled()
+    gc.disable()
     try:
         freezer = Freezer(refresh_s=600.0, clock=lambda: clock[0])
         kept = Node()
         probe = weakref.ref(kept)
-        freezer.tick()                                 # no collection ran since `kept` was made: frozen all the same
-        assert freezer.freezes == 1 and gc.is_tracked(kept) and _frozen(kept)
+        freezer.tick()
         del kept                                       # garbage now, but frozen: a full walk does not see it
         gc.collect()
         assert probe() is not None
