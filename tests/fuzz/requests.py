@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 from urllib.parse import quote
 
+import msgpack
 from hypothesis import strategies as st
 
 from tests.fuzz import payloads
@@ -72,6 +73,23 @@ class Request:
         body = repr(self.body[:limit]) + (f"... ({len(self.body)} bytes)" if len(self.body) > limit else "")
         headers = ", ".join(f"{k!r}: {v!r}"[:200] for k, v in self.headers)
         return f"[{self.label}] {self.method} {self.target[:300]} Host={self.host!r} {{{headers}}} body={body}"
+
+
+def body_map(request: Request) -> dict[Any, Any]:
+    """The request's body as a MessagePack map ({} when it is none)."""
+    try:
+        body = msgpack.unpackb(request.body)
+    except Exception:  # noqa: BLE001 (any malformed body is simply no map)
+        return {}
+    return body if isinstance(body, dict) else {}
+
+
+def own_instance_join(request: Request, node: Node) -> bool:
+    """A join naming `node` from `node`'s own agent instance. Until a request carrying the node's
+    secret has been accepted, the server takes it for a join whose reply was lost and hands out a
+    fresh secret (docs/protocol.md, join): a rule, not a forgery."""
+    return (request.action == "join" and request.node_id == node.node_id
+            and body_map(request).get("instance") == node.instance)
 
 
 # -- agent routes --------------------------------------------------------------------------------

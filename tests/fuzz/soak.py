@@ -229,6 +229,9 @@ def report(args: argparse.Namespace, out: dict[str, Any], seconds: float, proble
     forged = sum(c.get("forged_accepted", 0) for c in clients)
     why = "credentials handed out: each is a problem" if credentials else "the server hands out no credentials yet"
     print(f"  requests naming a live canary node without its credential and accepted: {forged:,} ({why})")
+    rejoins = sum(c.get("lost_reply_rejoins", 0) for c in clients)
+    print(f"  of those without it, joins from the node's own instance before its secret was used (the "
+          f"lost-reply rule, not counted above): {rejoins:,}")
     canaries = sum(c.get("canaries", 0) for c in clients)
     print(f"  canaries: {canaries:,} (a new one whenever accepted requests spoiled one)")
     print(f"  server RSS: {mb(rss_before)} before, {mb(rss_after)} after, peak {mb(out['peak_rss'])}")

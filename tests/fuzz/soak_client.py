@@ -1,7 +1,9 @@
 """One client process of `make fuzz`: hypothesis-drawn requests against a real server, checked one by one.
 
 It owns a canary job (3 nodes that never send anything after joining, timers a week long): any
-change to the canary comes from a request. After every refused request aimed at it (and every 200th
+change to the canary comes from a request. A hostile join from a canary node's own instance before
+any accepted request carried that node's secret is the server's lost-reply rule, not a forgery: the
+fresh secret it hands out becomes the node's. After every refused request aimed at it (and every 200th
 request) the canary's JSON view and event count are compared with the last baseline, and a node's
 lease age must not drop (a refused request must not renew a lease). An accepted request may change
 it: the baseline is taken again, and a canary that requests finished or took a node out is
@@ -27,7 +29,7 @@ from hypothesis import strategies as st
 from tests.fuzz import known_issues, oracle, payloads
 from tests.fuzz.operator_requests import any_request
 from tests.fuzz.rawhttp import Connection, NoReply, Reply, request_bytes
-from tests.fuzz.requests import MSGPACK, Context, Node, Request, valid_body
+from tests.fuzz.requests import MSGPACK, Context, Node, Request, body_map, own_instance_join, valid_body
 
 CHUNK = 1000            # examples per hypothesis run (a fresh engine each: its memory stays bounded)
 MAX_PROBLEMS = 40       # problem reports kept per kind
@@ -47,6 +49,8 @@ class FuzzClient:
         self.known: Counter[str] = Counter()
         self.problems: dict[str, list[str]] = {}
         self.forged_accepted = 0
+        self.lost_reply_rejoins = 0
+        self.proven: set[str] = set()        # canary nodes whose secret an accepted request carried
         self.credentials = False
         self.dead = False
         self.ctx = self.new_canary()
@@ -66,6 +70,7 @@ class FuzzClient:
     # -- the canary --
     def new_canary(self) -> Context:
         self.canaries += 1
+        self.proven = set()
         ctx = Context(self.authority, f"canary-{self.index}-{self.canaries}", ())
         nodes = []
         for name in ("node-a", "node-b", "node-c"):
@@ -127,6 +132,11 @@ class FuzzClient:
         if self.dead:
             return
         live = request.node_id in self.live_nodes() and request.job_id == self.ctx.job_id
+        node = next((n for n in self.ctx.nodes if n.node_id == request.node_id), None) if live else None
+        carries_secret = node is not None and bool(node.credential) \
+            and body_map(request).get("credential") == node.credential
+        rejoin = node is not None and not carries_secret and node.node_id not in self.proven \
+            and own_instance_join(request, node)
         self.sent += 1
         if self.sent % PROGRESS_EVERY == 0:
             print(f"fuzz client {self.index}: {self.sent:,} requests sent", file=sys.stderr, flush=True)
@@ -152,15 +162,26 @@ class FuzzClient:
                     continue
             self.problem("5xx" if reply.status >= 500 else "bad reply",
                          f"{found}; reply {reply.status} {reply.body[:300]!r} to {request.describe()}")
-        if request.forged and live and reply.status < 400:
+        if rejoin and reply.status < 300:
+            self.lost_reply_rejoins += 1
+            self.follow_secret(request.node_id, (oracle.agent_status(reply) or {}).get("credential"))
+        elif request.forged and live and reply.status < 400:
             self.forged_accepted += 1
             if self.credentials:
                 self.problem("forged request accepted", request.describe())
+        elif carries_secret and reply.status < 300 and node is not None:
+            self.proven.add(node.node_id)
         on_canary = request.job_id == self.ctx.job_id
         if on_canary and reply.status < 300 and request.method not in ("GET", "HEAD"):
             self.rebase()
         elif (on_canary and request.method not in ("GET", "HEAD")) or self.sent % 200 == 0:
             self.check_canary(request if on_canary else None, reply if on_canary else None)
+
+    def follow_secret(self, node_id: str | None, credential: str | None) -> None:
+        """A lost-reply rejoin gave the node a fresh secret: later requests carry that one."""
+        if credential:
+            self.ctx = replace(self.ctx, nodes=tuple(replace(n, credential=credential) if n.node_id == node_id
+                                                     else n for n in self.ctx.nodes))
 
     def check_alive(self) -> bool:
         """After a request got no reply: True when the server is gone (nothing answers /healthz)."""
@@ -196,7 +217,8 @@ class FuzzClient:
     def results(self) -> dict[str, Any]:
         return {"sent": self.sent, "by_status": dict(self.by_status),
                 "by_label": {k: dict(v) for k, v in self.by_label.items()}, "known": dict(self.known),
-                "problems": self.problems, "forged_accepted": self.forged_accepted, "credentials": self.credentials,
+                "problems": self.problems, "forged_accepted": self.forged_accepted,
+                "lost_reply_rejoins": self.lost_reply_rejoins, "credentials": self.credentials,
                 "canaries": self.canaries, "canary": self.ctx.job_id, "dead": self.dead}
 
 

@@ -29,7 +29,7 @@ from tests.fuzz.inprocess import ServerThread, differences
 from tests.fuzz.known_issues import known, known_log
 from tests.fuzz.operator_requests import admin_request, method_request, view_request
 from tests.fuzz.rawhttp import Connection, NoReply, Reply
-from tests.fuzz.requests import MSGPACK, Context, Node, Request, agent_request, valid_body
+from tests.fuzz.requests import MSGPACK, Context, Node, Request, agent_request, own_instance_join, valid_body
 
 JOB_NUMBERS = itertools.count(1)
 
@@ -38,14 +38,10 @@ JOB_NUMBERS = itertools.count(1)
 def lost_reply_rejoin(request: Request, job: JobRecord) -> bool:
     """A join without the secret from the node's own agent instance, before any request used the
     secret: the rule for a join whose reply was lost (docs/protocol.md, join), not a forgery."""
-    node = job.nodes.get(request.node_id or "")
-    if request.action != "join" or node is None or node.credential_used:
-        return False
-    try:
-        body = msgpack.unpackb(request.body)
-    except Exception:  # noqa: BLE001 (a malformed body is no rejoin)
-        return False
-    return isinstance(body, dict) and body.get("instance") == node.instance
+    record = job.nodes.get(request.node_id or "")
+    return (record is not None and not record.credential_used
+            and own_instance_join(request, Node(record.node_id, record.instance, None)))
+
 
 class RouteFuzzer(RuleBasedStateMachine):
     server: ServerThread          # set by the test

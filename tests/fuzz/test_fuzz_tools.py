@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import msgpack
 import msgspec
@@ -10,7 +11,7 @@ import pytest
 from tests.fuzz import oracle, payloads
 from tests.fuzz.inprocess import ServerThread, differences
 from tests.fuzz.rawhttp import Connection, Reply, request_bytes
-from tests.fuzz.requests import Request
+from tests.fuzz.requests import MSGPACK, Request, valid_body
 from tests.fuzz.soak_client import FuzzClient
 
 AGENT = Request("POST", "/v1/jobs/j/join", (), b"", "t", "agent", field="config.min_nodes")
@@ -76,5 +77,33 @@ def test_the_soak_client_notices_a_canary_changed_behind_its_back(tmp_path):
         assert resized.status == 200, resized
         client.check_canary(None, None)
         assert list(client.problems) == ["refused request changed the state"], client.problems
+    finally:
+        server.close()
+
+
+def test_the_soak_client_tells_a_lost_reply_rejoin_from_a_forgery(tmp_path):
+    server = ServerThread(str(tmp_path / "state"))
+    try:
+        client = FuzzClient(server.port, 0, hang_s=20)
+        node = client.ctx.nodes[0]
+        old_secret = node.credential
+
+        def join(credential: str | None) -> Request:
+            body = valid_body(client.ctx, "join", replace(node, credential=credential))
+            return Request("POST", f"/v1/jobs/{client.ctx.job_id}/join", (("Content-Type", MSGPACK),),
+                           payloads.packb(body), "t.join", "agent", job_id=client.ctx.job_id,
+                           node_id=node.node_id, action="join", forged=credential is None, host=client.authority)
+
+        client.fire(join(None))          # its own instance, the secret never used: a fresh secret, no problem
+        assert client.problems == {} and client.lost_reply_rejoins == 1 and client.forged_accepted == 0
+        fresh = client.ctx.nodes[0].credential
+        assert fresh and fresh != old_secret
+        client.fire(join(fresh))         # the fresh secret carried and accepted: proven from now on
+        assert client.proven == {node.node_id} and client.problems == {}
+        client.fire(join(None))          # now the server refuses it (node_conflict): nothing to report
+        assert client.problems == {} and client.lost_reply_rejoins == 1
+        client.proven.clear()            # as if the soak had missed the proof: a refused join is no problem either
+        client.fire(join(None))
+        assert client.problems == {} and client.forged_accepted == 0
     finally:
         server.close()
