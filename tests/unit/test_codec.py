@@ -79,3 +79,22 @@ def test_the_id_and_token_rules_are_one_each_and_say_why():
     assert node_id_problem("node@host:1") == "" and "node id must be" in node_id_problem("-x")
     assert token_problem(b"0123456789abcdef") == ""
     assert "at least 16" in token_problem(b"short") and "printable" in token_problem(b"with a space 0123456")
+
+
+@pytest.mark.parametrize("error", [TypeError("unhashable type: 'msgspec.msgpack.Ext'"), ValueError("odd"),
+                                   OverflowError("big"), RecursionError()])
+def test_whatever_a_decoder_raises_on_a_body_is_a_bad_request(monkeypatch, error):
+    """msgspec 0.18 (the floor pyproject allows) raises TypeError for a map key it cannot hash; any
+    version may raise something else on a hostile body: it is the client's error, never the server's."""
+    from protocol import codec
+
+    class Raising:
+        def decode(self, body: bytes) -> object:
+            raise error
+
+    monkeypatch.setattr(codec, "_any_decoder", Raising())
+    monkeypatch.setitem(codec._request_decoders, JoinRequest, Raising())
+    with pytest.raises(DecodeError) as caught:
+        decode_request(JoinRequest, b"\x81\xa1v\x01")
+    assert caught.value.code is ErrorCode.BAD_REQUEST
+    assert caught.value.message.startswith("body is not valid MessagePack")
