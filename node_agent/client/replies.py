@@ -11,7 +11,9 @@ Replies can arrive out of order (a join, a report and the long-poll are in fligh
 why only a newer round is news.
 
 A typed refusal means one of `Refusal`; which request was refused matters (a refused report is
-dropped, a refused join or poll ends the node, a forgotten node joins again).
+dropped, a refused join or poll ends the node, a forgotten node joins again). A request refused as
+malformed (INVALID: the server would refuse it again, whatever it is) ends the node at once, which
+leaves the job so that the others go on, rather than wait for news the refusal will never bring.
 """
 from __future__ import annotations
 
@@ -82,10 +84,12 @@ class Refusal(enum.Enum):
     DRAINED = "drained"            # an operator took this node out: stop, and that is no failure
     JOIN_REFUSED = "join_refused"  # any other refused join: stop
     POLL_REFUSED = "poll_refused"  # any other refused poll: stop
+    INVALID = "invalid"            # a request the server will refuse again (malformed, another version): leave, stop
     DROPPED = "dropped"            # a refused report: dropped; the next poll says where things stand
 
 
 FORGOTTEN_CODES = (ErrorCode.UNKNOWN_JOB.value, ErrorCode.UNKNOWN_NODE.value)
+INVALID_CODES = (ErrorCode.BAD_REQUEST.value, ErrorCode.UNSUPPORTED_VERSION.value, ErrorCode.TOO_LARGE.value)
 
 
 def refusal(code: str, request: type) -> Refusal:
@@ -94,6 +98,8 @@ def refusal(code: str, request: type) -> Refusal:
         return Refusal.UNAUTHORIZED
     if code == NOT_RDZV_SERVER:
         return Refusal.NOT_A_SERVER
+    if code in INVALID_CODES and request is not JoinRequest:
+        return Refusal.INVALID
     if request is JoinRequest:
         if code == ErrorCode.NODE_CONFLICT.value:
             return Refusal.CONFLICT

@@ -30,7 +30,8 @@ Rules:
   except a node id still held by a live agent (`node_conflict`): that may be this node's previous
   agent, not yet noticed dead, so the join is retried each second for a lease and a bit;
 - a refused poll means start afresh when the server forgot the job or node, and the end otherwise;
-  a refused report is dropped (the next poll says where things stand); a request refused because
+  a refused report is dropped (the next poll says where things stand), unless the server would refuse
+  it again (malformed: `Refusal.INVALID`), which leaves the job and ends the agent; a request refused because
   another agent took this node over (`forbidden`) or because this agent has no valid token
   (`unauthorized`) ends the agent, whatever it was;
 - a signal stops the workers, leaves the job, and exits with 128 + signal;
@@ -82,6 +83,7 @@ from node_agent.core.facts import (
 from node_agent.core.fencing import CONFIRM_S, REPROBE_S, fenced, first_ask_at, lapse_at
 from node_agent.core.node_health import NodeHealth
 from node_agent.core.summary import failure_summary
+from protocol.codec import REQUEST_TYPES
 from protocol.errors import ErrorCode
 from protocol.messages import (
     MAX_REASON,
@@ -103,6 +105,7 @@ class Workers(enum.Enum):
 
 
 CONFLICT_RETRY_S = 1.0
+REQUEST_NAMES = {cls: name for name, cls in REQUEST_TYPES.items()}
 
 
 @dataclass(slots=True)   # slots: a misspelt attribute is an error (mypy and at run time), not a new one
@@ -306,6 +309,13 @@ class SupervisionPolicy:
             case Refusal.JOIN_REFUSED:
                 return self._end(1, "the server refused this node's join",
                                  f"the rendezvous server refused this node's join: {fact.message}")
+            case Refusal.INVALID:      # refused again if sent again: leave, so the others go on without us
+                name = f"{REQUEST_NAMES[fact.request]} request"
+                actions = self._stop(f"the server refused this node's {name}")
+                self.exiting = True
+                return actions + [Leave(f"the server refused this node's {name}: {fact.message}"[:MAX_REASON]),
+                                  Exit(1, f"the rendezvous server refused this node's {name}, and would again: "
+                                          f"{fact.message}")]
             case Refusal.DROPPED:
                 return []      # a refused report: the next poll says where things stand
             case Refusal.FORGOTTEN:

@@ -33,7 +33,7 @@ from typing import Any, TypeVar
 import msgspec
 
 from node_agent.client.replies import News, Refusal, newer_assignment, news, refusal, takes_poll_reply
-from node_agent.client.retry import Backoff, GaveUp, until_answered
+from node_agent.client.retry import Backoff, GaveUp, unreachable_line, until_answered
 from node_agent.client.transport import ServerRejected, ServerUnreachable, Transport
 from node_agent.client.witness import WitnessServer
 from node_agent.plugin.settings import PluginSettings
@@ -87,6 +87,10 @@ class SessionEnded(Exception):
 
 class ServerLost(SessionEnded):
     """The server stayed unreachable past `server_wait`, or refused a poll."""
+
+
+class RequestRefused(SessionEnded):
+    """The server refused a request of this node that it would refuse again (Refusal.INVALID)."""
 
 
 class JoinRefused(SessionEnded):
@@ -280,6 +284,9 @@ class ServerSession:
     def _refused(self, exc: ServerRejected) -> None:
         """A refused poll or report: join again when the server forgot this node, else the end."""
         match refusal(exc.code, PollRequest):
+            case Refusal.INVALID:
+                self._end(RequestRefused(f"the rdzv-server refused this node's request, and would again: "
+                                         f"{exc.message}"))
             case Refusal.FORGOTTEN:
                 self._forgotten(exc)
             case Refusal.TAKEN_OVER:
@@ -298,10 +305,15 @@ class ServerSession:
             self._set(msgspec.structs.replace(self.view, node_state=NodeState.GONE, assignment=None,
                                               reason=exc.message))
 
-    def _lost_contact(self, _: Exception) -> None:
+    def _lost_contact(self, exc: Exception) -> None:
+        if not self._cut_off:   # said once per outage, at its first failed try
+            s = self.settings
+            self.say(unreachable_line(f"{s.host}:{s.port}", s.server_wait_s, str(exc)))
         self._cut_off = True
 
     def _set(self, status: NodeStatus) -> None:
+        if self._cut_off:
+            self.say(f"the rdzv-server at {self.settings.host}:{self.settings.port} answers again")
         self._cut_off = False   # an answer: the server is heard
         self.view = status
         self._changed.set()

@@ -222,17 +222,34 @@ def test_server_that_forgot_the_job_makes_us_stop_and_rejoin_from_scratch() -> N
 
 def test_any_other_poll_refusal_ends_the_agent_with_the_servers_words() -> None:
     p = running(1)
-    actions = p.handle(ServerRefused(PollRequest, "bad_request", "node_id: must be ..."), 5.0)
+    actions = p.handle(ServerRefused(PollRequest, "job_finished", "job 'j' finished"), 5.0)
     assert isinstance(actions[0], StopWorkers)
-    assert actions[-1] == Exit(1, "the server refused this agent: node_id: must be ...")
+    assert actions[-1] == Exit(1, "the server refused this agent: job 'j' finished")
 
 
 def test_a_refused_report_is_dropped() -> None:
     p = running(1)
     p.handle(failed(1), 1.0)
-    assert p.handle(ServerRefused(FailureReport, "bad_request", "too long"), 2.0) == []
+    assert p.handle(ServerRefused(FailureReport, "job_finished", "job 'j' finished"), 2.0) == []
     assert p.handle(ServerRefused(SuccessReport, "unknown_node", "gone"), 2.0) == []
     assert not p.exiting
+
+
+@pytest.mark.parametrize("request_type, name", [(FailureReport, "failure"), (SuccessReport, "success"),
+                                                (PollRequest, "poll")])
+@pytest.mark.parametrize("code", ["bad_request", "unsupported_version", "too_large"])
+def test_a_request_the_server_would_refuse_again_leaves_the_job_and_ends_the_agent(request_type, name, code) -> None:
+    """A refused report was dropped, and the node waited for news that never came (issue 37: the plugin's
+    report naming more workers than the server knew of hung both nodes until killed)."""
+    p = running(1)
+    if request_type is FailureReport:
+        p.handle(failed(1), 1.0)
+    actions = p.handle(ServerRefused(request_type, code, "the report names 2 failure(s)"), 2.0)
+    assert actions[-2:] == [Leave(f"the server refused this node's {name} request: the report names 2 failure(s)"),
+                            Exit(1, f"the rendezvous server refused this node's {name} request, and would again: "
+                                    f"the report names 2 failure(s)")]
+    assert all(isinstance(a, StopWorkers) for a in actions[:-2]) and p.exiting
+    assert p.handle(member(2), 3.0) == []
 
 
 def test_a_refused_join_ends_the_agent_and_a_drained_node_exits_zero() -> None:

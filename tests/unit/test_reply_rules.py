@@ -9,11 +9,18 @@ import pytest
 
 from node_agent.client.replies import News, Refusal, newer_assignment, news, refusal
 from node_agent.client.transport import ServerRejected, Transport
-from node_agent.core.actions import Exit, Rejoin, Spawn, StopWorkers
+from node_agent.core.actions import Exit, Leave, Rejoin, Spawn, StopWorkers
 from node_agent.core.facts import ServerRefused, StatusReceived
 from node_agent.core.policy import SupervisionPolicy, Workers
-from node_agent.plugin.session import JoinRefused, ServerLost, ServerSession, needs_rendezvous, still_in_round
-from node_agent.plugin.settings import plugin_settings
+from node_agent.plugin.session import (
+    JoinRefused,
+    RequestRefused,
+    ServerLost,
+    ServerSession,
+    needs_rendezvous,
+    still_in_round,
+)
+from node_agent.plugin.settings import TorchLaunch, plugin_settings
 from protocol.messages import (
     Assignment,
     FailureReport,
@@ -100,11 +107,16 @@ REFUSALS = [   # (request, code, what it means)
     (PollRequest, "unknown_job", Refusal.FORGOTTEN),
     (PollRequest, "unknown_node", Refusal.FORGOTTEN),
     (PollRequest, "forbidden", Refusal.TAKEN_OVER),
-    (PollRequest, "bad_request", Refusal.POLL_REFUSED),
+    (PollRequest, "job_finished", Refusal.POLL_REFUSED),
+    (PollRequest, "bad_request", Refusal.INVALID),
     (PollRequest, "unauthorized", Refusal.UNAUTHORIZED),
     (FailureReport, "forbidden", Refusal.TAKEN_OVER),
-    (FailureReport, "bad_request", Refusal.DROPPED),
+    (FailureReport, "job_finished", Refusal.DROPPED),
+    (FailureReport, "bad_request", Refusal.INVALID),
+    (FailureReport, "unsupported_version", Refusal.INVALID),
+    (SuccessReport, "too_large", Refusal.INVALID),
     (SuccessReport, "unknown_node", Refusal.DROPPED),
+    (JoinRequest, "bad_request", Refusal.JOIN_REFUSED),
 ]
 
 
@@ -116,7 +128,7 @@ def test_the_refusal_rule(request_type, code, meaning):
 AGENT_ENDS = {   # the agent's exit status per meaning (None: it goes on)
     Refusal.FORGOTTEN: None, Refusal.CONFLICT: None, Refusal.DROPPED: None, Refusal.DRAINED: 0,
     Refusal.TAKEN_OVER: 1, Refusal.UNAUTHORIZED: 1, Refusal.NOT_A_SERVER: 1, Refusal.JOIN_REFUSED: 1,
-    Refusal.POLL_REFUSED: 1,
+    Refusal.POLL_REFUSED: 1, Refusal.INVALID: 1,
 }
 
 
@@ -126,6 +138,7 @@ def test_node_agent_follows_the_refusal_rule(request_type, code, meaning):
     exits = [a.code for a in actions if isinstance(a, Exit)]
     assert exits == ([] if AGENT_ENDS[meaning] is None else [AGENT_ENDS[meaning]])
     assert any(isinstance(a, Rejoin) for a in actions) == (meaning is Refusal.FORGOTTEN)
+    assert any(isinstance(a, Leave) for a in actions) == (meaning is Refusal.INVALID)   # the others go on
 
 
 class Refusing(Transport):
@@ -163,6 +176,7 @@ class Refusing(Transport):
 PLUGIN_ENDS = {   # the plugin's next round after the refusal: a round (4, or 3 after a join retried), or how it ends
     Refusal.FORGOTTEN: 4, Refusal.CONFLICT: 3, Refusal.DROPPED: 4, Refusal.DRAINED: JoinRefused,
     Refusal.JOIN_REFUSED: JoinRefused, Refusal.TAKEN_OVER: ServerLost, Refusal.POLL_REFUSED: ServerLost,
+    Refusal.INVALID: RequestRefused,
 }
 
 
@@ -172,7 +186,8 @@ def test_the_plugin_follows_the_refusal_rule(request_type, code, meaning):
     refuse = {JoinRequest: "join", PollRequest: "poll", FailureReport: "failure"}[request_type]
     said: list[str] = []
     settings = plugin_settings(endpoint="127.0.0.1:1", run_id="j", min_nodes=1, max_nodes=2, local_addr="127.0.0.1",
-                               torchrun=None, conf={"node_id": "a", "lease_timeout": "1"})
+                               launch=TorchLaunch(local_world_size=1, max_restarts=0),
+                               conf={"node_id": "a", "lease_timeout": "1"})
     session = ServerSession(settings, Refusing(refuse, code), master_port=1, say=said.append)
     session.start()
     expected = PLUGIN_ENDS.get(meaning, JoinRefused if refuse == "join" else ServerLost)
