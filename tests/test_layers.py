@@ -28,7 +28,7 @@ ALLOWED: dict[str, tuple[str, ...]] = {
                                 "node_agent.workers.launch"),
     "node_agent.cli": ("protocol", "node_agent", "rdzv_server.coordinator", "rdzv_server.core"),
     "node_agent.plugin": ("protocol", "node_agent.client", "node_agent.cli.job_identity", "node_agent.cli.rdzv_conf",
-                          "node_agent.cli.values"),
+                          "node_agent.cli.values", "node_agent.workers.script_check"),
     "node_agent": ("protocol", "node_agent.core", "node_agent.client", "node_agent.workers", "node_agent.cli",
                    "node_agent.gpu"),
 }

@@ -23,8 +23,10 @@ from node_agent.cli.options import AgentOptions, agent_token, parse_options
 from node_agent.cli.values import StdSpec
 from node_agent.client.transport import Transport, local_addr_towards
 from node_agent.narration import Narrator, reply_of, start_lines
+from node_agent.workers.environment import worker_argv
 from node_agent.workers.error_file import write_reply_file
 from node_agent.workers.launch import make_run_dir
+from node_agent.workers.script_check import script_problem
 
 
 def _transport(opts: AgentOptions, token: str | None) -> tuple[Transport, str]:
@@ -69,6 +71,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     for warning in opts.warnings:
         print(f"node-agent: warning: {warning}", file=sys.stderr)
+    if not (opts.module or opts.no_python) and (problem := script_problem(opts.script, worker_argv(opts)[0])):
+        print(f"node-agent: error: {problem}", file=sys.stderr)   # before joining: no round, no restart used
+        return 2
     try:   # torchrun's layout: a fresh directory for this run, under --log-dir or a temporary one
         root = opts.log_dir or tempfile.mkdtemp(prefix="node-agent_")
         opts = dataclasses.replace(opts, run_dir=make_run_dir(root, opts.job_id))

@@ -56,6 +56,7 @@ from node_agent.plugin.round_store import JOB_SUCCEEDED, RoundStore, first_line,
 from node_agent.plugin.session import (
     JobFinished,
     JoinRefused,
+    RequestRefused,
     ServerLost,
     ServerSession,
     SessionEnded,
@@ -66,10 +67,16 @@ from node_agent.plugin.settings import (
     BACKEND,
     PluginSettings,
     SettingsError,
-    TorchrunLine,
     plugin_settings,
 )
-from node_agent.plugin.torch_internals import PrefixStore, Store, TCPStore, run_loop_failures, torchrun_args
+from node_agent.plugin.torch_internals import (
+    PrefixStore,
+    Store,
+    TCPStore,
+    launch_settings,
+    run_loop_failures,
+)
+from node_agent.workers.script_check import script_problem
 from protocol.errors import ErrorCode
 from protocol.messages import Assignment, JobState, WorkerFailure
 
@@ -79,25 +86,22 @@ CONNECT_TRY_S = 2.0   # connecting to group rank 0's store is retried in tries t
 
 
 def create_handler(params: RendezvousParameters) -> RdzvServerHandler:
+    launch = launch_settings()
     try:
         settings = plugin_settings(endpoint=params.endpoint or "", run_id=params.run_id, min_nodes=params.min_nodes,
                                    max_nodes=params.max_nodes, local_addr=params.local_addr, conf=params.config,
-                                   torchrun=torchrun_line(params))
+                                   launch=launch)
     except SettingsError as exc:
         _exit(2, f"torchrun --rdzv-backend {BACKEND}: {exc}")
+    if launch is not None and launch.kind == "python" and (problem := script_problem(launch.script)):
+        _exit(2, f"torchrun --rdzv-backend {BACKEND}: {problem}")
     handler = RdzvServerHandler(settings)
+    if settings.job_id_source:
+        handler.say(f"job id {settings.job_id} (from {settings.job_id_source}; --rdzv-id or $PET_RDZV_ID sets "
+                    f"another)")
     for key in sorted(set(unquoted(params.config)) & set(IGNORED_KEYS)):
         handler.say(f"--rdzv-conf {key} has no effect with --rdzv-backend {BACKEND}: {IGNORED_KEYS[key]}")
     return handler
-
-
-def torchrun_line(params: RendezvousParameters) -> TorchrunLine | None:
-    """--nproc-per-node, --max-restarts and --role as torchrun read them: torch gives a handler none
-    of them. None when this process's command line is not the torchrun line that made `params`."""
-    args = torchrun_args(sys.argv[1:])
-    if args is None or args.rdzv_backend != params.backend or args.rdzv_id != params.run_id:
-        return None
-    return TorchrunLine(local_world_size=args.local_world_size, max_restarts=args.max_restarts, role=args.role)
 
 
 def _exit(code: int, message: str) -> NoReturn:
@@ -233,6 +237,8 @@ class RdzvServerHandler(RendezvousHandler):
             return session.next_assignment(after, failures)
         except JobFinished as exc:
             raise RendezvousClosedError(str(exc)) from None
+        except RequestRefused as exc:     # sent again, refused again: leave, so the others go on at once
+            self._exit_cleanly(1, str(exc))
         except JoinRefused as exc:
             if exc.code == ErrorCode.NODE_DRAINED.value:   # an operator took this node out: done, as node-agent
                 self._exit_cleanly(0, str(exc))

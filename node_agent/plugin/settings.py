@@ -3,9 +3,12 @@ frozen `PluginSettings` out. No torch import, so the rules are tested without it
 
 torchrun hands a rendezvous handler only the endpoint, the run id, MIN:MAX nodes, `--local-addr` and
 the `--rdzv-conf` key/value pairs (strings). Two things the server needs are not among them: the
-number of workers on this node and `--max-restarts`. `TorchrunLine` carries those, read by the
-plugin from torchrun's own command line; `--rdzv-conf local_world_size=N,max_restarts=K` override
-them (and are the way to give them when torch's launcher is driven from Python).
+number of workers on this node and the restart budget. `TorchLaunch` carries those, read by the plugin
+from torch's own launch configuration (torch_internals.launch_settings), whoever started the launcher:
+torchrun, `accelerate launch`, `elastic_launch` from Python. `--rdzv-conf local_world_size=N,max_restarts=K`
+override them, and are required when torch's configuration cannot be read: the plugin never guesses.
+Without a run id (torchrun's default `none`) the id is derived as node-agent derives it
+(cli/job_identity.py): the scheduler's job id, else the user's name and the command's fingerprint.
 
 Every bad value raises `SettingsError` with one line naming the key as the user typed it.
 """
@@ -21,7 +24,7 @@ from typing import NoReturn
 
 import msgspec
 
-from node_agent.cli.job_identity import TORCHRUN_DEFAULT_ID
+from node_agent.cli.job_identity import TORCHRUN_DEFAULT_ID, command_fingerprint, default_job_id
 from node_agent.cli.rdzv_conf import (
     DEFAULT_TRANSPORT,
     INT_KEYS,
@@ -37,7 +40,7 @@ from protocol.ids import job_id_problem, node_id_problem
 from protocol.messages import JobConfig
 
 BACKEND = "rdzv-server"
-# torchrun's --rdzv-id default (job_identity.py) would merge unrelated runs on one server: refused here
+NEEDS_SIZES = "local_world_size=N,max_restarts=K"   # what --rdzv-conf must give when torch's launch cannot be read
 
 
 class SettingsError(ValueError):
@@ -45,11 +48,18 @@ class SettingsError(ValueError):
 
 
 @dataclass(frozen=True)
-class TorchrunLine:
-    """What the plugin read from torchrun's command line (None when it is not torchrun's)."""
+class TorchLaunch:
+    """What torch's launch configuration says that torch does not pass to a rendezvous handler."""
     local_world_size: int
     max_restarts: int
     role: str = "default"
+    kind: str = "python"               # what each worker runs, as node-agent names it: python, module, ...
+    script: str = ""
+    script_args: tuple[str, ...] = ()
+
+    @property
+    def fingerprint(self) -> str:
+        return command_fingerprint(self.kind, self.script, self.script_args)
 
 
 @dataclass(frozen=True)
@@ -58,6 +68,7 @@ class PluginSettings:
     port: int
     job_id: str
     node_id: str
+    job_id_source: str             # where a derived job id came from ("" when given)
     addr: str                      # where other nodes reach this one (MASTER_ADDR when group rank 0)
     hostname: str
     local_world_size: int
@@ -104,7 +115,7 @@ def default_node_id() -> str:
 
 
 def plugin_settings(*, endpoint: str, run_id: str, min_nodes: int, max_nodes: int, local_addr: str | None,
-                    conf: Mapping[str, object], torchrun: TorchrunLine | None,
+                    conf: Mapping[str, object], launch: TorchLaunch | None,
                     environ: Mapping[str, str] = os.environ) -> PluginSettings:
     conf = unquoted(conf)      # torch's parser leaves a quoted --rdzv-conf's quotes in the first key and last value
     unknown = sorted(k for k in conf if k not in KNOWN_KEYS)
@@ -123,12 +134,7 @@ def plugin_settings(*, endpoint: str, run_id: str, min_nodes: int, max_nodes: in
                          environ, _whole_line)
     if port == 0:
         bad_endpoint("port 0 names no server; give the rdzv-server's HOST:PORT")
-    if run_id == TORCHRUN_DEFAULT_ID:
-        raise SettingsError(f"--rdzv-id is required with --rdzv-backend {BACKEND}: torchrun's default id "
-                            f"{TORCHRUN_DEFAULT_ID!r} would merge unrelated runs on a shared server")
-    if problem := job_id_problem(run_id):
-        raise SettingsError(f"--rdzv-id: {problem}")
-
+    run_id, source = _job_id(run_id, launch, environ)
     job: dict[str, object] = {"min_nodes": min_nodes, "max_nodes": max_nodes}
     typed: dict[str, str] = {}          # JobConfig field -> the rdzv_conf key it came from
     for key, field in SECONDS_KEYS.items():
@@ -139,10 +145,7 @@ def plugin_settings(*, endpoint: str, run_id: str, min_nodes: int, max_nodes: in
     for key in ("exclude_after", "max_restarts"):
         if key in ints:
             job[key], typed[key] = ints[key], key
-    if "max_restarts" not in ints and torchrun is not None:
-        job["max_restarts"], typed["max_restarts"] = torchrun.max_restarts, "max_restarts (from --max-restarts)"
-    local_world_size = ints["local_world_size"] if "local_world_size" in ints else (
-        torchrun.local_world_size if torchrun else 1)
+    local_world_size = _sizes(ints, launch, job, typed)
     if local_world_size < 1:
         _fail("local_world_size", f"expected at least 1 worker, got {local_world_size}")
     try:
@@ -154,12 +157,38 @@ def plugin_settings(*, endpoint: str, run_id: str, min_nodes: int, max_nodes: in
     if problem := node_id_problem(node_id):
         _fail("node_id", problem)
     return PluginSettings(
-        host=host, port=port, job_id=run_id, node_id=node_id,
+        host=host, port=port, job_id=run_id, node_id=node_id, job_id_source=source,
         addr=local_addr or local_addr_towards(host, port), hostname=socket.gethostname(),
-        local_world_size=local_world_size, role=torchrun.role if torchrun else "default", config=config,
+        local_world_size=local_world_size, role=launch.role if launch else "default", config=config,
         server_wait_s=max(local["server_wait"], config.lease_timeout_s),
         close_timeout_s=local["close_timeout"], store_timeout_s=local["read_timeout"] or LOCAL_SECONDS["read_timeout"],
         scheme=scheme, token=token, tls_ca=tls_ca, transport=_transport(conf))
+
+
+def _job_id(run_id: str, launch: TorchLaunch | None, environ: Mapping[str, str]) -> tuple[str, str]:
+    """(the job id, where it came from when derived: "" when given)."""
+    source = ""
+    if run_id in (TORCHRUN_DEFAULT_ID, ""):
+        if launch is None:
+            raise SettingsError("no run id, and torch's launch did not say which command the workers run (the "
+                                "plugin derives an id from it): give --rdzv-id ID, or set $PET_RDZV_ID where the "
+                                "tool has no such flag (accelerate)")
+        run_id, source = default_job_id(environ, launch.fingerprint)
+    if problem := job_id_problem(run_id):
+        raise SettingsError(f"--rdzv-id (or $PET_RDZV_ID): {problem}")
+    return run_id, source
+
+
+def _sizes(ints: Mapping[str, int], launch: TorchLaunch | None, job: dict[str, object], typed: dict[str, str]) -> int:
+    """This node's worker count; the job's restart budget into `job`: --rdzv-conf's, else torch's launch's."""
+    missing = [key for key in ("local_world_size", "max_restarts") if key not in ints]
+    if missing and launch is None:
+        raise SettingsError(f"torch's launch configuration could not be read, so {' and '.join(missing)} "
+                            f"{'is' if len(missing) == 1 else 'are'} not known: give --rdzv-conf {NEEDS_SIZES} "
+                            f"(the workers on this node and the job's restart budget)")
+    if "max_restarts" not in ints and launch is not None:
+        job["max_restarts"], typed["max_restarts"] = launch.max_restarts, "max_restarts (from --max-restarts)"
+    return ints["local_world_size"] if "local_world_size" in ints else launch.local_world_size if launch else 1
 
 
 def _whole_line(message: str) -> NoReturn:

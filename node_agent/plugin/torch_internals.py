@@ -11,8 +11,10 @@ plugin needs of them is read here, each with the documented route it would prefe
   sight: so the run loop's frame it is;
 - the key prefix of torch's exit barrier (`_TERMINAL_STATE_SYNC_ID`), which is how a handler learns
   that this node's workers all succeeded;
-- torchrun's own argument parser (`torch.distributed.run.get_args_parser`,
-  `determine_local_world_size`), for the flags torch does not pass to a handler;
+- torch's launch configuration (`torch.distributed.launcher.api.launch_agent`'s locals `config`, a
+  `LaunchConfig`, and `entrypoint`/`args`, what each worker runs), for what torch does not pass to a
+  handler: the workers per node, the restart budget, the role, the script. It is there whoever called the
+  launcher (torchrun, `accelerate launch`, `elastic_launch` from Python), unlike `sys.argv`;
 - the c10d store types (`torch._C._distributed_c10d`): torch.distributed re-exports them only at run
   time, so the type checker finds them here; and a store's `timeout`, missing from the stub.
 
@@ -21,18 +23,18 @@ naming the missing piece, on a torch where any of these is renamed or moved.
 """
 from __future__ import annotations
 
-import contextlib
-import io
+import os
 import sys
-from dataclasses import dataclass
 from datetime import timedelta
 from types import FrameType
 from typing import Any, cast
 
 from torch._C._distributed_c10d import PrefixStore, Store, TCPStore
 
-__all__ = ["EXIT_BARRIER", "PrefixStore", "RUN_LOOP", "RUN_RESULT", "Store", "TCPStore", "TorchrunArgs",
-           "run_loop_failures", "store_timeout", "torchrun_args"]
+from node_agent.plugin.settings import TorchLaunch
+
+__all__ = ["EXIT_BARRIER", "LAUNCH_AGENT", "LAUNCH_LOCALS", "PrefixStore", "RUN_LOOP", "RUN_PATH", "RUN_RESULT",
+           "Store", "TCPStore", "launch_settings", "run_loop_failures", "store_timeout"]
 
 try:
     from torch.distributed.elastic.agent.server.api import _TERMINAL_STATE_SYNC_ID as EXIT_BARRIER
@@ -58,27 +60,45 @@ def run_loop_failures(exc: BaseException | None) -> dict[int, Any] | None:
     return None
 
 
-@dataclass(frozen=True)
-class TorchrunArgs:
-    """What torchrun's command line says that torch does not pass to a rendezvous handler."""
-    rdzv_backend: str
-    rdzv_id: str
-    local_world_size: int
-    max_restarts: int
-    role: str
+LAUNCH_AGENT = "launch_agent"                         # torch.distributed.launcher.api: makes the handler
+LAUNCH_LOCALS = ("config", "entrypoint", "args")       # its LaunchConfig, and what each worker runs
+RUN_PATH = "run_script_path"                           # torchrun --run-path's entrypoint
 
 
-def torchrun_args(argv: list[str]) -> TorchrunArgs | None:
-    """torchrun's reading of `argv` (None when it is not a torchrun line torch's parser accepts)."""
-    from torch.distributed.run import determine_local_world_size, get_args_parser
-    try:
-        with contextlib.redirect_stderr(io.StringIO()):
-            args, _ = get_args_parser().parse_known_args(argv)
-        return TorchrunArgs(rdzv_backend=str(args.rdzv_backend), rdzv_id=str(args.rdzv_id),
-                            local_world_size=int(determine_local_world_size(args.nproc_per_node)),
-                            max_restarts=int(args.max_restarts), role=str(args.role))
-    except (SystemExit, Exception):   # best effort: --rdzv-conf local_world_size/max_restarts give them too
+def launch_settings() -> TorchLaunch | None:
+    """What torch's launcher, which is calling us, was configured with; None when no launcher is below
+    us or its locals are not what torch 2.13 keeps there."""
+    from torch.distributed.launcher.api import LaunchConfig
+    frame: FrameType | None = sys._getframe(1)
+    while frame is not None and frame.f_code.co_name != LAUNCH_AGENT:
+        frame = frame.f_back
+    if frame is None:
         return None
+    config, entrypoint, args = (frame.f_locals.get(name) for name in LAUNCH_LOCALS)
+    if not isinstance(config, LaunchConfig) or not isinstance(config.nproc_per_node, int) \
+            or not isinstance(config.max_restarts, int):
+        return None
+    argv = tuple(str(a) for a in args) if isinstance(args, (list, tuple)) else ()
+    kind, script, script_args = _worker_command(entrypoint, argv)
+    return TorchLaunch(local_world_size=config.nproc_per_node, max_restarts=config.max_restarts,
+                       role=str(config.role), kind=kind, script=script, script_args=script_args)
+
+
+def _worker_command(entrypoint: object, argv: tuple[str, ...]) -> tuple[str, str, tuple[str, ...]]:
+    """(kind, script, args) of what each worker runs, as node-agent names them (cli/job_identity.py), from
+    torch's layout (run.py's config_from_args): `PYTHON -u [-m] SCRIPT ARGS`, `run_script_path(SCRIPT, ARGS)`
+    with --run-path, `PROGRAM ARGS` with --no-python; a function given to elastic_launch by its name."""
+    if isinstance(entrypoint, str):
+        python = os.environ.get("PYTHON_EXEC", sys.executable)
+        if entrypoint == python and argv[:1] == ("-u",) and len(argv) > 1:
+            if argv[1] == "-m" and len(argv) > 2:
+                return "module", argv[2], argv[3:]
+            return "python", argv[1], argv[2:]
+        return "program", entrypoint, argv
+    name = str(getattr(entrypoint, "__qualname__", type(entrypoint).__name__))
+    if name == RUN_PATH and argv:
+        return "run-path", argv[0], argv[1:]
+    return "function", name, argv
 
 
 def store_timeout(store: Store) -> timedelta:

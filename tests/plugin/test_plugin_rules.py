@@ -8,7 +8,7 @@ import pytest
 from node_agent.client.replies import newer_assignment as assignment_after
 from node_agent.client.replies import takes_poll_reply
 from node_agent.plugin.session import needs_rendezvous, still_in_round
-from node_agent.plugin.settings import SettingsError, TorchrunLine, plugin_settings
+from node_agent.plugin.settings import SettingsError, TorchLaunch, plugin_settings
 from protocol.messages import Assignment, JobState, NodeState, NodeStatus
 
 
@@ -79,14 +79,17 @@ def test_a_poll_sent_before_the_latest_answer_is_taken_only_when_it_shows_progre
 
 # ------------------------------------------------------------------------------------- settings
 
-def settings(conf=None, torchrun=None, endpoint="127.0.0.1:29400", run_id="job42", nnodes=(1, 4)):
+LAUNCH = TorchLaunch(local_world_size=1, max_restarts=0)
+
+
+def settings(conf=None, launch=LAUNCH, endpoint="127.0.0.1:29400", run_id="job42", nnodes=(1, 4), environ=None):
     return plugin_settings(endpoint=endpoint, run_id=run_id, min_nodes=nnodes[0], max_nodes=nnodes[1],
-                           local_addr="10.0.0.1", conf=conf or {}, torchrun=torchrun)
+                           local_addr="10.0.0.1", conf=conf or {}, launch=launch, environ=environ or {})
 
 
 def test_torchrun_rdzv_conf_keys_become_the_job_config():
     s = settings({"join_timeout": "120", "last_call_timeout": "2.5", "heartbeat_timeout": "7", "close_timeout": "4",
-                  "read_timeout": "30", "max_restarts": "5", "exclude_after": "0"}, TorchrunLine(8, 3, "trainer"))
+                  "read_timeout": "30", "max_restarts": "5", "exclude_after": "0"}, TorchLaunch(8, 3, "trainer"))
     c = s.config
     assert (c.min_nodes, c.max_nodes, c.join_timeout_s, c.last_call_s, c.lease_timeout_s) == (1, 4, 120, 2.5, 7)
     assert (c.max_restarts, c.exclude_after) == (5, 0)       # --rdzv-conf max_restarts wins over --max-restarts
@@ -94,12 +97,39 @@ def test_torchrun_rdzv_conf_keys_become_the_job_config():
     assert (s.host, s.port, s.addr, s.job_id) == ("127.0.0.1", 29400, "10.0.0.1", "job42")
 
 
-def test_max_restarts_and_workers_come_from_the_torchrun_line_by_default():
-    s = settings({"timeout": "900"}, TorchrunLine(local_world_size=2, max_restarts=3))
-    assert (s.config.max_restarts, s.local_world_size, s.config.join_timeout_s) == (3, 2, 900)
+def test_max_restarts_and_workers_come_from_torchs_launch_by_default():
+    s = settings({"timeout": "900"}, TorchLaunch(local_world_size=2, max_restarts=3, role="trainer"))
+    assert (s.config.max_restarts, s.local_world_size, s.config.join_timeout_s, s.role) == (3, 2, 900, "trainer")
     assert settings({"timeout": "900", "join_timeout": "60"}).config.join_timeout_s == 60
     plain = settings()
     assert (plain.config.max_restarts, plain.local_world_size, plain.port) == (0, 1, 29400)
+
+
+def test_without_torchs_launch_the_sizes_must_be_given_never_guessed():
+    with pytest.raises(SettingsError, match="^torch's launch configuration could not be read, so local_world_size "
+                                            "and max_restarts are not known: give --rdzv-conf "
+                                            "local_world_size=N,max_restarts=K"):
+        settings(launch=None)
+    with pytest.raises(SettingsError, match="so max_restarts is not known"):
+        settings({"local_world_size": "2"}, launch=None)
+    given = settings({"local_world_size": "2", "max_restarts": "4"}, launch=None)
+    assert (given.local_world_size, given.config.max_restarts, given.role) == (2, 4, "default")
+
+
+def test_without_a_run_id_the_plugin_derives_one_as_node_agent_does():
+    """The scheduler's job id, else the user's name and the command's fingerprint (the same as node-agent's
+    for the same command, so the two kinds of node find one job)."""
+    from node_agent.cli.job_identity import command_fingerprint
+    launch = TorchLaunch(local_world_size=2, max_restarts=1, kind="python", script="train.py", script_args=("--lr",))
+    for run_id in ("none", ""):
+        s = settings(launch=launch, run_id=run_id, environ={"USER": "alice"})
+        assert s.job_id == f"alice-{command_fingerprint('python', 'train.py', ('--lr',))[:12]}"
+        assert s.job_id_source == "your user name and the command's fingerprint"
+    slurm = settings(launch=launch, run_id="none", environ={"SLURM_JOB_ID": "812", "USER": "alice"})
+    assert (slurm.job_id, slurm.job_id_source) == ("slurm-812", "$SLURM_JOB_ID")
+    assert settings(launch=launch, run_id="given").job_id_source == ""
+    with pytest.raises(SettingsError, match=r"^no run id.*--rdzv-id ID, or set \$PET_RDZV_ID"):
+        settings({"local_world_size": "2", "max_restarts": "4"}, launch=None, run_id="none")
 
 
 def test_one_pair_of_stray_quotes_around_rdzv_conf_is_dropped():
@@ -131,8 +161,7 @@ def test_a_bad_rdzv_conf_value_names_its_key(conf, message):
 @pytest.mark.parametrize("endpoint, run_id, message", [
     ("host:0", "job42", "--rdzv-endpoint: .*port '?0"),     # port 0 names no server
     ("host:http", "job42", "--rdzv-endpoint: bad port 'http'"),
-    ("127.0.0.1:29400", "none", "--rdzv-id is required with --rdzv-backend rdzv-server"),
-    ("127.0.0.1:29400", "team exp1", "--rdzv-id: job id must be"),
+    ("127.0.0.1:29400", "team exp1", r"--rdzv-id \(or \$PET_RDZV_ID\): job id must be"),
 ])
 def test_a_bad_endpoint_or_id_is_one_line(endpoint, run_id, message):
     with pytest.raises(SettingsError, match="^" + message):
@@ -153,7 +182,7 @@ def test_the_servers_token_and_ca_come_from_rdzv_conf_or_the_agents_variables(tm
                                                              "127.0.0.1", 29400)
     assert settings(endpoint="https://h:1").scheme == "https"
     env = plugin_settings(endpoint="h:1", run_id="j", min_nodes=1, max_nodes=1, local_addr="10.0.0.1", conf={},
-                          torchrun=None, environ={"RDZV_TOKEN": "env-token-0123456789abcdef"})
+                          launch=LAUNCH, environ={"RDZV_TOKEN": "env-token-0123456789abcdef"})
     assert (env.scheme, env.token, env.tls_ca) == ("http", "env-token-0123456789abcdef", None)
     assert (settings().token, settings().scheme) == (None, "http")
 

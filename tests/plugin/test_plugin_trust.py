@@ -16,7 +16,8 @@ TOKEN = "plugin-trust-token-0123456789abcdef"
 
 def params(port: int, job: str, **conf: str) -> RendezvousParameters:
     return RendezvousParameters(backend="rdzv-server", endpoint=f"https://127.0.0.1:{port}", run_id=job,
-                                min_nodes=1, max_nodes=1, local_addr="127.0.0.1", last_call_timeout="0", **conf)
+                                min_nodes=1, max_nodes=1, local_addr="127.0.0.1", last_call_timeout="0",
+                                local_world_size="1", max_restarts="0", **conf)   # no launcher: given
 
 
 def test_the_handler_joins_over_tls_with_the_token_and_without_it_is_one_line(cluster, tmp_path, monkeypatch,

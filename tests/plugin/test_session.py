@@ -12,7 +12,7 @@ import pytest
 
 from node_agent.client.http import RdzvClient
 from node_agent.plugin.session import JobFinished, JoinRefused, ServerLost, ServerSession, needs_rendezvous
-from node_agent.plugin.settings import plugin_settings
+from node_agent.plugin.settings import TorchLaunch, plugin_settings
 from protocol.messages import Witness, WorkerFailure
 from tests.e2e.harness import Cluster, job_view, wait_until
 
@@ -41,7 +41,7 @@ def sessions() -> Iterator[list[ServerSession]]:
 def start(sessions: list[ServerSession], host: str, port: int, job: str, node: str, nnodes: tuple[int, int] = (2, 2),
           **conf: str) -> ServerSession:
     settings = plugin_settings(endpoint=f"{host}:{port}", run_id=job, min_nodes=nnodes[0], max_nodes=nnodes[1],
-                               local_addr="127.0.0.1", torchrun=None,
+                               local_addr="127.0.0.1", launch=TorchLaunch(local_world_size=1, max_restarts=0),
                                conf={"node_id": node, "last_call_timeout": "0", "lease_timeout": "3", **conf})
     session = ServerSession(settings, RdzvClient(settings.host, settings.port, job, node), master_port=1234,
                             say=lambda line: None)

@@ -3,15 +3,20 @@ they read in the installed torch: each test names the piece that moved, instead 
 silently losing which rank failed."""
 from __future__ import annotations
 
+import dataclasses
 import inspect
+import os
 import sys
 from datetime import timedelta
 
 import torch
+from torch.distributed import run
 from torch.distributed.elastic.agent.server import api as agent_api
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+from torch.distributed.launcher import api as launcher_api
 
 from node_agent.plugin import torch_internals as ti
+from node_agent.plugin.settings import TorchLaunch
 
 
 def test_the_run_loop_and_its_result_are_where_the_plugin_looks():
@@ -51,12 +56,34 @@ def test_the_exit_barrier_key_is_torchs():
         f"torch {torch.__version__}: the exit barrier's key moved")
 
 
-def test_torchruns_own_parser_reads_the_flags_torch_does_not_pass_on():
-    args = ti.torchrun_args(["--nproc-per-node", "3", "--max-restarts", "2", "--role", "trainer",
-                             "--rdzv-backend", "rdzv-server", "--rdzv-id", "j1", "train.py"])
-    assert args == ti.TorchrunArgs(rdzv_backend="rdzv-server", rdzv_id="j1", local_world_size=3, max_restarts=2,
-                                   role="trainer")
-    assert ti.torchrun_args(["--nproc-per-node", "not-a-count", "x.py"]) is None
+def test_torchs_launch_configuration_is_read_where_the_handler_is_made(tmp_path):
+    """torch's launcher makes the handler inside launch_agent, whose locals hold its LaunchConfig and what
+    each worker runs: read from there whoever called the launcher (torchrun, accelerate, elastic_launch)."""
+    source = inspect.getsource(launcher_api.launch_agent)
+    code = launcher_api.launch_agent.__code__
+    assert code.co_name == ti.LAUNCH_AGENT, f"torch {torch.__version__}: launch_agent was renamed"
+    assert all(name in code.co_varnames for name in ti.LAUNCH_LOCALS), (
+        f"torch {torch.__version__}: launch_agent's locals are {code.co_varnames}, not {ti.LAUNCH_LOCALS}")
+    assert "get_rendezvous_handler" in source, f"torch {torch.__version__}: launch_agent no longer makes the handler"
+    for field in ("nproc_per_node", "max_restarts", "role"):
+        assert field in {f.name for f in dataclasses.fields(launcher_api.LaunchConfig)}, (
+            f"torch {torch.__version__}: LaunchConfig has no {field!r}")
+    assert run.run_script_path.__qualname__ == ti.RUN_PATH
+
+    def launch_agent(config, entrypoint, args):   # the launcher's frame, as torch has it
+        return ti.launch_settings()
+
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+    config = launcher_api.LaunchConfig(min_nodes=1, max_nodes=2, nproc_per_node=3, max_restarts=2, role="trainer",
+                                       logs_specs=DefaultLogsSpecs(log_dir=str(tmp_path)))
+    python = os.environ.get("PYTHON_EXEC", sys.executable)
+    assert launch_agent(config, python, ["-u", "train.py", "--lr", "1"]) == TorchLaunch(
+        local_world_size=3, max_restarts=2, role="trainer", kind="python", script="train.py", script_args=("--lr", "1"))
+    assert launch_agent(config, python, ["-u", "-m", "pkg.train"]).kind == "module"
+    assert launch_agent(config, "/bin/run.sh", ["a"]).kind == "program"
+    assert launch_agent(config, run.run_script_path, ["t.py"]).kind == "run-path"
+    assert launch_agent(object(), python, []) is None            # not torch's LaunchConfig: never guessed
+    assert ti.launch_settings() is None                           # no launcher below us
 
 
 def test_a_stores_timeout_is_readable(tmp_path):

@@ -1,0 +1,72 @@
+"""Is the workers' Python script there, and does it compile? Checked once, before the node joins.
+
+A typo in the script name or a syntax error fails every worker the same way in every round: found at
+start, it costs the user one line and exit status 2, instead of a round per restart of the whole
+budget. node-agent and the torchrun plugin both ask here. A directory or a zip archive (which Python
+runs by its __main__.py) is only checked to exist. The script is compiled by the interpreter the
+workers use: in this process when it is ours, else in a child of that interpreter (a syntax another
+Python version accepts is not refused).
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import zipfile
+
+_COMPILE = ("import json, sys\n"
+            "try:\n"
+            "    compile(open(sys.argv[1], 'rb').read(), sys.argv[1], 'exec', dont_inherit=True)\n"
+            "except SyntaxError as e:\n"
+            "    print(json.dumps([e.msg, e.lineno, e.text]))\n"
+            "except ValueError as e:\n"
+            "    print(json.dumps([str(e), None, None]))\n")
+CHILD_TIMEOUT_S = 20.0
+
+
+def script_problem(script: str, python: str | None = None) -> str | None:
+    """One line saying why `script` cannot run (None when it can), for the interpreter `python`
+    (default: this one)."""
+    path = os.path.abspath(script)
+    if not os.path.exists(path):
+        return f"the script {script!r} does not exist (looked for {path})"
+    if os.path.isdir(path) or zipfile.is_zipfile(path):
+        return None
+    try:
+        with open(path, "rb") as f:
+            source = f.read()
+    except OSError as exc:
+        return f"cannot read the script {script!r}: {exc.strerror or exc}"
+    ours = python is None or os.path.realpath(python) == os.path.realpath(sys.executable)
+    error = _compile_here(source, path) if ours else _compile_in(python or sys.executable, path)
+    if error is None:
+        return None
+    message, line, text = error
+    where = f", line {line}" if line else ""
+    code = f": {text.strip()[:120]}" if text and text.strip() else ""
+    return f"the script {script!r} does not compile{where}: {message}{code}"
+
+
+def _compile_here(source: bytes, path: str) -> tuple[str, int | None, str | None] | None:
+    try:
+        compile(source, path, "exec", dont_inherit=True)
+    except SyntaxError as exc:
+        return str(exc.msg), exc.lineno, exc.text
+    except ValueError as exc:       # a null byte in the source
+        return str(exc), None, None
+    return None
+
+
+def _compile_in(python: str, path: str) -> tuple[str, int | None, str | None] | None:
+    """Compiled by the workers' own interpreter; when it cannot be asked, the workers will say why."""
+    try:
+        done = subprocess.run([python, "-c", _COMPILE, path], capture_output=True, text=True,
+                              timeout=CHILD_TIMEOUT_S, check=False)
+        found = json.loads(done.stdout) if done.stdout.strip() else None
+    except (OSError, subprocess.TimeoutExpired, ValueError):
+        return None
+    if not isinstance(found, list) or len(found) != 3:
+        return None
+    return str(found[0]), found[1] if isinstance(found[1], int) else None, found[2] if isinstance(found[2], str) \
+        else None
