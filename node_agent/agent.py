@@ -35,7 +35,7 @@ from node_agent.core.actions import (
 from node_agent.core.facts import CHECK_JOIN, DeadlinePassed, Fact, SignalReceived
 from node_agent.core.node_health import NodeHealth
 from node_agent.core.policy import SupervisionPolicy
-from node_agent.narration import Narrator
+from node_agent.narration import Narrator, server_name
 from node_agent.node_checks import NodeChecks
 from node_agent.server_link import ServerLink
 from node_agent.sources import start_source
@@ -43,6 +43,8 @@ from node_agent.witness import probe_peers
 from node_agent.workers.interfaces import gloo_interface
 from node_agent.workers.local import GroupFactory, LocalWorkers
 from protocol.messages import NodeStatus, Witness
+
+SAME_SIGNAL_S = 1.0     # a signal repeated this soon is the first one delivered twice (see _on_signal)
 
 
 class Agent:
@@ -56,12 +58,13 @@ class Agent:
         self.facts: asyncio.Queue[Fact | BaseException] = asyncio.Queue()   # or what broke a source
         self.policy = SupervisionPolicy(server_wait_s=max(opts.server_wait, opts.job.lease_timeout_s),
                                         lease_timeout_s=opts.job.lease_timeout_s)
-        self.narrator = Narrator(opts.node_id, console, addr)
+        self.narrator = Narrator(opts.node_id, console, addr, server=server_name(opts),
+                                 server_wait_s=self.policy.server_wait_s)
         self.workers = LocalWorkers(opts, self.facts.put_nowait, hostname=self.hostname, clock=self.now,
                                     make_group=make_group, say=self.narrator.say)
         # the node's own checks (GPUs, --health-check) and --numa-binding: node_checks.py
         self.checks = checks if checks is not None else NodeChecks(opts, self.narrator.say)
-        self._signal_count = 0
+        self._first_signal: tuple[int, float] | None = None   # the signal that asked the agent to stop, and when
         self._exit: Exit | None = None
         # answers the other members' "are you there, and do you hear the server?" (witness.py)
         self.witness = WitnessServer(addr, lambda: self.policy.in_contact, self._holds)
@@ -170,12 +173,19 @@ class Agent:
         return max(known, assigned) if known >= 0 else known
 
     def _on_signal(self, signum: int) -> None:
-        self._signal_count += 1
-        if self._signal_count > 1:
-            # A second signal forces the exit (like a second Ctrl-C): kill workers, no clean-up.
+        """The first signal stops the workers with it, leaves and exits; a second one forces the exit (kill
+        the workers, no clean-up), like a second Ctrl-C. The same signal again within SAME_SIGNAL_S is the
+        same request, delivered twice: a terminal's Ctrl-C reaches the whole foreground group, and a wrapper
+        in it that forwards signals (timeout, srun, a shell script) sends it to the agent once more."""
+        now = self.now()
+        if self._first_signal is not None:
+            first, at = self._first_signal
+            if signum == first and now - at < SAME_SIGNAL_S:
+                return
             self.workers.kill()
             self.narrator.forced_exit(signum)
             os._exit(128 + signum)
+        self._first_signal = (signum, now)
         self.facts.put_nowait(SignalReceived(signum))
 
     async def _join(self) -> NodeStatus:

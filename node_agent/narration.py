@@ -14,6 +14,7 @@ from node_agent.cli.launch_form import Mode
 from node_agent.cli.options import AgentOptions
 from node_agent.cli.values import StdSpec
 from node_agent.client.replies import STANDBY
+from node_agent.client.retry import unreachable_line
 from node_agent.core.actions import Action, Exit, Rejoin, Spawn, StopWorkers
 from node_agent.core.facts import (
     CHECK_JOIN,
@@ -22,6 +23,7 @@ from node_agent.core.facts import (
     Fact,
     NodeChecked,
     PeersProbed,
+    ServerNotReached,
     ServerRefused,
     SpawnFailed,
     StatusReceived,
@@ -41,13 +43,17 @@ from protocol.messages import (
 
 
 class Narrator:
-    def __init__(self, node_id: str, console: TextIO | None = None, addr: str = "") -> None:
+    def __init__(self, node_id: str, console: TextIO | None = None, addr: str = "", *, server: str = "",
+                 server_wait_s: float = 0.0) -> None:
         self.node_id = node_id
         self.console = console
         self.addr = addr                   # the address this node advertises
+        self.server = server               # the rdzv-server, as HOST:PORT ("" when there is none)
+        self.server_wait_s = server_wait_s
         self._last_view: tuple[NodeState, int, int] | None = None
         self._said_master = False
         self._said_peers = False
+        self._said_unreachable = False     # said once per outage, at its first failed try
 
     def say(self, message: str) -> None:
         for line in message.splitlines() or [""]:
@@ -57,8 +63,13 @@ class Narrator:
         """What happened, said before the actions it led to run (failures only when they count)."""
         match fact:
             case StatusReceived(status=status):
-                self._said_peers = False        # the server answers again: a next outage is told anew
+                if self._said_unreachable:
+                    self.say(f"the rdzv-server at {self.server} answers again")
+                self._said_peers = self._said_unreachable = False   # a next outage is told anew
                 self._describe(status)
+            case ServerNotReached(error=error) if not self._said_unreachable and self.server:
+                self._said_unreachable = True
+                self.say(unreachable_line(self.server, self.server_wait_s, error))
             case ServerRefused(request=request, message=message) if request in (FailureReport, SuccessReport):
                 self.say(f"server rejected the report: {message}")
             case WorkersExited(failures=(first, *_)) if actions:
@@ -121,6 +132,14 @@ class Narrator:
             self.say(f"this node is excluded for {status.excluded_for_s:.0f}s more{news}")
         elif status.node_state == NodeState.WAITING:
             self.say(f"waiting for the next round{news or ': collecting nodes'}")
+
+
+def server_name(opts: AgentOptions) -> str:
+    """The rdzv-server as the user named it (HOST:PORT, replicas after a comma); "" without a server."""
+    if opts.mode is not Mode.SERVER:
+        return ""
+    return ",".join(f"{host}:{port}" for host, port in ((opts.endpoint_host, opts.endpoint_port),
+                                                          *opts.endpoint_replicas))
 
 
 def round_line(a: Assignment) -> str:

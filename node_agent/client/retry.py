@@ -80,3 +80,9 @@ async def until_answered(send: Callable[[], Awaitable[T]], *,
                     await backoff.pause()     # it answers a fresh connection: the failure was not the path
             except asyncio.TimeoutError:
                 pass          # tried once more, then given up on
+
+
+def unreachable_line(server: str, wait_s: float, error: str) -> str:
+    """Said at the first try that gets no answer (node-agent and the plugin alike): silence for the whole
+    wait would look like a hang."""
+    return f"cannot reach the rdzv-server at {server}; retrying for {wait_s:g}s ({error})"

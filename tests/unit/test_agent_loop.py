@@ -157,6 +157,35 @@ async def test_a_signal_stops_the_workers_leaves_and_exits_128_plus_the_signal(s
     assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL            # handlers given back
 
 
+async def test_the_same_signal_again_within_a_second_is_one_request_a_later_one_forces_the_exit(start, monkeypatch
+                                                                                           ) -> None:
+    """A Ctrl-C forwarded by a wrapper in the terminal's foreground group (timeout, srun) arrives twice within
+    milliseconds: one stop. A second Ctrl-C a second later still forces the exit (SIGKILL, no clean-up)."""
+    run = start()
+    group = await run.next_group()
+    clock, exits = [100.0], []
+    monkeypatch.setattr(run.agent, "now", lambda: clock[0])
+    monkeypatch.setattr(os, "_exit", exits.append)
+    run.agent._on_signal(signal.SIGINT)
+    clock[0] += 0.3
+    run.agent._on_signal(signal.SIGINT)            # the wrapper's copy of the same Ctrl-C
+    assert exits == [] and group.signals == []
+    clock[0] += 1.0
+    run.agent._on_signal(signal.SIGINT)            # the user's second Ctrl-C
+    assert exits == [128 + signal.SIGINT] and group.signals == [signal.SIGKILL]
+    assert run.lines()[-1] == "[node-agent n1] second SIGINT: forced exit"
+
+
+async def test_another_signal_soon_after_the_first_forces_the_exit_too(start, monkeypatch) -> None:
+    run = start()
+    await run.next_group()
+    exits: list[int] = []
+    monkeypatch.setattr(os, "_exit", exits.append)
+    run.agent._on_signal(signal.SIGTERM)
+    run.agent._on_signal(signal.SIGINT)
+    assert exits == [128 + signal.SIGINT]
+
+
 async def test_an_unreachable_server_ends_the_agent_by_its_timer_not_by_another_fact(start) -> None:
     run = start(server_wait=0.3, lease_timeout_s=0.3)
     group = await run.next_group()
