@@ -16,6 +16,7 @@ import asyncio
 import signal
 from collections.abc import Callable
 
+from node_agent.workers import leftovers
 from node_agent.workers.launch import WorkerLaunch
 from node_agent.workers.output import Console
 from node_agent.workers.process import Worker, WorkerExit, WorkerSpawnError
@@ -178,6 +179,7 @@ class WorkerGroup:
     async def _stop(self, sig: int) -> None:
         if self._started:
             await self._start_done.wait()   # at most the spawn in flight: start() checks for us
+        held = leftovers.held_temp_dirs(self._live_groups())   # a killed process removes none (leftovers.py)
         self._signal_groups(sig)
         running = [w.reaper for w in self._processes() if w.reaper is not None and not w.reaper.done()]
         if running:
@@ -191,6 +193,7 @@ class WorkerGroup:
                                                  f"{self._kill_timeout:g}s after SIGKILL")
         # Children of the workers left in their groups die with them: nobody supervises them now.
         self._signal_groups(signal.SIGKILL)
+        leftovers.remove(held)
         for worker in self._workers:
             worker.close_heartbeat()
         pending = [f for w in self._processes() for f in w.output_pending()]
@@ -200,6 +203,9 @@ class WorkerGroup:
                 for worker in self._processes():
                     worker.close_output()
                 await asyncio.wait(open_, timeout=_DRAIN_WAIT_S)
+
+    def _live_groups(self) -> set[int]:
+        return {w.pid for w in self._processes() if w.pid is not None and w.group_alive}
 
     def _signal_groups(self, sig: int) -> None:
         for worker in self._processes():

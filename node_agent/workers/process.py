@@ -106,6 +106,11 @@ class Worker:
         return None if self._proc is None else self._proc.pid
 
     @property
+    def group_alive(self) -> bool:
+        """Its process group may still have members (the worker's children)."""
+        return self._group_alive
+
+    @property
     def running(self) -> bool:
         return self._proc is not None and self._proc.returncode is None
 
