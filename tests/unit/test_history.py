@@ -56,6 +56,8 @@ def test_a_two_node_job_with_a_failure_and_a_restart():
     bars = tags(m, "data-round")
     assert [(a["data-round"], a["data-cause"]) for a in bars] == [("1", "start"), ("2", "failure")]
     assert [a.get("data-current") for a in bars] == [None, "1"]           # the running round stands out
+    # ... drawn as running, not red for the failure it began with (its label and the legend keep the cause)
+    assert [a["fill"] for a in bars] == [svg.CAUSES["start"][0], svg.RUNNING]
     one, two = (float(a["x"]) for a in bars)
     width = float(bars[0]["width"])
     assert svg.LEFT <= one < two < svg.W - svg.RIGHT and abs(one + width - two) < 1, bars   # back to back
@@ -68,7 +70,7 @@ def test_a_two_node_job_with_a_failure_and_a_restart():
     assert "1 x worker failed" in words and "restarts used 1 of 3" in words, words
     assert words.endswith("now round 2: 2 nodes, world size 2."), words
     # a legend of what is drawn, and only that
-    assert {"round: start", "round: failure (restart)", "current round", "worker failed", "restart"} <= set(
+    assert {"round: start", "round: failure (restart)", "current round (running)", "worker failed", "restart"} <= set(
         re.findall(r">([^<>]+)</text>", text)), text
     assert "node lost" not in m.text and "spare promoted" not in m.text
     # an accessible name, and a viewBox for scaling

@@ -200,10 +200,12 @@ def _rounds_lane(h: History, f: Frame, groups: list[list[Span]], legend: Legend)
         else:
             attrs = f'data-rounds="{rounds[0].round_id}-{rounds[-1].round_id}"'
             text = "" if f.compact else _group_text(g, h)
+        fill = CAUSES[cause][0]
         if s.current:
             legend.add("current")
             attrs += f' data-current="1" stroke="{INK}" stroke-width="2.5"'
-        out.append(f'<rect {attrs} {box} y="{y + 1}" height="{height - 2}" rx="2" fill="{CAUSES[cause][0]}">'
+            fill = svg.RUNNING
+        out.append(f'<rect {attrs} {box} y="{y + 1}" height="{height - 2}" rx="2" fill="{fill}">'
                    f'{_tip(f, text)}</rect>')
     return [*out, "</g>", *labels]
 

@@ -20,6 +20,9 @@ MUTED, GRID, INK = "#656d76", "#eaeef2", "#1f2328"
 
 # Why a round formed: its colour and the words the picture uses. The order is severity: a group of
 # rounds too narrow to draw one by one takes the colour of its worst cause.
+# The running round is drawn by what it is now, running, whatever started it (a round that began with a
+# failure is not failing); its cause stays in its label, tooltip and the legend. Ended rounds by cause.
+RUNNING = "#1a7f37"
 CAUSES: dict[str, tuple[str, str]] = {
     "failure": ("#cf222e", "failure (restart)"),
     "node_lost": ("#e16f24", "node lost"),
@@ -223,8 +226,8 @@ class Legend:
             return (f'<rect x="{x}" y="{y - 9}" width="14" height="10" fill="#fff8c5" stroke="#d4a72c" '
                     f'stroke-dasharray="3 2"/>', "waiting for nodes")
         if key == "current":
-            return (f'<rect x="{x}" y="{y - 9}" width="14" height="10" rx="2" fill="#ddf4ff" stroke="{INK}" '
-                    f'stroke-width="2"/>', "current round")
+            return (f'<rect x="{x}" y="{y - 9}" width="14" height="10" rx="2" fill="{RUNNING}" stroke="{INK}" '
+                    f'stroke-width="2"/>', "current round (running)")
         if key == "cut":
             return (f'<path d="M{x + 12},{y - 9}l-9,5 9,5" fill="none" stroke="{MUTED}" stroke-width="1.5"/>',
                     f"older events not kept (the server keeps a job's last {MAX_EVENTS_PER_JOB:,})")
