@@ -6,7 +6,7 @@ PIP_FLAGS := --disable-pip-version-check -q
 PYTEST_WORKERS ?= 3
 
 .PHONY: venv chromium deploy-tools netns-tools etcd demo test multihost soak fuzz bench bench-faults bench-scale bench-blip \
-	bench-stream-memory \
+	bench-stream-memory bench-leftovers \
 	bench-failover bench-first-step gpu-check test-oldest clean
 
 $(VENV)/.installed: pyproject.toml constraints.txt
@@ -113,6 +113,11 @@ bench-blip: venv netns-tools $(VENV)/.bench-installed
 # minutes). BENCH_FIRST_STEP_ARGS passes options, e.g. "--pairs 5" or "--snapshot-mb 0".
 bench-first-step: venv $(VENV)/.bench-installed
 	$(PY) benchmarks/bench_first_step.py $(BENCH_FIRST_STEP_ARGS)
+
+# A crash with DataLoader workers alive: multiprocessing's pymp-* directories left in TMPDIR (issue 37).
+# BENCH_LEFTOVERS_ARGS passes options, e.g. "--runs 3" or "--code ../old-checkout" (alternated).
+bench-leftovers: venv
+	$(PY) benchmarks/bench_leftovers.py $(BENCH_LEFTOVERS_ARGS)
 
 # Replicas on etcd: failover time with 1,000 simulated agents, acknowledged changes over 50 failovers,
 # formation on etcd vs SQLite (docs/benchmarks.md; about 10 minutes).
