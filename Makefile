@@ -6,7 +6,7 @@ PIP_FLAGS := --disable-pip-version-check -q
 PYTEST_WORKERS ?= 3
 
 .PHONY: venv chromium deploy-tools netns-tools etcd demo test multihost soak fuzz bench bench-faults bench-scale bench-blip \
-	bench-stream-memory bench-leftovers \
+	bench-leftovers \
 	bench-failover bench-first-step gpu-check test-oldest clean
 
 $(VENV)/.installed: pyproject.toml constraints.txt
@@ -97,10 +97,6 @@ $(VENV)/.bench-installed: $(VENV)/.installed
 
 bench-scale: venv $(VENV)/.bench-installed
 	$(PY) benchmarks/bench_scale.py $(BENCH_SCALE_ARGS)
-
-# What one subscribed stream costs the server in memory (issue 23: 10,000 streams in <= 150 MB).
-bench-stream-memory: venv
-	$(PY) benchmarks/bench_stream_memory.py $(BENCH_STREAM_MEMORY_ARGS)
 
 # A 5 s blip of the server's port (nftables on loopback, root) under 500, 3,000 and 10,000 simulated nodes
 # that check the path as the agent does (issue 26): time until every node polls again, the server's stall,

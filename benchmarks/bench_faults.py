@@ -21,7 +21,6 @@ For one-way loss, measured from the heal: joined_s (c's next join), full_size_s 
 step at world 3). For blips: per blip, the workers replaced and the nodes lost (targets: 0).
 
 Run: sudo .venv/bin/python benchmarks/bench_faults.py [--repeat 3] [--only cut,partition,...]
-[--transport stream] (the blips with agents on the stream)
 Prints one line per run, then one RESULT line per fault: medians over the runs (`-` = never seen,
 `(k/n)` = seen in k of n runs); for the server's outages, detection is the first node dropped and
 survivors_training_s the job training again at full size; restarts_a_b = the most worker starts on
@@ -56,12 +55,12 @@ BLIPS_S = (1.0, 2.0, 3.0, 5.0)
 PHASES = {"after_answer": 0.05, "mid_hold": 1.1, "before_answer": 1.9}   # s after a renewal of a's lease
 
 
-def on_cluster(hosts: list[str], run: Callable[[MultiHostJob], Observed], transport: str = "poll") -> Observed:
+def on_cluster(hosts: list[str], run: Callable[[MultiHostJob], Observed]) -> Observed:
     with tempfile.TemporaryDirectory(prefix="bench-faults-") as out:
         net = netns.Network(["server", *hosts])
         job = MultiHostJob(net, Path(out), f"bench-{uuid.uuid4().hex[:8]}")
         try:
-            start_training(job, hosts, transport=transport)
+            start_training(job, hosts)
             return run(job)
         finally:
             job.close()
@@ -100,8 +99,6 @@ def main() -> int:
     p.add_argument("--fence-wait", type=float, default=120.0,
                    help="how long to watch a cut-off host's workers (default 120 s)")
     p.add_argument("--flap-duration", type=float, default=120.0)
-    p.add_argument("--transport", choices=("poll", "stream"), default="poll",
-                   help="how the agents talk to the server (blips only; default poll)")
     p.add_argument("--oneway-s", type=float, default=20.0, help="how long one-way loss lasts (default 20 s)")
     args = p.parse_args()
     reason = netns.unavailable_reason()
@@ -144,8 +141,7 @@ def blip_sweep(args: argparse.Namespace) -> None:
         for phase, offset in PHASES.items():
             for _ in range(args.repeat):
                 seen = on_cluster(["a", "b"], lambda job, b=blip, o=offset: server_outage(job, ["a", "b"], b,
-                                                                                          phase_s=o),
-                                  args.transport)
+                                                                                          phase_s=o))
                 print(f"blip {blip:g} s {phase}: {seen.summary()}", flush=True)
                 replaced.append(sum(seen.restarted.values()))
                 lost.append(seen.losses)

@@ -4,9 +4,7 @@ the loopback interface: TCP sees a silent path, as in a switch blip), then heale
 
 What it reports:
 - `back_s`: heal -> the server holds as many long-polls as before the blip (`rdzv_open_long_polls`,
-  sampled every SAMPLE_S; the 99 % mark beside it), and when the nodes sent their polls again; on the
-  stream (`--transport stream`): heal -> every node subscribed again on an open stream, as the nodes
-  see it;
+  sampled every SAMPLE_S; the 99 % mark beside it), and when the nodes sent their polls again;
 - the server's event loop after the heal: its own stall gauge (`rdzv_event_loop_lag_max_seconds`,
   before and after: a rise is a stall in the blip or the return) and /healthz answer times sampled
   every PROBE_EVERY_S for PROBE_FOR_S from the heal, on a connection of the controller's;
@@ -113,22 +111,6 @@ def _until_back(port: int, steady: int, healed: float) -> dict[str, Any]:
     return {**marks, "polls_held_before": steady, "fewest_polls_held": min([steady, *seen])}
 
 
-def _until_streams_back(clients: Clients, n: int, cut: float, healed: float) -> dict[str, Any]:
-    """Stream nodes: heal -> every node subscribed again and told its view, as its simulated node
-    sees it (an open stream is no sign of life on the server: a dead one is open there until swept).
-    `reopened`: how many of them are on a stream opened since the cut (the rest kept theirs)."""
-    reopened = 0
-
-    def up() -> int:
-        nonlocal reopened
-        answers = clients.ask({"cmd": "streams", "since": cut})
-        reopened = sum(a["reopened"] for a in answers)
-        return sum(a["up"] for a in answers)
-
-    marks, seen = _until(up, n, healed)
-    return {**marks, "streams_up": seen[-1] if seen else 0, "streams_reopened": reopened}
-
-
 def _resent(before: list[dict], after: list[dict], healed: float) -> dict[str, Any]:
     """The polls sent again after a path check: how many, and how long after the heal (those after it)."""
     times = [t for a, b in zip(before, after, strict=True) for t in b["resent"][len(a["resent"]):]]
@@ -144,7 +126,7 @@ def _resent(before: list[dict], after: list[dict], healed: float) -> dict[str, A
 
 def blip(n: int, s: Settings, blip_s: float = 5.0, label: str = "blip") -> dict[str, Any]:
     job = f"scale-{n}"
-    per_client, _ = make_specs({job: n}, s.clients, s.per_address, s.probe_port, s.transport)
+    per_client, _ = make_specs({job: n}, s.clients, s.per_address, s.probe_port)
     with open("/proc/sys/net/core/somaxconn") as f:       # the server's accept backlog is capped at it
         somaxconn = int(f.read())
     out: dict[str, Any] = {"kind": label, "nodes": n, "jobs": 1, "clients": s.clients, "blip_s": blip_s,
@@ -161,13 +143,11 @@ def blip(n: int, s: Settings, blip_s: float = 5.0, label: str = "blip") -> dict[
         out["before"] = {"open_long_polls": before["open_long_polls"],
                          "loop_lag_max_ms": round(1000 * before["loop_lag_max_s"], 1)}
         m1, c1 = sampler.mark(), clients.ask({"cmd": "window"})
-        cut = time.monotonic()
         with dropped(port):
             time.sleep(blip_s)          # the blip itself: its length is the scenario
         healed = time.monotonic()
         with HealthProbe(port) as probe:
-            out["return"] = (_until_streams_back(clients, n, cut, healed) if s.transport == "stream" else
-                             _until_back(port, before["open_long_polls"], healed))
+            out["return"] = _until_back(port, before["open_long_polls"], healed)
             time.sleep(max(0.0, PROBE_FOR_S - (time.monotonic() - healed)))
         out["return"]["healthz_after_heal"] = probe.summary()
         m2, c2 = sampler.mark(), clients.ask({"cmd": "window"})

@@ -33,7 +33,6 @@ from typing import Any
 
 import psutil
 
-from benchmarks.scale_stream import StreamWire
 from benchmarks.scale_wire import WireClient
 from node_agent.client.path_check import ANSWER_WAIT_S, CHECK_TIMEOUT_S, PathCheck, answer_due
 from node_agent.client.readyz import readyz_status
@@ -54,7 +53,6 @@ class NodeSpec:
     addr: str                    # loopback source address the node's connections come from
     config: JobConfig
     probe_port: int = 29600      # the agent's witness port in its join (0: a client without one)
-    transport: str = "poll"      # "poll": long-polls over HTTP; "stream": one stream per node (scale_stream.py)
 
 
 @dataclass
@@ -82,12 +80,8 @@ class Tally:
 class SimNode:
     def __init__(self, spec: NodeSpec, port: int, tally: Tally) -> None:
         self.spec = spec
-        if spec.transport == "stream":            # joins, reports and pushed rounds on one stream
-            self.client: WireClient = StreamWire(port, spec.job_id, spec.node_id, spec.addr)
-            self.reporter = self.client
-        else:
-            self.client = WireClient(port, spec.job_id, spec.node_id, spec.addr)      # joins and polls
-            self.reporter = WireClient(port, spec.job_id, spec.node_id, spec.addr)    # reports, beside a held poll
+        self.client = WireClient(port, spec.job_id, spec.node_id, spec.addr)      # joins and polls
+        self.reporter = WireClient(port, spec.job_id, spec.node_id, spec.addr)    # reports, beside a held poll
         self.tally = tally
         self.instance = secrets.token_hex(6)
         self.known_round = -1
@@ -159,9 +153,7 @@ class SimNode:
     async def _poll(self) -> NodeStatus:
         """One poll as the agent's client sends it (client/http.py): once its answer is overdue, the path
         is checked over fresh connections; once a check is answered, the poll goes again on a new
-        connection, the stalled one closed. Long-poll only: the stream client has its own heartbeats."""
-        if self.spec.transport != "poll":
-            return await self.client.poll(self.known_round, POLL_WAIT_S)    # type: ignore[no-any-return]
+        connection, the stalled one closed."""
         due = answer_due("poll", POLL_WAIT_S, self.hold_s)
         while True:
             request = asyncio.ensure_future(self.client.poll(self.known_round, POLL_WAIT_S))
@@ -273,14 +265,6 @@ class LagProbe:
                 "samples": len(lags)}
 
 
-async def _heartbeats(streams: list[StreamWire]) -> None:
-    """Every stream's heartbeat, lease / 3 apart (the agent's period), from one task for the process."""
-    while True:
-        await asyncio.sleep(min(s.lease_s for s in streams) / 3)     # a period, not a wait for an event
-        for s in streams:
-            s.beat()
-
-
 class Fleet:
     """The simulated nodes of one client process and the commands the controller sends it."""
 
@@ -297,9 +281,6 @@ class Fleet:
         for spec in self.specs:
             self.nodes[f"{spec.job_id}/{spec.node_id}"] = SimNode(spec, self.port, self.tally)
         self.tasks.append(asyncio.create_task(self.probe.run()))
-        streams = [n.client for n in self.nodes.values() if isinstance(n.client, StreamWire)]
-        if streams:
-            self.tasks.append(asyncio.create_task(_heartbeats(streams)))
 
     async def close(self) -> None:
         for task in self.tasks:
@@ -322,9 +303,6 @@ class Fleet:
         if what == "times":          # per node of `job`: first join sent/answered, when it first held each round
             return [{"key": k, "join_sent": n.join_sent, "join_answered": n.join_answered, "seen": n.seen}
                     for k, n in self.nodes.items() if n.spec.job_id == cmd["job"]]
-        if what == "streams":        # stream nodes subscribed now, and those of them on a stream opened since `since`
-            held = [n.client.holding(cmd["since"]) for n in self.nodes.values() if isinstance(n.client, StreamWire)]
-            return {"up": sum(up for up, _ in held), "reopened": sum(new for _, new in held)}
         if what == "fail":
             return await self.nodes[cmd["key"]].report_failure()
         if what == "window":         # a measured window ends: this process's CPU, lag and polls since last time

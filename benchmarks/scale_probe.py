@@ -84,7 +84,7 @@ def _get(port: int, path: str, timeout: float = 60.0) -> tuple[int, bytes]:
 def server_counters(port: int) -> dict[str, Any]:
     """Nodes lost and rounds formed (by cause) since the server started, and its worst loop lag."""
     _, body = _get(port, "/metrics")
-    lost, rounds, lag, open_polls, last_flush = 0.0, {}, 0.0, 0.0, 0.0
+    lost, rounds, lag, open_polls = 0.0, {}, 0.0, 0.0
     store = {"commits": 0, "commit_s": 0.0, "commit_max_s": 0.0}
     names = {"rdzv_store_commits_total": "commits", "rdzv_store_commit_seconds_total": "commit_s",
              "rdzv_store_commit_max_seconds": "commit_max_s"}
@@ -100,10 +100,8 @@ def server_counters(port: int) -> dict[str, Any]:
                 lag = s.value
             elif s.name == "rdzv_open_long_polls":
                 open_polls = s.value
-            elif s.name == "rdzv_stream_last_flush_seconds":
-                last_flush = s.value
     return {"nodes_lost": int(lost), "rounds": {k: v for k, v in rounds.items() if v}, "loop_lag_max_s": lag,
-            "open_long_polls": int(open_polls), "store": store, "last_fan_out_s": last_flush}
+            "open_long_polls": int(open_polls), "store": store}
 
 
 def lost_events(port: int, job: str, limit: int = 5) -> list[str]:

@@ -44,8 +44,6 @@ def _others(r: dict[str, Any]) -> str:
 
 
 def _label(r: dict[str, Any]) -> str:
-    if r.get("transport", "poll") != "poll":
-        return f"{_label({**r, 'kind': r['kind'].split('-')[0], 'transport': 'poll'})}, {r['transport']}"
     if r["kind"] == "many_jobs":
         return f"{r['jobs']} jobs x {r['nodes_per_job']:,} ({r['duration_s']:.0f} s)"
     if r["kind"] == "overload":
@@ -79,7 +77,7 @@ HEADER = ("| nodes | formation: first join -> all / last join -> all | round cha
 
 def markdown_table(doc: dict[str, Any]) -> str:
     rows = [HEADER]
-    order = {"one_job": 0, "one_job-stream": 0, "many_jobs": 1, "many_jobs-stream": 1, "overload": 2}
+    order = {"one_job": 0, "many_jobs": 1, "overload": 2}
     for r in sorted(doc["scenarios"], key=lambda r: (order.get(r["kind"], 9), r["nodes"], r["kind"])):
         if r["kind"] == "blip":          # its own figures (scale_blip.py), not this table's columns
             continue

@@ -43,7 +43,6 @@ class Settings:
     nice: int = 0                  # the server's and clients' priority (negative: ahead of other work here)
     server_nice: int = 0           # the server's alone, on top (negative: ahead of the simulated fleet, as if
                                    # the server had its cores to itself, as it would beside 10,000 real hosts)
-    transport: str = "poll"        # the nodes' transport: "poll" (HTTP long-polls) or "stream"
     profile_dir: str = ""          # py-spy the server through the steady window and the round change
 
 
@@ -194,7 +193,6 @@ def _round_change(clients: Clients, failer: Placement, job: str, n: int, timeout
             if t["key"] != failer.key and new_round in t["seen"]:
                 waits.append(t["seen"][new_round] - reply["sent"])
     out = {"failure_reply_ms": round(1000 * (reply["answered"] - reply["sent"]), 1), "accepted": reply["accepted"],
-           "server_fan_out_ms": round(1000 * server_counters(clients.port)["last_fan_out_s"], 1),
            "old_round": reply["old_round"], "new_round": new_round, "answered": len(waits), "expected": n - 1,
            "complete": complete}
     if waits:
@@ -217,17 +215,11 @@ def _losses(port: int, jobs: list[str], expected_rounds: int, tallies: dict[str,
     return out
 
 
-def _suffix(s: Settings) -> str:
-    """Stream runs are rows of their own (one_job-stream), beside the long-poll rows they compare with."""
-    return "" if s.transport == "poll" else f"-{s.transport}"
-
-
 def one_job(n: int, s: Settings, label: str = "one_job") -> dict[str, Any]:
     job = f"scale-{n}"
-    per_client, where = make_specs({job: n}, s.clients, s.per_address, s.probe_port, s.transport)
+    per_client, where = make_specs({job: n}, s.clients, s.per_address, s.probe_port)
     failer = set_apart(per_client, where[job][n // 2])     # the node that fails times its reply alone
-    out: dict[str, Any] = {"kind": label + _suffix(s), "nodes": n, "jobs": 1, "clients": s.clients,
-                           "transport": s.transport,
+    out: dict[str, Any] = {"kind": label, "nodes": n, "jobs": 1, "clients": s.clients,
                            "server_args": s.server_args, "load_start": load()}
     pids: list[int] = []
     with running_server(*s.server_args, pids=pids, new_session=bool(s.nice or s.server_nice)) as port, \
@@ -271,7 +263,6 @@ def _steady(ma: dict, mb: dict, ca: list[dict], cb: list[dict]) -> dict[str, Any
     phase, polls = _phase(ma, mb, ca, cb), _polls(ca, cb)
     win = phase["window"]
     return {**win, **polls, "server_rss_mib": round(mb["rss"] / 2 ** 20, 1),
-            # (None on the stream: nodes hold no polls, their heartbeats are the steady load)
             "server_cpu_us_per_poll": round(win["server_cpu_pct"] * 1e4 / polls["polls_per_s"])
             if polls["polls_per_s"] >= 1 else None,
             "clients": phase["clients"],
@@ -297,11 +288,9 @@ def _all_times(clients: Clients, job: str) -> list[dict]:
 
 def many_jobs(jobs: int, per_job: int, duration_s: float, s: Settings, view_every_s: float = 10.0) -> dict[str, Any]:
     names = [f"fleet-{j:03d}" for j in range(jobs)]
-    per_client, where = make_specs({name: per_job for name in names}, s.clients, s.per_address, s.probe_port,
-                                   s.transport)
+    per_client, where = make_specs({name: per_job for name in names}, s.clients, s.per_address, s.probe_port)
     total = jobs * per_job
-    out: dict[str, Any] = {"kind": "many_jobs" + _suffix(s), "transport": s.transport,
-                           "nodes": total, "jobs": jobs, "nodes_per_job": per_job,
+    out: dict[str, Any] = {"kind": "many_jobs", "nodes": total, "jobs": jobs, "nodes_per_job": per_job,
                            "clients": s.clients, "duration_s": duration_s, "server_args": s.server_args,
                            "load_start": load()}
     pids: list[int] = []

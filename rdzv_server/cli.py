@@ -17,7 +17,7 @@ from typing import Any
 
 from rdzv_server import logs
 from rdzv_server.core.rendezvous import Limits
-from rdzv_server.poll_limits import MAX_POLLS_PER_NODE, MAX_POLLS_PER_PEER
+from rdzv_server.delivery.caps import MAX_POLLS_PER_NODE, MAX_POLLS_PER_PEER
 from rdzv_server.serve import ListenError, Replication, ServerConfig, serve
 from rdzv_server.store.etcd import options as etcd_options
 from rdzv_server.store.etcd.store import EtcdStore

@@ -1,8 +1,8 @@
 """The asyncio machinery around the pure rendezvous core (no HTTP here).
 
-After every core call the shell drains the core's outbox once (`_apply`) and hands each effect to
+After every core call the shell drains the core's outbox once (`apply`) and hands each effect to
 its consumer: new events to the log and the listeners (metrics), changed jobs to the store, woken
-jobs, once saved, to their held long-polls (waiters.py, long_polls.py) and streams (streams.py), so
+jobs, once saved, to the delivery hub (delivery/), which answers the nodes waiting for news, so
 agents learn of a new round the moment it is decided. One background task sleeps until the core's
 next deadline and ticks it; it is re-armed only when a call sets a deadline earlier than the one it
 sleeps to.
@@ -35,18 +35,19 @@ from protocol.messages import (
     PollRequest,
     SuccessReport,
 )
-from rdzv_server import long_polls
 from rdzv_server.core.errors import RendezvousError
 from rdzv_server.core.operator_rules import OperatorAction
 from rdzv_server.core.outbox import Outbox
 from rdzv_server.core.records import JobRecord
 from rdzv_server.core.rendezvous import Rendezvous
-from rdzv_server.held_links import AckAge, HeldLinks
-from rdzv_server.poll_limits import MAX_POLLS_PER_NODE, MAX_POLLS_PER_PEER, HeldPolls
+from rdzv_server.delivery.caps import MAX_POLLS_PER_NODE, MAX_POLLS_PER_PEER
+from rdzv_server.delivery.holds import hold_base
+from rdzv_server.delivery.hub import Hub
+from rdzv_server.delivery.long_poll import Reply, long_poll
+from rdzv_server.delivery.subscriber import AckAge
 from rdzv_server.serving import Serving
 from rdzv_server.store.api import Store
 from rdzv_server.store.persistence import Durability, NotDurable, Persister, StoreUnavailable
-from rdzv_server.waiters import Waiters
 
 log = logging.getLogger("rdzv_server")
 
@@ -66,7 +67,7 @@ class LagSource(Protocol):
 
 
 class Coordinator:
-    """Owns the core and the asyncio machinery around it (waiters, the deadline timer)."""
+    """Owns the core and drives it: the outbox fan-out, durability, the deadline timer; the delivery hub."""
 
     def __init__(self, core: Rendezvous | None = None, clock: Callable[[], float] = time.time,
                  store: Store | None = None, max_polls_per_peer: int = MAX_POLLS_PER_PEER,
@@ -80,11 +81,7 @@ class Coordinator:
         self.persister: Durability = self._durability()
         self.loop_lag = loop_lag
         self.gate = Serving()
-        self.open_polls = 0
-        self.polls_by_peer = HeldPolls(max_polls_per_peer, "--max-polls-per-peer", "the address")   # 0: no limit
-        self.polls_by_node = HeldPolls(max_polls_per_node, "--max-polls-per-node", "node")
-        self.waiters = Waiters()
-        self.held_links = HeldLinks()             # the held polls' connections (quiet rule)
+        self.hub = Hub(self, max_per_peer=max_polls_per_peer, max_per_node=max_polls_per_node)
         self._deliveries: set[asyncio.Task[None]] = set()
         self._armed: float | None = None          # the deadline the timer sleeps to (None: none)
         self._rearm: asyncio.Event | None = None
@@ -136,9 +133,9 @@ class Coordinator:
                      (time.perf_counter() - started) * 1000)
         self.persister.start()
         changed = list(self.core.outbox.changed)
-        self._apply()
+        self.apply()
         for job_id in changed:
-            await self._durable(job_id)
+            await self.durable(job_id)
         self.gate.start()
 
     async def step_down(self) -> None:
@@ -147,7 +144,7 @@ class Coordinator:
         if not self.gate.started:
             return
         self.gate.stop()
-        self.waiters.wake_all()
+        self.hub.wake_all()
         old, self.persister = self.persister, self._durability()
         await old.abandon()
         self.core = Rendezvous(limits=self.core.limits)
@@ -156,7 +153,7 @@ class Coordinator:
     def release_polls(self) -> None:
         """Answer every open long-poll now (with "going away"): the server is stopping."""
         self.gate.shutting_down = True
-        self.waiters.wake_all()
+        self.hub.wake_all()
 
     async def stop(self) -> None:
         # Wake the timer and let it see the flag: on Python 3.11, wait_for can swallow a cancel
@@ -183,7 +180,7 @@ class Coordinator:
             log.info("%s", lag)
 
     # -- change propagation --
-    def _apply(self) -> None:
+    def apply(self) -> None:
         """After any core call: drain its outbox once and hand each effect to its consumer."""
         effects = self.core.take_effects()
         for job, ev in effects.events:
@@ -202,8 +199,8 @@ class Coordinator:
     def _put_back(self, job_id: str, job: JobRecord | None) -> None:
         """A refused commit's job, as last committed (None: never saved), replaces the one in memory."""
         self.core.put_back(job_id, job, self.clock())
-        self._apply()
-        self.waiters.wake_job(job_id)
+        self.apply()
+        self.hub.wake(job_id)
         log.warning("job's unsaved change refused: back to its last saved state", extra={"job_id": job_id})
 
     def clock_moved(self) -> None:
@@ -214,9 +211,9 @@ class Coordinator:
             self._rearm.set()
 
     def _deliver(self, job_id: str) -> None:
-        """Wake the polls held for `job_id`, once what they will show is saved (one wait for all)."""
+        """Wake the nodes waiting for news of `job_id`, once what they will see is saved (one wait for all)."""
         if not self.persister.pending(job_id):
-            self.waiters.wake_job(job_id)
+            self.hub.wake(job_id)
             return
         task = asyncio.get_running_loop().create_task(self._deliver_saved(job_id))
         self._deliveries.add(task)
@@ -227,7 +224,7 @@ class Coordinator:
             await self.persister.durable(job_id)
         except StoreUnavailable:
             pass                    # each poll then waits for the commit itself and answers the error
-        self.waiters.wake_job(job_id)
+        self.hub.wake(job_id)
 
     async def _deadline_loop(self) -> None:
         """Sleep to the core's next deadline and tick there: every deadline passed by then is handled
@@ -235,7 +232,7 @@ class Coordinator:
         tick and the search for the next deadline each walk every node of every job, and deadlines
         can come thousands a second: after a blip, 10,000 nodes' leases, held back while the server
         ran behind, each ran out on its own (a tick per lease, a walk over 10,000 nodes each, a
-        tenth of the server's time). Woken because an effect brought a deadline forward (`_apply`),
+        tenth of the server's time). Woken because an effect brought a deadline forward (`apply`),
         the timer already holds it in `_armed`: the nodes are walked again only after a tick."""
         assert self._rearm is not None
         loop = asyncio.get_running_loop()
@@ -258,14 +255,14 @@ class Coordinator:
             if not self.gate.shutting_down and self._armed is not None and self._armed <= self.clock() \
                     and loop.time() >= ticked + TICK_GAP_S:
                 ticked = loop.time()
-                self.held_links.check(self.core, self.clock())
+                self.hub.before_tick(self.clock())
                 self.core.tick(self.clock(), self.loop_lag.recent_s() if self.loop_lag is not None else 0.0)
-                self._apply()
+                self.apply()
                 look_again = True
 
     # -- requests --
     async def handle(self, job_id: str, req: AgentRequest, peer: str = "", local: str = "",
-                     silence: AckAge | None = None, reply: long_polls.Reply | None = None,
+                     silence: AckAge | None = None, reply: Reply | None = None,
                      waited_s: float = 0.0) -> NodeStatus:
         """One agent request, by its type; `peer` is the address it came from, `local` the server's
         address it reached, `silence()` how long ago its connection's kernel last heard the node
@@ -279,14 +276,17 @@ class Coordinator:
 
     def with_hold(self, status: NodeStatus) -> NodeStatus:
         """`status` with the longest hold now (what replies tell agents: poll_hold_s)."""
-        return msgspec.structs.replace(status, poll_hold_s=round(long_polls.hold_base(self.core.node_count, status), 3))
+        return msgspec.structs.replace(status, poll_hold_s=round(hold_base(self.core.node_count, status), 3))
+
+    def saved(self, job_id: str) -> bool:
+        return not self.persister.pending(job_id)
 
     async def _handle(self, job_id: str, req: AgentRequest, peer: str, local: str,
-                      silence: AckAge | None, reply: long_polls.Reply | None, waited_s: float) -> NodeStatus:
+                      silence: AckAge | None, reply: Reply | None, waited_s: float) -> NodeStatus:
         core = self.core
         match req:
             case PollRequest():
-                return await long_polls.long_poll(self, job_id, req, peer, silence, reply, waited_s)
+                return await long_poll(self.hub, job_id, req, peer, silence, reply, waited_s)
             case JoinRequest():
                 # A fresh secret per join: the core keeps it only if the join makes a new node record.
                 secret = secrets.token_urlsafe(24)
@@ -297,7 +297,7 @@ class Coordinator:
                 status = self.call(lambda now: core.report_success(job_id, req, now))
             case LeaveRequest():
                 status = self.call(lambda now: core.leave(job_id, req, now))
-        await self._durable(job_id)
+        await self.durable(job_id)
         return status
 
     async def operate(self, job_id: str, action: OperatorAction) -> JobRecord:
@@ -305,15 +305,15 @@ class Coordinator:
         try:
             job = self.core.operate(job_id, action, self.clock())
         finally:
-            self._apply()
-        await self._durable(job_id)
+            self.apply()
+        await self.durable(job_id)
         return job
 
     def clear_unhealthy(self, host: str) -> dict[str, object]:
         """An operator lets a host held as unhealthy join again (core/unhealthy.py); the hold it ended."""
         return self.core.unhealthy.clear(host, self.clock()).view(self.clock())
 
-    async def _durable(self, job_id: str) -> None:
+    async def durable(self, job_id: str) -> None:
         """Wait until the job's state, as any reply would show it, is in the store."""
         try:
             await self.persister.durable(job_id)
@@ -325,4 +325,4 @@ class Coordinator:
         try:
             return fn(self.clock())
         finally:
-            self._apply()
+            self.apply()

@@ -22,10 +22,10 @@ from aiohttp import web
 
 from rdzv_server.coordinator import Coordinator
 from rdzv_server.core.rendezvous import Limits, Rendezvous
+from rdzv_server.delivery.caps import MAX_POLLS_PER_NODE, MAX_POLLS_PER_PEER
 from rdzv_server.gc_tuning import Freezer, tune_gc
 from rdzv_server.heap import HeapTrimmer
 from rdzv_server.looplag import LoopLagProbe
-from rdzv_server.poll_limits import MAX_POLLS_PER_NODE, MAX_POLLS_PER_PEER
 from rdzv_server.store.api import Store
 from rdzv_server.store.etcd.election import Leadership
 from rdzv_server.store.etcd.store import EtcdStore

@@ -16,7 +16,7 @@ from protocol.errors import ErrorCode
 from rdzv_server.core.errors import RendezvousError
 
 LEADER_HEADER = "Rdzv-Leader"   # on a not_leader reply: the leader's advertised URL
-# An agent's request, on HTTP or on the stream, is parked this long while an election or takeover is under way.
+# An agent's request is parked this long while an election or takeover is under way.
 ELECTION_WAIT_S = 3.0
 
 

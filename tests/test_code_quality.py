@@ -32,8 +32,9 @@ MAX_LINES = 400
 
 
 def imports_at_load(path: str, known: set[str]) -> set[str]:
-    """Our modules that `path` imports when it is loaded: module-level imports, not those inside
-    functions (run later) or under `if TYPE_CHECKING:` (never run)."""
+    """Our modules that `path` imports at module level, those under `if TYPE_CHECKING:` included (a
+    cycle hidden from the interpreter is still two modules that need each other); not those inside
+    functions (run later, by choice)."""
     out: set[str] = set()
 
     def visit(statements: list[ast.stmt]) -> None:
@@ -45,8 +46,7 @@ def imports_at_load(path: str, known: set[str]) -> set[str]:
                 for alias in stmt.names:
                     out.add(f"{base}.{alias.name}" if f"{base}.{alias.name}" in known else base)
             elif isinstance(stmt, ast.If):
-                if not (isinstance(stmt.test, ast.Name) and stmt.test.id == "TYPE_CHECKING"):
-                    visit(stmt.body)
+                visit(stmt.body)
                 visit(stmt.orelse)
             elif isinstance(stmt, ast.Try):
                 visit(stmt.body)

@@ -12,11 +12,13 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     "protocol": (),
     "rdzv_server.core": ("protocol",),
     "rdzv_server.store": ("protocol", "rdzv_server.core"),
-    # the shell: coordinator, serving, waiters, lag probe, logs, heap, and serve/cli that put it together
-    "rdzv_server": ("protocol", "rdzv_server.core", "rdzv_server.store", "rdzv_server.web"),
+    # delivery: the nodes waiting for news (the hub, its subscribers); below the coordinator that drives it
+    "rdzv_server.delivery": ("protocol", "rdzv_server.core", "rdzv_server.serving"),
+    # the shell: coordinator, serving, lag probe, logs, heap, and serve/cli that put it together
+    "rdzv_server": ("protocol", "rdzv_server.core", "rdzv_server.store", "rdzv_server.delivery", "rdzv_server.web"),
     "rdzv_server.web": ("protocol", "rdzv_server.core", "rdzv_server.coordinator", "rdzv_server.serving",
                         "rdzv_server.looplag", "rdzv_server.logs", "rdzv_server.store.api",
-                        "rdzv_server.store.persistence", "rdzv_server.streams"),
+                        "rdzv_server.store.persistence", "rdzv_server.delivery.subscriber"),
     "rdzv_ctl": ("protocol",),
     "node_agent.core": ("protocol", "node_agent.client.replies"),
     "node_agent.client": ("protocol", "rdzv_server.coordinator", "rdzv_server.core"),   # local: in-process server

@@ -66,9 +66,7 @@ FLAGS: tuple[Flag, ...] = (
        "rendezvous flags)"),
     _ours(("--token-file", "--token_file"), "token_file", "F",
           "file holding the server's token (or set RDZV_TOKEN_FILE, or RDZV_TOKEN to the token itself)"),
-    _ours(("--transport",), "transport", "auto|stream|poll",
-          "how the agent talks to the rdzv-server: one stream per node (stream), HTTP long-polls (poll), or the "
-          "stream where the server offers it (auto); default poll; also --rdzv-conf transport=..."),
+    _ours(("--transport",), "transport", "(gone)", "refused: long-polls are the only transport"),
     _ours(("--tls-ca", "--tls_ca"), "tls_ca", "F",
           "CA certificates (PEM) that signed the server's TLS certificate; implies https"),
     _both(("--nproc",), ("--nproc-per-node", "--nproc_per_node"), "nproc", "N|gpu|cpu|auto",

@@ -41,13 +41,8 @@ def _transport(opts: AgentOptions, token: str | None) -> tuple[Transport, str]:
                               master_addr=opts.master_addr, master_port=opts.master_port)
         return client, opts.local_addr or local_addr_towards(opts.master_addr, opts.master_port)
     from node_agent.client.http import RdzvClient
-    from node_agent.client.stream import StreamClient
     assert opts.endpoint_host is not None and opts.endpoint_port is not None
     addr = opts.local_addr or local_addr_towards(opts.endpoint_host, opts.endpoint_port)
-    if opts.transport != "poll":
-        return StreamClient(opts.endpoint_host, opts.endpoint_port, opts.job_id, opts.node_id, transport=opts.transport,
-                            scheme=opts.endpoint_scheme, token=token, tls_ca=opts.tls_ca,
-                            replicas=opts.endpoint_replicas), addr
     return RdzvClient(opts.endpoint_host, opts.endpoint_port, opts.job_id, opts.node_id,
                       scheme=opts.endpoint_scheme, token=token, tls_ca=opts.tls_ca,
                       replicas=opts.endpoint_replicas), addr

@@ -24,11 +24,10 @@ from node_agent.cli.job_identity import TORCHRUN_DEFAULT_ID, command_fingerprint
 from node_agent.cli.launch_form import Mode, launch_form
 from node_agent.cli.rdzv_conf import (
     AGENT_NOTES,
-    DEFAULT_TRANSPORT,
     IGNORED_KEYS,
     KNOWN_KEYS,
+    NO_TRANSPORT_CHOICE,
     parse_conf,
-    transport_choice,
 )
 from node_agent.cli.values import (  # noqa: F401  (Std, StdSpec, count_gpus: re-exported)
     DEFAULT_PORT,
@@ -74,7 +73,6 @@ class AgentOptions:
     token_file: str | None = None      # --token-file, --rdzv-conf token_file or $RDZV_TOKEN_FILE: read at start-up
     token: str | None = None           # $RDZV_TOKEN: the token itself
     tls_ca: str | None = None          # CA bundle that must have signed the server's certificate
-    transport: str = DEFAULT_TRANSPORT  # auto, stream or poll (rdzv_conf.TRANSPORTS)
     nproc: int = 1
     job_id: str = "default"
     job_id_source: str = ""            # where a job id that was not given came from (said at start)
@@ -180,17 +178,12 @@ def parse_options(argv: Sequence[str], environ: Mapping[str, str] = os.environ) 
     node_rank = _node_rank(line, form.mode, max_nodes, counts.nnodes_text)
     role = _role(line, counts.nproc, environ)
     token_file, token = _token(line, conf, environ, tls_ca)
-    try:
-        transport = transport_choice(get("transport") or conf.get("transport"),
-                                     line.name("transport") if get("transport") else "--rdzv-conf transport")
-    except ValueError as exc:
-        one_line(str(exc))
     stop_default = environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT")
     return AgentOptions(
         script=script, script_args=script_args, mode=form.mode, endpoint_host=form.host, endpoint_port=form.port,
         endpoint_scheme=form.scheme, endpoint_replicas=form.replicas,
         token_file=token_file if form.mode is Mode.SERVER else None,
-        token=token if form.mode is Mode.SERVER else None, tls_ca=tls_ca, transport=transport,
+        token=token if form.mode is Mode.SERVER else None, tls_ca=tls_ca,
         nproc=counts.nproc, job_id=job_id, job_id_source=source,
         command="" if get("no_command_check") else fingerprint,
         job=job_config(line, conf, min_nodes, max_nodes, counts.nodes_flag), node_id=node_id,
@@ -255,6 +248,8 @@ def _check_refused(line: CommandLine) -> None:
     get = line.get
     if get("module") and get("no_python") and not get("run_path"):   # --run-path wins over both, as in torchrun
         raise OptionsError("--no-python cannot be combined with -m/--module")
+    if get("transport") is not None:
+        line.fail("transport", NO_TRANSPORT_CHOICE)
     for dest, (only, why) in _ONLY.items():
         if get(dest) not in (None, only):
             line.fail(dest, f"only {only!r}, got {get(dest)!r}: {why}" if only else f"not supported: {why}")
@@ -299,6 +294,8 @@ def _rdzv_conf(line: CommandLine) -> tuple[dict[str, str], list[str]]:
         line.fail("rdzv_conf", str(exc))
     warnings = []
     for key in conf:
+        if key == "transport":
+            line.fail("rdzv_conf", f"transport: {NO_TRANSPORT_CHOICE}")
         if key not in KNOWN_KEYS and key not in AGENT_NOTES:
             line.fail("rdzv_conf", f"unknown key {key!r}; known keys: {', '.join(sorted({*KNOWN_KEYS, *AGENT_NOTES}))}")
         if key in AGENT_NOTES or key in IGNORED_KEYS:

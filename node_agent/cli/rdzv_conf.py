@@ -23,9 +23,8 @@ SECONDS_KEYS = {
 LOCAL_SECONDS = {"close_timeout": 10.0, "read_timeout": 60.0, "server_wait": 60.0}   # this node only
 INT_KEYS = ("max_restarts", "exclude_after", "local_world_size")
 FILE_KEYS = ("token_file", "tls_ca")           # the server's token, the CA that signed its certificate
-# How this node talks to the server: auto (the stream where the server offers it), stream, poll (HTTP long-polls).
-TRANSPORTS = ("auto", "stream", "poll")
-DEFAULT_TRANSPORT = "poll"   # long-polls; "auto": the stream where the server offers one (docs/protocol.md)
+# The one transport: HTTP long-polls. An earlier version had a stream; asking for one is refused in one line.
+NO_TRANSPORT_CHOICE = "long-polls are the only transport (the stream is gone): drop it"
 # torch's c10d keys that have no meaning here (the server replaces the c10d store and its heartbeats).
 IGNORED_KEYS = {
     "is_host": "no agent hosts the rendezvous: the rdzv-server does",
@@ -34,16 +33,7 @@ IGNORED_KEYS = {
     "keep_alive_max_attempt": "use heartbeat_timeout (or lease_timeout)",
     "use_libuv": "the agents' round store is always a TCPStore",
 }
-KNOWN_KEYS = sorted({*SECONDS_KEYS, *LOCAL_SECONDS, *INT_KEYS, *FILE_KEYS, *IGNORED_KEYS, "node_id", "transport"})
-
-
-def transport_choice(value: str | None, name: str) -> str:
-    """The transport named by `value` (DEFAULT_TRANSPORT when None); ValueError naming `name` otherwise."""
-    if value is None:
-        return DEFAULT_TRANSPORT
-    if value not in TRANSPORTS:
-        raise ValueError(f"{name}: expected one of {', '.join(TRANSPORTS)}, got {value!r}")
-    return value
+KNOWN_KEYS = sorted({*SECONDS_KEYS, *LOCAL_SECONDS, *INT_KEYS, *FILE_KEYS, *IGNORED_KEYS, "node_id"})
 
 # What node-agent (not the plugin) makes of the keys that concern torch's own agent.
 AGENT_NOTES = {

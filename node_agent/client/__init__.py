@@ -2,8 +2,7 @@
 rendezvous server.
 
 `transport` (what every way of talking provides, and its two exceptions), `http` (HTTP +
-MessagePack, leader redirects between replicas via `endpoints`), `stream` (one WebSocket per node,
-falling back to `http` where the server offers none), `path_check` (is the path back? an overdue
+MessagePack long-polls, leader redirects between replicas via `endpoints`), `path_check` (is the path back? an overdue
 answer has every endpoint checked over a fresh connection), `local` and `static` (in-process, for
 single-node and static launches), `retry` (the one backoff), `witness` (the listener that answers the
 other members' "do you hear the server?", and the asking), and `replies` (the pure rules: what a

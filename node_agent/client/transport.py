@@ -7,7 +7,6 @@ Both raise only these two exceptions, and decide which error codes are worth a r
 """
 from __future__ import annotations
 
-import contextlib
 import socket
 from typing import Any, TypeVar
 
@@ -160,22 +159,6 @@ def keepalive_socket(addr_info: tuple[Any, ...]) -> socket.socket:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, KEEPINTVL_S)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, KEEPCNT)
     return sock
-
-
-# The server sends nothing to an idle node, so a stream whose path died (a partition, a cut, the
-# server's host gone) would look quiet, not broken, and the agent would neither fence nor give up.
-# Its heartbeats are what tell: the kernel ends the connection once one goes unacknowledged this
-# long (TCP_USER_TIMEOUT), within lease / 3 + this of the path's death: before the server, which
-# drops a silent stream after about a lease, has replaced the node's round. A server that is only
-# slow still acknowledges at once (its kernel does).
-UNACKED_LIMIT_S = 2.0
-
-
-def bound_unacked_sends(sock: Any, limit_s: float = UNACKED_LIMIT_S) -> None:
-    """TCP_USER_TIMEOUT on a stream's socket (client/stream.py), where the platform has it (Linux)."""
-    if sock is not None and hasattr(socket, "TCP_USER_TIMEOUT"):
-        with contextlib.suppress(OSError):
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, int(limit_s * 1000))
 
 
 def free_port(addr: str = "") -> int:

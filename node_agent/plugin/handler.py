@@ -49,7 +49,6 @@ from torch.distributed.elastic.rendezvous import (
 
 from node_agent.cli.rdzv_conf import IGNORED_KEYS, unquoted
 from node_agent.client.http import RdzvClient
-from node_agent.client.stream import StreamClient
 from node_agent.client.transport import free_port
 from node_agent.plugin.failures import worker_failures
 from node_agent.plugin.round_store import JOB_SUCCEEDED, RoundStore, first_line, pauses
@@ -222,9 +221,7 @@ class RdzvServerHandler(RendezvousHandler):
             s = self.settings
             self._agent_store = TCPStore(s.addr, 0, is_master=True, wait_for_workers=False,
                                               timeout=timedelta(seconds=s.store_timeout_s))
-            client = (StreamClient(s.host, s.port, s.job_id, s.node_id, transport=s.transport, scheme=s.scheme,
-                                   token=s.token, tls_ca=s.tls_ca) if s.transport != "poll" else
-                      RdzvClient(s.host, s.port, s.job_id, s.node_id, scheme=s.scheme, token=s.token, tls_ca=s.tls_ca))
+            client = RdzvClient(s.host, s.port, s.job_id, s.node_id, scheme=s.scheme, token=s.token, tls_ca=s.tls_ca)
             session = ServerSession(s, client,
                                     master_port=self._agent_store.port, say=self.say)
             session.start()

@@ -25,15 +25,7 @@ from typing import NoReturn
 import msgspec
 
 from node_agent.cli.job_identity import TORCHRUN_DEFAULT_ID, command_fingerprint, default_job_id
-from node_agent.cli.rdzv_conf import (
-    DEFAULT_TRANSPORT,
-    INT_KEYS,
-    KNOWN_KEYS,
-    LOCAL_SECONDS,
-    SECONDS_KEYS,
-    transport_choice,
-    unquoted,
-)
+from node_agent.cli.rdzv_conf import INT_KEYS, KNOWN_KEYS, LOCAL_SECONDS, NO_TRANSPORT_CHOICE, SECONDS_KEYS, unquoted
 from node_agent.cli.values import parse_server, server_token
 from node_agent.client.transport import local_addr_towards
 from protocol.ids import job_id_problem, node_id_problem
@@ -80,7 +72,6 @@ class PluginSettings:
     scheme: str = "http"           # https with --rdzv-conf tls_ca=F or an https:// endpoint
     token: str | None = None       # the server's bearer token (token_file=F, $RDZV_TOKEN_FILE, $RDZV_TOKEN)
     tls_ca: str | None = None      # CA bundle that must have signed the server's certificate
-    transport: str = DEFAULT_TRANSPORT   # --rdzv-conf transport=auto|stream|poll
 
 
 def _fail(key: str, why: str) -> NoReturn:
@@ -118,6 +109,8 @@ def plugin_settings(*, endpoint: str, run_id: str, min_nodes: int, max_nodes: in
                     conf: Mapping[str, object], launch: TorchLaunch | None,
                     environ: Mapping[str, str] = os.environ) -> PluginSettings:
     conf = unquoted(conf)      # torch's parser leaves a quoted --rdzv-conf's quotes in the first key and last value
+    if "transport" in conf:
+        raise SettingsError(f"--rdzv-conf transport: {NO_TRANSPORT_CHOICE}")
     unknown = sorted(k for k in conf if k not in KNOWN_KEYS)
     if unknown:
         raise SettingsError(f"--rdzv-conf: unknown key {unknown[0]!r} for --rdzv-backend {BACKEND}; "
@@ -162,7 +155,7 @@ def plugin_settings(*, endpoint: str, run_id: str, min_nodes: int, max_nodes: in
         local_world_size=local_world_size, role=launch.role if launch else "default", config=config,
         server_wait_s=max(local["server_wait"], config.lease_timeout_s),
         close_timeout_s=local["close_timeout"], store_timeout_s=local["read_timeout"] or LOCAL_SECONDS["read_timeout"],
-        scheme=scheme, token=token, tls_ca=tls_ca, transport=_transport(conf))
+        scheme=scheme, token=token, tls_ca=tls_ca)
 
 
 def _job_id(run_id: str, launch: TorchLaunch | None, environ: Mapping[str, str]) -> tuple[str, str]:
@@ -201,10 +194,3 @@ def _name_key(message: str, typed: dict[str, str]) -> str:
     if m is None:
         return message
     return f"{typed.get(m.group(2), m.group(2))}: {m.group(1).replace('Expected', 'expected')}"
-
-
-def _transport(conf: Mapping[str, object]) -> str:
-    try:
-        return transport_choice(str(conf["transport"]) if conf.get("transport") else None, "--rdzv-conf transport")
-    except ValueError as exc:
-        raise SettingsError(str(exc)) from None

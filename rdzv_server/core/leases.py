@@ -12,7 +12,7 @@ Evidence must be about the node, never about the server itself:
 - "heard" is any sign that the server's link works: a request, a stream's heartbeat, and, once the
   server has heard nothing else for SUSPECT_QUIET_S, the freshest ACK on the held polls' connections
   (their kernels answer keepalive probes: in a small job every long hold is otherwise a silence;
-  rdzv_server/held_links.py);
+  rdzv_server/delivery/links.py);
 - when the server heard from no agent at all for QUIET_S (longer than any healthy node waits
   between requests), it is the server that was cut off or stalled: leases that lapse then are
   extended instead, and nobody is lost, until the silence has lasted OUTAGE_LIMIT_S (the agents'

@@ -90,15 +90,10 @@ class Rendezvous:
         """The job's nodes coming back since the last silence ended (leases.grace_after_silence)."""
         return self._waves.get(job_id) if self.silence is not None else None
 
-    def heard(self, now: float, job_id: str = "", node_id: str = "") -> None:
-        """A frame from some agent that is no request (a stream's heartbeat): the server is not cut off,
-        and the node, when its stream holds it, was seen now (its lease does not run while held; what
-        changes is the lease age the views show, and the "no contact for" of a later loss)."""
+    def heard(self, now: float) -> None:
+        """Some agent's path to the server was seen to work at `now` (a held poll's connection answered a
+        keepalive probe): the server is not cut off."""
         self._heard(now)
-        job = self.jobs.get(job_id)
-        node = job.nodes.get(node_id) if job is not None else None
-        if node is not None and node.holding:
-            node.last_seen = max(node.last_seen, now)
 
     def take_effects(self) -> Outbox:
         """What the calls since the last take did (see outbox.py)."""

@@ -74,6 +74,7 @@ class Access:
 
 
 ACCESS = web.AppKey("access", Access)
+NO_STREAM = "no-stream"     # the route that refuses an old agent's stream, as an agent route (web/app.py)
 
 
 def route_class(request: web.Request) -> str:
@@ -82,8 +83,8 @@ def route_class(request: web.Request) -> str:
         return "health"
     if path.startswith("/v1/admin/"):
         return "admin"
-    if path.startswith("/v1/jobs/") and (request.method == "POST" or request.match_info.route.name == "agent-stream"):
-        return "agent"        # the agent's requests, and its stream (web/stream.py)
+    if path.startswith("/v1/jobs/") and (request.method == "POST" or request.match_info.route.name == NO_STREAM):
+        return "agent"        # the agent's requests, and an old agent's ask for a stream (refused)
     return "views"
 
 

@@ -11,13 +11,12 @@ from protocol.codec import CONTENT_TYPE, MAX_BODY_BYTES, REQUEST_TYPES, DecodeEr
 from protocol.errors import HTTP_STATUS, RETRYABLE, ErrorCode, unknown_job
 from protocol.messages import ErrorReply, PollRequest
 from protocol.quoting import quote
-from protocol.stream import STREAM_VERSION
 from rdzv_server.coordinator import Coordinator
 from rdzv_server.core.records import MAX_EVENTS_PER_JOB, JobRecord
 from rdzv_server.core.rendezvous import RendezvousError
 from rdzv_server.looplag import LoopLagProbe
 from rdzv_server.web import admin, views
-from rdzv_server.web.access import ACCESS, Access, access_middleware
+from rdzv_server.web.access import ACCESS, NO_STREAM, Access, access_middleware
 from rdzv_server.web.connections import (
     SlowBody,
     local_address,
@@ -30,7 +29,6 @@ from rdzv_server.web.direct_reply import AlreadyWritten, DirectReply
 from rdzv_server.web.metrics import METRICS, ServerMetrics, metrics_endpoint, metrics_middleware
 from rdzv_server.web.page import render as page
 from rdzv_server.web.routing import COORDINATOR, job_id_of
-from rdzv_server.web.stream import add_stream_route, register_metrics
 
 log = logging.getLogger("rdzv_server")
 
@@ -128,7 +126,13 @@ async def standby_middleware(request: web.Request,
 
 
 async def healthz(request: web.Request) -> web.Response:
-    return web.json_response({"ok": True, "stream": STREAM_VERSION})   # stream: the version it speaks
+    return web.json_response({"ok": True})
+
+
+async def no_stream(request: web.Request) -> web.Response:
+    """An agent of a version that had the stream asks for one: refused at once, saying what to use."""
+    raise DecodeError(ErrorCode.NOT_FOUND, "this server has no stream: long-polls are the only transport "
+                      "(POST /v1/jobs/JOB/poll); drop --transport, or --rdzv-conf transport=")
 
 
 async def readyz(request: web.Request) -> web.Response:
@@ -220,8 +224,7 @@ def create_app(coordinator: Coordinator | None = None, *, allow_remote_admin: bo
     app.cleanup_ctx.append(lifecycle)
     app.on_shutdown.append(on_shutdown)
     app.router.add_post("/v1/jobs/{job_id}/{action}", agent_request)
-    add_stream_route(app)
-    register_metrics(app, app[METRICS].registry)
+    app.router.add_get("/v1/jobs/{job_id}/stream", no_stream, name=NO_STREAM)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/metrics", metrics_endpoint)

@@ -60,7 +60,6 @@ class ConnectionGuard:
         # connection, and a fleet reconnecting at once (10,000 agents) made that quadratic.
         self._open: dict[Any, None] = {}                 # connected handlers, oldest first
         self._fresh: dict[Any, float] = {}               # handlers made, not yet connected: when
-        self._streams: set[Any] = set()                  # connections taken over by a stream: never idle
         self._trim_soon = False
 
     def factory(self, server: web.Server) -> Callable[[], asyncio.BaseProtocol]:
@@ -90,7 +89,7 @@ class ConnectionGuard:
             now = time.monotonic()
             while self._fresh and now - next(iter(self._fresh.values())) >= FRESH_S:
                 del self._fresh[next(iter(self._fresh))]      # never connected (a failed handshake)
-            count = len(self._open) + len(self._fresh) + len(self._streams)
+            count = len(self._open) + len(self._fresh)
             if count >= self.hard_limit and not self._make_room():
                 self.refused += 1
                 return _Refused()
@@ -102,16 +101,9 @@ class ConnectionGuard:
             return handler
         return make
 
-    def stream_opened(self, stream: object) -> None:
-        """A connection aiohttp let go of to a stream (web/stream_connection.py) still counts."""
-        self._streams.add(stream)
-
-    def stream_closed(self, stream: object) -> None:
-        self._streams.discard(stream)
-
     def _trim(self) -> None:
         self._trim_soon = False
-        excess = len(self._open) + len(self._streams) - self.max_connections
+        excess = len(self._open) - self.max_connections
         while excess > 0 and self._make_room():
             excess -= 1
 

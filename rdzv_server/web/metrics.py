@@ -93,7 +93,7 @@ class StateCollector(Collector):
                 if node.state in nodes:
                     nodes[node.state] += 1
         held = len(self.coordinator.core.unhealthy.current(self.coordinator.clock()))
-        return self._families(jobs, nodes, self.coordinator.open_polls, held)
+        return self._families(jobs, nodes, self.coordinator.hub.open, held)
 
     @staticmethod
     def _families(jobs: dict[JobState, int], nodes: dict[NodeState, int], polls: int | None,

@@ -16,11 +16,10 @@ from benchmarks.scale_scenarios import Settings, one_job
 pytestmark = pytest.mark.e2e
 
 
-@pytest.mark.parametrize("transport", ["poll", "stream"])
-def test_fifty_nodes_form_change_round_and_lose_nothing(transport):
+def test_fifty_nodes_form_change_round_and_lose_nothing():
     r = one_job(50, Settings(clients=2, per_address=20, settle_s=0.2, steady_s=1.0, view_samples=1, view_spacing_s=0.0,
-                             post_s=0.5, formation_timeout_s=60.0, nice=1, transport=transport))
-    assert r["transport"] == transport and r["kind"] == ("one_job" if transport == "poll" else "one_job-stream")
+                             post_s=0.5, formation_timeout_s=60.0, nice=1))
+    assert r["kind"] == "one_job"
     assert r["formation"]["complete"] and r["formation"]["assigned"] == 50
     change = r["round_change"]
     assert change["complete"] and change["accepted"]
@@ -40,5 +39,5 @@ def test_fifty_nodes_form_change_round_and_lose_nothing(transport):
         assert r["priority"].endswith("each in its own session's autogroup")
     assert "50" in summary_line(r)
     table = markdown_table({"scenarios": [r]})
-    assert table.count("\n") == 2 and ("| 50 |" if transport == "poll" else "| 50, stream |") in table
+    assert table.count("\n") == 2 and "| 50 |" in table
     assert table.splitlines()[2].count("|") == 12

@@ -2,21 +2,13 @@
 connection makes room; a held long-poll is never the one closed."""
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import socket
-import ssl
 import time
 import urllib.request
 
 import msgpack
 import pytest
-from websockets.asyncio.client import ClientConnection
-from websockets.asyncio.client import connect as connect_async
-from websockets.exceptions import ConnectionClosed
-from websockets.sync.client import connect
 
-from tests.e2e.certs import make_ca, make_server_cert
 from tests.e2e.harness import job_events, wait_until
 
 pytestmark = pytest.mark.e2e
@@ -79,30 +71,6 @@ def test_idle_connections_over_the_cap_make_room_for_healthz_and_agents(cluster)
             sock.close()
 
 
-def test_a_stream_counts_against_the_cap_and_is_never_closed_to_make_room(cluster):
-    """A stream is a connection aiohttp no longer holds (web/stream_connection.py): the guard still
-    counts it, and as a held poll it is never the idle one closed."""
-    port = cluster.start_server("--state-dir", "none", "--max-connections", "40")
-    body = {"v": 1, "node_id": "a", "addr": "10.0.0.1", "local_world_size": 1, "master_port": 1,
-            "config": {"min_nodes": 2, "max_nodes": 2}}
-    with connect(f"ws://127.0.0.1:{port}/v1/jobs/conn/stream", open_timeout=10) as ws:
-        ws.send(msgpack.packb({"t": "hello", "v": 1, "node_id": "a"}))
-        ws.send(msgpack.packb({"t": "request", "id": 1, "action": "join", "body": body}))
-        credential = msgpack.unpackb(ws.recv(timeout=10))["status"]["credential"]
-        ws.send(msgpack.packb({"t": "subscribe", "credential": credential, "known_round": -1}))
-        assert msgpack.unpackb(ws.recv(timeout=10))["status"]["node_state"] == "waiting"
-        idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(80)]   # never send anything
-        try:
-            wait_until(lambda: metric(port, "rdzv_connections_evicted_total") >= 80 + 1 - 40, 30,
-                       "the idle connections over the cap closed, the stream counted among the 40")
-            post(port, "join", dict(body, node_id="b", addr="10.0.0.2", master_port=2))
-            pushed = msgpack.unpackb(ws.recv(timeout=10))       # the stream is still open: the round comes
-            assert pushed["t"] == "status" and pushed["status"]["node_state"] == "member", pushed
-        finally:
-            for sock in idle:
-                sock.close()
-
-
 def send_poll(port: int, node: str, credential: str, known_round: int) -> socket.socket:
     """A long-poll on its own connection, as raw HTTP: the test decides when that connection closes."""
     sock = socket.create_connection(("127.0.0.1", port))
@@ -156,46 +124,19 @@ def test_a_connection_closed_late_in_anothers_held_poll_is_a_loss_after_the_grac
         a_poll.close()
 
 
-@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
-def test_a_stream_over_tls_is_taken_over_like_a_plain_one(cluster, tmp_path, loop):
-    """The stream's protocol takes over the TLS transport (asyncio's and uvloop's): the round is
-    pushed over it, a ping is answered, a bad frame gets its error frame before the close.
-
-    The client is websockets' asyncio one: its threaded (sync) client reads TLS in one thread while
-    it sends the upgrade in another, and one connect in about 2,000 then lost its request when the
-    server's TLS 1.3 session tickets were being read (the server waited on, the client timed out)."""
-    ca = make_ca(str(tmp_path))
-    cert, key = make_server_cert(str(tmp_path), ca)
-    port = cluster.start_server("--tls-cert", cert, "--tls-key", key, "--state-dir", "none", "--event-loop", loop)
-    context = ssl.create_default_context(cafile=ca[0])
-    url = f"wss://127.0.0.1:{port}/v1/jobs/tls/stream"
-
-    async def frame(ws: ClientConnection) -> dict:
-        return msgpack.unpackb(await asyncio.wait_for(ws.recv(), 10))
-
-    async def scenario() -> None:
-        async with contextlib.AsyncExitStack() as opened:
-            streams = [await opened.enter_async_context(connect_async(url, ssl=context, open_timeout=10))
-                       for _ in range(2)]
-            for i, ws in enumerate(streams):
-                node = f"n{i}"
-                await ws.send(msgpack.packb({"t": "hello", "v": 1, "node_id": node}))
-                await ws.send(msgpack.packb({"t": "request", "id": 1, "action": "join", "body": {
-                    "v": 1, "node_id": node, "addr": f"10.0.0.{i + 1}", "local_world_size": 1, "master_port": 1,
-                    "config": {"min_nodes": 2, "max_nodes": 2, "lease_timeout_s": 30.0}}}))
-                credential = (await frame(ws))["status"]["credential"]
-                await ws.send(msgpack.packb({"t": "subscribe", "credential": credential, "known_round": -1}))
-            first = await frame(streams[0])          # its own view, waiting for n1
-            while first["status"]["node_state"] != "member":
-                first = await frame(streams[0])
-            assert first["status"]["assignment"]["world_size"] == 2
-            await asyncio.wait_for(await streams[0].ping(b"x"), 10)        # answered
-            await streams[1].send(b"\xc1garbage")
-            while (last := await frame(streams[1]))["t"] == "status":
-                pass
-            assert last["t"] == "error" and last["code"] == "bad_request", last
-            with pytest.raises(ConnectionClosed) as closed:
-                await frame(streams[1])
-            assert closed.value.rcvd is not None and closed.value.rcvd.code == 1008
-
-    asyncio.run(scenario())
+def test_a_client_that_asks_for_a_stream_is_refused_at_once(cluster):
+    """An agent of a version that had the stream (`--transport stream`): its upgrade is answered at once
+    with a 404 that says long-polls are the only transport, never held."""
+    port = cluster.start_server("--state-dir", "none")
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(b"GET /v1/jobs/conn/stream HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\n"
+                     b"Connection: Upgrade\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
+                     b"Sec-WebSocket-Version: 13\r\n\r\n")
+        reply = b""
+        while b"\r\n\r\n" not in reply or not reply.rstrip().endswith(b"}"):
+            chunk = sock.recv(4096)
+            assert chunk, reply
+            reply += chunk
+    head, body = reply.split(b"\r\n\r\n", 1)
+    assert head.startswith(b"HTTP/1.1 404"), head
+    assert b"long-polls are the only transport" in body, body

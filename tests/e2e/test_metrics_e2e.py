@@ -43,9 +43,7 @@ def test_metrics_of_a_job_that_restarted_once_then_succeeded(cluster, tmp_path):
     assert value("rdzv_round_formation_seconds_count") == 2
     assert value("rdzv_nodes", state="member") == 0            # the job finished: no live nodes
     assert value("rdzv_open_long_polls") == 0
-    # joins over HTTP, or on the stream (the agents' default where the server offers it)
     joins = samples.get(("rdzv_http_requests_total", (("method", "POST"), ("route", "/v1/jobs/{job_id}/join"),
                                                       ("status", "200"))), 0.0)
-    joins += samples.get(("rdzv_stream_requests_total", (("action", "join"), ("outcome", "ok"))), 0.0)
     assert joins >= 2
     assert not any("mjob" in dict(labels).get("route", "") for _, labels in samples)

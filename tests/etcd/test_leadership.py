@@ -94,7 +94,7 @@ async def test_a_deposed_leader_commits_nothing_steps_down_and_releases_its_poll
     old, other = pair
     assert (await post(http, old, "join", join_body("a")))[0] == 200
     poll = asyncio.create_task(post(http, old, "poll", {"v": 1, "node_id": "a", "known_round": -1, "wait_s": 60.0}))
-    await wait_until(lambda: old.coordinator.open_polls == 1, 10)
+    await wait_until(lambda: old.coordinator.hub.open == 1, 10)
     # the old leader's key goes (as when its lease expires unseen) and the other replica wins
     client = EtcdClient(settings)
     await asyncio.to_thread(client.txn, [], [delete(old.store.leader_key)])

@@ -48,7 +48,7 @@ async def test_renewals_do_not_wake_the_timer_but_an_earlier_deadline_does():
             await asyncio.sleep(0)                 # a yield: the timer task runs if it was woken
         assert coord.timer_wakeups == woken        # 50 renewals: not one wake-up
         coord.core.connection_dropped("j", "b", coord.clock())   # grace of 1 s: far before the leases
-        coord._apply()
+        coord.apply()
         await asyncio.wait_for(lost, 10.0)
         assert coord.timer_wakeups >= woken + 1
         assert "b" not in coord.core.jobs["j"].nodes
@@ -82,7 +82,7 @@ async def test_an_earlier_deadline_is_taken_as_it_is_and_the_nodes_are_walked_ag
             await asyncio.sleep(0)
         before, woken = walks, coord.timer_wakeups
         coord.core.connection_dropped("j", "b", coord.clock())     # an earlier deadline: b's 1 s grace
-        coord._apply()
+        coord.apply()
         for _ in range(100):
             if coord.timer_wakeups > woken:
                 break

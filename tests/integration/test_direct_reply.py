@@ -12,8 +12,8 @@ import msgpack
 import pytest
 
 from protocol.messages import JobConfig, JoinRequest, LeaveRequest, NodeStatus, PollRequest
-from rdzv_server import long_polls
 from rdzv_server.coordinator import Coordinator
+from rdzv_server.delivery.long_poll import LongPoll
 from rdzv_server.web import app as web_app
 from rdzv_server.web.app import COORDINATOR
 from rdzv_server.web.direct_reply import DirectReply
@@ -76,7 +76,7 @@ async def test_a_woken_poll_is_answered_from_the_wake_as_aiohttp_would_and_its_c
     reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
     try:
         writer.write(request("poll", poll("a", a["credential"], -1, 10.0)))
-        await wait_until(lambda: server.app[COORDINATOR].open_polls == 1)      # held
+        await wait_until(lambda: server.app[COORDINATOR].hub.open == 1)      # held
         b = await join(server, "b")                   # the round forms: a's poll is woken
         head, body = await read_reply(reader)
         assert len(counting) == 1, "the woken poll was answered by its task, not from the wake"
@@ -110,7 +110,7 @@ async def test_a_bug_after_the_reply_went_out_closes_the_connection_instead_of_a
     reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
     try:
         writer.write(request("poll", poll("a", a["credential"], -1, 10.0)))
-        await wait_until(lambda: server.app[COORDINATOR].open_polls == 1)
+        await wait_until(lambda: server.app[COORDINATOR].hub.open == 1)
         monkeypatch.setattr(core, "poll_ended", broken)
         await join(server, "b")
         head, body = await read_reply(reader)
@@ -127,7 +127,7 @@ async def test_a_poll_that_closes_its_connection_is_answered_by_aiohttp(server, 
     reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
     try:
         writer.write(request("poll", poll("a", a["credential"], -1, 10.0), version, extra))
-        await wait_until(lambda: server.app[COORDINATOR].open_polls == 1)
+        await wait_until(lambda: server.app[COORDINATOR].hub.open == 1)
         await join(server, "b")
         head, body = await read_reply(reader)
         assert head[0] == f"HTTP/{version} 200 OK" and body["node_state"] == "member"
@@ -148,7 +148,7 @@ async def _held_poll(coord: Coordinator, reply) -> tuple[asyncio.Task, str]:  # 
     a = await coord.handle("j", _join("a"))
     task = asyncio.ensure_future(coord.handle("j", PollRequest(v=1, node_id="a", credential=a.credential,
                                                                known_round=-1, wait_s=10.0), reply=reply))
-    await wait_until(lambda: coord.open_polls == 1)
+    await wait_until(lambda: coord.hub.open == 1)
     return task, a.credential
 
 
@@ -182,14 +182,14 @@ async def test_a_change_not_yet_saved_is_not_sent_from_the_wake(monkeypatch):
 
 
 async def test_a_change_that_leaves_a_polls_view_as_it_was_does_not_wake_its_task(monkeypatch):
-    created = []
+    created: list[asyncio.Future[None]] = []        # every wait of a held poll's task for the hub
+    real_woken = LongPoll.woken
 
-    class Counted(long_polls.Waiter):
-        def __init__(self, *args, **kwargs):  # type: ignore[no-untyped-def]
-            super().__init__(*args, **kwargs)
-            created.append(self)
+    def woken(self: LongPoll) -> asyncio.Future[None]:
+        created.append(real_woken(self))
+        return created[-1]
 
-    monkeypatch.setattr(long_polls, "Waiter", Counted)
+    monkeypatch.setattr(LongPoll, "woken", woken)
     coord = Coordinator()
     await coord.start()
     try:
@@ -203,12 +203,12 @@ async def test_a_change_that_leaves_a_polls_view_as_it_was_does_not_wake_its_tas
         task = asyncio.ensure_future(coord.handle("j", PollRequest(v=1, node_id="a", credential=a.credential,
                                                                    known_round=-1, wait_s=10.0),
                                                   reply=lambda status: sent.append(status) or True))
-        await wait_until(lambda: coord.open_polls == 1)
+        await wait_until(lambda: coord.hub.open == 1)
         epoch = coord.core.jobs["j"].epoch
         await coord.handle("j", LeaveRequest(v=1, node_id="b", credential=b.credential))
         assert coord.core.jobs["j"].epoch > epoch, "the leave should wake the job's polls"
-        # a is still waiting: its task was not woken (its future unset, no new Waiter), nothing sent
-        assert len(created) == 1 and not created[0].fut.done() and sent == []
+        # a is still waiting: its task was not woken (its future unset, no new wait), nothing sent
+        assert len(created) == 1 and not created[0].done() and sent == []
         await join("c")
         await join("d")                   # the round forms: a's reply goes out from the wake
         status = await asyncio.wait_for(task, 10)

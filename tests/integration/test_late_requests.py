@@ -1,4 +1,4 @@
-"""A request the server got to late: its wait counts (rdzv_server/long_polls.py, looplag.py).
+"""A request the server got to late: its wait counts (rdzv_server/delivery/long_poll.py, looplag.py).
 
 An agent expects a held poll's answer within the hold it was told, counted from its sending
 (node_agent/client/path_check.py `answer_due`). A poll that waited in a busy server before it was
@@ -12,8 +12,8 @@ import time
 
 import pytest
 
-from rdzv_server import long_polls
-from rdzv_server.waiters import Waiters
+from rdzv_server.delivery import long_poll
+from rdzv_server.delivery.hub import Hub
 from rdzv_server.web.app import COORDINATOR
 from tests.integration.support import wait_until
 from tests.integration.test_direct_reply import join, poll, read_reply, request
@@ -24,14 +24,14 @@ HOLD_S = 0.5
 @pytest.fixture
 def holds(monkeypatch):
     """Every poll held HOLD_S (no jitter), and each wait on the held polls' timer counted."""
-    monkeypatch.setattr(long_polls, "hold_for", lambda node_count, status, wait_s: HOLD_S)
+    monkeypatch.setattr(long_poll, "hold_for", lambda node_count, status, wait_s: HOLD_S)
     added: list[object] = []
-    real_add = Waiters.add
+    real_wait = Hub.wait
 
-    def add(self, waiter):  # type: ignore[no-untyped-def]
-        added.append(waiter)
-        real_add(self, waiter)
-    monkeypatch.setattr(Waiters, "add", add)
+    def wait(self, sub):  # type: ignore[no-untyped-def]
+        added.append(sub)
+        real_wait(self, sub)
+    monkeypatch.setattr(Hub, "wait", wait)
     return added
 
 
@@ -46,7 +46,7 @@ async def test_a_poll_the_server_got_to_late_is_held_only_for_what_is_left_of_it
         if busy_s:
             time.sleep(busy_s)  # noqa: ASYNC251 - the stall under test, not a wait for an event
         else:
-            await wait_until(lambda: server.app[COORDINATOR].open_polls == 1)
+            await wait_until(lambda: server.app[COORDINATOR].hub.open == 1)
         head, body = await read_reply(reader)
         assert head[0] == "HTTP/1.1 200 OK" and body["node_state"] == "waiting"
         if busy_s:

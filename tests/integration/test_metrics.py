@@ -189,7 +189,7 @@ async def test_lost_member_forms_a_round_timed_from_its_last_contact(server, htt
     coord = server.app[COORDINATOR]
     async with aiohttp.ClientSession() as doomed:                       # b's long-poll, then b dies
         poll = asyncio.create_task(Node(doomed, server, "n", "b").poll(known_round=round2))
-        await wait_until(lambda: coord.open_polls == 1)
+        await wait_until(lambda: coord.hub.open == 1)
         s = await scrape(http, server)
         assert s["rdzv_open_long_polls"] == 1
         poll.cancel()

@@ -27,10 +27,10 @@ def poll(node: str, status: NodeStatus) -> PollRequest:
 
 async def held(coord: Coordinator, count: int) -> None:
     for _ in range(1000):                          # yields until the polls are parked
-        if coord.open_polls == count:
+        if coord.hub.open == count:
             return
         await asyncio.sleep(0)
-    raise AssertionError(f"{coord.open_polls} polls held, expected {count}")
+    raise AssertionError(f"{coord.hub.open} polls held, expected {count}")
 
 
 async def test_a_node_holds_at_most_its_cap_and_nodes_behind_one_address_are_all_held():
@@ -45,11 +45,11 @@ async def test_a_node_holds_at_most_its_cap_and_nodes_behind_one_address_are_all
             await coord.handle("j", poll("a", status["a"]), peer="192.0.2.7")
         assert refused.value.code == ErrorCode.LIMIT_REACHED
         assert "--max-polls-per-node 2" in str(refused.value) and "'a'" in str(refused.value)
-        assert coord.open_polls == 4               # the refused poll took nothing
+        assert coord.hub.open == 4               # the refused poll took nothing
         await joined(coord, ["c"])                 # the round forms: every held poll is answered
         answers = await asyncio.gather(*tasks)
         assert {s.assignment.round_id for s in answers if s.assignment} == {1} and len(answers) == 4
-        assert coord.polls_by_node.held(("j", "a")) == 0 and coord.polls_by_peer.held("192.0.2.1") == 0
+        assert coord.hub.per_node.held(("j", "a")) == 0 and coord.hub.per_peer.held("192.0.2.1") == 0
     finally:
         await coord.stop()
 
@@ -81,7 +81,7 @@ async def test_a_poll_refused_by_the_core_gives_back_what_it_took():
         for _ in range(3):
             with pytest.raises(RendezvousError):
                 await coord.handle("j", bad, peer="192.0.2.1")
-        assert coord.polls_by_node.held(("j", "a")) == 0     # a forger cannot use up the node's cap
+        assert coord.hub.per_node.held(("j", "a")) == 0     # a forger cannot use up the node's cap
         task = asyncio.ensure_future(coord.handle("j", poll("a", status["a"]), peer="192.0.2.1"))
         await held(coord, 1)
         await joined(coord, ["c"])

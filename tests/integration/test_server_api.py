@@ -90,7 +90,7 @@ async def test_dropped_long_poll_connection_loses_the_node_after_a_short_grace(s
     async with aiohttp.ClientSession() as doomed:  # b's poll on its own connection, then cut
         b_conn = MsgpackNode(doomed, server, "job3", "b")
         poll = asyncio.create_task(b_conn.poll(known_round=round_id, wait_s=10))
-        await wait_until(lambda: server.app[COORDINATOR].open_polls == 1)
+        await wait_until(lambda: server.app[COORDINATOR].hub.open == 1)
         poll.cancel()
     woken = await a.poll(known_round=round_id, wait_s=10)
     assert woken["assignment"]["round_id"] > round_id

@@ -15,7 +15,6 @@ from aiohttp.test_utils import TestServer
 from node_agent.client.http import RdzvClient
 from node_agent.client.local import LocalClient
 from node_agent.client.replies import NOT_RDZV_SERVER
-from node_agent.client.stream import StreamClient
 from node_agent.client.transport import ACTION_OF, ServerRejected, ServerUnreachable, Transport, refusal
 from protocol.codec import REQUEST_TYPES
 from protocol.errors import RETRYABLE, ErrorCode
@@ -30,7 +29,7 @@ ONE_NODE = JobConfig(min_nodes=1, max_nodes=1, max_restarts=1, last_call_s=0.0)
 Connect = Callable[[str, str], Awaitable[Transport]]
 
 
-@pytest.fixture(params=["http", "stream", "local"])
+@pytest.fixture(params=["http", "local"])
 async def connect(request: pytest.FixtureRequest) -> AsyncIterator[tuple[Connect, Callable[[], Coordinator]]]:
     """Opens transports of one kind for (job id, node id); all share one coordinator, which `coordinator()`
     returns once the first transport is open."""
@@ -39,14 +38,12 @@ async def connect(request: pytest.FixtureRequest) -> AsyncIterator[tuple[Connect
     coordinators: list[Coordinator] = []
 
     async def open_one(job_id: str, node_id: str) -> Transport:
-        if request.param in ("http", "stream"):
+        if request.param == "http":
             if not servers:
                 app = create_app()
                 servers.append(await start_app(app))
                 coordinators.append(app[COORDINATOR])
-            transport: Transport = (StreamClient("127.0.0.1", servers[0].port or 0, job_id, node_id, transport="stream")
-                                    if request.param == "stream" else
-                                    RdzvClient("127.0.0.1", servers[0].port or 0, job_id, node_id))
+            transport: Transport = RdzvClient("127.0.0.1", servers[0].port or 0, job_id, node_id)
             await transport.__aenter__()
         else:
             local = LocalClient(job_id, node_id)

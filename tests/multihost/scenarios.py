@@ -75,13 +75,11 @@ def live_workers(job: MultiHostJob, host: str) -> list[psutil.Process]:
     return out
 
 
-def start_training(job: MultiHostJob, hosts: list[str], *, nnodes: str = "2:3",
-                   transport: str = "poll") -> dict[str, int]:
-    """Server and one agent per host (talking to it by `transport`: poll or stream); returns each
-    host's worker pid once all train at full size."""
+def start_training(job: MultiHostJob, hosts: list[str], *, nnodes: str = "2:3") -> dict[str, int]:
+    """Server and one agent per host; returns each host's worker pid once all train at full size."""
     job.start_server()
     for host in hosts:
-        job.start_agent(host, nnodes=nnodes, extra=("--transport", transport))
+        job.start_agent(host, nnodes=nnodes)
     first = wait_until(lambda: job.training(hosts, len(hosts)), SETUP_LIMIT_S,
                        lambda: f"all of {hosts} training at world {len(hosts)}\n{job.diagnosis()}")
     return {host: rec["pid"] for host, rec in first.items()}

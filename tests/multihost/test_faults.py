@@ -38,14 +38,13 @@ def issue12(what: str):
     return pytest.mark.xfail(strict=True, raises=MissingBehaviour, reason=f"issue 12: {what}")
 
 
-@pytest.mark.parametrize("outage_s,transport", [
-    (1.0, "poll"),      # a blip well inside the lease
-    (1.0, "stream"),
-    (10.0, "poll"),     # longer than the lease: the server blames itself, not the nodes (rdzv_server/core/leases.py)
+@pytest.mark.parametrize("outage_s", [
+    1.0,      # a blip well inside the lease
+    10.0,     # longer than the lease: the server blames itself, not the nodes (rdzv_server/core/leases.py)
 ])
-def test_server_link_down_restarts_no_worker(multihost, outage_s, transport):
+def test_server_link_down_restarts_no_worker(multihost, outage_s):
     job = multihost(["a", "b"])
-    pids = start_training(job, ["a", "b"], transport=transport)
+    pids = start_training(job, ["a", "b"])
 
     seen = server_outage(job, ["a", "b"], outage_s=outage_s)
     print(seen.summary())
@@ -62,10 +61,9 @@ def test_server_link_down_restarts_no_worker(multihost, outage_s, transport):
         assert {r["pid"] for r in job.records(host) if r["t"] >= seen.t0} == {pid}, job.diagnosis()
 
 
-@pytest.mark.parametrize("transport", ["poll", "stream"])
-def test_cut_off_host_is_dropped_and_its_workers_fenced(multihost, transport):
+def test_cut_off_host_is_dropped_and_its_workers_fenced(multihost):
     job = multihost(["a", "b", "c"])
-    start_training(job, ["a", "b", "c"], transport=transport)
+    start_training(job, ["a", "b", "c"])
 
     seen = lose_host(job, "cut", "c", ["a", "b"], fence_wait_s=FENCE_BOUND_S)
     print(seen.summary())
@@ -78,10 +76,9 @@ def test_cut_off_host_is_dropped_and_its_workers_fenced(multihost, transport):
                                f"{seen.summary()}\n{job.diagnosis()}")
 
 
-@pytest.mark.parametrize("transport", ["poll", "stream"])   # the lease on held polls, or on the stream
-def test_host_partitioned_from_server_is_dropped_fenced_and_rejoins(multihost, transport):
+def test_host_partitioned_from_server_is_dropped_fenced_and_rejoins(multihost):
     job = multihost(["a", "b", "c"])
-    start_training(job, ["a", "b", "c"], transport=transport)
+    start_training(job, ["a", "b", "c"])
 
     seen = lose_host(job, "partition", "c", ["a", "b"], fence_wait_s=FENCE_BOUND_S)
     print(seen.summary())

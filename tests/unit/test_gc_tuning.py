@@ -58,7 +58,6 @@ def _frozen(obj: object) -> bool:
 
 def test_the_per_node_messages_a_round_change_builds_are_not_tracked_by_the_collector():
     from protocol.messages import Assignment, JobState, NodeState, NodeStatus, Witness, WorkerFailure
-    from protocol.stream import Status
     witness = Witness(addr="10.0.0.2", port=29600)
     assignment = Assignment(round_id=1, group_rank=0, group_world_size=2, rank_offset=0, world_size=2,
                             local_world_size=1, master_addr="10.0.0.1", master_port=29500, restart_count=0,
@@ -66,4 +65,4 @@ def test_the_per_node_messages_a_round_change_builds_are_not_tracked_by_the_coll
     status = NodeStatus(job_id="j", job_state=JobState.RUNNING, node_state=NodeState.MEMBER, round_id=1,
                         restart_count=0, assignment=assignment,
                         root_cause=WorkerFailure(local_rank=0, rank=0, exitcode=1))
-    assert not any(gc.is_tracked(m) for m in (witness, assignment, status, status.root_cause, Status(status=status)))
+    assert not any(gc.is_tracked(m) for m in (witness, assignment, status, status.root_cause))

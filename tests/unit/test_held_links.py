@@ -1,11 +1,11 @@
-"""Held polls' connections as signs of life (rdzv_server/held_links.py): in a 2-node job whose other
+"""Held polls' connections as signs of life (rdzv_server/delivery/links.py): in a 2-node job whose other
 node's poll is held, the server hears no request for the whole hold, but that connection's kernel
 answers keepalive probes; a dead node is then lost, not spared by the rules about silences."""
 from __future__ import annotations
 
 from protocol.messages import PollRequest
 from rdzv_server.core.events import EventKind
-from rdzv_server.held_links import CHECK_GAP_S, HeldLinks
+from rdzv_server.delivery.links import CHECK_GAP_S, HeldLinks
 from tests.unit.test_leases import LEASE, job_with
 
 

@@ -1,29 +1,24 @@
 """Held long-polls' connections as signs that the server's own link works.
 
-A held poll sends nothing until it is answered, so in a small job every long hold is, to the quiet
-rule (core/leases.py), a silence: the server heard from no agent for QUIET_S and extended every
-lapsing lease, a dead node's again and again (a 2-node job with polls held 15 s never lost it), and
-the suspect rule held each lapsing lease back "until someone is heard". The connections' kernels
-know better: they answer the server's keepalive probes (serve.py: after 2 s idle), so once the
-server has heard nothing else for SUSPECT_QUIET_S, the freshest ACK on a held connection says when
-the link was last known to work.
+A held poll sends nothing until it is answered, so in a small job a long hold would look, to the
+quiet rule (core/leases.py), like the server cut off, and every lapsing lease would be held back.
+The connections' kernels know better: they answer the server's keepalive probes (serve.py: after 2 s
+idle), so once the server has heard nothing else for SUSPECT_QUIET_S, the freshest ACK on a held
+connection says when the link was last known to work.
 """
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
 
 from rdzv_server.core.leases import OUTAGE_LIMIT_S, SUSPECT_QUIET_S
 from rdzv_server.core.rendezvous import Rendezvous
+from rdzv_server.delivery.subscriber import AckAge
 
 CHECK_GAP_S = 0.5       # looked at no more often than this (an outage keeps the rule asking)
 MAX_CHECKED = 256       # connections looked at per check: when the link works, any live one answers
 # A held poll's connection that ended with its last ACK this fresh was closed by the node's host (a FIN
 # or RST just in), not by a keepalive giving up (that takes 4 s of silence): evidence (leases.closing_heard).
 CLOSE_HEARD_S = 1.0
-
-
-AckAge = Callable[[], "float | None"]   # seconds since the connection's last ACK (None: unknown)
 
 
 def hear(core: Rendezvous, now: float, age_s: float) -> None:

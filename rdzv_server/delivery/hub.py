@@ -1,0 +1,177 @@
+"""The hub: every node waiting for news, and the one pass that tells them.
+
+Rules it keeps:
+- a subscriber is attached only once the core took its hold (`hold_poll`) and the caps let it in; it
+  is detached once, telling the core how the hold ended: `poll_ended` (answered, its hold over),
+  or `connection_dropped` (its connection closed under it: maybe a dead node; `heard` when the close
+  came from the node's host, a FIN or RST just in, rather than a keepalive giving up);
+- a woken job gets one pass: each subscriber's view is computed once and pushed only when it is news
+  to that node, and only once the change is saved (a reply never shows what a restart would lose);
+  a subscriber that cannot be answered in the pass (not serving, the job gone, unsaved) is closed so
+  that its owner looks itself;
+- holds end on one timer grid (holds.py); the held connections are evidence that the server's own
+  link works (links.py), asked before each tick of the core's timed rules.
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Protocol
+
+from protocol.messages import NodeStatus, PollRequest
+from protocol.quoting import quote
+from rdzv_server.core.errors import RendezvousError
+from rdzv_server.core.rendezvous import Rendezvous
+from rdzv_server.core.rounds import node_status
+from rdzv_server.delivery.caps import MAX_POLLS_PER_NODE, MAX_POLLS_PER_PEER, HeldPolls
+from rdzv_server.delivery.holds import HoldGrid
+from rdzv_server.delivery.links import CLOSE_HEARD_S, HeldLinks
+from rdzv_server.delivery.subscriber import Subscriber
+from rdzv_server.serving import Serving
+
+log = logging.getLogger("rdzv_server")
+
+
+class Driver(Protocol):
+    """What the hub needs of whoever drives the core (the coordinator)."""
+
+    @property
+    def core(self) -> Rendezvous: ...
+    @property
+    def gate(self) -> Serving: ...
+    clock: Callable[[], float]
+
+    def apply(self) -> None:
+        """Hand the effects of the core calls just made to their consumers."""
+
+    def saved(self, job_id: str) -> bool:
+        """Whether the job, as any reply would show it now, is in the store."""
+
+    async def durable(self, job_id: str) -> None:
+        """Until the job, as any reply would show it now, is in the store (or a refusal: store unavailable)."""
+
+    def with_hold(self, status: NodeStatus) -> NodeStatus:
+        """`status` as replies carry it (the hold agents should expect)."""
+
+
+class Hub:
+    def __init__(self, driver: Driver, *, max_per_peer: int = MAX_POLLS_PER_PEER,
+                 max_per_node: int = MAX_POLLS_PER_NODE) -> None:
+        self.driver = driver
+        self.per_peer = HeldPolls(max_per_peer, "--max-polls-per-peer", "the address")   # 0: no limit
+        self.per_node = HeldPolls(max_per_node, "--max-polls-per-node", "node")
+        self.links = HeldLinks()
+        self.holds = HoldGrid(self._hold_ended, self._gone)
+        self._by_job: dict[str, set[Subscriber]] = {}
+        self._attached: set[Subscriber] = set()
+
+    @property
+    def open(self) -> int:
+        """Subscribers attached now (held long-polls)."""
+        return len(self._attached)
+
+    # -- attach / detach --
+    def attach(self, sub: Subscriber, req: PollRequest, peer: str) -> NodeStatus:
+        """Take the caps and the core's hold for `sub`; its view now. Raises with nothing held."""
+        self.per_peer.take(peer, peer or "one peer")
+        try:
+            self.per_node.take(sub.key, quote(sub.node_id))
+        except RendezvousError:
+            self.per_peer.give_back(peer)
+            raise
+        d = self.driver
+        try:
+            status = d.core.hold_poll(sub.job_id, req, d.clock())
+        except BaseException:
+            self.per_peer.give_back(peer)
+            self.per_node.give_back(sub.key)
+            raise
+        finally:
+            d.apply()
+        self._attached.add(sub)
+        if sub.ack_age is not None:
+            self.links.add(sub.ack_age)
+        return status
+
+    def wait(self, sub: Subscriber) -> None:
+        """`sub` waits for news until its hold ends (`sub.ends`)."""
+        self._by_job.setdefault(sub.job_id, set()).add(sub)
+        self.holds.add(sub.ends, sub)
+
+    def detach(self, sub: Subscriber, peer: str, *, dropped: bool) -> None:
+        """`sub` is done: answered or its hold over, or `dropped` (its connection closed under it)."""
+        self._unindex(sub)
+        self._attached.discard(sub)
+        if sub.ack_age is not None:
+            self.links.discard(sub.ack_age)
+        self.per_peer.give_back(peer)
+        self.per_node.give_back(sub.key)
+        d = self.driver
+        now = d.clock()
+        age = sub.ack_age() if sub.ack_age is not None else None
+        if dropped:
+            if d.gate.shutting_down:
+                return
+            d.core.connection_dropped(sub.job_id, sub.node_id, now, heard=age is not None and age < CLOSE_HEARD_S)
+        else:
+            d.core.poll_ended(sub.job_id, sub.node_id, now, now - (age or 0.0))
+        d.apply()
+
+    def _unindex(self, sub: Subscriber) -> None:
+        subs = self._by_job.get(sub.job_id)
+        if subs is not None:
+            subs.discard(sub)
+            if not subs:
+                del self._by_job[sub.job_id]
+
+    # -- news --
+    def wake(self, job_id: str) -> None:
+        """The job changed: one pass over its subscribers."""
+        subs = self._by_job.get(job_id)
+        if not subs:
+            return
+        d = self.driver
+        job = d.core.jobs.get(job_id)
+        if job is None or not d.gate.serving():
+            self._close_all(list(subs))
+            return
+        now, saved = d.clock(), d.saved(job_id)
+        for sub in list(subs):
+            view = node_status(job, sub.node_id, now)       # core.view's own, without its lookups per node
+            if not sub.wants(view):
+                continue
+            self._unindex(sub)
+            if not (saved and self._push(sub, d.with_hold(view))):
+                sub.close(ended=False)
+
+    @staticmethod
+    def _push(sub: Subscriber, view: NodeStatus) -> bool:
+        try:
+            return sub.push(view)
+        except Exception:        # a bug in a writer: the subscriber's owner answers (or fails) on its own path
+            log.exception("pushing a view to %s failed", quote(sub.node_id))
+            return False
+
+    def wake_all(self) -> None:
+        """Every subscriber looks again (the server stops serving, or steps down)."""
+        for subs in list(self._by_job.values()):
+            self._close_all(list(subs))
+
+    def _close_all(self, subs: list[Subscriber]) -> None:
+        for sub in subs:
+            self._unindex(sub)
+            sub.close(ended=False)
+
+    def before_tick(self, now: float) -> None:
+        """Before the core's timed rules judge lapsing leases: what the held connections say."""
+        self.links.check(self.driver.core, now)
+
+    def _hold_ended(self, entry: object) -> None:
+        assert isinstance(entry, Subscriber)
+        self._unindex(entry)
+        entry.close(ended=True)
+
+    def _gone(self, entry: object) -> bool:
+        assert isinstance(entry, Subscriber)
+        subs = self._by_job.get(entry.job_id)
+        return subs is None or entry not in subs

@@ -1,0 +1,84 @@
+"""A long-poll: a subscriber that is answered once, when its node's view changes or its hold ends.
+
+While it is held, the open poll is the node's lease (the hub tells the core it began and how it
+ended). Woken by a change that is news to it, it is answered during the hub's pass itself, through
+`Reply` (the web layer writes the reply straight to its connection); its task then only catches up.
+The hold counts from the poll's arrival, `waited_s` before it was handled: the agent expects its
+answer within the hold it was told of (path_check.answer_due), and a late answer is taken for a lost
+server, the poll sent again and its closed connection for a dead node.
+"""
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+from protocol.messages import NodeStatus, PollRequest, poll_ready
+from rdzv_server.delivery.holds import hold_for
+from rdzv_server.delivery.hub import Hub
+from rdzv_server.delivery.subscriber import AckAge, Subscriber
+
+# Sends a poll's reply straight to its connection; False: it could not (web/direct_reply.py).
+Reply = Callable[[NodeStatus], bool]
+
+
+class LongPoll(Subscriber):
+    __slots__ = ("_reply", "_woken", "ended", "sent")
+
+    def __init__(self, job_id: str, req: PollRequest, ack_age: AckAge | None, reply: Reply | None) -> None:
+        super().__init__(job_id, req.node_id, req.known_round, ack_age)
+        self._reply = reply
+        self._woken: asyncio.Future[None] | None = None
+        self.ended = False        # its hold ran out
+        self.sent = False         # its reply went out during a pass
+
+    def woken(self) -> asyncio.Future[None]:
+        """Done when the hub next pushes to or closes this poll."""
+        self._woken = asyncio.get_running_loop().create_future()
+        return self._woken
+
+    def push(self, view: NodeStatus) -> bool:
+        if self._reply is None or not self._reply(view):
+            return False
+        self.sent = True
+        self._wake()
+        return True
+
+    def close(self, *, ended: bool) -> None:
+        self.ended = self.ended or ended
+        self._wake()
+
+    def _wake(self) -> None:
+        if self._woken is not None and not self._woken.done():
+            self._woken.set_result(None)
+
+
+async def long_poll(hub: Hub, job_id: str, req: PollRequest, peer: str = "", ack_age: AckAge | None = None,
+                    reply: Reply | None = None, waited_s: float = 0.0) -> NodeStatus:
+    """The node's view once it is news (or the hold ended), saved; meanwhile the open poll is its lease."""
+    d = hub.driver
+    sub = LongPoll(job_id, req, ack_age, reply)
+    status = hub.attach(sub, req, peer)
+    loop = asyncio.get_running_loop()
+    sub.ends = loop.time() + max(0.0, hold_for(d.core.node_count, status, req.wait_s) - waited_s)
+    dropped = False
+    try:
+        while not poll_ready(status, req.known_round) and d.gate.serving() and loop.time() < sub.ends:
+            woken = sub.woken()
+            hub.wait(sub)
+            await woken
+            if sub.sent or job_id not in d.core.jobs:
+                break
+            status = d.core.view(job_id, req.node_id, d.clock())
+            if sub.ended:
+                break
+    except asyncio.CancelledError:
+        dropped = not sub.sent        # the agent's connection closed mid-poll (after its answer: an ordinary end)
+        raise
+    finally:
+        hub.detach(sub, peer, dropped=dropped)
+    if sub.sent:
+        return status                 # the view before the pass: its reply, the newer one, went out already
+    if not d.gate.serving():
+        raise d.gate.not_serving()
+    await d.durable(job_id)
+    return status

@@ -1,0 +1,42 @@
+"""The contract of a node waiting for news: its key, what it was last sent, push, its link's last ack, close.
+
+The hub holds subscribers; the kind of connection (today: a long-poll, long_poll.py) says how a view is
+pushed. A view is news to a subscriber when the protocol's one rule says so (`poll_ready`: its round
+changed, the job ended, it is gone, ...): what it knows is the round it said it runs (`known_round`).
+"""
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable
+
+from protocol.messages import NodeStatus, poll_ready
+
+AckAge = Callable[[], "float | None"]   # seconds since the connection's last ACK (None: unknown)
+
+
+class Subscriber(abc.ABC):
+    __slots__ = ("ack_age", "ends", "job_id", "known_round", "node_id")
+
+    def __init__(self, job_id: str, node_id: str, known_round: int, ack_age: AckAge | None) -> None:
+        self.job_id = job_id
+        self.node_id = node_id
+        self.known_round = known_round       # the round of the last view the node was sent
+        self.ack_age = ack_age               # its connection's kernel: when it last heard the node
+        self.ends = float("inf")             # loop time at which its hold ends
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return self.job_id, self.node_id
+
+    def wants(self, view: NodeStatus) -> bool:
+        """Whether `view` is news to this node."""
+        return poll_ready(view, self.known_round)
+
+    @abc.abstractmethod
+    def push(self, view: NodeStatus) -> bool:
+        """Send `view` now, from the hub's pass; False when it cannot (its owner then looks itself)."""
+
+    @abc.abstractmethod
+    def close(self, *, ended: bool) -> None:
+        """Stop waiting: `ended`, its hold is over; otherwise its owner must look again (not serving, the
+        job gone, a change not yet saved)."""
