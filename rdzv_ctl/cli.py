@@ -23,10 +23,13 @@ import json
 import os
 import sys
 import urllib.parse
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+import msgspec
 
 from protocol.quoting import one_line
+from protocol.views import DrainedView, EventsView, EventView, JobDetail, JobView, NodeView, StatusView
 from rdzv_ctl.client import (
     ADMIN_TOKEN_ENV,
     DEFAULT_SERVER,
@@ -40,6 +43,8 @@ from rdzv_ctl.client import (
 )
 
 REASON_WIDTH = 60
+T = TypeVar("T")
+V = TypeVar("V")
 
 
 def _quote(part: str) -> str:
@@ -91,109 +96,113 @@ def _plural(n: int, word: str) -> str:
     return f"{n} {word}{'' if n == 1 else 's'}"
 
 
-def _ranks(node: dict[str, Any]) -> str:
-    first, n = node.get("rank_offset"), node.get("local_world_size", 0)
+def _ranks(node: NodeView) -> str:
+    first, n = node.rank_offset, node.local_world_size
     if first is None:
         return "-"
     return str(first) if n <= 1 else f"{first}-{first + n - 1}"
 
 
-def _listed(doc: dict[str, Any], key: str) -> int:
-    """How many nodes a list has: the server's count (a list may be cut), else the list's length."""
-    return int(doc.get("counts", {}).get(key, len(doc.get(key) or [])))
+# Each table's columns, declared once as (heading, cell) pairs.
+Column = tuple[str, Callable[[T], object]]
+JOBS: list[Column[JobView]] = [
+    ("JOB", lambda j: j.job_id), ("STATE", lambda j: j.state), ("ROUND", lambda j: j.round_id),
+    ("WORLD", lambda j: j.world_size), ("NODES", lambda j: f"{j.counts.nodes} ({j.min_nodes}:{j.max_nodes})"),
+    ("RESTARTS", lambda j: f"{j.restart_count}/{j.max_restarts}"), ("SPARES", lambda j: j.counts.spares),
+    ("EXCLUDED", lambda j: j.counts.excluded), ("REASON", lambda j: truncate(j.reason, REASON_WIDTH))]
+MEMBERS: list[Column[NodeView]] = [
+    ("RANK", lambda n: n.group_rank), ("NODE", lambda n: n.node_id), ("ADDR", lambda n: n.addr),
+    ("WORKERS", lambda n: n.local_world_size), ("RANKS", _ranks), ("LEASE AGE", lambda n: duration(n.lease_age_s)),
+    ("WORKER STATE", lambda n: n.worker_state or n.state)]
+OTHERS: list[Column[NodeView]] = [
+    ("NODE", lambda n: n.node_id), ("ADDR", lambda n: n.addr), ("WORKERS", lambda n: n.local_world_size),
+    ("LEASE AGE", lambda n: duration(n.lease_age_s))]
+EXCLUDED: list[Column[NodeView]] = [
+    ("NODE", lambda n: n.node_id), ("ADDR", lambda n: n.addr), ("EXCLUSIONS", lambda n: n.exclusions),
+    ("TIME LEFT", lambda n: duration(n.excluded_for_s)), ("LEASE AGE", lambda n: duration(n.lease_age_s))]
+DRAINED: list[Column[DrainedView]] = [("NODE", lambda d: d.node_id), ("REASON", lambda d: d.reason)]
+EVENTS: list[Column[EventView]] = [
+    ("TIME", lambda e: clock(e.time)), ("KIND", lambda e: e.kind), ("NODE", lambda e: e.node_id),
+    ("ROUND", lambda e: e.round_id), ("MESSAGE", lambda e: e.message)]
 
 
-def format_status(doc: dict[str, Any]) -> str:
-    held = [f"unhealthy host {h.get('host')}: held out {h.get('held_for_s')}s more (node {h.get('node_id')} of "
-            f"job {h.get('job_id')}, {h.get('kind')}: {truncate(str(h.get('reason', '')), REASON_WIDTH)})"
-            for h in doc.get("unhealthy_hosts") or []]
+def columns_table(columns: Sequence[Column[T]], items: Sequence[T]) -> str:
+    return table([head for head, _ in columns], [[cell(item) for _, cell in columns] for item in items])
+
+
+def format_status(doc: StatusView) -> str:
+    held = [f"unhealthy host {h.host}: held out {h.held_for_s}s more (node {h.node_id} of job {h.job_id}, "
+            f"{h.kind}: {truncate(h.reason, REASON_WIDTH)})" for h in doc.unhealthy_hosts]
     return "\n".join([_format_jobs(doc), *held])
 
 
-def _format_jobs(doc: dict[str, Any]) -> str:
-    jobs = doc.get("jobs", [])
-    total = doc.get("total", len(jobs))
+def _format_jobs(doc: StatusView) -> str:
+    jobs, total = doc.jobs, doc.total
     if not jobs:
         if total:
-            return f"no jobs from offset {doc.get('offset')} (the server holds {_plural(total, 'job')})"
-        return f"no jobs on this server (server time {doc.get('time', '?')})"
-    rows = [(j["job_id"], j["state"], j.get("round_id"), j["world_size"],
-             f"{_listed(j, 'nodes')} ({j['min_nodes']}:{j['max_nodes']})",
-             f"{j['restart_count']}/{j['max_restarts']}", _listed(j, "spares"), _listed(j, "excluded"),
-             truncate(j.get("reason", ""), REASON_WIDTH)) for j in jobs]
-    out = table(("JOB", "STATE", "ROUND", "WORLD", "NODES", "RESTARTS", "SPARES", "EXCLUDED", "REASON"), rows)
-    offset = doc.get("offset", 0)
-    if offset or len(jobs) < total:
-        out += f"\njobs {offset + 1}-{offset + len(jobs)} of {total}"
-        if doc.get("next_offset") is not None:
-            out += f"; next page: rdzv-ctl status --offset {doc['next_offset']}"
+            return f"no jobs from offset {doc.offset} (the server holds {_plural(total, 'job')})"
+        return f"no jobs on this server (server time {doc.time or '?'})"
+    out = columns_table(JOBS, jobs)
+    if doc.offset or len(jobs) < total:
+        out += f"\njobs {doc.offset + 1}-{doc.offset + len(jobs)} of {total}"
+        if doc.next_offset is not None:
+            out += f"; next page: rdzv-ctl status --offset {doc.next_offset}"
     return out
 
 
-def _cut(doc: dict[str, Any], key: str, what: str) -> list[str]:
+def _cut(doc: JobDetail, key: str, what: str) -> list[str]:
     """'N more WHAT (...)' when the server sent only part of a node list."""
-    shown, count = len(doc.get(key) or []), _listed(doc, key)
-    offset = doc.get("node_offset", 0)
+    shown, count, offset = len(getattr(doc, key)), getattr(doc.counts, key), doc.node_offset
     if offset + shown >= count:
         return [] if not offset or shown else [f"(no {what} from {offset}: {count} in all)"]
-    return [f"... {count - offset - shown} more {what} (rdzv-ctl job {doc['job_id']} "
-            f"--node-offset {offset + shown})"]
+    return [f"... {count - offset - shown} more {what} (rdzv-ctl job {doc.job_id} --node-offset {offset + shown})"]
 
 
-def format_job(doc: dict[str, Any]) -> str:
-    out = [f"job        {doc['job_id']}",
-           f"state      {doc['state']}" + (f" since {doc['finished_at']}" if doc.get("finished_at") else ""),
-           f"reason     {_visible(doc.get('reason') or '-')}",
-           f"round      {doc['round_id'] if doc.get('round_id') is not None else '-'}: "
-           f"{_plural(doc['group_world_size'], 'node')}, world size {doc['world_size']} "
-           f"(nodes {doc['min_nodes']}:{doc['max_nodes']})",
-           f"restarts   {doc['restart_count']}/{doc['max_restarts']}",
-           f"created    {doc.get('created_at') or '-'}"]
-    if doc.get("last_call_ends_in_s") is not None:
-        out.append(f"last call  ends in {duration(max(0.0, doc['last_call_ends_in_s']))}")
+def format_job(doc: JobDetail) -> str:
+    out = [f"job        {doc.job_id}",
+           f"state      {doc.state}" + (f" since {doc.finished_at}" if doc.finished_at else ""),
+           f"reason     {_visible(doc.reason or '-')}",
+           f"round      {doc.round_id if doc.round_id is not None else '-'}: "
+           f"{_plural(doc.group_world_size, 'node')}, world size {doc.world_size} "
+           f"(nodes {doc.min_nodes}:{doc.max_nodes})",
+           f"restarts   {doc.restart_count}/{doc.max_restarts}",
+           f"created    {doc.created_at or '-'}"]
+    if doc.last_call_ends_in_s is not None:
+        out.append(f"last call  ends in {duration(max(0.0, doc.last_call_ends_in_s))}")
     out.append("")
-    if doc["nodes"]:
-        out.append(table(("RANK", "NODE", "ADDR", "WORKERS", "RANKS", "LEASE AGE", "WORKER STATE"), [
-            (n.get("group_rank"), n["node_id"], n["addr"], n["local_world_size"], _ranks(n),
-             duration(n["lease_age_s"]), n.get("worker_state", n["state"])) for n in doc["nodes"]]))
-    elif not _listed(doc, "nodes"):
+    if doc.nodes:
+        out.append(columns_table(MEMBERS, doc.nodes))
+    elif not doc.counts.nodes:
         out.append("no round running")
     out += _cut(doc, "nodes", "members")
     for title, key in (("waiting", "waiting"), ("spares", "spares")):
-        if doc.get(key):
-            out += ["", f"{title}:", table(("NODE", "ADDR", "WORKERS", "LEASE AGE"), [
-                (n["node_id"], n["addr"], n["local_world_size"], duration(n["lease_age_s"])) for n in doc[key]])]
+        if getattr(doc, key):
+            out += ["", f"{title}:", columns_table(OTHERS, getattr(doc, key))]
         out += _cut(doc, key, title)
-    if doc.get("excluded"):
-        out += ["", "excluded:", table(("NODE", "ADDR", "EXCLUSIONS", "TIME LEFT", "LEASE AGE"), [
-            (n["node_id"], n["addr"], n.get("exclusions"), duration(n.get("excluded_for_s")),
-             duration(n["lease_age_s"])) for n in doc["excluded"]])]
+    if doc.excluded:
+        out += ["", "excluded:", columns_table(EXCLUDED, doc.excluded)]
     out += _cut(doc, "excluded", "excluded nodes")
-    drained = doc.get("drained")
-    if drained:   # newer servers list drained nodes; show them when present
-        items = drained.items() if isinstance(drained, dict) else \
-            [(d.get("node_id"), d.get("reason")) for d in drained]
-        out += ["", "drained:", table(("NODE", "REASON"), list(items))]
+    if doc.drained:
+        out += ["", "drained:", columns_table(DRAINED, doc.drained)]
     out += _cut(doc, "drained", "drained nodes")
-    failure = doc.get("last_failure")
+    failure = doc.last_failure
     if failure:
-        how = f"signal {failure['signal']}" if failure.get("signal") else f"exit code {failure.get('exitcode')}"
-        text = f"rank {failure.get('rank')} (local {failure.get('local_rank')}) on " \
-               f"{failure.get('host') or failure.get('node_id')}: {failure.get('reason', 'exited')}, {how}"
-        if failure.get("message"):
-            text += f": {_visible(failure['message'])}"
+        how = f"signal {failure.signal}" if failure.signal else f"exit code {failure.exitcode}"
+        text = f"rank {failure.rank} (local {failure.local_rank}) on " \
+               f"{failure.host or failure.node_id}: {failure.reason or 'exited'}, {how}"
+        if failure.message:
+            text += f": {_visible(failure.message)}"
         out += ["", f"last failure  {text}"]
     return "\n".join(out)
 
 
-def format_events(doc: dict[str, Any], last: int | None) -> str:
-    events = doc.get("events", [])
+def format_events(doc: EventsView, last: int | None) -> str:
+    events = doc.events
     if last is not None:       # the server already kept only the last N; an older one sends them all
         events = events[-last:] if last > 0 else []
     if not events:
-        return f"no events for job {doc.get('job_id')}"
-    return table(("TIME", "KIND", "NODE", "ROUND", "MESSAGE"), [
-        (clock(e.get("time")), e["kind"], e.get("node_id"), e.get("round_id"), e["message"]) for e in events])
+        return f"no events for job {doc.job_id}"
+    return columns_table(EVENTS, events)
 
 
 # -- commands ---------------------------------------------------------------------------------------
@@ -236,6 +245,16 @@ def _nnodes(text: str) -> dict[str, int]:
     return body
 
 
+def typed(doc: Any, kind: type[V]) -> V:
+    """The server's JSON document as the view it is; one line when it is not (a server of another version)."""
+    try:
+        view: V = msgspec.convert(doc, kind)
+    except msgspec.ValidationError as exc:
+        raise CtlError(f"the server's reply is not the {kind.__name__} this rdzv-ctl reads (another version?): "
+                       f"{exc}") from None
+    return view
+
+
 def _query(**params: int | None) -> str:
     given = {k: v for k, v in params.items() if v is not None}
     return "?" + urllib.parse.urlencode(given) if given else ""
@@ -245,19 +264,19 @@ def run(args: argparse.Namespace, client: Client) -> str:
     cmd = args.command
     if cmd == "status":
         doc = client.get("/v1/status" + _query(offset=args.offset, limit=args.limit))
-        return json.dumps(doc, indent=2) if args.json else format_status(doc)
+        return json.dumps(doc, indent=2) if args.json else format_status(typed(doc, StatusView))
     if cmd == "clear-unhealthy":
         doc = client.post(f"/v1/admin/hosts/{_quote(args.host)}/clear-unhealthy", {})
         return json.dumps(doc, indent=2) if args.json else f"cleared host {args.host}: it may join again"
     job = _quote(args.job)
     if cmd == "job":
         doc = client.get(f"/v1/jobs/{job}" + _query(node_offset=args.node_offset, node_limit=args.node_limit))
-        return json.dumps(doc, indent=2) if args.json else format_job(doc)
+        return json.dumps(doc, indent=2) if args.json else format_job(typed(doc, JobDetail))
     if cmd == "events":
         doc = client.get(f"/v1/jobs/{job}/events" + _query(after=args.after, limit=args.last))
         if args.json:
             return json.dumps(doc, indent=2)
-        return format_events(doc, args.last)
+        return format_events(typed(doc, EventsView), args.last)
     if cmd == "drain":
         doc = client.post(f"/v1/admin/jobs/{job}/nodes/{_quote(args.node)}/drain", {"reason": args.reason})
         done = f"drained node {args.node} from job {args.job}"
@@ -270,7 +289,7 @@ def run(args: argparse.Namespace, client: Client) -> str:
     else:   # resize
         doc = client.post(f"/v1/admin/jobs/{job}/resize", args.nnodes)
         done = f"resized job {args.job} to nodes {doc['min_nodes']}:{doc['max_nodes']}"
-    return json.dumps(doc, indent=2) if args.json else f"{done}\n\n{format_job(doc)}"
+    return json.dumps(doc, indent=2) if args.json else f"{done}\n\n{format_job(typed(doc, JobDetail))}"
 
 
 def _positive(text: str) -> int:

@@ -35,6 +35,7 @@ from protocol.messages import (
     PollRequest,
     SuccessReport,
 )
+from protocol.views import HostHold
 from rdzv_server.core.errors import RendezvousError
 from rdzv_server.core.operator_rules import OperatorAction
 from rdzv_server.core.outbox import Outbox
@@ -309,7 +310,7 @@ class Coordinator:
         await self.durable(job_id)
         return job
 
-    def clear_unhealthy(self, host: str) -> dict[str, object]:
+    def clear_unhealthy(self, host: str) -> HostHold:
         """An operator lets a host held as unhealthy join again (core/unhealthy.py); the hold it ended."""
         return self.core.unhealthy.clear(host, self.clock()).view(self.clock())
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from protocol.errors import ErrorCode
 from protocol.quoting import quote
+from protocol.views import HostHold
 from rdzv_server.core.errors import RendezvousError
 
 DEFAULT_HOLD_S = 3600.0
@@ -29,9 +30,9 @@ class Hold:
     since: float
     until: float
 
-    def view(self, now: float) -> dict[str, object]:
-        return {"host": self.host, "kind": self.kind, "reason": self.reason, "job_id": self.job_id,
-                "node_id": self.node_id, "held_for_s": round(max(0.0, self.until - now), 1)}
+    def view(self, now: float) -> HostHold:
+        return HostHold(host=self.host, kind=self.kind, reason=self.reason, job_id=self.job_id, node_id=self.node_id,
+                        held_for_s=round(max(0.0, self.until - now), 1))
 
 
 class UnhealthyHosts:

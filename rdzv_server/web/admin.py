@@ -20,6 +20,7 @@ import json
 import logging
 from typing import Any
 
+import msgspec
 from aiohttp import web
 
 from protocol.codec import DecodeError
@@ -119,7 +120,7 @@ async def _operate(request: web.Request, what: str, job_id: str, action: Operato
     log.info("operator request from %s: %s", request.remote, what,
              extra={"job_id": job_id, "event": "operator_request"})
     job = await coord.operate(job_id, action)
-    return web.json_response(views.job_detail(job, coord.clock()))
+    return views.view_response(views.job_detail(job, coord.clock()))
 
 
 # -- handlers ---------------------------------------------------------------------------------------
@@ -156,7 +157,7 @@ async def clear_unhealthy(request: web.Request) -> web.Response:
     coord = request.app[COORDINATOR]
     log.info("operator request from %s: clear unhealthy host %s", request.remote, quote(host),
              extra={"event": "operator_request"})
-    return web.json_response({"cleared": coord.clear_unhealthy(host)})
+    return web.json_response({"cleared": msgspec.to_builtins(coord.clear_unhealthy(host))})
 
 
 async def resize_job(request: web.Request) -> web.Response:

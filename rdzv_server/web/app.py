@@ -29,6 +29,7 @@ from rdzv_server.web.direct_reply import AlreadyWritten, DirectReply
 from rdzv_server.web.metrics import METRICS, ServerMetrics, metrics_endpoint, metrics_middleware
 from rdzv_server.web.page import render as page
 from rdzv_server.web.routing import COORDINATOR, job_id_of
+from rdzv_server.web.views import view_response
 
 log = logging.getLogger("rdzv_server")
 
@@ -148,7 +149,7 @@ async def status(request: web.Request) -> web.Response:
     coord, q = request.app[COORDINATOR], request.query
     offset = views.query_int(q, "offset", 0)
     limit = views.query_int(q, "limit", views.STATUS_LIMIT, low=1, high=views.STATUS_LIMIT_MAX)
-    return web.json_response(views.server_status(coord.core, coord.clock(), offset, limit))
+    return view_response(views.server_status(coord.core, coord.clock(), offset, limit))
 
 
 def _job(request: web.Request) -> JobRecord:
@@ -164,7 +165,7 @@ async def job_detail(request: web.Request) -> web.Response:
     offset = views.query_int(q, "node_offset", 0)
     limit = views.query_int(q, "node_limit", views.NODE_LIMIT, low=1, high=views.NODE_LIMIT_MAX)
     job = _job(request)
-    return web.json_response(views.job_detail(job, request.app[COORDINATOR].clock(), offset, limit))
+    return view_response(views.job_detail(job, request.app[COORDINATOR].clock(), offset, limit))
 
 
 async def job_events(request: web.Request) -> web.Response:
@@ -172,7 +173,7 @@ async def job_events(request: web.Request) -> web.Response:
     q = request.query
     after = views.query_int(q, "after", -1)
     limit = views.query_int(q, "limit", MAX_EVENTS_PER_JOB, high=MAX_EVENTS_PER_JOB)
-    return web.json_response(views.job_events(_job(request), None if after < 0 else after, limit))
+    return view_response(views.job_events(_job(request), None if after < 0 else after, limit))
 
 
 async def index(request: web.Request) -> web.Response:

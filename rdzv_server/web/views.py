@@ -12,14 +12,27 @@ from __future__ import annotations
 import itertools
 from collections import Counter
 from collections.abc import Mapping
+from dataclasses import dataclass
 from operator import attrgetter
 from typing import Any
 
 import msgspec
+from aiohttp import web
 
 from protocol.errors import ErrorCode
 from protocol.messages import JobState
 from protocol.quoting import quote
+from protocol.views import (
+    DrainedView,
+    EventsView,
+    EventView,
+    JobDetail,
+    JobView,
+    NodeCounts,
+    NodeView,
+    StatusView,
+    to_json,
+)
 from rdzv_server.core.errors import RendezvousError
 from rdzv_server.core.records import MAX_EVENTS_PER_JOB, JobRecord, NodeRecord
 from rdzv_server.core.rendezvous import Rendezvous
@@ -55,85 +68,83 @@ def query_int(query: Mapping[str, str], name: str, default: int, *, low: int = 0
 
 # ---- nodes ------------------------------------------------------------------------------------------
 
-def _node(job: JobRecord, node: NodeRecord, now: float, succeeded: set[str]) -> dict[str, Any]:
-    return {
-        "node_id": node.node_id, "state": node.state.value, "host": node.host, "addr": node.addr,
-        "role": node.role, "local_world_size": node.local_world_size,
-        "lease_age_s": round(now - node.last_seen, 3), "joined_at": iso(node.joined_at),
-        "recent_failures": len(node.failure_times), "checks": node.checks,
-    }
+def _node(job: JobRecord, node: NodeRecord, now: float, **extra: Any) -> NodeView:
+    return NodeView(node_id=node.node_id, state=node.state.value, host=node.host, addr=node.addr, role=node.role,
+                    local_world_size=node.local_world_size, lease_age_s=round(now - node.last_seen, 3),
+                    joined_at=iso(node.joined_at), recent_failures=len(node.failure_times), checks=node.checks,
+                    **extra)
 
 
-def _member(job: JobRecord, node: NodeRecord, now: float, succeeded: set[str]) -> dict[str, Any]:
-    out = _node(job, node, now, succeeded)
+def _member(job: JobRecord, node: NodeRecord, now: float, succeeded: set[str]) -> NodeView:
     a = assignment(job.round, node.node_id) if job.round is not None else None
-    if a is not None:
-        worker = "succeeded" if node.node_id in succeeded else "stopped" if job.state.finished else "running"
-        out.update(group_rank=a.group_rank, rank_offset=a.rank_offset, worker_state=worker)
-    return out
+    if a is None:
+        return _node(job, node, now)
+    worker = "succeeded" if node.node_id in succeeded else "stopped" if job.state.finished else "running"
+    return _node(job, node, now, group_rank=a.group_rank, rank_offset=a.rank_offset, worker_state=worker)
 
 
-def _excluded(job: JobRecord, node: NodeRecord, now: float, succeeded: set[str]) -> dict[str, Any]:
-    out = _node(job, node, now, succeeded)
-    out["excluded_for_s"] = round(max(0.0, node.excluded_until - now), 1)
-    out["exclusions"] = node.exclusions
-    return out
+def _excluded(job: JobRecord, node: NodeRecord, now: float) -> NodeView:
+    return _node(job, node, now, excluded_for_s=round(max(0.0, node.excluded_until - now), 1),
+                 exclusions=node.exclusions)
 
 
-def node_lists(job: JobRecord, now: float, offset: int, limit: int) -> dict[str, Any]:
+@dataclass
+class NodeLists:
+    counts: NodeCounts
+    nodes: list[NodeView]
+    waiting: list[NodeView]
+    spares: list[NodeView]
+    excluded: list[NodeView]
+    drained: list[DrainedView]
+    lists_cut: bool
+
+
+def node_lists(job: JobRecord, now: float, offset: int, limit: int) -> NodeLists:
     """Entries offset..offset+limit of each node list, every list's full count, and whether any was cut."""
     r = job.round
     members = r.members if r else []
     succeeded = set(job.successes) if r and job.successes else set()
-    counts = {"nodes": len(members), "waiting": len(job.waiting), "spares": len(job.spares),
-              "excluded": len(job.excluded), "drained": len(job.drained)}
+    counts = NodeCounts(nodes=len(members), waiting=len(job.waiting), spares=len(job.spares),
+                        excluded=len(job.excluded), drained=len(job.drained))
     end = offset + limit
 
-    def page(ids: list[str], make: Any) -> list[dict[str, Any]]:
-        return [make(job, job.nodes[n], now, succeeded) for n in ids[offset:end] if n in job.nodes]
+    def page(ids: list[str]) -> list[NodeRecord]:
+        return [job.nodes[n] for n in ids[offset:end] if n in job.nodes]
 
-    spares = page(job.spares, _node)
-    for position, spare in enumerate(spares, start=offset):
-        spare["spare_position"] = position
-    lists: dict[str, Any] = {
-        "nodes": page(members, _member), "waiting": page(job.waiting, _node), "spares": spares,
-        "excluded": page(job.excluded, _excluded),
-        "drained": [{"node_id": n, "reason": why} for n, why in itertools.islice(job.drained.items(), offset, end)],
-    }
-    cut = any(len(lists[name]) < counts[name] for name in NODE_LISTS)
-    return {"counts": counts, **lists, "lists_cut": cut}
+    lists = NodeLists(
+        counts, nodes=[_member(job, n, now, succeeded) for n in page(members)],
+        waiting=[_node(job, n, now) for n in page(job.waiting)],
+        spares=[_node(job, n, now, spare_position=i) for i, n in enumerate(page(job.spares), start=offset)],
+        excluded=[_excluded(job, n, now) for n in page(job.excluded)],
+        drained=[DrainedView(n, why) for n, why in itertools.islice(job.drained.items(), offset, end)],
+        lists_cut=False)
+    lists.lists_cut = any(len(getattr(lists, name)) < getattr(counts, name) for name in NODE_LISTS)
+    return lists
 
 
 # ---- jobs -------------------------------------------------------------------------------------------
 
 def _job_head(job: JobRecord) -> dict[str, Any]:
     r = job.round
-    return {
-        "job_id": job.job_id, "state": job.state.value, "reason": job.reason,
-        "round_id": r.round_id if r else None, "min_nodes": job.config.min_nodes,
-        "max_nodes": job.config.max_nodes, "world_size": r.world_size if r else 0,
-        "group_world_size": len(r.members) if r else 0,
-        "restart_count": job.restart_count, "max_restarts": job.config.max_restarts,
-        "created_at": iso(job.created_at), "finished_at": iso(job.finished_at),
-    }
+    return dict(job_id=job.job_id, state=job.state.value, reason=job.reason, round_id=r.round_id if r else None,
+                min_nodes=job.config.min_nodes, max_nodes=job.config.max_nodes, world_size=r.world_size if r else 0,
+                group_world_size=len(r.members) if r else 0, restart_count=job.restart_count,
+                max_restarts=job.config.max_restarts, created_at=iso(job.created_at), finished_at=iso(job.finished_at))
 
 
-def job_summary(job: JobRecord, now: float, list_limit: int = LIST_LIMIT) -> dict[str, Any]:
+def job_summary(job: JobRecord, now: float, list_limit: int = LIST_LIMIT) -> JobView:
     """A job as the status lists it: its head, its counts, and the first `list_limit` nodes of each list."""
-    return {**_job_head(job), **node_lists(job, now, 0, list_limit)}
+    return JobView(**_job_head(job), **vars(node_lists(job, now, 0, list_limit)))
 
 
-def job_detail(job: JobRecord, now: float, node_offset: int = 0, node_limit: int = NODE_LIMIT) -> dict[str, Any]:
-    out = {**_job_head(job), **node_lists(job, now, node_offset, node_limit),
-           "node_offset": node_offset, "node_limit": node_limit}
-    out["config"] = msgspec.to_builtins(job.config)
-    out["last_failure"] = msgspec.to_builtins(job.last_failure) if job.last_failure else None
-    out["root_cause"] = msgspec.to_builtins(job.root_cause) if job.root_cause else None
-    out["last_call_ends_in_s"] = round(job.last_call_deadline - now, 3) if job.last_call_deadline else None
-    return out
+def job_detail(job: JobRecord, now: float, node_offset: int = 0, node_limit: int = NODE_LIMIT) -> JobDetail:
+    return JobDetail(**_job_head(job), **vars(node_lists(job, now, node_offset, node_limit)),
+                     node_offset=node_offset, node_limit=node_limit, config=job.config,
+                     last_failure=job.last_failure, root_cause=job.root_cause,
+                     last_call_ends_in_s=round(job.last_call_deadline - now, 3) if job.last_call_deadline else None)
 
 
-def job_events(job: JobRecord, after: int | None = None, limit: int = MAX_EVENTS_PER_JOB) -> dict[str, Any]:
+def job_events(job: JobRecord, after: int | None = None, limit: int = MAX_EVENTS_PER_JOB) -> EventsView:
     """The kept events, oldest first: with `after`, the first `limit` newer than that seq (`more` says
     whether others follow); without, the newest `limit`."""
     if after is None:
@@ -141,10 +152,9 @@ def job_events(job: JobRecord, after: int | None = None, limit: int = MAX_EVENTS
     else:
         newer = job.events_after(after)
         kept, more = newer[:limit], len(newer) > limit
-    return {"job_id": job.job_id, "last_seq": job.event_seq, "more": more, "events": [
-        {"seq": e.seq, "time": iso(e.t), "kind": e.kind.value, "message": e.message, "node_id": e.node_id or None,
-         "round_id": e.round_id if e.round_id >= 0 else None, **({"data": e.data} if e.data else {})}
-        for e in kept]}
+    return EventsView(job_id=job.job_id, last_seq=job.event_seq, more=more, events=[
+        EventView(seq=e.seq, time=iso(e.t), kind=e.kind.value, message=e.message, node_id=e.node_id or None,
+                  round_id=e.round_id if e.round_id >= 0 else None, data=e.data or None) for e in kept])
 
 
 def ordered_jobs(core: Rendezvous) -> list[JobRecord]:
@@ -173,12 +183,17 @@ HOSTS_LIMIT = 100      # unhealthy hosts listed at most (the oldest holds first)
 
 
 def server_status(core: Rendezvous, now: float, offset: int = 0, limit: int = STATUS_LIMIT,
-                  list_limit: int = LIST_LIMIT) -> dict[str, Any]:
+                  list_limit: int = LIST_LIMIT) -> StatusView:
     """One page of jobs in `ordered_jobs` order; `total` and `job_states` count every job."""
     page = ordered_jobs(core)[offset:offset + limit]
     total = len(core.jobs)
-    return {"time": iso(now), "total": total, "offset": offset, "limit": limit,
-            "next_offset": offset + limit if offset + limit < total else None,
-            "job_states": state_counts(core), "list_limit": list_limit,
-            "jobs": [job_summary(j, now, list_limit) for j in page],
-            "unhealthy_hosts": [h.view(now) for h in core.unhealthy.current(now)[:HOSTS_LIMIT]]}
+    return StatusView(time=iso(now), total=total, offset=offset, limit=limit,
+                      next_offset=offset + limit if offset + limit < total else None,
+                      job_states=state_counts(core), list_limit=list_limit,
+                      jobs=[job_summary(j, now, list_limit) for j in page],
+                      unhealthy_hosts=[h.view(now) for h in core.unhealthy.current(now)[:HOSTS_LIMIT]])
+
+
+def view_response(view: msgspec.Struct) -> web.Response:
+    """A view as its JSON reply."""
+    return web.Response(body=to_json(view), content_type="application/json")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import re
 
 from protocol.messages import LeaveRequest, SuccessReport
+from protocol.views import JobView, NodeCounts
 from rdzv_server.core.events import EventKind as K
 from rdzv_server.core.records import MAX_EVENTS_PER_JOB, Event
 from rdzv_server.core.rendezvous import Rendezvous
@@ -112,9 +113,10 @@ def test_a_1000_node_job_with_many_rounds_stays_small():
             data = {"cause": "node_lost", "nodes": 1000 - i % 3, "world_size": 8000, "reason": "r" * 500}
         events.append(Event(t=T + i, seq=i + 1, kind=kind, message="m" * 500, node_id=f"node-{i}",
                             round_id=rounds if kind == K.ROUND_COMPLETED else -1, data=data))
-    job = {"job_id": "big", "state": "running", "round_id": events[-1].round_id, "world_size": 8000,
-           "group_world_size": 999, "min_nodes": 900, "max_nodes": 1000, "created_at": iso(T),
-           "finished_at": None, "restart_count": 0, "max_restarts": 3}
+    job = JobView(job_id="big", state="running", reason="", round_id=events[-1].round_id, world_size=8000,
+                  group_world_size=999, min_nodes=900, max_nodes=1000, created_at=iso(T), finished_at=None,
+                  restart_count=0, max_restarts=3, counts=NodeCounts(999, 0, 0, 0, 0), nodes=[], waiting=[],
+                  spares=[], excluded=[], drained=[], lists_cut=True)
     now = events[-1].t + 5
     full = history_svg(job, events, now)
     assert full == history_svg(job, events[-MAX_EVENTS_PER_JOB:], now)

@@ -236,8 +236,8 @@ async def test_nvml_missing_on_a_gpu_node_is_one_warning_and_the_job_runs(start)
     node = start(probe=FakeGpuProbe(unavailable="nvidia-ml-py is not installed"))
     group = await node.next_group()
     job = node.server.coordinator.core.jobs["j1"]
-    shown = views.job_detail(job, 0.0)["nodes"][0]
-    assert shown["checks"] == "GPU check skipped: nvidia-ml-py is not installed"      # the server's views say so
+    shown = views.job_detail(job, 0.0).nodes[0]
+    assert shown.checks == "GPU check skipped: nvidia-ml-py is not installed"      # the server's views say so
     assert '<span class="warn-text">GPU check skipped: nvidia-ml-py is not installed</span>' in parts.host(shown)
     group.end(r0=0, r1=0)
     assert await asyncio.wait_for(node.task, LIMIT) == 0

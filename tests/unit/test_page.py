@@ -121,7 +121,7 @@ def test_overview_shows_round_world_restarts_members_and_recent_events():
     m = Markup(page.index_page(rz, T + 90))
 
     job = views.job_detail(rz.jobs["job-1"], T + 90)
-    assert job["round_id"] == 2 and job["world_size"] == 8
+    assert job.round_id == 2 and job.world_size == 8
     assert "round #2 world size 8" in m.text and "restarts 1 / 3" in m.text, m.text
     assert sorted(m.attr("data-node")) == ["alpha", "bravo"]
     # group rank, node, host / addr, local world, ranks, lease age, worker state, recent failures

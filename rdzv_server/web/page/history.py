@@ -10,10 +10,11 @@ reasons, messages) is escaped, and clipped.
 """
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from protocol.views import JobView
 from rdzv_server.core.events import EventKind
 from rdzv_server.core.payloads import RoundFormed, WorkersFailed, payload_of
 from rdzv_server.core.records import MAX_EVENTS_PER_JOB, Event
@@ -70,11 +71,11 @@ def _int(value: Any) -> int:
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
 
 
-def read_history(job: Mapping[str, Any], events: Sequence[Event], now: float) -> History:
+def read_history(job: JobView, events: Sequence[Event], now: float) -> History:
     """One pass over the kept events (oldest first; at most the last MAX_EVENTS_PER_JOB are read)."""
     events = events[-MAX_EVENTS_PER_JOB:]
     cut = bool(events) and events[0].seq > 1
-    t0 = events[0].t if events else epoch(job["created_at"])
+    t0 = events[0].t if events else epoch(job.created_at or "")
     spans: list[Span] = []
     marks: list[Mark] = []
     finish = None
@@ -110,14 +111,14 @@ def read_history(job: Mapping[str, Any], events: Sequence[Event], now: float) ->
             marks.append(Mark(e.t, MARKED[kind], e.message, payload.count if isinstance(payload, WorkersFailed) else 1))
     if current[0] is not None:
         spans.append(current[0])
-    rid = job.get("round_id")
+    rid = job.round_id
     if rid is not None and finish is None:
         if not any(s.round_id == rid for s in spans):     # formed before the oldest kept event
-            spans.insert(0, Span(t0, round_id=rid, nodes=_int(job.get("group_world_size")),
-                                 world_size=_int(job.get("world_size")), reason="formed before the kept history"))
+            spans.insert(0, Span(t0, round_id=rid, nodes=_int(job.group_world_size),
+                                 world_size=_int(job.world_size), reason="formed before the kept history"))
         for s in spans:
             s.current = s.round_id == rid and s.end is None
-    finished = epoch(job["finished_at"]) if job.get("finished_at") else None
+    finished = epoch(job.finished_at) if job.finished_at else None
     t1 = finish[0] if finish else finished if finished is not None else now
     return History(t0, max(t1, t0), cut, spans, marks, finish)
 
@@ -210,10 +211,10 @@ def _rounds_lane(h: History, f: Frame, groups: list[list[Span]], legend: Legend)
     return [*out, "</g>", *labels]
 
 
-def _members(h: History, f: Frame, groups: list[list[Span]], job: Mapping[str, Any], legend: Legend) -> list[str]:
+def _members(h: History, f: Frame, groups: list[list[Span]], job: JobView, legend: Legend) -> list[str]:
     """The member count as a filled step line; the current round's time shaded; min/max nodes dashed."""
     y, height = f.lanes["members"]
-    low, high = _int(job.get("min_nodes")), _int(job.get("max_nodes"))
+    low, high = _int(job.min_nodes), _int(job.max_nodes)
     top, ticks = svg.members_scale(max((s.nodes for s in h.spans), default=0), low, high, f.compact)
 
     def yv(v: float) -> float:
@@ -337,7 +338,7 @@ def _finish(h: History, f: Frame, legend: Legend) -> list[str]:
 
 # ---- the picture --------------------------------------------------------------------------------
 
-def summary(job: Mapping[str, Any], h: History) -> str:
+def summary(job: JobView, h: History) -> str:
     """What the picture shows, in words (its <desc>, for screen readers and the page's text)."""
     rounds = [s for s in h.spans if s.round_id is not None and s.cause]
     causes: dict[str, int] = {}
@@ -353,7 +354,7 @@ def summary(job: Mapping[str, Any], h: History) -> str:
     seen = [f"{n:,} x {MARKS[k].label}" for k, n in counts.items() if MARKS[k].lane != "in" or k == "promoted"]
     if seen:
         parts.append(", ".join(seen))
-    parts.append(f"restarts used {job.get('restart_count', 0)} of {job.get('max_restarts', 0)}")
+    parts.append(f"restarts used {job.restart_count} of {job.max_restarts}")
     last = h.spans[-1] if h.spans else None
     if h.finish:
         parts.append(f"job {h.finish[1]} at {stamp(h.finish[0])} UTC")
@@ -364,7 +365,7 @@ def summary(job: Mapping[str, Any], h: History) -> str:
     return "; ".join(parts) + "."
 
 
-def history_svg(job: Mapping[str, Any], events: Sequence[Event], now: float, *, compact: bool = False) -> str:
+def history_svg(job: JobView, events: Sequence[Event], now: float, *, compact: bool = False) -> str:
     """The picture of `job` (a view dict) from its kept `events`: rounds by cause, member count, marks
     for failures, nodes going and coming, restarts; a legend of what it shows; `compact` for a card."""
     h = read_history(job, events, now)
@@ -381,7 +382,7 @@ def history_svg(job: Mapping[str, Any], events: Sequence[Event], now: float, *, 
                     f'fill="{MUTED}">no round formed yet</text>')
     items, legend_height = legend.render(f.bottom + 22)
     total = f.bottom + 22 + legend_height
-    title = f"History of job {clip(str(job.get('job_id', '')), TEXT)}"
+    title = f"History of job {clip(job.job_id, TEXT)}"
     rounds = sum(1 for s in h.spans if s.round_id is not None)
     return (f'<svg class="history{" compact" if compact else ""}" xmlns="http://www.w3.org/2000/svg" '
             f'viewBox="0 0 {svg.W} {total:.0f}" role="img" aria-label="{x_(title)}" data-round-count="{rounds}" '

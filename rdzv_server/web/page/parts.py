@@ -8,10 +8,13 @@ from __future__ import annotations
 import datetime as dt
 import html
 import urllib.parse
-from collections.abc import Iterable, Mapping
-from typing import Any
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, TypeVar
 
+from protocol.views import JobView, NodeView
 from rdzv_server.core.events import EventKind
+
+T = TypeVar("T")
 
 FINISHED = {"succeeded", "failed", "closed"}
 # How an event kind is coloured in the history tables.
@@ -73,6 +76,21 @@ def badge(state: str, text: str | None = None) -> str:
     return f'<span class="badge s-{esc(state)}">{esc(text or state)}</span>'
 
 
+# A table's column: its heading (">" first: right-aligned, numeric) and its cell for one item, as HTML.
+Column = tuple[str, Callable[[T], str]]
+
+
+def columns_table(columns: Sequence[Column[T]], items: Iterable[T], empty: str, *, more: str = "", cls: str = "",
+                  row: Callable[[T], str] = lambda item: "") -> str:
+    """`table` of `items`, one row each, its cells by `columns`; `row(item)`: the <tr>'s attributes."""
+    rows = []
+    for item in items:
+        cells = "".join(f'<td class="num">{cell(item)}</td>' if head.startswith(">") else f"<td>{cell(item)}</td>"
+                        for head, cell in columns)
+        rows.append(f"<tr{row(item)}>{cells}</tr>")
+    return table([head for head, _ in columns], rows, empty, cls, more)
+
+
 def table(head: Iterable[str], rows: list[str], empty: str, cls: str = "", more: str = "") -> str:
     """A boxed table (or the `empty` sentence when there are no rows); `more` is a last line in the box,
     e.g. how many rows were left out."""
@@ -100,20 +118,20 @@ def pager(what: str, offset: int, shown: int, total: int, path: str, params: Map
     return f'<nav class="pager">{" ".join(parts)}</nav>'
 
 
-def health(job: dict[str, Any]) -> tuple[str, list[str]]:
+def health(job: JobView) -> tuple[str, list[str]]:
     """(colour, warnings) for a job summary: the colour of its state, orange when running degraded."""
-    state = job["state"]
+    state = job.state
     colour = {"running": "green", "waiting": "amber", "failed": "red", "succeeded": "blue"}.get(state, "grey")
     if state in FINISHED:
         return colour, []
     warns = []
-    used, budget = job["restart_count"], job["max_restarts"]
+    used, budget = job.restart_count, job.max_restarts
     if used and used * 2 > budget:
         warns.append(f"restarts {used}/{budget} used" + (" (none left)" if used >= budget else ""))
-    short = job["max_nodes"] - job["group_world_size"]
+    short = job.max_nodes - job.group_world_size
     if state == "running" and short > 0:
-        warns.append(f"{short} node{'s' if short != 1 else ''} short of max {job['max_nodes']}")
-    excluded = job["counts"]["excluded"]
+        warns.append(f"{short} node{'s' if short != 1 else ''} short of max {job.max_nodes}")
+    excluded = job.counts.excluded
     if excluded:
         warns.append(f"{excluded} node{'s' if excluded != 1 else ''} excluded")
     if warns and state == "running":
@@ -134,8 +152,8 @@ def lease(seconds: float, timeout: float | None) -> str:
     return f'<span class="{cls}">{age(seconds)}</span>'
 
 
-def host(n: dict[str, Any]) -> str:
-    name, addr, checks = n.get("host") or "", n.get("addr") or "", n.get("checks") or ""
+def host(n: NodeView) -> str:
+    name, addr, checks = n.host, n.addr, n.checks
     # what the node checks of itself; a skipped GPU check is shown as a warning, never as healthy
     said = f'<br><span class="{"warn-text" if "skipped" in checks else "muted"}">{esc(checks)}</span>' if checks else ""
     if name and name != addr:

@@ -15,17 +15,19 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
+from protocol.views import EventView, HostHold, JobView
 from rdzv_server.core.rendezvous import Rendezvous
 from rdzv_server.logs import iso
 from rdzv_server.web import views
 from rdzv_server.web.page.cards import DETAIL_EVENTS, INDEX_EVENTS, card, config, failure
 from rdzv_server.web.page.history import history_svg
 from rdzv_server.web.page.parts import (
+    Column,
     age,
     badge,
     clip,
+    columns_table,
     epoch,
     esc,
     health,
@@ -35,7 +37,6 @@ from rdzv_server.web.page.parts import (
     pager,
     plural,
     restarts,
-    table,
 )
 from rdzv_server.web.page.style import CSS
 
@@ -107,36 +108,51 @@ def _paused(refresh: int) -> int | None:
 
 # ---- the overview -------------------------------------------------------------------------------
 
-def _summary_row(job: dict[str, Any], events: list[dict[str, Any]], now: float) -> str:
-    colour, warns = health(job)
+def _latest(events: list[EventView], now: float) -> str:
     last = events[-1] if events else None
-    latest = (f'<span class="mono">{esc(last["kind"])}</span> <span class="muted">'
-              f'{age(now - epoch(last["time"]))} ago</span>') if last else "&mdash;"
-    if job["state"] == "failed":
-        note = f'<span class="bad-text">{esc(clip(job["reason"], 90))}</span>'
-    else:
-        note = f'<span class="warn-text">{esc("; ".join(warns))}</span>' if warns else ""
-    counts = job["counts"]
-    return (f'<tr data-job="{esc(job["job_id"])}" data-health="{colour}"><td><span class="dot h-{colour}"></span></td>'
-            f'<td class="mono"><a href="{href(job["job_id"])}">{esc(job["job_id"])}</a></td>'
-            f'<td>{badge(job["state"])}</td><td class="note">{note}</td><td class="num">{esc(job["round_id"])}</td>'
-            f'<td class="num">{job["world_size"]}</td>'
-            f'<td class="num">{job["group_world_size"]} <span class="muted">of {job["min_nodes"]}:{job["max_nodes"]}'
-            f'</span></td><td>{restarts(job["restart_count"], job["max_restarts"])}</td>'
-            f'<td class="num">{counts["spares"]}</td><td class="num">{counts["excluded"]}</td>'
-            f"<td>{latest}</td></tr>")
+    if last is None:
+        return "&mdash;"
+    return (f'<span class="mono">{esc(last.kind)}</span> <span class="muted">'
+            f'{age(now - epoch(last.time or ""))} ago</span>')
 
 
-def _unhealthy_hosts(holds: list[dict[str, Any]]) -> str:
+def _attention(job: JobView) -> str:
+    if job.state == "failed":
+        return f'<span class="bad-text">{esc(clip(job.reason, 90))}</span>'
+    warns = health(job)[1]
+    return f'<span class="warn-text">{esc("; ".join(warns))}</span>' if warns else ""
+
+
+# The overview's summary table: each job's row, its columns declared once. (A row is a job and its latest events.)
+SUMMARY: list[Column[tuple[JobView, list[EventView], float]]] = [
+    ("", lambda r: f'<span class="dot h-{health(r[0])[0]}"></span>'),
+    ("job", lambda r: f'<a class="mono" href="{href(r[0].job_id)}">{esc(r[0].job_id)}</a>'),
+    ("state", lambda r: badge(r[0].state)),
+    ("attention", lambda r: _attention(r[0])),
+    (">round", lambda r: esc(r[0].round_id)),
+    (">world size", lambda r: str(r[0].world_size)),
+    (">nodes", lambda r: f'{r[0].group_world_size} <span class="muted">of {r[0].min_nodes}:{r[0].max_nodes}</span>'),
+    ("restarts", lambda r: restarts(r[0].restart_count, r[0].max_restarts)),
+    (">spares", lambda r: str(r[0].counts.spares)),
+    (">excluded", lambda r: str(r[0].counts.excluded)),
+    ("latest event", lambda r: _latest(r[1], r[2])),
+]
+UNHEALTHY: list[Column[HostHold]] = [
+    ("host", lambda h: f'<span class="mono">{esc(h.host)}</span>'),
+    ("kind", lambda h: esc(h.kind)),
+    ("left job / node", lambda h: f'<span class="mono">{esc(h.job_id)} / {esc(h.node_id)}</span>'),
+    (">held for", lambda h: f"{h.held_for_s:.0f}s"),
+    ("why", lambda h: esc(clip(h.reason, 300))),
+]
+
+
+def _unhealthy_hosts(holds: list[HostHold]) -> str:
     """Hosts whose node left a job unhealthy, held out of every job (core/unhealthy.py)."""
     if not holds:
         return ""
-    rows = [f'<tr data-host="{esc(h["host"])}"><td class="mono">{esc(h["host"])}</td><td>{esc(h["kind"])}</td>'
-            f'<td class="mono">{esc(h["job_id"])} / {esc(h["node_id"])}</td><td class="num">{h["held_for_s"]:.0f}s</td>'
-            f'<td class="note">{esc(clip(h["reason"], 300))}</td></tr>' for h in holds]
-    return ("<h2>Unhealthy hosts</h2>" + table(["host", "kind", "left job / node", ">held for", "why"], rows, "")
-            + '<p class="muted">Kept out of every job; <span class="mono">rdzv-ctl clear-unhealthy HOST</span> '
-              "lets one join again.</p>")
+    hosts = columns_table(UNHEALTHY, holds, "", row=lambda h: f' data-host="{esc(h.host)}"')
+    return ("<h2>Unhealthy hosts</h2>" + hosts + '<p class="muted">Kept out of every job; '
+            '<span class="mono">rdzv-ctl clear-unhealthy HOST</span> lets one join again.</p>')
 
 
 def _counts(states: dict[str, int]) -> str:
@@ -150,29 +166,29 @@ def index_page(core: Rendezvous, now: float, refresh: int = DEFAULT_REFRESH_S, n
     """One page of jobs in the views' order (unfinished first, then the newest finished): a summary
     row each, and a card for each of the first INDEX_CARDS."""
     status = views.server_status(core, now, offset, limit, list_limit=0)
-    page = status["jobs"]
+    page = status.jobs
     params = {"offset": offset or None, "limit": None if limit == INDEX_JOBS else limit, "refresh": _paused(refresh)}
     if not page:
-        empty = ("No jobs yet: agents create a job with their first join." if not status["total"] else
-                 f"No jobs on this page: the server holds {plural(status['total'], 'job')}.")
+        empty = ("No jobs yet: agents create a job with their first join." if not status.total else
+                 f"No jobs on this page: the server holds {plural(status.total, 'job')}.")
         body = f'<div class="box"><div class="empty">{esc(empty)}</div></div>'
     else:
-        rows = [_summary_row(j, views.job_events(core.jobs[j["job_id"]], limit=1)["events"], now) for j in page]
-        head = ["", "job", "state", "attention", ">round", ">world size", ">nodes", "restarts", ">spares",
-                ">excluded", "latest event"]
-        nav = pager("jobs", offset, len(page), status["total"], "/", params, "offset", limit)
+        rows = [(j, views.job_events(core.jobs[j.job_id], limit=1).events, now) for j in page]
+        nav = pager("jobs", offset, len(page), status.total, "/", params, "offset", limit)
         cards = []
         for j in page[:INDEX_CARDS]:
-            record = core.jobs[j["job_id"]]
+            record = core.jobs[j.job_id]
             detail = views.job_detail(record, now, 0, CARD_NODES)
-            cards.append(card(detail, views.job_events(record, limit=INDEX_EVENTS)["events"], now, full=False,
+            cards.append(card(detail, views.job_events(record, limit=INDEX_EVENTS).events, now, full=False,
                               picture=history_svg(detail, record.events, now, compact=True)))
         shown = (f'<p class="muted">The first {len(cards)} jobs of this page; every job has its own page.</p>'
                  if len(page) > len(cards) else "")
-        body = (f"<h2>Jobs</h2>{nav}" + table(head, rows, "", "summary") + nav
+        summary = columns_table(SUMMARY, rows, "", cls="summary", row=lambda r: f' data-job="{esc(r[0].job_id)}" '
+                                                                                f'data-health="{health(r[0])[0]}"')
+        body = (f"<h2>Jobs</h2>{nav}" + summary + nav
                 + "<h2>Details</h2>" + shown + "".join(cards))
-    body += _unhealthy_hosts(status["unhealthy_hosts"])
-    return _layout("rdzv-server status", now, body, refresh, "/", params, _counts(status["job_states"]), notes)
+    body += _unhealthy_hosts(status.unhealthy_hosts)
+    return _layout("rdzv-server status", now, body, refresh, "/", params, _counts(status.job_states), notes)
 
 
 # ---- one job ------------------------------------------------------------------------------------
@@ -185,16 +201,16 @@ def job_page(core: Rendezvous, job_id: str, now: float, refresh: int = DEFAULT_R
     if record is None:
         return None
     job = views.job_detail(record, now, node_offset, node_limit)
-    events = views.job_events(record, limit=DETAIL_EVENTS)["events"]
-    root, last = job["root_cause"], job["last_failure"]
+    events = views.job_events(record, limit=DETAIL_EVENTS).events
+    root, last = job.root_cause, job.last_failure
     failures = (failure("Last failure (the root cause)" if root == last else "Last failure", last, now)
                 + ("" if root == last else failure("Root cause (first failure of the last failed round)", root, now)))
-    extra = f'<div class="grid"><div>{failures}</div>{config(job["config"])}</div>'
+    extra = f'<div class="grid"><div>{failures}</div>{config(job.config)}</div>'
     path = job_path(job_id)
     params = {"node_offset": node_offset or None, "node_limit": None if node_limit == JOB_NODES else node_limit,
               "refresh": _paused(refresh)}
-    longest = max(job["counts"][k] for k in views.NODE_LISTS)
-    shown = max(len(job[k]) for k in views.NODE_LISTS)
+    longest = max(getattr(job.counts, k) for k in views.NODE_LISTS)
+    shown = max(len(getattr(job, k)) for k in views.NODE_LISTS)
     nav = pager("nodes (per list)", node_offset, shown, longest, path, params, "node_offset", node_limit)
     picture = history_svg(job, record.events, now)
     body = (f'<p><a href="/">&larr; all jobs</a></p>'
@@ -207,9 +223,9 @@ def not_found_page(core: Rendezvous, job_id: str, now: float, refresh: int = DEF
     """The 404 page; it reloads too, so it turns into the job's page once the job's first agent joins.
     It names the first few jobs the server holds (the overview pages through all of them)."""
     status = views.server_status(core, now, 0, NOT_FOUND_JOBS, list_limit=0)
-    known = "".join(f'<li><a class="mono" href="{href(j["job_id"])}">{esc(j["job_id"])}</a> '
-                    f'{badge(j["state"])}</li>' for j in status["jobs"])
-    rest = status["total"] - len(status["jobs"])
+    known = "".join(f'<li><a class="mono" href="{href(j.job_id)}">{esc(j.job_id)}</a> '
+                    f'{badge(j.state)}</li>' for j in status.jobs)
+    rest = status.total - len(status.jobs)
     if rest > 0:
         known += f'<li>and {rest:,} more on <a href="/">the overview</a></li>'
     body = (f'<section class="job h-grey"><header><span class="id">No job <span class="mono">{esc(job_id)}</span> '

@@ -1,0 +1,131 @@
+"""The operator views' documents, typed: what `GET /v1/status`, `/v1/jobs/{id}` and `/v1/jobs/{id}/events`
+send as JSON. The server builds them (rdzv_server/web/views.py), its status page and `rdzv-ctl` read them
+as attributes: a field added here reaches every reader. Times are ISO 8601 UTC, durations seconds.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from protocol.messages import JobConfig, WorkerFailure
+
+
+class NodeView(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """A node in one of a job's lists; the fields after `checks` only in the lists they describe."""
+    node_id: str
+    state: str
+    host: str
+    addr: str
+    role: str
+    local_world_size: int
+    lease_age_s: float
+    joined_at: str | None
+    recent_failures: int
+    checks: str
+    group_rank: int | None = None          # members
+    rank_offset: int | None = None
+    worker_state: str | None = None        # running, succeeded or stopped
+    spare_position: int | None = None      # spares
+    excluded_for_s: float | None = None    # excluded
+    exclusions: int | None = None
+
+
+class DrainedView(msgspec.Struct):
+    node_id: str
+    reason: str
+
+
+class NodeCounts(msgspec.Struct):
+    """The full length of each node list (a list in a document may show only part of it)."""
+    nodes: int
+    waiting: int
+    spares: int
+    excluded: int
+    drained: int
+
+
+class JobView(msgspec.Struct, kw_only=True):
+    """A job as the status lists it: its head, its counts and (part of) each node list."""
+    job_id: str
+    state: str
+    reason: str
+    round_id: int | None
+    min_nodes: int
+    max_nodes: int
+    world_size: int
+    group_world_size: int
+    restart_count: int
+    max_restarts: int
+    created_at: str | None
+    finished_at: str | None
+    counts: NodeCounts
+    nodes: list[NodeView]
+    waiting: list[NodeView]
+    spares: list[NodeView]
+    excluded: list[NodeView]
+    drained: list[DrainedView]
+    lists_cut: bool
+
+
+class JobDetail(JobView, kw_only=True):
+    """One job in full: `GET /v1/jobs/{id}` (one page of each node list)."""
+    node_offset: int
+    node_limit: int
+    config: JobConfig
+    last_failure: WorkerFailure | None
+    root_cause: WorkerFailure | None
+    last_call_ends_in_s: float | None
+
+
+class HostHold(msgspec.Struct):
+    """A host kept out of every job after its node left unhealthy."""
+    host: str
+    kind: str
+    reason: str
+    job_id: str
+    node_id: str
+    held_for_s: float
+
+
+class StatusView(msgspec.Struct, kw_only=True):
+    """`GET /v1/status`: one page of jobs; `total` and `job_states` count every job."""
+    time: str | None
+    total: int
+    offset: int
+    limit: int
+    next_offset: int | None
+    job_states: dict[str, int]
+    list_limit: int
+    jobs: list[JobView]
+    unhealthy_hosts: list[HostHold]
+
+
+class EventView(msgspec.Struct, kw_only=True, omit_defaults=True):
+    seq: int
+    time: str | None
+    kind: str
+    message: str
+    node_id: str | None
+    round_id: int | None
+    data: dict[str, Any] | None = None
+
+
+class EventsView(msgspec.Struct, kw_only=True):
+    """`GET /v1/jobs/{id}/events`: the kept events, oldest first; `more`: newer ones follow."""
+    job_id: str
+    last_seq: int
+    more: bool
+    events: list[EventView]
+
+
+_json = msgspec.json.Encoder()
+
+
+def to_json(view: msgspec.Struct) -> bytes:
+    return _json.encode(view)
+
+
+def from_json(body: bytes, kind: type[Any]) -> Any:
+    """A view read back (rdzv-ctl); msgspec.DecodeError (a ValidationError among them) when it is not one."""
+    return msgspec.json.decode(body, type=kind)
