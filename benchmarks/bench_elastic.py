@@ -35,7 +35,7 @@ class Run:
     def agent(self, name: str, nnodes: str) -> None:
         env = dict(os.environ, PYTHONPATH=ROOT, BENCH_LOG=self.log, NODE=name)
         self.agents[name] = subprocess.Popen(
-            [sys.executable, "-m", "node_agent.cli.main", "--endpoint", f"127.0.0.1:{self.port}", "--nnodes", nnodes,
+            [sys.executable, "-m", "node_agent.main", "--endpoint", f"127.0.0.1:{self.port}", "--nnodes", nnodes,
              "--nproc", "1", "--job-id", self.job, "--node-id", name, WORKER],
             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 

@@ -44,7 +44,7 @@ LAUNCHERS = ("node-agent cold", "node-agent (defaults)", "torchrun + rdzv-server
 
 def has_warm_flag() -> bool:
     """Whether this node-agent knows --warm-workers (the warm-worker change may not be merged yet)."""
-    done = subprocess.run([sys.executable, "-m", "node_agent.cli.main", "--help"], capture_output=True, text=True,
+    done = subprocess.run([sys.executable, "-m", "node_agent.main", "--help"], capture_output=True, text=True,
                           env=dict(os.environ, PYTHONPATH=ROOT), cwd=ROOT)
     return "--warm-workers" in done.stdout
 
@@ -60,7 +60,7 @@ def commands(launcher: str, *, port: int, job: str, script: list[str], warm_flag
     nodes = ("node-a", "node-b")
     if launcher.startswith("node-agent"):
         warm = ["--warm-workers", "off"] if launcher == "node-agent cold" and warm_flag else []
-        return [[sys.executable, "-m", "node_agent.cli.main", "--endpoint", f"127.0.0.1:{port}", "--nnodes", "2",
+        return [[sys.executable, "-m", "node_agent.main", "--endpoint", f"127.0.0.1:{port}", "--nnodes", "2",
                  "--nproc", "2", "--job-id", job, "--max-restarts", "3", "--node-id", n, *warm, *script]
                 for n in nodes]
     if launcher == "torchrun + rdzv-server plugin":

@@ -68,7 +68,7 @@ def run_pair(commands: list[list[str]], log: str, rss_of: int = -1) -> tuple[flo
 
 def node_agent_once(port: int, job: str, log: str) -> tuple[float, float]:
     def cmd(n: str) -> list[str]:
-        return [sys.executable, "-m", "node_agent.cli.main", "--endpoint", f"127.0.0.1:{port}", "--nnodes", "2",
+        return [sys.executable, "-m", "node_agent.main", "--endpoint", f"127.0.0.1:{port}", "--nnodes", "2",
                 "--nproc", "2", "--job-id", job, "--max-restarts", "1", "--node-id", n, WORKER]
     return run_pair([cmd("a"), cmd("b")], log, rss_of=0)
 
@@ -119,7 +119,7 @@ def main() -> None:
     trivial = os.path.join(tmp, "trivial.py")
     with open(trivial, "w") as f:
         f.write("pass\n")
-    ours_standalone = standalone_wall([sys.executable, "-m", "node_agent.cli.main", "--standalone", "--nproc", "1"],
+    ours_standalone = standalone_wall([sys.executable, "-m", "node_agent.main", "--standalone", "--nproc", "1"],
                                       trivial, args.repeat)
     print(f"RESULT recovery_ms node_agent median={statistics.median(ours) * 1000:.0f}"
           + (f" torchrun median={statistics.median(theirs) * 1000:.0f}"

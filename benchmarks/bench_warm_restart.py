@@ -32,7 +32,7 @@ RESTART = ("exit_seen", "stop_round", "spawn")
 def one_run(mode: str, nproc: int) -> dict[str, float]:
     out = tempfile.mkdtemp(prefix="warm_bench_")
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    argv = [sys.executable, "-m", "node_agent.cli.main", "--standalone", "--nproc", str(nproc), "--max-restarts", "1",
+    argv = [sys.executable, "-m", "node_agent.main", "--standalone", "--nproc", str(nproc), "--max-restarts", "1",
             "--warm-workers", mode, PROBE, out]
     agent = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     said: dict[str, float] = {}   # when the agent said it: its lines, time-stamped as they come

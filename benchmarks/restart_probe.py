@@ -41,7 +41,7 @@ def main(extra: list[str]) -> int:
             print("the server did not start", file=sys.stderr)
             return 1
         for node in ("node-a", "node-b"):
-            agent = subprocess.Popen([sys.executable, "-m", "node_agent.cli.main", "--endpoint",
+            agent = subprocess.Popen([sys.executable, "-m", "node_agent.main", "--endpoint",
                                       f"127.0.0.1:{match.group(1)}", "--nnodes", "2", "--nproc", "2", "--job-id", "j",
                                       "--max-restarts", "3", "--node-id", node, *extra, *script],
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=work,

@@ -58,7 +58,7 @@ def main() -> int:
         banner(f"starting 2 node agents x 2 workers (job 'demo', endpoint 127.0.0.1:{port})")
         agents = []
         for name in ("node-a", "node-b"):
-            cmd = [PY, "-m", "node_agent.cli.main", "--endpoint", f"127.0.0.1:{port}", "--nnodes", "2",
+            cmd = [PY, "-m", "node_agent.main", "--endpoint", f"127.0.0.1:{port}", "--nnodes", "2",
                    "--nproc", "2", "--job-id", "demo", "--max-restarts", "2", "--node-id", name,
                    os.path.join(ROOT, "examples", "train_ddp.py"), "--steps", "30", "--crash-rank", "3",
                    "--crash-step", "10"]

@@ -17,7 +17,6 @@ import time
 import uuid
 from typing import TextIO
 
-from node_agent.cli.options import AgentOptions
 from node_agent.client.transport import Transport, free_port
 from node_agent.client.witness import WitnessServer
 from node_agent.core.actions import (
@@ -35,9 +34,10 @@ from node_agent.core.actions import (
 from node_agent.core.facts import CHECK_JOIN, DeadlinePassed, Fact, SignalReceived
 from node_agent.core.node_health import NodeHealth
 from node_agent.core.policy import SupervisionPolicy
-from node_agent.narration import Narrator, server_name
+from node_agent.narration import Narrator
 from node_agent.node_checks import NodeChecks
 from node_agent.server_link import ServerLink
+from node_agent.settings import AgentSettings
 from node_agent.sources import start_source
 from node_agent.witness import probe_peers
 from node_agent.workers.interfaces import gloo_interface
@@ -48,22 +48,23 @@ SAME_SIGNAL_S = 1.0     # a signal repeated this soon is the first one delivered
 
 
 class Agent:
-    def __init__(self, opts: AgentOptions, transport: Transport, addr: str, console: TextIO | None = None, *,
+    def __init__(self, settings: AgentSettings, transport: Transport, addr: str, console: TextIO | None = None, *,
                  make_group: GroupFactory | None = None, checks: NodeChecks | None = None) -> None:
-        self.opts = opts
+        self.settings = settings
+        link = self.link = settings.link
         self.transport = transport
         self.addr = addr
         self.hostname = socket.gethostname()
         self.instance = uuid.uuid4().hex[:12]   # tells a restarted agent from a duplicate node id
         self.facts: asyncio.Queue[Fact | BaseException] = asyncio.Queue()   # or what broke a source
-        self.policy = SupervisionPolicy(server_wait_s=max(opts.server_wait, opts.job.lease_timeout_s),
-                                        lease_timeout_s=opts.job.lease_timeout_s)
-        self.narrator = Narrator(opts.node_id, console, addr, server=server_name(opts),
+        self.policy = SupervisionPolicy(server_wait_s=max(link.server_wait, link.job.lease_timeout_s),
+                                        lease_timeout_s=link.job.lease_timeout_s)
+        self.narrator = Narrator(link.node_id, console, addr, server=link.server,
                                  server_wait_s=self.policy.server_wait_s)
-        self.workers = LocalWorkers(opts, self.facts.put_nowait, hostname=self.hostname, clock=self.now,
+        self.workers = LocalWorkers(settings.workers, self.facts.put_nowait, hostname=self.hostname, clock=self.now,
                                     make_group=make_group, say=self.narrator.say)
         # the node's own checks (GPUs, --health-check) and --numa-binding: node_checks.py
-        self.checks = checks if checks is not None else NodeChecks(opts, self.narrator.say)
+        self.checks = checks if checks is not None else NodeChecks(settings.checks, self.narrator.say)
         self._first_signal: tuple[int, float] | None = None   # the signal that asked the agent to stop, and when
         self._exit: Exit | None = None
         # answers the other members' "are you there, and do you hear the server?" (witness.py)
@@ -81,7 +82,7 @@ class Agent:
 
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
-        for sig in self.opts.signals:
+        for sig in self.settings.workers.signals:
             loop.add_signal_handler(sig, self._on_signal, sig)
         await self.witness.start()
         try:
@@ -93,7 +94,7 @@ class Agent:
                 finally:
                     await link.close()
         finally:
-            for sig in self.opts.signals:
+            for sig in self.settings.workers.signals:
                 loop.remove_signal_handler(sig)
             await self.workers.close()
             await self.witness.close()
@@ -106,8 +107,8 @@ class Agent:
             self.narrator.say(chosen[1])
         self.checks.start()      # said before any worker starts
         self.workers.cpu_affinity = self.checks.cpu_affinity
-        self.policy.health = NodeHealth(enabled=self.checks.enabled, interval_s=self.opts.gpu_check_interval,
-                                        retry_min_s=self.checks.retry_min_s, give_up_s=self.opts.job.join_timeout_s)
+        self.policy.health = NodeHealth(enabled=self.checks.enabled, interval_s=self.settings.checks.gpu_check_interval,
+                                        retry_min_s=self.checks.retry_min_s, give_up_s=self.link.job.join_timeout_s)
         self.workers.warm_up()   # the environment is final: workers of the first round may start warm
         if self.policy.health.enabled:
             await self._do(CheckNode(CHECK_JOIN, -1), link)    # the node joins once its checks pass
@@ -140,7 +141,7 @@ class Agent:
         match action:
             case StopWorkers(signum=signum):
                 # Up to --stop-timeout: the lease must not lapse meanwhile.
-                async with link.lease_kept(max(0.2, self.opts.job.lease_timeout_s / 3)):
+                async with link.lease_kept(max(0.2, self.link.job.lease_timeout_s / 3)):
                     await self.workers.stop(signum)
             case Spawn(assignment=assignment):
                 await self.workers.spawn(assignment)
@@ -190,9 +191,9 @@ class Agent:
 
     async def _join(self) -> NodeStatus:
         return await self.transport.join(
-            addr=self.addr, host=self.hostname, local_world_size=self.opts.nproc, master_port=free_port(self.addr),
-            config=self.opts.job, instance=self.instance, role=self.opts.role, probe_port=self.witness.port,
-            command=self.opts.command, checks=self.checks.summary)
+            addr=self.addr, host=self.hostname, local_world_size=self.link.nproc, master_port=free_port(self.addr),
+            config=self.link.job, instance=self.instance, role=self.link.role, probe_port=self.witness.port,
+            command=self.link.command, checks=self.checks.summary)
 
     async def _poll(self, wait_s: float) -> NodeStatus:
         return await self.transport.poll(self.policy.known_round, wait_s, master_port=free_port(self.addr))

@@ -10,9 +10,6 @@ import sys
 import time
 from typing import TextIO
 
-from node_agent.cli.launch_form import Mode
-from node_agent.cli.options import AgentOptions
-from node_agent.cli.values import StdSpec
 from node_agent.client.replies import STANDBY
 from node_agent.client.retry import unreachable_line
 from node_agent.core.actions import Action, Exit, Rejoin, Spawn, StopWorkers
@@ -31,6 +28,7 @@ from node_agent.core.facts import (
     WorkersHung,
 )
 from node_agent.core.summary import how
+from node_agent.settings import AgentSettings, Mode, StdSpec
 from protocol.messages import (
     Assignment,
     FailureReport,
@@ -134,14 +132,6 @@ class Narrator:
             self.say(f"waiting for the next round{news or ': collecting nodes'}")
 
 
-def server_name(opts: AgentOptions) -> str:
-    """The rdzv-server as the user named it (HOST:PORT, replicas after a comma); "" without a server."""
-    if opts.mode is not Mode.SERVER:
-        return ""
-    return ",".join(f"{host}:{port}" for host, port in ((opts.endpoint_host, opts.endpoint_port),
-                                                          *opts.endpoint_replicas))
-
-
 def round_line(a: Assignment) -> str:
     return (f"round {a.round_id}: group rank {a.group_rank}/{a.group_world_size}, ranks "
             f"{a.rank_offset}..{a.rank_offset + a.local_world_size - 1} of world size {a.world_size}, "
@@ -152,16 +142,17 @@ def worker(f: WorkerFailure) -> str:
     return f"worker rank {f.rank} (local {f.local_rank})"
 
 
-def start_lines(opts: AgentOptions) -> list[str]:
+def start_lines(settings: AgentSettings) -> list[str]:
     """What the agent says before it starts: a job id it chose, and what a static launch means."""
     lines = []
-    if opts.job_id_source:
-        lines.append(f"job id {opts.job_id} (from {opts.job_id_source}; --rdzv-id sets another)")
-    if opts.log_dir is None and (opts.redirects != StdSpec() or opts.tee != StdSpec()):
-        lines.append(f"worker logs go to {opts.run_dir} (a temporary directory: no --log-dir)")
-    if opts.mode is Mode.STATIC:
-        lines.append(f"static launch: node rank {opts.node_rank} of {opts.job.max_nodes}, master "
-                     f"{opts.master_addr}:{opts.master_port}; no rendezvous server, so restarts are this "
+    link, workers = settings.link, settings.workers
+    if link.job_id_source:
+        lines.append(f"job id {link.job_id} (from {link.job_id_source}; --rdzv-id sets another)")
+    if workers.log_dir is None and (workers.redirects != StdSpec() or workers.tee != StdSpec()):
+        lines.append(f"worker logs go to {workers.run_dir} (a temporary directory: no --log-dir)")
+    if link.mode is Mode.STATIC:
+        lines.append(f"static launch: node rank {link.node_rank} of {link.job.max_nodes}, master "
+                     f"{link.master_addr}:{link.master_port}; no rendezvous server, so restarts are this "
                      f"node's own (as with torchrun's static backend)")
     return lines
 

@@ -18,11 +18,11 @@ import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
-from node_agent.cli.options import AgentOptions
 from node_agent.core.actions import CheckNode
 from node_agent.core.facts import CHECK_FAILURE, NodeChecked
 from node_agent.core.node_health import RETRY_MIN_S
 from node_agent.gpu import has_nvidia_devices
+from node_agent.settings import CheckSettings
 from protocol.messages import Unhealthy as Kind
 from protocol.messages import WorkerFailure
 from protocol.quoting import one_line
@@ -35,7 +35,7 @@ ProbeFactory = Callable[[], "GpuProbe"]
 
 
 class NodeChecks:
-    def __init__(self, opts: AgentOptions, say: Callable[[str], None], *, probe: ProbeFactory | None = None,
+    def __init__(self, opts: CheckSettings, say: Callable[[str], None], *, probe: ProbeFactory | None = None,
                  root: str = "/", dev_dir: str = "/dev", environ: Mapping[str, str] = os.environ) -> None:
         self.opts = opts
         self._say = say

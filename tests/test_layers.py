@@ -23,12 +23,13 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     "node_agent.core": ("protocol", "node_agent.client.replies"),
     "node_agent.client": ("protocol", "rdzv_server.coordinator", "rdzv_server.core"),   # local: in-process server
     "node_agent.gpu": ("protocol",),
-    "node_agent.workers": ("protocol", "node_agent.core", "node_agent.cli", "node_agent.heartbeat",
+    "node_agent.workers": ("protocol", "node_agent.core", "node_agent.settings", "node_agent.heartbeat",
                            "node_agent.gpu", "node_agent.snapshot", "node_agent.sources", "node_agent.workers.warm"),
     # the warm zygote's agent side; the zygote itself (zygote.py) imports nothing of ours
     "node_agent.workers.warm": ("node_agent.heartbeat", "node_agent.workers.deathsig", "node_agent.workers.environment",
                                 "node_agent.workers.launch"),
-    "node_agent.cli": ("protocol", "node_agent", "rdzv_server.coordinator", "rdzv_server.core"),
+    # the command line: read into settings; the composition root (node_agent/main.py) builds the rest
+    "node_agent.cli": ("protocol", "node_agent.settings", "node_agent.gpu.topology"),
     "node_agent.plugin": ("protocol", "node_agent.client", "node_agent.cli.job_identity", "node_agent.cli.rdzv_conf",
                           "node_agent.cli.values", "node_agent.workers.script_check"),
     "node_agent": ("protocol", "node_agent.core", "node_agent.client", "node_agent.workers", "node_agent.cli",
@@ -103,3 +104,14 @@ def test_a_planted_violation_is_named():
         "rdzv_ctl.cli imports rdzv_server.coordinator",
         "rdzv_server.core.job_rules imports rdzv_server.web.views",
     ]
+
+
+def test_only_the_composition_root_and_the_plugin_read_the_command_line_package():
+    """The agent's parts get their settings (node_agent/settings.py), never the CLI's options: only
+    main.py (which builds them) and the plugin (which shares the CLI's rules for ids and --rdzv-conf)
+    import node_agent.cli."""
+    def cli(module: str) -> bool:
+        return module == "node_agent.cli" or module.startswith("node_agent.cli.")
+    readers = {m for m, path in modules().items() if m.startswith("node_agent.") and not cli(m)
+               and not m.startswith("node_agent.plugin") and any(cli(i) for i in imported(path, m))}
+    assert readers == {"node_agent.main"}, readers

@@ -16,21 +16,15 @@
 """
 from __future__ import annotations
 
-import enum
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NoReturn
 
 from node_agent.cli.values import DEFAULT_PORT, parse_endpoint, parse_server
+from node_agent.settings import Mode
 
 STATIC_MASTER_PORT = 29500      # torchrun's --master-port default
-
-
-class Mode(str, enum.Enum):
-    SERVER = "server"
-    STANDALONE = "standalone"
-    STATIC = "static"
 
 
 @dataclass(frozen=True)

@@ -12,16 +12,15 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import signal
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from node_agent.cli.command_line import JOB_DEFAULTS, CommandLine, OptionsError, job_config, non_negative, one_line
 from node_agent.cli.flags import FLAGS, FlagError, split_command_line
 from node_agent.cli.flags import build_argparser as _build
 from node_agent.cli.job_identity import TORCHRUN_DEFAULT_ID, command_fingerprint, default_job_id
-from node_agent.cli.launch_form import Mode, launch_form
+from node_agent.cli.launch_form import launch_form
 from node_agent.cli.rdzv_conf import (
     AGENT_NOTES,
     IGNORED_KEYS,
@@ -29,11 +28,9 @@ from node_agent.cli.rdzv_conf import (
     NO_TRANSPORT_CHOICE,
     parse_conf,
 )
-from node_agent.cli.values import (  # noqa: F401  (Std, StdSpec, count_gpus: re-exported)
+from node_agent.cli.values import (  # noqa: F401  (count_gpus: re-exported)
     DEFAULT_PORT,
     Fail,
-    Std,
-    StdSpec,
     _default_node_id,
     _int,
     _rank_set,
@@ -48,17 +45,20 @@ from node_agent.cli.values import (  # noqa: F401  (Std, StdSpec, count_gpus: re
     parse_std,
     resolve_nproc,
 )
+from node_agent.settings import (
+    DEFAULT_PRELOAD,
+    DEFAULT_SIGNALS,
+    DEFAULT_TEE_PREFIX,
+    AgentSettings,
+    CheckSettings,
+    LinkSettings,
+    Mode,
+    StdSpec,
+    WorkerSettings,
+)
 from protocol.ids import job_id_problem, node_id_problem
 from protocol.messages import JobConfig
 from protocol.tokens import read_token_file, token_problem
-
-DEFAULT_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)   # torchrun's
-DEFAULT_TEE_PREFIX = "[${role_name}${local_rank}]:"     # torchrun's prefix of tee'd lines
-# What a typical training script imports before its first step (python -X importtime examples/train_ddp.py),
-# torch._dynamo included: the first optimizer step imports it, and it costs as much as torch itself. (It left
-# the list once for end-of-job hangs in gloo's process-group destructor; the zygote's pause at
-# destroy_process_group, zygote._let_gloo_threads_finish_at_destroy, ended them: docs/fault-tolerance.md.)
-DEFAULT_PRELOAD = ("torch", "torch.distributed", "torch.nn", "torch.optim", "torch._dynamo")
 
 
 @dataclass(frozen=True)
@@ -114,21 +114,25 @@ class AgentOptions:
     kill_timeout: float = 10.0         # after SIGKILL: a worker still alive then marks the node unhealthy
 
     @property
-    def standalone(self) -> bool:
-        return self.mode is Mode.STANDALONE
-
-    @property
-    def warm(self) -> bool:
-        """Workers may start warm: a Python script or module (not --no-python, not --run-path)."""
-        return self.warm_workers == "auto" and not self.no_python and not self.run_path
-
-    @property
     def endpoint(self) -> str | None:
         """`host:port` for URLs, with IPv6 hosts in brackets."""
         if self.endpoint_host is None:
             return None
         host = f"[{self.endpoint_host}]" if ":" in self.endpoint_host else self.endpoint_host
         return f"{host}:{self.endpoint_port}"
+
+    def settings(self) -> AgentSettings:
+        """The options split by what each part of the agent runs with (node_agent/settings.py)."""
+        return AgentSettings(workers=_pick(WorkerSettings, self), link=_pick(LinkSettings, self),
+                             checks=_pick(CheckSettings, self), reply_file=self.reply_file, warnings=self.warnings)
+
+
+S = TypeVar("S")
+
+
+def _pick(kind: type[S], opts: AgentOptions) -> S:
+    """A settings value of `kind` with the options' values of its fields (each named as the option is)."""
+    return kind(**{f.name: getattr(opts, f.name) for f in dataclasses.fields(kind)})  # type: ignore[arg-type]
 
 
 _AGENT_DEFAULTS: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(AgentOptions)}

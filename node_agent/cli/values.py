@@ -6,42 +6,20 @@ flag table and argparse wiring stay in `options.py`.
 """
 from __future__ import annotations
 
-import enum
 import itertools
 import os
 import re
 import signal
 import socket
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from typing import NoReturn
 
+from node_agent.settings import Std, StdSpec
 from protocol.tokens import read_token_file, token_problem
 
 DEFAULT_PORT = 29400          # torchrun's default when the endpoint names no port
 _J_SPEC = re.compile(r"^(?:(\d+):)?(\d+)x(\d+)$")
 Fail = Callable[[str], NoReturn]   # raises OptionsError naming a flag, with the reason given
-
-
-class Std(enum.IntFlag):
-    """Which of a worker's standard streams a setting covers (torchrun's numbering)."""
-    NONE = 0
-    OUT = 1
-    ERR = 2
-    ALL = 3
-
-
-@dataclass(frozen=True)
-class StdSpec:
-    """A `-r/--redirects` or `-t/--tee` value: one Std for all ranks, or a map (missing ranks: NONE)."""
-    default: Std = Std.NONE
-    per_rank: tuple[tuple[int, Std], ...] = ()
-
-    def for_rank(self, local_rank: int) -> Std:
-        for rank, std in self.per_rank:
-            if rank == local_rank:
-                return std
-        return self.default
 
 
 # --------------------------------------------------------------------------------------- value parsers

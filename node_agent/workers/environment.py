@@ -12,7 +12,7 @@ import signal
 import sys
 from collections.abc import Mapping, Sequence
 
-from node_agent.cli.options import DEFAULT_SIGNALS, AgentOptions
+from node_agent.settings import DEFAULT_SIGNALS, WorkerSettings
 from node_agent.snapshot import DIR_VAR as MEMORY_DIR_VAR
 from node_agent.snapshot import LIMIT_VAR as MEMORY_LIMIT_VAR
 from protocol.messages import Assignment
@@ -112,7 +112,7 @@ def worker_env(*, base: Mapping[str, str], assignment: Assignment, local_rank: i
 RUN_PATH = "import runpy, sys; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
 
 
-def worker_argv(opts: AgentOptions, environ: Mapping[str, str] = os.environ) -> list[str]:
+def worker_argv(opts: WorkerSettings, environ: Mapping[str, str] = os.environ) -> list[str]:
     """The command each worker runs: `python -u script args`, `python -u -m module args`, the
     program itself with --no-python, or the script through runpy with --run-path (which wins over the
     others, as in torchrun). PYTHON_EXEC picks the interpreter, as in torchrun."""

@@ -16,8 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from string import Template
 
-from node_agent.cli.options import AgentOptions
-from node_agent.cli.values import Std
+from node_agent.settings import Std, WorkerSettings
 from node_agent.workers.environment import common_env, worker_argv, worker_env
 from node_agent.workers.warm.store_host import SCRIPT as STORE_HOST
 from protocol.messages import Assignment
@@ -71,7 +70,7 @@ def attempt_dir(run_dir: str, restart_count: int) -> str:
     return os.path.join(run_dir, f"attempt_{restart_count}")
 
 
-def build_launches(a: Assignment, opts: AgentOptions, *, run_dir: str, hostname: str, stdin_tty: bool = False,
+def build_launches(a: Assignment, opts: WorkerSettings, *, run_dir: str, hostname: str, stdin_tty: bool = False,
                    environ: Mapping[str, str] = os.environ, memory_dirs: Mapping[int, str] | None = None,
                    memory_limit: int | None = None, agent_store: bool = False,
                    cpu_affinity: Mapping[int, frozenset[int]] | None = None) -> list[WorkerLaunch]:

@@ -19,9 +19,9 @@ import tempfile
 from collections.abc import Callable, Mapping
 from typing import Protocol
 
-from node_agent.cli.options import AgentOptions
 from node_agent.core.facts import CHECK_STOP, NodeChecked, Put, SpawnFailed, WorkersExited, WorkersHung
 from node_agent.core.hangwatch import HangWatch
+from node_agent.settings import WorkerSettings
 from node_agent.sources import start_source
 from node_agent.workers.environment import common_env, worker_argv
 from node_agent.workers.failures import exit_failure, hang_failure, spawn_failure, store_failure
@@ -58,7 +58,7 @@ class GroupFactory(Protocol):
                  on_beat: Callable[[int], None] | None) -> Group: ...
 
 
-def warm_zygote(opts: AgentOptions, warn: Callable[[str], None]) -> WarmZygote | None:
+def warm_zygote(opts: WorkerSettings, warn: Callable[[str], None]) -> WarmZygote | None:
     """The warm zygote for these options (not started yet), or None when every worker starts cold."""
     if not opts.warm:
         return None
@@ -68,7 +68,7 @@ def warm_zygote(opts: AgentOptions, warn: Callable[[str], None]) -> WarmZygote |
 
 
 class LocalWorkers:
-    def __init__(self, opts: AgentOptions, put: Put, *, hostname: str,
+    def __init__(self, opts: WorkerSettings, put: Put, *, hostname: str,
                  clock: Callable[[], float], make_group: GroupFactory | None = None,
                  say: Callable[[str], None] = lambda _: None) -> None:
         self.opts = opts

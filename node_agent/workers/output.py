@@ -26,7 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TextIO
 
-from node_agent.cli.values import Std
+from node_agent.settings import Std
 from node_agent.workers.launch import WorkerLaunch
 
 MAX_PIECE = 64 * 1024          # a line longer than this without a newline is passed on in pieces

@@ -139,7 +139,7 @@ class Cluster:
         return self.port
 
     def agent(self, *args: str, name: str = "agent", env: dict[str, str] | None = None) -> Proc:
-        argv = [sys.executable, "-m", "node_agent.cli.main", *args]
+        argv = [sys.executable, "-m", "node_agent.main", *args]
         proc = Proc(argv, child_env(**{"TMPDIR": self.temp_dir(), **(env or {})}), name)
         self.procs.append(proc)
         return proc

@@ -20,7 +20,7 @@ def test_warm_workers_die_with_a_sigkilled_agent(cluster):
     found = agent.wait_for_line(r"warm worker pid (\d+) parent (\d+)")
     worker, zygote = int(found.group(1)), int(found.group(2))
     assert psutil.Process(zygote).ppid() == agent.pid          # the zygote is the agent's child
-    assert "1 of 1 workers started warm" in agent.output
+    agent.wait_for_line("1 of 1 workers started warm")         # said by the agent, maybe after the worker's line
     os.kill(agent.pid, signal.SIGKILL)
     assert pid_gone(zygote, 30), "the zygote outlived its agent"
     assert pid_gone(worker, 30), "a warm worker outlived its agent"

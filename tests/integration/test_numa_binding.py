@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from node_agent.cli.options import AgentOptions
 from node_agent.gpu.node import survey
 from node_agent.gpu.nvml import FakeGpuProbe
+from node_agent.settings import WorkerSettings
 from node_agent.workers.group import WorkerGroup
 from node_agent.workers.launch import build_launches
 from node_agent.workers.process import child_setup
@@ -54,7 +54,7 @@ async def test_each_spawned_worker_runs_on_its_gpu_s_numa_node_at_every_restart(
         environ["CUDA_VISIBLE_DEVICES"] = visible
     gpus = survey(2, environ, probe=probe, numa_binding="node", root=str(tmp_path / "sys"), allowed=frozenset({0, 1}))
     assert gpus.warnings == () and len(gpus.lines) == 2
-    opts = AgentOptions(script="train.py", nproc=2)
+    opts = WorkerSettings(script="train.py", nproc=2)
     for restart in (0, 1):            # the same binding for a restarted worker
         launches = build_launches(assignment(restart), opts, run_dir=str(tmp_path / "logs"), hostname="h",
                                   environ=environ, cpu_affinity=gpus.cpu_affinity)

@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator, Callable
 
 import pytest
 
-from node_agent.cli.values import Std
+from node_agent.settings import Std
 from node_agent.workers.launch import WorkerLaunch
 from node_agent.workers.output import Console, LinePump, Sink, open_sink
 from node_agent.workers.process import Worker, WorkerExit

@@ -17,7 +17,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from node_agent.cli.options import DEFAULT_PRELOAD
+from node_agent.settings import DEFAULT_PRELOAD
 from node_agent.workers.group import WorkerGroup
 from node_agent.workers.launch import WorkerLaunch
 from node_agent.workers.process import WorkerExit

@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 import psutil
 import pytest
 
-from node_agent.cli.values import Std
+from node_agent.settings import Std
 from node_agent.workers.launch import WorkerLaunch
 from node_agent.workers.process import Worker, WorkerExit, _child_setup, _prctl, signal_name
 from tests.integration.worker_support import LIMIT, ROOT, RecordingConsole, kill_strays, launch

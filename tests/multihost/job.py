@@ -74,7 +74,7 @@ class MultiHostJob:
                     extra: tuple[str, ...] = (), gloo_ifname: str | None = GLOO_IFNAME) -> Proc:
         """An agent on `host` running scripts/train_loop.py; `gloo_ifname=None` leaves
         GLOO_SOCKET_IFNAME unset."""
-        argv = [sys.executable, "-m", "node_agent.cli.main", "--endpoint", endpoint or self.endpoint(),
+        argv = [sys.executable, "-m", "node_agent.main", "--endpoint", endpoint or self.endpoint(),
                 "--nnodes", nnodes, "--nproc", "1", "--job-id", self.job_id, "--node-id", host,
                 "--max-restarts", "3", "--lease-timeout", f"{LEASE_S:g}", *extra, TRAIN_LOOP]
         tmp = self.out / "tmp"          # where an agent killed at teardown leaves its run directory

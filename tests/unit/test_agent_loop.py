@@ -14,13 +14,13 @@ from dataclasses import dataclass, field
 import pytest
 
 from node_agent.agent import Agent
-from node_agent.cli.launch_form import Mode
 from node_agent.cli.options import AgentOptions
 from node_agent.client.local import LocalClient
 from node_agent.client.transport import ServerUnreachable
 from node_agent.core.actions import Action
 from node_agent.core.facts import DeadlinePassed, Fact, ServerNotReached, ServerRefused, StatusReceived
 from node_agent.core.policy import SupervisionPolicy
+from node_agent.settings import Mode
 from node_agent.workers.launch import WorkerLaunch
 from node_agent.workers.process import WorkerExit, WorkerSpawnError
 from protocol.errors import ErrorCode
@@ -107,7 +107,7 @@ async def start(tmp_path) -> AsyncIterator[Callable[..., Run]]:
             groups.put_nowait(group)
             return group
 
-        agent = Agent(opts, server, "127.0.0.1", console, make_group=make_group)
+        agent = Agent(opts.settings(), server, "127.0.0.1", console, make_group=make_group)
         facts: list[Fact] = []
         agent.policy = RecordingPolicy(server_wait_s=agent.policy.server_wait_s, seen=facts)
         run = Run(agent, server, console, groups, asyncio.create_task(agent.run()), facts, errors)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from node_agent.cli import main as cli
+from node_agent import main as cli
 from protocol.ids import job_id_problem, node_id_problem
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from node_agent.cli import main as cli
+from node_agent import main as cli
 from node_agent.cli.options import parse_options
 
 

@@ -5,8 +5,8 @@ import asyncio
 import signal
 from collections.abc import Callable
 
-from node_agent.cli.options import AgentOptions
 from node_agent.core.facts import Fact, SpawnFailed, WorkersExited
+from node_agent.settings import WorkerSettings
 from node_agent.workers.launch import WorkerLaunch
 from node_agent.workers.local import LocalWorkers
 from node_agent.workers.process import WorkerExit
@@ -28,7 +28,7 @@ def local_workers(log_dir: str) -> tuple[LocalWorkers, list[FakeGroup], asyncio.
         groups.append(FakeGroup(launches, stop_timeout=stop_timeout, on_beat=on_beat))
         return groups[-1]
 
-    opts = AgentOptions(script="train.py", nproc=2, node_id="n1", log_dir=log_dir)
+    opts = WorkerSettings(script="train.py", nproc=2, node_id="n1", log_dir=log_dir)
     return LocalWorkers(opts, facts.put_nowait, hostname="h", clock=lambda: 0.0, make_group=make), groups, facts
 
 
@@ -46,7 +46,7 @@ async def test_a_round_that_succeeded_is_swept_up_before_the_next_one_starts(tmp
 async def test_no_room_for_the_workers_files_is_a_spawn_failure(tmp_path) -> None:
     (tmp_path / "logs").write_text("a file where the log directory would go")
     workers, groups, facts = local_workers(str(tmp_path))
-    workers.opts = AgentOptions(script="train.py", nproc=2, job_id="j", node_id="n1", log_dir=str(tmp_path / "logs"))
+    workers.opts = WorkerSettings(script="train.py", nproc=2, job_id="j", node_id="n1", log_dir=str(tmp_path / "logs"))
     await workers.spawn(assignment(1))
     fact = facts.get_nowait()
     assert isinstance(fact, SpawnFailed) and fact.round_id == 1 and groups == []
@@ -60,7 +60,7 @@ class BrokenGroup(FakeGroup):
 
 async def test_a_source_that_breaks_hands_the_loop_its_exception(tmp_path) -> None:
     facts: asyncio.Queue[Fact | BaseException] = asyncio.Queue()
-    opts = AgentOptions(script="train.py", nproc=2, node_id="n1", log_dir=str(tmp_path))
+    opts = WorkerSettings(script="train.py", nproc=2, node_id="n1", log_dir=str(tmp_path))
     workers = LocalWorkers(opts, facts.put_nowait, hostname="h", clock=lambda: 0.0, make_group=BrokenGroup)
     await workers.spawn(assignment(1))
     item = await asyncio.wait_for(facts.get(), LIMIT)

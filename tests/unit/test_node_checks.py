@@ -15,12 +15,12 @@ import msgspec
 import pytest
 
 from node_agent.agent import Agent
-from node_agent.cli.launch_form import Mode
 from node_agent.cli.options import AgentOptions
 from node_agent.core.actions import CheckNode
 from node_agent.core.facts import CHECK_FAILURE, CHECK_JOIN, CHECK_RESTART, CHECK_RUNNING, NodeChecked
 from node_agent.gpu.nvml import FakeGpuProbe, healthy
 from node_agent.node_checks import NodeChecks
+from node_agent.settings import CheckSettings, Mode
 from node_agent.workers.launch import WorkerLaunch
 from protocol.messages import JobConfig, Unhealthy, WorkerFailure
 from protocol.quoting import quote
@@ -109,7 +109,7 @@ async def start(tmp_path) -> AsyncIterator[Callable[..., Node]]:
             groups.put_nowait(group)
             return group
 
-        agent = Agent(options, server, "127.0.0.1", console, make_group=make_group)
+        agent = Agent(options.settings(), server, "127.0.0.1", console, make_group=make_group)
         checks = RecordingChecks(options, agent.narrator.say, probe=lambda: probe, root=str(tmp_path / "sysfs"),
                                  dev_dir=dev_with_gpus(tmp_path, gpus))
         checks.retry_min_s = 0.05
@@ -254,8 +254,7 @@ async def test_more_workers_than_gpus_is_one_warning_naming_both_before_workers_
 
 
 async def test_a_failure_naming_a_gpu_fault_is_the_gpu_s_and_a_device_side_assert_the_user_s(tmp_path) -> None:
-    opts = AgentOptions(script="train.py")
-    checks = NodeChecks(opts, lambda line: None, probe=lambda: FakeGpuProbe.with_gpus(1),
+    checks = NodeChecks(CheckSettings(), lambda line: None, probe=lambda: FakeGpuProbe.with_gpus(1),
                         root=str(tmp_path), dev_dir=dev_with_gpus(tmp_path, 1))
     checks.start()
     ecc_failure = WorkerFailure(local_rank=0, rank=3, exitcode=1,

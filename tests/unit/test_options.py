@@ -10,15 +10,8 @@ import uuid
 import pytest
 
 from node_agent.cli.job_identity import command_fingerprint
-from node_agent.cli.launch_form import Mode
-from node_agent.cli.options import (
-    OptionsError,
-    Std,
-    StdSpec,
-    build_argparser,
-    count_gpus,
-    parse_options,
-)
+from node_agent.cli.options import OptionsError, build_argparser, count_gpus, parse_options
+from node_agent.settings import Mode, Std, StdSpec
 from protocol.ids import job_id_problem, node_id_problem
 from protocol.messages import JobConfig
 
@@ -40,7 +33,7 @@ def error_of(*argv: str, environ: dict[str, str] | None = None) -> str:
 
 def test_defaults() -> None:
     o = parse(*EP, "train.py")
-    assert o.mode is Mode.SERVER and not o.standalone
+    assert o.mode is Mode.SERVER and o.mode is not Mode.STANDALONE
     assert (o.endpoint_host, o.endpoint_port, o.endpoint) == ("rdzv.example", 29400, "rdzv.example:29400")
     assert (o.nproc, o.job.min_nodes, o.job.max_nodes) == (1, 1, 1)
     assert (o.job.max_restarts, o.role) == (0, "default")
@@ -51,7 +44,7 @@ def test_defaults() -> None:
     assert o.signals == (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
     assert (o.reply_file, o.log_line_prefix, o.tee_prefix) == (None, None, "[${role_name}${local_rank}]:")
     assert o.job == JobConfig()   # every job setting left out takes JobConfig's default, as on the wire
-    assert (o.module, o.no_python, o.standalone, o.log_dir, o.local_addr) == (False, False, False, None, None)
+    assert (o.module, o.no_python, o.log_dir, o.local_addr) == (False, False, None, None)
     assert o.redirects.for_rank(0) == Std.NONE and o.tee.for_rank(5) == Std.NONE
     assert o.local_ranks_filter is None and o.warnings == ()
     assert (o.script, o.script_args) == ("train.py", ())
@@ -232,7 +225,7 @@ def test_endpoint_errors_use_the_spelling_given(text: str) -> None:
 
 def test_standalone() -> None:
     o = parse("--standalone", "--nproc", "2", "t.py")
-    assert o.standalone and o.endpoint_host is None and (o.job.min_nodes, o.job.max_nodes) == (1, 1)
+    assert o.mode is Mode.STANDALONE and o.endpoint_host is None and (o.job.min_nodes, o.job.max_nodes) == (1, 1)
     uuid.UUID(o.job_id)                               # torchrun's: a fresh run id
     o = parse("--standalone", "--nnodes", "1:4", "--rdzv-endpoint", "h:1", "--rdzv-id", "mine", "t.py")
     assert (o.job.min_nodes, o.job.max_nodes, o.endpoint_host, o.job_id) == (1, 1, None, "mine")

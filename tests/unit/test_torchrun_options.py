@@ -8,8 +8,8 @@ import uuid
 import pytest
 
 from node_agent.cli.job_identity import command_fingerprint
-from node_agent.cli.launch_form import Mode
 from node_agent.cli.options import OptionsError, agent_token, parse_options
+from node_agent.settings import Mode
 
 BASE = {"CUDA_VISIBLE_DEVICES": "", "USER": "alice", "LOGNAME": "alice"}
 

@@ -1,0 +1,106 @@
+"""`node-agent` (and `python -m node_agent`): the composition root. The CLI (cli/) reads the command line
+into settings; this builds the agent's parts from them and runs it. Bad input gives one line, never a
+traceback.
+
+The rendezvous follows the command line (cli/launch_form.py): an rdzv-server over HTTP, or in-process
+for one node (`--standalone` and torchrun's single-node forms) and for static launches. When the agent
+was started with TORCHELASTIC_ERROR_FILE (as TorchX and other schedulers start torchrun), a failure is
+written there in torchrun's format.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import glob
+import os
+import shutil
+import sys
+import tempfile
+
+from node_agent.agent import Agent
+from node_agent.cli.command_line import OptionsError
+from node_agent.cli.options import agent_token, parse_options
+from node_agent.client.transport import Transport, local_addr_towards
+from node_agent.narration import Narrator, reply_of, start_lines
+from node_agent.settings import AgentSettings, LinkSettings, Mode, StdSpec, WorkerSettings
+from node_agent.workers.environment import worker_argv
+from node_agent.workers.error_file import write_reply_file
+from node_agent.workers.launch import make_run_dir
+from node_agent.workers.script_check import script_problem
+
+
+def _transport(link: LinkSettings, token: str | None) -> tuple[Transport, str]:
+    """The way to the rendezvous, and the address other nodes reach this one at."""
+    if link.mode is Mode.STANDALONE:
+        # Like torchrun --standalone, but the rendezvous runs in this process with no HTTP at all.
+        from node_agent.client.local import LocalClient
+        return LocalClient(link.job_id, link.node_id), link.local_addr or "127.0.0.1"
+    if link.mode is Mode.STATIC:
+        from node_agent.client.static import StaticClient
+        client = StaticClient(link.job_id, link.node_id, node_rank=link.node_rank, nnodes=link.job.max_nodes,
+                              master_addr=link.master_addr, master_port=link.master_port)
+        return client, link.local_addr or local_addr_towards(link.master_addr, link.master_port)
+    from node_agent.client.http import RdzvClient
+    assert link.endpoint_host is not None and link.endpoint_port is not None
+    addr = link.local_addr or local_addr_towards(link.endpoint_host, link.endpoint_port)
+    return RdzvClient(link.endpoint_host, link.endpoint_port, link.job_id, link.node_id,
+                      scheme=link.endpoint_scheme, token=token, tls_ca=link.tls_ca,
+                      replicas=link.endpoint_replicas), addr
+
+
+async def _run(settings: AgentSettings, token: str | None) -> int:
+    transport, addr = _transport(settings.link, token)
+    agent = Agent(settings, transport, addr)
+    code = await agent.run()
+    if code != 0 and settings.reply_file:
+        write_reply_file(settings.reply_file, *reply_of(agent.exit, code))
+    return code
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        opts = parse_options(sys.argv[1:] if argv is None else argv)
+        token = agent_token(opts)
+    except OptionsError as exc:
+        print(f"node-agent: error: {exc}", file=sys.stderr)
+        return 2
+    settings = opts.settings()
+    for warning in settings.warnings:
+        print(f"node-agent: warning: {warning}", file=sys.stderr)
+    workers = settings.workers
+    if not (workers.module or workers.no_python) and (problem := script_problem(workers.script,
+                                                                               worker_argv(workers)[0])):
+        print(f"node-agent: error: {problem}", file=sys.stderr)   # before joining: no round, no restart used
+        return 2
+    try:   # torchrun's layout: a fresh directory for this run, under --log-dir or a temporary one
+        root = workers.log_dir or tempfile.mkdtemp(prefix="node-agent_")
+        workers = dataclasses.replace(workers, run_dir=make_run_dir(root, workers.job_id))
+        settings = dataclasses.replace(settings, workers=workers)
+    except OSError as exc:
+        print(f"node-agent: error: --log-dir {workers.log_dir}: {exc.strerror or exc}", file=sys.stderr)
+        return 2
+    narrator = Narrator(settings.link.node_id)
+    for line in start_lines(settings):
+        narrator.say(line)
+    try:
+        return asyncio.run(_run(settings, token))
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        if workers.log_dir is None:
+            _tidy(workers, root, narrator)
+
+
+def _tidy(workers: WorkerSettings, root: str, narrator: Narrator) -> None:
+    """The temporary log directory (no --log-dir) is kept when it holds something to read: redirected or
+    tee'd output, or a worker's error file. Otherwise it goes."""
+    assert workers.run_dir is not None
+    logs = workers.redirects != StdSpec() or workers.tee != StdSpec()
+    if logs or glob.glob(os.path.join(glob.escape(workers.run_dir), "attempt_*", "*", "error.json")):
+        narrator.say(f"worker logs and error files are kept in {workers.run_dir}")
+    else:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
