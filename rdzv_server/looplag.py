@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import asyncio
 import socket
-import struct
 import time
+
+from rdzv_server import tcp_info
 
 INTERVAL_S = 0.05
 ACCEPT_WAIT_S = 1.0      # connections waiting to be accepted: the server counts as at least this far behind
-_TCPI_UNACKED = 24       # struct tcp_info (Linux): u32 that a listening socket fills with its accept queue's length
 
 
 class LoopLagProbe:
@@ -36,14 +36,8 @@ class LoopLagProbe:
 
     def accept_queue(self) -> int:
         """Connections the kernel holds for the server, not yet accepted (0 where it cannot say)."""
-        waiting = 0
-        for sock in self._listeners:
-            try:
-                waiting += struct.unpack_from("I", sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 104),
-                                              _TCPI_UNACKED)[0]
-            except (OSError, AttributeError, struct.error):    # closed, or no TCP_INFO (not Linux)
-                pass
-        return waiting
+        infos = (tcp_info.read(sock) for sock in self._listeners)
+        return sum(info.unacked for info in infos if info is not None)
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="rdzv-loop-lag")

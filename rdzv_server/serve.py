@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
+from rdzv_server import tcp_info
 from rdzv_server.coordinator import Coordinator
 from rdzv_server.core.rendezvous import Limits, Rendezvous
 from rdzv_server.delivery.caps import MAX_POLLS_PER_NODE, MAX_POLLS_PER_PEER
@@ -119,7 +120,8 @@ async def serve(config: ServerConfig, store: Store | None = None,
     limit = raise_open_file_limit()
     hard = max(64, limit - FD_RESERVE)
     guard = ConnectionGuard(min(config.max_connections or hard, hard), hard)
-    coordinator = Coordinator(Rendezvous(limits=config.limits), store=store,
+    lag = LoopLagProbe()
+    coordinator = Coordinator(Rendezvous(limits=config.limits), store=store, loop_lag=lag,
                               max_polls_per_peer=config.max_polls_per_peer,
                               max_polls_per_node=config.max_polls_per_node)
     app = create_app(coordinator, access=config.access, standby=replication is not None)
@@ -134,6 +136,8 @@ async def serve(config: ServerConfig, store: Store | None = None,
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=2.0,
                            keepalive_timeout=IDLE_TIMEOUT_S)
     await runner.setup()                 # the state is loaded here (the coordinator's start)
+    if (problem := tcp_info.check()) is not None:
+        log.warning("%s: the server reads no connection's state from the kernel", problem)
     freezer = Freezer() if config.gc_tuning else None
     if freezer is not None:
         tune_gc()
@@ -150,8 +154,7 @@ async def serve(config: ServerConfig, store: Store | None = None,
     except BaseException:
         await runner.cleanup()
         raise
-    if isinstance(coordinator.loop_lag, LoopLagProbe):
-        coordinator.loop_lag.watch_listener(sock)     # a node's next poll may wait in its accept queue
+    lag.watch_listener(sock)     # a node's next poll may wait in its accept queue
     bound = sock.getsockname()
     scheme = "https" if config.tls else "http"
     host = f"[{bound[0]}]" if ":" in bound[0] else bound[0]

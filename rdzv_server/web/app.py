@@ -207,9 +207,8 @@ def create_app(coordinator: Coordinator | None = None, *, allow_remote_admin: bo
                                        standby_middleware],
                           client_max_size=MAX_BODY_BYTES)
     app[ACCESS] = access or Access(allow_remote_admin=allow_remote_admin)
-    app[COORDINATOR] = coordinator or Coordinator()
-    if app[COORDINATOR].loop_lag is None:     # the server watches its own loop (leases wait out its stalls)
-        app[COORDINATOR].loop_lag = LoopLagProbe()
+    # the server watches its own loop (leases wait out its stalls); a coordinator given is taken as built
+    app[COORDINATOR] = coordinator or Coordinator(loop_lag=LoopLagProbe())
     app[METRICS] = ServerMetrics(app[COORDINATOR])
     app[COORDINATOR].effect_listeners.append(app[METRICS].on_effects)
 

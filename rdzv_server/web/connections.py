@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import socket
-import struct
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -26,6 +24,7 @@ from aiohttp import web
 from protocol.codec import MAX_BODY_BYTES
 from protocol.errors import ErrorCode
 from protocol.quoting import quote
+from rdzv_server import tcp_info
 from rdzv_server.core.errors import RendezvousError
 
 log = logging.getLogger("rdzv_server")
@@ -130,30 +129,6 @@ class ConnectionGuard:
 GUARD = web.AppKey("connection_guard", ConnectionGuard)     # the server's (an app alone has none)
 
 
-TCP_INFO_LAST_DATA_SENT = 44      # struct tcp_info (Linux): u32 ms since data last went out
-TCP_INFO_LAST_DATA_RECV = 52      # u32 ms since data last came in
-TCP_INFO_LAST_ACK_RECV = 56       # u32 ms since any ACK came in (data, a keepalive probe's answer, a FIN)
-
-
-def tcp_info_age_s(transport: asyncio.BaseTransport | None, field: int) -> float | None:
-    """A `struct tcp_info` age field of the transport's socket, in seconds; None where unknown (no
-    socket, no TCP_INFO, a socket already closed: uvloop's stand-in for it then raises ValueError)."""
-    ages = tcp_info_ages_s(transport, (field,))
-    return None if ages is None else ages[0]
-
-
-def tcp_info_ages_s(transport: asyncio.BaseTransport | None, fields: tuple[int, ...]) -> tuple[float, ...] | None:
-    """`tcp_info_age_s` of several fields, read at once (one system call)."""
-    sock = transport.get_extra_info("socket") if transport is not None else None
-    if sock is None or not hasattr(socket, "TCP_INFO"):
-        return None
-    try:
-        info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 104)
-        return tuple(float(struct.unpack_from("I", info, field)[0]) / 1000.0 for field in fields)
-    except (OSError, ValueError, struct.error):
-        return None
-
-
 def local_address(transport: asyncio.BaseTransport | None) -> str:
     """The server's own address on this connection (where the node reached it); "" where unknown."""
     sockname = transport.get_extra_info("sockname") if transport is not None else None
@@ -163,7 +138,8 @@ def local_address(transport: asyncio.BaseTransport | None) -> str:
 def ack_age_s(transport: asyncio.BaseTransport | None) -> float | None:
     """How long ago the peer last showed that it and the path to it work (its last ACK, a keepalive
     probe's answer included); None where unknown."""
-    return tcp_info_age_s(transport, TCP_INFO_LAST_ACK_RECV)
+    info = tcp_info.of(transport)
+    return None if info is None else info.last_ack_recv_s
 
 
 def request_waited_s(request: web.Request) -> float:
@@ -171,11 +147,10 @@ def request_waited_s(request: web.Request) -> float:
     long it waited for the server to get to it. 0.0 where unknown, and for a request sent before
     the reply to the one before it went out (pipelined): its wait was that request's, the client's
     choice (a client must not make the server look behind to everyone by pipelining)."""
-    ages = tcp_info_ages_s(request.transport, (TCP_INFO_LAST_DATA_RECV, TCP_INFO_LAST_DATA_SENT))
-    if ages is None:
+    info = tcp_info.of(request.transport)
+    if info is None:
         return 0.0
-    received, sent = ages
-    return received if sent >= received else 0.0
+    return info.last_data_recv_s if info.last_data_sent_s >= info.last_data_recv_s else 0.0
 
 
 def request_ack_age_s(request: web.Request) -> float | None:

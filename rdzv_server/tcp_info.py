@@ -1,0 +1,81 @@
+"""The kernel's view of a TCP socket (Linux's `TCP_INFO`), as named fields, in one read.
+
+The server asks it what its own loop cannot see: how long ago a connection's peer last answered
+(`last_ack_recv_s`: its data, a keepalive probe's answer, a FIN), how long ago a request's bytes came
+in and the last reply went out (`last_data_recv_s`, `last_data_sent_s`), and how many connections wait
+in a listening socket's accept queue (`unacked`).
+
+Linux only: elsewhere, on a socket already closed (uvloop's stand-in for it then raises ValueError), or
+when `check()` finds the running kernel's struct laid out otherwise, every read answers None and the
+rules that use it fall back to what the server sees itself.
+"""
+from __future__ import annotations
+
+import asyncio
+import socket
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+# struct tcp_info (linux/tcp.h): byte offsets of the u32 fields read (ms for the ages)
+_FIELDS = struct.Struct("=24xI16xI4xII")   # tcpi_unacked @24, last_data_sent @44, last_data_recv @52, last_ack_recv @56
+_SIZE = 104
+_enabled = hasattr(socket, "TCP_INFO")
+
+
+@dataclass(frozen=True, slots=True)
+class TcpInfo:
+    unacked: int                  # a listening socket: connections waiting to be accepted
+    last_data_sent_s: float
+    last_data_recv_s: float
+    last_ack_recv_s: float
+
+
+def read(sock: Any) -> TcpInfo | None:
+    """`sock`'s TCP_INFO (one system call); None where unknown (see the top)."""
+    if sock is None or not _enabled:
+        return None
+    try:
+        raw = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, _SIZE)
+        unacked, sent, received, acked = _FIELDS.unpack_from(raw)
+    except (OSError, ValueError, AttributeError, struct.error):
+        return None
+    return TcpInfo(unacked, sent / 1000.0, received / 1000.0, acked / 1000.0)
+
+
+def of(transport: asyncio.BaseTransport | None) -> TcpInfo | None:
+    """The TCP_INFO of a transport's socket."""
+    return read(transport.get_extra_info("socket") if transport is not None else None)
+
+
+def check() -> str | None:
+    """Read a loopback connection once and check the fields mean what they are read as; None when they
+    do, else why not (and every read answers None from then on). Run once at the server's start."""
+    global _enabled
+    if not _enabled:
+        return "no TCP_INFO on this platform"
+    listener = socket.socket()
+    client = socket.socket()
+    try:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(4)
+        client.connect(listener.getsockname())       # accepted by the kernel, not yet by us: unacked 1
+        waiting = read(listener)
+        client.sendall(b"x")
+        sent = read(client)
+        problem = ""
+        if waiting is None or sent is None:
+            problem = "TCP_INFO cannot be read"
+        elif waiting.unacked != 1:
+            problem = f"an accept queue of 1 reads as {waiting.unacked}"
+        elif not (0.0 <= sent.last_data_sent_s < 5.0 and 0.0 <= sent.last_ack_recv_s < 5.0):
+            problem = f"ages just after a send read as {sent.last_data_sent_s} s and {sent.last_ack_recv_s} s"
+    except OSError as exc:
+        problem = f"the loopback check failed: {exc}"
+    finally:
+        client.close()
+        listener.close()
+    if problem:
+        _enabled = False
+        return f"the kernel's TCP_INFO is not laid out as expected ({problem}); not used"
+    return None
