@@ -36,12 +36,19 @@ import psutil
 from benchmarks.scale_wire import WireClient
 from node_agent.client.path_check import ANSWER_WAIT_S, CHECK_TIMEOUT_S, PathCheck, answer_due
 from node_agent.client.readyz import readyz_status
-from node_agent.client.replies import Refusal, refusal
+from node_agent.client.replies import CONFLICT_RETRY_S, Refusal, conflict_retry_for, refusal
 from node_agent.client.retry import Backoff
 from node_agent.client.transport import ServerRejected, ServerUnreachable
-from node_agent.core.policy import CONFLICT_RETRY_S
-from node_agent.server_link import POLL_WAIT_S
-from protocol.messages import FailureReport, JobConfig, JoinRequest, NodeState, NodeStatus, PollRequest, WorkerFailure
+from protocol.messages import (
+    MAX_POLL_WAIT_S,
+    FailureReport,
+    JobConfig,
+    JoinRequest,
+    NodeState,
+    NodeStatus,
+    PollRequest,
+    WorkerFailure,
+)
 
 LAG_PROBE_S = 0.02          # the client's own loop-lateness probe interval
 
@@ -154,9 +161,9 @@ class SimNode:
         """One poll as the agent's client sends it (client/http.py): once its answer is overdue, the path
         is checked over fresh connections; once a check is answered, the poll goes again on a new
         connection, the stalled one closed."""
-        due = answer_due("poll", POLL_WAIT_S, self.hold_s)
+        due = answer_due("poll", MAX_POLL_WAIT_S, self.hold_s)
         while True:
-            request = asyncio.ensure_future(self.client.poll(self.known_round, POLL_WAIT_S))
+            request = asyncio.ensure_future(self.client.poll(self.known_round, MAX_POLL_WAIT_S))
             try:
                 done, _ = await asyncio.wait({request}, timeout=due)
                 if done or not await self._path_back(request):
@@ -220,7 +227,7 @@ class SimNode:
                     # Maybe our own earlier try, answered too late: wait out its lease, then give up.
                     now = time.monotonic()
                     conflict_since = now if conflict_since is None else conflict_since
-                    if now - conflict_since < self.spec.config.lease_timeout_s + 2 * CONFLICT_RETRY_S:
+                    if now - conflict_since < conflict_retry_for(self.spec.config.lease_timeout_s):
                         await asyncio.sleep(CONFLICT_RETRY_S)
                         continue
                 if meaning is Refusal.FORGOTTEN:

@@ -31,7 +31,7 @@ from node_agent.core.actions import (
     Spawn,
     StopWorkers,
 )
-from node_agent.core.facts import CHECK_JOIN, DeadlinePassed, Fact, SignalReceived
+from node_agent.core.facts import DeadlinePassed, Fact, SignalReceived, Stage
 from node_agent.core.node_health import NodeHealth
 from node_agent.core.policy import SupervisionPolicy
 from node_agent.narration import Narrator
@@ -111,7 +111,7 @@ class Agent:
                                         retry_min_s=self.checks.retry_min_s, give_up_s=self.link.job.join_timeout_s)
         self.workers.warm_up()   # the environment is final: workers of the first round may start warm
         if self.policy.health.enabled:
-            await self._do(CheckNode(CHECK_JOIN, -1), link)    # the node joins once its checks pass
+            await self._do(CheckNode(Stage.JOIN, -1), link)    # the node joins once its checks pass
         else:
             link.rejoin()
         while self._exit is None:

@@ -10,25 +10,25 @@ import sys
 import time
 from typing import TextIO
 
-from node_agent.client.replies import STANDBY
+from node_agent.client.replies import Path
 from node_agent.client.retry import unreachable_line
 from node_agent.core.actions import Action, Exit, Rejoin, Spawn, StopWorkers
 from node_agent.core.facts import (
-    CHECK_JOIN,
-    SERVER_AWAY,
-    STILL_MEMBER,
     Fact,
     NodeChecked,
     PeersProbed,
     ServerNotReached,
     ServerRefused,
     SpawnFailed,
+    Stage,
     StatusReceived,
+    Verdict,
     WorkersExited,
     WorkersHung,
 )
 from node_agent.core.summary import how
 from node_agent.settings import AgentSettings, Mode, StdSpec
+from protocol.errors import ErrorCode
 from protocol.messages import (
     Assignment,
     FailureReport,
@@ -76,24 +76,25 @@ class Narrator:
                 self.say(f"{worker(first)} is hung: {first.message}")
             case SpawnFailed(failure=failure) if actions:
                 self.say(f"{worker(failure)} did not start: {failure.message}")
-            case NodeChecked(stage=stage, problem=str(problem)) if stage == CHECK_JOIN:
+            case NodeChecked(stage=stage, problem=str(problem)) if stage == Stage.JOIN:
                 self.say(f"not joining: this node is unhealthy: {problem}; checking again after a back-off")
             case NodeChecked(stage=stage, problem=str(problem)) if actions:
-                self.say(f"node unhealthy ({stage}): {problem}; leaving the job (no restart is counted) and "
+                self.say(f"node unhealthy ({stage.value}): {problem}; leaving the job (no restart is counted) and "
                          f"checking again after a back-off")
-            case ServerRefused(request=request, code="host_unhealthy", message=message) if request is JoinRequest:
+            case ServerRefused(request=request, code=ErrorCode.HOST_UNHEALTHY, message=message) \
+                    if request is JoinRequest:
                 self.say(f"the server keeps this host out: {message}; asking again after a back-off")
             case PeersProbed() if actions and isinstance(actions[0], StopWorkers):
                 self.say(actions[0].reason)
-            case PeersProbed(server=server) if server == STANDBY and not self._said_peers:
+            case PeersProbed(server=server) if server == Path.STANDBY and not self._said_peers:
                 self._said_peers = True
                 self.say("the server's replicas answer but none serves yet (a takeover or restart is under way): "
                          "the workers keep running")
-            case PeersProbed(verdict=verdict) if verdict == STILL_MEMBER and not self._said_peers:
+            case PeersProbed(verdict=verdict) if verdict == Verdict.STILL_MEMBER and not self._said_peers:
                 self._said_peers = True
                 self.say("the round's other nodes still hear the server, in this node's round: nothing was "
                          "replaced, so the workers keep running while this node's own path comes back")
-            case PeersProbed(verdict=verdict) if verdict == SERVER_AWAY and not self._said_peers:
+            case PeersProbed(verdict=verdict) if verdict == Verdict.SERVER_AWAY and not self._said_peers:
                 self._said_peers = True
                 self.say("the server does not answer, nor does it answer the round's other nodes: the server "
                          "itself is away, so the workers keep running")

@@ -19,11 +19,11 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from node_agent.core.actions import CheckNode
-from node_agent.core.facts import CHECK_FAILURE, NodeChecked
+from node_agent.core.facts import NodeChecked, Stage
 from node_agent.core.node_health import RETRY_MIN_S
 from node_agent.gpu import has_nvidia_devices
 from node_agent.settings import CheckSettings
-from protocol.messages import Unhealthy as Kind
+from protocol.messages import UnhealthyKind as Kind
 from protocol.messages import WorkerFailure
 from protocol.quoting import one_line
 
@@ -119,7 +119,7 @@ class NodeChecks:
                 return bad(f"GPU check: {verdict.reason}", Kind.GPU)
             if not isinstance(verdict, Healthy):
                 self._warn((f"GPU check skipped: {verdict.reason}",))
-        if self.opts.health_check is not None and action.stage != CHECK_FAILURE:
+        if self.opts.health_check is not None and action.stage != Stage.FAILURE:
             script = await run_health_check(self.opts.health_check, timeout=self.opts.health_check_timeout)
             if isinstance(script, Unhealthy):
                 return bad(script.reason, Kind.HEALTH_CHECK)

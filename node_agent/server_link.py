@@ -26,13 +26,10 @@ from protocol.messages import (
     NodeStatus,
     PollRequest,
     SuccessReport,
-    Unhealthy,
+    UnhealthyKind,
     WorkerFailure,
 )
 
-# The longest hold a poll asks for: the server picks the hold (about half a lease for small jobs,
-# longer for large ones so a big fleet does not poll in waves; docs/protocol.md).
-POLL_WAIT_S = MAX_POLL_WAIT_S
 # How long a leave waits for a join still on its way (see leave()).
 JOIN_LANDING_S = 2.0
 
@@ -64,7 +61,7 @@ class ServerLink:
         """Have one long-poll in flight while joined: it is the lease, and the way news arrives."""
         task = self._tasks.get(PollRequest)
         if self.joined and (task is None or task.done()):
-            self._send(PollRequest, lambda: self._poll(POLL_WAIT_S))
+            self._send(PollRequest, lambda: self._poll(MAX_POLL_WAIT_S))   # the longest: the server picks the hold
 
     def report_failure(self, round_id: int, failures: tuple[WorkerFailure, ...]) -> None:
         self._send(FailureReport, lambda: self._client.report_failure(round_id, list(failures)))
@@ -72,7 +69,7 @@ class ServerLink:
     def report_success(self, round_id: int) -> None:
         self._send(SuccessReport, lambda: self._client.report_success(round_id))
 
-    async def leave(self, reason: str, unhealthy: Unhealthy | None = None) -> None:
+    async def leave(self, reason: str, unhealthy: UnhealthyKind | None = None) -> None:
         """Say goodbye, once and briefly: the lease expires anyway if this does not get through.
 
         A join still on its way may yet admit this node: the leave waits for it (briefly) so that

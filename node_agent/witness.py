@@ -15,20 +15,13 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable
 
+from node_agent.client.replies import Path
 from node_agent.client.witness import PROBE_TIMEOUT_S, ask_each, read_answer
-from node_agent.core.facts import (
-    ROUND_REPLACED,
-    SERVER_AWAY,
-    SERVER_CHECK_DECIDES,
-    SERVER_HEARD,
-    SILENT,
-    STILL_MEMBER,
-    PeersProbed,
-)
+from node_agent.core.facts import SERVER_CHECK_DECIDES, PeersProbed, Verdict
 from protocol.messages import Witness
 
 
-def verdict(answers: list[bytes], round_id: int) -> str:
+def verdict(answers: list[bytes], round_id: int) -> Verdict:
     """What the witnesses' answers say together, for an asker running `round_id` (facts.py)."""
     heard: list[int | None] = []     # the round each witness that hears the server holds (None: not said)
     answered = False
@@ -40,21 +33,22 @@ def verdict(answers: list[bytes], round_id: int) -> str:
         if answer[0]:
             heard.append(answer[1])
     if any(r is not None and r > round_id for r in heard):
-        return ROUND_REPLACED
+        return Verdict.ROUND_REPLACED
     if any(r is not None for r in heard):
-        return STILL_MEMBER          # it hears the server, which still runs this node's round (or older news)
+        return Verdict.STILL_MEMBER          # it hears the server, which still runs this node's round (or older news)
     if heard:
-        return SERVER_HEARD          # an older witness: hears the server, says no round
-    return SERVER_AWAY if answered else SILENT
+        return Verdict.SERVER_HEARD          # an older witness: hears the server, says no round
+    return Verdict.SERVER_AWAY if answered else Verdict.SILENT
 
 
-async def ask_witnesses(witnesses: tuple[Witness, ...], round_id: int = -1, timeout: float = PROBE_TIMEOUT_S) -> str:
-    """The witnesses' verdict (facts.py: ROUND_REPLACED, STILL_MEMBER, SERVER_HEARD, SERVER_AWAY or SILENT)."""
+async def ask_witnesses(witnesses: tuple[Witness, ...], round_id: int = -1,
+                        timeout: float = PROBE_TIMEOUT_S) -> Verdict:
+    """The witnesses' verdict."""
     return verdict(await ask_each(witnesses, round_id, timeout), round_id)
 
 
 async def probe_peers(witnesses: tuple[Witness, ...], round_id: int,
-                      reach: Callable[[], Awaitable[str]]) -> PeersProbed:
+                      reach: Callable[[], Awaitable[Path]]) -> PeersProbed:
     """The witnesses asked, and the server checked over a fresh connection (`reach`) meanwhile; the
     check is waited for only where the verdict needs it (facts.SERVER_CHECK_DECIDES): a silent server
     holds it up to path_check.CHECK_TIMEOUT_S, and a replaced round must be acted on at once."""

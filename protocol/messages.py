@@ -185,7 +185,7 @@ class SuccessReport(_Request, kw_only=True):
     round_id: RoundRef
 
 
-class Unhealthy(str, enum.Enum):
+class UnhealthyKind(str, enum.Enum):
     """Why a node left as unhealthy (LeaveRequest.unhealthy): a kind, so metrics can count by it."""
     GPU = "gpu"                      # NVML found a fault on a GPU its workers use
     HEALTH_CHECK = "health_check"    # the site's --health-check failed
@@ -197,7 +197,7 @@ class LeaveRequest(_Request, kw_only=True):
     reason: Annotated[str, Meta(max_length=MAX_REASON)] = "left"
     # Set when the node leaves because it is unhealthy: the server keeps its host out of every job for a
     # while. Absent from older agents (a plain leave); ignored by older servers.
-    unhealthy: Unhealthy | None = None
+    unhealthy: UnhealthyKind | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
+from protocol import keepalive
 from rdzv_server import tcp_info
 from rdzv_server.coordinator import Coordinator
 from rdzv_server.core.rendezvous import Limits, Rendezvous
@@ -45,9 +46,6 @@ LISTEN_BACKLOG = 65535
 # the kernel's queue is set back to LISTEN_BACKLOG after. uvloop (one accept a turn) is left as it was.
 ACCEPT_BATCH = 64
 IDLE_TIMEOUT_S = 60.0
-# Keepalive: first probe after KEEPIDLE s of silence, then every KEEPINTVL s; KEEPCNT unanswered
-# probes end the connection (about 2 + 2 x 1 = 4 s, inside the default 5 s lease).
-KEEPIDLE_S, KEEPINTVL_S, KEEPCNT = 2, 1, 2
 
 
 class ListenError(Exception):
@@ -97,11 +95,7 @@ def listening_socket(host: str, port: int) -> socket.socket:
         raise ListenError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-        if hasattr(socket, "TCP_KEEPIDLE"):
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, KEEPIDLE_S)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, KEEPINTVL_S)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, KEEPCNT)
+        keepalive.enable(sock)          # accepted connections inherit it
         sock.bind(addr)
         sock.listen(LISTEN_BACKLOG)
         sock.setblocking(False)

@@ -2,8 +2,8 @@
 kinds from `transport` (`ServerUnreachable`, `ServerRejected`).
 
 Refused at once (waiting will not fix them), so the agent stops with one line:
-- a server whose TLS certificate does not verify against --tls-ca (`TLS_UNTRUSTED`);
-- an endpoint that answers but is not an rdzv-server (`NOT_RDZV_SERVER`): a reply that is not our
+- a server whose TLS certificate does not verify against --tls-ca (`ClientCode.TLS_UNTRUSTED`);
+- an endpoint that answers but is not an rdzv-server (`ClientCode.NOT_RDZV_SERVER`): a reply that is not our
   protocol, or not HTTP at all (etcd's gRPC port). A gateway's 502/503/504 page is the exception:
   the server behind it is away, which is worth waiting for. A c10d TCPStore sends no reply at all:
   while an endpoint has never answered, a request that gets no reply within PROBE_AFTER_S (or loses
@@ -25,7 +25,7 @@ from node_agent.client.c10d_store import answers_as_c10d_store
 from node_agent.client.endpoints import LEADER_CHECK_S, LEADER_HEADER, Endpoints, origin
 from node_agent.client.path_check import ANSWER_WAIT_S, CHECK_TIMEOUT_S, PathCheck, answer_due
 from node_agent.client.readyz import readyz_status
-from node_agent.client.replies import NOT_RDZV_SERVER, TLS_UNTRUSTED
+from node_agent.client.replies import ClientCode, Path
 from node_agent.client.transport import (
     PathBack,
     ServerRejected,
@@ -116,7 +116,7 @@ class RdzvClient(Transport):
         self.endpoints.use(ready if ready is not None else await self.path.until_back(self.endpoints.in_order))
         return away
 
-    async def reach(self) -> str:
+    async def reach(self) -> Path:
         return await self.path.reach(self.endpoints.in_order())
 
     async def _post(self, action: str, data: bytes, timeout: float,
@@ -177,9 +177,10 @@ class RdzvClient(Transport):
                 return request.result()      # answered (HTTP), or failed to connect at all (nothing listens)
             url = yarl.URL(server)
             if await answers_as_c10d_store(url.host or "", url.port or 0):
-                raise ServerRejected(NOT_RDZV_SERVER, f"{server} is not an rdzv-server: a c10d TCPStore answers "
-                                     f"there (torchrun's c10d rendezvous and every training job's MASTER_PORT host "
-                                     f"one); point the endpoint at rdzv-server")
+                raise ServerRejected(ClientCode.NOT_RDZV_SERVER,
+                                     f"{server} is not an rdzv-server: a c10d TCPStore answers there (torchrun's "
+                                     f"c10d rendezvous and every training job's MASTER_PORT host one); point the "
+                                     f"endpoint at rdzv-server")
             return await request
         finally:
             if not request.done():
@@ -203,10 +204,10 @@ class RdzvClient(Transport):
                 body = await resp.read()
                 leader = resp.headers.get(LEADER_HEADER, "")
         except (aiohttp.ClientConnectorCertificateError, aiohttp.ClientSSLError) as exc:
-            raise ServerRejected(TLS_UNTRUSTED, f"TLS with {server} failed: "
+            raise ServerRejected(ClientCode.TLS_UNTRUSTED, f"TLS with {server} failed: "
                                  f"{getattr(exc, 'certificate_error', None) or exc} (check --tls-ca)") from exc
         except aiohttp.ClientResponseError as exc:   # the reply was not HTTP
-            raise ServerRejected(NOT_RDZV_SERVER, f"{server} is not an rdzv-server: its reply is not "
+            raise ServerRejected(ClientCode.NOT_RDZV_SERVER, f"{server} is not an rdzv-server: its reply is not "
                                  f"HTTP ({str(exc.message).splitlines()[0]}); check the endpoint") from exc
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
             raise ServerUnreachable(f"{type(exc).__name__}: {exc}".rstrip(": ")) from exc
@@ -215,7 +216,7 @@ class RdzvClient(Transport):
         except Exception as exc:   # not our protocol: another service, or a gateway whose server is away
             if resp.status in GATEWAY_AWAY:
                 raise ServerUnreachable(f"HTTP {resp.status} from a gateway at {server}") from exc
-            raise ServerRejected(NOT_RDZV_SERVER, f"{server} is not an rdzv-server: it answered HTTP "
+            raise ServerRejected(ClientCode.NOT_RDZV_SERVER, f"{server} is not an rdzv-server: it answered HTTP "
                                  f"{resp.status} ({resp.content_type or 'no content type'}) that is not the "
                                  f"rendezvous protocol; check the endpoint") from exc
         return reply, leader

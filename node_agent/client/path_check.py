@@ -25,7 +25,7 @@ queue all the same, for the server to accept and close, and add one more each ro
 simulated nodes checking a server after a 5 s blip filled its accept queue faster than it drained
 it (35,000 connections waiting after a minute, half the nodes never back). The probe (readyz.py)
 says it has connected once the TCP handshake is done, before TLS, which a busy server does late too.
-What a round found (`reach`: REACHED, STANDBY, NO_SERVER; replies.py) is what the agent's fencing
+What a round found (`reach`: Path.REACHED, Path.STANDBY, Path.NO_SERVER; replies.py) is what the agent's fencing
 rule weighs beside the witnesses (core/policy.py).
 """
 from __future__ import annotations
@@ -37,7 +37,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from node_agent.client.replies import NO_SERVER, REACHED, STANDBY
+from node_agent.client.replies import Path
 
 SHORT_DUE_S = 2.0        # a join, report or leave is answered well within this (its durable commit included)
 HOLD_MARGIN_S = 1.0      # a held poll's answer is due this long after its hold ends
@@ -172,11 +172,11 @@ class PathCheck:
         round, or by the one that started less than MIN_PAUSE_S ago."""
         return await asyncio.shield(self._start(endpoints))
 
-    async def reach(self, endpoints: list[str]) -> str:
-        """REACHED, STANDBY or NO_SERVER, by one round of checks (or the one just made)."""
+    async def reach(self, endpoints: list[str]) -> Path:
+        """Path.REACHED, Path.STANDBY or Path.NO_SERVER, by one round of checks (or the one just made)."""
         if await self.check(endpoints) is not None:
-            return REACHED
-        return STANDBY if self.answered else NO_SERVER
+            return Path.REACHED
+        return Path.STANDBY if self.answered else Path.NO_SERVER
 
     async def close(self) -> None:
         """Stop a round and the kept probes still under way (the client is closing)."""

@@ -22,16 +22,33 @@ import enum
 from protocol.errors import ErrorCode
 from protocol.messages import Assignment, JobState, JoinRequest, NodeState, NodeStatus, PollRequest
 
-# Refusal codes of the client's own (not the server's): the server's TLS certificate is not trusted;
-# the endpoint answered, but it is not an rdzv-server (another HTTP service, or not HTTP at all).
-TLS_UNTRUSTED = "tls_untrusted"
-NOT_RDZV_SERVER = "not_rdzv_server"
 
-# What a fresh connection to the server found (path_check.py), for a node deciding whether it is the
-# one cut off (core/policy.py's fencing rule):
-REACHED = "reached"      # an endpoint answers ready: the path is back
-STANDBY = "standby"      # endpoints answer but none serves yet: a restart or replica takeover is under way
-NO_SERVER = "none"       # no endpoint answers at all
+class ClientCode(str, enum.Enum):
+    """Refusals of the client's own, not the server's."""
+    TLS_UNTRUSTED = "tls_untrusted"      # the server's TLS certificate is not trusted
+    NOT_RDZV_SERVER = "not_rdzv_server"  # the endpoint answered, but it is not an rdzv-server
+    UNKNOWN = "unknown"                  # a server's code this client does not know (a newer server)
+
+
+Code = ErrorCode | ClientCode      # why a request was refused
+
+
+def code_of(text: str) -> Code:
+    """A refusal's code as the server sent it, typed (ClientCode.UNKNOWN for one this client does not know)."""
+    for kind in (ErrorCode, ClientCode):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return ClientCode.UNKNOWN
+
+
+class Path(str, enum.Enum):
+    """What a fresh connection to the server found (path_check.py), for a node deciding whether it is the
+    one cut off (core/policy.py's fencing rule)."""
+    REACHED = "reached"      # an endpoint answers ready: the path is back
+    STANDBY = "standby"      # endpoints answer but none serves yet: a restart or replica takeover is under way
+    NO_SERVER = "none"       # no endpoint answers at all
 
 
 class News(enum.Enum):
@@ -88,25 +105,33 @@ class Refusal(enum.Enum):
     DROPPED = "dropped"            # a refused report: dropped; the next poll says where things stand
 
 
-FORGOTTEN_CODES = (ErrorCode.UNKNOWN_JOB.value, ErrorCode.UNKNOWN_NODE.value)
-INVALID_CODES = (ErrorCode.BAD_REQUEST.value, ErrorCode.UNSUPPORTED_VERSION.value, ErrorCode.TOO_LARGE.value)
+FORGOTTEN_CODES = (ErrorCode.UNKNOWN_JOB, ErrorCode.UNKNOWN_NODE)
+# A join refused as CONFLICT (a live agent holds the node id: maybe this node's own predecessor, dead but not
+# yet noticed) is tried again this often, for the predecessor's lease and two tries more, then given up.
+CONFLICT_RETRY_S = 1.0
 
 
-def refusal(code: str, request: type) -> Refusal:
+def conflict_retry_for(lease_timeout_s: float) -> float:
+    """How long a join refused as CONFLICT is tried again."""
+    return lease_timeout_s + 2 * CONFLICT_RETRY_S
+INVALID_CODES = (ErrorCode.BAD_REQUEST, ErrorCode.UNSUPPORTED_VERSION, ErrorCode.TOO_LARGE)
+
+
+def refusal(code: Code, request: type) -> Refusal:
     """What a refusal with `code` of a `request` (a protocol request type) means for the node."""
-    if code in (ErrorCode.UNAUTHORIZED.value, TLS_UNTRUSTED):
+    if code in (ErrorCode.UNAUTHORIZED, ClientCode.TLS_UNTRUSTED):
         return Refusal.UNAUTHORIZED
-    if code == NOT_RDZV_SERVER:
+    if code is ClientCode.NOT_RDZV_SERVER:
         return Refusal.NOT_A_SERVER
     if code in INVALID_CODES and request is not JoinRequest:
         return Refusal.INVALID
     if request is JoinRequest:
-        if code == ErrorCode.NODE_CONFLICT.value:
+        if code is ErrorCode.NODE_CONFLICT:
             return Refusal.CONFLICT
-        if code == ErrorCode.NODE_DRAINED.value:
+        if code is ErrorCode.NODE_DRAINED:
             return Refusal.DRAINED
         return Refusal.JOIN_REFUSED
-    if code == ErrorCode.FORBIDDEN.value:
+    if code is ErrorCode.FORBIDDEN:
         return Refusal.TAKEN_OVER
     if request is not PollRequest:
         return Refusal.DROPPED

@@ -7,13 +7,15 @@ Both raise only these two exceptions, and decide which error codes are worth a r
 """
 from __future__ import annotations
 
+import enum
 import socket
 from typing import Any, TypeVar
 
 import msgspec
 
 from node_agent.client.path_check import poll_wait
-from node_agent.client.replies import REACHED
+from node_agent.client.replies import ClientCode, Code, Path, code_of
+from protocol import keepalive
 from protocol.codec import REQUEST_TYPES
 from protocol.errors import RETRYABLE, ErrorCode
 from protocol.messages import (
@@ -25,7 +27,7 @@ from protocol.messages import (
     NodeStatus,
     PollRequest,
     SuccessReport,
-    Unhealthy,
+    UnhealthyKind,
     WorkerFailure,
 )
 
@@ -47,10 +49,15 @@ class PathBack(ServerUnreachable):
 class ServerRejected(Exception):
     """The server answered with a typed error (bad request, config conflict, ...)."""
 
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(f"{code}: {message}")
-        self.code = code
+    def __init__(self, code: Code | str, message: str) -> None:
+        typed = code if isinstance(code, (ErrorCode, ClientCode)) else code_of(code)
+        super().__init__(f"{code_text(code)}: {message}")
+        self.code: Code = typed
         self.message = message
+
+
+def code_text(code: Code | str) -> str:
+    return code.value if isinstance(code, enum.Enum) else code
 
 
 def refusal(code: str, message: str) -> ServerUnreachable | ServerRejected:
@@ -85,9 +92,9 @@ class Transport:
         network: never)."""
         return False
 
-    async def reach(self) -> str:
-        """Whether the server answers a fresh connection now (path_check.py: REACHED, STANDBY, NO_SERVER)."""
-        return REACHED
+    async def reach(self) -> Path:
+        """Whether the server answers a fresh connection now (path_check.py)."""
+        return Path.REACHED
 
     async def _request(self, message: msgspec.Struct, timeout: float | None = None) -> NodeStatus:
         action, limit = ACTION_OF[type(message)], self.REQUEST_TIMEOUT_S if timeout is None else timeout
@@ -127,7 +134,7 @@ class Transport:
     async def report_success(self, round_id: int) -> NodeStatus:
         return await self._request(self._for_node(SuccessReport, round_id=round_id))
 
-    async def leave(self, reason: str, unhealthy: Unhealthy | None = None) -> NodeStatus:
+    async def leave(self, reason: str, unhealthy: UnhealthyKind | None = None) -> NodeStatus:
         return await self._request(self._for_node(LeaveRequest, reason=reason, unhealthy=unhealthy),
                                    self.LEAVE_TIMEOUT_S)
 
@@ -144,20 +151,10 @@ def local_addr_towards(host: str, port: int) -> str:
         return socket.gethostname()
 
 
-# TCP keepalive on the agent's connections: a server whose host died or was cut off is noticed in
-# about 2 + 2 x 1 s even while a long-poll is held for much longer (the server does the same).
-KEEPIDLE_S, KEEPINTVL_S, KEEPCNT = 2, 1, 2
-
-
 def keepalive_socket(addr_info: tuple[Any, ...]) -> socket.socket:
-    """A client socket with keepalive probes (aiohttp's TCPConnector `socket_factory`)."""
-    family, kind, proto = addr_info[0], addr_info[1], addr_info[2]
-    sock = socket.socket(family, kind, proto)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-    if hasattr(socket, "TCP_KEEPIDLE"):
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, KEEPIDLE_S)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, KEEPINTVL_S)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, KEEPCNT)
+    """A client socket with the protocol's keepalive probes (aiohttp's TCPConnector `socket_factory`)."""
+    sock = socket.socket(addr_info[0], addr_info[1], addr_info[2])
+    keepalive.enable(sock)
     return sock
 
 

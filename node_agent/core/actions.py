@@ -5,7 +5,8 @@ from __future__ import annotations
 import signal
 from dataclasses import dataclass
 
-from protocol.messages import Assignment, Unhealthy, Witness, WorkerFailure
+from node_agent.core.facts import Stage
+from protocol.messages import Assignment, UnhealthyKind, Witness, WorkerFailure
 
 
 @dataclass(frozen=True)
@@ -43,14 +44,14 @@ class Leave:
     """Tell the server this node is going (a courtesy: its lease would lapse anyway); `unhealthy`: it
     goes because it is unhealthy (the server then keeps its host out for a while)."""
     reason: str
-    unhealthy: Unhealthy | None = None
+    unhealthy: UnhealthyKind | None = None
 
 
 @dataclass(frozen=True)
 class CheckNode:
-    """Run the node's checks (facts.CHECK_*); answer: NodeChecked. CHECK_FAILURE checks the GPUs and
+    """Run the node's checks at `stage`; answer: NodeChecked. Stage.FAILURE checks the GPUs and
     the failures' messages only (a site script would hold up every restart)."""
-    stage: str
+    stage: Stage
     round_id: int
     failures: tuple[WorkerFailure, ...] = ()
 

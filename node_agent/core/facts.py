@@ -7,10 +7,12 @@ never sees anything else, so a test can feed it any history with plain numbers f
 """
 from __future__ import annotations
 
+import enum
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from node_agent.client.replies import NO_SERVER
+from node_agent.client.replies import ClientCode, Code, Path, code_of
+from protocol.errors import ErrorCode
 from protocol.messages import (
     FailureReport,
     JoinRequest,
@@ -18,7 +20,7 @@ from protocol.messages import (
     NodeStatus,
     PollRequest,
     SuccessReport,
-    Unhealthy,
+    UnhealthyKind,
     WorkerFailure,
 )
 
@@ -44,10 +46,16 @@ class ServerNotReached:
 
 @dataclass(frozen=True)
 class ServerRefused:
-    """The server answered `request` with a typed error that a retry would not change."""
+    """The server answered `request` with a typed error that a retry would not change (a code given as the
+    server's text is read as its kind)."""
     request: Request
-    code: str
+    code: Code
     message: str
+
+    def __post_init__(self) -> None:
+        code: object = self.code
+        if not isinstance(code, (ErrorCode, ClientCode)):
+            object.__setattr__(self, "code", code_of(str(code)))
 
 
 @dataclass(frozen=True)
@@ -77,45 +85,47 @@ class SignalReceived:
     signum: int
 
 
-# What the witnesses said, together (PeersProbed.verdict):
-ROUND_REPLACED = "round_replaced"  # one hears the server and holds a newer round: this node's round is over
-STILL_MEMBER = "still_member"      # one hears the server, which still runs this node's round
-SERVER_HEARD = "server_heard"      # one hears the server (an older witness: it names no round)
-SERVER_AWAY = "server_away"        # some answered, none hears the server: the server itself is away
-SILENT = "silent"                  # none answered: this node is cut off from everyone
+class Verdict(str, enum.Enum):
+    """What the witnesses said, together (PeersProbed.verdict)."""
+    ROUND_REPLACED = "round_replaced"  # one hears the server and holds a newer round: this node's round is over
+    STILL_MEMBER = "still_member"      # one hears the server, which still runs this node's round
+    SERVER_HEARD = "server_heard"      # one hears the server (an older witness: it names no round)
+    SERVER_AWAY = "server_away"        # some answered, none hears the server: the server itself is away
+    SILENT = "silent"                  # none answered: this node is cut off from everyone
+
+
 # The verdicts the server check (a fresh connection) decides between; for the others the agent does
 # not wait for it (up to path_check.CHECK_TIMEOUT_S when the server is silent): a replaced round is
 # evidence enough, and the others mean "ask again" whatever the server says.
-SERVER_CHECK_DECIDES = frozenset({SERVER_HEARD, SILENT})
-
+SERVER_CHECK_DECIDES = frozenset({Verdict.SERVER_HEARD, Verdict.SILENT})
 
 
 @dataclass(frozen=True)
 class PeersProbed:
     """What the round's witnesses said (ProbePeers), and what a fresh connection to the server found
-    meanwhile (path_check.py: REACHED, STANDBY or NO_SERVER), where the verdict needs it
-    (SERVER_CHECK_DECIDES; None: not waited for)."""
-    verdict: str
-    server: str | None = NO_SERVER
+    meanwhile (path_check.py), where the verdict needs it (SERVER_CHECK_DECIDES; None: not waited for)."""
+    verdict: Verdict
+    server: Path | None = Path.NO_SERVER
 
 
-# Where a node check (CheckNode / NodeChecked) was asked for:
-CHECK_JOIN = "before joining"
-CHECK_RESTART = "before restarting"
-CHECK_RUNNING = "while workers run"
-CHECK_FAILURE = "after a worker failed"
-CHECK_STOP = "stopping workers"
+class Stage(str, enum.Enum):
+    """Where a node check (CheckNode / NodeChecked) was asked for."""
+    JOIN = "before joining"
+    RESTART = "before restarting"
+    RUNNING = "while workers run"
+    FAILURE = "after a worker failed"
+    STOP = "stopping workers"
 
 
 @dataclass(frozen=True)
 class NodeChecked:
     """The node's checks ran (the GPUs through NVML, the site's --health-check, a failure's message, or
     a stop that left workers alive): `problem` None when healthy, else one line and its kind."""
-    stage: str                                 # one of CHECK_*
+    stage: Stage
     round_id: int                              # the round it was asked for (-1: none)
     problem: str | None = None
-    kind: Unhealthy | None = None
-    failures: tuple[WorkerFailure, ...] = ()   # CHECK_FAILURE: the failure, reported when healthy
+    kind: UnhealthyKind | None = None
+    failures: tuple[WorkerFailure, ...] = ()   # Stage.FAILURE: the failure, reported when healthy
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import signal
 
-from node_agent.core.facts import ROUND_REPLACED, SERVER_HEARD
+from node_agent.core.facts import Verdict
 from protocol.messages import MAX_MESSAGE, WorkerFailure
 
 FENCE_MARGIN_S = 0.5
@@ -35,10 +35,10 @@ def first_ask_at(renewed_at: float | None, unreachable_since: float, lease_timeo
                unreachable_since + FENCE_MARGIN_S)
 
 
-def fenced(verdict: str, silent_s: float, lease_timeout_s: float, rank: int) -> tuple[str, WorkerFailure]:
+def fenced(verdict: Verdict, silent_s: float, lease_timeout_s: float, rank: int) -> tuple[str, WorkerFailure]:
     """What the node says, and reports for its round, when it stops its workers as the one cut off."""
-    seen = ("a witness that hears the server runs a newer round" if verdict == ROUND_REPLACED else
-            "the round's other nodes still hear the server" if verdict == SERVER_HEARD else
+    seen = ("a witness that hears the server runs a newer round" if verdict == Verdict.ROUND_REPLACED else
+            "the round's other nodes still hear the server" if verdict == Verdict.SERVER_HEARD else
             "neither the round's other nodes nor any endpoint answer")
     why = (f"fenced: no answer from the server for {silent_s:.1f}s (lease {lease_timeout_s:g}s), and "
            f"{seen}: this node is cut off, and the server has replaced its round")

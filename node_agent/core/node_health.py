@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from node_agent.core.actions import Action, CheckNode, Spawn
-from node_agent.core.facts import CHECK_JOIN, CHECK_RESTART, CHECK_RUNNING
+from node_agent.core.facts import Stage
 from protocol.messages import Assignment
 
 RETRY_MIN_S = 5.0
@@ -51,7 +51,7 @@ class NodeHealth:
         """What to do with a new round: spawn it, or check first when it restarts this node's workers."""
         if self.enabled and restart:
             self.pending, self.next_check_at = a, None
-            return [CheckNode(CHECK_RESTART, a.round_id)]
+            return [CheckNode(Stage.RESTART, a.round_id)]
         self.pending = None
         self.next_check_at = self.last_now + self.interval_s if self.enabled else None
         return [Spawn(a)]
@@ -64,20 +64,20 @@ class NodeHealth:
 
     def periodic(self, running_round: int) -> list[Action]:
         self.checking, self.next_check_at = True, None
-        return [CheckNode(CHECK_RUNNING, running_round)]
+        return [CheckNode(Stage.RUNNING, running_round)]
 
-    def passed(self, stage: str, now: float) -> None:
+    def passed(self, stage: Stage, now: float) -> None:
         self.unhealthy_in_row, self.out_since = 0, None
-        if stage == CHECK_RUNNING:
+        if stage == Stage.RUNNING:
             self.checking = False
             self.next_check_at = now + self.interval_s
 
-    def failed(self, stage: str, now: float, problem: str) -> float:
+    def failed(self, stage: Stage, now: float, problem: str) -> float:
         """Found unhealthy: out until the next check; returns the back-off."""
         self.problem = problem
         if self.out_since is None:
             self.out_since = now
-        if stage == CHECK_RUNNING:
+        if stage == Stage.RUNNING:
             self.checking = False
         delay: float = min(RETRY_MAX_S, self.retry_min_s * 2.0 ** min(self.unhealthy_in_row, 16))
         self.unhealthy_in_row += 1
@@ -90,7 +90,7 @@ class NodeHealth:
     def retry(self, now: float) -> list[Action]:
         """The back-off is over: check again (and join when it passes)."""
         self.retry_at = None
-        return [CheckNode(CHECK_JOIN, -1)]
+        return [CheckNode(Stage.JOIN, -1)]
 
     def take_pending(self, round_id: int) -> Assignment | None:
         """The restart of `round_id`, whose check passed, if it still waits; arms the periodic check."""

@@ -47,7 +47,16 @@ import signal
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from node_agent.client.replies import NO_SERVER, News, Refusal, news, refusal, succeeded_without
+from node_agent.client.replies import (
+    CONFLICT_RETRY_S,
+    News,
+    Path,
+    Refusal,
+    conflict_retry_for,
+    news,
+    refusal,
+    succeeded_without,
+)
 from node_agent.core.actions import (
     Action,
     CheckNode,
@@ -61,13 +70,7 @@ from node_agent.core.actions import (
     StopWorkers,
 )
 from node_agent.core.facts import (
-    CHECK_FAILURE,
-    CHECK_JOIN,
-    CHECK_RESTART,
-    CHECK_RUNNING,
-    ROUND_REPLACED,
     SERVER_CHECK_DECIDES,
-    SERVER_HEARD,
     DeadlinePassed,
     Fact,
     NodeChecked,
@@ -76,7 +79,9 @@ from node_agent.core.facts import (
     ServerRefused,
     SignalReceived,
     SpawnFailed,
+    Stage,
     StatusReceived,
+    Verdict,
     WorkersExited,
     WorkersHung,
 )
@@ -104,7 +109,6 @@ class Workers(enum.Enum):
     FAILED = "failed"        # a local worker failed; group stopped; reported
 
 
-CONFLICT_RETRY_S = 1.0
 REQUEST_NAMES = {cls: name for name, cls in REQUEST_TYPES.items()}
 
 
@@ -213,17 +217,17 @@ class SupervisionPolicy:
         self.probing = True
         return [ProbePeers(self.assignment.witnesses)]
 
-    def _peers(self, verdict: str, server: str | None, now: float) -> list[Action]:
+    def _peers(self, verdict: Verdict, server: Path | None, now: float) -> list[Action]:
         self.probing = False
         if self.workers != Workers.RUNNING or self.unreachable_since is None or self.assignment is None:
             return []          # the server answered meanwhile, or the workers ended: moot
-        evidence = verdict == ROUND_REPLACED or (verdict == SERVER_HEARD and self.suspect)
-        if not evidence and (server != NO_SERVER or verdict not in SERVER_CHECK_DECIDES):
+        evidence = verdict == Verdict.ROUND_REPLACED or (verdict == Verdict.SERVER_HEARD and self.suspect)
+        if not evidence and (server != Path.NO_SERVER or verdict not in SERVER_CHECK_DECIDES):
             # The server answers a fresh connection (the link sends again), a replica takes over, the
             # server still runs this round, or it is away for everyone: nothing to conclude; ask again.
             self.probe_at, self.suspect = now + REPROBE_S, False
             return []
-        if verdict != ROUND_REPLACED and (evidence or self.suspect) and now < self._lapse_at():
+        if verdict != Verdict.ROUND_REPLACED and (evidence or self.suspect) and now < self._lapse_at():
             # Silent (or older) witnesses before the lease lapsed: the server has replaced nothing yet;
             # confirmed, or not, by an ask once it has lapsed.
             self.probe_at, self.suspect = self._lapse_at(), True
@@ -231,7 +235,7 @@ class SupervisionPolicy:
         if not evidence and not self.suspect:
             # An older witness that hears the server may be right, or not yet aware; a silent one maybe
             # only too slow to answer (a loaded host, not a cut link): ask once more.
-            self.probe_at, self.suspect = now + (CONFIRM_S if verdict == SERVER_HEARD else 0.0), True
+            self.probe_at, self.suspect = now + (CONFIRM_S if verdict == Verdict.SERVER_HEARD else 0.0), True
             return []
         a = self.assignment
         self.workers, self.probe_at = Workers.FAILED, None
@@ -282,15 +286,15 @@ class SupervisionPolicy:
         return []
 
     def _refused(self, fact: ServerRefused, now: float) -> list[Action]:
-        if fact.code == ErrorCode.HOST_UNHEALTHY.value and fact.request is JoinRequest:
-            self.health.failed(CHECK_JOIN, now, fact.message)    # held out by the server: ask again later
+        if fact.code is ErrorCode.HOST_UNHEALTHY and fact.request is JoinRequest:
+            self.health.failed(Stage.JOIN, now, fact.message)    # held out by the server: ask again later
             return []
         match refusal(fact.code, fact.request):
             case Refusal.CONFLICT:
                 # Maybe our own predecessor, dead but not yet noticed: wait out its lease, then give up.
                 if self.conflict_since is None:
                     self.conflict_since = now
-                if now - self.conflict_since < self.lease_timeout_s + 2 * CONFLICT_RETRY_S:
+                if now - self.conflict_since < conflict_retry_for(self.lease_timeout_s):
                     self.retry_join_at = now + CONFLICT_RETRY_S
                     return []
                 return self._end(1, "the server refused this node's join",
@@ -320,7 +324,7 @@ class SupervisionPolicy:
                 return []      # a refused report: the next poll says where things stand
             case Refusal.FORGOTTEN:
                 # The server forgot the job or node (it restarted without its state): start afresh.
-                actions = self._stop(f"the server no longer knows this {fact.code.split('_')[1]}")
+                actions = self._stop(f"the server no longer knows this {fact.code.value.split('_')[1]}")
                 self.running_round = -1
                 return actions + [Rejoin(fact.message)]
         return self._end(1, "the server refused this agent", f"the server refused this agent: {fact.message}")
@@ -335,24 +339,24 @@ class SupervisionPolicy:
         self.workers = Workers.FAILED
         if self.health.enabled:     # a broken GPU makes the node leave instead of counting a restart
             return [StopWorkers(f"local rank {failures[0].local_rank} failed"),
-                    CheckNode(CHECK_FAILURE, round_id, failures)]
+                    CheckNode(Stage.FAILURE, round_id, failures)]
         return [StopWorkers(f"local rank {failures[0].local_rank} failed"), ReportFailure(round_id, failures)]
 
     def _checked(self, fact: NodeChecked, now: float) -> list[Action]:
         if fact.problem is None:
             self.health.passed(fact.stage, now)
-            if fact.stage == CHECK_FAILURE:
+            if fact.stage == Stage.FAILURE:
                 return [ReportFailure(fact.round_id, fact.failures)]
-            if fact.stage == CHECK_JOIN:
+            if fact.stage == Stage.JOIN:
                 return [Rejoin("the node's checks passed")]
-            a = self.health.take_pending(fact.round_id) if fact.stage == CHECK_RESTART \
+            a = self.health.take_pending(fact.round_id) if fact.stage == Stage.RESTART \
                 and fact.round_id == self.running_round else None
             return [Spawn(a)] if a is not None and self.workers == Workers.RUNNING else []
-        if self.health.out or (fact.stage == CHECK_RUNNING and fact.round_id != self.running_round):
+        if self.health.out or (fact.stage == Stage.RUNNING and fact.round_id != self.running_round):
             return []      # already out, or about a round since replaced (its own check comes)
         # Told to the server when it leaves a round, and once when it does not join (the job's history says
         # why it is missing), not at every check while it stays out.
-        tell = fact.stage != CHECK_JOIN or self.health.out_since is None
+        tell = fact.stage != Stage.JOIN or self.health.out_since is None
         self.health.failed(fact.stage, now, fact.problem)
         actions = self._stop(f"node unhealthy: {fact.problem}")
         self.running_round = -1

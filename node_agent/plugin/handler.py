@@ -237,7 +237,7 @@ class RdzvServerHandler(RendezvousHandler):
         except RequestRefused as exc:     # sent again, refused again: leave, so the others go on at once
             self._exit_cleanly(1, str(exc))
         except JoinRefused as exc:
-            if exc.code == ErrorCode.NODE_DRAINED.value:   # an operator took this node out: done, as node-agent
+            if exc.code is ErrorCode.NODE_DRAINED:   # an operator took this node out: done, as node-agent
                 self._exit_cleanly(0, str(exc))
             if self._rounds == 0:
                 self._exit_cleanly(1, str(exc))

@@ -32,7 +32,17 @@ from typing import Any, TypeVar
 
 import msgspec
 
-from node_agent.client.replies import News, Refusal, newer_assignment, news, refusal, takes_poll_reply
+from node_agent.client.replies import (
+    CONFLICT_RETRY_S,
+    Code,
+    News,
+    Refusal,
+    conflict_retry_for,
+    newer_assignment,
+    news,
+    refusal,
+    takes_poll_reply,
+)
 from node_agent.client.retry import Backoff, GaveUp, unreachable_line, until_answered
 from node_agent.client.transport import ServerRejected, ServerUnreachable, Transport
 from node_agent.client.witness import WitnessServer
@@ -49,8 +59,6 @@ from protocol.messages import (
     WorkerFailure,
 )
 
-POLL_WAIT_S = MAX_POLL_WAIT_S   # as the node agent: the server picks the hold
-CONFLICT_RETRY_S = 1.0          # a join refused for a live holder of the node id: tried again this often
 T = TypeVar("T")
 
 
@@ -94,7 +102,7 @@ class RequestRefused(SessionEnded):
 
 
 class JoinRefused(SessionEnded):
-    def __init__(self, code: str, message: str) -> None:
+    def __init__(self, code: Code, message: str) -> None:
         super().__init__(message)
         self.code = code
 
@@ -209,7 +217,7 @@ class ServerSession:
         s = self.settings
         conflict = Backoff(first_s=CONFLICT_RETRY_S, max_s=CONFLICT_RETRY_S, jitter=lambda low, high: 1.0)
         loop = asyncio.get_running_loop()
-        conflict_until = loop.time() + s.config.lease_timeout_s + 2 * CONFLICT_RETRY_S
+        conflict_until = loop.time() + conflict_retry_for(s.config.lease_timeout_s)
         while True:
             try:
                 await self._retrying(lambda: self._client.join(
@@ -269,7 +277,7 @@ class ServerSession:
             known = view.assignment.round_id if view.node_state is NodeState.MEMBER and view.assignment else -1
             answered = self._answered
             try:
-                reply = await until_answered(functools.partial(self._client.poll, known, POLL_WAIT_S),
+                reply = await until_answered(functools.partial(self._client.poll, known, MAX_POLL_WAIT_S),
                                              give_up_after=self.settings.server_wait_s,
                                              path_back=self._client.path_back, on_unreachable=self._lost_contact)
             except GaveUp as exc:

@@ -19,7 +19,7 @@ import tempfile
 from collections.abc import Callable, Mapping
 from typing import Protocol
 
-from node_agent.core.facts import CHECK_STOP, NodeChecked, Put, SpawnFailed, WorkersExited, WorkersHung
+from node_agent.core.facts import NodeChecked, Put, SpawnFailed, Stage, WorkersExited, WorkersHung
 from node_agent.core.hangwatch import HangWatch
 from node_agent.settings import WorkerSettings
 from node_agent.sources import start_source
@@ -31,7 +31,7 @@ from node_agent.workers.memory import MemoryDirs
 from node_agent.workers.process import WorkerExit, WorkerSpawnError
 from node_agent.workers.warm.client import WarmZygote
 from node_agent.workers.warm.eligible import entry_imports, imports_any, script_dir
-from protocol.messages import Assignment, Unhealthy
+from protocol.messages import Assignment, UnhealthyKind
 
 WARM_WAIT_S = 60.0   # a zygote importing longer than this (a hung file system?) lets the round start cold
 
@@ -41,6 +41,14 @@ class Group(Protocol):
 
     @property
     def launches(self) -> list[WorkerLaunch]: ...
+
+    @property
+    def warm_pids(self) -> list[int]:
+        """The workers forked by the warm zygote."""
+
+    @property
+    def stuck_pids(self) -> list[int]:
+        """Workers still alive after the stop's SIGKILL (uninterruptible sleep)."""
 
     async def start(self) -> None: ...
 
@@ -152,7 +160,7 @@ class LocalWorkers:
             return
         if self.group is not group:   # stopped while it waited for the zygote: nothing was started
             return
-        if isinstance(group, WorkerGroup) and group.warm_pids:
+        if group.warm_pids:
             self._say(f"{len(group.warm_pids)} of {len(launches)} workers started warm")
         self._watchers.append(start_source(self._watch_exits(group, round_id), self._put))
         if self._hangs is not None:
@@ -167,13 +175,13 @@ class LocalWorkers:
             await group.stop(signum)   # also ends a start still waiting for the zygote
             if starting is not None:   # its failure, if any, reached the loop already (start_source)
                 await asyncio.wait([starting])
-            stuck = list(getattr(group, "stuck_pids", ()))
+            stuck = list(group.stuck_pids)
             if stuck:      # they would hold the GPU (and this node's workers) forever: the node leaves
                 self.stuck_pids = stuck
-                self._put(NodeChecked(CHECK_STOP, self._round, f"worker process{'es' if len(stuck) > 1 else ''} "
+                self._put(NodeChecked(Stage.STOP, self._round, f"worker process{'es' if len(stuck) > 1 else ''} "
                                       f"{', '.join(map(str, stuck))} still alive {self.opts.kill_timeout:g}s after "
                                       f"SIGKILL (uninterruptible sleep: a GPU or driver fault?)",
-                                      Unhealthy.STUCK_WORKER))
+                                      UnhealthyKind.STUCK_WORKER))
 
     def kill(self) -> None:
         """SIGKILL every worker now, without waiting (the agent is about to exit)."""

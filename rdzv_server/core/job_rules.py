@@ -48,8 +48,6 @@ from rdzv_server.core.rounds import (
     node_status,
 )
 
-DROP_GRACE_S = leases.DROP_GRACE_S
-
 _FINISHED_KIND = {JobState.SUCCEEDED: EventKind.JOB_SUCCEEDED, JobState.FAILED: EventKind.JOB_FAILED,
                   JobState.CLOSED: EventKind.JOB_CLOSED}
 
@@ -108,16 +106,13 @@ class JobRules:
 
     # ---- time ----------------------------------------------------------------------------
 
-    def tick(self, now: float, lag_s: float = 0.0, quiet_s: float | None = None, say_quiet: bool = True,
-             silence: tuple[float, float] | None = None, wave: leases.ReturnWave | None = None,
-             suspect_s: float = 0.0) -> int:
-        """Apply every deadline of this job that has passed. `quiet_s`: how long the server has heard
-        from no agent, when that is long enough to be its own fault (leases.py); lapsing leases are
-        then extended (and said so when `say_quiet`). `suspect_s`: a shorter silence, which holds
-        lapsing leases back (leases.lapsed). `silence`: the last such silence that ended
-        (leases.grace_after_silence), `wave` its nodes coming back since. Returns how many were extended."""
+    def tick(self, now: float, hearing: leases.Hearing = leases.HEARD) -> int:
+        """Apply every deadline of this job that has passed, its leases judged by what the server heard
+        (leases.py). A silence long enough to be the server's own fault extends lapsing leases (said once
+        in the job's events). Returns how many were extended."""
         job = self.job
-        leases.grace_after_silence(job, silence, now, self.out, wave)
+        lag_s, quiet_s, suspect_s = hearing.lag_s, hearing.quiet_s, hearing.suspect_s
+        leases.grace_after_silence(job, hearing.silence, now, self.out, hearing.wave)
         gone, deferred = leases.lapsed(job, now, lag_s, suspect_s)
         # judged again once the server has caught up or heard someone
         leases.hold_back(job, deferred, now, lag_s, suspect_s, self.out)
@@ -128,7 +123,7 @@ class JobRules:
             if held:
                 leases.extend(job, held, now, job.config.lease_timeout_s, self.out)
                 extended = len(held)
-                if say_quiet:
+                if hearing.say_quiet:
                     self.record(now, EventKind.LEASES_EXTENDED, f"server heard from no agent for {quiet_s:.1f}s (its "
                                 f"own link or process was cut off or stalled, not {extended} node(s)): leases extended")
         if gone:

@@ -54,6 +54,21 @@ OUTAGE_LIMIT_S = 60.0
 LEAD_S = 2.0            # a node heard this long before a silence began may have been cut off by it
 RESUME_GRACE_S = 1.5    # after a silence ends, the time a cut-off agent needs to come back (path_check.py:
                         # a check within about 0.65 s, then the request)
+@dataclass(frozen=True)
+class Hearing:
+    """What the server has heard lately, by which one job's lapsing leases are judged at a tick (built
+    by Rendezvous.tick for each job)."""
+    lag_s: float = 0.0                           # how far behind the server's own loop runs
+    quiet_s: float | None = None                 # heard from no agent this long: its own fault (QUIET_S..)
+    suspect_s: float = 0.0                       # a shorter silence (SUSPECT_QUIET_S..): lapsing leases wait
+    silence: tuple[float, float] | None = None   # the last such silence that ended (grace_after_silence)
+    wave: ReturnWave | None = None               # the job's nodes coming back since it ended
+    say_quiet: bool = True                       # the quiet rule's extension not yet told in the job's events
+
+
+HEARD = Hearing()            # a server that runs on time and hears its agents
+
+
 MAX_LOSS_HISTORY = 1000      # nodes whose losses a job remembers
 MAX_LOSSES_KEPT = 32         # losses remembered per node
 

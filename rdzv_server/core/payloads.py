@@ -58,7 +58,7 @@ class LeasesExtended(msgspec.Struct, kw_only=True):
 
 
 class NodeUnhealthy(msgspec.Struct, kw_only=True):
-    """node_unhealthy: the kind of fault the node found (a protocol Unhealthy value) and its host."""
+    """node_unhealthy: the kind of fault the node found (a protocol UnhealthyKind value) and its host."""
     kind: str
     host: str
 

@@ -31,14 +31,14 @@ from protocol.messages import (
 from rdzv_server.core import admission, operator_rules, reports
 from rdzv_server.core.errors import RendezvousError
 from rdzv_server.core.events import EventKind
-from rdzv_server.core.job_rules import DROP_GRACE_S, JobRules
-from rdzv_server.core.leases import OUTAGE_LIMIT_S, QUIET_S, SUSPECT_QUIET_S, ReturnWave
+from rdzv_server.core.job_rules import JobRules
+from rdzv_server.core.leases import OUTAGE_LIMIT_S, QUIET_S, SUSPECT_QUIET_S, Hearing, ReturnWave
 from rdzv_server.core.outbox import Outbox
 from rdzv_server.core.payloads import LeasesExtended
 from rdzv_server.core.records import JobRecord
 from rdzv_server.core.unhealthy import DEFAULT_HOLD_S, UnhealthyHosts
 
-__all__ = ["DROP_GRACE_S", "REUSE_FINISHED_AFTER_S", "Rendezvous", "RendezvousError"]
+__all__ = ["REUSE_FINISHED_AFTER_S", "Rendezvous", "RendezvousError"]
 
 # A finished job's id starts a new run at once for a join from an agent that was not part of the
 # finished run. An agent of that run (same instance) joining again within this long is late for it
@@ -263,8 +263,9 @@ class Rendezvous:
             seq = job.event_seq
             with self._counting(job):
                 wave = self._waves.setdefault(job.job_id, ReturnWave()) if self.silence is not None else None
-                extended = JobRules(job, self.outbox).tick(now, lag_s, quiet_s, job.job_id not in self._quiet_noted,
-                                                           self.silence, wave, suspect_s)
+                hearing = Hearing(lag_s=lag_s, quiet_s=quiet_s, suspect_s=suspect_s, silence=self.silence,
+                                  wave=wave, say_quiet=job.job_id not in self._quiet_noted)
+                extended = JobRules(job, self.outbox).tick(now, hearing)
             if extended:
                 self._quiet_noted.add(job.job_id)
             if job.event_seq != seq:      # every decision records an event

@@ -23,7 +23,7 @@ MAX_HOSTS = 10_000            # holds kept at most (the oldest go first): one se
 @dataclass(frozen=True)
 class Hold:
     host: str
-    kind: str                 # a protocol.messages.Unhealthy value
+    kind: str                 # a protocol.messages.UnhealthyKind value
     reason: str               # the node's one line
     job_id: str
     node_id: str

@@ -49,7 +49,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from protocol.codec import REQUEST_TYPES
-from protocol.messages import JobState, NodeState, Unhealthy
+from protocol.messages import JobState, NodeState, UnhealthyKind
 from rdzv_server.coordinator import Coordinator
 from rdzv_server.core.events import EventKind, RoundCause
 from rdzv_server.core.outbox import Outbox
@@ -70,7 +70,7 @@ LOSS_CAUSES = (RoundCause.FAILURE.value, RoundCause.NODE_LOST.value)
 CAUSES = tuple(c.value for c in RoundCause)
 METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
 NODE_STATES = tuple(s for s in NodeState if s != NodeState.GONE)
-UNHEALTHY_KINDS = tuple(k.value for k in Unhealthy)
+UNHEALTHY_KINDS = tuple(k.value for k in UnhealthyKind)
 
 
 class StateCollector(Collector):

@@ -11,7 +11,7 @@ import pytest
 
 from node_agent.client.c10d_store import answers_as_c10d_store
 from node_agent.client.http import RdzvClient
-from node_agent.client.replies import NOT_RDZV_SERVER
+from node_agent.client.replies import ClientCode
 from node_agent.client.transport import ServerRejected, ServerUnreachable
 from protocol.messages import JobConfig
 from rdzv_server.web.app import create_app
@@ -35,7 +35,7 @@ async def test_a_c10d_store_at_the_endpoint_is_refused_as_not_an_rdzv_server(lib
         async with RdzvClient("127.0.0.1", port, "j", "n1") as client:
             with pytest.raises(ServerRejected) as info:
                 await join(client)
-    assert info.value.code == NOT_RDZV_SERVER
+    assert info.value.code == ClientCode.NOT_RDZV_SERVER
     assert info.value.message.startswith(f"http://127.0.0.1:{port} is not an rdzv-server: a c10d TCPStore")
     assert "\n" not in info.value.message
 

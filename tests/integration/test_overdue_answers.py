@@ -11,7 +11,7 @@ from aiohttp import web
 
 from node_agent.client import path_check
 from node_agent.client.http import RdzvClient
-from node_agent.client.replies import NO_SERVER
+from node_agent.client.replies import Path
 from node_agent.client.retry import until_answered
 from node_agent.client.transport import ServerUnreachable
 from protocol.codec import CONTENT_TYPE, encode
@@ -90,7 +90,7 @@ async def test_an_overdue_answer_while_only_a_standby_answers_keeps_its_connecti
 async def test_nothing_listening_is_checked_on_the_schedule_and_the_retry_goes_once_it_listens():
     port = free_port()
     async with RdzvClient("127.0.0.1", port, "j", "n1") as c:
-        assert await c.reach() == NO_SERVER
+        assert await c.reach() == Path.NO_SERVER
         errors: list[ServerUnreachable] = []
         app, peers = server(True, {"status": 200})
         retry = asyncio.create_task(until_answered(lambda: c.poll(-1, 60.0), on_unreachable=errors.append,

@@ -15,7 +15,7 @@ from aiohttp import web
 from node_agent.client.http import RdzvClient
 from node_agent.client.path_check import CHECK_TIMEOUT_S
 from node_agent.client.readyz import readyz_status
-from node_agent.client.replies import REACHED
+from node_agent.client.replies import Path
 from tests.e2e.certs import make_ca, make_server_cert
 
 
@@ -114,7 +114,7 @@ async def test_a_tls_server_too_busy_to_accept_has_one_probe_queued_and_its_late
         conn, _ = await asyncio.to_thread(unaccepting.accept)     # the server gets to it, late
         try:
             await asyncio.to_thread(_answer_over_tls, conn, server_ctx)
-            assert await client.path.reach([endpoint]) == REACHED
+            assert await client.path.reach([endpoint]) == Path.REACHED
             assert client.path.probes == 1
         finally:
             conn.close()

@@ -14,7 +14,7 @@ from aiohttp.test_utils import TestServer
 
 from node_agent.client.http import RdzvClient
 from node_agent.client.local import LocalClient
-from node_agent.client.replies import NOT_RDZV_SERVER
+from node_agent.client.replies import ClientCode
 from node_agent.client.transport import ACTION_OF, ServerRejected, ServerUnreachable, Transport, refusal
 from protocol.codec import REQUEST_TYPES
 from protocol.errors import RETRYABLE, ErrorCode
@@ -190,7 +190,7 @@ async def test_an_endpoint_that_is_not_an_rdzv_server_is_refused_as_such(status:
                 await join(client)
     finally:
         await srv.close()
-    assert info.value.code == NOT_RDZV_SERVER
+    assert info.value.code == ClientCode.NOT_RDZV_SERVER
     assert info.value.message.startswith(f"http://127.0.0.1:{port} is not an rdzv-server: it answered "
                                          f"HTTP {status} ({content_type})")
 
@@ -211,7 +211,7 @@ async def test_an_endpoint_that_does_not_speak_http_is_refused_as_such() -> None
     finally:
         server.close()
         await server.wait_closed()
-    assert info.value.code == NOT_RDZV_SERVER and "its reply is not HTTP" in info.value.message
+    assert info.value.code == ClientCode.NOT_RDZV_SERVER and "its reply is not HTTP" in info.value.message
 
 
 @pytest.mark.parametrize("job_id", ["team/exp1", "a" * 300, "app_id:7@host+x=y~z"])

@@ -25,9 +25,9 @@ from protocol.messages import (
     WorkerFailure,
 )
 from rdzv_server.core.events import EventKind
-from rdzv_server.core.leases import OUTAGE_LIMIT_S, QUIET_S, RESUME_GRACE_S, SUSPECT_QUIET_S
+from rdzv_server.core.leases import DROP_GRACE_S, OUTAGE_LIMIT_S, QUIET_S, RESUME_GRACE_S, SUSPECT_QUIET_S
 from rdzv_server.core.records import JobRecord
-from rdzv_server.core.rendezvous import DROP_GRACE_S, REUSE_FINISHED_AFTER_S, Rendezvous, RendezvousError, node_room
+from rdzv_server.core.rendezvous import REUSE_FINISHED_AFTER_S, Rendezvous, RendezvousError, node_room
 from rdzv_server.core.rounds import assignment
 
 JOB = "prop"

@@ -21,6 +21,8 @@ class FakeGroup:
         self.spawn_error = spawn_error
         self.stopped_with: int | None = None
         self.signals: list[int] = []
+        self.warm_pids: list[int] = []          # none forked from a zygote
+        self.stuck_pids: list[int] = []         # a test sets those that outlive the stop
         self._exits: list[WorkerExit] = []
         self._changed = asyncio.Event()
 

@@ -4,15 +4,15 @@ from __future__ import annotations
 import io
 import signal
 
-from node_agent.client.replies import NO_SERVER, STANDBY
+from node_agent.client.replies import Path
 from node_agent.core.actions import Exit, Leave, Rejoin, ReportFailure, Spawn, StopWorkers
 from node_agent.core.facts import (
-    STILL_MEMBER,
     PeersProbed,
     ServerNotReached,
     ServerRefused,
     SpawnFailed,
     StatusReceived,
+    Verdict,
     WorkersExited,
     WorkersHung,
 )
@@ -100,9 +100,9 @@ def test_failure_summary_names_the_root_cause() -> None:
 def test_a_probe_that_concludes_nothing_is_told_once_per_outage_and_says_why():
     out = io.StringIO()
     n = Narrator("node-b", out)
-    n.fact(PeersProbed(STILL_MEMBER, NO_SERVER), [])
-    n.fact(PeersProbed(STILL_MEMBER, NO_SERVER), [])
+    n.fact(PeersProbed(Verdict.STILL_MEMBER, Path.NO_SERVER), [])
+    n.fact(PeersProbed(Verdict.STILL_MEMBER, Path.NO_SERVER), [])
     assert out.getvalue().count("nothing was replaced") == 1
     out2 = io.StringIO()
-    Narrator("node-b", out2).fact(PeersProbed("server_away", STANDBY), [])
+    Narrator("node-b", out2).fact(PeersProbed("server_away", Path.STANDBY), [])
     assert "takeover" in out2.getvalue()

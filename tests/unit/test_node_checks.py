@@ -17,12 +17,12 @@ import pytest
 from node_agent.agent import Agent
 from node_agent.cli.options import AgentOptions
 from node_agent.core.actions import CheckNode
-from node_agent.core.facts import CHECK_FAILURE, CHECK_JOIN, CHECK_RESTART, CHECK_RUNNING, NodeChecked
+from node_agent.core.facts import NodeChecked, Stage
 from node_agent.gpu.nvml import FakeGpuProbe, healthy
 from node_agent.node_checks import NodeChecks
 from node_agent.settings import CheckSettings, Mode
 from node_agent.workers.launch import WorkerLaunch
-from protocol.messages import JobConfig, Unhealthy, WorkerFailure
+from protocol.messages import JobConfig, UnhealthyKind, WorkerFailure
 from protocol.quoting import quote
 from rdzv_server.web import views
 from rdzv_server.web.page import parts
@@ -52,7 +52,10 @@ class RecordingChecks(NodeChecks):
 
 class StuckGroup(FakeGroup):
     """Workers that outlive SIGKILL (what WorkerGroup reports after --kill-timeout)."""
-    stuck_pids = [4242]
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.stuck_pids = [4242]
 
 
 @dataclass
@@ -134,7 +137,7 @@ def ecc(index: int, count: int = 2):
 
 async def test_a_healthy_gpu_node_checks_before_joining_then_runs(start) -> None:
     node = start()
-    answer = await node.checks.next(CHECK_JOIN)
+    answer = await node.checks.next(Stage.JOIN)
     assert answer.problem is None and node.probe.asked == [0, 1]      # the two GPUs its workers use
     group = await node.next_group()
     assert node.server.coordinator.core.jobs["j1"].nodes["n1"].checks == "GPU check on (NVML, held open)"
@@ -148,8 +151,8 @@ async def test_an_unhealthy_gpu_keeps_the_node_out_until_it_is_repaired_in_place
     probe = FakeGpuProbe.with_gpus(2, name="H100")
     probe.faults[1] = ecc(1)
     node = start(probe=probe)
-    answer = await node.checks.next(CHECK_JOIN)
-    assert answer.kind is Unhealthy.GPU
+    answer = await node.checks.next(Stage.JOIN)
+    assert answer.kind is UnhealthyKind.GPU
     assert "GPU 1 (0000:1c:00.0): 2 volatile uncorrectable ECC errors" in answer.problem
     assert "join" not in node.server.sent
     assert "not joining: this node is unhealthy: GPU check: GPU 1 (0000:1c:00.0): 2 volatile uncorrectable ECC" \
@@ -163,9 +166,9 @@ async def test_a_gpu_that_breaks_while_workers_run_makes_the_node_leave_without_
     node = start()
     group = await node.next_group()
     node.probe.faults[0] = replace(healthy(0, bus(0)), lost="GPU is lost")
-    answer = await node.checks.next(CHECK_RUNNING)
+    answer = await node.checks.next(Stage.RUNNING)
     while answer.problem is None:                                       # checks made before the fault
-        answer = await node.checks.next(CHECK_RUNNING)
+        answer = await node.checks.next(Stage.RUNNING)
     await asyncio.wait_for(_left(node), LIMIT)
     assert group.stopped_with == signal.SIGTERM
     assert "failure" not in node.server.sent
@@ -190,8 +193,8 @@ async def test_a_worker_failure_on_a_broken_gpu_leaves_instead_of_counting_a_res
     group = await node.next_group()
     node.probe.faults[1] = ecc(1, 1)
     group.end(r1=1)
-    answer = await node.checks.next(CHECK_FAILURE)
-    assert answer.kind is Unhealthy.GPU and answer.failures[0].local_rank == 1
+    answer = await node.checks.next(Stage.FAILURE)
+    assert answer.kind is UnhealthyKind.GPU and answer.failures[0].local_rank == 1
     await asyncio.wait_for(_left(node), LIMIT)
     assert "failure" not in node.server.sent
     assert node.server.coordinator.core.jobs["j1"].restart_count == 0
@@ -201,8 +204,8 @@ async def test_a_worker_failure_on_healthy_gpus_is_reported_and_restarts_after_a
     node = start()
     first = await node.next_group()
     first.end(r1=1)
-    assert (await node.checks.next(CHECK_FAILURE)).problem is None
-    assert (await node.checks.next(CHECK_RESTART)).problem is None     # the restart waits for its check
+    assert (await node.checks.next(Stage.FAILURE)).problem is None
+    assert (await node.checks.next(Stage.RESTART)).problem is None     # the restart waits for its check
     second = await node.next_group()
     assert second.env["TORCHELASTIC_RESTART_COUNT"] == "1" and node.server.sent.count("failure") == 1
 
@@ -216,8 +219,8 @@ async def test_a_failing_health_check_before_a_restart_makes_the_node_leave(star
     first = await node.next_group()
     flag.touch()
     first.end(r1=1)
-    answer = await node.checks.next(CHECK_RESTART)
-    assert answer.kind is Unhealthy.HEALTH_CHECK
+    answer = await node.checks.next(Stage.RESTART)
+    assert answer.kind is UnhealthyKind.HEALTH_CHECK
     assert answer.problem == f"health check {quote(str(script))} exited with status 3: 'IB port 1 down'"
     await asyncio.wait_for(_left(node), LIMIT)
     assert len(node.made) == 1                                          # the restart never spawned here
@@ -259,12 +262,12 @@ async def test_a_failure_naming_a_gpu_fault_is_the_gpu_s_and_a_device_side_asser
     checks.start()
     ecc_failure = WorkerFailure(local_rank=0, rank=3, exitcode=1,
                                 message="RuntimeError: CUDA error: uncorrectable ECC error encountered")
-    answer = await checks.check(CheckNode(CHECK_FAILURE, 2, (ecc_failure,)))
-    assert answer.kind is Unhealthy.GPU_FAULT and "uncorrectable ECC error" in answer.problem
+    answer = await checks.check(CheckNode(Stage.FAILURE, 2, (ecc_failure,)))
+    assert answer.kind is UnhealthyKind.GPU_FAULT and "uncorrectable ECC error" in answer.problem
     assert answer.failures == (ecc_failure,)
     assert_failure = msgspec.structs.replace(ecc_failure,
                                              message="RuntimeError: CUDA error: device-side assert triggered")
-    assert (await checks.check(CheckNode(CHECK_FAILURE, 2, (assert_failure,)))).problem is None
+    assert (await checks.check(CheckNode(Stage.FAILURE, 2, (assert_failure,)))).problem is None
     checks.close()
 
 
@@ -274,10 +277,10 @@ async def test_a_host_held_out_by_the_server_asks_again_after_a_back_off_and_joi
     held.hold_s = 3600.0                              # as rdzv-server's (the in-process server holds nobody)
     now = node.server.coordinator.clock()                               # the server's clock: wall time
     held.hold(node.agent.hostname, "gpu", "unhealthy: GPU check: ...", "j0", "n0", now)
-    joins = await node.checks.next(CHECK_JOIN)
+    joins = await node.checks.next(Stage.JOIN)
     assert joins.problem is None                                        # its own check passes ...
     while "held out as unhealthy" not in node.text():                   # ... but the server refuses it
-        assert (await node.checks.next(CHECK_JOIN)).problem is None
+        assert (await node.checks.next(Stage.JOIN)).problem is None
     assert "the server keeps this host out: host" in node.text()
     assert node.task.done() is False and node.made == []
     held.clear(node.agent.hostname, now)                                # the operator's clear-unhealthy
@@ -303,8 +306,8 @@ async def test_a_health_check_that_cannot_run_keeps_the_node_out_saying_why(star
     script = tmp_path / "check.sh"
     script.write_text("#!/bin/sh\nexit 0\n")            # not executable
     node = start(health_check=str(script))
-    answer = await node.checks.next(CHECK_JOIN)
-    assert answer.kind is Unhealthy.HEALTH_CHECK
+    answer = await node.checks.next(Stage.JOIN)
+    assert answer.kind is UnhealthyKind.HEALTH_CHECK
     assert answer.problem == f"health check {quote(str(script))} is not executable (permission denied)"
     assert f"not joining: this node is unhealthy: {answer.problem}" in node.text()
     assert "join" not in node.server.sent

@@ -2,19 +2,10 @@
 from __future__ import annotations
 
 from node_agent.core.actions import CheckNode, Exit, Leave, Rejoin, ReportFailure, Spawn, StopWorkers
-from node_agent.core.facts import (
-    CHECK_FAILURE,
-    CHECK_JOIN,
-    CHECK_RESTART,
-    CHECK_RUNNING,
-    CHECK_STOP,
-    DeadlinePassed,
-    NodeChecked,
-    WorkersExited,
-)
+from node_agent.core.facts import DeadlinePassed, NodeChecked, Stage, WorkersExited
 from node_agent.core.node_health import RETRY_MAX_S, NodeHealth
 from node_agent.core.policy import SupervisionPolicy, Workers
-from protocol.messages import MAX_REASON, JobState, NodeState, Unhealthy
+from protocol.messages import MAX_REASON, JobState, NodeState, UnhealthyKind
 from tests.unit.test_policy import failure, member, status
 
 
@@ -24,7 +15,7 @@ def checked(interval: float = 5.0) -> SupervisionPolicy:
     return p
 
 
-def bad(stage: str, round_id: int, kind: Unhealthy = Unhealthy.GPU, **kw: object) -> NodeChecked:
+def bad(stage: str, round_id: int, kind: UnhealthyKind = UnhealthyKind.GPU, **kw: object) -> NodeChecked:
     return NodeChecked(stage, round_id, "GPU check: GPU 0: NVML: GPU is lost", kind, **kw)  # type: ignore[arg-type]
 
 
@@ -32,53 +23,53 @@ def test_the_first_round_spawns_at_once_and_a_check_runs_every_interval_while_it
     p = checked()
     assert p.handle(member(1), 10.0) == [Spawn(member(1).status.assignment)]  # type: ignore[arg-type]
     assert p.next_deadline() == 15.0
-    assert p.handle(DeadlinePassed(), 15.0) == [CheckNode(CHECK_RUNNING, 1)]
+    assert p.handle(DeadlinePassed(), 15.0) == [CheckNode(Stage.RUNNING, 1)]
     assert p.next_deadline() is None                          # one in flight: no other
-    assert p.handle(NodeChecked(CHECK_RUNNING, 1), 15.2) == []
+    assert p.handle(NodeChecked(Stage.RUNNING, 1), 15.2) == []
     assert p.next_deadline() == 20.2
 
 
 def test_a_restart_on_this_node_spawns_only_once_its_check_passed() -> None:
     p = checked()
     p.handle(member(1), 0.0)
-    assert p.handle(member(2, 1), 1.0) == [StopWorkers("round 2 replaces round 1"), CheckNode(CHECK_RESTART, 2)]
-    assert p.handle(NodeChecked(CHECK_RESTART, 2), 1.1) == [Spawn(member(2, 1).status.assignment)]  # type: ignore[arg-type]
-    assert p.handle(member(3, 2), 2.0)[-1] == CheckNode(CHECK_RESTART, 3)
-    assert p.handle(NodeChecked(CHECK_RESTART, 2), 2.1) == []   # an answer for a round since replaced
+    assert p.handle(member(2, 1), 1.0) == [StopWorkers("round 2 replaces round 1"), CheckNode(Stage.RESTART, 2)]
+    assert p.handle(NodeChecked(Stage.RESTART, 2), 1.1) == [Spawn(member(2, 1).status.assignment)]  # type: ignore[arg-type]
+    assert p.handle(member(3, 2), 2.0)[-1] == CheckNode(Stage.RESTART, 3)
+    assert p.handle(NodeChecked(Stage.RESTART, 2), 2.1) == []   # an answer for a round since replaced
 
 
 def test_a_failure_is_checked_before_it_is_reported_and_reported_when_healthy() -> None:
     p = checked()
     p.handle(member(1), 0.0)
     actions = p.handle(WorkersExited(1, (failure(),)), 1.0)
-    assert actions == [StopWorkers("local rank 1 failed"), CheckNode(CHECK_FAILURE, 1, (failure(),))]
-    assert p.handle(NodeChecked(CHECK_FAILURE, 1, failures=(failure(),)), 1.1) == [ReportFailure(1, (failure(),))]
+    assert actions == [StopWorkers("local rank 1 failed"), CheckNode(Stage.FAILURE, 1, (failure(),))]
+    assert p.handle(NodeChecked(Stage.FAILURE, 1, failures=(failure(),)), 1.1) == [ReportFailure(1, (failure(),))]
 
 
 def test_an_unhealthy_node_leaves_without_reporting_and_checks_again_after_a_doubling_back_off() -> None:
     p = checked()
     p.handle(member(1), 0.0)
     p.handle(WorkersExited(1, (failure(),)), 1.0)
-    actions = p.handle(bad(CHECK_FAILURE, 1, failures=(failure(),)), 1.1)
-    assert actions == [Leave("unhealthy: GPU check: GPU 0: NVML: GPU is lost", Unhealthy.GPU)]
+    actions = p.handle(bad(Stage.FAILURE, 1, failures=(failure(),)), 1.1)
+    assert actions == [Leave("unhealthy: GPU check: GPU 0: NVML: GPU is lost", UnhealthyKind.GPU)]
     assert p.workers == Workers.NONE and p.running_round == -1 and p.next_deadline() == 6.1
     assert p.handle(status(node_state=NodeState.GONE), 2.0) == []   # a late answer from before: no rejoin
-    assert p.handle(DeadlinePassed(), 6.1) == [CheckNode(CHECK_JOIN, -1)]
-    assert p.handle(bad(CHECK_JOIN, -1), 6.2) == []                # still broken: no join, no second leave
+    assert p.handle(DeadlinePassed(), 6.1) == [CheckNode(Stage.JOIN, -1)]
+    assert p.handle(bad(Stage.JOIN, -1), 6.2) == []                # still broken: no join, no second leave
     assert p.next_deadline() == 16.2                               # 5 s, then 10 s
-    assert p.handle(DeadlinePassed(), 16.2) == [CheckNode(CHECK_JOIN, -1)]
-    assert p.handle(NodeChecked(CHECK_JOIN, -1), 16.3) == [Rejoin("the node's checks passed")]
+    assert p.handle(DeadlinePassed(), 16.2) == [CheckNode(Stage.JOIN, -1)]
+    assert p.handle(NodeChecked(Stage.JOIN, -1), 16.3) == [Rejoin("the node's checks passed")]
 
 
 def test_the_back_off_is_capped() -> None:
     p = checked()
     p.health.give_up_s = 1e9
-    p.handle(bad(CHECK_JOIN, -1), 0.0)
+    p.handle(bad(Stage.JOIN, -1), 0.0)
     delays = []
     for _ in range(12):
         when = p.next_deadline()
-        assert when is not None and p.handle(DeadlinePassed(), when) == [CheckNode(CHECK_JOIN, -1)]
-        p.handle(bad(CHECK_JOIN, -1), when)
+        assert when is not None and p.handle(DeadlinePassed(), when) == [CheckNode(Stage.JOIN, -1)]
+        p.handle(bad(Stage.JOIN, -1), when)
         delays.append(p.next_deadline() - when)  # type: ignore[operator]
     assert delays[:6] == [10.0, 20.0, 40.0, 80.0, 160.0, RETRY_MAX_S] and delays[-1] == RETRY_MAX_S
 
@@ -87,14 +78,14 @@ def test_a_check_finding_a_fault_while_workers_run_stops_them_and_leaves() -> No
     p = checked()
     p.handle(member(1), 0.0)
     p.handle(DeadlinePassed(), 5.0)
-    actions = p.handle(bad(CHECK_RUNNING, 1), 5.1)
-    assert [type(a) for a in actions] == [StopWorkers, Leave] and actions[1].unhealthy is Unhealthy.GPU  # type: ignore[union-attr]
+    actions = p.handle(bad(Stage.RUNNING, 1), 5.1)
+    assert [type(a) for a in actions] == [StopWorkers, Leave] and actions[1].unhealthy is UnhealthyKind.GPU  # type: ignore[union-attr]
 
 
 def test_the_job_s_end_still_ends_a_node_that_is_out() -> None:
     p = checked()
     p.handle(member(1), 0.0)
-    p.handle(bad(CHECK_RUNNING, 1), 1.0)
+    p.handle(bad(Stage.RUNNING, 1), 1.0)
     actions = p.handle(status(job_state=JobState.FAILED, reason="no healthy set"), 2.0)
     assert isinstance(actions[-1], Exit) and actions[-1].code == 1
 
@@ -104,25 +95,25 @@ def test_without_checks_a_failure_is_reported_at_once_but_a_stuck_worker_still_t
     p.handle(member(1), 0.0)
     assert p.handle(WorkersExited(1, (failure(),)), 1.0) == [StopWorkers("local rank 1 failed"),
                                                             ReportFailure(1, (failure(),))]
-    stuck = NodeChecked(CHECK_STOP, 1, "worker process 42 still alive 10s after SIGKILL", Unhealthy.STUCK_WORKER)
+    stuck = NodeChecked(Stage.STOP, 1, "worker process 42 still alive 10s after SIGKILL", UnhealthyKind.STUCK_WORKER)
     assert p.handle(stuck, 2.0) == [Leave("unhealthy: worker process 42 still alive 10s after SIGKILL",
-                                          Unhealthy.STUCK_WORKER)]
-    assert p.handle(DeadlinePassed(), 7.0) == [CheckNode(CHECK_JOIN, -1)]   # the shell checks the pid is gone
+                                          UnhealthyKind.STUCK_WORKER)]
+    assert p.handle(DeadlinePassed(), 7.0) == [CheckNode(Stage.JOIN, -1)]   # the shell checks the pid is gone
 
 
 def test_a_node_out_for_longer_than_the_job_s_join_timeout_gives_up_with_its_last_finding() -> None:
     p = checked()
     p.health.give_up_s = 60.0
-    p.handle(bad(CHECK_JOIN, -1), 0.0)
+    p.handle(bad(Stage.JOIN, -1), 0.0)
     now = 0.0
     while True:
         when = p.next_deadline()
         assert when is not None
         actions = p.handle(DeadlinePassed(), when)
-        if actions != [CheckNode(CHECK_JOIN, -1)]:
+        if actions != [CheckNode(Stage.JOIN, -1)]:
             break
         now = when
-        p.handle(bad(CHECK_JOIN, -1), now)
+        p.handle(bad(Stage.JOIN, -1), now)
     assert when >= 60.0 and actions == [Exit(1, f"this node stayed unhealthy for {when:.0f}s (the job's join "
                                                 "timeout 60s): GPU check: GPU 0: NVML: GPU is lost")]
 
@@ -132,13 +123,13 @@ def test_a_long_finding_is_cut_to_what_a_leave_may_carry() -> None:
     p.handle(member(1), 0.0)
     many = " | ".join(f"GPU {i} (0000:{i:02x}:00.0): 3 volatile uncorrectable ECC errors; row remapping failed"
                       for i in range(64))
-    leave = p.handle(NodeChecked(CHECK_RUNNING, 1, many, Unhealthy.GPU), 1.0)[-1]
+    leave = p.handle(NodeChecked(Stage.RUNNING, 1, many, UnhealthyKind.GPU), 1.0)[-1]
     assert isinstance(leave, Leave) and len(leave.reason) == MAX_REASON and leave.reason.startswith("unhealthy: GPU 0")
 
 
 def test_a_node_unhealthy_before_its_first_join_tells_the_server_once() -> None:
     p = checked()
-    told = Leave("unhealthy: GPU check: GPU 0: NVML: GPU is lost", Unhealthy.GPU)
-    assert p.handle(bad(CHECK_JOIN, -1), 0.0) == [told]
-    assert p.handle(DeadlinePassed(), 5.0) == [CheckNode(CHECK_JOIN, -1)]
-    assert p.handle(bad(CHECK_JOIN, -1), 5.1) == []
+    told = Leave("unhealthy: GPU check: GPU 0: NVML: GPU is lost", UnhealthyKind.GPU)
+    assert p.handle(bad(Stage.JOIN, -1), 0.0) == [told]
+    assert p.handle(DeadlinePassed(), 5.0) == [CheckNode(Stage.JOIN, -1)]
+    assert p.handle(bad(Stage.JOIN, -1), 5.1) == []

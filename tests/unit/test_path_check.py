@@ -13,7 +13,7 @@ from node_agent.client.path_check import (
     PathCheck,
     answer_due,
 )
-from node_agent.client.replies import NO_SERVER, REACHED, STANDBY
+from node_agent.client.replies import Path
 
 
 class Recorded(CheckSchedule):
@@ -86,11 +86,11 @@ async def test_a_round_waiting_on_a_silent_endpoint_does_not_hold_up_the_next():
 
 
 async def test_a_standby_is_told_apart_from_nobody_and_a_replica_that_serves_is_preferred_in_order():
-    assert await Fake({"a": [503], "b": [None]}).check().reach(["a", "b"]) == STANDBY
-    assert await Fake({"a": [None], "b": [None]}).check().reach(["a", "b"]) == NO_SERVER
+    assert await Fake({"a": [503], "b": [None]}).check().reach(["a", "b"]) == Path.STANDBY
+    assert await Fake({"a": [None], "b": [None]}).check().reach(["a", "b"]) == Path.NO_SERVER
     fake = Fake({"a": [None], "b": [200], "c": [200]})
     assert await fake.check().check(["a", "b", "c"]) == "b"
-    assert await Fake({"a": [200]}).check().reach(["a"]) == REACHED
+    assert await Fake({"a": [200]}).check().reach(["a"]) == Path.REACHED
 
 
 async def test_requests_overdue_together_share_one_round_of_checks():

@@ -6,14 +6,9 @@ import signal
 import msgspec
 import pytest
 
-from node_agent.client.replies import NO_SERVER, REACHED, STANDBY
+from node_agent.client.replies import Path
 from node_agent.core.actions import Exit, Leave, ProbePeers, Rejoin, ReportFailure, ReportSuccess, Spawn, StopWorkers
 from node_agent.core.facts import (
-    ROUND_REPLACED,
-    SERVER_AWAY,
-    SERVER_HEARD,
-    SILENT,
-    STILL_MEMBER,
     DeadlinePassed,
     PeersProbed,
     ServerNotReached,
@@ -21,6 +16,7 @@ from node_agent.core.facts import (
     SignalReceived,
     SpawnFailed,
     StatusReceived,
+    Verdict,
     WorkersExited,
     WorkersHung,
 )
@@ -326,10 +322,10 @@ def test_a_cut_off_node_asks_its_witnesses_once_its_lease_must_have_lapsed_and_f
     probe = p.handle(DeadlinePassed(), 16.0)
     assert len(probe) == 1 and isinstance(probe[0], ProbePeers)
     assert p.next_deadline() == 14.0 + 60                       # probing: only the give-up rule is armed
-    assert p.handle(PeersProbed(SERVER_HEARD), 16.5) == []    # once more, in case a witness is slow to see
+    assert p.handle(PeersProbed(Verdict.SERVER_HEARD), 16.5) == []    # once more, in case a witness is slow to see
     assert p.next_deadline() == 17.5
     assert isinstance(p.handle(DeadlinePassed(), 17.5)[0], ProbePeers)
-    actions = p.handle(PeersProbed(SERVER_HEARD), 17.6)
+    actions = p.handle(PeersProbed(Verdict.SERVER_HEARD), 17.6)
     assert isinstance(actions[0], StopWorkers) and "fenced" in actions[0].reason
     assert isinstance(actions[1], ReportFailure) and actions[1].failures[0].reason == "fenced"
     assert p.workers == Workers.FAILED
@@ -340,10 +336,10 @@ def test_silent_witnesses_are_asked_once_more_at_once_and_fence_if_still_silent(
     p = fenced_policy()
     p.handle(unreachable(), 14.0)
     p.handle(DeadlinePassed(), 16.0)
-    assert p.handle(PeersProbed(SILENT), 17.0) == [] and p.workers == Workers.RUNNING
+    assert p.handle(PeersProbed(Verdict.SILENT), 17.0) == [] and p.workers == Workers.RUNNING
     assert p.next_deadline() == 17.0                            # the second probe goes at once
     assert isinstance(p.handle(DeadlinePassed(), 17.0)[0], ProbePeers)
-    actions = p.handle(PeersProbed(SILENT), 18.0)
+    actions = p.handle(PeersProbed(Verdict.SILENT), 18.0)
     assert isinstance(actions[0], StopWorkers) and "fenced" in actions[0].reason
 
 
@@ -353,12 +349,12 @@ def test_a_silence_before_the_lease_lapsed_is_confirmed_after_it_and_only_then_f
     p = fenced_policy()
     p.handle(unreachable(), 14.0)
     assert isinstance(p.handle(DeadlinePassed(), 14.5)[0], ProbePeers)
-    assert p.handle(PeersProbed(SILENT, NO_SERVER), 15.0) == []           # answered early: asked again at once
+    assert p.handle(PeersProbed(Verdict.SILENT, Path.NO_SERVER), 15.0) == []     # answered early: asked again at once
     assert isinstance(p.handle(DeadlinePassed(), 15.0)[0], ProbePeers)
-    assert p.handle(PeersProbed(SILENT, NO_SERVER), 15.3) == [] and p.workers == Workers.RUNNING
+    assert p.handle(PeersProbed(Verdict.SILENT, Path.NO_SERVER), 15.3) == [] and p.workers == Workers.RUNNING
     assert p.next_deadline() == 15.5                                      # twice silent, lease not lapsed
     assert isinstance(p.handle(DeadlinePassed(), 15.5)[0], ProbePeers)
-    actions = p.handle(PeersProbed(SILENT, NO_SERVER), 16.5)
+    actions = p.handle(PeersProbed(Verdict.SILENT, Path.NO_SERVER), 16.5)
     assert isinstance(actions[0], StopWorkers) and "nor any endpoint answer" in actions[0].reason
 
 
@@ -366,25 +362,25 @@ def test_a_silence_ending_at_the_lapse_is_confirmed_by_one_more_ask():
     p = fenced_policy()
     p.handle(unreachable(), 14.0)
     p.handle(DeadlinePassed(), 14.5)
-    assert p.handle(PeersProbed(SILENT, NO_SERVER), 15.5) == [] and p.next_deadline() == 15.5
+    assert p.handle(PeersProbed(Verdict.SILENT, Path.NO_SERVER), 15.5) == [] and p.next_deadline() == 15.5
     p.handle(DeadlinePassed(), 15.5)
-    assert isinstance(p.handle(PeersProbed(SILENT, NO_SERVER), 16.5)[0], StopWorkers)   # 1 s after the lapse
+    assert isinstance(p.handle(PeersProbed(Verdict.SILENT, Path.NO_SERVER), 16.5)[0], StopWorkers)   # 1 s after lapse
 
 
 def test_a_silence_then_witnesses_that_do_not_hear_the_server_keep_the_workers():
     p = fenced_policy()
     p.handle(unreachable(), 14.0)
     p.handle(DeadlinePassed(), 16.0)
-    p.handle(PeersProbed(SILENT), 17.0)
+    p.handle(PeersProbed(Verdict.SILENT), 17.0)
     p.handle(DeadlinePassed(), 17.0)
-    assert p.handle(PeersProbed(SERVER_AWAY), 17.3) == [] and p.workers == Workers.RUNNING
+    assert p.handle(PeersProbed(Verdict.SERVER_AWAY), 17.3) == [] and p.workers == Workers.RUNNING
 
 
 def test_witnesses_that_do_not_hear_the_server_either_keep_the_workers_and_are_asked_again():
     p = fenced_policy()
     p.handle(unreachable(), 14.0)
     p.handle(DeadlinePassed(), 16.0)
-    assert p.handle(PeersProbed(SERVER_AWAY), 16.2) == [] and p.workers == Workers.RUNNING
+    assert p.handle(PeersProbed(Verdict.SERVER_AWAY), 16.2) == [] and p.workers == Workers.RUNNING
     assert p.next_deadline() == 16.2 + REPROBE_S
     assert isinstance(p.handle(DeadlinePassed(), 17.2)[0], ProbePeers)
 
@@ -396,9 +392,9 @@ def test_a_node_alone_in_its_round_is_never_fenced_and_one_with_no_witness_fence
     q = fenced_policy(witnesses=())
     q.handle(unreachable(), 14.0)
     assert q.handle(DeadlinePassed(), 16.0) == [ProbePeers(())]   # nobody to ask: the server is still checked
-    assert q.handle(PeersProbed(SILENT, NO_SERVER), 16.5) == []   # once more, at once
+    assert q.handle(PeersProbed(Verdict.SILENT, Path.NO_SERVER), 16.5) == []   # once more, at once
     assert q.handle(DeadlinePassed(), 16.5) == [ProbePeers(())]
-    actions = q.handle(PeersProbed(SILENT, NO_SERVER), 17.0)
+    actions = q.handle(PeersProbed(Verdict.SILENT, Path.NO_SERVER), 17.0)
     assert isinstance(actions[0], StopWorkers) and "nor any endpoint answer" in actions[0].reason
 
 
@@ -406,7 +402,7 @@ def test_a_witness_holding_a_newer_round_is_the_evidence_to_fence_at_once():
     p = fenced_policy()
     p.handle(unreachable(), 14.0)
     p.handle(DeadlinePassed(), 16.0)
-    actions = p.handle(PeersProbed(ROUND_REPLACED, NO_SERVER), 16.2)
+    actions = p.handle(PeersProbed(Verdict.ROUND_REPLACED, Path.NO_SERVER), 16.2)
     assert isinstance(actions[0], StopWorkers) and "runs a newer round" in actions[0].reason
     assert isinstance(actions[1], ReportFailure) and p.workers == Workers.FAILED
 
@@ -418,13 +414,14 @@ def test_a_witness_that_hears_the_server_in_this_nodes_round_is_no_evidence_howe
     t = 16.0
     for _ in range(5):
         assert isinstance(p.handle(DeadlinePassed(), t)[0], ProbePeers)
-        assert p.handle(PeersProbed(STILL_MEMBER, NO_SERVER), t + 0.1) == [] and p.workers == Workers.RUNNING
+        assert p.handle(PeersProbed(Verdict.STILL_MEMBER, Path.NO_SERVER), t + 0.1) == []
+        assert p.workers == Workers.RUNNING
         assert p.next_deadline() == t + 0.1 + REPROBE_S             # asked again a little later
         t += 1.1
 
 
-@pytest.mark.parametrize("server", [REACHED, STANDBY])
-@pytest.mark.parametrize("verdict", [SILENT, SERVER_HEARD])
+@pytest.mark.parametrize("server", [Path.REACHED, Path.STANDBY])
+@pytest.mark.parametrize("verdict", [Verdict.SILENT, Verdict.SERVER_HEARD])
 def test_nothing_is_concluded_while_the_server_answers_a_fresh_connection_or_a_replica_takes_over(verdict, server):
     # The server (or a standby while a takeover is under way) answers a new connection: the link sends
     # again at once; a silent or older witness is no evidence then, twice or not.

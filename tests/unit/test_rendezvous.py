@@ -20,8 +20,9 @@ from protocol.messages import (
     SuccessReport,
     WorkerFailure,
 )
+from rdzv_server.core.leases import DROP_GRACE_S
 from rdzv_server.core.records import JobRecord
-from rdzv_server.core.rendezvous import DROP_GRACE_S, Rendezvous, RendezvousError
+from rdzv_server.core.rendezvous import Rendezvous, RendezvousError
 
 JOB = "job-1"
 # Long leases unless a test is about leases, so that time can jump without polls.

@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from node_agent.client.replies import News, Refusal, newer_assignment, news, refusal
+from node_agent.client.replies import News, Refusal, code_of, newer_assignment, news, refusal
 from node_agent.client.transport import ServerRejected, Transport
 from node_agent.core.actions import Exit, Leave, Rejoin, Spawn, StopWorkers
 from node_agent.core.facts import ServerRefused, StatusReceived
@@ -122,7 +122,7 @@ REFUSALS = [   # (request, code, what it means)
 
 @pytest.mark.parametrize(("request_type", "code", "meaning"), REFUSALS)
 def test_the_refusal_rule(request_type, code, meaning):
-    assert refusal(code, request_type) is meaning
+    assert refusal(code_of(code), request_type) is meaning
 
 
 AGENT_ENDS = {   # the agent's exit status per meaning (None: it goes on)

@@ -7,7 +7,7 @@ import pytest
 
 from protocol.codec import decode_request, encode
 from protocol.errors import ErrorCode
-from protocol.messages import JobConfig, JobState, JoinRequest, LeaveRequest, NodeStatus, Unhealthy
+from protocol.messages import JobConfig, JobState, JoinRequest, LeaveRequest, NodeStatus, UnhealthyKind
 from rdzv_ctl import cli as ctl
 from rdzv_server import cli as server_cli
 from rdzv_server.core.events import EventKind
@@ -27,7 +27,7 @@ def join(rz: Rendezvous, node: str, now: float, job: str = "a", host: str | None
 
 
 def leave_unhealthy(rz: Rendezvous, node: str, now: float, job: str = "a",
-                    kind: Unhealthy = Unhealthy.GPU) -> NodeStatus:
+                    kind: UnhealthyKind = UnhealthyKind.GPU) -> NodeStatus:
     return rz.leave(job, LeaveRequest(v=1, node_id=node, reason="unhealthy: GPU check: GPU 1: 2 volatile "
                                       "uncorrectable ECC errors", unhealthy=kind), now)
 
@@ -73,7 +73,7 @@ def test_its_host_is_refused_by_every_job_until_the_hold_ends() -> None:
 def test_an_operator_clears_a_hold_and_an_unknown_host_is_not_found() -> None:
     rz = Rendezvous()
     running(rz, "n1", "n2")
-    leave_unhealthy(rz, "n2", 10.0, kind=Unhealthy.STUCK_WORKER)
+    leave_unhealthy(rz, "n2", 10.0, kind=UnhealthyKind.STUCK_WORKER)
     assert rz.unhealthy.clear("host-n2", 11.0).kind == "stuck_worker"
     join(rz, "n2", 12.0)
     with pytest.raises(RendezvousError) as missing:
@@ -109,7 +109,7 @@ def test_the_job_ends_when_no_healthy_set_of_min_nodes_remains_saying_so() -> No
 def test_the_unhealthy_flag_keeps_old_agents_and_old_servers_working() -> None:
     old = {"v": 1, "node_id": "n1", "credential": "", "reason": "left"}          # an agent before the flag
     assert decode_request(LeaveRequest, msgspec.msgpack.encode(old)).unhealthy is None
-    new = encode(LeaveRequest(v=1, node_id="n1", reason="unhealthy: x", unhealthy=Unhealthy.GPU_FAULT))
+    new = encode(LeaveRequest(v=1, node_id="n1", reason="unhealthy: x", unhealthy=UnhealthyKind.GPU_FAULT))
 
     class OldLeave(msgspec.Struct, kw_only=True):                              # a server before the flag
         v: int
@@ -141,7 +141,7 @@ def test_rdzv_server_s_unhealthy_hold_flag() -> None:
 def test_a_node_unhealthy_before_joining_is_in_the_job_s_history_but_holds_nothing() -> None:
     rz = Rendezvous()
     join(rz, "n1", 0.0)
-    leave_unhealthy(rz, "sick", 1.0, kind=Unhealthy.HEALTH_CHECK)      # never joined: no credential, no record
+    leave_unhealthy(rz, "sick", 1.0, kind=UnhealthyKind.HEALTH_CHECK)      # never joined: no credential, no record
     event = rz.jobs["a"].events[-1]
     assert (event.kind, event.node_id) == (EventKind.NODE_UNHEALTHY, "sick")
     assert event.message.startswith("node sick did not join: unhealthy: ")

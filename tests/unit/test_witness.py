@@ -4,9 +4,9 @@ from __future__ import annotations
 import asyncio
 import socket
 
-from node_agent.client.replies import NO_SERVER
+from node_agent.client.replies import Path
 from node_agent.client.witness import ALONE, IN_CONTACT, WitnessServer
-from node_agent.core.facts import ROUND_REPLACED, SERVER_AWAY, SERVER_HEARD, SILENT, STILL_MEMBER, PeersProbed
+from node_agent.core.facts import PeersProbed, Verdict
 from node_agent.witness import ask_witnesses, probe_peers, verdict
 from protocol.messages import Witness
 
@@ -24,15 +24,15 @@ async def test_the_verdict_follows_what_the_witnesses_say_about_the_server_and_t
     try:
         wa, wb = Witness(addr="127.0.0.1", port=await a.start()), Witness(addr="127.0.0.1", port=await b.start())
         nobody = Witness(addr="127.0.0.1", port=closed_port())
-        assert await ask_witnesses((wa, wb), 3) == STILL_MEMBER       # it hears the server, in this node's round
+        assert await ask_witnesses((wa, wb), 3) == Verdict.STILL_MEMBER   # it hears the server, in this node's round
         held[0] = 4
-        assert await ask_witnesses((wa, wb), 3) == ROUND_REPLACED     # a newer round: this node's is over
-        assert await ask_witnesses((wa, wb), 4) == STILL_MEMBER
+        assert await ask_witnesses((wa, wb), 3) == Verdict.ROUND_REPLACED     # a newer round: this node's is over
+        assert await ask_witnesses((wa, wb), 4) == Verdict.STILL_MEMBER
         hears[0] = False
-        assert await ask_witnesses((wa, wb)) == SERVER_AWAY           # none hears it: the server is away
-        assert await ask_witnesses((nobody, wb)) == SERVER_AWAY
-        assert await ask_witnesses((nobody,), timeout=0.5) == SILENT   # nobody answers
-        assert await ask_witnesses(()) == SILENT
+        assert await ask_witnesses((wa, wb)) == Verdict.SERVER_AWAY           # none hears it: the server is away
+        assert await ask_witnesses((nobody, wb)) == Verdict.SERVER_AWAY
+        assert await ask_witnesses((nobody,), timeout=0.5) == Verdict.SILENT   # nobody answers
+        assert await ask_witnesses(()) == Verdict.SILENT
     finally:
         await a.close()
         await b.close()
@@ -47,10 +47,10 @@ async def test_an_older_asker_gets_the_older_line_and_older_answers_are_still_un
         writer.close()
     finally:
         await w.close()
-    assert verdict([IN_CONTACT, b""], 3) == SERVER_HEARD      # an older witness: hears it, names no round
-    assert verdict([ALONE], 3) == SERVER_AWAY
-    assert verdict([b"rdzv-agent in-contact round=2\n"], 3) == STILL_MEMBER   # older news: no evidence
-    assert verdict([b"garbage\n", b""], 3) == SILENT
+    assert verdict([IN_CONTACT, b""], 3) == Verdict.SERVER_HEARD      # an older witness: hears it, names no round
+    assert verdict([ALONE], 3) == Verdict.SERVER_AWAY
+    assert verdict([b"rdzv-agent in-contact round=2\n"], 3) == Verdict.STILL_MEMBER   # older news: no evidence
+    assert verdict([b"garbage\n", b""], 3) == Verdict.SILENT
 
 
 async def test_a_probe_waits_for_the_server_check_only_where_the_witnesses_leave_it_open():
@@ -61,20 +61,22 @@ async def test_a_probe_waits_for_the_server_check_only_where_the_witnesses_leave
             await asyncio.Event().wait()
         finally:
             checks_ended.append(True)
-        return NO_SERVER
+        return Path.NO_SERVER
 
     async def no_server() -> str:
-        return NO_SERVER
+        return Path.NO_SERVER
 
     w = WitnessServer("127.0.0.1", lambda: True, lambda: held[0])
     try:
         witness = Witness(addr="127.0.0.1", port=await w.start())
         # a witness holds a newer round: evidence at once, however long the server check would take
         said = await asyncio.wait_for(probe_peers((witness,), 3, silent_server), 5)
-        assert said == PeersProbed(ROUND_REPLACED, None) and checks_ended == [True]
+        assert said == PeersProbed(Verdict.ROUND_REPLACED, None) and checks_ended == [True]
         held[0] = 3
-        assert await asyncio.wait_for(probe_peers((witness,), 3, silent_server), 5) == PeersProbed(STILL_MEMBER, None)
+        said = await asyncio.wait_for(probe_peers((witness,), 3, silent_server), 5)
+        assert said == PeersProbed(Verdict.STILL_MEMBER, None)
     finally:
         await w.close()
     nobody = Witness(addr="127.0.0.1", port=closed_port())
-    assert await probe_peers((nobody,), 3, no_server) == PeersProbed(SILENT, NO_SERVER)   # the check decides
+    said = await probe_peers((nobody,), 3, no_server)
+    assert said == PeersProbed(Verdict.SILENT, Path.NO_SERVER)   # the check decides
