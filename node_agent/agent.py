@@ -1,13 +1,8 @@
-"""The agent's one loop: facts in, actions out.
-
-Facts arrive on one queue from the server link (server_link.py), the local workers
-(workers/local.py) and the signal handler; when none comes before the policy's next deadline, the
-loop makes one itself (`DeadlinePassed`), so a timed rule fires on time. Each fact goes through the
-pure policy (policy.py); the actions it returns are run here, in order, and narrated (narration.py).
-
-The agent's clock is monotonic: its deadlines are durations on this machine and must not jump with
-the wall clock. (Failure timestamps are wall time: the server compares them across nodes.)
-"""
+"""The agent's one loop: facts in (one queue: server_link.py, workers/local.py, signals), through the pure
+policy (policy.py), actions out, run in order and narrated (narration.py). With no fact before the policy's
+next deadline the loop makes `DeadlinePassed`, so timed rules fire on time.
+The clock is monotonic: deadlines are durations here and must not jump with the wall clock (failure
+timestamps are wall time: the server compares them across nodes)."""
 from __future__ import annotations
 
 import asyncio
@@ -167,17 +162,16 @@ class Agent:
         self.facts.put_nowait(await probe_peers(witnesses, self.policy.known_round, self.transport.reach))
 
     def _holds(self) -> int:
-        """The round a witness says this node runs: the policy's, or a newer one the server has already
-        assigned while the loop was busy (the answer that matters to a cut-off peer: it was replaced)."""
+        """The round a witness says this node runs: the policy's, or a newer one already assigned while the
+        loop was busy (what a cut-off peer must hear: it was replaced)."""
         assigned = self._link.assigned_round if self._link is not None else -1
         known = self.policy.known_round
         return max(known, assigned) if known >= 0 else known
 
     def _on_signal(self, signum: int) -> None:
-        """The first signal stops the workers with it, leaves and exits; a second one forces the exit (kill
-        the workers, no clean-up), like a second Ctrl-C. The same signal again within SAME_SIGNAL_S is the
-        same request, delivered twice: a terminal's Ctrl-C reaches the whole foreground group, and a wrapper
-        in it that forwards signals (timeout, srun, a shell script) sends it to the agent once more."""
+        """The first signal stops the workers with it, leaves and exits; a second forces the exit (kill, no
+        clean-up), like a second Ctrl-C. The same signal within SAME_SIGNAL_S is the first delivered twice:
+        Ctrl-C reaches the whole foreground group, and a wrapper there (timeout, srun) forwards it again."""
         now = self.now()
         if self._first_signal is not None:
             first, at = self._first_signal

@@ -5,10 +5,9 @@
         train_step()
         beat()
 
-Each call costs a clock read; at most one byte per 50 ms goes down a non-blocking pipe to the
-agent (run with `node-agent --hang-timeout S`). Outside node-agent, or with hang detection off,
-`beat()` does nothing. A worker that never beats is never treated as hung.
-"""
+Each call costs a clock read; at most one byte per 50 ms goes down a non-blocking pipe to the agent
+(`node-agent --hang-timeout S`). Outside node-agent, or with hang detection off, `beat()` does nothing.
+A worker that never beats is never treated as hung."""
 from __future__ import annotations
 
 import os

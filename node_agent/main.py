@@ -1,12 +1,7 @@
 """`node-agent` (and `python -m node_agent`): the composition root. The CLI (cli/) reads the command line
-into settings; this builds the agent's parts from them and runs it. Bad input gives one line, never a
-traceback.
-
-The rendezvous follows the command line (cli/launch_form.py): an rdzv-server over HTTP, or in-process
-for one node (`--standalone` and torchrun's single-node forms) and for static launches. When the agent
-was started with TORCHELASTIC_ERROR_FILE (as TorchX and other schedulers start torchrun), a failure is
-written there in torchrun's format.
-"""
+into settings; this builds the agent from them and runs it. Bad input gives one line, never a traceback.
+The rendezvous (cli/launch_form.py) is an rdzv-server over HTTP, or in-process for one node and for static
+launches. With TORCHELASTIC_ERROR_FILE set (as TorchX starts torchrun), a failure goes there, torchrun-style."""
 from __future__ import annotations
 
 import asyncio
@@ -92,8 +87,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _tidy(workers: WorkerSettings, root: str, narrator: Narrator) -> None:
-    """The temporary log directory (no --log-dir) is kept when it holds something to read: redirected or
-    tee'd output, or a worker's error file. Otherwise it goes."""
+    """The temporary log directory (no --log-dir) goes, unless it holds output or a worker's error file."""
     assert workers.run_dir is not None
     logs = workers.redirects != StdSpec() or workers.tee != StdSpec()
     if logs or glob.glob(os.path.join(glob.escape(workers.run_dir), "attempt_*", "*", "error.json")):

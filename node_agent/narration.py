@@ -1,8 +1,5 @@
-"""The agent's own lines on its console, `[node-agent NODE] ...`: every one of them is worded here.
-
-The loop shows each fact with the actions the policy chose for it, then each action as it runs it.
-Worker output never comes through here (output.py prefixes it with host and rank instead).
-"""
+"""The agent's own console lines, `[node-agent NODE] ...`, all worded here: each fact with the actions it
+led to, then each action as it runs. Worker output never comes through here (output.py prefixes it)."""
 from __future__ import annotations
 
 import signal
@@ -159,11 +156,8 @@ def start_lines(settings: AgentSettings) -> list[str]:
 
 
 def reply_of(end: Exit | None, code: int) -> tuple[str, str, float, int | None]:
-    """(message, traceback, unix time, error code) for the agent's reply file (TORCHELASTIC_ERROR_FILE).
-
-    For a failed job: the root cause, as torch's launcher copies its first failed worker's error file
-    (with the worker's exit code as errorCode); otherwise the reason this agent stopped.
-    """
+    """(message, traceback, unix time, error code) for TORCHELASTIC_ERROR_FILE: a failed job's root cause (as
+    torch's launcher copies its first failed worker's, exit code as errorCode), else why this agent stopped."""
     rc = end.root_cause if end is not None else None
     if rc is not None:
         message = rc.message or f"{worker(rc)} on {rc.host or rc.node_id} failed with {how(rc)}"

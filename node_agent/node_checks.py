@@ -1,16 +1,10 @@
-"""The agent's checks of its own node: the shell around node_agent/gpu/ (the pure rules of when to check
-and what an answer means are in core/node_health.py).
-
-- At start (`start()`): on a node with NVIDIA devices (/dev/nvidia*) and the check on, NVML is opened
-  once and held open until the agent exits: the check's handle, and a driver kept initialised between
-  workers (docs/deploy.md: what that holds, and what persistence mode changes). NVML missing there: one
-  warning, the GPU check skipped and said so (never "healthy"). The survey of the GPUs (which rank uses
-  which, --numa-binding's CPU sets) is made once.
-- `check(CheckNode)`: workers left alive after SIGKILL, a failure's message naming a GPU fault, the
-  GPUs through NVML (in a thread: NVML calls block), then the site's --health-check (not after a
-  failure: it would hold up every restart). The answer is a `NodeChecked` fact; nothing here raises
-  for what the node, NVML or the script do.
-"""
+"""The agent's checks of its own node: the shell around node_agent/gpu/ (when and what it means: core/node_health.py).
+- `start()`: with /dev/nvidia* and the check on, NVML is opened once and held until exit (the check's
+  handle, and the driver kept initialised between workers: docs/deploy.md); NVML missing: one warning, the
+  check skipped and said so (never "healthy"). The GPU survey (ranks, --numa-binding CPU sets) is made once.
+- `check(CheckNode)`: workers alive after SIGKILL, a failure naming a GPU fault, the GPUs through NVML (in
+  a thread: it blocks), then --health-check (not after a failure: it would hold up every restart). The
+  answer is a `NodeChecked`; nothing here raises for what the node, NVML or the script do."""
 from __future__ import annotations
 
 import asyncio

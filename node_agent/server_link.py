@@ -1,14 +1,8 @@
-"""The agent's conversation with the rendezvous server. Each request runs as a task; its outcome
-becomes a fact on the agent's queue.
-
-- A try that gets no answer becomes `ServerNotReached` and is tried again after the client's one
-  backoff (client/retry.py). The policy decides when to give up; cancelling the task (at exit) ends
-  the retries.
-- An answer becomes `StatusReceived` (with the time the answered try went out); a typed refusal
-  becomes `ServerRefused`.
-- One request of each kind at a time: a newer one replaces an older one still trying.
-- The long-poll runs only while joined; a (re)join cancels it, and the next join's answer starts it.
-"""
+"""The agent's conversation with the rendezvous server: each request is a task whose outcome is a fact.
+An answer is `StatusReceived` (with when the answered try went out), a typed refusal `ServerRefused`, an
+unanswered try `ServerNotReached`, retried on the client's backoff (client/retry.py) until the policy gives
+up and the task is cancelled. One request of each kind at a time (a newer replaces an older one still
+trying); the long-poll runs only while joined (a join cancels it, its answer restarts it)."""
 from __future__ import annotations
 
 import asyncio
@@ -46,9 +40,7 @@ class ServerLink:
         self._poll = poll
         self._tasks: dict[Request, asyncio.Task[None]] = {}
         self.joined = False
-        # The newest round the server assigned this node, as soon as the answer arrives: the agent's
-        # loop may be busy (stopping the old round's workers) before its policy hears of it, and a
-        # witness must not tell a cut-off peer "still your round" meanwhile.
+        # The newest round assigned, at once: while the loop lags a witness must not say "still your round".
         self.assigned_round = -1
 
     def rejoin(self) -> None:
@@ -70,11 +62,8 @@ class ServerLink:
         self._send(SuccessReport, lambda: self._client.report_success(round_id))
 
     async def leave(self, reason: str, unhealthy: UnhealthyKind | None = None) -> None:
-        """Say goodbye, once and briefly: the lease expires anyway if this does not get through.
-
-        A join still on its way may yet admit this node: the leave waits for it (briefly) so that
-        it can name the node with its credential, instead of leaving a record that lapses later and
-        counts as a loss of this node id (flap damping)."""
+        """Say goodbye, once and briefly (the lease lapses anyway). A join on its way is waited for briefly,
+        so the leave carries its credential rather than leave a record that lapses as a loss (flap damping)."""
         joining = self._tasks.get(JoinRequest)
         if joining is not None and not joining.done():
             with contextlib.suppress(asyncio.TimeoutError):

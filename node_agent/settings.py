@@ -1,10 +1,5 @@
-"""What each part of the agent runs with: one frozen value per consumer.
-
-The CLI (cli/options.py) reads the command line into `AgentOptions` and splits it into these
-(`AgentOptions.settings()`); the composition root (main.py) hands each part its own: the workers
-`WorkerSettings`, the link to the server `LinkSettings`, the node's own checks `CheckSettings`. The
-parts never see a command line, so they import nothing from cli/.
-"""
+"""What each part of the agent runs with: one frozen value per consumer. The CLI splits its options into
+these (`AgentOptions.settings()`) and main.py hands each part its own, so no part imports from cli/."""
 from __future__ import annotations
 
 import enum
@@ -15,8 +10,7 @@ from protocol.messages import JobConfig
 
 DEFAULT_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)   # torchrun's
 DEFAULT_TEE_PREFIX = "[${role_name}${local_rank}]:"     # torchrun's prefix of tee'd lines
-# What a typical training script imports before its first step (its first optimizer step imports
-# torch._dynamo, which costs as much as torch itself).
+# What a typical training script imports before its first step (its first optimizer step imports torch._dynamo).
 DEFAULT_PRELOAD = ("torch", "torch.distributed", "torch.nn", "torch.optim", "torch._dynamo")
 
 

@@ -1,24 +1,17 @@
 """In-memory snapshots for a worker: the node agent's memory directory, used from the training script.
-
-The agent gives each local rank a directory in shared memory (/dev/shm) that outlives worker restarts
-and is removed when the job ends or the node leaves: NODE_AGENT_MEMORY_DIR names it and
-NODE_AGENT_MEMORY_LIMIT its size limit in bytes. A restarted worker finds there what its predecessor
-saved and loads it without touching remote storage. Nothing here imports torch (the agent may import
-this module): `save` takes bytes or a callable that writes into a file, e.g.
-`save(lambda f: torch.save(state, f), step)`; load with `torch.load(path(step), mmap=True)` (no copy).
-
-Rules:
-- A snapshot is the file `step-N`, written as `step-N.tmp` and renamed, so a reader never sees half a
-  file. `save` keeps the newest `keep` snapshots: before it writes, it drops all but the newest
-  `keep - 1`, so at any moment at most `keep` files are there and the last complete one survives a
-  failed write.
-- The limit: what is kept plus the new snapshot must fit. A save that would pass it raises
-  `MemoryDirFull` (naming the limit and the sizes) and leaves no partial file; so does a full /dev/shm.
-  The worker catches it and trains on: the agent never stops training for it.
-- All ranks resume from the same step: `agreed_step` takes the MIN of every rank's newest step, then
-  checks every rank holds that step (a rank that lost its copy, e.g. a replaced node, makes everyone
-  fall back to disk).
-"""
+Each local rank gets a directory in /dev/shm that outlives worker restarts and is removed when the job
+ends or the node leaves (NODE_AGENT_MEMORY_DIR; NODE_AGENT_MEMORY_LIMIT: its size limit in bytes), so a
+restarted worker loads its predecessor's snapshot without touching remote storage. No torch import (the
+agent imports this): `save` takes bytes or a callable writing into a file, e.g.
+`save(lambda f: torch.save(state, f), step)`; load with `torch.load(path(step), mmap=True)` (no copy). Rules:
+- A snapshot is the file `step-N`, written as `step-N.tmp` and renamed: a reader never sees half a file.
+  Before writing, `save` drops all but the newest `keep - 1`, so at most `keep` files exist and the last
+  complete one survives a failed write.
+- What is kept plus the new snapshot must fit the limit; otherwise (or /dev/shm is full) `save` raises
+  `MemoryDirFull` naming the limit and sizes, leaving no partial file. Catch it and train on: the agent
+  never stops training for it.
+- All ranks resume from the same step: `agreed_step` takes the MIN of every rank's newest step, then checks
+  every rank holds it (a rank that lost its copy, e.g. a replaced node, sends everyone back to disk)."""
 from __future__ import annotations
 
 import errno
@@ -78,10 +71,8 @@ def newest(where: str | None = None) -> int | None:
 
 def agreed_step(reduce_min: Callable[[int], int], where: str | None = None) -> int | None:
     """The newest step every rank holds, or None (then load from disk, or start from scratch).
-
     `reduce_min(x)` returns the minimum of x over all ranks (every rank calls it the same number of
-    times), e.g. an all_reduce with ReduceOp.MIN of a one-element tensor.
-    """
+    times), e.g. an all_reduce with ReduceOp.MIN of a one-element tensor."""
     where = where or directory()
     mine = newest(where) if where is not None else None
     step = reduce_min(-1 if mine is None else mine)
@@ -92,8 +83,8 @@ def agreed_step(reduce_min: Callable[[int], int], where: str | None = None) -> i
 
 
 class _Bounded:
-    """A file that refuses to grow past `room` bytes. Once full it stays full and drops later writes:
-    a writer's clean-up (torch.save finishing its zip file) must not hide the first refusal."""
+    """A file that refuses to grow past `room` bytes, then drops later writes: a writer's clean-up
+    (torch.save finishing its zip) must not hide the first refusal."""
 
     def __init__(self, f: BinaryIO, room: int | None) -> None:
         self._f = f

@@ -1,5 +1,4 @@
-"""Sources of the agent's facts: tasks that put what they learn on the agent's queue (core/facts.py
-names the facts; this runs them, the I/O side the pure core stays out of)."""
+"""Sources of the agent's facts: tasks that put what they learn on its queue (the I/O the pure core avoids)."""
 from __future__ import annotations
 
 import asyncio

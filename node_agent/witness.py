@@ -1,15 +1,9 @@
-"""What a round's witnesses say together (the wire and the listener: node_agent/client/witness.py).
-
-An agent that lost the server asks its witnesses, and the policy (policy.py) concludes:
-- a witness that hears the server holds a newer round: the server replaced this node's round (the
-  evidence to fence on);
-- a witness that hears the server holds this node's round: the server has not moved on; the node
-  waits for its own link (checked meanwhile over fresh connections, path_check.py);
-- witnesses that answer but do not hear the server: the server itself is away; the round goes on;
-- no answer at all, twice, while the server cannot be reached either: this node is cut off from
-  everyone: its workers must stop.
-An older witness's "in-contact" without a round is read as before: it hears the server (confirmed once).
-"""
+"""What a round's witnesses say together (the wire: client/witness.py), for the policy (policy.py):
+- one that hears the server holds a newer round: this node's round was replaced (evidence to fence on);
+- one that hears the server holds this round: nothing moved on; wait for our own link (path_check.py);
+- they answer but do not hear the server: the server itself is away; the round goes on;
+- none answers, twice, and the server cannot be reached either: this node is cut off; its workers stop.
+An older witness's "in-contact" with no round means it hears the server (confirmed once)."""
 from __future__ import annotations
 
 import asyncio
@@ -49,9 +43,8 @@ async def ask_witnesses(witnesses: tuple[Witness, ...], round_id: int = -1,
 
 async def probe_peers(witnesses: tuple[Witness, ...], round_id: int,
                       reach: Callable[[], Awaitable[Path]]) -> PeersProbed:
-    """The witnesses asked, and the server checked over a fresh connection (`reach`) meanwhile; the
-    check is waited for only where the verdict needs it (facts.SERVER_CHECK_DECIDES): a silent server
-    holds it up to path_check.CHECK_TIMEOUT_S, and a replaced round must be acted on at once."""
+    """The witnesses asked while the server is checked (`reach`); the check is waited for only where the
+    verdict needs it (facts.SERVER_CHECK_DECIDES): a replaced round must be acted on at once."""
     check = asyncio.ensure_future(reach())
     try:
         said = await ask_witnesses(witnesses, round_id)

@@ -1,8 +1,5 @@
-"""The wire between node agents and the rendezvous server: typed messages and one codec.
-
-Everything here is plain data (msgspec structs) plus the MessagePack encoders and
-decoders for each direction. Nothing in this package does I/O.
-"""
+"""The wire between node agents and the rendezvous server: typed messages (msgspec structs) and the MessagePack
+encoders and decoders for each direction. Plain data: nothing in this package does I/O."""
 from protocol.codec import (
     REQUEST_TYPES,
     DecodeError,

@@ -1,11 +1,6 @@
-"""One MessagePack encoder and one decoder per direction.
-
-`decode_request` turns a request body into its struct, checking the protocol version first so
-that a client of another version gets `unsupported_version` rather than a confusing field error.
-A body is the client's, so whatever a decoder raises on it (msgspec's own errors, and on some versions
-a TypeError for an unhashable map key, a RecursionError for deep nesting, a UnicodeDecodeError) is
-a DecodeError, never an exception the server did not expect.
-"""
+"""One MessagePack encoder and one decoder per direction. A request body is the client's, so whatever a decoder
+raises on it (msgspec's errors; on some versions a TypeError for an unhashable map key, a RecursionError for deep
+nesting, a UnicodeDecodeError) is a DecodeError, never an exception the server did not expect."""
 from __future__ import annotations
 
 from typing import Any, TypeVar
@@ -62,12 +57,9 @@ def encode(message: Any) -> bytes:
 
 
 def decode_request(cls: type[R], body: bytes) -> R:
-    """Decode a request body into `cls`, or raise DecodeError naming what was wrong.
-
-    The typed decode comes first (one pass for every good request); only a body it refuses is
-    looked at untyped, so that a client of another version hears `unsupported_version` rather than
-    a confusing field error.
-    """
+    """Decode a request body into `cls`, or raise DecodeError naming what was wrong. The typed decode comes first
+    (one pass for a good request); only a body it refuses is read untyped, so that a client of another version
+    hears `unsupported_version` rather than a confusing field error."""
     if len(body) > MAX_BODY_BYTES:
         raise DecodeError(ErrorCode.TOO_LARGE, f"body of {len(body)} bytes exceeds {MAX_BODY_BYTES}")
     try:

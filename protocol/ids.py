@@ -1,10 +1,6 @@
-"""The identifier rules both sides check: a job id (in the URL path) and a node id (in every request).
-
-Defined once here so the agent can refuse a bad `--job-id`/`--node-id` before it connects, with the
-same words the server would use. Job ids take what schedulers and tools put in torchrun's --rdzv-id
-(`team/exp1`, `app_id`, long generated names); clients percent-encode them as a path segment, and pages
-and logs escape them. Characters that mean something in a URL, HTML or a shell are not allowed.
-"""
+"""The identifier rules both sides check: a job id (in the URL path) and a node id (in every request), defined once
+so the agent refuses a bad id before it connects, in the server's words. Job ids take what tools put in --rdzv-id
+(`team/exp1`), percent-encoded by clients, escaped when shown; URL, HTML and shell metacharacters are refused."""
 from __future__ import annotations
 
 import re

@@ -1,7 +1,6 @@
-"""TCP keepalive on every agent connection, at both ends (the server's listening socket, the agent's
-client sockets): a peer whose host died or whose path was cut is noticed in about IDLE_S + COUNT x
-INTERVAL_S (4 s), inside the default 5 s lease, even while a long-poll is held far longer. The held
-connections' answers to these probes are also the server's evidence that its own link works."""
+"""TCP keepalive on every agent connection, at both ends: a peer whose host died or whose path was cut is noticed
+in about IDLE_S + COUNT x INTERVAL_S (4 s), inside the default 5 s lease, even while a long-poll is held far
+longer. The held connections' answers to these probes are also the server's evidence that its own link works."""
 from __future__ import annotations
 
 import socket

@@ -1,15 +1,10 @@
-"""Typed messages exchanged by agents and the server.
-
+"""Typed messages exchanged by agents and the server, encoded as MessagePack maps keyed by these field names.
 Rules that keep the wire open to other implementations:
 - every request carries `v`, the protocol version; the server refuses versions it does not speak;
 - unknown fields are ignored (an old server reads a newer agent), missing optional fields take defaults;
 - a field of the wrong type or out of range is rejected with an error that names it (`$.field`).
-Structs are encoded as MessagePack maps keyed by the field names shown here.
-Messages that hold only values (no containers that could point back at them) are not tracked by the
-cyclic garbage collector (`gc=False`): a server builds one Assignment and one NodeStatus per node
-per round change, and walking them in every young collection cost it tens of milliseconds at
-10,000 nodes (rdzv_server/gc_tuning.py).
-"""
+Messages holding only values (nothing that could point back at them) skip the cyclic GC (`gc=False`): a server
+builds one Assignment and one NodeStatus per node per round change, too many to walk in every young collection."""
 from __future__ import annotations
 
 import enum
@@ -23,9 +18,8 @@ from protocol.quoting import quote
 
 PROTOCOL_VERSION = 1
 
-# Bounds of every field on the wire (docs/protocol.md lists them). Floats must be finite: a range
-# check refuses NaN and infinities. They keep one hostile value from poisoning a job's arithmetic,
-# its store record or its status page.
+# Bounds of every field on the wire (docs/protocol.md lists them): one hostile value must not poison a job's
+# arithmetic, its store record or its status page. Floats must be finite (a range check refuses NaN and inf).
 MAX_NODES = 100_000                  # nodes in one job
 MAX_LOCAL_WORLD_SIZE = 4096          # workers on one node
 MAX_RESTARTS = 1_000_000
@@ -85,11 +79,8 @@ def _printable(**fields: str) -> None:
 
 
 class JobConfig(msgspec.Struct, kw_only=True, frozen=True):
-    """A job's settings, fixed by its first join. All durations are seconds.
-
-    The one definition of every job setting and its default: the agent's command line, the wire
-    and docs/protocol.md all take them from here.
-    """
+    """A job's settings, fixed by its first join; durations in seconds. The one definition of every job setting
+    and its default: the agent's command line, the wire and docs/protocol.md all take them from here."""
     min_nodes: Nodes = 1
     max_nodes: Nodes = 1
     max_restarts: Annotated[int, Meta(ge=0, le=MAX_RESTARTS)] = 0   # torchrun's default
@@ -136,8 +127,7 @@ class JoinRequest(_Request, kw_only=True):
     role: Annotated[str, Meta(min_length=1, max_length=64)] = "default"
     host: ShortText = ""               # host name, for operators and failure summaries
     probe_port: Port = 0               # where this node's agent answers the others' "are you there?" (0: none)
-    # A fingerprint of the script and arguments this node runs ("": not checked). Every node of an open
-    # job must run the job's command: a join with another is refused (config_conflict).
+    # Fingerprint of this node's script and arguments ("": not checked); an open job refuses another (config_conflict).
     command: Annotated[str, Meta(max_length=MAX_COMMAND)] = ""
     # What the node checks of itself, for operators ("GPU check skipped: ..." where NVML is missing on a
     # GPU node: never silently healthy); "": nothing to say (a CPU node, or an older agent).
@@ -149,11 +139,8 @@ class JoinRequest(_Request, kw_only=True):
 
 
 class PollRequest(_Request, kw_only=True):
-    """Long-poll: returns as soon as this node's view differs from `known_round`, else after `wait_s`.
-
-    Every poll renews the node's lease. `known_round` is the round whose workers the agent runs
-    (-1 when it runs none). `master_port` refreshes the port published for the next round.
-    """
+    """Long-poll: answered once this node's view differs from `known_round` (the round whose workers the agent
+    runs, -1: none), else after `wait_s`; renews the lease. `master_port` refreshes the port for the next round."""
     known_round: RoundRef = -1
     wait_s: Annotated[float, Meta(ge=0, le=MAX_POLL_WAIT_S)] = 2.0
     master_port: Port = 0
@@ -257,9 +244,9 @@ class NodeStatus(msgspec.Struct, kw_only=True, gc=False):
 
 
 def poll_ready(status: NodeStatus, known_round: int) -> bool:
-    """Whether a poll that knows `known_round` is answered with `status` now, rather than held: the job
-    ended, the node is gone, a member's round is not the one it knows, or a node outside the round knows
-    one (-1: it knows none yet). The one rule for the server's holds and a stream client's waits."""
+    """Whether a poll that knows `known_round` is answered with `status` now, rather than held: the job ended, the
+    node is gone, a member's round is not the one it knows, or a node outside the round knows one (-1: none yet).
+    The one rule for the server's holds and its subscribers' news (rdzv_server/delivery/)."""
     if status.job_state.finished or status.node_state == NodeState.GONE:
         return True
     if status.node_state == NodeState.MEMBER:

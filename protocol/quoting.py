@@ -1,11 +1,6 @@
-"""How anything a client sent is shown in a message or a log line: short and on one line.
-
-`quote` is for a value inside an error message (`got 'xyz...'`): repr-style, so control and
-line-separator characters, lone surrogates and non-printable characters come out as escapes, and
-cut to a bound, so a 1 MiB field cannot become a 1 MiB reply. `one_line` is for text that is
-shown as prose (a reason, a worker's message, a log line): the characters that a terminal or a
-log viewer takes as a line break or a control sequence are escaped, the rest is left as it is.
-"""
+"""How anything a client sent is shown in a message or a log line: short and on one line. `quote`, for a value in
+an error message: repr-style (anything unprintable escaped) and cut to a bound, so a 1 MiB field cannot become a
+1 MiB reply. `one_line`, for prose: only what a terminal or log viewer takes as a line break or control is escaped."""
 from __future__ import annotations
 
 import re

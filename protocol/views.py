@@ -1,7 +1,6 @@
 """The operator views' documents, typed: what `GET /v1/status`, `/v1/jobs/{id}` and `/v1/jobs/{id}/events`
 send as JSON. The server builds them (rdzv_server/web/views.py), its status page and `rdzv-ctl` read them
-as attributes: a field added here reaches every reader. Times are ISO 8601 UTC, durations seconds.
-"""
+as attributes: a field added here reaches every reader. Times are ISO 8601 UTC, durations seconds."""
 from __future__ import annotations
 
 from typing import Any

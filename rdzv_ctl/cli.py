@@ -1,21 +1,6 @@
-"""`rdzv-ctl`: read and steer a running rdzv-server from a shell.
-
-    rdzv-ctl [--server URL | --endpoint HOST:PORT] [--json] [--token-file F] [--admin-token-file F]
-             [--tls-ca F] COMMAND ...
-      status [--offset N] [--limit N] one page of jobs, one line each
-      job JOB [--node-offset N] [--node-limit N]
-                                      one job: its round, members, spares, exclusions, last failure
-      events JOB [--last N] [--after SEQ]  the job's history
-      drain JOB NODE [--reason R]     take a node out of the job (it may not rejoin until cleared)
-      clear JOB NODE                  lift a node's exclusion or drain
-      close JOB [--reason R]          end the job now (its agents exit non-zero)
-      resize JOB --nnodes MIN:MAX     change min/max nodes (MIN: or :MAX keeps the other)
-      clear-unhealthy HOST            let a host held out as unhealthy (a broken GPU, ...) join again
-
-The standard library (argparse, urllib, ssl, json) plus the token rule of protocol/ (no aiohttp), so
-it starts fast. HTTP, tokens and TLS are in rdzv_ctl/client.py.
-Exit status: 0 done, 1 the server refused or could not be reached (one line on stderr), 2 bad usage.
-"""
+"""`rdzv-ctl`: read and steer a running rdzv-server from a shell (`rdzv-ctl --help` lists the commands). The
+standard library plus protocol/ (no aiohttp), so it starts fast; HTTP, tokens and TLS are in client.py.
+Exit status: 0 done, 1 the server refused or could not be reached (one line on stderr), 2 bad usage."""
 from __future__ import annotations
 
 import argparse
@@ -51,13 +36,9 @@ def _quote(part: str) -> str:
     return urllib.parse.quote(part, safe="")
 
 
-# -- formatting -------------------------------------------------------------------------------------
-
-
 def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
-    """Columns padded to their widest cell; the last column is not padded."""
-    # Cells may quote what clients sent (worker messages): control characters are shown escaped, so
-    # nothing a client sent can move the cursor or recolour the operator's terminal.
+    """Columns padded to their widest cell, the last not padded. Cells may quote what clients sent: control
+    characters are escaped, so none can move the cursor or recolour the operator's terminal."""
     cells = [[str(h) for h in headers]] + [["-" if c is None else _visible(str(c)) for c in row] for row in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in cells]
@@ -203,9 +184,6 @@ def format_events(doc: EventsView, last: int | None) -> str:
     if not events:
         return f"no events for job {doc.job_id}"
     return columns_table(EVENTS, events)
-
-
-# -- commands ---------------------------------------------------------------------------------------
 
 
 def _seconds(text: str) -> float:

@@ -1,9 +1,6 @@
-"""`rdzv-ctl`'s side of HTTP: the server's address, its tokens, TLS, and one-line errors.
-
-Standard library only (urllib, ssl, json), so rdzv-ctl starts fast. Tokens: the agent token (or the
-admin token) reads the status views; the admin token is sent with the admin actions. The token
-rule is the server's own (protocol/tokens.py), so a file the server accepts rdzv-ctl accepts too.
-"""
+"""`rdzv-ctl`'s side of HTTP: the server's address, its tokens, TLS, and one-line errors; standard library only,
+so rdzv-ctl starts fast. The agent token (or the admin token) reads the views; the admin token goes with admin
+actions. The token rule is the server's own (protocol/tokens.py): a file the server accepts rdzv-ctl accepts too."""
 from __future__ import annotations
 
 import http.client
@@ -53,9 +50,8 @@ def read_token(flag: str, path: str | None, env: str) -> Token | None:
 
 
 def server_url(server: str | None, endpoint: str | None, tls_ca: str | None) -> str:
-    """The server's base URL: --endpoint, --server, $RDZV_SERVER or the default; https when only
-    --tls-ca says so. Replicas are a comma-separated list: each is checked, and they are kept
-    comma-separated (Client tries them in turn)."""
+    """The server's base URL: --endpoint, --server, $RDZV_SERVER or the default; https when only --tls-ca says so.
+    Replicas, comma-separated, are each checked and kept so (Client tries them in turn)."""
     text = endpoint or server or os.environ.get("RDZV_SERVER") or DEFAULT_SERVER
     return ",".join(_one_url(part.strip(), tls_ca) for part in text.split(","))
 

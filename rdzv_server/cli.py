@@ -1,7 +1,6 @@
 """`rdzv-server`: parse flags into a ServerConfig, check what can be checked before serving, serve.
-
-Every bad flag or unusable file is one line on stderr and a non-zero exit (2 for a bad flag, 1 for
-a file or address that cannot be used), never a traceback.
+A bad flag or unusable file is one line on stderr and exit 2 (a flag) or 1 (a file, an address), never
+a traceback.
 """
 from __future__ import annotations
 

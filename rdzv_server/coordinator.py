@@ -1,18 +1,9 @@
-"""The asyncio machinery around the pure rendezvous core (no HTTP here).
-
-After every core call the shell drains the core's outbox once (`apply`) and hands each effect to
-its consumer: new events to the log and the listeners (metrics), changed jobs to the store, woken
-jobs, once saved, to the delivery hub (delivery/), which answers the nodes waiting for news, so
-agents learn of a new round the moment it is decided. One background task sleeps until the core's
-next deadline and ticks it; it is re-armed only when a call sets a deadline earlier than the one it
-sleeps to.
-Both the aiohttp app and `node-agent --standalone` (in-process, no HTTP) drive this class.
-
-The clock is wall time (`time.time`), not monotonic: lease expiries and last-call/join deadlines
-are saved with the job and must still mean the same after a restart, possibly on another machine
-once the store is shared, while a monotonic clock starts again at every boot. A wall-clock step is
-absorbed like an outage (leases are re-armed on restore). The agent, which saves nothing, uses
-monotonic time.
+"""The asyncio machinery around the pure rendezvous core (no HTTP here), driven by the app and by
+`node-agent --standalone`. After every core call the outbox is drained once (`apply`): events to the
+log and listeners, changed jobs to the store, woken jobs, once saved, to the delivery hub, which
+answers the waiting nodes at once. One task sleeps to the core's next deadline and ticks it.
+The clock is wall time: deadlines are saved with the job and must mean the same after a restart,
+possibly on another machine (a monotonic clock restarts at every boot); a clock step is like an outage.
 """
 from __future__ import annotations
 
@@ -73,9 +64,7 @@ class Coordinator:
     def __init__(self, core: Rendezvous | None = None, clock: Callable[[], float] = time.time,
                  store: Store | None = None, max_polls_per_peer: int = MAX_POLLS_PER_PEER,
                  loop_lag: LagSource | None = None, max_polls_per_node: int = MAX_POLLS_PER_NODE) -> None:
-        """`store`: the durable store (already opened); None keeps state in memory only and builds no
-        commit machinery. `loop_lag`: the server's event-loop lag probe (leases wait out the server's
-        own stalls); None: no probe (an in-process coordinator)."""
+        """`store`: the durable store, opened (None: memory only); `loop_lag`: the lag probe (None: in-process)."""
         self.core = core or Rendezvous()
         self.clock = clock
         self.store = store
@@ -107,10 +96,8 @@ class Coordinator:
     def serving(self) -> bool:
         return self.gate.serving()
 
-    # -- lifecycle --
     async def start(self, *, take_over: bool = True) -> None:
-        """Start the machinery; `take_over`: load the saved state and serve it now (a replica
-        standing by waits for the election to call `take_over`)."""
+        """Start the machinery; `take_over`: serve the saved state now (a standby waits to be elected)."""
         if self.loop_lag is not None:
             self.loop_lag.start()
         self._rearm = asyncio.Event()
@@ -119,8 +106,7 @@ class Coordinator:
             await self.take_over()
 
     async def take_over(self) -> None:
-        """Load the saved state and serve it, at start-up or when elected: a takeover is handled
-        exactly like a restart (every lease re-armed, nobody blamed for the time away)."""
+        """Load the saved state and serve it, exactly like a restart: leases re-armed, nobody blamed."""
         if isinstance(self.persister, Persister):
             started = time.perf_counter()
             loaded = await self.persister.load()
@@ -140,8 +126,7 @@ class Coordinator:
         self.gate.start()
 
     async def step_down(self) -> None:
-        """This replica no longer leads: held polls answer `not_leader`, commits in flight are
-        refused, the state is dropped (the next leader loads it from the store)."""
+        """No longer the leader: held polls answer `not_leader`, commits in flight fail, the state is dropped."""
         if not self.gate.started:
             return
         self.gate.stop()
@@ -180,7 +165,6 @@ class Coordinator:
         elif lag:
             log.info("%s", lag)
 
-    # -- change propagation --
     def apply(self) -> None:
         """After any core call: drain its outbox once and hand each effect to its consumer."""
         effects = self.core.take_effects()
@@ -205,8 +189,7 @@ class Coordinator:
         log.warning("job's unsaved change refused: back to its last saved state", extra={"job_id": job_id})
 
     def clock_moved(self) -> None:
-        """The clock jumped (a test's manual clock, an operator setting the time): the deadline
-        timer sleeps in loop time, so it measures again from the clock's new reading."""
+        """The clock jumped: the timer sleeps in loop time, so it measures again from the new reading."""
         self._armed = None
         if self._rearm is not None:
             self._rearm.set()
@@ -228,13 +211,9 @@ class Coordinator:
         self.hub.wake(job_id)
 
     async def _deadline_loop(self) -> None:
-        """Sleep to the core's next deadline and tick there: every deadline passed by then is handled
-        by that tick, and ticks come at most every TICK_GAP_S (a decision up to that much late). A
-        tick and the search for the next deadline each walk every node of every job, and deadlines
-        can come thousands a second: after a blip, 10,000 nodes' leases, held back while the server
-        ran behind, each ran out on its own (a tick per lease, a walk over 10,000 nodes each, a
-        tenth of the server's time). Woken because an effect brought a deadline forward (`apply`),
-        the timer already holds it in `_armed`: the nodes are walked again only after a tick."""
+        """Sleep to the core's next deadline and tick, at most every TICK_GAP_S (a decision that much late):
+        each tick and each search for the next deadline walk every node, and deadlines can come thousands a
+        second. `apply` puts an earlier deadline in `_armed`, so the nodes are walked again only after a tick."""
         assert self._rearm is not None
         loop = asyncio.get_running_loop()
         look_again, ticked = True, -TICK_GAP_S
@@ -261,16 +240,12 @@ class Coordinator:
                 self.apply()
                 look_again = True
 
-    # -- requests --
     async def handle(self, job_id: str, req: AgentRequest, peer: str = "", local: str = "",
                      silence: AckAge | None = None, reply: Reply | None = None,
                      waited_s: float = 0.0) -> NodeStatus:
-        """One agent request, by its type; `peer` is the address it came from, `local` the server's
-        address it reached, `silence()` how long ago its connection's kernel last heard the node
-        (connections.ack_age_s; None: unknown); `reply`: a poll's answer may be sent through it
-        during a wake, before its task resumes (web/direct_reply.py); `waited_s`: how long the
-        request waited for the server since it arrived (the server is that far behind; a poll's
-        hold counts from its arrival)."""
+        """One agent request. `peer`/`local`: its address and the server's; `silence()`: how long ago its
+        kernel last heard the node (None: unknown); `reply`: sends a poll's answer during a wake; `waited_s`:
+        how long it waited for the server (that far behind; a poll's hold counts from its arrival)."""
         if waited_s > 0 and self.loop_lag is not None:
             self.loop_lag.note_waited(waited_s)
         return self.with_hold(await self._handle(job_id, req, peer, local, silence, reply, waited_s))

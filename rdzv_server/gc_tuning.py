@@ -1,25 +1,11 @@
-"""Keep Python's cyclic garbage collector off the server's long-lived state.
-
-A full collection walks every object the collector tracks. A server holding 10,000 streams tracks
-millions (each connection's aiohttp objects, each node's records), so a full collection stalls the
-loop for 20-110 ms, and it tends to come in the middle of an allocation burst: a round change,
-just when a failure report waits for its reply (docs/benchmarks.md, "Pushed rounds").
-- At start-up, everything alive (modules, the app, the state restored from the store) is moved out
-  of the collector's view (`gc.freeze`), and young collections run less often (`tune_gc`).
-- After that, `Freezer` runs a young collection every TICK_S and freezes what survived it: each
-  object is walked at most once while young, in slices of a tenth of a second's allocations, and
-  then never again. Two earlier rules failed:
-  - freezing only after CPython's own collections: its young count falls with every object freed,
-    old or young, so while the polls held at 10,000 nodes (58 tracked objects each) were answered
-    and sent again no collection ran, and the first one after a round change walked 580,000 young
-    objects in 0.4-0.9 s, just as the report waited for its reply;
-  - freezing whatever was alive each second without collecting first: that froze cyclic garbage
-    too, kept until the hourly refresh, and hostile requests make some (`make fuzz`, 30,000
-    requests: server RSS 49 -> 283 MB, against 85 MB with a collection before each freeze).
-- A frozen object that later becomes part of a garbage cycle is not reclaimed while frozen, so
-  every REFRESH_S everything is unfrozen and collected once (one full walk, logged with its time),
-  then frozen again. CPython would make such full walks on its own anyway, whenever the long-lived
-  objects grew by a quarter.
+"""Keep Python's cyclic garbage collector off the server's long-lived state: a full collection walks every
+tracked object (millions on a large server) and stalls the loop, typically in a round change's burst.
+- `tune_gc`, at start-up: freeze everything alive (`gc.freeze`) and make young collections rarer.
+- `Freezer`: every TICK_S a young collection, then its survivors frozen, so each object is walked at
+  most once while young. Collect before freezing, or cyclic garbage is frozen (kept) too; do not wait
+  for CPython's own collections: its young count falls with every object freed, so they may not come.
+- A frozen object that joins a garbage cycle is not reclaimed while frozen, so every REFRESH_S all is
+  unfrozen and collected once (one full walk, its time logged), then frozen again.
 Objects freed by their reference count (most of them) are freed at once, frozen or not.
 """
 from __future__ import annotations
@@ -45,8 +31,7 @@ def tune_gc() -> None:
 
 
 class Freezer:
-    """Collects the young generation and freezes its survivors every tick; unfreezes and collects
-    everything once every `refresh_s`."""
+    """Every tick a young collection and its survivors frozen; every `refresh_s` a full one (all unfrozen)."""
 
     def __init__(self, refresh_s: float = REFRESH_S, clock: Callable[[], float] = time.monotonic) -> None:
         self.refresh_s = refresh_s

@@ -1,10 +1,8 @@
 """Give freed heap memory back to the operating system after finished jobs are forgotten.
 
-Python frees a pruned job's objects, but glibc's allocator keeps the emptied pages in the
-process (fragmentation between long-lived objects), so a server that saw 50,000 one-shot jobs
-kept its peak RSS for good although its live data went back to a few hundred KiB
-(docs/benchmarks.md, churn). `malloc_trim(0)` returns the free pages; it is called once after a
-burst of pruning (not per job: it walks the whole heap), and is a no-op off glibc.
+glibc's allocator keeps the pages a pruned job's objects freed (fragmentation between long-lived
+objects), so untrimmed, a server keeps its peak RSS for good. `malloc_trim(0)` returns the free pages;
+it is called once after a burst of pruning (not per job: it walks the whole heap); a no-op off glibc.
 """
 from __future__ import annotations
 

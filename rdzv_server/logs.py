@@ -1,11 +1,8 @@
 """The server's log: one line per decision, in text or JSON, safe against what clients send.
 
-Messages quote client strings (addresses, host names, reasons, worker messages), so the text
-format escapes what a terminal or a log viewer takes as a line break or a control sequence (C0 and
-C1 controls, U+2028/U+2029; see protocol/quoting.py): a newline in a join's `addr` cannot forge a
-second, well-formed log line. JSON lines are escaped by JSON itself. A record with an exception (a bug)
-carries its traceback, indented under the line. aiohttp's own complaints about malformed HTTP from
-clients become one quoted line each, without a traceback (they are the client's fault, not ours).
+The text format escapes client strings (protocol/quoting.py), so a newline in a join's `addr` cannot
+forge a second log line. A bug's record carries its traceback, indented; aiohttp's complaints about
+malformed HTTP become one quoted line each, without one (the client's fault, not ours).
 """
 from __future__ import annotations
 
@@ -45,10 +42,8 @@ class TextFormatter(logging.Formatter):
 
 
 class _ClientErrorFilter(logging.Filter):
-    """aiohttp's 'Error handling request' for a malformed request, and its 'Unhandled exception' for a
-    body it cannot decode (RequestPayloadError: not the gzip/deflate its Content-Encoding says, met
-    while it drains a refused request's body): one line, no traceback (anything else it logs, a bug
-    of ours among them, keeps its traceback)."""
+    """aiohttp's errors for a malformed request or an undecodable body (RequestPayloadError, met while it
+    drains a refused request): one line, no traceback. Anything else it logs keeps its traceback."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         exc = record.exc_info[1] if record.exc_info else None

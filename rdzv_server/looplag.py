@@ -1,9 +1,7 @@
-"""How far behind the server runs: how late its event loop runs a timer (a loop stalled, e.g. by disk
-writes), whether connections wait in its listening sockets' accept queues, and how long the requests
-it handles now had waited for it (`note_waited`). A loop busy with a storm of requests can run its
-timers on time while new connections wait seconds to be accepted, and while requests that arrived
-on open connections wait to be read and handled: 10,000 polls sent again at once after a formation
-were handled 1-3 s after they arrived, and the leases of thousands of nodes ran out meanwhile."""
+"""How far behind the server runs: how late its event loop runs a timer, whether connections wait in
+its listening sockets' accept queues, and how long the requests it handles had waited (`note_waited`).
+All three count: a loop busy with a storm of requests can run its timers on time while connections
+and requests wait seconds; leases wait out the server's own lateness (coordinator.py)."""
 from __future__ import annotations
 
 import asyncio
@@ -60,8 +58,7 @@ class LoopLagProbe:
                 self._note(time.monotonic(), lag)
 
     def note_waited(self, waited_s: float) -> None:
-        """A request handled now had waited `waited_s` since it arrived (its connection's kernel
-        received it): the server is that far behind."""
+        """A request handled now had waited `waited_s` since its kernel received it: the server is that far behind."""
         if waited_s >= INTERVAL_S:
             self._note(time.monotonic(), waited_s)
 
@@ -74,10 +71,8 @@ class LoopLagProbe:
         self._recent.append((now, lag))
 
     def recent_s(self) -> float:
-        """How far behind the server has run lately (seconds): the backlog requests may wait in,
-        ACCEPT_WAIT_S at least while connections wait to be accepted. A stall still in progress
-        counts too (the probe has not run since): whoever asks right after a stall may run before
-        the probe does."""
+        """How far behind the server has run lately (seconds), at least ACCEPT_WAIT_S while connections
+        wait to be accepted. A stall still in progress counts too: a caller may run before the probe does."""
         now = time.monotonic()
         while self._recent and self._recent[0][0] < now - self.RECENT_S:
             self._recent.pop(0)

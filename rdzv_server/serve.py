@@ -1,12 +1,9 @@
 """Serving the app: the listening socket, TLS, the process's limits, and a clean stop on a signal.
 
-The listening socket is made here rather than by aiohttp so that its options are ours:
-- a large accept backlog: after a restart every agent reconnects at once, and a SYN dropped from a
-  full queue is retried by the kernel only after a second;
-- TCP keepalive (inherited by every accepted connection on Linux), so a long-poll whose host died
-  silently or was cut off is noticed by the kernel within seconds, not at the next write;
-- the soft open-file limit is raised to the hard one first, so many agents (or a flood of idle
-  connections) do not run the process out of descriptors.
+The listening socket is made here so that its options are ours: a large accept backlog (after a restart
+every agent reconnects at once, and a SYN dropped from a full queue is retried only after a second),
+and TCP keepalive, inherited by accepted connections, so a dead host's long-poll is noticed within
+seconds. The soft open-file limit is raised to the hard one, so agents do not exhaust descriptors.
 """
 from __future__ import annotations
 
@@ -38,12 +35,10 @@ from rdzv_server.web.metrics import METRICS
 
 log = logging.getLogger("rdzv_server")
 
-# The kernel caps the backlog at net.core.somaxconn (4,096 by default): a fleet that comes back at
-# once with more nodes than that (a server restart, a healed link) needs that raised as well.
+# The kernel caps the backlog at net.core.somaxconn (4,096 by default): raise that too for more nodes.
 LISTEN_BACKLOG = 65535
-# asyncio's own loop accepts up to create_server's `backlog` connections in one go before it runs
-# anything else: 10,000 nodes coming back after a blip stalled it 2-3 s. It is given this many and
-# the kernel's queue is set back to LISTEN_BACKLOG after. uvloop (one accept a turn) is left as it was.
+# asyncio's own loop accepts up to create_server's `backlog` connections before it runs anything else
+# (a stall when a fleet comes back): it gets this many, then LISTEN_BACKLOG again. uvloop accepts one a turn.
 ACCEPT_BATCH = 64
 IDLE_TIMEOUT_S = 60.0
 
@@ -107,8 +102,7 @@ def listening_socket(host: str, port: int) -> socket.socket:
 
 async def serve(config: ServerConfig, store: Store | None = None,
                 ready: asyncio.Future[int] | None = None, replication: Replication | None = None) -> None:
-    """Serve until SIGTERM/SIGINT. With `replication`, the process listens at once but serves agents
-    only while it leads; a standby answers `not_leader` and where the leader is."""
+    """Serve until SIGTERM/SIGINT. With `replication`: listen at once, serve agents only while leading."""
     if replication is not None:
         store = replication.store
     limit = raise_open_file_limit()
@@ -125,8 +119,7 @@ async def serve(config: ServerConfig, store: Store | None = None,
     app[NOTES] = config.notes
     trimmer = HeapTrimmer()
     coordinator.effect_listeners.append(trimmer.on_effects)
-    # keepalive_timeout: aiohttp closes a connection that sends no request for this long (a new
-    # one included), so idle connections do not pile up.
+    # keepalive_timeout: aiohttp closes a connection idle this long (a new one too): idle ones do not pile up.
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=2.0,
                            keepalive_timeout=IDLE_TIMEOUT_S)
     await runner.setup()                 # the state is loaded here (the coordinator's start)
@@ -187,8 +180,7 @@ async def serve(config: ServerConfig, store: Store | None = None,
 
 
 def _advertised_host(configured: str, bound: str) -> str:
-    """The host agents are told to reach this replica at: the listening address, or this host's
-    name when it listens on every address."""
+    """Where agents are told to reach this replica: the listening address, or this host's name on 0.0.0.0/::."""
     if configured in ("0.0.0.0", "::", ""):
         name = socket.getfqdn()
         return f"[{name}]" if ":" in name else name

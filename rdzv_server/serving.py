@@ -1,11 +1,8 @@
-"""Whether this server may serve agents now: its state is loaded, it is not stopping, and, when it is
-one of several replicas, it leads.
+"""Whether this server may serve agents now: its state is loaded, it is not stopping, and, as one of
+several replicas, it leads (a lone server leads from the start; a replica follows its election).
 
-A lone server (SQLite or memory) leads from the start. A replica on etcd is told by its election
-(store/etcd/election.py, wired in serve.py through `follow`) whether it leads, where the leader is,
-and whether an election or takeover is under way. While one is, an agent's request is parked here
-(`until_serving`) and served the moment this replica leads, instead of being refused and retried
-after a backoff; a standby's refusal names the leader (`not_serving`).
+During an election or takeover an agent's request is parked (`until_serving`) and served the moment
+this replica leads, rather than refused and retried after a backoff; a standby's refusal names the leader.
 """
 from __future__ import annotations
 
@@ -16,16 +13,14 @@ from protocol.errors import ErrorCode
 from rdzv_server.core.errors import RendezvousError
 
 LEADER_HEADER = "Rdzv-Leader"   # on a not_leader reply: the leader's advertised URL
-# An agent's request is parked this long while an election or takeover is under way.
-ELECTION_WAIT_S = 3.0
+ELECTION_WAIT_S = 3.0           # an agent's request is parked at most this long during an election
 
 
 class Serving:
     def __init__(self) -> None:
         self.started = False                      # the saved state is loaded: agents may be served
         self.shutting_down = False
-        # Replicas: whether this one may serve now (its leadership is sure), where the leader is, and
-        # whether an election or takeover is under way (no leader serves yet, none is known).
+        # Replicas: whether this one surely leads, where the leader is, whether an election is under way.
         self.leading: Callable[[], bool] = lambda: True
         self.leader_url: Callable[[], str | None] = lambda: None
         self.electing: Callable[[], bool] = lambda: False
@@ -52,8 +47,7 @@ class Serving:
         return self.started and not self.shutting_down and self.leading()
 
     async def until_serving(self, timeout: float = ELECTION_WAIT_S) -> bool:
-        """While an election or takeover is under way, wait (up to `timeout`) for this replica to
-        serve or a leader to be known."""
+        """During an election or takeover, wait up to `timeout` to serve or for a leader to be known."""
         loop = asyncio.get_running_loop()
         ends = loop.time() + timeout
         while not self.serving() and self.electing() and loop.time() < ends:

@@ -1,13 +1,8 @@
-"""The kernel's view of a TCP socket (Linux's `TCP_INFO`), as named fields, in one read.
-
-The server asks it what its own loop cannot see: how long ago a connection's peer last answered
-(`last_ack_recv_s`: its data, a keepalive probe's answer, a FIN), how long ago a request's bytes came
-in and the last reply went out (`last_data_recv_s`, `last_data_sent_s`), and how many connections wait
-in a listening socket's accept queue (`unacked`).
-
-Linux only: elsewhere, on a socket already closed (uvloop's stand-in for it then raises ValueError), or
-when `check()` finds the running kernel's struct laid out otherwise, every read answers None and the
-rules that use it fall back to what the server sees itself.
+"""The kernel's view of a TCP socket (Linux's `TCP_INFO`), as named fields, in one read: what the
+server's loop cannot see (when a peer last answered, when a request came in and the last reply went
+out, how many connections wait in a listener's accept queue). Off Linux, on a closed socket (uvloop's
+stand-in then raises ValueError), or when `check()` finds the struct laid out otherwise, every read
+answers None and the rules that use it fall back to what the server sees itself.
 """
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
-"""The command line as given: each flag's value from the command line, else from torchrun's PET_*
-variable, and the spelling the user used, so that every error names the flag as they wrote it
-(`--rdzv_id`, `$PET_NNODES`). Also the job's settings built from it (`job_config`)."""
+"""The command line as given (each flag, else torchrun's PET_* variable) with the spelling used, so that every
+error names the flag as the user wrote it; and the job's settings built from it (`job_config`)."""
 from __future__ import annotations
 
 import functools
@@ -26,8 +25,7 @@ _JOB_FLAGS = [f.dest for f in FLAGS if f.dest in JOB_DEFAULTS]   # job settings 
 
 
 class CommandLine:
-    """The flags as given: on the command line, else in torchrun's PET_* variables. Errors name the
-    spelling used (`--rdzv_id`, `$PET_NNODES`)."""
+    """The flags as given (command line, else PET_*); errors name the spelling used (`--rdzv_id`, `$PET_NNODES`)."""
 
     def __init__(self, ns: Any, environ: Mapping[str, str]) -> None:
         typed: dict[str, str] = ns.__dict__.get("_spelling", {})

@@ -1,13 +1,7 @@
-"""Every flag node-agent accepts: its spellings, its `PET_*` variable, and how a command line is split.
-
-torchrun's flags (torch 2.13, `torch/distributed/run.py`) are all here, in all their spellings, with the
-`PET_<NAME>` variable torchrun reads when the flag is left out. node-agent's own flags come on top.
-Like torchrun, a long flag may be shortened to any prefix that names one flag (`--redirect=3`); when a
-prefix could name one of torchrun's flags and one of ours, torchrun's wins, so a torchrun line never
-changes meaning.
-
-The table only says what is typed; `options.py` decides what the values mean.
-"""
+"""Every flag node-agent accepts: its spellings, its `PET_*` variable, and how a command line is split. All of
+torchrun's flags (torch 2.13, `torch/distributed/run.py`) in all their spellings, then our own. As in torchrun a
+long flag may be cut to a prefix naming one flag (`--redirect=3`); a prefix of one of torchrun's and one of ours
+is torchrun's, so a torchrun line never changes meaning. What the values mean is `options.py`'s business."""
 from __future__ import annotations
 
 import argparse
@@ -192,8 +186,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 class _Formatter(argparse.HelpFormatter):
-    # List every alias once and the metavar once: "--nproc, --nproc-per-node N" rather than a
-    # metavar after each alias, which makes the aliased flags unreadable.
+    # Each alias once, then the metavar ("--nproc, --nproc-per-node N"): a metavar per alias is unreadable.
     def _format_action_invocation(self, action: argparse.Action) -> str:
         if not action.option_strings or action.nargs == 0:
             return super()._format_action_invocation(action)
@@ -228,11 +221,8 @@ def build_argparser(help_of: Mapping[str, str] | None = None) -> argparse.Argume
 
 
 def resolve(parser: argparse.ArgumentParser, name: str) -> str | None:
-    """The full spelling a long option `name` stands for (itself, or the flag it is a prefix of).
-
-    None when nothing matches (argparse then says what is wrong). A prefix of several flags resolves to
-    torchrun's one when exactly one of them is torchrun's, else it is ambiguous.
-    """
+    """The full spelling a long option `name` stands for (itself, or the flag it prefixes); None when nothing
+    matches (argparse says what is wrong). A prefix of several flags is torchrun's one if exactly one is."""
     actions = parser._option_string_actions
     if name in actions:
         return name
@@ -252,13 +242,9 @@ def resolve(parser: argparse.ArgumentParser, name: str) -> str | None:
 
 
 def split_command_line(parser: argparse.ArgumentParser, argv: Sequence[str]) -> tuple[list[str], list[str]]:
-    """(the launcher's options, prefixes written out in full; the script and its arguments).
-
-    The script is found the way argparse would (the first token that is not an option or an option's
-    value), but its arguments are kept byte for byte: argparse would drop a `--` after the script.
-    When the line cannot be split (an unknown option), everything is returned as options so that
-    argparse names the problem.
-    """
+    """(the launcher's options, prefixes written out in full; the script and its arguments). The script is found
+    as argparse would, but its arguments are kept byte for byte (argparse drops a `--` after the script); a line
+    that cannot be split (an unknown option) comes back as options only, so that argparse names the problem."""
     actions = parser._option_string_actions
     options: list[str] = []
     i = 0

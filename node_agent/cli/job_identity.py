@@ -1,16 +1,9 @@
-"""Which job a node belongs to at a shared rdzv-server: the job's id, and a fingerprint of its command.
-
-No default may put unrelated runs into one job (a second user's run would become a spare of the
-first's and "succeed" without running). So the id is, in this order:
-1. the one given: `--rdzv-id`/`--job-id`, or `$PET_RDZV_ID` (torchrun's default `none` counts as none);
-2. the scheduler's job id: Slurm (`slurm-JOBID`, `.STEP` inside an srun step), a Kubernetes JobSet
-   (`jobset-NAME`, `-UID` with `$JOBSET_UID`: a JobSet made again under the same name is another
-   job), PBS (`pbs-JOBID`), LSF (`lsf-JOBID`): the same on every node of that job only;
-3. else the user's name and a hash of the command (`alice-3f2a9c1b7d0e`): every node running the same
-   command finds the same job; another user, script or argument makes another job.
-Whatever the id, each join carries the command's fingerprint, and the server refuses a node whose
-command differs from the job's (two runs that picked the same id by accident).
-"""
+"""Which job a node belongs to at a shared rdzv-server: the job's id, and a fingerprint of its command. No default
+may put unrelated runs into one job (a second user's run would become a spare of the first's and "succeed"
+without running). The id is the first of: the one given (`--rdzv-id`/`--job-id`, `$PET_RDZV_ID`; torchrun's
+default `none` counts as none); the scheduler's job id (SCHEDULER_IDS), the same on that job's nodes only; the
+user's name and a hash of the command (`alice-3f2a9c1b7d0e`), the same for the same user and command. Each
+join carries the command's fingerprint: the server refuses a node whose command differs from the job's."""
 from __future__ import annotations
 
 import getpass

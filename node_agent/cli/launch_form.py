@@ -1,19 +1,12 @@
-"""Which rendezvous a command line asks for, decided the way torchrun decides it.
-
-- `standalone`: one node, an in-process coordinator, no server and no network (`--standalone`; or
-  torchrun's default static backend with no endpoint, no --master-port and one node; or a single-node
-  line whose endpoint torchrun would host itself: no endpoint, or port 0 as TorchX writes
-  `--rdzv-endpoint localhost:0`).
-- `static`: torchrun's static rendezvous (`--node-rank R --master-addr A --master-port P`, the form of
-  Slurm and MPI scripts). No server: every node computes its own ranks from the values given
-  (node rank R of --nnodes, the same --nproc-per-node on every node) and worker rank 0 hosts the
-  workers' store at A:P. Restarts are this node's own, as under torchrun's static backend: nothing
-  tells the other nodes. Several nodes at an endpoint (`--rdzv-endpoint`) with no node rank are
-  refused: every node would be node rank 0, and wait forever for the others (torchrun hangs there);
-  such a line nearly always meant a rendezvous server and lacks `--rdzv-backend c10d`.
-- `server`: an rdzv-server at the endpoint (`--endpoint`, or `--rdzv-endpoint` with any backend but
-  static).
-"""
+"""Which rendezvous a command line asks for, decided the way torchrun decides it:
+- `standalone`: one node, an in-process coordinator, no server (`--standalone`; torchrun's default static
+  backend with no endpoint, no --master-port and one node; a one-node line whose endpoint torchrun would host
+  itself: none, or port 0 as TorchX writes `--rdzv-endpoint localhost:0`).
+- `static`: torchrun's static rendezvous (`--node-rank R --master-addr A --master-port P`, as Slurm and MPI
+  scripts write it). No server: each node computes its ranks from the values given, worker rank 0 hosts the
+  workers' store at A:P, and restarts are this node's own. Several nodes at an endpoint with no node rank are
+  refused: each would be node rank 0 and wait forever (torchrun hangs); such a line meant `--rdzv-backend c10d`.
+- `server`: an rdzv-server at the endpoint (`--endpoint`, or `--rdzv-endpoint` with any backend but static)."""
 from __future__ import annotations
 
 import uuid

@@ -1,12 +1,8 @@
 """The node agent's command line: flags (and torchrun's PET_* variables) in, one frozen `AgentOptions` out.
-
-Every torchrun flag means what it means to torchrun, or is refused with one line naming the
-equivalent or why (flags.py has the table, launch_form.py the choice of rendezvous). Every bad input
-becomes `OptionsError` with one line naming the flag as the user spelled it (or the PET_* variable it
-came from); argparse never exits or prints a traceback (only `--help` exits, with status 0). Values are
-checked here, once, so the rest of the agent can trust them. Nothing here imports torch: GPUs are
-counted from the driver's files.
-"""
+Every torchrun flag means what it means to torchrun, or is refused in one line naming the equivalent or why.
+Every bad input is one `OptionsError` line naming the flag as spelled (or its PET_* variable); argparse never
+exits (but for `--help`, status 0) nor prints a traceback. Values are checked here, once, so the rest of the
+agent can trust them. No torch import: GPUs are counted from the driver's files."""
 from __future__ import annotations
 
 import argparse
@@ -136,8 +132,7 @@ def _pick(kind: type[S], opts: AgentOptions) -> S:
 
 
 _AGENT_DEFAULTS: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(AgentOptions)}
-# torchrun flags that only take the value that means what node-agent does anyway: dest -> (that
-# value, or None when there is none; why any other is refused).
+# torchrun flags taking only the value meaning what node-agent does anyway: dest -> (that value or None; why).
 _ONLY: dict[str, tuple[str | None, str]] = {
     "logs_specs": ("default", "node-agent loads no torch plugins (it never imports torch); its log layout is "
                               "torchrun's default (`default`, torch's DefaultLogsSpecs), under --log-dir"),

@@ -1,9 +1,6 @@
-"""`--rdzv-conf key=value,...`: the keys node-agent and the torchrun plugin know, and what each becomes.
-
-One table for both launchers, so a key means the same whichever reads it. torch's c10d keys keep their
-meaning where it applies (join_timeout, last_call_timeout, ...); a key neither launcher knows is an
-error naming it (torch's c10d backend ignores unknown keys, so a misspelt timeout would go unnoticed).
-"""
+"""`--rdzv-conf key=value,...`: the keys node-agent and the torchrun plugin know, and what each becomes. One table
+for both launchers, so a key means the same whichever reads it; torch's c10d keys keep their meaning where it
+applies. An unknown key is an error naming it: torch's c10d backend ignores it, hiding a misspelt timeout."""
 from __future__ import annotations
 
 from collections.abc import Mapping
@@ -23,7 +20,7 @@ SECONDS_KEYS = {
 LOCAL_SECONDS = {"close_timeout": 10.0, "read_timeout": 60.0, "server_wait": 60.0}   # this node only
 INT_KEYS = ("max_restarts", "exclude_after", "local_world_size")
 FILE_KEYS = ("token_file", "tls_ca")           # the server's token, the CA that signed its certificate
-# The one transport: HTTP long-polls. An earlier version had a stream; asking for one is refused in one line.
+# The one transport: HTTP long-polls; asking for another is refused in one line.
 NO_TRANSPORT_CHOICE = "long-polls are the only transport (the stream is gone): drop it"
 # torch's c10d keys that have no meaning here (the server replaces the c10d store and its heartbeats).
 IGNORED_KEYS = {
@@ -45,11 +42,8 @@ AGENT_NOTES = {
 
 
 def unquoted(conf: Mapping[str, V]) -> dict[str, V]:
-    """`conf` less one pair of stray quotes around the whole `--rdzv-conf` text.
-
-    A line that quotes the value twice (`"--rdzv-conf='join_timeout=5,last_call_timeout=1'"`, as
-    PyTorch's own launcher tests write it) reaches us, and torch's parser, with a quote before the
-    first key and after the last value. One matching pair is dropped, no more: keys are still checked
+    """`conf` less one pair of stray quotes around the whole `--rdzv-conf` text, which a doubly quoted value leaves
+    (`"--rdzv-conf='join_timeout=5'"`, as PyTorch's launcher tests write it). One pair only: keys are still checked
     strictly, so a lone quote or a second pair still names the key it spoils."""
     items = list(conf.items())
     if not items:

@@ -1,9 +1,5 @@
-"""Parsers for node-agent flag values (endpoint, nnodes, nproc, -j, redirects/tee, rank sets, signals,
-filters, the server's token).
-
-Each takes `fail(why)`, which raises the caller's OptionsError naming the flag as typed; the
-flag table and argparse wiring stay in `options.py`.
-"""
+"""Parsers of node-agent's flag values. Each takes `fail(why)`, which raises the caller's OptionsError naming the
+flag as typed."""
 from __future__ import annotations
 
 import itertools
@@ -20,10 +16,6 @@ from protocol.tokens import read_token_file, token_problem
 DEFAULT_PORT = 29400          # torchrun's default when the endpoint names no port
 _J_SPEC = re.compile(r"^(?:(\d+):)?(\d+)x(\d+)$")
 Fail = Callable[[str], NoReturn]   # raises OptionsError naming a flag, with the reason given
-
-
-# --------------------------------------------------------------------------------------- value parsers
-# Each takes `fail(why)`, which raises OptionsError naming the flag the caller knows about.
 
 
 def _int(text: str, fail: Fail) -> int:
@@ -100,10 +92,8 @@ def parse_server(text: str, tls_ca: str | None, fail: Fail, allow_port_0: bool =
 
 
 def server_token(path: str | None, flag: str, environ: Mapping[str, str], fail: Fail) -> str | None:
-    """The server's token from `path`, else $RDZV_TOKEN_FILE, else $RDZV_TOKEN (None: no token).
-
-    `fail` gets the whole line (naming the flag, variable or file), not just the reason.
-    """
+    """The server's token from `path`, else $RDZV_TOKEN_FILE, else $RDZV_TOKEN (None: no token); `fail` gets the
+    whole line (naming the flag, variable or file), not just the reason."""
     where = flag
     if path is None and environ.get("RDZV_TOKEN_FILE"):
         path, where = environ["RDZV_TOKEN_FILE"], "$RDZV_TOKEN_FILE"

@@ -1,14 +1,9 @@
 """Is a c10d TCPStore listening at an endpoint? (The one reach into torch's private wire protocol.)
-
-torchrun's c10d rendezvous hosts a TCPStore at its `--rdzv-endpoint`, and every training job has one
-at its MASTER_ADDR:MASTER_PORT, so an agent pointed at the wrong port often finds one. A TCPStore
-does not answer an HTTP request at all: torch's default (libuv) backend keeps the connection open and
-silent, the older backend resets it. Neither tells it apart from a server that is stalled or behind
-a proxy whose server is restarting, which are worth waiting for; so the agent asks the store's own
-question instead, on a connection of its own: VALIDATE (the magic number every torch client sends
-first) then PING with a nonce, which a TCPStore, and nothing else, sends back. No torch import: the
-bytes are written here, and tests/integration/test_c10d_store.py fails if torch changes them.
-"""
+torchrun's c10d rendezvous and every job's MASTER_PORT host one, so an agent at the wrong port often finds
+one. It never answers HTTP (silent, or a reset), which looks like a stalled server worth waiting for; so
+the agent asks the store's own question on a connection of its own: VALIDATE (torch's magic number) then
+PING with a nonce, which only a TCPStore echoes. No torch import: tests/integration/test_c10d_store.py
+fails if torch changes these bytes."""
 from __future__ import annotations
 
 import asyncio

@@ -1,8 +1,6 @@
-"""`deadline(seconds)`: `async with` a time limit that raises TimeoutError, without a task of its own.
-
-`asyncio.timeout` where Python has it (3.11+); on 3.10 the same by cancelling the task at the deadline.
-`asyncio.wait_for` would do, but before 3.12 it runs its awaitable in a new task: a cost per request
-that a fleet's path checks (and the fleet benchmarks' simulated nodes) pay thousands of times at once."""
+"""`deadline(seconds)`: `async with` a time limit raising TimeoutError, without a task of its own:
+`asyncio.timeout` (3.11+), else cancelling the task at the deadline. Not `asyncio.wait_for`: before 3.12 it
+makes a task per call, a cost a fleet's path checks pay all at once."""
 from __future__ import annotations
 
 import asyncio

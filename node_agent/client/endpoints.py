@@ -1,19 +1,12 @@
-"""Where the agent sends its requests when the server runs as several replicas (one leader, the
-others standing by): the endpoints it was given, and the leader a standby named.
-
-A standby answers `not_leader` with the leader's URL in the `Rdzv-Leader` header: the agent follows
-it at once. A replica that cannot be reached is skipped for the next one given; a followed leader
-that cannot be reached sends the agent back to the endpoints given (with one endpoint, a Kubernetes
-Service or a name for every replica, that is where a standby names the new leader). A DNS name that
-resolves to several addresses is one endpoint: aiohttp tries its addresses in turn, and a standby
-among them names the leader.
-"""
+"""Where requests go when the server runs as replicas: the endpoints given, and the leader a standby named
+(`not_leader` with its URL in `Rdzv-Leader`: followed at once). An unreachable replica is skipped for the
+next one given; an unreachable followed leader sends the agent back to those given (one endpoint for all
+replicas, a Kubernetes Service say, has a standby name the new leader). A DNS name with several addresses
+is one endpoint: aiohttp tries them in turn."""
 from __future__ import annotations
 
 LEADER_HEADER = "Rdzv-Leader"
-# While a long-poll is held this long without an answer, the agent checks the path (path_check.py:
-# every endpoint's /readyz on a new connection): a leader frozen (SIGSTOP), replaced or cut off keeps
-# the connection open and would otherwise hold the agent until the poll's own timeout.
+# A long-poll unanswered this long has the path checked: a frozen, replaced or cut-off leader holds it open.
 LEADER_CHECK_S = 5.0
 
 

@@ -1,17 +1,11 @@
-"""HTTP(S) transport to the rendezvous server. aiohttp's exceptions stop here: callers see the two
-kinds from `transport` (`ServerUnreachable`, `ServerRejected`).
-
-Refused at once (waiting will not fix them), so the agent stops with one line:
-- a server whose TLS certificate does not verify against --tls-ca (`ClientCode.TLS_UNTRUSTED`);
-- an endpoint that answers but is not an rdzv-server (`ClientCode.NOT_RDZV_SERVER`): a reply that is not our
-  protocol, or not HTTP at all (etcd's gRPC port). A gateway's 502/503/504 page is the exception:
-  the server behind it is away, which is worth waiting for. A c10d TCPStore sends no reply at all:
-  while an endpoint has never answered, a request that gets no reply within PROBE_AFTER_S (or loses
-  its connection without one) has the endpoint asked whether it is a TCPStore (`c10d_store`), and
-  one that is is refused at once. Silence or a closed connection alone is waited for as before: a
-  stalled server, or a proxy whose server restarts, look the same.
-The job id is one path segment, percent-encoded (`team/exp1` is `team%2Fexp1`).
-"""
+"""HTTP(S) transport to the rendezvous server; aiohttp's exceptions stop here (callers see `transport`'s two).
+Refused at once, since waiting will not fix them: a TLS certificate --tls-ca does not verify
+(`ClientCode.TLS_UNTRUSTED`), and an endpoint that answers but is not an rdzv-server (`NOT_RDZV_SERVER`:
+not our protocol, or not HTTP, e.g. etcd's gRPC port), except a gateway's 502/503/504 (its server is away:
+wait). A c10d TCPStore never replies: an endpoint never heard from that gives no reply within PROBE_AFTER_S
+(or drops the connection) is asked whether it is one (`c10d_store`). Silence alone is waited for: a stalled
+server, or a proxy whose server restarts, look the same. The job id is one percent-encoded path segment
+(`team/exp1` is `team%2Fexp1`)."""
 from __future__ import annotations
 
 import asyncio
@@ -79,8 +73,7 @@ class RdzvClient(Transport):
         return self.endpoints.current + self._path
 
     async def _send(self, action: str, message: object, timeout: float) -> NodeStatus:
-        """One request, to the leader: a standby's answer names it, an unreachable replica is skipped,
-        and an overdue answer has the path checked over a fresh connection (path_check.py)."""
+        """One request, to the leader (a standby names it), skipping unreachable replicas; overdue: check the path."""
         data = encode(message)
         due = answer_due(action, float(getattr(message, "wait_s", 0.0)), self.hold_s)
         moves = resent = 0
@@ -109,8 +102,7 @@ class RdzvClient(Transport):
             return reply
 
     async def path_back(self) -> bool:
-        """Wait until an endpoint answers ready over a fresh connection (on the check schedule); the
-        next request goes there. Whether none did at first (the server was away)."""
+        """Wait for an endpoint ready on a fresh connection, sending there next; whether none was at first."""
         ready = await self.path.check(self.endpoints.in_order())
         away = ready is None
         self.endpoints.use(ready if ready is not None else await self.path.until_back(self.endpoints.in_order))
@@ -146,9 +138,8 @@ class RdzvClient(Transport):
             if request.done():
                 return request.result()
             if ready is None:
-                # Nobody serves now: the request keeps its connection (it may yet be answered; its
-                # keepalive ends it if the path stays silent), and the path is checked on the
-                # schedule meanwhile; once an endpoint answers, the request goes again there.
+                # Nobody serves: keep the connection (it may yet be answered; keepalive ends it) and check
+                # on the schedule; once an endpoint answers, the request goes again there.
                 back = asyncio.ensure_future(self.path.until_back(self.endpoints.in_order))
                 try:
                     either: set[asyncio.Future[object]] = {request, back}   # type: ignore[arg-type]
@@ -166,8 +157,8 @@ class RdzvClient(Transport):
 
     async def _first_contact(self, request: asyncio.Future[tuple[NodeStatus | ErrorReply, str]],
                              server: str) -> tuple[NodeStatus | ErrorReply, str]:
-        """`request`'s reply; but an endpoint that has never answered, and does not answer this request
-        soon, or drops it after connecting, is asked whether it is a c10d TCPStore (refused if so)."""
+        """`request`'s reply; an endpoint never heard from that does not answer soon, or drops the connection,
+        is asked whether it is a c10d TCPStore (refused if so)."""
         try:
             done, _ = await asyncio.wait({request}, timeout=PROBE_AFTER_S)
             failed = request.exception() if done else None
@@ -187,8 +178,7 @@ class RdzvClient(Transport):
                 request.cancel()
 
     async def _probe(self, server: str) -> int | None:
-        """`server`'s /readyz status over a new connection (None: none). Connected within CHECK_TIMEOUT_S,
-        it is kept past its round and waits up to ANSWER_WAIT_S for TLS and the answer (path_check.py)."""
+        """`server`'s /readyz status over a new connection (None: none); limits: path_check.py."""
         return await readyz_status(server, ssl_context=self._ssl if isinstance(self._ssl, ssl.SSLContext) else None,
                                    connect_s=CHECK_TIMEOUT_S, answer_s=ANSWER_WAIT_S, connected=self.path.connected)
 

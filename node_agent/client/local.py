@@ -1,8 +1,5 @@
-"""In-process transport for `--standalone`: the agent drives a rendezvous coordinator directly.
-
-No HTTP server and no aiohttp import, so a single-node job starts as fast as Python does. The
-coordinator is the same one `rdzv-server` runs, so rounds and restarts behave identically.
-"""
+"""In-process transport for `--standalone`: the agent drives `rdzv-server`'s own coordinator (same rounds
+and restarts), with no HTTP and no aiohttp import so a single-node job starts as fast as Python does."""
 from __future__ import annotations
 
 from node_agent.client.transport import Transport, refusal
@@ -15,8 +12,7 @@ class LocalClient(Transport):
     def __init__(self, job_id: str, node_id: str) -> None:
         super().__init__(node_id)
         self.job_id = job_id
-        # One node, one job: no other job for an unhealthy host to be kept out of, so no hold; the node
-        # checks itself again before it rejoins (core/node_health.py).
+        # One node, one job: no other job to keep an unhealthy host out of, so no hold (it checks before rejoining).
         self.coordinator = Coordinator(Rendezvous(limits=Limits(unhealthy_hold_s=0.0)))
 
     async def __aenter__(self) -> LocalClient:

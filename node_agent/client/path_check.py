@@ -1,33 +1,13 @@
-"""Is the path to the server back? Asked over a fresh connection, never the one a request waits on.
-
-A connection opened or in use while the path was down sits in TCP's retransmission back-off (SYN and
-segment retries at 1, 2, 4, 8 s): waiting on it learns that the path is back only at its next retry.
-So once a request's answer is overdue (`answer_due`: a held poll's hold, as the server said it, plus
-HOLD_MARGIN_S; any other request SHORT_DUE_S), the client asks every endpoint's /readyz over a new
-connection, each with CHECK_TIMEOUT_S, and:
-- one answers ready: the path is back; the request goes again at once, there (the stalled
-  connection is closed), a replica taking over included;
-- none does (refused, silent, or 503 from a standby or a restarting server): the server is away for
-  now; the request keeps its connection (it may yet be answered, and TCP keepalive ends it if the
-  path stays silent: that failure is what tells the agent the server is unreachable), and the client
-  checks again on `CheckSchedule`: about every CHECK_EVERY_S, jittered so a fleet does not come back
-  in one wave, never sooner than MIN_PAUSE_S after the last one. Abandoning the connection instead
-  would tell the server the node went away (a closed poll is lost after a 1 s grace) when only the
-  server was slow to answer a check. A request that failed waits for the same checks before it goes
-  again (`RdzvClient.path_back`, retry.py).
-Checks are shared (`PathCheck`): requests overdue together cause one round of checks, not one each,
-so a node checks each endpoint at most 1 / MIN_PAUSE_S times a second, whatever it has in flight.
-A round lasts CHECK_TIMEOUT_S at most. A probe that has connected (`connected()`: the path is back,
-the server only slow to answer, its connection waiting in the server's accept queue) is not given
-up with its round: it waits for its answer up to ANSWER_WAIT_S, and the next rounds ask that
-endpoint through it instead of opening another connection. Abandoning it would leave it in the
-queue all the same, for the server to accept and close, and add one more each round: 3,000
-simulated nodes checking a server after a 5 s blip filled its accept queue faster than it drained
-it (35,000 connections waiting after a minute, half the nodes never back). The probe (readyz.py)
-says it has connected once the TCP handshake is done, before TLS, which a busy server does late too.
-What a round found (`reach`: Path.REACHED, Path.STANDBY, Path.NO_SERVER; replies.py) is what the agent's fencing
-rule weighs beside the witnesses (core/policy.py).
-"""
+"""Is the path to the server back? Asked over a fresh connection, never the one a request waits on: that
+one sits in TCP's retransmission back-off and would see the path back only at its next retry.
+Once an answer is overdue (`answer_due`), every endpoint's /readyz is asked on a new connection:
+- one answers ready: the request goes again at once, there (the stalled connection closed; a replica too);
+- none does (refused, silent, 503: a standby or a restarting server): the server is away. The request keeps
+  its connection (it may yet be answered; keepalive ends it), since closing it would tell the server the
+  node left; checks repeat on `CheckSchedule`, jittered so a fleet does not come back in one wave.
+Checks are shared (`PathCheck`): one round for all overdue requests, each endpoint at most 1 / MIN_PAUSE_S
+times a second. A probe that has connected (`connected()`, before TLS) is kept up to ANSWER_WAIT_S and
+reused by the next rounds: abandoned, it would stay in the server's accept queue, one more each round."""
 from __future__ import annotations
 
 import asyncio
@@ -47,24 +27,20 @@ MIN_PAUSE_S = 0.3        # never more than about 3 rounds of checks a second
 CHECK_TIMEOUT_S = 1.0    # a server that does not answer /readyz on a new connection within this is away
 ANSWER_WAIT_S = 10.0     # a probe that has connected waits this long for its answer (the server is there)
 
-# Answers that mean the endpoint is there but not serving (a standby, a restarting server, a gateway
-# whose server is away): checked again on the schedule.
+# The endpoint is there but not serving (a standby, a restarting server, a gateway): check again later.
 NOT_SERVING = frozenset({502, 503, 504})
 
 Probe = Callable[[str], Awaitable[int | None]]   # an endpoint -> its /readyz HTTP status (None: no answer)
 
 
 def poll_wait(wanted_s: float, hold_s: float) -> float:
-    """The `wait_s` a poll asks for: no longer than the server last said it holds this node's polls
-    (`hold_s`, 0: not said). Its hold grows with the fleet; a poll held longer than the node knew would
-    be overdue (answer_due), checked and sent again, its held connection closed: at 10,000 joining
-    nodes, thousands of such closes a minute, each a node the server must not count as gone."""
+    """The `wait_s` a poll asks for: at most the hold the server last said (`hold_s`, 0: not said). A longer
+    poll would go overdue and be resent, closing a held connection the server must not count as the node gone."""
     return min(wanted_s, hold_s) if hold_s > 0 else wanted_s
 
 
 def answer_due(action: str, wait_s: float, hold_s: float) -> float:
-    """How long a request may go unanswered before the path is checked. `hold_s`: the longest the
-    server said it holds this node's polls (0: not said, an older server: the poll's own wait)."""
+    """How long a request may go unanswered before the path is checked (`hold_s`: the server's hold, 0: not said)."""
     if action != "poll" or wait_s <= 0:
         return SHORT_DUE_S
     return min(wait_s, hold_s if hold_s > 0 else wait_s) + HOLD_MARGIN_S
@@ -89,13 +65,9 @@ class _Kept:
 
 
 class PathCheck:
-    """Rounds of /readyz checks over fresh connections (`probe`), shared by every request of a client.
-
-    A round starts at most every MIN_PAUSE_S: callers asking meanwhile share it. While waiting for the
-    path (`until_back`) a round starts on the schedule even if the one before still waits on a silent
-    endpoint (each round ends by CHECK_TIMEOUT_S), so a healed path is seen within one pause. A probe
-    that has connected goes on past its round (see the module's docstring); its answer, once in, is
-    taken by the next round if that starts within CHECK_TIMEOUT_S."""
+    """Rounds of /readyz checks over fresh connections, shared by a client's requests: at most one round per
+    MIN_PAUSE_S. `until_back` starts rounds on the schedule even while one waits on a silent endpoint, so a
+    healed path is seen within one pause; a kept probe's answer serves the next round within CHECK_TIMEOUT_S."""
 
     def __init__(self, probe: Probe, schedule: CheckSchedule | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -118,8 +90,7 @@ class PathCheck:
         return self._latest[1]
 
     def connected(self) -> None:
-        """Told by the probe under way (from its own task) once its connection is made: it is kept
-        past its round, and the next rounds ask its endpoint through it."""
+        """Told by a probe (from its own task) once connected: kept past its round, the next rounds reuse it."""
         task = asyncio.current_task()
         endpoint = self._endpoint_of.get(task) if task is not None else None
         if endpoint is not None and task is not None:
@@ -145,9 +116,8 @@ class PathCheck:
         return any(k.probe is probe for k in self._kept.values())
 
     async def _round(self, endpoints: list[str]) -> str | None:
-        """Every endpoint at once for up to CHECK_TIMEOUT_S; the first to answer ready ends the round (a
-        silent one, the leader that went away, is not waited for), the earliest given among those
-        answering together."""
+        """Every endpoint at once for up to CHECK_TIMEOUT_S; the first ready ends it (a silent leader is not
+        waited for), the earliest given among those answering together."""
         self.rounds += 1
         probes = {self._probe_for(e): e for e in endpoints}
         pending, answered, ready = set(probes), False, None
@@ -168,8 +138,7 @@ class PathCheck:
         return ready
 
     async def check(self, endpoints: list[str]) -> str | None:
-        """The first of `endpoints` (in order of preference) that answers ready, or None: by a new
-        round, or by the one that started less than MIN_PAUSE_S ago."""
+        """The first of `endpoints` (by preference) ready, or None: by a new round or one under MIN_PAUSE_S old."""
         return await asyncio.shield(self._start(endpoints))
 
     async def reach(self, endpoints: list[str]) -> Path:

@@ -1,13 +1,7 @@
 """One path check: an endpoint's `GET /readyz` status over a new connection (path_check.py's probe).
-
-Connecting and answering get limits of their own: the TCP handshake within `connect_s` (the kernel
-completes it for a listening server, however busy), then TLS and the answer within `answer_s`, and
-`connected()` is told between the two, so that a probe to a server that is there but slow is kept
-(path_check.py: one probe per endpoint in the server's accept queue, not one more each round). An
-HTTP client library times the TCP and TLS handshakes together: over TLS a probe to a busy server gave
-up after `connect_s` in its handshake, still queued on the server, and the next round added another.
-The request is the smallest HTTP/1.1 GET, and only the status line is read: nothing else of the
-answer matters here."""
+The TCP handshake gets `connect_s` (the kernel completes it for a listening server, however busy), TLS
+and the answer `answer_s`, and `connected()` is told between them, so a probe to a server that is there
+but slow is kept (path_check.py). The smallest HTTP/1.1 GET; only the status line is read."""
 from __future__ import annotations
 
 import asyncio
@@ -26,9 +20,8 @@ STATUS_LINE_MAX = 256    # bytes: an HTTP status line is far shorter; anything l
 
 async def readyz_status(server: str, *, ssl_context: ssl.SSLContext | None, connect_s: float, answer_s: float,
                         connected: Callable[[], None] = lambda: None, local_host: str | None = None) -> int | None:
-    """`server`'s (`http[s]://host:port`) /readyz status, or None: no connection within `connect_s`, no
-    status line within `answer_s` after it, a TLS failure, or an answer that is not HTTP. `ssl_context`
-    is used for https (the default context when None). `local_host`: the address to connect from."""
+    """`server`'s (`http[s]://host:port`) /readyz status, or None (no connection or status line in time, a TLS
+    failure, not HTTP). `ssl_context`: for https (None: the default). `local_host`: the address to connect from."""
     url = yarl.URL(server)
     host, port = url.host or "", url.port or 0
     tls = (ssl_context or ssl.create_default_context()) if url.scheme == "https" else None

@@ -1,20 +1,10 @@
-"""What a server reply or refusal means for a node: the client protocol's pure rules, written once for
-node-agent (core/policy.py) and the torchrun plugin (plugin/session.py). No I/O.
-
-A node runs round R (-1: none). The server's view of it (`NodeStatus`) means one of `News`:
-- the job ended (FINISHED): stop and exit, whatever the round;
-- the server no longer counts the node (REJOIN): stop what runs and join again;
-- a round newer than R with this node in it (NEW_ROUND): stop R, run that one;
-- R itself, or an older round (NONE): a late reply about the past is no news;
-- waiting, spare or excluded (NOT_MEMBER): run nothing.
-Replies can arrive out of order (a join, a report and the long-poll are in flight at once), which is
-why only a newer round is news.
-
-A typed refusal means one of `Refusal`; which request was refused matters (a refused report is
-dropped, a refused join or poll ends the node, a forgotten node joins again). A request refused as
-malformed (INVALID: the server would refuse it again, whatever it is) ends the node at once, which
-leaves the job so that the others go on, rather than wait for news the refusal will never bring.
-"""
+"""What a server reply or refusal means for a node: the client's pure rules, shared by node-agent
+(core/policy.py) and the torchrun plugin (plugin/session.py). No I/O.
+For a node running round R (-1: none) a `NodeStatus` is one of `News`: the job ended (FINISHED: stop, exit);
+not counted any more (REJOIN); a newer round with the node in it (NEW_ROUND: stop R, run it); R or older
+(NONE: replies arrive out of order, so only a newer round is news); waiting, spare or excluded (NOT_MEMBER).
+A typed refusal is one of `Refusal`, by code and request; a malformed one (INVALID: refused again whatever
+it is) ends the node, which leaves the job so the others go on rather than wait."""
 from __future__ import annotations
 
 import enum
@@ -44,8 +34,7 @@ def code_of(text: str) -> Code:
 
 
 class Path(str, enum.Enum):
-    """What a fresh connection to the server found (path_check.py), for a node deciding whether it is the
-    one cut off (core/policy.py's fencing rule)."""
+    """What a fresh connection to the server found (path_check.py), for the fencing rule (core/policy.py)."""
     REACHED = "reached"      # an endpoint answers ready: the path is back
     STANDBY = "standby"      # endpoints answer but none serves yet: a restart or replica takeover is under way
     NO_SERVER = "none"       # no endpoint answers at all
@@ -76,8 +65,8 @@ def newer_assignment(view: NodeStatus, running_round: int) -> Assignment | None:
 
 
 def takes_poll_reply(view: NodeStatus | None, reply: NodeStatus, sent_before_latest: bool) -> bool:
-    """Whether a poll reply replaces the node's view. A poll sent before the latest answered request
-    may describe an older state: it counts only when it shows progress (a newer round, the job's end)."""
+    """Whether a poll reply replaces the node's view: one sent before the latest answered request counts
+    only when it shows progress (a newer round, the job's end)."""
     if view is None or not sent_before_latest:
         return True
     if view.job_state.finished:
@@ -106,8 +95,7 @@ class Refusal(enum.Enum):
 
 
 FORGOTTEN_CODES = (ErrorCode.UNKNOWN_JOB, ErrorCode.UNKNOWN_NODE)
-# A join refused as CONFLICT (a live agent holds the node id: maybe this node's own predecessor, dead but not
-# yet noticed) is tried again this often, for the predecessor's lease and two tries more, then given up.
+# A join refused as CONFLICT (maybe our dead predecessor) is retried this often, for its lease and two tries more.
 CONFLICT_RETRY_S = 1.0
 
 

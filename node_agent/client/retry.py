@@ -1,14 +1,9 @@
 """Trying a request again while the server cannot be reached: the client's one backoff.
-
-With a transport on a network (`path_back`, path_check.py), a try that failed because the server is
-away waits until it answers a fresh connection again, and goes at once then: never on TCP's own
-back-off, and no longer than the check schedule. The pause (otherwise, or when the server answered
-a fresh connection at once: busy, or the connection was reset) grows from BACKOFF_FIRST_S and
-doubles per try up to BACKOFF_MAX_S, each jittered down to half so a fleet of nodes does not come
-back in one wave; the cap is low so that a restarted server sees every node back within about that
-long. A typed refusal (`ServerRejected`) is never retried
-here: what it means is the caller's rule (replies.py).
-"""
+On a network (`path_back`, path_check.py) a failed try waits until the server answers a fresh connection,
+then goes at once, never on TCP's own back-off. Otherwise (or when it answered at once: busy, a reset) the
+pause doubles from BACKOFF_FIRST_S to BACKOFF_MAX_S, jittered down to half so a fleet does not come back in
+one wave; the cap is low so a restarted server sees every node back within about that long. A typed
+refusal (`ServerRejected`) is never retried: replies.py says what it means."""
 from __future__ import annotations
 
 import asyncio
@@ -57,10 +52,8 @@ async def until_answered(send: Callable[[], Awaitable[T]], *,
                          give_up_after: float | None = None,
                          path_back: Callable[[], Awaitable[bool]] | None = None,
                          clock: Callable[[], float] = time.monotonic) -> T:
-    """`send()` until it is answered. Each try that reaches no server is told to `on_unreachable`
-    and tried again after the backoff and, with `path_back` (the transport's: path_check.py), once
-    the server answers a fresh connection again; after `give_up_after` seconds of that, `GaveUp`.
-    A typed refusal is raised at once."""
+    """`send()` until answered: each unanswered try goes to `on_unreachable`, then again after the backoff
+    or `path_back`; `GaveUp` after `give_up_after` seconds. A typed refusal is raised at once."""
     backoff, started = Backoff(), clock()
     while True:
         try:
@@ -83,6 +76,5 @@ async def until_answered(send: Callable[[], Awaitable[T]], *,
 
 
 def unreachable_line(server: str, wait_s: float, error: str) -> str:
-    """Said at the first try that gets no answer (node-agent and the plugin alike): silence for the whole
-    wait would look like a hang."""
+    """Said at the first unanswered try (node-agent and the plugin): silence for the whole wait looks like a hang."""
     return f"cannot reach the rdzv-server at {server}; retrying for {wait_s:g}s ({error})"

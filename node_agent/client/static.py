@@ -1,13 +1,10 @@
 """In-process transport for torchrun's static launches (`--node-rank R --master-addr A --master-port P`).
-
-There is no server and no store of the agents': like torchrun's static rendezvous, each node knows
-its place from the values given. The agent still drives the same coordinator as `--standalone`, for
-a job of this node alone (so restarts and the end of the job follow the same rules), and each round's
-assignment is turned into the static world: group rank R of N nodes, global ranks R * nproc ..
-(R + 1) * nproc - 1 (every node runs the same --nproc-per-node, as torchrun's fast path assumes), and
-MASTER_ADDR:MASTER_PORT = A:P, where worker rank 0 hosts the workers' store. The restart count is
-this node's own: nothing tells the other nodes of a failure here, as under torchrun's static backend.
-"""
+As with torchrun's static rendezvous there is no server: each node knows its place from the values given.
+The agent drives the `--standalone` coordinator for a job of this node alone (same restart and end rules)
+and maps each assignment onto the static world: group rank R of N, global ranks R * nproc .. (R + 1) *
+nproc - 1 (the same --nproc-per-node everywhere, as torchrun assumes), and MASTER_ADDR:MASTER_PORT = A:P
+(worker rank 0 hosts the store there).
+Restarts are this node's own: nothing tells other nodes of a failure, as under torchrun's static backend."""
 from __future__ import annotations
 
 import msgspec

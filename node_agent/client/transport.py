@@ -1,10 +1,6 @@
-"""What the agent needs from a way of talking to the rendezvous server, whatever it is.
-
-Two transports implement it: `client.RdzvClient` (HTTP + MessagePack, the normal case) and
-`local_client.LocalClient` (an in-process server for `--standalone`, no HTTP at all).
-Both raise only these two exceptions, and decide which error codes are worth a retry by one rule
-(`refusal`, over `protocol.errors.RETRYABLE`).
-"""
+"""What the agent needs from a way of talking to the rendezvous server: `http.RdzvClient` (HTTP +
+MessagePack) or `local.LocalClient` (in-process). Both raise only the two exceptions here, and `refusal`
+(over `protocol.errors.RETRYABLE`) decides which error codes are worth a retry."""
 from __future__ import annotations
 
 import enum
@@ -88,8 +84,7 @@ class Transport:
         raise NotImplementedError
 
     async def path_back(self) -> bool:
-        """Wait until the server can be reached again; whether it was away (a transport without a
-        network: never)."""
+        """Wait until the server can be reached again; whether it was away (without a network: never)."""
         return False
 
     async def reach(self) -> Path:
@@ -101,8 +96,8 @@ class Transport:
         try:
             status = await self._send(action, message, limit)
         except ServerRejected as exc:
-            # Sent with a secret that a join answered meanwhile replaced (a rejoin racing a report or a
-            # poll): the refusal is about the old record, not a takeover. Once more, with the new one.
+            # Sent with a secret a join replaced meanwhile (a rejoin racing a report or poll): about the old
+            # record, not a takeover. Once more, with the new one.
             sent_with = getattr(message, "credential", "")
             if exc.code != ErrorCode.FORBIDDEN.value or not sent_with or sent_with == self.credential:
                 raise

@@ -1,15 +1,10 @@
-"""The witness wire: agents vouch for each other while the server is silent ("are you there, do you hear
-it, and which round do you hold?"). Shared by node-agent and the torchrun plugin; what the answers mean
-together is node_agent/witness.py's.
+"""The witness wire: agents vouch for each other while the server is silent ("do you hear it, which round
+do you hold?"); shared with the torchrun plugin, the answers read together in node_agent/witness.py.
 
-Each agent listens on a free port of its own address. It tells the server the port at join, and the
-server hands each member up to two other members to ask (Assignment.witnesses). The asker may send
-one line first, `rdzv-agent ask round=R` (the round it runs); the witness answers one line and closes:
-- to that question: `rdzv-agent in-contact round=W` or `rdzv-agent alone round=W` (W: the round it
-  runs, -1 for none);
-- to no question (an older asker sends none; the witness waits ASK_WAIT_S for it): the older answers
-  `rdzv-agent in-contact` or `rdzv-agent alone`, which a newer asker understands as well.
-"""
+Each agent listens on a free port, named at join; the server hands each member up to two others to ask
+(Assignment.witnesses). The asker sends `rdzv-agent ask round=R`; the witness answers one line and closes:
+`rdzv-agent in-contact round=W` or `rdzv-agent alone round=W` (W: its round, -1: none). An older asker
+sends no question: after ASK_WAIT_S it gets `rdzv-agent in-contact` or `rdzv-agent alone`, which all read."""
 from __future__ import annotations
 
 import asyncio

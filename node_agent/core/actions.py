@@ -41,8 +41,7 @@ class Rejoin:
 
 @dataclass(frozen=True)
 class Leave:
-    """Tell the server this node is going (a courtesy: its lease would lapse anyway); `unhealthy`: it
-    goes because it is unhealthy (the server then keeps its host out for a while)."""
+    """Tell the server this node goes (a courtesy: its lease lapses anyway); `unhealthy`: its host is kept out."""
     reason: str
     unhealthy: UnhealthyKind | None = None
 

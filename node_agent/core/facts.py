@@ -1,10 +1,6 @@
-"""What the agent learns, as facts named in the past tense. They reach the policy one at a time.
-
-Every source of news puts its facts on the agent's one queue: the server link (replies, refusals,
-outages), the local workers (exits, hangs, spawn errors), the signal handler, and the loop's timer
-(`DeadlinePassed`, when the policy's own next deadline comes before any other fact). The policy
-never sees anything else, so a test can feed it any history with plain numbers for time.
-"""
+"""What the agent learns, as facts named in the past tense, reaching the policy one at a time from the
+agent's one queue (server link, local workers, signals, the loop's timer). The policy sees nothing else,
+so a test can feed it any history with plain numbers for time."""
 from __future__ import annotations
 
 import enum
@@ -24,8 +20,7 @@ from protocol.messages import (
     WorkerFailure,
 )
 
-# Which request a server fact answers: the protocol's own request types (their action names are
-# protocol.codec.REQUEST_TYPES), so no table of names is repeated here.
+# Which request a server fact answers: the protocol's request types (names: protocol.codec.REQUEST_TYPES).
 Request = type[JoinRequest] | type[PollRequest] | type[FailureReport] | type[SuccessReport] | type[LeaveRequest]
 
 
@@ -46,8 +41,7 @@ class ServerNotReached:
 
 @dataclass(frozen=True)
 class ServerRefused:
-    """The server answered `request` with a typed error that a retry would not change (a code given as the
-    server's text is read as its kind)."""
+    """The server answered `request` with a typed error a retry would not change (a text code is typed)."""
     request: Request
     code: Code
     message: str
@@ -94,9 +88,8 @@ class Verdict(str, enum.Enum):
     SILENT = "silent"                  # none answered: this node is cut off from everyone
 
 
-# The verdicts the server check (a fresh connection) decides between; for the others the agent does
-# not wait for it (up to path_check.CHECK_TIMEOUT_S when the server is silent): a replaced round is
-# evidence enough, and the others mean "ask again" whatever the server says.
+# The verdicts the server check (a fresh connection) decides between; the others do not wait for it
+# (a replaced round is evidence enough, the rest mean "ask again" whatever the server says).
 SERVER_CHECK_DECIDES = frozenset({Verdict.SERVER_HEARD, Verdict.SILENT})
 
 
@@ -136,6 +129,5 @@ class DeadlinePassed:
 Fact = (StatusReceived | ServerNotReached | ServerRefused | WorkersExited | WorkersHung | SpawnFailed
         | SignalReceived | PeersProbed | NodeChecked | DeadlinePassed)
 
-# How a source hands the loop its news: a fact, or the exception that broke the source (a bug), which
-# the loop raises so that it is seen instead of leaving the agent waiting for news that never comes.
+# How a source hands the loop news: a fact, or the exception that broke it (a bug), raised, not waited out.
 Put = Callable[[Fact | BaseException], None]

@@ -1,8 +1,5 @@
 """When a node cut off from the server asks its round's witnesses, and what it concludes. No I/O.
-
-The policy (policy.py) holds the state; this module holds the times and the wording, so that the
-fencing bound (the lease + about a second) is read in one place.
-"""
+policy.py holds the state; the times and wording are here, so the fencing bound (lease + ~1 s) is in one place."""
 from __future__ import annotations
 
 import signal
@@ -12,19 +9,17 @@ from protocol.messages import MAX_MESSAGE, WorkerFailure
 
 FENCE_MARGIN_S = 0.5
 REPROBE_S = 0.5     # a witness's answer costs one local connection: the fencing bound is the lease + ~1 s
-# A witness may not have noticed yet that the server is away for it too (its own connection's
-# keepalive runs on its own clock): a "cut off" verdict is asked once more this much later.
+# A witness may not have noticed yet that the server is away for it too (its keepalive runs on its own
+# clock): a "cut off" verdict is asked once more this much later.
 CONFIRM_S = 1.0
-# A silent witness takes the probe's whole time limit (client/witness.py PROBE_TIMEOUT_S) to say
-# nothing, and a silence is confirmed by a second ask: the first ask starts this much before the lease
-# lapses, so that the confirming one ends about a second after it. Nothing is concluded before the
-# lapse but a witness holding a newer round.
+# A silence takes a whole PROBE_TIMEOUT_S and is confirmed by a second ask: the first starts this much
+# before the lease lapses, so the second ends about a second after it. Before the lapse only a newer round counts.
 EARLY_ASK_S = 1.0
 
 
 def lapse_at(renewed_at: float | None, unreachable_since: float, lease_timeout_s: float) -> float:
-    """When this node's lease must have lapsed on the server (the earliest a silence may fence): the
-    lease runs from when the last answered request went out."""
+    """When this node's lease must have lapsed on the server (the earliest a silence may fence); it runs
+    from when the last answered request went out."""
     lapsed = (renewed_at if renewed_at is not None else unreachable_since) + lease_timeout_s
     return max(lapsed, unreachable_since) + FENCE_MARGIN_S
 

@@ -1,7 +1,5 @@
 """Pure hang detection: which local ranks stopped beating for longer than the timeout. No I/O.
-
-A rank is watched only after its first beat, so scripts that never call `beat()` are never hung.
-"""
+A rank is watched only after its first beat, so scripts that never call `beat()` are never hung."""
 from __future__ import annotations
 
 

@@ -1,20 +1,14 @@
-"""When the agent checks its own node, and what a check's answer means. Pure: `now` comes in, no I/O.
-
-The checks themselves (the GPUs through NVML, the site's --health-check, a failure's message, workers
-left alive after SIGKILL) run in the shell (node_agent/node_checks.py), which answers each `CheckNode`
-with a `NodeChecked`. The rules (policy.py applies them through this state):
-- with checks on (a node with NVIDIA GPUs, or a --health-check): the node joins only after a check
-  passes; a new round after its workers ran once (a restart here) is spawned only after a check; while
-  workers run, a check every `interval_s`; a worker failure is checked (its GPUs, and whether its
-  message names a GPU fault) before it is reported;
-- a node found unhealthy (at any of these, or because a worker outlived SIGKILL, checks on or not)
-  does not join, or leaves its round saying why and of what kind: no failure is reported, so no restart
-  counts against the job's budget, and the server re-forms the round as for a lost node. It checks
-  again after a back-off (RETRY_MIN_S, doubling up to RETRY_MAX_S) and joins once healthy, so a node
-  repaired in place comes back. Server news meanwhile is old news, except the job's end. A node out
-  for longer than `give_up_s` (the job's join timeout: as long as the job itself would wait for nodes)
-  gives up and exits 1 with its last finding: it never learns of the job's end while it is out.
-"""
+"""When the agent checks its own node, and what an answer means. Pure: `now` comes in, no I/O.
+The checks run in the shell (node_checks.py), which answers each `CheckNode` with a `NodeChecked`. Rules:
+- checks on (NVIDIA GPUs, or --health-check): join only after a check passes; a restart here (a new round
+  after this node's workers ran) spawns only after a check; a check every `interval_s` while workers run;
+  a worker failure is checked (its GPUs, a GPU fault in its message) before it is reported;
+- unhealthy (at any of these, or a worker outlived SIGKILL, checks on or not): do not join, or leave the
+  round saying why and of what kind. No failure is reported, so no restart counts against the job, and
+  the server re-forms the round as for a lost node. Check again after a back-off (RETRY_MIN_S, doubling
+  to RETRY_MAX_S) and join once healthy, so a node repaired in place comes back; server news meanwhile is
+  old news, except the job's end. Out longer than `give_up_s` (the job's join timeout): exit 1 with the
+  last finding, since a node that is out never learns of the job's end."""
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -1,45 +1,28 @@
 """The agent's supervision policy: given one fact and `now`, decide what to do. No I/O.
-
-Facts come in (facts.py: the server's status, a refusal or an outage, local workers failing or
-finishing, a signal, a deadline passing) and actions go out (actions.py: `Spawn`, `StopWorkers`,
-`ReportFailure`, `ReportSuccess`, `Rejoin`, `Leave`, `Exit`). The loop in `agent.py` runs them in order
-and sleeps until `next_deadline()` when no fact comes sooner, so timed rules fire on time.
-
-Rules:
-- the server's view wins: when it names a round we do not run, stop ours and spawn that one;
-  when we are not a member (waiting, spare, excluded), run nothing;
-- a local failure (an exit, a hang, a spawn error) stops the local group and is reported once for the
-  round it happened in; news about a round we no longer run is old news and changes nothing;
-  the server then answers with the next round (or the job's end);
-- all local workers succeeding is reported once; we keep following the server until the job ends
-  (another node failing still means a job-wide restart);
-- the server being unreachable leaves workers running; `server_wait_s` after the first failed try
-  (timed rule: it fires even when no other fact comes) we stop them and give up;
-- fencing (timed rule), only on evidence: about when this node's lease must have lapsed on the server
-  (its last answered request + the lease + FENCE_MARGIN_S, and at least FENCE_MARGIN_S after the first
-  failed try; the first ask starts EARLY_ASK_S sooner, a silence is concluded on only after it), the
-  round's witnesses are asked which round they hold and whether they hear the server
-  (witness.py), and the server is checked over a fresh connection meanwhile (path_check.py). The
-  workers are stopped, and the round's failure reported, only when a witness that hears the server
-  holds a newer round (the server replaced this one), or when no witness answers, twice, and no
-  endpoint answers either (this node is cut off from everyone). A witness that hears the server in
-  this node's round, witnesses that do not hear it, a server that answers again (the link sends
-  again) or a replica that answers but does not serve yet (a takeover under way): the round goes on,
-  asked again every REPROBE_S;
-- a refused join ends the agent (exit 0 when an operator drained the node: nothing failed here),
-  except a node id still held by a live agent (`node_conflict`): that may be this node's previous
-  agent, not yet noticed dead, so the join is retried each second for a lease and a bit;
-- a refused poll means start afresh when the server forgot the job or node, and the end otherwise;
-  a refused report is dropped (the next poll says where things stand), unless the server would refuse
-  it again (malformed: `Refusal.INVALID`), which leaves the job and ends the agent; a request refused because
-  another agent took this node over (`forbidden`) or because this agent has no valid token
-  (`unauthorized`) ends the agent, whatever it was;
+Facts (facts.py) in, actions (actions.py) out; the loop (agent.py) runs them in order and sleeps until
+`next_deadline()`, so the timed rules (`_timed_rules()`) fire even when no fact comes. Rules:
+- the server's view wins: a round it names that we do not run replaces ours; not a member (waiting, spare,
+  excluded): run nothing;
+- a local failure (exit, hang, spawn error) stops the local group and is reported once, for its round;
+  news about a round we no longer run changes nothing; the server answers with the next round or the end;
+- all local workers succeeding is reported once; we follow the server until the job ends (another node
+  failing still restarts the job);
+- server unreachable: workers keep running; `server_wait_s` after the first failed try (timed): stop, give up;
+- fencing (timed), only on evidence: from about when this node's lease must have lapsed on the server
+  (fencing.py: a silence counts only after it), the round's witnesses are asked which round they hold and
+  whether they hear the server (witness.py) while the server is checked over a fresh connection
+  (path_check.py). Workers stop and the round's failure is reported only when a witness that hears the
+  server holds a newer round (ours was replaced), or no witness answers, twice, and no endpoint either (we
+  are cut off). Otherwise (a witness hears the server in our round, none hears it, the server answers
+  again, a replica does not serve yet) the round goes on, asked again every REPROBE_S;
+- a refused join ends the agent (exit 0 when drained: nothing failed), except `node_conflict`: maybe our
+  previous agent, not yet seen dead, so the join is retried each second for a lease and a bit;
+- a refused poll: start afresh when the server forgot the job or node, else end; a refused report is
+  dropped (the next poll says where things stand) unless malformed (`Refusal.INVALID`: refused again),
+  which leaves the job and ends; `forbidden` (taken over) or `unauthorized` ends it, whatever the request;
 - a signal stops the workers, leaves the job, and exits with 128 + signal;
-- the node's own checks (GPUs, --health-check, workers alive after SIGKILL): node_health.py says when
-  they run and that an unhealthy node leaves (no failure reported) and checks again after a back-off.
-
-Timed rules are listed in `_timed_rules()`: a rule is a time and what to do once it has come.
-"""
+- the node's own checks (node_health.py): an unhealthy node leaves (no failure reported) and checks again
+  after a back-off."""
 from __future__ import annotations
 
 import enum
@@ -223,18 +206,15 @@ class SupervisionPolicy:
             return []          # the server answered meanwhile, or the workers ended: moot
         evidence = verdict == Verdict.ROUND_REPLACED or (verdict == Verdict.SERVER_HEARD and self.suspect)
         if not evidence and (server != Path.NO_SERVER or verdict not in SERVER_CHECK_DECIDES):
-            # The server answers a fresh connection (the link sends again), a replica takes over, the
-            # server still runs this round, or it is away for everyone: nothing to conclude; ask again.
+            # The server answers (the link sends again), a replica takes over, it runs our round, or is away.
             self.probe_at, self.suspect = now + REPROBE_S, False
             return []
         if verdict != Verdict.ROUND_REPLACED and (evidence or self.suspect) and now < self._lapse_at():
-            # Silent (or older) witnesses before the lease lapsed: the server has replaced nothing yet;
-            # confirmed, or not, by an ask once it has lapsed.
+            # Before the lease lapsed the server has replaced nothing yet: ask again once it has.
             self.probe_at, self.suspect = self._lapse_at(), True
             return []
         if not evidence and not self.suspect:
-            # An older witness that hears the server may be right, or not yet aware; a silent one maybe
-            # only too slow to answer (a loaded host, not a cut link): ask once more.
+            # A witness may not know yet, a silent one only be slow (a loaded host): ask once more.
             self.probe_at, self.suspect = now + (CONFIRM_S if verdict == Verdict.SERVER_HEARD else 0.0), True
             return []
         a = self.assignment
@@ -354,8 +334,7 @@ class SupervisionPolicy:
             return [Spawn(a)] if a is not None and self.workers == Workers.RUNNING else []
         if self.health.out or (fact.stage == Stage.RUNNING and fact.round_id != self.running_round):
             return []      # already out, or about a round since replaced (its own check comes)
-        # Told to the server when it leaves a round, and once when it does not join (the job's history says
-        # why it is missing), not at every check while it stays out.
+        # Told when it leaves a round, and once when it does not join; not at every check while out.
         tell = fact.stage != Stage.JOIN or self.health.out_since is None
         self.health.failed(fact.stage, now, fact.problem)
         actions = self._stop(f"node unhealthy: {fact.problem}")

@@ -1,16 +1,9 @@
-"""Which GPU each local rank uses: the first `nproc` of the GPUs the agent sees.
-
-"Sees" follows CUDA's reading of CUDA_VISIBLE_DEVICES (as torch emulates it in torch.cuda): entries are
-device ordinals ("1gpu2" reads as 1, like strtoul), UUIDs or unique UUID prefixes ("GPU-8f2a"), or MIG
-instances ("MIG-<uuid>", or the older "MIG-GPU-<uuid>/<gi>/<ci>"); the first entry that names no device
-ends the list, and a device named twice leaves none. Unset: every GPU, in PCI address order (CUDA's order
-with CUDA_DEVICE_ORDER=PCI_BUS_ID, and in practice on nodes of one GPU model). Nothing here refuses:
-anything doubtful becomes a note, and a GPU that cannot be resolved (a MIG instance without MIG facts, no
-NVML) is kept with `gpu=None`, so the ranks still line up and only its binding and check are skipped.
-
-Local rank r uses visible GPU r, with or without --virtual-local-rank: torchrun's workers address it as
-cuda:LOCAL_RANK among all visible GPUs, or, with the virtual local rank, as cuda:0 with
-CUDA_VISIBLE_DEVICES set to the r-th entry (node_agent/environment.py).
+"""Which GPU each local rank uses: rank r the r-th GPU the agent sees, as torchrun's workers address it
+(cuda:LOCAL_RANK; with --virtual-local-rank, cuda:0 with the r-th entry as CUDA_VISIBLE_DEVICES).
+"Sees" is CUDA's reading of CUDA_VISIBLE_DEVICES: ordinals ("1gpu2" is 1, like strtoul), UUIDs or unique UUID
+prefixes, MIG ids; the first entry naming no device ends the list, a device named twice leaves none. Unset:
+every GPU in PCI order (CUDA's with CUDA_DEVICE_ORDER=PCI_BUS_ID, and on one-model nodes). Nothing refuses:
+doubts become notes, an unresolved GPU is kept with `gpu=None` (no NUMA binding or check) so the ranks line up.
 """
 from __future__ import annotations
 
@@ -54,8 +47,7 @@ def _by_prefix(prefix: str, uuids: Sequence[str]) -> int | None | str:
 
 def visible_gpus(devices: Sequence[GpuInfo] | None, cuda_visible_devices: str | None,
                  cuda_device_order: str | None = None) -> Visible:
-    """The GPUs CUDA will show the agent's workers, in CUDA's order. `devices`: the probe's list (None
-    when no probe could list them: ordinals are then kept unresolved)."""
+    """The GPUs CUDA shows the workers, in its order; `devices` None (no probe): ordinals are kept unresolved."""
     known = sorted(devices, key=lambda g: g.bus_id) if devices and all(g.bus_id for g in devices) \
         else list(devices or [])
     notes: list[str] = []
@@ -168,9 +160,8 @@ def gpu_numa_nodes(visible: Visible, root: str = "/") -> list[int | None]:
 
 
 def gpus_from_sysfs(root: str = "/", dev_dir: str = "/dev") -> list[GpuInfo] | None:
-    """The GPUs without NVML: NVIDIA display-class PCI devices, trusted only when their count matches
-    the /dev/nvidiaN nodes (a container may see the host's whole PCI tree but only its own devices).
-    No UUIDs: GPU- entries in CUDA_VISIBLE_DEVICES cannot be resolved from this."""
+    """The GPUs without NVML (no UUIDs): NVIDIA display-class PCI devices, trusted only when as many as the
+    /dev/nvidiaN nodes (a container may see the host's whole PCI tree but only its own devices)."""
     bus_ids = pci_gpus(root)
     try:
         nodes = [n for n in os.listdir(dev_dir) if re.fullmatch(r"nvidia\d+", n)]

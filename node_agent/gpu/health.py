@@ -1,10 +1,6 @@
-"""Is this node's GPU healthy: the verdict on a probe's facts, the site's `--health-check CMD`, and
-whether a worker's failure message names a GPU fault.
-
-`judge` is pure (facts in, verdict out). `check_gpus` asks a probe (blocking NVML calls: run it in a
-thread). `run_health_check` runs the site's command under a time bound with its output bounded. None of
-them raises for anything the GPUs, NVML or the command do: every outcome is a verdict with one line
-saying why.
+"""Is this node's GPU healthy: the verdict on a probe's facts, the site's `--health-check CMD`, and whether a
+worker's failure message names a GPU fault. `judge` is pure; `check_gpus` blocks on NVML (run it in a thread).
+Nothing here raises for what the GPUs, NVML or the command do: every outcome is a verdict with a one-line why.
 """
 from __future__ import annotations
 
@@ -94,9 +90,8 @@ def warnings(h: GpuHealth) -> list[str]:
 
 
 def judge(found: Sequence[GpuHealth]) -> Verdict:
-    """The node's verdict on its GPUs' facts: Unhealthy when any GPU has a fault (every faulty GPU named,
-    one line); Skipped when no GPU could be checked at all; else Healthy. Warnings either way (a GPU that
-    could not be checked while others were is one)."""
+    """Unhealthy when any GPU has a fault (all named, one line); Skipped when no GPU could be checked; else
+    Healthy. Warnings either way (a GPU left unchecked while others were is one)."""
     notes = tuple(w for h in found for w in warnings(h))
     bad = [f"{_name(h)}: {'; '.join(fs)}" for h in found if (fs := faults(h))]
     if bad:
@@ -108,10 +103,8 @@ def judge(found: Sequence[GpuHealth]) -> Verdict:
 
 
 def check_gpus(probe: GpuProbe, indices: Sequence[int]) -> Verdict:
-    """Ask `probe` (already open) about each GPU in `indices` and judge. Skipped (never Healthy) when
-    the probe is unavailable or breaks; the time taken is in the verdict. The GPUs are asked at once,
-    a thread each (NVML's calls are thread-safe and take 1-4 ms each: one after another, 8 GPUs'
-    calls add up past the check's 0.1 s budget)."""
+    """Ask the open `probe` about `indices`, a thread per GPU (NVML is thread-safe; one GPU after another
+    would overrun the check's 0.1 s budget), and judge, timed. Skipped, never Healthy, when the probe fails."""
     start = time.monotonic()
     try:
         if not indices:
@@ -137,10 +130,9 @@ def _timed(verdict: Verdict, seconds: float) -> Verdict:
 
 async def run_health_check(command: str | Sequence[str], *, timeout: float = SCRIPT_TIMEOUT_S,
                            output_limit: int = OUTPUT_LIMIT, env: dict[str, str] | None = None) -> Verdict:
-    """Run the site's check (`command` split like a shell would, not run through one): exit 0 is
-    Healthy; a non-zero exit, a signal, not found, not executable, or running past `timeout` is
-    Unhealthy with one line quoting the first line of its output. stdout and stderr are read together,
-    the first `output_limit` bytes kept; its whole process group is killed at the deadline."""
+    """Run the site's check (split like a shell would, not run by one): exit 0 is Healthy; anything else, or
+    past `timeout`, Unhealthy quoting its output's first line. Output (stdout and stderr) is kept to
+    `output_limit` bytes; the check's whole process group is killed at the deadline."""
     start = time.monotonic()
     try:
         argv = shlex.split(command) if isinstance(command, str) else list(command)
@@ -149,8 +141,7 @@ async def run_health_check(command: str | Sequence[str], *, timeout: float = SCR
     if not argv:
         return Unhealthy("--health-check is empty")
     shown = quote(argv[0])
-    # Output through a pipe of our own, not asyncio's: its Process.wait() also waits for its pipes to
-    # close, and a child of the check may hold them open long after the check itself has exited.
+    # A pipe of our own, not asyncio's: its Process.wait() also waits for the pipes, which a child may hold.
     rfd, wfd = os.pipe()
     try:
         proc = await _start_in_own_group(argv, env, rfd, wfd)
@@ -223,8 +214,7 @@ async def _start_in_own_group(argv: list[str], env: dict[str, str] | None, rfd: 
     spawn = asyncio.ensure_future(asyncio.create_subprocess_exec(
         *argv, stdin=asyncio.subprocess.DEVNULL, stdout=wfd, stderr=wfd, start_new_session=True, env=env))
     try:
-        # Shielded: cancelled mid-start, asyncio would kill the check but not the children it already
-        # forked. The start goes on; once it is done, its whole group is killed.
+        # Shielded: a start cancelled midway kills the check but not its children; let it end, then kill the group.
         proc = await asyncio.shield(spawn)
     except asyncio.CancelledError:
         os.close(rfd)
@@ -266,9 +256,8 @@ def _shown_output(kept: bytes, total: int) -> str:
     return text + (f" ... (output cut at {len(kept)} of {total} bytes)" if total > len(kept) else "")
 
 
-# Worker failure messages that name a broken GPU. Xid numbers from NVIDIA's Xid catalogue: 48 double-bit
-# ECC, 63/64 row remapping or page retirement, 74 NVLink, 79 fallen off the bus, 92/94/95 ECC rate,
-# contained and uncontained ECC, 119/120 GSP, 140 unrecovered ECC.
+# Worker failure messages that name a broken GPU. NVIDIA's Xids: 48 double-bit ECC, 63/64 row remapping or page
+# retirement, 74 NVLink, 79 off the bus, 92/94/95 ECC rate, contained, uncontained, 119/120 GSP, 140 unrecovered ECC.
 _HARDWARE_XIDS = {48, 63, 64, 74, 79, 92, 94, 95, 119, 120, 140}
 _FAULTS = (
     (re.compile(r"uncorrectable\s+ECC\s+error", re.I), "uncorrectable ECC error"),

@@ -1,8 +1,5 @@
-"""What the agent learns about its node's GPUs once, at start: whether it has NVIDIA devices, which GPU
-each local rank uses, and (with --numa-binding) the CPUs each rank is pinned to.
-
-`survey` reads sysfs under `root` and asks an already opened probe (or, without NVML, sysfs alone) for
-the devices; it never raises for anything the machine says. Its lines are said once by the agent.
+"""What the agent learns about its node's GPUs once, at start: which GPU each local rank uses and (with
+--numa-binding) each rank's CPUs. `survey` never raises for anything the machine says.
 """
 from __future__ import annotations
 
@@ -28,8 +25,7 @@ class NodeGpus:
 def survey(nproc: int, environ: Mapping[str, str], *, probe: GpuProbe | None, numa_binding: str | None = None,
            virtual_local_rank: bool = False, root: str = "/", dev_dir: str = "/dev",
            allowed: frozenset[int] | None = None) -> NodeGpus:
-    """The node's GPUs for `nproc` workers. `probe`: open, or None (no NVML: the GPUs from sysfs).
-    `allowed`: the agent's own CPUs (default: its affinity)."""
+    """The node's GPUs for `nproc` workers; `probe` open, or None (sysfs alone); `allowed`: default our affinity."""
     devices: list[GpuInfo] | None = None
     if probe is not None:
         try:

@@ -1,17 +1,9 @@
-"""The GPUs and their health facts, through one small interface: `GpuProbe`.
-
-`NvmlProbe` reads NVML through nvidia-ml-py (`pynvml`, imported on `open()`, never at module load);
-`FakeGpuProbe` reports whatever a test or a dry run tells it to. A probe is opened once and may stay open
-while workers run (`open()`/`close()`, or `with`): NVML keeps its handles, and the driver its state, for as
-long as this process holds the library initialised.
-
-Nothing from NVML escapes as an exception: `open()` and `devices()` raise only `ProbeUnavailable` (the one
-line a "check skipped" verdict quotes), `health()` never raises; every NVML error lands in a field. "Not
-supported" (an old driver, a consumer card, a feature the GPU lacks) is unknown, never unhealthy.
-
-No `nvidia-smi` fallback: nvidia-smi loads the same libnvidia-ml.so.1 that pynvml does, so it works only
-where installing the `[gpu]` extra would too; its query fields change between drivers (one unknown field
-fails the whole query) and each run spawns a process, well over the check's 0.1 s budget.
+"""The GPUs and their health facts behind one interface, `GpuProbe`: `NvmlProbe` (nvidia-ml-py's `pynvml`,
+imported on `open()`, never at module load) and `FakeGpuProbe` (tests, dry runs). A probe is opened once and
+may stay open while workers run, so NVML keeps its handles.
+Nothing from NVML escapes as an exception: `open()` and `devices()` raise only `ProbeUnavailable` (the line a
+"check skipped" verdict quotes), `health()` puts every error in a field. "Not supported" is unknown, never
+unhealthy. No nvidia-smi fallback: it needs the same libnvidia-ml.so.1, and a process per check is too slow.
 """
 from __future__ import annotations
 
@@ -33,15 +25,13 @@ ERR_LIBRARY_NOT_FOUND, ERR_FUNCTION_NOT_FOUND, ERR_GPU_IS_LOST, ERR_RESET_REQUIR
 ERR_NO_DATA = 21
 UNKNOWN_ERRORS = {ERR_NOT_SUPPORTED, ERR_NO_PERMISSION, ERR_NOT_FOUND, ERR_FUNCTION_NOT_FOUND, ERR_NO_DATA}
 LOST_ERRORS = {ERR_GPU_IS_LOST, ERR_RESET_REQUIRED}
-# Clock event reasons worth a warning (hardware or thermal slowdowns); idle, application clocks, the
-# software power cap and sync boost are normal under load.
+# Clock event reasons worth a warning; idle, application clocks, power cap and sync boost are normal under load.
 THROTTLE_WARNINGS = {0x8: "hardware slowdown", 0x20: "software thermal slowdown",
                      0x40: "hardware thermal slowdown", 0x80: "hardware power brake"}
 
 
 class ProbeUnavailable(Exception):
-    """The GPUs cannot be looked at (no nvidia-ml-py, no NVML library, driver not loaded, ...): the check
-    is skipped, with this one-line reason."""
+    """The GPUs cannot be looked at (no bindings, library or driver): the check is skipped, with this reason."""
 
 
 @dataclass(frozen=True)
@@ -230,8 +220,7 @@ class NvmlProbe:
 
 
 class _Facts:
-    """Runs one NVML query at a time, sorting its failure: unknown (remembered, not asked again), lost,
-    or an error to report."""
+    """Runs one NVML query at a time, sorting a failure: unknown (not asked again), lost, or an error to report."""
 
     def __init__(self, probe: NvmlProbe, index: int) -> None:
         self.probe, self.index = probe, index
@@ -280,8 +269,7 @@ def _throttle(nv: Any, handle: Any) -> Any:
 
 @dataclass
 class FakeGpuProbe:
-    """A GpuProbe that reports what it is given: `unavailable` makes open() fail with that reason;
-    `faults[index]` replaces that GPU's all-good facts. Counts opens and closes."""
+    """A GpuProbe reporting what it is given: `unavailable` fails open(); `faults[index]` replaces all-good facts."""
     gpus: list[GpuInfo] = field(default_factory=list)
     faults: dict[int, GpuHealth] = field(default_factory=dict)
     unavailable: str | None = None

@@ -1,23 +1,13 @@
-"""The node's CPU topology from sysfs, and torchrun's `--numa-binding` modes planned per local rank.
-
-Reading (`read_topology`, `gpu_numa_node`, `pci_gpus`) is the only I/O here; every path is under one
-root (default "/"), so tests hand in a fake tree. `plan_binding` is pure: topology, mode, each visible
-GPU's NUMA node, the worker count and the CPUs the agent may use in; one CPU set (or a one-line reason
-to run unbound) per local rank out.
-
-The modes mean what they mean in torch 2.13's `torch.numa.binding` (local rank r uses the r-th GPU the
-agent sees; CPUs only, always intersected with the agent's own affinity):
-- node: the CPUs of the GPU's NUMA node.
-- socket: the CPUs of every NUMA node on the socket of the GPU's NUMA node.
-- exclusive: the NUMA node's physical cores (a core is all its SMT siblings the agent may use), in the
-  order of each core's lowest CPU number, cut into one contiguous slice per GPU on that node (GPUs in
-  index order); when the cores do not divide evenly the lowest-indexed GPUs get one core more.
-- core-complex: the node's CPUs grouped by the last-level cache they share (the highest-level Data or
-  Unified cache), groups ordered by most usable CPUs first, then lowest CPU number; the GPU that is k-th
-  on its node gets group k modulo the number of groups.
-Where torch raises (no CPUs left, fewer cores than GPUs, no cache information) the rank runs unbound
-with the reason instead. A GPU whose `numa_node` is -1 counts as node 0 on a one-node machine (as in
-torch) and runs unbound on a machine with several nodes (torch would pretend node 0).
+"""The node's CPU topology from sysfs (every path under one root, for tests' fake trees), and torchrun's
+`--numa-binding` modes planned per local rank, purely, as in torch 2.13's `torch.numa.binding` (local rank r
+uses the r-th visible GPU; CPUs only, always within the agent's own affinity):
+- node: the CPUs of the GPU's NUMA node. socket: those of every NUMA node on that node's socket.
+- exclusive: the node's physical cores (each with all its usable SMT siblings) by lowest CPU, cut into one
+  contiguous slice per GPU on the node in index order; the lowest-indexed GPUs get the cores left over.
+- core-complex: the node's CPUs grouped by shared last-level cache (highest Data or Unified), largest group
+  first, then lowest CPU; the k-th GPU on the node gets group k modulo the number of groups.
+Where torch raises (no CPUs left, fewer cores than GPUs, no cache facts) the rank runs unbound, with a reason;
+so does a GPU with `numa_node` -1 on a machine of several nodes (torch pretends node 0; on one node, so do we).
 """
 from __future__ import annotations
 
@@ -190,9 +180,8 @@ def gpu_numa_node(root: str, bus_id: str) -> int | None:
 
 
 def pci_gpus(root: str = "/") -> list[str]:
-    """NVIDIA display-class PCI devices (class 0x03xxxx: not NVSwitches), in PCI address order: the
-    GPUs without NVML. A container may see the host's whole PCI tree here, so the caller must check
-    that the count matches the GPUs it may actually use."""
+    """NVIDIA display-class PCI devices (class 0x03xxxx: not NVSwitches) in PCI order. A container may see the
+    host's whole PCI tree: the caller checks the count against the GPUs it may use."""
     try:
         names = os.listdir(os.path.join(root, PCI_DIR))
     except OSError:
@@ -251,9 +240,8 @@ class BindingPlan:
 
 def plan_binding(topology: Topology, mode: BindMode, gpu_nodes: Sequence[int | None], nproc: int,
                  allowed: AbstractSet[int]) -> BindingPlan:
-    """Per local rank 0..nproc-1 the CPUs `mode` gives it. `gpu_nodes[i]` is the NUMA node of the i-th
-    GPU the agent sees (None: unknown); local rank r uses GPU r, as torchrun assumes. `allowed` is the
-    agent's own affinity (os.sched_getaffinity(0))."""
+    """Per local rank 0..nproc-1 the CPUs `mode` gives it. `gpu_nodes[i]`: the i-th visible GPU's NUMA node
+    (None: unknown); `allowed`: the agent's own affinity."""
     if not topology.nodes:
         reason = "no NUMA information (no /sys/devices/system/node/node*/cpulist)"
         return BindingPlan(mode, tuple(Unbound(r, reason) for r in range(nproc)))

@@ -1,8 +1,3 @@
-"""The torchrun plugin (`torchrun --rdzv-backend rdzv-server`): the bridge from torch's
-rendezvous-handler call order to the client core.
-
-`entry` is the entry point (imports nothing); `handler` is torch's RendezvousHandler; `session`
-runs the client core on a thread of torchrun's agent; `settings`, `round_store`, `failures`;
-`torch_internals` is the one place that reaches into torch's private parts. The only package of
-the agent that imports torch.
-"""
+"""The torchrun plugin (`torchrun --rdzv-backend rdzv-server`): torch's handler call order bridged to the client
+core. `entry`: the entry point (imports nothing); `handler`: torch's RendezvousHandler; `session`: the client core
+on a thread of torchrun's agent; `torch_internals`: torch's private parts. The agent's only package importing torch."""

@@ -1,10 +1,6 @@
-"""The `torchrun.handlers` entry point of backend `rdzv-server` (pyproject.toml).
-
-torch loads every registered handler entry point whenever `torch.distributed.elastic.rendezvous` is
-imported, by any torchrun launch whatever its backend. So this module imports nothing: the plugin
-(`plugin/handler.py`, with torch, aiohttp and the protocol) loads only when a launch asks for
-`--rdzv-backend rdzv-server`.
-"""
+"""The `torchrun.handlers` entry point of backend `rdzv-server` (pyproject.toml). torch loads every registered
+handler whenever `torch.distributed.elastic.rendezvous` is imported, by any torchrun launch: so this module imports
+nothing, and the plugin (handler.py, with torch and aiohttp) loads only for `--rdzv-backend rdzv-server`."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -12,8 +8,7 @@ from typing import Any
 
 
 def handler_creator() -> Callable[[Any], Any]:
-    """torch calls the entry point with no arguments and registers what it returns as the creator
-    of the backend named by the entry point."""
+    """torch calls it with no arguments and registers what it returns as the backend's creator."""
     return create_handler
 
 

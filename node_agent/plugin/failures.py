@@ -1,10 +1,6 @@
-"""torch's worker failures, for the plugin's failure reports.
-
-torch's elastic agent passes the failures of its workers to no rendezvous handler method;
-torch_internals.run_loop_failures finds torch's ProcessFailure objects by global rank. Reading them
-is best effort (no torch import here, only their attributes); without them the report says that the
-node's workers failed, not which.
-"""
+"""torch's worker failures, for the plugin's failure reports. torch passes them to no handler method, so
+torch_internals.run_loop_failures finds its ProcessFailures by global rank. Reading them is best effort (attributes
+only, no torch import); without them the report says that the node's workers failed, not which."""
 from __future__ import annotations
 
 import time

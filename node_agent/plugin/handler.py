@@ -1,32 +1,21 @@
-"""A torchrun rendezvous handler backed by rdzv-server: `torchrun --rdzv-backend rdzv-server ...`.
+"""A torchrun rendezvous handler backed by rdzv-server (`torchrun --rdzv-backend rdzv-server`), found through the
+`torchrun.handlers` entry point (entry.py), so an unchanged torchrun line gets the server's membership, leases,
+job-wide restart budget, events and status page. It runs inside torchrun's agent process.
 
-torch finds it through the `torchrun.handlers` entry point (plugin/entry.py), so an unchanged torchrun
-line, and every tool that writes one, gets the server's membership, leases, node-loss propagation,
-job-wide restart budget, events and status page. This is the one module of the agent and server
-packages that imports torch (besides workers and tests); it runs inside torchrun's agent process.
-
-How torch's agent uses a handler (torch 2.13, SimpleElasticAgent): `next_rendezvous()` before it
-starts the workers and again whenever it restarts them; `num_nodes_waiting()` on every monitor tick
-while they are healthy (> 0 makes it restart them); `shutdown()` once at the end. Nothing else.
-
-- Membership and rounds come from the server through `ServerSession` (plugin/session.py), whose
-  background long-poll renews the lease and notices a newer round, a lost node or the job's end at
-  once; `num_nodes_waiting()` turns that into a restart of torch's workers.
-- Restart counting: when torch asks for a new round while the server still runs ours, our own
-  workers failed, so we report a failure for that round: the server counts it job-wide and moves
-  every node on. When the server has already moved on (another node failed, a node was lost or
-  joined), we adopt the newer round without a report. A failed or closed job is RendezvousClosedError.
-- Success: torch tells a handler nothing about its workers' fate. An agent enters its exit barrier
-  (on the store we return) only when all its workers exited 0, so `RoundStore` (plugin/round_store.py)
-  reports success when the barrier starts; `shutdown()` with no exception on its way out is the
-  fallback. Failures: plugin/failures.py reads torch's own failure records.
-- Stores: every agent hosts a TCPStore (its "agent store") from the start and publishes its port
-  at join; the server hands group rank 0's address and port to the round as master_addr/port. The
-  agents of a round use that store under the prefix `rdzv-server/JOB/ROUND/`, so a restarted round
-  never reads the keys of an earlier one. Workers do not share it (use_agent_store is False): group
-  rank 0's agent picks a free port, passes it to the others through the round store, and worker
-  rank 0 hosts the workers' own store there, fresh with every start, as under node-agent.
-"""
+How torch's agent uses a handler (torch 2.13, SimpleElasticAgent): `next_rendezvous()` before it starts the
+workers and again whenever it restarts them; `num_nodes_waiting()` on every monitor tick while they are healthy
+(> 0 makes it restart them); `shutdown()` once at the end. Nothing else. So:
+- Rounds: `ServerSession` (session.py) long-polls in the background, renewing the lease and noticing a newer
+  round, a lost node or the job's end at once; `num_nodes_waiting()` turns that into a restart of the workers.
+- Restarts: torch asking for a new round while the server still runs ours means our workers failed: we report
+  it, and the server counts it job-wide and moves every node on. When the server has moved on already, we adopt
+  the newer round without a report. A failed or closed job is RendezvousClosedError.
+- Success: torch tells a handler nothing of its workers' fate, but an agent enters its exit barrier only when
+  all its workers exited 0, so `RoundStore` reports success there; `shutdown()` with no exception is the fallback.
+- Stores: each agent hosts a TCPStore from the start, its port published at join; a round's agents use group rank
+  0's under `rdzv-server/JOB/ROUND/`, so a new round never reads an old one's keys. Workers do not share it
+  (use_agent_store is False): worker rank 0 hosts their own store, fresh with every start, as under node-agent, on
+  a free port group rank 0's agent passes on through the round store."""
 from __future__ import annotations
 
 import atexit
@@ -124,8 +113,6 @@ class RdzvServerHandler(RendezvousHandler):
     def say(self, message: str) -> None:
         print(f"[rdzv-server plugin {self.settings.node_id}] {message}", file=sys.stderr, flush=True)
 
-    # -- RendezvousHandler --
-
     def get_backend(self) -> str:
         return BACKEND
 
@@ -142,8 +129,7 @@ class RdzvServerHandler(RendezvousHandler):
         return self._closed or (view is not None and view.job_state.finished)
 
     def set_closed(self) -> None:
-        """Closes the rendezvous for this node: it leaves the job (closing a whole job is an operator
-        action: `rdzv-ctl close`)."""
+        """This node leaves the job (closing a whole job is an operator's `rdzv-ctl close`)."""
         self._closed = True
         if self._session is not None:
             with contextlib.suppress(SessionEnded):
@@ -213,8 +199,6 @@ class RdzvServerHandler(RendezvousHandler):
         if verdict and exc is None:
             _exit(1, f"[rdzv-server plugin {self.settings.node_id}] {verdict}")
         return True
-
-    # -- internals --
 
     def _start(self) -> ServerSession:
         if self._session is None:

@@ -1,9 +1,5 @@
-"""The agents' c10d store for one round of the torchrun plugin.
-
-Group rank 0's agent hosts a TCPStore; the agents of a round use it under a key prefix of their own
-(`rdzv-server/JOB/ROUND/`). `RoundStore` passes everything through to that prefixed store, and
-watches torch's exit barrier on it (see the class).
-"""
+"""The agents' c10d store for one round of the torchrun plugin: group rank 0's TCPStore under the round's own
+prefix (`rdzv-server/JOB/ROUND/`), passed through, with torch's exit barrier watched (see RoundStore)."""
 from __future__ import annotations
 
 import time
@@ -19,14 +15,10 @@ JOB_SUCCEEDED = "job succeeded"
 
 
 class RoundStore(Store):
-    """The agents' store for one round: passes everything through, and watches torch's exit barrier.
-
-    An agent enters the barrier only when all its workers exited 0, the one sign of success torch
-    gives: the first `add` reports it to the server. The wait in it ends as soon as the server says
-    the job succeeded (every node reported), even if group rank 0's agent, which hosts this store,
-    has exited already; and it is abandoned when the job moves on without this node (a failure
-    elsewhere, the job failed), instead of after torch's 5-minute barrier timeout.
-    """
+    """The agents' store for one round: passes everything through, and watches torch's exit barrier. An agent
+    enters it only when all its workers exited 0, the one sign of success torch gives: the first `add` reports it.
+    The wait ends once the server says the job succeeded, even if group rank 0's agent (the store's host) has
+    exited; it is abandoned when the job moves on without this node, not after torch's 5-minute barrier timeout."""
 
     def __init__(self, inner: Store, on_exit_barrier: Callable[[], None],
                  barrier_over: Callable[[], str]) -> None:

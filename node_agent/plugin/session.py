@@ -1,26 +1,15 @@
-"""The torchrun plugin's side of the agent protocol: the node's conversation with rdzv-server.
-
-torch's elastic agent calls its rendezvous handler from its main thread and blocks on every call;
-our transport (`node_agent.client.http.RdzvClient`) is asyncio. `ServerSession` runs its own event loop
-in a daemon thread of the torchrun agent process. The handler's blocking calls (`next_assignment`,
-`report_success`, `leave`, `close`) run coroutines on that loop and wait for them. Between them one
-long-poll is always in flight, from the first join to the end (docs/protocol.md, "What a client
-must do"): it renews the node's lease while torch's workers run, rejoins when the server forgot the
-node, and keeps `view`, the node's latest status, which `num_nodes_waiting()` and `is_closed()` read.
-
-Ordering: replies to the handler's own requests (join, failure, success) and to the background poll
-can arrive out of order. A poll reply to a request sent before the handler's latest request was
-answered may describe an older state, so it is taken only when it shows progress (a newer round, a
-finished job); the next poll is sent after, and is taken as it comes.
-
-Witness: like node-agent, the session answers the other members' "do you hear the server, and which
-round do you run?" (node_agent/witness.py) on a port it names at join, so a job's node-agent members get
-witnesses on plugin nodes too. It does not fence its own workers: torch's agent owns them and its
-rendezvous handler has no call to stop them; a plugin node cut off from the server ends its session
-after server_wait (ServerLost), and torch's agent then stops its workers.
-
-The decisions are the pure functions at the top (tested without a server); the rest is I/O.
-"""
+"""The torchrun plugin's side of the agent protocol: the node's conversation with rdzv-server. torch's agent
+calls its handler from its main thread and blocks; our transport (RdzvClient) is asyncio. So `ServerSession` runs
+an event loop in a daemon thread, and the handler's blocking calls run coroutines on it. Between them one
+long-poll is always in flight (docs/protocol.md, "What a client must do"): it renews the lease while torch's
+workers run, rejoins when the server forgot the node, and keeps `view`, the node's latest status.
+- Ordering: replies to the handler's requests and to the poll can arrive out of order; a poll sent before the
+  handler's latest request was answered may describe an older state, so it is taken only when it shows progress.
+- Witness: as under node-agent, the session answers the other members' "do you hear the server, and which round
+  do you run?" (client/witness.py) on a port named at join, so node-agent members get witnesses on plugin nodes.
+  It cannot fence its workers (torch owns them): cut off from the server it ends after server_wait (ServerLost),
+  and torch's agent stops them.
+The decisions are the pure functions at the top (tested without a server); the rest is I/O."""
 from __future__ import annotations
 
 import asyncio
@@ -62,15 +51,12 @@ from protocol.messages import (
 T = TypeVar("T")
 
 
-# ------------------------------------------------------------------------------------------ rules
-# What a reply means is the client core's rule (client/replies.py); these two say what it means for
-# torch's call order.
+# What a reply means is the client core's rule (client/replies.py); these two say what it means for torch's calls.
 
 
 def needs_rendezvous(view: NodeStatus | None, running_round: int) -> bool:
-    """Whether torch's agent, running the workers of `running_round`, must stop them and call
-    next_rendezvous: the server formed a newer round (a node failed, was lost or arrived), this
-    node is no longer in a round, or the job failed or was closed."""
+    """Whether torch's agent, running `running_round`, must stop its workers and call next_rendezvous: a newer
+    round formed, this node is no longer in a round, or the job failed or was closed."""
     if view is None or running_round < 0:
         return False
     meaning = news(view, running_round)
@@ -84,9 +70,6 @@ def still_in_round(view: NodeStatus | None, round_id: int) -> bool:
     it is because this node's own workers failed."""
     return (view is not None and news(view, round_id) is News.NONE and view.assignment is not None
             and view.assignment.round_id == round_id)
-
-
-# ------------------------------------------------------------------------------------ exceptions
 
 
 class SessionEnded(Exception):
@@ -116,9 +99,6 @@ class JobFinished(SessionEnded):
 def describe_end(status: NodeStatus) -> str:
     """One line: the job's end as the server gives it (a failure's reason carries the root cause)."""
     return f"job {status.job_id!r} {status.job_state.value}: {status.reason}"
-
-
-# --------------------------------------------------------------------------------------- session
 
 
 class ServerSession:

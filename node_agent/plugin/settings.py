@@ -1,17 +1,10 @@
-"""Settings of the torchrun plugin: torchrun's rendezvous parameters and `--rdzv-conf` in, one
-frozen `PluginSettings` out. No torch import, so the rules are tested without it.
-
-torchrun hands a rendezvous handler only the endpoint, the run id, MIN:MAX nodes, `--local-addr` and
-the `--rdzv-conf` key/value pairs (strings). Two things the server needs are not among them: the
-number of workers on this node and the restart budget. `TorchLaunch` carries those, read by the plugin
-from torch's own launch configuration (torch_internals.launch_settings), whoever started the launcher:
-torchrun, `accelerate launch`, `elastic_launch` from Python. `--rdzv-conf local_world_size=N,max_restarts=K`
-override them, and are required when torch's configuration cannot be read: the plugin never guesses.
-Without a run id (torchrun's default `none`) the id is derived as node-agent derives it
-(cli/job_identity.py): the scheduler's job id, else the user's name and the command's fingerprint.
-
-Every bad value raises `SettingsError` with one line naming the key as the user typed it.
-"""
+"""Settings of the torchrun plugin: torchrun's rendezvous parameters and `--rdzv-conf` in, one frozen
+`PluginSettings` out; a bad value is one `SettingsError` line naming the key as typed. No torch import, so the
+rules are tested without it. torch hands a handler the endpoint, run id, MIN:MAX nodes, `--local-addr` and
+`--rdzv-conf`, but not this node's worker count nor the restart budget: `TorchLaunch` carries those from torch's
+launch configuration (torch_internals), whoever started the launcher (torchrun, `accelerate launch`, `elastic_launch`).
+`--rdzv-conf local_world_size=N,max_restarts=K` override them, and are required when it cannot be read: the
+plugin never guesses. Without a run id (torchrun's `none`) the id is derived as node-agent's (cli/job_identity.py)."""
 from __future__ import annotations
 
 import math

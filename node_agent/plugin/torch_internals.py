@@ -1,26 +1,14 @@
-"""Every reach of the plugin into torch's private or undocumented parts, in one place.
-
-torch gives a rendezvous handler neither its workers' failures nor torchrun's --nproc-per-node,
---max-restarts and --role, and its c10d store classes are typed only in a private stub. What the
-plugin needs of them is read here, each with the documented route it would prefer:
-- the failures of the workers torch is about to restart: torch's run loop holds them
-  (`SimpleElasticAgent._invoke_run`'s local `run_result`, a `RunResult` whose `failures` maps a
-  global rank to a `ProcessFailure`), and the `ChildFailedError` leaving the launcher carries them at
-  the end. torch's elastic events API records worker failures only when `run()` ends, never at a
-  restart, and each worker's error file sits where torch's LogsSpecs put it, out of a handler's
-  sight: so the run loop's frame it is;
-- the key prefix of torch's exit barrier (`_TERMINAL_STATE_SYNC_ID`), which is how a handler learns
-  that this node's workers all succeeded;
-- torch's launch configuration (`torch.distributed.launcher.api.launch_agent`'s locals `config`, a
-  `LaunchConfig`, and `entrypoint`/`args`, what each worker runs), for what torch does not pass to a
-  handler: the workers per node, the restart budget, the role, the script. It is there whoever called the
-  launcher (torchrun, `accelerate launch`, `elastic_launch` from Python), unlike `sys.argv`;
-- the c10d store types (`torch._C._distributed_c10d`): torch.distributed re-exports them only at run
-  time, so the type checker finds them here; and a store's `timeout`, missing from the stub.
-
-Checked with torch 2.13.0 (the build `make` installs): tests/plugin/test_torch_internals.py fails,
-naming the missing piece, on a torch where any of these is renamed or moved.
-"""
+"""Every reach of the plugin into torch's private or undocumented parts, in one place. torch gives a handler
+neither its workers' failures nor --nproc-per-node, --max-restarts and --role, and types its stores in a private stub:
+- the failures of the workers torch is about to restart: `SimpleElasticAgent._invoke_run`'s local `run_result`
+  (`RunResult.failures`: global rank -> `ProcessFailure`), at the end the `ChildFailedError` leaving the launcher.
+  torch's events API records failures only when `run()` ends, and the workers' error files are where torch's
+  LogsSpecs put them, out of a handler's sight: so the run loop's frame it is;
+- the key prefix of torch's exit barrier (`_TERMINAL_STATE_SYNC_ID`): how a handler learns its workers succeeded;
+- torch's launch configuration (`launch_agent`'s locals `config`, `entrypoint`, `args`): workers per node, restart
+  budget, role, script; there whoever called the launcher (torchrun, accelerate, elastic_launch), unlike sys.argv;
+- the c10d store types (torch.distributed re-exports them only at run time: typed here) and `timeout` (unstubbed).
+Checked with torch 2.13.0: tests/plugin/test_torch_internals.py fails, naming the piece, where one has moved."""
 from __future__ import annotations
 
 import os

@@ -1,9 +1,5 @@
-"""A child process dies with the agent (PR_SET_PDEATHSIG(SIGKILL), set between fork and exec) and runs on
-its --numa-binding CPUs.
-
-Shared by the cold workers (process.py) and the warm zygote (warm/client.py): the zygote's own children
-set the same on the zygote, so a SIGKILLed agent takes them all.
-"""
+"""A child process dies with the agent (PR_SET_PDEATHSIG(SIGKILL), set between fork and exec) and runs on its
+--numa-binding CPUs. Cold workers and the warm zygote (whose children do the same) use it: a dead agent takes all."""
 from __future__ import annotations
 
 import ctypes
@@ -29,9 +25,8 @@ def prctl() -> Any:
 
 
 def child_setup(parent_pid: int, prctl: Any, cpu_affinity: frozenset[int] | None = None) -> None:
-    """What every worker process does before it runs the script (in the child, after fork): die with
-    its parent, and run on its --numa-binding CPUs. The one place both happen for a cold worker; the warm
-    zygote's child does the same from its launch message (zygote._per_worker_setup)."""
+    """In the child, after fork: die with the parent, run on the --numa-binding CPUs. A warm worker does the
+    same from its launch message (zygote._per_worker_setup): keep the two alike."""
     if prctl is not None:
         prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     # The parent may have died between fork and prctl: then no signal will ever come.

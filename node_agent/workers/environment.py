@@ -1,9 +1,6 @@
-"""What a worker process is started with: its environment and its command line.
-
-The names and meanings are torchrun's, so training scripts written for torchrun run unchanged. One
-difference on purpose: TORCHELASTIC_RESTART_COUNT is the job-wide count from the server, the same on
-every node. The agent's own secrets stay with the agent: the server's token (RDZV_TOKEN, or the file
-RDZV_TOKEN_FILE names) is not passed on to user code, its children or /proc/PID/environ.
+"""What a worker process is started with: its environment and command line, with torchrun's names and meanings
+so scripts run unchanged. On purpose unlike torchrun: TORCHELASTIC_RESTART_COUNT is the server's job-wide count,
+the same on every node. The agent's secrets (AGENT_SECRETS) never reach user code or /proc/PID/environ.
 """
 from __future__ import annotations
 
@@ -19,8 +16,7 @@ from protocol.messages import Assignment
 
 # The agent's credentials for the server (and rdzv-ctl's admin token file): never a worker's.
 AGENT_SECRETS = ("RDZV_TOKEN", "RDZV_TOKEN_FILE", "RDZV_ADMIN_TOKEN_FILE")
-# The launcher's variables, set by worker_env for each worker: all else is the same in every worker of a
-# round (common_env), which is what a warm zygote is started with.
+# Set per worker by worker_env; all else is common_env, the same in every worker and what a warm zygote gets.
 PER_WORKER_VARS = frozenset({
     "RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "LOCAL_WORLD_SIZE", "WORLD_SIZE",
     "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT",
@@ -33,8 +29,7 @@ def common_env(base: Mapping[str, str], local_world_size: int) -> dict[str, str]
     """What every worker's environment starts from: `base` less AGENT_SECRETS and an inherited error file,
     with OMP_NUM_THREADS=1 when several workers share the node."""
     env = dict(base)
-    # A TORCHELASTIC_ERROR_FILE inherited from whoever launched the agent must not reach workers:
-    # they would overwrite that launcher's error file instead of reporting to us.
+    # An inherited TORCHELASTIC_ERROR_FILE is the launcher's: workers would overwrite it instead of ours.
     env.pop("TORCHELASTIC_ERROR_FILE", None)
     for name in (*AGENT_SECRETS, MEMORY_DIR_VAR, MEMORY_LIMIT_VAR):   # an outer agent's memory dir is not ours
         env.pop(name, None)
@@ -54,19 +49,13 @@ def worker_env(*, base: Mapping[str, str], assignment: Assignment, local_rank: i
                virtual_local_rank: bool = False, signals: Sequence[int] = DEFAULT_SIGNALS,
                memory_dir: str | None = None, memory_limit: int | None = None,
                agent_store: bool = False) -> dict[str, str]:
-    """The full environment of one worker: `base` (the agent's own, less AGENT_SECRETS) plus the
-    launcher's variables.
+    """One worker's whole environment: common_env(base) plus the launcher's variables.
 
-    `nccl_async` overrides TORCH_NCCL_ASYNC_ERROR_HANDLING; left None, the base's value is kept and
-    "1" is used when it has none (torchrun's rule: NCCL errors abort instead of hanging).
-    `virtual_local_rank` (torchrun's --virtual-local-rank): LOCAL_RANK is 0 in every worker, and
-    CUDA_VISIBLE_DEVICES shows each worker only its own GPU (the local rank's entry of the agent's list).
-    `signals`: the agent's --signals-to-handle, which torchrun exports as TORCHELASTIC_SIGNALS_TO_HANDLE
-    (torch's own process launchers in a worker read it).
-    `memory_dir`: the local rank's in-memory checkpoint directory (NODE_AGENT_MEMORY_DIR, with its size
-    limit in bytes in NODE_AGENT_MEMORY_LIMIT; node_agent/snapshot.py reads both); None: neither is set.
-    `agent_store`: the group-rank-0 node's agent hosts the c10d store at MASTER_ADDR:MASTER_PORT
-    (workers/warm/store_host.py), so every rank connects to it as a client; else worker rank 0 hosts it.
+    `nccl_async`: TORCH_NCCL_ASYNC_ERROR_HANDLING; None keeps the base's, else "1" (torchrun's: NCCL errors
+    abort, not hang). `virtual_local_rank`: LOCAL_RANK 0, CUDA_VISIBLE_DEVICES the rank's own GPU. `signals`:
+    TORCHELASTIC_SIGNALS_TO_HANDLE, read by torch's launchers in a worker. `memory_dir`: NODE_AGENT_MEMORY_DIR,
+    its limit in bytes NODE_AGENT_MEMORY_LIMIT; None sets neither. `agent_store`: the agent hosts the c10d
+    store at MASTER_ADDR:MASTER_PORT (every rank a client), not worker rank 0.
     """
     a = assignment
     if not 0 <= local_rank < a.local_world_size:
@@ -113,9 +102,8 @@ RUN_PATH = "import runpy, sys; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[
 
 
 def worker_argv(opts: WorkerSettings, environ: Mapping[str, str] = os.environ) -> list[str]:
-    """The command each worker runs: `python -u script args`, `python -u -m module args`, the
-    program itself with --no-python, or the script through runpy with --run-path (which wins over the
-    others, as in torchrun). PYTHON_EXEC picks the interpreter, as in torchrun."""
+    """`python -u [-m] script args`, the program itself (--no-python), or the script through runpy (--run-path,
+    which wins, as in torchrun). PYTHON_EXEC picks the interpreter, as in torchrun."""
     if opts.run_path:
         return [sys.executable, "-u", "-c", RUN_PATH, opts.script, *opts.script_args]
     if opts.no_python:

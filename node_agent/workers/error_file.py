@@ -31,12 +31,8 @@ def read_error_file(path: str) -> tuple[str, str, float] | None:
 
 
 def write_reply_file(path: str, message: str, traceback: str, timestamp: float, error_code: int | None) -> None:
-    """Write an error file in torch's format (what `@record` writes, and torchrun copies to its own
-    TORCHELASTIC_ERROR_FILE): {"message": {"message", "extraInfo": {"py_callstack", "timestamp"}, "errorCode"}}.
-
-    Schedulers read it to show a job's root cause. Written whole (a temporary file renamed into place);
-    a failure to write it is said on stderr and does not change the agent's exit status.
-    """
+    """Write an error file as torch's `@record` does (schedulers show it as the job's root cause): whole, by
+    rename; a failure is said on stderr and leaves the agent's exit status alone."""
     body: dict[str, object] = {"message": message,
                                "extraInfo": {"py_callstack": traceback, "timestamp": str(int(timestamp))}}
     if error_code is not None:

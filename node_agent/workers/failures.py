@@ -1,9 +1,5 @@
-"""What the agent reports about a failed worker: a `WorkerFailure` from an exit, a hang or a spawn error.
-
-Failures carry wall-clock time (unlike the agent's own deadlines): the server compares them across
-nodes to find the job's root cause. Texts are cut to the protocol's bounds, so that a worker's huge
-error message can never get the whole report refused.
-"""
+"""A failed worker's `WorkerFailure` (exit, hang, spawn error): wall-clock times, as the server compares them
+across nodes; texts cut to the protocol's bounds, so a huge error message cannot get the report refused."""
 from __future__ import annotations
 
 import signal
@@ -30,8 +26,8 @@ def exit_failure(e: WorkerExit, *, host: str, node_id: str) -> WorkerFailure:
 
 
 def store_failure(e: WorkerExit, *, rank: int, host: str, node_id: str) -> WorkerFailure:
-    """The round's c10d store host (workers/warm/store_host.py) ended while the workers ran: their store is
-    gone. Reported as local rank 0's (a worker's fields are all the protocol has), saying what it was."""
+    """The round's c10d store host ended while the workers ran (their store is gone): reported as local rank
+    0's, as the protocol has only a worker's fields."""
     how = f"was killed by {e.signal_name}" if e.signal_name else f"exited with status {e.exitcode}"
     return WorkerFailure(local_rank=0, rank=rank, exitcode=e.exitcode or 1, signal=e.signal_name, reason="store exited",
                          message=f"the round's c10d store, hosted by this node's agent (pid {e.pid}), {how} "

@@ -1,14 +1,9 @@
-"""One round's local workers as a group: start them all, learn of the first failure, stop them all.
-
-Each process is a `Worker` (worker.py); the group adds the rules that concern them together:
-- all start from the warm zygote or all cold; with `warm_wait_s`, a zygote still importing is waited for
-  (bounded; a stop() ends the wait);
-- with a `store` launch (the round's c10d store host, workers/warm/store_host.py), it is started first, like
-  a worker, and its end before the workers' is the round's failure (their store is gone);
-- a worker that cannot be spawned makes the ones already started be killed;
-- `wait()` returns the moment any worker fails (the others still run), or once all succeeded;
-- `stop()` signals every process group, escalates to SIGKILL after the stop timeout, sweeps away
-  whatever the workers left in their groups, and waits (bounded) for their output to be written.
+"""One round's local workers (each a `Worker`, process.py) as a group, with the rules that concern them together:
+- all start from the warm zygote or all cold; a zygote still importing is waited for up to `warm_wait_s`;
+- a `store` launch (the round's c10d store host) starts first, and its end before the workers' fails the round;
+- a worker that cannot be spawned gets those already started killed;
+- `wait()` returns the moment any worker fails, or once all succeeded;
+- `stop()` signals every group, SIGKILL after the stop timeout, then ends what the workers left there.
 """
 from __future__ import annotations
 
@@ -78,8 +73,7 @@ class WorkerGroup:
         return list(self._exits)
 
     async def start(self) -> None:
-        """Spawn every worker. A stop() arriving meanwhile ends the spawning (a start after stop() spawns
-        nothing); a worker that cannot be spawned makes the others be killed and raises WorkerSpawnError."""
+        """Spawn every worker until a stop() comes; one that cannot spawn gets the rest killed: WorkerSpawnError."""
         if self._started:
             raise RuntimeError("a WorkerGroup starts once")
         self._started = True
@@ -115,9 +109,8 @@ class WorkerGroup:
             raise WorkerSpawnError(*failed) from failed[1]
 
     async def _round_zygote(self) -> WarmZygote | None:
-        """The zygote if this round starts warm. A round's workers start alike, all from the zygote or all
-        cold, decided once: a zygote becoming ready halfway would give a warm worker a head start of
-        seconds over its cold peers (a fast failure could then stop them before they even ran)."""
+        """The zygote if this round starts warm, decided once for all its workers: a warm worker would be
+        seconds ahead of cold peers (and a fast failure could stop them before they ran)."""
         zygote = self._warm
         if zygote is None:
             return None
@@ -164,11 +157,8 @@ class WorkerGroup:
             worker.send_signal(sig)
 
     async def stop(self, sig: int = signal.SIGTERM) -> None:
-        """Stop every worker: `sig`, then SIGKILL after stop_timeout; reap all, finish their logs.
-
-        Safe to call again or concurrently: later calls wait for the same stop, and a later SIGKILL
-        cuts the grace period short (a second Ctrl-C).
-        """
+        """Stop every worker: `sig`, then SIGKILL after stop_timeout; reap all, finish their logs. Later calls
+        wait for the same stop; a later SIGKILL cuts the grace period short (a second Ctrl-C)."""
         if self._stopping is None:
             self._stop_asked.set()
             self._stopping = asyncio.create_task(self._stop(sig))
@@ -187,7 +177,7 @@ class WorkerGroup:
             if late:
                 self._signal_groups(signal.SIGKILL)
                 _, stuck = await asyncio.wait(late, timeout=self._kill_timeout)
-                if stuck:   # uninterruptible sleep (D state): nothing more we can do; the agent leaves
+                if stuck:   # uninterruptible sleep (D state): nothing more to do; the agent leaves
                     self.stuck_pids = [w.pid for w in self._processes() if w.reaper in stuck and w.pid is not None]
                     self._console.line("stderr", f"{len(stuck)} worker(s) still alive "
                                                  f"{self._kill_timeout:g}s after SIGKILL")

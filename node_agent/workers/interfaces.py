@@ -1,11 +1,7 @@
 """Which network interface the workers' gloo should use, when the host's own name would mislead it.
-
-gloo (torch.distributed's CPU backend) advertises the address the host name resolves to, unless
-GLOO_SOCKET_IFNAME names an interface. On Debian and Ubuntu the host name maps to 127.0.1.1 by
-default, so every peer is told a loopback address and the job fails (under torchrun too). When the
-variable is unset, the host name resolves to loopback and this node's own address is not loopback,
-the agent sets it to the interface that carries that address, and says so. (NCCL has the same trap
-with NCCL_SOCKET_IFNAME; docs/deploy.md explains both.)
+gloo advertises the address the host name resolves to unless GLOO_SOCKET_IFNAME is set; on Debian and Ubuntu
+that is 127.0.1.1, loopback, and the job fails. When unset, the name resolves to loopback and this node's
+address is not, the agent sets it to that address's interface and says so (NCCL's twin: docs/deploy.md).
 """
 from __future__ import annotations
 

@@ -1,11 +1,7 @@
-"""What each worker of a round is started with: `WorkerLaunch`, built from the server's assignment,
-the agent's options and its environment.
-
-Log layout (torchrun's): RUN/attempt_RESTART/LOCAL_RANK/{stdout.log, stderr.log, error.json}, with
-RUN = LOG_DIR/JOB_XXXXXXXX made fresh for every run of the agent (two runs with the same id never
-share files), and filtered_stdout.log / filtered_stderr.log in the attempt's directory; the c10d store
-host's output (store_launch) in RUN/attempt_RESTART/store/. A new round
-with the same restart count (a node joined or was lost) writes on in the same directory.
+"""What each worker of a round is started with: `WorkerLaunch`, from the assignment, options and environment.
+Log layout (torchrun's): RUN/attempt_RESTART/{LOCAL_RANK/{stdout,stderr}.log, LOCAL_RANK/error.json,
+filtered_*.log, store/}; RUN = LOG_DIR/JOB_XXXXXXXX is new per agent run, so two runs of one id never share
+files. A new round with the same restart count writes on in the same directory.
 """
 from __future__ import annotations
 
@@ -50,8 +46,7 @@ class WorkerLaunch:
 
 
 def store_launch(a: Assignment, python: str, *, run_dir: str, environ: Mapping[str, str] = os.environ) -> WorkerLaunch:
-    """The round's c10d store host (workers/warm/store_host.py) on the group-rank-0 node: started like a worker
-    (warm when the round is), its output in ATTEMPT_DIR/store/. local_rank -1: not a worker."""
+    """The round's c10d store host on the group-rank-0 node, started like a worker; output in ATTEMPT_DIR/store/."""
     log_dir = os.path.join(attempt_dir(run_dir, a.restart_count), "store")
     os.makedirs(log_dir, exist_ok=True)
     env = {**common_env(environ, a.local_world_size), "MASTER_ADDR": a.master_addr, "MASTER_PORT": str(a.master_port)}
@@ -74,9 +69,7 @@ def build_launches(a: Assignment, opts: WorkerSettings, *, run_dir: str, hostnam
                    environ: Mapping[str, str] = os.environ, memory_dirs: Mapping[int, str] | None = None,
                    memory_limit: int | None = None, agent_store: bool = False,
                    cpu_affinity: Mapping[int, frozenset[int]] | None = None) -> list[WorkerLaunch]:
-    """One launch per local rank of the assignment, its directory made under `run_dir`; `memory_dirs`:
-    each local rank's in-memory checkpoint directory (workers/memory.py), when there are some;
-    `cpu_affinity`: the CPUs of each bound local rank (--numa-binding)."""
+    """One launch per local rank, its directory made under `run_dir`."""
     argv = worker_argv(opts, environ)
     base = attempt_dir(run_dir, a.restart_count)
     launches = []

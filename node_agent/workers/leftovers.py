@@ -1,12 +1,7 @@
-"""What a stopped worker's processes leave behind when they are killed: multiprocessing's temp directories.
-
-multiprocessing makes a `pymp-*` directory in the temp dir for the Unix sockets it listens on (a
-DataLoader worker sharing tensors by file descriptor, a Manager, a forkserver) and removes it when the
-process that made it exits by itself. A process killed by a signal (the stop of a round: SIGTERM, then
-SIGKILL) removes nothing, and the directory stays in TMPDIR for good. So before a stop signals the
-workers' process groups, the agent notes which such directories their processes hold a listening
-socket in (/proc/net/unix names the socket's path, /proc/PID/fd which process holds it), and removes
-the ones still there once the groups are gone. Linux only; elsewhere nothing is noted.
+"""multiprocessing's `pymp-*` temp directories (sockets of DataLoader workers, Managers, forkservers) that
+killed workers leave behind: only a process that exits by itself removes its own. So before a stop signals
+the groups, the agent notes the ones their processes hold a socket in (/proc/net/unix, /proc/PID/fd) and
+removes those still there once the groups are gone. Linux only; elsewhere nothing is noted.
 """
 from __future__ import annotations
 
@@ -21,7 +16,7 @@ def held_temp_dirs(groups: Collection[int], proc: str = "/proc") -> set[str]:
     """The `pymp-*` directories in which processes of the process groups `groups` hold a Unix socket."""
     if not groups:
         return set()
-    # First the sockets (one read): most jobs have none in such a directory, and need no scan of /proc.
+    # The sockets first (one read): most jobs have none there and need no scan of /proc.
     candidates = {inode: d for inode, path in _unix_sockets(f"{proc}/net/unix") if (d := _pymp_dir(path))}
     if not candidates:
         return set()
@@ -64,8 +59,7 @@ def _group_of(stat_path: str) -> int:
 
 
 def _unix_sockets(path: str) -> list[tuple[str, str]]:
-    """(inode, path) of every bound Unix socket: /proc/net/unix's columns Num RefCount Protocol Flags Type
-    St Inode Path."""
+    """(inode, path) of every bound Unix socket (/proc/net/unix: Num RefCount Protocol Flags Type St Inode Path)."""
     try:
         with open(path, encoding="utf-8", errors="replace") as f:
             lines = f.read().splitlines()[1:]

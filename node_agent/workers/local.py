@@ -1,13 +1,7 @@
-"""This node's workers for the round it runs, as a source of facts for the agent's loop.
-
-`spawn()` builds the round's launches and starts a group; from then on the group's news arrives as
-facts, tagged with the round: `WorkersExited` (the first failure, or all succeeded), `WorkersHung`
-(heartbeats stopped for longer than --hang-timeout) and `SpawnFailed`. `stop()` ends the group.
-A round whose script imports a preloaded package waits (up to WARM_WAIT_S) for a zygote still importing
-them, the first round included: its workers would spend that time importing anyway, and a warm worker
-also ends fast when it fails. That wait runs in the background, so the agent's loop goes on meanwhile.
-The group itself is made by `make_group`, so a test can put a scripted one in its place; the real one
-(processes) gets the warm zygote (warm/), started by `warm_up()` once the agent's environment is final.
+"""This node's workers for the round it runs, as a source of facts for the agent's loop (tagged with the round).
+A round whose script imports a preloaded package waits (up to WARM_WAIT_S, in the background) for a zygote
+still importing, the first round too: its workers would spend that time importing anyway, and a warm worker
+ends fast when it fails. `make_group` lets a test put a scripted group in the real one's place.
 """
 from __future__ import annotations
 
@@ -88,11 +82,10 @@ class LocalWorkers:
         self.warm = warm_zygote(opts, say) if make_group is None else None
         self._make_group: GroupFactory = make_group or self._process_group
         imported = None if opts.no_python else entry_imports(opts.script, module=opts.module, cwd=os.getcwd())
-        # a zygote still importing is worth waiting for only when the script itself imports what it preloads
+        # a zygote still importing is worth waiting for only when the script imports what it preloads
         self._warm_wait_s = WARM_WAIT_S if self.warm is not None and imports_any(imported, opts.warm_preload) else 0.0
         self._starting: asyncio.Task[None] | None = None   # a start waiting for the zygote
-        # The group-rank-0 node hosts the round's c10d store for a Python entry point that imports torch:
-        # a rule every node of a job reaches alike (the same command), as their workers must agree on it.
+        # The agent hosts the c10d store for an entry point importing torch: a rule all nodes (one command) agree on.
         self.agent_store = make_group is None and not opts.no_python and imports_any(imported, ("torch",))
         self._round_store: WorkerLaunch | None = None
         self.group: Group | None = None
@@ -103,7 +96,6 @@ class LocalWorkers:
         self._hangs = HangWatch(opts.hang_timeout) if opts.hang_timeout > 0 else None
         self._first_beat = asyncio.Event()
         self._tmp_root: str | None = None   # logs' home when the CLI made no run directory (tests)
-        # in-memory checkpoints: made before the first workers start, kept until close()
         self.memory = MemoryDirs(opts.job_id, opts.nproc, opts.memory_dir_limit, say=say)
 
     def _process_group(self, launches: list[WorkerLaunch], *, stop_timeout: float,
@@ -112,8 +104,8 @@ class LocalWorkers:
                            warm=self.warm, warm_wait_s=self._warm_wait_s, store=self._round_store)
 
     def warm_up(self) -> None:
-        """Start the warm zygote now (before the first round), so that it is ready by the restart at least.
-        Called once the agent's environment is final: a zygote started before a change would not match."""
+        """Start the warm zygote before the first round, once the agent's environment is final (a zygote
+        started before a change would not match it)."""
         if self.warm is not None:
             self.warm.start()
 

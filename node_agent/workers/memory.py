@@ -1,15 +1,9 @@
 """The node's in-memory checkpoint directories: made before the first workers start, kept across their
-restarts, removed when the agent ends (the worker's side is node_agent/snapshot.py).
-
-Layout: BASE/node-agent-mem-UID/JOB.PID.XXXXXXXX/LOCAL_RANK, BASE being /dev/shm (memory, and it survives the
-workers) or, where there is none, the temp directory (with a warning: then it is a disk). Each local rank
-keeps the same directory in every round of this agent's run. The limit (--memory-dir-limit, default half
-of BASE's free space when the agent starts) is shared equally by the local ranks; a worker sees its share
-in NODE_AGENT_MEMORY_LIMIT and the snapshot helper enforces it.
-
-Leftovers: a SIGKILLed agent cannot clean up. Its JOB.PID.XXXXXXXX directory holds an `owner` file (the agent's pid
-and its start time from /proc/PID/stat), and every agent starting on the node removes the directories
-whose owner is gone (no such pid, or a pid reused by a process started at another time).
+restarts (one per local rank), removed when the agent ends; node_agent/snapshot.py is the worker's side.
+Layout: BASE/node-agent-mem-UID/JOB.PID.XXXXXXXX/LOCAL_RANK, BASE being /dev/shm (memory that outlives the
+workers), else the temp directory (a disk: warned). --memory-dir-limit is shared equally by the local ranks.
+A SIGKILLed agent cannot clean up, so each run's directory holds an `owner` file (pid and start time), and
+every agent starting removes the directories whose owner is gone (pid missing, or reused since).
 """
 from __future__ import annotations
 
@@ -115,8 +109,7 @@ class MemoryDirs:
 
 
 def sweep(parent: str) -> int:
-    """Remove the directories under `parent` whose owning agent is gone; how many went. One without an
-    owner file yet (being made) is left alone."""
+    """Remove the directories under `parent` whose owning agent is gone (not one being made); how many went."""
     removed = 0
     for entry in os.scandir(parent):
         try:

@@ -1,17 +1,10 @@
 """Where a worker's output goes: its log files and the agent's console, as torchrun sends it.
 
-- A stream that goes to the console with no prefix, no log file and no filter is the agent's own
-  console, handed to the worker as it is (as torchrun does): the worker writes to the terminal itself,
-  so `isatty()`, colours, progress bars and `breakpoint()` behave as in `python train.py`.
-- Otherwise the worker writes into a pipe that the agent reads: log files get the text as written;
-  the console gets it with the prefix at the start of each line (torchrun's `[role local_rank]:` for
-  tee'd streams, or --log-line-prefix for all), and again after each `\\r`, so a redrawn progress bar
-  keeps it. Whole lines are written at once; a partial line (a progress bar, a prompt) shows once it
-  has waited FLUSH_DELAY_S for its end. When another worker writes while a line is unfinished, that
-  line is ended first: lines of two ranks never mix.
-- A log file that fails (disk full) is dropped with one line on the console: the worker must never
-  block on a full pipe because we stopped reading it. A console that breaks (closed terminal) is
-  dropped; the log files go on.
+- Console only, unprefixed: the worker gets the agent's console itself, so `isatty()`, colours, progress bars
+  and `breakpoint()` behave as in `python train.py`.
+- Else through a pipe the agent reads: files get the text as written; the console each line whole, prefixed
+  (again after `\\r`, for progress bars), a partial line after FLUSH_DELAY_S; lines of two ranks never mix.
+- A failing log file (disk full) is dropped, said once: a worker must never block on an unread pipe.
 """
 from __future__ import annotations
 

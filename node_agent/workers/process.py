@@ -1,18 +1,10 @@
-"""One worker process: start it, signal it, reap it, pump its output.
-
-Rules this module keeps:
-- Each worker leads its own session (so its own process group), as under torchrun: a stop reaches the
-  worker's own children too, a terminal's Ctrl-C reaches only the agent, which decides what the
-  workers get, and a worker given the agent's terminal as stdin can read it (breakpoint()) without
-  being stopped by job control. Without a terminal, stdin is /dev/null.
-- Each worker dies with the agent: PR_SET_PDEATHSIG(SIGKILL) is set in the child before exec, and a
-  child whose parent is already gone by then exits at once. Without this, a SIGKILLed agent leaves
-  workers training unsupervised (torchrun's orphans).
-- An exit is seen the moment it happens. Output goes through pipes we create ourselves rather than
-  asyncio's PIPE: asyncio (3.11) only completes `Process.wait()` once every pipe is closed, and a
-  worker's surviving child holding stdout open would delay the failure report indefinitely.
-- A process group is signalled only while it may have members: once it is seen empty its id is never
-  used again (the id may be reused by an unrelated process).
+"""One worker process: start it, signal it, reap it, pump its output. Rules:
+- Each worker leads its own session, as under torchrun: a stop reaches its children too, a terminal's Ctrl-C
+  only the agent, and a worker given the terminal as stdin reads it without job control stopping it.
+- Each worker dies with the agent (deathsig.py): else a SIGKILLed agent leaves workers training unsupervised.
+- An exit is seen the moment it happens: output goes through pipes of our own, as asyncio (3.11) completes
+  `Process.wait()` only once every pipe is closed, which a worker's surviving child may never do.
+- A process group is signalled only while it may have members: once seen empty its id may be reused.
 """
 from __future__ import annotations
 
@@ -214,9 +206,8 @@ class Worker:
         try:
             os.killpg(self._proc.pid, sig)
         except ProcessLookupError:
-            # No such group: gone, or a warm worker the zygote forked an instant ago that has not made
-            # its own session yet (the zygote tells its pid right after the fork): then the process
-            # itself, still ours (not reaped), gets the signal; missing it left a worker running.
+            # No such group: gone, or a warm worker just forked that has no session yet; then the process
+            # itself (not reaped, so still ours) gets the signal, or the worker would run on.
             if not self.running:
                 self._group_alive = False
                 return

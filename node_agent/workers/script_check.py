@@ -1,11 +1,7 @@
-"""Is the workers' Python script there, and does it compile? Checked once, before the node joins.
-
-A typo in the script name or a syntax error fails every worker the same way in every round: found at
-start, it costs the user one line and exit status 2, instead of a round per restart of the whole
-budget. node-agent and the torchrun plugin both ask here. A directory or a zip archive (which Python
-runs by its __main__.py) is only checked to exist. The script is compiled by the interpreter the
-workers use: in this process when it is ours, else in a child of that interpreter (a syntax another
-Python version accepts is not refused).
+"""Is the workers' Python script there, and does it compile? Asked once, before the node joins, by node-agent
+and the torchrun plugin: a typo or syntax error would fail every round alike and use up the restarts. A
+directory or zip archive need only exist. Compiled by the workers' interpreter (a child of it when not ours),
+so a syntax only another Python version accepts is not refused.
 """
 from __future__ import annotations
 
@@ -26,8 +22,7 @@ CHILD_TIMEOUT_S = 20.0
 
 
 def script_problem(script: str, python: str | None = None) -> str | None:
-    """One line saying why `script` cannot run (None when it can), for the interpreter `python`
-    (default: this one)."""
+    """One line saying why `script` cannot run under `python` (default: this one), or None."""
     path = os.path.abspath(script)
     if not os.path.exists(path):
         return f"the script {script!r} does not exist (looked for {path})"

@@ -1,12 +1,9 @@
 """Admission: who may join a job, and what a join does to the node's record.
 
-Functions over one job's `JobRules` (the same purity: `now` in, no I/O). A join is refused before
-anything changes when it asks for another config or runs another command, names a drained node, or
-names a node that a live agent holds (`node_conflict`: its lease runs or a poll of it is held open)
-without that node's credential. The agent that owns a node may join again (an idempotent repeat, or a
-changed address; without the secret when its instance made the record and no request has used the
-secret yet: the reply with the secret was lost); a new agent of a node whose agent is gone replaces
-it, keeping its failure history and exclusion.
+Refused before anything changes: another config or command, a drained node, or a node a live agent holds (lease
+running or poll held) without its credential. The owner may join again (without the secret while no request has
+used it: the reply carrying it was lost); a new agent of a node whose agent is gone replaces it, keeping its
+failure history and exclusion.
 """
 from __future__ import annotations
 
@@ -40,7 +37,7 @@ def check_join(rules: JobRules, req: JoinRequest) -> None:
 def join(rules: JobRules, req: JoinRequest, now: float, credential: str = "", via: tuple[str, str] = ("", "")
          ) -> str:
     """Admit the node (again); returns the credential of a newly made record ("" otherwise).
-    `via`: (the address the join came from, the server's address it reached), as the shell saw them."""
+    `via`: (the join's source address, the server's address it reached), as the shell saw them."""
     check_join(rules, req)
     job = rules.job
     if req.command and not job.command:     # the first node that names its command sets the job's
@@ -52,12 +49,9 @@ def join(rules: JobRules, req: JoinRequest, now: float, credential: str = "", vi
         return ""
     if (existing is not None and existing.credential_digest and not existing.credential_used and req.instance
             and req.instance == existing.instance):
-        # The agent that made this record (its instance) joins again without the record's secret, which
-        # no request has carried yet: the reply that carried it was lost (the server restarted, or another
-        # replica took over, after the join was committed). A fresh secret replaces the one it never
-        # received. Once a request has carried the secret the agent has it, and such a join is a stale
-        # duplicate (a request of an abandoned connection delivered late, after a partition heals): it
-        # must not take the node from the agent, so the rules below answer it.
+        # The record's own agent (instance) joins without the secret no request has carried: the reply with it was
+        # lost (a restart or takeover), so a fresh one replaces it. Once a request carried it, such a join is a stale
+        # duplicate (a late request of an abandoned connection) that must not take the node: the rules below answer.
         existing.credential_digest = credentials.digest(credential)
         existing.credential_used = False
         rules.node_changed(existing.node_id)
@@ -90,8 +84,7 @@ def _rejoined(rules: JobRules, node: NodeRecord, req: JoinRequest, via: tuple[st
 
 def _new_record(rules: JobRules, req: JoinRequest, now: float, credential: str, via: tuple[str, str],
                 previous: NodeRecord | None) -> NodeRecord:
-    """A new record for the node, holding the digest of its secret; it keeps a previous record's
-    failure history and exclusion (a restarted agent does not cut a cooldown short)."""
+    """A new record with its secret's digest, keeping a previous record's failures and exclusion (cooldowns run on)."""
     job = rules.job
     node = NodeRecord(node_id=req.node_id, instance=req.instance, addr=req.addr, host=req.host or req.addr,
                       role=req.role, local_world_size=req.local_world_size, master_port=req.master_port,

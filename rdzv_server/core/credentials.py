@@ -1,11 +1,6 @@
-"""Node credentials: a request may act for a node only with the secret its join was given.
-
-The shell makes a fresh random secret for every join; the core keeps only its SHA-256 digest in
-the node's record (saved with the job) and hands the secret back once, in the reply to the join
-that created the record. Every later request for the node must carry it: without one the request
-is `unauthorized`, with another node's (or a stale agent's) it is `forbidden`, and either way it
-changes nothing. A record made without a secret (in-process tests, a store from before
-credentials) is owned by its join's `instance` string instead.
+"""Node credentials: a request may act for a node only with the secret its join was given (once, in the reply).
+The record keeps only its SHA-256 digest. Without it a request is `unauthorized`, with another's `forbidden`; either
+way it changes nothing. A record made without one (in-process tests, an older store) is owned by its `instance`.
 """
 from __future__ import annotations
 
@@ -29,15 +24,13 @@ def owns(node: NodeRecord, credential: str, instance: str) -> bool:
 
 
 def check(node: NodeRecord, credential: str) -> None:
-    """Raise unless `credential` is the node's (a node made without one accepts any); once it is,
-    the node's agent is known to hold its secret."""
+    """Raise unless `credential` is the node's (a node made without one accepts any); then note it `proven`."""
     verify(node, credential)
     proven(node)
 
 
 def verify(node: NodeRecord, credential: str) -> None:
-    """`check` without noting anything: for a request that may still be refused after it (a
-    refused request changes nothing)."""
+    """`check` without noting anything, for a request that may still be refused (a refusal changes nothing)."""
     if not node.credential_digest:
         return
     if not credential:

@@ -1,8 +1,4 @@
-"""The kinds of events in a job's history, and the causes of rounds.
-
-Event kinds are facts in the past tense; their values are the strings the events API, the status
-page, the metrics and the logs show.
-"""
+"""Kinds of events in a job's history (past tense), and causes of rounds: the strings every API and log shows."""
 from __future__ import annotations
 
 import enum

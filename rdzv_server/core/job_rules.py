@@ -1,25 +1,14 @@
 """The rules of one job: rounds, leases, restarts, spares and exclusions, applied to its JobRecord.
 
-Theory of operation
--------------------
-A job is a sequence of rounds. A round is one agreed fact: the ordered list of member nodes, and
-for each its group rank, global rank offset, the world size, the master address and the job-wide
-restart count. Nodes outside the round are *waiting* (admitted for the next round), *spare*
-(the job is at max: promoted when a member goes) or *excluded* (failed too often: cooling down).
-
-The next round is formed by `form_round`, from (live members in their old order) + waiting +
-spares, capped at max_nodes. That keeps ranks stable: rank 0 stays rank 0 while it lives.
-What triggers it:
-- the first round: at max nodes at once; at >= min nodes when the last-call window ends;
-- a worker failure of the running round: at once, restart count + 1 (job FAILED past the budget);
-- a member lost (lease expired, connection dropped) or leaving: at once, no budget consumed;
-  below min the job goes back to waiting for nodes until join_timeout;
-- a newcomer while running below max: after the last-call window, or at once when it fills max.
-
-Rules of the code: every method takes `now` (seconds; see `rendezvous.py` for which clock) and does
-no I/O. A request that cannot be obeyed raises `RendezvousError` before anything changes. Every
-decision records an `Event` with its reason; whatever a node's view or the saved state depends on
-goes to the outbox (`outbox.py`), which is how the shell learns what happened. Objects handed in
+A round is one agreed fact: the ordered member list with each one's group rank, rank offset, the world size, master
+address and restart count. Other nodes are *waiting*, *spare* (the job is at max: promoted when a member goes) or
+*excluded* (failed too often). `form_round` takes live members in their old order + waiting + spares, capped at
+max_nodes, so ranks stay stable (rank 0 stays rank 0 while it lives). It runs: for the first round at max nodes,
+or at min when the last call ends; on a worker failure (restart count + 1, FAILED past the budget); on a member
+lost or leaving (no budget used; below min, back to waiting until join_timeout); for a newcomer below max after
+the last call, or at once when it fills max.
+Every method takes `now` and does no I/O; a request that cannot be obeyed raises `RendezvousError` before anything
+changes; every decision records an `Event` with its reason, and its effects go to the outbox. Objects handed in
 (requests, failures, configs) are frozen or copied before they are kept.
 """
 from __future__ import annotations
@@ -76,8 +65,7 @@ class JobRules:
                 leases.renew(self.job, node, now)
 
     def poll_ended(self, node_id: str, now: float, heard_at: float | None = None) -> None:
-        """The server answered a long-poll of the node (it no longer holds it); `heard_at`: the last
-        sign of life on its connection."""
+        """The server answered a held long-poll of the node; `heard_at`: the last sign of life on its connection."""
         node = self.job.nodes.get(node_id)
         if node is not None:
             leases.release(self.job, node, now, self.out, heard_at)
@@ -107,9 +95,7 @@ class JobRules:
     # ---- time ----------------------------------------------------------------------------
 
     def tick(self, now: float, hearing: leases.Hearing = leases.HEARD) -> int:
-        """Apply every deadline of this job that has passed, its leases judged by what the server heard
-        (leases.py). A silence long enough to be the server's own fault extends lapsing leases (said once
-        in the job's events). Returns how many were extended."""
+        """Apply every passed deadline, leases judged by what the server heard; returns how many were extended."""
         job = self.job
         lag_s, quiet_s, suspect_s = hearing.lag_s, hearing.quiet_s, hearing.suspect_s
         leases.grace_after_silence(job, hearing.silence, now, self.out, hearing.wave)
@@ -180,11 +166,8 @@ class JobRules:
                         f"(job at max_nodes {cfg.max_nodes})", node.node_id)
 
     def form_round(self, now: float, why: str, cause: RoundCause, failed_at: float | None = None) -> None:
-        """Form the next round from live members + waiting + spares, or go back to waiting.
-
-        `failed_at`, when a failure or loss caused it, is when that happened (worker exit, or the
-        lost node's last contact).
-        """
+        """Form the next round from live members + waiting + spares, or go back to waiting. `failed_at`: when the
+        failure or loss that caused it happened (worker exit, or the lost node's last contact)."""
         job, cfg = self.job, self.job.config
         pool = candidates(job)
         chosen, rest = pool[: cfg.max_nodes], pool[cfg.max_nodes:]
@@ -261,8 +244,7 @@ class JobRules:
                 job.forming_since = now
                 self.form_round(now, message, REMOVAL_CAUSE[kind], failed_at)
         elif job.last_call_deadline is not None:
-            # The window was for a round with more nodes: below min, or (while a round runs) with no
-            # newcomer left, there is nothing for it to form.
+            # Below min, or with no newcomer left while a round runs, the window has nothing to form.
             if len(self.members()) + len(job.waiting) < job.config.min_nodes:
                 job.last_call_deadline = None
                 if job.join_deadline is not None:      # hidden while the window was open: due again

@@ -1,44 +1,24 @@
 """Leases: when the server may conclude that a node is gone, and when it must not.
 
-A node's lease says the server has reason to think it alive:
-- every request from the node renews it: the lease then runs `lease_timeout_s` from that request;
-- while a long-poll of the node is held open the lease does not run at all: the open connection
-  is the lease (TCP keepalive on the server's sockets ends a connection whose host died or was cut
-  off, which counts as the connection closing);
-- when a held poll's connection closes under it, the node has DROP_GRACE_S (capped by its lease)
-  to come back: a dying agent's connection is the fastest evidence there is.
-
+- A request from the node renews its lease for `lease_timeout_s`. While a long-poll of it is held open the lease
+  does not run (the connection is the lease: TCP keepalive ends one whose host died or was cut off); when a held
+  poll's connection closes, the node has DROP_GRACE_S (capped by its lease) to come back.
 Evidence must be about the node, never about the server itself:
-- "heard" is any sign that the server's link works: a request, a stream's heartbeat, and, once the
-  server has heard nothing else for SUSPECT_QUIET_S, the freshest ACK on the held polls' connections
-  (their kernels answer keepalive probes: in a small job every long hold is otherwise a silence;
-  rdzv_server/delivery/links.py);
-- when the server heard from no agent at all for QUIET_S (longer than any healthy node waits
-  between requests), it is the server that was cut off or stalled: leases that lapse then are
-  extended instead, and nobody is lost, until the silence has lasted OUTAGE_LIMIT_S (the agents'
-  default --server-wait), after which it means what it says;
-- a lease that runs out after the server has heard from nobody for SUSPECT_QUIET_S waits: the
-  server's own link may have just gone, and a held poll's last sign of life can predate that by a
-  keepalive period, so such a lease could otherwise run out before the quiet rule sees the outage;
-  it is judged again once someone is heard (then it lapses) or by the quiet rule. Neither rule holds
-  a node whose connection its host closed (a FIN or RST just in), or that closed before the silence
-  or as it began (`closing_heard`): that is evidence about the node (a 2-node job lost a dead node a
-  whole lease late, or never);
-- a silence that ended (the server hears someone again after SUSPECT_QUIET_S or more of nobody) may
-  have been the server's own link, blocking every node: a node heard within LEAD_S before it began
-  (a healthy node's last sign of life, a keepalive ACK included, is at most about that old) and not
-  since had no chance to come back while it lasted, and the others come back first by chance. Its
-  lease, if it runs out before the silence's end + RESUME_GRACE_S (the time an agent needs to find
-  the path back over a fresh connection, node_agent/client/path_check.py), runs until then; a held
-  poll's connection that closed during the silence (its keepalive gave up) likewise. While the job's
-  nodes keep coming back (`ReturnWave`: thousands of them take the server seconds to take back), that
-  grace runs from the last one back instead, so a node that really died is lost RESUME_GRACE_S after
-  the others have returned;
-- a lease does not lapse while the server runs `lag_s` behind (its event loop late, requests
-  waiting in its own backlog); it is judged again once the server has caught up. A connection that
-  closed waits too: an agent closes a poll whose answer is overdue and sends it again on a new one,
-  which may be in that backlog (so a dead agent is found up to the lag later, at most a lease).
-Several nodes lapsing at once leave together, so one round forms without any of them.
+- "Heard" is any sign the server's link works: a request, a stream's heartbeat, and, after SUSPECT_QUIET_S of
+  nothing else, the freshest keepalive ACK on held polls' connections (rdzv_server/delivery/links.py).
+- Heard from no agent for QUIET_S (longer than any healthy node waits between requests): the server was cut off
+  or stalled, so lapsing leases are extended until the silence reaches OUTAGE_LIMIT_S (agents' --server-wait).
+- A lease running out after SUSPECT_QUIET_S of silence waits until someone is heard or the quiet rule takes it:
+  the server's link may have just gone, and a held poll's last sign of life can predate that by a keepalive
+  period. Not so a node whose host closed its connection, or whose connection closed before or as the silence
+  began (`closing_heard`).
+- A silence that ended may have been the server's own, blocking every node (the others came back first by
+  chance): a node heard within LEAD_S before it (a healthy node's last sign of life is at most that old) and not
+  since, or whose held poll's connection closed in it, keeps its lease until its end + RESUME_GRACE_S, or, while
+  the job's nodes keep coming back (`ReturnWave`), the last return + RESUME_GRACE_S.
+- No lease lapses while the server runs `lag_s` behind; closed connections wait too (the agent re-sends an overdue
+  poll on a new one, maybe in the backlog), at most a lease.
+Nodes lapsing at once leave together, so one round forms without any of them.
 """
 from __future__ import annotations
 
@@ -49,15 +29,13 @@ from rdzv_server.core.records import JobRecord, NodeRecord
 
 DROP_GRACE_S = 1.0
 QUIET_S = 4.0
-SUSPECT_QUIET_S = 1.5   # silence from everyone past this: a lapsing lease waits (judged again once someone is heard)
+SUSPECT_QUIET_S = 1.5   # silence from everyone past this: a lapsing lease waits until someone is heard
 OUTAGE_LIMIT_S = 60.0
 LEAD_S = 2.0            # a node heard this long before a silence began may have been cut off by it
-RESUME_GRACE_S = 1.5    # after a silence ends, the time a cut-off agent needs to come back (path_check.py:
-                        # a check within about 0.65 s, then the request)
+RESUME_GRACE_S = 1.5    # after a silence ends, the time a cut-off agent needs to come back (path_check.py)
 @dataclass(frozen=True)
 class Hearing:
-    """What the server has heard lately, by which one job's lapsing leases are judged at a tick (built
-    by Rendezvous.tick for each job)."""
+    """What the server heard lately, by which one job's lapsing leases are judged (Rendezvous.tick)."""
     lag_s: float = 0.0                           # how far behind the server's own loop runs
     quiet_s: float | None = None                 # heard from no agent this long: its own fault (QUIET_S..)
     suspect_s: float = 0.0                       # a shorter silence (SUSPECT_QUIET_S..): lapsing leases wait
@@ -87,10 +65,8 @@ def hold(job: JobRecord, node: NodeRecord, now: float) -> None:
 
 
 def release(job: JobRecord, node: NodeRecord, now: float, out: Outbox, heard_at: float | None = None) -> None:
-    """A held long-poll was answered: the lease runs again, from the last evidence that the node was
-    alive (`heard_at`: its connection's last ACK, a keepalive probe's answer included), not from the
-    answer itself, which says nothing about the node: a host cut off during the hold is still found
-    within a lease of the cut."""
+    """A held long-poll was answered: the lease runs again from `heard_at` (its connection's last ACK), not from
+    the answer, which says nothing about the node: a host cut off during the hold is found a lease after the cut."""
     node.holding = max(0, node.holding - 1)
     renew(job, node, max(node.last_seen, min(now, heard_at if heard_at is not None else now)))
     if node.holding == 0:
@@ -98,9 +74,7 @@ def release(job: JobRecord, node: NodeRecord, now: float, out: Outbox, heard_at:
 
 
 def drop(job: JobRecord, node: NodeRecord, now: float, out: Outbox, heard: bool = False) -> None:
-    """A held long-poll's connection closed under it: a short grace to come back, from now. (Not
-    capped by the expiry the hold began with: the open poll was the lease until now, and a poll held
-    20 s at 10,000 nodes, closed by its agent to send it again, was lost at once.)"""
+    """A held long-poll's connection closed: a short grace from now (not from the hold's start: it was the lease)."""
     node.holding = max(0, node.holding - 1)
     node.dropped, node.dropped_at, node.drop_heard = True, now, heard
     node.lease_expires = now + min(DROP_GRACE_S, job.config.lease_timeout_s)
@@ -118,27 +92,23 @@ def live(node: NodeRecord, now: float) -> bool:
 
 
 def closing_heard(node: NodeRecord, began: float) -> bool:
-    """Whether the node's connection closed by its host (a FIN or RST came in), or before the silence
-    that `began` then, or as it began: evidence about the node, rather than a close the silence itself
-    may have caused (a keepalive giving up in it)."""
+    """Whether the node's connection was closed by its host (FIN or RST), or before or as the silence from `began`
+    began: evidence about the node, not a close the silence may have caused (a keepalive giving up)."""
     return node.dropped and (node.drop_heard or node.dropped_at < began + SUSPECT_QUIET_S)
 
 
 def patience_s(node: NodeRecord, now: float, lag_s: float, quiet_s: float) -> float:
-    """How long past its lease a node waits before it is judged: the server's lag, and a silence of
-    `quiet_s` (SUSPECT_QUIET_S or more) unless its closing was heard before the silence."""
+    """How long past its lease a node waits to be judged: the lag, and the silence `quiet_s` unless `closing_heard`."""
     return lag_s if quiet_s <= 0 or closing_heard(node, now - quiet_s) else max(lag_s, quiet_s)
 
 
 def lapsed(job: JobRecord, now: float, lag_s: float, quiet_s: float = 0.0) -> tuple[list[NodeRecord], list[NodeRecord]]:
-    """(nodes whose lease has lapsed, nodes whose lease would have but the server runs `lag_s` behind or
-    heard nobody for `quiet_s`, SUSPECT_QUIET_S or more: its own link may have just gone)."""
+    """(nodes whose lease lapsed, nodes whose lease would have but the server runs `lag_s` behind or heard nobody
+    for `quiet_s`: its own link may have just gone)."""
     gone: list[NodeRecord] = []
     deferred: list[NodeRecord] = []
     for node in job.nodes.values():
         if node.holding == 0 and node.lease_expires <= now:
-            # A closed connection waits for a server behind too (its node may have sent its request
-            # again on a new one, waiting in the server's own backlog).
             wait = patience_s(node, now, lag_s, quiet_s)
             (gone if node.lease_expires + wait <= now else deferred).append(node)
     return gone, deferred
@@ -146,8 +116,7 @@ def lapsed(job: JobRecord, now: float, lag_s: float, quiet_s: float = 0.0) -> tu
 
 @dataclass
 class ReturnWave:
-    """A job's nodes coming back after a silence ended: how many are back, when that last grew, and
-    whether the grace has run out (then nothing is left to do for this silence: no scan per tick)."""
+    """A job's nodes coming back after a silence: how many, when that last grew, whether the grace is over."""
     back: int = -1
     grew_at: float = 0.0
     over: bool = False
@@ -155,9 +124,8 @@ class ReturnWave:
 
 def grace_after_silence(job: JobRecord, silence: tuple[float, float] | None, now: float, out: Outbox,
                         wave: ReturnWave | None = None) -> None:
-    """Leases running out now that the last silence (`silence`: (began, ended), the server's own time
-    with nobody heard) may explain run until RESUME_GRACE_S after its end, or after the last of the
-    job's nodes came back while they still come back (`wave`, kept by the caller per silence)."""
+    """Leases running out that the last `silence` ((began, ended), nobody heard) may explain run until
+    RESUME_GRACE_S after its end, or after the last node came back while they still do (`wave`, per silence)."""
     if silence is None:
         return
     began, ended = silence
@@ -187,8 +155,7 @@ def grace_after_silence(job: JobRecord, silence: tuple[float, float] | None, now
 
 
 def extend(job: JobRecord, nodes: list[NodeRecord], now: float, by: float, out: Outbox) -> None:
-    """Give `nodes` `by` seconds more (the server was cut off or behind: not their fault). A node whose
-    connection closed stays so: if it does not come back, that is why it was lost."""
+    """Give `nodes` `by` seconds more (the server was cut off or behind, not they); a closed connection stays so."""
     for node in nodes:
         node.lease_expires = now + by
     out.deadline(now + by)
@@ -204,8 +171,7 @@ def hold_back(job: JobRecord, nodes: list[NodeRecord], now: float, lag_s: float,
 
 
 def note_loss(job: JobRecord, node_id: str, now: float) -> None:
-    """Remember when a node was lost (its record is gone): a host that keeps dropping out is kept
-    out when it comes back (admission.py), so it cannot cost every other node a round each way."""
+    """Remember when a node was lost: a flapping host is kept out when it comes back (admission.py)."""
     window = job.config.exclude_window_s
     history = job.loss_times
     history[node_id] = [t for t in history.get(node_id, []) if t > now - window][-MAX_LOSSES_KEPT:] + [now]

@@ -1,8 +1,5 @@
-"""Operator actions on an open job: close it, drain a node, clear an exclusion, change min/max.
-
-Functions over one job's `JobRules`, with the same purity (`now` in, no I/O). Each either raises
-`RendezvousError` having changed nothing, or records an event saying who asked and why. The
-registry (`rendezvous.py`) refuses them on a finished job before calling them.
+"""Operator actions on an open job (refused on a finished one by `rendezvous.py`): close it, drain a node, clear an
+exclusion, change min/max. Each raises `RendezvousError` having changed nothing, or records who asked and why.
 """
 from __future__ import annotations
 
@@ -62,11 +59,8 @@ def close(rules: JobRules, reason: str, now: float) -> None:
 
 
 def drain(rules: JobRules, node_id: str, reason: str, now: float) -> None:
-    """Take a node out of the job; it may not join again until its drain is cleared.
-
-    A member's departure re-forms the round at once without using the restart budget, as a
-    node leaving would; its agent sees the node gone, stops its workers and exits.
-    """
+    """Take a node out of the job until its drain is cleared. A member's going re-forms the round at once
+    without using the restart budget, as a leave would; its agent sees the node gone and exits."""
     job = rules.job
     why = reason or "no reason given"
     job.drained[node_id] = why

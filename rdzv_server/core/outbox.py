@@ -1,9 +1,6 @@
-"""What one call of the rendezvous core did, handed to the shell as data.
-
-The core appends to the outbox as it decides; the shell drains it once per call and hands each part
-to its consumer: logging and metrics take `events`, long-polls wake on `woken`, the store writes
-`changed` (resets the history of `new_runs`, deletes `pruned`), metrics count `restarts`, and the deadline timer
-re-arms when `earliest` comes before the deadline it sleeps to. Nobody diffs state to find out.
+"""What one call of the rendezvous core did, handed to the shell as data: nobody diffs state to find out.
+The shell drains it once per call: logging and metrics take `events`, long-polls wake on `woken`, the store writes
+`changed` (resets `new_runs`, deletes `pruned`), metrics count `restarts`, the deadline timer re-arms to `earliest`.
 """
 from __future__ import annotations
 

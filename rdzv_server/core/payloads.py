@@ -1,9 +1,6 @@
-"""The typed payloads of the events that the status page, the metrics and `rdzv-ctl events` read.
-
-An event keeps its payload as a plain map (`Event.data`: stored as it is, served in the events API
-as it is), but it is written from one of these structs (`as_data`) and read back through one
-(`payload_of`), so a misspelt or missing key is a type error where it is made and where it is read,
-not a silent `.get()` default. A map that does not fit (written by an older server) reads as None.
+"""Typed payloads of the events the status page, the metrics and `rdzv-ctl events` read. `Event.data` stays a plain
+map, written with `as_data` and read with `payload_of`, so a misspelt key is a type error, not a silent `.get()`
+default. A map that does not fit (written by an older server) reads as None.
 """
 from __future__ import annotations
 

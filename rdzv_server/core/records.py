@@ -1,7 +1,5 @@
-"""Plain-data records the rendezvous core keeps per job.
-
-They are msgspec structs so the whole state of a job can be encoded as it is (the durable store
-and the status API both read them). No behaviour lives here; the rules are in `job_rules.py`.
+"""Plain-data records the rendezvous core keeps per job: msgspec structs, so a job's whole state encodes as it is
+(for the store and the status API). No behaviour here; the rules are in `job_rules.py`.
 """
 from __future__ import annotations
 
@@ -43,10 +41,9 @@ class NodeRecord(msgspec.Struct, kw_only=True):
 
 
 class RoundRecord(msgspec.Struct, kw_only=True, omit_defaults=True, dict=True):
-    """One round as formed. Its assignments are not kept: rounds.assignment() computes a member's from
-    the columns below, which are what the formation took from the members' records (later changes to
-    those records do not move a round). So a round of 10,000 nodes is stored in ~0.5 MB, not 2.7.
-    (`dict=True`: rounds.py caches what it derives from the columns on the record, never encoded.)"""
+    """One round as formed. Assignments are not kept (smaller to store): rounds.assignment() computes them from
+    the columns below, taken from the members' records at formation (later changes do not move a round).
+    `dict=True`: rounds.py caches what it derives on the record, never encoded."""
     round_id: int
     members: list[str]                 # node ids by group rank; an excluded node leaves this list
     opened_at: float                   # when the decision to form it was taken (or first node waited)
@@ -61,7 +58,7 @@ class RoundRecord(msgspec.Struct, kw_only=True, omit_defaults=True, dict=True):
     probe_ports: list[int] = []        # 0: answers no probes (not a witness)
     master_port: int = 0
     max_restarts: int = 0
-    # A round saved before the columns existed: its assignments as they were written.
+    # A round saved without the columns: its assignments as they were written.
     legacy: dict[str, Assignment] = msgspec.field(default_factory=dict, name="assignments")
 
 

@@ -1,13 +1,9 @@
 """The rendezvous core: every job of one server, and what happens across them.
 
-One job's rules live in `job_rules.py` (rounds, leases, restarts, spares, exclusions) and the
-operator's actions in `operator_rules.py`; this registry creates jobs, reuses finished ids, routes
-each request to its job's rules, ticks deadlines, and re-arms everything after a restart. What each
-call did is collected in `outbox` for the shell to drain (see `outbox.py`).
-
-Time: every method takes `now` and does no I/O. The rules only compare and subtract times, so any
-clock works as long as one core is driven by one clock; the server passes wall time (see
-coordinator.py for why) and `node-agent --standalone` does the same through the same shell.
+This registry creates jobs, reuses finished ids, routes each request to its job's rules (`job_rules.py`,
+`operator_rules.py`), ticks deadlines and re-arms everything after a restart; each call's effects go to `outbox`.
+Every method takes `now` and does no I/O. The rules only compare and subtract times, so any clock works while one
+core is driven by one clock; the server (and `node-agent --standalone`) passes wall time (coordinator.py says why).
 """
 from __future__ import annotations
 
@@ -40,9 +36,8 @@ from rdzv_server.core.unhealthy import DEFAULT_HOLD_S, UnhealthyHosts
 
 __all__ = ["REUSE_FINISHED_AFTER_S", "Rendezvous", "RendezvousError"]
 
-# A finished job's id starts a new run at once for a join from an agent that was not part of the
-# finished run. An agent of that run (same instance) joining again within this long is late for it
-# and refused; after it, anything starts a new run (the old run's agents have exited by then).
+# A finished job's id starts a new run at once, except for an agent of that run (same instance) joining within
+# this long: it is late and refused (after it, that run's agents have exited).
 REUSE_FINISHED_AFTER_S = 10.0
 
 
@@ -72,8 +67,7 @@ class Rendezvous:
         self._quiet_noted: set[str] = set()   # jobs told of the server's silence since it last heard
         self.silence: tuple[float, float] | None = None   # the last silence of SUSPECT_QUIET_S or more that ended
         self._waves: dict[str, ReturnWave] = {}            # per job: its nodes coming back since that silence
-        # Finished jobs by when they ended, oldest first: forgetting one is O(log n), never a scan. An
-        # entry whose job was forgotten, reused or ended again since is skipped when it comes up.
+        # Finished jobs by end time, a heap: forgetting one is never a scan; stale entries are skipped.
         self._ended: list[tuple[float, str]] = [(j.finished_at or 0.0, j.job_id) for j in self.jobs.values()
                                                 if j.state.finished]
         heapq.heapify(self._ended)
@@ -91,8 +85,7 @@ class Rendezvous:
         return self._waves.get(job_id) if self.silence is not None else None
 
     def heard(self, now: float) -> None:
-        """Some agent's path to the server was seen to work at `now` (a held poll's connection answered a
-        keepalive probe): the server is not cut off."""
+        """Some agent's path to the server worked at `now` (a held poll answered a keepalive probe)."""
         self._heard(now)
 
     def take_effects(self) -> Outbox:
@@ -166,16 +159,14 @@ class Rendezvous:
         return rules.view(req.node_id, now)
 
     def hold_poll(self, job_id: str, req: PollRequest, now: float) -> NodeStatus:
-        """A poll the shell holds open until `poll_ended` (or `connection_dropped`): meanwhile the
-        open connection is the node's lease."""
+        """A poll held open until `poll_ended` or `connection_dropped`: meanwhile the connection is the lease."""
         rules = self.rules(job_id)
         self._heard(now)
         rules.poll(req, now, hold=True)
         return rules.view(req.node_id, now)
 
     def poll_ended(self, job_id: str, node_id: str, now: float, heard_at: float | None = None) -> None:
-        """A held poll was answered: the node's lease runs again, from `heard_at` (the last sign of life
-        on its connection; leases.py)."""
+        """A held poll was answered: the lease runs again from `heard_at`, its connection's last sign of life."""
         job = self.jobs.get(job_id)
         if job is not None:
             if heard_at is not None:          # a sign of life too, for telling an outage apart
@@ -207,8 +198,7 @@ class Rendezvous:
         return rules.view(req.node_id, now)
 
     def connection_dropped(self, job_id: str, node_id: str, now: float, heard: bool = False) -> None:
-        """A node's long-poll connection closed under it: give it a short grace to come back. `heard`:
-        the close came from the node's host (a FIN or RST just in), not from a keepalive giving up."""
+        """A node's long-poll connection closed: a short grace; `heard`: its host closed it, not a keepalive."""
         job = self.jobs.get(job_id)
         if job is not None:
             JobRules(job, self.outbox).connection_dropped(node_id, now, heard)
@@ -244,17 +234,10 @@ class Rendezvous:
     # ---- time ----------------------------------------------------------------------------
 
     def tick(self, now: float, lag_s: float = 0.0) -> list[str]:
-        """Apply every deadline that has passed; return the ids of the jobs that changed.
-
-        `lag_s`: how far behind the server's own event loop runs (leases.py: no lease lapses while
-        the server itself is behind).
-        """
+        """Apply every passed deadline; return the ids of the jobs that changed. `lag_s`: how late the loop runs."""
         quiet = now - self.heard_at if self.heard_at is not None else 0.0
         quiet_s = quiet if QUIET_S <= quiet < OUTAGE_LIMIT_S else None
-        # A lease that ran out after the server last heard from anyone says nothing about that node
-        # yet (the server's own link may have just gone; a held poll's last sign of life can predate
-        # it by a keepalive period): judged again once someone is heard, or by the quiet rule above
-        # once the silence lasts.
+        # A lease that ran out since anyone was heard says nothing about its node yet (leases.py): judged later.
         suspect_s = quiet if SUSPECT_QUIET_S <= quiet < QUIET_S else 0.0
         changed = []
         for job in self.jobs.values():
@@ -281,9 +264,7 @@ class Rendezvous:
         return min((d for d in due if d is not None), default=None)
 
     def _forget_at(self, finished_at: float) -> float:
-        """When a job that ended at `finished_at` is forgotten: its retention, rounded up to the whole
-        second, so that many jobs ending close together are forgotten in one tick, not one tick each
-        (every tick looks at every job)."""
+        """When a job ended at `finished_at` is forgotten: rounded up to the second, so close ones go in one tick."""
         return float(math.ceil(finished_at + self.limits.retain_finished_s))
 
     def _note_ended(self) -> None:
@@ -326,8 +307,8 @@ class Rendezvous:
                 _rearm(JobRules(job, self.outbox), now, away_s, how)
 
     def put_back(self, job_id: str, job: JobRecord | None, now: float) -> None:
-        """A job as last saved takes the place of one whose change the store refused (None: it was
-        never saved). Its nodes get fresh leases, as after a restart: the refusal was not theirs."""
+        """A job as last saved replaces one whose change the store refused (None: never saved); its nodes get fresh
+        leases, as after a restart: the refusal was not theirs."""
         old = self.jobs.pop(job_id, None)
         self.node_count -= len(old.nodes) if old is not None else 0
         if job is None:
@@ -361,14 +342,9 @@ class Rendezvous:
 
 def _rearm(rules: JobRules, now: float, away_s: float, how: str) -> None:
     """One job after the server came back on a saved state: nobody is blamed for the time it was away.
-
-    Every live node gets a fresh lease plus one more lease of grace to reconnect (agents find a new
-    leader within about a second of it serving: node_agent/client/path_check.py); pending
-    last-call and join deadlines move by the time away. Exclusion cooldowns keep running.
-    A node's saved `last_seen` is as old as the last saved change of its job, not its last contact
-    (renewals are not saved): the previous server vouched for it until it went away, so its silence
-    counts from then at the latest, and a loss message gives that, not the saved figure.
-    """
+    Every node gets a fresh lease plus one more of grace to reconnect (agents find a new leader about a second
+    after it serves: path_check.py); last-call and join deadlines move by the time away; cooldowns keep running.
+    Renewals are not saved, so a node's silence counts from when the server went away at the latest."""
     job = rules.job
     grace = 2 * job.config.lease_timeout_s
     for node in job.nodes.values():

@@ -1,7 +1,6 @@
-"""A node's report on the round it ran: a worker failure (the job-wide restart, or the job's end past
-the budget) or its success (the job succeeds once every member has). Functions over one job's
-`JobRules`, with the same purity (`now` in, no I/O); a report about a round that no longer runs is
-stale and changes nothing but the node's lease (and, for a late failure, maybe the root cause).
+"""A node's report on the round it ran: a worker failure (the job-wide restart, or the job's end past the budget)
+or its success (the job succeeds once every member has). A report about a round that no longer runs is stale and
+changes nothing but the node's lease (and, for a late failure, maybe the root cause).
 """
 from __future__ import annotations
 
@@ -34,16 +33,13 @@ def failure(rules: JobRules, req: FailureReport, now: float) -> str:
     failures = sorted((_stamp(f, node, now) for f in req.failures), key=lambda f: f.timestamp)
     why_not = not_running(rules, node, req.round_id)
     if why_not:
-        # A late report on the round that just failed may hold the earlier failure: keep the
-        # job-wide root cause the first failure in time, but do not count it again.
+        # A late report on the failed round may hold an earlier failure: the root cause, not counted again.
         if not job.state.finished and req.round_id == job.root_cause_round and job.root_cause is not None \
                 and failures[0].timestamp < job.root_cause.timestamp:
             job.root_cause = failures[0]
             rules.changed()
         return why_not
-    # A member whose connection just dropped (or whose lease ran out before the next tick) is
-    # the likelier cause: its loss comes first, and this failure (a peer's collective breaking)
-    # then belongs to a round that no longer runs.
+    # A member that just dropped or lapsed is the likelier cause (its peers' collectives then break): lost first.
     suspects = [n for n in rules.members() if n != node.node_id and n in job.nodes
                 and not leases.live(job.nodes[n], now)]
     if suspects:

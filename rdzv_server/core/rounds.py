@@ -1,8 +1,7 @@
 """Turning an ordered list of member nodes into one round's assignments; what a node sees of its round.
 
-Group rank is the position in the list. A node's global rank offset is the sum of the local world
-sizes before it, so nodes may run different numbers of workers. MASTER_ADDR/PORT are the ones the
-group-rank-0 node published: its worker rank 0 hosts the store.
+Group rank is the position in the list; a node's rank offset is the sum of the local world sizes before it, so
+nodes may run different numbers of workers. MASTER_ADDR/PORT are the group-rank-0 node's: its rank 0 hosts the store.
 """
 from __future__ import annotations
 
@@ -20,8 +19,8 @@ from rdzv_server.core.records import JobRecord, NodeRecord, RoundRecord
 
 def build_round(job: JobRecord, members: list[str], round_id: int, opened_at: float, now: float,
                 reason: str) -> RoundRecord:
-    """The round of `members` (by group rank): what each assignment is computed from, taken from their
-    records now. No assignment is built here: a failure report is answered before any is needed."""
+    """The round of `members` (by group rank): what assignments are computed from, taken from their records now.
+    No assignment is built here: a failure report is answered before any is needed."""
     nodes = [job.nodes[nid] for nid in members]
     sizes = [n.local_world_size for n in nodes]
     return RoundRecord(round_id=round_id, members=list(members), opened_at=opened_at, completed_at=now,
@@ -54,7 +53,7 @@ def assignment(r: RoundRecord, node_id: str) -> Assignment | None:
 
 
 class _Derived:
-    """What the assignments of a round share, derived once from its columns (O(N), a few ms at 10,000)."""
+    """What the assignments of a round share, derived once from its columns (O(N))."""
 
     def __init__(self, r: RoundRecord) -> None:
         self.rank = {nid: i for i, nid in enumerate(r.ranked)}
@@ -75,9 +74,8 @@ class _Derived:
         self.built: dict[str, Assignment] = {}
 
     def witnesses(self, rank: int) -> tuple[Witness, ...]:
-        """The next WITNESSES members after `rank` in the ring that answer probes, never itself: a
-        different pair for each node, found by bisection (walking the ring from each member was O(N^2)
-        in a round of nodes without a probe port: 11 s at 10,000 nodes)."""
+        """The next WITNESSES members after `rank` in the ring that answer probes, never itself: a different pair
+        for each node, found by bisection (a walk of the ring per member is O(N^2) when few answer probes)."""
         probers, m = self.probers, len(self.probers)
         after = bisect.bisect_right(probers, rank) % m if m else 0      # the first prober after `rank`
         if m > WITNESSES:     # the member itself comes last going round from there: never among the first
@@ -86,10 +84,8 @@ class _Derived:
 
 
 def reachable_addresses(nodes: list[NodeRecord]) -> list[str]:
-    """The address the other members reach each node at: its own, except a loopback one on a
-    multi-host round (its agent reached the server by 127.0.0.1: the other hosts would look for it
-    on their own loopback and hang). Then the address its join came from stands in, or, when that
-    is loopback too (it runs on the server's own host), the server's address the other hosts reached."""
+    """The address other members reach each node at: its own, unless loopback on a multi-host round (they would hang
+    on their own); then its join's source address, or if that is loopback too, the server's address they reached."""
     if all(_loopback(n.addr) and _loopback(n.seen_from or n.addr) for n in nodes):
         return [n.addr for n in nodes]          # one host: loopback is right
     server = next((n.server_addr for n in nodes if n.server_addr and not _loopback(n.server_addr)), "")
@@ -107,8 +103,7 @@ def master_correction(r: RoundRecord, master: NodeRecord) -> str:
 
 @functools.lru_cache(maxsize=1 << 16)
 def _loopback(addr: str) -> bool:
-    # Cached: every round formation asks it about every member, and parsing an address costs ~10 us
-    # (at 5,000 members that was most of the 0.1-0.2 s a failure report took to answer).
+    # Cached: every round formation asks it about every member, and parsing an address is slow.
     try:
         return ipaddress.ip_address(addr.split("%", 1)[0]).is_loopback
     except ValueError:
@@ -143,7 +138,7 @@ def count_nodes(nodes: list[str]) -> str:
 
 def node_status(job: JobRecord, node_id: str, now: float, *, accepted: bool = True, reason: str = "") -> NodeStatus:
     """Where `node_id` stands in its job; built fresh (assignments and failures in it are frozen).
-    Called for every subscriber of a job in a fan-out (10,000 times a round change): kept lean."""
+    Called for every subscriber of a job in a fan-out: kept lean."""
     node, r, finished = job.nodes.get(node_id), job.round, job.state.finished
     state = node.state if node is not None and not finished else NodeState.GONE
     status = NodeStatus(job_id=job.job_id, job_state=job.state, node_state=state,

@@ -1,11 +1,6 @@
-"""Hosts that left a job unhealthy (a broken GPU, a failed --health-check, a worker stuck after SIGKILL),
-kept out of every job of this server for a while: no single-job launcher can do that.
-
-Pure (`now` in, no I/O), like the rest of the core. A hold starts when a node leaves with
-`LeaveRequest.unhealthy` set, is keyed by the host name its node joined with, ends `hold_s` later or
-when an operator clears it (`rdzv-ctl clear-unhealthy HOST`), and refuses that host's joins meanwhile
-(`host_unhealthy`, quoting why). Holds live in the server's memory only: a restarted server forgets
-them (each node checks itself again before it joins anyway).
+"""Hosts that left a job unhealthy (a broken GPU, a failed --health-check, a stuck worker), kept out of every job of
+this server for `hold_s` or until `rdzv-ctl clear-unhealthy HOST`: no single-job launcher can do that. Keyed by the
+join's host name; in memory only (each node checks itself again before it joins anyway).
 """
 from __future__ import annotations
 

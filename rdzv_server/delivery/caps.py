@@ -1,10 +1,6 @@
-"""Caps on long-polls held at once: per node (the guard that counts what a client owns) and,
-optionally, per client address.
-
-An agent holds one poll at a time (two for a moment while a hold ends), so a node credential holding
-more than `MAX_POLLS_PER_NODE` is a misbehaving or hostile client, and the total held is bounded by
-the node records (`--max-nodes`). Counting by address instead would refuse thousands of honest agents
-behind one NAT address, so the per-address cap is off unless an operator sets it.
+"""Caps on long-polls held at once: per node, and optionally per client address. An agent holds one
+poll (two for a moment), so a node holding more than `MAX_POLLS_PER_NODE` is misbehaving or hostile.
+A cap by address would refuse honest agents behind one NAT address, so it is off unless set.
 """
 from __future__ import annotations
 

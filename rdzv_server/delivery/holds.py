@@ -1,10 +1,9 @@
 """How long a poll is held, and the one timer that ends holds.
 
-All the nodes of the server together poll about TARGET_POLL_RATE times a second: a hold is the node
-count over that rate, at least half a lease (the open poll is the lease) and at most MAX_HOLD_S,
-jittered so the polls do not come in waves. Holds end on a grid of HOLD_TICK_S: one timer, armed for
-the earliest end, ends every hold due before the next tick (uvloop's clock counts whole milliseconds:
-a timer armed for less than that away would fire, find nothing due, and be armed again, a busy loop).
+All nodes together poll about TARGET_POLL_RATE times a second: a hold is the node count over that rate,
+at least half a lease (the open poll is the lease), at most MAX_HOLD_S, jittered against waves. Holds
+end on a HOLD_TICK_S grid, one timer for the earliest: uvloop's clock counts whole ms, so a timer armed
+for less away would fire, find nothing due and re-arm (a busy loop).
 """
 from __future__ import annotations
 
@@ -33,8 +32,7 @@ def hold_for(node_count: int, status: NodeStatus, wait_s: float) -> float:
 
 
 class HoldGrid:
-    """Ends each entry's hold at its time (on the grid), calling `end(entry)`; entries found
-    `finished(entry)` on the heap are skipped (their holds ended otherwise)."""
+    """Calls `end(entry)` at each entry's time (on the grid), skipping entries already `finished(entry)`."""
 
     def __init__(self, end: Callable[[object], None], finished: Callable[[object], bool]) -> None:
         self._end, self._finished = end, finished

@@ -1,16 +1,10 @@
 """The hub: every node waiting for news, and the one pass that tells them.
-
-Rules it keeps:
-- a subscriber is attached only once the core took its hold (`hold_poll`) and the caps let it in; it
-  is detached once, telling the core how the hold ended: `poll_ended` (answered, its hold over),
-  or `connection_dropped` (its connection closed under it: maybe a dead node; `heard` when the close
-  came from the node's host, a FIN or RST just in, rather than a keepalive giving up);
-- a woken job gets one pass: each subscriber's view is computed once and pushed only when it is news
-  to that node, and only once the change is saved (a reply never shows what a restart would lose);
-  a subscriber that cannot be answered in the pass (not serving, the job gone, unsaved) is closed so
-  that its owner looks itself;
-- holds end on one timer grid (holds.py); the held connections are evidence that the server's own
-  link works (links.py), asked before each tick of the core's timed rules.
+- A subscriber is attached once the core took its hold (`hold_poll`) and the caps let it in; it is
+  detached once, telling the core how the hold ended: `poll_ended`, or `connection_dropped` (`heard`
+  when a FIN or RST just came from the node's host, not a keepalive giving up).
+- A woken job gets one pass: each view computed once, pushed only when it is news to that node and
+  saved (a reply never shows what a restart would lose); one that cannot be answered in the pass (not
+  serving, the job gone, unsaved) is closed so that its owner looks itself.
 """
 from __future__ import annotations
 
@@ -70,7 +64,6 @@ class Hub:
         """Subscribers attached now (held long-polls)."""
         return len(self._attached)
 
-    # -- attach / detach --
     def attach(self, sub: Subscriber, req: PollRequest, peer: str) -> NodeStatus:
         """Take the caps and the core's hold for `sub`; its view now. Raises with nothing held."""
         self.per_peer.take(peer, peer or "one peer")
@@ -124,7 +117,6 @@ class Hub:
             if not subs:
                 del self._by_job[sub.job_id]
 
-    # -- news --
     def wake(self, job_id: str) -> None:
         """The job changed: one pass over its subscribers."""
         subs = self._by_job.get(job_id)

@@ -1,10 +1,7 @@
-"""Held long-polls' connections as signs that the server's own link works.
-
-A held poll sends nothing until it is answered, so in a small job a long hold would look, to the
-quiet rule (core/leases.py), like the server cut off, and every lapsing lease would be held back.
-The connections' kernels know better: they answer the server's keepalive probes (serve.py: after 2 s
-idle), so once the server has heard nothing else for SUSPECT_QUIET_S, the freshest ACK on a held
-connection says when the link was last known to work.
+"""Held long-polls' connections as signs that the server's own link works. A held poll sends nothing
+until answered, so to the quiet rule (core/leases.py) a small job's long holds would look like the
+server cut off. Their kernels answer keepalive probes (serve.py: after 2 s idle), so once the server has
+heard nothing else for SUSPECT_QUIET_S, the freshest ACK on a held connection says when the link worked.
 """
 from __future__ import annotations
 

@@ -1,11 +1,9 @@
 """A long-poll: a subscriber that is answered once, when its node's view changes or its hold ends.
 
-While it is held, the open poll is the node's lease (the hub tells the core it began and how it
-ended). Woken by a change that is news to it, it is answered during the hub's pass itself, through
-`Reply` (the web layer writes the reply straight to its connection); its task then only catches up.
-The hold counts from the poll's arrival, `waited_s` before it was handled: the agent expects its
-answer within the hold it was told of (path_check.answer_due), and a late answer is taken for a lost
-server, the poll sent again and its closed connection for a dead node.
+While held, the open poll is the node's lease. Woken by news, it is answered in the hub's pass through
+`Reply`; its task then only catches up. The hold counts from the poll's arrival (`waited_s`): an agent
+takes a late answer for a lost server (path_check.answer_due) and sends again, and its closed connection
+would look like a dead node.
 """
 from __future__ import annotations
 

@@ -1,8 +1,6 @@
 """The contract of a node waiting for news: its key, what it was last sent, push, its link's last ack, close.
-
-The hub holds subscribers; the kind of connection (today: a long-poll, long_poll.py) says how a view is
-pushed. A view is news to a subscriber when the protocol's one rule says so (`poll_ready`: its round
-changed, the job ended, it is gone, ...): what it knows is the round it said it runs (`known_round`).
+A view is news when the protocol's one rule says so (`poll_ready`), given the round the node said it
+runs (`known_round`); the kind of connection (a long-poll, long_poll.py) says how a view is pushed.
 """
 from __future__ import annotations
 
@@ -38,5 +36,4 @@ class Subscriber(abc.ABC):
 
     @abc.abstractmethod
     def close(self, *, ended: bool) -> None:
-        """Stop waiting: `ended`, its hold is over; otherwise its owner must look again (not serving, the
-        job gone, a change not yet saved)."""
+        """Stop waiting: `ended`, the hold is over; else its owner must look again (not serving, gone, unsaved)."""

@@ -1,8 +1,6 @@
-"""What the server needs from a durable store, whichever it is (SQLite in a state dir, or etcd).
-
-The coordinator and the persister are typed against `Store`, never against one backend. Every
-method blocks: the persister calls `write` and `load_job` from its one worker thread, and the
-coordinator runs `load` off the event loop, so the loop never waits on a disk or a network.
+"""What the server needs from a durable store, whichever it is (SQLite or etcd); callers are typed against `Store`.
+Every method blocks: the persister's worker thread calls `write` and `load_job`, the coordinator runs `load` off
+the loop, so the loop never waits on a disk or a network.
 """
 from __future__ import annotations
 

@@ -1,18 +1,11 @@
 """Group commit between the event loop and the durable store.
 
-Rule: a reply that depends on a change is sent only after that change is committed. The shell hands
-the core's effects to `note` (the jobs whose saved state changed, the node rows and events that
-changed with them, the ids that started a new run, the jobs forgotten) and then
-`await durable(job_id)`. One writer task takes every dirty job, encodes its rows on the loop (fast,
-msgspec; snapshots.py) and commits the whole batch in one transaction on a single worker thread, so
-the loop keeps serving while the disk works and many changes share one fsync. Changes made while a
-commit is in flight ride the next one.
-
-A failed commit (a full disk, an I/O error) refuses every reply waiting on it with
-`StoreUnavailable`, and the change is not kept: each job it carried is put back as it was last
-committed (read back from the store; `on_rollback` hands it to the shell). A job whose rows cannot
-even be encoded (a bug) is refused and put back the same way, without holding up the others.
-Lease renewals alone are not written: after a restart all leases are re-armed.
+Rule: a reply that depends on a change is sent only after it is committed (`note` the core's effects, then `await
+durable(job_id)`). One writer task encodes dirty jobs on the loop (snapshots.py) and commits each batch in one
+transaction on one worker thread, so the loop keeps serving and changes share an fsync (changes made during a
+commit ride the next). A failed commit refuses its waiting replies with `StoreUnavailable` and puts each job back
+as last committed (`on_rollback`); a job that cannot be encoded (a bug) likewise, alone. Lease renewals alone are
+not written (re-armed at restart).
 """
 from __future__ import annotations
 
@@ -143,7 +136,6 @@ class Persister:
                 log.error("state store commit failed: %s; %d job(s) put back as last committed and their "
                           "requests refused", why, len(jobs))
                 self._deleted |= deleted - set(self._dirty)
-                # the jobs' changes noted meanwhile were built on the refused ones: refused with them
                 await self._roll_back(list(jobs), futs, f"state store commit failed: {why}")
             else:
                 took = time.perf_counter() - started
@@ -162,9 +154,8 @@ class Persister:
                         del self._inflight[job_id]
 
     async def _roll_back(self, job_ids: list[str], futs: dict[str, asyncio.Future[None]], why: str) -> None:
-        """Put `job_ids` back as last committed, then refuse the replies waiting on them (so a refusal
-        means the change is already gone). Changes noted meanwhile were built on the refused ones:
-        refused with them."""
+        """Put `job_ids` back as last committed, then refuse the replies waiting on them (a refusal means the change
+        is already gone), and those noted meanwhile: they were built on the refused ones."""
         loop = asyncio.get_running_loop()
         while True:
             try:
@@ -207,9 +198,8 @@ class Persister:
         self._executor.shutdown(wait=True)
 
     async def abandon(self) -> None:
-        """This replica stopped leading: refuse every reply still waiting for a commit, stop writing,
-        and wait for the store's thread to finish what it is doing (its commit is fenced: a deposed
-        leader's is refused); the store stays open for a later term."""
+        """This replica stopped leading: refuse every waiting reply, stop writing, and wait for the store's thread
+        (its commit is fenced: refused for a deposed leader); the store stays open for a later term."""
         error = StoreUnavailable("this replica stopped leading before the change was committed")
         waiting = [*self._next.values(), *self._inflight.values()]     # the writer forgets its own on cancel
         for task in (self._alive, self._writer):
@@ -239,8 +229,7 @@ def _consume(fut: asyncio.Future[None]) -> None:
 
 
 class NotDurable:
-    """State in memory only (`--state-dir none`, an in-process coordinator): every change is as durable
-    as it will ever be the moment it is made, so no reply waits and nothing runs in the background."""
+    """State in memory only (`--state-dir none`, in-process): durable when made, so no reply waits on a commit."""
 
     def __init__(self) -> None:
         self.stats = CommitStats()

@@ -1,11 +1,6 @@
-"""What a commit writes for one job, in the shape every store keeps: rows that scale with the change.
-
-A job is saved as three kinds of rows: the job's own record (a JobRecord without its nodes and its
-history), one row per node record, and one row per event. A commit writes the job's row, the rows of
-the nodes the core said changed (or deletes them), and the new events; a node's lease and its place
-in the round (its `state`) are not saved with it, as they are re-armed or derived from the job's
-lists when the job is loaded. Encoding happens on the event loop (fast, msgspec); stores (SQLite,
-etcd) only move the bytes.
+"""What a commit writes for one job, in every store's shape: the job's own row (no nodes, no history), the rows of
+the nodes the core said changed (None: delete), and the new events. Leases and node `state` are not saved (re-armed
+or derived on load). Encoding runs on the event loop (msgspec); stores only move the bytes.
 """
 from __future__ import annotations
 
@@ -44,7 +39,7 @@ def snapshot(job: JobRecord, node_ids: Iterable[str], new_events: list[Event], r
 
 def assemble(job: JobRecord, nodes: Iterable[NodeRecord], events: list[Event]) -> JobRecord:
     """A loaded job: its rows put together, each node's derived fields set from the job's lists."""
-    if not job.nodes:                     # a job row from before per-node rows keeps its nodes inside
+    if not job.nodes:                     # a schema-1 job row keeps its nodes inside
         job.nodes = {n.node_id: n for n in nodes}
     job.events = events
     members = set(job.round.members) if job.round is not None else set()

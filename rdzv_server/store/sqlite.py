@@ -1,19 +1,10 @@
 """The durable store: every job's state in one SQLite file under `--state-dir`.
 
-Layout (schema version in `PRAGMA user_version`, our mark in `PRAGMA application_id`), the rows of
-snapshots.py, MessagePack-encoded (msgspec):
-- `jobs(job_id, record)`: the job's JobRecord without its nodes and its events;
-- `nodes(job_id, node_id, record)`: one row per node record (a commit writes only those that changed);
-- `events(job_id, seq, record)`: its event history, one row per event, the newest
-  MAX_EVENTS_PER_JOB kept;
-- `meta(key, value)`: `alive_at` (the last time this server was known up) and `clean_shutdown`.
-A store of schema 1 (nodes inside the job row) is moved to this layout when it is opened.
-
-This class does blocking I/O; the server calls `write` from one worker thread (see persistence.py)
-so the event loop never waits on the disk. WAL mode with synchronous=FULL: a commit is on disk
-(fsynced) before `write` returns. An exclusive lock file keeps a second server off the same dir.
-
-A store that is not ours, is corrupt, or has a newer schema is an error at start-up, never reset.
+Tables (schema in `user_version`, our mark in `application_id`), msgpack rows of snapshots.py: `jobs`, `nodes`,
+`events` (the newest MAX_EVENTS_PER_JOB) and `meta` (`alive_at`, `clean_shutdown`). Schema 1 (nodes inside the
+job row) is migrated on open; a file not ours, corrupt, or newer is an error at start-up, never reset. Blocking,
+from one worker thread; WAL with synchronous=FULL: fsynced before `write` returns. A lock file keeps a second
+server off the same dir.
 """
 from __future__ import annotations
 
@@ -103,7 +94,7 @@ class SqliteStore:
         check = db.execute("PRAGMA quick_check").fetchone()[0]
         if check != "ok":
             raise StoreError(f"{self.path} failed its integrity check ({check}); {_MOVE_AWAY}")
-        if db.execute("PRAGMA auto_vacuum").fetchone()[0] != 2:    # a store from before: convert it once
+        if db.execute("PRAGMA auto_vacuum").fetchone()[0] != 2:    # an older store: convert it once
             db.execute("PRAGMA auto_vacuum = INCREMENTAL")
             db.execute("VACUUM")
         db.execute("PRAGMA journal_mode = WAL")

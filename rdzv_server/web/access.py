@@ -1,23 +1,15 @@
 """Who may use which route: bearer tokens, the admin rule, browser safety, security headers.
 
-Routes fall into four classes (see `route_class`):
+Routes fall into four classes (`route_class`):
 - health (`/healthz`, `/readyz`): always open;
-- agent (`POST /v1/jobs/{job_id}/{action}`): the agent token when the server has one (each node's
-  own credential is checked by the core, not here). A request with an `Origin` comes from a web
-  page (every browser sends one with a POST; agents never do): it must be same-origin and address
-  the server by one of its names, against DNS rebinding. Agents themselves may use any name (a
-  Kubernetes Service, a DNS alias): they hold node credentials, and the token where there is one;
-- views (JSON status, events, the HTML page, `/metrics`): the agent or the admin token when the
-  server has one, unless `--public-status`; a browser may send it as the password of HTTP Basic
-  auth (any user name). Views served without a token only answer a `Host` that is one of the
-  server's names (an IP literal, localhost, this host's names, `--allowed-host`), which defeats
-  DNS rebinding;
-- admin (`/v1/admin/...`): a JSON content type (a page cannot send one cross-site without a CORS
-  preflight, which this server never grants) and no foreign `Origin`; then the admin token when
-  the server has one, else a `Host` that is one of the server's names (whatever the `Origin`: a
-  page whose domain was rebound to 127.0.0.1 is "same-origin" and comes from loopback) and a
-  loopback peer unless `--allow-remote-admin`.
-Tokens are compared in constant time and never logged or shown.
+- agent (`POST /v1/jobs/...`): the agent token where there is one. A request with an `Origin` is a web
+  page's (agents send none): it must be same-origin at one of the server's names;
+- views (status JSON, the page, `/metrics`): the agent or admin token (a browser's HTTP Basic password),
+  unless `--public-status`; without a token only a `Host` that is one of the server's names is answered;
+- admin (`/v1/admin/...`): a JSON content type (no cross-site page can send one without a CORS preflight,
+  never granted) and no foreign `Origin`; then the admin token, or, without one, one of the server's
+  names as `Host` and a loopback peer unless `--allow-remote-admin`.
+The `Host` checks defeat DNS rebinding. Tokens are compared in constant time, never logged or shown.
 """
 from __future__ import annotations
 
@@ -89,8 +81,8 @@ def route_class(request: web.Request) -> str:
 
 
 def presented_token(request: web.Request) -> bytes | None:
-    """The token in `Authorization: Bearer T` or as the password of `Basic` auth (a header that is
-    not ASCII, which no token is, is refused: aiohttp hands its bytes over as lone surrogates)."""
+    """The token in `Authorization: Bearer T` or as the password of `Basic` auth; a non-ASCII header
+    is refused (no token is: aiohttp hands its bytes over as lone surrogates)."""
     header = request.headers.get("Authorization", "")
     if not header.isascii():
         raise _unauthorized("the Authorization header is not ASCII (a token is printable ASCII): "

@@ -1,18 +1,9 @@
-"""Operator actions over HTTP: JSON in, JSON out, under /v1/admin/ (curl-friendly).
+"""Operator actions over HTTP: JSON in, JSON out, under /v1/admin/ (routes: `add_routes`; bodies and
+effects: docs/operators.md).
 
-    POST /v1/admin/jobs/{job_id}/close                          {"reason": "..."}            (body optional)
-    POST /v1/admin/jobs/{job_id}/nodes/{node_id}/drain          {"reason": "..."}            (body optional)
-    POST /v1/admin/jobs/{job_id}/nodes/{node_id}/clear-exclusion                             (lifts a drain too)
-    POST /v1/admin/jobs/{job_id}/resize                         {"min_nodes": 1, "max_nodes": 4}  (omitted: kept)
-    POST /v1/admin/hosts/{host}/clear-unhealthy                 a host held out as unhealthy may join again
-
-Each answers 200 with the job as `GET /v1/jobs/{job_id}` shows it after the action, or a JSON
-error `{"code", "message"}` (the app's error middleware maps the core's refusals).
-
-Who may call them is decided in access.py: a JSON content type, then the admin token when the
-server has one (`--admin-token-file`), else only a loopback peer (127.0.0.0/8, ::1) unless the
-server runs with `--allow-remote-admin`. The peer is the TCP peer (`request.remote`), not a
-forwarded-for header: a client cannot claim to be local.
+Each answers 200 with the job as `GET /v1/jobs/{job_id}` shows it after the action, or a JSON error
+`{"code", "message"}`. Who may call them is decided in access.py; the peer is the TCP peer
+(`request.remote`), never a forwarded-for header, so a client cannot claim to be local.
 """
 from __future__ import annotations
 
@@ -46,9 +37,6 @@ def add_routes(app: web.Application) -> None:
     app.router.add_post(PREFIX + "/nodes/{node_id}/clear-exclusion", clear_exclusion)
     app.router.add_post(PREFIX + "/resize", resize_job)
     app.router.add_post("/v1/admin/hosts/{host}/clear-unhealthy", clear_unhealthy)
-
-
-# -- checks -----------------------------------------------------------------------------------------
 
 
 def bad_request(message: str) -> DecodeError:
@@ -94,8 +82,7 @@ async def _body(request: web.Request, fields: dict[str, type]) -> dict[str, Any]
 
 
 def _is_unicode(text: str) -> bool:
-    """False for a string with a lone surrogate (JSON's "\\ud800" decodes to one): no UTF-8 codec,
-    the store's included, can encode it."""
+    """False for a string with a lone surrogate (JSON's "\\ud800"): no UTF-8 codec (the store's) encodes it."""
     try:
         text.encode()
     except UnicodeEncodeError:
@@ -104,8 +91,7 @@ def _is_unicode(text: str) -> bool:
 
 
 def _reason(body: dict[str, Any]) -> str:
-    """The operator's reason, kept on one line: it goes into the job's reason, which every agent
-    prints and later refusals (node_drained, job_finished) quote."""
+    """The operator's reason, on one line: every agent prints it and later refusals quote it."""
     reason = body.get("reason", "").strip()
     if len(reason) > MAX_REASON_CHARS:
         raise bad_request(f"field 'reason' must be at most {MAX_REASON_CHARS} characters, got {len(reason)}")
@@ -121,9 +107,6 @@ async def _operate(request: web.Request, what: str, job_id: str, action: Operato
              extra={"job_id": job_id, "event": "operator_request"})
     job = await coord.operate(job_id, action)
     return views.view_response(views.job_detail(job, coord.clock()))
-
-
-# -- handlers ---------------------------------------------------------------------------------------
 
 
 async def close_job(request: web.Request) -> web.Response:

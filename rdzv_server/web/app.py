@@ -116,8 +116,7 @@ _STANDBY_ROUTES = frozenset({"/healthz", "/readyz", "/metrics"})
 @web.middleware
 async def standby_middleware(request: web.Request,
                              handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
-    """A replica that does not lead holds no state: its views and admin actions would show nothing
-    true, so they answer where the leader is instead."""
+    """A replica that does not lead holds no state: its views and admin actions name the leader instead."""
     coord = request.app[COORDINATOR]
     agent_route = request.method == "POST" and request.path.startswith("/v1/jobs/")   # agent_request decides
     gate = coord.gate
@@ -137,8 +136,7 @@ async def no_stream(request: web.Request) -> web.Response:
 
 
 async def readyz(request: web.Request) -> web.Response:
-    """Ready to serve agents: the state is loaded, the server is not stopping, and it leads (503
-    otherwise: a Kubernetes Service sends traffic to the leader only)."""
+    """Ready to serve agents (loaded, not stopping, leading); else 503, so a Service sends to the leader only."""
     coord = request.app[COORDINATOR]
     ready = coord.serving()
     return web.json_response({"ready": ready}, status=200 if ready else 503)
@@ -186,8 +184,7 @@ async def index(request: web.Request) -> web.Response:
 
 
 async def job_page(request: web.Request) -> web.Response:
-    """One job's HTML page (?node_offset=, ?node_limit= page its node tables); an unknown (or
-    malformed) id gets a 404 page, never a traceback."""
+    """One job's HTML page (?node_offset=, ?node_limit=); an unknown or malformed id gets a 404 page."""
     coord = request.app[COORDINATOR]
     job_id, now, query = request.match_info["job_id"], coord.clock(), page.PageQuery.of(request.query)
     text = page.job_page(coord.core, job_id, now, query.refresh, node_offset=query.node_offset,
@@ -200,9 +197,7 @@ async def job_page(request: web.Request) -> web.Response:
 
 def create_app(coordinator: Coordinator | None = None, *, allow_remote_admin: bool = False,
                access: Access | None = None, standby: bool = False) -> web.Application:
-    """The server's app. `access` holds the token and admin settings (`allow_remote_admin` is a
-    shorthand for Access(allow_remote_admin=True)); `standby`: a replica that serves only once the
-    election makes it the leader."""
+    """The server's app; `standby`: serve only once elected; `allow_remote_admin`: Access(allow_remote_admin=True)."""
     app = web.Application(middlewares=[metrics_middleware, error_middleware, access_middleware,
                                        standby_middleware],
                           client_max_size=MAX_BODY_BYTES)

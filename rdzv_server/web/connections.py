@@ -1,15 +1,10 @@
 """A cap on open connections that a flood of idle ones cannot turn against agents and /healthz.
 
-aiohttp closes a connection that sends no request within its keepalive timeout; on top of that
-the server keeps at most `max_connections`: past it, the longest-idle connections (no request in
-progress: never a held long-poll) are closed to make room for the new ones, so a real agent or a
-health check always gets in. A connection is refused (accepted and closed at once) only past a hard
-limit below the open-file limit with nobody idle, so accepting never fails with "Too many open
-files".
-
-Request bodies: one that announces more than MAX_BODY_BYTES is refused (413) before any of it is
-read; one that has not arrived within BODY_TIMEOUT_S is refused (400) and its connection closed at
-once (aiohttp would otherwise go on reading it for its 10 s "lingering" close: 20 s in all).
+Past `max_connections` the longest-idle connections (never one with a request in progress, such as a
+held long-poll) are closed, so an agent or a health check always gets in; one is refused only past a
+hard limit below the open-file limit, so accepting never fails with "Too many open files". A body over
+MAX_BODY_BYTES is refused (413) unread; one not in within BODY_TIMEOUT_S is refused (400) and its
+connection closed at once, not read on through aiohttp's "lingering" close.
 """
 from __future__ import annotations
 
@@ -46,8 +41,7 @@ class _Refused(asyncio.Protocol):
 
 class ConnectionGuard:
     """`max_connections`: the cap kept by closing the longest-idle connections (checked after each
-    accept, once the accepted connection is in place); `hard_limit`: past it a new connection is
-    refused at once (the open-file limit must never be reached)."""
+    accept); `hard_limit`: past it a new connection is refused at once (never reach the open-file limit)."""
 
     def __init__(self, max_connections: int, hard_limit: int | None = None) -> None:
         self.max_connections = max_connections
@@ -55,15 +49,13 @@ class ConnectionGuard:
         self.refused = 0
         self.evicted = 0
         self._busy: dict[Any, web.Request] = {}          # protocols with a request in progress: it
-        # Kept here, O(1) per accept: aiohttp's `Server.connections` copies the list of every open
-        # connection, and a fleet reconnecting at once (10,000 agents) made that quadratic.
+        # Kept here, O(1) per accept: aiohttp's `Server.connections` copies the list of every open one.
         self._open: dict[Any, None] = {}                 # connected handlers, oldest first
         self._fresh: dict[Any, float] = {}               # handlers made, not yet connected: when
         self._trim_soon = False
 
     def factory(self, server: web.Server) -> Callable[[], asyncio.BaseProtocol]:
-        """Wrap aiohttp's protocol factory (`AppRunner.server`), following its connections as the
-        server's handlers report them made and lost."""
+        """Wrap aiohttp's protocol factory (`AppRunner.server`), following the connections it makes and loses."""
         made, lost = server.connection_made, server.connection_lost
 
         def on_made(handler: Any, transport: asyncio.Transport) -> None:
@@ -136,17 +128,14 @@ def local_address(transport: asyncio.BaseTransport | None) -> str:
 
 
 def ack_age_s(transport: asyncio.BaseTransport | None) -> float | None:
-    """How long ago the peer last showed that it and the path to it work (its last ACK, a keepalive
-    probe's answer included); None where unknown."""
+    """How long ago the peer last showed that it and the path work (its last ACK, keepalive answers too)."""
     info = tcp_info.of(transport)
     return None if info is None else info.last_ack_recv_s
 
 
 def request_waited_s(request: web.Request) -> float:
-    """How long ago the request's last bytes arrived (its connection's kernel received them): how
-    long it waited for the server to get to it. 0.0 where unknown, and for a request sent before
-    the reply to the one before it went out (pipelined): its wait was that request's, the client's
-    choice (a client must not make the server look behind to everyone by pipelining)."""
+    """How long the request waited for the server since its last bytes arrived; 0.0 where unknown and when
+    pipelined (sent before the previous reply): that wait was the client's choice, not the server's lag."""
     info = tcp_info.of(request.transport)
     if info is None:
         return 0.0
@@ -154,8 +143,7 @@ def request_waited_s(request: web.Request) -> float:
 
 
 def request_ack_age_s(request: web.Request) -> float | None:
-    """`ack_age_s` of the request's connection; once it has ended, as it was when it ended (a FIN or
-    RST just in: about 0)."""
+    """`ack_age_s` of the request's connection; once it ended, as it was then (a FIN or RST just in: ~0)."""
     if CLOSED_ACK_AGE in request:
         age: float | None = request[CLOSED_ACK_AGE]
         return age
@@ -163,8 +151,7 @@ def request_ack_age_s(request: web.Request) -> float | None:
 
 
 class ClientGone(web.HTTPClientError):
-    """The client closed its connection before its body arrived: nobody is left to answer (counted
-    as 499, nginx's "client closed request")."""
+    """The client closed its connection before its body arrived: counted as 499 (nginx's "client closed")."""
     status_code = 499
 
 
@@ -180,15 +167,14 @@ async def send_and_close(request: web.Request, response: web.StreamResponse) -> 
 
 
 async def read_body(request: web.Request) -> bytes:
-    """The request's body, or a refusal when it announces more than MAX_BODY_BYTES, does not arrive
-    in BODY_TIMEOUT_S or cannot be read (a malformed chunked body, one cut short); a client gone
-    mid-body is one line of the log. (A chunked body over the limit: aiohttp's 413 while reading.)"""
+    """The request's body, or a refusal when it announces more than MAX_BODY_BYTES (a chunked one:
+    aiohttp's 413), does not arrive in BODY_TIMEOUT_S or cannot be read; a client gone is one log line."""
     if request.content_length is not None and request.content_length > MAX_BODY_BYTES:
         raise RendezvousError(ErrorCode.TOO_LARGE, f"the body announces {request.content_length} bytes "
                               f"(Content-Length); at most {MAX_BODY_BYTES} are accepted")
     try:
         if request.content.is_eof():     # all of it came with the headers (nearly every agent request):
-            return await request.read()  # read at once, without wait_for's task and timer (7 % of a poll)
+            return await request.read()  # read at once, without wait_for's task and timer
         return await asyncio.wait_for(request.read(), BODY_TIMEOUT_S)
     except asyncio.TimeoutError:
         raise SlowBody(ErrorCode.BAD_REQUEST, f"the request body did not arrive within "

@@ -1,12 +1,9 @@
 """Replies written straight to a connection, and the response aiohttp is then given in their place.
 
-A held long-poll woken by a change used to be answered by its own task: resumed through aiohttp's
-handler and the middlewares, a Response built, its headers formatted, then written. At 10,000 held
-polls that came to about 230 us a poll, one after the other, so the last node heard of a new round
-2.3 s after the report that made it. A `DirectReply` lets the coordinator write the reply during
-the wake itself (a header from a template, the encoded view, one `transport.write`); the poll's
-task catches up afterwards, does the poll's bookkeeping, and returns `AlreadyWritten`, so aiohttp
-writes nothing more and keeps the connection for the node's next request.
+A held long-poll woken by a change is answered during the wake itself (a header from a template, the
+encoded view, one `transport.write`), not by resuming each poll's task through aiohttp one after the
+other, which made the last of many nodes hear of a new round seconds late. The poll's task catches up
+afterwards and returns `AlreadyWritten`: aiohttp writes nothing more and keeps the connection.
 """
 from __future__ import annotations
 
@@ -24,9 +21,7 @@ _HEAD = ("HTTP/1.1 200 OK\r\nContent-Type: " + CONTENT_TYPE + "\r\nContent-Lengt
 
 
 class AlreadyWritten(web.StreamResponse):
-    """What a handler returns once its reply went out by other means: aiohttp writes nothing more.
-    `keep_alive`: the connection serves the client's next request (a direct reply); False: aiohttp
-    lets it go (a stream upgraded to its own protocol)."""
+    """Returned once the reply went out by other means: aiohttp writes nothing more (`keep_alive`: keep it open)."""
 
     def __init__(self, *, status: int = 200, keep_alive: bool = False) -> None:
         super().__init__(status=status)
@@ -40,8 +35,7 @@ class AlreadyWritten(web.StreamResponse):
 
 
 class DirectReply:
-    """Writes one 200 reply with a MessagePack body to a request's connection, at most once.
-    `sent`: it did (the handler then returns `AlreadyWritten(keep_alive=True)`)."""
+    """Writes one 200 MessagePack reply to a request's connection, at most once (`sent`: it did)."""
 
     __slots__ = ("_request", "sent")
 
@@ -51,8 +45,7 @@ class DirectReply:
 
     @staticmethod
     def fits(request: web.Request) -> bool:
-        """Only an HTTP/1.1 request that keeps its connection: anything else (HTTP/1.0, `Connection:
-        close`) is answered by aiohttp, which knows how to say so."""
+        """Only HTTP/1.1 keeping its connection: aiohttp answers the rest (HTTP/1.0, `Connection: close`)."""
         return request.version == HttpVersion11 and request.keep_alive
 
     def __call__(self, status: NodeStatus) -> bool:

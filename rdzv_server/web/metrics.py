@@ -2,37 +2,12 @@
 
 Every app owns one `CollectorRegistry` (never the global one), so several servers can share a
 process. State is read at scrape time from the core; history is counted from the core's effects
-(`Coordinator.effect_listeners`); HTTP traffic is measured by `metrics_middleware`.
-
-Metrics (all prefixed `rdzv_`):
-  rdzv_jobs{state}                          gauge: jobs held by the server, every JobState (0 included)
-  rdzv_nodes{state}                         gauge: nodes of unfinished jobs: waiting, member, spare, excluded
-  rdzv_open_long_polls                      gauge: agent long-polls waiting for an answer now
-  rdzv_rounds_total{cause}                  counter: rounds formed, by cause (events.RoundCause)
-  rdzv_restarts_total                       counter: restarts of a job's workers after a worker failure
-                                            (one per accepted failure report; the report that exhausts
-                                            max_restarts fails the job instead and is not counted)
-  rdzv_worker_failures_total{reason}        counter: failed workers reported ("exited", "hang",
-                                            "spawn failed", else "other")
-  rdzv_nodes_lost_total                     counter: nodes lost (lease expired, connection dropped,
-                                            agent restarted); nodes that leave are not counted
-  rdzv_nodes_unhealthy_total{reason}        counter: nodes that left a job unhealthy, by kind (gpu,
-                                            health_check, gpu_fault, stuck_worker)
-  rdzv_unhealthy_hosts                      gauge: hosts held out of every job as unhealthy now
-  rdzv_round_formation_seconds              histogram: first node waiting (or failure) -> round formed
-  rdzv_failure_to_round_seconds{cause}      histogram: worker failure / lost node's last contact -> the
-                                            next round formed (cause "failure" or "node_lost")
-  rdzv_store_commits_total, rdzv_store_commit_failures_total, rdzv_store_commit_seconds_total
-                                            counters: durable store commits (one fsynced transaction each)
-  rdzv_store_commit_max_seconds             gauge: longest commit since start
-  rdzv_event_loop_lag_max_seconds           gauge: longest event loop stall since start
-  rdzv_connections_refused_total            counter: connections closed at once, past the hard limit (a flood)
-  rdzv_connections_evicted_total            counter: idle connections closed to make room for new ones
-  rdzv_http_requests_total{route,method,status}            counter
-  rdzv_http_request_duration_seconds{route,method,status}  histogram (long-polls included: up to 30 s+)
-`route` is the route's template (`/v1/jobs/{job_id}`), with an agent action filled in
-(`/v1/jobs/{job_id}/poll`: a bounded set, and joins must not share buckets with long-polls);
-requests no route matches are "unmatched". A request the client abandoned has status "499".
+(`Coordinator.effect_listeners`); HTTP traffic is measured by `metrics_middleware`. Each metric's help
+text below says what it counts (all prefixed `rdzv_`): jobs and nodes by state, open long-polls,
+rounds, restarts, worker failures, lost and unhealthy nodes, store commits, loop lag, connections
+refused and evicted, and HTTP requests by `route` (the route's template with an agent action filled
+in: a bounded set, and joins must not share buckets with long-polls; "unmatched" when no route
+matched) and status ("499": the client abandoned it).
 """
 from __future__ import annotations
 

@@ -1,11 +1,7 @@
 """Operator views of the rendezvous state: the JSON documents (the HTML page in page.py renders these).
-
-Read-only: nothing here changes a job. Times are ISO 8601 UTC; durations are seconds.
-
-Every document is bounded whatever the server holds: `server_status` is one page of jobs with at
-most `list_limit` nodes per list, `job_detail` one page of each node list, `job_events` at most the
-kept history. Counts are always the whole truth; `lists_cut` says a list shows only part of it.
-The only work that grows with the number of jobs is ordering them (one sort of small keys).
+Read-only; times ISO 8601 UTC, durations seconds. Every document is bounded (a page of jobs, of each node
+list, at most the kept events); counts are always the whole truth, and `lists_cut` says a list is partial.
+Only ordering the jobs grows with their number (one sort of small keys).
 """
 from __future__ import annotations
 
@@ -66,8 +62,6 @@ def query_int(query: Mapping[str, str], name: str, default: int, *, low: int = 0
     return value if high is None else min(value, high)
 
 
-# ---- nodes ------------------------------------------------------------------------------------------
-
 def _node(job: JobRecord, node: NodeRecord, now: float, **extra: Any) -> NodeView:
     return NodeView(node_id=node.node_id, state=node.state.value, host=node.host, addr=node.addr, role=node.role,
                     local_world_size=node.local_world_size, lease_age_s=round(now - node.last_seen, 3),
@@ -122,8 +116,6 @@ def node_lists(job: JobRecord, now: float, offset: int, limit: int) -> NodeLists
     return lists
 
 
-# ---- jobs -------------------------------------------------------------------------------------------
-
 def _job_head(job: JobRecord) -> dict[str, Any]:
     r = job.round
     return dict(job_id=job.job_id, state=job.state.value, reason=job.reason, round_id=r.round_id if r else None,
@@ -145,8 +137,7 @@ def job_detail(job: JobRecord, now: float, node_offset: int = 0, node_limit: int
 
 
 def job_events(job: JobRecord, after: int | None = None, limit: int = MAX_EVENTS_PER_JOB) -> EventsView:
-    """The kept events, oldest first: with `after`, the first `limit` newer than that seq (`more` says
-    whether others follow); without, the newest `limit`."""
+    """Kept events, oldest first: the first `limit` after seq `after` (`more`: others follow), else the newest."""
     if after is None:
         kept, more = (job.events[-limit:] if limit else []), False
     else:
@@ -158,8 +149,7 @@ def job_events(job: JobRecord, after: int | None = None, limit: int = MAX_EVENTS
 
 
 def ordered_jobs(core: Rendezvous) -> list[JobRecord]:
-    """Every job in the views' order: unfinished ones first (forming before running, then by id),
-    then finished ones, newest first (then by id)."""
+    """Every job: forming, then running (each by id), then finished ones, newest first (then by id)."""
     forming: list[JobRecord] = []
     running: list[JobRecord] = []
     finished: list[JobRecord] = []

@@ -174,8 +174,9 @@ class RendezvousMachine(RuleBasedStateMachine):
             self.rz.poll(JOB, PollRequest(v=1, node_id=node_id), self.now)
 
     def _heard_lately(self) -> bool:
-        """Whether the server heard from some agent within QUIET_S: only then is a lapse a loss."""
-        return self.rz.heard_at is not None and self.now - self.rz.heard_at < QUIET_S
+        """Whether the server heard from some agent within SUSPECT_QUIET_S: only then is a lapse surely a
+        loss (past it the suspect rule holds a lapsing lease back until someone is heard; leases.py)."""
+        return self.rz.heard_at is not None and self.now - self.rz.heard_at < SUSPECT_QUIET_S
 
     @precondition(lambda self: self._live() and len(self.job.nodes) >= 2)
     @rule(data=st.data())

@@ -1,10 +1,7 @@
 """The agent's side of the warm zygote: start it early, ask it for a worker, see the worker's exit.
-
-Never waits long and never fails a launch: a zygote still importing, dead, refusing (not clean) or slow to
-answer means the cold start for that launch (`spawn()` returns None). A zygote that died, or whose
-environment no longer matches the workers', is started anew in the background (at most MAX_STARTS times).
-A warm worker is a child of the zygote, so the zygote reaps it and reports its exit code (negative: the
-signal); a zygote that dies takes its workers with it (PDEATHSIG), and they are reported killed by SIGKILL.
+Never waits long and never fails a launch: a zygote not ready, dead, refusing or slow means a cold start
+(`spawn()` returns None); a dead or mismatched one is replaced in the background (MAX_STARTS in all). The
+zygote reaps its workers and reports their exits; when it dies they die too, reported killed by SIGKILL.
 """
 from __future__ import annotations
 
@@ -137,8 +134,7 @@ class WarmZygote:
             answer = self._answers.pop(int(m.get("id", -1)), None)
             if answer is not None and not answer.done():
                 if m.get("op") == "started":
-                    # Known from now on: its "exited" may be the very next message, read before spawn()
-                    # resumes (a script that ends at once), and an exit of an unknown pid is dropped.
+                    # Known now: its "exited" may come next, before spawn() resumes, and an unknown pid's is dropped.
                     worker = self._handover[int(m["pid"])] = WarmProcess(int(m["pid"]))
                     self._workers[worker.pid] = worker
                 answer.set_result(m)
@@ -200,7 +196,6 @@ class WarmZygote:
         if not self._ready:
             return None
         if launch.base_env != self.env:
-            # The agent's environment changed since the zygote started: this launch goes cold, the next warm.
             changed = sorted(k for k in {*launch.base_env, *self.env} if launch.base_env.get(k) != self.env.get(k))
             self._warn(f"warm workers: the workers' environment differs from the zygote's "
                        f"({', '.join(changed)[:200]}); this round starts cold, a new zygote is started for the next")
@@ -221,8 +216,7 @@ class WarmZygote:
         return await self._ask({"op": "query"}) if self._ready else None
 
     async def wait_ready(self, timeout: float) -> bool:
-        """Wait (bounded) while a zygote is on its way; whether one is ready. A zygote that cannot start,
-        or dies for the last time, ends the wait at once."""
+        """Wait (bounded) while a zygote is on its way (one that cannot start ends it); whether one is ready."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         while not self._ready and self.coming and loop.time() < deadline:

@@ -1,13 +1,8 @@
 """Which launch may start warm, and what the zygote is told for it.
-
-Warm: `PYTHON -u script args` and `PYTHON -u -m module args`, with PYTHON the zygote's interpreter and an
-environment equal to the zygote's but for the launcher's own per-worker variables (a different PYTHONPATH,
-OMP_NUM_THREADS, locale... would make an interpreter that started differently). Everything else
-(--no-python, --run-path, other programs, `-c`) starts cold.
-
-`entry_imports` and `imports_any` tell whether a round should wait for a zygote still importing: only
-when the entry point itself imports a preloaded package (a script that does not import torch would
-wait for nothing); and whether the agent hosts the round's c10d store (the script imports torch).
+Warm: `PYTHON -u script args` and `PYTHON -u -m module args`, PYTHON the zygote's, with the zygote's
+environment but for the per-worker variables (another PYTHONPATH, locale... starts an interpreter
+differently). All else starts cold. `entry_imports`/`imports_any` tell from the entry point's own imports
+whether a round waits for the zygote and whether the agent hosts the c10d store.
 """
 from __future__ import annotations
 
@@ -50,15 +45,14 @@ MAX_SOURCE = 4 << 20    # bytes of an entry point read to find its imports: past
 
 
 def imports_any(imported: frozenset[str] | None, modules: Iterable[str]) -> bool:
-    """Whether `imported` (entry_imports) holds the top-level package of any of `modules`. An entry point
-    that could not be read counts as importing them: waiting for the zygote, or the agent's store, costs
-    it at most what a cold start would."""
+    """Whether `imported` (entry_imports) holds the top-level package of any of `modules`; an unread entry
+    point counts as importing them (the zygote's wait, or the agent's store, costs it no more than cold)."""
     return imported is None or any(name.split(".")[0] in imported for name in modules)
 
 
 def entry_imports(entry: str, *, module: bool, cwd: str) -> frozenset[str] | None:
-    """The top-level packages the script (or `-m` module) imports, at any depth of its own source: read,
-    never run. None when it cannot be found, read or parsed."""
+    """The top-level packages the script (or `-m` module) imports anywhere in its source, read, never run;
+    None when it cannot be found, read or parsed."""
     path = module_source(entry, [cwd, *sys.path]) if module else entry
     if path is None:
         return None

@@ -1,17 +1,14 @@
 """The warm zygote: an interpreter that imports the preload list once, then forks one worker per request.
 
-Run by the agent as `PYTHON -u zygote.py FD PATH0 MOD[,MOD...]` (the worker's own interpreter and flags),
-it imports only the standard library, never node_agent: it must run under any PYTHON_EXEC.
-Before every fork it checks that it is still clean: no Python thread but its own, CUDA not initialised
-(torch.cuda.is_initialized()); it opens no socket but FD, the control socket the agent gave it.
-
-The wire (one SOCK_SEQPACKET datagram per message, JSON):
+Run by the agent as `PYTHON -u zygote.py FD PATH0 MOD[,MOD...]` with the worker's interpreter: it imports only
+the standard library, never node_agent, as it must run under any PYTHON_EXEC. It forks only while clean (no
+other Python thread, CUDA not initialised) and opens no socket but FD, the agent's. It dies with the agent
+(PR_SET_PDEATHSIG, set by the agent), each child with it. The wire (a SOCK_SEQPACKET datagram of JSON each):
   zygote -> agent  {"op": "ready", "failed": [[mod, error], ...]}      once, after the preloads
   agent -> zygote  {"op": "spawn", "id": N, ...launch...} + fds [stdin, stdout, stderr(, heartbeat)]
   zygote -> agent  {"op": "started", "id": N, "pid": P} or {"op": "refused", "id": N, "why": "..."}
   zygote -> agent  {"op": "exited", "pid": P, "code": C}             C: waitpid's exit code, -SIG when killed
   agent -> zygote  {"op": "query"} -> {"op": "state", ...}            what the tests check before a fork
-The zygote dies with the agent (PR_SET_PDEATHSIG, set by the agent) and each child with the zygote.
 """
 from __future__ import annotations
 
@@ -162,10 +159,8 @@ class Zygote:
 
 
 def _per_worker_setup(launch: dict[str, Any]) -> None:
-    """The one place for what the cold path's preexec does per worker beyond its session and death signal:
-    the launch carries it (eligible.WarmLaunch.message). "cpus": the CPU affinity (--numa-binding).
-    eligible.warm_launch fills it from WorkerLaunch.cpu_affinity, as the cold path's deathsig.child_setup
-    gets it."""
+    """What the cold path's deathsig.child_setup does per worker beyond session and death signal, from the
+    launch (eligible.WarmLaunch): "cpus", the --numa-binding affinity. Keep the two alike."""
     cpus = launch.get("cpus")
     if cpus:
         try:
@@ -175,8 +170,7 @@ def _per_worker_setup(launch: dict[str, Any]) -> None:
 
 
 def _reseed() -> None:
-    """State that an interpreter seeds from the OS at import: a cold worker gets its own, so must this one.
-    (os.fork() already reseeds `random`.)"""
+    """Reseed what an interpreter seeds from the OS at import, as a cold worker would (fork reseeds `random`)."""
     numpy_random = sys.modules.get("numpy.random")
     if numpy_random is not None:
         numpy_random.seed()
@@ -186,16 +180,9 @@ GLOO_SETTLE_S = 0.05
 
 
 def _let_gloo_threads_finish_at_destroy() -> None:
-    """Make `torch.distributed.destroy_process_group()` release the GIL for GLOO_SETTLE_S before returning.
-
-    Why: torch's known gloo teardown deadlock (pytorch/pytorch#56297). A gloo worker thread frees a
-    finished collective's tensors after the caller has moved on, and freeing one that Python touched
-    takes the GIL. A script that calls destroy_process_group() and returns at once frees its DDP model,
-    whose Reducer then runs the process group's destructor *holding the GIL* and joins that thread:
-    both wait forever. Whether it happens is a race on how soon the script returns after its last
-    collective (a few ms), and warm workers, which start with more already imported, won it more
-    often: 6 of 26 jobs hung with torch._dynamo preloaded, 0 of 40 with this pause. The pause lets
-    the worker threads take the GIL and finish first; it costs a job 0.05 s once, at its end."""
+    """Make `destroy_process_group()` release the GIL for GLOO_SETTLE_S, against gloo's teardown deadlock (a gloo
+    thread freeing tensors needs the GIL, which the DDP Reducer's destructor holds while joining it), a race
+    that warm workers lose more often: the pause lets the gloo threads finish first, once per job."""
     dist = sys.modules.get("torch.distributed")
     c10d = sys.modules.get("torch.distributed.distributed_c10d")
     destroy = getattr(c10d, "destroy_process_group", None)
@@ -244,8 +231,7 @@ def run_as_main(launch: dict[str, Any]) -> None:
             exit_at_once(exc.code or 0)
         raise
     except BaseException as exc:
-        # Print as the interpreter would, without our frames; then exit 1 (or SIGINT's death for a
-        # KeyboardInterrupt).
+        # Printed as the interpreter would, less our frames; exit 1 (a KeyboardInterrupt: SIGINT's death).
         _strip_zygote_frames(exc)
         sys.excepthook(type(exc), exc, exc.__traceback__)
         sys.excepthook = lambda *_: None
@@ -256,15 +242,9 @@ def run_as_main(launch: dict[str, Any]) -> None:
 
 
 def exit_at_once(code: int) -> None:
-    """A worker whose script has ended (returned, sys.exit(N), or its exception printed and its @record
-    error file written) is done: end it now instead of after the interpreter's finalization, which with
-    torch loaded tears down every module, the process group and (on a GPU) CUDA and NCCL: 0.7-2 s here,
-    1.6-1.9 s on an H100, all of it before the agent can start the next round; in a forked worker that
-    teardown also hung now and then in gloo's process-group destructor. What the user keeps: atexit
-    handlers run (logging's flush among them), stdout/stderr and every file object still open are flushed,
-    the same exit status. What is skipped: module teardown and objects' __del__. A worker with a
-    non-daemon Python thread still running (it may be finishing a write) takes the full exit, as does one
-    started with NODE_AGENT_FULL_EXIT=1."""
+    """End a finished worker now, not after finalization (with torch: slow teardowns that delay the next round
+    and could hang in gloo). Kept: atexit handlers, flushed files, the exit status; skipped: module teardown,
+    __del__. A live non-daemon thread (maybe finishing a write) or NODE_AGENT_FULL_EXIT=1: the full exit."""
     import threading
     if os.environ.get("NODE_AGENT_FULL_EXIT") == "1":
         return
@@ -311,9 +291,8 @@ def _run_script(main: types.ModuleType, script: str) -> None:
 
 
 def main() -> None:
-    # Python's advice for fork without exec: no collection in the parent (no freed holes in its pages),
-    # gc.freeze() before each fork and gc.enable() in the child, so that the child's collections never
-    # touch (and copy) the zygote's objects. A worker's exit then takes less time than a cold one's.
+    # Python's advice for fork without exec: no collection here, gc.freeze() before each fork, gc.enable() in
+    # the child, whose collections then never touch (and copy) the zygote's objects.
     gc.disable()
     fd, path0, preload = int(sys.argv[1]), sys.argv[2], [m for m in sys.argv[3].split(",") if m]
     sys.path[0] = path0   # preloads resolve as they would in the worker

@@ -1,19 +1,9 @@
-"""etcd v3 through its HTTP/JSON gateway: the `/v3/...` routes every etcd since 3.4 serves on its
-client port, next to gRPC. Keys and values travel base64-encoded, 64-bit numbers as strings.
-
-Why the gateway and not a gRPC client: the store and the election need five calls (range, txn,
-lease grant/keep-alive/revoke); over the gateway they are plain HTTP requests with the standard
-library's `http.client` and `ssl` (TLS and client certificates as everywhere else in the server),
-so the server gains no gRPC runtime (threads of its own, fork hazards, a large native wheel), and
-the client tries the cluster's members in turn itself: a member that refuses or times out sends
-the request to the next one, which the asyncio gRPC clients on PyPI do not do for several hosts.
-
-Calls block: the store calls them from the persister's worker thread and the election from a thread
-of its own, each with its own `EtcdClient` (an `http.client` connection is not shared between
-threads). One persistent connection per member.
-
-Errors: `EtcdUnavailable` when no member gave an answer (down, no quorum, timed out: retry later),
-`EtcdRefused` when a member answered that the request itself is wrong (too large, bad auth, ...).
+"""etcd v3 through its HTTP/JSON gateway (`/v3/...`, every etcd since 3.4): base64 keys and values, 64-bit numbers
+as strings. Not gRPC: the five calls needed are plain HTTP with `http.client` and `ssl`, so no gRPC runtime, and
+the client itself tries the members in turn (one that refuses or times out passes the request to the next).
+Calls block; the store's and the election's threads each have their own `EtcdClient` (a connection is not shared
+between threads), one persistent connection per member. `EtcdUnavailable`: no member answered (retry later);
+`EtcdRefused`: a member answered that the request itself is wrong (too large, bad auth, ...).
 """
 from __future__ import annotations
 
@@ -56,10 +46,9 @@ class EtcdSettings:
 
 
 def request_timeout_s(leader_ttl_s: float) -> float:
-    """How long one request waits for one member, for the store and the election alike: a quarter of
-    the leader's lease (at least 0.5 s). A member that takes connections but never answers (stopped,
-    overloaded, cut off after the handshake) then costs a commit or a renewal that long before the
-    next member is tried, and a request tried at every member of three still ends inside the lease."""
+    """How long one request waits for one member (store and election alike): a quarter of the leader's lease, at
+    least 0.5 s, so a member that takes connections but never answers delays the next member's try that long, and
+    a request tried at every member of three still ends inside the lease."""
     return max(0.5, leader_ttl_s / 4)
 
 
@@ -131,8 +120,7 @@ def key_values(reply: dict[str, Any]) -> list[KeyValue]:
 def explain(message: str) -> str:
     """etcd's message, with what to do where etcd's own words do not say it."""
     if "CommonName of client" in message:
-        # With client-cert-auth and auth both on, the gateway cannot pass a certificate's CN on as the
-        # user, so it refuses any client certificate that has one.
+        # With client-cert-auth and auth on, the gateway cannot pass a certificate's CN on as the user: refused.
         return (f"{message} (with etcd authentication on, etcd's HTTP gateway refuses a client certificate "
                 "that has a Common Name: give --etcd-cert one without a CN; --etcd-user names the user)")
     return message

@@ -1,27 +1,16 @@
 """Active/standby replicas: which one serves, decided by an election on etcd.
 
-The election key (`P leader`) holds the leader's advertised URL and is attached to the leader's
-etcd lease. A replica wins by creating the key in a transaction whose compare says it does not
-exist; the key's create revision is then the leader's fence: every commit of the store compares
-it (store/etcd/store.py), so once the key is gone or belongs to another replica, a leader that has not
-noticed commits nothing.
-
-- The leader renews its lease every TTL/4. It knows the lease lives until the send time of its
-  last renewal plus the TTL etcd gave; past that, less a margin, it can no longer be sure, and it
-  steps down (its requests are refused from that moment, before it hears anything): a leader
-  frozen by SIGSTOP, cut off, or unable to reach etcd for a TTL stops serving by itself.
-- A standby reads the key every POLL_S. When it is gone (the lease expired or was revoked) it
-  campaigns. While it names a leader, the standby checks that the leader's port still accepts
-  connections: a refused connection means its process is gone while its host is up (killed, or
-  crashed), and the standby revokes that leader's lease at once instead of waiting out the TTL.
-  A stopped or cut-off leader refuses nothing, so only its TTL ends its term; and a leader wrongly
-  thought gone would only lose its lease, never its fence's protection.
-- A replica that finds its own URL in the key (its previous process died) revokes it at once.
-- A clean stop revokes the lease after the last commit, so a standby takes over within POLL_S.
-
-The etcd calls block; they run on a thread of the election's own, with their own connections and a
-timeout short enough that a renewal never waits past the lease (`request_timeout_s`, which the
-store's commits use too).
+The election key (`P leader`: the leader's URL, on its etcd lease) is won by a transaction creating it only if it
+is absent; its create revision is the leader's fence, compared by every commit (store.py), so a leader that missed
+losing the key commits nothing.
+- The leader renews every TTL/4 and steps down (refusing requests at once) when the lease may have lapsed (last
+  renewal's send time + the TTL granted - a margin): a leader frozen, cut off or without etcd stops by itself.
+- A standby reads the key every POLL_S and campaigns when it is gone. If the named leader's port refuses
+  connections (process gone, host up) it revokes that lease at once; a stopped or cut-off leader refuses nothing,
+  so its TTL ends it, and one wrongly thought gone loses its lease, never its fence.
+- A replica revokes a key naming its own URL (its previous process died); a clean stop revokes the lease after
+  the last commit, so a standby takes over within POLL_S.
+Calls run on the election's own thread, timed out within the lease (`request_timeout_s`).
 """
 from __future__ import annotations
 
@@ -98,16 +87,16 @@ class Leadership:
         return self.leading and time.monotonic() < self._sure_until
 
     def electing(self) -> bool:
-        """No replica serves that this one knows of: the key is gone (or names a leader found gone),
-        or this one won and is loading the state."""
+        """No replica serves that this one knows of (no key, or its leader found gone), or this one won and loads
+        the state."""
         return not self._stopping and (self.leader_url is None or (self.leading and self.sure()))
 
     def start(self) -> None:
         self._task = asyncio.create_task(self.run(), name="rdzv-election")
 
     def stop_campaigning(self) -> None:
-        """A clean stop begins: a standby stops here; a leader keeps its lease (and its fence) while
-        the server writes its last commits, then `resign` gives it back."""
+        """A clean stop begins: a standby stops here; a leader keeps its lease (and fence) for its last commits,
+        then `resign` gives it back."""
         self._stopping = True
         if not self.leading and self._task is not None:
             self._task.cancel()

@@ -1,28 +1,14 @@
-"""The durable store on etcd v3 (`--store etcd://...`): the rows of snapshots.py as etcd keys, every
-commit fenced on the leader's election key.
+"""The durable store on etcd v3: snapshots.py's rows as keys under the deployment's prefix P.
 
-Keys, under the deployment's prefix P (several deployments share one etcd by their prefixes):
-- `P leader`: the election key (store/etcd/election.py), holding the leader's advertised URL;
-- `P meta`: when the leader was last known alive, and whether it stopped cleanly;
-- `P jobs/ID/row`: the job's JobRecord without nodes and events;
-- `P jobs/ID/n/BB`: the job's node records, in NODE_BUCKETS buckets by a hash of the node id (a
-  commit rewrites only the buckets of the nodes that changed; a bucket keeps the op count of any
-  commit under etcd's --max-txn-ops default of 128 whatever the job's size);
-- `P jobs/ID/e/SEQ`: the events one commit added, keyed by the first one's number (zero-padded,
-  so keys sort by number); packs wholly older than the kept history are deleted by a range (the
-  first numbers of a job's packs are kept here, as its buckets are).
-
-Every commit is an etcd transaction whose compare says the election key still has the create
-revision it had when this replica won. A deposed leader that has not noticed yet commits nothing:
-its transaction fails as a whole and it raises `Deposed`. A batch is one transaction when it fits
-etcd's limits (--max-txn-ops, --max-request-bytes); a larger one is split between jobs, never
-inside one: a job's change is always all there or not at all. If a later part of a split batch
-fails, the jobs of the earlier parts are committed although their replies are refused; the
-persister reads every job of the batch back, so the server holds exactly what etcd holds.
-
-A load reads every key at one revision (paged), so it sees one commit entirely or not at all.
-The node buckets as committed are kept here too, to rewrite one bucket without reading it; the
-leader is the only writer, and a read-back after a failure replaces them.
+`P leader` (election.py), `P meta` (last alive, clean stop), `P jobs/ID/row`, `P jobs/ID/n/BB` (node records in
+NODE_BUCKETS buckets by node-id hash: a commit rewrites only changed buckets, keeping its ops under etcd's default
+--max-txn-ops of 128 at any job size), `P jobs/ID/e/SEQ` (one commit's events keyed by the first's zero-padded
+number; packs older than the kept history go by a range delete). Every commit compares the election key's create
+revision from when this replica won, so a deposed leader commits nothing (`Deposed`). A batch over etcd's limits
+is split between jobs, never inside one; if a later part fails, earlier parts stay committed though their replies
+are refused, and the persister reads every job back, so the server holds what etcd holds. A load reads all keys at
+one revision (paged), so it sees whole commits. Committed buckets and pack starts are kept here, so a bucket is
+rewritten without a read (the leader is the only writer; a read-back replaces them).
 """
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
-"""One job's card on the status page: its stats, node tables, failures, config and event history.
-
-Renders the documents of `views` (job_detail, job_events). Node tables show the rows the document
-holds and say how many more there are, so a card costs the same for 10 nodes or 10,000.
-"""
+"""One job's card on the status page (stats, node tables, failures, config, events) from `views`' documents. Node
+tables show the rows the document holds and how many more there are, so a card costs the same at any job size."""
 from __future__ import annotations
 
 from typing import Any
@@ -140,9 +137,8 @@ def events_table(events: list[EventView], now: float, details: bool) -> str:
 
 def card(job: JobView, events: list[EventView], now: float, *, full: bool, extra: str = "",
          pager: str = "", picture: str = "") -> str:
-    """A job's card: `full` on its own page (node tables paged by `pager`), else the overview's, whose
-    node tables stop at what `job` holds and link to the job's page for the rest. `picture`: the
-    job's history drawn (history.py), under its stats."""
+    """A job's card: `full` on its own page (node tables paged by `pager`), else the overview's, its node tables cut
+    at what `job` holds and linking to the job's page. `picture`: the job's history (history.py), under its stats."""
     colour, warns = health(job)
     timeout = job.config.lease_timeout_s if isinstance(job, JobDetail) else None
     jid, counts = job.job_id, job.counts

@@ -1,13 +1,8 @@
-"""A picture of one job's history: an inline SVG (no script) of its rounds, its member count, and its
-failures, losses, joins and promoted spares over time, from the job's view and its kept events.
-
-Pure: `history_svg(job, events, now)` takes the job's view (`views.job_detail` or `job_summary`) and
-the events its record keeps, and returns markup. Bounded for a 2-node job or a 1,000-node one: the
-record keeps at most MAX_EVENTS_PER_JOB events, one pass reads them, rounds narrower than a few
-pixels are drawn together as one span and marks closer than a few pixels as one mark with its count,
-so the SVG never has a row per node and its size has a ceiling. Every client string (the job id,
-reasons, messages) is escaped, and clipped.
-"""
+"""A picture of one job's history: an inline SVG (no script) of its rounds, member count, failures, losses, joins
+and promoted spares over time; pure: `history_svg(job, events, now)` returns markup. Bounded whatever the job's
+size: one pass reads at most MAX_EVENTS_PER_JOB events, rounds narrower than a few pixels are drawn as one span
+and marks closer than a few pixels as one mark with its count, so the SVG never has a row per node and its size
+has a ceiling. Every client string (job id, reasons, messages) is escaped and clipped."""
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -122,8 +117,6 @@ def read_history(job: JobView, events: Sequence[Event], now: float) -> History:
     t1 = finish[0] if finish else finished if finished is not None else now
     return History(t0, max(t1, t0), cut, spans, marks, finish)
 
-
-# ---- the lanes ----------------------------------------------------------------------------------
 
 def _end(s: Span, h: History) -> float:
     return s.end if s.end is not None else h.t1
@@ -335,8 +328,6 @@ def _finish(h: History, f: Frame, legend: Legend) -> list[str]:
             f'<text x="{x - 5:.1f}" y="{y + 13}" text-anchor="end" fill="{colour}" font-weight="600">job {state}'
             f"</text>"]
 
-
-# ---- the picture --------------------------------------------------------------------------------
 
 def summary(job: JobView, h: History) -> str:
     """What the picture shows, in words (its <desc>, for screen readers and the page's text)."""

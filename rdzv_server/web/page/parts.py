@@ -1,8 +1,5 @@
-"""Small pieces of the status page's HTML: escaping, links, times and ages, badges, tables, pagers.
-
-Every client-supplied string goes through `esc` (html.escape with quotes), and every link through
-`link`, so a node id or host can never turn into markup.
-"""
+"""Small pieces of the status page's HTML: escaping, links, times, badges, tables, pagers. Every client string goes
+through `esc` (html.escape with quotes) and every link through `link`, so a node id or host never becomes markup."""
 from __future__ import annotations
 
 import datetime as dt
@@ -92,11 +89,10 @@ def columns_table(columns: Sequence[Column[T]], items: Iterable[T], empty: str, 
 
 
 def table(head: Iterable[str], rows: list[str], empty: str, cls: str = "", more: str = "") -> str:
-    """A boxed table (or the `empty` sentence when there are no rows); `more` is a last line in the box,
-    e.g. how many rows were left out."""
+    """A boxed table (or the `empty` sentence when no rows); a ">" heading is numeric, right-aligned; `more`: a last
+    line, e.g. rows left out."""
     if not rows:
         return f'<div class="box"><div class="empty">{esc(empty)}</div></div>'
-    # a heading starting with ">" is a right-aligned (numeric) column
     ths = "".join(f'<th class="num">{h[1:]}</th>' if h.startswith(">") else f"<th>{h}</th>" for h in head)
     tail = f'<div class="cut">{more}</div>' if more else ""
     return (f'<div class="box"><table class="{cls}"><thead><tr>{ths}</tr></thead>'

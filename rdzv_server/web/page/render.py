@@ -1,16 +1,8 @@
-"""The human status page: `GET /` (one page of jobs) and `GET /jobs/{job_id}` (one job, its nodes paged).
-
-Plain HTML with inline CSS, no script and no build step; it reloads itself (<meta refresh>).
-Everything shown is read from the JSON documents of `views` (server_status, job_detail,
-job_events), so the page and the API never disagree. Every string goes through html.escape:
-node ids, hosts and failure messages come from clients. Times are UTC ISO 8601 plus an age.
-
-Bounded whatever the server holds: the overview lists one page of jobs (`?offset=`, `?limit=`)
-with cards for the first few, each card's node tables stop after a few rows, and the job page
-shows one page of each node list (`?node_offset=`, `?node_limit=`). Pieces: parts.py (small
-HTML helpers), cards.py (one job's card), history.py and svg.py (the picture of a job's history),
-style.py (the CSS).
-"""
+"""The human status page: `GET /` (one page of jobs) and `GET /jobs/{job_id}` (one job, its nodes paged). Plain
+HTML with inline CSS, no script, no build step; it reloads itself (<meta refresh>). All it shows is read from the
+JSON documents of `views`, so the page and the API never disagree; every string is escaped, as node ids, hosts
+and messages come from clients. Bounded whatever the server holds: one page of jobs (`?offset=`, `?limit=`),
+cards for the first few with short node tables, one page of each node list (`?node_offset=`, `?node_limit=`)."""
 from __future__ import annotations
 
 from collections.abc import Mapping
@@ -106,8 +98,6 @@ def _paused(refresh: int) -> int | None:
     return None if refresh == DEFAULT_REFRESH_S else refresh
 
 
-# ---- the overview -------------------------------------------------------------------------------
-
 def _latest(events: list[EventView], now: float) -> str:
     last = events[-1] if events else None
     if last is None:
@@ -191,12 +181,9 @@ def index_page(core: Rendezvous, now: float, refresh: int = DEFAULT_REFRESH_S, n
     return _layout("rdzv-server status", now, body, refresh, "/", params, _counts(status.job_states), notes)
 
 
-# ---- one job ------------------------------------------------------------------------------------
-
 def job_page(core: Rendezvous, job_id: str, now: float, refresh: int = DEFAULT_REFRESH_S, *,
              node_offset: int = 0, node_limit: int = JOB_NODES) -> str | None:
-    """One job in full, one page of each node list; None when the server has no such job (see
-    `not_found_page`)."""
+    """One job in full, one page of each node list; None when the server has no such job (`not_found_page`)."""
     record = core.jobs.get(job_id)
     if record is None:
         return None

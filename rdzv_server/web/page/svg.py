@@ -1,7 +1,5 @@
-"""The pieces of the job picture (`history.py`): its frame and lanes, the time axis, the member-count
-scale, mark glyphs, the legend, colours and escaping. SVG presentation attributes only (no CSS
-classes needed), so the picture looks the same wherever it is put.
-"""
+"""The pieces of the job picture (`history.py`): frame and lanes, time axis, member-count scale, mark glyphs,
+legend, colours, escaping. SVG presentation attributes only (no CSS classes), so it looks the same anywhere."""
 from __future__ import annotations
 
 import datetime as dt
@@ -18,10 +16,8 @@ LEFT, RIGHT = 92, 84      # the plot between them: lane labels and member ticks 
 TOP = 4
 MUTED, GRID, INK = "#656d76", "#eaeef2", "#1f2328"
 
-# Why a round formed: its colour and the words the picture uses. The order is severity: a group of
-# rounds too narrow to draw one by one takes the colour of its worst cause.
-# The running round is drawn by what it is now, running, whatever started it (a round that began with a
-# failure is not failing); its cause stays in its label, tooltip and the legend. Ended rounds by cause.
+# Why a round formed: colour and words, by severity (rounds too narrow to draw singly take their worst cause's). The
+# running round is drawn as running (one begun by a failure is not failing); its cause stays in label and tooltip.
 RUNNING = "#1a7f37"
 CAUSES: dict[str, tuple[str, str]] = {
     "failure": ("#cf222e", "failure (restart)"),
@@ -120,8 +116,7 @@ def lane_labels(f: Frame) -> list[str]:
 
 
 def axis(f: Frame, end: float, running: bool) -> list[str]:
-    """Grid lines at round UTC times and their labels under the lanes; `end` is marked "now" when
-    the job runs."""
+    """Grid lines at round UTC times, labelled under the lanes; `end` is marked "now" when the job runs."""
     t1 = f.t0 + f.span
     step = next((s for s in _STEPS if f.span / s <= (f.right - f.left) / 95), 0)
     if not step:
