@@ -61,19 +61,12 @@ class Agent:
         # the node's own checks (GPUs, --health-check) and --numa-binding: node_checks.py
         self.checks = checks if checks is not None else NodeChecks(settings.checks, self.narrator.say)
         self._first_signal: tuple[int, float] | None = None   # the signal that asked the agent to stop, and when
-        self._exit: Exit | None = None
+        self.exit: Exit | None = None       # how the agent ended (None while it runs)
         # answers the other members' "are you there, and do you hear the server?" (witness.py)
         self.witness = WitnessServer(addr, lambda: self.policy.in_contact, self._holds)
         self._link: ServerLink | None = None
 
-    @property
-    def exit(self) -> Exit | None:
-        """How the agent ended (None while it runs)."""
-        return self._exit
-
-    @staticmethod
-    def now() -> float:
-        return time.monotonic()
+    now = staticmethod(time.monotonic)
 
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
@@ -109,16 +102,16 @@ class Agent:
             await self._do(CheckNode(Stage.JOIN, -1), link)    # the node joins once its checks pass
         else:
             link.rejoin()
-        while self._exit is None:
+        while self.exit is None:
             fact = await self._next_fact()
             actions = self.policy.handle(fact, self.now())
             self.narrator.fact(fact, actions)
             for action in actions:
                 self.narrator.action(action)
                 await self._do(action, link)
-            if self._exit is None:
+            if self.exit is None:
                 link.keep_polling()
-        return self._exit.code
+        return self.exit.code
 
     async def _next_fact(self) -> Fact:
         """The next fact, or DeadlinePassed once the policy's next deadline comes first."""
@@ -153,7 +146,7 @@ class Agent:
             case ProbePeers(witnesses=witnesses):
                 start_source(self._probe(witnesses), self.facts.put_nowait)
             case Exit():
-                self._exit = action
+                self.exit = action
 
     async def _check(self, action: CheckNode) -> None:
         self.facts.put_nowait(await self.checks.check(action, self.workers.stuck_pids))

@@ -44,8 +44,7 @@ def _transport(link: LinkSettings, token: str | None) -> tuple[Transport, str]:
 
 
 async def _run(settings: AgentSettings, token: str | None) -> int:
-    transport, addr = _transport(settings.link, token)
-    agent = Agent(settings, transport, addr)
+    agent = Agent(settings, *_transport(settings.link, token))
     code = await agent.run()
     if code != 0 and settings.reply_file:
         write_reply_file(settings.reply_file, *reply_of(agent.exit, code))

@@ -73,7 +73,7 @@ class Narrator:
                 self.say(f"{worker(first)} is hung: {first.message}")
             case SpawnFailed(failure=failure) if actions:
                 self.say(f"{worker(failure)} did not start: {failure.message}")
-            case NodeChecked(stage=stage, problem=str(problem)) if stage == Stage.JOIN:
+            case NodeChecked(stage=Stage.JOIN, problem=str(problem)):
                 self.say(f"not joining: this node is unhealthy: {problem}; checking again after a back-off")
             case NodeChecked(stage=stage, problem=str(problem)) if actions:
                 self.say(f"node unhealthy ({stage.value}): {problem}; leaving the job (no restart is counted) and "
@@ -83,15 +83,15 @@ class Narrator:
                 self.say(f"the server keeps this host out: {message}; asking again after a back-off")
             case PeersProbed() if actions and isinstance(actions[0], StopWorkers):
                 self.say(actions[0].reason)
-            case PeersProbed(server=server) if server == Path.STANDBY and not self._said_peers:
+            case PeersProbed(server=Path.STANDBY) if not self._said_peers:
                 self._said_peers = True
                 self.say("the server's replicas answer but none serves yet (a takeover or restart is under way): "
                          "the workers keep running")
-            case PeersProbed(verdict=verdict) if verdict == Verdict.STILL_MEMBER and not self._said_peers:
+            case PeersProbed(verdict=Verdict.STILL_MEMBER) if not self._said_peers:
                 self._said_peers = True
                 self.say("the round's other nodes still hear the server, in this node's round: nothing was "
                          "replaced, so the workers keep running while this node's own path comes back")
-            case PeersProbed(verdict=verdict) if verdict == Verdict.SERVER_AWAY and not self._said_peers:
+            case PeersProbed(verdict=Verdict.SERVER_AWAY) if not self._said_peers:
                 self._said_peers = True
                 self.say("the server does not answer, nor does it answer the round's other nodes: the server "
                          "itself is away, so the workers keep running")
@@ -158,8 +158,7 @@ def start_lines(settings: AgentSettings) -> list[str]:
 def reply_of(end: Exit | None, code: int) -> tuple[str, str, float, int | None]:
     """(message, traceback, unix time, error code) for TORCHELASTIC_ERROR_FILE: a failed job's root cause (as
     torch's launcher copies its first failed worker's, exit code as errorCode), else why this agent stopped."""
-    rc = end.root_cause if end is not None else None
-    if rc is not None:
+    if end is not None and (rc := end.root_cause) is not None:
         message = rc.message or f"{worker(rc)} on {rc.host or rc.node_id} failed with {how(rc)}"
         return message, rc.traceback, rc.timestamp or time.time(), rc.exitcode
     if end is not None:

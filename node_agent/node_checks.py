@@ -39,7 +39,6 @@ class NodeChecks:
         self.probe: GpuProbe | None = None
         self.skipped: str | None = None        # why the GPU check is skipped on this GPU node
         self.gpus: NodeGpus | None = None
-        self.last_seconds: float | None = None   # the last NVML check's time
         self._lock = asyncio.Lock()             # one NVML check at a time
         self._said: set[str] = set()
         self.retry_min_s = RETRY_MIN_S          # the first back-off once found unhealthy (tests shorten it)
@@ -107,7 +106,6 @@ class NodeChecks:
         if self.probe is not None and self.gpus is not None:
             async with self._lock:
                 verdict = await asyncio.to_thread(check_gpus, self.probe, self.gpus.ranks.nvml_indices())
-            self.last_seconds = verdict.seconds
             self._warn(verdict.warnings)
             if isinstance(verdict, Unhealthy):
                 return bad(f"GPU check: {verdict.reason}", Kind.GPU)

@@ -68,10 +68,8 @@ class ServerLink:
         if joining is not None and not joining.done():
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(asyncio.shield(joining), JOIN_LANDING_S)
-        try:
+        with contextlib.suppress(ServerUnreachable, ServerRejected):
             await self._client.leave(reason, unhealthy)
-        except (ServerUnreachable, ServerRejected):
-            pass
         self.joined = False          # no more polls: this node is no member until it joins again
         self._cancel(PollRequest)
 
@@ -81,10 +79,8 @@ class ServerLink:
         async def renew() -> None:
             while True:
                 await asyncio.sleep(interval)   # periodic renewal, not synchronisation
-                try:
+                with contextlib.suppress(ServerUnreachable, ServerRejected):
                     await self._poll(0.0)
-                except (ServerUnreachable, ServerRejected):
-                    pass
 
         keeper = asyncio.create_task(renew())
         try:

@@ -14,6 +14,7 @@ agent imports this): `save` takes bytes or a callable writing into a file, e.g.
   every rank holds it (a rank that lost its copy, e.g. a replaced node, sends everyone back to disk)."""
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import re
@@ -48,12 +49,7 @@ def steps(where: str | None = None) -> list[int]:
     where = where or directory()
     if where is None:
         return []
-    found = []
-    for name in os.listdir(where):
-        m = _NAME.fullmatch(name)
-        if m:
-            found.append(int(m.group(1)))
-    return sorted(found)
+    return sorted(int(m.group(1)) for m in map(_NAME.fullmatch, os.listdir(where)) if m)
 
 
 def path(step: int, where: str | None = None) -> str:
@@ -167,7 +163,5 @@ def _size(p: str) -> int:
 
 
 def _remove(p: str) -> None:
-    try:
+    with contextlib.suppress(FileNotFoundError):
         os.unlink(p)
-    except FileNotFoundError:
-        pass

@@ -17,22 +17,15 @@ from protocol.messages import Witness
 
 def verdict(answers: list[bytes], round_id: int) -> Verdict:
     """What the witnesses' answers say together, for an asker running `round_id` (facts.py)."""
-    heard: list[int | None] = []     # the round each witness that hears the server holds (None: not said)
-    answered = False
-    for line in answers:
-        answer = read_answer(line)
-        if answer is None:
-            continue
-        answered = True
-        if answer[0]:
-            heard.append(answer[1])
+    said = [answer for answer in map(read_answer, answers) if answer is not None]
+    heard = [held for hears, held in said if hears]   # the round each that hears the server holds (None: not said)
     if any(r is not None and r > round_id for r in heard):
         return Verdict.ROUND_REPLACED
     if any(r is not None for r in heard):
         return Verdict.STILL_MEMBER          # it hears the server, which still runs this node's round (or older news)
     if heard:
         return Verdict.SERVER_HEARD          # an older witness: hears the server, says no round
-    return Verdict.SERVER_AWAY if answered else Verdict.SILENT
+    return Verdict.SERVER_AWAY if said else Verdict.SILENT
 
 
 async def ask_witnesses(witnesses: tuple[Witness, ...], round_id: int = -1,

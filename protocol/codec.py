@@ -44,16 +44,12 @@ class DecodeError(Exception):
         self.message = message
 
 
-_encoder = msgspec.msgpack.Encoder()
+encode = msgspec.msgpack.Encoder().encode
 _request_decoders: dict[type, msgspec.msgpack.Decoder[Any]] = {
     cls: msgspec.msgpack.Decoder(cls) for cls in REQUEST_TYPES.values()}
 _status_decoder = msgspec.msgpack.Decoder(NodeStatus)
 _error_decoder = msgspec.msgpack.Decoder(ErrorReply)
 _any_decoder = msgspec.msgpack.Decoder()
-
-
-def encode(message: Any) -> bytes:
-    return _encoder.encode(message)
 
 
 def decode_request(cls: type[R], body: bytes) -> R:
@@ -85,9 +81,7 @@ def _check_version(body: bytes) -> None:
     version = raw.get("v")
     if version is None:
         raise DecodeError(ErrorCode.BAD_REQUEST, "Object missing required field `v` (protocol version)")
-    if version != PROTOCOL_VERSION or type(version) is not int:
-        if version == PROTOCOL_VERSION:
-            return            # `true` or `1.0`: the typed decode names the field
+    if version != PROTOCOL_VERSION:   # `true` or `1.0` pass here: the typed decode names the field
         raise DecodeError(ErrorCode.UNSUPPORTED_VERSION,
                           f"protocol version {quote(version)} is not supported; this server speaks {PROTOCOL_VERSION}")
 

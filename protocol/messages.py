@@ -34,7 +34,6 @@ MAX_CREDENTIAL = 64
 MAX_POLL_WAIT_S = 60.0               # agents ask for this and let the server choose the hold
 MAX_COMMAND = 64                     # a join's command fingerprint
 
-Count = Annotated[int, Meta(ge=0, le=MAX_ROUND)]
 RoundRef = Annotated[int, Meta(ge=-1, le=MAX_ROUND)]
 Nodes = Annotated[int, Meta(ge=1, le=MAX_NODES)]
 Workers = Annotated[int, Meta(ge=1, le=MAX_LOCAL_WORLD_SIZE)]
@@ -100,11 +99,8 @@ class JobConfig(msgspec.Struct, kw_only=True, frozen=True):
 
     def differences(self, other: JobConfig) -> list[str]:
         """Human-readable `field: ours vs theirs` for every field that differs."""
-        return [
-            f"{name}: job has {getattr(self, name)!r}, join asked {getattr(other, name)!r}"
-            for name in self.__struct_fields__
-            if getattr(self, name) != getattr(other, name)
-        ]
+        return [f"{name}: job has {getattr(self, name)!r}, join asked {getattr(other, name)!r}"
+                for name in self.__struct_fields__ if getattr(self, name) != getattr(other, name)]
 
 
 class _Request(msgspec.Struct, kw_only=True):
@@ -193,9 +189,6 @@ class LeaveRequest(_Request, kw_only=True):
 
 # Every request an agent sends, by type (protocol.codec.REQUEST_TYPES names their routes).
 AgentRequest = JoinRequest | PollRequest | FailureReport | SuccessReport | LeaveRequest
-
-
-REQUESTS = (JoinRequest, PollRequest, FailureReport, SuccessReport, LeaveRequest)
 
 
 class Witness(msgspec.Struct, kw_only=True, frozen=True, gc=False):

@@ -13,8 +13,7 @@ def read_token_file(path: str) -> bytes:
             token = f.read(MAX_TOKEN_CHARS + 64).strip()
     except OSError as exc:
         raise ValueError(exc.strerror or str(exc)) from None
-    problem = token_problem(token)
-    if problem:
+    if problem := token_problem(token):
         raise ValueError(problem)
     return token
 

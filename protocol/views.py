@@ -118,13 +118,4 @@ class EventsView(msgspec.Struct, kw_only=True):
     events: list[EventView]
 
 
-_json = msgspec.json.Encoder()
-
-
-def to_json(view: msgspec.Struct) -> bytes:
-    return _json.encode(view)
-
-
-def from_json(body: bytes, kind: type[Any]) -> Any:
-    """A view read back (rdzv-ctl); msgspec.DecodeError (a ValidationError among them) when it is not one."""
-    return msgspec.json.decode(body, type=kind)
+to_json = msgspec.json.Encoder().encode

@@ -29,20 +29,10 @@ from rdzv_ctl.client import (
 
 REASON_WIDTH = 60
 T = TypeVar("T")
-V = TypeVar("V")
 
 
 def _quote(part: str) -> str:
     return urllib.parse.quote(part, safe="")
-
-
-def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
-    """Columns padded to their widest cell, the last not padded. Cells may quote what clients sent: control
-    characters are escaped, so none can move the cursor or recolour the operator's terminal."""
-    cells = [[str(h) for h in headers]] + [["-" if c is None else _visible(str(c)) for c in row] for row in rows]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in cells]
-    return "\n".join(lines)
 
 
 def _visible(text: str) -> str:
@@ -68,9 +58,7 @@ def duration(seconds: float | None) -> str:
 
 def clock(iso_time: str | None) -> str:
     """'2024-05-01T12:34:56.789Z' -> '12:34:56.789' (UTC, as the server sends it)."""
-    if not iso_time:
-        return "-"
-    return iso_time.split("T", 1)[-1].rstrip("Z")
+    return iso_time.split("T", 1)[-1].rstrip("Z") if iso_time else "-"
 
 
 def _plural(n: int, word: str) -> str:
@@ -105,10 +93,20 @@ DRAINED: list[Column[DrainedView]] = [("NODE", lambda d: d.node_id), ("REASON", 
 EVENTS: list[Column[EventView]] = [
     ("TIME", lambda e: clock(e.time)), ("KIND", lambda e: e.kind), ("NODE", lambda e: e.node_id),
     ("ROUND", lambda e: e.round_id), ("MESSAGE", lambda e: e.message)]
+# The lists after the members: (key, columns, what its cut line calls the rows).
+OTHER_LISTS: list[tuple[str, Sequence[Column[Any]], str]] = [
+    ("waiting", OTHERS, "waiting"), ("spares", OTHERS, "spares"), ("excluded", EXCLUDED, "excluded nodes"),
+    ("drained", DRAINED, "drained nodes")]
 
 
 def columns_table(columns: Sequence[Column[T]], items: Sequence[T]) -> str:
-    return table([head for head, _ in columns], [[cell(item) for _, cell in columns] for item in items])
+    """Columns padded to their widest cell, the last not padded; a row per item. Cells may quote what clients sent:
+    control characters are escaped, so none can move the cursor or recolour the operator's terminal."""
+    rows = [[cell(item) for _, cell in columns] for item in items]
+    cells = [[head for head, _ in columns]] + [["-" if c is None else _visible(str(c)) for c in row] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(columns))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in cells]
+    return "\n".join(lines)
 
 
 def format_status(doc: StatusView) -> str:
@@ -156,18 +154,11 @@ def format_job(doc: JobDetail) -> str:
     elif not doc.counts.nodes:
         out.append("no round running")
     out += _cut(doc, "nodes", "members")
-    for title, key in (("waiting", "waiting"), ("spares", "spares")):
+    for key, columns, what in OTHER_LISTS:
         if getattr(doc, key):
-            out += ["", f"{title}:", columns_table(OTHERS, getattr(doc, key))]
-        out += _cut(doc, key, title)
-    if doc.excluded:
-        out += ["", "excluded:", columns_table(EXCLUDED, doc.excluded)]
-    out += _cut(doc, "excluded", "excluded nodes")
-    if doc.drained:
-        out += ["", "drained:", columns_table(DRAINED, doc.drained)]
-    out += _cut(doc, "drained", "drained nodes")
-    failure = doc.last_failure
-    if failure:
+            out += ["", f"{key}:", columns_table(columns, getattr(doc, key))]
+        out += _cut(doc, key, what)
+    if failure := doc.last_failure:
         how = f"signal {failure.signal}" if failure.signal else f"exit code {failure.exitcode}"
         text = f"rank {failure.rank} (local {failure.local_rank}) on " \
                f"{failure.host or failure.node_id}: {failure.reason or 'exited'}, {how}"
@@ -223,14 +214,13 @@ def _nnodes(text: str) -> dict[str, int]:
     return body
 
 
-def typed(doc: Any, kind: type[V]) -> V:
+def typed(doc: Any, kind: type[T]) -> T:
     """The server's JSON document as the view it is; one line when it is not (a server of another version)."""
     try:
-        view: V = msgspec.convert(doc, kind)
+        return msgspec.convert(doc, kind)
     except msgspec.ValidationError as exc:
         raise CtlError(f"the server's reply is not the {kind.__name__} this rdzv-ctl reads (another version?): "
                        f"{exc}") from None
-    return view
 
 
 def _query(**params: int | None) -> str:
@@ -252,9 +242,7 @@ def run(args: argparse.Namespace, client: Client) -> str:
         return json.dumps(doc, indent=2) if args.json else format_job(typed(doc, JobDetail))
     if cmd == "events":
         doc = client.get(f"/v1/jobs/{job}/events" + _query(after=args.after, limit=args.last))
-        if args.json:
-            return json.dumps(doc, indent=2)
-        return format_events(typed(doc, EventsView), args.last)
+        return json.dumps(doc, indent=2) if args.json else format_events(typed(doc, EventsView), args.last)
     if cmd == "drain":
         doc = client.post(f"/v1/admin/jobs/{job}/nodes/{_quote(args.node)}/drain", {"reason": args.reason})
         done = f"drained node {args.node} from job {args.job}"
@@ -299,35 +287,34 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="rdzv-ctl", parents=[common], allow_abbrev=False,
                                 description="Inspect and steer jobs on an rdzv-server.")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    st = sub.add_parser("status", parents=[common], help="one page of jobs, one line each")
+
+    def command(name: str, summary: str, *operands: str) -> argparse.ArgumentParser:
+        """A COMMAND taking the connection options and its `operands` (JOB, NODE, HOST), in order."""
+        parser = sub.add_parser(name, parents=[common], help=summary)
+        for operand in operands:
+            parser.add_argument(operand.lower(), metavar=operand)
+        return parser
+
+    st = command("status", "one page of jobs, one line each")
     st.add_argument("--offset", type=_count, metavar="N", help="skip the first N jobs (the next page)")
     st.add_argument("--limit", type=_positive, metavar="N", help="at most N jobs (the server caps it)")
-    jb = sub.add_parser("job", parents=[common], help="one job in detail")
-    jb.add_argument("job", metavar="JOB")
+    jb = command("job", "one job in detail", "JOB")
     jb.add_argument("--node-offset", type=_count, metavar="N", help="skip the first N nodes of each list")
     jb.add_argument("--node-limit", type=_positive, metavar="N", help="at most N nodes per list")
-    ev = sub.add_parser("events", parents=[common], help="a job's history of rounds and decisions")
-    ev.add_argument("job", metavar="JOB")
+    ev = command("events", "a job's history of rounds and decisions", "JOB")
     ev.add_argument("--last", type=_count, metavar="N",
                     help="at most N events: the newest N (with --after, the first N after SEQ)")
     ev.add_argument("--after", type=_count, metavar="SEQ", help="only events after event number SEQ")
-    dr = sub.add_parser("drain", parents=[common], help="take a node out of a job (it may not rejoin)")
-    dr.add_argument("job", metavar="JOB")
-    dr.add_argument("node", metavar="NODE")
+    dr = command("drain", "take a node out of a job (it may not rejoin)", "JOB", "NODE")
     dr.add_argument("--reason", default="", help="why (recorded in the job's events)")
-    cl = sub.add_parser("clear", parents=[common], help="lift a node's exclusion or drain")
-    cl.add_argument("job", metavar="JOB")
-    cl.add_argument("node", metavar="NODE")
-    co = sub.add_parser("close", parents=[common], help="end a job now (its agents exit non-zero)")
-    co.add_argument("job", metavar="JOB")
+    command("clear", "lift a node's exclusion or drain", "JOB", "NODE")
+    co = command("close", "end a job now (its agents exit non-zero)", "JOB")
     co.add_argument("--reason", default="", help="why (recorded in the job's events)")
-    rs = sub.add_parser("resize", parents=[common], help="change a job's min/max nodes")
-    rs.add_argument("job", metavar="JOB")
+    rs = command("resize", "change a job's min/max nodes", "JOB")
     rs.add_argument("--nnodes", type=_nnodes, required=True, metavar="MIN:MAX",
                     help="new node range: MIN:MAX, N (= N:N), MIN: or :MAX (keeps the other)")
-    cu = sub.add_parser("clear-unhealthy", parents=[common],
-                        help="let a host held out as unhealthy (it left a job with a broken GPU, ...) join again")
-    cu.add_argument("host", metavar="HOST")
+    command("clear-unhealthy", "let a host held out as unhealthy (it left a job with a broken GPU, ...) join again",
+            "HOST")
     return p
 
 
@@ -346,15 +333,10 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.json = getattr(args, "json", False)
     try:
-        client = _client(args)
-    except UsageError as exc:
+        text = run(args, _client(args))
+    except (UsageError, CtlError) as exc:
         print(f"rdzv-ctl: {exc}", file=sys.stderr)
-        return 2
-    try:
-        text = run(args, client)
-    except CtlError as exc:
-        print(f"rdzv-ctl: {exc}", file=sys.stderr)
-        return 1
+        return 2 if isinstance(exc, UsageError) else 1
     try:
         print(text, flush=True)
     except BrokenPipeError:      # `rdzv-ctl events JOB | head`: stop quietly, as the docs of `signal` advise

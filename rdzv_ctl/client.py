@@ -39,8 +39,7 @@ def read_token(flag: str, path: str | None, env: str) -> Token | None:
     """The token in the file `flag` names, else the one in the file $`env` names, else None."""
     source = f"{flag} {path}"
     if path is None:
-        path = os.environ.get(env) or None
-        if path is None:
+        if not (path := os.environ.get(env)):
             return None
         source = f"${env} ({path})"
     try:
@@ -111,7 +110,7 @@ class Client:
                 if moved.leader and moved.leader not in tried:
                     self.server = moved.leader
                     continue
-                error = CtlError(moved.text)
+                error = CtlError(str(moved))
             except CtlError as exc:
                 tried.append(self.server)
                 error = exc
@@ -180,7 +179,6 @@ class _NotLeader(Exception):
     def __init__(self, leader: str, text: str) -> None:
         super().__init__(text)
         self.leader = leader
-        self.text = text
 
 
 def _error_text(exc: urllib.error.HTTPError) -> str:

@@ -191,10 +191,8 @@ def main(argv: list[str] | None = None) -> int:
         for note in config.notes:
             print(f"rdzv-server: warning: {note}", file=sys.stderr)
         replicas = replication(args)
-        if replicas is not None:
-            run_loop(serve(config, replication=replicas), args.event_loop)
-        else:
-            run_loop(serve(config, store=open_store(args.state_dir or "rdzv-state")), args.event_loop)
+        store = open_store(args.state_dir or "rdzv-state") if replicas is None else None
+        run_loop(serve(config, store=store, replication=replicas), args.event_loop)
     except UsageError as exc:
         print(f"rdzv-server: error: {exc}", file=sys.stderr)
         return exc.code

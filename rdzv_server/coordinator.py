@@ -8,11 +8,12 @@ possibly on another machine (a monotonic clock restarts at every boot); a clock 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import secrets
 import time
 from collections.abc import Callable
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import msgspec
 
@@ -44,6 +45,7 @@ from rdzv_server.store.persistence import Durability, NotDurable, Persister, Sto
 log = logging.getLogger("rdzv_server")
 
 TICK_GAP_S = 0.05           # deadlines are handled at most this often (each tick walks every node)
+T = TypeVar("T")
 
 class LagSource(Protocol):
     """How far behind the event loop runs (looplag.LoopLagProbe in the server; nothing in --standalone)."""
@@ -88,10 +90,6 @@ class Coordinator:
     @property
     def started(self) -> bool:
         return self.gate.started
-
-    @property
-    def shutting_down(self) -> bool:
-        return self.gate.shutting_down
 
     def serving(self) -> bool:
         return self.gate.serving()
@@ -204,10 +202,8 @@ class Coordinator:
         task.add_done_callback(self._deliveries.discard)
 
     async def _deliver_saved(self, job_id: str) -> None:
-        try:
+        with contextlib.suppress(StoreUnavailable):    # each poll then waits for the commit and answers the error
             await self.persister.durable(job_id)
-        except StoreUnavailable:
-            pass                    # each poll then waits for the commit itself and answers the error
         self.hub.wake(job_id)
 
     async def _deadline_loop(self) -> None:
@@ -217,25 +213,21 @@ class Coordinator:
         assert self._rearm is not None
         loop = asyncio.get_running_loop()
         look_again, ticked = True, -TICK_GAP_S
-        while True:
-            if self.gate.shutting_down:
-                break
+        while not self.gate.shutting_down:
             if look_again or self._armed is None:
                 self._armed = self.core.next_deadline()
             deadline = self._armed
             timeout = None if deadline is None else \
                 max(0.0, deadline - self.clock(), ticked + TICK_GAP_S - loop.time())
-            try:
+            with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._rearm.wait(), timeout)
-            except asyncio.TimeoutError:
-                pass
             self._rearm.clear()
             self.timer_wakeups += 1
             look_again = False
             if not self.gate.shutting_down and self._armed is not None and self._armed <= self.clock() \
                     and loop.time() >= ticked + TICK_GAP_S:
                 ticked = loop.time()
-                self.hub.before_tick(self.clock())
+                self.hub.links.check(self.core, self.clock())    # what held connections say of the link
                 self.core.tick(self.clock(), self.loop_lag.recent_s() if self.loop_lag is not None else 0.0)
                 self.apply()
                 look_again = True
@@ -248,21 +240,10 @@ class Coordinator:
         how long it waited for the server (that far behind; a poll's hold counts from its arrival)."""
         if waited_s > 0 and self.loop_lag is not None:
             self.loop_lag.note_waited(waited_s)
-        return self.with_hold(await self._handle(job_id, req, peer, local, silence, reply, waited_s))
-
-    def with_hold(self, status: NodeStatus) -> NodeStatus:
-        """`status` with the longest hold now (what replies tell agents: poll_hold_s)."""
-        return msgspec.structs.replace(status, poll_hold_s=round(hold_base(self.core.node_count, status), 3))
-
-    def saved(self, job_id: str) -> bool:
-        return not self.persister.pending(job_id)
-
-    async def _handle(self, job_id: str, req: AgentRequest, peer: str, local: str,
-                      silence: AckAge | None, reply: Reply | None, waited_s: float) -> NodeStatus:
         core = self.core
         match req:
             case PollRequest():
-                return await long_poll(self.hub, job_id, req, peer, silence, reply, waited_s)
+                return self.with_hold(await long_poll(self.hub, job_id, req, peer, silence, reply, waited_s))
             case JoinRequest():
                 # A fresh secret per join: the core keeps it only if the join makes a new node record.
                 secret = secrets.token_urlsafe(24)
@@ -274,14 +255,18 @@ class Coordinator:
             case LeaveRequest():
                 status = self.call(lambda now: core.leave(job_id, req, now))
         await self.durable(job_id)
-        return status
+        return self.with_hold(status)
+
+    def with_hold(self, status: NodeStatus) -> NodeStatus:
+        """`status` with the longest hold now (what replies tell agents: poll_hold_s)."""
+        return msgspec.structs.replace(status, poll_hold_s=round(hold_base(self.core.node_count, status), 3))
+
+    def saved(self, job_id: str) -> bool:
+        return not self.persister.pending(job_id)
 
     async def operate(self, job_id: str, action: OperatorAction) -> JobRecord:
         """An operator action (core/operator_rules.py): close, drain, clear an exclusion, resize."""
-        try:
-            job = self.core.operate(job_id, action, self.clock())
-        finally:
-            self.apply()
+        job = self.call(lambda now: self.core.operate(job_id, action, now))
         await self.durable(job_id)
         return job
 
@@ -296,7 +281,7 @@ class Coordinator:
         except StoreUnavailable as exc:
             raise RendezvousError(ErrorCode.STORE_UNAVAILABLE, f"{exc}; retry shortly") from None
 
-    def call(self, fn: Callable[[float], NodeStatus]) -> NodeStatus:
+    def call(self, fn: Callable[[float], T]) -> T:
         """One core call, with `now`; its effects are applied whether it succeeds or raises."""
         try:
             return fn(self.clock())

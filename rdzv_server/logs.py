@@ -58,13 +58,11 @@ class _ClientErrorFilter(logging.Filter):
 def setup(fmt: str, level: str) -> None:
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())
-    logger = logging.getLogger("rdzv_server")
-    logger.addHandler(handler)
-    logger.setLevel(level.upper())
+    for name in ("rdzv_server", "aiohttp.server"):
+        logging.getLogger(name).addHandler(handler)
+        logging.getLogger(name).setLevel(level.upper())
     server_log = logging.getLogger("aiohttp.server")
     server_log.addFilter(_ClientErrorFilter())
-    server_log.addHandler(handler)
-    server_log.setLevel(level.upper())
     server_log.propagate = False
 
 

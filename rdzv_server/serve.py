@@ -8,6 +8,7 @@ seconds. The soft open-file limit is raised to the hard one, so agents do not ex
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import resource
 import signal
@@ -31,7 +32,7 @@ from rdzv_server.store.etcd.store import EtcdStore
 from rdzv_server.web.access import Access
 from rdzv_server.web.app import NOTES, create_app
 from rdzv_server.web.connections import FD_RESERVE, GUARD, ConnectionGuard
-from rdzv_server.web.metrics import METRICS
+from rdzv_server.web.metrics import METRICS, ConnectionCollector
 
 log = logging.getLogger("rdzv_server")
 
@@ -73,29 +74,26 @@ def raise_open_file_limit() -> int:
     """Raise the soft RLIMIT_NOFILE to the hard limit; return the limit now in force."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft < hard:
-        try:
+        with contextlib.suppress(ValueError, OSError):
             resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
             soft = hard
-        except (ValueError, OSError):
-            pass
     return soft
 
 
 def listening_socket(host: str, port: int) -> socket.socket:
+    sock = None
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
         family, kind, proto, _, addr = infos[0]
         sock = socket.socket(family, kind, proto)
-    except OSError as exc:
-        raise ListenError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
-    try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         keepalive.enable(sock)          # accepted connections inherit it
         sock.bind(addr)
         sock.listen(LISTEN_BACKLOG)
         sock.setblocking(False)
     except OSError as exc:
-        sock.close()
+        if sock is not None:
+            sock.close()
         raise ListenError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
     return sock
 
@@ -115,7 +113,7 @@ async def serve(config: ServerConfig, store: Store | None = None,
     app = create_app(coordinator, access=config.access, standby=replication is not None)
     app.middlewares.insert(0, guard.middleware)
     app[GUARD] = guard
-    app[METRICS].watch_connections(lambda: (guard.refused, guard.evicted))
+    app[METRICS].registry.register(ConnectionCollector(lambda: (guard.refused, guard.evicted)))
     app[NOTES] = config.notes
     trimmer = HeapTrimmer()
     coordinator.effect_listeners.append(trimmer.on_effects)

@@ -49,27 +49,23 @@ def check() -> str | None:
     global _enabled
     if not _enabled:
         return "no TCP_INFO on this platform"
-    listener = socket.socket()
-    client = socket.socket()
-    try:
-        listener.bind(("127.0.0.1", 0))
-        listener.listen(4)
-        client.connect(listener.getsockname())       # accepted by the kernel, not yet by us: unacked 1
-        waiting = read(listener)
-        client.sendall(b"x")
-        sent = read(client)
-        problem = ""
-        if waiting is None or sent is None:
-            problem = "TCP_INFO cannot be read"
-        elif waiting.unacked != 1:
-            problem = f"an accept queue of 1 reads as {waiting.unacked}"
-        elif not (0.0 <= sent.last_data_sent_s < 5.0 and 0.0 <= sent.last_ack_recv_s < 5.0):
-            problem = f"ages just after a send read as {sent.last_data_sent_s} s and {sent.last_ack_recv_s} s"
-    except OSError as exc:
-        problem = f"the loopback check failed: {exc}"
-    finally:
-        client.close()
-        listener.close()
+    with socket.socket() as listener, socket.socket() as client:
+        try:
+            listener.bind(("127.0.0.1", 0))
+            listener.listen(4)
+            client.connect(listener.getsockname())       # accepted by the kernel, not yet by us: unacked 1
+            waiting = read(listener)
+            client.sendall(b"x")
+            sent = read(client)
+            problem = ""
+            if waiting is None or sent is None:
+                problem = "TCP_INFO cannot be read"
+            elif waiting.unacked != 1:
+                problem = f"an accept queue of 1 reads as {waiting.unacked}"
+            elif not (0.0 <= sent.last_data_sent_s < 5.0 and 0.0 <= sent.last_ack_recv_s < 5.0):
+                problem = f"ages just after a send read as {sent.last_data_sent_s} s and {sent.last_ack_recv_s} s"
+        except OSError as exc:
+            problem = f"the loopback check failed: {exc}"
     if problem:
         _enabled = False
         return f"the kernel's TCP_INFO is not laid out as expected ({problem}); not used"

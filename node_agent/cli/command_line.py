@@ -3,14 +3,13 @@ error names the flag as the user wrote it; and the job's settings built from it 
 from __future__ import annotations
 
 import functools
-import math
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any, NoReturn
 
 import msgspec
 
-from node_agent.cli.flags import BY_DEST, FLAGS, pet_values
+from node_agent.cli.flags import BY_DEST, FLAGS
 from node_agent.cli.rdzv_conf import INT_KEYS, SECONDS_KEYS
 from node_agent.cli.values import Fail, _int, _seconds
 from protocol.messages import JobConfig
@@ -31,15 +30,14 @@ class CommandLine:
         typed: dict[str, str] = ns.__dict__.get("_spelling", {})
         self.values: dict[str, Any] = {}
         self.spelling: dict[str, str] = {}
-        pet = pet_values(environ)
         for flag in FLAGS:
             value = getattr(ns, flag.dest)
             if value is not None:
                 self.values[flag.dest] = value
                 self.spelling[flag.dest] = typed.get(flag.dest) or flag.spellings[0]
-            elif flag.dest in pet:
-                raw, where = pet[flag.dest]
-                self.spelling[flag.dest] = where
+            elif flag.pet and environ.get(flag.pet):   # torchrun's PET_* variable, set and not empty
+                raw = environ[flag.pet]
+                self.spelling[flag.dest] = f"${flag.pet}"
                 self.values[flag.dest] = raw if flag.metavar is not None else self._switch(flag.dest, raw)
 
     def _switch(self, dest: str, raw: str) -> bool:
@@ -65,26 +63,12 @@ def one_line(message: str) -> NoReturn:
     raise OptionsError(message)
 
 
-def non_negative(line: CommandLine, agent_defaults: Mapping[str, Any], dest: str, fallback: str | None = None,
-                 fallback_name: str = "") -> float:
-    """A setting of this agent's own (not the job's): seconds, >= 0 and finite."""
-    raw, fail = line.get(dest), line.failing(dest)
-    if raw is None and fallback is not None:
-        raw, fail = fallback, lambda why: one_line(f"{fallback_name}: {why}")
-    if raw is None:
-        return float(agent_defaults.get(dest, 0.0))
-    value = _seconds(raw, fail)
-    if not math.isfinite(value) or value < 0:
-        fail(f"must be >= 0 and finite, got {raw!r}")
-    return value
-
-
 def job_config(line: CommandLine, conf: Mapping[str, str], min_nodes: int, max_nodes: int,
                nodes_flag: str) -> JobConfig:
     """The job's settings from the flags given, then --rdzv-conf's keys (which win, as for the plugin);
     JobConfig supplies the defaults and bounds."""
     values: dict[str, Any] = {"min_nodes": min_nodes, "max_nodes": max_nodes}
-    source: dict[str, tuple[str, Callable[[str], NoReturn]]] = {}   # field -> (text, fail)
+    source: dict[str, tuple[str, Fail]] = {}   # field -> (text, fail)
     for dest in _JOB_FLAGS:
         if line.get(dest) is not None:
             source[dest] = (line.get(dest), line.failing(dest))

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, NoReturn
 
 
@@ -33,12 +33,7 @@ def _t(spellings: tuple[str, ...], dest: str, metavar: str | None, help: str, pe
 
 def _both(ours: tuple[str, ...], torchrun: tuple[str, ...], dest: str, metavar: str | None, help: str) -> Flag:
     """One of our flags that is also a torchrun flag under other spellings."""
-    return Flag((*ours, *torchrun), dest, metavar, help,
-                f"PET_{torchrun[0][2:].replace('-', '_').upper()}", torchrun)
-
-
-def _ours(spellings: tuple[str, ...], dest: str, metavar: str | None, help: str) -> Flag:
-    return Flag(spellings, dest, metavar, help)
+    return replace(_t(torchrun, dest, metavar, help), spellings=(*ours, *torchrun))
 
 
 # A dest that names a JobConfig field is that job setting: its default ({default} in the help) and bounds
@@ -50,24 +45,21 @@ FLAGS: tuple[Flag, ...] = (
           "--endpoint always names an rdzv-server; --rdzv-endpoint follows torchrun: with the default "
           "--rdzv-backend static it names the master of a static launch"),
     _t(("--rdzv-backend", "--rdzv_backend"), "rdzv_backend", "NAME",
-       "torchrun's rendezvous backend: static (torchrun's default: --node-rank/--master-addr/--master-port, "
-       "or one node with no server) or any other name (c10d, etcd, rdzv-server): the rdzv-server at "
-       "--rdzv-endpoint"),
+       "torchrun's rendezvous backend: static (torchrun's default: --node-rank/--master-addr/--master-port, or one "
+       "node with no server) or any other name (c10d, etcd, rdzv-server): the rdzv-server at --rdzv-endpoint"),
     _t(("--rdzv-conf", "--rdzv_conf"), "rdzv_conf", "K=V,...",
        "rendezvous settings: join_timeout, last_call_timeout, heartbeat_timeout, ... (docs/switching.md)"),
     _t(("--standalone",), "standalone", None,
-       "one node: an in-process rendezvous, no server (also the default for one node without "
-       "rendezvous flags)"),
-    _ours(("--token-file", "--token_file"), "token_file", "F",
-          "file holding the server's token (or set RDZV_TOKEN_FILE, or RDZV_TOKEN to the token itself)"),
-    _ours(("--transport",), "transport", "(gone)", "refused: long-polls are the only transport"),
-    _ours(("--tls-ca", "--tls_ca"), "tls_ca", "F",
-          "CA certificates (PEM) that signed the server's TLS certificate; implies https"),
+       "one node: an in-process rendezvous, no server (also the default for one node without rendezvous flags)"),
+    Flag(("--token-file", "--token_file"), "token_file", "F",
+         "file holding the server's token (or set RDZV_TOKEN_FILE, or RDZV_TOKEN to the token itself)"),
+    Flag(("--transport",), "transport", "(gone)", "refused: long-polls are the only transport"),
+    Flag(("--tls-ca", "--tls_ca"), "tls_ca", "F",
+         "CA certificates (PEM) that signed the server's TLS certificate; implies https"),
     _both(("--nproc",), ("--nproc-per-node", "--nproc_per_node"), "nproc", "N|gpu|cpu|auto",
-          "workers on this node: a number, one per GPU, one per CPU, or auto (GPUs if any, else CPUs); "
-          "default 1"),
+          "workers on this node: a number, one per GPU, one per CPU, or auto (GPUs if any, else CPUs); default 1"),
     _t(("--nnodes",), "nnodes", "MIN:MAX|N", "number of nodes, or an elastic range; default 1:1"),
-    _ours(("-j", "--j"), "j", "[MIN:]NxM", "TorchX shorthand: N nodes (elastic MIN:N) of M workers each"),
+    Flag(("-j", "--j"), "j", "[MIN:]NxM", "TorchX shorthand: N nodes (elastic MIN:N) of M workers each"),
     _both(("--job-id",), ("--rdzv-id", "--rdzv_id"), "job_id", "ID",
           "job id shared by every node of the job; default: the scheduler's job id (SLURM_JOB_ID, "
           "JOBSET_NAME, ...), else your user name and a hash of the command"),
@@ -78,7 +70,7 @@ FLAGS: tuple[Flag, ...] = (
        "node rank 0's address in a static launch (worker rank 0 hosts the store there); default 127.0.0.1"),
     _t(("--master-port", "--master_port"), "master_port", "PORT",
        "the workers' store port on node rank 0 in a static launch; default 29500"),
-    _ours(("--node-id", "--node_id"), "node_id", "ID", "this node's id at the server; default HOSTNAME-PID"),
+    Flag(("--node-id", "--node_id"), "node_id", "ID", "this node's id at the server; default HOSTNAME-PID"),
     _t(("--local-addr", "--local_addr"), "local_addr", "ADDR",
        "address other nodes reach this node at (MASTER_ADDR when it is group rank 0)"),
     _t(("--role",), "role", "NAME", "worker role (ROLE_NAME); default {default!r}"),
@@ -100,9 +92,9 @@ FLAGS: tuple[Flag, ...] = (
        "also copy tee'd stdout lines containing any TEXT to attempt_N/filtered_stdout.log (,, is a comma)"),
     _t(("--duplicate-stderr-filters", "--duplicate_stderr_filters"), "dup_stderr", "TEXT,...",
        "the same for stderr (attempt_N/filtered_stderr.log)"),
-    _ours(("--log-line-prefix", "--log_line_prefix"), "log_line_prefix", "TEMPLATE",
-          "prefix every console line of the workers: ${{role_name}}, ${{rank}}, ${{local_rank}}, ${{host}}; "
-          "e.g. '[${{host}}:${{rank}}] '"),
+    Flag(("--log-line-prefix", "--log_line_prefix"), "log_line_prefix", "TEMPLATE",
+         "prefix every console line of the workers: ${{role_name}}, ${{rank}}, ${{local_rank}}, ${{host}}; "
+         "e.g. '[${{host}}:${{rank}}] '"),
     _both(("--stop-timeout", "--stop_timeout"), ("--shutdown-timeout", "--shutdown_timeout"), "stop_timeout",
           "S", "seconds between the stop signal and SIGKILL when stopping workers; default "
                "$TORCH_ELASTIC_SHUTDOWN_TIMEOUT, else {default:g}"),
@@ -121,57 +113,56 @@ FLAGS: tuple[Flag, ...] = (
     _t(("--numa-binding", "--numa_binding"), "numa_binding", "MODE",
        "pin each worker to the CPUs near its GPU, as torchrun: node, socket, exclusive or core-complex "
        "(read from sysfs; no NUMA information: a warning, workers unbound)", pet=False),
-    _ours(("--last-call", "--last_call"), "last_call_s", "S",
-          "seconds an elastic round waits for more nodes once it has MIN; default {default:g}"),
-    _ours(("--join-timeout", "--join_timeout"), "join_timeout_s", "S",
-          "seconds to wait for a round to form; default {default:g}"),
-    _ours(("--lease-timeout", "--lease_timeout"), "lease_timeout_s", "S",
-          "seconds of silence after which the server drops a node; default {default:g}"),
-    _ours(("--server-wait", "--server_wait"), "server_wait", "S",
-          "seconds to keep retrying an unreachable server; default {default:g}"),
-    _ours(("--hang-timeout", "--hang_timeout"), "hang_timeout", "S",
-          "kill and report a worker that called node_agent.heartbeat.beat() but then stopped for this "
-          "long; default {default:g} (off)"),
-    _ours(("--memory-dir-limit", "--memory_dir_limit"), "memory_dir_limit", "SIZE",
-          "size limit of the node's in-memory checkpoint directories ($NODE_AGENT_MEMORY_DIR, in /dev/shm, "
-          "kept across worker restarts), shared by the local ranks: 8G, 512M, ...; 0 turns them off; "
-          "default half of /dev/shm's free space"),
-    _ours(("--no-memory-dir", "--no_memory_dir"), "no_memory_dir", None,
-          "no in-memory checkpoint directory (the same as --memory-dir-limit 0)"),
-    _ours(("--exclude-after", "--exclude_after"), "exclude_after", "K",
-          "exclude a node after K worker failures within --exclude-window (job-wide); 0 never; default {default}"),
-    _ours(("--exclude-window", "--exclude_window"), "exclude_window_s", "S",
-          "window for counting a node's failures; default {default:g}"),
-    _ours(("--exclude-cooldown", "--exclude_cooldown"), "exclude_cooldown_s", "S",
-          "first exclusion's length, doubling each time up to {cooldown_max:g} s; default {default:g}"),
-    _ours(("--exclude-lost-after", "--exclude_lost_after"), "exclude_lost_after", "K",
-          "keep a node out when it was lost K times within --exclude-window (a flapping host); 0 never; "
-          "default {default}"),
-    _ours(("--exclude-lost-cooldown", "--exclude_lost_cooldown"), "exclude_lost_cooldown_s", "S",
-          "how long such a node is kept out the first time, doubling each time up to {cooldown_max:g} s; "
-          "default {default:g}"),
-    _ours(("--no-gpu-check", "--no_gpu_check"), "no_gpu_check", None,
-          "do not check this node's NVIDIA GPUs through NVML (by default they are checked before joining, "
-          "before each restart and every --gpu-check-interval while workers run, where /dev/nvidia* exists)"),
-    _ours(("--gpu-check-interval", "--gpu_check_interval"), "gpu_check_interval", "S",
-          "seconds between GPU checks while workers run; default {default:g}"),
-    _ours(("--health-check", "--health_check"), "health_check", "CMD",
-          "the site's own node check, run at the same points (exit 0: healthy; otherwise the node leaves, "
-          "quoting its first line of output)"),
-    _ours(("--health-check-timeout", "--health_check_timeout"), "health_check_timeout", "S",
-          "longest a --health-check run may take (past it: unhealthy); default {default:g}"),
-    _ours(("--kill-timeout", "--kill_timeout"), "kill_timeout", "S",
-          "a worker still alive this long after SIGKILL (uninterruptible sleep, a GPU fault) marks the node "
-          "unhealthy: it leaves instead of waiting; default {default:g}"),
-    _ours(("--warm-workers", "--warm_workers"), "warm_workers", "auto|off",
-          "auto: workers of a Python script or -m module are forked from an interpreter that has already "
-          "imported --warm-preload (a restart skips `import torch`); off: every worker starts cold; "
-          "default {default}"),
-    _ours(("--warm-preload", "--warm_preload"), "warm_preload", "MOD[,MOD...]",
-          "the modules warm workers find imported; default torch, torch.distributed, torch.nn, torch.optim, "
-          "torch._dynamo"),
-    _ours(("--no-command-check", "--no_command_check"), "no_command_check", None,
-          "let nodes whose script or arguments differ join one job (by default the server refuses them)"),
+    Flag(("--last-call", "--last_call"), "last_call_s", "S",
+         "seconds an elastic round waits for more nodes once it has MIN; default {default:g}"),
+    Flag(("--join-timeout", "--join_timeout"), "join_timeout_s", "S",
+         "seconds to wait for a round to form; default {default:g}"),
+    Flag(("--lease-timeout", "--lease_timeout"), "lease_timeout_s", "S",
+         "seconds of silence after which the server drops a node; default {default:g}"),
+    Flag(("--server-wait", "--server_wait"), "server_wait", "S",
+         "seconds to keep retrying an unreachable server; default {default:g}"),
+    Flag(("--hang-timeout", "--hang_timeout"), "hang_timeout", "S",
+         "kill and report a worker that called node_agent.heartbeat.beat() but then stopped for this "
+         "long; default {default:g} (off)"),
+    Flag(("--memory-dir-limit", "--memory_dir_limit"), "memory_dir_limit", "SIZE",
+         "size limit of the node's in-memory checkpoint directories ($NODE_AGENT_MEMORY_DIR, in /dev/shm, "
+         "kept across worker restarts), shared by the local ranks: 8G, 512M, ...; 0 turns them off; "
+         "default half of /dev/shm's free space"),
+    Flag(("--no-memory-dir", "--no_memory_dir"), "no_memory_dir", None,
+         "no in-memory checkpoint directory (the same as --memory-dir-limit 0)"),
+    Flag(("--exclude-after", "--exclude_after"), "exclude_after", "K",
+         "exclude a node after K worker failures within --exclude-window (job-wide); 0 never; default {default}"),
+    Flag(("--exclude-window", "--exclude_window"), "exclude_window_s", "S",
+         "window for counting a node's failures; default {default:g}"),
+    Flag(("--exclude-cooldown", "--exclude_cooldown"), "exclude_cooldown_s", "S",
+         "first exclusion's length, doubling each time up to {cooldown_max:g} s; default {default:g}"),
+    Flag(("--exclude-lost-after", "--exclude_lost_after"), "exclude_lost_after", "K",
+         "keep a node out when it was lost K times within --exclude-window (a flapping host); 0 never; "
+         "default {default}"),
+    Flag(("--exclude-lost-cooldown", "--exclude_lost_cooldown"), "exclude_lost_cooldown_s", "S",
+         "how long such a node is kept out the first time, doubling each time up to {cooldown_max:g} s; "
+         "default {default:g}"),
+    Flag(("--no-gpu-check", "--no_gpu_check"), "no_gpu_check", None,
+         "do not check this node's NVIDIA GPUs through NVML (by default they are checked before joining, "
+         "before each restart and every --gpu-check-interval while workers run, where /dev/nvidia* exists)"),
+    Flag(("--gpu-check-interval", "--gpu_check_interval"), "gpu_check_interval", "S",
+         "seconds between GPU checks while workers run; default {default:g}"),
+    Flag(("--health-check", "--health_check"), "health_check", "CMD",
+         "the site's own node check, run at the same points (exit 0: healthy; otherwise the node leaves, "
+         "quoting its first line of output)"),
+    Flag(("--health-check-timeout", "--health_check_timeout"), "health_check_timeout", "S",
+         "longest a --health-check run may take (past it: unhealthy); default {default:g}"),
+    Flag(("--kill-timeout", "--kill_timeout"), "kill_timeout", "S",
+         "a worker still alive this long after SIGKILL (uninterruptible sleep, a GPU fault) marks the node "
+         "unhealthy: it leaves instead of waiting; default {default:g}"),
+    Flag(("--warm-workers", "--warm_workers"), "warm_workers", "auto|off",
+         "auto: workers of a Python script or -m module are forked from an interpreter that has already imported "
+         "--warm-preload (a restart skips `import torch`); off: every worker starts cold; default {default}"),
+    Flag(("--warm-preload", "--warm_preload"), "warm_preload", "MOD[,MOD...]",
+         "the modules warm workers find imported; default torch, torch.distributed, torch.nn, torch.optim, "
+         "torch._dynamo"),
+    Flag(("--no-command-check", "--no_command_check"), "no_command_check", None,
+         "let nodes whose script or arguments differ join one job (by default the server refuses them)"),
 )
 BY_DEST: dict[str, Flag] = {f.dest: f for f in FLAGS}
 TORCHRUN_SPELLINGS: frozenset[str] = frozenset(s for f in FLAGS for s in f.torchrun) | {"-h", "--help"}
@@ -202,21 +193,20 @@ class _Spelled(argparse.Action):
         namespace.__dict__.setdefault("_spelling", {})[self.dest] = option_string
 
 
-def build_argparser(help_of: Mapping[str, str] | None = None) -> argparse.ArgumentParser:
-    """The parser of the launcher's own options (everything before the script)."""
+def build_argparser(help_of: Mapping[str, str]) -> argparse.ArgumentParser:
+    """The parser of the launcher's own options (everything before the script), `help_of` each flag's dest."""
     p = _Parser(prog="node-agent", allow_abbrev=False, formatter_class=_Formatter,
                 description="Join an elastic training job (at a rendezvous server, or on this node alone), "
                             "then run and supervise this node's workers: a drop-in replacement for torchrun.")
     for flag in FLAGS:
-        text = (help_of or {}).get(flag.dest, flag.help)
+        text = help_of[flag.dest]
         if flag.metavar is None:
             p.add_argument(*flag.spellings, dest=flag.dest, action="store_true", default=None, help=text)
         else:
             p.add_argument(*flag.spellings, dest=flag.dest, action=_Spelled, default=None, metavar=flag.metavar,
                            help=text)
     p.add_argument("script", help="training script (or module with -m, or program with --no-python)")
-    p.add_argument("script_args", nargs=argparse.REMAINDER,
-                   help="everything after the script goes to it untouched")
+    p.add_argument("script_args", nargs=argparse.REMAINDER, help="everything after the script goes to it untouched")
     return p
 
 
@@ -230,15 +220,14 @@ def resolve(parser: argparse.ArgumentParser, name: str) -> str | None:
     by_action: dict[int, list[str]] = {}
     for spelling in matches:
         by_action.setdefault(id(actions[spelling]), []).append(spelling)
-    if len(by_action) > 1:
-        torchrun = [group for group in by_action.values() if any(s in TORCHRUN_SPELLINGS for s in group)]
-        if len(torchrun) != 1:
+    groups = list(by_action.values())
+    if len(groups) > 1:
+        groups = [group for group in groups if any(s in TORCHRUN_SPELLINGS for s in group)]
+        if len(groups) != 1:
             raise FlagError(f"ambiguous option: {name} could match {', '.join(sorted(matches))}")
-        by_action = {0: torchrun[0]}
-    if not by_action:
+    if not groups:
         return None
-    group = next(iter(by_action.values()))
-    return next((s for s in group if s in TORCHRUN_SPELLINGS), group[0])
+    return next((s for s in groups[0] if s in TORCHRUN_SPELLINGS), groups[0][0])
 
 
 def split_command_line(parser: argparse.ArgumentParser, argv: Sequence[str]) -> tuple[list[str], list[str]]:
@@ -273,7 +262,3 @@ def split_command_line(parser: argparse.ArgumentParser, argv: Sequence[str]) -> 
         i += 1
     return options, []
 
-
-def pet_values(environ: Mapping[str, str]) -> dict[str, tuple[str, str]]:
-    """dest -> (value, "$PET_NAME") for every torchrun flag whose PET_* variable is set and not empty."""
-    return {f.dest: (environ[f.pet], f"${f.pet}") for f in FLAGS if f.pet and environ.get(f.pet)}

@@ -13,12 +13,13 @@ import re
 from collections.abc import Mapping, Sequence
 
 TORCHRUN_DEFAULT_ID = "none"
-# (variable, id format); the first one set wins.
+# (variable, id format, qualifier, separator); the first one set wins. The qualifier, when set, is appended: Slurm's
+# step inside an srun step; a JobSet's uid, as its name is reused by a new JobSet.
 SCHEDULER_IDS = (
-    ("SLURM_JOB_ID", "slurm-{}"),
-    ("JOBSET_NAME", "jobset-{}"),
-    ("PBS_JOBID", "pbs-{}"),
-    ("LSB_JOBID", "lsf-{}"),
+    ("SLURM_JOB_ID", "slurm-{}", "SLURM_STEP_ID", "."),
+    ("JOBSET_NAME", "jobset-{}", "JOBSET_UID", "-"),
+    ("PBS_JOBID", "pbs-{}", "", ""),
+    ("LSB_JOBID", "lsf-{}", "", ""),
 )
 
 
@@ -35,13 +36,10 @@ def _clean(text: str) -> str:
 
 def scheduler_job_id(environ: Mapping[str, str]) -> tuple[str, str] | None:
     """(id, where it came from) from the scheduler's variables, or None outside a known scheduler."""
-    for variable, form in SCHEDULER_IDS:
+    for variable, form, qualifier, sep in SCHEDULER_IDS:
         value = environ.get(variable, "").strip()
         if value:
             job_id = form.format(_clean(value))
-            # Slurm's step inside an srun step; a JobSet's uid, as its name is reused by a new JobSet
-            qualifier, sep = {"SLURM_JOB_ID": ("SLURM_STEP_ID", "."), "JOBSET_NAME": ("JOBSET_UID", "-")}.get(
-                variable, ("", ""))
             extra = environ.get(qualifier, "").strip() if qualifier else ""
             if extra:
                 return f"{job_id}{sep}{_clean(extra)}", f"${variable}{sep}${qualifier}"
@@ -51,10 +49,8 @@ def scheduler_job_id(environ: Mapping[str, str]) -> tuple[str, str] | None:
 
 def default_job_id(environ: Mapping[str, str], fingerprint: str) -> tuple[str, str]:
     """(id, where it came from) when no id was given: the scheduler's, else user and command."""
-    found = scheduler_job_id(environ)
-    if found is not None:
-        return found
-    return f"{_clean(_user(environ))}-{fingerprint[:12]}", "your user name and the command's fingerprint"
+    return scheduler_job_id(environ) or (f"{_clean(_user(environ))}-{fingerprint[:12]}",
+                                         "your user name and the command's fingerprint")
 
 
 def _user(environ: Mapping[str, str]) -> str:

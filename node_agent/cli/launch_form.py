@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import NoReturn
 
 from node_agent.cli.values import DEFAULT_PORT, parse_endpoint, parse_server
@@ -31,7 +31,7 @@ class Form:
     master_port: int = STATIC_MASTER_PORT
     job_id: str | None = None         # an id this form imposes (standalone: a fresh one when none was given)
     one_node: bool = False            # force 1:1 nodes
-    warnings: tuple[str, ...] = field(default_factory=tuple)
+    warnings: tuple[str, ...] = ()
 
 
 Fail = Callable[[str, str], NoReturn]   # (dest, why)
@@ -51,14 +51,13 @@ def launch_form(*, backend: str | None, endpoint: str | None, endpoint_flag: str
             warnings.append(f"--standalone runs one node: --nnodes {nodes[0]}:{nodes[1]} becomes 1:1")
         return Form(Mode.STANDALONE, job_id=fresh_id, one_node=True, warnings=tuple(warnings))
     if ours or (backend or "static") != "static":
-        return _dynamic(endpoint or "", endpoint_flag, max_nodes, fresh_id, tls_ca, fail, port_0=not ours)
+        return _dynamic(endpoint or "", max_nodes, fresh_id, tls_ca, fail, port_0=not ours)
     if not endpoint and master_port is None and max_nodes == 1:
         return Form(Mode.STANDALONE, job_id=fresh_id, one_node=True)   # torchrun's own shortcut
     return _static(endpoint, endpoint_flag, backend, master_addr, master_port, nodes, node_rank_given, fail)
 
 
-def _dynamic(endpoint: str, flag: str, max_nodes: int, fresh_id: str, tls_ca: str | None, fail: Fail,
-             port_0: bool) -> Form:
+def _dynamic(endpoint: str, max_nodes: int, fresh_id: str, tls_ca: str | None, fail: Fail, port_0: bool) -> Form:
     if not endpoint.strip():
         if max_nodes == 1:          # torchrun's c10d agent would host the rendezvous itself
             return Form(Mode.STANDALONE, job_id=fresh_id, one_node=True)
@@ -94,9 +93,8 @@ def _static(endpoint: str | None, flag: str, backend: str | None, master_addr: s
                              f"rdzv-server at {endpoint!r} add --rdzv-backend c10d (PET_RDZV_BACKEND=c10d); for a "
                              f"static launch give each node its --node-rank (PET_NODE_RANK)")
         if backend is None and flag.startswith("--"):
-            warnings.append(f"{flag} with torchrun's default --rdzv-backend static names node rank 0 of a "
-                            f"static launch (as in torchrun); for an rdzv-server give --rdzv-backend c10d "
-                            f"or --endpoint")
+            warnings.append(f"{flag} with torchrun's default --rdzv-backend static names node rank 0 of a static "
+                            f"launch (as in torchrun); for an rdzv-server give --rdzv-backend c10d or --endpoint")
     else:
         host = master_addr if master_addr is not None else "127.0.0.1"
         if not host.strip():

@@ -7,32 +7,27 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from node_agent.cli.command_line import JOB_DEFAULTS, CommandLine, OptionsError, job_config, non_negative, one_line
+from node_agent.cli.command_line import JOB_DEFAULTS, CommandLine, OptionsError, job_config, one_line
 from node_agent.cli.flags import FLAGS, FlagError, split_command_line
 from node_agent.cli.flags import build_argparser as _build
 from node_agent.cli.job_identity import TORCHRUN_DEFAULT_ID, command_fingerprint, default_job_id
 from node_agent.cli.launch_form import launch_form
-from node_agent.cli.rdzv_conf import (
-    AGENT_NOTES,
-    IGNORED_KEYS,
-    KNOWN_KEYS,
-    NO_TRANSPORT_CHOICE,
-    parse_conf,
-)
+from node_agent.cli.rdzv_conf import AGENT_NOTES, IGNORED_KEYS, KNOWN_KEYS, NO_TRANSPORT_CHOICE, parse_conf
 from node_agent.cli.values import (  # noqa: F401  (count_gpus: re-exported)
     DEFAULT_PORT,
     Fail,
-    _default_node_id,
     _int,
     _rank_set,
     _seconds,
     _split_j,
     count_gpus,
+    default_node_id,
     parse_filters,
     parse_modules,
     parse_nnodes,
@@ -40,6 +35,7 @@ from node_agent.cli.values import (  # noqa: F401  (count_gpus: re-exported)
     parse_size,
     parse_std,
     resolve_nproc,
+    server_token,
 )
 from node_agent.settings import (
     DEFAULT_PRELOAD,
@@ -54,7 +50,6 @@ from node_agent.settings import (
 )
 from protocol.ids import job_id_problem, node_id_problem
 from protocol.messages import JobConfig
-from protocol.tokens import read_token_file, token_problem
 
 
 @dataclass(frozen=True)
@@ -199,11 +194,9 @@ def parse_options(argv: Sequence[str], environ: Mapping[str, str] = os.environ) 
         virtual_local_rank=bool(get("virtual_local_rank")),
         signals=parse_signals(get("signals"), line.failing("signals")) if get("signals") else DEFAULT_SIGNALS,
         reply_file=environ.get("TORCHELASTIC_ERROR_FILE") or None,
-        stop_timeout=non_negative(line, _AGENT_DEFAULTS, "stop_timeout", stop_default,
-                                  "$TORCH_ELASTIC_SHUTDOWN_TIMEOUT"),
-        server_wait=non_negative(line, _AGENT_DEFAULTS, "server_wait", conf.get("server_wait"),
-                                 "--rdzv-conf server_wait"),
-        hang_timeout=non_negative(line, _AGENT_DEFAULTS, "hang_timeout"), warnings=tuple(warnings),
+        stop_timeout=non_negative(line, "stop_timeout", stop_default, "$TORCH_ELASTIC_SHUTDOWN_TIMEOUT"),
+        server_wait=non_negative(line, "server_wait", conf.get("server_wait"), "--rdzv-conf server_wait"),
+        hang_timeout=non_negative(line, "hang_timeout"), warnings=tuple(warnings),
         memory_dir_limit=_memory_dir_limit(line),
         **_gpu_options(line),
         warm_workers=_choice(line, "warm_workers", ("auto", "off")),
@@ -214,23 +207,35 @@ def parse_options(argv: Sequence[str], environ: Mapping[str, str] = os.environ) 
 
 def _gpu_options(line: CommandLine) -> dict[str, Any]:
     """--numa-binding, the GPU check and --health-check (node_agent/gpu/)."""
-    get = line.get
-    mode = get("numa_binding")
+    mode = line.get("numa_binding")
     if mode is not None:
         from node_agent.gpu.topology import parse_bind_mode  # only when asked: a CPU node's start stays light
         try:
             mode = parse_bind_mode(mode).value
         except ValueError as exc:
             line.fail("numa_binding", str(exc))
-    check = get("health_check")
+    check = line.get("health_check")
     if check is not None and not check.strip():
         line.fail("health_check", "must name a command")
-    interval = non_negative(line, _AGENT_DEFAULTS, "gpu_check_interval")
+    interval = non_negative(line, "gpu_check_interval")
     if interval == 0:
         line.fail("gpu_check_interval", "must be > 0 (turn the check off with --no-gpu-check)")
-    return {"numa_binding": mode, "gpu_check": not get("no_gpu_check"), "gpu_check_interval": interval,
-            "health_check": check, "health_check_timeout": non_negative(line, _AGENT_DEFAULTS, "health_check_timeout"),
-            "kill_timeout": non_negative(line, _AGENT_DEFAULTS, "kill_timeout")}
+    return {"numa_binding": mode, "gpu_check": not line.get("no_gpu_check"), "gpu_check_interval": interval,
+            "health_check": check, "health_check_timeout": non_negative(line, "health_check_timeout"),
+            "kill_timeout": non_negative(line, "kill_timeout")}
+
+
+def non_negative(line: CommandLine, dest: str, fallback: str | None = None, fallback_name: str = "") -> float:
+    """A setting of this agent's own (not the job's): seconds, >= 0 and finite."""
+    raw, fail = line.get(dest), line.failing(dest)
+    if raw is None and fallback is not None:
+        raw, fail = fallback, lambda why: one_line(f"{fallback_name}: {why}")
+    if raw is None:
+        return float(_AGENT_DEFAULTS.get(dest, 0.0))
+    value = _seconds(raw, fail)
+    if not math.isfinite(value) or value < 0:
+        fail(f"must be >= 0 and finite, got {raw!r}")
+    return value
 
 
 def _choice(line: CommandLine, dest: str, choices: tuple[str, ...]) -> str:
@@ -255,7 +260,7 @@ def _check_refused(line: CommandLine) -> None:
     if get("start_method") not in (None, "spawn", "fork", "forkserver"):
         line.fail("start_method", f"expected spawn, fork or forkserver, got {get('start_method')!r}")
     if get("monitor_interval") is not None:
-        non_negative(line, _AGENT_DEFAULTS, "monitor_interval")
+        non_negative(line, "monitor_interval")
 
 
 @dataclass(frozen=True)
@@ -310,7 +315,7 @@ def _identity(line: CommandLine, mode: Mode, job_id: str | None, conf: Mapping[s
         job_id = line.get("job_id") or TORCHRUN_DEFAULT_ID   # torchrun's run id; no server, so nothing to merge
     if job_id is None:
         job_id, source = default_job_id(environ, fingerprint)
-    node_id = line.get("node_id") or conf.get("node_id") or _default_node_id()
+    node_id = line.get("node_id") or conf.get("node_id") or default_node_id()
     for dest, problem in (("node_id", node_id_problem(node_id)), ("job_id", job_id_problem(job_id))):
         if problem:   # the server's own rule, checked before anything connects
             line.fail(dest, problem)
@@ -318,21 +323,19 @@ def _identity(line: CommandLine, mode: Mode, job_id: str | None, conf: Mapping[s
 
 
 def _node_rank(line: CommandLine, mode: Mode, max_nodes: int, nnodes_text: str) -> int:
-    get = line.get
-    node_rank = _int(get("node_rank"), line.failing("node_rank")) if get("node_rank") is not None else 0
+    node_rank = _int(line.get("node_rank"), line.failing("node_rank")) if line.get("node_rank") is not None else 0
     if mode is Mode.STATIC and not 0 <= node_rank < max_nodes:
         line.fail("node_rank", f"must be 0..{max_nodes - 1} for --nnodes {nnodes_text}, got {node_rank}")
-    if get("local_addr") is not None and not get("local_addr"):
+    if line.get("local_addr") == "":
         line.fail("local_addr", "must not be empty")
     return node_rank
 
 
 def _role(line: CommandLine, nproc: int, environ: Mapping[str, str]) -> str:
-    get = line.get
-    role: str = get("role") if get("role") is not None else "default"
+    role: str = line.get("role") if line.get("role") is not None else "default"
     if len(role) > 64:
         line.fail("role", f"at most 64 characters, got {len(role)}")
-    if get("virtual_local_rank") and environ.get("CUDA_VISIBLE_DEVICES") is not None:
+    if line.get("virtual_local_rank") and environ.get("CUDA_VISIBLE_DEVICES") is not None:
         visible = environ["CUDA_VISIBLE_DEVICES"].split(",")   # torchrun's reading: each entry, even empty
         if nproc > len(visible):
             line.fail("virtual_local_rank", f"{nproc} workers but CUDA_VISIBLE_DEVICES lists {len(visible)} devices")
@@ -353,24 +356,16 @@ def _memory_dir_limit(line: CommandLine) -> int | None:
 def _token(line: CommandLine, conf: Mapping[str, str], environ: Mapping[str, str],
            tls_ca: str | None) -> tuple[str | None, str | None]:
     """The token file (read at start-up), else $RDZV_TOKEN's token; and a --tls-ca that must exist."""
-    get = line.get
-    token_file = get("token_file") or conf.get("token_file") or environ.get("RDZV_TOKEN_FILE") or None
-    token = None
-    if token_file is None and environ.get("RDZV_TOKEN"):
-        token = environ["RDZV_TOKEN"].strip()
-        if problem := token_problem(token.encode()):
-            one_line(f"$RDZV_TOKEN: {problem}")
+    token_file = line.get("token_file") or conf.get("token_file") or environ.get("RDZV_TOKEN_FILE") or None
+    token = server_token(None, "--token-file", environ, one_line) if token_file is None else None
     if tls_ca is not None and not os.path.isfile(tls_ca):
-        one_line(f"{line.name('tls_ca') if get('tls_ca') else '--rdzv-conf tls_ca'}: no such file: {tls_ca}")
+        one_line(f"{line.name('tls_ca') if line.get('tls_ca') else '--rdzv-conf tls_ca'}: no such file: {tls_ca}")
     return token_file, token
+
 
 def agent_token(opts: AgentOptions) -> str | None:
     """The server's token: the file's (read now, at start-up, not while parsing), else $RDZV_TOKEN's."""
     if opts.token_file is None:
         return opts.token
-    try:
-        return read_token_file(opts.token_file).decode()
-    except ValueError as exc:
-        raise OptionsError(f"--token-file {opts.token_file}: {exc}") from None
-
+    return server_token(opts.token_file, "--token-file", {}, one_line)   # a file given: no variable is read
 

@@ -156,8 +156,7 @@ def resolve_nproc(text: str, environ: Mapping[str, str], fail: Fail) -> int:
     return n
 
 
-def count_gpus(environ: Mapping[str, str], proc_dir: str = "/proc/driver/nvidia/gpus",
-               dev_dir: str = "/dev") -> int:
+def count_gpus(environ: Mapping[str, str], proc_dir: str = "/proc/driver/nvidia/gpus", dev_dir: str = "/dev") -> int:
     """NVIDIA GPUs this process may use, found without importing torch or loading CUDA."""
     visible = environ.get("CUDA_VISIBLE_DEVICES")
     if visible is not None:   # CUDA stops at the first invalid index ("-1"): it and later are hidden
@@ -243,8 +242,8 @@ def _rank_set(text: str | None, fail: Fail) -> frozenset[int] | None:
     return frozenset(_rank(item, fail) for item in text.split(","))
 
 
-def _default_node_id() -> str:
-    # Host names can be long or carry characters the server refuses; keep it a valid id.
+def default_node_id() -> str:
+    """HOSTNAME-PID, trimmed to the node-id rule (host names may carry characters it refuses)."""
     host = re.sub(r"[^A-Za-z0-9._-]", "-", socket.gethostname()).lstrip("._-") or "node"
     suffix = f"-{os.getpid()}"
     return host[: 128 - len(suffix)] + suffix

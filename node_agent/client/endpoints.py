@@ -47,8 +47,5 @@ class Endpoints:
 
     def skip(self) -> None:
         """The endpoint in use cannot be reached: the next one given (the first after a named leader)."""
-        try:
-            at = self.configured.index(self.current)
-        except ValueError:
-            at = -1
+        at = -1 if self.following else self.configured.index(self.current)
         self.current = self.configured[(at + 1) % len(self.configured)]

@@ -68,10 +68,6 @@ class RdzvClient(Transport):
         if self._session is not None:
             await self._session.close()
 
-    @property
-    def base(self) -> str:
-        return self.endpoints.current + self._path
-
     async def _send(self, action: str, message: object, timeout: float) -> NodeStatus:
         """One request, to the leader (a standby names it), skipping unreachable replicas; overdue: check the path."""
         data = encode(message)
@@ -104,23 +100,21 @@ class RdzvClient(Transport):
     async def path_back(self) -> bool:
         """Wait for an endpoint ready on a fresh connection, sending there next; whether none was at first."""
         ready = await self.path.check(self.endpoints.in_order())
-        away = ready is None
-        self.endpoints.use(ready if ready is not None else await self.path.until_back(self.endpoints.in_order))
-        return away
+        self.endpoints.use(ready or await self.path.until_back(self.endpoints.in_order))
+        return ready is None
 
     async def reach(self) -> Path:
         return await self.path.reach(self.endpoints.in_order())
 
     async def _post(self, action: str, data: bytes, timeout: float,
                     due: float) -> tuple[NodeStatus | ErrorReply, str]:
-        request = asyncio.ensure_future(self._post_once(self.base, action, data, timeout))
+        request = asyncio.ensure_future(self._post_once(self.endpoints.current, action, data, timeout))
         try:
             if action != "poll" and self.endpoints.current not in self._heard:
                 return await self._first_contact(request, self.endpoints.current)
             return await self._answer_or_check(request, due)
         finally:
-            if not request.done():
-                request.cancel()     # closes its connection: a stalled one is not used again
+            request.cancel()     # if still under way: closes its connection, a stalled one is not used again
             await asyncio.gather(request, return_exceptions=True)   # its error is ours, or moot: retrieved
 
     async def _answer_or_check(self, request: asyncio.Future[tuple[NodeStatus | ErrorReply, str]],
@@ -145,8 +139,7 @@ class RdzvClient(Transport):
                     either: set[asyncio.Future[object]] = {request, back}   # type: ignore[arg-type]
                     await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
                 finally:
-                    if not back.done():
-                        back.cancel()
+                    back.cancel()
                     await asyncio.gather(back, return_exceptions=True)
                 if request.done():
                     return request.result()
@@ -158,35 +151,30 @@ class RdzvClient(Transport):
     async def _first_contact(self, request: asyncio.Future[tuple[NodeStatus | ErrorReply, str]],
                              server: str) -> tuple[NodeStatus | ErrorReply, str]:
         """`request`'s reply; an endpoint never heard from that does not answer soon, or drops the connection,
-        is asked whether it is a c10d TCPStore (refused if so)."""
-        try:
-            done, _ = await asyncio.wait({request}, timeout=PROBE_AFTER_S)
-            failed = request.exception() if done else None
-            dropped = isinstance(failed, ServerUnreachable) and not isinstance(failed.__cause__,
-                                                                               aiohttp.ClientConnectorError)
-            if done and (server in self._heard or not dropped):
-                return request.result()      # answered (HTTP), or failed to connect at all (nothing listens)
-            url = yarl.URL(server)
-            if await answers_as_c10d_store(url.host or "", url.port or 0):
-                raise ServerRejected(ClientCode.NOT_RDZV_SERVER,
-                                     f"{server} is not an rdzv-server: a c10d TCPStore answers there (torchrun's "
-                                     f"c10d rendezvous and every training job's MASTER_PORT host one); point the "
-                                     f"endpoint at rdzv-server")
-            return await request
-        finally:
-            if not request.done():
-                request.cancel()
+        is asked whether it is a c10d TCPStore (refused if so). The caller cancels `request` if need be."""
+        done, _ = await asyncio.wait({request}, timeout=PROBE_AFTER_S)
+        failed = request.exception() if done else None
+        dropped = isinstance(failed, ServerUnreachable) and not isinstance(failed.__cause__,
+                                                                           aiohttp.ClientConnectorError)
+        if done and (server in self._heard or not dropped):
+            return request.result()      # answered (HTTP), or failed to connect at all (nothing listens)
+        url = yarl.URL(server)
+        if await answers_as_c10d_store(url.host or "", url.port or 0):
+            raise ServerRejected(ClientCode.NOT_RDZV_SERVER,
+                                 f"{server} is not an rdzv-server: a c10d TCPStore answers there (torchrun's "
+                                 f"c10d rendezvous and every training job's MASTER_PORT host one); point the "
+                                 f"endpoint at rdzv-server")
+        return await request
 
     async def _probe(self, server: str) -> int | None:
         """`server`'s /readyz status over a new connection (None: none); limits: path_check.py."""
         return await readyz_status(server, ssl_context=self._ssl if isinstance(self._ssl, ssl.SSLContext) else None,
                                    connect_s=CHECK_TIMEOUT_S, answer_s=ANSWER_WAIT_S, connected=self.path.connected)
 
-    async def _post_once(self, base: str, action: str, data: bytes,
+    async def _post_once(self, server: str, action: str, data: bytes,
                          timeout: float) -> tuple[NodeStatus | ErrorReply, str]:
         assert self._session is not None, "use `async with RdzvClient(...)`"
-        server = base[: -len(self._path)]
-        url = yarl.URL(f"{base}/{action}", encoded=True)   # keep the job id's %2F as it is
+        url = yarl.URL(f"{server}{self._path}/{action}", encoded=True)   # keep the job id's %2F as it is
         try:
             async with self._session.post(url, data=data, headers=self._headers,
                                           ssl=self._ssl, timeout=aiohttp.ClientTimeout(total=timeout)) as resp:

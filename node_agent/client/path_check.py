@@ -83,17 +83,14 @@ class PathCheck:
 
     def _start(self, endpoints: list[str]) -> asyncio.Future[str | None]:
         now = self._clock()
-        latest = self._latest
-        if latest is None or now - latest[0] >= MIN_PAUSE_S:
+        if self._latest is None or now - self._latest[0] >= MIN_PAUSE_S:
             self._latest = (now, asyncio.ensure_future(self._round(endpoints)))
-        assert self._latest is not None
         return self._latest[1]
 
     def connected(self) -> None:
         """Told by a probe (from its own task) once connected: kept past its round, the next rounds reuse it."""
         task = asyncio.current_task()
-        endpoint = self._endpoint_of.get(task) if task is not None else None
-        if endpoint is not None and task is not None:
+        if task is not None and (endpoint := self._endpoint_of.get(task)) is not None:
             kept = self._kept[endpoint] = _Kept(task)
             task.add_done_callback(lambda _: setattr(kept, "ended", self._clock()))
 
@@ -112,9 +109,6 @@ class PathCheck:
         probe.add_done_callback(self._endpoint_of.pop)
         return probe
 
-    def _is_kept(self, probe: asyncio.Future[int | None]) -> bool:
-        return any(k.probe is probe for k in self._kept.values())
-
     async def _round(self, endpoints: list[str]) -> str | None:
         """Every endpoint at once for up to CHECK_TIMEOUT_S; the first ready ends it (a silent leader is not
         waited for), the earliest given among those answering together."""
@@ -130,7 +124,8 @@ class PathCheck:
                 ready = next((e for e in endpoints if statuses.get(e) is not None
                               and statuses[e] not in NOT_SERVING), None)
         finally:
-            dropped = [f for f in pending if not self._is_kept(f)]
+            kept = {k.probe for k in self._kept.values()}
+            dropped = [f for f in pending if f not in kept]
             for f in dropped:
                 f.cancel()
             await asyncio.gather(*dropped, return_exceptions=True)

@@ -23,11 +23,13 @@ class ClientCode(str, enum.Enum):
 Code = ErrorCode | ClientCode      # why a request was refused
 
 
-def code_of(text: str) -> Code:
-    """A refusal's code as the server sent it, typed (ClientCode.UNKNOWN for one this client does not know)."""
+def code_of(code: Code | str) -> Code:
+    """A refusal's code, typed if the server sent it as text (ClientCode.UNKNOWN for one this client does not know)."""
+    if isinstance(code, (ErrorCode, ClientCode)):
+        return code
     for kind in (ErrorCode, ClientCode):
         try:
-            return kind(text)
+            return kind(code)
         except ValueError:
             pass
     return ClientCode.UNKNOWN
@@ -95,6 +97,7 @@ class Refusal(enum.Enum):
 
 
 FORGOTTEN_CODES = (ErrorCode.UNKNOWN_JOB, ErrorCode.UNKNOWN_NODE)
+INVALID_CODES = (ErrorCode.BAD_REQUEST, ErrorCode.UNSUPPORTED_VERSION, ErrorCode.TOO_LARGE)
 # A join refused as CONFLICT (maybe our dead predecessor) is retried this often, for its lease and two tries more.
 CONFLICT_RETRY_S = 1.0
 
@@ -102,7 +105,6 @@ CONFLICT_RETRY_S = 1.0
 def conflict_retry_for(lease_timeout_s: float) -> float:
     """How long a join refused as CONFLICT is tried again."""
     return lease_timeout_s + 2 * CONFLICT_RETRY_S
-INVALID_CODES = (ErrorCode.BAD_REQUEST, ErrorCode.UNSUPPORTED_VERSION, ErrorCode.TOO_LARGE)
 
 
 def refusal(code: Code, request: type) -> Refusal:

@@ -7,6 +7,7 @@ refusal (`ServerRejected`) is never retried: replies.py says what it means."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import time
 from collections.abc import Awaitable, Callable
@@ -20,22 +21,17 @@ T = TypeVar("T")
 
 
 class Backoff:
-    """The pauses between tries of one request; `reset()` once it was answered."""
+    """The pauses between tries of one request."""
 
     def __init__(self, first_s: float = BACKOFF_FIRST_S, max_s: float = BACKOFF_MAX_S,
                  jitter: Callable[[float, float], float] = random.uniform) -> None:
         self.first_s, self.max_s, self._jitter = first_s, max_s, jitter
         self.tries = 0
 
-    def next_pause(self) -> float:
-        self.tries += 1
-        return min(self.max_s, self.first_s * 2.0 ** self.tries) * self._jitter(0.5, 1.0)
-
     async def pause(self) -> None:
-        await asyncio.sleep(self.next_pause())   # waiting out an outage: there is nothing to await
-
-    def reset(self) -> None:
-        self.tries = 0
+        self.tries += 1
+        pause_s = min(self.max_s, self.first_s * 2.0 ** self.tries) * self._jitter(0.5, 1.0)
+        await asyncio.sleep(pause_s)   # waiting out an outage: there is nothing to await
 
 
 class GaveUp(Exception):
@@ -68,11 +64,9 @@ async def until_answered(send: Callable[[], Awaitable[T]], *,
                 await backoff.pause()
                 continue
             left = None if give_up_after is None else max(0.0, give_up_after - (clock() - started))
-            try:
+            with contextlib.suppress(asyncio.TimeoutError):      # timed out: tried once more, then given up on
                 if not await asyncio.wait_for(path_back(), left):
                     await backoff.pause()     # it answers a fresh connection: the failure was not the path
-            except asyncio.TimeoutError:
-                pass          # tried once more, then given up on
 
 
 def unreachable_line(server: str, wait_s: float, error: str) -> str:

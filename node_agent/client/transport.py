@@ -3,7 +3,6 @@ MessagePack) or `local.LocalClient` (in-process). Both raise only the two except
 (over `protocol.errors.RETRYABLE`) decides which error codes are worth a retry."""
 from __future__ import annotations
 
-import enum
 import socket
 from typing import Any, TypeVar
 
@@ -46,14 +45,9 @@ class ServerRejected(Exception):
     """The server answered with a typed error (bad request, config conflict, ...)."""
 
     def __init__(self, code: Code | str, message: str) -> None:
-        typed = code if isinstance(code, (ErrorCode, ClientCode)) else code_of(code)
-        super().__init__(f"{code_text(code)}: {message}")
-        self.code: Code = typed
+        super().__init__(f"{code.value if isinstance(code, (ErrorCode, ClientCode)) else code}: {message}")
+        self.code: Code = code_of(code)
         self.message = message
-
-
-def code_text(code: Code | str) -> str:
-    return code.value if isinstance(code, enum.Enum) else code
 
 
 def refusal(code: str, message: str) -> ServerUnreachable | ServerRejected:

@@ -7,8 +7,7 @@ import enum
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from node_agent.client.replies import ClientCode, Code, Path, code_of
-from protocol.errors import ErrorCode
+from node_agent.client.replies import Code, Path, code_of
 from protocol.messages import (
     FailureReport,
     JoinRequest,
@@ -47,9 +46,7 @@ class ServerRefused:
     message: str
 
     def __post_init__(self) -> None:
-        code: object = self.code
-        if not isinstance(code, (ErrorCode, ClientCode)):
-            object.__setattr__(self, "code", code_of(str(code)))
+        object.__setattr__(self, "code", code_of(self.code))
 
 
 @dataclass(frozen=True)

@@ -66,22 +66,18 @@ class NodeHealth:
             self.checking = False
             self.next_check_at = now + self.interval_s
 
-    def failed(self, stage: Stage, now: float, problem: str) -> float:
-        """Found unhealthy: out until the next check; returns the back-off."""
+    def failed(self, stage: Stage, now: float, problem: str) -> None:
+        """Found unhealthy: out until the next check, after a back-off doubling with each finding in a row."""
         self.problem = problem
         if self.out_since is None:
             self.out_since = now
         if stage == Stage.RUNNING:
             self.checking = False
-        delay: float = min(RETRY_MAX_S, self.retry_min_s * 2.0 ** min(self.unhealthy_in_row, 16))
+        delay = min(RETRY_MAX_S, self.retry_min_s * 2.0 ** min(self.unhealthy_in_row, 16))
         self.unhealthy_in_row += 1
         self.retry_at, self.pending, self.next_check_at = now + delay, None, None
-        return delay
 
-    def gave_up(self, now: float) -> bool:
-        return self.out_since is not None and now - self.out_since >= self.give_up_s
-
-    def retry(self, now: float) -> list[Action]:
+    def retry(self) -> list[Action]:
         """The back-off is over: check again (and join when it passes)."""
         self.retry_at = None
         return [CheckNode(Stage.JOIN, -1)]

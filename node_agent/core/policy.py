@@ -140,11 +140,10 @@ class SupervisionPolicy:
                     self.unreachable_since = now
                 self.unreachable_error = error
                 return self._due(now)
-            case WorkersExited(round_id=round_id, failures=failures) if failures:
-                return self._failed(round_id, failures)
-            case WorkersExited(round_id=round_id):
+            case WorkersExited(round_id=round_id, failures=()):
                 return self._succeeded(round_id)
-            case WorkersHung(round_id=round_id, failures=failures):
+            case (WorkersExited(round_id=round_id, failures=failures)
+                  | WorkersHung(round_id=round_id, failures=failures)):
                 return self._failed(round_id, failures)
             case SpawnFailed(round_id=round_id, failure=failure):
                 return self._failed(round_id, (failure,))
@@ -161,34 +160,29 @@ class SupervisionPolicy:
         return min((when for when, _ in self._timed_rules()), default=None)
 
     def _timed_rules(self) -> list[TimedRule]:
-        rules: list[TimedRule] = []
-        if not self.exiting and self.unreachable_since is not None:
-            rules.append((self.unreachable_since + self.server_wait_s, self._give_up))
-        if not self.exiting and self.retry_join_at is not None:
-            rules.append((self.retry_join_at, self._retry_join))
-        fence = self._fence_at()
-        if fence is not None:
-            rules.append((fence, self._probe))
+        """The armed rules, in the order they win when several are due (none once exiting)."""
+        if self.exiting:
+            return []
+        give_up = None if self.unreachable_since is None else self.unreachable_since + self.server_wait_s
         check = self.health.due(self.running_round if self.workers == Workers.RUNNING else None)
-        if not self.exiting and check is not None:
-            rules.append((check, lambda now: self.health.periodic(self.running_round)))
-        if not self.exiting and self.health.retry_at is not None:
-            rules.append((self.health.retry_at, self._retry_health))
-        return rules
+        rules: list[tuple[float | None, Callable[[float], list[Action]]]] = [
+            (give_up, self._give_up),
+            (self.retry_join_at, self._retry_join),
+            (self._fence_at(), self._probe),
+            (check, lambda now: self.health.periodic(self.running_round)),
+            (self.health.retry_at, self._retry_health),
+        ]
+        return [(when, rule) for when, rule in rules if when is not None]
 
     def _fence_at(self) -> float | None:
         """When to ask the witnesses whether this node is the one cut off (None: no need)."""
         a = self.assignment
-        if self.exiting or self.probing or self.workers != Workers.RUNNING or self.unreachable_since is None \
+        if self.probing or self.workers != Workers.RUNNING or self.unreachable_since is None \
                 or a is None or a.group_world_size < 2:     # alone in its round: nobody to split from
             return None
         if self.probe_at is not None:
             return self.probe_at
         return first_ask_at(self.renewed_at, self.unreachable_since, self.lease_timeout_s)
-
-    def _lapse_at(self) -> float:
-        assert self.unreachable_since is not None
-        return lapse_at(self.renewed_at, self.unreachable_since, self.lease_timeout_s)
 
     @property
     def in_contact(self) -> bool:
@@ -209,18 +203,18 @@ class SupervisionPolicy:
             # The server answers (the link sends again), a replica takes over, it runs our round, or is away.
             self.probe_at, self.suspect = now + REPROBE_S, False
             return []
-        if verdict != Verdict.ROUND_REPLACED and (evidence or self.suspect) and now < self._lapse_at():
+        lapse = lapse_at(self.renewed_at, self.unreachable_since, self.lease_timeout_s)
+        if verdict != Verdict.ROUND_REPLACED and (evidence or self.suspect) and now < lapse:
             # Before the lease lapsed the server has replaced nothing yet: ask again once it has.
-            self.probe_at, self.suspect = self._lapse_at(), True
+            self.probe_at, self.suspect = lapse, True
             return []
         if not evidence and not self.suspect:
             # A witness may not know yet, a silent one only be slow (a loaded host): ask once more.
             self.probe_at, self.suspect = now + (CONFIRM_S if verdict == Verdict.SERVER_HEARD else 0.0), True
             return []
-        a = self.assignment
         self.workers, self.probe_at = Workers.FAILED, None
         silent = now - (self.renewed_at if self.renewed_at is not None else self.unreachable_since)
-        why, failure = fenced(verdict, silent, self.lease_timeout_s, a.rank_offset)
+        why, failure = fenced(verdict, silent, self.lease_timeout_s, self.assignment.rank_offset)
         return [StopWorkers(why), ReportFailure(self.running_round, (failure,))]
 
     def _retry_join(self, now: float) -> list[Action]:
@@ -235,10 +229,9 @@ class SupervisionPolicy:
 
     def _give_up(self, now: float) -> list[Action]:
         assert self.unreachable_since is not None
-        self.exiting = True
-        return self._stop("rendezvous server unreachable") + [
-            Exit(1, f"rendezvous server unreachable for {now - self.unreachable_since:.0f}s "
-                    f"(limit {self.server_wait_s:g}s): {self.unreachable_error}")]
+        return self._end(1, "rendezvous server unreachable",
+                         f"rendezvous server unreachable for {now - self.unreachable_since:.0f}s "
+                         f"(limit {self.server_wait_s:g}s): {self.unreachable_error}")
 
     def _status(self, status: NodeStatus) -> list[Action]:
         if self.health.out and not status.job_state.finished:
@@ -249,9 +242,8 @@ class SupervisionPolicy:
             case News.REJOIN:
                 # The reason is the job's latest news (maybe about another node): said as the job's.
                 why = f" (job {status.job_id}: {status.reason})" if status.reason else ""
-                actions = self._stop("the server no longer counts this node")
-                self.running_round = -1
-                return actions + [Rejoin(f"the server no longer counts this node{why}")]
+                return self._drop_round("the server no longer counts this node") + [
+                    Rejoin(f"the server no longer counts this node{why}")]
             case News.NEW_ROUND:
                 a = status.assignment
                 assert a is not None
@@ -260,9 +252,7 @@ class SupervisionPolicy:
                 self.running_round, self.workers, self.assignment = a.round_id, Workers.RUNNING, a
                 return actions + self.health.spawn(a, restart)
             case News.NOT_MEMBER if self.running_round != -1:   # waiting, spare or excluded: run nothing
-                actions = self._stop(f"node is {status.node_state.value}: {status.reason}")
-                self.running_round = -1
-                return actions
+                return self._drop_round(f"node is {status.node_state.value}: {status.reason}")
         return []
 
     def _refused(self, fact: ServerRefused, now: float) -> list[Action]:
@@ -270,13 +260,14 @@ class SupervisionPolicy:
             self.health.failed(Stage.JOIN, now, fact.message)    # held out by the server: ask again later
             return []
         match refusal(fact.code, fact.request):
-            case Refusal.CONFLICT:
-                # Maybe our own predecessor, dead but not yet noticed: wait out its lease, then give up.
-                if self.conflict_since is None:
-                    self.conflict_since = now
-                if now - self.conflict_since < conflict_retry_for(self.lease_timeout_s):
-                    self.retry_join_at = now + CONFLICT_RETRY_S
-                    return []
+            case Refusal.CONFLICT | Refusal.JOIN_REFUSED as meaning:
+                if meaning is Refusal.CONFLICT:
+                    # Maybe our own predecessor, dead but not yet noticed: wait out its lease, then give up.
+                    if self.conflict_since is None:
+                        self.conflict_since = now
+                    if now - self.conflict_since < conflict_retry_for(self.lease_timeout_s):
+                        self.retry_join_at = now + CONFLICT_RETRY_S
+                        return []
                 return self._end(1, "the server refused this node's join",
                                  f"the rendezvous server refused this node's join: {fact.message}")
             case Refusal.TAKEN_OVER:
@@ -290,9 +281,6 @@ class SupervisionPolicy:
                 return self._end(1, "the endpoint is not an rdzv-server", fact.message)
             case Refusal.DRAINED:      # an operator took this node out: done here, nothing failed
                 return self._end(0, "node drained by the operator", fact.message)
-            case Refusal.JOIN_REFUSED:
-                return self._end(1, "the server refused this node's join",
-                                 f"the rendezvous server refused this node's join: {fact.message}")
             case Refusal.INVALID:      # refused again if sent again: leave, so the others go on without us
                 name = f"{REQUEST_NAMES[fact.request]} request"
                 actions = self._stop(f"the server refused this node's {name}")
@@ -304,23 +292,22 @@ class SupervisionPolicy:
                 return []      # a refused report: the next poll says where things stand
             case Refusal.FORGOTTEN:
                 # The server forgot the job or node (it restarted without its state): start afresh.
-                actions = self._stop(f"the server no longer knows this {fact.code.value.split('_')[1]}")
-                self.running_round = -1
-                return actions + [Rejoin(fact.message)]
+                return self._drop_round(f"the server no longer knows this {fact.code.value.split('_')[1]}") + [
+                    Rejoin(fact.message)]
         return self._end(1, "the server refused this agent", f"the server refused this agent: {fact.message}")
 
-    def _end(self, code: int, stop_reason: str, message: str) -> list[Action]:
+    def _end(self, code: int, stop_reason: str, message: str, root_cause: WorkerFailure | None = None) -> list[Action]:
         self.exiting = True
-        return self._stop(stop_reason) + [Exit(code, message)]
+        return self._stop(stop_reason) + [Exit(code, message, root_cause)]
 
     def _failed(self, round_id: int, failures: tuple[WorkerFailure, ...]) -> list[Action]:
         if self.workers != Workers.RUNNING or round_id != self.running_round:
             return []
         self.workers = Workers.FAILED
+        stop = StopWorkers(f"local rank {failures[0].local_rank} failed")
         if self.health.enabled:     # a broken GPU makes the node leave instead of counting a restart
-            return [StopWorkers(f"local rank {failures[0].local_rank} failed"),
-                    CheckNode(Stage.FAILURE, round_id, failures)]
-        return [StopWorkers(f"local rank {failures[0].local_rank} failed"), ReportFailure(round_id, failures)]
+            return [stop, CheckNode(Stage.FAILURE, round_id, failures)]
+        return [stop, ReportFailure(round_id, failures)]
 
     def _checked(self, fact: NodeChecked, now: float) -> list[Action]:
         if fact.problem is None:
@@ -337,17 +324,15 @@ class SupervisionPolicy:
         # Told when it leaves a round, and once when it does not join; not at every check while out.
         tell = fact.stage != Stage.JOIN or self.health.out_since is None
         self.health.failed(fact.stage, now, fact.problem)
-        actions = self._stop(f"node unhealthy: {fact.problem}")
-        self.running_round = -1
-        return actions + ([Leave(f"unhealthy: {fact.problem}"[:MAX_REASON], fact.kind)] if tell else [])
+        return self._drop_round(f"node unhealthy: {fact.problem}") + (
+            [Leave(f"unhealthy: {fact.problem}"[:MAX_REASON], fact.kind)] if tell else [])
 
     def _retry_health(self, now: float) -> list[Action]:
         h = self.health
-        if h.gave_up(now):
-            out = now - h.out_since if h.out_since is not None else 0.0
-            return self._end(1, "node unhealthy", f"this node stayed unhealthy for {out:.0f}s (the job's join "
-                                                  f"timeout {h.give_up_s:g}s): {h.problem}")
-        return h.retry(now)
+        if h.out_since is not None and now - h.out_since >= h.give_up_s:
+            return self._end(1, "node unhealthy", f"this node stayed unhealthy for {now - h.out_since:.0f}s (the "
+                                                  f"job's join timeout {h.give_up_s:g}s): {h.problem}")
+        return h.retry()
 
     def _succeeded(self, round_id: int) -> list[Action]:
         if self.workers != Workers.RUNNING or round_id != self.running_round:
@@ -362,20 +347,21 @@ class SupervisionPolicy:
             Leave(f"agent received {name}"), Exit(128 + signum, f"node-agent stopped by {name}")]
 
     def _stop(self, reason: str, signum: int = signal.SIGTERM) -> list[Action]:
-        if self.workers == Workers.RUNNING:
-            self.workers = Workers.NONE
-            return [StopWorkers(reason, signum)]
-        self.workers = Workers.NONE
-        return []
+        running, self.workers = self.workers == Workers.RUNNING, Workers.NONE
+        return [StopWorkers(reason, signum)] if running else []
+
+    def _drop_round(self, reason: str) -> list[Action]:
+        """Stop the workers and run no round until the server names one."""
+        self.running_round = -1
+        return self._stop(reason)
 
     def _finish(self, status: NodeStatus) -> list[Action]:
-        self.exiting = True
-        actions = self._stop(f"job {status.job_state.value}")
+        stop = f"job {status.job_state.value}"
         if succeeded_without(status, self.ran):   # a spare, say: nothing ran here
-            return actions + [Exit(1, f"job {status.job_id} succeeded without this node: its workers never ran "
-                                      f"({status.reason})")]
+            return self._end(1, stop, f"job {status.job_id} succeeded without this node: its workers never ran "
+                                      f"({status.reason})")
         if status.job_state == JobState.SUCCEEDED:
-            return actions + [Exit(0, f"job {status.job_id} succeeded: {status.reason}")]
+            return self._end(0, stop, f"job {status.job_id} succeeded: {status.reason}")
         if status.job_state == JobState.FAILED:
-            return actions + [Exit(1, failure_summary(status), status.root_cause)]
-        return actions + [Exit(1, f"job {status.job_id} {status.job_state.value}: {status.reason}")]
+            return self._end(1, stop, failure_summary(status), status.root_cause)
+        return self._end(1, stop, f"job {status.job_id} {status.job_state.value}: {status.reason}")

@@ -135,11 +135,7 @@ class RankGpus:
 
     def nvml_indices(self) -> list[int]:
         """The distinct physical GPUs (NVML indices) the workers use: the ones to check."""
-        out: list[int] = []
-        for r in self.ranks:
-            if r.gpu is not None and r.gpu.gpu is not None and r.gpu.gpu.index not in out:
-                out.append(r.gpu.gpu.index)
-        return out
+        return list(dict.fromkeys(r.gpu.gpu.index for r in self.ranks if r.gpu is not None and r.gpu.gpu is not None))
 
 
 def rank_gpus(visible: Visible, nproc: int, *, virtual_local_rank: bool = False) -> RankGpus:

@@ -13,7 +13,7 @@ import signal
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from node_agent.gpu.nvml import RECOVERY_ACTIONS, THROTTLE_WARNINGS, GpuHealth, GpuProbe, ProbeUnavailable
 from protocol.quoting import one_line, quote
@@ -117,15 +117,7 @@ def check_gpus(probe: GpuProbe, indices: Sequence[int]) -> Verdict:
         verdict = Skipped(one_line(str(exc)))
     except Exception as exc:           # a bug in the bindings must not take the node out
         verdict = Skipped(one_line(f"GPU check failed: {type(exc).__name__}: {exc}"))
-    return _timed(verdict, time.monotonic() - start)
-
-
-def _timed(verdict: Verdict, seconds: float) -> Verdict:
-    if isinstance(verdict, Healthy):
-        return Healthy(verdict.warnings, seconds)
-    if isinstance(verdict, Unhealthy):
-        return Unhealthy(verdict.reason, verdict.warnings, verdict.output, seconds)
-    return Skipped(verdict.reason, verdict.warnings, seconds)
+    return replace(verdict, seconds=time.monotonic() - start)
 
 
 async def run_health_check(command: str | Sequence[str], *, timeout: float = SCRIPT_TIMEOUT_S,
@@ -193,10 +185,7 @@ async def run_health_check(command: str | Sequence[str], *, timeout: float = SCR
     code = proc.returncode
     if code == 0:
         return Healthy(seconds=elapsed)
-    if code is not None and code < 0:
-        how = f"was killed by {_signal_name(-code)}"
-    else:
-        how = f"exited with status {code}"
+    how = f"was killed by {_signal_name(-code)}" if code is not None and code < 0 else f"exited with status {code}"
     return Unhealthy(f"health check {shown} {how}{said}", output=output, seconds=elapsed)
 
 

@@ -3,6 +3,7 @@
 """
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -10,13 +11,12 @@ from dataclasses import dataclass, field
 from node_agent.gpu import has_nvidia_devices
 from node_agent.gpu.devices import RankGpus, gpu_numa_nodes, gpus_from_sysfs, rank_gpus, visible_gpus
 from node_agent.gpu.nvml import GpuInfo, GpuProbe, ProbeUnavailable
-from node_agent.gpu.topology import BindingPlan, Bound, parse_bind_mode, plan_binding, read_topology
+from node_agent.gpu.topology import Bound, parse_bind_mode, plan_binding, read_topology
 
 
 @dataclass(frozen=True)
 class NodeGpus:
     ranks: RankGpus                             # local rank -> the GPU it uses
-    binding: BindingPlan | None = None          # --numa-binding's plan
     lines: tuple[str, ...] = ()                 # each bound rank's binding, said once
     warnings: tuple[str, ...] = ()              # said once, before any worker starts
     cpu_affinity: Mapping[int, frozenset[int]] = field(default_factory=dict)
@@ -28,10 +28,8 @@ def survey(nproc: int, environ: Mapping[str, str], *, probe: GpuProbe | None, nu
     """The node's GPUs for `nproc` workers; `probe` open, or None (sysfs alone); `allowed`: default our affinity."""
     devices: list[GpuInfo] | None = None
     if probe is not None:
-        try:
+        with contextlib.suppress(ProbeUnavailable):
             devices = probe.devices()
-        except ProbeUnavailable:
-            devices = None
     if devices is None:
         devices = gpus_from_sysfs(root, dev_dir)
     visible = visible_gpus(devices, environ.get("CUDA_VISIBLE_DEVICES"), environ.get("CUDA_DEVICE_ORDER"))
@@ -46,5 +44,5 @@ def survey(nproc: int, environ: Mapping[str, str], *, probe: GpuProbe | None, nu
     cpus = allowed if allowed is not None else frozenset(os.sched_getaffinity(0))
     plan = plan_binding(read_topology(root, mode), mode, gpu_numa_nodes(visible, root), nproc, cpus)
     bound = [r for r in plan.ranks if isinstance(r, Bound)]
-    return NodeGpus(ranks, plan, lines=tuple(f"NUMA binding, {r.describe(mode)}" for r in bound),
+    return NodeGpus(ranks, lines=tuple(f"NUMA binding, {r.describe(mode)}" for r in bound),
                     warnings=(*warnings, *plan.warnings()), cpu_affinity={r.local_rank: r.cpus for r in bound})

@@ -7,10 +7,10 @@ unhealthy. No nvidia-smi fallback: it needs the same libnvidia-ml.so.1, and a pr
 """
 from __future__ import annotations
 
+import contextlib
 import importlib
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field, replace
-from types import TracebackType
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from node_agent.gpu.topology import normalize_bus_id
@@ -25,9 +25,14 @@ ERR_LIBRARY_NOT_FOUND, ERR_FUNCTION_NOT_FOUND, ERR_GPU_IS_LOST, ERR_RESET_REQUIR
 ERR_NO_DATA = 21
 UNKNOWN_ERRORS = {ERR_NOT_SUPPORTED, ERR_NO_PERMISSION, ERR_NOT_FOUND, ERR_FUNCTION_NOT_FOUND, ERR_NO_DATA}
 LOST_ERRORS = {ERR_GPU_IS_LOST, ERR_RESET_REQUIRED}
+START_FAILURES: dict[int | None, str] = {
+    ERR_LIBRARY_NOT_FOUND: "the NVML library (libnvidia-ml.so.1) is not found: is the NVIDIA driver installed?",
+    ERR_DRIVER_NOT_LOADED: "the NVIDIA driver is not loaded"}
 # Clock event reasons worth a warning; idle, application clocks, power cap and sync boost are normal under load.
 THROTTLE_WARNINGS = {0x8: "hardware slowdown", 0x20: "software thermal slowdown",
                      0x40: "hardware thermal slowdown", 0x80: "hardware power brake"}
+# nvmlFieldValue_t's value member for each nvmlValueType_t
+_VALUE_MEMBERS = {0: "dVal", 1: "uiVal", 2: "ulVal", 3: "ullVal", 4: "sllVal", 5: "siVal", 6: "usVal"}
 
 
 class ProbeUnavailable(Exception):
@@ -106,14 +111,6 @@ class NvmlProbe:
         self._bus_ids: dict[int, str] = {}     # from devices(): a check need not ask again
         self._unsupported: set[tuple[int, str]] = set()
 
-    def __enter__(self) -> NvmlProbe:
-        self.open()
-        return self
-
-    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
-        self.close()
-
     @property
     def is_open(self) -> bool:
         return self._nv is not None
@@ -130,24 +127,15 @@ class NvmlProbe:
         try:
             nv.nvmlInit()
         except Exception as exc:
-            code = _code(exc)
-            if code == ERR_LIBRARY_NOT_FOUND:
-                reason = "the NVML library (libnvidia-ml.so.1) is not found: is the NVIDIA driver installed?"
-            elif code == ERR_DRIVER_NOT_LOADED:
-                reason = "the NVIDIA driver is not loaded"
-            else:
-                reason = f"NVML failed to start: {_text(exc)}"
-            raise ProbeUnavailable(reason) from exc
+            raise ProbeUnavailable(START_FAILURES.get(_code(exc)) or f"NVML failed to start: {_text(exc)}") from exc
         self._nv = nv
 
     def close(self) -> None:
         nv, self._nv = self._nv, None
         self._handles.clear()
         if nv is not None:
-            try:
+            with contextlib.suppress(Exception):
                 nv.nvmlShutdown()
-            except Exception:
-                pass
 
     def _api(self) -> Any:
         if self._nv is None:
@@ -199,24 +187,22 @@ class NvmlProbe:
                 return GpuHealth(index=index, lost=_text(exc))
             return GpuHealth(index=index, unchecked=f"NVML gives no handle: {_text(exc)}")
         facts = _Facts(self, index)
-        out = GpuHealth(index=index, bus_id=self._bus_ids.get(index) or facts.ask("pci", lambda: normalize_bus_id(
-            _str(nv.nvmlDeviceGetPciInfo(handle).busId))) or "")
-        fields = facts.ask("fields", lambda: _fields(nv, handle, (FI_RECOVERY_ACTION, FI_RESET_STATUS,
-                                                                   FI_DRAIN_AND_RESET_STATUS)))
-        if fields is not None:
-            action, reset, drain = fields
-            out = replace(out, recovery_action=action, reset_required=None if reset is None else reset != 0,
-                          drain_and_reset=None if drain is None else drain != 0)
+        bus_id = self._bus_ids.get(index) or facts.ask("pci", lambda: normalize_bus_id(
+            _str(nv.nvmlDeviceGetPciInfo(handle).busId))) or ""
+        action, reset, drain = facts.ask("fields", lambda: _fields(nv, handle, (
+            FI_RECOVERY_ACTION, FI_RESET_STATUS, FI_DRAIN_AND_RESET_STATUS))) or (None, None, None)
         ecc = facts.ask("ecc", lambda: int(nv.nvmlDeviceGetTotalEccErrors(handle, 1, 0)))  # uncorrected, volatile
         rows = facts.ask("remap", lambda: tuple(int(v) for v in nv.nvmlDeviceGetRemappedRows(handle)))
         pages = None
         if rows is None:                    # row remapping (Ampere+) replaced page retirement
             pages = facts.ask("pages", lambda: int(nv.nvmlDeviceGetRetiredPagesPendingStatus(handle)) != 0)
         throttle = facts.ask("throttle", lambda: int(_throttle(nv, handle)))
-        return replace(out, lost=facts.lost, uncorrectable_ecc=ecc, throttle_reasons=throttle,
-                       remap_pending=None if rows is None else rows[2] != 0,
-                       remap_failed=None if rows is None else rows[3] != 0,
-                       retired_pages_pending=pages, errors=tuple(facts.errors))
+        return GpuHealth(index=index, bus_id=bus_id, lost=facts.lost, recovery_action=action,
+                         reset_required=None if reset is None else reset != 0,
+                         drain_and_reset=None if drain is None else drain != 0, uncorrectable_ecc=ecc,
+                         remap_pending=None if rows is None else rows[2] != 0,
+                         remap_failed=None if rows is None else rows[3] != 0,
+                         retired_pages_pending=pages, throttle_reasons=throttle, errors=tuple(facts.errors))
 
 
 class _Facts:
@@ -250,15 +236,9 @@ def _str(value: object) -> str:
 
 def _fields(nv: Any, handle: Any, ids: Iterable[int]) -> tuple[int | None, ...] | None:
     """NVML field values as ints, None for a field this GPU or driver does not support."""
-    values = nv.nvmlDeviceGetFieldValues(handle, list(ids))
-    out: list[int | None] = []
-    for v in values:
-        if v.nvmlReturn != 0:
-            out.append(None)
-            continue
-        member = {0: "dVal", 1: "uiVal", 2: "ulVal", 3: "ullVal", 4: "sllVal", 5: "siVal", 6: "usVal"}
-        out.append(int(getattr(v.value, member.get(int(v.valueType), "uiVal"))))
-    return tuple(out) if any(x is not None for x in out) else None
+    out = tuple(None if v.nvmlReturn != 0 else int(getattr(v.value, _VALUE_MEMBERS.get(int(v.valueType), "uiVal")))
+                for v in nv.nvmlDeviceGetFieldValues(handle, list(ids)))
+    return out if any(x is not None for x in out) else None
 
 
 def _throttle(nv: Any, handle: Any) -> Any:

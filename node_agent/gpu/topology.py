@@ -11,17 +11,20 @@ so does a GPU with `numa_node` -1 on a machine of several nodes (torch pretends 
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from enum import Enum
+from typing import TypeVar
 
 NODE_DIR = "sys/devices/system/node"
 CPU_DIR = "sys/devices/system/cpu"
 PCI_DIR = "sys/bus/pci/devices"
 NVIDIA_VENDOR = "0x10de"
+_T = TypeVar("_T")
 
 
 class BindMode(str, Enum):
@@ -31,15 +34,12 @@ class BindMode(str, Enum):
     CORE_COMPLEX = "core-complex"
 
 
-MODES: tuple[str, ...] = tuple(m.value for m in BindMode)
-
-
 def parse_bind_mode(text: str) -> BindMode:
     """`--numa-binding`'s value (torchrun's spellings, exactly); ValueError naming the modes otherwise."""
     try:
         return BindMode(text)
     except ValueError:
-        raise ValueError(f"expected one of {', '.join(MODES)}; got {text!r}") from None
+        raise ValueError(f"expected one of {', '.join(m.value for m in BindMode)}; got {text!r}") from None
 
 
 def parse_cpu_list(text: str) -> frozenset[int]:
@@ -59,16 +59,13 @@ def parse_cpu_list(text: str) -> frozenset[int]:
 
 def format_cpu_list(cpus: Iterable[int]) -> str:
     """The numbers in sysfs's list form, ranges joined: {0, 1, 2, 5} -> "0-2,5"."""
-    parts: list[str] = []
-    ordered = sorted(set(cpus))
-    i = 0
-    while i < len(ordered):
-        j = i
-        while j + 1 < len(ordered) and ordered[j + 1] == ordered[j] + 1:
-            j += 1
-        parts.append(str(ordered[i]) if i == j else f"{ordered[i]}-{ordered[j]}")
-        i = j + 1
-    return ",".join(parts)
+    runs: list[list[int]] = []       # [first, last] of each run of consecutive numbers
+    for cpu in sorted(set(cpus)):
+        if runs and cpu == runs[-1][1] + 1:
+            runs[-1][1] = cpu
+        else:
+            runs.append([cpu, cpu])
+    return ",".join(str(first) if first == last else f"{first}-{last}" for first, last in runs)
 
 
 _BUS_ID = re.compile(r"(?:([0-9a-fA-F]{1,8}):)?([0-9a-fA-F]{1,2}):([0-9a-fA-F]{1,2})\.([0-7])")
@@ -106,18 +103,11 @@ def _read(root: str, *parts: str) -> str | None:
         return None
 
 
-def _read_int(root: str, *parts: str) -> int | None:
+def _read_as(parse: Callable[[str], _T], root: str, *parts: str) -> _T | None:
+    """A sysfs file read with `parse` (int, parse_cpu_list); None when missing or not in that form."""
     text = _read(root, *parts)
     try:
-        return int(text.strip()) if text is not None else None
-    except ValueError:
-        return None
-
-
-def _read_cpus(root: str, *parts: str) -> frozenset[int] | None:
-    text = _read(root, *parts)
-    try:
-        return parse_cpu_list(text) if text is not None else None
+        return parse(text) if text is not None else None
     except ValueError:
         return None
 
@@ -134,8 +124,8 @@ def _last_level_cache(root: str, cpu: int) -> frozenset[int] | None:
         if not re.fullmatch(r"index\d+", entry):
             continue
         kind = _read(cache_dir, entry, "type")
-        level = _read_int(cache_dir, entry, "level")
-        shared = _read_cpus(cache_dir, entry, "shared_cpu_list")
+        level = _read_as(int, cache_dir, entry, "level")
+        shared = _read_as(parse_cpu_list, cache_dir, entry, "shared_cpu_list")
         if kind is None or kind.strip() not in ("Data", "Unified") or level is None or not shared:
             continue
         if best is None or level > best[0]:
@@ -154,7 +144,7 @@ def read_topology(root: str = "/", mode: BindMode | None = None) -> Topology:
     for name in names:
         m = re.fullmatch(r"node(\d+)", name)
         if m is not None:
-            cpus = _read_cpus(root, NODE_DIR, name, "cpulist")
+            cpus = _read_as(parse_cpu_list, root, NODE_DIR, name, "cpulist")
             if cpus is not None:
                 nodes[int(m.group(1))] = cpus
     facts: dict[int, CpuFacts] = {}
@@ -162,9 +152,10 @@ def read_topology(root: str = "/", mode: BindMode | None = None) -> Topology:
         topo = os.path.join(CPU_DIR, f"cpu{cpu}", "topology")
         socket = core = cache = None
         if mode in (None, BindMode.SOCKET):
-            socket = _read_int(root, topo, "physical_package_id")
+            socket = _read_as(int, root, topo, "physical_package_id")
         if mode in (None, BindMode.EXCLUSIVE):
-            siblings = _read_cpus(root, topo, "thread_siblings_list") or _read_cpus(root, topo, "core_cpus_list")
+            siblings = (_read_as(parse_cpu_list, root, topo, "thread_siblings_list")
+                        or _read_as(parse_cpu_list, root, topo, "core_cpus_list"))
             core = min(siblings) if siblings else None
         if mode in (None, BindMode.CORE_COMPLEX):
             shared = _last_level_cache(root, cpu)
@@ -175,7 +166,7 @@ def read_topology(root: str = "/", mode: BindMode | None = None) -> Topology:
 
 def gpu_numa_node(root: str, bus_id: str) -> int | None:
     """The NUMA node sysfs gives a PCI device; None when unknown (-1, no such device, no file)."""
-    node = _read_int(root, PCI_DIR, normalize_bus_id(bus_id), "numa_node")
+    node = _read_as(int, root, PCI_DIR, normalize_bus_id(bus_id), "numa_node")
     return node if node is not None and node >= 0 else None
 
 
@@ -192,10 +183,8 @@ def pci_gpus(root: str = "/") -> list[str]:
         klass = _read(root, PCI_DIR, name, "class")
         if vendor is not None and klass is not None and vendor.strip().lower() == NVIDIA_VENDOR \
                 and klass.strip().lower().startswith("0x03"):
-            try:
+            with contextlib.suppress(ValueError):
                 found.append(normalize_bus_id(name))
-            except ValueError:
-                continue
     return sorted(found)
 
 
@@ -249,20 +238,18 @@ def plan_binding(topology: Topology, mode: BindMode, gpu_nodes: Sequence[int | N
     resolved = [node if node is not None else only for node in gpu_nodes]
     ranks: list[Bound | Unbound] = []
     for rank in range(nproc):
+        node = resolved[rank] if rank < len(resolved) else None
         if rank >= len(resolved):
             ranks.append(Unbound(rank, f"no GPU of its own ({len(resolved)} visible)"))
-            continue
-        node = resolved[rank]
-        if node is None:
+        elif node is None:
             ranks.append(Unbound(rank, f"its GPU's NUMA node is unknown (numa_node -1 on a machine with "
                                        f"{len(topology.nodes)} NUMA nodes)"))
-            continue
-        if node not in topology.nodes:
+        elif node not in topology.nodes:
             ranks.append(Unbound(rank, f"its GPU is on NUMA node {node}, which sysfs does not list"))
-            continue
-        peers = [i for i, n in enumerate(resolved) if n == node]
-        found = _cpus_for(topology, mode, node, peers.index(rank), len(peers), allowed)
-        ranks.append(Bound(rank, node, found) if isinstance(found, frozenset) else Unbound(rank, found))
+        else:
+            peers = [i for i, n in enumerate(resolved) if n == node]
+            found = _cpus_for(topology, mode, node, peers.index(rank), len(peers), allowed)
+            ranks.append(Bound(rank, node, found) if isinstance(found, frozenset) else Unbound(rank, found))
     return BindingPlan(mode, tuple(ranks))
 
 

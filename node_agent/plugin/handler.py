@@ -51,19 +51,8 @@ from node_agent.plugin.session import (
     needs_rendezvous,
     still_in_round,
 )
-from node_agent.plugin.settings import (
-    BACKEND,
-    PluginSettings,
-    SettingsError,
-    plugin_settings,
-)
-from node_agent.plugin.torch_internals import (
-    PrefixStore,
-    Store,
-    TCPStore,
-    launch_settings,
-    run_loop_failures,
-)
+from node_agent.plugin.settings import BACKEND, PluginSettings, SettingsError, plugin_settings
+from node_agent.plugin.torch_internals import PrefixStore, Store, TCPStore, launch_settings, run_loop_failures
 from node_agent.workers.script_check import script_problem
 from protocol.errors import ErrorCode
 from protocol.messages import Assignment, JobState, WorkerFailure
@@ -85,8 +74,7 @@ def create_handler(params: RendezvousParameters) -> RdzvServerHandler:
         _exit(2, f"torchrun --rdzv-backend {BACKEND}: {problem}")
     handler = RdzvServerHandler(settings)
     if settings.job_id_source:
-        handler.say(f"job id {settings.job_id} (from {settings.job_id_source}; --rdzv-id or $PET_RDZV_ID sets "
-                    f"another)")
+        handler.say(f"job id {settings.job_id} (from {settings.job_id_source}; --rdzv-id or $PET_RDZV_ID sets another)")
     for key in sorted(set(unquoted(params.config)) & set(IGNORED_KEYS)):
         handler.say(f"--rdzv-conf {key} has no effect with --rdzv-backend {BACKEND}: {IGNORED_KEYS[key]}")
     return handler
@@ -204,16 +192,14 @@ class RdzvServerHandler(RendezvousHandler):
         if self._session is None:
             s = self.settings
             self._agent_store = TCPStore(s.addr, 0, is_master=True, wait_for_workers=False,
-                                              timeout=timedelta(seconds=s.store_timeout_s))
+                                         timeout=timedelta(seconds=s.store_timeout_s))
             client = RdzvClient(s.host, s.port, s.job_id, s.node_id, scheme=s.scheme, token=s.token, tls_ca=s.tls_ca)
-            session = ServerSession(s, client,
-                                    master_port=self._agent_store.port, say=self.say)
+            session = ServerSession(s, client, master_port=self._agent_store.port, say=self.say)
             session.start()
             self._session = session
         return self._session
 
-    def _next_assignment(self, session: ServerSession, after: int, failures: list[WorkerFailure] | None
-                         ) -> Assignment:
+    def _next_assignment(self, session: ServerSession, after: int, failures: list[WorkerFailure] | None) -> Assignment:
         try:
             return session.next_assignment(after, failures)
         except JobFinished as exc:
@@ -258,7 +244,7 @@ class RdzvServerHandler(RendezvousHandler):
         while True:
             try:
                 store = TCPStore(a.master_addr, a.master_port, is_master=False, wait_for_workers=False,
-                                      timeout=timedelta(seconds=CONNECT_TRY_S))
+                                 timeout=timedelta(seconds=CONNECT_TRY_S))
                 store.set_timeout(timedelta(seconds=self.settings.store_timeout_s))
                 return store
             except (RuntimeError, OSError) as exc:

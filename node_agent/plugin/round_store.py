@@ -20,8 +20,7 @@ class RoundStore(Store):
     The wait ends once the server says the job succeeded, even if group rank 0's agent (the store's host) has
     exited; it is abandoned when the job moves on without this node, not after torch's 5-minute barrier timeout."""
 
-    def __init__(self, inner: Store, on_exit_barrier: Callable[[], None],
-                 barrier_over: Callable[[], str]) -> None:
+    def __init__(self, inner: Store, on_exit_barrier: Callable[[], None], barrier_over: Callable[[], str]) -> None:
         """`barrier_over()`: JOB_SUCCEEDED, why the job moved on without this node, or "" (not over)."""
         super().__init__()
         self._inner = inner

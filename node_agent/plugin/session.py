@@ -13,6 +13,7 @@ The decisions are the pure functions at the top (tested without a server); the r
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import threading
 import uuid
@@ -91,14 +92,7 @@ class JoinRefused(SessionEnded):
 
 
 class JobFinished(SessionEnded):
-    def __init__(self, status: NodeStatus) -> None:
-        super().__init__(describe_end(status))
-        self.status = status
-
-
-def describe_end(status: NodeStatus) -> str:
-    """One line: the job's end as the server gives it (a failure's reason carries the root cause)."""
-    return f"job {status.job_id!r} {status.job_state.value}: {status.reason}"
+    """The job ended; one line, as the server gives it (a failure's reason carries the root cause)."""
 
 
 class ServerSession:
@@ -136,8 +130,7 @@ class ServerSession:
         return self._call(self._next_assignment(ran_round, failures))
 
     def report_success(self, round_id: int) -> None:
-        self._call(self._report("success", lambda: self._client.report_success(round_id),
-                                self.settings.server_wait_s))
+        self._call(self._report("success", lambda: self._client.report_success(round_id), self.settings.server_wait_s))
 
     def leave(self, reason: str) -> None:
         self._call(self._leave(reason))
@@ -184,14 +177,13 @@ class ServerSession:
             view = self.view
             assert view is not None
             if view.job_state.finished:
-                raise JobFinished(view)
+                raise JobFinished(f"job {view.job_id!r} {view.job_state.value}: {view.reason}")
             assignment = newer_assignment(view, ran_round)
             if assignment is not None:
                 self._running = assignment.round_id
                 return assignment
             self._describe(view)
-            changed = self._changed
-            await changed.wait()
+            await self._changed.wait()
 
     async def _join(self) -> None:
         s = self.settings
@@ -275,8 +267,10 @@ class ServerSession:
             case Refusal.INVALID:
                 self._end(RequestRefused(f"the rdzv-server refused this node's request, and would again: "
                                          f"{exc.message}"))
-            case Refusal.FORGOTTEN:
-                self._forgotten(exc)
+            case Refusal.FORGOTTEN:   # no record of this node or job (a server without a store restarted)
+                if self.view is not None and not self.view.job_state.finished:
+                    self._set(msgspec.structs.replace(self.view, node_state=NodeState.GONE, assignment=None,
+                                                      reason=exc.message))
             case Refusal.TAKEN_OVER:
                 self._end(ServerLost(f"this node was taken over by another agent that joined with the same "
                                      f"node id: {exc.message}"))
@@ -286,12 +280,6 @@ class ServerSession:
     def _follower_done(self, task: asyncio.Task[None]) -> None:
         if not task.cancelled() and task.exception() is not None:
             self._end(ServerLost(f"plugin error while following the job: {task.exception()!r}"))
-
-    def _forgotten(self, exc: ServerRejected) -> None:
-        """The server has no record of this node or job (a server without a store restarted)."""
-        if self.view is not None and not self.view.job_state.finished:
-            self._set(msgspec.structs.replace(self.view, node_state=NodeState.GONE, assignment=None,
-                                              reason=exc.message))
 
     def _lost_contact(self, exc: Exception) -> None:
         if not self._cut_off:   # said once per outage, at its first failed try
@@ -332,10 +320,8 @@ class ServerSession:
             return
         if isinstance(self.ended, ServerLost):
             return   # no use waiting for a server that stayed away
-        try:
+        with contextlib.suppress(ServerUnreachable, ServerRejected):   # a courtesy: the lease runs out anyway
             await self._client.leave(reason)
-        except (ServerUnreachable, ServerRejected):
-            pass     # a courtesy: the lease runs out anyway
 
     async def _close(self, failed_round: int, failures: list[WorkerFailure] | None, leave_reason: str) -> None:
         view = self.view

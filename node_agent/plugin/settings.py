@@ -19,7 +19,7 @@ import msgspec
 
 from node_agent.cli.job_identity import TORCHRUN_DEFAULT_ID, command_fingerprint, default_job_id
 from node_agent.cli.rdzv_conf import INT_KEYS, KNOWN_KEYS, LOCAL_SECONDS, NO_TRANSPORT_CHOICE, SECONDS_KEYS, unquoted
-from node_agent.cli.values import parse_server, server_token
+from node_agent.cli.values import default_node_id, parse_server, server_token
 from node_agent.client.transport import local_addr_towards
 from protocol.ids import job_id_problem, node_id_problem
 from protocol.messages import JobConfig
@@ -41,10 +41,6 @@ class TorchLaunch:
     kind: str = "python"               # what each worker runs, as node-agent names it: python, module, ...
     script: str = ""
     script_args: tuple[str, ...] = ()
-
-    @property
-    def fingerprint(self) -> str:
-        return command_fingerprint(self.kind, self.script, self.script_args)
 
 
 @dataclass(frozen=True)
@@ -91,13 +87,6 @@ def _count(key: str, value: object) -> int:
     return number
 
 
-def default_node_id() -> str:
-    """HOSTNAME-PID, trimmed to the node-id rule (host names may carry characters it refuses)."""
-    host = re.sub(r"[^A-Za-z0-9._-]", "-", socket.gethostname()).lstrip("._-") or "node"
-    suffix = f"-{os.getpid()}"
-    return host[: 128 - len(suffix)] + suffix
-
-
 def plugin_settings(*, endpoint: str, run_id: str, min_nodes: int, max_nodes: int, local_addr: str | None,
                     conf: Mapping[str, object], launch: TorchLaunch | None,
                     environ: Mapping[str, str] = os.environ) -> PluginSettings:
@@ -108,18 +97,14 @@ def plugin_settings(*, endpoint: str, run_id: str, min_nodes: int, max_nodes: in
     if unknown:
         raise SettingsError(f"--rdzv-conf: unknown key {unknown[0]!r} for --rdzv-backend {BACKEND}; "
                             f"known keys: {', '.join(KNOWN_KEYS)}")
-    endpoint_text = endpoint.strip() or "localhost"   # torch's default when the endpoint is empty
-
-    def bad_endpoint(why: str) -> NoReturn:
-        raise SettingsError(f"--rdzv-endpoint: {why}")
     tls_ca = str(conf["tls_ca"]) if conf.get("tls_ca") else None
     if tls_ca is not None and not os.path.isfile(tls_ca):
         _fail("tls_ca", f"no such file: {tls_ca}")
-    scheme, host, port = parse_server(endpoint_text, tls_ca, bad_endpoint)
+    # "localhost": torch's default when the endpoint is empty; port 0 names no server, so it is refused
+    scheme, host, port = parse_server(endpoint.strip() or "localhost", tls_ca,
+                                      lambda why: _whole_line(f"--rdzv-endpoint: {why}"))
     token = server_token(str(conf["token_file"]) if conf.get("token_file") else None, "--rdzv-conf token_file",
                          environ, _whole_line)
-    if port == 0:
-        bad_endpoint("port 0 names no server; give the rdzv-server's HOST:PORT")
     run_id, source = _job_id(run_id, launch, environ)
     job: dict[str, object] = {"min_nodes": min_nodes, "max_nodes": max_nodes}
     typed: dict[str, str] = {}          # JobConfig field -> the rdzv_conf key it came from
@@ -128,10 +113,17 @@ def plugin_settings(*, endpoint: str, run_id: str, min_nodes: int, max_nodes: in
             job[field], typed[field] = _seconds(key, conf[key]), key
     local = {key: _seconds(key, conf[key]) if key in conf else default for key, default in LOCAL_SECONDS.items()}
     ints = {key: _count(key, conf[key]) for key in INT_KEYS if key in conf}
+    missing = [key for key in ("local_world_size", "max_restarts") if key not in ints]
+    if missing and launch is None:
+        raise SettingsError(f"torch's launch configuration could not be read, so {' and '.join(missing)} "
+                            f"{'is' if len(missing) == 1 else 'are'} not known: give --rdzv-conf {NEEDS_SIZES} "
+                            f"(the workers on this node and the job's restart budget)")
     for key in ("exclude_after", "max_restarts"):
         if key in ints:
             job[key], typed[key] = ints[key], key
-    local_world_size = _sizes(ints, launch, job, typed)
+    if launch is not None and "max_restarts" not in ints:   # the job's restart budget: --rdzv-conf's, else torch's
+        job["max_restarts"], typed["max_restarts"] = launch.max_restarts, "max_restarts (from --max-restarts)"
+    local_world_size = ints.get("local_world_size", launch.local_world_size if launch else 1)
     if local_world_size < 1:
         _fail("local_world_size", f"expected at least 1 worker, got {local_world_size}")
     try:
@@ -159,22 +151,10 @@ def _job_id(run_id: str, launch: TorchLaunch | None, environ: Mapping[str, str])
             raise SettingsError("no run id, and torch's launch did not say which command the workers run (the "
                                 "plugin derives an id from it): give --rdzv-id ID, or set $PET_RDZV_ID where the "
                                 "tool has no such flag (accelerate)")
-        run_id, source = default_job_id(environ, launch.fingerprint)
+        run_id, source = default_job_id(environ, command_fingerprint(launch.kind, launch.script, launch.script_args))
     if problem := job_id_problem(run_id):
         raise SettingsError(f"--rdzv-id (or $PET_RDZV_ID): {problem}")
     return run_id, source
-
-
-def _sizes(ints: Mapping[str, int], launch: TorchLaunch | None, job: dict[str, object], typed: dict[str, str]) -> int:
-    """This node's worker count; the job's restart budget into `job`: --rdzv-conf's, else torch's launch's."""
-    missing = [key for key in ("local_world_size", "max_restarts") if key not in ints]
-    if missing and launch is None:
-        raise SettingsError(f"torch's launch configuration could not be read, so {' and '.join(missing)} "
-                            f"{'is' if len(missing) == 1 else 'are'} not known: give --rdzv-conf {NEEDS_SIZES} "
-                            f"(the workers on this node and the job's restart budget)")
-    if "max_restarts" not in ints and launch is not None:
-        job["max_restarts"], typed["max_restarts"] = launch.max_restarts, "max_restarts (from --max-restarts)"
-    return ints["local_world_size"] if "local_world_size" in ints else launch.local_world_size if launch else 1
 
 
 def _whole_line(message: str) -> NoReturn:

@@ -2,6 +2,7 @@
 --numa-binding CPUs. Cold workers and the warm zygote (whose children do the same) use it: a dead agent takes all."""
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import os
@@ -20,7 +21,6 @@ def prctl() -> Any:
         return None
     fn = ctypes.CDLL(None, use_errno=True).prctl
     fn.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
-    fn.restype = ctypes.c_int
     return fn
 
 
@@ -33,14 +33,11 @@ def child_setup(parent_pid: int, prctl: Any, cpu_affinity: frozenset[int] | None
     if os.getppid() != parent_pid:
         os._exit(1)
     if cpu_affinity:
-        try:
+        # a CPU taken away since the plan (cgroup change): run unbound rather than not at all
+        with contextlib.suppress(OSError):
             os.sched_setaffinity(0, cpu_affinity)
-        except OSError:     # a CPU taken away since the plan (cgroup change): run unbound rather than not at all
-            pass
 
 
 def preexec(parent_pid: int, prctl: Any, cpu_affinity: frozenset[int] | None = None) -> Callable[[], None]:
     """`child_setup` as a subprocess preexec_fn (runs in the child between fork and exec, after setsid)."""
-    def setup() -> None:
-        child_setup(parent_pid, prctl, cpu_affinity)
-    return setup
+    return functools.partial(child_setup, parent_pid, prctl, cpu_affinity)

@@ -39,11 +39,6 @@ def common_env(base: Mapping[str, str], local_world_size: int) -> dict[str, str]
     return env
 
 
-def signals_text(signals: Sequence[int]) -> str:
-    """torchrun's form of --signals-to-handle: names joined by commas (`SIGTERM,SIGINT,SIGHUP,SIGQUIT`)."""
-    return ",".join(signal.Signals(s).name for s in signals)
-
-
 def worker_env(*, base: Mapping[str, str], assignment: Assignment, local_rank: int, job_id: str,
                role: str, error_file: str | None, nccl_async: str | None = None,
                virtual_local_rank: bool = False, signals: Sequence[int] = DEFAULT_SIGNALS,
@@ -77,7 +72,7 @@ def worker_env(*, base: Mapping[str, str], assignment: Assignment, local_rank: i
         "TORCHELASTIC_MAX_RESTARTS": str(a.max_restarts),
         "TORCHELASTIC_RUN_ID": job_id,
         "TORCHELASTIC_USE_AGENT_STORE": str(agent_store),
-        "TORCHELASTIC_SIGNALS_TO_HANDLE": signals_text(signals),
+        "TORCHELASTIC_SIGNALS_TO_HANDLE": ",".join(signal.Signals(s).name for s in signals),   # SIGTERM,SIGINT
         "TORCH_NCCL_ASYNC_ERROR_HANDLING":
             nccl_async if nccl_async is not None else base.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
     })

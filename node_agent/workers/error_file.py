@@ -18,14 +18,13 @@ def read_error_file(path: str) -> tuple[str, str, float] | None:
             return body, "", os.path.getmtime(path)
         if not isinstance(body, dict):
             return None
-        extra = body.get("extraInfo") or {}
-        raw_ts = extra.get("timestamp") if isinstance(extra, dict) else None
+        extra = body.get("extraInfo")
+        extra = extra if isinstance(extra, dict) else {}
         try:
-            ts = float(raw_ts) if raw_ts is not None else os.path.getmtime(path)
-        except (TypeError, ValueError):
+            ts = float(extra["timestamp"])
+        except (KeyError, TypeError, ValueError):
             ts = os.path.getmtime(path)
-        tb = extra.get("py_callstack", "") if isinstance(extra, dict) else ""
-        return str(body.get("message", "")), str(tb or ""), ts
+        return str(body.get("message", "")), str(extra.get("py_callstack") or ""), ts
     except (OSError, ValueError, KeyError, TypeError):
         return None
 

@@ -15,10 +15,8 @@ SPAWN_FAILED_EXITCODE = 127    # the shell's "command not found"
 
 def exit_failure(e: WorkerExit, *, host: str, node_id: str) -> WorkerFailure:
     """A worker that exited non-zero (or was killed), with what its error file says."""
-    message, tb = "", ""
     parsed = read_error_file(e.error_file) if e.error_file else None
-    if parsed is not None:
-        message, tb = parsed[0], parsed[1]
+    message, tb = parsed[:2] if parsed is not None else ("", "")
     # Ordered by when the agent reaped it: error.json's timestamps are whole seconds.
     return WorkerFailure(local_rank=e.local_rank, rank=e.rank, exitcode=e.exitcode, signal=e.signal_name,
                          message=_head(message, MAX_MESSAGE), traceback=_tail(tb, MAX_TRACEBACK),

@@ -65,12 +65,8 @@ def _unix_sockets(path: str) -> list[tuple[str, str]]:
             lines = f.read().splitlines()[1:]
     except OSError:
         return []
-    found = []
-    for line in lines:
-        cols = line.split(None, 7)
-        if len(cols) == 8 and cols[7].startswith("/"):
-            found.append((cols[6], cols[7]))
-    return found
+    rows = [line.split(None, 7) for line in lines]
+    return [(cols[6], cols[7]) for cols in rows if len(cols) == 8 and cols[7].startswith("/")]
 
 
 def _pymp_dir(socket_path: str) -> str | None:

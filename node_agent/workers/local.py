@@ -118,7 +118,7 @@ class LocalWorkers:
             if opts.run_dir is None and self._tmp_root is None:
                 self._tmp_root = make_run_dir(opts.log_dir or tempfile.mkdtemp(prefix="node-agent_"), opts.job_id)
             run_dir = opts.run_dir or self._tmp_root or "."
-            launches = build_launches(a, opts, run_dir=run_dir, hostname=self._hostname, stdin_tty=_stdin_is_tty(),
+            launches = build_launches(a, opts, run_dir=run_dir, hostname=self._hostname, stdin_tty=os.isatty(0),
                                       memory_dirs=self.memory.dirs(a.local_world_size),
                                       memory_limit=self.memory.rank_limit, cpu_affinity=self.cpu_affinity,
                                       agent_store=self.agent_store)
@@ -236,10 +236,3 @@ class LocalWorkers:
             deadline = watch.next_deadline()
             if deadline is not None:
                 await asyncio.sleep(max(0.0, deadline - self._clock()))   # the watch's deadline, not a poll
-
-
-def _stdin_is_tty() -> bool:
-    try:
-        return os.isatty(0)
-    except OSError:
-        return False

@@ -65,12 +65,10 @@ class MemoryDirs:
         if not self.enabled:
             return {}
         try:
-            if self.root is None:
-                self._open()
-            assert self.root is not None
+            root = self.root or self._open()
             out = {}
             for rank in range(local_world_size):
-                out[rank] = os.path.join(self.root, str(rank))
+                out[rank] = os.path.join(root, str(rank))
                 os.makedirs(out[rank], mode=0o700, exist_ok=True)
             return out
         except OSError as exc:   # never a failed job over it: the workers run without
@@ -79,7 +77,7 @@ class MemoryDirs:
             self._say(f"no in-memory checkpoint directory ({exc.strerror or exc}); workers run without one")
             return {}
 
-    def _open(self) -> None:
+    def _open(self) -> str:
         base = self._base
         if base is None:
             base = SHM if os.path.isdir(SHM) and os.access(SHM, os.W_OK) else tempfile.gettempdir()
@@ -100,6 +98,7 @@ class MemoryDirs:
         self.rank_limit = limit // max(1, self.nproc)
         self._say(f"in-memory checkpoints: {root}/LOCAL_RANK, {self.rank_limit / 2**20:.0f} MiB per local rank "
                   f"($NODE_AGENT_MEMORY_DIR)")
+        return root
 
     def close(self) -> None:
         """Remove this run's directories (the job ended, or the node leaves)."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import codecs
+import contextlib
 import io
 import os
 import re
@@ -87,10 +88,8 @@ class Sink:
 
     def close(self) -> None:
         if self.file is not None:
-            try:
+            with contextlib.suppress(OSError):
                 self.file.close()
-            except OSError:
-                pass
 
 
 def open_sink(launch: WorkerLaunch, stream: str, std: Std, console: Console) -> Sink:
@@ -123,11 +122,9 @@ def open_sink(launch: WorkerLaunch, stream: str, std: Std, console: Console) -> 
 
         def filtered(line: str) -> None:
             if any(needle in line for needle in filters):
-                try:     # one append per line: the ranks of a node share the file
-                    with open(path, "a", encoding="utf-8") as f:
-                        f.write(f"{prefix}{line}\n")
-                except OSError:
-                    pass
+                # one append per line: the ranks of a node share the file
+                with contextlib.suppress(OSError), open(path, "a", encoding="utf-8") as f:
+                    f.write(f"{prefix}{line}\n")
     return Sink(file, echo, filtered)
 
 

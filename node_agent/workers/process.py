@@ -9,13 +9,13 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import subprocess
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
 
 from node_agent.heartbeat import ENV_FD as HEARTBEAT_ENV
 from node_agent.workers.deathsig import child_setup
@@ -23,22 +23,14 @@ from node_agent.workers.deathsig import prctl as _prctl
 from node_agent.workers.deathsig import preexec as _child_setup
 from node_agent.workers.launch import WorkerLaunch
 from node_agent.workers.output import STREAMS, Console, LinePump, Sink, open_sink, pump
-from node_agent.workers.warm.client import WarmZygote
+from node_agent.workers.warm.client import WarmProcess, WarmZygote
 from node_agent.workers.warm.eligible import warm_launch
 
 __all__ = ["Worker", "WorkerExit", "WorkerSpawnError", "_child_setup", "_prctl", "child_setup", "signal_name"]
 
 
-class ChildProcess(Protocol):
-    """A started worker: a child of the agent (asyncio's Process) or of the warm zygote (WarmProcess)."""
-
-    @property
-    def pid(self) -> int: ...
-
-    @property
-    def returncode(self) -> int | None: ...
-
-    async def wait(self) -> int: ...
+# A started worker: a child of the agent or of the warm zygote.
+ChildProcess = asyncio.subprocess.Process | WarmProcess
 
 
 @dataclass(frozen=True)
@@ -59,7 +51,6 @@ class WorkerSpawnError(OSError):
     def __init__(self, launch: WorkerLaunch, cause: OSError) -> None:
         super().__init__(cause.errno, cause.strerror or str(cause))
         self.launch = launch
-        self.cause = cause
 
     def __str__(self) -> str:
         return f"cannot start local rank {self.launch.local_rank} ({self.launch.argv[0]!r}): {self.strerror}"
@@ -86,7 +77,7 @@ class Worker:
         self._on_beat = on_beat          # called with the local rank on each heartbeat byte
         self._on_exit = on_exit          # called once, when the process has been reaped
         self._proc: ChildProcess | None = None
-        self._group_alive = False        # its process group may still have members
+        self.group_alive = False         # its process group may still have members (the worker's children)
         self._heartbeat_fd = -1
         self._pumps: list[LinePump] = []
         self._transports: list[asyncio.BaseTransport] = []
@@ -98,11 +89,6 @@ class Worker:
         return None if self._proc is None else self._proc.pid
 
     @property
-    def group_alive(self) -> bool:
-        """Its process group may still have members (the worker's children)."""
-        return self._group_alive
-
-    @property
     def running(self) -> bool:
         return self._proc is not None and self._proc.returncode is None
 
@@ -110,13 +96,11 @@ class Worker:
         """Spawn the process and start pumping its output. Raises OSError when it cannot be spawned."""
         launch = self.launch
         if launch.error_file:   # a stale file from an earlier run would be taken for this run's error
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 os.unlink(launch.error_file)
-            except FileNotFoundError:
-                pass
         sinks: list[Sink] = []
         fds: list[int] = []
-        extra: dict[str, Any] = {}
+        pass_fds: tuple[int, ...] = ()
         env = launch.env
         hb_r = hb_w = -1
         ends: list[tuple[int, int]] = []   # per stream: (our end to read, or -1; the worker's end)
@@ -135,21 +119,21 @@ class Worker:
                 fds += (hb_r, hb_w)
                 os.set_blocking(hb_w, False)   # a worker must never block on its heartbeat
                 env = {**env, HEARTBEAT_ENV: str(hb_w)}
-                extra["pass_fds"] = (hb_w,)
+                pass_fds = (hb_w,)
             self._proc = await self._start_warm(ends[0][1], ends[1][1], hb_w)
             self.warm = self._proc is not None
             if self._proc is None:
                 self._proc = await asyncio.create_subprocess_exec(
                     *launch.argv, env=env, stdin=None if launch.stdin_tty else subprocess.DEVNULL,
                     stdout=ends[0][1], stderr=ends[1][1], start_new_session=True,
-                    preexec_fn=_child_setup(os.getpid(), _prctl(), launch.cpu_affinity), **extra)
+                    preexec_fn=_child_setup(os.getpid(), _prctl(), launch.cpu_affinity), pass_fds=pass_fds)
         except BaseException:
             for fd in fds:
                 os.close(fd)
             for sink in sinks:
                 sink.close()
             raise
-        self._group_alive = True
+        self.group_alive = True
         for r, w in ends:
             if r >= 0:
                 os.close(w)   # the child has its copy; ours would keep the pipe from ever ending
@@ -183,7 +167,7 @@ class Worker:
         try:
             os.killpg(proc.pid, 0)          # anything left in its group (the worker's children)?
         except OSError:
-            self._group_alive = False       # empty: never signal this id again (pid reuse)
+            self.group_alive = False        # empty: never signal this id again (pid reuse)
         error_file = self.launch.error_file
         if error_file and not os.path.exists(error_file):   # noqa: ASYNC240 - one local stat
             error_file = None
@@ -201,7 +185,7 @@ class Worker:
 
     def signal_group(self, sig: int) -> None:
         """Send `sig` to the worker's process group (its children included) while it may have members."""
-        if not self._group_alive or self._proc is None:
+        if not self.group_alive or self._proc is None:
             return
         try:
             os.killpg(self._proc.pid, sig)
@@ -209,14 +193,14 @@ class Worker:
             # No such group: gone, or a warm worker just forked that has no session yet; then the process
             # itself (not reaped, so still ours) gets the signal, or the worker would run on.
             if not self.running:
-                self._group_alive = False
+                self.group_alive = False
                 return
             try:
                 os.kill(self._proc.pid, sig)
             except (ProcessLookupError, PermissionError):
-                self._group_alive = False
+                self.group_alive = False
         except PermissionError:                         # a member changed user: out of reach
-            self._group_alive = False
+            self.group_alive = False
 
     def output_pending(self) -> list[asyncio.Future[None]]:
         """The worker's streams still open (a surviving child may hold them)."""

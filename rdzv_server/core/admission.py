@@ -34,8 +34,7 @@ def check_join(rules: JobRules, req: JoinRequest) -> None:
                               f"{job.job_id!r} by the operator ({job.drained[req.node_id]})")
 
 
-def join(rules: JobRules, req: JoinRequest, now: float, credential: str = "", via: tuple[str, str] = ("", "")
-         ) -> str:
+def join(rules: JobRules, req: JoinRequest, now: float, credential: str, via: tuple[str, str]) -> str:
     """Admit the node (again); returns the credential of a newly made record ("" otherwise).
     `via`: (the join's source address, the server's address it reached), as the shell saw them."""
     check_join(rules, req)
@@ -65,8 +64,7 @@ def join(rules: JobRules, req: JoinRequest, now: float, credential: str = "", vi
     if existing is not None:
         rules.remove(existing, now, EventKind.NODE_LOST, f"node {req.node_id} restarted (new agent instance)",
                      failed_at=existing.last_seen)
-    node = _new_record(rules, req, now, credential, via, existing)
-    _place(rules, node, now)
+    _place(rules, _new_record(rules, req, now, credential, via, existing), now)
     return credential
 
 

@@ -14,28 +14,14 @@ changes; every decision records an `Event` with its reason, and its effects go t
 from __future__ import annotations
 
 from protocol.errors import ErrorCode
-from protocol.messages import (
-    JobState,
-    LeaveRequest,
-    NodeState,
-    NodeStatus,
-    PollRequest,
-)
+from protocol.messages import JobState, LeaveRequest, NodeState, PollRequest
 from rdzv_server.core import credentials, leases
 from rdzv_server.core.errors import RendezvousError
 from rdzv_server.core.events import REMOVAL_CAUSE, EventKind, RoundCause
 from rdzv_server.core.outbox import Outbox
 from rdzv_server.core.payloads import NodeUnhealthy, Payload, RoundFormed, RoundWaiting, as_data
 from rdzv_server.core.records import Event, JobRecord, NodeRecord
-from rdzv_server.core.rounds import (
-    build_round,
-    candidates,
-    count_nodes,
-    deadlines,
-    growth_cause,
-    master_correction,
-    node_status,
-)
+from rdzv_server.core.rounds import build_round, candidates, count_nodes, growth_cause, master_correction
 
 _FINISHED_KIND = {JobState.SUCCEEDED: EventKind.JOB_SUCCEEDED, JobState.FAILED: EventKind.JOB_FAILED,
                   JobState.CLOSED: EventKind.JOB_CLOSED}
@@ -71,20 +57,20 @@ class JobRules:
             leases.release(self.job, node, now, self.out, heard_at)
 
     def leave(self, req: LeaveRequest, now: float) -> None:
-        node_id, reason = req.node_id, req.reason
-        node = self.job.nodes.get(node_id)
+        node = self.job.nodes.get(req.node_id)
         if node is not None:
             credentials.check(node, req.credential)
-        if node is not None and not self.job.state.finished and req.unhealthy is not None:
-            # as a lost node: no restart counted, a spare or a smaller world takes over
-            self.remove(node, now, EventKind.NODE_UNHEALTHY, f"node {node.node_id} left: {reason}",
-                        data=NodeUnhealthy(kind=req.unhealthy.value, host=node.host))
-        elif node is not None and not self.job.state.finished:
-            self.remove(node, now, EventKind.NODE_LEFT, f"node {node.node_id} left: {reason}")
-        elif node is None and not self.job.state.finished and req.unhealthy is not None:
+        if self.job.state.finished:
+            return
+        unhealthy = None if req.unhealthy is None else NodeUnhealthy(kind=req.unhealthy.value,
+                                                                     host=node.host if node is not None else "")
+        if node is not None:     # unhealthy: as a lost node (no restart counted, a spare or a smaller world takes over)
+            kind = EventKind.NODE_LEFT if unhealthy is None else EventKind.NODE_UNHEALTHY
+            self.remove(node, now, kind, f"node {node.node_id} left: {req.reason}", data=unhealthy)
+        elif unhealthy is not None:
             # a node whose own check failed before it joined: the history says why it is missing
-            self.record(now, EventKind.NODE_UNHEALTHY, f"node {node_id} did not join: {reason}", node_id,
-                        data=NodeUnhealthy(kind=req.unhealthy.value, host=""))
+            self.record(now, EventKind.NODE_UNHEALTHY, f"node {req.node_id} did not join: {req.reason}", req.node_id,
+                        data=unhealthy)
 
     def connection_dropped(self, node_id: str, now: float, heard: bool = False) -> None:
         """A node's long-poll connection closed under it: give it a short grace to come back."""
@@ -94,7 +80,7 @@ class JobRules:
 
     # ---- time ----------------------------------------------------------------------------
 
-    def tick(self, now: float, hearing: leases.Hearing = leases.HEARD) -> int:
+    def tick(self, now: float, hearing: leases.Hearing) -> int:
         """Apply every passed deadline, leases judged by what the server heard; returns how many were extended."""
         job = self.job
         lag_s, quiet_s, suspect_s = hearing.lag_s, hearing.quiet_s, hearing.suspect_s
@@ -107,7 +93,7 @@ class JobRules:
             held = [n for n in gone if not leases.closing_heard(n, now - quiet_s)]
             gone = [n for n in gone if leases.closing_heard(n, now - quiet_s)]
             if held:
-                leases.extend(job, held, now, job.config.lease_timeout_s, self.out)
+                leases.extend(held, now, job.config.lease_timeout_s, self.out)
                 extended = len(held)
                 if hearing.say_quiet:
                     self.record(now, EventKind.LEASES_EXTENDED, f"server heard from no agent for {quiet_s:.1f}s (its "
@@ -131,12 +117,6 @@ class JobRules:
                             f" (no healthy set of {job.config.min_nodes} nodes: {unhealthy} left unhealthy)"
                             if unhealthy else ""))
         return extended
-
-    def next_deadline(self) -> float | None:
-        return None if self.job.state.finished else min(deadlines(self.job), default=None)
-
-    def view(self, node_id: str, now: float, *, accepted: bool = True, reason: str = "") -> NodeStatus:
-        return node_status(self.job, node_id, now, accepted=accepted, reason=reason)
 
     # ---- the mechanics of rounds (operator rules use these too) -----------------------------
 

@@ -33,6 +33,8 @@ SUSPECT_QUIET_S = 1.5   # silence from everyone past this: a lapsing lease waits
 OUTAGE_LIMIT_S = 60.0
 LEAD_S = 2.0            # a node heard this long before a silence began may have been cut off by it
 RESUME_GRACE_S = 1.5    # after a silence ends, the time a cut-off agent needs to come back (path_check.py)
+
+
 @dataclass(frozen=True)
 class Hearing:
     """What the server heard lately, by which one job's lapsing leases are judged (Rendezvous.tick)."""
@@ -42,9 +44,6 @@ class Hearing:
     silence: tuple[float, float] | None = None   # the last such silence that ended (grace_after_silence)
     wave: ReturnWave | None = None               # the job's nodes coming back since it ended
     say_quiet: bool = True                       # the quiet rule's extension not yet told in the job's events
-
-
-HEARD = Hearing()            # a server that runs on time and hears its agents
 
 
 MAX_LOSS_HISTORY = 1000      # nodes whose losses a job remembers
@@ -79,11 +78,6 @@ def drop(job: JobRecord, node: NodeRecord, now: float, out: Outbox, heard: bool 
     node.dropped, node.dropped_at, node.drop_heard = True, now, heard
     node.lease_expires = now + min(DROP_GRACE_S, job.config.lease_timeout_s)
     out.deadline(node.lease_expires)
-
-
-def running(node: NodeRecord) -> bool:
-    """Whether the node's lease is running (no poll of it held open)."""
-    return node.holding == 0
 
 
 def live(node: NodeRecord, now: float) -> bool:
@@ -154,7 +148,7 @@ def grace_after_silence(job: JobRecord, silence: tuple[float, float] | None, now
             out.deadline(until)
 
 
-def extend(job: JobRecord, nodes: list[NodeRecord], now: float, by: float, out: Outbox) -> None:
+def extend(nodes: list[NodeRecord], now: float, by: float, out: Outbox) -> None:
     """Give `nodes` `by` seconds more (the server was cut off or behind, not they); a closed connection stays so."""
     for node in nodes:
         node.lease_expires = now + by

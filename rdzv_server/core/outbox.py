@@ -33,11 +33,8 @@ class Outbox:
             return _EMPTY          # the common case (a renewal): nothing to allocate
         taken = Outbox(self.events, self.woken, self.changed, self.nodes, self.new_runs, self.pruned,
                        self.restarts, self.finished, self.earliest)
-        self.events, self.woken, self.changed, self.nodes, self.new_runs = [], set(), {}, {}, set()
-        self.restarts = []
-        self.finished = []
-        self.pruned = set()
-        self.earliest = None
+        self.events, self.woken, self.changed, self.nodes = [], set(), {}, {}
+        self.new_runs, self.pruned, self.restarts, self.finished, self.earliest = set(), set(), [], [], None
         return taken
 
 

@@ -32,6 +32,7 @@ from rdzv_server.core.leases import OUTAGE_LIMIT_S, QUIET_S, SUSPECT_QUIET_S, He
 from rdzv_server.core.outbox import Outbox
 from rdzv_server.core.payloads import LeasesExtended
 from rdzv_server.core.records import JobRecord
+from rdzv_server.core.rounds import deadlines, node_status
 from rdzv_server.core.unhealthy import DEFAULT_HOLD_S, UnhealthyHosts
 
 __all__ = ["REUSE_FINISHED_AFTER_S", "Rendezvous", "RendezvousError"]
@@ -54,6 +55,7 @@ def node_room(config: JobConfig) -> int:
     """Node records one job may hold: its max_nodes, plus as many (at least 16) spares and waiters."""
     return config.max_nodes + max(16, config.max_nodes)
 
+
 class Rendezvous:
     """All jobs of one server. Not thread-safe: one event loop drives it."""
 
@@ -72,7 +74,8 @@ class Rendezvous:
                                                 if j.state.finished]
         heapq.heapify(self._ended)
 
-    def _heard(self, now: float) -> None:
+    def heard(self, now: float) -> None:
+        """Some agent's path to the server worked at `now` (a request, or a held poll answered a keepalive probe)."""
         if self.heard_at is None or now > self.heard_at:
             if self.heard_at is not None and now - self.heard_at >= SUSPECT_QUIET_S:
                 self.silence = (self.heard_at, now)   # maybe the server's own link: leases.grace_after_silence
@@ -83,10 +86,6 @@ class Rendezvous:
     def return_wave(self, job_id: str) -> ReturnWave | None:
         """The job's nodes coming back since the last silence ended (leases.grace_after_silence)."""
         return self._waves.get(job_id) if self.silence is not None else None
-
-    def heard(self, now: float) -> None:
-        """Some agent's path to the server worked at `now` (a held poll answered a keepalive probe)."""
-        self._heard(now)
 
     def take_effects(self) -> Outbox:
         """What the calls since the last take did (see outbox.py)."""
@@ -101,7 +100,7 @@ class Rendezvous:
     def join(self, job_id: str, req: JoinRequest, now: float, credential: str = "",
              via: tuple[str, str] = ("", "")) -> NodeStatus:
         """Admit a node; `credential` is the secret a newly made node record gets (the shell makes it)."""
-        self._heard(now)
+        self.heard(now)
         self.unhealthy.check(req.host or req.addr, req.node_id, now)
         job = self.jobs.get(job_id)
         if job is not None and job.state.finished:
@@ -123,7 +122,7 @@ class Rendezvous:
                 self._check_room(job, now)
         with self._counting(rules.job):
             issued = admission.join(rules, req, now, credential, via)
-        status = rules.view(req.node_id, now)
+        status = node_status(rules.job, req.node_id, now)
         status.credential = issued
         return status
 
@@ -151,51 +150,48 @@ class Rendezvous:
             raise RendezvousError(ErrorCode.LIMIT_REACHED, f"this server holds {self.node_count} nodes, its "
                                   f"limit (--max-nodes {lim.max_nodes}); retry later")
 
-    def poll(self, job_id: str, req: PollRequest, now: float) -> NodeStatus:
-        """A poll answered at once: it renews the node's lease."""
+    def poll(self, job_id: str, req: PollRequest, now: float, hold: bool = False) -> NodeStatus:
+        """A poll answered at once renews the node's lease; one held open (`hold`) until `poll_ended` or
+        `connection_dropped` stops it: meanwhile the connection is the lease."""
         rules = self.rules(job_id)
-        self._heard(now)
-        rules.poll(req, now)
-        return rules.view(req.node_id, now)
+        self.heard(now)
+        rules.poll(req, now, hold)
+        return node_status(rules.job, req.node_id, now)
 
     def hold_poll(self, job_id: str, req: PollRequest, now: float) -> NodeStatus:
-        """A poll held open until `poll_ended` or `connection_dropped`: meanwhile the connection is the lease."""
-        rules = self.rules(job_id)
-        self._heard(now)
-        rules.poll(req, now, hold=True)
-        return rules.view(req.node_id, now)
+        return self.poll(job_id, req, now, hold=True)
 
     def poll_ended(self, job_id: str, node_id: str, now: float, heard_at: float | None = None) -> None:
         """A held poll was answered: the lease runs again from `heard_at`, its connection's last sign of life."""
         job = self.jobs.get(job_id)
         if job is not None:
             if heard_at is not None:          # a sign of life too, for telling an outage apart
-                self._heard(min(heard_at, now))
+                self.heard(min(heard_at, now))
             JobRules(job, self.outbox).poll_ended(node_id, now, heard_at)
 
     def report_failure(self, job_id: str, req: FailureReport, now: float) -> NodeStatus:
         rules = self.rules(job_id)
-        self._heard(now)
+        self.heard(now)
         with self._counting(rules.job):          # a suspect peer may be lost
             why_not = reports.failure(rules, req, now)
-        return rules.view(req.node_id, now, accepted=not why_not, reason=why_not)
+        return node_status(rules.job, req.node_id, now, accepted=not why_not, reason=why_not)
 
     def report_success(self, job_id: str, req: SuccessReport, now: float) -> NodeStatus:
         rules = self.rules(job_id)
-        self._heard(now)
+        self.heard(now)
         why_not = reports.success(rules, req, now)
-        return rules.view(req.node_id, now, accepted=not why_not, reason=why_not)
+        return node_status(rules.job, req.node_id, now, accepted=not why_not, reason=why_not)
 
     def leave(self, job_id: str, req: LeaveRequest, now: float) -> NodeStatus:
         rules = self.rules(job_id)
-        self._heard(now)
+        self.heard(now)
         node = rules.job.nodes.get(req.node_id)
         finished = rules.job.state.finished
         with self._counting(rules.job):
             rules.leave(req, now)          # checks the node's credential first
         if node is not None and req.unhealthy is not None and not finished:
             self.unhealthy.hold(node.host or node.addr, req.unhealthy.value, req.reason, job_id, req.node_id, now)
-        return rules.view(req.node_id, now)
+        return node_status(rules.job, req.node_id, now)
 
     def connection_dropped(self, job_id: str, node_id: str, now: float, heard: bool = False) -> None:
         """A node's long-poll connection closed: a short grace; `heard`: its host closed it, not a keepalive."""
@@ -203,9 +199,8 @@ class Rendezvous:
         if job is not None:
             JobRules(job, self.outbox).connection_dropped(node_id, now, heard)
 
-    def view(self, job_id: str, node_id: str, now: float, *, accepted: bool = True,
-             reason: str = "") -> NodeStatus:
-        return self.rules(job_id).view(node_id, now, accepted=accepted, reason=reason)
+    def view(self, job_id: str, node_id: str, now: float) -> NodeStatus:
+        return node_status(self.rules(job_id).job, node_id, now)
 
     # ---- operator actions (operator_rules.py) ---------------------------------------------
 
@@ -257,7 +252,7 @@ class Rendezvous:
         return changed
 
     def next_deadline(self) -> float | None:
-        due = [JobRules(job, self.outbox).next_deadline() for job in self.jobs.values() if not job.state.finished]
+        due = [min(deadlines(job), default=None) for job in self.jobs.values() if not job.state.finished]
         oldest = self._oldest_ended()
         if oldest is not None:
             due.append(self._forget_at(oldest.finished_at or 0.0))

@@ -65,8 +65,7 @@ def failure(rules: JobRules, req: FailureReport, now: float) -> str:
                     f"root cause: {describe(job.root_cause or first)}")
         return ""
     rules.out.restarts.append(job.job_id)
-    why = f"worker failure on {node.node_id} ({describe(first)}); restart {job.restart_count}" \
-          f"/{cfg.max_restarts}"
+    why = f"worker failure on {node.node_id} ({describe(first)}); restart {job.restart_count}/{cfg.max_restarts}"
     if cfg.exclude_after and len(node.failure_times) >= cfg.exclude_after:
         rules.exclude(node, now)
     rules.form_round(now, why, RoundCause.FAILURE, failed_at=first.timestamp)

@@ -147,9 +147,7 @@ def node_status(job: JobRecord, node_id: str, now: float, *, accepted: bool = Tr
                         lease_timeout_s=job.config.lease_timeout_s)
     if finished:
         status.root_cause = job.root_cause if job.state == JobState.FAILED else None
-        if r is not None:
-            status.assignment = assignment(r, node_id)
-    elif state == NodeState.MEMBER and r is not None:
+    if r is not None and (finished or state == NodeState.MEMBER):
         status.assignment = assignment(r, node_id)
     elif state == NodeState.SPARE:
         status.spare_position = job.spares.index(node_id)

@@ -35,15 +35,14 @@ class UnhealthyHosts:
         self.hold_s = hold_s
         self._holds: dict[str, Hold] = {}
 
-    def hold(self, host: str, kind: str, reason: str, job_id: str, node_id: str, now: float) -> Hold | None:
-        """Keep `host` out until now + hold_s (None: holds are off, or no host to hold)."""
+    def hold(self, host: str, kind: str, reason: str, job_id: str, node_id: str, now: float) -> None:
+        """Keep `host` out until now + hold_s (unless holds are off, or there is no host to hold)."""
         if self.hold_s <= 0 or not host:
-            return None
+            return
         self._holds.pop(host, None)
         while len(self._holds) >= MAX_HOSTS:
             del self._holds[next(iter(self._holds))]
-        held = self._holds[host] = Hold(host, kind, reason, job_id, node_id, now, now + self.hold_s)
-        return held
+        self._holds[host] = Hold(host, kind, reason, job_id, node_id, now, now + self.hold_s)
 
     def check(self, host: str, node_id: str, now: float) -> None:
         """Refuse a join from a held host."""

@@ -154,10 +154,6 @@ class Hub:
             self._unindex(sub)
             sub.close(ended=False)
 
-    def before_tick(self, now: float) -> None:
-        """Before the core's timed rules judge lapsing leases: what the held connections say."""
-        self.links.check(self.driver.core, now)
-
     def _hold_ended(self, entry: object) -> None:
         assert isinstance(entry, Subscriber)
         self._unindex(entry)

@@ -18,12 +18,6 @@ MAX_CHECKED = 256       # connections looked at per check: when the link works, 
 CLOSE_HEARD_S = 1.0
 
 
-def hear(core: Rendezvous, now: float, age_s: float) -> None:
-    """A connection's kernel last heard its peer `age_s` ago: the server's link worked then."""
-    if 0.0 <= age_s < OUTAGE_LIMIT_S:
-        core.heard(now - age_s)
-
-
 class HeldLinks:
     def __init__(self) -> None:
         self._ages: dict[AckAge, None] = {}
@@ -35,17 +29,13 @@ class HeldLinks:
     def discard(self, age: AckAge) -> None:
         self._ages.pop(age, None)
 
-    def freshest_s(self, now: float) -> float | None:
-        """The age of the freshest ACK among the held connections; None: none known, or asked too soon."""
-        if self._checked <= now < self._checked + CHECK_GAP_S:
-            return None
-        self._checked = now
-        ages = [a for a in (age() for age in itertools.islice(self._ages, MAX_CHECKED)) if a is not None]
-        return min(ages, default=None)
-
     def check(self, core: Rendezvous, now: float) -> None:
         """Before the rules about silences (core/leases.py) judge a lapsing lease, ask the held connections."""
-        if core.heard_at is not None and now - core.heard_at >= SUSPECT_QUIET_S:
-            age = self.freshest_s(now)
-            if age is not None:
-                hear(core, now, age)
+        quiet = core.heard_at is not None and now - core.heard_at >= SUSPECT_QUIET_S
+        if not quiet or self._checked <= now < self._checked + CHECK_GAP_S:     # asked just now: not again
+            return
+        self._checked = now
+        ages = (age() for age in itertools.islice(self._ages, MAX_CHECKED))
+        freshest = min((a for a in ages if a is not None), default=None)
+        if freshest is not None and 0.0 <= freshest < OUTAGE_LIMIT_S:
+            core.heard(now - freshest)

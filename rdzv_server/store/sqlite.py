@@ -12,7 +12,8 @@ import errno
 import fcntl
 import os
 import sqlite3
-from collections.abc import Collection
+from collections.abc import Collection, Iterator
+from contextlib import contextmanager
 from typing import TypeVar
 
 import msgspec
@@ -100,20 +101,9 @@ class SqliteStore:
         db.execute("PRAGMA journal_mode = WAL")
         db.execute("PRAGMA synchronous = FULL")
 
-    @property
-    def where(self) -> str:
-        return f"state store {self.path}"
-
-    def describe_failure(self, exc: BaseException) -> str:
-        return describe_failure(exc, self.state_dir)
-
-    # ---- reading (once, at start-up) ----
-
     def _migrate_from_1(self) -> None:
         """Schema 1 kept a job's nodes inside its row: move them to rows of their own, in one transaction."""
-        db = self._db
-        db.execute("BEGIN IMMEDIATE")
-        try:
+        with self._transaction() as db:
             db.execute(_NODES_TABLE)          # not executescript: that would commit the transaction
             for job_id, blob in db.execute("SELECT job_id, record FROM jobs").fetchall():
                 job = self._decode(job_id, blob, job_decoder, "record")
@@ -122,11 +112,26 @@ class SqliteStore:
                 db.execute("UPDATE jobs SET record = ? WHERE job_id = ?",
                            (_encoder.encode(msgspec.structs.replace(job, nodes={})), job_id))
             db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+
+    @contextmanager
+    def _transaction(self) -> Iterator[sqlite3.Connection]:
+        """One write transaction: committed at the end of the block, rolled back if it raises."""
+        db = self._db
+        db.execute("BEGIN IMMEDIATE")
+        try:
+            yield db
             db.execute("COMMIT")
         except BaseException:
-            if db.in_transaction:
+            if db.in_transaction:       # a failed COMMIT has already rolled back: do not hide its error
                 db.execute("ROLLBACK")
             raise
+
+    @property
+    def where(self) -> str:
+        return f"state store {self.path}"
+
+    def describe_failure(self, exc: BaseException) -> str:
+        return describe_failure(exc, self.state_dir)
 
     # ---- reading (at start-up; one job again after a failed commit) ----
 
@@ -164,9 +169,7 @@ class SqliteStore:
 
     def write(self, snapshots: list[JobSnapshot], alive_at: float, deleted: Collection[str] = ()) -> None:
         """Commit the snapshots, the deletion of `deleted` jobs and the liveness mark in one transaction."""
-        db = self._db
-        db.execute("BEGIN IMMEDIATE")
-        try:
+        with self._transaction() as db:
             for job_id in deleted:
                 for table in ("jobs", "nodes", "events"):
                     db.execute(f"DELETE FROM {table} WHERE job_id = ?", (job_id,))
@@ -185,14 +188,9 @@ class SqliteStore:
                     db.execute("DELETE FROM events WHERE job_id = ? AND seq <= ?", (s.job_id, s.keep_after_seq))
             db.executemany("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)",
                            [("alive_at", repr(alive_at)), ("clean_shutdown", "0")])
-            db.execute("COMMIT")
-            if deleted:           # forgotten jobs: give their pages back, file and log both
-                db.executescript("PRAGMA incremental_vacuum;")   # (execute() would step it once only)
-                db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
-        except BaseException:
-            if db.in_transaction:       # a failed COMMIT has already rolled back: do not hide its error
-                db.execute("ROLLBACK")
-            raise
+        if deleted:           # forgotten jobs: give their pages back, file and log both
+            self._db.executescript("PRAGMA incremental_vacuum;")   # (execute() would step it once only)
+            self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
 
     def close(self, now: float) -> None:
         """Mark a clean shutdown and release the file and the lock."""

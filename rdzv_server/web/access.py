@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import functools
 import hmac
 import ipaddress
 import socket
@@ -128,13 +129,12 @@ def check(request: web.Request, access: Access) -> None:
                                 "(the file the server's --token-file names)", 'Bearer realm="rdzv-server"')
         return
     if kind == "views":
-        if access.views_need_token:
-            if not _matches(given, access.agent_token, access.admin_token):
-                raise _unauthorized("this server's status needs its token: send it as "
-                                    "'Authorization: Bearer TOKEN' (or as the password of HTTP Basic auth)",
-                                    'Basic realm="rdzv-server"')
-        else:
+        if not access.views_need_token:
             _check_host(request, access, "views without a token")
+        elif not _matches(given, access.agent_token, access.admin_token):
+            raise _unauthorized("this server's status needs its token: send it as "
+                                "'Authorization: Bearer TOKEN' (or as the password of HTTP Basic auth)",
+                                'Basic realm="rdzv-server"')
         return
     _check_admin(request, access, given)
 
@@ -181,7 +181,7 @@ def _check_host(request: web.Request, access: Access, what: str) -> None:
     server's address (DNS rebinding) sends its own domain there, and its `Origin` matches it."""
     host = request.headers.get("Host", "")
     name = _host_name(host)
-    if name and (_is_ip(name) or name in _own_names() or name in access.allowed_hosts):
+    if name and (_ip(name) is not None or name in _own_names() or name in access.allowed_hosts):
         return
     raise RendezvousError(ErrorCode.FORBIDDEN,
                           f"Host {quote(host)} is not one of this server's names; start rdzv-server with "
@@ -196,37 +196,25 @@ def _host_name(host: str) -> str:
     return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
 
 
-def _is_ip(name: str) -> bool:
+def _ip(text: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    """`text` as an IP address (an IPv6 zone ignored); None when it is not one."""
     try:
-        ipaddress.ip_address(name.split("%", 1)[0])
-        return True
+        return ipaddress.ip_address(text.split("%", 1)[0])
     except ValueError:
-        return False
+        return None
 
 
-_NAMES: frozenset[str] | None = None
-
-
+@functools.cache
 def _own_names() -> frozenset[str]:
-    global _NAMES
-    if _NAMES is None:
-        names = {"localhost", "localhost.localdomain", socket.gethostname().lower()}
-        names.add(socket.getfqdn().lower())
-        _NAMES = frozenset(names)
-    return _NAMES
+    return frozenset({"localhost", "localhost.localdomain", socket.gethostname().lower(), socket.getfqdn().lower()})
 
 
 def is_loopback(remote: str | None) -> bool:
     """True for 127.0.0.0/8, ::1 and IPv4-mapped loopback (::ffff:127.x.y.z)."""
-    if not remote:
-        return False
-    try:
-        addr = ipaddress.ip_address(remote.split("%", 1)[0])
-    except ValueError:
-        return False
+    addr = _ip(remote or "")
     if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
         addr = addr.ipv4_mapped
-    return addr.is_loopback
+    return addr is not None and addr.is_loopback
 
 
 @web.middleware

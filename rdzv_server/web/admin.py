@@ -68,17 +68,16 @@ async def _body(request: web.Request, fields: dict[str, type]) -> dict[str, Any]
         expected = ", ".join(fields) or "no fields"
         names = ", ".join(map(quote, unknown[:5])) + (f" and {len(unknown) - 5} more" if len(unknown) > 5 else "")
         raise bad_request(f"unknown field(s) {names}; this action takes {expected}")
+    body = {k: v for k, v in body.items() if v is not None}
     for name, value in body.items():
         want = fields[name]
-        if value is None:
-            continue
         if not isinstance(value, want) or (want is int and isinstance(value, bool)):
             raise bad_request(f"field {name!r} must be {'an integer' if want is int else 'a string'}, "
                               f"got {quote(value)}")
         if isinstance(value, str) and not _is_unicode(value):
             raise bad_request(f"field {name!r} is not valid Unicode text: it holds a lone surrogate "
                               f"(a \\ud800-\\udfff escape), got {quote(value)}")
-    return {k: v for k, v in body.items() if v is not None}
+    return body
 
 
 def _is_unicode(text: str) -> bool:
@@ -90,9 +89,9 @@ def _is_unicode(text: str) -> bool:
     return True
 
 
-def _reason(body: dict[str, Any]) -> str:
-    """The operator's reason, on one line: every agent prints it and later refusals quote it."""
-    reason = body.get("reason", "").strip()
+async def _reason(request: web.Request) -> str:
+    """The body's `reason`, on one line: every agent prints it and later refusals quote it."""
+    reason = (await _body(request, {"reason": str})).get("reason", "").strip()
     if len(reason) > MAX_REASON_CHARS:
         raise bad_request(f"field 'reason' must be at most {MAX_REASON_CHARS} characters, got {len(reason)}")
     return one_line(reason)
@@ -102,7 +101,7 @@ async def _operate(request: web.Request, what: str, job_id: str, action: Operato
     """Apply one operator action (logged with the peer that asked) and answer with the job."""
     coord = request.app[COORDINATOR]
     if coord.gate.shutting_down:
-        raise RendezvousError(ErrorCode.SHUTTING_DOWN, "server is shutting down; retry shortly")
+        raise coord.gate.not_serving()
     log.info("operator request from %s: %s", request.remote, what,
              extra={"job_id": job_id, "event": "operator_request"})
     job = await coord.operate(job_id, action)
@@ -111,15 +110,13 @@ async def _operate(request: web.Request, what: str, job_id: str, action: Operato
 
 async def close_job(request: web.Request) -> web.Response:
     job_id = job_id_of(request)
-    body = await _body(request, {"reason": str})
-    reason = _reason(body)
+    reason = await _reason(request)
     return await _operate(request, f"close job {job_id} ({reason or 'no reason given'})", job_id, CloseJob(reason))
 
 
 async def drain_node(request: web.Request) -> web.Response:
     job_id, node_id = job_id_of(request), _node_id(request)
-    body = await _body(request, {"reason": str})
-    reason = _reason(body)
+    reason = await _reason(request)
     return await _operate(request, f"drain node {node_id} ({reason or 'no reason given'})", job_id,
                           DrainNode(node_id, reason))
 
@@ -137,10 +134,9 @@ async def clear_unhealthy(request: web.Request) -> web.Response:
     if not host or len(host) > 256 or not host.isprintable():
         raise bad_request(f"not a host name: {quote(host)}")
     await _body(request, {})
-    coord = request.app[COORDINATOR]
     log.info("operator request from %s: clear unhealthy host %s", request.remote, quote(host),
              extra={"event": "operator_request"})
-    return web.json_response({"cleared": msgspec.to_builtins(coord.clear_unhealthy(host))})
+    return web.json_response({"cleared": msgspec.to_builtins(request.app[COORDINATOR].clear_unhealthy(host))})
 
 
 async def resize_job(request: web.Request) -> web.Response:

@@ -1,7 +1,6 @@
 """The aiohttp shell: routes, decoding, typed errors. The asyncio machinery is in coordinator.py."""
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 
@@ -72,8 +71,6 @@ async def error_middleware(request: web.Request,
                       as_json=as_json)
     except web.HTTPException:
         raise
-    except asyncio.CancelledError:
-        raise
     except Exception:  # a bug: log it here, never send a traceback to the client
         log.exception("internal error on %s %s", request.method, request.path)
         return _error(ErrorCode.INTERNAL, "internal server error (logged on the server)", as_json=as_json)
@@ -117,9 +114,8 @@ _STANDBY_ROUTES = frozenset({"/healthz", "/readyz", "/metrics"})
 async def standby_middleware(request: web.Request,
                              handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
     """A replica that does not lead holds no state: its views and admin actions name the leader instead."""
-    coord = request.app[COORDINATOR]
     agent_route = request.method == "POST" and request.path.startswith("/v1/jobs/")   # agent_request decides
-    gate = coord.gate
+    gate = request.app[COORDINATOR].gate
     if (gate.started and gate.leading()) or gate.shutting_down or request.path in _STANDBY_ROUTES or agent_route:
         return await handler(request)
     raise gate.not_serving()
@@ -137,8 +133,7 @@ async def no_stream(request: web.Request) -> web.Response:
 
 async def readyz(request: web.Request) -> web.Response:
     """Ready to serve agents (loaded, not stopping, leading); else 503, so a Service sends to the leader only."""
-    coord = request.app[COORDINATOR]
-    ready = coord.serving()
+    ready = request.app[COORDINATOR].serving()
     return web.json_response({"ready": ready}, status=200 if ready else 503)
 
 
@@ -162,8 +157,7 @@ async def job_detail(request: web.Request) -> web.Response:
     q = request.query
     offset = views.query_int(q, "node_offset", 0)
     limit = views.query_int(q, "node_limit", views.NODE_LIMIT, low=1, high=views.NODE_LIMIT_MAX)
-    job = _job(request)
-    return view_response(views.job_detail(job, request.app[COORDINATOR].clock(), offset, limit))
+    return view_response(views.job_detail(_job(request), request.app[COORDINATOR].clock(), offset, limit))
 
 
 async def job_events(request: web.Request) -> web.Response:
@@ -176,8 +170,7 @@ async def job_events(request: web.Request) -> web.Response:
 
 async def index(request: web.Request) -> web.Response:
     """The overview: one page of jobs (?offset=, ?limit=), cards for the first few of them."""
-    coord, q = request.app[COORDINATOR], request.query
-    query = page.PageQuery.of(q)
+    coord, query = request.app[COORDINATOR], page.PageQuery.of(request.query)
     text = page.index_page(coord.core, coord.clock(), query.refresh, request.app.get(NOTES, ()),
                            offset=query.offset, limit=query.limit)
     return web.Response(text=text, content_type="text/html")

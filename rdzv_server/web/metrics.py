@@ -49,30 +49,23 @@ UNHEALTHY_KINDS = tuple(k.value for k in UnhealthyKind)
 
 
 class StateCollector(Collector):
-    """Gauges computed from the core at scrape time: no bookkeeping on the request path."""
+    """What is read at scrape time (no bookkeeping on the request path): jobs, nodes, long-polls and
+    unhealthy hosts from the core; the durable store's commits; the event loop's lag."""
 
     def __init__(self, coordinator: Coordinator) -> None:
         self.coordinator = coordinator
 
-    def describe(self) -> Iterable[GaugeMetricFamily]:
-        return self._families({}, {}, None, 0)
-
-    def collect(self) -> Iterable[GaugeMetricFamily]:
+    def collect(self) -> Iterable[Metric]:
+        core, st, lag = self.coordinator.core, self.coordinator.persister.stats, self.coordinator.loop_lag
         jobs = {s: 0 for s in JobState}
         nodes: dict[NodeState, int] = {s: 0 for s in NODE_STATES}
-        for job in self.coordinator.core.jobs.values():
+        for job in core.jobs.values():
             jobs[job.state] += 1
             if job.state.finished:
                 continue          # its agents are told the job ended: none of its nodes is live
             for node in job.nodes.values():
                 if node.state in nodes:
                     nodes[node.state] += 1
-        held = len(self.coordinator.core.unhealthy.current(self.coordinator.clock()))
-        return self._families(jobs, nodes, self.coordinator.hub.open, held)
-
-    @staticmethod
-    def _families(jobs: dict[JobState, int], nodes: dict[NodeState, int], polls: int | None,
-                  held: int) -> list[GaugeMetricFamily]:
         fam_jobs = GaugeMetricFamily("rdzv_jobs", "Jobs held by this server, by state.", labels=["state"])
         for state, n in jobs.items():
             fam_jobs.add_metric([state.value], n)
@@ -80,47 +73,23 @@ class StateCollector(Collector):
                                       "(waiting, member, spare, excluded).", labels=["state"])
         for node_state, n in nodes.items():
             fam_nodes.add_metric([node_state.value], n)
-        fam_polls = GaugeMetricFamily("rdzv_open_long_polls", "Agent long-polls now waiting for an answer.")
-        if polls is not None:
-            fam_polls.add_metric([], polls)
-        fam_held = GaugeMetricFamily("rdzv_unhealthy_hosts", "Hosts held out of every job as unhealthy now "
-                                     "(rdzv-server --unhealthy-hold; cleared by rdzv-ctl clear-unhealthy).")
-        fam_held.add_metric([], held)
-        return [fam_jobs, fam_nodes, fam_polls, fam_held]
-
-
-class StoreCollector(Collector):
-    """The durable store's commits and the event loop's lag, read at scrape time."""
-
-    def __init__(self, coordinator: Coordinator) -> None:
-        self.coordinator = coordinator
-
-    def describe(self) -> Iterable[Metric]:
-        return self._families(0, 0, 0.0, 0.0, 0.0)
-
-    def collect(self) -> Iterable[Metric]:
-        st, lag = self.coordinator.persister.stats, self.coordinator.loop_lag
-        return self._families(st.commits, st.failures, st.total_s, st.max_s, lag.max_s if lag is not None else 0.0)
-
-    @staticmethod
-    def _families(commits: int, failures: int, total_s: float, max_s: float,
-                  lag_s: float) -> list[CounterMetricFamily | GaugeMetricFamily]:
-        out: list[CounterMetricFamily | GaugeMetricFamily] = []
-        for name, text, value in (
-                ("rdzv_store_commits", "State store commits (each one fsynced transaction).", commits),
-                ("rdzv_store_commit_failures", "State store commits that failed (kept and retried).", failures),
-                ("rdzv_store_commit_seconds", "Time spent committing, summed over all commits.", total_s)):
-            fam = CounterMetricFamily(name, text)
-            fam.add_metric([], value)
-            out.append(fam)
-        for name, text, value in (
-                ("rdzv_store_commit_max_seconds", "Longest state store commit since start.", max_s),
-                ("rdzv_event_loop_lag_max_seconds", "Longest delay of the event loop since start (a stall).",
-                 lag_s)):
-            gauge = GaugeMetricFamily(name, text)
-            gauge.add_metric([], value)
-            out.append(gauge)
-        return out
+        return [
+            fam_jobs, fam_nodes,
+            GaugeMetricFamily("rdzv_open_long_polls", "Agent long-polls now waiting for an answer.",
+                              self.coordinator.hub.open),
+            GaugeMetricFamily("rdzv_unhealthy_hosts", "Hosts held out of every job as unhealthy now "
+                              "(rdzv-server --unhealthy-hold; cleared by rdzv-ctl clear-unhealthy).",
+                              len(core.unhealthy.current(self.coordinator.clock()))),
+            CounterMetricFamily("rdzv_store_commits", "State store commits (each one fsynced transaction).",
+                                st.commits),
+            CounterMetricFamily("rdzv_store_commit_failures", "State store commits that failed (kept and retried).",
+                                st.failures),
+            CounterMetricFamily("rdzv_store_commit_seconds", "Time spent committing, summed over all commits.",
+                                st.total_s),
+            GaugeMetricFamily("rdzv_store_commit_max_seconds", "Longest state store commit since start.", st.max_s),
+            GaugeMetricFamily("rdzv_event_loop_lag_max_seconds",
+                              "Longest delay of the event loop since start (a stall).",
+                              lag.max_s if lag is not None else 0.0)]
 
 
 class ConnectionCollector(Collector):
@@ -129,65 +98,51 @@ class ConnectionCollector(Collector):
     def __init__(self, counts: Callable[[], tuple[int, int]]) -> None:
         self.counts = counts
 
-    def describe(self) -> Iterable[Metric]:
-        return self._families(0, 0)
-
     def collect(self) -> Iterable[Metric]:
-        return self._families(*self.counts())
-
-    @staticmethod
-    def _families(refused: int, evicted: int) -> list[Metric]:
-        out: list[Metric] = []
-        for name, text, value in (
-                ("rdzv_connections_refused", "Connections closed at once past the hard connection limit.", refused),
-                ("rdzv_connections_evicted", "Idle connections closed to make room for new ones (--max-connections).",
-                 evicted)):
-            fam = CounterMetricFamily(name, text)
-            fam.add_metric([], value)
-            out.append(fam)
-        return out
+        refused, evicted = self.counts()
+        return [CounterMetricFamily("rdzv_connections_refused",
+                                    "Connections closed at once past the hard connection limit.", refused),
+                CounterMetricFamily("rdzv_connections_evicted",
+                                    "Idle connections closed to make room for new ones (--max-connections).", evicted)]
 
 
 class ServerMetrics:
     """One app's registry and metrics. `on_effects` is the coordinator's effect listener."""
 
     def __init__(self, coordinator: Coordinator) -> None:
-        self.registry = CollectorRegistry()
+        # auto_describe: the registry learns the collectors' names from one collect (no describe to keep in step)
+        self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         r.register(StateCollector(coordinator))
-        r.register(StoreCollector(coordinator))
         self.rounds = Counter("rdzv_rounds_total", "Rounds formed, by cause (what triggered the round).",
                               ["cause"], registry=r)
-        for cause in CAUSES:
-            self.rounds.labels(cause)
         self.restarts = Counter(
             "rdzv_restarts_total", "Restarts after a worker failure: one per accepted failure report "
             "(job-wide restart count + 1). The report that exhausts max_restarts fails the job instead "
             "and is not counted (see rdzv_jobs{state=\"failed\"}).", registry=r)
         self.worker_failures = Counter("rdzv_worker_failures_total", "Failed workers reported by agents, "
                                        "by reason (exited, hang, spawn failed, other).", ["reason"], registry=r)
-        for reason in (*FAILURE_REASONS, "other"):
-            self.worker_failures.labels(reason)
         self.nodes_lost = Counter("rdzv_nodes_lost_total", "Nodes lost: lease expired, long-poll connection "
                                   "dropped, or agent restarted (nodes that leave are not counted).", registry=r)
         self.nodes_unhealthy = Counter("rdzv_nodes_unhealthy_total", "Nodes that left a job unhealthy, by "
                                        "kind (gpu, health_check, gpu_fault, stuck_worker).", ["reason"], registry=r)
-        for kind in UNHEALTHY_KINDS:
-            self.nodes_unhealthy.labels(kind)
         self.formation = Histogram("rdzv_round_formation_seconds", "Time from a round starting to form "
                                    "(first node waiting, or the failure/loss) to the round being formed.",
                                    buckets=ROUND_BUCKETS, registry=r)
         self.recovery = Histogram("rdzv_failure_to_round_seconds", "Time from a worker failure (or a lost "
                                   "node's last contact) to the next round being formed, by cause.",
                                   ["cause"], buckets=ROUND_BUCKETS, registry=r)
-        for cause in LOSS_CAUSES:
-            self.recovery.labels(cause)
         self.requests = Counter("rdzv_http_requests_total", "HTTP requests answered, by route template, "
                                 "method and status.", ["route", "method", "status"], registry=r)
         self._children: dict[tuple[str, str, str], tuple[Any, Any]] = {}
         self.latency = Histogram("rdzv_http_request_duration_seconds", "HTTP request latency (long-polls "
                                  "included), by route template, method and status.",
                                  ["route", "method", "status"], buckets=HTTP_BUCKETS, registry=r)
+        # each labelled series is exported (as 0) before its first count
+        for metric, values in ((self.rounds, CAUSES), (self.worker_failures, (*FAILURE_REASONS, "other")),
+                               (self.nodes_unhealthy, UNHEALTHY_KINDS), (self.recovery, LOSS_CAUSES)):
+            for value in values:
+                metric.labels(value)
 
     def on_effects(self, effects: Outbox) -> None:
         """Coordinator effect listener. A metrics bug must never fail a request: log it and go on."""
@@ -215,10 +170,6 @@ class ServerMetrics:
                 self.nodes_unhealthy.labels(kind if kind in UNHEALTHY_KINDS else "other").inc()
         if event.kind == EventKind.NODE_LOST:
             self.nodes_lost.inc()
-
-    def watch_connections(self, counts: Callable[[], tuple[int, int]]) -> None:
-        """Export the connection guard's (refused, evicted) counts."""
-        self.registry.register(ConnectionCollector(counts))
 
     def observe_request(self, request: web.Request, status: str, seconds: float) -> None:
         route, method = route_label(request), request.method if request.method in METHODS else "other"
@@ -252,9 +203,7 @@ def route_label(request: web.Request) -> str:
 async def metrics_middleware(request: web.Request,
                              handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
     """Count and time every request; outermost, so it sees the status the client gets."""
-    metrics = request.app.get(METRICS)
-    if metrics is None:
-        return await handler(request)
+    metrics = request.app[METRICS]
     start = time.perf_counter()
     status = "500"
     try:
@@ -273,5 +222,4 @@ async def metrics_middleware(request: web.Request,
 
 async def metrics_endpoint(request: web.Request) -> web.Response:
     """GET /metrics: Prometheus text format."""
-    body = request.app[METRICS].exposition()
-    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+    return web.Response(body=request.app[METRICS].exposition(), headers={"Content-Type": CONTENT_TYPE_LATEST})

@@ -8,7 +8,6 @@ from __future__ import annotations
 import itertools
 from collections import Counter
 from collections.abc import Mapping
-from dataclasses import dataclass
 from operator import attrgetter
 from typing import Any
 
@@ -41,6 +40,7 @@ LIST_LIMIT = 8               # nodes shown per list (members, waiting, spares, .
 NODE_LIMIT = 500             # nodes per list of GET /v1/jobs/{id} unless ?node_limit= says otherwise
 NODE_LIMIT_MAX = 2000
 NODE_LISTS = ("nodes", "waiting", "spares", "excluded", "drained")
+HOSTS_LIMIT = 100            # unhealthy hosts listed at most (the oldest holds first)
 
 
 def query_int(query: Mapping[str, str], name: str, default: int, *, low: int = 0, high: int | None = None,
@@ -62,7 +62,7 @@ def query_int(query: Mapping[str, str], name: str, default: int, *, low: int = 0
     return value if high is None else min(value, high)
 
 
-def _node(job: JobRecord, node: NodeRecord, now: float, **extra: Any) -> NodeView:
+def _node(node: NodeRecord, now: float, **extra: Any) -> NodeView:
     return NodeView(node_id=node.node_id, state=node.state.value, host=node.host, addr=node.addr, role=node.role,
                     local_world_size=node.local_world_size, lease_age_s=round(now - node.last_seen, 3),
                     joined_at=iso(node.joined_at), recent_failures=len(node.failure_times), checks=node.checks,
@@ -72,28 +72,12 @@ def _node(job: JobRecord, node: NodeRecord, now: float, **extra: Any) -> NodeVie
 def _member(job: JobRecord, node: NodeRecord, now: float, succeeded: set[str]) -> NodeView:
     a = assignment(job.round, node.node_id) if job.round is not None else None
     if a is None:
-        return _node(job, node, now)
+        return _node(node, now)
     worker = "succeeded" if node.node_id in succeeded else "stopped" if job.state.finished else "running"
-    return _node(job, node, now, group_rank=a.group_rank, rank_offset=a.rank_offset, worker_state=worker)
+    return _node(node, now, group_rank=a.group_rank, rank_offset=a.rank_offset, worker_state=worker)
 
 
-def _excluded(job: JobRecord, node: NodeRecord, now: float) -> NodeView:
-    return _node(job, node, now, excluded_for_s=round(max(0.0, node.excluded_until - now), 1),
-                 exclusions=node.exclusions)
-
-
-@dataclass
-class NodeLists:
-    counts: NodeCounts
-    nodes: list[NodeView]
-    waiting: list[NodeView]
-    spares: list[NodeView]
-    excluded: list[NodeView]
-    drained: list[DrainedView]
-    lists_cut: bool
-
-
-def node_lists(job: JobRecord, now: float, offset: int, limit: int) -> NodeLists:
+def node_lists(job: JobRecord, now: float, offset: int, limit: int) -> dict[str, Any]:
     """Entries offset..offset+limit of each node list, every list's full count, and whether any was cut."""
     r = job.round
     members = r.members if r else []
@@ -105,15 +89,15 @@ def node_lists(job: JobRecord, now: float, offset: int, limit: int) -> NodeLists
     def page(ids: list[str]) -> list[NodeRecord]:
         return [job.nodes[n] for n in ids[offset:end] if n in job.nodes]
 
-    lists = NodeLists(
-        counts, nodes=[_member(job, n, now, succeeded) for n in page(members)],
-        waiting=[_node(job, n, now) for n in page(job.waiting)],
-        spares=[_node(job, n, now, spare_position=i) for i, n in enumerate(page(job.spares), start=offset)],
-        excluded=[_excluded(job, n, now) for n in page(job.excluded)],
-        drained=[DrainedView(n, why) for n, why in itertools.islice(job.drained.items(), offset, end)],
-        lists_cut=False)
-    lists.lists_cut = any(len(getattr(lists, name)) < getattr(counts, name) for name in NODE_LISTS)
-    return lists
+    lists: dict[str, Any] = dict(
+        nodes=[_member(job, n, now, succeeded) for n in page(members)],
+        waiting=[_node(n, now) for n in page(job.waiting)],
+        spares=[_node(n, now, spare_position=i) for i, n in enumerate(page(job.spares), start=offset)],
+        excluded=[_node(n, now, excluded_for_s=round(max(0.0, n.excluded_until - now), 1), exclusions=n.exclusions)
+                  for n in page(job.excluded)],
+        drained=[DrainedView(n, why) for n, why in itertools.islice(job.drained.items(), offset, end)])
+    return dict(lists, counts=counts,
+                lists_cut=any(len(lists[name]) < getattr(counts, name) for name in NODE_LISTS))
 
 
 def _job_head(job: JobRecord) -> dict[str, Any]:
@@ -126,11 +110,11 @@ def _job_head(job: JobRecord) -> dict[str, Any]:
 
 def job_summary(job: JobRecord, now: float, list_limit: int = LIST_LIMIT) -> JobView:
     """A job as the status lists it: its head, its counts, and the first `list_limit` nodes of each list."""
-    return JobView(**_job_head(job), **vars(node_lists(job, now, 0, list_limit)))
+    return JobView(**_job_head(job), **node_lists(job, now, 0, list_limit))
 
 
 def job_detail(job: JobRecord, now: float, node_offset: int = 0, node_limit: int = NODE_LIMIT) -> JobDetail:
-    return JobDetail(**_job_head(job), **vars(node_lists(job, now, node_offset, node_limit)),
+    return JobDetail(**_job_head(job), **node_lists(job, now, node_offset, node_limit),
                      node_offset=node_offset, node_limit=node_limit, config=job.config,
                      last_failure=job.last_failure, root_cause=job.root_cause,
                      last_call_ends_in_s=round(job.last_call_deadline - now, 3) if job.last_call_deadline else None)
@@ -164,22 +148,14 @@ def ordered_jobs(core: Rendezvous) -> list[JobRecord]:
     return forming + running + finished
 
 
-def state_counts(core: Rendezvous) -> dict[str, int]:
-    """How many jobs the server holds in each state."""
-    return {state.value: n for state, n in Counter(job.state for job in core.jobs.values()).items()}
-
-
-HOSTS_LIMIT = 100      # unhealthy hosts listed at most (the oldest holds first)
-
-
 def server_status(core: Rendezvous, now: float, offset: int = 0, limit: int = STATUS_LIMIT,
                   list_limit: int = LIST_LIMIT) -> StatusView:
-    """One page of jobs in `ordered_jobs` order; `total` and `job_states` count every job."""
+    """One page of jobs in `ordered_jobs` order; `total` and `job_states` (jobs by state) count every job."""
     page = ordered_jobs(core)[offset:offset + limit]
     total = len(core.jobs)
     return StatusView(time=iso(now), total=total, offset=offset, limit=limit,
                       next_offset=offset + limit if offset + limit < total else None,
-                      job_states=state_counts(core), list_limit=list_limit,
+                      job_states=dict(Counter(j.state.value for j in core.jobs.values())), list_limit=list_limit,
                       jobs=[job_summary(j, now, list_limit) for j in page],
                       unhealthy_hosts=[h.view(now) for h in core.unhealthy.current(now)[:HOSTS_LIMIT]])
 

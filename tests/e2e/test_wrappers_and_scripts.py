@@ -7,6 +7,7 @@ import os
 import shutil
 import signal
 import sys
+import tempfile
 
 import pytest
 
@@ -91,10 +92,14 @@ def test_an_unreachable_server_is_said_at_once(cluster, tmp_path):
 
 def test_a_crash_with_dataloader_workers_alive_leaves_no_multiprocessing_directory(cluster, tmp_path):
     """The ranks the agent stops (SIGTERM to their process groups) die with their DataLoader workers,
-    which would leave multiprocessing's pymp-* directories in TMPDIR for good; warm workers (the default)."""
-    tmp = cluster.temp_dir()
-    agent = cluster.agent("--standalone", "--nproc", "2", "--max-restarts", "1", DATALOADER_CRASH,
-                          env={"HOLD": "1", "CRASH_RANK": "1", "CRASH_STEP": "3", "STEPS": "6"})
-    assert agent.wait(120) == 0, agent.output
-    assert "crashes on purpose" in agent.output and "restart count 1/1" in agent.output, agent.output
-    assert left_in(tmp) == [], left_in(tmp)
+    which would leave multiprocessing's pymp-* directories in TMPDIR for good; warm workers (the default).
+    TMPDIR is short: a Unix socket's path (TMPDIR/pymp-X/listener-Y) must fit in 108 bytes."""
+    tmp = tempfile.mkdtemp(prefix="na-", dir="/tmp")
+    try:
+        agent = cluster.agent("--standalone", "--nproc", "2", "--max-restarts", "1", DATALOADER_CRASH,
+                              env={"HOLD": "1", "CRASH_RANK": "1", "CRASH_STEP": "3", "STEPS": "6", "TMPDIR": tmp})
+        assert agent.wait(120) == 0, agent.output
+        assert "crashes on purpose" in agent.output and "restart count 1/1" in agent.output, agent.output
+        assert left_in(tmp) == [], left_in(tmp)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

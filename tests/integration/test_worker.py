@@ -81,7 +81,7 @@ async def test_the_group_is_signalled_after_its_leader_exited_and_forgotten_once
     worker.signal_group(signal.SIGTERM)         # its group still has the child: that one is sent
     await asyncio.to_thread(psutil.Process(child).wait, LIMIT)
     worker.signal_group(signal.SIGKILL)         # the group is empty now: no error, nothing sent
-    assert not worker._group_alive
+    assert not worker.group_alive
 
 
 async def test_a_worker_not_yet_leading_its_own_group_is_signalled_itself(make_worker) -> None:
@@ -89,7 +89,7 @@ async def test_a_worker_not_yet_leading_its_own_group_is_signalled_itself(make_w
     # not exist yet. Stand-in: a process in the test's own group, as the worker's process.
     proc = await asyncio.create_subprocess_exec(sys.executable, "-c", "import time; time.sleep(600)")
     worker = make_worker(launch(0, "pass"))
-    worker._proc, worker._group_alive = proc, True       # type: ignore[assignment]
+    worker._proc, worker.group_alive = proc, True        # type: ignore[assignment]
     try:
         worker.signal_group(signal.SIGKILL)
         assert await asyncio.wait_for(proc.wait(), LIMIT) == -signal.SIGKILL

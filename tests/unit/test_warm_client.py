@@ -17,7 +17,7 @@ def connected_zygote() -> tuple[WarmZygote, socket.socket]:
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     ours.setblocking(False)
     zygote = WarmZygote("python3", (), "/", {"A": "1"}, lambda _: None)
-    zygote._sock, zygote._ready = ours, True                # as _start leaves it once "ready" came
+    zygote._sock, zygote.ready = ours, True                 # as _start leaves it once "ready" came
     asyncio.get_running_loop().add_reader(ours.fileno(), zygote._readable, ours)
     return zygote, theirs
 

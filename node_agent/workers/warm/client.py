@@ -51,7 +51,7 @@ class WarmZygote:
         self._warn = warn
         self._proc: asyncio.subprocess.Process | None = None
         self._sock: socket.socket | None = None
-        self._ready = False
+        self.ready = False              # a zygote answers forks (it has done its preloads)
         self._starts = 0
         self._closing = False
         self._killed = False            # the zygote's end was our doing (said already, or closing)
@@ -63,13 +63,9 @@ class WarmZygote:
         self._changed = asyncio.Event()   # set (and replaced) when it becomes ready, or dies, or cannot start
 
     @property
-    def ready(self) -> bool:
-        return self._ready
-
-    @property
     def coming(self) -> bool:
         """Not ready, but a zygote is on its way (starting, or importing its preloads)."""
-        if self._ready or self._closing:
+        if self.ready or self._closing:
             return False
         return self._sock is not None or (self._starting is not None and not self._starting.done())
 
@@ -124,7 +120,7 @@ class WarmZygote:
                 self._warn(f"warm workers off: {m['unclean']} after the preloads; workers start cold")
                 self._kill()
                 return
-            self._ready = True
+            self.ready = True
             self._notify()
         elif op == "exited":
             worker = self._workers.pop(int(m["pid"]), None)
@@ -133,7 +129,7 @@ class WarmZygote:
         else:
             answer = self._answers.pop(int(m.get("id", -1)), None)
             if answer is not None and not answer.done():
-                if m.get("op") == "started":
+                if op == "started":
                     # Known now: its "exited" may come next, before spawn() resumes, and an unknown pid's is dropped.
                     worker = self._handover[int(m["pid"])] = WarmProcess(int(m["pid"]))
                     self._workers[worker.pid] = worker
@@ -146,11 +142,11 @@ class WarmZygote:
         if sock is self._sock:
             self._sock = None
         if not self._closing and not self._killed:   # when we killed it, the reason was said already
-            what = "died" if self._ready else "ended before it was ready"
+            what = "died" if self.ready else "ended before it was ready"
             then = "a new one is started" if self._starts < MAX_STARTS else "workers start cold from now on"
             self._warn(f"warm workers: the zygote ({self.python}) {what}; {then}")
         self._killed = False
-        self._ready = False
+        self.ready = False
         for worker in self._workers.values():
             worker.exited(-signal.SIGKILL)
         self._workers.clear()
@@ -172,13 +168,12 @@ class WarmZygote:
         sock = self._sock
         if sock is None:
             return None
+        data = json.dumps(message).encode()
+        if len(data) > MAX_MESSAGE:
+            return None
         key = int(message.get("id", -1))
         answer: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
         self._answers[key] = answer
-        data = json.dumps(message).encode()
-        if len(data) > MAX_MESSAGE:
-            self._answers.pop(key, None)
-            return None
         try:
             socket.send_fds(sock, [data], list(fds))
         except OSError:   # buffer full or zygote gone: not worth waiting for
@@ -193,13 +188,12 @@ class WarmZygote:
 
     async def spawn(self, launch: WarmLaunch, fds: Sequence[int]) -> WarmProcess | None:
         """Fork one worker with these stdin/stdout/stderr(/heartbeat) fds; None: start it cold instead."""
-        if not self._ready:
+        if not self.ready:
             return None
         if launch.base_env != self.env:
             changed = sorted(k for k in {*launch.base_env, *self.env} if launch.base_env.get(k) != self.env.get(k))
             self._warn(f"warm workers: the workers' environment differs from the zygote's "
                        f"({', '.join(changed)[:200]}); this round starts cold, a new zygote is started for the next")
-            self._ready = False
             self.env = dict(launch.base_env)
             self._kill()
             return None
@@ -213,20 +207,20 @@ class WarmZygote:
 
     async def query(self) -> dict[str, Any] | None:
         """The zygote's own state (threads, CUDA, sockets, modules): for tests and the curious."""
-        return await self._ask({"op": "query"}) if self._ready else None
+        return await self._ask({"op": "query"}) if self.ready else None
 
     async def wait_ready(self, timeout: float) -> bool:
         """Wait (bounded) while a zygote is on its way (one that cannot start ends it); whether one is ready."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
-        while not self._ready and self.coming and loop.time() < deadline:
+        while not self.ready and self.coming and loop.time() < deadline:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._changed.wait(), deadline - loop.time())
-        return self._ready
+        return self.ready
 
     def _kill(self) -> None:
         self._killed = True
-        self._ready = False
+        self.ready = False
         if self._proc is not None and self._proc.returncode is None:
             with contextlib.suppress(ProcessLookupError):
                 self._proc.send_signal(signal.SIGKILL)

@@ -20,9 +20,8 @@ def main() -> None:
 
     from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
-    port = int(sys.argv[1])
-    store = TCPStore(os.environ.get("MASTER_ADDR", "127.0.0.1"), port, is_master=True,
-                          wait_for_workers=False, timeout=timedelta(seconds=60))
+    store = TCPStore(os.environ.get("MASTER_ADDR", "127.0.0.1"), int(sys.argv[1]), is_master=True,
+                     wait_for_workers=False, timeout=timedelta(seconds=60))
     print(f"{READY} {store.port}", flush=True)
     while True:            # until the agent stops the round's group
         signal.pause()

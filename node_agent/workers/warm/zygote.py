@@ -12,6 +12,7 @@ other Python thread, CUDA not initialised) and opens no socket but FD, the agent
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import gc
 import importlib
@@ -48,11 +49,9 @@ def _cuda_initialized() -> bool:
 def _sockets() -> list[int]:
     found = []
     for name in os.listdir("/proc/self/fd"):
-        try:
+        with contextlib.suppress(OSError):
             if os.readlink(f"/proc/self/fd/{name}").startswith("socket:"):
                 found.append(int(name))
-        except OSError:
-            pass
     return found
 
 
@@ -69,8 +68,7 @@ class Zygote:
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
         self.children: dict[int, int] = {}    # pidfd -> pid
-        libc = ctypes.CDLL(None, use_errno=True)   # loaded before any fork: the child loads nothing
-        self.prctl = libc.prctl
+        self.prctl = ctypes.CDLL(None, use_errno=True).prctl   # loaded before any fork: the child loads nothing
         self.prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
 
     def serve(self) -> dict[str, Any]:
@@ -163,17 +161,9 @@ def _per_worker_setup(launch: dict[str, Any]) -> None:
     launch (eligible.WarmLaunch): "cpus", the --numa-binding affinity. Keep the two alike."""
     cpus = launch.get("cpus")
     if cpus:
-        try:
+        # as cold: a CPU taken away since the plan: run unbound rather than not at all
+        with contextlib.suppress(OSError):
             os.sched_setaffinity(0, cpus)
-        except OSError:     # as cold: a CPU taken away since the plan: run unbound rather than not at all
-            pass
-
-
-def _reseed() -> None:
-    """Reseed what an interpreter seeds from the OS at import, as a cold worker would (fork reseeds `random`)."""
-    numpy_random = sys.modules.get("numpy.random")
-    if numpy_random is not None:
-        numpy_random.seed()
 
 
 GLOO_SETTLE_S = 0.05
@@ -215,7 +205,10 @@ def run_as_main(launch: dict[str, Any]) -> None:
     sys.argv = list(launch["argv"])
     sys.orig_argv = list(launch["orig_argv"])
     sys.path[0] = launch["path0"]
-    _reseed()
+    # Reseed what an interpreter seeds from the OS at import, as a cold worker would (fork reseeds `random`).
+    numpy_random = sys.modules.get("numpy.random")
+    if numpy_random is not None:
+        numpy_random.seed()
     main = types.ModuleType("__main__")
     main.__dict__.update(__annotations__={}, __builtins__=__builtins__)   # as the interpreter makes __main__
     sys.modules["__main__"] = main
@@ -263,17 +256,13 @@ def _flush_open_files() -> None:
     (the zygote's own were frozen before the fork, so gc.get_objects() lists the worker's alone)."""
     import io
     for stream in (sys.stdout, sys.stderr):
-        try:
+        with contextlib.suppress(OSError, ValueError, AttributeError):
             stream.flush()
-        except (OSError, ValueError, AttributeError):
-            pass
     for obj in gc.get_objects():
         if isinstance(obj, io.IOBase) and not obj.closed:
-            try:
+            with contextlib.suppress(OSError, ValueError):
                 if obj.writable():
                     obj.flush()
-            except (OSError, ValueError):
-                pass
 
 
 def _run_script(main: types.ModuleType, script: str) -> None:
@@ -307,8 +296,7 @@ def main() -> None:
     _let_gloo_threads_finish_at_destroy()
     gc.collect()   # the imports' garbage, once; from now on the zygote's objects are frozen (see _request)
     _send(sock, {"op": "ready", "failed": failed, "unclean": _unclean()})
-    launch = Zygote(sock).serve()
-    run_as_main(launch)
+    run_as_main(Zygote(sock).serve())
 
 
 if __name__ == "__main__":

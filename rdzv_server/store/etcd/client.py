@@ -76,10 +76,6 @@ def b64(data: bytes | str) -> str:
     return base64.b64encode(data.encode() if isinstance(data, str) else data).decode("ascii")
 
 
-def unb64(text: str) -> bytes:
-    return base64.b64decode(text)
-
-
 def prefix_end(prefix: str) -> str:
     """The range_end that makes a range cover every key starting with `prefix` (ASCII keys)."""
     return prefix[:-1] + chr(ord(prefix[-1]) + 1)
@@ -113,8 +109,8 @@ class KeyValue:
 
 
 def key_values(reply: dict[str, Any]) -> list[KeyValue]:
-    return [KeyValue(unb64(kv["key"]).decode(), unb64(kv.get("value", "")), int(kv.get("create_revision", 0)),
-                     int(kv.get("lease", 0))) for kv in reply.get("kvs", [])]
+    return [KeyValue(base64.b64decode(kv["key"]).decode(), base64.b64decode(kv.get("value", "")),
+                     int(kv.get("create_revision", 0)), int(kv.get("lease", 0))) for kv in reply.get("kvs", [])]
 
 
 def explain(message: str) -> str:
@@ -204,25 +200,22 @@ class EtcdClient:
             try:
                 status, reply = self._post(endpoint, route, data)
             except (OSError, http.client.HTTPException) as exc:
-                detail = str(getattr(exc, "strerror", None) or exc or type(exc).__name__)
+                message = str(getattr(exc, "strerror", None) or exc or type(exc).__name__)
                 if isinstance(exc, (ssl.SSLError, ConnectionResetError)) and self._tls and not self.settings.cert:
                     # a member that requires client certificates ends the handshake in several ways
-                    detail += " (no client certificate was offered: does etcd require one? --etcd-cert/--etcd-key)"
-                failures.append(f"{endpoint}: {detail}")
-                tried += 1
-                continue
-            if status == 200:
-                self._current = index
-                return reply
-            message = explain(str(reply.get("message") or reply.get("error") or f"HTTP {status}"))
-            if status == 401 and "auth token" in message and not reauthenticated and self.settings.user:
-                self._token, reauthenticated = None, True       # an expired token: once more, with a new one
-                continue
-            if status >= 500 or status == 429:                   # no leader, timed out, overloaded: next member
-                failures.append(f"{endpoint}: {message}")
-                tried += 1
-                continue
-            raise EtcdRefused(f"{endpoint} refused {route}: {message}")
+                    message += " (no client certificate was offered: does etcd require one? --etcd-cert/--etcd-key)"
+            else:
+                if status == 200:
+                    self._current = index
+                    return reply
+                message = explain(str(reply.get("message") or reply.get("error") or f"HTTP {status}"))
+                if status == 401 and "auth token" in message and not reauthenticated and self.settings.user:
+                    self._token, reauthenticated = None, True       # an expired token: once more, with a new one
+                    continue
+                if status < 500 and status != 429:
+                    raise EtcdRefused(f"{endpoint} refused {route}: {message}")
+            failures.append(f"{endpoint}: {message}")    # unreachable, no leader, timed out, overloaded: next member
+            tried += 1
         raise EtcdUnavailable("no etcd member answered (" + "; ".join(failures) + ")")
 
     def _post(self, endpoint: str, route: str, data: bytes) -> tuple[int, dict[str, Any]]:

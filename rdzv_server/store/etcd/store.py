@@ -148,7 +148,6 @@ class EtcdStore:
         max_ops = self.settings.max_txn_ops - 1            # one op is the liveness mark
         max_bytes = self.settings.max_request_bytes - REQUEST_MARGIN
         parts: list[tuple[list[dict[str, Any]], dict[str, tuple[Buckets, list[int]] | None]]] = [([], {})]
-        done: tuple[Buckets, list[int]] | None
         size = 0
         writing = {s.job_id for s in snapshots}
         for job_id in deleted:

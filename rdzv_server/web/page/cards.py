@@ -60,11 +60,11 @@ def _failures(n: NodeView) -> str:
     return f'<span class="bad-text">{n.recent_failures}</span>' if n.recent_failures else "0"
 
 
-def _node_id(n: NodeView) -> str:
+def _node_id(n: NodeView | DrainedView) -> str:
     return f'<span class="mono">{esc(n.node_id)}</span>'
 
 
-def node_columns(timeout: float | None, now: float) -> dict[str, list[Column[NodeView]]]:
+def node_columns(timeout: float | None, now: float) -> dict[str, list[Column[Any]]]:
     """Each node table's columns, declared once as (heading, cell) pairs."""
     lease_age: Column[NodeView] = (">lease age", lambda n: lease(n.lease_age_s, timeout))
     workers: Column[NodeView] = (">local world", lambda n: str(n.local_world_size))
@@ -79,30 +79,27 @@ def node_columns(timeout: float | None, now: float) -> dict[str, list[Column[Nod
         "excluded": [("node id", _node_id), where,
                      (">time left", lambda n: f'<span class="bad-text">{age(n.excluded_for_s or 0)}</span>'),
                      (">exclusions", lambda n: esc(n.exclusions))],
+        "drained": [("node id", _node_id), ("reason", lambda d: esc(d.reason))],
     }
 
 
-DRAINED: list[Column[DrainedView]] = [("node id", lambda d: f'<span class="mono">{esc(d.node_id)}</span>'),
-                                      ("reason", lambda d: esc(d.reason))]
-OTHER_LISTS = (("waiting", "Waiting for the next round"), ("spares", "Spares"), ("excluded", "Excluded"))
+OTHER_LISTS = (("waiting", "Waiting for the next round"), ("spares", "Spares"), ("excluded", "Excluded"),
+               ("drained", "Drained by an operator"))
 
 
-def _members(job: JobView, columns: list[Column[NodeView]], full: bool) -> str:
+def _members(job: JobView, columns: list[Column[Any]], full: bool) -> str:
     empty = "no members: no round is running" if not job.counts.nodes else _more(job, "nodes", full)
     return columns_table(columns, job.nodes, empty, more=_more(job, "nodes", full),
                          row=lambda n: f' data-node="{esc(n.node_id)}"')
 
 
-def _others(job: JobView, columns: dict[str, list[Column[NodeView]]], full: bool) -> str:
+def _others(job: JobView, columns: dict[str, list[Column[Any]]], full: bool) -> str:
     """Waiting, spare, excluded and drained nodes (each table only when the job has such nodes)."""
     out = []
     for key, title in OTHER_LISTS:
         if getattr(job.counts, key):
             more = _more(job, key, full)
             out.append(f"<h3>{title}</h3>" + columns_table(columns[key], getattr(job, key), more, more=more))
-    if job.counts.drained:
-        more = _more(job, "drained", full)
-        out.append("<h3>Drained by an operator</h3>" + columns_table(DRAINED, job.drained, more, more=more))
     return "".join(out)
 
 
@@ -140,9 +137,8 @@ def card(job: JobView, events: list[EventView], now: float, *, full: bool, extra
     """A job's card: `full` on its own page (node tables paged by `pager`), else the overview's, its node tables cut
     at what `job` holds and linking to the job's page. `picture`: the job's history (history.py), under its stats."""
     colour, warns = health(job)
-    timeout = job.config.lease_timeout_s if isinstance(job, JobDetail) else None
     jid, counts = job.job_id, job.counts
-    columns = node_columns(timeout, now)
+    columns = node_columns(job.config.lease_timeout_s if isinstance(job, JobDetail) else None, now)
     title = (f'<span class="id mono">{esc(jid)}</span>' if full else
              f'<a class="id mono" href="{href(jid)}">{esc(jid)}</a>')
     ended = f" &middot; {job.state} {when(job.finished_at, now)}" if job.finished_at else ""
@@ -169,20 +165,18 @@ def card(job: JobView, events: list[EventView], now: float, *, full: bool, extra
         pager, "<h3>Members</h3>", _members(job, columns["nodes"], full), _others(job, columns, full), pager, extra,
         f'<h3>{"Event history, newest first" if full else "Recent events"}</h3>',
         events_table(events, now, details=full),
+        "" if full else f'<a class="more" href="{href(jid)}">Full details, config and history &rarr;</a>',
+        "</section>",
     ]
-    if not full:
-        parts.append(f'<a class="more" href="{href(jid)}">Full details, config and history &rarr;</a>')
-    parts.append("</section>")
     return "".join(parts)
 
 
 def failure(title: str, f: WorkerFailure | None, now: float) -> str:
     if not f:
         return f'<div><h3>{title}</h3><div class="box"><div class="empty">none</div></div></div>'
-    ts = iso(f.timestamp) if f.timestamp else None
     keys = ["node_id", "host", "rank", "local_rank", "exitcode", "signal", "reason", "message"]
-    rows = [f'<tr><td>{k}</td><td class="mono">{esc(getattr(f, k))}</td></tr>' for k in keys]
-    rows.insert(0, f"<tr><td>time</td><td>{when(ts, now)}</td></tr>")
+    rows = [f"<tr><td>time</td><td>{when(iso(f.timestamp) if f.timestamp else None, now)}</td></tr>"]
+    rows += [f'<tr><td>{k}</td><td class="mono">{esc(getattr(f, k))}</td></tr>' for k in keys]
     if f.traceback:
         rows.append(f'<tr><td>traceback</td><td><pre class="mono">{esc(f.traceback)}</pre></td></tr>')
     return f'<div><h3>{title}</h3><div class="box"><table class="kv">{"".join(rows)}</table></div></div>'

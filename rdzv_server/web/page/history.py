@@ -5,6 +5,7 @@ and marks closer than a few pixels as one mark with its count, so the SVG never 
 has a ceiling. Every client string (job id, reasons, messages) is escaped and clipped."""
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -15,7 +16,7 @@ from rdzv_server.core.payloads import RoundFormed, WorkersFailed, payload_of
 from rdzv_server.core.records import MAX_EVENTS_PER_JOB, Event
 from rdzv_server.web.page import svg
 from rdzv_server.web.page.parts import age, clip, epoch, plural
-from rdzv_server.web.page.svg import CAUSES, FINISH, INK, MARKS, MUTED, Frame, Legend, cause_label, num, stamp, x_
+from rdzv_server.web.page.svg import CAUSES, FINISH, INK, MARKS, MUTED, Frame, cause_label, num, stamp, x_
 
 MIN_SPAN_S = 1.0         # the shortest time axis (a job a few ms old is not drawn over the whole width)
 TEXT = 120               # characters of a client's text in a tooltip
@@ -71,17 +72,17 @@ def read_history(job: JobView, events: Sequence[Event], now: float) -> History:
     events = events[-MAX_EVENTS_PER_JOB:]
     cut = bool(events) and events[0].seq > 1
     t0 = events[0].t if events else epoch(job.created_at or "")
-    spans: list[Span] = []
+    # A whole history starts with the job forming its first round; a cut one with the unknown.
+    spans: list[Span] = [] if cut else [Span(t0)]
     marks: list[Mark] = []
     finish = None
-    # A whole history starts with the job forming its first round; a cut one with the unknown.
-    current: list[Span | None] = [None if cut else Span(t0)]
 
     def close(t: float, then: Span | None) -> None:
-        if current[0] is not None:
-            current[0].end = t
-            spans.append(current[0])
-        current[0] = then
+        """End the open span (the last, while its `end` is None) at `t`; `then`, if any, opens the next."""
+        if spans and spans[-1].end is None:
+            spans[-1].end = t
+        if then is not None:
+            spans.append(then)
 
     for e in events:
         kind, payload = e.kind, payload_of(e.kind, e.data)
@@ -91,8 +92,7 @@ def read_history(job: JobView, events: Sequence[Event], now: float) -> History:
                             cause=cause, reason=payload.reason))
             if cause == "failure":
                 marks.append(Mark(e.t, "restart", f"restart: round {e.round_id} formed after a worker failure"))
-            promoted = _int(payload.promoted)
-            if promoted:
+            if promoted := _int(payload.promoted):
                 marks.append(Mark(e.t, "promoted", f"{plural(promoted, 'spare')} promoted into round {e.round_id}",
                                   promoted))
         elif kind == EventKind.ROUND_ABANDONED:
@@ -104,8 +104,6 @@ def read_history(job: JobView, events: Sequence[Event], now: float) -> History:
             marks[-1] = Mark(e.t, "node_spare", e.message)     # its join, decided at once: one mark
         elif kind in MARKED:
             marks.append(Mark(e.t, MARKED[kind], e.message, payload.count if isinstance(payload, WorkersFailed) else 1))
-    if current[0] is not None:
-        spans.append(current[0])
     rid = job.round_id
     if rid is not None and finish is None:
         if not any(s.round_id == rid for s in spans):     # formed before the oldest kept event
@@ -113,8 +111,7 @@ def read_history(job: JobView, events: Sequence[Event], now: float) -> History:
                                  world_size=_int(job.world_size), reason="formed before the kept history"))
         for s in spans:
             s.current = s.round_id == rid and s.end is None
-    finished = epoch(job.finished_at) if job.finished_at else None
-    t1 = finish[0] if finish else finished if finished is not None else now
+    t1 = finish[0] if finish else epoch(job.finished_at) if job.finished_at else now
     return History(t0, max(t1, t0), cut, spans, marks, finish)
 
 
@@ -155,9 +152,7 @@ def _groups(h: History, f: Frame) -> list[list[Span]]:
 def _group_text(g: list[Span], h: History) -> str:
     """The tooltip of a group of narrow spans."""
     rounds = [s for s in g if s.round_id is not None]
-    counts: dict[str, int] = {}
-    for s in rounds:
-        counts[s.cause] = counts.get(s.cause, 0) + 1
+    counts = Counter(s.cause for s in rounds)
     waits = len(g) - len(rounds)
     return (f"rounds {rounds[0].round_id} to {rounds[-1].round_id}: {plural(len(rounds), 'round')} in "
             f"{age(_end(g[-1], h) - g[0].start)} from {stamp(g[0].start)} UTC, by cause: "
@@ -165,7 +160,7 @@ def _group_text(g: list[Span], h: History) -> str:
             + (f"; waited for nodes {plural(waits, 'time')}" if waits else ""))
 
 
-def _rounds_lane(h: History, f: Frame, groups: list[list[Span]], legend: Legend) -> list[str]:
+def _rounds_lane(h: History, f: Frame, groups: list[list[Span]], legend: set[str]) -> list[str]:
     """A bar per round (or group of narrow ones) coloured by its cause, labelled when there is room."""
     y, height = f.lanes["rounds"]
     out, labels = ['<g stroke="#fff" stroke-width="1">'], []
@@ -204,7 +199,7 @@ def _rounds_lane(h: History, f: Frame, groups: list[list[Span]], legend: Legend)
     return [*out, "</g>", *labels]
 
 
-def _members(h: History, f: Frame, groups: list[list[Span]], job: JobView, legend: Legend) -> list[str]:
+def _members(h: History, f: Frame, groups: list[list[Span]], job: JobView, legend: set[str]) -> list[str]:
     """The member count as a filled step line; the current round's time shaded; min/max nodes dashed."""
     y, height = f.lanes["members"]
     low, high = _int(job.min_nodes), _int(job.max_nodes)
@@ -285,7 +280,7 @@ def _buckets(h: History, f: Frame) -> list[tuple[str, _Bucket]]:
     return out
 
 
-def _marks(h: History, f: Frame, legend: Legend) -> list[str]:
+def _marks(h: History, f: Frame, legend: set[str]) -> list[str]:
     """A mark per bucket in its lane (restarts and server events as lines across the rounds and
     members), with the bucket's count beside it where there is room."""
     out: list[str] = []
@@ -304,20 +299,17 @@ def _marks(h: History, f: Frame, legend: Legend) -> list[str]:
         x, count = f.x(bucket.first.t), sum(bucket.counts.values())
         attrs = f' data-kind="{kind}" data-count="{count}"'
         if lane == "line":
-            height = (bottom - top) / 2
-            out.append(svg.glyph(style.shape, x, top + height, style.colour, height - 2, attrs, _tip(f, bucket.text())))
-            continue
-        lane_y, lane_h = f.lanes[lane]
-        cy = lane_y + lane_h / 2
-        out.append(svg.glyph(style.shape, x, cy, style.colour, 3.5 if f.compact else 4.5, attrs,
-                             _tip(f, bucket.text())))
+            cy, size = top + (bottom - top) / 2, (bottom - top) / 2 - 2
+        else:
+            cy, size = f.lanes[lane][0] + f.lanes[lane][1] / 2, 3.5 if f.compact else 4.5
+        out.append(svg.glyph(style.shape, x, cy, style.colour, size, attrs, _tip(f, bucket.text())))
         words = f"{count:,}"
-        if count > 1 and x + 7 + 6 * len(words) < room[id(bucket)]:
+        if lane != "line" and count > 1 and x + 7 + 6 * len(words) < room[id(bucket)]:
             labels.append(f'<text x="{num(x + 7)}" y="{num(cy + 4)}">{words}</text>')
     return [*out, f'<g font-size="10" fill="{MUTED}">', *labels, "</g>"]
 
 
-def _finish(h: History, f: Frame, legend: Legend) -> list[str]:
+def _finish(h: History, f: Frame, legend: set[str]) -> list[str]:
     if h.finish is None:
         return []
     t, state = h.finish
@@ -332,18 +324,15 @@ def _finish(h: History, f: Frame, legend: Legend) -> list[str]:
 def summary(job: JobView, h: History) -> str:
     """What the picture shows, in words (its <desc>, for screen readers and the page's text)."""
     rounds = [s for s in h.spans if s.round_id is not None and s.cause]
-    causes: dict[str, int] = {}
-    for s in rounds:
-        causes[cause_label(s.cause)] = causes.get(cause_label(s.cause), 0) + 1
-    counts: dict[str, int] = {}
+    causes = Counter(cause_label(s.cause) for s in rounds)
+    counts: Counter[str] = Counter()
     for m in h.marks:
-        counts[m.kind] = counts.get(m.kind, 0) + m.count
-    parts = [f"From {svg.day(h.t0)} {stamp(h.t0)} to {stamp(h.t1)} UTC ({age(h.t1 - h.t0)})"
+        counts[m.kind] += m.count
+    parts = [f"From {stamp(h.t0, '%Y-%m-%d')} {stamp(h.t0)} to {stamp(h.t1)} UTC ({age(h.t1 - h.t0)})"
              + ("; older events were not kept" if h.cut else "")]
     parts.append(f"{plural(len(rounds), 'round')} formed" + (" (" + ", ".join(f"{k}: {n}" for k, n in causes.items())
                                                             + ")" if causes else ""))
-    seen = [f"{n:,} x {MARKS[k].label}" for k, n in counts.items() if MARKS[k].lane != "in" or k == "promoted"]
-    if seen:
+    if seen := [f"{n:,} x {MARKS[k].label}" for k, n in counts.items() if MARKS[k].lane != "in" or k == "promoted"]:
         parts.append(", ".join(seen))
     parts.append(f"restarts used {job.restart_count} of {job.max_restarts}")
     last = h.spans[-1] if h.spans else None
@@ -361,20 +350,20 @@ def history_svg(job: JobView, events: Sequence[Event], now: float, *, compact: b
     for failures, nodes going and coming, restarts; a legend of what it shows; `compact` for a card."""
     h = read_history(job, events, now)
     f = svg.frame(h.t0, h.t1, MIN_SPAN_S, compact)
-    legend = Legend()
+    legend: set[str] = set()
     groups = _groups(h, f)
     body = [*svg.lane_labels(f), *svg.axis(f, h.t1, h.finish is None), *_members(h, f, groups, job, legend),
             *_rounds_lane(h, f, groups, legend), *_marks(h, f, legend), *_finish(h, f, legend)]
     if h.cut:
         legend.add("cut")
-    if not any(s.round_id is not None for s in h.spans):
+    rounds = sum(1 for s in h.spans if s.round_id is not None)
+    if not rounds:
         y, height = f.lanes["members"]
         body.append(f'<text x="{(f.left + f.right) / 2}" y="{y + height / 2 + 4}" text-anchor="middle" '
                     f'fill="{MUTED}">no round formed yet</text>')
-    items, legend_height = legend.render(f.bottom + 22)
+    items, legend_height = svg.legend(legend, f.bottom + 22)
     total = f.bottom + 22 + legend_height
     title = f"History of job {clip(job.job_id, TEXT)}"
-    rounds = sum(1 for s in h.spans if s.round_id is not None)
     return (f'<svg class="history{" compact" if compact else ""}" xmlns="http://www.w3.org/2000/svg" '
             f'viewBox="0 0 {svg.W} {total:.0f}" role="img" aria-label="{x_(title)}" data-round-count="{rounds}" '
             f'font-family="system-ui, sans-serif" font-size="11"><title>{x_(title)}</title>'

@@ -127,8 +127,7 @@ def health(job: JobView) -> tuple[str, list[str]]:
     short = job.max_nodes - job.group_world_size
     if state == "running" and short > 0:
         warns.append(f"{short} node{'s' if short != 1 else ''} short of max {job.max_nodes}")
-    excluded = job.counts.excluded
-    if excluded:
+    if excluded := job.counts.excluded:
         warns.append(f"{excluded} node{'s' if excluded != 1 else ''} excluded")
     if warns and state == "running":
         colour = "orange"

@@ -32,9 +32,6 @@ from rdzv_server.web.page.parts import (
 )
 from rdzv_server.web.page.style import CSS
 
-__all__ = ["DETAIL_EVENTS", "INDEX_EVENTS", "PageQuery", "index_page", "job_page", "not_found_page",
-           "refresh_seconds"]
-
 DEFAULT_REFRESH_S = 2
 INDEX_JOBS = 50           # rows of the overview's summary table per page
 INDEX_JOBS_MAX = 200
@@ -69,9 +66,8 @@ class PageQuery:
         def number(name: str, default: int, low: int, high: int | None = None) -> int:
             return views.query_int(query, name, default, low=low, high=high, strict=False)
         return cls(refresh=refresh_seconds(query.get("refresh")), offset=number("offset", 0, 0),
-                   limit=number("limit", INDEX_JOBS, 1, INDEX_JOBS_MAX),
-                   node_offset=number("node_offset", 0, 0), node_limit=number("node_limit", JOB_NODES, 1,
-                                                                               JOB_NODES_MAX))
+                   limit=number("limit", INDEX_JOBS, 1, INDEX_JOBS_MAX), node_offset=number("node_offset", 0, 0),
+                   node_limit=number("node_limit", JOB_NODES, 1, JOB_NODES_MAX))
 
 
 def _layout(title: str, now: float, body: str, refresh: int, path: str, params: Mapping[str, int | None],
@@ -79,18 +75,15 @@ def _layout(title: str, now: float, body: str, refresh: int, path: str, params: 
     meta = f'<meta http-equiv="refresh" content="{refresh}">' if refresh else ""
     toggle = (f'refreshes every {refresh}s &middot; <a href="{link(path, {**params, "refresh": 0})}">pause</a>'
               if refresh else f'auto-refresh paused &middot; <a href="{link(path, params)}">resume</a>')
+    # The server's warnings about its own exposure (no token on a network address, ...).
+    warnings = "".join(f'<div class="box warn-text" data-note="1">&#9888; {esc(n)}</div>' for n in notes)
     return (
         '<!doctype html><html lang="en"><head><meta charset="utf-8">'
         f'<meta name="viewport" content="width=device-width,initial-scale=1">{meta}<title>{esc(title)}</title>'
         f"<style>{CSS}</style></head><body>"
         f'<div class="top"><h1><a href="/">rdzv-server</a></h1><span>{summary}</span>'
         f'<span class="right muted">server time <span class="mono" id="server-time">{esc(iso(now))}</span>'
-        f" &middot; {toggle}</span></div><main>{_notes(notes)}{body}</main></body></html>")
-
-
-def _notes(notes: tuple[str, ...]) -> str:
-    """The server's warnings about its own exposure (no token on a network address, ...)."""
-    return "".join(f'<div class="box warn-text" data-note="1">&#9888; {esc(n)}</div>' for n in notes)
+        f" &middot; {toggle}</span></div><main>{warnings}{body}</main></body></html>")
 
 
 def _paused(refresh: int) -> int | None:
@@ -99,11 +92,10 @@ def _paused(refresh: int) -> int | None:
 
 
 def _latest(events: list[EventView], now: float) -> str:
-    last = events[-1] if events else None
-    if last is None:
+    if not events:
         return "&mdash;"
-    return (f'<span class="mono">{esc(last.kind)}</span> <span class="muted">'
-            f'{age(now - epoch(last.time or ""))} ago</span>')
+    return (f'<span class="mono">{esc(events[-1].kind)}</span> <span class="muted">'
+            f'{age(now - epoch(events[-1].time or ""))} ago</span>')
 
 
 def _attention(job: JobView) -> str:
@@ -175,8 +167,7 @@ def index_page(core: Rendezvous, now: float, refresh: int = DEFAULT_REFRESH_S, n
                  if len(page) > len(cards) else "")
         summary = columns_table(SUMMARY, rows, "", cls="summary", row=lambda r: f' data-job="{esc(r[0].job_id)}" '
                                                                                 f'data-health="{health(r[0])[0]}"')
-        body = (f"<h2>Jobs</h2>{nav}" + summary + nav
-                + "<h2>Details</h2>" + shown + "".join(cards))
+        body = f"<h2>Jobs</h2>{nav}{summary}{nav}<h2>Details</h2>{shown}{''.join(cards)}"
     body += _unhealthy_hosts(status.unhealthy_hosts)
     return _layout("rdzv-server status", now, body, refresh, "/", params, _counts(status.job_states), notes)
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import datetime as dt
 import html
 import math
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from rdzv_server.core.records import MAX_EVENTS_PER_JOB
@@ -72,13 +72,9 @@ def cause_label(cause: str) -> str:
     return CAUSES.get(cause, ("", cause))[1]
 
 
-def stamp(t: float) -> str:
-    """A UTC time of day, for tooltips."""
-    return dt.datetime.fromtimestamp(t, tz=dt.timezone.utc).strftime("%H:%M:%S")
-
-
-def day(t: float) -> str:
-    return dt.datetime.fromtimestamp(t, tz=dt.timezone.utc).strftime("%Y-%m-%d")
+def stamp(t: float, fmt: str = "%H:%M:%S") -> str:
+    """A UTC time as `fmt` says; by default a time of day, for tooltips."""
+    return dt.datetime.fromtimestamp(t, tz=dt.timezone.utc).strftime(fmt)
 
 
 @dataclass(frozen=True)
@@ -130,8 +126,8 @@ def axis(f: Frame, end: float, running: bool) -> list[str]:
         x = f.x(t)
         out.append(f'<line x1="{x:.1f}" x2="{x:.1f}" y1="{top}" y2="{bottom + 4:.1f}" stroke="{GRID}"/>')
         if not running or now_x - x > 34:
-            label = dt.datetime.fromtimestamp(t, tz=dt.timezone.utc).strftime(fmt)
-            out.append(f'<text x="{x:.1f}" y="{bottom + 16:.1f}" text-anchor="middle" fill="{MUTED}">{label}</text>')
+            out.append(f'<text x="{x:.1f}" y="{bottom + 16:.1f}" text-anchor="middle" fill="{MUTED}">'
+                       f'{stamp(t, fmt)}</text>')
         t += step
     out.append(f'<text x="{f.right + 6}" y="{bottom + 16:.1f}" fill="{MUTED}">time, UTC</text>')
     if running:
@@ -161,13 +157,12 @@ def limit_lines(f: Frame, y_of: Callable[[float], float], min_nodes: int, max_no
     marks = [(min_nodes, f"min = max {min_nodes:,}")] if min_nodes == max_nodes else \
         [(v, f"{word} {v:,}") for v, word in ((max_nodes, "max"), (min_nodes, "min"))]
     out: list[str] = []
-    last_y = -100.0
+    text_y = -100.0
     for value, label in marks:
         if not 0 < value <= top:
             continue
         y = y_of(value)
-        text_y = max(y + 4, last_y + 12)
-        last_y = text_y
+        text_y = max(y + 4, text_y + 12)
         out.append(f'<line x1="{f.left}" x2="{f.right}" y1="{y:.1f}" y2="{y:.1f}" stroke="#8c959f" '
                    f'stroke-dasharray="5 4"/><text x="{f.right + 6}" y="{text_y:.1f}" fill="{MUTED}">{label}</text>')
     return out
@@ -203,47 +198,38 @@ _LEGEND = ["cut", *(f"cause:{c}" for c in ("start", "scale_up", "failure", "node
            "waiting", "current", "members", *MARKS, *(f"finish:{s}" for s in FINISH)]
 
 
-@dataclass
-class Legend:
-    used: set[str] = field(default_factory=set)
+def _legend_item(key: str, x: float, y: float) -> tuple[str, str]:
+    if key.startswith("cause:"):
+        colour, label = CAUSES[key[6:]]
+        return f'<rect x="{x}" y="{y - 9}" width="14" height="10" rx="2" fill="{colour}"/>', f"round: {label}"
+    if key == "waiting":
+        return (f'<rect x="{x}" y="{y - 9}" width="14" height="10" fill="#fff8c5" stroke="#d4a72c" '
+                f'stroke-dasharray="3 2"/>', "waiting for nodes")
+    if key == "current":
+        return (f'<rect x="{x}" y="{y - 9}" width="14" height="10" rx="2" fill="{RUNNING}" stroke="{INK}" '
+                f'stroke-width="2"/>', "current round (running)")
+    if key == "cut":
+        return (f'<path d="M{x + 12},{y - 9}l-9,5 9,5" fill="none" stroke="{MUTED}" stroke-width="1.5"/>',
+                f"older events not kept (the server keeps a job's last {MAX_EVENTS_PER_JOB:,})")
+    if key == "members":
+        return f'<path d="M{x},{y - 1}h5v-7h9" fill="none" stroke="#0969da" stroke-width="2"/>', "member nodes"
+    if key.startswith("finish:"):
+        return (f'<line x1="{x + 7}" x2="{x + 7}" y1="{y - 11}" y2="{y + 2}" stroke="{FINISH[key[7:]]}" '
+                f'stroke-width="2.5"/>', f"job {key[7:]}")
+    style = MARKS[key]
+    return glyph(style.shape, x + 7, y - 4, style.colour, 4), style.label
 
-    def add(self, key: str) -> None:
-        self.used.add(key)
 
-    def update(self, keys: Iterable[str]) -> None:
-        self.used.update(keys)
-
-    def _item(self, key: str, x: float, y: float) -> tuple[str, str]:
-        if key.startswith("cause:"):
-            colour, label = CAUSES[key[6:]]
-            return f'<rect x="{x}" y="{y - 9}" width="14" height="10" rx="2" fill="{colour}"/>', f"round: {label}"
-        if key == "waiting":
-            return (f'<rect x="{x}" y="{y - 9}" width="14" height="10" fill="#fff8c5" stroke="#d4a72c" '
-                    f'stroke-dasharray="3 2"/>', "waiting for nodes")
-        if key == "current":
-            return (f'<rect x="{x}" y="{y - 9}" width="14" height="10" rx="2" fill="{RUNNING}" stroke="{INK}" '
-                    f'stroke-width="2"/>', "current round (running)")
-        if key == "cut":
-            return (f'<path d="M{x + 12},{y - 9}l-9,5 9,5" fill="none" stroke="{MUTED}" stroke-width="1.5"/>',
-                    f"older events not kept (the server keeps a job's last {MAX_EVENTS_PER_JOB:,})")
-        if key == "members":
-            return f'<path d="M{x},{y - 1}h5v-7h9" fill="none" stroke="#0969da" stroke-width="2"/>', "member nodes"
-        if key.startswith("finish:"):
-            return (f'<line x1="{x + 7}" x2="{x + 7}" y1="{y - 11}" y2="{y + 2}" stroke="{FINISH[key[7:]]}" '
-                    f'stroke-width="2.5"/>', f"job {key[7:]}")
-        style = MARKS[key]
-        return glyph(style.shape, x + 7, y - 4, style.colour, 4), style.label
-
-    def render(self, y: float) -> tuple[list[str], float]:
-        """The entries used, in rows from `y`; returns them and the height they take."""
-        out: list[str] = []
-        x, row = float(LEFT), 0
-        for key in (k for k in _LEGEND if k in self.used):
-            shape, label = self._item(key, x, y + 12 + row * 18)
-            width = 22 + 6.3 * len(label) + 18
-            if x + width > W - RIGHT and x > LEFT:
-                x, row = float(LEFT), row + 1
-                shape, label = self._item(key, x, y + 12 + row * 18)
-            out.append(f'{shape}<text x="{x + 20}" y="{y + 12 + row * 18}" fill="{MUTED}">{label}</text>')
-            x += width
-        return out, (row + 1) * 18 + 4 if out else 0
+def legend(used: set[str], y: float) -> tuple[list[str], float]:
+    """The entries of `used` (legend keys), in rows from `y`; returns them and the height they take."""
+    out: list[str] = []
+    x, row = float(LEFT), 0
+    for key in (k for k in _LEGEND if k in used):
+        shape, label = _legend_item(key, x, y + 12 + row * 18)
+        width = 22 + 6.3 * len(label) + 18
+        if x + width > W - RIGHT and x > LEFT:
+            x, row = float(LEFT), row + 1
+            shape, label = _legend_item(key, x, y + 12 + row * 18)
+        out.append(f'{shape}<text x="{x + 20}" y="{y + 12 + row * 18}" fill="{MUTED}">{label}</text>')
+        x += width
+    return out, (row + 1) * 18 + 4 if out else 0
