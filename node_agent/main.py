@@ -53,12 +53,11 @@ async def _run(settings: AgentSettings, token: str | None) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     try:
-        opts = parse_options(sys.argv[1:] if argv is None else argv)
-        token = agent_token(opts)
+        settings = parse_options(sys.argv[1:] if argv is None else argv)
+        token = agent_token(settings.link)
     except OptionsError as exc:
         print(f"node-agent: error: {exc}", file=sys.stderr)
         return 2
-    settings = opts.settings()
     for warning in settings.warnings:
         print(f"node-agent: warning: {warning}", file=sys.stderr)
     workers = settings.workers

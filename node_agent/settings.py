@@ -1,5 +1,5 @@
 """What each part of the agent runs with: one frozen value per consumer. The CLI splits its options into
-these (`AgentOptions.settings()`) and main.py hands each part its own, so no part imports from cli/."""
+these (cli/options.py `parse_options`) and main.py hands each part its own, so no part imports from cli/."""
 from __future__ import annotations
 
 import enum
@@ -101,6 +101,14 @@ class LinkSettings:
     master_addr: str = "127.0.0.1"
     master_port: int = 29500
     server_wait: float = 60.0
+
+    @property
+    def endpoint(self) -> str | None:
+        """`host:port` for URLs, with IPv6 hosts in brackets."""
+        if self.endpoint_host is None:
+            return None
+        host = f"[{self.endpoint_host}]" if ":" in self.endpoint_host else self.endpoint_host
+        return f"{host}:{self.endpoint_port}"
 
     @property
     def server(self) -> str:

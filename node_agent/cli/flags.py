@@ -37,7 +37,7 @@ def _both(ours: tuple[str, ...], torchrun: tuple[str, ...], dest: str, metavar: 
 
 
 # A dest that names a JobConfig field is that job setting: its default ({default} in the help) and bounds
-# are JobConfig's; other defaults are AgentOptions'. Defaults here are None so use can be told apart.
+# are JobConfig's; other defaults are node_agent/settings.py's. Defaults here are None so use can be told apart.
 FLAGS: tuple[Flag, ...] = (
     _both(("--endpoint",), ("--rdzv-endpoint", "--rdzv_endpoint"), "endpoint", "[https://]HOST:PORT",
           "the rdzv-server (port 29400 when left out; [::1]:PORT for IPv6; https:// for TLS; replicas of one "

@@ -1,4 +1,4 @@
-"""The node agent's command line: flags (and torchrun's PET_* variables) in, one frozen `AgentOptions` out.
+"""The node agent's command line: flags (and torchrun's PET_* variables) in, the agent's settings out.
 Every torchrun flag means what it means to torchrun, or is refused in one line naming the equivalent or why.
 Every bad input is one `OptionsError` line naming the flag as spelled (or its PET_* variable); argparse never
 exits (but for `--help`, status 0) nor prints a traceback. Values are checked here, once, so the rest of the
@@ -11,7 +11,7 @@ import math
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 from node_agent.cli.command_line import JOB_DEFAULTS, CommandLine, OptionsError, job_config, one_line
 from node_agent.cli.flags import FLAGS, FlagError, split_command_line
@@ -45,88 +45,12 @@ from node_agent.settings import (
     CheckSettings,
     LinkSettings,
     Mode,
-    StdSpec,
     WorkerSettings,
 )
 from protocol.ids import job_id_problem, node_id_problem
-from protocol.messages import JobConfig
 
-
-@dataclass(frozen=True)
-class AgentOptions:
-    script: str
-    script_args: tuple[str, ...] = ()
-    mode: Mode = Mode.SERVER
-    endpoint_host: str | None = None   # the rdzv-server (server mode)
-    endpoint_port: int | None = None
-    endpoint_scheme: str = "http"      # https with --tls-ca or an https:// endpoint
-    endpoint_replicas: tuple[tuple[str, int], ...] = ()   # more replicas of the server: --endpoint a:P,b:P
-    token_file: str | None = None      # --token-file, --rdzv-conf token_file or $RDZV_TOKEN_FILE: read at start-up
-    token: str | None = None           # $RDZV_TOKEN: the token itself
-    tls_ca: str | None = None          # CA bundle that must have signed the server's certificate
-    nproc: int = 1
-    job_id: str = "default"
-    job_id_source: str = ""            # where a job id that was not given came from (said at start)
-    command: str = ""                  # the command's fingerprint, sent with joins ("": not checked)
-    job: JobConfig = JobConfig()       # the job's settings, sent with every join (defaults: JobConfig's)
-    node_id: str = ""
-    local_addr: str | None = None
-    role: str = "default"
-    module: bool = False
-    no_python: bool = False
-    run_path: bool = False
-    node_rank: int = 0                 # static mode: this node's rank, node rank 0's address and the store port
-    master_addr: str = "127.0.0.1"
-    master_port: int = 29500
-    log_dir: str | None = None
-    run_dir: str | None = None         # this run's log directory (the CLI makes it); None: a temporary one
-    redirects: StdSpec = StdSpec()
-    tee: StdSpec = StdSpec()
-    local_ranks_filter: frozenset[int] | None = None   # None: every local rank shows on the console
-    dup_stdout: tuple[str, ...] = ()   # --duplicate-stdout-filters
-    dup_stderr: tuple[str, ...] = ()
-    log_line_prefix: str | None = None  # --log-line-prefix: a template for every console line
-    tee_prefix: str = DEFAULT_TEE_PREFIX   # tee'd console lines (TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE)
-    virtual_local_rank: bool = False
-    signals: tuple[int, ...] = DEFAULT_SIGNALS
-    reply_file: str | None = None      # the agent's own TORCHELASTIC_ERROR_FILE: the job's root cause goes there
-    stop_timeout: float = 30.0         # torchrun's shutdown timeout
-    server_wait: float = 60.0
-    hang_timeout: float = 0.0          # 0: hang detection off
-    memory_dir_limit: int | None = None   # bytes for the node's in-memory checkpoints; None: the default; 0: off
-    warm_workers: str = "auto"         # auto: Python entry points fork from a warm zygote; off: all cold
-    warm_preload: tuple[str, ...] = DEFAULT_PRELOAD
-    warnings: tuple[str, ...] = ()
-    numa_binding: str | None = None    # --numa-binding: a topology.BindMode value
-    gpu_check: bool = True             # --no-gpu-check: False (on only where the node has /dev/nvidia*)
-    gpu_check_interval: float = 5.0
-    health_check: str | None = None    # --health-check CMD
-    health_check_timeout: float = 30.0
-    kill_timeout: float = 10.0         # after SIGKILL: a worker still alive then marks the node unhealthy
-
-    @property
-    def endpoint(self) -> str | None:
-        """`host:port` for URLs, with IPv6 hosts in brackets."""
-        if self.endpoint_host is None:
-            return None
-        host = f"[{self.endpoint_host}]" if ":" in self.endpoint_host else self.endpoint_host
-        return f"{host}:{self.endpoint_port}"
-
-    def settings(self) -> AgentSettings:
-        """The options split by what each part of the agent runs with (node_agent/settings.py)."""
-        return AgentSettings(workers=_pick(WorkerSettings, self), link=_pick(LinkSettings, self),
-                             checks=_pick(CheckSettings, self), reply_file=self.reply_file, warnings=self.warnings)
-
-
-S = TypeVar("S")
-
-
-def _pick(kind: type[S], opts: AgentOptions) -> S:
-    """A settings value of `kind` with the options' values of its fields (each named as the option is)."""
-    return kind(**{f.name: getattr(opts, f.name) for f in dataclasses.fields(kind)})  # type: ignore[arg-type]
-
-
-_AGENT_DEFAULTS: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(AgentOptions)}
+_AGENT_DEFAULTS: dict[str, Any] = {f.name: f.default for part in (WorkerSettings, LinkSettings, CheckSettings)
+                                   for f in dataclasses.fields(part)}
 # torchrun flags taking only the value meaning what node-agent does anyway: dest -> (that value or None; why).
 _ONLY: dict[str, tuple[str | None, str]] = {
     "logs_specs": ("default", "node-agent loads no torch plugins (it never imports torch); its log layout is "
@@ -137,14 +61,15 @@ _ONLY: dict[str, tuple[str | None, str]] = {
 
 
 def build_argparser() -> argparse.ArgumentParser:
-    """The parser, its help showing the defaults (JobConfig's for job settings, AgentOptions' otherwise)."""
+    """The parser, its help showing the defaults (JobConfig's for job settings, the settings' otherwise)."""
     def text(dest: str, help: str) -> str:
         default = JOB_DEFAULTS.get(dest, _AGENT_DEFAULTS.get(dest))
         return help.format(default=default, cooldown_max=JOB_DEFAULTS["exclude_cooldown_max_s"])
     return _build({f.dest: text(f.dest, f.help) for f in FLAGS})
 
 
-def parse_options(argv: Sequence[str], environ: Mapping[str, str] = os.environ) -> AgentOptions:
+def parse_options(argv: Sequence[str], environ: Mapping[str, str] = os.environ) -> AgentSettings:
+    """The command line read into what each part of the agent runs with (node_agent/settings.py)."""
     parser = build_argparser()
     try:
         options, rest = split_command_line(parser, argv)
@@ -173,18 +98,18 @@ def parse_options(argv: Sequence[str], environ: Mapping[str, str] = os.environ) 
     role = _role(line, counts.nproc, environ)
     token_file, token = _token(line, conf, environ, tls_ca)
     stop_default = environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT")
-    return AgentOptions(
-        script=script, script_args=script_args, mode=form.mode, endpoint_host=form.host, endpoint_port=form.port,
-        endpoint_scheme=form.scheme, endpoint_replicas=form.replicas,
-        token_file=token_file if form.mode is Mode.SERVER else None,
-        token=token if form.mode is Mode.SERVER else None, tls_ca=tls_ca,
-        nproc=counts.nproc, job_id=job_id, job_id_source=source,
+    link = LinkSettings(
+        mode=form.mode, endpoint_host=form.host, endpoint_port=form.port, endpoint_scheme=form.scheme,
+        endpoint_replicas=form.replicas, token_file=token_file if form.mode is Mode.SERVER else None,
+        token=token if form.mode is Mode.SERVER else None, tls_ca=tls_ca, job_id_source=source,
         command="" if get("no_command_check") else fingerprint,
-        job=job_config(line, conf, min_nodes, max_nodes, counts.nodes_flag), node_id=node_id,
-        local_addr=get("local_addr"), role=role, module=module, no_python=no_python, run_path=run_path,
+        job=job_config(line, conf, min_nodes, max_nodes, counts.nodes_flag), local_addr=get("local_addr"),
         node_rank=node_rank, master_addr=form.master_addr, master_port=form.master_port,
-        log_dir=get("log_dir") or None,
-        redirects=parse_std(get("redirects") or "0", line.failing("redirects")),
+        server_wait=non_negative(line, "server_wait", conf.get("server_wait"), "--rdzv-conf server_wait"),
+        nproc=counts.nproc, job_id=job_id, node_id=node_id, role=role)
+    workers = WorkerSettings(
+        script=script, script_args=script_args, module=module, no_python=no_python, run_path=run_path,
+        log_dir=get("log_dir") or None, redirects=parse_std(get("redirects") or "0", line.failing("redirects")),
         tee=parse_std(get("tee") or "0", line.failing("tee")),
         local_ranks_filter=_rank_set(get("local_ranks_filter"), line.failing("local_ranks_filter")),
         dup_stdout=parse_filters(get("dup_stdout")) if get("dup_stdout") is not None else (),
@@ -193,16 +118,15 @@ def parse_options(argv: Sequence[str], environ: Mapping[str, str] = os.environ) 
         tee_prefix=environ.get("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE") or DEFAULT_TEE_PREFIX,
         virtual_local_rank=bool(get("virtual_local_rank")),
         signals=parse_signals(get("signals"), line.failing("signals")) if get("signals") else DEFAULT_SIGNALS,
-        reply_file=environ.get("TORCHELASTIC_ERROR_FILE") or None,
         stop_timeout=non_negative(line, "stop_timeout", stop_default, "$TORCH_ELASTIC_SHUTDOWN_TIMEOUT"),
-        server_wait=non_negative(line, "server_wait", conf.get("server_wait"), "--rdzv-conf server_wait"),
-        hang_timeout=non_negative(line, "hang_timeout"), warnings=tuple(warnings),
-        memory_dir_limit=_memory_dir_limit(line),
-        **_gpu_options(line),
-        warm_workers=_choice(line, "warm_workers", ("auto", "off")),
+        kill_timeout=non_negative(line, "kill_timeout"), hang_timeout=non_negative(line, "hang_timeout"),
+        memory_dir_limit=_memory_dir_limit(line), warm_workers=_choice(line, "warm_workers", ("auto", "off")),
         warm_preload=parse_modules(get("warm_preload"), line.failing("warm_preload"))
         if get("warm_preload") is not None else DEFAULT_PRELOAD,
-    )
+        nproc=counts.nproc, job_id=job_id, node_id=node_id, role=role)
+    checks = CheckSettings(nproc=counts.nproc, virtual_local_rank=workers.virtual_local_rank, **_gpu_options(line))
+    return AgentSettings(workers, link, checks, reply_file=environ.get("TORCHELASTIC_ERROR_FILE") or None,
+                         warnings=tuple(warnings))
 
 
 def _gpu_options(line: CommandLine) -> dict[str, Any]:
@@ -221,8 +145,7 @@ def _gpu_options(line: CommandLine) -> dict[str, Any]:
     if interval == 0:
         line.fail("gpu_check_interval", "must be > 0 (turn the check off with --no-gpu-check)")
     return {"numa_binding": mode, "gpu_check": not line.get("no_gpu_check"), "gpu_check_interval": interval,
-            "health_check": check, "health_check_timeout": non_negative(line, "health_check_timeout"),
-            "kill_timeout": non_negative(line, "kill_timeout")}
+            "health_check": check, "health_check_timeout": non_negative(line, "health_check_timeout")}
 
 
 def non_negative(line: CommandLine, dest: str, fallback: str | None = None, fallback_name: str = "") -> float:
@@ -363,9 +286,9 @@ def _token(line: CommandLine, conf: Mapping[str, str], environ: Mapping[str, str
     return token_file, token
 
 
-def agent_token(opts: AgentOptions) -> str | None:
+def agent_token(link: LinkSettings) -> str | None:
     """The server's token: the file's (read now, at start-up, not while parsing), else $RDZV_TOKEN's."""
-    if opts.token_file is None:
-        return opts.token
-    return server_token(opts.token_file, "--token-file", {}, one_line)   # a file given: no variable is read
+    if link.token_file is None:
+        return link.token
+    return server_token(link.token_file, "--token-file", {}, one_line)   # a file given: no variable is read
 

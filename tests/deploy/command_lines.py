@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Mapping, Sequence
+from types import SimpleNamespace
 
-from node_agent.cli.options import AgentOptions, parse_options
+from node_agent.cli.options import parse_options
 from rdzv_server.cli import build_parser
+from tests.options_view import flat
 
 
 def server_args(argv: Sequence[str]) -> argparse.Namespace:
@@ -17,9 +19,9 @@ def server_args(argv: Sequence[str]) -> argparse.Namespace:
         raise AssertionError(f"rdzv-server rejects {list(argv)}") from exc
 
 
-def agent_options(argv: Sequence[str], environ: Mapping[str, str]) -> AgentOptions:
-    """node-agent's own option parsing on argv (without the program name)."""
-    return parse_options(list(argv), environ)
+def agent_options(argv: Sequence[str], environ: Mapping[str, str]) -> SimpleNamespace:
+    """node-agent's own option parsing on argv (without the program name), seen flat."""
+    return flat(parse_options(list(argv), environ))
 
 
 def expand_k8s(args: Sequence[str], env: Mapping[str, str]) -> list[str]:

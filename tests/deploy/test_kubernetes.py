@@ -9,13 +9,13 @@ import glob
 import os
 import shutil
 import subprocess
+from types import SimpleNamespace
 
 import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
 
-from node_agent.cli.options import AgentOptions
 from tests.deploy.command_lines import agent_options, expand_k8s, server_args
 from tests.deploy.tools import deploy_path, venv_tool
 
@@ -219,7 +219,7 @@ SAMPLE = {"metadata.name": "train-example-0-x7k2p", "status.podIP": "10.1.2.3",
 UIDS = ("metadata.labels['batch.kubernetes.io/controller-uid']", "metadata.labels['jobset.sigs.k8s.io/jobset-uid']")
 
 
-def agent_of(pod: dict, fields: dict[str, str]) -> tuple[dict[str, str], AgentOptions]:
+def agent_of(pod: dict, fields: dict[str, str]) -> tuple[dict[str, str], SimpleNamespace]:
     """The container's env (in order: Kubernetes expands $(VAR) from the entries before) and the
     options node-agent makes of its command line, in a pod whose downward API gives `fields`."""
     c = container(pod["spec"])

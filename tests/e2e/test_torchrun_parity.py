@@ -23,6 +23,7 @@ from node_agent.cli.flags import resolve
 from node_agent.cli.options import OptionsError, build_argparser, parse_options
 from tests.e2e import torchrun_parity as parity
 from tests.e2e.harness import SCRIPTS, Cluster, Proc, child_env, read_records
+from tests.options_view import flat
 from tests.ports import free_port
 
 pytestmark = pytest.mark.e2e
@@ -106,7 +107,7 @@ def test_each_flag_row_holds_for_every_spelling_and_its_pet_variable(row: parity
                 parse_options([*argv, "train.py"], {**base, **env})
             assert row.refusal in str(refused.value) and "\n" not in str(refused.value), (argv, env)
         else:
-            opts = parse_options([*argv, "train.py"], {**base, **env})
+            opts = flat(parse_options([*argv, "train.py"], {**base, **env}))
             assert row.check is not None and row.check(opts), (argv, env, opts)
 
 

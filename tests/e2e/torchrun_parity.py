@@ -28,7 +28,7 @@ class FlagRow:
     value: str | None                 # the value tried (None: an on/off flag)
     verdict: str
     text: str                         # what node-agent does, for the table
-    check: Callable[[Any], bool] | None = None   # on node-agent's AgentOptions (same, mapped)
+    check: Callable[[Any], bool] | None = None   # on node-agent's settings, seen flat (same, mapped)
     refusal: str = ""                 # words of node-agent's one-line refusal (refused)
     context: tuple[str, ...] = ()     # other flags the line needs
     env: dict[str, str] = field(default_factory=dict)

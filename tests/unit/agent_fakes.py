@@ -2,9 +2,12 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import signal
 from collections.abc import Callable
+from typing import Any
 
+from node_agent.settings import AgentSettings, CheckSettings, LinkSettings, WorkerSettings
 from node_agent.workers.launch import WorkerLaunch
 from node_agent.workers.process import WorkerExit, signal_name
 
@@ -62,3 +65,10 @@ class FakeGroup:
             self.stopped_with = sig
             ended = {e.local_rank for e in self._exits}
             self.end(**{f"r{w.local_rank}": -sig for w in self.launches if w.local_rank not in ended})
+
+
+def agent_settings(**given: Any) -> AgentSettings:
+    """The agent's settings with `given` fields set in every part that has them (as the CLI fills them)."""
+    def part(kind: type) -> Any:
+        return kind(**{f.name: given[f.name] for f in dataclasses.fields(kind) if f.name in given})
+    return AgentSettings(part(WorkerSettings), part(LinkSettings), part(CheckSettings))

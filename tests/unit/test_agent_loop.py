@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 import pytest
 
 from node_agent.agent import Agent
-from node_agent.cli.options import AgentOptions
 from node_agent.client.local import LocalClient
 from node_agent.client.transport import ServerUnreachable
 from node_agent.core.actions import Action
@@ -26,7 +25,7 @@ from node_agent.workers.process import WorkerExit, WorkerSpawnError
 from protocol.errors import ErrorCode
 from protocol.messages import JobConfig, NodeStatus, PollRequest
 from rdzv_server.coordinator import Coordinator
-from tests.unit.agent_fakes import LIMIT, FakeGroup
+from tests.unit.agent_fakes import LIMIT, FakeGroup, agent_settings
 
 
 class ScriptedServer(LocalClient):
@@ -92,10 +91,10 @@ async def start(tmp_path) -> AsyncIterator[Callable[..., Run]]:
     def start_agent(*, nproc: int = 2, server_wait: float = 60.0, hang_timeout: float = 0.0,
                     group_type: type[FakeGroup] = FakeGroup, **job: object) -> Run:
         config = JobConfig(**{"last_call_s": 0.0, **job})  # type: ignore[arg-type]
-        opts = AgentOptions(script="train.py", nproc=nproc, job_id="j1", job=config, node_id="n1",
+        opts = agent_settings(script="train.py", nproc=nproc, job_id="j1", job=config, node_id="n1",
                             mode=Mode.STANDALONE, log_dir=str(tmp_path), server_wait=server_wait,
                             hang_timeout=hang_timeout, stop_timeout=1.0)
-        server = ScriptedServer(opts.job_id, opts.node_id)
+        server = ScriptedServer(opts.workers.job_id, opts.workers.node_id)
         groups: asyncio.Queue[FakeGroup] = asyncio.Queue()
         console = io.StringIO()
         errors: list[OSError] = []
@@ -107,7 +106,7 @@ async def start(tmp_path) -> AsyncIterator[Callable[..., Run]]:
             groups.put_nowait(group)
             return group
 
-        agent = Agent(opts.settings(), server, "127.0.0.1", console, make_group=make_group)
+        agent = Agent(opts, server, "127.0.0.1", console, make_group=make_group)
         facts: list[Fact] = []
         agent.policy = RecordingPolicy(server_wait_s=agent.policy.server_wait_s, seen=facts)
         run = Run(agent, server, console, groups, asyncio.create_task(agent.run()), facts, errors)

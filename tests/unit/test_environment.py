@@ -94,8 +94,8 @@ def test_the_agents_token_does_not_reach_the_workers() -> None:
 def test_the_agents_token_does_not_reach_workers_it_launches(tmp_path) -> None:
     environ = {"PATH": "/bin", "RDZV_TOKEN": "secret-token-0123456789"}
     options = parse_options(["--endpoint", "h", "train.py"], environ)
-    assert options.token == "secret-token-0123456789"                 # the agent itself uses it
-    launches = build_launches(SECOND_NODE, options.settings().workers, run_dir=str(tmp_path), hostname="h",
+    assert options.link.token == "secret-token-0123456789"                 # the agent itself uses it
+    launches = build_launches(SECOND_NODE, options.workers, run_dir=str(tmp_path), hostname="h",
                               environ=environ)
     assert [launch.env.get("RDZV_TOKEN") for launch in launches] == [None] * 4
 
@@ -104,7 +104,7 @@ def test_signals_to_handle_are_exported_in_torchruns_form(tmp_path) -> None:
     environ = {"PATH": "/bin"}
     for flag, exported in (("SIGTERM,SIGUSR1", "SIGTERM,SIGUSR1"), ("term, usr2", "SIGTERM,SIGUSR2")):
         options = parse_options(["--signals-to-handle", flag, "--standalone", "train.py"], environ)
-        launches = build_launches(SECOND_NODE, options.settings().workers, run_dir=str(tmp_path), hostname="h",
+        launches = build_launches(SECOND_NODE, options.workers, run_dir=str(tmp_path), hostname="h",
                                   environ=environ)
         assert {launch.env["TORCHELASTIC_SIGNALS_TO_HANDLE"] for launch in launches} == {exported}
 
@@ -115,7 +115,7 @@ def test_local_rank_out_of_range() -> None:
 
 
 def opts(*argv: str):
-    return parse_options(["--standalone", *argv], environ={}).settings().workers
+    return parse_options(["--standalone", *argv], environ={}).workers
 
 
 def test_worker_argv_forms() -> None:

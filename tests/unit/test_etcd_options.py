@@ -45,7 +45,7 @@ def test_bad_etcd_flags_are_one_line_and_exit_2(argv, words, capsys, monkeypatch
 
 
 def test_node_agent_takes_replicas_as_one_comma_separated_endpoint():
-    opts = parse_options(["--endpoint", "rdzv-1:29400, rdzv-2:29401,[::1]", "train.py"], {})
+    opts = parse_options(["--endpoint", "rdzv-1:29400, rdzv-2:29401,[::1]", "train.py"], {}).link
     assert (opts.endpoint_host, opts.endpoint_port) == ("rdzv-1", 29400)
     assert opts.endpoint_replicas == (("rdzv-2", 29401), ("::1", 29400))
 

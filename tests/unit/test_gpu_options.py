@@ -6,22 +6,24 @@ import pytest
 
 from node_agent import main as cli
 from node_agent.cli.options import parse_options
+from tests.options_view import flat
 
 
 def test_the_defaults_check_gpus_every_5_s_and_bind_nothing() -> None:
-    o = parse_options(["--standalone", "t.py"], {})
+    o = flat(parse_options(["--standalone", "t.py"], {}))
     assert (o.numa_binding, o.gpu_check, o.gpu_check_interval, o.health_check, o.health_check_timeout,
             o.kill_timeout) == (None, True, 5.0, None, 30.0, 10.0)
 
 
 @pytest.mark.parametrize("mode", ["node", "socket", "exclusive", "core-complex"])
 def test_every_torchrun_mode_is_taken(mode: str) -> None:
-    assert parse_options(["--standalone", f"--numa_binding={mode}", "t.py"], {}).numa_binding == mode
+    assert flat(parse_options(["--standalone", f"--numa_binding={mode}", "t.py"], {})).numa_binding == mode
 
 
 def test_the_check_flags_are_read() -> None:
-    o = parse_options(["--standalone", "--no-gpu-check", "--gpu-check-interval", "2.5", "--health-check",
-                       "/opt/site/check --quick", "--health-check-timeout", "7", "--kill-timeout", "3", "t.py"], {})
+    o = flat(parse_options(["--standalone", "--no-gpu-check", "--gpu-check-interval", "2.5", "--health-check",
+                            "/opt/site/check --quick", "--health-check-timeout", "7", "--kill-timeout", "3", "t.py"],
+                           {}))
     assert (o.gpu_check, o.gpu_check_interval, o.health_check, o.health_check_timeout, o.kill_timeout) == \
         (False, 2.5, "/opt/site/check --quick", 7.0, 3.0)
 

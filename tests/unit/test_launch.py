@@ -17,7 +17,7 @@ ENV = {"PATH": "/bin", "CUDA_VISIBLE_DEVICES": ""}
 
 def options(*flags: str, environ: dict[str, str] = ENV):
     return parse_options(["--standalone", "--job-id", "j1", "--node-id", "n1", *flags, "train.py", "--lr", "1",
-                          "--out=o${local_rank}", "$${local_rank}"], environ=environ).settings().workers
+                          "--out=o${local_rank}", "$${local_rank}"], environ=environ).workers
 
 
 def test_one_launch_per_local_rank_with_its_global_rank_env_and_error_file(tmp_path) -> None:

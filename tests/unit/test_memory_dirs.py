@@ -80,7 +80,7 @@ def test_the_sweep_removes_directories_of_dead_agents_only(tmp_path) -> None:
     (["--memory-dir-limit", "0"], 0), (["--no-memory-dir"], 0), (["--no-memory-dir", "--memory-dir-limit", "0"], 0),
 ])
 def test_memory_dir_flags(argv: list[str], limit: int | None) -> None:
-    assert parse_options(["--standalone", *argv, "train.py"], {}).memory_dir_limit == limit
+    assert parse_options(["--standalone", *argv, "train.py"], {}).workers.memory_dir_limit == limit
 
 
 @pytest.mark.parametrize(("argv", "message"), [

@@ -15,7 +15,6 @@ import msgspec
 import pytest
 
 from node_agent.agent import Agent
-from node_agent.cli.options import AgentOptions
 from node_agent.core.actions import CheckNode
 from node_agent.core.facts import NodeChecked, Stage
 from node_agent.gpu.nvml import FakeGpuProbe, healthy
@@ -26,7 +25,7 @@ from protocol.messages import JobConfig, UnhealthyKind, WorkerFailure
 from protocol.quoting import quote
 from rdzv_server.web import views
 from rdzv_server.web.page import parts
-from tests.unit.agent_fakes import LIMIT, FakeGroup
+from tests.unit.agent_fakes import LIMIT, FakeGroup, agent_settings
 from tests.unit.test_agent_loop import ScriptedServer
 from tests.unit.test_gpu_topology import write_machine
 
@@ -96,7 +95,7 @@ async def start(tmp_path) -> AsyncIterator[Callable[..., Node]]:
     def start_node(*, gpus: int = 2, nproc: int = 2, probe: FakeGpuProbe | None = None,
                    group_type: type[FakeGroup] = FakeGroup, **opts: object) -> Node:
         config = JobConfig(last_call_s=0.0, max_restarts=3)
-        options = AgentOptions(**{"script": "train.py", "nproc": nproc, "job_id": "j1", "job": config,
+        options = agent_settings(**{"script": "train.py", "nproc": nproc, "job_id": "j1", "job": config,
                                   "node_id": "n1", "mode": Mode.STANDALONE, "log_dir": str(tmp_path),
                                   "stop_timeout": 1.0, "gpu_check_interval": 0.05, **opts})  # type: ignore[arg-type]
         probe = probe if probe is not None else FakeGpuProbe.with_gpus(gpus)
@@ -112,8 +111,8 @@ async def start(tmp_path) -> AsyncIterator[Callable[..., Node]]:
             groups.put_nowait(group)
             return group
 
-        agent = Agent(options.settings(), server, "127.0.0.1", console, make_group=make_group)
-        checks = RecordingChecks(options, agent.narrator.say, probe=lambda: probe, root=str(tmp_path / "sysfs"),
+        agent = Agent(options, server, "127.0.0.1", console, make_group=make_group)
+        checks = RecordingChecks(options.checks, agent.narrator.say, probe=lambda: probe, root=str(tmp_path / "sysfs"),
                                  dev_dir=dev_with_gpus(tmp_path, gpus))
         checks.retry_min_s = 0.05
         agent.checks = checks

@@ -14,13 +14,14 @@ from node_agent.cli.options import OptionsError, build_argparser, count_gpus, pa
 from node_agent.settings import Mode, Std, StdSpec
 from protocol.ids import job_id_problem, node_id_problem
 from protocol.messages import JobConfig
+from tests.options_view import flat
 
 EP = ["--endpoint", "rdzv.example:29400"]
 NO_GPU = {"CUDA_VISIBLE_DEVICES": ""}
 
 
 def parse(*argv: str, environ: dict[str, str] | None = None):
-    return parse_options(list(argv), environ=NO_GPU if environ is None else environ)
+    return flat(parse_options(list(argv), environ=NO_GPU if environ is None else environ))
 
 
 def error_of(*argv: str, environ: dict[str, str] | None = None) -> str:

@@ -10,12 +10,13 @@ import pytest
 from node_agent.cli.job_identity import command_fingerprint
 from node_agent.cli.options import OptionsError, agent_token, parse_options
 from node_agent.settings import Mode
+from tests.options_view import flat
 
 BASE = {"CUDA_VISIBLE_DEVICES": "", "USER": "alice", "LOGNAME": "alice"}
 
 
 def parse(*argv: str, **env: str):
-    return parse_options(list(argv), environ={**BASE, **env})
+    return flat(parse_options(list(argv), environ={**BASE, **env}))
 
 
 def error_of(*argv: str, **env: str) -> str:

@@ -10,23 +10,24 @@ from node_agent.cli.options import OptionsError, parse_options
 from node_agent.settings import DEFAULT_PRELOAD
 from node_agent.workers.launch import WorkerLaunch
 from node_agent.workers.warm.eligible import base_env, entry_imports, imports_any, warm_launch
+from tests.options_view import flat
 
 ENV = {"PATH": "/usr/bin"}
 
 
 def parse(*argv: str):
-    return parse_options(["--standalone", *argv], ENV)
+    return flat(parse_options(["--standalone", *argv], ENV))
 
 
 def test_warm_workers_are_on_for_python_scripts_and_modules_by_default() -> None:
     for opts in (parse("train.py"), parse("-m", "pkg.train")):
-        assert opts.warm_workers == "auto" and opts.settings().workers.warm and opts.warm_preload == DEFAULT_PRELOAD
+        assert opts.warm_workers == "auto" and opts.warm and opts.warm_preload == DEFAULT_PRELOAD
 
 
 @pytest.mark.parametrize("argv", [("--warm-workers", "off", "train.py"), ("--no-python", "prog"),
                                   ("--run-path", "train.py"), ("--warm_workers=off", "-m", "m")])
 def test_cold_start_keeps_for_off_no_python_and_run_path(argv) -> None:
-    assert not parse(*argv).settings().workers.warm
+    assert not parse(*argv).settings.workers.warm
 
 
 def test_warm_preload_replaces_the_list() -> None:
