@@ -15,17 +15,7 @@ import msgspec
 
 from protocol.quoting import one_line
 from protocol.views import DrainedView, EventsView, EventView, JobDetail, JobView, NodeView, StatusView
-from rdzv_ctl.client import (
-    ADMIN_TOKEN_ENV,
-    DEFAULT_SERVER,
-    TOKEN_ENV,
-    Client,
-    CtlError,
-    UsageError,
-    read_token,
-    server_url,
-    tls_context,
-)
+from rdzv_ctl.client import ADMIN_TOKEN_ENV, DEFAULT_SERVER, TOKEN_ENV, Client, CtlError, UsageError, client_for
 
 REASON_WIDTH = 60
 T = TypeVar("T")
@@ -318,22 +308,11 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _client(args: argparse.Namespace) -> Client:
-    """The client the options describe; UsageError when a file they name cannot be used."""
-    tls_ca = getattr(args, "tls_ca", None)
-    server = server_url(getattr(args, "server", None), getattr(args, "endpoint", None), tls_ca)
-    return Client(server, getattr(args, "timeout", 10.0),
-                  token=read_token("--token-file", getattr(args, "token_file", None), TOKEN_ENV),
-                  admin_token=read_token("--admin-token-file", getattr(args, "admin_token_file", None),
-                                         ADMIN_TOKEN_ENV),
-                  tls=tls_context(tls_ca))
-
-
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.json = getattr(args, "json", False)
     try:
-        text = run(args, _client(args))
+        text = run(args, client_for(args))
     except (UsageError, CtlError) as exc:
         print(f"rdzv-ctl: {exc}", file=sys.stderr)
         return 2 if isinstance(exc, UsageError) else 1

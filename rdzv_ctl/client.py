@@ -3,6 +3,7 @@ so rdzv-ctl starts fast. The agent token (or the admin token) reads the views; t
 actions. The token rule is the server's own (protocol/tokens.py): a file the server accepts rdzv-ctl accepts too."""
 from __future__ import annotations
 
+import argparse
 import http.client
 import json
 import os
@@ -74,6 +75,17 @@ def tls_context(ca_file: str | None) -> ssl.SSLContext | None:
         return ssl.create_default_context(cafile=ca_file)
     except (OSError, ssl.SSLError) as exc:
         raise UsageError(f"--tls-ca {ca_file}: {getattr(exc, 'strerror', None) or exc}") from None
+
+
+def client_for(args: argparse.Namespace) -> Client:
+    """The client rdzv-ctl's options describe; UsageError when a file they name cannot be used."""
+    tls_ca = getattr(args, "tls_ca", None)
+    server = server_url(getattr(args, "server", None), getattr(args, "endpoint", None), tls_ca)
+    return Client(server, getattr(args, "timeout", 10.0),
+                  token=read_token("--token-file", getattr(args, "token_file", None), TOKEN_ENV),
+                  admin_token=read_token("--admin-token-file", getattr(args, "admin_token_file", None),
+                                         ADMIN_TOKEN_ENV),
+                  tls=tls_context(tls_ca))
 
 
 LEADER_HEADER = "Rdzv-Leader"     # a standby replica's not_leader reply names the leader here

@@ -20,7 +20,6 @@ class OptionsError(ValueError):
 
 
 JOB_DEFAULTS: dict[str, Any] = {f.name: f.default for f in msgspec.structs.fields(JobConfig)}
-_JOB_FLAGS = [f.dest for f in FLAGS if f.dest in JOB_DEFAULTS]   # job settings with a flag
 
 
 class CommandLine:
@@ -68,10 +67,9 @@ def job_config(line: CommandLine, conf: Mapping[str, str], min_nodes: int, max_n
     """The job's settings from the flags given, then --rdzv-conf's keys (which win, as for the plugin);
     JobConfig supplies the defaults and bounds."""
     values: dict[str, Any] = {"min_nodes": min_nodes, "max_nodes": max_nodes}
-    source: dict[str, tuple[str, Fail]] = {}   # field -> (text, fail)
-    for dest in _JOB_FLAGS:
-        if line.get(dest) is not None:
-            source[dest] = (line.get(dest), line.failing(dest))
+    source: dict[str, tuple[str, Fail]] = {   # field -> (text, fail)
+        f.dest: (line.get(f.dest), line.failing(f.dest)) for f in FLAGS
+        if f.dest in JOB_DEFAULTS and line.get(f.dest) is not None}
     for key, value in conf.items():
         field = SECONDS_KEYS.get(key) or (key if key in INT_KEYS and key in JOB_DEFAULTS else None)
         if field is not None and not (key == "timeout" and "join_timeout" in conf):

@@ -199,12 +199,9 @@ def build_argparser(help_of: Mapping[str, str]) -> argparse.ArgumentParser:
                 description="Join an elastic training job (at a rendezvous server, or on this node alone), "
                             "then run and supervise this node's workers: a drop-in replacement for torchrun.")
     for flag in FLAGS:
-        text = help_of[flag.dest]
-        if flag.metavar is None:
-            p.add_argument(*flag.spellings, dest=flag.dest, action="store_true", default=None, help=text)
-        else:
-            p.add_argument(*flag.spellings, dest=flag.dest, action=_Spelled, default=None, metavar=flag.metavar,
-                           help=text)
+        how: dict[str, Any] = ({"action": "store_true"} if flag.metavar is None
+                               else {"action": _Spelled, "metavar": flag.metavar})
+        p.add_argument(*flag.spellings, dest=flag.dest, default=None, help=help_of[flag.dest], **how)
     p.add_argument("script", help="training script (or module with -m, or program with --no-python)")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="everything after the script goes to it untouched")
     return p

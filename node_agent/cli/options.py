@@ -20,8 +20,6 @@ from node_agent.cli.job_identity import TORCHRUN_DEFAULT_ID, command_fingerprint
 from node_agent.cli.launch_form import launch_form
 from node_agent.cli.rdzv_conf import AGENT_NOTES, IGNORED_KEYS, KNOWN_KEYS, NO_TRANSPORT_CHOICE, parse_conf
 from node_agent.cli.values import (  # noqa: F401  (count_gpus: re-exported)
-    DEFAULT_PORT,
-    Fail,
     _int,
     _rank_set,
     _seconds,

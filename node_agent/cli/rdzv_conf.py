@@ -70,7 +70,6 @@ def parse_conf(text: str) -> dict[str, str]:
             raise ValueError(f"{key} has no value")
         conf[key] = value
     conf = unquoted(conf)
-    for key, value in conf.items():
-        if not key or not value:
-            raise ValueError(f"expected KEY=VALUE items separated by commas, got {text!r}")
+    if not all(key and value for key, value in conf.items()):
+        raise ValueError(f"expected KEY=VALUE items separated by commas, got {text!r}")
     return conf

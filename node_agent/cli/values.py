@@ -87,8 +87,7 @@ def parse_server(text: str, tls_ca: str | None, fail: Fail, allow_port_0: bool =
     scheme = scheme.lower() if sep else ("https" if tls_ca else "http")
     if scheme == "http" and tls_ca:
         fail(f"--tls-ca needs an https endpoint, got {text!r}")
-    host, port = parse_endpoint(rest if sep else text, fail, allow_port_0)
-    return scheme, host, port
+    return (scheme, *parse_endpoint(rest if sep else text, fail, allow_port_0))
 
 
 def server_token(path: str | None, flag: str, environ: Mapping[str, str], fail: Fail) -> str | None:
@@ -105,8 +104,7 @@ def server_token(path: str | None, flag: str, environ: Mapping[str, str], fail: 
     if not environ.get("RDZV_TOKEN"):
         return None
     raw = environ["RDZV_TOKEN"].strip().encode()
-    problem = token_problem(raw)
-    if problem:
+    if problem := token_problem(raw):
         fail(f"$RDZV_TOKEN: {problem}")
     return raw.decode()
 
@@ -199,9 +197,7 @@ def parse_std(text: str, fail: Fail) -> StdSpec:
 def parse_signals(text: str, fail: Fail) -> tuple[int, ...]:
     """torchrun's `SIGTERM,SIGUSR1,...` (names; SIG may be left out) -> signal numbers, in order."""
     found: list[int] = []
-    for item in (i.strip().upper() for i in text.split(",")):
-        if not item:
-            continue
+    for item in (i.strip().upper() for i in text.split(",") if i.strip()):
         name = item if item.startswith("SIG") else "SIG" + item
         number = getattr(signal.Signals, name, None) if not name.startswith("SIG_") else None
         if number is None:

@@ -20,9 +20,7 @@ class HangWatch:
         self.last_beat.clear()
 
     def next_deadline(self) -> float | None:
-        if not self.last_beat:
-            return None
-        return min(self.last_beat.values()) + self.timeout_s
+        return min(self.last_beat.values()) + self.timeout_s if self.last_beat else None
 
     def overdue(self, now: float) -> list[int]:
         """Local ranks silent for at least the timeout, the longest-silent first."""

@@ -73,14 +73,7 @@ from node_agent.core.node_health import NodeHealth
 from node_agent.core.summary import failure_summary
 from protocol.codec import REQUEST_TYPES
 from protocol.errors import ErrorCode
-from protocol.messages import (
-    MAX_REASON,
-    Assignment,
-    JobState,
-    JoinRequest,
-    NodeStatus,
-    WorkerFailure,
-)
+from protocol.messages import MAX_REASON, Assignment, JobState, JoinRequest, NodeStatus, WorkerFailure
 
 TimedRule = tuple[float, Callable[[float], list[Action]]]   # (when, what to do once it has come)
 
@@ -126,8 +119,7 @@ class SupervisionPolicy:
         self.health.last_now = now
         match fact:
             case StatusReceived(status=status, sent_at=sent_at):
-                self.unreachable_since = None
-                self.conflict_since = None
+                self.unreachable_since = self.conflict_since = None
                 self.renewed_at, self.probe_at, self.suspect = sent_at, None, False
                 return self._status(status)
             case PeersProbed(verdict=verdict, server=server):

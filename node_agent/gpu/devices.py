@@ -7,13 +7,12 @@ doubts become notes, an unresolved GPU is kept with `gpu=None` (no NUMA binding 
 """
 from __future__ import annotations
 
-import os
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from node_agent.gpu.nvml import GpuInfo
-from node_agent.gpu.topology import gpu_numa_node, pci_gpus
+from node_agent.gpu.topology import gpu_numa_node, listdir, pci_gpus
 from protocol.quoting import quote
 
 
@@ -159,10 +158,7 @@ def gpus_from_sysfs(root: str = "/", dev_dir: str = "/dev") -> list[GpuInfo] | N
     """The GPUs without NVML (no UUIDs): NVIDIA display-class PCI devices, trusted only when as many as the
     /dev/nvidiaN nodes (a container may see the host's whole PCI tree but only its own devices)."""
     bus_ids = pci_gpus(root)
-    try:
-        nodes = [n for n in os.listdir(dev_dir) if re.fullmatch(r"nvidia\d+", n)]
-    except OSError:
-        nodes = []
+    nodes = [n for n in listdir(dev_dir) if re.fullmatch(r"nvidia\d+", n)]
     if not bus_ids or len(bus_ids) != len(nodes):
         return None
     return [GpuInfo(index=i, uuid="", bus_id=b) for i, b in enumerate(bus_ids)]

@@ -55,34 +55,24 @@ def _name(h: GpuHealth) -> str:
 
 def faults(h: GpuHealth) -> list[str]:
     """What makes this GPU unhealthy, one short phrase each; unknown facts count for nothing."""
-    found = []
-    if h.lost is not None:
-        found.append(f"NVML: {h.lost}")
-    if h.recovery_action not in (None, 0):
-        action = RECOVERY_ACTIONS.get(h.recovery_action or 0, f"action {h.recovery_action}")
-        found.append(f"the driver asks for recovery: {action}")
-    if h.reset_required:
-        found.append("a GPU reset is pending")
-    if h.drain_and_reset:
-        found.append("the driver recommends drain and reset")
-    if h.uncorrectable_ecc:
-        found.append(f"{h.uncorrectable_ecc} volatile uncorrectable ECC error{'s' if h.uncorrectable_ecc > 1 else ''}")
-    if h.remap_failed:
-        found.append("row remapping failed")
-    if h.remap_pending:
-        found.append("row remapping pending (needs a GPU reset)")
-    if h.retired_pages_pending:
-        found.append("retired pages pending (needs a GPU reset)")
-    return found
+    ecc = h.uncorrectable_ecc
+    action = RECOVERY_ACTIONS.get(h.recovery_action or 0, f"action {h.recovery_action}")
+    return [phrase for fault, phrase in (
+        (h.lost is not None, f"NVML: {h.lost}"),
+        (h.recovery_action not in (None, 0), f"the driver asks for recovery: {action}"),
+        (h.reset_required, "a GPU reset is pending"),
+        (h.drain_and_reset, "the driver recommends drain and reset"),
+        (ecc, f"{ecc} volatile uncorrectable ECC error{'s' if ecc and ecc > 1 else ''}"),
+        (h.remap_failed, "row remapping failed"),
+        (h.remap_pending, "row remapping pending (needs a GPU reset)"),
+        (h.retired_pages_pending, "retired pages pending (needs a GPU reset)"),
+    ) if fault]
 
 
 def warnings(h: GpuHealth) -> list[str]:
     """What is worth a log line but not an eviction: clock throttling, NVML errors on single queries."""
-    out = []
-    if h.throttle_reasons:
-        slow = [text for bit, text in THROTTLE_WARNINGS.items() if h.throttle_reasons & bit]
-        if slow:
-            out.append(f"{_name(h)}: clocks throttled: {', '.join(slow)}")
+    slow = [text for bit, text in THROTTLE_WARNINGS.items() if (h.throttle_reasons or 0) & bit]
+    out = [f"{_name(h)}: clocks throttled: {', '.join(slow)}"] if slow else []
     out.extend(f"{_name(h)}: NVML error: {e}" for e in h.errors)
     if h.unchecked is not None:
         out.append(f"{_name(h)} not checked: {h.unchecked}")
@@ -176,8 +166,9 @@ async def run_health_check(command: str | Sequence[str], *, timeout: float = SCR
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(proc.wait(), REAP_TIMEOUT_S)
     elapsed = time.monotonic() - start
-    output = _shown_output(bytes(kept), total)
-    first = next((line.strip() for line in bytes(kept).decode(errors="replace").splitlines() if line.strip()), "")
+    text = bytes(kept).decode(errors="replace")
+    output = one_line(text) + (f" ... (output cut at {len(kept)} of {total} bytes)" if total > len(kept) else "")
+    first = next((line.strip() for line in text.splitlines() if line.strip()), "")
     said = f": {quote(first)}" if first else " (no output)"
     if timed_out:
         return Unhealthy(f"health check {shown} did not finish within {timeout:g} s{said}", output=output,
@@ -238,11 +229,6 @@ def _signal_name(number: int) -> str:
         return signal.Signals(number).name
     except ValueError:
         return f"signal {number}"
-
-
-def _shown_output(kept: bytes, total: int) -> str:
-    text = one_line(kept.decode(errors="replace"))
-    return text + (f" ... (output cut at {len(kept)} of {total} bytes)" if total > len(kept) else "")
 
 
 # Worker failure messages that name a broken GPU. NVIDIA's Xids: 48 double-bit ECC, 63/64 row remapping or page

@@ -45,10 +45,7 @@ def parse_bind_mode(text: str) -> BindMode:
 def parse_cpu_list(text: str) -> frozenset[int]:
     """sysfs's list form ("0-3,8,10-11", maybe empty) -> the numbers. ValueError on anything else."""
     out: set[int] = set()
-    for item in text.strip().split(","):
-        item = item.strip()
-        if not item:
-            continue
+    for item in (i.strip() for i in text.split(",") if i.strip()):
         lo, sep, hi = item.partition("-")
         first, last = int(lo), int(hi) if sep else int(lo)
         if first < 0 or last < first:
@@ -95,6 +92,14 @@ class Topology:
     cpus: Mapping[int, CpuFacts]
 
 
+def listdir(path: str) -> list[str]:
+    """The names in directory `path`; none when it cannot be read (no such directory, no sysfs)."""
+    try:
+        return os.listdir(path)
+    except OSError:
+        return []
+
+
 def _read(root: str, *parts: str) -> str | None:
     try:
         with open(os.path.join(root, *parts)) as f:
@@ -115,12 +120,8 @@ def _read_as(parse: Callable[[str], _T], root: str, *parts: str) -> _T | None:
 def _last_level_cache(root: str, cpu: int) -> frozenset[int] | None:
     """The CPUs sharing `cpu`'s highest-level Data or Unified cache (instruction caches do not count)."""
     cache_dir = os.path.join(root, CPU_DIR, f"cpu{cpu}", "cache")
-    try:
-        entries = os.listdir(cache_dir)
-    except OSError:
-        return None
     best: tuple[int, frozenset[int]] | None = None
-    for entry in entries:
+    for entry in listdir(cache_dir):
         if not re.fullmatch(r"index\d+", entry):
             continue
         kind = _read(cache_dir, entry, "type")
@@ -136,12 +137,8 @@ def _last_level_cache(root: str, cpu: int) -> frozenset[int] | None:
 def read_topology(root: str = "/", mode: BindMode | None = None) -> Topology:
     """NUMA nodes and, for their CPUs, what `mode` needs (everything when None). A machine without
     /sys/devices/system/node gives no nodes; a missing per-CPU file leaves that fact None."""
-    try:
-        names = os.listdir(os.path.join(root, NODE_DIR))
-    except OSError:
-        names = []
     nodes: dict[int, frozenset[int]] = {}
-    for name in names:
+    for name in listdir(os.path.join(root, NODE_DIR)):
         m = re.fullmatch(r"node(\d+)", name)
         if m is not None:
             cpus = _read_as(parse_cpu_list, root, NODE_DIR, name, "cpulist")
@@ -173,16 +170,10 @@ def gpu_numa_node(root: str, bus_id: str) -> int | None:
 def pci_gpus(root: str = "/") -> list[str]:
     """NVIDIA display-class PCI devices (class 0x03xxxx: not NVSwitches) in PCI order. A container may see the
     host's whole PCI tree: the caller checks the count against the GPUs it may use."""
-    try:
-        names = os.listdir(os.path.join(root, PCI_DIR))
-    except OSError:
-        return []
     found = []
-    for name in names:
-        vendor = _read(root, PCI_DIR, name, "vendor")
-        klass = _read(root, PCI_DIR, name, "class")
-        if vendor is not None and klass is not None and vendor.strip().lower() == NVIDIA_VENDOR \
-                and klass.strip().lower().startswith("0x03"):
+    for name in listdir(os.path.join(root, PCI_DIR)):
+        vendor, klass = ((_read(root, PCI_DIR, name, fact) or "").strip().lower() for fact in ("vendor", "class"))
+        if vendor == NVIDIA_VENDOR and klass.startswith("0x03"):
             with contextlib.suppress(ValueError):
                 found.append(normalize_bus_id(name))
     return sorted(found)

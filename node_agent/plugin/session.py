@@ -53,8 +53,6 @@ T = TypeVar("T")
 
 
 # What a reply means is the client core's rule (client/replies.py); these two say what it means for torch's calls.
-
-
 def needs_rendezvous(view: NodeStatus | None, running_round: int) -> bool:
     """Whether torch's agent, running `running_round`, must stop its workers and call next_rendezvous: a newer
     round formed, this node is no longer in a round, or the job failed or was closed."""

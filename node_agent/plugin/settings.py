@@ -13,7 +13,7 @@ import re
 import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import NoReturn
+from typing import NoReturn, TypeVar
 
 import msgspec
 
@@ -25,6 +25,7 @@ from protocol.ids import job_id_problem, node_id_problem
 from protocol.messages import JobConfig
 
 BACKEND = "rdzv-server"
+N = TypeVar("N", int, float)
 NEEDS_SIZES = "local_world_size=N,max_restarts=K"   # what --rdzv-conf must give when torch's launch cannot be read
 
 
@@ -67,23 +68,15 @@ def _fail(key: str, why: str) -> NoReturn:
     raise SettingsError(f"--rdzv-conf {key}: {why}")
 
 
-def _seconds(key: str, value: object) -> float:
+def _number(key: str, value: object, kind: type[N]) -> N:
+    """`value` as seconds (float) or a count (int), >= 0 and finite; else a SettingsError naming `key`."""
+    what = "a number of seconds" if kind is float else "a whole number"
     try:
-        number = float(str(value).strip())
+        number = kind(str(value).strip())
     except ValueError:
-        _fail(key, f"expected a number of seconds, got {value!r}")
+        _fail(key, f"expected {what}, got {value!r}")
     if not math.isfinite(number) or number < 0:
-        _fail(key, f"expected a number of seconds >= 0, got {value!r}")
-    return number
-
-
-def _count(key: str, value: object) -> int:
-    try:
-        number = int(str(value).strip())
-    except ValueError:
-        _fail(key, f"expected a whole number, got {value!r}")
-    if number < 0:
-        _fail(key, f"expected a whole number >= 0, got {value!r}")
+        _fail(key, f"expected {what} >= 0, got {value!r}")
     return number
 
 
@@ -93,8 +86,7 @@ def plugin_settings(*, endpoint: str, run_id: str, min_nodes: int, max_nodes: in
     conf = unquoted(conf)      # torch's parser leaves a quoted --rdzv-conf's quotes in the first key and last value
     if "transport" in conf:
         raise SettingsError(f"--rdzv-conf transport: {NO_TRANSPORT_CHOICE}")
-    unknown = sorted(k for k in conf if k not in KNOWN_KEYS)
-    if unknown:
+    if unknown := sorted(k for k in conf if k not in KNOWN_KEYS):
         raise SettingsError(f"--rdzv-conf: unknown key {unknown[0]!r} for --rdzv-backend {BACKEND}; "
                             f"known keys: {', '.join(KNOWN_KEYS)}")
     tls_ca = str(conf["tls_ca"]) if conf.get("tls_ca") else None
@@ -110,9 +102,10 @@ def plugin_settings(*, endpoint: str, run_id: str, min_nodes: int, max_nodes: in
     typed: dict[str, str] = {}          # JobConfig field -> the rdzv_conf key it came from
     for key, field in SECONDS_KEYS.items():
         if key in conf and not (key == "timeout" and "join_timeout" in conf):
-            job[field], typed[field] = _seconds(key, conf[key]), key
-    local = {key: _seconds(key, conf[key]) if key in conf else default for key, default in LOCAL_SECONDS.items()}
-    ints = {key: _count(key, conf[key]) for key in INT_KEYS if key in conf}
+            job[field], typed[field] = _number(key, conf[key], float), key
+    local = {key: _number(key, conf[key], float) if key in conf else default
+             for key, default in LOCAL_SECONDS.items()}
+    ints = {key: _number(key, conf[key], int) for key in INT_KEYS if key in conf}
     missing = [key for key in ("local_world_size", "max_restarts") if key not in ints]
     if missing and launch is None:
         raise SettingsError(f"torch's launch configuration could not be read, so {' and '.join(missing)} "

@@ -60,15 +60,6 @@ class GroupFactory(Protocol):
                  on_beat: Callable[[int], None] | None) -> Group: ...
 
 
-def warm_zygote(opts: WorkerSettings, warn: Callable[[str], None]) -> WarmZygote | None:
-    """The warm zygote for these options (not started yet), or None when every worker starts cold."""
-    if not opts.warm:
-        return None
-    python = worker_argv(opts)[0]   # the cold path's interpreter: PYTHON_EXEC or ours
-    path0 = os.getcwd() if opts.module else script_dir(opts.script)
-    return WarmZygote(python, opts.warm_preload, path0, common_env(os.environ, opts.nproc), warn)
-
-
 class LocalWorkers:
     def __init__(self, opts: WorkerSettings, put: Put, *, hostname: str,
                  clock: Callable[[], float], make_group: GroupFactory | None = None,
@@ -78,8 +69,11 @@ class LocalWorkers:
         self._hostname = hostname
         self._clock = clock
         self._say = say
-        # Only real processes start warm: a test's stand-in group gets no zygote.
-        self.warm = warm_zygote(opts, say) if make_group is None else None
+        self.warm: WarmZygote | None = None   # only real processes start warm: a test's stand-in group gets no zygote
+        if opts.warm and make_group is None:
+            python = worker_argv(opts)[0]   # the cold path's interpreter: PYTHON_EXEC or ours
+            path0 = os.getcwd() if opts.module else script_dir(opts.script)
+            self.warm = WarmZygote(python, opts.warm_preload, path0, common_env(os.environ, opts.nproc), say)
         self._make_group: GroupFactory = make_group or self._process_group
         imported = None if opts.no_python else entry_imports(opts.script, module=opts.module, cwd=os.getcwd())
         # a zygote still importing is worth waiting for only when the script imports what it preloads

@@ -66,10 +66,9 @@ class MemoryDirs:
             return {}
         try:
             root = self.root or self._open()
-            out = {}
-            for rank in range(local_world_size):
-                out[rank] = os.path.join(root, str(rank))
-                os.makedirs(out[rank], mode=0o700, exist_ok=True)
+            out = {rank: os.path.join(root, str(rank)) for rank in range(local_world_size)}
+            for path in out.values():
+                os.makedirs(path, mode=0o700, exist_ok=True)
             return out
         except OSError as exc:   # never a failed job over it: the workers run without
             self._failed = True

@@ -100,7 +100,6 @@ class Worker:
                 os.unlink(launch.error_file)
         sinks: list[Sink] = []
         fds: list[int] = []
-        pass_fds: tuple[int, ...] = ()
         env = launch.env
         hb_r = hb_w = -1
         ends: list[tuple[int, int]] = []   # per stream: (our end to read, or -1; the worker's end)
@@ -119,14 +118,14 @@ class Worker:
                 fds += (hb_r, hb_w)
                 os.set_blocking(hb_w, False)   # a worker must never block on its heartbeat
                 env = {**env, HEARTBEAT_ENV: str(hb_w)}
-                pass_fds = (hb_w,)
             self._proc = await self._start_warm(ends[0][1], ends[1][1], hb_w)
             self.warm = self._proc is not None
             if self._proc is None:
                 self._proc = await asyncio.create_subprocess_exec(
                     *launch.argv, env=env, stdin=None if launch.stdin_tty else subprocess.DEVNULL,
                     stdout=ends[0][1], stderr=ends[1][1], start_new_session=True,
-                    preexec_fn=_child_setup(os.getpid(), _prctl(), launch.cpu_affinity), pass_fds=pass_fds)
+                    preexec_fn=_child_setup(os.getpid(), _prctl(), launch.cpu_affinity),
+                    pass_fds=(hb_w,) if hb_w >= 0 else ())
         except BaseException:
             for fd in fds:
                 os.close(fd)
@@ -142,11 +141,10 @@ class Worker:
             self._watch_heartbeat(hb_r)
         self.reaper = asyncio.create_task(self._reap(self._proc))
         for (r, _), sink in zip(ends, sinks, strict=True):
-            if r < 0:
-                continue
-            transport, line_pump = await pump(r, sink)
-            self._transports.append(transport)
-            self._pumps.append(line_pump)
+            if r >= 0:
+                transport, line_pump = await pump(r, sink)
+                self._transports.append(transport)
+                self._pumps.append(line_pump)
 
     async def _start_warm(self, stdout: int, stderr: int, heartbeat: int) -> ChildProcess | None:
         """Fork the worker from the warm zygote; None when it must start cold (see warm/client.py)."""

@@ -63,5 +63,5 @@ def _compile_in(python: str, path: str) -> tuple[str, int | None, str | None] | 
         return None
     if not isinstance(found, list) or len(found) != 3:
         return None
-    return str(found[0]), found[1] if isinstance(found[1], int) else None, found[2] if isinstance(found[2], str) \
-        else None
+    message, line, text = found
+    return str(message), line if isinstance(line, int) else None, text if isinstance(text, str) else None

@@ -181,8 +181,7 @@ class JobRules:
             job.nodes[nid].state = NodeState.MEMBER
         for nid in rest:
             job.nodes[nid].state = NodeState.SPARE
-        job.forming_since = None
-        job.join_deadline = None
+        job.forming_since = job.join_deadline = None
         job.reason = why
         data = RoundFormed(nodes=len(chosen), world_size=job.round.world_size, reason=why, cause=cause.value,
                            formation_s=round(now - opened, 6), promoted=promoted,
@@ -252,9 +251,7 @@ class JobRules:
 
     def finish(self, now: float, state: JobState, why: str) -> None:
         job = self.job
-        job.state = state
-        job.reason = why
-        job.finished_at = now
+        job.state, job.reason, job.finished_at = state, why, now
         job.last_call_deadline = job.join_deadline = None
         self.out.finished.append(job.job_id)
         self.wake()

@@ -22,6 +22,7 @@ Nodes lapsing at once leave together, so one round forms without any of them.
 """
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from rdzv_server.core.outbox import Outbox
@@ -148,7 +149,7 @@ def grace_after_silence(job: JobRecord, silence: tuple[float, float] | None, now
             out.deadline(until)
 
 
-def extend(nodes: list[NodeRecord], now: float, by: float, out: Outbox) -> None:
+def extend(nodes: Iterable[NodeRecord], now: float, by: float, out: Outbox) -> None:
     """Give `nodes` `by` seconds more (the server was cut off or behind, not they); a closed connection stays so."""
     for node in nodes:
         node.lease_expires = now + by

@@ -43,19 +43,14 @@ OperatorAction = CloseJob | DrainNode | ClearExclusion | ResizeJob
 def apply(rules: JobRules, action: OperatorAction, now: float) -> None:
     """One operator action on an open job, by its type."""
     match action:
-        case CloseJob(reason=reason):
-            close(rules, reason, now)
+        case CloseJob(reason=reason):     # agents stop their workers and exit (non-zero: the job did not succeed)
+            rules.finish(now, JobState.CLOSED, f"closed by operator: {reason or 'no reason given'}")
         case DrainNode(node_id=node_id, reason=reason):
             drain(rules, node_id, reason, now)
         case ClearExclusion(node_id=node_id):
             clear_exclusion(rules, node_id, now)
         case ResizeJob(min_nodes=min_nodes, max_nodes=max_nodes):
             resize(rules, min_nodes, max_nodes, now)
-
-
-def close(rules: JobRules, reason: str, now: float) -> None:
-    """End a job now: agents stop their workers and exit (non-zero: the job did not succeed)."""
-    rules.finish(now, JobState.CLOSED, f"closed by operator: {reason or 'no reason given'}")
 
 
 def drain(rules: JobRules, node_id: str, reason: str, now: float) -> None:

@@ -74,9 +74,7 @@ _TYPES: dict[EventKind, tuple[type[Payload], ...]] = {
 
 def as_data(payload: Payload | None) -> dict[str, Any]:
     """The map an event keeps for `payload`."""
-    if payload is None:
-        return {}
-    data: dict[str, Any] = msgspec.to_builtins(payload)
+    data: dict[str, Any] = {} if payload is None else msgspec.to_builtins(payload)
     return data
 
 

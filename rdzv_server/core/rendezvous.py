@@ -28,7 +28,7 @@ from rdzv_server.core import admission, operator_rules, reports
 from rdzv_server.core.errors import RendezvousError
 from rdzv_server.core.events import EventKind
 from rdzv_server.core.job_rules import JobRules
-from rdzv_server.core.leases import OUTAGE_LIMIT_S, QUIET_S, SUSPECT_QUIET_S, Hearing, ReturnWave
+from rdzv_server.core.leases import OUTAGE_LIMIT_S, QUIET_S, SUSPECT_QUIET_S, Hearing, ReturnWave, extend
 from rdzv_server.core.outbox import Outbox
 from rdzv_server.core.payloads import LeasesExtended
 from rdzv_server.core.records import JobRecord
@@ -312,8 +312,7 @@ class Rendezvous:
         self.node_count += len(job.nodes)
         for node in job.nodes.values():
             node.dropped, node.holding = False, 0
-            node.lease_expires = now + job.config.lease_timeout_s
-        self.outbox.deadline(now + job.config.lease_timeout_s)
+        extend(job.nodes.values(), now, job.config.lease_timeout_s, self.outbox)
 
     # ---- lookups -------------------------------------------------------------------------
 
@@ -344,10 +343,8 @@ def _rearm(rules: JobRules, now: float, away_s: float, how: str) -> None:
     grace = 2 * job.config.lease_timeout_s
     for node in job.nodes.values():
         node.last_seen = min(now, max(node.last_seen, now - away_s))
-        node.dropped = False
-        node.holding = 0                 # the connections of held polls did not survive the restart
-        node.lease_expires = now + grace
-    rules.out.deadline(now + grace)
+        node.dropped, node.holding = False, 0     # the connections of held polls did not survive the restart
+    extend(job.nodes.values(), now, grace, rules.out)
     if job.last_call_deadline is not None:
         job.last_call_deadline += away_s
         rules.out.deadline(job.last_call_deadline)

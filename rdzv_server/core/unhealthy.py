@@ -65,8 +65,7 @@ class UnhealthyHosts:
         held = self.get(host, now)
         if held is None:
             raise RendezvousError(ErrorCode.NOT_FOUND, f"host {quote(host)} is not held as unhealthy")
-        del self._holds[host]
-        return held
+        return self._holds.pop(host)
 
     def current(self, now: float) -> list[Hold]:
         """The holds still running, oldest first."""

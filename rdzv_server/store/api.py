@@ -27,28 +27,21 @@ class Store(Protocol):
     @property
     def where(self) -> str:
         """The store in words, for log lines ("state store /var/lib/rdzv/rdzv-state.sqlite3")."""
-        ...
 
     def load(self) -> Loaded:
         """Every saved job, and when the last server to write was last known alive."""
-        ...
 
     def load_job(self, job_id: str) -> JobRecord | None:
         """The job as last committed (None when it is not saved): read back after a failed commit."""
-        ...
 
     def write(self, snapshots: list[JobSnapshot], alive_at: float, deleted: Collection[str] = ()) -> None:
         """Commit the snapshots, the deletion of `deleted` jobs and the liveness mark; raise on failure."""
-        ...
 
     def close(self, now: float) -> None:
         """Mark a clean shutdown and release the store."""
-        ...
 
     def release(self) -> None:
         """Let go of the store without marking a clean shutdown."""
-        ...
 
     def describe_failure(self, exc: BaseException) -> str:
         """A failed commit in words an operator acts on."""
-        ...

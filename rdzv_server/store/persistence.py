@@ -193,8 +193,7 @@ class Persister:
             await asyncio.gather(self._alive, return_exceptions=True)
         if self._writer is not None:
             await asyncio.gather(self._writer, return_exceptions=True)
-        clean = not self._dirty
-        await asyncio.get_running_loop().run_in_executor(self._executor, self._close_store, clean)
+        await asyncio.get_running_loop().run_in_executor(self._executor, self._close_store, not self._dirty)
         self._executor.shutdown(wait=True)
 
     async def abandon(self) -> None:

@@ -102,13 +102,8 @@ def presented_token(request: web.Request) -> bytes | None:
 
 
 def _matches(given: bytes | None, *tokens: bytes | None) -> bool:
-    if given is None:
-        return False
-    ok = False
-    for token in tokens:
-        if token is not None:
-            ok |= hmac.compare_digest(given, token)   # no early exit: constant time over the tokens
-    return ok
+    # every token is compared (a list, not a short-circuiting generator): constant time over the tokens
+    return given is not None and any([hmac.compare_digest(given, t) for t in tokens if t is not None])
 
 
 def _unauthorized(message: str, scheme: str) -> RendezvousError:

@@ -45,8 +45,7 @@ def bad_request(message: str) -> DecodeError:
 
 def _node_id(request: web.Request) -> str:
     node_id = request.match_info["node_id"]
-    problem = node_id_problem(node_id)
-    if problem:
+    if problem := node_id_problem(node_id):
         raise bad_request(problem)
     return node_id
 
@@ -74,19 +73,13 @@ async def _body(request: web.Request, fields: dict[str, type]) -> dict[str, Any]
         if not isinstance(value, want) or (want is int and isinstance(value, bool)):
             raise bad_request(f"field {name!r} must be {'an integer' if want is int else 'a string'}, "
                               f"got {quote(value)}")
-        if isinstance(value, str) and not _is_unicode(value):
-            raise bad_request(f"field {name!r} is not valid Unicode text: it holds a lone surrogate "
-                              f"(a \\ud800-\\udfff escape), got {quote(value)}")
+        if isinstance(value, str):      # no UTF-8 codec (the store's) encodes a lone surrogate (JSON's "\ud800")
+            try:
+                value.encode()
+            except UnicodeEncodeError:
+                raise bad_request(f"field {name!r} is not valid Unicode text: it holds a lone surrogate "
+                                  f"(a \\ud800-\\udfff escape), got {quote(value)}") from None
     return body
-
-
-def _is_unicode(text: str) -> bool:
-    """False for a string with a lone surrogate (JSON's "\\ud800"): no UTF-8 codec (the store's) encodes it."""
-    try:
-        text.encode()
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 async def _reason(request: web.Request) -> str:
@@ -109,8 +102,7 @@ async def _operate(request: web.Request, what: str, job_id: str, action: Operato
 
 
 async def close_job(request: web.Request) -> web.Response:
-    job_id = job_id_of(request)
-    reason = await _reason(request)
+    job_id, reason = job_id_of(request), await _reason(request)
     return await _operate(request, f"close job {job_id} ({reason or 'no reason given'})", job_id, CloseJob(reason))
 
 

@@ -35,13 +35,13 @@ log = logging.getLogger("rdzv_server")
 # Warnings for operators about how exposed this server is (shown on the status page).
 NOTES = web.AppKey("notes", tuple)
 
-def _error(code: ErrorCode, message: str, *, as_json: bool, headers: dict[str, str] | None = None
-           ) -> web.Response:
+def _error(request: web.Request, code: ErrorCode, message: str, headers: dict[str, str] | None = None) -> web.Response:
+    """JSON for the views and admin actions; MessagePack (an ErrorReply) for the agents' POSTs."""
     status = HTTP_STATUS[code]
     extra = dict(headers or {})
     if code in RETRYABLE:
         extra.setdefault("Retry-After", "1")
-    if as_json:
+    if request.method != "POST" or request.path.startswith("/v1/admin/"):
         return web.json_response({"code": code.value, "message": message}, status=status, headers=extra)
     return web.Response(body=encode(ErrorReply(code=code.value, message=message)), status=status,
                         content_type=CONTENT_TYPE, headers=extra)
@@ -50,30 +50,27 @@ def _error(code: ErrorCode, message: str, *, as_json: bool, headers: dict[str, s
 @web.middleware
 async def error_middleware(request: web.Request,
                            handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
-    as_json = request.method != "POST" or request.path.startswith("/v1/admin/")
     try:
         return await handler(request)
     except DecodeError as exc:
-        return _error(exc.code, exc.message, as_json=as_json)
+        return _error(request, exc.code, exc.message)
     except RendezvousError as exc:
-        response = _error(exc.code, exc.message, as_json=as_json, headers=exc.headers)
+        response = _error(request, exc.code, exc.message, exc.headers)
         if isinstance(exc, SlowBody):      # nothing more to read from a client this slow
             await send_and_close(request, response)
         return response
     except web.HTTPRequestEntityTooLarge:
-        return _error(ErrorCode.TOO_LARGE, f"body exceeds {MAX_BODY_BYTES} bytes", as_json=as_json)
+        return _error(request, ErrorCode.TOO_LARGE, f"body exceeds {MAX_BODY_BYTES} bytes")
     except web.HTTPNotFound:
-        return _error(ErrorCode.NOT_FOUND, f"no route {request.method} {quote(request.path)}", as_json=as_json)
+        return _error(request, ErrorCode.NOT_FOUND, f"no route {request.method} {quote(request.path)}")
     except web.HTTPMethodNotAllowed as exc:
-        return _error(ErrorCode.METHOD_NOT_ALLOWED,
-                      f"{request.method} not allowed on {quote(request.path)}; "
-                      f"use {', '.join(sorted(exc.allowed_methods))}",
-                      as_json=as_json)
+        return _error(request, ErrorCode.METHOD_NOT_ALLOWED, f"{request.method} not allowed on "
+                      f"{quote(request.path)}; use {', '.join(sorted(exc.allowed_methods))}")
     except web.HTTPException:
         raise
     except Exception:  # a bug: log it here, never send a traceback to the client
         log.exception("internal error on %s %s", request.method, request.path)
-        return _error(ErrorCode.INTERNAL, "internal server error (logged on the server)", as_json=as_json)
+        return _error(request, ErrorCode.INTERNAL, "internal server error (logged on the server)")
 
 
 async def agent_request(request: web.Request) -> web.StreamResponse:
@@ -183,8 +180,7 @@ async def job_page(request: web.Request) -> web.Response:
     text = page.job_page(coord.core, job_id, now, query.refresh, node_offset=query.node_offset,
                          node_limit=query.node_limit)
     if text is None:
-        return web.Response(text=page.not_found_page(coord.core, job_id, now), status=404,
-                            content_type="text/html")
+        return web.Response(text=page.not_found_page(coord.core, job_id, now), status=404, content_type="text/html")
     return web.Response(text=text, content_type="text/html")
 
 

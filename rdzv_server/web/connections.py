@@ -66,8 +66,7 @@ class ConnectionGuard:
         def on_lost(handler: Any, exc: BaseException | None = None) -> None:
             self._open.pop(handler, None)
             self._fresh.pop(handler, None)
-            request = self._busy.get(handler)
-            if request is not None:   # the socket is still open here (the loop closes it after): ask now
+            if (request := self._busy.get(handler)) is not None:  # its socket stays open until after this: ask now
                 request[CLOSED_ACK_AGE] = ack_age_s(handler.transport)
             lost(handler, exc)
 
@@ -137,9 +136,7 @@ def request_waited_s(request: web.Request) -> float:
     """How long the request waited for the server since its last bytes arrived; 0.0 where unknown and when
     pipelined (sent before the previous reply): that wait was the client's choice, not the server's lag."""
     info = tcp_info.of(request.transport)
-    if info is None:
-        return 0.0
-    return info.last_data_recv_s if info.last_data_sent_s >= info.last_data_recv_s else 0.0
+    return info.last_data_recv_s if info is not None and info.last_data_sent_s >= info.last_data_recv_s else 0.0
 
 
 def request_ack_age_s(request: web.Request) -> float | None:

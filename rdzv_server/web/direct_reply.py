@@ -7,6 +7,7 @@ afterwards and returns `AlreadyWritten`: aiohttp writes nothing more and keeps t
 """
 from __future__ import annotations
 
+import functools
 import time
 from email.utils import formatdate
 
@@ -54,18 +55,12 @@ class DirectReply:
         if self.sent or transport is None or transport.is_closing():
             return False
         body = encode(status)
-        transport.write(_HEAD.format(length=len(body), date=_http_date()).encode("latin-1") + body)
+        transport.write(_HEAD.format(length=len(body), date=_http_date(int(time.time()))).encode("latin-1") + body)
         self.sent = True
         return True
 
 
-_date: tuple[int, str] = (0, "")
-
-
-def _http_date() -> str:
+@functools.lru_cache(maxsize=1)
+def _http_date(second: int) -> str:
     """The Date header's value (RFC 9110), formatted once a second."""
-    global _date
-    now = int(time.time())
-    if now != _date[0]:
-        _date = (now, formatdate(now, usegmt=True))
-    return _date[1]
+    return formatdate(second, usegmt=True)

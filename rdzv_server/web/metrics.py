@@ -1,13 +1,7 @@
-"""Prometheus metrics of the rendezvous server, served as `GET /metrics` (text format).
-
-Every app owns one `CollectorRegistry` (never the global one), so several servers can share a
-process. State is read at scrape time from the core; history is counted from the core's effects
-(`Coordinator.effect_listeners`); HTTP traffic is measured by `metrics_middleware`. Each metric's help
-text below says what it counts (all prefixed `rdzv_`): jobs and nodes by state, open long-polls,
-rounds, restarts, worker failures, lost and unhealthy nodes, store commits, loop lag, connections
-refused and evicted, and HTTP requests by `route` (the route's template with an agent action filled
-in: a bounded set, and joins must not share buckets with long-polls; "unmatched" when no route
-matched) and status ("499": the client abandoned it).
+"""Prometheus metrics of the rendezvous server, served as `GET /metrics` (text format); each metric's help text
+below says what it counts. Every app owns one `CollectorRegistry` (never the global one), so several servers can
+share a process. State is read at scrape time from the core; history is counted from the core's effects
+(`Coordinator.effect_listeners`); HTTP traffic is measured by `metrics_middleware`.
 """
 from __future__ import annotations
 
@@ -172,8 +166,7 @@ class ServerMetrics:
             self.nodes_lost.inc()
 
     def observe_request(self, request: web.Request, status: str, seconds: float) -> None:
-        route, method = route_label(request), request.method if request.method in METHODS else "other"
-        key = (route, method, status)
+        key = (route_label(request), request.method if request.method in METHODS else "other", status)
         children = self._children.get(key)
         if children is None:        # the label sets are few (route templates): look each up once
             children = self._children[key] = (self.requests.labels(*key), self.latency.labels(*key))
@@ -188,7 +181,8 @@ METRICS = web.AppKey("metrics", ServerMetrics)
 
 
 def route_label(request: web.Request) -> str:
-    """The matched route's template (bounded cardinality), never the raw path."""
+    """The matched route's template (bounded cardinality), never the raw path; an agent action filled in (joins
+    must not share buckets with long-polls); "unmatched" when no route matched."""
     resource = request.match_info.route.resource
     if resource is None:
         return "unmatched"

@@ -13,7 +13,6 @@ COORDINATOR = web.AppKey("coordinator", Coordinator)
 def job_id_of(request: web.Request) -> str:
     """The `{job_id}` of the path, or a 400 naming the rule it breaks."""
     job_id = request.match_info["job_id"]
-    problem = job_id_problem(job_id)
-    if problem:
+    if problem := job_id_problem(job_id):
         raise DecodeError(ErrorCode.BAD_REQUEST, problem)
     return job_id

@@ -137,13 +137,9 @@ def ordered_jobs(core: Rendezvous) -> list[JobRecord]:
     forming: list[JobRecord] = []
     running: list[JobRecord] = []
     finished: list[JobRecord] = []
-    for job in core.jobs.values():
+    for job in sorted(core.jobs.values(), key=attrgetter("job_id")):
         (forming if job.state == JobState.WAITING else running if job.state == JobState.RUNNING
          else finished).append(job)
-    by_id = attrgetter("job_id")
-    forming.sort(key=by_id)
-    running.sort(key=by_id)
-    finished.sort(key=by_id)
     finished.sort(key=lambda j: j.finished_at or 0.0, reverse=True)    # stable: ties stay by id
     return forming + running + finished
 

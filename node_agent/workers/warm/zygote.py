@@ -193,13 +193,6 @@ def _let_gloo_threads_finish_at_destroy() -> None:
             setattr(module, "destroy_process_group", destroy_process_group)  # noqa: B010 - a module found at run time
 
 
-def _strip_zygote_frames(exc: BaseException) -> None:
-    tb = exc.__traceback__
-    while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
-        tb = tb.tb_next
-    exc.__traceback__ = tb
-
-
 def run_as_main(launch: dict[str, Any]) -> None:
     """Run the worker's script or module as `python -u script` / `python -u -m module` would."""
     sys.argv = list(launch["argv"])
@@ -225,7 +218,10 @@ def run_as_main(launch: dict[str, Any]) -> None:
         raise
     except BaseException as exc:
         # Printed as the interpreter would, less our frames; exit 1 (a KeyboardInterrupt: SIGINT's death).
-        _strip_zygote_frames(exc)
+        tb = exc.__traceback__
+        while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
+            tb = tb.tb_next
+        exc.__traceback__ = tb
         sys.excepthook(type(exc), exc, exc.__traceback__)
         sys.excepthook = lambda *_: None
         if not isinstance(exc, KeyboardInterrupt):

@@ -15,6 +15,7 @@ Calls run on the election's own thread, timed out within the lease (`request_tim
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import time
@@ -65,11 +66,8 @@ class Leadership:
         self._stopping = False
         self._task: asyncio.Task[None] | None = None
         self._loop = asyncio.get_running_loop()
-        store.on_deposed = self._refused_by_store
-
-    def _refused_by_store(self) -> None:
-        """From the store's thread: a commit was refused, so another replica leads."""
-        self._loop.call_soon_threadsafe(self._store_refused.set)
+        # called from the store's thread: a commit was refused, so another replica leads
+        store.on_deposed = lambda: self._loop.call_soon_threadsafe(self._store_refused.set)
 
     @property
     def leader_url(self) -> str | None:
@@ -194,10 +192,8 @@ class Leadership:
                 log.warning("stepping down: no longer the leader", extra={"event": "stepped_down"})
                 await self.on_deposed()
         lease, self._lease = self._lease, 0
-        try:
+        with contextlib.suppress(EtcdUnavailable, EtcdRefused):
             await self._call(self._client.revoke, lease)     # if it still lives, let another replica win now
-        except (EtcdUnavailable, EtcdRefused):
-            pass
 
     async def _keep_alive(self) -> None:
         """Renew the lease; return when it is gone or can no longer be known to live."""

@@ -69,7 +69,7 @@ class EtcdStore:
         self._jobs = settings.prefix + "jobs/"
         self._client = EtcdClient(settings)
         self.fence: int | None = None        # create revision of our election key while we lead
-        self.on_deposed: Callable[[], None] | None = None     # called (from the store thread) on a refusal
+        self.on_deposed: Callable[[], object] | None = None   # called (from the store thread) on a refusal
         self._buckets: dict[str, Buckets] = {}
         self._packs: dict[str, list[int]] = {}     # job -> first event number of each pack, ascending
 

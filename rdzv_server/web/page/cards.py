@@ -87,15 +87,12 @@ OTHER_LISTS = (("waiting", "Waiting for the next round"), ("spares", "Spares"), 
                ("drained", "Drained by an operator"))
 
 
-def _members(job: JobView, columns: list[Column[Any]], full: bool) -> str:
-    empty = "no members: no round is running" if not job.counts.nodes else _more(job, "nodes", full)
-    return columns_table(columns, job.nodes, empty, more=_more(job, "nodes", full),
-                         row=lambda n: f' data-node="{esc(n.node_id)}"')
-
-
-def _others(job: JobView, columns: dict[str, list[Column[Any]]], full: bool) -> str:
-    """Waiting, spare, excluded and drained nodes (each table only when the job has such nodes)."""
-    out = []
+def _node_tables(job: JobView, columns: dict[str, list[Column[Any]]], full: bool) -> str:
+    """The members, then the waiting, spare, excluded and drained nodes (each only when the job has such nodes)."""
+    more = _more(job, "nodes", full)
+    empty = more if job.counts.nodes else "no members: no round is running"
+    out = ["<h3>Members</h3>" + columns_table(columns["nodes"], job.nodes, empty, more=more,
+                                              row=lambda n: f' data-node="{esc(n.node_id)}"')]
     for key, title in OTHER_LISTS:
         if getattr(job.counts, key):
             more = _more(job, key, full)
@@ -162,7 +159,7 @@ def card(job: JobView, events: list[EventView], now: float, *, full: bool, extra
          if job.reason else ""),
         f'<p class="warns">&#9888; {esc("; ".join(warns))}</p>' if warns else "",
         (f'<h3>History</h3>{picture}' if full else picture) if picture else "",
-        pager, "<h3>Members</h3>", _members(job, columns["nodes"], full), _others(job, columns, full), pager, extra,
+        pager, _node_tables(job, columns, full), pager, extra,
         f'<h3>{"Event history, newest first" if full else "Recent events"}</h3>',
         events_table(events, now, details=full),
         "" if full else f'<a class="more" href="{href(jid)}">Full details, config and history &rarr;</a>',

@@ -190,11 +190,9 @@ def job_page(core: Rendezvous, job_id: str, now: float, refresh: int = DEFAULT_R
     longest = max(getattr(job.counts, k) for k in views.NODE_LISTS)
     shown = max(len(getattr(job, k)) for k in views.NODE_LISTS)
     nav = pager("nodes (per list)", node_offset, shown, longest, path, params, "node_offset", node_limit)
-    picture = history_svg(job, record.events, now)
-    body = (f'<p><a href="/">&larr; all jobs</a></p>'
-            f'{card(job, events, now, full=True, extra=extra, pager=nav, picture=picture)}')
-    title = f'job <b class="mono">{esc(job_id)}</b>'
-    return _layout(f"{job_id} · rdzv-server", now, body, refresh, path, params, title)
+    body = card(job, events, now, full=True, extra=extra, pager=nav, picture=history_svg(job, record.events, now))
+    return _layout(f"{job_id} · rdzv-server", now, f'<p><a href="/">&larr; all jobs</a></p>{body}', refresh, path,
+                   params, f'job <b class="mono">{esc(job_id)}</b>')
 
 
 def not_found_page(core: Rendezvous, job_id: str, now: float, refresh: int = DEFAULT_REFRESH_S) -> str:

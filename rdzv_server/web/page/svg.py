@@ -114,9 +114,8 @@ def lane_labels(f: Frame) -> list[str]:
 def axis(f: Frame, end: float, running: bool) -> list[str]:
     """Grid lines at round UTC times, labelled under the lanes; `end` is marked "now" when the job runs."""
     t1 = f.t0 + f.span
-    step = next((s for s in _STEPS if f.span / s <= (f.right - f.left) / 95), 0)
-    if not step:
-        step = math.ceil(f.span / ((f.right - f.left) / 95) / 604800) * 604800
+    labels = (f.right - f.left) / 95          # the labels that fit, one per 95 px
+    step = next((s for s in _STEPS if f.span / s <= labels), math.ceil(f.span / labels / 604800) * 604800)
     fmt = "%H:%M:%S" if step < 60 else "%H:%M" if step < 86400 else "%m-%d"
     top, bottom = f.lanes["rounds"][0], f.bottom
     now_x = f.x(end)
