@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP_FLAGS := --disable-pip-version-check -q
 PYTEST_WORKERS ?= 3
 
-.PHONY: venv chromium deploy-tools netns-tools etcd demo test multihost soak fuzz bench bench-faults bench-scale bench-blip \
+.PHONY: venv chromium deploy-tools netns-tools etcd demo test multihost soak fuzz bench bench-faults bench-scale bench-blip bench-progress \
 	bench-leftovers \
 	bench-failover bench-first-step gpu-check test-oldest clean
 
@@ -114,6 +114,14 @@ bench-first-step: venv $(VENV)/.bench-installed
 # BENCH_LEFTOVERS_ARGS passes options, e.g. "--runs 3" or "--code ../old-checkout" (alternated).
 bench-leftovers: venv
 	$(PY) benchmarks/bench_leftovers.py $(BENCH_LEFTOVERS_ARGS)
+
+# Training progress seen without code changes (issue 39): the probe's cost per step, 20 runs of each hang case
+# (sleep, SIGSTOP, spin, exit 0), a 3x slow node, goodput against the script's own step times and 30 min with
+# no false alarm; 2 nodes x 2 gloo workers, writes docs/bench-progress.json (about 75 minutes).
+# BENCH_PROGRESS_ARGS replaces the options, e.g. "--runs 3 --cases sleep,stop" or "--cost".
+BENCH_PROGRESS_ARGS ?= --cost --runs 20 --slow --ettr --false-alarm-min 30
+bench-progress: venv
+	$(PY) benchmarks/bench_progress.py $(BENCH_PROGRESS_ARGS)
 
 # Replicas on etcd: failover time with 1,000 simulated agents, acknowledged changes over 50 failovers,
 # formation on etcd vs SQLite (docs/benchmarks.md; about 10 minutes).

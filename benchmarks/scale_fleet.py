@@ -47,6 +47,7 @@ from protocol.messages import (
     NodeState,
     NodeStatus,
     PollRequest,
+    ProgressNote,
     WorkerFailure,
 )
 
@@ -60,6 +61,7 @@ class NodeSpec:
     addr: str                    # loopback source address the node's connections come from
     config: JobConfig
     probe_port: int = 29600      # the agent's witness port in its join (0: a client without one)
+    progress: bool = False       # polls carry a progress note, as an agent's with workers stepping does
 
 
 @dataclass
@@ -157,13 +159,24 @@ class SimNode:
         else:
             self.known_round = -1
 
+    def _progress_note(self) -> ProgressNote | None:
+        """What an agent whose 8 workers step 10 times a second would say (node_agent/core/progress.py)."""
+        if not self.spec.progress or self.known_round < 0:
+            return None
+        now = time.time()
+        started = self.join_sent or time.monotonic()
+        steps = int((time.monotonic() - started) * 10)
+        return ProgressNote(round_id=self.known_round, probes=8, steps=steps, first_step_at=now - steps / 10,
+                            last_step_at=now, step_s=0.1, window_s=1.7, window_steps=17, demand=0.6)
+
     async def _poll(self) -> NodeStatus:
         """One poll as the agent's client sends it (client/http.py): once its answer is overdue, the path
         is checked over fresh connections; once a check is answered, the poll goes again on a new
         connection, the stalled one closed."""
         due = answer_due("poll", MAX_POLL_WAIT_S, self.hold_s)
         while True:
-            request = asyncio.ensure_future(self.client.poll(self.known_round, MAX_POLL_WAIT_S))
+            request = asyncio.ensure_future(self.client.poll(self.known_round, MAX_POLL_WAIT_S,
+                                                             progress=self._progress_note()))
             try:
                 done, _ = await asyncio.wait({request}, timeout=due)
                 if done or not await self._path_back(request):

@@ -22,6 +22,7 @@ from node_agent.core.actions import (
     ProbePeers,
     Rejoin,
     ReportFailure,
+    ReportStall,
     ReportSuccess,
     Spawn,
     StopWorkers,
@@ -57,7 +58,8 @@ class Agent:
         self.narrator = Narrator(link.node_id, console, addr, server=link.server,
                                  server_wait_s=self.policy.server_wait_s)
         self.workers = LocalWorkers(settings.workers, self.facts.put_nowait, hostname=self.hostname, clock=self.now,
-                                    make_group=make_group, say=self.narrator.say)
+                                    make_group=make_group, say=self.narrator.say,
+                                    detect_stalls=link.job.hang_detection)
         # the node's own checks (GPUs, --health-check) and --numa-binding: node_checks.py
         self.checks = checks if checks is not None else NodeChecks(settings.checks, self.narrator.say)
         self._first_signal: tuple[int, float] | None = None   # the signal that asked the agent to stop, and when
@@ -134,9 +136,11 @@ class Agent:
             case Spawn(assignment=assignment):
                 await self.workers.spawn(assignment)
             case ReportFailure(round_id=round_id, failures=failures):
-                link.report_failure(round_id, failures)
+                link.report_failure(round_id, failures, self.workers.progress_note(round_id))
             case ReportSuccess(round_id=round_id):
-                link.report_success(round_id)
+                link.report_success(round_id, self.workers.progress_note(round_id))
+            case ReportStall(round_id=round_id, threshold_s=threshold_s, ranks=ranks):
+                link.report_stall(round_id, threshold_s, ranks)
             case Rejoin():
                 link.rejoin()
             case Leave(reason=reason, unhealthy=unhealthy):
@@ -183,4 +187,6 @@ class Agent:
             command=self.link.command, checks=self.checks.summary)
 
     async def _poll(self, wait_s: float) -> NodeStatus:
-        return await self.transport.poll(self.policy.known_round, wait_s, master_port=free_port(self.addr))
+        known = self.policy.known_round
+        return await self.transport.poll(known, wait_s, master_port=free_port(self.addr),
+                                         progress=self.workers.progress_note(known) if known >= 0 else None)

@@ -14,6 +14,7 @@ from node_agent.core.facts import (
     Fact,
     NodeChecked,
     PeersProbed,
+    RanksStalled,
     ServerNotReached,
     ServerRefused,
     SpawnFailed,
@@ -21,7 +22,6 @@ from node_agent.core.facts import (
     StatusReceived,
     Verdict,
     WorkersExited,
-    WorkersHung,
 )
 from node_agent.core.summary import how
 from node_agent.settings import AgentSettings, Mode, StdSpec
@@ -32,6 +32,8 @@ from protocol.messages import (
     JoinRequest,
     NodeState,
     NodeStatus,
+    RankSeen,
+    RankState,
     SuccessReport,
     WorkerFailure,
 )
@@ -68,9 +70,10 @@ class Narrator:
             case ServerRefused(request=request, message=message) if request in (FailureReport, SuccessReport):
                 self.say(f"server rejected the report: {message}")
             case WorkersExited(failures=(first, *_)) if actions:
-                self.say(f"{worker(first)} failed with {how(first)}; stopping local workers")
-            case WorkersHung(failures=(first, *_)) if actions:
-                self.say(f"{worker(first)} is hung: {first.message}")
+                what = first.message if first.reason == "exited early" else f"failed with {how(first)}"
+                self.say(f"{worker(first)} {what}; stopping local workers")
+            case RanksStalled(first=True, threshold_s=threshold_s, ranks=ranks) if actions:
+                self.say(stall_lines(ranks, threshold_s))
             case SpawnFailed(failure=failure) if actions:
                 self.say(f"{worker(failure)} did not start: {failure.message}")
             case NodeChecked(stage=Stage.JOIN, problem=str(problem)):
@@ -134,6 +137,21 @@ def round_line(a: Assignment) -> str:
     return (f"round {a.round_id}: group rank {a.group_rank}/{a.group_world_size}, ranks "
             f"{a.rank_offset}..{a.rank_offset + a.local_world_size - 1} of world size {a.world_size}, "
             f"master {a.master_addr}:{a.master_port}, restart count {a.restart_count}/{a.max_restarts}")
+
+
+STACK_LINES = 8     # of each rank's stack, on the console (the whole one is in LOCAL_RANK/stacks.txt)
+
+
+def stall_lines(ranks: tuple[RankSeen, ...], threshold_s: float) -> str:
+    """A stall, rank by rank, with each one's innermost frames (the server decides whether it is a hang)."""
+    lines = [f"ranks stopped stepping for {threshold_s:.1f}s or more; what each is doing (the server decides "
+             f"whether the job hangs):"]
+    for r in ranks:
+        cpu = f", cpu {r.cpu:.0%}" if r.state != RankState.EXITED else ""
+        lines.append(f"  rank {r.rank} (local {r.local_rank}): {r.state.value}{cpu}, {r.steps} steps, "
+                     f"last {r.stalled_s:.1f}s ago{f' at {r.where}' if r.where else ''}")
+        lines += [f"      {frame}" for frame in r.stack.splitlines()[:STACK_LINES]]
+    return "\n".join(lines)
 
 
 def worker(f: WorkerFailure) -> str:

@@ -19,6 +19,9 @@ from protocol.messages import (
     JoinRequest,
     NodeStatus,
     PollRequest,
+    ProgressNote,
+    RankSeen,
+    StallReport,
     SuccessReport,
     UnhealthyKind,
     WorkerFailure,
@@ -55,11 +58,15 @@ class ServerLink:
         if self.joined and (task is None or task.done()):
             self._send(PollRequest, lambda: self._poll(MAX_POLL_WAIT_S))   # the longest: the server picks the hold
 
-    def report_failure(self, round_id: int, failures: tuple[WorkerFailure, ...]) -> None:
-        self._send(FailureReport, lambda: self._client.report_failure(round_id, list(failures)))
+    def report_failure(self, round_id: int, failures: tuple[WorkerFailure, ...],
+                       progress: ProgressNote | None = None) -> None:
+        self._send(FailureReport, lambda: self._client.report_failure(round_id, list(failures), progress))
 
-    def report_success(self, round_id: int) -> None:
-        self._send(SuccessReport, lambda: self._client.report_success(round_id))
+    def report_success(self, round_id: int, progress: ProgressNote | None = None) -> None:
+        self._send(SuccessReport, lambda: self._client.report_success(round_id, progress))
+
+    def report_stall(self, round_id: int, threshold_s: float, ranks: tuple[RankSeen, ...]) -> None:
+        self._send(StallReport, lambda: self._client.report_stall(round_id, threshold_s, list(ranks)))
 
     async def leave(self, reason: str, unhealthy: UnhealthyKind | None = None) -> None:
         """Say goodbye, once and briefly (the lease lapses anyway). A join on its way is waited for briefly,

@@ -67,7 +67,6 @@ class WorkerSettings:
     signals: tuple[int, ...] = DEFAULT_SIGNALS
     stop_timeout: float = 30.0         # signal -> SIGKILL
     kill_timeout: float = 10.0         # after SIGKILL: a worker still alive then marks the node unhealthy
-    hang_timeout: float = 0.0          # 0: off
     memory_dir_limit: int | None = None   # bytes for the node's in-memory checkpoints; None: the default; 0: off
     warm_workers: str = "auto"         # auto: Python entry points fork from a warm zygote; off: all cold
     warm_preload: tuple[str, ...] = DEFAULT_PRELOAD

@@ -17,6 +17,7 @@ from protocol.messages import (
     LeaveRequest,
     NodeStatus,
     PollRequest,
+    StallReport,
     SuccessReport,
 )
 from protocol.quoting import quote
@@ -32,6 +33,7 @@ REQUEST_TYPES: dict[str, type[AgentRequest]] = {
     "failure": FailureReport,
     "success": SuccessReport,
     "leave": LeaveRequest,
+    "stall": StallReport,
 }
 
 

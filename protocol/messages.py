@@ -92,6 +92,11 @@ class JobConfig(msgspec.Struct, kw_only=True, frozen=True):
     exclude_cooldown_max_s: Seconds = 3600.0
     exclude_lost_after: Annotated[int, Meta(ge=0, le=1000)] = 2   # losses of one node within exclude_window_s ...
     exclude_lost_cooldown_s: Seconds = 300.0   # ... keep it out this long when it comes back (a flapping host)
+    # Hangs: the server restarts a job whose ranks wait on one that stalled (docs/fault-tolerance.md); ranks that
+    # wait on the others longer than hang_timeout_s are a hang whatever the others do (0: no such cap).
+    hang_detection: bool = True
+    hang_timeout_s: Seconds = 600.0
+    replace_slow_nodes: bool = False   # a node named slow is drained, for a spare to take its place
 
     def __post_init__(self) -> None:
         _check(self.max_nodes >= self.min_nodes, "max_nodes",
@@ -134,12 +139,33 @@ class JoinRequest(_Request, kw_only=True):
         _printable(addr=self.addr, host=self.host, role=self.role, instance=self.instance, checks=self.checks)
 
 
+Count = Annotated[int, Meta(ge=0, le=MAX_ROUND)]
+
+
+class ProgressNote(msgspec.Struct, kw_only=True, frozen=True, gc=False):
+    """What this node's workers did in the round they run, as their progress probes counted (node_agent/progress):
+    rides on the requests the agent sends anyway. Times are unix times (0: none yet)."""
+    round_id: RoundRef
+    probes: Annotated[int, Meta(ge=0, le=MAX_LOCAL_WORLD_SIZE)] = 0   # workers whose probe counts steps
+    steps: Count = 0                   # the most steps one of its workers took this round
+    first_step_at: UnixTime = 0.0
+    last_step_at: UnixTime = 0.0
+    step_s: Seconds = 0.0              # the median step interval lately (0: not known yet)
+    # Of the last `window_s`: the share of time its workers' main threads ran or waited for a CPU (mean per
+    # worker; the rest they waited on the others) and the steps taken; a slow node is the one nobody waits on.
+    window_s: Seconds = 0.0
+    window_steps: Count = 0
+    demand: Annotated[float, Meta(ge=0, le=1.0)] = 0.0
+    resumed_step: Annotated[int, Meta(ge=-1, le=MAX_ROUND)] = -1   # the step node_agent.snapshot resumed from
+
+
 class PollRequest(_Request, kw_only=True):
     """Long-poll: answered once this node's view differs from `known_round` (the round whose workers the agent
     runs, -1: none), else after `wait_s`; renews the lease. `master_port` refreshes the port for the next round."""
     known_round: RoundRef = -1
     wait_s: Annotated[float, Meta(ge=0, le=MAX_POLL_WAIT_S)] = 2.0
     master_port: Port = 0
+    progress: ProgressNote | None = None
 
 
 class WorkerFailure(msgspec.Struct, kw_only=True, frozen=True, gc=False):
@@ -162,10 +188,49 @@ class WorkerFailure(msgspec.Struct, kw_only=True, frozen=True, gc=False):
 class FailureReport(_Request, kw_only=True):
     round_id: RoundRef
     failures: Annotated[list[WorkerFailure], Meta(min_length=1, max_length=MAX_LOCAL_WORLD_SIZE)]
+    progress: ProgressNote | None = None   # the round's last steps here, read as the failure was seen
 
 
 class SuccessReport(_Request, kw_only=True):
     round_id: RoundRef
+    progress: ProgressNote | None = None
+
+
+class RankState(str, enum.Enum):
+    """What a rank that stopped stepping is doing, as its agent saw it (node_agent/core/stalls.py)."""
+    WAITING = "waiting"        # blocked in a collective or a wait on the others, its CPU idle
+    WORKING = "working"        # computing, loading data or writing: busy, moving data, or in torch's code
+    QUIET = "quiet"            # idle outside any collective: asleep or blocked in its own code
+    SPINNING = "spinning"      # busy in its own code, the same stack at every look, no I/O
+    STOPPED = "stopped"        # stopped (SIGSTOP, a debugger)
+    EXITED = "exited"          # ended while the others go on
+    UNKNOWN = "unknown"        # idle, and no stack to tell where (no probe answered)
+
+    @property
+    def culprit(self) -> bool:
+        """A rank in this state holds up ranks waiting on it: it will not come to the collective."""
+        return self in (RankState.STOPPED, RankState.EXITED, RankState.SPINNING, RankState.QUIET)
+
+
+class RankSeen(msgspec.Struct, kw_only=True, frozen=True, gc=False):
+    """One stalled rank's evidence."""
+    rank: Rank
+    local_rank: Annotated[int, Meta(ge=0, le=MAX_LOCAL_WORLD_SIZE)]
+    state: RankState
+    stalled_s: Seconds                 # since its last step
+    steps: Count = 0
+    cpu: Annotated[float, Meta(ge=0, le=1.0)] = 0.0   # its main thread's share of one CPU while it was watched
+    where: ShortText = ""              # its main thread's innermost frame, "file:line in function"
+    stack: Annotated[str, Meta(max_length=MAX_TRACEBACK)] = ""   # the main thread's frames, innermost first
+    exitcode: int | None = None
+
+
+class StallReport(_Request, kw_only=True):
+    """This node's ranks stopped stepping: what each is doing. The server, which hears every node, decides whether
+    the job hangs (rdzv_server/core/hangs.py); the agent sends it again while the stall lasts."""
+    round_id: RoundRef
+    threshold_s: PositiveSeconds       # the stall threshold the agent used: a report is fresh for twice that
+    ranks: Annotated[list[RankSeen], Meta(min_length=1, max_length=MAX_LOCAL_WORLD_SIZE)]
 
 
 class UnhealthyKind(str, enum.Enum):
@@ -188,7 +253,7 @@ class LeaveRequest(_Request, kw_only=True):
 
 
 # Every request an agent sends, by type (protocol.codec.REQUEST_TYPES names their routes).
-AgentRequest = JoinRequest | PollRequest | FailureReport | SuccessReport | LeaveRequest
+AgentRequest = JoinRequest | PollRequest | FailureReport | SuccessReport | LeaveRequest | StallReport
 
 
 class Witness(msgspec.Struct, kw_only=True, frozen=True, gc=False):

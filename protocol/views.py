@@ -28,6 +28,8 @@ class NodeView(msgspec.Struct, kw_only=True, omit_defaults=True):
     spare_position: int | None = None      # spares
     excluded_for_s: float | None = None    # excluded
     exclusions: int | None = None
+    slow: bool | None = None               # members of an unfinished job: named slow now (the others wait on it)
+    steps_per_s: float | None = None       # ... and its steps per second lately (None: not reported)
 
 
 class DrainedView(msgspec.Struct):
@@ -42,6 +44,31 @@ class NodeCounts(msgspec.Struct):
     spares: int
     excluded: int
     drained: int
+
+
+class RestartCostView(msgspec.Struct, kw_only=True):
+    """One restart since the job first stepped: the round that steps again after it, and what it cost."""
+    round_id: int
+    cause: str                   # what ended the round before it (a round cause: failure, hang, node_lost, ...)
+    cost_s: float | None         # the last step before it to the first step after it (None: under way)
+    redone: int | None           # steps done again after a restore (None: unknown)
+
+
+class ProgressView(msgspec.Struct, kw_only=True):
+    """A job's training progress as its agents report it. `signal` False: it never stepped (a reader says "no
+    progress signal", never 0 steps/s); the defaults are what a server without progress sends."""
+    signal: bool = False                     # the job stepped at least once
+    steps: int = 0                           # steps taken, every round together
+    steps_per_s: float = 0.0                 # the median member's pace lately (0 while no round steps or ended)
+    ettr: float | None = None                # effective training time ratio, 0..1 (None: never stepped)
+    first_step_at: str | None = None         # the job's first step, any round
+    last_step_at: str | None = None          # its latest step
+    lost_s: float = 0.0                      # time lost to restarts done (the one under way: restarting_for_s)
+    restarts: int = 0                        # restarts done (the job stepped again after each)
+    redone: int = 0                          # steps done again after restores, where known
+    restarting_for_s: float | None = None    # a restart under way: seconds since the last step before it
+    slow_nodes: list[str] = msgspec.field(default_factory=list)      # members named slow now
+    costs: list[RestartCostView] = msgspec.field(default_factory=list)   # the latest restarts, oldest first
 
 
 class JobView(msgspec.Struct, kw_only=True):
@@ -65,6 +92,7 @@ class JobView(msgspec.Struct, kw_only=True):
     excluded: list[NodeView]
     drained: list[DrainedView]
     lists_cut: bool
+    progress: ProgressView = msgspec.field(default_factory=ProgressView)
 
 
 class JobDetail(JobView, kw_only=True):
@@ -75,6 +103,7 @@ class JobDetail(JobView, kw_only=True):
     last_failure: WorkerFailure | None
     root_cause: WorkerFailure | None
     last_call_ends_in_s: float | None
+    rate: list[tuple[str, float]] = msgspec.field(default_factory=list)   # (time, steps per second), oldest first
 
 
 class HostHold(msgspec.Struct):

@@ -25,6 +25,7 @@ from protocol.messages import (
     LeaveRequest,
     NodeStatus,
     PollRequest,
+    StallReport,
     SuccessReport,
 )
 from protocol.views import HostHold
@@ -252,6 +253,8 @@ class Coordinator:
                 status = self.call(lambda now: core.report_failure(job_id, req, now))
             case SuccessReport():
                 status = self.call(lambda now: core.report_success(job_id, req, now))
+            case StallReport():
+                status = self.call(lambda now: core.report_stall(job_id, req, now))
             case LeaveRequest():
                 status = self.call(lambda now: core.leave(job_id, req, now))
         await self.durable(job_id)

@@ -23,11 +23,13 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     "node_agent.core": ("protocol", "node_agent.client.replies"),
     "node_agent.client": ("protocol", "rdzv_server.coordinator", "rdzv_server.core"),   # local: in-process server
     "node_agent.gpu": ("protocol",),
-    "node_agent.workers": ("protocol", "node_agent.core", "node_agent.settings", "node_agent.heartbeat",
+    "node_agent.workers": ("protocol", "node_agent.core", "node_agent.settings", "node_agent.progress",
                            "node_agent.gpu", "node_agent.snapshot", "node_agent.sources", "node_agent.workers.warm"),
     # the warm zygote's agent side; the zygote itself (zygote.py) imports nothing of ours
-    "node_agent.workers.warm": ("node_agent.heartbeat", "node_agent.workers.deathsig", "node_agent.workers.environment",
+    "node_agent.workers.warm": ("node_agent.progress", "node_agent.workers.deathsig", "node_agent.workers.environment",
                                 "node_agent.workers.launch"),
+    # the progress probe runs inside workers, loaded by file path: it imports nothing of ours
+    "node_agent.progress": (),
     # the command line: read into settings; the composition root (node_agent/main.py) builds the rest
     "node_agent.cli": ("protocol", "node_agent.settings", "node_agent.gpu.topology"),
     "node_agent.plugin": ("protocol", "node_agent.client", "node_agent.cli.job_identity", "node_agent.cli.rdzv_conf",

@@ -11,7 +11,7 @@ import msgspec
 
 from node_agent.cli.flags import BY_DEST, FLAGS
 from node_agent.cli.rdzv_conf import INT_KEYS, SECONDS_KEYS
-from node_agent.cli.values import Fail, _int, _seconds
+from node_agent.cli.values import Fail, _int, _on_off, _seconds
 from protocol.messages import JobConfig
 
 
@@ -75,7 +75,9 @@ def job_config(line: CommandLine, conf: Mapping[str, str], min_nodes: int, max_n
         if field is not None and not (key == "timeout" and "join_timeout" in conf):
             source[field] = (value, functools.partial(_conf_fail, key))
     for field, (raw, fail) in source.items():
-        values[field] = _int(raw, fail) if isinstance(JOB_DEFAULTS[field], int) else _seconds(raw, fail)
+        default = JOB_DEFAULTS[field]
+        values[field] = (_on_off(raw, fail) if isinstance(default, bool) else
+                         _int(raw, fail) if isinstance(default, int) else _seconds(raw, fail))
     try:
         return msgspec.convert(values, JobConfig)
     except msgspec.ValidationError as exc:   # e.g. "Expected `int` >= 0 - at `$.max_restarts`"

@@ -121,9 +121,14 @@ FLAGS: tuple[Flag, ...] = (
          "seconds of silence after which the server drops a node; default {default:g}"),
     Flag(("--server-wait", "--server_wait"), "server_wait", "S",
          "seconds to keep retrying an unreachable server; default {default:g}"),
-    Flag(("--hang-timeout", "--hang_timeout"), "hang_timeout", "S",
-         "kill and report a worker that called node_agent.heartbeat.beat() but then stopped for this "
-         "long; default {default:g} (off)"),
+    Flag(("--hang-detection", "--hang_detection"), "hang_detection", "on|off",
+         "restart the job when ranks wait on a rank that stalled (stopped, gone, spinning or idle outside any "
+         "collective), naming that rank as the root cause; default on"),
+    Flag(("--hang-timeout", "--hang_timeout"), "hang_timeout_s", "S",
+         "the hard cap: ranks that wait on the others this long are a hang, whatever the others do; "
+         "0: none; default {default:g}"),
+    Flag(("--replace-slow-nodes", "--replace_slow_nodes"), "replace_slow_nodes", None,
+         "drain a node named slow (the others wait on it), for a spare to take its place; default off"),
     Flag(("--memory-dir-limit", "--memory_dir_limit"), "memory_dir_limit", "SIZE",
          "size limit of the node's in-memory checkpoint directories ($NODE_AGENT_MEMORY_DIR, in /dev/shm, "
          "kept across worker restarts), shared by the local ranks: 8G, 512M, ...; 0 turns them off; "

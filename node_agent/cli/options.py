@@ -117,7 +117,7 @@ def parse_options(argv: Sequence[str], environ: Mapping[str, str] = os.environ) 
         virtual_local_rank=bool(get("virtual_local_rank")),
         signals=parse_signals(get("signals"), line.failing("signals")) if get("signals") else DEFAULT_SIGNALS,
         stop_timeout=non_negative(line, "stop_timeout", stop_default, "$TORCH_ELASTIC_SHUTDOWN_TIMEOUT"),
-        kill_timeout=non_negative(line, "kill_timeout"), hang_timeout=non_negative(line, "hang_timeout"),
+        kill_timeout=non_negative(line, "kill_timeout"),
         memory_dir_limit=_memory_dir_limit(line), warm_workers=_choice(line, "warm_workers", ("auto", "off")),
         warm_preload=parse_modules(get("warm_preload"), line.failing("warm_preload"))
         if get("warm_preload") is not None else DEFAULT_PRELOAD,

@@ -25,6 +25,18 @@ def _int(text: str, fail: Fail) -> int:
         fail(f"expected an integer, got {text!r}")
 
 
+def _on_off(value: str | bool, fail: Fail) -> bool:
+    """An on/off flag (True) or a value: on/off, true/false, yes/no, 1/0."""
+    if isinstance(value, bool):
+        return value
+    text = value.strip().lower()
+    if text in ("on", "true", "yes", "1"):
+        return True
+    if text in ("off", "false", "no", "0"):
+        return False
+    fail(f"expected on or off, got {value!r}")
+
+
 _SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*([KMGT]?)(?:i?B)?", re.IGNORECASE)
 MAX_SIZE = 2**50   # a petabyte: no node has that much memory
 

@@ -21,12 +21,15 @@ from protocol.messages import (
     LeaveRequest,
     NodeStatus,
     PollRequest,
+    ProgressNote,
+    RankSeen,
+    StallReport,
     SuccessReport,
     UnhealthyKind,
     WorkerFailure,
 )
 
-R = TypeVar("R", JoinRequest, PollRequest, FailureReport, SuccessReport, LeaveRequest)
+R = TypeVar("R", JoinRequest, PollRequest, FailureReport, SuccessReport, LeaveRequest, StallReport)
 
 # The action (route) of each request type: the protocol's one table, read backwards.
 ACTION_OF: dict[type, str] = {cls: action for action, cls in REQUEST_TYPES.items()}
@@ -112,16 +115,24 @@ class Transport:
             config=config, instance=instance, role=role or "default", probe_port=probe_port, command=command,
             checks=checks))
 
-    async def poll(self, known_round: int, wait_s: float, master_port: int = 0) -> NodeStatus:
+    async def poll(self, known_round: int, wait_s: float, master_port: int = 0,
+                   progress: ProgressNote | None = None) -> NodeStatus:
         wait_s = poll_wait(wait_s, self.hold_s)
         return await self._request(self._for_node(PollRequest, known_round=known_round, wait_s=wait_s,
-                                                  master_port=master_port), wait_s + self.REQUEST_TIMEOUT_S)
+                                                  master_port=master_port, progress=progress),
+                                   wait_s + self.REQUEST_TIMEOUT_S)
 
-    async def report_failure(self, round_id: int, failures: list[WorkerFailure]) -> NodeStatus:
-        return await self._request(self._for_node(FailureReport, round_id=round_id, failures=failures))
+    async def report_failure(self, round_id: int, failures: list[WorkerFailure],
+                             progress: ProgressNote | None = None) -> NodeStatus:
+        return await self._request(self._for_node(FailureReport, round_id=round_id, failures=failures,
+                                                  progress=progress))
 
-    async def report_success(self, round_id: int) -> NodeStatus:
-        return await self._request(self._for_node(SuccessReport, round_id=round_id))
+    async def report_success(self, round_id: int, progress: ProgressNote | None = None) -> NodeStatus:
+        return await self._request(self._for_node(SuccessReport, round_id=round_id, progress=progress))
+
+    async def report_stall(self, round_id: int, threshold_s: float, ranks: list[RankSeen]) -> NodeStatus:
+        return await self._request(self._for_node(StallReport, round_id=round_id, threshold_s=threshold_s,
+                                                  ranks=ranks))
 
     async def leave(self, reason: str, unhealthy: UnhealthyKind | None = None) -> NodeStatus:
         return await self._request(self._for_node(LeaveRequest, reason=reason, unhealthy=unhealthy),

@@ -6,7 +6,7 @@ import signal
 from dataclasses import dataclass
 
 from node_agent.core.facts import Stage
-from protocol.messages import Assignment, UnhealthyKind, Witness, WorkerFailure
+from protocol.messages import Assignment, RankSeen, UnhealthyKind, Witness, WorkerFailure
 
 
 @dataclass(frozen=True)
@@ -26,6 +26,14 @@ class StopWorkers:
 class ReportFailure:
     round_id: int
     failures: tuple[WorkerFailure, ...]
+
+
+@dataclass(frozen=True)
+class ReportStall:
+    """Tell the server what the round's stalled ranks are doing: it decides whether the job hangs."""
+    round_id: int
+    threshold_s: float
+    ranks: tuple[RankSeen, ...]
 
 
 @dataclass(frozen=True)
@@ -68,4 +76,5 @@ class Exit:
     root_cause: WorkerFailure | None = None   # the job's first failure, when the job failed
 
 
-Action = Spawn | StopWorkers | ReportFailure | ReportSuccess | Rejoin | Leave | ProbePeers | CheckNode | Exit
+Action = (Spawn | StopWorkers | ReportFailure | ReportStall | ReportSuccess | Rejoin | Leave | ProbePeers | CheckNode
+          | Exit)

@@ -14,13 +14,16 @@ from protocol.messages import (
     LeaveRequest,
     NodeStatus,
     PollRequest,
+    RankSeen,
+    StallReport,
     SuccessReport,
     UnhealthyKind,
     WorkerFailure,
 )
 
 # Which request a server fact answers: the protocol's request types (names: protocol.codec.REQUEST_TYPES).
-Request = type[JoinRequest] | type[PollRequest] | type[FailureReport] | type[SuccessReport] | type[LeaveRequest]
+Request = (type[JoinRequest] | type[PollRequest] | type[FailureReport] | type[SuccessReport] | type[LeaveRequest]
+           | type[StallReport])
 
 
 @dataclass(frozen=True)
@@ -57,10 +60,13 @@ class WorkersExited:
 
 
 @dataclass(frozen=True)
-class WorkersHung:
-    """Workers of the round stopped sending heartbeats for longer than --hang-timeout."""
+class RanksStalled:
+    """Ranks of the round stopped stepping for longer than the stall threshold: what each local rank is doing
+    (again every threshold while the stall lasts; `first`: the first look at this stall)."""
     round_id: int
-    failures: tuple[WorkerFailure, ...]
+    threshold_s: float
+    ranks: tuple[RankSeen, ...]
+    first: bool = True
 
 
 @dataclass(frozen=True)
@@ -123,7 +129,7 @@ class DeadlinePassed:
     """The policy's `next_deadline()` came with no other fact before it."""
 
 
-Fact = (StatusReceived | ServerNotReached | ServerRefused | WorkersExited | WorkersHung | SpawnFailed
+Fact = (StatusReceived | ServerNotReached | ServerRefused | WorkersExited | RanksStalled | SpawnFailed
         | SignalReceived | PeersProbed | NodeChecked | DeadlinePassed)
 
 # How a source hands the loop news: a fact, or the exception that broke it (a bug), raised, not waited out.

@@ -3,7 +3,8 @@ Facts (facts.py) in, actions (actions.py) out; the loop (agent.py) runs them in 
 `next_deadline()`, so the timed rules (`_timed_rules()`) fire even when no fact comes. Rules:
 - the server's view wins: a round it names that we do not run replaces ours; not a member (waiting, spare,
   excluded): run nothing;
-- a local failure (exit, hang, spawn error) stops the local group and is reported once, for its round;
+- a local failure (exit, spawn error) stops the local group and is reported once, for its round; stalled
+  ranks are reported while the round runs (the server, which hears every node, decides what is a hang);
   news about a round we no longer run changes nothing; the server answers with the next round or the end;
 - all local workers succeeding is reported once; we follow the server until the job ends (another node
   failing still restarts the job);
@@ -48,6 +49,7 @@ from node_agent.core.actions import (
     ProbePeers,
     Rejoin,
     ReportFailure,
+    ReportStall,
     ReportSuccess,
     Spawn,
     StopWorkers,
@@ -58,6 +60,7 @@ from node_agent.core.facts import (
     Fact,
     NodeChecked,
     PeersProbed,
+    RanksStalled,
     ServerNotReached,
     ServerRefused,
     SignalReceived,
@@ -66,7 +69,6 @@ from node_agent.core.facts import (
     StatusReceived,
     Verdict,
     WorkersExited,
-    WorkersHung,
 )
 from node_agent.core.fencing import CONFIRM_S, REPROBE_S, fenced, first_ask_at, lapse_at
 from node_agent.core.node_health import NodeHealth
@@ -134,9 +136,11 @@ class SupervisionPolicy:
                 return self._due(now)
             case WorkersExited(round_id=round_id, failures=()):
                 return self._succeeded(round_id)
-            case (WorkersExited(round_id=round_id, failures=failures)
-                  | WorkersHung(round_id=round_id, failures=failures)):
+            case WorkersExited(round_id=round_id, failures=failures):
                 return self._failed(round_id, failures)
+            case RanksStalled(round_id=round_id, threshold_s=threshold_s, ranks=ranks):
+                running = self.workers == Workers.RUNNING and round_id == self.running_round
+                return [ReportStall(round_id, threshold_s, ranks)] if running else []
             case SpawnFailed(round_id=round_id, failure=failure):
                 return self._failed(round_id, (failure,))
             case SignalReceived(signum=signum):

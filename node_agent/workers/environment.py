@@ -9,9 +9,11 @@ import signal
 import sys
 from collections.abc import Mapping, Sequence
 
+from node_agent.progress.probe import ENV as PROBE_VAR
 from node_agent.settings import DEFAULT_SIGNALS, WorkerSettings
 from node_agent.snapshot import DIR_VAR as MEMORY_DIR_VAR
 from node_agent.snapshot import LIMIT_VAR as MEMORY_LIMIT_VAR
+from node_agent.workers.progress import ProbeFiles
 from protocol.messages import Assignment
 
 # The agent's credentials for the server (and rdzv-ctl's admin token file): never a worker's.
@@ -22,7 +24,7 @@ PER_WORKER_VARS = frozenset({
     "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT",
     "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_USE_AGENT_STORE",
     "TORCHELASTIC_SIGNALS_TO_HANDLE", "TORCH_NCCL_ASYNC_ERROR_HANDLING", "CUDA_VISIBLE_DEVICES",
-    "TORCHELASTIC_ERROR_FILE", MEMORY_DIR_VAR, MEMORY_LIMIT_VAR})
+    "TORCHELASTIC_ERROR_FILE", MEMORY_DIR_VAR, MEMORY_LIMIT_VAR, PROBE_VAR})
 
 
 def common_env(base: Mapping[str, str], local_world_size: int) -> dict[str, str]:
@@ -43,14 +45,15 @@ def worker_env(*, base: Mapping[str, str], assignment: Assignment, local_rank: i
                role: str, error_file: str | None, nccl_async: str | None = None,
                virtual_local_rank: bool = False, signals: Sequence[int] = DEFAULT_SIGNALS,
                memory_dir: str | None = None, memory_limit: int | None = None,
-               agent_store: bool = False) -> dict[str, str]:
+               agent_store: bool = False, probe: ProbeFiles | None = None) -> dict[str, str]:
     """One worker's whole environment: common_env(base) plus the launcher's variables.
 
     `nccl_async`: TORCH_NCCL_ASYNC_ERROR_HANDLING; None keeps the base's, else "1" (torchrun's: NCCL errors
     abort, not hang). `virtual_local_rank`: LOCAL_RANK 0, CUDA_VISIBLE_DEVICES the rank's own GPU. `signals`:
     TORCHELASTIC_SIGNALS_TO_HANDLE, read by torch's launchers in a worker. `memory_dir`: NODE_AGENT_MEMORY_DIR,
     its limit in bytes NODE_AGENT_MEMORY_LIMIT; None sets neither. `agent_store`: the agent hosts the c10d
-    store at MASTER_ADDR:MASTER_PORT (every rank a client), not worker rank 0.
+    store at MASTER_ADDR:MASTER_PORT (every rank a client), not worker rank 0. `probe`: its progress probe's
+    files, made afresh (NODE_AGENT_PROGRESS; the probe takes it out of the worker's environment).
     """
     a = assignment
     if not 0 <= local_rank < a.local_world_size:
@@ -89,6 +92,9 @@ def worker_env(*, base: Mapping[str, str], assignment: Assignment, local_rank: i
         env[MEMORY_DIR_VAR] = memory_dir
         if memory_limit is not None:
             env[MEMORY_LIMIT_VAR] = str(memory_limit)
+    if probe is not None:
+        probe.create()
+        env[PROBE_VAR] = probe.env()
     return env
 
 

@@ -2,11 +2,9 @@
 across nodes; texts cut to the protocol's bounds, so a huge error message cannot get the report refused."""
 from __future__ import annotations
 
-import signal
 import time
 
 from node_agent.workers.error_file import read_error_file
-from node_agent.workers.launch import WorkerLaunch
 from node_agent.workers.process import WorkerExit
 from protocol.messages import MAX_MESSAGE, MAX_TRACEBACK, WorkerFailure
 
@@ -23,6 +21,36 @@ def exit_failure(e: WorkerExit, *, host: str, node_id: str) -> WorkerFailure:
                          timestamp=e.seen_at or time.time(), host=host, node_id=node_id)
 
 
+EARLY_EXIT_S = 10.0   # a rank that exited 0 this soon before a peer failed is the likelier cause
+
+
+def early_exits(exits: list[WorkerExit], failed: WorkerFailure, *, host: str, node_id: str) -> list[WorkerFailure]:
+    """Ranks that exited 0 shortly before a peer failed, while it still ran: a rank leaving a job mid-training
+    breaks its peers' next collective ("Connection closed by peer"), so it, not they, is the root cause. A peer
+    with an error of its own (a message that names no broken collective, or a kill) stays its own cause."""
+    if not broken_by_peer(failed):
+        return []
+    return [WorkerFailure(local_rank=e.local_rank, rank=e.rank, exitcode=0, reason="exited early",
+                          message=f"exited 0 while the other ranks still ran; rank {failed.rank} failed "
+                                  f"{failed.timestamp - e.seen_at:.1f}s later",
+                          timestamp=e.seen_at, host=host, node_id=node_id)
+            for e in exits if e.exitcode == 0 and failed.timestamp - EARLY_EXIT_S <= e.seen_at < failed.timestamp]
+
+
+# What a collective says when a peer has gone (gloo, NCCL, torch's store and its wrappers), lower case.
+PEER_GONE = ("connection closed", "connection reset", "broken pipe", "distbackenderror", "distnetworkerror",
+             "nccl", "gloo", "peer", "socket", "timed out")
+
+
+def broken_by_peer(failed: WorkerFailure) -> bool:
+    """Whether a failure may be a consequence of a peer leaving: it says so, or says nothing (no error file:
+    the launcher cannot tell). A worker killed by a signal other than SIGABRT (NCCL's abort) was not."""
+    if failed.signal and failed.signal != "SIGABRT":
+        return False
+    said = f"{failed.message}\n{failed.traceback}".lower()
+    return not said.strip() or any(words in said for words in PEER_GONE)
+
+
 def store_failure(e: WorkerExit, *, rank: int, host: str, node_id: str) -> WorkerFailure:
     """The round's c10d store host ended while the workers ran (their store is gone): reported as local rank
     0's, as the protocol has only a worker's fields."""
@@ -31,15 +59,6 @@ def store_failure(e: WorkerExit, *, rank: int, host: str, node_id: str) -> Worke
                          message=f"the round's c10d store, hosted by this node's agent (pid {e.pid}), {how} "
                                  f"while the workers ran (its output: the run directory's attempt_N/store/)",
                          timestamp=e.seen_at or time.time(), host=host, node_id=node_id)
-
-
-def hang_failure(launch: WorkerLaunch, *, silent_s: float, hang_timeout_s: float, host: str,
-                 node_id: str) -> WorkerFailure:
-    """A worker that stopped beating: the agent stops it with SIGTERM."""
-    return WorkerFailure(local_rank=launch.local_rank, rank=launch.rank, exitcode=-signal.SIGTERM,
-                         signal="SIGTERM", reason="hang",
-                         message=f"no heartbeat for {silent_s:.1f}s (hang timeout {hang_timeout_s:g}s); stopped",
-                         timestamp=time.time(), host=host, node_id=node_id)
 
 
 def spawn_failure(error: OSError, *, local_rank: int, rank: int, program: str, host: str,

@@ -3,13 +3,13 @@
 - a `store` launch (the round's c10d store host) starts first, and its end before the workers' fails the round;
 - a worker that cannot be spawned gets those already started killed;
 - `wait()` returns the moment any worker fails, or once all succeeded;
-- `stop()` signals every group, SIGKILL after the stop timeout, then ends what the workers left there.
+- `stop()` signals every group (and continues stopped ones), SIGKILL after the stop timeout, then ends what the
+  workers left there.
 """
 from __future__ import annotations
 
 import asyncio
 import signal
-from collections.abc import Callable
 
 from node_agent.workers import leftovers
 from node_agent.workers.launch import WorkerLaunch
@@ -25,7 +25,7 @@ class WorkerGroup:
     """One round's local workers. Not reusable: the next round makes a new group."""
 
     def __init__(self, launches: list[WorkerLaunch], *, stop_timeout: float,
-                 console: Console | None = None, on_beat: Callable[[int], None] | None = None,
+                 console: Console | None = None,
                  kill_timeout: float = _KILL_WAIT_S, warm: WarmZygote | None = None,
                  warm_wait_s: float = 0.0, store: WorkerLaunch | None = None) -> None:
         self._launches = list(launches)
@@ -37,7 +37,6 @@ class WorkerGroup:
         self._store_launch = store
         self._store: Worker | None = None    # the store host, once spawned
         self._store_exit: WorkerExit | None = None
-        self._on_beat = on_beat              # called with the local rank on each heartbeat byte
         self._stop_timeout = stop_timeout
         self._console = console or Console()
         self._workers: list[Worker] = []     # those spawned, in local-rank order
@@ -72,6 +71,9 @@ class WorkerGroup:
     def exits(self) -> list[WorkerExit]:
         return list(self._exits)
 
+    def pid_of(self, local_rank: int) -> int | None:
+        return next((w.pid for w in self._workers if w.launch.local_rank == local_rank), None)
+
     async def start(self) -> None:
         """Spawn every worker until a stop() comes; one that cannot spawn gets the rest killed: WorkerSpawnError."""
         if self._started:
@@ -92,8 +94,7 @@ class WorkerGroup:
             for launch in self._launches if failed is None else ():
                 if self.stopping:   # a stop() came while the previous worker was being spawned
                     break
-                worker = Worker(launch, console=self._console, on_beat=self._on_beat, on_exit=self._reaped,
-                                warm=warm)
+                worker = Worker(launch, console=self._console, on_exit=self._reaped, warm=warm)
                 try:
                     await worker.start()
                 except OSError as e:
@@ -171,6 +172,7 @@ class WorkerGroup:
             await self._start_done.wait()   # at most the spawn in flight: start() checks for us
         held = leftovers.held_temp_dirs(self._live_groups())   # a killed process removes none (leftovers.py)
         self._signal_groups(sig)
+        self._signal_groups(signal.SIGCONT)   # a stopped worker (SIGSTOP, a debugger) acts on `sig` only once running
         running = [w.reaper for w in self._processes() if w.reaper is not None and not w.reaper.done()]
         if running:
             _, late = await asyncio.wait(running, timeout=self._stop_timeout)
@@ -184,8 +186,6 @@ class WorkerGroup:
         # Children of the workers left in their groups die with them: nobody supervises them now.
         self._signal_groups(signal.SIGKILL)
         leftovers.remove(held)
-        for worker in self._workers:
-            worker.close_heartbeat()
         pending = [f for w in self._processes() for f in w.output_pending()]
         if pending:
             _, open_ = await asyncio.wait(pending, timeout=_DRAIN_WAIT_S)

@@ -1,7 +1,8 @@
 """What each worker of a round is started with: `WorkerLaunch`, from the assignment, options and environment.
 Log layout (torchrun's): RUN/attempt_RESTART/{LOCAL_RANK/{stdout,stderr}.log, LOCAL_RANK/error.json,
-filtered_*.log, store/}; RUN = LOG_DIR/JOB_XXXXXXXX is new per agent run, so two runs of one id never share
-files. A new round with the same restart count writes on in the same directory.
+filtered_*.log, store/}, and ours: LOCAL_RANK/progress (the probe's record), LOCAL_RANK/stacks.txt. RUN =
+LOG_DIR/JOB_XXXXXXXX is new per agent run, so two runs of one id never share files. A new round with the same
+restart count writes on in the same directory.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from string import Template
 
 from node_agent.settings import Std, WorkerSettings
 from node_agent.workers.environment import common_env, worker_argv, worker_env
+from node_agent.workers.progress import ProbeFiles, ProbeRoot
 from node_agent.workers.warm.store_host import SCRIPT as STORE_HOST
 from protocol.messages import Assignment
 
@@ -36,7 +38,7 @@ class WorkerLaunch:
     dup_stderr: tuple[str, ...] = ()
     attempt_dir: str | None = None     # where filtered_*.log go
     stdin_tty: bool = False      # the worker reads the agent's terminal (breakpoint() works)
-    heartbeat: bool = False      # give the worker a heartbeat pipe (NODE_AGENT_HEARTBEAT_FD)
+    probe: ProbeFiles | None = None   # its progress probe's record and stacks (None: no probe, --no-python)
     cpu_affinity: frozenset[int] | None = None   # --numa-binding: the CPUs it runs on (None: unbound)
 
     @property
@@ -68,8 +70,9 @@ def attempt_dir(run_dir: str, restart_count: int) -> str:
 def build_launches(a: Assignment, opts: WorkerSettings, *, run_dir: str, hostname: str, stdin_tty: bool = False,
                    environ: Mapping[str, str] = os.environ, memory_dirs: Mapping[int, str] | None = None,
                    memory_limit: int | None = None, agent_store: bool = False,
-                   cpu_affinity: Mapping[int, frozenset[int]] | None = None) -> list[WorkerLaunch]:
-    """One launch per local rank, its directory made under `run_dir`."""
+                   cpu_affinity: Mapping[int, frozenset[int]] | None = None,
+                   probes: ProbeRoot | None = None) -> list[WorkerLaunch]:
+    """One launch per local rank, its directory made under `run_dir`; its probe's files in `probes`."""
     argv = worker_argv(opts, environ)
     base = attempt_dir(run_dir, a.restart_count)
     launches = []
@@ -77,6 +80,7 @@ def build_launches(a: Assignment, opts: WorkerSettings, *, run_dir: str, hostnam
         rank_dir = os.path.join(base, str(local_rank))
         os.makedirs(rank_dir, exist_ok=True)
         rank = a.rank_offset + local_rank
+        probe = None if opts.no_python or probes is None else probes.files(local_rank)
         template = opts.log_line_prefix if opts.log_line_prefix is not None else opts.tee_prefix
         prefix = Template(template).safe_substitute(role_name=opts.role, rank=rank, local_rank=local_rank,
                                                     host=hostname)
@@ -88,10 +92,10 @@ def build_launches(a: Assignment, opts: WorkerSettings, *, run_dir: str, hostnam
                            error_file=os.path.join(rank_dir, "error.json"),
                            virtual_local_rank=opts.virtual_local_rank, signals=opts.signals,
                            memory_dir=(memory_dirs or {}).get(local_rank), memory_limit=memory_limit,
-                           agent_store=agent_store),
+                           agent_store=agent_store, probe=probe),
             log_dir=rank_dir, redirect=opts.redirects.for_rank(local_rank), tee=opts.tee.for_rank(local_rank),
             echo=opts.local_ranks_filter is None or local_rank in opts.local_ranks_filter,
             prefix=prefix, prefix_all=opts.log_line_prefix is not None,
             dup_stdout=opts.dup_stdout, dup_stderr=opts.dup_stderr, attempt_dir=base, stdin_tty=stdin_tty,
-            heartbeat=opts.hang_timeout > 0, cpu_affinity=(cpu_affinity or {}).get(local_rank)))
+            probe=probe, cpu_affinity=(cpu_affinity or {}).get(local_rank)))
     return launches

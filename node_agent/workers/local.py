@@ -13,19 +13,20 @@ import tempfile
 from collections.abc import Callable, Mapping
 from typing import Protocol
 
-from node_agent.core.facts import NodeChecked, Put, SpawnFailed, Stage, WorkersExited, WorkersHung
-from node_agent.core.hangwatch import HangWatch
+from node_agent.core.facts import NodeChecked, Put, SpawnFailed, Stage, WorkersExited
 from node_agent.settings import WorkerSettings
 from node_agent.sources import start_source
 from node_agent.workers.environment import common_env, worker_argv
-from node_agent.workers.failures import exit_failure, hang_failure, spawn_failure, store_failure
+from node_agent.workers.failures import early_exits, exit_failure, spawn_failure, store_failure
 from node_agent.workers.group import WorkerGroup
 from node_agent.workers.launch import STORE_RANK, WorkerLaunch, build_launches, make_run_dir, store_launch
 from node_agent.workers.memory import MemoryDirs
 from node_agent.workers.process import WorkerExit, WorkerSpawnError
+from node_agent.workers.progress import ProbeRoot
+from node_agent.workers.progress_watch import ProgressWatch
 from node_agent.workers.warm.client import WarmZygote
 from node_agent.workers.warm.eligible import entry_imports, imports_any, script_dir
-from protocol.messages import Assignment, UnhealthyKind
+from protocol.messages import Assignment, ProgressNote, UnhealthyKind
 
 WARM_WAIT_S = 60.0   # a zygote importing longer than this (a hung file system?) lets the round start cold
 
@@ -50,21 +51,24 @@ class Group(Protocol):
 
     def exits(self) -> list[WorkerExit]: ...
 
+    def pid_of(self, local_rank: int) -> int | None: ...
+
     def send_signal(self, sig: int) -> None: ...
 
     async def stop(self, sig: int = signal.SIGTERM) -> None: ...
 
 
 class GroupFactory(Protocol):
-    def __call__(self, launches: list[WorkerLaunch], *, stop_timeout: float,
-                 on_beat: Callable[[int], None] | None) -> Group: ...
+    def __call__(self, launches: list[WorkerLaunch], *, stop_timeout: float) -> Group: ...
 
 
 class LocalWorkers:
     def __init__(self, opts: WorkerSettings, put: Put, *, hostname: str,
                  clock: Callable[[], float], make_group: GroupFactory | None = None,
-                 say: Callable[[str], None] = lambda _: None) -> None:
+                 say: Callable[[str], None] = lambda _: None, detect_stalls: bool = True) -> None:
+        """`detect_stalls`: examine ranks that stop stepping and report them (the job's hang detection)."""
         self.opts = opts
+        self._detect_stalls = detect_stalls
         self._put = put
         self._hostname = hostname
         self._clock = clock
@@ -87,14 +91,15 @@ class LocalWorkers:
         self.stuck_pids: list[int] = []      # workers that outlived SIGKILL (the node is unhealthy)
         self._round = -1
         self._watchers: list[asyncio.Task[None]] = []
-        self._hangs = HangWatch(opts.hang_timeout) if opts.hang_timeout > 0 else None
-        self._first_beat = asyncio.Event()
+        self.progress: ProgressWatch | None = None    # the round's (kept after its workers end: its last note)
+        if opts.no_python:
+            say("--no-python: the program gets no progress probe, so no steps, no hang detection, no goodput")
         self._tmp_root: str | None = None   # logs' home when the CLI made no run directory (tests)
         self.memory = MemoryDirs(opts.job_id, opts.nproc, opts.memory_dir_limit, say=say)
+        self.probes = ProbeRoot()
 
-    def _process_group(self, launches: list[WorkerLaunch], *, stop_timeout: float,
-                       on_beat: Callable[[int], None] | None) -> Group:
-        return WorkerGroup(launches, stop_timeout=stop_timeout, on_beat=on_beat, kill_timeout=self.opts.kill_timeout,
+    def _process_group(self, launches: list[WorkerLaunch], *, stop_timeout: float) -> Group:
+        return WorkerGroup(launches, stop_timeout=stop_timeout, kill_timeout=self.opts.kill_timeout,
                            warm=self.warm, warm_wait_s=self._warm_wait_s, store=self._round_store)
 
     def warm_up(self) -> None:
@@ -115,17 +120,15 @@ class LocalWorkers:
             launches = build_launches(a, opts, run_dir=run_dir, hostname=self._hostname, stdin_tty=os.isatty(0),
                                       memory_dirs=self.memory.dirs(a.local_world_size),
                                       memory_limit=self.memory.rank_limit, cpu_affinity=self.cpu_affinity,
-                                      agent_store=self.agent_store)
+                                      agent_store=self.agent_store, probes=self.probes)
             self._round_store = (store_launch(a, worker_argv(opts)[0], run_dir=run_dir)
                                  if self.agent_store and a.group_rank == 0 else None)
         except OSError as exc:   # no room for the workers' directories: they cannot start
             self._spawn_failed(a.round_id, exc, a.rank_offset, 0, opts.script)
             return
-        if self._hangs is not None:
-            self._hangs.reset()
-        group = self._make_group(launches, stop_timeout=opts.stop_timeout,
-                                 on_beat=self._on_beat if self._hangs is not None else None)
+        group = self._make_group(launches, stop_timeout=opts.stop_timeout)
         self.group, self._round = group, a.round_id
+        self.progress = self._progress_watch(group, a.round_id)
         if self.warm is not None and self._warm_wait_s > 0 and self.warm.coming:
             # Not awaited: a signal, a new round or the lease must not wait on the zygote's imports.
             self._starting = start_source(self._start(group, a.round_id), self._put)
@@ -149,8 +152,8 @@ class LocalWorkers:
         if group.warm_pids:
             self._say(f"{len(group.warm_pids)} of {len(launches)} workers started warm")
         self._watchers.append(start_source(self._watch_exits(group, round_id), self._put))
-        if self._hangs is not None:
-            self._watchers.append(start_source(self._watch_hangs(group, self._hangs, round_id), self._put))
+        if self.progress is not None and self.progress.round.round_id == round_id:
+            self._watchers.append(start_source(self.progress.run(self._put), self._put))
 
     async def stop(self, signum: int = signal.SIGTERM) -> None:
         """Stop the running group, if any (up to --stop-timeout, then SIGKILL)."""
@@ -179,6 +182,9 @@ class LocalWorkers:
         if self.warm is not None:
             await self.warm.close()
         self.memory.close()   # the job ended or the node leaves: its snapshots go with it
+        if self.progress is not None:
+            self.progress.close()
+        self.probes.close()
         if self._tmp_root is not None and self.opts.log_dir is None:
             shutil.rmtree(os.path.dirname(self._tmp_root), ignore_errors=True)
 
@@ -198,35 +204,34 @@ class LocalWorkers:
         failures = tuple(store_failure(e, rank=first, host=host, node_id=node) if e.local_rank == STORE_RANK
                          else exit_failure(e, host=host, node_id=node)
                          for e in exits if e.exitcode != 0 or e.local_rank == STORE_RANK)
+        if failures:
+            earliest = min(failures, key=lambda f: f.timestamp)
+            failures = (*early_exits(group.exits(), earliest, host=host, node_id=node),
+                        *failures)
         if not failures:   # all done: nothing is left to hang
             for task in self._watchers:
                 if task is not asyncio.current_task():
                     task.cancel()
         self._put(WorkersExited(round_id, failures))
 
-    def _on_beat(self, local_rank: int) -> None:
-        assert self._hangs is not None
-        self._hangs.beat(local_rank, self._clock())
-        self._first_beat.set()
+    def _progress_watch(self, group: Group, round_id: int) -> ProgressWatch | None:
+        """The round's progress watch, over the workers that have a probe (none: --no-python)."""
+        if self.progress is not None:
+            self.progress.close()
+        ranks = {launch.local_rank: (launch.rank, launch.probe) for launch in group.launches
+                 if launch.probe is not None}
+        if not ranks:
+            return None
 
-    async def _watch_hangs(self, group: Group, watch: HangWatch, round_id: int) -> None:
-        """Sleep until the watch's next deadline; report the ranks that stopped beating."""
-        while True:
-            if watch.next_deadline() is None:   # no rank has beaten yet (or all exited)
-                self._first_beat.clear()
-                await self._first_beat.wait()
-                continue
-            for exited in group.exits():
-                watch.forget(exited.local_rank)   # a rank that finished is not hung
-            now = self._clock()
-            overdue = watch.overdue(now)
-            if overdue:
-                launches = {launch.local_rank: launch for launch in group.launches}
-                self._put(WorkersHung(round_id, tuple(
-                    hang_failure(launches[lr], silent_s=now - watch.last_beat[lr],
-                                 hang_timeout_s=watch.timeout_s, host=self._hostname, node_id=self.opts.node_id)
-                    for lr in overdue)))
-                return
-            deadline = watch.next_deadline()
-            if deadline is not None:
-                await asyncio.sleep(max(0.0, deadline - self._clock()))   # the watch's deadline, not a poll
+        def exit_of(local_rank: int) -> int | None:
+            return next((e.exitcode for e in group.exits() if e.local_rank == local_rank), None)
+        return ProgressWatch(round_id, ranks, detect=self._detect_stalls, pid_of=group.pid_of, exit_of=exit_of,
+                             warn=self._say)
+
+    def progress_note(self, round_id: int) -> ProgressNote | None:
+        """The round's progress so far, for the next request to the server (None: not this round's, no probe)."""
+        watch = self.progress
+        if watch is None or watch.round.round_id != round_id:
+            return None
+        watch.look()
+        return watch.note()

@@ -17,12 +17,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from node_agent.heartbeat import ENV_FD as HEARTBEAT_ENV
 from node_agent.workers.deathsig import child_setup
 from node_agent.workers.deathsig import prctl as _prctl
 from node_agent.workers.deathsig import preexec as _child_setup
 from node_agent.workers.launch import WorkerLaunch
 from node_agent.workers.output import STREAMS, Console, LinePump, Sink, open_sink, pump
+from node_agent.workers.progress import cold_env
 from node_agent.workers.warm.client import WarmProcess, WarmZygote
 from node_agent.workers.warm.eligible import warm_launch
 
@@ -68,17 +68,15 @@ def signal_name(exitcode: int) -> str:
 class Worker:
     """One child process, from its start to its reaping. Not reusable."""
 
-    def __init__(self, launch: WorkerLaunch, *, console: Console, on_beat: Callable[[int], None] | None = None,
+    def __init__(self, launch: WorkerLaunch, *, console: Console,
                  on_exit: Callable[[WorkerExit], None] | None = None, warm: WarmZygote | None = None) -> None:
         self.launch = launch
         self._warm = warm                # start from this zygote when it can (else cold)
         self.warm = False                # this worker was forked by the zygote
         self._console = console
-        self._on_beat = on_beat          # called with the local rank on each heartbeat byte
         self._on_exit = on_exit          # called once, when the process has been reaped
         self._proc: ChildProcess | None = None
         self.group_alive = False         # its process group may still have members (the worker's children)
-        self._heartbeat_fd = -1
         self._pumps: list[LinePump] = []
         self._transports: list[asyncio.BaseTransport] = []
         self.reaper: asyncio.Task[WorkerExit] | None = None
@@ -101,7 +99,6 @@ class Worker:
         sinks: list[Sink] = []
         fds: list[int] = []
         env = launch.env
-        hb_r = hb_w = -1
         ends: list[tuple[int, int]] = []   # per stream: (our end to read, or -1; the worker's end)
         try:
             for stream, std in STREAMS:
@@ -113,19 +110,13 @@ class Worker:
                     r, w = os.pipe()
                     fds += (r, w)
                     ends.append((r, w))
-            if launch.heartbeat and self._on_beat is not None:
-                hb_r, hb_w = os.pipe()
-                fds += (hb_r, hb_w)
-                os.set_blocking(hb_w, False)   # a worker must never block on its heartbeat
-                env = {**env, HEARTBEAT_ENV: str(hb_w)}
-            self._proc = await self._start_warm(ends[0][1], ends[1][1], hb_w)
+            self._proc = await self._start_warm(ends[0][1], ends[1][1])
             self.warm = self._proc is not None
             if self._proc is None:
                 self._proc = await asyncio.create_subprocess_exec(
-                    *launch.argv, env=env, stdin=None if launch.stdin_tty else subprocess.DEVNULL,
+                    *launch.argv, env=cold_env(env), stdin=None if launch.stdin_tty else subprocess.DEVNULL,
                     stdout=ends[0][1], stderr=ends[1][1], start_new_session=True,
-                    preexec_fn=_child_setup(os.getpid(), _prctl(), launch.cpu_affinity),
-                    pass_fds=(hb_w,) if hb_w >= 0 else ())
+                    preexec_fn=_child_setup(os.getpid(), _prctl(), launch.cpu_affinity))
         except BaseException:
             for fd in fds:
                 os.close(fd)
@@ -136,9 +127,6 @@ class Worker:
         for r, w in ends:
             if r >= 0:
                 os.close(w)   # the child has its copy; ours would keep the pipe from ever ending
-        if hb_w >= 0:
-            os.close(hb_w)
-            self._watch_heartbeat(hb_r)
         self.reaper = asyncio.create_task(self._reap(self._proc))
         for (r, _), sink in zip(ends, sinks, strict=True):
             if r >= 0:
@@ -146,16 +134,16 @@ class Worker:
                 self._transports.append(transport)
                 self._pumps.append(line_pump)
 
-    async def _start_warm(self, stdout: int, stderr: int, heartbeat: int) -> ChildProcess | None:
+    async def _start_warm(self, stdout: int, stderr: int) -> ChildProcess | None:
         """Fork the worker from the warm zygote; None when it must start cold (see warm/client.py)."""
         if self._warm is None or not self._warm.ready:
             return None
-        plan = warm_launch(self.launch, self._warm.python, heartbeat_fd=heartbeat)
+        plan = warm_launch(self.launch, self._warm.python)
         if plan is None:
             return None
         stdin = 0 if self.launch.stdin_tty else os.open(os.devnull, os.O_RDONLY)
         try:
-            return await self._warm.spawn(plan, [stdin, stdout, stderr, *([heartbeat] if heartbeat >= 0 else [])])
+            return await self._warm.spawn(plan, [stdin, stdout, stderr])
         finally:
             if stdin != 0:
                 os.close(stdin)
@@ -208,30 +196,3 @@ class Worker:
         """Stop reading the worker's streams, keeping what was read."""
         for transport in self._transports:
             transport.close()
-
-    def _watch_heartbeat(self, fd: int) -> None:
-        os.set_blocking(fd, False)
-        self._heartbeat_fd = fd
-        loop = asyncio.get_running_loop()
-        local_rank = self.launch.local_rank
-
-        def readable() -> None:
-            try:
-                data = os.read(fd, 4096)
-            except BlockingIOError:
-                return
-            except OSError:
-                data = b""
-            if not data:            # the worker (and every copy of its end) is gone
-                loop.remove_reader(fd)
-                return
-            if self._on_beat is not None:
-                self._on_beat(local_rank)
-
-        loop.add_reader(fd, readable)
-
-    def close_heartbeat(self) -> None:
-        if self._heartbeat_fd >= 0:
-            asyncio.get_running_loop().remove_reader(self._heartbeat_fd)
-            os.close(self._heartbeat_fd)
-            self._heartbeat_fd = -1

@@ -28,6 +28,9 @@ class EventKind(str, enum.Enum):
     SERVER_RESTARTED = "server_restarted"
     LEASES_EXTENDED = "leases_extended"    # the server heard from no agent for a while: its fault, not theirs
     MASTER_ADDR_CORRECTED = "master_addr_corrected"   # rank 0 advertised loopback on a multi-host round
+    HANG_DETECTED = "hang_detected"        # ranks waited on one that stalled: the round fails, that rank the cause
+    NODE_SLOW = "node_slow"                # the other nodes wait on it (core/slow.py)
+    NODE_PACE_OK = "node_pace_ok"          # no longer slow
 
 
 class RoundCause(str, enum.Enum):
@@ -35,6 +38,7 @@ class RoundCause(str, enum.Enum):
     START = "start"
     SCALE_UP = "scale_up"
     FAILURE = "failure"
+    HANG = "hang"
     NODE_LOST = "node_lost"
     NODE_LEFT = "node_left"
     NODE_UNHEALTHY = "node_unhealthy"

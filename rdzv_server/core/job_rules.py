@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from protocol.errors import ErrorCode
 from protocol.messages import JobState, LeaveRequest, NodeState, PollRequest
-from rdzv_server.core import credentials, leases
+from rdzv_server.core import credentials, goodput, leases
 from rdzv_server.core.errors import RendezvousError
 from rdzv_server.core.events import REMOVAL_CAUSE, EventKind, RoundCause
 from rdzv_server.core.outbox import Outbox
@@ -155,6 +155,8 @@ class JobRules:
         job.successes = []
         self.wake()
         if len(chosen) < cfg.min_nodes:
+            if job.round is not None:
+                goodput.round_ended(job.progress, cause.value)
             if job.round is not None or job.state != JobState.WAITING:
                 self.record(now, EventKind.ROUND_ABANDONED, f"{why}; {count_nodes(chosen)} < min "
                             f"{cfg.min_nodes}: waiting for nodes", data=RoundWaiting(cause=cause.value))
@@ -183,6 +185,7 @@ class JobRules:
             job.nodes[nid].state = NodeState.SPARE
         job.forming_since = job.join_deadline = None
         job.reason = why
+        goodput.round_formed(job.progress, job.round.round_id, cause.value)
         data = RoundFormed(nodes=len(chosen), world_size=job.round.world_size, reason=why, cause=cause.value,
                            formation_s=round(now - opened, 6), promoted=promoted,
                            since_failure_s=round(max(0.0, now - failed_at), 6) if failed_at else None)

@@ -53,7 +53,7 @@ def apply(rules: JobRules, action: OperatorAction, now: float) -> None:
             resize(rules, min_nodes, max_nodes, now)
 
 
-def drain(rules: JobRules, node_id: str, reason: str, now: float) -> None:
+def drain(rules: JobRules, node_id: str, reason: str, now: float, by: str = "operator") -> None:
     """Take a node out of the job until its drain is cleared. A member's going re-forms the round at once
     without using the restart budget, as a leave would; its agent sees the node gone and exits."""
     job = rules.job
@@ -62,10 +62,10 @@ def drain(rules: JobRules, node_id: str, reason: str, now: float) -> None:
     node = job.nodes.get(node_id)
     if node is None:    # lost or not yet joined: it may not (re)join
         rules.wake()
-        rules.record(now, EventKind.NODE_DRAINED, f"node {node_id} (not in the job now) drained by operator: {why}",
+        rules.record(now, EventKind.NODE_DRAINED, f"node {node_id} (not in the job now) drained by {by}: {why}",
                      node_id)
         return
-    rules.remove(node, now, EventKind.NODE_DRAINED, f"node {node_id} drained by operator: {why}")
+    rules.remove(node, now, EventKind.NODE_DRAINED, f"node {node_id} drained by {by}: {why}")
 
 
 def clear_exclusion(rules: JobRules, node_id: str, now: float) -> None:

@@ -60,7 +60,25 @@ class NodeUnhealthy(msgspec.Struct, kw_only=True):
     host: str
 
 
-Payload = RoundFormed | RoundWaiting | WorkerFailed | WorkersFailed | JobResized | LeasesExtended | NodeUnhealthy
+class RankWas(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """One rank of a hang, as its node saw it (a RankState value; its main thread's frames, innermost first)."""
+    rank: int
+    node_id: str
+    state: str
+    stalled_s: float
+    where: str = ""
+    stack: str = ""
+
+
+class HangDetected(msgspec.Struct, kw_only=True):
+    """hang_detected: the culprit rank, whether the hard cap decided, and every rank reported."""
+    culprit: int
+    capped: bool
+    ranks: list[RankWas]
+
+
+Payload = (RoundFormed | RoundWaiting | WorkerFailed | WorkersFailed | JobResized | LeasesExtended | NodeUnhealthy
+           | HangDetected)
 
 _TYPES: dict[EventKind, tuple[type[Payload], ...]] = {
     EventKind.ROUND_COMPLETED: (RoundFormed,),
@@ -69,6 +87,7 @@ _TYPES: dict[EventKind, tuple[type[Payload], ...]] = {
     EventKind.JOB_RESIZED: (JobResized,),
     EventKind.LEASES_EXTENDED: (LeasesExtended,),
     EventKind.NODE_UNHEALTHY: (NodeUnhealthy,),
+    EventKind.HANG_DETECTED: (HangDetected,),
 }
 
 

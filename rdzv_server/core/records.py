@@ -9,6 +9,7 @@ import msgspec
 
 from protocol.messages import Assignment, JobConfig, JobState, NodeState, WorkerFailure
 from rdzv_server.core.events import EventKind
+from rdzv_server.core.goodput import JobProgress
 
 MAX_EVENTS_PER_JOB = 1000
 
@@ -101,6 +102,7 @@ class JobRecord(msgspec.Struct, kw_only=True):
     epoch: int = 0                             # bumped when any node's assignment view may change
     event_seq: int = 0
     events: list[Event] = msgspec.field(default_factory=list)
+    progress: JobProgress = msgspec.field(default_factory=JobProgress)   # steps, restarts' costs (goodput.py)
 
     def events_after(self, seq: int) -> list[Event]:
         """The kept events newer than `seq` (seqs are consecutive, so no scan of the history)."""

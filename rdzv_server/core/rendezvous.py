@@ -22,15 +22,18 @@ from protocol.messages import (
     LeaveRequest,
     NodeStatus,
     PollRequest,
+    ProgressNote,
+    StallReport,
     SuccessReport,
 )
-from rdzv_server.core import admission, operator_rules, reports
+from rdzv_server.core import admission, operator_rules, progress_rules, reports
 from rdzv_server.core.errors import RendezvousError
 from rdzv_server.core.events import EventKind
 from rdzv_server.core.job_rules import JobRules
 from rdzv_server.core.leases import OUTAGE_LIMIT_S, QUIET_S, SUSPECT_QUIET_S, Hearing, ReturnWave, extend
 from rdzv_server.core.outbox import Outbox
 from rdzv_server.core.payloads import LeasesExtended
+from rdzv_server.core.progress_rules import JobWatch
 from rdzv_server.core.records import JobRecord
 from rdzv_server.core.rounds import deadlines, node_status
 from rdzv_server.core.unhealthy import DEFAULT_HOLD_S, UnhealthyHosts
@@ -69,6 +72,7 @@ class Rendezvous:
         self._quiet_noted: set[str] = set()   # jobs told of the server's silence since it last heard
         self.silence: tuple[float, float] | None = None   # the last silence of SUSPECT_QUIET_S or more that ended
         self._waves: dict[str, ReturnWave] = {}            # per job: its nodes coming back since that silence
+        self.watches: dict[str, JobWatch] = {}            # per job: stall reports, nodes' paces (memory only)
         # Finished jobs by end time, a heap: forgetting one is never a scan; stale entries are skipped.
         self._ended: list[tuple[float, str]] = [(j.finished_at or 0.0, j.job_id) for j in self.jobs.values()
                                                 if j.state.finished]
@@ -155,7 +159,8 @@ class Rendezvous:
         `connection_dropped` stops it: meanwhile the connection is the lease."""
         rules = self.rules(job_id)
         self.heard(now)
-        rules.poll(req, now, hold)
+        rules.poll(req, now, hold)           # checks the node's credential first
+        self._noted(rules, req.node_id, req.progress, now)
         return node_status(rules.job, req.node_id, now)
 
     def hold_poll(self, job_id: str, req: PollRequest, now: float) -> NodeStatus:
@@ -173,14 +178,33 @@ class Rendezvous:
         rules = self.rules(job_id)
         self.heard(now)
         with self._counting(rules.job):          # a suspect peer may be lost
+            if req.progress is not None and rules.job.round is not None and req.round_id == rules.job.round.round_id:
+                reports.checked_failure(rules, req)
+                self._noted(rules, req.node_id, req.progress, now)    # the round's last steps, before it ends
             why_not = reports.failure(rules, req, now)
         return node_status(rules.job, req.node_id, now, accepted=not why_not, reason=why_not)
 
     def report_success(self, job_id: str, req: SuccessReport, now: float) -> NodeStatus:
         rules = self.rules(job_id)
         self.heard(now)
-        why_not = reports.success(rules, req, now)
+        why_not = reports.success(rules, req, now)       # checks the node's credential first
+        self._noted(rules, req.node_id, req.progress, now)
         return node_status(rules.job, req.node_id, now, accepted=not why_not, reason=why_not)
+
+    def report_stall(self, job_id: str, req: StallReport, now: float) -> NodeStatus:
+        rules = self.rules(job_id)
+        self.heard(now)
+        with self._counting(rules.job):          # a suspect peer may be lost
+            why_not = progress_rules.stalled(rules, self.watch(job_id), req, now)
+        return node_status(rules.job, req.node_id, now, accepted=not why_not, reason=why_not)
+
+    def watch(self, job_id: str) -> JobWatch:
+        return self.watches.setdefault(job_id, JobWatch())
+
+    def _noted(self, rules: JobRules, node_id: str, note: ProgressNote | None, now: float) -> None:
+        if note is not None:
+            with self._counting(rules.job):      # a slow node may be drained
+                progress_rules.noted(rules, self.watch(rules.job.job_id), node_id, note, now)
 
     def leave(self, job_id: str, req: LeaveRequest, now: float) -> NodeStatus:
         rules = self.rules(job_id)
@@ -288,6 +312,7 @@ class Rendezvous:
                 oldest_first -= 1
             heapq.heappop(self._ended)
             del self.jobs[job.job_id]
+            self.watches.pop(job.job_id, None)
             self._waves.pop(job.job_id, None)
             self.node_count -= len(job.nodes)
             self.outbox.pruned.add(job.job_id)

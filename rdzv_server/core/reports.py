@@ -22,12 +22,7 @@ MAX_FAILURE_EVENTS = 8       # worker_failed events one report records; the rest
 def failure(rules: JobRules, req: FailureReport, now: float) -> str:
     """Count a failure of the running round; returns why it was not acted on ("" when it was)."""
     job = rules.job
-    node = rules.node(req.node_id)
-    credentials.verify(node, req.credential)        # first: a forger learns nothing of the node
-    wrong = [f.local_rank for f in req.failures if f.local_rank >= node.local_world_size]
-    if wrong or len(req.failures) > node.local_world_size:
-        raise RendezvousError(ErrorCode.BAD_REQUEST, f"the report names {len(req.failures)} failure(s) and local "
-                              f"rank(s) {wrong[:5]}, but node {node.node_id} runs {node.local_world_size} workers")
+    node = checked_failure(rules, req)
     credentials.proven(node)
     leases.renew(job, node, now)
     failures = sorted((_stamp(f, node, now) for f in req.failures), key=lambda f: f.timestamp)
@@ -39,6 +34,25 @@ def failure(rules: JobRules, req: FailureReport, now: float) -> str:
             job.root_cause = failures[0]
             rules.changed()
         return why_not
+    return fail_round(rules, node, req.round_id, failures, now)
+
+
+def checked_failure(rules: JobRules, req: FailureReport) -> NodeRecord:
+    """The reporting node, once its credential and the report's local ranks hold (a refusal changes nothing)."""
+    node = rules.node(req.node_id)
+    credentials.verify(node, req.credential)        # first: a forger learns nothing of the node
+    wrong = [f.local_rank for f in req.failures if f.local_rank >= node.local_world_size]
+    if wrong or len(req.failures) > node.local_world_size:
+        raise RendezvousError(ErrorCode.BAD_REQUEST, f"the report names {len(req.failures)} failure(s) and local "
+                              f"rank(s) {wrong[:5]}, but node {node.node_id} runs {node.local_world_size} workers")
+    return node
+
+
+def fail_round(rules: JobRules, node: NodeRecord, round_id: int, failures: list[WorkerFailure], now: float,
+               cause: RoundCause = RoundCause.FAILURE) -> str:
+    """The running round failed on `node` (`failures` first in time): a restart counted, or the job's end past
+    the budget; returns why it was not (a lost member is the likelier cause)."""
+    job = rules.job
     # A member that just dropped or lapsed is the likelier cause (its peers' collectives then break): lost first.
     suspects = [n for n in rules.members() if n != node.node_id and n in job.nodes
                 and not leases.live(job.nodes[n], now)]
@@ -46,16 +60,16 @@ def failure(rules: JobRules, req: FailureReport, now: float) -> str:
         rules.lose_all([job.nodes[n] for n in suspects], now)
         return f"failure attributed to the loss of {', '.join(suspects)}"
     first = failures[0]
-    job.root_cause, job.root_cause_round, job.last_failure = first, req.round_id, first
+    job.root_cause, job.root_cause_round, job.last_failure = first, round_id, first
     job.restart_count += 1
     for f in failures[:MAX_FAILURE_EVENTS]:
-        rules.record(now, EventKind.WORKER_FAILED, describe(f), node.node_id, req.round_id,
+        rules.record(now, EventKind.WORKER_FAILED, describe(f), node.node_id, round_id,
                     WorkerFailed(rank=f.rank, local_rank=f.local_rank, exitcode=f.exitcode, signal=f.signal,
                                  reason=f.reason, host=f.host, message=f.message))
     rest = failures[MAX_FAILURE_EVENTS:]
     if rest:       # one line for the rest: a node of many workers must not flood the history
         rules.record(now, EventKind.WORKER_FAILED, f"and {len(rest)} more worker(s) of node {node.node_id} "
-                    f"failed in round {req.round_id}", node.node_id, req.round_id,
+                    f"failed in round {round_id}", node.node_id, round_id,
                     WorkersFailed(count=len(rest), reason=rest[0].reason))
     node.failure_times = [t for t in node.failure_times if t > now - job.config.exclude_window_s] + [now]
     rules.node_changed(node.node_id)
@@ -65,10 +79,11 @@ def failure(rules: JobRules, req: FailureReport, now: float) -> str:
                     f"root cause: {describe(job.root_cause or first)}")
         return ""
     rules.out.restarts.append(job.job_id)
-    why = f"worker failure on {node.node_id} ({describe(first)}); restart {job.restart_count}/{cfg.max_restarts}"
+    what = "hang" if cause is RoundCause.HANG else "worker failure"
+    why = f"{what} on {node.node_id} ({describe(first)}); restart {job.restart_count}/{cfg.max_restarts}"
     if cfg.exclude_after and len(node.failure_times) >= cfg.exclude_after:
         rules.exclude(node, now)
-    rules.form_round(now, why, RoundCause.FAILURE, failed_at=first.timestamp)
+    rules.form_round(now, why, cause, failed_at=first.timestamp)
     return ""
 
 

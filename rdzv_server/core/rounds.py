@@ -160,6 +160,6 @@ def describe(f: WorkerFailure) -> str:
     """One line for a failed worker: rank, host, how it ended, its message (line breaks escaped: the
     line becomes the job's reason, which agents print and refusals quote)."""
     how = f"signal {f.signal}" if f.signal else f"exit code {f.exitcode}"
-    what = f"{f.reason}, {how}" if f.reason and f.reason != "exited" else how
+    what = f.reason if f.reason == "hang" else f"{f.reason}, {how}" if f.reason and f.reason != "exited" else how
     text = f"rank {f.rank} (local {f.local_rank}) on {f.host or f.node_id}: {what}"
     return f"{text}: {one_line(f.message)}" if f.message else text

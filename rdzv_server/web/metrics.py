@@ -6,6 +6,7 @@ share a process. State is read at scrape time from the core; history is counted 
 from __future__ import annotations
 
 import asyncio
+import heapq
 import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable
@@ -22,8 +23,16 @@ from protocol.messages import JobState, NodeState, UnhealthyKind
 from rdzv_server.coordinator import Coordinator
 from rdzv_server.core.events import EventKind, RoundCause
 from rdzv_server.core.outbox import Outbox
-from rdzv_server.core.payloads import NodeUnhealthy, RoundFormed, WorkerFailed, WorkersFailed, payload_of
+from rdzv_server.core.payloads import (
+    HangDetected,
+    NodeUnhealthy,
+    RoundFormed,
+    WorkerFailed,
+    WorkersFailed,
+    payload_of,
+)
 from rdzv_server.core.records import Event
+from rdzv_server.web.views import progress
 
 # No `*_created` series: they double the output and no dashboard here reads them (process-wide switch).
 prometheus_client.disable_created_metrics()   # type: ignore[no-untyped-call]  # untyped in the library
@@ -34,12 +43,15 @@ log = logging.getLogger("rdzv_server")
 ROUND_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0)
 # 1 ms .. 30 s: a long-poll answers after at most its wait_s (<= half the lease).
 HTTP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0)
-FAILURE_REASONS = ("exited", "hang", "spawn failed")
-LOSS_CAUSES = (RoundCause.FAILURE.value, RoundCause.NODE_LOST.value)
+FAILURE_REASONS = ("exited", "exited early", "hang", "spawn failed", "store exited", "fenced")
+LOSS_CAUSES = (RoundCause.FAILURE.value, RoundCause.HANG.value, RoundCause.NODE_LOST.value)
 CAUSES = tuple(c.value for c in RoundCause)
 METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
 NODE_STATES = tuple(s for s in NodeState if s != NodeState.GONE)
 UNHEALTHY_KINDS = tuple(k.value for k in UnhealthyKind)
+# Per-job series (a `job` label) for at most this many unfinished jobs, the first by id: a server holds up to
+# thousands of jobs, and a scrape's size must not grow with them (rdzv_job_series_omitted counts the rest).
+MAX_JOB_SERIES = 100
 
 
 class StateCollector(Collector):
@@ -86,6 +98,45 @@ class StateCollector(Collector):
                               lag.max_s if lag is not None else 0.0)]
 
 
+class JobCollector(Collector):
+    """Each unfinished job's training progress, read at scrape time through the same view the status page shows
+    (web/views.py), so both agree. Jobs that never stepped have no progress series: no signal is not 0 steps/s,
+    and a ratio of nothing would be NaN."""
+
+    def __init__(self, coordinator: Coordinator) -> None:
+        self.coordinator = coordinator
+
+    def collect(self) -> Iterable[Metric]:
+        now = self.coordinator.clock()
+        unfinished = [job for job in self.coordinator.core.jobs.values() if not job.state.finished]
+        shown = heapq.nsmallest(MAX_JOB_SERIES, unfinished, key=lambda job: job.job_id)
+        steps = GaugeMetricFamily("rdzv_job_steps", "Training steps a job took, every round together (jobs whose "
+                                  "workers report progress).", labels=["job"])
+        pace = GaugeMetricFamily("rdzv_job_steps_per_second", "A job's steps per second lately (the median "
+                                 "member's; 0 while a restart is under way).", labels=["job"])
+        ratio = GaugeMetricFamily("rdzv_job_effective_training_ratio", "A job's effective training time ratio: "
+                                  "the time since its first step less the time restarts cost (the one under way "
+                                  "too), over the time since its first step (0..1).", labels=["job"])
+        lost = GaugeMetricFamily("rdzv_job_restart_lost_seconds", "Time a job lost to restarts done: from the last "
+                                 "step before each to the first step after it.", labels=["job"])
+        slow = GaugeMetricFamily("rdzv_slow_nodes", "Members of a job named slow now (the other nodes wait on them).",
+                                 labels=["job"])
+        for job in shown:
+            view = progress(job, now)
+            slow.add_metric([job.job_id], len(view.slow_nodes))
+            if not view.signal:
+                continue
+            steps.add_metric([job.job_id], view.steps)
+            pace.add_metric([job.job_id], view.steps_per_s)
+            if view.ettr is not None:
+                ratio.add_metric([job.job_id], view.ettr)
+            lost.add_metric([job.job_id], view.lost_s)
+        return [steps, pace, ratio, lost, slow,
+                GaugeMetricFamily("rdzv_job_series_omitted", f"Unfinished jobs left out of the per-job series "
+                                  f"(at most {MAX_JOB_SERIES} jobs have them, the first by id).",
+                                  len(unfinished) - len(shown))]
+
+
 class ConnectionCollector(Collector):
     """The connection guard's refusals and evictions (rdzv-server only: an app alone has no guard)."""
 
@@ -108,14 +159,18 @@ class ServerMetrics:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         r.register(StateCollector(coordinator))
+        r.register(JobCollector(coordinator))
         self.rounds = Counter("rdzv_rounds_total", "Rounds formed, by cause (what triggered the round).",
                               ["cause"], registry=r)
         self.restarts = Counter(
             "rdzv_restarts_total", "Restarts after a worker failure: one per accepted failure report "
             "(job-wide restart count + 1). The report that exhausts max_restarts fails the job instead "
             "and is not counted (see rdzv_jobs{state=\"failed\"}).", registry=r)
-        self.worker_failures = Counter("rdzv_worker_failures_total", "Failed workers reported by agents, "
-                                       "by reason (exited, hang, spawn failed, other).", ["reason"], registry=r)
+        self.worker_failures = Counter("rdzv_worker_failures_total", "Failed workers, by reason (the agents' "
+                                       "exited, exited early, spawn failed, store exited, fenced; the server's hang; "
+                                       "other).", ["reason"], registry=r)
+        self.hangs = Counter("rdzv_hangs_total", "Hangs detected: a round's ranks waited on one that stalled, and "
+                             "the round was failed with that rank as its cause.", registry=r)
         self.nodes_lost = Counter("rdzv_nodes_lost_total", "Nodes lost: lease expired, long-poll connection "
                                   "dropped, or agent restarted (nodes that leave are not counted).", registry=r)
         self.nodes_unhealthy = Counter("rdzv_nodes_unhealthy_total", "Nodes that left a job unhealthy, by "
@@ -162,6 +217,8 @@ class ServerMetrics:
                 self.worker_failures.labels(reason if reason in FAILURE_REASONS else "other").inc(max(1, count))
             case NodeUnhealthy(kind=kind):
                 self.nodes_unhealthy.labels(kind if kind in UNHEALTHY_KINDS else "other").inc()
+            case HangDetected():
+                self.hangs.inc()
         if event.kind == EventKind.NODE_LOST:
             self.nodes_lost.inc()
 

@@ -6,6 +6,7 @@ Only ordering the jobs grows with their number (one sort of small keys).
 from __future__ import annotations
 
 import itertools
+import math
 from collections import Counter
 from collections.abc import Mapping
 from operator import attrgetter
@@ -15,7 +16,7 @@ import msgspec
 from aiohttp import web
 
 from protocol.errors import ErrorCode
-from protocol.messages import JobState
+from protocol.messages import JobState, NodeState
 from protocol.quoting import quote
 from protocol.views import (
     DrainedView,
@@ -25,10 +26,13 @@ from protocol.views import (
     JobView,
     NodeCounts,
     NodeView,
+    ProgressView,
+    RestartCostView,
     StatusView,
     to_json,
 )
 from rdzv_server.core.errors import RendezvousError
+from rdzv_server.core.goodput import JobProgress
 from rdzv_server.core.records import MAX_EVENTS_PER_JOB, JobRecord, NodeRecord
 from rdzv_server.core.rendezvous import Rendezvous
 from rdzv_server.core.rounds import assignment
@@ -41,6 +45,8 @@ NODE_LIMIT = 500             # nodes per list of GET /v1/jobs/{id} unless ?node_
 NODE_LIMIT_MAX = 2000
 NODE_LISTS = ("nodes", "waiting", "spares", "excluded", "drained")
 HOSTS_LIMIT = 100            # unhealthy hosts listed at most (the oldest holds first)
+SLOW_LIMIT = 50              # slow nodes named per job at most
+MAX_TIME = 253402300799.0    # 9999-12-31T23:59:59Z: later "times" are bad data, sent as none
 
 
 def query_int(query: Mapping[str, str], name: str, default: int, *, low: int = 0, high: int | None = None,
@@ -74,7 +80,53 @@ def _member(job: JobRecord, node: NodeRecord, now: float, succeeded: set[str]) -
     if a is None:
         return _node(node, now)
     worker = "succeeded" if node.node_id in succeeded else "stopped" if job.state.finished else "running"
-    return _node(node, now, group_rank=a.group_rank, rank_offset=a.rank_offset, worker_state=worker)
+    if job.state.finished:          # an ended job's paces are history: none is sent
+        return _node(node, now, group_rank=a.group_rank, rank_offset=a.rank_offset, worker_state=worker)
+    p = job.progress
+    return _node(node, now, group_rank=a.group_rank, rank_offset=a.rank_offset, worker_state=worker,
+                 slow=node.node_id in p.slow, steps_per_s=_rate(p.rates.get(node.node_id)))
+
+
+def _rate(value: float | None) -> float | None:
+    """A steps-per-second figure as the views send it: None for none, or one a bad store made no number."""
+    return round(value, 4) if value is not None and math.isfinite(value) and value >= 0 else None
+
+
+def _seconds(value: float) -> float:
+    return round(value, 3) if math.isfinite(value) and value > 0 else 0.0
+
+
+def _time(t: float) -> str | None:
+    """A unix time as the views send it; None for none, or for one no clock shows (a bad store)."""
+    return iso(t) if math.isfinite(t) and 0 < t < MAX_TIME else None
+
+
+def progress(job: JobRecord, now: float) -> ProgressView:
+    """The job's goodput (core/goodput.py). An unfinished job's ratio counts time up to now (a restart under way
+    included); a finished one's stops at its last step, and it has no pace or slow nodes any more, nor has a job
+    waiting for nodes a pace. Never raises: a job from an old store has a default progress (no signal)."""
+    p = job.progress
+    if not p.first_step_at:
+        return ProgressView()
+    running = not job.state.finished
+    pacing = running and job.round is not None       # no round runs (waiting for nodes): the last paces are stale
+    ratio = p.ratio(now, running=running)
+    pending = p.pending
+    slow = [n for n in p.slow if (node := job.nodes.get(n)) is not None and node.state == NodeState.MEMBER]
+    return ProgressView(
+        signal=True, steps=max(0, p.steps), steps_per_s=(_rate(p.steps_per_s()) or 0.0) if pacing else 0.0,
+        ettr=round(ratio, 4) if ratio is not None and math.isfinite(ratio) else None,
+        first_step_at=_time(p.first_step_at), last_step_at=_time(p.last_step_at), lost_s=_seconds(p.lost_s),
+        restarts=max(0, p.restarts), redone=max(0, p.redone),
+        restarting_for_s=_seconds(now - pending.last_step_at) if pending is not None and running else None,
+        slow_nodes=slow[:SLOW_LIMIT] if running else [],
+        costs=[RestartCostView(round_id=c.round_id, cause=c.cause, redone=c.redone if c.redone >= 0 else None,
+                               cost_s=_seconds(c.cost_s) if c.stepped_at else None) for c in p.costs])
+
+
+def rate_points(p: JobProgress) -> list[tuple[str, float]]:
+    """The job's steps per second over time, for a picture (at most goodput.MAX_RATE_POINTS)."""
+    return [(when, rate) for t, v in p.rate_points if (when := _time(t)) and (rate := _rate(v)) is not None]
 
 
 def node_lists(job: JobRecord, now: float, offset: int, limit: int) -> dict[str, Any]:
@@ -100,24 +152,26 @@ def node_lists(job: JobRecord, now: float, offset: int, limit: int) -> dict[str,
                 lists_cut=any(len(lists[name]) < getattr(counts, name) for name in NODE_LISTS))
 
 
-def _job_head(job: JobRecord) -> dict[str, Any]:
+def _job_head(job: JobRecord, now: float) -> dict[str, Any]:
     r = job.round
     return dict(job_id=job.job_id, state=job.state.value, reason=job.reason, round_id=r.round_id if r else None,
                 min_nodes=job.config.min_nodes, max_nodes=job.config.max_nodes, world_size=r.world_size if r else 0,
                 group_world_size=len(r.members) if r else 0, restart_count=job.restart_count,
-                max_restarts=job.config.max_restarts, created_at=iso(job.created_at), finished_at=iso(job.finished_at))
+                max_restarts=job.config.max_restarts, created_at=iso(job.created_at), finished_at=iso(job.finished_at),
+                progress=progress(job, now))
 
 
 def job_summary(job: JobRecord, now: float, list_limit: int = LIST_LIMIT) -> JobView:
     """A job as the status lists it: its head, its counts, and the first `list_limit` nodes of each list."""
-    return JobView(**_job_head(job), **node_lists(job, now, 0, list_limit))
+    return JobView(**_job_head(job, now), **node_lists(job, now, 0, list_limit))
 
 
 def job_detail(job: JobRecord, now: float, node_offset: int = 0, node_limit: int = NODE_LIMIT) -> JobDetail:
-    return JobDetail(**_job_head(job), **node_lists(job, now, node_offset, node_limit),
+    return JobDetail(**_job_head(job, now), **node_lists(job, now, node_offset, node_limit),
                      node_offset=node_offset, node_limit=node_limit, config=job.config,
                      last_failure=job.last_failure, root_cause=job.root_cause,
-                     last_call_ends_in_s=round(job.last_call_deadline - now, 3) if job.last_call_deadline else None)
+                     last_call_ends_in_s=round(job.last_call_deadline - now, 3) if job.last_call_deadline else None,
+                     rate=rate_points(job.progress))
 
 
 def job_events(job: JobRecord, after: int | None = None, limit: int = MAX_EVENTS_PER_JOB) -> EventsView:

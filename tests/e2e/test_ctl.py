@@ -68,7 +68,8 @@ def test_status_events_drain_and_close_through_rdzv_ctl(cluster, tmp_path):
 
     status = ctl(cluster, "status").stdout
     header, *rows = status.splitlines()
-    assert header.split() == ["JOB", "STATE", "ROUND", "WORLD", "NODES", "RESTARTS", "SPARES", "EXCLUDED", "REASON"]
+    assert header.split() == ["JOB", "STATE", "ROUND", "WORLD", "NODES", "RESTARTS", "SPARES", "EXCLUDED", "STEPS/S",
+                              "ETTR", "REASON"]
     (row,) = [r for r in rows if r.startswith("ctljob")]
     assert row.split()[:8] == ["ctljob", "running", str(first_round), "3", "3", "(2:3)", "0/3", "0"]
     assert header.index("STATE") == row.index("running")          # columns line up

@@ -18,6 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from protocol.messages import JobState, NodeState
 from rdzv_server.coordinator import Coordinator
 from rdzv_server.store.sqlite import SqliteStore
+from rdzv_server.web import metrics
 from rdzv_server.web.app import COORDINATOR, create_app
 from rdzv_server.web.metrics import CAUSES
 from tests.integration.support import FixedLag, remember_credential, start_app, url, wait_until, with_credential
@@ -248,3 +249,60 @@ async def test_a_restarted_server_counts_only_its_own_restarts(tmp_path, http, c
         assert s["rdzv_rounds_total", {"cause": "failure"}] == 1
     finally:
         await second.close()
+
+
+def note(round_id: int, steps: int, first: float, last: float) -> dict:
+    """A progress note as an agent sends it on its polls: 20 steps in the last 10 s (2 steps per second)."""
+    return {"round_id": round_id, "probes": 2, "steps": steps, "first_step_at": first, "last_step_at": last,
+            "window_s": 10.0, "window_steps": 20, "demand": 0.5}
+
+
+async def test_each_job_has_its_progress_and_hangs_are_counted(server, http, clock):
+    cfg = dict(min_nodes=2, max_nodes=2, max_restarts=3, last_call_s=0, lease_timeout_s=1000)
+    a, b = Node(http, server, "g", "a", **cfg), Node(http, server, "g", "b", **cfg)
+    await a.join()
+    first = (await b.join())["assignment"]["round_id"]
+    await Node(http, server, "quiet", "q", min_nodes=1, max_nodes=1, lease_timeout_s=1000).join()  # never steps
+    clock.now = T0 + 50
+    for node in (a, b):
+        await node.post("poll", {"known_round": first, "wait_s": 0, "progress": note(first, 100, T0 + 1, T0 + 50)})
+    s = await scrape(http, server)
+    assert s["rdzv_job_steps", {"job": "g"}] == 100 and s["rdzv_job_steps_per_second", {"job": "g"}] == 2.0
+    assert s["rdzv_job_effective_training_ratio", {"job": "g"}] == 1.0
+    assert s["rdzv_job_restart_lost_seconds", {"job": "g"}] == 0
+    # a job that never stepped has no progress series (no signal is not 0 steps/s), only its slow-node count
+    assert s.labels_of("rdzv_job_steps", "job") == s.labels_of("rdzv_job_effective_training_ratio", "job") == {"g"}
+    assert s["rdzv_slow_nodes", {"job": "g"}] == 0 and s["rdzv_slow_nodes", {"job": "quiet"}] == 0
+    assert s["rdzv_hangs_total"] == 0 and s["rdzv_job_series_omitted"] == 0
+
+    # a hangs: its ranks wait on b's rank 3, which sits idle; the round is failed for it (a restart)
+    ranks = {n.node_id: (await n.poll(known_round=first, wait_s=0))["assignment"]["rank_offset"] for n in (a, b)}
+    clock.now = T0 + 51
+    for node, state in ((a, "waiting"), (b, "quiet")):
+        offset = ranks[node.node_id]
+        seen = [{"rank": offset, "local_rank": 0, "state": "waiting", "stalled_s": 6.0},
+                {"rank": offset + 1, "local_rank": 1, "state": state, "stalled_s": 6.0}]
+        reply = await node.post("stall", {"round_id": first, "threshold_s": 5.0, "ranks": seen})
+    assert reply["round_id"] == first + 1
+    clock.now = T0 + 61
+    for node in (a, b):          # the new round's first step at T0+61: the restart cost 11 s
+        await node.post("poll", {"known_round": first + 1, "wait_s": 0,
+                                 "progress": note(first + 1, 10, T0 + 61, T0 + 70)})
+    clock.now = T0 + 101
+    s = await scrape(http, server)
+    assert s["rdzv_hangs_total"] == 1 and s["rdzv_rounds_total", {"cause": "hang"}] == 1
+    assert s["rdzv_failure_to_round_seconds_count", {"cause": "hang"}] == 1
+    assert s["rdzv_job_steps", {"job": "g"}] == 110
+    assert s["rdzv_job_restart_lost_seconds", {"job": "g"}] == 11.0
+    assert s["rdzv_job_effective_training_ratio", {"job": "g"}] == pytest.approx((100 - 11) / 100, abs=1e-4)
+    for family in s.families.values():
+        assert family.name.startswith("rdzv_") and family.documentation, family.name
+
+
+async def test_per_job_series_are_capped(server, http, clock, monkeypatch):
+    monkeypatch.setattr(metrics, "MAX_JOB_SERIES", 2)
+    for job in ("c", "a", "d", "b"):
+        await Node(http, server, job, "n", min_nodes=1, max_nodes=1).join()
+    s = await scrape(http, server)
+    assert s.labels_of("rdzv_slow_nodes", "job") == {"a", "b"}        # the first by id, so series never flap
+    assert s["rdzv_job_series_omitted"] == 2

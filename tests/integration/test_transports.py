@@ -138,6 +138,7 @@ async def test_each_request_goes_to_the_protocols_action_for_its_type() -> None:
     await t.report_failure(1, [WorkerFailure(local_rank=0, rank=0, exitcode=1)])
     await t.report_success(1)
     await t.leave("bye")
+    await t.report_stall(1, 5.0, [])
     assert sent == list(REQUEST_TYPES.items())
     assert ACTION_OF == {cls: action for action, cls in REQUEST_TYPES.items()}
 

@@ -233,26 +233,6 @@ async def test_a_zygote_that_dies_takes_its_workers_and_is_started_anew(make_zyg
     assert (await run(["dump.py", os.path.join(workdir, "seen.json"), "0"], zygote, workdir)).warm
 
 
-async def test_a_warm_worker_beats_through_its_heartbeat_pipe(make_zygote, workdir) -> None:
-    zygote = await make_zygote()
-    (Path(workdir) / "beat.py").write_text(
-        "import os\nfrom node_agent.heartbeat import beat\nbeat()\n"
-        "print('fd', os.environ['NODE_AGENT_HEARTBEAT_FD'])\n")
-    launch = WorkerLaunch(local_rank=2, rank=2, argv=[sys.executable, "-u", "beat.py"], env=dict(ENV),
-                          log_dir=None, prefix="[w] ", prefix_all=True, heartbeat=True)
-    beats: asyncio.Queue[int] = asyncio.Queue()
-    console = RecordingConsole()
-    group = WorkerGroup([launch], stop_timeout=5, console=console, warm=zygote, on_beat=beats.put_nowait)
-    try:
-        await group.start()
-        assert group.warm_pids
-        assert await asyncio.wait_for(beats.get(), LIMIT) == 2
-        (exit_,) = await asyncio.wait_for(group.wait(), LIMIT)
-        assert exit_.exitcode == 0
-    finally:
-        await group.stop(signal.SIGKILL)
-
-
 async def test_the_per_worker_hook_sets_the_cpu_affinity_in_the_child(make_zygote, workdir) -> None:
     zygote = await make_zygote()
     (Path(workdir) / "cpus.py").write_text("import os\nprint(sorted(os.sched_getaffinity(0)))\n")

@@ -1,4 +1,4 @@
-"""One worker process, for real: its process group, its death with the agent, signals, heartbeats."""
+"""One worker process, for real: its process group, its death with the agent, signals."""
 from __future__ import annotations
 
 import asyncio
@@ -40,7 +40,6 @@ async def make_worker() -> AsyncIterator[Callable[..., Worker]]:
         worker.signal_group(signal.SIGKILL)
         if worker.reaper is not None:
             await asyncio.wait_for(worker.reaper, LIMIT)
-        worker.close_heartbeat()
 
 
 def console_of(worker: Worker) -> RecordingConsole:
@@ -123,19 +122,6 @@ async def test_a_worker_that_cannot_start_raises_and_leaves_nothing_open(make_wo
         await worker.start()
     assert worker.pid is None and worker.reaper is None
     assert set(os.listdir("/proc/self/fd")) == before   # pipes and log files closed again
-
-
-async def test_heartbeats_reach_the_agent_with_the_local_rank(make_worker) -> None:
-    code = """
-        import time
-        from node_agent.heartbeat import beat
-        beat()
-        time.sleep(600)
-    """
-    beats: asyncio.Queue[int] = asyncio.Queue()
-    worker = make_worker(launch(3, code, heartbeat=True), on_beat=beats.put_nowait)
-    await worker.start()
-    assert await asyncio.wait_for(beats.get(), LIMIT) == 3
 
 
 def test_signal_names() -> None:

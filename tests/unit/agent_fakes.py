@@ -4,7 +4,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import signal
-from collections.abc import Callable
 from typing import Any
 
 from node_agent.settings import AgentSettings, CheckSettings, LinkSettings, WorkerSettings
@@ -18,9 +17,8 @@ class FakeGroup:
     """A worker group whose workers end when the test says so."""
 
     def __init__(self, launches: list[WorkerLaunch], *, stop_timeout: float,
-                 on_beat: Callable[[int], None] | None, spawn_error: OSError | None = None) -> None:
+                 spawn_error: OSError | None = None) -> None:
         self.launches = launches
-        self.on_beat = on_beat
         self.spawn_error = spawn_error
         self.stopped_with: int | None = None
         self.signals: list[int] = []
@@ -56,6 +54,9 @@ class FakeGroup:
 
     def exits(self) -> list[WorkerExit]:
         return list(self._exits)
+
+    def pid_of(self, local_rank: int) -> int | None:
+        return None             # no process: its progress record stays empty
 
     def send_signal(self, sig: int) -> None:
         self.signals.append(sig)

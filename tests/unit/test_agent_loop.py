@@ -17,13 +17,13 @@ from node_agent.agent import Agent
 from node_agent.client.local import LocalClient
 from node_agent.client.transport import ServerUnreachable
 from node_agent.core.actions import Action
-from node_agent.core.facts import DeadlinePassed, Fact, ServerNotReached, ServerRefused, StatusReceived
+from node_agent.core.facts import DeadlinePassed, Fact, RanksStalled, ServerNotReached, ServerRefused, StatusReceived
 from node_agent.core.policy import SupervisionPolicy
 from node_agent.settings import Mode
 from node_agent.workers.launch import WorkerLaunch
 from node_agent.workers.process import WorkerExit, WorkerSpawnError
 from protocol.errors import ErrorCode
-from protocol.messages import JobConfig, NodeStatus, PollRequest
+from protocol.messages import JobConfig, NodeStatus, PollRequest, RankSeen, RankState
 from rdzv_server.coordinator import Coordinator
 from tests.unit.agent_fakes import LIMIT, FakeGroup, agent_settings
 
@@ -88,20 +88,19 @@ class Run:
 async def start(tmp_path) -> AsyncIterator[Callable[..., Run]]:
     runs: list[Run] = []
 
-    def start_agent(*, nproc: int = 2, server_wait: float = 60.0, hang_timeout: float = 0.0,
+    def start_agent(*, nproc: int = 2, server_wait: float = 60.0,
                     group_type: type[FakeGroup] = FakeGroup, **job: object) -> Run:
         config = JobConfig(**{"last_call_s": 0.0, **job})  # type: ignore[arg-type]
         opts = agent_settings(script="train.py", nproc=nproc, job_id="j1", job=config, node_id="n1",
                             mode=Mode.STANDALONE, log_dir=str(tmp_path), server_wait=server_wait,
-                            hang_timeout=hang_timeout, stop_timeout=1.0)
+                            stop_timeout=1.0)
         server = ScriptedServer(opts.workers.job_id, opts.workers.node_id)
         groups: asyncio.Queue[FakeGroup] = asyncio.Queue()
         console = io.StringIO()
         errors: list[OSError] = []
 
-        def make_group(launches: list[WorkerLaunch], *, stop_timeout: float,
-                       on_beat: Callable[[int], None] | None) -> FakeGroup:
-            group = group_type(launches, stop_timeout=stop_timeout, on_beat=on_beat,
+        def make_group(launches: list[WorkerLaunch], *, stop_timeout: float) -> FakeGroup:
+            group = group_type(launches, stop_timeout=stop_timeout,
                               spawn_error=errors.pop(0) if errors else None)
             groups.put_nowait(group)
             return group
@@ -209,15 +208,23 @@ async def test_a_spawn_error_is_reported_as_the_rounds_failure(start) -> None:
     assert await run.exit_code() == 0
 
 
-async def test_a_worker_that_stops_beating_is_reported_hung(start) -> None:
-    run = start(hang_timeout=0.2, max_restarts=0)
+def seen(rank: int, state: RankState, where: str = "") -> RankSeen:
+    return RankSeen(rank=rank, local_rank=rank, state=state, stalled_s=6.0, steps=30, where=where,
+                    stack=f"{where}\ntrain.py:9 in <module>" if where else "")
+
+
+async def test_a_stall_goes_to_the_server_which_names_the_culprit_and_ends_the_round(start) -> None:
+    run = start(max_restarts=0)
     group = await run.next_group()
-    assert group.on_beat is not None
-    group.on_beat(1)   # local rank 1 beats once, then falls silent
-    assert await run.exit_code() == 1
+    ranks = (seen(0, RankState.WAITING, "torch/_tensor.py:623 in backward"),
+             seen(1, RankState.QUIET, "train.py:16 in <module>"))
+    run.agent.facts.put_nowait(RanksStalled(run.agent.policy.running_round, 5.0, ranks))
+    assert await run.exit_code() == 1          # no restart left: the hang fails the job
     assert group.stopped_with == signal.SIGTERM
     text = run.console.getvalue()
-    assert "worker rank 1 (local 1) is hung: no heartbeat for" in text and "failure   : hang" in text
+    assert "rank 1 (local 1): quiet, cpu 0%, 30 steps, last 6.0s ago at train.py:16 in <module>" in text, text
+    assert "rank 1 sat idle for 6.0s at train.py:16 in <module> while rank 0 waited for it" in text, text
+    assert "failure   : hang" in text, text
 
 
 async def test_a_server_that_forgot_the_job_is_joined_again_from_scratch(start) -> None:

@@ -1,9 +1,15 @@
 """rdzv-ctl's tables from the server's real documents (views.py on a hand-built core): counts, not
-list lengths, and a line saying how to see what a cut list left out."""
+list lengths, a line saying how to see what a cut list left out, and each job's training progress."""
 from __future__ import annotations
 
-from rdzv_ctl import cli as ctl
+import json
+
+from protocol.views import StatusView, to_json
+from rdzv_ctl import cli
+from rdzv_ctl import tables as ctl
+from rdzv_server.core.rendezvous import Rendezvous
 from rdzv_server.web import views
+from tests.unit import progress_jobs
 from tests.unit.test_views import NOW, server
 
 
@@ -35,3 +41,48 @@ def test_job_says_how_many_nodes_each_cut_list_left_out():
     assert "(no spares from 295: 12 in all)" in later and not [x for x in later if x.startswith("...")]
     small = ctl.format_job(views.job_detail(server(0, nodes=3).jobs["big"], NOW))
     assert "more" not in small and "no spares" not in small
+
+
+def test_status_shows_pace_and_ratio_per_job_and_names_slow_nodes():
+    rz = Rendezvous()
+    progress_jobs.stepping(rz)
+    progress_jobs.silent(rz)
+    progress_jobs.slow(rz)
+    text = ctl.format_status(cli.typed(json.loads(to_json(views.server_status(rz, progress_jobs.T + 200))),
+                                       StatusView))
+    header, *rows = text.splitlines()
+    assert header.split()[8:] == ["STEPS/S", "ETTR", "REASON"]
+    cells = {row.split()[0]: row.split()[9:11] for row in rows if not row.startswith("slow")}   # NODES: 2 words
+    # lagging: first step T+5, stepped ever since; quiet: never stepped (a dash, not 0); train: one 31 s restart
+    assert cells == {"lagging": ["2", "100.0%"], "quiet": ["-", "-"], "train": ["2", "83.7%"]}, text
+    assert rows[-1] == "slow nodes in job lagging: b"
+
+
+def test_the_job_view_has_progress_and_each_restarts_cost():
+    rz = Rendezvous()
+    progress_jobs.stepping(rz)
+    lines = ctl.format_job(views.job_detail(rz.jobs["train"], progress_jobs.T + 200)).splitlines()
+    assert "progress   200 steps, 2 steps/s, effective training time ratio 83.7% " \
+           "(first step 2023-11-14T22:13:30.000Z)" in lines
+    assert "lost       31.0s to 1 restart, 30 steps redone" in lines
+    at = lines.index("restarts since the first step (cost: from the last step before to the first after):")
+    assert [line.split() for line in lines[at + 1:at + 3]] == [["ROUND", "CAUSE", "COST", "REDONE"],
+                                                               ["#2", "failure", "31.0s", "30"]]
+    members = [line.split() for line in lines if line[:1].isdigit()]     # still only the members start with one
+    assert [m[-2:] for m in members] == [["2", "-"], ["2", "-"]]         # STEPS/S and PACE
+
+
+def test_the_job_view_says_a_restart_is_under_way_no_signal_and_slow():
+    rz = Rendezvous()
+    progress_jobs.restarting(rz)
+    progress_jobs.silent(rz)
+    progress_jobs.slow(rz)
+    now = progress_jobs.T + 200
+    again = ctl.format_job(views.job_detail(rz.jobs["again"], now)).splitlines()
+    assert "restarting 2m30s lost so far" in again and "#2     failure  not stepped since  -" in again
+    quiet = ctl.format_job(views.job_detail(rz.jobs["quiet"], now))
+    assert "progress   no progress signal (no worker reported a training step)" in quiet.splitlines()
+    assert "steps/s" not in quiet and "restarts since" not in quiet
+    lagging = ctl.format_job(views.job_detail(rz.jobs["lagging"], now)).splitlines()
+    assert "slow       b" in lagging
+    assert [line.split()[-1] for line in lagging if line[:1].isdigit()] == ["-", "slow"]

@@ -1,13 +1,12 @@
-"""What the agent reports about a failed worker: from an exit (and its error file), a hang, a spawn error."""
+"""What the agent reports about a failed worker: from an exit (and its error file), a spawn error."""
 from __future__ import annotations
 
 import json
 import signal
 
-from node_agent.workers.failures import SPAWN_FAILED_EXITCODE, exit_failure, hang_failure, spawn_failure
-from node_agent.workers.launch import WorkerLaunch
+from node_agent.workers.failures import EARLY_EXIT_S, SPAWN_FAILED_EXITCODE, early_exits, exit_failure, spawn_failure
 from node_agent.workers.process import WorkerExit
-from protocol.messages import MAX_MESSAGE, MAX_TRACEBACK
+from protocol.messages import MAX_MESSAGE, MAX_TRACEBACK, WorkerFailure
 
 
 def exited(code: int, error_file: str | None = None) -> WorkerExit:
@@ -39,13 +38,37 @@ def test_huge_texts_are_cut_to_the_protocols_bounds_keeping_the_traceback_end(tm
     assert len(f.traceback) == MAX_TRACEBACK and f.traceback.endswith("RuntimeError: the end")
 
 
-def test_a_hang_and_a_spawn_error() -> None:
-    launch = WorkerLaunch(local_rank=2, rank=6, argv=["python"], env={}, log_dir=None)
-    hang = hang_failure(launch, silent_s=7.25, hang_timeout_s=5, host="h1", node_id="n1")
-    assert (hang.local_rank, hang.rank, hang.reason, hang.signal, hang.exitcode) == \
-        (2, 6, "hang", "SIGTERM", -signal.SIGTERM)
-    assert hang.message == "no heartbeat for 7.2s (hang timeout 5s); stopped"
+def test_a_spawn_error() -> None:
     spawn = spawn_failure(FileNotFoundError(2, "No such file or directory"), local_rank=0, rank=3,
                           program="/no/python", host="h1", node_id="n1")
     assert (spawn.rank, spawn.exitcode, spawn.reason) == (3, SPAWN_FAILED_EXITCODE, "spawn failed")
     assert spawn.message == "cannot start '/no/python': No such file or directory"
+
+
+def peer_failure(message: str = "", sig: str = "") -> WorkerFailure:
+    return WorkerFailure(local_rank=1, rank=3, exitcode=-6 if sig else 1, signal=sig, message=message,
+                         timestamp=1000.0, host="h", node_id="n")
+
+
+def left(at: float, code: int = 0) -> WorkerExit:
+    return WorkerExit(local_rank=0, rank=2, pid=9, exitcode=code, signal_name="", error_file=None, seen_at=at)
+
+
+def test_a_rank_that_exited_0_just_before_a_peer_broke_is_the_cause() -> None:
+    for message in ("", "RuntimeError: [gloo] Connection closed by peer [127.0.0.1]:4242",
+                    "torch.distributed.DistBackendError: NCCL error in: ..."):
+        blamed = early_exits([left(999.0)], peer_failure(message), host="h", node_id="n")
+        assert [(f.rank, f.reason, f.exitcode, f.timestamp) for f in blamed] == [(2, "exited early", 0, 999.0)]
+        assert "rank 3 failed 1.0s later" in blamed[0].message
+
+
+def test_a_peer_with_an_error_of_its_own_stays_its_own_cause() -> None:
+    own = [peer_failure("ValueError: rank 3 gives up"), peer_failure(sig="SIGKILL"), peer_failure(sig="SIGSEGV")]
+    for failure in own:
+        assert early_exits([left(999.0)], failure, host="h", node_id="n") == []
+    assert early_exits([left(999.0)], peer_failure(sig="SIGABRT"), host="h", node_id="n") != []   # NCCL's abort
+
+
+def test_only_exits_0_shortly_before_the_failure_are_blamed() -> None:
+    exits = [left(1000.0 - EARLY_EXIT_S - 1), left(999.0, code=1), left(1000.5)]
+    assert early_exits(exits, peer_failure(), host="h", node_id="n") == []

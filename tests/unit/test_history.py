@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import re
 
-from protocol.messages import LeaveRequest, SuccessReport
+from protocol.messages import LeaveRequest, ProgressNote, RankSeen, RankState, StallReport, SuccessReport
 from protocol.views import JobView, NodeCounts
 from rdzv_server.core.events import EventKind as K
 from rdzv_server.core.records import MAX_EVENTS_PER_JOB, Event
@@ -16,6 +16,7 @@ from rdzv_server.web import views
 from rdzv_server.web.page import render as page
 from rdzv_server.web.page import svg
 from rdzv_server.web.page.history import history_svg
+from tests.unit import progress_jobs
 from tests.unit.test_page import Markup, T, cfg, fail, join, running
 
 HOSTILE = "</svg><script>alert(1)</script><img src=x onerror=alert(2)>"
@@ -170,3 +171,67 @@ def test_the_pages_show_the_picture():
     job = Markup(page.job_page(rz, "j", T + 20) or "")
     assert [a["class"] for t, a in job.tags if t == "svg"] == ["history"]
     assert [a["data-round"] for a in tags(job, "data-round")] == ["1", "2"]
+
+
+# ---- training progress: steps per second, restarts after a hang ---------------------------------------
+
+def _trained(rz: Rendezvous) -> None:
+    """Round 1 steps at 2/s from T+10 to T+300, a crash, round 2 steps at 3/s from T+400 to T+600."""
+    progress_jobs.join(rz, "j", "a", T)
+    progress_jobs.join(rz, "j", "b", T)
+    for round_id, start, end, rate in ((1, 10, 300, 2.0), (2, 400, 600, 3.0)):
+        if round_id == 2:
+            progress_jobs.crash(rz, "j", "b", T + 301)
+        for t in range(start, end + 1, 5):
+            for node in ("a", "b"):
+                progress_jobs.poll(rz, "j", node, T + t, ProgressNote(
+                    round_id=round_id, probes=1, steps=int((t - start) * rate) + 1, first_step_at=T + start,
+                    last_step_at=T + t, window_s=10.0, window_steps=int(10 * rate), demand=0.5))
+
+
+def test_steps_per_second_have_their_own_lane_broken_where_the_job_did_not_step():
+    rz = Rendezvous()
+    _trained(rz)
+    now = T + 610
+    detail = views.job_detail(rz.jobs["j"], now)
+    text, m = picture(rz, "j", now)
+    (line,) = [a for t, a in m.tags if t == "path" and a.get("class") == "rate"]
+    assert int(line["data-points"]) == len(detail.rate) > 40
+    assert line["d"].count("M") == 2                          # the restart is a gap, not a line across it
+    members_bottom = sum(svg.frame(T, now, 1.0, False, rate=True).lanes["members"])
+    ys = [float(xy.split(",")[1]) for xy in re.findall(r"[\d.]+,[\d.]+", line["d"])]
+    assert min(ys) > members_bottom                           # under the members, on a scale of its own
+    labels = re.findall(r">([^<>]+)</text>", text)
+    assert "steps/s" in labels and "3/s" in labels and "5" in labels    # the lane, the latest value, the top
+    assert "steps per second (own scale)" in labels
+    assert desc(text).endswith("Steps per second: 3 at the latest point, 3 at most.")
+    compact, cm = picture(rz, "j", now, compact=True)
+    assert not [a for t, a in cm.tags if a.get("class") == "rate"] and "steps/s" not in compact
+
+
+def test_a_job_without_rate_points_has_no_lane_and_the_same_picture_as_before():
+    rz = Rendezvous()
+    running(rz, "j", ["a", "b"], cfg())
+    text, m = picture(rz, "j", T + 30)
+    assert 'class="rate"' not in text and "steps/s" not in text
+    assert m.tags[0][1]["viewbox"] == f"0 0 {svg.W} {svg.frame(T, T + 30, 1.0, False).bottom + 22 + 22:.0f}"
+
+
+def test_a_round_after_a_hang_is_drawn_as_a_restart_with_the_hang_marked():
+    rz = Rendezvous()
+    progress_jobs.join(rz, "j", "a", T)
+    progress_jobs.join(rz, "j", "b", T)
+    waiting = [RankSeen(rank=r, local_rank=r % 2, state=RankState.WAITING, stalled_s=6.0) for r in range(4)]
+    quiet = RankSeen(rank=3, local_rank=1, state=RankState.QUIET, stalled_s=6.0, where="train.py:16 in <module>")
+    for node, ranks in (("a", waiting[:2]), ("b", [waiting[2], quiet])):
+        rz.report_stall("j", StallReport(v=1, node_id=node, credential=f"secret-{node}", round_id=1, threshold_s=5.0,
+                                         ranks=ranks), T + 10)
+    assert rz.jobs["j"].round.round_id == 2
+    text, m = picture(rz, "j", T + 20)
+    assert [(a["data-round"], a["data-cause"]) for a in tags(m, "data-round")] == [("1", "start"), ("2", "hang")]
+    kinds = [a["data-kind"] for a in tags(m, "data-kind")]
+    assert "restart" in kinds and "hang_detected" in kinds, kinds
+    assert {"round: hang (restart)", "hang detected"} <= set(re.findall(r">([^<>]+)</text>", text))
+    job = Markup(page.job_page(rz, "j", T + 20) or "")
+    assert ("tr", {"class": "event ev-bad", "data-kind": "hang_detected",
+                   "data-seq": str(next(e.seq for e in rz.jobs["j"].events if e.kind == K.HANG_DETECTED))}) in job.tags

@@ -4,8 +4,10 @@ from __future__ import annotations
 import os
 
 from node_agent.cli.options import parse_options
+from node_agent.progress.probe import ENV as PROBE_ENV
 from node_agent.settings import Std
 from node_agent.workers.launch import attempt_dir, build_launches, make_run_dir
+from node_agent.workers.progress import ProbeRoot
 from protocol.messages import Assignment
 
 # Node 1 of 2, 3 workers each: global ranks 3..5 of 6.
@@ -21,7 +23,9 @@ def options(*flags: str, environ: dict[str, str] = ENV):
 
 
 def test_one_launch_per_local_rank_with_its_global_rank_env_and_error_file(tmp_path) -> None:
-    launches = build_launches(SECOND_NODE, options(), run_dir=str(tmp_path), hostname="h7", environ=ENV)
+    probes = ProbeRoot()
+    launches = build_launches(SECOND_NODE, options(), run_dir=str(tmp_path), hostname="h7", environ=ENV,
+                              probes=probes)
     base = attempt_dir(str(tmp_path), 1)
     assert base == str(tmp_path / "attempt_1")      # torchrun's: attempt_RESTART_COUNT
     # torchrun's tee prefix, [ROLE LOCAL_RANK]:, for tee'd streams only
@@ -35,17 +39,28 @@ def test_one_launch_per_local_rank_with_its_global_rank_env_and_error_file(tmp_p
         assert w.log_dir == os.path.join(base, str(w.local_rank)) and w.attempt_dir == base
         assert w.error_file == os.path.join(base, str(w.local_rank), "error.json")
         assert os.path.isdir(os.path.dirname(w.error_file))       # made, for the worker to write into
-        assert w.echo and not w.heartbeat and not w.stdin_tty
+        assert w.echo and not w.stdin_tty
+        assert w.probe is not None and w.env[PROBE_ENV] == w.probe.env() and os.path.getsize(w.probe.record) == 64
+        assert os.path.dirname(w.probe.record) == probes.root and not w.probe.record.startswith(str(tmp_path))
         assert (w.redirect, w.tee) == (Std.NONE, Std.NONE)       # nothing goes to the files
+    assert sorted(os.listdir(probes.root or "")) == [f"{r}.{kind}" for r in range(3) for kind in ("progress", "stacks")]
+    probes.close()
+    assert probes.root is None and not any(os.path.exists(w.probe.record) for w in launches if w.probe)
 
 
-def test_log_dir_streams_filter_and_heartbeat_follow_the_flags(tmp_path) -> None:
+def test_log_dir_streams_and_filter_follow_the_flags(tmp_path) -> None:
     opts = options("--log-dir", str(tmp_path), "-r", "0:3", "-t", "2", "--local-ranks-filter", "1",
-                   "--hang-timeout", "5", "--duplicate-stdout-filters", "a,,b,c")
+                   "--duplicate-stdout-filters", "a,,b,c")
     launches = build_launches(SECOND_NODE, opts, run_dir=str(tmp_path), hostname="h7", environ=ENV)
     assert [(w.redirect, w.tee, w.echo) for w in launches] == [
         (Std.ALL, Std.ERR, False), (Std.NONE, Std.ERR, True), (Std.NONE, Std.ERR, False)]
-    assert all(w.heartbeat and w.dup_stdout == ("a,b", "c") and w.dup_stderr == () for w in launches)
+    assert all(w.dup_stdout == ("a,b", "c") and w.dup_stderr == () for w in launches)
+
+
+def test_a_no_python_program_gets_no_probe(tmp_path) -> None:
+    launches = build_launches(SECOND_NODE, options("--no-python"), run_dir=str(tmp_path), hostname="h", environ=ENV,
+                              probes=ProbeRoot())
+    assert all(w.probe is None and PROBE_ENV not in w.env for w in launches)
 
 
 def test_prefix_templates_torchruns_variable_and_ours(tmp_path) -> None:

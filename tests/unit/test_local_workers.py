@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import asyncio
 import signal
-from collections.abc import Callable
 
 from node_agent.core.facts import Fact, SpawnFailed, WorkersExited
 from node_agent.settings import WorkerSettings
@@ -23,9 +22,8 @@ def local_workers(log_dir: str) -> tuple[LocalWorkers, list[FakeGroup], asyncio.
     facts: asyncio.Queue[Fact | BaseException] = asyncio.Queue()
     groups: list[FakeGroup] = []
 
-    def make(launches: list[WorkerLaunch], *, stop_timeout: float,
-             on_beat: Callable[[int], None] | None) -> FakeGroup:
-        groups.append(FakeGroup(launches, stop_timeout=stop_timeout, on_beat=on_beat))
+    def make(launches: list[WorkerLaunch], *, stop_timeout: float) -> FakeGroup:
+        groups.append(FakeGroup(launches, stop_timeout=stop_timeout))
         return groups[-1]
 
     opts = WorkerSettings(script="train.py", nproc=2, node_id="n1", log_dir=log_dir)

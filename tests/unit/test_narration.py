@@ -5,20 +5,30 @@ import io
 import signal
 
 from node_agent.client.replies import Path
-from node_agent.core.actions import Exit, Leave, Rejoin, ReportFailure, Spawn, StopWorkers
+from node_agent.core.actions import Exit, Leave, Rejoin, ReportFailure, ReportStall, Spawn, StopWorkers
 from node_agent.core.facts import (
     PeersProbed,
+    RanksStalled,
     ServerNotReached,
     ServerRefused,
     SpawnFailed,
     StatusReceived,
     Verdict,
     WorkersExited,
-    WorkersHung,
 )
 from node_agent.core.summary import failure_summary
-from node_agent.narration import Narrator
-from protocol.messages import Assignment, FailureReport, JobState, NodeState, NodeStatus, PollRequest, WorkerFailure
+from node_agent.narration import STACK_LINES, Narrator
+from protocol.messages import (
+    Assignment,
+    FailureReport,
+    JobState,
+    NodeState,
+    NodeStatus,
+    PollRequest,
+    RankSeen,
+    RankState,
+    WorkerFailure,
+)
 
 FAILURE = WorkerFailure(local_rank=1, rank=5, exitcode=-11, signal="SIGSEGV", message="boom", host="h2",
                         node_id="n2")
@@ -48,12 +58,30 @@ def test_failures_are_told_only_when_the_policy_acted_on_them() -> None:
     n.fact(WorkersExited(1, (FAILURE,)), [])          # old news: the policy ignored it
     n.fact(WorkersExited(1, ()), [])                  # success: nothing to tell
     n.fact(WorkersExited(1, (FAILURE,)), REPORT)
-    n.fact(WorkersHung(1, (FAILURE,)), REPORT)
     n.fact(SpawnFailed(1, FAILURE), REPORT)
     assert out.getvalue().splitlines() == [
         "[node-agent n1] worker rank 5 (local 1) failed with signal SIGSEGV; stopping local workers",
-        "[node-agent n1] worker rank 5 (local 1) is hung: boom",
         "[node-agent n1] worker rank 5 (local 1) did not start: boom"]
+
+
+def test_a_stall_is_told_at_its_first_look_with_each_ranks_state_and_innermost_frames() -> None:
+    n, out = narrator()
+    frames = "\n".join(f"f.py:{i} in f{i}" for i in range(12))
+    ranks = (RankSeen(rank=4, local_rank=0, state=RankState.WAITING, stalled_s=6.04, steps=30, cpu=0.01,
+                      where="f.py:0 in f0", stack=frames),
+             RankSeen(rank=5, local_rank=1, state=RankState.EXITED, stalled_s=0.0, exitcode=0))
+    report = [ReportStall(1, 5.0, ranks)]
+    n.fact(RanksStalled(1, 5.0, ranks, first=False), report)     # a later look at the same stall: not again
+    n.fact(RanksStalled(1, 5.0, ranks), [])                       # not reported: nothing to tell
+    n.fact(RanksStalled(1, 5.0, ranks), report)
+    lines = out.getvalue().splitlines()
+    assert lines[:3] == [
+        "[node-agent n1] ranks stopped stepping for 5.0s or more; what each is doing (the server decides whether "
+        "the job hangs):",
+        "[node-agent n1]   rank 4 (local 0): waiting, cpu 1%, 30 steps, last 6.0s ago at f.py:0 in f0",
+        "[node-agent n1]       f.py:0 in f0"]
+    assert len(lines) == 1 + 1 + STACK_LINES + 1 and lines[-1] == \
+        "[node-agent n1]   rank 5 (local 1): exited, 0 steps, last 0.0s ago"
 
 
 def test_waiting_spare_and_excluded_are_told_once_each() -> None:

@@ -104,9 +104,8 @@ async def start(tmp_path) -> AsyncIterator[Callable[..., Node]]:
         groups: asyncio.Queue[FakeGroup] = asyncio.Queue()
         made: list[FakeGroup] = []
 
-        def make_group(launches: list[WorkerLaunch], *, stop_timeout: float,
-                       on_beat: Callable[[int], None] | None) -> FakeGroup:
-            group = group_type(launches, stop_timeout=stop_timeout, on_beat=on_beat)
+        def make_group(launches: list[WorkerLaunch], *, stop_timeout: float) -> FakeGroup:
+            group = group_type(launches, stop_timeout=stop_timeout)
             made.append(group)
             groups.put_nowait(group)
             return group

@@ -41,7 +41,8 @@ def test_defaults() -> None:
     assert o.command == command_fingerprint("python", "train.py", ())
     assert o.job_id == f"{getpass.getuser()}-{o.command[:12]}" and o.job_id_source   # said at start
     assert o.node_id == f"{socket.gethostname()}-{os.getpid()}"
-    assert (o.stop_timeout, o.server_wait, o.hang_timeout) == (30, 60, 0)   # torchrun's shutdown grace
+    assert (o.stop_timeout, o.server_wait) == (30, 60)   # torchrun's shutdown grace
+    assert (o.job.hang_detection, o.job.hang_timeout_s, o.job.replace_slow_nodes) == (True, 600.0, False)
     assert o.signals == (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
     assert (o.reply_file, o.log_line_prefix, o.tee_prefix) == (None, None, "[${role_name}${local_rank}]:")
     assert o.job == JobConfig()   # every job setting left out takes JobConfig's default, as on the wire
@@ -89,7 +90,11 @@ def test_endpoint_aliases(flag: str, joined: bool) -> None:
     (["--exclude_window", "60"], "job.exclude_window_s", 60.0),
     (["--exclude-cooldown", "0"], "job.exclude_cooldown_s", 0.0),
     (["--server-wait", "0"], "server_wait", 0.0),
-    (["--hang-timeout", "1.5"], "hang_timeout", 1.5),
+    (["--hang-timeout", "1.5"], "job.hang_timeout_s", 1.5),
+    (["--hang_timeout=0"], "job.hang_timeout_s", 0.0),
+    (["--hang-detection", "off"], "job.hang_detection", False),
+    (["--hang_detection=ON"], "job.hang_detection", True),
+    (["--replace-slow-nodes"], "job.replace_slow_nodes", True),
 ])
 def test_aliases_and_values(argv: list[str], attr: str, value: object) -> None:
     opts: object = parse(*EP, *argv, "t.py")
@@ -260,6 +265,7 @@ def test_accepted_torchrun_flags_with_nothing_to_do() -> None:
     (["--exclude-after", "1001"], "--exclude-after"),
     (["--exclude-window", "0"], "--exclude-window"),
     (["--hang-timeout", "inf"], "--hang-timeout"),
+    (["--hang-detection", "maybe"], "--hang-detection"),
     (["--nnodes", "1:100001"], "--nnodes"),           # over JobConfig's max_nodes bound
 ])
 def test_value_errors_name_the_flag(argv: list[str], flag: str) -> None:

@@ -5,6 +5,7 @@ and no element came out of it.
 """
 from __future__ import annotations
 
+import re
 from html.parser import HTMLParser
 
 import pytest
@@ -13,6 +14,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from protocol.messages import FailureReport, JobConfig, JoinRequest, NodeState, SuccessReport, WorkerFailure
 from rdzv_server.coordinator import Coordinator
 from rdzv_server.core.events import EventKind
+from rdzv_server.core.goodput import MAX_COSTS
 from rdzv_server.core.records import Event, NodeRecord
 from rdzv_server.core.rendezvous import Rendezvous
 from rdzv_server.web import views
@@ -20,6 +22,7 @@ from rdzv_server.web.app import create_app
 from rdzv_server.web.page import cards as page_cards
 from rdzv_server.web.page import parts as page_parts
 from rdzv_server.web.page import render as page
+from tests.unit import progress_jobs
 
 T = 1_700_000_000.0          # 2023-11-14T22:13:20Z
 HOSTILE = "<script>alert(1)</script>"
@@ -252,3 +255,78 @@ async def test_app_serves_the_pages_as_html_and_unknown_jobs_as_a_404_page():
                                           (7380, "2h 03m"), (273_605, "3d 4h")])
 def test_ages_read_at_a_glance(seconds, text):
     assert page_parts.age(seconds) == text
+
+
+# ---- training progress --------------------------------------------------------------------------
+
+def goodput_text(html: str, job: str) -> str:
+    """What a reader sees of one job's goodput line (the card's second row of stats)."""
+    section = next(s for s in html.split("<section ")[1:] if f'data-job="{job}"' in s.split(">", 1)[0])
+    found = re.search(r'<div class="stats goodput".*?(?=<p |<svg|<h3)', section)
+    assert found, section[:2000]
+    return Markup(found.group(0)).text
+
+
+def test_the_card_shows_pace_ratio_time_lost_and_steps_redone():
+    rz = Rendezvous()
+    progress_jobs.stepping(rz)
+    html = page.index_page(rz, T + 200)
+    text = goodput_text(html, "train")
+    assert text == ("steps/s 2 steps 200 effective training 83.7% lost to restarts 31s in 1 restart "
+                    "steps redone 30"), text
+    m = Markup(html)
+    row = next(a for t, a in m.tags if t == "tr" and a.get("data-job") == "train")
+    assert row and "2 83.7% round_completed" in m.text        # the summary's steps/s and ratio columns
+    assert "no progress signal" not in m.text
+
+
+def test_a_restart_under_way_says_how_long_it_has_lost_so_far():
+    rz = Rendezvous()
+    progress_jobs.restarting(rz)
+    html = page.index_page(rz, T + 200)
+    assert "restarting 2m 30s lost so far" in goodput_text(html, "again")
+    job = Markup(page.job_page(rz, "again", T + 200) or "")
+    assert "Restarts and what they cost round cause cost steps redone #2 failure (restart) under way —" in job.text
+    rz.close_job("again", "enough", T + 210)
+    ended = Markup(page.job_page(rz, "again", T + 300) or "")
+    assert "#2 failure (restart) never stepped again" in ended.text and "lost so far" not in ended.text
+
+
+def test_a_job_without_steps_says_no_progress_signal_never_zero_steps_per_second():
+    rz = Rendezvous()
+    progress_jobs.silent(rz)
+    html = page.index_page(rz, T + 100)
+    assert goodput_text(html, "quiet").startswith("no progress signal")
+    m = Markup(html)
+    assert goodput_text(html, "quiet") == "no progress signal: no worker has reported a training step"
+    assert "0.0%" not in m.text
+    assert m.attr("title").count("no progress signal") == 2       # the summary's steps/s and ratio cells
+    assert "Restarts and what they cost" not in (page.job_page(rz, "quiet", T + 100) or "")
+
+
+def test_a_slow_node_has_a_badge_on_its_row_and_is_named_on_the_card():
+    rz = Rendezvous()
+    progress_jobs.slow(rz)
+    html = page.job_page(rz, "lagging", T + 100) or ""
+    m = Markup(html)
+    slow_rows = [a["data-node"] for t, a in m.tags if t == "tr" and a.get("data-slow") == "1"]
+    assert slow_rows == ["b"]
+    assert ("span", {"class": "badge s-slow"}) in m.tags and "1 b slow host-b" in m.text, m.text
+    assert "0 a host-a" in m.text                                   # a keeps pace: no badge
+    assert goodput_text(html, "lagging").endswith("slow nodes b")
+
+
+def test_the_restarts_table_says_when_it_shows_only_the_latest():
+    rz = Rendezvous()
+    config = cfg(max_restarts=100, last_call_s=0.0, exclude_after=1000)   # a keeps failing: never excluded
+    progress_jobs.join(rz, "many", "a", T, config)
+    progress_jobs.join(rz, "many", "b", T, config)
+    restarts = MAX_COSTS + 2
+    for i in range(restarts + 1):                 # each round steps for 10 s, then crashes; 5 s to step again
+        t = T + 15 * i
+        progress_jobs.step(rz, "many", ["a", "b"], t + 5, t + 14, 10, t + 14)
+        if i < restarts:
+            progress_jobs.crash(rz, "many", "a", t + 14.5)
+    m = Markup(page.job_page(rz, "many", T + 15 * restarts + 20) or "")
+    assert len(m.attr("data-cost-round")) == MAX_COSTS
+    assert f"The last {MAX_COSTS} of {restarts} restarts; 3m 24s lost in all to those done." in m.text, m.text

@@ -7,10 +7,21 @@ import msgspec
 import pytest
 
 from node_agent.client.replies import Path
-from node_agent.core.actions import Exit, Leave, ProbePeers, Rejoin, ReportFailure, ReportSuccess, Spawn, StopWorkers
+from node_agent.core.actions import (
+    Exit,
+    Leave,
+    ProbePeers,
+    Rejoin,
+    ReportFailure,
+    ReportStall,
+    ReportSuccess,
+    Spawn,
+    StopWorkers,
+)
 from node_agent.core.facts import (
     DeadlinePassed,
     PeersProbed,
+    RanksStalled,
     ServerNotReached,
     ServerRefused,
     SignalReceived,
@@ -18,7 +29,6 @@ from node_agent.core.facts import (
     StatusReceived,
     Verdict,
     WorkersExited,
-    WorkersHung,
 )
 from node_agent.core.fencing import REPROBE_S
 from node_agent.core.policy import SupervisionPolicy, Workers
@@ -30,6 +40,8 @@ from protocol.messages import (
     NodeState,
     NodeStatus,
     PollRequest,
+    RankSeen,
+    RankState,
     SuccessReport,
     WorkerFailure,
 )
@@ -99,16 +111,24 @@ def test_local_failure_stops_the_group_and_reports_it_for_the_running_round_once
     assert p.handle(member(4, 1), 1.2) == [Spawn(assignment(4, 1))]    # nothing left to stop
 
 
-@pytest.mark.parametrize("fact", [WorkersHung(3, (failure(),)), SpawnFailed(3, failure())])
-def test_a_hang_or_a_spawn_error_is_a_failure_like_an_exit(fact: WorkersHung | SpawnFailed) -> None:
+def test_a_spawn_error_is_a_failure_like_an_exit() -> None:
     p = running(3)
-    assert p.handle(fact, 1.0) == [StopWorkers("local rank 1 failed"), ReportFailure(3, (failure(),))]
+    assert p.handle(SpawnFailed(3, failure()), 1.0) == [StopWorkers("local rank 1 failed"),
+                                                        ReportFailure(3, (failure(),))]
+
+
+def test_stalled_ranks_of_the_running_round_are_reported_and_the_workers_run_on() -> None:
+    p = running(3)
+    ranks = (RankSeen(rank=1, local_rank=1, state=RankState.QUIET, stalled_s=6.0),)
+    assert p.handle(RanksStalled(3, 5.0, ranks), 1.0) == [ReportStall(3, 5.0, ranks)]
+    assert p.workers == Workers.RUNNING
+    assert p.handle(RanksStalled(2, 5.0, ranks), 1.1) == []           # an old round's: nothing
 
 
 def test_news_about_a_round_we_no_longer_run_changes_nothing() -> None:
     p = running(1)
     p.handle(member(2, 1), 1.0)
-    for old in (failed(1), WorkersExited(1, ()), WorkersHung(1, (failure(),)), SpawnFailed(1, failure())):
+    for old in (failed(1), WorkersExited(1, ()), SpawnFailed(1, failure())):
         assert p.handle(old, 2.0) == []
     assert p.workers == Workers.RUNNING and p.handle(failed(2), 3.0)[1] == ReportFailure(2, (failure(),))
 

@@ -10,16 +10,21 @@ from __future__ import annotations
 import json
 import re
 
+import msgspec
+import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
-from protocol.messages import JobConfig, JoinRequest, SuccessReport
-from protocol.views import to_json
+from protocol.messages import JobConfig, JoinRequest, LeaveRequest, SuccessReport
+from protocol.views import JobDetail, ProgressView, RestartCostView, to_json
 from rdzv_server.coordinator import Coordinator
+from rdzv_server.core.goodput import JobProgress
+from rdzv_server.core.records import JobRecord
 from rdzv_server.core.rendezvous import Limits, Rendezvous
 from rdzv_server.web import views as typed_views
 from rdzv_server.web.app import create_app
 from rdzv_server.web.page import cards as page_cards
 from rdzv_server.web.page import render as page
+from tests.unit import progress_jobs
 
 T = 1_700_000_000.0
 
@@ -211,3 +216,106 @@ async def test_query_parameters_are_checked_and_capped():
         assert len(rows(html, "data-job")) == 7 and 'href="/?offset=21&amp;limit=7&amp;refresh=0"' in html
     finally:
         await client.close()
+
+
+# ---- training progress (core/goodput.py, filled by the core from the agents' notes) ---------------
+
+def test_a_job_that_crashed_and_stepped_again_has_its_ratio_cost_and_pace():
+    rz = Rendezvous()
+    progress_jobs.stepping(rz)
+    now = progress_jobs.T + 200
+    p = typed_views.progress(rz.jobs["train"], now)
+    # first step T+10, last step before the crash T+100, first after it T+131: one restart of 31 s
+    assert p.signal and p.steps == 200 and p.steps_per_s == progress_jobs.RATE
+    assert p.ettr == pytest.approx((190 - 31) / 190, abs=1e-4)
+    assert (p.lost_s, p.restarts, p.redone, p.restarting_for_s) == (31.0, 1, 30, None)
+    assert p.costs == [RestartCostView(round_id=2, cause="failure", cost_s=31.0, redone=30)]
+    assert (p.first_step_at, p.last_step_at) == ("2023-11-14T22:13:30.000Z", "2023-11-14T22:15:40.000Z")
+    detail = views.job_detail(rz.jobs["train"], now)          # the JSON document: both views carry it
+    assert detail["progress"]["ettr"] == p.ettr and detail["progress"]["costs"][0]["cost_s"] == 31.0
+    assert views.server_status(rz, now)["jobs"][0]["progress"] == detail["progress"]
+    assert [(n["node_id"], n["slow"], n["steps_per_s"]) for n in detail["nodes"]] == [("a", False, 2.0),
+                                                                                      ("b", False, 2.0)]
+    assert detail["rate"] and all(v == 2.0 for _, v in detail["rate"])
+    assert detail["rate"][-1][0] == "2023-11-14T22:15:40.000Z"
+    assert "slow" not in detail["spares"] and all("slow" not in n for n in views.server_status(
+        server(0, nodes=3, spares=1), NOW)["jobs"][0]["spares"])     # only members carry a pace
+
+
+def test_a_restart_under_way_counts_as_lost_until_the_job_steps_again_and_stops_when_it_ends():
+    rz = Rendezvous()
+    progress_jobs.restarting(rz)                              # last step T+50, crash at T+60
+    job = rz.jobs["again"]
+    p = typed_views.progress(job, progress_jobs.T + 200)
+    assert p.restarting_for_s == 150.0 and p.lost_s == 0.0 and p.restarts == 0
+    assert p.ettr == pytest.approx((190 - 150) / 190, abs=1e-4)
+    assert p.costs == [RestartCostView(round_id=2, cause="failure", cost_s=None, redone=None)]
+    assert p.steps_per_s == 0.0                               # the new round has not stepped
+    rz.close_job("again", "enough", progress_jobs.T + 210)
+    ended = typed_views.progress(job, progress_jobs.T + 300)
+    assert ended.restarting_for_s is None and ended.ettr == 1.0     # up to its last step: nothing was lost by then
+    assert ended.costs[0].cost_s is None and ended.signal
+
+
+def test_a_job_waiting_for_nodes_has_no_pace():
+    rz = Rendezvous()
+    progress_jobs.restarting(rz)                              # stepped at 2/s, then a crash: a new round formed
+    job = rz.jobs["again"]
+    progress_jobs.step(rz, "again", ["a", "b"], progress_jobs.T + 70, progress_jobs.T + 80, 20, progress_jobs.T + 80)
+    assert typed_views.progress(job, progress_jobs.T + 90).steps_per_s == progress_jobs.RATE
+    rz.leave("again", LeaveRequest(v=1, node_id="b", credential="secret-b", reason="bye"), progress_jobs.T + 90)
+    assert job.round is None and job.progress.pending is not None  # the wait is a restart under way ...
+    waiting = typed_views.progress(job, progress_jobs.T + 100)
+    assert waiting.steps_per_s == 0.0 and waiting.restarting_for_s == 20.0   # ... no round runs: no pace
+
+
+def test_a_job_that_never_stepped_has_no_progress_signal():
+    rz = Rendezvous()
+    progress_jobs.silent(rz)
+    p = typed_views.progress(rz.jobs["quiet"], progress_jobs.T + 100)
+    assert p == ProgressView() and not p.signal and p.ettr is None
+    doc = views.job_detail(rz.jobs["quiet"], progress_jobs.T + 100)
+    assert doc["progress"]["signal"] is False and doc["progress"]["ettr"] is None and doc["rate"] == []
+    assert [("steps_per_s" in n, n["slow"]) for n in doc["nodes"]] == [(False, False), (False, False)]
+
+
+def test_slow_nodes_are_the_current_members_named_slow():
+    rz = Rendezvous()
+    progress_jobs.slow(rz)
+    job = rz.jobs["lagging"]
+    job.progress.slow.append("gone-node")                     # no longer a member: not listed
+    now = progress_jobs.T + 100
+    assert typed_views.progress(job, now).slow_nodes == ["b"]
+    assert {n["node_id"]: n["slow"] for n in views.job_detail(job, now)["nodes"]} == {"a": False, "b": True}
+    rz.close_job("lagging", "done", now)
+    assert typed_views.progress(job, now).slow_nodes == []    # an ended job has no pace
+
+
+def test_bad_or_missing_progress_never_breaks_a_view():
+    rz = Rendezvous()
+    progress_jobs.stepping(rz)
+    job = rz.jobs["train"]
+    old = msgspec.json.decode(msgspec.json.encode(job), type=JobRecord)
+    old.progress = msgspec.json.decode(b"{}", type=JobProgress)         # as a store from before progress holds it
+    assert typed_views.progress(old, NOW) == ProgressView()
+    p = job.progress
+    p.last_step_at, p.lost_s = 1e300, float("nan")
+    p.rates["a"], p.rate_points = float("inf"), [(float("nan"), 1.0), (1e300, 2.0), (T, float("inf")), (T, 3.0)]
+    view = typed_views.progress(job, NOW)
+    assert view.last_step_at is None and view.lost_s == 0.0 and view.signal
+    assert typed_views.rate_points(p) == [("2023-11-14T22:13:20.000Z", 3.0)]
+    detail = typed_views.job_detail(job, NOW)
+    assert {n.node_id: n.steps_per_s for n in detail.nodes} == {"a": None, "b": 2.0}
+    assert page.job_page(rz, "train", NOW) and page.index_page(rz, NOW)
+
+
+def test_an_older_servers_documents_still_read_as_views():
+    """rdzv-ctl reads a server without progress: its documents lack the new fields, which then say "no signal"."""
+    doc = views.job_detail(server(0, nodes=2).jobs["big"], NOW)
+    for key in ("progress", "rate"):
+        del doc[key]
+    for n in doc["nodes"]:
+        n.pop("slow", None)
+        n.pop("steps_per_s", None)
+    typed = msgspec.convert(doc, JobDetail)
+    assert typed.progress == ProgressView() and typed.rate == [] and typed.nodes[0].slow is None

@@ -23,7 +23,7 @@ def connected_zygote() -> tuple[WarmZygote, socket.socket]:
 
 
 LAUNCH = WarmLaunch(argv=["w.py"], orig_argv=["python3", "w.py"], script="w.py", module="", path0="/", cwd="/",
-                    env={"A": "1", "RANK": "0"}, base_env={"A": "1"}, heartbeat_fd=-1)
+                    env={"A": "1", "RANK": "0"}, base_env={"A": "1"})
 
 
 async def test_a_worker_whose_exit_is_read_with_its_start_is_seen_to_exit():

@@ -53,13 +53,13 @@ def launch(argv: list[str], **env: str) -> WorkerLaunch:
 def test_scripts_and_modules_of_the_zygotes_python_may_start_warm(tmp_path, monkeypatch) -> None:
     monkeypatch.chdir(tmp_path)
     (tmp_path / "t.py").write_text("")
-    script = warm_launch(launch([sys.executable, "-u", "t.py", "a"]), sys.executable, heartbeat_fd=9)
+    script = warm_launch(launch([sys.executable, "-u", "t.py", "a"]), sys.executable)
     assert script is not None and script.script == "t.py" and script.argv == ["t.py", "a"]
-    assert script.path0 == str(tmp_path) and script.env["NODE_AGENT_HEARTBEAT_FD"] == "9"
+    assert script.path0 == str(tmp_path)
     assert script.orig_argv == [sys.executable, "-u", "t.py", "a"] and script.base_env == ENV
     module = warm_launch(launch([sys.executable, "-u", "-m", "pkg.m", "b"]), sys.executable)
     assert module is not None and module.module == "pkg.m" and module.argv == ["-m", "b"]
-    assert module.path0 == os.getcwd() and module.heartbeat_fd == -1
+    assert module.path0 == os.getcwd()
 
 
 @pytest.mark.parametrize("argv", [
@@ -78,7 +78,7 @@ def test_other_launches_start_cold(tmp_path, monkeypatch, argv) -> None:
 
 def test_the_launchers_per_worker_variables_are_not_part_of_the_zygotes_environment() -> None:
     env = {**ENV, "RANK": "1", "LOCAL_RANK": "1", "MASTER_PORT": "1", "TORCHELASTIC_ERROR_FILE": "/e",
-           "NODE_AGENT_HEARTBEAT_FD": "7", "OMP_NUM_THREADS": "1"}
+           "NODE_AGENT_PROGRESS": "/r;/s;40", "OMP_NUM_THREADS": "1"}
     assert base_env(env) == {**ENV, "OMP_NUM_THREADS": "1"}
 
 

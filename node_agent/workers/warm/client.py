@@ -15,10 +15,12 @@ import subprocess
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from node_agent.progress import probe
 from node_agent.workers.deathsig import prctl, preexec
 from node_agent.workers.warm.eligible import WarmLaunch
 
 ZYGOTE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "zygote.py")
+PROBE = probe.__file__      # loaded by the zygote before any fork, started in each worker it forks
 MAX_MESSAGE = 1 << 20       # the zygote's limit on one message (zygote.MAX_MESSAGE)
 ANSWER_S = 5.0              # a zygote that takes longer to answer a fork is broken: cold start, and a new one
 MAX_STARTS = 4              # zygotes started per agent (the first and three replacements)
@@ -84,7 +86,7 @@ class WarmZygote:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             self._proc = await asyncio.create_subprocess_exec(
-                self.python, "-u", ZYGOTE, str(theirs.fileno()), self.path0, ",".join(self.preload),
+                self.python, "-u", ZYGOTE, str(theirs.fileno()), self.path0, ",".join(self.preload), PROBE,
                 env=self.env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, pass_fds=(theirs.fileno(),),
                 start_new_session=True, preexec_fn=preexec(os.getpid(), prctl()))
         except OSError as exc:
@@ -187,7 +189,7 @@ class WarmZygote:
             return None
 
     async def spawn(self, launch: WarmLaunch, fds: Sequence[int]) -> WarmProcess | None:
-        """Fork one worker with these stdin/stdout/stderr(/heartbeat) fds; None: start it cold instead."""
+        """Fork one worker with these stdin/stdout/stderr fds; None: start it cold instead."""
         if not self.ready:
             return None
         if launch.base_env != self.env:

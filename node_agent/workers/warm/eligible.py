@@ -13,7 +13,6 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from node_agent.heartbeat import ENV_FD as HEARTBEAT_ENV
 from node_agent.workers.environment import PER_WORKER_VARS
 from node_agent.workers.launch import WorkerLaunch
 
@@ -28,17 +27,15 @@ class WarmLaunch:
     cwd: str
     env: dict[str, str]          # the worker's whole environment
     base_env: dict[str, str]     # without the per-worker variables: what the zygote must have started with
-    heartbeat_fd: int            # the fd number the worker's heartbeat pipe must have (-1: none)
     cpus: tuple[int, ...] = ()   # CPU affinity set in the forked child (zygote._per_worker_setup); (): inherited
 
     def message(self) -> dict[str, Any]:
         return {"argv": self.argv, "orig_argv": self.orig_argv, "script": self.script, "module": self.module,
-                "path0": self.path0, "cwd": self.cwd, "env": self.env, "heartbeat_fd": self.heartbeat_fd,
-                "cpus": list(self.cpus)}
+                "path0": self.path0, "cwd": self.cwd, "env": self.env, "cpus": list(self.cpus)}
 
 
 def base_env(env: dict[str, str]) -> dict[str, str]:
-    return {k: v for k, v in env.items() if k not in PER_WORKER_VARS and k != HEARTBEAT_ENV}
+    return {k: v for k, v in env.items() if k not in PER_WORKER_VARS}
 
 
 MAX_SOURCE = 4 << 20    # bytes of an entry point read to find its imports: past it, assume it imports them
@@ -89,23 +86,20 @@ def script_dir(script: str) -> str:
     return os.path.dirname(os.path.realpath(script))
 
 
-def warm_launch(launch: WorkerLaunch, python: str, *, heartbeat_fd: int = -1) -> WarmLaunch | None:
+def warm_launch(launch: WorkerLaunch, python: str) -> WarmLaunch | None:
     """The launch as the zygote runs it, or None when it must start cold."""
     argv = launch.argv
     if len(argv) < 3 or argv[0] != python or argv[1] != "-u":
         return None
     env = dict(launch.env)
-    if heartbeat_fd >= 0:
-        env[HEARTBEAT_ENV] = str(heartbeat_fd)
     cwd = os.getcwd()
     cpus = tuple(sorted(launch.cpu_affinity or ()))
     if argv[2] == "-m":
         if len(argv) < 4 or not argv[3] or argv[3].startswith("-"):
             return None
         return WarmLaunch(argv=["-m", *argv[4:]], orig_argv=list(argv), script="", module=argv[3], path0=cwd,
-                          cwd=cwd, env=env, base_env=base_env(launch.env), heartbeat_fd=heartbeat_fd, cpus=cpus)
+                          cwd=cwd, env=env, base_env=base_env(launch.env), cpus=cpus)
     if argv[2].startswith("-") or not os.path.isfile(argv[2]):   # an option, stdin, a directory or zip: cold
         return None
     return WarmLaunch(argv=argv[2:], orig_argv=list(argv), script=argv[2], module="",
-                      path0=script_dir(argv[2]), cwd=cwd, env=env, base_env=base_env(launch.env),
-                      heartbeat_fd=heartbeat_fd, cpus=cpus)
+                      path0=script_dir(argv[2]), cwd=cwd, env=env, base_env=base_env(launch.env), cpus=cpus)

@@ -1,11 +1,11 @@
 """The warm zygote: an interpreter that imports the preload list once, then forks one worker per request.
 
-Run by the agent as `PYTHON -u zygote.py FD PATH0 MOD[,MOD...]` with the worker's interpreter: it imports only
+Run by the agent as `PYTHON -u zygote.py FD PATH0 MOD[,MOD...] PROBE` with the worker's interpreter: it imports only
 the standard library, never node_agent, as it must run under any PYTHON_EXEC. It forks only while clean (no
 other Python thread, CUDA not initialised) and opens no socket but FD, the agent's. It dies with the agent
 (PR_SET_PDEATHSIG, set by the agent), each child with it. The wire (a SOCK_SEQPACKET datagram of JSON each):
   zygote -> agent  {"op": "ready", "failed": [[mod, error], ...]}      once, after the preloads
-  agent -> zygote  {"op": "spawn", "id": N, ...launch...} + fds [stdin, stdout, stderr(, heartbeat)]
+  agent -> zygote  {"op": "spawn", "id": N, ...launch...} + fds [stdin, stdout, stderr]
   zygote -> agent  {"op": "started", "id": N, "pid": P} or {"op": "refused", "id": N, "why": "..."}
   zygote -> agent  {"op": "exited", "pid": P, "code": C}             C: waitpid's exit code, -SIG when killed
   agent -> zygote  {"op": "query"} -> {"op": "state", ...}            what the tests check before a fork
@@ -139,12 +139,12 @@ class Zygote:
             if signal.getsignal(s) is not handler and handler is not None:
                 signal.signal(s, handler)
         signal.pthread_sigmask(signal.SIG_SETMASK, [])
-        # The launch's fds onto 0, 1, 2 (and the heartbeat's number); the zygote's own fds are closed.
+        # The launch's fds onto 0, 1, 2; the zygote's own fds are closed.
         high = [os.dup(fd) for fd in fds]
         for fd in [*fds, self.sock.fileno(), *self.children]:
             os.close(fd)
         self.sock.detach()
-        targets = [0, 1, 2] + ([launch["heartbeat_fd"]] if launch["heartbeat_fd"] >= 0 else [])
+        targets = [0, 1, 2]
         for src, dst in zip(high, targets, strict=False):
             os.dup2(src, dst, inheritable=True)
         for fd in high:
@@ -154,6 +154,7 @@ class Zygote:
         os.chdir(launch["cwd"])
         os.environ.clear()
         os.environ.update(launch["env"])
+        _start_probe()
 
 
 def _per_worker_setup(launch: dict[str, Any]) -> None:
@@ -164,6 +165,31 @@ def _per_worker_setup(launch: dict[str, Any]) -> None:
         # as cold: a CPU taken away since the plan: run unbound rather than not at all
         with contextlib.suppress(OSError):
             os.sched_setaffinity(0, cpus)
+
+
+PROBE_MODULE = "node_agent_probe"      # the name a cold worker's probe has too (node_agent/heartbeat.py)
+
+
+def _load_probe(path: str) -> None:
+    """Load the progress probe (node_agent/progress/probe.py, standard library only) before any fork."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location(PROBE_MODULE, path)
+    if spec is None or spec.loader is None:
+        return
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    except Exception:   # noqa: BLE001 - workers run without a probe rather than not at all
+        return
+    sys.modules[PROBE_MODULE] = module
+
+
+def _start_probe() -> None:
+    """Start the worker's probe as its environment says (NODE_AGENT_PROGRESS), as a cold worker's does."""
+    probe = sys.modules.get(PROBE_MODULE)
+    if probe is not None:
+        with contextlib.suppress(Exception):
+            probe.install(os.environ)
 
 
 GLOO_SETTLE_S = 0.05
@@ -280,6 +306,8 @@ def main() -> None:
     # the child, whose collections then never touch (and copy) the zygote's objects.
     gc.disable()
     fd, path0, preload = int(sys.argv[1]), sys.argv[2], [m for m in sys.argv[3].split(",") if m]
+    if len(sys.argv) > 4 and sys.argv[4]:
+        _load_probe(sys.argv[4])
     sys.path[0] = path0   # preloads resolve as they would in the worker
     sock = socket.socket(fileno=fd)
     failed = []

@@ -9,6 +9,7 @@ import msgspec
 from protocol.messages import JobConfig, WorkerFailure
 from protocol.views import DrainedView, EventView, JobDetail, JobView, NodeView
 from rdzv_server.logs import iso
+from rdzv_server.web.page.goodput import goodput_line, restart_costs, slow_badge
 from rdzv_server.web.page.parts import (
     BAD,
     GOOD,
@@ -18,6 +19,7 @@ from rdzv_server.web.page.parts import (
     badge,
     columns_table,
     esc,
+    figure,
     health,
     host,
     href,
@@ -64,15 +66,23 @@ def _node_id(n: NodeView | DrainedView) -> str:
     return f'<span class="mono">{esc(n.node_id)}</span>'
 
 
+def _member_id(n: NodeView) -> str:
+    return _node_id(n) + slow_badge(n.slow)
+
+
+def _pace(n: NodeView) -> str:
+    return figure(n.steps_per_s) if n.steps_per_s is not None else "&mdash;"
+
+
 def node_columns(timeout: float | None, now: float) -> dict[str, list[Column[Any]]]:
     """Each node table's columns, declared once as (heading, cell) pairs."""
     lease_age: Column[NodeView] = (">lease age", lambda n: lease(n.lease_age_s, timeout))
     workers: Column[NodeView] = (">local world", lambda n: str(n.local_world_size))
     where: Column[NodeView] = ("host / addr", host)
     return {
-        "nodes": [(">group rank", lambda n: esc(n.group_rank)), ("node id", _node_id), where, workers,
+        "nodes": [(">group rank", lambda n: esc(n.group_rank)), ("node id", _member_id), where, workers,
                   (">ranks", lambda n: f'<span class="mono">{_ranks(n)}</span>'), lease_age,
-                  ("worker state", _worker_state), (">recent failures", _failures)],
+                  ("worker state", _worker_state), (">recent failures", _failures), (">steps/s", _pace)],
         "waiting": [("node id", _node_id), where, workers, lease_age, ("joined", lambda n: when(n.joined_at, now))],
         "spares": [(">position", lambda n: f"#{(n.spare_position or 0) + 1}"), ("node id", _node_id), where, workers,
                    lease_age],
@@ -91,8 +101,8 @@ def _node_tables(job: JobView, columns: dict[str, list[Column[Any]]], full: bool
     """The members, then the waiting, spare, excluded and drained nodes (each only when the job has such nodes)."""
     more = _more(job, "nodes", full)
     empty = more if job.counts.nodes else "no members: no round is running"
-    out = ["<h3>Members</h3>" + columns_table(columns["nodes"], job.nodes, empty, more=more,
-                                              row=lambda n: f' data-node="{esc(n.node_id)}"')]
+    out = ["<h3>Members</h3>" + columns_table(columns["nodes"], job.nodes, empty, more=more, row=lambda n: (
+        f' data-node="{esc(n.node_id)}"' + (' data-slow="1"' if n.slow else "")))]
     for key, title in OTHER_LISTS:
         if getattr(job.counts, key):
             more = _more(job, key, full)
@@ -155,11 +165,12 @@ def card(job: JobView, events: list[EventView], now: float, *, full: bool, extra
         f'<span class="right muted">created {when(job.created_at, now)}{ended}</span></header>',
         '<div class="stats">' + "".join(f'<div class="stat"><span class="k">{k}</span><span class="v">{v}</span></div>'
                                         for k, v in stats) + "</div>",
+        goodput_line(job),
         (f'<p class="reason"><span class="muted">last decision:</span> {esc(job.reason)}</p>'
          if job.reason else ""),
         f'<p class="warns">&#9888; {esc("; ".join(warns))}</p>' if warns else "",
         (f'<h3>History</h3>{picture}' if full else picture) if picture else "",
-        pager, _node_tables(job, columns, full), pager, extra,
+        pager, _node_tables(job, columns, full), pager, restart_costs(job) if full else "", extra,
         f'<h3>{"Event history, newest first" if full else "Recent events"}</h3>',
         events_table(events, now, details=full),
         "" if full else f'<a class="more" href="{href(jid)}">Full details, config and history &rarr;</a>',

@@ -10,12 +10,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from protocol.views import JobView
+from protocol.views import JobDetail, JobView
 from rdzv_server.core.events import EventKind
 from rdzv_server.core.payloads import RoundFormed, WorkersFailed, payload_of
 from rdzv_server.core.records import MAX_EVENTS_PER_JOB, Event
 from rdzv_server.web.page import svg
 from rdzv_server.web.page.parts import age, clip, epoch, plural
+from rdzv_server.web.page.rate import rate_lane, rate_summary, read_points
 from rdzv_server.web.page.svg import CAUSES, FINISH, INK, MARKS, MUTED, Frame, cause_label, num, stamp, x_
 
 MIN_SPAN_S = 1.0         # the shortest time axis (a job a few ms old is not drawn over the whole width)
@@ -23,11 +24,13 @@ TEXT = 120               # characters of a client's text in a tooltip
 SAMPLES = 2              # messages a grouped mark's tooltip quotes
 FINISHED = {EventKind.JOB_SUCCEEDED: "succeeded", EventKind.JOB_FAILED: "failed", EventKind.JOB_CLOSED: "closed"}
 # Events drawn as marks, by the key of their style in svg.MARKS.
-MARKED = {EventKind.WORKER_FAILED: "worker_failed", EventKind.NODE_EXCLUDED: "node_excluded",
+MARKED = {EventKind.WORKER_FAILED: "worker_failed", EventKind.HANG_DETECTED: "hang_detected",
+          EventKind.NODE_EXCLUDED: "node_excluded",
           EventKind.NODE_LOST: "node_lost", EventKind.NODE_LEFT: "node_left", EventKind.NODE_DRAINED: "node_drained",
           EventKind.NODE_JOINED: "node_joined", EventKind.NODE_BENCHED: "node_spare",
           EventKind.NODE_READMITTED: "node_readmitted", EventKind.SERVER_RESTARTED: "server_restarted",
           EventKind.LEASES_EXTENDED: "server_restarted", EventKind.JOB_RESIZED: "job_resized"}
+RESTARTS = {"failure": "a worker failure", "hang": "a hang"}    # round causes marked as restarts, in words
 _SEVERITY = {c: i for i, c in enumerate(CAUSES)}
 _MARK_ORDER = {k: i for i, k in enumerate(MARKS)}
 
@@ -90,8 +93,8 @@ def read_history(job: JobView, events: Sequence[Event], now: float) -> History:
             cause = payload.cause
             close(e.t, Span(e.t, round_id=e.round_id, nodes=_int(payload.nodes), world_size=_int(payload.world_size),
                             cause=cause, reason=payload.reason))
-            if cause == "failure":
-                marks.append(Mark(e.t, "restart", f"restart: round {e.round_id} formed after a worker failure"))
+            if cause in RESTARTS:
+                marks.append(Mark(e.t, "restart", f"restart: round {e.round_id} formed after {RESTARTS[cause]}"))
             if promoted := _int(payload.promoted):
                 marks.append(Mark(e.t, "promoted", f"{plural(promoted, 'spare')} promoted into round {e.round_id}",
                                   promoted))
@@ -285,7 +288,8 @@ def _marks(h: History, f: Frame, legend: set[str]) -> list[str]:
     members), with the bucket's count beside it where there is room."""
     out: list[str] = []
     labels: list[str] = []
-    top, bottom = f.lanes["rounds"][0], f.lanes["members"][0] + f.lanes["members"][1]
+    low = f.lanes.get("rate", f.lanes["members"])       # lines cross the rounds, members and steps per second
+    top, bottom = f.lanes["rounds"][0], low[0] + low[1]
     buckets = [(lane, b) for lane, b in _buckets(h, f) if lane in f.lanes or (lane == "line" and not f.compact)]
     room: dict[int, float] = {}      # bucket -> how far right its count may reach: the next mark in its lane
     following: dict[str, float] = {}
@@ -346,14 +350,17 @@ def summary(job: JobView, h: History) -> str:
 
 
 def history_svg(job: JobView, events: Sequence[Event], now: float, *, compact: bool = False) -> str:
-    """The picture of `job` (a view dict) from its kept `events`: rounds by cause, member count, marks
-    for failures, nodes going and coming, restarts; a legend of what it shows; `compact` for a card."""
+    """The picture of `job` (a view) from its kept `events`: rounds by cause, member count, steps per second (a
+    job's page, from JobDetail.rate), marks for failures, nodes going and coming, restarts; a legend of what it
+    shows; `compact` for a card."""
     h = read_history(job, events, now)
-    f = svg.frame(h.t0, h.t1, MIN_SPAN_S, compact)
+    points = read_points(job.rate, h.t0) if isinstance(job, JobDetail) and not compact else []
+    f = svg.frame(h.t0, h.t1, MIN_SPAN_S, compact, rate=bool(points))
     legend: set[str] = set()
     groups = _groups(h, f)
     body = [*svg.lane_labels(f), *svg.axis(f, h.t1, h.finish is None), *_members(h, f, groups, job, legend),
-            *_rounds_lane(h, f, groups, legend), *_marks(h, f, legend), *_finish(h, f, legend)]
+            *(rate_lane(f, points, legend) if points else []), *_rounds_lane(h, f, groups, legend),
+            *_marks(h, f, legend), *_finish(h, f, legend)]
     if h.cut:
         legend.add("cut")
     rounds = sum(1 for s in h.spans if s.round_id is not None)
@@ -367,4 +374,4 @@ def history_svg(job: JobView, events: Sequence[Event], now: float, *, compact: b
     return (f'<svg class="history{" compact" if compact else ""}" xmlns="http://www.w3.org/2000/svg" '
             f'viewBox="0 0 {svg.W} {total:.0f}" role="img" aria-label="{x_(title)}" data-round-count="{rounds}" '
             f'font-family="system-ui, sans-serif" font-size="11"><title>{x_(title)}</title>'
-            f"<desc>{x_(summary(job, h))}</desc>{''.join(body)}{''.join(items)}</svg>")
+            f"<desc>{x_(summary(job, h) + rate_summary(points))}</desc>{''.join(body)}{''.join(items)}</svg>")

@@ -15,10 +15,12 @@ T = TypeVar("T")
 
 FINISHED = {"succeeded", "failed", "closed"}
 # How an event kind is coloured in the history tables.
-BAD = {k.value for k in (EventKind.WORKER_FAILED, EventKind.NODE_LOST, EventKind.JOB_FAILED, EventKind.NODE_EXCLUDED)}
+BAD = {k.value for k in (EventKind.WORKER_FAILED, EventKind.NODE_LOST, EventKind.JOB_FAILED, EventKind.NODE_EXCLUDED,
+                         EventKind.HANG_DETECTED)}
 WARN = {k.value for k in (EventKind.ROUND_ABANDONED, EventKind.NODE_DRAINED, EventKind.JOB_CLOSED,
-                          EventKind.SERVER_RESTARTED, EventKind.NODE_LEFT)}
-GOOD = {k.value for k in (EventKind.ROUND_COMPLETED, EventKind.JOB_SUCCEEDED, EventKind.NODE_READMITTED)}
+                          EventKind.SERVER_RESTARTED, EventKind.NODE_LEFT, EventKind.NODE_SLOW)}
+GOOD = {k.value for k in (EventKind.ROUND_COMPLETED, EventKind.JOB_SUCCEEDED, EventKind.NODE_READMITTED,
+                          EventKind.NODE_PACE_OK)}
 
 
 def esc(value: Any) -> str:
@@ -59,6 +61,11 @@ def when(iso: str | None, now: float) -> str:
     ago = now - epoch(iso)
     rel = f"{age(ago)} ago" if ago >= 0 else f"in {age(-ago)}"
     return f'<span class="mono nowrap">{esc(iso)}</span> <span class="muted nowrap">({rel})</span>'
+
+
+def figure(value: float) -> str:
+    """A rate at a glance: 1,234 / 12.5 / 0.25 (three digits at most after the thousands; tiny ones in e-notation)."""
+    return f"{value:,.0f}" if value >= 100 else f"{value:.3g}" if value >= 0.01 or value <= 0 else f"{value:.1e}"
 
 
 def clip(text: str, limit: int) -> str:

@@ -13,6 +13,7 @@ from rdzv_server.core.rendezvous import Rendezvous
 from rdzv_server.logs import iso
 from rdzv_server.web import views
 from rdzv_server.web.page.cards import DETAIL_EVENTS, INDEX_EVENTS, card, config, failure
+from rdzv_server.web.page.goodput import ettr, pace
 from rdzv_server.web.page.history import history_svg
 from rdzv_server.web.page.parts import (
     Column,
@@ -117,6 +118,8 @@ SUMMARY: list[Column[tuple[JobView, list[EventView], float]]] = [
     ("restarts", lambda r: restarts(r[0].restart_count, r[0].max_restarts)),
     (">spares", lambda r: str(r[0].counts.spares)),
     (">excluded", lambda r: str(r[0].counts.excluded)),
+    (">steps/s", lambda r: pace(r[0].progress)),
+    (">effective training", lambda r: ettr(r[0].progress)),
     ("latest event", lambda r: _latest(r[1], r[2])),
 ]
 UNHEALTHY: list[Column[HostHold]] = [

@@ -38,6 +38,8 @@ border:1px solid transparent;white-space:nowrap}
 .s-waiting,.s-spare{color:var(--amber);background:var(--amber-bg);border-color:#eac54f}
 .s-failed,.s-excluded{color:var(--red);background:var(--red-bg);border-color:#ffcecb}
 .s-succeeded{color:var(--blue);background:var(--blue-bg);border-color:#b6e3ff}
+.s-slow{color:var(--orange);background:var(--orange-bg);border-color:#ffb77c}
+.goodput{margin-top:2px;padding-top:8px;border-top:1px dashed var(--line)}
 .s-closed,.s-gone,.s-ended{color:var(--grey);background:var(--grey-bg);border-color:#d0d7de}
 .bar{display:inline-block;width:64px;height:8px;border-radius:4px;background:var(--grey-bg);
 vertical-align:middle;margin-right:8px;overflow:hidden}

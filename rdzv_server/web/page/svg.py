@@ -19,8 +19,11 @@ MUTED, GRID, INK = "#656d76", "#eaeef2", "#1f2328"
 # Why a round formed: colour and words, by severity (rounds too narrow to draw singly take their worst cause's). The
 # running round is drawn as running (one begun by a failure is not failing); its cause stays in label and tooltip.
 RUNNING = "#1a7f37"
+RATE_INK = "#8250df"      # the steps-per-second line
 CAUSES: dict[str, tuple[str, str]] = {
     "failure": ("#cf222e", "failure (restart)"),
+    "hang": ("#a40e26", "hang (restart)"),
+    "node_unhealthy": ("#953800", "node unhealthy"),
     "node_lost": ("#e16f24", "node lost"),
     "node_drained": ("#8250df", "drained"),
     "node_left": ("#8c959f", "node left"),
@@ -40,6 +43,7 @@ class MarkStyle:
 
 
 MARKS: dict[str, MarkStyle] = {
+    "hang_detected": MarkStyle("fail", "diamond", "#a40e26", "hang detected"),   # first: it names a hang's mark
     "worker_failed": MarkStyle("fail", "x", "#cf222e", "worker failed"),
     "node_excluded": MarkStyle("fail", "square", "#82071e", "node excluded"),
     "node_lost": MarkStyle("out", "down", "#e16f24", "node lost"),
@@ -54,9 +58,11 @@ MARKS: dict[str, MarkStyle] = {
     "job_resized": MarkStyle("line", "dot", "#1b7c83", "resized by an operator"),
 }
 FINISH = {"succeeded": "#0969da", "failed": "#cf222e", "closed": "#57606a"}
-LANE_NAMES = {"rounds": "rounds", "members": "members", "fail": "failures", "out": "nodes out", "in": "nodes in"}
+LANE_NAMES = {"rounds": "rounds", "members": "members", "rate": "steps/s", "fail": "failures", "out": "nodes out",
+              "in": "nodes in"}
 # (lane, height, gap below)
 FULL = (("rounds", 24, 8), ("members", 110, 10), ("fail", 18, 2), ("out", 18, 2), ("in", 18, 4))
+RATE = ("rate", 56, 10)   # steps per second, under the members, on the job's page when the job reported any
 # The overview's small picture: the rounds' colours say why each formed; no lanes of nodes coming and going.
 COMPACT = (("rounds", 18, 6), ("members", 46, 6), ("fail", 16, 2))
 _STEPS = (1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 900, 1800, 3600, 7200, 10800, 21600, 43200, 86400, 172800,
@@ -96,11 +102,13 @@ class Frame:
         return self.left + min(max(t - self.t0, 0.0), self.span) / self.span * (self.right - self.left)
 
 
-def frame(t0: float, t1: float, min_span: float, compact: bool) -> Frame:
+def frame(t0: float, t1: float, min_span: float, compact: bool, rate: bool = False) -> Frame:
+    """The picture's frame; `rate`: with a lane of steps per second (never on the compact picture)."""
     span = max(t1 - t0, min_span) * 1.025           # room right of "now"
     y: float = TOP
     lanes = {}
-    for name, height, gap in COMPACT if compact else FULL:
+    order = COMPACT if compact else (*FULL[:2], RATE, *FULL[2:]) if rate else FULL
+    for name, height, gap in order:
         lanes[name] = (y, float(height))
         y += height + gap
     return Frame(t0, span, LEFT, W - RIGHT, lanes, y, compact, *((10.0, 12.0) if compact else (8.0, 10.0)))
@@ -192,9 +200,9 @@ def glyph(shape: str, x: float, y: float, colour: str, s: float = 4.5, attrs: st
 
 
 # Legend entries in the order they are listed; only those the picture uses are shown.
-_LEGEND = ["cut", *(f"cause:{c}" for c in ("start", "scale_up", "failure", "node_lost", "node_left", "node_drained",
-                                            "resized", "")),
-           "waiting", "current", "members", *MARKS, *(f"finish:{s}" for s in FINISH)]
+_LEGEND = ["cut", *(f"cause:{c}" for c in ("start", "scale_up", "failure", "hang", "node_lost", "node_unhealthy",
+                                            "node_left", "node_drained", "resized", "")),
+           "waiting", "current", "members", "rate", *MARKS, *(f"finish:{s}" for s in FINISH)]
 
 
 def _legend_item(key: str, x: float, y: float) -> tuple[str, str]:
@@ -212,6 +220,9 @@ def _legend_item(key: str, x: float, y: float) -> tuple[str, str]:
                 f"older events not kept (the server keeps a job's last {MAX_EVENTS_PER_JOB:,})")
     if key == "members":
         return f'<path d="M{x},{y - 1}h5v-7h9" fill="none" stroke="#0969da" stroke-width="2"/>', "member nodes"
+    if key == "rate":
+        return (f'<path d="M{x},{y - 2}l5,-5 4,3 5,-5" fill="none" stroke="{RATE_INK}" stroke-width="1.8"/>',
+                "steps per second (own scale)")
     if key.startswith("finish:"):
         return (f'<line x1="{x + 7}" x2="{x + 7}" y1="{y - 11}" y2="{y + 2}" stroke="{FINISH[key[7:]]}" '
                 f'stroke-width="2.5"/>', f"job {key[7:]}")

@@ -1,0 +1,120 @@
+"""A gloo DDP training that knows nothing of node-agent (benchmarks/bench_progress.py runs it unchanged under
+node-agent and torchrun). It logs its own step times, OUT_DIR/steps-RANK.txt ("unix_time step restart" per
+line), so a benchmark can compare what the launcher saw with what the script did. Settings (environment):
+
+  STEPS=N or DURATION_S=S      how long to train (per attempt)
+  WORK=K                       matmuls of 192x192 per step (the compute); SLOW_RANKS=2,3 do 3x as many
+  JITTER=0.5                   each step's compute varies by +-50 %
+  EVAL_EVERY=50 EVAL_STEPS=20  an eval phase (forward passes, no collective) of that many steps' compute
+  CKPT_EVERY=200 CKPT_S=30     every rank writes a checkpoint (real writes) for that long
+  DATA_STALL_EVERY=N           about one batch in N takes 3 steps' time (STEP_S_GUESS) to load, in a real
+                               DataLoader worker process
+  FINISH_SPREAD_S=S            after the last step, rank r works r x S more before it exits
+  FAULT=sleep|stop|spin|exit0|crash FAULT_RANK=R FAULT_STEP=N   on the first attempt only
+"""
+import os
+import random
+import signal
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+env = os.environ.get
+out = env("OUT_DIR", ".")
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+restart = int(env("TORCHELASTIC_RESTART_COUNT", "0"))
+fault = env("FAULT", "") if restart == 0 else ""
+fault_rank, fault_step = int(env("FAULT_RANK", "-1")), int(env("FAULT_STEP", "30"))
+slow = str(rank) in env("SLOW_RANKS", "").split(",")
+work = int(env("WORK", "8")) * (3 if slow else 1)
+jitter = float(env("JITTER", "0"))
+random.seed(rank * 1000 + restart)
+torch.manual_seed(0)
+model = DistributedDataParallel(torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1)))
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+weights = torch.randn(192, 192) / 14
+
+
+def compute(units: float) -> None:
+    x = torch.randn(192, 192)
+    for _ in range(max(1, round(units))):
+        x = torch.tanh(x @ weights)
+
+
+class Batches(torch.utils.data.Dataset):
+    """Random batches; about one in DATA_STALL_EVERY is slow to load."""
+
+    def __len__(self) -> int:
+        return 10 ** 9
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        every = int(env("DATA_STALL_EVERY", "0"))
+        if every and random.random() < 1 / every:
+            time.sleep(3 * float(env("STEP_S_GUESS", "0.1")))
+        return torch.randn(16, 64)
+
+
+def checkpoint(seconds: float) -> None:
+    end = time.time() + seconds
+    with open(os.path.join(out, f"ckpt-{rank}.bin"), "wb") as f:
+        while time.time() < end:
+            f.write(os.urandom(1 << 16))
+            f.flush()
+
+
+log = open(os.path.join(out, f"steps-{rank}.txt"), "a")  # noqa: SIM115 - the run's own log, open for its life
+steps, duration = int(env("STEPS", "0")), float(env("DURATION_S", "0"))
+eval_every, eval_steps = int(env("EVAL_EVERY", "0")), int(env("EVAL_STEPS", "20"))
+ckpt_every, ckpt_s = int(env("CKPT_EVERY", "0")), float(env("CKPT_S", "30"))
+batches = iter(torch.utils.data.DataLoader(Batches(), batch_size=None, num_workers=1, prefetch_factor=1))
+started = time.time()
+step = 0
+
+
+def go_on() -> bool:
+    """Steps, or the duration: decided together every 20 steps (ranks must stop at the same step)."""
+    if steps:
+        return step < steps
+    if step % 20:
+        return True
+    over = torch.tensor([float(time.time() - started >= duration)])
+    dist.all_reduce(over, op=dist.ReduceOp.MAX)
+    return not over.item()
+
+
+while go_on():
+    if fault and rank == fault_rank and step == fault_step:
+        with open(os.path.join(out, f"faulted-{rank}"), "w") as f:
+            f.write(f"{time.time():.6f} {os.getpid()}")
+        if fault == "sleep":
+            time.sleep(10 ** 6)
+        elif fault == "stop":
+            os.kill(os.getpid(), signal.SIGSTOP)
+        elif fault == "spin":
+            while True:
+                pass
+        elif fault == "exit0":
+            sys.exit(0)
+        elif fault == "crash":
+            raise RuntimeError(f"injected crash at step {step}")
+    if eval_every and step and step % eval_every == 0:
+        with torch.no_grad():
+            compute(work * eval_steps)
+    if ckpt_every and step and step % ckpt_every == 0:
+        checkpoint(ckpt_s)
+    compute(work * (1 + random.uniform(-jitter, jitter)))
+    loss = model(next(batches)).pow(2).mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    step += 1
+    log.write(f"{time.time():.6f} {step} {restart}\n")
+    log.flush()
+dist.barrier()
+time.sleep(rank * float(env("FINISH_SPREAD_S", "0")))
+log.close()
+dist.destroy_process_group()

@@ -1,0 +1,117 @@
+"""This node's workers' training progress in the round they run, from what their probes write (pure: the shell
+reads the records and /proc, `now` is an argument). It says when a rank has stalled, past a threshold taken from
+the job's own step times, and sums the round up for the server (`ProgressNote`, on the next request).
+
+A rank is watched once it has stepped: a job with no progress signal (no optimizer step, no `beat()`) is never
+stalled here. The threshold is max(STALL_FLOOR_S, STALL_STEPS x the median recent step), so a rank is looked at
+well before the targets of max(10 s, 5 steps) plus the restart; what a rank is doing then decides (stalls.py).
+"""
+from __future__ import annotations
+
+import statistics
+from collections import deque
+from dataclasses import dataclass, field
+
+from node_agent.core.stalls import ProcSample
+from protocol.messages import ProgressNote
+
+STALL_FLOOR_S = 5.0
+STALL_STEPS = 3.0
+RECENT_STEPS = 64        # step intervals the median is taken over
+
+
+@dataclass(frozen=True)
+class ProbeRecord:
+    """A worker's record as its probe last wrote it (node_agent/progress/probe.py); times are unix times."""
+    steps: int
+    first_at: float
+    last_at: float
+    pid: int
+    flags: int
+    main_thread: int
+    resumed_step: int = -1
+
+
+@dataclass
+class RankProgress:
+    record: ProbeRecord | None = None
+    proc: ProcSample | None = None           # the latest look
+    window_proc: ProcSample | None = None    # the look the demand window started at
+    exited: int | None = None                # its exit code, once it ended
+
+
+@dataclass
+class RoundProgress:
+    """One round's local ranks: their records and /proc looks, their recent step intervals."""
+    round_id: int
+    ranks: dict[int, RankProgress] = field(default_factory=dict)
+    intervals: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT_STEPS))
+    window_started: float | None = None      # monotonic time of the window's first look
+    window_steps_from: int = 0
+
+    def observe(self, local_rank: int, record: ProbeRecord | None, proc: ProcSample | None, now: float) -> None:
+        """One look at a rank (`record` None: no valid record yet; `proc` None: the process is gone)."""
+        rank = self.ranks.setdefault(local_rank, RankProgress())
+        old = rank.record
+        if record is not None:
+            if old is not None and record.steps > old.steps and old.steps > 0:
+                gap = (record.last_at - old.last_at) / (record.steps - old.steps)
+                if gap > 0:
+                    self.intervals.append(gap)
+            rank.record = record
+        rank.proc = proc
+        if rank.window_proc is None:
+            rank.window_proc = proc
+        if self.window_started is None:
+            self.window_started = now
+
+    def exited(self, local_rank: int, code: int) -> None:
+        self.ranks.setdefault(local_rank, RankProgress()).exited = code
+
+    @property
+    def steps(self) -> int:
+        return max((r.record.steps for r in self.ranks.values() if r.record is not None), default=0)
+
+    def step_s(self) -> float:
+        """The median of the recent step intervals (0: fewer than two steps seen)."""
+        return statistics.median(self.intervals) if self.intervals else 0.0
+
+    def threshold_s(self) -> float:
+        return max(STALL_FLOOR_S, STALL_STEPS * self.step_s())
+
+    def stalled(self, wall_now: float) -> list[int]:
+        """Local ranks still running that stepped, but not for the threshold: the stalled ones."""
+        limit = self.threshold_s()
+        return sorted(lr for lr, r in self.ranks.items()
+                      if r.exited is None and r.record is not None and r.record.steps > 0
+                      and wall_now - r.record.last_at >= limit)
+
+    def note(self, now: float) -> ProgressNote:
+        """The round so far, and the window since the last note (which this one closes)."""
+        records = [r.record for r in self.ranks.values() if r.record is not None]
+        stepped = [r for r in records if r.steps > 0]
+        window_s = now - self.window_started if self.window_started is not None else 0.0
+        demand = self._demand(window_s)
+        steps = self.steps
+        note = ProgressNote(
+            round_id=self.round_id, probes=len(records), steps=steps,
+            first_step_at=min((r.first_at for r in stepped), default=0.0),
+            last_step_at=max((r.last_at for r in stepped), default=0.0),
+            step_s=round(self.step_s(), 6), window_s=round(max(0.0, window_s), 3),
+            window_steps=max(0, steps - self.window_steps_from), demand=round(demand, 3),
+            resumed_step=max((r.resumed_step for r in records), default=-1))
+        self.window_started, self.window_steps_from = now, steps
+        for r in self.ranks.values():
+            r.window_proc = r.proc
+        return note
+
+    def _demand(self, window_s: float) -> float:
+        """The mean over running ranks of the share of the window their main thread ran or waited to run."""
+        shares = []
+        for r in self.ranks.values():
+            a, b = r.window_proc, r.proc
+            if a is None or b is None or window_s <= 0 or r.exited is not None:
+                continue
+            used = (b.cpu_s - a.cpu_s) + (b.run_delay_s - a.run_delay_s)
+            shares.append(min(1.0, max(0.0, used / window_s)))
+        return sum(shares) / len(shares) if shares else 0.0

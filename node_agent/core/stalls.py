@@ -1,0 +1,105 @@
+"""What a rank that stopped stepping is doing, from what the agent can see of it: its process state and its main
+thread's CPU time and I/O (/proc), and its main thread's Python stack at two looks (the probe's faulthandler
+dump). Pure: the agent's shell reads, this decides. The server weighs every node's answer (core/hangs.py).
+
+The rule, in order: gone -> EXITED; stopped -> STOPPED; busy in its own code with the same stack at every look
+and no I/O -> SPINNING; idle in torch's collectives, its backward or a CUDA wait -> WAITING; idle anywhere else
+-> QUIET, unless it is in uninterruptible sleep, moving data or waiting for its DataLoader (WORKING); no stack
+to tell -> UNKNOWN. Anything busy otherwise is WORKING: an eval loop, a checkpoint write, data loading.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from protocol.messages import RankState
+
+IDLE_CPU = 0.1          # a main thread below this share of one CPU is blocked, not computing
+BUSY_CPU = 0.5          # at or above it, a main thread is running code
+MOVING_BYTES = 1 << 20  # read or written while watched: the rank is moving data (a checkpoint, a download)
+# Where a blocked main thread waits on the other ranks (paths as faulthandler prints them).
+WAIT_PATHS = ("/torch/distributed/", "/torch/nn/parallel/distributed.py", "/torch/autograd/", "/torch/_tensor.py",
+              "/torch/cuda/")
+LOADING_PATHS = ("/torch/utils/data/",)      # a main thread waiting for its DataLoader's workers
+LIBRARY_PATHS = ("/torch/", "/site-packages/", "/dist-packages/")   # code that is not the script's own
+
+
+@dataclass(frozen=True)
+class Frame:
+    file: str
+    line: int
+    function: str
+
+    def __str__(self) -> str:
+        return f"{self.file}:{self.line} in {self.function}"
+
+
+@dataclass(frozen=True)
+class ProcSample:
+    """One look at a worker in /proc (its main thread; `io_bytes`: the whole process)."""
+    state: str            # R, S, D, T, t, Z, X ... ("" once it is gone)
+    cpu_s: float          # main thread's user + system time
+    run_delay_s: float    # main thread's time runnable but waiting for a CPU
+    io_bytes: int         # read + written, files and sockets
+
+
+_THREAD = re.compile(r"^(?:Current thread|Thread) 0x([0-9a-f]+) \(most recent call first\):$")
+_FRAME = re.compile(r'^  File "(.*)", line (\d+) in (.*)$')
+
+
+def parse_dump(text: str) -> dict[int, list[Frame]]:
+    """faulthandler's dump of every thread: thread id -> its frames, innermost first. Lines of other forms
+    (a truncated dump, "<no Python frame>") are skipped: the text is the worker's, not ours."""
+    threads: dict[int, list[Frame]] = {}
+    frames: list[Frame] | None = None
+    for line in text.splitlines():
+        head = _THREAD.match(line)
+        if head:
+            frames = threads.setdefault(int(head.group(1), 16), [])
+            continue
+        frame = _FRAME.match(line)
+        if frame and frames is not None:
+            frames.append(Frame(frame.group(1), int(frame.group(2)), frame.group(3)))
+    return threads
+
+
+def main_stack(text: str, main_thread: int) -> list[Frame] | None:
+    """The main thread's frames in a dump (the first thread's where the main one is missing); None: no dump."""
+    threads = parse_dump(text)
+    if not threads:
+        return None
+    return threads.get(main_thread) or next(iter(threads.values()))
+
+
+def _in(frames: list[Frame], paths: tuple[str, ...]) -> bool:
+    return any(p in f.file for f in frames for p in paths)
+
+
+def classify(before: ProcSample | None, after: ProcSample | None, watched_s: float,
+             stacks: list[list[Frame]]) -> tuple[RankState, float]:
+    """The rank's state and its main thread's CPU share over the `watched_s` between two looks, given the main
+    thread's stacks taken meanwhile (none where the probe did not answer). `after` None: the process is gone."""
+    if after is None or after.state in ("", "Z", "X"):
+        return RankState.EXITED, 0.0
+    cpu = 0.0
+    if before is not None and watched_s > 0:
+        cpu = min(1.0, max(0.0, (after.cpu_s - before.cpu_s) / watched_s))
+    if after.state in ("T", "t"):
+        return RankState.STOPPED, cpu
+    moved = before is not None and after.io_bytes - before.io_bytes >= MOVING_BYTES
+    if not stacks:
+        return (RankState.UNKNOWN if cpu < IDLE_CPU and after.state != "D" and not moved else RankState.WORKING), cpu
+    if cpu >= BUSY_CPU:
+        same = len(stacks) > 1 and all(s == stacks[0] for s in stacks[1:])
+        own = not _in(stacks[-1][:1], LIBRARY_PATHS)
+        return (RankState.SPINNING if same and own and not moved else RankState.WORKING), cpu
+    if cpu < IDLE_CPU and any(_in(s, WAIT_PATHS) for s in stacks):
+        return RankState.WAITING, cpu
+    if cpu < IDLE_CPU and not moved and after.state != "D" and not _in(stacks[-1], LOADING_PATHS):
+        return RankState.QUIET, cpu
+    return RankState.WORKING, cpu
+
+
+def stack_text(frames: list[Frame], limit: int) -> str:
+    """The frames innermost first, one per line, cut to `limit` characters."""
+    return "\n".join(map(str, frames))[:limit]

@@ -1,0 +1,36 @@
+"""Put the progress probe into a cold worker before its script runs (the agent puts this directory first
+on the worker's PYTHONPATH). It takes itself off the path again, so the worker's children and imports see
+the path as the user set it, then runs the user's own sitecustomize, if any."""
+import importlib.util
+import os
+import sys
+
+
+def _start() -> None:
+    here = os.path.dirname(os.path.abspath(__file__))
+    sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != here]
+    rest = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and os.path.abspath(p) != here]
+    if rest:
+        os.environ["PYTHONPATH"] = os.pathsep.join(rest)
+    else:
+        os.environ.pop("PYTHONPATH", None)
+    spec = importlib.util.spec_from_file_location("node_agent_probe", os.path.join(os.path.dirname(here), "probe.py"))
+    if spec is not None and spec.loader is not None:
+        probe = importlib.util.module_from_spec(spec)
+        sys.modules["node_agent_probe"] = probe
+        try:
+            spec.loader.exec_module(probe)
+            probe.install(os.environ)
+        except Exception:   # noqa: BLE001 - the worker runs without a probe rather than not at all
+            sys.modules.pop("node_agent_probe", None)
+    ours = sys.modules.pop("sitecustomize")
+    try:
+        import sitecustomize  # type: ignore[import-not-found]  # noqa: F401 - the user's (or the distribution's) own, now first on the path
+    except ImportError as exc:
+        sys.modules["sitecustomize"] = ours     # the import system looks its module up once it has run
+        if exc.name != "sitecustomize":
+            raise
+
+
+if __name__ == "sitecustomize":     # run by Python's start-up, not imported by name
+    _start()

@@ -1,0 +1,157 @@
+"""The progress probe, inside a worker before the user's code runs: standard library only, never torch.
+
+It counts training steps with no change to the script: once `torch.optim.optimizer` is imported (by the
+script, or before the fork in a warm interpreter) a global optimizer-step hook counts every step of every
+`torch.optim` optimizer; `node_agent.heartbeat.beat()` counts too, for loops stepping none. Each step goes
+into a 64-byte record the agent maps as well (no system call per step). On a signal, faulthandler (C code:
+it answers while the main thread is blocked in a collective) writes every thread's Python stack to a file.
+
+The agent gives `NODE_AGENT_PROGRESS=RECORD;STACKS;SIGNAL`; `install()` takes it out of the environment, so
+the worker's own children (DataLoader workers, subprocesses) never count as the worker.
+"""
+from __future__ import annotations
+
+import faulthandler
+import importlib.abc
+import mmap
+import os
+import struct
+import sys
+import threading
+import time
+from typing import Any
+
+ENV = "NODE_AGENT_PROGRESS"
+MAGIC, VERSION = 0x4E505247, 1
+# magic, version, seq (odd while a step is written), steps, first and last step (unix time), pid, flags, the
+# main thread's id (as faulthandler prints it), the step node_agent.snapshot resumed from (-1: none)
+RECORD = struct.Struct("<IIQQddIIQq")
+SIZE = RECORD.size                    # 64
+SEQ = struct.Struct("<Q")
+STEP = struct.Struct("<Qdd")          # steps, first, last: written between two seq updates
+FLAG = struct.Struct("<I")
+RESUMED = struct.Struct("<q")
+SEQ_AT, STEP_AT, FLAGS_AT, RESUMED_AT = 8, 16, 44, 56
+HOOKED, BEATEN, STACKS = 1, 2, 4      # flags: an optimizer hook counts; beat() was called; stacks answer
+OPTIMIZER_MODULE = "torch.optim.optimizer"
+
+
+class Record:
+    """The worker's side of its record: a file the agent made, mapped shared."""
+
+    def __init__(self, path: str) -> None:
+        fd = os.open(path, os.O_RDWR)
+        try:
+            if os.fstat(fd).st_size < SIZE:
+                os.ftruncate(fd, SIZE)
+            self.map = mmap.mmap(fd, SIZE)
+        finally:
+            os.close(fd)
+        self.seq = 0
+        self.steps = 0
+        self.first = 0.0
+        self.flags = 0
+        RECORD.pack_into(self.map, 0, MAGIC, VERSION, 0, 0, 0.0, 0.0, os.getpid(), 0,
+                         threading.main_thread().ident or 0, -1)
+
+    def step(self) -> None:
+        now = time.time()
+        if not self.steps:
+            self.first = now
+        self.steps += 1
+        seq = self.seq
+        SEQ.pack_into(self.map, SEQ_AT, seq + 1)
+        STEP.pack_into(self.map, STEP_AT, self.steps, self.first, now)
+        SEQ.pack_into(self.map, SEQ_AT, seq + 2)
+        self.seq = seq + 2
+
+    def flag(self, bit: int) -> None:
+        self.flags |= bit
+        FLAG.pack_into(self.map, FLAGS_AT, self.flags)
+
+
+_record: Record | None = None
+_stacks: Any = None        # the open stacks file: faulthandler writes to it from C, so it stays open
+
+
+def step() -> None:
+    """One training step: the optimizer hook's, or beat()'s."""
+    if _record is not None:
+        _record.step()
+
+
+def beat() -> None:
+    """`node_agent.heartbeat.beat()`: a step, and the job's own progress signal."""
+    if _record is not None:
+        if not _record.flags & BEATEN:
+            _record.flag(BEATEN)
+        _record.step()
+
+
+def resumed(step: int) -> None:
+    """The script resumed from its checkpoint of `step` (node_agent.snapshot says so): steps redone are counted."""
+    if _record is not None:
+        RESUMED.pack_into(_record.map, RESUMED_AT, max(-1, int(step)))
+
+
+def _after_step(optimizer: Any, args: Any, kwargs: Any) -> None:
+    step()
+
+
+def _hook(module: Any) -> None:
+    register = getattr(module, "register_optimizer_step_post_hook", None)
+    if register is not None and _record is not None and not _record.flags & HOOKED:
+        register(_after_step)
+        _record.flag(HOOKED)
+
+
+class _HookOnImport(importlib.abc.MetaPathFinder):
+    """Hooks torch's optimizer module as it is imported, without importing torch itself."""
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
+        if fullname != OPTIMIZER_MODULE:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None:
+                if spec.loader is not None and hasattr(spec.loader, "exec_module"):
+                    _hook_after(spec.loader)
+                return spec
+        return None
+
+
+def _hook_after(loader: Any) -> None:
+    run = loader.exec_module
+
+    def exec_module(module: Any) -> None:
+        run(module)
+        _hook(module)
+    loader.exec_module = exec_module
+
+
+def install(environ: Any = os.environ) -> bool:
+    """Count steps and answer for stacks as `NODE_AGENT_PROGRESS` says (taking it out); False without it.
+    Never raises: a probe that cannot start leaves the worker as it was."""
+    global _record, _stacks
+    parts = environ.pop(ENV, "").split(";")
+    if len(parts) != 3 or _record is not None:
+        return False
+    record_path, stacks_path, signum = parts
+    try:
+        _record = Record(record_path)
+    except (OSError, ValueError):
+        return False
+    try:
+        _stacks = open(stacks_path, "a")  # noqa: SIM115 - faulthandler needs it open for the worker's life
+        faulthandler.register(int(signum), file=_stacks, all_threads=True, chain=False)
+        _record.flag(STACKS)
+    except (OSError, ValueError, RuntimeError, AttributeError):
+        pass        # no stacks: the agent never sends the signal to a worker without the flag
+    optimizer = sys.modules.get(OPTIMIZER_MODULE)
+    if optimizer is not None:
+        _hook(optimizer)
+    else:
+        sys.meta_path.insert(0, _HookOnImport())
+    return True

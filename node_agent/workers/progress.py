@@ -1,0 +1,177 @@
+"""The agent's side of the progress probes (node_agent/progress/probe.py): where each worker's record and stacks
+go, reading the records and /proc, and taking stacks on a signal. Nothing here trusts a worker: a record that
+does not parse is ignored with one warning, a dump is read up to a bound.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import mmap
+import os
+import shutil
+import signal
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from node_agent.core.progress import ProbeRecord
+from node_agent.core.stalls import ProcSample
+from node_agent.progress import probe
+
+BOOT_DIR = os.path.join(os.path.dirname(probe.__file__), "boot")   # its sitecustomize starts a cold worker's probe
+STACKS_SIGNAL = signal.SIGRTMIN + 6     # answered by faulthandler in a worker whose record has the STACKS flag
+MAX_DUMP_BYTES = 256 * 1024             # read of one dump (faulthandler stops at 100 frames per thread)
+DUMP_WAIT_S = 0.3                       # for a dump to be written (C code, in the signal handler: milliseconds)
+
+
+class BadRecord(ValueError):
+    """What a worker wrote where its record is read is not a record."""
+
+
+@dataclass(frozen=True)
+class ProbeFiles:
+    record: str
+    stacks: str
+
+    @classmethod
+    def in_dir(cls, root: str, local_rank: int) -> ProbeFiles:
+        return cls(os.path.join(root, f"{local_rank}.progress"), os.path.join(root, f"{local_rank}.stacks"))
+
+    def env(self) -> str:
+        """NODE_AGENT_PROGRESS for the worker: the probe takes it out of its environment as it starts."""
+        return f"{self.record};{self.stacks};{int(STACKS_SIGNAL)}"
+
+    def create(self) -> None:
+        """A fresh, empty record (a new round in the same attempt directory starts from nothing)."""
+        fd = os.open(self.record, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.ftruncate(fd, probe.SIZE)
+        finally:
+            os.close(fd)
+        with open(self.stacks, "w"):
+            pass
+
+
+class ProbeRoot:
+    """Where this agent's workers' records and stacks live: in /dev/shm when it can (a record is memory the
+    worker writes and the agent reads, never a disk write), never in the log directory (its layout stays
+    torchrun's); made at the first round, removed when the agent ends."""
+
+    def __init__(self) -> None:
+        self.root: str | None = None
+
+    def files(self, local_rank: int) -> ProbeFiles:
+        if self.root is None:
+            shm = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
+            self.root = tempfile.mkdtemp(prefix=f"node-agent-progress.{os.getpid()}.", dir=shm)
+        return ProbeFiles.in_dir(self.root, local_rank)
+
+    def close(self) -> None:
+        if self.root is not None:
+            shutil.rmtree(self.root, ignore_errors=True)
+            self.root = None
+
+
+def cold_env(env: dict[str, str]) -> dict[str, str]:
+    """A cold worker's environment: the boot directory first on PYTHONPATH (it takes itself off again)."""
+    if probe.ENV not in env:
+        return env
+    path = env.get("PYTHONPATH")
+    return {**env, "PYTHONPATH": BOOT_DIR + (os.pathsep + path if path else "")}
+
+
+class RecordReader:
+    """A worker's record, mapped read-only."""
+
+    def __init__(self, path: str) -> None:
+        with open(path, "rb") as f:
+            self._map = mmap.mmap(f.fileno(), probe.SIZE, prot=mmap.PROT_READ)
+
+    def read(self, pid: int | None, wall_now: float) -> ProbeRecord | None:
+        """The record (None: the probe has not started, or is stopped halfway through a step); raises BadRecord
+        when it is not one."""
+        magic, version = probe.RECORD.unpack_from(self._map, 0)[:2]
+        if magic not in (0, probe.MAGIC) or (magic and version != probe.VERSION):
+            raise BadRecord(f"magic {magic:#x} version {version}")
+        for _ in range(8):      # a step being written: read again (a few microseconds)
+            fields = probe.RECORD.unpack_from(self._map, 0)
+            seq = fields[2]
+            if seq & 1 or probe.SEQ.unpack_from(self._map, probe.SEQ_AT)[0] != seq:
+                continue
+            return _checked(fields, pid, wall_now)
+        return None
+
+    def close(self) -> None:
+        self._map.close()
+
+
+def _checked(fields: tuple[int | float, ...], pid: int | None, wall_now: float) -> ProbeRecord | None:
+    magic, _, _, steps, first, last, rec_pid, flags, main_thread, resumed = fields
+    if magic == 0:
+        return None
+    if pid is not None and rec_pid != pid:
+        raise BadRecord(f"written by pid {rec_pid}, not the worker's {pid}")
+    if not all(math.isfinite(t) for t in (first, last)) or (steps and not 0 < first <= last <= wall_now + 60):
+        raise BadRecord(f"step times {first!r}..{last!r}")
+    return ProbeRecord(steps=int(steps), first_at=float(first), last_at=float(last), pid=int(rec_pid),
+                       flags=int(flags), main_thread=int(main_thread), resumed_step=int(resumed))
+
+
+def read_proc(pid: int) -> ProcSample | None:
+    """A look at the worker's main thread in /proc; None once it is gone (or a zombie's parts are)."""
+    try:
+        with open(f"/proc/{pid}/task/{pid}/stat", "rb") as f:
+            stat = f.read().decode(errors="replace")
+        with open(f"/proc/{pid}/task/{pid}/schedstat", "rb") as f:
+            ran_ns, waited_ns = (int(x) for x in f.read().split()[:2])
+    except (OSError, ValueError):
+        return None
+    rest = stat[stat.rfind(")") + 2:].split()
+    if not rest:
+        return None
+    io_bytes = 0
+    with contextlib.suppress(OSError, ValueError):
+        with open(f"/proc/{pid}/io", "rb") as f:
+            counters = dict(line.split(b": ") for line in f.read().splitlines())
+        io_bytes = int(counters[b"rchar"]) + int(counters[b"wchar"])
+    return ProcSample(state=rest[0], cpu_s=ran_ns / 1e9, run_delay_s=waited_ns / 1e9, io_bytes=io_bytes)
+
+
+async def take_stacks(targets: dict[int, tuple[int, str]], clock: Callable[[], float] = time.monotonic
+                      ) -> dict[int, str]:
+    """Each target's (local rank -> (pid, stacks file)) dump: the file emptied, the signal sent, the dump read once
+    it stops growing (up to DUMP_WAIT_S). A rank whose dump did not come has none."""
+    sent: dict[int, str] = {}
+    for lr, (pid, path) in targets.items():
+        try:
+            os.truncate(path, 0)
+            os.kill(pid, STACKS_SIGNAL)
+        except OSError:
+            continue
+        sent[lr] = path
+    sizes: dict[int, int] = {}
+    deadline = clock() + DUMP_WAIT_S
+    while sent and clock() < deadline:
+        await asyncio.sleep(0.02)        # the worker writes in its own time; nothing to wait on but the file
+        now = {lr: _size(path) for lr, path in sent.items()}
+        if all(size > 0 and sizes.get(lr) == size for lr, size in now.items()):
+            break
+        sizes = now
+    return {lr: _read_dump(path) for lr, path in sent.items()}
+
+
+def _read_dump(path: str) -> str:
+    try:
+        with open(path, "rb") as f:
+            return f.read(MAX_DUMP_BYTES).decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def _size(path: str) -> int:
+    try:
+        return os.stat(path).st_size
+    except OSError:
+        return 0

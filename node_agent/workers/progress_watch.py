@@ -1,0 +1,140 @@
+"""One round's watch on its workers' progress: every LOOK_S it reads each worker's record and /proc, so the next
+request to the server carries the round's progress (`note`); with hang detection on, a rank that stalls is
+examined (its stacks at two looks EXAMINE_GAP_S apart, its CPU and I/O meanwhile) and the evidence goes to the
+server as a fact for the agent's loop, again every threshold while the stall lasts.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from node_agent.core.facts import Put, RanksStalled
+from node_agent.core.progress import ProbeRecord, RoundProgress
+from node_agent.core.stalls import ProcSample, classify, main_stack, stack_text
+from node_agent.progress import probe
+from node_agent.workers.progress import BadRecord, ProbeFiles, RecordReader, read_proc, take_stacks
+from protocol.messages import MAX_DURATION_S, MAX_SHORT_TEXT, MAX_TRACEBACK, ProgressNote, RankSeen
+
+LOOK_S = 0.5
+EXAMINE_GAP_S = 0.5
+STACKS_BUDGET = 256 * 1024      # the stacks of one report, shared by its ranks (the request stays small)
+
+
+@dataclass
+class _Rank:
+    local_rank: int
+    rank: int
+    files: ProbeFiles
+    reader: RecordReader | None = None
+    ignored: bool = False        # its record did not parse: read no more this round
+
+
+class ProgressWatch:
+    def __init__(self, round_id: int, ranks: dict[int, tuple[int, ProbeFiles]], *, detect: bool,
+                 pid_of: Callable[[int], int | None], exit_of: Callable[[int], int | None],
+                 warn: Callable[[str], None], clock: Callable[[], float] = time.monotonic,
+                 wall: Callable[[], float] = time.time) -> None:
+        """`ranks`: local rank -> (global rank, its probe files); `pid_of`/`exit_of`: a worker's pid and exit code."""
+        self.round = RoundProgress(round_id)
+        self._ranks = {lr: _Rank(lr, rank, files) for lr, (rank, files) in ranks.items()}
+        self._detect = detect
+        self._pid_of, self._exit_of = pid_of, exit_of
+        self._warn = warn
+        self._clock, self._wall = clock, wall
+        self._reported_at: float | None = None    # the last report of the stall under way (None: none under way)
+
+    async def run(self, put: Put) -> None:
+        """Look every LOOK_S until cancelled; put a `RanksStalled` fact for each report."""
+        while True:
+            self.look()
+            stalled = self.round.stalled(self._wall()) if self._detect else []
+            if not stalled:
+                self._reported_at = None
+            elif self._reported_at is None or self._clock() - self._reported_at >= self.round.threshold_s():
+                first = self._reported_at is None
+                self._reported_at = self._clock()
+                put(RanksStalled(self.round.round_id, self.round.threshold_s(), await self.examine(), first))
+            await asyncio.sleep(LOOK_S)    # the watch's period: records change with no event to wait on
+
+    def look(self) -> None:
+        now, wall = self._clock(), self._wall()
+        for r in self._ranks.values():
+            code = self._exit_of(r.local_rank)
+            if code is not None:
+                self.round.exited(r.local_rank, code)
+                continue
+            pid = self._pid_of(r.local_rank)
+            self.round.observe(r.local_rank, self._record(r, pid, wall), read_proc(pid) if pid else None, now)
+
+    def note(self) -> ProgressNote:
+        return self.round.note(self._clock())
+
+    def close(self) -> None:
+        for r in self._ranks.values():
+            if r.reader is not None:
+                r.reader.close()
+                r.reader = None
+
+    def _record(self, r: _Rank, pid: int | None, wall: float) -> ProbeRecord | None:
+        if r.ignored:
+            return None
+        try:
+            if r.reader is None:
+                r.reader = RecordReader(r.files.record)
+            return r.reader.read(pid, wall)
+        except BadRecord as exc:
+            r.ignored = True
+            self._warn(f"rank {r.rank} (local {r.local_rank}): its progress record is not one ({exc}); "
+                       f"ignored for this round")
+        except (OSError, ValueError):
+            pass      # not there yet, or gone with the round
+        return None
+
+    async def examine(self) -> tuple[RankSeen, ...]:
+        """Every local rank's state now: two looks EXAMINE_GAP_S apart, with stacks at each."""
+        before = {lr: self.round.ranks[lr].proc if lr in self.round.ranks else None for lr in self._ranks}
+        started = self._clock()
+        dumps = [await take_stacks(self._answering())]
+        await asyncio.sleep(EXAMINE_GAP_S)     # the gap between the two looks is the measurement
+        dumps.append(await take_stacks(self._answering()))
+        self.look()
+        watched = self._clock() - started + LOOK_S
+        wall = self._wall()
+        budget = max(256, min(MAX_TRACEBACK, STACKS_BUDGET // max(1, len(self._ranks))))
+        seen = []
+        for lr, r in sorted(self._ranks.items()):
+            progress = self.round.ranks.get(lr)
+            record = progress.record if progress is not None else None
+            stacks = [s for s in (main_stack(d.get(lr, ""), record.main_thread if record else 0) for d in dumps) if s]
+            after: ProcSample | None = progress.proc if progress is not None else None
+            exited = progress.exited if progress is not None else None
+            state, cpu = classify(before.get(lr), None if exited is not None else after, watched, stacks)
+            top = stacks[-1] if stacks else []
+            stalled_s = min(MAX_DURATION_S, max(0.0, wall - record.last_at)) if record and record.steps else 0.0
+            seen.append(RankSeen(
+                rank=r.rank, local_rank=lr, state=state, cpu=round(cpu, 3), exitcode=exited,
+                stalled_s=round(stalled_s, 3),
+                steps=record.steps if record else 0, where=_short(str(top[0]) if top else ""),
+                stack=stack_text(top, budget)))
+        return tuple(seen)
+
+    def _answering(self) -> dict[int, tuple[int, str]]:
+        """The ranks whose probe answers for stacks, and that can (not stopped, not gone)."""
+        out = {}
+        for lr, r in self._ranks.items():
+            progress = self.round.ranks.get(lr)
+            record = progress.record if progress else None
+            pid = self._pid_of(lr)
+            if record is None or not record.flags & probe.STACKS or pid is None or pid != record.pid:
+                continue
+            if progress is None or progress.exited is not None or progress.proc is None \
+                    or progress.proc.state in ("T", "t", "Z", "X"):
+                continue
+            out[lr] = (pid, r.files.stacks)
+        return out
+
+
+def _short(text: str) -> str:
+    return text if len(text) <= MAX_SHORT_TEXT else "..." + text[3 - MAX_SHORT_TEXT:]

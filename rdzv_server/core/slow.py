@@ -1,0 +1,60 @@
+"""Slow nodes: in a job whose ranks step together, everyone waits on the slowest node, and the slowest node waits
+on nobody. Each note says how much of its window a node's ranks ran or waited for a CPU (`demand`); the rest they
+waited on the others. A node holds the job back when the other nodes wait SLOW_GAP more of their time than it
+does, over SLOW_STEPS steps in a row; it is named slow then, and cleared after as many steps without.
+Pure; memory only (a server that takes over measures again).
+
+What it cannot see: time on a GPU. With NCCL the CPU waits for kernels the same way whether the GPU computes
+or waits on a peer, so on GPU nodes it names only nodes slow on their CPU side (data loading, Python).
+"""
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+
+from protocol.messages import ProgressNote
+
+SLOW_GAP = 0.3          # the others wait this much more of each step than the node does
+SLOW_STEPS = 10         # ... over this many steps in a row (a few notes: they ride on polls)
+NOTE_FRESH_S = 30.0     # a node's last note counts this long
+
+
+@dataclass
+class NodePace:
+    demand: float = 0.0
+    at: float = 0.0
+    streak: int = 0          # steps in a row on the other side of the line than `slow` says
+    slow: bool = False
+    gap: float = 0.0         # how much more the others waited, at the last note
+
+
+@dataclass
+class Paces:
+    """One job's nodes' paces."""
+    nodes: dict[str, NodePace] = field(default_factory=dict)
+
+    def note(self, node_id: str, n: ProgressNote, now: float) -> bool | None:
+        """Take a node's note; True: it is named slow now, False: no longer, None: no change."""
+        if n.window_s <= 0 or n.window_steps <= 0:
+            return None
+        pace = self.nodes.setdefault(node_id, NodePace())
+        pace.demand, pace.at = n.demand, now
+        others = [p.demand for node, p in self.nodes.items() if node != node_id and now - p.at <= NOTE_FRESH_S]
+        if not others:
+            return None
+        pace.gap = (1 - statistics.median(others)) - (1 - pace.demand)
+        holds_back = pace.gap >= SLOW_GAP
+        if holds_back == pace.slow:
+            pace.streak = 0
+            return None
+        pace.streak += n.window_steps
+        if pace.streak < SLOW_STEPS:
+            return None
+        pace.slow, pace.streak = holds_back, 0
+        return holds_back
+
+    def forget(self, node_id: str) -> None:
+        self.nodes.pop(node_id, None)
+
+    def slow(self) -> list[str]:
+        return sorted(node for node, p in self.nodes.items() if p.slow)

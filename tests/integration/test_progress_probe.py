@@ -1,0 +1,141 @@
+"""The progress probe in real workers, cold and warm: it counts `torch.optim` steps and `beat()` with no change
+to the script, leaves the worker's environment and path as the user set them, runs the user's own
+sitecustomize, and answers for stacks on its signal while the main thread is busy elsewhere."""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+
+import pytest
+
+from node_agent.core.progress import ProbeRecord
+from node_agent.core.stalls import main_stack
+from node_agent.progress import probe
+from node_agent.workers.group import WorkerGroup
+from node_agent.workers.launch import WorkerLaunch
+from node_agent.workers.progress import ProbeFiles, RecordReader, take_stacks
+from node_agent.workers.warm.client import WarmZygote
+from node_agent.workers.warm.eligible import base_env
+from tests.integration.worker_support import LIMIT, RecordingConsole
+
+Started = tuple[WorkerGroup, ProbeFiles, RecordingConsole]
+ENV = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
+ROOT = str(Path(__file__).resolve().parents[2])
+
+HEAD = """import os, sys, time
+print("env", os.environ.get("NODE_AGENT_PROGRESS"), "boot", any(p.endswith("boot") for p in sys.path),
+      "pythonpath", os.environ.get("PYTHONPATH"), flush=True)
+"""
+TAIL = """
+with open("ready", "w"):
+    pass
+def waiting_for_the_test():
+    time.sleep(600)
+waiting_for_the_test()
+"""
+TORCH = "import torch\nopt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1)\n" \
+        "for _ in range(5):\n    opt.step()"
+BEATS = "from node_agent.heartbeat import beat\nfor _ in range(3):\n    beat()"
+
+
+def script(workdir: Path, steps: str) -> str:
+    path = workdir / "train.py"
+    path.write_text(HEAD + steps + TAIL)
+    return str(path)
+
+
+@pytest.fixture
+async def run_group(tmp_path, monkeypatch) -> AsyncIterator[Callable[..., Awaitable[Started]]]:
+    monkeypatch.chdir(tmp_path)
+    groups: list[WorkerGroup] = []
+    zygotes: list[WarmZygote] = []
+
+    async def run(steps: str, *, warm: tuple[str, ...] | None = None, env: dict[str, str] | None = None) -> Started:
+        files = ProbeFiles.in_dir(str(tmp_path), 0)
+        files.create()
+        worker_env = {**ENV, "PYTHONPATH": ROOT, **(env or {}), probe.ENV: files.env()}
+        path = script(tmp_path, steps)
+        zygote = None
+        if warm is not None:
+            zygote = WarmZygote(sys.executable, warm, str(tmp_path), base_env({k: v for k, v in worker_env.items()
+                                                                              if k != probe.ENV}), print)
+            zygotes.append(zygote)
+            zygote.start()
+            assert await zygote.wait_ready(LIMIT * 3), "the zygote never became ready"
+        launch = WorkerLaunch(local_rank=0, rank=0, argv=[sys.executable, "-u", path], env=worker_env, log_dir=None,
+                              prefix="[w] ", prefix_all=True, probe=files)
+        console = RecordingConsole()
+        group = WorkerGroup([launch], stop_timeout=5, console=console, warm=zygote)
+        groups.append(group)
+        await group.start()
+        assert bool(group.warm_pids) == (warm is not None)
+        await until(lambda: (tmp_path / "ready").exists(), what="the worker's steps")
+        return group, files, console
+
+    yield run
+    for group in groups:
+        await group.stop(signal.SIGKILL)
+    for zygote in zygotes:
+        await zygote.close()
+
+
+async def until(check: Callable[[], bool], *, what: str) -> None:
+    """Wait for a condition a worker process makes true (its files), up to LIMIT * 3."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + LIMIT * 3
+    while not check():
+        assert loop.time() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.02)
+
+
+def record_of(files: ProbeFiles, pid: int) -> ProbeRecord:
+    reader = RecordReader(files.record)
+    try:
+        record = reader.read(pid, 4e9)
+    finally:
+        reader.close()
+    assert record is not None, "the probe never wrote its record"
+    return record
+
+
+@pytest.mark.parametrize("warm", [None, ("json",)], ids=["cold", "warm"])
+async def test_beats_are_counted_and_the_probe_leaves_the_environment_as_it_was(run_group, warm) -> None:
+    group, files, console = await run_group(BEATS, warm=warm, env={"PYTHONPATH": ROOT})
+    pid = group.pids[0]
+    record = record_of(files, pid)
+    assert (record.steps, record.pid, record.flags & probe.BEATEN) == (3, pid, probe.BEATEN)
+    assert record.first_at <= record.last_at
+    assert f"[w] env None boot False pythonpath {ROOT}" in console.lines("stdout"), console.lines("stdout")
+
+
+@pytest.mark.parametrize("warm", [None, ("torch",)], ids=["cold", "warm-torch"])
+async def test_optimizer_steps_are_counted_with_no_change_to_the_script(run_group, warm) -> None:
+    group, files, _ = await run_group(TORCH, warm=warm)
+    record = record_of(files, group.pids[0])
+    assert (record.steps, record.flags & probe.HOOKED) == (5, probe.HOOKED)
+
+
+async def test_stacks_come_on_the_signal_while_the_main_thread_sleeps(run_group) -> None:
+    group, files, _ = await run_group(BEATS)
+    pid = group.pids[0]
+    record = record_of(files, pid)
+    assert record.flags & probe.STACKS
+    dumps = await take_stacks({0: (pid, files.stacks)})
+    frames = main_stack(dumps[0], record.main_thread)
+    assert frames is not None and [f.function for f in frames[:2]] == ["waiting_for_the_test", "<module>"], dumps
+    assert frames[0].file.endswith("train.py")
+    assert group.exits() == []          # the signal only asked: the worker runs on
+
+
+async def test_the_users_own_sitecustomize_still_runs(run_group, tmp_path) -> None:
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text("import os\nos.environ['USER_SITE_RAN'] = 'yes'\n")
+    code = "print('user site', os.environ.get('USER_SITE_RAN'), flush=True)\n" + BEATS
+    group, files, console = await run_group(code, env={"PYTHONPATH": f"{site}{os.pathsep}{ROOT}"})
+    assert "[w] user site yes" in console.lines("stdout"), console.lines("stdout")
+    assert record_of(files, group.pids[0]).steps == 3

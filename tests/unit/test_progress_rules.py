@@ -1,0 +1,59 @@
+"""The server's rules for progress (core/progress_rules.py), through the real Rendezvous: a refused report
+changes no progress, a node named slow is named only while it is a member, and a slow node replaced by a spare
+is drained in the server's name, not an operator's."""
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from protocol.messages import FailureReport, LeaveRequest, WorkerFailure
+from rdzv_server.core.errors import RendezvousError
+from rdzv_server.core.events import EventKind
+from rdzv_server.core.rendezvous import Rendezvous
+from tests.unit.progress_jobs import CFG, T, join, note, poll, slow
+
+
+def test_a_refused_failure_report_changes_no_progress() -> None:
+    rz = Rendezvous()
+    slow(rz)
+    job = rz.jobs["lagging"]
+    before = msgspec.json.encode(job.progress)
+    round_id = job.round.round_id
+    bad = WorkerFailure(local_rank=7, rank=7, exitcode=1, timestamp=T + 90)      # node b runs local ranks 0-1
+    with pytest.raises(RendezvousError):
+        rz.report_failure("lagging", FailureReport(v=1, node_id="b", credential="secret-b", round_id=round_id,
+                                                   failures=[bad], progress=note(round_id, 500, T + 5, T + 90)),
+                          T + 90)
+    assert msgspec.json.encode(job.progress) == before and job.round.round_id == round_id
+    assert job.restart_count == 0
+
+
+def test_a_slow_node_that_left_is_no_longer_named() -> None:
+    rz = Rendezvous()
+    slow(rz)
+    rz.leave("lagging", LeaveRequest(v=1, node_id="b", credential="secret-b", reason="maintenance"), T + 100)
+    join(rz, "lagging", "c", T + 101)
+    job = rz.jobs["lagging"]
+    assert sorted(job.round.members) == ["a", "c"]
+    poll(rz, "lagging", "a", T + 110, note(job.round.round_id, 10, T + 105, T + 110))
+    assert job.progress.slow == []
+
+
+def test_a_slow_node_with_a_spare_at_hand_is_drained_by_the_server() -> None:
+    rz = Rendezvous()
+    config = msgspec.structs.replace(CFG, replace_slow_nodes=True)
+    for node in ("a", "b", "c"):                 # c: a hot spare of a 2-node job
+        join(rz, "swap", node, T, config)
+    job = rz.jobs["swap"]
+    assert "c" in job.spares
+    round_id = job.round.round_id
+    for i in range(1, 9):
+        at = T + 10 * i
+        poll(rz, "swap", "a", at, note(round_id, 20 * i, T + 5, at, demand=0.33))
+        poll(rz, "swap", "b", at, note(round_id, 20 * i, T + 5, at, demand=0.98))
+        if "b" in job.drained:
+            break
+    drained = [e for e in job.events if e.kind == EventKind.NODE_DRAINED]
+    assert "b" in job.drained and len(drained) == 1
+    assert "drained by the server (--replace-slow-nodes)" in drained[0].message
+    assert "operator" not in drained[0].message

@@ -1,0 +1,131 @@
+"""What a stalled rank is doing, from /proc looks and faulthandler dumps (node_agent/core/stalls.py), and the
+agent's side of the records: garbage in a record is ignored with one warning."""
+from __future__ import annotations
+
+import os
+import struct
+
+import pytest
+
+from node_agent.core.progress import ProbeRecord, RoundProgress
+from node_agent.core.stalls import Frame, ProcSample, classify, main_stack, parse_dump
+from node_agent.progress import probe
+from node_agent.workers.progress import BadRecord, ProbeFiles, RecordReader
+from node_agent.workers.progress_watch import ProgressWatch
+from protocol.messages import RankState
+
+DUMP = """Thread 0x00007f0000000001 (most recent call first):
+  File "/usr/lib/python3.11/threading.py", line 320 in wait
+  File "/usr/lib/python3.11/threading.py", line 1002 in _bootstrap
+
+Current thread 0x00007f0000000002 (most recent call first):
+  File "/venv/lib/python3.11/site-packages/torch/autograd/graph.py", line 979 in _engine_run_backward
+  File "/venv/lib/python3.11/site-packages/torch/_tensor.py", line 623 in backward
+  File "/job/train.py", line 28 in <module>
+"""
+WAITING = [Frame("/venv/lib/python3.11/site-packages/torch/_tensor.py", 623, "backward"),
+           Frame("/job/train.py", 28, "<module>")]
+SLEEPING = [Frame("/job/train.py", 16, "<module>")]
+IN_TORCH = [Frame("/venv/lib/python3.11/site-packages/torch/nn/modules/linear.py", 125, "forward"),
+            Frame("/job/train.py", 40, "evaluate")]
+LOADING = [Frame("/usr/lib/python3.11/queue.py", 180, "get"),
+           Frame("/venv/lib/python3.11/site-packages/torch/utils/data/dataloader.py", 1133, "_try_get_data"),
+           Frame("/job/train.py", 22, "<module>")]
+
+
+def look(state: str = "S", cpu_s: float = 0.0, io_bytes: int = 0) -> ProcSample:
+    return ProcSample(state=state, cpu_s=cpu_s, run_delay_s=0.0, io_bytes=io_bytes)
+
+
+def test_the_dump_is_read_thread_by_thread_and_the_main_one_picked() -> None:
+    threads = parse_dump(DUMP + "  <no Python frame>\ngarbage line\n")
+    assert list(threads) == [0x7f0000000001, 0x7f0000000002]
+    main = main_stack(DUMP, 0x7f0000000002)
+    assert main is not None and [f.function for f in main] == ["_engine_run_backward", "backward", "<module>"]
+    assert main_stack(DUMP, 12345) == threads[0x7f0000000001]        # the main thread missing: the first
+    assert main_stack("not a dump", 1) is None
+
+
+@pytest.mark.parametrize(("before", "after", "stacks", "state"), [
+    (look(), None, [], RankState.EXITED),
+    (look(), look("Z"), [], RankState.EXITED),
+    (look(), look("T"), [], RankState.STOPPED),
+    (look(cpu_s=0), look("R", cpu_s=1.0), [SLEEPING, SLEEPING], RankState.SPINNING),
+    (look(cpu_s=0), look("R", cpu_s=1.0), [SLEEPING, [Frame("/job/train.py", 17, "<module>")]], RankState.WORKING),
+    (look(cpu_s=0, io_bytes=0), look("R", cpu_s=1.0, io_bytes=50 << 20), [SLEEPING, SLEEPING], RankState.WORKING),
+    (look(cpu_s=0), look("R", cpu_s=1.0), [IN_TORCH, IN_TORCH], RankState.WORKING),   # an eval loop
+    (look(), look(cpu_s=0.01), [WAITING, WAITING], RankState.WAITING),
+    (look(), look(cpu_s=0.01), [SLEEPING, SLEEPING], RankState.QUIET),
+    (look(), look("D", cpu_s=0.01), [SLEEPING], RankState.WORKING),                  # in uninterruptible I/O
+    (look(), look(cpu_s=0.01, io_bytes=4 << 20), [SLEEPING], RankState.WORKING),     # moving data slowly
+    (look(), look(cpu_s=0.01), [LOADING], RankState.WORKING),                        # waiting for its DataLoader
+    (look(), look(cpu_s=0.01), [], RankState.UNKNOWN),
+    (look(), look("R", cpu_s=1.0), [], RankState.WORKING),
+])
+def test_each_state_from_what_the_agent_sees(before, after, stacks, state) -> None:
+    assert classify(before, after, 1.0, stacks)[0] == state
+
+
+def record(steps: int, last: float) -> ProbeRecord:
+    return ProbeRecord(steps=steps, first_at=100.0, last_at=last, pid=1, flags=0, main_thread=1)
+
+
+def test_a_rank_is_stalled_past_the_floor_or_three_median_steps_once_it_stepped() -> None:
+    r = RoundProgress(7)
+    r.observe(0, record(0, 0.0), look(), 0.0)              # not stepped yet: never stalled
+    r.observe(1, record(1, 100.0), look(), 0.0)
+    for i in range(2, 12):
+        r.observe(1, record(i, 100.0 + 2.0 * (i - 1)), look(), float(i))
+    assert r.step_s() == 2.0 and r.threshold_s() == 6.0
+    assert r.stalled(120.0 + 5.9) == [] and r.stalled(120.0 + 6.0) == [1]
+    r.exited(1, 0)
+    assert r.stalled(200.0) == []                          # a rank that ended is not stalled
+    assert RoundProgress(1).threshold_s() == 5.0           # the floor
+
+
+def test_the_note_sums_up_the_round_and_the_window(tmp_path) -> None:
+    r = RoundProgress(3)
+    r.observe(0, record(1, 100.0), ProcSample("R", 0.0, 0.0, 0), 10.0)
+    r.observe(0, record(5, 104.0), ProcSample("R", 1.5, 0.5, 0), 14.0)
+    note = r.note(14.0)
+    assert (note.round_id, note.probes, note.steps, note.first_step_at, note.last_step_at) == (3, 1, 5, 100.0, 104.0)
+    assert (note.step_s, note.window_s, note.window_steps, note.demand) == (1.0, 4.0, 5, 0.5)
+    assert r.note(14.0).window_steps == 0                  # the window starts again at each note
+
+
+def write_garbage(path: str, data: bytes) -> None:
+    with open(path, "r+b") as f:
+        f.write(data)
+
+
+@pytest.mark.parametrize("garbage", [
+    b"\xff" * 64,                                                                  # not our magic
+    struct.pack("<IIQQdd", probe.MAGIC, probe.VERSION, 0, 3, float("nan"), 1.0),  # a time that is not one
+    struct.pack("<IIQQdd", probe.MAGIC, probe.VERSION, 0, 3, 5.0, 4.0),           # last before first
+])
+def test_garbage_in_a_record_is_ignored_with_one_warning(tmp_path, garbage) -> None:
+    files = ProbeFiles.in_dir(str(tmp_path), 0)
+    files.create()
+    write_garbage(files.record, garbage)
+    with pytest.raises(BadRecord):
+        RecordReader(files.record).read(None, 1e9)
+    warnings: list[str] = []
+    watch = ProgressWatch(1, {0: (4, files)}, detect=True, pid_of=lambda lr: os.getpid(), exit_of=lambda lr: None,
+                          warn=warnings.append)
+    for _ in range(3):
+        watch.look()
+    assert len(warnings) == 1 and warnings[0].startswith("rank 4 (local 0): its progress record is not one")
+    assert watch.note().steps == 0 and watch.round.stalled(1e9) == []
+    watch.close()
+
+
+def test_a_record_written_by_another_process_is_not_the_workers(tmp_path) -> None:
+    files = ProbeFiles.in_dir(str(tmp_path), 0)
+    files.create()
+    write_garbage(files.record, probe.RECORD.pack(probe.MAGIC, probe.VERSION, 2, 3, 10.0, 11.0, 999999, 0, 1, -1))
+    reader = RecordReader(files.record)
+    with pytest.raises(BadRecord, match="pid 999999"):
+        reader.read(os.getpid(), 1e9)
+    assert reader.read(None, 1e9) == ProbeRecord(steps=3, first_at=10.0, last_at=11.0, pid=999999, flags=0,
+                                                 main_thread=1, resumed_step=-1)
+    reader.close()
