@@ -174,7 +174,7 @@ def long_job(minutes: float, env: dict[str, str], job: str) -> dict:
 
 def ettr_run() -> dict:
     with running_server() as port, tempfile.TemporaryDirectory(prefix="bench-progress-") as out:
-        env = {"FAULT": "crash", "FAULT_RANK": "1", "FAULT_STEP": "150", "STEPS": "300", "WORK": "6"}
+        env = {"FAULT": "crash", "FAULT_RANK": "1", "FAULT_STEP": "200", "STEPS": "400", "WORK": "40"}
         with pair(port, "ettr", out, env) as agents:
             for a in agents:
                 a.wait(600)
@@ -236,6 +236,7 @@ def main() -> None:
     p.add_argument("--false-alarm-min", type=float, default=0.0)
     p.add_argument("--slow", action="store_true")
     p.add_argument("--slow-min", type=float, default=3.0, help="how long the slow-node job runs")
+    p.add_argument("--slow-work", type=int, default=40, help="compute per step (40: about 20 ms, 60 ms slow)")
     p.add_argument("--ettr", action="store_true")
     p.add_argument("--cost", action="store_true")
     p.add_argument("--out", default=os.path.join(ROOT, "docs", "bench-progress.json"))
@@ -246,7 +247,9 @@ def main() -> None:
     if args.runs:
         report["hangs"] = hangs([c for c in args.cases.split(",") if c], args.runs)
     if args.slow:
-        report["slow"] = long_job(args.slow_min, {"SLOW_RANKS": "2,3", "WORK": "6"}, "slow")
+        # Steps of about 0.1 s (0.3 s on the slow node): a note rides on a poll every lease / 3, so with much
+        # shorter steps one note alone spans more than 30.
+        report["slow"] = long_job(args.slow_min, {"SLOW_RANKS": "2,3", "WORK": str(args.slow_work)}, "slow")
     if args.ettr:
         report["ettr"] = ettr_run()
     if args.false_alarm_min:

@@ -15,7 +15,7 @@ from rdzv_server.core.job_rules import JobRules
 from rdzv_server.core.payloads import HangDetected, RankWas
 from rdzv_server.core.records import NodeRecord
 from rdzv_server.core.rounds import assignment
-from rdzv_server.core.slow import SLOW_GAP, Paces
+from rdzv_server.core.slow import SLOW_GAP, NodePace, Paces
 
 
 @dataclass
@@ -34,10 +34,10 @@ def noted(rules: JobRules, watch: JobWatch, node_id: str, note: ProgressNote | N
     goodput.note(job.progress, node_id, note, job.round.round_id, now)
     if note.round_id != job.round.round_id:
         return
-    if watch.round_id != job.round.round_id:     # a new round (or a new server): paces of its members only
-        watch.round_id = job.round.round_id
-        for gone in [n for n in watch.paces.nodes if n not in job.round.members]:
-            watch.paces.forget(gone)
+    if watch.round_id != job.round.round_id:     # a new round (or a new server): measured afresh, its members'
+        watch.round_id = job.round.round_id      # marks kept (a pace of the last round is no peer's measure)
+        watch.paces = Paces({n: NodePace(slow=p.slow) for n, p in watch.paces.nodes.items()
+                             if n in job.round.members})
         job.progress.slow = watch.paces.slow()
     named = watch.paces.note(node_id, note, now)
     if named is None:

@@ -1,7 +1,8 @@
 """Slow nodes: in a job whose ranks step together, everyone waits on the slowest node, and the slowest node waits
 on nobody. Each note says how much of its window a node's ranks ran or waited for a CPU (`demand`); the rest they
 waited on the others. A node holds the job back when the other nodes wait SLOW_GAP more of their time than it
-does, over SLOW_STEPS steps in a row; it is named slow then, and cleared after as many steps without.
+does, over SLOW_STEPS steps and SLOW_NOTES notes in a row; it is named slow then, and cleared after as many
+below CLEAR_GAP.
 Pure; memory only (a server that takes over measures again).
 
 What it cannot see: time on a GPU. With NCCL the CPU waits for kernels the same way whether the GPU computes
@@ -14,8 +15,10 @@ from dataclasses import dataclass, field
 
 from protocol.messages import ProgressNote
 
-SLOW_GAP = 0.3          # the others wait this much more of each step than the node does
-SLOW_STEPS = 10         # ... over this many steps in a row (a few notes: they ride on polls)
+SLOW_GAP = 0.2          # named: the others wait this much more of each step than the node does ...
+CLEAR_GAP = 0.1         # ... and cleared below this (a pace near the line does not flap)
+SLOW_STEPS = 10         # ... over this many steps in a row
+SLOW_NOTES = 2          # ... and this many notes (one note's window may hold a phase the others' do not)
 NOTE_FRESH_S = 30.0     # a node's last note counts this long
 
 
@@ -24,6 +27,7 @@ class NodePace:
     demand: float = 0.0
     at: float = 0.0
     streak: int = 0          # steps in a row on the other side of the line than `slow` says
+    notes: int = 0           # ... and notes
     slow: bool = False
     gap: float = 0.0         # how much more the others waited, at the last note
 
@@ -43,14 +47,15 @@ class Paces:
         if not others:
             return None
         pace.gap = (1 - statistics.median(others)) - (1 - pace.demand)
-        holds_back = pace.gap >= SLOW_GAP
+        holds_back = pace.gap >= (CLEAR_GAP if pace.slow else SLOW_GAP)
         if holds_back == pace.slow:
-            pace.streak = 0
+            pace.streak = pace.notes = 0
             return None
         pace.streak += n.window_steps
-        if pace.streak < SLOW_STEPS:
+        pace.notes += 1
+        if pace.streak < SLOW_STEPS or pace.notes < SLOW_NOTES:
             return None
-        pace.slow, pace.streak = holds_back, 0
+        pace.slow, pace.streak, pace.notes = holds_back, 0, 0
         return holds_back
 
     def forget(self, node_id: str) -> None:

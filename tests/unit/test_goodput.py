@@ -77,3 +77,16 @@ def test_nodes_at_the_same_pace_are_never_named() -> None:
         jitter = 0.15 if i % 2 else -0.15
         assert paces.note("a", n(1, i, 0, 0, demand=0.6 + jitter), float(i)) is None
         assert paces.note("b", n(1, i, 0, 0, demand=0.6 - jitter), float(i)) is None
+
+
+def test_one_odd_note_names_no_node_and_a_pace_near_the_line_does_not_flap() -> None:
+    paces = Paces()
+    paces.note("a", n(1, 1, 0, 0, window_steps=40, demand=0.4), 0.0)
+    assert paces.note("b", n(1, 1, 0, 0, window_steps=40, demand=0.95), 0.0) is None   # one note: a phase?
+    assert paces.note("b", n(1, 2, 0, 0, window_steps=40, demand=0.4), 1.0) is None
+    said = []
+    for i in range(20):          # named at gap 0.3, then it hovers at 0.15: above the clearing line
+        gap = 0.3 if i < 3 else 0.15
+        paces.note("a", n(1, i, 0, 0, window_steps=12, demand=0.5), float(i))
+        said.append(paces.note("b", n(1, i, 0, 0, window_steps=12, demand=0.5 + gap), float(i)))
+    assert said.count(True) == 1 and False not in said and paces.slow() == ["b"]

@@ -10,7 +10,7 @@ from protocol.messages import FailureReport, LeaveRequest, WorkerFailure
 from rdzv_server.core.errors import RendezvousError
 from rdzv_server.core.events import EventKind
 from rdzv_server.core.rendezvous import Rendezvous
-from tests.unit.progress_jobs import CFG, T, join, note, poll, slow
+from tests.unit.progress_jobs import CFG, T, crash, join, note, poll, slow
 
 
 def test_a_refused_failure_report_changes_no_progress() -> None:
@@ -57,3 +57,17 @@ def test_a_slow_node_with_a_spare_at_hand_is_drained_by_the_server() -> None:
     assert "b" in job.drained and len(drained) == 1
     assert "drained by the server (--replace-slow-nodes)" in drained[0].message
     assert "operator" not in drained[0].message
+
+
+def test_a_pace_from_the_round_before_is_no_measure_in_the_next() -> None:
+    rz = Rendezvous()
+    join(rz, "paced", "a", T)
+    join(rz, "paced", "b", T)
+    job = rz.jobs["paced"]
+    poll(rz, "paced", "a", T + 10, note(job.round.round_id, 20, T + 1, T + 10, demand=0.2))   # a waited on b
+    crash(rz, "paced", "b", T + 11)
+    poll(rz, "paced", "a", T + 12, None)
+    assert job.round.round_id == 2
+    for at in (T + 14, T + 15):     # round 2: only b has stepped yet; a's pace of round 1 is no peer's
+        poll(rz, "paced", "b", at, note(2, 20, T + 13, at, demand=0.95))
+    assert job.progress.slow == [] and not [e for e in job.events if e.kind == EventKind.NODE_SLOW]
