@@ -20,3 +20,10 @@ def beat() -> None:
     probe = sys.modules.get(PROBE_MODULE)
     if probe is not None:
         probe.beat()
+
+
+def resumed(step: int) -> None:
+    """The script resumes from its checkpoint of `step`: the steps after it are redone (goodput counts them)."""
+    probe = sys.modules.get(PROBE_MODULE)
+    if probe is not None:
+        probe.resumed(step)

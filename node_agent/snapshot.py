@@ -21,6 +21,8 @@ import re
 from collections.abc import Callable
 from typing import BinaryIO
 
+from node_agent import heartbeat
+
 DIR_VAR = "NODE_AGENT_MEMORY_DIR"
 LIMIT_VAR = "NODE_AGENT_MEMORY_LIMIT"
 _NAME = re.compile(r"step-(\d{1,18})")
@@ -75,7 +77,10 @@ def agreed_step(reduce_min: Callable[[int], int], where: str | None = None) -> i
     if step < 0:
         return None
     held = where is not None and os.path.exists(path(step, where))
-    return step if reduce_min(1 if held else 0) == 1 else None
+    if reduce_min(1 if held else 0) != 1:
+        return None
+    heartbeat.resumed(step)       # the agent's probe: steps redone after this restore
+    return step
 
 
 class _Bounded:

@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import threading
+import types
 
 import pytest
 
@@ -183,3 +184,11 @@ def test_all_ranks_agree_on_the_newest_step_every_rank_holds(tmp_path, held, agr
     for t in threads:
         t.join(10)
     assert results == [agreed] * len(held)
+
+
+def test_the_agreed_step_is_told_to_the_workers_progress_probe(tmp_path, monkeypatch) -> None:
+    told: list[int] = []
+    monkeypatch.setitem(sys.modules, "node_agent_probe", types.SimpleNamespace(resumed=told.append))
+    snapshot.save(b"s", 7, where=str(tmp_path))
+    assert snapshot.agreed_step(lambda x: x, str(tmp_path)) == 7 and told == [7]
+    assert snapshot.agreed_step(lambda x: -1, str(tmp_path)) is None and told == [7]   # no restore: nothing said
