@@ -20,6 +20,8 @@ CLEAR_GAP = 0.1         # ... and cleared below this (a pace near the line does 
 SLOW_STEPS = 10         # ... over this many steps in a row
 SLOW_NOTES = 2          # ... and this many notes (one note's window may hold a phase the others' do not)
 NOTE_FRESH_S = 30.0     # a node's last note counts this long
+EXACT_UP_TO = 32        # nodes; in a larger job the others' median is the job's, taken at most every MEDIAN_EVERY_S
+MEDIAN_EVERY_S = 1.0    # (one node moves it little; a note per node per lease / 3 must not cost O(nodes))
 
 
 @dataclass
@@ -36,6 +38,8 @@ class NodePace:
 class Paces:
     """One job's nodes' paces."""
     nodes: dict[str, NodePace] = field(default_factory=dict)
+    _median: float | None = None
+    _median_at: float = float("-inf")
 
     def note(self, node_id: str, n: ProgressNote, now: float) -> bool | None:
         """Take a node's note; True: it is named slow now, False: no longer, None: no change."""
@@ -43,10 +47,10 @@ class Paces:
             return None
         pace = self.nodes.setdefault(node_id, NodePace())
         pace.demand, pace.at = n.demand, now
-        others = [p.demand for node, p in self.nodes.items() if node != node_id and now - p.at <= NOTE_FRESH_S]
-        if not others:
+        others = self._others(node_id, now)
+        if others is None:
             return None
-        pace.gap = (1 - statistics.median(others)) - (1 - pace.demand)
+        pace.gap = (1 - others) - (1 - pace.demand)
         holds_back = pace.gap >= (CLEAR_GAP if pace.slow else SLOW_GAP)
         if holds_back == pace.slow:
             pace.streak = pace.notes = 0
@@ -57,6 +61,17 @@ class Paces:
             return None
         pace.slow, pace.streak, pace.notes = holds_back, 0, 0
         return holds_back
+
+    def _others(self, node_id: str, now: float) -> float | None:
+        """The median demand of the other nodes' fresh notes (None: none)."""
+        if len(self.nodes) > EXACT_UP_TO and now - self._median_at < MEDIAN_EVERY_S:
+            return self._median
+        fresh = [p.demand for node, p in self.nodes.items()
+                 if now - p.at <= NOTE_FRESH_S and (node != node_id or len(self.nodes) > EXACT_UP_TO)]
+        median = statistics.median(fresh) if fresh else None
+        if len(self.nodes) > EXACT_UP_TO:
+            self._median, self._median_at = median, now
+        return median
 
     def forget(self, node_id: str) -> None:
         self.nodes.pop(node_id, None)

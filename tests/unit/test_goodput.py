@@ -90,3 +90,13 @@ def test_one_odd_note_names_no_node_and_a_pace_near_the_line_does_not_flap() -> 
         paces.note("a", n(1, i, 0, 0, window_steps=12, demand=0.5), float(i))
         said.append(paces.note("b", n(1, i, 0, 0, window_steps=12, demand=0.5 + gap), float(i)))
     assert said.count(True) == 1 and False not in said and paces.slow() == ["b"]
+
+
+def test_in_a_large_job_the_slow_node_is_still_named_against_the_jobs_median() -> None:
+    paces = Paces()
+    said = []
+    for i in range(6):
+        for k in range(100):
+            paces.note(f"n{k}", n(1, i, 0, 0, window_steps=12, demand=0.4), float(i))
+        said.append(paces.note("slowest", n(1, i, 0, 0, window_steps=12, demand=0.95), float(i) + 0.5))
+    assert said.count(True) == 1 and paces.slow() == ["slowest"]
