@@ -15,8 +15,10 @@ Run: .venv/bin/python benchmarks/bench_progress.py [options] [--out FILE]   (mak
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -47,10 +49,12 @@ def pair(port: int, job: str, out: str, env: dict[str, str], *extra: str) -> Ite
     try:
         for node in ("a", "b"):
             agent_env = dict(os.environ, PYTHONPATH=ROOT, OUT_DIR=out, **env)
-            agents.append(subprocess.Popen(
-                [sys.executable, "-m", "node_agent.main", "--endpoint", f"127.0.0.1:{port}", "--nnodes", "2",
-                 "--nproc", "2", "--job-id", job, "--node-id", node, "--max-restarts", "2", *FAST, *extra, SCRIPT],
-                env=agent_env, cwd=out, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+            # Output to a file: a pipe nobody reads fills and blocks the agent (its leases then lapse).
+            with open(os.path.join(out, f"agent-{node}.log"), "w") as log:
+                agents.append(subprocess.Popen(
+                    [sys.executable, "-m", "node_agent.main", "--endpoint", f"127.0.0.1:{port}", "--nnodes", "2",
+                     "--nproc", "2", "--job-id", job, "--node-id", node, "--max-restarts", "2", *FAST, *extra,
+                     SCRIPT], env=agent_env, cwd=out, stdout=log, stderr=subprocess.STDOUT))
             if node == "a":
                 wait(lambda: _exists(port, job), 60)
         yield agents
@@ -58,7 +62,12 @@ def pair(port: int, job: str, out: str, env: dict[str, str], *extra: str) -> Ite
         for a in agents:
             if a.poll() is None:
                 a.kill()
-            a.communicate()
+            a.wait()
+        keep = os.environ.get("BENCH_PROGRESS_LOGS")      # a directory: the agents' output is kept there
+        if keep:
+            for node in ("a", "b"):
+                with contextlib.suppress(OSError):
+                    shutil.copy(os.path.join(out, f"agent-{node}.log"), os.path.join(keep, f"{job}-{node}.log"))
 
 
 def _exists(port: int, job: str) -> bool:

@@ -140,6 +140,10 @@ class JoinRequest(_Request, kw_only=True):
 
 
 Count = Annotated[int, Meta(ge=0, le=MAX_ROUND)]
+# A note's window closes once it holds this many steps, or this long has passed: fewer steps say nothing of a
+# node's pace (an eval, a checkpoint write), and a node that stopped stepping shows 0 steps/s within it.
+PACE_MIN_STEPS = 5
+PACE_MAX_WINDOW_S = 30.0
 
 
 class ProgressNote(msgspec.Struct, kw_only=True, frozen=True, gc=False):
@@ -151,8 +155,9 @@ class ProgressNote(msgspec.Struct, kw_only=True, frozen=True, gc=False):
     first_step_at: UnixTime = 0.0
     last_step_at: UnixTime = 0.0
     step_s: Seconds = 0.0              # the median step interval lately (0: not known yet)
-    # Of the last `window_s`: the share of time its workers' main threads ran or waited for a CPU (mean per
-    # worker; the rest they waited on the others) and the steps taken; a slow node is the one nobody waits on.
+    # Of the window it closes (0: none closed): the share of time its workers' main threads ran or waited for a
+    # CPU (mean per worker; the rest they waited on the others) and the steps taken; a slow node is the one
+    # nobody waits on.
     window_s: Seconds = 0.0
     window_steps: Count = 0
     demand: Annotated[float, Meta(ge=0, le=1.0)] = 0.0

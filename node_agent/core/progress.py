@@ -13,7 +13,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from node_agent.core.stalls import ProcSample
-from protocol.messages import ProgressNote
+from protocol.messages import PACE_MAX_WINDOW_S, PACE_MIN_STEPS, ProgressNote
 
 STALL_FLOOR_S = 5.0
 STALL_STEPS = 3.0
@@ -90,19 +90,21 @@ class RoundProgress:
         """The round so far, and the window since the last note (which this one closes)."""
         records = [r.record for r in self.ranks.values() if r.record is not None]
         stepped = [r for r in records if r.steps > 0]
-        window_s = now - self.window_started if self.window_started is not None else 0.0
-        demand = self._demand(window_s)
+        window_s = max(0.0, now - self.window_started) if self.window_started is not None else 0.0
         steps = self.steps
+        window_steps = max(0, steps - self.window_steps_from)
+        closes = window_steps >= PACE_MIN_STEPS or window_s >= PACE_MAX_WINDOW_S
         note = ProgressNote(
             round_id=self.round_id, probes=len(records), steps=steps,
             first_step_at=min((r.first_at for r in stepped), default=0.0),
             last_step_at=max((r.last_at for r in stepped), default=0.0),
-            step_s=round(self.step_s(), 6), window_s=round(max(0.0, window_s), 3),
-            window_steps=max(0, steps - self.window_steps_from), demand=round(demand, 3),
+            step_s=round(self.step_s(), 6), window_s=round(window_s, 3) if closes else 0.0,
+            window_steps=window_steps if closes else 0, demand=round(self._demand(window_s), 3) if closes else 0.0,
             resumed_step=max((r.resumed_step for r in records), default=-1))
-        self.window_started, self.window_steps_from = now, steps
-        for r in self.ranks.values():
-            r.window_proc = r.proc
+        if closes:
+            self.window_started, self.window_steps_from = now, steps
+            for r in self.ranks.values():
+                r.window_proc = r.proc
         return note
 
     def _demand(self, window_s: float) -> float:

@@ -15,7 +15,7 @@ from rdzv_server.core.job_rules import JobRules
 from rdzv_server.core.payloads import HangDetected, RankWas
 from rdzv_server.core.records import NodeRecord
 from rdzv_server.core.rounds import assignment
-from rdzv_server.core.slow import SLOW_GAP, NodePace, Paces
+from rdzv_server.core.slow import SLOW_GAP, SLOW_NOTES, SLOW_STEPS, NodePace, Paces
 
 
 @dataclass
@@ -49,7 +49,7 @@ def noted(rules: JobRules, watch: JobWatch, node_id: str, note: ProgressNote | N
         rules.node_changed(node_id)
         return
     why = (f"node {node_id} is slow: the other nodes wait {pace.gap:.0%} more of each step than it does "
-           f"(at least {SLOW_GAP:.0%}, over {note.window_steps}+ steps)")
+           f"(at least {SLOW_GAP:.0%}, over {SLOW_STEPS}+ steps and {SLOW_NOTES} notes)")
     rules.record(now, EventKind.NODE_SLOW, why, node_id, job.round.round_id)
     rules.node_changed(node_id)
     if job.config.replace_slow_nodes and job.spares and node_id not in job.drained:

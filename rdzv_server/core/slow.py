@@ -13,13 +13,13 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass, field
 
-from protocol.messages import ProgressNote
+from protocol.messages import PACE_MIN_STEPS, ProgressNote
 
 SLOW_GAP = 0.2          # named: the others wait this much more of each step than the node does ...
 CLEAR_GAP = 0.1         # ... and cleared below this (a pace near the line does not flap)
 SLOW_STEPS = 10         # ... over this many steps in a row
 SLOW_NOTES = 2          # ... and this many notes (one note's window may hold a phase the others' do not)
-NOTE_FRESH_S = 30.0     # a node's last note counts this long
+NOTE_FRESH_S = 10.0     # a node's last note counts this long (older: another phase of the job)
 EXACT_UP_TO = 32        # nodes; in a larger job the others' median is the job's, taken at most every MEDIAN_EVERY_S
 MEDIAN_EVERY_S = 1.0    # (one node moves it little; a note per node per lease / 3 must not cost O(nodes))
 
@@ -43,7 +43,7 @@ class Paces:
 
     def note(self, node_id: str, n: ProgressNote, now: float) -> bool | None:
         """Take a node's note; True: it is named slow now, False: no longer, None: no change."""
-        if n.window_s <= 0 or n.window_steps <= 0:
+        if n.window_s <= 0 or n.window_steps < PACE_MIN_STEPS:
             return None
         pace = self.nodes.setdefault(node_id, NodePace())
         pace.demand, pace.at = n.demand, now

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from protocol.messages import ProgressNote
+from protocol.messages import PACE_MIN_STEPS, ProgressNote
 from rdzv_server.core.goodput import MAX_RATE_POINTS, JobProgress, note, round_formed
 from rdzv_server.core.slow import SLOW_STEPS, Paces
 
@@ -61,13 +61,13 @@ def test_a_node_the_others_wait_on_is_named_slow_after_enough_steps_and_cleared_
     paces = Paces()
     changes = []
     for i in range(8):           # b computes all the time; a waits two thirds of each step
-        paces.note("a", n(1, i, 0, 0, window_steps=3, demand=0.33), float(i))
-        changes.append(paces.note("b", n(1, i, 0, 0, window_steps=3, demand=0.98), float(i)))
+        paces.note("a", n(1, i, 0, 0, window_steps=5, demand=0.33), float(i))
+        changes.append(paces.note("b", n(1, i, 0, 0, window_steps=5, demand=0.98), float(i)))
     named_at = changes.index(True)
-    assert (named_at + 1) * 3 >= SLOW_STEPS and paces.slow() == ["b"] and changes.count(True) == 1
+    assert (named_at + 1) * 5 >= SLOW_STEPS and paces.slow() == ["b"] and changes.count(True) == 1
     for i in range(8, 16):
-        paces.note("a", n(1, i, 0, 0, window_steps=3, demand=0.9), float(i))
-        changes.append(paces.note("b", n(1, i, 0, 0, window_steps=3, demand=0.95), float(i)))
+        paces.note("a", n(1, i, 0, 0, window_steps=5, demand=0.9), float(i))
+        changes.append(paces.note("b", n(1, i, 0, 0, window_steps=5, demand=0.95), float(i)))
     assert changes.count(False) == 1 and paces.slow() == []
 
 
@@ -100,3 +100,11 @@ def test_in_a_large_job_the_slow_node_is_still_named_against_the_jobs_median() -
             paces.note(f"n{k}", n(1, i, 0, 0, window_steps=12, demand=0.4), float(i))
         said.append(paces.note("slowest", n(1, i, 0, 0, window_steps=12, demand=0.95), float(i) + 0.5))
     assert said.count(True) == 1 and paces.slow() == ["slowest"]
+
+
+def test_a_window_of_few_steps_says_nothing_of_pace() -> None:
+    paces = Paces()
+    for i in range(10):          # a checkpoint write or an eval: a step or two per note, whatever the demand
+        paces.note("a", n(1, i, 0, 0, window_steps=1, demand=0.3), float(i))
+        assert paces.note("b", n(1, i, 0, 0, window_steps=PACE_MIN_STEPS - 1, demand=1.0), float(i)) is None
+    assert paces.slow() == []

@@ -12,7 +12,7 @@ from node_agent.core.stalls import Frame, ProcSample, classify, main_stack, pars
 from node_agent.progress import probe
 from node_agent.workers.progress import BadRecord, ProbeFiles, RecordReader
 from node_agent.workers.progress_watch import ProgressWatch
-from protocol.messages import RankState
+from protocol.messages import PACE_MAX_WINDOW_S, PACE_MIN_STEPS, RankState
 
 DUMP = """Thread 0x00007f0000000001 (most recent call first):
   File "/usr/lib/python3.11/threading.py", line 320 in wait
@@ -90,7 +90,13 @@ def test_the_note_sums_up_the_round_and_the_window(tmp_path) -> None:
     note = r.note(14.0)
     assert (note.round_id, note.probes, note.steps, note.first_step_at, note.last_step_at) == (3, 1, 5, 100.0, 104.0)
     assert (note.step_s, note.window_s, note.window_steps, note.demand) == (1.0, 4.0, 5, 0.5)
-    assert r.note(14.0).window_steps == 0                  # the window starts again at each note
+    r.observe(0, record(7, 106.0), ProcSample("R", 2.5, 0.5, 0), 16.0)
+    open_window = r.note(16.0)                             # 2 steps: too few to say anything of pace
+    assert (open_window.steps, open_window.window_s, open_window.window_steps, open_window.demand) == (7, 0.0, 0, 0.0)
+    r.observe(0, record(10, 109.0), ProcSample("R", 3.5, 1.5, 0), 19.0)
+    closed = r.note(19.0)                                  # the window since the last closed one: 5 steps in 5 s
+    assert (closed.window_s, closed.window_steps, closed.demand) == (5.0, PACE_MIN_STEPS, 0.6)
+    assert r.note(14.0 + 5.0 + PACE_MAX_WINDOW_S).window_s == PACE_MAX_WINDOW_S   # stopped: closed after a while
 
 
 def write_garbage(path: str, data: bytes) -> None:
