@@ -9,6 +9,7 @@
   --slow                         node b's workers do 3x the compute: the step at which it is named slow
   --ettr                         one crash: the ratio the server shows against the script's own step times
   --cost                         the probe's cost per optimizer step (in process, alternated with no probe)
+  --agent-cpu 60 --old DIR       the agent's CPU with 8 workers stepping, alternated with an older checkout
 
 Run: .venv/bin/python benchmarks/bench_progress.py [options] [--out FILE]   (make bench-progress)
 """
@@ -238,6 +239,53 @@ def cost(rounds: int = 5, n: int = 200_000) -> dict:
     return {"none_us": results["none"], "probe_us": results["probe"]}
 
 
+STEPPER = """
+import time, torch
+p = torch.nn.Parameter(torch.zeros(1))
+opt = torch.optim.SGD([p], lr=0.1)
+end = time.time() + {seconds}
+while time.time() < end:
+    opt.step()
+    time.sleep(0.05)
+"""
+
+
+def agent_cpu(seconds: float, old: str, rounds: int = 3) -> dict:
+    """The agent's own CPU (not its workers') with 8 workers stepping 20 times a second, this code against
+    `old` (a checkout without the probe), alternated: CPU seconds per wall second over the middle of each run."""
+    results: dict[str, list[float]] = {"old": [], "new": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        script = os.path.join(tmp, "stepper.py")
+        with open(script, "w") as f:
+            f.write(STEPPER.format(seconds=seconds + 20))
+        for _ in range(rounds):
+            for kind, root in (("old", old), ("new", ROOT)):
+                agent = subprocess.Popen([sys.executable, "-m", "node_agent.main", "--standalone", "--nproc", "8",
+                                          script], env=dict(os.environ, PYTHONPATH=root), cwd=root,
+                                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                try:
+                    time.sleep(10)            # the workers start and step: measured after that
+                    t0, c0 = time.monotonic(), _cpu_s(agent.pid)
+                    time.sleep(seconds)
+                    results[kind].append((_cpu_s(agent.pid) - c0) / (time.monotonic() - t0))
+                finally:
+                    agent.kill()
+                    agent.wait()
+                    subprocess.run(["pkill", "-9", "-f", script], check=False)
+                print(f"{kind}: agent CPU {results[kind][-1] * 100:.2f} % of a core", flush=True)
+    old_cpu, new_cpu = statistics.median(results["old"]), statistics.median(results["new"])
+    print(f"RESULT agent CPU with 8 workers: {old_cpu * 100:.2f} % without the probe's reader, {new_cpu * 100:.2f} % "
+          f"with it: {(new_cpu - old_cpu) * 100:+.2f} points (medians of {rounds} alternated runs of {seconds:g} s)",
+          flush=True)
+    return results
+
+
+def _cpu_s(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cases", default="sleep,stop,spin,exit0")
@@ -248,11 +296,18 @@ def main() -> None:
     p.add_argument("--slow-work", type=int, default=40, help="compute per step (40: about 20 ms, 60 ms slow)")
     p.add_argument("--ettr", action="store_true")
     p.add_argument("--cost", action="store_true")
+    p.add_argument("--agent-cpu", type=float, default=0.0, metavar="S",
+                   help="the agent's CPU with 8 workers for S seconds, alternated with --old's")
+    p.add_argument("--old", help="a checkout without the probe (e.g. a git worktree of 8cb6196)")
     p.add_argument("--out", default=os.path.join(ROOT, "docs", "bench-progress.json"))
     args = p.parse_args()
     report: dict = {}
     if args.cost:
         report["cost"] = cost()
+    if args.agent_cpu:
+        if not args.old:
+            p.error("--agent-cpu needs --old")
+        report["agent_cpu"] = agent_cpu(args.agent_cpu, args.old)
     if args.runs:
         report["hangs"] = hangs([c for c in args.cases.split(",") if c], args.runs)
     if args.slow:
