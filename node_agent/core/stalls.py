@@ -81,21 +81,23 @@ def classify(before: ProcSample | None, after: ProcSample | None, watched_s: flo
     thread's stacks taken meanwhile (none where the probe did not answer). `after` None: the process is gone."""
     if after is None or after.state in ("", "Z", "X"):
         return RankState.EXITED, 0.0
-    cpu = 0.0
+    cpu = busy = 0.0     # the share it ran; and ran or waited for a CPU (a busy thread on a crowded node)
     if before is not None and watched_s > 0:
-        cpu = min(1.0, max(0.0, (after.cpu_s - before.cpu_s) / watched_s))
+        ran = after.cpu_s - before.cpu_s
+        cpu = min(1.0, max(0.0, ran / watched_s))
+        busy = min(1.0, max(0.0, (ran + after.run_delay_s - before.run_delay_s) / watched_s))
     if after.state in ("T", "t"):
         return RankState.STOPPED, cpu
     moved = before is not None and after.io_bytes - before.io_bytes >= MOVING_BYTES
     if not stacks:
-        return (RankState.UNKNOWN if cpu < IDLE_CPU and after.state != "D" and not moved else RankState.WORKING), cpu
-    if cpu >= BUSY_CPU:
+        return (RankState.UNKNOWN if busy < IDLE_CPU and after.state != "D" and not moved else RankState.WORKING), cpu
+    if busy >= BUSY_CPU:
         same = len(stacks) > 1 and all(s == stacks[0] for s in stacks[1:])
         own = not _in(stacks[-1][:1], LIBRARY_PATHS)
         return (RankState.SPINNING if same and own and not moved else RankState.WORKING), cpu
-    if cpu < IDLE_CPU and any(_in(s, WAIT_PATHS) for s in stacks):
+    if busy < IDLE_CPU and any(_in(s, WAIT_PATHS) for s in stacks):
         return RankState.WAITING, cpu
-    if cpu < IDLE_CPU and not moved and after.state != "D" and not _in(stacks[-1], LOADING_PATHS):
+    if busy < IDLE_CPU and not moved and after.state != "D" and not _in(stacks[-1], LOADING_PATHS):
         return RankState.QUIET, cpu
     return RankState.WORKING, cpu
 

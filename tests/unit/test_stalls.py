@@ -33,8 +33,8 @@ LOADING = [Frame("/usr/lib/python3.11/queue.py", 180, "get"),
            Frame("/job/train.py", 22, "<module>")]
 
 
-def look(state: str = "S", cpu_s: float = 0.0, io_bytes: int = 0) -> ProcSample:
-    return ProcSample(state=state, cpu_s=cpu_s, run_delay_s=0.0, io_bytes=io_bytes)
+def look(state: str = "S", cpu_s: float = 0.0, io_bytes: int = 0, run_delay_s: float = 0.0) -> ProcSample:
+    return ProcSample(state=state, cpu_s=cpu_s, run_delay_s=run_delay_s, io_bytes=io_bytes)
 
 
 def test_the_dump_is_read_thread_by_thread_and_the_main_one_picked() -> None:
@@ -64,6 +64,12 @@ def test_the_dump_is_read_thread_by_thread_and_the_main_one_picked() -> None:
 ])
 def test_each_state_from_what_the_agent_sees(before, after, stacks, state) -> None:
     assert classify(before, after, 1.0, stacks)[0] == state
+
+
+def test_a_loop_that_waits_for_a_cpu_on_a_crowded_node_still_spins() -> None:
+    spin = [[Frame("/job/train.py", 98, "<module>")]] * 2
+    state, cpu = classify(look(), look("R", cpu_s=0.35, run_delay_s=0.5), 1.0, spin)
+    assert (state, cpu) == (RankState.SPINNING, 0.35)
 
 
 def record(steps: int, last: float) -> ProbeRecord:
