@@ -91,13 +91,15 @@ def classify(before: ProcSample | None, after: ProcSample | None, watched_s: flo
     moved = before is not None and after.io_bytes - before.io_bytes >= MOVING_BYTES
     if not stacks:
         return (RankState.UNKNOWN if busy < IDLE_CPU and after.state != "D" and not moved else RankState.WORKING), cpu
+    # A culprit stays in one place over every dump; a rank between phases (a checkpoint ending, a collective
+    # entered) is working, not a culprit, and not yet waiting.
+    same = len(stacks) > 1 and all(s == stacks[0] for s in stacks[1:])
     if busy >= BUSY_CPU:
-        same = len(stacks) > 1 and all(s == stacks[0] for s in stacks[1:])
         own = not _in(stacks[-1][:1], LIBRARY_PATHS)
         return (RankState.SPINNING if same and own and not moved else RankState.WORKING), cpu
-    if busy < IDLE_CPU and any(_in(s, WAIT_PATHS) for s in stacks):
+    if busy < IDLE_CPU and all(_in(s, WAIT_PATHS) for s in stacks):
         return RankState.WAITING, cpu
-    if busy < IDLE_CPU and not moved and after.state != "D" and not _in(stacks[-1], LOADING_PATHS):
+    if busy < IDLE_CPU and same and not moved and after.state != "D" and not _in(stacks[-1], LOADING_PATHS):
         return RankState.QUIET, cpu
     return RankState.WORKING, cpu
 

@@ -18,7 +18,10 @@ from node_agent.workers.progress import BadRecord, ProbeFiles, RecordReader, rea
 from protocol.messages import MAX_DURATION_S, MAX_SHORT_TEXT, MAX_TRACEBACK, ProgressNote, RankSeen
 
 LOOK_S = 0.5
-EXAMINE_GAP_S = 0.5
+# Stacks taken this many times, this far apart: a rank that only passes between phases (a checkpoint ending, a
+# collective entered a moment before its peers) moves within them; a culprit, or a rank that waits, does not.
+EXAMINE_DUMPS = 3
+EXAMINE_GAP_S = 0.75
 STACKS_BUDGET = 256 * 1024      # the stacks of one report, shared by its ranks (the request stays small)
 
 
@@ -93,12 +96,13 @@ class ProgressWatch:
         return None
 
     async def examine(self) -> tuple[RankSeen, ...]:
-        """Every local rank's state now: two looks EXAMINE_GAP_S apart, with stacks at each."""
+        """Every local rank's state now: EXAMINE_DUMPS looks EXAMINE_GAP_S apart, with stacks at each."""
         before = {lr: self.round.ranks[lr].proc if lr in self.round.ranks else None for lr in self._ranks}
         started = self._clock()
         dumps = [await take_stacks(self._answering())]
-        await asyncio.sleep(EXAMINE_GAP_S)     # the gap between the two looks is the measurement
-        dumps.append(await take_stacks(self._answering()))
+        for _ in range(EXAMINE_DUMPS - 1):
+            await asyncio.sleep(EXAMINE_GAP_S)     # the gap between the looks is the measurement
+            dumps.append(await take_stacks(self._answering()))
         self.look()
         watched = self._clock() - started + LOOK_S
         wall = self._wall()

@@ -66,6 +66,14 @@ def test_each_state_from_what_the_agent_sees(before, after, stacks, state) -> No
     assert classify(before, after, 1.0, stacks)[0] == state
 
 
+def test_a_rank_between_phases_is_neither_a_culprit_nor_waiting() -> None:
+    checkpoint_then_compute = [[Frame("/job/train.py", 69, "checkpoint")], [Frame("/job/train.py", 45, "compute")]]
+    assert classify(look(), look(cpu_s=0.01), 1.0, checkpoint_then_compute)[0] == RankState.WORKING
+    assert classify(look(), look(cpu_s=0.01), 1.0, [SLEEPING, WAITING])[0] == RankState.WORKING   # entering
+    assert classify(look(), look(cpu_s=0.01), 1.0, [SLEEPING, SLEEPING])[0] == RankState.QUIET
+    assert classify(look(), look(cpu_s=0.01), 1.0, [WAITING, WAITING])[0] == RankState.WAITING
+
+
 def test_a_loop_that_waits_for_a_cpu_on_a_crowded_node_still_spins() -> None:
     spin = [[Frame("/job/train.py", 98, "<module>")]] * 2
     state, cpu = classify(look(), look("R", cpu_s=0.35, run_delay_s=0.5), 1.0, spin)
