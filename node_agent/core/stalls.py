@@ -96,12 +96,20 @@ def classify(before: ProcSample | None, after: ProcSample | None, watched_s: flo
     same = len(stacks) > 1 and all(s == stacks[0] for s in stacks[1:])
     if busy >= BUSY_CPU:
         own = not _in(stacks[-1][:1], LIBRARY_PATHS)
-        return (RankState.SPINNING if same and own and not moved else RankState.WORKING), cpu
+        return (RankState.SPINNING if _one_loop(stacks) and own and not moved else RankState.WORKING), cpu
     if busy < IDLE_CPU and all(_in(s, WAIT_PATHS) for s in stacks):
         return RankState.WAITING, cpu
     if busy < IDLE_CPU and same and not moved and after.state != "D" and not _in(stacks[-1], LOADING_PATHS):
         return RankState.QUIET, cpu
     return RankState.WORKING, cpu
+
+
+def _one_loop(stacks: list[list[Frame]]) -> bool:
+    """The same frames in every dump, but for the innermost one's line: a loop moves between its lines."""
+    first = stacks[0]
+    return len(stacks) > 1 and bool(first) and all(
+        len(s) == len(first) and s[1:] == first[1:] and (s[0].file, s[0].function) == (first[0].file, first[0].function)
+        for s in stacks[1:])
 
 
 def stack_text(frames: list[Frame], limit: int) -> str:

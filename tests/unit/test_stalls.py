@@ -74,6 +74,14 @@ def test_a_rank_between_phases_is_neither_a_culprit_nor_waiting() -> None:
     assert classify(look(), look(cpu_s=0.01), 1.0, [WAITING, WAITING])[0] == RankState.WAITING
 
 
+def test_a_loop_spins_whichever_of_its_lines_each_dump_caught() -> None:
+    loop = [[Frame("/job/train.py", line, "<module>")] for line in (101, 102, 101)]
+    assert classify(look(), look("R", cpu_s=1.0), 1.0, loop)[0] == RankState.SPINNING
+    moved_on = [[Frame("/job/train.py", 101, "<module>")], [Frame("/job/train.py", 45, "compute"),
+                                                             Frame("/job/train.py", 110, "<module>")]]
+    assert classify(look(), look("R", cpu_s=1.0), 1.0, moved_on)[0] == RankState.WORKING
+
+
 def test_a_loop_that_waits_for_a_cpu_on_a_crowded_node_still_spins() -> None:
     spin = [[Frame("/job/train.py", 98, "<module>")]] * 2
     state, cpu = classify(look(), look("R", cpu_s=0.35, run_delay_s=0.5), 1.0, spin)
