@@ -51,7 +51,8 @@ def test_the_dump_is_read_thread_by_thread_and_the_main_one_picked() -> None:
     (look(), look("Z"), [], RankState.EXITED),
     (look(), look("T"), [], RankState.STOPPED),
     (look(cpu_s=0), look("R", cpu_s=1.0), [SLEEPING, SLEEPING], RankState.SPINNING),
-    (look(cpu_s=0), look("R", cpu_s=1.0), [SLEEPING, [Frame("/job/train.py", 17, "<module>")]], RankState.WORKING),
+    (look(cpu_s=0), look("R", cpu_s=1.0), [SLEEPING, [Frame("/job/train.py", 30, "evaluate"), *SLEEPING]],
+     RankState.WORKING),                                                          # its code moves on
     (look(cpu_s=0, io_bytes=0), look("R", cpu_s=1.0, io_bytes=50 << 20), [SLEEPING, SLEEPING], RankState.WORKING),
     (look(cpu_s=0), look("R", cpu_s=1.0), [IN_TORCH, IN_TORCH], RankState.WORKING),   # an eval loop
     (look(), look(cpu_s=0.01), [WAITING, WAITING], RankState.WAITING),
