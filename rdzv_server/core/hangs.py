@@ -5,7 +5,8 @@ A hang: some rank waits on the others (in a collective or a wait) while another 
 gone, spinning in its own code or idle outside any collective; that rank is the culprit, the root cause. Ranks
 that compute (an eval loop, a checkpoint write, data loading) are left alone, for as long as it takes, but for
 the hard cap: ranks waiting on the others longer than the job's `hang_timeout_s` are a hang whatever the others
-do. Nothing is decided before every running member has sent a fresh report: a node still stepping sends none.
+do. Nothing is decided before every running member has sent a fresh report, all within TOGETHER_S of each other:
+a node still stepping sends none.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from dataclasses import dataclass, field
 from protocol.messages import RankSeen, RankState, StallReport
 
 FRESH_MIN_S = 10.0      # a report is evidence for max(this, twice its threshold): the agent re-sends it meanwhile
+TOGETHER_S = 2.0        # the running members' reports are this close in time, or they saw different moments
 # The likelier culprit first: a rank that cannot run, then one gone, then one looping, then one idle.
 CULPRIT_ORDER = (RankState.STOPPED, RankState.EXITED, RankState.SPINNING, RankState.QUIET)
 
@@ -56,6 +58,11 @@ def decide(board: StallBoard, running: list[str], finished: dict[str, list[int]]
     members whose workers all exited 0, with their ranks."""
     fresh = board.fresh(now)
     if not running or any(node not in fresh for node in running):
+        return None
+    # A node's report of a rank computing, seconds before another's of ranks waiting, is no hang: wait for
+    # reports of one moment (each node re-sends every threshold while its stall lasts).
+    seen_at = [board.reports[node][0] for node in running]
+    if max(seen_at) - min(seen_at) > TOGETHER_S:
         return None
     seen = [(node, r) for node in running for r in fresh[node].ranks]
     seen += [(node, RankSeen(rank=rank, local_rank=i, state=RankState.EXITED, stalled_s=0.0, exitcode=0))

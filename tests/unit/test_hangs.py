@@ -44,6 +44,16 @@ def test_nothing_is_decided_until_every_running_member_reported() -> None:
     assert decide(b, ["a", "b"], {}, 600.0, 100.0 + 10.1) is None       # the reports went stale
 
 
+def test_reports_of_different_moments_decide_nothing_until_they_meet() -> None:
+    b = board(b=(seen(2, P), seen(3, K)))                       # node b at 100 s: its ranks in an eval loop
+    b.reports["a"] = (105.0, report("a", seen(0, K), seen(1, W)))   # node a 5 s later: rank 1 waits
+    assert decide(b, ["a", "b"], {}, 600.0, 105.0) is None
+    b.reports["b"] = (105.5, report("b", seen(2, W), seen(3, W)))   # b again: its eval is over, it waits too
+    assert decide(b, ["a", "b"], {}, 600.0, 105.5) is None
+    b.reports["b"] = (105.5, report("b", seen(2, P), seen(3, W)))   # ... or rank 2 still spins: a hang
+    assert decide(b, ["a", "b"], {}, 600.0, 105.5) is not None
+
+
 @pytest.mark.parametrize(("states", "culprit"), [
     ((Q, S), 3),          # stopped before idle
     ((X, Q), 2),          # gone before idle
