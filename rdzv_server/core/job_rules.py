@@ -171,7 +171,7 @@ class JobRules:
             job.reason = f"{why}; waiting for nodes"
             return
         opened = job.forming_since if job.forming_since is not None else now
-        promoted = len(set(chosen) & set(job.spares))
+        promoted = max(0, len(chosen) - (len(pool) - len(job.spares)))    # the pool ends with the spares
         job.last_round_id += 1
         job.round = build_round(job, chosen, job.last_round_id, opened, now, why)
         corrected = master_correction(job.round, job.nodes[chosen[0]])

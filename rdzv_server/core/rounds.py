@@ -111,17 +111,8 @@ def _loopback(addr: str) -> bool:
 
 
 def candidates(job: JobRecord) -> list[str]:
-    """The next round's nodes in group-rank order: the members still here keep their places, and a node gone
-    (lost, drained, excluded) leaves its place to the first waiting node or spare, so every survivor keeps its
-    group rank and global ranks (a sharded snapshot stays its own). With none to take it, the rest close up."""
     members = job.round.members if job.round is not None else []
-    others = iter(job.waiting + job.spares)
-    pool = []
-    for node_id in members:
-        taker = node_id if node_id in job.nodes else next(others, None)
-        if taker is not None:
-            pool.append(taker)
-    return pool + list(others)
+    return [n for n in members if n in job.nodes] + job.waiting + job.spares
 
 
 WITNESSES = 2      # other members each node may probe while the server is silent
