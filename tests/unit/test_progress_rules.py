@@ -6,7 +6,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from protocol.messages import FailureReport, LeaveRequest, WorkerFailure
+from protocol.messages import FailureReport, JobState, LeaveRequest, SuccessReport, WorkerFailure
 from rdzv_server.core.errors import RendezvousError
 from rdzv_server.core.events import EventKind
 from rdzv_server.core.rendezvous import Rendezvous
@@ -71,3 +71,18 @@ def test_a_pace_from_the_round_before_is_no_measure_in_the_next() -> None:
     for at in (T + 14, T + 15):     # round 2: only b has stepped yet; a's pace of round 1 is no peer's
         poll(rz, "paced", "b", at, note(2, 20, T + 13, at, demand=0.95))
     assert job.progress.slow == [] and not [e for e in job.events if e.kind == EventKind.NODE_SLOW]
+
+
+def test_a_restart_whose_round_ran_only_until_its_success_reports_is_counted() -> None:
+    rz = Rendezvous()
+    join(rz, "short", "a", T)
+    join(rz, "short", "b", T)
+    job = rz.jobs["short"]
+    poll(rz, "short", "a", T + 10, note(1, 20, T + 1, T + 10))
+    crash(rz, "short", "b", T + 11)
+    poll(rz, "short", "a", T + 12, None)
+    for node in ("a", "b"):                   # round 2 stepped from T+13; its notes come with the successes only
+        rz.report_success("short", SuccessReport(v=1, node_id=node, credential=f"secret-{node}", round_id=2,
+                                                 progress=note(2, 5, T + 13, T + 14)), T + 15)
+    assert job.state == JobState.SUCCEEDED
+    assert job.progress.restarts == 1 and job.progress.lost_s == pytest.approx(3.0)
