@@ -17,7 +17,7 @@ def exit_failure(e: WorkerExit, *, host: str, node_id: str) -> WorkerFailure:
     message, tb = parsed[:2] if parsed is not None else ("", "")
     # Ordered by when the agent reaped it: error.json's timestamps are whole seconds.
     return WorkerFailure(local_rank=e.local_rank, rank=e.rank, exitcode=e.exitcode, signal=e.signal_name,
-                         message=_head(message, MAX_MESSAGE), traceback=_tail(tb, MAX_TRACEBACK),
+                         message=_head(message, MAX_MESSAGE), traceback=keep_tail(tb, MAX_TRACEBACK),
                          timestamp=e.seen_at or time.time(), host=host, node_id=node_id)
 
 
@@ -73,6 +73,6 @@ def _head(text: str, limit: int) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def _tail(text: str, limit: int) -> str:
+def keep_tail(text: str, limit: int) -> str:
     """The end of a traceback is the part that names the error: keep that."""
     return text if len(text) <= limit else "..." + text[len(text) - limit + 3:]

@@ -14,6 +14,7 @@ from node_agent.core.facts import Put, RanksStalled
 from node_agent.core.progress import ProbeRecord, RoundProgress
 from node_agent.core.stalls import ProcSample, classify, main_stack, stack_text
 from node_agent.progress import probe
+from node_agent.workers.failures import keep_tail
 from node_agent.workers.progress import BadRecord, ProbeFiles, RecordReader, read_proc, take_stacks
 from protocol.messages import MAX_DURATION_S, MAX_SHORT_TEXT, MAX_TRACEBACK, ProgressNote, RankSeen
 
@@ -120,7 +121,7 @@ class ProgressWatch:
             seen.append(RankSeen(
                 rank=r.rank, local_rank=lr, state=state, cpu=round(cpu, 3), exitcode=exited,
                 stalled_s=round(stalled_s, 3),
-                steps=record.steps if record else 0, where=_short(str(top[0]) if top else ""),
+                steps=record.steps if record else 0, where=keep_tail(str(top[0]) if top else "", MAX_SHORT_TEXT),
                 stack=stack_text(top, budget)))
         return tuple(seen)
 
