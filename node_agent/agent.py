@@ -97,6 +97,7 @@ class Agent:
             self.narrator.say(chosen[1])
         self.checks.start()      # said before any worker starts
         self.workers.cpu_affinity = self.checks.cpu_affinity
+        self.workers.gpu_busy = self.checks.gpu_busy
         self.policy.health = NodeHealth(enabled=self.checks.enabled, interval_s=self.settings.checks.gpu_check_interval,
                                         retry_min_s=self.checks.retry_min_s, give_up_s=self.link.job.join_timeout_s)
         self.workers.warm_up()   # the environment is final: workers of the first round may start warm

@@ -52,6 +52,15 @@ class NodeChecks:
     def cpu_affinity(self) -> Mapping[int, frozenset[int]]:
         return self.gpus.cpu_affinity if self.gpus is not None else {}
 
+    def gpu_busy(self, local_rank: int) -> int | None:
+        """The utilization of `local_rank`'s GPU, % (None: it has none, or NVML is not open or cannot say)."""
+        if self.probe is None or self.gpus is None or local_rank >= len(self.gpus.ranks.ranks):
+            return None
+        gpu = self.gpus.ranks.ranks[local_rank].gpu
+        if gpu is None or gpu.gpu is None:
+            return None
+        return self.probe.utilization(gpu.gpu.index)
+
     @property
     def summary(self) -> str:
         """What the node checks of itself, one short line for the server's views ("": nothing to say)."""

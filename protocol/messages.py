@@ -92,10 +92,13 @@ class JobConfig(msgspec.Struct, kw_only=True, frozen=True):
     exclude_cooldown_max_s: Seconds = 3600.0
     exclude_lost_after: Annotated[int, Meta(ge=0, le=1000)] = 2   # losses of one node within exclude_window_s ...
     exclude_lost_cooldown_s: Seconds = 300.0   # ... keep it out this long when it comes back (a flapping host)
-    # Hangs: the server restarts a job whose ranks wait on one that stalled (docs/fault-tolerance.md); ranks that
-    # wait on the others longer than hang_timeout_s are a hang whatever the others do (0: no such cap).
+    # Hangs (rdzv_server/core/hangs.py, docs/fault-tolerance.md): a rank stopped or gone while the others wait,
+    # or every rank blocked in torch.distributed with nothing moving, is decided at once; a rank working alone
+    # while the others wait only after hang_alone_timeout_s; ranks waiting while data still moves (or with no
+    # evidence either way) after hang_timeout_s, the hard cap. 0: never, for either limit.
     hang_detection: bool = True
     hang_timeout_s: Seconds = 600.0
+    hang_alone_timeout_s: Seconds = 1800.0
     replace_slow_nodes: bool = False   # a node named slow is drained, for a spare to take its place
 
     def __post_init__(self) -> None:
@@ -212,9 +215,18 @@ class RankState(str, enum.Enum):
     UNKNOWN = "unknown"        # idle, and no stack to tell where (no probe answered)
 
     @property
-    def culprit(self) -> bool:
-        """A rank in this state holds up ranks waiting on it: it will not come to the collective."""
-        return self in (RankState.STOPPED, RankState.EXITED, RankState.SPINNING, RankState.QUIET)
+    def certain(self) -> bool:
+        """A rank in this state cannot come to the next collective: ranks waiting on it hang, for certain."""
+        return self in (RankState.STOPPED, RankState.EXITED)
+
+    @property
+    def apart(self) -> bool:
+        """Neither waiting nor certain: a rank at work on its own (an evaluation, an upload, a polling loop) looks
+        exactly like one hung there, so ranks waiting on it are shown, and decided a hang only after a limit."""
+        return self in (RankState.WORKING, RankState.QUIET, RankState.SPINNING, RankState.UNKNOWN)
+
+
+GPU_BUSY = 50           # RankSeen.gpu_busy at or above this, %: the GPU computes (a kernel ran most of the time)
 
 
 class RankSeen(msgspec.Struct, kw_only=True, frozen=True, gc=False):
@@ -228,6 +240,9 @@ class RankSeen(msgspec.Struct, kw_only=True, frozen=True, gc=False):
     where: ShortText = ""              # its main thread's innermost frame, "file:line in function"
     stack: Annotated[str, Meta(max_length=MAX_TRACEBACK)] = ""   # the main thread's frames, innermost first
     exitcode: int | None = None
+    call: ShortText = ""               # waiting: the torch call it waits in ("barrier", "recv", "backward", ...)
+    io_bytes: Count = 0                # its process read and wrote this many bytes while watched
+    gpu_busy: Annotated[int, Meta(ge=-1, le=100)] = -1   # its GPU's utilization while watched, % (-1: none read)
 
 
 class StallReport(_Request, kw_only=True):
@@ -304,6 +319,9 @@ class NodeStatus(msgspec.Struct, kw_only=True, gc=False):
     # The longest the server holds this node's polls now (0: an older server that does not say): an
     # answer not come by then (plus a margin) is overdue, and the client checks the path.
     poll_hold_s: float = 0.0
+    # In the reply to a stall report: the job's stalled ranks as the server sees them across nodes, one line
+    # ("rank 0 alone for 42s at ...; ranks 1-3 waiting in all_reduce"); "": nothing to say.
+    stall: Annotated[str, Meta(max_length=MAX_MESSAGE)] = ""
 
 
 def poll_ready(status: NodeStatus, known_round: int) -> bool:

@@ -68,6 +68,10 @@ class ProgressView(msgspec.Struct, kw_only=True):
     redone: int = 0                          # steps done again after restores, where known
     restarting_for_s: float | None = None    # a restart under way: seconds since the last step before it
     slow_nodes: list[str] = msgspec.field(default_factory=list)      # members named slow now
+    # Ranks that stopped stepping, as the server sees them now, not a hang (yet): "rank 0 alone for 42s at
+    # train.py:50 in evaluate; ranks 1-3 waiting in all_reduce" (None: none)
+    stall: str | None = None
+    stall_kind: str | None = None            # alone (a rank at work while the others wait) or moving
     costs: list[RestartCostView] = msgspec.field(default_factory=list)   # the latest restarts, oldest first
 
 

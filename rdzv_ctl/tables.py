@@ -125,16 +125,18 @@ def columns_table(columns: Sequence[Column[T]], items: Sequence[T]) -> str:
 def format_status(doc: StatusView) -> str:
     held = [f"unhealthy host {h.host}: held out {h.held_for_s}s more (node {h.node_id} of job {h.job_id}, "
             f"{h.kind}: {truncate(h.reason, REASON_WIDTH)})" for h in doc.unhealthy_hosts]
-    return "\n".join([_format_jobs(doc), *map(_visible, _slow_lines(doc.jobs)), *held])
+    return "\n".join([_format_jobs(doc), *map(_visible, _notes(doc.jobs)), *held])
 
 
-def _slow_lines(jobs: Sequence[JobView]) -> list[str]:
-    """A line per job with slow nodes, after the table (names do not fit a column)."""
+def _notes(jobs: Sequence[JobView]) -> list[str]:
+    """Lines per job after the table (names and stalls do not fit a column): slow nodes, ranks not stepping."""
     out = []
     for j in jobs:
         if names := j.progress.slow_nodes:
             more = f" and {len(names) - SLOW_SHOWN} more" if len(names) > SLOW_SHOWN else ""
             out.append(f"slow nodes in job {j.job_id}: {', '.join(names[:SLOW_SHOWN])}{more}")
+        if j.progress.stall:
+            out.append(f"not stepping in job {j.job_id}: {j.progress.stall}")
     return out
 
 
@@ -152,6 +154,8 @@ def _progress(p: ProgressView, live: bool) -> list[str]:
         out.append(f"restarting {duration(p.restarting_for_s)} lost so far")
     if p.slow_nodes:
         out.append(f"slow       {_visible(', '.join(p.slow_nodes))}")
+    if p.stall and live:
+        out.append(f"stall      {_visible(p.stall)}")
     return out
 
 

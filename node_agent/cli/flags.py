@@ -122,11 +122,14 @@ FLAGS: tuple[Flag, ...] = (
     Flag(("--server-wait", "--server_wait"), "server_wait", "S",
          "seconds to keep retrying an unreachable server; default {default:g}"),
     Flag(("--hang-detection", "--hang_detection"), "hang_detection", "on|off",
-         "restart the job when ranks wait on a rank that stalled (stopped, gone, spinning or idle outside any "
-         "collective), naming that rank as the root cause; default on"),
+         "restart the job, naming the culprit, when ranks wait on a rank that is stopped or gone, or every rank "
+         "waits in a collective with nothing moving (a deadlock); default on"),
+    Flag(("--hang-alone-timeout", "--hang_alone_timeout"), "hang_alone_timeout_s", "S",
+         "a rank working alone (an evaluation, an upload, its own loop) while the others wait is shown at once "
+         "and a hang only after this long, never twice at one place; 0: never; default {default:g}"),
     Flag(("--hang-timeout", "--hang_timeout"), "hang_timeout_s", "S",
-         "the hard cap: ranks that wait on the others this long are a hang, whatever the others do; "
-         "0: none; default {default:g}"),
+         "the hard cap for ranks that all wait in collectives while data still moves (or a GPU computes): a hang "
+         "after this long; 0: none; default {default:g}"),
     Flag(("--replace-slow-nodes", "--replace_slow_nodes"), "replace_slow_nodes", None,
          "drain a node named slow (the others wait on it), for a spare to take its place; default off"),
     Flag(("--memory-dir-limit", "--memory_dir_limit"), "memory_dir_limit", "SIZE",

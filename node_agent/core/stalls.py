@@ -3,16 +3,18 @@ thread's CPU time and I/O (/proc), and its main thread's Python stack at two loo
 dump). Pure: the agent's shell reads, this decides. The server weighs every node's answer (core/hangs.py).
 
 The rule, in order: gone -> EXITED; stopped -> STOPPED; busy in its own code with the same stack at every look
-and no I/O -> SPINNING; idle in torch's collectives, its backward or a CUDA wait -> WAITING; idle anywhere else
--> QUIET, unless it is in uninterruptible sleep, moving data or waiting for its DataLoader (WORKING); no stack
-to tell -> UNKNOWN. Anything busy otherwise is WORKING: an eval loop, a checkpoint write, data loading.
+and no I/O -> SPINNING; idle in a CUDA wait while its GPU is busy -> WORKING (it computes on the GPU); idle in
+torch's collectives, its backward or a CUDA wait -> WAITING; idle anywhere else -> QUIET, unless it is in
+uninterruptible sleep, moving data or waiting for its DataLoader (WORKING); no stack to tell -> UNKNOWN.
+Anything busy otherwise is WORKING: an eval loop, a checkpoint write, data loading. A waiting rank's `call`
+names the torch call it waits in, so the server can tell which rank of a deadlock called something else.
 """
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
 
-from protocol.messages import RankState
+from protocol.messages import GPU_BUSY, RankState
 
 IDLE_CPU = 0.1          # a main thread below this share of one CPU is blocked, not computing
 BUSY_CPU = 0.5          # at or above it, a main thread is running code
@@ -20,7 +22,10 @@ MOVING_BYTES = 1 << 20  # read or written while watched: the rank is moving data
 # Where a blocked main thread waits on the other ranks (paths as faulthandler prints them).
 WAIT_PATHS = ("/torch/distributed/", "/torch/nn/parallel/distributed.py", "/torch/autograd/", "/torch/_tensor.py",
               "/torch/cuda/")
+COLLECTIVE_PATHS = ("/torch/distributed/",)   # a wait on the other ranks for certain (not on this rank's GPU)
 LOADING_PATHS = ("/torch/utils/data/",)      # a main thread waiting for its DataLoader's workers
+# torch's decorators around its collectives: the call is the function they wrap, one frame in
+WRAPPERS = frozenset({"wrapper", "inner", "_fn", "decorate_context", "_wrapped", "wrapped"})
 LIBRARY_PATHS = ("/torch/", "/site-packages/", "/dist-packages/")   # code that is not the script's own
 
 
@@ -76,9 +81,10 @@ def _in(frames: list[Frame], paths: tuple[str, ...]) -> bool:
 
 
 def classify(before: ProcSample | None, after: ProcSample | None, watched_s: float,
-             stacks: list[list[Frame]]) -> tuple[RankState, float]:
+             stacks: list[list[Frame]], gpu_busy: int | None = None) -> tuple[RankState, float]:
     """The rank's state and its main thread's CPU share over the `watched_s` between two looks, given the main
-    thread's stacks taken meanwhile (none where the probe did not answer). `after` None: the process is gone."""
+    thread's stacks taken meanwhile (none where the probe did not answer) and its GPU's utilization meanwhile
+    (None: no GPU, or not read). `after` None: the process is gone."""
     if after is None or after.state in ("", "Z", "X"):
         return RankState.EXITED, 0.0
     cpu = busy = 0.0     # the share it ran; and ran or waited for a CPU (a busy thread on a crowded node)
@@ -98,10 +104,28 @@ def classify(before: ProcSample | None, after: ProcSample | None, watched_s: flo
         own = not _in(stacks[-1][:1], LIBRARY_PATHS)
         return (RankState.SPINNING if _one_loop(stacks) and own and not moved else RankState.WORKING), cpu
     if busy < IDLE_CPU and all(_in(s, WAIT_PATHS) for s in stacks):
-        return RankState.WAITING, cpu
+        computing = gpu_busy is not None and gpu_busy >= GPU_BUSY and not _in(stacks[-1], COLLECTIVE_PATHS)
+        return (RankState.WORKING if computing else RankState.WAITING), cpu
     if busy < IDLE_CPU and same and not moved and after.state != "D" and not _in(stacks[-1], LOADING_PATHS):
         return RankState.QUIET, cpu
     return RankState.WORKING, cpu
+
+
+def call_of(frames: list[Frame]) -> str:
+    """The torch call a waiting main thread waits in: the innermost torch.distributed function that is not one of
+    torch's wrappers ("barrier", "recv", "all_reduce"), else "backward" (DDP's reducer), else a CUDA wait, else
+    the innermost torch function; "" outside torch."""
+    collective = [f for f in frames if _in([f], COLLECTIVE_PATHS) and f.function not in WRAPPERS
+                  and not f.function.startswith("<")]
+    if collective:
+        return collective[0].function
+    if _in(frames, ("/torch/autograd/", "/torch/_tensor.py")):
+        return "backward"
+    cuda = [f for f in frames if _in([f], ("/torch/cuda/",))]
+    if cuda:
+        return f"cuda {cuda[0].function}"
+    torch = [f for f in frames if _in([f], ("/torch/",)) and f.function not in WRAPPERS]
+    return torch[0].function if torch else ""
 
 
 def _one_loop(stacks: list[list[Frame]]) -> bool:

@@ -87,6 +87,10 @@ class GpuProbe(Protocol):
     def health(self, index: int) -> GpuHealth:
         """The health facts of GPU `index`. Raises ProbeUnavailable only when the probe is not open."""
 
+    def utilization(self, index: int) -> int | None:
+        """The share of the last sample period (1/6 to 1 s) during which a kernel ran on GPU `index`, in %
+        (None: not known: not supported, an error, or the probe is not open). Never raises."""
+
 
 def _code(exc: BaseException) -> int | None:
     value = getattr(exc, "value", None)
@@ -205,6 +209,22 @@ class NvmlProbe:
                          retired_pages_pending=pages, throttle_reasons=throttle, errors=tuple(facts.errors))
 
 
+    def utilization(self, index: int) -> int | None:
+        if self._nv is None or (index, "utilization") in self._unsupported:
+            return None
+        nv = self._nv
+        try:
+            handle = self._handles.get(index)
+            if handle is None:
+                handle = self._handles[index] = nv.nvmlDeviceGetHandleByIndex(index)
+            busy = int(nv.nvmlDeviceGetUtilizationRates(handle).gpu)
+        except Exception as exc:
+            if _code(exc) in UNKNOWN_ERRORS or isinstance(exc, AttributeError):
+                self._unsupported.add((index, "utilization"))
+            return None
+        return busy if 0 <= busy <= 100 else None
+
+
 class _Facts:
     """Runs one NVML query at a time, sorting a failure: unknown (not asked again), lost, or an error to report."""
 
@@ -256,6 +276,7 @@ class FakeGpuProbe:
     opened: int = 0
     closed: int = 0
     asked: list[int] = field(default_factory=list)
+    busy: dict[int, int] = field(default_factory=dict)     # GPU index -> its utilization, % (absent: unknown)
 
     @classmethod
     def with_gpus(cls, count: int, *, name: str = "NVIDIA H100 80GB HBM3") -> FakeGpuProbe:
@@ -282,3 +303,6 @@ class FakeGpuProbe:
         self.asked.append(index)
         bus_id = next((g.bus_id for g in self.gpus if g.index == index), "")
         return self.faults.get(index, healthy(index, bus_id))
+
+    def utilization(self, index: int) -> int | None:
+        return None if self.unavailable is not None else self.busy.get(index)

@@ -88,6 +88,7 @@ class LocalWorkers:
         self._round_store: WorkerLaunch | None = None
         self.group: Group | None = None
         self.cpu_affinity: Mapping[int, frozenset[int]] = {}   # --numa-binding: local rank -> its CPUs
+        self.gpu_busy: Callable[[int], int | None] = lambda _: None   # local rank -> its GPU's utilization, %
         self.stuck_pids: list[int] = []      # workers that outlived SIGKILL (the node is unhealthy)
         self._round = -1
         self._watchers: list[asyncio.Task[None]] = []
@@ -226,7 +227,7 @@ class LocalWorkers:
         def exit_of(local_rank: int) -> int | None:
             return next((e.exitcode for e in group.exits() if e.local_rank == local_rank), None)
         return ProgressWatch(round_id, ranks, detect=self._detect_stalls, pid_of=group.pid_of, exit_of=exit_of,
-                             warn=self._say)
+                             warn=self._say, gpu_busy=self.gpu_busy)
 
     def progress_note(self, round_id: int) -> ProgressNote | None:
         """The round's progress so far, for the next request to the server (None: not this round's, no probe)."""

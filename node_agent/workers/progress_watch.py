@@ -1,7 +1,7 @@
 """One round's watch on its workers' progress: every LOOK_S it reads each worker's record and /proc, so the next
 request to the server carries the round's progress (`note`); with hang detection on, a rank that stalls is
-examined (its stacks at two looks EXAMINE_GAP_S apart, its CPU and I/O meanwhile) and the evidence goes to the
-server as a fact for the agent's loop, again every threshold while the stall lasts.
+examined (its stacks at EXAMINE_DUMPS looks EXAMINE_GAP_S apart, its CPU, I/O and GPU meanwhile) and the evidence
+goes to the server as a fact for the agent's loop, again every threshold while the stall lasts.
 """
 from __future__ import annotations
 
@@ -12,11 +12,19 @@ from dataclasses import dataclass
 
 from node_agent.core.facts import Put, RanksStalled
 from node_agent.core.progress import ProbeRecord, RoundProgress
-from node_agent.core.stalls import ProcSample, classify, main_stack, stack_text
+from node_agent.core.stalls import ProcSample, call_of, classify, main_stack, stack_text
 from node_agent.progress import probe
 from node_agent.workers.failures import keep_tail
 from node_agent.workers.progress import BadRecord, ProbeFiles, RecordReader, read_proc, take_stacks
-from protocol.messages import MAX_DURATION_S, MAX_SHORT_TEXT, MAX_TRACEBACK, ProgressNote, RankSeen
+from protocol.messages import (
+    MAX_DURATION_S,
+    MAX_ROUND,
+    MAX_SHORT_TEXT,
+    MAX_TRACEBACK,
+    ProgressNote,
+    RankSeen,
+    RankState,
+)
 
 LOOK_S = 0.5
 # Stacks taken this many times, this far apart: a rank that only passes between phases (a checkpoint ending, a
@@ -38,13 +46,15 @@ class _Rank:
 class ProgressWatch:
     def __init__(self, round_id: int, ranks: dict[int, tuple[int, ProbeFiles]], *, detect: bool,
                  pid_of: Callable[[int], int | None], exit_of: Callable[[int], int | None],
-                 warn: Callable[[str], None], clock: Callable[[], float] = time.monotonic,
-                 wall: Callable[[], float] = time.time) -> None:
-        """`ranks`: local rank -> (global rank, its probe files); `pid_of`/`exit_of`: a worker's pid and exit code."""
+                 warn: Callable[[str], None], gpu_busy: Callable[[int], int | None] = lambda _: None,
+                 clock: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time) -> None:
+        """`ranks`: local rank -> (global rank, its probe files); `pid_of`/`exit_of`: a worker's pid and exit code;
+        `gpu_busy`: a local rank's GPU utilization now, % (None: it has no GPU, or NVML is not there)."""
         self.round = RoundProgress(round_id)
         self._ranks = {lr: _Rank(lr, rank, files) for lr, (rank, files) in ranks.items()}
         self._detect = detect
         self._pid_of, self._exit_of = pid_of, exit_of
+        self._gpu_busy = gpu_busy
         self._warn = warn
         self._clock, self._wall = clock, wall
         self._reported_at: float | None = None    # the last report of the stall under way (None: none under way)
@@ -100,10 +110,16 @@ class ProgressWatch:
         """Every local rank's state now: EXAMINE_DUMPS looks EXAMINE_GAP_S apart, with stacks at each."""
         before = {lr: self.round.ranks[lr].proc if lr in self.round.ranks else None for lr in self._ranks}
         started = self._clock()
-        dumps = [await take_stacks(self._answering())]
-        for _ in range(EXAMINE_DUMPS - 1):
-            await asyncio.sleep(EXAMINE_GAP_S)     # the gap between the looks is the measurement
+        gpu: dict[int, list[int]] = {lr: [] for lr in self._ranks}
+        dumps = []
+        for i in range(EXAMINE_DUMPS):
+            if i:
+                await asyncio.sleep(EXAMINE_GAP_S)     # the gap between the looks is the measurement
             dumps.append(await take_stacks(self._answering()))
+            for lr, samples in gpu.items():
+                busy = self._gpu_busy(lr)
+                if busy is not None:
+                    samples.append(busy)
         self.look()
         watched = self._clock() - started + LOOK_S
         wall = self._wall()
@@ -115,14 +131,19 @@ class ProgressWatch:
             stacks = [s for s in (main_stack(d.get(lr, ""), record.main_thread if record else 0) for d in dumps) if s]
             after: ProcSample | None = progress.proc if progress is not None else None
             exited = progress.exited if progress is not None else None
-            state, cpu = classify(before.get(lr), None if exited is not None else after, watched, stacks)
+            busy = max(gpu[lr]) if gpu[lr] else None
+            state, cpu = classify(before.get(lr), None if exited is not None else after, watched, stacks, busy)
             top = stacks[-1] if stacks else []
+            ahead, now_proc = before.get(lr), after
+            moved = now_proc.io_bytes - ahead.io_bytes if ahead is not None and now_proc is not None else 0
             stalled_s = min(MAX_DURATION_S, max(0.0, wall - record.last_at)) if record and record.steps else 0.0
             seen.append(RankSeen(
                 rank=r.rank, local_rank=lr, state=state, cpu=round(cpu, 3), exitcode=exited,
                 stalled_s=round(stalled_s, 3),
                 steps=record.steps if record else 0, where=keep_tail(str(top[0]) if top else "", MAX_SHORT_TEXT),
-                stack=stack_text(top, budget)))
+                stack=stack_text(top, budget),
+                call=keep_tail(call_of(top), MAX_SHORT_TEXT) if state == RankState.WAITING else "",
+                io_bytes=min(MAX_ROUND, max(0, moved)), gpu_busy=-1 if busy is None else max(0, min(100, busy))))
         return tuple(seen)
 
     def _answering(self) -> dict[int, tuple[int, str]]:
@@ -140,6 +161,3 @@ class ProgressWatch:
             out[lr] = (pid, r.files.stacks)
         return out
 
-
-def _short(text: str) -> str:
-    return text if len(text) <= MAX_SHORT_TEXT else "..." + text[3 - MAX_SHORT_TEXT:]

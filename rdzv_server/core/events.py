@@ -29,6 +29,9 @@ class EventKind(str, enum.Enum):
     LEASES_EXTENDED = "leases_extended"    # the server heard from no agent for a while: its fault, not theirs
     MASTER_ADDR_CORRECTED = "master_addr_corrected"   # rank 0 advertised loopback on a multi-host round
     HANG_DETECTED = "hang_detected"        # ranks waited on one that stalled: the round fails, that rank the cause
+    RANKS_ALONE = "ranks_alone"            # a rank works alone while the others wait: shown, not (yet) a hang
+    LONG_COLLECTIVE = "long_collective"    # every rank waits while data still moves: shown, not (yet) a hang
+    HANG_EXCUSED = "hang_excused"          # alone again where a limit decided a hang before: not decided again
     NODE_SLOW = "node_slow"                # the other nodes wait on it (core/slow.py)
     NODE_PACE_OK = "node_pace_ok"          # no longer slow
 

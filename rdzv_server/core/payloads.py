@@ -68,17 +68,34 @@ class RankWas(msgspec.Struct, kw_only=True, omit_defaults=True):
     stalled_s: float
     where: str = ""
     stack: str = ""
+    call: str = ""            # waiting: the torch call it waits in
+    io_bytes: int = 0         # its process's reads and writes while watched
+    gpu_busy: int = -1        # its GPU's utilization while watched, % (-1: none read)
 
 
-class HangDetected(msgspec.Struct, kw_only=True):
-    """hang_detected: the culprit rank, whether the hard cap decided, and every rank reported."""
+class HangDetected(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """hang_detected: the culprit rank, whether a limit decided (not certain evidence), and every rank reported."""
     culprit: int
     capped: bool
     ranks: list[RankWas]
+    kind: str = ""            # a hangs.StallKind value: culprit, deadlock, alone, moving
+    limit_s: float = 0.0      # the limit that decided it (capped)
+    odd: list[int] = msgspec.field(default_factory=list)   # a deadlock's ranks whose call differs
+
+
+class StallSeen(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """ranks_alone, long_collective, hang_excused: a stall shown, not decided (a hang only after `limit_s`)."""
+    kind: str                 # a hangs.StallKind value: alone, moving
+    culprit: int              # the rank apart (alone), or the one a limit would name
+    stalled_s: float
+    limit_s: float            # 0: never decided
+    place: str                # where it went its own way: its outermost frames down to it, one per line
+    ranks: list[RankWas]
+    excused_round: int = -1   # hang_excused: the round a limit decided a hang at this place
 
 
 Payload = (RoundFormed | RoundWaiting | WorkerFailed | WorkersFailed | JobResized | LeasesExtended | NodeUnhealthy
-           | HangDetected)
+           | HangDetected | StallSeen)
 
 _TYPES: dict[EventKind, tuple[type[Payload], ...]] = {
     EventKind.ROUND_COMPLETED: (RoundFormed,),
@@ -88,6 +105,9 @@ _TYPES: dict[EventKind, tuple[type[Payload], ...]] = {
     EventKind.LEASES_EXTENDED: (LeasesExtended,),
     EventKind.NODE_UNHEALTHY: (NodeUnhealthy,),
     EventKind.HANG_DETECTED: (HangDetected,),
+    EventKind.RANKS_ALONE: (StallSeen,),
+    EventKind.LONG_COLLECTIVE: (StallSeen,),
+    EventKind.HANG_EXCUSED: (StallSeen,),
 }
 
 

@@ -1,19 +1,23 @@
 """What the server does with training progress: each node's note (on its polls and reports) feeds the job's goodput
-(goodput.py) and the nodes' paces (slow.py); each stall report may show a hang (hangs.py), which fails the round
-with the culprit rank as its root cause. A report speaks only for its sender's own ranks of the running round.
+(goodput.py) and the nodes' paces (slow.py); each stall report may show a stall (hangs.py): a hang decided fails
+the round with the culprit rank as its root cause; one not decided (a rank alone, a long collective) is shown
+while it lasts, with an event once. A report speaks only for its sender's own ranks of the running round.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+import msgspec
 
 from protocol.errors import ErrorCode
 from protocol.messages import ProgressNote, RankState, StallReport, WorkerFailure
 from rdzv_server.core import credentials, goodput, hangs, leases, operator_rules, reports
 from rdzv_server.core.errors import RendezvousError
 from rdzv_server.core.events import EventKind, RoundCause
+from rdzv_server.core.hangs import MAX_PLACES, HangPlace, Stall, StallKind, StallShown
 from rdzv_server.core.job_rules import JobRules
-from rdzv_server.core.payloads import HangDetected, RankWas
-from rdzv_server.core.records import NodeRecord
+from rdzv_server.core.payloads import HangDetected, RankWas, StallSeen
+from rdzv_server.core.records import JobRecord, NodeRecord
 from rdzv_server.core.rounds import assignment
 from rdzv_server.core.slow import SLOW_GAP, SLOW_NOTES, SLOW_STEPS, NodePace, Paces
 
@@ -24,6 +28,7 @@ class JobWatch:
     board: hangs.StallBoard = field(default_factory=lambda: hangs.StallBoard(-1))
     paces: Paces = field(default_factory=Paces)
     round_id: int = -1       # the round the paces are of
+    said: set[tuple[object, ...]] = field(default_factory=set)   # the board's round's stalls given an event
 
 
 def noted(rules: JobRules, watch: JobWatch, node_id: str, note: ProgressNote | None, now: float) -> None:
@@ -70,15 +75,55 @@ def stalled(rules: JobRules, watch: JobWatch, req: StallReport, now: float) -> s
     if not job.config.hang_detection:
         return "hang detection is off for this job"
     if watch.board.round_id != req.round_id:
-        watch.board = hangs.StallBoard(req.round_id)
+        watch.board, watch.said = hangs.StallBoard(req.round_id), set()
     watch.board.reports[node.node_id] = (now, req)
     assert job.round is not None
     finished = {n: _ranks_of(rules, n) for n in job.round.members if n in job.successes}
     running = [n for n in job.round.members if n not in job.successes]
-    hang = hangs.decide(watch.board, running, finished, job.config.hang_timeout_s, now)
-    if hang is not None:
-        _fail_for(rules, watch, hang, req.round_id, now)
+    stall = hangs.assess(watch.board, running, finished, job.config, {p.place for p in job.hang_places}, now)
+    if stall is not None and stall.decided:
+        _fail_for(rules, watch, stall, req.round_id, now)
+    elif stall is not None:
+        _show(rules, watch, stall, req, now)
     return ""
+
+
+def shown_stall(job: JobRecord, now: float) -> StallShown | None:
+    """The stall shown now: of the running round, its reports fresh, and no step since."""
+    s = job.stall
+    if s is None or job.round is None or s.round_id != job.round.round_id or now > s.fresh_until:
+        return None
+    return s if job.progress.round_id != s.round_id or job.progress.round_steps <= s.steps else None
+
+
+def _show(rules: JobRules, watch: JobWatch, stall: Stall, req: StallReport, now: float) -> None:
+    """A stall not decided: shown while it lasts, and said once (per round, rank and place) in the history."""
+    job = rules.job
+    steps = job.progress.round_steps if job.progress.round_id == req.round_id else 0
+    job.stall = msgspec.structs.replace(stall.shown(now), round_id=req.round_id, steps=steps,
+                                        fresh_until=now + max(hangs.FRESH_MIN_S, 2 * req.threshold_s))
+    key = (req.round_id, stall.kind, stall.culprit.rank, stall.place, stall.excused)
+    if key in watch.said:
+        return
+    watch.said.add(key)
+    c, line = stall.culprit, job.stall.line(now)
+    limit = (f"a hang only after {stall.limit_s:.0f}s ({_flag(stall.kind)})" if stall.limit_s > 0
+             else f"never a hang ({_flag(stall.kind)} 0)")
+    before = next((p for p in job.hang_places if hangs.same_place(p.place, stall.place)), None)
+    if stall.excused and before is not None:
+        kind = EventKind.HANG_EXCUSED
+        message = (f"{line}: the job was restarted for a hang at this place in round {before.round_id}, so it is "
+                   f"taken as working and never decided a hang there again")
+    else:
+        kind = EventKind.RANKS_ALONE if stall.kind is StallKind.ALONE else EventKind.LONG_COLLECTIVE
+        message = f"{line}: {'working, not hung' if stall.kind is StallKind.ALONE else 'moving data'}; {limit}"
+    rules.record(now, kind, message, stall.node_id, req.round_id, StallSeen(
+        kind=stall.kind.value, culprit=c.rank, stalled_s=round(stall.spell_s, 3), limit_s=stall.limit_s,
+        place=stall.place, ranks=_ranks_was(stall), excused_round=before.round_id if before else -1))
+
+
+def _flag(kind: StallKind) -> str:
+    return "--hang-alone-timeout" if kind is StallKind.ALONE else "--hang-timeout"
 
 
 def _check_ranks(rules: JobRules, node: NodeRecord, req: StallReport) -> None:
@@ -98,16 +143,24 @@ def _ranks_of(rules: JobRules, node_id: str) -> list[int]:
     return [] if a is None else list(range(a.rank_offset, a.rank_offset + a.local_world_size))
 
 
-def _fail_for(rules: JobRules, watch: JobWatch, hang: hangs.Hang, round_id: int, now: float) -> None:
+def _fail_for(rules: JobRules, watch: JobWatch, stall: Stall, round_id: int, now: float) -> None:
     job = rules.job
-    c = hang.culprit
-    node = job.nodes[hang.node_id]
-    rules.record(now, EventKind.HANG_DETECTED, f"hang in round {round_id}: {hang.message}", hang.node_id, round_id,
-                 HangDetected(culprit=c.rank, capped=hang.capped, ranks=[
-                     RankWas(rank=r.rank, node_id=n, state=r.state.value, stalled_s=r.stalled_s, where=r.where,
-                             stack=r.stack) for n, r in hang.seen]))
+    c = stall.culprit
+    node = job.nodes[stall.node_id]
+    message = stall.message
+    rules.record(now, EventKind.HANG_DETECTED, f"hang in round {round_id}: {message}", stall.node_id, round_id,
+                 HangDetected(culprit=c.rank, capped=stall.capped, ranks=_ranks_was(stall), kind=stall.kind.value,
+                              limit_s=stall.limit_s if stall.capped else 0.0, odd=[r.rank for r in stall.odd]))
+    if stall.capped:       # a limit may be wrong: never decided at this place again in this job
+        job.hang_places = [*job.hang_places, HangPlace(place=stall.place, round_id=round_id, rank=c.rank)
+                           ][-MAX_PLACES:]
     failure = WorkerFailure(local_rank=c.local_rank, rank=c.rank, exitcode=c.exitcode or 0, reason="hang",
-                            message=hang.message[:4096], timestamp=now, host=node.host, node_id=node.node_id,
+                            message=message[:4096], timestamp=now, host=node.host, node_id=node.node_id,
                             traceback=c.stack if c.state != RankState.EXITED else "")
-    watch.board = hangs.StallBoard(-1)
+    watch.board, watch.said, job.stall = hangs.StallBoard(-1), set(), None
     reports.fail_round(rules, node, round_id, [failure], now, RoundCause.HANG)
+
+
+def _ranks_was(stall: Stall) -> list[RankWas]:
+    return [RankWas(rank=r.rank, node_id=n, state=r.state.value, stalled_s=r.stalled_s, where=r.where, stack=r.stack,
+                    call=r.call, io_bytes=r.io_bytes, gpu_busy=r.gpu_busy) for n, r in stall.seen]

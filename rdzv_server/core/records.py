@@ -10,6 +10,7 @@ import msgspec
 from protocol.messages import Assignment, JobConfig, JobState, NodeState, WorkerFailure
 from rdzv_server.core.events import EventKind
 from rdzv_server.core.goodput import JobProgress
+from rdzv_server.core.hangs import HangPlace, StallShown
 
 MAX_EVENTS_PER_JOB = 1000
 
@@ -103,6 +104,8 @@ class JobRecord(msgspec.Struct, kw_only=True):
     event_seq: int = 0
     events: list[Event] = msgspec.field(default_factory=list)
     progress: JobProgress = msgspec.field(default_factory=JobProgress)   # steps, restarts' costs (goodput.py)
+    stall: StallShown | None = None            # ranks alone, or in long collectives, now (hangs.py)
+    hang_places: list[HangPlace] = msgspec.field(default_factory=list)   # decided by a limit: not again
 
     def events_after(self, seq: int) -> list[Event]:
         """The kept events newer than `seq` (seqs are consecutive, so no scan of the history)."""

@@ -196,7 +196,10 @@ class Rendezvous:
         self.heard(now)
         with self._counting(rules.job):          # a suspect peer may be lost
             why_not = progress_rules.stalled(rules, self.watch(job_id), req, now)
-        return node_status(rules.job, req.node_id, now, accepted=not why_not, reason=why_not)
+        status = node_status(rules.job, req.node_id, now, accepted=not why_not, reason=why_not)
+        shown = progress_rules.shown_stall(rules.job, now)
+        status.stall = shown.line(now) if shown is not None else ""
+        return status
 
     def watch(self, job_id: str) -> JobWatch:
         return self.watches.setdefault(job_id, JobWatch())

@@ -33,6 +33,7 @@ from protocol.views import (
 )
 from rdzv_server.core.errors import RendezvousError
 from rdzv_server.core.goodput import JobProgress
+from rdzv_server.core.progress_rules import shown_stall
 from rdzv_server.core.records import MAX_EVENTS_PER_JOB, JobRecord, NodeRecord
 from rdzv_server.core.rendezvous import Rendezvous
 from rdzv_server.core.rounds import assignment
@@ -113,6 +114,7 @@ def progress(job: JobRecord, now: float) -> ProgressView:
     ratio = p.ratio(now, running=running)
     pending = p.pending
     slow = [n for n in p.slow if (node := job.nodes.get(n)) is not None and node.state == NodeState.MEMBER]
+    stall = shown_stall(job, now) if running else None
     return ProgressView(
         signal=True, steps=max(0, p.steps), steps_per_s=(_rate(p.steps_per_s()) or 0.0) if pacing else 0.0,
         ettr=round(ratio, 4) if ratio is not None and math.isfinite(ratio) else None,
@@ -120,6 +122,7 @@ def progress(job: JobRecord, now: float) -> ProgressView:
         restarts=max(0, p.restarts), redone=max(0, p.redone),
         restarting_for_s=_seconds(now - pending.last_step_at) if pending is not None and running else None,
         slow_nodes=slow[:SLOW_LIMIT] if running else [],
+        stall=stall.line(now) if stall is not None else None, stall_kind=stall.kind if stall is not None else None,
         costs=[RestartCostView(round_id=c.round_id, cause=c.cause, redone=c.redone if c.redone >= 0 else None,
                                cost_s=_seconds(c.cost_s) if c.stepped_at else None) for c in p.costs])
 

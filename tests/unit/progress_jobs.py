@@ -9,6 +9,9 @@ from protocol.messages import (
     JoinRequest,
     PollRequest,
     ProgressNote,
+    RankSeen,
+    RankState,
+    StallReport,
     WorkerFailure,
 )
 from rdzv_server.core.rendezvous import Rendezvous
@@ -86,3 +89,20 @@ def slow(rz: Rendezvous, job: str = "lagging") -> None:
         poll(rz, job, "b", at, note(round_id, 20 * i, T + 5, at, demand=0.98))
     assert rz.jobs[job].progress.slow == ["b"]
 
+
+
+def alone(rz: Rendezvous, job: str = "evaluating") -> None:
+    """A running two-node job that stepped until T+50; at T+62 rank 0 has been at work alone for 12 s (an
+    evaluation) while ranks 1-3 wait in all_reduce: shown, not a hang."""
+    join(rz, job, "a", T)
+    join(rz, job, "b", T)
+    step(rz, job, ["a", "b"], T + 10, T + 50, 80, T + 50)
+    round_id = rz.jobs[job].round.round_id
+
+    def rank(r: int, state: RankState, where: str = "") -> RankSeen:
+        return RankSeen(rank=r, local_rank=r % 2, state=state, stalled_s=12.0, where=where,
+                        call="all_reduce" if state == RankState.WAITING else "")
+    for node, ranks in (("a", (rank(0, RankState.WORKING, "train.py:41 in evaluate"), rank(1, RankState.WAITING))),
+                        ("b", (rank(2, RankState.WAITING), rank(3, RankState.WAITING)))):
+        rz.report_stall(job, StallReport(v=1, node_id=node, credential=f"secret-{node}", round_id=round_id,
+                                         threshold_s=5.0, ranks=list(ranks)), T + 62)

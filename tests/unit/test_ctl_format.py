@@ -58,6 +58,16 @@ def test_status_shows_pace_and_ratio_per_job_and_names_slow_nodes():
     assert rows[-1] == "slow nodes in job lagging: b"
 
 
+def test_ranks_not_stepping_are_said_in_the_status_and_the_job_view():
+    rz = Rendezvous()
+    progress_jobs.alone(rz)
+    now = progress_jobs.T + 70
+    status = ctl.format_status(cli.typed(json.loads(to_json(views.server_status(rz, now))), StatusView))
+    line = "rank 0 alone for 20s at train.py:41 in evaluate; ranks 1-3 waiting in all_reduce"
+    assert status.splitlines()[-1] == f"not stepping in job evaluating: {line}"
+    assert f"stall      {line}" in ctl.format_job(views.job_detail(rz.jobs["evaluating"], now)).splitlines()
+
+
 def test_the_job_view_has_progress_and_each_restarts_cost():
     rz = Rendezvous()
     progress_jobs.stepping(rz)

@@ -425,3 +425,17 @@ def test_the_gpus_are_asked_at_once_and_judged_in_order():
     verdict = check_gpus(probe, list(range(8)))
     assert isinstance(verdict, Unhealthy), verdict
     assert "GPU 5" in verdict.reason and not barrier.broken
+
+
+def test_a_gpus_utilization_is_read_and_a_query_it_does_not_support_is_not_asked_again():
+    nv = FakeNvml(nvmlDeviceGetUtilizationRates=lambda h: types.SimpleNamespace(gpu=87 if h == "h0" else 250))
+    probe = probe_on(nv)
+    assert probe.utilization(0) == 87
+    assert probe.utilization(1) is None                     # out of range: not a reading
+    unsupported = probe_on(FakeNvml(nvmlDeviceGetUtilizationRates=NVMLError(3)))
+    assert unsupported.utilization(0) is None and unsupported.utilization(0) is None
+    assert unsupported._nv.calls.count("nvmlDeviceGetUtilizationRates") == 1
+    lost = probe_on(FakeNvml(nvmlDeviceGetUtilizationRates=NVMLError(15)))
+    assert lost.utilization(0) is None                      # never raises
+    probe.close()
+    assert probe.utilization(0) is None                     # closed: nothing to read

@@ -309,3 +309,14 @@ async def test_a_health_check_that_cannot_run_keeps_the_node_out_saying_why(star
     assert answer.problem == f"health check {quote(str(script))} is not executable (permission denied)"
     assert f"not joining: this node is unhealthy: {answer.problem}" in node.text()
     assert "join" not in node.server.sent
+
+
+def test_each_local_rank_reads_its_own_gpus_utilization(tmp_path) -> None:
+    probe = FakeGpuProbe.with_gpus(2)
+    probe.busy = {0: 97, 1: 4}
+    checks = NodeChecks(CheckSettings(nproc=3), lambda line: None, probe=lambda: probe, root=str(tmp_path),
+                        dev_dir=dev_with_gpus(tmp_path, 2))
+    assert checks.gpu_busy(0) is None                        # not started: nothing to read
+    checks.start()
+    assert [checks.gpu_busy(r) for r in range(4)] == [97, 4, None, None]   # rank 2 has no GPU of its own
+    checks.close()

@@ -43,6 +43,7 @@ def test_defaults() -> None:
     assert o.node_id == f"{socket.gethostname()}-{os.getpid()}"
     assert (o.stop_timeout, o.server_wait) == (30, 60)   # torchrun's shutdown grace
     assert (o.job.hang_detection, o.job.hang_timeout_s, o.job.replace_slow_nodes) == (True, 600.0, False)
+    assert o.job.hang_alone_timeout_s == 1800.0          # minutes, not seconds: docs/fault-tolerance.md says why
     assert o.signals == (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
     assert (o.reply_file, o.log_line_prefix, o.tee_prefix) == (None, None, "[${role_name}${local_rank}]:")
     assert o.job == JobConfig()   # every job setting left out takes JobConfig's default, as on the wire
@@ -93,6 +94,8 @@ def test_endpoint_aliases(flag: str, joined: bool) -> None:
     (["--hang-timeout", "1.5"], "job.hang_timeout_s", 1.5),
     (["--hang_timeout=0"], "job.hang_timeout_s", 0.0),
     (["--hang-detection", "off"], "job.hang_detection", False),
+    (["--hang-alone-timeout", "30"], "job.hang_alone_timeout_s", 30.0),
+    (["--hang_alone_timeout=0"], "job.hang_alone_timeout_s", 0.0),
     (["--hang_detection=ON"], "job.hang_detection", True),
     (["--replace-slow-nodes"], "job.replace_slow_nodes", True),
 ])
@@ -266,6 +269,9 @@ def test_accepted_torchrun_flags_with_nothing_to_do() -> None:
     (["--exclude-window", "0"], "--exclude-window"),
     (["--hang-timeout", "inf"], "--hang-timeout"),
     (["--hang-detection", "maybe"], "--hang-detection"),
+    (["--hang-alone-timeout", "-1"], "--hang-alone-timeout"),
+    (["--hang-alone-timeout", "ten"], "--hang-alone-timeout"),
+    (["--hang_alone_timeout", "nan"], "--hang_alone_timeout"),
     (["--nnodes", "1:100001"], "--nnodes"),           # over JobConfig's max_nodes bound
 ])
 def test_value_errors_name_the_flag(argv: list[str], flag: str) -> None:

@@ -316,6 +316,16 @@ def test_a_slow_node_has_a_badge_on_its_row_and_is_named_on_the_card():
     assert goodput_text(html, "lagging").endswith("slow nodes b")
 
 
+def test_a_rank_alone_is_said_on_the_card():
+    rz = Rendezvous()
+    progress_jobs.alone(rz)
+    html = page.job_page(rz, "evaluating", T + 70) or ""
+    m = Markup(html)
+    assert [a.get("data-stall") for t, a in m.tags if t == "div" and "data-stall" in a] == ["alone"]
+    assert goodput_text(html, "evaluating").endswith(
+        "not stepping rank 0 alone for 20s at train.py:41 in evaluate; ranks 1-3 waiting in all_reduce")
+
+
 def test_the_restarts_table_says_when_it_shows_only_the_latest():
     rz = Rendezvous()
     config = cfg(max_restarts=100, last_call_s=0.0, exclude_after=1000)   # a keeps failing: never excluded

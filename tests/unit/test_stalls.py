@@ -8,7 +8,7 @@ import struct
 import pytest
 
 from node_agent.core.progress import ProbeRecord, RoundProgress
-from node_agent.core.stalls import Frame, ProcSample, classify, main_stack, parse_dump
+from node_agent.core.stalls import Frame, ProcSample, call_of, classify, main_stack, parse_dump
 from node_agent.progress import probe
 from node_agent.workers.progress import BadRecord, ProbeFiles, RecordReader
 from node_agent.workers.progress_watch import ProgressWatch
@@ -65,6 +65,29 @@ def test_the_dump_is_read_thread_by_thread_and_the_main_one_picked() -> None:
 ])
 def test_each_state_from_what_the_agent_sees(before, after, stacks, state) -> None:
     assert classify(before, after, 1.0, stacks)[0] == state
+
+
+TORCH = "/venv/lib/python3.11/site-packages/torch"
+BARRIER = [Frame(f"{TORCH}/distributed/distributed_c10d.py", 4881, "barrier"),
+           Frame(f"{TORCH}/distributed/c10d_logger.py", 81, "wrapper"), Frame("/job/train.py", 50, "main")]
+RECV = [Frame(f"{TORCH}/distributed/distributed_c10d.py", 2600, "recv"),
+        Frame(f"{TORCH}/distributed/c10d_logger.py", 81, "wrapper"), Frame("/job/train.py", 52, "main")]
+CUDA_WAIT = [Frame(f"{TORCH}/cuda/__init__.py", 1040, "synchronize"), Frame("/job/train.py", 60, "evaluate")]
+
+
+def test_a_waiting_rank_names_the_call_it_waits_in_past_torchs_wrappers() -> None:
+    assert [call_of(s) for s in (BARRIER, RECV, WAITING, CUDA_WAIT, SLEEPING)] == \
+        ["barrier", "recv", "backward", "cuda synchronize", ""]
+
+
+@pytest.mark.parametrize(("stack", "gpu_busy", "state"), [
+    (CUDA_WAIT, 95, RankState.WORKING),       # its GPU computes: an evaluation on the GPU, not a wait on the others
+    (CUDA_WAIT, 3, RankState.WAITING),        # its GPU idle: it waits on something that will not come
+    (CUDA_WAIT, None, RankState.WAITING),     # no GPU reading: as before
+    (BARRIER, 95, RankState.WAITING),         # in torch.distributed it waits on the others whatever its GPU does
+])
+def test_a_cuda_wait_on_a_busy_gpu_is_computing(stack, gpu_busy, state) -> None:
+    assert classify(look(), look(cpu_s=0.01), 1.0, [stack, stack], gpu_busy)[0] == state
 
 
 def test_a_rank_between_phases_is_neither_a_culprit_nor_waiting() -> None:

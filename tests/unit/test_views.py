@@ -291,6 +291,18 @@ def test_slow_nodes_are_the_current_members_named_slow():
     assert typed_views.progress(job, now).slow_nodes == []    # an ended job has no pace
 
 
+def test_a_rank_alone_is_shown_while_it_lasts_and_gone_once_the_job_steps_again():
+    rz = Rendezvous()
+    progress_jobs.alone(rz)
+    job, now = rz.jobs["evaluating"], progress_jobs.T + 70
+    p = typed_views.progress(job, now)
+    assert p.stall == "rank 0 alone for 20s at train.py:41 in evaluate; ranks 1-3 waiting in all_reduce"
+    assert p.stall_kind == "alone" and job.restart_count == 0
+    assert views.job_detail(job, now)["progress"]["stall"] == p.stall
+    progress_jobs.step(rz, "evaluating", ["a", "b"], progress_jobs.T + 10, now, 81, now)   # it steps again
+    assert typed_views.progress(job, now).stall is None
+
+
 def test_bad_or_missing_progress_never_breaks_a_view():
     rz = Rendezvous()
     progress_jobs.stepping(rz)

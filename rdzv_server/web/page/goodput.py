@@ -59,6 +59,10 @@ def goodput_line(job: JobView) -> str:
         stats.append(_stat("slow nodes", f'<span class="warn-text">{names}</span>'
                                          + (f' <span class="muted">and {more} more</span>' if more > 0 else ""),
                            ' data-slow="1"'))
+    if p.stall:
+        stats.append(_stat("not stepping" if p.stall_kind == "alone" else "long collective",
+                           f'<span class="warn-text mono">{esc(clip(p.stall, 300))}</span>',
+                           f' data-stall="{esc(p.stall_kind or "")}"'))
     return f'<div class="stats goodput" data-signal="1">{"".join(stats)}</div>'
 
 

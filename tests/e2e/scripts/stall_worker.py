@@ -2,6 +2,9 @@
 
 FAULT=sleep|stop|spin|exit0 on rank FAULT_RANK before step FAULT_STEP: it sleeps forever (SLEEP_IGNORES_TERM=1:
 SIGTERM ignored too), stops itself (SIGSTOP), spins in a Python loop, or exits 0 while the others go on.
+FAULT=deadlock: before step FAULT_STEP every rank but FAULT_RANK enters a barrier while FAULT_RANK waits in a recv
+from rank 0 that never comes. FAULT=solo: on every attempt, rank FAULT_RANK sleeps SOLO_S alone before step
+FAULT_STEP while the others wait in the next collective (a slow upload): legitimate work.
 FAULT=busy: every EVAL_EVERY steps all ranks evaluate for EVAL_S (forward passes, no collective), then rank 0
 alone writes a "checkpoint" for BUSY_S (real writes) while the others wait at a barrier: nothing is hung.
 Writes OUT_DIR/started-<rank>-<restart> (its pid) and OUT_DIR/faulted-<rank> (its pid) at the fault; runs STEPS
@@ -19,7 +22,7 @@ from torch.nn.parallel import DistributedDataParallel
 out = os.environ["OUT_DIR"]
 rank = int(os.environ["RANK"])
 restart = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
-fault = os.environ.get("FAULT", "") if restart == 0 else ""
+fault = os.environ.get("FAULT", "") if restart == 0 or os.environ.get("FAULT") == "solo" else ""
 fault_rank, fault_step = int(os.environ.get("FAULT_RANK", "-1")), int(os.environ.get("FAULT_STEP", "10"))
 steps = int(os.environ.get("STEPS", "30"))
 
@@ -60,6 +63,13 @@ for step in range(steps):
                 pass
         elif fault == "exit0":
             sys.exit(0)
+    if fault == "deadlock" and step == fault_step:
+        if rank == fault_rank:
+            dist.recv(torch.zeros(1), src=0)
+        else:
+            dist.barrier()
+    if fault == "solo" and rank == fault_rank and step == fault_step:
+        time.sleep(float(os.environ.get("SOLO_S", "15")))
     if fault == "busy" and step and step % int(os.environ.get("EVAL_EVERY", "10")) == 0:
         end = time.time() + float(os.environ.get("EVAL_S", "7"))
         with torch.no_grad():
