@@ -44,19 +44,20 @@ def get(port: int, path: str) -> dict:
 
 
 @contextmanager
-def pair(port: int, job: str, out: str, env: dict[str, str], *extra: str) -> Iterator[list[subprocess.Popen[str]]]:
-    """Two agents of two workers each (a: ranks 0-1, b: ranks 2-3), killed at the end whatever happened."""
+def pair(port: int, job: str, out: str, env: dict[str, str], *extra: str,
+         nodes: tuple[str, ...] = ("a", "b")) -> Iterator[list[subprocess.Popen[str]]]:
+    """Agents of two workers each (a: ranks 0-1, b: ranks 2-3, ...), killed at the end whatever happened."""
     agents = []
     try:
-        for node in ("a", "b"):
+        for node in nodes:
             agent_env = dict(os.environ, PYTHONPATH=ROOT, OUT_DIR=out, **env)
             # Output to a file: a pipe nobody reads fills and blocks the agent (its leases then lapse).
             with open(os.path.join(out, f"agent-{node}.log"), "w") as log:
                 agents.append(subprocess.Popen(
-                    [sys.executable, "-m", "node_agent.main", "--endpoint", f"127.0.0.1:{port}", "--nnodes", "2",
-                     "--nproc", "2", "--job-id", job, "--node-id", node, "--max-restarts", "2", *FAST, *extra,
-                     SCRIPT], env=agent_env, cwd=out, stdout=log, stderr=subprocess.STDOUT))
-            if node == "a":
+                    [sys.executable, "-m", "node_agent.main", "--endpoint", f"127.0.0.1:{port}", "--nnodes",
+                     str(len(nodes)), "--nproc", "2", "--job-id", job, "--node-id", node, "--max-restarts", "2",
+                     *FAST, *extra, SCRIPT], env=agent_env, cwd=out, stdout=log, stderr=subprocess.STDOUT))
+            if node == nodes[0]:
                 wait(lambda: _exists(port, job), 60)
         yield agents
     finally:
@@ -66,7 +67,7 @@ def pair(port: int, job: str, out: str, env: dict[str, str], *extra: str) -> Ite
             a.wait()
         keep = os.environ.get("BENCH_PROGRESS_LOGS")      # a directory: the agents' output is kept there
         if keep:
-            for node in ("a", "b"):
+            for node in nodes:
                 with contextlib.suppress(OSError):
                     shutil.copy(os.path.join(out, f"agent-{node}.log"), os.path.join(keep, f"{job}-{node}.log"))
 
@@ -99,11 +100,11 @@ def steps_of(out: str) -> dict[int, list[tuple[float, int, int]]]:
     return found
 
 
-def hang_run(port: int, case: str, i: int) -> dict:
+def hang_run(port: int, case: str, i: int, *extra: str) -> dict:
     job = f"{case}-{i}"
     with tempfile.TemporaryDirectory(prefix="bench-progress-") as out:
         env = {"FAULT": case, "FAULT_RANK": str(CULPRIT), "FAULT_STEP": "40", "STEPS": "80", "WORK": "6"}
-        with pair(port, job, out, env) as agents:
+        with pair(port, job, out, env, *extra) as agents:
             for a in agents:
                 try:
                     a.wait(150)
@@ -138,12 +139,12 @@ def hang_time(event: dict) -> float:
     return datetime.fromisoformat(event["time"].replace("Z", "+00:00")).timestamp()
 
 
-def hangs(cases: list[str], runs: int) -> list[dict]:
+def hangs(cases: list[str], runs: int, *extra: str) -> list[dict]:
     rows = []
     with running_server() as port:
         for i in range(runs):
             for case in cases:
-                row = hang_run(port, case, i)
+                row = hang_run(port, case, i, *extra)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     for case in cases:

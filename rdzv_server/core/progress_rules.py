@@ -97,8 +97,10 @@ def shown_stall(job: JobRecord, now: float) -> StallShown | None:
 
 
 def _show(rules: JobRules, watch: JobWatch, stall: Stall, req: StallReport, now: float) -> None:
-    """A stall not decided: shown while it lasts, and said once (per round, rank and place) in the history."""
+    """A stall not decided: shown while it lasts, and said once per spell (and rank and place) in the history."""
     job = rules.job
+    if shown_stall(job, now) is None:       # a new spell: the job stepped since the last one
+        watch.said.clear()
     steps = job.progress.round_steps if job.progress.round_id == req.round_id else 0
     job.stall = msgspec.structs.replace(stall.shown(now), round_id=req.round_id, steps=steps,
                                         fresh_until=now + max(hangs.FRESH_MIN_S, 2 * req.threshold_s))

@@ -278,7 +278,7 @@ async def test_each_job_has_its_progress_and_hangs_are_counted(server, http, clo
     # a hangs: its ranks wait on b's rank 3, which sits idle; the round is failed for it (a restart)
     ranks = {n.node_id: (await n.poll(known_round=first, wait_s=0))["assignment"]["rank_offset"] for n in (a, b)}
     clock.now = T0 + 51
-    for node, state in ((a, "waiting"), (b, "quiet")):
+    for node, state in ((a, "waiting"), (b, "stopped")):
         offset = ranks[node.node_id]
         seen = [{"rank": offset, "local_rank": 0, "state": "waiting", "stalled_s": 6.0},
                 {"rank": offset + 1, "local_rank": 1, "state": state, "stalled_s": 6.0}]

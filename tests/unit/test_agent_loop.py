@@ -217,13 +217,13 @@ async def test_a_stall_goes_to_the_server_which_names_the_culprit_and_ends_the_r
     run = start(max_restarts=0)
     group = await run.next_group()
     ranks = (seen(0, RankState.WAITING, "torch/_tensor.py:623 in backward"),
-             seen(1, RankState.QUIET, "train.py:16 in <module>"))
+             seen(1, RankState.STOPPED, "train.py:16 in <module>"))
     run.agent.facts.put_nowait(RanksStalled(run.agent.policy.running_round, 5.0, ranks))
     assert await run.exit_code() == 1          # no restart left: the hang fails the job
     assert group.stopped_with == signal.SIGTERM
     text = run.console.getvalue()
-    assert "rank 1 (local 1): quiet, cpu 0%, 30 steps, last 6.0s ago at train.py:16 in <module>" in text, text
-    assert "rank 1 sat idle for 6.0s at train.py:16 in <module> while rank 0 waited for it" in text, text
+    assert "rank 1 (local 1): stopped, cpu 0%, 30 steps, last 6.0s ago at train.py:16 in <module>" in text, text
+    assert "rank 1 was stopped at train.py:16 in <module> while rank 0 waited for it" in text, text
     assert "failure   : hang" in text, text
 
 

@@ -201,6 +201,9 @@ def test_a_rank_alone_is_shown_at_once_with_one_event_and_in_the_reply(running) 
     assert len(said) == 1 and said[0].data["culprit"] == 0 and said[0].data["limit_s"] == 1800.0
     assert said[0].message.endswith("working, not hung; a hang only after 1800s (--hang-alone-timeout)")
     assert shown_stall(job, 15.0 + 10.1) is None           # no fresh report: no longer shown
+    job.progress.round_steps += 20                          # the job stepped again; then rank 0 goes alone again
+    alone_reports(running, 1, 7.0, 40.0)
+    assert len([e for e in job.events if e.kind == EventKind.RANKS_ALONE]) == 2      # a new spell, said again
 
 
 def test_an_alone_decision_is_never_taken_twice_at_one_place(running) -> None:

@@ -222,7 +222,7 @@ def test_a_round_after_a_hang_is_drawn_as_a_restart_with_the_hang_marked():
     progress_jobs.join(rz, "j", "a", T)
     progress_jobs.join(rz, "j", "b", T)
     waiting = [RankSeen(rank=r, local_rank=r % 2, state=RankState.WAITING, stalled_s=6.0) for r in range(4)]
-    quiet = RankSeen(rank=3, local_rank=1, state=RankState.QUIET, stalled_s=6.0, where="train.py:16 in <module>")
+    quiet = RankSeen(rank=3, local_rank=1, state=RankState.STOPPED, stalled_s=6.0, where="train.py:16 in <module>")
     for node, ranks in (("a", waiting[:2]), ("b", [waiting[2], quiet])):
         rz.report_stall("j", StallReport(v=1, node_id=node, credential=f"secret-{node}", round_id=1, threshold_s=5.0,
                                          ranks=ranks), T + 10)
