@@ -6,7 +6,7 @@ PIP_FLAGS := --disable-pip-version-check -q
 PYTEST_WORKERS ?= 3
 
 .PHONY: venv chromium deploy-tools netns-tools etcd demo test multihost soak fuzz bench bench-faults bench-scale bench-blip bench-progress \
-	bench-leftovers \
+	bench-leftovers bench-console bench-hangs \
 	bench-failover bench-first-step gpu-check test-oldest clean
 
 $(VENV)/.installed: pyproject.toml constraints.txt
@@ -115,13 +115,27 @@ bench-first-step: venv $(VENV)/.bench-installed
 bench-leftovers: venv
 	$(PY) benchmarks/bench_leftovers.py $(BENCH_LEFTOVERS_ARGS)
 
-# Training progress seen without code changes (issue 39): the probe's cost per step, 20 runs of each hang case
-# (sleep, SIGSTOP, spin, exit 0), a 3x slow node, goodput against the script's own step times and 30 min with
-# no false alarm; 2 nodes x 2 gloo workers, writes docs/bench-progress.json (about 75 minutes).
-# BENCH_PROGRESS_ARGS replaces the options, e.g. "--runs 3 --cases sleep,stop" or "--cost".
+# A console nobody reads (issue 44): 2 nodes x 2 gloo workers printing 100 lines a second each for 10 minutes,
+# node a's stdout a pipe never read: the job finishes, no lease lost, log files complete, drops counted.
+# BENCH_CONSOLE_ARGS passes options, e.g. "--minutes 1".
+bench-console: venv
+	$(PY) benchmarks/bench_console.py $(BENCH_CONSOLE_ARGS)
+
+# Training progress seen without code changes (issue 39): the probe's cost per step, 20 runs of each certain
+# hang case (SIGSTOP, exit 0, a deadlock), a 3x slow node, goodput against the script's own step times and 30 min
+# with no false alarm; 2 nodes x 2 gloo workers, writes docs/bench-progress.json (about 75 minutes).
+# BENCH_PROGRESS_ARGS replaces the options, e.g. "--runs 3 --cases stop,deadlock" or "--cost".
 BENCH_PROGRESS_ARGS ?= --cost --runs 20 --slow --ettr --false-alarm-min 30
 bench-progress: venv
 	$(PY) benchmarks/bench_progress.py $(BENCH_PROGRESS_ARGS)
+
+# Hang detection that never kills a healthy job (issue 44): legitimate solo work of eight kinds (60 s alone on
+# rank 0, twice per job), the ambiguous hangs at --hang-alone-timeout 30, and a 4 x 2 job in long all-gathers;
+# writes docs/bench-hangs.json (about 35 minutes). BENCH_HANGS_ARGS replaces the options.
+BENCH_HANGS_ARGS ?= --solo http,poll,metrics,torchops,numpy,save,dataloader,eval --ambiguous sleep,spin --runs 3 \
+	--gather
+bench-hangs: venv
+	$(PY) benchmarks/bench_hangs.py $(BENCH_HANGS_ARGS)
 
 # Replicas on etcd: failover time with 1,000 simulated agents, acknowledged changes over 50 failovers,
 # formation on etcd vs SQLite (docs/benchmarks.md; about 10 minutes).

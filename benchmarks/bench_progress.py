@@ -1,7 +1,8 @@
 """Issue 39's targets on this machine: 2 nodes x 2 gloo workers, a script with no change
 (benchmarks/scripts/progress_train.py), a real rdzv-server and real node-agents with their defaults.
 
-  --cases sleep,stop,spin,exit0 --runs 20   a rank hangs before a collective / is stopped / spins / exits 0:
+  --cases stop,exit0,deadlock --runs 20
+                                 a rank is stopped / exits 0 / a deadlock (ranks 0-2 in a barrier, 3 in a recv):
                                  fault -> the hang decided, fault -> every rank stepping again in a new process,
                                  and whether the job's root cause names that rank
   --false-alarm-min 30           eval phases, checkpoint writes, DataLoader stalls, +-50 % jitter, ranks finishing
@@ -289,7 +290,8 @@ def _cpu_s(pid: int) -> float:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--cases", default="sleep,stop,spin,exit0")
+    p.add_argument("--cases", default="stop,exit0,deadlock",
+                   help="certain hangs (sleep and spin are decided at --hang-alone-timeout: bench_hangs.py)")
     p.add_argument("--runs", type=int, default=0, help="runs of each hang case (issue 39: 20)")
     p.add_argument("--false-alarm-min", type=float, default=0.0)
     p.add_argument("--slow", action="store_true")

@@ -2,8 +2,8 @@
 led to, then each action as it runs. Worker output never comes through here (output.py prefixes it)."""
 from __future__ import annotations
 
+import re
 import signal
-import sys
 import time
 from typing import TextIO
 
@@ -25,6 +25,7 @@ from node_agent.core.facts import (
 )
 from node_agent.core.summary import how
 from node_agent.settings import AgentSettings, Mode, StdSpec
+from node_agent.workers.console import agent_console, set_label
 from protocol.errors import ErrorCode
 from protocol.messages import (
     Assignment,
@@ -44,6 +45,8 @@ class Narrator:
                  server_wait_s: float = 0.0) -> None:
         self.node_id = node_id
         self.console = console
+        if console is None:
+            set_label(f"node-agent {node_id}")   # how the console's notices of dropped lines start
         self.addr = addr                   # the address this node advertises
         self.server = server               # the rdzv-server, as HOST:PORT ("" when there is none)
         self.server_wait_s = server_wait_s
@@ -51,10 +54,15 @@ class Narrator:
         self._said_master = False
         self._said_peers = False
         self._said_unreachable = False     # said once per outage, at its first failed try
+        self._said_stall: tuple[str, float] = ("", 0.0)   # the server's stall line last said (its shape), and when
 
     def say(self, message: str) -> None:
-        for line in message.splitlines() or [""]:
-            print(f"[node-agent {self.node_id}] {line}", file=self.console or sys.stderr, flush=True)
+        text = "".join(f"[node-agent {self.node_id}] {line}\n" for line in message.splitlines() or [""])
+        if self.console is not None:      # a test's stream
+            self.console.write(text)
+            self.console.flush()
+        else:                             # the agent's stderr, which never blocks (node_agent/workers/console.py)
+            agent_console("stderr").write(text)
 
     def fact(self, fact: Fact, actions: list[Action]) -> None:
         """What happened, said before the actions it led to run (failures only when they count)."""
@@ -118,7 +126,13 @@ class Narrator:
         self.say(f"second {signal.Signals(signum).name}: forced exit")
 
     def _describe(self, status: NodeStatus) -> None:
-        """Say once when this node starts waiting, becomes a spare or is excluded."""
+        """Say once when this node starts waiting, becomes a spare or is excluded; the server's view of a stall when
+        it changes, and every STALL_EVERY_S while it lasts."""
+        if status.stall:
+            shape, now = _SECONDS.sub("for _s", status.stall), time.monotonic()
+            if shape != self._said_stall[0] or now - self._said_stall[1] >= STALL_EVERY_S:
+                self._said_stall = (shape, now)
+                self.say(f"the server sees: {status.stall}")
         view = (status.node_state, status.spare_position, status.round_id)
         if view == self._last_view:
             return
@@ -139,7 +153,9 @@ def round_line(a: Assignment) -> str:
             f"master {a.master_addr}:{a.master_port}, restart count {a.restart_count}/{a.max_restarts}")
 
 
-STACK_LINES = 8     # of each rank's stack, on the console (the whole one is in LOCAL_RANK/stacks.txt)
+STALL_EVERY_S = 60.0     # a stall the server shows is said again this often while it lasts
+_SECONDS = re.compile(r"for \d+s")
+STACK_LINES = 8     # of each rank's stack, on the console (the whole one goes with the report to the server)
 
 
 def stall_lines(ranks: tuple[RankSeen, ...], threshold_s: float) -> str:

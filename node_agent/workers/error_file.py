@@ -5,7 +5,8 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import sys
+
+from node_agent.workers.console import agent_console
 
 
 def read_error_file(path: str) -> tuple[str, str, float] | None:
@@ -42,6 +43,6 @@ def write_reply_file(path: str, message: str, traceback: str, timestamp: float, 
             json.dump({"message": body}, f)
         os.replace(tmp, path)
     except OSError as exc:
-        print(f"node-agent: cannot write the error file {path}: {exc.strerror or exc}", file=sys.stderr)
+        agent_console("stderr").write(f"node-agent: cannot write the error file {path}: {exc.strerror or exc}\n")
         with contextlib.suppress(OSError):
             os.unlink(tmp)

@@ -1,10 +1,12 @@
 """Where a worker's output goes: its log files and the agent's console, as torchrun sends it.
 
-- Console only, unprefixed: the worker gets the agent's console itself, so `isatty()`, colours, progress bars
-  and `breakpoint()` behave as in `python train.py`.
+- Console only, unprefixed, and the console a terminal, /dev/null or a file: the worker gets the agent's console
+  itself, so `isatty()`, colours, progress bars and `breakpoint()` behave as in `python train.py`.
 - Else through a pipe the agent reads: files get the text as written; the console each line whole, prefixed
   (again after `\\r`, for progress bars), a partial line after FLUSH_DELAY_S; lines of two ranks never mix.
-- A failing log file (disk full) is dropped, said once: a worker must never block on an unread pipe.
+- A worker must never block on its output: a failing log file (disk full) is dropped, said once; a console
+  that is a pipe, socket or FIFO is never handed to a worker (nobody may read it), and the agent writes
+  to its console through node_agent/workers/console.py, which drops (and counts) lines rather than wait.
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from dataclasses import dataclass
 from typing import TextIO
 
 from node_agent.settings import Std
+from node_agent.workers.console import agent_console, hands_over
 from node_agent.workers.launch import WorkerLaunch
 
 MAX_PIECE = 64 * 1024          # a line longer than this without a newline is passed on in pieces
@@ -30,7 +33,8 @@ _REDRAW = re.compile(r"\r(?=[^\n])")    # a carriage return that starts a redraw
 
 
 class Console:
-    """Where echoed worker output goes: the agent's stdout and stderr unless given other streams."""
+    """Where echoed worker output goes: the agent's stdout and stderr (never blocking: node_agent/workers/console.py)
+    unless given other streams (tests), which are written to as they are."""
 
     def __init__(self, out: TextIO | None = None, err: TextIO | None = None) -> None:
         self._out = out
@@ -69,10 +73,13 @@ class Console:
             self._open.pop(stream, None)
         else:
             self._open[stream] = writer
+        given = self._out if stream == "stdout" else self._err
+        if given is None:
+            agent_console(stream).write("".join(parts))   # one write: a line stays whole with other writers
+            return
         try:
-            target = self._target(stream)
-            target.write("".join(parts))   # one write: a line stays whole even with other writers
-            target.flush()
+            given.write("".join(parts))
+            given.flush()
         except (OSError, ValueError):      # closed or broken console: keep logging to files, drop echo
             self._broken.add(stream)
 
@@ -102,8 +109,9 @@ def open_sink(launch: WorkerLaunch, stream: str, std: Std, console: Console) -> 
     filters = (launch.dup_stdout if stream == "stdout" else launch.dup_stderr) if tee and launch.echo else ()
     if on_console and not logged and not prefix:
         fd = console.fileno(stream)
-        if fd is not None:
+        if fd is not None and hands_over(fd):
             return Sink(None, None, direct=fd)     # torchrun's console: the worker writes to it itself
+        # A pipe or socket (or no fd): read by the agent, so a console nobody reads costs lines, not the worker
     if not on_console and not logged:
         return Sink(None, None, direct=subprocess.DEVNULL)
     if logged:

@@ -97,6 +97,18 @@ def test_waiting_spare_and_excluded_are_told_once_each() -> None:
         "[node-agent n1] waiting for the next round: collecting nodes"]
 
 
+def test_the_servers_view_of_a_stall_is_told_when_it_changes_not_as_its_seconds_grow() -> None:
+    n, out = narrator()
+    for line in ("rank 0 alone for 7s at t.py:4 in ev; ranks 1-3 waiting in all_reduce",
+                 "rank 0 alone for 12s at t.py:4 in ev; ranks 1-3 waiting in all_reduce",
+                 "rank 0 alone for 17s at t.py:9 in up; ranks 1-3 waiting in all_reduce"):
+        n.fact(status(NodeState.MEMBER, stall=line), [])
+    n.fact(status(NodeState.MEMBER), [])
+    assert out.getvalue().splitlines() == [
+        "[node-agent n1] the server sees: rank 0 alone for 7s at t.py:4 in ev; ranks 1-3 waiting in all_reduce",
+        "[node-agent n1] the server sees: rank 0 alone for 17s at t.py:9 in up; ranks 1-3 waiting in all_reduce"]
+
+
 def test_refused_reports_spawns_rejoins_and_exits_are_told_outages_and_leaves_are_not() -> None:
     n, out = narrator()
     n.fact(ServerRefused(FailureReport, "bad_request", "stale round"), [])
