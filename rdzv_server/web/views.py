@@ -107,14 +107,15 @@ def progress(job: JobRecord, now: float) -> ProgressView:
     included); a finished one's stops at its last step, and it has no pace or slow nodes any more, nor has a job
     waiting for nodes a pace. Never raises: a job from an old store has a default progress (no signal)."""
     p = job.progress
-    if not p.first_step_at:
-        return ProgressView()
     running = not job.state.finished
+    stall = shown_stall(job, now) if running else None
+    line, kind = (stall.line(now), stall.kind) if stall is not None else (None, None)
+    if not p.first_step_at:
+        return ProgressView(stall=line, stall_kind=kind)
     pacing = running and job.round is not None       # no round runs (waiting for nodes): the last paces are stale
     ratio = p.ratio(now, running=running)
     pending = p.pending
     slow = [n for n in p.slow if (node := job.nodes.get(n)) is not None and node.state == NodeState.MEMBER]
-    stall = shown_stall(job, now) if running else None
     return ProgressView(
         signal=True, steps=max(0, p.steps), steps_per_s=(_rate(p.steps_per_s()) or 0.0) if pacing else 0.0,
         ettr=round(ratio, 4) if ratio is not None and math.isfinite(ratio) else None,
@@ -122,7 +123,7 @@ def progress(job: JobRecord, now: float) -> ProgressView:
         restarts=max(0, p.restarts), redone=max(0, p.redone),
         restarting_for_s=_seconds(now - pending.last_step_at) if pending is not None and running else None,
         slow_nodes=slow[:SLOW_LIMIT] if running else [],
-        stall=stall.line(now) if stall is not None else None, stall_kind=stall.kind if stall is not None else None,
+        stall=line, stall_kind=kind,
         costs=[RestartCostView(round_id=c.round_id, cause=c.cause, redone=c.redone if c.redone >= 0 else None,
                                cost_s=_seconds(c.cost_s) if c.stepped_at else None) for c in p.costs])
 

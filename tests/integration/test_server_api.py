@@ -253,3 +253,35 @@ async def test_unknown_fields_from_a_newer_agent_are_ignored(server, http):
         reply = msgpack.unpackb(await resp.read())
         assert resp.status == 200, reply
     assert reply["node_state"] == "member" and reply["assignment"]["master_port"] == 1234
+
+
+async def test_a_stall_report_over_the_wire_shows_a_rank_alone_and_refuses_a_state_it_does_not_know(server, http):
+    """A plain msgpack client: every rank's report of one moment, rank 0 at work alone while the others wait, is
+    shown (the reply's `stall`, the job's JSON) and no hang; a state the server does not know is bad_request."""
+    a = MsgpackNode(http, server, "alone", "a", min_nodes=2, max_nodes=2, max_restarts=3)
+    b = MsgpackNode(http, server, "alone", "b", min_nodes=2, max_nodes=2, max_restarts=3)
+    await a.join()
+    first = (await b.join())["assignment"]["round_id"]
+
+    def rank(r: int, state: str, **extra: object) -> dict:
+        return {"rank": r, "local_rank": r % 2, "state": state, "stalled_s": 9.0, **extra}
+    await a.post("stall", {"v": 1, "node_id": "a", "round_id": first, "threshold_s": 5.0, "ranks": [
+        rank(0, "working", where="train.py:41 in evaluate"), rank(1, "waiting", call="all_reduce")]})
+    reply = await b.post("stall", {"v": 1, "node_id": "b", "round_id": first, "threshold_s": 5.0, "ranks": [
+        rank(2, "waiting", call="all_reduce", io_bytes=12, gpu_busy=-1), rank(3, "waiting", call="all_reduce")]})
+    assert reply["accepted"] and reply["round_id"] == first and reply["restart_count"] == 0
+    assert reply["stall"] == "rank 0 alone for 9s at train.py:41 in evaluate; ranks 1-3 waiting in all_reduce"
+    async with http.get(url(server, "/v1/jobs/alone")) as resp:
+        view = json.loads(await resp.text())
+    assert view["progress"]["stall_kind"] == "alone" and view["progress"]["stall"].startswith("rank 0 alone for")
+    async with http.get(url(server, "/v1/jobs/alone/events")) as resp:
+        before = json.loads(await resp.text())["last_seq"]
+    refused = await b.post("stall", {"v": 1, "node_id": "b", "round_id": first, "threshold_s": 5.0, "ranks": [
+        rank(2, "napping"), rank(3, "stopped")]}, expect=400)
+    assert refused["code"] == "bad_request" and "state" in refused["message"], refused
+    huge = await b.post("stall", {"v": 1, "node_id": "b", "round_id": first, "threshold_s": 5.0, "ranks": [
+        rank(2, "stopped", gpu_busy=101), rank(3, "waiting")]}, expect=400)
+    assert huge["code"] == "bad_request" and "gpu_busy" in huge["message"], huge
+    async with http.get(url(server, "/v1/jobs/alone/events")) as resp:
+        after = json.loads(await resp.text())
+    assert after["last_seq"] == before and (await a.poll(known_round=first, wait_s=0))["restart_count"] == 0
