@@ -249,7 +249,7 @@ class StallReport(_Request, kw_only=True):
     """This node's ranks stopped stepping: what each is doing. The server, which hears every node, decides whether
     the job hangs (rdzv_server/core/hangs.py); the agent sends it again while the stall lasts."""
     round_id: RoundRef
-    threshold_s: PositiveSeconds       # the stall threshold the agent used: a report is fresh for twice that
+    threshold_s: PositiveSeconds       # the stall threshold the agent used: a report is fresh for 4x that
     ranks: Annotated[list[RankSeen], Meta(min_length=1, max_length=MAX_LOCAL_WORLD_SIZE)]
 
 

@@ -8,6 +8,7 @@ well before the targets of max(10 s, 5 steps) plus the restart; what a rank is d
 """
 from __future__ import annotations
 
+import math
 import statistics
 from collections import deque
 from dataclasses import dataclass, field
@@ -17,7 +18,26 @@ from protocol.messages import PACE_MAX_WINDOW_S, PACE_MIN_STEPS, ProgressNote
 
 STALL_FLOOR_S = 5.0
 STALL_STEPS = 3.0
+REPORT_GRID_S = 5.0      # a stall's reports are re-sent at wall-clock multiples of this x 2^k (report_period)
 RECENT_STEPS = 64        # step intervals the median is taken over
+STEP_WEIGHT = 16         # entries one look adds at most (one per step it saw)
+
+
+def report_period(threshold_s: float) -> float:
+    """How often a stall's report is sent again: the smallest REPORT_GRID_S x 2^k at or above the threshold."""
+    period = REPORT_GRID_S
+    while period < threshold_s:
+        period *= 2
+    return period
+
+
+def next_report_at(wall_now: float, threshold_s: float) -> float:
+    """When to send a stall's report again: the first multiple of its period (unix time) at least half a period
+    away. The server decides only from reports of one moment, so every node of a job re-sends on the same
+    wall-clock ticks, whatever its own threshold (periods of 5 x 2^k s share the longer one's ticks), rather than
+    each on its own phase, which two nodes may never share."""
+    period = report_period(threshold_s)
+    return (math.floor((wall_now + period / 2) / period) + 1) * period
 
 
 @dataclass(frozen=True)
@@ -38,6 +58,7 @@ class RankProgress:
     proc: ProcSample | None = None           # the latest look
     window_proc: ProcSample | None = None    # the look the demand window started at
     exited: int | None = None                # its exit code, once it ended
+    looked_at: float = 0.0                   # the unix time of the latest look that read its record
 
 
 @dataclass
@@ -49,16 +70,24 @@ class RoundProgress:
     window_started: float | None = None      # monotonic time of the window's first look
     window_steps_from: int = 0
 
-    def observe(self, local_rank: int, record: ProbeRecord | None, proc: ProcSample | None, now: float) -> None:
-        """One look at a rank (`record` None: no valid record yet; `proc` None: the process is gone)."""
+    def observe(self, local_rank: int, record: ProbeRecord | None, proc: ProcSample | None, now: float,
+                wall: float = 0.0) -> None:
+        """One look at a rank at `now` (monotonic) and `wall` (unix time; 0: not known), `record` None: no valid
+        record yet; `proc` None: the process is gone."""
         rank = self.ranks.setdefault(local_rank, RankProgress())
         old = rank.record
         if record is not None:
             if old is not None and record.steps > old.steps and old.steps > 0:
-                gap = (record.last_at - old.last_at) / (record.steps - old.steps)
+                # The steps this look saw took from the last one before it, or from the look before if that
+                # came later (a pause, such as an evaluation, ended between the looks: it is no step time),
+                # to the last one; one entry per step (up to a bound), so a look over a few steps after a pause
+                # weighs no more than those steps.
+                steps = record.steps - old.steps
+                gap = (record.last_at - max(old.last_at, rank.looked_at)) / steps
                 if gap > 0:
-                    self.intervals.append(gap)
+                    self.intervals.extend([gap] * min(steps, STEP_WEIGHT))
             rank.record = record
+            rank.looked_at = wall
         rank.proc = proc
         if rank.window_proc is None:
             rank.window_proc = proc

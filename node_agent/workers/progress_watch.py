@@ -1,7 +1,8 @@
 """One round's watch on its workers' progress: every LOOK_S it reads each worker's record and /proc, so the next
 request to the server carries the round's progress (`note`); with hang detection on, a rank that stalls is
-examined (its stacks at EXAMINE_DUMPS looks EXAMINE_GAP_S apart, its CPU, I/O and GPU meanwhile) and the evidence
-goes to the server as a fact for the agent's loop, again every threshold while the stall lasts.
+examined (its stacks at EXAMINE_DUMPS looks EXAMINE_GAP_S apart, its CPU, I/O and GPU meanwhile) and the
+evidence goes to the server as a fact for the agent's loop, again on shared wall-clock ticks while the stall
+lasts (next_report_at).
 """
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from node_agent.core.facts import Put, RanksStalled
-from node_agent.core.progress import ProbeRecord, RoundProgress
+from node_agent.core.progress import ProbeRecord, RoundProgress, next_report_at
 from node_agent.core.stalls import ProcSample, call_of, classify, main_stack, stack_text
 from node_agent.progress import probe
 from node_agent.workers.failures import keep_tail
@@ -57,18 +58,19 @@ class ProgressWatch:
         self._gpu_busy = gpu_busy
         self._warn = warn
         self._clock, self._wall = clock, wall
-        self._reported_at: float | None = None    # the last report of the stall under way (None: none under way)
+        self._next_report: float | None = None    # when the stall under way is reported again (None: none is)
 
     async def run(self, put: Put) -> None:
         """Look every LOOK_S until cancelled; put a `RanksStalled` fact for each report."""
         while True:
             self.look()
             stalled = self.round.stalled(self._wall()) if self._detect else []
+            wall = self._wall()
             if not stalled:
-                self._reported_at = None
-            elif self._reported_at is None or self._clock() - self._reported_at >= self.round.threshold_s():
-                first = self._reported_at is None
-                self._reported_at = self._clock()
+                self._next_report = None
+            elif self._next_report is None or wall >= self._next_report:
+                first = self._next_report is None
+                self._next_report = next_report_at(wall, self.round.threshold_s())
                 put(RanksStalled(self.round.round_id, self.round.threshold_s(), await self.examine(), first))
             await asyncio.sleep(LOOK_S)    # the watch's period: records change with no event to wait on
 
@@ -80,7 +82,7 @@ class ProgressWatch:
                 self.round.exited(r.local_rank, code)
                 continue
             pid = self._pid_of(r.local_rank)
-            self.round.observe(r.local_rank, self._record(r, pid, wall), read_proc(pid) if pid else None, now)
+            self.round.observe(r.local_rank, self._record(r, pid, wall), read_proc(pid) if pid else None, now, wall)
 
     def note(self) -> ProgressNote:
         return self.round.note(self._clock())

@@ -26,7 +26,8 @@ import msgspec
 
 from protocol.messages import GPU_BUSY, JobConfig, RankSeen, RankState, StallReport
 
-FRESH_MIN_S = 10.0      # a report is evidence for max(this, twice its threshold): the agent re-sends it meanwhile
+FRESH_MIN_S = 10.0      # a report is evidence for max(this, 4x its threshold): the agent re-sends it meanwhile
+FRESH_THRESHOLDS = 4.0  # (at most every 2 thresholds: node_agent/core/progress.py's report_period)
 TOGETHER_S = 2.0        # the running members' reports are this close in time, or they saw different moments
 QUIET_BYTES = 64 * 1024  # a waiting rank's process moved less while watched: no collective of it is progressing
 MAX_PLACE = 2048        # characters of a place kept (its outermost frames go first)
@@ -59,7 +60,7 @@ class StallBoard:
 
     def fresh(self, now: float) -> dict[str, StallReport]:
         return {node: report for node, (at, report) in self.reports.items()
-                if now - at <= max(FRESH_MIN_S, 2 * report.threshold_s)}
+                if now - at <= max(FRESH_MIN_S, FRESH_THRESHOLDS * report.threshold_s)}
 
 
 @dataclass(frozen=True)

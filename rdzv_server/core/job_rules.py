@@ -21,8 +21,16 @@ from rdzv_server.core.events import REMOVAL_CAUSE, EventKind, RoundCause
 from rdzv_server.core.outbox import Outbox
 from rdzv_server.core.payloads import NodeUnhealthy, Payload, RoundFormed, RoundWaiting, as_data
 from rdzv_server.core.records import Event, JobRecord, NodeRecord
-from rdzv_server.core.rounds import build_round, candidates, count_nodes, growth_cause, master_correction
+from rdzv_server.core.rounds import (
+    build_round,
+    candidates,
+    count_nodes,
+    growth_cause,
+    master_correction,
+    places_taken,
+)
 
+MAP_NODES = 64      # a round's event lists its nodes by group rank up to this many (and as many places taken)
 _FINISHED_KIND = {JobState.SUCCEEDED: EventKind.JOB_SUCCEEDED, JobState.FAILED: EventKind.JOB_FAILED,
                   JobState.CLOSED: EventKind.JOB_CLOSED}
 
@@ -151,6 +159,7 @@ class JobRules:
         job, cfg = self.job, self.job.config
         pool = candidates(job)
         chosen, rest = pool[: cfg.max_nodes], pool[cfg.max_nodes:]
+        took = places_taken(job, chosen)
         job.last_call_deadline = None
         job.successes = []
         self.wake()
@@ -160,6 +169,8 @@ class JobRules:
             if job.round is not None or job.state != JobState.WAITING:
                 self.record(now, EventKind.ROUND_ABANDONED, f"{why}; {count_nodes(chosen)} < min "
                             f"{cfg.min_nodes}: waiting for nodes", data=RoundWaiting(cause=cause.value))
+            if job.round is not None:        # the survivors keep their places for the round that comes
+                job.places = list(job.round.ranked or job.round.members)
             job.round = None
             job.state = JobState.WAITING
             job.waiting, job.spares = chosen, rest
@@ -171,14 +182,14 @@ class JobRules:
             job.reason = f"{why}; waiting for nodes"
             return
         opened = job.forming_since if job.forming_since is not None else now
-        promoted = max(0, len(chosen) - (len(pool) - len(job.spares)))    # the pool ends with the spares
+        promoted = len(set(chosen) & set(job.spares))
         job.last_round_id += 1
         job.round = build_round(job, chosen, job.last_round_id, opened, now, why)
         corrected = master_correction(job.round, job.nodes[chosen[0]])
         if corrected:
             self.record(now, EventKind.MASTER_ADDR_CORRECTED, corrected, chosen[0], job.last_round_id)
         job.state = JobState.RUNNING
-        job.waiting, job.spares = [], rest
+        job.waiting, job.spares, job.places = [], rest, []
         for nid in chosen:
             job.nodes[nid].state = NodeState.MEMBER
         for nid in rest:
@@ -188,9 +199,12 @@ class JobRules:
         goodput.round_formed(job.progress, job.round.round_id, cause.value)
         data = RoundFormed(nodes=len(chosen), world_size=job.round.world_size, reason=why, cause=cause.value,
                            formation_s=round(now - opened, 6), promoted=promoted,
-                           since_failure_s=round(max(0.0, now - failed_at), 6) if failed_at else None)
+                           since_failure_s=round(max(0.0, now - failed_at), 6) if failed_at else None,
+                           took=dict(list(took.items())[:MAP_NODES]), ranks=chosen if len(chosen) <= MAP_NODES else [])
+        places = "".join(f"; {new} takes {old}'s place (group rank {chosen.index(new)})"
+                         for new, old in list(took.items())[:3])
         self.record(now, EventKind.ROUND_COMPLETED, f"round {job.round.round_id}: {len(chosen)} nodes, world size "
-                    f"{job.round.world_size} ({why})", round_id=job.round.round_id, data=data)
+                    f"{job.round.world_size} ({why}){places}", round_id=job.round.round_id, data=data)
 
     def lose_all(self, nodes: list[NodeRecord], now: float) -> None:
         """Nodes lost together leave together: one round forms without any of them."""

@@ -20,6 +20,9 @@ class RoundFormed(msgspec.Struct, kw_only=True, omit_defaults=True):
     formation_s: float | None = None  # from the decision to form it (or the first node waiting) to now
     since_failure_s: float | None = None   # from the failure that caused it to now
     promoted: int = 0                 # spares taken into it
+    # a node that took the place (group rank, and so global ranks) of one gone since the last round -> that node
+    took: dict[str, str] = msgspec.field(default_factory=dict)
+    ranks: list[str] = msgspec.field(default_factory=list)   # node ids by group rank (rounds of up to 64 nodes)
 
 
 class RoundWaiting(msgspec.Struct, kw_only=True):

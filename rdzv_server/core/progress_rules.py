@@ -97,14 +97,15 @@ def shown_stall(job: JobRecord, now: float) -> StallShown | None:
 
 
 def _show(rules: JobRules, watch: JobWatch, stall: Stall, req: StallReport, now: float) -> None:
-    """A stall not decided: shown while it lasts, and said once per spell (and rank and place) in the history."""
+    """A stall not decided: shown while it lasts, and said once per spell (and rank) in the history."""
     job = rules.job
     if shown_stall(job, now) is None:       # a new spell: the job stepped since the last one
         watch.said.clear()
     steps = job.progress.round_steps if job.progress.round_id == req.round_id else 0
+    fresh_s = max(hangs.FRESH_MIN_S, hangs.FRESH_THRESHOLDS * req.threshold_s)
     job.stall = msgspec.structs.replace(stall.shown(now), round_id=req.round_id, steps=steps,
-                                        fresh_until=now + max(hangs.FRESH_MIN_S, 2 * req.threshold_s))
-    key = (req.round_id, stall.kind, stall.culprit.rank, stall.place, stall.excused)
+                                        fresh_until=now + fresh_s)
+    key = (req.round_id, stall.kind, stall.culprit.rank, stall.excused)    # not the place: a loop's line moves
     if key in watch.said:
         return
     watch.said.add(key)

@@ -84,6 +84,7 @@ class JobRecord(msgspec.Struct, kw_only=True):
     round: RoundRecord | None = None        # the round now running (None while waiting)
     last_round_id: int = 0                     # ids only grow, across all rounds ever formed
     waiting: list[str] = msgspec.field(default_factory=list)  # admitted, for the next round, in order
+    places: list[str] = msgspec.field(default_factory=list)   # while waiting: the last round's, by group rank
     spares: list[str] = msgspec.field(default_factory=list)
     excluded: list[str] = msgspec.field(default_factory=list)
     drained: dict[str, str] = msgspec.field(default_factory=dict)  # node id -> operator's reason: may not join

@@ -111,8 +111,31 @@ def _loopback(addr: str) -> bool:
 
 
 def candidates(job: JobRecord) -> list[str]:
-    members = job.round.members if job.round is not None else []
-    return [n for n in members if n in job.nodes] + job.waiting + job.spares
+    """The next round's nodes in group-rank order. A member still here keeps its place; a place its member left
+    (lost, left, drained, excluded) goes to the first waiting node or spare, so every survivor keeps its group
+    rank and so its global ranks (a sharded snapshot stays its own), and the newcomer takes the ranks, and the
+    shards, of the node it replaces. With nobody to take a place, the survivors behind it close up in order.
+    While the job waits for nodes, the last round's places are kept (`job.places`) for the survivors waiting."""
+    if job.round is not None:
+        places, stay = job.round.ranked or job.round.members, set(job.round.members)
+    else:
+        places, stay = job.places, set(job.waiting)
+    holders = {n for n in places if n in stay and n in job.nodes}
+    takers = iter([n for n in job.waiting + job.spares if n not in holders])
+    pool = []
+    for node_id in places:
+        taker = node_id if node_id in holders else next(takers, None)
+        if taker is not None:
+            pool.append(taker)
+    return pool + list(takers)
+
+
+def places_taken(job: JobRecord, chosen: list[str]) -> dict[str, str]:
+    """Of the round about to form from `chosen`, each node at a place another held in the last round (gone since)
+    -> that other node: a newcomer that takes over its ranks and its shards."""
+    places = (job.round.ranked or job.round.members) if job.round is not None else job.places
+    return {nid: places[i] for i, nid in enumerate(chosen[:len(places)])
+            if places[i] != nid and places[i] not in chosen}
 
 
 WITNESSES = 2      # other members each node may probe while the server is silent

@@ -204,7 +204,7 @@ def test_spare_is_promoted_when_a_member_dies(cluster, tmp_path):
     assert key2[2] == 0, "losing a node must not consume the restart budget"
     assert_clean_world(recs2, 2)
     ranks = {r["node"]: r["group_rank"] for r in recs2}
-    assert ranks == {other: 0, "c": 1}, ranks     # the surviving member leads, the spare joins after it
+    assert ranks == {other: 1, "c": 0}, ranks     # the spare takes the lost node's place: the survivor keeps its own
     for pid in master_workers:
         assert pid_gone(pid, timeout=10)
     job = job_view(cluster, "spare")

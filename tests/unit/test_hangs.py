@@ -55,7 +55,7 @@ def test_nothing_is_assessed_until_every_running_member_reported() -> None:
     assert stall is not None and stall.decided and (stall.node_id, stall.culprit.rank) == ("b", 3)
     assert stall.kind is StallKind.CULPRIT and not stall.capped
     assert stall.message == "rank 3 was stopped at train.py:16 in <module> while ranks 0-2 waited for it in all_reduce"
-    assert assess(b, ["a", "b"], {}, CFG, (), 100.0 + 10.1) is None       # the reports went stale
+    assert assess(b, ["a", "b"], {}, CFG, (), 100.0 + 20.1) is None       # the reports went stale (4 x 5 s)
 
 
 def test_reports_of_different_moments_assess_nothing_until_they_meet() -> None:
@@ -200,7 +200,7 @@ def test_a_rank_alone_is_shown_at_once_with_one_event_and_in_the_reply(running) 
     said = [e for e in job.events if e.kind == EventKind.RANKS_ALONE]
     assert len(said) == 1 and said[0].data["culprit"] == 0 and said[0].data["limit_s"] == 1800.0
     assert said[0].message.endswith("working, not hung; a hang only after 1800s (--hang-alone-timeout)")
-    assert shown_stall(job, 15.0 + 10.1) is None           # no fresh report: no longer shown
+    assert shown_stall(job, 15.0 + 20.1) is None           # no fresh report: no longer shown
     job.progress.round_steps += 20                          # the job stepped again; then rank 0 goes alone again
     alone_reports(running, 1, 7.0, 40.0)
     assert len([e for e in job.events if e.kind == EventKind.RANKS_ALONE]) == 2      # a new spell, said again

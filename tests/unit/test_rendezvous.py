@@ -224,10 +224,61 @@ def test_spare_is_promoted_at_once_when_a_member_is_lost():
     join(rz, "s1", 5.0, job(rz).config)
     join(rz, "s2", 6.0, job(rz).config)
     leave(rz, "a", 7.0)
-    assert round_id(rz) > first and members(rz) == ["b", "s1"]
+    assert round_id(rz) > first and members(rz) == ["s1", "b"]      # s1 takes a's place: b keeps its ranks
     assert view(rz, "s1", 7.0).node_state == NodeState.MEMBER
     assert view(rz, "s2", 7.0).spare_position == 0
     assert job(rz).restart_count == 0
+
+
+def test_a_spare_takes_a_lost_members_place_and_every_survivor_keeps_its_ranks():
+    rz = running(["a", "b", "c"], cfg(min_nodes=2, max_nodes=3, lease_timeout_s=5.0), lws=2)
+    join(rz, "s", 0.5, job(rz).config, lws=2)
+    before = {n: (view(rz, n, 1.0).assignment.group_rank, view(rz, n, 1.0).assignment.rank_offset)
+              for n in ("a", "c")}
+    for t in (1.0, 2.0, 3.0, 4.0, 5.0):              # b (group rank 1) is silent: lost when its lease ends
+        for n in ("a", "c", "s"):
+            poll(rz, n, t)
+    rz.tick(rz.next_deadline())
+    assert "b" not in job(rz).nodes and members(rz) == ["a", "s", "c"]
+    after = {n: view(rz, n, 6.0).assignment for n in ("a", "c", "s")}
+    assert {n: (after[n].group_rank, after[n].rank_offset) for n in ("a", "c")} == before
+    assert (after["s"].group_rank, after["s"].rank_offset) == (1, 2)            # b's ranks 2-3
+    formed = [e for e in job(rz).events if e.kind == "round_completed"][-1]
+    assert formed.data["promoted"] == 1 and formed.data["took"] == {"s": "b"}
+    assert formed.data["ranks"] == ["a", "s", "c"] and "s takes b's place (group rank 1)" in formed.message
+    join(rz, "b", 7.0, job(rz).config, lws=2, instance="b#2")    # b comes back: a spare now
+    assert view(rz, "b", 7.0).node_state == NodeState.SPARE and members(rz) == ["a", "s", "c"]
+
+
+def test_two_members_lost_at_once_with_one_spare_it_takes_the_lower_group_rank_and_the_round_shrinks():
+    rz = running(["a", "b", "c", "d"], cfg(min_nodes=2, max_nodes=4, lease_timeout_s=5.0), lws=2)
+    join(rz, "s", 0.5, job(rz).config, lws=2)
+    first = round_id(rz)
+    for n in ("b", "c"):                              # heard last together: their leases end together
+        poll(rz, n, 0.5)
+    for t in (1.0, 2.0, 3.0, 4.0, 5.0):              # b and c (group ranks 1 and 2) are silent
+        for n in ("a", "d", "s"):
+            poll(rz, n, t)
+    rz.tick(rz.next_deadline())
+    assert not {"b", "c"} & set(job(rz).nodes) and round_id(rz) == first + 1     # one round without either
+    assert members(rz) == ["a", "s", "d"]             # s takes b's group rank 1; d closes up behind it
+    assert [view(rz, n, 6.0).assignment.rank_offset for n in ("a", "s", "d")] == [0, 2, 4]
+
+
+def test_without_a_spare_the_survivors_close_up_in_order_and_a_newcomer_goes_last():
+    rz = running(["a", "b", "c"], cfg(min_nodes=2, max_nodes=3, **QUIET))
+    rz.drain_node(JOB, "a", "maintenance", 1.0)
+    assert members(rz) == ["b", "c"]
+    join(rz, "d", 2.0, job(rz).config)
+    assert members(rz) == ["b", "c", "d"]
+
+
+def test_below_min_the_survivors_keep_their_places_for_the_node_that_comes():
+    rz = running(["a", "b", "c"], cfg(min_nodes=3, max_nodes=3, **QUIET))
+    rz.drain_node(JOB, "b", "gone", 1.0)
+    assert job(rz).state == JobState.WAITING and job(rz).places == ["a", "b", "c"]
+    join(rz, "e", 2.0, job(rz).config)
+    assert members(rz) == ["a", "e", "c"] and job(rz).places == []      # e takes b's place: c keeps its ranks
 
 
 def test_spare_that_is_lost_leaves_the_queue_and_the_others_move_up():
@@ -561,7 +612,8 @@ def test_rejoin_with_a_new_instance_replaces_the_old_node():
     assert any(e.kind == "node_lost" and e.node_id == "a" and "new agent instance" in e.message
                for e in job(rz).events)
     assert job(rz).state == JobState.RUNNING and round_id(rz) > first
-    assert status.node_state == NodeState.MEMBER and members(rz) == ["b", "a"]   # a rejoined last
+    # nobody took a's place while the job waited: b keeps its ranks, and a takes its own place again
+    assert status.node_state == NodeState.MEMBER and members(rz) == ["a", "b"]
     assert job(rz).restart_count == 0
 
 

@@ -7,7 +7,7 @@ import struct
 
 import pytest
 
-from node_agent.core.progress import ProbeRecord, RoundProgress
+from node_agent.core.progress import ProbeRecord, RoundProgress, next_report_at, report_period
 from node_agent.core.stalls import Frame, ProcSample, call_of, classify, main_stack, parse_dump
 from node_agent.progress import probe
 from node_agent.workers.progress import BadRecord, ProbeFiles, RecordReader
@@ -129,6 +129,19 @@ def test_a_rank_is_stalled_past_the_floor_or_three_median_steps_once_it_stepped(
     assert RoundProgress(1).threshold_s() == 5.0           # the floor
 
 
+def test_a_pause_between_looks_is_no_step_time() -> None:
+    """Looks every 0.5 s; 20 steps of 20 ms, a 60 s evaluation, then 20 steps of 20 ms all seen by the first look
+    after it: the median step stays 20 ms and the threshold its floor (taking the look's whole span, 3 s a step,
+    tripled the threshold to 9 s, and a stall of the next evaluation was shown a report later)."""
+    r = RoundProgress(1)
+    r.observe(0, record(1, 100.0), look(), 0.0, 100.0)
+    r.observe(0, record(20, 100.38), look(), 0.5, 100.5)
+    for i in range(1, 121):                               # the evaluation: no step
+        r.observe(0, record(20, 100.38), look(), 0.5 + i * 0.5, 100.5 + i * 0.5)
+    r.observe(0, record(40, 160.9), look(), 61.0, 161.0)   # resumed at 160.5, after the look at 160.5
+    assert r.step_s() == pytest.approx(0.02, rel=0.05) and r.threshold_s() == 5.0
+
+
 def test_the_note_sums_up_the_round_and_the_window(tmp_path) -> None:
     r = RoundProgress(3)
     r.observe(0, record(1, 100.0), ProcSample("R", 0.0, 0.0, 0), 10.0)
@@ -181,3 +194,12 @@ def test_a_record_written_by_another_process_is_not_the_workers(tmp_path) -> Non
     assert reader.read(None, 1e9) == ProbeRecord(steps=3, first_at=10.0, last_at=11.0, pid=999999, flags=0,
                                                  main_thread=1, resumed_step=-1)
     reader.close()
+
+
+def test_stall_reports_are_sent_again_on_wall_clock_ticks_every_node_shares() -> None:
+    assert [report_period(t) for t in (0.5, 5.0, 5.2, 12.0, 40.0)] == [5.0, 5.0, 10.0, 20.0, 40.0]
+    assert next_report_at(1003.0, 5.0) == 1010.0       # at least half a period away: not 1005
+    assert next_report_at(1001.0, 5.0) == 1005.0
+    # two nodes of one job, first reports 1.7 s apart, thresholds 5 and 5.2 s: their next reports share a tick
+    a, b = next_report_at(1001.2, 5.0), next_report_at(1002.9, 5.2)
+    assert (a, b) == (1005.0, 1010.0) and next_report_at(a, 5.0) == b
