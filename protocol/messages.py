@@ -136,6 +136,9 @@ class JoinRequest(_Request, kw_only=True):
     # What the node checks of itself, for operators ("GPU check skipped: ..." where NVML is missing on a
     # GPU node: never silently healthy); "": nothing to say (a CPU node, or an older agent).
     checks: ShortText = ""
+    # Its workers can start at once. False while its warm interpreter still imports (it says so on a poll once
+    # ready): the node waits outside the rounds meanwhile, so running nodes never stand stopped for it.
+    ready: bool = True
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -174,6 +177,7 @@ class PollRequest(_Request, kw_only=True):
     wait_s: Annotated[float, Meta(ge=0, le=MAX_POLL_WAIT_S)] = 2.0
     master_port: Port = 0
     progress: ProgressNote | None = None
+    ready: bool = True                 # as JoinRequest.ready: its workers can start at once
 
 
 class WorkerFailure(msgspec.Struct, kw_only=True, frozen=True, gc=False):

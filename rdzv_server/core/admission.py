@@ -15,6 +15,7 @@ from rdzv_server.core.errors import RendezvousError
 from rdzv_server.core.events import EventKind
 from rdzv_server.core.job_rules import JobRules
 from rdzv_server.core.records import NodeRecord
+from rdzv_server.core.rounds import PREPARE_LIMIT_S
 
 
 def check_join(rules: JobRules, req: JoinRequest) -> None:
@@ -78,6 +79,7 @@ def _rejoined(rules: JobRules, node: NodeRecord, req: JoinRequest, via: tuple[st
         rules.node_changed(node.node_id)
     node.credential_used = node.credential_used or bool(node.credential_digest)
     leases.renew(rules.job, node, now)
+    rules.readiness(node, req.ready, now)
 
 
 def _new_record(rules: JobRules, req: JoinRequest, now: float, credential: str, via: tuple[str, str],
@@ -89,8 +91,11 @@ def _new_record(rules: JobRules, req: JoinRequest, now: float, credential: str, 
                       state=NodeState.WAITING, joined_at=now, last_seen=now,
                       lease_expires=now + job.config.lease_timeout_s,
                       credential_digest=credentials.digest(credential), seen_from=via[0], server_addr=via[1],
-                      probe_port=req.probe_port, checks=req.checks)
+                      probe_port=req.probe_port, checks=req.checks, ready=req.ready,
+                      preparing_since=0.0 if req.ready else now)
     rules.out.deadline(node.lease_expires)
+    if not req.ready:
+        rules.out.deadline(now + PREPARE_LIMIT_S)
     if previous is not None:
         node.failure_times, node.exclusions = list(previous.failure_times), previous.exclusions
         node.excluded_until = previous.excluded_until

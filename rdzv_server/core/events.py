@@ -9,6 +9,8 @@ class EventKind(str, enum.Enum):
     JOB_REUSED = "job_reused"              # a finished job's id started a new run
     NODE_JOINED = "node_joined"
     NODE_BENCHED = "node_spare"            # admitted as a spare (the job is at max_nodes)
+    NODE_PREPARING = "node_preparing"      # not ready for long (its warm interpreter importing): left out of rounds
+    NODE_READY = "node_ready"              # ready after it was said to be preparing for long
     NODE_EXCLUDED = "node_excluded"
     NODE_READMITTED = "node_readmitted"    # exclusion over (cooldown ended, or cleared by an operator)
     NODE_LOST = "node_lost"

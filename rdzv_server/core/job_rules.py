@@ -22,6 +22,7 @@ from rdzv_server.core.outbox import Outbox
 from rdzv_server.core.payloads import NodeUnhealthy, Payload, RoundFormed, RoundWaiting, as_data
 from rdzv_server.core.records import Event, JobRecord, NodeRecord
 from rdzv_server.core.rounds import (
+    PREPARE_LIMIT_S,
     build_round,
     candidates,
     count_nodes,
@@ -57,6 +58,7 @@ class JobRules:
                 leases.hold(self.job, node, now)
             else:
                 leases.renew(self.job, node, now)
+            self.readiness(node, req.ready, now)
 
     def poll_ended(self, node_id: str, now: float, heard_at: float | None = None) -> None:
         """The server answered a held long-poll of the node; `heard_at`: the last sign of life on its connection."""
@@ -114,6 +116,7 @@ class JobRules:
                 job.excluded.remove(nid)
                 self.record(now, EventKind.NODE_READMITTED, f"node {nid} finished its exclusion cooldown", nid)
                 self.admit(node, now)
+        self._preparing_too_long(now)
         if job.last_call_deadline is not None and job.last_call_deadline <= now:
             job.last_call_deadline = None
             self.form_round(now, "last call ended with " + count_nodes(candidates(job)), growth_cause(job))
@@ -129,29 +132,65 @@ class JobRules:
     # ---- the mechanics of rounds (operator rules use these too) -----------------------------
 
     def admit(self, node: NodeRecord, now: float) -> None:
-        """Place a newly joined (or readmitted) node: waiting for the next round, or spare."""
+        """Place a newly joined (or readmitted) node: waiting for the next round, or spare once the members and the
+        ready waiting nodes fill max_nodes (nodes still preparing hold no place)."""
         job, cfg = self.job, self.job.config
-        if len(self.members()) + len(job.waiting) < cfg.max_nodes:
+        if len(self.members()) + sum(job.nodes[n].ready for n in job.waiting) < cfg.max_nodes:
             node.state = NodeState.WAITING
             job.waiting.append(node.node_id)
             if job.forming_since is None:
                 job.forming_since = now
                 self.record(now, EventKind.ROUND_OPENED, f"round {job.last_round_id + 1} opened by {node.node_id}: "
                             f"collecting nodes ({cfg.min_nodes}:{cfg.max_nodes})", node.node_id)
-            total = len(self.members()) + len(job.waiting)
-            if total >= cfg.max_nodes:
-                self.form_round(now, f"max_nodes {cfg.max_nodes} reached", growth_cause(job))
-            elif total >= cfg.min_nodes and job.last_call_deadline is None:
-                if cfg.last_call_s <= 0:
-                    self.form_round(now, f"{total} nodes (last call 0s)", growth_cause(job))
-                else:
-                    job.last_call_deadline = now + cfg.last_call_s
-                    self.out.deadline(job.last_call_deadline)
+            self.grow(now)
         else:
             node.state = NodeState.SPARE
             job.spares.append(node.node_id)
             self.record(now, EventKind.NODE_BENCHED, f"node {node.node_id} is spare #{len(job.spares)} "
                         f"(job at max_nodes {cfg.max_nodes})", node.node_id)
+
+    def grow(self, now: float) -> None:
+        """Form the next round as the ready nodes allow: at once when they fill max_nodes, else once the last call
+        after min_nodes ends. A node still preparing counts for neither: no round waits on it."""
+        job, cfg = self.job, self.job.config
+        ready = sum(job.nodes[n].ready for n in job.waiting)
+        if not ready:
+            return                  # nobody to add: the running round (if any) stays as it is
+        total = len(self.members()) + ready
+        if total >= cfg.max_nodes:
+            self.form_round(now, f"max_nodes {cfg.max_nodes} reached", growth_cause(job))
+        elif total >= cfg.min_nodes and job.last_call_deadline is None:
+            if cfg.last_call_s <= 0:
+                self.form_round(now, f"{total} nodes (last call 0s)", growth_cause(job))
+            else:
+                job.last_call_deadline = now + cfg.last_call_s
+                self.out.deadline(job.last_call_deadline)
+
+    def readiness(self, node: NodeRecord, ready: bool, now: float) -> None:
+        """What the node's agent says of its workers: a waiting node that becomes ready may complete a round."""
+        if node.ready == ready:
+            return
+        node.ready, node.preparing_since = ready, 0.0 if ready else now
+        self.node_changed(node.node_id)
+        if not ready:
+            node.preparing_said = False
+            self.out.deadline(now + PREPARE_LIMIT_S)
+            return
+        if node.preparing_said:
+            node.preparing_said = False
+            self.record(now, EventKind.NODE_READY, f"node {node.node_id} is ready: its workers can start at once",
+                        node.node_id)
+        if node.state == NodeState.WAITING and not self.job.state.finished:
+            self.grow(now)
+
+    def _preparing_too_long(self, now: float) -> None:
+        for node in self.job.nodes.values():
+            if not node.ready and not node.preparing_said and node.preparing_since + PREPARE_LIMIT_S <= now:
+                node.preparing_said = True
+                self.node_changed(node.node_id)
+                self.record(now, EventKind.NODE_PREPARING, f"node {node.node_id} has been preparing for "
+                            f"{now - node.preparing_since:.0f}s (its warm interpreter still imports, or its agent "
+                            f"never said it was ready): left out of every round until it is", node.node_id)
 
     def form_round(self, now: float, why: str, cause: RoundCause, failed_at: float | None = None) -> None:
         """Form the next round from live members + waiting + spares, or go back to waiting. `failed_at`: when the
@@ -159,6 +198,7 @@ class JobRules:
         job, cfg = self.job, self.job.config
         pool = candidates(job)
         chosen, rest = pool[: cfg.max_nodes], pool[cfg.max_nodes:]
+        preparing = [n for n in job.waiting + job.spares if n not in pool]    # kept where they wait, not dropped
         took = places_taken(job, chosen)
         job.last_call_deadline = None
         job.successes = []
@@ -173,8 +213,8 @@ class JobRules:
                 job.places = list(job.round.ranked or job.round.members)
             job.round = None
             job.state = JobState.WAITING
-            job.waiting, job.spares = chosen, rest
-            for nid in chosen:
+            job.waiting, job.spares = chosen + preparing, rest
+            for nid in job.waiting:
                 job.nodes[nid].state = NodeState.WAITING
             if job.join_deadline is None:
                 job.join_deadline = now + cfg.join_timeout_s
@@ -189,12 +229,16 @@ class JobRules:
         if corrected:
             self.record(now, EventKind.MASTER_ADDR_CORRECTED, corrected, chosen[0], job.last_round_id)
         job.state = JobState.RUNNING
-        job.waiting, job.spares, job.places = [], rest, []
+        room = cfg.max_nodes - len(chosen)          # a node preparing waits for a place that is free ...
+        job.waiting, job.spares, job.places = preparing[:room], rest + preparing[room:], []
         for nid in chosen:
             job.nodes[nid].state = NodeState.MEMBER
-        for nid in rest:
+        for nid in job.waiting:
+            job.nodes[nid].state = NodeState.WAITING
+        for nid in job.spares:                      # ... else for a member to go, as a spare
             job.nodes[nid].state = NodeState.SPARE
-        job.forming_since = job.join_deadline = None
+        job.forming_since = now if job.waiting else None
+        job.join_deadline = None
         job.reason = why
         goodput.round_formed(job.progress, job.round.round_id, cause.value)
         data = RoundFormed(nodes=len(chosen), world_size=job.round.world_size, reason=why, cause=cause.value,

@@ -40,6 +40,9 @@ class NodeRecord(msgspec.Struct, kw_only=True):
     probe_port: int = 0                # where its agent answers other agents' probes (0: none)
     server_addr: str = ""              # the server's address its join reached
     checks: str = ""                   # what its agent checks of the node (JoinRequest.checks)
+    ready: bool = True                 # its workers can start at once: only such nodes enter a round
+    preparing_since: float = 0.0       # when it said it was not ready (0: ready)
+    preparing_said: bool = False       # preparing past the limit, said once
 
 
 class RoundRecord(msgspec.Struct, kw_only=True, omit_defaults=True, dict=True):

@@ -115,13 +115,15 @@ def candidates(job: JobRecord) -> list[str]:
     (lost, left, drained, excluded) goes to the first waiting node or spare, so every survivor keeps its group
     rank and so its global ranks (a sharded snapshot stays its own), and the newcomer takes the ranks, and the
     shards, of the node it replaces. With nobody to take a place, the survivors behind it close up in order.
-    While the job waits for nodes, the last round's places are kept (`job.places`) for the survivors waiting."""
+    While the job waits for nodes, the last round's places are kept (`job.places`) for the survivors waiting. Only
+    ready nodes are candidates (JoinRequest.ready)."""
     if job.round is not None:
         places, stay = job.round.ranked or job.round.members, set(job.round.members)
     else:
-        places, stay = job.places, set(job.waiting)
+        places, stay = job.places, {n for n in job.waiting if job.nodes[n].ready}
     holders = {n for n in places if n in stay and n in job.nodes}
-    takers = iter([n for n in job.waiting + job.spares if n not in holders])
+    # a node still preparing enters no round (it would hold up every other node): it stays where it is
+    takers = iter([n for n in job.waiting + job.spares if n not in holders and job.nodes[n].ready])
     pool = []
     for node_id in places:
         taker = node_id if node_id in holders else next(takers, None)
@@ -139,6 +141,7 @@ def places_taken(job: JobRecord, chosen: list[str]) -> dict[str, str]:
 
 
 WITNESSES = 2      # other members each node may probe while the server is silent
+PREPARE_LIMIT_S = 90.0   # a node preparing this long is said (its agent gives its warm interpreter 60 s)
 
 
 def growth_cause(job: JobRecord) -> RoundCause:
@@ -147,7 +150,11 @@ def growth_cause(job: JobRecord) -> RoundCause:
 
 
 def deadlines(job: JobRecord) -> Iterable[float]:
-    yield from (n.lease_expires for n in job.nodes.values() if n.holding == 0)   # held: no lease runs
+    for n in job.nodes.values():
+        if n.holding == 0:                      # held: no lease runs
+            yield n.lease_expires
+        if not n.ready and not n.preparing_said:
+            yield n.preparing_since + PREPARE_LIMIT_S
     yield from (job.nodes[n].excluded_until for n in job.excluded)
     if job.last_call_deadline is not None:
         yield job.last_call_deadline
