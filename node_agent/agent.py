@@ -101,6 +101,8 @@ class Agent:
         self.policy.health = NodeHealth(enabled=self.checks.enabled, interval_s=self.settings.checks.gpu_check_interval,
                                         retry_min_s=self.checks.retry_min_s, give_up_s=self.link.job.join_timeout_s)
         self.workers.warm_up()   # the environment is final: workers of the first round may start warm
+        if not self.workers.ready:
+            start_source(self._when_ready(link), self.facts.put_nowait)
         if self.policy.health.enabled:
             await self._do(CheckNode(Stage.JOIN, -1), link)    # the node joins once its checks pass
         else:
@@ -185,9 +187,20 @@ class Agent:
         return await self.transport.join(
             addr=self.addr, host=self.hostname, local_world_size=self.link.nproc, master_port=free_port(self.addr),
             config=self.link.job, instance=self.instance, role=self.link.role, probe_port=self.witness.port,
-            command=self.link.command, checks=self.checks.summary)
+            command=self.link.command, checks=self.checks.summary, ready=self.workers.ready)
 
     async def _poll(self, wait_s: float) -> NodeStatus:
         known = self.policy.known_round
         return await self.transport.poll(known, wait_s, master_port=free_port(self.addr),
-                                         progress=self.workers.progress_note(known) if known >= 0 else None)
+                                         progress=self.workers.progress_note(known) if known >= 0 else None,
+                                         ready=self.workers.ready)
+
+    async def _when_ready(self, link: ServerLink) -> None:
+        """The server forms rounds only of nodes that can start their workers at once: say so as soon as this one
+        can (its warm interpreter imported what it preloads), in a poll of its own beside the held one."""
+        waited = self.now()
+        self.narrator.say("preparing: the warm interpreter imports what the workers need; the server takes this "
+                          "node into a round once it is ready (running nodes never stand stopped for it)")
+        await self.workers.until_ready()
+        self.narrator.say(f"ready after {self.now() - waited:.1f}s: this node's workers can start at once")
+        link.poll_now()

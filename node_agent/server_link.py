@@ -58,6 +58,11 @@ class ServerLink:
         if self.joined and (task is None or task.done()):
             self._send(PollRequest, lambda: self._poll(MAX_POLL_WAIT_S))   # the longest: the server picks the hold
 
+    def poll_now(self) -> None:
+        """A poll answered at once, beside the held one: news for the server (this node is ready) now."""
+        if self.joined:
+            start_source(self._until_answered(PollRequest, lambda: self._poll(0.0)), self._put)
+
     def report_failure(self, round_id: int, failures: tuple[WorkerFailure, ...],
                        progress: ProgressNote | None = None) -> None:
         self._send(FailureReport, lambda: self._client.report_failure(round_id, list(failures), progress))

@@ -26,6 +26,7 @@ class NodeView(msgspec.Struct, kw_only=True, omit_defaults=True):
     rank_offset: int | None = None
     worker_state: str | None = None        # running, succeeded or stopped
     spare_position: int | None = None      # spares
+    preparing_for_s: float | None = None   # waiting and spares: not ready yet (its warm interpreter importing)
     excluded_for_s: float | None = None    # excluded
     exclusions: int | None = None
     slow: bool | None = None               # members of an unfinished job: named slow now (the others wait on it)

@@ -98,7 +98,8 @@ COSTS: list[Column[RestartCostView]] = [
     ("REDONE", lambda c: c.redone)]
 OTHERS: list[Column[NodeView]] = [
     ("NODE", lambda n: n.node_id), ("ADDR", lambda n: n.addr), ("WORKERS", lambda n: n.local_world_size),
-    ("LEASE AGE", lambda n: duration(n.lease_age_s))]
+    ("LEASE AGE", lambda n: duration(n.lease_age_s)),
+    ("READY", lambda n: f"preparing {duration(n.preparing_for_s)}" if n.preparing_for_s is not None else "yes")]
 EXCLUDED: list[Column[NodeView]] = [
     ("NODE", lambda n: n.node_id), ("ADDR", lambda n: n.addr), ("EXCLUSIONS", lambda n: n.exclusions),
     ("TIME LEFT", lambda n: duration(n.excluded_for_s)), ("LEASE AGE", lambda n: duration(n.lease_age_s))]

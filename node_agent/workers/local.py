@@ -83,6 +83,7 @@ class LocalWorkers:
         # a zygote still importing is worth waiting for only when the script imports what it preloads
         self._warm_wait_s = WARM_WAIT_S if self.warm is not None and imports_any(imported, opts.warm_preload) else 0.0
         self._starting: asyncio.Task[None] | None = None   # a start waiting for the zygote
+        self._gave_up = False       # the zygote took longer than WARM_WAIT_S to import: ready, to start cold
         # The agent hosts the c10d store for an entry point importing torch: a rule all nodes (one command) agree on.
         self.agent_store = make_group is None and not opts.no_python and imports_any(imported, ("torch",))
         self._round_store: WorkerLaunch | None = None
@@ -102,6 +103,18 @@ class LocalWorkers:
     def _process_group(self, launches: list[WorkerLaunch], *, stop_timeout: float) -> Group:
         return WorkerGroup(launches, stop_timeout=stop_timeout, kill_timeout=self.opts.kill_timeout,
                            warm=self.warm, warm_wait_s=self._warm_wait_s, store=self._round_store)
+
+    @property
+    def ready(self) -> bool:
+        """Whether workers can start at once: no warm interpreter the script needs is still on its way (one that
+        imports past WARM_WAIT_S is given up on: a cold start then)."""
+        return not (self.warm is not None and self._warm_wait_s > 0 and self.warm.coming and not self._gave_up)
+
+    async def until_ready(self) -> None:
+        """Return once `ready` (at most WARM_WAIT_S)."""
+        if self.warm is not None and not self.ready:
+            await self.warm.wait_ready(self._warm_wait_s)
+            self._gave_up = self.warm.coming
 
     def warm_up(self) -> None:
         """Start the warm zygote before the first round, once the agent's environment is final (a zygote

@@ -149,6 +149,37 @@ def test_new_agent_joining_below_max_grows_the_world(cluster, tmp_path):
     assert job_view(cluster, "grow")["state"] == "succeeded"
 
 
+def test_a_node_still_preparing_joins_no_round_until_it_is_ready(cluster, tmp_path):
+    """c's warm interpreter cannot finish its imports (a preloaded module waits on a FIFO): c waits outside the
+    round as "preparing", a and b train on undisturbed in their round; once its imports end, the round grows."""
+    cluster.start_server()
+    agents = {n: start_agent(cluster, tmp_path, n, job="prep", nnodes="2:3") for n in ("a", "b")}
+    key2, _ = wait_world(tmp_path, world=2)
+    gate = tmp_path / "gate"
+    os.mkfifo(gate)
+    (tmp_path / "gated.py").write_text(
+        f"import os\nif os.environ.get('GATED'):\n    with open({str(gate)!r}) as f:\n        f.read()\n")
+    agents["c"] = start_agent(cluster, tmp_path, "c", job="prep", nnodes="2:3",
+                              extra=("--warm-preload", "torch,torch.distributed,gated"),
+                              env={"GATED": "1", "PYTHONPATH": str(tmp_path)})
+    agents["c"].wait_for_line("preparing: the warm interpreter imports")
+
+    def c_preparing() -> bool:
+        waiting = job_view(cluster, "prep").get("waiting", [])
+        return any(n["node_id"] == "c" and n.get("preparing_for_s") is not None for n in waiting)
+    wait_until(c_preparing, LIMIT, lambda: f"c preparing: {job_view(cluster, 'prep')}")
+    steps = len(worlds(tmp_path)[key2])
+    wait_until(lambda: len(worlds(tmp_path)[key2]) >= steps + 10, LIMIT, "a and b to step on meanwhile")
+    assert [e["data"]["nodes"] for e in kinds(job_events(cluster, "prep"), "round_completed")] == [2]
+    with open(gate, "w") as f:           # its imports end: c is ready, and the round grows to it
+        f.write("go")
+    key3, recs3 = wait_world(tmp_path, world=3, nodes=("a", "b", "c"), what="with c once it was ready")
+    assert key3[2] == 0 and "ready after" in agents["c"].output, agents["c"].output
+    stop_job(tmp_path)
+    for a in agents.values():
+        assert a.wait(LIMIT) == 0, a.output
+
+
 def test_workers_slow_to_stop_do_not_cost_their_node_its_lease(cluster, tmp_path):
     """A worker may use its SIGTERM grace (--stop-timeout) to save a checkpoint. Here it takes 4 s,
     longer than the 3 s lease: the agent must keep its lease while it waits, so a newcomer causes

@@ -153,7 +153,12 @@ def test_spares_and_excluded_nodes_with_time_left():
     assert "time left exclusions b host-b 10.0.0.1 45s 1" in m.text, m.text
     join(rz, "j", "d", T + 26, config)
     m = Markup(page.index_page(rz, T + 27))
-    assert "lease age #1 d host-d" in m.text, m.text
+    assert "lease age ready #1 d host-d 10.0.0.1 1 1.0s yes" in m.text, m.text
+    rz.join("j", JoinRequest(v=1, node_id="e", addr="10.0.0.1", host="host-e", local_world_size=1,
+                             master_port=29500, config=config, instance="e#1", ready=False), T + 27, "secret-e")
+    m = Markup(page.index_page(rz, T + 30))
+    assert "#2 e host-e 10.0.0.1 1 3.0s preparing 3.0s" in m.text, m.text      # its interpreter still imports
+    assert ("span", {"class": "warn-text", "data-preparing": "1"}) in m.tags
 
 
 def test_no_jobs_yet():

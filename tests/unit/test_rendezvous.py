@@ -5,6 +5,7 @@ Every scenario drives `Rendezvous` directly with `now` values; deadlines are app
 """
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 from protocol.errors import ErrorCode
@@ -23,6 +24,7 @@ from protocol.messages import (
 from rdzv_server.core.leases import DROP_GRACE_S
 from rdzv_server.core.records import JobRecord
 from rdzv_server.core.rendezvous import Rendezvous, RendezvousError
+from rdzv_server.core.rounds import PREPARE_LIMIT_S
 
 JOB = "job-1"
 # Long leases unless a test is about leases, so that time can jump without polls.
@@ -38,14 +40,14 @@ def cfg(**kw) -> JobConfig:
 
 
 def join(rz: Rendezvous, node: str, now: float, config: JobConfig, *, lws: int = 1,
-         instance: str | None = None, port: int | None = None) -> NodeStatus:
+         instance: str | None = None, port: int | None = None, ready: bool = True) -> NodeStatus:
     return rz.join(JOB, JoinRequest(v=1, node_id=node, addr=f"addr-{node}", local_world_size=lws,
                                     master_port=port if port is not None else 20000 + len(node),
-                                    config=config, instance=instance or f"{node}#1"), now)
+                                    config=config, instance=instance or f"{node}#1", ready=ready), now)
 
 
-def poll(rz: Rendezvous, node: str, now: float, *, port: int = 0) -> NodeStatus:
-    return rz.poll(JOB, PollRequest(v=1, node_id=node, master_port=port), now)
+def poll(rz: Rendezvous, node: str, now: float, *, port: int = 0, ready: bool = True) -> NodeStatus:
+    return rz.poll(JOB, PollRequest(v=1, node_id=node, master_port=port, ready=ready), now)
 
 
 def fail(rz: Rendezvous, node: str, round_id: int, now: float, *, rank: int = 0,
@@ -279,6 +281,53 @@ def test_below_min_the_survivors_keep_their_places_for_the_node_that_comes():
     assert job(rz).state == JobState.WAITING and job(rz).places == ["a", "b", "c"]
     join(rz, "e", 2.0, job(rz).config)
     assert members(rz) == ["a", "e", "c"] and job(rz).places == []      # e takes b's place: c keeps its ranks
+
+
+def test_a_node_preparing_joins_no_round_until_it_is_ready_and_then_completes_one():
+    rz = running(["a"], cfg(min_nodes=1, max_nodes=2, **QUIET))
+    first = round_id(rz)
+    join(rz, "b", 1.0, job(rz).config, ready=False)        # its warm interpreter still imports torch
+    assert view(rz, "b", 1.0).node_state == NodeState.WAITING and round_id(rz) == first
+    poll(rz, "b", 2.0, ready=False)                         # still preparing: nothing moves
+    assert round_id(rz) == first and job(rz).last_call_deadline is None
+    poll(rz, "b", 2.5)                                      # ready: it fills max_nodes, the round forms at once
+    assert round_id(rz) == first + 1 and members(rz) == ["a", "b"]
+    assert not [e for e in job(rz).events if e.kind in ("node_preparing", "node_ready")]   # not long: not said
+
+
+def test_the_first_round_waits_for_nobody_preparing_and_forms_once_they_are_ready():
+    rz = Rendezvous()
+    config = cfg(min_nodes=2, max_nodes=2, **QUIET)
+    join(rz, "a", 0.0, config)
+    join(rz, "b", 0.1, config, ready=False)
+    assert job(rz).state == JobState.WAITING and job(rz).round is None
+    poll(rz, "b", 1.7)
+    assert members(rz) == ["a", "b"]
+
+
+def test_a_spare_still_preparing_is_not_promoted_and_one_preparing_long_is_said_once():
+    rz = running(["a", "b"], cfg(min_nodes=1, max_nodes=2, **QUIET))
+    join(rz, "s1", 1.0, job(rz).config, ready=False)
+    join(rz, "s2", 1.1, job(rz).config)
+    assert [view(rz, n, 1.2).node_state for n in ("s1", "s2")] == [NodeState.SPARE] * 2
+    leave(rz, "a", 2.0)
+    assert members(rz) == ["s2", "b"] and view(rz, "s1", 2.0).node_state == NodeState.SPARE
+    rz.tick(1.0 + PREPARE_LIMIT_S)                          # preparing too long: said once, still left out
+    rz.tick(2.0 + PREPARE_LIMIT_S)
+    said = [e for e in job(rz).events if e.kind == "node_preparing"]
+    assert len(said) == 1 and said[0].node_id == "s1" and "left out of every round" in said[0].message
+    poll(rz, "s1", 100.0)
+    assert [e.node_id for e in job(rz).events if e.kind == "node_ready"] == ["s1"]
+
+
+def test_a_claim_of_a_group_rank_in_a_join_is_ignored():
+    rz = Rendezvous()
+    body = msgspec.msgpack.encode({"v": 1, "node_id": "z", "addr": "addr-z", "local_world_size": 1,
+                                   "master_port": 20001, "instance": "z#1", "group_rank": 0, "rank_offset": 0,
+                                   "config": msgspec.to_builtins(cfg(min_nodes=2, max_nodes=2, **QUIET))})
+    join(rz, "a", 0.0, cfg(min_nodes=2, max_nodes=2, **QUIET))
+    rz.join(JOB, msgspec.msgpack.decode(body, type=JoinRequest), 0.1)
+    assert members(rz) == ["a", "z"]                        # the server decides: z joined second
 
 
 def test_spare_that_is_lost_leaves_the_queue_and_the_others_move_up():

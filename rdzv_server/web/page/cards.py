@@ -70,6 +70,13 @@ def _member_id(n: NodeView) -> str:
     return _node_id(n) + slow_badge(n.slow)
 
 
+def _ready(n: NodeView) -> str:
+    """A node preparing (its warm interpreter importing) enters no round until it is ready."""
+    if n.preparing_for_s is None:
+        return "yes"
+    return f'<span class="warn-text" data-preparing="1">preparing {age(n.preparing_for_s)}</span>'
+
+
 def _pace(n: NodeView) -> str:
     return figure(n.steps_per_s) if n.steps_per_s is not None else "&mdash;"
 
@@ -83,9 +90,10 @@ def node_columns(timeout: float | None, now: float) -> dict[str, list[Column[Any
         "nodes": [(">group rank", lambda n: esc(n.group_rank)), ("node id", _member_id), where, workers,
                   (">ranks", lambda n: f'<span class="mono">{_ranks(n)}</span>'), lease_age,
                   ("worker state", _worker_state), (">recent failures", _failures), (">steps/s", _pace)],
-        "waiting": [("node id", _node_id), where, workers, lease_age, ("joined", lambda n: when(n.joined_at, now))],
+        "waiting": [("node id", _node_id), where, workers, lease_age, ("joined", lambda n: when(n.joined_at, now)),
+                    ("ready", _ready)],
         "spares": [(">position", lambda n: f"#{(n.spare_position or 0) + 1}"), ("node id", _node_id), where, workers,
-                   lease_age],
+                   lease_age, ("ready", _ready)],
         "excluded": [("node id", _node_id), where,
                      (">time left", lambda n: f'<span class="bad-text">{age(n.excluded_for_s or 0)}</span>'),
                      (">exclusions", lambda n: esc(n.exclusions))],
