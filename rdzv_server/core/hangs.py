@@ -30,6 +30,7 @@ FRESH_MIN_S = 10.0      # a report is evidence for max(this, 4x its threshold): 
 FRESH_THRESHOLDS = 4.0  # (at most every 2 thresholds: node_agent/core/progress.py's report_period)
 TOGETHER_S = 2.0        # the running members' reports are this close in time, or they saw different moments
 QUIET_BYTES = 64 * 1024  # a waiting rank's process moved less while watched: no collective of it is progressing
+STEPS_BEHIND = 1        # a report's ranks this many steps behind the job's known steps still tell of its stall
 MAX_PLACE = 2048        # characters of a place kept (its outermost frames go first)
 MAX_PLACES = 32         # places one job keeps (the oldest go first)
 PLACE_LINES = 10        # an innermost line this close to a place's is that place (a loop's other lines)
@@ -58,9 +59,13 @@ class StallBoard:
     round_id: int
     reports: dict[str, tuple[float, StallReport]] = field(default_factory=dict)
 
-    def fresh(self, now: float) -> dict[str, StallReport]:
+    def fresh(self, now: float, steps: int = 0) -> dict[str, StallReport]:
+        """The reports that are evidence now: recent, and not older than the steps the job is known to have taken
+        (`steps`, from the progress notes: a report examined just before the ranks stepped again, and received
+        after, tells of a stall that is over)."""
         return {node: report for node, (at, report) in self.reports.items()
-                if now - at <= max(FRESH_MIN_S, FRESH_THRESHOLDS * report.threshold_s)}
+                if now - at <= max(FRESH_MIN_S, FRESH_THRESHOLDS * report.threshold_s)
+                and max(r.steps for r in report.ranks) + STEPS_BEHIND >= steps}
 
 
 @dataclass(frozen=True)
@@ -143,10 +148,11 @@ class StallShown(msgspec.Struct, kw_only=True):
 
 
 def assess(board: StallBoard, running: list[str], finished: dict[str, list[int]], config: JobConfig,
-           excused: Collection[str], now: float) -> Stall | None:
+           excused: Collection[str], now: float, steps: int = 0) -> Stall | None:
     """The stall the reports show, if one: `running` the round's members still running workers, `finished` the
-    members whose workers all exited 0 (with their ranks), `excused` the places decided before in this job."""
-    fresh = board.fresh(now)
+    members whose workers all exited 0 (with their ranks), `excused` the places decided before in this job,
+    `steps` the most steps a rank of the round is known to have taken (progress notes)."""
+    fresh = board.fresh(now, steps)
     if not running or any(node not in fresh for node in running):
         return None
     # A node's report of a rank computing, seconds before another's of ranks waiting, is no hang: wait for

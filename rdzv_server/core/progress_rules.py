@@ -80,7 +80,8 @@ def stalled(rules: JobRules, watch: JobWatch, req: StallReport, now: float) -> s
     assert job.round is not None
     finished = {n: _ranks_of(rules, n) for n in job.round.members if n in job.successes}
     running = [n for n in job.round.members if n not in job.successes]
-    stall = hangs.assess(watch.board, running, finished, job.config, {p.place for p in job.hang_places}, now)
+    steps = job.progress.round_steps if job.progress.round_id == req.round_id else 0
+    stall = hangs.assess(watch.board, running, finished, job.config, {p.place for p in job.hang_places}, now, steps)
     if stall is not None and stall.decided:
         _fail_for(rules, watch, stall, req.round_id, now)
     elif stall is not None:

@@ -280,8 +280,8 @@ async def test_each_job_has_its_progress_and_hangs_are_counted(server, http, clo
     clock.now = T0 + 51
     for node, state in ((a, "waiting"), (b, "stopped")):
         offset = ranks[node.node_id]
-        seen = [{"rank": offset, "local_rank": 0, "state": "waiting", "stalled_s": 6.0},
-                {"rank": offset + 1, "local_rank": 1, "state": state, "stalled_s": 6.0}]
+        seen = [{"rank": offset, "local_rank": 0, "state": "waiting", "stalled_s": 6.0, "steps": 100},
+                {"rank": offset + 1, "local_rank": 1, "state": state, "stalled_s": 6.0, "steps": 100}]
         reply = await node.post("stall", {"round_id": first, "threshold_s": 5.0, "ranks": seen})
     assert reply["round_id"] == first + 1
     clock.now = T0 + 61

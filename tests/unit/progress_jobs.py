@@ -100,7 +100,7 @@ def alone(rz: Rendezvous, job: str = "evaluating") -> None:
     round_id = rz.jobs[job].round.round_id
 
     def rank(r: int, state: RankState, where: str = "") -> RankSeen:
-        return RankSeen(rank=r, local_rank=r % 2, state=state, stalled_s=12.0, where=where,
+        return RankSeen(rank=r, local_rank=r % 2, state=state, stalled_s=12.0, where=where, steps=80,
                         call="all_reduce" if state == RankState.WAITING else "")
     for node, ranks in (("a", (rank(0, RankState.WORKING, "train.py:41 in evaluate"), rank(1, RankState.WAITING))),
                         ("b", (rank(2, RankState.WAITING), rank(3, RankState.WAITING)))):

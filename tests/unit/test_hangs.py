@@ -67,6 +67,16 @@ def test_reports_of_different_moments_assess_nothing_until_they_meet() -> None:
     assert stall is not None and stall.decided and stall.culprit.rank == 2
 
 
+def test_a_report_examined_before_the_ranks_stepped_again_tells_of_nothing() -> None:
+    """Node a's report was examined as rank 0's evaluation ended; it arrives after the notes of the steps that
+    followed: the stall it tells of is over, so nothing is shown (or decided) from it."""
+    b = board(a=(seen(0, Q, 60.0), seen(1, W, 60.0)), b=(seen(2, W, 60.0), seen(3, W, 60.0)))
+    for _, report in b.reports.values():
+        report.ranks[:] = [msgspec.structs.replace(r, steps=20) for r in report.ranks]
+    assert assess(b, ["a", "b"], {}, CFG, (), 101.0, steps=21) is not None     # a step behind: still the stall
+    assert assess(b, ["a", "b"], {}, CFG, (), 101.0, steps=40) is None         # 20 steps since: over
+
+
 def test_stopped_comes_before_gone() -> None:
     b = board(a=(seen(0, W), seen(1, W)), b=(seen(2, X), seen(3, S)))
     stall = assess(b, ["a", "b"], {}, CFG, (), 101.0)
@@ -181,10 +191,12 @@ def test_a_hang_fails_the_round_with_the_culprit_as_root_cause_and_every_ranks_s
     assert not job.hang_places                      # certain: no place excused
 
 
-def alone_reports(rz: Rendezvous, round_id: int, stalled: float, now: float) -> None:
-    rz.report_stall("j", report("a", seen(0, Q, stalled, "socket.py:706 in readinto", stack=EVAL),
-                                seen(1, W, stalled, stack=ALL_REDUCE), round_id=round_id), now)
-    rz.report_stall("j", report("b", seen(2, W, stalled), seen(3, W, stalled), round_id=round_id), now)
+def alone_reports(rz: Rendezvous, round_id: int, stalled: float, now: float, steps: int = 0) -> None:
+    def at(r: RankSeen) -> RankSeen:
+        return msgspec.structs.replace(r, steps=steps)
+    rz.report_stall("j", report("a", at(seen(0, Q, stalled, "socket.py:706 in readinto", stack=EVAL)),
+                                at(seen(1, W, stalled, stack=ALL_REDUCE)), round_id=round_id), now)
+    rz.report_stall("j", report("b", at(seen(2, W, stalled)), at(seen(3, W, stalled)), round_id=round_id), now)
 
 
 def test_a_rank_alone_is_shown_at_once_with_one_event_and_in_the_reply(running) -> None:
@@ -201,8 +213,8 @@ def test_a_rank_alone_is_shown_at_once_with_one_event_and_in_the_reply(running) 
     assert len(said) == 1 and said[0].data["culprit"] == 0 and said[0].data["limit_s"] == 1800.0
     assert said[0].message.endswith("working, not hung; a hang only after 1800s (--hang-alone-timeout)")
     assert shown_stall(job, 15.0 + 20.1) is None           # no fresh report: no longer shown
-    job.progress.round_steps += 20                          # the job stepped again; then rank 0 goes alone again
-    alone_reports(running, 1, 7.0, 40.0)
+    job.progress.round_id, job.progress.round_steps = 1, 20     # the job stepped again; rank 0 goes alone again
+    alone_reports(running, 1, 7.0, 40.0, steps=20)
     assert len([e for e in job.events if e.kind == EventKind.RANKS_ALONE]) == 2      # a new spell, said again
 
 
