@@ -21,6 +21,7 @@ import argparse
 import http.server
 import json
 import os
+import re
 import sys
 import tempfile
 import threading
@@ -58,11 +59,11 @@ def slow_service(delay_s: float) -> Iterator[str]:
 
 
 class Watcher:
-    """Polls the job's view every 0.25 s (what an operator's page sees): when it first said each stall."""
+    """Polls the job's view every 0.25 s (what an operator's page sees), keeping each new stall line and when."""
 
     def __init__(self, port: int, job: str) -> None:
         self.port, self.job = port, job
-        self.shown: list[tuple[float, str]] = []       # (unix time, the line) whenever the line's shape changed
+        self.shown: list[tuple[float, str]] = []       # (unix time, the line) whenever the line changed
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -74,9 +75,18 @@ class Watcher:
                 stall = (get(self.port, f"/v1/jobs/{self.job}").get("progress") or {}).get("stall") or ""
             except OSError:
                 continue
-            if bool(stall) != bool(last):
+            if stall != last:
                 self.shown.append((time.time(), stall))
             last = stall
+
+    def first_shown(self, start: float, within: float) -> float | None:
+        """Seconds from `start` until a line told of the spell that began then ("alone for N s" with N no more
+        than the time since it began, give or take 2 s: not a line left over from the spell before)."""
+        for t, line in self.shown:
+            said = re.search(r"for (\d+)s", line)
+            if start <= t <= start + within and said and int(said.group(1)) <= t - start + 2:
+                return round(t - start, 2)
+        return None
 
     def stop(self) -> None:
         self._stop.set()
@@ -99,10 +109,7 @@ def solo_run(port: int, case: str, solo_s: float) -> dict:
                        if n.startswith(f"solo-{rank}-"))
         steps = steps_of(out)
     view, events = get(port, f"/v1/jobs/{job}"), get(port, f"/v1/jobs/{job}/events")["events"]
-    shown_after = []
-    for start in began:      # the first time the page said a stall after this spell began, and before it ended
-        later = [t for t, line in watcher.shown if line and start <= t <= start + solo_s]
-        shown_after.append(round(later[0] - start, 2) if later else None)
+    shown_after = [watcher.first_shown(start, solo_s) for start in began]
     alone = [e["message"] for e in events if e["kind"] == "ranks_alone"]
     row = {"case": case, "exit_codes": codes, "state": view["state"], "restarts": view["restart_count"],
            "hangs": sum(e["kind"] == "hang_detected" for e in events), "spells": len(began),

@@ -1,5 +1,5 @@
 """A gloo DDP training for benchmarks/bench_places.py: a step every STEP_S (0.05 s), each logged with the world it
-ran in, to OUT_DIR/steps-NODE-LOCAL_RANK.txt ("unix_time step restart world_size group_rank rank" per line), so
+ran in, to OUT_DIR/steps-NODE-LOCAL_RANK.txt ("unix_time step restart world_size group_rank rank master_port" per line: the port is new each round), so
 the benchmark sees who held which ranks in each round and when every rank stepped again (OUT_DIR/pid-NODE-LOCAL_RANK:
 its pid, for a crash to be injected). It trains until
 OUT_DIR/stop exists (decided together every 10 steps, so every rank stops at the same step).
@@ -36,7 +36,7 @@ while True:
     loss.backward()
     opt.step()
     step += 1
-    log.write(f"{time.time():.6f} {step} {restart} {world} {group_rank} {rank}\n")
+    log.write(f"{time.time():.6f} {step} {restart} {world} {group_rank} {rank} {env('MASTER_PORT')}\n")
     log.flush()
     time.sleep(step_s)
 log.close()
