@@ -23,41 +23,16 @@ import select
 import subprocess
 import sys
 import tempfile
-import time
-import urllib.request
-from collections.abc import Callable
 from typing import Any
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from benchmarks._server import running_server  # noqa: E402
+from benchmarks.bench_progress import _exists, get, wait  # noqa: E402
 
 SCRIPT = os.path.join(ROOT, "benchmarks", "scripts", "chatty_train.py")
 LINE = re.compile(r"rank (\d+) restart (\d+) line (\d+) ")
 DROPPED = re.compile(r"\[node-agent a\] (\d+) console lines? dropped")
-
-
-def get(port: int, path: str) -> dict[str, Any]:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10) as resp:
-        found: dict[str, Any] = json.load(resp)
-        return found
-
-
-def wait(check: Callable[[], bool], timeout: float) -> bool:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if check():
-            return True
-        time.sleep(0.1)             # polling another process's server: nothing to wait on
-    return False
-
-
-def _exists(port: int, job: str) -> bool:
-    try:
-        get(port, f"/v1/jobs/{job}")
-        return True
-    except OSError:
-        return False
 
 
 def start_agents(port: int, job: str, out: str, env: dict[str, str], stuck_w: int) -> list[subprocess.Popen[bytes]]:
