@@ -102,7 +102,9 @@ def _show(rules: JobRules, watch: JobWatch, stall: Stall, req: StallReport, now:
     job = rules.job
     if shown_stall(job, now) is None:       # a new spell: the job stepped since the last one
         watch.said.clear()
-    steps = job.progress.round_steps if job.progress.round_id == req.round_id else 0
+    # its ranks' own steps count (the notes may lag them): once the job steps past them, the stall is over
+    steps = max([r.steps for _, r in stall.seen] + [job.progress.round_steps if job.progress.round_id == req.round_id
+                                                     else 0])
     fresh_s = max(hangs.FRESH_MIN_S, hangs.FRESH_THRESHOLDS * req.threshold_s)
     job.stall = msgspec.structs.replace(stall.shown(now), round_id=req.round_id, steps=steps,
                                         fresh_until=now + fresh_s)

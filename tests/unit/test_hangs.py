@@ -254,3 +254,13 @@ def test_a_stale_round_or_detection_off_changes_nothing() -> None:
     stale = rz.report_stall("j", report("b", seen(2, W), seen(3, S), round_id=0), 10.0)
     assert not stale.accepted and "stale" in stale.reason
     assert rz.jobs["j"].restart_count == 0 and rz.jobs["j"].state == JobState.RUNNING
+
+
+def test_a_stall_is_over_once_the_job_steps_past_its_ranks_not_past_the_lagging_notes(running) -> None:
+    job = running.jobs["j"]
+    job.progress.round_id, job.progress.round_steps = 1, 30          # the notes lag the ranks' own 40 steps
+    alone_reports(running, 1, 7.0, 10.0, steps=40)
+    job.progress.round_steps = 40                                    # the notes catch up: still the same stall
+    assert shown_stall(job, 11.0) is not None
+    job.progress.round_steps = 42                                    # the job stepped on: it is over
+    assert shown_stall(job, 11.0) is None
