@@ -199,8 +199,8 @@ class Agent:
         """The server forms rounds only of nodes that can start their workers at once: say so as soon as this one
         can (its warm interpreter imported what it preloads), in a poll of its own beside the held one."""
         waited = self.now()
-        self.narrator.say("preparing: the warm interpreter imports what the workers need; the server takes this "
-                          "node into a round once it is ready (running nodes never stand stopped for it)")
+        self.narrator.say("preparing: the warm interpreter imports what the workers need; this node enters a "
+                          "round once it is ready")
         await self.workers.until_ready()
         self.narrator.say(f"ready after {self.now() - waited:.1f}s: this node's workers can start at once")
         link.poll_now()
