@@ -246,6 +246,8 @@ class RankSeen(msgspec.Struct, kw_only=True, frozen=True, gc=False):
     exitcode: int | None = None
     call: ShortText = ""               # waiting: the torch call it waits in ("barrier", "recv", "backward", ...)
     io_bytes: Count = 0                # its process read and wrote this many bytes while watched
+    # its process's CPU while watched, every thread, in CPUs (a collective copies its data in torch's threads)
+    process_cpu: Annotated[float, Meta(ge=0, le=MAX_LOCAL_WORLD_SIZE)] = 0.0
     gpu_busy: Annotated[int, Meta(ge=-1, le=100)] = -1   # its GPU's utilization while watched, % (-1: none read)
 
 

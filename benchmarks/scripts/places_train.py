@@ -1,8 +1,8 @@
 """A gloo DDP training for benchmarks/bench_places.py: a step every STEP_S (0.05 s), each logged with the world it
-ran in, to OUT_DIR/steps-NODE-LOCAL_RANK.txt ("unix_time step restart world_size group_rank rank master_port" per line: the port is new each round), so
-the benchmark sees who held which ranks in each round and when every rank stepped again (OUT_DIR/pid-NODE-LOCAL_RANK:
-its pid, for a crash to be injected). It trains until
-OUT_DIR/stop exists (decided together every 10 steps, so every rank stops at the same step).
+ran in, to OUT_DIR/steps-NODE-LOCAL_RANK.txt ("unix_time step restart world_size group_rank rank master_port" per
+line: the port is new each round), so the benchmark sees who held which ranks in each round and when every rank
+stepped again (OUT_DIR/pid-NODE-LOCAL_RANK: its pid, for a crash to be injected). It trains until OUT_DIR/stop
+exists (decided together every 10 steps, so every rank stops at the same step).
 """
 import os
 import time

@@ -41,11 +41,12 @@ class Frame:
 
 @dataclass(frozen=True)
 class ProcSample:
-    """One look at a worker in /proc (its main thread; `io_bytes`: the whole process)."""
+    """One look at a worker in /proc (its main thread; `io_bytes` and `process_cpu_s`: the whole process)."""
     state: str            # R, S, D, T, t, Z, X ... ("" once it is gone)
     cpu_s: float          # main thread's user + system time
     run_delay_s: float    # main thread's time runnable but waiting for a CPU
     io_bytes: int         # read + written, files and sockets
+    process_cpu_s: float = 0.0   # every thread's user + system time (a collective's copies run in torch's threads)
 
 
 _THREAD = re.compile(r"^(?:Current thread|Thread) 0x([0-9a-f]+) \(most recent call first\):$")

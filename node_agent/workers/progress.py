@@ -24,6 +24,7 @@ BOOT_DIR = os.path.join(os.path.dirname(probe.__file__), "boot")   # its sitecus
 STACKS_SIGNAL = signal.SIGRTMIN + 6     # answered by faulthandler in a worker whose record has the STACKS flag
 MAX_DUMP_BYTES = 256 * 1024             # read of one dump (faulthandler stops at 100 frames per thread)
 DUMP_WAIT_S = 0.3                       # for a dump to be written (C code, in the signal handler: milliseconds)
+_TICKS = os.sysconf("SC_CLK_TCK")
 
 
 class BadRecord(ValueError):
@@ -131,12 +132,17 @@ def read_proc(pid: int) -> ProcSample | None:
     rest = stat[stat.rfind(")") + 2:].split()
     if not rest:
         return None
-    io_bytes = 0
+    io_bytes, process_cpu_s = 0, 0.0
     with contextlib.suppress(OSError, ValueError):
         with open(f"/proc/{pid}/io", "rb") as f:
             counters = dict(line.split(b": ") for line in f.read().splitlines())
         io_bytes = int(counters[b"rchar"]) + int(counters[b"wchar"])
-    return ProcSample(state=rest[0], cpu_s=ran_ns / 1e9, run_delay_s=waited_ns / 1e9, io_bytes=io_bytes)
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().decode(errors="replace").rsplit(")", 1)[1].split()
+        process_cpu_s = (int(fields[11]) + int(fields[12])) / _TICKS     # utime + stime of every thread
+    return ProcSample(state=rest[0], cpu_s=ran_ns / 1e9, run_delay_s=waited_ns / 1e9, io_bytes=io_bytes,
+                      process_cpu_s=process_cpu_s)
 
 
 async def take_stacks(targets: dict[int, tuple[int, str]], clock: Callable[[], float] = time.monotonic

@@ -138,6 +138,8 @@ class ProgressWatch:
             top = stacks[-1] if stacks else []
             ahead, now_proc = before.get(lr), after
             moved = now_proc.io_bytes - ahead.io_bytes if ahead is not None and now_proc is not None else 0
+            used = (now_proc.process_cpu_s - ahead.process_cpu_s) / watched \
+                if ahead is not None and now_proc is not None and watched > 0 else 0.0
             stalled_s = min(MAX_DURATION_S, max(0.0, wall - record.last_at)) if record and record.steps else 0.0
             seen.append(RankSeen(
                 rank=r.rank, local_rank=lr, state=state, cpu=round(cpu, 3), exitcode=exited,
@@ -145,7 +147,8 @@ class ProgressWatch:
                 steps=record.steps if record else 0, where=keep_tail(str(top[0]) if top else "", MAX_SHORT_TEXT),
                 stack=stack_text(top, budget),
                 call=keep_tail(call_of(top), MAX_SHORT_TEXT) if state == RankState.WAITING else "",
-                io_bytes=min(MAX_ROUND, max(0, moved)), gpu_busy=-1 if busy is None else max(0, min(100, busy))))
+                io_bytes=min(MAX_ROUND, max(0, moved)), process_cpu=round(min(64.0, max(0.0, used)), 3),
+                gpu_busy=-1 if busy is None else max(0, min(100, busy))))
         return tuple(seen)
 
     def _answering(self) -> dict[int, tuple[int, str]]:

@@ -4,13 +4,13 @@ server hears every node, so only it decides; pure, `now` is an argument.
 Reports of one moment only: nothing is assessed before every running member has sent a fresh report, all within
 TOGETHER_S of each other (a node still stepping sends none). Then, while some rank waits on the others:
 - **certain**, decided at once: a rank stopped, or gone (it exited while the others wait); or a **deadlock**: every
-  rank waiting, none computing, no data moving and no GPU busy. A deadlock's culprit is the rank whose call differs
-  from the others' (the fewest ranks making one call), else the lowest rank.
+  rank waiting, none computing (in any of its threads), no data moving and no GPU busy. A deadlock's culprit is
+  the rank whose call differs from the others' (the fewest ranks making one call), else the lowest rank.
 - **alone**: a rank apart (working, idle or spinning in its own code, or not answering) while the others wait. An
   evaluation, an upload or a polling loop looks exactly like a rank hung there, so it is shown at once and decided
   a hang only after `hang_alone_timeout_s`.
-- **moving**: every rank waiting while data still moves or a GPU computes (a long collective; on a GPU, a stuck
-  NCCL kernel looks the same): decided only after the hard cap, `hang_timeout_s`.
+- **moving**: every rank waiting while data still moves or a process or GPU computes (a long collective; on a GPU,
+  a stuck NCCL kernel looks the same): decided only after the hard cap, `hang_timeout_s`.
 A limit's decision may be wrong, and would be again after every restart: a place (where the culprit went its
 own way) once decided is excused for the rest of the job.
 """
@@ -30,6 +30,7 @@ FRESH_MIN_S = 10.0      # a report is evidence for max(this, 4x its threshold): 
 FRESH_THRESHOLDS = 4.0  # (at most every 2 thresholds: node_agent/core/progress.py's report_period)
 TOGETHER_S = 2.0        # the running members' reports are this close in time, or they saw different moments
 QUIET_BYTES = 64 * 1024  # a waiting rank's process moved less while watched: no collective of it is progressing
+BUSY_PROCESS = 0.1      # ... and used at least this much of a CPU in all its threads: its collective still works
 STEPS_BEHIND = 1        # a report's ranks this many steps behind the job's known steps still tell of its stall
 MAX_PLACE = 2048        # characters of a place kept (its outermost frames go first)
 MAX_PLACES = 32         # places one job keeps (the oldest go first)
@@ -117,7 +118,7 @@ class Stall:
             head, tail = f"{_ranks(apart)} alone", f"{_at(c)}; {waiting} waiting{_calls(self.waiting)}"
         else:
             head, tail = f"{_ranks(r.rank for r in self.waiting)} in collectives", \
-                f"{_calls(self.waiting)}, data still moving"
+                f"{_calls(self.waiting)}, still moving data or computing"
         return StallShown(kind=self.kind.value, head=head, tail=tail, since=now - self.spell_s,
                           excused=self.excused)
 
@@ -231,7 +232,9 @@ def _shared(a: list[str], b: list[str]) -> int:
 
 
 def _moving(r: RankSeen) -> bool:
-    return r.io_bytes >= QUIET_BYTES or r.gpu_busy >= GPU_BUSY
+    """A waiting rank whose collective still works: its process moves data, computes in another thread (a big
+    all-gather copies its output for seconds after its last byte came), or its GPU does."""
+    return r.io_bytes >= QUIET_BYTES or r.process_cpu >= BUSY_PROCESS or r.gpu_busy >= GPU_BUSY
 
 
 def _odd_ones(waiting: list[tuple[str, RankSeen]]) -> list[tuple[str, RankSeen]]:

@@ -73,6 +73,7 @@ class RankWas(msgspec.Struct, kw_only=True, omit_defaults=True):
     stack: str = ""
     call: str = ""            # waiting: the torch call it waits in
     io_bytes: int = 0         # its process's reads and writes while watched
+    process_cpu: float = 0.0  # its process's CPU while watched, every thread, in CPUs
     gpu_busy: int = -1        # its GPU's utilization while watched, % (-1: none read)
 
 

@@ -122,7 +122,7 @@ def _show(rules: JobRules, watch: JobWatch, stall: Stall, req: StallReport, now:
                    f"taken as working and never decided a hang there again")
     else:
         kind = EventKind.RANKS_ALONE if stall.kind is StallKind.ALONE else EventKind.LONG_COLLECTIVE
-        message = f"{line}: {'working, not hung' if stall.kind is StallKind.ALONE else 'moving data'}; {limit}"
+        message = f"{line}: {'working, ' if stall.kind is StallKind.ALONE else ''}not hung; {limit}"
     rules.record(now, kind, message, stall.node_id, req.round_id, StallSeen(
         kind=stall.kind.value, culprit=c.rank, stalled_s=round(stall.spell_s, 3), limit_s=stall.limit_s,
         place=stall.place, ranks=_ranks_was(stall), excused_round=before.round_id if before else -1))
@@ -169,4 +169,5 @@ def _fail_for(rules: JobRules, watch: JobWatch, stall: Stall, round_id: int, now
 
 def _ranks_was(stall: Stall) -> list[RankWas]:
     return [RankWas(rank=r.rank, node_id=n, state=r.state.value, stalled_s=r.stalled_s, where=r.where, stack=r.stack,
-                    call=r.call, io_bytes=r.io_bytes, gpu_busy=r.gpu_busy) for n, r in stall.seen]
+                    call=r.call, io_bytes=r.io_bytes, process_cpu=r.process_cpu, gpu_busy=r.gpu_busy)
+            for n, r in stall.seen]
