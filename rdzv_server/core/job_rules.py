@@ -135,9 +135,10 @@ class JobRules:
         """Place a newly joined (or readmitted) node: waiting for the next round, or spare once the members and the
         ready waiting nodes fill max_nodes (nodes still preparing hold no place)."""
         job, cfg = self.job, self.job.config
-        if len(self.members()) + sum(job.nodes[n].ready for n in job.waiting) < cfg.max_nodes:
+        if len(self.members()) + self.ready_waiting() < cfg.max_nodes:
             node.state = NodeState.WAITING
             job.waiting.append(node.node_id)
+            job.waiting_preparing += not node.ready
             if job.forming_since is None:
                 job.forming_since = now
                 self.record(now, EventKind.ROUND_OPENED, f"round {job.last_round_id + 1} opened by {node.node_id}: "
@@ -153,7 +154,7 @@ class JobRules:
         """Form the next round as the ready nodes allow: at once when they fill max_nodes, else once the last call
         after min_nodes ends. A node still preparing counts for neither: no round waits on it."""
         job, cfg = self.job, self.job.config
-        ready = sum(job.nodes[n].ready for n in job.waiting)
+        ready = self.ready_waiting()
         if not ready:
             return                  # nobody to add: the running round (if any) stays as it is
         total = len(self.members()) + ready
@@ -166,12 +167,18 @@ class JobRules:
                 job.last_call_deadline = now + cfg.last_call_s
                 self.out.deadline(job.last_call_deadline)
 
+    def ready_waiting(self) -> int:
+        """The waiting nodes that can start at once (counted as they come and go: no scan of a long list)."""
+        return len(self.job.waiting) - self.job.waiting_preparing
+
     def readiness(self, node: NodeRecord, ready: bool, now: float) -> None:
         """What the node's agent says of its workers: a waiting node that becomes ready may complete a round."""
         if node.ready == ready:
             return
         node.ready, node.preparing_since = ready, 0.0 if ready else now
         self.node_changed(node.node_id)
+        if node.state == NodeState.WAITING:
+            self.job.waiting_preparing += -1 if ready else 1
         if not ready:
             node.preparing_said = False
             self.out.deadline(now + PREPARE_LIMIT_S)
@@ -198,7 +205,8 @@ class JobRules:
         job, cfg = self.job, self.job.config
         pool = candidates(job)
         chosen, rest = pool[: cfg.max_nodes], pool[cfg.max_nodes:]
-        preparing = [n for n in job.waiting + job.spares if n not in pool]    # kept where they wait, not dropped
+        pooled = set(pool)
+        preparing = [n for n in job.waiting + job.spares if n not in pooled]   # kept where they wait, not dropped
         took = places_taken(job, chosen)
         job.last_call_deadline = None
         job.successes = []
@@ -213,7 +221,7 @@ class JobRules:
                 job.places = list(job.round.ranked or job.round.members)
             job.round = None
             job.state = JobState.WAITING
-            job.waiting, job.spares = chosen + preparing, rest
+            job.waiting, job.spares, job.waiting_preparing = chosen + preparing, rest, len(preparing)
             for nid in job.waiting:
                 job.nodes[nid].state = NodeState.WAITING
             if job.join_deadline is None:
@@ -231,6 +239,7 @@ class JobRules:
         job.state = JobState.RUNNING
         room = cfg.max_nodes - len(chosen)          # a node preparing waits for a place that is free ...
         job.waiting, job.spares, job.places = preparing[:room], rest + preparing[room:], []
+        job.waiting_preparing = len(job.waiting)
         for nid in chosen:
             job.nodes[nid].state = NodeState.MEMBER
         for nid in job.waiting:
@@ -273,6 +282,8 @@ class JobRules:
         job = self.job
         was_member = node.node_id in self.members()
         del job.nodes[node.node_id]
+        if node.state == NodeState.WAITING and not node.ready:
+            job.waiting_preparing -= 1
         self.node_changed(node.node_id)
         for queue in (job.waiting, job.spares, job.excluded, job.successes):
             if node.node_id in queue:
@@ -285,12 +296,13 @@ class JobRules:
                 self.form_round(now, message, REMOVAL_CAUSE[kind], failed_at)
         elif job.last_call_deadline is not None:
             # Below min, or with no newcomer left while a round runs, the window has nothing to form.
-            if len(self.members()) + len(job.waiting) < job.config.min_nodes:
+            if len(self.members()) + self.ready_waiting() < job.config.min_nodes:
                 job.last_call_deadline = None
                 if job.join_deadline is not None:      # hidden while the window was open: due again
                     self.out.deadline(job.join_deadline)
-            elif job.round is not None and not job.waiting:
-                job.last_call_deadline = job.forming_since = None
+            elif job.round is not None and not self.ready_waiting():      # nobody ready left to add
+                job.last_call_deadline = None
+                job.forming_since = now if job.waiting else None
 
     def exclude(self, node: NodeRecord, now: float) -> None:
         job, cfg = self.job, self.job.config
@@ -300,6 +312,8 @@ class JobRules:
         self.node_changed(node.node_id)
         self.out.deadline(node.excluded_until)
         node.failure_times = []
+        if node.state == NodeState.WAITING and not node.ready:
+            job.waiting_preparing -= 1
         node.state = NodeState.EXCLUDED
         for queue in (job.waiting, job.spares):
             if node.node_id in queue:

@@ -114,7 +114,7 @@ def resize(rules: JobRules, min_nodes: int, max_nodes: int, now: float) -> None:
         elif job.waiting:      # already at the new max: newcomers become spares, no round to form
             for nid in job.waiting:
                 job.nodes[nid].state = NodeState.SPARE
-            job.spares, job.waiting = job.waiting + job.spares, []
+            job.spares, job.waiting, job.waiting_preparing = job.waiting + job.spares, [], 0
             job.last_call_deadline = job.forming_since = None
     elif len(job.waiting) + len(job.spares) >= min_nodes:
         rules.form_round(now, why, RoundCause.RESIZED)

@@ -88,6 +88,7 @@ class JobRecord(msgspec.Struct, kw_only=True):
     last_round_id: int = 0                     # ids only grow, across all rounds ever formed
     waiting: list[str] = msgspec.field(default_factory=list)  # admitted, for the next round, in order
     places: list[str] = msgspec.field(default_factory=list)   # while waiting: the last round's, by group rank
+    waiting_preparing: int = 0      # of `waiting`, the nodes whose workers cannot start at once yet (not ready)
     spares: list[str] = msgspec.field(default_factory=list)
     excluded: list[str] = msgspec.field(default_factory=list)
     drained: dict[str, str] = msgspec.field(default_factory=dict)  # node id -> operator's reason: may not join

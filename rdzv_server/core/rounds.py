@@ -117,7 +117,7 @@ def candidates(job: JobRecord) -> list[str]:
     shards, of the node it replaces. With nobody to take a place, the survivors behind it close up in order.
     While the job waits for nodes, the last round's places are kept (`job.places`) for the survivors waiting. Only
     ready nodes are candidates (JoinRequest.ready)."""
-    if job.round is not None:
+    if job.round is not None:          # a member keeps its place, whatever it says of its next start
         places, stay = job.round.ranked or job.round.members, set(job.round.members)
     else:
         places, stay = job.places, {n for n in job.waiting if job.nodes[n].ready}
@@ -136,8 +136,8 @@ def places_taken(job: JobRecord, chosen: list[str]) -> dict[str, str]:
     """Of the round about to form from `chosen`, each node at a place another held in the last round (gone since)
     -> that other node: a newcomer that takes over its ranks and its shards."""
     places = (job.round.ranked or job.round.members) if job.round is not None else job.places
-    return {nid: places[i] for i, nid in enumerate(chosen[:len(places)])
-            if places[i] != nid and places[i] not in chosen}
+    kept = set(chosen)
+    return {nid: places[i] for i, nid in enumerate(chosen[:len(places)]) if places[i] != nid and places[i] not in kept}
 
 
 WITNESSES = 2      # other members each node may probe while the server is silent

@@ -492,6 +492,7 @@ class RendezvousMachine(RuleBasedStateMachine):
         for state, ids in places.items():
             for n in ids:
                 assert job.nodes[n].state == state
+        assert job.waiting_preparing == sum(not job.nodes[n].ready for n in job.waiting), job.waiting_preparing
         if job.state == JobState.WAITING:
             assert job.round is None and not job.spares
         if job.state == JobState.RUNNING:

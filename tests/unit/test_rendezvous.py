@@ -295,6 +295,18 @@ def test_a_node_preparing_joins_no_round_until_it_is_ready_and_then_completes_on
     assert not [e for e in job(rz).events if e.kind in ("node_preparing", "node_ready")]   # not long: not said
 
 
+def test_a_last_call_left_with_only_a_node_preparing_forms_no_round():
+    rz = running(["a"], cfg(min_nodes=1, max_nodes=3, last_call_s=5.0, **QUIET))
+    first = round_id(rz)
+    join(rz, "b", 1.0, job(rz).config)                      # ready: a last call opens for it
+    join(rz, "c", 1.1, job(rz).config, ready=False)
+    assert job(rz).last_call_deadline == 6.0
+    leave(rz, "b", 2.0)                                     # only c, still preparing, is left to add
+    assert job(rz).last_call_deadline is None
+    rz.tick(7.0)
+    assert round_id(rz) == first and members(rz) == ["a"]   # a's workers were not restarted for nothing
+
+
 def test_the_first_round_waits_for_nobody_preparing_and_forms_once_they_are_ready():
     rz = Rendezvous()
     config = cfg(min_nodes=2, max_nodes=2, **QUIET)
