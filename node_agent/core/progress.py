@@ -3,8 +3,8 @@ reads the records and /proc, `now` is an argument). It says when a rank has stal
 the job's own step times, and sums the round up for the server (`ProgressNote`, on the next request).
 
 A rank is watched once it has stepped: a job with no progress signal (no optimizer step, no `beat()`) is never
-stalled here. The threshold is max(STALL_FLOOR_S, STALL_STEPS x the median recent step), so a rank is looked at
-well before the targets of max(10 s, 5 steps) plus the restart; what a rank is doing then decides (stalls.py).
+stalled here. The threshold is max(STALL_FLOOR_S, STALL_STEPS x the median recent step), so a certain hang is
+decided within max(10 s, 3 steps) plus the restart; what a rank is doing then decides (stalls.py).
 """
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
 """What a rank that stopped stepping is doing, from what the agent can see of it: its process state and its main
-thread's CPU time and I/O (/proc), and its main thread's Python stack at two looks (the probe's faulthandler
-dump). Pure: the agent's shell reads, this decides. The server weighs every node's answer (core/hangs.py).
+thread's CPU time and I/O (/proc), its main thread's Python stack at several looks (the probe's faulthandler
+dump) and its GPU's utilization. Pure: the agent's shell reads, this decides. The server weighs every node's
+answer (core/hangs.py).
 
 The rule, in order: gone -> EXITED; stopped -> STOPPED; busy in its own code with the same stack at every look
 and no I/O -> SPINNING; idle in a CUDA wait while its GPU is busy -> WORKING (it computes on the GPU); idle in
@@ -125,8 +126,8 @@ def call_of(frames: list[Frame]) -> str:
     cuda = [f for f in frames if _in([f], ("/torch/cuda/",))]
     if cuda:
         return f"cuda {cuda[0].function}"
-    torch = [f for f in frames if _in([f], ("/torch/",)) and f.function not in WRAPPERS]
-    return torch[0].function if torch else ""
+    in_torch = [f for f in frames if _in([f], ("/torch/",)) and f.function not in WRAPPERS]
+    return in_torch[0].function if in_torch else ""
 
 
 def _one_loop(stacks: list[list[Frame]]) -> bool:
