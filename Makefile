@@ -6,8 +6,8 @@ PIP_FLAGS := --disable-pip-version-check -q
 PYTEST_WORKERS ?= 3
 
 .PHONY: venv chromium deploy-tools netns-tools etcd demo test multihost soak fuzz bench bench-faults bench-scale bench-blip bench-progress \
-	bench-leftovers bench-console bench-hangs \
-	bench-failover bench-first-step gpu-check test-oldest clean
+	bench-leftovers bench-console bench-hangs bench-places \
+	bench-failover bench-first-step gpu-check gpu-hangs test-oldest clean
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -137,6 +137,12 @@ BENCH_HANGS_ARGS ?= --solo http,poll,metrics,torchops,numpy,save,dataloader,eval
 bench-hangs: venv
 	$(PY) benchmarks/bench_hangs.py $(BENCH_HANGS_ARGS)
 
+# A spare takes a lost node's place (issue 45): who holds which ranks after a lost node, two lost with one spare,
+# and how long a running node stands stopped when a second joins; about 5 minutes. BENCH_PLACES_ARGS replaces them.
+BENCH_PLACES_ARGS ?= --lost 3 --lost2 3 --scale-up 3
+bench-places: venv
+	$(PY) benchmarks/bench_places.py $(BENCH_PLACES_ARGS)
+
 # Replicas on etcd: failover time with 1,000 simulated agents, acknowledged changes over 50 failovers,
 # formation on etcd vs SQLite (docs/benchmarks.md; about 10 minutes).
 bench-failover: venv etcd
@@ -149,6 +155,15 @@ bench-failover: venv etcd
 GPU_PYTHON ?= $(if $(wildcard $(PY)),$(PY),$(PYTHON))
 gpu-check:
 	PYTHONPATH=$(CURDIR) $(GPU_PYTHON) benchmarks/gpu_check.py
+
+# On a node with a GPU: issue 44's hang cases with the model on the GPU (every rank shares GPU 0 over gloo, as a
+# node with one GPU can): a rank's long CUDA kernels waited for while the others wait (must not be decided: its
+# GPU is busy), an evaluation, a rank stopped, and a deadlock with the GPUs idle. GPU_HANGS_BACKEND=nccl on a
+# node with a GPU per rank. Writes docs/bench-hangs-gpu.json (about 4 minutes).
+GPU_HANGS_BACKEND ?= gloo
+GPU_HANGS_ARGS ?= --solo kernel,eval --solo-s 30 --certain stop,deadlock --runs 1 --out docs/bench-hangs-gpu.json
+gpu-hangs:
+	DEVICE=cuda BACKEND=$(GPU_HANGS_BACKEND) PYTHONPATH=$(CURDIR) $(GPU_PYTHON) benchmarks/bench_hangs.py $(GPU_HANGS_ARGS)
 
 clean:
 	rm -rf $(VENV) $(OLDEST) *.egg-info .pytest_cache .hypothesis

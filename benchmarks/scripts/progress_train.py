@@ -17,6 +17,9 @@ line), so a benchmark can compare what the launcher saw with what the script did
                                attempt, while the others wait in the next collective (SOLO_URL: the slow HTTP
                                service); OUT_DIR/solo-R-STEP holds the unix time it began
   GATHERS=N GATHER_MB=M        after step 10, every rank all-gathers M MB chunks N times (no step meanwhile)
+  DEVICE=cuda BACKEND=nccl     the model, the compute and SOLO=kernel on the GPU (local rank modulo the GPUs:
+                               on one GPU every rank shares it, with gloo moving CUDA tensors); BACKEND: gloo
+  SOLO=kernel                  rank R waits in torch.cuda.synchronize for SOLO_S of CUDA kernels (its GPU busy)
 """
 import collections
 import os
@@ -31,7 +34,10 @@ from torch.nn.parallel import DistributedDataParallel
 
 env = os.environ.get
 out = env("OUT_DIR", ".")
-dist.init_process_group("gloo")
+device = env("DEVICE", "cpu")
+if device == "cuda":
+    torch.cuda.set_device(int(env("LOCAL_RANK", "0")) % torch.cuda.device_count())
+dist.init_process_group(env("BACKEND", "gloo"))
 rank = dist.get_rank()
 restart = int(env("TORCHELASTIC_RESTART_COUNT", "0"))
 fault = env("FAULT", "") if restart == 0 else ""
@@ -41,13 +47,14 @@ work = int(env("WORK", "8")) * (3 if slow else 1)
 jitter = float(env("JITTER", "0"))
 random.seed(rank * 1000 + restart)
 torch.manual_seed(0)
-model = DistributedDataParallel(torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1)))
+model = DistributedDataParallel(torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(),
+                                                   torch.nn.Linear(64, 1)).to(device))
 opt = torch.optim.SGD(model.parameters(), lr=0.01)
-weights = torch.randn(192, 192) / 14
+weights = torch.randn(192, 192, device=device) / 14
 
 
 def compute(units: float) -> None:
-    x = torch.randn(192, 192)
+    x = torch.randn(192, 192, device=device)
     for _ in range(max(1, round(units))):
         x = torch.tanh(x @ weights)
 
@@ -116,7 +123,15 @@ def alone(step_: int) -> None:
     elif solo == "eval":                    # an evaluation through nn.Module
         with torch.no_grad():
             while time.time() < end:
-                model.module(torch.randn(256, 64))
+                model.module(torch.randn(256, 64, device=device))
+    elif solo == "kernel":                  # long CUDA kernels queued at once, then waited for (GPU busy)
+        began_at = time.time()
+        torch.cuda._sleep(10 ** 8)
+        torch.cuda.synchronize()
+        per = max(1e-4, time.time() - began_at)
+        for _ in range(int(solo_s / per)):
+            torch.cuda._sleep(10 ** 8)
+        torch.cuda.synchronize()
 
 
 def checkpoint(seconds: float) -> None:
@@ -168,7 +183,7 @@ while go_on():
             raise RuntimeError(f"injected crash at step {step}")
     if fault == "deadlock" and step == fault_step:
         if rank == fault_rank:
-            dist.recv(torch.zeros(1), src=0)
+            dist.recv(torch.zeros(1, device=device), src=0)
         else:
             dist.barrier()
     if solo and solo != "dataloader" and rank == solo_rank and step in solo_at:
@@ -187,7 +202,7 @@ while go_on():
     if ckpt_every and step and step % ckpt_every == 0:
         checkpoint(ckpt_s)
     compute(work * (1 + random.uniform(-jitter, jitter)))
-    loss = model(next(batches)).pow(2).mean()
+    loss = model(next(batches).to(device)).pow(2).mean()
     opt.zero_grad()
     loss.backward()
     opt.step()
