@@ -25,9 +25,10 @@ def lapse_at(renewed_at: float | None, unreachable_since: float, lease_timeout_s
 
 
 def first_ask_at(renewed_at: float | None, unreachable_since: float, lease_timeout_s: float) -> float:
-    """When to ask the witnesses first: shortly before the lapse, never at the first failed try."""
-    return max(lapse_at(renewed_at, unreachable_since, lease_timeout_s) - EARLY_ASK_S,
-               unreachable_since + FENCE_MARGIN_S)
+    """When to ask the witnesses first: shortly before the lapse, or at once when the failed try comes later
+    (a held poll's dead connection is noticed by keepalive up to ~4.5 s after the cut: waiting longer would put
+    the fence past lease + 2 s). An early ask costs nothing: its verdict is moot once the server answers."""
+    return max(lapse_at(renewed_at, unreachable_since, lease_timeout_s) - EARLY_ASK_S, unreachable_since)
 
 
 def fenced(verdict: Verdict, silent_s: float, lease_timeout_s: float, rank: int) -> tuple[str, WorkerFailure]:

@@ -387,6 +387,17 @@ def test_a_silence_ending_at_the_lapse_is_confirmed_by_one_more_ask():
     assert isinstance(p.handle(PeersProbed(Verdict.SILENT, Path.NO_SERVER), 16.5)[0], StopWorkers)   # 1 s after lapse
 
 
+def test_a_failed_try_noticed_after_the_early_ask_time_asks_at_once():
+    # A held poll's dead connection is noticed by keepalive seconds after the cut: asking then, not half a
+    # second later, keeps the fence within lease + 2 s of the cut (two silences of a probe's limit each).
+    p = fenced_policy()
+    asked = p.handle(unreachable(), 15.0)                       # past lapse - 1 s (14.5): at once
+    assert len(asked) == 1 and isinstance(asked[0], ProbePeers)
+    assert p.handle(PeersProbed(Verdict.SILENT, Path.NO_SERVER), 16.0) == [] and p.workers == Workers.RUNNING
+    p.handle(DeadlinePassed(), 16.0)
+    assert isinstance(p.handle(PeersProbed(Verdict.SILENT, Path.NO_SERVER), 17.0)[0], StopWorkers)
+
+
 def test_a_silence_then_witnesses_that_do_not_hear_the_server_keep_the_workers():
     p = fenced_policy()
     p.handle(unreachable(), 14.0)
