@@ -14,6 +14,7 @@ from typing import TextIO
 
 from node_agent.client.transport import Transport, free_port
 from node_agent.client.witness import WitnessServer
+from node_agent.copies import PeerCopies
 from node_agent.core.actions import (
     Action,
     CheckNode,
@@ -32,6 +33,7 @@ from node_agent.core.node_health import NodeHealth
 from node_agent.core.policy import SupervisionPolicy
 from node_agent.narration import Narrator
 from node_agent.node_checks import NodeChecks
+from node_agent.replicas.wire import is_replica_request
 from node_agent.server_link import ServerLink
 from node_agent.settings import AgentSettings
 from node_agent.sources import start_source
@@ -65,7 +67,10 @@ class Agent:
         self._first_signal: tuple[int, float] | None = None   # the signal that asked the agent to stop, and when
         self.exit: Exit | None = None       # how the agent ended (None while it runs)
         # answers the other members' "are you there, and do you hear the server?" (witness.py)
-        self.witness = WitnessServer(addr, lambda: self.policy.in_contact, self._holds)
+        self.copies = PeerCopies(self.workers.memory, link.nproc, link.node_id, self.narrator.say,
+                                 settings.workers.replica_bandwidth)
+        self.witness = WitnessServer(addr, lambda: self.policy.in_contact, self._holds,
+                                     (is_replica_request, self.copies.serve))
         self._link: ServerLink | None = None
 
     now = staticmethod(time.monotonic)
@@ -86,6 +91,7 @@ class Agent:
         finally:
             for sig in self.settings.workers.signals:
                 loop.remove_signal_handler(sig)
+            await self.copies.close()
             await self.workers.close()
             await self.witness.close()
             self.checks.close()
@@ -137,6 +143,8 @@ class Agent:
                 async with link.lease_kept(max(0.2, self.link.job.lease_timeout_s / 3)):
                     await self.workers.stop(signum)
             case Spawn(assignment=assignment):
+                async with link.lease_kept(max(0.2, self.link.job.lease_timeout_s / 3)):   # a fetch may take a while
+                    await self.copies.before_spawn(assignment, self.workers.memory.dirs(assignment.local_world_size))
                 await self.workers.spawn(assignment)
             case ReportFailure(round_id=round_id, failures=failures):
                 link.report_failure(round_id, failures, self.workers.progress_note(round_id))
@@ -187,13 +195,14 @@ class Agent:
         return await self.transport.join(
             addr=self.addr, host=self.hostname, local_world_size=self.link.nproc, master_port=free_port(self.addr),
             config=self.link.job, instance=self.instance, role=self.link.role, probe_port=self.witness.port,
-            command=self.link.command, checks=self.checks.summary, ready=self.workers.ready)
+            command=self.link.command, checks=self.checks.summary, ready=self.workers.ready,
+            domain=self.link.failure_domain)
 
     async def _poll(self, wait_s: float) -> NodeStatus:
         known = self.policy.known_round
         return await self.transport.poll(known, wait_s, master_port=free_port(self.addr),
                                          progress=self.workers.progress_note(known) if known >= 0 else None,
-                                         ready=self.workers.ready)
+                                         ready=self.workers.ready, copies=self.copies.note())
 
     async def _when_ready(self, link: ServerLink) -> None:
         """The server forms rounds only of nodes that can start their workers at once: say so as soon as this one

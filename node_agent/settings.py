@@ -68,6 +68,7 @@ class WorkerSettings:
     stop_timeout: float = 30.0         # signal -> SIGKILL
     kill_timeout: float = 10.0         # after SIGKILL: a worker still alive then marks the node unhealthy
     memory_dir_limit: int | None = None   # bytes for the node's in-memory checkpoints; None: the default; 0: off
+    replica_bandwidth: int = 1 << 30   # bytes/s of peer copies sent (node_agent/copies.py); 0: no cap
     warm_workers: str = "auto"         # auto: Python entry points fork from a warm zygote; off: all cold
     warm_preload: tuple[str, ...] = DEFAULT_PRELOAD
 
@@ -95,6 +96,7 @@ class LinkSettings:
     node_id: str = ""
     local_addr: str | None = None
     role: str = "default"
+    failure_domain: str = ""           # JoinRequest.domain ("": the host)
     nproc: int = 1
     node_rank: int = 0                 # static mode: this node's rank, node rank 0's address and the store port
     master_addr: str = "127.0.0.1"

@@ -33,6 +33,7 @@ MAX_TRACEBACK = 16384
 MAX_CREDENTIAL = 64
 MAX_POLL_WAIT_S = 60.0               # agents ask for this and let the server choose the hold
 MAX_COMMAND = 64                     # a join's command fingerprint
+MAX_REPLICAS = 4                     # peer copies of each node's snapshots (JobConfig.replicas)
 
 RoundRef = Annotated[int, Meta(ge=-1, le=MAX_ROUND)]
 Nodes = Annotated[int, Meta(ge=1, le=MAX_NODES)]
@@ -100,6 +101,9 @@ class JobConfig(msgspec.Struct, kw_only=True, frozen=True):
     hang_timeout_s: Seconds = 600.0
     hang_alone_timeout_s: Seconds = 1800.0
     replace_slow_nodes: bool = False   # a node named slow is drained, for a spare to take its place
+    # Peer copies (node_agent/replicas/): each member's agent copies its ranks' newest in-memory snapshot to this
+    # many other members, in another failure domain; a node taking a lost node's place fetches them. 0: off.
+    replicas: Annotated[int, Meta(ge=0, le=MAX_REPLICAS)] = 1
 
     def __post_init__(self) -> None:
         _check(self.max_nodes >= self.min_nodes, "max_nodes",
@@ -139,10 +143,13 @@ class JoinRequest(_Request, kw_only=True):
     # Its workers can start at once. False while its warm interpreter still imports (it says so on a poll once
     # ready): the node waits outside the rounds meanwhile, so running nodes never stand stopped for it.
     ready: bool = True
+    # Its failure domain (a rack, a switch: what fails together), for choosing where its copies go; "": its host.
+    domain: ShortText = ""
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        _printable(addr=self.addr, host=self.host, role=self.role, instance=self.instance, checks=self.checks)
+        _printable(addr=self.addr, host=self.host, role=self.role, instance=self.instance, checks=self.checks,
+                   domain=self.domain)
 
 
 Count = Annotated[int, Meta(ge=0, le=MAX_ROUND)]
@@ -170,6 +177,20 @@ class ProgressNote(msgspec.Struct, kw_only=True, frozen=True, gc=False):
     resumed_step: Annotated[int, Meta(ge=-1, le=MAX_ROUND)] = -1   # the step node_agent.snapshot resumed from
 
 
+Bytes = Annotated[int, Meta(ge=0, le=2 ** 62)]
+
+
+class CopiesNote(msgspec.Struct, kw_only=True, frozen=True, gc=False):
+    """This node's peer copies (node_agent/copies.py), on its polls: the newest snapshot step all its local ranks
+    hold, the newest step copied to a peer for all of them and where, and its totals (-1: none)."""
+    local_step: Annotated[int, Meta(ge=-1, le=MAX_ROUND)] = -1
+    copied_step: Annotated[int, Meta(ge=-1, le=MAX_ROUND)] = -1
+    holder: ShortText = ""             # addr:port of the peer holding its newest copies
+    sent_bytes: Bytes = 0
+    refused: Count = 0                 # pushes a peer refused or could not take
+    held_bytes: Bytes = 0              # copies this node holds for others
+
+
 class PollRequest(_Request, kw_only=True):
     """Long-poll: answered once this node's view differs from `known_round` (the round whose workers the agent
     runs, -1: none), else after `wait_s`; renews the lease. `master_port` refreshes the port for the next round."""
@@ -178,6 +199,7 @@ class PollRequest(_Request, kw_only=True):
     master_port: Port = 0
     progress: ProgressNote | None = None
     ready: bool = True                 # as JoinRequest.ready: its workers can start at once
+    copies: CopiesNote | None = None
 
 
 class WorkerFailure(msgspec.Struct, kw_only=True, frozen=True, gc=False):
@@ -305,6 +327,13 @@ class Assignment(msgspec.Struct, kw_only=True, frozen=True, gc=False):
     # Up to two other members' agents: reachable while the server is not means the server (or this
     # node's link to it) is what broke, not this node's network: its workers keep running.
     witnesses: tuple[Witness, ...] = ()
+    # Peer copies (JobConfig.replicas): the members' agents to push this node's snapshots to, and the job's key
+    # that every copy carries (members only: it comes in assignments). A node that took a gone node's place
+    # fetches that node's copies (`copies_of`) from `copies_at` before its workers start.
+    replicas: tuple[Witness, ...] = ()
+    replica_key: str = ""
+    copies_of: str = ""
+    copies_at: Witness | None = None
 
 
 class NodeStatus(msgspec.Struct, kw_only=True, gc=False):

@@ -7,7 +7,7 @@ from typing import Any
 
 import msgspec
 
-from protocol.messages import JobConfig, WorkerFailure
+from protocol.messages import CopiesNote, JobConfig, WorkerFailure
 
 
 class NodeView(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -31,6 +31,7 @@ class NodeView(msgspec.Struct, kw_only=True, omit_defaults=True):
     exclusions: int | None = None
     slow: bool | None = None               # members of an unfinished job: named slow now (the others wait on it)
     steps_per_s: float | None = None       # ... and its steps per second lately (None: not reported)
+    copies: CopiesNote | None = None       # its peer copies as its agent last said (issue 46)
 
 
 class DrainedView(msgspec.Struct):

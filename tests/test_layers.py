@@ -30,12 +30,13 @@ ALLOWED: dict[str, tuple[str, ...]] = {
                                 "node_agent.workers.launch"),
     # the progress probe runs inside workers, loaded by file path: it imports nothing of ours
     "node_agent.progress": (),
+    "node_agent.replicas": (),       # the peer-copy wire and store: the standard library alone
     # the command line: read into settings; the composition root (node_agent/main.py) builds the rest
     "node_agent.cli": ("protocol", "node_agent.settings", "node_agent.gpu.topology"),
     "node_agent.plugin": ("protocol", "node_agent.client", "node_agent.cli.job_identity", "node_agent.cli.rdzv_conf",
                           "node_agent.cli.values", "node_agent.workers.script_check"),
     "node_agent": ("protocol", "node_agent.core", "node_agent.client", "node_agent.workers", "node_agent.cli",
-                   "node_agent.gpu"),
+                   "node_agent.gpu", "node_agent.replicas"),
 }
 OURS = ("protocol", "rdzv_server", "node_agent", "rdzv_ctl")
 

@@ -138,6 +138,14 @@ FLAGS: tuple[Flag, ...] = (
          "default half of /dev/shm's free space"),
     Flag(("--no-memory-dir", "--no_memory_dir"), "no_memory_dir", None,
          "no in-memory checkpoint directory (the same as --memory-dir-limit 0)"),
+    Flag(("--replicas",), "replicas", "K",
+         "copy each rank's newest in-memory snapshot to K other nodes' memory (in another failure domain), so a "
+         "node that takes a lost node's place resumes from it rather than from disk; 0: off; default {default}"),
+    Flag(("--failure-domain", "--failure_domain"), "failure_domain", "LABEL",
+         "what fails with this node (a rack, a switch): copies go to nodes with another label; default "
+         "$SLURM_TOPOLOGY_ADDR's switch, else the host"),
+    Flag(("--replica-bandwidth", "--replica_bandwidth"), "replica_bandwidth", "SIZE",
+         "the most this node sends per second of copies to its peers (100M, 1G, ...); 0: no cap; default 1G"),
     Flag(("--exclude-after", "--exclude_after"), "exclude_after", "K",
          "exclude a node after K worker failures within --exclude-window (job-wide); 0 never; default {default}"),
     Flag(("--exclude-window", "--exclude_window"), "exclude_window_s", "S",

@@ -104,7 +104,8 @@ def parse_options(argv: Sequence[str], environ: Mapping[str, str] = os.environ) 
         job=job_config(line, conf, min_nodes, max_nodes, counts.nodes_flag), local_addr=get("local_addr"),
         node_rank=node_rank, master_addr=form.master_addr, master_port=form.master_port,
         server_wait=non_negative(line, "server_wait", conf.get("server_wait"), "--rdzv-conf server_wait"),
-        nproc=counts.nproc, job_id=job_id, node_id=node_id, role=role)
+        nproc=counts.nproc, job_id=job_id, node_id=node_id, role=role,
+        failure_domain=_failure_domain(line, environ))
     workers = WorkerSettings(
         script=script, script_args=script_args, module=module, no_python=no_python, run_path=run_path,
         log_dir=get("log_dir") or None, redirects=parse_std(get("redirects") or "0", line.failing("redirects")),
@@ -118,7 +119,8 @@ def parse_options(argv: Sequence[str], environ: Mapping[str, str] = os.environ) 
         signals=parse_signals(get("signals"), line.failing("signals")) if get("signals") else DEFAULT_SIGNALS,
         stop_timeout=non_negative(line, "stop_timeout", stop_default, "$TORCH_ELASTIC_SHUTDOWN_TIMEOUT"),
         kill_timeout=non_negative(line, "kill_timeout"),
-        memory_dir_limit=_memory_dir_limit(line), warm_workers=_choice(line, "warm_workers", ("auto", "off")),
+        memory_dir_limit=_memory_dir_limit(line), replica_bandwidth=_replica_bandwidth(line),
+        warm_workers=_choice(line, "warm_workers", ("auto", "off")),
         warm_preload=parse_modules(get("warm_preload"), line.failing("warm_preload"))
         if get("warm_preload") is not None else DEFAULT_PRELOAD,
         nproc=counts.nproc, job_id=job_id, node_id=node_id, role=role)
@@ -261,6 +263,22 @@ def _role(line: CommandLine, nproc: int, environ: Mapping[str, str]) -> str:
         if nproc > len(visible):
             line.fail("virtual_local_rank", f"{nproc} workers but CUDA_VISIBLE_DEVICES lists {len(visible)} devices")
     return role
+
+
+def _replica_bandwidth(line: CommandLine) -> int:
+    given = line.get("replica_bandwidth")
+    return WorkerSettings.replica_bandwidth if given is None else parse_size(given, line.failing("replica_bandwidth"))
+
+
+def _failure_domain(line: CommandLine, environ: Mapping[str, str]) -> str:
+    """--failure-domain, else Slurm's topology address without its last part (the node's switch), else ""."""
+    given = line.get("failure_domain")
+    if given is not None:
+        if not given.isprintable() or not 0 < len(given) <= 256:
+            line.fail("failure_domain", f"must be 1-256 printable characters, got {given[:64]!r}")
+        return str(given)
+    topology = environ.get("SLURM_TOPOLOGY_ADDR", "")
+    return topology.rpartition(".")[0][:256] if topology.isprintable() else ""
 
 
 def _memory_dir_limit(line: CommandLine) -> int | None:

@@ -15,6 +15,7 @@ from protocol.codec import REQUEST_TYPES
 from protocol.errors import RETRYABLE, ErrorCode
 from protocol.messages import (
     PROTOCOL_VERSION,
+    CopiesNote,
     FailureReport,
     JobConfig,
     JoinRequest,
@@ -109,18 +110,20 @@ class Transport:
 
     async def join(self, *, addr: str, host: str, local_world_size: int, master_port: int, config: JobConfig,
                    instance: str, role: str, probe_port: int = 0, command: str = "", checks: str = "",
-                   ready: bool = True) -> NodeStatus:
+                   ready: bool = True, domain: str = "") -> NodeStatus:
         # torchrun allows an empty role (TorchX passes --role ""); the server's rule wants a name.
         return await self._request(self._for_node(
             JoinRequest, addr=addr, host=host, local_world_size=local_world_size, master_port=master_port,
             config=config, instance=instance, role=role or "default", probe_port=probe_port, command=command,
-            checks=checks, ready=ready))
+            checks=checks, ready=ready, domain=domain))
 
     async def poll(self, known_round: int, wait_s: float, master_port: int = 0,
-                   progress: ProgressNote | None = None, ready: bool = True) -> NodeStatus:
+                   progress: ProgressNote | None = None, ready: bool = True,
+                   copies: CopiesNote | None = None) -> NodeStatus:
         wait_s = poll_wait(wait_s, self.hold_s)
         return await self._request(self._for_node(PollRequest, known_round=known_round, wait_s=wait_s,
-                                                  master_port=master_port, progress=progress, ready=ready),
+                                                  master_port=master_port, progress=progress, ready=ready,
+                                                  copies=copies),
                                    wait_s + self.REQUEST_TIMEOUT_S)
 
     async def report_failure(self, round_id: int, failures: list[WorkerFailure],

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import re
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 from protocol.messages import Witness
 
@@ -24,12 +24,18 @@ PROBE_TIMEOUT_S = 1.0
 ASK_WAIT_S = 0.3      # an older asker sends no question: answered the older way after this
 
 
+Serve = Callable[[bytes, asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+
+
 class WitnessServer:
-    def __init__(self, addr: str, in_contact: Callable[[], bool], holds: Callable[[], int] = lambda: -1) -> None:
-        """`in_contact()`: whether this agent hears the server; `holds()`: the round it runs (-1: none)."""
+    def __init__(self, addr: str, in_contact: Callable[[], bool], holds: Callable[[], int] = lambda: -1,
+                 copies: tuple[Callable[[bytes], bool], Serve] | None = None) -> None:
+        """`in_contact()`: whether this agent hears the server; `holds()`: the round it runs (-1: none);
+        `copies`: (whether a first line is a peer copy's request, what serves it: node_agent/copies.py)."""
         self.addr = addr
         self.in_contact = in_contact
         self.holds = holds
+        self.copies = copies
         self.port = 0
         self._server: asyncio.Server | None = None
 
@@ -45,9 +51,14 @@ class WitnessServer:
     async def _answer(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         with contextlib.suppress(OSError, asyncio.TimeoutError, ValueError):
             try:
-                asked = _ASK.fullmatch(await asyncio.wait_for(reader.readline(), ASK_WAIT_S))
+                line = await asyncio.wait_for(reader.readline(), ASK_WAIT_S)
             except asyncio.TimeoutError:
-                asked = None
+                line = b""
+            if self.copies is not None and self.copies[0](line):
+                await self.copies[1](line, reader, writer)
+                writer.close()
+                return
+            asked = _ASK.fullmatch(line)
             contact = self.in_contact()
             if asked is None:
                 writer.write(IN_CONTACT if contact else ALONE)

@@ -16,6 +16,12 @@ def digest(credential: str) -> str:
     return hashlib.sha256(credential.encode()).hexdigest() if credential else ""
 
 
+def replica_key(credential: str) -> str:
+    """The job's key for its members' peer copies, derived one-way from its creator's secret (no copy without one):
+    members learn it from their assignments, and it never tells them the creator's credential."""
+    return hmac.new(credential.encode(), b"rdzv replica key", hashlib.sha256).hexdigest()[:48] if credential else ""
+
+
 def owns(node: NodeRecord, credential: str, instance: str) -> bool:
     """Whether a join with `credential` (and `instance`) comes from the agent that owns `node`."""
     if not node.credential_digest:

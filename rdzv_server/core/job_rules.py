@@ -59,6 +59,8 @@ class JobRules:
             else:
                 leases.renew(self.job, node, now)
             self.readiness(node, req.ready, now)
+            if req.copies is not None:
+                node.copies = req.copies
 
     def poll_ended(self, node_id: str, now: float, heard_at: float | None = None) -> None:
         """The server answered a held long-poll of the node; `heard_at`: the last sign of life on its connection."""
@@ -232,7 +234,7 @@ class JobRules:
         opened = job.forming_since if job.forming_since is not None else now
         promoted = len(set(chosen) & set(job.spares))
         job.last_round_id += 1
-        job.round = build_round(job, chosen, job.last_round_id, opened, now, why)
+        job.round = build_round(job, chosen, job.last_round_id, opened, now, why, took)
         corrected = master_correction(job.round, job.nodes[chosen[0]])
         if corrected:
             self.record(now, EventKind.MASTER_ADDR_CORRECTED, corrected, chosen[0], job.last_round_id)

@@ -7,7 +7,7 @@ from typing import Any
 
 import msgspec
 
-from protocol.messages import Assignment, JobConfig, JobState, NodeState, WorkerFailure
+from protocol.messages import Assignment, CopiesNote, JobConfig, JobState, NodeState, WorkerFailure
 from rdzv_server.core.events import EventKind
 from rdzv_server.core.goodput import JobProgress
 from rdzv_server.core.hangs import HangPlace, StallShown
@@ -43,6 +43,8 @@ class NodeRecord(msgspec.Struct, kw_only=True):
     ready: bool = True                 # its workers can start at once: only such nodes enter a round
     preparing_since: float = 0.0       # when it said it was not ready (0: ready)
     preparing_said: bool = False       # preparing past the limit, said once
+    domain: str = ""                   # its failure domain (JoinRequest.domain; "": its host)
+    copies: CopiesNote | None = None   # its peer copies, as its last poll said (shown, never acted on)
 
 
 class RoundRecord(msgspec.Struct, kw_only=True, omit_defaults=True, dict=True):
@@ -63,6 +65,11 @@ class RoundRecord(msgspec.Struct, kw_only=True, omit_defaults=True, dict=True):
     probe_ports: list[int] = []        # 0: answers no probes (not a witness)
     master_port: int = 0
     max_restarts: int = 0
+    domains: list[str] = []            # each member's failure domain: its copies go to another (rounds.py)
+    replicas: int = 0                  # copies of each member's snapshots (JobConfig.replicas)
+    replica_key: str = ""              # the job's key for its members' copies (JobRecord.replica_key)
+    # A node that took a gone node's place -> [that node, the member holding its copies]
+    copies: dict[str, list[str]] = {}
     # A round saved without the columns: its assignments as they were written.
     legacy: dict[str, Assignment] = msgspec.field(default_factory=dict, name="assignments")
 
@@ -90,6 +97,7 @@ class JobRecord(msgspec.Struct, kw_only=True):
     places: list[str] = msgspec.field(default_factory=list)   # while waiting: the last round's, by group rank
     waiting_preparing: int = 0      # of `waiting`, the nodes whose workers cannot start at once yet (not ready)
     spares: list[str] = msgspec.field(default_factory=list)
+    replica_key: str = ""           # what members' agents show each other with a copy (derived from a secret)
     excluded: list[str] = msgspec.field(default_factory=list)
     drained: dict[str, str] = msgspec.field(default_factory=dict)  # node id -> operator's reason: may not join
     loss_times: dict[str, list[float]] = msgspec.field(default_factory=dict)  # node id -> when it was lost

@@ -26,7 +26,7 @@ from protocol.messages import (
     StallReport,
     SuccessReport,
 )
-from rdzv_server.core import admission, operator_rules, progress_rules, reports
+from rdzv_server.core import admission, credentials, operator_rules, progress_rules, reports
 from rdzv_server.core.errors import RendezvousError
 from rdzv_server.core.events import EventKind
 from rdzv_server.core.job_rules import JobRules
@@ -113,12 +113,12 @@ class Rendezvous:
                 raise RendezvousError(ErrorCode.JOB_FINISHED,
                                       f"job {job_id!r} has already {job.state.value}: {job.reason}")
             self._check_room(None, now)
-            rules = self._create(job_id, req.config, req.node_id, now)
+            rules = self._create(job_id, req.config, req.node_id, now, credential)
             rules.record(now, EventKind.JOB_REUSED,
                          f"job id reused: the previous run {job.state.value} ({job.reason})")
         elif job is None:
             self._check_room(None, now)
-            rules = self._create(job_id, req.config, req.node_id, now)
+            rules = self._create(job_id, req.config, req.node_id, now, credential)
         else:
             rules = JobRules(job, self.outbox)
             if req.node_id not in job.nodes:
@@ -350,9 +350,9 @@ class Rendezvous:
             raise RendezvousError(ErrorCode.UNKNOWN_JOB, unknown_job(job_id))
         return JobRules(job, self.outbox)
 
-    def _create(self, job_id: str, config: JobConfig, creator: str, now: float) -> JobRules:
+    def _create(self, job_id: str, config: JobConfig, creator: str, now: float, secret: str = "") -> JobRules:
         job = JobRecord(job_id=job_id, config=config, state=JobState.WAITING, created_at=now,
-                        join_deadline=now + config.join_timeout_s)
+                        join_deadline=now + config.join_timeout_s, replica_key=credentials.replica_key(secret))
         self.jobs[job_id] = job
         self.outbox.new_runs.add(job_id)
         self.outbox.deadline(now + config.join_timeout_s)

@@ -18,37 +18,65 @@ from rdzv_server.core.records import JobRecord, NodeRecord, RoundRecord
 
 
 def build_round(job: JobRecord, members: list[str], round_id: int, opened_at: float, now: float,
-                reason: str) -> RoundRecord:
+                reason: str, took: dict[str, str] | None = None) -> RoundRecord:
     """The round of `members` (by group rank): what assignments are computed from, taken from their records now.
-    No assignment is built here: a failure report is answered before any is needed."""
+    No assignment is built here: a failure report is answered before any is needed. `took`: newcomer -> the gone
+    node whose place it takes (places_taken), told where that node's copies are (the last round's holders)."""
     nodes = [job.nodes[nid] for nid in members]
     sizes = [n.local_world_size for n in nodes]
-    return RoundRecord(round_id=round_id, members=list(members), opened_at=opened_at, completed_at=now,
-                       reason=reason, world_size=sum(sizes), restart_count=job.restart_count,
-                       ranked=list(members), local_sizes=sizes, roles=[n.role for n in nodes],
-                       addrs=reachable_addresses(nodes), probe_ports=[n.probe_port for n in nodes],
-                       master_port=nodes[0].master_port, max_restarts=job.config.max_restarts)
+    replicas = job.config.replicas if job.replica_key else 0
+    r = RoundRecord(round_id=round_id, members=list(members), opened_at=opened_at, completed_at=now,
+                    reason=reason, world_size=sum(sizes), restart_count=job.restart_count,
+                    ranked=list(members), local_sizes=sizes, roles=[n.role for n in nodes],
+                    addrs=reachable_addresses(nodes), probe_ports=[n.probe_port for n in nodes],
+                    master_port=nodes[0].master_port, max_restarts=job.config.max_restarts,
+                    domains=[n.domain or n.host for n in nodes], replicas=replicas, replica_key=job.replica_key)
+    if replicas and took and job.round is not None:
+        r.copies = copies_held(job.round, took, set(members))
+    return r
+
+
+def copies_held(last: RoundRecord, took: dict[str, str], members: set[str]) -> dict[str, list[str]]:
+    """Newcomer -> [the gone node whose place it takes, the member of the new round holding that node's copies],
+    for each gone node whose holder in the `last` round is still a member (else its copies are lost with it)."""
+    out: dict[str, list[str]] = {}
+    ranked = last.ranked or last.members
+    derived = _derived(last)
+    for newcomer, gone in took.items():
+        rank = derived.rank.get(gone)
+        holders = [ranked[i] for i in derived.replica_ranks(rank)] if rank is not None else []
+        holder = next((h for h in holders if h in members), None)
+        if holder is not None:
+            out[newcomer] = [gone, holder]
+    return out
+
+
+def _derived(r: RoundRecord) -> _Derived:
+    derived: _Derived | None = r.__dict__.get("derived")
+    if derived is None:
+        derived = r.__dict__["derived"] = _Derived(r)
+    return derived
 
 
 def assignment(r: RoundRecord, node_id: str) -> Assignment | None:
     """`node_id`'s assignment in round `r` (None: it was not formed into it); built once, then kept."""
     if r.legacy:
         return r.legacy.get(node_id)
-    derived: _Derived | None = r.__dict__.get("derived")
-    if derived is None:
-        derived = r.__dict__["derived"] = _Derived(r)
+    derived = _derived(r)
     built = derived.built.get(node_id)
     if built is None:
         rank = derived.rank.get(node_id)
         if rank is None:
             return None
         role = r.roles[rank]
+        copies = derived.copies(node_id)
         built = derived.built[node_id] = Assignment(
             round_id=r.round_id, group_rank=rank, group_world_size=len(r.ranked), rank_offset=derived.offsets[rank],
             world_size=r.world_size, local_world_size=r.local_sizes[rank], master_addr=r.addrs[0],
             master_port=r.master_port, restart_count=r.restart_count, max_restarts=r.max_restarts,
             role_rank_offset=derived.role_offsets[rank], role_world_size=derived.role_sizes[role],
-            witnesses=derived.witnesses(rank))
+            witnesses=derived.witnesses(rank), replicas=derived.replica_targets(rank), replica_key=r.replica_key,
+            copies_of=copies[0] if copies is not None else "", copies_at=copies[1] if copies is not None else None)
     return built
 
 
@@ -72,6 +100,7 @@ class _Derived:
         named = [Witness(addr=r.addrs[i], port=r.probe_ports[i]) for i in self.probers]   # each shared
         self.ring = named + named[:WITNESSES]      # the next WITNESSES from any position, without wrapping
         self.built: dict[str, Assignment] = {}
+        self.round = r
 
     def witnesses(self, rank: int) -> tuple[Witness, ...]:
         """The next WITNESSES members after `rank` in the ring that answer probes, never itself: a different pair
@@ -81,6 +110,34 @@ class _Derived:
         if m > WITNESSES:     # the member itself comes last going round from there: never among the first
             return tuple(self.ring[after:after + WITNESSES])
         return tuple(self.ring[(after + k) % m] for k in range(m) if probers[(after + k) % m] != rank)
+
+
+    def replica_ranks(self, rank: int) -> list[int]:
+        """Where `rank`'s copies go: the next `replicas` members after it that answer probes (the copies travel over
+        the same listener) in another failure domain, looked for among the next REPLICA_SEARCH (O(N) per round)."""
+        r, found = self.round, []
+        n = len(r.ranked)
+        if not r.replicas or not r.domains or not r.probe_ports[rank]:
+            return []
+        for step in range(1, min(n, REPLICA_SEARCH + 1)):
+            other = (rank + step) % n
+            if r.probe_ports[other] and r.domains[other] != r.domains[rank]:
+                found.append(other)
+                if len(found) == r.replicas:
+                    break
+        return found
+
+    def replica_targets(self, rank: int) -> tuple[Witness, ...]:
+        r = self.round
+        return tuple(Witness(addr=r.addrs[i], port=r.probe_ports[i]) for i in self.replica_ranks(rank))
+
+    def copies(self, node_id: str) -> tuple[str, Witness] | None:
+        """(the gone node whose copies `node_id` fetches, the member holding them), or None."""
+        r = self.round
+        held = r.copies.get(node_id) if r.replicas else None
+        at = self.rank.get(held[1]) if held is not None else None
+        return (held[0], Witness(addr=r.addrs[at], port=r.probe_ports[at])) if held is not None and at is not None \
+            else None
 
 
 def reachable_addresses(nodes: list[NodeRecord]) -> list[str]:
@@ -141,6 +198,7 @@ def places_taken(job: JobRecord, chosen: list[str]) -> dict[str, str]:
 
 
 WITNESSES = 2      # other members each node may probe while the server is silent
+REPLICA_SEARCH = 64   # members looked at for one in another failure domain (all in one domain: no copies)
 PREPARE_LIMIT_S = 90.0   # a node preparing this long is said (its agent gives its warm interpreter 60 s)
 
 

@@ -72,6 +72,8 @@ def query_int(query: Mapping[str, str], name: str, default: int, *, low: int = 0
 def _node(node: NodeRecord, now: float, **extra: Any) -> NodeView:
     if not node.ready and node.state in (NodeState.WAITING, NodeState.SPARE):
         extra["preparing_for_s"] = round(max(0.0, now - node.preparing_since), 3)
+    if node.copies is not None:
+        extra["copies"] = node.copies
     return NodeView(node_id=node.node_id, state=node.state.value, host=node.host, addr=node.addr, role=node.role,
                     local_world_size=node.local_world_size, lease_age_s=round(now - node.last_seen, 3),
                     joined_at=iso(node.joined_at), recent_failures=len(node.failure_times), checks=node.checks,

@@ -1,0 +1,250 @@
+"""Issue 46's targets: a lost node costs one snapshot. Real rdzv-server and node-agents on loopback (each node its
+own failure domain and memory directory; a 3 s lease and a 1 s last call), 2 gloo workers per node running
+benchmarks/scripts/shard_train.py (32 MB of state per rank, a snapshot every 5 steps of about 0.2 s, to disk
+every 50).
+
+  --lost N        3 x 2 + 1 spare: after step 27 the agent of group rank 1 SIGKILLed (its workers die with it) and its
+                  memory directory removed; alternated with a worker SIGKILLed at the same step (a crash): the step
+                  and source each rank resumes from (memory / disk / scratch), whether each loaded its own shard,
+                  and kill -> every rank stepping again
+  --pair N        3 x 2 + 2 spares, group ranks 1 and 2 lost together (1's copies were on 2): every rank must fall
+                  back to disk, said once
+  --cost N        3 x 2, 60 s each with copies on (--replicas 1) and off (--replicas 0), alternated: median step
+                  time, and the bytes copied
+  --replicas K    K for the runs (default 1); --old DIR: the server and agents of the checkout DIR (alternated)
+
+Run: .venv/bin/python benchmarks/bench_node_loss.py [--lost N] [--pair N] [--cost N] [--out FILE]
+     (make bench-node-loss)
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import glob
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+from benchmarks._server import running_server  # noqa: E402
+
+SCRIPT = os.path.join(ROOT, "benchmarks", "scripts", "shard_train.py")
+FAST = ("--lease-timeout", "3", "--last-call", "1", "--stop-timeout", "2")
+KILL_AFTER = 27
+
+
+class Job:
+    def __init__(self, port: int, job: str, out: str, nnodes: str, extra: tuple[str, ...] = ()) -> None:
+        self.port, self.job, self.out, self.nnodes, self.extra = port, job, out, nnodes, extra
+        self.agents: dict[str, subprocess.Popen[bytes]] = {}
+
+    def start(self, node: str) -> None:
+        env = dict(os.environ, PYTHONPATH=ROOT, OUT_DIR=self.out, NODE=node)
+        with open(os.path.join(self.out, f"agent-{node}.log"), "w") as log:
+            self.agents[node] = subprocess.Popen(
+                [sys.executable, "-m", "node_agent.main", "--endpoint", f"127.0.0.1:{self.port}", "--nnodes",
+                 self.nnodes, "--nproc", "2", "--job-id", self.job, "--node-id", node, "--max-restarts", "5",
+                 "--failure-domain", f"rack-{node}", *FAST, *self.extra, SCRIPT],
+                env=env, cwd=self.out, stdout=log, stderr=subprocess.STDOUT)
+
+    def steps(self) -> list[tuple[float, int, int, int, int, str]]:
+        """(time, step, restart, world, rank, node) of every step logged."""
+        rows = []
+        for name in os.listdir(self.out):
+            if name.startswith("steps-"):
+                node = name.split("-")[1]
+                with open(os.path.join(self.out, name)) as f:
+                    rows += [(float(p[0]), int(p[1]), int(p[2]), int(p[3]), int(p[4]), node)
+                             for p in (ln.split() for ln in f) if len(p) == 5]
+        return rows
+
+    def resumed(self, since: float) -> dict[int, list[str]]:
+        """rank -> [step, source, ok, newest held] as each rank started after `since` resumed."""
+        found = {}
+        with contextlib.suppress(FileNotFoundError), open(os.path.join(self.out, "resumed.txt")) as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) == 6 and float(parts[0]) > since:
+                    found[int(parts[1])] = parts[2:]
+        return found
+
+    def log(self, node: str) -> str:
+        with open(os.path.join(self.out, f"agent-{node}.log")) as f:
+            return f.read()
+
+    def stop(self) -> None:
+        open(os.path.join(self.out, "stop"), "w").close()
+        for a in self.agents.values():
+            try:
+                a.wait(60)
+            except subprocess.TimeoutExpired:
+                a.kill()
+                a.wait()
+
+
+def wait(check: Callable[[], object], timeout: float, what: str) -> object:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        got = check()
+        if got:
+            return got
+        time.sleep(0.02)        # polling other processes' files: nothing to wait on
+    raise RuntimeError(f"timed out: {what}")
+
+
+def group_rank_of(job: Job, node: str) -> int:
+    """A node's group rank in the first round: its ranks are 2g and 2g+1."""
+    ranks = {r for _, _, restart, _, r, n in job.steps() if n == node and restart == 0}
+    return min(ranks) // 2
+
+
+def forget_memory(agent_pid: int) -> int:
+    """Remove a SIGKILLed agent's memory directory (its host's memory is gone with it); how many went."""
+    gone = glob.glob(f"/dev/shm/node-agent-mem-{os.getuid()}/*.{agent_pid}.*")
+    for path in gone:
+        shutil.rmtree(path, ignore_errors=True)
+    return len(gone)
+
+
+def loss_run(port: int, i: int, lose: tuple[int, ...], crash: bool, extra: tuple[str, ...]) -> dict:
+    kind = "crash" if crash else f"lost{len(lose)}"
+    with _workdir() as out:
+        job = Job(port, f"{kind}-{i}", out, "2:3", extra)
+        try:
+            for n in ("a", "b", "c"):
+                job.start(n)
+            wait(lambda: len({r for *_, r, _ in job.steps()}) == 6, 120, "the first world")
+            for spare in ("s", "t")[:len(lose)]:
+                job.start(spare)
+                wait(lambda: "spare" in job.log(spare), 60, f"the spare {spare}")  # noqa: B023 (waited for here)
+            wait(lambda: max((s for _, s, *_ in job.steps()), default=0) >= KILL_AFTER, 120, f"step {KILL_AFTER}")
+            killed_at = time.time()
+            by_rank = {n: group_rank_of(job, n) for n in ("a", "b", "c")}
+            victims = [n for n, g in by_rank.items() if g in lose]
+            if crash:
+                with open(os.path.join(out, f"pid-{victims[0]}-0")) as f:
+                    os.kill(int(f.read()), signal.SIGKILL)
+            else:
+                for n in victims:
+                    job.agents[n].send_signal(signal.SIGKILL)
+                for n in victims:
+                    job.agents[n].wait()
+                    forget_memory(job.agents[n].pid)
+            again = wait(lambda: len(job.resumed(killed_at)) == 6 and _stepping(job, killed_at), 120,
+                         "every rank again")
+            assert again
+            resumed = job.resumed(killed_at)
+            first = _stepping(job, killed_at)
+            job.stop()
+            return {"kind": kind, "run": i, "victims": victims,
+                    "steps": sorted({int(v[0]) for v in resumed.values()}),
+                    "sources": sorted({v[1] for v in resumed.values()}),
+                    "own_shards": sum(v[2] == "ok" for v in resumed.values()),
+                    "stepping_again_s": round(max(first.values()) - killed_at, 2) if first else None,
+                    "fetched": [ln for ln in job.log("s").splitlines() if "snapshots" in ln][:1],
+                    "disk_said": sum("disk" in ln for n in job.agents for ln in job.log(n).splitlines())}
+        finally:
+            for a in job.agents.values():
+                if a.poll() is None:
+                    a.kill()
+                    a.wait()
+
+
+def _started(job: Job, since: float) -> list[list[str]]:
+    """The resumed.txt lines of workers started after `since`."""
+    with contextlib.suppress(FileNotFoundError), open(os.path.join(job.out, "resumed.txt")) as f:
+        return [p for p in (ln.split() for ln in f) if len(p) == 6 and float(p[0]) > since]
+    return []
+
+
+@contextlib.contextmanager
+def _workdir() -> Iterator[str]:
+    """A run's directory: removed afterwards unless $BENCH_NODE_LOSS_KEEP is set (then kept and named)."""
+    if os.environ.get("BENCH_NODE_LOSS_KEEP"):
+        out = tempfile.mkdtemp(prefix="bench-node-loss-")
+        print(f"run directory: {out}", flush=True)
+        yield out
+    else:
+        with tempfile.TemporaryDirectory(prefix="bench-node-loss-") as out:
+            yield out
+
+
+def _stepping(job: Job, since: float) -> dict[int, float]:
+    """rank -> first step time after `since` of workers started after it, once all 6 ranks stepped (else {})."""
+    first: dict[int, float] = {}
+    started = min((float(v[0]) for v in _started(job, since)), default=None)
+    for at, _, _, world, rank, _ in sorted(job.steps()):
+        if started is not None and at > started and world == 6:
+            first.setdefault(rank, at)
+    return first if len(first) == 6 else {}
+
+
+def cost_run(port: int, i: int, replicas: int, seconds: float) -> dict:
+    with tempfile.TemporaryDirectory(prefix="bench-node-loss-") as out:
+        job = Job(port, f"cost{replicas}-{i}", out, "3:3", ("--replicas", str(replicas)))
+        try:
+            for n in ("a", "b", "c"):
+                job.start(n)
+            wait(lambda: len({r for *_, r, _ in job.steps()}) == 6, 120, "the first world")
+            time.sleep(seconds)          # the measured stretch of training
+            rows = [r for r in job.steps() if r[4] == 0]
+            gaps = [b[0] - a[0] for a, b in zip(rows, rows[1:], strict=False)][3:]
+            job.stop()
+            return {"replicas": replicas, "run": i, "median_step_s": round(statistics.median(gaps), 4),
+                    "steps": len(rows)}
+        finally:
+            for a in job.agents.values():
+                if a.poll() is None:
+                    a.kill()
+                    a.wait()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--lost", type=int, default=0)
+    p.add_argument("--pair", type=int, default=0)
+    p.add_argument("--cost", type=int, default=0)
+    p.add_argument("--cost-s", type=float, default=60.0)
+    p.add_argument("--replicas", type=int, default=1)
+    p.add_argument("--out", default=os.path.join(ROOT, "docs", "bench-node-loss.json"))
+    args = p.parse_args()
+    extra = ("--replicas", str(args.replicas))
+    rows: list[dict] = []
+    with running_server() as port:
+        for i in range(args.lost):
+            for crash in (False, True):
+                rows.append(loss_run(port, i, (1,), crash, extra))
+                print(json.dumps(rows[-1]), flush=True)
+        for i in range(args.pair):
+            rows.append(loss_run(port, i, (1, 2), False, extra))
+            print(json.dumps(rows[-1]), flush=True)
+        for i in range(args.cost):
+            for replicas in (args.replicas, 0):
+                rows.append(cost_run(port, i, replicas, args.cost_s))
+                print(json.dumps(rows[-1]), flush=True)
+    for kind in ("lost1", "crash", "lost2"):
+        mine = [r for r in rows if r.get("kind") == kind]
+        if mine:
+            again = [r["stepping_again_s"] for r in mine if r["stepping_again_s"] is not None]
+            print(f"RESULT {kind}: resumed from {[r['steps'] for r in mine]} via {[r['sources'] for r in mine]}, "
+                  f"own shards {[r['own_shards'] for r in mine]}/6, stepping again median "
+                  f"{statistics.median(again) if again else None} s {again}", flush=True)
+    for k in (args.replicas, 0):
+        mine = [r["median_step_s"] for r in rows if r.get("replicas") == k]
+        if mine:
+            print(f"RESULT cost replicas={k}: median step {statistics.median(mine):.4f} s {mine}", flush=True)
+    with open(args.out, "w") as f:
+        json.dump(rows, f, indent=1)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,78 @@
+"""A sharded training for benchmarks/bench_node_loss.py (issue 46). Each rank owns STATE_MB of state of its own
+(a shard: every element is rank + step, so any rank can tell its own shard at a step from another's), snapshots
+it every SNAP_EVERY steps into node-agent's memory directory and every DISK_EVERY steps to OUT_DIR/disk, and on
+each start resumes from the newest step every rank holds in memory (snapshot.agreed_step), else from the newest
+disk step every rank holds, else from scratch. A step is an all_reduce and STEP_S of sleep (about 0.2 s).
+Logs: OUT_DIR/steps-NODE-LOCAL_RANK.txt ("unix_time step restart world rank" per step), OUT_DIR/resumed.txt
+("unix_time rank step source ok newest" per start: ok when what it loaded is its own shard at that step; newest: the
+newest snapshot it held), OUT_DIR/pid-NODE-LOCAL_RANK. Trains until
+OUT_DIR/stop exists (decided together every 10 steps).
+"""
+import functools
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+from node_agent import snapshot
+
+env = os.environ.get
+out = env("OUT_DIR", ".")
+dist.init_process_group("gloo")
+rank, world = dist.get_rank(), dist.get_world_size()
+restart = int(env("TORCHELASTIC_RESTART_COUNT", "0"))
+numel = int(float(env("STATE_MB", "32")) * (1 << 18))
+snap_every, disk_every, step_s = int(env("SNAP_EVERY", "5")), int(env("DISK_EVERY", "50")), float(env("STEP_S", "0.2"))
+me = f"{env('NODE', '?')}-{env('LOCAL_RANK', '0')}"
+disk = os.path.join(out, "disk")
+os.makedirs(disk, exist_ok=True)
+with open(os.path.join(out, f"pid-{me}"), "w") as f:
+    f.write(str(os.getpid()))
+
+
+def reduce_min(x: int) -> int:
+    t = torch.tensor([x], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return int(t.item())
+
+
+def resume() -> tuple[int, str, torch.Tensor]:
+    step = snapshot.agreed_step(reduce_min)
+    if step is not None:
+        return step, "memory", torch.load(snapshot.path(step), mmap=True)
+    held = [int(n.split("-")[1][:-3]) for n in os.listdir(disk) if n.startswith(f"{rank}-") and n.endswith(".pt")]
+    step = reduce_min(max(held, default=-1))
+    if step >= 0:
+        return step, "disk", torch.load(os.path.join(disk, f"{rank}-{step}.pt"))
+    return 0, "scratch", torch.full((numel,), float(rank))
+
+
+held_before = snapshot.newest()
+step, source, state = resume()
+state = state.clone()
+ok = bool(torch.all(state == float(rank + step)))
+with open(os.path.join(out, "resumed.txt"), "a") as f:    # one line per rank and start, appended at once
+    f.write(f"{time.time():.6f} {rank} {step} {source} {'ok' if ok else 'WRONG'} {held_before}\n")
+log = open(os.path.join(out, f"steps-{me}.txt"), "a")  # noqa: SIM115 - the run's own log, open for its life
+while True:
+    if step % 10 == 0:
+        stop = torch.tensor([float(os.path.exists(os.path.join(out, "stop")))])
+        dist.all_reduce(stop, op=dist.ReduceOp.MAX)
+        if stop.item():
+            break
+    state += 1
+    dist.all_reduce(torch.ones(1))
+    time.sleep(step_s)
+    step += 1
+    log.write(f"{time.time():.6f} {step} {restart} {world} {rank}\n")
+    log.flush()
+    if step % snap_every == 0:
+        try:
+            snapshot.save(functools.partial(torch.save, state), step)
+        except snapshot.MemoryDirFull as exc:
+            print(f"rank {rank}: snapshot not kept: {exc}", flush=True)
+    if disk_every and step % disk_every == 0:
+        torch.save(state, os.path.join(disk, f"{rank}-{step}.pt"))
+log.close()
+dist.destroy_process_group()

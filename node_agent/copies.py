@@ -1,0 +1,138 @@
+"""Peer copies of the workers' in-memory snapshots, the agent's side (the wire and the holder's store:
+node_agent/replicas/). A lost node takes its snapshots with it; with a copy of each of its ranks' newest on
+another node, the node that takes its place resumes from that step instead of every rank going back to disk.
+- Each member pushes its local ranks' newest complete `step-N` to the members its assignment names
+  (`Assignment.replicas`: the server picks them in another failure domain), from the agent, never the
+  worker: a scan of the memory directories every PUSH_SCAN_S, one push at a time, paced to
+  --replica-bandwidth. A refused push is said once per kind of refusal; training goes on regardless.
+- A node that takes a gone node's place (`Assignment.copies_of`/`copies_at`) fetches that node's copies
+  into its own ranks' memory directories before its workers start, so `snapshot.agreed_step` finds the step
+  on every rank. None there: every rank falls back to disk (agreed_step), said in one line.
+- Copies held for others live under this run's memory directory: removed with it when the job ends or the
+  node leaves, and swept by the next agent when this one was killed (workers/memory.py)."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import time
+from collections.abc import Callable
+
+from node_agent import snapshot
+from node_agent.replicas.client import fetch, push
+from node_agent.replicas.store import ReplicaStore
+from node_agent.workers.memory import MemoryDirs
+from protocol.messages import Assignment, CopiesNote, Witness
+
+PUSH_SCAN_S = 0.1       # how often the memory directories are looked at for a newer snapshot (a dir listing)
+FETCH_LIMIT_S = 60.0    # a node taking a place waits this long for its copies, then starts without them
+RETRY_S = 5.0           # a peer a push could not reach or that refused is tried again this much later
+
+
+class PeerCopies:
+    def __init__(self, memory: MemoryDirs, nproc: int, node_id: str, say: Callable[[str], None],
+                 bandwidth: int) -> None:
+        self.memory, self.nproc, self.node_id = memory, nproc, node_id
+        self._say = say
+        self.bandwidth = bandwidth
+        self.key = ""                              # the job's key for copies (from the assignment)
+        self.targets: tuple[Witness, ...] = ()     # where this node's copies go now
+        self.store: ReplicaStore | None = None     # the copies this node holds for others
+        self.pushed: dict[tuple[str, int, int], int] = {}    # (addr, port, local rank) -> the step it holds
+        self.copied: dict[int, tuple[int, str]] = {}         # local rank -> (its newest copied step, where)
+        self.sent_bytes = 0
+        self.refused = 0
+        self._said: set[str] = set()
+        self._retry_at: dict[tuple[str, int, int], float] = {}
+        self._pusher: asyncio.Task[None] | None = None
+
+    def _holder_store(self) -> ReplicaStore | None:
+        """The store of copies held for others, under this run's memory directory (made on first need)."""
+        if self.store is None:
+            dirs = self.memory.dirs(self.nproc)
+            if not dirs or self.memory.root is None or self.memory.rank_limit is None:
+                return None
+            self.store = ReplicaStore(os.path.join(self.memory.root, "replicas"),
+                                      self.memory.rank_limit * max(1, self.nproc), lambda: self.key, self._say)
+        return self.store
+
+    async def serve(self, first_line: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """A peer's push or fetch, its first line read by the listener (client/witness.py)."""
+        store = self._holder_store()
+        if store is None:
+            writer.write(b"rdzv-agent refused this node keeps no in-memory snapshots (--no-memory-dir)\n")
+            with contextlib.suppress(OSError):
+                await writer.drain()
+            return
+        await store.serve(first_line, reader, writer)
+
+    async def before_spawn(self, a: Assignment, dirs: dict[int, str]) -> None:
+        """Take the round's copy settings; fetch a gone node's copies where this node takes its place."""
+        self.key, self.targets = a.replica_key, a.replicas
+        if a.copies_of and a.copies_at is not None and dirs:
+            await self._fetch(a.copies_of, a.copies_at, dirs)
+        if self.targets and self.key and (self._pusher is None or self._pusher.done()):
+            self._pusher = asyncio.create_task(self._push_loop())
+
+    async def _fetch(self, gone: str, at: Witness, dirs: dict[int, str]) -> None:
+        began = time.monotonic()
+        got = await asyncio.gather(*(fetch(at.addr, at.port, key=self.key, node_id=gone, local_rank=rank,
+                                           dest_dir=where, max_bytes=self.memory.rank_limit, timeout_s=FETCH_LIMIT_S)
+                                     for rank, where in sorted(dirs.items())))
+        steps = {r.step for r in got}
+        size = sum(r.received for r in got)
+        if None in steps:
+            why = next(r.reason for r in got if r.step is None)
+            self._say(f"no copy of node {gone}'s snapshots for every rank ({why}): ranks whose copy is missing "
+                      f"resume from disk, and agreed_step sends every rank there")
+        else:
+            held = sorted(s for s in steps if s is not None)
+            which = f"step {held[0]}" if len(held) == 1 else "steps " + ", ".join(map(str, held))
+            self._say(f"fetched node {gone}'s snapshots of {which} from {at.addr}:{at.port} ({len(got)} ranks, "
+                      f"{size / 2**20:.1f} MiB in {time.monotonic() - began:.2f}s): this node's ranks resume where "
+                      f"{gone}'s left off")
+
+    async def _push_loop(self) -> None:
+        while True:
+            await asyncio.sleep(PUSH_SCAN_S)     # a look at the directories on a schedule, not a wait for anything
+            newest = {rank: (step, snapshot.path(step, where)) for rank, where in self.memory.dirs(self.nproc).items()
+                      if (step := snapshot.newest(where)) is not None}
+            # The local ranks' copies go together, so a holder has one step for all of them (agreed_step needs one).
+            await asyncio.gather(*(self._push(target, rank, step, path) for target in self.targets
+                                   for rank, (step, path) in newest.items()))
+
+    async def _push(self, target: Witness, rank: int, step: int, path: str) -> None:
+        held = (target.addr, target.port, rank)
+        if self.pushed.get(held, -1) >= step or time.monotonic() < self._retry_at.get(held, 0.0):
+            return
+        result = await push(target.addr, target.port, key=self.key, node_id=self.node_id, local_rank=rank, step=step,
+                            path=path, bandwidth_bytes_s=float(self.bandwidth) or None)
+        self.sent_bytes += result.sent
+        if result.ok or result.reason.startswith("refused stale"):
+            self.pushed[held] = step
+            self.copied[rank] = (step, f"{target.addr}:{target.port}")
+            return
+        self._retry_at[held] = time.monotonic() + RETRY_S
+        self.refused += 1
+        kind = result.reason.split(":")[0][:40]
+        if kind not in self._said:     # once per kind: a full peer or one away is news once, training goes on
+            self._said.add(kind)
+            self._say(f"copy of local rank {rank}'s step {step} to {target.addr}:{target.port} not made: "
+                      f"{result.reason} (training goes on; tried again on the next snapshot)")
+
+    def note(self) -> CopiesNote | None:
+        """What the server shows of this node's copies (None: copies are off for its round, or no memory dirs)."""
+        if not self.targets and self.store is None:
+            return None
+        dirs = self.memory.dirs(self.nproc) if self.memory.root is not None else {}
+        local = [snapshot.newest(where) for where in dirs.values()]
+        copied = [self.copied.get(rank, (-1, ""))[0] for rank in dirs]
+        holder = next((where for _, where in self.copied.values()), "")
+        return CopiesNote(local_step=min((s for s in local if s is not None), default=-1) if None not in local else -1,
+                          copied_step=min(copied, default=-1), holder=holder[:256], sent_bytes=self.sent_bytes,
+                          refused=self.refused, held_bytes=self.store.held_bytes() if self.store is not None else 0)
+
+    async def close(self) -> None:
+        if self._pusher is not None:
+            self._pusher.cancel()
+            await asyncio.gather(self._pusher, return_exceptions=True)

@@ -1,0 +1,174 @@
+"""The agents' side of the replica wire (wire.py): `push` sends a local rank's snapshot file to the holder,
+`fetch` brings the held copy of a (lost) node's rank into a worker's memory directory. Rules:
+- Never raises for the network or the holder: every outcome is a result with a reason a log can print.
+- `push` opens the snapshot before it connects and reads that open file to the end: a later save may
+  unlink it meanwhile (snapshot.py keeps two), and the bytes sent are still the ones hashed.
+- `fetch` writes `step-S.tmp` and renames it to `step-S` only when its own hash matches the trailer, so
+  the workers' readers (snapshot.py: `step-N` only) never see a partial or a corrupted copy.
+- `timeout_s` bounds each wait (connecting, an answer, a stall in the bytes), not the whole transfer: a
+  paced push of many GiB takes as long as its rate says."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import os
+from dataclasses import dataclass
+
+from node_agent.replicas import stream, wire
+from node_agent.replicas.stream import StreamError
+from node_agent.replicas.wire import Answer, WireError
+
+
+@dataclass(frozen=True)
+class PushResult:
+    ok: bool
+    reason: str
+    sent: int           # payload bytes sent
+
+
+@dataclass(frozen=True)
+class FetchResult:
+    step: int | None    # the step now in dest_dir, or None
+    reason: str
+    received: int       # payload bytes received
+
+
+class _Unreachable(Exception):
+    pass
+
+
+class _Count:
+    def __init__(self) -> None:
+        self.n = 0
+
+    def __call__(self, n: int) -> None:
+        self.n += n
+
+
+async def _connect(addr: str, port: int, timeout_s: float) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    try:
+        return await asyncio.wait_for(asyncio.open_connection(addr, port), timeout_s)
+    except asyncio.TimeoutError:
+        raise _Unreachable(f"unreachable: no connection to {addr}:{port} within {timeout_s:g} s") from None
+    except (OSError, ValueError) as exc:
+        raise _Unreachable(f"unreachable: {addr}:{port}: {exc}") from None
+
+
+async def _close(writer: asyncio.StreamWriter) -> None:
+    writer.close()
+    with contextlib.suppress(OSError, asyncio.TimeoutError):
+        await asyncio.wait_for(writer.wait_closed(), 1.0)
+
+
+async def _answer(reader: asyncio.StreamReader, timeout_s: float) -> Answer:
+    return wire.parse_answer(await stream.read_line(reader, timeout_s))
+
+
+async def push(addr: str, port: int, *, key: str, node_id: str, local_rank: int, step: int, path: str,
+               bandwidth_bytes_s: float | None = None, timeout_s: float = 30.0) -> PushResult:
+    """Send the snapshot at `path` (step `step` of `local_rank` of this node) to the holder at addr:port."""
+    if bandwidth_bytes_s is not None and not bandwidth_bytes_s > 0:
+        return PushResult(False, f"bad request: bandwidth must be > 0 bytes/s, got {bandwidth_bytes_s}", 0)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return PushResult(False, "snapshot gone", 0)
+    except OSError as exc:
+        return PushResult(False, f"cannot read the snapshot: {exc.strerror or exc}", 0)
+    try:
+        size = os.fstat(fd).st_size
+        try:
+            line = wire.push_line(wire.PushRequest(key, node_id, local_rank, step, size))
+        except WireError as exc:
+            return PushResult(False, f"bad request: {exc}", 0)
+        return await _push_to(addr, port, line, fd, size, step, bandwidth_bytes_s, timeout_s)
+    finally:
+        os.close(fd)
+
+
+async def _push_to(addr: str, port: int, line: bytes, fd: int, size: int, step: int, rate: float | None,
+                   timeout_s: float) -> PushResult:
+    try:
+        reader, writer = await _connect(addr, port, timeout_s)
+    except _Unreachable as exc:
+        return PushResult(False, str(exc), 0)
+    sent = _Count()
+    try:
+        writer.write(line)
+        answer = await _answer(reader, timeout_s)
+        if answer.kind != "go":
+            return PushResult(False, _not_go(answer), 0)
+        digest = await stream.send(writer, fd, size, timeout_s, rate=rate, count=sent)
+        writer.write(wire.trailer_line(digest))
+        answer = await _answer(reader, timeout_s)
+        if answer.kind == "stored" and answer.step == step:
+            return PushResult(True, f"stored step={step}", sent.n)
+        return PushResult(False, _not_go(answer), sent.n)
+    except (StreamError, WireError) as exc:
+        return PushResult(False, f"lost: {exc}", sent.n)
+    except OSError as exc:      # our own file: unreadable
+        return PushResult(False, f"cannot read the snapshot: {exc.strerror or exc}", sent.n)
+    finally:
+        await _close(writer)
+
+
+def _not_go(answer: Answer) -> str:
+    if answer.kind == "refused":
+        return f"refused: {answer.reason}"
+    return f"unexpected answer: {answer.kind}" + (f" step={answer.step}" if answer.step is not None else "")
+
+
+async def fetch(addr: str, port: int, *, key: str, node_id: str, local_rank: int, dest_dir: str,
+                max_bytes: int | None = None, timeout_s: float = 60.0) -> FetchResult:
+    """Bring the holder's copy of (node_id, local_rank) into `dest_dir` as `step-S`."""
+    try:
+        line = wire.fetch_line(wire.FetchRequest(key, node_id, local_rank))
+    except WireError as exc:
+        return FetchResult(None, f"bad request: {exc}", 0)
+    try:
+        reader, writer = await _connect(addr, port, timeout_s)
+    except _Unreachable as exc:
+        return FetchResult(None, str(exc), 0)
+    got = _Count()
+    try:
+        writer.write(line)
+        answer = await _answer(reader, timeout_s)
+        if answer.kind == "none":
+            return FetchResult(None, "no copy held", 0)
+        if answer.kind != "copy" or answer.step is None or answer.size is None:
+            return FetchResult(None, _not_go(answer), 0)
+        if max_bytes is not None and answer.size > max_bytes:
+            return FetchResult(None, f"too large: the copy of step {answer.step} is {answer.size} bytes, "
+                                     f"over the {max_bytes} allowed", 0)
+        return await _receive_copy(reader, dest_dir, answer.step, answer.size, timeout_s, got)
+    except (StreamError, WireError, OSError) as exc:
+        return FetchResult(None, f"lost: {exc}", got.n)
+    finally:
+        await _close(writer)
+
+
+async def _receive_copy(reader: asyncio.StreamReader, dest_dir: str, step: int, size: int, timeout_s: float,
+                        got: _Count) -> FetchResult:
+    """The copy's bytes into `step-S.tmp`, renamed to `step-S` only when they match the trailer."""
+    final = os.path.join(dest_dir, f"step-{step}")
+    tmp = final + ".tmp"
+    landed = False
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        try:
+            mine = await stream.receive(reader, fd, size, timeout_s, got)
+            theirs = wire.parse_trailer(await stream.read_line(reader, timeout_s))
+        finally:
+            os.close(fd)
+        if not hmac.compare_digest(mine, theirs):
+            return FetchResult(None, "checksum mismatch", got.n)
+        os.replace(tmp, final)
+        landed = True
+        return FetchResult(step, f"fetched step={step}", got.n)
+    except OSError as exc:      # our own file (stream errors are StreamError): no room, or no directory
+        return FetchResult(None, f"could not write {tmp}: {exc.strerror or exc}", got.n)
+    finally:
+        if not landed:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)

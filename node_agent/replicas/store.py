@@ -1,0 +1,325 @@
+"""The holder's side: copies of other agents' snapshots, kept under ROOT/NODE/RANK as `step-S` and its
+checksum `step-S.sha256`, served one push or fetch per connection (the listener reads the first line).
+Rules, so a fetcher only ever gets a whole copy that was whole when it came:
+- Only `step-S` with its `.sha256` is held; a push lands in `step-S.tmp`, renamed once its bytes match the
+  sender's trailer, and only then are the older copies of that (node, rank) removed: a broken push (short,
+  stalled, corrupted, malformed trailer) leaves the previous copy in place.
+- A push must carry the job's current key, a newer step than the one held, and fit the limit next to what
+  is held (the current copy counts until the new one replaces it) and what other pushes have reserved.
+- A copy is re-hashed before it is sent; one that no longer matches its checksum is deleted and refused.
+- Never a traceback to a peer: every failure is a `refused` line, logged at most once per kind and peer."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import hmac
+import os
+import re
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from node_agent.replicas import stream, wire
+from node_agent.replicas.stream import StreamError
+from node_agent.replicas.wire import FetchRequest, PushRequest, WireError
+
+STALL_S = 30.0          # a peer sending or reading nothing for this long is given up
+ANSWER_S = 5.0          # the most an answer line waits for the peer to take it
+_STEP_FILE = re.compile(r"step-(\d{1,18})")
+_OURS = re.compile(r"step-(\d{1,18})(\.sha256|\.tmp)?")
+_RANK_DIR = re.compile(r"0|[1-9][0-9]{0,3}")
+_SAID_MAX = 4096        # peers x kinds remembered for the once-only log, then forgotten
+
+
+class _Refusal(Exception):
+    def __init__(self, kind: str, reason: str) -> None:
+        super().__init__(reason)
+        self.kind = kind
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class _Copy:
+    node: str
+    rank: int
+    step: int
+    size: int
+
+
+class ReplicaStore:
+    def __init__(self, root: str, limit_bytes: int, key: Callable[[], str],
+                 say: Callable[[str], None] = lambda s: None) -> None:
+        """`key()`: the job's current replica key ("" while none is known: everything is refused)."""
+        self.root = root
+        self.limit_bytes = limit_bytes
+        self.stall_s = STALL_S
+        self.bytes_in = 0
+        self.bytes_out = 0
+        self.refusals: dict[str, int] = {}
+        self._key = key
+        self._say = say
+        self._pushing: dict[tuple[str, int], int] = {}    # (node, rank) -> bytes reserved by its push
+        self._said: set[tuple[str, str]] = set()
+
+    # --- what is held -------------------------------------------------------------------------------------
+
+    def _dir(self, node: str, rank: int) -> str:
+        return os.path.join(self.root, node, str(rank))
+
+    def _copies(self) -> list[_Copy]:
+        """Every complete copy on disk (a crash may leave two of one (node, rank): both count as bytes)."""
+        found: list[_Copy] = []
+        for node in _listdir(self.root):
+            if not wire.valid_node(node):
+                continue
+            for rank in _listdir(os.path.join(self.root, node)):
+                if _RANK_DIR.fullmatch(rank) is None or int(rank) > wire.MAX_RANK:
+                    continue
+                where = self._dir(node, int(rank))
+                names = set(_listdir(where))
+                for name in names:
+                    m = _STEP_FILE.fullmatch(name)
+                    if m and name + ".sha256" in names:
+                        found.append(_Copy(node, int(rank), int(m.group(1)), _size(os.path.join(where, name))))
+        return found
+
+    def held(self) -> dict[tuple[str, int], int]:
+        """(node, rank) -> the step of its complete copy (the newest, should a crash have left two)."""
+        out: dict[tuple[str, int], int] = {}
+        for c in self._copies():
+            out[(c.node, c.rank)] = max(c.step, out.get((c.node, c.rank), -1))
+        return out
+
+    def held_bytes(self) -> int:
+        return sum(c.size for c in self._copies())
+
+    def remove_node(self, node_id: str) -> None:
+        """Drop every copy of a node (it left the job for good). ValueError for an id that is no node id."""
+        wire.check_node(node_id)
+        shutil.rmtree(os.path.join(self.root, node_id), ignore_errors=True)
+
+    def clear(self) -> None:
+        """Drop every copy (the job ended, or its key changed); the root is made again when needed."""
+        shutil.rmtree(self.root, ignore_errors=True)
+
+    # --- serving ------------------------------------------------------------------------------------------
+
+    async def serve(self, first_line: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """Answer the push or fetch whose first line the listener read. Never raises (only a cancellation
+        passes, after the push's .tmp is removed); the caller closes the connection."""
+        peer = _peer(writer)
+        try:
+            request = _parse(first_line)
+            self._check_key(request.key)
+            if isinstance(request, PushRequest):
+                await self._push(request, reader, writer)
+            else:
+                await self._fetch(request, writer, peer, first_line)
+        except _Refusal as r:
+            self.refusals[r.kind] = self.refusals.get(r.kind, 0) + 1
+            self._note(r.kind, peer, f"refused {r.reason}", first_line)
+            writer.write(wire.refused_line(r.reason))
+        except (StreamError, OSError) as exc:
+            self._note("lost", peer, f"gave up: {exc}", first_line)
+        except Exception as exc:     # a bug of ours: a line in our log, no traceback to the peer
+            self._note("internal", peer, f"failed: {type(exc).__name__}: {exc}", first_line)
+            writer.write(wire.refused_line("internal error"))
+        with contextlib.suppress(StreamError, OSError):
+            await stream.drain(writer, ANSWER_S)
+
+    def _check_key(self, key: str) -> None:
+        current = self._key()
+        if not current:
+            raise _Refusal("key", "no key yet")
+        if not hmac.compare_digest(key.encode(), current.encode()):
+            raise _Refusal("key", "wrong key")
+
+    def _note(self, kind: str, peer: str, what: str, first_line: bytes) -> None:
+        """Log once per kind of trouble and peer address: a peer retrying must not flood the log."""
+        if (peer, kind) in self._said:
+            return
+        if len(self._said) >= _SAID_MAX:
+            self._said.clear()
+        self._said.add((peer, kind))
+        self._say(f"replica store: {what} for {peer}, which sent {wire.quote(first_line)} "
+                  f"(said once per peer for this kind: {kind})")
+
+    # --- push ---------------------------------------------------------------------------------------------
+
+    async def _push(self, req: PushRequest, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        slot = (req.node, req.rank)
+        if slot in self._pushing:
+            raise _Refusal("busy", "busy")
+        copies = self._copies()
+        mine = [c for c in copies if (c.node, c.rank) == slot]
+        if mine and req.step <= max(c.step for c in mine):
+            raise _Refusal("stale", f"stale step {req.step} (holding {max(c.step for c in mine)})")
+        self._check_room(req.size, sum(c.size for c in copies), sum(c.size for c in mine))
+        self._pushing[slot] = req.size
+        try:
+            await self._receive(req, reader, writer)
+        finally:
+            del self._pushing[slot]
+
+    def _check_room(self, size: int, held: int, mine: int) -> None:
+        reserved = sum(self._pushing.values())
+        if size > self.limit_bytes:
+            raise _Refusal("limit", f"memory limit full: the copy's {size} bytes exceed the limit of "
+                                    f"{self.limit_bytes} bytes")
+        if held + reserved + size > self.limit_bytes:
+            raise _Refusal("limit", f"memory limit full: {held} bytes held ({mine} of them this rank's current "
+                                    f"copy, kept until the new one is whole), {reserved} reserved by pushes under "
+                                    f"way, {size} new; limit {self.limit_bytes} bytes")
+
+    async def _receive(self, req: PushRequest, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        where = self._dir(req.node, req.rank)
+        final = os.path.join(where, f"step-{req.step}")
+        tmp = final + ".tmp"
+        landed = False
+        try:
+            fd = _open_new(self.root, req.node, str(req.rank), tmp)
+            try:
+                writer.write(wire.GO)
+                got = await stream.receive(reader, fd, req.size, self.stall_s, self._count_in)
+                sent = wire.parse_trailer(await stream.read_line(reader, self.stall_s))
+            finally:
+                os.close(fd)
+            if not hmac.compare_digest(got, sent):
+                raise _Refusal("checksum", "checksum mismatch")
+            _write_text(final + ".sha256", got)
+            os.replace(tmp, final)
+            landed = True
+        except (StreamError, WireError) as exc:
+            raise _Refusal("checksum", str(exc)) from None
+        except OSError as exc:
+            raise _stored_failed(exc) from None
+        finally:
+            if not landed:
+                _remove(tmp)
+                _remove(final + ".sha256")     # a newer step than any held: never a held copy's checksum
+        _drop_older(where, req.step)
+        writer.write(wire.stored_line(req.step))
+
+    def _count_in(self, n: int) -> None:
+        self.bytes_in += n
+
+    def _count_out(self, n: int) -> None:
+        self.bytes_out += n
+
+    # --- fetch --------------------------------------------------------------------------------------------
+
+    async def _fetch(self, req: FetchRequest, writer: asyncio.StreamWriter, peer: str, first_line: bytes) -> None:
+        opened = self._open_held(req.node, req.rank)
+        if opened is None:
+            writer.write(wire.NONE)
+            return
+        fd, step, stored = opened
+        try:
+            size = os.fstat(fd).st_size
+            actual = await asyncio.to_thread(stream.hash_fd, os.dup(fd), size)    # the thread owns its dup
+            if not hmac.compare_digest(actual, stored):
+                self._discard(req.node, req.rank, step)
+                raise _Refusal("corrupt", "copy corrupted at rest")
+            writer.write(wire.copy_line(step, size))
+            await stream.send(writer, fd, size, self.stall_s, count=self._count_out)
+            writer.write(wire.trailer_line(stored))
+        finally:
+            os.close(fd)
+
+    def _open_held(self, node: str, rank: int) -> tuple[int, int, str] | None:
+        """(open fd, step, stored checksum) of the held copy, or None. A push that lands meanwhile removes
+        the older copy between looking and opening: look again."""
+        for _ in range(3):
+            step = self.held().get((node, rank))
+            if step is None:
+                return None
+            path = os.path.join(self._dir(node, rank), f"step-{step}")
+            try:
+                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            except FileNotFoundError:
+                continue
+            try:
+                with open(path + ".sha256", encoding="ascii", errors="replace") as f:
+                    stored = f.read(wire.MAX_LINE).strip()
+            except FileNotFoundError:
+                os.close(fd)
+                continue
+            except BaseException:
+                os.close(fd)
+                raise
+            if re.fullmatch(r"[0-9a-f]{64}", stored) is None:
+                os.close(fd)
+                self._discard(node, rank, step)
+                raise _Refusal("corrupt", "copy corrupted at rest (its checksum file is unreadable)")
+            return fd, step, stored
+        return None
+
+    def _discard(self, node: str, rank: int, step: int) -> None:
+        final = os.path.join(self._dir(node, rank), f"step-{step}")
+        _remove(final)
+        _remove(final + ".sha256")
+
+
+def _parse(first_line: bytes) -> PushRequest | FetchRequest:
+    try:
+        return wire.parse_request(first_line)
+    except WireError as exc:
+        raise _Refusal("bad_request", f"bad request: {exc}") from None
+
+
+def _stored_failed(exc: OSError) -> _Refusal:
+    """Our own file failed: a full file system is the memory limit; anything else is named as such."""
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return _Refusal("limit", "memory limit full: the holder's file system is full")
+    return _Refusal("io", f"could not store the copy: {exc.strerror or type(exc).__name__}")
+
+
+def _open_new(root: str, node: str, rank: str, path: str) -> int:
+    """Create `path` under ROOT/NODE/RANK, making each directory private (0o700) where it is missing."""
+    os.makedirs(root, mode=0o700, exist_ok=True)
+    for where in (os.path.join(root, node), os.path.join(root, node, rank)):
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(where, 0o700)
+    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+
+
+def _write_text(path: str, text: str) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    try:
+        stream.write_all(fd, text.encode("ascii"))
+    finally:
+        os.close(fd)
+
+
+def _drop_older(where: str, keep: int) -> None:
+    """Every other step's file of this (node, rank): older copies, their checksums, leftover .tmp files
+    (no push of this (node, rank) runs now: the caller holds its slot)."""
+    for name in _listdir(where):
+        m = _OURS.fullmatch(name)
+        if m and int(m.group(1)) != keep:
+            _remove(os.path.join(where, name))
+
+
+def _listdir(path: str) -> list[str]:
+    try:
+        return os.listdir(path)
+    except OSError:
+        return []
+
+
+def _size(path: str) -> int:
+    try:
+        return os.path.getsize(path)
+    except OSError:
+        return 0
+
+
+def _remove(path: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+
+
+def _peer(writer: asyncio.StreamWriter) -> str:
+    name = writer.get_extra_info("peername")
+    return str(name[0]) if isinstance(name, tuple) and name else "an unknown peer"

@@ -1,0 +1,119 @@
+"""Moving a replica's bytes, shared by the holder (store.py) and the agents (client.py): lines read with a
+bound and a timeout, a payload received into or sent from a file descriptor in CHUNK pieces, hashed as it
+passes, and the pacing of a capped sender. Rules: a peer that stops sending or reading for `stall_s` seconds
+is given up (StreamError), never waited for forever; a network failure is a StreamError, while a failure of
+our own file (a full /dev/shm) stays an OSError, so the caller can tell "the peer went" from "no room"."""
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import time
+from collections.abc import Callable
+
+from node_agent.replicas.wire import MAX_LINE
+
+CHUNK = 1 << 20
+
+
+class StreamError(Exception):
+    """The peer's side broke off: closed, stalled, or sent a line too long; the message says which."""
+
+
+def pace(sent_bytes: int, elapsed_s: float, rate: float) -> float:
+    """Seconds to sleep so that `sent_bytes` after `elapsed_s` seconds keeps to `rate` bytes a second."""
+    if rate <= 0:
+        raise ValueError(f"rate must be > 0 bytes/s, got {rate}")
+    return max(0.0, sent_bytes / rate - elapsed_s)
+
+
+async def read_line(reader: asyncio.StreamReader, timeout_s: float) -> bytes:
+    """One line (with its newline, or what came before the end); StreamError when none came in time."""
+    try:
+        line = await asyncio.wait_for(reader.readline(), timeout_s)
+    except asyncio.TimeoutError:
+        raise StreamError(f"no line within {timeout_s:g} s") from None
+    except ValueError:          # past the reader's own limit, far past MAX_LINE
+        raise StreamError(f"a line longer than {MAX_LINE} bytes") from None
+    except OSError as exc:
+        raise StreamError(f"connection lost: {exc}") from None
+    if not line:
+        raise StreamError("the peer closed the connection")
+    return line
+
+
+def write_all(fd: int, data: bytes) -> None:
+    """All of `data` into `fd` (os.write may take a part)."""
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+async def receive(reader: asyncio.StreamReader, fd: int, size: int, stall_s: float,
+                  count: Callable[[int], None] = lambda n: None) -> str:
+    """Exactly `size` bytes from the peer into `fd`; their sha256 in hex. `count(n)` after each piece."""
+    digest = hashlib.sha256()
+    done = 0
+    while done < size:
+        try:
+            chunk = await asyncio.wait_for(reader.read(min(CHUNK, size - done)), stall_s)
+        except asyncio.TimeoutError:
+            raise StreamError(f"stalled: no bytes for {stall_s:g} s after {done} of {size}") from None
+        except OSError as exc:
+            raise StreamError(f"connection lost after {done} of {size} bytes: {exc}") from None
+        if not chunk:
+            raise StreamError(f"short stream: {done} of {size} bytes came")
+        digest.update(chunk)
+        write_all(fd, chunk)        # a full /dev/shm raises OSError (ENOSPC) here, for the caller to name
+        done += len(chunk)
+        count(len(chunk))
+    return digest.hexdigest()
+
+
+async def drain(writer: asyncio.StreamWriter, stall_s: float) -> None:
+    """Wait until the peer took what was written; StreamError when it reads nothing for `stall_s`."""
+    try:
+        await asyncio.wait_for(writer.drain(), stall_s)
+    except asyncio.TimeoutError:
+        raise StreamError(f"stalled: the peer read nothing for {stall_s:g} s") from None
+    except OSError as exc:
+        raise StreamError(f"connection lost: {exc}") from None
+
+
+async def send(writer: asyncio.StreamWriter, fd: int, size: int, stall_s: float, *, rate: float | None = None,
+               count: Callable[[int], None] = lambda n: None) -> str:
+    """The first `size` bytes of `fd` to the peer (pread: an unlinked file still reads); their sha256 in hex.
+    `rate`: bytes a second at most (None: no cap). A file shorter than `size` is a StreamError."""
+    digest = hashlib.sha256()
+    done = 0
+    start = time.monotonic()
+    while done < size:
+        chunk = os.pread(fd, min(CHUNK, size - done), done)
+        if not chunk:
+            raise StreamError(f"the file ended after {done} of {size} bytes")
+        digest.update(chunk)
+        writer.write(chunk)
+        await drain(writer, stall_s)
+        done += len(chunk)
+        count(len(chunk))
+        if rate is not None:
+            delay = pace(done, time.monotonic() - start, rate)
+            if delay > 0:
+                await asyncio.sleep(delay)
+    return digest.hexdigest()
+
+
+def hash_fd(fd: int, size: int) -> str:
+    """The sha256 in hex of the first `size` bytes of `fd`, which it closes (run in a thread: it owns `fd`)."""
+    try:
+        digest = hashlib.sha256()
+        done = 0
+        while done < size:
+            chunk = os.pread(fd, min(CHUNK, size - done), done)
+            if not chunk:
+                break
+            digest.update(chunk)
+            done += len(chunk)
+        return digest.hexdigest()
+    finally:
+        os.close(fd)

@@ -1,0 +1,224 @@
+"""The replica wire between agents: one request line, one answer line, then the payload and a trailer.
+
+  push:  `rdzv-agent push key=K node=N rank=R step=S size=B`  -> `go`, B bytes, `sha256=HEX` -> `stored step=S`
+  fetch: `rdzv-agent fetch key=K node=N rank=R`  -> `copy step=S size=B`, B bytes, `sha256=HEX` (or `none`)
+  either may be answered `rdzv-agent refused REASON` instead.
+
+Every line ends in "\\n", is at most MAX_LINE bytes, and each field is bounded (K: the job's replica key,
+N: a node id that is also a directory name, R: a local rank, S: a snapshot step as in snapshot.py, B: a
+size); a line that does not match exactly raises WireError naming the field and quoting (repr, truncated)
+what was sent. The key is never quoted back: it is the job's secret. Pure: no I/O here."""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+PREFIX = b"rdzv-agent "
+MAX_LINE = 512
+MAX_REASON = 200
+MAX_RANK = 4095
+MAX_STEP = 10**18 - 1           # snapshot.py names steps `step-(\d{1,18})`
+MAX_SIZE = 2**40
+QUOTE_CHARS = 80                # how much of a peer's text a reason or log quotes
+
+GO = b"rdzv-agent go\n"
+NONE = b"rdzv-agent none\n"
+
+_KEY = re.compile(r"[A-Za-z0-9_-]{16,128}")
+_NODE = re.compile(r"[A-Za-z0-9_.:@+=~-]{1,128}")
+_HEX = re.compile(r"[0-9a-f]{64}")
+_DECIMAL = re.compile(r"0|[1-9][0-9]{0,17}")       # canonical: no sign, no leading zero, at most 18 digits
+_SECRET = re.compile(rb"key=\S*")
+_SECRET_TEXT = re.compile(r"key=\S*")
+_FIELDS = {"push": ("key", "node", "rank", "step", "size"), "fetch": ("key", "node", "rank")}
+_STORED = re.compile(rb"rdzv-agent stored step=(0|[1-9][0-9]{0,17})\n")
+_COPY = re.compile(rb"rdzv-agent copy step=(0|[1-9][0-9]{0,17}) size=(0|[1-9][0-9]{0,12})\n")
+_REFUSED = re.compile(rb"rdzv-agent refused ([ -~]{1,%d})\n" % MAX_REASON)
+_TRAILER = re.compile(rb"sha256=([0-9a-f]{64})\n")
+
+
+class WireError(ValueError):
+    """A line or a value that breaks the wire's rules; the message names the field."""
+
+
+def quote(data: bytes | str) -> str:
+    """What a peer sent, safe to log or answer: its key hidden, truncated, as repr() writes it."""
+    if isinstance(data, str):
+        text = _SECRET_TEXT.sub("key=<hidden>", data)
+        return repr(text[:QUOTE_CHARS]) + ("..." if len(text) > QUOTE_CHARS else "")
+    raw = _SECRET.sub(b"key=<hidden>", data)
+    return repr(raw[:QUOTE_CHARS]) + ("..." if len(raw) > QUOTE_CHARS else "")
+
+
+def valid_node(node: str) -> bool:
+    """A node id the holder may use as a directory name: no separator, not "." or ".."."""
+    return _NODE.fullmatch(node) is not None and node not in (".", "..")
+
+
+def check_key(key: str) -> str:
+    if not isinstance(key, str) or _KEY.fullmatch(key) is None:
+        size = len(key) if isinstance(key, str) else "?"
+        raise WireError(f"bad key: {size} chars, wants 16..128 of [A-Za-z0-9_-]")
+    return key
+
+
+def check_node(node: str) -> str:
+    if not isinstance(node, str) or not valid_node(node):
+        raise WireError(f"bad node: {quote(str(node))}, wants 1..128 chars of [A-Za-z0-9_.:@+=~-], not '.' or '..'")
+    return node
+
+
+def check_number(name: str, value: int, maximum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= maximum:
+        raise WireError(f"bad {name}: {quote(str(value))}, wants a whole number 0..{maximum}")
+    return value
+
+
+@dataclass(frozen=True)
+class PushRequest:
+    """A push header; built only with valid fields (WireError otherwise)."""
+    key: str
+    node: str
+    rank: int
+    step: int
+    size: int
+
+    def __post_init__(self) -> None:
+        check_key(self.key)
+        check_node(self.node)
+        check_number("rank", self.rank, MAX_RANK)
+        check_number("step", self.step, MAX_STEP)
+        check_number("size", self.size, MAX_SIZE)
+
+
+@dataclass(frozen=True)
+class FetchRequest:
+    """A fetch header; built only with valid fields (WireError otherwise)."""
+    key: str
+    node: str
+    rank: int
+
+    def __post_init__(self) -> None:
+        check_key(self.key)
+        check_node(self.node)
+        check_number("rank", self.rank, MAX_RANK)
+
+
+@dataclass(frozen=True)
+class Answer:
+    """The holder's answer: kind is "go", "stored", "copy", "none" or "refused"."""
+    kind: str
+    step: int | None = None
+    size: int | None = None
+    reason: str = ""
+
+
+def is_replica_request(first_line: bytes) -> bool:
+    """Whether the listener should hand this connection to the replica store."""
+    return first_line.startswith((b"rdzv-agent push ", b"rdzv-agent fetch "))
+
+
+def push_line(request: PushRequest) -> bytes:
+    r = request
+    return b"rdzv-agent push key=%s node=%s rank=%d step=%d size=%d\n" % (
+        r.key.encode(), r.node.encode(), r.rank, r.step, r.size)
+
+
+def fetch_line(request: FetchRequest) -> bytes:
+    return b"rdzv-agent fetch key=%s node=%s rank=%d\n" % (request.key.encode(), request.node.encode(), request.rank)
+
+
+def stored_line(step: int) -> bytes:
+    return b"rdzv-agent stored step=%d\n" % check_number("step", step, MAX_STEP)
+
+
+def copy_line(step: int, size: int) -> bytes:
+    return b"rdzv-agent copy step=%d size=%d\n" % (check_number("step", step, MAX_STEP),
+                                                    check_number("size", size, MAX_SIZE))
+
+
+def refused_line(reason: str) -> bytes:
+    """A refusal; the reason made one line of printable ASCII, at most MAX_REASON chars."""
+    text = "".join(c if " " <= c <= "~" else "?" for c in reason)[:MAX_REASON].strip() or "unspecified"
+    return b"rdzv-agent refused %s\n" % text.encode("ascii")
+
+
+def trailer_line(hex_digest: str) -> bytes:
+    if _HEX.fullmatch(hex_digest) is None:
+        raise WireError(f"bad sha256: {quote(hex_digest)}, wants 64 lowercase hex digits")
+    return b"sha256=%s\n" % hex_digest.encode("ascii")
+
+
+def _text(line: bytes) -> str:
+    """The line without its newline, checked for length, ending and ASCII."""
+    if len(line) > MAX_LINE:
+        raise WireError(f"line longer than {MAX_LINE} bytes ({len(line)}): {quote(line)}")
+    if not line.endswith(b"\n"):
+        raise WireError(f"line not ended by a newline: {quote(line)}")
+    try:
+        return line[:-1].decode("ascii")
+    except UnicodeDecodeError:
+        raise WireError(f"line not ASCII: {quote(line)}") from None
+
+
+def _fields(verb: str, rest: str) -> dict[str, str]:
+    """`name=value` pairs, single-spaced, exactly the verb's names in order."""
+    names = _FIELDS[verb]
+    parts = rest.split(" ")
+    if len(parts) != len(names):
+        raise WireError(f"{verb} wants the fields {' '.join(n + '=' for n in names)}, got {quote(rest)}")
+    values: dict[str, str] = {}
+    for want, part in zip(names, parts, strict=True):
+        name, sep, value = part.partition("=")
+        if name != want or not sep:
+            raise WireError(f"{verb} wants the field {want}= next, got {quote(part)}")
+        values[name] = value
+    return values
+
+
+def _number(name: str, text: str, maximum: int) -> int:
+    if _DECIMAL.fullmatch(text) is None or int(text) > maximum:
+        raise WireError(f"bad {name}: {quote(text)}, wants a whole number 0..{maximum}")
+    return int(text)
+
+
+def parse_request(line: bytes) -> PushRequest | FetchRequest:
+    """A push or fetch line (with its newline); WireError naming the first field that is wrong."""
+    text = _text(line)
+    head, _, rest = text.partition(" ")
+    verb, _, rest = rest.partition(" ")
+    if head != "rdzv-agent" or verb not in _FIELDS:
+        raise WireError(f"not a replica request: {quote(line)}")
+    v = _fields(verb, rest)
+    check_key(v["key"])
+    check_node(v["node"])
+    rank = _number("rank", v["rank"], MAX_RANK)
+    if verb == "fetch":
+        return FetchRequest(v["key"], v["node"], rank)
+    return PushRequest(v["key"], v["node"], rank, _number("step", v["step"], MAX_STEP),
+                       _number("size", v["size"], MAX_SIZE))
+
+
+def parse_answer(line: bytes) -> Answer:
+    """The holder's one-line answer; WireError for anything else."""
+    if len(line) > MAX_LINE:
+        raise WireError(f"answer longer than {MAX_LINE} bytes: {quote(line)}")
+    if line == GO:
+        return Answer("go")
+    if line == NONE:
+        return Answer("none")
+    if m := _STORED.fullmatch(line):
+        return Answer("stored", step=int(m.group(1)))
+    if (m := _COPY.fullmatch(line)) and int(m.group(2)) <= MAX_SIZE:
+        return Answer("copy", step=int(m.group(1)), size=int(m.group(2)))
+    if m := _REFUSED.fullmatch(line):
+        return Answer("refused", reason=m.group(1).decode("ascii"))
+    raise WireError(f"not an answer of the replica wire: {quote(line)}")
+
+
+def parse_trailer(line: bytes) -> str:
+    """The hex digest of a `sha256=HEX` trailer; WireError for anything else."""
+    m = _TRAILER.fullmatch(line[:MAX_LINE + 1])
+    if m is None:
+        raise WireError(f"bad trailer: {quote(line)}, wants sha256= and 64 lowercase hex digits")
+    return m.group(1).decode("ascii")

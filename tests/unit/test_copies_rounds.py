@@ -1,0 +1,105 @@
+"""The server's side of peer copies (issue 46): where each member's copies go, and what a node that takes a
+gone node's place is told to fetch. Pure core, time as plain floats."""
+from __future__ import annotations
+
+from protocol.messages import JobConfig, JobState, JoinRequest, NodeStatus, PollRequest, Witness
+from rdzv_server.core.rendezvous import Rendezvous
+
+JOB = "job-c"
+
+
+def join(rz: Rendezvous, node: str, now: float, config: JobConfig, *, domain: str = "", probe: int = 4000,
+         credential: str = "") -> NodeStatus:
+    req = JoinRequest(v=1, node_id=node, addr=f"10.0.0.{ord(node[0]) - 96}", local_world_size=2, master_port=20000,
+                      config=config, instance=f"{node}#1", host=f"host-{node}", probe_port=probe, domain=domain)
+    return rz.join(JOB, req, now, credential or f"secret-{node}")
+
+
+def poll(rz: Rendezvous, node: str, now: float) -> NodeStatus:
+    return rz.poll(JOB, PollRequest(v=1, node_id=node, credential=f"secret-{node}"), now)
+
+
+def started(nodes: dict[str, str], config: JobConfig) -> Rendezvous:
+    """A job of `nodes` (node -> failure domain, in group-rank order) running its first round."""
+    rz = Rendezvous()
+    for i, (n, domain) in enumerate(nodes.items()):
+        join(rz, n, i * 0.01, config, domain=domain)
+    if rz.jobs[JOB].state == JobState.WAITING:
+        deadline = rz.next_deadline()
+        assert deadline is not None
+        rz.tick(deadline)
+    return rz
+
+
+CFG = JobConfig(min_nodes=2, max_nodes=3, lease_timeout_s=5.0, last_call_s=0.0)
+
+
+def targets(rz: Rendezvous, node: str, now: float = 1.0) -> list[str]:
+    a = rz.view(JOB, node, now).assignment
+    assert a is not None
+    return [w.addr for w in a.replicas]
+
+
+def test_each_members_copies_go_to_the_next_member_in_another_failure_domain():
+    rz = started({"a": "rack1", "b": "rack1", "c": "rack2"}, CFG)
+    assert targets(rz, "a") == ["10.0.0.3"]          # b shares a's rack: c
+    assert targets(rz, "b") == ["10.0.0.3"]
+    assert targets(rz, "c") == ["10.0.0.1"]          # round the ring
+    a = rz.view(JOB, "a", 1.0).assignment
+    assert a is not None and len(a.replica_key) == 48 and a.replica_key not in ("secret-a", "")
+
+
+def test_without_a_domain_the_host_is_the_domain_and_a_node_that_answers_no_probes_holds_nothing():
+    rz = Rendezvous()
+    join(rz, "a", 0.0, CFG)
+    join(rz, "b", 0.01, CFG, probe=0)                 # an agent without a listener: no copies to or from it
+    join(rz, "c", 0.02, CFG)
+    assert targets(rz, "a") == ["10.0.0.3"] and targets(rz, "b") == [] and targets(rz, "c") == ["10.0.0.1"]
+
+
+def test_all_in_one_failure_domain_no_copies_and_replicas_zero_none():
+    rz = started({"a": "r", "b": "r", "c": "r"}, CFG)
+    assert [targets(rz, n) for n in "abc"] == [[], [], []]
+    off = started({"a": "1", "b": "2", "c": "3"}, JobConfig(min_nodes=2, max_nodes=3, replicas=0))
+    assert [targets(off, n) for n in "abc"] == [[], [], []]
+
+
+def test_a_job_made_without_a_secret_has_no_key_and_so_no_copies():
+    rz = Rendezvous()
+    for i, n in enumerate("abc"):
+        rz.join(JOB, JoinRequest(v=1, node_id=n, addr=f"10.0.0.{i + 1}", local_world_size=1, master_port=1,
+                                 config=CFG, instance=n, probe_port=4000, domain=n), i * 0.01)
+    assert [targets(rz, n) for n in "abc"] == [[], [], []]
+
+
+def test_the_node_taking_a_lost_nodes_place_is_told_who_holds_its_copies():
+    rz = started({"a": "1", "b": "2", "c": "3"}, CFG)
+    join(rz, "s", 0.5, CFG, domain="4")
+    for t in (1.0, 2.0, 3.0, 4.0, 5.0):               # b is silent: lost; s takes its place
+        for n in ("a", "c", "s"):
+            poll(rz, n, t)
+    rz.tick(rz.next_deadline())
+    r = rz.jobs[JOB].round
+    assert r is not None and r.members == ["a", "s", "c"]
+    s = rz.view(JOB, "s", 6.0).assignment
+    assert s is not None and s.copies_of == "b" and s.copies_at == Witness(addr="10.0.0.3", port=4000)   # b's went to c
+    others = [rz.view(JOB, n, 6.0).assignment for n in ("a", "c")]
+    assert all(o is not None and o.copies_of == "" and o.copies_at is None for o in others)
+    assert targets(rz, "a", 6.0) == ["10.0.0.19"]     # a's copies now go to s (a's old holder, b, is gone)
+
+
+def test_a_lost_node_whose_holder_was_lost_with_it_leaves_nothing_to_fetch():
+    rz = started({"a": "1", "b": "2", "c": "3"}, CFG)
+    join(rz, "s", 0.5, CFG, domain="4")
+    join(rz, "t", 0.5, CFG, domain="5")
+    for n in ("b", "c"):
+        poll(rz, n, 0.5)
+    for t in (1.0, 2.0, 3.0, 4.0, 5.0):               # b and its holder c lost together
+        for n in ("a", "s", "t"):
+            poll(rz, n, t)
+    rz.tick(rz.next_deadline())
+    r = rz.jobs[JOB].round
+    assert r is not None and r.members == ["a", "s", "t"]
+    s, t = (rz.view(JOB, n, 6.0).assignment for n in ("s", "t"))
+    assert s is not None and s.copies_of == "" and s.copies_at is None          # b's copies were on c
+    assert t is not None and t.copies_of == "c" and t.copies_at == Witness(addr="10.0.0.1", port=4000)  # c's on a

@@ -1,0 +1,500 @@
+"""Snapshot copies between agents (node_agent/replicas): the wire's lines, the holder's store behind a real
+loopback listener, the pushing and fetching client, and a raw-socket client that uses none of our client."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import os
+import random
+import socket
+from collections.abc import AsyncIterator
+
+import pytest
+
+from node_agent.replicas import client, stream, wire
+from node_agent.replicas.store import ReplicaStore
+from node_agent.replicas.wire import GO, FetchRequest, PushRequest, WireError
+
+KEY = "job-7_replica-key-0123"
+NODE = "node-a"
+WAIT = 10.0        # a bound on each await, so a broken server fails the test rather than hanging it
+
+
+def blob(n: int, seed: int = 0) -> bytes:
+    return random.Random(seed).randbytes(n)
+
+
+def sha(data: bytes) -> bytes:
+    return b"sha256=%s\n" % hashlib.sha256(data).hexdigest().encode()
+
+
+def header(step: int, size: int, *, node: str = NODE, rank: int = 0, key: str = KEY) -> bytes:
+    return b"rdzv-agent push key=%s node=%s rank=%d step=%d size=%d\n" % (key.encode(), node.encode(), rank, step,
+                                                                          size)
+
+
+def snap(directory, name: str, data: bytes) -> str:
+    path = os.path.join(directory, name)
+    with open(path, "wb") as f:
+        f.write(data)
+    return path
+
+
+def make_store(tmp_path, limit: int = 64 * 2**20, key: str = KEY, said: list[str] | None = None) -> ReplicaStore:
+    return ReplicaStore(str(tmp_path / "held"), limit, lambda: key, (said if said is not None else []).append)
+
+
+@contextlib.asynccontextmanager
+async def holder(store: ReplicaStore) -> AsyncIterator[int]:
+    """A tiny listener as the agent's: read the first line, hand replica requests to the store, close."""
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            line = await reader.readline()
+            if wire.is_replica_request(line):
+                await store.serve(line, reader, writer)
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    try:
+        yield server.sockets[0].getsockname()[1]
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
+@contextlib.asynccontextmanager
+async def connection(port: int) -> AsyncIterator[tuple[asyncio.StreamReader, asyncio.StreamWriter]]:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        yield reader, writer
+    finally:
+        writer.close()
+
+
+async def line_of(reader: asyncio.StreamReader) -> bytes:
+    return await asyncio.wait_for(reader.readline(), WAIT)
+
+
+async def raw_push(port: int, head: bytes, body: bytes = b"", trailer: bytes | None = None,
+                   eof: bool = False) -> list[bytes]:
+    """A hand-written pusher: the header, then (after `go`) body and trailer as given; the lines answered."""
+    async with connection(port) as (reader, writer):
+        writer.write(head)
+        first = await line_of(reader)
+        if first != GO:
+            return [first]
+        writer.write(body + (trailer or b""))
+        if eof:
+            writer.write_eof()
+        await writer.drain()
+        return [first, await line_of(reader)]
+
+
+async def fetch_bytes(port: int, tmp_path, node: str = NODE, rank: int = 0) -> tuple[client.FetchResult, bytes]:
+    dest = tmp_path / f"dest-{random.random()}"
+    dest.mkdir()
+    got = await client.fetch("127.0.0.1", port, key=KEY, node_id=node, local_rank=rank, dest_dir=str(dest))
+    assert not [n for n in os.listdir(dest) if n.endswith(".tmp")]
+    data = (dest / f"step-{got.step}").read_bytes() if got.step is not None else b""
+    return got, data
+
+
+def exists(path: str) -> bool:
+    return os.path.exists(path)
+
+
+def flip(path: str, at: int) -> None:
+    """Corrupt one byte of a file in place, as memory or a disk might."""
+    with open(path, "r+b") as f:
+        f.seek(at)
+        byte = f.read(1)[0]
+        f.seek(at)
+        f.write(bytes([byte ^ 1]))
+
+
+def files(store: ReplicaStore, node: str = NODE, rank: int = 0) -> list[str]:
+    where = os.path.join(store.root, node, str(rank))
+    return sorted(os.listdir(where)) if os.path.isdir(where) else []
+
+
+# --- the wire, pure ------------------------------------------------------------------------------------------
+
+def test_lines_round_trip_and_answers_parse():
+    push = PushRequest(KEY, "n:1@x", 4095, 10**18 - 1, 2**40)
+    assert wire.parse_request(wire.push_line(push)) == push
+    fetch = FetchRequest(KEY, "n.1", 0)
+    assert wire.parse_request(wire.fetch_line(fetch)) == fetch
+    assert wire.is_replica_request(wire.push_line(push)) and wire.is_replica_request(wire.fetch_line(fetch))
+    assert not wire.is_replica_request(b"rdzv-agent ask round=3\n")
+    assert wire.parse_answer(GO).kind == "go" and wire.parse_answer(wire.NONE).kind == "none"
+    assert wire.parse_answer(wire.stored_line(7)) == wire.Answer("stored", step=7)
+    assert wire.parse_answer(wire.copy_line(7, 99)) == wire.Answer("copy", step=7, size=99)
+    assert wire.parse_answer(wire.refused_line("no\nway\x00" + "x" * 300)).reason == "no?way?" + "x" * 193
+    hexd = hashlib.sha256(b"a").hexdigest()
+    assert wire.parse_trailer(wire.trailer_line(hexd)) == hexd
+    for bad in (b"rdzv-agent copy step=1 size=%d\n" % (2**40 + 1), b"rdzv-agent stored step=01\n", b"go\n",
+                b"rdzv-agent refused \n", b"rdzv-agent go"):
+        with pytest.raises(WireError):
+            wire.parse_answer(bad)
+    for bad in (b"sha256=" + hexd.upper().encode() + b"\n", b"sha256=abc\n", sha(b"a")[:-1]):
+        with pytest.raises(WireError, match="bad trailer"):
+            wire.parse_trailer(bad)
+
+
+@pytest.mark.parametrize(("line", "field"), [
+    (header(1, 1, node=".."), "bad node"),
+    (header(1, 1, node="a/b"), "bad node"),
+    (header(1, 1, node="x" * 129), "bad node"),
+    (header(1, 1, node=""), "bad node"),
+    (header(1, 1, rank=4096), "bad rank"),
+    (header(1, 1, key="short"), "bad key"),
+    (header(1, 1).replace(b"step=1", b"step=-1"), "bad step"),
+    (header(1, 1).replace(b"step=1", b"step=1e3"), "bad step"),
+    (header(1, 1).replace(b"step=1", b"step=01"), "bad step"),
+    (header(1, 1).replace(b"step=1", b"step=" + b"9" * 19), "bad step"),
+    (header(1, 1).replace(b"size=1", b"size=%d" % (2**40 + 1)), "bad size"),
+    (header(1, 1).replace(b" size=1", b""), "wants the fields"),
+    (header(1, 1).replace(b"rank=", b"rnak="), "wants the field rank="),
+    (header(1, 1).replace(b"node=", b"node= "), "wants the fields"),
+    (header(1, 1)[:-1], "not ended by a newline"),
+    (header(1, 1, node="n" * 120).replace(b"key=", b"key=" + b"k" * 400), "longer than 512"),
+    (b"rdzv-agent fetch key=%s node=n\xe9 rank=0\n" % KEY.encode(), "not ASCII"),
+    (b"rdzv-agent pull key=x\n", "not a replica request"),
+])
+def test_every_field_is_bounded_and_named(line, field):
+    with pytest.raises(WireError, match=field) as caught:
+        wire.parse_request(line)
+    assert KEY not in str(caught.value)          # the key is never quoted back
+
+
+def test_our_own_requests_are_checked_before_they_are_sent():
+    for bad in (dict(node=".."), dict(rank=-1), dict(step=10**18), dict(size=-5), dict(key="k" * 129)):
+        fields = dict(key=KEY, node=NODE, rank=0, step=1, size=1) | bad
+        with pytest.raises(WireError):
+            PushRequest(**fields)    # type: ignore[arg-type]
+
+
+def test_pacing_sleeps_what_keeps_the_sender_to_its_rate():
+    assert stream.pace(0, 0.0, 100.0) == 0.0
+    assert stream.pace(1000, 0.0, 100.0) == 10.0
+    assert stream.pace(1000, 4.0, 100.0) == 6.0
+    assert stream.pace(1000, 20.0, 100.0) == 0.0         # behind: no sleep, never a negative one
+    with pytest.raises(ValueError):
+        stream.pace(1, 1.0, 0.0)
+
+
+# --- the store behind a listener -----------------------------------------------------------------------------
+
+async def test_a_push_then_a_fetch_returns_the_same_bytes(tmp_path):
+    store = make_store(tmp_path)
+    data = blob(2 * stream.CHUNK + 12345)        # several chunks
+    async with holder(store) as port:
+        sent = await client.push("127.0.0.1", port, key=KEY, node_id=NODE, local_rank=2, step=5,
+                                 path=snap(tmp_path, "step-5", data))
+        assert sent == client.PushResult(True, "stored step=5", len(data))
+        assert store.held() == {(NODE, 2): 5} and store.held_bytes() == len(data)
+        got, back = await fetch_bytes(port, tmp_path, rank=2)
+    assert got == client.FetchResult(5, "fetched step=5", len(data)) and back == data
+    assert store.bytes_in == store.bytes_out == len(data) and store.refusals == {}
+    assert files(store, rank=2) == ["step-5", "step-5.sha256"]
+    assert os.stat(store.root).st_mode & 0o777 == 0o700
+
+
+async def test_a_newer_push_replaces_the_copy_only_once_it_is_whole(tmp_path):
+    store = make_store(tmp_path)
+    old, new = blob(50_000, 1), blob(70_000, 2)
+    async with holder(store) as port:
+        assert (await client.push("127.0.0.1", port, key=KEY, node_id=NODE, local_rank=0, step=1,
+                                  path=snap(tmp_path, "a", old))).ok
+        async with connection(port) as (reader, writer):
+            writer.write(header(2, len(new)))
+            assert await line_of(reader) == GO
+            writer.write(new[:30_000])
+            await writer.drain()
+            # half-way: the old copy is what is held and fetched; the new one is an invisible .tmp
+            assert store.held() == {(NODE, 0): 1}
+            assert files(store) == ["step-1", "step-1.sha256", "step-2.tmp"]
+            got, back = await fetch_bytes(port, tmp_path)
+            assert got.step == 1 and back == old
+            busy = await client.push("127.0.0.1", port, key=KEY, node_id=NODE, local_rank=0, step=3,
+                                     path=snap(tmp_path, "b", new))
+            assert busy == client.PushResult(False, "refused: busy", 0)
+            writer.write(new[30_000:] + sha(new))
+            assert await line_of(reader) == b"rdzv-agent stored step=2\n"
+        assert store.held() == {(NODE, 0): 2} and files(store) == ["step-2", "step-2.sha256"]
+        got, back = await fetch_bytes(port, tmp_path)
+    assert got.step == 2 and back == new and store.refusals == {"busy": 1}
+
+
+async def test_a_wrong_key_or_no_key_yet_writes_nothing(tmp_path):
+    said: list[str] = []
+    key = [""]
+    store = ReplicaStore(str(tmp_path / "held"), 2**20, lambda: key[0], said.append)
+    path = snap(tmp_path, "s", blob(1000))
+    async with holder(store) as port:
+        early = await client.push("127.0.0.1", port, key=KEY, node_id=NODE, local_rank=0, step=1, path=path)
+        assert early == client.PushResult(False, "refused: no key yet", 0)
+        key[0] = "another-job-key-000"
+        for _ in range(2):
+            wrong = await client.push("127.0.0.1", port, key=KEY, node_id=NODE, local_rank=0, step=1, path=path)
+            assert wrong == client.PushResult(False, "refused: wrong key", 0)
+        got, _ = await fetch_bytes(port, tmp_path)
+    assert got == client.FetchResult(None, "refused: wrong key", 0)
+    assert not exists(store.root) and store.refusals == {"key": 4}
+    assert len(said) == 1 and "no key yet" in said[0] and "key=<hidden>" in said[0]   # once per kind and peer
+    assert not any(KEY in s for s in said)
+
+
+async def test_a_step_not_newer_than_the_held_one_is_stale(tmp_path):
+    store = make_store(tmp_path)
+    async with holder(store) as port:
+        for step, ok in ((5, True), (5, False), (4, False), (6, True)):
+            done = await client.push("127.0.0.1", port, key=KEY, node_id=NODE, local_rank=0, step=step,
+                                     path=snap(tmp_path, f"s{step}", blob(100, step)))
+            assert done.ok is ok
+            if not ok:
+                assert done.reason == f"refused: stale step {step} (holding 5)" and done.sent == 0
+    assert store.held() == {(NODE, 0): 6} and store.refusals == {"stale": 2}
+
+
+async def test_the_limit_counts_the_current_copy_until_it_is_replaced(tmp_path):
+    store = make_store(tmp_path, limit=1000)
+    async with holder(store) as port:
+        async def push(node: str, step: int, size: int) -> client.PushResult:
+            return await client.push("127.0.0.1", port, key=KEY, node_id=node, local_rank=0, step=step,
+                                     path=snap(tmp_path, f"{node}-{step}", blob(size, step)))
+        assert (await push(NODE, 1, 600)).ok
+        full = await push(NODE, 2, 600)         # 600 held + 600 new > 1000, though 2 would replace 1
+        assert not full.ok and full.reason.startswith("refused: memory limit full: 600 bytes held")
+        other = await push("node-b", 1, 500)
+        assert not other.ok and "limit 1000 bytes" in other.reason
+        huge = await push("node-b", 1, 1001)
+        assert huge.reason == "refused: memory limit full: the copy's 1001 bytes exceed the limit of 1000 bytes"
+        assert (await push(NODE, 2, 400)).ok
+        got, back = await fetch_bytes(port, tmp_path)
+    assert got.step == 2 and back == blob(400, 2) and store.refusals == {"limit": 3}
+
+
+@pytest.mark.parametrize(("line", "says"), [
+    (header(1, 10, node=".."), "bad node: '..'"),
+    (header(1, 10, node="a/b"), "bad node: 'a/b'"),
+    (header(1, 10, node="x" * 129), "bad node: 'xxx"),
+    (header(1, 10).replace(b"step=1", b"step=one"), "bad step: 'one'"),
+    (header(1, 10).replace(b"key=", b"key=" + b"k" * 600), "line longer than 512 bytes"),
+    (b"rdzv-agent fetch key=%s node=.. rank=0\n" % KEY.encode(), "bad node"),
+])
+async def test_a_bad_request_is_refused_with_the_field_named(tmp_path, line, says):
+    store = make_store(tmp_path)
+    async with holder(store) as port:
+        answer = await raw_push(port, line)
+    assert len(answer) == 1 and answer[0].startswith(b"rdzv-agent refused bad request: ")
+    assert says in wire.parse_answer(answer[0]).reason and len(answer[0]) <= wire.MAX_LINE
+    assert not exists(store.root) and store.refusals == {"bad_request": 1}
+
+
+async def test_a_hundred_broken_pushes_leave_the_previous_copy_fetchable(tmp_path):
+    store = make_store(tmp_path)
+    good = blob(20_000, 99)
+    rng = random.Random(7)
+    async with holder(store) as port:
+        assert (await client.push("127.0.0.1", port, key=KEY, node_id=NODE, local_rank=0, step=10,
+                                  path=snap(tmp_path, "good", good))).ok
+        for i in range(100):
+            data = blob(rng.randint(1, 30_000), 1000 + i)
+            head = header(11 + i, len(data))
+            kind = i % 5
+            if kind == 0:                       # one byte flipped on the way
+                at = rng.randrange(len(data))
+                flipped = data[:at] + bytes([data[at] ^ 0xFF]) + data[at + 1:]
+                answer = await raw_push(port, head, flipped, sha(data))
+            elif kind == 1:                     # the stream ends early
+                answer = await raw_push(port, head, data[:rng.randrange(len(data))], eof=True)
+            elif kind == 2:                     # a trailer for other bytes
+                answer = await raw_push(port, head, data, sha(data + b"x"))
+            elif kind == 3:                     # a malformed trailer, or bytes past the announced size
+                answer = await raw_push(port, head, data, rng.choice([b"sha256=zz\n", b"\x00" * 3 + sha(data)]))
+            else:                               # a step that is not newer
+                answer = await raw_push(port, header(rng.randint(0, 10), len(data)), data, sha(data))
+            assert answer[-1].startswith(b"rdzv-agent refused "), (i, answer)
+            assert store.held() == {(NODE, 0): 10} and files(store) == ["step-10", "step-10.sha256"], i
+            if i % 10 == 0:
+                got, back = await fetch_bytes(port, tmp_path)
+                assert got.step == 10 and back == good
+        got, back = await fetch_bytes(port, tmp_path)
+    assert got.step == 10 and back == good
+    assert store.refusals == {"checksum": 80, "stale": 20}
+
+
+async def test_a_stalled_push_is_given_up_and_cleaned(tmp_path):
+    store = make_store(tmp_path)
+    store.stall_s = 0.2                          # the holder's own clock; the test waits on its answer
+    async with holder(store) as port:
+        async with connection(port) as (reader, writer):
+            writer.write(header(1, 1000))
+            assert await line_of(reader) == GO
+            writer.write(b"x" * 10)
+            answer = await line_of(reader)
+    assert answer.startswith(b"rdzv-agent refused stalled: no bytes for 0.2 s after 10 of 1000")
+    assert files(store) == [] and store.held() == {}
+
+
+async def test_a_copy_corrupted_at_rest_is_refused_and_removed(tmp_path):
+    store = make_store(tmp_path)
+    data = blob(5000)
+    async with holder(store) as port:
+        assert (await client.push("127.0.0.1", port, key=KEY, node_id=NODE, local_rank=1, step=3,
+                                  path=snap(tmp_path, "s", data))).ok
+        flip(os.path.join(store.root, NODE, "1", "step-3"), 1234)
+        got, _ = await fetch_bytes(port, tmp_path, rank=1)
+        assert got == client.FetchResult(None, "refused: copy corrupted at rest", 0)
+        assert store.held() == {} and files(store, rank=1) == []
+        again, _ = await fetch_bytes(port, tmp_path, rank=1)
+    assert again.reason == "no copy held" and store.refusals == {"corrupt": 1}
+
+
+async def test_nothing_held_answers_none_and_other_nodes_are_apart(tmp_path):
+    store = make_store(tmp_path)
+    async with holder(store) as port:
+        got, _ = await fetch_bytes(port, tmp_path)
+        assert got == client.FetchResult(None, "no copy held", 0)
+        for node in ("n1", "n2"):
+            assert (await client.push("127.0.0.1", port, key=KEY, node_id=node, local_rank=0, step=1,
+                                      path=snap(tmp_path, node, node.encode() * 10))).ok
+        store.remove_node("n1")
+        assert store.held() == {("n2", 0): 1}
+        assert (await fetch_bytes(port, tmp_path, node="n2"))[1] == b"n2" * 10
+        with pytest.raises(WireError):
+            store.remove_node("..")
+        store.clear()
+        assert store.held() == {} and store.held_bytes() == 0 and not exists(store.root)
+        assert (await client.push("127.0.0.1", port, key=KEY, node_id="n1", local_rank=0, step=1,
+                                  path=snap(tmp_path, "again", b"x"))).ok    # the root is made again
+
+
+async def test_the_raw_wire_with_plain_sockets(tmp_path):
+    """An independent client: blocking sockets and the wire as documented, nothing of client.py."""
+    store = make_store(tmp_path)
+    data = blob(300_000, 5)
+
+    def speak(port: int) -> tuple[bytes, bytes, bytes, bytes, bytes, bytes]:
+        with socket.create_connection(("127.0.0.1", port), timeout=WAIT) as s, s.makefile("rwb") as f:
+            f.write(b"rdzv-agent push key=%s node=host-1.example:29400 rank=3 step=42 size=%d\n"
+                    % (KEY.encode(), len(data)))
+            f.flush()
+            go = f.readline()
+            f.write(data + sha(data))
+            f.flush()
+            stored = f.readline()
+        with socket.create_connection(("127.0.0.1", port), timeout=WAIT) as s, s.makefile("rwb") as f:
+            f.write(b"rdzv-agent fetch key=%s node=host-1.example:29400 rank=3\n" % KEY.encode())
+            f.flush()
+            copy = f.readline()
+            body = f.read(len(data))
+            trailer = f.readline()
+            rest = f.read()
+        return go, stored, copy, body, trailer, rest
+
+    async with holder(store) as port:
+        go, stored, copy, body, trailer, rest = await asyncio.to_thread(speak, port)
+    assert go == b"rdzv-agent go\n" and stored == b"rdzv-agent stored step=42\n"
+    assert copy == b"rdzv-agent copy step=42 size=%d\n" % len(data)
+    assert body == data and trailer == sha(data) and rest == b""     # then the holder closes
+
+
+# --- the client against fake holders -------------------------------------------------------------------------
+
+@contextlib.asynccontextmanager
+async def fake_holder(answer) -> AsyncIterator[int]:
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            await answer(await reader.readline(), reader, writer)
+            await writer.drain()
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    try:
+        yield server.sockets[0].getsockname()[1]
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
+async def test_the_fetcher_keeps_nothing_that_does_not_match_its_trailer(tmp_path):
+    data = blob(10_000)
+
+    async def lying(line, reader, writer) -> None:
+        writer.write(wire.copy_line(8, len(data)) + data + sha(data[:-1]))
+
+    async def short(line, reader, writer) -> None:
+        writer.write(wire.copy_line(8, len(data)) + data[:5000])
+
+    async def big(line, reader, writer) -> None:
+        writer.write(wire.copy_line(8, 2**40))
+
+    async def garbled(line, reader, writer) -> None:
+        writer.write(b"HTTP/1.1 400 Bad Request\r\n")
+
+    dest = tmp_path / "mem"
+    dest.mkdir()
+    results = []
+    for fake in (lying, short, big, garbled):
+        async with fake_holder(fake) as port:
+            results.append(await client.fetch("127.0.0.1", port, key=KEY, node_id=NODE, local_rank=0,
+                                              dest_dir=str(dest), max_bytes=2**30))
+        assert os.listdir(dest) == []
+    assert results[0] == client.FetchResult(None, "checksum mismatch", len(data))
+    assert results[1].step is None and results[1].reason.startswith("lost: short stream: 5000 of 10000")
+    assert results[2].reason.startswith("too large: the copy of step 8 is 1099511627776 bytes")
+    assert results[3].reason.startswith("lost: not an answer of the replica wire: b'HTTP/1.1")
+
+
+async def test_a_push_reads_its_open_file_though_a_later_save_unlinks_it(tmp_path):
+    data = blob(3 * stream.CHUNK // 2, 3)
+    path = snap(tmp_path, "step-9", data)
+    came: list[bytes] = []
+
+    async def unlinking(line, reader, writer) -> None:
+        os.unlink(path)                        # the worker's next save dropped it after the push opened it
+        size = wire.parse_request(line).size   # type: ignore[union-attr]
+        writer.write(GO)
+        body = await reader.readexactly(size)
+        came.append(body)
+        assert await reader.readline() == sha(body)
+        writer.write(wire.stored_line(9))
+
+    async with fake_holder(unlinking) as port:
+        done = await client.push("127.0.0.1", port, key=KEY, node_id=NODE, local_rank=0, step=9, path=path)
+    assert done == client.PushResult(True, "stored step=9", len(data)) and came == [data]
+    gone = await client.push("127.0.0.1", port, key=KEY, node_id=NODE, local_rank=0, step=9, path=path)
+    assert gone == client.PushResult(False, "snapshot gone", 0)
+
+
+async def test_unreachable_bad_requests_and_pacing(tmp_path, monkeypatch):
+    path = snap(tmp_path, "s", blob(2 * stream.CHUNK + 1))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        closed = s.getsockname()[1]             # nothing listens there once it is closed
+    nowhere = await client.push("127.0.0.1", closed, key=KEY, node_id=NODE, local_rank=0, step=1, path=path)
+    assert not nowhere.ok and nowhere.reason.startswith("unreachable: 127.0.0.1:")
+    fetched = await client.fetch("127.0.0.1", closed, key=KEY, node_id=NODE, local_rank=0, dest_dir=str(tmp_path))
+    assert fetched.step is None and fetched.reason.startswith("unreachable: ")
+    bad = await client.push("127.0.0.1", closed, key=KEY, node_id="a/b", local_rank=0, step=1, path=path)
+    assert not bad.ok and bad.reason.startswith("bad request: bad node: 'a/b'")
+    assert (await client.fetch("127.0.0.1", closed, key="k", node_id=NODE, local_rank=0,
+                               dest_dir=str(tmp_path))).reason.startswith("bad request: bad key")
+
+    paced: list[tuple[int, float]] = []
+
+    def fake_pace(sent_bytes: int, elapsed_s: float, rate: float) -> float:
+        paced.append((sent_bytes, rate))
+        return 0.0
+
+    monkeypatch.setattr(stream, "pace", fake_pace)
+    store = make_store(tmp_path)
+    async with holder(store) as port:
+        done = await client.push("127.0.0.1", port, key=KEY, node_id=NODE, local_rank=0, step=1, path=path,
+                                 bandwidth_bytes_s=5e6)
+    assert done.ok and paced == [(stream.CHUNK, 5e6), (2 * stream.CHUNK, 5e6), (2 * stream.CHUNK + 1, 5e6)]
