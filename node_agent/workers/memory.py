@@ -7,6 +7,7 @@ every agent starting removes the directories whose owner is gone (pid missing, o
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -14,6 +15,7 @@ import tempfile
 from collections.abc import Callable
 
 SHM = "/dev/shm"
+RANK_FILE = ".rank"      # in each local rank's directory: the global rank whose snapshots it holds
 
 
 def default_limit(base: str) -> int:
@@ -75,6 +77,32 @@ class MemoryDirs:
             self.close()
             self._say(f"no in-memory checkpoint directory ({exc.strerror or exc}); workers run without one")
             return {}
+
+    def dirs_for(self, local_world_size: int, rank_offset: int) -> dict[int, str]:
+        """`dirs`, for the round whose local rank 0 is global rank `rank_offset`: a directory whose snapshots were
+        saved by another global rank (this node's ranks moved: it closed up, or took a gone node's place) is
+        emptied first. A shard of one rank must never be loaded by another (agreed_step then goes to disk)."""
+        out = self.dirs(local_world_size)
+        moved = []
+        for local, path in out.items():
+            mark = os.path.join(path, RANK_FILE)
+            try:
+                with open(mark) as f:
+                    held = f.read().strip()
+            except OSError:
+                held = ""
+            if held and held != str(rank_offset + local):
+                moved.append(held)
+                for name in os.listdir(path):
+                    if name != RANK_FILE:
+                        with contextlib.suppress(OSError):
+                            os.unlink(os.path.join(path, name))
+            with contextlib.suppress(OSError), open(mark, "w") as f:
+                f.write(f"{rank_offset + local}\n")
+        if moved:
+            self._say(f"this node's ranks moved (now from {rank_offset}): the snapshots of rank(s) {', '.join(moved)} "
+                      f"are not theirs and were removed")
+        return out
 
     def _open(self) -> str:
         base = self._base

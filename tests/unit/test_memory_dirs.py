@@ -33,6 +33,21 @@ def test_one_directory_per_local_rank_the_same_every_round_removed_on_close(tmp_
     assert not os.path.exists(os.path.dirname(first[0]))
 
 
+def test_a_directory_whose_ranks_moved_is_emptied_and_one_whose_ranks_stayed_is_kept(tmp_path) -> None:
+    said: list[str] = []
+    dirs = MemoryDirs("job", 2, 4 * 2**20, say=said.append, base=str(tmp_path))
+    first = dirs.dirs_for(2, 4)                       # global ranks 4-5
+    for d in first.values():
+        snapshot.save(b"shard", 10, where=d)
+    assert dirs.dirs_for(2, 4) == first and all(snapshot.steps(d) == [10] for d in first.values())
+    assert not said[1:]
+    moved = dirs.dirs_for(2, 2)                       # closed up: now ranks 2-3, and its snapshots are 4-5's
+    assert moved == first and all(snapshot.steps(d) == [] for d in moved.values())
+    assert "rank(s) 4, 5" in said[-1]
+    snapshot.save(b"shard", 15, where=moved[0])
+    assert snapshot.steps(dirs.dirs_for(2, 2)[0]) == [15]      # its own again from then on
+
+
 def test_off_means_no_directory(tmp_path) -> None:
     dirs = MemoryDirs("j", 2, 0, say=lambda _: None, base=str(tmp_path))
     assert dirs.dirs(2) == {} and os.listdir(tmp_path) == []
