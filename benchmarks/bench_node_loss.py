@@ -3,7 +3,7 @@ own failure domain and memory directory; a 3 s lease and a 1 s last call), 2 glo
 benchmarks/scripts/shard_train.py (32 MB of state per rank, a snapshot every 5 steps of about 0.2 s, to disk
 every 50).
 
-  --lost N        3 x 2 + 1 spare: after step 27 the agent of group rank 1 SIGKILLed (its workers die with it) and its
+  --lost N        3 x 2 + 1 spare: after step 27 (or 32, 37 ...: once the spare is ready) the agent of group rank 1 SIGKILLed (its workers die with it) and its
                   memory directory removed; alternated with a worker SIGKILLed at the same step (a crash): the step
                   and source each rank resumes from (memory / disk / scratch), whether each loaded its own shard,
                   and kill -> every rank stepping again
@@ -30,6 +30,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -38,7 +39,7 @@ from benchmarks._server import running_server  # noqa: E402
 
 SCRIPT = os.path.join(ROOT, "benchmarks", "scripts", "shard_train.py")
 FAST = ("--lease-timeout", "3", "--last-call", "1", "--stop-timeout", "2")
-KILL_AFTER = 27
+KILL_AFTER = 27      # the first step at or after it two steps past a snapshot (27, 32, ...: spares ready first)
 
 
 class Job:
@@ -124,8 +125,10 @@ def loss_run(port: int, i: int, lose: tuple[int, ...], crash: bool, extra: tuple
             wait(lambda: len({r for *_, r, _ in job.steps()}) == 6, 120, "the first world")
             for spare in ("s", "t")[:len(lose)]:
                 job.start(spare)
-                wait(lambda: "spare" in job.log(spare), 60, f"the spare {spare}")  # noqa: B023 (waited for here)
-            wait(lambda: max((s for _, s, *_ in job.steps()), default=0) >= KILL_AFTER, 120, f"step {KILL_AFTER}")
+                wait(lambda: "ready after" in job.log(spare), 60, f"the spare {spare}")  # noqa: B023 (waited here)
+            now = max((s for _, s, *_ in job.steps()), default=0)
+            target = max(KILL_AFTER, now + 1 + (2 - (now + 1)) % 5)
+            wait(lambda: max((s for _, s, *_ in job.steps()), default=0) >= target, 120, f"step {target}")
             killed_at = time.time()
             by_rank = {n: group_rank_of(job, n) for n in ("a", "b", "c")}
             victims = [n for n, g in by_rank.items() if g in lose]
@@ -144,18 +147,23 @@ def loss_run(port: int, i: int, lose: tuple[int, ...], crash: bool, extra: tuple
             resumed = job.resumed(killed_at)
             first = _stepping(job, killed_at)
             job.stop()
-            return {"kind": kind, "run": i, "victims": victims,
+            return {"kind": kind, "run": i, "victims": victims, "killed_after_step": target,
                     "steps": sorted({int(v[0]) for v in resumed.values()}),
                     "sources": sorted({v[1] for v in resumed.values()}),
                     "own_shards": sum(v[2] == "ok" for v in resumed.values()),
                     "stepping_again_s": round(max(first.values()) - killed_at, 2) if first else None,
                     "fetched": [ln for ln in job.log("s").splitlines() if "snapshots" in ln][:1],
-                    "disk_said": sum("disk" in ln for n in job.agents for ln in job.log(n).splitlines())}
+                    "none_left_said": sum("no copy of" in e["message"] for e in _events(port, job.job))}
         finally:
             for a in job.agents.values():
                 if a.poll() is None:
                     a.kill()
                     a.wait()
+
+
+def _events(port: int, job: str) -> list[dict]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/jobs/{job}/events", timeout=10) as resp:
+        return list(json.load(resp)["events"])
 
 
 def _started(job: Job, since: float) -> list[list[str]]:

@@ -86,10 +86,19 @@ JOBS: list[Column[JobView]] = [
     ("RESTARTS", lambda j: f"{j.restart_count}/{j.max_restarts}"), ("SPARES", lambda j: j.counts.spares),
     ("EXCLUDED", lambda j: j.counts.excluded), ("STEPS/S", lambda j: pace(j.progress)),
     ("ETTR", lambda j: ettr(j.progress)), ("REASON", lambda j: truncate(j.reason, REASON_WIDTH))]
+def _snapshot(n: NodeView) -> str | None:
+    """Its newest in-memory snapshot's step / its newest copy's on a peer (issue 46), one word: "25/25", "25/-"."""
+    c = n.copies
+    if c is None or c.local_step < 0:
+        return None
+    return f"{c.local_step}/{c.copied_step if c.copied_step >= 0 else '-'}"
+
+
 MEMBERS: list[Column[NodeView]] = [
     ("RANK", lambda n: n.group_rank), ("NODE", lambda n: n.node_id), ("ADDR", lambda n: n.addr),
     ("WORKERS", lambda n: n.local_world_size), ("RANKS", _ranks), ("LEASE AGE", lambda n: duration(n.lease_age_s)),
     ("WORKER STATE", lambda n: n.worker_state or n.state),
+    ("SNAPSHOT/COPY", _snapshot),
     ("STEPS/S", lambda n: rate(n.steps_per_s) if n.steps_per_s is not None else None),
     ("PACE", lambda n: "slow" if n.slow else None)]
 # Rows start with "#": a line of a job's view that starts with a digit is a member's (scripts read them so).

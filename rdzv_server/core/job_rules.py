@@ -25,6 +25,7 @@ from rdzv_server.core.rounds import (
     PREPARE_LIMIT_S,
     build_round,
     candidates,
+    copies_lost,
     count_nodes,
     growth_cause,
     master_correction,
@@ -257,7 +258,7 @@ class JobRules:
                            since_failure_s=round(max(0.0, now - failed_at), 6) if failed_at else None,
                            took=dict(list(took.items())[:MAP_NODES]), ranks=chosen if len(chosen) <= MAP_NODES else [])
         places = "".join(f"; {new} takes {old}'s place (group rank {chosen.index(new)})"
-                         for new, old in list(took.items())[:3])
+                         for new, old in list(took.items())[:3]) + copies_lost(job.round, took)
         self.record(now, EventKind.ROUND_COMPLETED, f"round {job.round.round_id}: {len(chosen)} nodes, world size "
                     f"{job.round.world_size} ({why}){places}", round_id=job.round.round_id, data=data)
 

@@ -51,6 +51,15 @@ def copies_held(last: RoundRecord, took: dict[str, str], members: set[str]) -> d
     return out
 
 
+def copies_lost(r: RoundRecord, took: dict[str, str]) -> str:
+    """What a round-formed message says of the gone nodes whose copies went with them ("": none)."""
+    gone = [old for new, old in took.items() if new not in r.copies] if r.replicas else []
+    if not gone:
+        return ""
+    return (f"; no copy of {', '.join(gone[:3])}{' ...' if len(gone) > 3 else ''}'s snapshots is left (its peer "
+            f"was lost too): every rank resumes from disk")
+
+
 def _derived(r: RoundRecord) -> _Derived:
     derived: _Derived | None = r.__dict__.get("derived")
     if derived is None:

@@ -31,7 +31,7 @@ from rdzv_server.core.payloads import (
     WorkersFailed,
     payload_of,
 )
-from rdzv_server.core.records import Event
+from rdzv_server.core.records import Event, JobRecord
 from rdzv_server.web.views import progress
 
 # No `*_created` series: they double the output and no dashboard here reads them (process-wide switch).
@@ -121,7 +121,9 @@ class JobCollector(Collector):
                                  "step before each to the first step after it.", labels=["job"])
         slow = GaugeMetricFamily("rdzv_slow_nodes", "Members of a job named slow now (the other nodes wait on them).",
                                  labels=["job"])
+        copies = _CopyFamilies()
         for job in shown:
+            copies.add(job)
             view = progress(job, now)
             slow.add_metric([job.job_id], len(view.slow_nodes))
             if not view.signal:
@@ -131,10 +133,34 @@ class JobCollector(Collector):
             if view.ettr is not None:
                 ratio.add_metric([job.job_id], view.ettr)
             lost.add_metric([job.job_id], view.lost_s)
-        return [steps, pace, ratio, lost, slow,
+        return [steps, pace, ratio, lost, slow, *copies.families(),
                 GaugeMetricFamily("rdzv_job_series_omitted", f"Unfinished jobs left out of the per-job series "
                                   f"(at most {MAX_JOB_SERIES} jobs have them, the first by id).",
                                   len(unfinished) - len(shown))]
+
+
+class _CopyFamilies:
+    """Peer copies of a job's snapshots (issue 46), as its members' agents last said on their polls: how far the
+    newest copy lags the newest snapshot (steps, the worst member), bytes sent and pushes refused (all members)."""
+
+    def __init__(self) -> None:
+        self.lag = GaugeMetricFamily("rdzv_job_copy_lag_steps", "Steps between a member's newest in-memory snapshot "
+                                     "and its newest copy on a peer, the worst member's.", labels=["job"])
+        self.sent = GaugeMetricFamily("rdzv_job_copy_sent_bytes", "Bytes of snapshot copies the members' agents "
+                                      "have sent to peers (as each agent counts, since it started).", labels=["job"])
+        self.refused = GaugeMetricFamily("rdzv_job_copy_refusals", "Copies a peer refused or could not take "
+                                         "(a full memory limit, a peer away), as the agents count.", labels=["job"])
+
+    def add(self, job: JobRecord) -> None:
+        notes = [n.copies for n in job.nodes.values() if n.copies is not None and n.state == NodeState.MEMBER]
+        if not notes:
+            return
+        self.lag.add_metric([job.job_id], max(max(0, c.local_step - max(c.copied_step, 0)) for c in notes))
+        self.sent.add_metric([job.job_id], sum(c.sent_bytes for c in notes))
+        self.refused.add_metric([job.job_id], sum(c.refused for c in notes))
+
+    def families(self) -> list[Metric]:
+        return [self.lag, self.sent, self.refused]
 
 
 class ConnectionCollector(Collector):

@@ -10,6 +10,7 @@ import os
 import shutil
 import signal
 import time
+import urllib.request
 
 import pytest
 
@@ -61,6 +62,12 @@ def test_the_node_taking_a_lost_nodes_place_resumes_from_its_peer_copy(cluster, 
     # Its ranks' copies are on a peer once the views say so (the agents' polls carry it).
     wait_until(lambda: next(n for n in job_view(cluster, "copies")["nodes"] if n["node_id"] == lost)
                .get("copies", {}).get("copied_step", -1) >= 10, LIMIT, f"node {lost}'s copies of step 10 or later")
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{cluster.port}/metrics", timeout=10) as resp:
+        metrics = resp.read().decode()
+    assert 'rdzv_job_copy_lag_steps{job="copies"}' in metrics and 'rdzv_job_copy_refusals{job="copies"} 0.0' in metrics
+    with urllib.request.urlopen(f"http://127.0.0.1:{cluster.port}/jobs/copies", timeout=10) as resp:
+        assert " &middot; copy " in resp.read().decode()           # the page's snapshot column
 
     killed_at = time.time()
     os.kill(agents[lost].pid, signal.SIGKILL)

@@ -103,3 +103,5 @@ def test_a_lost_node_whose_holder_was_lost_with_it_leaves_nothing_to_fetch():
     s, t = (rz.view(JOB, n, 6.0).assignment for n in ("s", "t"))
     assert s is not None and s.copies_of == "" and s.copies_at is None          # b's copies were on c
     assert t is not None and t.copies_of == "c" and t.copies_at == Witness(addr="10.0.0.1", port=4000)  # c's on a
+    formed = [e for e in rz.jobs[JOB].events if e.kind == "round_completed"][-1]
+    assert "no copy of b's snapshots is left" in formed.message and "no copy of c" not in formed.message

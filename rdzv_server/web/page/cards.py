@@ -77,6 +77,16 @@ def _ready(n: NodeView) -> str:
     return f'<span class="warn-text" data-preparing="1">preparing {age(n.preparing_for_s)}</span>'
 
 
+def _copies(n: NodeView) -> str:
+    """Its newest snapshot and its newest copy on a peer (issue 46): a lost node resumes from the copy."""
+    c = n.copies
+    if c is None or c.local_step < 0:
+        return "&mdash;"
+    if c.copied_step < 0:
+        return f'{c.local_step} &middot; <span class="warn-text">no copy</span>'
+    return f"{c.local_step} &middot; copy {c.copied_step} on {esc(c.holder)}"
+
+
 def _pace(n: NodeView) -> str:
     return figure(n.steps_per_s) if n.steps_per_s is not None else "&mdash;"
 
@@ -89,7 +99,8 @@ def node_columns(timeout: float | None, now: float) -> dict[str, list[Column[Any
     return {
         "nodes": [(">group rank", lambda n: esc(n.group_rank)), ("node id", _member_id), where, workers,
                   (">ranks", lambda n: f'<span class="mono">{_ranks(n)}</span>'), lease_age,
-                  ("worker state", _worker_state), (">recent failures", _failures), (">steps/s", _pace)],
+                  ("worker state", _worker_state), (">recent failures", _failures), (">steps/s", _pace),
+                  ("snapshot", _copies)],
         "waiting": [("node id", _node_id), where, workers, lease_age, ("joined", lambda n: when(n.joined_at, now)),
                     ("ready", _ready)],
         "spares": [(">position", lambda n: f"#{(n.spare_position or 0) + 1}"), ("node id", _node_id), where, workers,
