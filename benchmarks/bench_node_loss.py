@@ -3,10 +3,10 @@ own failure domain and memory directory; a 3 s lease and a 1 s last call), 2 glo
 benchmarks/scripts/shard_train.py (32 MB of state per rank, a snapshot every 5 steps of about 0.2 s, to disk
 every 50).
 
-  --lost N        3 x 2 + 1 spare: after step 27 (or 32, 37 ...: once the spare is ready) the agent of group rank 1 SIGKILLed (its workers die with it) and its
-                  memory directory removed; alternated with a worker SIGKILLed at the same step (a crash): the step
-                  and source each rank resumes from (memory / disk / scratch), whether each loaded its own shard,
-                  and kill -> every rank stepping again
+  --lost N        3 x 2 + 1 spare: after step 27 (or 32, 37, ... once the spare is ready) the agent of group rank 1
+                  SIGKILLed (its workers die with it) and its memory directory removed; alternated with a worker
+                  SIGKILLed at the same step (a crash): the step and source each rank resumes from (memory / disk /
+                  scratch), whether each loaded its own shard, and kill -> every rank stepping again
   --pair N        3 x 2 + 2 spares, group ranks 1 and 2 lost together (1's copies were on 2): every rank must fall
                   back to disk, said once
   --cost N        3 x 2, 60 s each with copies on (--replicas 1) and off (--replicas 0), alternated: median step

@@ -91,7 +91,7 @@ class Agent:
         finally:
             for sig in self.settings.workers.signals:
                 loop.remove_signal_handler(sig)
-            await self.copies.close()
+            await self.copies.close(finished=self.policy.job_over)
             await self.workers.close()
             await self.witness.close()
             self.checks.close()

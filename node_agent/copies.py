@@ -9,7 +9,8 @@ another node, the node that takes its place resumes from that step instead of ev
   into its own ranks' memory directories before its workers start, so `snapshot.agreed_step` finds the step
   on every rank. None there: every rank falls back to disk (agreed_step), said in one line.
 - Copies held for others live under this run's memory directory: removed with it when the job ends or the
-  node leaves, and swept by the next agent when this one was killed (workers/memory.py)."""
+  node leaves, and swept by the next agent when this one was killed (workers/memory.py); a node whose job is
+  over asks its holders to drop its copies at once."""
 from __future__ import annotations
 
 import asyncio
@@ -19,13 +20,14 @@ import time
 from collections.abc import Callable
 
 from node_agent import snapshot
-from node_agent.replicas.client import fetch, push
+from node_agent.replicas.client import drop, fetch, push
 from node_agent.replicas.store import ReplicaStore
 from node_agent.workers.memory import MemoryDirs
 from protocol.messages import Assignment, CopiesNote, Witness
 
 PUSH_SCAN_S = 0.1       # how often the memory directories are looked at for a newer snapshot (a dir listing)
 FETCH_LIMIT_S = 60.0    # a node taking a place waits this long for its copies, then starts without them
+DROP_LIMIT_S = 1.0      # a leaving node's goodbye to each holder of its copies
 RETRY_S = 5.0           # a peer a push could not reach or that refused is tried again this much later
 
 
@@ -132,7 +134,13 @@ class PeerCopies:
                           copied_step=min(copied, default=-1), holder=holder[:256], sent_bytes=self.sent_bytes,
                           refused=self.refused, held_bytes=self.store.held_bytes() if self.store is not None else 0)
 
-    async def close(self) -> None:
+    async def close(self, finished: bool = False) -> None:
+        """Stop pushing. Once the job is over for this node (`finished`) its holders drop its copies at once;
+        a node leaving a job that goes on keeps them there: a spare may take its place and fetch them (holders
+        let copies nobody renews make room after a while: replicas/store.py)."""
         if self._pusher is not None:
             self._pusher.cancel()
             await asyncio.gather(self._pusher, return_exceptions=True)
+        if finished and self.key:
+            await asyncio.gather(*(drop(t.addr, t.port, key=self.key, node_id=self.node_id, timeout_s=DROP_LIMIT_S)
+                                   for t in self.targets))

@@ -106,6 +106,7 @@ class SupervisionPolicy:
     probe_at: float | None = None         # the witnesses answered: ask again then
     probing: bool = False
     suspect: bool = False                 # the witnesses once said this node is the one cut off
+    job_over: bool = False           # the server said the job finished (peer copies of it may go: copies.py)
     ran: bool = False                # this node's workers were started in some round of the job
     health: NodeHealth = field(default_factory=NodeHealth)   # the node's own checks (node_health.py)
 
@@ -352,6 +353,7 @@ class SupervisionPolicy:
         return self._stop(reason)
 
     def _finish(self, status: NodeStatus) -> list[Action]:
+        self.job_over = True
         stop = f"job {status.job_state.value}"
         if succeeded_without(status, self.ran):   # a spare, say: nothing ran here
             return self._end(1, stop, f"job {status.job_id} succeeded without this node: its workers never ran "

@@ -172,3 +172,19 @@ async def _receive_copy(reader: asyncio.StreamReader, dest_dir: str, step: int, 
         if not landed:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)
+
+
+async def drop(addr: str, port: int, *, key: str, node_id: str, timeout_s: float = 2.0) -> bool:
+    """Ask the holder at addr:port to remove this node's copies (it leaves the job); whether it did."""
+    try:
+        line = wire.drop_line(wire.DropRequest(key, node_id))
+        reader, writer = await _connect(addr, port, timeout_s)
+    except (WireError, _Unreachable):
+        return False
+    try:
+        writer.write(line)
+        return (await _answer(reader, timeout_s)).kind == "dropped"
+    except (StreamError, WireError, OSError):
+        return False
+    finally:
+        await _close(writer)

@@ -17,14 +17,16 @@ import hmac
 import os
 import re
 import shutil
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from node_agent.replicas import stream, wire
 from node_agent.replicas.stream import StreamError
-from node_agent.replicas.wire import FetchRequest, PushRequest, WireError
+from node_agent.replicas.wire import DropRequest, FetchRequest, PushRequest, WireError
 
 STALL_S = 30.0          # a peer sending or reading nothing for this long is given up
+EVICT_AFTER_S = 600.0   # a node's copies not renewed this long may make room for another's (see _make_room)
 ANSWER_S = 5.0          # the most an answer line waits for the peer to take it
 _STEP_FILE = re.compile(r"step-(\d{1,18})")
 _OURS = re.compile(r"step-(\d{1,18})(\.sha256|\.tmp)?")
@@ -114,6 +116,9 @@ class ReplicaStore:
             self._check_key(request.key)
             if isinstance(request, PushRequest):
                 await self._push(request, reader, writer)
+            elif isinstance(request, DropRequest):
+                self.remove_node(request.node)       # copies only: a push of it still under way finishes alone
+                writer.write(wire.DROPPED)
             else:
                 await self._fetch(request, writer, peer, first_line)
         except _Refusal as r:
@@ -155,12 +160,34 @@ class ReplicaStore:
         mine = [c for c in copies if (c.node, c.rank) == slot]
         if mine and req.step <= max(c.step for c in mine):
             raise _Refusal("stale", f"stale step {req.step} (holding {max(c.step for c in mine)})")
+        copies = self._make_room(req.node, req.size, copies)
         self._check_room(req.size, sum(c.size for c in copies), sum(c.size for c in mine))
         self._pushing[slot] = req.size
         try:
             await self._receive(req, reader, writer)
         finally:
             del self._pushing[slot]
+
+    def _make_room(self, pusher: str, size: int, copies: list[_Copy]) -> list[_Copy]:
+        """Where a push does not fit, the copies of nodes that stopped pushing (none for EVICT_AFTER_S: gone from
+        the job, their place taken long since) go, the longest silent first; what is held then."""
+        over = sum(c.size for c in copies) + sum(self._pushing.values()) + size - self.limit_bytes
+        if over <= 0:
+            return copies
+        last: dict[str, float] = {}
+        for c in copies:
+            path = os.path.join(self._dir(c.node, c.rank), f"step-{c.step}")
+            last[c.node] = max(last.get(c.node, 0.0), _mtime(path))
+        now = time.time()
+        for node, at in sorted(last.items(), key=lambda item: item[1]):
+            if over <= 0 or now - at < EVICT_AFTER_S:
+                break
+            if node != pusher:
+                over -= sum(c.size for c in copies if c.node == node)
+                self.remove_node(node)
+                self._say(f"replica store: removed node {node}'s copies, not renewed for {now - at:.0f}s, to make "
+                          f"room for node {pusher}'s")
+        return self._copies()
 
     def _check_room(self, size: int, held: int, mine: int) -> None:
         reserved = sum(self._pushing.values())
@@ -261,7 +288,14 @@ class ReplicaStore:
         _remove(final + ".sha256")
 
 
-def _parse(first_line: bytes) -> PushRequest | FetchRequest:
+def _mtime(path: str) -> float:
+    try:
+        return os.path.getmtime(path)
+    except OSError:
+        return 0.0
+
+
+def _parse(first_line: bytes) -> PushRequest | FetchRequest | DropRequest:
     try:
         return wire.parse_request(first_line)
     except WireError as exc:

@@ -2,6 +2,7 @@
 
   push:  `rdzv-agent push key=K node=N rank=R step=S size=B`  -> `go`, B bytes, `sha256=HEX` -> `stored step=S`
   fetch: `rdzv-agent fetch key=K node=N rank=R`  -> `copy step=S size=B`, B bytes, `sha256=HEX` (or `none`)
+  drop:  `rdzv-agent drop key=K node=N`  -> `dropped` (N's copies removed: it left the job cleanly)
   either may be answered `rdzv-agent refused REASON` instead.
 
 Every line ends in "\\n", is at most MAX_LINE bytes, and each field is bounded (K: the job's replica key,
@@ -23,6 +24,7 @@ QUOTE_CHARS = 80                # how much of a peer's text a reason or log quot
 
 GO = b"rdzv-agent go\n"
 NONE = b"rdzv-agent none\n"
+DROPPED = b"rdzv-agent dropped\n"
 
 _KEY = re.compile(r"[A-Za-z0-9_-]{16,128}")
 _NODE = re.compile(r"[A-Za-z0-9_.:@+=~-]{1,128}")
@@ -30,7 +32,7 @@ _HEX = re.compile(r"[0-9a-f]{64}")
 _DECIMAL = re.compile(r"0|[1-9][0-9]{0,17}")       # canonical: no sign, no leading zero, at most 18 digits
 _SECRET = re.compile(rb"key=\S*")
 _SECRET_TEXT = re.compile(r"key=\S*")
-_FIELDS = {"push": ("key", "node", "rank", "step", "size"), "fetch": ("key", "node", "rank")}
+_FIELDS = {"push": ("key", "node", "rank", "step", "size"), "fetch": ("key", "node", "rank"), "drop": ("key", "node")}
 _STORED = re.compile(rb"rdzv-agent stored step=(0|[1-9][0-9]{0,17})\n")
 _COPY = re.compile(rb"rdzv-agent copy step=(0|[1-9][0-9]{0,17}) size=(0|[1-9][0-9]{0,12})\n")
 _REFUSED = re.compile(rb"rdzv-agent refused ([ -~]{1,%d})\n" % MAX_REASON)
@@ -105,8 +107,19 @@ class FetchRequest:
 
 
 @dataclass(frozen=True)
+class DropRequest:
+    """A node's goodbye to a holder of its copies; built only with valid fields (WireError otherwise)."""
+    key: str
+    node: str
+
+    def __post_init__(self) -> None:
+        check_key(self.key)
+        check_node(self.node)
+
+
+@dataclass(frozen=True)
 class Answer:
-    """The holder's answer: kind is "go", "stored", "copy", "none" or "refused"."""
+    """The holder's answer: kind is "go", "stored", "copy", "none", "dropped" or "refused"."""
     kind: str
     step: int | None = None
     size: int | None = None
@@ -115,7 +128,7 @@ class Answer:
 
 def is_replica_request(first_line: bytes) -> bool:
     """Whether the listener should hand this connection to the replica store."""
-    return first_line.startswith((b"rdzv-agent push ", b"rdzv-agent fetch "))
+    return first_line.startswith((b"rdzv-agent push ", b"rdzv-agent fetch ", b"rdzv-agent drop "))
 
 
 def push_line(request: PushRequest) -> bytes:
@@ -126,6 +139,10 @@ def push_line(request: PushRequest) -> bytes:
 
 def fetch_line(request: FetchRequest) -> bytes:
     return b"rdzv-agent fetch key=%s node=%s rank=%d\n" % (request.key.encode(), request.node.encode(), request.rank)
+
+
+def drop_line(request: DropRequest) -> bytes:
+    return b"rdzv-agent drop key=%s node=%s\n" % (request.key.encode(), request.node.encode())
 
 
 def stored_line(step: int) -> bytes:
@@ -182,8 +199,8 @@ def _number(name: str, text: str, maximum: int) -> int:
     return int(text)
 
 
-def parse_request(line: bytes) -> PushRequest | FetchRequest:
-    """A push or fetch line (with its newline); WireError naming the first field that is wrong."""
+def parse_request(line: bytes) -> PushRequest | FetchRequest | DropRequest:
+    """A push, fetch or drop line (with its newline); WireError naming the first field that is wrong."""
     text = _text(line)
     head, _, rest = text.partition(" ")
     verb, _, rest = rest.partition(" ")
@@ -192,6 +209,8 @@ def parse_request(line: bytes) -> PushRequest | FetchRequest:
     v = _fields(verb, rest)
     check_key(v["key"])
     check_node(v["node"])
+    if verb == "drop":
+        return DropRequest(v["key"], v["node"])
     rank = _number("rank", v["rank"], MAX_RANK)
     if verb == "fetch":
         return FetchRequest(v["key"], v["node"], rank)
@@ -207,6 +226,8 @@ def parse_answer(line: bytes) -> Answer:
         return Answer("go")
     if line == NONE:
         return Answer("none")
+    if line == DROPPED:
+        return Answer("dropped")
     if m := _STORED.fullmatch(line):
         return Answer("stored", step=int(m.group(1)))
     if (m := _COPY.fullmatch(line)) and int(m.group(2)) <= MAX_SIZE:

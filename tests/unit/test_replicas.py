@@ -498,3 +498,39 @@ async def test_unreachable_bad_requests_and_pacing(tmp_path, monkeypatch):
         done = await client.push("127.0.0.1", port, key=KEY, node_id=NODE, local_rank=0, step=1, path=path,
                                  bandwidth_bytes_s=5e6)
     assert done.ok and paced == [(stream.CHUNK, 5e6), (2 * stream.CHUNK, 5e6), (2 * stream.CHUNK + 1, 5e6)]
+
+
+async def test_a_drop_removes_that_nodes_copies_only_and_needs_the_key(tmp_path) -> None:
+    store = make_store(tmp_path)
+    async with holder(store) as port:
+        for node in (NODE, "node-b"):
+            done = await client.push("127.0.0.1", port, key=KEY, node_id=node, local_rank=0, step=5,
+                                     path=snap(tmp_path, f"{node}-5", blob(1000)))
+            assert done.ok, done
+        assert not await client.drop("127.0.0.1", port, key="x" * 20, node_id=NODE)     # the wrong key: nothing
+        assert store.held() == {(NODE, 0): 5, ("node-b", 0): 5}
+        assert await client.drop("127.0.0.1", port, key=KEY, node_id=NODE)
+        assert store.held() == {("node-b", 0): 5}
+        async with connection(port) as (reader, writer):    # a bad node name is refused, nothing removed
+            writer.write(b"rdzv-agent drop key=%s node=..\n" % KEY.encode())
+            assert (await line_of(reader)).startswith(b"rdzv-agent refused bad request")
+        assert store.held() == {("node-b", 0): 5}
+
+
+async def test_copies_nobody_renewed_for_long_make_room_and_fresh_ones_never_do(tmp_path) -> None:
+    said: list[str] = []
+    store = make_store(tmp_path, limit=2500, said=said)
+    async with holder(store) as port:
+        for node in ("old", "fresh"):
+            done = await client.push("127.0.0.1", port, key=KEY, node_id=node, local_rank=0, step=1,
+                                     path=snap(tmp_path, f"{node}-1", blob(1000)))
+            assert done.ok, done
+        new = snap(tmp_path, "new-1", blob(1000))
+        refused = await client.push("127.0.0.1", port, key=KEY, node_id="new", local_rank=0, step=1, path=new)
+        assert not refused.ok and "memory limit full" in refused.reason     # both renewed just now: kept
+        stale = os.path.join(store.root, "old", "0", "step-1")
+        os.utime(stale, (1.0, 1.0))                          # "old" stopped pushing long ago
+        done = await client.push("127.0.0.1", port, key=KEY, node_id="new", local_rank=0, step=1, path=new)
+        assert done.ok, done
+    assert store.held() == {("fresh", 0): 1, ("new", 0): 1}
+    assert any("removed node old's copies" in line for line in said)
