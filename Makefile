@@ -6,7 +6,7 @@ PIP_FLAGS := --disable-pip-version-check -q
 PYTEST_WORKERS ?= 3
 
 .PHONY: venv chromium deploy-tools netns-tools etcd demo test multihost soak fuzz bench bench-faults bench-scale bench-blip bench-progress \
-	bench-leftovers bench-console bench-hangs bench-places \
+	bench-leftovers bench-console bench-hangs bench-places bench-node-loss bench-copy-speed \
 	bench-failover bench-first-step gpu-check gpu-hangs test-oldest clean
 
 $(VENV)/.installed: pyproject.toml constraints.txt
@@ -142,6 +142,16 @@ bench-hangs: venv
 BENCH_PLACES_ARGS ?= --lost 3 --lost2 3 --scale-up 3
 bench-places: venv
 	$(PY) benchmarks/bench_places.py $(BENCH_PLACES_ARGS)
+
+# A lost node costs one snapshot (issue 46): 3 x 2 + a spare, the node of group rank 1 SIGKILLed with its memory
+# (alternated with a worker crash), both peers lost together, and the step-time cost of copies (about 12 minutes).
+BENCH_NODE_LOSS_ARGS ?= --lost 3 --pair 1 --cost 2
+bench-node-loss: venv
+	$(PY) benchmarks/bench_node_loss.py $(BENCH_NODE_LOSS_ARGS)
+
+# One peer copy's cost: push and fetch of 64 MiB-1 GiB snapshots over loopback with sha256 (about 1 minute).
+bench-copy-speed: venv
+	$(PY) benchmarks/bench_copy_speed.py $(BENCH_COPY_SPEED_ARGS)
 
 # Replicas on etcd: failover time with 1,000 simulated agents, acknowledged changes over 50 failovers,
 # formation on etcd vs SQLite (docs/benchmarks.md; about 10 minutes).

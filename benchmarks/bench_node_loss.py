@@ -203,11 +203,16 @@ def cost_run(port: int, i: int, replicas: int, seconds: float) -> dict:
                 job.start(n)
             wait(lambda: len({r for *_, r, _ in job.steps()}) == 6, 120, "the first world")
             time.sleep(seconds)          # the measured stretch of training
-            rows = [r for r in job.steps() if r[4] == 0]
+            rows = sorted(r for r in job.steps() if r[4] == 0)
             gaps = [b[0] - a[0] for a, b in zip(rows, rows[1:], strict=False)][3:]
+            saves = []
+            for path in glob.glob(os.path.join(out, "saves-*.txt")):
+                with open(path) as f:
+                    saves += [float(x) for x in f.read().split()]
             job.stop()
             return {"replicas": replicas, "run": i, "median_step_s": round(statistics.median(gaps), 4),
-                    "steps": len(rows)}
+                    "steps": len(rows), "median_save_s": round(statistics.median(saves), 4) if saves else None,
+                    "max_save_s": round(max(saves), 4) if saves else None}
         finally:
             for a in job.agents.values():
                 if a.poll() is None:
@@ -248,7 +253,9 @@ def main() -> None:
     for k in (args.replicas, 0):
         mine = [r["median_step_s"] for r in rows if r.get("replicas") == k]
         if mine:
-            print(f"RESULT cost replicas={k}: median step {statistics.median(mine):.4f} s {mine}", flush=True)
+            saves = [r["median_save_s"] for r in rows if r.get("replicas") == k and r["median_save_s"] is not None]
+            print(f"RESULT cost replicas={k}: median step {statistics.median(mine):.4f} s {mine}; save call "
+                  f"{statistics.median(saves) if saves else None} s {saves}", flush=True)
     with open(args.out, "w") as f:
         json.dump(rows, f, indent=1)
     print(f"wrote {args.out}")

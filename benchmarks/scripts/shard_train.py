@@ -5,8 +5,8 @@ each start resumes from the newest step every rank holds in memory (snapshot.agr
 disk step every rank holds, else from scratch. A step is an all_reduce and STEP_S of sleep (about 0.2 s).
 Logs: OUT_DIR/steps-NODE-LOCAL_RANK.txt ("unix_time step restart world rank" per step), OUT_DIR/resumed.txt
 ("unix_time rank step source ok newest" per start: ok when what it loaded is its own shard at that step; newest: the
-newest snapshot it held), OUT_DIR/pid-NODE-LOCAL_RANK. Trains until
-OUT_DIR/stop exists (decided together every 10 steps).
+newest snapshot it held), OUT_DIR/saves-NODE-LOCAL_RANK.txt (seconds each snapshot.save took),
+OUT_DIR/pid-NODE-LOCAL_RANK. Trains until OUT_DIR/stop exists (decided together every 10 steps).
 """
 import functools
 import os
@@ -55,6 +55,7 @@ ok = bool(torch.all(state == float(rank + step)))
 with open(os.path.join(out, "resumed.txt"), "a") as f:    # one line per rank and start, appended at once
     f.write(f"{time.time():.6f} {rank} {step} {source} {'ok' if ok else 'WRONG'} {held_before}\n")
 log = open(os.path.join(out, f"steps-{me}.txt"), "a")  # noqa: SIM115 - the run's own log, open for its life
+saves = open(os.path.join(out, f"saves-{me}.txt"), "a")  # noqa: SIM115 - how long each snapshot.save took
 while True:
     if step % 10 == 0:
         stop = torch.tensor([float(os.path.exists(os.path.join(out, "stop")))])
@@ -68,10 +69,13 @@ while True:
     log.write(f"{time.time():.6f} {step} {restart} {world} {rank}\n")
     log.flush()
     if step % snap_every == 0:
+        began = time.perf_counter()
         try:
             snapshot.save(functools.partial(torch.save, state), step)
         except snapshot.MemoryDirFull as exc:
             print(f"rank {rank}: snapshot not kept: {exc}", flush=True)
+        saves.write(f"{time.perf_counter() - began:.6f}\n")
+        saves.flush()
     if disk_every and step % disk_every == 0:
         torch.save(state, os.path.join(disk, f"{rank}-{step}.pt"))
 log.close()

@@ -21,6 +21,7 @@ ANSWER = b"rdzv-agent %s round=%d\n"
 ANSWER_LINE = re.compile(rb"rdzv-agent (in-contact|alone)(?: round=(-?\d{1,12}))?\n")
 _ASK = re.compile(rb"rdzv-agent ask round=(-?\d{1,12})\n")
 PROBE_TIMEOUT_S = 1.0
+READ_BUFFER = 1 << 20
 ASK_WAIT_S = 0.3      # an older asker sends no question: answered the older way after this
 
 
@@ -42,7 +43,8 @@ class WitnessServer:
     async def start(self) -> int:
         """Listen on a free port of `addr`; 0 when that is not possible (then nobody asks this node)."""
         try:
-            self._server = await asyncio.start_server(self._answer, self.addr, 0)
+            # A reader's buffer of a copy's chunk (replicas/stream.py): peer copies come through here too.
+            self._server = await asyncio.start_server(self._answer, self.addr, 0, limit=READ_BUFFER)
         except OSError:
             return 0
         self.port = int(self._server.sockets[0].getsockname()[1])

@@ -48,7 +48,7 @@ class _Count:
 
 async def _connect(addr: str, port: int, timeout_s: float) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
     try:
-        return await asyncio.wait_for(asyncio.open_connection(addr, port), timeout_s)
+        return await asyncio.wait_for(asyncio.open_connection(addr, port, limit=stream.CHUNK), timeout_s)
     except asyncio.TimeoutError:
         raise _Unreachable(f"unreachable: no connection to {addr}:{port} within {timeout_s:g} s") from None
     except (OSError, ValueError) as exc:

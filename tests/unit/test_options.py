@@ -98,6 +98,11 @@ def test_endpoint_aliases(flag: str, joined: bool) -> None:
     (["--hang_alone_timeout=0"], "job.hang_alone_timeout_s", 0.0),
     (["--hang_detection=ON"], "job.hang_detection", True),
     (["--replace-slow-nodes"], "job.replace_slow_nodes", True),
+    (["--replicas", "0"], "job.replicas", 0),
+    (["--replicas", "2"], "job.replicas", 2),
+    (["--failure-domain", "rack 7"], "failure_domain", "rack 7"),
+    (["--replica-bandwidth", "100M"], "replica_bandwidth", 100 * 2**20),
+    (["--replica_bandwidth=0"], "replica_bandwidth", 0),
 ])
 def test_aliases_and_values(argv: list[str], attr: str, value: object) -> None:
     opts: object = parse(*EP, *argv, "t.py")
@@ -273,6 +278,11 @@ def test_accepted_torchrun_flags_with_nothing_to_do() -> None:
     (["--hang-alone-timeout", "ten"], "--hang-alone-timeout"),
     (["--hang_alone_timeout", "nan"], "--hang_alone_timeout"),
     (["--nnodes", "1:100001"], "--nnodes"),           # over JobConfig's max_nodes bound
+    (["--replicas", "5"], "--replicas"),
+    (["--replicas", "-1"], "--replicas"),
+    (["--failure-domain", ""], "--failure-domain"),
+    (["--failure-domain", "a\tb"], "--failure-domain"),
+    (["--replica-bandwidth", "fast"], "--replica-bandwidth"),
 ])
 def test_value_errors_name_the_flag(argv: list[str], flag: str) -> None:
     assert error_of(*EP, *argv, "t.py").startswith(f"{flag}:")
@@ -322,3 +332,10 @@ def test_help_is_readable() -> None:
     with pytest.raises(SystemExit) as info:
         parse("--help")
     assert info.value.code == 0
+
+
+def test_the_failure_domain_is_the_flags_else_slurms_switch_else_none() -> None:
+    slurm = {**NO_GPU, "SLURM_TOPOLOGY_ADDR": "spine1.leaf3.node17"}
+    assert parse(*EP, "t.py", environ=slurm).failure_domain == "spine1.leaf3"
+    assert parse(*EP, "--failure-domain", "rack-2", "t.py", environ=slurm).failure_domain == "rack-2"
+    assert parse(*EP, "t.py", environ=NO_GPU).failure_domain == ""     # the server takes the host
