@@ -244,13 +244,16 @@ class ReplicaStore:
         fd, step, stored = opened
         try:
             size = os.fstat(fd).st_size
-            actual = await asyncio.to_thread(stream.hash_fd, os.dup(fd), size)    # the thread owns its dup
-            if not hmac.compare_digest(actual, stored):
-                self._discard(req.node, req.rank, step)
-                raise _Refusal("corrupt", "copy corrupted at rest")
             writer.write(wire.copy_line(step, size))
-            await stream.send(writer, fd, size, self.stall_s, count=self._count_out)
+            # The trailer is the checksum stored on receipt, the bytes what is held now: a copy corrupted at rest
+            # fails the fetcher's check, and is removed here (one pass over the bytes, not two).
+            sent = await stream.send(writer, fd, size, self.stall_s, count=self._count_out)
             writer.write(wire.trailer_line(stored))
+            if not hmac.compare_digest(sent, stored):
+                self._discard(req.node, req.rank, step)
+                self.refusals["corrupt"] = self.refusals.get("corrupt", 0) + 1
+                self._note("corrupt", peer, "sent a copy corrupted at rest (the fetcher refuses it); removed it",
+                           first_line)
         finally:
             os.close(fd)
 

@@ -340,7 +340,7 @@ async def test_a_stalled_push_is_given_up_and_cleaned(tmp_path):
     assert files(store) == [] and store.held() == {}
 
 
-async def test_a_copy_corrupted_at_rest_is_refused_and_removed(tmp_path):
+async def test_a_copy_corrupted_at_rest_fails_the_fetchers_check_and_is_removed(tmp_path):
     store = make_store(tmp_path)
     data = blob(5000)
     async with holder(store) as port:
@@ -348,8 +348,8 @@ async def test_a_copy_corrupted_at_rest_is_refused_and_removed(tmp_path):
                                   path=snap(tmp_path, "s", data))).ok
         flip(os.path.join(store.root, NODE, "1", "step-3"), 1234)
         got, _ = await fetch_bytes(port, tmp_path, rank=1)
-        assert got == client.FetchResult(None, "refused: copy corrupted at rest", 0)
-        assert store.held() == {} and files(store, rank=1) == []
+        assert got == client.FetchResult(None, "checksum mismatch", 5000)     # the bytes, then the stored sum
+        assert store.held() == {} and files(store, rank=1) == []     # fetch_bytes: and no file at the fetcher
         again, _ = await fetch_bytes(port, tmp_path, rank=1)
     assert again.reason == "no copy held" and store.refusals == {"corrupt": 1}
 
