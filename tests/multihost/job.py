@@ -71,15 +71,16 @@ class MultiHostJob:
         return f"{self.server_addr}:{self.port}"
 
     def start_agent(self, host: str, *, nnodes: str = "2:3", endpoint: str | None = None,
-                    extra: tuple[str, ...] = (), gloo_ifname: str | None = GLOO_IFNAME) -> Proc:
-        """An agent on `host` running scripts/train_loop.py; `gloo_ifname=None` leaves
-        GLOO_SOCKET_IFNAME unset."""
+                    extra: tuple[str, ...] = (), gloo_ifname: str | None = GLOO_IFNAME, nproc: int = 1,
+                    script: str = TRAIN_LOOP, env: dict[str, str] | None = None) -> Proc:
+        """An agent on `host` running `script` (scripts/train_loop.py); `gloo_ifname=None` leaves
+        GLOO_SOCKET_IFNAME unset; `env`: more for its workers."""
         argv = [sys.executable, "-m", "node_agent.main", "--endpoint", endpoint or self.endpoint(),
-                "--nnodes", nnodes, "--nproc", "1", "--job-id", self.job_id, "--node-id", host,
-                "--max-restarts", "3", "--lease-timeout", f"{LEASE_S:g}", *extra, TRAIN_LOOP]
+                "--nnodes", nnodes, "--nproc", str(nproc), "--job-id", self.job_id, "--node-id", host,
+                "--max-restarts", "3", "--lease-timeout", f"{LEASE_S:g}", *extra, script]
         tmp = self.out / "tmp"          # where an agent killed at teardown leaves its run directory
         tmp.mkdir(exist_ok=True)
-        env = {"HOST": host, "OUT_DIR": str(self.out), "TMPDIR": str(tmp)}
+        env = {"HOST": host, "OUT_DIR": str(self.out), "TMPDIR": str(tmp), **(env or {})}
         if gloo_ifname is not None:
             env["GLOO_SOCKET_IFNAME"] = gloo_ifname
         proc = self._start(host, argv, host, env)

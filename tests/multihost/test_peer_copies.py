@@ -1,0 +1,72 @@
+"""A host lost for real (its link cut: no FIN, found only by its lease) while a spare waits: the spare takes its
+place and its ranks resume from the peer copies of the lost host's snapshots (issue 46), not from disk. Each
+host is a network namespace with its own failure domain; the workers run benchmarks/scripts/shard_train.py
+(each rank's shard tells its step; a snapshot every 5 steps; OUT_DIR/resumed.txt says how each rank resumed).
+"""
+from __future__ import annotations
+
+import glob
+import os
+import time
+
+import pytest
+
+from tests.e2e.harness import ROOT, wait_until
+from tests.multihost.scenarios import SETUP_LIMIT_S
+
+pytestmark = pytest.mark.multihost
+SHARDS = os.path.join(ROOT, "benchmarks", "scripts", "shard_train.py")
+ENV = {"STATE_MB": "1", "STEP_S": "0.1", "SNAP_EVERY": "5", "DISK_EVERY": "0"}
+
+
+def start(job, host: str):
+    return job.start_agent(host, nnodes="2:3", nproc=2, script=SHARDS, env={"NODE": host, **ENV},
+                           extra=("--failure-domain", f"rack-{host}", "--last-call", "1"))
+
+
+def ranks_stepping(out) -> set[int]:
+    ranks = set()
+    for path in glob.glob(os.path.join(out, "steps-*.txt")):
+        with open(path) as f:
+            ranks |= {int(p[4]) for p in (ln.split() for ln in f) if len(p) == 5}
+    return ranks
+
+
+def resumed(out, since: float) -> dict[int, tuple[int, str, str]]:
+    found: dict[int, tuple[int, str, str]] = {}
+    path = os.path.join(out, "resumed.txt")
+    if os.path.exists(path):
+        with open(path) as f:
+            for p in (ln.split() for ln in f):
+                if len(p) == 6 and float(p[0]) > since:
+                    found[int(p[1])] = (int(p[2]), p[3], p[4])
+    return found
+
+
+def member(job, node: str) -> dict:
+    view = job.view() or {}
+    return next((n for n in view.get("nodes", []) if n["node_id"] == node), {})
+
+
+def test_a_spare_resumes_a_cut_off_hosts_ranks_from_their_peer_copies(multihost):
+    job = multihost(["a", "b", "c", "s"])
+    job.start_server()
+    for host in ("a", "b", "c"):
+        start(job, host)
+    wait_until(lambda: ranks_stepping(job.out) == set(range(6)), SETUP_LIMIT_S,
+               lambda: f"every rank stepping\n{job.diagnosis()}")
+    start(job, "s").wait_for_line(r"ready after", SETUP_LIMIT_S)
+    lost = next(n["node_id"] for n in (job.view() or {})["nodes"] if n["group_rank"] == 1)
+    wait_until(lambda: member(job, lost).get("copies", {}).get("copied_step", -1) >= 10, SETUP_LIMIT_S,
+               lambda: f"{lost}'s copies of step 10 or later on a peer\n{job.diagnosis()}")
+
+    cut_at = time.time()
+    job.net.cut(lost)
+    back = wait_until(lambda: len(resumed(job.out, cut_at)) == 6 and resumed(job.out, cut_at), SETUP_LIMIT_S,
+                      lambda: f"every rank resumed: {resumed(job.out, cut_at)}\n{job.diagnosis()}")
+
+    assert {source for _, source, _ in back.values()} == {"memory"}, f"{back}\n{job.diagnosis()}"
+    assert len({step for step, _, _ in back.values()}) == 1, back
+    assert {ok for _, _, ok in back.values()} == {"ok"}, back            # each rank its own shard
+    assert any(f"fetched node {lost}'s snapshots" in line for line in job.agents["s"].lines), job.diagnosis()
+    assert [e for e in job.events_of("node_lost", since=cut_at) if e["node_id"] == lost], job.diagnosis()
