@@ -31,21 +31,24 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+from benchmarks import bench_places as places  # noqa: E402
 from benchmarks._server import running_server  # noqa: E402
+from benchmarks.bench_places import wait  # noqa: E402
 
 SCRIPT = os.path.join(ROOT, "benchmarks", "scripts", "shard_train.py")
-FAST = ("--lease-timeout", "3", "--last-call", "1", "--stop-timeout", "2")
 KILL_AFTER = 27      # the first step at or after it two steps past a snapshot (27, 32, ...: spares ready first)
 
 
-class Job:
+class Job(places.Job):
+    """bench_places' job (its agents, their logs, stop), running shard_train.py, each node its failure domain."""
+
     def __init__(self, port: int, job: str, out: str, nnodes: str, extra: tuple[str, ...] = ()) -> None:
-        self.port, self.job, self.out, self.nnodes, self.extra = port, job, out, nnodes, extra
-        self.agents: dict[str, subprocess.Popen[bytes]] = {}
+        super().__init__(port, job, out, nnodes)
+        self.extra = extra
 
     def start(self, node: str) -> None:
         env = dict(os.environ, PYTHONPATH=ROOT, OUT_DIR=self.out, NODE=node)
@@ -53,10 +56,10 @@ class Job:
             self.agents[node] = subprocess.Popen(
                 [sys.executable, "-m", "node_agent.main", "--endpoint", f"127.0.0.1:{self.port}", "--nnodes",
                  self.nnodes, "--nproc", "2", "--job-id", self.job, "--node-id", node, "--max-restarts", "5",
-                 "--failure-domain", f"rack-{node}", *FAST, *self.extra, SCRIPT],
+                 "--failure-domain", f"rack-{node}", *places.FAST, *self.extra, SCRIPT],
                 env=env, cwd=self.out, stdout=log, stderr=subprocess.STDOUT)
 
-    def steps(self) -> list[tuple[float, int, int, int, int, str]]:
+    def steps(self) -> list[tuple[float, int, int, int, int, str]]:  # type: ignore[override]
         """(time, step, restart, world, rank, node) of every step logged."""
         rows = []
         for name in os.listdir(self.out):
@@ -69,36 +72,11 @@ class Job:
 
     def resumed(self, since: float) -> dict[int, list[str]]:
         """rank -> [step, source, ok, newest held] as each rank started after `since` resumed."""
-        found = {}
-        with contextlib.suppress(FileNotFoundError), open(os.path.join(self.out, "resumed.txt")) as f:
-            for line in f:
-                parts = line.split()
-                if len(parts) == 6 and float(parts[0]) > since:
-                    found[int(parts[1])] = parts[2:]
-        return found
+        return {int(p[1]): p[2:] for p in _started(self, since)}
 
     def log(self, node: str) -> str:
         with open(os.path.join(self.out, f"agent-{node}.log")) as f:
             return f.read()
-
-    def stop(self) -> None:
-        open(os.path.join(self.out, "stop"), "w").close()
-        for a in self.agents.values():
-            try:
-                a.wait(60)
-            except subprocess.TimeoutExpired:
-                a.kill()
-                a.wait()
-
-
-def wait(check: Callable[[], object], timeout: float, what: str) -> object:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        got = check()
-        if got:
-            return got
-        time.sleep(0.02)        # polling other processes' files: nothing to wait on
-    raise RuntimeError(f"timed out: {what}")
 
 
 def group_rank_of(job: Job, node: str) -> int:

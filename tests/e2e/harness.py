@@ -209,6 +209,19 @@ def wait_until(predicate, timeout: float, what, interval: float = 0.1):
         time.sleep(interval)
 
 
+def shard_resumes(directory, since: float) -> dict[int, tuple[int, str, str]]:
+    """benchmarks/scripts/shard_train.py's OUT_DIR/resumed.txt: rank -> (step, source, "ok" when it loaded its own
+    shard) for each rank started after `since` (the last such start of each rank)."""
+    found: dict[int, tuple[int, str, str]] = {}
+    path = os.path.join(directory, "resumed.txt")
+    if os.path.exists(path):
+        with open(path) as f:
+            for p in (ln.split() for ln in f):
+                if len(p) == 6 and float(p[0]) > since:
+                    found[int(p[1])] = (int(p[2]), p[3], p[4])
+    return found
+
+
 def read_jsonl(directory, prefix: str) -> list[dict]:
     """Every JSON line in DIR/PREFIX*.jsonl; a torn last line (a writer mid-write) is skipped."""
     out = []

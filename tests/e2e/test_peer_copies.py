@@ -14,7 +14,7 @@ import urllib.request
 
 import pytest
 
-from tests.e2e.harness import job_events, job_view, wait_until
+from tests.e2e.harness import job_events, job_view, shard_resumes, wait_until
 
 pytestmark = pytest.mark.e2e
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -40,18 +40,6 @@ def steps(out) -> list[tuple[float, int, int, str]]:
     return rows
 
 
-def resumed(out, since: float) -> dict[int, tuple[int, str, str]]:
-    """rank -> (step, source, ok) as each rank started after `since` resumed."""
-    found: dict[int, tuple[int, str, str]] = {}
-    path = os.path.join(out, "resumed.txt")
-    if os.path.exists(path):
-        with open(path) as f:
-            for p in (ln.split() for ln in f):
-                if len(p) == 6 and float(p[0]) > since:
-                    found[int(p[1])] = (int(p[2]), p[3], p[4])
-    return found
-
-
 def test_the_node_taking_a_lost_nodes_place_resumes_from_its_peer_copy(cluster, tmp_path):
     cluster.start_server()
     agents = {n: start(cluster, tmp_path, n, "copies") for n in ("a", "b", "c")}
@@ -74,8 +62,9 @@ def test_the_node_taking_a_lost_nodes_place_resumes_from_its_peer_copy(cluster, 
     agents[lost].wait(LIMIT)
     for path in glob.glob(f"/dev/shm/node-agent-mem-{os.getuid()}/copies.{agents[lost].pid}.*"):
         shutil.rmtree(path)          # its host's memory is gone with it
-    back = wait_until(lambda: len(resumed(tmp_path, killed_at)) == 6 and resumed(tmp_path, killed_at), LIMIT,
-                      lambda: f"every rank resumed: {resumed(tmp_path, killed_at)}\n{agents['s'].output}")
+    back = wait_until(lambda: len(shard_resumes(tmp_path, killed_at)) == 6 and shard_resumes(tmp_path, killed_at),
+                      LIMIT,
+                      lambda: f"every rank resumed: {shard_resumes(tmp_path, killed_at)}\n{agents['s'].output}")
 
     assert {source for _, source, _ in back.values()} == {"memory"}, (back, agents["s"].output)
     assert len({step for step, _, _ in back.values()}) == 1 and min(s for s, _, _ in back.values()) >= 10, back

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from tests.e2e.harness import ROOT, wait_until
+from tests.e2e.harness import ROOT, shard_resumes, wait_until
 from tests.multihost.scenarios import SETUP_LIMIT_S
 
 pytestmark = pytest.mark.multihost
@@ -30,17 +30,6 @@ def ranks_stepping(out) -> set[int]:
         with open(path) as f:
             ranks |= {int(p[4]) for p in (ln.split() for ln in f) if len(p) == 5}
     return ranks
-
-
-def resumed(out, since: float) -> dict[int, tuple[int, str, str]]:
-    found: dict[int, tuple[int, str, str]] = {}
-    path = os.path.join(out, "resumed.txt")
-    if os.path.exists(path):
-        with open(path) as f:
-            for p in (ln.split() for ln in f):
-                if len(p) == 6 and float(p[0]) > since:
-                    found[int(p[1])] = (int(p[2]), p[3], p[4])
-    return found
 
 
 def member(job, node: str) -> dict:
@@ -62,8 +51,9 @@ def test_a_spare_resumes_a_cut_off_hosts_ranks_from_their_peer_copies(multihost)
 
     cut_at = time.time()
     job.net.cut(lost)
-    back = wait_until(lambda: len(resumed(job.out, cut_at)) == 6 and resumed(job.out, cut_at), SETUP_LIMIT_S,
-                      lambda: f"every rank resumed: {resumed(job.out, cut_at)}\n{job.diagnosis()}")
+    back = wait_until(lambda: len(shard_resumes(job.out, cut_at)) == 6 and shard_resumes(job.out, cut_at),
+                      SETUP_LIMIT_S,
+                      lambda: f"every rank resumed: {shard_resumes(job.out, cut_at)}\n{job.diagnosis()}")
 
     assert {source for _, source, _ in back.values()} == {"memory"}, f"{back}\n{job.diagnosis()}"
     assert len({step for step, _, _ in back.values()}) == 1, back
