@@ -3,11 +3,13 @@ node_agent/replicas/). A lost node takes its snapshots with it; with a copy of e
 another node, the node that takes its place resumes from that step instead of every rank going back to disk.
 - Each member pushes its local ranks' newest complete `step-N` to the members its assignment names
   (`Assignment.replicas`: the server picks them in another failure domain), from the agent, never the
-  worker: a scan of the memory directories every PUSH_SCAN_S, one push at a time, paced to
-  --replica-bandwidth. A refused push is said once per kind of refusal; training goes on regardless.
+  worker: a scan of the memory directories every PUSH_SCAN_S, the local ranks' pushes together, sharing
+  --replica-bandwidth. A refused push is said once per kind of refusal; training goes on regardless. A step
+  below the one a peer holds (the job went back, or this node's ranks moved) has the peer drop the old ones.
 - A node that takes a gone node's place (`Assignment.copies_of`/`copies_at`) fetches that node's copies
-  into its own ranks' memory directories before its workers start, so `snapshot.agreed_step` finds the step
-  on every rank. None there: every rank falls back to disk (agreed_step), said in one line.
+  into its own ranks' memory directories before its workers start (FETCH_LIMIT_S at most), so
+  `snapshot.agreed_step` finds the step on every rank, and the holder then drops them. None there: every rank
+  falls back to disk (agreed_step), said in one line.
 - Copies held for others live under this run's memory directory: removed with it when the job ends or the
   node leaves, and swept by the next agent when this one was killed (workers/memory.py); a node whose job is
   over asks its holders to drop its copies at once."""
@@ -20,7 +22,7 @@ import time
 from collections.abc import Callable
 
 from node_agent import snapshot
-from node_agent.replicas.client import drop, fetch, push
+from node_agent.replicas.client import FetchResult, drop, fetch, push
 from node_agent.replicas.store import ReplicaStore
 from node_agent.workers.memory import MemoryDirs
 from protocol.messages import Assignment, CopiesNote, Witness
@@ -78,9 +80,13 @@ class PeerCopies:
 
     async def _fetch(self, gone: str, at: Witness, dirs: dict[int, str]) -> None:
         began = time.monotonic()
-        got = await asyncio.gather(*(fetch(at.addr, at.port, key=self.key, node_id=gone, local_rank=rank,
-                                           dest_dir=where, max_bytes=self.memory.rank_limit, timeout_s=FETCH_LIMIT_S)
-                                     for rank, where in sorted(dirs.items())))
+        try:
+            got = await asyncio.wait_for(asyncio.gather(*(
+                fetch(at.addr, at.port, key=self.key, node_id=gone, local_rank=rank, dest_dir=where,
+                      max_bytes=self.memory.rank_limit, timeout_s=FETCH_LIMIT_S)
+                for rank, where in sorted(dirs.items()))), FETCH_LIMIT_S)
+        except asyncio.TimeoutError:      # a cancelled fetch removes its partial file
+            got = [FetchResult(None, f"not all there within {FETCH_LIMIT_S:g}s", 0)]
         steps = {r.step for r in got}
         size = sum(r.received for r in got)
         if None in steps:
@@ -88,6 +94,8 @@ class PeerCopies:
             self._say(f"no copy of node {gone}'s snapshots for every rank ({why}): ranks whose copy is missing "
                       f"resume from disk, and agreed_step sends every rank there")
         else:
+            # Its copies are this node's now (and its own go to the same peer): the holder lets them go.
+            await drop(at.addr, at.port, key=self.key, node_id=gone, timeout_s=DROP_LIMIT_S)
             held = sorted(s for s in steps if s is not None)
             which = f"step {held[0]}" if len(held) == 1 else "steps " + ", ".join(map(str, held))
             self._say(f"fetched node {gone}'s snapshots of {which} from {at.addr}:{at.port} ({len(got)} ranks, "
@@ -97,30 +105,54 @@ class PeerCopies:
     async def _push_loop(self) -> None:
         while True:
             await asyncio.sleep(PUSH_SCAN_S)     # a look at the directories on a schedule, not a wait for anything
-            newest = {rank: (step, snapshot.path(step, where)) for rank, where in self.memory.dirs(self.nproc).items()
-                      if (step := snapshot.newest(where)) is not None}
-            # The local ranks' copies go together, so a holder has one step for all of them (agreed_step needs one).
-            await asyncio.gather(*(self._push(target, rank, step, path) for target in self.targets
-                                   for rank, (step, path) in newest.items()))
+            try:
+                await self._scan()
+            except OSError as exc:               # a directory gone under us (the job ending): said, then again
+                self._say_once("scan", f"peer copies: cannot read the memory directories ({exc}); trying again")
 
-    async def _push(self, target: Witness, rank: int, step: int, path: str) -> None:
+    async def _scan(self) -> None:
+        newest = {rank: (step, snapshot.path(step, where)) for rank, where in self.memory.dirs(self.nproc).items()
+                  if (step := snapshot.newest(where)) is not None}
+        # A newest step below the one a peer holds: the job went back (to disk, or this node's ranks moved). The
+        # peer's copies are of steps abandoned: it drops them before the new ones go (it refuses older steps).
+        back = {t for t in self.targets for rank, (step, _) in newest.items()
+                if step < self.pushed.get((t.addr, t.port, rank), -1)}
+        for t in back:
+            await drop(t.addr, t.port, key=self.key, node_id=self.node_id, timeout_s=DROP_LIMIT_S)
+            self.pushed = {k: v for k, v in self.pushed.items() if k[:2] != (t.addr, t.port)}
+            self.copied.clear()
+        # The local ranks' copies go together, so a holder has one step for all of them (agreed_step needs one),
+        # sharing --replica-bandwidth.
+        due = [(t, rank, step, path) for t in self.targets for rank, (step, path) in newest.items()
+               if self._due(t, rank, step)]
+        rate = float(self.bandwidth) / len(due) if self.bandwidth and due else None
+        await asyncio.gather(*(self._push(t, rank, step, path, rate) for t, rank, step, path in due))
+
+    def _due(self, target: Witness, rank: int, step: int) -> bool:
         held = (target.addr, target.port, rank)
-        if self.pushed.get(held, -1) >= step or time.monotonic() < self._retry_at.get(held, 0.0):
-            return
+        return self.pushed.get(held, -1) < step and time.monotonic() >= self._retry_at.get(held, 0.0)
+
+    async def _push(self, target: Witness, rank: int, step: int, path: str, rate: float | None) -> None:
+        held = (target.addr, target.port, rank)
         result = await push(target.addr, target.port, key=self.key, node_id=self.node_id, local_rank=rank, step=step,
-                            path=path, bandwidth_bytes_s=float(self.bandwidth) or None)
+                            path=path, bandwidth_bytes_s=rate)
         self.sent_bytes += result.sent
-        if result.ok or result.reason.startswith("refused stale"):
+        if result.ok or result.reason.startswith("refused: stale"):    # stale: it holds this step or a newer
             self.pushed[held] = step
             self.copied[rank] = (step, f"{target.addr}:{target.port}")
             return
         self._retry_at[held] = time.monotonic() + RETRY_S
         self.refused += 1
-        kind = result.reason.split(":")[0][:40]
-        if kind not in self._said:     # once per kind: a full peer or one away is news once, training goes on
+        self._say_once(":".join(result.reason.split(":")[:2])[:60],
+                       f"copy of local rank {rank}'s step {step} to {target.addr}:{target.port} not made: "
+                       f"{result.reason} (training goes on; tried again on the next snapshot)")
+
+    def _say_once(self, kind: str, line: str) -> None:
+        """Once per kind of trouble (a full peer, one away): news once; training goes on meanwhile."""
+        if kind not in self._said:
             self._said.add(kind)
-            self._say(f"copy of local rank {rank}'s step {step} to {target.addr}:{target.port} not made: "
-                      f"{result.reason} (training goes on; tried again on the next snapshot)")
+            self._say(line)
+
 
     def note(self) -> CopiesNote | None:
         """What the server shows of this node's copies (None: copies are off for its round, or no memory dirs)."""

@@ -11,7 +11,8 @@ agent imports this): `save` takes bytes or a callable writing into a file, e.g.
   `MemoryDirFull` naming the limit and sizes, leaving no partial file. Catch it and train on: the agent
   never stops training for it.
 - All ranks resume from the same step: `agreed_step` takes the MIN of every rank's newest step, then checks
-  every rank holds it (a rank that lost its copy, e.g. a replaced node, sends everyone back to disk)."""
+  every rank holds it (a rank that lost its copy, e.g. a replaced node, sends everyone back to disk). Snapshots
+  newer than the step agreed (all of them, going back to disk) are removed: the job abandoned those steps."""
 from __future__ import annotations
 
 import contextlib
@@ -74,13 +75,20 @@ def agreed_step(reduce_min: Callable[[int], int], where: str | None = None) -> i
     where = where or directory()
     mine = newest(where) if where is not None else None
     step = reduce_min(-1 if mine is None else mine)
-    if step < 0:
+    held = step >= 0 and where is not None and os.path.exists(path(step, where))
+    if step < 0 or reduce_min(1 if held else 0) != 1:
+        _forget_after(-1, where)      # the job goes back to disk: these steps are not its future
         return None
-    held = where is not None and os.path.exists(path(step, where))
-    if reduce_min(1 if held else 0) != 1:
-        return None
+    _forget_after(step, where)
     heartbeat.resumed(step)       # the agent's probe: steps redone after this restore
     return step
+
+
+def _forget_after(step: int, where: str | None) -> None:
+    """Remove this rank's snapshots newer than the step the job resumes from: they belong to a run of steps the
+    job abandoned, and `save` keeps the newest, so they would outlive the new ones (and be copied to peers)."""
+    for later in (s for s in steps(where) if s > step) if where is not None else ():
+        _remove(path(later, where))
 
 
 class _Bounded:

@@ -26,6 +26,7 @@ from node_agent.replicas.stream import StreamError
 from node_agent.replicas.wire import DropRequest, FetchRequest, PushRequest, WireError
 
 STALL_S = 30.0          # a peer sending or reading nothing for this long is given up
+FREE_RESERVE = 0.25     # copies never leave less of /dev/shm free than this share: its workers need some too
 EVICT_AFTER_S = 600.0   # a node's copies not renewed this long may make room for another's (see _make_room)
 ANSWER_S = 5.0          # the most an answer line waits for the peer to take it
 _STEP_FILE = re.compile(r"step-(\d{1,18})")
@@ -198,6 +199,11 @@ class ReplicaStore:
             raise _Refusal("limit", f"memory limit full: {held} bytes held ({mine} of them this rank's current "
                                     f"copy, kept until the new one is whole), {reserved} reserved by pushes under "
                                     f"way, {size} new; limit {self.limit_bytes} bytes")
+        free, total = _space(self.root)
+        if free - reserved - size < total * FREE_RESERVE:
+            raise _Refusal("limit", f"memory limit full: the holder's file system would keep less than "
+                                    f"{FREE_RESERVE:.0%} of its {total} bytes free ({free} free, {reserved} reserved, "
+                                    f"{size} new): left to its own workers (NCCL's and DataLoaders' shared memory)")
 
     async def _receive(self, req: PushRequest, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         where = self._dir(req.node, req.rank)
@@ -289,6 +295,14 @@ class ReplicaStore:
         final = os.path.join(self._dir(node, rank), f"step-{step}")
         _remove(final)
         _remove(final + ".sha256")
+
+
+def _space(path: str) -> tuple[int, int]:
+    """(free, total) bytes of the file system `path` (or its nearest existing parent) is on."""
+    while not os.path.exists(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize
 
 
 def _mtime(path: str) -> float:

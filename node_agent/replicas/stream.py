@@ -10,6 +10,7 @@ import hashlib
 import os
 import time
 from collections.abc import Callable
+from typing import Any
 
 from node_agent.replicas.wire import MAX_LINE
 
@@ -63,8 +64,8 @@ async def receive(reader: asyncio.StreamReader, fd: int, size: int, stall_s: flo
             raise StreamError(f"connection lost after {done} of {size} bytes: {exc}") from None
         if not chunk:
             raise StreamError(f"short stream: {done} of {size} bytes came")
-        digest.update(chunk)
-        write_all(fd, chunk)        # a full /dev/shm raises OSError (ENOSPC) here, for the caller to name
+        # In a thread: hashing a chunk takes about a millisecond, the agent's loop serves leases meanwhile.
+        await asyncio.to_thread(_hash_and_write, digest, fd, chunk)   # ENOSPC: OSError, for the caller to name
         done += len(chunk)
         count(len(chunk))
     return digest.hexdigest()
@@ -88,10 +89,9 @@ async def send(writer: asyncio.StreamWriter, fd: int, size: int, stall_s: float,
     done = 0
     start = time.monotonic()
     while done < size:
-        chunk = os.pread(fd, min(CHUNK, size - done), done)
+        chunk = await asyncio.to_thread(_read_and_hash, digest, fd, min(CHUNK, size - done), done)
         if not chunk:
             raise StreamError(f"the file ended after {done} of {size} bytes")
-        digest.update(chunk)
         writer.write(chunk)
         await drain(writer, stall_s)
         done += len(chunk)
@@ -101,6 +101,17 @@ async def send(writer: asyncio.StreamWriter, fd: int, size: int, stall_s: float,
             if delay > 0:
                 await asyncio.sleep(delay)
     return digest.hexdigest()
+
+
+def _hash_and_write(digest: Any, fd: int, chunk: bytes) -> None:
+    digest.update(chunk)
+    write_all(fd, chunk)
+
+
+def _read_and_hash(digest: Any, fd: int, n: int, offset: int) -> bytes:
+    chunk = os.pread(fd, n, offset)
+    digest.update(chunk)
+    return chunk
 
 
 def hash_fd(fd: int, size: int) -> str:

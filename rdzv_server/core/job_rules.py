@@ -29,6 +29,7 @@ from rdzv_server.core.rounds import (
     count_nodes,
     growth_cause,
     master_correction,
+    places_kept,
     places_taken,
 )
 
@@ -222,6 +223,7 @@ class JobRules:
                             f"{cfg.min_nodes}: waiting for nodes", data=RoundWaiting(cause=cause.value))
             if job.round is not None:        # the survivors keep their places for the round that comes
                 job.places = list(job.round.ranked or job.round.members)
+                job.place_copies = places_kept(job.round)
             job.round = None
             job.state = JobState.WAITING
             job.waiting, job.spares, job.waiting_preparing = chosen + preparing, rest, len(preparing)
@@ -241,7 +243,7 @@ class JobRules:
             self.record(now, EventKind.MASTER_ADDR_CORRECTED, corrected, chosen[0], job.last_round_id)
         job.state = JobState.RUNNING
         room = cfg.max_nodes - len(chosen)          # a node preparing waits for a place that is free ...
-        job.waiting, job.spares, job.places = preparing[:room], rest + preparing[room:], []
+        job.waiting, job.spares, job.places, job.place_copies = preparing[:room], rest + preparing[room:], [], {}
         job.waiting_preparing = len(job.waiting)
         for nid in chosen:
             job.nodes[nid].state = NodeState.MEMBER

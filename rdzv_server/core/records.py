@@ -47,6 +47,13 @@ class NodeRecord(msgspec.Struct, kw_only=True):
     copies: CopiesNote | None = None   # its peer copies, as its last poll said (shown, never acted on)
 
 
+class PlaceCopies(msgspec.Struct, kw_only=True):
+    """Where a member's snapshot copies went in its last round, and the global ranks they are of."""
+    holders: list[str]
+    rank_offset: int
+    local_size: int
+
+
 class RoundRecord(msgspec.Struct, kw_only=True, omit_defaults=True, dict=True):
     """One round as formed. Assignments are not kept (smaller to store): rounds.assignment() computes them from
     the columns below, taken from the members' records at formation (later changes do not move a round).
@@ -98,6 +105,8 @@ class JobRecord(msgspec.Struct, kw_only=True):
     waiting_preparing: int = 0      # of `waiting`, the nodes whose workers cannot start at once yet (not ready)
     spares: list[str] = msgspec.field(default_factory=list)
     replica_key: str = ""           # what members' agents show each other with a copy (derived from a secret)
+    # While waiting: each member of the last round's copies (rounds.places_kept), for the node taking a place
+    place_copies: dict[str, PlaceCopies] = msgspec.field(default_factory=dict)
     excluded: list[str] = msgspec.field(default_factory=list)
     drained: dict[str, str] = msgspec.field(default_factory=dict)  # node id -> operator's reason: may not join
     loss_times: dict[str, list[float]] = msgspec.field(default_factory=dict)  # node id -> when it was lost

@@ -9,12 +9,12 @@ import bisect
 import functools
 import ipaddress
 import itertools
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from protocol.messages import Assignment, JobState, NodeState, NodeStatus, Witness, WorkerFailure
 from protocol.quoting import one_line
 from rdzv_server.core.events import RoundCause
-from rdzv_server.core.records import JobRecord, NodeRecord, RoundRecord
+from rdzv_server.core.records import JobRecord, NodeRecord, PlaceCopies, RoundRecord
 
 
 def build_round(job: JobRecord, members: list[str], round_id: int, opened_at: float, now: float,
@@ -31,21 +31,45 @@ def build_round(job: JobRecord, members: list[str], round_id: int, opened_at: fl
                     addrs=reachable_addresses(nodes), probe_ports=[n.probe_port for n in nodes],
                     master_port=nodes[0].master_port, max_restarts=job.config.max_restarts,
                     domains=[n.domain or n.host for n in nodes], replicas=replicas, replica_key=job.replica_key)
-    if replicas and took and job.round is not None:
-        r.copies = copies_held(job.round, took, set(members))
+    if replicas and took:
+        last = job.round
+        r.copies = copies_held(lambda gone: place_of(last, gone) if last is not None else job.place_copies.get(gone),
+                               took, r)
     return r
 
 
-def copies_held(last: RoundRecord, took: dict[str, str], members: set[str]) -> dict[str, list[str]]:
-    """Newcomer -> [the gone node whose place it takes, the member of the new round holding that node's copies],
-    for each gone node whose holder in the `last` round is still a member (else its copies are lost with it)."""
+def place_of(r: RoundRecord, node: str) -> PlaceCopies | None:
+    """Where `node`'s copies went in round `r`, and the ranks they are of (None: it was no member)."""
+    derived = _derived(r)
+    rank = derived.rank.get(node)
+    if rank is None:
+        return None
+    ranked = r.ranked or r.members
+    return PlaceCopies(holders=[ranked[i] for i in derived.replica_ranks(rank)], rank_offset=derived.offsets[rank],
+                       local_size=r.local_sizes[rank])
+
+
+def places_kept(r: RoundRecord) -> dict[str, PlaceCopies]:
+    """Every member's place_of, kept while the job waits for nodes (JobRecord.place_copies): O(N), once."""
+    if not r.replicas:
+        return {}
+    return {nid: place for nid in (r.ranked or r.members) if (place := place_of(r, nid)) is not None}
+
+
+def copies_held(place: Callable[[str], PlaceCopies | None], took: dict[str, str],
+                r: RoundRecord) -> dict[str, list[str]]:
+    """Newcomer -> [the gone node whose place it takes, the member of round `r` holding that node's copies], for
+    each gone node whose holder is still a member and whose ranks the newcomer takes exactly (the same global
+    ranks: a shard is one rank's; a newcomer of another size or offset gets none)."""
     out: dict[str, list[str]] = {}
-    ranked = last.ranked or last.members
-    derived = _derived(last)
+    derived = _derived(r)
+    members = derived.rank
     for newcomer, gone in took.items():
-        rank = derived.rank.get(gone)
-        holders = [ranked[i] for i in derived.replica_ranks(rank)] if rank is not None else []
-        holder = next((h for h in holders if h in members), None)
+        held, at = place(gone), members.get(newcomer)
+        if held is None or at is None or (derived.offsets[at], r.local_sizes[at]) != (held.rank_offset,
+                                                                                         held.local_size):
+            continue
+        holder = next((h for h in held.holders if h in members), None)
         if holder is not None:
             out[newcomer] = [gone, holder]
     return out
@@ -57,7 +81,7 @@ def copies_lost(r: RoundRecord, took: dict[str, str]) -> str:
     if not gone:
         return ""
     return (f"; no copy of {', '.join(gone[:3])}{' ...' if len(gone) > 3 else ''}'s snapshots is left (its peer "
-            f"was lost too): every rank resumes from disk")
+            f"was lost too, or its ranks are not the newcomer's): every rank resumes from disk")
 
 
 def _derived(r: RoundRecord) -> _Derived:

@@ -105,3 +105,35 @@ def test_a_lost_node_whose_holder_was_lost_with_it_leaves_nothing_to_fetch():
     assert t is not None and t.copies_of == "c" and t.copies_at == Witness(addr="10.0.0.1", port=4000)  # c's on a
     formed = [e for e in rz.jobs[JOB].events if e.kind == "round_completed"][-1]
     assert "no copy of b's snapshots is left" in formed.message and "no copy of c" not in formed.message
+
+
+def test_a_fixed_size_job_waiting_for_a_node_keeps_where_the_lost_nodes_copies_are():
+    fixed = JobConfig(min_nodes=3, max_nodes=3, lease_timeout_s=5.0, last_call_s=0.0)
+    rz = started({"a": "1", "b": "2", "c": "3"}, fixed)
+    for t in (1.0, 2.0, 3.0, 4.0, 5.0):               # b is silent: lost; 2 < min 3: the job waits
+        for n in ("a", "c"):
+            poll(rz, n, t)
+    rz.tick(rz.next_deadline())
+    assert rz.jobs[JOB].round is None and rz.jobs[JOB].place_copies["b"].holders == ["c"]
+    join(rz, "s", 7.0, fixed, domain="4")             # the node that comes takes b's place, and its copies
+    r = rz.jobs[JOB].round
+    assert r is not None and r.members == ["a", "s", "c"], r
+    s = rz.view(JOB, "s", 7.0).assignment
+    assert s is not None and s.copies_of == "b" and s.copies_at == Witness(addr="10.0.0.3", port=4000)
+    assert rz.jobs[JOB].place_copies == {}
+
+
+def test_a_newcomer_of_another_size_takes_the_place_but_not_the_shards():
+    rz = started({"a": "1", "b": "2", "c": "3"}, CFG)
+    rz.join(JOB, JoinRequest(v=1, node_id="s", addr="10.0.0.19", local_world_size=1, master_port=20000, config=CFG,
+                             instance="s#1", host="host-s", probe_port=4000, domain="4"), 0.5, "secret-s")
+    for t in (1.0, 2.0, 3.0, 4.0, 5.0):
+        for n in ("a", "c", "s"):
+            poll(rz, n, t)
+    rz.tick(rz.next_deadline())
+    r = rz.jobs[JOB].round
+    assert r is not None and r.members == ["a", "s", "c"]
+    s = rz.view(JOB, "s", 6.0).assignment
+    assert s is not None and s.copies_of == "" and s.copies_at is None    # b's ranks 2-3 are not s's rank 2 alone
+    formed = [e for e in rz.jobs[JOB].events if e.kind == "round_completed"][-1]
+    assert "no copy of b's snapshots is left" in formed.message

@@ -199,6 +199,9 @@ def test_all_ranks_agree_on_the_newest_step_every_rank_holds(tmp_path, held, agr
     for t in threads:
         t.join(10)
     assert results == [agreed] * len(held)
+    # The steps past the one resumed from are a run the job abandoned: gone (every step, going back to disk).
+    kept = [snapshot.steps(str(tmp_path / str(rank))) for rank in range(len(held))]
+    assert kept == [[s for s in steps if agreed is not None and s <= agreed] for steps in held]
 
 
 def test_the_agreed_step_is_told_to_the_workers_progress_probe(tmp_path, monkeypatch) -> None:

@@ -1,0 +1,91 @@
+"""The agent's side of peer copies (node_agent/copies.py) against a real holder's store on loopback: what it
+pushes, when the holder drops copies (the job went back; a fetched node's), and the fetch before a spawn."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+
+from node_agent import snapshot
+from node_agent.copies import PeerCopies
+from node_agent.replicas import wire
+from node_agent.replicas.store import ReplicaStore
+from node_agent.workers.memory import MemoryDirs
+from protocol.messages import Assignment, Witness
+
+KEY = "job-key-for-copies-0123"
+
+
+@contextlib.asynccontextmanager
+async def holder(tmp_path) -> AsyncIterator[tuple[ReplicaStore, Witness]]:
+    store = ReplicaStore(str(tmp_path / "held"), 64 * 2**20, lambda: KEY)
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        line = await reader.readline()
+        if wire.is_replica_request(line):
+            await store.serve(line, reader, writer)
+        writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    try:
+        yield store, Witness(addr="127.0.0.1", port=server.sockets[0].getsockname()[1])
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
+def assignment(targets: tuple[Witness, ...], *, copies_of: str = "", copies_at: Witness | None = None) -> Assignment:
+    return Assignment(round_id=1, group_rank=1, group_world_size=2, rank_offset=2, world_size=4, local_world_size=2,
+                      master_addr="127.0.0.1", master_port=1, restart_count=0, max_restarts=0, replicas=targets,
+                      replica_key=KEY, copies_of=copies_of, copies_at=copies_at)
+
+
+def agent_side(tmp_path, node: str, said: list[str]) -> tuple[PeerCopies, dict[int, str]]:
+    memory = MemoryDirs("job", 2, 8 * 2**20, say=said.append, base=str(tmp_path / node))
+    return PeerCopies(memory, 2, node, said.append, bandwidth=0), memory.dirs_for(2, 2)
+
+
+async def test_both_ranks_newest_go_to_the_peer_and_a_job_gone_back_has_it_drop_the_newer(tmp_path) -> None:
+    said: list[str] = []
+    async with holder(tmp_path) as (store, at):
+        copies, dirs = agent_side(tmp_path, "b", said)
+        copies.key, copies.targets = KEY, (at,)
+        for where in dirs.values():
+            snapshot.save(b"s10", 10, where=where)
+        await copies._scan()
+        assert store.held() == {("b", 0): 10, ("b", 1): 10}
+        note = copies.note()
+        assert note is not None and (note.local_step, note.copied_step) == (10, 10) and note.refused == 0
+        for where in dirs.values():                  # the job went back to disk: step 5 now, 10 abandoned
+            snapshot.agreed_step(lambda x: -1, where)
+            snapshot.save(b"s5", 5, where=where)
+        await copies._scan()
+        assert store.held() == {("b", 0): 5, ("b", 1): 5}      # dropped, then the new ones (10 would refuse 5)
+        assert copies.note().copied_step == 5 and copies.refused == 0
+        await copies.close()
+
+
+async def test_the_node_taking_a_place_fetches_its_copies_before_spawning_and_the_holder_lets_them_go(
+        tmp_path) -> None:
+    said: list[str] = []
+    async with holder(tmp_path) as (store, at):
+        gone, _ = agent_side(tmp_path, "b", said)
+        gone.key, gone.targets = KEY, (at,)
+        for where in gone.memory.dirs(2).values():
+            snapshot.save(b"b's shard", 25, where=where)
+        await gone._scan()
+        spare, dirs = agent_side(tmp_path, "s", said)
+        await spare.before_spawn(assignment((at,), copies_of="b", copies_at=at), dirs)
+        assert [snapshot.steps(where) for where in dirs.values()] == [[25], [25]]
+        assert any("fetched node b's snapshots of step 25" in line for line in said), said
+        assert ("b", 0) not in store.held()          # fetched: the holder dropped them
+        await spare.close()
+
+
+async def test_no_copy_left_is_said_and_the_spawn_goes_on(tmp_path) -> None:
+    said: list[str] = []
+    async with holder(tmp_path) as (_, at):
+        spare, dirs = agent_side(tmp_path, "s", said)
+        await spare.before_spawn(assignment((), copies_of="b", copies_at=at), dirs)
+        assert [snapshot.steps(where) for where in dirs.values()] == [[], []]
+        assert any("no copy of node b's snapshots" in line and "no copy held" in line for line in said), said
