@@ -134,6 +134,8 @@ class _Derived:
         self.ring = named + named[:WITNESSES]      # the next WITNESSES from any position, without wrapping
         self.built: dict[str, Assignment] = {}
         self.round = r
+        self._groups: tuple[list[str], dict[str, list[int]], dict[int, int]] | None = None
+        self.domain_index: dict[str, int] = {}
 
     def witnesses(self, rank: int) -> tuple[Witness, ...]:
         """The next WITNESSES members after `rank` in the ring that answer probes, never itself: a different pair
@@ -146,19 +148,30 @@ class _Derived:
 
 
     def replica_ranks(self, rank: int) -> list[int]:
-        """Where `rank`'s copies go: the next `replicas` members after it that answer probes (the copies travel over
-        the same listener) in another failure domain, looked for among the next REPLICA_SEARCH (O(N) per round)."""
-        r, found = self.round, []
-        n = len(r.ranked)
+        """Where `rank`'s copies go: members that answer probes (the copies travel over that listener) in the next
+        `replicas` other failure domains, in order of first appearance, each at the same position in its domain as
+        `rank` in its own (modulo that domain's size). Copies spread evenly whether domains are interleaved (a
+        host each: the next member) or in blocks (racks: rack A's i-th member to rack B's i-th)."""
+        r = self.round
         if not r.replicas or not r.domains or not r.probe_ports[rank]:
             return []
-        for step in range(1, min(n, REPLICA_SEARCH + 1)):
-            other = (rank + step) % n
-            if r.probe_ports[other] and r.domains[other] != r.domains[rank]:
-                found.append(other)
-                if len(found) == r.replicas:
-                    break
-        return found
+        order, by_domain, position = self.domain_groups()
+        own = self.domain_index[r.domains[rank]]
+        others = [order[(own + k) % len(order)] for k in range(1, min(r.replicas, len(order) - 1) + 1)]
+        return [by_domain[d][position[rank] % len(by_domain[d])] for d in others]
+
+    def domain_groups(self) -> tuple[list[str], dict[str, list[int]], dict[int, int]]:
+        """(the domains in order of first appearance, each one's probe-answering members by group rank, each
+        member's position in its domain's list), made once per round: O(N)."""
+        if self._groups is None:
+            r = self.round
+            by_domain: dict[str, list[int]] = {}
+            for i in self.probers:
+                by_domain.setdefault(r.domains[i], []).append(i)
+            position = {i: k for members in by_domain.values() for k, i in enumerate(members)}
+            self._groups = (list(by_domain), by_domain, position)
+            self.domain_index = {d: k for k, d in enumerate(by_domain)}
+        return self._groups
 
     def replica_targets(self, rank: int) -> tuple[Witness, ...]:
         r = self.round
@@ -231,7 +244,6 @@ def places_taken(job: JobRecord, chosen: list[str]) -> dict[str, str]:
 
 
 WITNESSES = 2      # other members each node may probe while the server is silent
-REPLICA_SEARCH = 64   # members looked at for one in another failure domain (all in one domain: no copies)
 PREPARE_LIMIT_S = 90.0   # a node preparing this long is said (its agent gives its warm interpreter 60 s)
 
 

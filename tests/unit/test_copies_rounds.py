@@ -137,3 +137,21 @@ def test_a_newcomer_of_another_size_takes_the_place_but_not_the_shards():
     assert s is not None and s.copies_of == "" and s.copies_at is None    # b's ranks 2-3 are not s's rank 2 alone
     formed = [e for e in rz.jobs[JOB].events if e.kind == "round_completed"][-1]
     assert "no copy of b's snapshots is left" in formed.message
+
+
+def test_racks_in_blocks_spread_their_copies_evenly_and_every_member_has_a_holder():
+    wide = JobConfig(min_nodes=2, max_nodes=256, lease_timeout_s=10_000.0, last_call_s=0.0)
+    rz = Rendezvous()
+    names = [f"n{i:03d}" for i in range(256)]
+    for i, n in enumerate(names):                     # racks of 128 in a row, as a switch's nodes come
+        rz.join(JOB, JoinRequest(v=1, node_id=n, addr=f"10.1.{i // 200}.{i % 200}", local_world_size=1,
+                                 master_port=1, config=wide, instance=n, probe_port=4000,
+                                 domain="rack-a" if i < 128 else "rack-b"), i * 0.001, f"secret-{n}")
+    r = rz.jobs[JOB].round
+    assert r is not None and len(r.members) == 256
+    held: dict[str, int] = {}
+    for n in names:
+        a = rz.view(JOB, n, 1.0).assignment
+        assert a is not None and len(a.replicas) == 1, n
+        held[a.replicas[0].addr] = held.get(a.replicas[0].addr, 0) + 1
+    assert max(held.values()) == 1 and len(held) == 256     # each member holds one other's copies
