@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
+import ssl
 import time
 import uuid
 from typing import TextIO
@@ -33,6 +34,7 @@ from node_agent.core.node_health import NodeHealth
 from node_agent.core.policy import SupervisionPolicy
 from node_agent.narration import Narrator
 from node_agent.node_checks import NodeChecks
+from node_agent.replicas.tls import CopyTls, copy_tls
 from node_agent.replicas.wire import is_replica_request
 from node_agent.server_link import ServerLink
 from node_agent.settings import AgentSettings
@@ -68,7 +70,9 @@ class Agent:
         self.exit: Exit | None = None       # how the agent ended (None while it runs)
         # answers the other members' "are you there, and do you hear the server?" (witness.py)
         self.copies = PeerCopies(self.workers.memory, link.nproc, link.node_id, self.narrator.say,
-                                 settings.workers.replica_bandwidth)
+                                 settings.workers.replica_bandwidth, self._copy_tls(),
+                                 server_tls=link.endpoint_scheme == "https")
+        self.copy_port = 0          # where this node takes peer copies (PeerCopies.listen)
         self.witness = WitnessServer(addr, lambda: self.policy.in_contact, self._holds,
                                      (is_replica_request, self.copies.serve))
         self._link: ServerLink | None = None
@@ -80,6 +84,7 @@ class Agent:
         for sig in self.settings.workers.signals:
             loop.add_signal_handler(sig, self._on_signal, sig)
         await self.witness.start()
+        self.copy_port = await self.copies.listen(self.addr, self.witness.port)
         try:
             async with self.transport as client:
                 link = self._link = ServerLink(client, self.facts.put_nowait, self.now, join=self._join,
@@ -197,7 +202,18 @@ class Agent:
             addr=self.addr, host=self.hostname, local_world_size=self.link.nproc, master_port=free_port(self.addr),
             config=self.link.job, instance=self.instance, role=self.link.role, probe_port=self.witness.port,
             command=self.link.command, checks=self.checks.summary, ready=self.workers.ready,
-            domain=self.link.failure_domain)
+            domain=self.link.failure_domain, copy_port=self.copy_port)
+
+    def _copy_tls(self) -> CopyTls | None:
+        """The TLS contexts of peer copies from --tls-cert/--tls-key/--tls-ca (None: not given, or unusable: said)."""
+        link = self.link
+        if link.tls_cert is None or link.tls_key is None or link.tls_ca is None:
+            return None
+        try:
+            return copy_tls(link.tls_cert, link.tls_key, link.tls_ca)
+        except (ssl.SSLError, OSError) as exc:
+            self.narrator.say(f"peer copies off: --tls-cert/--tls-key/--tls-ca cannot be used ({exc})")
+            return None
 
     async def _poll(self, wait_s: float) -> NodeStatus:
         known = self.policy.known_round

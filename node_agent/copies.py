@@ -22,23 +22,32 @@ import time
 from collections.abc import Callable
 
 from node_agent import snapshot
+from node_agent.client.witness import READ_BUFFER
 from node_agent.replicas.client import FetchResult, drop, fetch, push
 from node_agent.replicas.store import ReplicaStore
+from node_agent.replicas.tls import CopyTls
+from node_agent.replicas.wire import is_replica_request
 from node_agent.workers.memory import MemoryDirs
 from protocol.messages import Assignment, CopiesNote, Witness
 
 PUSH_SCAN_S = 0.1       # how often the memory directories are looked at for a newer snapshot (a dir listing)
 FETCH_LIMIT_S = 60.0    # a node taking a place waits this long for its copies, then starts without them
 DROP_LIMIT_S = 1.0      # a leaving node's goodbye to each holder of its copies
+FIRST_LINE_S = 5.0      # a peer on the TLS listener says what it wants within this, or is let go
 RETRY_S = 5.0           # a peer a push could not reach or that refused is tried again this much later
 
 
 class PeerCopies:
     def __init__(self, memory: MemoryDirs, nproc: int, node_id: str, say: Callable[[str], None],
-                 bandwidth: int) -> None:
+                 bandwidth: int, tls: CopyTls | None = None, server_tls: bool = False) -> None:
+        """`tls`: copies go over TLS (replicas/tls.py); `server_tls`: the server uses TLS, so copies without it
+        would cross the network in the clear: this node then makes and takes none."""
         self.memory, self.nproc, self.node_id = memory, nproc, node_id
         self._say = say
         self.bandwidth = bandwidth
+        self.tls, self.server_tls = tls, server_tls
+        self._listener: asyncio.Server | None = None
+        self._connect = tls.connect if tls is not None else None
         self.key = ""                              # the job's key for copies (from the assignment)
         self.targets: tuple[Witness, ...] = ()     # where this node's copies go now
         self.store: ReplicaStore | None = None     # the copies this node holds for others
@@ -60,11 +69,39 @@ class PeerCopies:
                                       self.memory.rank_limit * max(1, self.nproc), lambda: self.key, self._say)
         return self.store
 
+    async def listen(self, addr: str, plain_port: int) -> int:
+        """Where this node takes copies (JoinRequest.copy_port): a TLS listener of its own, the witnesses' plain
+        one (`plain_port`), or 0 where the server uses TLS and this node has no certificate."""
+        if self.tls is not None:
+            with contextlib.suppress(OSError):
+                self._listener = await asyncio.start_server(self._serve_tls, addr, 0, ssl=self.tls.listen,
+                                                            limit=READ_BUFFER)
+                return int(self._listener.sockets[0].getsockname()[1])
+            self._say("peer copies off: no port for their TLS listener")
+            return 0
+        if self.server_tls:
+            self._say("peer copies off: the server uses TLS, and copies would cross the network in the clear "
+                      "(give this node --tls-cert and --tls-key, signed by --tls-ca's CA)")
+            return 0
+        return plain_port
+
+    async def _serve_tls(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(OSError, asyncio.TimeoutError, ValueError):
+            line = await asyncio.wait_for(reader.readline(), FIRST_LINE_S)
+            if is_replica_request(line):
+                await self.serve(line, reader, writer)
+        writer.close()
+
     async def serve(self, first_line: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        """A peer's push or fetch, its first line read by the listener (client/witness.py)."""
+        """A peer's push, fetch or drop, its first line read by a listener (client/witness.py's, or ours)."""
         store = self._holder_store()
-        if store is None:
-            writer.write(b"rdzv-agent refused this node keeps no in-memory snapshots (--no-memory-dir)\n")
+        refusal = (b"this node keeps no in-memory snapshots (--no-memory-dir)" if store is None else
+                   b"this node takes copies over TLS only" if self.tls is not None and
+                   writer.get_extra_info("ssl_object") is None else
+                   b"the server uses TLS: this node takes no copies in the clear" if self.server_tls and
+                   self.tls is None else b"")
+        if store is None or refusal:
+            writer.write(b"rdzv-agent refused " + refusal + b"\n")
             with contextlib.suppress(OSError):
                 await writer.drain()
             return
@@ -73,6 +110,9 @@ class PeerCopies:
     async def before_spawn(self, a: Assignment, dirs: dict[int, str]) -> None:
         """Take the round's copy settings; fetch a gone node's copies where this node takes its place."""
         self.key, self.targets = a.replica_key, a.replicas
+        if self.server_tls and self.tls is None:        # no copies in the clear (said once at listen)
+            self.targets = ()
+            return
         if a.copies_of and a.copies_at is not None and dirs:
             await self._fetch(a.copies_of, a.copies_at, dirs)
         if self.targets and self.key and (self._pusher is None or self._pusher.done()):
@@ -83,7 +123,7 @@ class PeerCopies:
         try:
             got = await asyncio.wait_for(asyncio.gather(*(
                 fetch(at.addr, at.port, key=self.key, node_id=gone, local_rank=rank, dest_dir=where,
-                      max_bytes=self.memory.rank_limit, timeout_s=FETCH_LIMIT_S)
+                      max_bytes=self.memory.rank_limit, timeout_s=FETCH_LIMIT_S, tls=self._connect)
                 for rank, where in sorted(dirs.items()))), FETCH_LIMIT_S)
         except asyncio.TimeoutError:      # a cancelled fetch removes its partial file
             got = [FetchResult(None, f"not all there within {FETCH_LIMIT_S:g}s", 0)]
@@ -95,7 +135,7 @@ class PeerCopies:
                       f"resume from disk, and agreed_step sends every rank there")
         else:
             # Its copies are this node's now (and its own go to the same peer): the holder lets them go.
-            await drop(at.addr, at.port, key=self.key, node_id=gone, timeout_s=DROP_LIMIT_S)
+            await drop(at.addr, at.port, key=self.key, node_id=gone, timeout_s=DROP_LIMIT_S, tls=self._connect)
             held = sorted(s for s in steps if s is not None)
             which = f"step {held[0]}" if len(held) == 1 else "steps " + ", ".join(map(str, held))
             self._say(f"fetched node {gone}'s snapshots of {which} from {at.addr}:{at.port} ({len(got)} ranks, "
@@ -118,7 +158,7 @@ class PeerCopies:
         back = {t for t in self.targets for rank, (step, _) in newest.items()
                 if step < self.pushed.get((t.addr, t.port, rank), -1)}
         for t in back:
-            await drop(t.addr, t.port, key=self.key, node_id=self.node_id, timeout_s=DROP_LIMIT_S)
+            await drop(t.addr, t.port, key=self.key, node_id=self.node_id, timeout_s=DROP_LIMIT_S, tls=self._connect)
             self.pushed = {k: v for k, v in self.pushed.items() if k[:2] != (t.addr, t.port)}
             self.copied.clear()
         # The local ranks' copies go together, so a holder has one step for all of them (agreed_step needs one),
@@ -135,7 +175,7 @@ class PeerCopies:
     async def _push(self, target: Witness, rank: int, step: int, path: str, rate: float | None) -> None:
         held = (target.addr, target.port, rank)
         result = await push(target.addr, target.port, key=self.key, node_id=self.node_id, local_rank=rank, step=step,
-                            path=path, bandwidth_bytes_s=rate)
+                            path=path, bandwidth_bytes_s=rate, tls=self._connect)
         self.sent_bytes += result.sent
         if result.ok or result.reason.startswith("refused: stale"):    # stale: it holds this step or a newer
             self.pushed[held] = step
@@ -174,5 +214,8 @@ class PeerCopies:
             self._pusher.cancel()
             await asyncio.gather(self._pusher, return_exceptions=True)
         if finished and self.key:
-            await asyncio.gather(*(drop(t.addr, t.port, key=self.key, node_id=self.node_id, timeout_s=DROP_LIMIT_S)
-                                   for t in self.targets))
+            await asyncio.gather(*(drop(t.addr, t.port, key=self.key, node_id=self.node_id, timeout_s=DROP_LIMIT_S,
+                                        tls=self._connect) for t in self.targets))
+        if self._listener is not None:
+            self._listener.close()
+            await self._listener.wait_closed()

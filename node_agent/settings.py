@@ -89,6 +89,8 @@ class LinkSettings:
     token_file: str | None = None
     token: str | None = None
     tls_ca: str | None = None
+    tls_cert: str | None = None        # this node's certificate and key, for peer copies over TLS (replicas/tls.py)
+    tls_key: str | None = None
     job_id: str = "default"
     job_id_source: str = ""            # where a job id that was not given came from (said at start)
     command: str = ""                  # the command's fingerprint, sent with joins ("": not checked)

@@ -145,6 +145,9 @@ class JoinRequest(_Request, kw_only=True):
     ready: bool = True
     # Its failure domain (a rack, a switch: what fails together), for choosing where its copies go; "": its host.
     domain: ShortText = ""
+    # Where its agent takes peer copies (node_agent/copies.py): its probe_port, or a TLS listener of its own where
+    # it has a certificate; 0: it takes none (an older agent, or the server uses TLS and it has no certificate).
+    copy_port: Port = 0
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -56,6 +56,10 @@ FLAGS: tuple[Flag, ...] = (
     Flag(("--transport",), "transport", "(gone)", "refused: long-polls are the only transport"),
     Flag(("--tls-ca", "--tls_ca"), "tls_ca", "F",
          "CA certificates (PEM) that signed the server's TLS certificate; implies https"),
+    Flag(("--tls-cert", "--tls_cert"), "tls_cert", "F",
+         "this node's certificate (PEM, signed by --tls-ca's CA): peer copies of snapshots go over TLS, both ways "
+         "checked; where the server uses TLS, copies need it (else this node makes none)"),
+    Flag(("--tls-key", "--tls_key"), "tls_key", "F", "the private key of --tls-cert (PEM)"),
     _both(("--nproc",), ("--nproc-per-node", "--nproc_per_node"), "nproc", "N|gpu|cpu|auto",
           "workers on this node: a number, one per GPU, one per CPU, or auto (GPUs if any, else CPUs); default 1"),
     _t(("--nnodes",), "nnodes", "MIN:MAX|N", "number of nodes, or an elastic range; default 1:1"),

@@ -100,6 +100,7 @@ def parse_options(argv: Sequence[str], environ: Mapping[str, str] = os.environ) 
         mode=form.mode, endpoint_host=form.host, endpoint_port=form.port, endpoint_scheme=form.scheme,
         endpoint_replicas=form.replicas, token_file=token_file if form.mode is Mode.SERVER else None,
         token=token if form.mode is Mode.SERVER else None, tls_ca=tls_ca, job_id_source=source,
+        **_copy_tls(line, tls_ca),
         command="" if get("no_command_check") else fingerprint,
         job=job_config(line, conf, min_nodes, max_nodes, counts.nodes_flag), local_addr=get("local_addr"),
         node_rank=node_rank, master_addr=form.master_addr, master_port=form.master_port,
@@ -290,6 +291,20 @@ def _memory_dir_limit(line: CommandLine) -> int | None:
             raise OptionsError(f"{line.name('no_memory_dir')} conflicts with {line.name('memory_dir_limit')}")
         return 0
     return limit
+
+
+def _copy_tls(line: CommandLine, tls_ca: str | None) -> dict[str, str | None]:
+    """--tls-cert and --tls-key, both or neither, existing files, with a --tls-ca to check the other nodes by."""
+    cert, key = line.get("tls_cert"), line.get("tls_key")
+    if (cert is None) != (key is None):
+        given = "tls_cert" if cert is not None else "tls_key"
+        line.fail(given, f"needs {line.name('tls_key' if cert is not None else 'tls_cert')} too")
+    for dest, path in (("tls_cert", cert), ("tls_key", key)):
+        if path is not None and not os.path.isfile(path):
+            line.fail(dest, f"no such file: {path}")
+    if cert is not None and tls_ca is None:
+        line.fail("tls_cert", "needs --tls-ca: the CA that signed the other nodes' certificates")
+    return {"tls_cert": cert, "tls_key": key}
 
 
 def _token(line: CommandLine, conf: Mapping[str, str], environ: Mapping[str, str],

@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import hmac
 import os
+import ssl
 from dataclasses import dataclass
 
 from node_agent.replicas import stream, wire
@@ -46,9 +47,11 @@ class _Count:
         self.n += n
 
 
-async def _connect(addr: str, port: int, timeout_s: float) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+async def _connect(addr: str, port: int, timeout_s: float,
+                   tls: ssl.SSLContext | None = None) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A connection to the holder; over TLS with `tls` (both sides show certificates: replicas/tls.py)."""
     try:
-        return await asyncio.wait_for(asyncio.open_connection(addr, port, limit=stream.CHUNK), timeout_s)
+        return await asyncio.wait_for(asyncio.open_connection(addr, port, limit=stream.CHUNK, ssl=tls), timeout_s)
     except asyncio.TimeoutError:
         raise _Unreachable(f"unreachable: no connection to {addr}:{port} within {timeout_s:g} s") from None
     except (OSError, ValueError) as exc:
@@ -66,7 +69,8 @@ async def _answer(reader: asyncio.StreamReader, timeout_s: float) -> Answer:
 
 
 async def push(addr: str, port: int, *, key: str, node_id: str, local_rank: int, step: int, path: str,
-               bandwidth_bytes_s: float | None = None, timeout_s: float = 30.0) -> PushResult:
+               bandwidth_bytes_s: float | None = None, timeout_s: float = 30.0,
+               tls: ssl.SSLContext | None = None) -> PushResult:
     """Send the snapshot at `path` (step `step` of `local_rank` of this node) to the holder at addr:port."""
     if bandwidth_bytes_s is not None and not bandwidth_bytes_s > 0:
         return PushResult(False, f"bad request: bandwidth must be > 0 bytes/s, got {bandwidth_bytes_s}", 0)
@@ -82,15 +86,15 @@ async def push(addr: str, port: int, *, key: str, node_id: str, local_rank: int,
             line = wire.push_line(wire.PushRequest(key, node_id, local_rank, step, size))
         except WireError as exc:
             return PushResult(False, f"bad request: {exc}", 0)
-        return await _push_to(addr, port, line, fd, size, step, bandwidth_bytes_s, timeout_s)
+        return await _push_to(addr, port, line, fd, size, step, bandwidth_bytes_s, timeout_s, tls)
     finally:
         os.close(fd)
 
 
 async def _push_to(addr: str, port: int, line: bytes, fd: int, size: int, step: int, rate: float | None,
-                   timeout_s: float) -> PushResult:
+                   timeout_s: float, tls: ssl.SSLContext | None) -> PushResult:
     try:
-        reader, writer = await _connect(addr, port, timeout_s)
+        reader, writer = await _connect(addr, port, timeout_s, tls)
     except _Unreachable as exc:
         return PushResult(False, str(exc), 0)
     sent = _Count()
@@ -120,14 +124,15 @@ def _not_go(answer: Answer) -> str:
 
 
 async def fetch(addr: str, port: int, *, key: str, node_id: str, local_rank: int, dest_dir: str,
-                max_bytes: int | None = None, timeout_s: float = 60.0) -> FetchResult:
+                max_bytes: int | None = None, timeout_s: float = 60.0,
+                tls: ssl.SSLContext | None = None) -> FetchResult:
     """Bring the holder's copy of (node_id, local_rank) into `dest_dir` as `step-S`."""
     try:
         line = wire.fetch_line(wire.FetchRequest(key, node_id, local_rank))
     except WireError as exc:
         return FetchResult(None, f"bad request: {exc}", 0)
     try:
-        reader, writer = await _connect(addr, port, timeout_s)
+        reader, writer = await _connect(addr, port, timeout_s, tls)
     except _Unreachable as exc:
         return FetchResult(None, str(exc), 0)
     got = _Count()
@@ -174,11 +179,12 @@ async def _receive_copy(reader: asyncio.StreamReader, dest_dir: str, step: int, 
                 os.unlink(tmp)
 
 
-async def drop(addr: str, port: int, *, key: str, node_id: str, timeout_s: float = 2.0) -> bool:
-    """Ask the holder at addr:port to remove this node's copies (it leaves the job); whether it did."""
+async def drop(addr: str, port: int, *, key: str, node_id: str, timeout_s: float = 2.0,
+               tls: ssl.SSLContext | None = None) -> bool:
+    """Ask the holder at addr:port to remove `node_id`'s copies (no longer needed there); whether it did."""
     try:
         line = wire.drop_line(wire.DropRequest(key, node_id))
-        reader, writer = await _connect(addr, port, timeout_s)
+        reader, writer = await _connect(addr, port, timeout_s, tls)
     except (WireError, _Unreachable):
         return False
     try:

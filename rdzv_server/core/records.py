@@ -44,6 +44,7 @@ class NodeRecord(msgspec.Struct, kw_only=True):
     preparing_since: float = 0.0       # when it said it was not ready (0: ready)
     preparing_said: bool = False       # preparing past the limit, said once
     domain: str = ""                   # its failure domain (JoinRequest.domain; "": its host)
+    copy_port: int = 0                 # where its agent takes peer copies (0: none)
     copies: CopiesNote | None = None   # its peer copies, as its last poll said (shown, never acted on)
 
 
@@ -73,6 +74,7 @@ class RoundRecord(msgspec.Struct, kw_only=True, omit_defaults=True, dict=True):
     master_port: int = 0
     max_restarts: int = 0
     domains: list[str] = []            # each member's failure domain: its copies go to another (rounds.py)
+    copy_ports: list[int] = []         # where each member takes peer copies (0: none)
     replicas: int = 0                  # copies of each member's snapshots (JobConfig.replicas)
     replica_key: str = ""              # the job's key for its members' copies (JobRecord.replica_key)
     # A node that took a gone node's place -> [that node, the member holding its copies]

@@ -30,7 +30,8 @@ def build_round(job: JobRecord, members: list[str], round_id: int, opened_at: fl
                     ranked=list(members), local_sizes=sizes, roles=[n.role for n in nodes],
                     addrs=reachable_addresses(nodes), probe_ports=[n.probe_port for n in nodes],
                     master_port=nodes[0].master_port, max_restarts=job.config.max_restarts,
-                    domains=[n.domain or n.host for n in nodes], replicas=replicas, replica_key=job.replica_key)
+                    domains=[n.domain or n.host for n in nodes], copy_ports=[n.copy_port for n in nodes],
+                    replicas=replicas, replica_key=job.replica_key)
     if replicas and took:
         last = job.round
         r.copies = copies_held(lambda gone: place_of(last, gone) if last is not None else job.place_copies.get(gone),
@@ -148,12 +149,12 @@ class _Derived:
 
 
     def replica_ranks(self, rank: int) -> list[int]:
-        """Where `rank`'s copies go: members that answer probes (the copies travel over that listener) in the next
+        """Where `rank`'s copies go: members that take copies (JoinRequest.copy_port) in the next
         `replicas` other failure domains, in order of first appearance, each at the same position in its domain as
         `rank` in its own (modulo that domain's size). Copies spread evenly whether domains are interleaved (a
         host each: the next member) or in blocks (racks: rack A's i-th member to rack B's i-th)."""
         r = self.round
-        if not r.replicas or not r.domains or not r.probe_ports[rank]:
+        if not r.replicas or not r.copy_ports or not r.copy_ports[rank]:
             return []
         order, by_domain, position = self.domain_groups()
         own = self.domain_index[r.domains[rank]]
@@ -166,8 +167,9 @@ class _Derived:
         if self._groups is None:
             r = self.round
             by_domain: dict[str, list[int]] = {}
-            for i in self.probers:
-                by_domain.setdefault(r.domains[i], []).append(i)
+            for i, port in enumerate(r.copy_ports):
+                if port:
+                    by_domain.setdefault(r.domains[i], []).append(i)
             position = {i: k for members in by_domain.values() for k, i in enumerate(members)}
             self._groups = (list(by_domain), by_domain, position)
             self.domain_index = {d: k for k, d in enumerate(by_domain)}
@@ -175,14 +177,14 @@ class _Derived:
 
     def replica_targets(self, rank: int) -> tuple[Witness, ...]:
         r = self.round
-        return tuple(Witness(addr=r.addrs[i], port=r.probe_ports[i]) for i in self.replica_ranks(rank))
+        return tuple(Witness(addr=r.addrs[i], port=r.copy_ports[i]) for i in self.replica_ranks(rank))
 
     def copies(self, node_id: str) -> tuple[str, Witness] | None:
         """(the gone node whose copies `node_id` fetches, the member holding them), or None."""
         r = self.round
         held = r.copies.get(node_id) if r.replicas else None
         at = self.rank.get(held[1]) if held is not None else None
-        return (held[0], Witness(addr=r.addrs[at], port=r.probe_ports[at])) if held is not None and at is not None \
+        return (held[0], Witness(addr=r.addrs[at], port=r.copy_ports[at])) if held is not None and at is not None \
             else None
 
 

@@ -14,6 +14,7 @@ import urllib.request
 
 import pytest
 
+from tests.e2e.certs import make_ca, make_server_cert
 from tests.e2e.harness import job_events, job_view, shard_resumes, wait_until
 
 pytestmark = pytest.mark.e2e
@@ -24,10 +25,30 @@ LIMIT = 120.0
 ENV = {"STATE_MB": "1", "STEP_S": "0.1", "SNAP_EVERY": "5", "DISK_EVERY": "0"}
 
 
-def start(cluster, out, node: str, job: str):
-    return cluster.agent("--endpoint", cluster.endpoint(), "--nnodes", "2:3", "--nproc", "2", "--job-id", job,
-                         "--max-restarts", "3", "--node-id", node, "--failure-domain", f"rack-{node}", *FAST, SHARDS,
-                         name=node, env={"OUT_DIR": str(out), "NODE": node, **ENV})
+def start(cluster, out, node: str, job: str, *, endpoint: str = "", extra: tuple[str, ...] = ()):
+    return cluster.agent("--endpoint", endpoint or cluster.endpoint(), "--nnodes", "2:3", "--nproc", "2", "--job-id",
+                         job, "--max-restarts", "3", "--node-id", node, "--failure-domain", f"rack-{node}", *FAST,
+                         *extra, SHARDS, name=node, env={"OUT_DIR": str(out), "NODE": node, **ENV})
+
+
+def lose_group_rank_1(cluster, out, job: str, agents: dict) -> tuple[str, dict[int, tuple[int, str, str]]]:
+    """SIGKILL the agent of group rank 1 (its workers die with it) and remove its memory; how every rank resumed."""
+    lost = next(n["node_id"] for n in job_view(cluster, job)["nodes"] if n["group_rank"] == 1)
+    killed_at = time.time()
+    os.kill(agents[lost].pid, signal.SIGKILL)
+    agents[lost].wait(LIMIT)
+    for path in glob.glob(f"/dev/shm/node-agent-mem-{os.getuid()}/{job}.{agents[lost].pid}.*"):
+        shutil.rmtree(path)          # its host's memory is gone with it
+    back = wait_until(lambda: len(shard_resumes(out, killed_at)) == 6 and shard_resumes(out, killed_at), LIMIT,
+                      lambda: f"every rank resumed: {shard_resumes(out, killed_at)}\n{agents['s'].output}")
+    return lost, back
+
+
+def finish(out, agents: dict, lost: str) -> None:
+    (out / "stop").write_text("stop")
+    for n, agent in agents.items():
+        if n != lost:
+            assert agent.wait(LIMIT) == 0, agent.output
 
 
 def steps(out) -> list[tuple[float, int, int, str]]:
@@ -57,22 +78,40 @@ def test_the_node_taking_a_lost_nodes_place_resumes_from_its_peer_copy(cluster, 
     with urllib.request.urlopen(f"http://127.0.0.1:{cluster.port}/jobs/copies", timeout=10) as resp:
         assert " &middot; copy " in resp.read().decode()           # the page's snapshot column
 
-    killed_at = time.time()
-    os.kill(agents[lost].pid, signal.SIGKILL)
-    agents[lost].wait(LIMIT)
-    for path in glob.glob(f"/dev/shm/node-agent-mem-{os.getuid()}/copies.{agents[lost].pid}.*"):
-        shutil.rmtree(path)          # its host's memory is gone with it
-    back = wait_until(lambda: len(shard_resumes(tmp_path, killed_at)) == 6 and shard_resumes(tmp_path, killed_at),
-                      LIMIT,
-                      lambda: f"every rank resumed: {shard_resumes(tmp_path, killed_at)}\n{agents['s'].output}")
-
+    assert lose_group_rank_1(cluster, tmp_path, "copies", agents)[0] == lost
+    back = shard_resumes(tmp_path, 0.0)
     assert {source for _, source, _ in back.values()} == {"memory"}, (back, agents["s"].output)
     assert len({step for step, _, _ in back.values()}) == 1 and min(s for s, _, _ in back.values()) >= 10, back
     assert {ok for _, _, ok in back.values()} == {"ok"}, back          # each rank loaded its own shard
     assert f"fetched node {lost}'s snapshots" in agents["s"].output, agents["s"].output
     assert [e for e in job_events(cluster, "copies") if e["kind"] == "node_lost" and e["node_id"] == lost]
+    finish(tmp_path, agents, lost)
 
-    (tmp_path / "stop").write_text("stop")
-    for n, agent in agents.items():
-        if n != lost:
-            assert agent.wait(LIMIT) == 0, agent.output
+
+@pytest.mark.parametrize("with_certs", [True, False], ids=["certificates", "none"])
+def test_where_the_server_uses_tls_copies_need_the_nodes_certificates(cluster, tmp_path, with_certs):
+    ca = make_ca(str(tmp_path))
+    cert, key = make_server_cert(str(tmp_path), ca)
+    cluster.start_server("--tls-cert", cert, "--tls-key", key, "--state-dir", "none")
+    cluster.ca = ca[0]
+    extra = ("--tls-ca", ca[0], *(("--tls-cert", cert, "--tls-key", key) if with_certs else ()))
+    run = {n: start(cluster, tmp_path, n, "tls", endpoint=f"https://{cluster.endpoint()}", extra=extra)
+           for n in ("a", "b", "c")}
+    wait_until(lambda: len({r for *_, r, _ in steps(tmp_path)}) == 6, LIMIT, "every rank stepping")
+    run["s"] = start(cluster, tmp_path, "s", "tls", endpoint=f"https://{cluster.endpoint()}", extra=extra)
+    run["s"].wait_for_line(r"ready after", LIMIT)
+    said_off = [n for n, a in run.items() if "peer copies off: the server uses TLS" in a.output]
+    if with_certs:
+        lost = next(n["node_id"] for n in job_view(cluster, "tls")["nodes"] if n["group_rank"] == 1)
+        wait_until(lambda: next(n for n in job_view(cluster, "tls")["nodes"] if n["node_id"] == lost)
+                   .get("copies", {}).get("copied_step", -1) >= 10, LIMIT, f"node {lost}'s copies on a peer")
+    else:
+        wait_until(lambda: max((s for _, s, _, _ in steps(tmp_path)), default=0) >= 12, LIMIT, "step 12")
+    lost, back = lose_group_rank_1(cluster, tmp_path, "tls", run)
+    if with_certs:                     # over TLS, both ways checked: as in the clear
+        assert not said_off and {source for _, source, _ in back.values()} == {"memory"}, (back, run["s"].output)
+        assert f"fetched node {lost}'s snapshots" in run["s"].output and {ok for *_, ok in back.values()} == {"ok"}
+    else:                              # no copies in the clear: said by every node; the job goes back, as before
+        assert sorted(said_off) == ["a", "b", "c", "s"] and "memory" not in {src for _, src, _ in back.values()}
+        assert any("no copy of" in e["message"] for e in job_events(cluster, "tls") if e["kind"] == "round_completed")
+    finish(tmp_path, run, lost)

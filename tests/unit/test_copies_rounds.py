@@ -11,7 +11,8 @@ JOB = "job-c"
 def join(rz: Rendezvous, node: str, now: float, config: JobConfig, *, domain: str = "", probe: int = 4000,
          credential: str = "") -> NodeStatus:
     req = JoinRequest(v=1, node_id=node, addr=f"10.0.0.{ord(node[0]) - 96}", local_world_size=2, master_port=20000,
-                      config=config, instance=f"{node}#1", host=f"host-{node}", probe_port=probe, domain=domain)
+                      config=config, instance=f"{node}#1", host=f"host-{node}", probe_port=probe, copy_port=probe,
+                      domain=domain)
     return rz.join(JOB, req, now, credential or f"secret-{node}")
 
 
@@ -49,7 +50,7 @@ def test_each_members_copies_go_to_the_next_member_in_another_failure_domain():
     assert a is not None and len(a.replica_key) == 48 and a.replica_key not in ("secret-a", "")
 
 
-def test_without_a_domain_the_host_is_the_domain_and_a_node_that_answers_no_probes_holds_nothing():
+def test_without_a_domain_the_host_is_the_domain_and_a_node_that_takes_no_copies_holds_none():
     rz = Rendezvous()
     join(rz, "a", 0.0, CFG)
     join(rz, "b", 0.01, CFG, probe=0)                 # an agent without a listener: no copies to or from it
@@ -68,7 +69,7 @@ def test_a_job_made_without_a_secret_has_no_key_and_so_no_copies():
     rz = Rendezvous()
     for i, n in enumerate("abc"):
         rz.join(JOB, JoinRequest(v=1, node_id=n, addr=f"10.0.0.{i + 1}", local_world_size=1, master_port=1,
-                                 config=CFG, instance=n, probe_port=4000, domain=n), i * 0.01)
+                                 config=CFG, instance=n, probe_port=4000, copy_port=4000, domain=n), i * 0.01)
     assert [targets(rz, n) for n in "abc"] == [[], [], []]
 
 
@@ -126,7 +127,8 @@ def test_a_fixed_size_job_waiting_for_a_node_keeps_where_the_lost_nodes_copies_a
 def test_a_newcomer_of_another_size_takes_the_place_but_not_the_shards():
     rz = started({"a": "1", "b": "2", "c": "3"}, CFG)
     rz.join(JOB, JoinRequest(v=1, node_id="s", addr="10.0.0.19", local_world_size=1, master_port=20000, config=CFG,
-                             instance="s#1", host="host-s", probe_port=4000, domain="4"), 0.5, "secret-s")
+                             instance="s#1", host="host-s", probe_port=4000, copy_port=4000, domain="4"), 0.5,
+            "secret-s")
     for t in (1.0, 2.0, 3.0, 4.0, 5.0):
         for n in ("a", "c", "s"):
             poll(rz, n, t)
@@ -145,7 +147,7 @@ def test_racks_in_blocks_spread_their_copies_evenly_and_every_member_has_a_holde
     names = [f"n{i:03d}" for i in range(256)]
     for i, n in enumerate(names):                     # racks of 128 in a row, as a switch's nodes come
         rz.join(JOB, JoinRequest(v=1, node_id=n, addr=f"10.1.{i // 200}.{i % 200}", local_world_size=1,
-                                 master_port=1, config=wide, instance=n, probe_port=4000,
+                                 master_port=1, config=wide, instance=n, probe_port=4000, copy_port=4000,
                                  domain="rack-a" if i < 128 else "rack-b"), i * 0.001, f"secret-{n}")
     r = rz.jobs[JOB].round
     assert r is not None and len(r.members) == 256

@@ -339,3 +339,17 @@ def test_the_failure_domain_is_the_flags_else_slurms_switch_else_none() -> None:
     assert parse(*EP, "t.py", environ=slurm).failure_domain == "spine1.leaf3"
     assert parse(*EP, "--failure-domain", "rack-2", "t.py", environ=slurm).failure_domain == "rack-2"
     assert parse(*EP, "t.py", environ=NO_GPU).failure_domain == ""     # the server takes the host
+
+
+def test_peer_copy_tls_needs_a_certificate_and_key_that_exist_and_a_ca(tmp_path) -> None:
+    cert, key, ca = (tmp_path / "c.pem", tmp_path / "k.pem", tmp_path / "ca.pem")
+    for f in (cert, key, ca):
+        f.write_text("x")
+    assert error_of(*EP, "--tls-cert", str(cert), "t.py") == "--tls-cert: needs --tls-key too"
+    assert error_of(*EP, "--tls-key", str(key), "t.py") == "--tls-key: needs --tls-cert too"
+    assert error_of(*EP, "--tls-cert", str(cert), "--tls-key", str(tmp_path / "no.pem"), "--tls-ca", str(ca),
+                    "t.py") == f"--tls-key: no such file: {tmp_path / 'no.pem'}"
+    no_ca = error_of(*EP, "--tls-cert", str(cert), "--tls-key", str(key), "t.py")
+    assert no_ca.startswith("--tls-cert: needs --tls-ca")
+    o = parse(*EP, "--tls-cert", str(cert), "--tls-key", str(key), "--tls-ca", str(ca), "t.py")
+    assert (o.tls_cert, o.tls_key) == (str(cert), str(key))

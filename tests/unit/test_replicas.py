@@ -534,3 +534,43 @@ async def test_copies_nobody_renewed_for_long_make_room_and_fresh_ones_never_do(
         assert done.ok, done
     assert store.held() == {("fresh", 0): 1, ("new", 0): 1}
     assert any("removed node old's copies" in line for line in said)
+
+
+async def test_over_tls_a_copy_goes_both_ways_and_a_peer_without_the_cas_certificate_gets_nothing(tmp_path) -> None:
+    from node_agent.replicas.tls import copy_tls
+    from tests.e2e.certs import make_ca, make_server_cert
+    ca = make_ca(str(tmp_path))
+    (tmp_path / "ours").mkdir()
+    (tmp_path / "theirs").mkdir()
+    ours = copy_tls(*make_server_cert(str(tmp_path / "ours"), ca), ca[0])
+    other_ca = make_ca(str(tmp_path / "theirs"), "other-ca")
+    stranger = copy_tls(*make_server_cert(str(tmp_path / "theirs"), other_ca), other_ca[0])
+    store = make_store(tmp_path)
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(OSError):
+            line = await reader.readline()
+            if wire.is_replica_request(line):
+                await store.serve(line, reader, writer)
+        writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0, ssl=ours.listen)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        data = blob(3000)
+        done = await client.push("127.0.0.1", port, key=KEY, node_id=NODE, local_rank=0, step=5,
+                                 path=snap(tmp_path, "s", data), tls=ours.connect)
+        assert done.ok, done
+        dest = tmp_path / "dest"
+        dest.mkdir()
+        got = await client.fetch("127.0.0.1", port, key=KEY, node_id=NODE, local_rank=0, dest_dir=str(dest),
+                                 tls=ours.connect)
+        assert got.step == 5 and (dest / "step-5").read_bytes() == data
+        for tls in (None, stranger.connect):       # in the clear, or signed by another CA: no handshake, nothing
+            refused = await client.push("127.0.0.1", port, key=KEY, node_id=NODE, local_rank=0, step=10,
+                                        path=snap(tmp_path, "s10", blob(10)), tls=tls, timeout_s=2.0)
+            assert not refused.ok and refused.sent == 0, refused
+        assert store.held() == {(NODE, 0): 5}
+    finally:
+        server.close()
+        await server.wait_closed()
