@@ -144,8 +144,9 @@ bench-places: venv
 	$(PY) benchmarks/bench_places.py $(BENCH_PLACES_ARGS)
 
 # A lost node costs one snapshot (issue 46): 3 x 2 + a spare, the node of group rank 1 SIGKILLed with its memory
-# (alternated with a worker crash), both peers lost together, and the step-time cost of copies (about 12 minutes).
-BENCH_NODE_LOSS_ARGS ?= --lost 3 --pair 1 --cost 2
+# (alternated with a worker crash), its host cut off in network namespaces (root), both peers lost together, and
+# the step-time cost of copies (about 15 minutes).
+BENCH_NODE_LOSS_ARGS ?= --netns 3 --lost 3 --pair 1 --cost 2
 bench-node-loss: venv
 	$(PY) benchmarks/bench_node_loss.py $(BENCH_NODE_LOSS_ARGS)
 

@@ -11,7 +11,9 @@ every 50).
                   back to disk, said once
   --cost N        3 x 2, 60 s each with copies on (--replicas 1) and off (--replicas 0), alternated: median step
                   time, and the bytes copied
-  --replicas K    K for the runs (default 1); --old DIR: the server and agents of the checkout DIR (alternated)
+  --netns N       the --lost case with each node a network-namespace host (root) and that host's link cut (no FIN:
+                  found by its 5 s lease) instead of its agent killed
+  --replicas K    K for the runs (default 1)
 
 Run: .venv/bin/python benchmarks/bench_node_loss.py [--lost N] [--pair N] [--cost N] [--out FILE]
      (make bench-node-loss)
@@ -173,6 +175,73 @@ def _stepping(job: Job, since: float) -> dict[int, float]:
     return first if len(first) == 6 else {}
 
 
+def netns_run(i: int, state_mb: str) -> dict:
+    """The --lost case with each node a network-namespace host (tests/multihost) and group rank 1's host cut off
+    (its link down: no FIN, found only by its lease) rather than killed: the spare takes its place."""
+    from pathlib import Path
+
+    from tests.multihost import netns
+    from tests.multihost.job import MultiHostJob
+    env = {"STATE_MB": state_mb, "STEP_S": "0.2", "SNAP_EVERY": "5", "DISK_EVERY": "50"}
+    with netns.Network(["server", "a", "b", "c", "s"]) as net, tempfile.TemporaryDirectory(prefix="bnl-ns-") as out:
+        job = MultiHostJob(net, Path(out), f"netns-{i}")
+        try:
+            job.start_server()
+            for host in ("a", "b", "c", "s"):
+                job.start_agent(host, nproc=2, script=SCRIPT, env={"NODE": host, **env},
+                                extra=("--failure-domain", f"rack-{host}", "--last-call", "1"))
+                if host == "c":
+                    wait(lambda: len(_ranks(out)) == 6, 120, "every rank stepping")
+            job.agents["s"].wait_for_line(r"ready after", 60)
+            view = job.view() or {}
+            lost = next(n["node_id"] for n in view["nodes"] if n["group_rank"] == 1)
+            now = max((s for _, s, *_ in _rows(out)), default=0)
+            target = max(KILL_AFTER, now + 1 + (2 - (now + 1)) % 5)
+            wait(lambda: max((s for _, s, *_ in _rows(out)), default=0) >= target, 120, f"step {target}")
+            cut_at = time.time()
+            net.cut(lost)
+            back = wait(lambda: len(_resumes(out, cut_at)) == 6 and _resumes(out, cut_at), 120, "every rank again")
+            assert isinstance(back, dict)
+            started = min(float(v[0]) for v in back.values())
+
+            def stepping() -> dict[int, float]:
+                first: dict[int, float] = {}
+                for at, _, _, world, rank, _ in sorted(_rows(out)):
+                    if at > started and world == 6:
+                        first.setdefault(rank, at)
+                return first if len(first) == 6 else {}
+            first = wait(stepping, 120, "every rank stepping again")
+            assert isinstance(first, dict)
+            return {"kind": "netns-cut", "run": i, "victims": [lost], "killed_after_step": target,
+                    "steps": sorted({int(v[1]) for v in back.values()}),
+                    "sources": sorted({v[2] for v in back.values()}),
+                    "own_shards": sum(v[3] == "ok" for v in back.values()),
+                    "stepping_again_s": round(max(first.values()) - cut_at, 2),
+                    "fetched": [ln for ln in job.agents["s"].lines if "snapshots" in ln][:1]}
+        finally:
+            job.close()
+
+
+def _rows(out: str) -> list[tuple[float, int, int, int, int, str]]:
+    rows = []
+    for path in glob.glob(os.path.join(out, "steps-*.txt")):
+        with open(path) as f:
+            rows += [(float(p[0]), int(p[1]), int(p[2]), int(p[3]), int(p[4]), "") for p in (ln.split() for ln in f)
+                     if len(p) == 5]
+    return rows
+
+
+def _ranks(out: str) -> set[int]:
+    return {r[4] for r in _rows(out)}
+
+
+def _resumes(out: str, since: float) -> dict[int, list[str]]:
+    """rank -> [time, step, source, ok] of each rank started after `since`."""
+    with contextlib.suppress(FileNotFoundError), open(os.path.join(out, "resumed.txt")) as f:
+        return {int(p[1]): [p[0], *p[2:5]] for p in (ln.split() for ln in f) if len(p) == 6 and float(p[0]) > since}
+    return {}
+
+
 def cost_run(port: int, i: int, replicas: int, seconds: float) -> dict:
     with tempfile.TemporaryDirectory(prefix="bench-node-loss-") as out:
         job = Job(port, f"cost{replicas}-{i}", out, "3:3", ("--replicas", str(replicas)))
@@ -203,12 +272,17 @@ def main() -> None:
     p.add_argument("--lost", type=int, default=0)
     p.add_argument("--pair", type=int, default=0)
     p.add_argument("--cost", type=int, default=0)
+    p.add_argument("--netns", type=int, default=0, help="runs with network-namespace hosts, one cut off (root)")
+    p.add_argument("--state-mb", default="32")
     p.add_argument("--cost-s", type=float, default=60.0)
     p.add_argument("--replicas", type=int, default=1)
     p.add_argument("--out", default=os.path.join(ROOT, "docs", "bench-node-loss.json"))
     args = p.parse_args()
     extra = ("--replicas", str(args.replicas))
     rows: list[dict] = []
+    for i in range(args.netns):
+        rows.append(netns_run(i, args.state_mb))
+        print(json.dumps(rows[-1]), flush=True)
     with running_server() as port:
         for i in range(args.lost):
             for crash in (False, True):
@@ -221,7 +295,7 @@ def main() -> None:
             for replicas in (args.replicas, 0):
                 rows.append(cost_run(port, i, replicas, args.cost_s))
                 print(json.dumps(rows[-1]), flush=True)
-    for kind in ("lost1", "crash", "lost2"):
+    for kind in ("lost1", "crash", "lost2", "netns-cut"):
         mine = [r for r in rows if r.get("kind") == kind]
         if mine:
             again = [r["stepping_again_s"] for r in mine if r["stepping_again_s"] is not None]
