@@ -1,7 +1,7 @@
 """Peer copies of the workers' in-memory snapshots, the agent's side (the wire and the holder's store:
 node_agent/replicas/). A lost node takes its snapshots with it; with a copy of each of its ranks' newest on
 another node, the node that takes its place resumes from that step instead of every rank going back to disk.
-- Each member pushes its local ranks' newest complete `step-N` to the members its assignment names
+- Each member pushes the newest `step-N` all its local ranks hold to the members its assignment names
   (`Assignment.replicas`: the server picks them in another failure domain), from the agent, never the
   worker: a scan of the memory directories every PUSH_SCAN_S, the local ranks' pushes together, sharing
   --replica-bandwidth. A refused push is said once per kind of refusal; training goes on regardless. A step
@@ -35,6 +35,19 @@ FETCH_LIMIT_S = 60.0    # a node taking a place waits this long for its copies, 
 DROP_LIMIT_S = 1.0      # a leaving node's goodbye to each holder of its copies
 FIRST_LINE_S = 5.0      # a peer on the TLS listener says what it wants within this, or is let go
 RETRY_S = 5.0           # a peer a push could not reach or that refused is tried again this much later
+
+
+def common_step(dirs: dict[int, str]) -> dict[int, tuple[int, str]]:
+    """local rank -> (step, its file) of the step every local rank has saved (the oldest newest): pushed once the
+    last rank's save is done, so a copy never competes with a save of that step, and a holder gets one step for
+    all of them. {} while a rank has none."""
+    held = {rank: snapshot.newest(where) for rank, where in dirs.items()}
+    steps = [s for s in held.values() if s is not None]
+    if not steps or len(steps) < len(held):
+        return {}
+    step = min(steps)
+    return {rank: (step, snapshot.path(step, where)) for rank, where in dirs.items()
+            if os.path.exists(snapshot.path(step, where))}
 
 
 class PeerCopies:
@@ -151,8 +164,7 @@ class PeerCopies:
                 self._say_once("scan", f"peer copies: cannot read the memory directories ({exc}); trying again")
 
     async def _scan(self) -> None:
-        newest = {rank: (step, snapshot.path(step, where)) for rank, where in self.memory.dirs(self.nproc).items()
-                  if (step := snapshot.newest(where)) is not None}
+        newest = common_step(self.memory.dirs(self.nproc))
         # A newest step below the one a peer holds: the job went back (to disk, or this node's ranks moved). The
         # peer's copies are of steps abandoned: it drops them before the new ones go (it refuses older steps).
         back = {t for t in self.targets for rank, (step, _) in newest.items()
