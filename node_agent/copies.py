@@ -19,7 +19,7 @@ import asyncio
 import contextlib
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 from node_agent import snapshot
 from node_agent.client.witness import READ_BUFFER
@@ -134,26 +134,37 @@ class PeerCopies:
     async def _fetch(self, gone: str, at: Witness, dirs: dict[int, str]) -> None:
         began = time.monotonic()
         try:
-            got = await asyncio.wait_for(asyncio.gather(*(
-                fetch(at.addr, at.port, key=self.key, node_id=gone, local_rank=rank, dest_dir=where,
-                      max_bytes=self.memory.rank_limit, timeout_s=FETCH_LIMIT_S, tls=self._connect)
-                for rank, where in sorted(dirs.items()))), FETCH_LIMIT_S)
+            got = await asyncio.wait_for(self._fetch_all(gone, at, dirs), FETCH_LIMIT_S)
         except asyncio.TimeoutError:      # a cancelled fetch removes its partial file
             got = [FetchResult(None, f"not all there within {FETCH_LIMIT_S:g}s", 0)]
-        steps = {r.step for r in got}
         size = sum(r.received for r in got)
-        if None in steps:
-            why = next(r.reason for r in got if r.step is None)
+        if any(r.step is None for r in got) or len({r.step for r in got}) > 1:
+            why = next((r.reason for r in got if r.step is None), "no step held for every rank")
             self._say(f"no copy of node {gone}'s snapshots for every rank ({why}): ranks whose copy is missing "
                       f"resume from disk, and agreed_step sends every rank there")
-        else:
-            # Its copies are this node's now (and its own go to the same peer): the holder lets them go.
-            await drop(at.addr, at.port, key=self.key, node_id=gone, timeout_s=DROP_LIMIT_S, tls=self._connect)
-            held = sorted(s for s in steps if s is not None)
-            which = f"step {held[0]}" if len(held) == 1 else "steps " + ", ".join(map(str, held))
-            self._say(f"fetched node {gone}'s snapshots of {which} from {at.addr}:{at.port} ({len(got)} ranks, "
-                      f"{size / 2**20:.1f} MiB in {time.monotonic() - began:.2f}s): this node's ranks resume where "
-                      f"{gone}'s left off")
+            return
+        # Its copies are this node's now (and its own go to the same peer): the holder lets them go.
+        await drop(at.addr, at.port, key=self.key, node_id=gone, timeout_s=DROP_LIMIT_S, tls=self._connect)
+        self._say(f"fetched node {gone}'s snapshots of step {got[0].step} from {at.addr}:{at.port} ({len(got)} "
+                  f"ranks, {size / 2**20:.1f} MiB in {time.monotonic() - began:.2f}s): this node's ranks resume "
+                  f"where {gone}'s left off")
+
+    async def _fetch_all(self, gone: str, at: Witness, dirs: dict[int, str]) -> list[FetchResult]:
+        """Each rank's newest copy; where they differ (the node was lost while a step's copies were landing),
+        the newer ones again at the oldest step, which the holder keeps for all of them (replicas/files.py)."""
+        def one(rank: int, where: str, step: int | None = None) -> Awaitable[FetchResult]:
+            return fetch(at.addr, at.port, key=self.key, node_id=gone, local_rank=rank, dest_dir=where,
+                         max_bytes=self.memory.rank_limit, timeout_s=FETCH_LIMIT_S, tls=self._connect, step=step)
+        ranks = sorted(dirs.items())
+        got = list(await asyncio.gather(*(one(rank, where) for rank, where in ranks)))
+        steps = [r.step for r in got]
+        if None in steps or len(set(steps)) == 1:
+            return got
+        common = min(s for s in steps if s is not None)
+        again = await asyncio.gather(*(one(rank, where, common) for (rank, where), s in zip(ranks, steps, strict=True)
+                                       if s != common))
+        newer = iter(again)
+        return [r if r.step == common else next(newer) for r in got]
 
     async def _push_loop(self) -> None:
         while True:

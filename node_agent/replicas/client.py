@@ -125,10 +125,10 @@ def _not_go(answer: Answer) -> str:
 
 async def fetch(addr: str, port: int, *, key: str, node_id: str, local_rank: int, dest_dir: str,
                 max_bytes: int | None = None, timeout_s: float = 60.0,
-                tls: ssl.SSLContext | None = None) -> FetchResult:
-    """Bring the holder's copy of (node_id, local_rank) into `dest_dir` as `step-S`."""
+                tls: ssl.SSLContext | None = None, step: int | None = None) -> FetchResult:
+    """Bring the holder's copy of (node_id, local_rank) into `dest_dir` as `step-S`: its newest, or `step`."""
     try:
-        line = wire.fetch_line(wire.FetchRequest(key, node_id, local_rank))
+        line = wire.fetch_line(wire.FetchRequest(key, node_id, local_rank, step))
     except WireError as exc:
         return FetchResult(None, f"bad request: {exc}", 0)
     try:

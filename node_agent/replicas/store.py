@@ -2,11 +2,12 @@
 checksum `step-S.sha256`, served one push or fetch per connection (the listener reads the first line).
 Rules, so a fetcher only ever gets a whole copy that was whole when it came:
 - Only `step-S` with its `.sha256` is held; a push lands in `step-S.tmp`, renamed once its bytes match the
-  sender's trailer, and only then are the older copies of that (node, rank) removed: a broken push (short,
-  stalled, corrupted, malformed trailer) leaves the previous copy in place.
+  sender's trailer, and only then are older copies removed, but for the newest step all the node's ranks hold
+  (files.settle): a broken push (short, stalled, corrupted, malformed trailer) leaves the previous copy in place.
 - A push must carry the job's current key, a newer step than the one held, and fit the limit next to what
   is held (the current copy counts until the new one replaces it) and what other pushes have reserved.
-- A copy is re-hashed before it is sent; one that no longer matches its checksum is deleted and refused.
+- A copy is checked against its stored checksum as it is sent (the trailer is that checksum, so the fetcher
+  refuses bytes changed at rest); one that no longer matches is deleted.
 - Never a traceback to a peer: every failure is a `refused` line, logged at most once per kind and peer."""
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from node_agent.replicas import stream, wire
+from node_agent.replicas import files, stream, wire
 from node_agent.replicas.stream import StreamError
 from node_agent.replicas.wire import DropRequest, FetchRequest, PushRequest, WireError
 
@@ -29,9 +30,6 @@ STALL_S = 30.0          # a peer sending or reading nothing for this long is giv
 FREE_RESERVE = 0.25     # copies never leave less of /dev/shm free than this share: its workers need some too
 EVICT_AFTER_S = 600.0   # a node's copies not renewed this long may make room for another's (see _make_room)
 ANSWER_S = 5.0          # the most an answer line waits for the peer to take it
-_STEP_FILE = re.compile(r"step-(\d{1,18})")
-_OURS = re.compile(r"step-(\d{1,18})(\.sha256|\.tmp)?")
-_RANK_DIR = re.compile(r"0|[1-9][0-9]{0,3}")
 _SAID_MAX = 4096        # peers x kinds remembered for the once-only log, then forgotten
 
 
@@ -73,18 +71,18 @@ class ReplicaStore:
     def _copies(self) -> list[_Copy]:
         """Every complete copy on disk (a crash may leave two of one (node, rank): both count as bytes)."""
         found: list[_Copy] = []
-        for node in _listdir(self.root):
+        for node in files.listdir(self.root):
             if not wire.valid_node(node):
                 continue
-            for rank in _listdir(os.path.join(self.root, node)):
-                if _RANK_DIR.fullmatch(rank) is None or int(rank) > wire.MAX_RANK:
+            for rank in files.listdir(os.path.join(self.root, node)):
+                if files.RANK_DIR.fullmatch(rank) is None or int(rank) > wire.MAX_RANK:
                     continue
                 where = self._dir(node, int(rank))
-                names = set(_listdir(where))
+                names = set(files.listdir(where))
                 for name in names:
-                    m = _STEP_FILE.fullmatch(name)
+                    m = files.STEP_FILE.fullmatch(name)
                     if m and name + ".sha256" in names:
-                        found.append(_Copy(node, int(rank), int(m.group(1)), _size(os.path.join(where, name))))
+                        found.append(_Copy(node, int(rank), int(m.group(1)), files.size(os.path.join(where, name))))
         return found
 
     def held(self) -> dict[tuple[str, int], int]:
@@ -178,7 +176,7 @@ class ReplicaStore:
         last: dict[str, float] = {}
         for c in copies:
             path = os.path.join(self._dir(c.node, c.rank), f"step-{c.step}")
-            last[c.node] = max(last.get(c.node, 0.0), _mtime(path))
+            last[c.node] = max(last.get(c.node, 0.0), files.mtime(path))
         now = time.time()
         for node, at in sorted(last.items(), key=lambda item: item[1]):
             if over <= 0 or now - at < EVICT_AFTER_S:
@@ -199,7 +197,7 @@ class ReplicaStore:
             raise _Refusal("limit", f"memory limit full: {held} bytes held ({mine} of them this rank's current "
                                     f"copy, kept until the new one is whole), {reserved} reserved by pushes under "
                                     f"way, {size} new; limit {self.limit_bytes} bytes")
-        free, total = _space(self.root)
+        free, total = files.space(self.root)
         if free - reserved - size < total * FREE_RESERVE:
             raise _Refusal("limit", f"memory limit full: the holder's file system would keep less than "
                                     f"{FREE_RESERVE:.0%} of its {total} bytes free ({free} free, {reserved} reserved, "
@@ -211,7 +209,7 @@ class ReplicaStore:
         tmp = final + ".tmp"
         landed = False
         try:
-            fd = _open_new(self.root, req.node, str(req.rank), tmp)
+            fd = files.open_new(self.root, req.node, str(req.rank), tmp)
             try:
                 writer.write(wire.GO)
                 got = await stream.receive(reader, fd, req.size, self.stall_s, self._count_in)
@@ -220,7 +218,7 @@ class ReplicaStore:
                 os.close(fd)
             if not hmac.compare_digest(got, sent):
                 raise _Refusal("checksum", "checksum mismatch")
-            _write_text(final + ".sha256", got)
+            files.write_text(final + ".sha256", got)
             os.replace(tmp, final)
             landed = True
         except (StreamError, WireError) as exc:
@@ -229,9 +227,9 @@ class ReplicaStore:
             raise _stored_failed(exc) from None
         finally:
             if not landed:
-                _remove(tmp)
-                _remove(final + ".sha256")     # a newer step than any held: never a held copy's checksum
-        _drop_older(where, req.step)
+                files.remove(tmp)
+                files.remove(final + ".sha256")     # a newer step than any held: never a held copy's checksum
+        files.settle(os.path.dirname(where), where)
         writer.write(wire.stored_line(req.step))
 
     def _count_in(self, n: int) -> None:
@@ -243,7 +241,7 @@ class ReplicaStore:
     # --- fetch --------------------------------------------------------------------------------------------
 
     async def _fetch(self, req: FetchRequest, writer: asyncio.StreamWriter, peer: str, first_line: bytes) -> None:
-        opened = self._open_held(req.node, req.rank)
+        opened = self._open_held(req.node, req.rank, req.step)
         if opened is None:
             writer.write(wire.NONE)
             return
@@ -263,11 +261,12 @@ class ReplicaStore:
         finally:
             os.close(fd)
 
-    def _open_held(self, node: str, rank: int) -> tuple[int, int, str] | None:
-        """(open fd, step, stored checksum) of the held copy, or None. A push that lands meanwhile removes
-        the older copy between looking and opening: look again."""
+    def _open_held(self, node: str, rank: int, want: int | None = None) -> tuple[int, int, str] | None:
+        """(open fd, step, stored checksum) of the held copy (the newest, or step `want`), or None. A push that
+        lands meanwhile removes the older copy between looking and opening: look again."""
         for _ in range(3):
-            step = self.held().get((node, rank))
+            held = files.complete_steps(self._dir(node, rank))
+            step = max(held, default=None) if want is None else want if want in held else None
             if step is None:
                 return None
             path = os.path.join(self._dir(node, rank), f"step-{step}")
@@ -293,23 +292,8 @@ class ReplicaStore:
 
     def _discard(self, node: str, rank: int, step: int) -> None:
         final = os.path.join(self._dir(node, rank), f"step-{step}")
-        _remove(final)
-        _remove(final + ".sha256")
-
-
-def _space(path: str) -> tuple[int, int]:
-    """(free, total) bytes of the file system `path` (or its nearest existing parent) is on."""
-    while not os.path.exists(path) and os.path.dirname(path) != path:
-        path = os.path.dirname(path)
-    st = os.statvfs(path)
-    return st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize
-
-
-def _mtime(path: str) -> float:
-    try:
-        return os.path.getmtime(path)
-    except OSError:
-        return 0.0
+        files.remove(final)
+        files.remove(final + ".sha256")
 
 
 def _parse(first_line: bytes) -> PushRequest | FetchRequest | DropRequest:
@@ -324,51 +308,6 @@ def _stored_failed(exc: OSError) -> _Refusal:
     if exc.errno in (errno.ENOSPC, errno.EDQUOT):
         return _Refusal("limit", "memory limit full: the holder's file system is full")
     return _Refusal("io", f"could not store the copy: {exc.strerror or type(exc).__name__}")
-
-
-def _open_new(root: str, node: str, rank: str, path: str) -> int:
-    """Create `path` under ROOT/NODE/RANK, making each directory private (0o700) where it is missing."""
-    os.makedirs(root, mode=0o700, exist_ok=True)
-    for where in (os.path.join(root, node), os.path.join(root, node, rank)):
-        with contextlib.suppress(FileExistsError):
-            os.mkdir(where, 0o700)
-    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-
-
-def _write_text(path: str, text: str) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-    try:
-        stream.write_all(fd, text.encode("ascii"))
-    finally:
-        os.close(fd)
-
-
-def _drop_older(where: str, keep: int) -> None:
-    """Every other step's file of this (node, rank): older copies, their checksums, leftover .tmp files
-    (no push of this (node, rank) runs now: the caller holds its slot)."""
-    for name in _listdir(where):
-        m = _OURS.fullmatch(name)
-        if m and int(m.group(1)) != keep:
-            _remove(os.path.join(where, name))
-
-
-def _listdir(path: str) -> list[str]:
-    try:
-        return os.listdir(path)
-    except OSError:
-        return []
-
-
-def _size(path: str) -> int:
-    try:
-        return os.path.getsize(path)
-    except OSError:
-        return 0
-
-
-def _remove(path: str) -> None:
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(path)
 
 
 def _peer(writer: asyncio.StreamWriter) -> str:

@@ -2,6 +2,7 @@
 
   push:  `rdzv-agent push key=K node=N rank=R step=S size=B`  -> `go`, B bytes, `sha256=HEX` -> `stored step=S`
   fetch: `rdzv-agent fetch key=K node=N rank=R`  -> `copy step=S size=B`, B bytes, `sha256=HEX` (or `none`)
+         `rdzv-agent fetch-at key=K node=N rank=R step=S`: the same for that step (a node's common step)
   drop:  `rdzv-agent drop key=K node=N`  -> `dropped` (N's copies removed: it left the job cleanly)
   either may be answered `rdzv-agent refused REASON` instead.
 
@@ -32,7 +33,8 @@ _HEX = re.compile(r"[0-9a-f]{64}")
 _DECIMAL = re.compile(r"0|[1-9][0-9]{0,17}")       # canonical: no sign, no leading zero, at most 18 digits
 _SECRET = re.compile(rb"key=\S*")
 _SECRET_TEXT = re.compile(r"key=\S*")
-_FIELDS = {"push": ("key", "node", "rank", "step", "size"), "fetch": ("key", "node", "rank"), "drop": ("key", "node")}
+_FIELDS = {"push": ("key", "node", "rank", "step", "size"), "fetch": ("key", "node", "rank"),
+           "fetch-at": ("key", "node", "rank", "step"), "drop": ("key", "node")}
 _STORED = re.compile(rb"rdzv-agent stored step=(0|[1-9][0-9]{0,17})\n")
 _COPY = re.compile(rb"rdzv-agent copy step=(0|[1-9][0-9]{0,17}) size=(0|[1-9][0-9]{0,12})\n")
 _REFUSED = re.compile(rb"rdzv-agent refused ([ -~]{1,%d})\n" % MAX_REASON)
@@ -95,15 +97,18 @@ class PushRequest:
 
 @dataclass(frozen=True)
 class FetchRequest:
-    """A fetch header; built only with valid fields (WireError otherwise)."""
+    """A fetch header (`step`: that step's copy, else the newest); built only with valid fields (else WireError)."""
     key: str
     node: str
     rank: int
+    step: int | None = None
 
     def __post_init__(self) -> None:
         check_key(self.key)
         check_node(self.node)
         check_number("rank", self.rank, MAX_RANK)
+        if self.step is not None:
+            check_number("step", self.step, MAX_STEP)
 
 
 @dataclass(frozen=True)
@@ -128,7 +133,8 @@ class Answer:
 
 def is_replica_request(first_line: bytes) -> bool:
     """Whether the listener should hand this connection to the replica store."""
-    return first_line.startswith((b"rdzv-agent push ", b"rdzv-agent fetch ", b"rdzv-agent drop "))
+    return first_line.startswith((b"rdzv-agent push ", b"rdzv-agent fetch ", b"rdzv-agent fetch-at ",
+                                  b"rdzv-agent drop "))
 
 
 def push_line(request: PushRequest) -> bytes:
@@ -138,7 +144,11 @@ def push_line(request: PushRequest) -> bytes:
 
 
 def fetch_line(request: FetchRequest) -> bytes:
-    return b"rdzv-agent fetch key=%s node=%s rank=%d\n" % (request.key.encode(), request.node.encode(), request.rank)
+    r = request
+    if r.step is not None:
+        return b"rdzv-agent fetch-at key=%s node=%s rank=%d step=%d\n" % (r.key.encode(), r.node.encode(), r.rank,
+                                                                          r.step)
+    return b"rdzv-agent fetch key=%s node=%s rank=%d\n" % (r.key.encode(), r.node.encode(), r.rank)
 
 
 def drop_line(request: DropRequest) -> bytes:
@@ -214,6 +224,8 @@ def parse_request(line: bytes) -> PushRequest | FetchRequest | DropRequest:
     rank = _number("rank", v["rank"], MAX_RANK)
     if verb == "fetch":
         return FetchRequest(v["key"], v["node"], rank)
+    if verb == "fetch-at":
+        return FetchRequest(v["key"], v["node"], rank, _number("step", v["step"], MAX_STEP))
     return PushRequest(v["key"], v["node"], rank, _number("step", v["step"], MAX_STEP),
                        _number("size", v["size"], MAX_SIZE))
 

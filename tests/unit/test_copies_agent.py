@@ -89,3 +89,24 @@ async def test_no_copy_left_is_said_and_the_spawn_goes_on(tmp_path) -> None:
         await spare.before_spawn(assignment((), copies_of="b", copies_at=at), dirs)
         assert [snapshot.steps(where) for where in dirs.values()] == [[], []]
         assert any("no copy of node b's snapshots" in line and "no copy held" in line for line in said), said
+
+
+async def test_copies_of_a_node_lost_mid_push_are_fetched_at_the_step_all_its_ranks_have(tmp_path) -> None:
+    said: list[str] = []
+    async with holder(tmp_path) as (store, at):
+        gone, _ = agent_side(tmp_path, "b", said)
+        gone.key, gone.targets = KEY, (at,)
+        dirs_b = gone.memory.dirs(2)
+        for where in dirs_b.values():
+            snapshot.save(b"b's 20", 20, where=where)
+        await gone._scan()
+        snapshot.save(b"b's 25", 25, where=dirs_b[0])      # rank 0's copy of 25 landed, rank 1's never did
+        from node_agent.replicas.client import push
+        done = await push(at.addr, at.port, key=KEY, node_id="b", local_rank=0, step=25,
+                          path=snapshot.path(25, dirs_b[0]))
+        assert done.ok and store.held() == {("b", 0): 25, ("b", 1): 20}
+        spare, dirs = agent_side(tmp_path, "s", said)
+        await spare.before_spawn(assignment((at,), copies_of="b", copies_at=at), dirs)
+        assert all(20 in snapshot.steps(where) for where in dirs.values())
+        assert any("fetched node b's snapshots of step 20" in line for line in said), said
+        await spare.close()

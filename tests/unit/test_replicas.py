@@ -574,3 +574,30 @@ async def test_over_tls_a_copy_goes_both_ways_and_a_peer_without_the_cas_certifi
     finally:
         server.close()
         await server.wait_closed()
+
+
+async def test_a_nodes_common_step_stays_until_every_rank_has_a_newer_one_and_can_be_fetched(tmp_path) -> None:
+    store = make_store(tmp_path)
+    async with holder(store) as port:
+        async def push(rank: int, step: int) -> None:
+            done = await client.push("127.0.0.1", port, key=KEY, node_id=NODE, local_rank=rank, step=step,
+                                     path=snap(tmp_path, f"{rank}-{step}", blob(100, seed=rank * 1000 + step)))
+            assert done.ok, done
+
+        def held(rank: int) -> list[int]:
+            return sorted(int(n[5:]) for n in os.listdir(os.path.join(store.root, NODE, str(rank)))
+                          if n.startswith("step-") and n[5:].isdigit())
+
+        await push(0, 5)
+        await push(1, 5)
+        await push(0, 10)                 # rank 1's copy of step 10 not there yet (the node lost meanwhile, say)
+        assert (held(0), held(1)) == ([5, 10], [5]) and store.held() == {(NODE, 0): 10, (NODE, 1): 5}
+        dest = tmp_path / "at5"
+        dest.mkdir()
+        got = await client.fetch("127.0.0.1", port, key=KEY, node_id=NODE, local_rank=0, dest_dir=str(dest), step=5)
+        assert got.step == 5 and (dest / "step-5").read_bytes() == blob(100, seed=5)
+        missing = await client.fetch("127.0.0.1", port, key=KEY, node_id=NODE, local_rank=1, dest_dir=str(dest),
+                                     step=10)
+        assert missing.step is None and missing.reason == "no copy held"
+        await push(1, 10)                 # now every rank has step 10: step 5 goes
+        assert (held(0), held(1)) == ([10], [10])

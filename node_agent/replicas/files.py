@@ -1,0 +1,87 @@
+"""The holder's files (store.py): ROOT/NODE/RANK/step-S with its checksum step-S.sha256, and which of a node's
+copies to keep. Plain file operations, no networking."""
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+
+from node_agent.replicas import stream
+
+STEP_FILE = re.compile(r"step-(\d{1,18})")
+OURS = re.compile(r"step-(\d{1,18})(\.sha256|\.tmp)?")
+RANK_DIR = re.compile(r"0|[1-9][0-9]{0,3}")
+
+
+def settle(node_dir: str, landed: str) -> None:
+    """After a copy landed in `landed` (a rank's directory under `node_dir`): each rank keeps its newest copy and
+    the newest step every rank of the node holds (their common step), nothing else; and `landed` no leftover
+    .tmp (its push slot is held). A node lost while its ranks' copies of a step were still landing leaves a step
+    all of them have, for the node taking its place (agreed_step needs one step on every rank)."""
+    ranks = [os.path.join(node_dir, r) for r in listdir(node_dir) if RANK_DIR.fullmatch(r)]
+    held = {where: complete_steps(where) for where in ranks}
+    common = set.intersection(*map(set, held.values())) if held else set()
+    keep_common = max(common, default=None)
+    for where, steps in held.items():
+        keep = {max(steps, default=None), keep_common}
+        for name in listdir(where):
+            m = OURS.fullmatch(name)
+            if m and (int(m.group(1)) not in keep if m.group(2) != ".tmp" else where == landed):
+                remove(os.path.join(where, name))
+
+
+def complete_steps(where: str) -> list[int]:
+    """The steps of the complete copies in a rank's directory (`step-S` with its `.sha256`)."""
+    names = set(listdir(where))
+    return [int(m.group(1)) for name in names if (m := STEP_FILE.fullmatch(name)) and name + ".sha256" in names]
+
+
+def space(path: str) -> tuple[int, int]:
+    """(free, total) bytes of the file system `path` (or its nearest existing parent) is on."""
+    while not os.path.exists(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize
+
+
+def mtime(path: str) -> float:
+    try:
+        return os.path.getmtime(path)
+    except OSError:
+        return 0.0
+
+
+def open_new(root: str, node: str, rank: str, path: str) -> int:
+    """Create `path` under ROOT/NODE/RANK, making each directory private (0o700) where it is missing."""
+    os.makedirs(root, mode=0o700, exist_ok=True)
+    for where in (os.path.join(root, node), os.path.join(root, node, rank)):
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(where, 0o700)
+    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+
+
+def write_text(path: str, text: str) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    try:
+        stream.write_all(fd, text.encode("ascii"))
+    finally:
+        os.close(fd)
+
+
+def listdir(path: str) -> list[str]:
+    try:
+        return os.listdir(path)
+    except OSError:
+        return []
+
+
+def size(path: str) -> int:
+    try:
+        return os.path.getsize(path)
+    except OSError:
+        return 0
+
+
+def remove(path: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
