@@ -50,7 +50,7 @@ async def one_size(mb: int, runs: int) -> dict:
     size = mb << 20
     with tempfile.TemporaryDirectory(dir=BASE) as tmp:
         src = _snapshot_file(tmp, mb)
-        store = ReplicaStore(os.path.join(tmp, "held"), 4 * size, lambda: KEY)
+        store = ReplicaStore(os.path.join(tmp, "held"), 4 * size, lambda node: KEY)
 
         async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             line = await reader.readline()

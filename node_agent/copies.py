@@ -61,7 +61,8 @@ class PeerCopies:
         self.tls, self.server_tls = tls, server_tls
         self._listener: asyncio.Server | None = None
         self._connect = tls.connect if tls is not None else None
-        self.key = ""                              # the job's key for copies (from the assignment)
+        self.key = ""                              # this node's token for its copies (Assignment.copy_token)
+        self.sources: dict[str, str] = {}          # nodes whose copies it holds -> their tokens (copy_sources)
         self.targets: tuple[Witness, ...] = ()     # where this node's copies go now
         self.store: ReplicaStore | None = None     # the copies this node holds for others
         self.pushed: dict[tuple[str, int, int], int] = {}    # (addr, port, local rank) -> the step it holds
@@ -79,7 +80,7 @@ class PeerCopies:
             if not dirs or self.memory.root is None or self.memory.rank_limit is None:
                 return None
             self.store = ReplicaStore(os.path.join(self.memory.root, "replicas"),
-                                      self.memory.rank_limit * max(1, self.nproc), lambda: self.key, self._say)
+                                      self.memory.rank_limit * max(1, self.nproc), self.sources.get, self._say)
         return self.store
 
     async def listen(self, addr: str, plain_port: int) -> int:
@@ -122,19 +123,21 @@ class PeerCopies:
 
     async def before_spawn(self, a: Assignment, dirs: dict[int, str]) -> None:
         """Take the round's copy settings; fetch a gone node's copies where this node takes its place."""
-        self.key, self.targets = a.replica_key, a.replicas
+        self.key, self.targets = a.copy_token, a.replicas
+        self.sources.clear()
+        self.sources.update((s.node_id, s.token) for s in a.copy_sources)
         if self.server_tls and self.tls is None:        # no copies in the clear (said once at listen)
             self.targets = ()
             return
         if a.copies_of and a.copies_at is not None and dirs:
-            await self._fetch(a.copies_of, a.copies_at, dirs)
+            await self._fetch(a.copies_of, a.copies_token, a.copies_at, dirs)
         if self.targets and self.key and (self._pusher is None or self._pusher.done()):
             self._pusher = asyncio.create_task(self._push_loop())
 
-    async def _fetch(self, gone: str, at: Witness, dirs: dict[int, str]) -> None:
+    async def _fetch(self, gone: str, token: str, at: Witness, dirs: dict[int, str]) -> None:
         began = time.monotonic()
         try:
-            got = await asyncio.wait_for(self._fetch_all(gone, at, dirs), FETCH_LIMIT_S)
+            got = await asyncio.wait_for(self._fetch_all(gone, token, at, dirs), FETCH_LIMIT_S)
         except asyncio.TimeoutError:      # a cancelled fetch removes its partial file
             got = [FetchResult(None, f"not all there within {FETCH_LIMIT_S:g}s", 0)]
         size = sum(r.received for r in got)
@@ -144,16 +147,16 @@ class PeerCopies:
                       f"resume from disk, and agreed_step sends every rank there")
             return
         # Its copies are this node's now (and its own go to the same peer): the holder lets them go.
-        await drop(at.addr, at.port, key=self.key, node_id=gone, timeout_s=DROP_LIMIT_S, tls=self._connect)
+        await drop(at.addr, at.port, key=token, node_id=gone, timeout_s=DROP_LIMIT_S, tls=self._connect)
         self._say(f"fetched node {gone}'s snapshots of step {got[0].step} from {at.addr}:{at.port} ({len(got)} "
                   f"ranks, {size / 2**20:.1f} MiB in {time.monotonic() - began:.2f}s): this node's ranks resume "
                   f"where {gone}'s left off")
 
-    async def _fetch_all(self, gone: str, at: Witness, dirs: dict[int, str]) -> list[FetchResult]:
+    async def _fetch_all(self, gone: str, token: str, at: Witness, dirs: dict[int, str]) -> list[FetchResult]:
         """Each rank's newest copy; where they differ (the node was lost while a step's copies were landing),
         the newer ones again at the oldest step, which the holder keeps for all of them (replicas/files.py)."""
         def one(rank: int, where: str, step: int | None = None) -> Awaitable[FetchResult]:
-            return fetch(at.addr, at.port, key=self.key, node_id=gone, local_rank=rank, dest_dir=where,
+            return fetch(at.addr, at.port, key=token, node_id=gone, local_rank=rank, dest_dir=where,
                          max_bytes=self.memory.rank_limit, timeout_s=FETCH_LIMIT_S, tls=self._connect, step=step)
         ranks = sorted(dirs.items())
         got = list(await asyncio.gather(*(one(rank, where) for rank, where in ranks)))

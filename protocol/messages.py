@@ -313,6 +313,12 @@ class Witness(msgspec.Struct, kw_only=True, frozen=True, gc=False):
     port: int
 
 
+class CopySource(msgspec.Struct, kw_only=True, frozen=True, gc=False):
+    """A node whose snapshot copies this node holds, and the token its copies come with."""
+    node_id: str
+    token: str
+
+
 class Assignment(msgspec.Struct, kw_only=True, frozen=True, gc=False):
     """What one node runs in one round. The same round id means the same world for every member."""
     round_id: int
@@ -330,12 +336,15 @@ class Assignment(msgspec.Struct, kw_only=True, frozen=True, gc=False):
     # Up to two other members' agents: reachable while the server is not means the server (or this
     # node's link to it) is what broke, not this node's network: its workers keep running.
     witnesses: tuple[Witness, ...] = ()
-    # Peer copies (JobConfig.replicas): the members' agents to push this node's snapshots to, and the job's key
-    # that every copy carries (members only: it comes in assignments). A node that took a gone node's place
-    # fetches that node's copies (`copies_of`) from `copies_at` before its workers start.
+    # Peer copies (JobConfig.replicas): the members' agents to push this node's snapshots to, with this node's own
+    # token (`copy_token`: a holder takes a node's copies only with that node's token); the nodes whose copies this
+    # node holds, with theirs (`copy_sources`). A node that took a gone node's place fetches that node's copies
+    # (`copies_of`, with `copies_token`) from `copies_at` before its workers start.
     replicas: tuple[Witness, ...] = ()
-    replica_key: str = ""
+    copy_token: str = ""
+    copy_sources: tuple[CopySource, ...] = ()
     copies_of: str = ""
+    copies_token: str = ""
     copies_at: Witness | None = None
 
 

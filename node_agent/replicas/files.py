@@ -85,3 +85,19 @@ def size(path: str) -> int:
 def remove(path: str) -> None:
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
+
+
+TOKEN = ".token"     # in a node's directory: the token its copies came with
+
+
+def note_token(node_dir: str, token: str) -> None:
+    if read_token(node_dir) != token:
+        write_text(os.path.join(node_dir, TOKEN), token)
+
+
+def read_token(node_dir: str) -> str:
+    try:
+        with open(os.path.join(node_dir, TOKEN), encoding="ascii", errors="replace") as f:
+            return f.read(256).strip()
+    except OSError:
+        return ""

@@ -49,9 +49,10 @@ class _Copy:
 
 
 class ReplicaStore:
-    def __init__(self, root: str, limit_bytes: int, key: Callable[[], str],
+    def __init__(self, root: str, limit_bytes: int, key: Callable[[str], str | None],
                  say: Callable[[str], None] = lambda s: None) -> None:
-        """`key()`: the job's current replica key ("" while none is known: everything is refused)."""
+        """`key(node)`: the token a node's copies must come with now (None or "": it is no source of this holder
+        now; a fetch or drop of copies held is then checked against the token they came with)."""
         self.root = root
         self.limit_bytes = limit_bytes
         self.stall_s = STALL_S
@@ -112,7 +113,7 @@ class ReplicaStore:
         peer = _peer(writer)
         try:
             request = _parse(first_line)
-            self._check_key(request.key)
+            self._check_key(request.key, request.node, isinstance(request, PushRequest))
             if isinstance(request, PushRequest):
                 await self._push(request, reader, writer)
             elif isinstance(request, DropRequest):
@@ -132,10 +133,11 @@ class ReplicaStore:
         with contextlib.suppress(StreamError, OSError):
             await stream.drain(writer, ANSWER_S)
 
-    def _check_key(self, key: str) -> None:
-        current = self._key()
+    def _check_key(self, key: str, node: str, pushing: bool) -> None:
+        """A push needs the node's token now; a fetch or drop the one its copies came with (or today's)."""
+        current = self._key(node) or ("" if pushing else files.read_token(os.path.join(self.root, node)))
         if not current:
-            raise _Refusal("key", "no key yet")
+            raise _Refusal("key", f"no token for node {node} here (not a node whose copies this one holds)")
         if not hmac.compare_digest(key.encode(), current.encode()):
             raise _Refusal("key", "wrong key")
 
@@ -221,6 +223,7 @@ class ReplicaStore:
             files.write_text(final + ".sha256", got)
             os.replace(tmp, final)
             landed = True
+            files.note_token(os.path.join(self.root, req.node), req.key)   # for a later fetch or drop of them
         except (StreamError, WireError) as exc:
             raise _Refusal("checksum", str(exc)) from None
         except OSError as exc:

@@ -1,6 +1,6 @@
 """TLS for peer copies: where the server uses TLS, a snapshot (the model's weights) must not cross the network in
 the clear either. Each agent shows a certificate (--tls-cert/--tls-key) signed by the CA the others trust
-(--tls-ca), both ways: only a holder of such a certificate and the job's key can push, fetch or drop. Peers are
+(--tls-ca), both ways: only a holder of such a certificate and the node's token can push, fetch or drop. Peers are
 reached by address, so a certificate's name is not checked, its signature is."""
 from __future__ import annotations
 

@@ -22,6 +22,13 @@ def replica_key(credential: str) -> str:
     return hmac.new(credential.encode(), b"rdzv replica key", hashlib.sha256).hexdigest()[:48] if credential else ""
 
 
+def copy_token(replica_key: str, node_id: str) -> str:
+    """A node's token for its peer copies (`replica_key` never leaves the server): what it pushes and fetches its
+    own copies with; a holder learns its sources' tokens in its assignment, so no node acts for another."""
+    return hmac.new(replica_key.encode(), b"copies of " + node_id.encode(), hashlib.sha256).hexdigest()[:48] \
+        if replica_key else ""
+
+
 def owns(node: NodeRecord, credential: str, instance: str) -> bool:
     """Whether a join with `credential` (and `instance`) comes from the agent that owns `node`."""
     if not node.credential_digest:

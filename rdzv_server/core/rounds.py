@@ -11,8 +11,9 @@ import ipaddress
 import itertools
 from collections.abc import Callable, Iterable
 
-from protocol.messages import Assignment, JobState, NodeState, NodeStatus, Witness, WorkerFailure
+from protocol.messages import Assignment, CopySource, JobState, NodeState, NodeStatus, Witness, WorkerFailure
 from protocol.quoting import one_line
+from rdzv_server.core.credentials import copy_token
 from rdzv_server.core.events import RoundCause
 from rdzv_server.core.records import JobRecord, NodeRecord, PlaceCopies, RoundRecord
 
@@ -109,8 +110,11 @@ def assignment(r: RoundRecord, node_id: str) -> Assignment | None:
             world_size=r.world_size, local_world_size=r.local_sizes[rank], master_addr=r.addrs[0],
             master_port=r.master_port, restart_count=r.restart_count, max_restarts=r.max_restarts,
             role_rank_offset=derived.role_offsets[rank], role_world_size=derived.role_sizes[role],
-            witnesses=derived.witnesses(rank), replicas=derived.replica_targets(rank), replica_key=r.replica_key,
-            copies_of=copies[0] if copies is not None else "", copies_at=copies[1] if copies is not None else None)
+            witnesses=derived.witnesses(rank), replicas=derived.replica_targets(rank),
+            copy_token=copy_token(r.replica_key, node_id) if r.replicas else "", copy_sources=derived.sources(rank),
+            copies_of=copies[0] if copies is not None else "",
+            copies_token=copy_token(r.replica_key, copies[0]) if copies is not None else "",
+            copies_at=copies[1] if copies is not None else None)
     return built
 
 
@@ -137,6 +141,7 @@ class _Derived:
         self.round = r
         self._groups: tuple[list[str], dict[str, list[int]], dict[int, int]] | None = None
         self.domain_index: dict[str, int] = {}
+        self._sources: dict[int, list[int]] | None = None
 
     def witnesses(self, rank: int) -> tuple[Witness, ...]:
         """The next WITNESSES members after `rank` in the ring that answer probes, never itself: a different pair
@@ -174,6 +179,21 @@ class _Derived:
             self._groups = (list(by_domain), by_domain, position)
             self.domain_index = {d: k for k, d in enumerate(by_domain)}
         return self._groups
+
+    def sources(self, rank: int) -> tuple[CopySource, ...]:
+        """The members whose copies `rank` holds this round, with their tokens (the inverse of replica_ranks, made
+        once per round: O(N x replicas))."""
+        r = self.round
+        if not r.replicas:
+            return ()
+        if self._sources is None:
+            self._sources = {}
+            for i in range(len(r.ranked)):
+                for h in self.replica_ranks(i):
+                    self._sources.setdefault(h, []).append(i)
+        ranked = r.ranked or r.members
+        return tuple(CopySource(node_id=ranked[i], token=copy_token(r.replica_key, ranked[i]))
+                     for i in self._sources.get(rank, ()))
 
     def replica_targets(self, rank: int) -> tuple[Witness, ...]:
         r = self.round

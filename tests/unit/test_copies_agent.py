@@ -18,7 +18,7 @@ KEY = "job-key-for-copies-0123"
 
 @contextlib.asynccontextmanager
 async def holder(tmp_path) -> AsyncIterator[tuple[ReplicaStore, Witness]]:
-    store = ReplicaStore(str(tmp_path / "held"), 64 * 2**20, lambda: KEY)
+    store = ReplicaStore(str(tmp_path / "held"), 64 * 2**20, lambda node: KEY)
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         line = await reader.readline()
@@ -37,7 +37,7 @@ async def holder(tmp_path) -> AsyncIterator[tuple[ReplicaStore, Witness]]:
 def assignment(targets: tuple[Witness, ...], *, copies_of: str = "", copies_at: Witness | None = None) -> Assignment:
     return Assignment(round_id=1, group_rank=1, group_world_size=2, rank_offset=2, world_size=4, local_world_size=2,
                       master_addr="127.0.0.1", master_port=1, restart_count=0, max_restarts=0, replicas=targets,
-                      replica_key=KEY, copies_of=copies_of, copies_at=copies_at)
+                      copy_token=KEY, copies_of=copies_of, copies_token=KEY, copies_at=copies_at)
 
 
 def agent_side(tmp_path, node: str, said: list[str]) -> tuple[PeerCopies, dict[int, str]]:

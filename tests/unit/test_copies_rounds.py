@@ -46,8 +46,13 @@ def test_each_members_copies_go_to_the_next_member_in_another_failure_domain():
     assert targets(rz, "a") == ["10.0.0.3"]          # b shares a's rack: c
     assert targets(rz, "b") == ["10.0.0.3"]
     assert targets(rz, "c") == ["10.0.0.1"]          # round the ring
-    a = rz.view(JOB, "a", 1.0).assignment
-    assert a is not None and len(a.replica_key) == 48 and a.replica_key not in ("secret-a", "")
+    a, b, c = (rz.view(JOB, n, 1.0).assignment for n in "abc")
+    assert a is not None and b is not None and c is not None
+    assert len(a.copy_token) == 48 and len({a.copy_token, b.copy_token, c.copy_token}) == 3    # a node's own
+    assert "secret-a" not in (a.copy_token, b.copy_token)
+    # c holds a's and b's copies: it knows their tokens, and only theirs (a holds c's)
+    assert {(x.node_id, x.token) for x in c.copy_sources} == {("a", a.copy_token), ("b", b.copy_token)}
+    assert [x.node_id for x in a.copy_sources] == ["c"] and b.copy_sources == ()
 
 
 def test_without_a_domain_the_host_is_the_domain_and_a_node_that_takes_no_copies_holds_none():
@@ -84,6 +89,8 @@ def test_the_node_taking_a_lost_nodes_place_is_told_who_holds_its_copies():
     assert r is not None and r.members == ["a", "s", "c"]
     s = rz.view(JOB, "s", 6.0).assignment
     assert s is not None and s.copies_of == "b" and s.copies_at == Witness(addr="10.0.0.3", port=4000)   # b's went to c
+    first_b = [x.token for x in rz.view(JOB, "c", 6.0).assignment.copy_sources if x.node_id == "s"]
+    assert s.copies_token and s.copies_token != s.copy_token and first_b == [s.copy_token]   # b's token, to fetch
     others = [rz.view(JOB, n, 6.0).assignment for n in ("a", "c")]
     assert all(o is not None and o.copies_of == "" and o.copies_at is None for o in others)
     assert targets(rz, "a", 6.0) == ["10.0.0.19"]     # a's copies now go to s (a's old holder, b, is gone)

@@ -42,7 +42,7 @@ def snap(directory, name: str, data: bytes) -> str:
 
 
 def make_store(tmp_path, limit: int = 64 * 2**20, key: str = KEY, said: list[str] | None = None) -> ReplicaStore:
-    return ReplicaStore(str(tmp_path / "held"), limit, lambda: key, (said if said is not None else []).append)
+    return ReplicaStore(str(tmp_path / "held"), limit, lambda node: key, (said if said is not None else []).append)
 
 
 @contextlib.asynccontextmanager
@@ -231,11 +231,12 @@ async def test_a_newer_push_replaces_the_copy_only_once_it_is_whole(tmp_path):
 async def test_a_wrong_key_or_no_key_yet_writes_nothing(tmp_path):
     said: list[str] = []
     key = [""]
-    store = ReplicaStore(str(tmp_path / "held"), 2**20, lambda: key[0], said.append)
+    store = ReplicaStore(str(tmp_path / "held"), 2**20, lambda node: key[0], said.append)
     path = snap(tmp_path, "s", blob(1000))
     async with holder(store) as port:
         early = await client.push("127.0.0.1", port, key=KEY, node_id=NODE, local_rank=0, step=1, path=path)
-        assert early == client.PushResult(False, "refused: no key yet", 0)
+        assert early == client.PushResult(False, "refused: no token for node node-a here (not a node whose copies "
+                                             "this one holds)", 0)
         key[0] = "another-job-key-000"
         for _ in range(2):
             wrong = await client.push("127.0.0.1", port, key=KEY, node_id=NODE, local_rank=0, step=1, path=path)
@@ -243,7 +244,7 @@ async def test_a_wrong_key_or_no_key_yet_writes_nothing(tmp_path):
         got, _ = await fetch_bytes(port, tmp_path)
     assert got == client.FetchResult(None, "refused: wrong key", 0)
     assert not exists(store.root) and store.refusals == {"key": 4}
-    assert len(said) == 1 and "no key yet" in said[0] and "key=<hidden>" in said[0]   # once per kind and peer
+    assert len(said) == 1 and "no token for node" in said[0] and "key=<hidden>" in said[0]   # once per kind, peer
     assert not any(KEY in s for s in said)
 
 
@@ -601,3 +602,26 @@ async def test_a_nodes_common_step_stays_until_every_rank_has_a_newer_one_and_ca
         assert missing.step is None and missing.reason == "no copy held"
         await push(1, 10)                 # now every rank has step 10: step 5 goes
         assert (held(0), held(1)) == ([10], [10])
+
+
+async def test_a_node_cannot_push_fetch_or_drop_under_another_nodes_id(tmp_path) -> None:
+    tokens = {"node-a": "token-of-node-a-0000", "node-b": "token-of-node-b-0000"}
+    store = ReplicaStore(str(tmp_path / "held"), 2**20, tokens.get)
+    async with holder(store) as port:
+        mine = await client.push("127.0.0.1", port, key=tokens["node-a"], node_id="node-a", local_rank=0, step=1,
+                                 path=snap(tmp_path, "a", blob(100)))
+        assert mine.ok, mine
+        forged = await client.push("127.0.0.1", port, key=tokens["node-b"], node_id="node-a", local_rank=0, step=2,
+                                   path=snap(tmp_path, "b", blob(100)))
+        assert forged == client.PushResult(False, "refused: wrong key", 0)
+        dest = tmp_path / "dest"
+        dest.mkdir()
+        stolen = await client.fetch("127.0.0.1", port, key=tokens["node-b"], node_id="node-a", local_rank=0,
+                                    dest_dir=str(dest))
+        assert stolen.step is None and stolen.reason == "refused: wrong key"
+        assert not await client.drop("127.0.0.1", port, key=tokens["node-b"], node_id="node-a")
+        del tokens["node-a"]              # no source of this holder any more: its copies keep their token
+        own = await client.fetch("127.0.0.1", port, key="token-of-node-a-0000", node_id="node-a", local_rank=0,
+                                 dest_dir=str(dest))
+        assert own.step == 1
+    assert store.held() == {("node-a", 0): 1}
