@@ -6,10 +6,10 @@
   drop:  `rdzv-agent drop key=K node=N`  -> `dropped` (N's copies removed: it left the job cleanly)
   either may be answered `rdzv-agent refused REASON` instead.
 
-Every line ends in "\\n", is at most MAX_LINE bytes, and each field is bounded (K: the job's replica key,
+Every line ends in "\\n", is at most MAX_LINE bytes, and each field is bounded (K: node N's token,
 N: a node id that is also a directory name, R: a local rank, S: a snapshot step as in snapshot.py, B: a
 size); a line that does not match exactly raises WireError naming the field and quoting (repr, truncated)
-what was sent. The key is never quoted back: it is the job's secret. Pure: no I/O here."""
+what was sent. The key is never quoted back: it is the node's secret. Pure: no I/O here."""
 from __future__ import annotations
 
 import re
