@@ -7,8 +7,8 @@ another node, the node that takes its place resumes from that step instead of ev
   --replica-bandwidth. A refused push is said once per kind of refusal; training goes on regardless. A step
   below the one a peer holds (the job went back, or this node's ranks moved) has the peer drop the old ones.
 - A node that takes a gone node's place (`Assignment.copies_of`/`copies_at`) fetches that node's copies
-  into its own ranks' memory directories before its workers start (FETCH_LIMIT_S at most), so
-  `snapshot.agreed_step` finds the step on every rank, and the holder then drops them. None there: every rank
+  into its own ranks' memory directories while its workers start (FETCH_LIMIT_S at most; `snapshot.agreed_step`
+  waits for it), so agreed_step finds the step on every rank, and the holder then drops them. None there: every rank
   falls back to disk (agreed_step), said in one line.
 - Copies held for others live under this run's memory directory: removed with it when the job ends or the
   node leaves, and swept by the next agent when this one was killed (workers/memory.py); a node whose job is
@@ -35,6 +35,17 @@ FETCH_LIMIT_S = 60.0    # a node taking a place waits this long for its copies, 
 DROP_LIMIT_S = 1.0      # a leaving node's goodbye to each holder of its copies
 FIRST_LINE_S = 5.0      # a peer on the TLS listener says what it wants within this, or is let go
 RETRY_S = 5.0           # a peer a push could not reach or that refused is tried again this much later
+
+
+def mark_fetching(dirs: dict[int, str], on: bool) -> None:
+    """snapshot.FETCHING in each rank's directory (or not): its copy is on its way from a peer."""
+    for where in dirs.values():
+        mark = os.path.join(where, snapshot.FETCHING)
+        with contextlib.suppress(OSError):
+            if on:
+                open(mark, "w").close()       # noqa: SIM115 - an empty file: its name is the message
+            else:
+                os.unlink(mark)
 
 
 def common_step(dirs: dict[int, str]) -> dict[int, tuple[int, str]]:
@@ -72,6 +83,7 @@ class PeerCopies:
         self._said: set[str] = set()
         self._retry_at: dict[tuple[str, int, int], float] = {}
         self._pusher: asyncio.Task[None] | None = None
+        self._fetching: asyncio.Task[None] | None = None
 
     def _holder_store(self) -> ReplicaStore | None:
         """The store of copies held for others, under this run's memory directory (made on first need)."""
@@ -130,9 +142,21 @@ class PeerCopies:
             self.targets = ()
             return
         if a.copies_of and a.copies_at is not None and dirs:
-            await self._fetch(a.copies_of, a.copies_token, a.copies_at, dirs)
+            mark_fetching(dirs, True)     # the workers start meanwhile: agreed_step waits while marked
+            self._fetching = asyncio.create_task(self._fetch_marked(a.copies_of, a.copies_token, a.copies_at, dirs))
         if self.targets and self.key and (self._pusher is None or self._pusher.done()):
             self._pusher = asyncio.create_task(self._push_loop())
+
+    async def fetched(self) -> None:
+        """Until the fetch under way, if any, is over (it never raises)."""
+        if self._fetching is not None:
+            await asyncio.gather(self._fetching, return_exceptions=True)
+
+    async def _fetch_marked(self, gone: str, token: str, at: Witness, dirs: dict[int, str]) -> None:
+        try:
+            await self._fetch(gone, token, at, dirs)
+        finally:
+            mark_fetching(dirs, False)
 
     async def _fetch(self, gone: str, token: str, at: Witness, dirs: dict[int, str]) -> None:
         began = time.monotonic()
@@ -233,6 +257,9 @@ class PeerCopies:
                           refused=self.refused, held_bytes=self.store.held_bytes() if self.store is not None else 0)
 
     async def close(self, finished: bool = False) -> None:
+        if self._fetching is not None:
+            self._fetching.cancel()
+            await self.fetched()
         """Stop pushing. Once the job is over for this node (`finished`) its holders drop its copies at once;
         a node leaving a job that goes on keeps them there: a spare may take its place and fetch them (holders
         let copies nobody renews make room after a while: replicas/store.py)."""

@@ -19,12 +19,15 @@ import contextlib
 import errno
 import os
 import re
+import time
 from collections.abc import Callable
 from typing import BinaryIO
 
 from node_agent import heartbeat
 
 DIR_VAR = "NODE_AGENT_MEMORY_DIR"
+FETCHING = ".fetching"    # the agent is fetching this rank's copy from a peer (node_agent/copies.py)
+COPY_WAIT_S = 90.0        # the most agreed_step waits for it (the agent gives up on a fetch after 60 s)
 LIMIT_VAR = "NODE_AGENT_MEMORY_LIMIT"
 _NAME = re.compile(r"step-(\d{1,18})")
 
@@ -73,6 +76,8 @@ def agreed_step(reduce_min: Callable[[int], int], where: str | None = None) -> i
     `reduce_min(x)` returns the minimum of x over all ranks (every rank calls it the same number of
     times), e.g. an all_reduce with ReduceOp.MIN of a one-element tensor."""
     where = where or directory()
+    if where is not None:
+        _await_copy(where)
     mine = newest(where) if where is not None else None
     step = reduce_min(-1 if mine is None else mine)
     held = step >= 0 and where is not None and os.path.exists(path(step, where))
@@ -82,6 +87,16 @@ def agreed_step(reduce_min: Callable[[int], int], where: str | None = None) -> i
     _forget_after(step, where)
     heartbeat.resumed(step)       # the agent's probe: steps redone after this restore
     return step
+
+
+def _await_copy(where: str) -> None:
+    """While the agent brings this rank's snapshot from a peer (a node taking a lost node's place: its workers start
+    meanwhile), FETCHING is in the directory; the agent removes it when the copy is in or failed. Polled: nothing
+    else tells one process of another's file; bounded, so a worker never waits for ever."""
+    mark = os.path.join(where, FETCHING)
+    deadline = time.monotonic() + COPY_WAIT_S
+    while os.path.exists(mark) and time.monotonic() < deadline:
+        time.sleep(0.01)
 
 
 def _forget_after(step: int, where: str | None) -> None:

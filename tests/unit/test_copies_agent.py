@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 from collections.abc import AsyncIterator
 
 from node_agent import snapshot
@@ -32,6 +33,10 @@ async def holder(tmp_path) -> AsyncIterator[tuple[ReplicaStore, Witness]]:
     finally:
         server.close()
         await server.wait_closed()
+
+
+def marked(dirs: dict[int, str]) -> list[bool]:
+    return [os.path.exists(os.path.join(where, snapshot.FETCHING)) for where in dirs.values()]
 
 
 def assignment(targets: tuple[Witness, ...], *, copies_of: str = "", copies_at: Witness | None = None) -> Assignment:
@@ -76,6 +81,9 @@ async def test_the_node_taking_a_place_fetches_its_copies_before_spawning_and_th
         await gone._scan()
         spare, dirs = agent_side(tmp_path, "s", said)
         await spare.before_spawn(assignment((at,), copies_of="b", copies_at=at), dirs)
+        assert marked(dirs) == [True, True]
+        await spare.fetched()             # agreed_step in its workers waits for this
+        assert marked(dirs) == [False, False]
         assert [snapshot.steps(where) for where in dirs.values()] == [[25], [25]]
         assert any("fetched node b's snapshots of step 25" in line for line in said), said
         assert ("b", 0) not in store.held()          # fetched: the holder dropped them
@@ -87,6 +95,7 @@ async def test_no_copy_left_is_said_and_the_spawn_goes_on(tmp_path) -> None:
     async with holder(tmp_path) as (_, at):
         spare, dirs = agent_side(tmp_path, "s", said)
         await spare.before_spawn(assignment((), copies_of="b", copies_at=at), dirs)
+        await spare.fetched()
         assert [snapshot.steps(where) for where in dirs.values()] == [[], []]
         assert any("no copy of node b's snapshots" in line and "no copy held" in line for line in said), said
 
@@ -107,6 +116,7 @@ async def test_copies_of_a_node_lost_mid_push_are_fetched_at_the_step_all_its_ra
         assert done.ok and store.held() == {("b", 0): 25, ("b", 1): 20}
         spare, dirs = agent_side(tmp_path, "s", said)
         await spare.before_spawn(assignment((at,), copies_of="b", copies_at=at), dirs)
+        await spare.fetched()
         assert all(20 in snapshot.steps(where) for where in dirs.values())
         assert any("fetched node b's snapshots of step 20" in line for line in said), said
         await spare.close()

@@ -210,3 +210,22 @@ def test_the_agreed_step_is_told_to_the_workers_progress_probe(tmp_path, monkeyp
     snapshot.save(b"s", 7, where=str(tmp_path))
     assert snapshot.agreed_step(lambda x: x, str(tmp_path)) == 7 and told == [7]
     assert snapshot.agreed_step(lambda x: -1, str(tmp_path)) is None and told == [7]   # no restore: nothing said
+
+
+def test_agreed_step_waits_while_the_agent_fetches_this_ranks_copy(tmp_path, monkeypatch) -> None:
+    mark = tmp_path / snapshot.FETCHING
+    mark.write_text("")
+    waits: list[float] = []
+
+    def fetch_lands(seconds: float) -> None:     # the agent, while the worker waits: the copy in, the mark gone
+        waits.append(seconds)
+        snapshot.save(b"fetched", 25, where=str(tmp_path))
+        mark.unlink()
+    monkeypatch.setattr(snapshot.time, "sleep", fetch_lands)
+    assert snapshot.agreed_step(lambda x: x, str(tmp_path)) == 25 and len(waits) == 1
+
+
+def test_a_mark_left_behind_delays_agreed_step_only_so_long(tmp_path, monkeypatch) -> None:
+    (tmp_path / snapshot.FETCHING).write_text("")
+    monkeypatch.setattr(snapshot, "COPY_WAIT_S", 0.0)
+    assert snapshot.agreed_step(lambda x: x, str(tmp_path)) is None
