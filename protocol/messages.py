@@ -339,7 +339,7 @@ class Assignment(msgspec.Struct, kw_only=True, frozen=True, gc=False):
     # Peer copies (JobConfig.replicas): the members' agents to push this node's snapshots to, with this node's own
     # token (`copy_token`: a holder takes a node's copies only with that node's token); the nodes whose copies this
     # node holds, with theirs (`copy_sources`). A node that took a gone node's place fetches that node's copies
-    # (`copies_of`, with `copies_token`) from `copies_at` before its workers start.
+    # (`copies_of`, with `copies_token`) from `copies_at` as its workers start.
     replicas: tuple[Witness, ...] = ()
     copy_token: str = ""
     copy_sources: tuple[CopySource, ...] = ()
