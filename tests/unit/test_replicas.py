@@ -8,6 +8,7 @@ import hashlib
 import os
 import random
 import socket
+import ssl
 from collections.abc import AsyncIterator
 
 import pytest
@@ -46,17 +47,18 @@ def make_store(tmp_path, limit: int = 64 * 2**20, key: str = KEY, said: list[str
 
 
 @contextlib.asynccontextmanager
-async def holder(store: ReplicaStore) -> AsyncIterator[int]:
+async def holder(store: ReplicaStore, tls: ssl.SSLContext | None = None) -> AsyncIterator[int]:
     """A tiny listener as the agent's: read the first line, hand replica requests to the store, close."""
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
-            line = await reader.readline()
-            if wire.is_replica_request(line):
-                await store.serve(line, reader, writer)
+            with contextlib.suppress(OSError):        # a TLS handshake refused: nothing to serve
+                line = await reader.readline()
+                if wire.is_replica_request(line):
+                    await store.serve(line, reader, writer)
         finally:
             writer.close()
 
-    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    server = await asyncio.start_server(handle, "127.0.0.1", 0, ssl=tls)
     try:
         yield server.sockets[0].getsockname()[1]
     finally:
@@ -547,17 +549,7 @@ async def test_over_tls_a_copy_goes_both_ways_and_a_peer_without_the_cas_certifi
     other_ca = make_ca(str(tmp_path / "theirs"), "other-ca")
     stranger = copy_tls(*make_server_cert(str(tmp_path / "theirs"), other_ca), other_ca[0])
     store = make_store(tmp_path)
-
-    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        with contextlib.suppress(OSError):
-            line = await reader.readline()
-            if wire.is_replica_request(line):
-                await store.serve(line, reader, writer)
-        writer.close()
-
-    server = await asyncio.start_server(handle, "127.0.0.1", 0, ssl=ours.listen)
-    port = server.sockets[0].getsockname()[1]
-    try:
+    async with holder(store, ours.listen) as port:
         data = blob(3000)
         done = await client.push("127.0.0.1", port, key=KEY, node_id=NODE, local_rank=0, step=5,
                                  path=snap(tmp_path, "s", data), tls=ours.connect)
@@ -572,9 +564,6 @@ async def test_over_tls_a_copy_goes_both_ways_and_a_peer_without_the_cas_certifi
                                         path=snap(tmp_path, "s10", blob(10)), tls=tls, timeout_s=2.0)
             assert not refused.ok and refused.sent == 0, refused
         assert store.held() == {(NODE, 0): 5}
-    finally:
-        server.close()
-        await server.wait_closed()
 
 
 async def test_a_nodes_common_step_stays_until_every_rank_has_a_newer_one_and_can_be_fetched(tmp_path) -> None:
