@@ -97,7 +97,10 @@ class PeerCopies:
 
     async def listen(self, addr: str, plain_port: int) -> int:
         """Where this node takes copies (JoinRequest.copy_port): a TLS listener of its own, the witnesses' plain
-        one (`plain_port`), or 0 where the server uses TLS and this node has no certificate."""
+        one (`plain_port`), or 0 where the server uses TLS and this node has no certificate, or it keeps no
+        in-memory snapshots (--no-memory-dir: it has no room for others' either)."""
+        if not self.memory.enabled:
+            return 0
         if self.tls is not None:
             with contextlib.suppress(OSError):
                 self._listener = await asyncio.start_server(self._serve_tls, addr, 0, ssl=self.tls.listen,

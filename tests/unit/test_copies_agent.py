@@ -120,3 +120,10 @@ async def test_copies_of_a_node_lost_mid_push_are_fetched_at_the_step_all_its_ra
         assert all(20 in snapshot.steps(where) for where in dirs.values())
         assert any("fetched node b's snapshots of step 20" in line for line in said), said
         await spare.close()
+
+
+async def test_a_node_without_memory_directories_takes_no_copies(tmp_path) -> None:
+    off = PeerCopies(MemoryDirs("job", 2, 0, say=lambda s: None, base=str(tmp_path)), 2, "n", lambda s: None, 0)
+    assert await off.listen("127.0.0.1", 4000) == 0
+    on = PeerCopies(MemoryDirs("job", 2, 2**20, say=lambda s: None, base=str(tmp_path)), 2, "n", lambda s: None, 0)
+    assert await on.listen("127.0.0.1", 4000) == 4000          # the witnesses' port, in the clear
