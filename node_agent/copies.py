@@ -82,6 +82,7 @@ class PeerCopies:
         self.refused = 0
         self._said: set[str] = set()
         self._retry_at: dict[tuple[str, int, int], float] = {}
+        self._dirs: dict[int, str] = {}            # this round's local rank -> memory directory
         self._pusher: asyncio.Task[None] | None = None
         self._fetching: asyncio.Task[None] | None = None
 
@@ -124,11 +125,11 @@ class PeerCopies:
     async def serve(self, first_line: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """A peer's push, fetch or drop, its first line read by a listener (client/witness.py's, or ours)."""
         store = self._holder_store()
+        clear = writer.get_extra_info("ssl_object") is None
         refusal = (b"this node keeps no in-memory snapshots (--no-memory-dir)" if store is None else
-                   b"this node takes copies over TLS only" if self.tls is not None and
-                   writer.get_extra_info("ssl_object") is None else
-                   b"the server uses TLS: this node takes no copies in the clear" if self.server_tls and
-                   self.tls is None else b"")
+                   b"this node takes copies over TLS only" if self.tls is not None and clear else
+                   b"the server uses TLS: this node takes no copies in the clear" if self.server_tls and clear
+                   else b"")
         if store is None or refusal:
             writer.write(b"rdzv-agent refused " + refusal + b"\n")
             with contextlib.suppress(OSError):
@@ -138,7 +139,7 @@ class PeerCopies:
 
     async def before_spawn(self, a: Assignment, dirs: dict[int, str]) -> None:
         """Take the round's copy settings; fetch a gone node's copies where this node takes its place."""
-        self.key, self.targets = a.copy_token, a.replicas
+        self.key, self.targets, self._dirs = a.copy_token, a.replicas, dirs
         self.sources.clear()
         self.sources.update((s.node_id, s.token) for s in a.copy_sources)
         if self.server_tls and self.tls is None:        # no copies in the clear (said once at listen)
@@ -205,7 +206,7 @@ class PeerCopies:
                 self._say_once("scan", f"peer copies: cannot read the memory directories ({exc}); trying again")
 
     async def _scan(self) -> None:
-        newest = common_step(self.memory.dirs(self.nproc))
+        newest = common_step(self._dirs)
         # A newest step below the one a peer holds: the job went back (to disk, or this node's ranks moved). The
         # peer's copies are of steps abandoned: it drops them before the new ones go (it refuses older steps).
         back = {t for t in self.targets for rank, (step, _) in newest.items()
@@ -246,26 +247,24 @@ class PeerCopies:
             self._said.add(kind)
             self._say(line)
 
-
     def note(self) -> CopiesNote | None:
         """What the server shows of this node's copies (None: copies are off for its round, or no memory dirs)."""
         if not self.targets and self.store is None:
             return None
-        dirs = self.memory.dirs(self.nproc) if self.memory.root is not None else {}
-        local = [snapshot.newest(where) for where in dirs.values()]
-        copied = [self.copied.get(rank, (-1, ""))[0] for rank in dirs]
+        local = next(iter(common_step(self._dirs).values()), (-1, ""))[0]
+        copied = [self.copied.get(rank, (-1, ""))[0] for rank in self._dirs]
         holder = next((where for _, where in self.copied.values()), "")
-        return CopiesNote(local_step=min((s for s in local if s is not None), default=-1) if None not in local else -1,
-                          copied_step=min(copied, default=-1), holder=holder[:256], sent_bytes=self.sent_bytes,
+        return CopiesNote(local_step=local, copied_step=min(copied, default=-1), holder=holder[:256],
+                          sent_bytes=self.sent_bytes,
                           refused=self.refused, held_bytes=self.store.held_bytes() if self.store is not None else 0)
 
     async def close(self, finished: bool = False) -> None:
+        """Stop fetching and pushing. Once the job is over for this node (`finished`) its holders drop its copies
+        at once; a node leaving a job that goes on keeps them there: a spare may take its place and fetch them
+        (holders let copies nobody renews make room after a while: replicas/store.py)."""
         if self._fetching is not None:
             self._fetching.cancel()
             await self.fetched()
-        """Stop pushing. Once the job is over for this node (`finished`) its holders drop its copies at once;
-        a node leaving a job that goes on keeps them there: a spare may take its place and fetch them (holders
-        let copies nobody renews make room after a while: replicas/store.py)."""
         if self._pusher is not None:
             self._pusher.cancel()
             await asyncio.gather(self._pusher, return_exceptions=True)

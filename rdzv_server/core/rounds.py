@@ -10,6 +10,7 @@ import functools
 import ipaddress
 import itertools
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 from protocol.messages import Assignment, CopySource, JobState, NodeState, NodeStatus, Witness, WorkerFailure
 from protocol.quoting import one_line
@@ -118,6 +119,14 @@ def assignment(r: RoundRecord, node_id: str) -> Assignment | None:
     return built
 
 
+@dataclass(frozen=True)
+class _Domains:
+    order: list[str]                 # the failure domains, in order of first appearance
+    index: dict[str, int]            # a domain -> its place in `order`
+    members: dict[str, list[int]]    # a domain -> its members that take copies, by group rank
+    position: dict[int, int]         # a member -> its place in its domain's list
+
+
 class _Derived:
     """What the assignments of a round share, derived once from its columns (O(N))."""
 
@@ -139,8 +148,7 @@ class _Derived:
         self.ring = named + named[:WITNESSES]      # the next WITNESSES from any position, without wrapping
         self.built: dict[str, Assignment] = {}
         self.round = r
-        self._groups: tuple[list[str], dict[str, list[int]], dict[int, int]] | None = None
-        self.domain_index: dict[str, int] = {}
+        self._groups: _Domains | None = None
         self._sources: dict[int, list[int]] | None = None
 
     def witnesses(self, rank: int) -> tuple[Witness, ...]:
@@ -161,23 +169,22 @@ class _Derived:
         r = self.round
         if not r.replicas or not r.copy_ports or not r.copy_ports[rank]:
             return []
-        order, by_domain, position = self.domain_groups()
-        own = self.domain_index[r.domains[rank]]
-        others = [order[(own + k) % len(order)] for k in range(1, min(r.replicas, len(order) - 1) + 1)]
-        return [by_domain[d][position[rank] % len(by_domain[d])] for d in others]
+        g = self.domain_groups()
+        own = g.index[r.domains[rank]]
+        others = [g.order[(own + k) % len(g.order)] for k in range(1, min(r.replicas, len(g.order) - 1) + 1)]
+        return [g.members[d][g.position[rank] % len(g.members[d])] for d in others]
 
-    def domain_groups(self) -> tuple[list[str], dict[str, list[int]], dict[int, int]]:
-        """(the domains in order of first appearance, each one's probe-answering members by group rank, each
-        member's position in its domain's list), made once per round: O(N)."""
+    def domain_groups(self) -> _Domains:
+        """The members that take copies, by failure domain; made once per round: O(N)."""
         if self._groups is None:
             r = self.round
-            by_domain: dict[str, list[int]] = {}
+            members: dict[str, list[int]] = {}
             for i, port in enumerate(r.copy_ports):
                 if port:
-                    by_domain.setdefault(r.domains[i], []).append(i)
-            position = {i: k for members in by_domain.values() for k, i in enumerate(members)}
-            self._groups = (list(by_domain), by_domain, position)
-            self.domain_index = {d: k for k, d in enumerate(by_domain)}
+                    members.setdefault(r.domains[i], []).append(i)
+            self._groups = _Domains(order=list(members), index={d: k for k, d in enumerate(members)},
+                                    members=members,
+                                    position={i: k for ranks in members.values() for k, i in enumerate(ranks)})
         return self._groups
 
     def sources(self, rank: int) -> tuple[CopySource, ...]:

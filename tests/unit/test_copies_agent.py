@@ -50,11 +50,16 @@ def agent_side(tmp_path, node: str, said: list[str]) -> tuple[PeerCopies, dict[i
     return PeerCopies(memory, 2, node, said.append, bandwidth=0), memory.dirs_for(2, 2)
 
 
+def pushing(copies: PeerCopies, at: Witness, dirs: dict[int, str]) -> None:
+    """The round's settings as before_spawn takes them, without its push loop (the tests scan themselves)."""
+    copies.key, copies.targets, copies._dirs = KEY, (at,), dirs
+
+
 async def test_both_ranks_newest_go_to_the_peer_and_a_job_gone_back_has_it_drop_the_newer(tmp_path) -> None:
     said: list[str] = []
     async with holder(tmp_path) as (store, at):
         copies, dirs = agent_side(tmp_path, "b", said)
-        copies.key, copies.targets = KEY, (at,)
+        pushing(copies, at, dirs)
         for where in dirs.values():
             snapshot.save(b"s10", 10, where=where)
         await copies._scan()
@@ -74,9 +79,9 @@ async def test_the_node_taking_a_place_fetches_its_copies_before_spawning_and_th
         tmp_path) -> None:
     said: list[str] = []
     async with holder(tmp_path) as (store, at):
-        gone, _ = agent_side(tmp_path, "b", said)
-        gone.key, gone.targets = KEY, (at,)
-        for where in gone.memory.dirs(2).values():
+        gone, dirs_b = agent_side(tmp_path, "b", said)
+        pushing(gone, at, dirs_b)
+        for where in dirs_b.values():
             snapshot.save(b"b's shard", 25, where=where)
         await gone._scan()
         spare, dirs = agent_side(tmp_path, "s", said)
@@ -103,9 +108,8 @@ async def test_no_copy_left_is_said_and_the_spawn_goes_on(tmp_path) -> None:
 async def test_copies_of_a_node_lost_mid_push_are_fetched_at_the_step_all_its_ranks_have(tmp_path) -> None:
     said: list[str] = []
     async with holder(tmp_path) as (store, at):
-        gone, _ = agent_side(tmp_path, "b", said)
-        gone.key, gone.targets = KEY, (at,)
-        dirs_b = gone.memory.dirs(2)
+        gone, dirs_b = agent_side(tmp_path, "b", said)
+        pushing(gone, at, dirs_b)
         for where in dirs_b.values():
             snapshot.save(b"b's 20", 20, where=where)
         await gone._scan()

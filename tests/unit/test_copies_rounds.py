@@ -20,6 +20,14 @@ def poll(rz: Rendezvous, node: str, now: float) -> NodeStatus:
     return rz.poll(JOB, PollRequest(v=1, node_id=node, credential=f"secret-{node}"), now)
 
 
+def outlive(rz: Rendezvous, alive: tuple[str, ...]) -> None:
+    """Only `alive` poll for 5 s: the other members' leases run out and the next round forms."""
+    for t in (1.0, 2.0, 3.0, 4.0, 5.0):
+        for n in alive:
+            poll(rz, n, t)
+    rz.tick(rz.next_deadline())
+
+
 def started(nodes: dict[str, str], config: JobConfig) -> Rendezvous:
     """A job of `nodes` (node -> failure domain, in group-rank order) running its first round."""
     rz = Rendezvous()
@@ -81,10 +89,7 @@ def test_a_job_made_without_a_secret_has_no_key_and_so_no_copies():
 def test_the_node_taking_a_lost_nodes_place_is_told_who_holds_its_copies():
     rz = started({"a": "1", "b": "2", "c": "3"}, CFG)
     join(rz, "s", 0.5, CFG, domain="4")
-    for t in (1.0, 2.0, 3.0, 4.0, 5.0):               # b is silent: lost; s takes its place
-        for n in ("a", "c", "s"):
-            poll(rz, n, t)
-    rz.tick(rz.next_deadline())
+    outlive(rz, ("a", "c", "s"))         # b is silent: lost; s takes its place
     r = rz.jobs[JOB].round
     assert r is not None and r.members == ["a", "s", "c"]
     s = rz.view(JOB, "s", 6.0).assignment
@@ -102,10 +107,7 @@ def test_a_lost_node_whose_holder_was_lost_with_it_leaves_nothing_to_fetch():
     join(rz, "t", 0.5, CFG, domain="5")
     for n in ("b", "c"):
         poll(rz, n, 0.5)
-    for t in (1.0, 2.0, 3.0, 4.0, 5.0):               # b and its holder c lost together
-        for n in ("a", "s", "t"):
-            poll(rz, n, t)
-    rz.tick(rz.next_deadline())
+    outlive(rz, ("a", "s", "t"))         # b and its holder c lost together
     r = rz.jobs[JOB].round
     assert r is not None and r.members == ["a", "s", "t"]
     s, t = (rz.view(JOB, n, 6.0).assignment for n in ("s", "t"))
@@ -118,10 +120,7 @@ def test_a_lost_node_whose_holder_was_lost_with_it_leaves_nothing_to_fetch():
 def test_a_fixed_size_job_waiting_for_a_node_keeps_where_the_lost_nodes_copies_are():
     fixed = JobConfig(min_nodes=3, max_nodes=3, lease_timeout_s=5.0, last_call_s=0.0)
     rz = started({"a": "1", "b": "2", "c": "3"}, fixed)
-    for t in (1.0, 2.0, 3.0, 4.0, 5.0):               # b is silent: lost; 2 < min 3: the job waits
-        for n in ("a", "c"):
-            poll(rz, n, t)
-    rz.tick(rz.next_deadline())
+    outlive(rz, ("a", "c"))              # b is silent: lost; 2 < min 3: the job waits
     assert rz.jobs[JOB].round is None and rz.jobs[JOB].place_copies["b"].holders == ["c"]
     join(rz, "s", 7.0, fixed, domain="4")             # the node that comes takes b's place, and its copies
     r = rz.jobs[JOB].round
@@ -136,10 +135,7 @@ def test_a_newcomer_of_another_size_takes_the_place_but_not_the_shards():
     rz.join(JOB, JoinRequest(v=1, node_id="s", addr="10.0.0.19", local_world_size=1, master_port=20000, config=CFG,
                              instance="s#1", host="host-s", probe_port=4000, copy_port=4000, domain="4"), 0.5,
             "secret-s")
-    for t in (1.0, 2.0, 3.0, 4.0, 5.0):
-        for n in ("a", "c", "s"):
-            poll(rz, n, t)
-    rz.tick(rz.next_deadline())
+    outlive(rz, ("a", "c", "s"))
     r = rz.jobs[JOB].round
     assert r is not None and r.members == ["a", "s", "c"]
     s = rz.view(JOB, "s", 6.0).assignment
