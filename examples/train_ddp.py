@@ -3,12 +3,13 @@
 It reads only what torchrun provides in the environment. `--crash-rank R --crash-step S` makes
 global rank R raise once (on the first attempt, TORCHELASTIC_RESTART_COUNT=0) to show recovery.
 
-Snapshots (off unless asked): `--snapshot-every N` saves model + optimizer state every N steps into the
-node agent's in-memory directory ($NODE_AGENT_MEMORY_DIR, kept across worker restarts), `--disk-every M`
-into `--ckpt-dir` (rank 0). On start all ranks agree on the newest step every rank holds in memory and
-load it memory-mapped (no copy); else the newest on disk; else they start from scratch. Under torchrun
-(no memory directory) only the disk is used. `--markers FILE` appends timestamped lines (start, import,
-pg, built, loaded, step, crash) for benchmarks/bench_first_step.py.
+Snapshots (off unless asked): `--snapshot-every N` is the one call `protect(model, opt, every=N)`: model,
+optimizer and RNG states every N optimizer steps into the node agent's memory (kept across worker restarts,
+copied to a peer node), and on start every rank resumes from the newest one all ranks hold. `--disk-every M`
+also writes a checkpoint into `--ckpt-dir` (rank 0), the fallback when memory holds none (under torchrun, or a
+job that lost its copies). A step number is the count of optimizer steps done: a snapshot or checkpoint of step
+25 resumes at step 25. `--final FILE` writes the trained weights (rank 0); `--markers FILE` appends timestamped
+lines (start, import, pg, built, loaded, step, crash) for benchmarks/bench_first_step.py.
 """
 from __future__ import annotations
 
@@ -26,10 +27,7 @@ import torch.nn as nn  # noqa: E402
 from torch.distributed.elastic.multiprocessing.errors import record  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
-try:   # the node agent's torch-free snapshot helper; absent when only torch is installed
-    from node_agent import snapshot
-except ImportError:
-    snapshot = None  # type: ignore[assignment]
+from node_agent.training import protect  # noqa: E402
 
 IMPORTED = time.time()
 
@@ -57,36 +55,24 @@ def reduce_min(x: int) -> int:
     return int(t.item())
 
 
-def resume(args: argparse.Namespace, model: nn.Module, opt: torch.optim.Optimizer) -> tuple[int, str]:
-    """(the step to go on after, where its state came from): memory, disk or scratch."""
-    mem = snapshot.agreed_step(reduce_min) if snapshot is not None and args.snapshot_every else None
-    disk = -1
-    if args.ckpt_dir and args.disk_every and os.path.isdir(args.ckpt_dir):
-        held = [int(n[5:-3]) for n in os.listdir(args.ckpt_dir) if n.startswith("step-") and n.endswith(".pt")]
-        disk = reduce_min(max(held, default=-1))
-    if mem is not None and mem >= disk:
-        path, step, source = snapshot.path(mem), mem, "memory"
-    elif disk >= 0:
-        path, step, source = os.path.join(args.ckpt_dir, f"step-{disk}.pt"), disk, "disk"
-    else:
-        return -1, "scratch"
-    state = torch.load(path, mmap=True)   # memory-mapped: no copy of the file (/dev/shm is memory already)
-    model.load_state_dict(state["model"])
-    opt.load_state_dict(state["opt"])
-    return step, source
+def load_disk(args: argparse.Namespace, model: nn.Module, opt: torch.optim.Optimizer) -> int:
+    """The steps done by the newest disk checkpoint every rank can read (0: none)."""
+    held = [int(n[5:-3]) for n in os.listdir(args.ckpt_dir) if n.startswith("step-") and n.endswith(".pt")] \
+        if args.ckpt_dir and os.path.isdir(args.ckpt_dir) else []
+    step = reduce_min(max(held, default=0))
+    if step > 0:
+        state = torch.load(os.path.join(args.ckpt_dir, f"step-{step}.pt"), mmap=True)
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["opt"])
+    print(f"rank {dist.get_rank()}: resumed from step {step} ({'disk' if step else 'scratch'})", flush=True)
+    return step
 
 
-def save(args: argparse.Namespace, model: nn.Module, opt: torch.optim.Optimizer, step: int, rank: int) -> None:
-    state = {"model": model.state_dict(), "opt": opt.state_dict()}
-    if args.snapshot_every and step % args.snapshot_every == 0 and snapshot is not None and snapshot.directory():
-        try:
-            snapshot.save(lambda f: torch.save(state, f), step)
-        except snapshot.MemoryDirFull as exc:   # no room: say so and train on (the last snapshot stays)
-            print(f"rank {rank}: {exc}", flush=True)
-    if args.disk_every and args.ckpt_dir and step % args.disk_every == 0 and rank == 0:
+def save_disk(args: argparse.Namespace, model: nn.Module, opt: torch.optim.Optimizer, done: int) -> None:
+    if args.disk_every and args.ckpt_dir and done % args.disk_every == 0 and dist.get_rank() == 0:
         os.makedirs(args.ckpt_dir, exist_ok=True)
-        final = os.path.join(args.ckpt_dir, f"step-{step}.pt")
-        torch.save(state, final + ".tmp")
+        final = os.path.join(args.ckpt_dir, f"step-{done}.pt")
+        torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, final + ".tmp")
         os.replace(final + ".tmp", final)
 
 
@@ -104,6 +90,7 @@ def main() -> None:
     p.add_argument("--depth", type=int, default=4)
     p.add_argument("--optimizer", choices=("sgd", "adamw"), default="sgd")
     p.add_argument("--markers", default="", help="append timestamped progress lines to this file")
+    p.add_argument("--final", default="", help="write the trained weights to this file (rank 0)")
     args = p.parse_args()
     mark(args, "start", STARTED)
     mark(args, "import", IMPORTED)
@@ -121,13 +108,12 @@ def main() -> None:
     opt = (torch.optim.AdamW(model.parameters(), lr=args.lr * 0.01) if args.optimizer == "adamw"
            else torch.optim.SGD(model.parameters(), lr=args.lr))
     mark(args, "built")
-    last, source = resume(args, model, opt) if args.snapshot_every or args.disk_every else (-1, "scratch")
-    if source != "scratch" or args.snapshot_every or args.disk_every:
-        print(f"rank {rank}: resumed from step {last} ({source})", flush=True)
+    start = protect(model, opt, every=args.snapshot_every, fallback=lambda: load_disk(args, model, opt)) \
+        if args.snapshot_every else load_disk(args, model, opt)     # memory, a peer's copy, the disk, or 0
     mark(args, "loaded")
     model = DDP(model)
     width = args.width if args.width > 0 else 16
-    for step in range(last + 1, args.steps):
+    for step in range(start, args.steps):
         x = torch.randn(8 if args.width > 0 else 64, width, generator=torch.Generator().manual_seed(step * 1000 + rank))
         y = x if args.width > 0 else x.sum(dim=1, keepdim=True)
         loss = nn.functional.mse_loss(model(x), y)
@@ -139,11 +125,13 @@ def main() -> None:
             raise RuntimeError(f"injected crash on rank {rank} at step {step}")
         mean = loss.detach().clone()
         dist.all_reduce(mean)
-        if step == last + 1:
+        if step == start:
             mark(args, "step")
-        save(args, model.module, opt, step, rank)
+        save_disk(args, model.module, opt, step + 1)
         if rank == 0 and (step % 5 == 0 or step == args.steps - 1):
             print(f"step {step:3d}  loss {mean.item() / world:.4f}", flush=True)
+    if args.final and rank == 0:
+        torch.save(model.module.state_dict(), args.final)
     dist.destroy_process_group()
     if rank == 0:
         print(f"training done: {args.steps} steps on {world} workers", flush=True)

@@ -11,8 +11,9 @@ agent imports this): `save` takes bytes or a callable writing into a file, e.g.
   `MemoryDirFull` naming the limit and sizes, leaving no partial file. Catch it and train on: the agent
   never stops training for it.
 - All ranks resume from the same step: `agreed_step` takes the MIN of every rank's newest step, then checks
-  every rank holds it (a rank that lost its copy, e.g. a replaced node, sends everyone back to disk). Snapshots
-  newer than the step agreed (all of them, going back to disk) are removed: the job abandoned those steps."""
+  every rank holds (and accepts) it (a rank that lost its copy, e.g. a replaced node, sends everyone back to disk).
+  Snapshots newer than the step agreed (all of them, going back to disk) are removed: the job abandoned those steps.
+`node_agent.training.protect` does all of this for a torch model and optimizer in one call."""
 from __future__ import annotations
 
 import contextlib
@@ -71,22 +72,30 @@ def newest(where: str | None = None) -> int | None:
     return held[-1] if held else None
 
 
-def agreed_step(reduce_min: Callable[[int], int], where: str | None = None) -> int | None:
-    """The newest step every rank holds, or None (then load from disk, or start from scratch).
-    `reduce_min(x)` returns the minimum of x over all ranks (every rank calls it the same number of
-    times), e.g. an all_reduce with ReduceOp.MIN of a one-element tensor."""
+def agreed_step(reduce_min: Callable[[int], int], where: str | None = None,
+                accept: Callable[[int], bool] | None = None) -> int | None:
+    """The newest step every rank holds (and, given `accept`, every rank accepts), or None (then load from disk, or
+    start from scratch). `reduce_min(x)` returns the minimum of x over all ranks (every rank calls it the same number
+    of times), e.g. an all_reduce with ReduceOp.MIN of a one-element tensor. `accept(step)` is each rank's check of
+    its own file (a checksum, the model's keys and shapes): a step refused by any rank sends every rank to the next
+    older one that all hold, so the job never loads a mix of steps."""
     where = where or directory()
     if where is not None:
         _await_copy(where)
-    mine = newest(where) if where is not None else None
-    step = reduce_min(-1 if mine is None else mine)
-    held = step >= 0 and where is not None and os.path.exists(path(step, where))
-    if step < 0 or reduce_min(1 if held else 0) != 1:
-        _forget_after(-1, where)      # the job goes back to disk: these steps are not its future
-        return None
-    _forget_after(step, where)
-    heartbeat.resumed(step)       # the agent's probe: steps redone after this restore
-    return step
+        _forget_unfinished(where)
+    below: int | None = None      # only steps older than this one are still candidates
+    while True:
+        held = [s for s in steps(where) if below is None or s < below] if where is not None else []
+        step = reduce_min(held[-1] if held else -1)
+        if step < 0:
+            _forget_after(-1, where)      # the job goes back to disk: these steps are not its future
+            return None
+        ok = where is not None and os.path.exists(path(step, where)) and (accept is None or accept(step))
+        if reduce_min(1 if ok else 0) == 1:
+            _forget_after(step, where)
+            heartbeat.resumed(step)       # the agent's probe: steps redone after this restore
+            return step
+        below = step
 
 
 def _await_copy(where: str) -> None:
@@ -97,6 +106,13 @@ def _await_copy(where: str) -> None:
     deadline = time.monotonic() + COPY_WAIT_S
     while os.path.exists(mark) and time.monotonic() < deadline:
         time.sleep(0.01)
+
+
+def _forget_unfinished(where: str) -> None:
+    """Remove the half-written files of a writer that died (a worker killed mid-save): nothing else ever would."""
+    for name in os.listdir(where):
+        if name.endswith(".tmp") and _NAME.fullmatch(name[:-4]):
+            _remove(os.path.join(where, name))
 
 
 def _forget_after(step: int, where: str | None) -> None:

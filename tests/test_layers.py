@@ -31,6 +31,8 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     # the progress probe runs inside workers, loaded by file path: it imports nothing of ours
     "node_agent.progress": (),
     "node_agent.replicas": (),       # the peer-copy wire and store: the standard library alone
+    # inside the user's training process (imports torch; the agent never imports it)
+    "node_agent.training": ("node_agent.snapshot", "node_agent.heartbeat"),
     # the command line: read into settings; the composition root (node_agent/main.py) builds the rest
     "node_agent.cli": ("protocol", "node_agent.settings", "node_agent.gpu.topology"),
     "node_agent.plugin": ("protocol", "node_agent.client", "node_agent.cli.job_identity", "node_agent.cli.rdzv_conf",

@@ -1,44 +1,71 @@
-"""End-to-end: real torch DDP (gloo), 2 agents x 2 workers, rank 1 crashes once; the restarted ranks resume
-from the in-memory snapshot (examples/train_ddp.py --snapshot-every) without reading the disk checkpoint,
-and from disk when there is no memory directory."""
+"""End-to-end: real torch DDP (gloo), 2 agents x 2 workers, one rank crashes once; the restarted ranks resume
+from the in-memory snapshot taken by the one call `protect(model, opt, every=N)` (examples/train_ddp.py
+--snapshot-every) without reading the disk checkpoint, and from disk when there is no memory directory; and the
+weights trained after resuming from memory are those trained after resuming from a disk checkpoint of that step."""
 from __future__ import annotations
 
 import os
 import re
 
 import pytest
+import torch
 
 from tests.e2e.harness import ROOT
 
 pytestmark = pytest.mark.e2e
 TRAIN = os.path.join(ROOT, "examples", "train_ddp.py")
+RESUMED = re.compile(r"rank \d: resumed from step -?\d+ \(\w+\)")
 
 
-def run_job(cluster, tmp_path, *agent_flags: str) -> list[str]:
-    """Snapshots in memory every 3 steps, on disk every 8; rank 1 crashes at step 10. The lines
-    `rank R: resumed from step S (SOURCE)` of every attempt."""
-    cluster.start_server()
-    args = ["--steps", "12", "--crash-rank", "1", "--crash-step", "10", "--snapshot-every", "3",
-            "--disk-every", "8", "--ckpt-dir", str(tmp_path / "ckpt"), "--width", "32", "--depth", "2"]
-    agents = [cluster.agent("--endpoint", cluster.endpoint(), "--nnodes", "2", "--nproc", "2", "--job-id", "ddp",
-                            "--max-restarts", "1", "--node-id", name, *agent_flags, TRAIN, *args, name=name)
-              for name in ("node-a", "node-b")]
+def run_job(cluster, tmp_path, job: str, train_args: list[str], *agent_flags: str) -> list[str]:
+    """The lines `rank R: resumed from step S (SOURCE)` of every attempt."""
+    if cluster.server is None:
+        cluster.start_server()
+    agents = [cluster.agent("--endpoint", cluster.endpoint(), "--nnodes", "2", "--nproc", "2", "--job-id", job,
+                            "--max-restarts", "1", "--node-id", f"{job}-{name}", *agent_flags, TRAIN, *train_args,
+                            name=f"{job}-{name}")
+              for name in ("a", "b")]
     for agent in agents:
         assert agent.wait(180) == 0, agent.output
-    return [m.group(0) for a in agents for m in re.finditer(r"rank \d: resumed from step -?\d+ \(\w+\)", a.output)]
+    return [m.group(0) for a in agents for m in RESUMED.finditer(a.output)]
+
+
+def crash_at_10(tmp_path) -> list[str]:
+    """Snapshots in memory every 3 steps, on disk every 8; rank 1 crashes at step 10."""
+    return ["--steps", "12", "--crash-rank", "1", "--crash-step", "10", "--snapshot-every", "3",
+            "--disk-every", "8", "--ckpt-dir", str(tmp_path / "ckpt"), "--width", "32", "--depth", "2"]
 
 
 def test_restarted_ranks_resume_from_memory_not_disk(cluster, tmp_path):
-    resumed = run_job(cluster, tmp_path)
+    resumed = run_job(cluster, tmp_path, "ddp", crash_at_10(tmp_path))
     first = [line for line in resumed if "(scratch)" in line]
     again = [line for line in resumed if "(scratch)" not in line]
     assert len(first) == 4, resumed                       # the first attempt started from nothing
-    # step 9 is the newest snapshot in memory; the disk held step 8, which no rank read
+    # 9 steps done is the newest snapshot in memory (rank 1 crashed in its 11th); the disk held 8, which no rank read
     assert sorted(again) == [f"rank {r}: resumed from step 9 (memory)" for r in range(4)], resumed
-    assert sorted(os.listdir(tmp_path / "ckpt")) == ["step-0.pt", "step-8.pt"]
+    assert sorted(os.listdir(tmp_path / "ckpt")) == ["step-8.pt"]
 
 
 def test_without_a_memory_directory_they_resume_from_disk(cluster, tmp_path):
-    resumed = run_job(cluster, tmp_path, "--no-memory-dir")
+    resumed = run_job(cluster, tmp_path, "ddp", crash_at_10(tmp_path), "--no-memory-dir")
     again = [line for line in resumed if "(scratch)" not in line]
     assert sorted(again) == [f"rank {r}: resumed from step 8 (disk)" for r in range(4)], resumed
+
+
+def test_a_memory_resume_trains_the_weights_a_disk_resume_does(cluster, tmp_path):
+    """The issue's case: rank 3 crashes in step 27 with a snapshot every 5 steps. Every rank resumes at step 25
+    from memory; a second job, without memory, resumes from its disk checkpoint of step 25. Same final weights,
+    bit for bit (AdamW: its moments and step count are restored too)."""
+    common = ["--steps", "32", "--crash-rank", "3", "--crash-step", "27", "--width", "16", "--depth", "2",
+              "--optimizer", "adamw"]
+    memory = run_job(cluster, tmp_path, "mem", [*common, "--snapshot-every", "5", "--final", str(tmp_path / "m.pt")])
+    disk = run_job(cluster, tmp_path, "disk", [*common, "--snapshot-every", "5", "--disk-every", "25", "--ckpt-dir",
+                                               str(tmp_path / "ckpt"), "--final", str(tmp_path / "d.pt")],
+                   "--no-memory-dir")
+    assert sorted(x for x in memory if "scratch" not in x) == [f"rank {r}: resumed from step 25 (memory)"
+                                                              for r in range(4)], memory
+    assert sorted(x for x in disk if "scratch" not in x) == [f"rank {r}: resumed from step 25 (disk)"
+                                                            for r in range(4)], disk
+    from_memory, from_disk = torch.load(tmp_path / "m.pt"), torch.load(tmp_path / "d.pt")
+    assert from_memory.keys() == from_disk.keys()
+    assert all(torch.equal(from_memory[k], from_disk[k]) for k in from_memory), "the weights differ"

@@ -1,0 +1,211 @@
+"""In-memory snapshots in one call, for a training loop of your own:
+
+    from node_agent.training import protect
+    start = protect(model, optimizer, every=5)      # optimizer steps already done: 0, or the snapshot's
+    for step in range(start, total_steps): ...
+
+The rules:
+- On the call, every rank restores the newest snapshot that all ranks hold and accept (this rank's memory
+  directory, where the agent also puts a lost node's copy fetched from its peer): model, optimizer, `extra`
+  objects (an LR scheduler, a grad scaler) and the RNG states. A file that fails its checksum or does not match
+  the model's keys and shapes is refused with one line, and every rank goes to the next older one. With none, it
+  returns `fallback()` (your own checkpoint's step count) or 0. Nothing is half loaded.
+- Then, every `every` optimizer steps (counted by the optimizer's step hook, so gradient accumulation and
+  skipped AMP steps count as the optimizer does), a snapshot is taken (node_agent/training/capture.py): the step
+  waits only for the copy of the state into host memory.
+- Outside node-agent (no memory directory: torchrun, plain python) it takes none, says so once, and returns
+  `fallback()` or 0; the script runs unchanged.
+- DDP models are snapshotted as their inner module, FSDP2 (`fully_shard`) ones as each rank's shards. A model,
+  optimizer or state that cannot be snapshotted is a TypeError at the call, before any training step."""
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel
+
+from node_agent import snapshot
+from node_agent.training import rng, state
+from node_agent.training.capture import FORMAT, Capture
+
+
+class Stateful(Protocol):
+    def state_dict(self) -> Any: ...
+    def load_state_dict(self, state_dict: Any) -> Any: ...
+
+
+def protect(model: nn.Module, optimizer: torch.optim.Optimizer, every: int = 5, *,
+            extra: Mapping[str, Stateful] | None = None, fallback: Callable[[], int] | None = None,
+            keep: int = 2) -> int:
+    """Restore the newest snapshot every rank holds and snapshot every `every` optimizer steps from now on.
+    Returns the number of optimizer steps already done (the loop's first step)."""
+    model = _inner(model)
+    objects = dict(extra or {})
+    _check(model, optimizer, every, objects, keep)
+    where = snapshot.directory()
+    if where is None:
+        if os.environ.get("RANK", "0") == "0":
+            print(f"node-agent snapshot: no memory directory (${snapshot.DIR_VAR} is not set: not under node-agent, "
+                  "or --no-memory-dir): no snapshots are taken", file=sys.stderr, flush=True)
+        return fallback() if fallback is not None else 0
+    restored = restore(model, optimizer, objects, where)
+    start = restored if restored is not None else (fallback() if fallback is not None else 0)
+    _Hooks(model, optimizer, objects, every, Capture(where, keep), start).register()
+    return start
+
+
+def restore(model: nn.Module, optimizer: torch.optim.Optimizer, objects: Mapping[str, Stateful],
+            where: str) -> int | None:
+    """The step restored from the memory directory (all ranks agree on it), or None (nothing was loaded)."""
+    accepted: dict[int, Any] = {}
+
+    def accept(step: int) -> bool:
+        tree = _read(step, where)
+        problem = tree if isinstance(tree, str) else _fits(tree.get("state"), model, optimizer, objects)
+        if problem:
+            print(f"node-agent snapshot (rank {os.environ.get('RANK', '?')}): step-{step} in {where} refused: "
+                  f"{problem}", file=sys.stderr, flush=True)
+            return False
+        accepted[step] = tree
+        return True
+
+    step = snapshot.agreed_step(reduce_min, where, accept)
+    if step is None:
+        return None
+    saved = accepted[step]["state"]
+    model.load_state_dict(state.into_live(saved["model"], model.state_dict()))
+    optimizer.load_state_dict(_optimizer_into_live(saved["optim"], optimizer))
+    for name, obj in objects.items():
+        obj.load_state_dict(saved["extra"][name])
+    rng.restore(accepted[step].get("rng", {}))
+    print(f"rank {os.environ.get('RANK', '?')}: resumed from step {step} (memory)", flush=True)
+    return step
+
+
+def reduce_min(x: int) -> int:
+    """MIN over every rank of the default process group (itself when there is none)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return x
+    backend = str(dist.get_backend())
+    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+    t = torch.tensor([x], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return int(t.item())
+
+
+class _Hooks:
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, objects: Mapping[str, Stateful],
+                 every: int, capture: Capture, start: int) -> None:
+        self.model, self.optimizer, self.objects = model, optimizer, objects
+        self.every, self.capture, self.steps = every, capture, start
+
+    def register(self) -> None:
+        self.optimizer.register_step_pre_hook(lambda *_: self.capture.before_update())
+        self.optimizer.register_step_post_hook(lambda *_: self._stepped())
+
+    def _stepped(self) -> None:
+        self.steps += 1
+        if self.steps % self.every == 0:
+            self.capture.take(self.steps, {"state": training_state(self.model, self.optimizer, self.objects),
+                                           "rng": rng.capture()})
+
+
+def training_state(model: nn.Module, optimizer: torch.optim.Optimizer, objects: Mapping[str, Stateful]) -> Any:
+    return {"model": model.state_dict(), "optim": optimizer.state_dict(),
+            "extra": {name: obj.state_dict() for name, obj in objects.items()}}
+
+
+def _read(step: int, where: str) -> Any:
+    """The snapshot's tree (its state and RNG states), or a line saying why it cannot be used."""
+    try:
+        record = torch.load(snapshot.path(step, where), mmap=True, weights_only=True)
+    except Exception as exc:  # noqa: BLE001  (any unreadable file is refused the same way)
+        return f"unreadable ({type(exc).__name__}: {str(exc)[:200]})"
+    if not isinstance(record, dict) or record.get("format") != FORMAT or record.get("step") != step:
+        return f"not a snapshot of step {step} in the format {FORMAT}"
+    if not isinstance(record.get("tree"), dict) or not isinstance(record.get("sums"), list):
+        return "its record is incomplete"
+    return state.damaged(record["tree"], record["sums"]) or record["tree"]
+
+
+def _fits(saved: Any, model: nn.Module, optimizer: torch.optim.Optimizer, objects: Mapping[str, Stateful]) -> str:
+    if not isinstance(saved, dict) or set(saved) != {"model", "optim", "extra"}:
+        return "its state is not a model, an optimizer and extras"
+    problem = (state.mismatch(saved["model"], model.state_dict(), "model")
+               or _optimizer_mismatch(saved["optim"], optimizer)
+               or state.mismatch(saved["extra"], {k: v.state_dict() for k, v in objects.items()}, "extra"))
+    return problem or ""
+
+
+def _optimizer_mismatch(saved: Any, optimizer: torch.optim.Optimizer) -> str | None:
+    """The optimizer's groups and parameters must be those of the snapshot, and every state tensor with its
+    parameter's rank its parameter's (local) shape. (The optimizer's own state is empty before its first step, so
+    the snapshot is checked against the parameters.)"""
+    if not isinstance(saved, dict) or not isinstance(saved.get("param_groups"), list) \
+            or not isinstance(saved.get("state"), dict):
+        return "optim is not an optimizer's state_dict in the snapshot"
+    groups = saved["param_groups"]
+    if [len(g.get("params", ())) for g in groups] != [len(g["params"]) for g in optimizer.param_groups]:
+        return (f"optim has {[len(g.get('params', ())) for g in groups]} parameters per group in the snapshot, "
+                f"{[len(g['params']) for g in optimizer.param_groups]} in the optimizer")
+    params = dict(zip((i for g in groups for i in g["params"]),
+                      (p for g in optimizer.param_groups for p in g["params"]), strict=True))
+    for index, entry in saved["state"].items():
+        param = params.get(index)
+        if param is None:
+            return f"optim/state/{index} is for no parameter of the optimizer"
+        mine = state.local(param)
+        for key, value in (entry.items() if isinstance(entry, dict) else ()):
+            if isinstance(value, torch.Tensor) and value.dim() == mine.dim() and value.shape != mine.shape:
+                return f"optim/state/{index}/{key} is {list(value.shape)} in the snapshot, the parameter " \
+                       f"{list(mine.shape)}"
+    return None
+
+
+def _optimizer_into_live(saved: Any, optimizer: torch.optim.Optimizer) -> Any:
+    """An FSDP2 parameter's state tensors (its shape) go back into the parameter's DTensor layout."""
+    params = dict(zip((i for g in saved["param_groups"] for i in g["params"]),
+                      (p for g in optimizer.param_groups for p in g["params"]), strict=True))
+    return {"param_groups": saved["param_groups"],
+            "state": {i: {k: _like(v, params[i]) for k, v in entry.items()} if isinstance(entry, dict) else entry
+                      for i, entry in saved["state"].items()}}
+
+
+def _like(value: Any, param: torch.Tensor) -> Any:
+    if isinstance(value, torch.Tensor) and isinstance(param, DTensor) \
+            and value.shape == param.to_local().shape:
+        return state.into_live(value, param)
+    return value
+
+
+def _inner(model: Any) -> Any:
+    return model.module if isinstance(model, DistributedDataParallel) else model
+
+
+def _check(model: Any, optimizer: Any, every: Any, objects: dict[str, Any], keep: Any) -> None:
+    """Bad input is a TypeError or ValueError here, at the call, naming the object."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"protect(model=...): a {_name(model)} is not a torch.nn.Module")
+    if type(model).__name__ == "FullyShardedDataParallel":
+        raise TypeError("protect(model=...): FullyShardedDataParallel (FSDP1) state dicts are not snapshotted; "
+                        "shard the model with torch.distributed.fsdp.fully_shard (FSDP2)")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"protect(optimizer=...): a {_name(optimizer)} is not a torch.optim.Optimizer")
+    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+        raise ValueError(f"protect(every=...): {every!r} is not a whole number of optimizer steps >= 1")
+    if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+        raise ValueError(f"protect(keep=...): {keep!r} is not a number of snapshots >= 1")
+    for name, obj in objects.items():
+        if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
+            raise TypeError(f"protect(extra={{{name!r}: ...}}): a {_name(obj)} has no state_dict/load_state_dict")
+    state.refuse_unplain(training_state(model, optimizer, objects), "protect: the state's ")
+
+
+def _name(obj: Any) -> str:
+    return f"{type(obj).__module__}.{type(obj).__qualname__}"
