@@ -19,20 +19,17 @@ The rules:
   optimizer or state that cannot be snapshotted is a TypeError at the call, before any training step."""
 from __future__ import annotations
 
-import os
-import sys
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from node_agent import snapshot
-from node_agent.training import rng, state
-from node_agent.training.capture import FORMAT, Capture
+from node_agent.training import resume, rng, state
+from node_agent.training.capture import Capture
 
 
 class Stateful(Protocol):
@@ -50,9 +47,7 @@ def protect(model: nn.Module, optimizer: torch.optim.Optimizer, every: int = 5, 
     _check(model, optimizer, every, objects, keep)
     where = snapshot.directory()
     if where is None:
-        if os.environ.get("RANK", "0") == "0":
-            print(f"node-agent snapshot: no memory directory (${snapshot.DIR_VAR} is not set: not under node-agent, "
-                  "or --no-memory-dir): no snapshots are taken", file=sys.stderr, flush=True)
+        resume.not_under_agent()
         return fallback() if fallback is not None else 0
     restored = restore(model, optimizer, objects, where)
     start = restored if restored is not None else (fallback() if fallback is not None else 0)
@@ -63,40 +58,18 @@ def protect(model: nn.Module, optimizer: torch.optim.Optimizer, every: int = 5, 
 def restore(model: nn.Module, optimizer: torch.optim.Optimizer, objects: Mapping[str, Stateful],
             where: str) -> int | None:
     """The step restored from the memory directory (all ranks agree on it), or None (nothing was loaded)."""
-    accepted: dict[int, Any] = {}
-
-    def accept(step: int) -> bool:
-        tree = _read(step, where)
-        problem = tree if isinstance(tree, str) else _fits(tree.get("state"), model, optimizer, objects)
-        if problem:
-            print(f"node-agent snapshot (rank {os.environ.get('RANK', '?')}): step-{step} in {where} refused: "
-                  f"{problem}", file=sys.stderr, flush=True)
-            return False
-        accepted[step] = tree
-        return True
-
-    step = snapshot.agreed_step(reduce_min, where, accept)
-    if step is None:
+    found = resume.agree(where, lambda tree: _fits(tree.get("state"), model, optimizer, objects))
+    if found is None:
         return None
-    saved = accepted[step]["state"]
+    step, tree = found
+    saved = tree["state"]
     model.load_state_dict(state.into_live(saved["model"], model.state_dict()))
     optimizer.load_state_dict(_optimizer_into_live(saved["optim"], optimizer))
     for name, obj in objects.items():
         obj.load_state_dict(saved["extra"][name])
-    rng.restore(accepted[step].get("rng", {}))
-    print(f"rank {os.environ.get('RANK', '?')}: resumed from step {step} (memory)", flush=True)
+    rng.restore(tree.get("rng", {}))
+    resume.resumed(step)
     return step
-
-
-def reduce_min(x: int) -> int:
-    """MIN over every rank of the default process group (itself when there is none)."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return x
-    backend = str(dist.get_backend())
-    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
-    t = torch.tensor([x], dtype=torch.int64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MIN)
-    return int(t.item())
 
 
 class _Hooks:
@@ -121,26 +94,13 @@ def training_state(model: nn.Module, optimizer: torch.optim.Optimizer, objects: 
             "extra": {name: obj.state_dict() for name, obj in objects.items()}}
 
 
-def _read(step: int, where: str) -> Any:
-    """The snapshot's tree (its state and RNG states), or a line saying why it cannot be used."""
-    try:
-        record = torch.load(snapshot.path(step, where), mmap=True, weights_only=True)
-    except Exception as exc:  # noqa: BLE001  (any unreadable file is refused the same way)
-        return f"unreadable ({type(exc).__name__}: {str(exc)[:200]})"
-    if not isinstance(record, dict) or record.get("format") != FORMAT or record.get("step") != step:
-        return f"not a snapshot of step {step} in the format {FORMAT}"
-    if not isinstance(record.get("tree"), dict) or not isinstance(record.get("sums"), list):
-        return "its record is incomplete"
-    return state.damaged(record["tree"], record["sums"]) or record["tree"]
-
-
-def _fits(saved: Any, model: nn.Module, optimizer: torch.optim.Optimizer, objects: Mapping[str, Stateful]) -> str:
+def _fits(saved: Any, model: nn.Module, optimizer: torch.optim.Optimizer,
+          objects: Mapping[str, Stateful]) -> str | None:
     if not isinstance(saved, dict) or set(saved) != {"model", "optim", "extra"}:
         return "its state is not a model, an optimizer and extras"
-    problem = (state.mismatch(saved["model"], model.state_dict(), "model")
+    return (state.mismatch(saved["model"], model.state_dict(), "model")
                or _optimizer_mismatch(saved["optim"], optimizer)
                or state.mismatch(saved["extra"], {k: v.state_dict() for k, v in objects.items()}, "extra"))
-    return problem or ""
 
 
 def _optimizer_mismatch(saved: Any, optimizer: torch.optim.Optimizer) -> str | None:

@@ -1,0 +1,85 @@
+"""In-memory snapshots for Lightning, in one line:
+
+    from node_agent.training.lightning import Snapshots
+    trainer = L.Trainer(..., callbacks=[Snapshots(every=5)])
+
+Every `every` optimizer steps (Lightning's `global_step`) the callback takes the checkpoint Lightning itself would
+write (`dump_checkpoint`: model, optimizers, LR schedulers, loops, callbacks, precision) into the node agent's
+memory, the same moment a ModelCheckpoint(every_n_train_steps=every) saves. When `fit` starts it hands the newest
+snapshot every rank holds to Lightning's own restore, as `fit(ckpt_path=...)` would: the global step, the epoch
+and the position in it follow. A `ckpt_path` you pass wins. The rules of `protect` hold (checksums, every rank on
+one step, nothing under torchrun); the model's keys and shapes are checked before Lightning loads anything (the
+optimizers do not exist yet: Lightning's own load checks them). The
+hyper-parameters are not kept (Lightning needs them to build a model from a file, not to resume one)."""
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Callback
+
+from node_agent import snapshot
+from node_agent.training import resume, state
+from node_agent.training.capture import Capture
+
+NOT_KEPT = ("hyper_parameters", "hparams_name", "hparams_type", "datamodule_hyper_parameters",
+            "datamodule_hparams_name", "datamodule_hparams_type")
+
+
+class Snapshots(Callback):
+    def __init__(self, every: int = 5, keep: int = 2) -> None:
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise ValueError(f"Snapshots(every=...): {every!r} is not a whole number of optimizer steps >= 1")
+        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+            raise ValueError(f"Snapshots(keep=...): {keep!r} is not a number of snapshots >= 1")
+        self.every, self.keep = every, keep
+        self._capture: Capture | None = None
+        self._last = -1
+        self._restored: int | None = None
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """Before Lightning restores (the process group is up, the optimizers not yet built)."""
+        if stage != "fit":
+            return
+        where = snapshot.directory()
+        if where is None:
+            resume.not_under_agent()
+            return
+        self._capture = Capture(where, self.keep)
+        found = resume.agree(where, lambda tree: state.mismatch(tree.get("state_dict"), pl_module.state_dict(),
+                                                                "state_dict"))
+        if found is not None:       # what fit(ckpt_path=...) would have read; a path given to fit replaces it
+            self._restored, trainer._checkpoint_connector._loaded_checkpoint = found
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._last = trainer.global_step
+        given = trainer._checkpoint_connector._ckpt_path
+        if self._restored is not None and not given:
+            resume.resumed(self._restored)
+        elif self._restored is not None:
+            resume.say(f"fit(ckpt_path={str(given)!r}) was loaded, not the snapshot of step {self._restored}")
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """The optimizers exist now: a state a snapshot cannot hold is an error before the first step."""
+        if self._capture is not None:
+            state.refuse_unplain(self._checkpoint(trainer), "Snapshots: the Lightning checkpoint's ")
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        if self._capture is not None:
+            self._capture.before_update()
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        step = trainer.global_step
+        if self._capture is not None and step > self._last and step % self.every == 0:
+            self._last = step
+            self._capture.take(step, self._checkpoint(trainer))
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if self._capture is not None:
+            self._capture.wait()
+
+    @staticmethod
+    def _checkpoint(trainer: pl.Trainer) -> dict[str, Any]:
+        checkpoint: dict[str, Any] = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+        return {k: v for k, v in checkpoint.items() if k not in NOT_KEPT}

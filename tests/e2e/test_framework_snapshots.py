@@ -1,0 +1,51 @@
+"""End-to-end: the one-line snapshots of Lightning (examples/train_lightning.py) and transformers' Trainer
+(examples/train_hf.py), 2 agents x 2 gloo workers. A rank crashes when 27 optimizer steps are done, with a
+snapshot every 5: every rank resumes at step 25 from memory, and the final weights are those of the same job
+resumed by the framework itself from its own checkpoint of step 25."""
+from __future__ import annotations
+
+import os
+import re
+
+import pytest
+import torch
+
+from tests.e2e.harness import ROOT
+
+pytestmark = pytest.mark.e2e
+STARTED = re.compile(r"rank (\d): training from step (\d+)")
+RESUMED = re.compile(r"rank \d: resumed from step \d+ \(memory\)")
+
+
+def run_job(cluster, job: str, script: str, train_args: list[str], *agent_flags: str) -> str:
+    if cluster.server is None:
+        cluster.start_server()
+    agents = [cluster.agent("--endpoint", cluster.endpoint(), "--nnodes", "2", "--nproc", "2", "--job-id", job,
+                            "--max-restarts", "1", "--node-id", f"{job}-{name}", *agent_flags,
+                            os.path.join(ROOT, "examples", script), *train_args, name=f"{job}-{name}")
+              for name in ("a", "b")]
+    for agent in agents:
+        assert agent.wait(300) == 0, agent.output
+    return "".join(a.output for a in agents)
+
+
+def starts(output: str) -> list[int]:
+    """The step each rank's attempts started training from, sorted."""
+    return sorted(int(m.group(2)) for m in STARTED.finditer(output))
+
+
+def same_weights(a, b) -> bool:
+    x, y = torch.load(a), torch.load(b)
+    return x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
+
+
+@pytest.mark.parametrize("script", ["train_lightning.py", "train_hf.py"])
+def test_a_crash_resumes_from_the_snapshot_as_from_the_frameworks_checkpoint(cluster, tmp_path, script):
+    crash = ["--steps", "32", "--crash-rank", "3", "--crash-step", "27"]
+    memory = run_job(cluster, "mem", script, [*crash, "--snapshot-every", "5", "--final", str(tmp_path / "m.pt")])
+    disk = run_job(cluster, "disk", script, [*crash, "--disk-every", "25", "--ckpt-dir", str(tmp_path / "ckpt"),
+                                             "--final", str(tmp_path / "d.pt")])
+    assert starts(memory) == [0, 0, 0, 0, 25, 25, 25, 25], memory
+    assert len(RESUMED.findall(memory)) == 4, memory
+    assert starts(disk) == [0, 0, 0, 0, 25, 25, 25, 25], disk
+    assert same_weights(tmp_path / "m.pt", tmp_path / "d.pt"), "the weights differ"
