@@ -11,7 +11,7 @@ PYTEST_WORKERS ?= 3
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install $(PIP_FLAGS) -c constraints.txt -e '.[test,train]'
+	$(PY) -m pip install $(PIP_FLAGS) -c constraints.txt -e '.[test,train,frameworks]'
 	touch $@
 
 venv: $(VENV)/.installed
@@ -61,7 +61,7 @@ $(OLDEST)/.installed: pyproject.toml constraints.txt constraints-oldest.txt
 	@command -v $(PYTHON_OLDEST) >/dev/null 2>&1 && $(PYTHON_OLDEST) -c 'import sys' 2>/dev/null || \
 		{ echo "make test-oldest: no $(PYTHON_OLDEST) here; name one with PYTHON_OLDEST=/path/to/python3.10"; exit 1; }
 	$(PYTHON_OLDEST) -m venv $(OLDEST)
-	$(OLDEST)/bin/python -m pip install $(PIP_FLAGS) -c constraints.txt -c constraints-oldest.txt -e '.[test,train]'
+	$(OLDEST)/bin/python -m pip install $(PIP_FLAGS) -c constraints.txt -c constraints-oldest.txt -e '.[test,train,frameworks]'
 	touch $@
 
 test-oldest: $(OLDEST)/.installed chromium deploy-tools netns-tools etcd

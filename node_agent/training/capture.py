@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from node_agent import snapshot
-from node_agent.training import state
+from node_agent.training import trees
 
 FORMAT = "node-agent-snapshot/1"
 
@@ -36,11 +36,11 @@ class Capture:
     def take(self, step: int, tree: Any) -> None:
         """Snapshot `tree` as step `step`: returns once its tensors are copied (on a GPU: queued)."""
         self.wait()
-        live = [state.local(t).detach() for _, t in state.tensors(tree)]
+        live = [trees.local(t).detach() for _, t in trees.tensors(tree)]
         self._fit(live)
         self._copied = self._copy(live)
         buffers = iter(self._buffers)
-        copy = state.rebuild(tree, lambda leaf: next(buffers) if isinstance(leaf, torch.Tensor) else leaf)
+        copy = trees.rebuild(tree, lambda leaf: next(buffers) if isinstance(leaf, torch.Tensor) else leaf)
         self._thread = threading.Thread(target=self._write, args=(step, copy, self._copied),
                                         name=f"node-agent snapshot {step}")
         self._thread.start()
@@ -83,7 +83,7 @@ class Capture:
         try:
             if copied is not None:
                 copied.synchronize()
-            sums = state.checksums(copy)
+            sums = trees.checksums(copy)
             record = {"format": FORMAT, "step": step, "tree": copy, "sums": sums}
             snapshot.save(lambda f: torch.save(record, f), step, where=self.where, keep=self.keep)
             self.written.append(step)

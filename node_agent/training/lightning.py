@@ -19,7 +19,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 
 from node_agent import snapshot
-from node_agent.training import resume, state
+from node_agent.training import resume, trees
 from node_agent.training.capture import Capture
 
 NOT_KEPT = ("hyper_parameters", "hparams_name", "hparams_type", "datamodule_hyper_parameters",
@@ -46,7 +46,7 @@ class Snapshots(Callback):
             resume.not_under_agent()
             return
         self._capture = Capture(where, self.keep)
-        found = resume.agree(where, lambda tree: state.mismatch(tree.get("state_dict"), pl_module.state_dict(),
+        found = resume.agree(where, lambda tree: trees.mismatch(tree.get("state_dict"), pl_module.state_dict(),
                                                                 "state_dict"))
         if found is not None:       # what fit(ckpt_path=...) would have read; a path given to fit replaces it
             self._restored, trainer._checkpoint_connector._loaded_checkpoint = found
@@ -62,7 +62,7 @@ class Snapshots(Callback):
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """The optimizers exist now: a state a snapshot cannot hold is an error before the first step."""
         if self._capture is not None:
-            state.refuse_unplain(self._checkpoint(trainer), "Snapshots: the Lightning checkpoint's ")
+            trees.refuse_unplain(self._checkpoint(trainer), "Snapshots: the Lightning checkpoint's ")
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
         if self._capture is not None:

@@ -28,7 +28,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from node_agent import snapshot
-from node_agent.training import resume, rng, state
+from node_agent.training import resume, rng, trees
 from node_agent.training.capture import Capture
 
 
@@ -63,7 +63,7 @@ def restore(model: nn.Module, optimizer: torch.optim.Optimizer, objects: Mapping
         return None
     step, tree = found
     saved = tree["state"]
-    model.load_state_dict(state.into_live(saved["model"], model.state_dict()))
+    model.load_state_dict(trees.into_live(saved["model"], model.state_dict()))
     optimizer.load_state_dict(_optimizer_into_live(saved["optim"], optimizer))
     for name, obj in objects.items():
         obj.load_state_dict(saved["extra"][name])
@@ -98,9 +98,9 @@ def _fits(saved: Any, model: nn.Module, optimizer: torch.optim.Optimizer,
           objects: Mapping[str, Stateful]) -> str | None:
     if not isinstance(saved, dict) or set(saved) != {"model", "optim", "extra"}:
         return "its state is not a model, an optimizer and extras"
-    return (state.mismatch(saved["model"], model.state_dict(), "model")
+    return (trees.mismatch(saved["model"], model.state_dict(), "model")
                or _optimizer_mismatch(saved["optim"], optimizer)
-               or state.mismatch(saved["extra"], {k: v.state_dict() for k, v in objects.items()}, "extra"))
+               or trees.mismatch(saved["extra"], {k: v.state_dict() for k, v in objects.items()}, "extra"))
 
 
 def _optimizer_mismatch(saved: Any, optimizer: torch.optim.Optimizer) -> str | None:
@@ -120,7 +120,7 @@ def _optimizer_mismatch(saved: Any, optimizer: torch.optim.Optimizer) -> str | N
         param = params.get(index)
         if param is None:
             return f"optim/state/{index} is for no parameter of the optimizer"
-        mine = state.local(param)
+        mine = trees.local(param)
         for key, value in (entry.items() if isinstance(entry, dict) else ()):
             if isinstance(value, torch.Tensor) and value.dim() == mine.dim() and value.shape != mine.shape:
                 return f"optim/state/{index}/{key} is {list(value.shape)} in the snapshot, the parameter " \
@@ -140,7 +140,7 @@ def _optimizer_into_live(saved: Any, optimizer: torch.optim.Optimizer) -> Any:
 def _like(value: Any, param: torch.Tensor) -> Any:
     if isinstance(value, torch.Tensor) and isinstance(param, DTensor) \
             and value.shape == param.to_local().shape:
-        return state.into_live(value, param)
+        return trees.into_live(value, param)
     return value
 
 
@@ -164,7 +164,7 @@ def _check(model: Any, optimizer: Any, every: Any, objects: dict[str, Any], keep
     for name, obj in objects.items():
         if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
             raise TypeError(f"protect(extra={{{name!r}: ...}}): a {_name(obj)} has no state_dict/load_state_dict")
-    state.refuse_unplain(training_state(model, optimizer, objects), "protect: the state's ")
+    trees.refuse_unplain(training_state(model, optimizer, objects), "protect: the state's ")
 
 
 def _name(obj: Any) -> str:

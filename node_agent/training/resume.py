@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from node_agent import snapshot
-from node_agent.training import state
+from node_agent.training import trees
 from node_agent.training.capture import FORMAT
 
 
@@ -46,7 +46,7 @@ def read(step: int, where: str) -> dict[str, Any] | str:
     tree, sums = record.get("tree"), record.get("sums")
     if not isinstance(tree, dict) or not isinstance(sums, list):
         return "its record is incomplete"
-    return state.damaged(tree, sums) or tree
+    return trees.damaged(tree, sums) or tree
 
 
 def reduce_min(x: int) -> int:

@@ -1,0 +1,153 @@
+"""In-memory snapshots for transformers' Trainer (and accelerate under it), in one line after building it:
+
+    from node_agent.training.hf import protect_trainer
+    trainer = Trainer(model=model, args=args, train_dataset=data)
+    protect_trainer(trainer, every=5)
+    trainer.train()
+
+Every `every` optimizer steps (`state.global_step`) a TrainerCallback takes what the Trainer's own checkpoint
+holds (model weights, optimizer, LR scheduler, grad scaler, RNG states, trainer state) into the node agent's
+memory. When `train()` starts with no `resume_from_checkpoint` of yours, the newest snapshot every rank holds is
+laid out as a checkpoint folder in memory and handed to the Trainer's own resume: the global step, the epoch
+and the batches already seen follow, as with `train(resume_from_checkpoint=...)`. A folder you pass wins. The
+rules of `protect` hold (checksums, every rank on one step, nothing under torchrun); the model's keys and shapes
+are checked before the Trainer loads anything."""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+import shutil
+from typing import Any
+
+import torch
+from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+from transformers.trainer_callback import ExportableState
+
+from node_agent import snapshot
+from node_agent.training import resume, rng, trees
+from node_agent.training.capture import Capture
+
+FOLDER = ".resume"     # the checkpoint folder laid out for the Trainer, in the memory directory until it is read
+
+
+def protect_trainer(trainer: Trainer, every: int = 5, keep: int = 2) -> Snapshots:
+    """Add the snapshots to `trainer` and make its `train()` resume from the newest one (see above)."""
+    if not isinstance(trainer, Trainer):
+        raise TypeError(f"protect_trainer(trainer=...): a {type(trainer).__qualname__} is not a transformers Trainer")
+    callback = Snapshots(trainer, every, keep)
+    trainer.add_callback(callback)
+    train = trainer.train
+
+    @functools.wraps(train)
+    def train_from_snapshot(resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
+        if resume_from_checkpoint in (None, False):
+            resume_from_checkpoint = callback.lay_out()
+        return train(resume_from_checkpoint, *args, **kwargs)
+
+    trainer.train = train_from_snapshot  # type: ignore[method-assign]
+    return callback
+
+
+class Snapshots(TrainerCallback):
+    def __init__(self, trainer: Trainer, every: int = 5, keep: int = 2) -> None:
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise ValueError(f"protect_trainer(every=...): {every!r} is not a whole number of optimizer steps >= 1")
+        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+            raise ValueError(f"protect_trainer(keep=...): {keep!r} is not a number of snapshots >= 1")
+        self.trainer, self.every = trainer, every
+        where = snapshot.directory()
+        self._capture = Capture(where, keep) if where is not None else None
+        self._last = -1
+        self._folder: str | None = None
+        if where is None:
+            resume.not_under_agent()
+
+    def lay_out(self) -> str | None:
+        """The newest snapshot every rank holds, as a checkpoint folder the Trainer resumes from (None: none)."""
+        if self._capture is None:
+            return None
+        where = self._capture.where
+        model = self.trainer.model      # None until train() when the Trainer has a model_init: its own load checks
+        live = model.state_dict() if model is not None else None
+        found = resume.agree(where, lambda tree: trees.mismatch(tree.get("model"), live, "model") if live else None)
+        if found is None:
+            return None
+        step, tree = found
+        folder = os.path.join(where, FOLDER)
+        shutil.rmtree(folder, ignore_errors=True)
+        os.mkdir(folder, 0o700)
+        torch.save(tree["model"], os.path.join(folder, "pytorch_model.bin"))
+        torch.save(tree["optimizer"], os.path.join(folder, "optimizer.pt"))
+        torch.save(tree["scheduler"], os.path.join(folder, "scheduler.pt"))
+        if "scaler" in tree:
+            torch.save(tree["scaler"], os.path.join(folder, "scaler.pt"))
+        args = self.trainer.args
+        torch.save(_hf_rng(tree["rng"]), os.path.join(folder, f"rng_state_{args.process_index}.pth"
+                                                      if args.world_size > 1 else "rng_state.pth"))
+        with open(os.path.join(folder, "trainer_state.json"), "w") as f:
+            f.write(tree["trainer_state"])
+        self._folder, self._last = folder, step
+        resume.resumed(step)
+        return folder
+
+    def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                       **kwargs: Any) -> None:
+        if self._capture is not None:
+            trees.refuse_unplain(self._tree(state), "protect_trainer: the Trainer's state ")
+
+    def on_pre_optimizer_step(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                              **kwargs: Any) -> None:
+        if self._capture is not None:
+            self._capture.before_update()
+
+    def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                    **kwargs: Any) -> None:
+        if self._folder is not None:      # the Trainer has read it (the RNG file last, before this first step)
+            shutil.rmtree(self._folder, ignore_errors=True)
+            self._folder = None
+        step = state.global_step
+        if self._capture is not None and step > self._last and step % self.every == 0:
+            self._last = step
+            self._capture.take(step, self._tree(state))
+
+    def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                     **kwargs: Any) -> None:
+        if self._capture is not None:
+            self._capture.wait()
+
+    def _tree(self, trainer_state: TrainerState) -> dict[str, Any]:
+        """What the Trainer's own checkpoint holds (its `_save_checkpoint`), as one tree."""
+        t = self.trainer
+        assert t.model is not None and t.optimizer is not None and t.lr_scheduler is not None   # built by train()
+        tree: dict[str, Any] = {"model": t.model.state_dict(), "optimizer": t.optimizer.state_dict(),
+                                "scheduler": t.lr_scheduler.state_dict(), "rng": rng.capture(),
+                                "trainer_state": _trainer_state_json(t, trainer_state)}
+        scaler = getattr(t.accelerator, "scaler", None)
+        if scaler is not None:
+            tree["scaler"] = scaler.state_dict()
+        return tree
+
+
+def _trainer_state_json(trainer: Trainer, trainer_state: TrainerState) -> str:
+    saved = dataclasses.asdict(trainer_state)
+    callbacks: dict[str, Any] = {}
+    for cb in [*trainer.callback_handler.callbacks, trainer.control]:
+        if isinstance(cb, ExportableState):
+            name = type(cb).__name__
+            callbacks[name] = [*callbacks[name], cb.state()] if isinstance(callbacks.get(name), list) \
+                else ([callbacks[name], cb.state()] if name in callbacks else cb.state())
+    saved["stateful_callbacks"] = callbacks
+    return json.dumps(saved, indent=2, sort_keys=True) + "\n"
+
+
+def _hf_rng(saved: dict[str, Any]) -> dict[str, Any]:
+    """Our RNG states in the layout of the Trainer's rng_state file."""
+    out: dict[str, Any] = {"python": saved["python"], "cpu": saved["torch"]}
+    if "numpy" in saved:
+        n = saved["numpy"]
+        out["numpy"] = (n["kind"], n["keys"].numpy(), n["pos"], n["has_gauss"], n["cached"])
+    if "cuda" in saved:
+        out["cuda"] = saved["cuda"]
+    return out
