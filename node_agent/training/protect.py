@@ -11,8 +11,9 @@ The rules:
   the model's keys and shapes is refused with one line, and every rank goes to the next older one. With none, it
   returns `fallback()` (your own checkpoint's step count) or 0. Nothing is half loaded.
 - Then, every `every` optimizer steps (counted by the optimizer's step hook, so gradient accumulation and
-  skipped AMP steps count as the optimizer does), a snapshot is taken (node_agent/training/capture.py): the step
-  waits only for the copy of the state into host memory.
+  skipped AMP steps count as the optimizer does), a snapshot is taken as the next step begins, so it holds what
+  the loop did after `optimizer.step()` (`_Hooks`). The training waits only for the copy of the state into host
+  memory (node_agent/training/capture.py).
 - Outside node-agent (no memory directory: torchrun, plain python) it takes none, says so once, and returns
   `fallback()` or 0; the script runs unchanged.
 - DDP models are snapshotted as their inner module, FSDP2 (`fully_shard`) ones as each rank's shards. A model,
@@ -73,20 +74,36 @@ def restore(model: nn.Module, optimizer: torch.optim.Optimizer, objects: Mapping
 
 
 class _Hooks:
+    """A snapshot is due when the optimizer has stepped a multiple of `every` times, and is taken when the next step
+    begins: at the model's next forward (or, for a model never called, the next optimizer step), so that what the
+    loop does after `optimizer.step()` (an LR scheduler's step) is in it, and the RNG states are those the next
+    step starts from. The weights and optimizer state are the same as right after the step."""
+
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, objects: Mapping[str, Stateful],
                  every: int, capture: Capture, start: int) -> None:
         self.model, self.optimizer, self.objects = model, optimizer, objects
         self.every, self.capture, self.steps = every, capture, start
+        self.due: int | None = None
 
     def register(self) -> None:
-        self.optimizer.register_step_pre_hook(lambda *_: self.capture.before_update())
+        self.model.register_forward_pre_hook(lambda *_: self._take_due())
+        self.optimizer.register_step_pre_hook(lambda *_: self._before_step())
         self.optimizer.register_step_post_hook(lambda *_: self._stepped())
 
     def _stepped(self) -> None:
         self.steps += 1
         if self.steps % self.every == 0:
-            self.capture.take(self.steps, {"state": training_state(self.model, self.optimizer, self.objects),
-                                           "rng": rng.capture()})
+            self.due = self.steps
+
+    def _before_step(self) -> None:
+        self._take_due()
+        self.capture.before_update()
+
+    def _take_due(self) -> None:
+        if self.due is not None:
+            step, self.due = self.due, None
+            self.capture.take(step, {"state": training_state(self.model, self.optimizer, self.objects),
+                                     "rng": rng.capture()})
 
 
 def training_state(model: nn.Module, optimizer: torch.optim.Optimizer, objects: Mapping[str, Stateful]) -> Any:

@@ -49,3 +49,22 @@ def test_a_crash_resumes_from_the_snapshot_as_from_the_frameworks_checkpoint(clu
     assert len(RESUMED.findall(memory)) == 4, memory
     assert starts(disk) == [0, 0, 0, 0, 25, 25, 25, 25], disk
     assert same_weights(tmp_path / "m.pt", tmp_path / "d.pt"), "the weights differ"
+
+
+def test_fsdp2_shards_resume_as_if_never_stopped(cluster, tmp_path):
+    """FSDP2 on 2 nodes x 2 ranks: each rank snapshots its shards; rank 2 crashes when 7 steps are done and every
+    rank resumes at 6 from its own shard. The weights equal a run that never crashed, bit for bit."""
+    script = os.path.join(ROOT, "tests", "e2e", "scripts", "fsdp_train.py")
+    cluster.start_server()
+    outputs = {}
+    for job, crash in (("crash", "2"), ("whole", "-1")):
+        env = {"CRASH_RANK": crash, "CRASH_STEP": "7", "FINAL": str(tmp_path / f"{job}.pt")}
+        agents = [cluster.agent("--endpoint", cluster.endpoint(), "--nnodes", "2", "--nproc", "2", "--job-id", job,
+                                "--max-restarts", "1", "--node-id", f"{job}-{n}", script, name=f"{job}-{n}", env=env)
+                  for n in ("a", "b")]
+        for agent in agents:
+            assert agent.wait(180) == 0, agent.output
+        outputs[job] = "".join(a.output for a in agents)
+    assert starts(outputs["crash"]) == [0, 0, 0, 0, 6, 6, 6, 6], outputs["crash"]
+    assert starts(outputs["whole"]) == [0, 0, 0, 0], outputs["whole"]
+    assert same_weights(tmp_path / "crash.pt", tmp_path / "whole.pt"), "the weights differ"
