@@ -163,7 +163,7 @@ def test_the_limit_comes_from_the_agents_variable(tmp_path, monkeypatch) -> None
     assert snapshot.save(b"x" * 100, 1) == str(tmp_path / "step-1")
 
 
-def ranks_agree(held: list[list[int]]):
+def ranks_agree(held: list[list[int]], refused: dict[int, set[int]] | None = None):
     """(the results, a rank's body): agreed_step on every rank at once, each in a thread, with a
     `reduce_min` that sees all ranks' values (a stand-in for all_reduce)."""
     n = len(held)
@@ -178,15 +178,20 @@ def ranks_agree(held: list[list[int]]):
             low = min(values)
             barrier.wait()
             return low
-        results[rank] = snapshot.agreed_step(reduce_min, where)
+        mine = (refused or {}).get(rank, set())
+        results[rank] = snapshot.agreed_step(reduce_min, where, accept=lambda step: step not in mine)
     return results, run
 
 
-@pytest.mark.parametrize(("held", "agreed"), [
-    ([[5, 10], [5, 10]], 10), ([[5, 10], [5]], 5), ([[10], [5]], None), ([[5, 10], []], None), ([[], []], None),
+@pytest.mark.parametrize(("held", "agreed", "refused"), [
+    ([[5, 10], [5, 10]], 10, {}), ([[5, 10], [5]], 5, {}), ([[10], [5]], None, {}), ([[5, 10], []], None, {}),
+    ([[], []], None, {}),
+    # a rank that refuses a step (a checksum, a shape) sends every rank to the next older one, or to none
+    ([[5, 10], [5, 10]], 5, {1: {10}}), ([[5, 10], [5, 10]], None, {0: {5}, 1: {10}}),
+    ([[3, 5, 10], [3, 5, 10]], 3, {0: {10}, 1: {5}}),
 ])
-def test_all_ranks_agree_on_the_newest_step_every_rank_holds(tmp_path, held, agreed) -> None:
-    results, run = ranks_agree(held)
+def test_all_ranks_agree_on_the_newest_step_every_rank_holds(tmp_path, held, agreed, refused) -> None:
+    results, run = ranks_agree(held, refused)
     threads = []
     for rank, steps in enumerate(held):
         where = tmp_path / str(rank)
@@ -202,6 +207,14 @@ def test_all_ranks_agree_on_the_newest_step_every_rank_holds(tmp_path, held, agr
     # The steps past the one resumed from are a run the job abandoned: gone (every step, going back to disk).
     kept = [snapshot.steps(str(tmp_path / str(rank))) for rank in range(len(held))]
     assert kept == [[s for s in steps if agreed is not None and s <= agreed] for steps in held]
+
+
+def test_agreed_step_removes_the_half_files_of_a_writer_that_died(tmp_path) -> None:
+    snapshot.save(b"s", 5, where=str(tmp_path))
+    (tmp_path / "step-10.tmp").write_bytes(b"half")
+    (tmp_path / "notes.tmp").write_bytes(b"not ours")
+    assert snapshot.agreed_step(lambda x: x, str(tmp_path)) == 5
+    assert sorted(os.listdir(tmp_path)) == ["notes.tmp", "step-5"]
 
 
 def test_the_agreed_step_is_told_to_the_workers_progress_probe(tmp_path, monkeypatch) -> None:
