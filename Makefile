@@ -6,7 +6,7 @@ PIP_FLAGS := --disable-pip-version-check -q
 PYTEST_WORKERS ?= 3
 
 .PHONY: venv chromium deploy-tools netns-tools etcd demo test multihost soak fuzz bench bench-faults bench-scale bench-blip bench-progress \
-	bench-leftovers bench-console bench-hangs bench-places bench-node-loss bench-copy-speed \
+	bench-leftovers bench-console bench-hangs bench-places bench-node-loss bench-copy-speed bench-snapshot-blocking \
 	bench-failover bench-first-step gpu-check gpu-hangs test-oldest clean
 
 $(VENV)/.installed: pyproject.toml constraints.txt
@@ -153,6 +153,11 @@ bench-node-loss: venv
 # One peer copy's cost: push and fetch of 64 MiB-1 GiB snapshots over loopback with sha256 (about 1 minute).
 bench-copy-speed: venv
 	$(PY) benchmarks/bench_copy_speed.py $(BENCH_COPY_SPEED_ARGS)
+
+# What protect's snapshot holds the training step, against the plain torch.save into memory it replaces
+# (alternated), at 32 and 512 MiB of state; BENCH_SNAPSHOT_BLOCKING_ARGS="--device cuda" on a GPU node.
+bench-snapshot-blocking: venv
+	$(PY) benchmarks/bench_snapshot_blocking.py $(BENCH_SNAPSHOT_BLOCKING_ARGS)
 
 # Replicas on etcd: failover time with 1,000 simulated agents, acknowledged changes over 50 failovers,
 # formation on etcd vs SQLite (docs/benchmarks.md; about 10 minutes).

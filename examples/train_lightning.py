@@ -6,11 +6,12 @@ snapshots in one line: `callbacks=[Snapshots(every=N)]` (`--snapshot-every N`).
 `--crash-rank R --crash-step S` makes global rank R raise once (first attempt) when S optimizer steps are done.
 `--disk-every M --ckpt-dir D` adds Lightning's own ModelCheckpoint every M steps, and a restarted job resumes from
 its newest file with `fit(ckpt_path=...)` (the comparison in tests/e2e/test_framework_snapshots.py).
-`--final FILE` writes the trained weights (rank 0)."""
+`--final FILE` writes the trained weights (rank 0); `--step-s S` paces each step."""
 from __future__ import annotations
 
 import argparse
 import os
+import time
 
 import lightning as L
 import torch
@@ -22,15 +23,16 @@ from node_agent.training.lightning import Snapshots
 
 
 class Regression(L.LightningModule):
-    def __init__(self, crash_rank: int, crash_step: int) -> None:
+    def __init__(self, crash_rank: int, crash_step: int, step_s: float) -> None:
         super().__init__()
         self.net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Dropout(0.1), nn.Linear(32, 1))
-        self.crash_rank, self.crash_step = crash_rank, crash_step
+        self.crash_rank, self.crash_step, self.step_s = crash_rank, crash_step, step_s
 
     def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
         if (self.global_rank == self.crash_rank and self.global_step == self.crash_step
                 and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"):
             raise RuntimeError(f"injected crash on rank {self.global_rank} at step {self.global_step}")
+        time.sleep(self.step_s)      # a paced step (--step-s), for the tests that act while it trains
         x, y = batch
         return nn.functional.mse_loss(self.net(x), y)
 
@@ -59,6 +61,7 @@ def main() -> None:
     p.add_argument("--disk-every", type=int, default=0)
     p.add_argument("--ckpt-dir", default="")
     p.add_argument("--final", default="")
+    p.add_argument("--step-s", type=float, default=0.0, help="seconds each step sleeps")
     args = p.parse_args()
 
     L.seed_everything(0, workers=True, verbose=False)
@@ -75,7 +78,7 @@ def main() -> None:
                         strategy="ddp", max_steps=args.steps, callbacks=callbacks, logger=False,
                         enable_checkpointing=bool(args.disk_every), enable_progress_bar=False,
                         enable_model_summary=False, deterministic=True)
-    model = Regression(args.crash_rank, args.crash_step)
+    model = Regression(args.crash_rank, args.crash_step, args.step_s)
     loader = DataLoader(data, batch_size=4, shuffle=True)
     trainer.fit(model, loader, ckpt_path=newest_checkpoint(args.ckpt_dir) if args.disk_every else None)
     if args.final and trainer.global_rank == 0:

@@ -4,13 +4,16 @@ snapshot every 5: every rank resumes at step 25 from memory, and the final weigh
 resumed by the framework itself from its own checkpoint of step 25."""
 from __future__ import annotations
 
+import glob
 import os
 import re
+import shutil
+import signal
 
 import pytest
 import torch
 
-from tests.e2e.harness import ROOT
+from tests.e2e.harness import ROOT, job_view, wait_until
 
 pytestmark = pytest.mark.e2e
 STARTED = re.compile(r"rank (\d): training from step (\d+)")
@@ -68,3 +71,37 @@ def test_fsdp2_shards_resume_as_if_never_stopped(cluster, tmp_path):
     assert starts(outputs["crash"]) == [0, 0, 0, 0, 6, 6, 6, 6], outputs["crash"]
     assert starts(outputs["whole"]) == [0, 0, 0, 0], outputs["whole"]
     assert same_weights(tmp_path / "crash.pt", tmp_path / "whole.pt"), "the weights differ"
+
+
+def test_a_lost_nodes_replacement_resumes_lightning_from_the_peers_copy(cluster, tmp_path):
+    """2 nodes (each its own failure domain) + a ready spare, Lightning with a snapshot every 5 steps. Group rank 1's
+    agent is SIGKILLed once its snapshots are copied to its peer, and its memory removed: the spare takes its place
+    and every rank resumes from the same step in memory (the spare's ranks from the fetched copy), not from 0."""
+    cluster.start_server()
+    script = os.path.join(ROOT, "examples", "train_lightning.py")
+    fast = ("--lease-timeout", "3", "--last-call", "1", "--stop-timeout", "2")
+
+    def start(node: str):
+        return cluster.agent("--endpoint", cluster.endpoint(), "--nnodes", "2", "--nproc", "2", "--job-id", "lost",
+                             "--max-restarts", "2", "--node-id", node, "--failure-domain", f"rack-{node}", *fast,
+                             script, "--steps", "150", "--step-s", "0.1", "--snapshot-every", "5", name=node)
+
+    agents = {n: start(n) for n in ("a", "b")}
+    wait_until(lambda: STARTED.findall("".join(a.output for a in agents.values())), 120, "training started")
+    agents["s"] = start("s")
+    agents["s"].wait_for_line(r"ready after", 120)
+    lost = next(n["node_id"] for n in job_view(cluster, "lost")["nodes"] if n["group_rank"] == 1)
+    wait_until(lambda: next(n for n in job_view(cluster, "lost")["nodes"] if n["node_id"] == lost)
+               .get("copies", {}).get("copied_step", -1) >= 10, 120, f"node {lost}'s copies of step 10 or later")
+    before = {n: len(a.output) for n, a in agents.items()}
+    os.kill(agents[lost].pid, signal.SIGKILL)
+    agents[lost].wait(60)
+    for path in glob.glob(f"/dev/shm/node-agent-mem-{os.getuid()}/lost.{agents[lost].pid}.*"):
+        shutil.rmtree(path)                     # its host's memory is gone with it
+    for node, agent in agents.items():
+        if node != lost:
+            assert agent.wait(300) == 0, agent.output
+    after = "".join(a.output[before[n]:] for n, a in agents.items() if n != lost)
+    resumed = sorted(int(m.group(1)) for m in re.finditer(r"rank \d: resumed from step (\d+) \(memory\)", after))
+    assert len(resumed) == 4 and len(set(resumed)) == 1 and resumed[0] >= 10, after
+    assert sorted(int(m.group(2)) for m in STARTED.finditer(after)) == resumed, after
