@@ -144,7 +144,8 @@ def main() -> None:
         r = measure(mb, args.rounds, args.device)
         out.append(r)
         plain, held, written = r["plain_save_s"], r["protect_held_s"], r["protect_written_s"]
-        print(f"{r['state_mb']} MiB on {args.device} ({torch.get_num_threads()} torch threads): the step is held {held['median'] * 1e3:.1f} ms median "
+        print(f"{r['state_mb']} MiB on {args.device} ({torch.get_num_threads()} torch threads): "
+              f"the step is held {held['median'] * 1e3:.1f} ms median "
               f"(max {held['max'] * 1e3:.1f}, first {held['first'] * 1e3:.1f} with its buffers) by protect, "
               f"{plain['median'] * 1e3:.1f} ms (max {plain['max'] * 1e3:.1f}) by torch.save into memory; "
               f"protect's file complete after {written['median'] * 1e3:.1f} ms; "

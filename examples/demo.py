@@ -1,7 +1,8 @@
 """`make demo`: a rendezvous server and two node agents on this machine run a real gloo DDP job.
 
-Each agent runs 2 workers (world size 4). Rank 3 crashes once on purpose: both nodes restart
-their workers (job-wide restart count 1) and the job finishes. Prints what happened.
+Each agent runs 2 workers (world size 4). Rank 3 crashes once on purpose in step 10: both nodes restart
+their workers (job-wide restart count 1), every rank resumes from its in-memory snapshot of step 10 (the one
+call `protect(model, opt, every=5)` in train_ddp.py), and the job finishes. Prints what happened.
 """
 from __future__ import annotations
 
@@ -61,7 +62,7 @@ def main() -> int:
             cmd = [PY, "-m", "node_agent.main", "--endpoint", f"127.0.0.1:{port}", "--nnodes", "2",
                    "--nproc", "2", "--job-id", "demo", "--max-restarts", "2", "--node-id", name,
                    os.path.join(ROOT, "examples", "train_ddp.py"), "--steps", "30", "--crash-rank", "3",
-                   "--crash-step", "10"]
+                   "--crash-step", "10", "--snapshot-every", "5"]
             agent = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
             procs.append(agent)
             agents.append((name, agent, pump(agent, name)))

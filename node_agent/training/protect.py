@@ -16,7 +16,8 @@ The rules:
   memory (node_agent/training/capture.py).
 - Outside node-agent (no memory directory: torchrun, plain python) it takes none, says so once, and returns
   `fallback()` or 0; the script runs unchanged.
-- DDP models are snapshotted as their inner module, FSDP2 (`fully_shard`) ones as each rank's shards. A model,
+- DDP models are snapshotted as their inner module, FSDP2 (`fully_shard`) ones as each rank's shards; accelerate's
+  prepared optimizer as the one it wraps (a loop on `Accelerator` uses this call too). A model,
   optimizer or state that cannot be snapshotted is a TypeError at the call, before any training step."""
 from __future__ import annotations
 
@@ -43,7 +44,7 @@ def protect(model: nn.Module, optimizer: torch.optim.Optimizer, every: int = 5, 
             keep: int = 2) -> int:
     """Restore the newest snapshot every rank holds and snapshot every `every` optimizer steps from now on.
     Returns the number of optimizer steps already done (the loop's first step)."""
-    model = _inner(model)
+    model, optimizer = _inner(model), _inner_optimizer(optimizer)
     objects = dict(extra or {})
     _check(model, optimizer, every, objects, keep)
     where = snapshot.directory()
@@ -163,6 +164,15 @@ def _like(value: Any, param: torch.Tensor) -> Any:
 
 def _inner(model: Any) -> Any:
     return model.module if isinstance(model, DistributedDataParallel) else model
+
+
+def _inner_optimizer(optimizer: Any) -> Any:
+    """A wrapper that is an Optimizer in name only (accelerate's AcceleratedOptimizer: no step hooks of its own)
+    stands for the optimizer it wraps, whose steps and state are the real ones."""
+    while (isinstance(optimizer, torch.optim.Optimizer) and not hasattr(optimizer, "_optimizer_step_pre_hooks")
+           and isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer)):
+        optimizer = optimizer.optimizer
+    return optimizer
 
 
 def _check(model: Any, optimizer: Any, every: Any, objects: dict[str, Any], keep: Any) -> None:

@@ -94,9 +94,12 @@ class MemoryDirs:
             if held and held != str(rank_offset + local):
                 moved.append(held)
                 for name in os.listdir(path):
-                    if name != RANK_FILE:
+                    entry = os.path.join(path, name)
+                    if name != RANK_FILE and os.path.isdir(entry) and not os.path.islink(entry):
+                        shutil.rmtree(entry, ignore_errors=True)     # a folder laid out for a framework's resume
+                    elif name != RANK_FILE:
                         with contextlib.suppress(OSError):
-                            os.unlink(os.path.join(path, name))
+                            os.unlink(entry)
             with contextlib.suppress(OSError), open(mark, "w") as f:
                 f.write(f"{rank_offset + local}\n")
         if moved:

@@ -39,10 +39,12 @@ def test_a_directory_whose_ranks_moved_is_emptied_and_one_whose_ranks_stayed_is_
     first = dirs.dirs_for(2, 4)                       # global ranks 4-5
     for d in first.values():
         snapshot.save(b"shard", 10, where=d)
+        os.makedirs(os.path.join(d, ".resume"))       # a framework's resume folder (node_agent/training/hf.py)
     assert dirs.dirs_for(2, 4) == first and all(snapshot.steps(d) == [10] for d in first.values())
     assert not said[1:]
     moved = dirs.dirs_for(2, 2)                       # closed up: now ranks 2-3, and its snapshots are 4-5's
     assert moved == first and all(snapshot.steps(d) == [] for d in moved.values())
+    assert not any(os.path.exists(os.path.join(d, ".resume")) for d in moved.values())
     assert "rank(s) 4, 5" in said[-1]
     snapshot.save(b"shard", 15, where=moved[0])
     assert snapshot.steps(dirs.dirs_for(2, 2)[0]) == [15]      # its own again from then on

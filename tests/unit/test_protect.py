@@ -203,3 +203,36 @@ def test_the_copy_is_taken_when_take_returns(memory) -> None:
     tree = read(1, memory)
     assert not isinstance(tree, str) and torch.equal(tree["w"], torch.ones(1000))
     assert capture.written == [1]
+
+
+ACCELERATE_LOOP = """
+import threading, torch
+from accelerate import Accelerator
+from node_agent.training import protect
+accelerator = Accelerator(cpu=True)
+torch.manual_seed(0)
+model, opt = accelerator.prepare(torch.nn.Linear(4, 2), torch.optim.AdamW(torch.nn.Linear(4, 2).parameters()))
+start = protect(model, opt, every=2)
+for step in range(start, 4):
+    accelerator.backward(model(torch.ones(3, 4) * step).sum())
+    opt.step()
+    opt.zero_grad()
+model(torch.zeros(1, 4))
+[t.join() for t in threading.enumerate() if t.name.startswith("node-agent snapshot")]
+print("START", start, "WEIGHT", model.weight.sum().item())
+"""
+
+
+def test_a_loop_on_accelerate_is_protected_through_the_optimizer_it_wraps(memory) -> None:
+    """accelerate's AcceleratedOptimizer has no step hooks of its own: protect hooks the torch optimizer inside.
+    (In a process of its own: an Accelerator is process-wide state.)"""
+    import subprocess
+    import sys
+    run = [sys.executable, "-c", ACCELERATE_LOOP]
+    first = subprocess.run(run, capture_output=True, text=True, timeout=120, env={**os.environ})
+    assert first.returncode == 0, first.stderr
+    assert snapshot.steps(memory) == [2, 4], first.stdout
+    second = subprocess.run(run, capture_output=True, text=True, timeout=120, env={**os.environ})
+    assert second.returncode == 0, second.stderr
+    assert "resumed from step 4 (memory)" in second.stdout and "START 4" in second.stdout
+    assert second.stdout.split("WEIGHT")[1] == first.stdout.split("WEIGHT")[1]    # nothing left to train: the same
