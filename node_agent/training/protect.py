@@ -171,7 +171,7 @@ def _inner_optimizer(optimizer: Any) -> Any:
     stands for the optimizer it wraps, whose steps and state are the real ones."""
     while (isinstance(optimizer, torch.optim.Optimizer) and not hasattr(optimizer, "_optimizer_step_pre_hooks")
            and isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer)):
-        optimizer = optimizer.optimizer
+        optimizer = getattr(optimizer, "optimizer")  # noqa: B009  (mypy: not an Optimizer attribute)
     return optimizer
 
 
