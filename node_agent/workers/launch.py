@@ -1,6 +1,6 @@
 """What each worker of a round is started with: `WorkerLaunch`, from the assignment, options and environment.
 Log layout (torchrun's): RUN/attempt_RESTART/{LOCAL_RANK/{stdout,stderr}.log, LOCAL_RANK/error.json,
-filtered_*.log, store/}, and ours: LOCAL_RANK/progress (the probe's record), LOCAL_RANK/stacks.txt. RUN =
+filtered_*.log, store/}; the probes' records and stacks are not there but in /dev/shm (progress.ProbeRoot). RUN =
 LOG_DIR/JOB_XXXXXXXX is new per agent run, so two runs of one id never share files. A new round with the same
 restart count writes on in the same directory.
 """

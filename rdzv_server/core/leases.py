@@ -4,7 +4,7 @@
   does not run (the connection is the lease: TCP keepalive ends one whose host died or was cut off); when a held
   poll's connection closes, the node has DROP_GRACE_S (capped by its lease) to come back.
 Evidence must be about the node, never about the server itself:
-- "Heard" is any sign the server's link works: a request, a stream's heartbeat, and, after SUSPECT_QUIET_S of
+- "Heard" is any sign the server's link works: a request, a held poll answered, and, after SUSPECT_QUIET_S of
   nothing else, the freshest keepalive ACK on held polls' connections (rdzv_server/delivery/links.py).
 - Heard from no agent for QUIET_S (longer than any healthy node waits between requests): the server was cut off
   or stalled, so lapsing leases are extended until the silence reaches OUTAGE_LIMIT_S (agents' --server-wait).
