@@ -11,15 +11,16 @@ import time
 
 from protocol.messages import JobConfig, JoinRequest, SuccessReport
 from rdzv_server.core.rendezvous import Limits, Rendezvous
+from rdzv_server.core.requests import Arrival
 
 ONE = JobConfig(min_nodes=1, max_nodes=1, last_call_s=0.0)
 
 
 def one_shot_job(rz: Rendezvous, job_id: str, now: float) -> None:
     """A job that forms, succeeds and ends at once (the churn of many short jobs)."""
-    status = rz.join(job_id, JoinRequest(v=1, node_id="a", addr="10.0.0.1", local_world_size=1, master_port=1,
-                                         config=ONE, instance="i"), now, "secret")
-    rz.report_success(job_id, SuccessReport(v=1, node_id="a", credential="secret", round_id=status.round_id), now)
+    status = rz.handle(job_id, JoinRequest(v=1, node_id="a", addr="10.0.0.1", local_world_size=1, master_port=1,
+                                         config=ONE, instance="i"), now, Arrival(secret="secret"))
+    rz.handle(job_id, SuccessReport(v=1, node_id="a", credential="secret", round_id=status.round_id), now)
     rz.take_effects()
 
 

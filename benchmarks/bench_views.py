@@ -43,12 +43,12 @@ def build(jobs: int, nodes: int) -> tuple[Rendezvous, float]:
     one = JobConfig(min_nodes=1, max_nodes=1)
     for i in range(jobs):
         job, t = f"done-{i:06d}", T + i * 0.01
-        core.join(job, _join("n", one), t)
-        core.report_success(job, SuccessReport(v=1, node_id="n", round_id=core.jobs[job].round.round_id), t)
+        core.handle(job, _join("n", one), t)
+        core.handle(job, SuccessReport(v=1, node_id="n", round_id=core.jobs[job].round.round_id), t)
     big = JobConfig(min_nodes=nodes, max_nodes=nodes, lease_timeout_s=600.0)
     start = T + jobs * 0.01
     for i in range(nodes):
-        core.join("big", _join(f"node-{i:06d}", big, 8), start + i * 0.0001)
+        core.handle("big", _join(f"node-{i:06d}", big, 8), start + i * 0.0001)
     now = start + nodes * 0.0001 + 1
     assert core.jobs["big"].round is not None and len(core.jobs["big"].round.members) == nodes
     return core, now

@@ -18,27 +18,19 @@ from typing import Protocol, TypeVar
 import msgspec
 
 from protocol.errors import ErrorCode
-from protocol.messages import (
-    AgentRequest,
-    FailureReport,
-    JoinRequest,
-    LeaveRequest,
-    NodeStatus,
-    PollRequest,
-    StallReport,
-    SuccessReport,
-)
+from protocol.messages import AgentRequest, NodeStatus, PollRequest
 from protocol.views import HostHold
 from rdzv_server.core.errors import RendezvousError
 from rdzv_server.core.operator_rules import OperatorAction
 from rdzv_server.core.outbox import Outbox
 from rdzv_server.core.records import JobRecord
 from rdzv_server.core.rendezvous import Rendezvous
+from rdzv_server.core.requests import Arrival
 from rdzv_server.delivery.caps import MAX_POLLS_PER_NODE, MAX_POLLS_PER_PEER
+from rdzv_server.delivery.connection import IN_PROCESS, Connection
 from rdzv_server.delivery.holds import hold_base
 from rdzv_server.delivery.hub import Hub
-from rdzv_server.delivery.long_poll import Reply, long_poll
-from rdzv_server.delivery.subscriber import AckAge
+from rdzv_server.delivery.long_poll import long_poll
 from rdzv_server.serving import Serving
 from rdzv_server.store.api import Store
 from rdzv_server.store.persistence import Durability, NotDurable, Persister, StoreUnavailable
@@ -233,30 +225,17 @@ class Coordinator:
                 self.apply()
                 look_again = True
 
-    async def handle(self, job_id: str, req: AgentRequest, peer: str = "", local: str = "",
-                     silence: AckAge | None = None, reply: Reply | None = None,
-                     waited_s: float = 0.0) -> NodeStatus:
-        """One agent request. `peer`/`local`: its address and the server's; `silence()`: how long ago its
-        kernel last heard the node (None: unknown); `reply`: sends a poll's answer during a wake; `waited_s`:
-        how long it waited for the server (that far behind; a poll's hold counts from its arrival)."""
-        if waited_s > 0 and self.loop_lag is not None:
-            self.loop_lag.note_waited(waited_s)
-        core = self.core
-        match req:
-            case PollRequest():
-                return self.with_hold(await long_poll(self.hub, job_id, req, peer, silence, reply, waited_s))
-            case JoinRequest():
-                # A fresh secret per join: the core keeps it only if the join makes a new node record.
-                secret = secrets.token_urlsafe(24)
-                status = self.call(lambda now: core.join(job_id, req, now, secret, (peer, local)))
-            case FailureReport():
-                status = self.call(lambda now: core.report_failure(job_id, req, now))
-            case SuccessReport():
-                status = self.call(lambda now: core.report_success(job_id, req, now))
-            case StallReport():
-                status = self.call(lambda now: core.report_stall(job_id, req, now))
-            case LeaveRequest():
-                status = self.call(lambda now: core.leave(job_id, req, now))
+    async def handle(self, job_id: str, req: AgentRequest, conn: Connection = IN_PROCESS) -> NodeStatus:
+        """One agent request, of any kind, through the core's one entry (Rendezvous.handle); `conn`: what its
+        connection tells (delivery/connection.py). A poll is held by the hub until news; the rest answer at once,
+        once what the reply shows is saved."""
+        if conn.waited_s > 0 and self.loop_lag is not None:
+            self.loop_lag.note_waited(conn.waited_s)
+        if isinstance(req, PollRequest):
+            return self.with_hold(await long_poll(self.hub, job_id, req, conn))
+        # A fresh secret each time: the core keeps it only if a join makes a new node record.
+        arrival = Arrival(peer=conn.peer, local=conn.local, secret=secrets.token_urlsafe(24))
+        status = self.call(lambda now: self.core.handle(job_id, req, now, arrival))
         await self.durable(job_id)
         return self.with_hold(status)
 

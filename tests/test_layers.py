@@ -18,7 +18,8 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     "rdzv_server": ("protocol", "rdzv_server.core", "rdzv_server.store", "rdzv_server.delivery", "rdzv_server.web"),
     "rdzv_server.web": ("protocol", "rdzv_server.core", "rdzv_server.coordinator", "rdzv_server.serving",
                         "rdzv_server.looplag", "rdzv_server.logs", "rdzv_server.store.api",
-                        "rdzv_server.store.persistence", "rdzv_server.delivery.subscriber", "rdzv_server.tcp_info"),
+                        "rdzv_server.store.persistence", "rdzv_server.delivery.subscriber",
+                        "rdzv_server.delivery.connection", "rdzv_server.tcp_info"),
     "rdzv_ctl": ("protocol",),
     "node_agent.core": ("protocol", "node_agent.client.replies"),
     "node_agent.client": ("protocol", "rdzv_server.coordinator", "rdzv_server.core"),   # local: in-process server

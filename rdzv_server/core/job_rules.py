@@ -14,12 +14,12 @@ changes; every decision records an `Event` with its reason, and its effects go t
 from __future__ import annotations
 
 from protocol.errors import ErrorCode
-from protocol.messages import JobState, LeaveRequest, NodeState, PollRequest
-from rdzv_server.core import credentials, goodput, leases
+from protocol.messages import JobState, NodeState
+from rdzv_server.core import goodput, leases
 from rdzv_server.core.errors import RendezvousError
 from rdzv_server.core.events import REMOVAL_CAUSE, EventKind, RoundCause
 from rdzv_server.core.outbox import Outbox
-from rdzv_server.core.payloads import NodeUnhealthy, Payload, RoundFormed, RoundWaiting, as_data
+from rdzv_server.core.payloads import LeasesExtended, Payload, RoundFormed, RoundWaiting, as_data
 from rdzv_server.core.records import Event, JobRecord, NodeRecord
 from rdzv_server.core.rounds import (
     PREPARE_LIMIT_S,
@@ -47,44 +47,13 @@ class JobRules:
         self.job = job
         self.out = out
 
-    # ---- requests -------------------------------------------------------------------------
-
-    def poll(self, req: PollRequest, now: float, hold: bool = False) -> None:
-        """A poll renews the lease; one the shell will hold open (`hold`) stops it until `poll_ended`."""
-        node = self.job.nodes.get(req.node_id)
-        if node is not None:
-            credentials.check(node, req.credential)
-            if req.master_port:      # a hint for the next round; saved with that round, not on its own
-                node.master_port = req.master_port
-            if hold:
-                leases.hold(self.job, node, now)
-            else:
-                leases.renew(self.job, node, now)
-            self.readiness(node, req.ready, now)
-            if req.copies is not None:
-                node.copies = req.copies
+    # ---- connections (the requests' rules: requests.py) ---------------------------------------
 
     def poll_ended(self, node_id: str, now: float, heard_at: float | None = None) -> None:
         """The server answered a held long-poll of the node; `heard_at`: the last sign of life on its connection."""
         node = self.job.nodes.get(node_id)
         if node is not None:
             leases.release(self.job, node, now, self.out, heard_at)
-
-    def leave(self, req: LeaveRequest, now: float) -> None:
-        node = self.job.nodes.get(req.node_id)
-        if node is not None:
-            credentials.check(node, req.credential)
-        if self.job.state.finished:
-            return
-        unhealthy = None if req.unhealthy is None else NodeUnhealthy(kind=req.unhealthy.value,
-                                                                     host=node.host if node is not None else "")
-        if node is not None:     # unhealthy: as a lost node (no restart counted, a spare or a smaller world takes over)
-            kind = EventKind.NODE_LEFT if unhealthy is None else EventKind.NODE_UNHEALTHY
-            self.remove(node, now, kind, f"node {node.node_id} left: {req.reason}", data=unhealthy)
-        elif unhealthy is not None:
-            # a node whose own check failed before it joined: the history says why it is missing
-            self.record(now, EventKind.NODE_UNHEALTHY, f"node {req.node_id} did not join: {req.reason}", req.node_id,
-                        data=unhealthy)
 
     def connection_dropped(self, node_id: str, now: float, heard: bool = False) -> None:
         """A node's long-poll connection closed under it: give it a short grace to come back."""
@@ -93,6 +62,27 @@ class JobRules:
             leases.drop(self.job, node, now, self.out, heard)
 
     # ---- time ----------------------------------------------------------------------------
+
+    def restored(self, now: float, away_s: float, how: str) -> None:
+        """After the server came back on a saved state: nobody is blamed for the time it was away. Every node gets a
+        fresh lease plus one more of grace to reconnect (agents find a new leader about a second after it serves:
+        path_check.py); last-call and join deadlines move by the time away; cooldowns keep running. Renewals are
+        not saved, so a node's silence counts from when the server went away at the latest."""
+        job = self.job
+        grace = 2 * job.config.lease_timeout_s
+        for node in job.nodes.values():
+            node.last_seen = min(now, max(node.last_seen, now - away_s))
+            node.dropped, node.holding = False, 0     # the connections of held polls did not survive the restart
+        leases.extend(job.nodes.values(), now, grace, self.out)
+        if job.last_call_deadline is not None:
+            job.last_call_deadline += away_s
+            self.out.deadline(job.last_call_deadline)
+        if job.join_deadline is not None:
+            job.join_deadline += away_s
+            self.out.deadline(job.join_deadline)
+        self.record(now, EventKind.SERVER_RESTARTED, f"server restarted {how}; away about {away_s:.1f}s; "
+                    f"{len(job.nodes)} node leases renewed for {grace:g}s",
+                    data=LeasesExtended(away_s=round(away_s, 3)))
 
     def tick(self, now: float, hearing: leases.Hearing) -> int:
         """Apply every passed deadline, leases judged by what the server heard; returns how many were extended."""

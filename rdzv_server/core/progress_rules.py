@@ -11,7 +11,7 @@ import msgspec
 
 from protocol.errors import ErrorCode
 from protocol.messages import ProgressNote, RankState, StallReport, WorkerFailure
-from rdzv_server.core import credentials, goodput, hangs, leases, operator_rules, reports
+from rdzv_server.core import goodput, hangs, operator_rules, reports
 from rdzv_server.core.errors import RendezvousError
 from rdzv_server.core.events import EventKind, RoundCause
 from rdzv_server.core.hangs import MAX_PLACES, HangPlace, Stall, StallKind, StallShown
@@ -61,14 +61,9 @@ def noted(rules: JobRules, watch: JobWatch, node_id: str, note: ProgressNote | N
         operator_rules.drain(rules, node_id, f"replaced as slow: {why}", now, by="the server (--replace-slow-nodes)")
 
 
-def stalled(rules: JobRules, watch: JobWatch, req: StallReport, now: float) -> str:
-    """A node's stall report; returns why it was not acted on ("" when it was taken)."""
+def stalled(rules: JobRules, watch: JobWatch, node: NodeRecord, req: StallReport, now: float) -> str:
+    """An authenticated node's stall report (requests.py); returns why it was not acted on ("" when it was taken)."""
     job = rules.job
-    node = rules.node(req.node_id)
-    credentials.verify(node, req.credential)        # first: a forger learns nothing of the node
-    _check_ranks(rules, node, req)
-    credentials.proven(node)
-    leases.renew(job, node, now)
     why_not = reports.not_running(rules, node, req.round_id)
     if why_not:
         return why_not
@@ -132,7 +127,7 @@ def _flag(kind: StallKind) -> str:
     return "--hang-alone-timeout" if kind is StallKind.ALONE else "--hang-timeout"
 
 
-def _check_ranks(rules: JobRules, node: NodeRecord, req: StallReport) -> None:
+def check_ranks(rules: JobRules, node: NodeRecord, req: StallReport) -> None:
     """A report names only the sender's own ranks, as the round assigned them."""
     a = assignment(rules.job.round, node.node_id) if rules.job.round is not None else None
     if a is None or a.round_id != req.round_id:

@@ -11,52 +11,27 @@ import heapq
 import math
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 
 from protocol.errors import ErrorCode, unknown_job
-from protocol.messages import (
-    FailureReport,
-    JobConfig,
-    JobState,
-    JoinRequest,
-    LeaveRequest,
-    NodeStatus,
-    PollRequest,
-    ProgressNote,
-    StallReport,
-    SuccessReport,
-)
-from rdzv_server.core import admission, credentials, operator_rules, progress_rules, reports
+from protocol.messages import AgentRequest, JobConfig, JobState, JoinRequest, NodeStatus
+from rdzv_server.core import admission, credentials, operator_rules, requests
 from rdzv_server.core.errors import RendezvousError
 from rdzv_server.core.events import EventKind
 from rdzv_server.core.job_rules import JobRules
 from rdzv_server.core.leases import OUTAGE_LIMIT_S, QUIET_S, SUSPECT_QUIET_S, Hearing, ReturnWave, extend
+from rdzv_server.core.limits import Limits, node_room
 from rdzv_server.core.outbox import Outbox
-from rdzv_server.core.payloads import LeasesExtended
 from rdzv_server.core.progress_rules import JobWatch
 from rdzv_server.core.records import JobRecord
+from rdzv_server.core.requests import ARRIVED, Arrival
 from rdzv_server.core.rounds import deadlines, node_status
-from rdzv_server.core.unhealthy import DEFAULT_HOLD_S, UnhealthyHosts
+from rdzv_server.core.unhealthy import UnhealthyHosts
 
-__all__ = ["REUSE_FINISHED_AFTER_S", "Rendezvous", "RendezvousError"]
+__all__ = ["REUSE_FINISHED_AFTER_S", "Limits", "Rendezvous", "RendezvousError"]
 
 # A finished job's id starts a new run at once, except for an agent of that run (same instance) joining within
 # this long: it is late and refused (after it, that run's agents have exited).
 REUSE_FINISHED_AFTER_S = 10.0
-
-
-@dataclass(frozen=True)
-class Limits:
-    """What one server holds at most (`rdzv-server --retain-finished`, `--max-jobs`, `--max-nodes`)."""
-    retain_finished_s: float = 3600.0    # a finished job is forgotten this long after it ended
-    max_jobs: int = 10_000               # jobs held, finished ones included (the oldest finished go first)
-    max_nodes: int = 1_000_000           # node records over all jobs
-    unhealthy_hold_s: float = DEFAULT_HOLD_S   # a host that left unhealthy is kept out this long (0: never)
-
-
-def node_room(config: JobConfig) -> int:
-    """Node records one job may hold: its max_nodes, plus as many (at least 16) spares and waiters."""
-    return config.max_nodes + max(16, config.max_nodes)
 
 
 class Rendezvous:
@@ -99,12 +74,28 @@ class Rendezvous:
                 self.outbox.deadline(self._forget_at(job.finished_at))
         return self.outbox.drain()
 
-    # ---- requests -------------------------------------------------------------------------
+    # ---- requests (requests.py: the pipeline's steps and each kind's rule) ------------------
 
-    def join(self, job_id: str, req: JoinRequest, now: float, credential: str = "",
-             via: tuple[str, str] = ("", "")) -> NodeStatus:
-        """Admit a node; `credential` is the secret a newly made node record gets (the shell makes it)."""
+    def handle(self, job_id: str, req: AgentRequest, now: float, arrival: Arrival = ARRIVED) -> NodeStatus:
+        """One agent request, of any kind: the job and node found, heard, authenticated, its lease renewed and its
+        progress noted, once for every kind (requests.py); then the kind's rule; the node's view in reply."""
         self.heard(now)
+        kind = requests.KINDS[type(req)]
+        rules = self._job_to_join(job_id, req, now, arrival.secret) if isinstance(req, JoinRequest) \
+            else self.rules(job_id)
+        with self._counting(rules.job):           # a call may add node records, or lose or drain nodes
+            node = requests.authenticate(kind, rules, req, now, arrival.hold)
+            call = requests.Call(rules, node, now, arrival, self.watch(job_id), self.unhealthy)
+            requests.note_progress(call, req)
+            why_not = kind.act(call, req)
+        status = node_status(rules.job, req.node_id, now, accepted=not why_not, reason=why_not)
+        if kind.reply is not None:
+            kind.reply(call, status)
+        return status
+
+    def _job_to_join(self, job_id: str, req: JoinRequest, now: float, secret: str) -> JobRules:
+        """The job a join enters: found, or made (a new id, or a finished one's id reused; its peer-copy key comes
+        from its creator's `secret`); refused past the limits or to a host held as unhealthy."""
         self.unhealthy.check(req.host or req.addr, req.node_id, now)
         job = self.jobs.get(job_id)
         if job is not None and job.state.finished:
@@ -113,22 +104,18 @@ class Rendezvous:
                 raise RendezvousError(ErrorCode.JOB_FINISHED,
                                       f"job {job_id!r} has already {job.state.value}: {job.reason}")
             self._check_room(None, now)
-            rules = self._create(job_id, req.config, req.node_id, now, credential)
+            rules = self._create(job_id, req.config, req.node_id, now, secret)
             rules.record(now, EventKind.JOB_REUSED,
                          f"job id reused: the previous run {job.state.value} ({job.reason})")
-        elif job is None:
+            return rules
+        if job is None:
             self._check_room(None, now)
-            rules = self._create(job_id, req.config, req.node_id, now, credential)
-        else:
-            rules = JobRules(job, self.outbox)
-            if req.node_id not in job.nodes:
-                admission.check_join(rules, req)   # a refusal for what was asked comes before one for room
-                self._check_room(job, now)
-        with self._counting(rules.job):
-            issued = admission.join(rules, req, now, credential, via)
-        status = node_status(rules.job, req.node_id, now)
-        status.credential = issued
-        return status
+            return self._create(job_id, req.config, req.node_id, now, secret)
+        rules = JobRules(job, self.outbox)
+        if req.node_id not in job.nodes:
+            admission.check_join(rules, req)   # a refusal for what was asked comes before one for room
+            self._check_room(job, now)
+        return rules
 
     @contextmanager
     def _counting(self, job: JobRecord) -> Iterator[None]:
@@ -154,18 +141,6 @@ class Rendezvous:
             raise RendezvousError(ErrorCode.LIMIT_REACHED, f"this server holds {self.node_count} nodes, its "
                                   f"limit (--max-nodes {lim.max_nodes}); retry later")
 
-    def poll(self, job_id: str, req: PollRequest, now: float, hold: bool = False) -> NodeStatus:
-        """A poll answered at once renews the node's lease; one held open (`hold`) until `poll_ended` or
-        `connection_dropped` stops it: meanwhile the connection is the lease."""
-        rules = self.rules(job_id)
-        self.heard(now)
-        rules.poll(req, now, hold)           # checks the node's credential first
-        self._noted(rules, req.node_id, req.progress, now)
-        return node_status(rules.job, req.node_id, now)
-
-    def hold_poll(self, job_id: str, req: PollRequest, now: float) -> NodeStatus:
-        return self.poll(job_id, req, now, hold=True)
-
     def poll_ended(self, job_id: str, node_id: str, now: float, heard_at: float | None = None) -> None:
         """A held poll was answered: the lease runs again from `heard_at`, its connection's last sign of life."""
         job = self.jobs.get(job_id)
@@ -174,51 +149,8 @@ class Rendezvous:
                 self.heard(min(heard_at, now))
             JobRules(job, self.outbox).poll_ended(node_id, now, heard_at)
 
-    def report_failure(self, job_id: str, req: FailureReport, now: float) -> NodeStatus:
-        rules = self.rules(job_id)
-        self.heard(now)
-        with self._counting(rules.job):          # a suspect peer may be lost
-            if req.progress is not None and rules.job.round is not None and req.round_id == rules.job.round.round_id:
-                reports.checked_failure(rules, req)
-                self._noted(rules, req.node_id, req.progress, now)    # the round's last steps, before it ends
-            why_not = reports.failure(rules, req, now)
-        return node_status(rules.job, req.node_id, now, accepted=not why_not, reason=why_not)
-
-    def report_success(self, job_id: str, req: SuccessReport, now: float) -> NodeStatus:
-        rules = self.rules(job_id)
-        self.heard(now)
-        why_not = reports.success(rules, req, now)       # checks the node's credential first
-        self._noted(rules, req.node_id, req.progress, now)
-        return node_status(rules.job, req.node_id, now, accepted=not why_not, reason=why_not)
-
-    def report_stall(self, job_id: str, req: StallReport, now: float) -> NodeStatus:
-        rules = self.rules(job_id)
-        self.heard(now)
-        with self._counting(rules.job):          # a suspect peer may be lost
-            why_not = progress_rules.stalled(rules, self.watch(job_id), req, now)
-        status = node_status(rules.job, req.node_id, now, accepted=not why_not, reason=why_not)
-        shown = progress_rules.shown_stall(rules.job, now)
-        status.stall = shown.line(now) if shown is not None else ""
-        return status
-
     def watch(self, job_id: str) -> JobWatch:
         return self.watches.setdefault(job_id, JobWatch())
-
-    def _noted(self, rules: JobRules, node_id: str, note: ProgressNote | None, now: float) -> None:
-        if note is not None:
-            with self._counting(rules.job):      # a slow node may be drained
-                progress_rules.noted(rules, self.watch(rules.job.job_id), node_id, note, now)
-
-    def leave(self, job_id: str, req: LeaveRequest, now: float) -> NodeStatus:
-        rules = self.rules(job_id)
-        self.heard(now)
-        node = rules.job.nodes.get(req.node_id)
-        finished = rules.job.state.finished
-        with self._counting(rules.job):
-            rules.leave(req, now)          # checks the node's credential first
-        if node is not None and req.unhealthy is not None and not finished:
-            self.unhealthy.hold(node.host or node.addr, req.unhealthy.value, req.reason, job_id, req.node_id, now)
-        return node_status(rules.job, req.node_id, now)
 
     def connection_dropped(self, job_id: str, node_id: str, now: float, heard: bool = False) -> None:
         """A node's long-poll connection closed: a short grace; `heard`: its host closed it, not a keepalive."""
@@ -327,7 +259,7 @@ class Rendezvous:
         self.heard_at = now              # its silence while it was away is not the agents' fault
         for job in self.jobs.values():
             if not job.state.finished:
-                _rearm(JobRules(job, self.outbox), now, away_s, how)
+                JobRules(job, self.outbox).restored(now, away_s, how)
 
     def put_back(self, job_id: str, job: JobRecord | None, now: float) -> None:
         """A job as last saved replaces one whose change the store refused (None: never saved); its nodes get fresh
@@ -360,24 +292,3 @@ class Rendezvous:
         rules.record(now, EventKind.JOB_CREATED, f"job created by {creator}: nodes "
                      f"{config.min_nodes}:{config.max_nodes}, max_restarts {config.max_restarts}", creator)
         return rules
-
-
-def _rearm(rules: JobRules, now: float, away_s: float, how: str) -> None:
-    """One job after the server came back on a saved state: nobody is blamed for the time it was away.
-    Every node gets a fresh lease plus one more of grace to reconnect (agents find a new leader about a second
-    after it serves: path_check.py); last-call and join deadlines move by the time away; cooldowns keep running.
-    Renewals are not saved, so a node's silence counts from when the server went away at the latest."""
-    job = rules.job
-    grace = 2 * job.config.lease_timeout_s
-    for node in job.nodes.values():
-        node.last_seen = min(now, max(node.last_seen, now - away_s))
-        node.dropped, node.holding = False, 0     # the connections of held polls did not survive the restart
-    extend(job.nodes.values(), now, grace, rules.out)
-    if job.last_call_deadline is not None:
-        job.last_call_deadline += away_s
-        rules.out.deadline(job.last_call_deadline)
-    if job.join_deadline is not None:
-        job.join_deadline += away_s
-        rules.out.deadline(job.join_deadline)
-    rules.record(now, EventKind.SERVER_RESTARTED, f"server restarted {how}; away about {away_s:.1f}s; "
-                f"{len(job.nodes)} node leases renewed for {grace:g}s", data=LeasesExtended(away_s=round(away_s, 3)))

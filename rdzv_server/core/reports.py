@@ -1,6 +1,7 @@
 """A node's report on the round it ran: a worker failure (the job-wide restart, or the job's end past the budget)
 or its success (the job succeeds once every member has). A report about a round that no longer runs is stale and
-changes nothing but the node's lease (and, for a late failure, maybe the root cause).
+changes nothing but the node's lease (and, for a late failure, maybe the root cause). The node is authenticated
+and its lease renewed before these rules run (requests.py).
 """
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import msgspec
 
 from protocol.errors import ErrorCode
 from protocol.messages import FailureReport, JobState, SuccessReport, WorkerFailure
-from rdzv_server.core import credentials, leases
+from rdzv_server.core import leases
 from rdzv_server.core.errors import RendezvousError
 from rdzv_server.core.events import EventKind, RoundCause
 from rdzv_server.core.job_rules import JobRules
@@ -19,12 +20,9 @@ from rdzv_server.core.rounds import describe
 MAX_FAILURE_EVENTS = 8       # worker_failed events one report records; the rest are summed up in one more
 
 
-def failure(rules: JobRules, req: FailureReport, now: float) -> str:
+def failure(rules: JobRules, node: NodeRecord, req: FailureReport, now: float) -> str:
     """Count a failure of the running round; returns why it was not acted on ("" when it was)."""
     job = rules.job
-    node = checked_failure(rules, req)
-    credentials.proven(node)
-    leases.renew(job, node, now)
     failures = sorted((_stamp(f, node, now) for f in req.failures), key=lambda f: f.timestamp)
     why_not = not_running(rules, node, req.round_id)
     if why_not:
@@ -37,15 +35,12 @@ def failure(rules: JobRules, req: FailureReport, now: float) -> str:
     return fail_round(rules, node, req.round_id, failures, now)
 
 
-def checked_failure(rules: JobRules, req: FailureReport) -> NodeRecord:
-    """The reporting node, once its credential and the report's local ranks hold (a refusal changes nothing)."""
-    node = rules.node(req.node_id)
-    credentials.verify(node, req.credential)        # first: a forger learns nothing of the node
+def check_failure(rules: JobRules, node: NodeRecord, req: FailureReport) -> None:
+    """A report names only the node's own local ranks (a refusal changes nothing)."""
     wrong = [f.local_rank for f in req.failures if f.local_rank >= node.local_world_size]
     if wrong or len(req.failures) > node.local_world_size:
         raise RendezvousError(ErrorCode.BAD_REQUEST, f"the report names {len(req.failures)} failure(s) and local "
                               f"rank(s) {wrong[:5]}, but node {node.node_id} runs {node.local_world_size} workers")
-    return node
 
 
 def fail_round(rules: JobRules, node: NodeRecord, round_id: int, failures: list[WorkerFailure], now: float,
@@ -87,12 +82,9 @@ def fail_round(rules: JobRules, node: NodeRecord, round_id: int, failures: list[
     return ""
 
 
-def success(rules: JobRules, req: SuccessReport, now: float) -> str:
+def success(rules: JobRules, node: NodeRecord, req: SuccessReport, now: float) -> str:
     """Count a node's success; returns why it was not acted on ("" when it was)."""
     job = rules.job
-    node = rules.node(req.node_id)
-    credentials.check(node, req.credential)
-    leases.renew(job, node, now)
     why_not = not_running(rules, node, req.round_id)
     if why_not:
         return why_not

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 from protocol.messages import NodeStatus, PollRequest
 from protocol.quoting import quote
 from rdzv_server.core.errors import RendezvousError
 from rdzv_server.core.rendezvous import Rendezvous
+from rdzv_server.core.requests import Arrival
 from rdzv_server.core.rounds import node_status
 from rdzv_server.delivery.caps import MAX_POLLS_PER_NODE, MAX_POLLS_PER_PEER, HeldPolls
 from rdzv_server.delivery.holds import HoldGrid
@@ -24,6 +25,7 @@ from rdzv_server.delivery.subscriber import Subscriber
 from rdzv_server.serving import Serving
 
 log = logging.getLogger("rdzv_server")
+T = TypeVar("T")
 
 
 class Driver(Protocol):
@@ -35,8 +37,8 @@ class Driver(Protocol):
     def gate(self) -> Serving: ...
     clock: Callable[[], float]
 
-    def apply(self) -> None:
-        """Hand the effects of the core calls just made to their consumers."""
+    def call(self, fn: Callable[[float], T]) -> T:
+        """One core call, with `now`; its effects are handed on whether it succeeds or raises."""
 
     def saved(self, job_id: str) -> bool:
         """Whether the job, as any reply would show it now, is in the store."""
@@ -46,6 +48,9 @@ class Driver(Protocol):
 
     def with_hold(self, status: NodeStatus) -> NodeStatus:
         """`status` as replies carry it (the hold agents should expect)."""
+
+
+HELD = Arrival(hold=True)      # a poll the hub holds open: its connection is the lease meanwhile
 
 
 class Hub:
@@ -74,13 +79,11 @@ class Hub:
             raise
         d = self.driver
         try:
-            status = d.core.hold_poll(sub.job_id, req, d.clock())
+            status = d.call(lambda now: d.core.handle(sub.job_id, req, now, HELD))
         except BaseException:
             self.per_peer.give_back(peer)
             self.per_node.give_back(sub.key)
             raise
-        finally:
-            d.apply()
         self._attached.add(sub)
         if sub.ack_age is not None:
             self.links.add(sub.ack_age)
@@ -100,15 +103,12 @@ class Hub:
         self.per_peer.give_back(peer)
         self.per_node.give_back(sub.key)
         d = self.driver
-        now = d.clock()
         age = sub.ack_age() if sub.ack_age is not None else None
-        if dropped:
-            if d.gate.shutting_down:
-                return
-            d.core.connection_dropped(sub.job_id, sub.node_id, now, heard=age is not None and age < CLOSE_HEARD_S)
-        else:
-            d.core.poll_ended(sub.job_id, sub.node_id, now, now - (age or 0.0))
-        d.apply()
+        if dropped and not d.gate.shutting_down:
+            d.call(lambda now: d.core.connection_dropped(sub.job_id, sub.node_id, now,
+                                                         heard=age is not None and age < CLOSE_HEARD_S))
+        elif not dropped:
+            d.call(lambda now: d.core.poll_ended(sub.job_id, sub.node_id, now, now - (age or 0.0)))
 
     def _unindex(self, sub: Subscriber) -> None:
         subs = self._by_job.get(sub.job_id)

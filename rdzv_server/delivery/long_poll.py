@@ -8,15 +8,12 @@ would look like a dead node.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
 
 from protocol.messages import NodeStatus, PollRequest, poll_ready
+from rdzv_server.delivery.connection import Connection, Reply
 from rdzv_server.delivery.holds import hold_for
 from rdzv_server.delivery.hub import Hub
 from rdzv_server.delivery.subscriber import AckAge, Subscriber
-
-# Sends a poll's reply straight to its connection; False: it could not (web/direct_reply.py).
-Reply = Callable[[NodeStatus], bool]
 
 
 class LongPoll(Subscriber):
@@ -50,14 +47,14 @@ class LongPoll(Subscriber):
             self._woken.set_result(None)
 
 
-async def long_poll(hub: Hub, job_id: str, req: PollRequest, peer: str = "", ack_age: AckAge | None = None,
-                    reply: Reply | None = None, waited_s: float = 0.0) -> NodeStatus:
+async def long_poll(hub: Hub, job_id: str, req: PollRequest, conn: Connection) -> NodeStatus:
     """The node's view once it is news (or the hold ended), saved; meanwhile the open poll is its lease."""
     d = hub.driver
-    sub = LongPoll(job_id, req, ack_age, reply)
+    peer = conn.peer
+    sub = LongPoll(job_id, req, conn.ack_age, conn.reply)
     status = hub.attach(sub, req, peer)
     loop = asyncio.get_running_loop()
-    sub.ends = loop.time() + max(0.0, hold_for(d.core.node_count, status, req.wait_s) - waited_s)
+    sub.ends = loop.time() + max(0.0, hold_for(d.core.node_count, status, req.wait_s) - conn.waited_s)
     dropped = False
     try:
         while not poll_ready(status, req.known_round) and d.gate.serving() and loop.time() < sub.ends:

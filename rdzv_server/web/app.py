@@ -13,6 +13,7 @@ from protocol.quoting import quote
 from rdzv_server.coordinator import Coordinator
 from rdzv_server.core.records import MAX_EVENTS_PER_JOB, JobRecord
 from rdzv_server.core.rendezvous import RendezvousError
+from rdzv_server.delivery.connection import Connection
 from rdzv_server.looplag import LoopLagProbe
 from rdzv_server.web import admin, views
 from rdzv_server.web.access import ACCESS, NO_STREAM, Access, access_middleware
@@ -90,8 +91,9 @@ async def agent_request(request: web.Request) -> web.StreamResponse:
     req = decode_request(cls, body)
     reply = DirectReply(request) if isinstance(req, PollRequest) and DirectReply.fits(request) else None
     try:
-        status = await coord.handle(job_id, req, request.remote or "", local_address(request.transport),
-                                    lambda: request_ack_age_s(request), reply, request_waited_s(request))
+        status = await coord.handle(job_id, req, Connection(
+            peer=request.remote or "", local=local_address(request.transport),
+            ack_age=lambda: request_ack_age_s(request), reply=reply, waited_s=request_waited_s(request)))
     except Exception:
         if reply is None or not reply.sent:
             raise

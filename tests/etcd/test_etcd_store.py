@@ -85,7 +85,7 @@ def test_a_commit_rewrites_only_the_buckets_of_changed_nodes_and_deletes_removed
     store = elected(settings)
     store.write([snapshot(rz.jobs["j"], first.nodes["j"], rz.jobs["j"].events, reset=True)], 1.0)
     _join(rz, "j", "d", 2.0, min_nodes=1, max_nodes=5)
-    rz.leave("j", LeaveRequest(v=1, node_id="a"), 2.0)
+    rz.handle("j", LeaveRequest(v=1, node_id="a"), 2.0)
     second = rz.take_effects()
     snap = snapshot(rz.jobs["j"], second.nodes["j"], [], reset=False)
     store.write([snap], 2.0)

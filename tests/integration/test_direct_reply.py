@@ -13,6 +13,7 @@ import pytest
 
 from protocol.messages import JobConfig, JoinRequest, LeaveRequest, NodeStatus, PollRequest
 from rdzv_server.coordinator import Coordinator
+from rdzv_server.delivery.connection import Connection
 from rdzv_server.delivery.long_poll import LongPoll
 from rdzv_server.web import app as web_app
 from rdzv_server.web.app import COORDINATOR
@@ -147,7 +148,7 @@ def _join(node: str) -> JoinRequest:
 async def _held_poll(coord: Coordinator, reply) -> tuple[asyncio.Task, str]:  # type: ignore[no-untyped-def]
     a = await coord.handle("j", _join("a"))
     task = asyncio.ensure_future(coord.handle("j", PollRequest(v=1, node_id="a", credential=a.credential,
-                                                               known_round=-1, wait_s=10.0), reply=reply))
+                                                               known_round=-1, wait_s=10.0), Connection(reply=reply)))
     await wait_until(lambda: coord.hub.open == 1)
     return task, a.credential
 
@@ -202,7 +203,7 @@ async def test_a_change_that_leaves_a_polls_view_as_it_was_does_not_wake_its_tas
         a, b = await join("a"), await join("b")
         task = asyncio.ensure_future(coord.handle("j", PollRequest(v=1, node_id="a", credential=a.credential,
                                                                    known_round=-1, wait_s=10.0),
-                                                  reply=lambda status: sent.append(status) or True))
+                                                  Connection(reply=lambda status: sent.append(status) or True)))
         await wait_until(lambda: coord.hub.open == 1)
         epoch = coord.core.jobs["j"].epoch
         await coord.handle("j", LeaveRequest(v=1, node_id="b", credential=b.credential))

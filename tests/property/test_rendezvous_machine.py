@@ -96,14 +96,14 @@ class RendezvousMachine(RuleBasedStateMachine):
         assert deadline is None or deadline > self.now, "a deadline was left in the past after tick"
 
     def _join(self, node_id: str, lws: int, config: JobConfig) -> None:
-        self.rz.join(JOB, JoinRequest(v=1, node_id=node_id, addr=f"10.0.0.{len(node_id)}:{node_id}",
+        self.rz.handle(JOB, JoinRequest(v=1, node_id=node_id, addr=f"10.0.0.{len(node_id)}:{node_id}",
                                       local_world_size=lws, master_port=30000 + self.instances[node_id],
                                       config=config, instance=f"{node_id}/{self.instances[node_id]}",
                                       ready=node_id not in self.preparing), self.now)
 
     def _poll(self, node_id: str) -> None:
         """A poll as the node's agent sends it: saying whether its workers can start at once."""
-        self.rz.poll(JOB, PollRequest(v=1, node_id=node_id, ready=node_id not in self.preparing), self.now)
+        self.rz.handle(JOB, PollRequest(v=1, node_id=node_id, ready=node_id not in self.preparing), self.now)
 
     # ---- rules --------------------------------------------------------------------------------
 
@@ -269,7 +269,7 @@ class RendezvousMachine(RuleBasedStateMachine):
         suspects = [m for m in job.round.members if m != node_id
                     and (job.nodes[m].dropped or job.nodes[m].lease_expires <= self.now)]
         restarts = job.restart_count
-        status = self.rz.report_failure(JOB, FailureReport(v=1, node_id=node_id, round_id=round_id, failures=[
+        status = self.rz.handle(JOB, FailureReport(v=1, node_id=node_id, round_id=round_id, failures=[
             WorkerFailure(local_rank=0, rank=0, exitcode=1)]), self.now)
         if stale or suspects:
             assert not status.accepted
@@ -290,7 +290,7 @@ class RendezvousMachine(RuleBasedStateMachine):
         job = self.job
         node_id = data.draw(st.sampled_from(job.round.members))
         round_id, members = job.round.round_id, set(job.round.members)
-        status = self.rz.report_success(JOB, SuccessReport(v=1, node_id=node_id, round_id=round_id), self.now)
+        status = self.rz.handle(JOB, SuccessReport(v=1, node_id=node_id, round_id=round_id), self.now)
         assert status.accepted
         done = self.successes.setdefault(round_id, set())
         done.add(node_id)
@@ -302,7 +302,7 @@ class RendezvousMachine(RuleBasedStateMachine):
         node_id = data.draw(st.sampled_from(sorted(self.job.nodes)))
         was_member = node_id in self._members()
         round_id = self.job.round.round_id if self.job.round else None
-        self.rz.leave(JOB, LeaveRequest(v=1, node_id=node_id), self.now)
+        self.rz.handle(JOB, LeaveRequest(v=1, node_id=node_id), self.now)
         assert node_id not in self.job.nodes
         if was_member:
             assert self.job.round is None or self.job.round.round_id != round_id

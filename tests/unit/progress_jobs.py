@@ -15,6 +15,7 @@ from protocol.messages import (
     WorkerFailure,
 )
 from rdzv_server.core.rendezvous import Rendezvous
+from rdzv_server.core.requests import Arrival
 
 T = 1_700_000_000.0
 CFG = JobConfig(min_nodes=2, max_nodes=2, max_restarts=5, last_call_s=0.0, lease_timeout_s=10_000.0)
@@ -22,8 +23,9 @@ RATE = 2.0                 # steps per second every node reports (window_steps /
 
 
 def join(rz: Rendezvous, job: str, node: str, now: float, config: JobConfig = CFG) -> None:
-    rz.join(job, JoinRequest(v=1, node_id=node, addr="10.0.0.1", host=f"host-{node}", local_world_size=2,
-                             master_port=29500, config=config, instance=f"{node}#1"), now, f"secret-{node}")
+    rz.handle(job, JoinRequest(v=1, node_id=node, addr="10.0.0.1", host=f"host-{node}", local_world_size=2,
+                             master_port=29500, config=config, instance=f"{node}#1"), now,
+                                 Arrival(secret=f"secret-{node}"))
 
 
 def note(round_id: int, steps: int, first: float, last: float, *, demand: float = 0.5,
@@ -34,7 +36,7 @@ def note(round_id: int, steps: int, first: float, last: float, *, demand: float 
 
 def poll(rz: Rendezvous, job: str, node: str, now: float, progress: ProgressNote | None) -> None:
     round_id = rz.jobs[job].round.round_id if rz.jobs[job].round else -1
-    rz.poll(job, PollRequest(v=1, node_id=node, credential=f"secret-{node}", known_round=round_id, wait_s=0.0,
+    rz.handle(job, PollRequest(v=1, node_id=node, credential=f"secret-{node}", known_round=round_id, wait_s=0.0,
                              progress=progress), now)
 
 
@@ -49,7 +51,7 @@ def step(rz: Rendezvous, job: str, nodes: list[str], first: float, last: float, 
 def crash(rz: Rendezvous, job: str, node: str, now: float) -> None:
     round_id = rz.jobs[job].round.round_id
     failure = WorkerFailure(local_rank=0, rank=0, exitcode=1, message="boom", timestamp=now)
-    rz.report_failure(job, FailureReport(v=1, node_id=node, credential=f"secret-{node}", round_id=round_id,
+    rz.handle(job, FailureReport(v=1, node_id=node, credential=f"secret-{node}", round_id=round_id,
                                          failures=[failure]), now)
 
 
@@ -104,5 +106,5 @@ def alone(rz: Rendezvous, job: str = "evaluating") -> None:
                         call="all_reduce" if state == RankState.WAITING else "")
     for node, ranks in (("a", (rank(0, RankState.WORKING, "train.py:41 in evaluate"), rank(1, RankState.WAITING))),
                         ("b", (rank(2, RankState.WAITING), rank(3, RankState.WAITING)))):
-        rz.report_stall(job, StallReport(v=1, node_id=node, credential=f"secret-{node}", round_id=round_id,
+        rz.handle(job, StallReport(v=1, node_id=node, credential=f"secret-{node}", round_id=round_id,
                                          threshold_s=5.0, ranks=list(ranks)), T + 62)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from protocol.messages import JobConfig, JobState, JoinRequest, NodeStatus, PollRequest, Witness
 from rdzv_server.core.rendezvous import Rendezvous
+from rdzv_server.core.requests import Arrival
 
 JOB = "job-c"
 
@@ -13,11 +14,11 @@ def join(rz: Rendezvous, node: str, now: float, config: JobConfig, *, domain: st
     req = JoinRequest(v=1, node_id=node, addr=f"10.0.0.{ord(node[0]) - 96}", local_world_size=2, master_port=20000,
                       config=config, instance=f"{node}#1", host=f"host-{node}", probe_port=probe, copy_port=probe,
                       domain=domain)
-    return rz.join(JOB, req, now, credential or f"secret-{node}")
+    return rz.handle(JOB, req, now, Arrival(secret=credential or f"secret-{node}"))
 
 
 def poll(rz: Rendezvous, node: str, now: float) -> NodeStatus:
-    return rz.poll(JOB, PollRequest(v=1, node_id=node, credential=f"secret-{node}"), now)
+    return rz.handle(JOB, PollRequest(v=1, node_id=node, credential=f"secret-{node}"), now)
 
 
 def outlive(rz: Rendezvous, alive: tuple[str, ...]) -> None:
@@ -81,7 +82,7 @@ def test_all_in_one_failure_domain_no_copies_and_replicas_zero_none():
 def test_a_job_made_without_a_secret_has_no_key_and_so_no_copies():
     rz = Rendezvous()
     for i, n in enumerate("abc"):
-        rz.join(JOB, JoinRequest(v=1, node_id=n, addr=f"10.0.0.{i + 1}", local_world_size=1, master_port=1,
+        rz.handle(JOB, JoinRequest(v=1, node_id=n, addr=f"10.0.0.{i + 1}", local_world_size=1, master_port=1,
                                  config=CFG, instance=n, probe_port=4000, copy_port=4000, domain=n), i * 0.01)
     assert [targets(rz, n) for n in "abc"] == [[], [], []]
 
@@ -132,9 +133,9 @@ def test_a_fixed_size_job_waiting_for_a_node_keeps_where_the_lost_nodes_copies_a
 
 def test_a_newcomer_of_another_size_takes_the_place_but_not_the_shards():
     rz = started({"a": "1", "b": "2", "c": "3"}, CFG)
-    rz.join(JOB, JoinRequest(v=1, node_id="s", addr="10.0.0.19", local_world_size=1, master_port=20000, config=CFG,
+    rz.handle(JOB, JoinRequest(v=1, node_id="s", addr="10.0.0.19", local_world_size=1, master_port=20000, config=CFG,
                              instance="s#1", host="host-s", probe_port=4000, copy_port=4000, domain="4"), 0.5,
-            "secret-s")
+                                 Arrival(secret="secret-s"))
     outlive(rz, ("a", "c", "s"))
     r = rz.jobs[JOB].round
     assert r is not None and r.members == ["a", "s", "c"]
@@ -149,9 +150,9 @@ def test_racks_in_blocks_spread_their_copies_evenly_and_every_member_has_a_holde
     rz = Rendezvous()
     names = [f"n{i:03d}" for i in range(256)]
     for i, n in enumerate(names):                     # racks of 128 in a row, as a switch's nodes come
-        rz.join(JOB, JoinRequest(v=1, node_id=n, addr=f"10.1.{i // 200}.{i % 200}", local_world_size=1,
+        rz.handle(JOB, JoinRequest(v=1, node_id=n, addr=f"10.1.{i // 200}.{i % 200}", local_world_size=1,
                                  master_port=1, config=wide, instance=n, probe_port=4000, copy_port=4000,
-                                 domain="rack-a" if i < 128 else "rack-b"), i * 0.001, f"secret-{n}")
+                                 domain="rack-a" if i < 128 else "rack-b"), i * 0.001, Arrival(secret=f"secret-{n}"))
     r = rz.jobs[JOB].round
     assert r is not None and len(r.members) == 256
     held: dict[str, int] = {}

@@ -15,14 +15,15 @@ from protocol.messages import (
     WorkerFailure,
 )
 from rdzv_server.core.rendezvous import Rendezvous, RendezvousError
+from rdzv_server.core.requests import Arrival
 from rdzv_server.core.rounds import assignment
 
 CFG = JobConfig(min_nodes=2, max_nodes=2, max_restarts=3, last_call_s=0.0, lease_timeout_s=5.0)
 
 
 def join(rz: Rendezvous, node: str, now: float, secret: str, sent: str = "", addr: str = "10.0.0.1"):
-    return rz.join("j", JoinRequest(v=1, node_id=node, addr=addr, local_world_size=1, master_port=1000,
-                                    config=CFG, credential=sent, instance=secret), now, secret)
+    return rz.handle("j", JoinRequest(v=1, node_id=node, addr=addr, local_world_size=1, master_port=1000,
+                                    config=CFG, credential=sent, instance=secret), now, Arrival(secret=secret))
 
 
 def snapshot(rz: Rendezvous) -> tuple:
@@ -52,10 +53,9 @@ def forged(node: str, credential: str) -> list:
                                               ("guess", ErrorCode.FORBIDDEN)])
 def test_requests_for_a_node_without_its_credential_are_refused_and_change_nothing(running, credential, code):
     before = snapshot(running)
-    calls = [running.poll, running.report_failure, running.report_success, running.leave]
-    for call, req in zip(calls, forged("a", credential), strict=True):
+    for req in forged("a", credential):      # a poll, a failure, a success and a leave
         with pytest.raises(RendezvousError) as err:
-            call("j", req, 2.0)
+            running.handle("j", req, 2.0)
         assert err.value.code == code
     assert snapshot(running) == before
 
@@ -68,9 +68,9 @@ def test_a_report_refused_after_its_credential_checked_still_changes_nothing(run
     bad = FailureReport(v=1, node_id="b", credential="secret-b", round_id=1,
                         failures=[WorkerFailure(local_rank=1, rank=1, exitcode=1)])
     with pytest.raises(RendezvousError) as err:
-        running.report_failure("j", bad, 2.0)
+        running.handle("j", bad, 2.0)
     assert err.value.code == ErrorCode.BAD_REQUEST and not node.credential_used
-    running.report_success("j", SuccessReport(v=1, node_id="b", credential="secret-b", round_id=1), 2.0)
+    running.handle("j", SuccessReport(v=1, node_id="b", credential="secret-b", round_id=1), 2.0)
     assert node.credential_used                  # an accepted request still proves it
 
 
@@ -94,5 +94,5 @@ def test_a_dead_nodes_restarted_agent_gets_back_in_and_the_old_credential_is_dea
     assert status.credential == "secret-a2"
     assert any(e.kind == "node_lost" and "restarted" in e.message for e in running.jobs["j"].events[-6:])
     with pytest.raises(RendezvousError) as err:                 # the old agent, if it wakes up
-        running.poll("j", PollRequest(v=1, node_id="a", credential="secret-a"), now + 0.1)
+        running.handle("j", PollRequest(v=1, node_id="a", credential="secret-a"), now + 0.1)
     assert err.value.code == ErrorCode.FORBIDDEN and "took the node over" in err.value.message

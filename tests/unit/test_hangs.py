@@ -14,6 +14,7 @@ from rdzv_server.core.events import EventKind
 from rdzv_server.core.hangs import StallBoard, StallKind, assess, place_of, same_place
 from rdzv_server.core.progress_rules import shown_stall
 from rdzv_server.core.rendezvous import Rendezvous, RendezvousError
+from rdzv_server.core.requests import Arrival
 
 CFG = JobConfig(min_nodes=2, max_nodes=2, max_restarts=3, last_call_s=0.0, lease_timeout_s=5.0)
 W, Q, S, P, X, K, U = (RankState.WAITING, RankState.QUIET, RankState.STOPPED, RankState.SPINNING, RankState.EXITED,
@@ -161,8 +162,8 @@ def test_a_place_is_where_the_rank_went_its_own_way_and_not_the_work_below_it() 
 
 
 def join(rz: Rendezvous, node: str, config: JobConfig = CFG) -> None:
-    rz.join("j", JoinRequest(v=1, node_id=node, addr="10.0.0.1", local_world_size=2, master_port=1000,
-                             config=config, instance=node), 1.0, f"secret-{node}")
+    rz.handle("j", JoinRequest(v=1, node_id=node, addr="10.0.0.1", local_world_size=2, master_port=1000,
+                             config=config, instance=node), 1.0, Arrival(secret=f"secret-{node}"))
 
 
 @pytest.fixture
@@ -176,10 +177,10 @@ def running() -> Rendezvous:
 
 def test_a_hang_fails_the_round_with_the_culprit_as_root_cause_and_every_ranks_stack_in_the_events(running) -> None:
     stack = "train.py:16 in <module>\ntrain.py:3 in main"
-    running.report_stall("j", report("a", seen(0, W, where="torch/_tensor.py:623 in backward"), seen(1, W)), 10.0)
+    running.handle("j", report("a", seen(0, W, where="torch/_tensor.py:623 in backward"), seen(1, W)), 10.0)
     assert running.jobs["j"].restart_count == 0
     stopped = RankSeen(rank=3, local_rank=1, state=S, stalled_s=6.2, where="train.py:16 in <module>", stack=stack)
-    status = running.report_stall("j", report("b", seen(2, W), stopped), 10.5)
+    status = running.handle("j", report("b", seen(2, W), stopped), 10.5)
     job = running.jobs["j"]
     assert status.accepted and job.restart_count == 1 and job.round is not None and job.round.round_id == 2
     assert job.root_cause is not None
@@ -196,9 +197,9 @@ def test_a_hang_fails_the_round_with_the_culprit_as_root_cause_and_every_ranks_s
 def alone_reports(rz: Rendezvous, round_id: int, stalled: float, now: float, steps: int = 0) -> None:
     def at(r: RankSeen) -> RankSeen:
         return msgspec.structs.replace(r, steps=steps)
-    rz.report_stall("j", report("a", at(seen(0, Q, stalled, "socket.py:706 in readinto", stack=EVAL)),
+    rz.handle("j", report("a", at(seen(0, Q, stalled, "socket.py:706 in readinto", stack=EVAL)),
                                 at(seen(1, W, stalled, stack=ALL_REDUCE)), round_id=round_id), now)
-    rz.report_stall("j", report("b", at(seen(2, W, stalled)), at(seen(3, W, stalled)), round_id=round_id), now)
+    rz.handle("j", report("b", at(seen(2, W, stalled)), at(seen(3, W, stalled)), round_id=round_id), now)
 
 
 def test_a_rank_alone_is_shown_at_once_with_one_event_and_in_the_reply(running) -> None:
@@ -208,7 +209,7 @@ def test_a_rank_alone_is_shown_at_once_with_one_event_and_in_the_reply(running) 
     shown = shown_stall(job, 10.0)
     assert shown is not None and shown.line(25.0) == \
         "rank 0 alone for 22s at socket.py:706 in readinto; ranks 1-3 waiting in all_reduce"
-    status = running.report_stall("j", report("b", seen(2, W, 8.0), seen(3, W, 8.0)), 11.0)
+    status = running.handle("j", report("b", seen(2, W, 8.0), seen(3, W, 8.0)), 11.0)
     assert status.stall == "rank 0 alone for 8s at socket.py:706 in readinto; ranks 1-3 waiting in all_reduce"
     alone_reports(running, 1, 12.0, 15.0)                  # the spell goes on: said once
     said = [e for e in job.events if e.kind == EventKind.RANKS_ALONE]
@@ -237,10 +238,10 @@ def test_an_alone_decision_is_never_taken_twice_at_one_place(running) -> None:
 def test_a_report_for_ranks_not_its_own_is_refused_and_changes_nothing(running) -> None:
     before = running.jobs["j"].event_seq
     with pytest.raises(RendezvousError) as refused:
-        running.report_stall("j", report("a", seen(2, Q)), 10.0)     # b's rank
+        running.handle("j", report("a", seen(2, Q)), 10.0)     # b's rank
     assert refused.value.code == ErrorCode.BAD_REQUEST and "runs ranks 0..1 in round 1" in refused.value.message
     with pytest.raises(RendezvousError) as forged:
-        running.report_stall("j", report("a", seen(0, W), credential="secret-b"), 10.0)
+        running.handle("j", report("a", seen(0, W), credential="secret-b"), 10.0)
     assert forged.value.code == ErrorCode.FORBIDDEN
     assert running.jobs["j"].event_seq == before and running.jobs["j"].restart_count == 0
 
@@ -250,10 +251,10 @@ def test_a_stale_round_or_detection_off_changes_nothing() -> None:
     off = msgspec.structs.replace(CFG, hang_detection=False)
     join(rz, "a", off)
     join(rz, "b", off)
-    rz.report_stall("j", report("a", seen(0, W), seen(1, W)), 10.0)
-    status = rz.report_stall("j", report("b", seen(2, W), seen(3, S)), 10.0)
+    rz.handle("j", report("a", seen(0, W), seen(1, W)), 10.0)
+    status = rz.handle("j", report("b", seen(2, W), seen(3, S)), 10.0)
     assert not status.accepted and status.reason == "hang detection is off for this job"
-    stale = rz.report_stall("j", report("b", seen(2, W), seen(3, S), round_id=0), 10.0)
+    stale = rz.handle("j", report("b", seen(2, W), seen(3, S), round_id=0), 10.0)
     assert not stale.accepted and "stale" in stale.reason
     assert rz.jobs["j"].restart_count == 0 and rz.jobs["j"].state == JobState.RUNNING
 

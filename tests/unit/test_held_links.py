@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from protocol.messages import PollRequest
 from rdzv_server.core.events import EventKind
+from rdzv_server.core.requests import Arrival
 from rdzv_server.delivery.links import CHECK_GAP_S, HeldLinks
 from tests.unit.test_leases import LEASE, job_with
 
@@ -24,7 +25,7 @@ def run_until_lost(rz, links: HeldLinks | None, start: float, end: float) -> flo
 
 def test_a_silent_dead_node_is_lost_while_the_other_nodes_poll_is_held_and_its_link_answers():
     rz = job_with("a", "b")                       # b joined at 0 and never speaks again: dead
-    rz.hold_poll("j", PollRequest(v=1, node_id="a"), 0.5)     # held from here on: no request heard
+    rz.handle("j", PollRequest(v=1, node_id="a"), 0.5, Arrival(hold=True))     # held from here on: no request heard
     links = HeldLinks()
     links.add(lambda: 0.3)                        # a's connection answered a keepalive probe 0.3 s ago
     lost_at = run_until_lost(rz, links, LEASE, 60.0)
@@ -34,7 +35,7 @@ def test_a_silent_dead_node_is_lost_while_the_other_nodes_poll_is_held_and_its_l
 
 def test_without_the_links_answer_the_same_silence_is_taken_for_the_servers_own():
     rz = job_with("a", "b")
-    rz.hold_poll("j", PollRequest(v=1, node_id="a"), 0.5)
+    rz.handle("j", PollRequest(v=1, node_id="a"), 0.5, Arrival(hold=True))
     links = HeldLinks()
     links.add(lambda: None)                       # unknown (no TCP_INFO): no evidence either way
     links.add(lambda: 30.0)                       # and a connection silent since before: the link may be down
@@ -47,7 +48,7 @@ def test_the_connections_are_asked_at_most_every_check_gap_and_only_once_the_ser
     asked = []
     links = HeldLinks()
     links.add(lambda: asked.append(1) or 0.2)
-    rz.hold_poll("j", PollRequest(v=1, node_id="a"), 1.0)
+    rz.handle("j", PollRequest(v=1, node_id="a"), 1.0, Arrival(hold=True))
     links.check(rz, 1.5)                          # heard 0.5 s ago: nothing to ask
     assert asked == []
     links.check(rz, 3.0)

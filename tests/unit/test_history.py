@@ -85,11 +85,11 @@ def test_spares_promoted_losses_and_a_finished_job():
     config = cfg(min_nodes=2, max_nodes=2, last_call_s=1.0)
     running(rz, "j", ["a", "b"], config)
     join(rz, "j", "spare", T + 5, config)                  # at max: a spare
-    rz.leave("j", LeaveRequest(v=1, node_id="b", reason="stopped"), T + 20)
+    rz.handle("j", LeaveRequest(v=1, node_id="b", reason="stopped"), T + 20)
     completed = [e for e in rz.jobs["j"].events if e.kind == K.ROUND_COMPLETED]
     assert completed[-1].data["promoted"] == 1 and "promoted" not in completed[0].data
     for node in ("a", "spare"):
-        rz.report_success("j", SuccessReport(v=1, node_id=node, round_id=2), T + 30)
+        rz.handle("j", SuccessReport(v=1, node_id=node, round_id=2), T + 30)
     text, m = picture(rz, "j", T + 31)
 
     kinds = [(a["data-kind"], a["data-count"]) for a in tags(m, "data-kind")]
@@ -139,7 +139,7 @@ def test_client_strings_are_escaped():
     rz = Rendezvous()
     running(rz, HOSTILE, ["a", "b"], cfg(max_restarts=3))
     fail(rz, HOSTILE, "b", T + 10, message=HOSTILE)
-    rz.leave(HOSTILE, LeaveRequest(v=1, node_id="a", reason=HOSTILE), T + 20)
+    rz.handle(HOSTILE, LeaveRequest(v=1, node_id="a", reason=HOSTILE), T + 20)
     for compact in (False, True):
         text, m = picture(rz, HOSTILE, T + 30, compact)
         assert text.count("</svg>") == 1 and text.endswith("</svg>")
@@ -224,7 +224,7 @@ def test_a_round_after_a_hang_is_drawn_as_a_restart_with_the_hang_marked():
     waiting = [RankSeen(rank=r, local_rank=r % 2, state=RankState.WAITING, stalled_s=6.0) for r in range(4)]
     quiet = RankSeen(rank=3, local_rank=1, state=RankState.STOPPED, stalled_s=6.0, where="train.py:16 in <module>")
     for node, ranks in (("a", waiting[:2]), ("b", [waiting[2], quiet])):
-        rz.report_stall("j", StallReport(v=1, node_id=node, credential=f"secret-{node}", round_id=1, threshold_s=5.0,
+        rz.handle("j", StallReport(v=1, node_id=node, credential=f"secret-{node}", round_id=1, threshold_s=5.0,
                                          ranks=ranks), T + 10)
     assert rz.jobs["j"].round.round_id == 2
     text, m = picture(rz, "j", T + 20)

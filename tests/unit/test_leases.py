@@ -6,6 +6,7 @@ from protocol.messages import JobConfig, JoinRequest, PollRequest
 from rdzv_server.core.events import EventKind
 from rdzv_server.core.leases import OUTAGE_LIMIT_S, QUIET_S, RESUME_GRACE_S
 from rdzv_server.core.rendezvous import Rendezvous
+from rdzv_server.core.requests import Arrival
 from rdzv_server.core.rounds import assignment
 
 LEASE = 5.0
@@ -15,14 +16,14 @@ CFG = JobConfig(min_nodes=1, max_nodes=3, last_call_s=0.0, lease_timeout_s=LEASE
 def job_with(*nodes: str, now: float = 0.0) -> Rendezvous:
     rz = Rendezvous()
     for n in nodes:
-        rz.join("j", JoinRequest(v=1, node_id=n, addr="10.0.0.1", local_world_size=1, master_port=1, config=CFG,
+        rz.handle("j", JoinRequest(v=1, node_id=n, addr="10.0.0.1", local_world_size=1, master_port=1, config=CFG,
                                  instance=n), now)
     rz.tick(now)
     return rz
 
 
 def poll(rz: Rendezvous, node: str, now: float) -> None:
-    rz.poll("j", PollRequest(v=1, node_id=node), now)
+    rz.handle("j", PollRequest(v=1, node_id=node), now)
 
 
 def kinds(rz: Rendezvous) -> list[str]:
@@ -31,7 +32,7 @@ def kinds(rz: Rendezvous) -> list[str]:
 
 def test_a_held_poll_is_the_lease_and_its_answer_starts_the_lease_again():
     rz = job_with("a", "b")
-    rz.hold_poll("j", PollRequest(v=1, node_id="a"), 1.0)
+    rz.handle("j", PollRequest(v=1, node_id="a"), 1.0, Arrival(hold=True))
     for t in (10.0, 20.0, 30.0):                 # b keeps talking; a's poll is held the whole time
         poll(rz, "b", t)
         rz.tick(t)
@@ -48,7 +49,7 @@ def test_a_held_poll_is_the_lease_and_its_answer_starts_the_lease_again():
 
 def test_a_held_polls_connection_closing_loses_the_node_after_the_grace():
     rz = job_with("a", "b")
-    rz.hold_poll("j", PollRequest(v=1, node_id="a"), 1.0)
+    rz.handle("j", PollRequest(v=1, node_id="a"), 1.0, Arrival(hold=True))
     rz.connection_dropped("j", "a", 2.0)
     poll(rz, "b", 2.5)
     rz.tick(3.0)
@@ -130,18 +131,18 @@ def test_a_loopback_rank_0_on_a_multi_host_round_gets_a_reachable_master_addr():
     rz = Rendezvous()
     c = JobConfig(min_nodes=2, max_nodes=2, lease_timeout_s=LEASE)
     # a runs on the server's host and reached it by loopback; b came from another host to 10.0.0.1
-    rz.join("j", JoinRequest(v=1, node_id="a", addr="127.0.0.1", local_world_size=1, master_port=7,
-                             config=c, instance="a"), 1.0, via=("127.0.0.1", "127.0.0.1"))
-    rz.join("j", JoinRequest(v=1, node_id="b", addr="10.0.0.2", local_world_size=1, master_port=8,
-                             config=c, instance="b"), 1.0, via=("10.0.0.2", "10.0.0.1"))
+    rz.handle("j", JoinRequest(v=1, node_id="a", addr="127.0.0.1", local_world_size=1, master_port=7,
+                             config=c, instance="a"), 1.0, Arrival(peer="127.0.0.1", local="127.0.0.1"))
+    rz.handle("j", JoinRequest(v=1, node_id="b", addr="10.0.0.2", local_world_size=1, master_port=8,
+                             config=c, instance="b"), 1.0, Arrival(peer="10.0.0.2", local="10.0.0.1"))
     job = rz.jobs["j"]
     assert {assignment(job.round, m).master_addr for m in job.round.members} == {"10.0.0.1"}
     said = [e.message for e in job.events if e.kind == EventKind.MASTER_ADDR_CORRECTED]
     assert len(said) == 1 and "--local-addr" in said[0] and "127.0.0.1" in said[0]
     one_host = Rendezvous()                                   # every node on loopback: nothing to correct
     for n in ("a", "b"):
-        one_host.join("j", JoinRequest(v=1, node_id=n, addr="127.0.0.1", local_world_size=1, master_port=7,
-                                       config=c, instance=n), 1.0, via=("127.0.0.1", "127.0.0.1"))
+        one_host.handle("j", JoinRequest(v=1, node_id=n, addr="127.0.0.1", local_world_size=1, master_port=7,
+                                         config=c, instance=n), 1.0, Arrival(peer="127.0.0.1", local="127.0.0.1"))
     assert {assignment(r, m).master_addr for r in [one_host.jobs["j"].round] for m in r.members} == {"127.0.0.1"}
 
 
@@ -150,7 +151,7 @@ def test_a_flapping_host_is_kept_out_so_it_costs_the_others_at_most_three_rounds
     rz = Rendezvous()
 
     def join(n: str, t: float, instance: str) -> None:
-        rz.join("j", JoinRequest(v=1, node_id=n, addr="10.0.0.1", local_world_size=1, master_port=1, config=c,
+        rz.handle("j", JoinRequest(v=1, node_id=n, addr="10.0.0.1", local_world_size=1, master_port=1, config=c,
                                  instance=instance), t)
 
     for n in ("a", "b", "c"):
@@ -185,7 +186,7 @@ def test_a_single_loss_is_forgiven_at_once():
         poll(rz, "b", t)
         poll(rz, "c", t)
     rz.tick(LEASE)                                # a lost once
-    rz.join("j", JoinRequest(v=1, node_id="a", addr="10.0.0.1", local_world_size=1, master_port=1, config=CFG,
+    rz.handle("j", JoinRequest(v=1, node_id="a", addr="10.0.0.1", local_world_size=1, master_port=1, config=CFG,
                              instance="a2"), 6.0)
     assert rz.jobs["j"].nodes["a"].state != "excluded"
 
@@ -195,7 +196,7 @@ def test_a_closed_connection_waits_while_the_server_runs_behind_and_is_a_loss_on
     # have read the new one yet (at 10,000 polling nodes: 30 nodes lost in one run).
     rz = job_with("a", "b", "c")
     for node in ("a", "c"):
-        rz.hold_poll("j", PollRequest(v=1, node_id=node), 1.0)
+        rz.handle("j", PollRequest(v=1, node_id=node), 1.0, Arrival(hold=True))
         rz.connection_dropped("j", node, 1.0)
     poll(rz, "b", 2.0)
     rz.tick(2.5, lag_s=3.0)
@@ -250,7 +251,7 @@ def test_while_nodes_keep_coming_back_after_a_silence_the_grace_runs_from_the_la
     cfg = JobConfig(min_nodes=1, max_nodes=10, last_call_s=0.0, lease_timeout_s=LEASE, join_timeout_s=1e4)
     rz = Rendezvous()
     for n in ["n0", *late, "dead"]:
-        rz.join("j", JoinRequest(v=1, node_id=n, addr="10.0.0.1", local_world_size=1, master_port=1, config=cfg,
+        rz.handle("j", JoinRequest(v=1, node_id=n, addr="10.0.0.1", local_world_size=1, master_port=1, config=cfg,
                                  instance=n), 0.0)
     rz.tick(0.0)
     first = rz.jobs["j"].round.round_id
@@ -299,14 +300,14 @@ def test_after_a_takeover_a_loss_gives_the_silence_since_the_previous_server_wen
 def test_a_held_poll_closed_late_in_a_silence_gets_the_grace_one_closed_after_it_does_not():
     # The server's keepalive ends a's held poll 4 s into a 5 s blip: that says nothing about a.
     rz = job_with("a", "b")
-    rz.hold_poll("j", PollRequest(v=1, node_id="a"), 9.0)
+    rz.handle("j", PollRequest(v=1, node_id="a"), 9.0, Arrival(hold=True))
     poll(rz, "b", 10.0)
     rz.connection_dropped("j", "a", 14.0)          # nobody heard 10.0 -> 15.0
     poll(rz, "b", 15.0)
     rz.tick(15.0)
     assert "a" in rz.jobs["j"].nodes and rz.jobs["j"].nodes["a"].lease_expires == 15.0 + RESUME_GRACE_S
     rz2 = job_with("a", "b")
-    rz2.hold_poll("j", PollRequest(v=1, node_id="a"), 9.0)
+    rz2.handle("j", PollRequest(v=1, node_id="a"), 9.0, Arrival(hold=True))
     poll(rz2, "b", 10.0)
     poll(rz2, "b", 15.0)
     rz2.connection_dropped("j", "a", 15.2)         # closed after the server heard again: evidence
@@ -319,7 +320,7 @@ def test_a_poll_held_longer_than_the_lease_and_closed_gets_the_whole_grace_from_
     # At 10,000 nodes polls are held 16-20 s; an agent closes one whose answer is overdue and sends it
     # again. The open poll was its lease until then: it has DROP_GRACE_S from the close, not none.
     rz = job_with("a", "b")
-    rz.hold_poll("j", PollRequest(v=1, node_id="a"), 1.0)
+    rz.handle("j", PollRequest(v=1, node_id="a"), 1.0, Arrival(hold=True))
     for t in range(2, 22, 2):
         poll(rz, "b", float(t))
     rz.connection_dropped("j", "a", 21.0)
@@ -335,9 +336,9 @@ def test_a_connection_closed_before_a_silence_is_not_held_back_by_it():
     # server "behind" for 5 s; b's grace, held back for the lag meanwhile, was then held for the
     # silence too, reached the quiet rule and was extended a whole lease, again and again.
     rz = job_with("a", "b")
-    rz.hold_poll("j", PollRequest(v=1, node_id="b"), 0.5)
+    rz.handle("j", PollRequest(v=1, node_id="b"), 0.5, Arrival(hold=True))
     rz.connection_dropped("j", "b", 1.0)
-    rz.hold_poll("j", PollRequest(v=1, node_id="a"), 1.0)        # held from here on
+    rz.handle("j", PollRequest(v=1, node_id="a"), 1.0, Arrival(hold=True))        # held from here on
     t = 2.0
     while t < 30.0:
         rz.tick(t, lag_s=0.2 if t < 6.0 else 0.0)
@@ -352,16 +353,16 @@ def test_a_connection_whose_closing_was_heard_late_in_a_silence_is_a_loss_after_
     # a's poll is held from 15 s: nobody heard. At 18.5 s b's kernel closes b's poll (a FIN just in:
     # connections.request_ack_age_s), so the close is evidence about b.
     rz = job_with("a", "b")
-    rz.hold_poll("j", PollRequest(v=1, node_id="b"), 14.0)
-    rz.hold_poll("j", PollRequest(v=1, node_id="a"), 15.0)
+    rz.handle("j", PollRequest(v=1, node_id="b"), 14.0, Arrival(hold=True))
+    rz.handle("j", PollRequest(v=1, node_id="a"), 15.0, Arrival(hold=True))
     rz.connection_dropped("j", "b", 18.5, heard=True)
     rz.tick(19.5)
     assert "b" not in rz.jobs["j"].nodes
     # the same close with nothing heard (a keepalive giving up: maybe the server's own link) is
     # taken for the silence's doing: b waits
     rz2 = job_with("a", "b")
-    rz2.hold_poll("j", PollRequest(v=1, node_id="b"), 14.0)
-    rz2.hold_poll("j", PollRequest(v=1, node_id="a"), 15.0)
+    rz2.handle("j", PollRequest(v=1, node_id="b"), 14.0, Arrival(hold=True))
+    rz2.handle("j", PollRequest(v=1, node_id="a"), 15.0, Arrival(hold=True))
     rz2.connection_dropped("j", "b", 18.5)
     rz2.tick(19.5)
     assert "b" in rz2.jobs["j"].nodes and EventKind.LEASES_EXTENDED in kinds(rz2)

@@ -15,13 +15,13 @@ ONE = JobConfig(min_nodes=1, max_nodes=1, last_call_s=0.0, lease_timeout_s=1e4)
 
 
 def join(rz: Rendezvous, job: str, node: str, now: float, config: JobConfig = ONE) -> None:
-    rz.join(job, JoinRequest(v=1, node_id=node, addr="10.0.0.1", local_world_size=1, master_port=1,
+    rz.handle(job, JoinRequest(v=1, node_id=node, addr="10.0.0.1", local_world_size=1, master_port=1,
                              config=config, instance=node), now)
 
 
 def finish(rz: Rendezvous, job: str, now: float) -> None:
     join(rz, job, "a", now)
-    rz.report_success(job, SuccessReport(v=1, node_id="a", round_id=1), now)
+    rz.handle(job, SuccessReport(v=1, node_id="a", round_id=1), now)
     assert rz.jobs[job].state.finished
 
 
@@ -50,7 +50,7 @@ def test_the_call_that_ends_a_job_asks_the_timer_for_its_retention_deadline():
     rz = Rendezvous(limits=Limits(retain_finished_s=5.0))
     join(rz, "one", "a", 10.0, JobConfig(min_nodes=1, max_nodes=1, lease_timeout_s=600.0))
     assert rz.take_effects().earliest == 610.0
-    rz.report_success("one", SuccessReport(v=1, node_id="a", round_id=1), 11.0)
+    rz.handle("one", SuccessReport(v=1, node_id="a", round_id=1), 11.0)
     assert rz.take_effects().earliest == 16.0
 
 
@@ -127,16 +127,16 @@ def test_a_failure_report_is_bounded_by_its_nodes_workers_and_floods_no_history(
     from protocol.messages import FailureReport, WorkerFailure
     many = JobConfig(min_nodes=1, max_nodes=1, max_restarts=5, last_call_s=0.0, lease_timeout_s=1e4)
     rz = Rendezvous()
-    rz.join("j", JoinRequest(v=1, node_id="a", addr="10.0.0.1", local_world_size=64, master_port=1,
+    rz.handle("j", JoinRequest(v=1, node_id="a", addr="10.0.0.1", local_world_size=64, master_port=1,
                              config=many, instance="a"), 1.0)
     before = rz.jobs["j"].event_seq
     with pytest.raises(RendezvousError) as err:                 # a local rank the node does not have
-        rz.report_failure("j", FailureReport(v=1, node_id="a", round_id=1, failures=[
+        rz.handle("j", FailureReport(v=1, node_id="a", round_id=1, failures=[
             WorkerFailure(local_rank=64, rank=64, exitcode=1)]), 2.0)
     assert err.value.code == ErrorCode.BAD_REQUEST and "runs 64 workers" in err.value.message
     assert rz.jobs["j"].event_seq == before and rz.jobs["j"].restart_count == 0
     failures = [WorkerFailure(local_rank=r, rank=r, exitcode=1, message="x" * 4096) for r in range(64)]
-    rz.report_failure("j", FailureReport(v=1, node_id="a", round_id=1, failures=failures), 3.0)
+    rz.handle("j", FailureReport(v=1, node_id="a", round_id=1, failures=failures), 3.0)
     failed = [e for e in rz.jobs["j"].events_after(before) if e.kind == "worker_failed"]
     assert len(failed) == 9 and failed[-1].data == {"count": 56, "reason": "exited"}
     assert rz.jobs["j"].restart_count == 1

@@ -8,13 +8,14 @@ import pytest
 from protocol.errors import ErrorCode
 from protocol.messages import JobConfig, JoinRequest, PollRequest
 from rdzv_server.core.rendezvous import Rendezvous, RendezvousError
+from rdzv_server.core.requests import Arrival
 
 CFG = JobConfig(min_nodes=2, max_nodes=2, last_call_s=0.0, lease_timeout_s=5.0)
 
 
 def join(rz: Rendezvous, node: str, now: float, secret: str, instance: str, sent: str = ""):
-    return rz.join("j", JoinRequest(v=1, node_id=node, addr="10.0.0.1", local_world_size=1, master_port=1,
-                                    config=CFG, credential=sent, instance=instance), now, secret)
+    return rz.handle("j", JoinRequest(v=1, node_id=node, addr="10.0.0.1", local_world_size=1, master_port=1,
+                                    config=CFG, credential=sent, instance=instance), now, Arrival(secret=secret))
 
 
 def test_the_same_agent_joining_without_the_lost_secret_gets_a_fresh_one():
@@ -23,9 +24,9 @@ def test_the_same_agent_joining_without_the_lost_secret_gets_a_fresh_one():
     again = join(rz, "a", 1.2, "fresh", instance="agent-a-1")
     assert again.credential == "fresh" and len(rz.jobs["j"].nodes) == 1
     assert not any(e.kind == "node_lost" for e in rz.jobs["j"].events)
-    rz.poll("j", PollRequest(v=1, node_id="a", credential="fresh"), 1.3)
+    rz.handle("j", PollRequest(v=1, node_id="a", credential="fresh"), 1.3)
     with pytest.raises(RendezvousError) as err:
-        rz.poll("j", PollRequest(v=1, node_id="a", credential="never-seen"), 1.3)
+        rz.handle("j", PollRequest(v=1, node_id="a", credential="never-seen"), 1.3)
     assert err.value.code == ErrorCode.FORBIDDEN
 
 
@@ -46,11 +47,11 @@ def test_a_late_duplicate_of_the_join_cannot_take_the_node_from_its_agent():
     agent's secret stays good."""
     rz = Rendezvous()
     join(rz, "a", 1.0, "secret-a", instance="agent-a-1")
-    rz.poll("j", PollRequest(v=1, node_id="a", credential="secret-a"), 1.1)      # the agent has it
+    rz.handle("j", PollRequest(v=1, node_id="a", credential="secret-a"), 1.1)      # the agent has it
     with pytest.raises(RendezvousError) as err:
         join(rz, "a", 1.2, "from-the-duplicate", instance="agent-a-1")
     assert err.value.code == ErrorCode.NODE_CONFLICT
-    rz.poll("j", PollRequest(v=1, node_id="a", credential="secret-a"), 1.3)
+    rz.handle("j", PollRequest(v=1, node_id="a", credential="secret-a"), 1.3)
     with pytest.raises(RendezvousError) as err:
-        rz.poll("j", PollRequest(v=1, node_id="a", credential="from-the-duplicate"), 1.3)
+        rz.handle("j", PollRequest(v=1, node_id="a", credential="from-the-duplicate"), 1.3)
     assert err.value.code == ErrorCode.FORBIDDEN

@@ -10,7 +10,7 @@ CFG = JobConfig(min_nodes=1, max_nodes=2, max_restarts=1, last_call_s=3.0, lease
 
 
 def join(rz: Rendezvous, node: str, now: float, addr: str = "10.0.0.1", instance: str = "i1") -> None:
-    rz.join("j", JoinRequest(v=1, node_id=node, addr=addr, local_world_size=1, master_port=1000, config=CFG,
+    rz.handle("j", JoinRequest(v=1, node_id=node, addr=addr, local_world_size=1, master_port=1000, config=CFG,
                              instance=instance), now)
 
 
@@ -29,7 +29,7 @@ def test_a_renewal_changes_nothing_saved_and_sets_no_earlier_deadline():
     rz = Rendezvous()
     join(rz, "a", 10.0)
     rz.take_effects()
-    rz.poll("j", PollRequest(v=1, node_id="a", master_port=2000), 11.0)
+    rz.handle("j", PollRequest(v=1, node_id="a", master_port=2000), 11.0)
     out = rz.take_effects()
     assert (out.events, out.woken, out.changed, out.earliest) == ([], set(), {}, None)
 
@@ -50,11 +50,11 @@ def test_an_accepted_failure_is_one_restart_and_wakes_the_job_the_last_one_fails
     rz.tick(13.0)                                  # last call ends: round 1
     rz.take_effects()
     failure = WorkerFailure(local_rank=0, rank=0, exitcode=1)
-    rz.report_failure("j", FailureReport(v=1, node_id="a", round_id=1, failures=[failure]), 14.0)
+    rz.handle("j", FailureReport(v=1, node_id="a", round_id=1, failures=[failure]), 14.0)
     out = rz.take_effects()
     assert out.restarts == ["j"] and out.woken == {"j"}
     assert failure.node_id == "" and failure.timestamp == 0.0     # what was handed in is not changed
     assert rz.jobs["j"].root_cause is not None and rz.jobs["j"].root_cause.node_id == "a"
-    rz.report_failure("j", FailureReport(v=1, node_id="a", round_id=2, failures=[failure]), 15.0)
+    rz.handle("j", FailureReport(v=1, node_id="a", round_id=2, failures=[failure]), 15.0)
     out = rz.take_effects()
     assert out.restarts == [] and [ev.kind for _, ev in out.events][-1] == EventKind.JOB_FAILED

@@ -17,6 +17,7 @@ from rdzv_server.core.events import EventKind
 from rdzv_server.core.goodput import MAX_COSTS
 from rdzv_server.core.records import Event, NodeRecord
 from rdzv_server.core.rendezvous import Rendezvous
+from rdzv_server.core.requests import Arrival
 from rdzv_server.web import views
 from rdzv_server.web.app import create_app
 from rdzv_server.web.page import cards as page_cards
@@ -60,7 +61,7 @@ def cfg(**kw) -> JobConfig:
 
 
 def join(rz: Rendezvous, job: str, node: str, now: float, config: JobConfig, host: str = "", lws: int = 1):
-    return rz.join(job, JoinRequest(v=1, node_id=node, addr=f"10.0.0.{len(node)}", host=host or f"host-{node}",
+    return rz.handle(job, JoinRequest(v=1, node_id=node, addr=f"10.0.0.{len(node)}", host=host or f"host-{node}",
                                     local_world_size=lws, master_port=29500, config=config,
                                     instance=f"{node}#1"), now)
 
@@ -68,7 +69,7 @@ def join(rz: Rendezvous, job: str, node: str, now: float, config: JobConfig, hos
 def fail(rz: Rendezvous, job: str, node: str, now: float, message: str = "", exitcode: int = 1):
     round_id = rz.jobs[job].round.round_id
     failure = WorkerFailure(local_rank=0, rank=0, exitcode=exitcode, message=message)
-    return rz.report_failure(job, FailureReport(v=1, node_id=node, round_id=round_id, failures=[failure]), now)
+    return rz.handle(job, FailureReport(v=1, node_id=node, round_id=round_id, failures=[failure]), now)
 
 
 def running(rz: Rendezvous, job: str, nodes: list[str], config: JobConfig, t: float = T, **kw) -> None:
@@ -93,7 +94,7 @@ def test_every_job_has_its_state_and_health_colour():
     running(rz, "dies", ["d"], cfg(min_nodes=1, max_nodes=1, max_restarts=0))
     fail(rz, "dies", "d", T + 5)
     running(rz, "done", ["s"], cfg(min_nodes=1, max_nodes=1))
-    rz.report_success("done", SuccessReport(v=1, node_id="s", round_id=rz.jobs["done"].round.round_id), T + 6)
+    rz.handle("done", SuccessReport(v=1, node_id="s", round_id=rz.jobs["done"].round.round_id), T + 6)
     running(rz, "shut", ["c"], cfg(min_nodes=1, max_nodes=1))
     rz.close_job("shut", "maintenance", T + 7)
     running(rz, "short", ["x", "y"], cfg(max_nodes=3, last_call_s=1.0))   # 2 of max 3
@@ -154,8 +155,9 @@ def test_spares_and_excluded_nodes_with_time_left():
     join(rz, "j", "d", T + 26, config)
     m = Markup(page.index_page(rz, T + 27))
     assert "lease age ready #1 d host-d 10.0.0.1 1 1.0s yes" in m.text, m.text
-    rz.join("j", JoinRequest(v=1, node_id="e", addr="10.0.0.1", host="host-e", local_world_size=1,
-                             master_port=29500, config=config, instance="e#1", ready=False), T + 27, "secret-e")
+    rz.handle("j", JoinRequest(v=1, node_id="e", addr="10.0.0.1", host="host-e", local_world_size=1,
+                             master_port=29500, config=config, instance="e#1", ready=False), T + 27,
+                                 Arrival(secret="secret-e"))
     m = Markup(page.index_page(rz, T + 30))
     assert "#2 e host-e 10.0.0.1 1 3.0s preparing 3.0s" in m.text, m.text      # its interpreter still imports
     assert ("span", {"class": "warn-text", "data-preparing": "1"}) in m.tags

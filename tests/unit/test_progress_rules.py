@@ -21,9 +21,8 @@ def test_a_refused_failure_report_changes_no_progress() -> None:
     round_id = job.round.round_id
     bad = WorkerFailure(local_rank=7, rank=7, exitcode=1, timestamp=T + 90)      # node b runs local ranks 0-1
     with pytest.raises(RendezvousError):
-        rz.report_failure("lagging", FailureReport(v=1, node_id="b", credential="secret-b", round_id=round_id,
-                                                   failures=[bad], progress=note(round_id, 500, T + 5, T + 90)),
-                          T + 90)
+        rz.handle("lagging", FailureReport(v=1, node_id="b", credential="secret-b", round_id=round_id,
+                                                   failures=[bad], progress=note(round_id, 500, T + 5, T + 90)), T + 90)
     assert msgspec.json.encode(job.progress) == before and job.round.round_id == round_id
     assert job.restart_count == 0
 
@@ -31,7 +30,7 @@ def test_a_refused_failure_report_changes_no_progress() -> None:
 def test_a_slow_node_that_left_is_no_longer_named() -> None:
     rz = Rendezvous()
     slow(rz)
-    rz.leave("lagging", LeaveRequest(v=1, node_id="b", credential="secret-b", reason="maintenance"), T + 100)
+    rz.handle("lagging", LeaveRequest(v=1, node_id="b", credential="secret-b", reason="maintenance"), T + 100)
     join(rz, "lagging", "c", T + 101)
     job = rz.jobs["lagging"]
     assert sorted(job.round.members) == ["a", "c"]
@@ -82,7 +81,7 @@ def test_a_restart_whose_round_ran_only_until_its_success_reports_is_counted() -
     crash(rz, "short", "b", T + 11)
     poll(rz, "short", "a", T + 12, None)
     for node in ("a", "b"):                   # round 2 stepped from T+13; its notes come with the successes only
-        rz.report_success("short", SuccessReport(v=1, node_id=node, credential=f"secret-{node}", round_id=2,
+        rz.handle("short", SuccessReport(v=1, node_id=node, credential=f"secret-{node}", round_id=2,
                                                  progress=note(2, 5, T + 13, T + 14)), T + 15)
     assert job.state == JobState.SUCCEEDED
     assert job.progress.restarts == 1 and job.progress.lost_s == pytest.approx(3.0)

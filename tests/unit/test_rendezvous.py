@@ -41,27 +41,27 @@ def cfg(**kw) -> JobConfig:
 
 def join(rz: Rendezvous, node: str, now: float, config: JobConfig, *, lws: int = 1,
          instance: str | None = None, port: int | None = None, ready: bool = True) -> NodeStatus:
-    return rz.join(JOB, JoinRequest(v=1, node_id=node, addr=f"addr-{node}", local_world_size=lws,
+    return rz.handle(JOB, JoinRequest(v=1, node_id=node, addr=f"addr-{node}", local_world_size=lws,
                                     master_port=port if port is not None else 20000 + len(node),
                                     config=config, instance=instance or f"{node}#1", ready=ready), now)
 
 
 def poll(rz: Rendezvous, node: str, now: float, *, port: int = 0, ready: bool = True) -> NodeStatus:
-    return rz.poll(JOB, PollRequest(v=1, node_id=node, master_port=port, ready=ready), now)
+    return rz.handle(JOB, PollRequest(v=1, node_id=node, master_port=port, ready=ready), now)
 
 
 def fail(rz: Rendezvous, node: str, round_id: int, now: float, *, rank: int = 0,
          timestamp: float = 0.0) -> NodeStatus:
     failure = WorkerFailure(local_rank=0, rank=rank, exitcode=1, timestamp=timestamp)
-    return rz.report_failure(JOB, FailureReport(v=1, node_id=node, round_id=round_id, failures=[failure]), now)
+    return rz.handle(JOB, FailureReport(v=1, node_id=node, round_id=round_id, failures=[failure]), now)
 
 
 def succeed(rz: Rendezvous, node: str, round_id: int, now: float) -> NodeStatus:
-    return rz.report_success(JOB, SuccessReport(v=1, node_id=node, round_id=round_id), now)
+    return rz.handle(JOB, SuccessReport(v=1, node_id=node, round_id=round_id), now)
 
 
 def leave(rz: Rendezvous, node: str, now: float) -> NodeStatus:
-    return rz.leave(JOB, LeaveRequest(v=1, node_id=node, reason="scaled down"), now)
+    return rz.handle(JOB, LeaveRequest(v=1, node_id=node, reason="scaled down"), now)
 
 
 def view(rz: Rendezvous, node: str, now: float) -> NodeStatus:
@@ -338,7 +338,7 @@ def test_a_claim_of_a_group_rank_in_a_join_is_ignored():
                                    "master_port": 20001, "instance": "z#1", "group_rank": 0, "rank_offset": 0,
                                    "config": msgspec.to_builtins(cfg(min_nodes=2, max_nodes=2, **QUIET))})
     join(rz, "a", 0.0, cfg(min_nodes=2, max_nodes=2, **QUIET))
-    rz.join(JOB, msgspec.msgpack.decode(body, type=JoinRequest), 0.1)
+    rz.handle(JOB, msgspec.msgpack.decode(body, type=JoinRequest), 0.1)
     assert members(rz) == ["a", "z"]                        # the server decides: z joined second
 
 
@@ -733,11 +733,11 @@ def test_finished_job_id_starts_a_new_run_at_once_for_an_agent_that_was_not_in_i
     cfg = JobConfig(min_nodes=1, max_nodes=1)
 
     def join_as(node: str, instance: str, now: float):
-        return core.join("j", JoinRequest(v=1, node_id=node, addr="h", local_world_size=1, master_port=1,
+        return core.handle("j", JoinRequest(v=1, node_id=node, addr="h", local_world_size=1, master_port=1,
                                           config=cfg, instance=instance), now)
 
     first = join_as("a", "i1", 0.0)
-    core.report_success("j", SuccessReport(v=1, node_id="a", round_id=first.round_id), 1.0)
+    core.handle("j", SuccessReport(v=1, node_id="a", round_id=first.round_id), 1.0)
     for node, instance in (("a", "i1"), ("b", "")):   # the finished run's own agent, or one that says nothing
         with pytest.raises(RendezvousError) as err:
             join_as(node, instance, 2.0)
@@ -745,7 +745,7 @@ def test_finished_job_id_starts_a_new_run_at_once_for_an_agent_that_was_not_in_i
     again = join_as("a", "i2", 2.0)                   # a new agent (the same command run again): a new run
     assert again.job_state == JobState.RUNNING and again.restart_count == 0
     assert [e.kind for e in core.jobs["j"].events][:2] == ["job_created", "job_reused"]
-    core.report_success("j", SuccessReport(v=1, node_id="a", credential=again.credential,
+    core.handle("j", SuccessReport(v=1, node_id="a", credential=again.credential,
                                            round_id=again.round_id), 3.0)
     late = join_as("b", "", 3.0 + REUSE_FINISHED_AFTER_S)   # long after the end: anything starts a new run
     assert late.job_state == JobState.RUNNING
@@ -756,7 +756,7 @@ def test_a_join_whose_command_differs_from_the_jobs_is_refused_naming_both():
     cfg = JobConfig(min_nodes=2, max_nodes=2)
 
     def join_as(node: str, command: str):
-        return core.join("j", JoinRequest(v=1, node_id=node, addr="h", local_world_size=1, master_port=1,
+        return core.handle("j", JoinRequest(v=1, node_id=node, addr="h", local_world_size=1, master_port=1,
                                           config=cfg, instance=node, command=command), 0.0)
 
     join_as("a", "")                 # not checked: the job takes the first command it is given

@@ -13,6 +13,7 @@ from protocol.messages import FailureReport, JobConfig, JobState, JoinRequest, N
 from rdzv_server.core import rounds
 from rdzv_server.core.records import JobRecord, NodeRecord
 from rdzv_server.core.rendezvous import Rendezvous
+from rdzv_server.core.requests import Arrival
 
 MEMBERS = 40
 
@@ -40,15 +41,16 @@ def test_a_round_formed_again_parses_no_member_address_again(monkeypatch: pytest
     cfg = JobConfig(min_nodes=MEMBERS, max_nodes=MEMBERS, max_restarts=5, lease_timeout_s=1e4)
     for i in range(MEMBERS):
         addr = f"10.1.{i // 200}.{i % 200 + 1}"
-        rz.join("j", JoinRequest(v=1, node_id=f"n{i}", addr=addr, local_world_size=8, master_port=29500,
-                                 config=cfg, instance=f"n{i}", probe_port=29600), 1.0, via=(addr, "10.1.9.9"))
+        rz.handle("j", JoinRequest(v=1, node_id=f"n{i}", addr=addr, local_world_size=8, master_port=29500,
+                                 config=cfg, instance=f"n{i}", probe_port=29600), 1.0,
+                                     Arrival(peer=addr, local="10.1.9.9"))
     first = rz.jobs["j"].round
     assert first is not None and len(first.members) == MEMBERS
     assert len(set(parsed)) > MEMBERS            # every member's address and the server's were looked at
     parsed.clear()
 
     failure = WorkerFailure(local_rank=0, rank=0, exitcode=1)
-    status = rz.report_failure("j", FailureReport(v=1, node_id="n3", round_id=first.round_id, failures=[failure]), 2.0)
+    status = rz.handle("j", FailureReport(v=1, node_id="n3", round_id=first.round_id, failures=[failure]), 2.0)
     second = rz.jobs["j"].round
     assert status.accepted and second is not None and second.round_id == first.round_id + 1
     assert parsed == []

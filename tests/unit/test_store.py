@@ -18,14 +18,14 @@ from rdzv_server.store.sqlite import DB_NAME, SCHEMA_VERSION, SqliteStore, Store
 
 def _join(rz: Rendezvous, job: str, node: str, now: float, **cfg) -> None:
     config = JobConfig(**{"lease_timeout_s": 1e4, "last_call_s": 0.0, "max_restarts": 3, **cfg})
-    rz.join(job, JoinRequest(v=1, node_id=node, addr=f"10.0.0.{len(node)}", local_world_size=2,
+    rz.handle(job, JoinRequest(v=1, node_id=node, addr=f"10.0.0.{len(node)}", local_world_size=2,
                              master_port=29500, config=config, instance=f"{node}#1"), now)
 
 
 def _fail(rz: Rendezvous, job: str, node: str, now: float) -> None:
     round_id = rz.jobs[job].round.round_id
     failure = WorkerFailure(local_rank=1, rank=3, exitcode=7, message="boom", timestamp=now - 0.5)
-    rz.report_failure(job, FailureReport(v=1, node_id=node, round_id=round_id, failures=[failure]), now)
+    rz.handle(job, FailureReport(v=1, node_id=node, round_id=round_id, failures=[failure]), now)
 
 
 def every_state() -> Rendezvous:
@@ -172,7 +172,7 @@ def test_a_commit_writes_only_the_node_rows_the_core_changed_and_deletes_removed
     store = SqliteStore(str(tmp_path))
     store.write([snapshot(rz.jobs["j"], first.nodes["j"], rz.jobs["j"].events, reset=True)], 1.0)
     _join(rz, "j", "d", 2.0, min_nodes=1, max_nodes=5)         # a newcomer: one row, whatever the job's size
-    rz.leave("j", LeaveRequest(v=1, node_id="a"), 2.0)
+    rz.handle("j", LeaveRequest(v=1, node_id="a"), 2.0)
     second = rz.take_effects()
     assert second.nodes == {"j": {"d", "a"}}
     snap = snapshot(rz.jobs["j"], second.nodes["j"], [], reset=False)
@@ -221,7 +221,7 @@ def _big_running_job(members: int) -> Rendezvous:
     rz = Rendezvous()
     config = JobConfig(min_nodes=members, max_nodes=members, lease_timeout_s=1e4, last_call_s=0.0, max_restarts=3)
     for i in range(members):
-        rz.join("big", JoinRequest(v=1, node_id=f"n{i}", addr=f"10.3.{i // 200}.{i % 200 + 1}",
+        rz.handle("big", JoinRequest(v=1, node_id=f"n{i}", addr=f"10.3.{i // 200}.{i % 200 + 1}",
                                    local_world_size=1 + i % 3, master_port=29500, config=config, instance=f"n{i}",
                                    probe_port=29600 if i % 4 else 0, role="trainer" if i % 5 else "eval"), 1.0)
     return rz

@@ -21,14 +21,14 @@ CONFIG = JobConfig(min_nodes=2, max_nodes=2, max_restarts=3, lease_timeout_s=10_
 
 def join(rz: Rendezvous, node: str, now: float, job: str = "a", host: str | None = None,
          config: JobConfig = CONFIG) -> NodeStatus:
-    return rz.join(job, JoinRequest(v=1, node_id=node, addr=f"10.0.0.{len(node)}", host=host or f"host-{node}",
+    return rz.handle(job, JoinRequest(v=1, node_id=node, addr=f"10.0.0.{len(node)}", host=host or f"host-{node}",
                                     local_world_size=1, master_port=29500, config=config,
                                     instance=f"{node}#1"), now)
 
 
 def leave_unhealthy(rz: Rendezvous, node: str, now: float, job: str = "a",
                     kind: UnhealthyKind = UnhealthyKind.GPU) -> NodeStatus:
-    return rz.leave(job, LeaveRequest(v=1, node_id=node, reason="unhealthy: GPU check: GPU 1: 2 volatile "
+    return rz.handle(job, LeaveRequest(v=1, node_id=node, reason="unhealthy: GPU check: GPU 1: 2 volatile "
                                       "uncorrectable ECC errors", unhealthy=kind), now)
 
 
@@ -88,7 +88,7 @@ def test_a_plain_leave_or_a_hold_of_zero_keeps_nobody_out() -> None:
     assert rz.unhealthy.current(10.0) == []
     rz = Rendezvous()
     running(rz, "n1", "n2")
-    rz.leave("a", LeaveRequest(v=1, node_id="n2", reason="scaled down"), 10.0)
+    rz.handle("a", LeaveRequest(v=1, node_id="n2", reason="scaled down"), 10.0)
     assert rz.unhealthy.current(10.0) == []
     assert EventKind.NODE_LEFT in [e.kind for e in rz.jobs["a"].events]
 

@@ -43,7 +43,7 @@ views = _Documents()
 
 
 def join(rz: Rendezvous, job: str, node: str, now: float, config: JobConfig, lws: int = 1) -> None:
-    rz.join(job, JoinRequest(v=1, node_id=node, addr="10.0.0.1", host=f"host-{node}", local_world_size=lws,
+    rz.handle(job, JoinRequest(v=1, node_id=node, addr="10.0.0.1", host=f"host-{node}", local_world_size=lws,
                              master_port=29500, config=config, instance=f"{node}#1"), now)
 
 
@@ -55,7 +55,7 @@ def server(finished: int, nodes: int = 0, spares: int = 0) -> Rendezvous:
     for i in range(finished):
         job = f"done-{i:05d}"
         join(rz, job, "n", T + i, one)
-        rz.report_success(job, SuccessReport(v=1, node_id="n", round_id=rz.jobs[job].round.round_id), T + i)
+        rz.handle(job, SuccessReport(v=1, node_id="n", round_id=rz.jobs[job].round.round_id), T + i)
     if nodes:
         big = JobConfig(min_nodes=nodes, max_nodes=nodes, lease_timeout_s=10_000.0)
         for i in range(nodes + spares):
@@ -263,7 +263,7 @@ def test_a_job_waiting_for_nodes_has_no_pace():
     job = rz.jobs["again"]
     progress_jobs.step(rz, "again", ["a", "b"], progress_jobs.T + 70, progress_jobs.T + 80, 20, progress_jobs.T + 80)
     assert typed_views.progress(job, progress_jobs.T + 90).steps_per_s == progress_jobs.RATE
-    rz.leave("again", LeaveRequest(v=1, node_id="b", credential="secret-b", reason="bye"), progress_jobs.T + 90)
+    rz.handle("again", LeaveRequest(v=1, node_id="b", credential="secret-b", reason="bye"), progress_jobs.T + 90)
     assert job.round is None and job.progress.pending is not None  # the wait is a restart under way ...
     waiting = typed_views.progress(job, progress_jobs.T + 100)
     assert waiting.steps_per_s == 0.0 and waiting.restarting_for_s == 20.0   # ... no round runs: no pace

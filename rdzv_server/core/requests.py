@@ -1,0 +1,170 @@
+"""The core's front door for agent requests: every kind goes through one pipeline (`Rendezvous.handle`), and only
+then through its own rule here. The pipeline, once for every kind:
+1. the job found (or, for a join, found, reused or created) and the server notes it heard an agent;
+2. the node found: a kind that acts for a known node refuses an unknown one; a poll or a leave of a node the job
+   no longer knows is answered as it stands;
+3. the node's credential verified, then what the kind itself must check before anything changes (the ranks a
+   report names): a refusal changes nothing and tells a forger nothing of the node;
+4. the credential noted as proven and the lease renewed (held, for a poll the shell holds open);
+5. the progress note the request carries taken (goodput, slow nodes), before the rule: the steps belong to the
+   round the request saw, which the rule may end;
+6. the kind's rule: it acts for that authenticated node and says why it did not act ("" when it did).
+A new request kind is one protocol struct, one rule function and one entry in KINDS."""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+from protocol.messages import (
+    AgentRequest,
+    FailureReport,
+    JoinRequest,
+    LeaveRequest,
+    NodeStatus,
+    PollRequest,
+    StallReport,
+    SuccessReport,
+)
+from rdzv_server.core import admission, credentials, leases, progress_rules, reports
+from rdzv_server.core.events import EventKind
+from rdzv_server.core.job_rules import JobRules
+from rdzv_server.core.payloads import NodeUnhealthy
+from rdzv_server.core.progress_rules import JobWatch
+from rdzv_server.core.records import NodeRecord
+from rdzv_server.core.unhealthy import UnhealthyHosts
+
+
+@dataclass(frozen=True)
+class Arrival:
+    """What the shell knows of a request besides its body."""
+    peer: str = ""        # the agent's address, as the server saw it
+    local: str = ""       # the server's address it reached
+    secret: str = ""      # a fresh credential: kept only if a join makes a new node record
+    hold: bool = False    # a poll the shell holds open until news (its connection is the lease meanwhile)
+
+
+ARRIVED = Arrival()
+
+
+@dataclass
+class Call:
+    """One authenticated request, as its rule sees it."""
+    rules: JobRules
+    node: NodeRecord | None        # None: a poll or leave of a node the job does not know (or any join)
+    now: float
+    arrival: Arrival
+    watch: JobWatch
+    unhealthy: UnhealthyHosts
+    credential: str = ""                 # a join's: the secret of the node record it made ("" if none)
+
+
+class Lease(Enum):
+    RENEW = "renew"       # the request is traffic from the node
+    NONE = "none"         # a leave (the node goes), a join (admission sets it)
+
+
+@dataclass(frozen=True)
+class Kind:
+    act: Callable[[Call, Any], str]                       # the rule: why it did not act ("" when it did)
+    known_node: bool = True                               # refused for a node the job does not know
+    check: Callable[[JobRules, NodeRecord, Any], None] | None = None   # refusals before anything changes
+    lease: Lease = Lease.RENEW
+    authenticated: bool = True                            # False: the rule checks who it is (a join)
+    reply: Callable[[Call, NodeStatus], None] | None = None   # what the kind adds to its reply
+
+
+def authenticate(kind: Kind, rules: JobRules, req: AgentRequest, now: float, hold: bool) -> NodeRecord | None:
+    """Steps 2 to 4 of the pipeline; the node the request acts for (None: unknown to the job, and allowed)."""
+    if not kind.authenticated:
+        return None
+    node = rules.node(req.node_id) if kind.known_node else rules.job.nodes.get(req.node_id)
+    if node is None:
+        return None
+    credentials.verify(node, req.credential)         # first: a forger learns nothing of the node
+    if kind.check is not None:
+        kind.check(rules, node, req)
+    credentials.proven(node)
+    if kind.lease is Lease.RENEW:
+        (leases.hold if hold else leases.renew)(rules.job, node, now)
+    return node
+
+
+def note_progress(call: Call, req: AgentRequest) -> None:
+    """Step 5: the request's progress note, from an authenticated member."""
+    note = getattr(req, "progress", None)
+    if note is not None and call.node is not None:
+        progress_rules.noted(call.rules, call.watch, call.node.node_id, note, call.now)
+
+
+# ---- the rules, one per kind ---------------------------------------------------------------------------------
+
+def join(call: Call, req: JoinRequest) -> str:
+    call.credential = admission.join(call.rules, req, call.now, call.arrival.secret,
+                                     (call.arrival.peer, call.arrival.local))
+    return ""
+
+
+def poll(call: Call, req: PollRequest) -> str:
+    node = call.node
+    if node is not None:
+        if req.master_port:          # a hint for the next round; saved with that round, not on its own
+            node.master_port = req.master_port
+        call.rules.readiness(node, req.ready, call.now)
+        if req.copies is not None:
+            node.copies = req.copies
+    return ""
+
+
+def leave(call: Call, req: LeaveRequest) -> str:
+    rules, node, now = call.rules, call.node, call.now
+    if rules.job.state.finished:
+        return ""
+    unhealthy = None if req.unhealthy is None else NodeUnhealthy(kind=req.unhealthy.value,
+                                                                 host=node.host if node is not None else "")
+    if node is not None:     # unhealthy: as a lost node (no restart counted, a spare or a smaller world takes over)
+        kind = EventKind.NODE_LEFT if unhealthy is None else EventKind.NODE_UNHEALTHY
+        rules.remove(node, now, kind, f"node {node.node_id} left: {req.reason}", data=unhealthy)
+        if req.unhealthy is not None:      # its host is kept out of every job for a while
+            call.unhealthy.hold(node.host or node.addr, req.unhealthy.value, req.reason, rules.job.job_id,
+                                req.node_id, now)
+    elif unhealthy is not None:
+        # a node whose own check failed before it joined: the history says why it is missing
+        rules.record(now, EventKind.NODE_UNHEALTHY, f"node {req.node_id} did not join: {req.reason}", req.node_id,
+                     data=unhealthy)
+    return ""
+
+
+def failure(call: Call, req: FailureReport) -> str:
+    assert call.node is not None
+    return reports.failure(call.rules, call.node, req, call.now)
+
+
+def success(call: Call, req: SuccessReport) -> str:
+    assert call.node is not None
+    return reports.success(call.rules, call.node, req, call.now)
+
+
+def stall(call: Call, req: StallReport) -> str:
+    assert call.node is not None
+    return progress_rules.stalled(call.rules, call.watch, call.node, req, call.now)
+
+
+def _credential_reply(call: Call, status: NodeStatus) -> None:
+    status.credential = call.credential      # only a newly made record's: a secret is told once
+
+
+def _stall_reply(call: Call, status: NodeStatus) -> None:
+    shown = progress_rules.shown_stall(call.rules.job, call.now)
+    status.stall = shown.line(call.now) if shown is not None else ""
+
+
+KINDS: dict[type, Kind] = {
+    JoinRequest: Kind(join, known_node=False, lease=Lease.NONE, authenticated=False, reply=_credential_reply),
+    PollRequest: Kind(poll, known_node=False),
+    LeaveRequest: Kind(leave, known_node=False, lease=Lease.NONE),
+    FailureReport: Kind(failure, check=reports.check_failure),
+    SuccessReport: Kind(success),
+    StallReport: Kind(stall, check=progress_rules.check_ranks, reply=_stall_reply),
+}
