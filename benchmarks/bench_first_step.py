@@ -128,7 +128,7 @@ def snapshot_load(mb: int, repeat: int) -> dict[str, Any]:
     """4x Linear(D,D) + AdamW state of about `mb` MiB in a memory directory: mmap load vs plain load."""
     import torch
 
-    from node_agent import snapshot
+    from node_agent.training import snapshot
     width = int((mb * 2**20 / 48) ** 0.5)   # 4 layers x D^2 floats x (weights + 2 AdamW moments) x 4 bytes
     model = torch.nn.Sequential(*(torch.nn.Linear(width, width) for _ in range(4)))
     opt = torch.optim.AdamW(model.parameters())

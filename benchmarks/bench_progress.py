@@ -224,13 +224,13 @@ def cost(rounds: int = 5, n: int = 200_000) -> dict:
     """Microseconds per optimizer step, with and without the probe, alternated in fresh interpreters."""
     results: dict[str, list[float]] = {"probe": [], "none": []}
     with tempfile.TemporaryDirectory() as tmp:
-        from node_agent.workers.progress import ProbeFiles
+        from node_agent.workers.probes import ProbeFiles
         files = ProbeFiles.in_dir(tmp, 0)
         files.create()
         for _ in range(rounds):
             for kind in ("none", "probe"):
                 probe = "" if kind == "none" else (
-                    f"sys.path.insert(0, {ROOT!r})\nfrom node_agent.progress import probe\n"
+                    f"sys.path.insert(0, {ROOT!r})\nfrom node_agent.training import probe\n"
                     f"os.environ[probe.ENV] = {files.env()!r}\nassert probe.install()")
                 done = subprocess.run([sys.executable, "-c", COST.format(probe=probe, n=n)], capture_output=True,
                                       text=True, check=True)

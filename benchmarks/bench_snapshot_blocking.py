@@ -23,10 +23,9 @@ sys.path.insert(0, ROOT)
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-from node_agent import snapshot  # noqa: E402
-from node_agent.training import rng  # noqa: E402
+from node_agent.training import rng, snapshot  # noqa: E402
 from node_agent.training.capture import Capture  # noqa: E402
-from node_agent.training.protect import training_state  # noqa: E402
+from node_agent.training.protection import training_state  # noqa: E402
 
 BASE = "/dev/shm" if os.path.isdir("/dev/shm") else None
 

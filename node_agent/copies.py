@@ -21,12 +21,12 @@ import os
 import time
 from collections.abc import Awaitable, Callable
 
-from node_agent import snapshot
 from node_agent.client.witness import READ_BUFFER
 from node_agent.replicas.client import FetchResult, drop, fetch, push
 from node_agent.replicas.store import ReplicaStore
 from node_agent.replicas.tls import CopyTls
 from node_agent.replicas.wire import is_replica_request
+from node_agent.training import snapshot
 from node_agent.workers.memory import MemoryDirs
 from protocol.messages import Assignment, CopiesNote, Witness
 

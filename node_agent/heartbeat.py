@@ -1,29 +1,3 @@
-"""A training step, said by the script: for loops that step no `torch.optim` optimizer (whose steps the agent's
-progress probe counts by itself). No torch import; safe to call from any script, under any launcher.
-
-    from node_agent.heartbeat import beat
-    for batch in loader:
-        train_step(batch)
-        beat()
-
-Under node-agent each call costs about a microsecond (a clock read and a write to shared memory, no system
-call); elsewhere (plain python, torchrun, `--no-python` programs) it does nothing.
-"""
-from __future__ import annotations
-
-import sys
-
-PROBE_MODULE = "node_agent_probe"    # the name the probe runs under in a worker (node_agent/progress/)
-
-
-def beat() -> None:
-    probe = sys.modules.get(PROBE_MODULE)
-    if probe is not None:
-        probe.beat()
-
-
-def resumed(step: int) -> None:
-    """The script resumes from its checkpoint of `step`: the steps after it are redone (goodput counts them)."""
-    probe = sys.modules.get(PROBE_MODULE)
-    if probe is not None:
-        probe.resumed(step)
+"""Kept for scripts written against it: node_agent.training.heartbeat is the module."""
+from node_agent.training.heartbeat import beat as beat
+from node_agent.training.heartbeat import resumed as resumed

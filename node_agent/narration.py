@@ -29,6 +29,7 @@ from node_agent.workers.console import agent_console, set_label
 from protocol.errors import ErrorCode
 from protocol.messages import (
     Assignment,
+    FailureReason,
     FailureReport,
     JoinRequest,
     NodeState,
@@ -78,7 +79,7 @@ class Narrator:
             case ServerRefused(request=request, message=message) if request in (FailureReport, SuccessReport):
                 self.say(f"server rejected the report: {message}")
             case WorkersExited(failures=(first, *_)) if actions:
-                what = first.message if first.reason == "exited early" else f"failed with {how(first)}"
+                what = first.message if first.reason == FailureReason.EXITED_EARLY else f"failed with {how(first)}"
                 self.say(f"{worker(first)} {what}; stopping local workers")
             case RanksStalled(first=True, threshold_s=threshold_s, ranks=ranks) if actions:
                 self.say(stall_lines(ranks, threshold_s))

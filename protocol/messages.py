@@ -205,13 +205,23 @@ class PollRequest(_Request, kw_only=True):
     copies: CopiesNote | None = None
 
 
+class FailureReason(str, enum.Enum):
+    """Why a worker failed (the wire keeps a plain string: another is shown as it came, "other" in metrics)."""
+    EXITED = "exited"                # exited non-zero, or killed by a signal
+    EXITED_EARLY = "exited early"    # exited 0 while its peers went on
+    HANG = "hang"                    # the server decided a hang with it as culprit (it did not exit)
+    SPAWN_FAILED = "spawn failed"
+    STORE_EXITED = "store exited"    # the round's c10d store host died under its workers
+    FENCED = "fenced"                # stopped by its agent cut off from the server
+
+
 class WorkerFailure(msgspec.Struct, kw_only=True, frozen=True, gc=False):
     """One failed worker, as the agent saw it."""
     local_rank: Annotated[int, Meta(ge=0, le=MAX_LOCAL_WORLD_SIZE)]
     rank: Rank
     exitcode: Annotated[int, Meta(ge=-(2 ** 31), le=2 ** 31)]   # negative: killed by signal -exitcode
     signal: ShortText = ""             # e.g. "SIGSEGV" when killed by a signal
-    reason: ShortText = "exited"       # "exited", "hang", ...
+    reason: ShortText = FailureReason.EXITED.value    # a FailureReason's value
     message: Annotated[str, Meta(max_length=MAX_MESSAGE)] = ""   # from the worker's error file
     traceback: Annotated[str, Meta(max_length=MAX_TRACEBACK)] = ""
     timestamp: UnixTime = 0.0          # unix time the failure was seen
@@ -246,13 +256,16 @@ class RankState(str, enum.Enum):
     @property
     def certain(self) -> bool:
         """A rank in this state cannot come to the next collective: ranks waiting on it hang, for certain."""
-        return self in (RankState.STOPPED, RankState.EXITED)
+        return self in CERTAIN_STATES
 
     @property
     def apart(self) -> bool:
-        """Neither waiting nor certain: a rank at work on its own (an evaluation, an upload, a polling loop) looks
-        exactly like one hung there, so ranks waiting on it are shown, and decided a hang only after a limit."""
-        return self in (RankState.WORKING, RankState.QUIET, RankState.SPINNING, RankState.UNKNOWN)
+        """Neither waiting nor certain: at work on its own (evaluating, uploading) or hung there; a limit decides."""
+        return self in APART_STATES
+
+
+CERTAIN_STATES = (RankState.STOPPED, RankState.EXITED)     # the likelier culprit first (core/hangs.py)
+APART_STATES = (RankState.SPINNING, RankState.QUIET, RankState.UNKNOWN, RankState.WORKING)
 
 
 GPU_BUSY = 50           # RankSeen.gpu_busy at or above this, %: the GPU computes (a kernel ran most of the time)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
+from protocol.messages import FailureReason
 from protocol.quoting import one_line
 from protocol.views import (
     DrainedView,
@@ -218,7 +219,7 @@ def format_job(doc: JobDetail) -> str:
                 columns_table(COSTS, costs)]
     if failure := doc.last_failure:
         how = f", signal {failure.signal}" if failure.signal else \
-            "" if failure.reason == "hang" else f", exit code {failure.exitcode}"   # a hang's rank did not exit
+            "" if failure.reason == FailureReason.HANG else f", exit code {failure.exitcode}"   # a hang's rank: no exit
         text = f"rank {failure.rank} (local {failure.local_rank}) on " \
                f"{failure.host or failure.node_id}: {failure.reason or 'exited'}{how}"
         if failure.message:

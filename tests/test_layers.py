@@ -24,22 +24,25 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     "node_agent.core": ("protocol", "node_agent.client.replies"),
     "node_agent.client": ("protocol", "rdzv_server.coordinator", "rdzv_server.core"),   # local: in-process server
     "node_agent.gpu": ("protocol",),
-    "node_agent.workers": ("protocol", "node_agent.core", "node_agent.settings", "node_agent.progress",
-                           "node_agent.gpu", "node_agent.snapshot", "node_agent.sources", "node_agent.workers.warm"),
+    "node_agent.workers": ("protocol", "node_agent.core", "node_agent.settings", "node_agent.training.probe",
+                           "node_agent.gpu", "node_agent.training.snapshot", "node_agent.sources",
+                           "node_agent.workers.warm"),
     # the warm zygote's agent side; the zygote itself (zygote.py) imports nothing of ours
-    "node_agent.workers.warm": ("node_agent.progress", "node_agent.workers.deathsig", "node_agent.workers.environment",
-                                "node_agent.workers.launch"),
-    # the progress probe runs inside workers, loaded by file path: it imports nothing of ours
-    "node_agent.progress": (),
+    "node_agent.workers.warm": ("node_agent.training.probe", "node_agent.workers.deathsig",
+                                "node_agent.workers.environment"),
     "node_agent.replicas": (),       # the peer-copy wire and store: the standard library alone
-    # inside the user's training process (imports torch; the agent never imports it)
-    "node_agent.training": ("node_agent.snapshot", "node_agent.heartbeat"),
+    # inside the training process: the probe (loaded by file path) and its boot import nothing of ours; the rest
+    # only its own package. The agent may import the torch-free snapshot and heartbeat, never protect & co.
+    "node_agent.training": (),
+    "node_agent.training.probe": (),
+    "node_agent.training.boot": (),
     # the command line: read into settings; the composition root (node_agent/main.py) builds the rest
     "node_agent.cli": ("protocol", "node_agent.settings", "node_agent.gpu.topology"),
     "node_agent.plugin": ("protocol", "node_agent.client", "node_agent.cli.job_identity", "node_agent.cli.rdzv_conf",
                           "node_agent.cli.values", "node_agent.workers.script_check"),
     "node_agent": ("protocol", "node_agent.core", "node_agent.client", "node_agent.workers", "node_agent.cli",
-                   "node_agent.gpu", "node_agent.replicas"),
+                   "node_agent.gpu", "node_agent.replicas", "node_agent.training.snapshot",
+                   "node_agent.training.heartbeat"),
 }
 OURS = ("protocol", "rdzv_server", "node_agent", "rdzv_ctl")
 

@@ -15,7 +15,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from node_agent import snapshot
+from node_agent.training import snapshot
 
 env = os.environ.get
 out = env("OUT_DIR", ".")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import signal
 
 from node_agent.core.facts import Verdict
-from protocol.messages import MAX_MESSAGE, WorkerFailure
+from protocol.messages import MAX_MESSAGE, FailureReason, WorkerFailure
 
 FENCE_MARGIN_S = 0.5
 REPROBE_S = 0.5     # a witness's answer costs one local connection: the fencing bound is the lease + ~1 s
@@ -39,5 +39,5 @@ def fenced(verdict: Verdict, silent_s: float, lease_timeout_s: float, rank: int)
     why = (f"fenced: no answer from the server for {silent_s:.1f}s (lease {lease_timeout_s:g}s), and "
            f"{seen}: this node is cut off, and the server has replaced its round")
     failure = WorkerFailure(local_rank=0, rank=rank, exitcode=-signal.SIGTERM, signal="SIGTERM",
-                            reason="fenced", message=why[:MAX_MESSAGE])
+                            reason=FailureReason.FENCED.value, message=why[:MAX_MESSAGE])
     return why, failure

@@ -42,7 +42,7 @@ def next_report_at(wall_now: float, threshold_s: float) -> float:
 
 @dataclass(frozen=True)
 class ProbeRecord:
-    """A worker's record as its probe last wrote it (node_agent/progress/probe.py); times are unix times."""
+    """A worker's record as its probe last wrote it (node_agent/training/probe.py); times are unix times."""
     steps: int
     first_at: float
     last_at: float

@@ -112,19 +112,3 @@ def _read_and_hash(digest: Any, fd: int, n: int, offset: int) -> bytes:
     chunk = os.pread(fd, n, offset)
     digest.update(chunk)
     return chunk
-
-
-def hash_fd(fd: int, size: int) -> str:
-    """The sha256 in hex of the first `size` bytes of `fd`, which it closes (run in a thread: it owns `fd`)."""
-    try:
-        digest = hashlib.sha256()
-        done = 0
-        while done < size:
-            chunk = os.pread(fd, min(CHUNK, size - done), done)
-            if not chunk:
-                break
-            digest.update(chunk)
-            done += len(chunk)
-        return digest.hexdigest()
-    finally:
-        os.close(fd)

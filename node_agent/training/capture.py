@@ -15,8 +15,7 @@ from typing import Any
 
 import torch
 
-from node_agent import snapshot
-from node_agent.training import trees
+from node_agent.training import snapshot, trees
 
 FORMAT = "node-agent-snapshot/1"
 

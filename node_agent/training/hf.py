@@ -25,8 +25,7 @@ import torch
 from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 from transformers.trainer_callback import ExportableState
 
-from node_agent import snapshot
-from node_agent.training import resume, rng, trees
+from node_agent.training import resume, rng, snapshot, trees
 from node_agent.training.capture import Capture
 
 FOLDER = ".resume"     # the checkpoint folder laid out for the Trainer, in the memory directory until it is read

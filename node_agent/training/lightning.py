@@ -18,8 +18,7 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 
-from node_agent import snapshot
-from node_agent.training import resume, trees
+from node_agent.training import resume, snapshot, trees
 from node_agent.training.capture import Capture
 
 NOT_KEPT = ("hyper_parameters", "hparams_name", "hparams_type", "datamodule_hyper_parameters",

@@ -12,8 +12,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from node_agent import snapshot
-from node_agent.training import trees
+from node_agent.training import snapshot, trees
 from node_agent.training.capture import FORMAT
 
 

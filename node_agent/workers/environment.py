@@ -9,11 +9,11 @@ import signal
 import sys
 from collections.abc import Mapping, Sequence
 
-from node_agent.progress.probe import ENV as PROBE_VAR
 from node_agent.settings import DEFAULT_SIGNALS, WorkerSettings
-from node_agent.snapshot import DIR_VAR as MEMORY_DIR_VAR
-from node_agent.snapshot import LIMIT_VAR as MEMORY_LIMIT_VAR
-from node_agent.workers.progress import ProbeFiles
+from node_agent.training.probe import ENV as PROBE_VAR
+from node_agent.training.snapshot import DIR_VAR as MEMORY_DIR_VAR
+from node_agent.training.snapshot import LIMIT_VAR as MEMORY_LIMIT_VAR
+from node_agent.workers.probes import ProbeFiles
 from protocol.messages import Assignment
 
 # The agent's credentials for the server (and rdzv-ctl's admin token file): never a worker's.
@@ -53,7 +53,7 @@ def worker_env(*, base: Mapping[str, str], assignment: Assignment, local_rank: i
     TORCHELASTIC_SIGNALS_TO_HANDLE, read by torch's launchers in a worker. `memory_dir`: NODE_AGENT_MEMORY_DIR,
     its limit in bytes NODE_AGENT_MEMORY_LIMIT; None sets neither. `agent_store`: the agent hosts the c10d
     store at MASTER_ADDR:MASTER_PORT (every rank a client), not worker rank 0. `probe`: its progress probe's
-    files, made afresh (NODE_AGENT_PROGRESS; the probe takes it out of the worker's environment).
+    files (NODE_AGENT_PROGRESS; the probe takes it out of the worker's environment). Pure: it makes no file.
     """
     a = assignment
     if not 0 <= local_rank < a.local_world_size:
@@ -93,7 +93,6 @@ def worker_env(*, base: Mapping[str, str], assignment: Assignment, local_rank: i
         if memory_limit is not None:
             env[MEMORY_LIMIT_VAR] = str(memory_limit)
     if probe is not None:
-        probe.create()
         env[PROBE_VAR] = probe.env()
     return env
 

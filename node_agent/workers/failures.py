@@ -6,7 +6,7 @@ import time
 
 from node_agent.workers.error_file import read_error_file
 from node_agent.workers.process import WorkerExit
-from protocol.messages import MAX_MESSAGE, MAX_TRACEBACK, WorkerFailure
+from protocol.messages import MAX_MESSAGE, MAX_TRACEBACK, FailureReason, WorkerFailure
 
 SPAWN_FAILED_EXITCODE = 127    # the shell's "command not found"
 
@@ -30,7 +30,7 @@ def early_exits(exits: list[WorkerExit], failed: WorkerFailure, *, host: str, no
     with an error of its own (a message that names no broken collective, or a kill) stays its own cause."""
     if not broken_by_peer(failed):
         return []
-    return [WorkerFailure(local_rank=e.local_rank, rank=e.rank, exitcode=0, reason="exited early",
+    return [WorkerFailure(local_rank=e.local_rank, rank=e.rank, exitcode=0, reason=FailureReason.EXITED_EARLY.value,
                           message=f"exited 0 while the other ranks still ran; rank {failed.rank} failed "
                                   f"{failed.timestamp - e.seen_at:.1f}s later",
                           timestamp=e.seen_at, host=host, node_id=node_id)
@@ -55,7 +55,8 @@ def store_failure(e: WorkerExit, *, rank: int, host: str, node_id: str) -> Worke
     """The round's c10d store host ended while the workers ran (their store is gone): reported as local rank
     0's, as the protocol has only a worker's fields."""
     how = f"was killed by {e.signal_name}" if e.signal_name else f"exited with status {e.exitcode}"
-    return WorkerFailure(local_rank=0, rank=rank, exitcode=e.exitcode or 1, signal=e.signal_name, reason="store exited",
+    return WorkerFailure(local_rank=0, rank=rank, exitcode=e.exitcode or 1, signal=e.signal_name,
+                         reason=FailureReason.STORE_EXITED.value,
                          message=f"the round's c10d store, hosted by this node's agent (pid {e.pid}), {how} "
                                  f"while the workers ran (its output: the run directory's attempt_N/store/)",
                          timestamp=e.seen_at or time.time(), host=host, node_id=node_id)
@@ -64,7 +65,8 @@ def store_failure(e: WorkerExit, *, rank: int, host: str, node_id: str) -> Worke
 def spawn_failure(error: OSError, *, local_rank: int, rank: int, program: str, host: str,
                   node_id: str) -> WorkerFailure:
     """A worker that could not be started at all (missing program, no permission, no log directory)."""
-    return WorkerFailure(local_rank=local_rank, rank=rank, exitcode=SPAWN_FAILED_EXITCODE, reason="spawn failed",
+    return WorkerFailure(local_rank=local_rank, rank=rank, exitcode=SPAWN_FAILED_EXITCODE,
+                         reason=FailureReason.SPAWN_FAILED.value,
                          message=_head(f"cannot start {program!r}: {error.strerror or error}", MAX_MESSAGE),
                          timestamp=time.time(), host=host, node_id=node_id)
 

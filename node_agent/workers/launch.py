@@ -1,6 +1,6 @@
 """What each worker of a round is started with: `WorkerLaunch`, from the assignment, options and environment.
 Log layout (torchrun's): RUN/attempt_RESTART/{LOCAL_RANK/{stdout,stderr}.log, LOCAL_RANK/error.json,
-filtered_*.log, store/}; the probes' records and stacks are not there but in /dev/shm (progress.ProbeRoot). RUN =
+filtered_*.log, store/}; the probes' records and stacks are not there but in /dev/shm (probes.ProbeRoot). RUN =
 LOG_DIR/JOB_XXXXXXXX is new per agent run, so two runs of one id never share files. A new round with the same
 restart count writes on in the same directory.
 """
@@ -15,7 +15,7 @@ from string import Template
 
 from node_agent.settings import Std, WorkerSettings
 from node_agent.workers.environment import common_env, worker_argv, worker_env
-from node_agent.workers.progress import ProbeFiles, ProbeRoot
+from node_agent.workers.probes import ProbeFiles, ProbeRoot
 from node_agent.workers.warm.store_host import SCRIPT as STORE_HOST
 from protocol.messages import Assignment
 
@@ -81,6 +81,8 @@ def build_launches(a: Assignment, opts: WorkerSettings, *, run_dir: str, hostnam
         os.makedirs(rank_dir, exist_ok=True)
         rank = a.rank_offset + local_rank
         probe = None if opts.no_python or probes is None else probes.files(local_rank)
+        if probe is not None:
+            probe.create()          # a fresh record: a new round in the same attempt starts from nothing
         template = opts.log_line_prefix if opts.log_line_prefix is not None else opts.tee_prefix
         prefix = Template(template).safe_substitute(role_name=opts.role, rank=rank, local_rank=local_rank,
                                                     host=hostname)

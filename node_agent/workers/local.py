@@ -21,8 +21,8 @@ from node_agent.workers.failures import early_exits, exit_failure, spawn_failure
 from node_agent.workers.group import WorkerGroup
 from node_agent.workers.launch import STORE_RANK, WorkerLaunch, build_launches, make_run_dir, store_launch
 from node_agent.workers.memory import MemoryDirs
+from node_agent.workers.probes import ProbeRoot
 from node_agent.workers.process import WorkerExit, WorkerSpawnError
-from node_agent.workers.progress import ProbeRoot
 from node_agent.workers.progress_watch import ProgressWatch
 from node_agent.workers.warm.client import WarmZygote
 from node_agent.workers.warm.eligible import entry_imports, imports_any, script_dir

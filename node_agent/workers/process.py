@@ -22,7 +22,7 @@ from node_agent.workers.deathsig import prctl as _prctl
 from node_agent.workers.deathsig import preexec as _child_setup
 from node_agent.workers.launch import WorkerLaunch
 from node_agent.workers.output import STREAMS, Console, LinePump, Sink, open_sink, pump
-from node_agent.workers.progress import cold_env
+from node_agent.workers.probes import cold_env
 from node_agent.workers.warm.client import WarmProcess, WarmZygote
 from node_agent.workers.warm.eligible import warm_launch
 

@@ -11,12 +11,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import node_agent.training.probe as probe
 from node_agent.core.facts import Put, RanksStalled
 from node_agent.core.progress import ProbeRecord, RoundProgress, next_report_at
 from node_agent.core.stalls import ProcSample, call_of, classify, main_stack, stack_text
-from node_agent.progress import probe
 from node_agent.workers.failures import keep_tail
-from node_agent.workers.progress import BadRecord, ProbeFiles, RecordReader, read_proc, take_stacks
+from node_agent.workers.probes import BadRecord, ProbeFiles, RecordReader, read_proc, take_stacks
 from protocol.messages import (
     MAX_DURATION_S,
     MAX_ROUND,

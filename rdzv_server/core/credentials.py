@@ -36,14 +36,9 @@ def owns(node: NodeRecord, credential: str, instance: str) -> bool:
     return bool(credential) and hmac.compare_digest(digest(credential), node.credential_digest)
 
 
-def check(node: NodeRecord, credential: str) -> None:
-    """Raise unless `credential` is the node's (a node made without one accepts any); then note it `proven`."""
-    verify(node, credential)
-    proven(node)
-
-
 def verify(node: NodeRecord, credential: str) -> None:
-    """`check` without noting anything, for a request that may still be refused (a refusal changes nothing)."""
+    """Raise unless `credential` is the node's (a node made without one accepts any); notes nothing: the request
+    may still be refused, and a refusal changes nothing (`proven` notes it once the request is accepted)."""
     if not node.credential_digest:
         return
     if not credential:

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from protocol.messages import GPU_BUSY, JobConfig, RankSeen, RankState, StallReport
+from protocol.messages import APART_STATES, CERTAIN_STATES, GPU_BUSY, JobConfig, RankSeen, RankState, StallReport
 
 FRESH_MIN_S = 10.0      # a report is evidence for max(this, 4x its threshold): the agent re-sends it meanwhile
 FRESH_THRESHOLDS = 4.0  # (at most every 2 thresholds: node_agent/core/progress.py's report_period)
@@ -37,10 +37,6 @@ MAX_PLACES = 32         # places one job keeps (the oldest go first)
 PLACE_LINES = 10        # an innermost line this close to a place's is that place (a loop's other lines)
 _LINE = re.compile(r":(\d+) in ")
 _LOOSE = re.compile(r"(?P<file>.*):~(?P<line>\d+) in (?P<function>.*)")
-# The likelier culprit first: a rank that cannot run, then one gone; of the ranks apart, one looping, one idle,
-# one no probe answered, then one at work.
-CERTAIN_ORDER = (RankState.STOPPED, RankState.EXITED)
-APART_ORDER = (RankState.SPINNING, RankState.QUIET, RankState.UNKNOWN, RankState.WORKING)
 
 
 class StallKind(str, enum.Enum):
@@ -168,11 +164,11 @@ def assess(board: StallBoard, running: list[str], finished: dict[str, list[int]]
     if not waiting:
         return None                         # nobody waits on anybody: ranks at work, or finishing
     waits = [r for _, r in waiting]
-    certain = sorted(((CERTAIN_ORDER.index(r.state), r.rank, node, r) for node, r in seen if r.state.certain))
+    certain = sorted(((CERTAIN_STATES.index(r.state), r.rank, node, r) for node, r in seen if r.state.certain))
     if certain:
         _, _, node, culprit = certain[0]
         return Stall(StallKind.CULPRIT, node, culprit, [], waits, seen, "", 0.0, decided=True)
-    apart = sorted((APART_ORDER.index(r.state), r.rank, node, r) for node, r in seen if r.state.apart)
+    apart = sorted((APART_STATES.index(r.state), r.rank, node, r) for node, r in seen if r.state.apart)
     if not apart:
         odd = _odd_ones(waiting)
         node, culprit = (odd or waiting)[0]

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from protocol.errors import ErrorCode
-from protocol.messages import ProgressNote, RankState, StallReport, WorkerFailure
+from protocol.messages import FailureReason, ProgressNote, RankState, StallReport, WorkerFailure
 from rdzv_server.core import goodput, hangs, operator_rules, reports
 from rdzv_server.core.errors import RendezvousError
 from rdzv_server.core.events import EventKind, RoundCause
@@ -155,7 +155,8 @@ def _fail_for(rules: JobRules, watch: JobWatch, stall: Stall, round_id: int, now
     if stall.capped:       # a limit may be wrong: never decided at this place again in this job
         job.hang_places = [*job.hang_places, HangPlace(place=stall.place, round_id=round_id, rank=c.rank)
                            ][-MAX_PLACES:]
-    failure = WorkerFailure(local_rank=c.local_rank, rank=c.rank, exitcode=c.exitcode or 0, reason="hang",
+    failure = WorkerFailure(local_rank=c.local_rank, rank=c.rank, exitcode=c.exitcode or 0,
+                            reason=FailureReason.HANG.value,
                             message=message[:4096], timestamp=now, host=node.host, node_id=node.node_id,
                             traceback=c.stack if c.state != RankState.EXITED else "")
     watch.board, watch.said, job.stall = hangs.StallBoard(-1), set(), None

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from enum import Enum
 from typing import Any
 
 from protocol.messages import (
@@ -60,17 +59,12 @@ class Call:
     credential: str = ""                 # a join's: the secret of the node record it made ("" if none)
 
 
-class Lease(Enum):
-    RENEW = "renew"       # the request is traffic from the node
-    NONE = "none"         # a leave (the node goes), a join (admission sets it)
-
-
 @dataclass(frozen=True)
 class Kind:
     act: Callable[[Call, Any], str]                       # the rule: why it did not act ("" when it did)
     known_node: bool = True                               # refused for a node the job does not know
     check: Callable[[JobRules, NodeRecord, Any], None] | None = None   # refusals before anything changes
-    lease: Lease = Lease.RENEW
+    renews: bool = True                                   # traffic from the node (not a leave; a join: admission)
     authenticated: bool = True                            # False: the rule checks who it is (a join)
     reply: Callable[[Call, NodeStatus], None] | None = None   # what the kind adds to its reply
 
@@ -86,7 +80,7 @@ def authenticate(kind: Kind, rules: JobRules, req: AgentRequest, now: float, hol
     if kind.check is not None:
         kind.check(rules, node, req)
     credentials.proven(node)
-    if kind.lease is Lease.RENEW:
+    if kind.renews:
         (leases.hold if hold else leases.renew)(rules.job, node, now)
     return node
 
@@ -161,9 +155,9 @@ def _stall_reply(call: Call, status: NodeStatus) -> None:
 
 
 KINDS: dict[type, Kind] = {
-    JoinRequest: Kind(join, known_node=False, lease=Lease.NONE, authenticated=False, reply=_credential_reply),
+    JoinRequest: Kind(join, known_node=False, renews=False, authenticated=False, reply=_credential_reply),
     PollRequest: Kind(poll, known_node=False),
-    LeaveRequest: Kind(leave, known_node=False, lease=Lease.NONE),
+    LeaveRequest: Kind(leave, known_node=False, renews=False),
     FailureReport: Kind(failure, check=reports.check_failure),
     SuccessReport: Kind(success),
     StallReport: Kind(stall, check=progress_rules.check_ranks, reply=_stall_reply),

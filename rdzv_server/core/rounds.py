@@ -12,7 +12,16 @@ import itertools
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from protocol.messages import Assignment, CopySource, JobState, NodeState, NodeStatus, Witness, WorkerFailure
+from protocol.messages import (
+    Assignment,
+    CopySource,
+    FailureReason,
+    JobState,
+    NodeState,
+    NodeStatus,
+    Witness,
+    WorkerFailure,
+)
 from protocol.quoting import one_line
 from rdzv_server.core.credentials import copy_token
 from rdzv_server.core.events import RoundCause
@@ -322,6 +331,7 @@ def describe(f: WorkerFailure) -> str:
     """One line for a failed worker: rank, host, how it ended, its message (line breaks escaped: the
     line becomes the job's reason, which agents print and refusals quote)."""
     how = f"signal {f.signal}" if f.signal else f"exit code {f.exitcode}"
-    what = f.reason if f.reason == "hang" else f"{f.reason}, {how}" if f.reason and f.reason != "exited" else how
+    what = f.reason if f.reason == FailureReason.HANG else f"{f.reason}, {how}" \
+        if f.reason and f.reason != FailureReason.EXITED else how
     text = f"rank {f.rank} (local {f.local_rank}) on {f.host or f.node_id}: {what}"
     return f"{text}: {one_line(f.message)}" if f.message else text

@@ -73,8 +73,5 @@ class Paces:
             self._median, self._median_at = median, now
         return median
 
-    def forget(self, node_id: str) -> None:
-        self.nodes.pop(node_id, None)
-
     def slow(self) -> list[str]:
         return sorted(node for node, p in self.nodes.items() if p.slow)

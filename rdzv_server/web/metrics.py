@@ -19,7 +19,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from protocol.codec import REQUEST_TYPES
-from protocol.messages import JobState, NodeState, UnhealthyKind
+from protocol.messages import FailureReason, JobState, NodeState, UnhealthyKind
 from rdzv_server.coordinator import Coordinator
 from rdzv_server.core.events import EventKind, RoundCause
 from rdzv_server.core.outbox import Outbox
@@ -43,7 +43,7 @@ log = logging.getLogger("rdzv_server")
 ROUND_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0)
 # 1 ms .. 30 s: a long-poll answers after at most its wait_s (<= half the lease).
 HTTP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0)
-FAILURE_REASONS = ("exited", "exited early", "hang", "spawn failed", "store exited", "fenced")
+FAILURE_REASONS = tuple(r.value for r in FailureReason)
 LOSS_CAUSES = (RoundCause.FAILURE.value, RoundCause.HANG.value, RoundCause.NODE_LOST.value)
 CAUSES = tuple(c.value for c in RoundCause)
 METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})

@@ -14,10 +14,10 @@ import pytest
 
 from node_agent.core.progress import ProbeRecord
 from node_agent.core.stalls import main_stack
-from node_agent.progress import probe
+from node_agent.training import probe
 from node_agent.workers.group import WorkerGroup
 from node_agent.workers.launch import WorkerLaunch
-from node_agent.workers.progress import ProbeFiles, RecordReader, take_stacks
+from node_agent.workers.probes import ProbeFiles, RecordReader, take_stacks
 from node_agent.workers.warm.client import WarmZygote
 from node_agent.workers.warm.eligible import base_env
 from tests.integration.worker_support import LIMIT, RecordingConsole
@@ -39,7 +39,7 @@ waiting_for_the_test()
 """
 TORCH = "import torch\nopt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1)\n" \
         "for _ in range(5):\n    opt.step()"
-BEATS = "from node_agent.heartbeat import beat\nfor _ in range(3):\n    beat()"
+BEATS = "from node_agent.training.heartbeat import beat\nfor _ in range(3):\n    beat()"
 
 
 def script(workdir: Path, steps: str) -> str:

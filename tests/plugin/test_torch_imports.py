@@ -1,6 +1,7 @@
-"""Only the plugin's package (node_agent/plugin/) and what runs in the user's training script (node_agent/training/,
-which no agent module imports: tests/test_layers.py) may import torch, and the entry point torch loads in every
-torchrun launch (node_agent/plugin/entry.py) imports nothing heavy."""
+"""Only the plugin's package (node_agent/plugin/) and the torch side of node_agent/training/ (protect and the
+framework snapshots, which no agent module imports: tests/test_layers.py) may import torch; the worker side's
+torch-free half (snapshot, heartbeat, the probe, the package itself) imports none; and the entry point torch loads in
+every torchrun launch (node_agent/plugin/entry.py) imports nothing heavy."""
 from __future__ import annotations
 
 import json
@@ -25,8 +26,12 @@ def loaded_after_import(*modules: str) -> list[str]:
 
 
 def test_no_agent_or_server_module_outside_the_plugin_imports_torch():
-    outside = [m for m in modules() if not m.startswith(("node_agent.plugin", "node_agent.training"))
+    torch_side = ("node_agent.training.protection", "node_agent.training.capture", "node_agent.training.resume",
+                  "node_agent.training.trees", "node_agent.training.rng", "node_agent.training.lightning",
+                  "node_agent.training.hf")
+    outside = [m for m in modules() if not m.startswith(("node_agent.plugin", *torch_side))
                and not m.endswith("__main__")]
+    assert "node_agent.training.snapshot" in outside and "node_agent.training" in outside
     assert "node_agent.agent" in outside and "rdzv_server.web.app" in outside
     assert not [m for m in loaded_after_import(*outside) if m.split(".")[0] == "torch"]
 

@@ -7,10 +7,10 @@ import contextlib
 import os
 from collections.abc import AsyncIterator
 
-from node_agent import snapshot
 from node_agent.copies import PeerCopies
 from node_agent.replicas import wire
 from node_agent.replicas.store import ReplicaStore
+from node_agent.training import snapshot
 from node_agent.workers.memory import MemoryDirs
 from protocol.messages import Assignment, Witness
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 import os
 
 from node_agent.cli.options import parse_options
-from node_agent.progress.probe import ENV as PROBE_ENV
 from node_agent.settings import Std
+from node_agent.training.probe import ENV as PROBE_ENV
 from node_agent.workers.launch import attempt_dir, build_launches, make_run_dir
-from node_agent.workers.progress import ProbeRoot
+from node_agent.workers.probes import ProbeRoot
 from protocol.messages import Assignment
 
 # Node 1 of 2, 3 workers each: global ranks 3..5 of 6.

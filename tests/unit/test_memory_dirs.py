@@ -10,9 +10,9 @@ import types
 
 import pytest
 
-from node_agent import snapshot
 from node_agent.cli.command_line import OptionsError
 from node_agent.cli.options import parse_options
+from node_agent.training import snapshot
 from node_agent.workers.environment import worker_env
 from node_agent.workers.memory import MemoryDirs, sweep
 from protocol.messages import Assignment

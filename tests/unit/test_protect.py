@@ -9,8 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from node_agent import snapshot
-from node_agent.training import protect
+from node_agent.training import protect, snapshot
 from node_agent.training.capture import Capture
 from node_agent.training.resume import read
 

@@ -9,8 +9,8 @@ import pytest
 
 from node_agent.core.progress import ProbeRecord, RoundProgress, next_report_at, report_period
 from node_agent.core.stalls import Frame, ProcSample, call_of, classify, main_stack, parse_dump
-from node_agent.progress import probe
-from node_agent.workers.progress import BadRecord, ProbeFiles, RecordReader
+from node_agent.training import probe
+from node_agent.workers.probes import BadRecord, ProbeFiles, RecordReader
 from node_agent.workers.progress_watch import ProgressWatch
 from protocol.messages import PACE_MAX_WINDOW_S, PACE_MIN_STEPS, RankState
 

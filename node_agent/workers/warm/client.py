@@ -15,7 +15,7 @@ import subprocess
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from node_agent.progress import probe
+import node_agent.training.probe as probe
 from node_agent.workers.deathsig import prctl, preexec
 from node_agent.workers.warm.eligible import WarmLaunch
 

@@ -11,10 +11,19 @@ import os
 import sys
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from node_agent.workers.environment import PER_WORKER_VARS
-from node_agent.workers.launch import WorkerLaunch
+
+
+class Launch(Protocol):
+    """What of a worker's launch (workers/launch.py's WorkerLaunch) decides how the zygote runs it."""
+    @property
+    def argv(self) -> list[str]: ...
+    @property
+    def env(self) -> dict[str, str]: ...
+    @property
+    def cpu_affinity(self) -> frozenset[int] | None: ...
 
 
 @dataclass(frozen=True)
@@ -86,7 +95,7 @@ def script_dir(script: str) -> str:
     return os.path.dirname(os.path.realpath(script))
 
 
-def warm_launch(launch: WorkerLaunch, python: str) -> WarmLaunch | None:
+def warm_launch(launch: Launch, python: str) -> WarmLaunch | None:
     """The launch as the zygote runs it, or None when it must start cold."""
     argv = launch.argv
     if len(argv) < 3 or argv[0] != python or argv[1] != "-u":

@@ -171,7 +171,7 @@ PROBE_MODULE = "node_agent_probe"      # the name a cold worker's probe has too 
 
 
 def _load_probe(path: str) -> None:
-    """Load the progress probe (node_agent/progress/probe.py, standard library only) before any fork."""
+    """Load the progress probe (node_agent/training/probe.py, standard library only) before any fork."""
     import importlib.util
     spec = importlib.util.spec_from_file_location(PROBE_MODULE, path)
     if spec is None or spec.loader is None:

@@ -11,7 +11,7 @@ import os
 import sys
 import time
 
-from node_agent import snapshot
+from node_agent.training import snapshot
 
 rank = int(os.environ["RANK"])
 attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])

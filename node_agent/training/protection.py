@@ -29,8 +29,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
-from node_agent import snapshot
-from node_agent.training import resume, rng, trees
+from node_agent.training import resume, rng, snapshot, trees
 from node_agent.training.capture import Capture
 
 

@@ -1,4 +1,4 @@
-"""The agent's side of the progress probes (node_agent/progress/probe.py): where each worker's record and stacks
+"""The agent's side of the progress probes (node_agent/training/probe.py): where each worker's record and stacks
 go, reading the records and /proc, and taking stacks on a signal. Nothing here trusts a worker: a record that
 does not parse is ignored with one warning, a dump is read up to a bound.
 """
@@ -16,9 +16,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import node_agent.training.probe as probe
 from node_agent.core.progress import ProbeRecord
 from node_agent.core.stalls import ProcSample
-from node_agent.progress import probe
 
 BOOT_DIR = os.path.join(os.path.dirname(probe.__file__), "boot")   # its sitecustomize starts a cold worker's probe
 STACKS_SIGNAL = signal.SIGRTMIN + 6     # answered by faulthandler in a worker whose record has the STACKS flag

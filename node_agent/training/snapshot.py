@@ -1,0 +1,214 @@
+"""In-memory snapshots for a worker: the node agent's memory directory, used from the training script.
+Each local rank gets a directory in /dev/shm that outlives worker restarts and is removed when the job
+ends or the node leaves (NODE_AGENT_MEMORY_DIR; NODE_AGENT_MEMORY_LIMIT: its size limit in bytes), so a
+restarted worker loads its predecessor's snapshot without touching remote storage. No torch import (the
+agent imports this): `save` takes bytes or a callable writing into a file, e.g.
+`save(lambda f: torch.save(state, f), step)`; load with `torch.load(path(step), mmap=True)` (no copy). Rules:
+- A snapshot is the file `step-N`, written as `step-N.tmp` and renamed: a reader never sees half a file.
+  Before writing, `save` drops all but the newest `keep - 1`, so at most `keep` files exist and the last
+  complete one survives a failed write.
+- What is kept plus the new snapshot must fit the limit; otherwise (or /dev/shm is full) `save` raises
+  `MemoryDirFull` naming the limit and sizes, leaving no partial file. Catch it and train on: the agent
+  never stops training for it.
+- All ranks resume from the same step: `agreed_step` takes the MIN of every rank's newest step, then checks
+  every rank holds (and accepts) it (a rank that lost its copy, e.g. a replaced node, sends everyone back to disk).
+  Snapshots newer than the step agreed (all of them, going back to disk) are removed: the job abandoned those steps.
+`node_agent.training.protect` does all of this for a torch model and optimizer in one call."""
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import re
+import time
+from collections.abc import Callable
+from typing import BinaryIO
+
+from node_agent.training import heartbeat
+
+__all__ = ["COPY_WAIT_S", "DIR_VAR", "FETCHING", "LIMIT_VAR", "MemoryDirFull", "Writer", "agreed_step", "directory",
+           "limit", "newest", "path", "save", "steps"]
+
+DIR_VAR = "NODE_AGENT_MEMORY_DIR"
+FETCHING = ".fetching"    # the agent is fetching this rank's copy from a peer (node_agent/copies.py)
+COPY_WAIT_S = 90.0        # the most agreed_step waits for it (the agent gives up on a fetch after 60 s)
+LIMIT_VAR = "NODE_AGENT_MEMORY_LIMIT"
+_NAME = re.compile(r"step-(\d{1,18})")
+
+Writer = Callable[[BinaryIO], object]
+
+
+class MemoryDirFull(OSError):
+    """A snapshot does not fit the memory directory's limit (or /dev/shm is full)."""
+
+
+def directory(environ: dict[str, str] | None = None) -> str | None:
+    """This worker's memory directory, or None (not under node-agent, or switched off)."""
+    value = (os.environ if environ is None else environ).get(DIR_VAR)
+    return value if value and os.path.isdir(value) else None
+
+
+def limit(environ: dict[str, str] | None = None) -> int | None:
+    """The size limit in bytes of this worker's snapshots (None: none given)."""
+    value = (os.environ if environ is None else environ).get(LIMIT_VAR, "")
+    return int(value) if value.isdigit() else None
+
+
+def steps(where: str | None = None) -> list[int]:
+    """The complete snapshots' steps, oldest first."""
+    where = where or directory()
+    if where is None:
+        return []
+    return sorted(int(m.group(1)) for m in map(_NAME.fullmatch, os.listdir(where)) if m)
+
+
+def path(step: int, where: str | None = None) -> str:
+    where = where or directory()
+    if where is None:
+        raise FileNotFoundError(f"no memory directory (${DIR_VAR} is not set)")
+    return os.path.join(where, f"step-{step}")
+
+
+def newest(where: str | None = None) -> int | None:
+    """The newest complete snapshot's step, or None."""
+    held = steps(where)
+    return held[-1] if held else None
+
+
+def agreed_step(reduce_min: Callable[[int], int], where: str | None = None,
+                accept: Callable[[int], bool] | None = None) -> int | None:
+    """The newest step every rank holds (and, given `accept`, every rank accepts), or None (then load from disk, or
+    start from scratch). `reduce_min(x)` returns the minimum of x over all ranks (every rank calls it the same number
+    of times), e.g. an all_reduce with ReduceOp.MIN of a one-element tensor. `accept(step)` is each rank's check of
+    its own file (a checksum, the model's keys and shapes): a step refused by any rank sends every rank to the next
+    older one that all hold, so the job never loads a mix of steps."""
+    where = where or directory()
+    if where is not None:
+        _await_copy(where)
+        _forget_unfinished(where)
+    below: int | None = None      # only steps older than this one are still candidates
+    while True:
+        held = [s for s in steps(where) if below is None or s < below] if where is not None else []
+        step = reduce_min(held[-1] if held else -1)
+        if step < 0:
+            _forget_after(-1, where)      # the job goes back to disk: these steps are not its future
+            return None
+        ok = where is not None and os.path.exists(path(step, where)) and (accept is None or accept(step))
+        if reduce_min(1 if ok else 0) == 1:
+            _forget_after(step, where)
+            heartbeat.resumed(step)       # the agent's probe: steps redone after this restore
+            return step
+        below = step
+
+
+def _await_copy(where: str) -> None:
+    """While the agent brings this rank's snapshot from a peer (a node taking a lost node's place: its workers start
+    meanwhile), FETCHING is in the directory; the agent removes it when the copy is in or failed. Polled: nothing
+    else tells one process of another's file; bounded, so a worker never waits for ever."""
+    mark = os.path.join(where, FETCHING)
+    deadline = time.monotonic() + COPY_WAIT_S
+    while os.path.exists(mark) and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+def _forget_unfinished(where: str) -> None:
+    """Remove the half-written files of a writer that died (a worker killed mid-save): nothing else ever would."""
+    for name in os.listdir(where):
+        if name.endswith(".tmp") and _NAME.fullmatch(name[:-4]):
+            _remove(os.path.join(where, name))
+
+
+def _forget_after(step: int, where: str | None) -> None:
+    """Remove this rank's snapshots newer than the step the job resumes from: they belong to a run of steps the
+    job abandoned, and `save` keeps the newest, so they would outlive the new ones (and be copied to peers)."""
+    for later in (s for s in steps(where) if s > step) if where is not None else ():
+        _remove(path(later, where))
+
+
+class _Bounded:
+    """A file that refuses to grow past `room` bytes, then drops later writes: a writer's clean-up
+    (torch.save finishing its zip) must not hide the first refusal."""
+
+    def __init__(self, f: BinaryIO, room: int | None) -> None:
+        self._f = f
+        self._room = room
+        self.written = 0
+        self.full = False
+
+    def write(self, data: bytes) -> int:
+        if self.full:
+            return len(data)
+        if self._room is not None and self.written + len(data) > self._room:
+            self.full = True
+            raise MemoryDirFull(f"needs more than the {self._room} bytes left")
+        self.written += len(data)
+        return self._f.write(data)
+
+    def flush(self) -> None:
+        self._f.flush()
+
+    def tell(self) -> int:
+        return self._f.tell()
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        return self._f.seek(offset, whence)
+
+    def seekable(self) -> bool:
+        return True
+
+
+def save(data: bytes | Writer, step: int, *, where: str | None = None, keep: int = 2,
+         max_bytes: int | None = None) -> str:
+    """Write the snapshot of `step` atomically; return its path. Raises MemoryDirFull (see above)."""
+    if step < 0 or keep < 1:
+        raise ValueError(f"step must be >= 0 and keep >= 1, got step={step}, keep={keep}")
+    where = where or directory()
+    if where is None:
+        raise FileNotFoundError(f"no memory directory (${DIR_VAR} is not set)")
+    bound = max_bytes if max_bytes is not None else limit()
+    held = [s for s in steps(where) if s != step]
+    for old in held[:max(0, len(held) - (keep - 1))]:
+        _remove(path(old, where))
+    kept = sum(_size(path(s, where)) for s in held[-(keep - 1):]) if keep > 1 else 0
+    room = None if bound is None else bound - kept
+    final = path(step, where)
+    tmp = final + ".tmp"
+    out: _Bounded | None = None
+    try:
+        if room is not None and isinstance(data, bytes | bytearray) and len(data) > room:
+            raise MemoryDirFull(f"needs {len(data)} bytes")
+        with open(tmp, "wb") as f:
+            out = _Bounded(f, room)
+            if isinstance(data, bytes | bytearray):
+                out.write(data)
+            else:
+                data(out)   # type: ignore[arg-type]  # file-like: what writers such as torch.save take
+        if out.full:   # the writer swallowed the refusal
+            raise MemoryDirFull("full")
+    except Exception as exc:
+        _remove(tmp)
+        full = (out is not None and out.full) or isinstance(exc, MemoryDirFull)
+        if full or (isinstance(exc, OSError) and exc.errno == errno.ENOSPC):   # or /dev/shm itself is full
+            need = f"needs more than the {room} bytes left" if room is not None else "found /dev/shm full"
+            raise MemoryDirFull(
+                f"snapshot of step {step} does not fit the memory directory {where}: limit {_text(bound)}, "
+                f"{kept} bytes kept in {min(len(held), keep - 1)} older snapshot(s), the new one {need}") from exc
+        raise
+    os.replace(tmp, final)
+    return final
+
+
+def _text(bound: int | None) -> str:
+    return "none" if bound is None else f"{bound} bytes ({bound / 2**20:.1f} MiB)"
+
+
+def _size(p: str) -> int:
+    try:
+        return os.path.getsize(p)
+    except OSError:
+        return 0
+
+
+def _remove(p: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(p)
