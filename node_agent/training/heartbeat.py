@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import sys
 
-PROBE_MODULE = "node_agent_probe"    # the name the probe runs under in a worker (node_agent/training/probe.py)
+from node_agent.training.probe import NAME as PROBE_MODULE  # the probe's name in a worker (no probe starts)
 
 
 def beat() -> None:

@@ -22,6 +22,9 @@ import time
 from typing import Any
 
 ENV = "NODE_AGENT_PROGRESS"
+# The one name it runs under in a worker: its loaders (boot/sitecustomize.py, the warm zygote) load it by file path
+# and register it so, and beat() looks it up (heartbeat.py).
+NAME = "node_agent_probe"
 MAGIC, VERSION = 0x4E505247, 1
 # magic, version, seq (odd while a step is written), steps, first and last step (unix time), pid, flags, the
 # main thread's id (as faulthandler prints it), the step node_agent.snapshot resumed from (-1: none)

@@ -14,15 +14,15 @@ def _start() -> None:
         os.environ["PYTHONPATH"] = os.pathsep.join(rest)
     else:
         os.environ.pop("PYTHONPATH", None)
-    spec = importlib.util.spec_from_file_location("node_agent_probe", os.path.join(os.path.dirname(here), "probe.py"))
+    spec = importlib.util.spec_from_file_location("_node_agent_probe", os.path.join(os.path.dirname(here), "probe.py"))
     if spec is not None and spec.loader is not None:
         probe = importlib.util.module_from_spec(spec)
-        sys.modules["node_agent_probe"] = probe
         try:
             spec.loader.exec_module(probe)
+            sys.modules[probe.NAME] = probe     # its name is its own (probe.NAME): what beat() looks up
             probe.install(os.environ)
         except Exception:   # noqa: BLE001 - the worker runs without a probe rather than not at all
-            sys.modules.pop("node_agent_probe", None)
+            sys.modules.pop(getattr(probe, "NAME", ""), None)
     ours = sys.modules.pop("sitecustomize")
     try:
         import sitecustomize  # type: ignore[import-not-found]  # noqa: F401 - the user's (or the distribution's) own, now first on the path

@@ -167,13 +167,15 @@ def _per_worker_setup(launch: dict[str, Any]) -> None:
             os.sched_setaffinity(0, cpus)
 
 
-PROBE_MODULE = "node_agent_probe"      # the name a cold worker's probe has too (node_agent/heartbeat.py)
+_probe: Any = None      # the progress probe, loaded before any fork
 
 
 def _load_probe(path: str) -> None:
-    """Load the progress probe (node_agent/training/probe.py, standard library only) before any fork."""
+    """Load the progress probe (node_agent/training/probe.py, standard library only) before any fork, under the
+    name it gives itself (probe.NAME), as a cold worker's boot does."""
+    global _probe
     import importlib.util
-    spec = importlib.util.spec_from_file_location(PROBE_MODULE, path)
+    spec = importlib.util.spec_from_file_location("_node_agent_probe", path)
     if spec is None or spec.loader is None:
         return
     module = importlib.util.module_from_spec(spec)
@@ -181,15 +183,14 @@ def _load_probe(path: str) -> None:
         spec.loader.exec_module(module)
     except Exception:   # noqa: BLE001 - workers run without a probe rather than not at all
         return
-    sys.modules[PROBE_MODULE] = module
+    sys.modules[module.NAME] = _probe = module
 
 
 def _start_probe() -> None:
     """Start the worker's probe as its environment says (NODE_AGENT_PROGRESS), as a cold worker's does."""
-    probe = sys.modules.get(PROBE_MODULE)
-    if probe is not None:
+    if _probe is not None:
         with contextlib.suppress(Exception):
-            probe.install(os.environ)
+            _probe.install(os.environ)
 
 
 GLOO_SETTLE_S = 0.05
