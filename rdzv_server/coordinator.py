@@ -18,7 +18,7 @@ from typing import Protocol, TypeVar
 import msgspec
 
 from protocol.errors import ErrorCode
-from protocol.messages import AgentRequest, NodeStatus, PollRequest
+from protocol.messages import AgentRequest, JoinRequest, NodeStatus, PollRequest
 from protocol.views import HostHold
 from rdzv_server.core.errors import RendezvousError
 from rdzv_server.core.operator_rules import OperatorAction
@@ -233,8 +233,9 @@ class Coordinator:
             self.loop_lag.note_waited(conn.waited_s)
         if isinstance(req, PollRequest):
             return self.with_hold(await long_poll(self.hub, job_id, req, conn))
-        # A fresh secret each time: the core keeps it only if a join makes a new node record.
-        arrival = Arrival(peer=conn.peer, local=conn.local, secret=secrets.token_urlsafe(24))
+        # A join's fresh secret: the core keeps it only if the join makes a new node record (no other kind uses one).
+        secret = secrets.token_urlsafe(24) if isinstance(req, JoinRequest) else ""
+        arrival = Arrival(peer=conn.peer, local=conn.local, secret=secret)
         status = self.call(lambda now: self.core.handle(job_id, req, now, arrival))
         await self.durable(job_id)
         return self.with_hold(status)

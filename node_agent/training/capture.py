@@ -20,6 +20,20 @@ from node_agent.training import snapshot, trees
 FORMAT = "node-agent-snapshot/1"
 
 
+def check_cadence(call: str, every: object, keep: object) -> None:
+    """`every` a whole number of optimizer steps >= 1 and `keep` of snapshots >= 1, or a ValueError naming `call`'s
+    argument (protect, and the framework callbacks alike)."""
+    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+        raise ValueError(f"{call}(every=...): {every!r} is not a whole number of optimizer steps >= 1")
+    if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+        raise ValueError(f"{call}(keep=...): {keep!r} is not a number of snapshots >= 1")
+
+
+def say(text: str) -> None:
+    """One line on the worker's stderr, naming its rank."""
+    print(f"node-agent snapshot (rank {os.environ.get('RANK', '?')}): {text}", file=sys.stderr, flush=True)
+
+
 class Capture:
     def __init__(self, where: str, keep: int = 2) -> None:
         self.where = where
@@ -94,4 +108,4 @@ class Capture:
     def _say_once(self, kind: str, text: str) -> None:
         if kind not in self._said:
             self._said.add(kind)
-            print(f"node-agent snapshot (rank {os.environ.get('RANK', '?')}): {text}", file=sys.stderr, flush=True)
+            say(text)

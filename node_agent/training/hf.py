@@ -26,7 +26,7 @@ from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState,
 from transformers.trainer_callback import ExportableState
 
 from node_agent.training import resume, rng, snapshot, trees
-from node_agent.training.capture import Capture
+from node_agent.training.capture import Capture, check_cadence
 
 FOLDER = ".resume"     # the checkpoint folder laid out for the Trainer, in the memory directory until it is read
 
@@ -51,10 +51,7 @@ def protect_trainer(trainer: Trainer, every: int = 5, keep: int = 2) -> Snapshot
 
 class Snapshots(TrainerCallback):
     def __init__(self, trainer: Trainer, every: int = 5, keep: int = 2) -> None:
-        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-            raise ValueError(f"protect_trainer(every=...): {every!r} is not a whole number of optimizer steps >= 1")
-        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
-            raise ValueError(f"protect_trainer(keep=...): {keep!r} is not a number of snapshots >= 1")
+        check_cadence("protect_trainer", every, keep)
         self.trainer, self.every = trainer, every
         where = snapshot.directory()
         self._capture = Capture(where, keep) if where is not None else None

@@ -19,7 +19,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 
 from node_agent.training import resume, snapshot, trees
-from node_agent.training.capture import Capture
+from node_agent.training.capture import Capture, check_cadence, say
 
 NOT_KEPT = ("hyper_parameters", "hparams_name", "hparams_type", "datamodule_hyper_parameters",
             "datamodule_hparams_name", "datamodule_hparams_type")
@@ -27,10 +27,7 @@ NOT_KEPT = ("hyper_parameters", "hparams_name", "hparams_type", "datamodule_hype
 
 class Snapshots(Callback):
     def __init__(self, every: int = 5, keep: int = 2) -> None:
-        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-            raise ValueError(f"Snapshots(every=...): {every!r} is not a whole number of optimizer steps >= 1")
-        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
-            raise ValueError(f"Snapshots(keep=...): {keep!r} is not a number of snapshots >= 1")
+        check_cadence("Snapshots", every, keep)
         self.every, self.keep = every, keep
         self._capture: Capture | None = None
         self._last = -1
@@ -56,7 +53,7 @@ class Snapshots(Callback):
         if self._restored is not None and not given:
             resume.resumed(self._restored)
         elif self._restored is not None:
-            resume.say(f"fit(ckpt_path={str(given)!r}) was loaded, not the snapshot of step {self._restored}")
+            say(f"fit(ckpt_path={str(given)!r}) was loaded, not the snapshot of step {self._restored}")
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """The optimizers exist now: a state a snapshot cannot hold is an error before the first step."""

@@ -30,7 +30,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from node_agent.training import resume, rng, snapshot, trees
-from node_agent.training.capture import Capture
+from node_agent.training.capture import Capture, check_cadence
 
 
 class Stateful(Protocol):
@@ -183,10 +183,7 @@ def _check(model: Any, optimizer: Any, every: Any, objects: dict[str, Any], keep
                         "shard the model with torch.distributed.fsdp.fully_shard (FSDP2)")
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"protect(optimizer=...): a {_name(optimizer)} is not a torch.optim.Optimizer")
-    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-        raise ValueError(f"protect(every=...): {every!r} is not a whole number of optimizer steps >= 1")
-    if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
-        raise ValueError(f"protect(keep=...): {keep!r} is not a number of snapshots >= 1")
+    check_cadence("protect", every, keep)
     for name, obj in objects.items():
         if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
             raise TypeError(f"protect(extra={{{name!r}: ...}}): a {_name(obj)} has no state_dict/load_state_dict")

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from node_agent.training import snapshot, trees
-from node_agent.training.capture import FORMAT
+from node_agent.training.capture import FORMAT, say
 
 
 def agree(where: str, fits: Callable[[dict[str, Any]], str | None]) -> tuple[int, dict[str, Any]] | None:
@@ -57,10 +57,6 @@ def reduce_min(x: int) -> int:
     t = torch.tensor([x], dtype=torch.int64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MIN)
     return int(t.item())
-
-
-def say(text: str) -> None:
-    print(f"node-agent snapshot (rank {os.environ.get('RANK', '?')}): {text}", file=sys.stderr, flush=True)
 
 
 def resumed(step: int) -> None:
