@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import secrets
 import time
@@ -25,7 +26,6 @@ from rdzv_server.core.operator_rules import OperatorAction
 from rdzv_server.core.outbox import Outbox
 from rdzv_server.core.records import JobRecord
 from rdzv_server.core.rendezvous import Rendezvous
-from rdzv_server.core.requests import Arrival
 from rdzv_server.delivery.caps import MAX_POLLS_PER_NODE, MAX_POLLS_PER_PEER
 from rdzv_server.delivery.connection import IN_PROCESS, Connection
 from rdzv_server.delivery.holds import hold_base
@@ -233,10 +233,9 @@ class Coordinator:
             self.loop_lag.note_waited(conn.waited_s)
         if isinstance(req, PollRequest):
             return self.with_hold(await long_poll(self.hub, job_id, req, conn))
-        # A join's fresh secret: the core keeps it only if the join makes a new node record (no other kind uses one).
-        secret = secrets.token_urlsafe(24) if isinstance(req, JoinRequest) else ""
-        arrival = Arrival(peer=conn.peer, local=conn.local, secret=secret)
-        status = self.call(lambda now: self.core.handle(job_id, req, now, arrival))
+        if isinstance(req, JoinRequest):   # a fresh secret: the core keeps it only if the join makes a node record
+            conn = dataclasses.replace(conn, secret=secrets.token_urlsafe(24))
+        status = self.call(lambda now: self.core.handle(job_id, req, now, conn))
         await self.durable(job_id)
         return self.with_hold(status)
 

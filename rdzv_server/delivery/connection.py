@@ -1,5 +1,5 @@
-"""What an agent request's connection tells the server, as one value the transport fills and the coordinator reads:
-addresses (for a join's record), how long ago the node's kernel last answered (a held poll's sign of life), how
+"""An agent request's connection: what the core reads of it (`Arrival`: addresses, a join's secret, a held poll),
+and what only the transport uses: how long ago the node's kernel last answered (a held poll's sign of life), how
 to answer a poll during a wake, and how long the request waited for the server."""
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from protocol.messages import NodeStatus
+from rdzv_server.core.requests import Arrival
 from rdzv_server.delivery.subscriber import AckAge
 
 # Sends a poll's reply straight to its connection; False: it could not (web/direct_reply.py).
@@ -14,9 +15,7 @@ Reply = Callable[[NodeStatus], bool]
 
 
 @dataclass(frozen=True)
-class Connection:
-    peer: str = ""                  # the agent's address
-    local: str = ""                 # the server's address it reached
+class Connection(Arrival):
     ack_age: AckAge | None = None   # seconds since its kernel last heard the node (None: unknown)
     reply: Reply | None = None      # sends a poll's answer during a wake
     waited_s: float = 0.0           # how long it waited for the server (a poll's hold counts from its arrival)
