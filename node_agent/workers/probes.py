@@ -20,7 +20,6 @@ import node_agent.training.probe as probe
 from node_agent.core.progress import ProbeRecord
 from node_agent.core.stalls import ProcSample
 
-BOOT_DIR = os.path.join(os.path.dirname(probe.__file__), "boot")   # its sitecustomize starts a cold worker's probe
 STACKS_SIGNAL = signal.SIGRTMIN + 6     # answered by faulthandler in a worker whose record has the STACKS flag
 MAX_DUMP_BYTES = 256 * 1024             # read of one dump (faulthandler stops at 100 frames per thread)
 DUMP_WAIT_S = 0.3                       # for a dump to be written (C code, in the signal handler: milliseconds)
@@ -76,11 +75,8 @@ class ProbeRoot:
 
 
 def cold_env(env: dict[str, str]) -> dict[str, str]:
-    """A cold worker's environment: the boot directory first on PYTHONPATH (it takes itself off again)."""
-    if probe.ENV not in env:
-        return env
-    path = env.get("PYTHONPATH")
-    return {**env, "PYTHONPATH": BOOT_DIR + (os.pathsep + path if path else "")}
+    """A cold worker's environment: the probe's boot first on PYTHONPATH (it takes itself off again)."""
+    return probe.booted(env) if probe.ENV in env else env
 
 
 class RecordReader:

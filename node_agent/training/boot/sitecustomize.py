@@ -1,6 +1,7 @@
-"""Put the progress probe into a cold worker before its script runs (the agent puts this directory first
-on the worker's PYTHONPATH). It takes itself off the path again, so the worker's children and imports see
-the path as the user set it, then runs the user's own sitecustomize, if any."""
+"""The progress probe's one loader: it loads the probe into an interpreter at its start-up, a cold worker before
+its script runs or the warm zygote before any fork (the agent puts this directory first on its PYTHONPATH). It
+takes itself off the path again, so the worker's children and imports see the path as the user set it, then runs
+the user's own sitecustomize, if any."""
 import importlib.util
 import os
 import sys

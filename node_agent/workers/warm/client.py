@@ -20,7 +20,6 @@ from node_agent.workers.deathsig import prctl, preexec
 from node_agent.workers.warm.eligible import WarmLaunch
 
 ZYGOTE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "zygote.py")
-PROBE = probe.__file__      # loaded by the zygote before any fork, started in each worker it forks
 MAX_MESSAGE = 1 << 20       # the zygote's limit on one message (zygote.MAX_MESSAGE)
 ANSWER_S = 5.0              # a zygote that takes longer to answer a fork is broken: cold start, and a new one
 MAX_STARTS = 4              # zygotes started per agent (the first and three replacements)
@@ -86,9 +85,9 @@ class WarmZygote:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             self._proc = await asyncio.create_subprocess_exec(
-                self.python, "-u", ZYGOTE, str(theirs.fileno()), self.path0, ",".join(self.preload), PROBE,
-                env=self.env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, pass_fds=(theirs.fileno(),),
-                start_new_session=True, preexec_fn=preexec(os.getpid(), prctl()))
+                self.python, "-u", ZYGOTE, str(theirs.fileno()), self.path0, ",".join(self.preload), probe.NAME,
+                env=probe.booted(self.env), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                pass_fds=(theirs.fileno(),), start_new_session=True, preexec_fn=preexec(os.getpid(), prctl()))
         except OSError as exc:
             ours.close()
             self._warn(f"warm workers off: cannot start {self.python}: {exc.strerror}; workers start cold")

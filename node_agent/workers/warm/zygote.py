@@ -1,7 +1,8 @@
 """The warm zygote: an interpreter that imports the preload list once, then forks one worker per request.
 
-Run by the agent as `PYTHON -u zygote.py FD PATH0 MOD[,MOD...] PROBE` with the worker's interpreter: it imports only
-the standard library, never node_agent, as it must run under any PYTHON_EXEC. It forks only while clean (no
+Run by the agent as `PYTHON -u zygote.py FD PATH0 MOD[,MOD...] PROBE_NAME` with the worker's interpreter: it
+imports only the standard library, never node_agent, as it must run under any PYTHON_EXEC (the probe's boot, first
+on its PYTHONPATH, has loaded the probe as PROBE_NAME). It forks only while clean (no
 other Python thread, CUDA not initialised) and opens no socket but FD, the agent's. It dies with the agent
 (PR_SET_PDEATHSIG, set by the agent), each child with it. The wire (a SOCK_SEQPACKET datagram of JSON each):
   zygote -> agent  {"op": "ready", "failed": [[mod, error], ...]}      once, after the preloads
@@ -167,30 +168,15 @@ def _per_worker_setup(launch: dict[str, Any]) -> None:
             os.sched_setaffinity(0, cpus)
 
 
-_probe: Any = None      # the progress probe, loaded before any fork
-
-
-def _load_probe(path: str) -> None:
-    """Load the progress probe (node_agent/training/probe.py, standard library only) before any fork, under the
-    name it gives itself (probe.NAME), as a cold worker's boot does."""
-    global _probe
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("_node_agent_probe", path)
-    if spec is None or spec.loader is None:
-        return
-    module = importlib.util.module_from_spec(spec)
-    try:
-        spec.loader.exec_module(module)
-    except Exception:   # noqa: BLE001 - workers run without a probe rather than not at all
-        return
-    sys.modules[module.NAME] = _probe = module
+_probe_name = ""     # the progress probe's module: loaded at the zygote's start-up (its boot), before any fork
 
 
 def _start_probe() -> None:
     """Start the worker's probe as its environment says (NODE_AGENT_PROGRESS), as a cold worker's does."""
-    if _probe is not None:
+    module = sys.modules.get(_probe_name)
+    if module is not None:
         with contextlib.suppress(Exception):
-            _probe.install(os.environ)
+            module.install(os.environ)
 
 
 GLOO_SETTLE_S = 0.05
@@ -305,10 +291,10 @@ def _run_script(main: types.ModuleType, script: str) -> None:
 def main() -> None:
     # Python's advice for fork without exec: no collection here, gc.freeze() before each fork, gc.enable() in
     # the child, whose collections then never touch (and copy) the zygote's objects.
+    global _probe_name
     gc.disable()
     fd, path0, preload = int(sys.argv[1]), sys.argv[2], [m for m in sys.argv[3].split(",") if m]
-    if len(sys.argv) > 4 and sys.argv[4]:
-        _load_probe(sys.argv[4])
+    _probe_name = sys.argv[4] if len(sys.argv) > 4 else ""
     sys.path[0] = path0   # preloads resolve as they would in the worker
     sock = socket.socket(fileno=fd)
     failed = []
