@@ -23,7 +23,7 @@ from node_agent.workers.launch import STORE_RANK, WorkerLaunch, build_launches, 
 from node_agent.workers.memory import MemoryDirs
 from node_agent.workers.probes import ProbeRoot
 from node_agent.workers.process import WorkerExit, WorkerSpawnError
-from node_agent.workers.progress_watch import ProgressWatch
+from node_agent.workers.step_watch import StepWatch
 from node_agent.workers.warm.client import WarmZygote
 from node_agent.workers.warm.eligible import entry_imports, imports_any, script_dir
 from protocol.messages import Assignment, ProgressNote, UnhealthyKind
@@ -93,7 +93,7 @@ class LocalWorkers:
         self.stuck_pids: list[int] = []      # workers that outlived SIGKILL (the node is unhealthy)
         self._round = -1
         self._watchers: list[asyncio.Task[None]] = []
-        self.progress: ProgressWatch | None = None    # the round's (kept after its workers end: its last note)
+        self.steps: StepWatch | None = None       # the round's (kept after its workers end: its last note)
         if opts.no_python:
             say("--no-python: the program gets no progress probe, so no steps, no hang detection, no goodput")
         self._tmp_root: str | None = None   # logs' home when the CLI made no run directory (tests)
@@ -142,7 +142,7 @@ class LocalWorkers:
             return
         group = self._make_group(launches, stop_timeout=opts.stop_timeout)
         self.group, self._round = group, a.round_id
-        self.progress = self._progress_watch(group, a.round_id)
+        self.steps = self._step_watch(group, a.round_id)
         if self.warm is not None and self._warm_wait_s > 0 and self.warm.coming:
             # Not awaited: a signal, a new round or the lease must not wait on the zygote's imports.
             self._starting = start_source(self._start(group, a.round_id), self._put)
@@ -166,8 +166,8 @@ class LocalWorkers:
         if group.warm_pids:
             self._say(f"{len(group.warm_pids)} of {len(launches)} workers started warm")
         self._watchers.append(start_source(self._watch_exits(group, round_id), self._put))
-        if self.progress is not None and self.progress.round.round_id == round_id:
-            self._watchers.append(start_source(self.progress.run(self._put), self._put))
+        if self.steps is not None and self.steps.round.round_id == round_id:
+            self._watchers.append(start_source(self.steps.run(self._put), self._put))
 
     async def stop(self, signum: int = signal.SIGTERM) -> None:
         """Stop the running group, if any (up to --stop-timeout, then SIGKILL)."""
@@ -196,8 +196,8 @@ class LocalWorkers:
         if self.warm is not None:
             await self.warm.close()
         self.memory.close()   # the job ended or the node leaves: its snapshots go with it
-        if self.progress is not None:
-            self.progress.close()
+        if self.steps is not None:
+            self.steps.close()
         self.probes.close()
         if self._tmp_root is not None and self.opts.log_dir is None:
             shutil.rmtree(os.path.dirname(self._tmp_root), ignore_errors=True)
@@ -228,10 +228,10 @@ class LocalWorkers:
                     task.cancel()
         self._put(WorkersExited(round_id, failures))
 
-    def _progress_watch(self, group: Group, round_id: int) -> ProgressWatch | None:
-        """The round's progress watch, over the workers that have a probe (none: --no-python)."""
-        if self.progress is not None:
-            self.progress.close()
+    def _step_watch(self, group: Group, round_id: int) -> StepWatch | None:
+        """The round's step watch, over the workers that have a probe (none: --no-python)."""
+        if self.steps is not None:
+            self.steps.close()
         ranks = {launch.local_rank: (launch.rank, launch.probe) for launch in group.launches
                  if launch.probe is not None}
         if not ranks:
@@ -239,12 +239,12 @@ class LocalWorkers:
 
         def exit_of(local_rank: int) -> int | None:
             return next((e.exitcode for e in group.exits() if e.local_rank == local_rank), None)
-        return ProgressWatch(round_id, ranks, detect=self._detect_stalls, pid_of=group.pid_of, exit_of=exit_of,
+        return StepWatch(round_id, ranks, detect=self._detect_stalls, pid_of=group.pid_of, exit_of=exit_of,
                              warn=self._say, gpu_busy=self.gpu_busy)
 
     def progress_note(self, round_id: int) -> ProgressNote | None:
         """The round's progress so far, for the next request to the server (None: not this round's, no probe)."""
-        watch = self.progress
+        watch = self.steps
         if watch is None or watch.round.round_id != round_id:
             return None
         watch.look()

@@ -17,8 +17,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import node_agent.training.probe as probe
-from node_agent.core.progress import ProbeRecord
 from node_agent.core.stalls import ProcSample
+from node_agent.core.steps import ProbeRecord
 
 STACKS_SIGNAL = signal.SIGRTMIN + 6     # answered by faulthandler in a worker whose record has the STACKS flag
 MAX_DUMP_BYTES = 256 * 1024             # read of one dump (faulthandler stops at 100 frames per thread)

@@ -23,7 +23,7 @@ from rdzv_server.core.slow import SLOW_GAP, SLOW_NOTES, SLOW_STEPS, NodePace, Pa
 
 
 @dataclass
-class JobWatch:
+class LiveRound:
     """Per job, memory only: the running round's stall reports and its members' paces."""
     board: hangs.StallBoard = field(default_factory=lambda: hangs.StallBoard(-1))
     paces: Paces = field(default_factory=Paces)
@@ -31,7 +31,7 @@ class JobWatch:
     said: set[tuple[object, ...]] = field(default_factory=set)   # the board's round's stalls given an event
 
 
-def noted(rules: JobRules, watch: JobWatch, node_id: str, note: ProgressNote | None, now: float) -> None:
+def noted(rules: JobRules, live: LiveRound, node_id: str, note: ProgressNote | None, now: float) -> None:
     """A node's progress note (already authenticated with its request)."""
     job = rules.job
     if note is None or job.round is None or node_id not in job.round.members:
@@ -39,16 +39,16 @@ def noted(rules: JobRules, watch: JobWatch, node_id: str, note: ProgressNote | N
     goodput.note(job.progress, node_id, note, job.round.round_id, now)
     if note.round_id != job.round.round_id:
         return
-    if watch.round_id != job.round.round_id:     # a new round (or a new server): measured afresh, its members'
-        watch.round_id = job.round.round_id      # marks kept (a pace of the last round is no peer's measure)
-        watch.paces = Paces({n: NodePace(slow=p.slow) for n, p in watch.paces.nodes.items()
+    if live.round_id != job.round.round_id:     # a new round (or a new server): measured afresh, its members'
+        live.round_id = job.round.round_id      # marks kept (a pace of the last round is no peer's measure)
+        live.paces = Paces({n: NodePace(slow=p.slow) for n, p in live.paces.nodes.items()
                              if n in job.round.members})
-        job.progress.slow = watch.paces.slow()
-    named = watch.paces.note(node_id, note, now)
+        job.progress.slow = live.paces.slow()
+    named = live.paces.note(node_id, note, now)
     if named is None:
         return
-    pace = watch.paces.nodes[node_id]
-    job.progress.slow = watch.paces.slow()
+    pace = live.paces.nodes[node_id]
+    job.progress.slow = live.paces.slow()
     if not named:
         rules.record(now, EventKind.NODE_PACE_OK, f"node {node_id} keeps pace again", node_id, job.round.round_id)
         rules.node_changed(node_id)
@@ -61,7 +61,7 @@ def noted(rules: JobRules, watch: JobWatch, node_id: str, note: ProgressNote | N
         operator_rules.drain(rules, node_id, f"replaced as slow: {why}", now, by="the server (--replace-slow-nodes)")
 
 
-def stalled(rules: JobRules, watch: JobWatch, node: NodeRecord, req: StallReport, now: float) -> str:
+def stalled(rules: JobRules, live: LiveRound, node: NodeRecord, req: StallReport, now: float) -> str:
     """An authenticated node's stall report (requests.py); returns why it was not acted on ("" when it was taken)."""
     job = rules.job
     why_not = reports.not_running(rules, node, req.round_id)
@@ -69,18 +69,18 @@ def stalled(rules: JobRules, watch: JobWatch, node: NodeRecord, req: StallReport
         return why_not
     if not job.config.hang_detection:
         return "hang detection is off for this job"
-    if watch.board.round_id != req.round_id:
-        watch.board, watch.said = hangs.StallBoard(req.round_id), set()
-    watch.board.reports[node.node_id] = (now, req)
+    if live.board.round_id != req.round_id:
+        live.board, live.said = hangs.StallBoard(req.round_id), set()
+    live.board.reports[node.node_id] = (now, req)
     assert job.round is not None
     finished = {n: _ranks_of(rules, n) for n in job.round.members if n in job.successes}
     running = [n for n in job.round.members if n not in job.successes]
     steps = job.progress.round_steps if job.progress.round_id == req.round_id else 0
-    stall = hangs.assess(watch.board, running, finished, job.config, {p.place for p in job.hang_places}, now, steps)
+    stall = hangs.assess(live.board, running, finished, job.config, {p.place for p in job.hang_places}, now, steps)
     if stall is not None and stall.decided:
-        _fail_for(rules, watch, stall, req.round_id, now)
+        _fail_for(rules, live, stall, req.round_id, now)
     elif stall is not None:
-        _show(rules, watch, stall, req, now)
+        _show(rules, live, stall, req, now)
     return ""
 
 
@@ -92,11 +92,11 @@ def shown_stall(job: JobRecord, now: float) -> StallShown | None:
     return s if job.progress.round_id != s.round_id or job.progress.round_steps <= s.steps else None
 
 
-def _show(rules: JobRules, watch: JobWatch, stall: Stall, req: StallReport, now: float) -> None:
+def _show(rules: JobRules, live: LiveRound, stall: Stall, req: StallReport, now: float) -> None:
     """A stall not decided: shown while it lasts, and said once per spell (and rank) in the history."""
     job = rules.job
     if shown_stall(job, now) is None:       # a new spell: the job stepped since the last one
-        watch.said.clear()
+        live.said.clear()
     # its ranks' own steps count (the notes may lag them): once the job steps past them, the stall is over
     steps = max([r.steps for _, r in stall.seen] + [job.progress.round_steps if job.progress.round_id == req.round_id
                                                      else 0])
@@ -104,9 +104,9 @@ def _show(rules: JobRules, watch: JobWatch, stall: Stall, req: StallReport, now:
     job.stall = msgspec.structs.replace(stall.shown(now), round_id=req.round_id, steps=steps,
                                         fresh_until=now + fresh_s)
     key = (req.round_id, stall.kind, stall.culprit.rank, stall.excused)    # not the place: a loop's line moves
-    if key in watch.said:
+    if key in live.said:
         return
-    watch.said.add(key)
+    live.said.add(key)
     c, line = stall.culprit, job.stall.line(now)
     limit = (f"a hang only after {stall.limit_s:.0f}s ({_flag(stall.kind)})" if stall.limit_s > 0
              else f"never a hang ({_flag(stall.kind)} 0)")
@@ -144,7 +144,7 @@ def _ranks_of(rules: JobRules, node_id: str) -> list[int]:
     return [] if a is None else list(range(a.rank_offset, a.rank_offset + a.local_world_size))
 
 
-def _fail_for(rules: JobRules, watch: JobWatch, stall: Stall, round_id: int, now: float) -> None:
+def _fail_for(rules: JobRules, live: LiveRound, stall: Stall, round_id: int, now: float) -> None:
     job = rules.job
     c = stall.culprit
     node = job.nodes[stall.node_id]
@@ -159,7 +159,7 @@ def _fail_for(rules: JobRules, watch: JobWatch, stall: Stall, round_id: int, now
                             reason=FailureReason.HANG.value,
                             message=message[:4096], timestamp=now, host=node.host, node_id=node.node_id,
                             traceback=c.stack if c.state != RankState.EXITED else "")
-    watch.board, watch.said, job.stall = hangs.StallBoard(-1), set(), None
+    live.board, live.said, job.stall = hangs.StallBoard(-1), set(), None
     reports.fail_round(rules, node, round_id, [failure], now, RoundCause.HANG)
 
 

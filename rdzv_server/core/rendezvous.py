@@ -21,7 +21,7 @@ from rdzv_server.core.job_rules import JobRules
 from rdzv_server.core.leases import OUTAGE_LIMIT_S, QUIET_S, SUSPECT_QUIET_S, Hearing, ReturnWave, extend
 from rdzv_server.core.limits import Limits, node_room
 from rdzv_server.core.outbox import Outbox
-from rdzv_server.core.progress_rules import JobWatch
+from rdzv_server.core.progress_rules import LiveRound
 from rdzv_server.core.records import JobRecord
 from rdzv_server.core.requests import ARRIVED, Arrival
 from rdzv_server.core.rounds import deadlines, node_status
@@ -47,7 +47,7 @@ class Rendezvous:
         self._quiet_noted: set[str] = set()   # jobs told of the server's silence since it last heard
         self.silence: tuple[float, float] | None = None   # the last silence of SUSPECT_QUIET_S or more that ended
         self._waves: dict[str, ReturnWave] = {}            # per job: its nodes coming back since that silence
-        self.watches: dict[str, JobWatch] = {}            # per job: stall reports, nodes' paces (memory only)
+        self.live_rounds: dict[str, LiveRound] = {}       # per job: stall reports, nodes' paces (memory only)
         # Finished jobs by end time, a heap: forgetting one is never a scan; stale entries are skipped.
         self._ended: list[tuple[float, str]] = [(j.finished_at or 0.0, j.job_id) for j in self.jobs.values()
                                                 if j.state.finished]
@@ -85,7 +85,7 @@ class Rendezvous:
             else self.rules(job_id)
         with self._counting(rules.job):           # a call may add node records, or lose or drain nodes
             node = requests.authenticate(kind, rules, req, now, arrival.hold)
-            call = requests.Call(rules, node, now, arrival, self.watch(job_id), self.unhealthy)
+            call = requests.Call(rules, node, now, arrival, self.live_round(job_id), self.unhealthy)
             requests.note_progress(call, req)
             why_not = kind.act(call, req)
         status = node_status(rules.job, req.node_id, now, accepted=not why_not, reason=why_not)
@@ -149,8 +149,8 @@ class Rendezvous:
                 self.heard(min(heard_at, now))
             JobRules(job, self.outbox).poll_ended(node_id, now, heard_at)
 
-    def watch(self, job_id: str) -> JobWatch:
-        return self.watches.setdefault(job_id, JobWatch())
+    def live_round(self, job_id: str) -> LiveRound:
+        return self.live_rounds.setdefault(job_id, LiveRound())
 
     def connection_dropped(self, job_id: str, node_id: str, now: float, heard: bool = False) -> None:
         """A node's long-poll connection closed: a short grace; `heard`: its host closed it, not a keepalive."""
@@ -247,7 +247,7 @@ class Rendezvous:
                 oldest_first -= 1
             heapq.heappop(self._ended)
             del self.jobs[job.job_id]
-            self.watches.pop(job.job_id, None)
+            self.live_rounds.pop(job.job_id, None)
             self._waves.pop(job.job_id, None)
             self.node_count -= len(job.nodes)
             self.outbox.pruned.add(job.job_id)

@@ -30,7 +30,7 @@ from rdzv_server.core import admission, credentials, leases, progress_rules, rep
 from rdzv_server.core.events import EventKind
 from rdzv_server.core.job_rules import JobRules
 from rdzv_server.core.payloads import NodeUnhealthy
-from rdzv_server.core.progress_rules import JobWatch
+from rdzv_server.core.progress_rules import LiveRound
 from rdzv_server.core.records import NodeRecord
 from rdzv_server.core.unhealthy import UnhealthyHosts
 
@@ -54,7 +54,7 @@ class Call:
     node: NodeRecord | None        # None: a poll or leave of a node the job does not know (or any join)
     now: float
     arrival: Arrival
-    watch: JobWatch
+    live: LiveRound
     unhealthy: UnhealthyHosts
     credential: str = ""                 # a join's: the secret of the node record it made ("" if none)
 
@@ -89,7 +89,7 @@ def note_progress(call: Call, req: AgentRequest) -> None:
     """Step 5: the request's progress note, from an authenticated member."""
     note = getattr(req, "progress", None)
     if note is not None and call.node is not None:
-        progress_rules.noted(call.rules, call.watch, call.node.node_id, note, call.now)
+        progress_rules.noted(call.rules, call.live, call.node.node_id, note, call.now)
 
 
 # ---- the rules, one per kind ---------------------------------------------------------------------------------
@@ -142,7 +142,7 @@ def success(call: Call, req: SuccessReport) -> str:
 
 def stall(call: Call, req: StallReport) -> str:
     assert call.node is not None
-    return progress_rules.stalled(call.rules, call.watch, call.node, req, call.now)
+    return progress_rules.stalled(call.rules, call.live, call.node, req, call.now)
 
 
 def _credential_reply(call: Call, status: NodeStatus) -> None:

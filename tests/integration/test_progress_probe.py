@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from node_agent.core.progress import ProbeRecord
 from node_agent.core.stalls import main_stack
+from node_agent.core.steps import ProbeRecord
 from node_agent.training import probe
 from node_agent.workers.group import WorkerGroup
 from node_agent.workers.launch import WorkerLaunch

@@ -7,11 +7,11 @@ import struct
 
 import pytest
 
-from node_agent.core.progress import ProbeRecord, RoundProgress, next_report_at, report_period
 from node_agent.core.stalls import Frame, ProcSample, call_of, classify, main_stack, parse_dump
+from node_agent.core.steps import ProbeRecord, RoundSteps, next_report_at, report_period
 from node_agent.training import probe
 from node_agent.workers.probes import BadRecord, ProbeFiles, RecordReader
-from node_agent.workers.progress_watch import ProgressWatch
+from node_agent.workers.step_watch import StepWatch
 from protocol.messages import PACE_MAX_WINDOW_S, PACE_MIN_STEPS, RankState
 
 DUMP = """Thread 0x00007f0000000001 (most recent call first):
@@ -117,7 +117,7 @@ def record(steps: int, last: float) -> ProbeRecord:
 
 
 def test_a_rank_is_stalled_past_the_floor_or_three_median_steps_once_it_stepped() -> None:
-    r = RoundProgress(7)
+    r = RoundSteps(7)
     r.observe(0, record(0, 0.0), look(), 0.0)              # not stepped yet: never stalled
     r.observe(1, record(1, 100.0), look(), 0.0)
     for i in range(2, 12):
@@ -126,14 +126,14 @@ def test_a_rank_is_stalled_past_the_floor_or_three_median_steps_once_it_stepped(
     assert r.stalled(120.0 + 5.9) == [] and r.stalled(120.0 + 6.0) == [1]
     r.exited(1, 0)
     assert r.stalled(200.0) == []                          # a rank that ended is not stalled
-    assert RoundProgress(1).threshold_s() == 5.0           # the floor
+    assert RoundSteps(1).threshold_s() == 5.0           # the floor
 
 
 def test_a_pause_between_looks_is_no_step_time() -> None:
     """Looks every 0.5 s; 20 steps of 20 ms, a 60 s evaluation, then 20 steps of 20 ms all seen by the first look
     after it: the median step stays 20 ms and the threshold its floor (taking the look's whole span, 3 s a step,
     tripled the threshold to 9 s, and a stall of the next evaluation was shown a report later)."""
-    r = RoundProgress(1)
+    r = RoundSteps(1)
     r.observe(0, record(1, 100.0), look(), 0.0, 100.0)
     r.observe(0, record(20, 100.38), look(), 0.5, 100.5)
     for i in range(1, 121):                               # the evaluation: no step
@@ -143,7 +143,7 @@ def test_a_pause_between_looks_is_no_step_time() -> None:
 
 
 def test_the_note_sums_up_the_round_and_the_window(tmp_path) -> None:
-    r = RoundProgress(3)
+    r = RoundSteps(3)
     r.observe(0, record(1, 100.0), ProcSample("R", 0.0, 0.0, 0), 10.0)
     r.observe(0, record(5, 104.0), ProcSample("R", 1.5, 0.5, 0), 14.0)
     note = r.note(14.0)
@@ -175,7 +175,7 @@ def test_garbage_in_a_record_is_ignored_with_one_warning(tmp_path, garbage) -> N
     with pytest.raises(BadRecord):
         RecordReader(files.record).read(None, 1e9)
     warnings: list[str] = []
-    watch = ProgressWatch(1, {0: (4, files)}, detect=True, pid_of=lambda lr: os.getpid(), exit_of=lambda lr: None,
+    watch = StepWatch(1, {0: (4, files)}, detect=True, pid_of=lambda lr: os.getpid(), exit_of=lambda lr: None,
                           warn=warnings.append)
     for _ in range(3):
         watch.look()

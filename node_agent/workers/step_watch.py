@@ -1,4 +1,4 @@
-"""One round's watch on its workers' progress: every LOOK_S it reads each worker's record and /proc, so the next
+"""One round's watch on its workers' steps: every LOOK_S it reads each worker's record and /proc, so the next
 request to the server carries the round's progress (`note`); with hang detection on, a rank that stalls is
 examined (its stacks at EXAMINE_DUMPS looks EXAMINE_GAP_S apart, its CPU, I/O and GPU meanwhile) and the
 evidence goes to the server as a fact for the agent's loop, again on shared wall-clock ticks while the stall
@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import node_agent.training.probe as probe
 from node_agent.core.facts import Put, RanksStalled
-from node_agent.core.progress import ProbeRecord, RoundProgress, next_report_at
 from node_agent.core.stalls import ProcSample, call_of, classify, main_stack, stack_text
+from node_agent.core.steps import ProbeRecord, RoundSteps, next_report_at
 from node_agent.workers.failures import keep_tail
 from node_agent.workers.probes import BadRecord, ProbeFiles, RecordReader, read_proc, take_stacks
 from protocol.messages import (
@@ -44,14 +44,14 @@ class _Rank:
     ignored: bool = False        # its record did not parse: read no more this round
 
 
-class ProgressWatch:
+class StepWatch:
     def __init__(self, round_id: int, ranks: dict[int, tuple[int, ProbeFiles]], *, detect: bool,
                  pid_of: Callable[[int], int | None], exit_of: Callable[[int], int | None],
                  warn: Callable[[str], None], gpu_busy: Callable[[int], int | None] = lambda _: None,
                  clock: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time) -> None:
         """`ranks`: local rank -> (global rank, its probe files); `pid_of`/`exit_of`: a worker's pid and exit code;
         `gpu_busy`: a local rank's GPU utilization now, % (None: it has no GPU, or NVML is not there)."""
-        self.round = RoundProgress(round_id)
+        self.round = RoundSteps(round_id)
         self._ranks = {lr: _Rank(lr, rank, files) for lr, (rank, files) in ranks.items()}
         self._detect = detect
         self._pid_of, self._exit_of = pid_of, exit_of
@@ -128,11 +128,11 @@ class ProgressWatch:
         budget = max(256, min(MAX_TRACEBACK, STACKS_BUDGET // max(1, len(self._ranks))))
         seen = []
         for lr, r in sorted(self._ranks.items()):
-            progress = self.round.ranks.get(lr)
-            record = progress.record if progress is not None else None
+            rank = self.round.ranks.get(lr)
+            record = rank.record if rank is not None else None
             stacks = [s for s in (main_stack(d.get(lr, ""), record.main_thread if record else 0) for d in dumps) if s]
-            after: ProcSample | None = progress.proc if progress is not None else None
-            exited = progress.exited if progress is not None else None
+            after: ProcSample | None = rank.proc if rank is not None else None
+            exited = rank.exited if rank is not None else None
             busy = max(gpu[lr]) if gpu[lr] else None
             state, cpu = classify(before.get(lr), None if exited is not None else after, watched, stacks, busy)
             top = stacks[-1] if stacks else []
@@ -155,13 +155,13 @@ class ProgressWatch:
         """The ranks whose probe answers for stacks, and that can (not stopped, not gone)."""
         out = {}
         for lr, r in self._ranks.items():
-            progress = self.round.ranks.get(lr)
-            record = progress.record if progress else None
+            rank = self.round.ranks.get(lr)
+            record = rank.record if rank else None
             pid = self._pid_of(lr)
             if record is None or not record.flags & probe.STACKS or pid is None or pid != record.pid:
                 continue
-            if progress is None or progress.exited is not None or progress.proc is None \
-                    or progress.proc.state in ("T", "t", "Z", "X"):
+            if rank is None or rank.exited is not None or rank.proc is None \
+                    or rank.proc.state in ("T", "t", "Z", "X"):
                 continue
             out[lr] = (pid, r.files.stacks)
         return out

@@ -1,4 +1,4 @@
-"""This node's workers' training progress in the round they run, from what their probes write (pure: the shell
+"""This node's workers' steps in the round they run, from what their probes write (pure: the shell
 reads the records and /proc, `now` is an argument). It says when a rank has stalled, past a threshold taken from
 the job's own step times, and sums the round up for the server (`ProgressNote`, on the next request).
 
@@ -53,7 +53,7 @@ class ProbeRecord:
 
 
 @dataclass
-class RankProgress:
+class RankSteps:
     record: ProbeRecord | None = None
     proc: ProcSample | None = None           # the latest look
     window_proc: ProcSample | None = None    # the look the demand window started at
@@ -62,10 +62,10 @@ class RankProgress:
 
 
 @dataclass
-class RoundProgress:
+class RoundSteps:
     """One round's local ranks: their records and /proc looks, their recent step intervals."""
     round_id: int
-    ranks: dict[int, RankProgress] = field(default_factory=dict)
+    ranks: dict[int, RankSteps] = field(default_factory=dict)
     intervals: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT_STEPS))
     window_started: float | None = None      # monotonic time of the window's first look
     window_steps_from: int = 0
@@ -74,7 +74,7 @@ class RoundProgress:
                 wall: float = 0.0) -> None:
         """One look at a rank at `now` (monotonic) and `wall` (unix time; 0: not known), `record` None: no valid
         record yet; `proc` None: the process is gone."""
-        rank = self.ranks.setdefault(local_rank, RankProgress())
+        rank = self.ranks.setdefault(local_rank, RankSteps())
         old = rank.record
         if record is not None:
             if old is not None and record.steps > old.steps and old.steps > 0:
@@ -95,7 +95,7 @@ class RoundProgress:
             self.window_started = now
 
     def exited(self, local_rank: int, code: int) -> None:
-        self.ranks.setdefault(local_rank, RankProgress()).exited = code
+        self.ranks.setdefault(local_rank, RankSteps()).exited = code
 
     @property
     def steps(self) -> int:
