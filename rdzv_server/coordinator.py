@@ -16,8 +16,6 @@ import time
 from collections.abc import Callable
 from typing import Protocol, TypeVar
 
-import msgspec
-
 from protocol.errors import ErrorCode
 from protocol.messages import AgentRequest, JoinRequest, NodeStatus, PollRequest
 from protocol.views import HostHold
@@ -28,7 +26,7 @@ from rdzv_server.core.records import JobRecord
 from rdzv_server.core.rendezvous import Rendezvous
 from rdzv_server.delivery.caps import MAX_POLLS_PER_NODE, MAX_POLLS_PER_PEER
 from rdzv_server.delivery.connection import IN_PROCESS, Connection
-from rdzv_server.delivery.holds import hold_base
+from rdzv_server.delivery.holds import with_hold
 from rdzv_server.delivery.hub import Hub
 from rdzv_server.delivery.long_poll import long_poll
 from rdzv_server.serving import Serving
@@ -232,16 +230,12 @@ class Coordinator:
         if conn.waited_s > 0 and self.loop_lag is not None:
             self.loop_lag.note_waited(conn.waited_s)
         if isinstance(req, PollRequest):
-            return self.with_hold(await long_poll(self.hub, job_id, req, conn))
+            return with_hold(self.core.node_count, await long_poll(self.hub, job_id, req, conn))
         if isinstance(req, JoinRequest):   # a fresh secret: the core keeps it only if the join makes a node record
             conn = dataclasses.replace(conn, secret=secrets.token_urlsafe(24))
         status = self.call(lambda now: self.core.handle(job_id, req, now, conn))
         await self.durable(job_id)
-        return self.with_hold(status)
-
-    def with_hold(self, status: NodeStatus) -> NodeStatus:
-        """`status` with the longest hold now (what replies tell agents: poll_hold_s)."""
-        return msgspec.structs.replace(status, poll_hold_s=round(hold_base(self.core.node_count, status), 3))
+        return with_hold(self.core.node_count, status)
 
     def saved(self, job_id: str) -> bool:
         return not self.persister.pending(job_id)

@@ -14,6 +14,8 @@ import math
 import random
 from collections.abc import Callable
 
+import msgspec
+
 from protocol.messages import NodeStatus
 
 TARGET_POLL_RATE = 500.0
@@ -24,6 +26,11 @@ HOLD_TICK_S = 0.01          # a hold may end this much early or late: nothing ne
 def hold_base(node_count: int, status: NodeStatus) -> float:
     """The longest hold now (what replies tell agents: poll_hold_s)."""
     return min(max(node_count / TARGET_POLL_RATE, status.lease_timeout_s / 2), MAX_HOLD_S)
+
+
+def with_hold(node_count: int, status: NodeStatus) -> NodeStatus:
+    """`status` as replies carry it: with the longest hold now (poll_hold_s), the hold agents should expect."""
+    return msgspec.structs.replace(status, poll_hold_s=round(hold_base(node_count, status), 3))
 
 
 def hold_for(node_count: int, status: NodeStatus, wait_s: float) -> float:

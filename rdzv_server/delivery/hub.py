@@ -19,7 +19,7 @@ from rdzv_server.core.rendezvous import Rendezvous
 from rdzv_server.core.requests import Arrival
 from rdzv_server.core.rounds import node_status
 from rdzv_server.delivery.caps import MAX_POLLS_PER_NODE, MAX_POLLS_PER_PEER, HeldPolls
-from rdzv_server.delivery.holds import HoldGrid
+from rdzv_server.delivery.holds import HoldGrid, with_hold
 from rdzv_server.delivery.links import CLOSE_HEARD_S, HeldLinks
 from rdzv_server.delivery.subscriber import Subscriber
 from rdzv_server.serving import Serving
@@ -45,9 +45,6 @@ class Driver(Protocol):
 
     async def durable(self, job_id: str) -> None:
         """Until the job, as any reply would show it now, is in the store (or a refusal: store unavailable)."""
-
-    def with_hold(self, status: NodeStatus) -> NodeStatus:
-        """`status` as replies carry it (the hold agents should expect)."""
 
 
 HELD = Arrival(hold=True)      # a poll the hub holds open: its connection is the lease meanwhile
@@ -133,7 +130,7 @@ class Hub:
             if not sub.wants(view):
                 continue
             self._unindex(sub)
-            if not (saved and self._push(sub, d.with_hold(view))):
+            if not (saved and self._push(sub, with_hold(d.core.node_count, view))):
                 sub.close(ended=False)
 
     @staticmethod

@@ -90,7 +90,7 @@ def test_a_pass_pushes_news_only_and_hands_back_what_it_cannot_push():
             join(core, n, 0.0, cfg(min_nodes=4, max_nodes=4, last_call_s=0.0))
         saved = {JOB: True}
         driver = SimpleNamespace(core=core, gate=Serving(), clock=lambda: 1.0, apply=lambda: None,
-                                 saved=lambda job_id: saved[job_id], with_hold=lambda view: view)
+                                 saved=lambda job_id: saved[job_id])
         driver.gate.start()
         hub = Hub(driver)   # type: ignore[arg-type]
         subs = {"a": Recorded("a", -1), "b": Recorded("b", -1, push_result=False),
@@ -123,7 +123,7 @@ def test_a_hold_that_ends_closes_its_subscriber_as_ended_and_a_wake_does_not():
         core = Rendezvous()
         join(core, "a", 0.0, cfg())
         driver = SimpleNamespace(core=core, gate=Serving(), clock=lambda: 1.0, apply=lambda: None,
-                                 saved=lambda job_id: True, with_hold=lambda view: view)
+                                 saved=lambda job_id: True)
         hub = Hub(driver)   # type: ignore[arg-type]
         loop = asyncio.get_running_loop()
         timed, woken = Recorded("a", -1), Recorded("a", -1)
