@@ -75,10 +75,6 @@ def ettr(p: ProgressView) -> str | None:
     return f"{p.ettr * 100:.1f}%" if p.ettr is not None else None
 
 
-def _cost(c: RestartCostView) -> str:
-    return duration(c.cost_s) if c.cost_s is not None else "not stepped since"
-
-
 # Each table's columns, declared once as (heading, cell) pairs.
 Column = tuple[str, Callable[[T], object]]
 JOBS: list[Column[JobView]] = [
@@ -104,7 +100,8 @@ MEMBERS: list[Column[NodeView]] = [
     ("PACE", lambda n: "slow" if n.slow else None)]
 # Rows start with "#": a line of a job's view that starts with a digit is a member's (scripts read them so).
 COSTS: list[Column[RestartCostView]] = [
-    ("ROUND", lambda c: f"#{c.round_id}"), ("CAUSE", lambda c: c.cause or "-"), ("COST", _cost),
+    ("ROUND", lambda c: f"#{c.round_id}"), ("CAUSE", lambda c: c.cause or "-"),
+    ("COST", lambda c: duration(c.cost_s) if c.cost_s is not None else "not stepped since"),
     ("REDONE", lambda c: c.redone)]
 OTHERS: list[Column[NodeView]] = [
     ("NODE", lambda n: n.node_id), ("ADDR", lambda n: n.addr), ("WORKERS", lambda n: n.local_world_size),

@@ -193,12 +193,9 @@ def main(argv: list[str] | None = None) -> int:
         replicas = replication(args)
         store = open_store(args.state_dir or "rdzv-state") if replicas is None else None
         run_loop(serve(config, store=store, replication=replicas), args.event_loop)
-    except UsageError as exc:
+    except (UsageError, StoreError) as exc:
         print(f"rdzv-server: error: {exc}", file=sys.stderr)
-        return exc.code
-    except StoreError as exc:
-        print(f"rdzv-server: error: {exc}", file=sys.stderr)
-        return 1
+        return exc.code if isinstance(exc, UsageError) else 1
     except sqlite3.Error as exc:     # e.g. a full disk at start-up: the store says what it could not do
         print(f"rdzv-server: error: the state store in {args.state_dir} failed: {exc}", file=sys.stderr)
         return 1

@@ -159,7 +159,7 @@ class Persister:
         loop = asyncio.get_running_loop()
         while True:
             try:
-                saved = await loop.run_in_executor(self._executor, self._read_back, job_ids)
+                saved = await loop.run_in_executor(self._executor, lambda: {j: self.store.load_job(j) for j in job_ids})
                 break
             except Exception as exc:     # the store cannot even be read: keep trying, the state is held
                 log.error("state store cannot be read back (%s); retrying", exc)
@@ -172,9 +172,6 @@ class Persister:
                 if fut is not None and not fut.done():
                     fut.set_exception(error)
             self._forget(job_id)
-
-    def _read_back(self, job_ids: list[str]) -> dict[str, JobRecord | None]:
-        return {job_id: self.store.load_job(job_id) for job_id in job_ids}
 
     async def _alive_loop(self) -> None:
         loop = asyncio.get_running_loop()

@@ -146,7 +146,6 @@ class SqliteStore:
         return Loaded(jobs, float(alive) if alive is not None else None, meta.get("clean_shutdown") == "1")
 
     def load_job(self, job_id: str) -> JobRecord | None:
-        """The job as last committed (None when it is not saved)."""
         db = self._db
         row = db.execute("SELECT record FROM jobs WHERE job_id = ?", (job_id,)).fetchone()
         if row is None:

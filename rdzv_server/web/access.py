@@ -61,10 +61,6 @@ class Access:
     allow_remote_admin: bool = False
     allowed_hosts: frozenset[str] = field(default_factory=frozenset)
 
-    @property
-    def views_need_token(self) -> bool:
-        return not self.public_status and (self.agent_token is not None or self.admin_token is not None)
-
 
 ACCESS = web.AppKey("access", Access)
 NO_STREAM = "no-stream"     # the route that refuses an old agent's stream, as an agent route (web/app.py)
@@ -117,14 +113,17 @@ def check(request: web.Request, access: Access) -> None:
         return
     given = presented_token(request)
     if kind == "agent":
-        if "Origin" in request.headers:
-            _check_page(request, access, "agent routes")
+        if "Origin" in request.headers:      # a web page's request: only a page of this server, at one of its names
+            if not _same_origin(request.headers["Origin"], request):
+                raise RendezvousError(ErrorCode.FORBIDDEN,
+                                      "agent routes refuse requests from a web page of another origin")
+            _check_host(request, access, "agent routes from a web page")
         if access.agent_token is not None and not _matches(given, access.agent_token):
             raise _unauthorized("missing or wrong token: start node-agent with --token-file "
                                 "(the file the server's --token-file names)", 'Bearer realm="rdzv-server"')
         return
     if kind == "views":
-        if not access.views_need_token:
+        if access.public_status or (access.agent_token is None and access.admin_token is None):
             _check_host(request, access, "views without a token")
         elif not _matches(given, access.agent_token, access.admin_token):
             raise _unauthorized("this server's status needs its token: send it as "
@@ -162,13 +161,6 @@ def _same_origin(origin: str, request: web.Request) -> bool:
     """An `Origin` of this server itself (scheme://host[:port] equal to what the request addressed)."""
     host = request.headers.get("Host", "")
     return origin in (f"http://{host}", f"https://{host}")
-
-
-def _check_page(request: web.Request, access: Access, what: str) -> None:
-    """A request from a web page (it has an `Origin`): only a page of this server, at one of its names."""
-    if not _same_origin(request.headers["Origin"], request):
-        raise RendezvousError(ErrorCode.FORBIDDEN, f"{what} refuse requests from a web page of another origin")
-    _check_host(request, access, f"{what} from a web page")
 
 
 def _check_host(request: web.Request, access: Access, what: str) -> None:

@@ -24,8 +24,8 @@ _HEAD = ("HTTP/1.1 200 OK\r\nContent-Type: " + CONTENT_TYPE + "\r\nContent-Lengt
 class AlreadyWritten(web.StreamResponse):
     """Returned once the reply went out by other means: aiohttp writes nothing more (`keep_alive`: keep it open)."""
 
-    def __init__(self, *, status: int = 200, keep_alive: bool = False) -> None:
-        super().__init__(status=status)
+    def __init__(self, *, keep_alive: bool = False) -> None:
+        super().__init__()
         self._keep_alive = keep_alive
 
     async def prepare(self, request: web.BaseRequest) -> None:

@@ -133,7 +133,7 @@ class JobCollector(Collector):
             if view.ettr is not None:
                 ratio.add_metric([job.job_id], view.ettr)
             lost.add_metric([job.job_id], view.lost_s)
-        return [steps, pace, ratio, lost, slow, *copies.families(),
+        return [steps, pace, ratio, lost, slow, copies.lag, copies.sent, copies.refused,
                 GaugeMetricFamily("rdzv_job_series_omitted", f"Unfinished jobs left out of the per-job series "
                                   f"(at most {MAX_JOB_SERIES} jobs have them, the first by id).",
                                   len(unfinished) - len(shown))]
@@ -158,9 +158,6 @@ class _CopyFamilies:
         self.lag.add_metric([job.job_id], max(max(0, c.local_step - max(c.copied_step, 0)) for c in notes))
         self.sent.add_metric([job.job_id], sum(c.sent_bytes for c in notes))
         self.refused.add_metric([job.job_id], sum(c.refused for c in notes))
-
-    def families(self) -> list[Metric]:
-        return [self.lag, self.sent, self.refused]
 
 
 class ConnectionCollector(Collector):

@@ -85,11 +85,10 @@ def _member(job: JobRecord, node: NodeRecord, now: float, succeeded: set[str]) -
     if a is None:
         return _node(node, now)
     worker = "succeeded" if node.node_id in succeeded else "stopped" if job.state.finished else "running"
-    if job.state.finished:          # an ended job's paces are history: none is sent
-        return _node(node, now, group_rank=a.group_rank, rank_offset=a.rank_offset, worker_state=worker)
     p = job.progress
-    return _node(node, now, group_rank=a.group_rank, rank_offset=a.rank_offset, worker_state=worker,
-                 slow=node.node_id in p.slow, steps_per_s=_rate(p.rates.get(node.node_id)))
+    # an ended job's paces are history: none is sent
+    pace = {} if job.state.finished else dict(slow=node.node_id in p.slow, steps_per_s=_rate(p.rates.get(node.node_id)))
+    return _node(node, now, group_rank=a.group_rank, rank_offset=a.rank_offset, worker_state=worker, **pace)
 
 
 def _rate(value: float | None) -> float | None:
@@ -196,14 +195,11 @@ def job_events(job: JobRecord, after: int | None = None, limit: int = MAX_EVENTS
 
 def ordered_jobs(core: Rendezvous) -> list[JobRecord]:
     """Every job: forming, then running (each by id), then finished ones, newest first (then by id)."""
-    forming: list[JobRecord] = []
-    running: list[JobRecord] = []
-    finished: list[JobRecord] = []
-    for job in sorted(core.jobs.values(), key=attrgetter("job_id")):
-        (forming if job.state == JobState.WAITING else running if job.state == JobState.RUNNING
-         else finished).append(job)
-    finished.sort(key=lambda j: j.finished_at or 0.0, reverse=True)    # stable: ties stay by id
-    return forming + running + finished
+    jobs = sorted(core.jobs.values(), key=attrgetter("job_id"))
+    forming = [j for j in jobs if j.state == JobState.WAITING]
+    running = [j for j in jobs if j.state == JobState.RUNNING]
+    finished = sorted((j for j in jobs if j.state.finished), key=lambda j: j.finished_at or 0.0, reverse=True)
+    return forming + running + finished        # the sorts are stable: ties stay by id
 
 
 def server_status(core: Rendezvous, now: float, offset: int = 0, limit: int = STATUS_LIMIT,

@@ -104,13 +104,7 @@ def created_at(key: str, revision: int) -> dict[str, Any]:
 class KeyValue:
     key: str
     value: bytes
-    create_revision: int
     lease: int
-
-
-def key_values(reply: dict[str, Any]) -> list[KeyValue]:
-    return [KeyValue(base64.b64decode(kv["key"]).decode(), base64.b64decode(kv.get("value", "")),
-                     int(kv.get("create_revision", 0)), int(kv.get("lease", 0))) for kv in reply.get("kvs", [])]
 
 
 def explain(message: str) -> str:
@@ -152,7 +146,8 @@ class EtcdClient:
                 body["keys_only"] = True
             reply = self.call("/v3/kv/range", body)
             revision = revision or int(reply["header"]["revision"])
-            page = key_values(reply)
+            page = [KeyValue(base64.b64decode(kv["key"]).decode(), base64.b64decode(kv.get("value", "")),
+                             int(kv.get("lease", 0))) for kv in reply.get("kvs", [])]
             found.extend(page)
             if range_end is None or not reply.get("more") or not page:
                 return found, revision

@@ -57,10 +57,6 @@ class Deposed(StoreError):
     """This replica is no longer the leader: etcd refused its commit (or it was never elected)."""
 
 
-def bucket_of(node_id: str) -> int:
-    return zlib.crc32(node_id.encode()) % NODE_BUCKETS
-
-
 class EtcdStore:
     def __init__(self, settings: EtcdSettings) -> None:
         self.settings = settings
@@ -202,7 +198,7 @@ class EtcdStore:
         touched: Buckets = {}
         nbytes = 0
         for nid, blob in s.nodes.items():
-            b = bucket_of(nid)
+            b = zlib.crc32(nid.encode()) % NODE_BUCKETS        # its bucket: by node-id hash
             rows = touched.get(b)
             if rows is None:
                 rows = touched[b] = dict(committed.get(b, {}))
@@ -220,14 +216,11 @@ class EtcdStore:
             elif not s.reset:
                 ops.append(delete(key))
         if s.reset:     # the old run's other buckets go: a range per run of buckets not written
-            first = None
-            for b in range(NODE_BUCKETS + 1):
-                if b < NODE_BUCKETS and b not in written:
-                    first = b if first is None else first
-                elif first is not None:
-                    ops.append(delete(f"{start}n/{first:02x}", f"{start}n/{b:02x}" if b < NODE_BUCKETS
+            edges = [-1, *sorted(written), NODE_BUCKETS]
+            for before, after in zip(edges, edges[1:], strict=False):
+                if after - before > 1:
+                    ops.append(delete(f"{start}n/{before + 1:02x}", f"{start}n/{after:02x}" if after < NODE_BUCKETS
                                       else prefix_end(f"{start}n/")))
-                    first = None
         return touched, nbytes
 
     def _event_ops(self, s: JobSnapshot, start: str, ops: list[dict[str, Any]]) -> tuple[list[int], int]:

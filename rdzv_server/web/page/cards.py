@@ -25,6 +25,7 @@ from rdzv_server.web.page.parts import (
     href,
     lease,
     restarts,
+    stat,
     table,
     when,
 )
@@ -58,16 +59,8 @@ def _worker_state(n: NodeView) -> str:
     return badge({"running": "ok", "succeeded": "succeeded"}.get(ws, "ended"), ws) if ws else "&mdash;"
 
 
-def _failures(n: NodeView) -> str:
-    return f'<span class="bad-text">{n.recent_failures}</span>' if n.recent_failures else "0"
-
-
 def _node_id(n: NodeView | DrainedView) -> str:
     return f'<span class="mono">{esc(n.node_id)}</span>'
-
-
-def _member_id(n: NodeView) -> str:
-    return _node_id(n) + slow_badge(n.slow)
 
 
 def _ready(n: NodeView) -> str:
@@ -87,19 +80,18 @@ def _copies(n: NodeView) -> str:
     return f"{c.local_step} &middot; copy {c.copied_step} on {esc(c.holder)}"
 
 
-def _pace(n: NodeView) -> str:
-    return figure(n.steps_per_s) if n.steps_per_s is not None else "&mdash;"
-
-
 def node_columns(timeout: float | None, now: float) -> dict[str, list[Column[Any]]]:
     """Each node table's columns, declared once as (heading, cell) pairs."""
     lease_age: Column[NodeView] = (">lease age", lambda n: lease(n.lease_age_s, timeout))
     workers: Column[NodeView] = (">local world", lambda n: str(n.local_world_size))
     where: Column[NodeView] = ("host / addr", host)
     return {
-        "nodes": [(">group rank", lambda n: esc(n.group_rank)), ("node id", _member_id), where, workers,
-                  (">ranks", lambda n: f'<span class="mono">{_ranks(n)}</span>'), lease_age,
-                  ("worker state", _worker_state), (">recent failures", _failures), (">steps/s", _pace),
+        "nodes": [(">group rank", lambda n: esc(n.group_rank)), ("node id", lambda n: _node_id(n) + slow_badge(n.slow)),
+                  where, workers, (">ranks", lambda n: f'<span class="mono">{_ranks(n)}</span>'), lease_age,
+                  ("worker state", _worker_state),
+                  (">recent failures", lambda n: f'<span class="bad-text">{n.recent_failures}</span>'
+                   if n.recent_failures else "0"),
+                  (">steps/s", lambda n: figure(n.steps_per_s) if n.steps_per_s is not None else "&mdash;"),
                   ("snapshot", _copies)],
         "waiting": [("node id", _node_id), where, workers, lease_age, ("joined", lambda n: when(n.joined_at, now)),
                     ("ready", _ready)],
@@ -182,8 +174,7 @@ def card(job: JobView, events: list[EventView], now: float, *, full: bool, extra
         f'<section class="job h-{colour}" id="job-{esc(jid)}" data-job="{esc(jid)}" data-health="{colour}">',
         f'<header><span class="dot h-{colour}"></span>{title}{badge(job.state)}',
         f'<span class="right muted">created {when(job.created_at, now)}{ended}</span></header>',
-        '<div class="stats">' + "".join(f'<div class="stat"><span class="k">{k}</span><span class="v">{v}</span></div>'
-                                        for k, v in stats) + "</div>",
+        '<div class="stats">' + "".join(stat(k, v) for k, v in stats) + "</div>",
         goodput_line(job),
         (f'<p class="reason"><span class="muted">last decision:</span> {esc(job.reason)}</p>'
          if job.reason else ""),

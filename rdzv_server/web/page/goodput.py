@@ -5,7 +5,7 @@ workers may not report steps at all."""
 from __future__ import annotations
 
 from protocol.views import JobView, ProgressView, RestartCostView
-from rdzv_server.web.page.parts import Column, age, badge, clip, columns_table, esc, figure, plural
+from rdzv_server.web.page.parts import Column, age, badge, clip, columns_table, esc, figure, plural, stat
 from rdzv_server.web.page.svg import cause_label
 
 SLOW_SHOWN = 5            # slow nodes named on a card (the view names up to views.SLOW_LIMIT)
@@ -29,40 +29,32 @@ def slow_badge(slow: bool | None) -> str:
     return " " + badge("slow", "slow") if slow else ""
 
 
-def _stat(key: str, value: str, attr: str = "") -> str:
-    return f'<div class="stat"{attr}><span class="k">{key}</span><span class="v">{value}</span></div>'
-
-
-def _lost(p: ProgressView) -> str:
-    lost = age(p.lost_s)
-    return f'{lost} <span class="muted">in {plural(p.restarts, "restart")}</span>' if p.restarts else lost
-
-
 def goodput_line(job: JobView) -> str:
     """The card's goodput stats under its head, or "no progress signal" when the job never stepped."""
     p = job.progress
     if not p.signal:
         return ('<div class="stats goodput" data-signal="0"><span class="muted">no progress signal: no worker has '
                 'reported a training step</span></div>')
-    stats = [_stat("steps/s", pace(p)), _stat("steps", f"{p.steps:,}"),
-             _stat("effective training", ettr(p), ' title="effective training time ratio: time since the first step '
-                                                  'less the time restarts cost, over the time since the first step"'),
-             _stat("lost to restarts", _lost(p))]
+    stats = [stat("steps/s", pace(p)), stat("steps", f"{p.steps:,}"),
+             stat("effective training", ettr(p), ' title="effective training time ratio: time since the first step '
+                                                 'less the time restarts cost, over the time since the first step"'),
+             stat("lost to restarts", age(p.lost_s) + (f' <span class="muted">in {plural(p.restarts, "restart")}</span>'
+                                                       if p.restarts else ""))]
     if p.redone or any(c.redone is not None for c in p.costs):
-        stats.append(_stat("steps redone", f"{p.redone:,}"))
+        stats.append(stat("steps redone", f"{p.redone:,}"))
     if p.restarting_for_s is not None:
-        stats.append(_stat("restarting", f'<span class="warn-text">{age(p.restarting_for_s)} lost so far</span>',
-                           ' data-restarting="1"'))
+        stats.append(stat("restarting", f'<span class="warn-text">{age(p.restarting_for_s)} lost so far</span>',
+                          ' data-restarting="1"'))
     if p.slow_nodes:
         names = ", ".join(f'<span class="mono">{esc(clip(n, 60))}</span>' for n in p.slow_nodes[:SLOW_SHOWN])
         more = len(p.slow_nodes) - SLOW_SHOWN
-        stats.append(_stat("slow nodes", f'<span class="warn-text">{names}</span>'
-                                         + (f' <span class="muted">and {more} more</span>' if more > 0 else ""),
-                           ' data-slow="1"'))
+        stats.append(stat("slow nodes", f'<span class="warn-text">{names}</span>'
+                                        + (f' <span class="muted">and {more} more</span>' if more > 0 else ""),
+                          ' data-slow="1"'))
     if p.stall:
-        stats.append(_stat("not stepping" if p.stall_kind == "alone" else "long collective",
-                           f'<span class="warn-text mono">{esc(clip(p.stall, 300))}</span>',
-                           f' data-stall="{esc(p.stall_kind or "")}"'))
+        stats.append(stat("not stepping" if p.stall_kind == "alone" else "long collective",
+                          f'<span class="warn-text mono">{esc(clip(p.stall, 300))}</span>',
+                          f' data-stall="{esc(p.stall_kind or "")}"'))
     return f'<div class="stats goodput" data-signal="1">{"".join(stats)}</div>'
 
 

@@ -80,6 +80,10 @@ def badge(state: str, text: str | None = None) -> str:
     return f'<span class="badge s-{esc(state)}">{esc(text or state)}</span>'
 
 
+def stat(key: str, value: str, attr: str = "") -> str:
+    return f'<div class="stat"{attr}><span class="k">{key}</span><span class="v">{value}</span></div>'
+
+
 # A table's column: its heading (">" first: right-aligned, numeric) and its cell for one item, as HTML.
 Column = tuple[str, Callable[[T], str]]
 
@@ -87,11 +91,8 @@ Column = tuple[str, Callable[[T], str]]
 def columns_table(columns: Sequence[Column[T]], items: Iterable[T], empty: str, *, more: str = "", cls: str = "",
                   row: Callable[[T], str] = lambda item: "") -> str:
     """`table` of `items`, one row each, its cells by `columns`; `row(item)`: the <tr>'s attributes."""
-    rows = []
-    for item in items:
-        cells = "".join(f'<td class="num">{cell(item)}</td>' if head.startswith(">") else f"<td>{cell(item)}</td>"
-                        for head, cell in columns)
-        rows.append(f"<tr{row(item)}>{cells}</tr>")
+    tds = [('<td class="num">' if head.startswith(">") else "<td>", cell) for head, cell in columns]
+    rows = [f"<tr{row(item)}>" + "".join(f"{td}{cell(item)}</td>" for td, cell in tds) + "</tr>" for item in items]
     return table([head for head, _ in columns], rows, empty, cls, more)
 
 
