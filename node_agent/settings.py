@@ -36,10 +36,7 @@ class StdSpec:
     per_rank: tuple[tuple[int, Std], ...] = ()
 
     def for_rank(self, local_rank: int) -> Std:
-        for rank, std in self.per_rank:
-            if rank == local_rank:
-                return std
-        return self.default
+        return next((std for rank, std in self.per_rank if rank == local_rank), self.default)
 
 
 @dataclass(frozen=True)

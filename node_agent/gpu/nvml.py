@@ -208,7 +208,6 @@ class NvmlProbe:
                          remap_failed=None if rows is None else rows[3] != 0,
                          retired_pages_pending=pages, throttle_reasons=throttle, errors=tuple(facts.errors))
 
-
     def utilization(self, index: int) -> int | None:
         if self._nv is None or (index, "utilization") in self._unsupported:
             return None

@@ -14,6 +14,7 @@ import contextlib
 import hmac
 import os
 import ssl
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from node_agent.replicas import stream, wire
@@ -47,25 +48,30 @@ class _Count:
         self.n += n
 
 
-async def _connect(addr: str, port: int, timeout_s: float,
-                   tls: ssl.SSLContext | None = None) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-    """A connection to the holder; over TLS with `tls` (both sides show certificates: replicas/tls.py)."""
+async def _answer(reader: asyncio.StreamReader, timeout_s: float) -> Answer:
+    return wire.parse_answer(await stream.read_line(reader, timeout_s))
+
+
+@contextlib.asynccontextmanager
+async def _ask(addr: str, port: int, line: bytes, timeout_s: float, tls: ssl.SSLContext | None
+               ) -> AsyncIterator[tuple[asyncio.StreamReader, asyncio.StreamWriter, Answer]]:
+    """Connect (over TLS with `tls`: both sides show certificates, replicas/tls.py), send the request `line` and
+    hand over the connection with the holder's first answer, closing it after. Raises _Unreachable (no
+    connection), or StreamError or WireError (no answer, or a garbled one)."""
     try:
-        return await asyncio.wait_for(asyncio.open_connection(addr, port, limit=stream.CHUNK, ssl=tls), timeout_s)
+        reader, writer = await asyncio.wait_for(asyncio.open_connection(addr, port, limit=stream.CHUNK, ssl=tls),
+                                                timeout_s)
     except asyncio.TimeoutError:
         raise _Unreachable(f"unreachable: no connection to {addr}:{port} within {timeout_s:g} s") from None
     except (OSError, ValueError) as exc:
         raise _Unreachable(f"unreachable: {addr}:{port}: {exc}") from None
-
-
-async def _close(writer: asyncio.StreamWriter) -> None:
-    writer.close()
-    with contextlib.suppress(OSError, asyncio.TimeoutError):
-        await asyncio.wait_for(writer.wait_closed(), 1.0)
-
-
-async def _answer(reader: asyncio.StreamReader, timeout_s: float) -> Answer:
-    return wire.parse_answer(await stream.read_line(reader, timeout_s))
+    try:
+        writer.write(line)
+        yield reader, writer, await _answer(reader, timeout_s)
+    finally:
+        writer.close()
+        with contextlib.suppress(OSError, asyncio.TimeoutError):
+            await asyncio.wait_for(writer.wait_closed(), 1.0)
 
 
 async def push(addr: str, port: int, *, key: str, node_id: str, local_rank: int, step: int, path: str,
@@ -93,28 +99,23 @@ async def push(addr: str, port: int, *, key: str, node_id: str, local_rank: int,
 
 async def _push_to(addr: str, port: int, line: bytes, fd: int, size: int, step: int, rate: float | None,
                    timeout_s: float, tls: ssl.SSLContext | None) -> PushResult:
-    try:
-        reader, writer = await _connect(addr, port, timeout_s, tls)
-    except _Unreachable as exc:
-        return PushResult(False, str(exc), 0)
     sent = _Count()
     try:
-        writer.write(line)
-        answer = await _answer(reader, timeout_s)
-        if answer.kind != "go":
-            return PushResult(False, _not_go(answer), 0)
-        digest = await stream.send(writer, fd, size, timeout_s, rate=rate, count=sent)
-        writer.write(wire.trailer_line(digest))
-        answer = await _answer(reader, timeout_s)
-        if answer.kind == "stored" and answer.step == step:
-            return PushResult(True, f"stored step={step}", sent.n)
-        return PushResult(False, _not_go(answer), sent.n)
+        async with _ask(addr, port, line, timeout_s, tls) as (reader, writer, answer):
+            if answer.kind != "go":
+                return PushResult(False, _not_go(answer), 0)
+            digest = await stream.send(writer, fd, size, timeout_s, rate=rate, count=sent)
+            writer.write(wire.trailer_line(digest))
+            answer = await _answer(reader, timeout_s)
+            if answer.kind == "stored" and answer.step == step:
+                return PushResult(True, f"stored step={step}", sent.n)
+            return PushResult(False, _not_go(answer), sent.n)
+    except _Unreachable as exc:
+        return PushResult(False, str(exc), 0)
     except (StreamError, WireError) as exc:
         return PushResult(False, f"lost: {exc}", sent.n)
     except OSError as exc:      # our own file: unreadable
         return PushResult(False, f"cannot read the snapshot: {exc.strerror or exc}", sent.n)
-    finally:
-        await _close(writer)
 
 
 def _not_go(answer: Answer) -> str:
@@ -131,26 +132,21 @@ async def fetch(addr: str, port: int, *, key: str, node_id: str, local_rank: int
         line = wire.fetch_line(wire.FetchRequest(key, node_id, local_rank, step))
     except WireError as exc:
         return FetchResult(None, f"bad request: {exc}", 0)
-    try:
-        reader, writer = await _connect(addr, port, timeout_s, tls)
-    except _Unreachable as exc:
-        return FetchResult(None, str(exc), 0)
     got = _Count()
     try:
-        writer.write(line)
-        answer = await _answer(reader, timeout_s)
-        if answer.kind == "none":
-            return FetchResult(None, "no copy held", 0)
-        if answer.kind != "copy" or answer.step is None or answer.size is None:
-            return FetchResult(None, _not_go(answer), 0)
-        if max_bytes is not None and answer.size > max_bytes:
-            return FetchResult(None, f"too large: the copy of step {answer.step} is {answer.size} bytes, "
-                                     f"over the {max_bytes} allowed", 0)
-        return await _receive_copy(reader, dest_dir, answer.step, answer.size, timeout_s, got)
+        async with _ask(addr, port, line, timeout_s, tls) as (reader, _, answer):
+            if answer.kind == "none":
+                return FetchResult(None, "no copy held", 0)
+            if answer.kind != "copy" or answer.step is None or answer.size is None:
+                return FetchResult(None, _not_go(answer), 0)
+            if max_bytes is not None and answer.size > max_bytes:
+                return FetchResult(None, f"too large: the copy of step {answer.step} is {answer.size} bytes, "
+                                         f"over the {max_bytes} allowed", 0)
+            return await _receive_copy(reader, dest_dir, answer.step, answer.size, timeout_s, got)
+    except _Unreachable as exc:
+        return FetchResult(None, str(exc), 0)
     except (StreamError, WireError, OSError) as exc:
         return FetchResult(None, f"lost: {exc}", got.n)
-    finally:
-        await _close(writer)
 
 
 async def _receive_copy(reader: asyncio.StreamReader, dest_dir: str, step: int, size: int, timeout_s: float,
@@ -183,14 +179,7 @@ async def drop(addr: str, port: int, *, key: str, node_id: str, timeout_s: float
                tls: ssl.SSLContext | None = None) -> bool:
     """Ask the holder at addr:port to remove `node_id`'s copies (no longer needed there); whether it did."""
     try:
-        line = wire.drop_line(wire.DropRequest(key, node_id))
-        reader, writer = await _connect(addr, port, timeout_s, tls)
-    except (WireError, _Unreachable):
+        async with _ask(addr, port, wire.drop_line(wire.DropRequest(key, node_id)), timeout_s, tls) as (_, _, answer):
+            return answer.kind == "dropped"
+    except (_Unreachable, StreamError, WireError, OSError):
         return False
-    try:
-        writer.write(line)
-        return (await _answer(reader, timeout_s)).kind == "dropped"
-    except (StreamError, WireError, OSError):
-        return False
-    finally:
-        await _close(writer)

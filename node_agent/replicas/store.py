@@ -79,19 +79,13 @@ class ReplicaStore:
                 if files.RANK_DIR.fullmatch(rank) is None or int(rank) > wire.MAX_RANK:
                     continue
                 where = self._dir(node, int(rank))
-                names = set(files.listdir(where))
-                for name in names:
-                    m = files.STEP_FILE.fullmatch(name)
-                    if m and name + ".sha256" in names:
-                        found.append(_Copy(node, int(rank), int(m.group(1)), files.size(os.path.join(where, name))))
+                found += [_Copy(node, int(rank), step, files.size(os.path.join(where, f"step-{step}")))
+                          for step in files.complete_steps(where)]
         return found
 
     def held(self) -> dict[tuple[str, int], int]:
         """(node, rank) -> the step of its complete copy (the newest, should a crash have left two)."""
-        out: dict[tuple[str, int], int] = {}
-        for c in self._copies():
-            out[(c.node, c.rank)] = max(c.step, out.get((c.node, c.rank), -1))
-        return out
+        return {(c.node, c.rank): c.step for c in sorted(self._copies(), key=lambda copy: copy.step)}
 
     def held_bytes(self) -> int:
         return sum(c.size for c in self._copies())

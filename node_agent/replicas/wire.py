@@ -26,6 +26,7 @@ QUOTE_CHARS = 80                # how much of a peer's text a reason or log quot
 GO = b"rdzv-agent go\n"
 NONE = b"rdzv-agent none\n"
 DROPPED = b"rdzv-agent dropped\n"
+_WORDS = {GO: "go", NONE: "none", DROPPED: "dropped"}     # the answers of one word
 
 _KEY = re.compile(r"[A-Za-z0-9_-]{16,128}")
 _NODE = re.compile(r"[A-Za-z0-9_.:@+=~-]{1,128}")
@@ -47,11 +48,8 @@ class WireError(ValueError):
 
 def quote(data: bytes | str) -> str:
     """What a peer sent, safe to log or answer: its key hidden, truncated, as repr() writes it."""
-    if isinstance(data, str):
-        text = _SECRET_TEXT.sub("key=<hidden>", data)
-        return repr(text[:QUOTE_CHARS]) + ("..." if len(text) > QUOTE_CHARS else "")
-    raw = _SECRET.sub(b"key=<hidden>", data)
-    return repr(raw[:QUOTE_CHARS]) + ("..." if len(raw) > QUOTE_CHARS else "")
+    hidden = _SECRET_TEXT.sub("key=<hidden>", data) if isinstance(data, str) else _SECRET.sub(b"key=<hidden>", data)
+    return repr(hidden[:QUOTE_CHARS]) + ("..." if len(hidden) > QUOTE_CHARS else "")
 
 
 def valid_node(node: str) -> bool:
@@ -133,8 +131,7 @@ class Answer:
 
 def is_replica_request(first_line: bytes) -> bool:
     """Whether the listener should hand this connection to the replica store."""
-    return first_line.startswith((b"rdzv-agent push ", b"rdzv-agent fetch ", b"rdzv-agent fetch-at ",
-                                  b"rdzv-agent drop "))
+    return first_line.startswith(tuple(b"%s%s " % (PREFIX, verb.encode()) for verb in _FIELDS))
 
 
 def push_line(request: PushRequest) -> bytes:
@@ -234,12 +231,8 @@ def parse_answer(line: bytes) -> Answer:
     """The holder's one-line answer; WireError for anything else."""
     if len(line) > MAX_LINE:
         raise WireError(f"answer longer than {MAX_LINE} bytes: {quote(line)}")
-    if line == GO:
-        return Answer("go")
-    if line == NONE:
-        return Answer("none")
-    if line == DROPPED:
-        return Answer("dropped")
+    if line in _WORDS:
+        return Answer(_WORDS[line])
     if m := _STORED.fullmatch(line):
         return Answer("stored", step=int(m.group(1)))
     if (m := _COPY.fullmatch(line)) and int(m.group(2)) <= MAX_SIZE:
