@@ -6,7 +6,7 @@ PIP_FLAGS := --disable-pip-version-check -q
 PYTEST_WORKERS ?= 3
 
 .PHONY: venv chromium deploy-tools netns-tools etcd demo test multihost soak fuzz bench bench-faults bench-scale bench-blip bench-progress \
-	bench-leftovers bench-console bench-hangs bench-places bench-node-loss bench-copy-speed bench-snapshot-blocking \
+	bench-leftovers bench-console bench-hangs bench-places bench-node-loss bench-copy-speed bench-snapshot-blocking bench-request-path \
 	bench-failover bench-first-step gpu-check gpu-hangs test-oldest clean
 
 $(VENV)/.installed: pyproject.toml constraints.txt
@@ -158,6 +158,10 @@ bench-copy-speed: venv
 # (alternated), at 32 and 512 MiB of state; BENCH_SNAPSHOT_BLOCKING_ARGS="--device cuda" on a GPU node.
 bench-snapshot-blocking: venv
 	$(PY) benchmarks/bench_snapshot_blocking.py $(BENCH_SNAPSHOT_BLOCKING_ARGS)
+
+# The files a failure report enters at run time, route to woken agent (BENCH_REQUEST_PATH_ARGS="--roots .,OLD").
+bench-request-path: venv
+	$(PY) benchmarks/bench_request_path.py $(BENCH_REQUEST_PATH_ARGS)
 
 # Replicas on etcd: failover time with 1,000 simulated agents, acknowledged changes over 50 failovers,
 # formation on etcd vs SQLite (docs/benchmarks.md; about 10 minutes).
