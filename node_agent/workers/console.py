@@ -58,12 +58,11 @@ class ConsoleWriter:
         with self._cond:
             if self.broken:
                 return
-            pos = 0
-            while pos < len(data):
-                end = data.find(b"\n", pos)
-                end = len(data) if end < 0 else end + 1
-                self._piece(data[pos:end])
-                pos = end
+            *lines, rest = data.split(b"\n")
+            for line in lines:
+                self._piece(line + b"\n")
+            if rest:
+                self._piece(rest)
             if self._buf:
                 self._start()
                 self._cond.notify_all()

@@ -80,21 +80,14 @@ class WorkerGroup:
             raise RuntimeError("a WorkerGroup starts once")
         self._started = True
         failed: tuple[WorkerLaunch, OSError] | None = None
+        store = self._store_launch
         try:
             warm = await self._round_zygote()
-            launch = self._store_launch
-            if launch is not None and not self.stopping:
-                store = Worker(launch, console=self._console, on_exit=self._store_reaped, warm=warm)
-                try:
-                    await store.start()
-                except OSError as e:
-                    failed = (launch, e)
-                finally:
-                    self._store = store if store.pid is not None else None
-            for launch in self._launches if failed is None else ():
-                if self.stopping:   # a stop() came while the previous worker was being spawned
+            for launch in ([] if store is None else [store]) + self._launches:   # the store host first
+                if self.stopping:   # a stop() came while the previous one was being spawned
                     break
-                worker = Worker(launch, console=self._console, on_exit=self._reaped, warm=warm)
+                worker = Worker(launch, console=self._console, warm=warm,
+                                on_exit=self._store_reaped if launch is store else self._reaped)
                 try:
                     await worker.start()
                 except OSError as e:
@@ -102,7 +95,10 @@ class WorkerGroup:
                     break
                 finally:
                     if worker.pid is not None:   # spawned, even if its output could not be attached
-                        self._workers.append(worker)
+                        if launch is store:
+                            self._store = worker
+                        else:
+                            self._workers.append(worker)
         finally:
             self._start_done.set()   # stop() waits for this, so it sees every worker we spawned
         if failed is not None:

@@ -17,17 +17,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from node_agent.workers.deathsig import child_setup
-from node_agent.workers.deathsig import prctl as _prctl
-from node_agent.workers.deathsig import preexec as _child_setup
+from node_agent.workers.deathsig import prctl, preexec
 from node_agent.workers.launch import WorkerLaunch
 from node_agent.workers.output import STREAMS, Console, LinePump, Sink, open_sink, pump
 from node_agent.workers.probes import cold_env
 from node_agent.workers.warm.client import WarmProcess, WarmZygote
 from node_agent.workers.warm.eligible import warm_launch
-
-__all__ = ["Worker", "WorkerExit", "WorkerSpawnError", "_child_setup", "_prctl", "child_setup", "signal_name"]
-
 
 # A started worker: a child of the agent or of the warm zygote.
 ChildProcess = asyncio.subprocess.Process | WarmProcess
@@ -98,7 +93,6 @@ class Worker:
                 os.unlink(launch.error_file)
         sinks: list[Sink] = []
         fds: list[int] = []
-        env = launch.env
         ends: list[tuple[int, int]] = []   # per stream: (our end to read, or -1; the worker's end)
         try:
             for stream, std in STREAMS:
@@ -114,9 +108,9 @@ class Worker:
             self.warm = self._proc is not None
             if self._proc is None:
                 self._proc = await asyncio.create_subprocess_exec(
-                    *launch.argv, env=cold_env(env), stdin=None if launch.stdin_tty else subprocess.DEVNULL,
+                    *launch.argv, env=cold_env(launch.env), stdin=None if launch.stdin_tty else subprocess.DEVNULL,
                     stdout=ends[0][1], stderr=ends[1][1], start_new_session=True,
-                    preexec_fn=_child_setup(os.getpid(), _prctl(), launch.cpu_affinity))
+                    preexec_fn=preexec(os.getpid(), prctl(), launch.cpu_affinity))
         except BaseException:
             for fd in fds:
                 os.close(fd)

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import node_agent.training.probe as probe
 from node_agent.core.facts import Put, RanksStalled
-from node_agent.core.stalls import ProcSample, call_of, classify, main_stack, stack_text
-from node_agent.core.steps import ProbeRecord, RoundSteps, next_report_at
+from node_agent.core.stalls import call_of, classify, main_stack, stack_text
+from node_agent.core.steps import ProbeRecord, RankSteps, RoundSteps, next_report_at
 from node_agent.workers.failures import keep_tail
 from node_agent.workers.probes import BadRecord, ProbeFiles, RecordReader, read_proc, take_stacks
 from protocol.messages import (
@@ -128,21 +128,18 @@ class StepWatch:
         budget = max(256, min(MAX_TRACEBACK, STACKS_BUDGET // max(1, len(self._ranks))))
         seen = []
         for lr, r in sorted(self._ranks.items()):
-            rank = self.round.ranks.get(lr)
-            record = rank.record if rank is not None else None
+            rank = self.round.ranks[lr]      # look() has just seen every rank
+            record, ahead, after = rank.record, before.get(lr), rank.proc
             stacks = [s for s in (main_stack(d.get(lr, ""), record.main_thread if record else 0) for d in dumps) if s]
-            after: ProcSample | None = rank.proc if rank is not None else None
-            exited = rank.exited if rank is not None else None
             busy = max(gpu[lr]) if gpu[lr] else None
-            state, cpu = classify(before.get(lr), None if exited is not None else after, watched, stacks, busy)
+            state, cpu = classify(ahead, None if rank.exited is not None else after, watched, stacks, busy)
             top = stacks[-1] if stacks else []
-            ahead, now_proc = before.get(lr), after
-            moved = now_proc.io_bytes - ahead.io_bytes if ahead is not None and now_proc is not None else 0
-            used = (now_proc.process_cpu_s - ahead.process_cpu_s) / watched \
-                if ahead is not None and now_proc is not None and watched > 0 else 0.0
+            moved = after.io_bytes - ahead.io_bytes if ahead is not None and after is not None else 0
+            used = (after.process_cpu_s - ahead.process_cpu_s) / watched \
+                if ahead is not None and after is not None and watched > 0 else 0.0
             stalled_s = min(MAX_DURATION_S, max(0.0, wall - record.last_at)) if record and record.steps else 0.0
             seen.append(RankSeen(
-                rank=r.rank, local_rank=lr, state=state, cpu=round(cpu, 3), exitcode=exited,
+                rank=r.rank, local_rank=lr, state=state, cpu=round(cpu, 3), exitcode=rank.exited,
                 stalled_s=round(stalled_s, 3),
                 steps=record.steps if record else 0, where=keep_tail(str(top[0]) if top else "", MAX_SHORT_TEXT),
                 stack=stack_text(top, budget),
@@ -155,13 +152,11 @@ class StepWatch:
         """The ranks whose probe answers for stacks, and that can (not stopped, not gone)."""
         out = {}
         for lr, r in self._ranks.items():
-            rank = self.round.ranks.get(lr)
-            record = rank.record if rank else None
-            pid = self._pid_of(lr)
+            rank, pid = self.round.ranks.get(lr, RankSteps()), self._pid_of(lr)   # RankSteps(): not looked at yet
+            record = rank.record
             if record is None or not record.flags & probe.STACKS or pid is None or pid != record.pid:
                 continue
-            if rank is None or rank.exited is not None or rank.proc is None \
-                    or rank.proc.state in ("T", "t", "Z", "X"):
+            if rank.exited is not None or rank.proc is None or rank.proc.state in ("T", "t", "Z", "X"):
                 continue
             out[lr] = (pid, r.files.stacks)
         return out

@@ -14,9 +14,9 @@ import pytest
 from node_agent.gpu.node import survey
 from node_agent.gpu.nvml import FakeGpuProbe
 from node_agent.settings import WorkerSettings
+from node_agent.workers.deathsig import child_setup
 from node_agent.workers.group import WorkerGroup
 from node_agent.workers.launch import build_launches
-from node_agent.workers.process import child_setup
 from protocol.messages import Assignment
 from tests.integration.worker_support import LIMIT, RecordingConsole, kill_strays, launch
 from tests.unit.test_gpu_topology import write_machine

@@ -13,8 +13,9 @@ import psutil
 import pytest
 
 from node_agent.settings import Std
+from node_agent.workers.deathsig import prctl, preexec
 from node_agent.workers.launch import WorkerLaunch
-from node_agent.workers.process import Worker, WorkerExit, _child_setup, _prctl, signal_name
+from node_agent.workers.process import Worker, WorkerExit, signal_name
 from tests.integration.worker_support import LIMIT, ROOT, RecordingConsole, kill_strays, launch
 
 
@@ -169,6 +170,6 @@ def test_child_exits_when_its_parent_is_already_gone(tmp_path) -> None:
     # the agent died before PDEATHSIG was armed, and the child must not go on to run the worker.
     marker = tmp_path / "ran"
     proc = subprocess.Popen([sys.executable, "-c", f"open({str(marker)!r}, 'w')"],
-                            preexec_fn=_child_setup(os.getpid() + 1_000_000, _prctl()))
+                            preexec_fn=preexec(os.getpid() + 1_000_000, prctl()))
     assert proc.wait(timeout=LIMIT) == 1
     assert not marker.exists()

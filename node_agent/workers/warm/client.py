@@ -157,8 +157,7 @@ class WarmZygote:
         self._answers.clear()
         if self._proc is not None:
             asyncio.get_running_loop().create_task(self._proc.wait())   # reap it
-        if not self._closing:
-            self.start()
+        self.start()      # its replacement (start() starts none once closing, nor past MAX_STARTS)
         self._notify()
 
     def _notify(self) -> None:
