@@ -25,7 +25,7 @@ import torch
 from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 from transformers.trainer_callback import ExportableState
 
-from node_agent.training import resume, rng, snapshot, trees
+from node_agent.training import resume, rng, trees
 from node_agent.training.capture import Capture, check_cadence
 
 FOLDER = ".resume"     # the checkpoint folder laid out for the Trainer, in the memory directory until it is read
@@ -53,12 +53,10 @@ class Snapshots(TrainerCallback):
     def __init__(self, trainer: Trainer, every: int = 5, keep: int = 2) -> None:
         check_cadence("protect_trainer", every, keep)
         self.trainer, self.every = trainer, every
-        where = snapshot.directory()
+        where = resume.memory_directory()
         self._capture = Capture(where, keep) if where is not None else None
         self._last = -1
         self._folder: str | None = None
-        if where is None:
-            resume.not_under_agent()
 
     def lay_out(self) -> str | None:
         """The newest snapshot every rank holds, as a checkpoint folder the Trainer resumes from (None: none)."""

@@ -18,7 +18,7 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 
-from node_agent.training import resume, snapshot, trees
+from node_agent.training import resume, trees
 from node_agent.training.capture import Capture, check_cadence, say
 
 NOT_KEPT = ("hyper_parameters", "hparams_name", "hparams_type", "datamodule_hyper_parameters",
@@ -37,9 +37,8 @@ class Snapshots(Callback):
         """Before Lightning restores (the process group is up, the optimizers not yet built)."""
         if stage != "fit":
             return
-        where = snapshot.directory()
+        where = resume.memory_directory()
         if where is None:
-            resume.not_under_agent()
             return
         self._capture = Capture(where, self.keep)
         found = resume.agree(where, lambda tree: trees.mismatch(tree.get("state_dict"), pl_module.state_dict(),

@@ -29,7 +29,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
-from node_agent.training import resume, rng, snapshot, trees
+from node_agent.training import resume, rng, trees
 from node_agent.training.capture import Capture, check_cadence
 
 
@@ -46,9 +46,8 @@ def protect(model: nn.Module, optimizer: torch.optim.Optimizer, every: int = 5, 
     model, optimizer = _inner(model), _inner_optimizer(optimizer)
     objects = dict(extra or {})
     _check(model, optimizer, every, objects, keep)
-    where = snapshot.directory()
+    where = resume.memory_directory()
     if where is None:
-        resume.not_under_agent()
         return fallback() if fallback is not None else 0
     restored = restore(model, optimizer, objects, where)
     start = restored if restored is not None else (fallback() if fallback is not None else 0)
@@ -128,9 +127,10 @@ def _optimizer_mismatch(saved: Any, optimizer: torch.optim.Optimizer) -> str | N
             or not isinstance(saved.get("state"), dict):
         return "optim is not an optimizer's state_dict in the snapshot"
     groups = saved["param_groups"]
-    if [len(g.get("params", ())) for g in groups] != [len(g["params"]) for g in optimizer.param_groups]:
-        return (f"optim has {[len(g.get('params', ())) for g in groups]} parameters per group in the snapshot, "
-                f"{[len(g['params']) for g in optimizer.param_groups]} in the optimizer")
+    sizes = [len(g.get("params", ())) for g in groups]
+    live_sizes = [len(g["params"]) for g in optimizer.param_groups]
+    if sizes != live_sizes:
+        return f"optim has {sizes} parameters per group in the snapshot, {live_sizes} in the optimizer"
     params = dict(zip((i for g in groups for i in g["params"]),
                       (p for g in optimizer.param_groups for p in g["params"]), strict=True))
     for index, entry in saved["state"].items():

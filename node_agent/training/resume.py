@@ -63,8 +63,11 @@ def resumed(step: int) -> None:
     print(f"rank {os.environ.get('RANK', '?')}: resumed from step {step} (memory)", flush=True)
 
 
-def not_under_agent() -> None:
-    """Said once per job (by rank 0): the script runs as it would without us."""
-    if os.environ.get("RANK", "0") == "0":
+def memory_directory() -> str | None:
+    """This worker's memory directory (snapshot.directory). Without one, said once per job (by rank 0): the script
+    runs as it would without us."""
+    where = snapshot.directory()
+    if where is None and os.environ.get("RANK", "0") == "0":
         print(f"node-agent snapshot: no memory directory (${snapshot.DIR_VAR} is not set: not under node-agent, "
               "or --no-memory-dir): no snapshots are taken", file=sys.stderr, flush=True)
+    return where

@@ -76,10 +76,8 @@ def damaged(tree: Any, sums: list[int]) -> str | None:
     held = tensors(tree)
     if len(held) != len(sums):
         return f"{len(held)} tensors for {len(sums)} checksums"
-    for (where, t), want in zip(held, sums, strict=True):
-        if checksum(t) != want:
-            return f"tensor {where} fails its checksum"
-    return None
+    return next((f"tensor {where} fails its checksum" for (where, t), want in zip(held, sums, strict=True)
+                 if checksum(t) != want), None)
 
 
 def mismatch(saved: Any, live: Any, where: str = "") -> str | None:
@@ -93,19 +91,13 @@ def mismatch(saved: Any, live: Any, where: str = "") -> str | None:
         if missing or extra:
             return f"{where or '/'}: keys {_few(missing)} missing from the snapshot" if missing \
                 else f"{where or '/'}: keys {_few(extra)} in the snapshot are not in the model"
-        for key, value in live.items():
-            found = mismatch(saved[key], value, f"{where}/{key}")
-            if found:
-                return found
-        return None
+        found = (mismatch(saved[key], value, f"{where}/{key}") for key, value in live.items())
+        return next(filter(None, found), None)
     if isinstance(live, list | tuple):
         if not isinstance(saved, list | tuple) or len(saved) != len(live):
             return f"{where}: {_len(saved)} in the snapshot, {len(live)} entries in the model"
-        for i, (s, v) in enumerate(zip(saved, live, strict=True)):
-            found = mismatch(s, v, f"{where}/{i}")
-            if found:
-                return found
-        return None
+        found = (mismatch(s, v, f"{where}/{i}") for i, (s, v) in enumerate(zip(saved, live, strict=True)))
+        return next(filter(None, found), None)
     if isinstance(live, torch.Tensor):
         mine = local(live)
         if not isinstance(saved, torch.Tensor):

@@ -17,10 +17,11 @@ own way) once decided is excused for the rest of the job.
 from __future__ import annotations
 
 import enum
+import itertools
 import re
 from collections import defaultdict
 from collections.abc import Collection, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import msgspec
 
@@ -183,7 +184,7 @@ def assess(board: StallBoard, running: list[str], finished: dict[str, list[int]]
     stall = Stall(kind, node, culprit, [], waits, seen, place, limit, decided=False,
                   excused=any(same_place(place, p) for p in excused))
     if limit > 0 and stall.spell_s >= limit and not stall.excused:
-        return Stall(kind, node, culprit, [], waits, seen, place, limit, decided=True)
+        return replace(stall, decided=True)
     return stall
 
 
@@ -280,13 +281,7 @@ def _ranks(ranks: Iterable[int]) -> str:
     nums = sorted(set(ranks))
     if not nums:
         return "no rank"
-    spans: list[str] = []
-    start = prev = nums[0]
-    for n in [*nums[1:], None]:
-        if n is not None and n == prev + 1:
-            prev = n
-            continue
-        spans.append(str(start) if start == prev else f"{start}-{prev}")
-        if n is not None:
-            start = prev = n
+    # a run of consecutive numbers keeps the same difference between each number and its position
+    runs = [[n for _, n in run] for _, run in itertools.groupby(enumerate(nums), lambda p: p[1] - p[0])]
+    spans = [str(run[0]) if len(run) == 1 else f"{run[0]}-{run[-1]}" for run in runs]
     return f"rank{'s' if len(nums) > 1 else ''} {', '.join(spans)}"

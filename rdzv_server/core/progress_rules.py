@@ -80,7 +80,7 @@ def stalled(rules: JobRules, live: LiveRound, node: NodeRecord, req: StallReport
     if stall is not None and stall.decided:
         _fail_for(rules, live, stall, req.round_id, now)
     elif stall is not None:
-        _show(rules, live, stall, req, now)
+        _show(rules, live, stall, req, steps, now)
     return ""
 
 
@@ -92,14 +92,13 @@ def shown_stall(job: JobRecord, now: float) -> StallShown | None:
     return s if job.progress.round_id != s.round_id or job.progress.round_steps <= s.steps else None
 
 
-def _show(rules: JobRules, live: LiveRound, stall: Stall, req: StallReport, now: float) -> None:
+def _show(rules: JobRules, live: LiveRound, stall: Stall, req: StallReport, steps: int, now: float) -> None:
     """A stall not decided: shown while it lasts, and said once per spell (and rank) in the history."""
     job = rules.job
     if shown_stall(job, now) is None:       # a new spell: the job stepped since the last one
         live.said.clear()
     # its ranks' own steps count (the notes may lag them): once the job steps past them, the stall is over
-    steps = max([r.steps for _, r in stall.seen] + [job.progress.round_steps if job.progress.round_id == req.round_id
-                                                     else 0])
+    steps = max([steps, *(r.steps for _, r in stall.seen)])
     fresh_s = max(hangs.FRESH_MIN_S, hangs.FRESH_THRESHOLDS * req.threshold_s)
     job.stall = msgspec.structs.replace(stall.shown(now), round_id=req.round_id, steps=steps,
                                         fresh_until=now + fresh_s)

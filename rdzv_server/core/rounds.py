@@ -114,7 +114,7 @@ def assignment(r: RoundRecord, node_id: str) -> Assignment | None:
         if rank is None:
             return None
         role = r.roles[rank]
-        copies = derived.copies(node_id)
+        copies_of, copies_at = derived.copies(node_id)
         built = derived.built[node_id] = Assignment(
             round_id=r.round_id, group_rank=rank, group_world_size=len(r.ranked), rank_offset=derived.offsets[rank],
             world_size=r.world_size, local_world_size=r.local_sizes[rank], master_addr=r.addrs[0],
@@ -122,9 +122,8 @@ def assignment(r: RoundRecord, node_id: str) -> Assignment | None:
             role_rank_offset=derived.role_offsets[rank], role_world_size=derived.role_sizes[role],
             witnesses=derived.witnesses(rank), replicas=derived.replica_targets(rank),
             copy_token=copy_token(r.replica_key, node_id) if r.replicas else "", copy_sources=derived.sources(rank),
-            copies_of=copies[0] if copies is not None else "",
-            copies_token=copy_token(r.replica_key, copies[0]) if copies is not None else "",
-            copies_at=copies[1] if copies is not None else None)
+            copies_of=copies_of, copies_token=copy_token(r.replica_key, copies_of) if copies_of else "",
+            copies_at=copies_at)
     return built
 
 
@@ -168,7 +167,6 @@ class _Derived:
         if m > WITNESSES:     # the member itself comes last going round from there: never among the first
             return tuple(self.ring[after:after + WITNESSES])
         return tuple(self.ring[(after + k) % m] for k in range(m) if probers[(after + k) % m] != rank)
-
 
     def replica_ranks(self, rank: int) -> list[int]:
         """Where `rank`'s copies go: members that take copies (JoinRequest.copy_port) in the next
@@ -215,13 +213,13 @@ class _Derived:
         r = self.round
         return tuple(Witness(addr=r.addrs[i], port=r.copy_ports[i]) for i in self.replica_ranks(rank))
 
-    def copies(self, node_id: str) -> tuple[str, Witness] | None:
-        """(the gone node whose copies `node_id` fetches, the member holding them), or None."""
+    def copies(self, node_id: str) -> tuple[str, Witness | None]:
+        """(the gone node whose copies `node_id` fetches, the member holding them), or ("", None)."""
         r = self.round
         held = r.copies.get(node_id) if r.replicas else None
         at = self.rank.get(held[1]) if held is not None else None
         return (held[0], Witness(addr=r.addrs[at], port=r.copy_ports[at])) if held is not None and at is not None \
-            else None
+            else ("", None)
 
 
 def reachable_addresses(nodes: list[NodeRecord]) -> list[str]:
