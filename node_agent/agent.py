@@ -61,7 +61,7 @@ class Agent:
                                         lease_timeout_s=link.job.lease_timeout_s)
         self.narrator = Narrator(link.node_id, console, addr, server=link.server,
                                  server_wait_s=self.policy.server_wait_s)
-        self.workers = LocalWorkers(settings.workers, self.facts.put_nowait, hostname=self.hostname, clock=self.now,
+        self.workers = LocalWorkers(settings.workers, self.facts.put_nowait, hostname=self.hostname,
                                     make_group=make_group, say=self.narrator.say,
                                     detect_stalls=link.job.hang_detection)
         # the node's own checks (GPUs, --health-check) and --numa-binding: node_checks.py

@@ -63,15 +63,13 @@ class GroupFactory(Protocol):
 
 
 class LocalWorkers:
-    def __init__(self, opts: WorkerSettings, put: Put, *, hostname: str,
-                 clock: Callable[[], float], make_group: GroupFactory | None = None,
+    def __init__(self, opts: WorkerSettings, put: Put, *, hostname: str, make_group: GroupFactory | None = None,
                  say: Callable[[str], None] = lambda _: None, detect_stalls: bool = True) -> None:
         """`detect_stalls`: examine ranks that stop stepping and report them (the job's hang detection)."""
         self.opts = opts
         self._detect_stalls = detect_stalls
         self._put = put
         self._hostname = hostname
-        self._clock = clock
         self._say = say
         self.warm: WarmZygote | None = None   # only real processes start warm: a test's stand-in group gets no zygote
         if opts.warm and make_group is None:

@@ -27,7 +27,7 @@ def local_workers(log_dir: str) -> tuple[LocalWorkers, list[FakeGroup], asyncio.
         return groups[-1]
 
     opts = WorkerSettings(script="train.py", nproc=2, node_id="n1", log_dir=log_dir)
-    return LocalWorkers(opts, facts.put_nowait, hostname="h", clock=lambda: 0.0, make_group=make), groups, facts
+    return LocalWorkers(opts, facts.put_nowait, hostname="h", make_group=make), groups, facts
 
 
 async def test_a_round_that_succeeded_is_swept_up_before_the_next_one_starts(tmp_path) -> None:
@@ -59,7 +59,7 @@ class BrokenGroup(FakeGroup):
 async def test_a_source_that_breaks_hands_the_loop_its_exception(tmp_path) -> None:
     facts: asyncio.Queue[Fact | BaseException] = asyncio.Queue()
     opts = WorkerSettings(script="train.py", nproc=2, node_id="n1", log_dir=str(tmp_path))
-    workers = LocalWorkers(opts, facts.put_nowait, hostname="h", clock=lambda: 0.0, make_group=BrokenGroup)
+    workers = LocalWorkers(opts, facts.put_nowait, hostname="h", make_group=BrokenGroup)
     await workers.spawn(assignment(1))
     item = await asyncio.wait_for(facts.get(), LIMIT)
     assert isinstance(item, RuntimeError) and str(item) == "a bug in the group"
