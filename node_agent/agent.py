@@ -201,7 +201,7 @@ class Agent:
             addr=self.addr, host=self.hostname, local_world_size=self.link.nproc, master_port=free_port(self.addr),
             config=self.link.job, instance=self.instance, role=self.link.role, probe_port=self.witness.port,
             command=self.link.command, checks=self.checks.summary, ready=self.workers.ready,
-            domain=self.link.failure_domain, copy_port=self.copy_port)
+            domain=self.link.failure_domain, copy_port=self.copy_port, store_per_round=True)
 
     def _copy_tls(self) -> CopyTls | None:
         """The TLS contexts of peer copies from --tls-cert/--tls-key/--tls-ca (None: not given, or unusable: said)."""

@@ -72,8 +72,7 @@ def _check(cond: bool, field: str, why: str) -> None:
 
 
 def _printable(**fields: str) -> None:
-    """Names and addresses end up in logs and on screens: no control characters (worker messages and
-    tracebacks may hold them; they are escaped wherever they are shown)."""
+    """Names and addresses end up in logs and on screens: no control characters (unlike worker messages)."""
     for name, value in fields.items():
         _check(value.isprintable(), name, f"must not contain control characters, got {quote(value)}")
 
@@ -130,6 +129,9 @@ class JoinRequest(_Request, kw_only=True):
     addr: Annotated[str, Meta(min_length=1, max_length=MAX_SHORT_TEXT)]   # where other nodes reach this one
     local_world_size: Workers
     master_port: Port                  # a free port on this node, used if it becomes group rank 0
+    # True: its agent hosts a new store for each round it is group rank 0 of, on its latest port (node-agent);
+    # False: one store for every round, on its join's port (torchrun's plugin, an older agent).
+    store_per_round: bool = False
     config: JobConfig = msgspec.field(default_factory=JobConfig)
     instance: ShortText = ""           # random per agent process: tells a restarted agent from a duplicate
     role: Annotated[str, Meta(min_length=1, max_length=64)] = "default"
@@ -163,8 +165,8 @@ PACE_MAX_WINDOW_S = 30.0
 
 
 class ProgressNote(msgspec.Struct, kw_only=True, frozen=True, gc=False):
-    """What this node's workers did in the round they run, as their progress probes counted (node_agent/progress):
-    rides on the requests the agent sends anyway. Times are unix times (0: none yet)."""
+    """What this node's workers did in the round they run, as their probes counted: on the requests the agent
+    sends anyway. Times are unix times (0: none yet)."""
     round_id: RoundRef
     probes: Annotated[int, Meta(ge=0, le=MAX_LOCAL_WORLD_SIZE)] = 0   # workers whose probe counts steps
     steps: Count = 0                   # the most steps one of its workers took this round
@@ -172,8 +174,7 @@ class ProgressNote(msgspec.Struct, kw_only=True, frozen=True, gc=False):
     last_step_at: UnixTime = 0.0
     step_s: Seconds = 0.0              # the median step interval lately (0: not known yet)
     # Of the window it closes (0: none closed): the share of time its workers' main threads ran or waited for a
-    # CPU (mean per worker; the rest they waited on the others) and the steps taken; a slow node is the one
-    # nobody waits on.
+    # CPU (mean per worker; the rest they waited on the others) and its steps: nobody waits on a slow node.
     window_s: Seconds = 0.0
     window_steps: Count = 0
     demand: Annotated[float, Meta(ge=0, le=1.0)] = 0.0
@@ -266,7 +267,6 @@ class RankState(str, enum.Enum):
 
 CERTAIN_STATES = (RankState.STOPPED, RankState.EXITED)     # the likelier culprit first (core/hangs.py)
 APART_STATES = (RankState.SPINNING, RankState.QUIET, RankState.UNKNOWN, RankState.WORKING)
-
 
 GPU_BUSY = 50           # RankSeen.gpu_busy at or above this, %: the GPU computes (a kernel ran most of the time)
 

@@ -92,7 +92,8 @@ def _new_record(rules: JobRules, req: JoinRequest, now: float, credential: str, 
                       lease_expires=now + job.config.lease_timeout_s,
                       credential_digest=credentials.digest(credential), seen_from=via[0], server_addr=via[1],
                       probe_port=req.probe_port, checks=req.checks, ready=req.ready,
-                      preparing_since=0.0 if req.ready else now, domain=req.domain, copy_port=req.copy_port)
+                      preparing_since=0.0 if req.ready else now, domain=req.domain, copy_port=req.copy_port,
+                      store_per_round=req.store_per_round)
     rules.out.deadline(node.lease_expires)
     if not req.ready:
         rules.out.deadline(now + PREPARE_LIMIT_S)

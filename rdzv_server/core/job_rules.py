@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from protocol.errors import ErrorCode
 from protocol.messages import JobState, NodeState
-from rdzv_server.core import goodput, leases
+from rdzv_server.core import goodput, leases, store_port
 from rdzv_server.core.errors import RendezvousError
 from rdzv_server.core.events import REMOVAL_CAUSE, EventKind, RoundCause
 from rdzv_server.core.outbox import Outbox
@@ -227,7 +227,8 @@ class JobRules:
         opened = job.forming_since if job.forming_since is not None else now
         promoted = len(set(chosen) & set(job.spares))
         job.last_round_id += 1
-        job.round = build_round(job, chosen, job.last_round_id, opened, now, why, took)
+        last, job.round = job.round, build_round(job, chosen, job.last_round_id, opened, now, why, took)
+        store_port.take(job.round, last, job.nodes[chosen[0]])
         corrected = master_correction(job.round, job.nodes[chosen[0]])
         if corrected:
             self.record(now, EventKind.MASTER_ADDR_CORRECTED, corrected, chosen[0], job.last_round_id)

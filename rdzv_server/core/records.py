@@ -46,6 +46,7 @@ class NodeRecord(msgspec.Struct, kw_only=True):
     domain: str = ""                   # its failure domain (JoinRequest.domain; "": its host)
     copy_port: int = 0                 # where its agent takes peer copies (0: none)
     copies: CopiesNote | None = None   # its peer copies, as its last poll said (shown, never acted on)
+    store_per_round: bool = False      # its agent hosts a store per round it masters (JoinRequest; store_port.py)
 
 
 class PlaceCopies(msgspec.Struct, kw_only=True):
@@ -72,6 +73,7 @@ class RoundRecord(msgspec.Struct, kw_only=True, omit_defaults=True, dict=True):
     addrs: list[str] = []              # where the other members reach each (rounds.reachable_addresses)
     probe_ports: list[int] = []        # 0: answers no probes (not a witness)
     master_port: int = 0
+    awaits_port: bool = False          # master_port is its master's last round's: it waits for another (store_port)
     max_restarts: int = 0
     domains: list[str] = []            # each member's failure domain: its copies go to another (rounds.py)
     copy_ports: list[int] = []         # where each member takes peer copies (0: none)

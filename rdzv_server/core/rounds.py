@@ -316,7 +316,9 @@ def node_status(job: JobRecord, node_id: str, now: float, *, accepted: bool = Tr
                         lease_timeout_s=job.config.lease_timeout_s)
     if finished:
         status.root_cause = job.root_cause if job.state == JobState.FAILED else None
-    if r is not None and (finished or state == NodeState.MEMBER):
+    if r is not None and state == NodeState.MEMBER and not finished and r.awaits_port:
+        status.node_state = NodeState.WAITING          # for its master's next store port (store_port.py)
+    elif r is not None and (finished or state == NodeState.MEMBER):
         status.assignment = assignment(r, node_id)
     elif state == NodeState.SPARE:
         status.spare_position = job.spares.index(node_id)
