@@ -316,8 +316,10 @@ def node_status(job: JobRecord, node_id: str, now: float, *, accepted: bool = Tr
                         lease_timeout_s=job.config.lease_timeout_s)
     if finished:
         status.root_cause = job.root_cause if job.state == JobState.FAILED else None
-    if r is not None and state == NodeState.MEMBER and not finished and r.awaits_port:
-        status.node_state = NodeState.WAITING          # for its master's next store port (store_port.py)
+    if r is not None and state == NodeState.MEMBER and not finished and r.awaits_port:   # store_port.py
+        status.node_state = NodeState.WAITING
+        status.reason = reason or f"round {r.round_id} waits for a new store port from its group rank 0 " \
+                                  f"({(r.ranked or r.members)[0]})"
     elif r is not None and (finished or state == NodeState.MEMBER):
         status.assignment = assignment(r, node_id)
     elif state == NodeState.SPARE:

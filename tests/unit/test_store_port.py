@@ -55,6 +55,7 @@ def test_a_round_formed_before_its_master_polls_again_waits_for_a_new_port():
     for node in "ab":
         view = rz.view("j", node, 4.0)
         assert view.node_state is NodeState.WAITING and view.assignment is None and view.round_id == 3
+        assert view.reason == "round 3 waits for a new store port from its group rank 0 (a)"
     poll(rz, "b", 30500, 4.5)                                # not the master's port: nothing changes
     assert rz.view("j", "a", 4.5).assignment is None
     reply = poll(rz, "a", 30002, 5.0)
