@@ -1,6 +1,6 @@
 """The GPUs and their health facts behind one interface, `GpuProbe`: `NvmlProbe` (nvidia-ml-py's `pynvml`,
-imported on `open()`, never at module load) and `FakeGpuProbe` (tests, dry runs). A probe is opened once and
-may stay open while workers run, so NVML keeps its handles.
+imported on `open()`, never at module load; tests use a fake). A probe is opened once and may stay open while
+workers run, so NVML keeps its handles.
 Nothing from NVML escapes as an exception: `open()` and `devices()` raise only `ProbeUnavailable` (the line a
 "check skipped" verdict quotes), `health()` puts every error in a field. "Not supported" is unknown, never
 unhealthy. No nvidia-smi fallback: it needs the same libnvidia-ml.so.1, and a process per check is too slow.
@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from node_agent.gpu.topology import normalize_bus_id
@@ -264,44 +264,3 @@ def _throttle(nv: Any, handle: Any) -> Any:
     if hasattr(nv, "nvmlDeviceGetCurrentClocksEventReasons"):
         return nv.nvmlDeviceGetCurrentClocksEventReasons(handle)
     return nv.nvmlDeviceGetCurrentClocksThrottleReasons(handle)
-
-
-@dataclass
-class FakeGpuProbe:
-    """A GpuProbe reporting what it is given: `unavailable` fails open(); `faults[index]` replaces all-good facts."""
-    gpus: list[GpuInfo] = field(default_factory=list)
-    faults: dict[int, GpuHealth] = field(default_factory=dict)
-    unavailable: str | None = None
-    opened: int = 0
-    closed: int = 0
-    asked: list[int] = field(default_factory=list)
-    busy: dict[int, int] = field(default_factory=dict)     # GPU index -> its utilization, % (absent: unknown)
-
-    @classmethod
-    def with_gpus(cls, count: int, *, name: str = "NVIDIA H100 80GB HBM3") -> FakeGpuProbe:
-        """`count` GPUs at PCI addresses 0000:1b:00.0, 0000:1c:00.0, ... with UUIDs GPU-00000000-..."""
-        return cls(gpus=[GpuInfo(index=i, uuid=f"GPU-{i:08x}-1111-2222-3333-444444444444",
-                                 bus_id=f"0000:{0x1b + i:02x}:00.0", name=name) for i in range(count)])
-
-    def open(self) -> None:
-        if self.unavailable is not None:
-            raise ProbeUnavailable(self.unavailable)
-        self.opened += 1
-
-    def close(self) -> None:
-        self.closed += 1
-
-    def devices(self) -> list[GpuInfo]:
-        if self.unavailable is not None:
-            raise ProbeUnavailable(self.unavailable)
-        return list(self.gpus)
-
-    def health(self, index: int) -> GpuHealth:
-        if self.unavailable is not None:
-            raise ProbeUnavailable(self.unavailable)
-        self.asked.append(index)
-        bus_id = next((g.bus_id for g in self.gpus if g.index == index), "")
-        return self.faults.get(index, healthy(index, bus_id))
-
-    def utilization(self, index: int) -> int | None:
-        return None if self.unavailable is not None else self.busy.get(index)

@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 
 from node_agent.gpu.node import survey
-from node_agent.gpu.nvml import FakeGpuProbe
 from node_agent.settings import WorkerSettings
 from node_agent.workers.deathsig import child_setup
 from node_agent.workers.group import WorkerGroup
 from node_agent.workers.launch import build_launches
 from protocol.messages import Assignment
+from tests.gpu_fakes import FakeGpuProbe
 from tests.integration.worker_support import LIMIT, RecordingConsole, kill_strays, launch
 from tests.unit.test_gpu_topology import write_machine
 

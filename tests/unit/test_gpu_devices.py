@@ -5,7 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from node_agent.gpu.devices import Visible, gpu_numa_nodes, gpus_from_sysfs, rank_gpus, visible_gpus
-from node_agent.gpu.nvml import FakeGpuProbe, GpuInfo
+from node_agent.gpu.nvml import GpuInfo
+from tests.gpu_fakes import FakeGpuProbe
 
 GPUS = FakeGpuProbe.with_gpus(4).gpus          # bus ids 0000:1b..1e:00.0, UUIDs GPU-0000000i-...
 

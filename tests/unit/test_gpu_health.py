@@ -25,8 +25,9 @@ from node_agent.gpu.health import (
     judge,
     run_health_check,
 )
-from node_agent.gpu.nvml import FakeGpuProbe, GpuHealth, NvmlProbe, ProbeUnavailable, healthy
+from node_agent.gpu.nvml import GpuHealth, NvmlProbe, ProbeUnavailable, healthy
 from protocol.quoting import quote
+from tests.gpu_fakes import FakeGpuProbe
 
 OK = healthy(3, "0000:3b:00.0")
 
