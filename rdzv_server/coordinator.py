@@ -174,7 +174,7 @@ class Coordinator:
         """A refused commit's job, as last committed (None: never saved), replaces the one in memory."""
         self.core.put_back(job_id, job, self.clock())
         self.apply()
-        self.hub.wake(job_id)
+        self.hub.wake(job_id, saved=self.saved(job_id))
         log.warning("job's unsaved change refused: back to its last saved state", extra={"job_id": job_id})
 
     def clock_moved(self) -> None:
@@ -185,8 +185,8 @@ class Coordinator:
 
     def _deliver(self, job_id: str) -> None:
         """Wake the nodes waiting for news of `job_id`, once what they will see is saved (one wait for all)."""
-        if not self.persister.pending(job_id):
-            self.hub.wake(job_id)
+        if self.saved(job_id):
+            self.hub.wake(job_id, saved=True)
             return
         task = asyncio.get_running_loop().create_task(self._deliver_saved(job_id))
         self._deliveries.add(task)
@@ -195,7 +195,7 @@ class Coordinator:
     async def _deliver_saved(self, job_id: str) -> None:
         with contextlib.suppress(StoreUnavailable):    # each poll then waits for the commit and answers the error
             await self.persister.durable(job_id)
-        self.hub.wake(job_id)
+        self.hub.wake(job_id, saved=self.saved(job_id))
 
     async def _deadline_loop(self) -> None:
         """Sleep to the core's next deadline and tick, at most every TICK_GAP_S (a decision that much late):

@@ -40,9 +40,6 @@ class Driver(Protocol):
     def call(self, fn: Callable[[float], T]) -> T:
         """One core call, with `now`; its effects are handed on whether it succeeds or raises."""
 
-    def saved(self, job_id: str) -> bool:
-        """Whether the job, as any reply would show it now, is in the store."""
-
     async def durable(self, job_id: str) -> None:
         """Until the job, as any reply would show it now, is in the store (or a refusal: store unavailable)."""
 
@@ -114,8 +111,9 @@ class Hub:
             if not subs:
                 del self._by_job[sub.job_id]
 
-    def wake(self, job_id: str) -> None:
-        """The job changed: one pass over its subscribers."""
+    def wake(self, job_id: str, *, saved: bool) -> None:
+        """The job changed: one pass over its subscribers; `saved`: the job, as any reply would show it now, is in
+        the store (else none is answered in the pass: a reply never shows what a restart would lose)."""
         subs = self._by_job.get(job_id)
         if not subs:
             return
@@ -124,7 +122,7 @@ class Hub:
         if job is None or not d.gate.serving():
             self._close_all(list(subs))
             return
-        now, saved = d.clock(), d.saved(job_id)
+        now = d.clock()
         for sub in list(subs):
             view = node_status(job, sub.node_id, now)       # core.view's own, without its lookups per node
             if not sub.wants(view):

@@ -88,9 +88,7 @@ def test_a_pass_pushes_news_only_and_hands_back_what_it_cannot_push():
         core = Rendezvous()
         for n in ("a", "b", "c"):
             join(core, n, 0.0, cfg(min_nodes=4, max_nodes=4, last_call_s=0.0))
-        saved = {JOB: True}
-        driver = SimpleNamespace(core=core, gate=Serving(), clock=lambda: 1.0, apply=lambda: None,
-                                 saved=lambda job_id: saved[job_id])
+        driver = SimpleNamespace(core=core, gate=Serving(), clock=lambda: 1.0, apply=lambda: None)
         driver.gate.start()
         hub = Hub(driver)   # type: ignore[arg-type]
         subs = {"a": Recorded("a", -1), "b": Recorded("b", -1, push_result=False),
@@ -99,20 +97,19 @@ def test_a_pass_pushes_news_only_and_hands_back_what_it_cannot_push():
         for sub in subs.values():
             sub.ends = loop.time() + 60
             hub.wait(sub)
-        hub.wake(JOB)                                    # nothing new for anyone
+        hub.wake(JOB, saved=True)                        # nothing new for anyone
         assert all(not s.pushed and not s.closed for s in subs.values())
         join(core, "d", 1.0, cfg(min_nodes=4, max_nodes=4, last_call_s=0.0))    # the round forms
-        hub.wake(JOB)
+        hub.wake(JOB, saved=True)
         assert [v.round_id for v in subs["a"].pushed] == [1] and not subs["a"].closed
         assert subs["b"].closed == [False] and subs["c"].closed == [False]
-        hub.wake(JOB)                                    # each was told once: no longer waiting
+        hub.wake(JOB, saved=True)                        # each was told once: no longer waiting
         assert len(subs["a"].pushed) == 1 and subs["b"].closed == [False]
 
         late = Recorded("a", -1)                         # round 1 is news to it ...
         late.ends = loop.time() + 60
         hub.wait(late)
-        saved[JOB] = False                               # ... but a change not yet in the store is never shown
-        hub.wake(JOB)
+        hub.wake(JOB, saved=False)                       # ... but a change not yet in the store is never shown
         assert late.pushed == [] and late.closed == [False]
 
     asyncio.run(run())
@@ -122,8 +119,7 @@ def test_a_hold_that_ends_closes_its_subscriber_as_ended_and_a_wake_does_not():
     async def run() -> None:
         core = Rendezvous()
         join(core, "a", 0.0, cfg())
-        driver = SimpleNamespace(core=core, gate=Serving(), clock=lambda: 1.0, apply=lambda: None,
-                                 saved=lambda job_id: True)
+        driver = SimpleNamespace(core=core, gate=Serving(), clock=lambda: 1.0, apply=lambda: None)
         hub = Hub(driver)   # type: ignore[arg-type]
         loop = asyncio.get_running_loop()
         timed, woken = Recorded("a", -1), Recorded("a", -1)
