@@ -285,3 +285,29 @@ async def test_a_stall_report_over_the_wire_shows_a_rank_alone_and_refuses_a_sta
     async with http.get(url(server, "/v1/jobs/alone/events")) as resp:
         after = json.loads(await resp.text())
     assert after["last_seq"] == before and (await a.poll(known_round=first, wait_s=0))["restart_count"] == 0
+
+
+async def test_a_round_waits_for_a_new_store_port_over_the_wire(server, http):
+    """A node hosting a store per round (`store_per_round`) never gets a round on the port of its last one, whose
+    store may still listen: the round waits for its next poll's port. A node without the field is not waited for."""
+    for job, per_round in (("ports", True), ("one-store", False)):
+        a = MsgpackNode(http, server, job, "a", port=1001, min_nodes=2, max_nodes=2, max_restarts=3)
+        b = MsgpackNode(http, server, job, "b", port=1002, min_nodes=2, max_nodes=2, max_restarts=3)
+        await a.post("join", {"v": 1, "node_id": "a", "addr": "10.0.0.1", "local_world_size": 2, "master_port": 1001,
+                              "config": a.config, **({"store_per_round": True} if per_round else {})})
+        round1 = (await b.join())["assignment"]
+        assert round1["master_port"] == 1001
+        waiter = asyncio.create_task(a.poll(known_round=round1["round_id"], wait_s=10))
+        reply = await b.post("failure", {"v": 1, "node_id": "b", "round_id": round1["round_id"],
+                                         "failures": [{"local_rank": 0, "rank": 2, "exitcode": 1}]})
+        woken = await asyncio.wait_for(waiter, 5)
+        if not per_round:
+            assert reply["assignment"]["master_port"] == woken["assignment"]["master_port"] == 1001
+            continue
+        for view in (reply, woken):
+            assert (view["node_state"], view["assignment"], view["round_id"]) == ("waiting", None, 2), view
+            assert "new store port from its group rank 0 (a)" in view["reason"]
+        waiter = asyncio.create_task(b.poll(known_round=-1, wait_s=10))
+        given = await a.post("poll", {"v": 1, "node_id": "a", "known_round": -1, "wait_s": 0, "master_port": 1005})
+        assert given["node_state"] == "member" and given["assignment"]["master_port"] == 1005
+        assert (await asyncio.wait_for(waiter, 5))["assignment"]["master_port"] == 1005
