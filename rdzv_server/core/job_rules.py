@@ -212,7 +212,7 @@ class JobRules:
                 self.record(now, EventKind.ROUND_ABANDONED, f"{why}; {count_nodes(chosen)} < min "
                             f"{cfg.min_nodes}: waiting for nodes", data=RoundWaiting(cause=cause.value))
             if job.round is not None:        # the survivors keep their places for the round that comes
-                job.places = list(job.round.ranked or job.round.members)
+                job.places, job.places_port = list(job.round.ranked or job.round.members), job.round.master_port
                 job.place_copies = places_kept(job.round)
             job.round = None
             job.state = JobState.WAITING
@@ -227,7 +227,8 @@ class JobRules:
         opened = job.forming_since if job.forming_since is not None else now
         promoted = len(set(chosen) & set(job.spares))
         job.last_round_id += 1
-        last, job.round = job.round, build_round(job, chosen, job.last_round_id, opened, now, why, took)
+        last = store_port.of(job.round) if job.round else (job.places[0], job.places_port) if job.places else None
+        job.round = build_round(job, chosen, job.last_round_id, opened, now, why, took)
         store_port.take(job.round, last, job.nodes[chosen[0]])
         corrected = master_correction(job.round, job.nodes[chosen[0]])
         if corrected:

@@ -106,6 +106,7 @@ class JobRecord(msgspec.Struct, kw_only=True):
     last_round_id: int = 0                     # ids only grow, across all rounds ever formed
     waiting: list[str] = msgspec.field(default_factory=list)  # admitted, for the next round, in order
     places: list[str] = msgspec.field(default_factory=list)   # while waiting: the last round's, by group rank
+    places_port: int = 0            # while waiting: the last round's store port (store_port.py)
     waiting_preparing: int = 0      # of `waiting`, the nodes whose workers cannot start at once yet (not ready)
     spares: list[str] = msgspec.field(default_factory=list)
     replica_key: str = ""           # what members' agents show each other with a copy (derived from a secret)

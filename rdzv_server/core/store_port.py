@@ -13,10 +13,15 @@ from __future__ import annotations
 from rdzv_server.core.records import NodeRecord, RoundRecord
 
 
-def take(r: RoundRecord, last: RoundRecord | None, master: NodeRecord) -> None:
-    """As round `r` forms after `last` (None: none): whether it waits for its master's next port."""
-    r.awaits_port = master.store_per_round and last is not None and _master(last) == master.node_id \
-        and last.master_port == r.master_port
+def take(r: RoundRecord, last: tuple[str, int] | None, master: NodeRecord) -> None:
+    """As round `r` forms after the round whose master and port were `last` (None: none; the job may have waited
+    between them): whether it waits for its master's next port."""
+    r.awaits_port = master.store_per_round and last == (master.node_id, r.master_port)
+
+
+def of(r: RoundRecord) -> tuple[str, int]:
+    """Round `r`'s master and store port."""
+    return _master(r), r.master_port
 
 
 def given(r: RoundRecord | None, node: NodeRecord, port: int) -> bool:

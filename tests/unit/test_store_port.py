@@ -9,6 +9,7 @@ from protocol.messages import (
     FailureReport,
     JobConfig,
     JoinRequest,
+    LeaveRequest,
     NodeState,
     NodeStatus,
     PollRequest,
@@ -82,3 +83,13 @@ def test_an_agent_with_one_store_for_every_round_is_never_waited_for():
     fail(rz, 3.0)
     fail(rz, 4.0)
     assert port_of(rz.view("j", "b", 4.0)) == 29500 and port_of(rz.view("j", "a", 4.0)) == 29500
+
+
+def test_a_round_after_the_job_waited_is_checked_against_the_last_round_too():
+    rz = started()
+    rz.handle("j", LeaveRequest(v=1, node_id="b", reason="done here"), 2.0)     # below min_nodes: the job waits
+    assert rz.jobs["j"].round is None and rz.jobs["j"].places == ["a", "b"]
+    rz.handle("j", JoinRequest(v=1, node_id="c", addr="10.0.0.3", local_world_size=1, master_port=29600,
+                               config=CFG, instance="c", store_per_round=True), 3.0)    # takes b's place
+    assert rz.jobs["j"].round is not None and rz.view("j", "c", 3.0).assignment is None   # a: 29500 is round 1's
+    assert port_of(poll(rz, "a", 30001, 3.5)) == 30001 and port_of(rz.view("j", "c", 3.5)) == 30001
