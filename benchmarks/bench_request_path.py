@@ -64,7 +64,13 @@ async def _walk() -> dict[str, Any]:
                                                               known_round=round_id, wait_s=30.0)))
         attached = asyncio.Event()                  # b's poll is held by the hub
         attach = coordinator.hub.attach
-        coordinator.hub.attach = lambda *a: (attach(*a), attached.set())[0]   # type: ignore[method-assign]
+
+        def attach_and_tell(*args: Any) -> Any:
+            status = attach(*args)
+            attached.set()
+            return status
+
+        coordinator.hub.attach = attach_and_tell    # type: ignore[method-assign]
         await attached.wait()
         report = FailureReport(v=1, node_id="a", credential=creds["a"], round_id=round_id,
                                failures=[WorkerFailure(local_rank=0, rank=0, exitcode=1)])

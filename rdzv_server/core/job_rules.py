@@ -29,6 +29,7 @@ from rdzv_server.core.rounds import (
     count_nodes,
     growth_cause,
     master_correction,
+    master_of,
     places_kept,
     places_taken,
 )
@@ -227,7 +228,8 @@ class JobRules:
         opened = job.forming_since if job.forming_since is not None else now
         promoted = len(set(chosen) & set(job.spares))
         job.last_round_id += 1
-        last = store_port.of(job.round) if job.round else (job.places[0], job.places_port) if job.places else None
+        last = (master_of(job.round), job.round.master_port) if job.round else \
+            (job.places[0], job.places_port) if job.places else None          # the last round's store
         job.round = build_round(job, chosen, job.last_round_id, opened, now, why, took)
         store_port.take(job.round, last, job.nodes[chosen[0]])
         corrected = master_correction(job.round, job.nodes[chosen[0]])

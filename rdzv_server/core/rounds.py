@@ -50,6 +50,17 @@ def build_round(job: JobRecord, members: list[str], round_id: int, opened_at: fl
     return r
 
 
+def master_of(r: RoundRecord) -> str:
+    """Round `r`'s group-rank-0 node: its agent hosts the round's store."""
+    return (r.ranked or r.members)[0]
+
+
+def give_master_port(r: RoundRecord, port: int) -> None:
+    """Round `r`'s store port, given after it formed (store_port.py); assignments derived before it are dropped."""
+    r.master_port = port
+    r.__dict__.pop("derived", None)
+
+
 def place_of(r: RoundRecord, node: str) -> PlaceCopies | None:
     """Where `node`'s copies went in round `r`, and the ranks they are of (None: it was no member)."""
     derived = _derived(r)
@@ -319,7 +330,7 @@ def node_status(job: JobRecord, node_id: str, now: float, *, accepted: bool = Tr
     if r is not None and state == NodeState.MEMBER and not finished and r.awaits_port:   # store_port.py
         status.node_state = NodeState.WAITING
         status.reason = reason or f"round {r.round_id} waits for a new store port from its group rank 0 " \
-                                  f"({(r.ranked or r.members)[0]})"
+                                  f"({master_of(r)})"
     elif r is not None and (finished or state == NodeState.MEMBER):
         status.assignment = assignment(r, node_id)
     elif state == NodeState.SPARE:

@@ -11,6 +11,7 @@ plugin, an older node-agent: JoinRequest.store_per_round) is never waited for.
 from __future__ import annotations
 
 from rdzv_server.core.records import NodeRecord, RoundRecord
+from rdzv_server.core.rounds import give_master_port, master_of
 
 
 def take(r: RoundRecord, last: tuple[str, int] | None, master: NodeRecord) -> None:
@@ -19,20 +20,11 @@ def take(r: RoundRecord, last: tuple[str, int] | None, master: NodeRecord) -> No
     r.awaits_port = master.store_per_round and last == (master.node_id, r.master_port)
 
 
-def of(r: RoundRecord) -> tuple[str, int]:
-    """Round `r`'s master and store port."""
-    return _master(r), r.master_port
-
-
 def given(r: RoundRecord | None, node: NodeRecord, port: int) -> bool:
     """A poll's port; True when it completes the round that waited for it (its assignments carry it now)."""
     node.master_port = port
-    if r is None or not r.awaits_port or _master(r) != node.node_id or port == r.master_port:
+    if r is None or not r.awaits_port or master_of(r) != node.node_id or port == r.master_port:
         return False
-    r.master_port, r.awaits_port = port, False
-    r.__dict__.pop("derived", None)      # assignments built meanwhile (operator views) carry the old port
+    give_master_port(r, port)
+    r.awaits_port = False
     return True
-
-
-def _master(r: RoundRecord) -> str:
-    return (r.ranked or r.members)[0]
