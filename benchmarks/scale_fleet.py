@@ -39,8 +39,8 @@ from node_agent.client.readyz import readyz_status
 from node_agent.client.replies import CONFLICT_RETRY_S, Refusal, conflict_retry_for, refusal
 from node_agent.client.retry import Backoff
 from node_agent.client.transport import ServerRejected, ServerUnreachable
+from protocol.bounds import MAX_POLL_WAIT_S
 from protocol.messages import (
-    MAX_POLL_WAIT_S,
     FailureReport,
     JobConfig,
     JoinRequest,

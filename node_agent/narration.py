@@ -34,11 +34,10 @@ from protocol.messages import (
     JoinRequest,
     NodeState,
     NodeStatus,
-    RankSeen,
-    RankState,
     SuccessReport,
     WorkerFailure,
 )
+from protocol.stalls import RankSeen, RankState
 
 
 class Narrator:

@@ -13,19 +13,19 @@ from node_agent.client.retry import until_answered
 from node_agent.client.transport import ServerRejected, ServerUnreachable, Transport
 from node_agent.core.facts import Put, Request, ServerNotReached, ServerRefused, StatusReceived
 from node_agent.sources import start_source
+from protocol.bounds import MAX_POLL_WAIT_S
 from protocol.messages import (
-    MAX_POLL_WAIT_S,
     FailureReport,
     JoinRequest,
     NodeStatus,
     PollRequest,
     ProgressNote,
-    RankSeen,
     StallReport,
     SuccessReport,
     UnhealthyKind,
     WorkerFailure,
 )
+from protocol.stalls import RankSeen
 
 # How long a leave waits for a join still on its way (see leave()).
 JOIN_LANDING_S = 2.0

@@ -13,38 +13,37 @@ from typing import Annotated
 import msgspec
 from msgspec import Meta
 
+from protocol.bounds import (
+    MAX_COMMAND,
+    MAX_CREDENTIAL,
+    MAX_LOCAL_WORLD_SIZE,
+    MAX_MESSAGE,
+    MAX_POLL_WAIT_S,
+    MAX_REASON,
+    MAX_REPLICAS,
+    MAX_RESTARTS,
+    MAX_ROUND,
+    MAX_SHORT_TEXT,
+    MAX_TRACEBACK,
+    Bytes,
+    Count,
+    Nodes,
+    Port,
+    PositiveSeconds,
+    Rank,
+    RoundRef,
+    Seconds,
+    ShortText,
+    UnixTime,
+    Workers,
+    check,
+    printable,
+)
 from protocol.ids import NODE_ID, NODE_ID_RULE
 from protocol.quoting import quote
+from protocol.stalls import RankSeen
 
 PROTOCOL_VERSION = 1
-
-# Bounds of every field on the wire (docs/protocol.md lists them): one hostile value must not poison a job's
-# arithmetic, its store record or its status page. Floats must be finite (a range check refuses NaN and inf).
-MAX_NODES = 100_000                  # nodes in one job
-MAX_LOCAL_WORLD_SIZE = 4096          # workers on one node
-MAX_RESTARTS = 1_000_000
-MAX_DURATION_S = 7 * 24 * 3600.0     # any timeout or window: a week
-MAX_ROUND = 2 ** 53                  # round ids and counters stay exact as JSON numbers
-MAX_UNIX_TIME = 32503680000.0        # year 3000
-MAX_SHORT_TEXT = 256                 # addresses, host names, roles, instances, signal names
-MAX_REASON = 1024                    # a leave's reason
-MAX_MESSAGE = 4096                   # a worker's error message
-MAX_TRACEBACK = 16384
-MAX_CREDENTIAL = 64
-MAX_POLL_WAIT_S = 60.0               # agents ask for this and let the server choose the hold
-MAX_COMMAND = 64                     # a join's command fingerprint
-MAX_REPLICAS = 4                     # peer copies of each node's snapshots (JobConfig.replicas)
-
-RoundRef = Annotated[int, Meta(ge=-1, le=MAX_ROUND)]
-Nodes = Annotated[int, Meta(ge=1, le=MAX_NODES)]
-Workers = Annotated[int, Meta(ge=1, le=MAX_LOCAL_WORLD_SIZE)]
-Port = Annotated[int, Meta(ge=0, le=65535)]
-Rank = Annotated[int, Meta(ge=0, le=MAX_NODES * MAX_LOCAL_WORLD_SIZE)]
-Seconds = Annotated[float, Meta(ge=0, le=MAX_DURATION_S)]
-PositiveSeconds = Annotated[float, Meta(gt=0, le=MAX_DURATION_S)]
-UnixTime = Annotated[float, Meta(ge=0, le=MAX_UNIX_TIME)]
-ShortText = Annotated[str, Meta(max_length=MAX_SHORT_TEXT)]
-
 
 class JobState(str, enum.Enum):
     WAITING = "waiting"        # no round running: collecting nodes (first round, or below min after a loss)
@@ -64,17 +63,6 @@ class NodeState(str, enum.Enum):
     SPARE = "spare"            # job is at max nodes: promoted when a member is lost
     EXCLUDED = "excluded"      # failed too often: waits out a cooldown
     GONE = "gone"              # lost, left or never joined: must join again
-
-
-def _check(cond: bool, field: str, why: str) -> None:
-    if not cond:
-        raise ValueError(f"{field}: {why}")
-
-
-def _printable(**fields: str) -> None:
-    """Names and addresses end up in logs and on screens: no control characters (unlike worker messages)."""
-    for name, value in fields.items():
-        _check(value.isprintable(), name, f"must not contain control characters, got {quote(value)}")
 
 
 class JobConfig(msgspec.Struct, kw_only=True, frozen=True):
@@ -105,7 +93,7 @@ class JobConfig(msgspec.Struct, kw_only=True, frozen=True):
     replicas: Annotated[int, Meta(ge=0, le=MAX_REPLICAS)] = 1
 
     def __post_init__(self) -> None:
-        _check(self.max_nodes >= self.min_nodes, "max_nodes",
+        check(self.max_nodes >= self.min_nodes, "max_nodes",
                f"must be >= min_nodes ({self.min_nodes}), got {self.max_nodes}")
 
     def differences(self, other: JobConfig) -> list[str]:
@@ -121,7 +109,7 @@ class _Request(msgspec.Struct, kw_only=True):
     credential: Annotated[str, Meta(max_length=MAX_CREDENTIAL)] = ""
 
     def __post_init__(self) -> None:
-        _check(bool(NODE_ID.fullmatch(self.node_id)), "node_id", f"must be {NODE_ID_RULE}, got {quote(self.node_id)}")
+        check(bool(NODE_ID.fullmatch(self.node_id)), "node_id", f"must be {NODE_ID_RULE}, got {quote(self.node_id)}")
 
 
 class JoinRequest(_Request, kw_only=True):
@@ -153,11 +141,10 @@ class JoinRequest(_Request, kw_only=True):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        _printable(addr=self.addr, host=self.host, role=self.role, instance=self.instance, checks=self.checks,
+        printable(addr=self.addr, host=self.host, role=self.role, instance=self.instance, checks=self.checks,
                    domain=self.domain)
 
 
-Count = Annotated[int, Meta(ge=0, le=MAX_ROUND)]
 # A note's window closes once it holds this many steps, or this long has passed: fewer steps say nothing of a
 # node's pace (an eval, a checkpoint write), and a node that stopped stepping shows 0 steps/s within it.
 PACE_MIN_STEPS = 5
@@ -181,7 +168,6 @@ class ProgressNote(msgspec.Struct, kw_only=True, frozen=True, gc=False):
     resumed_step: Annotated[int, Meta(ge=-1, le=MAX_ROUND)] = -1   # the step node_agent.snapshot resumed from
 
 
-Bytes = Annotated[int, Meta(ge=0, le=2 ** 62)]
 
 
 class CopiesNote(msgspec.Struct, kw_only=True, frozen=True, gc=False):
@@ -230,7 +216,7 @@ class WorkerFailure(msgspec.Struct, kw_only=True, frozen=True, gc=False):
     node_id: ShortText = ""
 
     def __post_init__(self) -> None:
-        _printable(signal=self.signal, reason=self.reason, host=self.host, node_id=self.node_id)
+        printable(signal=self.signal, reason=self.reason, host=self.host, node_id=self.node_id)
 
 
 class FailureReport(_Request, kw_only=True):
@@ -242,51 +228,6 @@ class FailureReport(_Request, kw_only=True):
 class SuccessReport(_Request, kw_only=True):
     round_id: RoundRef
     progress: ProgressNote | None = None
-
-
-class RankState(str, enum.Enum):
-    """What a rank that stopped stepping is doing, as its agent saw it (node_agent/core/stalls.py)."""
-    WAITING = "waiting"        # blocked in a collective or a wait on the others, its CPU idle
-    WORKING = "working"        # computing, loading data or writing: busy, moving data, or in torch's code
-    QUIET = "quiet"            # idle outside any collective: asleep or blocked in its own code
-    SPINNING = "spinning"      # busy in its own code, the same stack at every look, no I/O
-    STOPPED = "stopped"        # stopped (SIGSTOP, a debugger)
-    EXITED = "exited"          # ended while the others go on
-    UNKNOWN = "unknown"        # idle, and no stack to tell where (no probe answered)
-
-    @property
-    def certain(self) -> bool:
-        """A rank in this state cannot come to the next collective: ranks waiting on it hang, for certain."""
-        return self in CERTAIN_STATES
-
-    @property
-    def apart(self) -> bool:
-        """Neither waiting nor certain: at work on its own (evaluating, uploading) or hung there; a limit decides."""
-        return self in APART_STATES
-
-
-CERTAIN_STATES = (RankState.STOPPED, RankState.EXITED)     # the likelier culprit first (core/hangs.py)
-APART_STATES = (RankState.SPINNING, RankState.QUIET, RankState.UNKNOWN, RankState.WORKING)
-
-GPU_BUSY = 50           # RankSeen.gpu_busy at or above this, %: the GPU computes (a kernel ran most of the time)
-
-
-class RankSeen(msgspec.Struct, kw_only=True, frozen=True, gc=False):
-    """One stalled rank's evidence."""
-    rank: Rank
-    local_rank: Annotated[int, Meta(ge=0, le=MAX_LOCAL_WORLD_SIZE)]
-    state: RankState
-    stalled_s: Seconds                 # since its last step
-    steps: Count = 0
-    cpu: Annotated[float, Meta(ge=0, le=1.0)] = 0.0   # its main thread's share of one CPU while it was watched
-    where: ShortText = ""              # its main thread's innermost frame, "file:line in function"
-    stack: Annotated[str, Meta(max_length=MAX_TRACEBACK)] = ""   # the main thread's frames, innermost first
-    exitcode: int | None = None
-    call: ShortText = ""               # waiting: the torch call it waits in ("barrier", "recv", "backward", ...)
-    io_bytes: Count = 0                # its process read and wrote this many bytes while watched
-    # its process's CPU while watched, every thread, in CPUs (a collective copies its data in torch's threads)
-    process_cpu: Annotated[float, Meta(ge=0, le=MAX_LOCAL_WORLD_SIZE)] = 0.0
-    gpu_busy: Annotated[int, Meta(ge=-1, le=100)] = -1   # its GPU's utilization while watched, % (-1: none read)
 
 
 class StallReport(_Request, kw_only=True):
@@ -313,7 +254,7 @@ class LeaveRequest(_Request, kw_only=True):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        _printable(reason=self.reason)
+        printable(reason=self.reason)
 
 
 # Every request an agent sends, by type (protocol.codec.REQUEST_TYPES names their routes).

@@ -23,12 +23,12 @@ from protocol.messages import (
     NodeStatus,
     PollRequest,
     ProgressNote,
-    RankSeen,
     StallReport,
     SuccessReport,
     UnhealthyKind,
     WorkerFailure,
 )
+from protocol.stalls import RankSeen
 
 R = TypeVar("R", JoinRequest, PollRequest, FailureReport, SuccessReport, LeaveRequest, StallReport)
 

@@ -6,7 +6,8 @@ import signal
 from dataclasses import dataclass
 
 from node_agent.core.facts import Stage
-from protocol.messages import Assignment, RankSeen, UnhealthyKind, Witness, WorkerFailure
+from protocol.messages import Assignment, UnhealthyKind, Witness, WorkerFailure
+from protocol.stalls import RankSeen
 
 
 @dataclass(frozen=True)

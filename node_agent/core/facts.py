@@ -14,12 +14,12 @@ from protocol.messages import (
     LeaveRequest,
     NodeStatus,
     PollRequest,
-    RankSeen,
     StallReport,
     SuccessReport,
     UnhealthyKind,
     WorkerFailure,
 )
+from protocol.stalls import RankSeen
 
 # Which request a server fact answers: the protocol's request types (names: protocol.codec.REQUEST_TYPES).
 Request = (type[JoinRequest] | type[PollRequest] | type[FailureReport] | type[SuccessReport] | type[LeaveRequest]

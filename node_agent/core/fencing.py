@@ -5,7 +5,8 @@ from __future__ import annotations
 import signal
 
 from node_agent.core.facts import Verdict
-from protocol.messages import MAX_MESSAGE, FailureReason, WorkerFailure
+from protocol.bounds import MAX_MESSAGE
+from protocol.messages import FailureReason, WorkerFailure
 
 FENCE_MARGIN_S = 0.5
 REPROBE_S = 0.5     # a witness's answer costs one local connection: the fencing bound is the lease + ~1 s

@@ -73,9 +73,10 @@ from node_agent.core.facts import (
 from node_agent.core.fencing import CONFIRM_S, REPROBE_S, fenced, first_ask_at, lapse_at
 from node_agent.core.node_health import NodeHealth
 from node_agent.core.summary import failure_summary
+from protocol.bounds import MAX_REASON
 from protocol.codec import REQUEST_TYPES
 from protocol.errors import ErrorCode
-from protocol.messages import MAX_REASON, Assignment, JobState, JoinRequest, NodeStatus, WorkerFailure
+from protocol.messages import Assignment, JobState, JoinRequest, NodeStatus, WorkerFailure
 
 TimedRule = tuple[float, Callable[[float], list[Action]]]   # (when, what to do once it has come)
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from protocol.messages import GPU_BUSY, RankState
+from protocol.stalls import GPU_BUSY, RankState
 
 IDLE_CPU = 0.1          # a main thread below this share of one CPU is blocked, not computing
 BUSY_CPU = 0.5          # at or above it, a main thread is running code

@@ -6,7 +6,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from protocol.messages import MAX_MESSAGE, MAX_TRACEBACK, Assignment, WorkerFailure
+from protocol.bounds import MAX_MESSAGE, MAX_TRACEBACK
+from protocol.messages import Assignment, WorkerFailure
 
 
 def worker_failures(failures: dict[int, Any] | None, a: Assignment, host: str) -> list[WorkerFailure]:

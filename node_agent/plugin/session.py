@@ -37,8 +37,8 @@ from node_agent.client.retry import Backoff, GaveUp, unreachable_line, until_ans
 from node_agent.client.transport import ServerRejected, ServerUnreachable, Transport
 from node_agent.client.witness import WitnessServer
 from node_agent.plugin.settings import PluginSettings
+from protocol.bounds import MAX_POLL_WAIT_S
 from protocol.messages import (
-    MAX_POLL_WAIT_S,
     Assignment,
     FailureReport,
     JobState,

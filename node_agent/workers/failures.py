@@ -6,7 +6,8 @@ import time
 
 from node_agent.workers.error_file import read_error_file
 from node_agent.workers.process import WorkerExit
-from protocol.messages import MAX_MESSAGE, MAX_TRACEBACK, FailureReason, WorkerFailure
+from protocol.bounds import MAX_MESSAGE, MAX_TRACEBACK
+from protocol.messages import FailureReason, WorkerFailure
 
 SPAWN_FAILED_EXITCODE = 127    # the shell's "command not found"
 

@@ -17,15 +17,9 @@ from node_agent.core.stalls import call_of, classify, main_stack, stack_text
 from node_agent.core.steps import ProbeRecord, RankSteps, RoundSteps, next_report_at
 from node_agent.workers.failures import keep_tail
 from node_agent.workers.probes import BadRecord, ProbeFiles, RecordReader, read_proc, take_stacks
-from protocol.messages import (
-    MAX_DURATION_S,
-    MAX_ROUND,
-    MAX_SHORT_TEXT,
-    MAX_TRACEBACK,
-    ProgressNote,
-    RankSeen,
-    RankState,
-)
+from protocol.bounds import MAX_DURATION_S, MAX_ROUND, MAX_SHORT_TEXT, MAX_TRACEBACK
+from protocol.messages import ProgressNote
+from protocol.stalls import RankSeen, RankState
 
 LOOK_S = 0.5
 # Stacks taken this many times, this far apart: a rank that only passes between phases (a checkpoint ending, a

@@ -25,7 +25,8 @@ from dataclasses import dataclass, field, replace
 
 import msgspec
 
-from protocol.messages import APART_STATES, CERTAIN_STATES, GPU_BUSY, JobConfig, RankSeen, RankState, StallReport
+from protocol.messages import JobConfig, StallReport
+from protocol.stalls import APART_STATES, CERTAIN_STATES, GPU_BUSY, RankSeen, RankState
 
 FRESH_MIN_S = 10.0      # a report is evidence for max(this, 4x its threshold): the agent re-sends it meanwhile
 FRESH_THRESHOLDS = 4.0  # (at most every 2 thresholds: node_agent/core/progress.py's report_period)

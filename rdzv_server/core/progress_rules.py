@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 import msgspec
 
 from protocol.errors import ErrorCode
-from protocol.messages import FailureReason, ProgressNote, RankState, StallReport, WorkerFailure
+from protocol.messages import FailureReason, ProgressNote, StallReport, WorkerFailure
+from protocol.stalls import RankState
 from rdzv_server.core import goodput, hangs, operator_rules, reports
 from rdzv_server.core.errors import RendezvousError
 from rdzv_server.core.events import EventKind, RoundCause

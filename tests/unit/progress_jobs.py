@@ -9,11 +9,10 @@ from protocol.messages import (
     JoinRequest,
     PollRequest,
     ProgressNote,
-    RankSeen,
-    RankState,
     StallReport,
     WorkerFailure,
 )
+from protocol.stalls import RankSeen, RankState
 from rdzv_server.core.rendezvous import Rendezvous
 from rdzv_server.core.requests import Arrival
 

@@ -23,7 +23,8 @@ from node_agent.settings import Mode
 from node_agent.workers.launch import WorkerLaunch
 from node_agent.workers.process import WorkerExit, WorkerSpawnError
 from protocol.errors import ErrorCode
-from protocol.messages import JobConfig, NodeStatus, PollRequest, RankSeen, RankState
+from protocol.messages import JobConfig, NodeStatus, PollRequest
+from protocol.stalls import RankSeen, RankState
 from rdzv_server.coordinator import Coordinator
 from tests.unit.agent_fakes import LIMIT, FakeGroup, agent_settings
 

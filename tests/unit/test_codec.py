@@ -5,19 +5,11 @@ from __future__ import annotations
 import msgpack
 import pytest
 
+from protocol.bounds import MAX_NODES
 from protocol.codec import MAX_BODY_BYTES, DecodeError, decode_reply, decode_request, encode
 from protocol.errors import ErrorCode
 from protocol.ids import job_id_problem, node_id_problem
-from protocol.messages import (
-    MAX_NODES,
-    FailureReport,
-    JobConfig,
-    JoinRequest,
-    LeaveRequest,
-    NodeState,
-    NodeStatus,
-    PollRequest,
-)
+from protocol.messages import FailureReport, JobConfig, JoinRequest, LeaveRequest, NodeState, NodeStatus, PollRequest
 from protocol.tokens import token_problem
 
 JOIN = {"v": 1, "node_id": "a", "addr": "10.0.0.1", "local_world_size": 1, "master_port": 1}

@@ -6,7 +6,8 @@ import signal
 
 from node_agent.workers.failures import EARLY_EXIT_S, SPAWN_FAILED_EXITCODE, early_exits, exit_failure, spawn_failure
 from node_agent.workers.process import WorkerExit
-from protocol.messages import MAX_MESSAGE, MAX_TRACEBACK, WorkerFailure
+from protocol.bounds import MAX_MESSAGE, MAX_TRACEBACK
+from protocol.messages import WorkerFailure
 
 
 def exited(code: int, error_file: str | None = None) -> WorkerExit:

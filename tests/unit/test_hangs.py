@@ -9,7 +9,8 @@ import msgspec
 import pytest
 
 from protocol.errors import ErrorCode
-from protocol.messages import JobConfig, JobState, JoinRequest, RankSeen, RankState, StallReport
+from protocol.messages import JobConfig, JobState, JoinRequest, StallReport
+from protocol.stalls import RankSeen, RankState
 from rdzv_server.core.events import EventKind
 from rdzv_server.core.hangs import StallBoard, StallKind, assess, place_of, same_place
 from rdzv_server.core.progress_rules import shown_stall

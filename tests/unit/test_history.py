@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import re
 
-from protocol.messages import LeaveRequest, ProgressNote, RankSeen, RankState, StallReport, SuccessReport
+from protocol.messages import LeaveRequest, ProgressNote, StallReport, SuccessReport
+from protocol.stalls import RankSeen, RankState
 from protocol.views import JobView, NodeCounts
 from rdzv_server.core.events import EventKind as K
 from rdzv_server.core.records import MAX_EVENTS_PER_JOB, Event

@@ -18,17 +18,8 @@ from node_agent.core.facts import (
 )
 from node_agent.core.summary import failure_summary
 from node_agent.narration import STACK_LINES, Narrator
-from protocol.messages import (
-    Assignment,
-    FailureReport,
-    JobState,
-    NodeState,
-    NodeStatus,
-    PollRequest,
-    RankSeen,
-    RankState,
-    WorkerFailure,
-)
+from protocol.messages import Assignment, FailureReport, JobState, NodeState, NodeStatus, PollRequest, WorkerFailure
+from protocol.stalls import RankSeen, RankState
 
 FAILURE = WorkerFailure(local_rank=1, rank=5, exitcode=-11, signal="SIGSEGV", message="boom", host="h2",
                         node_id="n2")

@@ -5,7 +5,8 @@ from node_agent.core.actions import CheckNode, Exit, Leave, Rejoin, ReportFailur
 from node_agent.core.facts import DeadlinePassed, NodeChecked, Stage, WorkersExited
 from node_agent.core.node_health import RETRY_MAX_S, NodeHealth
 from node_agent.core.policy import SupervisionPolicy, Workers
-from protocol.messages import MAX_REASON, JobState, NodeState, UnhealthyKind
+from protocol.bounds import MAX_REASON
+from protocol.messages import JobState, NodeState, UnhealthyKind
 from tests.unit.test_policy import failure, member, status
 
 

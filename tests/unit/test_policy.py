@@ -40,11 +40,10 @@ from protocol.messages import (
     NodeState,
     NodeStatus,
     PollRequest,
-    RankSeen,
-    RankState,
     SuccessReport,
     WorkerFailure,
 )
+from protocol.stalls import RankSeen, RankState
 
 
 def assignment(round_id: int, restart_count: int = 0) -> Assignment:
