@@ -148,7 +148,8 @@ class Agent:
                 async with link.lease_kept(max(0.2, self.link.job.lease_timeout_s / 3)):
                     await self.workers.stop(signum)
             case Spawn(assignment=assignment):
-                dirs = self.workers.memory.dirs_for(assignment.local_world_size, assignment.rank_offset)
+                dirs = self.workers.memory.dirs_for(assignment.local_world_size, assignment.rank_offset,
+                                                    assignment.run)
                 await self.copies.before_spawn(assignment, dirs)      # a fetch goes on while the workers start
                 await self.workers.spawn(assignment)
             case ReportFailure(round_id=round_id, failures=failures):

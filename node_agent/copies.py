@@ -146,8 +146,16 @@ class PeerCopies:
             self.targets = ()
             return
         if a.copies_of and a.copies_at is not None and dirs:
-            mark_fetching(dirs, True)     # the workers start meanwhile: agreed_step waits while marked
-            self._fetching = asyncio.create_task(self._fetch_marked(a.copies_of, a.copies_token, a.copies_at, dirs))
+            # This node back at its place as a new incarnation (its agent restarted) fetches its own copies only
+            # where its memory did not outlive its previous agent (a new host, or a directory removed).
+            kept = common_step(dirs) if a.copies_of == self.node_id else {}
+            if kept:
+                self._say(f"this node's own snapshots (step {next(iter(kept.values()))[0]}) outlived its previous "
+                          f"agent: nothing to fetch")
+            else:
+                mark_fetching(dirs, True)     # the workers start meanwhile: agreed_step waits while marked
+                self._fetching = asyncio.create_task(self._fetch_marked(a.copies_of, a.copies_token, a.copies_at,
+                                                                        dirs))
         if self.targets and self.key and (self._pusher is None or self._pusher.done()):
             self._pusher = asyncio.create_task(self._push_loop())
 
@@ -174,8 +182,8 @@ class PeerCopies:
             self._say(f"no copy of node {gone}'s snapshots for every rank ({why}): ranks whose copy is missing "
                       f"resume from disk, and agreed_step sends every rank there")
             return
-        # Its copies are this node's now (and its own go to the same peer): the holder lets them go.
-        await drop(at.addr, at.port, key=token, node_id=gone, timeout_s=DROP_LIMIT_S, tls=self._connect)
+        if gone != self.node_id:   # its copies are this node's now (and its own go to the same peer): let go
+            await drop(at.addr, at.port, key=token, node_id=gone, timeout_s=DROP_LIMIT_S, tls=self._connect)
         self._say(f"fetched node {gone}'s snapshots of step {got[0].step} from {at.addr}:{at.port} ({len(got)} "
                   f"ranks, {size / 2**20:.1f} MiB in {time.monotonic() - began:.2f}s): this node's ranks resume "
                   f"where {gone}'s left off")

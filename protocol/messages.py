@@ -268,9 +268,11 @@ class Witness(msgspec.Struct, kw_only=True, frozen=True, gc=False):
 
 
 class CopySource(msgspec.Struct, kw_only=True, frozen=True, gc=False):
-    """A node whose snapshot copies this node holds, and the token its copies come with."""
+    """A node whose snapshot copies this node holds, the token its copies come with, and its local ranks (a holder
+    takes copies of those only; 0: not said, by an older server)."""
     node_id: str
     token: str
+    ranks: Annotated[int, Meta(ge=0, le=MAX_LOCAL_WORLD_SIZE)] = 0
 
 
 class Assignment(msgspec.Struct, kw_only=True, frozen=True, gc=False):
@@ -293,13 +295,17 @@ class Assignment(msgspec.Struct, kw_only=True, frozen=True, gc=False):
     # Peer copies (JobConfig.replicas): the members' agents to push this node's snapshots to, with this node's own
     # token (`copy_token`: a holder takes a node's copies only with that node's token); the nodes whose copies this
     # node holds, with theirs (`copy_sources`). A node that took a gone node's place fetches that node's copies
-    # (`copies_of`, with `copies_token`) from `copies_at` as its workers start.
+    # (`copies_of`, with `copies_token`) from `copies_at` as its workers start; `copies_of` is the node itself when
+    # it is back at its own place as a new incarnation (its agent restarted): its memory may be gone.
     replicas: tuple[Witness, ...] = ()
     copy_token: str = ""
     copy_sources: tuple[CopySource, ...] = ()
     copies_of: str = ""
     copies_token: str = ""
     copies_at: Witness | None = None
+    # The job's run ("": not said): a finished job's id starts a new run. A node's memory kept across its agent's
+    # restart is taken up only within the run that made it (node_agent/workers/memory.py).
+    run: ShortText = ""
 
 
 class NodeStatus(msgspec.Struct, kw_only=True, gc=False):

@@ -95,7 +95,7 @@ class LocalWorkers:
         if opts.no_python:
             say("--no-python: the program gets no progress probe, so no steps, no hang detection, no goodput")
         self._tmp_root: str | None = None   # logs' home when the CLI made no run directory (tests)
-        self.memory = MemoryDirs(opts.job_id, opts.nproc, opts.memory_dir_limit, say=say)
+        self.memory = MemoryDirs(opts.job_id, opts.nproc, opts.memory_dir_limit, say=say, node_id=opts.node_id)
         self.probes = ProbeRoot()
 
     def _process_group(self, launches: list[WorkerLaunch], *, stop_timeout: float) -> Group:

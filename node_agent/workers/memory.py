@@ -1,21 +1,36 @@
 """The node's in-memory checkpoint directories: made before the first workers start, kept across their
-restarts (one per local rank), removed when the agent ends; node_agent/snapshot.py is the worker's side.
-Layout: BASE/node-agent-mem-UID/JOB.PID.XXXXXXXX/LOCAL_RANK, BASE being /dev/shm (memory that outlives the
+restarts (one per local rank), removed when the agent ends; node_agent/training/snapshot.py is the worker's side.
+Layout: BASE/node-agent-mem-UID/JOB.NODE.HASH/LOCAL_RANK, BASE being /dev/shm (memory that outlives the
 workers), else the temp directory (a disk: warned). --memory-dir-limit is shared equally by the local ranks.
-A SIGKILLed agent cannot clean up, so each run's directory holds an `owner` file (pid and start time), and
-every agent starting removes the directories whose owner is gone (pid missing, or reused since).
+The memory belongs to the job and the node id, not to one agent process (workers/owners.py says who owns it):
+- An agent killed (SIGKILL, an OOM kill) cannot clean up. The next agent under the same job and node id takes its
+  directory up (systemd's Restart=, a container restarted): its snapshots stay, if its first round is of the same
+  run of the job (Assignment.run; another run's are removed) and for the local ranks whose global ranks are
+  the same (dirs_for).
+- Every agent starting removes the directories of agents that are gone, but those an agent may still come back
+  for: of a node id that was given (one made from the dead agent's pid, HOSTNAME-PID, never comes back), and
+  written to within KEEP_S (its next agent is minutes away at most: a restart policy's back-off). So memory a
+  node id never comes back for is held KEEP_S past its last snapshot, no longer.
 """
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import re
 import shutil
 import tempfile
+import time
 from collections.abc import Callable
+
+from node_agent.workers import owners
 
 SHM = "/dev/shm"
 RANK_FILE = ".rank"      # in each local rank's directory: the global rank whose snapshots it holds
+IDENTITY = "identity"    # in the node's directory: its job id and node id, a line each
+RUN = "run"              # in the node's directory: the run of the job its snapshots are of (Assignment.run)
+COPIES = "replicas"      # in the node's directory: the copies it holds for other nodes (node_agent/copies.py)
+KEEP_S = 600.0           # an ended agent's memory is kept this long after its last write, for its node's next agent
 
 
 def default_limit(base: str) -> int:
@@ -24,38 +39,28 @@ def default_limit(base: str) -> int:
     return st.f_bavail * st.f_frsize // 2
 
 
-def _start_time(pid: int) -> str | None:
-    """A process's start time in clock ticks since boot (None: no such process, or no /proc)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            stat = f.read()
-    except OSError:
-        return None
-    return stat.rpartition(")")[2].split()[19]   # field 22; the name in brackets may hold spaces
-
-
-def _alive(pid: int, started: str) -> bool:
-    if os.path.isdir("/proc/self"):
-        return _start_time(pid) == started
-    try:   # no /proc: the pid alone
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+def dir_name(job_id: str, node_id: str) -> str:
+    """The node's directory's name: readable, one path component, and the same for the same job and node id."""
+    def slug(text: str) -> str:
+        return re.sub(r"[^A-Za-z0-9_.:@+=~-]", "_", text)[:96]
+    digest = hashlib.sha256(f"{job_id}\0{node_id}".encode()).hexdigest()[:12]
+    return f"{slug(job_id)}.{slug(node_id) or 'agent'}.{digest}"
 
 
 class MemoryDirs:
     def __init__(self, job_id: str, nproc: int, limit: int | None, *, say: Callable[[str], None],
-                 base: str | None = None) -> None:
+                 base: str | None = None, node_id: str = "") -> None:
+        """`node_id` "": a node of this process alone (its directory is never taken up by another agent)."""
         self.job_id = job_id
+        self.node_id = node_id or f"agent-{os.getpid()}"
         self.nproc = nproc
         self.limit = limit          # bytes for the whole node; None: the default; 0: off
         self._say = say
         self._base = base
-        self.root: str | None = None   # this run's JOB.PID directory, once made
+        self.root: str | None = None   # this node's directory, once made
         self.rank_limit: int | None = None
+        self._owner: owners.Ownership | None = None
+        self._inherited: int | None = None   # the pid of the ended agent whose directory this one took up
         self._failed = False
 
     @property
@@ -78,10 +83,13 @@ class MemoryDirs:
             self._say(f"no in-memory checkpoint directory ({exc.strerror or exc}); workers run without one")
             return {}
 
-    def dirs_for(self, local_world_size: int, rank_offset: int) -> dict[int, str]:
-        """`dirs`, for the round whose local rank 0 is global rank `rank_offset`: a directory whose snapshots were
-        saved by another global rank (this node's ranks moved: it closed up, or took a gone node's place) is
-        emptied first. A shard of one rank must never be loaded by another (agreed_step then goes to disk)."""
+    def dirs_for(self, local_world_size: int, rank_offset: int, run: str = "") -> dict[int, str]:
+        """`dirs`, for the round of run `run` whose local rank 0 is global rank `rank_offset`: a directory whose
+        snapshots were saved by another global rank (this node's ranks moved: it closed up, or took a gone node's
+        place) is emptied first. A shard of one rank must never be loaded by another (agreed_step then goes to
+        disk). A directory taken up from an ended agent keeps its snapshots only for the same run."""
+        if self.dirs(local_world_size) and self.root is not None:
+            self._take_up(run, local_world_size)
         out = self.dirs(local_world_size)
         moved = []
         for local, path in out.items():
@@ -93,19 +101,33 @@ class MemoryDirs:
                 held = ""
             if held and held != str(rank_offset + local):
                 moved.append(held)
-                for name in os.listdir(path):
-                    entry = os.path.join(path, name)
-                    if name != RANK_FILE and os.path.isdir(entry) and not os.path.islink(entry):
-                        shutil.rmtree(entry, ignore_errors=True)     # a folder laid out for a framework's resume
-                    elif name != RANK_FILE:
-                        with contextlib.suppress(OSError):
-                            os.unlink(entry)
+                _empty(path, keep={RANK_FILE})
             with contextlib.suppress(OSError), open(mark, "w") as f:
                 f.write(f"{rank_offset + local}\n")
         if moved:
             self._say(f"this node's ranks moved (now from {rank_offset}): the snapshots of rank(s) {', '.join(moved)} "
                       f"are not theirs and were removed")
         return out
+
+    def _take_up(self, run: str, local_world_size: int) -> None:
+        """On the first round after taking up an ended agent's directory: keep it for the same run, else empty it;
+        then note the run, and drop the directories of local ranks this node no longer has."""
+        assert self.root is not None
+        path = os.path.join(self.root, RUN)
+        if self._inherited is not None:
+            before, self._inherited = self._inherited, None
+            if run and _read(path) == run:
+                self._say(f"kept the memory of node {self.node_id}'s previous agent (pid {before}, ended): its "
+                          f"snapshots, and the copies it held for others, stay this node's")
+            else:
+                _empty(self.root, keep={owners.OWNER, IDENTITY})
+                self._say(f"removed the memory node {self.node_id}'s previous agent (pid {before}) left: it is of "
+                          f"another run of job {self.job_id!r}")
+        if _read(path) != run:
+            _write(path, run)
+        for name in os.listdir(self.root):
+            if name.isdigit() and int(name) >= local_world_size:
+                shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)
 
     def _open(self) -> str:
         base = self._base
@@ -115,39 +137,113 @@ class MemoryDirs:
                 self._say(f"no writable {SHM}: the in-memory checkpoint directory is on disk, under {base}")
         parent = os.path.join(base, f"node-agent-mem-{os.getuid()}")
         os.makedirs(parent, mode=0o700, exist_ok=True)
-        removed = sweep(parent)
+        name = dir_name(self.job_id, self.node_id)
+        removed = sweep(parent, besides=name)
         if removed:
             self._say(f"removed {removed} in-memory checkpoint director{'y' if removed == 1 else 'ies'} "
                       f"left by agents that were killed")
+        self._owner = own = self._claim(parent, name)
         limit = self.limit if self.limit is not None else default_limit(base)
-        name = re.sub(r"[^A-Za-z0-9_.:@+=~-]", "_", self.job_id)[:200]
-        root = tempfile.mkdtemp(prefix=f"{name}.{os.getpid()}.", dir=parent)   # never an earlier run's
-        with open(os.path.join(root, "owner"), "w") as f:
-            f.write(f"{os.getpid()} {_start_time(os.getpid()) or ''}\n")
-        self.root = root
+        self.root = own.directory
         self.rank_limit = limit // max(1, self.nproc)
-        self._say(f"in-memory checkpoints: {root}/LOCAL_RANK, {self.rank_limit / 2**20:.0f} MiB per local rank "
+        self._inherited = own.previous
+        if own.previous is not None:
+            self._say(f"found node {self.node_id}'s memory, left by its previous agent (pid {own.previous}, ended): "
+                      f"taken up, if this round is of the same run")
+        self._say(f"in-memory checkpoints: {self.root}/LOCAL_RANK, {self.rank_limit / 2**20:.0f} MiB per local rank "
                   f"($NODE_AGENT_MEMORY_DIR)")
-        return root
+        return self.root
+
+    def _claim(self, parent: str, name: str) -> owners.Ownership:
+        """The node's directory, owned by this agent: made, or taken up from an ended agent. While a live agent owns
+        it (the same job and node id twice on this host) this one makes a directory of its own."""
+        where = os.path.join(parent, name)
+        for _ in range(3):
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(where, 0o700)
+            own = owners.claim(where)
+            if own is not None:
+                _write(os.path.join(where, IDENTITY), f"{self.job_id}\n{self.node_id}\n")
+                return own
+            if os.path.isdir(where):
+                break
+        alone = tempfile.mkdtemp(prefix=f"{name}.{os.getpid()}.", dir=parent)
+        own = owners.claim(alone)
+        if own is None:
+            raise OSError(f"cannot own {alone}")
+        self._say(f"another live agent of node {self.node_id} keeps its memory in {where}: this one uses {alone}")
+        return own
 
     def close(self) -> None:
-        """Remove this run's directories (the job ended, or the node leaves)."""
+        """Remove this node's directories (the job ended, or the node leaves)."""
         if self.root is not None:
             shutil.rmtree(self.root, ignore_errors=True)
             self.root = None
+        if self._owner is not None:
+            self._owner.release()
+            self._owner = None
 
 
-def sweep(parent: str) -> int:
-    """Remove the directories under `parent` whose owning agent is gone (not one being made); how many went."""
+def sweep(parent: str, besides: str = "") -> int:
+    """Remove the directories under `parent` whose owning agent is gone (not one being made, nor `besides`), but
+    those its node's next agent may take up (see above). How many went."""
     removed = 0
+    now = time.time()
     for entry in os.scandir(parent):
+        if entry.name == besides:
+            continue
+        gone = owners.owner_gone(entry.path)
+        if gone is None:
+            continue     # alive, being made, or not ours
         try:
-            with open(os.path.join(entry.path, "owner")) as f:
-                pid_text, _, started = f.read().strip().partition(" ")
-            pid = int(pid_text)
-        except (OSError, ValueError):
-            continue   # not ours, or being made right now: leave it
-        if not _alive(pid, started):
+            node = (_read(os.path.join(entry.path, IDENTITY)) + "\n\n").split("\n")[1]
+            if node and not node.endswith(f"-{gone.previous}") and now - _last_write(entry.path) < KEEP_S:
+                continue
             shutil.rmtree(entry.path, ignore_errors=True)
             removed += 1
+        finally:
+            gone.release()
     return removed
+
+
+def _last_write(root: str) -> float:
+    """When a node's directory was last written to: its owner file, its ranks' snapshots."""
+    times = [0.0]
+    for where in (root, *(os.path.join(root, n) for n in _listdir(root) if n.isdigit())):
+        for name in _listdir(where):
+            with contextlib.suppress(OSError):
+                times.append(os.stat(os.path.join(where, name), follow_symlinks=False).st_mtime)
+    return max(times)
+
+
+def _listdir(path: str) -> list[str]:
+    try:
+        return os.listdir(path)
+    except OSError:
+        return []
+
+
+def _empty(path: str, keep: set[str]) -> None:
+    """Remove everything in `path` but the files named in `keep`."""
+    for name in os.listdir(path):
+        entry = os.path.join(path, name)
+        if name in keep:
+            continue
+        if os.path.isdir(entry) and not os.path.islink(entry):
+            shutil.rmtree(entry, ignore_errors=True)     # a rank's directory, a framework's resume folder
+        else:
+            with contextlib.suppress(OSError):
+                os.unlink(entry)
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            return f.read(4096).strip()
+    except OSError:
+        return ""
+
+
+def _write(path: str, text: str) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(text)

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import node_agent.training.probe as probe
 from node_agent.core.stalls import ProcSample
 from node_agent.core.steps import ProbeRecord
+from node_agent.workers import owners
 
 STACKS_SIGNAL = signal.SIGRTMIN + 6     # answered by faulthandler in a worker whose record has the STACKS flag
 MAX_DUMP_BYTES = 256 * 1024             # read of one dump (faulthandler stops at 100 frames per thread)
@@ -59,19 +60,28 @@ class ProbeRoot:
     worker writes and the agent reads, never a disk write), never in the log directory (its layout stays
     torchrun's); made at the first round, removed when the agent ends."""
 
+    PREFIX = "node-agent-progress."
+
     def __init__(self) -> None:
         self.root: str | None = None
+        self._owner: owners.Ownership | None = None
 
     def files(self, local_rank: int) -> ProbeFiles:
+        """A killed agent's directory is removed by the next agent (its records are of no use to anyone)."""
         if self.root is None:
             shm = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
-            self.root = tempfile.mkdtemp(prefix=f"node-agent-progress.{os.getpid()}.", dir=shm)
+            owners.sweep(shm or tempfile.gettempdir(), self.PREFIX)
+            self.root = tempfile.mkdtemp(prefix=f"{self.PREFIX}{os.getpid()}.", dir=shm)
+            self._owner = owners.claim(self.root)
         return ProbeFiles.in_dir(self.root, local_rank)
 
     def close(self) -> None:
         if self.root is not None:
             shutil.rmtree(self.root, ignore_errors=True)
             self.root = None
+        if self._owner is not None:
+            self._owner.release()
+            self._owner = None
 
 
 def cold_env(env: dict[str, str]) -> dict[str, str]:

@@ -214,6 +214,7 @@ class JobRules:
                             f"{cfg.min_nodes}: waiting for nodes", data=RoundWaiting(cause=cause.value))
             if job.round is not None:        # the survivors keep their places for the round that comes
                 job.places, job.places_port = list(job.round.ranked or job.round.members), job.round.master_port
+                job.places_at = job.round.completed_at
                 job.place_copies = places_kept(job.round)
             job.round = None
             job.state = JobState.WAITING
@@ -253,7 +254,8 @@ class JobRules:
                            formation_s=round(now - opened, 6), promoted=promoted,
                            since_failure_s=round(max(0.0, now - failed_at), 6) if failed_at else None,
                            took=dict(list(took.items())[:MAP_NODES]), ranks=chosen if len(chosen) <= MAP_NODES else [])
-        places = "".join(f"; {new} takes {old}'s place (group rank {chosen.index(new)})"
+        places = "".join(f"; {new} takes {old}'s place (group rank {chosen.index(new)})" if new != old else
+                         f"; {new} is back at its place (group rank {chosen.index(new)}) with a new agent"
                          for new, old in list(took.items())[:3]) + copies_lost(job.round, took)
         self.record(now, EventKind.ROUND_COMPLETED, f"round {job.round.round_id}: {len(chosen)} nodes, world size "
                     f"{job.round.world_size} ({why}){places}", round_id=job.round.round_id, data=data)

@@ -79,6 +79,7 @@ class RoundRecord(msgspec.Struct, kw_only=True, omit_defaults=True, dict=True):
     copy_ports: list[int] = []         # where each member takes peer copies (0: none)
     replicas: int = 0                  # copies of each member's snapshots (JobConfig.replicas)
     replica_key: str = ""              # the job's key for its members' copies (JobRecord.replica_key)
+    run: str = ""                      # the job's run (rounds.run_of): Assignment.run
     # A node that took a gone node's place -> [that node, the member holding its copies]
     copies: dict[str, list[str]] = {}
     # A round saved without the columns: its assignments as they were written.
@@ -107,6 +108,7 @@ class JobRecord(msgspec.Struct, kw_only=True):
     waiting: list[str] = msgspec.field(default_factory=list)  # admitted, for the next round, in order
     places: list[str] = msgspec.field(default_factory=list)   # while waiting: the last round's, by group rank
     places_port: int = 0            # while waiting: the last round's store port (store_port.py)
+    places_at: float = 0.0          # while waiting: when the last round formed (a node joined since is a new one)
     waiting_preparing: int = 0      # of `waiting`, the nodes whose workers cannot start at once yet (not ready)
     spares: list[str] = msgspec.field(default_factory=list)
     replica_key: str = ""           # what members' agents show each other with a copy (derived from a secret)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import bisect
 import functools
+import hashlib
 import ipaddress
 import itertools
 from collections.abc import Callable, Iterable
@@ -42,12 +43,17 @@ def build_round(job: JobRecord, members: list[str], round_id: int, opened_at: fl
                     addrs=reachable_addresses(nodes), probe_ports=[n.probe_port for n in nodes],
                     master_port=nodes[0].master_port, max_restarts=job.config.max_restarts,
                     domains=[n.domain or n.host for n in nodes], copy_ports=[n.copy_port for n in nodes],
-                    replicas=replicas, replica_key=job.replica_key)
+                    replicas=replicas, replica_key=job.replica_key, run=run_of(job))
     if replicas and took:
         last = job.round
         r.copies = copies_held(lambda gone: place_of(last, gone) if last is not None else job.place_copies.get(gone),
                                took, r)
     return r
+
+
+def run_of(job: JobRecord) -> str:
+    """The job's run (Assignment.run): a finished job's id starts a new run, with a record made anew."""
+    return hashlib.sha256(f"{job.job_id}\0{job.created_at!r}".encode()).hexdigest()[:16]
 
 
 def master_of(r: RoundRecord) -> str:
@@ -100,7 +106,7 @@ def copies_held(place: Callable[[str], PlaceCopies | None], took: dict[str, str]
 
 def copies_lost(r: RoundRecord, took: dict[str, str]) -> str:
     """What a round-formed message says of the gone nodes whose copies went with them ("": none)."""
-    gone = [old for new, old in took.items() if new not in r.copies] if r.replicas else []
+    gone = [old for new, old in took.items() if new not in r.copies and new != old] if r.replicas else []
     if not gone:
         return ""
     return (f"; no copy of {', '.join(gone[:3])}{' ...' if len(gone) > 3 else ''}'s snapshots is left (its peer "
@@ -134,7 +140,7 @@ def assignment(r: RoundRecord, node_id: str) -> Assignment | None:
             witnesses=derived.witnesses(rank), replicas=derived.replica_targets(rank),
             copy_token=copy_token(r.replica_key, node_id) if r.replicas else "", copy_sources=derived.sources(rank),
             copies_of=copies_of, copies_token=copy_token(r.replica_key, copies_of) if copies_of else "",
-            copies_at=copies_at)
+            copies_at=copies_at, run=r.run)
     return built
 
 
@@ -217,7 +223,7 @@ class _Derived:
                 for h in self.replica_ranks(i):
                     self._sources.setdefault(h, []).append(i)
         ranked = r.ranked or r.members
-        return tuple(CopySource(node_id=ranked[i], token=copy_token(r.replica_key, ranked[i]))
+        return tuple(CopySource(node_id=ranked[i], token=copy_token(r.replica_key, ranked[i]), ranks=r.local_sizes[i])
                      for i in self._sources.get(rank, ()))
 
     def replica_targets(self, rank: int) -> tuple[Witness, ...]:
@@ -284,10 +290,16 @@ def candidates(job: JobRecord) -> list[str]:
 
 def places_taken(job: JobRecord, chosen: list[str]) -> dict[str, str]:
     """Of the round about to form from `chosen`, each node at a place another held in the last round (gone since)
-    -> that other node: a newcomer that takes over its ranks and its shards."""
-    places = (job.round.ranked or job.round.members) if job.round is not None else job.places
+    -> that other node: a newcomer that takes over its ranks and its shards. A node back at its own place with a
+    record made since that round (its agent restarted, or it was lost and came back) -> itself: a new incarnation,
+    whose memory may be gone with its predecessor (it then fetches its own copies)."""
+    if job.round is not None:
+        places, since = job.round.ranked or job.round.members, job.round.completed_at
+    else:
+        places, since = job.places, job.places_at
     kept = set(chosen)
-    return {nid: places[i] for i, nid in enumerate(chosen[:len(places)]) if places[i] != nid and places[i] not in kept}
+    return {nid: places[i] for i, nid in enumerate(chosen[:len(places)])
+            if (places[i] != nid and places[i] not in kept) or (places[i] == nid and job.nodes[nid].joined_at > since)}
 
 
 WITNESSES = 2      # other members each node may probe while the server is silent

@@ -2,9 +2,12 @@
 gone node's place is told to fetch. Pure core, time as plain floats."""
 from __future__ import annotations
 
+import msgspec
+
 from protocol.messages import JobConfig, JobState, JoinRequest, NodeStatus, PollRequest, Witness
 from rdzv_server.core.rendezvous import Rendezvous
 from rdzv_server.core.requests import Arrival
+from rdzv_server.core.rounds import run_of
 
 JOB = "job-c"
 
@@ -129,6 +132,36 @@ def test_a_fixed_size_job_waiting_for_a_node_keeps_where_the_lost_nodes_copies_a
     s = rz.view(JOB, "s", 7.0).assignment
     assert s is not None and s.copies_of == "b" and s.copies_at == Witness(addr="10.0.0.3", port=4000)
     assert rz.jobs[JOB].place_copies == {}
+
+
+def test_a_node_back_at_its_own_place_with_a_new_agent_is_told_where_its_own_copies_are():
+    """Its agent restarted under its own id (an OOM kill, systemd's Restart=): the new record at the old place is a
+    new incarnation, told to fetch its own copies (its memory may be gone), and of the job's run."""
+    fixed = JobConfig(min_nodes=3, max_nodes=3, lease_timeout_s=5.0, last_call_s=0.0)
+    rz = started({"a": "1", "b": "2", "c": "3"}, fixed)
+    before = rz.view(JOB, "b", 1.0).assignment
+    assert before is not None and before.copies_of == "" and before.run
+    outlive(rz, ("a", "c"))              # b's agent is gone: lost; the job waits for a third node
+    rz.handle(JOB, JoinRequest(v=1, node_id="b", addr="10.0.0.2", local_world_size=2, master_port=20000,
+                             config=fixed, instance="b#2", host="host-b", probe_port=4000, copy_port=4000, domain="2"),
+              7.0, Arrival(secret="secret-b2"))
+    r = rz.jobs[JOB].round
+    assert r is not None and r.members == ["a", "b", "c"], r
+    b = rz.view(JOB, "b", 7.0).assignment
+    assert b is not None and b.copies_of == "b" and b.copies_at == Witness(addr="10.0.0.3", port=4000)
+    assert b.copies_token == b.copy_token == before.copy_token and b.run == before.run
+    assert all(rz.view(JOB, n, 7.0).assignment.copies_of == "" for n in ("a", "c"))    # the others are who they were
+    formed = [e for e in rz.jobs[JOB].events if e.kind == "round_completed"][-1]
+    assert "b is back at its place (group rank 1) with a new agent" in formed.message, formed.message
+    assert "no copy of" not in formed.message
+
+
+def test_a_holder_is_told_how_many_ranks_each_source_has_and_each_run_is_its_own():
+    rz = started({"a": "1", "b": "2", "c": "3"}, CFG)
+    c = rz.view(JOB, "c", 1.0).assignment
+    assert c is not None and {(x.node_id, x.ranks) for x in c.copy_sources} == {("b", 2)}
+    job = rz.jobs[JOB]
+    assert c.run == run_of(job) and run_of(msgspec.structs.replace(job, created_at=job.created_at + 1)) != c.run
 
 
 def test_a_newcomer_of_another_size_takes_the_place_but_not_the_shards():

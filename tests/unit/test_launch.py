@@ -43,7 +43,8 @@ def test_one_launch_per_local_rank_with_its_global_rank_env_and_error_file(tmp_p
         assert w.probe is not None and w.env[PROBE_ENV] == w.probe.env() and os.path.getsize(w.probe.record) == 64
         assert os.path.dirname(w.probe.record) == probes.root and not w.probe.record.startswith(str(tmp_path))
         assert (w.redirect, w.tee) == (Std.NONE, Std.NONE)       # nothing goes to the files
-    assert sorted(os.listdir(probes.root or "")) == [f"{r}.{kind}" for r in range(3) for kind in ("progress", "stacks")]
+    assert sorted(os.listdir(probes.root or "")) == [f"{r}.{kind}" for r in range(3) for kind in ("progress", "stacks")
+                                                     ] + ["owner"]       # its agent's (workers/owners.py)
     probes.close()
     assert probes.root is None and not any(os.path.exists(w.probe.record) for w in launches if w.probe)
 

@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 import types
 
 import pytest
@@ -14,7 +15,7 @@ from node_agent.cli.command_line import OptionsError
 from node_agent.cli.options import parse_options
 from node_agent.training import snapshot
 from node_agent.workers.environment import worker_env
-from node_agent.workers.memory import MemoryDirs, sweep
+from node_agent.workers.memory import KEEP_S, MemoryDirs, sweep
 from protocol.messages import Assignment
 
 ONE = Assignment(round_id=1, group_rank=0, group_world_size=1, rank_offset=0, world_size=2, local_world_size=2,
@@ -90,6 +91,81 @@ def test_the_sweep_removes_directories_of_dead_agents_only(tmp_path) -> None:
         f.write(f"{dead_pid} 1")
     MemoryDirs("next", 1, 2**20, say=said.append, base=str(tmp_path)).dirs(1)
     assert "removed 1 in-memory checkpoint directory left by agents that were killed" in said
+
+
+KILLED_AGENT = """
+import os, sys
+from node_agent.training import snapshot
+from node_agent.workers.memory import MemoryDirs
+job, node, base = sys.argv[1:4]
+dirs = MemoryDirs(job, 2, 2**20, say=print, base=base, node_id=node).dirs_for(2, 2, "run-1")
+for d in dirs.values():
+    snapshot.save(b"shard", 25, where=d)
+os._exit(9)   # as a SIGKILL: no clean-up
+"""
+
+
+def killed_agent(tmp_path, job: str, node: str) -> None:
+    """An agent process of `job`'s node `node` that saved step 25 on its 2 local ranks (global 2-3) and was killed."""
+    env = dict(os.environ, PYTHONPATH=os.getcwd())
+    done = subprocess.run([sys.executable, "-c", KILLED_AGENT, job, node, str(tmp_path)], env=env, capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 9, done.stderr
+
+
+def test_the_next_agent_of_the_same_job_and_node_takes_up_its_memory_within_the_same_run(tmp_path) -> None:
+    killed_agent(tmp_path, "job", "node-b")
+    said: list[str] = []
+    dirs = MemoryDirs("job", 2, 2**20, say=said.append, base=str(tmp_path), node_id="node-b")
+    kept = dirs.dirs_for(2, 2, "run-1")
+    assert [snapshot.steps(d) for d in kept.values()] == [[25], [25]]
+    assert any("found node node-b's memory, left by its previous agent" in line for line in said), said
+    assert any("kept the memory of node node-b's previous agent" in line for line in said), said
+    dirs.close()
+    killed_agent(tmp_path, "job", "node-b")
+    again = MemoryDirs("job", 2, 2**20, say=said.append, base=str(tmp_path), node_id="node-b")
+    assert [snapshot.steps(d) for d in again.dirs_for(2, 2, "run-2").values()] == [[], []]    # another run's
+    assert "it is of another run of job 'job'" in said[-1], said
+    again.close()
+
+
+def test_memory_taken_up_keeps_only_the_ranks_whose_global_ranks_stayed(tmp_path) -> None:
+    killed_agent(tmp_path, "job", "node-b")
+    dirs = MemoryDirs("job", 1, 2**20, say=lambda _: None, base=str(tmp_path), node_id="node-b")
+    one = dirs.dirs_for(1, 4, "run-1")                # now one local rank, global rank 4: not what it saved
+    assert [snapshot.steps(d) for d in one.values()] == [[]] and sorted(os.listdir(dirs.root)) == \
+        ["0", "identity", "owner", "run"]
+    dirs.close()
+
+
+def test_a_live_agent_of_the_same_node_keeps_its_memory_and_the_second_makes_its_own(tmp_path) -> None:
+    said: list[str] = []
+    first = MemoryDirs("job", 1, 2**20, say=lambda _: None, base=str(tmp_path), node_id="n")
+    second = MemoryDirs("job", 1, 2**20, say=said.append, base=str(tmp_path), node_id="n")
+    a, b = first.dirs_for(1, 0, "r")[0], second.dirs_for(1, 0, "r")[0]
+    assert a != b and os.path.isdir(a) and "another live agent of node n" in " ".join(said)
+    first.close()
+    second.close()
+
+
+def test_the_sweep_keeps_what_a_given_node_id_may_come_back_for_and_only_so_long(tmp_path) -> None:
+    killed_agent(tmp_path, "job", "given")              # a node id given: its next agent takes the memory up
+    killed_agent(tmp_path, "other", "given")            # another job's too
+    parent = os.path.join(tmp_path, f"node-agent-mem-{os.getuid()}")
+    said: list[str] = []
+    mine = MemoryDirs("job", 1, 2**20, say=said.append, base=str(tmp_path), node_id="a")
+    mine.dirs(1)
+    assert sorted(n.split(".")[:2] for n in os.listdir(parent)) == [["job", "a"], ["job", "given"],
+                                                                     ["other", "given"]]
+    assert not any("removed" in line for line in said)
+    old = time.time() - KEEP_S - 1                      # nothing written for longer than its next agent may take
+    for where, dirs, names in os.walk(next(e.path for e in os.scandir(parent) if e.name.startswith("other."))):
+        for name in dirs + names:
+            os.utime(os.path.join(where, name), (old, old))
+    MemoryDirs("job", 1, 2**20, say=said.append, base=str(tmp_path), node_id="z").dirs(1)
+    assert sorted(n.split(".")[:2] for n in os.listdir(parent)) == [["job", "a"], ["job", "given"], ["job", "z"]]
+    assert "removed 1 in-memory checkpoint directory left by agents that were killed" in said
+    mine.close()
 
 
 @pytest.mark.parametrize(("argv", "limit"), [

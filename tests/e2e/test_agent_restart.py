@@ -1,0 +1,68 @@
+"""An agent restarted under its own node id loses no work (issue 53): what an OOM kill, systemd's Restart= or a
+container restart does. Real server and three agents on 127.0.0.1 (each its own failure domain, a fixed size of 3),
+2 gloo workers per node running benchmarks/scripts/shard_train.py (each rank a shard that tells its step, a snapshot
+every 5 steps). The agent of group rank 1 is SIGKILLed (its workers die with it) and started again with the same
+--node-id: with its memory left in place it adopts it; with its memory gone (a new host under the same id) it
+fetches its own copies from their holder. Either way every rank resumes from the same step, in memory, its own
+shard, and the node's copies land again afterwards."""
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+import signal
+import time
+
+import pytest
+
+from tests.e2e.harness import job_view, shard_resumes, wait_until
+from tests.e2e.test_peer_copies import ENV, FAST, LIMIT, SHARDS, steps
+
+pytestmark = pytest.mark.e2e
+
+
+def start(cluster, out, node: str, job: str):
+    return cluster.agent("--endpoint", cluster.endpoint(), "--nnodes", "3", "--nproc", "2", "--job-id", job,
+                         "--max-restarts", "3", "--node-id", node, "--failure-domain", f"rack-{node}", *FAST, SHARDS,
+                         name=node, env={"OUT_DIR": str(out), "NODE": node, **ENV})
+
+
+def copies_of(cluster, job: str, node: str) -> dict:
+    return next((n.get("copies") or {} for n in job_view(cluster, job)["nodes"] if n["node_id"] == node), {})
+
+
+@pytest.mark.parametrize("memory", ["kept", "gone"])
+def test_an_agent_restarted_under_its_own_id_resumes_every_rank_from_memory(cluster, tmp_path, memory):
+    job = f"restart-{memory}"
+    cluster.start_server()
+    agents = {n: start(cluster, tmp_path, n, job) for n in ("a", "b", "c")}
+    wait_until(lambda: len({r for *_, r, _ in steps(tmp_path)}) == 6, LIMIT, "every rank stepping")
+    node = next(n["node_id"] for n in job_view(cluster, job)["nodes"] if n["group_rank"] == 1)
+    wait_until(lambda: copies_of(cluster, job, node).get("copied_step", -1) >= 10, LIMIT,
+               lambda: f"node {node}'s copies of step 10 or later: {copies_of(cluster, job, node)}")
+
+    killed_at = time.time()
+    os.kill(agents[node].pid, signal.SIGKILL)
+    agents[node].wait(LIMIT)
+    held = glob.glob(f"/dev/shm/node-agent-mem-{os.getuid()}/{job}.{node}.*")
+    assert len(held) == 1, held                     # the memory belongs to the job and node id
+    if memory == "gone":
+        shutil.rmtree(held[0])
+    agents[node] = start(cluster, tmp_path, node, job)
+    back = wait_until(lambda: len(shard_resumes(tmp_path, killed_at)) == 6 and shard_resumes(tmp_path, killed_at),
+                      LIMIT, lambda: f"every rank resumed: {shard_resumes(tmp_path, killed_at)}\n"
+                                     f"{agents[node].output}")
+    assert {source for _, source, _ in back.values()} == {"memory"}, (back, agents[node].output)
+    assert len({step for step, _, _ in back.values()}) == 1 and min(s for s, _, _ in back.values()) >= 10, back
+    assert {ok for _, _, ok in back.values()} == {"ok"}, back        # each rank loaded its own shard
+    said = "fetched node" if memory == "gone" else "kept the memory"
+    assert said in agents[node].output, agents[node].output
+
+    # Its pushes land again: the copied step catches up with the local one (no refusal counted as a copy).
+    resumed_at = min(s for s, _, _ in back.values())
+    wait_until(lambda: (c := copies_of(cluster, job, node)).get("copied_step", -1) >= resumed_at + 5
+               and c.get("copied_step") == c.get("local_step"), LIMIT,
+               lambda: f"node {node}'s copies landing again: {copies_of(cluster, job, node)}")
+    (tmp_path / "stop").write_text("stop")
+    for agent in agents.values():
+        assert agent.wait(LIMIT) == 0, agent.output
