@@ -4,8 +4,10 @@ another node, the node that takes its place resumes from that step instead of ev
 - Each member pushes the newest `step-N` all its local ranks hold to the members its assignment names
   (`Assignment.replicas`: the server picks them in another failure domain), from the agent, never the
   worker: a scan of the memory directories every PUSH_SCAN_S, the local ranks' pushes together, sharing
-  --replica-bandwidth. A refused push is said once per kind of refusal; training goes on regardless. A step
-  below the one a peer holds (the job went back, or this node's ranks moved) has the peer drop the old ones.
+  --replica-bandwidth, each with this round's id (the node's incarnation: the holder lets a newer round's copy
+  supersede an older round's, so a job that went back, or an agent restarted, copies again). A push is copied
+  only when the holder stored it: a refusal is counted and shown (CopiesNote), said once per kind, tried again
+  RETRY_S later; training goes on regardless.
 - A node that takes a gone node's place (`Assignment.copies_of`/`copies_at`) fetches that node's copies
   into its own ranks' memory directories while its workers start (FETCH_LIMIT_S at most; `snapshot.agreed_step`
   waits for it), so agreed_step finds the step on every rank, and the holder then drops them. None there: every rank
@@ -27,8 +29,8 @@ from node_agent.replicas.store import ReplicaStore
 from node_agent.replicas.tls import CopyTls
 from node_agent.replicas.wire import is_replica_request
 from node_agent.training import snapshot
-from node_agent.workers.memory import MemoryDirs
-from protocol.messages import Assignment, CopiesNote, Witness
+from node_agent.workers.memory import COPIES, MemoryDirs
+from protocol.messages import Assignment, CopiesNote, CopySource, Witness
 
 PUSH_SCAN_S = 0.1       # how often the memory directories are looked at for a newer snapshot (a dir listing)
 FETCH_LIMIT_S = 60.0    # a node taking a place waits this long for its copies, then starts without them
@@ -73,13 +75,15 @@ class PeerCopies:
         self._listener: asyncio.Server | None = None
         self._connect = tls.connect if tls is not None else None
         self.key = ""                              # this node's token for its copies (Assignment.copy_token)
-        self.sources: dict[str, str] = {}          # nodes whose copies it holds -> their tokens (copy_sources)
+        self.round = -1                            # this node's round (its copies' incarnation)
+        self.sources: dict[str, CopySource] = {}   # nodes whose copies it holds, with their tokens (copy_sources)
         self.targets: tuple[Witness, ...] = ()     # where this node's copies go now
         self.store: ReplicaStore | None = None     # the copies this node holds for others
         self.pushed: dict[tuple[str, int, int], int] = {}    # (addr, port, local rank) -> the step it holds
         self.copied: dict[int, tuple[int, str]] = {}         # local rank -> (its newest copied step, where)
         self.sent_bytes = 0
         self.refused = 0
+        self.last_refusal = ""
         self._said: set[str] = set()
         self._retry_at: dict[tuple[str, int, int], float] = {}
         self._dirs: dict[int, str] = {}            # this round's local rank -> memory directory
@@ -92,9 +96,14 @@ class PeerCopies:
             dirs = self.memory.dirs(self.nproc)
             if not dirs or self.memory.root is None or self.memory.rank_limit is None:
                 return None
-            self.store = ReplicaStore(os.path.join(self.memory.root, "replicas"),
-                                      self.memory.rank_limit * max(1, self.nproc), self.sources.get, self._say)
+            limit = self.memory.rank_limit * max(1, self.nproc)
+            self.store = ReplicaStore(os.path.join(self.memory.root, COPIES), limit, self.sources, self._say,
+                                      round_now=lambda: self.round, reach=self._reach)
         return self.store
+
+    def _reach(self) -> int:
+        """The newest step this node's own ranks hold (-1: none): as far as the job is known to have come."""
+        return max((s for s in map(snapshot.newest, self._dirs.values()) if s is not None), default=-1)
 
     async def listen(self, addr: str, plain_port: int) -> int:
         """Where this node takes copies (JoinRequest.copy_port): a TLS listener of its own, the witnesses' plain
@@ -139,9 +148,9 @@ class PeerCopies:
 
     async def before_spawn(self, a: Assignment, dirs: dict[int, str]) -> None:
         """Take the round's copy settings; fetch a gone node's copies where this node takes its place."""
-        self.key, self.targets, self._dirs = a.copy_token, a.replicas, dirs
+        self.key, self.targets, self._dirs, self.round = a.copy_token, a.replicas, dirs, a.round_id
         self.sources.clear()
-        self.sources.update((s.node_id, s.token) for s in a.copy_sources)
+        self.sources.update((s.node_id, s) for s in a.copy_sources)
         if self.server_tls and self.tls is None:        # no copies in the clear (said once at listen)
             self.targets = ()
             return
@@ -215,14 +224,10 @@ class PeerCopies:
 
     async def _scan(self) -> None:
         newest = common_step(self._dirs)
-        # A newest step below the one a peer holds: the job went back (to disk, or this node's ranks moved). The
-        # peer's copies are of steps abandoned: it drops them before the new ones go (it refuses older steps).
-        back = {t for t in self.targets for rank, (step, _) in newest.items()
-                if step < self.pushed.get((t.addr, t.port, rank), -1)}
-        for t in back:
-            await drop(t.addr, t.port, key=self.key, node_id=self.node_id, timeout_s=DROP_LIMIT_S, tls=self._connect)
-            self.pushed = {k: v for k, v in self.pushed.items() if k[:2] != (t.addr, t.port)}
-            self.copied.clear()
+        # A copy newer than the newest step here is of steps the job abandoned (it went back): no copy of this run.
+        for rank, where in self._dirs.items():
+            if self.copied.get(rank, (-1, ""))[0] > _or_none(snapshot.newest(where)):
+                del self.copied[rank]
         # The local ranks' copies go together, so a holder has one step for all of them (agreed_step needs one),
         # sharing --replica-bandwidth.
         due = [(t, rank, step, path) for t in self.targets for rank, (step, path) in newest.items()
@@ -231,20 +236,23 @@ class PeerCopies:
         await asyncio.gather(*(self._push(t, rank, step, path, rate) for t, rank, step, path in due))
 
     def _due(self, target: Witness, rank: int, step: int) -> bool:
+        """Not the step the target holds of this node (lower too: the job went back), and not refused lately."""
         held = (target.addr, target.port, rank)
-        return self.pushed.get(held, -1) < step and time.monotonic() >= self._retry_at.get(held, 0.0)
+        return self.pushed.get(held, -1) != step and time.monotonic() >= self._retry_at.get(held, 0.0)
 
     async def _push(self, target: Witness, rank: int, step: int, path: str, rate: float | None) -> None:
         held = (target.addr, target.port, rank)
         result = await push(target.addr, target.port, key=self.key, node_id=self.node_id, local_rank=rank, step=step,
-                            path=path, bandwidth_bytes_s=rate, tls=self._connect)
+                            path=path, round_id=max(0, self.round), bandwidth_bytes_s=rate, tls=self._connect)
         self.sent_bytes += result.sent
-        if result.ok or result.reason.startswith("refused: stale"):    # stale: it holds this step or a newer
+        if result.ok:
             self.pushed[held] = step
             self.copied[rank] = (step, f"{target.addr}:{target.port}")
             return
         self._retry_at[held] = time.monotonic() + RETRY_S
         self.refused += 1
+        self.last_refusal = "".join(c if c.isprintable() else "?" for c in f"{target.addr}:{target.port}: "
+                                    f"{result.reason}")[:256]
         self._say_once(":".join(result.reason.split(":")[:2])[:60],
                        f"copy of local rank {rank}'s step {step} to {target.addr}:{target.port} not made: "
                        f"{result.reason} (training goes on; tried again on the next snapshot)")
@@ -263,8 +271,8 @@ class PeerCopies:
         copied = [self.copied.get(rank, (-1, ""))[0] for rank in self._dirs]
         holder = next((where for _, where in self.copied.values()), "")
         return CopiesNote(local_step=local, copied_step=min(copied, default=-1), holder=holder[:256],
-                          sent_bytes=self.sent_bytes,
-                          refused=self.refused, held_bytes=self.store.held_bytes() if self.store is not None else 0)
+                          sent_bytes=self.sent_bytes, refused=self.refused, last_refusal=self.last_refusal,
+                          held_bytes=self.store.held_bytes() if self.store is not None else 0)
 
     async def close(self, finished: bool = False) -> None:
         """Stop fetching and pushing. Once the job is over for this node (`finished`) its holders drop its copies
@@ -282,3 +290,7 @@ class PeerCopies:
         if self._listener is not None:
             self._listener.close()
             await self._listener.wait_closed()
+
+
+def _or_none(step: int | None) -> int:
+    return -1 if step is None else step

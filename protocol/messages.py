@@ -178,6 +178,7 @@ class CopiesNote(msgspec.Struct, kw_only=True, frozen=True, gc=False):
     holder: ShortText = ""             # addr:port of the peer holding its newest copies
     sent_bytes: Bytes = 0
     refused: Count = 0                 # pushes a peer refused or could not take
+    last_refusal: ShortText = ""       # the latest of them: the peer, and why
     held_bytes: Bytes = 0              # copies this node holds for others
 
 

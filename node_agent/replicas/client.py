@@ -53,7 +53,8 @@ async def _answer(reader: asyncio.StreamReader, timeout_s: float) -> Answer:
 
 
 @contextlib.asynccontextmanager
-async def _ask(addr: str, port: int, line: bytes, timeout_s: float, tls: ssl.SSLContext | None
+async def _ask(addr: str, port: int, line: bytes, timeout_s: float, tls: ssl.SSLContext | None,
+               answer_s: float | None = None
                ) -> AsyncIterator[tuple[asyncio.StreamReader, asyncio.StreamWriter, Answer]]:
     """Connect (over TLS with `tls`: both sides show certificates, replicas/tls.py), send the request `line` and
     hand over the connection with the holder's first answer, closing it after. Raises _Unreachable (no
@@ -67,7 +68,7 @@ async def _ask(addr: str, port: int, line: bytes, timeout_s: float, tls: ssl.SSL
         raise _Unreachable(f"unreachable: {addr}:{port}: {exc}") from None
     try:
         writer.write(line)
-        yield reader, writer, await _answer(reader, timeout_s)
+        yield reader, writer, await _answer(reader, answer_s or timeout_s)
     finally:
         writer.close()
         with contextlib.suppress(OSError, asyncio.TimeoutError):
@@ -75,9 +76,11 @@ async def _ask(addr: str, port: int, line: bytes, timeout_s: float, tls: ssl.SSL
 
 
 async def push(addr: str, port: int, *, key: str, node_id: str, local_rank: int, step: int, path: str,
-               bandwidth_bytes_s: float | None = None, timeout_s: float = 30.0,
+               round_id: int = 0, bandwidth_bytes_s: float | None = None, timeout_s: float = 30.0,
                tls: ssl.SSLContext | None = None) -> PushResult:
-    """Send the snapshot at `path` (step `step` of `local_rank` of this node) to the holder at addr:port."""
+    """Send the snapshot at `path` (step `step` of `local_rank` of this node, in round `round_id`) to the holder at
+    addr:port. `timeout_s` bounds each wait; the holder's answer to the header may take wire.AHEAD_WAIT_S more
+    (it waits for its own ranks to reach the step)."""
     if bandwidth_bytes_s is not None and not bandwidth_bytes_s > 0:
         return PushResult(False, f"bad request: bandwidth must be > 0 bytes/s, got {bandwidth_bytes_s}", 0)
     try:
@@ -89,7 +92,7 @@ async def push(addr: str, port: int, *, key: str, node_id: str, local_rank: int,
     try:
         size = os.fstat(fd).st_size
         try:
-            line = wire.push_line(wire.PushRequest(key, node_id, local_rank, step, size))
+            line = wire.push_line(wire.PushRequest(key, node_id, local_rank, step, size, round_id))
         except WireError as exc:
             return PushResult(False, f"bad request: {exc}", 0)
         return await _push_to(addr, port, line, fd, size, step, bandwidth_bytes_s, timeout_s, tls)
@@ -101,7 +104,7 @@ async def _push_to(addr: str, port: int, line: bytes, fd: int, size: int, step: 
                    timeout_s: float, tls: ssl.SSLContext | None) -> PushResult:
     sent = _Count()
     try:
-        async with _ask(addr, port, line, timeout_s, tls) as (reader, writer, answer):
+        async with _ask(addr, port, line, timeout_s, tls, timeout_s + wire.AHEAD_WAIT_S) as (reader, writer, answer):
             if answer.kind != "go":
                 return PushResult(False, _not_go(answer), 0)
             digest = await stream.send(writer, fd, size, timeout_s, rate=rate, count=sent)
@@ -139,6 +142,8 @@ async def fetch(addr: str, port: int, *, key: str, node_id: str, local_rank: int
                 return FetchResult(None, "no copy held", 0)
             if answer.kind != "copy" or answer.step is None or answer.size is None:
                 return FetchResult(None, _not_go(answer), 0)
+            if step is not None and answer.step != step:
+                return FetchResult(None, f"asked for step {step}, answered with step {answer.step}", 0)
             if max_bytes is not None and answer.size > max_bytes:
                 return FetchResult(None, f"too large: the copy of step {answer.step} is {answer.size} bytes, "
                                          f"over the {max_bytes} allowed", 0)

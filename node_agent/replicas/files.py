@@ -6,7 +6,7 @@ import contextlib
 import os
 import re
 
-from node_agent.replicas import stream
+from node_agent.replicas import stream, wire
 
 STEP_FILE = re.compile(r"step-(\d{1,18})")
 OURS = re.compile(r"step-(\d{1,18})(\.sha256|\.tmp)?")
@@ -34,6 +34,24 @@ def complete_steps(where: str) -> list[int]:
     """The steps of the complete copies in a rank's directory (`step-S` with its `.sha256`)."""
     names = set(listdir(where))
     return [int(m.group(1)) for name in names if (m := STEP_FILE.fullmatch(name)) and name + ".sha256" in names]
+
+
+_SUM = re.compile(r"([0-9a-f]{64})(?: round=(0|[1-9][0-9]{0,15}))?")
+
+
+def write_sum(path: str, hex_digest: str, round_id: int) -> None:
+    """A copy's checksum file: its sha256 and the round it was pushed in (its pusher's incarnation)."""
+    write_text(path, f"{hex_digest} round={round_id}\n")
+
+
+def read_sum(path: str) -> tuple[str, int] | None:
+    """(sha256, round) of a copy's checksum file (round 0: written before rounds were), or None: unreadable."""
+    try:
+        with open(path, encoding="ascii", errors="replace") as f:
+            m = _SUM.fullmatch(f.read(wire.MAX_LINE).strip())
+    except OSError:
+        return None
+    return (m.group(1), int(m.group(2) or 0)) if m else None
 
 
 def space(path: str) -> tuple[int, int]:

@@ -4,11 +4,16 @@ Rules, so a fetcher only ever gets a whole copy that was whole when it came:
 - Only `step-S` with its `.sha256` is held; a push lands in `step-S.tmp`, renamed once its bytes match the
   sender's trailer, and only then are older copies removed, but for the newest step all the node's ranks hold
   (files.settle): a broken push (short, stalled, corrupted, malformed trailer) leaves the previous copy in place.
-- A push must carry the job's current key, a newer step than the one held, and fit the limit next to what
-  is held (the current copy counts until the new one replaces it) and what other pushes have reserved.
+- A push must carry its node's current key and be of one of that node's ranks, of a round no older than the
+  newest held of the node's and not past this node's own, of a step past the one held of its round and no further
+  than this node's own ranks have reached (wire.AHEAD_WAIT_S to get there), and fit its node's share of the limit and
+  the limit itself next to what is held (the current copy counts until the new one replaces it) and what other
+  pushes have reserved. A round is the pusher's incarnation: once a copy of a newer round is whole, the node's
+  copies of older rounds at its step or later are of steps the job abandoned (it went back), and go.
 - A copy is checked against its stored checksum as it is sent (the trailer is that checksum, so the fetcher
   refuses bytes changed at rest); one that no longer matches is deleted.
-- Never a traceback to a peer: every failure is a `refused` line, logged at most once per kind and peer."""
+- Never a traceback to a peer: every failure is a `refused` line, logged once per kind and SAY_EVERY_S with the
+  count since (a flood from many addresses is a few lines)."""
 from __future__ import annotations
 
 import asyncio
@@ -16,11 +21,11 @@ import contextlib
 import errno
 import hmac
 import os
-import re
 import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 from node_agent.replicas import files, stream, wire
 from node_agent.replicas.stream import StreamError
@@ -30,7 +35,7 @@ STALL_S = 30.0          # a peer sending or reading nothing for this long is giv
 FREE_RESERVE = 0.25     # copies never leave less of /dev/shm free than this share: its workers need some too
 EVICT_AFTER_S = 600.0   # a node's copies not renewed this long may make room for another's (see _make_room)
 ANSWER_S = 5.0          # the most an answer line waits for the peer to take it
-_SAID_MAX = 4096        # peers x kinds remembered for the once-only log, then forgotten
+SAY_EVERY_S = 60.0      # a kind of refusal is logged at most once in this long, with how many came since
 
 
 class _Refusal(Exception):
@@ -46,23 +51,42 @@ class _Copy:
     rank: int
     step: int
     size: int
+    round: int
+
+
+class Source(Protocol):
+    """A node whose copies this node holds: the token they come with, its local ranks (0: not said)."""
+    @property
+    def token(self) -> str: ...
+    @property
+    def ranks(self) -> int: ...
+
+
+class Sources(Protocol):
+    """The nodes whose copies this node holds now, by node id (a dict of protocol.messages.CopySource)."""
+    def get(self, node: str, /) -> Source | None: ...
+    def __len__(self) -> int: ...
 
 
 class ReplicaStore:
-    def __init__(self, root: str, limit_bytes: int, key: Callable[[str], str | None],
-                 say: Callable[[str], None] = lambda s: None) -> None:
-        """`key(node)`: the token a node's copies must come with now (None or "": it is no source of this holder
-        now; a fetch or drop of copies held is then checked against the token they came with)."""
+    def __init__(self, root: str, limit_bytes: int, sources: Sources, say: Callable[[str], None] = lambda s: None,
+                 *, round_now: Callable[[], int], reach: Callable[[], int]) -> None:
+        """`sources`: a node's token and ranks now (absent: it is no source of this holder now; a fetch or drop of
+        copies held is then checked against the token they came with). `round_now()`: this node's round;
+        `reach()`: the newest step its own ranks hold (-1: none), how far the job is known to have come."""
         self.root = root
         self.limit_bytes = limit_bytes
         self.stall_s = STALL_S
+        self.ahead_wait_s = wire.AHEAD_WAIT_S
         self.bytes_in = 0
         self.bytes_out = 0
         self.refusals: dict[str, int] = {}
-        self._key = key
+        self._sources = sources
+        self._round_now = round_now
+        self._reach = reach
         self._say = say
         self._pushing: dict[tuple[str, int], int] = {}    # (node, rank) -> bytes reserved by its push
-        self._said: set[tuple[str, str]] = set()
+        self._said: dict[str, tuple[float, int]] = {}     # kind -> (when last said, how many since)
 
     # --- what is held -------------------------------------------------------------------------------------
 
@@ -79,8 +103,10 @@ class ReplicaStore:
                 if files.RANK_DIR.fullmatch(rank) is None or int(rank) > wire.MAX_RANK:
                     continue
                 where = self._dir(node, int(rank))
-                found += [_Copy(node, int(rank), step, files.size(os.path.join(where, f"step-{step}")))
-                          for step in files.complete_steps(where)]
+                for step in files.complete_steps(where):
+                    path = os.path.join(where, f"step-{step}")
+                    held = files.read_sum(path + ".sha256")
+                    found.append(_Copy(node, int(rank), step, files.size(path), held[1] if held else 0))
         return found
 
     def held(self) -> dict[tuple[str, int], int]:
@@ -129,21 +155,26 @@ class ReplicaStore:
 
     def _check_key(self, key: str, node: str, pushing: bool) -> None:
         """A push needs the node's token now; a fetch or drop the one its copies came with (or today's)."""
-        current = self._key(node) or ("" if pushing else files.read_token(os.path.join(self.root, node)))
+        source = self._sources.get(node)
+        current = (source.token if source is not None else "") or \
+            ("" if pushing else files.read_token(os.path.join(self.root, node)))
         if not current:
             raise _Refusal("key", f"no token for node {node} here (not a node whose copies this one holds)")
         if not hmac.compare_digest(key.encode(), current.encode()):
             raise _Refusal("key", "wrong key")
 
     def _note(self, kind: str, peer: str, what: str, first_line: bytes) -> None:
-        """Log once per kind of trouble and peer address: a peer retrying must not flood the log."""
-        if (peer, kind) in self._said:
+        """Log a kind of trouble once per SAY_EVERY_S, with how many came since: peers retrying, or a flood from
+        many addresses, must not flood the log."""
+        now = time.monotonic()
+        said_at, since = self._said.get(kind, (-SAY_EVERY_S, 0))
+        if now - said_at < SAY_EVERY_S:
+            self._said[kind] = (said_at, since + 1)
             return
-        if len(self._said) >= _SAID_MAX:
-            self._said.clear()
-        self._said.add((peer, kind))
-        self._say(f"replica store: {what} for {peer}, which sent {wire.quote(first_line)} "
-                  f"(said once per peer for this kind: {kind})")
+        self._said[kind] = (now, 0)
+        more = f"; {since} more of this kind since it was last said" if since else ""
+        self._say(f"replica store: {what} for {peer}, which sent {wire.quote(first_line)} (said once a minute for "
+                  f"this kind: {kind}{more})")
 
     # --- push ---------------------------------------------------------------------------------------------
 
@@ -151,17 +182,46 @@ class ReplicaStore:
         slot = (req.node, req.rank)
         if slot in self._pushing:
             raise _Refusal("busy", "busy")
-        copies = self._copies()
-        mine = [c for c in copies if (c.node, c.rank) == slot]
-        if mine and req.step <= max(c.step for c in mine):
-            raise _Refusal("stale", f"stale step {req.step} (holding {max(c.step for c in mine)})")
-        copies = self._make_room(req.node, req.size, copies)
-        self._check_room(req.size, sum(c.size for c in copies), sum(c.size for c in mine))
-        self._pushing[slot] = req.size
+        self._pushing[slot] = 0       # the slot is this push's while it waits for this node's ranks to catch up
         try:
+            self._check_incarnation(req, self._copies())
+            await self._until_reached(req.step)
+            copies = self._make_room(req.node, req.size, self._copies())
+            self._check_incarnation(req, copies)      # (a push of the same node may have landed meanwhile)
+            self._check_room(req, copies)
+            self._pushing[slot] = req.size
             await self._receive(req, reader, writer)
         finally:
             del self._pushing[slot]
+
+    def _check_incarnation(self, req: PushRequest, copies: list[_Copy]) -> None:
+        """A push of one of its node's ranks, not of a round older than the node's newest held, nor past this
+        node's own round, and past the step held of its own round."""
+        source = self._sources.get(req.node)
+        ranks = source.ranks if source is not None else 0
+        if ranks and req.rank >= ranks:
+            raise _Refusal("rank", f"rank {req.rank} is not one of node {req.node}'s {ranks} local ranks")
+        now = self._round_now()
+        if req.round > now:
+            raise _Refusal("round", f"round {req.round} is past this node's round ({now}): tried again later")
+        theirs = [c for c in copies if c.node == req.node]
+        newest = max((c.round for c in theirs), default=-1)
+        if req.round < newest:
+            raise _Refusal("stale", f"stale round {req.round} (holding copies of round {newest})")
+        same = [c.step for c in theirs if c.rank == req.rank and c.round == req.round]
+        if same and req.step <= max(same):
+            raise _Refusal("stale", f"stale step {req.step} (holding {max(same)} of round {req.round})")
+
+    async def _until_reached(self, step: int) -> None:
+        """Until this node's own ranks hold `step` (they save at the same steps as their peers, and a moment apart):
+        a step beyond what the job has reached, as a holder of a node's token could push to freeze its copies,
+        is refused after `ahead_wait_s`. Polled: another process's files tell nobody when they appear."""
+        deadline = time.monotonic() + self.ahead_wait_s
+        while (reached := self._reach()) < step:
+            if time.monotonic() >= deadline:
+                raise _Refusal("ahead", f"step {step} is past what the job has reached (this node's ranks hold "
+                                        f"{reached if reached >= 0 else 'none'})")
+            await asyncio.sleep(0.05)
 
     def _make_room(self, pusher: str, size: int, copies: list[_Copy]) -> list[_Copy]:
         """Where a push does not fit, the copies of nodes that stopped pushing (none for EVICT_AFTER_S: gone from
@@ -184,8 +244,18 @@ class ReplicaStore:
                           f"room for node {pusher}'s")
         return self._copies()
 
-    def _check_room(self, size: int, held: int, mine: int) -> None:
+    def _check_room(self, req: PushRequest, copies: list[_Copy]) -> None:
+        size, held = req.size, sum(c.size for c in copies)
+        mine = sum(c.size for c in copies if (c.node, c.rank) == (req.node, req.rank))
         reserved = sum(self._pushing.values())
+        share = self.limit_bytes // max(1, len(self._sources))
+        theirs = sum(c.size for c in copies if c.node == req.node) + \
+            sum(n for (node, _), n in self._pushing.items() if node == req.node)
+        if len(self._sources) > 1 and theirs + size > share:
+            raise _Refusal("limit", f"memory limit full: node {req.node}'s share full: {theirs} bytes held or coming "
+                                    f"of its copies, {size} new; its share is {share} bytes (the limit of "
+                                    f"{self.limit_bytes} bytes over the {len(self._sources)} nodes whose copies this "
+                                    f"one holds)")
         if size > self.limit_bytes:
             raise _Refusal("limit", f"memory limit full: the copy's {size} bytes exceed the limit of "
                                     f"{self.limit_bytes} bytes")
@@ -214,7 +284,7 @@ class ReplicaStore:
                 os.close(fd)
             if not hmac.compare_digest(got, sent):
                 raise _Refusal("checksum", "checksum mismatch")
-            files.write_text(final + ".sha256", got)
+            files.write_sum(final + ".sha256", got, req.round)
             os.replace(tmp, final)
             landed = True
             files.note_token(os.path.join(self.root, req.node), req.key)   # for a later fetch or drop of them
@@ -226,8 +296,16 @@ class ReplicaStore:
             if not landed:
                 files.remove(tmp)
                 files.remove(final + ".sha256")     # a newer step than any held: never a held copy's checksum
+        self._supersede(req)
         files.settle(os.path.dirname(where), where)
         writer.write(wire.stored_line(req.step))
+
+    def _supersede(self, req: PushRequest) -> None:
+        """A newer round's copy is whole: the node's copies of older rounds at its step or later are gone (the job
+        went back below them: the steps are abandoned, though a step number may come again)."""
+        for c in self._copies():
+            if c.node == req.node and c.round < req.round and c.step >= req.step:
+                self._discard(c.node, c.rank, c.step)
 
     def _count_in(self, n: int) -> None:
         self.bytes_in += n
@@ -271,20 +349,14 @@ class ReplicaStore:
                 fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
             except FileNotFoundError:
                 continue
-            try:
-                with open(path + ".sha256", encoding="ascii", errors="replace") as f:
-                    stored = f.read(wire.MAX_LINE).strip()
-            except FileNotFoundError:
+            summed = files.read_sum(path + ".sha256")
+            if summed is None:
                 os.close(fd)
-                continue
-            except BaseException:
-                os.close(fd)
-                raise
-            if re.fullmatch(r"[0-9a-f]{64}", stored) is None:
-                os.close(fd)
+                if not os.path.exists(path + ".sha256"):
+                    continue
                 self._discard(node, rank, step)
                 raise _Refusal("corrupt", "copy corrupted at rest (its checksum file is unreadable)")
-            return fd, step, stored
+            return fd, step, summed[0]
         return None
 
     def _discard(self, node: str, rank: int, step: int) -> None:

@@ -1,6 +1,7 @@
 """The replica wire between agents: one request line, one answer line, then the payload and a trailer.
 
-  push:  `rdzv-agent push key=K node=N rank=R step=S size=B`  -> `go`, B bytes, `sha256=HEX` -> `stored step=S`
+  push:  `rdzv-agent push key=K node=N rank=R step=S size=B round=G` -> `go`, B bytes, `sha256=HEX` -> `stored step=S`
+         (G: the pusher's round, its incarnation: a newer round's copies supersede an older one's)
   fetch: `rdzv-agent fetch key=K node=N rank=R`  -> `copy step=S size=B`, B bytes, `sha256=HEX` (or `none`)
          `rdzv-agent fetch-at key=K node=N rank=R step=S`: the same for that step (a node's common step)
   drop:  `rdzv-agent drop key=K node=N`  -> `dropped` (N's copies removed: it left the job cleanly)
@@ -8,7 +9,7 @@
 
 Every line ends in "\\n", is at most MAX_LINE bytes, and each field is bounded (K: node N's token,
 N: a node id that is also a directory name, R: a local rank, S: a snapshot step as in snapshot.py, B: a
-size); a line that does not match exactly raises WireError naming the field and quoting (repr, truncated)
+size, G: a round id); a line that does not match exactly raises WireError naming the field and quoting (repr, truncated)
 what was sent. The key is never quoted back: it is the node's secret. Pure: no I/O here."""
 from __future__ import annotations
 
@@ -21,7 +22,9 @@ MAX_REASON = 200
 MAX_RANK = 4095
 MAX_STEP = 10**18 - 1           # snapshot.py names steps `step-(\d{1,18})`
 MAX_SIZE = 2**40
+MAX_ROUND = 2**53               # protocol.bounds.MAX_ROUND
 QUOTE_CHARS = 80                # how much of a peer's text a reason or log quotes
+AHEAD_WAIT_S = 30.0             # a holder answers a push's header within this (it waits for its own ranks' step)
 
 GO = b"rdzv-agent go\n"
 NONE = b"rdzv-agent none\n"
@@ -34,7 +37,7 @@ _HEX = re.compile(r"[0-9a-f]{64}")
 _DECIMAL = re.compile(r"0|[1-9][0-9]{0,17}")       # canonical: no sign, no leading zero, at most 18 digits
 _SECRET = re.compile(rb"key=\S*")
 _SECRET_TEXT = re.compile(r"key=\S*")
-_FIELDS = {"push": ("key", "node", "rank", "step", "size"), "fetch": ("key", "node", "rank"),
+_FIELDS = {"push": ("key", "node", "rank", "step", "size", "round"), "fetch": ("key", "node", "rank"),
            "fetch-at": ("key", "node", "rank", "step"), "drop": ("key", "node")}
 _STORED = re.compile(rb"rdzv-agent stored step=(0|[1-9][0-9]{0,17})\n")
 _COPY = re.compile(rb"rdzv-agent copy step=(0|[1-9][0-9]{0,17}) size=(0|[1-9][0-9]{0,12})\n")
@@ -84,6 +87,7 @@ class PushRequest:
     rank: int
     step: int
     size: int
+    round: int = 0
 
     def __post_init__(self) -> None:
         check_key(self.key)
@@ -91,6 +95,7 @@ class PushRequest:
         check_number("rank", self.rank, MAX_RANK)
         check_number("step", self.step, MAX_STEP)
         check_number("size", self.size, MAX_SIZE)
+        check_number("round", self.round, MAX_ROUND)
 
 
 @dataclass(frozen=True)
@@ -136,8 +141,8 @@ def is_replica_request(first_line: bytes) -> bool:
 
 def push_line(request: PushRequest) -> bytes:
     r = request
-    return b"rdzv-agent push key=%s node=%s rank=%d step=%d size=%d\n" % (
-        r.key.encode(), r.node.encode(), r.rank, r.step, r.size)
+    return b"rdzv-agent push key=%s node=%s rank=%d step=%d size=%d round=%d\n" % (
+        r.key.encode(), r.node.encode(), r.rank, r.step, r.size, r.round)
 
 
 def fetch_line(request: FetchRequest) -> bytes:
@@ -224,7 +229,7 @@ def parse_request(line: bytes) -> PushRequest | FetchRequest | DropRequest:
     if verb == "fetch-at":
         return FetchRequest(v["key"], v["node"], rank, _number("step", v["step"], MAX_STEP))
     return PushRequest(v["key"], v["node"], rank, _number("step", v["step"], MAX_STEP),
-                       _number("size", v["size"], MAX_SIZE))
+                       _number("size", v["size"], MAX_SIZE), _number("round", v["round"], MAX_ROUND))
 
 
 def parse_answer(line: bytes) -> Answer:

@@ -58,11 +58,13 @@ def test_an_agent_restarted_under_its_own_id_resumes_every_rank_from_memory(clus
     said = "fetched node" if memory == "gone" else "kept the memory"
     assert said in agents[node].output, agents[node].output
 
-    # Its pushes land again: the copied step catches up with the local one (no refusal counted as a copy).
+    # Its pushes land again (the new agent's counters: bytes really sent, none refused), and the copied step
+    # catches up with the local one.
     resumed_at = min(s for s, _, _ in back.values())
     wait_until(lambda: (c := copies_of(cluster, job, node)).get("copied_step", -1) >= resumed_at + 5
-               and c.get("copied_step") == c.get("local_step"), LIMIT,
+               and c.get("copied_step") == c.get("local_step") and c.get("sent_bytes", 0) > 0, LIMIT,
                lambda: f"node {node}'s copies landing again: {copies_of(cluster, job, node)}")
+    assert copies_of(cluster, job, node).get("refused", 0) == 0, copies_of(cluster, job, node)
     (tmp_path / "stop").write_text("stop")
     for agent in agents.values():
         assert agent.wait(LIMIT) == 0, agent.output

@@ -13,13 +13,15 @@ from node_agent.replicas.store import ReplicaStore
 from node_agent.training import snapshot
 from node_agent.workers.memory import MemoryDirs
 from protocol.messages import Assignment, Witness
+from tests.unit.test_replicas import FAR, Everyone
 
 KEY = "job-key-for-copies-0123"
 
 
 @contextlib.asynccontextmanager
 async def holder(tmp_path) -> AsyncIterator[tuple[ReplicaStore, Witness]]:
-    store = ReplicaStore(str(tmp_path / "held"), 64 * 2**20, lambda node: KEY)
+    store = ReplicaStore(str(tmp_path / "held"), 64 * 2**20, Everyone(lambda: KEY), round_now=lambda: 10**6,
+                         reach=lambda: FAR)
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         line = await reader.readline()
@@ -50,12 +52,12 @@ def agent_side(tmp_path, node: str, said: list[str]) -> tuple[PeerCopies, dict[i
     return PeerCopies(memory, 2, node, said.append, bandwidth=0), memory.dirs_for(2, 2)
 
 
-def pushing(copies: PeerCopies, at: Witness, dirs: dict[int, str]) -> None:
+def pushing(copies: PeerCopies, at: Witness, dirs: dict[int, str], round_id: int = 1) -> None:
     """The round's settings as before_spawn takes them, without its push loop (the tests scan themselves)."""
-    copies.key, copies.targets, copies._dirs = KEY, (at,), dirs
+    copies.key, copies.targets, copies._dirs, copies.round = KEY, (at,), dirs, round_id
 
 
-async def test_both_ranks_newest_go_to_the_peer_and_a_job_gone_back_has_it_drop_the_newer(tmp_path) -> None:
+async def test_both_ranks_newest_go_to_the_peer_and_a_job_gone_back_supersedes_the_newer(tmp_path) -> None:
     said: list[str] = []
     async with holder(tmp_path) as (store, at):
         copies, dirs = agent_side(tmp_path, "b", said)
@@ -66,13 +68,44 @@ async def test_both_ranks_newest_go_to_the_peer_and_a_job_gone_back_has_it_drop_
         assert store.held() == {("b", 0): 10, ("b", 1): 10}
         note = copies.note()
         assert note is not None and (note.local_step, note.copied_step) == (10, 10) and note.refused == 0
-        for where in dirs.values():                  # the job went back to disk: step 5 now, 10 abandoned
+        for where in dirs.values():                  # the job went back to disk in round 2: step 5 now, 10 abandoned
             snapshot.agreed_step(lambda x: -1, where)
+        await copies._scan()
+        assert copies.note().copied_step == -1       # its copy is of an abandoned step: no copy of this run
+        copies.round = 2
+        for where in dirs.values():
             snapshot.save(b"s5", 5, where=where)
         await copies._scan()
-        assert store.held() == {("b", 0): 5, ("b", 1): 5}      # dropped, then the new ones (10 would refuse 5)
+        assert store.held() == {("b", 0): 5, ("b", 1): 5}      # round 2's step 5 superseded round 1's step 10
         assert copies.note().copied_step == 5 and copies.refused == 0
         await copies.close()
+
+
+async def test_a_restarted_agent_copies_again_and_a_refusal_is_never_a_copy(tmp_path) -> None:
+    """Its predecessor's copy of step 30 (round 1) is on the holder; the new agent, in round 2, resumed from 25:
+    its pushes land. A refused push (here: an older round's) is counted and shown, never taken for a copy."""
+    said: list[str] = []
+    async with holder(tmp_path) as (store, at):
+        before, dirs = agent_side(tmp_path, "b", said)
+        pushing(before, at, dirs, round_id=1)
+        for where in dirs.values():
+            snapshot.save(b"s25", 25, where=where, keep=3)
+            snapshot.save(b"s30", 30, where=where, keep=3)
+        await before._scan()
+        assert store.held() == {("b", 0): 30, ("b", 1): 30}
+        for where in dirs.values():
+            snapshot.agreed_step(lambda x: min(x, 25), where)      # the job resumed from 25
+        restarted = PeerCopies(before.memory, 2, "b", said.append, bandwidth=0)
+        pushing(restarted, at, dirs, round_id=2)
+        await restarted._scan()
+        assert store.held() == {("b", 0): 25, ("b", 1): 25} and restarted.note().copied_step == 25
+        stale = PeerCopies(before.memory, 2, "b", said.append, bandwidth=0)      # a zombie of round 1
+        pushing(stale, at, dirs, round_id=1)
+        await stale._scan()
+        note = stale.note()
+        assert note is not None and (note.copied_step, note.refused) == (-1, 2), note
+        assert "stale round 1 (holding copies of round 2)" in note.last_refusal
+        await restarted.close()
 
 
 async def test_the_node_taking_a_place_fetches_its_copies_before_spawning_and_the_holder_lets_them_go(
@@ -116,7 +149,7 @@ async def test_copies_of_a_node_lost_mid_push_are_fetched_at_the_step_all_its_ra
         snapshot.save(b"b's 25", 25, where=dirs_b[0])      # rank 0's copy of 25 landed, rank 1's never did
         from node_agent.replicas.client import push
         done = await push(at.addr, at.port, key=KEY, node_id="b", local_rank=0, step=25,
-                          path=snapshot.path(25, dirs_b[0]))
+                          path=snapshot.path(25, dirs_b[0]), round_id=1)
         assert done.ok and store.held() == {("b", 0): 25, ("b", 1): 20}
         spare, dirs = agent_side(tmp_path, "s", said)
         await spare.before_spawn(assignment((at,), copies_of="b", copies_at=at), dirs)

@@ -11,7 +11,17 @@ from html.parser import HTMLParser
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
-from protocol.messages import FailureReport, JobConfig, JoinRequest, NodeState, SuccessReport, WorkerFailure
+from protocol.messages import (
+    CopiesNote,
+    FailureReport,
+    JobConfig,
+    JoinRequest,
+    NodeState,
+    PollRequest,
+    SuccessReport,
+    WorkerFailure,
+)
+from rdzv_ctl import tables as ctl
 from rdzv_server.coordinator import Coordinator
 from rdzv_server.core.events import EventKind
 from rdzv_server.core.goodput import MAX_COSTS
@@ -24,6 +34,7 @@ from rdzv_server.web.page import cards as page_cards
 from rdzv_server.web.page import parts as page_parts
 from rdzv_server.web.page import render as page
 from tests.unit import progress_jobs
+from tests.unit.test_copies_rounds import CFG, JOB, started
 
 T = 1_700_000_000.0          # 2023-11-14T22:13:20Z
 HOSTILE = "<script>alert(1)</script>"
@@ -347,3 +358,16 @@ def test_the_restarts_table_says_when_it_shows_only_the_latest():
     m = Markup(page.job_page(rz, "many", T + 15 * restarts + 20) or "")
     assert len(m.attr("data-cost-round")) == MAX_COSTS
     assert f"The last {MAX_COSTS} of {restarts} restarts; 3m 24s lost in all to those done." in m.text, m.text
+
+
+def test_a_nodes_copies_show_their_lag_and_refusals_on_the_page_and_in_rdzv_ctl():
+    rz = started({"a": "1", "b": "2"}, CFG)
+    note = CopiesNote(local_step=30, copied_step=20, holder="10.0.0.2:4000", refused=3,
+                      last_refusal="10.0.0.2:4000: refused: stale round 4 (holding copies of round 5)")
+    rz.handle(JOB, PollRequest(v=1, node_id="a", credential="secret-a", copies=note), 1.0)
+    html = page.job_page(rz, JOB, 1.0) or ""
+    m = Markup(html)
+    assert "30 · copy 20 (10 behind) on 10.0.0.2:4000 · 3 refused" in m.text, m.text
+    assert any(a.get("title") == note.last_refusal for t, a in m.tags if t == "span")
+    rows = ctl.format_job(views.job_detail(rz.jobs[JOB], 1.0)).splitlines()
+    assert any(row.split()[:2] == ["0", "a"] and "30/20!3" in row.split() for row in rows), rows

@@ -9,13 +9,14 @@ import os
 import random
 import socket
 import ssl
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import pytest
 
 from node_agent.replicas import client, stream, wire
 from node_agent.replicas.store import ReplicaStore
 from node_agent.replicas.wire import GO, FetchRequest, PushRequest, WireError
+from protocol.messages import CopySource
 
 KEY = "job-7_replica-key-0123"
 NODE = "node-a"
@@ -30,9 +31,9 @@ def sha(data: bytes) -> bytes:
     return b"sha256=%s\n" % hashlib.sha256(data).hexdigest().encode()
 
 
-def header(step: int, size: int, *, node: str = NODE, rank: int = 0, key: str = KEY) -> bytes:
-    return b"rdzv-agent push key=%s node=%s rank=%d step=%d size=%d\n" % (key.encode(), node.encode(), rank, step,
-                                                                          size)
+def header(step: int, size: int, *, node: str = NODE, rank: int = 0, key: str = KEY, round_id: int = 0) -> bytes:
+    return b"rdzv-agent push key=%s node=%s rank=%d step=%d size=%d round=%d\n" % (
+        key.encode(), node.encode(), rank, step, size, round_id)
 
 
 def snap(directory, name: str, data: bytes) -> str:
@@ -42,8 +43,24 @@ def snap(directory, name: str, data: bytes) -> str:
     return path
 
 
+class Everyone:
+    """Sources for a holder: every node, with `key()` as its token (a node of any ranks)."""
+    def __init__(self, key: Callable[[], str]) -> None:
+        self.key = key
+
+    def get(self, node: str) -> CopySource | None:
+        return CopySource(node_id=node, token=self.key()) if self.key() else None
+
+    def __len__(self) -> int:
+        return 1
+
+
+FAR = 10**18 - 1       # a holder whose own ranks are that far: no push is ahead of the job
+
+
 def make_store(tmp_path, limit: int = 64 * 2**20, key: str = KEY, said: list[str] | None = None) -> ReplicaStore:
-    return ReplicaStore(str(tmp_path / "held"), limit, lambda node: key, (said if said is not None else []).append)
+    return ReplicaStore(str(tmp_path / "held"), limit, Everyone(lambda: key), (said if said is not None else []).append,
+                        round_now=lambda: 10**6, reach=lambda: FAR)
 
 
 @contextlib.asynccontextmanager
@@ -233,7 +250,8 @@ async def test_a_newer_push_replaces_the_copy_only_once_it_is_whole(tmp_path):
 async def test_a_wrong_key_or_no_key_yet_writes_nothing(tmp_path):
     said: list[str] = []
     key = [""]
-    store = ReplicaStore(str(tmp_path / "held"), 2**20, lambda node: key[0], said.append)
+    store = ReplicaStore(str(tmp_path / "held"), 2**20, Everyone(lambda: key[0]), said.append, round_now=lambda: 1,
+                         reach=lambda: FAR)
     path = snap(tmp_path, "s", blob(1000))
     async with holder(store) as port:
         early = await client.push("127.0.0.1", port, key=KEY, node_id=NODE, local_rank=0, step=1, path=path)
@@ -258,7 +276,7 @@ async def test_a_step_not_newer_than_the_held_one_is_stale(tmp_path):
                                      path=snap(tmp_path, f"s{step}", blob(100, step)))
             assert done.ok is ok
             if not ok:
-                assert done.reason == f"refused: stale step {step} (holding 5)" and done.sent == 0
+                assert done.reason == f"refused: stale step {step} (holding 5 of round 0)" and done.sent == 0
     assert store.held() == {(NODE, 0): 6} and store.refusals == {"stale": 2}
 
 
@@ -383,7 +401,7 @@ async def test_the_raw_wire_with_plain_sockets(tmp_path):
 
     def speak(port: int) -> tuple[bytes, bytes, bytes, bytes, bytes, bytes]:
         with socket.create_connection(("127.0.0.1", port), timeout=WAIT) as s, s.makefile("rwb") as f:
-            f.write(b"rdzv-agent push key=%s node=host-1.example:29400 rank=3 step=42 size=%d\n"
+            f.write(b"rdzv-agent push key=%s node=host-1.example:29400 rank=3 step=42 size=%d round=7\n"
                     % (KEY.encode(), len(data)))
             f.flush()
             go = f.readline()
@@ -595,7 +613,8 @@ async def test_a_nodes_common_step_stays_until_every_rank_has_a_newer_one_and_ca
 
 async def test_a_node_cannot_push_fetch_or_drop_under_another_nodes_id(tmp_path) -> None:
     tokens = {"node-a": "token-of-node-a-0000", "node-b": "token-of-node-b-0000"}
-    store = ReplicaStore(str(tmp_path / "held"), 2**20, tokens.get)
+    store = ReplicaStore(str(tmp_path / "held"), 2**20, {n: CopySource(node_id=n, token=t) for n, t in tokens.items()},
+                         round_now=lambda: 1, reach=lambda: FAR)
     async with holder(store) as port:
         mine = await client.push("127.0.0.1", port, key=tokens["node-a"], node_id="node-a", local_rank=0, step=1,
                                  path=snap(tmp_path, "a", blob(100)))

@@ -75,9 +75,12 @@ def _copies(n: NodeView) -> str:
     c = n.copies
     if c is None or c.local_step < 0:
         return "&mdash;"
+    refused = (f' &middot; <span class="warn-text" title="{esc(c.last_refusal)}">{c.refused} refused</span>'
+               if c.refused else "")
     if c.copied_step < 0:
-        return f'{c.local_step} &middot; <span class="warn-text">no copy</span>'
-    return f"{c.local_step} &middot; copy {c.copied_step} on {esc(c.holder)}"
+        return f'{c.local_step} &middot; <span class="warn-text">no copy</span>{refused}'
+    lag = f" ({c.local_step - c.copied_step} behind)" if c.local_step > c.copied_step else ""
+    return f"{c.local_step} &middot; copy {c.copied_step}{lag} on {esc(c.holder)}{refused}"
 
 
 def node_columns(timeout: float | None, now: float) -> dict[str, list[Column[Any]]]:

@@ -1,0 +1,142 @@
+"""What a holder takes from a peer that has a node's token (issue 53): only that node's ranks, rounds that are not
+older than the node's newest held nor past the holder's own, steps the job has reached, its share of the limit; a
+newer round's copy supersedes an older round's; a flood of refusals is a few log lines. And a fetcher takes only
+the step it asked for. A real store behind a loopback listener (tests/unit/test_replicas.py's)."""
+from __future__ import annotations
+
+import asyncio
+import os
+
+import pytest
+
+from node_agent.replicas import client, wire
+from node_agent.replicas.store import ReplicaStore
+from protocol.messages import CopySource
+from tests.unit.test_replicas import FAR, KEY, NODE, blob, header, holder, raw_push, snap
+
+pytestmark = pytest.mark.asyncio
+
+
+def store_of(tmp_path, *, ranks: int = 2, round_now: int = 5, reach: list[int] | None = None,
+             sources: tuple[str, ...] = (NODE,), limit: int = 2**20, said: list[str] | None = None) -> ReplicaStore:
+    reached = reach if reach is not None else [FAR]
+    return ReplicaStore(str(tmp_path / "held"), limit,
+                        {n: CopySource(node_id=n, token=KEY, ranks=ranks) for n in sources},
+                        (said if said is not None else []).append, round_now=lambda: round_now,
+                        reach=lambda: reached[0])
+
+
+async def send(port: int, tmp_path, *, step: int, round_id: int, rank: int = 0, node: str = NODE,
+               size: int = 100) -> client.PushResult:
+    return await client.push("127.0.0.1", port, key=KEY, node_id=node, local_rank=rank, step=step, round_id=round_id,
+                             path=snap(tmp_path, f"s-{node}-{rank}-{step}-{round_id}", blob(size, step)))
+
+
+async def test_a_source_stores_only_its_own_ranks(tmp_path) -> None:
+    store = store_of(tmp_path, ranks=1)
+    async with holder(store) as port:
+        assert (await send(port, tmp_path, step=1, round_id=1)).ok
+        for rank in (1, 7, 4095):
+            done = await send(port, tmp_path, step=1, round_id=1, rank=rank)
+            assert done.reason == f"refused: rank {rank} is not one of node {NODE}'s 1 local ranks", done
+    assert store.held() == {(NODE, 0): 1} and store.refusals == {"rank": 3}
+
+
+async def test_a_round_past_the_holders_own_is_refused_and_an_older_one_than_held_is_stale(tmp_path) -> None:
+    store = store_of(tmp_path, round_now=5)
+    async with holder(store) as port:
+        ahead = await send(port, tmp_path, step=1, round_id=6)
+        assert ahead.reason == "refused: round 6 is past this node's round (5): tried again later"
+        assert (await send(port, tmp_path, step=20, round_id=4)).ok
+        assert (await send(port, tmp_path, step=10, round_id=5)).ok       # a newer round: supersedes step 20
+        assert store.held() == {(NODE, 0): 10}
+        old = await send(port, tmp_path, step=30, round_id=4, rank=1)     # the older incarnation, on any rank
+        assert old.reason == "refused: stale round 4 (holding copies of round 5)"
+        same = await send(port, tmp_path, step=10, round_id=5)
+        assert same.reason == "refused: stale step 10 (holding 10 of round 5)"
+
+
+async def test_a_newer_rounds_copy_supersedes_the_older_rounds_at_its_step_or_later_on_every_rank(tmp_path) -> None:
+    """Round 2 left step 15 on both ranks and 25 on rank 0 (the node lost mid-push, say); the job went back to 15 in
+    round 3 and saved 20: round 2's 25 is of an abandoned run of steps (25 comes again, other bytes) and goes; its
+    15s, older than where round 3 started, stay the node's common step until round 3's steps are whole."""
+    store = store_of(tmp_path)
+    async with holder(store) as port:
+        for rank in (0, 1):
+            assert (await send(port, tmp_path, step=15, round_id=2, rank=rank)).ok
+        assert (await send(port, tmp_path, step=25, round_id=2, rank=0)).ok
+        assert (await send(port, tmp_path, step=20, round_id=3, rank=0)).ok
+        assert store.held() == {(NODE, 0): 20, (NODE, 1): 15}
+        got = await client.fetch("127.0.0.1", port, key=KEY, node_id=NODE, local_rank=0, dest_dir=str(tmp_path),
+                                 step=15)
+        assert got.step == 15
+        gone = await client.fetch("127.0.0.1", port, key=KEY, node_id=NODE, local_rank=0, dest_dir=str(tmp_path),
+                                  step=25)
+        assert gone.step is None and gone.reason == "no copy held"
+
+
+async def test_a_step_beyond_what_the_job_reached_is_refused_and_one_reached_meanwhile_lands(tmp_path) -> None:
+    reach = [40]
+    store = store_of(tmp_path, reach=reach)
+    store.ahead_wait_s = 0.3
+    async with holder(store) as port:
+        frozen = await send(port, tmp_path, step=wire.MAX_STEP, round_id=5)      # a holder of the token, say
+        assert frozen.reason == "refused: step 999999999999999999 is past what the job has reached (this node's " \
+                                "ranks hold 40)" and frozen.sent == 0
+        assert store.held() == {}
+        store.ahead_wait_s = 10.0
+        coming = asyncio.ensure_future(send(port, tmp_path, step=45, round_id=5))
+        await asyncio.sleep(0.1)
+        assert not coming.done()               # it waits for this node's own ranks to save step 45
+        reach[0] = 45
+        assert (await asyncio.wait_for(coming, 10)).ok and store.held() == {(NODE, 0): 45}
+        assert (await send(port, tmp_path, step=45, round_id=5, rank=1)).ok
+
+
+async def test_each_source_has_its_share_of_the_limit(tmp_path) -> None:
+    store = store_of(tmp_path, sources=("node-a", "node-b"), limit=1000)
+    async with holder(store) as port:
+        assert (await send(port, tmp_path, step=1, round_id=1, node="node-a", size=300)).ok
+        over = await send(port, tmp_path, step=1, round_id=1, node="node-a", rank=1, size=300)
+        assert over.reason.startswith("refused: memory limit full: node node-a's share full: 300 bytes held"), over
+        assert "its share is 500 bytes" in over.reason
+        assert (await send(port, tmp_path, step=1, round_id=1, node="node-b", size=500)).ok
+
+
+async def test_refusals_from_many_addresses_are_a_line_per_kind_not_a_line_each(tmp_path) -> None:
+    said: list[str] = []
+    store = store_of(tmp_path, said=said)
+    async with holder(store) as port:
+        for i in range(2, 52):                 # 50 sources, each its own loopback address
+            reader, writer = await asyncio.open_connection("127.0.0.1", port, local_addr=(f"127.0.0.{i}", 0))
+            writer.write(header(1, 10, node=".."))
+            assert (await asyncio.wait_for(reader.readline(), 10)).startswith(b"rdzv-agent refused bad request")
+            writer.close()
+    assert store.refusals == {"bad_request": 50}
+    assert len([line for line in said if "bad_request" in line]) == 1, said
+
+
+async def test_a_fetch_at_a_step_answered_with_another_takes_nothing(tmp_path) -> None:
+    async def liar(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readline()
+        writer.write(wire.copy_line(15, 3) + b"abc" + wire.trailer_line("0" * 64))
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(liar, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        got = await client.fetch("127.0.0.1", port, key=KEY, node_id=NODE, local_rank=0, dest_dir=str(tmp_path),
+                                 step=10)
+    finally:
+        server.close()
+        await server.wait_closed()
+    assert got.step is None and got.reason == "asked for step 10, answered with step 15"
+    assert os.listdir(tmp_path) == []
+
+
+async def test_a_push_of_the_older_wire_without_a_round_is_refused_naming_the_field(tmp_path) -> None:
+    async with holder(store_of(tmp_path)) as port:
+        answer = await raw_push(port, header(1, 10).replace(b" round=0", b""))
+    assert answer[0].startswith(b"rdzv-agent refused bad request: push wants the fields key= node= rank= step= size= "
+                                b"round=")
