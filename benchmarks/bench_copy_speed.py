@@ -20,10 +20,11 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from node_agent.client.witness import READ_BUFFER  # noqa: E402
+from node_agent.client.listener import Caps, Listener  # noqa: E402
 from node_agent.replicas import client, wire  # noqa: E402
 from node_agent.replicas.store import ReplicaStore  # noqa: E402
 from node_agent.settings import WorkerSettings  # noqa: E402
+from protocol.messages import CopySource  # noqa: E402
 
 KEY = "bench-copy-speed-key-0123456789"
 BASE = "/dev/shm" if os.path.isdir("/dev/shm") else None
@@ -50,16 +51,15 @@ async def one_size(mb: int, runs: int) -> dict:
     size = mb << 20
     with tempfile.TemporaryDirectory(dir=BASE) as tmp:
         src = _snapshot_file(tmp, mb)
-        store = ReplicaStore(os.path.join(tmp, "held"), 4 * size, lambda node: KEY)
+        store = ReplicaStore(os.path.join(tmp, "held"), 4 * size, {"a": CopySource(node_id="a", token=KEY)},
+                             round_now=lambda: 1, reach=lambda: wire.MAX_STEP)
 
-        async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            line = await reader.readline()
+        async def handle(line: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             if wire.is_replica_request(line):
                 await store.serve(line, reader, writer)
-            writer.close()
 
-        server = await asyncio.start_server(handle, "127.0.0.1", 0, limit=READ_BUFFER)
-        port = server.sockets[0].getsockname()[1]
+        server = Listener(handle, Caps(), print, name="bench")          # the agent's own listener
+        port = await server.start("127.0.0.1")
         times: dict[str, list[float]] = {"sha256": [], "push": [], "push_capped": [], "fetch": []}
         try:
             for i in range(runs):
@@ -80,8 +80,7 @@ async def one_size(mb: int, runs: int) -> dict:
                 with contextlib.suppress(OSError):
                     os.unlink(os.path.join(dest, f"step-{got.step}"))
         finally:
-            server.close()
-            await server.wait_closed()
+            await server.close()
     row = {"mb": mb, **{k: round(statistics.median(v), 3) for k, v in times.items()}}
     row.update({f"{k}_gb_s": round(size / 2**30 / row[k], 2) for k in times})
     return row

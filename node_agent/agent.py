@@ -13,6 +13,7 @@ import time
 import uuid
 from typing import TextIO
 
+from node_agent.client.listener import Caps
 from node_agent.client.transport import Transport, free_port
 from node_agent.client.witness import WitnessServer
 from node_agent.copies import PeerCopies
@@ -42,6 +43,7 @@ from node_agent.sources import start_source
 from node_agent.witness import probe_peers
 from node_agent.workers.interfaces import gloo_interface
 from node_agent.workers.local import GroupFactory, LocalWorkers
+from protocol.descriptors import raise_open_file_limit
 from protocol.messages import NodeStatus, Witness
 
 SAME_SIGNAL_S = 1.0     # a signal repeated this soon is the first one delivered twice (see _on_signal)
@@ -69,13 +71,16 @@ class Agent:
         self._first_signal: tuple[int, float] | None = None   # the signal that asked the agent to stop, and when
         self.exit: Exit | None = None       # how the agent ended (None while it runs)
         # answers the other members' "are you there, and do you hear the server?" (witness.py)
+        # strangers may connect to its listeners: their connections are capped together (client/listener.py)
+        caps = Caps.for_descriptors(raise_open_file_limit())
         self.copies = PeerCopies(self.workers.memory, link.nproc, link.node_id, self.narrator.say,
                                  settings.workers.replica_bandwidth, self._copy_tls(),
-                                 server_tls=link.endpoint_scheme == "https")
+                                 server_tls=link.endpoint_scheme == "https", caps=caps)
         self.copy_port = 0          # where this node takes peer copies (PeerCopies.listen)
         self.witness = WitnessServer(addr, lambda: self.policy.in_contact, self._holds,
-                                     (is_replica_request, self.copies.serve))
+                                     (is_replica_request, self.copies.serve), caps=caps, say=self.narrator.say)
         self._link: ServerLink | None = None
+        self._no_port_said = False
 
     now = staticmethod(time.monotonic)
 
@@ -199,10 +204,22 @@ class Agent:
 
     async def _join(self) -> NodeStatus:
         return await self.transport.join(
-            addr=self.addr, host=self.hostname, local_world_size=self.link.nproc, master_port=free_port(self.addr),
+            addr=self.addr, host=self.hostname, local_world_size=self.link.nproc, master_port=self._free_port(),
             config=self.link.job, instance=self.instance, role=self.link.role, probe_port=self.witness.port,
             command=self.link.command, checks=self.checks.summary, ready=self.workers.ready,
             domain=self.link.failure_domain, copy_port=self.copy_port, store_per_round=True)
+
+    def _free_port(self) -> int:
+        """A port for the store, should this node host the next round's (0: none to offer now: the server keeps the
+        one offered before). Out of descriptors it is said, once, and tried again on the next request."""
+        try:
+            return free_port(self.addr)
+        except OSError as exc:
+            if not self._no_port_said:
+                self._no_port_said = True
+                self.narrator.say(f"no port to offer for the round's store ({exc.strerror or exc}): the server keeps "
+                                  f"the one offered before; tried again on the next request")
+            return 0
 
     def _copy_tls(self) -> CopyTls | None:
         """The TLS contexts of peer copies from --tls-cert/--tls-key/--tls-ca (None: not given, or unusable: said)."""
@@ -217,7 +234,7 @@ class Agent:
 
     async def _poll(self, wait_s: float) -> NodeStatus:
         known = self.policy.known_round
-        return await self.transport.poll(known, wait_s, master_port=free_port(self.addr),
+        return await self.transport.poll(known, wait_s, master_port=self._free_port(),
                                          progress=self.workers.progress_note(known) if known >= 0 else None,
                                          ready=self.workers.ready, copies=self.copies.note())
 

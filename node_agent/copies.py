@@ -23,7 +23,7 @@ import os
 import time
 from collections.abc import Awaitable, Callable
 
-from node_agent.client.witness import READ_BUFFER
+from node_agent.client.listener import Caps, Listener
 from node_agent.replicas.client import FetchResult, drop, fetch, push
 from node_agent.replicas.store import ReplicaStore
 from node_agent.replicas.tls import CopyTls
@@ -35,7 +35,6 @@ from protocol.messages import Assignment, CopiesNote, CopySource, Witness
 PUSH_SCAN_S = 0.1       # how often the memory directories are looked at for a newer snapshot (a dir listing)
 FETCH_LIMIT_S = 60.0    # a node taking a place waits this long for its copies, then starts without them
 DROP_LIMIT_S = 1.0      # a leaving node's goodbye to each holder of its copies
-FIRST_LINE_S = 5.0      # a peer on the TLS listener says what it wants within this, or is let go
 RETRY_S = 5.0           # a peer a push could not reach or that refused is tried again this much later
 
 
@@ -65,14 +64,17 @@ def common_step(dirs: dict[int, str]) -> dict[int, tuple[int, str]]:
 
 class PeerCopies:
     def __init__(self, memory: MemoryDirs, nproc: int, node_id: str, say: Callable[[str], None],
-                 bandwidth: int, tls: CopyTls | None = None, server_tls: bool = False) -> None:
+                 bandwidth: int, tls: CopyTls | None = None, server_tls: bool = False,
+                 caps: Caps | None = None) -> None:
         """`tls`: copies go over TLS (replicas/tls.py); `server_tls`: the server uses TLS, so copies without it
-        would cross the network in the clear: this node then makes and takes none."""
+        would cross the network in the clear: this node then makes and takes none. `caps`: the connections the
+        agent's listeners may hold together (client/listener.py)."""
         self.memory, self.nproc, self.node_id = memory, nproc, node_id
         self._say = say
         self.bandwidth = bandwidth
         self.tls, self.server_tls = tls, server_tls
-        self._listener: asyncio.Server | None = None
+        self._listener: Listener | None = None
+        self._caps = caps if caps is not None else Caps()
         self._connect = tls.connect if tls is not None else None
         self.key = ""                              # this node's token for its copies (Assignment.copy_token)
         self.round = -1                            # this node's round (its copies' incarnation)
@@ -112,24 +114,21 @@ class PeerCopies:
         if not self.memory.enabled:
             return 0
         if self.tls is not None:
-            with contextlib.suppress(OSError):
-                self._listener = await asyncio.start_server(self._serve_tls, addr, 0, ssl=self.tls.listen,
-                                                            limit=READ_BUFFER)
-                return int(self._listener.sockets[0].getsockname()[1])
-            self._say("peer copies off: no port for their TLS listener")
-            return 0
+            self._listener = Listener(self._serve_tls, self._caps, self._say, tls=self.tls.listen,
+                                      name="peer-copy TLS port")
+            port = await self._listener.start(addr)
+            if not port:
+                self._say("peer copies off: no port for their TLS listener")
+            return port
         if self.server_tls:
             self._say("peer copies off: the server uses TLS, and copies would cross the network in the clear "
                       "(give this node --tls-cert and --tls-key, signed by --tls-ca's CA)")
             return 0
         return plain_port
 
-    async def _serve_tls(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        with contextlib.suppress(OSError, asyncio.TimeoutError, ValueError):
-            line = await asyncio.wait_for(reader.readline(), FIRST_LINE_S)
-            if is_replica_request(line):
-                await self.serve(line, reader, writer)
-        writer.close()
+    async def _serve_tls(self, line: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if is_replica_request(line):
+            await self.serve(line, reader, writer)
 
     async def serve(self, first_line: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """A peer's push, fetch or drop, its first line read by a listener (client/witness.py's, or ours)."""
@@ -288,8 +287,7 @@ class PeerCopies:
             await asyncio.gather(*(drop(t.addr, t.port, key=self.key, node_id=self.node_id, timeout_s=DROP_LIMIT_S,
                                         tls=self._connect) for t in self.targets))
         if self._listener is not None:
-            self._listener.close()
-            await self._listener.wait_closed()
+            await self._listener.close()
 
 
 def _or_none(step: int | None) -> int:

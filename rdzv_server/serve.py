@@ -8,9 +8,7 @@ seconds. The soft open-file limit is raised to the hard one, so agents do not ex
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-import resource
 import signal
 import socket
 import ssl
@@ -19,6 +17,7 @@ from dataclasses import dataclass, field
 from aiohttp import web
 
 from protocol import keepalive
+from protocol.descriptors import raise_open_file_limit
 from rdzv_server import tcp_info
 from rdzv_server.coordinator import Coordinator
 from rdzv_server.core.rendezvous import Limits, Rendezvous
@@ -68,16 +67,6 @@ class Replication:
     store: EtcdStore
     advertise_url: str | None = None      # None: http(s)://THIS-HOST:PORT
     leader_ttl_s: int = 5
-
-
-def raise_open_file_limit() -> int:
-    """Raise the soft RLIMIT_NOFILE to the hard limit; return the limit now in force."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft < hard:
-        with contextlib.suppress(ValueError, OSError):
-            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-            soft = hard
-    return soft
 
 
 def listening_socket(host: str, port: int) -> socket.socket:

@@ -3,26 +3,24 @@ do you hold?"); shared with the torchrun plugin, the answers read together in no
 
 Each agent listens on a free port, named at join; the server hands each member up to two others to ask
 (Assignment.witnesses). The asker sends `rdzv-agent ask round=R`; the witness answers one line and closes:
-`rdzv-agent in-contact round=W` or `rdzv-agent alone round=W` (W: its round, -1: none). An older asker
-sends no question: after ASK_WAIT_S it gets `rdzv-agent in-contact` or `rdzv-agent alone`, which all read."""
+`rdzv-agent in-contact round=W` or `rdzv-agent alone round=W` (W: its round, -1: none). What a connection is for
+is told by its first line alone, never by timing: a peer copy's request comes to this port too. A connection
+that asks nothing gets nothing (agents before the question read `rdzv-agent in-contact` or `rdzv-agent alone`
+still, from older witnesses). The port is a listener that faces strangers (listener.py)."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import re
 from collections.abc import Awaitable, Callable
 
+from node_agent.client.listener import Caps, Listener
 from protocol.messages import Witness
 
-IN_CONTACT = b"rdzv-agent in-contact\n"     # the older answers, with no round
-ALONE = b"rdzv-agent alone\n"
-ASK = b"rdzv-agent ask round=%d\n"
 ANSWER = b"rdzv-agent %s round=%d\n"
 ANSWER_LINE = re.compile(rb"rdzv-agent (in-contact|alone)(?: round=(-?\d{1,12}))?\n")
 _ASK = re.compile(rb"rdzv-agent ask round=(-?\d{1,12})\n")
+ASK = b"rdzv-agent ask round=%d\n"
 PROBE_TIMEOUT_S = 1.0
-READ_BUFFER = 1 << 20
-ASK_WAIT_S = 0.3      # an older asker sends no question: answered the older way after this
 
 
 Serve = Callable[[bytes, asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
@@ -30,49 +28,32 @@ Serve = Callable[[bytes, asyncio.StreamReader, asyncio.StreamWriter], Awaitable[
 
 class WitnessServer:
     def __init__(self, addr: str, in_contact: Callable[[], bool], holds: Callable[[], int] = lambda: -1,
-                 copies: tuple[Callable[[bytes], bool], Serve] | None = None) -> None:
+                 copies: tuple[Callable[[bytes], bool], Serve] | None = None, *, caps: Caps | None = None,
+                 say: Callable[[str], None] = lambda line: None) -> None:
         """`in_contact()`: whether this agent hears the server; `holds()`: the round it runs (-1: none);
-        `copies`: (whether a first line is a peer copy's request, what serves it: node_agent/copies.py)."""
+        `copies`: (whether a first line is a peer copy's request, what serves it: node_agent/copies.py);
+        `caps`: the connections the agent's listeners may hold together."""
         self.addr = addr
         self.in_contact = in_contact
         self.holds = holds
         self.copies = copies
         self.port = 0
-        self._server: asyncio.Server | None = None
+        self._listener = Listener(self._answer, caps if caps is not None else Caps(), say, name="witness port")
 
     async def start(self) -> int:
         """Listen on a free port of `addr`; 0 when that is not possible (then nobody asks this node)."""
-        try:
-            # A reader's buffer of a copy's chunk (replicas/stream.py): peer copies come through here too.
-            self._server = await asyncio.start_server(self._answer, self.addr, 0, limit=READ_BUFFER)
-        except OSError:
-            return 0
-        self.port = int(self._server.sockets[0].getsockname()[1])
+        self.port = await self._listener.start(self.addr)
         return self.port
 
-    async def _answer(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        with contextlib.suppress(OSError, asyncio.TimeoutError, ValueError):
-            try:
-                line = await asyncio.wait_for(reader.readline(), ASK_WAIT_S)
-            except asyncio.TimeoutError:
-                line = b""
-            if self.copies is not None and self.copies[0](line):
-                await self.copies[1](line, reader, writer)
-                writer.close()
-                return
-            asked = _ASK.fullmatch(line)
-            contact = self.in_contact()
-            if asked is None:
-                writer.write(IN_CONTACT if contact else ALONE)
-            else:
-                writer.write(ANSWER % (b"in-contact" if contact else b"alone", self.holds()))
-            await writer.drain()
-        writer.close()
+    async def _answer(self, line: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if self.copies is not None and self.copies[0](line):
+            await self.copies[1](line, reader, writer)
+        elif _ASK.fullmatch(line) is not None:
+            writer.write(ANSWER % (b"in-contact" if self.in_contact() else b"alone", self.holds()))
+            await asyncio.wait_for(writer.drain(), PROBE_TIMEOUT_S)
 
     async def close(self) -> None:
-        if self._server is not None:
-            self._server.close()
-            await self._server.wait_closed()
+        await self._listener.close()
 
 
 def read_answer(line: bytes) -> tuple[bool, int | None] | None:

@@ -277,6 +277,7 @@ class ReplicaStore:
         try:
             fd = files.open_new(self.root, req.node, str(req.rank), tmp)
             try:
+                stream.widen(reader)          # the payload comes in chunks, not lines
                 writer.write(wire.GO)
                 got = await stream.receive(reader, fd, req.size, self.stall_s, self._count_in)
                 sent = wire.parse_trailer(await stream.read_line(reader, self.stall_s))

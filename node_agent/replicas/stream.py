@@ -43,6 +43,13 @@ async def read_line(reader: asyncio.StreamReader, timeout_s: float) -> bytes:
     return line
 
 
+def widen(reader: asyncio.StreamReader, limit: int = CHUNK) -> None:
+    """Let `reader` buffer up to about 2 x `limit` bytes: a payload's chunks, after a first line read into a small
+    buffer (node_agent/client/listener.py). StreamReader takes its limit only when made; this sets the attribute
+    it keeps it in, asyncio's own (tests/unit/test_listener.py fails should asyncio rename it)."""
+    reader._limit = limit     # type: ignore[attr-defined]
+
+
 def write_all(fd: int, data: bytes) -> None:
     """All of `data` into `fd` (os.write may take a part)."""
     view = memoryview(data)

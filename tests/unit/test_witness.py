@@ -4,8 +4,10 @@ from __future__ import annotations
 import asyncio
 import socket
 
+import pytest
+
 from node_agent.client.replies import Path
-from node_agent.client.witness import ALONE, IN_CONTACT, WitnessServer
+from node_agent.client.witness import WitnessServer
 from node_agent.core.facts import PeersProbed, Verdict
 from node_agent.witness import ask_witnesses, probe_peers, verdict
 from protocol.messages import Witness
@@ -38,17 +40,22 @@ async def test_the_verdict_follows_what_the_witnesses_say_about_the_server_and_t
         await b.close()
 
 
-async def test_an_older_asker_gets_the_older_line_and_older_answers_are_still_understood():
+async def test_a_connection_that_asks_nothing_gets_nothing_and_older_answers_are_still_understood():
+    """What a connection is for is told by its first line, never by how soon it comes (a peer copy's request under
+    load came late and was answered as a witness probe)."""
     w = WitnessServer("127.0.0.1", lambda: True, lambda: 7)
     try:
         port = await w.start()
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)   # asks nothing, as older agents
-        assert await asyncio.wait_for(reader.readline(), 5) == IN_CONTACT
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)   # asks nothing
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(reader.readline(), 1.0)
+        writer.write(b"rdzv-agent ask round=3\n")                           # late, but a question: answered
+        assert await asyncio.wait_for(reader.readline(), 5) == b"rdzv-agent in-contact round=7\n"
         writer.close()
     finally:
         await w.close()
-    assert verdict([IN_CONTACT, b""], 3) == Verdict.SERVER_HEARD      # an older witness: hears it, names no round
-    assert verdict([ALONE], 3) == Verdict.SERVER_AWAY
+    assert verdict([b"rdzv-agent in-contact\n", b""], 3) == Verdict.SERVER_HEARD   # an older witness: no round said
+    assert verdict([b"rdzv-agent alone\n"], 3) == Verdict.SERVER_AWAY
     assert verdict([b"rdzv-agent in-contact round=2\n"], 3) == Verdict.STILL_MEMBER   # older news: no evidence
     assert verdict([b"garbage\n", b""], 3) == Verdict.SILENT
 

@@ -1,0 +1,151 @@
+"""A listener that faces strangers: the agent's witness port (peer copies in the clear come there too) and its TLS
+port for peer copies. Anyone who can reach the node can connect, so each connection is bounded before it costs
+more than a descriptor, as the server bounds its own:
+- at most `Caps.total` connections open for all of the agent's listeners together, and `Caps.per_source` from one
+  address: the excess is closed at once, before any TLS handshake (the accept loop is ours for that reason);
+- a TLS handshake done within HANDSHAKE_S, then the first line within FIRST_LINE_S, read into a buffer of
+  FIRST_LINE_LIMIT bytes (a real first line is under 512); what breaks either is closed without a word;
+- out of descriptors while accepting (EMFILE): said, once a minute, and accepting goes on after a pause.
+The handler gets the first line and the connection; it may widen the reader's buffer for a payload
+(node_agent.replicas.stream.widen); the connection is closed when it returns."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import socket
+import ssl
+import time
+from collections.abc import Awaitable, Callable
+
+MAX_CONNECTIONS = 512     # open at once, for all the agent's listeners (and a quarter of its descriptors at most)
+MAX_PER_SOURCE = 64       # open at once from one address (a node pushes, fetches and asks with a few each)
+HANDSHAKE_S = 5.0
+FIRST_LINE_S = 5.0
+FIRST_LINE_LIMIT = 1024   # the reader's buffer until the first line is in: a longer line ends the connection
+ACCEPT_PAUSE_S = 0.5      # out of descriptors: accepting waits this long before it tries again
+SAY_EVERY_S = 60.0
+
+Handler = Callable[[bytes, asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+
+
+class Caps:
+    """Connections open now, in total and by source address, for every listener of one agent."""
+
+    def __init__(self, total: int = MAX_CONNECTIONS, per_source: int = MAX_PER_SOURCE) -> None:
+        self.total, self.per_source = total, per_source
+        self.open: dict[str, int] = {}
+        self.refused = 0
+
+    @classmethod
+    def for_descriptors(cls, limit: int) -> Caps:
+        """Caps that leave three quarters of `limit` descriptors to the rest of the agent (workers, pipes, polls)."""
+        return cls(total=max(16, min(MAX_CONNECTIONS, limit // 4)))
+
+    def take(self, source: str) -> bool:
+        if sum(self.open.values()) >= self.total or self.open.get(source, 0) >= self.per_source:
+            self.refused += 1
+            return False
+        self.open[source] = self.open.get(source, 0) + 1
+        return True
+
+    def give(self, source: str) -> None:
+        left = self.open.get(source, 0) - 1
+        if left > 0:
+            self.open[source] = left
+        else:
+            self.open.pop(source, None)
+
+
+class Listener:
+    def __init__(self, handler: Handler, caps: Caps, say: Callable[[str], None], tls: ssl.SSLContext | None = None,
+                 name: str = "listener") -> None:
+        self.handler, self.caps, self.tls, self.name = handler, caps, tls, name
+        self._say = say
+        self._sock: socket.socket | None = None
+        self._accepting: asyncio.Task[None] | None = None
+        self._serving: set[asyncio.Task[None]] = set()
+        self._said_at = -SAY_EVERY_S
+
+    async def start(self, addr: str) -> int:
+        """Listen on a free port of `addr`; the port, or 0 when that is not possible."""
+        try:
+            family = socket.AF_INET6 if ":" in addr else socket.AF_INET
+            sock = socket.socket(family, socket.SOCK_STREAM)
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                sock.bind((addr, 0))
+                sock.listen(socket.SOMAXCONN)
+                sock.setblocking(False)
+            except OSError:
+                sock.close()
+                raise
+        except OSError:
+            return 0
+        self._sock = sock
+        self._accepting = asyncio.create_task(self._accept(sock))
+        return int(sock.getsockname()[1])
+
+    async def _accept(self, sock: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                conn, peer = await loop.sock_accept(sock)
+            except OSError as exc:
+                if sock.fileno() < 0:
+                    return                              # closed
+                if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                    self._say_now(f"{self.name}: out of descriptors or memory accepting a connection "
+                                  f"({exc.strerror}): connections wait in the backlog; accepting again in "
+                                  f"{ACCEPT_PAUSE_S:g}s")
+                await asyncio.sleep(ACCEPT_PAUSE_S if exc.errno != errno.ECONNABORTED else 0)   # a pause, not a wait
+                continue
+            source = str(peer[0]) if isinstance(peer, tuple) else "?"
+            if not self.caps.take(source):
+                conn.close()                             # at once: no handshake, no buffer, no task
+                continue
+            task = asyncio.create_task(self._serve(conn, source))
+            self._serving.add(task)
+            task.add_done_callback(self._serving.discard)
+
+    async def _serve(self, conn: socket.socket, source: str) -> None:
+        loop = asyncio.get_running_loop()
+        connected: asyncio.Future[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = loop.create_future()
+
+        def made() -> asyncio.StreamReaderProtocol:
+            reader = asyncio.StreamReader(limit=FIRST_LINE_LIMIT)
+            return asyncio.StreamReaderProtocol(reader, lambda r, w: connected.set_result((r, w)))
+
+        try:
+            try:
+                await asyncio.wait_for(loop.connect_accepted_socket(made, conn, ssl=self.tls,
+                                                                    ssl_handshake_timeout=HANDSHAKE_S if self.tls
+                                                                    else None), HANDSHAKE_S + 1)
+                reader, writer = await asyncio.wait_for(connected, 1.0)
+            except (OSError, ValueError, asyncio.TimeoutError):     # a handshake refused or too slow: said nowhere
+                conn.close()
+                return
+            try:
+                with contextlib.suppress(OSError, ValueError, asyncio.TimeoutError):
+                    line = await asyncio.wait_for(reader.readline(), FIRST_LINE_S)
+                    if line:
+                        await self.handler(line, reader, writer)
+            finally:
+                writer.close()
+        finally:
+            self.caps.give(source)
+
+    def _say_now(self, line: str) -> None:
+        now = time.monotonic()
+        if now - self._said_at >= SAY_EVERY_S:
+            self._said_at = now
+            self._say(line)
+
+    async def close(self) -> None:
+        tasks = [t for t in (self._accepting, *self._serving) if t is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None

@@ -1,0 +1,150 @@
+"""The agent's listeners face strangers (node_agent/client/listener.py): connections past the caps are closed at
+once, before any handshake; a silent TLS connection is let go within the handshake limit; a first line is read
+into a small buffer, and only then widened for a payload. Real sockets on loopback, sources as 127.0.0.x."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import ssl
+import time
+from collections.abc import AsyncIterator
+
+import pytest
+
+from node_agent.client import listener as listening
+from node_agent.client.listener import Caps, Listener
+from node_agent.replicas import stream
+from tests.e2e.certs import make_ca, make_server_cert
+
+WAIT = 10.0
+
+
+@contextlib.asynccontextmanager
+async def serving(caps: Caps, tls: ssl.SSLContext | None = None, said: list[str] | None = None
+                  ) -> AsyncIterator[tuple[int, list[bytes]]]:
+    """A listener whose handler answers each first line with `ok LINE` (what it was given, newline and all)."""
+    lines: list[bytes] = []
+
+    async def echo(line: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        lines.append(line)
+        writer.write(b"ok " + line)
+        await writer.drain()
+
+    server = Listener(echo, caps, (said if said is not None else []).append, tls=tls)
+    port = await server.start("127.0.0.1")
+    assert port
+    try:
+        yield port, lines
+    finally:
+        await server.close()
+
+
+def silent(port: int, source: str = "127.0.0.1") -> socket.socket:
+    """A connection that says nothing (no line, no ClientHello)."""
+    s = socket.create_connection(("127.0.0.1", port), source_address=(source, 0))
+    s.setblocking(False)
+    return s
+
+
+async def closed_within(s: socket.socket, seconds: float) -> bool:
+    """Whether the listener closed `s` within `seconds` (EOF or a reset)."""
+    loop = asyncio.get_running_loop()
+    try:
+        return await asyncio.wait_for(loop.sock_recv(s, 1), seconds) == b""
+    except asyncio.TimeoutError:
+        return False
+    except ConnectionResetError:
+        return True
+
+
+async def ask(port: int, line: bytes, source: str = "127.0.0.1") -> bytes:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port, local_addr=(source, 0))
+    try:
+        writer.write(line)
+        return await asyncio.wait_for(reader.readline(), WAIT)
+    finally:
+        writer.close()
+
+
+async def test_past_the_per_source_cap_a_connection_is_closed_at_once_and_others_still_get_in() -> None:
+    caps = Caps(total=100, per_source=3)
+    async with serving(caps) as (port, _):
+        held = [silent(port) for _ in range(3)]
+        await asyncio.sleep(0.2)            # the three are accepted (nothing to wait on from outside)
+        extra = silent(port)
+        began = time.monotonic()
+        assert await closed_within(extra, 2.0) and time.monotonic() - began < 1.0
+        assert caps.refused == 1
+        assert await ask(port, b"rdzv-agent ask round=1\n", source="127.0.0.2") == b"ok rdzv-agent ask round=1\n"
+        for s in held + [extra]:
+            s.close()
+
+
+async def test_the_total_cap_holds_for_all_of_an_agents_listeners_together() -> None:
+    caps = Caps(total=4, per_source=10)
+    async with serving(caps) as (a, _), serving(caps) as (b, _):
+        held = [silent(a, f"127.0.0.{i}") for i in (2, 3)] + [silent(b, f"127.0.0.{i}") for i in (4, 5)]
+        await asyncio.sleep(0.2)
+        late = [silent(a, "127.0.0.6"), silent(b, "127.0.0.7")]
+        assert all([await closed_within(s, 2.0) for s in late]) and caps.refused == 2
+        for s in held:
+            s.close()
+        await asyncio.sleep(0.2)
+        assert sum(caps.open.values()) == 0 or await ask(a, b"x\n") == b"ok x\n"
+        assert await ask(b, b"y\n", source="127.0.0.8") == b"ok y\n"
+
+
+async def test_a_line_that_comes_late_is_still_served_and_one_too_long_is_not() -> None:
+    async with serving(Caps()) as (port, lines):
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        await asyncio.sleep(1.0)            # longer than any old wait for a question: still a request, not a probe
+        writer.write(b"rdzv-agent push late\n")
+        assert await asyncio.wait_for(reader.readline(), WAIT) == b"ok rdzv-agent push late\n"
+        writer.close()
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"x" * (2 * listening.FIRST_LINE_LIMIT) + b"\n")
+        assert await asyncio.wait_for(reader.read(), WAIT) == b""            # closed, nothing said
+        writer.close()
+    assert lines == [b"rdzv-agent push late\n"]
+
+
+async def test_a_tls_connection_that_never_says_hello_is_let_go_within_the_handshake_limit(tmp_path,
+                                                                                         monkeypatch) -> None:
+    ca = make_ca(str(tmp_path))
+    cert, key = make_server_cert(str(tmp_path), ca)
+    tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    tls.load_cert_chain(cert, key)
+    monkeypatch.setattr(listening, "HANDSHAKE_S", 0.5)
+    caps = Caps(total=10, per_source=2)
+    async with serving(caps, tls=tls) as (port, _):
+        quiet = [silent(port) for _ in range(2)]
+        began = time.monotonic()
+        assert all([await closed_within(s, 3.0) for s in quiet]) and time.monotonic() - began < 2.0
+        await asyncio.sleep(0.1)
+        assert caps.open == {}                         # their places are free again
+        client = ssl.create_default_context(cafile=ca[0])
+        client.check_hostname = False
+        reader, writer = await asyncio.open_connection("127.0.0.1", port, ssl=client)
+        writer.write(b"hello\n")
+        assert await asyncio.wait_for(reader.readline(), WAIT) == b"ok hello\n"
+        writer.close()
+        for s in quiet:
+            s.close()
+
+
+def test_caps_leave_most_descriptors_to_the_rest_of_the_agent() -> None:
+    assert Caps.for_descriptors(1024).total == 256 and Caps.for_descriptors(1 << 20).total == listening.MAX_CONNECTIONS
+    assert Caps.for_descriptors(20).total == 16
+
+
+async def test_a_reader_widened_after_its_first_line_takes_a_payloads_chunks() -> None:
+    """stream.widen sets asyncio's own attribute for a StreamReader's limit: this fails should asyncio rename it."""
+    reader = asyncio.StreamReader(limit=16)
+    reader.feed_data(b"y" * 100)
+    with pytest.raises(ValueError):
+        await reader.readline()
+    reader = asyncio.StreamReader(limit=16)
+    stream.widen(reader, 4096)
+    reader.feed_data(b"y" * 100 + b"\n")
+    assert await reader.readline() == b"y" * 100 + b"\n"
