@@ -153,6 +153,12 @@ class PeerCopies:
         if self.server_tls and self.tls is None:        # no copies in the clear (said once at listen)
             self.targets = ()
             return
+        if not self.targets and self.memory.enabled:
+            self._say_once("none", "peer copies off for this job (--replicas 0): a lost node's ranks resume from disk"
+                           if not a.copy_token else
+                           "peer copies: no member takes this node's copies: none is in another failure domain "
+                           "(--failure-domain; by default each host is one), so a lost node's ranks resume from disk "
+                           "(the job's page says why)")
         if a.copies_of and a.copies_at is not None and dirs:
             # This node back at its place as a new incarnation (its agent restarted) fetches its own copies only
             # where its memory did not outlive its previous agent (a new host, or a directory removed).

@@ -99,6 +99,7 @@ class JobView(msgspec.Struct, kw_only=True):
     drained: list[DrainedView]
     lists_cut: bool
     progress: ProgressView = msgspec.field(default_factory=ProgressView)
+    copies_off: str = ""               # why the job makes no peer copies, and what to change ("": it makes some)
 
 
 class JobDetail(JobView, kw_only=True):

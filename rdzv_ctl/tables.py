@@ -202,6 +202,8 @@ def format_job(doc: JobDetail) -> str:
     if doc.last_call_ends_in_s is not None:
         out.append(f"last call  ends in {duration(max(0.0, doc.last_call_ends_in_s))}")
     out += _progress(doc.progress, doc.finished_at is None)
+    if doc.copies_off:
+        out.append(f"copies     {_visible(doc.copies_off)}")
     out.append("")
     if doc.nodes:
         out.append(columns_table(MEMBERS, doc.nodes))

@@ -26,6 +26,7 @@ from rdzv_server.core.rounds import (
     build_round,
     candidates,
     copies_lost,
+    copies_off,
     count_nodes,
     growth_cause,
     master_correction,
@@ -257,6 +258,9 @@ class JobRules:
         places = "".join(f"; {new} takes {old}'s place (group rank {chosen.index(new)})" if new != old else
                          f"; {new} is back at its place (group rank {chosen.index(new)}) with a new agent"
                          for new, old in list(took.items())[:3]) + copies_lost(job.round, took)
+        if (off := copies_off(job.round, cfg.replicas)) != job.copies_off:     # said once, not every round
+            job.copies_off = off
+            places += f"; peer copies {off}" if off else ""
         self.record(now, EventKind.ROUND_COMPLETED, f"round {job.round.round_id}: {len(chosen)} nodes, world size "
                     f"{job.round.world_size} ({why}){places}", round_id=job.round.round_id, data=data)
 

@@ -114,6 +114,7 @@ class JobRecord(msgspec.Struct, kw_only=True):
     replica_key: str = ""           # what members' agents show each other with a copy (derived from a secret)
     # While waiting: each member of the last round's copies (rounds.places_kept), for the node taking a place
     place_copies: dict[str, PlaceCopies] = msgspec.field(default_factory=dict)
+    copies_off: str = ""            # why the job's rounds make no peer copies, as last said (rounds.copies_off)
     excluded: list[str] = msgspec.field(default_factory=list)
     drained: dict[str, str] = msgspec.field(default_factory=dict)  # node id -> operator's reason: may not join
     loss_times: dict[str, list[float]] = msgspec.field(default_factory=dict)  # node id -> when it was lost

@@ -113,6 +113,26 @@ def copies_lost(r: RoundRecord, took: dict[str, str]) -> str:
             f"was lost too, or its ranks are not the newcomer's): every rank resumes from disk")
 
 
+def copies_off(r: RoundRecord | None, replicas: int) -> str:
+    """Why round `r` makes no peer copies at all, and what to change ("": some member's copies have a holder, or
+    there is no round). A job whose copies cannot act says so, once, rather than lose a node's work silently."""
+    if r is None:
+        return ""
+    if not replicas:
+        return "off (--replicas 0): a lost node's ranks resume from disk; --replicas 1 keeps a copy on a peer"
+    if not r.replicas:
+        return "off: the job has no key for them (it was made by an agent without the server's credential)"
+    if not any(r.copy_ports):
+        return ("off: no member takes copies (their agents run with --no-memory-dir, or the server uses TLS and they "
+                "have no --tls-cert and --tls-key)")
+    groups = _derived(r).domain_groups()
+    if len(groups.order) < 2:
+        return (f"off: every member is in one failure domain ({groups.order[0]!r}; a host is its own by default), "
+                f"where a copy is lost with its node: start each host's agents with --failure-domain naming it "
+                f"(or its rack)")
+    return ""
+
+
 def _derived(r: RoundRecord) -> _Derived:
     derived: _Derived | None = r.__dict__.get("derived")
     if derived is None:

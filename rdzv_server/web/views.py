@@ -165,7 +165,7 @@ def _job_head(job: JobRecord, now: float) -> dict[str, Any]:
                 min_nodes=job.config.min_nodes, max_nodes=job.config.max_nodes, world_size=r.world_size if r else 0,
                 group_world_size=len(r.members) if r else 0, restart_count=job.restart_count,
                 max_restarts=job.config.max_restarts, created_at=iso(job.created_at), finished_at=iso(job.finished_at),
-                progress=progress(job, now))
+                progress=progress(job, now), copies_off=job.copies_off if r is not None else "")
 
 
 def job_summary(job: JobRecord, now: float, list_limit: int = LIST_LIMIT) -> JobView:

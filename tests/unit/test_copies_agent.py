@@ -7,6 +7,8 @@ import contextlib
 import os
 from collections.abc import AsyncIterator
 
+import msgspec
+
 from node_agent.copies import PeerCopies
 from node_agent.replicas import wire
 from node_agent.replicas.store import ReplicaStore
@@ -164,3 +166,18 @@ async def test_a_node_without_memory_directories_takes_no_copies(tmp_path) -> No
     assert await off.listen("127.0.0.1", 4000) == 0
     on = PeerCopies(MemoryDirs("job", 2, 2**20, say=lambda s: None, base=str(tmp_path)), 2, "n", lambda s: None, 0)
     assert await on.listen("127.0.0.1", 4000) == 4000          # the witnesses' port, in the clear
+
+
+async def test_a_node_whose_copies_go_nowhere_says_so_once(tmp_path) -> None:
+    said: list[str] = []
+    copies, dirs = agent_side(tmp_path, "b", said)
+    for _ in range(2):                                # every round, said once
+        await copies.before_spawn(assignment(()), dirs)
+    assert len([line for line in said if "no member takes this node's copies" in line]) == 1, said
+    off: list[str] = []
+    copies_off, dirs_off = agent_side(tmp_path, "c", off)
+    a = assignment(())
+    await copies_off.before_spawn(msgspec.structs.replace(a, copy_token=""), dirs_off)
+    assert any("peer copies off for this job (--replicas 0)" in line for line in off), off
+    await copies.close()
+    await copies_off.close()

@@ -8,6 +8,7 @@ from protocol.messages import JobConfig, JobState, JoinRequest, NodeStatus, Poll
 from rdzv_server.core.rendezvous import Rendezvous
 from rdzv_server.core.requests import Arrival
 from rdzv_server.core.rounds import run_of
+from rdzv_server.web import views
 
 JOB = "job-c"
 
@@ -75,11 +76,20 @@ def test_without_a_domain_the_host_is_the_domain_and_a_node_that_takes_no_copies
     assert targets(rz, "a") == ["10.0.0.3"] and targets(rz, "b") == [] and targets(rz, "c") == ["10.0.0.1"]
 
 
-def test_all_in_one_failure_domain_no_copies_and_replicas_zero_none():
+def test_all_in_one_failure_domain_no_copies_and_replicas_zero_none_each_said_once():
     rz = started({"a": "r", "b": "r", "c": "r"}, CFG)
     assert [targets(rz, n) for n in "abc"] == [[], [], []]
     off = started({"a": "1", "b": "2", "c": "3"}, JobConfig(min_nodes=2, max_nodes=3, replicas=0))
     assert [targets(off, n) for n in "abc"] == [[], [], []]
+    for job, says in ((rz, "off: every member is in one failure domain ('r'"), (off, "off (--replicas 0)")):
+        assert job.jobs[JOB].copies_off.startswith(says)
+        formed = [e.message for e in job.jobs[JOB].events if e.kind == "round_completed"]
+        assert f"; peer copies {says}" in formed[0] and not any("peer copies" in m for m in formed[1:]), formed
+        assert views.job_detail(job.jobs[JOB], 1.0).copies_off.startswith(says)
+    outlive(rz, ("a", "b"))                      # c lost: the next round says nothing new of the copies
+    formed = [e.message for e in rz.jobs[JOB].events if e.kind == "round_completed"]
+    assert len(formed) == 3 and "peer copies" not in formed[2], formed
+    assert started({"a": "1", "b": "2", "c": "3"}, CFG).jobs[JOB].copies_off == ""     # copies made: nothing said
 
 
 def test_a_job_made_without_a_secret_has_no_key_and_so_no_copies():

@@ -182,6 +182,8 @@ def card(job: JobView, events: list[EventView], now: float, *, full: bool, extra
         (f'<p class="reason"><span class="muted">last decision:</span> {esc(job.reason)}</p>'
          if job.reason else ""),
         f'<p class="warns">&#9888; {esc("; ".join(warns))}</p>' if warns else "",
+        (f'<p class="warns" data-copies="off"><span class="muted">peer copies</span> {esc(job.copies_off)}</p>'
+         if job.copies_off else ""),
         (f'<h3>History</h3>{picture}' if full else picture) if picture else "",
         pager, _node_tables(job, columns, full), pager, restart_costs(job) if full else "", extra,
         f'<h3>{"Event history, newest first" if full else "Recent events"}</h3>',
