@@ -6,7 +6,7 @@ PIP_FLAGS := --disable-pip-version-check -q
 PYTEST_WORKERS ?= 3
 
 .PHONY: venv chromium deploy-tools netns-tools etcd demo test multihost soak fuzz bench bench-faults bench-scale bench-blip bench-progress \
-	bench-leftovers bench-console bench-hangs bench-places bench-node-loss bench-copy-speed bench-snapshot-blocking bench-request-path \
+	bench-leftovers bench-console bench-hangs bench-places bench-node-loss bench-copy-faults bench-copy-speed bench-snapshot-blocking bench-request-path \
 	bench-failover bench-first-step gpu-check gpu-hangs test-oldest clean
 
 $(VENV)/.installed: pyproject.toml constraints.txt
@@ -149,6 +149,12 @@ bench-places: venv
 BENCH_NODE_LOSS_ARGS ?= --netns 3 --lost 3 --pair 1 --cost 2
 bench-node-loss: venv
 	$(PY) benchmarks/bench_node_loss.py $(BENCH_NODE_LOSS_ARGS)
+
+# Issue 53's faults on the snapshot path: an agent restarted under its own id (memory kept, and removed), idle and
+# long-lined connections by the thousand, a far-future push, late request lines on busy cores (about 6 minutes).
+BENCH_COPY_FAULTS_ARGS ?= --restart 10 --flood 15 --lines --ahead --busy 1000
+bench-copy-faults: venv
+	$(PY) benchmarks/bench_copy_faults.py $(BENCH_COPY_FAULTS_ARGS)
 
 # One peer copy's cost: push and fetch of 64 MiB-1 GiB snapshots over loopback with sha256 (about 1 minute).
 bench-copy-speed: venv

@@ -40,6 +40,7 @@ sys.path.insert(0, ROOT)
 from benchmarks import bench_places as places  # noqa: E402
 from benchmarks._server import running_server  # noqa: E402
 from benchmarks.bench_places import wait  # noqa: E402
+from node_agent.workers.memory import dir_name  # noqa: E402
 
 SCRIPT = os.path.join(ROOT, "benchmarks", "scripts", "shard_train.py")
 KILL_AFTER = 27      # the first step at or after it two steps past a snapshot (27, 32, ...: spares ready first)
@@ -87,12 +88,13 @@ def group_rank_of(job: Job, node: str) -> int:
     return min(ranks) // 2
 
 
-def forget_memory(agent_pid: int) -> int:
+def forget_memory(job: str, node: str) -> int:
     """Remove a SIGKILLed agent's memory directory (its host's memory is gone with it); how many went."""
-    gone = glob.glob(f"/dev/shm/node-agent-mem-{os.getuid()}/*.{agent_pid}.*")
-    for path in gone:
-        shutil.rmtree(path, ignore_errors=True)
-    return len(gone)
+    path = os.path.join(f"/dev/shm/node-agent-mem-{os.getuid()}", dir_name(job, node))
+    if not os.path.isdir(path):
+        return 0
+    shutil.rmtree(path, ignore_errors=True)
+    return 1
 
 
 def loss_run(port: int, i: int, lose: tuple[int, ...], crash: bool, extra: tuple[str, ...]) -> dict:
@@ -120,7 +122,7 @@ def loss_run(port: int, i: int, lose: tuple[int, ...], crash: bool, extra: tuple
                     job.agents[n].send_signal(signal.SIGKILL)
                 for n in victims:
                     job.agents[n].wait()
-                    forget_memory(job.agents[n].pid)
+                    forget_memory(job.job, n)
             again = wait(lambda: len(job.resumed(killed_at)) == 6 and _stepping(job, killed_at), 120,
                          "every rank again")
             assert again

@@ -57,6 +57,21 @@ class Caps:
             self.open.pop(source, None)
 
 
+async def _first_line(loop: asyncio.AbstractEventLoop, conn: socket.socket) -> tuple[bytes, bytes]:
+    """(the first line with its newline, what came after it), or (b"", b"") when the peer closed or sent a line
+    longer than FIRST_LINE_LIMIT."""
+    got = b""
+    while b"\n" not in got:
+        piece = await loop.sock_recv(conn, FIRST_LINE_LIMIT - len(got))
+        if not piece:
+            return b"", b""
+        got += piece
+        if len(got) >= FIRST_LINE_LIMIT and b"\n" not in got:
+            return b"", b""
+    line, _, rest = got.partition(b"\n")
+    return line + b"\n", rest
+
+
 class Listener:
     def __init__(self, handler: Handler, caps: Caps, say: Callable[[str], None], tls: ssl.SSLContext | None = None,
                  name: str = "listener") -> None:
@@ -109,15 +124,24 @@ class Listener:
             task.add_done_callback(self._serving.discard)
 
     async def _serve(self, conn: socket.socket, source: str) -> None:
+        """In the clear the first line is read off the socket itself, a piece of at most FIRST_LINE_LIMIT at a time
+        (a stream's transport would read 256 KiB at once); over TLS, after the handshake, into a small buffer."""
         loop = asyncio.get_running_loop()
         connected: asyncio.Future[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = loop.create_future()
+        line, rest = b"", b""
 
         def made() -> asyncio.StreamReaderProtocol:
             reader = asyncio.StreamReader(limit=FIRST_LINE_LIMIT)
+            reader.feed_data(rest)         # what came after the first line, before the stream took over
             return asyncio.StreamReaderProtocol(reader, lambda r, w: connected.set_result((r, w)))
 
         try:
             try:
+                if self.tls is None:
+                    line, rest = await asyncio.wait_for(_first_line(loop, conn), FIRST_LINE_S)
+                    if not line:
+                        conn.close()
+                        return
                 await asyncio.wait_for(loop.connect_accepted_socket(made, conn, ssl=self.tls,
                                                                     ssl_handshake_timeout=HANDSHAKE_S if self.tls
                                                                     else None), HANDSHAKE_S + 1)
@@ -127,7 +151,8 @@ class Listener:
                 return
             try:
                 with contextlib.suppress(OSError, ValueError, asyncio.TimeoutError):
-                    line = await asyncio.wait_for(reader.readline(), FIRST_LINE_S)
+                    if not line:
+                        line = await asyncio.wait_for(reader.readline(), FIRST_LINE_S)
                     if line:
                         await self.handler(line, reader, writer)
             finally:

@@ -180,16 +180,16 @@ class ReplicaStore:
 
     async def _push(self, req: PushRequest, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         slot = (req.node, req.rank)
+        self._check_incarnation(req, self._copies())
+        # Waiting holds no slot: a push of a step the job never reaches must not hold up the node's real ones.
+        await self._until_reached(req.step)
         if slot in self._pushing:
             raise _Refusal("busy", "busy")
-        self._pushing[slot] = 0       # the slot is this push's while it waits for this node's ranks to catch up
+        copies = self._make_room(req.node, req.size, self._copies())
+        self._check_incarnation(req, copies)      # (a push of the same node may have landed meanwhile)
+        self._check_room(req, copies)
+        self._pushing[slot] = req.size
         try:
-            self._check_incarnation(req, self._copies())
-            await self._until_reached(req.step)
-            copies = self._make_room(req.node, req.size, self._copies())
-            self._check_incarnation(req, copies)      # (a push of the same node may have landed meanwhile)
-            self._check_room(req, copies)
-            self._pushing[slot] = req.size
             await self._receive(req, reader, writer)
         finally:
             del self._pushing[slot]

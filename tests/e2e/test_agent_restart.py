@@ -7,7 +7,6 @@ fetches its own copies from their holder. Either way every rank resumes from the
 shard, and the node's copies land again afterwards."""
 from __future__ import annotations
 
-import glob
 import os
 import shutil
 import signal
@@ -16,7 +15,7 @@ import time
 import pytest
 
 from tests.e2e.harness import job_view, shard_resumes, wait_until
-from tests.e2e.test_peer_copies import ENV, FAST, LIMIT, SHARDS, steps
+from tests.e2e.test_peer_copies import ENV, FAST, LIMIT, SHARDS, memory_of, steps
 
 pytestmark = pytest.mark.e2e
 
@@ -44,10 +43,10 @@ def test_an_agent_restarted_under_its_own_id_resumes_every_rank_from_memory(clus
     killed_at = time.time()
     os.kill(agents[node].pid, signal.SIGKILL)
     agents[node].wait(LIMIT)
-    held = glob.glob(f"/dev/shm/node-agent-mem-{os.getuid()}/{job}.{node}.*")
-    assert len(held) == 1, held                     # the memory belongs to the job and node id
+    held = memory_of(job, node)
+    assert os.path.isdir(held), held                # the memory belongs to the job and node id, not the agent
     if memory == "gone":
-        shutil.rmtree(held[0])
+        shutil.rmtree(held)
     agents[node] = start(cluster, tmp_path, node, job)
     back = wait_until(lambda: len(shard_resumes(tmp_path, killed_at)) == 6 and shard_resumes(tmp_path, killed_at),
                       LIMIT, lambda: f"every rank resumed: {shard_resumes(tmp_path, killed_at)}\n"

@@ -4,7 +4,6 @@ snapshot every 5: every rank resumes at step 25 from memory, and the final weigh
 resumed by the framework itself from its own checkpoint of step 25."""
 from __future__ import annotations
 
-import glob
 import os
 import re
 import shutil
@@ -14,6 +13,7 @@ import pytest
 import torch
 
 from tests.e2e.harness import ROOT, job_view, wait_until
+from tests.e2e.test_peer_copies import memory_of
 
 pytestmark = pytest.mark.e2e
 STARTED = re.compile(r"rank (\d): training from step (\d+)")
@@ -96,8 +96,7 @@ def test_a_lost_nodes_replacement_resumes_lightning_from_the_peers_copy(cluster,
     before = {n: len(a.output) for n, a in agents.items()}
     os.kill(agents[lost].pid, signal.SIGKILL)
     agents[lost].wait(60)
-    for path in glob.glob(f"/dev/shm/node-agent-mem-{os.getuid()}/lost.{agents[lost].pid}.*"):
-        shutil.rmtree(path)                     # its host's memory is gone with it
+    shutil.rmtree(memory_of("lost", lost))      # its host's memory is gone with it
     for node, agent in agents.items():
         if node != lost:
             assert agent.wait(300) == 0, agent.output

@@ -14,6 +14,7 @@ import urllib.request
 
 import pytest
 
+from node_agent.workers.memory import dir_name
 from tests.e2e.certs import make_ca, make_server_cert
 from tests.e2e.harness import job_events, job_view, shard_resumes, wait_until
 
@@ -31,14 +32,18 @@ def start(cluster, out, node: str, job: str, *, endpoint: str = "", extra: tuple
                          *extra, SHARDS, name=node, env={"OUT_DIR": str(out), "NODE": node, **ENV})
 
 
+def memory_of(job: str, node: str) -> str:
+    """A node's memory directory (node_agent/workers/memory.py): the job's and the node id's."""
+    return os.path.join(f"/dev/shm/node-agent-mem-{os.getuid()}", dir_name(job, node))
+
+
 def lose_group_rank_1(cluster, out, job: str, agents: dict) -> tuple[str, dict[int, tuple[int, str, str]]]:
     """SIGKILL the agent of group rank 1 (its workers die with it) and remove its memory; how every rank resumed."""
     lost = next(n["node_id"] for n in job_view(cluster, job)["nodes"] if n["group_rank"] == 1)
     killed_at = time.time()
     os.kill(agents[lost].pid, signal.SIGKILL)
     agents[lost].wait(LIMIT)
-    for path in glob.glob(f"/dev/shm/node-agent-mem-{os.getuid()}/{job}.{agents[lost].pid}.*"):
-        shutil.rmtree(path)          # its host's memory is gone with it
+    shutil.rmtree(memory_of(job, lost))          # its host's memory is gone with it
     back = wait_until(lambda: len(shard_resumes(out, killed_at)) == 6 and shard_resumes(out, killed_at), LIMIT,
                       lambda: f"every rank resumed: {shard_resumes(out, killed_at)}\n{agents['s'].output}")
     return lost, back

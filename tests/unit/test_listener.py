@@ -104,7 +104,8 @@ async def test_a_line_that_comes_late_is_still_served_and_one_too_long_is_not() 
         writer.close()
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
         writer.write(b"x" * (2 * listening.FIRST_LINE_LIMIT) + b"\n")
-        assert await asyncio.wait_for(reader.read(), WAIT) == b""            # closed, nothing said
+        with contextlib.suppress(ConnectionResetError):                    # closed with bytes unread: a reset
+            assert await asyncio.wait_for(reader.read(), WAIT) == b""       # closed, nothing said
         writer.close()
     assert lines == [b"rdzv-agent push late\n"]
 

@@ -140,3 +140,14 @@ async def test_a_push_of_the_older_wire_without_a_round_is_refused_naming_the_fi
         answer = await raw_push(port, header(1, 10).replace(b" round=0", b""))
     assert answer[0].startswith(b"rdzv-agent refused bad request: push wants the fields key= node= rank= step= size= "
                                 b"round=")
+
+
+async def test_a_push_waiting_for_a_step_never_reached_holds_up_no_real_push_of_that_rank(tmp_path) -> None:
+    store = store_of(tmp_path, reach=[40])
+    store.ahead_wait_s = 5.0
+    async with holder(store) as port:
+        frozen = asyncio.ensure_future(send(port, tmp_path, step=wire.MAX_STEP, round_id=5))
+        await asyncio.sleep(0.2)
+        assert (await send(port, tmp_path, step=40, round_id=5)).ok          # the node's own: lands meanwhile
+        assert (await asyncio.wait_for(frozen, 10)).reason.startswith("refused: step 999999999999999999 is past")
+    assert store.held() == {(NODE, 0): 40}
