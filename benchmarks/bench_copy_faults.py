@@ -35,7 +35,6 @@ import socket
 import ssl
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -46,7 +45,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from benchmarks._server import running_server  # noqa: E402
 from benchmarks.bench_node_loss import Job as ShardJob  # noqa: E402
-from benchmarks.bench_node_loss import _stepping  # noqa: E402
+from benchmarks.bench_node_loss import _stepping, _workdir  # noqa: E402
 from benchmarks.bench_places import FAST, wait  # noqa: E402
 from node_agent.replicas import wire  # noqa: E402
 from node_agent.workers.memory import COPIES, dir_name  # noqa: E402
@@ -62,9 +61,9 @@ SOURCES = 100           # attacking addresses, 127.0.0.2 ...
 class Job(ShardJob):
     """bench_node_loss's job, over TLS, with node b's agent at RLIMIT_NOFILE 1024."""
 
-    def __init__(self, port: int, job: str, out: str, certs: tuple[str, str, str]) -> None:
+    def __init__(self, port: int, job: str, out: str, certs: tuple[str, str, str], extra: tuple[str, ...] = ()) -> None:
         ca, cert, key = certs
-        super().__init__(port, job, out, "3", ("--tls-ca", ca, "--tls-cert", cert, "--tls-key", key))
+        super().__init__(port, job, out, "3", ("--tls-ca", ca, "--tls-cert", cert, "--tls-key", key, *extra))
         self.ca = ca
 
     def start(self, node: str) -> None:
@@ -100,11 +99,11 @@ def _certs(where: str) -> tuple[str, str, str]:
 
 
 @contextlib.contextmanager
-def running_job(name: str) -> Iterator[Job]:
-    with tempfile.TemporaryDirectory(prefix="bench-copy-faults-") as out:
+def running_job(name: str, extra: tuple[str, ...] = ()) -> Iterator[Job]:
+    with _workdir() as out:
         certs = _certs(out)
         with running_server("--tls-cert", certs[1], "--tls-key", certs[2]) as port:
-            job = Job(port, name, out, certs)
+            job = Job(port, name, out, certs, extra)
             try:
                 for n in ("a", "b", "c"):
                     job.start(n)
@@ -117,7 +116,9 @@ def running_job(name: str) -> Iterator[Job]:
 
 def restart_runs(n: int) -> list[dict]:
     rows = []
-    with running_job("restart") as job:
+    # One job, node b's agent restarted 2N times in minutes: flap damping (a node lost twice in 10 minutes is kept
+    # out 5 minutes: --exclude-lost-after) is off, or the job would rightly keep b out from its second restart.
+    with running_job("restart", ("--exclude-lost-after", "0")) as job:
         for i in range(2 * n):
             memory = "kept" if i % 2 == 0 else "gone"
             rows.append(one_restart(job, i, memory))
@@ -127,11 +128,13 @@ def restart_runs(n: int) -> list[dict]:
 
 def one_restart(job: Job, i: int, memory: str) -> dict:
     """Kill b's agent two steps past a snapshot (its last one copied), restart it under its own id."""
+    wait(lambda: (c := job.copies("b")).get("copied_step", -2) == c.get("local_step", -1), 120, "b's copies caught up")
     now = job.top_step()
     target = now + 1 + (2 - (now + 1)) % 5
-    wait(lambda: job.top_step() >= target and job.copies("b").get("copied_step", -1) >= target - 2, 120,
-         f"step {target} with b's copies of {target - 2}")
-    held = target - 2        # the newest snapshot every rank held at the kill (its save takes a few ms)
+    wait(lambda: job.top_step() >= target, 120, f"step {target}")
+    low = min(max(s for _, s, _, _, r, _ in job.steps() if r == rank) for rank in range(6))
+    held = low - low % 5     # the newest snapshot every rank held at the kill (two steps back: its save is done)
+    logged = len(job.log("b"))
     killed_at = time.time()
     job.agents["b"].send_signal(signal.SIGKILL)
     job.agents["b"].wait()
@@ -145,8 +148,8 @@ def one_restart(job: Job, i: int, memory: str) -> dict:
     landed = wait(lambda: (c := job.copies("b")).get("sent_bytes", 0) > 0
                   and c.get("copied_step", -1) == c.get("local_step") >= step + 5 and c, 120, "b's copies again")
     assert isinstance(landed, dict)
-    log = job.log("b")
-    return {"run": i, "memory": memory, "killed_after_step": target, "newest_held": held,
+    log = job.log("b")[logged:]
+    return {"run": i, "memory": memory, "killed_after_step": low, "newest_held": held,
             "steps": sorted({int(v[0]) for v in resumed.values()}), "sources": sorted({v[1] for v in resumed.values()}),
             "own_shards": sum(v[2] == "ok" for v in resumed.values()),
             "stepping_again_s": round(max(first.values()) - killed_at, 2),
@@ -233,11 +236,12 @@ def flood_run(seconds: float) -> dict:
         ended = time.monotonic()
         answered = wait(lambda: _ask(plain, "127.0.0.250").startswith(b"rdzv-agent in-contact"), 30, "a witness answer")
         answer_s = time.monotonic() - ended
-        source = next(n for n in os.listdir(os.path.join(SHM, dir_name(job.job, "b"), COPIES)))   # b holds its copies
+        held = os.path.join(SHM, dir_name(job.job, "b"), COPIES)
+        source = next(n for n in os.listdir(held))       # the node whose copies b holds
         during = job.copies(source)
-        wait(lambda: job.copies(source).get("copied_step", -1) > during.get("copied_step", -1), 60,
-             f"node {source}'s next copy on b")
-        copy_s = time.monotonic() - ended
+        landed = wait(lambda: _newest_held(os.path.join(held, source)) > during.get("copied_step", -1)
+                      and time.monotonic(), 60, f"node {source}'s next copy on b")   # in b's store: no poll between
+        copy_s = float(landed) - ended  # type: ignore[arg-type]
         sampling = False
         sampler.join()
         alive = job.agents["b"].poll() is None
@@ -248,6 +252,16 @@ def flood_run(seconds: float) -> dict:
                 "source_on_b": source, "its_copies_as_the_attack_ended": during,
                 "its_next_copy_on_b_after_s": round(copy_s, 2),
                 "said": [ln for ln in job.log("b").splitlines() if "descriptors" in ln][:3]}
+
+
+def _newest_held(node_dir: str) -> int:
+    """The newest step a holder holds of every rank of a node (its store's files), -1: none."""
+    steps = []
+    for rank in [r for r in os.listdir(node_dir) if r.isdigit()] if os.path.isdir(node_dir) else []:
+        names = set(os.listdir(os.path.join(node_dir, rank)))
+        steps.append(max((int(n[5:]) for n in names if n.startswith("step-") and n[5:].isdigit()
+                          and f"{n}.sha256" in names), default=-1))
+    return min(steps, default=-1)
 
 
 def lines_run() -> dict:

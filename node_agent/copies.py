@@ -11,15 +11,18 @@ another node, the node that takes its place resumes from that step instead of ev
 - A node that takes a gone node's place (`Assignment.copies_of`/`copies_at`) fetches that node's copies
   into its own ranks' memory directories while its workers start (FETCH_LIMIT_S at most; `snapshot.agreed_step`
   waits for it), so agreed_step finds the step on every rank, and the holder then drops them. None there: every rank
-  falls back to disk (agreed_step), said in one line.
-- Copies held for others live under this run's memory directory: removed with it when the job ends or the
-  node leaves, and swept by the next agent when this one was killed (workers/memory.py); a node whose job is
-  over asks its holders to drop its copies at once."""
+  falls back to disk (agreed_step), said in one line. A node back at its own place as a new incarnation (its agent
+  restarted) is told of its own copies: fetched only where its memory did not outlive its predecessor.
+- Copies held for others live under the node's memory directory: removed with it when the job ends or the
+  node leaves, taken up with it by the node's next agent, or swept (workers/memory.py); a node whose job is
+  over asks its holders to drop its copies at once.
+- A job whose copies go nowhere (one failure domain, --replicas 0) is said once."""
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import os
+import re
 import time
 from collections.abc import Awaitable, Callable
 
@@ -35,7 +38,8 @@ from protocol.messages import Assignment, CopiesNote, CopySource, Witness
 PUSH_SCAN_S = 0.1       # how often the memory directories are looked at for a newer snapshot (a dir listing)
 FETCH_LIMIT_S = 60.0    # a node taking a place waits this long for its copies, then starts without them
 DROP_LIMIT_S = 1.0      # a leaving node's goodbye to each holder of its copies
-RETRY_S = 5.0           # a peer a push could not reach or that refused is tried again this much later
+RETRY_S = 1.0           # a peer a push could not reach or that refused is tried again this much later (a header:
+                        # cheap; a holder flooded by strangers takes the copies again within this of the flood's end)
 
 
 def mark_fetching(dirs: dict[int, str], on: bool) -> None:
@@ -258,7 +262,7 @@ class PeerCopies:
         self.refused += 1
         self.last_refusal = "".join(c if c.isprintable() else "?" for c in f"{target.addr}:{target.port}: "
                                     f"{result.reason}")[:256]
-        self._say_once(":".join(result.reason.split(":")[:2])[:60],
+        self._say_once(re.sub(r"[0-9]+", "#", ":".join(result.reason.split(":")[:2]))[:60],   # numbers: one kind
                        f"copy of local rank {rank}'s step {step} to {target.addr}:{target.port} not made: "
                        f"{result.reason} (training goes on; tried again on the next snapshot)")
 

@@ -3,7 +3,7 @@ port for peer copies. Anyone who can reach the node can connect, so each connect
 more than a descriptor, as the server bounds its own:
 - at most `Caps.total` connections open for all of the agent's listeners together, and `Caps.per_source` from one
   address: the excess is closed at once, before any TLS handshake (the accept loop is ours for that reason);
-- a TLS handshake done within HANDSHAKE_S, then the first line within FIRST_LINE_S, read into a buffer of
+- a TLS handshake done within HANDSHAKE_S, then the first line within FIRST_LINE_S (4 s each), read into a buffer of
   FIRST_LINE_LIMIT bytes (a real first line is under 512); what breaks either is closed without a word;
 - out of descriptors while accepting (EMFILE): said, once a minute, and accepting goes on after a pause.
 The handler gets the first line and the connection; it may widen the reader's buffer for a payload
@@ -20,8 +20,8 @@ from collections.abc import Awaitable, Callable
 
 MAX_CONNECTIONS = 512     # open at once, for all the agent's listeners (and a quarter of its descriptors at most)
 MAX_PER_SOURCE = 64       # open at once from one address (a node pushes, fetches and asks with a few each)
-HANDSHAKE_S = 5.0
-FIRST_LINE_S = 5.0
+HANDSHAKE_S = 4.0       # within the 5 s an operator is promised, with a margin for a loaded machine
+FIRST_LINE_S = 4.0
 FIRST_LINE_LIMIT = 1024   # the reader's buffer until the first line is in: a longer line ends the connection
 ACCEPT_PAUSE_S = 0.5      # out of descriptors: accepting waits this long before it tries again
 SAY_EVERY_S = 60.0
