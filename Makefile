@@ -9,8 +9,14 @@ PYTEST_WORKERS ?= 3
 	bench-leftovers bench-console bench-hangs bench-places bench-node-loss bench-copy-faults bench-copy-speed bench-snapshot-blocking bench-request-path \
 	bench-failover bench-first-step gpu-check gpu-hangs test-oldest clean
 
-$(VENV)/.installed: pyproject.toml constraints.txt
+# `make demo` installs what the demo runs (the package and torch); the test tools and the frameworks (Lightning,
+# transformers, accelerate) come with `make test` and every other target.
+$(VENV)/.demo-installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install $(PIP_FLAGS) -c constraints.txt -e '.[train]'
+	touch $@
+
+$(VENV)/.installed: $(VENV)/.demo-installed pyproject.toml constraints.txt
 	$(PY) -m pip install $(PIP_FLAGS) -c constraints.txt -e '.[test,train,frameworks]'
 	touch $@
 
@@ -33,7 +39,7 @@ etcd:
 	@PATH="$$PATH:/usr/sbin:/sbin" command -v etcd >/dev/null 2>&1 || { s=$$([ "$$(id -u)" -eq 0 ] || echo sudo); \
 		$$s apt-get update && $$s env DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends etcd-server; }
 
-demo: venv
+demo: $(VENV)/.demo-installed
 	$(PY) examples/demo.py
 
 # Debian tools for tests/deploy (a one-machine Slurm, shellcheck, systemd-analyze, sqlite3); installs only
