@@ -144,7 +144,7 @@ async def test_a_push_of_the_older_wire_without_a_round_is_refused_naming_the_fi
 
 async def test_a_push_waiting_for_a_step_never_reached_holds_up_no_real_push_of_that_rank(tmp_path) -> None:
     store = store_of(tmp_path, reach=[40])
-    store.ahead_wait_s = 5.0
+    store.ahead_wait_s = 1.5
     async with holder(store) as port:
         frozen = asyncio.ensure_future(send(port, tmp_path, step=wire.MAX_STEP, round_id=5))
         await asyncio.sleep(0.2)
