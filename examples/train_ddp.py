@@ -91,6 +91,9 @@ def main() -> None:
     p.add_argument("--optimizer", choices=("sgd", "adamw"), default="sgd")
     p.add_argument("--markers", default="", help="append timestamped progress lines to this file")
     p.add_argument("--final", default="", help="write the trained weights to this file (rank 0)")
+    p.add_argument("--batches", choices=("seeded", "generator", "global"), default="seeded",
+                   help="where each step's batch comes from: a generator seeded by the step (the default), a "
+                        "generator of the loop's own (kept by protect in `extra`), or the global RNG")
     args = p.parse_args()
     mark(args, "start", STARTED)
     mark(args, "import", IMPORTED)
@@ -105,16 +108,22 @@ def main() -> None:
 
     torch.manual_seed(0)
     model = build(args)
+    batches = torch.Generator().manual_seed(1000 + rank)      # --batches generator: the loop's own
+    torch.manual_seed(100 + rank)                              # --batches global: the global RNG, per rank
     opt = (torch.optim.AdamW(model.parameters(), lr=args.lr * 0.01) if args.optimizer == "adamw"
            else torch.optim.SGD(model.parameters(), lr=args.lr))
     mark(args, "built")
-    start = protect(model, opt, every=args.snapshot_every, fallback=lambda: load_disk(args, model, opt)) \
+    extra = {"batches": batches} if args.batches == "generator" else None
+    start = protect(model, opt, every=args.snapshot_every, extra=extra, fallback=lambda: load_disk(args, model, opt)) \
         if args.snapshot_every else load_disk(args, model, opt)     # memory, a peer's copy, the disk, or 0
     mark(args, "loaded")
     model = DDP(model)
     width = args.width if args.width > 0 else 16
     for step in range(start, args.steps):
-        x = torch.randn(8 if args.width > 0 else 64, width, generator=torch.Generator().manual_seed(step * 1000 + rank))
+        shape = (8 if args.width > 0 else 64, width)
+        x = (torch.randn(*shape, generator=torch.Generator().manual_seed(step * 1000 + rank))
+             if args.batches == "seeded" else torch.randn(*shape, generator=batches) if args.batches == "generator"
+             else torch.randn(*shape))
         y = x if args.width > 0 else x.sum(dim=1, keepdim=True)
         loss = nn.functional.mse_loss(model(x), y)
         opt.zero_grad()

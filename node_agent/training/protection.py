@@ -12,7 +12,9 @@ The rules:
   returns `fallback()` (your own checkpoint's step count) or 0. Nothing is half loaded.
 - Then, every `every` optimizer steps (counted by the optimizer's step hook, so gradient accumulation and
   skipped AMP steps count as the optimizer does), a snapshot is taken as the next step begins, so it holds what
-  the loop did after `optimizer.step()` (`_Hooks`). The training waits only for the copy of the state into host
+  the loop did after `optimizer.step()` (an LR scheduler's step), with the RNG states (and the `extra`
+  torch.Generators) as that optimizer step left them: a loop draws its next batch before its next forward, and
+  a resumed run draws it again from there (`_Hooks`). The training waits only for the copy of the state into host
   memory (node_agent/training/capture.py).
 - Outside node-agent (no memory directory: torchrun, plain python) it takes none, says so once, and returns
   `fallback()` or 0; the script runs unchanged.
@@ -38,8 +40,11 @@ class Stateful(Protocol):
     def load_state_dict(self, state_dict: Any) -> Any: ...
 
 
+Extra = Stateful | torch.Generator     # what `extra` may hold
+
+
 def protect(model: nn.Module, optimizer: torch.optim.Optimizer, every: int = 5, *,
-            extra: Mapping[str, Stateful] | None = None, fallback: Callable[[], int] | None = None,
+            extra: Mapping[str, Extra] | None = None, fallback: Callable[[], int] | None = None,
             keep: int = 2) -> int:
     """Restore the newest snapshot every rank holds and snapshot every `every` optimizer steps from now on.
     Returns the number of optimizer steps already done (the loop's first step)."""
@@ -55,7 +60,7 @@ def protect(model: nn.Module, optimizer: torch.optim.Optimizer, every: int = 5, 
     return start
 
 
-def restore(model: nn.Module, optimizer: torch.optim.Optimizer, objects: Mapping[str, Stateful],
+def restore(model: nn.Module, optimizer: torch.optim.Optimizer, objects: Mapping[str, Extra],
             where: str) -> int | None:
     """The step restored from the memory directory (all ranks agree on it), or None (nothing was loaded)."""
     found = resume.agree(where, lambda tree: _fits(tree.get("state"), model, optimizer, objects))
@@ -66,7 +71,7 @@ def restore(model: nn.Module, optimizer: torch.optim.Optimizer, objects: Mapping
     model.load_state_dict(trees.into_live(saved["model"], model.state_dict()))
     optimizer.load_state_dict(_optimizer_into_live(saved["optim"], optimizer))
     for name, obj in objects.items():
-        obj.load_state_dict(saved["extra"][name])
+        load_into(obj, saved["extra"][name])
     rng.restore(tree.get("rng", {}))
     resume.resumed(step)
     return step
@@ -78,11 +83,12 @@ class _Hooks:
     loop does after `optimizer.step()` (an LR scheduler's step) is in it, and the RNG states are those the next
     step starts from. The weights and optimizer state are the same as right after the step."""
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, objects: Mapping[str, Stateful],
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, objects: Mapping[str, Extra],
                  every: int, capture: Capture, start: int) -> None:
         self.model, self.optimizer, self.objects = model, optimizer, objects
         self.every, self.capture, self.steps = every, capture, start
         self.due: int | None = None
+        self.drawn: dict[str, Any] = {}     # what the next step draws from, as the optimizer step left it
 
     def register(self) -> None:
         self.model.register_forward_pre_hook(lambda *_: self._take_due())
@@ -93,6 +99,8 @@ class _Hooks:
         self.steps += 1
         if self.steps % self.every == 0:
             self.due = self.steps
+            self.drawn = {"rng": rng.capture(), "generators": {
+                name: obj.get_state() for name, obj in self.objects.items() if isinstance(obj, torch.Generator)}}
 
     def _before_step(self) -> None:
         self._take_due()
@@ -101,22 +109,35 @@ class _Hooks:
     def _take_due(self) -> None:
         if self.due is not None:
             step, self.due = self.due, None
-            self.capture.take(step, {"state": training_state(self.model, self.optimizer, self.objects),
-                                     "rng": rng.capture()})
+            state = training_state(self.model, self.optimizer, self.objects)
+            state["extra"].update(self.drawn["generators"])
+            self.capture.take(step, {"state": state, "rng": self.drawn["rng"]})
 
 
-def training_state(model: nn.Module, optimizer: torch.optim.Optimizer, objects: Mapping[str, Stateful]) -> Any:
+def training_state(model: nn.Module, optimizer: torch.optim.Optimizer, objects: Mapping[str, Extra]) -> Any:
     return {"model": model.state_dict(), "optim": optimizer.state_dict(),
-            "extra": {name: obj.state_dict() for name, obj in objects.items()}}
+            "extra": {name: state_of(obj) for name, obj in objects.items()}}
+
+
+def state_of(obj: Extra) -> Any:
+    """An extra object's state: its state_dict, or a torch.Generator's state (a tensor)."""
+    return obj.get_state() if isinstance(obj, torch.Generator) else obj.state_dict()
+
+
+def load_into(obj: Extra, saved: Any) -> None:
+    if isinstance(obj, torch.Generator):
+        obj.set_state(saved)
+    else:
+        obj.load_state_dict(saved)
 
 
 def _fits(saved: Any, model: nn.Module, optimizer: torch.optim.Optimizer,
-          objects: Mapping[str, Stateful]) -> str | None:
+          objects: Mapping[str, Extra]) -> str | None:
     if not isinstance(saved, dict) or set(saved) != {"model", "optim", "extra"}:
         return "its state is not a model, an optimizer and extras"
     return (trees.mismatch(saved["model"], model.state_dict(), "model")
                or _optimizer_mismatch(saved["optim"], optimizer)
-               or trees.mismatch(saved["extra"], {k: v.state_dict() for k, v in objects.items()}, "extra"))
+               or trees.mismatch(saved["extra"], {k: state_of(v) for k, v in objects.items()}, "extra"))
 
 
 def _optimizer_mismatch(saved: Any, optimizer: torch.optim.Optimizer) -> str | None:
@@ -185,8 +206,10 @@ def _check(model: Any, optimizer: Any, every: Any, objects: dict[str, Any], keep
         raise TypeError(f"protect(optimizer=...): a {_name(optimizer)} is not a torch.optim.Optimizer")
     check_cadence("protect", every, keep)
     for name, obj in objects.items():
-        if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
-            raise TypeError(f"protect(extra={{{name!r}: ...}}): a {_name(obj)} has no state_dict/load_state_dict")
+        if not isinstance(obj, torch.Generator) and not (callable(getattr(obj, "state_dict", None))
+                                                         and callable(getattr(obj, "load_state_dict", None))):
+            raise TypeError(f"protect(extra={{{name!r}: ...}}): a {_name(obj)} has no state_dict/load_state_dict "
+                            f"(and is no torch.Generator)")
     trees.refuse_unplain(training_state(model, optimizer, objects), "protect: the state's ")
 
 

@@ -77,6 +77,40 @@ def test_a_restart_resumes_model_optimizer_extras_and_rng_as_if_never_stopped(me
     assert all(torch.equal(v, reference[k]) for k, v in model2.state_dict().items())
 
 
+def drawing(model: nn.Module, opt: torch.optim.Optimizer, sched, batches: torch.Generator, start: int,
+            stop: int) -> None:
+    """A loop that draws each step's batch before its forward, from a generator of its own and the global RNG
+    (noise, as data augmentation would), between the last step's optimizer.step() and this step's forward."""
+    for _ in range(start, stop):
+        x = torch.randn(3, model[0].in_features, generator=batches) + 0.1 * torch.randn(3, model[0].in_features)
+        model(x).pow(2).mean().backward()
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+
+
+def test_a_loop_that_draws_its_batch_before_the_forward_resumes_on_the_same_batches(memory) -> None:
+    """The RNG states kept are those the next step starts from (as the optimizer step left them), not those of
+    the next forward, by which time the loop drew its batch: a resumed run trains on the batches an uninterrupted
+    one does, so its weights are the same, bit for bit. A torch.Generator in `extra` is kept the same way."""
+    torch.manual_seed(7)
+    model, opt, sched = job()
+    batches = torch.Generator().manual_seed(11)
+    torch.manual_seed(7)
+    assert protect(model, opt, every=3, extra={"sched": sched, "batches": batches}) == 0
+    drawing(model, opt, sched, batches, 0, 8)          # snapshots of 3 and 6, taken at the forwards of 4 and 7
+    wait_for_writes()
+    reference = {k: v.clone() for k, v in model.state_dict().items()}
+
+    model2, opt2, sched2 = job()
+    batches2 = torch.Generator().manual_seed(999)      # a fresh process: other states
+    torch.manual_seed(123)
+    start = protect(model2, opt2, every=3, extra={"sched": sched2, "batches": batches2})
+    assert start == 6
+    drawing(model2, opt2, sched2, batches2, start, 8)
+    assert all(torch.equal(v, reference[k]) for k, v in model2.state_dict().items()), "another batch was drawn"
+
+
 def test_a_ddp_model_and_its_inner_module_share_snapshots(memory) -> None:
     model, opt, sched = job()
     protect(model, opt, every=2)
