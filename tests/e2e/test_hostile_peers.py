@@ -18,6 +18,9 @@ from tests.e2e.harness import SCRIPTS, Proc, child_env, job_view, wait_until
 
 pytestmark = pytest.mark.e2e
 WORKER = os.path.join(SCRIPTS, "memory_worker.py")
+# Runs the rest of its command line at RLIMIT_NOFILE 128, soft and hard (as util-linux's prlimit would).
+NOFILE_128 = "import os, resource, sys; resource.setrlimit(resource.RLIMIT_NOFILE, (128, 128)); " \
+             "os.execv(sys.argv[1], sys.argv[1:])"
 
 
 def listening_ports(pid: int) -> list[int]:
@@ -39,7 +42,7 @@ def test_a_flood_of_idle_connections_and_long_lines_takes_no_agent_down(cluster,
     cert, key = make_server_cert(str(tmp_path), ca)
     cluster.start_server("--tls-cert", cert, "--tls-key", key)
     cluster.ca = ca[0]
-    argv = ["prlimit", "--nofile=128:128", sys.executable, "-m", "node_agent.main", "--endpoint",
+    argv = [sys.executable, "-c", NOFILE_128, sys.executable, "-m", "node_agent.main", "--endpoint",
             f"https://{cluster.endpoint()}", "--tls-ca", ca[0], "--tls-cert", cert, "--tls-key", key, "--nnodes", "1",
             "--nproc", "1", "--job-id", "flood", "--node-id", "n", "--max-restarts", "0", "--lease-timeout", "3",
             WORKER]
@@ -47,6 +50,7 @@ def test_a_flood_of_idle_connections_and_long_lines_takes_no_agent_down(cluster,
                                  WAIT_FILE=str(tmp_path / "done")), "agent")
     cluster.procs.append(agent)
     wait_until(lambda: (tmp_path / "rank0-attempt0.json").exists(), 60, lambda: f"the worker\n{agent.output}")
+    assert psutil.Process(agent.pid).rlimit(psutil.RLIMIT_NOFILE) == (128, 128)
     ports = listening_ports(agent.pid)
     witness = next(p for p in ports if ask(p).startswith(b"rdzv-agent in-contact"))
 
