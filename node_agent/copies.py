@@ -235,7 +235,8 @@ class PeerCopies:
         newest = common_step(self._dirs)
         # A copy newer than the newest step here is of steps the job abandoned (it went back): no copy of this run.
         for rank, where in self._dirs.items():
-            if self.copied.get(rank, (-1, ""))[0] > _or_none(snapshot.newest(where)):
+            here = snapshot.newest(where)
+            if rank in self.copied and (here is None or self.copied[rank][0] > here):
                 del self.copied[rank]
         # The local ranks' copies go together, so a holder has one step for all of them (agreed_step needs one),
         # sharing --replica-bandwidth.
@@ -298,7 +299,3 @@ class PeerCopies:
                                         tls=self._connect) for t in self.targets))
         if self._listener is not None:
             await self._listener.close()
-
-
-def _or_none(step: int | None) -> int:
-    return -1 if step is None else step

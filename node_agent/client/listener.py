@@ -34,7 +34,8 @@ class Caps:
 
     def __init__(self, total: int = MAX_CONNECTIONS, per_source: int = MAX_PER_SOURCE) -> None:
         self.total, self.per_source = total, per_source
-        self.open: dict[str, int] = {}
+        self.open: dict[str, int] = {}      # source address -> its connections open now
+        self.count = 0                      # all of them (every accept in a flood asks: kept, not summed)
         self.refused = 0
 
     @classmethod
@@ -43,13 +44,15 @@ class Caps:
         return cls(total=max(16, min(MAX_CONNECTIONS, limit // 4)))
 
     def take(self, source: str) -> bool:
-        if sum(self.open.values()) >= self.total or self.open.get(source, 0) >= self.per_source:
+        if self.count >= self.total or self.open.get(source, 0) >= self.per_source:
             self.refused += 1
             return False
         self.open[source] = self.open.get(source, 0) + 1
+        self.count += 1
         return True
 
     def give(self, source: str) -> None:
+        self.count -= 1
         left = self.open.get(source, 0) - 1
         if left > 0:
             self.open[source] = left
