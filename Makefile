@@ -6,7 +6,7 @@ PIP_FLAGS := --disable-pip-version-check -q
 PYTEST_WORKERS ?= 3
 
 .PHONY: venv chromium deploy-tools netns-tools etcd demo test multihost soak fuzz bench bench-faults bench-scale bench-blip bench-progress \
-	bench-leftovers bench-console bench-hangs bench-places bench-node-loss bench-copy-faults bench-copy-speed bench-snapshot-blocking bench-request-path \
+	bench-leftovers bench-console bench-hangs bench-places bench-node-loss bench-copy-faults bench-copy-speed bench-snapshot-speed bench-snapshot-blocking bench-request-path \
 	bench-failover bench-first-step gpu-check gpu-hangs test-oldest clean
 
 # `make demo` installs what the demo runs (the package and torch); the test tools and the frameworks (Lightning,
@@ -165,6 +165,11 @@ bench-copy-faults: venv
 # One peer copy's cost: push and fetch of 64 MiB-1 GiB snapshots over loopback with sha256 (about 1 minute).
 bench-copy-speed: venv
 	$(PY) benchmarks/bench_copy_speed.py $(BENCH_COPY_SPEED_ARGS)
+
+# Snapshot write and restore speed at 1 GiB of model + AdamW state, new process per measure, checkouts in
+# --roots alternated (BENCH_SNAPSHOT_SPEED_ARGS="--roots /tmp/old,."; about 3 minutes).
+bench-snapshot-speed: venv
+	$(PY) benchmarks/bench_snapshot_speed.py $(BENCH_SNAPSHOT_SPEED_ARGS)
 
 # What protect's snapshot holds the training step, against the plain torch.save into memory it replaces
 # (alternated), at 32 and 512 MiB of state; BENCH_SNAPSHOT_BLOCKING_ARGS="--device cuda" on a GPU node.

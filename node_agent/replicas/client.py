@@ -14,7 +14,7 @@ import contextlib
 import hmac
 import os
 import ssl
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from node_agent.replicas import stream, wire
@@ -95,19 +95,32 @@ async def push(addr: str, port: int, *, key: str, node_id: str, local_rank: int,
             line = wire.push_line(wire.PushRequest(key, node_id, local_rank, step, size, round_id))
         except WireError as exc:
             return PushResult(False, f"bad request: {exc}", 0)
-        return await _push_to(addr, port, line, fd, size, step, bandwidth_bytes_s, timeout_s, tls)
+        return await _push_to(addr, port, line, fd, size, step, bandwidth_bytes_s, timeout_s, tls,
+                              lambda: _names(path, fd))
     finally:
         os.close(fd)
 
 
+def _names(path: str, fd: int) -> bool:
+    """The bytes `fd` read are still the snapshot at `path`: the file was unlinked (nobody writes it again) or
+    `path` still names it. A worker renames a snapshot file away before it writes it over (training/capture.py)."""
+    try:
+        held = os.fstat(fd)
+        return held.st_nlink == 0 or os.stat(path).st_ino == held.st_ino
+    except OSError:
+        return False
+
+
 async def _push_to(addr: str, port: int, line: bytes, fd: int, size: int, step: int, rate: float | None,
-                   timeout_s: float, tls: ssl.SSLContext | None) -> PushResult:
+                   timeout_s: float, tls: ssl.SSLContext | None, unchanged: Callable[[], bool]) -> PushResult:
     sent = _Count()
     try:
         async with _ask(addr, port, line, timeout_s, tls, timeout_s + wire.AHEAD_WAIT_S) as (reader, writer, answer):
             if answer.kind != "go":
                 return PushResult(False, _not_go(answer), 0)
             digest = await stream.send(writer, fd, size, timeout_s, rate=rate, count=sent)
+            if not unchanged():       # no trailer: the holder drops what it got
+                return PushResult(False, "snapshot replaced while it was sent", sent.n)
             writer.write(wire.trailer_line(digest))
             answer = await _answer(reader, timeout_s)
             if answer.kind == "stored" and answer.step == step:

@@ -1,23 +1,30 @@
-"""Taking a snapshot without holding up the training: `take` copies the state's tensors into host buffers kept
-from one snapshot to the next (on a GPU: pinned buffers, filled on a side stream), and a thread checksums the copy
-and writes it into the memory directory while the training goes on. The rules:
+"""Taking a snapshot without holding up the training: `take` copies the state's tensors straight into the snapshot's
+file, mapped (on a GPU: into pinned buffers, on a side stream, then into the file), and a thread hashes the copy,
+writes the file's header and names it complete while the training goes on (layout.py: the file's layout). The rules:
 - The training waits only for the copy. On a GPU not even for that: the next optimizer step waits, on the GPU,
   for the copy of the tensors it is about to change (`before_update`).
-- A write still running when the next snapshot comes is waited for (the buffers are its): snapshots never queue.
+- The file a snapshot replaces (the keep rule, node_agent.snapshot.make_room) is written over in place when this
+  process wrote it: its pages are already there, so the copy runs at memory speed, not at the speed tmpfs hands
+  out new pages. It is renamed `step-N.tmp` before a byte changes (a reader of the old name stops at the rename:
+  replicas/client.py's push). Files it did not write (a predecessor's, a peer's copy) are removed instead: a
+  restored state may still map them.
+- A write still running when the next snapshot comes is waited for (the file is its): snapshots never queue.
 - A snapshot that does not fit the memory directory, or fails to write, is said once; training goes on and the
-  last complete snapshot stays (node_agent.snapshot's rules)."""
+  last complete snapshot stays."""
 from __future__ import annotations
 
+import contextlib
+import errno
+import mmap
 import os
 import sys
 import threading
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from node_agent.training import snapshot, trees
-
-FORMAT = "node-agent-snapshot/1"
+from node_agent.training import layout, snapshot, trees
 
 
 def check_cadence(call: str, every: object, keep: object) -> None:
@@ -34,13 +41,34 @@ def say(text: str) -> None:
     print(f"node-agent snapshot (rank {os.environ.get('RANK', '?')}): {text}", file=sys.stderr, flush=True)
 
 
+@dataclass
+class _Slab:
+    """A snapshot file this process wrote, mapped shared: its data region is written again in place."""
+    ino: int
+    size: int          # the data region's size: the mapping's
+    region: torch.Tensor
+
+
+@dataclass
+class _Pending:
+    """A snapshot whose tensors are copied (or queued, on a GPU) into its file, its header not yet written."""
+    step: int
+    slab: _Slab
+    shape: Any
+    views: list[torch.Tensor]
+    plan: layout.Plan
+    staged: list[tuple[torch.Tensor, torch.Tensor]]     # (view, pinned buffer) for tensors on a GPU
+    copied: torch.cuda.Event | None
+    room: snapshot.Room
+
+
 class Capture:
     def __init__(self, where: str, keep: int = 2) -> None:
         self.where = where
         self.keep = keep
-        self.written: list[int] = []         # steps whose write completed, newest last (for tests and logs)
-        self._buffers: list[torch.Tensor] = []
-        self._layout: list[tuple[tuple[int, ...], torch.dtype, bool]] = []
+        self._slabs: dict[int, _Slab] = {}       # inode -> a file this capture wrote
+        self._staging: list[torch.Tensor] = []
+        self._staging_layout: list[tuple[tuple[int, ...], torch.dtype]] = []
         self._thread: threading.Thread | None = None
         self._copied: torch.cuda.Event | None = None
         self._stream: torch.cuda.Stream | None = None
@@ -50,12 +78,17 @@ class Capture:
         """Snapshot `tree` as step `step`: returns once its tensors are copied (on a GPU: queued)."""
         self.wait()
         live = [trees.local(t).detach() for _, t in trees.tensors(tree)]
-        self._fit(live)
-        self._copied = self._copy(live)
-        buffers = iter(self._buffers)
-        copy = trees.rebuild(tree, lambda leaf: next(buffers) if isinstance(leaf, torch.Tensor) else leaf)
-        self._thread = threading.Thread(target=self._write, args=(step, copy, self._copied),
-                                        name=f"node-agent snapshot {step}")
+        plan = layout.plan(live)
+        try:
+            slab, room = self._slab_for(step, plan.end)
+        except (snapshot.MemoryDirFull, OSError) as exc:
+            self._failed(step, exc)
+            return
+        views = layout.views(slab.region, live, plan)
+        staged = self._copy(views, live)
+        self._copied = self._stream.record_event() if staged and self._stream is not None else None
+        pending = _Pending(step, slab, layout.skeleton(tree), views, plan, staged, self._copied, room)
+        self._thread = threading.Thread(target=self._write, args=(pending,), name=f"node-agent snapshot {step}")
         self._thread.start()
 
     def before_update(self) -> None:
@@ -70,42 +103,110 @@ class Capture:
             self._thread.join()
             self._thread = None
 
-    def _fit(self, live: list[torch.Tensor]) -> None:
-        layout = [(tuple(t.shape), t.dtype, t.is_cuda) for t in live]
-        if layout != self._layout:     # the first snapshot, or the state grew (an optimizer's lazy state)
-            self._buffers = [torch.empty(shape, dtype=dtype, pin_memory=cuda) for shape, dtype, cuda in layout]
-            self._layout = layout
+    def _slab_for(self, step: int, size: int) -> tuple[_Slab, snapshot.Room]:
+        """The file `step-N.tmp`, `size` bytes of data mapped: the dropped file this capture wrote, else a new one."""
+        room = snapshot.make_room(step, self.where, self.keep)
+        bound = snapshot.limit()
+        if bound is not None and room.kept + size > bound:
+            raise snapshot.full_error(step, self.where, bound, room)
+        tmp = snapshot.path(step, self.where) + ".tmp"
+        _remove(tmp)
+        again: _Slab | None = None
+        for old in room.dropped:
+            name = snapshot.path(old, self.where)
+            slab = self._slabs.get(_inode(name))
+            if again is None and slab is not None:
+                os.rename(name, tmp)      # before a byte changes: a reader of `name` sees it go
+                again = slab
+            else:
+                _remove(name)
+        alive = {_inode(snapshot.path(s, self.where)) for s in snapshot.steps(self.where)}
+        self._slabs = {ino: s for ino, s in self._slabs.items() if ino in alive or s is again}
+        if again is not None and again.size == size:
+            return again, room
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            os.ftruncate(fd, size)             # size >= layout.ALIGN: the head's page is mapped too
+            os.posix_fallocate(fd, 0, size)    # ENOSPC here, not a SIGBUS when the copy touches the page
+            slab = _Slab(os.fstat(fd).st_ino, size, torch.frombuffer(mmap.mmap(fd, size), dtype=torch.uint8))
+        except OSError as exc:
+            _remove(tmp)
+            if exc.errno == errno.ENOSPC:
+                raise snapshot.full_error(step, self.where, None, room) from exc
+            raise
+        finally:
+            os.close(fd)
+        self._slabs.pop(again.ino if again else -1, None)
+        self._slabs[slab.ino] = slab
+        return slab, room
 
-    def _copy(self, live: list[torch.Tensor]) -> torch.cuda.Event | None:
-        on_gpu = [(b, t) for b, t in zip(self._buffers, live, strict=True) if t.is_cuda]
-        for buffer, t in zip(self._buffers, live, strict=True):
+    def _copy(self, views: list[torch.Tensor], live: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Host tensors into their views now; a GPU's into pinned buffers on a side stream (the thread moves them
+        into the file). Returns those (view, buffer) pairs."""
+        on_gpu = [(v, t) for v, t in zip(views, live, strict=True) if t.is_cuda]
+        for view, t in zip(views, live, strict=True):
             if not t.is_cuda:
-                buffer.copy_(t)
+                view.copy_(t)
         if not on_gpu:
-            return None
+            return []
+        layout_now = [(tuple(t.shape), t.dtype) for _, t in on_gpu]
+        if layout_now != self._staging_layout:
+            self._staging = [torch.empty(shape, dtype=dtype, pin_memory=True) for shape, dtype in layout_now]
+            self._staging_layout = layout_now
         if self._stream is None:
             self._stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
         self._stream.wait_stream(torch.cuda.current_stream())     # the step that made them is done first
         with torch.cuda.stream(self._stream):
-            for buffer, t in on_gpu:
+            for buffer, (_, t) in zip(self._staging, on_gpu, strict=True):
                 buffer.copy_(t, non_blocking=True)
-        copied: torch.cuda.Event = self._stream.record_event()
-        return copied
+        return [(view, buffer) for buffer, (view, _) in zip(self._staging, on_gpu, strict=True)]
 
-    def _write(self, step: int, copy: Any, copied: torch.cuda.Event | None) -> None:
+    def _write(self, p: _Pending) -> None:
+        tmp = snapshot.path(p.step, self.where) + ".tmp"
         try:
-            if copied is not None:
-                copied.synchronize()
-            sums = trees.checksums(copy)
-            record = {"format": FORMAT, "step": step, "tree": copy, "sums": sums}
-            snapshot.save(lambda f: torch.save(record, f), step, where=self.where, keep=self.keep)
-            self.written.append(step)
-        except snapshot.MemoryDirFull as exc:
-            self._say_once("full", f"{exc}; training goes on, the last complete snapshot stays")
+            if p.copied is not None:
+                p.copied.synchronize()
+            for view, buffer in p.staged:
+                view.copy_(buffer)
+            head = layout.header(p.step, p.shape, p.views, p.plan, layout.digests(p.views))
+            bound = snapshot.limit()
+            if bound is not None and p.room.kept + p.plan.end + len(head) > bound:
+                raise snapshot.full_error(p.step, self.where, bound, p.room)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CLOEXEC)
+            try:
+                os.ftruncate(fd, p.plan.end + len(head))
+                os.pwrite(fd, head, p.plan.end)
+                os.pwrite(fd, layout.head(p.plan.end, len(head)), 0)
+            finally:
+                os.close(fd)
+            os.replace(tmp, snapshot.path(p.step, self.where))
         except Exception as exc:  # noqa: BLE001  (a thread's failure must reach the user, once, not end the training)
+            _remove(tmp)
+            self._slabs.pop(p.slab.ino, None)
+            self._failed(p.step, exc)
+
+    def _failed(self, step: int, exc: BaseException) -> None:
+        if isinstance(exc, snapshot.MemoryDirFull):
+            self._say_once("full", f"{exc}; training goes on, the last complete snapshot stays")
+        elif isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+            self._say_once("full", f"snapshot of step {step}: /dev/shm is full; training goes on, the last "
+                                   "complete snapshot stays")
+        else:
             self._say_once(type(exc).__name__, f"snapshot of step {step} not written: {type(exc).__name__}: {exc}")
 
     def _say_once(self, kind: str, text: str) -> None:
         if kind not in self._said:
             self._said.add(kind)
             say(text)
+
+
+def _inode(name: str) -> int:
+    try:
+        return os.stat(name).st_ino
+    except OSError:
+        return -1
+
+
+def _remove(name: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(name)

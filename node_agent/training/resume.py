@@ -12,8 +12,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from node_agent.training import snapshot, trees
-from node_agent.training.capture import FORMAT, say
+from node_agent.training import layout, snapshot
+from node_agent.training.capture import say
 
 
 def agree(where: str, fits: Callable[[dict[str, Any]], str | None]) -> tuple[int, dict[str, Any]] | None:
@@ -35,17 +35,8 @@ def agree(where: str, fits: Callable[[dict[str, Any]], str | None]) -> tuple[int
 
 
 def read(step: int, where: str) -> dict[str, Any] | str:
-    """The tree of the snapshot of `step`, or a line saying why it cannot be used."""
-    try:
-        record = torch.load(snapshot.path(step, where), mmap=True, weights_only=True)
-    except Exception as exc:  # noqa: BLE001  (any unreadable file is refused the same way)
-        return f"unreadable ({type(exc).__name__}: {str(exc)[:200]})"
-    if not isinstance(record, dict) or record.get("format") != FORMAT or record.get("step") != step:
-        return f"not a snapshot of step {step} in the format {FORMAT}"
-    tree, sums = record.get("tree"), record.get("sums")
-    if not isinstance(tree, dict) or not isinstance(sums, list):
-        return "its record is incomplete"
-    return trees.damaged(tree, sums) or tree
+    """The tree of the snapshot of `step`, or a line saying why it cannot be used (layout.read)."""
+    return layout.read(snapshot.path(step, where), step)
 
 
 def reduce_min(x: int) -> int:

@@ -22,12 +22,13 @@ import os
 import re
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import BinaryIO
 
 from node_agent.training import heartbeat
 
 __all__ = ["COPY_WAIT_S", "DIR_VAR", "FETCHING", "LIMIT_VAR", "MemoryDirFull", "Writer", "agreed_step", "directory",
-           "limit", "newest", "path", "save", "steps"]
+           "full_error", "Room", "limit", "make_room", "newest", "path", "save", "steps"]
 
 DIR_VAR = "NODE_AGENT_MEMORY_DIR"
 FETCHING = ".fetching"    # the agent is fetching this rank's copy from a peer (node_agent/copies.py)
@@ -166,11 +167,10 @@ def save(data: bytes | Writer, step: int, *, where: str | None = None, keep: int
     if where is None:
         raise FileNotFoundError(f"no memory directory (${DIR_VAR} is not set)")
     bound = max_bytes if max_bytes is not None else limit()
-    held = [s for s in steps(where) if s != step]
-    for old in held[:max(0, len(held) - (keep - 1))]:
+    made = make_room(step, where, keep)
+    for old in made.dropped:
         _remove(path(old, where))
-    kept = sum(_size(path(s, where)) for s in held[-(keep - 1):]) if keep > 1 else 0
-    room = None if bound is None else bound - kept
+    room = None if bound is None else bound - made.kept
     final = path(step, where)
     tmp = final + ".tmp"
     out: _Bounded | None = None
@@ -189,13 +189,32 @@ def save(data: bytes | Writer, step: int, *, where: str | None = None, keep: int
         _remove(tmp)
         full = (out is not None and out.full) or isinstance(exc, MemoryDirFull)
         if full or (isinstance(exc, OSError) and exc.errno == errno.ENOSPC):   # or /dev/shm itself is full
-            need = f"needs more than the {room} bytes left" if room is not None else "found /dev/shm full"
-            raise MemoryDirFull(
-                f"snapshot of step {step} does not fit the memory directory {where}: limit {_text(bound)}, "
-                f"{kept} bytes kept in {min(len(held), keep - 1)} older snapshot(s), the new one {need}") from exc
+            raise full_error(step, where, bound, made) from exc
         raise
     os.replace(tmp, final)
     return final
+
+
+@dataclass(frozen=True)
+class Room:
+    """What the keep rule does before `step` is written: all but the newest `keep - 1` go (so the last complete
+    snapshot survives a failed write); the kept ones' bytes count against the limit."""
+    dropped: list[int]
+    kept: int           # bytes
+    kept_count: int
+
+
+def make_room(step: int, where: str, keep: int) -> Room:
+    held = [s for s in steps(where) if s != step]
+    dropped = held[:max(0, len(held) - (keep - 1))]
+    return Room(dropped, sum(_size(path(s, where)) for s in held[len(dropped):]), len(held) - len(dropped))
+
+
+def full_error(step: int, where: str, bound: int | None, room: Room) -> MemoryDirFull:
+    left = None if bound is None else bound - room.kept
+    need = f"needs more than the {left} bytes left" if left is not None else "found /dev/shm full"
+    return MemoryDirFull(f"snapshot of step {step} does not fit the memory directory {where}: limit {_text(bound)}, "
+                         f"{room.kept} bytes kept in {room.kept_count} older snapshot(s), the new one {need}")
 
 
 def _text(bound: int | None) -> str:

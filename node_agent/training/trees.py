@@ -1,12 +1,10 @@
 """A training state as a snapshot holds it: a tree of dicts, lists and tuples whose leaves are tensors and plain
 values (what `torch.load(weights_only=True)` reads back, so loading a peer's file runs no code). The rules:
 - A tensor is kept as its local part: a DTensor (FSDP2) as its shard, restored into the live layout.
-- Each tensor has a CRC-32 of its bytes; a file whose tensors do not match them is refused whole.
 - A snapshot fits a live state only if the same keys hold tensors of the same local shapes and dtypes; the first
   difference is named. Nothing is loaded until everything fits: never a partial load."""
 from __future__ import annotations
 
-import zlib
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -55,29 +53,6 @@ def rebuild(tree: Any, leaf: Callable[[Any], Any]) -> Any:
     if isinstance(tree, tuple):
         return tuple(rebuild(v, leaf) for v in tree)
     return leaf(tree)
-
-
-def checksum(t: torch.Tensor) -> int:
-    """CRC-32 of a host tensor's bytes (zlib's, which releases the GIL while it runs: about 6 GB/s here)."""
-    flat = t.detach().reshape(-1)
-    if flat.numel() == 0:
-        return 0
-    flat = flat.contiguous()
-    data = flat.view(torch.uint8).numpy() if flat.dtype != torch.uint8 else flat.numpy()
-    return zlib.crc32(data.data)
-
-
-def checksums(tree: Any) -> list[int]:
-    return [checksum(t) for _, t in tensors(tree)]
-
-
-def damaged(tree: Any, sums: list[int]) -> str | None:
-    """The first tensor whose bytes do not match their checksum, or None."""
-    held = tensors(tree)
-    if len(held) != len(sums):
-        return f"{len(held)} tensors for {len(sums)} checksums"
-    return next((f"tensor {where} fails its checksum" for (where, t), want in zip(held, sums, strict=True)
-                 if checksum(t) != want), None)
 
 
 def mismatch(saved: Any, live: Any, where: str = "") -> str | None:

@@ -493,6 +493,25 @@ async def test_a_push_reads_its_open_file_though_a_later_save_unlinks_it(tmp_pat
     assert gone == client.PushResult(False, "snapshot gone", 0)
 
 
+async def test_a_push_whose_file_is_renamed_away_while_sent_sends_no_trailer(tmp_path):
+    """A worker renames its oldest snapshot to step-N.tmp and writes the next one over it (training/capture.py):
+    the bytes sent may be a mix of two steps, so the holder gets no trailer and keeps nothing."""
+    data = blob(3 * stream.CHUNK // 2, 4)
+    path = snap(tmp_path, "step-9", data)
+    after: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
+
+    async def renaming(line, reader, writer) -> None:
+        os.rename(path, path.replace("step-9", "step-12.tmp"))
+        writer.write(GO)
+        await reader.readexactly(wire.parse_request(line).size)   # type: ignore[union-attr]
+        after.set_result(await reader.readline())
+
+    async with fake_holder(renaming) as port:
+        done = await client.push("127.0.0.1", port, key=KEY, node_id=NODE, local_rank=0, step=9, path=path)
+        assert await asyncio.wait_for(after, 10) == b""      # the connection closed where the trailer would be
+    assert done == client.PushResult(False, "snapshot replaced while it was sent", len(data))
+
+
 async def test_unreachable_bad_requests_and_pacing(tmp_path, monkeypatch):
     path = snap(tmp_path, "s", blob(2 * stream.CHUNK + 1))
     with socket.socket() as s:

@@ -1,0 +1,156 @@
+"""Snapshot write and restore at memory speed (issue 54): per size of model + AdamW state, in one process per
+measure (a restarted worker is a new process), each checkout in `--roots` alternated:
+- write: the step held by `take`, and the time until the snapshot's file is complete (`take` to the rename), for
+  the first snapshots (new files) and the later ones (the steady state);
+- exit: a worker that raises right after a snapshot began its write: the time from `take` returning to the
+  process being gone, less the same exit with no snapshot (what a crash right after a snapshot adds to the
+  restart);
+- restore: a new process builds the model and optimizer, then protect's restore (agree, read, checksums, load
+  into the model and optimizer), and its first training step against a steady one (what the restore left for
+  the step: pages mapped or copied on first write).
+
+Run: .venv/bin/python benchmarks/bench_snapshot_speed.py [--sizes 1024] [--roots .,/tmp/old] [--rounds 6]
+     (make bench-snapshot-speed). An old checkout for --roots: `git worktree add /tmp/old <commit>`.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+BASE = "/dev/shm" if os.path.isdir("/dev/shm") else None
+
+CHILD = r"""
+import json, os, sys, time
+kind, where, mb, rounds = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+import torch
+from torch import nn
+from node_agent.training import rng
+from node_agent.training.capture import Capture
+from node_agent.training.protection import restore, training_state
+
+def build():
+    width = 1024
+    layers = max(1, round(mb * 2**20 / (3 * 4 * width * width)))
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)])
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+def step(model, opt):
+    model(torch.randn(8, 1024)).pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad()
+
+def size(model, opt):
+    tree = training_state(model, opt, {})
+    from node_agent.training.trees import tensors
+    return sum(t.numel() * t.element_size() for _, t in tensors(tree))
+
+model, opt = build()
+if kind == "write":
+    step(model, opt)
+    capture = Capture(where)
+    held, done = [], []
+    for n in range(1, rounds + 1):
+        step(model, opt)
+        t0 = time.perf_counter()
+        capture.take(n, {"state": training_state(model, opt, {}), "rng": rng.capture()})
+        held.append(time.perf_counter() - t0)
+        capture.wait()
+        done.append(time.perf_counter() - t0)
+    print(json.dumps({"bytes": size(model, opt), "held": held, "done": done}))
+elif kind in ("exit", "exit-plain"):
+    step(model, opt)
+    if kind == "exit":
+        capture = Capture(where)
+        capture.take(rounds + 1, {"state": training_state(model, opt, {}), "rng": rng.capture()})
+    print(json.dumps({"took": time.time()}), flush=True)
+    raise SystemExit(3)            # the crash: the interpreter's exit may wait for the write
+else:
+    step(model, opt)
+    steady = []
+    for _ in range(3):
+        t0 = time.perf_counter(); step(model, opt); steady.append(time.perf_counter() - t0)
+    model, opt = build()           # a new worker's model and optimizer (no state yet)
+    t0 = time.perf_counter()
+    got = restore(model, opt, {}, where)
+    restored = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    step(model, opt)
+    first = time.perf_counter() - t0
+    assert got is not None, "nothing restored"
+    print(json.dumps({"bytes": size(model, opt), "restore": restored, "first_step": first,
+                      "steady_step": min(steady)}))
+"""
+
+
+def child(root: str, kind: str, where: str, mb: int, rounds: int) -> dict[str, float]:
+    env = dict(os.environ, PYTHONPATH=root, NODE_AGENT_MEMORY_DIR=where)
+    env.pop("NODE_AGENT_MEMORY_LIMIT", None)
+    t0 = time.time()
+    out = subprocess.run([sys.executable, "-c", CHILD, kind, where, str(mb), str(rounds)], env=env, cwd=root,
+                         capture_output=True, text=True, timeout=900)
+    gone = time.time()
+    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
+    if not lines or (not kind.startswith("exit") and out.returncode != 0):
+        raise SystemExit(f"{kind} in {root} failed ({out.returncode}): {out.stderr[-2000:]}")
+    figures = json.loads(lines[-1])
+    if kind.startswith("exit"):
+        return {"exit_after_take": gone - figures["took"], "wall": gone - t0}
+    return figures
+
+
+def measure(roots: list[str], mb: int, rounds: int, repeat: int) -> dict[str, dict[str, object]]:
+    raw: dict[str, dict[str, list[float]]] = {r: {} for r in roots}
+    for _ in range(repeat):
+        for root in roots:                          # alternated: old, new, old, new ...
+            where = tempfile.mkdtemp(prefix="bench-snap-", dir=BASE)
+            try:
+                w = child(root, "write", where, mb, rounds)
+                r = child(root, "restore", where, mb, rounds)
+                e = child(root, "exit", where, mb, rounds)
+                e0 = child(root, "exit-plain", where, mb, rounds)
+            finally:
+                shutil.rmtree(where, ignore_errors=True)
+            gb = w["bytes"] / 1e9
+            got = raw[root]
+            got.setdefault("bytes", []).append(w["bytes"])
+            got.setdefault("first_complete_gb_s", []).append(gb / w["done"][0])
+            got.setdefault("steady_complete_gb_s", []).extend(gb / d for d in w["done"][2:])
+            got.setdefault("steady_held_s", []).extend(w["held"][2:])
+            got.setdefault("restore_gb_s", []).append(gb / r["restore"])
+            got.setdefault("restore_s", []).append(r["restore"])
+            got.setdefault("first_step_extra_s", []).append(r["first_step"] - r["steady_step"])
+            got.setdefault("exit_waits_s", []).append(e["exit_after_take"] - e0["exit_after_take"])
+    return {root: {k: (round(statistics.median(v), 3) if k != "bytes" else int(v[0])) for k, v in got.items()}
+            for root, got in raw.items()}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sizes", default="1024", help="MiB of model + optimizer state, comma-separated")
+    p.add_argument("--roots", default=os.path.dirname(HERE), help="checkouts to run, comma-separated (alternated)")
+    p.add_argument("--rounds", type=int, default=6, help="snapshots per write measure (the first two: new files)")
+    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--json", default="", help="also write the figures to this file")
+    args = p.parse_args()
+    roots = [os.path.abspath(r) for r in args.roots.split(",")]
+    figures = {}
+    for mb in (int(s) for s in args.sizes.split(",")):
+        figures[mb] = measure(roots, mb, args.rounds, args.repeat)
+        for root, f in figures[mb].items():
+            print(f"{mb} MiB  {root}: " + ", ".join(f"{k} {v}" for k, v in f.items()), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(figures, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

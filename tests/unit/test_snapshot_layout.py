@@ -1,0 +1,125 @@
+"""The snapshot file (node_agent/training/layout.py) and how a capture writes it (capture.py): read back as
+taken, written over in place when this process wrote it, never under a restored state's feet, and refused whole
+with the reason named when any part of it does not hold together."""
+from __future__ import annotations
+
+import os
+import struct
+from collections import OrderedDict
+
+import pytest
+import torch
+
+from node_agent.training import layout, snapshot
+from node_agent.training.capture import Capture
+
+
+@pytest.fixture
+def memory(tmp_path, monkeypatch) -> str:
+    where = tmp_path / "mem"
+    where.mkdir()
+    monkeypatch.setenv(snapshot.DIR_VAR, str(where))
+    monkeypatch.delenv(snapshot.LIMIT_VAR, raising=False)
+    return str(where)
+
+
+def state(seed: float) -> dict[str, object]:
+    return {"w": torch.full((300, 7), seed), "half": torch.arange(5, dtype=torch.bfloat16) + seed,
+            "t": (torch.zeros(0), 3, "x"), "od": OrderedDict(a=torch.tensor([True, False])), 0: None,
+            "lr": seed / 10, "d": torch.float16, "cols": torch.ones(4, 6)[:, 1:3]}
+
+
+def take(capture: Capture, step: int, tree: object) -> None:
+    capture.take(step, tree)
+    capture.wait()
+
+
+def same(a: object, b: object) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and type(a) is type(b) and list(a) == list(b) and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, list | tuple):
+        return type(a) is type(b) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b, strict=True))
+    return a == b
+
+
+def test_a_snapshot_reads_back_as_taken_containers_dtypes_and_plain_values_alike(memory) -> None:
+    capture = Capture(memory)
+    take(capture, 4, state(1.5))
+    back = layout.read(snapshot.path(4), 4)
+    assert not isinstance(back, str) and same(back, state(1.5))
+    assert layout.read(snapshot.path(4), 5) == f"not a snapshot of step 5 in the format {layout.FORMAT}"
+
+
+def test_the_file_a_snapshot_replaces_is_written_over_in_place_and_reads_back_right(memory) -> None:
+    capture = Capture(memory, keep=2)
+    inodes = {}
+    for step in range(1, 6):
+        take(capture, step, state(float(step)))
+        inodes[step] = os.stat(snapshot.path(step)).st_ino
+        assert snapshot.steps() == [step - 1, step][-min(step, 2):]
+    assert inodes[3] == inodes[1] and inodes[4] == inodes[2] and inodes[5] == inodes[1]
+    for step in (4, 5):
+        back = layout.read(snapshot.path(step), step)
+        assert not isinstance(back, str) and same(back, state(float(step)))
+
+
+def test_a_predecessors_file_is_removed_not_written_over_so_a_restored_state_keeps_its_values(memory) -> None:
+    before = Capture(memory)
+    take(before, 1, state(1.0))
+    take(before, 2, state(2.0))
+    restored = layout.read(snapshot.path(1), 1)       # a new worker's restore: tensors in a private mapping
+    assert not isinstance(restored, str)
+    first_inode = os.stat(snapshot.path(1)).st_ino
+    after = Capture(memory)                           # the new worker's capture: it wrote none of these files
+    take(after, 3, state(3.0))
+    take(after, 4, state(4.0))
+    assert same(restored, state(1.0))
+    assert os.stat(snapshot.path(3)).st_ino != first_inode
+
+
+def test_a_state_that_grows_gets_a_larger_file_and_one_past_the_limit_keeps_the_last(memory, monkeypatch, capsys) -> None:
+    capture = Capture(memory, keep=1)
+    take(capture, 1, {"w": torch.ones(10)})
+    take(capture, 2, {"w": torch.ones(10), "m": torch.ones(100_000)})    # an optimizer's lazy state appears
+    back = layout.read(snapshot.path(2), 2)
+    assert not isinstance(back, str) and torch.equal(back["m"], torch.ones(100_000))
+    monkeypatch.setenv(snapshot.LIMIT_VAR, str(200_000))
+    take(capture, 3, {"w": torch.ones(10), "m": torch.ones(100_000)})
+    take(capture, 4, {"w": torch.ones(10), "m": torch.ones(100_000)})
+    assert snapshot.steps() == [2] and not [n for n in os.listdir(memory) if n.endswith(".tmp")]   # it stays
+    assert capsys.readouterr().err.count("does not fit the memory directory") == 1
+
+
+def damage(path: str, at: int, data: bytes) -> None:
+    with open(path, "r+b") as f:
+        f.seek(at)
+        f.write(data)
+
+
+def head_of(path: str) -> tuple[int, int]:
+    with open(path, "rb") as f:
+        _, at, length = layout.HEAD.unpack(f.read(layout.HEAD.size))
+    return at, length
+
+
+@pytest.mark.parametrize(("spoil", "says"), [
+    (lambda p: os.truncate(p, 100), "too short for a snapshot (100 bytes)"),
+    (lambda p: damage(p, 0, b"PK\x03\x04"), "not a snapshot in the format node-agent-snapshot/2 (written by another"),
+    (lambda p: damage(p, 16, struct.pack("<Q", 2**40)), "its head points outside the file (header at 1099511627776"),
+    (lambda p: damage(p, head_of(p)[0], b"\0" * 8), "unreadable ("),
+    (lambda p: damage(p, layout.ALIGN + 8, b"\x01"), "tensor /w fails its checksum"),
+])
+def test_a_file_that_does_not_hold_together_is_refused_with_the_reason(memory, spoil, says) -> None:
+    take(Capture(memory), 2, state(2.0))
+    spoil(snapshot.path(2))
+    got = layout.read(snapshot.path(2), 2)
+    assert isinstance(got, str) and got.startswith(says), got
+
+
+def test_a_table_entry_outside_the_tensors_region_is_named() -> None:
+    record = {"format": layout.FORMAT, "step": 1, "tree": {"w": torch.empty(0)}, "sums": [0],
+              "table": [(layout.ALIGN, (10**9,), torch.float32)]}
+    assert layout._assemble(record, b"", 2 * layout.ALIGN) == (   # type: ignore[arg-type]
+        f"tensor /w: its 4000000000 bytes at offset {layout.ALIGN} lie outside the tensors' region")
