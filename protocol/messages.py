@@ -41,6 +41,7 @@ from protocol.bounds import (
 )
 from protocol.ids import NODE_ID, NODE_ID_RULE
 from protocol.quoting import quote
+from protocol.restarts import RestartAnatomy
 from protocol.stalls import RankSeen
 
 PROTOCOL_VERSION = 1
@@ -166,6 +167,7 @@ class ProgressNote(msgspec.Struct, kw_only=True, frozen=True, gc=False):
     window_steps: Count = 0
     demand: Annotated[float, Meta(ge=0, le=1.0)] = 0.0
     resumed_step: Annotated[int, Meta(ge=-1, le=MAX_ROUND)] = -1   # the step node_agent.snapshot resumed from
+    anatomy: RestartAnatomy | None = None     # where this round's restart took its time here (once all stepped)
 
 
 

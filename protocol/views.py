@@ -8,6 +8,7 @@ from typing import Any
 import msgspec
 
 from protocol.messages import CopiesNote, JobConfig, WorkerFailure
+from protocol.restarts import RestartAnatomy
 
 
 class NodeView(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -54,6 +55,8 @@ class RestartCostView(msgspec.Struct, kw_only=True):
     cause: str                   # what ended the round before it (a round cause: failure, hang, node_lost, ...)
     cost_s: float | None         # the last step before it to the first step after it (None: under way)
     redone: int | None           # steps done again after a restore (None: unknown)
+    anatomy: RestartAnatomy | None = None    # where its time went on the node that stepped again last
+    anatomy_node: str | None = None
 
 
 class ProgressView(msgspec.Struct, kw_only=True):

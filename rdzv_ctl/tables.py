@@ -217,6 +217,7 @@ def format_job(doc: JobDetail) -> str:
     if costs := doc.progress.costs:
         out += ["", "restarts since the first step (cost: from the last step before to the first after):",
                 columns_table(COSTS, costs)]
+        out += [f"#{c.round_id} took {c.anatomy.line()} on {c.anatomy_node}" for c in costs if c.anatomy is not None]
     if failure := doc.last_failure:
         how = f", signal {failure.signal}" if failure.signal else \
             "" if failure.reason == FailureReason.HANG else f", exit code {failure.exitcode}"   # a hang's rank: no exit

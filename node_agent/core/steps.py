@@ -13,8 +13,10 @@ import statistics
 from collections import deque
 from dataclasses import dataclass, field
 
+from node_agent.core import anatomy
 from node_agent.core.stalls import ProcSample
 from protocol.messages import PACE_MAX_WINDOW_S, PACE_MIN_STEPS, ProgressNote
+from protocol.restarts import RestartAnatomy
 
 STALL_FLOOR_S = 5.0
 STALL_STEPS = 3.0
@@ -50,6 +52,7 @@ class ProbeRecord:
     flags: int
     main_thread: int
     resumed_step: int = -1
+    milestones: dict[str, float] = field(default_factory=dict)   # probe.MILESTONES noted (unix times)
 
 
 @dataclass
@@ -69,6 +72,11 @@ class RoundSteps:
     intervals: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT_STEPS))
     window_started: float | None = None      # monotonic time of the window's first look
     window_steps_from: int = 0
+    # A restart's node side (anatomy.py): the node's last step before this round and when its workers were all
+    # gone (None: this node did not step before, so this round is no restart of its), when this round's spawned.
+    before: tuple[float, float] | None = None
+    spawned_at: float = 0.0
+    global_ranks: dict[int, int] = field(default_factory=dict)
 
     def observe(self, local_rank: int, record: ProbeRecord | None, proc: ProcSample | None, now: float,
                 wall: float = 0.0) -> None:
@@ -129,12 +137,29 @@ class RoundSteps:
             last_step_at=max((r.last_at for r in stepped), default=0.0),
             step_s=round(self.step_s(), 6), window_s=round(window_s, 3) if closes else 0.0,
             window_steps=window_steps if closes else 0, demand=round(self._demand(window_s), 3) if closes else 0.0,
-            resumed_step=max((r.resumed_step for r in records), default=-1))
+            resumed_step=max((r.resumed_step for r in records), default=-1), anatomy=self.anatomy())
         if closes:
             self.window_started, self.window_steps_from = now, steps
             for r in self.ranks.values():
                 r.window_proc = r.proc
         return note
+
+    def anatomy(self) -> RestartAnatomy | None:
+        """This round's restart on this node, once every rank has stepped (None: not yet, or no restart)."""
+        if self.before is None or not self.spawned_at or not self.ranks:
+            return None
+        node = anatomy.RestartStart(self.before[0], self.before[1], self.spawned_at)
+        workers = [anatomy.RankStart(self.global_ranks.get(lr, lr), r.record.milestones.get("started", 0.0),
+                                     r.record.first_at if r.record.steps else 0.0,
+                                     {p: (r.record.milestones.get(f"{p}_begun", 0.0),
+                                          r.record.milestones.get(f"{p}_done", 0.0)) for p in anatomy.TIMED})
+                   if r.record is not None else anatomy.RankStart(lr, 0.0, 0.0, {})
+                   for lr, r in self.ranks.items()]
+        return anatomy.of_node(node, workers)
+
+    def last_step_at(self) -> float:
+        return max((r.record.last_at for r in self.ranks.values() if r.record is not None and r.record.steps),
+                   default=0.0)
 
     def _demand(self, window_s: float) -> float:
         """The mean over running ranks of the share of the window their main thread ran or waited to run."""

@@ -27,3 +27,17 @@ def resumed(step: int) -> None:
     probe = sys.modules.get(PROBE_MODULE)
     if probe is not None:
         probe.resumed(step)
+
+
+def restore_began() -> None:
+    """A snapshot's restore begins (node_agent.training.resume): the restart's anatomy shows its time."""
+    probe = sys.modules.get(PROBE_MODULE)
+    if probe is not None:
+        probe.restore_began()
+
+
+def restored() -> None:
+    """The restored state is loaded: the worker's first step comes next."""
+    probe = sys.modules.get(PROBE_MODULE)
+    if probe is not None:
+        probe.restored()

@@ -12,6 +12,7 @@ the worker's own children (DataLoader workers, subprocesses) never count as the 
 from __future__ import annotations
 
 import faulthandler
+import functools
 import importlib.abc
 import mmap
 import os
@@ -27,11 +28,16 @@ NAME = "node_agent_probe"
 # Its loader: boot/sitecustomize.py, run at the start-up of an interpreter whose PYTHONPATH begins with BOOT_DIR
 # (a cold worker, the warm zygote). It loads this file by path, so a worker imports nothing else of ours.
 BOOT_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "boot")
-MAGIC, VERSION = 0x4E505247, 1
+MAGIC, VERSION = 0x4E505247, 2
 # magic, version, seq (odd while a step is written), steps, first and last step (unix time), pid, flags, the
 # main thread's id (as faulthandler prints it), the step node_agent.snapshot resumed from (-1: none)
 RECORD = struct.Struct("<IIQQddIIQq")
-SIZE = RECORD.size                    # 64
+# Then when the worker reached each milestone of its start (unix times, 0: not yet, or never): the restart's
+# anatomy (node_agent/core/anatomy.py). Each is written once, by the worker's main thread, 8 bytes aligned.
+MILESTONES = ("started", "cuda_begun", "cuda_done", "group_begun", "group_done", "restore_begun", "restore_done")
+TIMES = struct.Struct(f"<{len(MILESTONES)}d")
+TIMES_AT = RECORD.size                # 64
+SIZE = 128
 SEQ = struct.Struct("<Q")
 STEP = struct.Struct("<Qdd")          # steps, first, last: written between two seq updates
 FLAG = struct.Struct("<I")
@@ -58,6 +64,15 @@ class Record:
         self.flags = 0
         RECORD.pack_into(self.map, 0, MAGIC, VERSION, 0, 0, 0.0, 0.0, os.getpid(), 0,
                          threading.main_thread().ident or 0, -1)
+        TIMES.pack_into(self.map, TIMES_AT, *([0.0] * len(MILESTONES)))
+        self.marked: set[str] = set()
+        self.mark("started")
+
+    def mark(self, milestone: str) -> None:
+        """The worker reached `milestone` now (the first time only)."""
+        if milestone not in self.marked:
+            self.marked.add(milestone)
+            struct.pack_into("<d", self.map, TIMES_AT + 8 * MILESTONES.index(milestone), time.time())
 
     def step(self) -> None:
         now = time.time()
@@ -99,6 +114,16 @@ def resumed(step: int) -> None:
         RESUMED.pack_into(_record.map, RESUMED_AT, max(-1, int(step)))
 
 
+def restore_began() -> None:
+    if _record is not None:
+        _record.mark("restore_begun")
+
+
+def restored() -> None:
+    if _record is not None:
+        _record.mark("restore_done")
+
+
 def _after_step(optimizer: Any, args: Any, kwargs: Any) -> None:
     step()
 
@@ -110,11 +135,46 @@ def _hook(module: Any) -> None:
         _record.flag(HOOKED)
 
 
+def _timed(module: Any, name: str, phase: str) -> None:
+    """`module.name` marks `phase`_begun and _done around its first call (the C code looks it up by name)."""
+    call = getattr(module, name, None)
+    if call is None or getattr(call, "_node_agent_timed", False):
+        return
+
+    @functools.wraps(call)
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        if _record is None:
+            return call(*args, **kwargs)
+        _record.mark(f"{phase}_begun")
+        out = call(*args, **kwargs)
+        _record.mark(f"{phase}_done")
+        return out
+    timed._node_agent_timed = True  # type: ignore[attr-defined]
+    setattr(module, name, timed)
+
+
+def _hook_group(module: Any) -> None:
+    """init_process_group: in torch.distributed too when it is imported already (a warm worker's fork)."""
+    _timed(module, "init_process_group", "group")
+    dist, timed = sys.modules.get("torch.distributed"), getattr(module, "init_process_group", None)
+    if dist is not None and timed is not None and getattr(dist, "init_process_group", None) is not timed:
+        setattr(dist, "init_process_group", timed)   # noqa: B010  (a module of torch: mypy knows no attribute)
+
+
+def _hook_cuda(module: Any) -> None:
+    """CUDA's lazy initialisation: the context is made there."""
+    if not getattr(module, "is_initialized", lambda: True)():
+        _timed(module, "_lazy_init", "cuda")
+
+
+HOOKS = {OPTIMIZER_MODULE: _hook, "torch.distributed.distributed_c10d": _hook_group, "torch.cuda": _hook_cuda}
+
+
 class _HookOnImport(importlib.abc.MetaPathFinder):
-    """Hooks torch's optimizer module as it is imported, without importing torch itself."""
+    """Hooks torch's modules (HOOKS) as they are imported, without importing torch itself."""
 
     def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
-        if fullname != OPTIMIZER_MODULE:
+        if fullname not in HOOKS:
             return None
         for finder in sys.meta_path:
             if finder is self or not hasattr(finder, "find_spec"):
@@ -122,17 +182,17 @@ class _HookOnImport(importlib.abc.MetaPathFinder):
             spec = finder.find_spec(fullname, path, target)
             if spec is not None:
                 if spec.loader is not None and hasattr(spec.loader, "exec_module"):
-                    _hook_after(spec.loader)
+                    _hook_after(spec.loader, HOOKS[fullname])
                 return spec
         return None
 
 
-def _hook_after(loader: Any) -> None:
+def _hook_after(loader: Any, hook: Any) -> None:
     run = loader.exec_module
 
     def exec_module(module: Any) -> None:
         run(module)
-        _hook(module)
+        hook(module)
     loader.exec_module = exec_module
 
 
@@ -160,9 +220,10 @@ def install(environ: Any = os.environ) -> bool:
         _record.flag(STACKS)
     except (OSError, ValueError, RuntimeError, AttributeError):
         pass        # no stacks: the agent never sends the signal to a worker without the flag
-    optimizer = sys.modules.get(OPTIMIZER_MODULE)
-    if optimizer is not None:
-        _hook(optimizer)
-    else:
+    for name, hook in HOOKS.items():
+        module = sys.modules.get(name)
+        if module is not None:      # imported before the fork (a warm worker)
+            hook(module)
+    if any(name not in sys.modules for name in HOOKS):
         sys.meta_path.insert(0, _HookOnImport())
     return True

@@ -12,13 +12,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from node_agent.training import layout, snapshot
+from node_agent.training import heartbeat, layout, snapshot
 from node_agent.training.capture import say
 
 
 def agree(where: str, fits: Callable[[dict[str, Any]], str | None]) -> tuple[int, dict[str, Any]] | None:
     """(step, the snapshot's tree) that every rank resumes from, or None. `fits(tree)` says why the tree does not
     fit this rank's live state, or None."""
+    heartbeat.restore_began()
     accepted: dict[int, dict[str, Any]] = {}
 
     def accept(step: int) -> bool:
@@ -51,6 +52,8 @@ def reduce_min(x: int) -> int:
 
 
 def resumed(step: int) -> None:
+    """Said once the snapshot of `step` is loaded (the restart's anatomy: the restore ends here)."""
+    heartbeat.restored()
     print(f"rank {os.environ.get('RANK', '?')}: resumed from step {step} (memory)", flush=True)
 
 

@@ -10,6 +10,7 @@ import os
 import shutil
 import signal
 import tempfile
+import time
 from collections.abc import Callable, Mapping
 from typing import Protocol
 
@@ -92,6 +93,8 @@ class LocalWorkers:
         self._round = -1
         self._watchers: list[asyncio.Task[None]] = []
         self.steps: StepWatch | None = None       # the round's (kept after its workers end: its last note)
+        self._last_step_at = 0.0     # this node's last step of a round before (unix time; 0: none yet)
+        self._stopped_at = 0.0       # when a round's workers were last all gone (unix time)
         if opts.no_python:
             say("--no-python: the program gets no progress probe, so no steps, no hang detection, no goodput")
         self._tmp_root: str | None = None   # logs' home when the CLI made no run directory (tests)
@@ -149,6 +152,9 @@ class LocalWorkers:
 
     async def _start(self, group: Group, round_id: int) -> None:
         launches = group.launches
+        if self.steps is not None and self.steps.round.round_id == round_id:
+            self.steps.round.spawned_at = time.time()
+            self.steps.round.global_ranks = {launch.local_rank: launch.rank for launch in launches}
         try:
             await group.start()
         except OSError as exc:   # the group killed those already started
@@ -174,6 +180,7 @@ class LocalWorkers:
         starting, self._starting = self._starting, None
         if group is not None:
             await group.stop(signum)   # also ends a start still waiting for the zygote
+            self._stopped_at = time.time()
             if starting is not None:   # its failure, if any, reached the loop already (start_source)
                 await asyncio.wait([starting])
             stuck = list(group.stuck_pids)
@@ -211,6 +218,7 @@ class LocalWorkers:
 
     async def _watch_exits(self, group: Group, round_id: int) -> None:
         exits = await group.wait()
+        self._stopped_at = time.time()
         first = group.launches[0].rank if group.launches else 0
         host, node = self._hostname, self.opts.node_id
         failures = tuple(store_failure(e, rank=first, host=host, node_id=node) if e.local_rank == STORE_RANK
@@ -230,6 +238,7 @@ class LocalWorkers:
         """The round's step watch, over the workers that have a probe (none: --no-python)."""
         if self.steps is not None:
             self.steps.close()
+            self._last_step_at = self.steps.round.last_step_at() or self._last_step_at
         ranks = {launch.local_rank: (launch.rank, launch.probe) for launch in group.launches
                  if launch.probe is not None}
         if not ranks:
@@ -237,8 +246,11 @@ class LocalWorkers:
 
         def exit_of(local_rank: int) -> int | None:
             return next((e.exitcode for e in group.exits() if e.local_rank == local_rank), None)
-        return StepWatch(round_id, ranks, detect=self._detect_stalls, pid_of=group.pid_of, exit_of=exit_of,
-                             warn=self._say, gpu_busy=self.gpu_busy)
+        watch = StepWatch(round_id, ranks, detect=self._detect_stalls, pid_of=group.pid_of, exit_of=exit_of,
+                          warn=self._say, gpu_busy=self.gpu_busy)
+        if self._last_step_at and self._stopped_at >= self._last_step_at:
+            watch.round.before = (self._last_step_at, self._stopped_at)
+        return watch
 
     def progress_note(self, round_id: int) -> ProgressNote | None:
         """The round's progress so far, for the next request to the server (None: not this round's, no probe)."""

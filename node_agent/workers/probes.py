@@ -107,7 +107,10 @@ class RecordReader:
             seq = fields[2]
             if seq & 1 or probe.SEQ.unpack_from(self._map, probe.SEQ_AT)[0] != seq:
                 continue
-            return _checked(fields, pid, wall_now)
+            record = _checked(fields, pid, wall_now)
+            if record is not None:
+                record.milestones.update(_milestones(probe.TIMES.unpack_from(self._map, probe.TIMES_AT), wall_now))
+            return record
         return None
 
     def close(self) -> None:
@@ -187,3 +190,10 @@ def _size(path: str) -> int:
         return os.stat(path).st_size
     except OSError:
         return 0
+
+
+def _milestones(times: tuple[float, ...], wall_now: float) -> dict[str, float]:
+    """The milestones the worker noted; a time that is not one is a BadRecord."""
+    if not all(math.isfinite(t) and 0 <= t <= wall_now + 60 for t in times):
+        raise BadRecord(f"milestone times {times!r}")
+    return {name: t for name, t in zip(probe.MILESTONES, times, strict=True) if t}

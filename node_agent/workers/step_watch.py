@@ -73,6 +73,9 @@ class StepWatch:
         for r in self._ranks.values():
             code = self._exit_of(r.local_rank)
             if code is not None:
+                seen = self.round.ranks.get(r.local_rank)
+                if seen is None or seen.exited is None:    # its last word: a round shorter than a look counts too
+                    self.round.observe(r.local_rank, self._record(r, None, wall), None, now, wall)
                 self.round.exited(r.local_rank, code)
                 continue
             pid = self._pid_of(r.local_rank)

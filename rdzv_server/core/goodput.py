@@ -13,6 +13,7 @@ import statistics
 import msgspec
 
 from protocol.messages import ProgressNote
+from protocol.restarts import RestartAnatomy
 
 MAX_COSTS = 32          # restarts kept one by one (the total counts them all)
 MAX_RATE_POINTS = 240   # points of the steps-per-second picture; when full, every other one goes
@@ -25,6 +26,8 @@ class RestartCost(msgspec.Struct, kw_only=True, omit_defaults=True):
     last_step_at: float      # before the restart
     stepped_at: float = 0.0  # after it (0: not yet)
     redone: int = -1         # steps done again after a restore (-1: unknown)
+    anatomy: RestartAnatomy | None = None   # where its time went on the node that stepped again last
+    anatomy_node: str = ""
 
     @property
     def cost_s(self) -> float:
@@ -109,6 +112,7 @@ def note(p: JobProgress, node_id: str, n: ProgressNote, round_id: int, now: floa
         p.round_resumed = max(p.round_resumed, n.resumed_step)
     if n.window_s > 0:
         p.rates[node_id] = n.window_steps / n.window_s
+    _anatomy(p, node_id, n.anatomy, round_id)
     if not n.steps:
         return
     p.round_steps = max(p.round_steps, n.steps)
@@ -134,3 +138,13 @@ def _rate_point(p: JobProgress, now: float) -> None:
     if len(p.rate_points) > MAX_RATE_POINTS:
         p.rate_points = p.rate_points[::2]
         p.rate_every_s *= 2
+
+
+def _anatomy(p: JobProgress, node_id: str, seen: RestartAnatomy | None, round_id: int) -> None:
+    """A node's restart phases: the restart this round ended keeps those of the node whose took longest (the
+    one the job waited for)."""
+    cost = p.costs[-1] if p.costs else None
+    if seen is None or cost is None or cost.round_id != round_id:
+        return
+    if cost.anatomy is None or seen.total > cost.anatomy.total or cost.anatomy_node == node_id:
+        cost.anatomy, cost.anatomy_node = seen, node_id

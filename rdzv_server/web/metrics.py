@@ -20,6 +20,7 @@ from prometheus_client.registry import Collector
 
 from protocol.codec import REQUEST_TYPES
 from protocol.messages import FailureReason, JobState, NodeState, UnhealthyKind
+from protocol.restarts import PHASES
 from rdzv_server.coordinator import Coordinator
 from rdzv_server.core.events import EventKind, RoundCause
 from rdzv_server.core.outbox import Outbox
@@ -121,6 +122,10 @@ class JobCollector(Collector):
                                  "step before each to the first step after it.", labels=["job"])
         slow = GaugeMetricFamily("rdzv_slow_nodes", "Members of a job named slow now (the other nodes wait on them).",
                                  labels=["job"])
+        phases = GaugeMetricFamily("rdzv_job_restart_phase_seconds", "Where a job's latest measured restart took "
+                                   "its time, per phase (stop, rendezvous, start, setup, cuda, group, restore, "
+                                   "first_step), on the node the job waited for (protocol/restarts.py).",
+                                   labels=["job", "phase"])
         copies = _CopyFamilies()
         for job in shown:
             copies.add(job)
@@ -133,7 +138,10 @@ class JobCollector(Collector):
             if view.ettr is not None:
                 ratio.add_metric([job.job_id], view.ettr)
             lost.add_metric([job.job_id], view.lost_s)
-        return [steps, pace, ratio, lost, slow, copies.lag, copies.sent, copies.refused,
+            latest = next((c.anatomy for c in reversed(view.costs) if c.anatomy is not None), None)
+            for phase in PHASES if latest is not None else ():
+                phases.add_metric([job.job_id, phase], getattr(latest, phase))
+        return [steps, pace, ratio, lost, slow, phases, copies.lag, copies.sent, copies.refused,
                 GaugeMetricFamily("rdzv_job_series_omitted", f"Unfinished jobs left out of the per-job series "
                                   f"(at most {MAX_JOB_SERIES} jobs have them, the first by id).",
                                   len(unfinished) - len(shown))]

@@ -128,7 +128,8 @@ def progress(job: JobRecord, now: float) -> ProgressView:
         slow_nodes=slow[:SLOW_LIMIT] if running else [],
         stall=line, stall_kind=kind,
         costs=[RestartCostView(round_id=c.round_id, cause=c.cause, redone=c.redone if c.redone >= 0 else None,
-                               cost_s=_seconds(c.cost_s) if c.stepped_at else None) for c in p.costs])
+                               cost_s=_seconds(c.cost_s) if c.stepped_at else None, anatomy=c.anatomy,
+                               anatomy_node=c.anatomy_node or None) for c in p.costs])
 
 
 def rate_points(p: JobProgress) -> list[tuple[str, float]]:

@@ -10,7 +10,8 @@ import re
 import pytest
 import torch
 
-from tests.e2e.harness import ROOT
+from protocol.restarts import PHASES
+from tests.e2e.harness import ROOT, job_view
 
 pytestmark = pytest.mark.e2e
 TRAIN = os.path.join(ROOT, "examples", "train_ddp.py")
@@ -44,6 +45,14 @@ def test_restarted_ranks_resume_from_memory_not_disk(cluster, tmp_path):
     # 9 steps done is the newest snapshot in memory (rank 1 crashed in its 11th); the disk held 8, which no rank read
     assert sorted(again) == [f"rank {r}: resumed from step 9 (memory)" for r in range(4)], resumed
     assert sorted(os.listdir(tmp_path / "ckpt")) == ["step-8.pt"]
+    # Where the restart's time went, on the node the job waited for: every phase these workers pass took time
+    # (no CUDA here), and the phases add up to the restart's cost on that node.
+    progress = job_view(cluster, "ddp")["progress"]
+    cost = progress["costs"][-1]
+    anatomy = cost["anatomy"]
+    assert cost["anatomy_node"] in ("ddp-a", "ddp-b") and anatomy["cuda"] == 0.0, cost
+    assert all(anatomy[p] > 0 for p in ("stop", "rendezvous", "start", "setup", "group", "restore", "first_step")), cost
+    assert sum(anatomy[p] for p in PHASES) <= cost["cost_s"] + 0.01, cost
 
 
 def test_without_a_memory_directory_they_resume_from_disk(cluster, tmp_path):

@@ -285,15 +285,18 @@ async def test_each_job_has_its_progress_and_hangs_are_counted(server, http, clo
         reply = await node.post("stall", {"round_id": first, "threshold_s": 5.0, "ranks": seen})
     assert reply["round_id"] == first + 1
     clock.now = T0 + 61
-    for node in (a, b):          # the new round's first step at T0+61: the restart cost 11 s
+    for node in (a, b):          # the new round's first step at T0+61: the restart cost 11 s, b's 9 s in a restore
+        phases = {"rank": 3, "stop": 1.0, "restore": 9.0, "first_step": 1.0} if node is b else None
         await node.post("poll", {"known_round": first + 1, "wait_s": 0,
-                                 "progress": note(first + 1, 10, T0 + 61, T0 + 70)})
+                                 "progress": {**note(first + 1, 10, T0 + 61, T0 + 70), "anatomy": phases}})
     clock.now = T0 + 101
     s = await scrape(http, server)
     assert s["rdzv_hangs_total"] == 1 and s["rdzv_rounds_total", {"cause": "hang"}] == 1
     assert s["rdzv_failure_to_round_seconds_count", {"cause": "hang"}] == 1
     assert s["rdzv_job_steps", {"job": "g"}] == 110
     assert s["rdzv_job_restart_lost_seconds", {"job": "g"}] == 11.0
+    assert s["rdzv_job_restart_phase_seconds", {"job": "g", "phase": "restore"}] == 9.0
+    assert s["rdzv_job_restart_phase_seconds", {"job": "g", "phase": "cuda"}] == 0.0
     assert s["rdzv_job_effective_training_ratio", {"job": "g"}] == pytest.approx((100 - 11) / 100, abs=1e-4)
     for family in s.families.values():
         assert family.name.startswith("rdzv_") and family.documentation, family.name

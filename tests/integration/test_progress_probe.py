@@ -119,6 +119,36 @@ async def test_optimizer_steps_are_counted_with_no_change_to_the_script(run_grou
     assert (record.steps, record.flags & probe.HOOKED) == (5, probe.HOOKED)
 
 
+# A one-rank gloo group and a protect() restore from a memory directory the test made: the worker notes when each
+# began and ended (the restart's anatomy, node_agent/core/anatomy.py).
+MILESTONES = """import torch, torch.distributed as dist, tempfile, os
+from node_agent.training import protect
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(__import__("socket").create_server(("127.0.0.1", 0)).getsockname()[1]))
+dist.init_process_group("gloo", rank=0, world_size=1)
+os.environ["NODE_AGENT_MEMORY_DIR"] = tempfile.mkdtemp()
+model = torch.nn.Linear(2, 2)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+from node_agent.training.capture import Capture
+from node_agent.training.protection import training_state
+capture = Capture(os.environ["NODE_AGENT_MEMORY_DIR"])
+capture.take(3, {"state": training_state(model, opt, {}), "rng": {}})    # a predecessor's snapshot
+capture.wait()
+assert protect(model, opt, every=1) == 3
+model(torch.ones(1, 2)).sum().backward()
+opt.step()
+"""
+
+
+@pytest.mark.parametrize("warm", [None, ("torch",)], ids=["cold", "warm-torch"])
+async def test_the_worker_notes_when_its_process_group_and_restore_began_and_ended(run_group, warm) -> None:
+    group, files, _ = await run_group(MILESTONES, warm=warm)
+    record = record_of(files, group.pids[0])
+    m = record.milestones
+    assert set(m) == {"started", "group_begun", "group_done", "restore_begun", "restore_done"}, m
+    assert m["started"] <= m["group_begun"] <= m["group_done"] <= m["restore_begun"] <= m["restore_done"]
+    assert m["restore_done"] <= record.first_at and record.steps == 1
+
+
 async def test_stacks_come_on_the_signal_while_the_main_thread_sleeps(run_group) -> None:
     group, files, _ = await run_group(BEATS)
     pid = group.pids[0]

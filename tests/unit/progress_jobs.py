@@ -12,6 +12,7 @@ from protocol.messages import (
     StallReport,
     WorkerFailure,
 )
+from protocol.restarts import RestartAnatomy
 from protocol.stalls import RankSeen, RankState
 from rdzv_server.core.rendezvous import Rendezvous
 from rdzv_server.core.requests import Arrival
@@ -28,9 +29,15 @@ def join(rz: Rendezvous, job: str, node: str, now: float, config: JobConfig = CF
 
 
 def note(round_id: int, steps: int, first: float, last: float, *, demand: float = 0.5,
-         resumed: int = -1) -> ProgressNote:
+         resumed: int = -1, anatomy: RestartAnatomy | None = None) -> ProgressNote:
     return ProgressNote(round_id=round_id, probes=2, steps=steps, first_step_at=first, last_step_at=last, step_s=0.5,
-                        window_s=10.0, window_steps=int(10 * RATE), demand=demand, resumed_step=resumed)
+                        window_s=10.0, window_steps=int(10 * RATE), demand=demand, resumed_step=resumed,
+                        anatomy=anatomy)
+
+
+# Where node b's restart took its 31 s (the job's: b stepped again last).
+ANATOMY = RestartAnatomy(rank=3, stop=0.5, rendezvous=20.0, start=0.5, setup=5.0, group=2.0, restore=1.5,
+                         first_step=1.5)
 
 
 def poll(rz: Rendezvous, job: str, node: str, now: float, progress: ProgressNote | None) -> None:
@@ -62,6 +69,7 @@ def stepping(rz: Rendezvous, job: str = "train") -> None:
     step(rz, job, ["a", "b"], T + 10, T + 100, 180, T + 100)
     crash(rz, job, "b", T + 101)
     step(rz, job, ["a", "b"], T + 131, T + 140, 20, T + 140, resumed=150)
+    poll(rz, job, "b", T + 140, note(rz.jobs[job].round.round_id, 20, T + 131, T + 140, resumed=150, anatomy=ANATOMY))
 
 
 def restarting(rz: Rendezvous, job: str = "again") -> None:

@@ -78,6 +78,8 @@ def test_the_job_view_has_progress_and_each_restarts_cost():
     at = lines.index("restarts since the first step (cost: from the last step before to the first after):")
     assert [line.split() for line in lines[at + 1:at + 3]] == [["ROUND", "CAUSE", "COST", "REDONE"],
                                                                ["#2", "failure", "31.0s", "30"]]
+    assert lines[at + 3] == ("#2 took 31.00 s: stop 0.50 · rendezvous 20.00 · start 0.50 · set-up 5.00 · "
+                             "process group 2.00 · restore 1.50 · first step 1.50 (rank 3) on b")
     members = [line.split() for line in lines if line[:1].isdigit()]     # still only the members start with one
     assert [m[-2:] for m in members] == [["2", "-"], ["2", "-"]]         # STEPS/S and PACE
 

@@ -5,6 +5,7 @@ import os
 
 from node_agent.cli.options import parse_options
 from node_agent.settings import Std
+from node_agent.training import probe
 from node_agent.training.probe import ENV as PROBE_ENV
 from node_agent.workers.launch import attempt_dir, build_launches, make_run_dir
 from node_agent.workers.probes import ProbeRoot
@@ -40,7 +41,8 @@ def test_one_launch_per_local_rank_with_its_global_rank_env_and_error_file(tmp_p
         assert w.error_file == os.path.join(base, str(w.local_rank), "error.json")
         assert os.path.isdir(os.path.dirname(w.error_file))       # made, for the worker to write into
         assert w.echo and not w.stdin_tty
-        assert w.probe is not None and w.env[PROBE_ENV] == w.probe.env() and os.path.getsize(w.probe.record) == 64
+        assert w.probe is not None and w.env[PROBE_ENV] == w.probe.env()
+        assert os.path.getsize(w.probe.record) == probe.SIZE
         assert os.path.dirname(w.probe.record) == probes.root and not w.probe.record.startswith(str(tmp_path))
         assert (w.redirect, w.tee) == (Std.NONE, Std.NONE)       # nothing goes to the files
     assert sorted(os.listdir(probes.root or "")) == [f"{r}.{kind}" for r in range(3) for kind in ("progress", "stacks")

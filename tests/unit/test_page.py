@@ -296,6 +296,9 @@ def test_the_card_shows_pace_ratio_time_lost_and_steps_redone():
     row = next(a for t, a in m.tags if t == "tr" and a.get("data-job") == "train")
     assert row and "2 83.7% round_completed" in m.text        # the summary's steps/s and ratio columns
     assert "no progress signal" not in m.text
+    job = Markup(page.job_page(rz, "train", T + 200) or "")
+    assert ("#2 failure (restart) 31s 30 31.00 s: stop 0.50 · rendezvous 20.00 · start 0.50 · set-up 5.00 · "
+            "process group 2.00 · restore 1.50 · first step 1.50 (rank 3) on b") in job.text, job.text
 
 
 def test_a_restart_under_way_says_how_long_it_has_lost_so_far():
@@ -304,7 +307,8 @@ def test_a_restart_under_way_says_how_long_it_has_lost_so_far():
     html = page.index_page(rz, T + 200)
     assert "restarting 2m 30s lost so far" in goodput_text(html, "again")
     job = Markup(page.job_page(rz, "again", T + 200) or "")
-    assert "Restarts and what they cost round cause cost steps redone #2 failure (restart) under way —" in job.text
+    assert ("Restarts and what they cost round cause cost steps redone where the time went #2 failure (restart) "
+            "under way —") in job.text
     rz.close_job("again", "enough", T + 210)
     ended = Markup(page.job_page(rz, "again", T + 300) or "")
     assert "#2 failure (restart) never stepped again" in ended.text and "lost so far" not in ended.text

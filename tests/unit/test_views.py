@@ -229,7 +229,8 @@ def test_a_job_that_crashed_and_stepped_again_has_its_ratio_cost_and_pace():
     assert p.signal and p.steps == 200 and p.steps_per_s == progress_jobs.RATE
     assert p.ettr == pytest.approx((190 - 31) / 190, abs=1e-4)
     assert (p.lost_s, p.restarts, p.redone, p.restarting_for_s) == (31.0, 1, 30, None)
-    assert p.costs == [RestartCostView(round_id=2, cause="failure", cost_s=31.0, redone=30)]
+    assert p.costs == [RestartCostView(round_id=2, cause="failure", cost_s=31.0, redone=30,
+                                       anatomy=progress_jobs.ANATOMY, anatomy_node="b")]
     assert (p.first_step_at, p.last_step_at) == ("2023-11-14T22:13:30.000Z", "2023-11-14T22:15:40.000Z")
     detail = views.job_detail(rz.jobs["train"], now)          # the JSON document: both views carry it
     assert detail["progress"]["ettr"] == p.ettr and detail["progress"]["costs"][0]["cost_s"] == 31.0

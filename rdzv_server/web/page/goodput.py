@@ -70,7 +70,15 @@ COSTS: list[Column[tuple[RestartCostView, bool]]] = [
     ("cause", lambda r: esc(cause_label(r[0].cause) if r[0].cause else "")),
     (">cost", lambda r: _cost(*r)),
     (">steps redone", lambda r: esc(f"{r[0].redone:,}" if r[0].redone is not None else None)),
+    ("where the time went", lambda r: _phases(r[0])),
 ]
+
+
+def _phases(c: RestartCostView) -> str:
+    if c.anatomy is None:
+        return ""
+    return f'<span class="mono" data-phases="1">{esc(c.anatomy.line())} on {esc(c.anatomy_node or "?")}</span>'
+
 
 
 def restart_costs(job: JobView) -> str:
@@ -86,4 +94,6 @@ def restart_costs(job: JobView) -> str:
     return ("<h3>Restarts and what they cost</h3>"
             + columns_table(COSTS, rows, "", row=lambda r: f' data-cost-round="{r[0].round_id}"')
             + shown + '<p class="muted">A restart costs the time from the last step before it to the first step '
-                      "after it, whatever caused it.</p>")
+                      "after it, whatever caused it. Where the time went, on the node the job waited for: its "
+                      "workers stopping, the new round, the workers' start, the script's set-up, CUDA, the process "
+                      "group, the restore and the first step.</p>")
