@@ -6,7 +6,7 @@ PIP_FLAGS := --disable-pip-version-check -q
 PYTEST_WORKERS ?= 3
 
 .PHONY: venv chromium deploy-tools netns-tools etcd demo test multihost soak fuzz bench bench-faults bench-scale bench-blip bench-progress \
-	bench-leftovers bench-console bench-hangs bench-places bench-node-loss bench-copy-faults bench-copy-speed bench-snapshot-speed bench-snapshot-blocking bench-request-path \
+	bench-leftovers bench-console bench-hangs bench-places bench-node-loss bench-copy-faults bench-copy-speed bench-snapshot-speed bench-framework-restart bench-snapshot-blocking bench-request-path \
 	bench-failover bench-first-step gpu-check gpu-hangs test-oldest clean
 
 # `make demo` installs what the demo runs (the package and torch); the test tools and the frameworks (Lightning,
@@ -161,6 +161,11 @@ bench-node-loss: venv
 BENCH_COPY_FAULTS_ARGS ?= --restart 10 --flood 15 --lines --ahead --busy 1000
 bench-copy-faults: venv
 	$(PY) benchmarks/bench_copy_faults.py $(BENCH_COPY_FAULTS_ARGS)
+
+# Crash -> every rank stepping in Lightning and the HF Trainer, 2 x 2 gloo: from memory, from the framework's own disk
+# checkpoint, and warm workers preloading torch only, alternated (about 3 minutes; BENCH_FRAMEWORK_RESTART_ARGS).
+bench-framework-restart: venv
+	$(PY) benchmarks/bench_framework_restart.py $(BENCH_FRAMEWORK_RESTART_ARGS)
 
 # One peer copy's cost: push and fetch of 64 MiB-1 GiB snapshots over loopback with sha256 (about 1 minute).
 bench-copy-speed: venv

@@ -67,7 +67,9 @@ class WorkerSettings:
     memory_dir_limit: int | None = None   # bytes for the node's in-memory checkpoints; None: the default; 0: off
     replica_bandwidth: int = 1 << 30   # bytes/s of peer copies sent (node_agent/copies.py); 0: no cap
     warm_workers: str = "auto"         # auto: Python entry points fork from a warm zygote; off: all cold
-    warm_preload: tuple[str, ...] = DEFAULT_PRELOAD
+    # --warm-preload: exactly these; None: DEFAULT_PRELOAD and the installed packages the script imports at its top
+    # level (workers/warm/eligible.py's script_preloads)
+    warm_preload: tuple[str, ...] | None = None
 
     @property
     def warm(self) -> bool:

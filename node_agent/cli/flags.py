@@ -179,8 +179,9 @@ FLAGS: tuple[Flag, ...] = (
          "auto: workers of a Python script or -m module are forked from an interpreter that has already imported "
          "--warm-preload (a restart skips `import torch`); off: every worker starts cold; default {default}"),
     Flag(("--warm-preload", "--warm_preload"), "warm_preload", "MOD[,MOD...]",
-         "the modules warm workers find imported; default torch, torch.distributed, torch.nn, torch.optim, "
-         "torch._dynamo"),
+         "the modules warm workers find imported (exactly these); default torch, torch.distributed, torch.nn, "
+         "torch.optim, torch._dynamo and the installed packages the script imports at its top level "
+         "(Lightning, transformers, ...; not the script's own modules)"),
     Flag(("--no-command-check", "--no_command_check"), "no_command_check", None,
          "let nodes whose script or arguments differ join one job (by default the server refuses them)"),
 )

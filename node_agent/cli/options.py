@@ -36,7 +36,6 @@ from node_agent.cli.values import (  # noqa: F401  (count_gpus: re-exported)
     server_token,
 )
 from node_agent.settings import (
-    DEFAULT_PRELOAD,
     DEFAULT_SIGNALS,
     DEFAULT_TEE_PREFIX,
     AgentSettings,
@@ -123,7 +122,7 @@ def parse_options(argv: Sequence[str], environ: Mapping[str, str] = os.environ) 
         memory_dir_limit=_memory_dir_limit(line), replica_bandwidth=_replica_bandwidth(line),
         warm_workers=_choice(line, "warm_workers", ("auto", "off")),
         warm_preload=parse_modules(get("warm_preload"), line.failing("warm_preload"))
-        if get("warm_preload") is not None else DEFAULT_PRELOAD,
+        if get("warm_preload") is not None else None,
         nproc=counts.nproc, job_id=job_id, node_id=node_id, role=role)
     checks = CheckSettings(nproc=counts.nproc, virtual_local_rank=workers.virtual_local_rank, **_gpu_options(line))
     return AgentSettings(workers, link, checks, reply_file=environ.get("TORCHELASTIC_ERROR_FILE") or None,

@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping
 from typing import Protocol
 
 from node_agent.core.facts import NodeChecked, Put, SpawnFailed, Stage, WorkersExited
-from node_agent.settings import WorkerSettings
+from node_agent.settings import DEFAULT_PRELOAD, WorkerSettings
 from node_agent.sources import start_source
 from node_agent.workers.environment import common_env, worker_argv
 from node_agent.workers.failures import early_exits, exit_failure, spawn_failure, store_failure
@@ -26,7 +26,7 @@ from node_agent.workers.probes import ProbeRoot
 from node_agent.workers.process import WorkerExit, WorkerSpawnError
 from node_agent.workers.step_watch import StepWatch
 from node_agent.workers.warm.client import WarmZygote
-from node_agent.workers.warm.eligible import entry_imports, imports_any, script_dir
+from node_agent.workers.warm.eligible import entry_imports, imports_any, script_dir, script_preloads
 from protocol.messages import Assignment, ProgressNote, UnhealthyKind
 
 WARM_WAIT_S = 60.0   # a zygote importing longer than this (a hung file system?) lets the round start cold
@@ -73,14 +73,17 @@ class LocalWorkers:
         self._hostname = hostname
         self._say = say
         self.warm: WarmZygote | None = None   # only real processes start warm: a test's stand-in group gets no zygote
+        path0 = os.getcwd() if opts.module else script_dir(opts.script)
+        preload = opts.warm_preload if opts.warm_preload is not None else \
+            (*DEFAULT_PRELOAD, *script_preloads(opts.script, module=opts.module, cwd=os.getcwd(), path0=path0))
         if opts.warm and make_group is None:
             python = worker_argv(opts)[0]   # the cold path's interpreter: PYTHON_EXEC or ours
-            path0 = os.getcwd() if opts.module else script_dir(opts.script)
-            self.warm = WarmZygote(python, opts.warm_preload, path0, common_env(os.environ, opts.nproc), say)
+            self.warm = WarmZygote(python, preload, path0, common_env(os.environ, opts.nproc), say,
+                                   fallback=DEFAULT_PRELOAD if opts.warm_preload is None else None)
         self._make_group: GroupFactory = make_group or self._process_group
         imported = None if opts.no_python else entry_imports(opts.script, module=opts.module, cwd=os.getcwd())
         # a zygote still importing is worth waiting for only when the script imports what it preloads
-        self._warm_wait_s = WARM_WAIT_S if self.warm is not None and imports_any(imported, opts.warm_preload) else 0.0
+        self._warm_wait_s = WARM_WAIT_S if self.warm is not None and imports_any(imported, preload) else 0.0
         self._starting: asyncio.Task[None] | None = None   # a start waiting for the zygote
         self._gave_up = False       # the zygote took longer than WARM_WAIT_S to import: ready, to start cold
         # The agent hosts the c10d store for an entry point importing torch: a rule all nodes (one command) agree on.

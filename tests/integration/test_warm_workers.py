@@ -87,6 +87,16 @@ async def run(argv: list[str], zygote: WarmZygote | None, tmp: str, *, extra_env
     return Run(exit_, console, warm, error)
 
 
+def write(path: str, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+
+
+def read(path: str) -> str:
+    with open(path) as f:
+        return f.read()
+
+
 def dumped(path: str) -> dict:
     with open(path) as f:
         return json.load(f)
@@ -171,6 +181,45 @@ async def test_a_preload_that_fails_is_one_warning_and_workers_still_start_warm(
     assert len(warnings) == 1 and "'no_such_module_xyz'" in warnings[0] and "\n" not in warnings[0]
     warm = await run(["dump.py", os.path.join(workdir, "seen.json"), "0"], zygote, workdir)
     assert warm.warm and warm.key() == (0, "")
+
+
+async def test_lightnings_rank_is_the_workers_not_the_zygotes(make_zygote, workdir) -> None:
+    """Lightning keeps the rank the environment said at its import (rank_zero_only.rank): a worker forked from a
+    zygote that imported it has its own, as a cold one does (RANK=3 in run())."""
+    pytest.importorskip("lightning")
+    write(os.path.join(workdir, "rank.py"), "import sys\nfrom lightning.fabric.utilities.rank_zero import "
+                                            "rank_zero_only\nopen(sys.argv[1], 'w').write(str(rank_zero_only.rank))\n")
+    zygote = await make_zygote(("lightning.fabric.utilities.rank_zero",))
+    out = os.path.join(workdir, "rank.txt")
+    cold = await run(["rank.py", out], None, workdir)
+    cold_rank = read(out)
+    warm = await run(["rank.py", out], zygote, workdir)
+    assert (cold.warm, warm.warm) == (False, True)
+    assert cold_rank == read(out) == "3"
+
+
+async def test_script_imports_that_leave_a_thread_fall_back_to_the_base_preloads(workdir, tmp_path) -> None:
+    """A preloaded import that starts a thread makes a fork unsafe: the zygote is started again with the base
+    list (said once), and workers start warm from it."""
+    site = os.path.join(tmp_path, "site")
+    os.mkdir(site)
+    write(os.path.join(site, "threads_at_import.py"),
+          "import threading, time\nthreading.Thread(target=time.sleep, args=(600,), daemon=True).start()\n")
+    warnings: list[str] = []
+    env = base_env({**ENV, "PYTHONPATH": site})
+    zygote = WarmZygote(sys.executable, ("json", "threads_at_import"), str(tmp_path), env, warnings.append,
+                        fallback=("json",))
+    try:
+        zygote.start()
+        deadline = asyncio.get_running_loop().time() + LIMIT * 4
+        while not (zygote.ready and zygote.preload == ("json",)):
+            assert asyncio.get_running_loop().time() < deadline, warnings
+            await zygote.wait_ready(LIMIT)
+        assert len(warnings) == 1 and "after preloading the script's imports (threads_at_import)" in warnings[0]
+        state = await zygote.query()
+        assert state is not None and "threads_at_import" not in state["modules"] and state["threads"] == 1
+    finally:
+        await zygote.close()
 
 
 async def test_a_launch_whose_environment_differs_from_the_zygotes_starts_cold(make_zygote, workdir) -> None:

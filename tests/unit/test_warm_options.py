@@ -9,7 +9,7 @@ import pytest
 from node_agent.cli.options import OptionsError, parse_options
 from node_agent.settings import DEFAULT_PRELOAD
 from node_agent.workers.launch import WorkerLaunch
-from node_agent.workers.warm.eligible import base_env, entry_imports, imports_any, warm_launch
+from node_agent.workers.warm.eligible import base_env, entry_imports, imports_any, script_preloads, warm_launch
 from tests.options_view import flat
 
 ENV = {"PATH": "/usr/bin"}
@@ -21,7 +21,8 @@ def parse(*argv: str):
 
 def test_warm_workers_are_on_for_python_scripts_and_modules_by_default() -> None:
     for opts in (parse("train.py"), parse("-m", "pkg.train")):
-        assert opts.warm_workers == "auto" and opts.warm and opts.warm_preload == DEFAULT_PRELOAD
+        assert opts.warm_workers == "auto" and opts.warm and opts.warm_preload is None   # DEFAULT_PRELOAD and
+        # the installed packages the script imports (test_the_script_s_installed_imports_are_preloaded)
 
 
 @pytest.mark.parametrize("argv", [("--warm-workers", "off", "train.py"), ("--no-python", "prog"),
@@ -115,3 +116,32 @@ def test_a_module_entry_point_is_found_on_the_path_without_importing_it(tmp_path
     assert uses_preload("pkg", module=True, cwd=cwd)            # pkg/__main__.py
     assert not uses_preload("pkg.plain", module=True, cwd=cwd)
     assert uses_preload("pkg.nowhere", module=True, cwd=cwd)    # not found: assume so
+
+
+SCRIPT = """import os, json
+import torch.distributed as dist
+import lightning.pytorch as L
+from transformers import Trainer
+from node_agent.training import protect
+import mine
+from helpers.data import load
+if os.environ.get("X"):
+    import accelerate
+try:
+    import wandb
+except ImportError:
+    wandb = None
+def main():
+    import deepspeed
+if __name__ == "__main__":
+    import datasets
+"""
+
+
+def test_the_script_s_installed_imports_are_preloaded_not_its_own_modules(tmp_path) -> None:
+    (tmp_path / "train.py").write_text(SCRIPT)
+    (tmp_path / "mine.py").write_text("")
+    (tmp_path / "helpers").mkdir()
+    got = script_preloads(str(tmp_path / "train.py"), module=False, cwd="/", path0=str(tmp_path))
+    assert got == ("torch.distributed", "lightning.pytorch", "transformers", "node_agent.training", "accelerate")
+    assert script_preloads(str(tmp_path / "none.py"), module=False, cwd="/", path0=str(tmp_path)) == ()

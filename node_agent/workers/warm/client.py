@@ -44,9 +44,12 @@ class WarmProcess:
 
 class WarmZygote:
     def __init__(self, python: str, preload: Sequence[str], path0: str, env: Mapping[str, str],
-                 warn: Callable[[str], None]) -> None:
+                 warn: Callable[[str], None], fallback: Sequence[str] | None = None) -> None:
+        """`fallback`: what to preload instead when `preload` leaves the zygote unfit to fork (the script's own
+        imports started a thread, or CUDA)."""
         self.python = python
         self.preload = tuple(preload)
+        self.fallback = tuple(fallback) if fallback is not None else None
         self.path0 = path0
         self.env = dict(env)            # what the zygote was started with: a launch must match it
         self._warn = warn
@@ -117,6 +120,14 @@ class WarmZygote:
         if op == "ready":
             for name, error in m.get("failed", []):
                 self._warn(f"warm workers: preloading {name!r} failed ({error}); workers import it themselves")
+            if m.get("unclean") and self.fallback is not None and self.preload != self.fallback:
+                extra = [name for name in self.preload if name not in self.fallback]
+                self._warn(f"warm workers: {m['unclean']} after preloading the script's imports "
+                           f"({', '.join(extra)[:200]}); the next zygote preloads {', '.join(self.fallback)} only")
+                self.preload = self.fallback
+                self._starts -= 1      # not a failure of the zygote's: it may still be replaced as often
+                self._kill()
+                return
             if m.get("unclean"):
                 self._warn(f"warm workers off: {m['unclean']} after the preloads; workers start cold")
                 self._kill()

@@ -59,16 +59,8 @@ def imports_any(imported: frozenset[str] | None, modules: Iterable[str]) -> bool
 def entry_imports(entry: str, *, module: bool, cwd: str) -> frozenset[str] | None:
     """The top-level packages the script (or `-m` module) imports anywhere in its source, read, never run;
     None when it cannot be found, read or parsed."""
-    path = module_source(entry, [cwd, *sys.path]) if module else entry
-    if path is None:
-        return None
-    try:
-        with open(path, "rb") as f:
-            source = f.read(MAX_SOURCE + 1)
-        if len(source) > MAX_SOURCE:
-            return None
-        tree = ast.parse(source, filename=path)
-    except (OSError, SyntaxError, ValueError):
+    tree = _parsed(entry, module=module, cwd=cwd)
+    if tree is None:
         return None
     found: set[str] = set()
     for node in ast.walk(tree):
@@ -77,6 +69,58 @@ def entry_imports(entry: str, *, module: bool, cwd: str) -> frozenset[str] | Non
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
             found.add(node.module.split(".")[0])
     return frozenset(found)
+
+
+MAX_SCRIPT_PRELOADS = 32
+
+
+def script_preloads(entry: str, *, module: bool, cwd: str, path0: str) -> tuple[str, ...]:
+    """The modules the script imports as it starts, to preload in the zygote: the imports among its top-level
+    statements (not in a function, a `try`, or `if __name__ == "__main__"`), of installed packages: not the
+    standard library, not the script's own modules (found beside it or in the working directory: importing
+    those may read the rank from the environment, or parse the command line, which a zygote has not)."""
+    tree = _parsed(entry, module=module, cwd=cwd)
+    if tree is None:
+        return ()
+    names: list[str] = []
+    for node in _top_level(tree.body):
+        if isinstance(node, ast.Import):
+            names += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.append(node.module)
+    own = [d for d in (path0, cwd) if d]
+    kept = [n for n in dict.fromkeys(names) if _installed(n.split(".")[0], own)]
+    return tuple(kept[:MAX_SCRIPT_PRELOADS])
+
+
+def _top_level(body: list[ast.stmt]) -> Iterable[ast.stmt]:
+    for node in body:
+        if isinstance(node, ast.If) and "__name__" not in ast.unparse(node.test):
+            yield from _top_level(node.body)
+            yield from _top_level(node.orelse)
+        else:
+            yield node
+
+
+def _installed(top: str, own: list[str]) -> bool:
+    if top in sys.stdlib_module_names or top == "__future__":
+        return False
+    return not any(os.path.exists(os.path.join(d, top + ".py")) or os.path.isdir(os.path.join(d, top))
+                   for d in own)
+
+
+def _parsed(entry: str, *, module: bool, cwd: str) -> ast.Module | None:
+    path = module_source(entry, [cwd, *sys.path]) if module else entry
+    if path is None:
+        return None
+    try:
+        with open(path, "rb") as f:
+            source = f.read(MAX_SOURCE + 1)
+        if len(source) > MAX_SOURCE:
+            return None
+        return ast.parse(source, filename=path)
+    except (OSError, SyntaxError, ValueError):
+        return None
 
 
 def module_source(name: str, path: Iterable[str]) -> str | None:

@@ -156,6 +156,7 @@ class Zygote:
         os.environ.clear()
         os.environ.update(launch["env"])
         _start_probe()
+        _ranks_read_at_import()
 
 
 def _per_worker_setup(launch: dict[str, Any]) -> None:
@@ -166,6 +167,20 @@ def _per_worker_setup(launch: dict[str, Any]) -> None:
         # as cold: a CPU taken away since the plan: run unbound rather than not at all
         with contextlib.suppress(OSError):
             os.sched_setaffinity(0, cpus)
+
+
+# Modules that keep the process's rank as the environment said when they were imported (Lightning's
+# rank_zero_only.rank): the zygote's has none. A forked worker reads it again from its own, as a cold one would.
+RANK_AT_IMPORT = ("lightning.fabric.utilities.rank_zero", "lightning_fabric.utilities.rank_zero")
+
+
+def _ranks_read_at_import() -> None:
+    for name in RANK_AT_IMPORT:
+        module = sys.modules.get(name)
+        read, only = getattr(module, "_get_rank", None), getattr(module, "rank_zero_only", None)
+        if read is not None and only is not None:
+            with contextlib.suppress(Exception):      # another version's: the worker starts as it would have
+                only.rank = read() or 0
 
 
 _probe_name = ""     # the progress probe's module: loaded at the zygote's start-up (its boot), before any fork
