@@ -10,6 +10,7 @@ measure (a restarted worker is a new process), each checkout in `--roots` altern
   the step: pages mapped or copied on first write).
 
 Run: .venv/bin/python benchmarks/bench_snapshot_speed.py [--sizes 1024] [--roots .,/tmp/old] [--rounds 6]
+     [--device cuda] (on a GPU node: the state on the GPU, pinned buffers, the restore into GPU tensors)
      (make bench-snapshot-speed). An old checkout for --roots: `git worktree add /tmp/old <commit>`.
 """
 from __future__ import annotations
@@ -29,7 +30,7 @@ BASE = "/dev/shm" if os.path.isdir("/dev/shm") else None
 
 CHILD = r"""
 import json, os, sys, time
-kind, where, mb, rounds = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+kind, where, mb, rounds, device = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
 import torch
 from torch import nn
 from node_agent.training import rng
@@ -40,13 +41,18 @@ def build():
     width = 1024
     layers = max(1, round(mb * 2**20 / (3 * 4 * width * width)))
     torch.manual_seed(0)
-    model = nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)])
+    model = nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)]).to(device)
     return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
 
+def sync():
+    if device == "cuda":
+        torch.cuda.synchronize()
+
 def step(model, opt):
-    model(torch.randn(8, 1024)).pow(2).mean().backward()
+    model(torch.randn(8, 1024, device=device)).pow(2).mean().backward()
     opt.step()
     opt.zero_grad()
+    sync()
 
 def size(model, opt):
     tree = training_state(model, opt, {})
@@ -81,6 +87,7 @@ else:
     model, opt = build()           # a new worker's model and optimizer (no state yet)
     t0 = time.perf_counter()
     got = restore(model, opt, {}, where)
+    sync()
     restored = time.perf_counter() - t0
     t0 = time.perf_counter()
     step(model, opt)
@@ -91,11 +98,11 @@ else:
 """
 
 
-def child(root: str, kind: str, where: str, mb: int, rounds: int) -> dict[str, float]:
+def child(root: str, kind: str, where: str, mb: int, rounds: int, device: str) -> dict[str, float]:
     env = dict(os.environ, PYTHONPATH=root, NODE_AGENT_MEMORY_DIR=where)
     env.pop("NODE_AGENT_MEMORY_LIMIT", None)
     t0 = time.time()
-    out = subprocess.run([sys.executable, "-c", CHILD, kind, where, str(mb), str(rounds)], env=env, cwd=root,
+    out = subprocess.run([sys.executable, "-c", CHILD, kind, where, str(mb), str(rounds), device], env=env, cwd=root,
                          capture_output=True, text=True, timeout=900)
     gone = time.time()
     lines = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
@@ -107,16 +114,16 @@ def child(root: str, kind: str, where: str, mb: int, rounds: int) -> dict[str, f
     return figures
 
 
-def measure(roots: list[str], mb: int, rounds: int, repeat: int) -> dict[str, dict[str, object]]:
+def measure(roots: list[str], mb: int, rounds: int, repeat: int, device: str) -> dict[str, dict[str, object]]:
     raw: dict[str, dict[str, list[float]]] = {r: {} for r in roots}
     for _ in range(repeat):
         for root in roots:                          # alternated: old, new, old, new ...
             where = tempfile.mkdtemp(prefix="bench-snap-", dir=BASE)
             try:
-                w = child(root, "write", where, mb, rounds)
-                r = child(root, "restore", where, mb, rounds)
-                e = child(root, "exit", where, mb, rounds)
-                e0 = child(root, "exit-plain", where, mb, rounds)
+                w = child(root, "write", where, mb, rounds, device)
+                r = child(root, "restore", where, mb, rounds, device)
+                e = child(root, "exit", where, mb, rounds, device)
+                e0 = child(root, "exit-plain", where, mb, rounds, device)
             finally:
                 shutil.rmtree(where, ignore_errors=True)
             gb = w["bytes"] / 1e9
@@ -139,12 +146,13 @@ def main() -> None:
     p.add_argument("--roots", default=os.path.dirname(HERE), help="checkouts to run, comma-separated (alternated)")
     p.add_argument("--rounds", type=int, default=6, help="snapshots per write measure (the first two: new files)")
     p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the model and optimizer live")
     p.add_argument("--json", default="", help="also write the figures to this file")
     args = p.parse_args()
     roots = [os.path.abspath(r) for r in args.roots.split(",")]
     figures = {}
     for mb in (int(s) for s in args.sizes.split(",")):
-        figures[mb] = measure(roots, mb, args.rounds, args.repeat)
+        figures[mb] = measure(roots, mb, args.rounds, args.repeat, args.device)
         for root, f in figures[mb].items():
             print(f"{mb} MiB  {root}: " + ", ".join(f"{k} {v}" for k, v in f.items()), flush=True)
     if args.json:
