@@ -89,6 +89,10 @@ class JobConfig(msgspec.Struct, kw_only=True, frozen=True):
     hang_timeout_s: Seconds = 600.0
     hang_alone_timeout_s: Seconds = 1800.0
     replace_slow_nodes: bool = False   # a node named slow is drained, for a spare to take its place
+    # Exit codes by which a worker asks to run on other hardware (Megatron's 16: "run this step again
+    # elsewhere", 17: "a validation failed"): its node is a suspect, replaced by a ready spare at once
+    # (rdzv_server/core/suspects.py). (): none.
+    suspect_exit_codes: Annotated[tuple[Annotated[int, Meta(ge=1, le=255)], ...], Meta(max_length=16)] = (16, 17)
     # Peer copies (node_agent/replicas/): each member's agent copies its ranks' newest in-memory snapshot to this
     # many other members, in another failure domain; a node taking a lost node's place fetches them. 0: off.
     replicas: Annotated[int, Meta(ge=0, le=MAX_REPLICAS)] = 1

@@ -7,6 +7,8 @@ Logs: OUT_DIR/steps-NODE-LOCAL_RANK.txt ("unix_time step restart world rank" per
 ("unix_time rank step source ok newest" per start: ok when what it loaded is its own shard at that step; newest: the
 newest snapshot it held), OUT_DIR/saves-NODE-LOCAL_RANK.txt (seconds each snapshot.save took),
 OUT_DIR/pid-NODE-LOCAL_RANK. Trains until OUT_DIR/stop exists (decided together every 10 steps).
+EXIT_AT=RANK:CODE: global rank RANK exits with CODE at its first step after OUT_DIR/exit appears, on the first attempt
+only (EXIT_EVERY_TRY=1: on every attempt), as a worker asking for other hardware does (Megatron's exit 16).
 """
 import functools
 import os
@@ -68,6 +70,11 @@ while True:
     step += 1
     log.write(f"{time.time():.6f} {step} {restart} {world} {rank}\n")
     log.flush()
+    exit_rank, exit_code = (int(x) for x in (env("EXIT_AT") or "-1:0").split(":"))
+    if rank == exit_rank and (restart == 0 or env("EXIT_EVERY_TRY") == "1") \
+            and os.path.exists(os.path.join(out, "exit")):
+        print(f"rank {rank}: exits {exit_code} at step {step} (EXIT_AT)", flush=True)
+        os._exit(exit_code)
     if step % snap_every == 0:
         began = time.perf_counter()
         try:

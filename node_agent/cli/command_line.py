@@ -77,7 +77,8 @@ def job_config(line: CommandLine, conf: Mapping[str, str], min_nodes: int, max_n
     for field, (raw, fail) in source.items():
         default = JOB_DEFAULTS[field]
         values[field] = (_on_off(raw, fail) if isinstance(default, bool) else
-                         _int(raw, fail) if isinstance(default, int) else _seconds(raw, fail))
+                         _int(raw, fail) if isinstance(default, int) else
+                         _codes(raw, fail) if isinstance(default, tuple) else _seconds(raw, fail))
     try:
         return msgspec.convert(values, JobConfig)
     except msgspec.ValidationError as exc:   # e.g. "Expected `int` >= 0 - at `$.max_restarts`"
@@ -87,6 +88,13 @@ def job_config(line: CommandLine, conf: Mapping[str, str], min_nodes: int, max_n
         if field in source:
             source[field][1](f"{why}, got {source[field][0]!r}")
         line.fail(nodes_flag if field in ("min_nodes", "max_nodes") else field, why)
+
+
+def _codes(raw: str, fail: Fail) -> tuple[int, ...]:
+    """`16,17` -> (16, 17); `none` or nothing -> ()."""
+    if raw.strip().lower() in ("", "none"):
+        return ()
+    return tuple(_int(part.strip(), fail) for part in raw.split(","))
 
 
 def _conf_fail(key: str, why: str) -> NoReturn:

@@ -136,6 +136,9 @@ FLAGS: tuple[Flag, ...] = (
          "after this long; 0: none; default {default:g}"),
     Flag(("--replace-slow-nodes", "--replace_slow_nodes"), "replace_slow_nodes", None,
          "drain a node named slow (the others wait on it), for a spare to take its place; default off"),
+    Flag(("--suspect-exit-codes", "--suspect_exit_codes"), "suspect_exit_codes", "CODE[,CODE...]",
+         "worker exit codes that ask for other hardware (Megatron's 16 and 17): the node is replaced by a ready "
+         "spare at once, excluded when it asks twice; none: no such code; default 16,17"),
     Flag(("--memory-dir-limit", "--memory_dir_limit"), "memory_dir_limit", "SIZE",
          "size limit of the node's in-memory checkpoint directories ($NODE_AGENT_MEMORY_DIR, in /dev/shm, "
          "kept across worker restarts), shared by the local ranks: 8G, 512M, ...; 0 turns them off; "

@@ -309,7 +309,8 @@ class JobRules:
                 job.last_call_deadline = None
                 job.forming_since = now if job.waiting else None
 
-    def exclude(self, node: NodeRecord, now: float) -> None:
+    def exclude(self, node: NodeRecord, now: float, why: str = "") -> None:
+        """Keep the node out for a cooldown that doubles each time; `why`: the reason ("" : too many failures)."""
         job, cfg = self.job, self.job.config
         cooldown = min(cfg.exclude_cooldown_s * (2 ** node.exclusions), cfg.exclude_cooldown_max_s)
         node.exclusions += 1
@@ -326,8 +327,9 @@ class JobRules:
         job.excluded.append(node.node_id)
         if job.round is not None and node.node_id in job.round.members:
             job.round.members = [m for m in job.round.members if m != node.node_id]
-        self.record(now, EventKind.NODE_EXCLUDED, f"node {node.node_id} excluded for {cooldown:g}s after "
-                    f"{cfg.exclude_after} worker failures within {cfg.exclude_window_s:g}s", node.node_id)
+        why = why or f"after {cfg.exclude_after} worker failures within {cfg.exclude_window_s:g}s"
+        self.record(now, EventKind.NODE_EXCLUDED, f"node {node.node_id} excluded for {cooldown:g}s {why}",
+                    node.node_id)
 
     def finish(self, now: float, state: JobState, why: str) -> None:
         job = self.job

@@ -1,6 +1,7 @@
 """What one call of the rendezvous core did, handed to the shell as data: nobody diffs state to find out.
 The shell drains it once per call: logging and metrics take `events`, long-polls wake on `woken`, the store writes
-`changed` (resets `new_runs`, deletes `pruned`), metrics count `restarts`, the deadline timer re-arms to `earliest`.
+`changed` (resets `new_runs`, deletes `pruned`), metrics count `restarts` and `suspects`, the deadline timer
+re-arms to `earliest`.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ class Outbox:
     new_runs: set[str] = field(default_factory=set)     # job ids that started a new run (history reset)
     pruned: set[str] = field(default_factory=set)       # finished jobs forgotten after their retention
     restarts: list[str] = field(default_factory=list)   # one entry per accepted failure report that restarts
+    suspects: list[str] = field(default_factory=list)   # what was done with each suspect node (suspects.Action)
     finished: list[str] = field(default_factory=list)   # jobs that ended (the registry's own: rendezvous.py)
     earliest: float | None = None                       # the earliest deadline set (None: none set)
 
@@ -28,13 +30,14 @@ class Outbox:
 
     def drain(self) -> Outbox:
         """Everything collected so far, leaving this outbox empty."""
-        if not (self.events or self.woken or self.changed or self.new_runs or self.restarts or self.pruned) \
-                and self.earliest is None:
+        if not (self.events or self.woken or self.changed or self.new_runs or self.restarts or self.pruned
+                or self.suspects) and self.earliest is None:
             return _EMPTY          # the common case (a renewal): nothing to allocate
         taken = Outbox(self.events, self.woken, self.changed, self.nodes, self.new_runs, self.pruned,
-                       self.restarts, self.finished, self.earliest)
+                       self.restarts, self.suspects, self.finished, self.earliest)
         self.events, self.woken, self.changed, self.nodes = [], set(), {}, {}
         self.new_runs, self.pruned, self.restarts, self.finished, self.earliest = set(), set(), [], [], None
+        self.suspects = []
         return taken
 
 

@@ -32,6 +32,7 @@ class NodeRecord(msgspec.Struct, kw_only=True):
     drop_heard: bool = False           # the close came from its host (a FIN or RST just in: leases.closing_heard)
     holding: int = 0                   # its long-polls held open now: the lease waits (leases.py)
     failure_times: list[float] = msgspec.field(default_factory=list)
+    suspect_times: list[float] = msgspec.field(default_factory=list)   # when it was a suspect (suspects.py)
     exclusions: int = 0                # how often it was excluded (cooldown doubles each time)
     excluded_until: float = 0.0
     credential_digest: str = ""        # sha256 of the secret its join was given ("": none was issued)

@@ -9,7 +9,7 @@ import msgspec
 
 from protocol.errors import ErrorCode
 from protocol.messages import FailureReport, JobState, SuccessReport, WorkerFailure
-from rdzv_server.core import leases
+from rdzv_server.core import leases, suspects
 from rdzv_server.core.errors import RendezvousError
 from rdzv_server.core.events import EventKind, RoundCause
 from rdzv_server.core.job_rules import JobRules
@@ -49,11 +49,11 @@ def fail_round(rules: JobRules, node: NodeRecord, round_id: int, failures: list[
     the budget; returns why it was not (a lost member is the likelier cause)."""
     job = rules.job
     # A member that just dropped or lapsed is the likelier cause (its peers' collectives then break): lost first.
-    suspects = [n for n in rules.members() if n != node.node_id and n in job.nodes
-                and not leases.live(job.nodes[n], now)]
-    if suspects:
-        rules.lose_all([job.nodes[n] for n in suspects], now)
-        return f"failure attributed to the loss of {', '.join(suspects)}"
+    lapsed = [n for n in rules.members() if n != node.node_id and n in job.nodes
+              and not leases.live(job.nodes[n], now)]
+    if lapsed:
+        rules.lose_all([job.nodes[n] for n in lapsed], now)
+        return f"failure attributed to the loss of {', '.join(lapsed)}"
     first = failures[0]
     job.root_cause, job.root_cause_round, job.last_failure = first, round_id, first
     job.restart_count += 1
@@ -76,7 +76,10 @@ def fail_round(rules: JobRules, node: NodeRecord, round_id: int, failures: list[
     rules.out.restarts.append(job.job_id)
     what = "hang" if cause is RoundCause.HANG else "worker failure"
     why = f"{what} on {node.node_id} ({describe(first)}); restart {job.restart_count}/{cfg.max_restarts}"
-    if cfg.exclude_after and len(node.failure_times) >= cfg.exclude_after:
+    asked = suspects.asking(cfg, failures) if cause is RoundCause.FAILURE else None
+    if asked is not None:
+        suspects.act(rules, node, asked, round_id, now)
+    elif cfg.exclude_after and len(node.failure_times) >= cfg.exclude_after:
         rules.exclude(node, now)
     rules.form_round(now, why, cause, failed_at=first.timestamp)
     return ""

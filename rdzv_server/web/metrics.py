@@ -33,6 +33,7 @@ from rdzv_server.core.payloads import (
     payload_of,
 )
 from rdzv_server.core.records import Event, JobRecord
+from rdzv_server.core.suspects import Action as SuspectAction
 from rdzv_server.web.views import progress
 
 # No `*_created` series: they double the output and no dashboard here reads them (process-wide switch).
@@ -200,6 +201,10 @@ class ServerMetrics:
         self.worker_failures = Counter("rdzv_worker_failures_total", "Failed workers, by reason (the agents' "
                                        "exited, exited early, spawn failed, store exited, fenced; the server's hang; "
                                        "other).", ["reason"], registry=r)
+        self.suspects = Counter("rdzv_suspects_total", "Nodes made suspects by a worker's exit code that asks for "
+                                "other hardware (suspect_exit_codes), by what was done: replaced (a ready spare took "
+                                "its place), excluded (a suspect twice within the window), kept (no ready spare).",
+                                ["action"], registry=r)
         self.hangs = Counter("rdzv_hangs_total", "Hangs detected: a round's ranks waited on one that stalled, and "
                              "the round was failed with that rank as its cause.", registry=r)
         self.nodes_lost = Counter("rdzv_nodes_lost_total", "Nodes lost: lease expired, long-poll connection "
@@ -220,7 +225,8 @@ class ServerMetrics:
                                  ["route", "method", "status"], buckets=HTTP_BUCKETS, registry=r)
         # each labelled series is exported (as 0) before its first count
         for metric, values in ((self.rounds, CAUSES), (self.worker_failures, (*FAILURE_REASONS, "other")),
-                               (self.nodes_unhealthy, UNHEALTHY_KINDS), (self.recovery, LOSS_CAUSES)):
+                               (self.nodes_unhealthy, UNHEALTHY_KINDS), (self.recovery, LOSS_CAUSES),
+                               (self.suspects, tuple(a.value for a in SuspectAction))):
             for value in values:
                 metric.labels(value)
 
@@ -231,6 +237,8 @@ class ServerMetrics:
                 self._count(event)
             if effects.restarts:
                 self.restarts.inc(len(effects.restarts))
+            for action in effects.suspects:
+                self.suspects.labels(action).inc()
         except Exception:
             log.exception("metrics: could not count the core's effects")
 

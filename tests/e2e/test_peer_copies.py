@@ -26,10 +26,11 @@ LIMIT = 120.0
 ENV = {"STATE_MB": "1", "STEP_S": "0.1", "SNAP_EVERY": "5", "DISK_EVERY": "0"}
 
 
-def start(cluster, out, node: str, job: str, *, endpoint: str = "", extra: tuple[str, ...] = ()):
+def start(cluster, out, node: str, job: str, *, endpoint: str = "", extra: tuple[str, ...] = (),
+          env: dict[str, str] | None = None):
     return cluster.agent("--endpoint", endpoint or cluster.endpoint(), "--nnodes", "2:3", "--nproc", "2", "--job-id",
                          job, "--max-restarts", "3", "--node-id", node, "--failure-domain", f"rack-{node}", *FAST,
-                         *extra, SHARDS, name=node, env={"OUT_DIR": str(out), "NODE": node, **ENV})
+                         *extra, SHARDS, name=node, env={"OUT_DIR": str(out), "NODE": node, **ENV, **(env or {})})
 
 
 def memory_of(job: str, node: str) -> str:

@@ -123,7 +123,8 @@ async def test_optimizer_steps_are_counted_with_no_change_to_the_script(run_grou
 # began and ended (the restart's anatomy, node_agent/core/anatomy.py).
 MILESTONES = """import torch, torch.distributed as dist, tempfile, os
 from node_agent.training import protect
-os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(__import__("socket").create_server(("127.0.0.1", 0)).getsockname()[1]))
+port = __import__("socket").create_server(("127.0.0.1", 0)).getsockname()[1]
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
 dist.init_process_group("gloo", rank=0, world_size=1)
 os.environ["NODE_AGENT_MEMORY_DIR"] = tempfile.mkdtemp()
 model = torch.nn.Linear(2, 2)

@@ -79,7 +79,8 @@ def test_a_predecessors_file_is_removed_not_written_over_so_a_restored_state_kee
     assert os.stat(snapshot.path(3)).st_ino != first_inode
 
 
-def test_a_state_that_grows_gets_a_larger_file_and_one_past_the_limit_keeps_the_last(memory, monkeypatch, capsys) -> None:
+def test_a_state_that_grows_gets_a_larger_file_and_one_past_the_limit_keeps_the_last(memory, monkeypatch,
+                                                                                       capsys) -> None:
     capture = Capture(memory, keep=1)
     take(capture, 1, {"w": torch.ones(10)})
     take(capture, 2, {"w": torch.ones(10), "m": torch.ones(100_000)})    # an optimizer's lazy state appears

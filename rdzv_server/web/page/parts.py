@@ -18,7 +18,8 @@ FINISHED = {"succeeded", "failed", "closed"}
 BAD = {k.value for k in (EventKind.WORKER_FAILED, EventKind.NODE_LOST, EventKind.JOB_FAILED, EventKind.NODE_EXCLUDED,
                          EventKind.HANG_DETECTED)}
 WARN = {k.value for k in (EventKind.ROUND_ABANDONED, EventKind.NODE_DRAINED, EventKind.JOB_CLOSED,
-                          EventKind.SERVER_RESTARTED, EventKind.NODE_LEFT, EventKind.NODE_SLOW)}
+                          EventKind.SERVER_RESTARTED, EventKind.NODE_LEFT, EventKind.NODE_SLOW,
+                          EventKind.NODE_SUSPECT)}
 GOOD = {k.value for k in (EventKind.ROUND_COMPLETED, EventKind.JOB_SUCCEEDED, EventKind.NODE_READMITTED,
                           EventKind.NODE_PACE_OK)}
 

@@ -1,0 +1,50 @@
+"""A suspect node: one of its workers exited with a code the job names (`suspect_exit_codes`, by default
+Megatron's 16, "run this step again on other hardware", and 17, "a validation failed"). Its failure is counted
+as any other (one restart), and then, by the one rule here:
+- with a ready spare, the node is held out (an exclusion, for the job's cooldown) and the spare takes its place
+  and ranks in the round that follows, fetching its snapshots from their copies: the job goes on elsewhere at
+  the first such exit, not after `exclude_after` of them;
+- without one, the job restarts on the same nodes, said once per suspicion, and a second suspicion of the node
+  within `exclude_window_s` excludes it: the job never loops on a node that keeps asking to leave.
+"""
+from __future__ import annotations
+
+import enum
+
+from protocol.messages import JobConfig, WorkerFailure
+from rdzv_server.core.events import EventKind
+from rdzv_server.core.job_rules import JobRules
+from rdzv_server.core.records import NodeRecord
+from rdzv_server.core.rounds import describe
+
+
+class Action(str, enum.Enum):
+    REPLACED = "replaced"      # held out; a ready spare takes its place
+    EXCLUDED = "excluded"      # a suspect again within the window
+    KEPT = "kept"              # no ready spare: the job restarts on it
+
+
+def asking(cfg: JobConfig, failures: list[WorkerFailure]) -> WorkerFailure | None:
+    """The first failure whose exit code asks for other hardware, or None."""
+    return next((f for f in failures if f.exitcode in cfg.suspect_exit_codes), None)
+
+
+def act(rules: JobRules, node: NodeRecord, asked: WorkerFailure, round_id: int, now: float) -> Action:
+    """The suspect rule for `node`, before the round after the failure forms."""
+    job, cfg = rules.job, rules.job.config
+    node.suspect_times = [t for t in node.suspect_times if t > now - cfg.exclude_window_s] + [now]
+    rules.node_changed(node.node_id)
+    what = f"node {node.node_id} is a suspect: a worker asked for other hardware ({describe(asked)})"
+    spare = next((s for s in job.spares if s in job.nodes and job.nodes[s].ready), None)
+    if len(node.suspect_times) >= 2:
+        action, then = Action.EXCLUDED, f"the second time within {cfg.exclude_window_s:g}s: it is excluded"
+        rules.exclude(node, now, f"as a suspect twice within {cfg.exclude_window_s:g}s")
+    elif spare is not None:
+        action, then = Action.REPLACED, f"spare {spare} takes its place; it is held out"
+        rules.exclude(node, now, f"as a suspect ({describe(asked)}): spare {spare} takes its place")
+    else:
+        action, then = Action.KEPT, (f"no spare is ready, so the job restarts on it; a second time within "
+                                     f"{cfg.exclude_window_s:g}s excludes it")
+    rules.record(now, EventKind.NODE_SUSPECT, f"{what}; {then}", node.node_id, round_id)
+    rules.out.suspects.append(action.value)
+    return action

@@ -1,0 +1,85 @@
+"""A worker's exit code that asks for other hardware (rdzv_server/core/suspects.py), through the real core: with a
+ready spare its node is held out at the first such exit and the spare takes its place and ranks; without one the
+job restarts on it, and a second time excludes it; other exit codes, or none named, are plain failures."""
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from protocol.messages import FailureReport, JobConfig, JoinRequest, NodeState, PollRequest, WorkerFailure
+from rdzv_server.core.rendezvous import Rendezvous
+from rdzv_server.core.requests import Arrival
+from rdzv_server.core.suspects import Action
+
+T = 1_700_000_000.0
+CFG = JobConfig(min_nodes=2, max_nodes=2, max_restarts=5, last_call_s=0.0, lease_timeout_s=10_000.0)
+
+
+def join(rz: Rendezvous, node: str, now: float, config: JobConfig = CFG) -> None:
+    rz.handle("j", JoinRequest(v=1, node_id=node, addr="10.0.0.1", host=f"host-{node}", local_world_size=2,
+                               master_port=29500, config=config, instance=f"{node}#1"), now,
+              Arrival(secret=f"secret-{node}"))
+
+
+def exits(rz: Rendezvous, node: str, code: int, now: float) -> None:
+    round_id = rz.jobs["j"].round.round_id
+    failure = WorkerFailure(local_rank=1, rank=3, exitcode=code, message="asked", timestamp=now)
+    rz.handle("j", FailureReport(v=1, node_id=node, credential=f"secret-{node}", round_id=round_id,
+                                 failures=[failure]), now)
+
+
+def places(rz: Rendezvous) -> dict[str, int]:
+    """Member -> its group rank in the running round, as its poll's assignment says."""
+    job = rz.jobs["j"]
+    got = {}
+    for node in job.round.members:
+        status = rz.handle("j", PollRequest(v=1, node_id=node, credential=f"secret-{node}", known_round=-1,
+                                            wait_s=0.0), T + 100)
+        got[node] = status.assignment.group_rank
+    return got
+
+
+def suspect_events(rz: Rendezvous) -> list[str]:
+    return [e.message for e in rz.jobs["j"].events if e.kind == "node_suspect"]
+
+
+def test_with_a_ready_spare_the_suspect_is_held_out_and_the_spare_takes_its_place() -> None:
+    rz = Rendezvous()
+    for node in ("a", "b"):
+        join(rz, node, T)
+    join(rz, "s", T + 1)                                   # at max_nodes: a spare
+    before = places(rz)
+    exits(rz, "b", 16, T + 10)
+    job = rz.jobs["j"]
+    assert job.restart_count == 1 and job.nodes["b"].state == NodeState.EXCLUDED
+    assert places(rz) == {"a": before["a"], "s": before["b"]}    # the spare in b's place: b's ranks
+    assert suspect_events(rz) == ["node b is a suspect: a worker asked for other hardware (rank 3 (local 1) on "
+                                  "host-b: exit code 16: asked); spare s takes its place; it is held out"]
+    assert rz.take_effects().suspects == [Action.REPLACED.value]
+
+
+def test_without_a_spare_the_job_restarts_on_it_once_and_a_second_time_excludes_it() -> None:
+    rz = Rendezvous()
+    config = msgspec.structs.replace(CFG, min_nodes=1)
+    for node in ("a", "b"):
+        join(rz, node, T, config)
+    exits(rz, "b", 17, T + 10)
+    job = rz.jobs["j"]
+    assert job.restart_count == 1 and set(job.round.members) == {"a", "b"}
+    assert "no spare is ready, so the job restarts on it" in suspect_events(rz)[0]
+    exits(rz, "b", 17, T + 20)
+    assert job.restart_count == 2 and job.nodes["b"].state == NodeState.EXCLUDED and job.round.members == ["a"]
+    assert "the second time within 600s: it is excluded" in suspect_events(rz)[1]
+    assert rz.take_effects().suspects == [Action.KEPT.value, Action.EXCLUDED.value]
+
+
+@pytest.mark.parametrize(("code", "codes"), [(1, (16, 17)), (16, ())])
+def test_another_code_or_none_named_is_a_plain_failure(code, codes) -> None:
+    rz = Rendezvous()
+    config = msgspec.structs.replace(CFG, suspect_exit_codes=codes)
+    for node in ("a", "b"):
+        join(rz, node, T, config)
+    join(rz, "s", T + 1, config)
+    exits(rz, "b", code, T + 10)
+    assert rz.jobs["j"].nodes["b"].state == NodeState.MEMBER and not suspect_events(rz)
+    assert set(rz.jobs["j"].round.members) == {"a", "b"}
