@@ -9,7 +9,10 @@ copied to a peer node), and on start every rank resumes from the newest one all 
 also writes a checkpoint into `--ckpt-dir` (rank 0), the fallback when memory holds none (under torchrun, or a
 job that lost its copies). A step number is the count of optimizer steps done: a snapshot or checkpoint of step
 25 resumes at step 25. `--final FILE` writes the trained weights (rank 0); `--markers FILE` appends timestamped
-lines (start, import, pg, built, loaded, step, crash) for benchmarks/bench_first_step.py.
+lines (start, import, pg, built, loaded, step, crash) for benchmarks/bench_first_step.py. `--flip-rank R
+--flip-step S` flips one bit of a weight on rank R after step S (first attempt), as silent data corruption
+would: protect's digests show the replicas diverged at the next snapshot and the job resumes from the newest
+step all held alike; at the end rank 0 says whether every replica's parameters are alike.
 """
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ STARTED = time.time()   # the interpreter's first line of ours: a restart's "res
 import argparse  # noqa: E402
 import os  # noqa: E402
 import socket  # noqa: E402
+import zlib  # noqa: E402
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -83,6 +87,9 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--crash-rank", type=int, default=-1)
     p.add_argument("--crash-step", type=int, default=5)
+    p.add_argument("--step-s", type=float, default=0.0, help="seconds each step sleeps (a paced step)")
+    p.add_argument("--flip-rank", type=int, default=-1, help="flip one bit of a weight on this rank (first attempt)")
+    p.add_argument("--flip-step", type=int, default=0, help="after this step's optimizer step")
     p.add_argument("--snapshot-every", type=int, default=0, help="steps between in-memory snapshots (0: none)")
     p.add_argument("--disk-every", type=int, default=0, help="steps between disk checkpoints (0: none)")
     p.add_argument("--ckpt-dir", default="", help="directory of the disk checkpoints")
@@ -114,10 +121,11 @@ def main() -> None:
            else torch.optim.SGD(model.parameters(), lr=args.lr))
     mark(args, "built")
     extra = {"batches": batches} if args.batches == "generator" else None
-    start = protect(model, opt, every=args.snapshot_every, extra=extra, fallback=lambda: load_disk(args, model, opt)) \
-        if args.snapshot_every else load_disk(args, model, opt)     # memory, a peer's copy, the disk, or 0
+    model = DDP(model)        # before protect: it then knows the parameters are alike on every rank (and checks)
+    start = protect(model, opt, every=args.snapshot_every, extra=extra,
+                    fallback=lambda: load_disk(args, model.module, opt)) \
+        if args.snapshot_every else load_disk(args, model.module, opt)     # memory, a peer's copy, the disk, or 0
     mark(args, "loaded")
-    model = DDP(model)
     width = args.width if args.width > 0 else 16
     for step in range(start, args.steps):
         shape = (8 if args.width > 0 else 64, width)
@@ -129,11 +137,16 @@ def main() -> None:
         opt.zero_grad()
         loss.backward()
         opt.step()
+        if rank == args.flip_rank and step == args.flip_step and restart == 0:
+            with torch.no_grad():      # one bit of one weight, as silent data corruption would
+                next(model.parameters()).view(-1)[:1].view(torch.int32).bitwise_xor_(1 << 20)
         if rank == args.crash_rank and step == args.crash_step and restart == 0:
             mark(args, "crash")
             raise RuntimeError(f"injected crash on rank {rank} at step {step}")
         mean = loss.detach().clone()
         dist.all_reduce(mean)
+        if args.step_s:
+            time.sleep(args.step_s)
         if step == start:
             mark(args, "step")
         save_disk(args, model.module, opt, step + 1)
@@ -141,6 +154,14 @@ def main() -> None:
             print(f"step {step:3d}  loss {mean.item() / world:.4f}", flush=True)
     if args.final and rank == 0:
         torch.save(model.module.state_dict(), args.final)
+    if args.flip_rank >= 0:        # every replica's parameters, bit for bit: the same on every rank?
+        crc = torch.tensor([float(zlib.crc32(b"".join(p.detach().numpy().tobytes() for p in model.parameters())))],
+                           dtype=torch.float64)
+        low, high = crc.clone(), crc.clone()
+        dist.all_reduce(low, op=dist.ReduceOp.MIN)
+        dist.all_reduce(high, op=dist.ReduceOp.MAX)
+        if rank == 0:
+            print(f"replicas alike at the end: {'yes' if low.item() == high.item() else 'NO'}", flush=True)
     dist.destroy_process_group()
     if rank == 0:
         print(f"training done: {args.steps} steps on {world} workers", flush=True)

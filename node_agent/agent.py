@@ -27,6 +27,7 @@ from node_agent.core.actions import (
     ReportFailure,
     ReportStall,
     ReportSuccess,
+    SendNote,
     Spawn,
     StopWorkers,
 )
@@ -43,6 +44,7 @@ from node_agent.sources import start_source
 from node_agent.witness import probe_peers
 from node_agent.workers.interfaces import gloo_interface
 from node_agent.workers.local import GroupFactory, LocalWorkers
+from node_agent.workers.memory import forget_after
 from protocol.descriptors import raise_open_file_limit
 from protocol.messages import NodeStatus, Witness
 
@@ -155,6 +157,9 @@ class Agent:
             case Spawn(assignment=assignment):
                 dirs = self.workers.memory.dirs_for(assignment.local_world_size, assignment.rank_offset,
                                                     assignment.run)
+                if assignment.resume_at_most >= 0 and (gone := forget_after(assignment.resume_at_most, dirs)):
+                    self.narrator.say(f"the job's replicas diverged after step {assignment.resume_at_most}: "
+                                      f"snapshots of step(s) {', '.join(map(str, gone))} removed")
                 await self.copies.before_spawn(assignment, dirs)      # a fetch goes on while the workers start
                 await self.workers.spawn(assignment)
             case ReportFailure(round_id=round_id, failures=failures):
@@ -163,6 +168,8 @@ class Agent:
                 link.report_success(round_id, self.workers.progress_note(round_id))
             case ReportStall(round_id=round_id, threshold_s=threshold_s, ranks=ranks):
                 link.report_stall(round_id, threshold_s, ranks)
+            case SendNote():
+                link.poll_now()
             case Rejoin():
                 link.rejoin()
             case Leave(reason=reason, unhealthy=unhealthy):

@@ -156,6 +156,13 @@ PACE_MIN_STEPS = 5
 PACE_MAX_WINDOW_S = 30.0
 
 
+class RankDigest(msgspec.Struct, kw_only=True, frozen=True, gc=False):
+    """A rank's newest snapshot: its step and a digest of the tensors every replica holds alike."""
+    rank: Rank
+    step: Annotated[int, Meta(ge=0, le=MAX_ROUND)]
+    digest: Annotated[int, Meta(ge=0, le=2**63 - 1)]     # 63 bits: the wire's integers are int64
+
+
 class ProgressNote(msgspec.Struct, kw_only=True, frozen=True, gc=False):
     """What this node's workers did in the round they run, as their probes counted: on the requests the agent
     sends anyway. Times are unix times (0: none yet)."""
@@ -172,6 +179,8 @@ class ProgressNote(msgspec.Struct, kw_only=True, frozen=True, gc=False):
     demand: Annotated[float, Meta(ge=0, le=1.0)] = 0.0
     resumed_step: Annotated[int, Meta(ge=-1, le=MAX_ROUND)] = -1   # the step node_agent.snapshot resumed from
     anatomy: RestartAnatomy | None = None     # where this round's restart took its time here (once all stepped)
+    # protect's, under DDP: each rank's newest few (node_agent/training/probe.py's DIGESTS)
+    digests: Annotated[list[RankDigest], Meta(max_length=4 * MAX_LOCAL_WORLD_SIZE)] = []
 
 
 
@@ -207,6 +216,7 @@ class FailureReason(str, enum.Enum):
     SPAWN_FAILED = "spawn failed"
     STORE_EXITED = "store exited"    # the round's c10d store host died under its workers
     FENCED = "fenced"                # stopped by its agent cut off from the server
+    DIVERGED = "diverged"            # its replicated tensors differ from its replicas' (rdzv_server/core/divergence.py)
 
 
 class WorkerFailure(msgspec.Struct, kw_only=True, frozen=True, gc=False):
@@ -313,6 +323,9 @@ class Assignment(msgspec.Struct, kw_only=True, frozen=True, gc=False):
     # The job's run ("": not said): a finished job's id starts a new run. A node's memory kept across its agent's
     # restart is taken up only within the run that made it (node_agent/workers/memory.py).
     run: ShortText = ""
+    # After replicas diverged: the newest step all held alike. The agent drops its ranks' snapshots newer than
+    # it before the workers start, so they resume from it (-1: keep them all).
+    resume_at_most: Annotated[int, Meta(ge=-1, le=MAX_ROUND)] = -1
 
 
 class NodeStatus(msgspec.Struct, kw_only=True, gc=False):

@@ -30,6 +30,11 @@ class ReportFailure:
 
 
 @dataclass(frozen=True)
+class SendNote:
+    """Send the round's progress note now, in a poll of its own (new snapshot digests)."""
+
+
+@dataclass(frozen=True)
 class ReportStall:
     """Tell the server what the round's stalled ranks are doing: it decides whether the job hangs."""
     round_id: int
@@ -78,4 +83,4 @@ class Exit:
 
 
 Action = (Spawn | StopWorkers | ReportFailure | ReportStall | ReportSuccess | Rejoin | Leave | ProbePeers | CheckNode
-          | Exit)
+          | Exit | SendNote)

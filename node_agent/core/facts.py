@@ -60,6 +60,12 @@ class WorkersExited:
 
 
 @dataclass(frozen=True)
+class SnapshotsDigested:
+    """A rank of the round told the digest of a newer snapshot: the server compares replicas as it hears them."""
+    round_id: int
+
+
+@dataclass(frozen=True)
 class RanksStalled:
     """Ranks of the round stopped stepping for longer than the stall threshold: what each local rank is doing
     (again every threshold while the stall lasts; `first`: the first look at this stall)."""
@@ -130,7 +136,7 @@ class DeadlinePassed:
 
 
 Fact = (StatusReceived | ServerNotReached | ServerRefused | WorkersExited | RanksStalled | SpawnFailed
-        | SignalReceived | PeersProbed | NodeChecked | DeadlinePassed)
+        | SignalReceived | PeersProbed | NodeChecked | DeadlinePassed | SnapshotsDigested)
 
 # How a source hands the loop news: a fact, or the exception that broke it (a bug), raised, not waited out.
 Put = Callable[[Fact | BaseException], None]

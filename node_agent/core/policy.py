@@ -51,6 +51,7 @@ from node_agent.core.actions import (
     ReportFailure,
     ReportStall,
     ReportSuccess,
+    SendNote,
     Spawn,
     StopWorkers,
 )
@@ -64,6 +65,7 @@ from node_agent.core.facts import (
     ServerNotReached,
     ServerRefused,
     SignalReceived,
+    SnapshotsDigested,
     SpawnFailed,
     Stage,
     StatusReceived,
@@ -143,6 +145,8 @@ class SupervisionPolicy:
             case RanksStalled(round_id=round_id, threshold_s=threshold_s, ranks=ranks):
                 running = self.workers == Workers.RUNNING and round_id == self.running_round
                 return [ReportStall(round_id, threshold_s, ranks)] if running else []
+            case SnapshotsDigested(round_id=round_id):
+                return [SendNote()] if self.workers == Workers.RUNNING and round_id == self.running_round else []
             case SpawnFailed(round_id=round_id, failure=failure):
                 return self._failed(round_id, (failure,))
             case SignalReceived(signum=signum):

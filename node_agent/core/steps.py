@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from node_agent.core import anatomy
 from node_agent.core.stalls import ProcSample
-from protocol.messages import PACE_MAX_WINDOW_S, PACE_MIN_STEPS, ProgressNote
+from protocol.messages import PACE_MAX_WINDOW_S, PACE_MIN_STEPS, ProgressNote, RankDigest
 from protocol.restarts import RestartAnatomy
 
 STALL_FLOOR_S = 5.0
@@ -53,6 +53,7 @@ class ProbeRecord:
     main_thread: int
     resumed_step: int = -1
     milestones: dict[str, float] = field(default_factory=dict)   # probe.MILESTONES noted (unix times)
+    digests: tuple[tuple[int, int], ...] = ()   # (step, digest) of its newest snapshots' replicated tensors
 
 
 @dataclass
@@ -137,7 +138,10 @@ class RoundSteps:
             last_step_at=max((r.last_at for r in stepped), default=0.0),
             step_s=round(self.step_s(), 6), window_s=round(window_s, 3) if closes else 0.0,
             window_steps=window_steps if closes else 0, demand=round(self._demand(window_s), 3) if closes else 0.0,
-            resumed_step=max((r.resumed_step for r in records), default=-1), anatomy=self.anatomy())
+            resumed_step=max((r.resumed_step for r in records), default=-1), anatomy=self.anatomy(),
+            digests=[RankDigest(rank=self.global_ranks.get(lr, lr), step=step, digest=value)
+                     for lr, r in sorted(self.ranks.items()) if r.record is not None
+                     for step, value in r.record.digests])
         if closes:
             self.window_started, self.window_steps_from = now, steps
             for r in self.ranks.values():
@@ -156,6 +160,11 @@ class RoundSteps:
                    if r.record is not None else anatomy.RankStart(lr, 0.0, 0.0, {})
                    for lr, r in self.ranks.items()]
         return anatomy.of_node(node, workers)
+
+    def newest_digest(self) -> int:
+        """The newest step any rank told a digest of (-1: none): a new one is worth a note at once."""
+        return max((r.record.digests[-1][0] for r in self.ranks.values() if r.record is not None and r.record.digests),
+                   default=-1)
 
     def last_step_at(self) -> float:
         return max((r.record.last_at for r in self.ranks.values() if r.record is not None and r.record.steps),

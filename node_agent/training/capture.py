@@ -19,12 +19,13 @@ import mmap
 import os
 import sys
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from node_agent.training import layout, snapshot, trees
+from node_agent.training import heartbeat, layout, snapshot, trees
 
 
 def check_cadence(call: str, every: object, keep: object) -> None:
@@ -60,12 +61,16 @@ class _Pending:
     staged: list[tuple[torch.Tensor, torch.Tensor]]     # (view, pinned buffer) for tensors on a GPU
     copied: torch.cuda.Event | None
     room: snapshot.Room
+    replicated: list[bool]      # per tensor: every replica holds it alike (its hash goes into the digest)
 
 
 class Capture:
-    def __init__(self, where: str, keep: int = 2) -> None:
+    def __init__(self, where: str, keep: int = 2, replicated: Callable[[str], bool] | None = None) -> None:
+        """`replicated(path)`: whether the tensor at `path` of the tree is held alike by every replica (DDP's
+        parameters): their hashes, digested, go to the agent with each snapshot (heartbeat.digest)."""
         self.where = where
         self.keep = keep
+        self._replicated = replicated
         self._slabs: dict[int, _Slab] = {}       # inode -> a file this capture wrote
         self._staging: list[torch.Tensor] = []
         self._staging_layout: list[tuple[tuple[int, ...], torch.dtype]] = []
@@ -77,7 +82,9 @@ class Capture:
     def take(self, step: int, tree: Any) -> None:
         """Snapshot `tree` as step `step`: returns once its tensors are copied (on a GPU: queued)."""
         self.wait()
-        live = [trees.local(t).detach() for _, t in trees.tensors(tree)]
+        held = trees.tensors(tree)
+        live = [trees.local(t).detach() for _, t in held]
+        alike = [self._replicated is not None and self._replicated(path) for path, _ in held]
         plan = layout.plan(live)
         try:
             slab, room = self._slab_for(step, plan.end)
@@ -87,7 +94,7 @@ class Capture:
         views = layout.views(slab.region, live, plan)
         staged = self._copy(views, live)
         self._copied = self._stream.record_event() if staged and self._stream is not None else None
-        pending = _Pending(step, slab, layout.skeleton(tree), views, plan, staged, self._copied, room)
+        pending = _Pending(step, slab, layout.skeleton(tree), views, plan, staged, self._copied, room, alike)
         self._thread = threading.Thread(target=self._write, args=(pending,), name=f"node-agent snapshot {step}")
         self._thread.start()
 
@@ -168,7 +175,8 @@ class Capture:
                 p.copied.synchronize()
             for view, buffer in p.staged:
                 view.copy_(buffer)
-            head = layout.header(p.step, p.shape, p.views, p.plan, layout.digests(p.views))
+            sums = layout.digests(p.views)
+            head = layout.header(p.step, p.shape, p.views, p.plan, sums)
             bound = snapshot.limit()
             if bound is not None and p.room.kept + p.plan.end + len(head) > bound:
                 raise snapshot.full_error(p.step, self.where, bound, p.room)
@@ -180,6 +188,9 @@ class Capture:
             finally:
                 os.close(fd)
             os.replace(tmp, snapshot.path(p.step, self.where))
+            if any(p.replicated):
+                heartbeat.digest(p.step, layout.digest_of([s for s, alike in zip(sums, p.replicated, strict=True)
+                                                           if alike]))
         except Exception as exc:  # noqa: BLE001  (a thread's failure must reach the user, once, not end the training)
             _remove(tmp)
             self._slabs.pop(p.slab.ino, None)

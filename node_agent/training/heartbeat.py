@@ -41,3 +41,10 @@ def restored() -> None:
     probe = sys.modules.get(PROBE_MODULE)
     if probe is not None:
         probe.restored()
+
+
+def digest(step: int, value: int) -> None:
+    """A snapshot of `step` was taken: `value` digests the tensors every replica holds alike (protect's)."""
+    probe = sys.modules.get(PROBE_MODULE)
+    if probe is not None:
+        probe.digest(step, value)

@@ -77,6 +77,12 @@ def digests(tensors: list[torch.Tensor]) -> list[int]:
         return list(pool.map(digest, tensors))
 
 
+def digest_of(sums: list[int]) -> int:
+    """One 63-bit digest of tensors' hashes, in order: what replicas compare (heartbeat.digest; the wire's
+    integers are signed 64-bit)."""
+    return xxhash.xxh3_64_intdigest(struct.pack(f"<{len(sums)}Q", *sums)) & (2**63 - 1)
+
+
 def skeleton(tree: Any) -> Any:
     """The tree with every tensor replaced by an empty placeholder (what the header holds of it)."""
     return trees.rebuild(tree, lambda leaf: _PLACEHOLDER if isinstance(leaf, torch.Tensor) else leaf)

@@ -37,7 +37,15 @@ RECORD = struct.Struct("<IIQQddIIQq")
 MILESTONES = ("started", "cuda_begun", "cuda_done", "group_begun", "group_done", "restore_begun", "restore_done")
 TIMES = struct.Struct(f"<{len(MILESTONES)}d")
 TIMES_AT = RECORD.size                # 64
-SIZE = 128
+# Then the newest DIGESTS snapshots' digests of the tensors every replica holds alike (DDP's parameters), in
+# turn: each slot its step (-1: none, or being written) and the digest; the step is written last, so a reader
+# that sees it twice around the digest has a digest of that step (the server compares the replicas:
+# rdzv_server/core/divergence.py).
+DIGEST = struct.Struct("<qQ")
+DIGESTS = 4
+DIGEST_AT = TIMES_AT + TIMES.size     # 120
+STEP_OF = struct.Struct("<q")
+SIZE = DIGEST_AT + DIGESTS * DIGEST.size     # 184
 SEQ = struct.Struct("<Q")
 STEP = struct.Struct("<Qdd")          # steps, first, last: written between two seq updates
 FLAG = struct.Struct("<I")
@@ -65,6 +73,9 @@ class Record:
         RECORD.pack_into(self.map, 0, MAGIC, VERSION, 0, 0, 0.0, 0.0, os.getpid(), 0,
                          threading.main_thread().ident or 0, -1)
         TIMES.pack_into(self.map, TIMES_AT, *([0.0] * len(MILESTONES)))
+        for slot in range(DIGESTS):
+            DIGEST.pack_into(self.map, DIGEST_AT + slot * DIGEST.size, -1, 0)
+        self.digests = 0
         self.marked: set[str] = set()
         self.mark("started")
 
@@ -112,6 +123,16 @@ def resumed(step: int) -> None:
     """The script resumed from its checkpoint of `step` (node_agent.snapshot says so): steps redone are counted."""
     if _record is not None:
         RESUMED.pack_into(_record.map, RESUMED_AT, max(-1, int(step)))
+
+
+def digest(step: int, value: int) -> None:
+    """The snapshot of `step`: its replicated tensors' digest (from the snapshot's writer thread)."""
+    if _record is not None:
+        at = DIGEST_AT + (_record.digests % DIGESTS) * DIGEST.size
+        _record.digests += 1
+        STEP_OF.pack_into(_record.map, at, -1)
+        DIGEST.pack_into(_record.map, at, -1, value & (2**63 - 1))
+        STEP_OF.pack_into(_record.map, at, max(0, int(step)))
 
 
 def restore_began() -> None:

@@ -23,6 +23,7 @@ The rules:
   optimizer or state that cannot be snapshotted is a TypeError at the call, before any training step."""
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
@@ -32,7 +33,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from node_agent.training import resume, rng, trees
-from node_agent.training.capture import Capture, check_cadence
+from node_agent.training.capture import Capture, check_cadence, say
 
 
 class Stateful(Protocol):
@@ -48,6 +49,7 @@ def protect(model: nn.Module, optimizer: torch.optim.Optimizer, every: int = 5, 
             keep: int = 2) -> int:
     """Restore the newest snapshot every rank holds and snapshot every `every` optimizer steps from now on.
     Returns the number of optimizer steps already done (the loop's first step)."""
+    replicated = _replicated(model)
     model, optimizer = _inner(model), _inner_optimizer(optimizer)
     objects = dict(extra or {})
     _check(model, optimizer, every, objects, keep)
@@ -56,7 +58,7 @@ def protect(model: nn.Module, optimizer: torch.optim.Optimizer, every: int = 5, 
         return fallback() if fallback is not None else 0
     restored = restore(model, optimizer, objects, where)
     start = restored if restored is not None else (fallback() if fallback is not None else 0)
-    _Hooks(model, optimizer, objects, every, Capture(where, keep), start).register()
+    _Hooks(model, optimizer, objects, every, Capture(where, keep, replicated), start).register()
     return start
 
 
@@ -180,6 +182,19 @@ def _like(value: Any, param: torch.Tensor) -> Any:
             and value.shape == param.to_local().shape:
         return trees.into_live(value, param)
     return value
+
+
+def _replicated(model: Any) -> Callable[[str], bool] | None:
+    """Which tensors of the snapshot every replica holds alike: a DDP model's parameters (its buffers may differ
+    between broadcasts). Other models: none is compared, said once (FSDP2 shards are no replicas; HSDP's
+    replicate groups are not told apart yet)."""
+    if isinstance(model, DistributedDataParallel):
+        names = {f"/state/model/{name}" for name, _ in model.module.named_parameters()}
+        return names.__contains__
+    if os.environ.get("RANK", "0") == "0" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        say("replicas are not compared: the model is not DistributedDataParallel (only DDP's parameters are "
+            "known to be alike on every rank)")
+    return None
 
 
 def _inner(model: Any) -> Any:

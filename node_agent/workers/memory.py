@@ -23,6 +23,7 @@ import tempfile
 import time
 from collections.abc import Callable
 
+import node_agent.training.snapshot as snapshot
 from node_agent.workers import owners
 
 SHM = "/dev/shm"
@@ -247,3 +248,15 @@ def _read(path: str) -> str:
 def _write(path: str, text: str) -> None:
     with open(path, "w", encoding="utf-8") as f:
         f.write(text)
+
+
+def forget_after(step: int, dirs: dict[int, str]) -> list[int]:
+    """Remove the snapshots newer than `step` from these ranks' directories (the server says the replicas
+    diverged after it: Assignment.resume_at_most); the steps removed, for the agent to say."""
+    gone: set[int] = set()
+    for where in dirs.values():
+        for later in (s for s in snapshot.steps(where) if s > step):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(snapshot.path(later, where))
+            gone.add(later)
+    return sorted(gone)

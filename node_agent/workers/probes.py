@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import math
 import mmap
 import os
@@ -49,6 +50,7 @@ class ProbeFiles:
         fd = os.open(self.record, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
             os.ftruncate(fd, probe.SIZE)
+            os.pwrite(fd, probe.DIGEST.pack(-1, 0) * probe.DIGESTS, probe.DIGEST_AT)    # no digest yet
         finally:
             os.close(fd)
         with open(self.stacks, "w"):
@@ -110,8 +112,19 @@ class RecordReader:
             record = _checked(fields, pid, wall_now)
             if record is not None:
                 record.milestones.update(_milestones(probe.TIMES.unpack_from(self._map, probe.TIMES_AT), wall_now))
+                record = dataclasses.replace(record, digests=self._digests())
             return record
         return None
+
+    def _digests(self) -> tuple[tuple[int, int], ...]:
+        """(step, digest) of the worker's newest snapshots, oldest first (a slot being written is left out)."""
+        found = []
+        for slot in range(probe.DIGESTS):
+            at = probe.DIGEST_AT + slot * probe.DIGEST.size
+            step, value = probe.DIGEST.unpack_from(self._map, at)
+            if step >= 0 and probe.STEP_OF.unpack_from(self._map, at)[0] == step:
+                found.append((step, value))
+        return tuple(sorted(found))
 
     def close(self) -> None:
         self._map.close()

@@ -36,7 +36,8 @@ class EventKind(str, enum.Enum):
     HANG_EXCUSED = "hang_excused"          # alone again where a limit decided a hang before: not decided again
     NODE_SLOW = "node_slow"                # the other nodes wait on it (core/slow.py)
     NODE_PACE_OK = "node_pace_ok"          # no longer slow
-    NODE_SUSPECT = "node_suspect"          # a worker asked for other hardware (an exit code the job names)
+    NODE_SUSPECT = "node_suspect"          # a worker asked for other hardware, or its replicas diverged
+    REPLICAS_DIVERGED = "replicas_diverged"   # ranks' replicated tensors differ at a step (divergence.py)
 
 
 class RoundCause(str, enum.Enum):
@@ -45,6 +46,7 @@ class RoundCause(str, enum.Enum):
     SCALE_UP = "scale_up"
     FAILURE = "failure"
     HANG = "hang"
+    DIVERGED = "diverged"          # replicas held different parameters: resumed from the newest agreed step
     NODE_LOST = "node_lost"
     NODE_LEFT = "node_left"
     NODE_UNHEALTHY = "node_unhealthy"

@@ -12,7 +12,7 @@ import msgspec
 from protocol.errors import ErrorCode
 from protocol.messages import FailureReason, ProgressNote, StallReport, WorkerFailure
 from protocol.stalls import RankState
-from rdzv_server.core import goodput, hangs, operator_rules, reports
+from rdzv_server.core import divergence, goodput, hangs, operator_rules, reports
 from rdzv_server.core.errors import RendezvousError
 from rdzv_server.core.events import EventKind, RoundCause
 from rdzv_server.core.hangs import MAX_PLACES, HangPlace, Stall, StallKind, StallShown
@@ -30,6 +30,7 @@ class LiveRound:
     paces: Paces = field(default_factory=Paces)
     round_id: int = -1       # the round the paces are of
     said: set[tuple[object, ...]] = field(default_factory=set)   # the board's round's stalls given an event
+    digests: divergence.Digests = field(default_factory=divergence.Digests)   # the round's replicas (divergence.py)
 
 
 def noted(rules: JobRules, live: LiveRound, node_id: str, note: ProgressNote | None, now: float) -> None:
@@ -40,6 +41,12 @@ def noted(rules: JobRules, live: LiveRound, node_id: str, note: ProgressNote | N
     goodput.note(job.progress, node_id, note, job.round.round_id, now)
     if note.round_id != job.round.round_id:
         return
+    if note.digests:
+        told = [d for d in note.digests if d.rank in _ranks_of(rules, node_id)]     # its own ranks only
+        verdict = divergence.note(live.digests, job.round.round_id, job.round.world_size, told)
+        if verdict is not None:
+            _diverged(rules, verdict, now)
+            return
     if live.round_id != job.round.round_id:     # a new round (or a new server): measured afresh, its members'
         live.round_id = job.round.round_id      # marks kept (a pace of the last round is no peer's measure)
         live.paces = Paces({n: NodePace(slow=p.slow) for n, p in live.paces.nodes.items()
@@ -161,6 +168,25 @@ def _fail_for(rules: JobRules, live: LiveRound, stall: Stall, round_id: int, now
                             traceback=c.stack if c.state != RankState.EXITED else "")
     live.board, live.said, job.stall = hangs.StallBoard(-1), set(), None
     reports.fail_round(rules, node, round_id, [failure], now, RoundCause.HANG)
+
+
+def _diverged(rules: JobRules, v: divergence.Diverged, now: float) -> None:
+    """Replicas diverged at a step: said, the next round told to resume at most from the agreed step, and the
+    round failed for the first odd rank (its node a suspect), else for the round's first member."""
+    job = rules.job
+    assert job.round is not None
+    round_id = job.round.round_id
+    job.resume_at_most = max(0, v.agreed) if v.agreed >= 0 else 0
+    text = divergence.line(v)
+    culprit = v.odd[0] if v.odd else 0
+    node_id = next((n for n in job.round.members if culprit in _ranks_of(rules, n)), job.round.members[0])
+    rules.record(now, EventKind.REPLICAS_DIVERGED, text, node_id if v.odd else "", round_id)
+    node = job.nodes[node_id]
+    offset = _ranks_of(rules, node_id)[0] if _ranks_of(rules, node_id) else 0
+    failure = WorkerFailure(local_rank=culprit - offset if v.odd else 0, rank=culprit, exitcode=0,
+                            reason=FailureReason.DIVERGED.value, message=text[:4096], timestamp=now,
+                            host=node.host, node_id=node_id)
+    reports.fail_round(rules, node, round_id, [failure], now, RoundCause.DIVERGED, blamed=bool(v.odd))
 
 
 def _ranks_was(stall: Stall) -> list[RankWas]:

@@ -81,6 +81,7 @@ class RoundRecord(msgspec.Struct, kw_only=True, omit_defaults=True, dict=True):
     replicas: int = 0                  # copies of each member's snapshots (JobConfig.replicas)
     replica_key: str = ""              # the job's key for its members' copies (JobRecord.replica_key)
     run: str = ""                      # the job's run (rounds.run_of): Assignment.run
+    resume_at_most: int = -1           # Assignment.resume_at_most (after replicas diverged)
     # A node that took a gone node's place -> [that node, the member holding its copies]
     copies: dict[str, list[str]] = {}
     # A round saved without the columns: its assignments as they were written.
@@ -137,6 +138,7 @@ class JobRecord(msgspec.Struct, kw_only=True):
     progress: JobProgress = msgspec.field(default_factory=JobProgress)   # steps, restarts' costs (goodput.py)
     stall: StallShown | None = None            # ranks alone, or in long collectives, now (hangs.py)
     hang_places: list[HangPlace] = msgspec.field(default_factory=list)   # decided by a limit: not again
+    resume_at_most: int = -1                   # for the next round: replicas diverged after this step (-1: none)
 
     def events_after(self, seq: int) -> list[Event]:
         """The kept events newer than `seq` (seqs are consecutive, so no scan of the history)."""

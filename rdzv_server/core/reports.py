@@ -44,9 +44,10 @@ def check_failure(rules: JobRules, node: NodeRecord, req: FailureReport) -> None
 
 
 def fail_round(rules: JobRules, node: NodeRecord, round_id: int, failures: list[WorkerFailure], now: float,
-               cause: RoundCause = RoundCause.FAILURE) -> str:
+               cause: RoundCause = RoundCause.FAILURE, blamed: bool = True) -> str:
     """The running round failed on `node` (`failures` first in time): a restart counted, or the job's end past
-    the budget; returns why it was not (a lost member is the likelier cause)."""
+    the budget; returns why it was not (a lost member is the likelier cause). `blamed` False: the node only
+    stands for the job (replicas diverged with no majority): nothing counts against it."""
     job = rules.job
     # A member that just dropped or lapsed is the likelier cause (its peers' collectives then break): lost first.
     lapsed = [n for n in rules.members() if n != node.node_id and n in job.nodes
@@ -66,20 +67,22 @@ def fail_round(rules: JobRules, node: NodeRecord, round_id: int, failures: list[
         rules.record(now, EventKind.WORKER_FAILED, f"and {len(rest)} more worker(s) of node {node.node_id} "
                     f"failed in round {round_id}", node.node_id, round_id,
                     WorkersFailed(count=len(rest), reason=rest[0].reason))
-    node.failure_times = [t for t in node.failure_times if t > now - job.config.exclude_window_s] + [now]
-    rules.node_changed(node.node_id)
+    if blamed:
+        node.failure_times = [t for t in node.failure_times if t > now - job.config.exclude_window_s] + [now]
+        rules.node_changed(node.node_id)
     cfg = job.config
     if job.restart_count > cfg.max_restarts:
         rules.finish(now, JobState.FAILED, f"worker failures exceeded max_restarts={cfg.max_restarts}; "
                     f"root cause: {describe(job.root_cause or first)}")
         return ""
     rules.out.restarts.append(job.job_id)
-    what = "hang" if cause is RoundCause.HANG else "worker failure"
+    what = {RoundCause.HANG: "hang", RoundCause.DIVERGED: "replicas diverged"}.get(cause, "worker failure")
     why = f"{what} on {node.node_id} ({describe(first)}); restart {job.restart_count}/{cfg.max_restarts}"
-    asked = suspects.asking(cfg, failures) if cause is RoundCause.FAILURE else None
+    asked = suspects.asking(cfg, failures) if cause is RoundCause.FAILURE else \
+        failures[0] if cause is RoundCause.DIVERGED and blamed else None
     if asked is not None:
         suspects.act(rules, node, asked, round_id, now)
-    elif cfg.exclude_after and len(node.failure_times) >= cfg.exclude_after:
+    elif blamed and cfg.exclude_after and len(node.failure_times) >= cfg.exclude_after:
         rules.exclude(node, now)
     rules.form_round(now, why, cause, failed_at=first.timestamp)
     return ""

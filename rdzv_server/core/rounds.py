@@ -43,7 +43,9 @@ def build_round(job: JobRecord, members: list[str], round_id: int, opened_at: fl
                     addrs=reachable_addresses(nodes), probe_ports=[n.probe_port for n in nodes],
                     master_port=nodes[0].master_port, max_restarts=job.config.max_restarts,
                     domains=[n.domain or n.host for n in nodes], copy_ports=[n.copy_port for n in nodes],
-                    replicas=replicas, replica_key=job.replica_key, run=run_of(job))
+                    replicas=replicas, replica_key=job.replica_key, run=run_of(job),
+                    resume_at_most=job.resume_at_most)
+    job.resume_at_most = -1           # told once: to the round that resumes
     if replicas and took:
         last = job.round
         r.copies = copies_held(lambda gone: place_of(last, gone) if last is not None else job.place_copies.get(gone),
@@ -160,7 +162,7 @@ def assignment(r: RoundRecord, node_id: str) -> Assignment | None:
             witnesses=derived.witnesses(rank), replicas=derived.replica_targets(rank),
             copy_token=copy_token(r.replica_key, node_id) if r.replicas else "", copy_sources=derived.sources(rank),
             copies_of=copies_of, copies_token=copy_token(r.replica_key, copies_of) if copies_of else "",
-            copies_at=copies_at, run=r.run)
+            copies_at=copies_at, run=r.run, resume_at_most=r.resume_at_most)
     return built
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import enum
 
-from protocol.messages import JobConfig, WorkerFailure
+from protocol.messages import FailureReason, JobConfig, WorkerFailure
 from rdzv_server.core.events import EventKind
 from rdzv_server.core.job_rules import JobRules
 from rdzv_server.core.records import NodeRecord
@@ -34,7 +34,9 @@ def act(rules: JobRules, node: NodeRecord, asked: WorkerFailure, round_id: int, 
     job, cfg = rules.job, rules.job.config
     node.suspect_times = [t for t in node.suspect_times if t > now - cfg.exclude_window_s] + [now]
     rules.node_changed(node.node_id)
-    what = f"node {node.node_id} is a suspect: a worker asked for other hardware ({describe(asked)})"
+    why = "its replicated tensors diverged" if asked.reason == FailureReason.DIVERGED else \
+        "a worker asked for other hardware"
+    what = f"node {node.node_id} is a suspect: {why} ({describe(asked)})"
     spare = next((s for s in job.spares if s in job.nodes and job.nodes[s].ready), None)
     if len(node.suspect_times) >= 2:
         action, then = Action.EXCLUDED, f"the second time within {cfg.exclude_window_s:g}s: it is excluded"

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from protocol.restarts import PHASES
-from tests.e2e.harness import ROOT, job_view
+from tests.e2e.harness import ROOT, job_events, job_view
 
 pytestmark = pytest.mark.e2e
 TRAIN = os.path.join(ROOT, "examples", "train_ddp.py")
@@ -45,13 +45,14 @@ def test_restarted_ranks_resume_from_memory_not_disk(cluster, tmp_path):
     # 9 steps done is the newest snapshot in memory (rank 1 crashed in its 11th); the disk held 8, which no rank read
     assert sorted(again) == [f"rank {r}: resumed from step 9 (memory)" for r in range(4)], resumed
     assert sorted(os.listdir(tmp_path / "ckpt")) == ["step-8.pt"]
-    # Where the restart's time went, on the node the job waited for: every phase these workers pass took time
-    # (no CUDA here), and the phases add up to the restart's cost on that node.
+    # Where the restart's time went, on the node the job waited for: the phases these workers pass took time (no
+    # CUDA here; the new round and the script's own set-up may take well under a millisecond), and the phases add
+    # up to the restart's cost on that node.
     progress = job_view(cluster, "ddp")["progress"]
     cost = progress["costs"][-1]
     anatomy = cost["anatomy"]
     assert cost["anatomy_node"] in ("ddp-a", "ddp-b") and anatomy["cuda"] == 0.0, cost
-    assert all(anatomy[p] > 0 for p in ("stop", "rendezvous", "start", "setup", "group", "restore", "first_step")), cost
+    assert all(anatomy[p] > 0 for p in ("stop", "start", "group", "restore", "first_step")), cost
     assert sum(anatomy[p] for p in PHASES) <= cost["cost_s"] + 0.01, cost
 
 
@@ -96,3 +97,26 @@ def test_a_loop_that_draws_its_batches_resumes_bit_identical_to_an_uninterrupted
                                                                for r in range(2)], crashed
     resumed, whole = torch.load(tmp_path / "crashed.pt"), torch.load(tmp_path / "whole.pt")
     assert all(torch.equal(resumed[k], whole[k]) for k in whole), "a resumed rank trained on another batch"
+
+
+def test_a_flipped_bit_is_found_at_the_next_snapshot_and_every_replica_resumes_alike(cluster, tmp_path):
+    """Silent data corruption: rank 2 of 3 (DDP, one worker per node) flips one bit of a weight after step 12.
+    Its snapshot of step 15 digests other parameters than its replicas': the server names it, the round fails
+    (restart 1, reason diverged), and every rank resumes from step 10, the newest all held alike. No spare: the
+    job goes on with the same nodes and ends with every replica's parameters alike, bit for bit."""
+    cluster.start_server()
+    args = ["--steps", "30", "--snapshot-every", "5", "--flip-rank", "2", "--flip-step", "12", "--width", "32",
+            "--depth", "2", "--step-s", "0.25"]      # found before the next snapshot replaces step 10's (keep=2)
+    agents = [cluster.agent("--endpoint", cluster.endpoint(), "--nnodes", "3", "--nproc", "1", "--job-id", "flip",
+                            "--max-restarts", "2", "--node-id", f"flip-{name}", TRAIN, *args, name=f"flip-{name}")
+              for name in ("a", "b", "c")]
+    for agent in agents:
+        assert agent.wait(180) == 0, agent.output
+    out = "".join(a.output for a in agents)
+    events = {e["kind"]: e["message"] for e in job_events(cluster, "flip")}
+    assert "rank(s) 2 hold other parameters than the other 2 replicas at step 15" in events["replicas_diverged"], events
+    assert "the job resumes from step 10" in events["replicas_diverged"]
+    assert sorted(m.group(0) for m in RESUMED.finditer(out) if "scratch" not in m.group(0)) == \
+        [f"rank {r}: resumed from step 10 (memory)" for r in range(3)], out
+    assert "replicas alike at the end: yes" in out, out
+    assert job_view(cluster, "flip")["restart_count"] == 1

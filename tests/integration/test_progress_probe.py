@@ -92,6 +92,11 @@ async def until(check: Callable[[], bool], *, what: str) -> None:
         await asyncio.sleep(0.02)
 
 
+def written(path: str) -> str:
+    with open(path) as f:
+        return f.read()
+
+
 def record_of(files: ProbeFiles, pid: int) -> ProbeRecord:
     reader = RecordReader(files.record)
     try:
@@ -134,9 +139,18 @@ from node_agent.training.protection import training_state
 capture = Capture(os.environ["NODE_AGENT_MEMORY_DIR"])
 capture.take(3, {"state": training_state(model, opt, {}), "rng": {}})    # a predecessor's snapshot
 capture.wait()
-assert protect(model, opt, every=1) == 3
-model(torch.ones(1, 2)).sum().backward()
+ddp = torch.nn.parallel.DistributedDataParallel(model)
+assert protect(ddp, opt, every=1) == 3
+ddp(torch.ones(1, 2)).sum().backward()
 opt.step()
+ddp(torch.ones(1, 2))                   # the snapshot of step 4 is taken as the next step begins
+import threading
+for t in threading.enumerate():
+    if t.name.startswith("node-agent snapshot"):
+        t.join()
+from node_agent.training import layout
+sums = [layout.digest(p.detach()) for p in model.parameters()]
+open("digest", "w").write(str(layout.digest_of(sums)))
 """
 
 
@@ -148,6 +162,7 @@ async def test_the_worker_notes_when_its_process_group_and_restore_began_and_end
     assert set(m) == {"started", "group_begun", "group_done", "restore_begun", "restore_done"}, m
     assert m["started"] <= m["group_begun"] <= m["group_done"] <= m["restore_begun"] <= m["restore_done"]
     assert m["restore_done"] <= record.first_at and record.steps == 1
+    assert record.digests == ((4, int(written("digest"))),)     # DDP's parameters' digest, with its step
 
 
 async def test_stacks_come_on_the_signal_while_the_main_thread_sleeps(run_group) -> None:

@@ -14,6 +14,7 @@ import pytest
 from node_agent.cli.command_line import OptionsError
 from node_agent.cli.options import parse_options
 from node_agent.training import snapshot
+from node_agent.workers import memory
 from node_agent.workers.environment import worker_env
 from node_agent.workers.memory import KEEP_S, MemoryDirs, sweep
 from protocol.messages import Assignment
@@ -320,3 +321,16 @@ def test_a_mark_left_behind_delays_agreed_step_only_so_long(tmp_path, monkeypatc
     (tmp_path / snapshot.FETCHING).write_text("")
     monkeypatch.setattr(snapshot, "COPY_WAIT_S", 0.0)
     assert snapshot.agreed_step(lambda x: x, str(tmp_path)) is None
+
+
+def test_forget_after_removes_only_the_newer_snapshots_of_every_rank(tmp_path) -> None:
+    dirs = {}
+    for local in (0, 1):
+        where = tmp_path / str(local)
+        where.mkdir()
+        for step in (5, 10, 15):
+            (where / f"step-{step}").write_bytes(b"x")
+        dirs[local] = str(where)
+    assert memory.forget_after(10, dirs) == [15]
+    assert [sorted(os.listdir(d)) for d in dirs.values()] == [["step-10", "step-5"]] * 2
+    assert memory.forget_after(10, dirs) == []

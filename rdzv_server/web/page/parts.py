@@ -16,7 +16,7 @@ T = TypeVar("T")
 FINISHED = {"succeeded", "failed", "closed"}
 # How an event kind is coloured in the history tables.
 BAD = {k.value for k in (EventKind.WORKER_FAILED, EventKind.NODE_LOST, EventKind.JOB_FAILED, EventKind.NODE_EXCLUDED,
-                         EventKind.HANG_DETECTED)}
+                         EventKind.HANG_DETECTED, EventKind.REPLICAS_DIVERGED)}
 WARN = {k.value for k in (EventKind.ROUND_ABANDONED, EventKind.NODE_DRAINED, EventKind.JOB_CLOSED,
                           EventKind.SERVER_RESTARTED, EventKind.NODE_LEFT, EventKind.NODE_SLOW,
                           EventKind.NODE_SUSPECT)}

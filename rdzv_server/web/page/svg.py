@@ -23,6 +23,7 @@ RATE_INK = "#8250df"      # the steps-per-second line
 CAUSES: dict[str, tuple[str, str]] = {
     "failure": ("#cf222e", "failure (restart)"),
     "hang": ("#a40e26", "hang (restart)"),
+    "diverged": ("#6e011a", "replicas diverged (restart)"),
     "node_unhealthy": ("#953800", "node unhealthy"),
     "node_lost": ("#e16f24", "node lost"),
     "node_drained": ("#8250df", "drained"),

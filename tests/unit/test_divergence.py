@@ -1,0 +1,75 @@
+"""Replicas that diverge (rdzv_server/core/divergence.py): a step is judged once every rank told its digest of
+it; all alike moves the agreed step, a minority is named (the round fails for its node, the next round resumes
+at most from the agreed step), no majority names nobody. Through the real core with agents' progress notes."""
+from __future__ import annotations
+
+from protocol.messages import (
+    JobConfig,
+    JoinRequest,
+    NodeState,
+    PollRequest,
+    ProgressNote,
+    RankDigest,
+)
+from rdzv_server.core import divergence
+from rdzv_server.core.rendezvous import Rendezvous
+from rdzv_server.core.requests import Arrival
+
+T = 1_700_000_000.0
+CFG = JobConfig(min_nodes=3, max_nodes=3, max_restarts=5, last_call_s=0.0, lease_timeout_s=10_000.0)
+
+
+def told(step: int, values: dict[int, int]) -> list[RankDigest]:
+    return [RankDigest(rank=r, step=step, digest=v) for r, v in values.items()]
+
+
+def test_a_step_is_judged_when_every_rank_told_it() -> None:
+    d = divergence.Digests()
+    assert divergence.note(d, 1, 3, told(5, {0: 7, 1: 7})) is None      # rank 2 has not told step 5 yet
+    assert divergence.note(d, 1, 3, told(5, {2: 7})) is None and d.agreed == 5
+    verdict = divergence.note(d, 1, 3, told(10, {0: 7, 1: 9, 2: 7}))
+    assert verdict == divergence.Diverged(step=10, odd=[1], agreed=5, ranks=3)
+    assert "rank(s) 1 hold other parameters than the other 2 replicas at step 10" in divergence.line(verdict)
+    assert divergence.note(d, 2, 3, told(10, {0: 1})) is None and d.by_step == {10: {0: 1}}   # a new round
+
+
+def test_two_ranks_or_an_even_split_name_nobody() -> None:
+    assert divergence.note(divergence.Digests(), 1, 2, told(5, {0: 1, 1: 2})) == \
+        divergence.Diverged(step=5, odd=[], agreed=-1, ranks=2)
+    verdict = divergence.note(divergence.Digests(), 1, 4, told(5, {0: 1, 1: 1, 2: 2, 3: 2}))
+    assert verdict is not None and verdict.odd == []
+    assert "with no majority; no earlier step was held alike" in divergence.line(verdict)
+
+
+def join(rz: Rendezvous, node: str, now: float) -> None:
+    rz.handle("j", JoinRequest(v=1, node_id=node, addr="10.0.0.1", host=f"host-{node}", local_world_size=2,
+                               master_port=29500, config=CFG, instance=f"{node}#1"), now,
+              Arrival(secret=f"secret-{node}"))
+
+
+def poll(rz: Rendezvous, node: str, now: float, digests: list[RankDigest] | None = None):
+    job = rz.jobs["j"]
+    note = ProgressNote(round_id=job.round.round_id, digests=digests or []) if digests is not None else None
+    return rz.handle("j", PollRequest(v=1, node_id=node, credential=f"secret-{node}", known_round=-1, wait_s=0.0,
+                                      progress=note), now)
+
+
+def test_a_rank_whose_parameters_differ_fails_the_round_and_the_next_resumes_from_the_agreed_step() -> None:
+    rz = Rendezvous()
+    for node in ("a", "b", "c"):
+        join(rz, node, T)
+    join(rz, "s", T + 1)                                           # a spare
+    offsets = {n: poll(rz, n, T + 2).assignment.rank_offset for n in ("a", "b", "c")}
+    for step, odd in ((5, None), (10, "b")):
+        for n, at in offsets.items():
+            poll(rz, n, T + step, told(step, {at: 1 if n != odd else 2, at + 1: 1}))
+    job = rz.jobs["j"]
+    events = [(e.kind.value, e.message) for e in job.events if e.kind in ("replicas_diverged", "node_suspect")]
+    assert events[0] == ("replicas_diverged", f"rank(s) {offsets['b']} hold other parameters than the other 5 "
+                         f"replicas at step 10 (silent data corruption?); the job resumes from step 5, the newest "
+                         f"all held alike")
+    assert events[1][0] == "node_suspect" and "its replicated tensors diverged" in events[1][1]
+    assert job.restart_count == 1 and job.nodes["b"].state == NodeState.EXCLUDED and "s" in job.round.members
+    assert job.root_cause is not None and job.root_cause.reason == "diverged"
+    assert {poll(rz, n, T + 20).assignment.resume_at_most for n in job.round.members} == {5}
+    assert job.resume_at_most == -1                                # told to that round only
