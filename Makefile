@@ -6,7 +6,7 @@ PIP_FLAGS := --disable-pip-version-check -q
 PYTEST_WORKERS ?= 3
 
 .PHONY: venv chromium deploy-tools netns-tools etcd demo test multihost soak fuzz bench bench-faults bench-scale bench-blip bench-progress \
-	bench-leftovers bench-console bench-hangs bench-places bench-node-loss bench-copy-faults bench-copy-speed bench-snapshot-speed bench-framework-restart bench-snapshot-blocking bench-request-path \
+	bench-leftovers bench-console bench-hangs bench-places bench-node-loss bench-copy-faults bench-copy-speed bench-snapshot-speed bench-framework-restart bench-suspects bench-snapshot-blocking bench-request-path \
 	bench-failover bench-first-step gpu-check gpu-hangs test-oldest clean
 
 # `make demo` installs what the demo runs (the package and torch); the test tools and the frameworks (Lightning,
@@ -170,6 +170,10 @@ bench-framework-restart: venv
 # One peer copy's cost: push and fetch of 64 MiB-1 GiB snapshots over loopback with sha256 (about 1 minute).
 bench-copy-speed: venv
 	$(PY) benchmarks/bench_copy_speed.py $(BENCH_COPY_SPEED_ARGS)
+
+# Suspect nodes: an exit 16 with a spare, at every try without one, a flipped bit under DDP (about 2 minutes).
+bench-suspects: venv
+	$(PY) benchmarks/bench_suspects.py $(BENCH_SUSPECTS_ARGS)
 
 # Snapshot write and restore speed at 1 GiB of model + AdamW state, new process per measure, checkouts in
 # --roots alternated (BENCH_SNAPSHOT_SPEED_ARGS="--roots /tmp/old,."; about 3 minutes).

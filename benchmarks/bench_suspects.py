@@ -1,0 +1,170 @@
+"""Suspect nodes (issue 55), measured end to end with a real server and agents on 127.0.0.1 (each node its own
+failure domain), benchmarks/scripts/shard_train.py (2 gloo workers per node, a snapshot every 5 steps of ~0.15 s)
+and examples/train_ddp.py:
+- asked: global rank 3 exits 16 (Megatron's "run this step elsewhere") with a ready spare: the time from its
+  exit to every rank stepping again, the step they resumed from against the newest snapshot, restarts used,
+  and where the spare stands (group rank of the suspect's place);
+- every try, no spare: rank 3 exits 16 on every attempt in a job of 1..2 nodes: restarts until the node is
+  excluded and the job goes on with one node (it must not loop);
+- flipped: DDP 3 x 1, one bit of a weight flipped on rank 2 after step 12, a snapshot every 5 steps of 0.25 s:
+  the time from the flip to the server's replicas_diverged event, the step resumed from, replicas alike at the
+  end.
+Figures only; nothing is asserted. Run: .venv/bin/python benchmarks/bench_suspects.py [--runs 3]
+(make bench-suspects).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _server import ROOT, running_server  # noqa: E402
+
+SHARDS = os.path.join(ROOT, "benchmarks", "scripts", "shard_train.py")
+TRAIN = os.path.join(ROOT, "examples", "train_ddp.py")
+FAST = ["--lease-timeout", "3", "--last-call", "1", "--stop-timeout", "2"]
+
+
+def agent(port: int, job: str, node: str, nnodes: str, nproc: int, script: list[str], env: dict[str, str],
+          capture: bool = False):
+    full = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), **env)
+    return subprocess.Popen([sys.executable, "-m", "node_agent.main", "--endpoint", f"127.0.0.1:{port}", "--nnodes",
+                             nnodes, "--nproc", str(nproc), "--job-id", job, "--max-restarts", "3", "--node-id", node,
+                             "--failure-domain", f"rack-{node}", *FAST, *script],
+                            env=full, stdout=subprocess.PIPE if capture else subprocess.DEVNULL,
+                            stderr=subprocess.STDOUT, text=True)
+
+
+def get(port: int, path: str) -> dict:
+    """The server's view at `path` ({} while the job does not exist yet)."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10) as reply:
+            return json.load(reply)
+    except urllib.error.HTTPError as exc:
+        if exc.code == 404:
+            return {}
+        raise
+
+
+def until(check, limit: float = 120.0):
+    deadline = time.time() + limit
+    while time.time() < deadline:
+        got = check()
+        if got:
+            return got
+        time.sleep(0.05)
+    raise SystemExit("timed out")
+
+
+def rows(out: str, name: str) -> list[list[str]]:
+    found = []
+    for path in (os.path.join(out, n) for n in os.listdir(out) if n.startswith(name)):
+        with open(path) as f:
+            found += [ln.split() for ln in f if ln.strip()]
+    return found
+
+
+def asked(port: int, i: int) -> dict[str, float]:
+    out = tempfile.mkdtemp(prefix="bench-sus-")
+    job, env = f"asked-{i}", {"OUT_DIR": out, "STATE_MB": "4", "STEP_S": "0.15", "SNAP_EVERY": "5",
+                              "DISK_EVERY": "0", "EXIT_AT": "3:16"}
+    procs = {n: agent(port, job, n, "2", 2, [SHARDS], {**env, "NODE": n}) for n in ("a", "b")}
+    until(lambda: len({r[4] for r in rows(out, "steps-")}) == 4)
+    procs["s"] = agent(port, job, "s", "2", 2, [SHARDS], {**env, "NODE": "s"})
+    until(lambda: any(n["node_id"] == "s" and n.get("ready", True) for n in get(port, f"/v1/jobs/{job}")["spares"]))
+    place = next(n["node_id"] for n in get(port, f"/v1/jobs/{job}")["nodes"] if n["group_rank"] == 1)
+    until(lambda: next(n for n in get(port, f"/v1/jobs/{job}")["nodes"] if n["node_id"] == place)
+          .get("copies", {}).get("copied_step", -1) >= 10)
+    with open(os.path.join(out, "exit"), "w"):
+        pass
+    until(lambda: len({r[4] for r in rows(out, "steps-") if r[2] == "1"}) == 4)
+    said = [r for r in rows(out, "steps-") if r[2] == "1"]
+    steps0 = [r for r in rows(out, "steps-") if r[2] == "0"]
+    exit_at = max(float(r[0]) for r in steps0 if r[4] == "3")
+    again = max(min(float(r[0]) for r in said if r[4] == str(rank)) for rank in range(4))
+    last = max(int(r[1]) for r in steps0)
+    resumed = [ln.split() for ln in open(os.path.join(out, "resumed.txt")) if ln.split()[0] > f"{exit_at:.6f}"]
+    view = get(port, f"/v1/jobs/{job}")
+    with open(os.path.join(out, "stop"), "w"):
+        pass
+    for p in procs.values():
+        with _quiet():
+            p.wait(60)
+    return {"exit_to_every_rank_stepping_s": again - exit_at, "steps_redone": last - int(resumed[0][2]),
+            "from_memory": float(all(r[3] == "memory" for r in resumed)), "restarts": view["restart_count"],
+            "spare_in_place": float(any(n["node_id"] == "s" and n["group_rank"] == 1 for n in view["nodes"]))}
+
+
+def every_try(port: int, i: int) -> dict[str, float]:
+    out = tempfile.mkdtemp(prefix="bench-sus-")
+    job, env = f"every-{i}", {"OUT_DIR": out, "STATE_MB": "1", "STEP_S": "0.1", "SNAP_EVERY": "5", "DISK_EVERY": "0",
+                              "EXIT_AT": "3:16", "EXIT_EVERY_TRY": "1"}
+    with open(os.path.join(out, "exit"), "w"):
+        pass
+    procs = {n: agent(port, job, n, "1:2", 2, [SHARDS], {**env, "NODE": n}) for n in ("a", "b")}
+    view = until(lambda: (v := get(port, f"/v1/jobs/{job}")) and v.get("excluded") and v)
+    until(lambda: len(get(port, f"/v1/jobs/{job}").get("nodes", [])) == 1)
+    restarts = get(port, f"/v1/jobs/{job}")["restart_count"]
+    with open(os.path.join(out, "stop"), "w"):
+        pass
+    for p in procs.values():
+        p.kill()
+        p.wait(30)
+    return {"restarts_until_excluded": restarts, "excluded": float(bool(view["excluded"]))}
+
+
+def flipped(port: int, i: int) -> dict[str, float]:
+    job = f"flip-{i}"
+    args = [TRAIN, "--steps", "30", "--snapshot-every", "5", "--flip-rank", "2", "--flip-step", "12", "--width", "32",
+            "--depth", "2", "--step-s", "0.25", "--markers", os.path.join(tempfile.mkdtemp(), "m.txt")]
+    procs = [agent(port, job, n, "3", 1, args, {}, capture=True) for n in ("a", "b", "c")]
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+    events = get(port, f"/v1/jobs/{job}/events")["events"]
+    diverged = next(e for e in events if e["kind"] == "replicas_diverged")
+    first_round = next(e for e in events if e["kind"] == "round_completed")
+    out = "".join(outs)
+    resumed = sorted({ln.split("step ")[1].split(" ")[0] for ln in out.splitlines() if "resumed from step" in ln
+                      and "(memory)" in ln})
+    # the flip happened after step 12's optimizer step: 13 steps of --step-s and more after the round formed
+    return {"round_to_divergence_found_s": _t(diverged) - _t(first_round), "resumed_from": float(resumed[0]),
+            "alike_at_end": float("replicas alike at the end: yes" in out)}
+
+
+def _t(event: dict) -> float:
+    return dt.datetime.fromisoformat(event["time"].replace("Z", "+00:00")).timestamp()
+
+
+class _quiet:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> bool:
+        return isinstance(exc[1], subprocess.TimeoutExpired)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--cases", default="asked,every_try,flipped")
+    args = p.parse_args()
+    cases = {"asked": asked, "every_try": every_try, "flipped": flipped}
+    with running_server() as port:
+        for name in args.cases.split(","):
+            runs = [cases[name](port, i) for i in range(args.runs)]
+            for i, r in enumerate(runs):
+                print(f"{name} run {i}: " + ", ".join(f"{k} {v:.3g}" for k, v in r.items()), flush=True)
+            print(f"{name} (median of {args.runs}): " + ", ".join(
+                f"{k} {statistics.median(r[k] for r in runs):.3g}" for k in runs[0]), flush=True)
+
+
+if __name__ == "__main__":
+    main()
