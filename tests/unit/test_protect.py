@@ -14,15 +14,6 @@ from node_agent.training.capture import Capture
 from node_agent.training.resume import read
 
 
-@pytest.fixture
-def memory(tmp_path, monkeypatch) -> str:
-    where = tmp_path / "mem"
-    where.mkdir()
-    monkeypatch.setenv(snapshot.DIR_VAR, str(where))
-    monkeypatch.delenv(snapshot.LIMIT_VAR, raising=False)
-    return str(where)
-
-
 def job(width: int = 4) -> tuple[nn.Module, torch.optim.Optimizer, torch.optim.lr_scheduler.StepLR]:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(width, 8), nn.ReLU(), nn.Linear(8, 2))

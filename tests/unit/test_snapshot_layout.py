@@ -14,15 +14,6 @@ from node_agent.training import layout, snapshot
 from node_agent.training.capture import Capture
 
 
-@pytest.fixture
-def memory(tmp_path, monkeypatch) -> str:
-    where = tmp_path / "mem"
-    where.mkdir()
-    monkeypatch.setenv(snapshot.DIR_VAR, str(where))
-    monkeypatch.delenv(snapshot.LIMIT_VAR, raising=False)
-    return str(where)
-
-
 def state(seed: float) -> dict[str, object]:
     return {"w": torch.full((300, 7), seed), "half": torch.arange(5, dtype=torch.bfloat16) + seed,
             "t": (torch.zeros(0), 3, "x"), "od": OrderedDict(a=torch.tensor([True, False])), 0: None,
