@@ -44,10 +44,17 @@ def say(text: str) -> None:
 
 @dataclass
 class _Slab:
-    """A snapshot file this process wrote, mapped shared: its data region is written again in place."""
+    """A snapshot file this process wrote, mapped shared: its data region is written again in place. Its
+    descriptor stays open: the inode cannot be freed and its number given to another file meanwhile, so a name
+    with this inode number is this file."""
+    fd: int
     ino: int
     size: int          # the data region's size: the mapping's
     region: torch.Tensor
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            os.close(self.fd)
 
 
 @dataclass
@@ -128,24 +135,29 @@ class Capture:
             else:
                 _remove(name)
         alive = {_inode(snapshot.path(s, self.where)) for s in snapshot.steps(self.where)}
-        self._slabs = {ino: s for ino, s in self._slabs.items() if ino in alive or s is again}
+        self._keep_slabs(lambda s: s.ino in alive or s is again)
         if again is not None and again.size == size:
             return again, room
         fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
             os.ftruncate(fd, size)             # size >= layout.ALIGN: the head's page is mapped too
             os.posix_fallocate(fd, 0, size)    # ENOSPC here, not a SIGBUS when the copy touches the page
-            slab = _Slab(os.fstat(fd).st_ino, size, torch.frombuffer(mmap.mmap(fd, size), dtype=torch.uint8))
+            slab = _Slab(fd, os.fstat(fd).st_ino, size, torch.frombuffer(mmap.mmap(fd, size), dtype=torch.uint8))
         except OSError as exc:
+            os.close(fd)
             _remove(tmp)
             if exc.errno == errno.ENOSPC:
                 raise snapshot.full_error(step, self.where, None, room) from exc
             raise
-        finally:
-            os.close(fd)
-        self._slabs.pop(again.ino if again else -1, None)
+        self._keep_slabs(lambda s: s is not again)
         self._slabs[slab.ino] = slab
         return slab, room
+
+    def _keep_slabs(self, keep: Callable[[_Slab], bool]) -> None:
+        for ino, s in list(self._slabs.items()):
+            if not keep(s):
+                s.close()
+                del self._slabs[ino]
 
     def _copy(self, views: list[torch.Tensor], live: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Host tensors into their views now; a GPU's into pinned buffers on a side stream (the thread moves them
@@ -193,7 +205,7 @@ class Capture:
                                                            if alike]))
         except Exception as exc:  # noqa: BLE001  (a thread's failure must reach the user, once, not end the training)
             _remove(tmp)
-            self._slabs.pop(p.slab.ino, None)
+            self._keep_slabs(lambda s: s is not p.slab)
             self._failed(p.step, exc)
 
     def _failed(self, step: int, exc: BaseException) -> None:

@@ -115,3 +115,19 @@ def test_a_table_entry_outside_the_tensors_region_is_named() -> None:
               "table": [(layout.ALIGN, (10**9,), torch.float32)]}
     assert layout._assemble(record, b"", 2 * layout.ALIGN) == (   # type: ignore[arg-type]
         f"tensor /w: its 4000000000 bytes at offset {layout.ALIGN} lie outside the tensors' region")
+
+
+def test_a_file_put_under_a_written_name_by_someone_else_is_never_written_over(memory) -> None:
+    """The agent may remove a snapshot and a peer's copy come under its name: that file is not this capture's,
+    so the next snapshot removes it and writes a file of its own; a reader of it keeps its bytes."""
+    capture = Capture(memory, keep=2)
+    take(capture, 1, state(1.0))
+    take(capture, 2, state(2.0))
+    os.unlink(snapshot.path(1))
+    with open(snapshot.path(1), "wb") as f:
+        f.write(b"a peer's copy" * 1000)
+    with open(snapshot.path(1), "rb") as reader:
+        take(capture, 3, state(3.0))
+        assert reader.read() == b"a peer's copy" * 1000
+    back = layout.read(snapshot.path(3), 3)
+    assert not isinstance(back, str) and same(back, state(3.0)) and snapshot.steps() == [2, 3]
