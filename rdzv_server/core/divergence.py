@@ -6,7 +6,8 @@ step, the step is judged (pure; `now` is an argument):
 - one value held by more than half of the ranks: the others diverged. The round fails (a restart, reason
   `diverged`, the first odd rank the root cause), its node is a suspect (suspects.py: a ready spare takes its
   place), and every node drops its snapshots newer than the newest agreed step (Assignment.resume_at_most),
-  so the job resumes from bytes every replica held;
+  so the job resumes from bytes every replica held (none judged alike yet, as after a server restart: those
+  before the diverged step, rather than none);
 - no majority (two ranks, or an even split): nobody is named; the job still resumes from the agreed step.
 The digests are kept in memory for the running round only (a new server judges the steps it sees)."""
 from __future__ import annotations
@@ -58,7 +59,8 @@ def note(d: Digests, round_id: int, world: int, told: list[RankDigest]) -> Diver
 
 def line(v: Diverged) -> str:
     back = f"the job resumes from step {v.agreed}, the newest all held alike" if v.agreed >= 0 else \
-        "no earlier step was held alike: the job resumes without these snapshots"
+        ("no step was seen alike yet (a new round of a new server): the job resumes from a snapshot before step "
+         f"{v.step}")
     if v.odd:
         return (f"rank(s) {', '.join(map(str, v.odd))} hold other parameters than the other {v.ranks - len(v.odd)} "
                 f"replicas at step {v.step} (silent data corruption?); {back}")

@@ -42,7 +42,8 @@ def noted(rules: JobRules, live: LiveRound, node_id: str, note: ProgressNote | N
     if note.round_id != job.round.round_id:
         return
     if note.digests:
-        told = [d for d in note.digests if d.rank in _ranks_of(rules, node_id)]     # its own ranks only
+        own = set(_ranks_of(rules, node_id))
+        told = [d for d in note.digests if d.rank in own]     # its own ranks only
         verdict = divergence.note(live.digests, job.round.round_id, job.round.world_size, told)
         if verdict is not None:
             _diverged(rules, verdict, now)
@@ -176,7 +177,7 @@ def _diverged(rules: JobRules, v: divergence.Diverged, now: float) -> None:
     job = rules.job
     assert job.round is not None
     round_id = job.round.round_id
-    job.resume_at_most = max(0, v.agreed) if v.agreed >= 0 else 0
+    job.resume_at_most = v.agreed if v.agreed >= 0 else max(0, v.step - 1)
     text = divergence.line(v)
     culprit = v.odd[0] if v.odd else 0
     node_id = next((n for n in job.round.members if culprit in _ranks_of(rules, n)), job.round.members[0])

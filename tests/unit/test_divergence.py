@@ -38,7 +38,8 @@ def test_two_ranks_or_an_even_split_name_nobody() -> None:
         divergence.Diverged(step=5, odd=[], agreed=-1, ranks=2)
     verdict = divergence.note(divergence.Digests(), 1, 4, told(5, {0: 1, 1: 1, 2: 2, 3: 2}))
     assert verdict is not None and verdict.odd == []
-    assert "with no majority; no earlier step was held alike" in divergence.line(verdict)
+    assert "with no majority; no step was seen alike yet (a new round of a new server): the job resumes from a " \
+           "snapshot before step 5" in divergence.line(verdict)
 
 
 def join(rz: Rendezvous, node: str, now: float) -> None:
