@@ -243,7 +243,8 @@ class Agent:
         known = self.policy.known_round
         return await self.transport.poll(known, wait_s, master_port=self._free_port(),
                                          progress=self.workers.progress_note(known) if known >= 0 else None,
-                                         ready=self.workers.ready, copies=self.copies.note())
+                                         ready=self.workers.ready, copies=self.copies.note(),
+                                         checks_passed=self.policy.health.readmit_passed)
 
     async def _when_ready(self, link: ServerLink) -> None:
         """The server forms rounds only of nodes that can start their workers at once: say so as soon as this one

@@ -206,6 +206,7 @@ class PollRequest(_Request, kw_only=True):
     progress: ProgressNote | None = None
     ready: bool = True                 # as JoinRequest.ready: its workers can start at once
     copies: CopiesNote | None = None
+    checks_passed: bool = False        # its node checks passed since the server asked (NodeStatus.checks_due)
 
 
 class FailureReason(str, enum.Enum):
@@ -349,6 +350,9 @@ class NodeStatus(msgspec.Struct, kw_only=True, gc=False):
     # In the reply to a stall report: the job's stalled ranks as the server sees them across nodes, one line
     # ("rank 0 alone for 42s at ...; ranks 1-3 waiting in all_reduce"); "": nothing to say.
     stall: Annotated[str, Meta(max_length=MAX_MESSAGE)] = ""
+    # A suspect node (rdzv_server/core/suspects.py) takes no place until its agent's node checks pass again:
+    # the agent runs them and says so on a poll (PollRequest.checks_passed).
+    checks_due: bool = False
 
 
 def poll_ready(status: NodeStatus, known_round: int) -> bool:

@@ -117,6 +117,7 @@ class Stage(str, enum.Enum):
     RUNNING = "while workers run"
     FAILURE = "after a worker failed"
     STOP = "stopping workers"
+    READMIT = "before taking a place again"      # a suspect node (NodeStatus.checks_due)
 
 
 @dataclass(frozen=True)

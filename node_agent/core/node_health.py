@@ -3,6 +3,7 @@ The checks run in the shell (node_checks.py), which answers each `CheckNode` wit
 - checks on (NVIDIA GPUs, or --health-check): join only after a check passes; a restart here (a new round
   after this node's workers ran) spawns only after a check; a check every `interval_s` while workers run;
   a worker failure is checked (its GPUs, a GPU fault in its message) before it is reported;
+- a suspect node (the server's NodeStatus.checks_due) checks once more before it may take a place again;
 - unhealthy (at any of these, or a worker outlived SIGKILL, checks on or not): do not join, or leave the
   round saying why and of what kind. No failure is reported, so no restart counts against the job, and
   the server re-forms the round as for a lost node. Check again after a back-off (RETRY_MIN_S, doubling
@@ -35,6 +36,20 @@ class NodeHealth:
     give_up_s: float = 600.0              # out this long without passing a check: the agent ends
     out_since: float | None = None
     problem: str = ""                     # the last finding that kept the node out
+    # A suspect node (NodeStatus.checks_due): its check asked for, then passed (said on every poll until the
+    # server stops asking).
+    readmit_asked: bool = False
+    readmit_passed: bool = False
+
+    def readmit(self, due: bool) -> list[Action]:
+        """The server's word on whether this node's checks are due before it takes a place again."""
+        if not due:
+            self.readmit_asked = self.readmit_passed = False
+            return []
+        if self.readmit_asked:
+            return []
+        self.readmit_asked = True
+        return [CheckNode(Stage.READMIT, -1)]
 
     @property
     def out(self) -> bool:

@@ -238,6 +238,9 @@ class SupervisionPolicy:
     def _status(self, status: NodeStatus) -> list[Action]:
         if self.health.out and not status.job_state.finished:
             return []      # left as unhealthy: a late answer from before is no news until the next check
+        return self.health.readmit(status.checks_due) + self._news(status)
+
+    def _news(self, status: NodeStatus) -> list[Action]:
         match news(status, self.running_round):
             case News.FINISHED:
                 return self._finish(status)
@@ -316,6 +319,9 @@ class SupervisionPolicy:
             self.health.passed(fact.stage, now)
             if fact.stage == Stage.FAILURE:
                 return [ReportFailure(fact.round_id, fact.failures)]
+            if fact.stage == Stage.READMIT:
+                self.health.readmit_passed = True
+                return [SendNote()]      # the server hears it now, not at the next held poll's end
             if fact.stage == Stage.JOIN:
                 return [Rejoin("the node's checks passed")]
             a = self.health.take_pending(fact.round_id) if fact.stage == Stage.RESTART \

@@ -79,7 +79,7 @@ def _rejoined(rules: JobRules, node: NodeRecord, req: JoinRequest, via: tuple[st
         rules.node_changed(node.node_id)
     node.credential_used = node.credential_used or bool(node.credential_digest)
     leases.renew(rules.job, node, now)
-    rules.readiness(node, req.ready, now)
+    rules.readiness(node, req.ready and not node.checks_due, now)
 
 
 def _new_record(rules: JobRules, req: JoinRequest, now: float, credential: str, via: tuple[str, str],

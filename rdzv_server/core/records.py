@@ -33,6 +33,7 @@ class NodeRecord(msgspec.Struct, kw_only=True):
     holding: int = 0                   # its long-polls held open now: the lease waits (leases.py)
     failure_times: list[float] = msgspec.field(default_factory=list)
     suspect_times: list[float] = msgspec.field(default_factory=list)   # when it was a suspect (suspects.py)
+    checks_due: bool = False           # a suspect: not ready until its agent's checks pass again (suspects.py)
     exclusions: int = 0                # how often it was excluded (cooldown doubles each time)
     excluded_until: float = 0.0
     credential_digest: str = ""        # sha256 of the secret its join was given ("": none was issued)

@@ -26,7 +26,7 @@ from protocol.messages import (
     StallReport,
     SuccessReport,
 )
-from rdzv_server.core import admission, credentials, leases, progress_rules, reports, store_port
+from rdzv_server.core import admission, credentials, leases, progress_rules, reports, store_port, suspects
 from rdzv_server.core.events import EventKind
 from rdzv_server.core.job_rules import JobRules
 from rdzv_server.core.payloads import NodeUnhealthy
@@ -129,7 +129,9 @@ def poll(call: Call, req: PollRequest) -> str:
         if req.master_port:          # a port for its next round as master; saved with that round, not on its own
             if store_port.given(call.rules.job.round, node, req.master_port):
                 call.rules.wake()                        # the round that waited for it: assignments for all
-        call.rules.readiness(node, req.ready, call.now)
+        if node.checks_due and req.checks_passed:
+            suspects.passed(call.rules, node, call.now)
+        call.rules.readiness(node, req.ready and not node.checks_due, call.now)
         if req.copies is not None:
             node.copies = req.copies
     return ""

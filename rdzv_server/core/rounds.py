@@ -358,7 +358,8 @@ def node_status(job: JobRecord, node_id: str, now: float, *, accepted: bool = Tr
     status = NodeStatus(job_id=job.job_id, job_state=job.state, node_state=state,
                         round_id=r.round_id if r is not None else -1, restart_count=job.restart_count,
                         accepted=accepted, reason=reason or job.reason,
-                        lease_timeout_s=job.config.lease_timeout_s)
+                        lease_timeout_s=job.config.lease_timeout_s,
+                        checks_due=node is not None and node.checks_due and not finished)
     if finished:
         status.root_cause = job.root_cause if job.state == JobState.FAILED else None
     if r is not None and state == NodeState.MEMBER and not finished and r.awaits_port:   # store_port.py

@@ -3,7 +3,8 @@ Megatron's 16, "run this step again on other hardware", and 17, "a validation fa
 as any other (one restart), and then, by the one rule here:
 - with a ready spare, the node is held out (an exclusion, for the job's cooldown) and the spare takes its place
   and ranks in the round that follows, fetching its snapshots from their copies: the job goes on elsewhere at
-  the first such exit, not after `exclude_after` of them;
+  the first such exit, not after `exclude_after` of them. Once readmitted it takes no place until its agent's
+  node checks (the GPU check, --health-check) pass once more (NodeStatus.checks_due);
 - without one, the job restarts on the same nodes, said once per suspicion, and a second suspicion of the node
   within `exclude_window_s` excludes it: the job never loops on a node that keeps asking to leave.
 """
@@ -47,6 +48,18 @@ def act(rules: JobRules, node: NodeRecord, asked: WorkerFailure, round_id: int, 
     else:
         action, then = Action.KEPT, (f"no spare is ready, so the job restarts on it; a second time within "
                                      f"{cfg.exclude_window_s:g}s excludes it")
+    if action is not Action.KEPT and node.checks:     # what its agent checks (JoinRequest.checks): once more
+        # Not ready (it is excluded: no waiting count to keep) until they pass; its suspect event says why.
+        node.checks_due, node.ready, node.preparing_since, node.preparing_said = True, False, now, True
+        then += f", and takes no place until its checks ({node.checks}) pass again"
     rules.record(now, EventKind.NODE_SUSPECT, f"{what}; {then}", node.node_id, round_id)
     rules.out.suspects.append(action.value)
     return action
+
+
+def passed(rules: JobRules, node: NodeRecord, now: float) -> None:
+    """A suspect's agent says its node checks passed again: it may take a place (as any waiting node)."""
+    node.checks_due, node.preparing_said = False, False     # said here: readiness need not say it is ready
+    rules.node_changed(node.node_id)
+    rules.record(now, EventKind.NODE_READY, f"node {node.node_id} passed its checks again: it may take a place",
+                 node.node_id)

@@ -1,7 +1,7 @@
 """The node's own checks in the pure policy (core/node_health.py through policy.py), plain-float time."""
 from __future__ import annotations
 
-from node_agent.core.actions import CheckNode, Exit, Leave, Rejoin, ReportFailure, Spawn, StopWorkers
+from node_agent.core.actions import CheckNode, Exit, Leave, Rejoin, ReportFailure, SendNote, Spawn, StopWorkers
 from node_agent.core.facts import DeadlinePassed, NodeChecked, Stage, WorkersExited
 from node_agent.core.node_health import RETRY_MAX_S, NodeHealth
 from node_agent.core.policy import SupervisionPolicy, Workers
@@ -134,3 +134,19 @@ def test_a_node_unhealthy_before_its_first_join_tells_the_server_once() -> None:
     assert p.handle(bad(Stage.JOIN, -1), 0.0) == [told]
     assert p.handle(DeadlinePassed(), 5.0) == [CheckNode(Stage.JOIN, -1)]
     assert p.handle(bad(Stage.JOIN, -1), 5.1) == []
+
+
+def test_a_suspect_checks_once_more_when_asked_and_says_it_passed_on_its_polls() -> None:
+    """The server holds a suspect node out until its checks pass again (NodeStatus.checks_due): one check while
+    it asks, a note at once when it passed, `readmit_passed` on the polls until the server stops asking."""
+    p = checked()
+    asked = status(node_state=NodeState.WAITING, checks_due=True)
+    assert p.handle(asked, 1.0) == [CheckNode(Stage.READMIT, -1)]
+    assert p.handle(asked, 1.5) == []                               # asked again: the check is under way
+    assert p.handle(NodeChecked(Stage.READMIT, -1), 2.0) == [SendNote()]
+    assert p.health.readmit_passed
+    assert p.handle(status(node_state=NodeState.WAITING), 3.0) == [] and not p.health.readmit_passed
+    failed = checked()
+    failed.handle(asked, 1.0)
+    assert failed.handle(bad(Stage.READMIT, -1), 2.0) == [Leave("unhealthy: GPU check: GPU 0: NVML: GPU is lost",
+                                                                UnhealthyKind.GPU)]

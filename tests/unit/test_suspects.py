@@ -83,3 +83,29 @@ def test_another_code_or_none_named_is_a_plain_failure(code, codes) -> None:
     exits(rz, "b", code, T + 10)
     assert rz.jobs["j"].nodes["b"].state == NodeState.MEMBER and not suspect_events(rz)
     assert set(rz.jobs["j"].round.members) == {"a", "b"}
+
+
+def test_a_replaced_suspect_takes_no_place_until_its_checks_pass_again() -> None:
+    """Its agent checks something (JoinRequest.checks): readmitted after the cooldown, the node is not ready, its
+    status asks for the checks, and a poll saying they passed makes it ready: it may take a place again."""
+    rz = Rendezvous()
+    config = msgspec.structs.replace(CFG, exclude_cooldown_s=10.0)
+    for node in ("a", "b"):
+        rz.handle("j", JoinRequest(v=1, node_id=node, addr="10.0.0.1", host=f"host-{node}", local_world_size=2,
+                                   master_port=29500, config=config, instance=f"{node}#1", checks="gpu"), T,
+                  Arrival(secret=f"secret-{node}"))
+    join(rz, "s", T + 1, config)
+    exits(rz, "b", 16, T + 10)
+    job = rz.jobs["j"]
+    assert job.nodes["b"].checks_due and "takes no place until its checks (gpu) pass again" in suspect_events(rz)[0]
+    rz.tick(T + 21)                                                     # the cooldown is over: readmitted
+
+    def poll(passed: bool, now: float):
+        return rz.handle("j", PollRequest(v=1, node_id="b", credential="secret-b", known_round=-1, wait_s=0.0,
+                                          ready=True, checks_passed=passed), now)
+    said = poll(False, T + 22)
+    assert said.checks_due and job.nodes["b"].state == NodeState.SPARE and not job.nodes["b"].ready
+    said = poll(True, T + 23)
+    assert not said.checks_due and job.nodes["b"].ready
+    assert [e.message for e in job.events if e.kind == "node_ready"] == \
+        ["node b passed its checks again: it may take a place"]
