@@ -107,9 +107,11 @@ COSTS: list[Column[RestartCostView]] = [
 OTHERS: list[Column[NodeView]] = [
     ("NODE", lambda n: n.node_id), ("ADDR", lambda n: n.addr), ("WORKERS", lambda n: n.local_world_size),
     ("LEASE AGE", lambda n: duration(n.lease_age_s)),
-    ("READY", lambda n: f"preparing {duration(n.preparing_for_s)}" if n.preparing_for_s is not None else "yes")]
+    ("READY", lambda n: "checks-due" if n.checks_due else
+     f"preparing {duration(n.preparing_for_s)}" if n.preparing_for_s is not None else "yes")]
 EXCLUDED: list[Column[NodeView]] = [
-    ("NODE", lambda n: n.node_id), ("ADDR", lambda n: n.addr), ("EXCLUSIONS", lambda n: n.exclusions),
+    ("NODE", lambda n: n.node_id), ("ADDR", lambda n: n.addr),
+    ("EXCLUSIONS", lambda n: f"{n.exclusions}(suspect)" if n.suspicions else n.exclusions),
     ("TIME LEFT", lambda n: duration(n.excluded_for_s)), ("LEASE AGE", lambda n: duration(n.lease_age_s))]
 DRAINED: list[Column[DrainedView]] = [("NODE", lambda d: d.node_id), ("REASON", lambda d: d.reason)]
 EVENTS: list[Column[EventView]] = [

@@ -74,6 +74,10 @@ def _node(node: NodeRecord, now: float, **extra: Any) -> NodeView:
         extra["preparing_for_s"] = round(max(0.0, now - node.preparing_since), 3)
     if node.copies is not None:
         extra["copies"] = node.copies
+    if node.suspect_times:
+        extra["suspicions"] = len(node.suspect_times)
+    if node.checks_due:
+        extra["checks_due"] = True
     return NodeView(node_id=node.node_id, state=node.state.value, host=node.host, addr=node.addr, role=node.role,
                     local_world_size=node.local_world_size, lease_age_s=round(now - node.last_seen, 3),
                     joined_at=iso(node.joined_at), recent_failures=len(node.failure_times), checks=node.checks,

@@ -7,9 +7,12 @@ import msgspec
 import pytest
 
 from protocol.messages import FailureReport, JobConfig, JoinRequest, NodeState, PollRequest, WorkerFailure
+from rdzv_ctl import tables as ctl
 from rdzv_server.core.rendezvous import Rendezvous
 from rdzv_server.core.requests import Arrival
 from rdzv_server.core.suspects import Action
+from rdzv_server.web import views
+from rdzv_server.web.page import render as page
 
 T = 1_700_000_000.0
 CFG = JobConfig(min_nodes=2, max_nodes=2, max_restarts=5, last_call_s=0.0, lease_timeout_s=10_000.0)
@@ -98,6 +101,8 @@ def test_a_replaced_suspect_takes_no_place_until_its_checks_pass_again() -> None
     exits(rz, "b", 16, T + 10)
     job = rz.jobs["j"]
     assert job.nodes["b"].checks_due and "takes no place until its checks (gpu) pass again" in suspect_events(rz)[0]
+    excluded_line = [ln for ln in ctl.format_job(views.job_detail(job, T + 15)).splitlines() if ln.startswith("b ")]
+    assert excluded_line and excluded_line[0].split()[2] == "1(suspect)", excluded_line
     rz.tick(T + 21)                                                     # the cooldown is over: readmitted
 
     def poll(passed: bool, now: float):
@@ -105,6 +110,11 @@ def test_a_replaced_suspect_takes_no_place_until_its_checks_pass_again() -> None
                                           ready=True, checks_passed=passed), now)
     said = poll(False, T + 22)
     assert said.checks_due and job.nodes["b"].state == NodeState.SPARE and not job.nodes["b"].ready
+    spare = next(n for n in views.job_detail(job, T + 22).spares if n.node_id == "b")
+    assert (spare.suspicions, spare.checks_due) == (1, True)
+    assert 'data-checks-due="1">a suspect: its checks, once more' in (page.job_page(rz, "j", T + 22) or "")
+    assert [ln.split()[-1] for ln in ctl.format_job(views.job_detail(job, T + 22)).splitlines()
+            if ln.startswith("b ")] == ["checks-due"]
     said = poll(True, T + 23)
     assert not said.checks_due and job.nodes["b"].ready
     assert [e.message for e in job.events if e.kind == "node_ready"] == \

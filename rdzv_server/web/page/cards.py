@@ -64,7 +64,10 @@ def _node_id(n: NodeView | DrainedView) -> str:
 
 
 def _ready(n: NodeView) -> str:
-    """A node preparing (its warm interpreter importing) enters no round until it is ready."""
+    """A node preparing (its warm interpreter importing) enters no round until it is ready; nor does a suspect
+    until its checks pass again."""
+    if n.checks_due:
+        return '<span class="warn-text" data-checks-due="1">a suspect: its checks, once more</span>'
     if n.preparing_for_s is None:
         return "yes"
     return f'<span class="warn-text" data-preparing="1">preparing {age(n.preparing_for_s)}</span>'
