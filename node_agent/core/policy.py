@@ -108,7 +108,7 @@ class SupervisionPolicy:
     renewed_at: float | None = None       # when the last answered request went out: the lease ran from then
     probe_at: float | None = None         # the witnesses answered: ask again then
     probing: bool = False
-    suspect: bool = False                 # the witnesses once said this node is the one cut off
+    cut_off: bool = False                 # the witnesses once said this node is the one cut off
     job_over: bool = False           # the server said the job finished (peer copies of it may go: copies.py)
     ran: bool = False                # this node's workers were started in some round of the job
     health: NodeHealth = field(default_factory=NodeHealth)   # the node's own checks (node_health.py)
@@ -126,7 +126,7 @@ class SupervisionPolicy:
         match fact:
             case StatusReceived(status=status, sent_at=sent_at):
                 self.unreachable_since = self.conflict_since = None
-                self.renewed_at, self.probe_at, self.suspect = sent_at, None, False
+                self.renewed_at, self.probe_at, self.cut_off = sent_at, None, False
                 return self._status(status)
             case PeersProbed(verdict=verdict, server=server):
                 return self._peers(verdict, server, now)
@@ -200,19 +200,19 @@ class SupervisionPolicy:
         self.probing = False
         if self.workers != Workers.RUNNING or self.unreachable_since is None or self.assignment is None:
             return []          # the server answered meanwhile, or the workers ended: moot
-        evidence = verdict == Verdict.ROUND_REPLACED or (verdict == Verdict.SERVER_HEARD and self.suspect)
+        evidence = verdict == Verdict.ROUND_REPLACED or (verdict == Verdict.SERVER_HEARD and self.cut_off)
         if not evidence and (server != Path.NO_SERVER or verdict not in SERVER_CHECK_DECIDES):
             # The server answers (the link sends again), a replica takes over, it runs our round, or is away.
-            self.probe_at, self.suspect = now + REPROBE_S, False
+            self.probe_at, self.cut_off = now + REPROBE_S, False
             return []
         lapse = lapse_at(self.renewed_at, self.unreachable_since, self.lease_timeout_s)
-        if verdict != Verdict.ROUND_REPLACED and (evidence or self.suspect) and now < lapse:
+        if verdict != Verdict.ROUND_REPLACED and (evidence or self.cut_off) and now < lapse:
             # Before the lease lapsed the server has replaced nothing yet: ask again once it has.
-            self.probe_at, self.suspect = lapse, True
+            self.probe_at, self.cut_off = lapse, True
             return []
-        if not evidence and not self.suspect:
+        if not evidence and not self.cut_off:
             # A witness may not know yet, a silent one only be slow (a loaded host): ask once more.
-            self.probe_at, self.suspect = now + (CONFIRM_S if verdict == Verdict.SERVER_HEARD else 0.0), True
+            self.probe_at, self.cut_off = now + (CONFIRM_S if verdict == Verdict.SERVER_HEARD else 0.0), True
             return []
         self.workers, self.probe_at = Workers.FAILED, None
         silent = now - (self.renewed_at if self.renewed_at is not None else self.unreachable_since)
