@@ -42,6 +42,7 @@ class ServerLink:
         self._join = join
         self._poll = poll
         self._tasks: dict[Request, asyncio.Task[None]] = {}
+        self._prompt: asyncio.Task[None] | None = None    # poll_now's poll, while it is still trying
         self.joined = False
         # The newest round assigned, at once: while the loop lags a witness must not say "still your round".
         self.assigned_round = -1
@@ -50,6 +51,7 @@ class ServerLink:
         """Join (again): polls stop until the server has answered the join."""
         self.joined = False
         self._cancel(PollRequest)
+        self._cancel_prompt()
         self._send(JoinRequest, self._join)
 
     def keep_polling(self) -> None:
@@ -59,9 +61,11 @@ class ServerLink:
             self._send(PollRequest, lambda: self._poll(MAX_POLL_WAIT_S))   # the longest: the server picks the hold
 
     def poll_now(self) -> None:
-        """A poll answered at once, beside the held one: news for the server (this node is ready) now."""
-        if self.joined:
-            start_source(self._until_answered(PollRequest, lambda: self._poll(0.0)), self._put)
+        """A poll answered at once, beside the held one: news for the server (this node is ready, a snapshot's
+        digests, its checks passed) now. One at a time: each try sends the news as they are then, so one still
+        trying (the server unreachable) carries the later news too."""
+        if self.joined and (self._prompt is None or self._prompt.done()):
+            self._prompt = start_source(self._until_answered(PollRequest, lambda: self._poll(0.0)), self._put)
 
     def report_failure(self, round_id: int, failures: tuple[WorkerFailure, ...],
                        progress: ProgressNote | None = None) -> None:
@@ -84,6 +88,7 @@ class ServerLink:
             await self._client.leave(reason, unhealthy)
         self.joined = False          # no more polls: this node is no member until it joins again
         self._cancel(PollRequest)
+        self._cancel_prompt()
 
     @contextlib.asynccontextmanager
     async def lease_kept(self, interval: float) -> AsyncIterator[None]:
@@ -107,6 +112,11 @@ class ServerLink:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         self._tasks.clear()
+
+    def _cancel_prompt(self) -> None:
+        if self._prompt is not None:
+            self._prompt.cancel()
+            self._prompt = None
 
     def _cancel(self, request: Request) -> None:
         task = self._tasks.pop(request, None)

@@ -199,3 +199,23 @@ async def test_a_request_refused_for_the_secret_still_held_is_a_takeover() -> No
     with pytest.raises(ServerRejected):
         await client.report_success(3)
     assert len(client.sent) == 1
+
+
+async def test_prompt_polls_go_one_at_a_time_each_try_with_the_news_then(link) -> None:
+    """poll_now (a snapshot's digests, a check passed): while one is unanswered (the server unreachable), more
+    calls start no other; each of its tries asks for the news as they are then. Once answered, a new one goes."""
+    sl, client, facts = link
+    sl.rejoin()
+    assert isinstance(await next_fact(facts), StatusReceived)
+    answer = asyncio.Event()
+    client.script["poll"] = [ServerUnreachable("refused"), answer]
+    sl.poll_now()
+    assert await next_fact(facts) == ServerNotReached(PollRequest, "refused")
+    for _ in range(5):
+        sl.poll_now()                    # the one trying carries these
+    assert await client.until_sent(3) == ["join", "poll", "poll"]
+    answer.set()
+    assert isinstance(await next_fact(facts), StatusReceived)
+    assert [a for a, _ in client.sent].count("poll") == 2
+    sl.poll_now()
+    assert (await client.until_sent(5))[-1] == "poll"
