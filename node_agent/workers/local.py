@@ -183,7 +183,7 @@ class LocalWorkers:
         starting, self._starting = self._starting, None
         if group is not None:
             await group.stop(signum)   # also ends a start still waiting for the zygote
-            self._stopped_at = time.time()
+            self._workers_gone()
             if starting is not None:   # its failure, if any, reached the loop already (start_source)
                 await asyncio.wait([starting])
             stuck = list(group.stuck_pids)
@@ -221,7 +221,7 @@ class LocalWorkers:
 
     async def _watch_exits(self, group: Group, round_id: int) -> None:
         exits = await group.wait()
-        self._stopped_at = time.time()
+        self._workers_gone()
         first = group.launches[0].rank if group.launches else 0
         host, node = self._hostname, self.opts.node_id
         failures = tuple(store_failure(e, rank=first, host=host, node_id=node) if e.local_rank == STORE_RANK
@@ -236,6 +236,13 @@ class LocalWorkers:
                 if task is not asyncio.current_task():
                     task.cancel()
         self._put(WorkersExited(round_id, failures))
+
+    def _workers_gone(self) -> None:
+        """The round's workers are all gone: when (the next restart's anatomy), and their records' last word
+        read before the next round's files replace them (its last step: where that restart begins)."""
+        self._stopped_at = time.time()
+        if self.steps is not None:
+            self.steps.look()
 
     def _step_watch(self, group: Group, round_id: int) -> StepWatch | None:
         """The round's step watch, over the workers that have a probe (none: --no-python)."""
