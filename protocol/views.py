@@ -80,6 +80,7 @@ class ProgressView(msgspec.Struct, kw_only=True):
     stall: str | None = None
     stall_kind: str | None = None            # alone (a rank at work while the others wait) or moving
     costs: list[RestartCostView] = msgspec.field(default_factory=list)   # the latest restarts, oldest first
+    alike_step: int | None = None            # the newest snapshot step every replica held alike (None: not compared)
 
 
 class JobView(msgspec.Struct, kw_only=True):

@@ -165,6 +165,8 @@ def _progress(p: ProgressView, live: bool) -> list[str]:
         out.append(f"restarting {duration(p.restarting_for_s)} lost so far")
     if p.slow_nodes:
         out.append(f"slow       {_visible(', '.join(p.slow_nodes))}")
+    if p.alike_step is not None:
+        out.append(f"replicas   alike at step {p.alike_step:,} (the newest snapshot compared)")
     if p.stall and live:
         out.append(f"stall      {_visible(p.stall)}")
     return out

@@ -13,6 +13,7 @@ optimizers do not exist yet: Lightning's own load checks them). The
 hyper-parameters are not kept (Lightning needs them to build a model from a file, not to resume one)."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as pl
@@ -40,7 +41,7 @@ class Snapshots(Callback):
         where = resume.memory_directory()
         if where is None:
             return
-        self._capture = Capture(where, self.keep)
+        self._capture = Capture(where, self.keep, _replicated(trainer, pl_module))
         found = resume.agree(where, lambda tree: trees.mismatch(tree.get("state_dict"), pl_module.state_dict(),
                                                                 "state_dict"))
         if found is not None:       # what fit(ckpt_path=...) would have read; a path given to fit replaces it
@@ -78,3 +79,13 @@ class Snapshots(Callback):
     def _checkpoint(trainer: pl.Trainer) -> dict[str, Any]:
         checkpoint: dict[str, Any] = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
         return {k: v for k, v in checkpoint.items() if k not in NOT_KEPT}
+
+
+def _replicated(trainer: pl.Trainer, pl_module: pl.LightningModule) -> Callable[[str], bool] | None:
+    """Under the DDP strategy every rank holds the module's parameters alike: their digests go to the server,
+    which compares the replicas (rdzv_server/core/divergence.py). Other strategies: none is compared."""
+    from lightning.pytorch.strategies import DDPStrategy
+    if not isinstance(trainer.strategy, DDPStrategy):
+        return None
+    names = {f"/state_dict/{name}" for name, _ in pl_module.named_parameters()}
+    return names.__contains__

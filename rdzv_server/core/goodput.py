@@ -53,6 +53,7 @@ class JobProgress(msgspec.Struct, kw_only=True, omit_defaults=True):
     rate_every_s: float = RATE_EVERY_S
     rates: dict[str, float] = msgspec.field(default_factory=dict)    # each node's steps per second lately
     slow: list[str] = msgspec.field(default_factory=list)            # nodes named slow now (slow.py)
+    alike_step: int = -1       # the newest snapshot step every replica held alike (divergence.py; -1: none)
 
     @property
     def steps(self) -> int:

@@ -133,7 +133,8 @@ def progress(job: JobRecord, now: float) -> ProgressView:
         stall=line, stall_kind=kind,
         costs=[RestartCostView(round_id=c.round_id, cause=c.cause, redone=c.redone if c.redone >= 0 else None,
                                cost_s=_seconds(c.cost_s) if c.stepped_at else None, anatomy=c.anatomy,
-                               anatomy_node=c.anatomy_node or None) for c in p.costs])
+                               anatomy_node=c.anatomy_node or None) for c in p.costs],
+        alike_step=p.alike_step if p.alike_step >= 0 else None)
 
 
 def rate_points(p: JobProgress) -> list[tuple[str, float]]:

@@ -11,9 +11,12 @@ from protocol.messages import (
     ProgressNote,
     RankDigest,
 )
+from rdzv_ctl import tables as ctl
 from rdzv_server.core import divergence
 from rdzv_server.core.rendezvous import Rendezvous
 from rdzv_server.core.requests import Arrival
+from rdzv_server.web import views
+from rdzv_server.web.page import render as page
 
 T = 1_700_000_000.0
 CFG = JobConfig(min_nodes=3, max_nodes=3, max_restarts=5, last_call_s=0.0, lease_timeout_s=10_000.0)
@@ -74,3 +77,20 @@ def test_a_rank_whose_parameters_differ_fails_the_round_and_the_next_resumes_fro
     assert job.root_cause is not None and job.root_cause.reason == "diverged"
     assert {poll(rz, n, T + 20).assignment.resume_at_most for n in job.round.members} == {5}
     assert job.resume_at_most == -1                                # told to that round only
+
+
+def test_the_newest_step_all_held_alike_is_shown() -> None:
+    rz = Rendezvous()
+    for node in ("a", "b", "c"):
+        join(rz, node, T)
+    offsets = {n: poll(rz, n, T + 2).assignment.rank_offset for n in ("a", "b", "c")}
+    job = rz.jobs["j"]
+    for n, at in offsets.items():
+        note = ProgressNote(round_id=job.round.round_id, steps=5, first_step_at=T + 3, last_step_at=T + 5,
+                            digests=told(5, {at: 7, at + 1: 7}))
+        rz.handle("j", PollRequest(v=1, node_id=n, credential=f"secret-{n}", known_round=-1, wait_s=0.0,
+                                   progress=note), T + 6)
+    detail = views.job_detail(job, T + 7)
+    assert detail.progress.alike_step == 5
+    assert "replicas   alike at step 5 (the newest snapshot compared)" in ctl.format_job(detail).splitlines()
+    assert 'data-alike="1"' in (page.job_page(rz, "j", T + 7) or "")

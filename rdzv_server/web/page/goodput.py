@@ -42,6 +42,9 @@ def goodput_line(job: JobView) -> str:
                                                        if p.restarts else ""))]
     if p.redone or any(c.redone is not None for c in p.costs):
         stats.append(stat("steps redone", f"{p.redone:,}"))
+    if p.alike_step is not None:
+        stats.append(stat("replicas alike", f"step {p.alike_step:,}", ' data-alike="1" title="the newest snapshot '
+                                                                     'step every replica held alike, bit for bit"'))
     if p.restarting_for_s is not None:
         stats.append(stat("restarting", f'<span class="warn-text">{age(p.restarting_for_s)} lost so far</span>',
                           ' data-restarting="1"'))
