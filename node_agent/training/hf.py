@@ -54,7 +54,8 @@ class Snapshots(TrainerCallback):
         check_cadence("protect_trainer", every, keep)
         self.trainer, self.every = trainer, every
         where = resume.memory_directory()
-        self._capture = Capture(where, keep) if where is not None else None
+        self._capture = Capture(where, keep, self._replicated) if where is not None else None
+        self._params: set[str] | None = None
         self._last = -1
         self._folder: str | None = None
 
@@ -110,6 +111,15 @@ class Snapshots(TrainerCallback):
                      **kwargs: Any) -> None:
         if self._capture is not None:
             self._capture.wait()
+
+    def _replicated(self, path: str) -> bool:
+        """Under DDP (several processes, neither FSDP nor DeepSpeed) every rank holds the model's parameters
+        alike: their digests go to the server, which compares the replicas (rdzv_server/core/divergence.py)."""
+        if self._params is None:
+            args, model = self.trainer.args, self.trainer.model
+            ddp = args.world_size > 1 and not args.fsdp and not args.deepspeed and model is not None
+            self._params = {f"/model/{name}" for name, _ in model.named_parameters()} if ddp and model else set()
+        return path in self._params
 
     def _tree(self, trainer_state: TrainerState) -> dict[str, Any]:
         """What the Trainer's own checkpoint holds (its `_save_checkpoint`), as one tree."""
