@@ -83,6 +83,12 @@ def main() -> int:
             ranks = f"{n['rank_offset']}..{n['rank_offset'] + n['local_world_size'] - 1}"
             print(f"  {n['node_id']}: group rank {n['group_rank']}, global ranks {ranks}, addr {n['addr']}")
         print(f"agent exit codes: {codes}")
+        for cost in job["progress"].get("costs", []):     # where the crash's restart took its time
+            if cost.get("anatomy"):
+                phases = ", ".join(f"{k.replace('_', ' ')} {v:.2f}s" for k, v in cost["anatomy"].items()
+                                   if k != "rank" and v >= 0.005)
+                print(f"restart of round {cost['round_id']}: {cost['cost_s']:.2f}s from the crash to stepping again "
+                      f"({phases}; on {cost['anatomy_node']})")
         banner(f"rdzv-ctl status (the status page was at http://127.0.0.1:{port}/, metrics at /metrics)")
         subprocess.run([PY, "-m", "rdzv_ctl.cli", "--endpoint", f"127.0.0.1:{port}", "status"], env=env,
                        timeout=30)
