@@ -124,7 +124,7 @@ class Capture:
         if bound is not None and room.kept + size > bound:
             raise snapshot.full_error(step, self.where, bound, room)
         tmp = snapshot.path(step, self.where) + ".tmp"
-        _remove(tmp)
+        snapshot.remove(tmp)
         again: _Slab | None = None
         for old in room.dropped:
             name = snapshot.path(old, self.where)
@@ -133,7 +133,7 @@ class Capture:
                 os.rename(name, tmp)      # before a byte changes: a reader of `name` sees it go
                 again = slab
             else:
-                _remove(name)
+                snapshot.remove(name)
         alive = {_inode(snapshot.path(s, self.where)) for s in snapshot.steps(self.where)}
         self._keep_slabs(lambda s: s.ino in alive or s is again)
         if again is not None and again.size == size:
@@ -145,7 +145,7 @@ class Capture:
             slab = _Slab(fd, os.fstat(fd).st_ino, size, torch.frombuffer(mmap.mmap(fd, size), dtype=torch.uint8))
         except OSError as exc:
             os.close(fd)
-            _remove(tmp)
+            snapshot.remove(tmp)
             if exc.errno == errno.ENOSPC:
                 raise snapshot.full_error(step, self.where, None, room) from exc
             raise
@@ -204,7 +204,7 @@ class Capture:
                 heartbeat.digest(p.step, layout.digest_of([s for s, alike in zip(sums, p.replicated, strict=True)
                                                            if alike]))
         except Exception as exc:  # noqa: BLE001  (a thread's failure must reach the user, once, not end the training)
-            _remove(tmp)
+            snapshot.remove(tmp)
             self._keep_slabs(lambda s: s is not p.slab)
             self._failed(p.step, exc)
 
@@ -229,7 +229,3 @@ def _inode(name: str) -> int:
     except OSError:
         return -1
 
-
-def _remove(name: str) -> None:
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(name)

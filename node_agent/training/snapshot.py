@@ -28,7 +28,7 @@ from typing import BinaryIO
 from node_agent.training import heartbeat
 
 __all__ = ["COPY_WAIT_S", "DIR_VAR", "FETCHING", "LIMIT_VAR", "MemoryDirFull", "Writer", "agreed_step", "directory",
-           "full_error", "Room", "limit", "make_room", "newest", "path", "save", "steps"]
+           "full_error", "Room", "forget_after", "limit", "make_room", "newest", "path", "remove", "save", "steps"]
 
 DIR_VAR = "NODE_AGENT_MEMORY_DIR"
 FETCHING = ".fetching"    # the agent is fetching this rank's copy from a peer (node_agent/copies.py)
@@ -92,11 +92,11 @@ def agreed_step(reduce_min: Callable[[int], int], where: str | None = None,
         held = [s for s in steps(where) if below is None or s < below] if where is not None else []
         step = reduce_min(held[-1] if held else -1)
         if step < 0:
-            _forget_after(-1, where)      # the job goes back to disk: these steps are not its future
+            forget_after(-1, where)      # the job goes back to disk: these steps are not its future
             return None
         ok = where is not None and os.path.exists(path(step, where)) and (accept is None or accept(step))
         if reduce_min(1 if ok else 0) == 1:
-            _forget_after(step, where)
+            forget_after(step, where)
             heartbeat.resumed(step)       # the agent's probe: steps redone after this restore
             return step
         below = step
@@ -116,14 +116,18 @@ def _forget_unfinished(where: str) -> None:
     """Remove the half-written files of a writer that died (a worker killed mid-save): nothing else ever would."""
     for name in os.listdir(where):
         if name.endswith(".tmp") and _NAME.fullmatch(name[:-4]):
-            _remove(os.path.join(where, name))
+            remove(os.path.join(where, name))
 
 
-def _forget_after(step: int, where: str | None) -> None:
+def forget_after(step: int, where: str | None) -> list[int]:
     """Remove this rank's snapshots newer than the step the job resumes from: they belong to a run of steps the
-    job abandoned, and `save` keeps the newest, so they would outlive the new ones (and be copied to peers)."""
-    for later in (s for s in steps(where) if s > step) if where is not None else ():
-        _remove(path(later, where))
+    job abandoned, and `save` keeps the newest, so they would outlive the new ones (and be copied to peers).
+    The agent does it too, before the workers start, when the server says replicas diverged after `step`.
+    Returns the steps removed."""
+    later = [s for s in steps(where) if s > step] if where is not None else []
+    for s in later:
+        remove(path(s, where))
+    return later
 
 
 class _Bounded:
@@ -169,7 +173,7 @@ def save(data: bytes | Writer, step: int, *, where: str | None = None, keep: int
     bound = max_bytes if max_bytes is not None else limit()
     made = make_room(step, where, keep)
     for old in made.dropped:
-        _remove(path(old, where))
+        remove(path(old, where))
     room = None if bound is None else bound - made.kept
     final = path(step, where)
     tmp = final + ".tmp"
@@ -186,7 +190,7 @@ def save(data: bytes | Writer, step: int, *, where: str | None = None, keep: int
         if out.full:   # the writer swallowed the refusal
             raise MemoryDirFull("full")
     except Exception as exc:
-        _remove(tmp)
+        remove(tmp)
         full = (out is not None and out.full) or isinstance(exc, MemoryDirFull)
         if full or (isinstance(exc, OSError) and exc.errno == errno.ENOSPC):   # or /dev/shm itself is full
             raise full_error(step, where, bound, made) from exc
@@ -228,6 +232,7 @@ def _size(p: str) -> int:
         return 0
 
 
-def _remove(p: str) -> None:
+def remove(p: str) -> None:
+    """Unlink `p`; gone already is fine."""
     with contextlib.suppress(FileNotFoundError):
         os.unlink(p)

@@ -253,10 +253,4 @@ def _write(path: str, text: str) -> None:
 def forget_after(step: int, dirs: dict[int, str]) -> list[int]:
     """Remove the snapshots newer than `step` from these ranks' directories (the server says the replicas
     diverged after it: Assignment.resume_at_most); the steps removed, for the agent to say."""
-    gone: set[int] = set()
-    for where in dirs.values():
-        for later in (s for s in snapshot.steps(where) if s > step):
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(snapshot.path(later, where))
-            gone.add(later)
-    return sorted(gone)
+    return sorted({s for where in dirs.values() for s in snapshot.forget_after(step, where)})
