@@ -177,6 +177,9 @@ class ProgressNote(msgspec.Struct, kw_only=True, frozen=True, gc=False):
     window_s: Seconds = 0.0
     window_steps: Count = 0
     demand: Annotated[float, Meta(ge=0, le=1.0)] = 0.0
+    # ... and the share of its counted steps' time its ranks waited on the others inside a backward pass or a
+    # collective (-1: not measured): what the server compares when every node has it (rdzv_server/core/slow.py)
+    waited: Annotated[float, Meta(ge=-1.0, le=1.0)] = -1.0
     resumed_step: Annotated[int, Meta(ge=-1, le=MAX_ROUND)] = -1   # the step node_agent.snapshot resumed from
     anatomy: RestartAnatomy | None = None     # where this round's restart took its time here (once all stepped)
     # protect's, under DDP: each rank's newest few (node_agent/training/probe.py's DIGESTS)

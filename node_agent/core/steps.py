@@ -54,6 +54,8 @@ class ProbeRecord:
     resumed_step: int = -1
     milestones: dict[str, float] = field(default_factory=dict)   # probe.MILESTONES noted (unix times)
     digests: tuple[tuple[int, int], ...] = ()   # (step, digest) of its newest snapshots' replicated tensors
+    pace: tuple[int, float, float] = (0, 0.0, 0.0)   # steps counted for the pace, their time, the time waited
+    waits_measured: bool = False                    # the probe timed a wait on the others (backward, collective)
 
 
 @dataclass
@@ -61,6 +63,7 @@ class RankSteps:
     record: ProbeRecord | None = None
     proc: ProcSample | None = None           # the latest look
     window_proc: ProcSample | None = None    # the look the demand window started at
+    window_pace: tuple[int, float, float] | None = None   # the record's pace when the window started
     exited: int | None = None                # its exit code, once it ended
     looked_at: float = 0.0                   # the unix time of the latest look that read its record
 
@@ -97,6 +100,8 @@ class RoundSteps:
                     self.intervals.extend([gap] * min(steps, STEP_WEIGHT))
             rank.record = record
             rank.looked_at = wall
+            if rank.window_pace is None:
+                rank.window_pace = record.pace
         rank.proc = proc
         if rank.window_proc is None:
             rank.window_proc = proc
@@ -138,6 +143,7 @@ class RoundSteps:
             last_step_at=max((r.last_at for r in stepped), default=0.0),
             step_s=round(self.step_s(), 6), window_s=round(window_s, 3) if closes else 0.0,
             window_steps=window_steps if closes else 0, demand=round(self._demand(window_s), 3) if closes else 0.0,
+            waited=round(self._waited(), 3) if closes else -1.0,
             resumed_step=max((r.resumed_step for r in records), default=-1), anatomy=self.anatomy(),
             digests=[RankDigest(rank=self.global_ranks.get(lr, lr), step=step, digest=value)
                      for lr, r in sorted(self.ranks.items()) if r.record is not None
@@ -146,6 +152,7 @@ class RoundSteps:
             self.window_started, self.window_steps_from = now, steps
             for r in self.ranks.values():
                 r.window_proc = r.proc
+                r.window_pace = r.record.pace if r.record is not None else None
         return note
 
     def anatomy(self) -> RestartAnatomy | None:
@@ -180,3 +187,18 @@ class RoundSteps:
             used = (b.cpu_s - a.cpu_s) + (b.run_delay_s - a.run_delay_s)
             shares.append(min(1.0, max(0.0, used / window_s)))
         return sum(shares) / len(shares) if shares else 0.0
+
+    def _waited(self) -> float:
+        """Of the time of the window's counted steps (probe.py: outliers left out), the share its running ranks
+        waited on the others (-1: not measured: no rank timed a wait, or fewer than PACE_MIN_STEPS counted)."""
+        steps, took, waited, measured = 0, 0.0, 0.0, False
+        for r in self.ranks.values():
+            if r.record is None or r.window_pace is None or r.exited is not None:
+                continue
+            measured |= r.record.waits_measured
+            (s0, t0, w0), (s1, t1, w1) = r.window_pace, r.record.pace
+            if s1 >= s0:        # (fewer: another process's record)
+                steps, took, waited = steps + s1 - s0, took + t1 - t0, waited + w1 - w0
+        if not measured or steps < PACE_MIN_STEPS or took <= 0:
+            return -1.0
+        return min(1.0, max(0.0, waited / took))

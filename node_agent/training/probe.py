@@ -28,7 +28,7 @@ NAME = "node_agent_probe"
 # Its loader: boot/sitecustomize.py, run at the start-up of an interpreter whose PYTHONPATH begins with BOOT_DIR
 # (a cold worker, the warm zygote). It loads this file by path, so a worker imports nothing else of ours.
 BOOT_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "boot")
-MAGIC, VERSION = 0x4E505247, 2
+MAGIC, VERSION = 0x4E505247, 3
 # magic, version, seq (odd while a step is written), steps, first and last step (unix time), pid, flags, the
 # main thread's id (as faulthandler prints it), the step node_agent.snapshot resumed from (-1: none)
 RECORD = struct.Struct("<IIQQddIIQq")
@@ -45,13 +45,29 @@ DIGEST = struct.Struct("<qQ")
 DIGESTS = 4
 DIGEST_AT = TIMES_AT + TIMES.size     # 120
 STEP_OF = struct.Struct("<q")
-SIZE = DIGEST_AT + DIGESTS * DIGEST.size     # 184
+# Then the worker's pace, for who the job waits on (rdzv_server/core/slow.py): the steps counted, their time and
+# how long of it the main thread was blocked inside a backward pass or a collective (waiting on the other ranks;
+# a rank the others wait on waits least, whether it computes, sleeps or reads more). Written with the step.
+PACE = struct.Struct("<Qdd")
+PACE_AT = DIGEST_AT + DIGESTS * DIGEST.size      # 184
+SIZE = PACE_AT + PACE.size     # 208
 SEQ = struct.Struct("<Q")
 STEP = struct.Struct("<Qdd")          # steps, first, last: written between two seq updates
 FLAG = struct.Struct("<I")
 RESUMED = struct.Struct("<q")
 SEQ_AT, STEP_AT, FLAGS_AT, RESUMED_AT = 8, 16, 44, 56
-HOOKED, BEATEN, STACKS = 1, 2, 4      # flags: an optimizer hook counts; beat() was called; stacks answer
+# flags: an optimizer hook counts; beat() was called; stacks answer; a wait on the others was measured
+HOOKED, BEATEN, STACKS, SYNCED = 1, 2, 4, 8
+# A step over OUTLIER x the typical one (an evaluation, a rank's solo work, a pause) is left out of the pace: it
+# says nothing of the node's speed. The typical step follows the counted ones (an exponential mean).
+OUTLIER = 4.0
+TYPICAL_WEIGHT = 0.1
+# What a rank waits in for the others: backward (DDP's all-reduce ends there) and the blocking collectives.
+SYNC_CALLS = {"torch.autograd": ("backward",),
+              "torch.distributed.distributed_c10d": (
+                  "all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor",
+                  "broadcast", "reduce", "barrier", "all_to_all", "all_to_all_single", "gather", "scatter",
+                  "all_gather_object", "broadcast_object_list")}
 OPTIMIZER_MODULE = "torch.optim.optimizer"
 
 
@@ -78,6 +94,8 @@ class Record:
         self.digests = 0
         self.marked: set[str] = set()
         self.mark("started")
+        self.pace = Pace()
+        PACE.pack_into(self.map, PACE_AT, 0, 0.0, 0.0)
 
     def mark(self, milestone: str) -> None:
         """The worker reached `milestone` now (the first time only)."""
@@ -90,9 +108,11 @@ class Record:
         if not self.steps:
             self.first = now
         self.steps += 1
+        self.pace.stepped(now)
         seq = self.seq
         SEQ.pack_into(self.map, SEQ_AT, seq + 1)
         STEP.pack_into(self.map, STEP_AT, self.steps, self.first, now)
+        PACE.pack_into(self.map, PACE_AT, self.pace.steps, self.pace.took_s, self.pace.waited_s)
         SEQ.pack_into(self.map, SEQ_AT, seq + 2)
         self.seq = seq + 2
 
@@ -101,7 +121,63 @@ class Record:
         FLAG.pack_into(self.map, FLAGS_AT, self.flags)
 
 
+class Pace:
+    """The steps counted for the pace, their time and the time waited in them (OUTLIER: which count)."""
+
+    def __init__(self) -> None:
+        self.steps, self.took_s, self.waited_s = 0, 0.0, 0.0
+        self.waiting = 0.0          # blocked since the last step
+        self.last_at = 0.0
+        self.typical = 0.0
+
+    def stepped(self, now: float) -> None:
+        waited, self.waiting = self.waiting, 0.0
+        if self.last_at:
+            took = max(0.0, now - self.last_at)
+            self.typical = self.typical or took
+            if took <= OUTLIER * self.typical:
+                self.steps += 1
+                self.took_s += took
+                self.waited_s += min(waited, took)
+            self.typical += TYPICAL_WEIGHT * (min(took, OUTLIER * self.typical) - self.typical)
+        self.last_at = now
+
+
+class Blocked:
+    """The main thread's time blocked in a call: wall time less its CPU time and its wait for a CPU (a busy
+    machine's run queue is no wait on the others). Calls from other threads, or inside one, are not timed."""
+
+    def __init__(self) -> None:
+        self.main = threading.main_thread().ident
+        self.depth = 0
+        try:
+            self.fd = os.open(f"/proc/self/task/{threading.get_native_id()}/schedstat", os.O_RDONLY)
+        except OSError:
+            self.fd = -1
+
+    def run_delay(self) -> float:
+        try:
+            return int(os.pread(self.fd, 128, 0).split()[1]) / 1e9 if self.fd >= 0 else 0.0
+        except (OSError, ValueError, IndexError):
+            return 0.0
+
+    def call(self, call: Any, args: Any, kwargs: Any) -> Any:
+        if _record is None or self.depth or threading.get_ident() != self.main:
+            return call(*args, **kwargs)
+        self.depth += 1
+        wall, cpu, delay = time.perf_counter(), time.thread_time(), self.run_delay()
+        try:
+            return call(*args, **kwargs)
+        finally:
+            self.depth -= 1
+            blocked = time.perf_counter() - wall - (time.thread_time() - cpu) - (self.run_delay() - delay)
+            _record.pace.waiting += max(0.0, blocked)
+            if not _record.flags & SYNCED:
+                _record.flag(SYNCED)
+
+
 _record: Record | None = None
+_blocked: Blocked | None = None
 _stacks: Any = None        # the open stacks file: faulthandler writes to it from C, so it stays open
 
 
@@ -174,9 +250,27 @@ def _timed(module: Any, name: str, phase: str) -> None:
     setattr(module, name, timed)
 
 
+def _synced(module: Any) -> None:
+    """SYNC_CALLS[module] time the main thread's blocked time in them (and in torch.distributed's copies)."""
+    dist = sys.modules.get("torch.distributed") if module.__name__.startswith("torch.distributed.") else None
+    for name in SYNC_CALLS[module.__name__]:
+        call = getattr(module, name, None)
+        if call is None or getattr(call, "_node_agent_synced", False):
+            continue
+
+        def synced(*args: Any, _call: Any = call, **kwargs: Any) -> Any:
+            return _blocked.call(_call, args, kwargs) if _blocked is not None else _call(*args, **kwargs)
+        functools.update_wrapper(synced, call)
+        synced._node_agent_synced = True  # type: ignore[attr-defined]
+        setattr(module, name, synced)
+        if dist is not None and getattr(dist, name, None) is call:
+            setattr(dist, name, synced)
+
+
 def _hook_group(module: Any) -> None:
     """init_process_group: in torch.distributed too when it is imported already (a warm worker's fork)."""
     _timed(module, "init_process_group", "group")
+    _synced(module)
     dist, timed = sys.modules.get("torch.distributed"), getattr(module, "init_process_group", None)
     if dist is not None and timed is not None and getattr(dist, "init_process_group", None) is not timed:
         setattr(dist, "init_process_group", timed)   # noqa: B010  (a module of torch: mypy knows no attribute)
@@ -188,7 +282,8 @@ def _hook_cuda(module: Any) -> None:
         _timed(module, "_lazy_init", "cuda")
 
 
-HOOKS = {OPTIMIZER_MODULE: _hook, "torch.distributed.distributed_c10d": _hook_group, "torch.cuda": _hook_cuda}
+HOOKS = {OPTIMIZER_MODULE: _hook, "torch.distributed.distributed_c10d": _hook_group, "torch.cuda": _hook_cuda,
+         "torch.autograd": _synced}
 
 
 class _HookOnImport(importlib.abc.MetaPathFinder):
@@ -226,7 +321,7 @@ def booted(env: dict[str, str]) -> dict[str, str]:
 def install(environ: Any = os.environ) -> bool:
     """Count steps and answer for stacks as `NODE_AGENT_PROGRESS` says (taking it out); False without it.
     Never raises: a probe that cannot start leaves the worker as it was."""
-    global _record, _stacks
+    global _record, _stacks, _blocked
     parts = environ.pop(ENV, "").split(";")
     if len(parts) != 3 or _record is not None:
         return False
@@ -235,6 +330,7 @@ def install(environ: Any = os.environ) -> bool:
         _record = Record(record_path)
     except (OSError, ValueError):
         return False
+    _blocked = Blocked()
     try:
         _stacks = open(stacks_path, "a")  # noqa: SIM115 - faulthandler needs it open for the worker's life
         faulthandler.register(int(signum), file=_stacks, all_threads=True, chain=False)

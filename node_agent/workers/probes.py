@@ -106,10 +106,13 @@ class RecordReader:
             raise BadRecord(f"magic {magic:#x} version {version}")
         for _ in range(8):      # a step being written: read again (a few microseconds)
             fields = probe.RECORD.unpack_from(self._map, 0)
+            pace = probe.PACE.unpack_from(self._map, probe.PACE_AT)
             seq = fields[2]
             if seq & 1 or probe.SEQ.unpack_from(self._map, probe.SEQ_AT)[0] != seq:
                 continue
             record = _checked(fields, pid, wall_now)
+            if record is not None and _pace_fits(pace):
+                record = dataclasses.replace(record, pace=(int(pace[0]), float(pace[1]), float(pace[2])))
             if record is not None:
                 record.milestones.update(_milestones(probe.TIMES.unpack_from(self._map, probe.TIMES_AT), wall_now))
                 record = dataclasses.replace(record, digests=self._digests())
@@ -139,7 +142,14 @@ def _checked(fields: tuple[int | float, ...], pid: int | None, wall_now: float) 
     if not all(math.isfinite(t) for t in (first, last)) or (steps and not 0 < first <= last <= wall_now + 60):
         raise BadRecord(f"step times {first!r}..{last!r}")
     return ProbeRecord(steps=int(steps), first_at=float(first), last_at=float(last), pid=int(rec_pid),
-                       flags=int(flags), main_thread=int(main_thread), resumed_step=int(resumed))
+                       flags=int(flags), main_thread=int(main_thread), resumed_step=int(resumed),
+                       waits_measured=bool(int(flags) & probe.SYNCED))
+
+
+def _pace_fits(pace: tuple[int, float, float]) -> bool:
+    """Counted steps, their time and the time waited in them: a wait longer than the time is no pace."""
+    steps, took, waited = pace
+    return math.isfinite(took) and math.isfinite(waited) and 0 <= waited <= took and (steps > 0 or took == 0)
 
 
 def read_proc(pid: int) -> ProcSample | None:

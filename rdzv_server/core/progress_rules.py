@@ -20,7 +20,7 @@ from rdzv_server.core.job_rules import JobRules
 from rdzv_server.core.payloads import HangDetected, RankWas, StallSeen
 from rdzv_server.core.records import JobRecord, NodeRecord
 from rdzv_server.core.rounds import assignment
-from rdzv_server.core.slow import SLOW_GAP, SLOW_NOTES, SLOW_STEPS, NodePace, Paces
+from rdzv_server.core.slow import DEMAND_GAP, SLOW_GAP, SLOW_NOTES, SLOW_STEPS, NodePace, Paces
 
 
 @dataclass
@@ -63,8 +63,10 @@ def noted(rules: JobRules, live: LiveRound, node_id: str, note: ProgressNote | N
         rules.record(now, EventKind.NODE_PACE_OK, f"node {node_id} keeps pace again", node_id, job.round.round_id)
         rules.node_changed(node_id)
         return
-    why = (f"node {node_id} is slow: the other nodes wait {pace.gap:.0%} more of each step than it does "
-           f"(at least {SLOW_GAP:.0%}, over {SLOW_STEPS}+ steps and {SLOW_NOTES} notes)")
+    how = "on it in backward and collectives" if pace.measured else "by CPU demand"
+    why = (f"node {node_id} is slow: the other nodes wait {pace.gap:.0%} more of each step than it does, {how} "
+           f"(at least {SLOW_GAP if pace.measured else DEMAND_GAP:.0%}, over {SLOW_STEPS}+ steps and "
+           f"{SLOW_NOTES} notes)")
     rules.record(now, EventKind.NODE_SLOW, why, node_id, job.round.round_id)
     rules.node_changed(node_id)
     if job.config.replace_slow_nodes and job.spares and node_id not in job.drained:

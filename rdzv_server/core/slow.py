@@ -1,9 +1,13 @@
 """Slow nodes: in a job whose ranks step together, everyone waits on the slowest node, and the slowest node waits
-on nobody. Each note says how much of its window a node's ranks ran or waited for a CPU (`demand`); the rest they
-waited on the others. A node holds the job back when the other nodes wait SLOW_GAP more of their time than it
-does, over SLOW_STEPS steps and SLOW_NOTES notes in a row; it is named slow then, and cleared after as many
-below CLEAR_GAP.
-Pure; memory only (a server that takes over measures again).
+on nobody. Each note says how much of its window's steps a node's ranks waited on the others (`waited`: blocked
+in a backward pass or a collective, whatever made the slow node slow: compute, I/O, a data loader, sleep); a
+node holds the job back when the other nodes wait SLOW_GAP more of their time than it does, and at least
+FLOOR_S more per step, over SLOW_STEPS steps and SLOW_NOTES notes in a row; it is named slow then, and cleared
+after as many below CLEAR_GAP. Steps far longer than the node's typical one (an evaluation, a rank's solo work)
+are not in the measure (the probe leaves them out), so they name nobody.
+A job whose nodes measure no wait (no backward, no collective timed: a `beat()` loop) is compared by its ranks'
+CPU demand instead (`demand`: the rest of the window they waited), against DEMAND_GAP; a node is compared only
+with nodes measured the same way. Pure; memory only (a server that takes over measures again).
 
 What it cannot see: time on a GPU. With NCCL the CPU waits for kernels the same way whether the GPU computes
 or waits on a peer, so on GPU nodes it names only nodes slow on their CPU side (data loading, Python).
@@ -15,10 +19,12 @@ from dataclasses import dataclass, field
 
 from protocol.messages import PACE_MIN_STEPS, ProgressNote
 
-SLOW_GAP = 0.2          # named: the others wait this much more of each step than the node does ...
-CLEAR_GAP = 0.1         # ... and cleared below this (a pace near the line does not flap)
-SLOW_STEPS = 10         # ... over this many steps in a row
-SLOW_NOTES = 2          # ... and this many notes (one note's window may hold a phase the others' do not)
+SLOW_GAP = 0.1          # named: the others wait this much more of each step than the node does ...
+CLEAR_GAP = 0.05        # ... and cleared below this (a pace near the line does not flap)
+FLOOR_S = 0.005         # ... and at least this much more per step (a millisecond step's jitter is no pace)
+DEMAND_GAP, DEMAND_CLEAR_GAP = 0.2, 0.1    # the same by CPU demand: a coarser measure (a sleep looks like a wait)
+SLOW_STEPS = 20         # ... over this many steps in a row (+-30 % per-step jitter on every rank names nobody)
+SLOW_NOTES = 3          # ... and this many notes (one note's window may hold a phase the others' do not)
 NOTE_FRESH_S = 10.0     # a node's last note counts this long (older: another phase of the job)
 EXACT_UP_TO = 32        # nodes; in a larger job the others' median is the job's, taken at most every MEDIAN_EVERY_S
 MEDIAN_EVERY_S = 1.0    # (one node moves it little; a note per node per lease / 3 must not cost O(nodes))
@@ -26,7 +32,8 @@ MEDIAN_EVERY_S = 1.0    # (one node moves it little; a note per node per lease /
 
 @dataclass
 class NodePace:
-    demand: float = 0.0
+    wait: float = 0.0        # the share of its window it waited on the others, ...
+    measured: bool = False   # ... as measured (`waited`), or as the rest of its CPU demand
     at: float = 0.0
     streak: int = 0          # steps in a row on the other side of the line than `slow` says
     notes: int = 0           # ... and notes
@@ -46,12 +53,16 @@ class Paces:
         if n.window_s <= 0 or n.window_steps < PACE_MIN_STEPS:
             return None
         pace = self.nodes.setdefault(node_id, NodePace())
-        pace.demand, pace.at = n.demand, now
-        others = self._others(node_id, now)
+        if n.waited < 0 and pace.measured:
+            return None         # a window with too few steps of the usual kind (solo work): no measure
+        pace.wait, pace.measured = (n.waited, True) if n.waited >= 0 else (1 - n.demand, False)
+        pace.at = now
+        others = self._others(node_id, pace.measured, now)
         if others is None:
             return None
-        pace.gap = (1 - others) - (1 - pace.demand)
-        holds_back = pace.gap >= (CLEAR_GAP if pace.slow else SLOW_GAP)
+        pace.gap = others - pace.wait
+        line = (CLEAR_GAP, SLOW_GAP) if pace.measured else (DEMAND_CLEAR_GAP, DEMAND_GAP)
+        holds_back = pace.gap >= line[not pace.slow] and pace.gap * n.step_s >= FLOOR_S
         if holds_back == pace.slow:
             pace.streak = pace.notes = 0
             return None
@@ -62,12 +73,12 @@ class Paces:
         pace.slow, pace.streak, pace.notes = holds_back, 0, 0
         return holds_back
 
-    def _others(self, node_id: str, now: float) -> float | None:
-        """The median demand of the other nodes' fresh notes (None: none)."""
+    def _others(self, node_id: str, measured: bool, now: float) -> float | None:
+        """The median wait of the other nodes' fresh notes measured alike (None: none)."""
         if len(self.nodes) > EXACT_UP_TO and now - self._median_at < MEDIAN_EVERY_S:
             return self._median
-        fresh = [p.demand for node, p in self.nodes.items()
-                 if now - p.at <= NOTE_FRESH_S and (node != node_id or len(self.nodes) > EXACT_UP_TO)]
+        fresh = [p.wait for node, p in self.nodes.items() if now - p.at <= NOTE_FRESH_S and p.measured == measured
+                 and (node != node_id or len(self.nodes) > EXACT_UP_TO)]
         median = statistics.median(fresh) if fresh else None
         if len(self.nodes) > EXACT_UP_TO:
             self._median, self._median_at = median, now

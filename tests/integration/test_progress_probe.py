@@ -165,6 +165,36 @@ async def test_the_worker_notes_when_its_process_group_and_restore_began_and_end
     assert record.digests == ((4, int(written("digest"))),)     # DDP's parameters' digest, with its step
 
 
+# Steps of ~50 ms: 30 of them blocked inside backward (a wait on the others, as DDP's all-reduce is), 20 outside
+# (the rank's own work: a sleep, as slow storage would be), then one step of 2 s (solo work: no pace).
+PACED = """import torch
+class Waits(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x
+    @staticmethod
+    def backward(ctx, grad):
+        time.sleep(0.03)
+        return grad
+param = torch.nn.Parameter(torch.ones(2))
+opt = torch.optim.SGD([param], lr=0.1)
+for step in range(10):
+    time.sleep(2.0 if step == 8 else 0.02)
+    Waits.apply(param).sum().backward()
+    opt.step()
+"""
+
+
+@pytest.mark.parametrize("warm", [None, ("torch",)], ids=["cold", "warm-torch"])
+async def test_the_time_blocked_in_backward_is_the_steps_wait_and_a_long_step_is_left_out(run_group, warm) -> None:
+    group, files, _ = await run_group(PACED, warm=warm)
+    record = record_of(files, group.pids[0])
+    counted, took, waited = record.pace
+    assert record.waits_measured and record.steps == 10
+    assert counted <= 8 and took < 2.0, record.pace       # 9 intervals, the one holding the 2 s sleep left out
+    assert 0.3 < waited / took < 0.9, record.pace         # the sleep in backward, not the one outside
+
+
 async def test_stacks_come_on_the_signal_while_the_main_thread_sleeps(run_group) -> None:
     group, files, _ = await run_group(BEATS)
     pid = group.pids[0]

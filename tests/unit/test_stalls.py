@@ -204,3 +204,39 @@ def test_stall_reports_are_sent_again_on_wall_clock_ticks_every_node_shares() ->
     # two nodes of one job, first reports 1.7 s apart, thresholds 5 and 5.2 s: their next reports share a tick
     a, b = next_report_at(1001.2, 5.0), next_report_at(1002.9, 5.2)
     assert (a, b) == (1005.0, 1010.0) and next_report_at(a, 5.0) == b
+
+
+def paced(steps: int, pace: tuple[int, float, float], measured: bool = True) -> ProbeRecord:
+    return ProbeRecord(steps=steps, first_at=100.0, last_at=100.0 + steps, pid=1, flags=0, main_thread=1,
+                       pace=pace, waits_measured=measured)
+
+
+def test_the_note_says_the_share_of_its_counted_steps_the_ranks_waited() -> None:
+    r = RoundSteps(3)
+    r.observe(0, paced(1, (0, 0.0, 0.0)), look(), 10.0)
+    r.observe(1, paced(1, (0, 0.0, 0.0)), look(), 10.0)
+    r.observe(0, paced(6, (5, 5.0, 1.0)), look(), 15.0)    # 1 s of 5 waited
+    r.observe(1, paced(6, (5, 5.0, 2.0)), look(), 15.0)    # 2 s of 5
+    assert r.note(15.0).waited == 0.3                      # (1 + 2) / (5 + 5)
+    r.observe(0, paced(12, (6, 6.0, 1.0)), look(), 21.0)   # 6 steps, one counted (the rest left out: no pace)
+    r.observe(1, paced(12, (6, 6.0, 2.0)), look(), 21.0)
+    assert r.note(21.0).waited == -1.0                     # too few counted
+    unmeasured = RoundSteps(4)                             # no wait ever timed (a beat() loop): not measured
+    unmeasured.observe(0, paced(1, (0, 0.0, 0.0), measured=False), look(), 10.0)
+    unmeasured.observe(0, paced(9, (8, 8.0, 0.0), measured=False), look(), 18.0)
+    assert unmeasured.note(18.0).waited == -1.0
+
+
+@pytest.mark.parametrize("pace", [(3, 1.0, 2.0), (3, float("nan"), 0.0), (0, 5.0, 0.0)],
+                         ids=["waited-longer-than-it-took", "not-a-time", "time-without-steps"])
+def test_a_pace_that_is_not_one_is_no_pace(tmp_path, pace) -> None:
+    files = ProbeFiles.in_dir(str(tmp_path), 0)
+    files.create()
+    write_garbage(files.record, probe.RECORD.pack(probe.MAGIC, probe.VERSION, 2, 3, 10.0, 11.0, 7, probe.SYNCED, 1, -1))
+    with open(files.record, "r+b") as f:
+        f.seek(probe.PACE_AT)
+        f.write(probe.PACE.pack(*pace))
+    reader = RecordReader(files.record)
+    record = reader.read(None, 1e9)
+    reader.close()
+    assert record is not None and record.steps == 3 and record.waits_measured and record.pace == (0, 0.0, 0.0)

@@ -1,0 +1,53 @@
+"""Slow nodes by the measured wait (rdzv_server/core/slow.py): the node the others wait on waits least, whatever
+made it slow; a window of solo work names nobody; a millisecond step's jitter is under the floor; nodes are
+compared only with nodes measured alike."""
+from __future__ import annotations
+
+from protocol.messages import ProgressNote
+from rdzv_server.core.slow import SLOW_NOTES, SLOW_STEPS, Paces
+
+
+def w(waited: float, *, demand: float = 0.5, steps: int = 5, step_s: float = 0.2) -> ProgressNote:
+    return ProgressNote(round_id=1, probes=2, steps=100, step_s=step_s, window_s=steps * step_s, window_steps=steps,
+                        demand=demand, waited=waited)
+
+
+def feed(paces: Paces, notes: dict[str, ProgressNote], looks: int) -> list[tuple[str, bool]]:
+    changes = []
+    for i in range(looks):
+        for node, note in notes.items():
+            named = paces.note(node, note, float(i))
+            if named is not None:
+                changes.append((node, named))
+    return changes
+
+
+def test_the_node_that_waits_least_is_named_once_confirmed_and_cleared_when_it_keeps_pace() -> None:
+    paces = Paces()
+    slow = {"a": w(0.15), "b": w(0.02), "c": w(0.14)}        # a and c wait ~13 % of each step on b
+    assert feed(paces, slow, max(SLOW_NOTES, SLOW_STEPS // 5) - 1) == []      # not confirmed yet
+    assert feed(paces, slow, 1) == [("b", True)] and paces.slow() == ["b"]
+    assert feed(paces, {"a": w(0.05), "b": w(0.04), "c": w(0.06)}, 10) == [("b", False)]
+    assert paces.slow() == []
+
+
+def test_a_window_of_solo_work_names_nobody_even_when_its_cpu_demand_says_otherwise() -> None:
+    paces = Paces()
+    feed(paces, {"a": w(0.05), "b": w(0.05), "c": w(0.05)}, 3)
+    # Rank 0 on b computes alone while the others wait: the probe leaves the long step out, so b's window has
+    # no measure (-1), and its CPU demand (all of it, against the others' nothing) is not compared instead.
+    solo = {"a": w(0.05, demand=0.0), "b": w(-1.0, demand=1.0), "c": w(0.05, demand=0.0)}
+    assert feed(paces, solo, 20) == [] and paces.slow() == []
+
+
+def test_a_gap_under_the_floor_per_step_names_nobody() -> None:
+    paces = Paces()
+    tiny = {"a": w(0.3, step_s=0.004), "b": w(0.0, step_s=0.004), "c": w(0.3, step_s=0.004)}   # 1.2 ms a step
+    assert feed(paces, tiny, 20) == []
+
+
+def test_nodes_measured_differently_are_not_compared() -> None:
+    paces = Paces()
+    # b measures no wait (its demand says it computed all the time); a and c do: nobody is compared with b
+    mixed = {"a": w(0.3, demand=0.2), "b": w(-1.0, demand=1.0), "c": w(0.3, demand=0.2)}
+    assert feed(paces, mixed, 20) == []
