@@ -21,6 +21,7 @@ from node_agent.core.actions import (
     Action,
     CheckNode,
     Exit,
+    HoldAtSnapshot,
     Leave,
     ProbePeers,
     Rejoin,
@@ -79,6 +80,7 @@ class Agent:
                                  settings.workers.replica_bandwidth, self._copy_tls(),
                                  server_tls=link.endpoint_scheme == "https", caps=caps)
         self.copy_port = 0          # where this node takes peer copies (PeerCopies.listen)
+        self.copies.on_copied = self._copied
         self.witness = WitnessServer(addr, lambda: self.policy.in_contact, self._holds,
                                      (is_replica_request, self.copies.serve), caps=caps, say=self.narrator.say)
         self._link: ServerLink | None = None
@@ -160,6 +162,7 @@ class Agent:
                 if assignment.resume_at_most >= 0 and (gone := forget_after(assignment.resume_at_most, dirs)):
                     self.narrator.say(f"the job's replicas diverged after step {assignment.resume_at_most}: "
                                       f"snapshots of step(s) {', '.join(map(str, gone))} removed")
+                self.workers.memory.hold(False)       # a hold was the last round's
                 await self.copies.before_spawn(assignment, dirs)      # a fetch goes on while the workers start
                 await self.workers.spawn(assignment)
             case ReportFailure(round_id=round_id, failures=failures):
@@ -170,6 +173,8 @@ class Agent:
                 link.report_stall(round_id, threshold_s, ranks)
             case SendNote():
                 link.poll_now()
+            case HoldAtSnapshot(on=on):
+                self.workers.memory.hold(on)
             case Rejoin():
                 link.rejoin()
             case Leave(reason=reason, unhealthy=unhealthy):
@@ -186,6 +191,11 @@ class Agent:
 
     async def _probe(self, witnesses: tuple[Witness, ...]) -> None:
         self.facts.put_nowait(await probe_peers(witnesses, self.policy.known_round, self.transport.reach))
+
+    def _copied(self) -> None:
+        """A copy reached its peer: while a swap waits for it (the ranks hold), the server hears it now."""
+        if self.policy.holding and self._link is not None:
+            self._link.poll_now()
 
     def _holds(self) -> int:
         """The round a witness says this node runs: the policy's, or a newer one already assigned while the
@@ -244,7 +254,8 @@ class Agent:
         return await self.transport.poll(known, wait_s, master_port=self._free_port(),
                                          progress=self.workers.progress_note(known) if known >= 0 else None,
                                          ready=self.workers.ready, copies=self.copies.note(),
-                                         checks_passed=self.policy.health.readmit_passed)
+                                         checks_passed=self.policy.health.readmit_passed,
+                                         holding=self.policy.holding)
 
     async def _when_ready(self, link: ServerLink) -> None:
         """The server forms rounds only of nodes that can start their workers at once: say so as soon as this one

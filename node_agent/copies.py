@@ -94,6 +94,7 @@ class PeerCopies:
         self._retry_at: dict[tuple[str, int, int], float] = {}
         self._dirs: dict[int, str] = {}            # this round's local rank -> memory directory
         self._pusher: asyncio.Task[None] | None = None
+        self.on_copied: Callable[[], None] = lambda: None    # a push succeeded (the agent may tell the server)
         self._fetching: asyncio.Task[None] | None = None
 
     def _holder_store(self) -> ReplicaStore | None:
@@ -258,6 +259,7 @@ class PeerCopies:
         if result.ok:
             self.pushed[held] = step
             self.copied[rank] = (step, f"{target.addr}:{target.port}")
+            self.on_copied()
             return
         self._retry_at[held] = time.monotonic() + RETRY_S
         self.refused += 1

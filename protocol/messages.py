@@ -182,6 +182,8 @@ class ProgressNote(msgspec.Struct, kw_only=True, frozen=True, gc=False):
     waited: Annotated[float, Meta(ge=-1.0, le=1.0)] = -1.0
     resumed_step: Annotated[int, Meta(ge=-1, le=MAX_ROUND)] = -1   # the step node_agent.snapshot resumed from
     anatomy: RestartAnatomy | None = None     # where this round's restart took its time here (once all stepped)
+    # The snapshot step its ranks wait after, as NodeStatus.hold_at_snapshot asked (-1: none)
+    held_step: Annotated[int, Meta(ge=-1, le=MAX_ROUND)] = -1
     # protect's, under DDP: each rank's newest few (node_agent/training/probe.py's DIGESTS)
     digests: Annotated[list[RankDigest], Meta(max_length=4 * MAX_LOCAL_WORLD_SIZE)] = []
 
@@ -210,6 +212,7 @@ class PollRequest(_Request, kw_only=True):
     ready: bool = True                 # as JoinRequest.ready: its workers can start at once
     copies: CopiesNote | None = None
     checks_passed: bool = False        # its node checks passed since the server asked (NodeStatus.checks_due)
+    holding: bool = False              # its ranks hold at their next snapshot (NodeStatus.hold_at_snapshot)
 
 
 class FailureReason(str, enum.Enum):
@@ -356,16 +359,20 @@ class NodeStatus(msgspec.Struct, kw_only=True, gc=False):
     # A suspect node (rdzv_server/core/suspects.py) takes no place until its agent's node checks pass again:
     # the agent runs them and says so on a poll (PollRequest.checks_passed).
     checks_due: bool = False
+    # A suspect of the job is swapped for a spare at the job's next snapshot (rdzv_server/core/swaps.py): this
+    # member's ranks wait after their next one (node_agent/training/snapshot.py: hold_after), so none is redone.
+    hold_at_snapshot: bool = False
 
 
-def poll_ready(status: NodeStatus, known_round: int) -> bool:
-    """Whether a poll that knows `known_round` is answered with `status` now, rather than held: the job ended, the
-    node is gone, a member's round is not the one it knows, or a node outside the round knows one (-1: none yet).
-    The one rule for the server's holds and its subscribers' news (rdzv_server/delivery/)."""
+def poll_ready(status: NodeStatus, known_round: int, holding: bool = False) -> bool:
+    """Whether a poll that knows `known_round` (and `holding`) is answered with `status` now, rather than held: the
+    job ended, the node is gone, a member's round is not the one it knows or its hold changed, or a node outside
+    the round knows one (-1: none yet). The one rule for the server's holds and its subscribers' news
+    (rdzv_server/delivery/)."""
     if status.job_state.finished or status.node_state == NodeState.GONE:
         return True
     if status.node_state == NodeState.MEMBER:
-        return status.round_id != known_round
+        return status.round_id != known_round or status.hold_at_snapshot != holding
     return known_round != -1
 
 

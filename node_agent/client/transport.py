@@ -120,11 +120,12 @@ class Transport:
 
     async def poll(self, known_round: int, wait_s: float, master_port: int = 0,
                    progress: ProgressNote | None = None, ready: bool = True,
-                   copies: CopiesNote | None = None, checks_passed: bool = False) -> NodeStatus:
+                   copies: CopiesNote | None = None, checks_passed: bool = False,
+                   holding: bool = False) -> NodeStatus:
         wait_s = poll_wait(wait_s, self.hold_s)
         return await self._request(self._for_node(PollRequest, known_round=known_round, wait_s=wait_s,
                                                   master_port=master_port, progress=progress, ready=ready,
-                                                  copies=copies, checks_passed=checks_passed),
+                                                  copies=copies, checks_passed=checks_passed, holding=holding),
                                    wait_s + self.REQUEST_TIMEOUT_S)
 
     async def report_failure(self, round_id: int, failures: list[WorkerFailure],

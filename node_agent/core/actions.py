@@ -31,7 +31,13 @@ class ReportFailure:
 
 @dataclass(frozen=True)
 class SendNote:
-    """Send the round's progress note now, in a poll of its own (new snapshot digests)."""
+    """Send the round's progress note now, in a poll of its own (new snapshot digests, ranks held)."""
+
+
+@dataclass(frozen=True)
+class HoldAtSnapshot:
+    """Ask the round's ranks to wait after their next snapshot (`on`), or no longer: a suspect is swapped there."""
+    on: bool
 
 
 @dataclass(frozen=True)
@@ -83,4 +89,4 @@ class Exit:
 
 
 Action = (Spawn | StopWorkers | ReportFailure | ReportStall | ReportSuccess | Rejoin | Leave | ProbePeers | CheckNode
-          | Exit | SendNote)
+          | Exit | SendNote | HoldAtSnapshot)

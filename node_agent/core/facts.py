@@ -60,8 +60,9 @@ class WorkersExited:
 
 
 @dataclass(frozen=True)
-class SnapshotsDigested:
-    """A rank of the round told the digest of a newer snapshot: the server compares replicas as it hears them."""
+class NoteDue:
+    """A rank of the round told what the server wants at once: a newer snapshot's digest (it compares replicas as
+    it hears them), or that it waits after a snapshot (a swap waits for that: rdzv_server/core/swaps.py)."""
     round_id: int
 
 
@@ -137,7 +138,7 @@ class DeadlinePassed:
 
 
 Fact = (StatusReceived | ServerNotReached | ServerRefused | WorkersExited | RanksStalled | SpawnFailed
-        | SignalReceived | PeersProbed | NodeChecked | DeadlinePassed | SnapshotsDigested)
+        | SignalReceived | PeersProbed | NodeChecked | DeadlinePassed | NoteDue)
 
 # How a source hands the loop news: a fact, or the exception that broke it (a bug), raised, not waited out.
 Put = Callable[[Fact | BaseException], None]

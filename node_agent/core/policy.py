@@ -45,6 +45,7 @@ from node_agent.core.actions import (
     Action,
     CheckNode,
     Exit,
+    HoldAtSnapshot,
     Leave,
     ProbePeers,
     Rejoin,
@@ -60,12 +61,12 @@ from node_agent.core.facts import (
     DeadlinePassed,
     Fact,
     NodeChecked,
+    NoteDue,
     PeersProbed,
     RanksStalled,
     ServerNotReached,
     ServerRefused,
     SignalReceived,
-    SnapshotsDigested,
     SpawnFailed,
     Stage,
     StatusReceived,
@@ -112,6 +113,7 @@ class SupervisionPolicy:
     job_over: bool = False           # the server said the job finished (peer copies of it may go: copies.py)
     ran: bool = False                # this node's workers were started in some round of the job
     health: NodeHealth = field(default_factory=NodeHealth)   # the node's own checks (node_health.py)
+    holding: bool = False            # its ranks wait after their next snapshot (NodeStatus.hold_at_snapshot)
 
     @property
     def known_round(self) -> int:
@@ -145,7 +147,7 @@ class SupervisionPolicy:
             case RanksStalled(round_id=round_id, threshold_s=threshold_s, ranks=ranks):
                 running = self.workers == Workers.RUNNING and round_id == self.running_round
                 return [ReportStall(round_id, threshold_s, ranks)] if running else []
-            case SnapshotsDigested(round_id=round_id):
+            case NoteDue(round_id=round_id):
                 return [SendNote()] if self.workers == Workers.RUNNING and round_id == self.running_round else []
             case SpawnFailed(round_id=round_id, failure=failure):
                 return self._failed(round_id, (failure,))
@@ -238,7 +240,12 @@ class SupervisionPolicy:
     def _status(self, status: NodeStatus) -> list[Action]:
         if self.health.out and not status.job_state.finished:
             return []      # left as unhealthy: a late answer from before is no news until the next check
-        return self.health.readmit(status.checks_due) + self._news(status)
+        actions = self.health.readmit(status.checks_due) + self._news(status)
+        hold = status.hold_at_snapshot and self.workers == Workers.RUNNING and status.round_id == self.running_round
+        if hold != self.holding:
+            self.holding = hold
+            actions.append(HoldAtSnapshot(hold))
+        return actions
 
     def _news(self, status: NodeStatus) -> list[Action]:
         match news(status, self.running_round):

@@ -56,6 +56,7 @@ class ProbeRecord:
     digests: tuple[tuple[int, int], ...] = ()   # (step, digest) of its newest snapshots' replicated tensors
     pace: tuple[int, float, float] = (0, 0.0, 0.0)   # steps counted for the pace, their time, the time waited
     waits_measured: bool = False                    # the probe timed a wait on the others (backward, collective)
+    held_step: int = -1          # the snapshot it waits after, as the agent asked (-1: none)
 
 
 @dataclass
@@ -145,6 +146,7 @@ class RoundSteps:
             window_steps=window_steps if closes else 0, demand=round(self._demand(window_s), 3) if closes else 0.0,
             waited=round(self._waited(), 3) if closes else -1.0,
             resumed_step=max((r.resumed_step for r in records), default=-1), anatomy=self.anatomy(),
+            held_step=self.held_step(),
             digests=[RankDigest(rank=self.global_ranks.get(lr, lr), step=step, digest=value)
                      for lr, r in sorted(self.ranks.items()) if r.record is not None
                      for step, value in r.record.digests])
@@ -172,6 +174,10 @@ class RoundSteps:
         """The newest step any rank told a digest of (-1: none): a new one is worth a note at once."""
         return max((r.record.digests[-1][0] for r in self.ranks.values() if r.record is not None and r.record.digests),
                    default=-1)
+
+    def held_step(self) -> int:
+        """The newest snapshot step a rank waits after (-1: none): news for the server at once, as a digest is."""
+        return max((r.record.held_step for r in self.ranks.values() if r.record is not None), default=-1)
 
     def last_step_at(self) -> float:
         return max((r.record.last_at for r in self.ranks.values() if r.record is not None and r.record.steps),

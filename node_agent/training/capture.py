@@ -104,6 +104,7 @@ class Capture:
         pending = _Pending(step, slab, layout.skeleton(tree), views, plan, staged, self._copied, room, alike)
         self._thread = threading.Thread(target=self._write, args=(pending,), name=f"node-agent snapshot {step}")
         self._thread.start()
+        snapshot.hold_after(step, self.where, self.wait)
 
     def before_update(self) -> None:
         """Before the optimizer changes the tensors: on a GPU, its stream waits for their copy (no host wait)."""

@@ -48,3 +48,10 @@ def digest(step: int, value: int) -> None:
     probe = sys.modules.get(PROBE_MODULE)
     if probe is not None:
         probe.digest(step, value)
+
+
+def held(step: int) -> None:
+    """The worker waits after its snapshot of `step`, as the agent asked (snapshot.hold_after)."""
+    probe = sys.modules.get(PROBE_MODULE)
+    if probe is not None:
+        probe.held(step)

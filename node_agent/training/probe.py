@@ -50,7 +50,10 @@ STEP_OF = struct.Struct("<q")
 # a rank the others wait on waits least, whether it computes, sleeps or reads more). Written with the step.
 PACE = struct.Struct("<Qdd")
 PACE_AT = DIGEST_AT + DIGESTS * DIGEST.size      # 184
-SIZE = PACE_AT + PACE.size     # 208
+# Then the step of the snapshot the worker waits after, as its agent asked (-1: none; snapshot.hold_after).
+HELD = struct.Struct("<q")
+HELD_AT = PACE_AT + PACE.size    # 208
+SIZE = HELD_AT + HELD.size     # 216
 SEQ = struct.Struct("<Q")
 STEP = struct.Struct("<Qdd")          # steps, first, last: written between two seq updates
 FLAG = struct.Struct("<I")
@@ -96,6 +99,7 @@ class Record:
         self.mark("started")
         self.pace = Pace()
         PACE.pack_into(self.map, PACE_AT, 0, 0.0, 0.0)
+        HELD.pack_into(self.map, HELD_AT, -1)
 
     def mark(self, milestone: str) -> None:
         """The worker reached `milestone` now (the first time only)."""
@@ -209,6 +213,11 @@ def digest(step: int, value: int) -> None:
         STEP_OF.pack_into(_record.map, at, -1)
         DIGEST.pack_into(_record.map, at, -1, value & (2**63 - 1))
         STEP_OF.pack_into(_record.map, at, max(0, int(step)))
+
+
+def held(step: int) -> None:
+    if _record is not None:
+        HELD.pack_into(_record.map, HELD_AT, max(0, int(step)))
 
 
 def restore_began() -> None:

@@ -13,6 +13,9 @@ agent imports this): `save` takes bytes or a callable writing into a file, e.g.
 - All ranks resume from the same step: `agreed_step` takes the MIN of every rank's newest step, then checks
   every rank holds (and accepts) it (a rank that lost its copy, e.g. a replaced node, sends everyone back to disk).
   Snapshots newer than the step agreed (all of them, going back to disk) are removed: the job abandoned those steps.
+- While HOLD is in the directory (the server swaps a suspect node at the job's next snapshot), a rank that
+  completes a snapshot waits after it (`hold_after`): no rank steps past it, so the job resumes from it with
+  nothing redone.
 `node_agent.training.protect` does all of this for a torch model and optimizer in one call."""
 from __future__ import annotations
 
@@ -27,13 +30,17 @@ from typing import BinaryIO
 
 from node_agent.training import heartbeat
 
-__all__ = ["COPY_WAIT_S", "DIR_VAR", "FETCHING", "LIMIT_VAR", "MemoryDirFull", "Writer", "agreed_step", "directory",
-           "full_error", "Room", "forget_after", "limit", "make_room", "newest", "path", "remove", "save", "steps"]
+__all__ = ["COPY_WAIT_S", "DIR_VAR", "FETCHING", "HOLD", "LIMIT_VAR", "MemoryDirFull", "Writer", "agreed_step",
+           "directory", "full_error", "Room", "forget_after", "limit", "hold_after", "make_room", "newest", "path",
+           "remove", "save", "steps"]
 
 DIR_VAR = "NODE_AGENT_MEMORY_DIR"
 FETCHING = ".fetching"    # the agent is fetching this rank's copy from a peer (node_agent/copies.py)
 COPY_WAIT_S = 90.0        # the most agreed_step waits for it (the agent gives up on a fetch after 60 s)
 LIMIT_VAR = "NODE_AGENT_MEMORY_LIMIT"
+HOLD = ".hold"            # the agent asks this rank to wait after its next snapshot (NodeStatus.hold_at_snapshot)
+HOLD_MAX_S = 30.0         # the most it waits: a swap that did not come lets the training go on
+HOLD_LOOK_S = 0.02
 _NAME = re.compile(r"step-(\d{1,18})")
 
 Writer = Callable[[BinaryIO], object]
@@ -196,7 +203,25 @@ def save(data: bytes | Writer, step: int, *, where: str | None = None, keep: int
             raise full_error(step, where, bound, made) from exc
         raise
     os.replace(tmp, final)
+    hold_after(step, where)
     return final
+
+
+def hold_after(step: int, where: str, written: Callable[[], object] = lambda: None) -> None:
+    """After the snapshot of `step` (`written` waits until its file is complete): while the agent asks for a hold
+    (HOLD in the directory), say so (the probe) and wait until it goes, at most HOLD_MAX_S. The ranks that did not
+    see it yet block in the next step's collectives, so no rank gets past `step`. Polled, as FETCHING is."""
+    mark = os.path.join(where, HOLD)
+    if not os.path.exists(mark):
+        return
+    written()
+    heartbeat.held(step)
+    deadline = time.monotonic() + HOLD_MAX_S
+    while os.path.exists(mark) and time.monotonic() < deadline:
+        time.sleep(HOLD_LOOK_S)
+    if os.path.exists(mark):
+        print(f"node-agent: held after the snapshot of step {step} for {HOLD_MAX_S:g}s and no swap came: training "
+              f"goes on", flush=True)
 
 
 @dataclass(frozen=True)

@@ -84,6 +84,21 @@ class MemoryDirs:
             self._say(f"no in-memory checkpoint directory ({exc.strerror or exc}); workers run without one")
             return {}
 
+    def hold(self, on: bool) -> None:
+        """Ask this node's ranks to wait after their next snapshot (snapshot.HOLD, NodeStatus.hold_at_snapshot), or
+        no longer. A directory that cannot take the mark is said: its ranks then step on (the others wait)."""
+        for path in (self.dirs(self.nproc) if self.root is not None else {}).values():
+            mark = os.path.join(path, snapshot.HOLD)
+            try:
+                if on:
+                    with open(mark, "w"):
+                        pass
+                else:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.remove(mark)
+            except OSError as exc:
+                self._say(f"cannot {'set' if on else 'clear'} the hold at the next snapshot in {path}: {exc}")
+
     def dirs_for(self, local_world_size: int, rank_offset: int, run: str = "") -> dict[int, str]:
         """`dirs`, for the round of run `run` whose local rank 0 is global rank `rank_offset`: a directory whose
         snapshots were saved by another global rank (this node's ranks moved: it closed up, or took a gone node's

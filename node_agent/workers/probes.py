@@ -51,6 +51,7 @@ class ProbeFiles:
         try:
             os.ftruncate(fd, probe.SIZE)
             os.pwrite(fd, probe.DIGEST.pack(-1, 0) * probe.DIGESTS, probe.DIGEST_AT)    # no digest yet
+            os.pwrite(fd, probe.HELD.pack(-1), probe.HELD_AT)                          # not held
         finally:
             os.close(fd)
         with open(self.stacks, "w"):
@@ -115,7 +116,8 @@ class RecordReader:
                 record = dataclasses.replace(record, pace=(int(pace[0]), float(pace[1]), float(pace[2])))
             if record is not None:
                 record.milestones.update(_milestones(probe.TIMES.unpack_from(self._map, probe.TIMES_AT), wall_now))
-                record = dataclasses.replace(record, digests=self._digests())
+                held = probe.HELD.unpack_from(self._map, probe.HELD_AT)[0]
+                record = dataclasses.replace(record, digests=self._digests(), held_step=max(-1, held))
             return record
         return None
 

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import node_agent.training.probe as probe
-from node_agent.core.facts import Put, RanksStalled, SnapshotsDigested
+from node_agent.core.facts import NoteDue, Put, RanksStalled
 from node_agent.core.stalls import call_of, classify, main_stack, stack_text
 from node_agent.core.steps import ProbeRecord, RankSteps, RoundSteps, next_report_at
 from node_agent.workers.failures import keep_tail
@@ -53,15 +53,16 @@ class StepWatch:
         self._warn = warn
         self._clock, self._wall = clock, wall
         self._next_report: float | None = None    # when the stall under way is reported again (None: none is)
-        self._digested = -1                       # the newest snapshot digest a note was asked for
+        self._told = (-1, -1)                     # the newest digest's step and held step a note was sent for
 
     async def run(self, put: Put) -> None:
         """Look every LOOK_S until cancelled; put a `RanksStalled` fact for each report."""
         while True:
             self.look()
-            if (newest := self.round.newest_digest()) > self._digested:
-                self._digested = newest
-                put(SnapshotsDigested(self.round.round_id))
+            news = (self.round.newest_digest(), self.round.held_step())
+            if news > self._told:
+                self._told = news
+                put(NoteDue(self.round.round_id))
             stalled = self.round.stalled(self._wall()) if self._detect else []
             wall = self._wall()
             if not stalled:

@@ -51,6 +51,7 @@ class RoundCause(str, enum.Enum):
     NODE_LEFT = "node_left"
     NODE_UNHEALTHY = "node_unhealthy"
     NODE_DRAINED = "node_drained"
+    SWAPPED = "swapped"            # a suspect swapped for a spare at a snapshot (swaps.py)
     RESIZED = "resized"
 
 

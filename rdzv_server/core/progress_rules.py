@@ -12,7 +12,7 @@ import msgspec
 from protocol.errors import ErrorCode
 from protocol.messages import FailureReason, ProgressNote, StallReport, WorkerFailure
 from protocol.stalls import RankState
-from rdzv_server.core import divergence, goodput, hangs, operator_rules, reports
+from rdzv_server.core import divergence, goodput, hangs, reports, swaps
 from rdzv_server.core.errors import RendezvousError
 from rdzv_server.core.events import EventKind, RoundCause
 from rdzv_server.core.hangs import MAX_PLACES, HangPlace, Stall, StallKind, StallShown
@@ -54,8 +54,12 @@ def noted(rules: JobRules, live: LiveRound, node_id: str, note: ProgressNote | N
         live.paces = Paces({n: NodePace(slow=p.slow) for n, p in live.paces.nodes.items()
                              if n in job.round.members})
         job.progress.slow = live.paces.slow()
+    if note.held_step >= 0:
+        swaps.held(rules, note.held_step, now)
     named = live.paces.note(node_id, note, now)
     if named is None:
+        if node_id in job.progress.slow and job.config.replace_slow_nodes and job.swap is None:
+            swaps.ask(rules, node_id, _why_slow(node_id, live.paces.nodes[node_id]), now)   # a spare came since
         return
     pace = live.paces.nodes[node_id]
     job.progress.slow = live.paces.slow()
@@ -63,14 +67,18 @@ def noted(rules: JobRules, live: LiveRound, node_id: str, note: ProgressNote | N
         rules.record(now, EventKind.NODE_PACE_OK, f"node {node_id} keeps pace again", node_id, job.round.round_id)
         rules.node_changed(node_id)
         return
-    how = "on it in backward and collectives" if pace.measured else "by CPU demand"
-    why = (f"node {node_id} is slow: the other nodes wait {pace.gap:.0%} more of each step than it does, {how} "
-           f"(at least {SLOW_GAP if pace.measured else DEMAND_GAP:.0%}, over {SLOW_STEPS}+ steps and "
-           f"{SLOW_NOTES} notes)")
+    why = _why_slow(node_id, pace)
     rules.record(now, EventKind.NODE_SLOW, why, node_id, job.round.round_id)
     rules.node_changed(node_id)
-    if job.config.replace_slow_nodes and job.spares and node_id not in job.drained:
-        operator_rules.drain(rules, node_id, f"replaced as slow: {why}", now, by="the server (--replace-slow-nodes)")
+    if job.config.replace_slow_nodes:
+        swaps.ask(rules, node_id, why, now)
+
+
+def _why_slow(node_id: str, pace: NodePace) -> str:
+    how = "on it in backward and collectives" if pace.measured else "by CPU demand"
+    return (f"node {node_id} is slow: the other nodes wait {pace.gap:.0%} more of each step than it does, {how} "
+            f"(at least {SLOW_GAP if pace.measured else DEMAND_GAP:.0%}, over {SLOW_STEPS}+ steps and "
+            f"{SLOW_NOTES} notes)")
 
 
 def stalled(rules: JobRules, live: LiveRound, node: NodeRecord, req: StallReport, now: float) -> str:

@@ -51,6 +51,16 @@ class NodeRecord(msgspec.Struct, kw_only=True):
     store_per_round: bool = False      # its agent hosts a store per round it masters (JoinRequest; store_port.py)
 
 
+class SwapDue(msgspec.Struct, kw_only=True):
+    """A suspect that can go on (a slow node), swapped for a spare at the job's next snapshot (swaps.py)."""
+    node_id: str
+    why: str
+    round_id: int                      # the round it is due in (moot once another forms)
+    asked_at: float
+    until: float                       # then swapped whatever came (a snapshot may never come)
+    held_step: int = -1                # the snapshot step the members hold after (-1: none yet)
+
+
 class PlaceCopies(msgspec.Struct, kw_only=True):
     """Where a member's snapshot copies went in its last round, and the global ranks they are of."""
     holders: list[str]
@@ -140,6 +150,7 @@ class JobRecord(msgspec.Struct, kw_only=True):
     stall: StallShown | None = None            # ranks alone, or in long collectives, now (hangs.py)
     hang_places: list[HangPlace] = msgspec.field(default_factory=list)   # decided by a limit: not again
     resume_at_most: int = -1                   # for the next round: replicas diverged after this step (-1: none)
+    swap: SwapDue | None = None                # a suspect swapped at the next snapshot (swaps.py)
 
     def events_after(self, seq: int) -> list[Event]:
         """The kept events newer than `seq` (seqs are consecutive, so no scan of the history)."""

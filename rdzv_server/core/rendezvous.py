@@ -14,7 +14,7 @@ from contextlib import contextmanager
 
 from protocol.errors import ErrorCode, unknown_job
 from protocol.messages import AgentRequest, JobConfig, JobState, JoinRequest, NodeStatus
-from rdzv_server.core import admission, credentials, operator_rules, requests
+from rdzv_server.core import admission, credentials, operator_rules, requests, swaps
 from rdzv_server.core.errors import RendezvousError
 from rdzv_server.core.events import EventKind
 from rdzv_server.core.job_rules import JobRules
@@ -202,7 +202,9 @@ class Rendezvous:
                 wave = self._waves.setdefault(job.job_id, ReturnWave()) if self.silence is not None else None
                 hearing = Hearing(lag_s=lag_s, quiet_s=quiet_s, suspect_s=suspect_s, silence=self.silence,
                                   wave=wave, say_quiet=job.job_id not in self._quiet_noted)
-                extended = JobRules(job, self.outbox).tick(now, hearing)
+                rules = JobRules(job, self.outbox)
+                extended = rules.tick(now, hearing)
+                swaps.tick(rules, now)
             if extended:
                 self._quiet_noted.add(job.job_id)
             if job.event_seq != seq:      # every decision records an event

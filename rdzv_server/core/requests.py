@@ -26,7 +26,7 @@ from protocol.messages import (
     StallReport,
     SuccessReport,
 )
-from rdzv_server.core import admission, credentials, leases, progress_rules, reports, store_port, suspects
+from rdzv_server.core import admission, credentials, leases, progress_rules, reports, store_port, suspects, swaps
 from rdzv_server.core.events import EventKind
 from rdzv_server.core.job_rules import JobRules
 from rdzv_server.core.payloads import NodeUnhealthy
@@ -134,6 +134,7 @@ def poll(call: Call, req: PollRequest) -> str:
         call.rules.readiness(node, req.ready and not node.checks_due, call.now)
         if req.copies is not None:
             node.copies = req.copies
+            swaps.check(call.rules, call.now)       # the copy a swap waits for may be on its peer now
     return ""
 
 

@@ -344,6 +344,8 @@ def deadlines(job: JobRecord) -> Iterable[float]:
         yield job.last_call_deadline
     if job.state == JobState.WAITING and job.last_call_deadline is None and job.join_deadline is not None:
         yield job.join_deadline     # a pending last call forms a round: the join timeout waits for it
+    if job.swap is not None:
+        yield job.swap.until
 
 
 def count_nodes(nodes: list[str]) -> str:
@@ -359,7 +361,9 @@ def node_status(job: JobRecord, node_id: str, now: float, *, accepted: bool = Tr
                         round_id=r.round_id if r is not None else -1, restart_count=job.restart_count,
                         accepted=accepted, reason=reason or job.reason,
                         lease_timeout_s=job.config.lease_timeout_s,
-                        checks_due=node is not None and node.checks_due and not finished)
+                        checks_due=node is not None and node.checks_due and not finished,
+                        hold_at_snapshot=job.swap is not None and r is not None and job.swap.round_id == r.round_id
+                        and state == NodeState.MEMBER and not finished)
     if finished:
         status.root_cause = job.root_cause if job.state == JobState.FAILED else None
     if r is not None and state == NodeState.MEMBER and not finished and r.awaits_port:   # store_port.py

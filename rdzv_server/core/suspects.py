@@ -32,13 +32,13 @@ def asking(cfg: JobConfig, failures: list[WorkerFailure]) -> WorkerFailure | Non
 
 def act(rules: JobRules, node: NodeRecord, asked: WorkerFailure, round_id: int, now: float) -> Action:
     """The suspect rule for `node`, before the round after the failure forms."""
-    job, cfg = rules.job, rules.job.config
+    cfg = rules.job.config
     node.suspect_times = [t for t in node.suspect_times if t > now - cfg.exclude_window_s] + [now]
     rules.node_changed(node.node_id)
     why = "its replicated tensors diverged" if asked.reason == FailureReason.DIVERGED else \
         "a worker asked for other hardware"
     what = f"node {node.node_id} is a suspect: {why} ({describe(asked)})"
-    spare = next((s for s in job.spares if s in job.nodes and job.nodes[s].ready), None)
+    spare = ready_spare(rules)
     if len(node.suspect_times) >= 2:
         action, then = Action.EXCLUDED, f"the second time within {cfg.exclude_window_s:g}s: it is excluded"
         rules.exclude(node, now, f"as a suspect twice within {cfg.exclude_window_s:g}s")
@@ -48,13 +48,25 @@ def act(rules: JobRules, node: NodeRecord, asked: WorkerFailure, round_id: int, 
     else:
         action, then = Action.KEPT, (f"no spare is ready, so the job restarts on it; a second time within "
                                      f"{cfg.exclude_window_s:g}s excludes it")
-    if action is not Action.KEPT and node.checks:     # what its agent checks (JoinRequest.checks): once more
-        # Not ready (it is excluded: no waiting count to keep) until they pass; its suspect event says why.
-        node.checks_due, node.ready, node.preparing_since, node.preparing_said = True, False, now, True
-        then += f", and takes no place until its checks ({node.checks}) pass again"
+    if action is not Action.KEPT:
+        then += quarantine(node, now)
     rules.record(now, EventKind.NODE_SUSPECT, f"{what}; {then}", node.node_id, round_id)
     rules.out.suspects.append(action.value)
     return action
+
+
+def quarantine(node: NodeRecord, now: float) -> str:
+    """A suspect held out takes no place again until what its agent checks (JoinRequest.checks) passes once more:
+    not ready (it is excluded: no waiting count to keep) until then. Returns what to add to its event."""
+    if not node.checks:
+        return ""
+    node.checks_due, node.ready, node.preparing_since, node.preparing_said = True, False, now, True
+    return f", and takes no place until its checks ({node.checks}) pass again"
+
+
+def ready_spare(rules: JobRules) -> str | None:
+    job = rules.job
+    return next((s for s in job.spares if s in job.nodes and job.nodes[s].ready), None)
 
 
 def passed(rules: JobRules, node: NodeRecord, now: float) -> None:

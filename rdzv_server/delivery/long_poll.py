@@ -20,7 +20,7 @@ class LongPoll(Subscriber):
     __slots__ = ("_reply", "_woken", "ended", "sent")
 
     def __init__(self, job_id: str, req: PollRequest, ack_age: AckAge | None, reply: Reply | None) -> None:
-        super().__init__(job_id, req.node_id, req.known_round, ack_age)
+        super().__init__(job_id, req.node_id, req.known_round, ack_age, req.holding)
         self._reply = reply
         self._woken: asyncio.Future[None] | None = None
         self.ended = False        # its hold ran out
@@ -57,7 +57,7 @@ async def long_poll(hub: Hub, job_id: str, req: PollRequest, conn: Connection) -
     sub.ends = loop.time() + max(0.0, hold_for(d.core.node_count, status, req.wait_s) - conn.waited_s)
     dropped = False
     try:
-        while not poll_ready(status, req.known_round) and d.gate.serving() and loop.time() < sub.ends:
+        while not poll_ready(status, req.known_round, req.holding) and d.gate.serving() and loop.time() < sub.ends:
             woken = sub.woken()
             hub.wait(sub)
             await woken

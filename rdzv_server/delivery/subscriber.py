@@ -1,6 +1,6 @@
 """The contract of a node waiting for news: its key, what it was last sent, push, its link's last ack, close.
 A view is news when the protocol's one rule says so (`poll_ready`), given the round the node said it
-runs (`known_round`); the kind of connection (a long-poll, long_poll.py) says how a view is pushed.
+runs (`known_round`, `holding`); the kind of connection (a long-poll, long_poll.py) says how a view is pushed.
 """
 from __future__ import annotations
 
@@ -13,12 +13,14 @@ AckAge = Callable[[], "float | None"]   # seconds since the connection's last AC
 
 
 class Subscriber(abc.ABC):
-    __slots__ = ("ack_age", "ends", "job_id", "known_round", "node_id")
+    __slots__ = ("ack_age", "ends", "holding", "job_id", "known_round", "node_id")
 
-    def __init__(self, job_id: str, node_id: str, known_round: int, ack_age: AckAge | None) -> None:
+    def __init__(self, job_id: str, node_id: str, known_round: int, ack_age: AckAge | None,
+                 holding: bool = False) -> None:
         self.job_id = job_id
         self.node_id = node_id
         self.known_round = known_round       # the round of the last view the node was sent
+        self.holding = holding               # ... and whether its ranks hold at their next snapshot
         self.ack_age = ack_age               # its connection's kernel: when it last heard the node
         self.ends = float("inf")             # loop time at which its hold ends
 
@@ -28,7 +30,7 @@ class Subscriber(abc.ABC):
 
     def wants(self, view: NodeStatus) -> bool:
         """Whether `view` is news to this node."""
-        return poll_ready(view, self.known_round)
+        return poll_ready(view, self.known_round, self.holding)
 
     @abc.abstractmethod
     def push(self, view: NodeStatus) -> bool:

@@ -9,6 +9,7 @@ import pytest
 from node_agent.client.replies import Path
 from node_agent.core.actions import (
     Exit,
+    HoldAtSnapshot,
     Leave,
     ProbePeers,
     Rejoin,
@@ -462,3 +463,13 @@ def test_nothing_is_concluded_while_the_server_answers_a_fresh_connection_or_a_r
         p.handle(DeadlinePassed(), t)
         assert p.handle(PeersProbed(verdict, server), t + 0.1) == [] and p.workers == Workers.RUNNING
         t = p.next_deadline()
+
+
+def test_the_hold_at_the_next_snapshot_is_asked_once_and_let_go_with_the_round() -> None:
+    p = running(1)
+    held = msgspec.structs.replace(member(1).status, hold_at_snapshot=True)
+    assert p.handle(StatusReceived(PollRequest, held, sent_at=0.0), 1.0) == [HoldAtSnapshot(True)]
+    assert p.holding and p.handle(StatusReceived(PollRequest, held, sent_at=0.0), 2.0) == []
+    actions = p.handle(member(2, restart_count=0), 3.0)        # the suspect swapped: a new round, no hold
+    assert actions[-1] == HoldAtSnapshot(False) and not p.holding
+    assert isinstance(actions[0], StopWorkers) and Spawn(assignment(2)) in actions

@@ -1,6 +1,6 @@
 """The server's rules for progress (core/progress_rules.py), through the real Rendezvous: a refused report
-changes no progress, a node named slow is named only while it is a member, and a slow node replaced by a spare
-is drained in the server's name, not an operator's."""
+changes no progress, a node named slow is named only while it is a member, and a slow node of a job with no
+snapshot is swapped for a spare at once (tests/unit/test_swaps.py: at a snapshot)."""
 from __future__ import annotations
 
 import msgspec
@@ -38,7 +38,7 @@ def test_a_slow_node_that_left_is_no_longer_named() -> None:
     assert job.progress.slow == []
 
 
-def test_a_slow_node_with_a_spare_at_hand_is_drained_by_the_server() -> None:
+def test_a_slow_node_of_a_job_with_no_snapshot_is_swapped_for_the_spare_at_once() -> None:
     rz = Rendezvous()
     config = msgspec.structs.replace(CFG, replace_slow_nodes=True)
     for node in ("a", "b", "c"):                 # c: a hot spare of a 2-node job
@@ -50,12 +50,11 @@ def test_a_slow_node_with_a_spare_at_hand_is_drained_by_the_server() -> None:
         at = T + 10 * i
         poll(rz, "swap", "a", at, note(round_id, 20 * i, T + 5, at, demand=0.33))
         poll(rz, "swap", "b", at, note(round_id, 20 * i, T + 5, at, demand=0.98))
-        if "b" in job.drained:
+        if job.round.round_id != round_id:
             break
-    drained = [e for e in job.events if e.kind == EventKind.NODE_DRAINED]
-    assert "b" in job.drained and len(drained) == 1
-    assert "drained by the server (--replace-slow-nodes)" in drained[0].message
-    assert "operator" not in drained[0].message
+    assert job.round.members == ["a", "c"] and job.restart_count == 0 and "b" in job.excluded
+    swapped = [e for e in job.events if e.kind == EventKind.NODE_SUSPECT and "swapped for spare c" in e.message]
+    assert len(swapped) == 1 and "no snapshot to wait for" in swapped[0].message, swapped
 
 
 def test_a_pace_from_the_round_before_is_no_measure_in_the_next() -> None:

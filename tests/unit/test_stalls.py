@@ -240,3 +240,19 @@ def test_a_pace_that_is_not_one_is_no_pace(tmp_path, pace) -> None:
     record = reader.read(None, 1e9)
     reader.close()
     assert record is not None and record.steps == 3 and record.waits_measured and record.pace == (0, 0.0, 0.0)
+
+
+def test_the_snapshot_a_rank_holds_after_is_read_and_is_news_for_a_note(tmp_path) -> None:
+    files = ProbeFiles.in_dir(str(tmp_path), 0)
+    files.create()
+    write_garbage(files.record, probe.RECORD.pack(probe.MAGIC, probe.VERSION, 2, 3, 10.0, 11.0, 7, 0, 1, -1))
+    reader = RecordReader(files.record)
+    assert reader.read(None, 1e9).held_step == -1            # a fresh record holds nothing
+    with open(files.record, "r+b") as f:
+        f.seek(probe.HELD_AT)
+        f.write(probe.HELD.pack(15))
+    record = reader.read(None, 1e9)
+    reader.close()
+    r = RoundSteps(3)
+    r.observe(0, record, look(), 10.0)
+    assert record.held_step == 15 and r.held_step() == 15 and r.note(10.0).held_step == 15

@@ -1,0 +1,95 @@
+"""A suspect that can go on (a node named slow, with --replace-slow-nodes) is swapped for a ready spare at the
+job's next snapshot, so that no step is redone:
+- every member's ranks are asked to wait after their next snapshot (NodeStatus.hold_at_snapshot); ranks that did
+  not see the ask yet block in the next step's collectives on those that wait, so no rank gets past it;
+- once a node says its ranks wait after step S (ProgressNote.held_step) and the suspect's copy of S is on its
+  peer (CopiesNote.copied_step: the spare fetches it from there), the suspect is held out as any suspect is
+  (suspects.quarantine) and the spare takes its place and ranks in a round formed at once, which resumes from S.
+It swaps at once when there is no snapshot to wait for (no member holds one yet, or the suspect makes no peer
+copies: the spare could not resume from it anyway), and after SWAP_WAIT_S when none came (said: the steps since
+the last one are redone). Without a ready spare nothing is swapped: the node stays named slow, and its next note
+asks again. No restart of the budget is spent (as a drain). Pure.
+"""
+from __future__ import annotations
+
+from rdzv_server.core import suspects
+from rdzv_server.core.events import EventKind, RoundCause
+from rdzv_server.core.job_rules import JobRules
+from rdzv_server.core.records import SwapDue
+
+SWAP_WAIT_S = 60.0
+
+
+def ask(rules: JobRules, node_id: str, why: str, now: float) -> None:
+    """`node_id` holds the job back (`why`): swap it at the next snapshot, when a spare is ready."""
+    job = rules.job
+    if job.swap is not None or job.round is None or node_id not in job.round.members \
+            or (spare := suspects.ready_spare(rules)) is None:
+        return
+    held = [c.local_step for m in job.round.members if m in job.nodes and (c := job.nodes[m].copies) is not None]
+    if job.nodes[node_id].copies is None or max(held, default=-1) < 0:
+        _swap(rules, node_id, why, "no snapshot to wait for", now)
+        return
+    job.swap = SwapDue(node_id=node_id, why=why, round_id=job.round.round_id, asked_at=now, until=now + SWAP_WAIT_S)
+    rules.out.deadline(job.swap.until)
+    for member in job.round.members:
+        rules.node_changed(member)
+    rules.record(now, EventKind.NODE_SUSPECT, f"node {node_id} is a suspect: {why}; spare {spare} takes its place "
+                 f"at the job's next snapshot (the ranks wait after it)", node_id, job.round.round_id)
+
+
+def held(rules: JobRules, step: int, now: float) -> None:
+    """A member's ranks wait after their snapshot of `step` (its note)."""
+    swap = _due(rules)
+    if swap is not None and step > swap.held_step:
+        swap.held_step = step
+        check(rules, now)
+
+
+def check(rules: JobRules, now: float) -> None:
+    """Swap once the members hold and the suspect's copy of the held step is on its peer (after a poll or note)."""
+    swap = _due(rules)
+    if swap is None or swap.held_step < 0:
+        return
+    node = rules.job.nodes.get(swap.node_id)
+    copies = node.copies if node is not None else None
+    if copies is not None and copies.copied_step < swap.held_step:
+        return          # its copy of the held step is still on its way to its peer
+    _swap(rules, swap.node_id, swap.why, f"at the snapshot of step {swap.held_step}", now)
+
+
+def tick(rules: JobRules, now: float) -> None:
+    swap = _due(rules)
+    if swap is not None and now >= swap.until:
+        _swap(rules, swap.node_id, swap.why, f"no snapshot came within {SWAP_WAIT_S:g}s (the steps since the "
+              f"last one are redone)", now)
+
+
+def _due(rules: JobRules) -> SwapDue | None:
+    """The swap under way (None: none, or moot: another round formed, or the suspect left)."""
+    job = rules.job
+    swap = job.swap
+    if swap is not None and (job.round is None or job.round.round_id != swap.round_id
+                             or swap.node_id not in job.round.members):
+        job.swap = swap = None
+    return swap
+
+
+def _swap(rules: JobRules, node_id: str, why: str, when: str, now: float) -> None:
+    job = rules.job
+    job.swap = None
+    spare = suspects.ready_spare(rules)
+    if spare is None:
+        for member in job.round.members if job.round is not None else ():
+            rules.node_changed(member)      # their ranks go on
+        rules.record(now, EventKind.NODE_SUSPECT, f"node {node_id} is a suspect ({why}) but no spare is ready any "
+                     f"more: not swapped; asked again when one is", node_id)
+        return
+    node = job.nodes[node_id]
+    node.suspect_times = [t for t in node.suspect_times if t > now - job.config.exclude_window_s] + [now]
+    rules.exclude(node, now, f"as a suspect ({why}): spare {spare} takes its place")
+    then = suspects.quarantine(node, now)
+    rules.record(now, EventKind.NODE_SUSPECT, f"node {node_id} swapped for spare {spare} {when}{then}", node_id)
+    rules.out.suspects.append(suspects.Action.REPLACED.value)
+    job.forming_since = now
+    rules.form_round(now, f"node {node_id} swapped for spare {spare} ({why})", RoundCause.SWAPPED)

@@ -1,0 +1,96 @@
+"""A slow node swapped for a spare at the job's next snapshot (rdzv_server/core/swaps.py), through the real
+Rendezvous: the members are asked to hold after their next snapshot; the swap waits for a node's ranks to hold
+and for the suspect's copy of that step to be on its peer, then the spare takes its place in a round formed at
+once (no restart spent) and the suspect is quarantined; no snapshot within the wait swaps anyway; a spare gone
+meanwhile swaps nothing."""
+from __future__ import annotations
+
+import msgspec
+
+from protocol.messages import CopiesNote, NodeState, PollRequest, ProgressNote, poll_ready
+from rdzv_server.core.events import EventKind, RoundCause
+from rdzv_server.core.rendezvous import Rendezvous
+from rdzv_server.core.swaps import SWAP_WAIT_S
+from tests.unit.progress_jobs import CFG, T, join
+
+CONFIG = msgspec.structs.replace(CFG, min_nodes=3, max_nodes=3, replace_slow_nodes=True)
+
+
+def poll(rz: Rendezvous, node: str, now: float, *, waited: float = -1.0, held: int = -1,
+         copied: int = 10, holding: bool = False) -> None:
+    job = rz.jobs["swap"]
+    round_id = job.round.round_id if job.round is not None else -1
+    progress = ProgressNote(round_id=round_id, probes=2, steps=100, step_s=0.2, window_s=4.0, window_steps=20,
+                            demand=0.5, waited=waited, held_step=held)
+    rz.handle("swap", PollRequest(v=1, node_id=node, credential=f"secret-{node}", known_round=round_id, wait_s=0.0,
+                                  progress=progress, copies=CopiesNote(local_step=copied, copied_step=copied),
+                                  holding=holding), now)
+
+
+def slow_b(rz: Rendezvous) -> None:
+    """A job of a, b, c (b the others wait on) with spare s; every node holds and copied step 10."""
+    for node in ("a", "b", "c", "s"):
+        join(rz, "swap", node, T, CONFIG)
+    at = T
+    while rz.jobs["swap"].swap is None:
+        at += 1
+        assert at < T + 100, "b was never named slow"
+        for node, waited in (("a", 0.2), ("b", 0.02), ("c", 0.2)):
+            poll(rz, node, at, waited=waited)
+
+
+def hold_asked(rz: Rendezvous, node: str) -> bool:
+    return rz.view("swap", node, T + 200).hold_at_snapshot
+
+
+def test_the_swap_waits_for_the_snapshot_the_members_hold_after_and_the_suspects_copy_of_it() -> None:
+    rz = Rendezvous()
+    slow_b(rz)
+    job = rz.jobs["swap"]
+    first = job.round.round_id
+    assert [hold_asked(rz, n) for n in ("a", "b", "c", "s")] == [True, True, True, False]     # not the spare
+    poll(rz, "a", T + 150, held=15, copied=15, holding=True)    # a's ranks wait after step 15 ...
+    assert job.round.round_id == first                         # ... but b's copy of 15 is not on its peer yet
+    poll(rz, "b", T + 151, copied=15, holding=True)
+    assert job.round.round_id == first + 1 and job.restart_count == 0
+    assert job.round.members == ["a", "s", "c"]                # the spare in b's place (group rank 1)
+    assert job.nodes["b"].state == NodeState.EXCLUDED and job.swap is None
+    formed = [e for e in job.events if e.kind == EventKind.ROUND_COMPLETED][-1]
+    assert formed.data is not None and formed.data["cause"] == RoundCause.SWAPPED.value
+    swapped = [e.message for e in job.events if e.kind == EventKind.NODE_SUSPECT]
+    assert swapped[-1].startswith("node b swapped for spare s at the snapshot of step 15"), swapped
+    assert not hold_asked(rz, "a")                             # the new round holds nowhere
+
+
+def test_no_snapshot_within_the_wait_swaps_anyway_and_says_so() -> None:
+    rz = Rendezvous()
+    slow_b(rz)
+    job = rz.jobs["swap"]
+    first = job.round.round_id
+    rz.tick(job.swap.until - 1)
+    assert job.round.round_id == first
+    rz.tick(job.swap.until)
+    assert job.round.round_id == first + 1 and "b" not in job.round.members
+    assert any(f"no snapshot came within {SWAP_WAIT_S:g}s" in e.message for e in job.events)
+
+
+def test_a_spare_gone_before_the_snapshot_swaps_nothing_and_the_hold_ends() -> None:
+    rz = Rendezvous()
+    slow_b(rz)
+    job = rz.jobs["swap"]
+    first = job.round.round_id
+    job.nodes["s"].ready = False            # the spare is no longer ready (its warm interpreter restarts, say)
+    poll(rz, "a", T + 150, held=15, copied=15, holding=True)
+    poll(rz, "b", T + 151, copied=15, holding=True)
+    assert job.round.round_id == first and "b" in job.round.members and job.swap is None
+    assert not hold_asked(rz, "a")
+    assert "no spare is ready any more: not swapped" in job.events[-1].message
+
+
+def test_a_members_poll_is_answered_once_its_hold_is_not_the_one_it_knows() -> None:
+    rz = Rendezvous()
+    slow_b(rz)
+    view = rz.view("swap", "a", T + 200)
+    round_id = view.round_id
+    assert poll_ready(view, round_id, holding=False)           # news: hold after the next snapshot
+    assert not poll_ready(view, round_id, holding=True)        # known: held until the round changes
