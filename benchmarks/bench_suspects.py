@@ -35,11 +35,11 @@ FAST = ["--lease-timeout", "3", "--last-call", "1", "--stop-timeout", "2"]
 
 
 def agent(port: int, job: str, node: str, nnodes: str, nproc: int, script: list[str], env: dict[str, str],
-          capture: bool = False):
+          capture: bool = False, flags: tuple[str, ...] = ()):
     full = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), **env)
     return subprocess.Popen([sys.executable, "-m", "node_agent.main", "--endpoint", f"127.0.0.1:{port}", "--nnodes",
                              nnodes, "--nproc", str(nproc), "--job-id", job, "--max-restarts", "3", "--node-id", node,
-                             "--failure-domain", f"rack-{node}", *FAST, *script],
+                             "--failure-domain", f"rack-{node}", *FAST, *flags, *script],
                             env=full, stdout=subprocess.PIPE if capture else subprocess.DEVNULL,
                             stderr=subprocess.STDOUT, text=True)
 
@@ -139,6 +139,51 @@ def flipped(port: int, i: int) -> dict[str, float]:
             "alike_at_end": float("replicas alike at the end: yes" in out)}
 
 
+def slowed(port: int, i: int, how: str) -> dict[str, float]:
+    """3 x 2 + spare s, --replace-slow-nodes; node b 15 % slower from step 40 (`how`: sleep or compute)."""
+    out = tempfile.mkdtemp(prefix="bench-sus-")
+    job = f"slow-{how}-{i}"
+    env = {"OUT_DIR": out, "STATE_MB": "4", "STEP_S": "0.2", "SNAP_EVERY": "5", "DISK_EVERY": "0",
+           "SLOW_AT": f"b:40:0.15:{how}"}
+    flags = ("--replace-slow-nodes",)
+    procs = {n: agent(port, job, n, "3", 2, [SHARDS], {**env, "NODE": n}, flags=flags) for n in ("a", "b", "c")}
+    until(lambda: len({r[4] for r in rows(out, "steps-")}) == 6)
+    place = next(n["group_rank"] for n in get(port, f"/v1/jobs/{job}")["nodes"] if n["node_id"] == "b")
+    procs["s"] = agent(port, job, "s", "3", 2, [SHARDS], {**env, "NODE": "s"}, flags=flags)
+    events = lambda: get(port, f"/v1/jobs/{job}/events")["events"]  # noqa: E731
+    swapped = until(lambda: next((e for e in events() if e["kind"] == "node_suspect"
+                                  and "swapped for spare" in e["message"]), None), limit=240)
+    until(lambda: len({r[4] for r in rows(out, "steps-") if float(r[0]) > _t(swapped)}) == 6, limit=60)
+    steps = rows(out, "steps-")
+    onset = min(float(r[0]) for r in rows(out, "steps-b") if int(r[1]) >= 40)
+    before = [r for r in steps if float(r[0]) <= _t(swapped)]
+    after = [r for r in steps if float(r[0]) > _t(swapped)]
+    again = max(min(float(r[0]) for r in after if r[4] == str(rank)) for rank in range(6))
+    resumed = [ln.split() for ln in open(os.path.join(out, "resumed.txt")) if float(ln.split()[0]) > _t(swapped)]
+    view = get(port, f"/v1/jobs/{job}")
+    held = next(n for n in view["nodes"] if n["node_id"] == "s")
+    with open(os.path.join(out, "stop"), "w"):
+        pass
+    for p in procs.values():
+        with _quiet():
+            p.wait(60)
+    for p in procs.values():
+        p.kill()
+    return {"onset_to_swap_s": _t(swapped) - onset, "swap_to_every_rank_stepping_s": again - _t(swapped),
+            "steps_redone": max(int(r[1]) for r in before) - int(resumed[0][2]),
+            "resumed_step": float(resumed[0][2]), "from_memory": float(all(r[3] == "memory" for r in resumed)),
+            "restarts": view["restart_count"],
+            "spare_in_place": float(held["group_rank"] == place)}
+
+
+def slowed_sleep(port: int, i: int) -> dict[str, float]:
+    return slowed(port, i, "sleep")
+
+
+def slowed_compute(port: int, i: int) -> dict[str, float]:
+    return slowed(port, i, "compute")
+
+
 def _t(event: dict) -> float:
     return dt.datetime.fromisoformat(event["time"].replace("Z", "+00:00")).timestamp()
 
@@ -156,7 +201,8 @@ def main() -> None:
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--cases", default="asked,every_try,flipped")
     args = p.parse_args()
-    cases = {"asked": asked, "every_try": every_try, "flipped": flipped}
+    cases = {"asked": asked, "every_try": every_try, "flipped": flipped, "slow_sleep": slowed_sleep,
+             "slow_compute": slowed_compute}
     with running_server() as port:
         for name in args.cases.split(","):
             runs = [cases[name](port, i) for i in range(args.runs)]

@@ -9,15 +9,22 @@ newest snapshot it held), OUT_DIR/saves-NODE-LOCAL_RANK.txt (seconds each snapsh
 OUT_DIR/pid-NODE-LOCAL_RANK. Trains until OUT_DIR/stop exists (decided together every 10 steps).
 EXIT_AT=RANK:CODE: global rank RANK exits with CODE at its first step after OUT_DIR/exit appears, on the first attempt
 only (EXIT_EVERY_TRY=1: on every attempt), as a worker asking for other hardware does (Megatron's exit 16).
+SLOW_AT=NODE:STEP:FRACTION:HOW: on node NODE, from step STEP, each step takes FRACTION x STEP_S more, by sleeping
+(HOW=sleep, as slow storage) or computing (HOW=compute). JITTER=F: each step's sleep is STEP_S x (1 +- F), drawn
+per rank and step. SOLO_AT=STEP,STEP:SECONDS: global rank 0 computes alone for SECONDS at those steps (first
+attempt), as an evaluation does, while the others wait in the next all_reduce. Each step is a beat() (the probe's
+steps and pace).
 """
 import functools
 import os
+import random
 import time
 
 import torch
 import torch.distributed as dist
 
 from node_agent.training import snapshot
+from node_agent.training.heartbeat import beat
 
 env = os.environ.get
 out = env("OUT_DIR", ".")
@@ -56,6 +63,20 @@ state = state.clone()
 ok = bool(torch.all(state == float(rank + step)))
 with open(os.path.join(out, "resumed.txt"), "a") as f:    # one line per rank and start, appended at once
     f.write(f"{time.time():.6f} {rank} {step} {source} {'ok' if ok else 'WRONG'} {held_before}\n")
+slow_node, slow_from, slow_by, slow_how = (env("SLOW_AT") or "-:0:0:sleep").split(":")
+jitter = float(env("JITTER", "0"))
+solo_steps, solo_s = ((env("SOLO_AT") or ":0").split(":")[0], float((env("SOLO_AT") or ":0").split(":")[1]))
+solo_at = {int(x) for x in solo_steps.split(",") if x}
+draw = random.Random(rank * 7919 + restart)
+
+
+def spin(seconds: float) -> None:
+    """Compute (the CPU busy, as a slow GPU's host thread or a numpy metric is) for `seconds`."""
+    end, x = time.perf_counter() + seconds, torch.ones(64, 64)
+    while time.perf_counter() < end:
+        x = (x @ x).clamp_(-1, 1)
+
+
 log = open(os.path.join(out, f"steps-{me}.txt"), "a")  # noqa: SIM115 - the run's own log, open for its life
 saves = open(os.path.join(out, f"saves-{me}.txt"), "a")  # noqa: SIM115 - how long each snapshot.save took
 while True:
@@ -66,8 +87,17 @@ while True:
             break
     state += 1
     dist.all_reduce(torch.ones(1))
-    time.sleep(step_s)
+    time.sleep(step_s * (1 + draw.uniform(-jitter, jitter)))
+    if env("NODE") == slow_node and step >= int(slow_from):
+        extra = float(slow_by) * step_s
+        if slow_how == "compute":
+            spin(extra)
+        else:
+            time.sleep(extra)
+    if rank == 0 and restart == 0 and step in solo_at:
+        spin(solo_s)
     step += 1
+    beat()
     log.write(f"{time.time():.6f} {step} {restart} {world} {rank}\n")
     log.flush()
     exit_rank, exit_code = (int(x) for x in (env("EXIT_AT") or "-1:0").split(":"))
