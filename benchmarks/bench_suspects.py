@@ -184,6 +184,46 @@ def slowed_compute(port: int, i: int) -> dict[str, float]:
     return slowed(port, i, "compute")
 
 
+def quiet_job(port: int, i: int, name: str, env: dict[str, str], done) -> dict[str, float]:
+    """3 x 2 + spare s, --replace-slow-nodes, a healthy job that runs until `done(out, started_at)`: the nodes
+    named slow, the swaps and the restarts meanwhile (all should be 0)."""
+    out = tempfile.mkdtemp(prefix="bench-sus-")
+    job = f"{name}-{i}"
+    env = {"OUT_DIR": out, "STATE_MB": "4", "STEP_S": "0.2", "SNAP_EVERY": "5", "DISK_EVERY": "0", **env}
+    flags = ("--replace-slow-nodes",)
+    procs = {n: agent(port, job, n, "3", 2, [SHARDS], {**env, "NODE": n}, flags=flags) for n in ("a", "b", "c", "s")}
+    until(lambda: len({r[4] for r in rows(out, "steps-")}) == 6)
+    started = time.time()
+    until(lambda: done(out, started), limit=7200)
+    events = get(port, f"/v1/jobs/{job}/events")["events"]
+    view = get(port, f"/v1/jobs/{job}")
+    steps = max(int(r[1]) for r in rows(out, "steps-"))
+    with open(os.path.join(out, "stop"), "w"):
+        pass
+    for p in procs.values():
+        with _quiet():
+            p.wait(60)
+    for p in procs.values():
+        p.kill()
+    return {"minutes": (time.time() - started) / 60, "steps": steps,
+            "named_slow": sum(e["kind"] == "node_slow" for e in events),
+            "swaps": sum(e["kind"] == "node_suspect" for e in events), "restarts": view["restart_count"]}
+
+
+def jitter(port: int, i: int) -> dict[str, float]:
+    """Every rank's step +-30 % at random, for --minutes."""
+    return quiet_job(port, i, "jitter", {"JITTER": "0.3"}, lambda out, t0: time.time() - t0 >= MINUTES[0] * 60)
+
+
+def solo(port: int, i: int) -> dict[str, float]:
+    """Rank 0 computes alone for 60 s at steps 30 and 80 (an evaluation, a numpy metric), then 40 more steps."""
+    return quiet_job(port, i, "solo", {"SOLO_AT": "30,80:60"},
+                     lambda out, t0: max((int(r[1]) for r in rows(out, "steps-")), default=0) >= 120)
+
+
+MINUTES = [30.0]
+
+
 def _t(event: dict) -> float:
     return dt.datetime.fromisoformat(event["time"].replace("Z", "+00:00")).timestamp()
 
@@ -199,10 +239,12 @@ class _quiet:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--runs", type=int, default=3)
-    p.add_argument("--cases", default="asked,every_try,flipped")
+    p.add_argument("--cases", default="asked,every_try,flipped,slow_sleep,slow_compute,solo")
+    p.add_argument("--minutes", type=float, default=30.0, help="of the jitter case (not run by default)")
     args = p.parse_args()
+    MINUTES[0] = args.minutes
     cases = {"asked": asked, "every_try": every_try, "flipped": flipped, "slow_sleep": slowed_sleep,
-             "slow_compute": slowed_compute}
+             "slow_compute": slowed_compute, "solo": solo, "jitter": jitter}
     with running_server() as port:
         for name in args.cases.split(","):
             runs = [cases[name](port, i) for i in range(args.runs)]

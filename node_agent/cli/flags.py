@@ -135,7 +135,8 @@ FLAGS: tuple[Flag, ...] = (
          "the hard cap for ranks that all wait in collectives while data still moves (or a GPU computes): a hang "
          "after this long; 0: none; default {default:g}"),
     Flag(("--replace-slow-nodes", "--replace_slow_nodes"), "replace_slow_nodes", None,
-         "drain a node named slow (the others wait on it), for a spare to take its place; default off"),
+         "swap a node named slow (the others wait on it) for a ready spare at the job's next snapshot (nothing "
+         "redone); default off"),
     Flag(("--suspect-exit-codes", "--suspect_exit_codes"), "suspect_exit_codes", "CODE[,CODE...]",
          "worker exit codes that ask for other hardware (Megatron's 16 and 17): the node is replaced by a ready "
          "spare at once, excluded when it asks twice; none: no such code; default 16,17"),
