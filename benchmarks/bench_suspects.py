@@ -31,6 +31,7 @@ from _server import ROOT, running_server  # noqa: E402
 
 SHARDS = os.path.join(ROOT, "benchmarks", "scripts", "shard_train.py")
 TRAIN = os.path.join(ROOT, "examples", "train_ddp.py")
+HSDP = os.path.join(ROOT, "benchmarks", "scripts", "hsdp_flip.py")
 FAST = ["--lease-timeout", "3", "--last-call", "1", "--stop-timeout", "2"]
 
 
@@ -224,6 +225,31 @@ def solo(port: int, i: int) -> dict[str, float]:
 MINUTES = [30.0]
 
 
+def flipped_hsdp(port: int, i: int, nodes: int) -> dict[str, float]:
+    """HSDP, `nodes` x 2 ranks on a (nodes x 2) mesh: each shard's replicas one per node; one bit of a weight
+    flipped on rank 2 after step 12, a snapshot every 5 steps of 0.25 s."""
+    job = f"hsdp{nodes}-{i}"
+    env = {"REPLICAS": str(nodes), "STEPS": "30", "STEP_S": "0.25", "FLIP": "2:12"}
+    names = "abc"[:nodes]
+    procs = [agent(port, job, n, str(nodes), 2, [HSDP], env, capture=True) for n in names]
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+    events = get(port, f"/v1/jobs/{job}/events")["events"]
+    diverged = next(e for e in events if e["kind"] == "replicas_diverged")
+    out = "".join(outs)
+    resumed = sorted({int(ln.split("step ")[1].split(" ")[0]) for ln in out.splitlines()
+                      if "resumed from step" in ln and "(memory)" in ln})
+    return {"flip_named": float("rank(s) 2 hold other parameters" in diverged["message"]),
+            "resumed_from": float(resumed[0]), "alike_at_end": float("replicas alike at the end: yes" in out)}
+
+
+def flipped_hsdp_3x2(port: int, i: int) -> dict[str, float]:
+    return flipped_hsdp(port, i, 3)
+
+
+def flipped_hsdp_2x2(port: int, i: int) -> dict[str, float]:
+    return flipped_hsdp(port, i, 2)
+
+
 def _t(event: dict) -> float:
     return dt.datetime.fromisoformat(event["time"].replace("Z", "+00:00")).timestamp()
 
@@ -239,12 +265,13 @@ class _quiet:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--runs", type=int, default=3)
-    p.add_argument("--cases", default="asked,every_try,flipped,slow_sleep,slow_compute,solo")
+    p.add_argument("--cases", default="asked,every_try,flipped,hsdp_3x2,hsdp_2x2,slow_sleep,slow_compute,solo")
     p.add_argument("--minutes", type=float, default=30.0, help="of the jitter case (not run by default)")
     args = p.parse_args()
     MINUTES[0] = args.minutes
     cases = {"asked": asked, "every_try": every_try, "flipped": flipped, "slow_sleep": slowed_sleep,
-             "slow_compute": slowed_compute, "solo": solo, "jitter": jitter}
+             "slow_compute": slowed_compute, "solo": solo, "jitter": jitter, "hsdp_3x2": flipped_hsdp_3x2,
+             "hsdp_2x2": flipped_hsdp_2x2}
     with running_server() as port:
         for name in args.cases.split(","):
             runs = [cases[name](port, i) for i in range(args.runs)]

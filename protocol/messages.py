@@ -161,6 +161,7 @@ class RankDigest(msgspec.Struct, kw_only=True, frozen=True, gc=False):
     rank: Rank
     step: Annotated[int, Meta(ge=0, le=MAX_ROUND)]
     digest: Annotated[int, Meta(ge=0, le=2**63 - 1)]     # 63 bits: the wire's integers are int64
+    group: Rank = 0            # its replicas: the ranks of the same group (DDP: every rank; HSDP: a shard's)
 
 
 class ProgressNote(msgspec.Struct, kw_only=True, frozen=True, gc=False):

@@ -57,6 +57,7 @@ class ProbeRecord:
     pace: tuple[int, float, float] = (0, 0.0, 0.0)   # steps counted for the pace, their time, the time waited
     waits_measured: bool = False                    # the probe timed a wait on the others (backward, collective)
     held_step: int = -1          # the snapshot it waits after, as the agent asked (-1: none)
+    replica_group: int = 0       # the ranks its digests are compared with (those of the same group)
 
 
 @dataclass
@@ -147,7 +148,8 @@ class RoundSteps:
             waited=round(self._waited(), 3) if closes else -1.0,
             resumed_step=max((r.resumed_step for r in records), default=-1), anatomy=self.anatomy(),
             held_step=self.held_step(),
-            digests=[RankDigest(rank=self.global_ranks.get(lr, lr), step=step, digest=value)
+            digests=[RankDigest(rank=self.global_ranks.get(lr, lr), step=step, digest=value,
+                                group=r.record.replica_group)
                      for lr, r in sorted(self.ranks.items()) if r.record is not None
                      for step, value in r.record.digests])
         if closes:

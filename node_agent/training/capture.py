@@ -72,9 +72,12 @@ class _Pending:
 
 
 class Capture:
-    def __init__(self, where: str, keep: int = 2, replicated: Callable[[str], bool] | None = None) -> None:
-        """`replicated(path)`: whether the tensor at `path` of the tree is held alike by every replica (DDP's
-        parameters): their hashes, digested, go to the agent with each snapshot (heartbeat.digest)."""
+    def __init__(self, where: str, keep: int = 2, replicated: Callable[[str], bool] | None = None,
+                 group: int = 0) -> None:
+        """`replicated(path)`: whether the tensor at `path` of the tree is held alike by every replica of this
+        rank's `group` (DDP's parameters: every rank, group 0): their hashes, digested, go to the agent with each
+        snapshot (heartbeat.digest)."""
+        self.group = group
         self.where = where
         self.keep = keep
         self._replicated = replicated
@@ -203,7 +206,7 @@ class Capture:
             os.replace(tmp, snapshot.path(p.step, self.where))
             if any(p.replicated):
                 heartbeat.digest(p.step, layout.digest_of([s for s, alike in zip(sums, p.replicated, strict=True)
-                                                           if alike]))
+                                                           if alike]), self.group)
         except Exception as exc:  # noqa: BLE001  (a thread's failure must reach the user, once, not end the training)
             snapshot.remove(tmp)
             self._keep_slabs(lambda s: s is not p.slab)

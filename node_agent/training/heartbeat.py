@@ -43,11 +43,12 @@ def restored() -> None:
         probe.restored()
 
 
-def digest(step: int, value: int) -> None:
-    """A snapshot of `step` was taken: `value` digests the tensors every replica holds alike (protect's)."""
+def digest(step: int, value: int, group: int = 0) -> None:
+    """A snapshot of `step` was taken: `value` digests the tensors the replicas of `group` hold alike (protect's;
+    group 0: every rank, as under DDP)."""
     probe = sys.modules.get(PROBE_MODULE)
     if probe is not None:
-        probe.digest(step, value)
+        probe.digest(step, value, group)
 
 
 def held(step: int) -> None:

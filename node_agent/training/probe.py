@@ -53,7 +53,10 @@ PACE_AT = DIGEST_AT + DIGESTS * DIGEST.size      # 184
 # Then the step of the snapshot the worker waits after, as its agent asked (-1: none; snapshot.hold_after).
 HELD = struct.Struct("<q")
 HELD_AT = PACE_AT + PACE.size    # 208
-SIZE = HELD_AT + HELD.size     # 216
+# Then which replicas the digests are compared with: the ranks that tell the same group (0: every rank, as DDP's).
+GROUP = struct.Struct("<q")
+GROUP_AT = HELD_AT + HELD.size   # 216
+SIZE = GROUP_AT + GROUP.size     # 224
 SEQ = struct.Struct("<Q")
 STEP = struct.Struct("<Qdd")          # steps, first, last: written between two seq updates
 FLAG = struct.Struct("<I")
@@ -100,6 +103,7 @@ class Record:
         self.pace = Pace()
         PACE.pack_into(self.map, PACE_AT, 0, 0.0, 0.0)
         HELD.pack_into(self.map, HELD_AT, -1)
+        GROUP.pack_into(self.map, GROUP_AT, 0)
 
     def mark(self, milestone: str) -> None:
         """The worker reached `milestone` now (the first time only)."""
@@ -205,9 +209,11 @@ def resumed(step: int) -> None:
         RESUMED.pack_into(_record.map, RESUMED_AT, max(-1, int(step)))
 
 
-def digest(step: int, value: int) -> None:
-    """The snapshot of `step`: its replicated tensors' digest (from the snapshot's writer thread)."""
+def digest(step: int, value: int, group: int = 0) -> None:
+    """The snapshot of `step`: its replicated tensors' digest, compared with the ranks of `group` (from the
+    snapshot's writer thread)."""
     if _record is not None:
+        GROUP.pack_into(_record.map, GROUP_AT, max(0, int(group)))
         at = DIGEST_AT + (_record.digests % DIGESTS) * DIGEST.size
         _record.digests += 1
         STEP_OF.pack_into(_record.map, at, -1)

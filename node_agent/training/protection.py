@@ -49,7 +49,7 @@ def protect(model: nn.Module, optimizer: torch.optim.Optimizer, every: int = 5, 
             keep: int = 2) -> int:
     """Restore the newest snapshot every rank holds and snapshot every `every` optimizer steps from now on.
     Returns the number of optimizer steps already done (the loop's first step)."""
-    replicated = _replicated(model)
+    replicated, group = _replicated(model)
     model, optimizer = _inner(model), _inner_optimizer(optimizer)
     objects = dict(extra or {})
     _check(model, optimizer, every, objects, keep)
@@ -58,7 +58,7 @@ def protect(model: nn.Module, optimizer: torch.optim.Optimizer, every: int = 5, 
         return fallback() if fallback is not None else 0
     restored = restore(model, optimizer, objects, where)
     start = restored if restored is not None else (fallback() if fallback is not None else 0)
-    _Hooks(model, optimizer, objects, every, Capture(where, keep, replicated), start).register()
+    _Hooks(model, optimizer, objects, every, Capture(where, keep, replicated, group), start).register()
     return start
 
 
@@ -93,7 +93,9 @@ class _Hooks:
         self.drawn: dict[str, Any] = {}     # what the next step draws from, as the optimizer step left it
 
     def register(self) -> None:
-        self.model.register_forward_pre_hook(lambda *_: self._take_due())
+        # First of the forward's hooks: FSDP2's unshards the parameters for the forward, and a state_dict taken
+        # after it puts the sharded ones back under the forward's feet.
+        self.model.register_forward_pre_hook(lambda *_: self._take_due(), prepend=True)
         self.optimizer.register_step_pre_hook(lambda *_: self._before_step())
         self.optimizer.register_step_post_hook(lambda *_: self._stepped())
 
@@ -184,17 +186,41 @@ def _like(value: Any, param: torch.Tensor) -> Any:
     return value
 
 
-def _replicated(model: Any) -> Callable[[str], bool] | None:
-    """Which tensors of the snapshot every replica holds alike: a DDP model's parameters (its buffers may differ
-    between broadcasts). Other models: none is compared, said once (FSDP2 shards are no replicas; HSDP's
-    replicate groups are not told apart yet)."""
+def _replicated(model: Any) -> tuple[Callable[[str], bool] | None, int]:
+    """Which tensors of the snapshot the replicas hold alike, and which ranks are this rank's replicas (a group
+    number: the ranks that tell the same one). A DDP model's parameters, on every rank (its buffers may differ
+    between broadcasts); an HSDP model's (`fully_shard` on a mesh with replicated dims), on the ranks with the
+    same coordinates on its sharded dims. Other models: none is compared, said once (FSDP2 shards are no
+    replicas; a mixture of meshes or placements is not told apart)."""
     if isinstance(model, DistributedDataParallel):
         names = {f"/state/model/{name}" for name, _ in model.module.named_parameters()}
-        return names.__contains__
+        return names.__contains__, 0
+    hsdp = _hsdp_replicas(model) if isinstance(model, nn.Module) else None
+    if hsdp is not None:
+        return hsdp
     if os.environ.get("RANK", "0") == "0" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        say("replicas are not compared: the model is not DistributedDataParallel (only DDP's parameters are "
-            "known to be alike on every rank)")
-    return None
+        say("replicas are not compared: the model is neither DistributedDataParallel nor HSDP (fully_shard on a "
+            "mesh with a replicated dim): only their parameters are known to be alike on their replicas")
+    return None, 0
+
+
+def _hsdp_replicas(model: nn.Module) -> tuple[Callable[[str], bool], int] | None:
+    """HSDP: every parameter a DTensor of one mesh and placements, some of them Replicate; the group is this
+    rank's coordinates on the other dims (its shard), numbered."""
+    params = list(model.named_parameters())
+    layouts = {(p.device_mesh, p.placements) for _, p in params if isinstance(p, DTensor)}
+    if len(layouts) != 1 or not all(isinstance(p, DTensor) for _, p in params):
+        return None
+    mesh, placements = layouts.pop()
+    sharded = [dim for dim, placement in enumerate(placements) if not placement.is_replicate()]
+    coordinate = mesh.get_coordinate()
+    if len(sharded) == len(placements) or coordinate is None:
+        return None
+    group = 0
+    for dim in sharded:
+        group = group * mesh.size(dim) + coordinate[dim]
+    names = {f"/state/model/{name}" for name, _ in params}
+    return names.__contains__, group
 
 
 def _inner(model: Any) -> Any:

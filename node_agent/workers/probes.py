@@ -21,6 +21,7 @@ import node_agent.training.probe as probe
 from node_agent.core.stalls import ProcSample
 from node_agent.core.steps import ProbeRecord
 from node_agent.workers import owners
+from protocol.bounds import MAX_LOCAL_WORLD_SIZE, MAX_NODES
 
 STACKS_SIGNAL = signal.SIGRTMIN + 6     # answered by faulthandler in a worker whose record has the STACKS flag
 MAX_DUMP_BYTES = 256 * 1024             # read of one dump (faulthandler stops at 100 frames per thread)
@@ -117,7 +118,10 @@ class RecordReader:
             if record is not None:
                 record.milestones.update(_milestones(probe.TIMES.unpack_from(self._map, probe.TIMES_AT), wall_now))
                 held = probe.HELD.unpack_from(self._map, probe.HELD_AT)[0]
-                record = dataclasses.replace(record, digests=self._digests(), held_step=max(-1, held))
+                group = probe.GROUP.unpack_from(self._map, probe.GROUP_AT)[0]
+                group = group if 0 <= group <= MAX_NODES * MAX_LOCAL_WORLD_SIZE else 0
+                record = dataclasses.replace(record, digests=self._digests(), held_step=max(-1, held),
+                                             replica_group=group)
             return record
         return None
 

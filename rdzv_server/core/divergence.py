@@ -1,14 +1,15 @@
-"""Replicas that diverge (silent data corruption): ranks that hold the same tensors (a DDP job's parameters, as
-`protect` knows them) must hold the same bytes at the same step. Each snapshot's digest of those tensors comes
-on the agents' progress notes (ProgressNote.digests); once every rank of the round has told its digest of a
-step, the step is judged (pure; `now` is an argument):
-- all alike: the newest agreed step;
-- one value held by more than half of the ranks: the others diverged. The round fails (a restart, reason
+"""Replicas that diverge (silent data corruption): ranks that hold the same tensors (a DDP job's parameters on
+every rank, an HSDP job's on the ranks of one shard: each digest's `group`, as `protect` knows them) must hold
+the same bytes at the same step. Each snapshot's digest of those tensors comes on the agents' progress notes
+(ProgressNote.digests); once every rank of the round has told its digest of a step, the step is judged, each
+group on its own (pure; `now` is an argument):
+- all alike in every group: the newest agreed step;
+- in a group, one value held by more than half of its ranks: the others diverged. The round fails (a restart, reason
   `diverged`, the first odd rank the root cause), its node is a suspect (suspects.py: a ready spare takes its
   place), and every node drops its snapshots newer than the newest agreed step (Assignment.resume_at_most),
   so the job resumes from bytes every replica held (none judged alike yet, as after a server restart: those
   before the diverged step, rather than none);
-- no majority (two ranks, or an even split): nobody is named; the job still resumes from the agreed step.
+- no majority (two replicas, or an even split): nobody is named; the job still resumes from the agreed step.
 The digests are kept in memory for the running round only (a new server judges the steps it sees)."""
 from __future__ import annotations
 
@@ -24,16 +25,17 @@ KEEP_STEPS = 8          # steps whose digests are held while some rank has not t
 class Digests:
     round_id: int = -1
     world: int = 0
-    by_step: dict[int, dict[int, int]] = field(default_factory=dict)   # step -> rank -> digest
+    by_step: dict[int, dict[int, tuple[int, int]]] = field(default_factory=dict)   # step -> rank -> (group, digest)
     agreed: int = -1                   # the newest step every rank held alike (-1: none judged yet)
 
 
 @dataclass(frozen=True)
 class Diverged:
     step: int
-    odd: list[int]                     # the ranks off the majority ([]: no majority)
+    odd: list[int]                     # the ranks off their group's majority ([]: no majority)
     agreed: int                        # the newest step all held alike (-1: none)
     ranks: int                         # how many ranks told their digest of `step`
+    groups: int = 1                    # in how many groups of replicas
 
 
 def note(d: Digests, round_id: int, world: int, told: list[RankDigest]) -> Diverged | None:
@@ -42,18 +44,24 @@ def note(d: Digests, round_id: int, world: int, told: list[RankDigest]) -> Diver
         d.round_id, d.world, d.by_step = round_id, world, {}
     for t in told:
         if t.rank < world and t.step > d.agreed:
-            d.by_step.setdefault(t.step, {})[t.rank] = t.digest
+            d.by_step.setdefault(t.step, {})[t.rank] = (t.group, t.digest)
     for step in sorted(d.by_step)[:-KEEP_STEPS]:
         del d.by_step[step]
     for step in sorted(s for s, held in d.by_step.items() if len(held) == world):
-        held = d.by_step.pop(step)
-        (value, count), *_ = Counter(held.values()).most_common(1)
-        if count == world:
+        groups: dict[int, dict[int, int]] = {}
+        for rank, (group, value) in d.by_step.pop(step).items():
+            groups.setdefault(group, {})[rank] = value
+        odd, alike = [], True
+        for held in groups.values():
+            (value, count), *_ = Counter(held.values()).most_common(1)
+            alike = alike and count == len(held)
+            if 2 * count > len(held):
+                odd += [r for r, v in held.items() if v != value]
+        if alike:
             d.agreed = max(d.agreed, step)
             continue
-        odd = sorted(r for r, v in held.items() if v != value) if 2 * count > world else []
         d.by_step.clear()
-        return Diverged(step=step, odd=odd, agreed=d.agreed, ranks=world)
+        return Diverged(step=step, odd=sorted(odd), agreed=d.agreed, ranks=world, groups=len(groups))
     return None
 
 
@@ -61,7 +69,9 @@ def line(v: Diverged) -> str:
     back = f"the job resumes from step {v.agreed}, the newest all held alike" if v.agreed >= 0 else \
         ("no step was seen alike yet (a new round of a new server): the job resumes from a snapshot before step "
          f"{v.step}")
+    others = f"the other {v.ranks - len(v.odd)} replicas" if v.groups == 1 else "the other replicas of their shard"
     if v.odd:
-        return (f"rank(s) {', '.join(map(str, v.odd))} hold other parameters than the other {v.ranks - len(v.odd)} "
-                f"replicas at step {v.step} (silent data corruption?); {back}")
-    return f"the {v.ranks} replicas hold different parameters at step {v.step}, with no majority; {back}"
+        return (f"rank(s) {', '.join(map(str, v.odd))} hold other parameters than {others} at step {v.step} (silent "
+                f"data corruption?); {back}")
+    replicas = f"the {v.ranks} replicas" if v.groups == 1 else f"replicas of a shard ({v.groups} shards)"
+    return f"{replicas} hold different parameters at step {v.step}, with no majority to name one; {back}"

@@ -33,7 +33,7 @@ def test_a_step_is_judged_when_every_rank_told_it() -> None:
     verdict = divergence.note(d, 1, 3, told(10, {0: 7, 1: 9, 2: 7}))
     assert verdict == divergence.Diverged(step=10, odd=[1], agreed=5, ranks=3)
     assert "rank(s) 1 hold other parameters than the other 2 replicas at step 10" in divergence.line(verdict)
-    assert divergence.note(d, 2, 3, told(10, {0: 1})) is None and d.by_step == {10: {0: 1}}   # a new round
+    assert divergence.note(d, 2, 3, told(10, {0: 1})) is None and d.by_step == {10: {0: (0, 1)}}   # a new round
 
 
 def test_two_ranks_or_an_even_split_name_nobody() -> None:
@@ -41,8 +41,24 @@ def test_two_ranks_or_an_even_split_name_nobody() -> None:
         divergence.Diverged(step=5, odd=[], agreed=-1, ranks=2)
     verdict = divergence.note(divergence.Digests(), 1, 4, told(5, {0: 1, 1: 1, 2: 2, 3: 2}))
     assert verdict is not None and verdict.odd == []
-    assert "with no majority; no step was seen alike yet (a new round of a new server): the job resumes from a " \
-           "snapshot before step 5" in divergence.line(verdict)
+    assert "with no majority to name one; no step was seen alike yet (a new round of a new server): the job " \
+           "resumes from a snapshot before step 5" in divergence.line(verdict)
+
+
+def test_hsdp_replicas_are_compared_within_their_shards_group_only() -> None:
+    """6 ranks, 2 shards of 3 replicas: shard 0 on ranks 0, 2, 4 and shard 1 on 1, 3, 5 (their digests differ
+    between shards: other tensors); rank 3 off its shard's majority. With 2 replicas a shard names nobody."""
+    def hsdp(step: int, values: dict[int, int]) -> list[RankDigest]:
+        return [RankDigest(rank=r, step=step, digest=v, group=r % 2) for r, v in values.items()]
+    d = divergence.Digests()
+    assert divergence.note(d, 1, 6, hsdp(5, {0: 10, 1: 11, 2: 10, 3: 11, 4: 10, 5: 11})) is None and d.agreed == 5
+    verdict = divergence.note(d, 1, 6, hsdp(10, {0: 10, 1: 11, 2: 10, 3: 99, 4: 10, 5: 11}))
+    assert verdict == divergence.Diverged(step=10, odd=[3], agreed=5, ranks=6, groups=2)
+    assert "rank(s) 3 hold other parameters than the other replicas of their shard at step 10" in \
+        divergence.line(verdict)
+    pairs = divergence.note(divergence.Digests(), 1, 4, [RankDigest(rank=r, step=5, digest=v, group=r % 2)
+                                                       for r, v in {0: 1, 1: 2, 2: 1, 3: 3}.items()])
+    assert pairs is not None and pairs.odd == [] and "replicas of a shard (2 shards)" in divergence.line(pairs)
 
 
 def join(rz: Rendezvous, node: str, now: float) -> None:
