@@ -1,15 +1,21 @@
 """Suspect nodes (issue 55), measured end to end with a real server and agents on 127.0.0.1 (each node its own
-failure domain), benchmarks/scripts/shard_train.py (2 gloo workers per node, a snapshot every 5 steps of ~0.15 s)
-and examples/train_ddp.py:
+failure domain), benchmarks/scripts/shard_train.py (2 gloo workers per node, a snapshot every 5 steps),
+examples/train_ddp.py and benchmarks/scripts/hsdp_flip.py, ddp_rate.py:
 - asked: global rank 3 exits 16 (Megatron's "run this step elsewhere") with a ready spare: the time from its
   exit to every rank stepping again, the step they resumed from against the newest snapshot, restarts used,
   and where the spare stands (group rank of the suspect's place);
-- every try, no spare: rank 3 exits 16 on every attempt in a job of 1..2 nodes: restarts until the node is
+- every_try, no spare: rank 3 exits 16 on every attempt in a job of 1..2 nodes: restarts until the node is
   excluded and the job goes on with one node (it must not loop);
-- flipped: DDP 3 x 1, one bit of a weight flipped on rank 2 after step 12, a snapshot every 5 steps of 0.25 s:
-  the time from the flip to the server's replicas_diverged event, the step resumed from, replicas alike at the
-  end.
-Figures only; nothing is asserted. Run: .venv/bin/python benchmarks/bench_suspects.py [--runs 3]
+- flipped: DDP 3 x 2, one bit of a weight flipped on rank 2 after step 12, a snapshot every 5 steps of 0.25 s:
+  the time from the round's start to the server's replicas_diverged event, the step resumed from, replicas
+  alike at the end; hsdp_3x2, hsdp_2x2: the same under HSDP (3 or 2 replicas of 2 shards);
+- slow_sleep, slow_compute: 3 x 2 + a spare, --replace-slow-nodes, node b 15 % slower from step 40 (sleeping or
+  computing): from the onset to the swap, steps redone, from the swap to every rank stepping, restarts, the
+  spare in b's place;
+- solo: the same job, rank 0 computing alone for 60 s twice; jitter (not by default: --minutes): every step
+  +-30 %: nodes named slow, swaps, restarts (all should be 0);
+- digest_cost (not by default): DDP 3 x 2 as fast as it goes, replicas' digests on and off, alternated.
+Figures only; nothing is asserted. Run: .venv/bin/python benchmarks/bench_suspects.py [--runs 3] [--cases ...]
 (make bench-suspects).
 """
 from __future__ import annotations
@@ -32,6 +38,7 @@ from _server import ROOT, running_server  # noqa: E402
 SHARDS = os.path.join(ROOT, "benchmarks", "scripts", "shard_train.py")
 TRAIN = os.path.join(ROOT, "examples", "train_ddp.py")
 HSDP = os.path.join(ROOT, "benchmarks", "scripts", "hsdp_flip.py")
+RATE = os.path.join(ROOT, "benchmarks", "scripts", "ddp_rate.py")
 FAST = ["--lease-timeout", "3", "--last-call", "1", "--stop-timeout", "2"]
 
 
@@ -127,7 +134,7 @@ def flipped(port: int, i: int) -> dict[str, float]:
     job = f"flip-{i}"
     args = [TRAIN, "--steps", "30", "--snapshot-every", "5", "--flip-rank", "2", "--flip-step", "12", "--width", "32",
             "--depth", "2", "--step-s", "0.25", "--markers", os.path.join(tempfile.mkdtemp(), "m.txt")]
-    procs = [agent(port, job, n, "3", 1, args, {}, capture=True) for n in ("a", "b", "c")]
+    procs = [agent(port, job, n, "3", 2, args, {}, capture=True) for n in ("a", "b", "c")]
     outs = [p.communicate(timeout=300)[0] for p in procs]
     events = get(port, f"/v1/jobs/{job}/events")["events"]
     diverged = next(e for e in events if e["kind"] == "replicas_diverged")
@@ -250,6 +257,21 @@ def flipped_hsdp_2x2(port: int, i: int) -> dict[str, float]:
     return flipped_hsdp(port, i, 2)
 
 
+def digest_cost(port: int, i: int) -> dict[str, float]:
+    """DDP 3 x 2 as fast as it goes, protect(every=5) with the replicas' digests and without (protect on the inner
+    module: the same snapshots), alternated 3 times: steps per second of each."""
+    rates: dict[str, list[float]] = {"1": [], "0": []}
+    for turn in range(6):
+        on = "1" if turn % 2 == 0 else "0"
+        job = f"rate-{i}-{turn}"
+        procs = [agent(port, job, n, "3", 2, [RATE], {"DIGESTS": on}, capture=True) for n in "abc"]
+        out = "".join(p.communicate(timeout=600)[0] for p in procs)
+        rates[on] += [float(ln.split("rate ")[1].split()[0]) for ln in out.splitlines()
+                      if "rate " in ln and ln.endswith("steps/s")]
+    on, off = statistics.median(rates["1"]), statistics.median(rates["0"])
+    return {"steps_per_s_digests_on": on, "steps_per_s_off": off, "on_vs_off_pct": 100 * (on - off) / off}
+
+
 def _t(event: dict) -> float:
     return dt.datetime.fromisoformat(event["time"].replace("Z", "+00:00")).timestamp()
 
@@ -271,7 +293,7 @@ def main() -> None:
     MINUTES[0] = args.minutes
     cases = {"asked": asked, "every_try": every_try, "flipped": flipped, "slow_sleep": slowed_sleep,
              "slow_compute": slowed_compute, "solo": solo, "jitter": jitter, "hsdp_3x2": flipped_hsdp_3x2,
-             "hsdp_2x2": flipped_hsdp_2x2}
+             "hsdp_2x2": flipped_hsdp_2x2, "digest_cost": digest_cost}
     with running_server() as port:
         for name in args.cases.split(","):
             runs = [cases[name](port, i) for i in range(args.runs)]
