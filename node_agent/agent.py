@@ -33,7 +33,7 @@ from node_agent.core.actions import (
     StopWorkers,
 )
 from node_agent.core.facts import DeadlinePassed, Fact, SignalReceived, Stage
-from node_agent.core.node_health import NodeHealth
+from node_agent.core.node_health import RETRY_MIN_S, NodeHealth
 from node_agent.core.policy import SupervisionPolicy
 from node_agent.narration import Narrator
 from node_agent.node_checks import NodeChecks
@@ -118,8 +118,9 @@ class Agent:
         self.checks.start()      # said before any worker starts
         self.workers.cpu_affinity = self.checks.cpu_affinity
         self.workers.gpu_busy = self.checks.gpu_busy
-        self.policy.health = NodeHealth(enabled=self.checks.enabled, interval_s=self.settings.checks.gpu_check_interval,
-                                        retry_min_s=self.checks.retry_min_s, give_up_s=self.link.job.join_timeout_s)
+        interval = self.settings.checks.gpu_check_interval
+        self.policy.health = NodeHealth(enabled=self.checks.enabled, interval_s=interval,
+                                        retry_min_s=min(RETRY_MIN_S, interval), give_up_s=self.link.job.join_timeout_s)
         self.workers.warm_up()   # the environment is final: workers of the first round may start warm
         if not self.workers.ready:
             start_source(self._when_ready(link), self.facts.put_nowait)

@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING
 
 from node_agent.core.actions import CheckNode
 from node_agent.core.facts import NodeChecked, Stage
-from node_agent.core.node_health import RETRY_MIN_S
 from node_agent.gpu import has_nvidia_devices
 from node_agent.settings import CheckSettings
 from protocol.messages import UnhealthyKind as Kind
@@ -41,7 +40,6 @@ class NodeChecks:
         self.gpus: NodeGpus | None = None
         self._lock = asyncio.Lock()             # one NVML check at a time
         self._said: set[str] = set()
-        self.retry_min_s = RETRY_MIN_S          # the first back-off once found unhealthy (tests shorten it)
 
     @property
     def enabled(self) -> bool:

@@ -68,7 +68,7 @@ class Coordinator:
         self._deliveries: set[asyncio.Task[None]] = set()
         self._armed: float | None = None          # the deadline the timer sleeps to (None: none)
         self._rearm: asyncio.Event | None = None
-        self.timer_wakeups = 0                    # times the deadline task woke (re-armed or due)
+        self.timer_wakeups = 0                    # times the deadline task woke (re-armed or due): /metrics
         self._timer: asyncio.Task[None] | None = None
         # Each gets every drained outbox, after logging (metrics hook here). A listener must not raise.
         self.effect_listeners: list[Callable[[Outbox], None]] = []

@@ -78,8 +78,6 @@ class PathCheck:
         self._endpoint_of: dict[asyncio.Future[int | None], str] = {}          # probes under way
         self._kept: dict[str, _Kept] = {}                                       # by endpoint
         self.answered = False       # the last round that ended: did any endpoint answer HTTP?
-        self.rounds = 0             # rounds started (for tests and logs)
-        self.probes = 0             # probes started, each a new connection (for tests and logs)
 
     def _start(self, endpoints: list[str]) -> asyncio.Future[str | None]:
         now = self._clock()
@@ -103,7 +101,6 @@ class PathCheck:
             del self._kept[endpoint]
             if self._clock() - kept.ended <= CHECK_TIMEOUT_S:
                 return kept.probe
-        self.probes += 1
         probe = asyncio.ensure_future(self._probe(endpoint))
         self._endpoint_of[probe] = endpoint
         probe.add_done_callback(self._endpoint_of.pop)
@@ -112,7 +109,6 @@ class PathCheck:
     async def _round(self, endpoints: list[str]) -> str | None:
         """Every endpoint at once for up to CHECK_TIMEOUT_S; the first ready ends it (a silent leader is not
         waited for), the earliest given among those answering together."""
-        self.rounds += 1
         probes = {self._probe_for(e): e for e in endpoints}
         pending, answered, ready = set(probes), False, None
         ends = asyncio.get_running_loop().time() + CHECK_TIMEOUT_S

@@ -6,10 +6,10 @@ The checks run in the shell (node_checks.py), which answers each `CheckNode` wit
 - a suspect node (the server's NodeStatus.checks_due) checks once more before it may take a place again;
 - unhealthy (at any of these, or a worker outlived SIGKILL, checks on or not): do not join, or leave the
   round saying why and of what kind. No failure is reported, so no restart counts against the job, and
-  the server re-forms the round as for a lost node. Check again after a back-off (RETRY_MIN_S, doubling
-  to RETRY_MAX_S) and join once healthy, so a node repaired in place comes back; server news meanwhile is
-  old news, except the job's end. Out longer than `give_up_s` (the job's join timeout): exit 1 with the
-  last finding, since a node that is out never learns of the job's end."""
+  the server re-forms the round as for a lost node. Check again after a back-off (RETRY_MIN_S, or the
+  check interval when shorter, doubling to RETRY_MAX_S) and join once healthy, so a node repaired in place
+  comes back; server news meanwhile is old news, except the job's end. Out longer than `give_up_s` (the job's
+  join timeout): exit 1 with the last finding, since a node that is out never learns of the job's end."""
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -62,10 +62,6 @@ class Rendezvous:
             self.heard_at = now
             self._quiet_noted.clear()
 
-    def return_wave(self, job_id: str) -> ReturnWave | None:
-        """The job's nodes coming back since the last silence ended (leases.grace_after_silence)."""
-        return self._waves.get(job_id) if self.silence is not None else None
-
     def take_effects(self) -> Outbox:
         """What the calls since the last take did (see outbox.py)."""
         self._note_ended()

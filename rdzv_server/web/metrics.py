@@ -97,7 +97,10 @@ class StateCollector(Collector):
             GaugeMetricFamily("rdzv_store_commit_max_seconds", "Longest state store commit since start.", st.max_s),
             GaugeMetricFamily("rdzv_event_loop_lag_max_seconds",
                               "Longest delay of the event loop since start (a stall).",
-                              lag.max_s if lag is not None else 0.0)]
+                              lag.max_s if lag is not None else 0.0),
+            CounterMetricFamily("rdzv_deadline_wakeups", "Times the deadline timer woke: for a deadline due, or "
+                                "one brought forward (lease renewals never wake it).",
+                                self.coordinator.timer_wakeups)]
 
 
 class JobCollector(Collector):

@@ -156,6 +156,7 @@ async def test_join_failure_lease_lapse_and_rejoin_are_counted_exactly(server, h
     assert s["rdzv_worker_failures_total", {"reason": "other"}] == 0
     assert s["rdzv_nodes_lost_total"] == 1
     assert s["rdzv_open_long_polls"] == 0
+    assert s["rdzv_deadline_wakeups_total"] >= 1       # a lease lost: the timer woke for it
     # Formation: 0.5 s (start), 0 s (failure: at once), 1.5 s (a lost at T0+10.5, back at T0+12).
     assert s["rdzv_round_formation_seconds_count"] == 3 and s["rdzv_round_formation_seconds_sum"] == 2.0
     formation = {le: s["rdzv_round_formation_seconds_bucket", {"le": le}] for le in ("0.001", "0.5", "1.0", "2.5")}

@@ -111,6 +111,7 @@ async def test_a_warm_worker_sees_what_a_cold_one_sees(make_zygote, workdir, for
     warm = await run([*form, out, "0"], zygote, workdir)
     seen_warm = dumped(out)
     assert (cold.warm, warm.warm) == (False, True)
+    assert set(seen_cold["modules"]) <= set(seen_warm.pop("modules")) and seen_cold.pop("modules")   # + preloads
     assert seen_warm == seen_cold
     assert seen_warm["name"] == "__main__" and seen_warm["argv"][1:] == [out, "0"]
     assert seen_warm["file"] == os.path.join(workdir, "dump.py" if form == ["dump.py"] else "dumpmod.py")
@@ -216,8 +217,9 @@ async def test_script_imports_that_leave_a_thread_fall_back_to_the_base_preloads
             assert asyncio.get_running_loop().time() < deadline, warnings
             await zygote.wait_ready(LIMIT)
         assert len(warnings) == 1 and "after preloading the script's imports (threads_at_import)" in warnings[0]
-        state = await zygote.query()
-        assert state is not None and "threads_at_import" not in state["modules"] and state["threads"] == 1
+        out = os.path.join(workdir, "seen.json")        # forked from a clean zygote: warm, without that import
+        assert (await run(["dump.py", out, "0"], zygote, workdir, extra_env={"PYTHONPATH": site})).warm
+        assert "json" in dumped(out)["modules"] and "threads_at_import" not in dumped(out)["modules"]
     finally:
         await zygote.close()
 
@@ -236,10 +238,12 @@ async def test_a_launch_whose_environment_differs_from_the_zygotes_starts_cold(m
 async def test_torch_zygote_is_clean_and_record_reports_the_same(make_zygote, workdir) -> None:
     pytest.importorskip("torch")
     zygote = await make_zygote(DEFAULT_PRELOAD)        # torch._dynamo included: it must start nothing either
-    state = await zygote.query()
-    assert state is not None and "torch" in state["modules"]
-    # no Python thread but its own, CUDA untouched, no socket but the control socket
-    assert (state["threads"], state["cuda_initialized"], state["sockets"]) == (1, False, [state["control"]])
+    # forked (the zygote had no Python thread but its own: it forks no other), with torch, CUDA untouched, and
+    # no socket of the zygote's
+    out = os.path.join(workdir, "seen.json")
+    assert (await run(["dump.py", out, "0"], zygote, workdir)).warm
+    seen = dumped(out)
+    assert "torch" in seen["modules"] and not seen["cuda_initialized"] and seen["sockets"] == []
     cold = await run(["rec.py"], None, workdir)
     warm = await run(["rec.py"], zygote, workdir)
     assert warm.warm and warm.key() == cold.key() == (1, "")

@@ -4,6 +4,11 @@ from __future__ import annotations
 DUMP = '''
 """Dumps what a worker sees to argv[1], then ends as argv[2] says."""
 import json, os, signal, subprocess, sys
+def link(path):
+    try:
+        return os.readlink(path)
+    except OSError:          # the descriptor listdir itself held
+        return ""
 d = {"environ": dict(os.environ), "argv": sys.argv, "path": sys.path, "cwd": os.getcwd(), "name": __name__,
      "file": __file__, "spec": __spec__ and [__spec__.name, __spec__.origin, type(__spec__.loader).__name__],
      "loader": type(__loader__).__name__, "package": __package__, "doc": __doc__, "cached": __cached__,
@@ -14,7 +19,10 @@ d = {"environ": dict(os.environ), "argv": sys.argv, "path": sys.path, "cwd": os.
      "group_leader": os.getpgrp() == os.getpid(), "flags": str(sys.flags), "stdin": os.readlink("/proc/self/fd/0"),
      "main_is_globals": sys.modules["__main__"].__dict__ is globals(),
      "sigmask": sorted(signal.pthread_sigmask(signal.SIG_BLOCK, [])),
-     "stdout": [sys.stdout.line_buffering, sys.stdout.write_through, sys.stdout.encoding]}
+     "stdout": [sys.stdout.line_buffering, sys.stdout.write_through, sys.stdout.encoding],
+     "modules": sorted(sys.modules), "sockets": [fd for fd in os.listdir("/proc/self/fd")
+                                                 if link(f"/proc/self/fd/{fd}").startswith("socket:")],
+     "cuda_initialized": "torch" in sys.modules and sys.modules["torch"].cuda.is_initialized()}
 with open(sys.argv[1], "w") as f:
     json.dump(d, f, indent=1, sort_keys=True)
 how = sys.argv[2]

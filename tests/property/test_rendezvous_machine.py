@@ -227,9 +227,9 @@ class RendezvousMachine(RuleBasedStateMachine):
             # because a silence of the server's own just ended (a grace to come back, running from the
             # silence's end or from the last node back since), or because nobody at all was heard for
             # a while before it ran out (judged again later; leases.py)
-            silence, wave = self.rz.silence, self.rz.return_wave(JOB)
-            graced = silence is not None and self.job.nodes[node_id].lease_expires == \
-                max(silence[1], wave.grew_at if wave is not None else 0.0) + RESUME_GRACE_S
+            # (the grace runs from the silence's end or later, from the last node back: leases.ReturnWave)
+            silence = self.rz.silence
+            graced = silence is not None and self.job.nodes[node_id].lease_expires >= silence[1] + RESUME_GRACE_S
             quiet = self.rz.heard_at is not None and expires - self.rz.heard_at >= SUSPECT_QUIET_S
             assert graced or quiet or any(e.kind == EventKind.LEASES_EXTENDED for e in self.job.events), node_id
 

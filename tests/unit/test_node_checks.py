@@ -114,7 +114,6 @@ async def start(tmp_path) -> AsyncIterator[Callable[..., Node]]:
         agent = Agent(options, server, "127.0.0.1", console, make_group=make_group)
         checks = RecordingChecks(options.checks, agent.narrator.say, probe=lambda: probe, root=str(tmp_path / "sysfs"),
                                  dev_dir=dev_with_gpus(tmp_path, gpus))
-        checks.retry_min_s = 0.05
         agent.checks = checks
         node = Node(agent, server, checks, probe, console, groups, asyncio.create_task(agent.run()), made)
         nodes.append(node)

@@ -216,10 +216,6 @@ class WarmZygote:
             return None
         return self._handover.pop(int(answer["pid"]))     # registered when the answer was read
 
-    async def query(self) -> dict[str, Any] | None:
-        """The zygote's own state (threads, CUDA, sockets, modules): for tests and the curious."""
-        return await self._ask({"op": "query"}) if self.ready else None
-
     async def wait_ready(self, timeout: float) -> bool:
         """Wait (bounded) while a zygote is on its way (one that cannot start ends it); whether one is ready."""
         loop = asyncio.get_running_loop()

@@ -9,7 +9,6 @@ other Python thread, CUDA not initialised) and opens no socket but FD, the agent
   agent -> zygote  {"op": "spawn", "id": N, ...launch...} + fds [stdin, stdout, stderr]
   zygote -> agent  {"op": "started", "id": N, "pid": P} or {"op": "refused", "id": N, "why": "..."}
   zygote -> agent  {"op": "exited", "pid": P, "code": C}             C: waitpid's exit code, -SIG when killed
-  agent -> zygote  {"op": "query"} -> {"op": "state", ...}            what the tests check before a fork
 """
 from __future__ import annotations
 
@@ -47,15 +46,6 @@ def _cuda_initialized() -> bool:
     return bool(cuda is not None and cuda.is_initialized())
 
 
-def _sockets() -> list[int]:
-    found = []
-    for name in os.listdir("/proc/self/fd"):
-        with contextlib.suppress(OSError):
-            if os.readlink(f"/proc/self/fd/{name}").startswith("socket:"):
-                found.append(int(name))
-    return found
-
-
 def _unclean() -> str:
     """Why a fork now would not give a clean worker ("" when it would)."""
     if _python_threads() != 1:
@@ -89,12 +79,6 @@ class Zygote:
         if not data:   # the agent closed its end: nothing more to do
             os._exit(0)
         message = json.loads(data)
-        if message["op"] == "query":
-            _send(self.sock, {"op": "state", "pid": os.getpid(), "threads": _python_threads(),
-                              "native_threads": len(os.listdir("/proc/self/task")),
-                              "cuda_initialized": _cuda_initialized(), "sockets": _sockets(),
-                              "control": self.sock.fileno(), "modules": sorted(sys.modules)})
-            return None
         why = _unclean()
         if why:
             for fd in fds:
