@@ -89,11 +89,11 @@ class JobRules:
     def tick(self, now: float, hearing: leases.Hearing) -> int:
         """Apply every passed deadline, leases judged by what the server heard; returns how many were extended."""
         job = self.job
-        lag_s, quiet_s, suspect_s = hearing.lag_s, hearing.quiet_s, hearing.suspect_s
+        lag_s, quiet_s, doubt_s = hearing.lag_s, hearing.quiet_s, hearing.doubt_s
         leases.grace_after_silence(job, hearing.silence, now, self.out, hearing.wave)
-        gone, deferred = leases.lapsed(job, now, lag_s, suspect_s)
+        gone, deferred = leases.lapsed(job, now, lag_s, doubt_s)
         # judged again once the server has caught up or heard someone
-        leases.hold_back(job, deferred, now, lag_s, suspect_s, self.out)
+        leases.hold_back(job, deferred, now, lag_s, doubt_s, self.out)
         extended = 0
         if gone and quiet_s is not None:        # the quiet rule, for all but closings heard before it
             held = [n for n in gone if not leases.closing_heard(n, now - quiet_s)]

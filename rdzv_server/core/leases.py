@@ -4,11 +4,11 @@
   does not run (the connection is the lease: TCP keepalive ends one whose host died or was cut off); when a held
   poll's connection closes, the node has DROP_GRACE_S (capped by its lease) to come back.
 Evidence must be about the node, never about the server itself:
-- "Heard" is any sign the server's link works: a request, a held poll answered, and, after SUSPECT_QUIET_S of
+- "Heard" is any sign the server's link works: a request, a held poll answered, and, after DOUBT_QUIET_S of
   nothing else, the freshest keepalive ACK on held polls' connections (rdzv_server/delivery/links.py).
 - Heard from no agent for QUIET_S (longer than any healthy node waits between requests): the server was cut off
   or stalled, so lapsing leases are extended until the silence reaches OUTAGE_LIMIT_S (agents' --server-wait).
-- A lease running out after SUSPECT_QUIET_S of silence waits until someone is heard or the quiet rule takes it:
+- A lease running out after DOUBT_QUIET_S of silence waits until someone is heard or the quiet rule takes it:
   the server's link may have just gone, and a held poll's last sign of life can predate that by a keepalive
   period. Not so a node whose host closed its connection, or whose connection closed before or as the silence
   began (`closing_heard`).
@@ -30,7 +30,7 @@ from rdzv_server.core.records import JobRecord, NodeRecord
 
 DROP_GRACE_S = 1.0
 QUIET_S = 4.0
-SUSPECT_QUIET_S = 1.5   # silence from everyone past this: a lapsing lease waits until someone is heard
+DOUBT_QUIET_S = 1.5     # silence from everyone past this: a lapsing lease waits until someone is heard
 OUTAGE_LIMIT_S = 60.0
 LEAD_S = 2.0            # a node heard this long before a silence began may have been cut off by it
 RESUME_GRACE_S = 1.5    # after a silence ends, the time a cut-off agent needs to come back (path_check.py)
@@ -41,7 +41,7 @@ class Hearing:
     """What the server heard lately, by which one job's lapsing leases are judged (Rendezvous.tick)."""
     lag_s: float = 0.0                           # how far behind the server's own loop runs
     quiet_s: float | None = None                 # heard from no agent this long: its own fault (QUIET_S..)
-    suspect_s: float = 0.0                       # a shorter silence (SUSPECT_QUIET_S..): lapsing leases wait
+    doubt_s: float = 0.0                         # a shorter silence (DOUBT_QUIET_S..): lapsing leases wait
     silence: tuple[float, float] | None = None   # the last such silence that ended (grace_after_silence)
     wave: ReturnWave | None = None               # the job's nodes coming back since it ended
     say_quiet: bool = True                       # the quiet rule's extension not yet told in the job's events
@@ -89,7 +89,7 @@ def live(node: NodeRecord, now: float) -> bool:
 def closing_heard(node: NodeRecord, began: float) -> bool:
     """Whether the node's connection was closed by its host (FIN or RST), or before or as the silence from `began`
     began: evidence about the node, not a close the silence may have caused (a keepalive giving up)."""
-    return node.dropped and (node.drop_heard or node.dropped_at < began + SUSPECT_QUIET_S)
+    return node.dropped and (node.drop_heard or node.dropped_at < began + DOUBT_QUIET_S)
 
 
 def patience_s(node: NodeRecord, now: float, lag_s: float, quiet_s: float) -> float:

@@ -18,7 +18,7 @@ from rdzv_server.core import admission, credentials, operator_rules, requests, s
 from rdzv_server.core.errors import RendezvousError
 from rdzv_server.core.events import EventKind
 from rdzv_server.core.job_rules import JobRules
-from rdzv_server.core.leases import OUTAGE_LIMIT_S, QUIET_S, SUSPECT_QUIET_S, Hearing, ReturnWave, extend
+from rdzv_server.core.leases import DOUBT_QUIET_S, OUTAGE_LIMIT_S, QUIET_S, Hearing, ReturnWave, extend
 from rdzv_server.core.limits import Limits, node_room
 from rdzv_server.core.outbox import Outbox
 from rdzv_server.core.progress_rules import LiveRound
@@ -45,7 +45,7 @@ class Rendezvous:
         self.heard_at: float | None = None   # the last agent request of any job (None: none yet)
         self.unhealthy = UnhealthyHosts(self.limits.unhealthy_hold_s)   # hosts kept out of every job
         self._quiet_noted: set[str] = set()   # jobs told of the server's silence since it last heard
-        self.silence: tuple[float, float] | None = None   # the last silence of SUSPECT_QUIET_S or more that ended
+        self.silence: tuple[float, float] | None = None   # the last silence of DOUBT_QUIET_S or more that ended
         self._waves: dict[str, ReturnWave] = {}            # per job: its nodes coming back since that silence
         self.live_rounds: dict[str, LiveRound] = {}       # per job: stall reports, nodes' paces (memory only)
         # Finished jobs by end time, a heap: forgetting one is never a scan; stale entries are skipped.
@@ -56,7 +56,7 @@ class Rendezvous:
     def heard(self, now: float) -> None:
         """Some agent's path to the server worked at `now` (a request, or a held poll answered a keepalive probe)."""
         if self.heard_at is None or now > self.heard_at:
-            if self.heard_at is not None and now - self.heard_at >= SUSPECT_QUIET_S:
+            if self.heard_at is not None and now - self.heard_at >= DOUBT_QUIET_S:
                 self.silence = (self.heard_at, now)   # maybe the server's own link: leases.grace_after_silence
                 self._waves.clear()
             self.heard_at = now
@@ -188,7 +188,7 @@ class Rendezvous:
         quiet = now - self.heard_at if self.heard_at is not None else 0.0
         quiet_s = quiet if QUIET_S <= quiet < OUTAGE_LIMIT_S else None
         # A lease that ran out since anyone was heard says nothing about its node yet (leases.py): judged later.
-        suspect_s = quiet if SUSPECT_QUIET_S <= quiet < QUIET_S else 0.0
+        doubt_s = quiet if DOUBT_QUIET_S <= quiet < QUIET_S else 0.0
         changed = []
         for job in self.jobs.values():
             if job.state.finished:
@@ -196,7 +196,7 @@ class Rendezvous:
             seq = job.event_seq
             with self._counting(job):
                 wave = self._waves.setdefault(job.job_id, ReturnWave()) if self.silence is not None else None
-                hearing = Hearing(lag_s=lag_s, quiet_s=quiet_s, suspect_s=suspect_s, silence=self.silence,
+                hearing = Hearing(lag_s=lag_s, quiet_s=quiet_s, doubt_s=doubt_s, silence=self.silence,
                                   wave=wave, say_quiet=job.job_id not in self._quiet_noted)
                 rules = JobRules(job, self.outbox)
                 extended = rules.tick(now, hearing)

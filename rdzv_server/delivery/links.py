@@ -1,13 +1,13 @@
 """Held long-polls' connections as signs that the server's own link works. A held poll sends nothing
 until answered, so to the quiet rule (core/leases.py) a small job's long holds would look like the
 server cut off. Their kernels answer keepalive probes (serve.py: after 2 s idle), so once the server has
-heard nothing else for SUSPECT_QUIET_S, the freshest ACK on a held connection says when the link worked.
+heard nothing else for DOUBT_QUIET_S, the freshest ACK on a held connection says when the link worked.
 """
 from __future__ import annotations
 
 import itertools
 
-from rdzv_server.core.leases import OUTAGE_LIMIT_S, SUSPECT_QUIET_S
+from rdzv_server.core.leases import DOUBT_QUIET_S, OUTAGE_LIMIT_S
 from rdzv_server.core.rendezvous import Rendezvous
 from rdzv_server.delivery.subscriber import AckAge
 
@@ -31,7 +31,7 @@ class HeldLinks:
 
     def check(self, core: Rendezvous, now: float) -> None:
         """Before the rules about silences (core/leases.py) judge a lapsing lease, ask the held connections."""
-        quiet = core.heard_at is not None and now - core.heard_at >= SUSPECT_QUIET_S
+        quiet = core.heard_at is not None and now - core.heard_at >= DOUBT_QUIET_S
         if not quiet or self._checked <= now < self._checked + CHECK_GAP_S:     # asked just now: not again
             return
         self._checked = now

@@ -28,7 +28,7 @@ from protocol.messages import (
     WorkerFailure,
 )
 from rdzv_server.core.events import EventKind
-from rdzv_server.core.leases import DROP_GRACE_S, OUTAGE_LIMIT_S, QUIET_S, RESUME_GRACE_S, SUSPECT_QUIET_S
+from rdzv_server.core.leases import DOUBT_QUIET_S, DROP_GRACE_S, OUTAGE_LIMIT_S, QUIET_S, RESUME_GRACE_S
 from rdzv_server.core.records import JobRecord
 from rdzv_server.core.rendezvous import REUSE_FINISHED_AFTER_S, Rendezvous, RendezvousError, node_room
 from rdzv_server.core.rounds import assignment
@@ -207,9 +207,9 @@ class RendezvousMachine(RuleBasedStateMachine):
             self._poll(node_id)
 
     def _heard_lately(self) -> bool:
-        """Whether the server heard from some agent within SUSPECT_QUIET_S: only then is a lapse surely a
+        """Whether the server heard from some agent within DOUBT_QUIET_S: only then is a lapse surely a
         loss (past it the suspect rule holds a lapsing lease back until someone is heard; leases.py)."""
-        return self.rz.heard_at is not None and self.now - self.rz.heard_at < SUSPECT_QUIET_S
+        return self.rz.heard_at is not None and self.now - self.rz.heard_at < DOUBT_QUIET_S
 
     @precondition(lambda self: self._live() and len(self.job.nodes) >= 2)
     @rule(data=st.data())
@@ -230,7 +230,7 @@ class RendezvousMachine(RuleBasedStateMachine):
             # (the grace runs from the silence's end or later, from the last node back: leases.ReturnWave)
             silence = self.rz.silence
             graced = silence is not None and self.job.nodes[node_id].lease_expires >= silence[1] + RESUME_GRACE_S
-            quiet = self.rz.heard_at is not None and expires - self.rz.heard_at >= SUSPECT_QUIET_S
+            quiet = self.rz.heard_at is not None and expires - self.rz.heard_at >= DOUBT_QUIET_S
             assert graced or quiet or any(e.kind == EventKind.LEASES_EXTENDED for e in self.job.events), node_id
 
     @precondition(lambda self: self._live() and self.job.nodes)
@@ -241,7 +241,7 @@ class RendezvousMachine(RuleBasedStateMachine):
         leases.closing_heard; found at 10x the examples: such a node was lost 5 s into the silence)."""
         heard, seq = self.rz.heard_at or 0.0, self.job.event_seq
         closed = {n for n, rec in self.job.nodes.items()
-                  if rec.dropped and (rec.drop_heard or rec.dropped_at < heard + SUSPECT_QUIET_S)}
+                  if rec.dropped and (rec.drop_heard or rec.dropped_at < heard + DOUBT_QUIET_S)}
         self._advance(self.now + dt)
         for e in self.job.events_after(seq):
             if e.kind == EventKind.NODE_LOST and e.node_id not in closed:   # decided before the silence grew suspicious
