@@ -24,7 +24,7 @@ from rdzv_server.core.outbox import Outbox
 from rdzv_server.core.progress_rules import LiveRound
 from rdzv_server.core.records import JobRecord
 from rdzv_server.core.requests import ARRIVED, Arrival
-from rdzv_server.core.rounds import deadlines, node_status
+from rdzv_server.core.standing import deadlines, node_status
 from rdzv_server.core.unhealthy import UnhealthyHosts
 
 __all__ = ["REUSE_FINISHED_AFTER_S", "Limits", "Rendezvous", "RendezvousError"]

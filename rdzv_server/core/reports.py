@@ -15,7 +15,7 @@ from rdzv_server.core.events import EventKind, RoundCause
 from rdzv_server.core.job_rules import JobRules
 from rdzv_server.core.payloads import WorkerFailed, WorkersFailed
 from rdzv_server.core.records import NodeRecord
-from rdzv_server.core.rounds import describe
+from rdzv_server.core.standing import describe
 
 MAX_FAILURE_EVENTS = 8       # worker_failed events one report records; the rest are summed up in one more
 

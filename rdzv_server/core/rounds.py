@@ -10,20 +10,14 @@ import functools
 import hashlib
 import ipaddress
 import itertools
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from protocol.messages import (
     Assignment,
     CopySource,
-    FailureReason,
-    JobState,
-    NodeState,
-    NodeStatus,
     Witness,
-    WorkerFailure,
 )
-from protocol.quoting import one_line
 from rdzv_server.core.credentials import copy_token
 from rdzv_server.core.events import RoundCause
 from rdzv_server.core.records import JobRecord, NodeRecord, PlaceCopies, RoundRecord
@@ -333,57 +327,5 @@ def growth_cause(job: JobRecord) -> RoundCause:
     return RoundCause.SCALE_UP if job.last_round_id else RoundCause.START
 
 
-def deadlines(job: JobRecord) -> Iterable[float]:
-    for n in job.nodes.values():
-        if n.holding == 0:                      # held: no lease runs
-            yield n.lease_expires
-        if not n.ready and not n.preparing_said:
-            yield n.preparing_since + PREPARE_LIMIT_S
-    yield from (job.nodes[n].excluded_until for n in job.excluded)
-    if job.last_call_deadline is not None:
-        yield job.last_call_deadline
-    if job.state == JobState.WAITING and job.last_call_deadline is None and job.join_deadline is not None:
-        yield job.join_deadline     # a pending last call forms a round: the join timeout waits for it
-    if job.swap is not None:
-        yield job.swap.until
-
-
 def count_nodes(nodes: list[str]) -> str:
     return f"{len(nodes)} node{'s' if len(nodes) != 1 else ''}"
-
-
-def node_status(job: JobRecord, node_id: str, now: float, *, accepted: bool = True, reason: str = "") -> NodeStatus:
-    """Where `node_id` stands in its job; built fresh (assignments and failures in it are frozen).
-    Called for every subscriber of a job in a fan-out: kept lean."""
-    node, r, finished = job.nodes.get(node_id), job.round, job.state.finished
-    state = node.state if node is not None and not finished else NodeState.GONE
-    status = NodeStatus(job_id=job.job_id, job_state=job.state, node_state=state,
-                        round_id=r.round_id if r is not None else -1, restart_count=job.restart_count,
-                        accepted=accepted, reason=reason or job.reason,
-                        lease_timeout_s=job.config.lease_timeout_s,
-                        checks_due=node is not None and node.checks_due and not finished,
-                        hold_at_snapshot=job.swap is not None and r is not None and job.swap.round_id == r.round_id
-                        and state == NodeState.MEMBER and not finished)
-    if finished:
-        status.root_cause = job.root_cause if job.state == JobState.FAILED else None
-    if r is not None and state == NodeState.MEMBER and not finished and r.awaits_port:   # store_port.py
-        status.node_state = NodeState.WAITING
-        status.reason = reason or f"round {r.round_id} waits for a new store port from its group rank 0 " \
-                                  f"({master_of(r)})"
-    elif r is not None and (finished or state == NodeState.MEMBER):
-        status.assignment = assignment(r, node_id)
-    elif state == NodeState.SPARE:
-        status.spare_position = job.spares.index(node_id)
-    elif state == NodeState.EXCLUDED and node is not None:
-        status.excluded_for_s = max(0.0, node.excluded_until - now)
-    return status
-
-
-def describe(f: WorkerFailure) -> str:
-    """One line for a failed worker: rank, host, how it ended, its message (line breaks escaped: the
-    line becomes the job's reason, which agents print and refusals quote)."""
-    how = f"signal {f.signal}" if f.signal else f"exit code {f.exitcode}"
-    what = f.reason if f.reason == FailureReason.HANG else f"{f.reason}, {how}" \
-        if f.reason and f.reason != FailureReason.EXITED else how
-    text = f"rank {f.rank} (local {f.local_rank}) on {f.host or f.node_id}: {what}"
-    return f"{text}: {one_line(f.message)}" if f.message else text

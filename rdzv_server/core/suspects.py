@@ -16,7 +16,7 @@ from protocol.messages import FailureReason, JobConfig, WorkerFailure
 from rdzv_server.core.events import EventKind
 from rdzv_server.core.job_rules import JobRules
 from rdzv_server.core.records import NodeRecord
-from rdzv_server.core.rounds import describe
+from rdzv_server.core.standing import describe
 
 
 class Action(str, enum.Enum):

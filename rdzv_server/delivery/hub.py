@@ -17,7 +17,7 @@ from protocol.quoting import quote
 from rdzv_server.core.errors import RendezvousError
 from rdzv_server.core.rendezvous import Rendezvous
 from rdzv_server.core.requests import Arrival
-from rdzv_server.core.rounds import node_status
+from rdzv_server.core.standing import node_status
 from rdzv_server.delivery.caps import MAX_POLLS_PER_NODE, MAX_POLLS_PER_PEER, HeldPolls
 from rdzv_server.delivery.holds import HoldGrid, with_hold
 from rdzv_server.delivery.links import CLOSE_HEARD_S, HeldLinks
