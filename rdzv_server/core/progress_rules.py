@@ -71,7 +71,7 @@ def noted(rules: JobRules, live: LiveRound, node_id: str, note: ProgressNote | N
     rules.record(now, EventKind.NODE_SLOW, why, node_id, job.round.round_id)
     rules.node_changed(node_id)
     if job.config.replace_slow_nodes:
-        swaps.ask(rules, node_id, why, now)
+        swaps.ask(rules, node_id, why, now, named=True)
 
 
 def _why_slow(node_id: str, pace: NodePace) -> str:

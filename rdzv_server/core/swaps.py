@@ -8,7 +8,9 @@ job's next snapshot, so that no step is redone:
 It swaps at once when there is no snapshot to wait for (no member holds one yet, or the suspect makes no peer
 copies: the spare could not resume from it anyway), and after SWAP_WAIT_S when none came (said: the steps since
 the last one are redone). Without a ready spare nothing is swapped: the node stays named slow, and its next note
-asks again. No restart of the budget is spent (as a drain). Pure.
+asks again. No restart of the budget is spent (as a drain). A place (group rank) swapped once is never swapped
+again: a node named slow where another was is slow by its place (a pipeline stage's share of the work, say), and
+swapping would loop through the spares. Pure.
 """
 from __future__ import annotations
 
@@ -20,11 +22,19 @@ from rdzv_server.core.records import SwapDue
 SWAP_WAIT_S = 60.0
 
 
-def ask(rules: JobRules, node_id: str, why: str, now: float) -> None:
-    """`node_id` holds the job back (`why`): swap it at the next snapshot, when a spare is ready."""
+def ask(rules: JobRules, node_id: str, why: str, now: float, named: bool = False) -> None:
+    """`node_id` holds the job back (`why`): swap it at the next snapshot, when a spare is ready (`named`: it was
+    named slow just now: a place swapped before is said once here)."""
     job = rules.job
-    if job.swap is not None or job.round is None or node_id not in job.round.members \
-            or (spare := suspects.ready_spare(rules)) is None:
+    if job.swap is not None or job.round is None or node_id not in job.round.members:
+        return
+    if (place := job.round.members.index(node_id)) in job.swapped_places:
+        if named:
+            rules.record(now, EventKind.NODE_SUSPECT, f"node {node_id} is slow at group rank {place}, where a node "
+                         f"was swapped for being slow before: the place itself is slow (a pipeline stage's share "
+                         f"of the work?), so it is not swapped again", node_id, job.round.round_id)
+        return
+    if (spare := suspects.ready_spare(rules)) is None:
         return
     held = [c.local_step for m in job.round.members if m in job.nodes and (c := job.nodes[m].copies) is not None]
     if job.nodes[node_id].copies is None or max(held, default=-1) < 0:
@@ -61,8 +71,10 @@ def check(rules: JobRules, now: float) -> None:
 def tick(rules: JobRules, now: float) -> None:
     swap = _due(rules)
     if swap is not None and now >= swap.until:
-        _swap(rules, swap.node_id, swap.why, f"no snapshot came within {SWAP_WAIT_S:g}s (the steps since the "
-              f"last one are redone)", now)
+        late = f"its copy of step {swap.held_step} did not reach its peer" if swap.held_step >= 0 else \
+            "no snapshot came"
+        _swap(rules, swap.node_id, swap.why, f"now: {late} within {SWAP_WAIT_S:g}s (the steps since the "
+              f"newest snapshot every rank holds are redone)", now)
 
 
 def _due(rules: JobRules) -> SwapDue | None:
@@ -86,6 +98,8 @@ def _swap(rules: JobRules, node_id: str, why: str, when: str, now: float) -> Non
                      f"more: not swapped; asked again when one is", node_id)
         return
     node = job.nodes[node_id]
+    if job.round is not None and node_id in job.round.members:
+        job.swapped_places.append(job.round.members.index(node_id))
     node.suspect_times = [t for t in node.suspect_times if t > now - job.config.exclude_window_s] + [now]
     rules.exclude(node, now, f"as a suspect ({why}): spare {spare} takes its place")
     then = suspects.quarantine(node, now)

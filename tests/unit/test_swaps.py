@@ -71,7 +71,7 @@ def test_no_snapshot_within_the_wait_swaps_anyway_and_says_so() -> None:
     assert job.round.round_id == first
     rz.tick(job.swap.until)
     assert job.round.round_id == first + 1 and "b" not in job.round.members
-    assert any(f"no snapshot came within {SWAP_WAIT_S:g}s" in e.message for e in job.events)
+    assert any(f"now: no snapshot came within {SWAP_WAIT_S:g}s" in e.message for e in job.events)
 
 
 def test_a_spare_gone_before_the_snapshot_swaps_nothing_and_the_hold_ends() -> None:
@@ -94,3 +94,21 @@ def test_a_members_poll_is_answered_once_its_hold_is_not_the_one_it_knows() -> N
     round_id = view.round_id
     assert poll_ready(view, round_id, holding=False)           # news: hold after the next snapshot
     assert not poll_ready(view, round_id, holding=True)        # known: held until the round changes
+
+
+def test_a_place_swapped_once_is_not_swapped_again_and_says_why_once() -> None:
+    """A pipeline's structure can make one place wait least whoever holds it: the spare named slow there in turn
+    is not swapped (the spares would be gone through one by one)."""
+    rz = Rendezvous()
+    slow_b(rz)
+    job = rz.jobs["swap"]
+    join(rz, "swap", "t", T + 140, CONFIG)                      # another spare, ready
+    poll(rz, "a", T + 150, held=15, copied=15, holding=True)
+    poll(rz, "b", T + 151, copied=15, holding=True)
+    assert job.round.members == ["a", "s", "c"] and "t" in job.spares
+    for at in range(160, 200):                                  # s, in b's place, is waited on in turn
+        for node, waited in (("a", 0.2), ("s", 0.02), ("c", 0.2)):
+            poll(rz, node, T + at, waited=waited)
+    said = [e.message for e in job.events if "the place itself is slow" in e.message]
+    assert job.progress.slow == ["s"] and job.swap is None and job.round.members == ["a", "s", "c"]
+    assert len(said) == 1 and said[0].startswith("node s is slow at group rank 1"), said
