@@ -40,16 +40,8 @@ from node_agent.client.replies import CONFLICT_RETRY_S, Refusal, conflict_retry_
 from node_agent.client.retry import Backoff
 from node_agent.client.transport import ServerRejected, ServerUnreachable
 from protocol.bounds import MAX_POLL_WAIT_S
-from protocol.messages import (
-    FailureReport,
-    JobConfig,
-    JoinRequest,
-    NodeState,
-    NodeStatus,
-    PollRequest,
-    ProgressNote,
-    WorkerFailure,
-)
+from protocol.messages import FailureReport, JobConfig, JoinRequest, NodeState, NodeStatus, PollRequest, WorkerFailure
+from protocol.notes import ProgressNote
 
 LAG_PROBE_S = 0.02          # the client's own loop-lateness probe interval
 

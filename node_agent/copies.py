@@ -33,7 +33,8 @@ from node_agent.replicas.tls import CopyTls
 from node_agent.replicas.wire import is_replica_request
 from node_agent.training import snapshot
 from node_agent.workers.memory import COPIES, MemoryDirs
-from protocol.messages import Assignment, CopiesNote, CopySource, Witness
+from protocol.messages import Assignment, CopySource, Witness
+from protocol.notes import CopiesNote
 
 PUSH_SCAN_S = 0.1       # how often the memory directories are looked at for a newer snapshot (a dir listing)
 FETCH_LIMIT_S = 60.0    # a node taking a place waits this long for its copies, then starts without them

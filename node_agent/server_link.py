@@ -19,12 +19,12 @@ from protocol.messages import (
     JoinRequest,
     NodeStatus,
     PollRequest,
-    ProgressNote,
     StallReport,
     SuccessReport,
     UnhealthyKind,
     WorkerFailure,
 )
+from protocol.notes import ProgressNote
 from protocol.stalls import RankSeen
 
 # How long a leave waits for a join still on its way (see leave()).

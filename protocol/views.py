@@ -7,7 +7,8 @@ from typing import Any
 
 import msgspec
 
-from protocol.messages import CopiesNote, JobConfig, WorkerFailure
+from protocol.messages import JobConfig, WorkerFailure
+from protocol.notes import CopiesNote
 from protocol.restarts import RestartAnatomy
 
 

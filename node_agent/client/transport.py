@@ -15,19 +15,18 @@ from protocol.codec import REQUEST_TYPES
 from protocol.errors import RETRYABLE, ErrorCode
 from protocol.messages import (
     PROTOCOL_VERSION,
-    CopiesNote,
     FailureReport,
     JobConfig,
     JoinRequest,
     LeaveRequest,
     NodeStatus,
     PollRequest,
-    ProgressNote,
     StallReport,
     SuccessReport,
     UnhealthyKind,
     WorkerFailure,
 )
+from protocol.notes import CopiesNote, ProgressNote
 from protocol.stalls import RankSeen
 
 R = TypeVar("R", JoinRequest, PollRequest, FailureReport, SuccessReport, LeaveRequest, StallReport)

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from node_agent.core import anatomy
 from node_agent.core.stalls import ProcSample
-from protocol.messages import PACE_MAX_WINDOW_S, PACE_MIN_STEPS, ProgressNote, RankDigest
+from protocol.notes import PACE_MAX_WINDOW_S, PACE_MIN_STEPS, ProgressNote, RankDigest
 from protocol.restarts import RestartAnatomy
 
 STALL_FLOOR_S = 5.0

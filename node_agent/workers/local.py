@@ -27,7 +27,8 @@ from node_agent.workers.process import WorkerExit, WorkerSpawnError
 from node_agent.workers.step_watch import StepWatch
 from node_agent.workers.warm.client import WarmZygote
 from node_agent.workers.warm.eligible import entry_imports, imports_any, script_dir, script_preloads
-from protocol.messages import Assignment, ProgressNote, UnhealthyKind
+from protocol.messages import Assignment, UnhealthyKind
+from protocol.notes import ProgressNote
 
 WARM_WAIT_S = 60.0   # a zygote importing longer than this (a hung file system?) lets the round start cold
 

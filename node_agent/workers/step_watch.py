@@ -18,7 +18,7 @@ from node_agent.core.steps import ProbeRecord, RankSteps, RoundSteps, next_repor
 from node_agent.workers.failures import keep_tail
 from node_agent.workers.probes import BadRecord, ProbeFiles, RecordReader, read_proc, take_stacks
 from protocol.bounds import MAX_DURATION_S, MAX_ROUND, MAX_SHORT_TEXT, MAX_TRACEBACK
-from protocol.messages import ProgressNote
+from protocol.notes import ProgressNote
 from protocol.stalls import RankSeen, RankState
 
 LOOK_S = 0.5

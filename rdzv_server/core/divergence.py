@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
-from protocol.messages import RankDigest
+from protocol.notes import RankDigest
 
 KEEP_STEPS = 8          # steps whose digests are held while some rank has not told its own
 

@@ -12,7 +12,7 @@ import statistics
 
 import msgspec
 
-from protocol.messages import ProgressNote
+from protocol.notes import ProgressNote
 from protocol.restarts import RestartAnatomy
 
 MAX_COSTS = 32          # restarts kept one by one (the total counts them all)

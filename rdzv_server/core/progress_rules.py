@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 import msgspec
 
 from protocol.errors import ErrorCode
-from protocol.messages import FailureReason, ProgressNote, StallReport, WorkerFailure
+from protocol.messages import FailureReason, StallReport, WorkerFailure
+from protocol.notes import ProgressNote
 from protocol.stalls import RankState
 from rdzv_server.core import divergence, goodput, hangs, reports, swaps
 from rdzv_server.core.errors import RendezvousError

@@ -7,7 +7,8 @@ from typing import Any
 
 import msgspec
 
-from protocol.messages import Assignment, CopiesNote, JobConfig, JobState, NodeState, WorkerFailure
+from protocol.messages import Assignment, JobConfig, JobState, NodeState, WorkerFailure
+from protocol.notes import CopiesNote
 from rdzv_server.core.events import EventKind
 from rdzv_server.core.goodput import JobProgress
 from rdzv_server.core.hangs import HangPlace, StallShown

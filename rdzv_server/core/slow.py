@@ -17,7 +17,7 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass, field
 
-from protocol.messages import PACE_MIN_STEPS, ProgressNote
+from protocol.notes import PACE_MIN_STEPS, ProgressNote
 
 SLOW_GAP = 0.1          # named: the others wait this much more of each step than the node does ...
 CLEAR_GAP = 0.05        # ... and cleared below this (a pace near the line does not flap)

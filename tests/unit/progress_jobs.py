@@ -1,17 +1,10 @@
 """Jobs with training progress, built through the real core: nodes join, then poll and report with the progress
-notes their agents send (protocol.messages.ProgressNote), so JobProgress is filled by core/goodput.py itself.
+notes their agents send (protocol.notes.ProgressNote), so JobProgress is filled by core/goodput.py itself.
 Shared by the tests of the views, the page, the picture and rdzv-ctl. Times are plain floats from T."""
 from __future__ import annotations
 
-from protocol.messages import (
-    FailureReport,
-    JobConfig,
-    JoinRequest,
-    PollRequest,
-    ProgressNote,
-    StallReport,
-    WorkerFailure,
-)
+from protocol.messages import FailureReport, JobConfig, JoinRequest, PollRequest, StallReport, WorkerFailure
+from protocol.notes import ProgressNote
 from protocol.restarts import RestartAnatomy
 from protocol.stalls import RankSeen, RankState
 from rdzv_server.core.rendezvous import Rendezvous

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from node_agent.core.anatomy import RankStart, RestartStart, of_node, of_rank
-from protocol.messages import ProgressNote
+from protocol.notes import ProgressNote
 from protocol.restarts import PHASES, RestartAnatomy
 from rdzv_server.core import goodput
 

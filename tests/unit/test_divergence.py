@@ -3,14 +3,8 @@ it; all alike moves the agreed step, a minority is named (the round fails for it
 at most from the agreed step), no majority names nobody. Through the real core with agents' progress notes."""
 from __future__ import annotations
 
-from protocol.messages import (
-    JobConfig,
-    JoinRequest,
-    NodeState,
-    PollRequest,
-    ProgressNote,
-    RankDigest,
-)
+from protocol.messages import JobConfig, JoinRequest, NodeState, PollRequest
+from protocol.notes import ProgressNote, RankDigest
 from rdzv_ctl import tables as ctl
 from rdzv_server.core import divergence
 from rdzv_server.core.rendezvous import Rendezvous

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from protocol.messages import PACE_MIN_STEPS, ProgressNote
+from protocol.notes import PACE_MIN_STEPS, ProgressNote
 from rdzv_server.core.goodput import MAX_RATE_POINTS, JobProgress, note, round_formed
 from rdzv_server.core.slow import SLOW_STEPS, Paces
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import re
 
-from protocol.messages import LeaveRequest, ProgressNote, StallReport, SuccessReport
+from protocol.messages import LeaveRequest, StallReport, SuccessReport
+from protocol.notes import ProgressNote
 from protocol.stalls import RankSeen, RankState
 from protocol.views import JobView, NodeCounts
 from rdzv_server.core.events import EventKind as K

@@ -12,7 +12,6 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
 from protocol.messages import (
-    CopiesNote,
     FailureReport,
     JobConfig,
     JoinRequest,
@@ -21,6 +20,7 @@ from protocol.messages import (
     SuccessReport,
     WorkerFailure,
 )
+from protocol.notes import CopiesNote
 from rdzv_ctl import tables as ctl
 from rdzv_server.coordinator import Coordinator
 from rdzv_server.core.events import EventKind

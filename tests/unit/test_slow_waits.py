@@ -3,7 +3,7 @@ made it slow; a window of solo work names nobody; a millisecond step's jitter is
 compared only with nodes measured alike."""
 from __future__ import annotations
 
-from protocol.messages import ProgressNote
+from protocol.notes import ProgressNote
 from rdzv_server.core.slow import SLOW_NOTES, SLOW_STEPS, Paces
 
 

@@ -12,7 +12,7 @@ from node_agent.core.steps import ProbeRecord, RoundSteps, next_report_at, repor
 from node_agent.training import probe
 from node_agent.workers.probes import BadRecord, ProbeFiles, RecordReader
 from node_agent.workers.step_watch import StepWatch
-from protocol.messages import PACE_MAX_WINDOW_S, PACE_MIN_STEPS
+from protocol.notes import PACE_MAX_WINDOW_S, PACE_MIN_STEPS
 from protocol.stalls import RankState
 
 DUMP = """Thread 0x00007f0000000001 (most recent call first):

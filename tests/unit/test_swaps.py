@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import msgspec
 
-from protocol.messages import CopiesNote, NodeState, PollRequest, ProgressNote, poll_ready
+from protocol.messages import NodeState, PollRequest, poll_ready
+from protocol.notes import CopiesNote, ProgressNote
 from rdzv_server.core.events import EventKind, RoundCause
 from rdzv_server.core.rendezvous import Rendezvous
 from rdzv_server.core.swaps import SWAP_WAIT_S
