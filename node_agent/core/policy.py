@@ -145,7 +145,8 @@ class SupervisionPolicy:
             case WorkersExited(round_id=round_id, failures=failures):
                 return self._failed(round_id, failures)
             case RanksStalled(round_id=round_id, threshold_s=threshold_s, ranks=ranks):
-                running = self.workers == Workers.RUNNING and round_id == self.running_round
+                # Ranks asked to wait after their snapshot (a swap: at most SWAP_WAIT_S) are no stall.
+                running = self.workers == Workers.RUNNING and round_id == self.running_round and not self.holding
                 return [ReportStall(round_id, threshold_s, ranks)] if running else []
             case NoteDue(round_id=round_id):
                 return [SendNote()] if self.workers == Workers.RUNNING and round_id == self.running_round else []

@@ -473,3 +473,13 @@ def test_the_hold_at_the_next_snapshot_is_asked_once_and_let_go_with_the_round()
     actions = p.handle(member(2, restart_count=0), 3.0)        # the suspect swapped: a new round, no hold
     assert actions[-1] == HoldAtSnapshot(False) and not p.holding
     assert isinstance(actions[0], StopWorkers) and Spawn(assignment(2)) in actions
+
+
+def test_ranks_asked_to_hold_after_their_snapshot_are_not_reported_stalled() -> None:
+    p = running(1)
+    held = msgspec.structs.replace(member(1).status, hold_at_snapshot=True)
+    p.handle(StatusReceived(PollRequest, held, sent_at=0.0), 1.0)
+    ranks = [RankSeen(rank=0, local_rank=0, state=RankState.WAITING, stalled_s=12.0)]
+    assert p.handle(RanksStalled(1, 5.0, ranks), 2.0) == []
+    p.handle(member(1), 3.0)                                   # the hold let go (no swap came)
+    assert p.handle(RanksStalled(1, 5.0, ranks), 4.0) == [ReportStall(1, 5.0, ranks)]
