@@ -5,6 +5,7 @@ excludes it rather than looping. Real server and agents on 127.0.0.1 (each node 
 workers per node running benchmarks/scripts/shard_train.py."""
 from __future__ import annotations
 
+import datetime
 import time
 
 import pytest
@@ -37,3 +38,31 @@ def test_a_worker_asking_for_other_hardware_has_its_node_replaced_by_the_spare(c
     said = [e["message"] for e in job_events(cluster, "sus") if e["kind"] == "node_suspect"]
     assert len(said) == 1 and f"node {asked} is a suspect" in said[0] and "spare s takes its place" in said[0], said
     finish(tmp_path, {n: a for n, a in agents.items() if n != asked}, asked)
+
+
+def test_a_slow_node_is_swapped_for_the_spare_at_the_next_snapshot_with_nothing_redone(cluster, tmp_path):
+    """Node b sleeps half a step more every step (as slow storage would): it is named slow by the time the others
+    wait on it, the job's ranks hold after their next snapshot, and the spare takes b's place and ranks, every rank
+    resuming from that snapshot: no step redone, no restart spent, b held out."""
+    cluster.start_server()
+    env = {"SLOW_AT": "b:0:0.5:sleep"}
+    extra = ("--nnodes", "2", "--replace-slow-nodes")
+    agents = {n: start(cluster, tmp_path, n, "slow", extra=extra, env=env) for n in ("a", "b")}
+    wait_until(lambda: len({r for *_, r, _ in steps(tmp_path)}) >= 4, LIMIT, "every rank stepping")
+    place = next(n["group_rank"] for n in job_view(cluster, "slow")["nodes"] if n["node_id"] == "b")
+    agents["s"] = start(cluster, tmp_path, "s", "slow", extra=extra, env=env)
+    swapped = wait_until(lambda: next((e for e in job_events(cluster, "slow") if e["kind"] == "node_suspect"
+                                       and "swapped for spare s" in e["message"]), None), LIMIT,
+                         lambda: f"b swapped: {job_events(cluster, 'slow')}")
+    assert "at the snapshot of step " in swapped["message"], swapped
+    held = int(swapped["message"].split("at the snapshot of step ")[1].split()[0].rstrip(",;"))
+    back = wait_until(lambda: len(shard_resumes(tmp_path, 0.0)) >= 4 and
+                      {r: v for r, v in shard_resumes(tmp_path, 0.0).items() if v[0] > 0}, LIMIT,
+                      lambda: f"every rank resumed: {shard_resumes(tmp_path, 0.0)}\n{agents['s'].output}")
+    assert {step for step, _, _ in back.values()} == {held} and {s for _, s, _ in back.values()} == {"memory"}, back
+    at = datetime.datetime.fromisoformat(swapped["time"].replace("Z", "+00:00")).timestamp()
+    assert max(step for t, step, _, _ in steps(tmp_path) if t <= at) == held        # nobody got past it
+    view = job_view(cluster, "slow")
+    assert view["restart_count"] == 0 and {n["node_id"]: n["group_rank"] for n in view["nodes"]}["s"] == place
+    assert [n["node_id"] for n in view["excluded"]] == ["b"], view
+    finish(tmp_path, {n: a for n, a in agents.items() if n != "b"}, "b")
