@@ -14,7 +14,8 @@ examples/train_ddp.py and benchmarks/scripts/hsdp_flip.py, ddp_rate.py:
   spare in b's place;
 - solo: the same job, rank 0 computing alone for 60 s twice; jitter (not by default: --minutes): every step
   +-30 %: nodes named slow, swaps, restarts (all should be 0);
-- digest_cost (not by default): DDP 3 x 2 as fast as it goes, replicas' digests on and off, alternated.
+- digest_cost (not by default): DDP 3 x 2 as fast as it goes, replicas' digests on and off, alternated; noflip
+  (not by default): DDP 3 x 2 with digests for --minutes: alarms and restarts (should be 0).
 Figures only; nothing is asserted. Run: .venv/bin/python benchmarks/bench_suspects.py [--runs 3] [--cases ...]
 (make bench-suspects).
 """
@@ -257,6 +258,24 @@ def flipped_hsdp_2x2(port: int, i: int) -> dict[str, float]:
     return flipped_hsdp(port, i, 2)
 
 
+def noflip(port: int, i: int) -> dict[str, float]:
+    """DDP 3 x 2, protect(every=5) with the replicas' digests, steps of ~0.1 s for --minutes and no flip: the
+    alarms (replicas_diverged) and restarts (both should be 0)."""
+    job = f"noflip-{i}"
+    steps = int(MINUTES[0] * 60 / 0.13)
+    args = [TRAIN, "--steps", str(steps), "--snapshot-every", "5", "--width", "32", "--depth", "2", "--step-s", "0.1",
+            "--flip-rank", "99"]       # no such rank: nothing flipped, the replicas compared at the end
+    began = time.time()
+    procs = [agent(port, job, n, "3", 2, args, {}, capture=True) for n in ("a", "b", "c")]
+    out = "".join(p.communicate(timeout=int(MINUTES[0] * 60 * 3) + 300)[0] for p in procs)
+    events = get(port, f"/v1/jobs/{job}/events")["events"]
+    view = get(port, f"/v1/jobs/{job}")
+    return {"minutes": (time.time() - began) / 60, "steps": steps,
+            "alarms": sum(e["kind"] == "replicas_diverged" for e in events), "restarts": view["restart_count"],
+            "alike_step": (view.get("progress") or {}).get("alike_step") or -1,
+            "alike_at_end": float("replicas alike at the end: yes" in out)}
+
+
 def digest_cost(port: int, i: int) -> dict[str, float]:
     """DDP 3 x 2 as fast as it goes, protect(every=5) with the replicas' digests and without (protect on the inner
     module: the same snapshots), alternated 3 times: steps per second of each."""
@@ -293,7 +312,7 @@ def main() -> None:
     MINUTES[0] = args.minutes
     cases = {"asked": asked, "every_try": every_try, "flipped": flipped, "slow_sleep": slowed_sleep,
              "slow_compute": slowed_compute, "solo": solo, "jitter": jitter, "hsdp_3x2": flipped_hsdp_3x2,
-             "hsdp_2x2": flipped_hsdp_2x2, "digest_cost": digest_cost}
+             "hsdp_2x2": flipped_hsdp_2x2, "digest_cost": digest_cost, "noflip": noflip}
     with running_server() as port:
         for name in args.cases.split(","):
             runs = [cases[name](port, i) for i in range(args.runs)]
