@@ -83,7 +83,7 @@ class Rendezvous:
             node = requests.authenticate(kind, rules, req, now, arrival.hold)
             call = requests.Call(rules, node, now, arrival, self.live_round(job_id), self.unhealthy)
             requests.note_progress(call, req)
-            why_not = requests.act(call, req)
+            why_not = kind.rule(call, req)
         status = node_status(rules.job, req.node_id, now, accepted=not why_not, reason=why_not)
         if kind.reply is not None:
             kind.reply(call, status)

@@ -9,7 +9,7 @@ then through its own rule here. The pipeline, once for every kind:
 5. the progress note the request carries taken (goodput, slow nodes), before the rule: the steps belong to the
    round the request saw, which the rule may end;
 6. the kind's rule: it acts for that authenticated node and says why it did not act ("" when it did).
-A new request kind is one protocol struct, one case in act() with its rule, and one entry in KINDS."""
+A new request kind is one protocol struct (protocol/codec.py names it) and one entry in KINDS, its rule with it."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -61,7 +61,9 @@ class Call:
 
 @dataclass(frozen=True)
 class Kind:
-    """What the pipeline does for a kind besides its rule (act)."""
+    """A kind's rule (step 6: it acts for the authenticated node; why it did not act, "" when it did) and what the
+    pipeline does for the kind besides it."""
+    rule: Callable[[Call, Any], str]
     known_node: bool = True                               # refused for a node the job does not know
     check: Callable[[JobRules, NodeRecord, Any], None] | None = None   # refusals before anything changes
     renews: bool = True                                   # traffic from the node (not a leave; a join: admission)
@@ -94,22 +96,16 @@ def note_progress(call: Call, req: AgentRequest) -> None:
 
 # ---- the rules, one per kind ---------------------------------------------------------------------------------
 
-def act(call: Call, req: AgentRequest) -> str:
-    """Step 6: the kind's rule, for the authenticated node; why it did not act ("" when it did)."""
-    match req:
-        case JoinRequest():
-            return join(call, req)
-        case PollRequest():
-            return poll(call, req)
-        case LeaveRequest():
-            return leave(call, req)
-        case FailureReport():
-            return reports.failure(call.rules, _member(call), req, call.now)
-        case SuccessReport():
-            return reports.success(call.rules, _member(call), req, call.now)
-        case StallReport():
-            return progress_rules.stalled(call.rules, call.live, _member(call), req, call.now)
-    raise AssertionError(f"no rule for {type(req).__name__}")
+def failure(call: Call, req: FailureReport) -> str:
+    return reports.failure(call.rules, _member(call), req, call.now)
+
+
+def success(call: Call, req: SuccessReport) -> str:
+    return reports.success(call.rules, _member(call), req, call.now)
+
+
+def stall(call: Call, req: StallReport) -> str:
+    return progress_rules.stalled(call.rules, call.live, _member(call), req, call.now)
 
 
 def _member(call: Call) -> NodeRecord:
@@ -167,10 +163,10 @@ def _stall_reply(call: Call, status: NodeStatus) -> None:
 
 
 KINDS: dict[type, Kind] = {
-    JoinRequest: Kind(known_node=False, renews=False, authenticated=False, reply=_credential_reply),
-    PollRequest: Kind(known_node=False),
-    LeaveRequest: Kind(known_node=False, renews=False),
-    FailureReport: Kind(check=reports.check_failure),
-    SuccessReport: Kind(),
-    StallReport: Kind(check=progress_rules.check_ranks, reply=_stall_reply),
+    JoinRequest: Kind(join, known_node=False, renews=False, authenticated=False, reply=_credential_reply),
+    PollRequest: Kind(poll, known_node=False),
+    LeaveRequest: Kind(leave, known_node=False, renews=False),
+    FailureReport: Kind(failure, check=reports.check_failure),
+    SuccessReport: Kind(success),
+    StallReport: Kind(stall, check=progress_rules.check_ranks, reply=_stall_reply),
 }
