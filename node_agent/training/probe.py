@@ -153,7 +153,8 @@ class Pace:
 
 class Blocked:
     """The main thread's time blocked in a call: wall time less its CPU time and its wait for a CPU (a busy
-    machine's run queue is no wait on the others). Calls from other threads, or inside one, are not timed."""
+    machine's run queue is no wait on the others). Calls from other threads, inside one, or that only start an
+    operation (`async_op=True`: its wait comes later, in a backward or a blocking call) are not timed."""
 
     def __init__(self) -> None:
         self.main = threading.main_thread().ident
@@ -170,7 +171,7 @@ class Blocked:
             return 0.0
 
     def call(self, call: Any, args: Any, kwargs: Any) -> Any:
-        if _record is None or self.depth or threading.get_ident() != self.main:
+        if _record is None or self.depth or kwargs.get("async_op") or threading.get_ident() != self.main:
             return call(*args, **kwargs)
         self.depth += 1
         wall, cpu, delay = time.perf_counter(), time.thread_time(), self.run_delay()
