@@ -171,6 +171,16 @@ def slowed(port: int, i: int, how: str) -> dict[str, float]:
     resumed = [ln.split() for ln in open(os.path.join(out, "resumed.txt")) if float(ln.split()[0]) > _t(swapped)]
     view = get(port, f"/v1/jobs/{job}")
     held = next(n for n in view["nodes"] if n["node_id"] == "s")
+    stop(out, procs)
+    return {"onset_to_swap_s": _t(swapped) - onset, "swap_to_every_rank_stepping_s": again - _t(swapped),
+            "steps_redone": max(int(r[1]) for r in before) - int(resumed[0][2]),
+            "resumed_step": float(resumed[0][2]), "from_memory": float(all(r[3] == "memory" for r in resumed)),
+            "restarts": view["restart_count"],
+            "spare_in_place": float(held["group_rank"] == place)}
+
+
+def stop(out: str, procs: dict[str, subprocess.Popen]) -> None:
+    """shard_train's ranks stop together (OUT_DIR/stop); agents not done within a minute are killed."""
     with open(os.path.join(out, "stop"), "w"):
         pass
     for p in procs.values():
@@ -178,11 +188,6 @@ def slowed(port: int, i: int, how: str) -> dict[str, float]:
             p.wait(60)
     for p in procs.values():
         p.kill()
-    return {"onset_to_swap_s": _t(swapped) - onset, "swap_to_every_rank_stepping_s": again - _t(swapped),
-            "steps_redone": max(int(r[1]) for r in before) - int(resumed[0][2]),
-            "resumed_step": float(resumed[0][2]), "from_memory": float(all(r[3] == "memory" for r in resumed)),
-            "restarts": view["restart_count"],
-            "spare_in_place": float(held["group_rank"] == place)}
 
 
 def slowed_sleep(port: int, i: int) -> dict[str, float]:
@@ -207,13 +212,7 @@ def quiet_job(port: int, i: int, name: str, env: dict[str, str], done) -> dict[s
     events = get(port, f"/v1/jobs/{job}/events")["events"]
     view = get(port, f"/v1/jobs/{job}")
     steps = max(int(r[1]) for r in rows(out, "steps-"))
-    with open(os.path.join(out, "stop"), "w"):
-        pass
-    for p in procs.values():
-        with _quiet():
-            p.wait(60)
-    for p in procs.values():
-        p.kill()
+    stop(out, procs)
     return {"minutes": (time.time() - started) / 60, "steps": steps,
             "named_slow": sum(e["kind"] == "node_slow" for e in events),
             "swaps": sum(e["kind"] == "node_suspect" for e in events), "restarts": view["restart_count"]}
