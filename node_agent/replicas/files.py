@@ -5,12 +5,44 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+from dataclasses import dataclass
 
 from node_agent.replicas import stream, wire
 
 STEP_FILE = re.compile(r"step-(\d{1,18})")
 OURS = re.compile(r"step-(\d{1,18})(\.sha256|\.tmp)?")
 RANK_DIR = re.compile(r"0|[1-9][0-9]{0,3}")
+
+
+@dataclass(frozen=True)
+class Copy:
+    """A complete copy held: whose (node, rank), of which step, its bytes, the round it was pushed in."""
+    node: str
+    rank: int
+    step: int
+    size: int
+    round: int
+
+
+def rank_dir(root: str, node: str, rank: int) -> str:
+    return os.path.join(root, node, str(rank))
+
+
+def copies(root: str) -> list[Copy]:
+    """Every complete copy under `root` (a crash may leave two of one (node, rank): both count as bytes)."""
+    found: list[Copy] = []
+    for node in listdir(root):
+        if not wire.valid_node(node):
+            continue
+        for rank in listdir(os.path.join(root, node)):
+            if RANK_DIR.fullmatch(rank) is None or int(rank) > wire.MAX_RANK:
+                continue
+            where = rank_dir(root, node, int(rank))
+            for step in complete_steps(where):
+                path = os.path.join(where, f"step-{step}")
+                held = read_sum(path + ".sha256")
+                found.append(Copy(node, int(rank), step, size(path), held[1] if held else 0))
+    return found
 
 
 def settle(node_dir: str, landed: str) -> None:

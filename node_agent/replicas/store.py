@@ -24,7 +24,6 @@ import os
 import shutil
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Protocol
 
 from node_agent.replicas import files, stream, wire
@@ -43,15 +42,6 @@ class _Refusal(Exception):
         super().__init__(reason)
         self.kind = kind
         self.reason = reason
-
-
-@dataclass(frozen=True)
-class _Copy:
-    node: str
-    rank: int
-    step: int
-    size: int
-    round: int
 
 
 class Source(Protocol):
@@ -91,23 +81,10 @@ class ReplicaStore:
     # --- what is held -------------------------------------------------------------------------------------
 
     def _dir(self, node: str, rank: int) -> str:
-        return os.path.join(self.root, node, str(rank))
+        return files.rank_dir(self.root, node, rank)
 
-    def _copies(self) -> list[_Copy]:
-        """Every complete copy on disk (a crash may leave two of one (node, rank): both count as bytes)."""
-        found: list[_Copy] = []
-        for node in files.listdir(self.root):
-            if not wire.valid_node(node):
-                continue
-            for rank in files.listdir(os.path.join(self.root, node)):
-                if files.RANK_DIR.fullmatch(rank) is None or int(rank) > wire.MAX_RANK:
-                    continue
-                where = self._dir(node, int(rank))
-                for step in files.complete_steps(where):
-                    path = os.path.join(where, f"step-{step}")
-                    held = files.read_sum(path + ".sha256")
-                    found.append(_Copy(node, int(rank), step, files.size(path), held[1] if held else 0))
-        return found
+    def _copies(self) -> list[files.Copy]:
+        return files.copies(self.root)
 
     def held(self) -> dict[tuple[str, int], int]:
         """(node, rank) -> the step of its complete copy (the newest, should a crash have left two)."""
@@ -194,7 +171,7 @@ class ReplicaStore:
         finally:
             del self._pushing[slot]
 
-    def _check_incarnation(self, req: PushRequest, copies: list[_Copy]) -> None:
+    def _check_incarnation(self, req: PushRequest, copies: list[files.Copy]) -> None:
         """A push of one of its node's ranks, not of a round older than the node's newest held, nor past this
         node's own round, and past the step held of its own round."""
         source = self._sources.get(req.node)
@@ -223,7 +200,7 @@ class ReplicaStore:
                                         f"{reached if reached >= 0 else 'none'})")
             await asyncio.sleep(0.05)
 
-    def _make_room(self, pusher: str, size: int, copies: list[_Copy]) -> list[_Copy]:
+    def _make_room(self, pusher: str, size: int, copies: list[files.Copy]) -> list[files.Copy]:
         """Where a push does not fit, the copies of nodes that stopped pushing (none for EVICT_AFTER_S: gone from
         the job, their place taken long since) go, the longest silent first; what is held then."""
         over = sum(c.size for c in copies) + sum(self._pushing.values()) + size - self.limit_bytes
@@ -244,7 +221,7 @@ class ReplicaStore:
                           f"room for node {pusher}'s")
         return self._copies()
 
-    def _check_room(self, req: PushRequest, copies: list[_Copy]) -> None:
+    def _check_room(self, req: PushRequest, copies: list[files.Copy]) -> None:
         size, held = req.size, sum(c.size for c in copies)
         mine = sum(c.size for c in copies if (c.node, c.rank) == (req.node, req.rank))
         reserved = sum(self._pushing.values())
