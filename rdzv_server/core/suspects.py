@@ -33,8 +33,7 @@ def asking(cfg: JobConfig, failures: list[WorkerFailure]) -> WorkerFailure | Non
 def act(rules: JobRules, node: NodeRecord, asked: WorkerFailure, round_id: int, now: float) -> Action:
     """The suspect rule for `node`, before the round after the failure forms."""
     cfg = rules.job.config
-    node.suspect_times = [t for t in node.suspect_times if t > now - cfg.exclude_window_s] + [now]
-    rules.node_changed(node.node_id)
+    suspected(rules, node, now)
     why = "its replicated tensors diverged" if asked.reason == FailureReason.DIVERGED else \
         "a worker asked for other hardware"
     what = f"node {node.node_id} is a suspect: {why} ({describe(asked)})"
@@ -53,6 +52,13 @@ def act(rules: JobRules, node: NodeRecord, asked: WorkerFailure, round_id: int, 
     rules.record(now, EventKind.NODE_SUSPECT, f"{what}; {then}", node.node_id, round_id)
     rules.out.suspects.append(action.value)
     return action
+
+
+def suspected(rules: JobRules, node: NodeRecord, now: float) -> None:
+    """A suspicion of `node` now, counted within the job's exclude window (a second one excludes it)."""
+    window = rules.job.config.exclude_window_s
+    node.suspect_times = [t for t in node.suspect_times if t > now - window] + [now]
+    rules.node_changed(node.node_id)
 
 
 def quarantine(node: NodeRecord, now: float) -> str:

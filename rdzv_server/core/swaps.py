@@ -100,7 +100,7 @@ def _swap(rules: JobRules, node_id: str, why: str, when: str, now: float) -> Non
     node = job.nodes[node_id]
     if job.round is not None and node_id in job.round.members:
         job.swapped_places.append(job.round.members.index(node_id))
-    node.suspect_times = [t for t in node.suspect_times if t > now - job.config.exclude_window_s] + [now]
+    suspects.suspected(rules, node, now)
     rules.exclude(node, now, f"as a suspect ({why}): spare {spare} takes its place")
     then = suspects.quarantine(node, now)
     rules.record(now, EventKind.NODE_SUSPECT, f"node {node_id} swapped for spare {spare} {when}{then}", node_id)
