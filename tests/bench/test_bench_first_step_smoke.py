@@ -1,7 +1,8 @@
 """Smoke test of `make bench-first-step`'s harness at its smallest (a tiny model, one pair, a small
-snapshot), so it does not rot: every launcher produced a run, the ones that recover have every part,
-the snapshot load was measured both ways, and the JSON (and the chart, with matplotlib) was written.
-Nothing here asserts how long anything took; the figures come from `make bench-first-step`."""
+snapshot), so it does not rot: every launcher that recovers produced a run with every part, the snapshot
+load was measured both ways, and the JSON (and the chart, with matplotlib) was written. torchrun's own c10d
+rendezvous is left to `make bench-first-step`: on a loaded machine it may not rendezvous again after the crash,
+and waiting out its limit was the longest test of the suite. Nothing here asserts how long anything took."""
 from __future__ import annotations
 
 import importlib.util
@@ -19,25 +20,29 @@ pytestmark = pytest.mark.e2e
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def test_every_launcher_gives_a_run_and_the_recovering_ones_every_part(tmp_path):
+RECOVERING = [name for name in LAUNCHERS if name.startswith("node-agent") or "plugin" in name]
+
+
+def test_every_recovering_launcher_gives_a_run_with_every_part(tmp_path):
+    assert "torchrun c10d" in LAUNCHERS and "torchrun c10d" not in RECOVERING
     done = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_first_step.py"), "--pairs", "1",
+                           "--launchers", ",".join(RECOVERING),
                            "--width", "32", "--steps", "6", "--crash-step", "4", "--snapshot-mb", "2",
                            "--timeout", "120", "--out", str(tmp_path)],
                           capture_output=True, text=True, timeout=600, env=dict(os.environ, PYTHONPATH=ROOT))
     assert done.returncode == 0, done.stdout + done.stderr
     out = json.loads((tmp_path / "bench-first-step.json").read_text())
-    assert [r["launcher"] for r in out["runs"]] == list(LAUNCHERS)
+    assert [r["launcher"] for r in out["runs"]] == RECOVERING
     for run in out["runs"]:
-        if run["launcher"].startswith("node-agent") or "plugin" in run["launcher"]:
-            assert run["result"] is not None, run        # these recover every time
-            parts = run["result"]["parts"]
-            assert set(parts) == {name for name, _ in PARTS}
-            assert abs(sum(parts.values()) - run["result"]["total"]) < 1e-6
+        assert run["result"] is not None, run        # these recover every time
+        parts = run["result"]["parts"]
+        assert set(parts) == {name for name, _ in PARTS}
+        assert abs(sum(parts.values()) - run["result"]["total"]) < 1e-6
         assert len(run["load"]) == 2
     assert set(out["snapshot_load"]["seconds"]) == {"mmap", "plain"}
     assert all(len(v) == 3 for v in out["snapshot_load"]["seconds"].values())
-    assert table(out["runs"], out["launchers"]).count("\n") == 1 + len(LAUNCHERS)
-    for launcher in LAUNCHERS:
+    assert table(out["runs"], out["launchers"]).count("\n") == 1 + len(RECOVERING)
+    for launcher in RECOVERING:
         assert f"| {launcher} |" in done.stdout
     if importlib.util.find_spec("matplotlib") is not None:
         assert (tmp_path / "bench-first-step.png").stat().st_size > 0
