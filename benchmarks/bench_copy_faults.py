@@ -48,7 +48,7 @@ from benchmarks._server import running_server  # noqa: E402
 from benchmarks.bench_node_loss import Job as ShardJob  # noqa: E402
 from benchmarks.bench_node_loss import _stepping, _workdir  # noqa: E402
 from benchmarks.bench_places import FAST, wait  # noqa: E402
-from node_agent.replicas import wire  # noqa: E402
+from node_agent.copies import wire  # noqa: E402
 from node_agent.workers.memory import COPIES, dir_name  # noqa: E402
 from tests.e2e.certs import make_ca, make_server_cert  # noqa: E402
 

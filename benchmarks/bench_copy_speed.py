@@ -21,8 +21,8 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from node_agent.client.listener import Caps, Listener  # noqa: E402
-from node_agent.replicas import client, wire  # noqa: E402
-from node_agent.replicas.store import ReplicaStore  # noqa: E402
+from node_agent.copies import client, wire  # noqa: E402
+from node_agent.copies.store import CopyStore  # noqa: E402
 from node_agent.settings import WorkerSettings  # noqa: E402
 from protocol.messages import CopySource  # noqa: E402
 
@@ -51,11 +51,11 @@ async def one_size(mb: int, runs: int) -> dict:
     size = mb << 20
     with tempfile.TemporaryDirectory(dir=BASE) as tmp:
         src = _snapshot_file(tmp, mb)
-        store = ReplicaStore(os.path.join(tmp, "held"), 4 * size, {"a": CopySource(node_id="a", token=KEY)},
+        store = CopyStore(os.path.join(tmp, "held"), 4 * size, {"a": CopySource(node_id="a", token=KEY)},
                              round_now=lambda: 1, reach=lambda: wire.MAX_STEP)
 
         async def handle(line: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            if wire.is_replica_request(line):
+            if wire.is_copy_request(line):
                 await store.serve(line, reader, writer)
 
         server = Listener(handle, Caps(), print, name="bench")          # the agent's own listener
@@ -64,7 +64,7 @@ async def one_size(mb: int, runs: int) -> dict:
         try:
             for i in range(runs):
                 times["sha256"].append(_sha_seconds(src))
-                for label, rate in (("push", None), ("push_capped", float(WorkerSettings.replica_bandwidth))):
+                for label, rate in (("push", None), ("push_capped", float(WorkerSettings.copy_bandwidth))):
                     step = 2 * i + (label == "push_capped") + 1
                     began = time.perf_counter()
                     done = await client.push("127.0.0.1", port, key=KEY, node_id="a", local_rank=0, step=step,

@@ -16,7 +16,9 @@ from typing import TextIO
 from node_agent.client.listener import Caps
 from node_agent.client.transport import Transport, free_port
 from node_agent.client.witness import WitnessServer
-from node_agent.copies import PeerCopies
+from node_agent.copies.peers import PeerCopies
+from node_agent.copies.tls import CopyTls, copy_tls
+from node_agent.copies.wire import is_copy_request
 from node_agent.core.actions import (
     Action,
     CheckNode,
@@ -37,8 +39,6 @@ from node_agent.core.node_health import RETRY_MIN_S, NodeHealth
 from node_agent.core.policy import SupervisionPolicy
 from node_agent.narration import Narrator
 from node_agent.node_checks import NodeChecks
-from node_agent.replicas.tls import CopyTls, copy_tls
-from node_agent.replicas.wire import is_replica_request
 from node_agent.server_link import ServerLink
 from node_agent.settings import AgentSettings
 from node_agent.sources import start_source
@@ -77,12 +77,12 @@ class Agent:
         # strangers may connect to its listeners: their connections are capped together (client/listener.py)
         caps = Caps.for_descriptors(raise_open_file_limit())
         self.copies = PeerCopies(self.workers.memory, link.nproc, link.node_id, self.narrator.say,
-                                 settings.workers.replica_bandwidth, self._copy_tls(),
+                                 settings.workers.copy_bandwidth, self._copy_tls(),
                                  server_tls=link.endpoint_scheme == "https", caps=caps)
         self.copy_port = 0          # where this node takes peer copies (PeerCopies.listen)
         self.copies.on_copied = self._copied
         self.witness = WitnessServer(addr, lambda: self.policy.in_contact, self._holds,
-                                     (is_replica_request, self.copies.serve), caps=caps, say=self.narrator.say)
+                                     (is_copy_request, self.copies.serve), caps=caps, say=self.narrator.say)
         self._link: ServerLink | None = None
         self._no_port_said = False
 

@@ -65,7 +65,7 @@ class WorkerSettings:
     stop_timeout: float = 30.0         # signal -> SIGKILL
     kill_timeout: float = 10.0         # after SIGKILL: a worker still alive then marks the node unhealthy
     memory_dir_limit: int | None = None   # bytes for the node's in-memory checkpoints; None: the default; 0: off
-    replica_bandwidth: int = 1 << 30   # bytes/s of peer copies sent (node_agent/copies.py); 0: no cap
+    copy_bandwidth: int = 1 << 30   # bytes/s of peer copies sent (node_agent/copies/peers.py); 0: no cap
     warm_workers: str = "auto"         # auto: Python entry points fork from a warm zygote; off: all cold
     # --warm-preload: exactly these; None: DEFAULT_PRELOAD and the installed packages the script imports at its top
     # level (workers/warm/eligible.py's script_preloads)
@@ -88,7 +88,7 @@ class LinkSettings:
     token_file: str | None = None
     token: str | None = None
     tls_ca: str | None = None
-    tls_cert: str | None = None        # this node's certificate and key, for peer copies over TLS (replicas/tls.py)
+    tls_cert: str | None = None        # this node's certificate and key, for peer copies over TLS (copies/tls.py)
     tls_key: str | None = None
     job_id: str = "default"
     job_id_source: str = ""            # where a job id that was not given came from (said at start)

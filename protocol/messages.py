@@ -91,7 +91,7 @@ class JobConfig(msgspec.Struct, kw_only=True, frozen=True):
     # elsewhere", 17: "a validation failed"): its node is a suspect, replaced by a ready spare at once
     # (rdzv_server/core/suspects.py). (): none.
     suspect_exit_codes: Annotated[tuple[Annotated[int, Meta(ge=1, le=255)], ...], Meta(max_length=16)] = (16, 17)
-    # Peer copies (node_agent/replicas/): each member's agent copies its ranks' newest in-memory snapshot to this
+    # Peer copies (node_agent/copies/): each member's agent copies its ranks' newest in-memory snapshot to this
     # many other members, in another failure domain; a node taking a lost node's place fetches them. 0: off.
     replicas: Annotated[int, Meta(ge=0, le=MAX_REPLICAS)] = 1
 
@@ -138,7 +138,7 @@ class JoinRequest(_Request, kw_only=True):
     ready: bool = True
     # Its failure domain (a rack, a switch: what fails together), for choosing where its copies go; "": its host.
     domain: ShortText = ""
-    # Where its agent takes peer copies (node_agent/copies.py): its probe_port, or a TLS listener of its own where
+    # Where its agent takes peer copies (node_agent/copies/peers.py): its probe_port, or a TLS listener of its own where
     # it has a certificate; 0: it takes none (an older agent, or the server uses TLS and it has no certificate).
     copy_port: Port = 0
 

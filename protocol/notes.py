@@ -51,7 +51,7 @@ class ProgressNote(msgspec.Struct, kw_only=True, frozen=True, gc=False):
 
 
 class CopiesNote(msgspec.Struct, kw_only=True, frozen=True, gc=False):
-    """This node's peer copies (node_agent/copies.py), on its polls: the newest snapshot step all its local ranks
+    """This node's peer copies (node_agent/copies/peers.py), on its polls: the newest snapshot step all its local ranks
     hold, the newest step copied to a peer for all of them and where, and its totals (-1: none)."""
     local_step: Annotated[int, Meta(ge=-1, le=MAX_ROUND)] = -1
     copied_step: Annotated[int, Meta(ge=-1, le=MAX_ROUND)] = -1

@@ -30,7 +30,11 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     # the warm zygote's agent side; the zygote itself (zygote.py) imports nothing of ours
     "node_agent.workers.warm": ("node_agent.training.probe", "node_agent.workers.deathsig",
                                 "node_agent.workers.environment"),
-    "node_agent.replicas": (),       # the peer-copy wire and store: the standard library alone
+    # the peer-copy wire and store: the standard library, and the snapshot files' helpers (torch-free)
+    "node_agent.copies": ("node_agent.training.snapshot",),
+    # the agent's side of peer copies: the wire and store, the listener, the memory dirs, the snapshot files
+    "node_agent.copies.peers": ("protocol", "node_agent.copies", "node_agent.client.listener",
+                                "node_agent.training.snapshot", "node_agent.workers.memory"),
     # inside the training process: the probe (loaded by file path) and its boot import nothing of ours; the rest
     # only its own package. The agent may import the torch-free snapshot and heartbeat, never protect & co.
     "node_agent.training": (),
@@ -41,7 +45,7 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     "node_agent.plugin": ("protocol", "node_agent.client", "node_agent.cli.job_identity", "node_agent.cli.rdzv_conf",
                           "node_agent.cli.values", "node_agent.workers.script_check"),
     "node_agent": ("protocol", "node_agent.core", "node_agent.client", "node_agent.workers", "node_agent.cli",
-                   "node_agent.gpu", "node_agent.replicas", "node_agent.training.snapshot",
+                   "node_agent.gpu", "node_agent.copies", "node_agent.training.snapshot",
                    "node_agent.training.heartbeat"),
 }
 OURS = ("protocol", "rdzv_server", "node_agent", "rdzv_ctl")
@@ -86,7 +90,7 @@ def violations(graph: dict[str, set[str]]) -> list[str]:
         for dep in sorted(deps):
             if within(dep, layer) or any(within(dep, ok) for ok in ALLOWED[layer]):
                 continue
-            if dep in (layer.rpartition(".")[0], layer.split(".")[0]):
+            if dep in (layer.rpartition(".")[0], layer.split(".")[0]) or any(d.startswith(dep + ".") for d in deps):
                 continue          # `from pkg import sub`: the package itself, named on the way to a module
             found.append(f"{module} imports {dep} ({layer} may import only {', '.join(ALLOWED[layer]) or 'itself'})")
     return found

@@ -152,7 +152,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag(("--failure-domain", "--failure_domain"), "failure_domain", "LABEL",
          "what fails with this node (a rack, a switch): copies go to nodes with another label; default "
          "$SLURM_TOPOLOGY_ADDR's switch, else the host"),
-    Flag(("--replica-bandwidth", "--replica_bandwidth"), "replica_bandwidth", "SIZE",
+    Flag(("--replica-bandwidth", "--replica_bandwidth"), "copy_bandwidth", "SIZE",
          "the most this node sends per second of copies to its peers (100M, 1G, ...); 0: no cap; default 1G"),
     Flag(("--exclude-after", "--exclude_after"), "exclude_after", "K",
          "exclude a node after K worker failures within --exclude-window (job-wide); 0 never; default {default}"),

@@ -119,7 +119,7 @@ def parse_options(argv: Sequence[str], environ: Mapping[str, str] = os.environ) 
         signals=parse_signals(get("signals"), line.failing("signals")) if get("signals") else DEFAULT_SIGNALS,
         stop_timeout=non_negative(line, "stop_timeout", stop_default, "$TORCH_ELASTIC_SHUTDOWN_TIMEOUT"),
         kill_timeout=non_negative(line, "kill_timeout"),
-        memory_dir_limit=_memory_dir_limit(line), replica_bandwidth=_replica_bandwidth(line),
+        memory_dir_limit=_memory_dir_limit(line), copy_bandwidth=_copy_bandwidth(line),
         warm_workers=_choice(line, "warm_workers", ("auto", "off")),
         warm_preload=parse_modules(get("warm_preload"), line.failing("warm_preload"))
         if get("warm_preload") is not None else None,
@@ -265,9 +265,9 @@ def _role(line: CommandLine, nproc: int, environ: Mapping[str, str]) -> str:
     return role
 
 
-def _replica_bandwidth(line: CommandLine) -> int:
-    given = line.get("replica_bandwidth")
-    return WorkerSettings.replica_bandwidth if given is None else parse_size(given, line.failing("replica_bandwidth"))
+def _copy_bandwidth(line: CommandLine) -> int:
+    given = line.get("copy_bandwidth")
+    return WorkerSettings.copy_bandwidth if given is None else parse_size(given, line.failing("copy_bandwidth"))
 
 
 def _failure_domain(line: CommandLine, environ: Mapping[str, str]) -> str:

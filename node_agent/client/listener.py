@@ -7,7 +7,7 @@ more than a descriptor, as the server bounds its own:
   FIRST_LINE_LIMIT bytes (a real first line is under 512); what breaks either is closed without a word;
 - out of descriptors while accepting (EMFILE): said, once a minute, and accepting goes on after a pause.
 The handler gets the first line and the connection; it may widen the reader's buffer for a payload
-(node_agent.replicas.stream.widen); the connection is closed when it returns."""
+(node_agent.copies.stream.widen); the connection is closed when it returns."""
 from __future__ import annotations
 
 import asyncio

@@ -31,7 +31,7 @@ class WitnessServer:
                  copies: tuple[Callable[[bytes], bool], Serve] | None = None, *, caps: Caps | None = None,
                  say: Callable[[str], None] = lambda line: None) -> None:
         """`in_contact()`: whether this agent hears the server; `holds()`: the round it runs (-1: none);
-        `copies`: (whether a first line is a peer copy's request, what serves it: node_agent/copies.py);
+        `copies`: (whether a first line is a peer copy's request, what serves it: node_agent/copies/peers.py);
         `caps`: the connections the agent's listeners may hold together."""
         self.addr = addr
         self.in_contact = in_contact

@@ -6,7 +6,7 @@ writes the file's header and names it complete while the training goes on (layou
 - The file a snapshot replaces (the keep rule, node_agent.snapshot.make_room) is written over in place when this
   process wrote it: its pages are already there, so the copy runs at memory speed, not at the speed tmpfs hands
   out new pages. It is renamed `step-N.tmp` before a byte changes (a reader of the old name stops at the rename:
-  replicas/client.py's push). Files it did not write (a predecessor's, a peer's copy) are removed instead: a
+  copies/client.py's push). Files it did not write (a predecessor's, a peer's copy) are removed instead: a
   restored state may still map them.
 - A write still running when the next snapshot comes is waited for (the file is its): snapshots never queue.
 - A snapshot that does not fit the memory directory, or fails to write, is said once; training goes on and the

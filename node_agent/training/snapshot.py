@@ -35,7 +35,7 @@ __all__ = ["COPY_WAIT_S", "DIR_VAR", "FETCHING", "HOLD", "LIMIT_VAR", "MemoryDir
            "remove", "save", "steps"]
 
 DIR_VAR = "NODE_AGENT_MEMORY_DIR"
-FETCHING = ".fetching"    # the agent is fetching this rank's copy from a peer (node_agent/copies.py)
+FETCHING = ".fetching"    # the agent is fetching this rank's copy from a peer (node_agent/copies/peers.py)
 COPY_WAIT_S = 90.0        # the most agreed_step waits for it (the agent gives up on a fetch after 60 s)
 LIMIT_VAR = "NODE_AGENT_MEMORY_LIMIT"
 HOLD = ".hold"            # the agent asks this rank to wait after its next snapshot (NodeStatus.hold_at_snapshot)
@@ -236,7 +236,7 @@ class Room:
 def make_room(step: int, where: str, keep: int) -> Room:
     held = [s for s in steps(where) if s != step]
     dropped = held[:max(0, len(held) - (keep - 1))]
-    return Room(dropped, sum(_size(path(s, where)) for s in held[len(dropped):]), len(held) - len(dropped))
+    return Room(dropped, sum(size(path(s, where)) for s in held[len(dropped):]), len(held) - len(dropped))
 
 
 def full_error(step: int, where: str, bound: int | None, room: Room) -> MemoryDirFull:
@@ -250,7 +250,8 @@ def _text(bound: int | None) -> str:
     return "none" if bound is None else f"{bound} bytes ({bound / 2**20:.1f} MiB)"
 
 
-def _size(p: str) -> int:
+def size(p: str) -> int:
+    """Bytes of `p`; 0 once it is gone."""
     try:
         return os.path.getsize(p)
     except OSError:

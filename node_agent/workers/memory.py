@@ -30,7 +30,7 @@ SHM = "/dev/shm"
 RANK_FILE = ".rank"      # in each local rank's directory: the global rank whose snapshots it holds
 IDENTITY = "identity"    # in the node's directory: its job id and node id, a line each
 RUN = "run"              # in the node's directory: the run of the job its snapshots are of (Assignment.run)
-COPIES = "replicas"      # in the node's directory: the copies it holds for other nodes (node_agent/copies.py)
+COPIES = "replicas"      # in the node's directory: the copies it holds for other nodes (node_agent/copies/peers.py)
 KEEP_S = 600.0           # an ended agent's memory is kept this long after its last write, for its node's next agent
 
 

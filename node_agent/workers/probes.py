@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import node_agent.training.probe as probe
 from node_agent.core.stalls import ProcSample
 from node_agent.core.steps import ProbeRecord
+from node_agent.training import snapshot
 from node_agent.workers import owners
 from protocol.bounds import MAX_LOCAL_WORLD_SIZE, MAX_NODES
 
@@ -199,7 +200,7 @@ async def take_stacks(targets: dict[int, tuple[int, str]], clock: Callable[[], f
     deadline = clock() + DUMP_WAIT_S
     while sent and clock() < deadline:
         await asyncio.sleep(0.02)        # the worker writes in its own time; nothing to wait on but the file
-        now = {lr: _size(path) for lr, path in sent.items()}
+        now = {lr: snapshot.size(path) for lr, path in sent.items()}
         if all(size > 0 and sizes.get(lr) == size for lr, size in now.items()):
             break
         sizes = now
@@ -212,13 +213,6 @@ def _read_dump(path: str) -> str:
             return f.read(MAX_DUMP_BYTES).decode(errors="replace")
     except OSError:
         return ""
-
-
-def _size(path: str) -> int:
-    try:
-        return os.stat(path).st_size
-    except OSError:
-        return 0
 
 
 def _milestones(times: tuple[float, ...], wall_now: float) -> dict[str, float]:

@@ -1,4 +1,4 @@
-"""The agent's side of peer copies (node_agent/copies.py) against a real holder's store on loopback: what it
+"""The agent's side of peer copies (node_agent/copies/peers.py) against a real holder's store on loopback: what it
 pushes, when the holder drops copies (the job went back; a fetched node's), and the fetch before a spawn."""
 from __future__ import annotations
 
@@ -9,25 +9,25 @@ from collections.abc import AsyncIterator
 
 import msgspec
 
-from node_agent.copies import PeerCopies
-from node_agent.replicas import wire
-from node_agent.replicas.store import ReplicaStore
+from node_agent.copies import wire
+from node_agent.copies.peers import PeerCopies
+from node_agent.copies.store import CopyStore
 from node_agent.training import snapshot
 from node_agent.workers.memory import MemoryDirs
 from protocol.messages import Assignment, Witness
-from tests.unit.test_replicas import FAR, Everyone
+from tests.unit.test_copy_store import FAR, Everyone
 
 KEY = "job-key-for-copies-0123"
 
 
 @contextlib.asynccontextmanager
-async def holder(tmp_path) -> AsyncIterator[tuple[ReplicaStore, Witness]]:
-    store = ReplicaStore(str(tmp_path / "held"), 64 * 2**20, Everyone(lambda: KEY), round_now=lambda: 10**6,
+async def holder(tmp_path) -> AsyncIterator[tuple[CopyStore, Witness]]:
+    store = CopyStore(str(tmp_path / "held"), 64 * 2**20, Everyone(lambda: KEY), round_now=lambda: 10**6,
                          reach=lambda: FAR)
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         line = await reader.readline()
-        if wire.is_replica_request(line):
+        if wire.is_copy_request(line):
             await store.serve(line, reader, writer)
         writer.close()
 
@@ -149,7 +149,7 @@ async def test_copies_of_a_node_lost_mid_push_are_fetched_at_the_step_all_its_ra
             snapshot.save(b"b's 20", 20, where=where)
         await gone._scan()
         snapshot.save(b"b's 25", 25, where=dirs_b[0])      # rank 0's copy of 25 landed, rank 1's never did
-        from node_agent.replicas.client import push
+        from node_agent.copies.client import push
         done = await push(at.addr, at.port, key=KEY, node_id="b", local_rank=0, step=25,
                           path=snapshot.path(25, dirs_b[0]), round_id=1)
         assert done.ok and store.held() == {("b", 0): 25, ("b", 1): 20}

@@ -14,7 +14,7 @@ import pytest
 
 from node_agent.client import listener as listening
 from node_agent.client.listener import Caps, Listener
-from node_agent.replicas import stream
+from node_agent.copies import stream
 from tests.e2e.certs import make_ca, make_server_cert
 
 WAIT = 10.0

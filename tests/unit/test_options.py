@@ -101,8 +101,8 @@ def test_endpoint_aliases(flag: str, joined: bool) -> None:
     (["--replicas", "0"], "job.replicas", 0),
     (["--replicas", "2"], "job.replicas", 2),
     (["--failure-domain", "rack 7"], "failure_domain", "rack 7"),
-    (["--replica-bandwidth", "100M"], "replica_bandwidth", 100 * 2**20),
-    (["--replica_bandwidth=0"], "replica_bandwidth", 0),
+    (["--replica-bandwidth", "100M"], "copy_bandwidth", 100 * 2**20),
+    (["--replica_bandwidth=0"], "copy_bandwidth", 0),
 ])
 def test_aliases_and_values(argv: list[str], attr: str, value: object) -> None:
     opts: object = parse(*EP, *argv, "t.py")

@@ -1,4 +1,4 @@
-"""Moving a replica's bytes, shared by the holder (store.py) and the agents (client.py): lines read with a
+"""Moving a copy's bytes, shared by the holder (store.py) and the agents (client.py): lines read with a
 bound and a timeout, a payload received into or sent from a file descriptor in CHUNK pieces, hashed as it
 passes, and the pacing of a capped sender. Rules: a peer that stops sending or reading for `stall_s` seconds
 is given up (StreamError), never waited for forever; a network failure is a StreamError, while a failure of
@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from node_agent.replicas.wire import MAX_LINE
+from node_agent.copies.wire import MAX_LINE
 
 CHUNK = 1 << 20
 

@@ -26,9 +26,10 @@ import time
 from collections.abc import Callable
 from typing import Protocol
 
-from node_agent.replicas import files, stream, wire
-from node_agent.replicas.stream import StreamError
-from node_agent.replicas.wire import DropRequest, FetchRequest, PushRequest, WireError
+from node_agent.copies import files, stream, wire
+from node_agent.copies.stream import StreamError
+from node_agent.copies.wire import DropRequest, FetchRequest, PushRequest, WireError
+from node_agent.training.snapshot import remove
 
 STALL_S = 30.0          # a peer sending or reading nothing for this long is given up
 FREE_RESERVE = 0.25     # copies never leave less of /dev/shm free than this share: its workers need some too
@@ -58,7 +59,7 @@ class Sources(Protocol):
     def __len__(self) -> int: ...
 
 
-class ReplicaStore:
+class CopyStore:
     def __init__(self, root: str, limit_bytes: int, sources: Sources, say: Callable[[str], None] = lambda s: None,
                  *, round_now: Callable[[], int], reach: Callable[[], int]) -> None:
         """`sources`: a node's token and ranks now (absent: it is no source of this holder now; a fetch or drop of
@@ -150,7 +151,7 @@ class ReplicaStore:
             return
         self._said[kind] = (now, 0)
         more = f"; {since} more of this kind since it was last said" if since else ""
-        self._say(f"replica store: {what} for {peer}, which sent {wire.quote(first_line)} (said once a minute for "
+        self._say(f"copy store: {what} for {peer}, which sent {wire.quote(first_line)} (said once a minute for "
                   f"this kind: {kind}{more})")
 
     # --- push ---------------------------------------------------------------------------------------------
@@ -217,7 +218,7 @@ class ReplicaStore:
             if node != pusher:
                 over -= sum(c.size for c in copies if c.node == node)
                 self.remove_node(node)
-                self._say(f"replica store: removed node {node}'s copies, not renewed for {now - at:.0f}s, to make "
+                self._say(f"copy store: removed node {node}'s copies, not renewed for {now - at:.0f}s, to make "
                           f"room for node {pusher}'s")
         return self._copies()
 
@@ -272,8 +273,8 @@ class ReplicaStore:
             raise _stored_failed(exc) from None
         finally:
             if not landed:
-                files.remove(tmp)
-                files.remove(final + ".sha256")     # a newer step than any held: never a held copy's checksum
+                remove(tmp)
+                remove(final + ".sha256")     # a newer step than any held: never a held copy's checksum
         self._supersede(req)
         files.settle(os.path.dirname(where), where)
         writer.write(wire.stored_line(req.step))
@@ -339,8 +340,8 @@ class ReplicaStore:
 
     def _discard(self, node: str, rank: int, step: int) -> None:
         final = os.path.join(self._dir(node, rank), f"step-{step}")
-        files.remove(final)
-        files.remove(final + ".sha256")
+        remove(final)
+        remove(final + ".sha256")
 
 
 def _parse(first_line: bytes) -> PushRequest | FetchRequest | DropRequest:

@@ -1,7 +1,7 @@
 """What a holder takes from a peer that has a node's token (issue 53): only that node's ranks, rounds that are not
 older than the node's newest held nor past the holder's own, steps the job has reached, its share of the limit; a
 newer round's copy supersedes an older round's; a flood of refusals is a few log lines. And a fetcher takes only
-the step it asked for. A real store behind a loopback listener (tests/unit/test_replicas.py's)."""
+the step it asked for. A real store behind a loopback listener (tests/unit/test_copy_store.py's)."""
 from __future__ import annotations
 
 import asyncio
@@ -9,18 +9,18 @@ import os
 
 import pytest
 
-from node_agent.replicas import client, wire
-from node_agent.replicas.store import ReplicaStore
+from node_agent.copies import client, wire
+from node_agent.copies.store import CopyStore
 from protocol.messages import CopySource
-from tests.unit.test_replicas import FAR, KEY, NODE, blob, header, holder, raw_push, snap
+from tests.unit.test_copy_store import FAR, KEY, NODE, blob, header, holder, raw_push, snap
 
 pytestmark = pytest.mark.asyncio
 
 
 def store_of(tmp_path, *, ranks: int = 2, round_now: int = 5, reach: list[int] | None = None,
-             sources: tuple[str, ...] = (NODE,), limit: int = 2**20, said: list[str] | None = None) -> ReplicaStore:
+             sources: tuple[str, ...] = (NODE,), limit: int = 2**20, said: list[str] | None = None) -> CopyStore:
     reached = reach if reach is not None else [FAR]
-    return ReplicaStore(str(tmp_path / "held"), limit,
+    return CopyStore(str(tmp_path / "held"), limit,
                         {n: CopySource(node_id=n, token=KEY, ranks=ranks) for n in sources},
                         (said if said is not None else []).append, round_now=lambda: round_now,
                         reach=lambda: reached[0])

@@ -1,5 +1,5 @@
-"""Peer copies of the workers' in-memory snapshots, the agent's side (the wire and the holder's store:
-node_agent/replicas/). A lost node takes its snapshots with it; with a copy of each of its ranks' newest on
+"""Peer copies of the workers' in-memory snapshots, the agent's side (the wire and the holder's store: the
+rest of this package). A lost node takes its snapshots with it; with a copy of each of its ranks' newest on
 another node, the node that takes its place resumes from that step instead of every rank going back to disk.
 - Each member pushes the newest `step-N` all its local ranks hold to the members its assignment names
   (`Assignment.replicas`: the server picks them in another failure domain), from the agent, never the
@@ -27,10 +27,10 @@ import time
 from collections.abc import Awaitable, Callable
 
 from node_agent.client.listener import Caps, Listener
-from node_agent.replicas.client import FetchResult, drop, fetch, push
-from node_agent.replicas.store import ReplicaStore
-from node_agent.replicas.tls import CopyTls
-from node_agent.replicas.wire import is_replica_request
+from node_agent.copies.client import FetchResult, drop, fetch, push
+from node_agent.copies.store import CopyStore
+from node_agent.copies.tls import CopyTls
+from node_agent.copies.wire import is_copy_request
 from node_agent.training import snapshot
 from node_agent.workers.memory import COPIES, MemoryDirs
 from protocol.messages import Assignment, CopySource, Witness
@@ -71,7 +71,7 @@ class PeerCopies:
     def __init__(self, memory: MemoryDirs, nproc: int, node_id: str, say: Callable[[str], None],
                  bandwidth: int, tls: CopyTls | None = None, server_tls: bool = False,
                  caps: Caps | None = None) -> None:
-        """`tls`: copies go over TLS (replicas/tls.py); `server_tls`: the server uses TLS, so copies without it
+        """`tls`: copies go over TLS (copies/tls.py); `server_tls`: the server uses TLS, so copies without it
         would cross the network in the clear: this node then makes and takes none. `caps`: the connections the
         agent's listeners may hold together (client/listener.py)."""
         self.memory, self.nproc, self.node_id = memory, nproc, node_id
@@ -85,7 +85,7 @@ class PeerCopies:
         self.round = -1                            # this node's round (its copies' incarnation)
         self.sources: dict[str, CopySource] = {}   # nodes whose copies it holds, with their tokens (copy_sources)
         self.targets: tuple[Witness, ...] = ()     # where this node's copies go now
-        self.store: ReplicaStore | None = None     # the copies this node holds for others
+        self.store: CopyStore | None = None     # the copies this node holds for others
         self.pushed: dict[tuple[str, int, int], int] = {}    # (addr, port, local rank) -> the step it holds
         self.copied: dict[int, tuple[int, str]] = {}         # local rank -> (its newest copied step, where)
         self.sent_bytes = 0
@@ -98,14 +98,14 @@ class PeerCopies:
         self.on_copied: Callable[[], None] = lambda: None    # a push succeeded (the agent may tell the server)
         self._fetching: asyncio.Task[None] | None = None
 
-    def _holder_store(self) -> ReplicaStore | None:
+    def _holder_store(self) -> CopyStore | None:
         """The store of copies held for others, under this run's memory directory (made on first need)."""
         if self.store is None:
             dirs = self.memory.dirs(self.nproc)
             if not dirs or self.memory.root is None or self.memory.rank_limit is None:
                 return None
             limit = self.memory.rank_limit * max(1, self.nproc)
-            self.store = ReplicaStore(os.path.join(self.memory.root, COPIES), limit, self.sources, self._say,
+            self.store = CopyStore(os.path.join(self.memory.root, COPIES), limit, self.sources, self._say,
                                       round_now=lambda: self.round, reach=self._reach)
         return self.store
 
@@ -133,7 +133,7 @@ class PeerCopies:
         return plain_port
 
     async def _serve_tls(self, line: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        if is_replica_request(line):
+        if is_copy_request(line):
             await self.serve(line, reader, writer)
 
     async def serve(self, first_line: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -210,7 +210,7 @@ class PeerCopies:
 
     async def _fetch_all(self, gone: str, token: str, at: Witness, dirs: dict[int, str]) -> list[FetchResult]:
         """Each rank's newest copy; where they differ (the node was lost while a step's copies were landing),
-        the newer ones again at the oldest step, which the holder keeps for all of them (replicas/files.py)."""
+        the newer ones again at the oldest step, which the holder keeps for all of them (copies/files.py)."""
         def one(rank: int, where: str, step: int | None = None) -> Awaitable[FetchResult]:
             return fetch(at.addr, at.port, key=token, node_id=gone, local_rank=rank, dest_dir=where,
                          max_bytes=self.memory.rank_limit, timeout_s=FETCH_LIMIT_S, tls=self._connect, step=step)
@@ -290,7 +290,7 @@ class PeerCopies:
     async def close(self, finished: bool = False) -> None:
         """Stop fetching and pushing. Once the job is over for this node (`finished`) its holders drop its copies
         at once; a node leaving a job that goes on keeps them there: a spare may take its place and fetch them
-        (holders let copies nobody renews make room after a while: replicas/store.py)."""
+        (holders let copies nobody renews make room after a while: copies/store.py)."""
         if self._fetching is not None:
             self._fetching.cancel()
             await self.fetched()

@@ -13,9 +13,9 @@ from collections.abc import AsyncIterator, Callable
 
 import pytest
 
-from node_agent.replicas import client, stream, wire
-from node_agent.replicas.store import ReplicaStore
-from node_agent.replicas.wire import GO, FetchRequest, PushRequest, WireError
+from node_agent.copies import client, stream, wire
+from node_agent.copies.store import CopyStore
+from node_agent.copies.wire import GO, FetchRequest, PushRequest, WireError
 from protocol.messages import CopySource
 
 KEY = "job-7_replica-key-0123"
@@ -58,19 +58,19 @@ class Everyone:
 FAR = 10**18 - 1       # a holder whose own ranks are that far: no push is ahead of the job
 
 
-def make_store(tmp_path, limit: int = 64 * 2**20, key: str = KEY, said: list[str] | None = None) -> ReplicaStore:
-    return ReplicaStore(str(tmp_path / "held"), limit, Everyone(lambda: key), (said if said is not None else []).append,
+def make_store(tmp_path, limit: int = 64 * 2**20, key: str = KEY, said: list[str] | None = None) -> CopyStore:
+    return CopyStore(str(tmp_path / "held"), limit, Everyone(lambda: key), (said if said is not None else []).append,
                         round_now=lambda: 10**6, reach=lambda: FAR)
 
 
 @contextlib.asynccontextmanager
-async def holder(store: ReplicaStore, tls: ssl.SSLContext | None = None) -> AsyncIterator[int]:
+async def holder(store: CopyStore, tls: ssl.SSLContext | None = None) -> AsyncIterator[int]:
     """A tiny listener as the agent's: read the first line, hand replica requests to the store, close."""
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             with contextlib.suppress(OSError):        # a TLS handshake refused: nothing to serve
                 line = await reader.readline()
-                if wire.is_replica_request(line):
+                if wire.is_copy_request(line):
                     await store.serve(line, reader, writer)
         finally:
             writer.close()
@@ -133,7 +133,7 @@ def flip(path: str, at: int) -> None:
         f.write(bytes([byte ^ 1]))
 
 
-def files(store: ReplicaStore, node: str = NODE, rank: int = 0) -> list[str]:
+def files(store: CopyStore, node: str = NODE, rank: int = 0) -> list[str]:
     where = os.path.join(store.root, node, str(rank))
     return sorted(os.listdir(where)) if os.path.isdir(where) else []
 
@@ -145,8 +145,8 @@ def test_lines_round_trip_and_answers_parse():
     assert wire.parse_request(wire.push_line(push)) == push
     fetch = FetchRequest(KEY, "n.1", 0)
     assert wire.parse_request(wire.fetch_line(fetch)) == fetch
-    assert wire.is_replica_request(wire.push_line(push)) and wire.is_replica_request(wire.fetch_line(fetch))
-    assert not wire.is_replica_request(b"rdzv-agent ask round=3\n")
+    assert wire.is_copy_request(wire.push_line(push)) and wire.is_copy_request(wire.fetch_line(fetch))
+    assert not wire.is_copy_request(b"rdzv-agent ask round=3\n")
     assert wire.parse_answer(GO).kind == "go" and wire.parse_answer(wire.NONE).kind == "none"
     assert wire.parse_answer(wire.stored_line(7)) == wire.Answer("stored", step=7)
     assert wire.parse_answer(wire.copy_line(7, 99)) == wire.Answer("copy", step=7, size=99)
@@ -180,7 +180,7 @@ def test_lines_round_trip_and_answers_parse():
     (header(1, 1)[:-1], "not ended by a newline"),
     (header(1, 1, node="n" * 120).replace(b"key=", b"key=" + b"k" * 400), "longer than 512"),
     (b"rdzv-agent fetch key=%s node=n\xe9 rank=0\n" % KEY.encode(), "not ASCII"),
-    (b"rdzv-agent pull key=x\n", "not a replica request"),
+    (b"rdzv-agent pull key=x\n", "not a peer-copy request"),
 ])
 def test_every_field_is_bounded_and_named(line, field):
     with pytest.raises(WireError, match=field) as caught:
@@ -250,7 +250,7 @@ async def test_a_newer_push_replaces_the_copy_only_once_it_is_whole(tmp_path):
 async def test_a_wrong_key_or_no_key_yet_writes_nothing(tmp_path):
     said: list[str] = []
     key = [""]
-    store = ReplicaStore(str(tmp_path / "held"), 2**20, Everyone(lambda: key[0]), said.append, round_now=lambda: 1,
+    store = CopyStore(str(tmp_path / "held"), 2**20, Everyone(lambda: key[0]), said.append, round_now=lambda: 1,
                          reach=lambda: FAR)
     path = snap(tmp_path, "s", blob(1000))
     async with holder(store) as port:
@@ -469,7 +469,7 @@ async def test_the_fetcher_keeps_nothing_that_does_not_match_its_trailer(tmp_pat
     assert results[0] == client.FetchResult(None, "checksum mismatch", len(data))
     assert results[1].step is None and results[1].reason.startswith("lost: short stream: 5000 of 10000")
     assert results[2].reason.startswith("too large: the copy of step 8 is 1099511627776 bytes")
-    assert results[3].reason.startswith("lost: not an answer of the replica wire: b'HTTP/1.1")
+    assert results[3].reason.startswith("lost: not an answer of the copy wire: b'HTTP/1.1")
 
 
 async def test_a_push_reads_its_open_file_though_a_later_save_unlinks_it(tmp_path):
@@ -577,7 +577,7 @@ async def test_copies_nobody_renewed_for_long_make_room_and_fresh_ones_never_do(
 
 
 async def test_over_tls_a_copy_goes_both_ways_and_a_peer_without_the_cas_certificate_gets_nothing(tmp_path) -> None:
-    from node_agent.replicas.tls import copy_tls
+    from node_agent.copies.tls import copy_tls
     from tests.e2e.certs import make_ca, make_server_cert
     ca = make_ca(str(tmp_path))
     (tmp_path / "ours").mkdir()
@@ -632,7 +632,7 @@ async def test_a_nodes_common_step_stays_until_every_rank_has_a_newer_one_and_ca
 
 async def test_a_node_cannot_push_fetch_or_drop_under_another_nodes_id(tmp_path) -> None:
     tokens = {"node-a": "token-of-node-a-0000", "node-b": "token-of-node-b-0000"}
-    store = ReplicaStore(str(tmp_path / "held"), 2**20, {n: CopySource(node_id=n, token=t) for n, t in tokens.items()},
+    store = CopyStore(str(tmp_path / "held"), 2**20, {n: CopySource(node_id=n, token=t) for n, t in tokens.items()},
                          round_now=lambda: 1, reach=lambda: FAR)
     async with holder(store) as port:
         mine = await client.push("127.0.0.1", port, key=tokens["node-a"], node_id="node-a", local_rank=0, step=1,

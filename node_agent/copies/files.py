@@ -7,7 +7,8 @@ import os
 import re
 from dataclasses import dataclass
 
-from node_agent.replicas import stream, wire
+from node_agent.copies import stream, wire
+from node_agent.training.snapshot import remove, size
 
 STEP_FILE = re.compile(r"step-(\d{1,18})")
 OURS = re.compile(r"step-(\d{1,18})(\.sha256|\.tmp)?")
@@ -123,18 +124,6 @@ def listdir(path: str) -> list[str]:
         return os.listdir(path)
     except OSError:
         return []
-
-
-def size(path: str) -> int:
-    try:
-        return os.path.getsize(path)
-    except OSError:
-        return 0
-
-
-def remove(path: str) -> None:
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(path)
 
 
 TOKEN = ".token"     # in a node's directory: the token its copies came with

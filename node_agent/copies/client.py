@@ -1,4 +1,4 @@
-"""The agents' side of the replica wire (wire.py): `push` sends a local rank's snapshot file to the holder,
+"""The agents' side of the copy wire (wire.py): `push` sends a local rank's snapshot file to the holder,
 `fetch` brings the held copy of a (lost) node's rank into a worker's memory directory. Rules:
 - Never raises for the network or the holder: every outcome is a result with a reason a log can print.
 - `push` opens the snapshot before it connects and reads that open file to the end: a later save may
@@ -17,9 +17,9 @@ import ssl
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
-from node_agent.replicas import stream, wire
-from node_agent.replicas.stream import StreamError
-from node_agent.replicas.wire import Answer, WireError
+from node_agent.copies import stream, wire
+from node_agent.copies.stream import StreamError
+from node_agent.copies.wire import Answer, WireError
 
 
 @dataclass(frozen=True)
@@ -56,7 +56,7 @@ async def _answer(reader: asyncio.StreamReader, timeout_s: float) -> Answer:
 async def _ask(addr: str, port: int, line: bytes, timeout_s: float, tls: ssl.SSLContext | None,
                answer_s: float | None = None
                ) -> AsyncIterator[tuple[asyncio.StreamReader, asyncio.StreamWriter, Answer]]:
-    """Connect (over TLS with `tls`: both sides show certificates, replicas/tls.py), send the request `line` and
+    """Connect (over TLS with `tls`: both sides show certificates, copies/tls.py), send the request `line` and
     hand over the connection with the holder's first answer, closing it after. Raises _Unreachable (no
     connection), or StreamError or WireError (no answer, or a garbled one)."""
     try:

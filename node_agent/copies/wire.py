@@ -1,4 +1,4 @@
-"""The replica wire between agents: one request line, one answer line, then the payload and a trailer.
+"""The copy wire between agents: one request line, one answer line, then the payload and a trailer.
 
   push:  `rdzv-agent push key=K node=N rank=R step=S size=B round=G` -> `go`, B bytes, `sha256=HEX` -> `stored step=S`
          (G: the pusher's round, its incarnation: a newer round's copies supersede an older one's)
@@ -134,8 +134,8 @@ class Answer:
     reason: str = ""
 
 
-def is_replica_request(first_line: bytes) -> bool:
-    """Whether the listener should hand this connection to the replica store."""
+def is_copy_request(first_line: bytes) -> bool:
+    """Whether the listener should hand this connection to the copy store."""
     return first_line.startswith(tuple(b"%s%s " % (PREFIX, verb.encode()) for verb in _FIELDS))
 
 
@@ -217,7 +217,7 @@ def parse_request(line: bytes) -> PushRequest | FetchRequest | DropRequest:
     head, _, rest = text.partition(" ")
     verb, _, rest = rest.partition(" ")
     if head != "rdzv-agent" or verb not in _FIELDS:
-        raise WireError(f"not a replica request: {quote(line)}")
+        raise WireError(f"not a peer-copy request: {quote(line)}")
     v = _fields(verb, rest)
     check_key(v["key"])
     check_node(v["node"])
@@ -244,7 +244,7 @@ def parse_answer(line: bytes) -> Answer:
         return Answer("copy", step=int(m.group(1)), size=int(m.group(2)))
     if m := _REFUSED.fullmatch(line):
         return Answer("refused", reason=m.group(1).decode("ascii"))
-    raise WireError(f"not an answer of the replica wire: {quote(line)}")
+    raise WireError(f"not an answer of the copy wire: {quote(line)}")
 
 
 def parse_trailer(line: bytes) -> str:
