@@ -10,7 +10,7 @@ from __future__ import annotations
 from protocol.errors import ErrorCode
 from protocol.messages import JoinRequest, NodeState
 from protocol.quoting import quote
-from rdzv_server.core import credentials, leases
+from rdzv_server.core import credentials, leases, places
 from rdzv_server.core.errors import RendezvousError
 from rdzv_server.core.events import EventKind
 from rdzv_server.core.job_rules import JobRules
@@ -88,7 +88,7 @@ def _new_record(rules: JobRules, req: JoinRequest, now: float, credential: str, 
     job = rules.job
     node = NodeRecord(node_id=req.node_id, instance=req.instance, addr=req.addr, host=req.host or req.addr,
                       role=req.role, local_world_size=req.local_world_size, master_port=req.master_port,
-                      state=NodeState.WAITING, joined_at=now, last_seen=now,
+                      state=NodeState.GONE, joined_at=now, last_seen=now,
                       lease_expires=now + job.config.lease_timeout_s,
                       credential_digest=credentials.digest(credential), seen_from=via[0], server_addr=via[1],
                       probe_port=req.probe_port, checks=req.checks, ready=req.ready,
@@ -119,8 +119,7 @@ def _place(rules: JobRules, node: NodeRecord, now: float) -> None:
             node.excluded_until = now + hold
             why = f"it was lost {losses} times within {cfg.exclude_window_s:g}s: a flapping host"
     if node.excluded_until > now:
-        node.state = NodeState.EXCLUDED
-        job.excluded.append(node.node_id)
+        places.move(job, node, NodeState.EXCLUDED)
         rules.out.deadline(node.excluded_until)
         rules.record(now, EventKind.NODE_EXCLUDED, f"node {node.node_id} is kept out for "
                      f"{node.excluded_until - now:g}s ({why})", node.node_id)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from protocol.errors import ErrorCode
 from protocol.messages import JobState, NodeState
-from rdzv_server.core import goodput, leases, store_port
+from rdzv_server.core import goodput, leases, places, store_port
 from rdzv_server.core.errors import RendezvousError
 from rdzv_server.core.events import REMOVAL_CAUSE, EventKind, RoundCause
 from rdzv_server.core.outbox import Outbox
@@ -109,7 +109,6 @@ class JobRules:
         for nid in list(job.excluded):
             node = job.nodes[nid]
             if node.excluded_until <= now:
-                job.excluded.remove(nid)
                 self.record(now, EventKind.NODE_READMITTED, f"node {nid} finished its exclusion cooldown", nid)
                 self.admit(node, now)
         self._preparing_too_long(now)
@@ -132,17 +131,14 @@ class JobRules:
         ready waiting nodes fill max_nodes (nodes still preparing hold no place)."""
         job, cfg = self.job, self.job.config
         if len(self.members()) + self.ready_waiting() < cfg.max_nodes:
-            node.state = NodeState.WAITING
-            job.waiting.append(node.node_id)
-            job.waiting_preparing += not node.ready
+            places.move(job, node, NodeState.WAITING)
             if job.forming_since is None:
                 job.forming_since = now
                 self.record(now, EventKind.ROUND_OPENED, f"round {job.last_round_id + 1} opened by {node.node_id}: "
                             f"collecting nodes ({cfg.min_nodes}:{cfg.max_nodes})", node.node_id)
             self.grow(now)
         else:
-            node.state = NodeState.SPARE
-            job.spares.append(node.node_id)
+            places.move(job, node, NodeState.SPARE)
             self.record(now, EventKind.NODE_BENCHED, f"node {node.node_id} is spare #{len(job.spares)} "
                         f"(job at max_nodes {cfg.max_nodes})", node.node_id)
 
@@ -171,10 +167,9 @@ class JobRules:
         """What the node's agent says of its workers: a waiting node that becomes ready may complete a round."""
         if node.ready == ready:
             return
-        node.ready, node.preparing_since = ready, 0.0 if ready else now
+        places.set_ready(self.job, node, ready)
+        node.preparing_since = 0.0 if ready else now
         self.node_changed(node.node_id)
-        if node.state == NodeState.WAITING:
-            self.job.waiting_preparing += -1 if ready else 1
         if not ready:
             node.preparing_said = False
             self.out.deadline(now + PREPARE_LIMIT_S)
@@ -219,9 +214,7 @@ class JobRules:
                 job.place_copies = places_kept(job.round)
             job.round = None
             job.state = JobState.WAITING
-            job.waiting, job.spares, job.waiting_preparing = chosen + preparing, rest, len(preparing)
-            for nid in job.waiting:
-                job.nodes[nid].state = NodeState.WAITING
+            places.seat(job, (), chosen + preparing, rest)
             if job.join_deadline is None:
                 job.join_deadline = now + cfg.join_timeout_s
                 self.out.deadline(job.join_deadline)
@@ -239,14 +232,8 @@ class JobRules:
             self.record(now, EventKind.MASTER_ADDR_CORRECTED, corrected, chosen[0], job.last_round_id)
         job.state = JobState.RUNNING
         room = cfg.max_nodes - len(chosen)          # a node preparing waits for a place that is free ...
-        job.waiting, job.spares, job.places, job.place_copies = preparing[:room], rest + preparing[room:], [], {}
-        job.waiting_preparing = len(job.waiting)
-        for nid in chosen:
-            job.nodes[nid].state = NodeState.MEMBER
-        for nid in job.waiting:
-            job.nodes[nid].state = NodeState.WAITING
-        for nid in job.spares:                      # ... else for a member to go, as a spare
-            job.nodes[nid].state = NodeState.SPARE
+        places.seat(job, chosen, preparing[:room], rest + preparing[room:])   # ... else for a member to go, as a spare
+        job.places, job.place_copies = [], {}
         job.forming_since = now if job.waiting else None
         job.join_deadline = None
         job.reason = why
@@ -255,14 +242,14 @@ class JobRules:
                            formation_s=round(now - opened, 6), promoted=promoted,
                            since_failure_s=round(max(0.0, now - failed_at), 6) if failed_at else None,
                            took=dict(list(took.items())[:MAP_NODES]), ranks=chosen if len(chosen) <= MAP_NODES else [])
-        places = "".join(f"; {new} takes {old}'s place (group rank {chosen.index(new)})" if new != old else
+        taken = "".join(f"; {new} takes {old}'s place (group rank {chosen.index(new)})" if new != old else
                          f"; {new} is back at its place (group rank {chosen.index(new)}) with a new agent"
                          for new, old in list(took.items())[:3]) + copies_lost(job.round, took)
         if (off := copies_off(job.round, cfg.replicas)) != job.copies_off:     # said once, not every round
             job.copies_off = off
-            places += f"; peer copies {off}" if off else ""
+            taken += f"; peer copies {off}" if off else ""
         self.record(now, EventKind.ROUND_COMPLETED, f"round {job.round.round_id}: {len(chosen)} nodes, world size "
-                    f"{job.round.world_size} ({why}){places}", round_id=job.round.round_id, data=data)
+                    f"{job.round.world_size} ({why}){taken}", round_id=job.round.round_id, data=data)
 
     def lose_all(self, nodes: list[NodeRecord], now: float) -> None:
         """Nodes lost together leave together: one round forms without any of them."""
@@ -287,12 +274,10 @@ class JobRules:
         job = self.job
         was_member = node.node_id in self.members()
         del job.nodes[node.node_id]
-        if node.state == NodeState.WAITING and not node.ready:
-            job.waiting_preparing -= 1
+        places.leave(job, node)
         self.node_changed(node.node_id)
-        for queue in (job.waiting, job.spares, job.excluded, job.successes):
-            if node.node_id in queue:
-                queue.remove(node.node_id)
+        if node.node_id in job.successes:
+            job.successes.remove(node.node_id)
         self.wake()
         self.record(now, kind, message, node.node_id, data=data)
         if was_member:
@@ -318,13 +303,7 @@ class JobRules:
         self.node_changed(node.node_id)
         self.out.deadline(node.excluded_until)
         node.failure_times = []
-        if node.state == NodeState.WAITING and not node.ready:
-            job.waiting_preparing -= 1
-        node.state = NodeState.EXCLUDED
-        for queue in (job.waiting, job.spares):
-            if node.node_id in queue:
-                queue.remove(node.node_id)
-        job.excluded.append(node.node_id)
+        places.move(job, node, NodeState.EXCLUDED)
         if job.round is not None and node.node_id in job.round.members:
             job.round.members = [m for m in job.round.members if m != node.node_id]
         why = why or f"after {cfg.exclude_after} worker failures within {cfg.exclude_window_s:g}s"

@@ -8,7 +8,8 @@ from dataclasses import dataclass
 import msgspec
 
 from protocol.errors import ErrorCode
-from protocol.messages import JobConfig, JobState, NodeState
+from protocol.messages import JobConfig, JobState
+from rdzv_server.core import places
 from rdzv_server.core.errors import RendezvousError
 from rdzv_server.core.events import EventKind, RoundCause
 from rdzv_server.core.job_rules import JobRules
@@ -81,7 +82,6 @@ def clear_exclusion(rules: JobRules, node_id: str, now: float) -> None:
     if node is None or node_id not in job.excluded:
         raise RendezvousError(ErrorCode.NOT_FOUND,
                               f"node {node_id!r} is neither excluded nor drained in job {job.job_id!r}")
-    job.excluded.remove(node_id)
     node.excluded_until, node.failure_times, node.exclusions = now, [], 0
     rules.node_changed(node_id)
     rules.record(now, EventKind.NODE_READMITTED, f"exclusion of node {node_id} cleared by operator", node_id)
@@ -112,9 +112,7 @@ def resize(rules: JobRules, min_nodes: int, max_nodes: int, now: float) -> None:
         if len(members) > max_nodes or len(members) < min_nodes or (extra and len(members) < max_nodes):
             rules.form_round(now, why, RoundCause.RESIZED)
         elif job.waiting:      # already at the new max: newcomers become spares, no round to form
-            for nid in job.waiting:
-                job.nodes[nid].state = NodeState.SPARE
-            job.spares, job.waiting, job.waiting_preparing = job.waiting + job.spares, [], 0
+            places.seat(job, (), [], job.waiting + job.spares)
             job.last_call_deadline = job.forming_since = None
     elif len(job.waiting) + len(job.spares) >= min_nodes:
         rules.form_round(now, why, RoundCause.RESIZED)

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from protocol.messages import NodeState
+from rdzv_server.core import places
 from rdzv_server.core.records import MAX_EVENTS_PER_JOB, Event, JobRecord, NodeRecord
 
 
@@ -42,10 +42,7 @@ def assemble(job: JobRecord, nodes: Iterable[NodeRecord], events: list[Event]) -
     if not job.nodes:                     # a schema-1 job row keeps its nodes inside
         job.nodes = {n.node_id: n for n in nodes}
     job.events = events
-    members = set(job.round.members) if job.round is not None else set()
-    place = {**{n: NodeState.WAITING for n in job.waiting}, **{n: NodeState.SPARE for n in job.spares},
-             **{n: NodeState.EXCLUDED for n in job.excluded}, **{n: NodeState.MEMBER for n in members}}
+    places.restore(job)
     for node in job.nodes.values():
-        node.state = place.get(node.node_id, NodeState.WAITING)
         node.holding = 0
     return job
