@@ -128,3 +128,17 @@ def refusal(code: Code, request: type) -> Refusal:
     if code in FORGOTTEN_CODES:
         return Refusal.FORGOTTEN
     return Refusal.POLL_REFUSED
+
+
+# A refusal that ends the agent: its exit code, why its workers stop, and what it says ({}: the server's message).
+_JOIN_REFUSED = (1, "the server refused this node's join", "the rendezvous server refused this node's join: {}")
+ENDINGS: dict[Refusal, tuple[int, str, str]] = {
+    Refusal.JOIN_REFUSED: _JOIN_REFUSED,
+    Refusal.CONFLICT: _JOIN_REFUSED,          # once retried for its lease: a live agent holds the id
+    Refusal.TAKEN_OVER: (1, "another agent took this node over", "this node was taken over by another agent that "
+                                                                 "joined with the same node id; this agent stops ({})"),
+    Refusal.UNAUTHORIZED: (1, "the server refused this agent", "the rendezvous server refused this agent: {}"),
+    Refusal.NOT_A_SERVER: (1, "the endpoint is not an rdzv-server", "{}"),     # the message names what answered
+    Refusal.DRAINED: (0, "node drained by the operator", "{}"),    # an operator took it out: done, nothing failed
+}
+OTHER_ENDING = (1, "the server refused this agent", "the server refused this agent: {}")

@@ -26,13 +26,12 @@ import time
 from collections.abc import Callable
 from typing import Protocol
 
-from node_agent.copies import files, stream, wire
+from node_agent.copies import files, room, stream, wire
 from node_agent.copies.stream import StreamError
 from node_agent.copies.wire import DropRequest, FetchRequest, PushRequest, WireError
 from node_agent.training.snapshot import remove
 
 STALL_S = 30.0          # a peer sending or reading nothing for this long is given up
-FREE_RESERVE = 0.25     # copies never leave less of /dev/shm free than this share: its workers need some too
 EVICT_AFTER_S = 600.0   # a node's copies not renewed this long may make room for another's (see _make_room)
 ANSWER_S = 5.0          # the most an answer line waits for the peer to take it
 SAY_EVERY_S = 60.0      # a kind of refusal is logged at most once in this long, with how many came since
@@ -223,29 +222,10 @@ class CopyStore:
         return self._copies()
 
     def _check_room(self, req: PushRequest, copies: list[files.Copy]) -> None:
-        size, held = req.size, sum(c.size for c in copies)
-        mine = sum(c.size for c in copies if (c.node, c.rank) == (req.node, req.rank))
-        reserved = sum(self._pushing.values())
-        share = self.limit_bytes // max(1, len(self._sources))
-        theirs = sum(c.size for c in copies if c.node == req.node) + \
-            sum(n for (node, _), n in self._pushing.items() if node == req.node)
-        if len(self._sources) > 1 and theirs + size > share:
-            raise _Refusal("limit", f"memory limit full: node {req.node}'s share full: {theirs} bytes held or coming "
-                                    f"of its copies, {size} new; its share is {share} bytes (the limit of "
-                                    f"{self.limit_bytes} bytes over the {len(self._sources)} nodes whose copies this "
-                                    f"one holds)")
-        if size > self.limit_bytes:
-            raise _Refusal("limit", f"memory limit full: the copy's {size} bytes exceed the limit of "
-                                    f"{self.limit_bytes} bytes")
-        if held + reserved + size > self.limit_bytes:
-            raise _Refusal("limit", f"memory limit full: {held} bytes held ({mine} of them this rank's current "
-                                    f"copy, kept until the new one is whole), {reserved} reserved by pushes under "
-                                    f"way, {size} new; limit {self.limit_bytes} bytes")
         free, total = files.space(self.root)
-        if free - reserved - size < total * FREE_RESERVE:
-            raise _Refusal("limit", f"memory limit full: the holder's file system would keep less than "
-                                    f"{FREE_RESERVE:.0%} of its {total} bytes free ({free} free, {reserved} reserved, "
-                                    f"{size} new): left to its own workers (NCCL's and DataLoaders' shared memory)")
+        why = room.refusal(req, copies, self._pushing, self.limit_bytes, len(self._sources), free, total)
+        if why is not None:
+            raise _Refusal("limit", f"memory limit full: {why}")
 
     async def _receive(self, req: PushRequest, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         where = self._dir(req.node, req.rank)

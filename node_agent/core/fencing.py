@@ -1,10 +1,19 @@
-"""When a node cut off from the server asks its round's witnesses, and what it concludes. No I/O.
-policy.py holds the state; the times and wording are here, so the fencing bound (lease + ~1 s) is in one place."""
+"""Fencing, only on evidence: when a node cut off from the server asks its round's witnesses, and what it
+concludes. No I/O. From about when this node's lease must have lapsed on the server (a silence counts only after
+it), the round's witnesses are asked which round they hold and whether they hear the server (witness.py) while the
+server is checked over a fresh connection (path_check.py). Workers stop and the round's failure is reported only
+when a witness that hears the server holds a newer round (ours was replaced), or no witness answers, twice, and no
+endpoint either (we are cut off). Otherwise (a witness hears the server in our round, none hears it, the server
+answers again, a replica does not serve yet) the round goes on, asked again every REPROBE_S. The policy
+(policy.py) says when a silence began and whether workers run; the times, the state of the asking and the wording
+are here, so the fencing bound (lease + ~1 s) is in one place."""
 from __future__ import annotations
 
 import signal
+from dataclasses import dataclass
 
-from node_agent.core.facts import Verdict
+from node_agent.client.replies import Path
+from node_agent.core.facts import SERVER_CHECK_DECIDES, Verdict
 from protocol.bounds import MAX_MESSAGE
 from protocol.messages import FailureReason, WorkerFailure
 
@@ -42,3 +51,54 @@ def fenced(verdict: Verdict, silent_s: float, lease_timeout_s: float, rank: int)
     failure = WorkerFailure(local_rank=0, rank=rank, exitcode=-signal.SIGTERM, signal="SIGTERM",
                             reason=FailureReason.FENCED.value, message=why[:MAX_MESSAGE])
     return why, failure
+
+
+@dataclass(slots=True)
+class Fence:
+    """The asking of the witnesses while the server is silent: when next, and what they said before."""
+    lease_timeout_s: float
+    renewed_at: float | None = None       # when the last answered request went out: the lease ran from then
+    probe_at: float | None = None         # the witnesses answered: ask again then
+    probing: bool = False
+    cut_off: bool = False                 # the witnesses once said this node is the one cut off
+
+    def heard(self, sent_at: float) -> None:
+        """The server answered a request sent at `sent_at`: the lease runs from then, nothing to ask."""
+        self.renewed_at, self.probe_at, self.cut_off = sent_at, None, False
+
+    def ask_at(self, unreachable_since: float) -> float | None:
+        """When to ask the witnesses (None: an ask is under way)."""
+        if self.probing:
+            return None
+        if self.probe_at is not None:
+            return self.probe_at
+        return first_ask_at(self.renewed_at, unreachable_since, self.lease_timeout_s)
+
+    def asked(self) -> None:
+        self.probing = True
+
+    def answered(self, verdict: Verdict, server: Path | None, unreachable_since: float | None, now: float) -> bool:
+        """The witnesses' verdict (and the server check's): whether this node is the one cut off, its round
+        replaced, so its workers must stop now. None `unreachable_since`: the server answered meanwhile."""
+        self.probing = False
+        if unreachable_since is None:
+            return False
+        evidence = verdict == Verdict.ROUND_REPLACED or (verdict == Verdict.SERVER_HEARD and self.cut_off)
+        if not evidence and (server != Path.NO_SERVER or verdict not in SERVER_CHECK_DECIDES):
+            # The server answers (the link sends again), a replica takes over, it runs our round, or is away.
+            self.probe_at, self.cut_off = now + REPROBE_S, False
+            return False
+        lapse = lapse_at(self.renewed_at, unreachable_since, self.lease_timeout_s)
+        if verdict != Verdict.ROUND_REPLACED and (evidence or self.cut_off) and now < lapse:
+            # Before the lease lapsed the server has replaced nothing yet: ask again once it has.
+            self.probe_at, self.cut_off = lapse, True
+            return False
+        if not evidence and not self.cut_off:
+            # A witness may not know yet, a silent one only be slow (a loaded host): ask once more.
+            self.probe_at, self.cut_off = now + (CONFIRM_S if verdict == Verdict.SERVER_HEARD else 0.0), True
+            return False
+        self.probe_at = None
+        return True
+
+    def silent_for(self, unreachable_since: float, now: float) -> float:
+        return now - (self.renewed_at if self.renewed_at is not None else unreachable_since)

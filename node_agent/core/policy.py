@@ -9,13 +9,8 @@ Facts (facts.py) in, actions (actions.py) out; the loop (agent.py) runs them in 
 - all local workers succeeding is reported once; we follow the server until the job ends (another node
   failing still restarts the job);
 - server unreachable: workers keep running; `server_wait_s` after the first failed try (timed): stop, give up;
-- fencing (timed), only on evidence: from about when this node's lease must have lapsed on the server
-  (fencing.py: a silence counts only after it), the round's witnesses are asked which round they hold and
-  whether they hear the server (witness.py) while the server is checked over a fresh connection
-  (path_check.py). Workers stop and the round's failure is reported only when a witness that hears the
-  server holds a newer round (ours was replaced), or no witness answers, twice, and no endpoint either (we
-  are cut off). Otherwise (a witness hears the server in our round, none hears it, the server answers
-  again, a replica does not serve yet) the round goes on, asked again every REPROBE_S;
+- fencing (timed), only on evidence (fencing.py): a node cut off from the server, whose round the server
+  replaced, stops its workers and reports the round's failure;
 - a refused join ends the agent (exit 0 when drained: nothing failed), except `node_conflict`: maybe our
   previous agent, not yet seen dead, so the join is retried each second for a lease and a bit;
 - a refused poll: start afresh when the server forgot the job or node, else end; a refused report is
@@ -33,6 +28,8 @@ from dataclasses import dataclass, field
 
 from node_agent.client.replies import (
     CONFLICT_RETRY_S,
+    ENDINGS,
+    OTHER_ENDING,
     News,
     Path,
     Refusal,
@@ -57,7 +54,6 @@ from node_agent.core.actions import (
     StopWorkers,
 )
 from node_agent.core.facts import (
-    SERVER_CHECK_DECIDES,
     DeadlinePassed,
     Fact,
     NodeChecked,
@@ -73,7 +69,7 @@ from node_agent.core.facts import (
     Verdict,
     WorkersExited,
 )
-from node_agent.core.fencing import CONFIRM_S, REPROBE_S, fenced, first_ask_at, lapse_at
+from node_agent.core.fencing import Fence, fenced
 from node_agent.core.node_health import NodeHealth
 from node_agent.core.summary import failure_summary
 from protocol.bounds import MAX_REASON
@@ -106,14 +102,14 @@ class SupervisionPolicy:
     conflict_since: float | None = None   # when a join was first refused for a live agent holding the id
     retry_join_at: float | None = None
     assignment: Assignment | None = None  # the round we run (its witnesses, its size)
-    renewed_at: float | None = None       # when the last answered request went out: the lease ran from then
-    probe_at: float | None = None         # the witnesses answered: ask again then
-    probing: bool = False
-    cut_off: bool = False                 # the witnesses once said this node is the one cut off
+    fence: Fence = field(init=False)      # asking the witnesses while the server is silent (fencing.py)
     job_over: bool = False           # the server said the job finished (peer copies of it may go: copies.py)
     ran: bool = False                # this node's workers were started in some round of the job
     health: NodeHealth = field(default_factory=NodeHealth)   # the node's own checks (node_health.py)
     holding: bool = False            # its ranks wait after their next snapshot (NodeStatus.hold_at_snapshot)
+
+    def __post_init__(self) -> None:
+        self.fence = Fence(self.lease_timeout_s)
 
     @property
     def known_round(self) -> int:
@@ -128,7 +124,7 @@ class SupervisionPolicy:
         match fact:
             case StatusReceived(status=status, sent_at=sent_at):
                 self.unreachable_since = self.conflict_since = None
-                self.renewed_at, self.probe_at, self.cut_off = sent_at, None, False
+                self.fence.heard(sent_at)
                 return self._status(status)
             case PeersProbed(verdict=verdict, server=server):
                 return self._peers(verdict, server, now)
@@ -182,12 +178,10 @@ class SupervisionPolicy:
     def _fence_at(self) -> float | None:
         """When to ask the witnesses whether this node is the one cut off (None: no need)."""
         a = self.assignment
-        if self.probing or self.workers != Workers.RUNNING or self.unreachable_since is None \
+        if self.workers != Workers.RUNNING or self.unreachable_since is None \
                 or a is None or a.group_world_size < 2:     # alone in its round: nobody to split from
             return None
-        if self.probe_at is not None:
-            return self.probe_at
-        return first_ask_at(self.renewed_at, self.unreachable_since, self.lease_timeout_s)
+        return self.fence.ask_at(self.unreachable_since)
 
     @property
     def in_contact(self) -> bool:
@@ -196,29 +190,17 @@ class SupervisionPolicy:
 
     def _probe(self, now: float) -> list[Action]:
         assert self.assignment is not None    # a server that names no witness: the server check alone
-        self.probing = True
+        self.fence.asked()
         return [ProbePeers(self.assignment.witnesses)]
 
     def _peers(self, verdict: Verdict, server: Path | None, now: float) -> list[Action]:
-        self.probing = False
-        if self.workers != Workers.RUNNING or self.unreachable_since is None or self.assignment is None:
-            return []          # the server answered meanwhile, or the workers ended: moot
-        evidence = verdict == Verdict.ROUND_REPLACED or (verdict == Verdict.SERVER_HEARD and self.cut_off)
-        if not evidence and (server != Path.NO_SERVER or verdict not in SERVER_CHECK_DECIDES):
-            # The server answers (the link sends again), a replica takes over, it runs our round, or is away.
-            self.probe_at, self.cut_off = now + REPROBE_S, False
+        running = self.workers == Workers.RUNNING and self.assignment is not None
+        since = self.unreachable_since if running else None       # moot once the workers ended
+        if not self.fence.answered(verdict, server, since, now):
             return []
-        lapse = lapse_at(self.renewed_at, self.unreachable_since, self.lease_timeout_s)
-        if verdict != Verdict.ROUND_REPLACED and (evidence or self.cut_off) and now < lapse:
-            # Before the lease lapsed the server has replaced nothing yet: ask again once it has.
-            self.probe_at, self.cut_off = lapse, True
-            return []
-        if not evidence and not self.cut_off:
-            # A witness may not know yet, a silent one only be slow (a loaded host): ask once more.
-            self.probe_at, self.cut_off = now + (CONFIRM_S if verdict == Verdict.SERVER_HEARD else 0.0), True
-            return []
-        self.workers, self.probe_at = Workers.FAILED, None
-        silent = now - (self.renewed_at if self.renewed_at is not None else self.unreachable_since)
+        assert self.assignment is not None and self.unreachable_since is not None
+        self.workers = Workers.FAILED
+        silent = self.fence.silent_for(self.unreachable_since, now)
         why, failure = fenced(verdict, silent, self.lease_timeout_s, self.assignment.rank_offset)
         return [StopWorkers(why), ReportFailure(self.running_round, (failure,))]
 
@@ -272,28 +254,15 @@ class SupervisionPolicy:
         if fact.code is ErrorCode.HOST_UNHEALTHY and fact.request is JoinRequest:
             self.health.failed(Stage.JOIN, now, fact.message)    # held out by the server: ask again later
             return []
-        match refusal(fact.code, fact.request):
-            case Refusal.CONFLICT | Refusal.JOIN_REFUSED as meaning:
-                if meaning is Refusal.CONFLICT:
-                    # Maybe our own predecessor, dead but not yet noticed: wait out its lease, then give up.
-                    if self.conflict_since is None:
-                        self.conflict_since = now
-                    if now - self.conflict_since < conflict_retry_for(self.lease_timeout_s):
-                        self.retry_join_at = now + CONFLICT_RETRY_S
-                        return []
-                return self._end(1, "the server refused this node's join",
-                                 f"the rendezvous server refused this node's join: {fact.message}")
-            case Refusal.TAKEN_OVER:
-                return self._end(1, "another agent took this node over",
-                                 f"this node was taken over by another agent that joined with the same node id; "
-                                 f"this agent stops ({fact.message})")
-            case Refusal.UNAUTHORIZED:
-                return self._end(1, "the server refused this agent",
-                                 f"the rendezvous server refused this agent: {fact.message}")
-            case Refusal.NOT_A_SERVER:      # the message names what answered
-                return self._end(1, "the endpoint is not an rdzv-server", fact.message)
-            case Refusal.DRAINED:      # an operator took this node out: done here, nothing failed
-                return self._end(0, "node drained by the operator", fact.message)
+        meaning = refusal(fact.code, fact.request)
+        match meaning:
+            case Refusal.CONFLICT:
+                # Maybe our own predecessor, dead but not yet noticed: wait out its lease, then give up.
+                if self.conflict_since is None:
+                    self.conflict_since = now
+                if now - self.conflict_since < conflict_retry_for(self.lease_timeout_s):
+                    self.retry_join_at = now + CONFLICT_RETRY_S
+                    return []
             case Refusal.INVALID:      # refused again if sent again: leave, so the others go on without us
                 name = f"{REQUEST_NAMES[fact.request]} request"
                 actions = self._stop(f"the server refused this node's {name}")
@@ -307,7 +276,8 @@ class SupervisionPolicy:
                 # The server forgot the job or node (it restarted without its state): start afresh.
                 return self._drop_round(f"the server no longer knows this {fact.code.value.split('_')[1]}") + [
                     Rejoin(fact.message)]
-        return self._end(1, "the server refused this agent", f"the server refused this agent: {fact.message}")
+        code, stop, say = ENDINGS.get(meaning, OTHER_ENDING)
+        return self._end(code, stop, say.format(fact.message))
 
     def _end(self, code: int, stop_reason: str, message: str, root_cause: WorkerFailure | None = None) -> list[Action]:
         self.exiting = True

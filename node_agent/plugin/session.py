@@ -24,6 +24,7 @@ import msgspec
 
 from node_agent.client.replies import (
     CONFLICT_RETRY_S,
+    ENDINGS,
     Code,
     News,
     Refusal,
@@ -270,8 +271,7 @@ class ServerSession:
                     self._set(msgspec.structs.replace(self.view, node_state=NodeState.GONE, assignment=None,
                                                       reason=exc.message))
             case Refusal.TAKEN_OVER:
-                self._end(ServerLost(f"this node was taken over by another agent that joined with the same "
-                                     f"node id: {exc.message}"))
+                self._end(ServerLost(ENDINGS[Refusal.TAKEN_OVER][2].format(exc.message)))
             case _:
                 self._end(ServerLost(f"the rdzv-server refused a poll: {exc}"))
 

@@ -294,22 +294,6 @@ class JobRules:
                 job.last_call_deadline = None
                 job.forming_since = now if job.waiting else None
 
-    def exclude(self, node: NodeRecord, now: float, why: str = "") -> None:
-        """Keep the node out for a cooldown that doubles each time; `why`: the reason ("" : too many failures)."""
-        job, cfg = self.job, self.job.config
-        cooldown = min(cfg.exclude_cooldown_s * (2 ** node.exclusions), cfg.exclude_cooldown_max_s)
-        node.exclusions += 1
-        node.excluded_until = now + cooldown
-        self.node_changed(node.node_id)
-        self.out.deadline(node.excluded_until)
-        node.failure_times = []
-        places.move(job, node, NodeState.EXCLUDED)
-        if job.round is not None and node.node_id in job.round.members:
-            job.round.members = [m for m in job.round.members if m != node.node_id]
-        why = why or f"after {cfg.exclude_after} worker failures within {cfg.exclude_window_s:g}s"
-        self.record(now, EventKind.NODE_EXCLUDED, f"node {node.node_id} excluded for {cooldown:g}s {why}",
-                    node.node_id)
-
     def finish(self, now: float, state: JobState, why: str) -> None:
         job = self.job
         job.state, job.reason, job.finished_at = state, why, now

@@ -9,7 +9,7 @@ import msgspec
 
 from protocol.errors import ErrorCode
 from protocol.messages import FailureReport, JobState, SuccessReport, WorkerFailure
-from rdzv_server.core import leases, suspects
+from rdzv_server.core import exclusions, leases, suspects
 from rdzv_server.core.errors import RendezvousError
 from rdzv_server.core.events import EventKind, RoundCause
 from rdzv_server.core.job_rules import JobRules
@@ -83,7 +83,7 @@ def fail_round(rules: JobRules, node: NodeRecord, round_id: int, failures: list[
     if asked is not None:
         suspects.act(rules, node, asked, round_id, now)
     elif blamed and cfg.exclude_after and len(node.failure_times) >= cfg.exclude_after:
-        rules.exclude(node, now)
+        exclusions.exclude(rules, node, now)
     rules.form_round(now, why, cause, failed_at=first.timestamp)
     return ""
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import enum
 
 from protocol.messages import FailureReason, JobConfig, WorkerFailure
+from rdzv_server.core import exclusions
 from rdzv_server.core.events import EventKind
 from rdzv_server.core.job_rules import JobRules
 from rdzv_server.core.records import NodeRecord
@@ -40,10 +41,10 @@ def act(rules: JobRules, node: NodeRecord, asked: WorkerFailure, round_id: int, 
     spare = ready_spare(rules)
     if len(node.suspect_times) >= 2:
         action, then = Action.EXCLUDED, f"the second time within {cfg.exclude_window_s:g}s: it is excluded"
-        rules.exclude(node, now, f"as a suspect twice within {cfg.exclude_window_s:g}s")
+        exclusions.exclude(rules, node, now, f"as a suspect twice within {cfg.exclude_window_s:g}s")
     elif spare is not None:
         action, then = Action.REPLACED, f"spare {spare} takes its place; it is held out"
-        rules.exclude(node, now, f"as a suspect ({describe(asked)}): spare {spare} takes its place")
+        exclusions.exclude(rules, node, now, f"as a suspect ({describe(asked)}): spare {spare} takes its place")
     else:
         action, then = Action.KEPT, (f"no spare is ready, so the job restarts on it; a second time within "
                                      f"{cfg.exclude_window_s:g}s excludes it")

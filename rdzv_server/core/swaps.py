@@ -14,7 +14,7 @@ swapping would loop through the spares. Pure.
 """
 from __future__ import annotations
 
-from rdzv_server.core import suspects
+from rdzv_server.core import exclusions, suspects
 from rdzv_server.core.events import EventKind, RoundCause
 from rdzv_server.core.job_rules import JobRules
 from rdzv_server.core.records import SwapDue
@@ -101,7 +101,7 @@ def _swap(rules: JobRules, node_id: str, why: str, when: str, now: float) -> Non
     if job.round is not None and node_id in job.round.members:
         job.swapped_places.append(job.round.members.index(node_id))
     suspects.suspected(rules, node, now)
-    rules.exclude(node, now, f"as a suspect ({why}): spare {spare} takes its place")
+    exclusions.exclude(rules, node, now, f"as a suspect ({why}): spare {spare} takes its place")
     then = suspects.quarantine(node, now)
     rules.record(now, EventKind.NODE_SUSPECT, f"node {node_id} swapped for spare {spare} {when}{then}", node_id)
     rules.out.suspects.append(suspects.Action.REPLACED.value)

@@ -1,0 +1,34 @@
+"""How much a holder takes: each node whose copies it holds gets an equal share of its limit, no copy exceeds the
+limit, and the file system keeps a reserve for the holder's own workers. Pure: the store (store.py) says what it
+holds and what pushes under way have reserved."""
+from __future__ import annotations
+
+from node_agent.copies import files
+from node_agent.copies.wire import PushRequest
+
+FREE_RESERVE = 0.25     # copies never leave less of /dev/shm free than this share: its workers need some too
+
+
+def refusal(req: PushRequest, copies: list[files.Copy], pushing: dict[tuple[str, int], int], limit: int,
+            nodes: int, free: int, total: int) -> str | None:
+    """Why the push `req` does not fit (None: it does). `pushing`: (node, rank) -> bytes reserved by pushes under
+    way; `nodes`: how many nodes' copies this one holds; `free`/`total`: its file system's bytes."""
+    size, held = req.size, sum(c.size for c in copies)
+    mine = sum(c.size for c in copies if (c.node, c.rank) == (req.node, req.rank))
+    reserved = sum(pushing.values())
+    share = limit // max(1, nodes)
+    theirs = sum(c.size for c in copies if c.node == req.node) + \
+        sum(n for (node, _), n in pushing.items() if node == req.node)
+    if nodes > 1 and theirs + size > share:
+        return (f"node {req.node}'s share full: {theirs} bytes held or coming of its copies, {size} new; its share "
+                f"is {share} bytes (the limit of {limit} bytes over the {nodes} nodes whose copies this one holds)")
+    if size > limit:
+        return f"the copy's {size} bytes exceed the limit of {limit} bytes"
+    if held + reserved + size > limit:
+        return (f"{held} bytes held ({mine} of them this rank's current copy, kept until the new one is whole), "
+                f"{reserved} reserved by pushes under way, {size} new; limit {limit} bytes")
+    if free - reserved - size < total * FREE_RESERVE:
+        return (f"the holder's file system would keep less than {FREE_RESERVE:.0%} of its {total} bytes free ({free} "
+                f"free, {reserved} reserved, {size} new): left to its own workers (NCCL's and DataLoaders' shared "
+                f"memory)")
+    return None
