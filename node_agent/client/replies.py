@@ -10,7 +10,7 @@ from __future__ import annotations
 import enum
 
 from protocol.errors import ErrorCode
-from protocol.messages import Assignment, JobState, JoinRequest, NodeState, NodeStatus, PollRequest
+from protocol.messages import Assignment, JoinRequest, NodeState, NodeStatus, PollRequest
 
 
 class ClientCode(str, enum.Enum):
@@ -76,11 +76,6 @@ def takes_poll_reply(view: NodeStatus | None, reply: NodeStatus, sent_before_lat
     if reply.job_state.finished:
         return True
     return reply.node_state is NodeState.MEMBER and reply.round_id > view.round_id
-
-
-def succeeded_without(view: NodeStatus, ran: bool) -> bool:
-    """The job succeeded, but this node's workers never ran (a spare, say): not a success here."""
-    return view.job_state is JobState.SUCCEEDED and not ran
 
 
 class Refusal(enum.Enum):

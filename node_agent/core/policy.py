@@ -36,7 +36,6 @@ from node_agent.client.replies import (
     conflict_retry_for,
     news,
     refusal,
-    succeeded_without,
 )
 from node_agent.core.actions import (
     Action,
@@ -71,7 +70,7 @@ from node_agent.core.facts import (
 )
 from node_agent.core.fencing import Fence, fenced
 from node_agent.core.node_health import NodeHealth
-from node_agent.core.summary import failure_summary
+from node_agent.core.summary import job_ending
 from protocol.bounds import MAX_REASON
 from protocol.codec import REQUEST_TYPES
 from protocol.errors import ErrorCode
@@ -343,12 +342,5 @@ class SupervisionPolicy:
 
     def _finish(self, status: NodeStatus) -> list[Action]:
         self.job_over = True
-        stop = f"job {status.job_state.value}"
-        if succeeded_without(status, self.ran):   # a spare, say: nothing ran here
-            return self._end(1, stop, f"job {status.job_id} succeeded without this node: its workers never ran "
-                                      f"({status.reason})")
-        if status.job_state == JobState.SUCCEEDED:
-            return self._end(0, stop, f"job {status.job_id} succeeded: {status.reason}")
-        if status.job_state == JobState.FAILED:
-            return self._end(1, stop, failure_summary(status), status.root_cause)
-        return self._end(1, stop, f"job {status.job_id} {status.job_state.value}: {status.reason}")
+        code, stop, message = job_ending(status, self.ran)
+        return self._end(code, stop, message, status.root_cause if status.job_state == JobState.FAILED else None)

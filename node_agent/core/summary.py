@@ -1,7 +1,7 @@
-"""How a worker failure and a failed job read on every node's console (the policy's exit message)."""
+"""How a worker failure and a finished job read on every node's console (the policy's exit message)."""
 from __future__ import annotations
 
-from protocol.messages import NodeStatus, WorkerFailure
+from protocol.messages import JobState, NodeStatus, WorkerFailure
 
 
 def how(f: WorkerFailure) -> str:
@@ -23,3 +23,16 @@ def failure_summary(status: NodeStatus) -> str:
             lines.append("  traceback :")
             lines.extend("    " + ln for ln in rc.traceback.rstrip().splitlines())
     return "\n".join(lines)
+
+
+def job_ending(status: NodeStatus, ran: bool) -> tuple[int, str, str]:
+    """A finished job's end on this node: its exit code, why its workers stop, what it says. A node never exits 0
+    for a job its workers did not run."""
+    stop = f"job {status.job_state.value}"
+    if status.job_state == JobState.SUCCEEDED and not ran:   # a spare, say: nothing ran here
+        return 1, stop, f"job {status.job_id} succeeded without this node: its workers never ran ({status.reason})"
+    if status.job_state == JobState.SUCCEEDED:
+        return 0, stop, f"job {status.job_id} succeeded: {status.reason}"
+    if status.job_state == JobState.FAILED:
+        return 1, stop, failure_summary(status)
+    return 1, stop, f"job {status.job_id} {status.job_state.value}: {status.reason}"
