@@ -17,7 +17,7 @@ import ssl
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
-from node_agent.copies import stream, wire
+from node_agent.copies import files, stream, wire
 from node_agent.copies.stream import StreamError
 from node_agent.copies.wire import Answer, WireError
 
@@ -96,19 +96,9 @@ async def push(addr: str, port: int, *, key: str, node_id: str, local_rank: int,
         except WireError as exc:
             return PushResult(False, f"bad request: {exc}", 0)
         return await _push_to(addr, port, line, fd, size, step, bandwidth_bytes_s, timeout_s, tls,
-                              lambda: _names(path, fd))
+                              lambda: files.names(path, fd))
     finally:
         os.close(fd)
-
-
-def _names(path: str, fd: int) -> bool:
-    """The bytes `fd` read are still the snapshot at `path`: the file was unlinked (nobody writes it again) or
-    `path` still names it. A worker renames a snapshot file away before it writes it over (training/capture.py)."""
-    try:
-        held = os.fstat(fd)
-        return held.st_nlink == 0 or os.stat(path).st_ino == held.st_ino
-    except OSError:
-        return False
 
 
 async def _push_to(addr: str, port: int, line: bytes, fd: int, size: int, step: int, rate: float | None,

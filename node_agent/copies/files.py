@@ -140,3 +140,13 @@ def read_token(node_dir: str) -> str:
             return f.read(256).strip()
     except OSError:
         return ""
+
+
+def names(path: str, fd: int) -> bool:
+    """The bytes `fd` read are still the snapshot at `path`: the file was unlinked (nobody writes it again) or
+    `path` still names it. A worker renames a snapshot file away before it writes it over (training/capture.py)."""
+    try:
+        held = os.fstat(fd)
+        return held.st_nlink == 0 or os.stat(path).st_ino == held.st_ino
+    except OSError:
+        return False

@@ -12,7 +12,9 @@ another node, the node that takes its place resumes from that step instead of ev
   into its own ranks' memory directories while its workers start (FETCH_LIMIT_S at most; `snapshot.agreed_step`
   waits for it), so agreed_step finds the step on every rank, and the holder then drops them. None there: every rank
   falls back to disk (agreed_step), said in one line. A node back at its own place as a new incarnation (its agent
-  restarted) is told of its own copies: fetched only where its memory did not outlive its predecessor.
+  restarted) is told of its own copies: fetched only where its memory did not outlive its predecessor. A node
+  swapped out while it lives (a suspect) is the source of its own snapshots for the node taking its place
+  (copies/own.py): they need no peer copy.
 - Copies held for others live under the node's memory directory: removed with it when the job ends or the
   node leaves, taken up with it by the node's next agent, or swept (workers/memory.py); a node whose job is
   over asks its holders to drop its copies at once.
@@ -28,6 +30,7 @@ from collections.abc import Awaitable, Callable
 
 from node_agent.client.listener import Caps, Listener
 from node_agent.copies.client import FetchResult, drop, fetch, push
+from node_agent.copies.own import OwnSnapshots
 from node_agent.copies.store import CopyStore
 from node_agent.copies.tls import CopyTls
 from node_agent.copies.wire import is_copy_request
@@ -105,8 +108,9 @@ class PeerCopies:
             if not dirs or self.memory.root is None or self.memory.rank_limit is None:
                 return None
             limit = self.memory.rank_limit * max(1, self.nproc)
+            own = OwnSnapshots(self.node_id, key=lambda: self.key, dirs=lambda: self._dirs)
             self.store = CopyStore(os.path.join(self.memory.root, COPIES), limit, self.sources, self._say,
-                                      round_now=lambda: self.round, reach=self._reach)
+                                   round_now=lambda: self.round, reach=self._reach, own=own)
         return self.store
 
     def _reach(self) -> int:
@@ -174,8 +178,10 @@ class PeerCopies:
                           f"agent: nothing to fetch")
             else:
                 mark_fetching(dirs, True)     # the workers start meanwhile: agreed_step waits while marked
+                # After replicas diverged, the step every rank resumes from, not the gone node's newest.
+                want = a.resume_at_most if a.resume_at_most >= 0 else None
                 self._fetching = asyncio.create_task(self._fetch_marked(a.copies_of, a.copies_token, a.copies_at,
-                                                                        dirs))
+                                                                        dirs, want))
         if self.targets and self.key and (self._pusher is None or self._pusher.done()):
             self._pusher = asyncio.create_task(self._push_loop())
 
@@ -184,16 +190,17 @@ class PeerCopies:
         if self._fetching is not None:
             await asyncio.gather(self._fetching, return_exceptions=True)
 
-    async def _fetch_marked(self, gone: str, token: str, at: Witness, dirs: dict[int, str]) -> None:
+    async def _fetch_marked(self, gone: str, token: str, at: Witness, dirs: dict[int, str],
+                            want: int | None = None) -> None:
         try:
-            await self._fetch(gone, token, at, dirs)
+            await self._fetch(gone, token, at, dirs, want)
         finally:
             mark_fetching(dirs, False)
 
-    async def _fetch(self, gone: str, token: str, at: Witness, dirs: dict[int, str]) -> None:
+    async def _fetch(self, gone: str, token: str, at: Witness, dirs: dict[int, str], want: int | None) -> None:
         began = time.monotonic()
         try:
-            got = await asyncio.wait_for(self._fetch_all(gone, token, at, dirs), FETCH_LIMIT_S)
+            got = await asyncio.wait_for(self._fetch_all(gone, token, at, dirs, want), FETCH_LIMIT_S)
         except asyncio.TimeoutError:      # a cancelled fetch removes its partial file
             got = [FetchResult(None, f"not all there within {FETCH_LIMIT_S:g}s", 0)]
         size = sum(r.received for r in got)
@@ -208,14 +215,15 @@ class PeerCopies:
                   f"ranks, {size / 2**20:.1f} MiB in {time.monotonic() - began:.2f}s): this node's ranks resume "
                   f"where {gone}'s left off")
 
-    async def _fetch_all(self, gone: str, token: str, at: Witness, dirs: dict[int, str]) -> list[FetchResult]:
-        """Each rank's newest copy; where they differ (the node was lost while a step's copies were landing),
-        the newer ones again at the oldest step, which the holder keeps for all of them (copies/files.py)."""
+    async def _fetch_all(self, gone: str, token: str, at: Witness, dirs: dict[int, str],
+                         want: int | None = None) -> list[FetchResult]:
+        """Each rank's newest copy (or step `want`); where they differ (the node was lost while a step's copies were
+        landing), the newer ones again at the oldest step, which the holder keeps for all of them (copies/files.py)."""
         def one(rank: int, where: str, step: int | None = None) -> Awaitable[FetchResult]:
             return fetch(at.addr, at.port, key=token, node_id=gone, local_rank=rank, dest_dir=where,
                          max_bytes=self.memory.rank_limit, timeout_s=FETCH_LIMIT_S, tls=self._connect, step=step)
         ranks = sorted(dirs.items())
-        got = list(await asyncio.gather(*(one(rank, where) for rank, where in ranks)))
+        got = list(await asyncio.gather(*(one(rank, where, want) for rank, where in ranks)))
         steps = [r.step for r in got]
         if None in steps or len(set(steps)) == 1:
             return got

@@ -27,6 +27,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 from node_agent.copies import files, room, stream, wire
+from node_agent.copies.own import OwnSnapshots
 from node_agent.copies.stream import StreamError
 from node_agent.copies.wire import DropRequest, FetchRequest, PushRequest, WireError
 from node_agent.training.snapshot import remove
@@ -60,10 +61,11 @@ class Sources(Protocol):
 
 class CopyStore:
     def __init__(self, root: str, limit_bytes: int, sources: Sources, say: Callable[[str], None] = lambda s: None,
-                 *, round_now: Callable[[], int], reach: Callable[[], int]) -> None:
+                 *, round_now: Callable[[], int], reach: Callable[[], int], own: OwnSnapshots | None = None) -> None:
         """`sources`: a node's token and ranks now (absent: it is no source of this holder now; a fetch or drop of
         copies held is then checked against the token they came with). `round_now()`: this node's round;
-        `reach()`: the newest step its own ranks hold (-1: none), how far the job is known to have come."""
+        `reach()`: the newest step its own ranks hold (-1: none), how far the job is known to have come. `own`:
+        this node's own snapshots, fetched by the node taking its place (own.py)."""
         self.root = root
         self.limit_bytes = limit_bytes
         self.stall_s = STALL_S
@@ -74,6 +76,7 @@ class CopyStore:
         self._sources = sources
         self._round_now = round_now
         self._reach = reach
+        self._own = own
         self._say = say
         self._pushing: dict[tuple[str, int], int] = {}    # (node, rank) -> bytes reserved by its push
         self._said: dict[str, tuple[float, int]] = {}     # kind -> (when last said, how many since)
@@ -114,7 +117,8 @@ class CopyStore:
             if isinstance(request, PushRequest):
                 await self._push(request, reader, writer)
             elif isinstance(request, DropRequest):
-                self.remove_node(request.node)       # copies only: a push of it still under way finishes alone
+                if not self._is_own(request.node):   # own snapshots are no copies: kept
+                    self.remove_node(request.node)   # copies only: a push of it still under way finishes alone
                 writer.write(wire.DROPPED)
             else:
                 await self._fetch(request, writer, peer, first_line)
@@ -131,10 +135,14 @@ class CopyStore:
             await stream.drain(writer, ANSWER_S)
 
     def _check_key(self, key: str, node: str, pushing: bool) -> None:
-        """A push needs the node's token now; a fetch or drop the one its copies came with (or today's)."""
+        """A push needs the node's token now; a fetch or drop the one its copies came with (or today's); this
+        node's own snapshots, its own token (nobody pushes them)."""
         source = self._sources.get(node)
-        current = (source.token if source is not None else "") or \
-            ("" if pushing else files.read_token(os.path.join(self.root, node)))
+        if self._own is not None and self._is_own(node):
+            current = "" if pushing else self._own.key()
+        else:
+            current = (source.token if source is not None else "") or \
+                ("" if pushing else files.read_token(os.path.join(self.root, node)))
         if not current:
             raise _Refusal("key", f"no token for node {node} here (not a node whose copies this one holds)")
         if not hmac.compare_digest(key.encode(), current.encode()):
@@ -274,8 +282,14 @@ class CopyStore:
 
     # --- fetch --------------------------------------------------------------------------------------------
 
+    def _is_own(self, node: str) -> bool:
+        return self._own is not None and node == self._own.node
+
     async def _fetch(self, req: FetchRequest, writer: asyncio.StreamWriter, peer: str, first_line: bytes) -> None:
-        opened = self._open_held(req.node, req.rank, req.step)
+        mine = self._own if self._own is not None and req.node == self._own.node else None
+        own = mine.open(req.rank, req.step) if mine is not None else None
+        opened = (*own[:2], "") if own is not None else None if mine is not None else \
+            self._open_held(req.node, req.rank, req.step)
         if opened is None:
             writer.write(wire.NONE)
             return
@@ -284,10 +298,14 @@ class CopyStore:
             size = os.fstat(fd).st_size
             writer.write(wire.copy_line(step, size))
             # The trailer is the checksum stored on receipt, the bytes what is held now: a copy corrupted at rest
-            # fails the fetcher's check, and is removed here (one pass over the bytes, not two).
+            # fails the fetcher's check, and is removed here (one pass over the bytes, not two). Own snapshots:
+            # the checksum of the bytes as sent.
             sent = await stream.send(writer, fd, size, self.stall_s, count=self._count_out)
-            writer.write(wire.trailer_line(stored))
-            if not hmac.compare_digest(sent, stored):
+            if own is not None and not files.names(own[2], fd):   # a rank still running wrote over it meanwhile
+                writer.write(wire.refused_line("the snapshot changed while it was sent"))
+                return
+            writer.write(wire.trailer_line(stored or sent))
+            if stored and not hmac.compare_digest(sent, stored):
                 self._discard(req.node, req.rank, step)
                 self.refusals["corrupt"] = self.refusals.get("corrupt", 0) + 1
                 self._note("corrupt", peer, "sent a copy corrupted at rest (the fetcher refuses it); removed it",

@@ -7,7 +7,7 @@ from typing import Any
 
 import msgspec
 
-from protocol.messages import Assignment, JobConfig, JobState, NodeState, WorkerFailure
+from protocol.messages import Assignment, JobConfig, JobState, NodeState, Witness, WorkerFailure
 from protocol.notes import CopiesNote
 from rdzv_server.core.events import EventKind
 from rdzv_server.core.goodput import JobProgress
@@ -94,8 +94,10 @@ class RoundRecord(msgspec.Struct, kw_only=True, omit_defaults=True, dict=True):
     replica_key: str = ""              # the job's key for its members' copies (JobRecord.replica_key)
     run: str = ""                      # the job's run (rounds.run_of): Assignment.run
     resume_at_most: int = -1           # Assignment.resume_at_most (after replicas diverged)
-    # A node that took a gone node's place -> [that node, the member holding its copies]
+    # A node that took a gone node's place -> [that node, the member holding its copies, or the node itself where
+    # it lives on in the job (a suspect swapped out): it serves its own snapshots, from `copies_from`]
     copies: dict[str, list[str]] = {}
+    copies_from: dict[str, Witness] = {}
     # A round saved without the columns: its assignments as they were written.
     legacy: dict[str, Assignment] = msgspec.field(default_factory=dict, name="assignments")
 

@@ -43,7 +43,7 @@ def build_round(job: JobRecord, members: list[str], round_id: int, opened_at: fl
     if replicas and took:
         last = job.round
         r.copies = copies_held(lambda gone: place_of(last, gone) if last is not None else job.place_copies.get(gone),
-                               took, r)
+                               took, r, lambda gone: own_source(job, gone, nodes))
     return r
 
 
@@ -81,11 +81,22 @@ def places_kept(r: RoundRecord) -> dict[str, PlaceCopies]:
     return {nid: place for nid in (r.ranked or r.members) if (place := place_of(r, nid)) is not None}
 
 
-def copies_held(place: Callable[[str], PlaceCopies | None], took: dict[str, str],
-                r: RoundRecord) -> dict[str, list[str]]:
-    """Newcomer -> [the gone node whose place it takes, the member of round `r` holding that node's copies], for
-    each gone node whose holder is still a member and whose ranks the newcomer takes exactly (the same global
-    ranks: a shard is one rank's; a newcomer of another size or offset gets none)."""
+def own_source(job: JobRecord, node_id: str, members: list[NodeRecord]) -> Witness | None:
+    """Where a node that lives on in the job (a suspect swapped out, excluded) serves its own
+    snapshots to the node taking its place (node_agent/copies/own.py), or None: gone from the job, or it takes no
+    copies. The newcomer needs no peer copy then, and gets the snapshot the swap waited for."""
+    node = job.nodes.get(node_id)
+    if node is None or not node.copy_port:
+        return None
+    return Witness(addr=reachable_addresses([*members, node])[-1], port=node.copy_port)
+
+
+def copies_held(place: Callable[[str], PlaceCopies | None], took: dict[str, str], r: RoundRecord,
+                itself: Callable[[str], Witness | None] = lambda gone: None) -> dict[str, list[str]]:
+    """Newcomer -> [the gone node whose place it takes, where that node's snapshots are], for each gone node whose
+    ranks the newcomer takes exactly (the same global ranks: a shard is one rank's; a newcomer of another size or
+    offset gets none): the gone node itself where it lives on (`itself`: its agent, kept in r.copies_from), else
+    the first member of round `r` holding its copies."""
     out: dict[str, list[str]] = {}
     derived = _derived(r)
     members = derived.rank
@@ -94,8 +105,10 @@ def copies_held(place: Callable[[str], PlaceCopies | None], took: dict[str, str]
         if held is None or at is None or (derived.offsets[at], r.local_sizes[at]) != (held.rank_offset,
                                                                                          held.local_size):
             continue
-        holder = next((h for h in held.holders if h in members), None)
-        if holder is not None:
+        if gone not in members and (own := itself(gone)) is not None:
+            out[newcomer] = [gone, gone]
+            r.copies_from[newcomer] = own
+        elif (holder := next((h for h in held.holders if h in members), None)) is not None:
             out[newcomer] = [gone, holder]
     return out
 
@@ -250,6 +263,8 @@ class _Derived:
         """(the gone node whose copies `node_id` fetches, the member holding them), or ("", None)."""
         r = self.round
         held = r.copies.get(node_id) if r.replicas else None
+        if held is not None and node_id in r.copies_from:
+            return held[0], r.copies_from[node_id]
         at = self.rank.get(held[1]) if held is not None else None
         return (held[0], Witness(addr=r.addrs[at], port=r.copy_ports[at])) if held is not None and at is not None \
             else ("", None)

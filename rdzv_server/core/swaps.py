@@ -2,15 +2,16 @@
 job's next snapshot, so that no step is redone:
 - every member's ranks are asked to wait after their next snapshot (NodeStatus.hold_at_snapshot); ranks that did
   not see the ask yet block in the next step's collectives on those that wait, so no rank gets past it;
-- once a node says its ranks wait after step S (ProgressNote.held_step) and the suspect's copy of S is on its
-  peer (CopiesNote.copied_step: the spare fetches it from there), the suspect is held out as any suspect is
-  (suspects.quarantine) and the spare takes its place and ranks in a round formed at once, which resumes from S.
-It swaps at once when there is no snapshot to wait for (no member holds one yet, or the suspect makes no peer
-copies: the spare could not resume from it anyway), and after SWAP_WAIT_S when none came (said: the steps since
-the last one are redone). Without a ready spare nothing is swapped: the node stays named slow, and its next note
-asks again. No restart of the budget is spent (as a drain). A place (group rank) swapped once is never swapped
-again: a node named slow where another was is slow by its place (a pipeline stage's share of the work, say), and
-swapping would loop through the spares. Pure.
+- once a node says its ranks wait after step S (ProgressNote.held_step), the suspect is held out as any suspect
+  is (suspects.quarantine) and the spare takes its place and ranks in a round formed at once, which resumes from
+  S: the spare fetches the suspect's snapshots from the suspect itself (rounds.own_source), or, where it takes no
+  copies, from its peer once its copy of S is there (CopiesNote.copied_step).
+It swaps at once when there is no snapshot to wait for (no member holds one yet, or the suspect neither serves its
+snapshots nor makes peer copies: the spare could not resume from it anyway), and after SWAP_WAIT_S when none came
+(said: the steps since the last one are redone). Without a ready spare nothing is swapped: the node stays named
+slow, and its next note asks again. No restart of the budget is spent (as a drain). A place (group rank) swapped
+once is never swapped again: a node named slow where another was is slow by its place (a pipeline stage's share of
+the work, say), and swapping would loop through the spares. Pure.
 """
 from __future__ import annotations
 
@@ -37,7 +38,10 @@ def ask(rules: JobRules, node_id: str, why: str, now: float, named: bool = False
     if (spare := suspects.ready_spare(rules)) is None:
         return
     held = [c.local_step for m in job.round.members if m in job.nodes and (c := job.nodes[m].copies) is not None]
-    if job.nodes[node_id].copies is None or max(held, default=-1) < 0:
+    # Copies off (no member notes a step): the ranks are asked to hold all the same; a job with no snapshot at all
+    # swaps after SWAP_WAIT_S.
+    served = _serves_itself(rules, node_id)
+    if (job.nodes[node_id].copies is None and not served) or (held and max(held) < 0):
         _swap(rules, node_id, why, "no snapshot to wait for", now)
         return
     job.swap = SwapDue(node_id=node_id, why=why, round_id=job.round.round_id, asked_at=now, until=now + SWAP_WAIT_S)
@@ -63,7 +67,7 @@ def check(rules: JobRules, now: float) -> None:
         return
     node = rules.job.nodes.get(swap.node_id)
     copies = node.copies if node is not None else None
-    if copies is not None and copies.copied_step < swap.held_step:
+    if copies is not None and copies.copied_step < swap.held_step and not _serves_itself(rules, swap.node_id):
         return          # its copy of the held step is still on its way to its peer
     _swap(rules, swap.node_id, swap.why, f"at the snapshot of step {swap.held_step}", now)
 
@@ -75,6 +79,13 @@ def tick(rules: JobRules, now: float) -> None:
             "no snapshot came"
         _swap(rules, swap.node_id, swap.why, f"now: {late} within {SWAP_WAIT_S:g}s (the steps since the "
               f"newest snapshot every rank holds are redone)", now)
+
+
+def _serves_itself(rules: JobRules, node_id: str) -> bool:
+    """The suspect's agent serves its own snapshots to the spare (the job makes copies, it takes them)."""
+    job = rules.job
+    node = job.nodes.get(node_id)
+    return node is not None and bool(node.copy_port) and bool(job.replica_key) and job.config.replicas > 0
 
 
 def _due(rules: JobRules) -> SwapDue | None:

@@ -40,13 +40,16 @@ def test_a_worker_asking_for_other_hardware_has_its_node_replaced_by_the_spare(c
     finish(tmp_path, {n: a for n, a in agents.items() if n != asked}, asked)
 
 
-def test_a_slow_node_is_swapped_for_the_spare_at_the_next_snapshot_with_nothing_redone(cluster, tmp_path):
+@pytest.mark.parametrize("domains", ["each node its own", "one for all"])
+def test_a_slow_node_is_swapped_for_the_spare_at_the_next_snapshot_with_nothing_redone(cluster, tmp_path, domains):
     """Node b sleeps half a step more every step (as slow storage would): it is named slow by the time the others
     wait on it, the job's ranks hold after their next snapshot, and the spare takes b's place and ranks, every rank
-    resuming from that snapshot: no step redone, no restart spent, b held out."""
+    resuming from that snapshot: no step redone, no restart spent, b held out. The spare fetches b's snapshots from
+    b itself, so it needs no peer copy: in one failure domain (peer copies off) as well."""
     cluster.start_server()
     env = {"SLOW_AT": "b:0:0.5:sleep"}
-    extra = ("--nnodes", "2", "--replace-slow-nodes")
+    extra = ("--nnodes", "2", "--replace-slow-nodes",
+             *(("--failure-domain", "one-rack") if domains == "one for all" else ()))
     agents = {n: start(cluster, tmp_path, n, "slow", extra=extra, env=env) for n in ("a", "b")}
     wait_until(lambda: len({r for *_, r, _ in steps(tmp_path)}) >= 4, LIMIT, "every rank stepping")
     place = next(n["group_rank"] for n in job_view(cluster, "slow")["nodes"] if n["node_id"] == "b")
@@ -65,4 +68,5 @@ def test_a_slow_node_is_swapped_for_the_spare_at_the_next_snapshot_with_nothing_
     view = job_view(cluster, "slow")
     assert view["restart_count"] == 0 and {n["node_id"]: n["group_rank"] for n in view["nodes"]}["s"] == place
     assert [n["node_id"] for n in view["excluded"]] == ["b"], view
+    agents["s"].wait_for_line(rf"fetched node b's snapshots of step {held} from ", LIMIT)
     finish(tmp_path, {n: a for n, a in agents.items() if n != "b"}, "b")

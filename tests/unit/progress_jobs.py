@@ -15,9 +15,11 @@ CFG = JobConfig(min_nodes=2, max_nodes=2, max_restarts=5, last_call_s=0.0, lease
 RATE = 2.0                 # steps per second every node reports (window_steps / window_s)
 
 
-def join(rz: Rendezvous, job: str, node: str, now: float, config: JobConfig = CFG) -> None:
+def join(rz: Rendezvous, job: str, node: str, now: float, config: JobConfig = CFG, *, copy_port: int = 0,
+         domain: str = "") -> None:
     rz.handle(job, JoinRequest(v=1, node_id=node, addr="10.0.0.1", host=f"host-{node}", local_world_size=2,
-                             master_port=29500, config=config, instance=f"{node}#1"), now,
+                             master_port=29500, config=config, instance=f"{node}#1", copy_port=copy_port,
+                             domain=domain), now,
                                  Arrival(secret=f"secret-{node}"))
 
 

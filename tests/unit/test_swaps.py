@@ -2,12 +2,13 @@
 Rendezvous: the members are asked to hold after their next snapshot; the swap waits for a node's ranks to hold
 and for the suspect's copy of that step to be on its peer, then the spare takes its place in a round formed at
 once (no restart spent) and the suspect is quarantined; no snapshot within the wait swaps anyway; a spare gone
-meanwhile swaps nothing."""
+meanwhile swaps nothing. A suspect whose agent serves its own snapshots is the spare's source: the swap needs
+no copy on a peer, nor peer copies at all (one failure domain)."""
 from __future__ import annotations
 
 import msgspec
 
-from protocol.messages import NodeState, PollRequest, poll_ready
+from protocol.messages import LeaveRequest, NodeState, PollRequest, poll_ready
 from protocol.notes import CopiesNote, ProgressNote
 from rdzv_server.core.events import EventKind, RoundCause
 from rdzv_server.core.rendezvous import Rendezvous
@@ -18,26 +19,28 @@ CONFIG = msgspec.structs.replace(CFG, min_nodes=3, max_nodes=3, replace_slow_nod
 
 
 def poll(rz: Rendezvous, node: str, now: float, *, waited: float = -1.0, held: int = -1,
-         copied: int = 10, holding: bool = False) -> None:
+         copied: int | None = 10, holding: bool = False) -> None:
+    """A member's poll with its progress and (`copied`: None where copies are off) its copies' note."""
     job = rz.jobs["swap"]
     round_id = job.round.round_id if job.round is not None else -1
     progress = ProgressNote(round_id=round_id, probes=2, steps=100, step_s=0.2, window_s=4.0, window_steps=20,
                             demand=0.5, waited=waited, held_step=held)
     rz.handle("swap", PollRequest(v=1, node_id=node, credential=f"secret-{node}", known_round=round_id, wait_s=0.0,
-                                  progress=progress, copies=CopiesNote(local_step=copied, copied_step=copied),
+                                  progress=progress,
+                                  copies=CopiesNote(local_step=copied, copied_step=copied) if copied is not None else None,
                                   holding=holding), now)
 
 
-def slow_b(rz: Rendezvous) -> None:
-    """A job of a, b, c (b the others wait on) with spare s; every node holds and copied step 10."""
+def slow_b(rz: Rendezvous, *, copy_port: int = 0, domain: str = "", copied: int | None = 10) -> None:
+    """A job of a, b, c (b the others wait on) with spare s; every node holds and copied step 10 (`copied`)."""
     for node in ("a", "b", "c", "s"):
-        join(rz, "swap", node, T, CONFIG)
+        join(rz, "swap", node, T, CONFIG, copy_port=copy_port, domain=domain)
     at = T
     while rz.jobs["swap"].swap is None:
         at += 1
         assert at < T + 100, "b was never named slow"
         for node, waited in (("a", 0.2), ("b", 0.02), ("c", 0.2)):
-            poll(rz, node, at, waited=waited)
+            poll(rz, node, at, waited=waited, copied=copied)
 
 
 def hold_asked(rz: Rendezvous, node: str) -> bool:
@@ -113,3 +116,47 @@ def test_a_place_swapped_once_is_not_swapped_again_and_says_why_once() -> None:
     said = [e.message for e in job.events if "the place itself is slow" in e.message]
     assert job.progress.slow == ["s"] and job.swap is None and job.round.members == ["a", "s", "c"]
     assert len(said) == 1 and said[0].startswith("node s is slow at group rank 1"), said
+
+
+def test_a_suspect_serving_its_own_snapshots_is_the_spares_source_with_no_peer_copy() -> None:
+    # One failure domain: peer copies are off (no CopiesNote), but every agent takes copies on port 7000, so the
+    # suspect serves its own: the ranks are asked to hold (no swap at once), and the spare fetches from b itself.
+    rz = Rendezvous()
+    slow_b(rz, copy_port=7000, domain="rack", copied=None)
+    job = rz.jobs["swap"]
+    first = job.round.round_id
+    own_token = rz.view("swap", "b", T + 140).assignment.copy_token
+    assert job.swap is not None and own_token and hold_asked(rz, "a")
+    poll(rz, "a", T + 150, held=15, copied=None, holding=True)    # a's ranks wait after step 15: swapped now
+    assert job.round.round_id == first + 1 and job.round.members == ["a", "s", "c"]
+    spare = rz.view("swap", "s", T + 151).assignment
+    assert (spare.copies_of, spare.copies_token) == ("b", own_token)
+    assert spare.copies_at is not None and (spare.copies_at.addr, spare.copies_at.port) == ("10.0.0.1", 7000)
+    swapped = [e.message for e in job.events if e.kind == EventKind.NODE_SUSPECT]
+    assert swapped[-1].startswith("node b swapped for spare s at the snapshot of step 15"), swapped
+
+
+def test_with_copies_on_the_suspect_itself_is_the_source_before_its_peers_copy() -> None:
+    rz = Rendezvous()
+    slow_b(rz, copy_port=7000)          # each node its own failure domain: copies go to peers
+    job = rz.jobs["swap"]
+    poll(rz, "a", T + 150, held=15, copied=12, holding=True)      # b's copy of 15 is not on its peer: no matter
+    assert "b" not in job.round.members
+    spare = rz.view("swap", "s", T + 151).assignment
+    assert spare.copies_of == "b" and spare.copies_at is not None and spare.copies_at.port == 7000
+    assert job.round.copies == {"s": ["b", "b"]}
+
+
+def test_a_lost_nodes_place_is_still_fetched_from_its_peers_copy() -> None:
+    rz = Rendezvous()
+    for node in ("a", "b", "c"):
+        join(rz, "swap", node, T, CONFIG, copy_port=7000)
+    job = rz.jobs["swap"]
+    first = job.round.round_id
+    join(rz, "swap", "s", T + 1, CONFIG, copy_port=7000)
+    for node in ("a", "b", "c"):
+        poll(rz, node, T + 2, copied=10)
+    rz.handle("swap", LeaveRequest(v=1, node_id="b", credential="secret-b", reason="gone"), T + 3)
+    assert job.round.round_id == first + 1 and "b" not in job.nodes
+    gone, holder = job.round.copies["s"]
+    assert gone == "b" and holder in ("a", "c") and "s" not in job.round.copies_from

@@ -1,0 +1,95 @@
+"""A node's own snapshots served to the node taking its place while it lives (node_agent/copies/own.py): fetched
+with the node's own token from its ranks' memory directories, by step or the newest; a wrong or missing token gets
+nothing, a drop of them is answered and leaves them, a push in its name is refused, and a snapshot written over
+while it is sent is refused rather than passed on. A real store behind a loopback listener
+(tests/unit/test_copy_store.py's)."""
+from __future__ import annotations
+
+import os
+
+from node_agent.copies import client
+from node_agent.copies.own import OwnSnapshots
+from node_agent.copies.store import CopyStore
+from node_agent.training import snapshot
+from tests.unit.test_copy_store import FAR, KEY, Everyone, blob, holder, snap
+
+ME = "suspect"
+MINE = "suspect-copy-token-0123"
+
+
+def setup(tmp_path, key: str = MINE) -> tuple[CopyStore, dict[int, str], dict[tuple[int, int], bytes]]:
+    """A node of 2 local ranks holding steps 4 and 6 each (as `protect` leaves them)."""
+    dirs = {rank: str(tmp_path / f"mem-{rank}") for rank in (0, 1)}
+    data = {}
+    for rank, where in dirs.items():
+        os.makedirs(where)
+        for step in (4, 6):
+            data[rank, step] = blob(70_000 + rank, seed=step * 10 + rank)
+            snapshot.save(data[rank, step], step, where=where)
+    own = OwnSnapshots(ME, key=lambda: key, dirs=lambda: dirs)
+    store = CopyStore(str(tmp_path / "held"), 64 * 2**20, Everyone(lambda: KEY), round_now=lambda: 10**6,
+                      reach=lambda: FAR, own=own)
+    return store, dirs, data
+
+
+async def fetch(port: int, tmp_path, rank: int, *, key: str = MINE, step: int | None = None
+                ) -> tuple[client.FetchResult, bytes]:
+    dest = tmp_path / f"dest-{rank}-{step}-{key[:4]}"
+    dest.mkdir()
+    got = await client.fetch("127.0.0.1", port, key=key, node_id=ME, local_rank=rank, dest_dir=str(dest), step=step)
+    return got, (dest / f"step-{got.step}").read_bytes() if got.step is not None else b""
+
+
+async def test_the_newest_or_a_named_step_of_each_rank_is_fetched_with_the_nodes_own_token(tmp_path):
+    store, _, data = setup(tmp_path)
+    async with holder(store) as port:
+        for rank in (0, 1):
+            got, back = await fetch(port, tmp_path, rank)
+            assert got.step == 6 and back == data[rank, 6], got
+        got, back = await fetch(port, tmp_path, 1, step=4)
+        assert got.step == 4 and back == data[1, 4], got
+        got, _ = await fetch(port, tmp_path, 0, step=5)
+        assert got.step is None, got                       # a step it does not hold
+        got, _ = await fetch(port, tmp_path, 2)
+        assert got.step is None, got                       # a rank it does not have
+    assert store.held() == {} and store.refusals == {}     # served from memory, nothing stored
+
+
+async def test_a_wrong_or_missing_token_gets_nothing(tmp_path):
+    store, _, _ = setup(tmp_path)
+    async with holder(store) as port:
+        got, _ = await fetch(port, tmp_path, 0, key=KEY)   # another node's token
+        assert got.step is None and "wrong key" in got.reason, got
+    store, _, _ = setup(tmp_path / "none", key="")         # a node that has no token: serves nothing
+    async with holder(store) as port:
+        got, _ = await fetch(port, tmp_path, 0)
+        assert got.step is None and "no token" in got.reason, got
+
+
+async def test_a_drop_leaves_them_and_a_push_in_the_nodes_name_is_refused(tmp_path):
+    store, dirs, data = setup(tmp_path)
+    async with holder(store) as port:
+        await client.drop("127.0.0.1", port, key=MINE, node_id=ME, timeout_s=5.0)
+        assert [snapshot.steps(where) for where in dirs.values()] == [[4, 6], [4, 6]]
+        pushed = await client.push("127.0.0.1", port, key=MINE, node_id=ME, local_rank=0, step=9,
+                                   path=snap(tmp_path, "forged", b"x" * 100))
+        assert not pushed.ok and "no token" in pushed.reason, pushed
+        assert snapshot.steps(dirs[0]) == [4, 6] and store.held() == {}
+        got, back = await fetch(port, tmp_path, 0)
+        assert got.step == 6 and back == data[0, 6]
+
+
+async def test_a_snapshot_written_over_while_it_is_sent_is_refused(tmp_path, monkeypatch):
+    store, dirs, _ = setup(tmp_path)
+    path = snapshot.path(6, dirs[0])
+    real = __import__("node_agent.copies.stream", fromlist=["send"]).send
+
+    async def send_then_recycle(*args, **kwargs):
+        sent = await real(*args, **kwargs)
+        os.rename(path, path + ".tmp")      # what a running rank does before it writes a newer step into it
+        return sent
+
+    monkeypatch.setattr("node_agent.copies.stream.send", send_then_recycle)
+    async with holder(store) as port:
+        got, _ = await fetch(port, tmp_path, 0)
+    assert got.step is None and "changed while it was sent" in got.reason, got
