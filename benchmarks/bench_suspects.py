@@ -11,7 +11,8 @@ examples/train_ddp.py and benchmarks/scripts/hsdp_flip.py, ddp_rate.py:
   alike at the end; hsdp_3x2, hsdp_2x2: the same under HSDP (3 or 2 replicas of 2 shards);
 - slow_sleep, slow_compute: 3 x 2 + a spare, --replace-slow-nodes, node b 15 % slower from step 40 (sleeping or
   computing): from the onset to the swap, steps redone, from the swap to every rank stepping, restarts, the
-  spare in b's place;
+  spare in b's place; slow_one_domain (sleeping): every node in one failure domain, so no peer copies (the spare
+  fetches from b itself);
 - solo: the same job, rank 0 computing alone for 60 s twice; jitter (not by default: --minutes): every step
   +-30 %: nodes named slow, swaps, restarts (all should be 0);
 - digest_cost (not by default): DDP 3 x 2 as fast as it goes, replicas' digests on and off, alternated; noflip
@@ -148,13 +149,14 @@ def flipped(port: int, i: int) -> dict[str, float]:
             "alike_at_end": float("replicas alike at the end: yes" in out)}
 
 
-def slowed(port: int, i: int, how: str) -> dict[str, float]:
-    """3 x 2 + spare s, --replace-slow-nodes; node b 15 % slower from step 40 (`how`: sleep or compute)."""
+def slowed(port: int, i: int, how: str, one_domain: bool = False) -> dict[str, float]:
+    """3 x 2 + spare s, --replace-slow-nodes; node b 15 % slower from step 40 (`how`: sleep or compute).
+    `one_domain`: every node in one failure domain, so no peer copies: the spare resumes from b itself."""
     out = tempfile.mkdtemp(prefix="bench-sus-")
-    job = f"slow-{how}-{i}"
+    job = f"slow-{how}-{'one-' if one_domain else ''}{i}"
     env = {"OUT_DIR": out, "STATE_MB": "4", "STEP_S": "0.2", "SNAP_EVERY": "5", "DISK_EVERY": "0",
            "SLOW_AT": f"b:40:0.15:{how}"}
-    flags = ("--replace-slow-nodes",)
+    flags = ("--replace-slow-nodes", *(("--failure-domain", "one-rack") if one_domain else ()))
     procs = {n: agent(port, job, n, "3", 2, [SHARDS], {**env, "NODE": n}, flags=flags) for n in ("a", "b", "c")}
     until(lambda: len({r[4] for r in rows(out, "steps-")}) == 6)
     place = next(n["group_rank"] for n in get(port, f"/v1/jobs/{job}")["nodes"] if n["node_id"] == "b")
@@ -196,6 +198,10 @@ def slowed_sleep(port: int, i: int) -> dict[str, float]:
 
 def slowed_compute(port: int, i: int) -> dict[str, float]:
     return slowed(port, i, "compute")
+
+
+def slowed_one_domain(port: int, i: int) -> dict[str, float]:
+    return slowed(port, i, "sleep", one_domain=True)
 
 
 def quiet_job(port: int, i: int, name: str, env: dict[str, str], done) -> dict[str, float]:
@@ -307,11 +313,13 @@ class _quiet:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--runs", type=int, default=3)
-    p.add_argument("--cases", default="asked,every_try,flipped,hsdp_3x2,hsdp_2x2,slow_sleep,slow_compute,solo")
+    p.add_argument("--cases", default="asked,every_try,flipped,hsdp_3x2,hsdp_2x2,slow_sleep,slow_one_domain,"
+                                      "slow_compute,solo")
     p.add_argument("--minutes", type=float, default=30.0, help="of the jitter case (not run by default)")
     args = p.parse_args()
     MINUTES[0] = args.minutes
     cases = {"asked": asked, "every_try": every_try, "flipped": flipped, "slow_sleep": slowed_sleep,
+             "slow_one_domain": slowed_one_domain,
              "slow_compute": slowed_compute, "solo": solo, "jitter": jitter, "hsdp_3x2": flipped_hsdp_3x2,
              "hsdp_2x2": flipped_hsdp_2x2, "digest_cost": digest_cost, "noflip": noflip}
     with running_server() as port:
