@@ -72,6 +72,36 @@ def complete_steps(where: str) -> list[int]:
 _SUM = re.compile(r"([0-9a-f]{64})(?: round=(0|[1-9][0-9]{0,15}))?")
 
 
+class CorruptAtRest(Exception):
+    """A held copy whose checksum file is unreadable (`step`): it cannot be served."""
+    def __init__(self, step: int) -> None:
+        super().__init__(f"step {step}")
+        self.step = step
+
+
+def open_held(where: str, want: int | None = None) -> tuple[int, int, str] | None:
+    """(open fd, step, stored checksum) of the complete copy in a rank's directory (the newest, or step `want`), or
+    None. A push that lands meanwhile removes the older copy between looking and opening: look again."""
+    for _ in range(3):
+        held = complete_steps(where)
+        step = max(held, default=None) if want is None else want if want in held else None
+        if step is None:
+            return None
+        path = os.path.join(where, f"step-{step}")
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            continue
+        summed = read_sum(path + ".sha256")
+        if summed is None:
+            os.close(fd)
+            if not os.path.exists(path + ".sha256"):
+                continue
+            raise CorruptAtRest(step)
+        return fd, step, summed[0]
+    return None
+
+
 def write_sum(path: str, hex_digest: str, round_id: int) -> None:
     """A copy's checksum file: its sha256 and the round it was pushed in (its pusher's incarnation)."""
     write_text(path, f"{hex_digest} round={round_id}\n")

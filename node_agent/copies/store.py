@@ -12,6 +12,7 @@ Rules, so a fetcher only ever gets a whole copy that was whole when it came:
   copies of older rounds at its step or later are of steps the job abandoned (it went back), and go.
 - A copy is checked against its stored checksum as it is sent (the trailer is that checksum, so the fetcher
   refuses bytes changed at rest); one that no longer matches is deleted.
+- This node's own snapshots are fetched with its own token by the node taking its place (own.py).
 - Never a traceback to a peer: every failure is a `refused` line, logged once per kind and SAY_EVERY_S with the
   count since (a flood from many addresses is a few lines)."""
 from __future__ import annotations
@@ -314,27 +315,11 @@ class CopyStore:
             os.close(fd)
 
     def _open_held(self, node: str, rank: int, want: int | None = None) -> tuple[int, int, str] | None:
-        """(open fd, step, stored checksum) of the held copy (the newest, or step `want`), or None. A push that
-        lands meanwhile removes the older copy between looking and opening: look again."""
-        for _ in range(3):
-            held = files.complete_steps(self._dir(node, rank))
-            step = max(held, default=None) if want is None else want if want in held else None
-            if step is None:
-                return None
-            path = os.path.join(self._dir(node, rank), f"step-{step}")
-            try:
-                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-            except FileNotFoundError:
-                continue
-            summed = files.read_sum(path + ".sha256")
-            if summed is None:
-                os.close(fd)
-                if not os.path.exists(path + ".sha256"):
-                    continue
-                self._discard(node, rank, step)
-                raise _Refusal("corrupt", "copy corrupted at rest (its checksum file is unreadable)")
-            return fd, step, summed[0]
-        return None
+        try:
+            return files.open_held(self._dir(node, rank), want)
+        except files.CorruptAtRest as exc:      # its checksum file is unreadable: gone
+            self._discard(node, rank, exc.step)
+            raise _Refusal("corrupt", "copy corrupted at rest (its checksum file is unreadable)") from None
 
     def _discard(self, node: str, rank: int, step: int) -> None:
         final = os.path.join(self._dir(node, rank), f"step-{step}")
