@@ -27,11 +27,12 @@ def move(job: JobRecord, node: NodeRecord, state: NodeState) -> None:
 
 
 def leave(job: JobRecord, node: NodeRecord) -> None:
-    """`node` out of every list that holds it (it is removed from the job, or about to move)."""
-    for queue in (job.waiting, job.spares, job.excluded):
-        if node.node_id in queue:
-            queue.remove(node.node_id)
-            job.waiting_preparing -= queue is job.waiting and not node.ready
+    """`node` out of the list its place puts it in (it is removed from the job, or about to move). Only that list
+    is looked at: a new node (GONE until placed) is in none, so a join costs no scan of a long list."""
+    queue = _queue(job, node.state)
+    if queue is not None and node.node_id in queue:
+        queue.remove(node.node_id)
+        job.waiting_preparing -= node.state == NodeState.WAITING and not node.ready
 
 
 def seat(job: JobRecord, members: Iterable[str], waiting: list[str], spares: list[str]) -> None:
