@@ -16,6 +16,7 @@ from __future__ import annotations
 from protocol.errors import ErrorCode
 from protocol.messages import JobState, NodeState
 from rdzv_server.core import goodput, leases, places, store_port
+from rdzv_server.core.choice import candidates, choose, count_nodes, growth_cause
 from rdzv_server.core.errors import RendezvousError
 from rdzv_server.core.events import REMOVAL_CAUSE, EventKind, RoundCause
 from rdzv_server.core.outbox import Outbox
@@ -24,15 +25,11 @@ from rdzv_server.core.records import Event, JobRecord, NodeRecord
 from rdzv_server.core.rounds import (
     PREPARE_LIMIT_S,
     build_round,
-    candidates,
     copies_lost,
     copies_off,
-    count_nodes,
-    growth_cause,
     master_correction,
     master_of,
     places_kept,
-    places_taken,
 )
 
 MAP_NODES = 64      # a round's event lists its nodes by group rank up to this many (and as many places taken)
@@ -194,11 +191,8 @@ class JobRules:
         """Form the next round from live members + waiting + spares, or go back to waiting. `failed_at`: when the
         failure or loss that caused it happened (worker exit, or the lost node's last contact)."""
         job, cfg = self.job, self.job.config
-        pool = candidates(job)
-        chosen, rest = pool[: cfg.max_nodes], pool[cfg.max_nodes:]
-        pooled = set(pool)
-        preparing = [n for n in job.waiting + job.spares if n not in pooled]   # kept where they wait, not dropped
-        took = places_taken(job, chosen)
+        choice = choose(job)
+        chosen, rest, preparing, took = choice.chosen, choice.rest, choice.preparing, choice.took
         job.last_call_deadline = None
         job.successes = []
         self.wake()

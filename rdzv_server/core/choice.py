@@ -1,0 +1,68 @@
+"""Who the next round is (pure): the candidates in group-rank order, capped at max_nodes, the nodes still preparing
+kept where they wait, and which gone node's place each newcomer takes. JobRules.form_round applies the choice."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rdzv_server.core.events import RoundCause
+from rdzv_server.core.records import JobRecord
+
+
+@dataclass(frozen=True)
+class Choice:
+    chosen: list[str]           # the next round's members, by group rank
+    rest: list[str]             # ready nodes past max_nodes: spares
+    preparing: list[str]        # waiting nodes and spares still preparing: kept where they wait, not dropped
+    took: dict[str, str]        # newcomer -> the gone node whose place it takes (places_taken)
+
+
+def choose(job: JobRecord) -> Choice:
+    pool = candidates(job)
+    chosen, pooled = pool[: job.config.max_nodes], set(pool)
+    return Choice(chosen, pool[job.config.max_nodes:], [n for n in job.waiting + job.spares if n not in pooled],
+                  places_taken(job, chosen))
+
+
+def candidates(job: JobRecord) -> list[str]:
+    """The next round's nodes in group-rank order. A member still here keeps its place; a place its member left
+    (lost, left, drained, excluded) goes to the first waiting node or spare, so every survivor keeps its group
+    rank and so its global ranks (a sharded snapshot stays its own), and the newcomer takes the ranks, and the
+    shards, of the node it replaces. With nobody to take a place, the survivors behind it close up in order.
+    While the job waits for nodes, the last round's places are kept (`job.places`) for the survivors waiting. Only
+    ready nodes are candidates (JoinRequest.ready)."""
+    if job.round is not None:          # a member keeps its place, whatever it says of its next start
+        places, stay = job.round.ranked or job.round.members, set(job.round.members)
+    else:
+        places, stay = job.places, {n for n in job.waiting if job.nodes[n].ready}
+    holders = {n for n in places if n in stay and n in job.nodes}
+    # a node still preparing enters no round (it would hold up every other node): it stays where it is
+    takers = iter([n for n in job.waiting + job.spares if n not in holders and job.nodes[n].ready])
+    pool = []
+    for node_id in places:
+        taker = node_id if node_id in holders else next(takers, None)
+        if taker is not None:
+            pool.append(taker)
+    return pool + list(takers)
+
+
+def places_taken(job: JobRecord, chosen: list[str]) -> dict[str, str]:
+    """Of the round about to form from `chosen`, each node at a place another held in the last round (gone since)
+    -> that other node: a newcomer that takes over its ranks and its shards. A node back at its own place with a
+    record made since that round (its agent restarted, or it was lost and came back) -> itself: a new incarnation,
+    whose memory may be gone with its predecessor (it then fetches its own copies)."""
+    if job.round is not None:
+        places, since = job.round.ranked or job.round.members, job.round.completed_at
+    else:
+        places, since = job.places, job.places_at
+    kept = set(chosen)
+    return {nid: places[i] for i, nid in enumerate(chosen[:len(places)])
+            if (places[i] != nid and places[i] not in kept) or (places[i] == nid and job.nodes[nid].joined_at > since)}
+
+
+def growth_cause(job: JobRecord) -> RoundCause:
+    """A round formed because nodes arrived: the job's first, or a scale-up."""
+    return RoundCause.SCALE_UP if job.last_round_id else RoundCause.START
+
+
+def count_nodes(nodes: list[str]) -> str:
+    return f"{len(nodes)} node{'s' if len(nodes) != 1 else ''}"
