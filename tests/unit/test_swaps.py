@@ -25,10 +25,9 @@ def poll(rz: Rendezvous, node: str, now: float, *, waited: float = -1.0, held: i
     round_id = job.round.round_id if job.round is not None else -1
     progress = ProgressNote(round_id=round_id, probes=2, steps=100, step_s=0.2, window_s=4.0, window_steps=20,
                             demand=0.5, waited=waited, held_step=held)
+    copies = CopiesNote(local_step=copied, copied_step=copied) if copied is not None else None
     rz.handle("swap", PollRequest(v=1, node_id=node, credential=f"secret-{node}", known_round=round_id, wait_s=0.0,
-                                  progress=progress,
-                                  copies=CopiesNote(local_step=copied, copied_step=copied) if copied is not None else None,
-                                  holding=holding), now)
+                                  progress=progress, copies=copies, holding=holding), now)
 
 
 def slow_b(rz: Rendezvous, *, copy_port: int = 0, domain: str = "", copied: int | None = 10) -> None:
