@@ -236,6 +236,7 @@ def solo(port: int, i: int) -> dict[str, float]:
 
 
 MINUTES = [30.0]
+DIGEST_RUNS = [4, 300]      # digest_cost: turns of each (on, off), steps a run
 
 
 def flipped_hsdp(port: int, i: int, nodes: int) -> dict[str, float]:
@@ -283,19 +284,23 @@ def noflip(port: int, i: int) -> dict[str, float]:
 
 def digest_cost(port: int, i: int) -> dict[str, float]:
     """DDP 3 x 2 as fast as it goes, protect(every=5) with the replicas' digests and without (protect on the inner
-    module: the same snapshots), alternated 4 times each: steps per second of each (every run printed)."""
+    module: the same snapshots), alternated --digest-turns times each, --digest-steps steps a run: steps per second
+    of each (every run printed)."""
     rates: dict[str, list[float]] = {"1": [], "0": []}
-    for turn in range(8):
+    for turn in range(2 * DIGEST_RUNS[0]):
         on = "1" if turn % 2 == 0 else "0"
         job = f"rate-{i}-{turn}"
-        procs = [agent(port, job, n, "3", 2, [RATE], {"DIGESTS": on}, capture=True) for n in "abc"]
+        procs = [agent(port, job, n, "3", 2, [RATE], {"DIGESTS": on, "STEPS": str(DIGEST_RUNS[1])}, capture=True)
+                 for n in "abc"]
         out = "".join(p.communicate(timeout=600)[0] for p in procs)
         rates[on] += [float(ln.split("rate ")[1].split()[0]) for ln in out.splitlines()
                       if "rate " in ln and ln.endswith("steps/s")]
         print(f"digest_cost turn {turn}: digests {'on' if on == '1' else 'off'}: {rates[on][-1]:.2f} steps/s",
               flush=True)
     on, off = statistics.median(rates["1"]), statistics.median(rates["0"])
-    return {"steps_per_s_digests_on": on, "steps_per_s_off": off, "on_vs_off_pct": 100 * (on - off) / off}
+    mean_on, mean_off = statistics.mean(rates["1"]), statistics.mean(rates["0"])
+    return {"steps_per_s_digests_on": on, "steps_per_s_off": off, "on_vs_off_pct": 100 * (on - off) / off,
+            "means_on_vs_off_pct": 100 * (mean_on - mean_off) / mean_off}
 
 
 def _t(event: dict) -> float:
@@ -316,8 +321,11 @@ def main() -> None:
     p.add_argument("--cases", default="asked,every_try,flipped,hsdp_3x2,hsdp_2x2,slow_sleep,slow_one_domain,"
                                       "slow_compute,solo")
     p.add_argument("--minutes", type=float, default=30.0, help="of the jitter case (not run by default)")
+    p.add_argument("--digest-turns", type=int, default=4, help="digest_cost: runs with digests on, and as many off")
+    p.add_argument("--digest-steps", type=int, default=300, help="digest_cost: steps a run")
     args = p.parse_args()
     MINUTES[0] = args.minutes
+    DIGEST_RUNS[:] = [args.digest_turns, args.digest_steps]
     cases = {"asked": asked, "every_try": every_try, "flipped": flipped, "slow_sleep": slowed_sleep,
              "slow_one_domain": slowed_one_domain,
              "slow_compute": slowed_compute, "solo": solo, "jitter": jitter, "hsdp_3x2": flipped_hsdp_3x2,
