@@ -25,9 +25,9 @@ from typing import Any
 ENV = "NODE_AGENT_PROGRESS"
 # The one name it runs under in a worker: its loader registers it so, and beat() looks it up (heartbeat.py).
 NAME = "node_agent_probe"
-# Its loader: boot/sitecustomize.py, run at the start-up of an interpreter whose PYTHONPATH begins with BOOT_DIR
-# (a cold worker, the warm zygote). It loads this file by path, so a worker imports nothing else of ours.
-BOOT_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "boot")
+# Its loader: boot/sitecustomize.py, run at the start-up of an interpreter whose PYTHONPATH begins with that folder
+# (a cold worker, the warm zygote: workers/environment.booted). It loads this file by path, so a worker imports
+# nothing else of ours.
 MAGIC, VERSION = 0x4E505247, 3
 # magic, version, seq (odd while a step is written), steps, first and last step (unix time), pid, flags, the
 # main thread's id (as faulthandler prints it), the step node_agent.snapshot resumed from (-1: none)
@@ -326,12 +326,6 @@ def _hook_after(loader: Any, hook: Any) -> None:
         run(module)
         hook(module)
     loader.exec_module = exec_module
-
-
-def booted(env: dict[str, str]) -> dict[str, str]:
-    """`env` with BOOT_DIR first on PYTHONPATH: the interpreter it starts has the probe before anything runs."""
-    path = env.get("PYTHONPATH")
-    return {**env, "PYTHONPATH": BOOT_DIR + (os.pathsep + path if path else "")}
 
 
 def install(environ: Any = os.environ) -> bool:

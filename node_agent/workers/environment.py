@@ -9,6 +9,7 @@ import signal
 import sys
 from collections.abc import Mapping, Sequence
 
+import node_agent.training.probe as probe
 from node_agent.settings import DEFAULT_SIGNALS, WorkerSettings
 from node_agent.training.probe import ENV as PROBE_VAR
 from node_agent.training.snapshot import DIR_VAR as MEMORY_DIR_VAR
@@ -16,6 +17,9 @@ from node_agent.training.snapshot import LIMIT_VAR as MEMORY_LIMIT_VAR
 from node_agent.workers.probes import ProbeFiles
 from protocol.messages import Assignment
 
+# The probe's loader (training/boot/sitecustomize.py): an interpreter with this folder first on its PYTHONPATH has
+# the probe before anything runs.
+BOOT_DIR = os.path.join(os.path.dirname(os.path.abspath(probe.__file__)), "boot")
 # The agent's credentials for the server (and rdzv-ctl's admin token file): never a worker's.
 AGENT_SECRETS = ("RDZV_TOKEN", "RDZV_TOKEN_FILE", "RDZV_ADMIN_TOKEN_FILE")
 # Set per worker by worker_env; all else is common_env, the same in every worker and what a warm zygote gets.
@@ -113,3 +117,14 @@ def worker_argv(opts: WorkerSettings, environ: Mapping[str, str] = os.environ) -
     if opts.module:
         return [python, "-u", "-m", opts.script, *opts.script_args]
     return [python, "-u", opts.script, *opts.script_args]
+
+
+def booted(env: dict[str, str]) -> dict[str, str]:
+    """`env` with BOOT_DIR first on PYTHONPATH: the interpreter it starts (a warm zygote) has the probe."""
+    path = env.get("PYTHONPATH")
+    return {**env, "PYTHONPATH": BOOT_DIR + (os.pathsep + path if path else "")}
+
+
+def cold_env(env: dict[str, str]) -> dict[str, str]:
+    """A cold worker's environment: the probe's boot first on PYTHONPATH (it takes itself off again)."""
+    return booted(env) if PROBE_VAR in env else env

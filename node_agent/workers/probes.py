@@ -89,11 +89,6 @@ class ProbeRoot:
             self._owner = None
 
 
-def cold_env(env: dict[str, str]) -> dict[str, str]:
-    """A cold worker's environment: the probe's boot first on PYTHONPATH (it takes itself off again)."""
-    return probe.booted(env) if probe.ENV in env else env
-
-
 class RecordReader:
     """A worker's record, mapped read-only."""
 

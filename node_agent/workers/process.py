@@ -18,9 +18,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from node_agent.workers.deathsig import prctl, preexec
+from node_agent.workers.environment import cold_env
 from node_agent.workers.launch import WorkerLaunch
 from node_agent.workers.output import STREAMS, Console, LinePump, Sink, open_sink, pump
-from node_agent.workers.probes import cold_env
 from node_agent.workers.warm.client import WarmProcess, WarmZygote
 from node_agent.workers.warm.eligible import warm_launch
 

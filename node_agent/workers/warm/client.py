@@ -17,6 +17,7 @@ from typing import Any
 
 import node_agent.training.probe as probe
 from node_agent.workers.deathsig import prctl, preexec
+from node_agent.workers.environment import booted
 from node_agent.workers.warm.eligible import WarmLaunch
 
 ZYGOTE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "zygote.py")
@@ -89,7 +90,7 @@ class WarmZygote:
         try:
             self._proc = await asyncio.create_subprocess_exec(
                 self.python, "-u", ZYGOTE, str(theirs.fileno()), self.path0, ",".join(self.preload), probe.NAME,
-                env=probe.booted(self.env), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                env=booted(self.env), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                 pass_fds=(theirs.fileno(),), start_new_session=True, preexec_fn=preexec(os.getpid(), prctl()))
         except OSError as exc:
             ours.close()
