@@ -7,8 +7,12 @@ connect to it can even connect to itself.
 """
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import random
 import socket
+import ssl
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 LOW, HIGH = 20000, 32000
 
@@ -33,3 +37,15 @@ def free_ports(n: int) -> list[int]:
 
 def free_port() -> int:
     return free_ports(1)[0]
+
+
+@contextlib.asynccontextmanager
+async def loopback_server(handle: Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]],
+                          tls: ssl.SSLContext | None = None) -> AsyncIterator[int]:
+    """An asyncio server on 127.0.0.1 calling `handle` for each connection; yields its port, closed after."""
+    server = await asyncio.start_server(handle, "127.0.0.1", 0, ssl=tls)
+    try:
+        yield server.sockets[0].getsockname()[1]
+    finally:
+        server.close()
+        await server.wait_closed()

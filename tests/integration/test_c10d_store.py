@@ -16,6 +16,7 @@ from node_agent.client.transport import ServerRejected, ServerUnreachable
 from protocol.messages import JobConfig
 from rdzv_server.web.app import create_app
 from tests.integration.support import start_app
+from tests.ports import loopback_server
 from tests.tcpstore import tcp_store
 
 GUARD_S = 30.0     # only against a hang: the outcome, not the time, is what is checked
@@ -43,12 +44,8 @@ async def test_a_c10d_store_at_the_endpoint_is_refused_as_not_an_rdzv_server(lib
 @contextlib.asynccontextmanager
 async def serving(handle: Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
                   ) -> AsyncIterator[int]:
-    server = await asyncio.start_server(handle, "127.0.0.1", 0)
-    try:
-        yield server.sockets[0].getsockname()[1]
-    finally:
-        server.close()
-        await server.wait_closed()
+    async with loopback_server(handle) as port:
+        yield port
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""Snapshot copies between agents (node_agent/replicas): the wire's lines, the holder's store behind a real
+"""Snapshot copies between agents (node_agent/copies): the wire's lines, the holder's store behind a real
 loopback listener, the pushing and fetching client, and a raw-socket client that uses none of our client."""
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from node_agent.copies import client, stream, wire
 from node_agent.copies.store import CopyStore
 from node_agent.copies.wire import GO, FetchRequest, PushRequest, WireError
 from protocol.messages import CopySource
+from tests.ports import loopback_server
 
 KEY = "job-7_replica-key-0123"
 NODE = "node-a"
@@ -65,7 +66,7 @@ def make_store(tmp_path, limit: int = 64 * 2**20, key: str = KEY, said: list[str
 
 @contextlib.asynccontextmanager
 async def holder(store: CopyStore, tls: ssl.SSLContext | None = None) -> AsyncIterator[int]:
-    """A tiny listener as the agent's: read the first line, hand replica requests to the store, close."""
+    """A tiny listener as the agent's: read the first line, hand copy requests to the store, close."""
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             with contextlib.suppress(OSError):        # a TLS handshake refused: nothing to serve
@@ -75,12 +76,8 @@ async def holder(store: CopyStore, tls: ssl.SSLContext | None = None) -> AsyncIt
         finally:
             writer.close()
 
-    server = await asyncio.start_server(handle, "127.0.0.1", 0, ssl=tls)
-    try:
-        yield server.sockets[0].getsockname()[1]
-    finally:
-        server.close()
-        await server.wait_closed()
+    async with loopback_server(handle, tls) as port:
+        yield port
 
 
 @contextlib.asynccontextmanager
