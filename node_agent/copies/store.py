@@ -306,6 +306,9 @@ class CopyStore:
                 writer.write(wire.refused_line("the snapshot changed while it was sent"))
                 return
             writer.write(wire.trailer_line(stored or sent))
+            if own is not None:
+                self._say(f"sent local rank {req.rank}'s snapshot of step {step} ({size / 2**20:.1f} MiB) to {peer}, "
+                          f"the node taking this node's place")
             if stored and not hmac.compare_digest(sent, stored):
                 self._discard(req.node, req.rank, step)
                 self.refusals["corrupt"] = self.refusals.get("corrupt", 0) + 1

@@ -17,7 +17,8 @@ ME = "suspect"
 MINE = "suspect-copy-token-0123"
 
 
-def setup(tmp_path, key: str = MINE) -> tuple[CopyStore, dict[int, str], dict[tuple[int, int], bytes]]:
+def setup(tmp_path, key: str = MINE, said: list[str] | None = None
+          ) -> tuple[CopyStore, dict[int, str], dict[tuple[int, int], bytes]]:
     """A node of 2 local ranks holding steps 4 and 6 each (as `protect` leaves them)."""
     dirs = {rank: str(tmp_path / f"mem-{rank}") for rank in (0, 1)}
     data = {}
@@ -27,7 +28,8 @@ def setup(tmp_path, key: str = MINE) -> tuple[CopyStore, dict[int, str], dict[tu
             data[rank, step] = blob(70_000 + rank, seed=step * 10 + rank)
             snapshot.save(data[rank, step], step, where=where)
     own = OwnSnapshots(ME, key=lambda: key, dirs=lambda: dirs)
-    store = CopyStore(str(tmp_path / "held"), 64 * 2**20, Everyone(lambda: KEY), round_now=lambda: 10**6,
+    say = (said if said is not None else []).append
+    store = CopyStore(str(tmp_path / "held"), 64 * 2**20, Everyone(lambda: KEY), say, round_now=lambda: 10**6,
                       reach=lambda: FAR, own=own)
     return store, dirs, data
 
@@ -41,7 +43,8 @@ async def fetch(port: int, tmp_path, rank: int, *, key: str = MINE, step: int | 
 
 
 async def test_the_newest_or_a_named_step_of_each_rank_is_fetched_with_the_nodes_own_token(tmp_path):
-    store, _, data = setup(tmp_path)
+    said: list[str] = []
+    store, _, data = setup(tmp_path, said=said)
     async with holder(store) as port:
         for rank in (0, 1):
             got, back = await fetch(port, tmp_path, rank)
@@ -53,6 +56,9 @@ async def test_the_newest_or_a_named_step_of_each_rank_is_fetched_with_the_nodes
         got, _ = await fetch(port, tmp_path, 2)
         assert got.step is None, got                       # a rank it does not have
     assert store.held() == {} and store.refusals == {}     # served from memory, nothing stored
+    assert said[:2] == ["sent local rank 0's snapshot of step 6 (0.1 MiB) to 127.0.0.1, the node taking this "
+                        "node's place", "sent local rank 1's snapshot of step 6 (0.1 MiB) to 127.0.0.1, the node "
+                        "taking this node's place"], said
 
 
 async def test_a_wrong_or_missing_token_gets_nothing(tmp_path):
