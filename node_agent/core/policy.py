@@ -102,7 +102,7 @@ class SupervisionPolicy:
     retry_join_at: float | None = None
     assignment: Assignment | None = None  # the round we run (its witnesses, its size)
     fence: Fence = field(init=False)      # asking the witnesses while the server is silent (fencing.py)
-    job_over: bool = False           # the server said the job finished (peer copies of it may go: copies.py)
+    job_over: bool = False           # the server said the job finished (peer copies of it may go: copies/peers.py)
     ran: bool = False                # this node's workers were started in some round of the job
     health: NodeHealth = field(default_factory=NodeHealth)   # the node's own checks (node_health.py)
     holding: bool = False            # its ranks wait after their next snapshot (NodeStatus.hold_at_snapshot)
