@@ -21,6 +21,10 @@ from node_agent.copies import files, stream, wire
 from node_agent.copies.stream import StreamError
 from node_agent.copies.wire import Answer, WireError
 
+# A source answers a fetch at once (its file is there or not): one that does not connect and answer within this
+# (a hung agent, a dead host) is given up, so the node taking a place resumes from disk in seconds, not a minute.
+FETCH_ANSWER_S = 10.0
+
 
 @dataclass(frozen=True)
 class PushResult:
@@ -140,7 +144,7 @@ async def fetch(addr: str, port: int, *, key: str, node_id: str, local_rank: int
         return FetchResult(None, f"bad request: {exc}", 0)
     got = _Count()
     try:
-        async with _ask(addr, port, line, timeout_s, tls) as (reader, _, answer):
+        async with _ask(addr, port, line, min(timeout_s, FETCH_ANSWER_S), tls) as (reader, _, answer):
             if answer.kind == "none":
                 return FetchResult(None, "no copy held", 0)
             if answer.kind != "copy" or answer.step is None or answer.size is None:

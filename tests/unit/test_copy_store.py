@@ -649,3 +649,22 @@ async def test_a_node_cannot_push_fetch_or_drop_under_another_nodes_id(tmp_path)
                                  dest_dir=str(dest))
         assert own.step == 1
     assert store.held() == {("node-a", 0): 1}
+
+
+async def test_a_fetch_from_a_source_that_never_answers_is_given_up_at_the_answer_bound(tmp_path, monkeypatch):
+    """A hung source (it accepts, reads, says nothing) costs the fetcher FETCH_ANSWER_S, not its whole limit."""
+    monkeypatch.setattr(client, "FETCH_ANSWER_S", 0.3)
+    hold = asyncio.Event()
+
+    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readline()
+        await hold.wait()
+        writer.close()
+
+    async with loopback_server(silent) as port:
+        try:
+            got = await asyncio.wait_for(client.fetch("127.0.0.1", port, key=KEY, node_id=NODE, local_rank=0,
+                                                      dest_dir=str(tmp_path), timeout_s=600.0), WAIT)
+        finally:
+            hold.set()
+    assert got.step is None and got.reason.startswith("lost:"), got
