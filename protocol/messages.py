@@ -273,6 +273,7 @@ class Assignment(msgspec.Struct, kw_only=True, frozen=True, gc=False):
     copies_of: str = ""
     copies_token: str = ""
     copies_at: Witness | None = None
+    copies_also: Witness | None = None   # where `copies_at` is that node itself: its peer copies' holder, if any
     # The job's run ("": not said): a finished job's id starts a new run. A node's memory kept across its agent's
     # restart is taken up only within the run that made it (node_agent/workers/memory.py).
     run: ShortText = ""

@@ -180,7 +180,8 @@ class PeerCopies:
                 mark_fetching(dirs, True)     # the workers start meanwhile: agreed_step waits while marked
                 # After replicas diverged, the step every rank resumes from, not the gone node's newest.
                 want = a.resume_at_most if a.resume_at_most >= 0 else None
-                self._fetching = asyncio.create_task(self._fetch_marked(a.copies_of, a.copies_token, a.copies_at,
+                sources = [a.copies_at, *([a.copies_also] if a.copies_also is not None else [])]
+                self._fetching = asyncio.create_task(self._fetch_marked(a.copies_of, a.copies_token, sources,
                                                                         dirs, want))
         if self.targets and self.key and (self._pusher is None or self._pusher.done()):
             self._pusher = asyncio.create_task(self._push_loop())
@@ -190,27 +191,35 @@ class PeerCopies:
         if self._fetching is not None:
             await asyncio.gather(self._fetching, return_exceptions=True)
 
-    async def _fetch_marked(self, gone: str, token: str, at: Witness, dirs: dict[int, str],
+    async def _fetch_marked(self, gone: str, token: str, sources: list[Witness], dirs: dict[int, str],
                             want: int | None = None) -> None:
         try:
-            await self._fetch(gone, token, at, dirs, want)
+            await self._fetch(gone, token, sources, dirs, want)
         finally:
             mark_fetching(dirs, False)
 
-    async def _fetch(self, gone: str, token: str, at: Witness, dirs: dict[int, str], want: int | None) -> None:
+    async def _fetch(self, gone: str, token: str, sources: list[Witness], dirs: dict[int, str],
+                     want: int | None) -> None:
+        """From the first source that has a step for every rank (a gone node itself, then its peer copies' holder)."""
         began = time.monotonic()
-        try:
-            got = await asyncio.wait_for(self._fetch_all(gone, token, at, dirs, want), FETCH_LIMIT_S)
-        except asyncio.TimeoutError:      # a cancelled fetch removes its partial file
-            got = [FetchResult(None, f"not all there within {FETCH_LIMIT_S:g}s", 0)]
-        size = sum(r.received for r in got)
-        if any(r.step is None for r in got) or len({r.step for r in got}) > 1:
+        for at in sources:
+            try:
+                got = await asyncio.wait_for(self._fetch_all(gone, token, at, dirs, want), FETCH_LIMIT_S)
+            except asyncio.TimeoutError:      # a cancelled fetch removes its partial file
+                got = [FetchResult(None, f"not all there within {FETCH_LIMIT_S:g}s", 0)]
+            if all(r.step is not None for r in got) and len({r.step for r in got}) == 1:
+                break
             why = next((r.reason for r in got if r.step is None), "no step held for every rank")
-            self._say(f"no copy of node {gone}'s snapshots for every rank ({why}): ranks whose copy is missing "
-                      f"resume from disk, and agreed_step sends every rank there")
+            self._say(f"no copy of node {gone}'s snapshots for every rank at {at.addr}:{at.port} ({why})" +
+                      ("" if at is not sources[-1] else ": ranks whose copy is missing resume from disk, and "
+                                                        "agreed_step sends every rank there"))
+        else:
             return
+        size = sum(r.received for r in got)
         if gone != self.node_id:   # its copies are this node's now (and its own go to the same peer): let go
-            await drop(at.addr, at.port, key=token, node_id=gone, timeout_s=DROP_LIMIT_S, tls=self._connect)
+            for source in sources:
+                await drop(source.addr, source.port, key=token, node_id=gone, timeout_s=DROP_LIMIT_S,
+                           tls=self._connect)
         self._say(f"fetched node {gone}'s snapshots of step {got[0].step} from {at.addr}:{at.port} ({len(got)} "
                   f"ranks, {size / 2**20:.1f} MiB in {time.monotonic() - began:.2f}s): this node's ranks resume "
                   f"where {gone}'s left off")

@@ -104,10 +104,11 @@ def copies_held(place: Callable[[str], PlaceCopies | None], took: dict[str, str]
         if held is None or at is None or (derived.offsets[at], r.local_sizes[at]) != (held.rank_offset,
                                                                                          held.local_size):
             continue
+        holder = next((h for h in held.holders if h in members), None)
         if gone not in members and (own := itself(gone)) is not None:
-            out[newcomer] = [gone, gone]
+            out[newcomer] = [gone, gone, *([holder] if holder is not None else [])]    # the holder if it fails
             r.copies_from[newcomer] = own
-        elif (holder := next((h for h in held.holders if h in members), None)) is not None:
+        elif holder is not None:
             out[newcomer] = [gone, holder]
     return out
 
@@ -159,7 +160,7 @@ def assignment(r: RoundRecord, node_id: str) -> Assignment | None:
         if rank is None:
             return None
         role = r.roles[rank]
-        copies_of, copies_at = derived.copies(node_id)
+        copies_of, copies_at, copies_also = derived.copies(node_id)
         built = derived.built[node_id] = Assignment(
             round_id=r.round_id, group_rank=rank, group_world_size=len(r.ranked), rank_offset=derived.offsets[rank],
             world_size=r.world_size, local_world_size=r.local_sizes[rank], master_addr=r.addrs[0],
@@ -168,7 +169,7 @@ def assignment(r: RoundRecord, node_id: str) -> Assignment | None:
             witnesses=derived.witnesses(rank), replicas=derived.replica_targets(rank),
             copy_token=copy_token(r.replica_key, node_id) if r.replicas else "", copy_sources=derived.sources(rank),
             copies_of=copies_of, copies_token=copy_token(r.replica_key, copies_of) if copies_of else "",
-            copies_at=copies_at, run=r.run, resume_at_most=r.resume_at_most)
+            copies_at=copies_at, copies_also=copies_also, run=r.run, resume_at_most=r.resume_at_most)
     return built
 
 
@@ -258,15 +259,20 @@ class _Derived:
         r = self.round
         return tuple(Witness(addr=r.addrs[i], port=r.copy_ports[i]) for i in self.replica_ranks(rank))
 
-    def copies(self, node_id: str) -> tuple[str, Witness | None]:
-        """(the gone node whose copies `node_id` fetches, the member holding them), or ("", None)."""
+    def copies(self, node_id: str) -> tuple[str, Witness | None, Witness | None]:
+        """(the gone node whose snapshots `node_id` fetches, where from, and where else: its peer copies' holder
+        when the first is the node itself), or ("", None, None)."""
         r = self.round
         held = r.copies.get(node_id) if r.replicas else None
-        if held is not None and node_id in r.copies_from:
-            return held[0], r.copies_from[node_id]
-        at = self.rank.get(held[1]) if held is not None else None
-        return (held[0], Witness(addr=r.addrs[at], port=r.copy_ports[at])) if held is not None and at is not None \
-            else ("", None)
+        if held is None:
+            return "", None, None
+        also = self._copy_port(held[2]) if len(held) > 2 else None
+        at = r.copies_from.get(node_id) or self._copy_port(held[1])
+        return (held[0], at, also) if at is not None else ("", None, None)
+
+    def _copy_port(self, member: str) -> Witness | None:
+        at = self.rank.get(member)
+        return Witness(addr=self.round.addrs[at], port=self.round.copy_ports[at]) if at is not None else None
 
 
 def reachable_addresses(nodes: list[NodeRecord]) -> list[str]:

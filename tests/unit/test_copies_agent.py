@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import socket
 from collections.abc import AsyncIterator
 
 import msgspec
@@ -43,10 +44,12 @@ def marked(dirs: dict[int, str]) -> list[bool]:
     return [os.path.exists(os.path.join(where, snapshot.FETCHING)) for where in dirs.values()]
 
 
-def assignment(targets: tuple[Witness, ...], *, copies_of: str = "", copies_at: Witness | None = None) -> Assignment:
+def assignment(targets: tuple[Witness, ...], *, copies_of: str = "", copies_at: Witness | None = None,
+               copies_also: Witness | None = None) -> Assignment:
     return Assignment(round_id=1, group_rank=1, group_world_size=2, rank_offset=2, world_size=4, local_world_size=2,
                       master_addr="127.0.0.1", master_port=1, restart_count=0, max_restarts=0, replicas=targets,
-                      copy_token=KEY, copies_of=copies_of, copies_token=KEY, copies_at=copies_at)
+                      copy_token=KEY, copies_of=copies_of, copies_token=KEY, copies_at=copies_at,
+                      copies_also=copies_also)
 
 
 def agent_side(tmp_path, node: str, said: list[str]) -> tuple[PeerCopies, dict[int, str]]:
@@ -181,3 +184,27 @@ async def test_a_node_whose_copies_go_nowhere_says_so_once(tmp_path) -> None:
     assert any("peer copies off for this job (--replicas 0)" in line for line in off), off
     await copies.close()
     await copies_off.close()
+
+
+async def test_a_first_source_that_fails_leaves_the_fetch_to_the_peer_copy(tmp_path) -> None:
+    """The gone node itself first (here: gone too, nothing listens), its peer copies' holder second."""
+    said: list[str] = []
+    async with holder(tmp_path) as (store, at):
+        gone, dirs_b = agent_side(tmp_path, "b", said)
+        pushing(gone, at, dirs_b)
+        for where in dirs_b.values():
+            snapshot.save(b"b's shard", 30, where=where)
+        await gone._scan()
+        with socket.socket() as probe:       # a port nothing listens on: refused at once
+            probe.bind(("127.0.0.1", 0))
+            nobody = Witness(addr="127.0.0.1", port=probe.getsockname()[1])
+        spare, dirs = agent_side(tmp_path, "s", said)
+        await spare.before_spawn(assignment((at,), copies_of="b", copies_at=nobody, copies_also=at), dirs)
+        await spare.fetched()
+        assert [snapshot.steps(where) for where in dirs.values()] == [[30], [30]]
+        failed = [line for line in said if line.startswith(f"no copy of node b's snapshots for every rank at "
+                                                           f"127.0.0.1:{nobody.port}")]
+        assert len(failed) == 1 and "resume from disk" not in failed[0], said
+        assert any(f"fetched node b's snapshots of step 30 from {at.addr}:{at.port}" in line for line in said), said
+        assert ("b", 0) not in store.held()          # the holder dropped them
+        await spare.close()

@@ -131,6 +131,7 @@ def test_a_suspect_serving_its_own_snapshots_is_the_spares_source_with_no_peer_c
     spare = rz.view("swap", "s", T + 151).assignment
     assert (spare.copies_of, spare.copies_token) == ("b", own_token)
     assert spare.copies_at is not None and (spare.copies_at.addr, spare.copies_at.port) == ("10.0.0.1", 7000)
+    assert spare.copies_also is None                           # no peer holds b's copies: one source only
     swapped = [e.message for e in job.events if e.kind == EventKind.NODE_SUSPECT]
     assert swapped[-1].startswith("node b swapped for spare s at the snapshot of step 15"), swapped
 
@@ -143,7 +144,8 @@ def test_with_copies_on_the_suspect_itself_is_the_source_before_its_peers_copy()
     assert "b" not in job.round.members
     spare = rz.view("swap", "s", T + 151).assignment
     assert spare.copies_of == "b" and spare.copies_at is not None and spare.copies_at.port == 7000
-    assert job.round.copies == {"s": ["b", "b"]}
+    (gone, source, holder), = job.round.copies.values()       # b itself first, its peer copies' holder second
+    assert (gone, source) == ("b", "b") and holder in ("a", "c") and spare.copies_also is not None, job.round.copies
 
 
 def test_a_lost_nodes_place_is_still_fetched_from_its_peers_copy() -> None:
