@@ -62,14 +62,20 @@ def pushing(copies: PeerCopies, at: Witness, dirs: dict[int, str], round_id: int
     copies.key, copies.targets, copies._dirs, copies.round = KEY, (at,), dirs, round_id
 
 
+async def pushed(tmp_path, at: Witness, said: list[str], data: bytes, step: int) -> tuple[PeerCopies, dict[int, str]]:
+    """Node b, both its ranks holding `data` as snapshot `step`, pushed to the holder at `at`."""
+    copies, dirs = agent_side(tmp_path, "b", said)
+    pushing(copies, at, dirs)
+    for where in dirs.values():
+        snapshot.save(data, step, where=where)
+    await copies._scan()
+    return copies, dirs
+
+
 async def test_both_ranks_newest_go_to_the_peer_and_a_job_gone_back_supersedes_the_newer(tmp_path) -> None:
     said: list[str] = []
     async with holder(tmp_path) as (store, at):
-        copies, dirs = agent_side(tmp_path, "b", said)
-        pushing(copies, at, dirs)
-        for where in dirs.values():
-            snapshot.save(b"s10", 10, where=where)
-        await copies._scan()
+        copies, dirs = await pushed(tmp_path, at, said, b"s10", 10)
         assert store.held() == {("b", 0): 10, ("b", 1): 10}
         note = copies.note()
         assert note is not None and (note.local_step, note.copied_step) == (10, 10) and note.refused == 0
@@ -117,11 +123,7 @@ async def test_the_node_taking_a_place_fetches_its_copies_before_spawning_and_th
         tmp_path) -> None:
     said: list[str] = []
     async with holder(tmp_path) as (store, at):
-        gone, dirs_b = agent_side(tmp_path, "b", said)
-        pushing(gone, at, dirs_b)
-        for where in dirs_b.values():
-            snapshot.save(b"b's shard", 25, where=where)
-        await gone._scan()
+        await pushed(tmp_path, at, said, b"b's shard", 25)
         spare, dirs = agent_side(tmp_path, "s", said)
         await spare.before_spawn(assignment((at,), copies_of="b", copies_at=at), dirs)
         assert marked(dirs) == [True, True]
@@ -146,11 +148,7 @@ async def test_no_copy_left_is_said_and_the_spawn_goes_on(tmp_path) -> None:
 async def test_copies_of_a_node_lost_mid_push_are_fetched_at_the_step_all_its_ranks_have(tmp_path) -> None:
     said: list[str] = []
     async with holder(tmp_path) as (store, at):
-        gone, dirs_b = agent_side(tmp_path, "b", said)
-        pushing(gone, at, dirs_b)
-        for where in dirs_b.values():
-            snapshot.save(b"b's 20", 20, where=where)
-        await gone._scan()
+        _, dirs_b = await pushed(tmp_path, at, said, b"b's 20", 20)
         snapshot.save(b"b's 25", 25, where=dirs_b[0])      # rank 0's copy of 25 landed, rank 1's never did
         from node_agent.copies.client import push
         done = await push(at.addr, at.port, key=KEY, node_id="b", local_rank=0, step=25,
@@ -190,11 +188,7 @@ async def test_a_first_source_that_fails_leaves_the_fetch_to_the_peer_copy(tmp_p
     """The gone node itself first (here: gone too, nothing listens), its peer copies' holder second."""
     said: list[str] = []
     async with holder(tmp_path) as (store, at):
-        gone, dirs_b = agent_side(tmp_path, "b", said)
-        pushing(gone, at, dirs_b)
-        for where in dirs_b.values():
-            snapshot.save(b"b's shard", 30, where=where)
-        await gone._scan()
+        await pushed(tmp_path, at, said, b"b's shard", 30)
         with socket.socket() as probe:       # a port nothing listens on: refused at once
             probe.bind(("127.0.0.1", 0))
             nobody = Witness(addr="127.0.0.1", port=probe.getsockname()[1])
