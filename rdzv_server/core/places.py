@@ -48,7 +48,7 @@ def seat(job: JobRecord, members: Iterable[str], waiting: list[str], spares: lis
 
 def set_ready(job: JobRecord, node: NodeRecord, ready: bool) -> None:
     """What the node's agent says of its workers (a waiting node's readiness is counted)."""
-    if node.ready != ready and node.state == NodeState.WAITING and node.node_id in job.waiting:
+    if node.ready != ready and node.state == NodeState.WAITING:
         job.waiting_preparing += -1 if ready else 1
     node.ready = ready
 
