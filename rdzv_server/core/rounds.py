@@ -80,13 +80,19 @@ def places_kept(r: RoundRecord) -> dict[str, PlaceCopies]:
     return {nid: place for nid in (r.ranked or r.members) if (place := place_of(r, nid)) is not None}
 
 
-def own_source(job: JobRecord, node_id: str, members: list[NodeRecord]) -> Witness | None:
-    """Where a node that lives on in the job (a suspect swapped out, excluded) serves its own
-    snapshots to the node taking its place (node_agent/copies/own.py), or None: gone from the job, or it takes no
-    copies. The newcomer needs no peer copy then, and gets the snapshot the swap waited for."""
+def serves_itself(job: JobRecord, node_id: str) -> bool:
+    """Whether a node that lives on in the job (a suspect swapped out, excluded) serves its own snapshots to the
+    node taking its place (node_agent/copies/own.py): the job makes copies and the node takes them."""
     node = job.nodes.get(node_id)
-    if node is None or not node.copy_port:
+    return node is not None and bool(node.copy_port) and bool(job.replica_key) and job.config.replicas > 0
+
+
+def own_source(job: JobRecord, node_id: str, members: list[NodeRecord]) -> Witness | None:
+    """Where that node serves them (None: it does not). The newcomer needs no peer copy then, and gets the
+    snapshot the swap waited for."""
+    if not serves_itself(job, node_id):
         return None
+    node = job.nodes[node_id]
     return Witness(addr=reachable_addresses([*members, node])[-1], port=node.copy_port)
 
 

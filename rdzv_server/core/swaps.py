@@ -19,6 +19,7 @@ from rdzv_server.core import exclusions, suspects
 from rdzv_server.core.events import EventKind, RoundCause
 from rdzv_server.core.job_rules import JobRules
 from rdzv_server.core.records import SwapDue
+from rdzv_server.core.rounds import serves_itself
 
 SWAP_WAIT_S = 60.0
 
@@ -40,7 +41,7 @@ def ask(rules: JobRules, node_id: str, why: str, now: float, named: bool = False
     held = [c.local_step for m in job.round.members if m in job.nodes and (c := job.nodes[m].copies) is not None]
     # Copies off (no member notes a step): the ranks are asked to hold all the same; a job with no snapshot at all
     # swaps after SWAP_WAIT_S.
-    served = _serves_itself(rules, node_id)
+    served = serves_itself(rules.job, node_id)
     if (job.nodes[node_id].copies is None and not served) or (held and max(held) < 0):
         _swap(rules, node_id, why, "no snapshot to wait for", now)
         return
@@ -67,7 +68,7 @@ def check(rules: JobRules, now: float) -> None:
         return
     node = rules.job.nodes.get(swap.node_id)
     copies = node.copies if node is not None else None
-    if copies is not None and copies.copied_step < swap.held_step and not _serves_itself(rules, swap.node_id):
+    if copies is not None and copies.copied_step < swap.held_step and not serves_itself(rules.job, swap.node_id):
         return          # its copy of the held step is still on its way to its peer
     _swap(rules, swap.node_id, swap.why, f"at the snapshot of step {swap.held_step}", now)
 
@@ -79,13 +80,6 @@ def tick(rules: JobRules, now: float) -> None:
             "no snapshot came"
         _swap(rules, swap.node_id, swap.why, f"now: {late} within {SWAP_WAIT_S:g}s (the steps since the "
               f"newest snapshot every rank holds are redone)", now)
-
-
-def _serves_itself(rules: JobRules, node_id: str) -> bool:
-    """The suspect's agent serves its own snapshots to the spare (the job makes copies, it takes them)."""
-    job = rules.job
-    node = job.nodes.get(node_id)
-    return node is not None and bool(node.copy_port) and bool(job.replica_key) and job.config.replicas > 0
 
 
 def _due(rules: JobRules) -> SwapDue | None:
