@@ -47,13 +47,16 @@ def test_restarted_ranks_resume_from_memory_not_disk(cluster, tmp_path):
     assert sorted(os.listdir(tmp_path / "ckpt")) == ["step-8.pt"]
     # Where the restart's time went, on the node the job waited for: the phases these workers pass took time (no
     # CUDA here; the new round and the script's own set-up may take well under a millisecond), and the phases add
-    # up to the restart's cost on that node.
+    # up to no more than the job's cost but for how far apart two nodes note the same synchronous step: each
+    # worker notes it when the scheduler runs it again (14 ms apart once in CI on 2 cores), the job's cost spans
+    # the nodes' newest last step to the first node's first step, the anatomy one node's own. That the phases
+    # split a node's span exactly is tests/unit/test_anatomy.py's to show.
     progress = job_view(cluster, "ddp")["progress"]
     cost = progress["costs"][-1]
     anatomy = cost["anatomy"]
     assert cost["anatomy_node"] in ("ddp-a", "ddp-b") and anatomy["cuda"] == 0.0, cost
     assert all(anatomy[p] > 0 for p in ("stop", "start", "group", "restore", "first_step")), cost
-    assert sum(anatomy[p] for p in PHASES) <= cost["cost_s"] + 0.01, cost
+    assert sum(anatomy[p] for p in PHASES) <= cost["cost_s"] + 0.05, cost
 
 
 def test_without_a_memory_directory_they_resume_from_disk(cluster, tmp_path):
