@@ -84,7 +84,7 @@ class NodeChecks:
                     self.skipped = one_line(str(exc))
                     self._say(f"warning: GPU check skipped: {self.skipped}")
         self.gpus = survey(self.opts.nproc, self._environ, probe=self.probe, numa_binding=self.opts.numa_binding,
-                           virtual_local_rank=self.opts.virtual_local_rank, root=self._root, dev_dir=self._dev_dir)
+                           root=self._root, dev_dir=self._dev_dir)
         for warning in self.gpus.warnings:
             self._say(f"warning: {warning}")
         for line in self.gpus.lines:

@@ -125,7 +125,6 @@ class LinkSettings:
 class CheckSettings:
     """The node's own checks (node_checks.py): GPUs, the site's command, --numa-binding."""
     nproc: int = 1
-    virtual_local_rank: bool = False
     numa_binding: str | None = None    # a gpu.topology.BindMode value
     gpu_check: bool = True             # on only where the node has /dev/nvidia*
     gpu_check_interval: float = 5.0

@@ -37,8 +37,6 @@ class Freezer:
         self.refresh_s = refresh_s
         self._clock = clock
         self._refreshed_at = clock()
-        self.freezes = 0
-        self.refreshes = 0
         self._task: asyncio.Task[None] | None = None
 
     def tick(self) -> None:
@@ -48,13 +46,11 @@ class Freezer:
             started = time.perf_counter()
             gc.unfreeze()
             freed = gc.collect()
-            self.refreshes += 1
             log.info("garbage collector: the hourly full collection took %.2fs and freed %d objects",
                      time.perf_counter() - started, freed)
         else:
             gc.collect(0)     # garbage must not be frozen: only what survives a collection is
         gc.freeze()
-        self.freezes += 1
 
     def start(self, every_s: float = TICK_S) -> None:
         self._task = asyncio.create_task(self._run(every_s), name="rdzv-gc-freezer")

@@ -19,7 +19,7 @@ log = logging.getLogger("rdzv_server.heap")
 TRIM_DELAY_S = 5.0        # one trim after a burst of pruning, not one per pruned job
 
 
-def _load_malloc_trim() -> Callable[[int], int] | None:
+def load_malloc_trim() -> Callable[[int], int] | None:
     name = ctypes.util.find_library("c")
     if name is None:
         return None
@@ -35,11 +35,11 @@ def _load_malloc_trim() -> Callable[[int], int] | None:
 class HeapTrimmer:
     """An effect listener: after jobs are pruned, trim the heap once the burst has passed."""
 
-    def __init__(self, delay_s: float = TRIM_DELAY_S) -> None:
-        self._trim = _load_malloc_trim()
+    def __init__(self, delay_s: float = TRIM_DELAY_S,
+                 trim: Callable[[int], int] | None = None) -> None:
+        self._trim = trim if trim is not None else load_malloc_trim()
         self._delay_s = delay_s
         self._scheduled: asyncio.TimerHandle | None = None
-        self.trims = 0
 
     def on_effects(self, effects: Outbox) -> None:
         if not effects.pruned or self._trim is None or self._scheduled is not None:
@@ -50,7 +50,6 @@ class HeapTrimmer:
         self._scheduled = None
         if self._trim is not None:
             self._trim(0)
-            self.trims += 1
             log.debug("heap trimmed after pruning finished jobs")
 
     def cancel(self) -> None:

@@ -3,7 +3,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from node_agent.gpu.nvml import GpuHealth, GpuInfo, ProbeUnavailable, healthy
+from node_agent.gpu.nvml import GpuHealth, GpuInfo, ProbeUnavailable
+
+
+def healthy(index: int, bus_id: str = "") -> GpuHealth:
+    """The facts of a GPU with nothing wrong and every query supported."""
+    return GpuHealth(index=index, bus_id=bus_id, recovery_action=0, reset_required=False, drain_and_reset=False,
+                     uncorrectable_ecc=0, remap_pending=False, remap_failed=False, retired_pages_pending=False,
+                     throttle_reasons=0)
 
 
 @dataclass

@@ -6,22 +6,33 @@ import asyncio
 import pytest
 
 from rdzv_server.core.outbox import Outbox
-from rdzv_server.heap import HeapTrimmer
+from rdzv_server.heap import HeapTrimmer, load_malloc_trim
+
+
+def test_glibc_malloc_trim_is_found_on_this_linux() -> None:
+    trim = load_malloc_trim()
+    assert trim is not None and trim(0) in (0, 1)
 
 
 @pytest.mark.asyncio
 async def test_one_trim_after_a_burst_of_pruning() -> None:
-    trimmer = HeapTrimmer(delay_s=0.0)
-    assert trimmer._trim is not None, "glibc's malloc_trim should be found on this Linux"
+    trims: list[int] = []
+    trimmer = HeapTrimmer(delay_s=0.0, trim=lambda pad: trims.append(pad) or 1)
     trimmer.on_effects(Outbox())                      # nothing pruned: nothing scheduled
-    assert trimmer._scheduled is None
+    await _after_due_timers()
+    assert trims == []
     for i in range(100):
         trimmer.on_effects(Outbox(pruned={f"job-{i}"}))
-    assert trimmer._scheduled is not None
-    done = asyncio.Event()
-    asyncio.get_running_loop().call_later(0.0, done.set)   # runs after the trim (same deadline, FIFO)
-    await done.wait()
-    assert trimmer.trims == 1
+    await _after_due_timers()
+    assert trims == [0]
     trimmer.on_effects(Outbox(pruned={"again"}))
-    trimmer.cancel()
-    assert trimmer._scheduled is None and trimmer.trims == 1
+    trimmer.cancel()                                  # a cancelled trim does not run
+    await _after_due_timers()
+    assert trims == [0]
+
+
+async def _after_due_timers() -> None:
+    """Returns once timers due now have run (same deadline: first in, first run)."""
+    done = asyncio.Event()
+    asyncio.get_running_loop().call_later(0.0, done.set)
+    await done.wait()

@@ -124,7 +124,7 @@ def parse_options(argv: Sequence[str], environ: Mapping[str, str] = os.environ) 
         warm_preload=parse_modules(get("warm_preload"), line.failing("warm_preload"))
         if get("warm_preload") is not None else None,
         nproc=counts.nproc, job_id=job_id, node_id=node_id, role=role)
-    checks = CheckSettings(nproc=counts.nproc, virtual_local_rank=workers.virtual_local_rank, **_gpu_options(line))
+    checks = CheckSettings(nproc=counts.nproc, **_gpu_options(line))
     return AgentSettings(workers, link, checks, reply_file=environ.get("TORCHELASTIC_ERROR_FILE") or None,
                          warnings=tuple(warnings))
 

@@ -71,9 +71,6 @@ class CopyStore:
         self.limit_bytes = limit_bytes
         self.stall_s = STALL_S
         self.ahead_wait_s = wire.AHEAD_WAIT_S
-        self.bytes_in = 0
-        self.bytes_out = 0
-        self.refusals: dict[str, int] = {}
         self._sources = sources
         self._round_now = round_now
         self._reach = reach
@@ -124,7 +121,6 @@ class CopyStore:
             else:
                 await self._fetch(request, writer, peer, first_line)
         except _Refusal as r:
-            self.refusals[r.kind] = self.refusals.get(r.kind, 0) + 1
             self._note(r.kind, peer, f"refused {r.reason}", first_line)
             writer.write(wire.refused_line(r.reason))
         except (StreamError, OSError) as exc:
@@ -246,7 +242,7 @@ class CopyStore:
             try:
                 stream.widen(reader)          # the payload comes in chunks, not lines
                 writer.write(wire.GO)
-                got = await stream.receive(reader, fd, req.size, self.stall_s, self._count_in)
+                got = await stream.receive(reader, fd, req.size, self.stall_s)
                 sent = wire.parse_trailer(await stream.read_line(reader, self.stall_s))
             finally:
                 os.close(fd)
@@ -275,12 +271,6 @@ class CopyStore:
             if c.node == req.node and c.round < req.round and c.step >= req.step:
                 self._discard(c.node, c.rank, c.step)
 
-    def _count_in(self, n: int) -> None:
-        self.bytes_in += n
-
-    def _count_out(self, n: int) -> None:
-        self.bytes_out += n
-
     # --- fetch --------------------------------------------------------------------------------------------
 
     def _is_own(self, node: str) -> bool:
@@ -301,7 +291,7 @@ class CopyStore:
             # The trailer is the checksum stored on receipt, the bytes what is held now: a copy corrupted at rest
             # fails the fetcher's check, and is removed here (one pass over the bytes, not two). Own snapshots:
             # the checksum of the bytes as sent.
-            sent = await stream.send(writer, fd, size, self.stall_s, count=self._count_out)
+            sent = await stream.send(writer, fd, size, self.stall_s)
             if own is not None and not files.names(own[2], fd):   # a rank still running wrote over it meanwhile
                 writer.write(wire.refused_line("the snapshot changed while it was sent"))
                 return
@@ -311,7 +301,6 @@ class CopyStore:
                           f"the node taking this node's place")
             if stored and not hmac.compare_digest(sent, stored):
                 self._discard(req.node, req.rank, step)
-                self.refusals["corrupt"] = self.refusals.get("corrupt", 0) + 1
                 self._note("corrupt", peer, "sent a copy corrupted at rest (the fetcher refuses it); removed it",
                            first_line)
         finally:

@@ -21,7 +21,6 @@ class VisibleGpu:
     ordinal: int                 # CUDA's number for it in the agent's view
     entry: str                   # its CUDA_VISIBLE_DEVICES entry; the ordinal as text when unset
     gpu: GpuInfo | None          # the physical GPU (a MIG instance's parent); None: not resolved
-    mig_uuid: str | None = None
 
 
 @dataclass(frozen=True)
@@ -74,7 +73,7 @@ def visible_gpus(devices: Sequence[GpuInfo] | None, cuda_visible_devices: str | 
             return Visible((), tuple(notes))
         seen.add(key)
         numbered = numbered or number is not None
-        out.append(VisibleGpu(len(out), entry, gpu, mig))
+        out.append(VisibleGpu(len(out), entry, gpu))
     unresolved = [v.entry for v in out if v.gpu is None]
     if unresolved and devices is not None:
         notes.append(f"{shown}: no NVML device for {', '.join(quote(e) for e in unresolved)}: "
@@ -124,7 +123,6 @@ def _order_note(out: Sequence[VisibleGpu], order: str | None, *, numbered: bool)
 class RankGpu:
     local_rank: int
     gpu: VisibleGpu | None           # None: more workers than visible GPUs
-    worker_ordinal: int              # what cuda:LOCAL_RANK addresses in the worker
 
 
 @dataclass(frozen=True)
@@ -137,10 +135,10 @@ class RankGpus:
         return list(dict.fromkeys(r.gpu.gpu.index for r in self.ranks if r.gpu is not None and r.gpu.gpu is not None))
 
 
-def rank_gpus(visible: Visible, nproc: int, *, virtual_local_rank: bool = False) -> RankGpus:
-    """Local rank r -> visible GPU r, for r < nproc; one warning when nproc exceeds the visible GPUs."""
-    ranks = tuple(RankGpu(r, visible.gpus[r] if r < len(visible.gpus) else None,
-                          0 if virtual_local_rank else r) for r in range(nproc))
+def rank_gpus(visible: Visible, nproc: int) -> RankGpus:
+    """Local rank r -> visible GPU r, for r < nproc (--virtual-local-rank too: only the worker's name for it
+    differs); one warning when nproc exceeds the visible GPUs."""
+    ranks = tuple(RankGpu(r, visible.gpus[r] if r < len(visible.gpus) else None) for r in range(nproc))
     warning = None
     if visible.gpus and nproc > len(visible.gpus):
         warning = (f"{nproc} workers but {len(visible.gpus)} GPU{'s' if len(visible.gpus) != 1 else ''} visible: "

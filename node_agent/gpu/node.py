@@ -23,7 +23,7 @@ class NodeGpus:
 
 
 def survey(nproc: int, environ: Mapping[str, str], *, probe: GpuProbe | None, numa_binding: str | None = None,
-           virtual_local_rank: bool = False, root: str = "/", dev_dir: str = "/dev",
+           root: str = "/", dev_dir: str = "/dev",
            allowed: frozenset[int] | None = None) -> NodeGpus:
     """The node's GPUs for `nproc` workers; `probe` open, or None (sysfs alone); `allowed`: default our affinity."""
     devices: list[GpuInfo] | None = None
@@ -33,7 +33,7 @@ def survey(nproc: int, environ: Mapping[str, str], *, probe: GpuProbe | None, nu
     if devices is None:
         devices = gpus_from_sysfs(root, dev_dir)
     visible = visible_gpus(devices, environ.get("CUDA_VISIBLE_DEVICES"), environ.get("CUDA_DEVICE_ORDER"))
-    ranks = rank_gpus(visible, nproc, virtual_local_rank=virtual_local_rank)
+    ranks = rank_gpus(visible, nproc)
     # notes about CUDA_VISIBLE_DEVICES matter only where there are GPUs to see
     warnings = [*visible.notes] if devices or has_nvidia_devices(dev_dir) else []
     if ranks.warning:
@@ -45,4 +45,4 @@ def survey(nproc: int, environ: Mapping[str, str], *, probe: GpuProbe | None, nu
     plan = plan_binding(read_topology(root, mode), mode, gpu_numa_nodes(visible, root), nproc, cpus)
     bound = [r for r in plan.ranks if isinstance(r, Bound)]
     return NodeGpus(ranks, lines=tuple(f"NUMA binding, {r.describe(mode)}" for r in bound),
-                    warnings=(*warnings, *plan.warnings()), cpu_affinity={r.local_rank: r.cpus for r in bound})
+                    warnings=(*warnings, *plan.warnings()), cpu_affinity=plan.affinity())

@@ -67,12 +67,6 @@ class GpuHealth:
     unchecked: str | None = None              # why nothing could be asked about this GPU
 
 
-def healthy(index: int, bus_id: str = "") -> GpuHealth:
-    """The facts of a GPU with nothing wrong and every query supported."""
-    return GpuHealth(index=index, bus_id=bus_id, recovery_action=0, reset_required=False, drain_and_reset=False,
-                     uncorrectable_ecc=0, remap_pending=False, remap_failed=False, retired_pages_pending=False,
-                     throttle_reasons=0)
-
 
 class GpuProbe(Protocol):
     def open(self) -> None:
@@ -114,10 +108,6 @@ class NvmlProbe:
         self._handles: dict[int, Any] = {}
         self._bus_ids: dict[int, str] = {}     # from devices(): a check need not ask again
         self._unsupported: set[tuple[int, str]] = set()
-
-    @property
-    def is_open(self) -> bool:
-        return self._nv is not None
 
     def open(self) -> None:
         if self._nv is not None:

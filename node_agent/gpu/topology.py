@@ -201,12 +201,9 @@ class BindingPlan:
     mode: BindMode
     ranks: tuple[Bound | Unbound, ...]
 
-    def cpus_for(self, local_rank: int) -> frozenset[int] | None:
-        """The CPUs to pin the worker of `local_rank` to, None to leave it unbound."""
-        if not 0 <= local_rank < len(self.ranks):
-            return None
-        found = self.ranks[local_rank]
-        return found.cpus if isinstance(found, Bound) else None
+    def affinity(self) -> dict[int, frozenset[int]]:
+        """The CPUs to pin each bound local rank's worker to (a rank not named runs unbound)."""
+        return {r.local_rank: r.cpus for r in self.ranks if isinstance(r, Bound)}
 
     def warnings(self) -> list[str]:
         """One line per distinct reason some ranks run unbound, naming those ranks."""

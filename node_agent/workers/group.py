@@ -60,11 +60,6 @@ class WorkerGroup:
         return [w.pid for w in self._workers if w.pid is not None and w.warm]
 
     @property
-    def store_pid(self) -> int | None:
-        """The round's c10d store host, when this group runs one."""
-        return None if self._store is None else self._store.pid
-
-    @property
     def stopping(self) -> bool:
         return self._stopping is not None
 

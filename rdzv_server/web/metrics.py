@@ -85,6 +85,9 @@ class StateCollector(Collector):
             fam_jobs, fam_nodes,
             GaugeMetricFamily("rdzv_open_long_polls", "Agent long-polls now waiting for an answer.",
                               self.coordinator.hub.open),
+            GaugeMetricFamily("rdzv_requests_waiting_for_leader", "Agent requests held during an election, "
+                              "answered once this replica leads or knows the leader (at most 3 s).",
+                              self.coordinator.gate.parked),
             GaugeMetricFamily("rdzv_unhealthy_hosts", "Hosts held out of every job as unhealthy now "
                               "(rdzv-server --unhealthy-hold; cleared by rdzv-ctl clear-unhealthy).",
                               len(core.unhealthy.current(self.coordinator.clock()))),

@@ -13,6 +13,7 @@ from rdzv_server.store.etcd.client import EtcdClient, delete
 from rdzv_server.store.etcd.election import Leadership
 from rdzv_server.store.etcd.store import EtcdStore
 from rdzv_server.web.app import create_app
+from rdzv_server.web.metrics import StateCollector
 from tests.integration.support import remember_credential, start_app, url, wait_until, with_credential
 
 MSGPACK = {"Content-Type": "application/msgpack"}
@@ -61,6 +62,13 @@ async def pair(settings):
     finally:
         for r in replicas:
             await r.close()
+
+
+def waiting_for_leader(replica: Replica) -> float:
+    """The replica's /metrics gauge of agent requests held for an election."""
+    metrics = StateCollector(replica.coordinator).collect()
+    [family] = [m for m in metrics if m.name == "rdzv_requests_waiting_for_leader"]
+    return family.samples[0].value
 
 
 async def post(http, replica: Replica, action: str, body: dict) -> tuple[int, dict, dict]:
@@ -132,10 +140,10 @@ async def test_a_request_during_an_election_waits_for_the_takeover_instead_of_a_
     replica = await Replica(settings).start(campaign=False)     # no leader known yet, none elected
     try:
         join = asyncio.create_task(post(http, replica, "join", join_body("a")))
-        await wait_until(lambda: replica.coordinator.gate.parked == 1, 10)
+        await wait_until(lambda: waiting_for_leader(replica) == 1, 10)     # what /metrics says
         replica.leadership.start()
         status, reply, _ = await asyncio.wait_for(join, 20)
         assert status == 200 and reply["node_state"] == "waiting"
-        assert replica.coordinator.gate.parked == 0
+        assert waiting_for_leader(replica) == 0
     finally:
         await replica.close()

@@ -12,7 +12,7 @@ import pytest
 from node_agent.copies import client, wire
 from node_agent.copies.store import CopyStore
 from protocol.messages import CopySource
-from tests.unit.test_copy_store import FAR, KEY, NODE, blob, header, holder, raw_push, snap
+from tests.unit.test_copy_store import FAR, KEY, NODE, SAID, blob, header, holder, raw_push, snap, troubles
 
 pytestmark = pytest.mark.asyncio
 
@@ -20,10 +20,12 @@ pytestmark = pytest.mark.asyncio
 def store_of(tmp_path, *, ranks: int = 2, round_now: int = 5, reach: list[int] | None = None,
              sources: tuple[str, ...] = (NODE,), limit: int = 2**20, said: list[str] | None = None) -> CopyStore:
     reached = reach if reach is not None else [FAR]
-    return CopyStore(str(tmp_path / "held"), limit,
-                        {n: CopySource(node_id=n, token=KEY, ranks=ranks) for n in sources},
-                        (said if said is not None else []).append, round_now=lambda: round_now,
-                        reach=lambda: reached[0])
+    said = said if said is not None else []
+    tokens = {n: CopySource(node_id=n, token=KEY, ranks=ranks) for n in sources}
+    store = CopyStore(str(tmp_path / "held"), limit, tokens, said.append, round_now=lambda: round_now,
+                      reach=lambda: reached[0])
+    SAID[store] = said
+    return store
 
 
 async def send(port: int, tmp_path, *, step: int, round_id: int, rank: int = 0, node: str = NODE,
@@ -39,7 +41,7 @@ async def test_a_source_stores_only_its_own_ranks(tmp_path) -> None:
         for rank in (1, 7, 4095):
             done = await send(port, tmp_path, step=1, round_id=1, rank=rank)
             assert done.reason == f"refused: rank {rank} is not one of node {NODE}'s 1 local ranks", done
-    assert store.held() == {(NODE, 0): 1} and store.refusals == {"rank": 3}
+    assert store.held() == {(NODE, 0): 1} and troubles(store) == {"rank"}
 
 
 async def test_a_round_past_the_holders_own_is_refused_and_an_older_one_than_held_is_stale(tmp_path) -> None:
@@ -112,7 +114,7 @@ async def test_refusals_from_many_addresses_are_a_line_per_kind_not_a_line_each(
             writer.write(header(1, 10, node=".."))
             assert (await asyncio.wait_for(reader.readline(), 10)).startswith(b"rdzv-agent refused bad request")
             writer.close()
-    assert store.refusals == {"bad_request": 50}
+    assert troubles(store) == {"bad_request"}
     assert len([line for line in said if "bad_request" in line]) == 1, said
 
 

@@ -23,7 +23,7 @@ def test_a_tick_collects_young_garbage_and_freezes_what_survived():
         del dropped                                    # cyclic garbage before the tick: collected, not frozen
         freezer.tick()                                 # no collection of CPython's own since: it runs one
         assert dropped_probe() is None
-        assert freezer.freezes == 1 and gc.is_tracked(kept) and _frozen(kept)
+        assert gc.is_tracked(kept) and _frozen(kept)
     finally:
         gc.unfreeze()
         if enabled:
@@ -44,7 +44,7 @@ def test_a_cycle_that_dies_frozen_is_reclaimed_on_refresh():
         assert probe() is not None
         clock[0] = 600.0                               # the refresh: unfrozen, collected, frozen again
         freezer.tick()
-        assert probe() is None and freezer.refreshes == 1 and freezer.freezes == 2
+        assert probe() is None
     finally:
         gc.unfreeze()
         if enabled:

@@ -65,7 +65,7 @@ def test_mig_instances_resolve_to_their_parent_gpu():
     gpus = [GpuInfo(0, "GPU-aaaa", "0000:1b:00.0", "A100", mig_uuids=("MIG-1111", "MIG-2222")),
             GpuInfo(1, "GPU-bbbb", "0000:1c:00.0", "A100", mig_uuids=("MIG-3333",))]
     v = visible_gpus(gpus, "MIG-3333,MIG-GPU-aaaa/1/0,MIG-2222")
-    assert entries(v) == [1, 0, 0] and [g.mig_uuid for g in v.gpus] == ["MIG-3333", "MIG-GPU-aaaa/1/0", "MIG-2222"]
+    assert entries(v) == [1, 0, 0] and [g.entry for g in v.gpus] == ["MIG-3333", "MIG-GPU-aaaa/1/0", "MIG-2222"]
     # Two instances of one GPU: checked once.
     assert rank_gpus(v, 3).nvml_indices() == [1, 0]
 
@@ -96,13 +96,7 @@ def test_the_first_nproc_gpus_go_to_the_local_ranks():
     v = visible_gpus(GPUS, "3,2,1,0")
     ranks = rank_gpus(v, 2)
     assert [r.gpu.entry if r.gpu else None for r in ranks.ranks] == ["3", "2"]
-    assert [r.worker_ordinal for r in ranks.ranks] == [0, 1]
     assert ranks.nvml_indices() == [3, 2] and ranks.warning is None
-
-
-def test_with_the_virtual_local_rank_each_worker_sees_its_gpu_as_cuda_0():
-    ranks = rank_gpus(visible_gpus(GPUS, "3,2,1,0"), 2, virtual_local_rank=True)
-    assert [(r.gpu.entry if r.gpu else None, r.worker_ordinal) for r in ranks.ranks] == [("3", 0), ("2", 0)]
 
 
 def test_more_workers_than_gpus_is_one_warning_naming_both_numbers():

@@ -231,14 +231,14 @@ def test_a_machine_without_numa_information_runs_every_rank_unbound_with_one_war
     for mode in BindMode:
         result = plan_binding(read_topology(str(tmp_path), mode), mode, [None], 2, ALL)
         assert [r.local_rank for r in result.ranks if isinstance(r, Unbound)] == [0, 1]
-        assert result.cpus_for(0) is None
+        assert result.affinity() == {}
         [warning] = result.warnings()
         assert warning.startswith(f"--numa-binding {mode.value}: local ranks 0-1 unbound: no NUMA information")
 
 
 def test_ranks_beyond_the_visible_gpus_run_unbound(machine):
     result = plan_binding(read_topology(str(machine)), BindMode.NODE, [0, 1], 4, ALL)
-    assert result.cpus_for(1) == cpus("8-15,40-47") and result.cpus_for(2) is None
+    assert result.affinity() == {0: cpus("0-7,32-39"), 1: cpus("8-15,40-47")}
     assert result.warnings() == ["--numa-binding node: local ranks 2-3 unbound: no GPU of its own (2 visible)"]
     assert isinstance(result.ranks[0], Bound)
     assert result.ranks[0].describe(BindMode.NODE) == "local rank 0: NUMA node 0, CPUs 0-7,32-39 (node)"

@@ -17,7 +17,6 @@ import pytest
 from node_agent.agent import Agent
 from node_agent.core.actions import CheckNode
 from node_agent.core.facts import NodeChecked, Stage
-from node_agent.gpu.nvml import healthy
 from node_agent.node_checks import NodeChecks
 from node_agent.settings import CheckSettings, Mode
 from node_agent.workers.launch import WorkerLaunch
@@ -25,7 +24,7 @@ from protocol.messages import JobConfig, UnhealthyKind, WorkerFailure
 from protocol.quoting import quote
 from rdzv_server.web import views
 from rdzv_server.web.page import parts
-from tests.gpu_fakes import FakeGpuProbe
+from tests.gpu_fakes import FakeGpuProbe, healthy
 from tests.unit.agent_fakes import LIMIT, FakeGroup, agent_settings
 from tests.unit.test_agent_loop import ScriptedServer
 from tests.unit.test_gpu_topology import write_machine
