@@ -33,14 +33,14 @@ def restore_began() -> None:
     """A snapshot's restore begins (node_agent.training.resume): the restart's anatomy shows its time."""
     probe = sys.modules.get(PROBE_MODULE)
     if probe is not None:
-        probe.restore_began()
+        probe.mark("restore_begun")
 
 
 def restored() -> None:
     """The restored state is loaded: the worker's first step comes next."""
     probe = sys.modules.get(PROBE_MODULE)
     if probe is not None:
-        probe.restored()
+        probe.mark("restore_done")
 
 
 def digest(step: int, value: int, group: int = 0) -> None:

@@ -227,24 +227,16 @@ def held(step: int) -> None:
         HELD.pack_into(_record.map, HELD_AT, max(0, int(step)))
 
 
-def restore_began() -> None:
+def mark(milestone: str) -> None:
+    """The worker reached `milestone` (one of MILESTONES) now."""
     if _record is not None:
-        _record.mark("restore_begun")
-
-
-def restored() -> None:
-    if _record is not None:
-        _record.mark("restore_done")
-
-
-def _after_step(optimizer: Any, args: Any, kwargs: Any) -> None:
-    step()
+        _record.mark(milestone)
 
 
 def _hook(module: Any) -> None:
     register = getattr(module, "register_optimizer_step_post_hook", None)
     if register is not None and _record is not None and not _record.flags & HOOKED:
-        register(_after_step)
+        register(lambda optimizer, args, kwargs: step())
         _record.flag(HOOKED)
 
 
