@@ -57,7 +57,6 @@ class SwapDue(msgspec.Struct, kw_only=True):
     node_id: str
     why: str
     round_id: int                      # the round it is due in (moot once another forms)
-    asked_at: float
     until: float                       # then swapped whatever came (a snapshot may never come)
     held_step: int = -1                # the snapshot step the members hold after (-1: none yet)
 

@@ -45,7 +45,7 @@ def ask(rules: JobRules, node_id: str, why: str, now: float, named: bool = False
     if (job.nodes[node_id].copies is None and not served) or (held and max(held) < 0):
         _swap(rules, node_id, why, "no snapshot to wait for", now)
         return
-    job.swap = SwapDue(node_id=node_id, why=why, round_id=job.round.round_id, asked_at=now, until=now + SWAP_WAIT_S)
+    job.swap = SwapDue(node_id=node_id, why=why, round_id=job.round.round_id, until=now + SWAP_WAIT_S)
     rules.out.deadline(job.swap.until)
     for member in job.round.members:
         rules.node_changed(member)
