@@ -15,7 +15,8 @@ examples/train_ddp.py and benchmarks/scripts/hsdp_flip.py, ddp_rate.py:
   fetches from b itself);
 - solo: the same job, rank 0 computing alone for 60 s twice; jitter (not by default: --minutes): every step
   +-30 %: nodes named slow, swaps, restarts (all should be 0);
-- digest_cost (not by default): DDP 3 x 2 as fast as it goes, replicas' digests on and off, alternated; noflip
+- digest_cost (not by default): DDP 3 x 2 as fast as it goes, replicas' digests on and off, alternated;
+  digest_work: what digests on add, each part timed alone, as a share of the CPUs at that cadence; noflip
   (not by default): DDP 3 x 2 with digests for --minutes: alarms and restarts (should be 0).
 Figures only; nothing is asserted. Run: .venv/bin/python benchmarks/bench_suspects.py [--runs 3] [--cases ...]
 (make bench-suspects).
@@ -303,6 +304,40 @@ def digest_cost(port: int, i: int) -> dict[str, float]:
             "means_on_vs_off_pct": 100 * (mean_on - mean_off) / mean_off}
 
 
+def digest_work(port: int, i: int) -> dict[str, float]:
+    """What digests on add, timed alone in this process (digest_cost's job measures it end to end, within its
+    noise): per snapshot a rank digests its tensors' hashes, which the snapshot computes anyway (one xxh3 over 8
+    bytes a tensor) and writes 16 bytes to its probe record; the server judges each step once every rank told its
+    digest. The agent reads the record's digest slots either way. ddp_rate.py's model (8 tensors), 6 ranks, 8
+    snapshots a second (digest_cost's cadence): that work's share of this machine's CPUs. Which tensors are compared
+    is asked per snapshot too (a set lookup each)."""
+    import torch
+
+    from node_agent.training import layout, probe
+    from protocol.notes import RankDigest
+    from rdzv_server.core import divergence
+    model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(4)])
+    sums = layout.digests([t.detach() for t in model.parameters()])
+    names = {f"/state/model/{name}" for name, _ in model.named_parameters()}     # protect's, for a DDP model
+    paths = sorted(names) + [f"/state/optimizer/{k}" for k in range(8)]
+    with tempfile.NamedTemporaryFile() as record:
+        probe._record = probe.Record(record.name)
+        n, began = 20_000, time.perf_counter()
+        for step in range(n):
+            alike = [names.__contains__(path) for path in paths]      # Capture.take: which tensors are compared
+            probe.digest(step, layout.digest_of([s for s, a in zip(sums, alike, strict=False) if a]))
+        rank_us = (time.perf_counter() - began) / n * 1e6
+        probe._record = None
+    judged, world, n = divergence.Digests(), 6, 5_000
+    began = time.perf_counter()
+    for step in range(n):
+        divergence.note(judged, 1, world, [RankDigest(rank=r, step=step, digest=12345) for r in range(world)])
+    server_us = (time.perf_counter() - began) / n * 1e6
+    per_s = 8 * (world * rank_us + server_us) / 1e6
+    return {"rank_us_per_snapshot": rank_us, "server_us_per_snapshot": server_us,
+            "cpu_share_pct": 100 * per_s / (os.cpu_count() or 1)}
+
+
 def _t(event: dict) -> float:
     return dt.datetime.fromisoformat(event["time"].replace("Z", "+00:00")).timestamp()
 
@@ -329,7 +364,7 @@ def main() -> None:
     cases = {"asked": asked, "every_try": every_try, "flipped": flipped, "slow_sleep": slowed_sleep,
              "slow_one_domain": slowed_one_domain,
              "slow_compute": slowed_compute, "solo": solo, "jitter": jitter, "hsdp_3x2": flipped_hsdp_3x2,
-             "hsdp_2x2": flipped_hsdp_2x2, "digest_cost": digest_cost, "noflip": noflip}
+             "hsdp_2x2": flipped_hsdp_2x2, "digest_cost": digest_cost, "digest_work": digest_work, "noflip": noflip}
     with running_server() as port:
         for name in args.cases.split(","):
             runs = [cases[name](port, i) for i in range(args.runs)]
