@@ -18,6 +18,8 @@ import ssl
 import time
 from collections.abc import Awaitable, Callable
 
+from protocol import keepalive
+
 MAX_CONNECTIONS = 512     # open at once, for all the agent's listeners (and a quarter of its descriptors at most)
 MAX_PER_SOURCE = 64       # open at once from one address (a node pushes, fetches and asks with a few each)
 HANDSHAKE_S = 4.0       # within the 5 s an operator is promised, with a margin for a loaded machine
@@ -92,6 +94,7 @@ class Listener:
             sock = socket.socket(family, socket.SOCK_STREAM)
             try:
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                keepalive.enable(sock)     # what it accepts inherits it: a copy's peer gone is noticed in ~4 s
                 sock.bind((addr, 0))
                 sock.listen(socket.SOMAXCONN)
                 sock.setblocking(False)

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from node_agent.copies import files, stream, wire
 from node_agent.copies.stream import StreamError
 from node_agent.copies.wire import Answer, WireError
+from protocol import keepalive
 
 # A source answers a fetch at once (its file is there or not): one that does not connect and answer within this
 # (a hung agent, a dead host) is given up, so the node taking a place resumes from disk in seconds, not a minute.
@@ -71,6 +72,9 @@ async def _ask(addr: str, port: int, line: bytes, timeout_s: float, tls: ssl.SSL
     except (OSError, ValueError) as exc:
         raise _Unreachable(f"unreachable: {addr}:{port}: {exc}") from None
     try:
+        sock = writer.get_extra_info("socket")
+        if sock is not None:
+            keepalive.enable(sock)          # a holder whose host went: noticed in ~4 s, not at the stall bound
         writer.write(line)
         yield reader, writer, await _answer(reader, answer_s or timeout_s)
     finally:

@@ -1,7 +1,8 @@
 """Moving a copy's bytes, shared by the holder (store.py) and the agents (client.py): lines read with a
 bound and a timeout, a payload received into or sent from a file descriptor in CHUNK pieces, hashed as it
 passes, and the pacing of a capped sender. Rules: a peer that stops sending or reading for `stall_s` seconds
-is given up (StreamError), never waited for forever; a network failure is a StreamError, while a failure of
+is given up (StreamError), never waited for forever, and one whose host went is given up sooner (keepalive on
+both ends: protocol/keepalive.py); a network failure is a StreamError, while a failure of
 our own file (a full /dev/shm) stays an OSError, so the caller can tell "the peer went" from "no room"."""
 from __future__ import annotations
 
@@ -9,12 +10,13 @@ import asyncio
 import hashlib
 import os
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
 from node_agent.copies.wire import MAX_LINE
 
 CHUNK = 1 << 20
+T = TypeVar("T")
 
 
 class StreamError(Exception):
@@ -28,16 +30,26 @@ def pace(sent_bytes: int, elapsed_s: float, rate: float) -> float:
     return max(0.0, sent_bytes / rate - elapsed_s)
 
 
+async def within(awaitable: Awaitable[T], timeout_s: float, stalled: str, lost: str) -> T:
+    """`awaitable` within `timeout_s`; else StreamError(stalled), or StreamError(lost: why) when the connection
+    failed. A socket's own ETIMEDOUT (keepalive's verdict: the peer's host is gone or cut off) is a loss, though
+    Python 3.11 raises it as the same TimeoutError as the wait's own, which has no errno."""
+    try:
+        return await asyncio.wait_for(awaitable, timeout_s)
+    except OSError as exc:
+        if isinstance(exc, TimeoutError) and exc.errno is None:
+            raise StreamError(stalled) from None
+        raise StreamError(f"{lost}: {exc}") from None
+    except asyncio.TimeoutError:        # Python 3.10: not an OSError
+        raise StreamError(stalled) from None
+
+
 async def read_line(reader: asyncio.StreamReader, timeout_s: float) -> bytes:
     """One line (with its newline, or what came before the end); StreamError when none came in time."""
     try:
-        line = await asyncio.wait_for(reader.readline(), timeout_s)
-    except asyncio.TimeoutError:
-        raise StreamError(f"no line within {timeout_s:g} s") from None
+        line = await within(reader.readline(), timeout_s, f"no line within {timeout_s:g} s", "connection lost")
     except ValueError:          # past the reader's own limit, far past MAX_LINE
         raise StreamError(f"a line longer than {MAX_LINE} bytes") from None
-    except OSError as exc:
-        raise StreamError(f"connection lost: {exc}") from None
     if not line:
         raise StreamError("the peer closed the connection")
     return line
@@ -63,12 +75,9 @@ async def receive(reader: asyncio.StreamReader, fd: int, size: int, stall_s: flo
     digest = hashlib.sha256()
     done = 0
     while done < size:
-        try:
-            chunk = await asyncio.wait_for(reader.read(min(CHUNK, size - done)), stall_s)
-        except asyncio.TimeoutError:
-            raise StreamError(f"stalled: no bytes for {stall_s:g} s after {done} of {size}") from None
-        except OSError as exc:
-            raise StreamError(f"connection lost after {done} of {size} bytes: {exc}") from None
+        chunk = await within(reader.read(min(CHUNK, size - done)), stall_s,
+                             f"stalled: no bytes for {stall_s:g} s after {done} of {size}",
+                             f"connection lost after {done} of {size} bytes")
         if not chunk:
             raise StreamError(f"short stream: {done} of {size} bytes came")
         # In a thread: hashing a chunk takes about a millisecond, the agent's loop serves leases meanwhile.
@@ -80,12 +89,7 @@ async def receive(reader: asyncio.StreamReader, fd: int, size: int, stall_s: flo
 
 async def drain(writer: asyncio.StreamWriter, stall_s: float) -> None:
     """Wait until the peer took what was written; StreamError when it reads nothing for `stall_s`."""
-    try:
-        await asyncio.wait_for(writer.drain(), stall_s)
-    except asyncio.TimeoutError:
-        raise StreamError(f"stalled: the peer read nothing for {stall_s:g} s") from None
-    except OSError as exc:
-        raise StreamError(f"connection lost: {exc}") from None
+    await within(writer.drain(), stall_s, f"stalled: the peer read nothing for {stall_s:g} s", "connection lost")
 
 
 async def send(writer: asyncio.StreamWriter, fd: int, size: int, stall_s: float, *, rate: float | None = None,
