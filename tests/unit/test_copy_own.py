@@ -6,11 +6,14 @@ while it is sent is refused rather than passed on. A real store behind a loopbac
 from __future__ import annotations
 
 import os
+import ssl
 
 from node_agent.copies import client
 from node_agent.copies.own import OwnSnapshots
 from node_agent.copies.store import CopyStore
+from node_agent.copies.tls import copy_tls
 from node_agent.training import snapshot
+from tests.e2e.certs import make_ca, make_server_cert
 from tests.unit.test_copy_store import FAR, KEY, Everyone, blob, holder, snap
 
 ME = "suspect"
@@ -34,11 +37,12 @@ def setup(tmp_path, key: str = MINE, said: list[str] | None = None
     return store, dirs, data
 
 
-async def fetch(port: int, tmp_path, rank: int, *, key: str = MINE, step: int | None = None
-                ) -> tuple[client.FetchResult, bytes]:
-    dest = tmp_path / f"dest-{rank}-{step}-{key[:4]}"
+async def fetch(port: int, tmp_path, rank: int, *, key: str = MINE, step: int | None = None,
+                tls: ssl.SSLContext | None = None) -> tuple[client.FetchResult, bytes]:
+    dest = tmp_path / f"dest-{rank}-{step}-{key[:4]}-{id(tls)}"
     dest.mkdir()
-    got = await client.fetch("127.0.0.1", port, key=key, node_id=ME, local_rank=rank, dest_dir=str(dest), step=step)
+    got = await client.fetch("127.0.0.1", port, key=key, node_id=ME, local_rank=rank, dest_dir=str(dest), step=step,
+                             tls=tls, timeout_s=5.0)
     return got, (dest / f"step-{got.step}").read_bytes() if got.step is not None else b""
 
 
@@ -59,6 +63,23 @@ async def test_the_newest_or_a_named_step_of_each_rank_is_fetched_with_the_nodes
     assert said[:2] == ["sent local rank 0's snapshot of step 6 (0.1 MiB) to 127.0.0.1, the node taking this "
                         "node's place", "sent local rank 1's snapshot of step 6 (0.1 MiB) to 127.0.0.1, the node "
                         "taking this node's place"], said
+
+
+async def test_over_tls_the_node_taking_its_place_fetches_them_and_a_stranger_gets_nothing(tmp_path):
+    """Nodes started with --tls-cert serve their own snapshots over the same mutual TLS as held copies."""
+    ca = make_ca(str(tmp_path))
+    (tmp_path / "ours").mkdir()
+    (tmp_path / "theirs").mkdir()
+    ours = copy_tls(*make_server_cert(str(tmp_path / "ours"), ca), ca[0])
+    other_ca = make_ca(str(tmp_path / "theirs"), "other-ca")
+    stranger = copy_tls(*make_server_cert(str(tmp_path / "theirs"), other_ca), other_ca[0])
+    store, _, data = setup(tmp_path)
+    async with holder(store, ours.listen) as port:
+        got, back = await fetch(port, tmp_path, 1, tls=ours.connect)
+        assert got.step == 6 and back == data[1, 6], got
+        for tls in (None, stranger.connect):       # in the clear, or signed by another CA: no handshake, nothing
+            got, back = await fetch(port, tmp_path, 1, tls=tls)
+            assert got.step is None and back == b"", got
 
 
 async def test_a_wrong_or_missing_token_gets_nothing(tmp_path):
