@@ -30,8 +30,9 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     # the warm zygote's agent side; the zygote itself (zygote.py) imports nothing of ours
     "node_agent.workers.warm": ("node_agent.training.probe", "node_agent.workers.deathsig",
                                 "node_agent.workers.environment"),
-    # the peer-copy wire and store: the standard library, and the snapshot files' helpers (torch-free)
-    "node_agent.copies": ("node_agent.training.snapshot",),
+    # the peer-copy wire and store: the standard library, the snapshot files' helpers (torch-free), and the one
+    # keepalive rule of every agent connection
+    "node_agent.copies": ("node_agent.training.snapshot", "protocol.keepalive"),
     # the agent's side of peer copies: the wire and store, the listener, the memory dirs, the snapshot files
     "node_agent.copies.peers": ("protocol", "node_agent.copies", "node_agent.client.listener",
                                 "node_agent.training.snapshot", "node_agent.workers.memory"),
