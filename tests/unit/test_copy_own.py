@@ -11,10 +11,8 @@ import ssl
 from node_agent.copies import client
 from node_agent.copies.own import OwnSnapshots
 from node_agent.copies.store import CopyStore
-from node_agent.copies.tls import copy_tls
 from node_agent.training import snapshot
-from tests.e2e.certs import make_ca, make_server_cert
-from tests.unit.test_copy_store import FAR, KEY, Everyone, blob, holder, snap
+from tests.unit.test_copy_store import FAR, KEY, Everyone, blob, holder, snap, tls_of_nodes_and_stranger
 
 ME = "suspect"
 MINE = "suspect-copy-token-0123"
@@ -67,12 +65,7 @@ async def test_the_newest_or_a_named_step_of_each_rank_is_fetched_with_the_nodes
 
 async def test_over_tls_the_node_taking_its_place_fetches_them_and_a_stranger_gets_nothing(tmp_path):
     """Nodes started with --tls-cert serve their own snapshots over the same mutual TLS as held copies."""
-    ca = make_ca(str(tmp_path))
-    (tmp_path / "ours").mkdir()
-    (tmp_path / "theirs").mkdir()
-    ours = copy_tls(*make_server_cert(str(tmp_path / "ours"), ca), ca[0])
-    other_ca = make_ca(str(tmp_path / "theirs"), "other-ca")
-    stranger = copy_tls(*make_server_cert(str(tmp_path / "theirs"), other_ca), other_ca[0])
+    ours, stranger = tls_of_nodes_and_stranger(tmp_path)
     store, _, data = setup(tmp_path)
     async with holder(store, ours.listen) as port:
         got, back = await fetch(port, tmp_path, 1, tls=ours.connect)

@@ -12,6 +12,7 @@ import socket
 import ssl
 import weakref
 from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import pytest
 
@@ -587,15 +588,20 @@ async def test_copies_nobody_renewed_for_long_make_room_and_fresh_ones_never_do(
     assert any("removed node old's copies" in line for line in said)
 
 
-async def test_over_tls_a_copy_goes_both_ways_and_a_peer_without_the_cas_certificate_gets_nothing(tmp_path) -> None:
+def tls_of_nodes_and_stranger(tmp_path) -> tuple[Any, Any]:
+    """Copy TLS (node_agent/copies/tls.py) of the job's nodes (one CA), and of a stranger signed by another CA."""
     from node_agent.copies.tls import copy_tls
     from tests.e2e.certs import make_ca, make_server_cert
     ca = make_ca(str(tmp_path))
     (tmp_path / "ours").mkdir()
     (tmp_path / "theirs").mkdir()
-    ours = copy_tls(*make_server_cert(str(tmp_path / "ours"), ca), ca[0])
     other_ca = make_ca(str(tmp_path / "theirs"), "other-ca")
-    stranger = copy_tls(*make_server_cert(str(tmp_path / "theirs"), other_ca), other_ca[0])
+    return (copy_tls(*make_server_cert(str(tmp_path / "ours"), ca), ca[0]),
+            copy_tls(*make_server_cert(str(tmp_path / "theirs"), other_ca), other_ca[0]))
+
+
+async def test_over_tls_a_copy_goes_both_ways_and_a_peer_without_the_cas_certificate_gets_nothing(tmp_path) -> None:
+    ours, stranger = tls_of_nodes_and_stranger(tmp_path)
     store = make_store(tmp_path)
     async with holder(store, ours.listen) as port:
         data = blob(3000)
