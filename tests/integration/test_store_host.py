@@ -32,12 +32,12 @@ dist.destroy_process_group()
 """
 
 
-def store_hosts() -> list[int]:
-    """The pids of this process's children running the store host's script."""
+def store_hosts(port: int) -> list[int]:
+    """The pids of this process's children hosting a store on `port`."""
     found = []
     for child in psutil.Process().children():
         with contextlib.suppress(psutil.Error):      # one that ended meanwhile, or a zombie
-            if SCRIPT in child.cmdline():
+            if child.cmdline()[-2:] == [SCRIPT, str(port)]:
                 found.append(child.pid)
     return found
 
@@ -74,7 +74,7 @@ async def test_the_workers_rendezvous_on_the_store_host_which_the_stop_ends(tmp_
         exits = await asyncio.wait_for(group.wait(), LIMIT * 4)
         assert sorted(e.exitcode for e in exits) == [0, 0], console.lines("stderr")
         assert sorted(console.lines("stdout")) == ["[0] sum 3", "[1] sum 3", f"[store] {READY} {port}"]
-        [store_pid] = store_hosts()                   # the host outlives the workers, until the stop
+        [store_pid] = store_hosts(port)                   # the host outlives the workers, until the stop
         assert not await asyncio.to_thread(pid_gone, store_pid, 0)
     finally:
         await group.stop()
