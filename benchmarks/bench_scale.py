@@ -83,7 +83,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--progress", action="store_true",
                    help="the nodes' polls carry progress notes, as agents whose workers step (issue 39)")
     p.add_argument("--no-probe-port", action="store_true",
-                   help="nodes join without a witness port (probe_port 0), as a client without one does")
+                   help="nodes join without a witness port (witness_port 0), as a client without one does")
     p.add_argument("--profile", default="", metavar="DIR",
                    help="py-spy the server through each one-job run's steady window and round change (raw "
                         "stacks into DIR, a summary into the JSON)")
@@ -111,7 +111,7 @@ def run(args: argparse.Namespace, save: Callable[[dict[str, Any]], None]) -> lis
     quick = args.quick
     s = Settings(clients=args.clients, per_address=args.per_address, server_args=args.server_arg, nice=args.nice,
                  server_nice=args.server_nice,
-                 profile_dir=args.profile, probe_port=0 if args.no_probe_port else 29600, progress=args.progress,
+                 profile_dir=args.profile, witness_port=0 if args.no_probe_port else 29600, progress=args.progress,
                  steady_s=10.0 if quick else args.steady, settle_s=2.0 if quick else 5.0,
                  post_s=3.0 if quick else 10.0, view_samples=3 if quick else 5)
     cap = max_nodes_per_process()

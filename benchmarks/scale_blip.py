@@ -126,7 +126,7 @@ def _resent(before: list[dict], after: list[dict], healed: float) -> dict[str, A
 
 def blip(n: int, s: Settings, blip_s: float = 5.0, label: str = "blip") -> dict[str, Any]:
     job = f"scale-{n}"
-    per_client, _ = make_specs({job: n}, s.clients, s.per_address, s.probe_port)
+    per_client, _ = make_specs({job: n}, s.clients, s.per_address, s.witness_port)
     with open("/proc/sys/net/core/somaxconn") as f:       # the server's accept backlog is capped at it
         somaxconn = int(f.read())
     out: dict[str, Any] = {"kind": label, "nodes": n, "jobs": 1, "clients": s.clients, "blip_s": blip_s,

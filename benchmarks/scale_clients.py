@@ -40,7 +40,7 @@ class Placement:
 
 
 def make_specs(jobs: dict[str, int], clients: int, per_address: int,
-               probe_port: int = 29600, progress: bool = False
+               witness_port: int = 29600, progress: bool = False
                ) -> tuple[list[list[NodeSpec]], dict[str, list[Placement]]]:
     """Nodes of every job, dealt to `clients` processes; and where each job's nodes went."""
     per_client: list[list[NodeSpec]] = [[] for _ in range(clients)]
@@ -53,7 +53,7 @@ def make_specs(jobs: dict[str, int], clients: int, per_address: int,
             c = i % clients
             a = len(per_client[c]) // per_address + c * 1000      # this process's addresses only
             addr = f"127.1.{a // 250}.{a % 250 + 1}"
-            per_client[c].append(NodeSpec(job_id, f"node-{k}", addr, config, probe_port, progress))
+            per_client[c].append(NodeSpec(job_id, f"node-{k}", addr, config, witness_port, progress))
             where[job_id].append(Placement(c, f"{job_id}/node-{k}"))
             i += 1
     return per_client, where

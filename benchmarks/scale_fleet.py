@@ -52,7 +52,7 @@ class NodeSpec:
     node_id: str
     addr: str                    # loopback source address the node's connections come from
     config: JobConfig
-    probe_port: int = 29600      # the agent's witness port in its join (0: a client without one)
+    witness_port: int = 29600      # the agent's witness port in its join (0: a client without one)
     progress: bool = False       # polls carry a progress note, as an agent's with workers stepping does
 
 
@@ -123,7 +123,7 @@ class SimNode:
         cfg = self.spec.config
         status = await self._until_answered("join", lambda: self.client.join(
             addr=self.spec.addr, host=self.spec.node_id, local_world_size=8, master_port=29500,
-            config=cfg, instance=self.instance, role="default", probe_port=self.spec.probe_port))
+            config=cfg, instance=self.instance, role="default", witness_port=self.spec.witness_port))
         if status is None:
             raise _Exit()
         self.answered_at = self.client.arrived

@@ -39,7 +39,7 @@ class Settings:
     server_cpu_share: float = 1.0  # < 1: the server is held to this share of one core (cgroup)
     formation_timeout_s: float = 120.0
     round_change_timeout_s: float = 60.0
-    probe_port: int = 29600        # what the nodes' joins say; 0 like a client without a witness (the plugin)
+    witness_port: int = 29600        # what the nodes' joins say; 0 like a client without a witness (the plugin)
     progress: bool = False         # the nodes' polls carry progress notes (issue 39)
     nice: int = 0                  # the server's and clients' priority (negative: ahead of other work here)
     server_nice: int = 0           # the server's alone, on top (negative: ahead of the simulated fleet, as if
@@ -218,7 +218,7 @@ def _losses(port: int, jobs: list[str], expected_rounds: int, tallies: dict[str,
 
 def one_job(n: int, s: Settings, label: str = "one_job") -> dict[str, Any]:
     job = f"scale-{n}"
-    per_client, where = make_specs({job: n}, s.clients, s.per_address, s.probe_port, s.progress)
+    per_client, where = make_specs({job: n}, s.clients, s.per_address, s.witness_port, s.progress)
     failer = set_apart(per_client, where[job][n // 2])     # the node that fails times its reply alone
     out: dict[str, Any] = {"kind": label, "nodes": n, "jobs": 1, "clients": s.clients,
                            "server_args": s.server_args, "load_start": load()}
@@ -231,7 +231,7 @@ def one_job(n: int, s: Settings, label: str = "one_job") -> dict[str, Any]:
         out["priority"] = _prioritise(pids + clients.pids(), s.nice)
         if s.server_nice:
             out["server_priority"] = "the server alone: " + _prioritise(pids, s.nice + s.server_nice)
-        out["nice"], out["probe_port"], out["progress"] = s.nice, s.probe_port, s.progress
+        out["nice"], out["probe_port"], out["progress"] = s.nice, s.witness_port, s.progress
         m0, c0 = sampler.mark(), clients.ask({"cmd": "window"})
         clients.ask({"cmd": "start"})
         formed = _wait_holding(clients, {job: 1}, n, s.formation_timeout_s)
@@ -289,7 +289,7 @@ def _all_times(clients: Clients, job: str) -> list[dict]:
 
 def many_jobs(jobs: int, per_job: int, duration_s: float, s: Settings, view_every_s: float = 10.0) -> dict[str, Any]:
     names = [f"fleet-{j:03d}" for j in range(jobs)]
-    per_client, where = make_specs({name: per_job for name in names}, s.clients, s.per_address, s.probe_port,
+    per_client, where = make_specs({name: per_job for name in names}, s.clients, s.per_address, s.witness_port,
                                    s.progress)
     total = jobs * per_job
     out: dict[str, Any] = {"kind": "many_jobs", "nodes": total, "jobs": jobs, "nodes_per_job": per_job,
@@ -299,7 +299,7 @@ def many_jobs(jobs: int, per_job: int, duration_s: float, s: Settings, view_ever
     with running_server(*s.server_args, pids=pids, new_session=bool(s.nice)) as port, \
             ServerSampler(pids[0]) as sampler, Clients(port, per_client, new_session=bool(s.nice)) as clients:
         out["priority"] = _prioritise(pids + clients.pids(), s.nice)
-        out["nice"], out["probe_port"], out["progress"] = s.nice, s.probe_port, s.progress
+        out["nice"], out["probe_port"], out["progress"] = s.nice, s.witness_port, s.progress
         m0, c0 = sampler.mark(), clients.ask({"cmd": "window"})
         clients.ask({"cmd": "start"})
         formed = _wait_holding(clients, {name: 1 for name in names}, total, s.formation_timeout_s)

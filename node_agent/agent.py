@@ -21,11 +21,11 @@ from node_agent.copies.tls import CopyTls, copy_tls
 from node_agent.copies.wire import is_copy_request
 from node_agent.core.actions import (
     Action,
+    AskWitnesses,
     CheckNode,
     Exit,
     HoldAtSnapshot,
     Leave,
-    ProbePeers,
     Rejoin,
     ReportFailure,
     ReportStall,
@@ -42,7 +42,7 @@ from node_agent.node_checks import NodeChecks
 from node_agent.server_link import ServerLink
 from node_agent.settings import AgentSettings
 from node_agent.sources import start_source
-from node_agent.witness import probe_peers
+from node_agent.witness import witnesses_and_server
 from node_agent.workers.interfaces import gloo_interface
 from node_agent.workers.local import GroupFactory, LocalWorkers
 from node_agent.workers.memory import forget_after
@@ -182,16 +182,16 @@ class Agent:
                 await link.leave(reason, unhealthy)
             case CheckNode():
                 start_source(self._check(action), self.facts.put_nowait)
-            case ProbePeers(witnesses=witnesses):
-                start_source(self._probe(witnesses), self.facts.put_nowait)
+            case AskWitnesses(witnesses=witnesses):
+                start_source(self._ask_witnesses(witnesses), self.facts.put_nowait)
             case Exit():
                 self.exit = action
 
     async def _check(self, action: CheckNode) -> None:
         self.facts.put_nowait(await self.checks.check(action, self.workers.stuck_pids))
 
-    async def _probe(self, witnesses: tuple[Witness, ...]) -> None:
-        self.facts.put_nowait(await probe_peers(witnesses, self.policy.known_round, self.transport.reach))
+    async def _ask_witnesses(self, witnesses: tuple[Witness, ...]) -> None:
+        self.facts.put_nowait(await witnesses_and_server(witnesses, self.policy.known_round, self.transport.reach))
 
     def _copied(self) -> None:
         """A copy reached its peer: while a swap waits for it (the ranks hold), the server hears it now."""
@@ -223,7 +223,7 @@ class Agent:
     async def _join(self) -> NodeStatus:
         return await self.transport.join(
             addr=self.addr, host=self.hostname, local_world_size=self.link.nproc, master_port=self._free_port(),
-            config=self.link.job, instance=self.instance, role=self.link.role, probe_port=self.witness.port,
+            config=self.link.job, instance=self.instance, role=self.link.role, witness_port=self.witness.port,
             command=self.link.command, checks=self.checks.summary, ready=self.workers.ready,
             domain=self.link.failure_domain, copy_port=self.copy_port, store_per_round=True)
 

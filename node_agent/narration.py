@@ -13,7 +13,6 @@ from node_agent.core.actions import Action, Exit, Rejoin, Spawn, StopWorkers
 from node_agent.core.facts import (
     Fact,
     NodeChecked,
-    PeersProbed,
     RanksStalled,
     ServerNotReached,
     ServerRefused,
@@ -21,6 +20,7 @@ from node_agent.core.facts import (
     Stage,
     StatusReceived,
     Verdict,
+    WitnessesAnswered,
     WorkersExited,
 )
 from node_agent.core.summary import how
@@ -92,17 +92,17 @@ class Narrator:
             case ServerRefused(request=request, code=ErrorCode.HOST_UNHEALTHY, message=message) \
                     if request is JoinRequest:
                 self.say(f"the server keeps this host out: {message}; asking again after a back-off")
-            case PeersProbed() if actions and isinstance(actions[0], StopWorkers):
+            case WitnessesAnswered() if actions and isinstance(actions[0], StopWorkers):
                 self.say(actions[0].reason)
-            case PeersProbed(server=Path.STANDBY) if not self._said_peers:
+            case WitnessesAnswered(server=Path.STANDBY) if not self._said_peers:
                 self._said_peers = True
                 self.say("the server's replicas answer but none serves yet (a takeover or restart is under way): "
                          "the workers keep running")
-            case PeersProbed(verdict=Verdict.STILL_MEMBER) if not self._said_peers:
+            case WitnessesAnswered(verdict=Verdict.STILL_MEMBER) if not self._said_peers:
                 self._said_peers = True
                 self.say("the round's other nodes still hear the server, in this node's round: nothing was "
                          "replaced, so the workers keep running while this node's own path comes back")
-            case PeersProbed(verdict=Verdict.SERVER_AWAY) if not self._said_peers:
+            case WitnessesAnswered(verdict=Verdict.SERVER_AWAY) if not self._said_peers:
                 self._said_peers = True
                 self.say("the server does not answer, nor does it answer the round's other nodes: the server "
                          "itself is away, so the workers keep running")

@@ -10,8 +10,8 @@ import asyncio
 from collections.abc import Awaitable, Callable
 
 from node_agent.client.replies import Path
-from node_agent.client.witness import PROBE_TIMEOUT_S, ask_each, read_answer
-from node_agent.core.facts import SERVER_CHECK_DECIDES, PeersProbed, Verdict
+from node_agent.client.witness import ASK_TIMEOUT_S, ask_each, read_answer
+from node_agent.core.facts import SERVER_CHECK_DECIDES, Verdict, WitnessesAnswered
 from protocol.messages import Witness
 
 
@@ -29,13 +29,13 @@ def verdict(answers: list[bytes], round_id: int) -> Verdict:
 
 
 async def ask_witnesses(witnesses: tuple[Witness, ...], round_id: int = -1,
-                        timeout: float = PROBE_TIMEOUT_S) -> Verdict:
+                        timeout: float = ASK_TIMEOUT_S) -> Verdict:
     """The witnesses' verdict."""
     return verdict(await ask_each(witnesses, round_id, timeout), round_id)
 
 
-async def probe_peers(witnesses: tuple[Witness, ...], round_id: int,
-                      reach: Callable[[], Awaitable[Path]]) -> PeersProbed:
+async def witnesses_and_server(witnesses: tuple[Witness, ...], round_id: int,
+                               reach: Callable[[], Awaitable[Path]]) -> WitnessesAnswered:
     """The witnesses asked while the server is checked (`reach`); the check is waited for only where the
     verdict needs it (facts.SERVER_CHECK_DECIDES): a replaced round must be acted on at once."""
     check = asyncio.ensure_future(reach())
@@ -45,4 +45,4 @@ async def probe_peers(witnesses: tuple[Witness, ...], round_id: int,
     finally:
         check.cancel()     # a shared check goes on for the other requests (path_check.py): only this wait ends
         await asyncio.gather(check, return_exceptions=True)
-    return PeersProbed(said, server)
+    return WitnessesAnswered(said, server)

@@ -127,7 +127,8 @@ class JoinRequest(_Request, kw_only=True):
     instance: ShortText = ""           # random per agent process: tells a restarted agent from a duplicate
     role: Annotated[str, Meta(min_length=1, max_length=64)] = "default"
     host: ShortText = ""               # host name, for operators and failure summaries
-    probe_port: Port = 0               # where this node's agent answers the others' "are you there?" (0: none)
+    # where this node's agent answers the others' "are you there?" as their witness (0: none)
+    witness_port: Port = msgspec.field(default=0, name="probe_port")
     # Fingerprint of this node's script and arguments ("": not checked); an open job refuses another (config_conflict).
     command: Annotated[str, Meta(max_length=MAX_COMMAND)] = ""
     # What the node checks of itself, for operators ("GPU check skipped: ..." where NVML is missing on a
@@ -138,8 +139,8 @@ class JoinRequest(_Request, kw_only=True):
     ready: bool = True
     # Its failure domain (a rack, a switch: what fails together), for choosing where its copies go; "": its host.
     domain: ShortText = ""
-    # Where its agent takes peer copies (node_agent/copies/peers.py): its probe_port, or a TLS listener of its own where
-    # it has a certificate; 0: it takes none (an older agent, or the server uses TLS and it has no certificate).
+    # Where its agent takes peer copies (node_agent/copies/peers.py): its witness port, or a TLS listener of its own
+    # where it has a certificate; 0: it takes none (an older agent, or the server uses TLS and it has no certificate).
     copy_port: Port = 0
 
     def __post_init__(self) -> None:

@@ -39,7 +39,7 @@ TICK_GAP_S = 0.05           # deadlines are handled at most this often (each tic
 T = TypeVar("T")
 
 class LagSource(Protocol):
-    """How far behind the event loop runs (looplag.LoopLagProbe in the server; nothing in --standalone)."""
+    """How far behind the event loop runs (looplag.LoopLagMeter in the server; nothing in --standalone)."""
 
     def start(self) -> None: ...
     async def stop(self) -> None: ...

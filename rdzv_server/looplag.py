@@ -14,7 +14,7 @@ INTERVAL_S = 0.05
 ACCEPT_WAIT_S = 1.0      # connections waiting to be accepted: the server counts as at least this far behind
 
 
-class LoopLagProbe:
+class LoopLagMeter:
     """Wakes every INTERVAL_S and records how much later than asked it woke."""
 
     RECENT_S = 5.0           # `recent_s` is the worst lag seen this long back

@@ -24,7 +24,7 @@ from rdzv_server.core.rendezvous import Limits, Rendezvous
 from rdzv_server.delivery.caps import MAX_POLLS_PER_NODE, MAX_POLLS_PER_PEER
 from rdzv_server.gc_tuning import Freezer, tune_gc
 from rdzv_server.heap import HeapTrimmer
-from rdzv_server.looplag import LoopLagProbe
+from rdzv_server.looplag import LoopLagMeter
 from rdzv_server.store.api import Store
 from rdzv_server.store.etcd.election import Leadership
 from rdzv_server.store.etcd.store import EtcdStore
@@ -95,7 +95,7 @@ async def serve(config: ServerConfig, store: Store | None = None,
     limit = raise_open_file_limit()
     hard = max(64, limit - FD_RESERVE)
     guard = ConnectionGuard(min(config.max_connections or hard, hard), hard)
-    lag = LoopLagProbe()
+    lag = LoopLagMeter()
     coordinator = Coordinator(Rendezvous(limits=config.limits), store=store, loop_lag=lag,
                               max_polls_per_peer=config.max_polls_per_peer,
                               max_polls_per_node=config.max_polls_per_node)

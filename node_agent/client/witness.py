@@ -20,7 +20,7 @@ ANSWER = b"rdzv-agent %s round=%d\n"
 ANSWER_LINE = re.compile(rb"rdzv-agent (in-contact|alone)(?: round=(-?\d{1,12}))?\n")
 _ASK = re.compile(rb"rdzv-agent ask round=(-?\d{1,12})\n")
 ASK = b"rdzv-agent ask round=%d\n"
-PROBE_TIMEOUT_S = 1.0
+ASK_TIMEOUT_S = 1.0
 
 
 Serve = Callable[[bytes, asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
@@ -50,7 +50,7 @@ class WitnessServer:
             await self.copies[1](line, reader, writer)
         elif _ASK.fullmatch(line) is not None:
             writer.write(ANSWER % (b"in-contact" if self.in_contact() else b"alone", self.holds()))
-            await asyncio.wait_for(writer.drain(), PROBE_TIMEOUT_S)
+            await asyncio.wait_for(writer.drain(), ASK_TIMEOUT_S)
 
     async def close(self) -> None:
         await self._listener.close()
@@ -64,7 +64,7 @@ def read_answer(line: bytes) -> tuple[bool, int | None] | None:
     return m.group(1) == b"in-contact", int(m.group(2)) if m.group(2) is not None else None
 
 
-async def ask_each(witnesses: tuple[Witness, ...], round_id: int = -1, timeout: float = PROBE_TIMEOUT_S) -> list[bytes]:
+async def ask_each(witnesses: tuple[Witness, ...], round_id: int = -1, timeout: float = ASK_TIMEOUT_S) -> list[bytes]:
     """Each witness's answer line, asked at once (b"" where none came within `timeout`)."""
     async def ask(w: Witness) -> bytes:
         try:

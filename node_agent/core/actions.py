@@ -76,8 +76,8 @@ class CheckNode:
 
 
 @dataclass(frozen=True)
-class ProbePeers:
-    """Ask the round's witnesses whether they are there (the server is silent); answer: PeersProbed."""
+class AskWitnesses:
+    """Ask the round's witnesses whether they are there (the server is silent); answer: WitnessesAnswered."""
     witnesses: tuple[Witness, ...]
 
 
@@ -88,5 +88,5 @@ class Exit:
     root_cause: WorkerFailure | None = None   # the job's first failure, when the job failed
 
 
-Action = (Spawn | StopWorkers | ReportFailure | ReportStall | ReportSuccess | Rejoin | Leave | ProbePeers | CheckNode
+Action = (Spawn | StopWorkers | ReportFailure | ReportStall | ReportSuccess | Rejoin | Leave | AskWitnesses | CheckNode
           | Exit | SendNote | HoldAtSnapshot)

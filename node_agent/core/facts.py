@@ -90,7 +90,7 @@ class SignalReceived:
 
 
 class Verdict(str, enum.Enum):
-    """What the witnesses said, together (PeersProbed.verdict)."""
+    """What the witnesses said, together (WitnessesAnswered.verdict)."""
     ROUND_REPLACED = "round_replaced"  # one hears the server and holds a newer round: this node's round is over
     STILL_MEMBER = "still_member"      # one hears the server, which still runs this node's round
     SERVER_HEARD = "server_heard"      # one hears the server (an older witness: it names no round)
@@ -104,8 +104,8 @@ SERVER_CHECK_DECIDES = frozenset({Verdict.SERVER_HEARD, Verdict.SILENT})
 
 
 @dataclass(frozen=True)
-class PeersProbed:
-    """What the round's witnesses said (ProbePeers), and what a fresh connection to the server found
+class WitnessesAnswered:
+    """What the round's witnesses said (AskWitnesses), and what a fresh connection to the server found
     meanwhile (path_check.py), where the verdict needs it (SERVER_CHECK_DECIDES; None: not waited for)."""
     verdict: Verdict
     server: Path | None = Path.NO_SERVER
@@ -138,7 +138,7 @@ class DeadlinePassed:
 
 
 Fact = (StatusReceived | ServerNotReached | ServerRefused | WorkersExited | RanksStalled | SpawnFailed
-        | SignalReceived | PeersProbed | NodeChecked | DeadlinePassed | NoteDue)
+        | SignalReceived | WitnessesAnswered | NodeChecked | DeadlinePassed | NoteDue)
 
 # How a source hands the loop news: a fact, or the exception that broke it (a bug), raised, not waited out.
 Put = Callable[[Fact | BaseException], None]

@@ -4,7 +4,7 @@ it), the round's witnesses are asked which round they hold and whether they hear
 server is checked over a fresh connection (path_check.py). Workers stop and the round's failure is reported only
 when a witness that hears the server holds a newer round (ours was replaced), or no witness answers, twice, and no
 endpoint either (we are cut off). Otherwise (a witness hears the server in our round, none hears it, the server
-answers again, a replica does not serve yet) the round goes on, asked again every REPROBE_S. The policy
+answers again, a replica does not serve yet) the round goes on, asked again every ASK_AGAIN_S. The policy
 (policy.py) says when a silence began and whether workers run; the times, the state of the asking and the wording
 are here, so the fencing bound (lease + ~1 s) is in one place."""
 from __future__ import annotations
@@ -18,11 +18,11 @@ from protocol.bounds import MAX_MESSAGE
 from protocol.messages import FailureReason, WorkerFailure
 
 FENCE_MARGIN_S = 0.5
-REPROBE_S = 0.5     # a witness's answer costs one local connection: the fencing bound is the lease + ~1 s
+ASK_AGAIN_S = 0.5     # a witness's answer costs one local connection: the fencing bound is the lease + ~1 s
 # A witness may not have noticed yet that the server is away for it too (its keepalive runs on its own
 # clock): a "cut off" verdict is asked once more this much later.
 CONFIRM_S = 1.0
-# A silence takes a whole PROBE_TIMEOUT_S and is confirmed by a second ask: the first starts this much
+# A silence takes a whole ASK_TIMEOUT_S and is confirmed by a second ask: the first starts this much
 # before the lease lapses, so the second ends about a second after it. Before the lapse only a newer round counts.
 EARLY_ASK_S = 1.0
 
@@ -58,20 +58,20 @@ class Fence:
     """The asking of the witnesses while the server is silent: when next, and what they said before."""
     lease_timeout_s: float
     renewed_at: float | None = None       # when the last answered request went out: the lease ran from then
-    probe_at: float | None = None         # the witnesses answered: ask again then
+    ask_again_at: float | None = None         # the witnesses answered: ask again then
     probing: bool = False
     cut_off: bool = False                 # the witnesses once said this node is the one cut off
 
     def heard(self, sent_at: float) -> None:
         """The server answered a request sent at `sent_at`: the lease runs from then, nothing to ask."""
-        self.renewed_at, self.probe_at, self.cut_off = sent_at, None, False
+        self.renewed_at, self.ask_again_at, self.cut_off = sent_at, None, False
 
     def ask_at(self, unreachable_since: float) -> float | None:
         """When to ask the witnesses (None: an ask is under way)."""
         if self.probing:
             return None
-        if self.probe_at is not None:
-            return self.probe_at
+        if self.ask_again_at is not None:
+            return self.ask_again_at
         return first_ask_at(self.renewed_at, unreachable_since, self.lease_timeout_s)
 
     def asked(self) -> None:
@@ -86,18 +86,18 @@ class Fence:
         evidence = verdict == Verdict.ROUND_REPLACED or (verdict == Verdict.SERVER_HEARD and self.cut_off)
         if not evidence and (server != Path.NO_SERVER or verdict not in SERVER_CHECK_DECIDES):
             # The server answers (the link sends again), a replica takes over, it runs our round, or is away.
-            self.probe_at, self.cut_off = now + REPROBE_S, False
+            self.ask_again_at, self.cut_off = now + ASK_AGAIN_S, False
             return False
         lapse = lapse_at(self.renewed_at, unreachable_since, self.lease_timeout_s)
         if verdict != Verdict.ROUND_REPLACED and (evidence or self.cut_off) and now < lapse:
             # Before the lease lapsed the server has replaced nothing yet: ask again once it has.
-            self.probe_at, self.cut_off = lapse, True
+            self.ask_again_at, self.cut_off = lapse, True
             return False
         if not evidence and not self.cut_off:
             # A witness may not know yet, a silent one only be slow (a loaded host): ask once more.
-            self.probe_at, self.cut_off = now + (CONFIRM_S if verdict == Verdict.SERVER_HEARD else 0.0), True
+            self.ask_again_at, self.cut_off = now + (CONFIRM_S if verdict == Verdict.SERVER_HEARD else 0.0), True
             return False
-        self.probe_at = None
+        self.ask_again_at = None
         return True
 
     def silent_for(self, unreachable_since: float, now: float) -> float:

@@ -39,11 +39,11 @@ from node_agent.client.replies import (
 )
 from node_agent.core.actions import (
     Action,
+    AskWitnesses,
     CheckNode,
     Exit,
     HoldAtSnapshot,
     Leave,
-    ProbePeers,
     Rejoin,
     ReportFailure,
     ReportStall,
@@ -57,7 +57,6 @@ from node_agent.core.facts import (
     Fact,
     NodeChecked,
     NoteDue,
-    PeersProbed,
     RanksStalled,
     ServerNotReached,
     ServerRefused,
@@ -66,6 +65,7 @@ from node_agent.core.facts import (
     Stage,
     StatusReceived,
     Verdict,
+    WitnessesAnswered,
     WorkersExited,
 )
 from node_agent.core.fencing import Fence, fenced
@@ -125,7 +125,7 @@ class SupervisionPolicy:
                 self.unreachable_since = self.conflict_since = None
                 self.fence.heard(sent_at)
                 return self._status(status)
-            case PeersProbed(verdict=verdict, server=server):
+            case WitnessesAnswered(verdict=verdict, server=server):
                 return self._peers(verdict, server, now)
             case ServerRefused():
                 self.unreachable_since = None
@@ -168,7 +168,7 @@ class SupervisionPolicy:
         rules: list[tuple[float | None, Callable[[float], list[Action]]]] = [
             (give_up, self._give_up),
             (self.retry_join_at, self._retry_join),
-            (self._fence_at(), self._probe),
+            (self._fence_at(), self._ask_witnesses),
             (check, lambda now: self.health.periodic(self.running_round)),
             (self.health.retry_at, self._retry_health),
         ]
@@ -187,10 +187,10 @@ class SupervisionPolicy:
         """Whether this agent hears the server (what it tells the other agents that ask: witness.py)."""
         return self.unreachable_since is None
 
-    def _probe(self, now: float) -> list[Action]:
+    def _ask_witnesses(self, now: float) -> list[Action]:
         assert self.assignment is not None    # a server that names no witness: the server check alone
         self.fence.asked()
-        return [ProbePeers(self.assignment.witnesses)]
+        return [AskWitnesses(self.assignment.witnesses)]
 
     def _peers(self, verdict: Verdict, server: Path | None, now: float) -> list[Action]:
         running = self.workers == Workers.RUNNING and self.assignment is not None

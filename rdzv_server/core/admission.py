@@ -72,9 +72,9 @@ def join(rules: JobRules, req: JoinRequest, now: float, credential: str, via: tu
 def _rejoined(rules: JobRules, node: NodeRecord, req: JoinRequest, via: tuple[str, str], now: float) -> None:
     """The node's own agent joined again (a retry, or after the server restarted): refresh what changed."""
     port = req.master_port or node.master_port
-    if (node.addr, node.master_port, node.seen_from, node.server_addr, node.probe_port, node.copy_port) != \
-            (req.addr, port, *via, req.probe_port, req.copy_port):
-        node.addr, node.master_port, node.probe_port, node.copy_port = req.addr, port, req.probe_port, req.copy_port
+    if (node.addr, node.master_port, node.seen_from, node.server_addr, node.witness_port, node.copy_port) != \
+            (req.addr, port, *via, req.witness_port, req.copy_port):
+        node.addr, node.master_port, node.witness_port, node.copy_port = req.addr, port, req.witness_port, req.copy_port
         node.seen_from, node.server_addr = via
         rules.node_changed(node.node_id)
     node.credential_used = node.credential_used or bool(node.credential_digest)
@@ -91,7 +91,7 @@ def _new_record(rules: JobRules, req: JoinRequest, now: float, credential: str, 
                       state=NodeState.GONE, joined_at=now, last_seen=now,
                       lease_expires=now + job.config.lease_timeout_s,
                       credential_digest=credentials.digest(credential), seen_from=via[0], server_addr=via[1],
-                      probe_port=req.probe_port, checks=req.checks, ready=req.ready,
+                      witness_port=req.witness_port, checks=req.checks, ready=req.ready,
                       preparing_since=0.0 if req.ready else now, domain=req.domain, copy_port=req.copy_port,
                       store_per_round=req.store_per_round)
     rules.out.deadline(node.lease_expires)

@@ -40,7 +40,7 @@ class NodeRecord(msgspec.Struct, kw_only=True):
     credential_digest: str = ""        # sha256 of the secret its join was given ("": none was issued)
     credential_used: bool = False      # a request has carried that secret: its agent has it (admission.py)
     seen_from: str = ""                # the address its join came from (as the server saw it)
-    probe_port: int = 0                # where its agent answers other agents' probes (0: none)
+    witness_port: int = msgspec.field(default=0, name="probe_port")    # where its agent answers as a witness (0: none)
     server_addr: str = ""              # the server's address its join reached
     checks: str = ""                   # what its agent checks of the node (JoinRequest.checks)
     ready: bool = True                 # its workers can start at once: only such nodes enter a round
@@ -83,7 +83,7 @@ class RoundRecord(msgspec.Struct, kw_only=True, omit_defaults=True, dict=True):
     local_sizes: list[int] = []
     roles: list[str] = []
     addrs: list[str] = []              # where the other members reach each (rounds.reachable_addresses)
-    probe_ports: list[int] = []        # 0: answers no probes (not a witness)
+    witness_ports: list[int] = msgspec.field(default_factory=list, name="probe_ports")   # 0: not a witness
     master_port: int = 0
     awaits_port: bool = False          # master_port is its master's last round's: it waits for another (store_port)
     max_restarts: int = 0

@@ -33,7 +33,7 @@ def build_round(job: JobRecord, members: list[str], round_id: int, opened_at: fl
     r = RoundRecord(round_id=round_id, members=list(members), opened_at=opened_at, completed_at=now,
                     reason=reason, world_size=sum(sizes), restart_count=job.restart_count,
                     ranked=list(members), local_sizes=sizes, roles=[n.role for n in nodes],
-                    addrs=reachable_addresses(nodes), probe_ports=[n.probe_port for n in nodes],
+                    addrs=reachable_addresses(nodes), witness_ports=[n.witness_port for n in nodes],
                     master_port=nodes[0].master_port, max_restarts=job.config.max_restarts,
                     domains=[n.domain or n.host for n in nodes], copy_ports=[n.copy_port for n in nodes],
                     replicas=replicas, replica_key=job.replica_key, run=run_of(job),
@@ -203,8 +203,8 @@ class _Derived:
                 self.role_sizes[role] = at + size
         elif r.roles:
             self.role_sizes[r.roles[0]] = r.world_size
-        self.probers = [i for i, port in enumerate(r.probe_ports) if port]
-        named = [Witness(addr=r.addrs[i], port=r.probe_ports[i]) for i in self.probers]   # each shared
+        self.witness_ranks = [i for i, port in enumerate(r.witness_ports) if port]
+        named = [Witness(addr=r.addrs[i], port=r.witness_ports[i]) for i in self.witness_ranks]   # each shared
         self.ring = named + named[:WITNESSES]      # the next WITNESSES from any position, without wrapping
         self.built: dict[str, Assignment] = {}
         self.round = r
@@ -212,13 +212,13 @@ class _Derived:
         self._sources: dict[int, list[int]] | None = None
 
     def witnesses(self, rank: int) -> tuple[Witness, ...]:
-        """The next WITNESSES members after `rank` in the ring that answer probes, never itself: a different pair
-        for each node, found by bisection (a walk of the ring per member is O(N^2) when few answer probes)."""
-        probers, m = self.probers, len(self.probers)
-        after = bisect.bisect_right(probers, rank) % m if m else 0      # the first prober after `rank`
+        """The next WITNESSES members after `rank` in the ring that answer as witnesses, never itself: a different pair
+        for each node, found by bisection (a walk of the ring per member is O(N^2) when few answer)."""
+        witness_ranks, m = self.witness_ranks, len(self.witness_ranks)
+        after = bisect.bisect_right(witness_ranks, rank) % m if m else 0      # the first witness after `rank`
         if m > WITNESSES:     # the member itself comes last going round from there: never among the first
             return tuple(self.ring[after:after + WITNESSES])
-        return tuple(self.ring[(after + k) % m] for k in range(m) if probers[(after + k) % m] != rank)
+        return tuple(self.ring[(after + k) % m] for k in range(m) if witness_ranks[(after + k) % m] != rank)
 
     def replica_ranks(self, rank: int) -> list[int]:
         """Where `rank`'s copies go: members that take copies (JoinRequest.copy_port) in the next
@@ -308,5 +308,5 @@ def _loopback(addr: str) -> bool:
         return addr == "localhost"
 
 
-WITNESSES = 2      # other members each node may probe while the server is silent
+WITNESSES = 2      # other members each node may ask while the server is silent
 PREPARE_LIMIT_S = 90.0   # a node preparing this long is said (its agent gives its warm interpreter 60 s)

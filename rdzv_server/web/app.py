@@ -14,7 +14,7 @@ from rdzv_server.coordinator import Coordinator
 from rdzv_server.core.records import MAX_EVENTS_PER_JOB, JobRecord
 from rdzv_server.core.rendezvous import RendezvousError
 from rdzv_server.delivery.connection import Connection
-from rdzv_server.looplag import LoopLagProbe
+from rdzv_server.looplag import LoopLagMeter
 from rdzv_server.web import admin, views
 from rdzv_server.web.access import ACCESS, NO_STREAM, Access, access_middleware
 from rdzv_server.web.connections import (
@@ -194,7 +194,7 @@ def create_app(coordinator: Coordinator | None = None, *, allow_remote_admin: bo
                           client_max_size=MAX_BODY_BYTES)
     app[ACCESS] = access or Access(allow_remote_admin=allow_remote_admin)
     # the server watches its own loop (leases wait out its stalls); a coordinator given is taken as built
-    app[COORDINATOR] = coordinator or Coordinator(loop_lag=LoopLagProbe())
+    app[COORDINATOR] = coordinator or Coordinator(loop_lag=LoopLagMeter())
     app[METRICS] = ServerMetrics(app[COORDINATOR])
     app[COORDINATOR].effect_listeners.append(app[METRICS].on_effects)
 

@@ -16,7 +16,7 @@ from protocol.codec import CONTENT_TYPE, encode
 from protocol.messages import JobConfig, JobState, NodeState, NodeStatus
 from rdzv_ctl.client import Client
 from rdzv_server.coordinator import Coordinator
-from rdzv_server.looplag import LoopLagProbe
+from rdzv_server.looplag import LoopLagMeter
 from rdzv_server.web.app import create_app
 from tests.integration.support import start_app, wait_until
 from tests.ports import free_port
@@ -32,7 +32,7 @@ async def join(client: RdzvClient):
 
 @pytest.fixture
 async def leader_and_standby():
-    leader = await start_app(create_app(Coordinator(loop_lag=LoopLagProbe())))
+    leader = await start_app(create_app(Coordinator(loop_lag=LoopLagMeter())))
     standby_coord = Coordinator()
     standby_coord.gate.leader_url = lambda: f"http://127.0.0.1:{leader.port}"
     standby = await start_app(create_app(standby_coord, standby=True))
@@ -129,8 +129,8 @@ async def test_a_followed_leader_that_is_gone_sends_the_agent_back_to_its_endpoi
     there names the leader, the agent follows it to the leader's own address; when that leader is gone,
     the agent goes back to the endpoint it was given, where a standby names the new leader, instead of
     knocking at the old leader's address until --server-wait ends."""
-    first = await start_app(create_app(Coordinator(loop_lag=LoopLagProbe())))
-    second = await start_app(create_app(Coordinator(loop_lag=LoopLagProbe())))
+    first = await start_app(create_app(Coordinator(loop_lag=LoopLagMeter())))
+    second = await start_app(create_app(Coordinator(loop_lag=LoopLagMeter())))
     standby_coord = Coordinator()
     leader = {"url": f"http://127.0.0.1:{first.port}"}
     standby_coord.gate.leader_url = lambda: leader["url"]

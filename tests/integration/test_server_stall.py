@@ -13,7 +13,7 @@ import aiohttp
 import msgpack
 
 from rdzv_server.core.events import EventKind
-from rdzv_server.looplag import LoopLagProbe
+from rdzv_server.looplag import LoopLagMeter
 from rdzv_server.web.app import COORDINATOR, create_app
 from tests.integration.support import start_app, url, wait_until
 
@@ -22,7 +22,7 @@ MSGPACK = {"Content-Type": "application/msgpack"}
 
 
 async def test_the_probe_reports_a_stall_still_in_progress():
-    probe = LoopLagProbe()
+    probe = LoopLagMeter()
     probe.start()
     try:
         await asyncio.sleep(0.2)                  # the probe has run: no stall

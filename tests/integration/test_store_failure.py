@@ -6,7 +6,7 @@ import sqlite3
 import msgpack
 
 from rdzv_server.coordinator import Coordinator
-from rdzv_server.looplag import LoopLagProbe
+from rdzv_server.looplag import LoopLagMeter
 from rdzv_server.store.sqlite import SqliteStore
 from rdzv_server.web.app import COORDINATOR, create_app
 from tests.integration.support import remember_credential, start_app, url, with_credential
@@ -36,7 +36,7 @@ async def join(http, srv, job: str, node: str) -> tuple[int, dict]:
 
 async def test_a_full_disk_refuses_the_join_by_name_and_keeps_nothing_of_it(tmp_path, http):
     store = FullDisk(str(tmp_path))
-    srv = await start_app(create_app(Coordinator(store=store, loop_lag=LoopLagProbe())))
+    srv = await start_app(create_app(Coordinator(store=store, loop_lag=LoopLagMeter())))
     try:
         assert (await join(http, srv, "kept", "a"))[0] == 200
         store.fail = 1

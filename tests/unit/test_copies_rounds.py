@@ -16,7 +16,7 @@ JOB = "job-c"
 def join(rz: Rendezvous, node: str, now: float, config: JobConfig, *, domain: str = "", probe: int = 4000,
          credential: str = "") -> NodeStatus:
     req = JoinRequest(v=1, node_id=node, addr=f"10.0.0.{ord(node[0]) - 96}", local_world_size=2, master_port=20000,
-                      config=config, instance=f"{node}#1", host=f"host-{node}", probe_port=probe, copy_port=probe,
+                      config=config, instance=f"{node}#1", host=f"host-{node}", witness_port=probe, copy_port=probe,
                       domain=domain)
     return rz.handle(JOB, req, now, Arrival(secret=credential or f"secret-{node}"))
 
@@ -96,7 +96,7 @@ def test_a_job_made_without_a_secret_has_no_key_and_so_no_copies():
     rz = Rendezvous()
     for i, n in enumerate("abc"):
         rz.handle(JOB, JoinRequest(v=1, node_id=n, addr=f"10.0.0.{i + 1}", local_world_size=1, master_port=1,
-                                 config=CFG, instance=n, probe_port=4000, copy_port=4000, domain=n), i * 0.01)
+                                 config=CFG, instance=n, witness_port=4000, copy_port=4000, domain=n), i * 0.01)
     assert [targets(rz, n) for n in "abc"] == [[], [], []]
 
 
@@ -153,7 +153,8 @@ def test_a_node_back_at_its_own_place_with_a_new_agent_is_told_where_its_own_cop
     assert before is not None and before.copies_of == "" and before.run
     outlive(rz, ("a", "c"))              # b's agent is gone: lost; the job waits for a third node
     rz.handle(JOB, JoinRequest(v=1, node_id="b", addr="10.0.0.2", local_world_size=2, master_port=20000,
-                             config=fixed, instance="b#2", host="host-b", probe_port=4000, copy_port=4000, domain="2"),
+                             config=fixed, instance="b#2", host="host-b", witness_port=4000, copy_port=4000,
+                             domain="2"),
               7.0, Arrival(secret="secret-b2"))
     r = rz.jobs[JOB].round
     assert r is not None and r.members == ["a", "b", "c"], r
@@ -177,7 +178,7 @@ def test_a_holder_is_told_how_many_ranks_each_source_has_and_each_run_is_its_own
 def test_a_newcomer_of_another_size_takes_the_place_but_not_the_shards():
     rz = started({"a": "1", "b": "2", "c": "3"}, CFG)
     rz.handle(JOB, JoinRequest(v=1, node_id="s", addr="10.0.0.19", local_world_size=1, master_port=20000, config=CFG,
-                             instance="s#1", host="host-s", probe_port=4000, copy_port=4000, domain="4"), 0.5,
+                             instance="s#1", host="host-s", witness_port=4000, copy_port=4000, domain="4"), 0.5,
                                  Arrival(secret="secret-s"))
     outlive(rz, ("a", "c", "s"))
     r = rz.jobs[JOB].round
@@ -194,7 +195,7 @@ def test_racks_in_blocks_spread_their_copies_evenly_and_every_member_has_a_holde
     names = [f"n{i:03d}" for i in range(256)]
     for i, n in enumerate(names):                     # racks of 128 in a row, as a switch's nodes come
         rz.handle(JOB, JoinRequest(v=1, node_id=n, addr=f"10.1.{i // 200}.{i % 200}", local_world_size=1,
-                                 master_port=1, config=wide, instance=n, probe_port=4000, copy_port=4000,
+                                 master_port=1, config=wide, instance=n, witness_port=4000, copy_port=4000,
                                  domain="rack-a" if i < 128 else "rack-b"), i * 0.001, Arrival(secret=f"secret-{n}"))
     r = rz.jobs[JOB].round
     assert r is not None and len(r.members) == 256

@@ -7,12 +7,12 @@ import sys
 
 import pytest
 
-from rdzv_server.looplag import ACCEPT_WAIT_S, INTERVAL_S, LoopLagProbe
+from rdzv_server.looplag import ACCEPT_WAIT_S, INTERVAL_S, LoopLagMeter
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="the accept queue is read from Linux's TCP_INFO")
 def test_connections_waiting_to_be_accepted_count_as_the_server_being_behind():
-    probe = LoopLagProbe()
+    probe = LoopLagMeter()
     with socket.socket() as listener:
         listener.bind(("127.0.0.1", 0))
         listener.listen(16)
@@ -33,7 +33,7 @@ def test_connections_waiting_to_be_accepted_count_as_the_server_being_behind():
 
 def test_requests_that_waited_for_the_server_count_as_it_being_behind():
     # a loop can run its timers on time while the requests it handles had waited seconds to be read
-    probe = LoopLagProbe()
+    probe = LoopLagMeter()
     probe.note_waited(INTERVAL_S / 2)                  # handled about when it came: not behind
     assert probe.recent_s() == 0.0
     for waited in (0.3, 1.7, 0.9):                     # a burst of late requests ...

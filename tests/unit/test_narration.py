@@ -7,13 +7,13 @@ import signal
 from node_agent.client.replies import Path
 from node_agent.core.actions import Exit, Leave, Rejoin, ReportFailure, ReportStall, Spawn, StopWorkers
 from node_agent.core.facts import (
-    PeersProbed,
     RanksStalled,
     ServerNotReached,
     ServerRefused,
     SpawnFailed,
     StatusReceived,
     Verdict,
+    WitnessesAnswered,
     WorkersExited,
 )
 from node_agent.core.summary import failure_summary
@@ -131,9 +131,9 @@ def test_failure_summary_names_the_root_cause() -> None:
 def test_a_probe_that_concludes_nothing_is_told_once_per_outage_and_says_why():
     out = io.StringIO()
     n = Narrator("node-b", out)
-    n.fact(PeersProbed(Verdict.STILL_MEMBER, Path.NO_SERVER), [])
-    n.fact(PeersProbed(Verdict.STILL_MEMBER, Path.NO_SERVER), [])
+    n.fact(WitnessesAnswered(Verdict.STILL_MEMBER, Path.NO_SERVER), [])
+    n.fact(WitnessesAnswered(Verdict.STILL_MEMBER, Path.NO_SERVER), [])
     assert out.getvalue().count("nothing was replaced") == 1
     out2 = io.StringIO()
-    Narrator("node-b", out2).fact(PeersProbed("server_away", Path.STANDBY), [])
+    Narrator("node-b", out2).fact(WitnessesAnswered("server_away", Path.STANDBY), [])
     assert "takeover" in out2.getvalue()

@@ -8,10 +8,10 @@ import pytest
 
 from node_agent.client.replies import Path
 from node_agent.core.actions import (
+    AskWitnesses,
     Exit,
     HoldAtSnapshot,
     Leave,
-    ProbePeers,
     Rejoin,
     ReportFailure,
     ReportStall,
@@ -21,7 +21,6 @@ from node_agent.core.actions import (
 )
 from node_agent.core.facts import (
     DeadlinePassed,
-    PeersProbed,
     RanksStalled,
     ServerNotReached,
     ServerRefused,
@@ -29,9 +28,10 @@ from node_agent.core.facts import (
     SpawnFailed,
     StatusReceived,
     Verdict,
+    WitnessesAnswered,
     WorkersExited,
 )
-from node_agent.core.fencing import REPROBE_S
+from node_agent.core.fencing import ASK_AGAIN_S
 from node_agent.core.policy import SupervisionPolicy, Workers
 from protocol.messages import (
     Assignment,
@@ -340,12 +340,12 @@ def test_a_cut_off_node_asks_its_witnesses_once_its_lease_must_have_lapsed_and_f
     assert p.handle(unreachable(), 14.0) == []                  # first failed try at 14: keep going
     assert p.next_deadline() == 10.0 + 5.0 + 0.5 - 1.0          # sent at 10 + lease + margin, asked 1 s sooner
     probe = p.handle(DeadlinePassed(), 16.0)
-    assert len(probe) == 1 and isinstance(probe[0], ProbePeers)
+    assert len(probe) == 1 and isinstance(probe[0], AskWitnesses)
     assert p.next_deadline() == 14.0 + 60                       # probing: only the give-up rule is armed
-    assert p.handle(PeersProbed(Verdict.SERVER_HEARD), 16.5) == []    # once more, in case a witness is slow to see
+    assert p.handle(WitnessesAnswered(Verdict.SERVER_HEARD), 16.5) == []    # once more: a witness may be slow to see
     assert p.next_deadline() == 17.5
-    assert isinstance(p.handle(DeadlinePassed(), 17.5)[0], ProbePeers)
-    actions = p.handle(PeersProbed(Verdict.SERVER_HEARD), 17.6)
+    assert isinstance(p.handle(DeadlinePassed(), 17.5)[0], AskWitnesses)
+    actions = p.handle(WitnessesAnswered(Verdict.SERVER_HEARD), 17.6)
     assert isinstance(actions[0], StopWorkers) and "fenced" in actions[0].reason
     assert isinstance(actions[1], ReportFailure) and actions[1].failures[0].reason == "fenced"
     assert p.workers == Workers.FAILED
@@ -356,10 +356,10 @@ def test_silent_witnesses_are_asked_once_more_at_once_and_fence_if_still_silent(
     p = fenced_policy()
     p.handle(unreachable(), 14.0)
     p.handle(DeadlinePassed(), 16.0)
-    assert p.handle(PeersProbed(Verdict.SILENT), 17.0) == [] and p.workers == Workers.RUNNING
+    assert p.handle(WitnessesAnswered(Verdict.SILENT), 17.0) == [] and p.workers == Workers.RUNNING
     assert p.next_deadline() == 17.0                            # the second probe goes at once
-    assert isinstance(p.handle(DeadlinePassed(), 17.0)[0], ProbePeers)
-    actions = p.handle(PeersProbed(Verdict.SILENT), 18.0)
+    assert isinstance(p.handle(DeadlinePassed(), 17.0)[0], AskWitnesses)
+    actions = p.handle(WitnessesAnswered(Verdict.SILENT), 18.0)
     assert isinstance(actions[0], StopWorkers) and "fenced" in actions[0].reason
 
 
@@ -368,13 +368,13 @@ def test_a_silence_before_the_lease_lapsed_is_confirmed_after_it_and_only_then_f
     # confirmed about a second after it: never concluded on before it.
     p = fenced_policy()
     p.handle(unreachable(), 14.0)
-    assert isinstance(p.handle(DeadlinePassed(), 14.5)[0], ProbePeers)
-    assert p.handle(PeersProbed(Verdict.SILENT, Path.NO_SERVER), 15.0) == []     # answered early: asked again at once
-    assert isinstance(p.handle(DeadlinePassed(), 15.0)[0], ProbePeers)
-    assert p.handle(PeersProbed(Verdict.SILENT, Path.NO_SERVER), 15.3) == [] and p.workers == Workers.RUNNING
+    assert isinstance(p.handle(DeadlinePassed(), 14.5)[0], AskWitnesses)
+    assert p.handle(WitnessesAnswered(Verdict.SILENT, Path.NO_SERVER), 15.0) == []     # early: asked again at once
+    assert isinstance(p.handle(DeadlinePassed(), 15.0)[0], AskWitnesses)
+    assert p.handle(WitnessesAnswered(Verdict.SILENT, Path.NO_SERVER), 15.3) == [] and p.workers == Workers.RUNNING
     assert p.next_deadline() == 15.5                                      # twice silent, lease not lapsed
-    assert isinstance(p.handle(DeadlinePassed(), 15.5)[0], ProbePeers)
-    actions = p.handle(PeersProbed(Verdict.SILENT, Path.NO_SERVER), 16.5)
+    assert isinstance(p.handle(DeadlinePassed(), 15.5)[0], AskWitnesses)
+    actions = p.handle(WitnessesAnswered(Verdict.SILENT, Path.NO_SERVER), 16.5)
     assert isinstance(actions[0], StopWorkers) and "nor any endpoint answer" in actions[0].reason
 
 
@@ -382,9 +382,10 @@ def test_a_silence_ending_at_the_lapse_is_confirmed_by_one_more_ask():
     p = fenced_policy()
     p.handle(unreachable(), 14.0)
     p.handle(DeadlinePassed(), 14.5)
-    assert p.handle(PeersProbed(Verdict.SILENT, Path.NO_SERVER), 15.5) == [] and p.next_deadline() == 15.5
+    assert p.handle(WitnessesAnswered(Verdict.SILENT, Path.NO_SERVER), 15.5) == [] and p.next_deadline() == 15.5
     p.handle(DeadlinePassed(), 15.5)
-    assert isinstance(p.handle(PeersProbed(Verdict.SILENT, Path.NO_SERVER), 16.5)[0], StopWorkers)   # 1 s after lapse
+    stop = p.handle(WitnessesAnswered(Verdict.SILENT, Path.NO_SERVER), 16.5)
+    assert isinstance(stop[0], StopWorkers)   # 1 s after lapse
 
 
 def test_a_failed_try_noticed_after_the_early_ask_time_asks_at_once():
@@ -392,28 +393,28 @@ def test_a_failed_try_noticed_after_the_early_ask_time_asks_at_once():
     # second later, keeps the fence within lease + 2 s of the cut (two silences of a probe's limit each).
     p = fenced_policy()
     asked = p.handle(unreachable(), 15.0)                       # past lapse - 1 s (14.5): at once
-    assert len(asked) == 1 and isinstance(asked[0], ProbePeers)
-    assert p.handle(PeersProbed(Verdict.SILENT, Path.NO_SERVER), 16.0) == [] and p.workers == Workers.RUNNING
+    assert len(asked) == 1 and isinstance(asked[0], AskWitnesses)
+    assert p.handle(WitnessesAnswered(Verdict.SILENT, Path.NO_SERVER), 16.0) == [] and p.workers == Workers.RUNNING
     p.handle(DeadlinePassed(), 16.0)
-    assert isinstance(p.handle(PeersProbed(Verdict.SILENT, Path.NO_SERVER), 17.0)[0], StopWorkers)
+    assert isinstance(p.handle(WitnessesAnswered(Verdict.SILENT, Path.NO_SERVER), 17.0)[0], StopWorkers)
 
 
 def test_a_silence_then_witnesses_that_do_not_hear_the_server_keep_the_workers():
     p = fenced_policy()
     p.handle(unreachable(), 14.0)
     p.handle(DeadlinePassed(), 16.0)
-    p.handle(PeersProbed(Verdict.SILENT), 17.0)
+    p.handle(WitnessesAnswered(Verdict.SILENT), 17.0)
     p.handle(DeadlinePassed(), 17.0)
-    assert p.handle(PeersProbed(Verdict.SERVER_AWAY), 17.3) == [] and p.workers == Workers.RUNNING
+    assert p.handle(WitnessesAnswered(Verdict.SERVER_AWAY), 17.3) == [] and p.workers == Workers.RUNNING
 
 
 def test_witnesses_that_do_not_hear_the_server_either_keep_the_workers_and_are_asked_again():
     p = fenced_policy()
     p.handle(unreachable(), 14.0)
     p.handle(DeadlinePassed(), 16.0)
-    assert p.handle(PeersProbed(Verdict.SERVER_AWAY), 16.2) == [] and p.workers == Workers.RUNNING
-    assert p.next_deadline() == 16.2 + REPROBE_S
-    assert isinstance(p.handle(DeadlinePassed(), 17.2)[0], ProbePeers)
+    assert p.handle(WitnessesAnswered(Verdict.SERVER_AWAY), 16.2) == [] and p.workers == Workers.RUNNING
+    assert p.next_deadline() == 16.2 + ASK_AGAIN_S
+    assert isinstance(p.handle(DeadlinePassed(), 17.2)[0], AskWitnesses)
 
 
 def test_a_node_alone_in_its_round_is_never_fenced_and_one_with_no_witness_fences_on_the_server_check_alone():
@@ -422,10 +423,10 @@ def test_a_node_alone_in_its_round_is_never_fenced_and_one_with_no_witness_fence
     assert p.next_deadline() == 14.0 + 60
     q = fenced_policy(witnesses=())
     q.handle(unreachable(), 14.0)
-    assert q.handle(DeadlinePassed(), 16.0) == [ProbePeers(())]   # nobody to ask: the server is still checked
-    assert q.handle(PeersProbed(Verdict.SILENT, Path.NO_SERVER), 16.5) == []   # once more, at once
-    assert q.handle(DeadlinePassed(), 16.5) == [ProbePeers(())]
-    actions = q.handle(PeersProbed(Verdict.SILENT, Path.NO_SERVER), 17.0)
+    assert q.handle(DeadlinePassed(), 16.0) == [AskWitnesses(())]   # nobody to ask: the server is still checked
+    assert q.handle(WitnessesAnswered(Verdict.SILENT, Path.NO_SERVER), 16.5) == []   # once more, at once
+    assert q.handle(DeadlinePassed(), 16.5) == [AskWitnesses(())]
+    actions = q.handle(WitnessesAnswered(Verdict.SILENT, Path.NO_SERVER), 17.0)
     assert isinstance(actions[0], StopWorkers) and "nor any endpoint answer" in actions[0].reason
 
 
@@ -433,7 +434,7 @@ def test_a_witness_holding_a_newer_round_is_the_evidence_to_fence_at_once():
     p = fenced_policy()
     p.handle(unreachable(), 14.0)
     p.handle(DeadlinePassed(), 16.0)
-    actions = p.handle(PeersProbed(Verdict.ROUND_REPLACED, Path.NO_SERVER), 16.2)
+    actions = p.handle(WitnessesAnswered(Verdict.ROUND_REPLACED, Path.NO_SERVER), 16.2)
     assert isinstance(actions[0], StopWorkers) and "runs a newer round" in actions[0].reason
     assert isinstance(actions[1], ReportFailure) and p.workers == Workers.FAILED
 
@@ -444,10 +445,10 @@ def test_a_witness_that_hears_the_server_in_this_nodes_round_is_no_evidence_howe
     p.handle(unreachable(), 14.0)
     t = 16.0
     for _ in range(5):
-        assert isinstance(p.handle(DeadlinePassed(), t)[0], ProbePeers)
-        assert p.handle(PeersProbed(Verdict.STILL_MEMBER, Path.NO_SERVER), t + 0.1) == []
+        assert isinstance(p.handle(DeadlinePassed(), t)[0], AskWitnesses)
+        assert p.handle(WitnessesAnswered(Verdict.STILL_MEMBER, Path.NO_SERVER), t + 0.1) == []
         assert p.workers == Workers.RUNNING
-        assert p.next_deadline() == t + 0.1 + REPROBE_S             # asked again a little later
+        assert p.next_deadline() == t + 0.1 + ASK_AGAIN_S             # asked again a little later
         t += 1.1
 
 
@@ -461,7 +462,7 @@ def test_nothing_is_concluded_while_the_server_answers_a_fresh_connection_or_a_r
     t = 16.0
     for _ in range(3):
         p.handle(DeadlinePassed(), t)
-        assert p.handle(PeersProbed(verdict, server), t + 0.1) == [] and p.workers == Workers.RUNNING
+        assert p.handle(WitnessesAnswered(verdict, server), t + 0.1) == [] and p.workers == Workers.RUNNING
         t = p.next_deadline()
 
 

@@ -42,7 +42,7 @@ def test_a_round_formed_again_parses_no_member_address_again(monkeypatch: pytest
     for i in range(MEMBERS):
         addr = f"10.1.{i // 200}.{i % 200 + 1}"
         rz.handle("j", JoinRequest(v=1, node_id=f"n{i}", addr=addr, local_world_size=8, master_port=29500,
-                                 config=cfg, instance=f"n{i}", probe_port=29600), 1.0,
+                                 config=cfg, instance=f"n{i}", witness_port=29600), 1.0,
                                      Arrival(peer=addr, local="10.1.9.9"))
     first = rz.jobs["j"].round
     assert first is not None and len(first.members) == MEMBERS
@@ -74,7 +74,7 @@ def test_each_member_gets_the_next_two_members_that_answer_probes(ports: list[in
     for i, port in enumerate(ports):
         node = NodeRecord(node_id=f"n{i}", instance=f"n{i}", addr=f"10.2.0.{i + 1}", host=f"h{i}", role="default",
                           local_world_size=1, master_port=29500, state=NodeState.MEMBER, joined_at=0.0,
-                          last_seen=0.0, lease_expires=10.0, probe_port=port)
+                          last_seen=0.0, lease_expires=10.0, witness_port=port)
         job.nodes[node.node_id] = node
         members.append(node.node_id)
     built = rounds.build_round(job, members, 1, 0.0, 0.0, "test")

@@ -223,7 +223,7 @@ def _big_running_job(members: int) -> Rendezvous:
     for i in range(members):
         rz.handle("big", JoinRequest(v=1, node_id=f"n{i}", addr=f"10.3.{i // 200}.{i % 200 + 1}",
                                    local_world_size=1 + i % 3, master_port=29500, config=config, instance=f"n{i}",
-                                   probe_port=29600 if i % 4 else 0, role="trainer" if i % 5 else "eval"), 1.0)
+                                   witness_port=29600 if i % 4 else 0, role="trainer" if i % 5 else "eval"), 1.0)
     return rz
 
 

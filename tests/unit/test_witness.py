@@ -8,8 +8,8 @@ import pytest
 
 from node_agent.client.replies import Path
 from node_agent.client.witness import WitnessServer
-from node_agent.core.facts import PeersProbed, Verdict
-from node_agent.witness import ask_witnesses, probe_peers, verdict
+from node_agent.core.facts import Verdict, WitnessesAnswered
+from node_agent.witness import ask_witnesses, verdict, witnesses_and_server
 from protocol.messages import Witness
 
 
@@ -77,13 +77,13 @@ async def test_a_probe_waits_for_the_server_check_only_where_the_witnesses_leave
     try:
         witness = Witness(addr="127.0.0.1", port=await w.start())
         # a witness holds a newer round: evidence at once, however long the server check would take
-        said = await asyncio.wait_for(probe_peers((witness,), 3, silent_server), 5)
-        assert said == PeersProbed(Verdict.ROUND_REPLACED, None) and checks_ended == [True]
+        said = await asyncio.wait_for(witnesses_and_server((witness,), 3, silent_server), 5)
+        assert said == WitnessesAnswered(Verdict.ROUND_REPLACED, None) and checks_ended == [True]
         held[0] = 3
-        said = await asyncio.wait_for(probe_peers((witness,), 3, silent_server), 5)
-        assert said == PeersProbed(Verdict.STILL_MEMBER, None)
+        said = await asyncio.wait_for(witnesses_and_server((witness,), 3, silent_server), 5)
+        assert said == WitnessesAnswered(Verdict.STILL_MEMBER, None)
     finally:
         await w.close()
     nobody = Witness(addr="127.0.0.1", port=closed_port())
-    said = await probe_peers((nobody,), 3, no_server)
-    assert said == PeersProbed(Verdict.SILENT, Path.NO_SERVER)   # the check decides
+    said = await witnesses_and_server((nobody,), 3, no_server)
+    assert said == WitnessesAnswered(Verdict.SILENT, Path.NO_SERVER)   # the check decides
