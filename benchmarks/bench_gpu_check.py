@@ -16,7 +16,7 @@ from typing import Any
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from node_agent.gpu.health import check_gpus  # noqa: E402
-from node_agent.gpu.nvml import NvmlProbe  # noqa: E402
+from node_agent.gpu.nvml import NvmlReader  # noqa: E402
 from tests.unit.test_gpu_health import FakeNvml  # noqa: E402
 
 GPUS = 8
@@ -61,14 +61,14 @@ def main() -> None:
     print(f"built-in GPU check, {GPUS} GPUs, stand-in NVML (median of 10 checks):")
     for latency in (0.0, 0.001, 0.004):
         nv = SlowNvml(latency)
-        probe = NvmlProbe(load=lambda nv=nv: nv)   # type: ignore[misc]
-        probe.open()
-        probe.devices()
+        reader = NvmlReader(load=lambda nv=nv: nv)   # type: ignore[misc]
+        reader.open()
+        reader.devices()
         nv.calls.clear()
         indices = list(range(GPUS))
-        times = [check_gpus(probe, indices).seconds for _ in range(10)]
+        times = [check_gpus(reader, indices).seconds for _ in range(10)]
         per_gpu = len(nv.calls) / 10 / GPUS
-        lag = asyncio.run(lag_during(lambda: check_gpus(probe, indices)))  # noqa: B023
+        lag = asyncio.run(lag_during(lambda: check_gpus(reader, indices)))  # noqa: B023
         print(f"  {latency * 1000:.0f} ms per NVML call: {per_gpu:.0f} calls per GPU, check "
               f"{statistics.median(times) * 1000:.2f} ms, event loop's worst lag meanwhile {lag * 1000:.2f} ms")
 

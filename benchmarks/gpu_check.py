@@ -34,24 +34,24 @@ def gpu_devices(dev: str) -> list[str]:
 
 def nvml_figures() -> Any:
     from node_agent.gpu.health import check_gpus
-    from node_agent.gpu.nvml import NvmlProbe, ProbeUnavailable
-    probe = NvmlProbe()
+    from node_agent.gpu.nvml import NvmlReader, NvmlUnavailable
+    reader = NvmlReader()
     try:
-        probe.open()
-        gpus = probe.devices()
-    except ProbeUnavailable as exc:
+        reader.open()
+        gpus = reader.devices()
+    except NvmlUnavailable as exc:
         print(f"built-in GPU check: skipped: {exc}")
         return None
     indices = [g.index for g in gpus]
     times, verdict = [], None
     for _ in range(20):
-        verdict = check_gpus(probe, indices)
+        verdict = check_gpus(reader, indices)
         times.append(verdict.seconds)
     print(f"GPUs: {len(gpus)} ({', '.join(sorted({g.name for g in gpus}))})")
     print(f"built-in GPU check, {len(gpus)} GPU(s): median {statistics.median(times) * 1000:.1f} ms, "
           f"max {max(times) * 1000:.1f} ms over 20 runs (budget 100 ms for 8 GPUs); verdict: "
           f"{type(verdict).__name__}{': ' + getattr(verdict, 'reason', '') if getattr(verdict, 'reason', '') else ''}")
-    return probe
+    return reader
 
 
 def run_job(extra: list[str], label: str) -> bool:
@@ -86,12 +86,12 @@ def main() -> int:
         return 0
     sys.path.insert(0, ROOT)
     from node_agent.gpu.node import survey
-    probe = nvml_figures()
-    gpus = survey(len(devices), os.environ, probe=probe, numa_binding="node")
+    reader = nvml_figures()
+    gpus = survey(len(devices), os.environ, reader=reader, numa_binding="node")
     for line in (*gpus.lines, *gpus.warnings):
         print(line)
-    if probe is not None:
-        probe.close()
+    if reader is not None:
+        reader.close()
     ok = [run_job(["--numa-binding", "node"], "NCCL DDP, --numa-binding node, GPU check on (NVML held by the agent)"),
           run_job(["--no-gpu-check"], "NCCL DDP, --no-gpu-check (no NVML held)")]
     return 0 if all(ok) else 1

@@ -22,20 +22,20 @@ from protocol.quoting import one_line
 
 if TYPE_CHECKING:      # the GPU modules are imported where used: a CPU node's agent starts without them
     from node_agent.gpu.node import NodeGpus
-    from node_agent.gpu.nvml import GpuProbe
+    from node_agent.gpu.nvml import GpuReader
 
-ProbeFactory = Callable[[], "GpuProbe"]
+ReaderFactory = Callable[[], "GpuReader"]
 
 
 class NodeChecks:
-    def __init__(self, opts: CheckSettings, say: Callable[[str], None], *, probe: ProbeFactory | None = None,
+    def __init__(self, opts: CheckSettings, say: Callable[[str], None], *, reader: ReaderFactory | None = None,
                  root: str = "/", dev_dir: str = "/dev", environ: Mapping[str, str] = os.environ) -> None:
         self.opts = opts
         self._say = say
-        self._make_probe = probe
+        self._make_reader = reader
         self._root, self._dev_dir, self._environ = root, dev_dir, environ
         self.gpu_node = opts.gpu_check and has_nvidia_devices(dev_dir)
-        self.probe: GpuProbe | None = None
+        self.reader: GpuReader | None = None
         self.skipped: str | None = None        # why the GPU check is skipped on this GPU node
         self.gpus: NodeGpus | None = None
         self._lock = asyncio.Lock()             # one NVML check at a time
@@ -52,18 +52,18 @@ class NodeChecks:
 
     def gpu_busy(self, local_rank: int) -> int | None:
         """The utilization of `local_rank`'s GPU, % (None: it has none, or NVML is not open or cannot say)."""
-        if self.probe is None or self.gpus is None or local_rank >= len(self.gpus.ranks.ranks):
+        if self.reader is None or self.gpus is None or local_rank >= len(self.gpus.ranks.ranks):
             return None
         gpu = self.gpus.ranks.ranks[local_rank].gpu
         if gpu is None or gpu.gpu is None:
             return None
-        return self.probe.utilization(gpu.gpu.index)
+        return self.reader.utilization(gpu.gpu.index)
 
     @property
     def summary(self) -> str:
         """What the node checks of itself, one short line for the server's views ("": nothing to say)."""
         gpus = "" if not self.gpu_node else f"GPU check skipped: {self.skipped}" if self.skipped is not None \
-            else "GPU check on (NVML, held open)" if self.probe is not None else ""
+            else "GPU check on (NVML, held open)" if self.reader is not None else ""
         script = "--health-check" if self.opts.health_check is not None else ""
         return "; ".join(p for p in (gpus, script) if p)[:200]
 
@@ -73,29 +73,29 @@ class NodeChecks:
         if not has_gpus and self.opts.numa_binding is None:
             return                  # a CPU node: nothing to survey (the agent's start-up stays as it was)
         from node_agent.gpu.node import survey
-        from node_agent.gpu.nvml import NvmlProbe, ProbeUnavailable
+        from node_agent.gpu.nvml import NvmlReader, NvmlUnavailable
         if self.gpu_node or (has_gpus and self.opts.numa_binding is not None):   # --no-gpu-check: NVML only to bind
-            probe = (self._make_probe or NvmlProbe)()
+            reader = (self._make_reader or NvmlReader)()
             try:
-                probe.open()
-                self.probe = probe
-            except ProbeUnavailable as exc:
+                reader.open()
+                self.reader = reader
+            except NvmlUnavailable as exc:
                 if self.gpu_node:
                     self.skipped = one_line(str(exc))
                     self._say(f"warning: GPU check skipped: {self.skipped}")
-        self.gpus = survey(self.opts.nproc, self._environ, probe=self.probe, numa_binding=self.opts.numa_binding,
+        self.gpus = survey(self.opts.nproc, self._environ, reader=self.reader, numa_binding=self.opts.numa_binding,
                            root=self._root, dev_dir=self._dev_dir)
         for warning in self.gpus.warnings:
             self._say(f"warning: {warning}")
         for line in self.gpus.lines:
             self._say(line)
-        if self.probe is not None and not self.gpu_node:   # opened for the binding only (--no-gpu-check)
+        if self.reader is not None and not self.gpu_node:   # opened for the binding only (--no-gpu-check)
             self.close()
 
     def close(self) -> None:
-        probe, self.probe = self.probe, None
-        if probe is not None:
-            probe.close()
+        reader, self.reader = self.reader, None
+        if reader is not None:
+            reader.close()
 
     async def check(self, action: CheckNode, stuck: Sequence[int] = ()) -> NodeChecked:
         from node_agent.gpu.health import Healthy, Unhealthy, check_gpus, run_health_check
@@ -110,9 +110,9 @@ class NodeChecks:
         fault = _named_fault(action.failures) if self.gpu_node else None
         if fault is not None:
             return bad(fault, Kind.GPU_FAULT)
-        if self.probe is not None and self.gpus is not None:
+        if self.reader is not None and self.gpus is not None:
             async with self._lock:
-                verdict = await asyncio.to_thread(check_gpus, self.probe, self.gpus.ranks.nvml_indices())
+                verdict = await asyncio.to_thread(check_gpus, self.reader, self.gpus.ranks.nvml_indices())
             self._warn(verdict.warnings)
             if isinstance(verdict, Unhealthy):
                 return bad(f"GPU check: {verdict.reason}", Kind.GPU)

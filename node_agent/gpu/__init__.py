@@ -1,6 +1,6 @@
 """What the agent knows about a node's NVIDIA GPUs (topology, devices, health), learnt without a CUDA context.
 
-Rule: imports only the standard library, `protocol` and (lazily, in the NVML probe) `pynvml`; never torch,
+Rule: imports only the standard library, `protocol` and (lazily, in the NVML reader) `pynvml`; never torch,
 as the agent must not load CUDA. `has_nvidia_devices` lives here, light, so a CPU node imports nothing else.
 """
 from __future__ import annotations

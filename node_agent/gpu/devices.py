@@ -45,7 +45,7 @@ def _by_prefix(prefix: str, uuids: Sequence[str]) -> int | None | str:
 
 def visible_gpus(devices: Sequence[GpuInfo] | None, cuda_visible_devices: str | None,
                  cuda_device_order: str | None = None) -> Visible:
-    """The GPUs CUDA shows the workers, in its order; `devices` None (no probe): ordinals are kept unresolved."""
+    """The GPUs CUDA shows the workers, in its order; `devices` None (no reader): ordinals are kept unresolved."""
     known = sorted(devices, key=lambda g: g.bus_id) if devices and all(g.bus_id for g in devices) \
         else list(devices or [])
     notes: list[str] = []

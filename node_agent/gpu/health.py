@@ -1,4 +1,4 @@
-"""Is this node's GPU healthy: the verdict on a probe's facts, the site's `--health-check CMD`, and whether a
+"""Is this node's GPU healthy: the verdict on a reader's facts, the site's `--health-check CMD`, and whether a
 worker's failure message names a GPU fault. `judge` is pure; `check_gpus` blocks on NVML (run it in a thread).
 Nothing here raises for what the GPUs, NVML or the command do: every outcome is a verdict with a one-line why.
 """
@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
-from node_agent.gpu.nvml import RECOVERY_ACTIONS, THROTTLE_WARNINGS, GpuHealth, GpuProbe, ProbeUnavailable
+from node_agent.gpu.nvml import RECOVERY_ACTIONS, THROTTLE_WARNINGS, GpuHealth, GpuReader, NvmlUnavailable
 from protocol.quoting import one_line, quote
 
 SCRIPT_TIMEOUT_S = 30.0
@@ -92,9 +92,9 @@ def judge(found: Sequence[GpuHealth]) -> Verdict:
     return Healthy(warnings=notes)
 
 
-def check_gpus(probe: GpuProbe, indices: Sequence[int]) -> Verdict:
-    """Ask the open `probe` about `indices`, a thread per GPU (NVML is thread-safe; one GPU after another
-    would overrun the check's 0.1 s budget), and judge, timed. Skipped, never Healthy, when the probe fails."""
+def check_gpus(reader: GpuReader, indices: Sequence[int]) -> Verdict:
+    """Ask the open `reader` about `indices`, a thread per GPU (NVML is thread-safe; one GPU after another
+    would overrun the check's 0.1 s budget), and judge, timed. Skipped, never Healthy, when the reader fails."""
     start = time.monotonic()
     try:
         if not indices:
@@ -102,8 +102,8 @@ def check_gpus(probe: GpuProbe, indices: Sequence[int]) -> Verdict:
         else:
             with ThreadPoolExecutor(max_workers=min(len(indices), MAX_CHECK_THREADS),
                                     thread_name_prefix="gpu-check") as pool:
-                verdict = judge(list(pool.map(probe.health, indices)))
-    except ProbeUnavailable as exc:
+                verdict = judge(list(pool.map(reader.health, indices)))
+    except NvmlUnavailable as exc:
         verdict = Skipped(one_line(str(exc)))
     except Exception as exc:           # a bug in the bindings must not take the node out
         verdict = Skipped(one_line(f"GPU check failed: {type(exc).__name__}: {exc}"))

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from node_agent.gpu import has_nvidia_devices
 from node_agent.gpu.devices import RankGpus, gpu_numa_nodes, gpus_from_sysfs, rank_gpus, visible_gpus
-from node_agent.gpu.nvml import GpuInfo, GpuProbe, ProbeUnavailable
+from node_agent.gpu.nvml import GpuInfo, GpuReader, NvmlUnavailable
 from node_agent.gpu.topology import Bound, parse_bind_mode, plan_binding, read_topology
 
 
@@ -22,14 +22,14 @@ class NodeGpus:
     cpu_affinity: Mapping[int, frozenset[int]] = field(default_factory=dict)
 
 
-def survey(nproc: int, environ: Mapping[str, str], *, probe: GpuProbe | None, numa_binding: str | None = None,
+def survey(nproc: int, environ: Mapping[str, str], *, reader: GpuReader | None, numa_binding: str | None = None,
            root: str = "/", dev_dir: str = "/dev",
            allowed: frozenset[int] | None = None) -> NodeGpus:
-    """The node's GPUs for `nproc` workers; `probe` open, or None (sysfs alone); `allowed`: default our affinity."""
+    """The node's GPUs for `nproc` workers; `reader` open, or None (sysfs alone); `allowed`: default our affinity."""
     devices: list[GpuInfo] | None = None
-    if probe is not None:
-        with contextlib.suppress(ProbeUnavailable):
-            devices = probe.devices()
+    if reader is not None:
+        with contextlib.suppress(NvmlUnavailable):
+            devices = reader.devices()
     if devices is None:
         devices = gpus_from_sysfs(root, dev_dir)
     visible = visible_gpus(devices, environ.get("CUDA_VISIBLE_DEVICES"), environ.get("CUDA_DEVICE_ORDER"))

@@ -1,7 +1,7 @@
-"""The GPUs and their health facts behind one interface, `GpuProbe`: `NvmlProbe` (nvidia-ml-py's `pynvml`,
-imported on `open()`, never at module load; tests use a fake). A probe is opened once and may stay open while
+"""The GPUs and their health facts behind one interface, `GpuReader`: `NvmlReader` (nvidia-ml-py's `pynvml`,
+imported on `open()`, never at module load; tests use a fake). A reader is opened once and may stay open while
 workers run, so NVML keeps its handles.
-Nothing from NVML escapes as an exception: `open()` and `devices()` raise only `ProbeUnavailable` (the line a
+Nothing from NVML escapes as an exception: `open()` and `devices()` raise only `NvmlUnavailable` (the line a
 "check skipped" verdict quotes), `health()` puts every error in a field. "Not supported" is unknown, never
 unhealthy. No nvidia-smi fallback: it needs the same libnvidia-ml.so.1, and a process per check is too slow.
 """
@@ -35,7 +35,7 @@ THROTTLE_WARNINGS = {0x8: "hardware slowdown", 0x20: "software thermal slowdown"
 _VALUE_MEMBERS = {0: "dVal", 1: "uiVal", 2: "ulVal", 3: "ullVal", 4: "sllVal", 5: "siVal", 6: "usVal"}
 
 
-class ProbeUnavailable(Exception):
+class NvmlUnavailable(Exception):
     """The GPUs cannot be looked at (no bindings, library or driver): the check is skipped, with this reason."""
 
 
@@ -68,22 +68,22 @@ class GpuHealth:
 
 
 
-class GpuProbe(Protocol):
+class GpuReader(Protocol):
     def open(self) -> None:
-        """Start (idempotent). Raises ProbeUnavailable."""
+        """Start (idempotent). Raises NvmlUnavailable."""
 
     def close(self) -> None:
         """Release what open() took; never raises."""
 
     def devices(self) -> list[GpuInfo]:
-        """Every GPU this process can reach, in the probe's index order. Raises ProbeUnavailable."""
+        """Every GPU this process can reach, in the reader's index order. Raises NvmlUnavailable."""
 
     def health(self, index: int) -> GpuHealth:
-        """The health facts of GPU `index`. Raises ProbeUnavailable only when the probe is not open."""
+        """The health facts of GPU `index`. Raises NvmlUnavailable only when the reader is not open."""
 
     def utilization(self, index: int) -> int | None:
         """The share of the last sample period (1/6 to 1 s) during which a kernel ran on GPU `index`, in %
-        (None: not known: not supported, an error, or the probe is not open). Never raises."""
+        (None: not known: not supported, an error, or the reader is not open). Never raises."""
 
 
 def _code(exc: BaseException) -> int | None:
@@ -99,8 +99,8 @@ def _text(exc: BaseException) -> str:
     return one_line(text)
 
 
-class NvmlProbe:
-    """GpuProbe on NVML. `load` imports the bindings (tests hand in a stand-in module)."""
+class NvmlReader:
+    """GpuReader on NVML. `load` imports the bindings (tests hand in a stand-in module)."""
 
     def __init__(self, load: Callable[[], Any] | None = None) -> None:
         self._load = load if load is not None else (lambda: importlib.import_module("pynvml"))
@@ -115,13 +115,13 @@ class NvmlProbe:
         try:
             nv = self._load()
         except ImportError as exc:
-            raise ProbeUnavailable("nvidia-ml-py is not installed (pip install 'elastic-launcher[gpu]')") from exc
+            raise NvmlUnavailable("nvidia-ml-py is not installed (pip install 'elastic-launcher[gpu]')") from exc
         except Exception as exc:
-            raise ProbeUnavailable(f"nvidia-ml-py failed to load: {_text(exc)}") from exc
+            raise NvmlUnavailable(f"nvidia-ml-py failed to load: {_text(exc)}") from exc
         try:
             nv.nvmlInit()
         except Exception as exc:
-            raise ProbeUnavailable(START_FAILURES.get(_code(exc)) or f"NVML failed to start: {_text(exc)}") from exc
+            raise NvmlUnavailable(START_FAILURES.get(_code(exc)) or f"NVML failed to start: {_text(exc)}") from exc
         self._nv = nv
 
     def close(self) -> None:
@@ -133,7 +133,7 @@ class NvmlProbe:
 
     def _api(self) -> Any:
         if self._nv is None:
-            raise ProbeUnavailable("NVML is not open")
+            raise NvmlUnavailable("NVML is not open")
         return self._nv
 
     def devices(self) -> list[GpuInfo]:
@@ -141,7 +141,7 @@ class NvmlProbe:
         try:
             count = int(nv.nvmlDeviceGetCount())
         except Exception as exc:
-            raise ProbeUnavailable(f"NVML cannot count the GPUs: {_text(exc)}") from exc
+            raise NvmlUnavailable(f"NVML cannot count the GPUs: {_text(exc)}") from exc
         return [self._describe(nv, index) for index in range(count)]
 
     def _describe(self, nv: Any, index: int) -> GpuInfo:
@@ -217,14 +217,14 @@ class NvmlProbe:
 class _Facts:
     """Runs one NVML query at a time, sorting a failure: unknown (not asked again), lost, or an error to report."""
 
-    def __init__(self, probe: NvmlProbe, index: int) -> None:
-        self.probe, self.index = probe, index
+    def __init__(self, reader: NvmlReader, index: int) -> None:
+        self.reader, self.index = reader, index
         self.lost: str | None = None
         self.errors: list[str] = []
 
     def ask(self, name: str, query: Callable[[], Any]) -> Any:
         key = (self.index, name)
-        if key in self.probe._unsupported or self.lost is not None:
+        if key in self.reader._unsupported or self.lost is not None:
             return None
         try:
             return query()
@@ -233,7 +233,7 @@ class _Facts:
             if code in LOST_ERRORS:
                 self.lost = _text(exc)
             elif code in UNKNOWN_ERRORS or isinstance(exc, AttributeError):   # old bindings lack a call
-                self.probe._unsupported.add(key)
+                self.reader._unsupported.add(key)
             else:
                 self.errors.append(f"{name}: {_text(exc)}")
             return None

@@ -17,7 +17,7 @@ from node_agent.workers.deathsig import child_setup
 from node_agent.workers.group import WorkerGroup
 from node_agent.workers.launch import build_launches
 from protocol.messages import Assignment
-from tests.gpu_fakes import FakeGpuProbe
+from tests.gpu_fakes import FakeGpuReader
 from tests.integration.worker_support import LIMIT, RecordingConsole, kill_strays, launch
 from tests.unit.test_gpu_topology import write_machine
 
@@ -26,11 +26,11 @@ pytestmark = pytest.mark.skipif(not {0, 1} <= os.sched_getaffinity(0), reason="n
 SHOW_AFFINITY = "import os; print('cpus', sorted(os.sched_getaffinity(0)), flush=True)"
 
 
-def two_node_box(root: Path) -> FakeGpuProbe:
+def two_node_box(root: Path) -> FakeGpuReader:
     """NUMA node 0 = CPU 0 with GPU 0000:1b:00.0, node 1 = CPU 1 with GPU 0000:1c:00.0."""
     write_machine(root, nodes={0: [0], 1: [1]}, socket={0: 0, 1: 1}, siblings={0: [0], 1: [1]}, l3=None,
                   gpus={"0000:1b:00.0": 0, "0000:1c:00.0": 1})
-    return FakeGpuProbe.with_gpus(2)
+    return FakeGpuReader.with_gpus(2)
 
 
 def assignment(restart_count: int = 0) -> Assignment:
@@ -48,11 +48,11 @@ def strays() -> Iterator[list[int]]:
 
 @pytest.mark.parametrize("visible, expected", [(None, {0: [0], 1: [1]}), ("1,0", {0: [1], 1: [0]})])
 async def test_each_spawned_worker_runs_on_its_gpu_s_numa_node_at_every_restart(tmp_path, visible, expected) -> None:
-    probe = two_node_box(tmp_path / "sys")
+    reader = two_node_box(tmp_path / "sys")
     environ = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
     if visible is not None:
         environ["CUDA_VISIBLE_DEVICES"] = visible
-    gpus = survey(2, environ, probe=probe, numa_binding="node", root=str(tmp_path / "sys"), allowed=frozenset({0, 1}))
+    gpus = survey(2, environ, reader=reader, numa_binding="node", root=str(tmp_path / "sys"), allowed=frozenset({0, 1}))
     assert gpus.warnings == () and len(gpus.lines) == 2
     opts = WorkerSettings(script="train.py", nproc=2)
     for restart in (0, 1):            # the same binding for a restarted worker

@@ -6,9 +6,9 @@ from pathlib import Path
 
 from node_agent.gpu.devices import Visible, gpu_numa_nodes, gpus_from_sysfs, rank_gpus, visible_gpus
 from node_agent.gpu.nvml import GpuInfo
-from tests.gpu_fakes import FakeGpuProbe
+from tests.gpu_fakes import FakeGpuReader
 
-GPUS = FakeGpuProbe.with_gpus(4).gpus          # bus ids 0000:1b..1e:00.0, UUIDs GPU-0000000i-...
+GPUS = FakeGpuReader.with_gpus(4).gpus          # bus ids 0000:1b..1e:00.0, UUIDs GPU-0000000i-...
 
 
 def entries(v: Visible) -> list[int | None]:

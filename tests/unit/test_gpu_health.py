@@ -1,5 +1,5 @@
-"""GPU health (node_agent/gpu/health.py, nvml.py): every fault the probe can report and its verdict, the
-NVML probe's handling of every NVML error (against a stand-in for pynvml), the --health-check runner's bad
+"""GPU health (node_agent/gpu/health.py, nvml.py): every fault the reader can report and its verdict, the
+NVML reader's handling of every NVML error (against a stand-in for pynvml), the --health-check runner's bad
 inputs, and which worker failure messages name a GPU fault."""
 from __future__ import annotations
 
@@ -25,9 +25,9 @@ from node_agent.gpu.health import (
     judge,
     run_health_check,
 )
-from node_agent.gpu.nvml import GpuHealth, NvmlProbe, ProbeUnavailable
+from node_agent.gpu.nvml import GpuHealth, NvmlReader, NvmlUnavailable
 from protocol.quoting import quote
-from tests.gpu_fakes import FakeGpuProbe, healthy
+from tests.gpu_fakes import FakeGpuReader, healthy
 
 OK = healthy(3, "0000:3b:00.0")
 
@@ -76,12 +76,12 @@ def test_throttling_and_nvml_errors_are_warnings_only():
 
 
 def test_check_gpus_asks_only_the_gpus_the_workers_use():
-    probe = FakeGpuProbe.with_gpus(8)
-    probe.faults[6] = replace(healthy(6, "0000:21:00.0"), uncorrectable_ecc=3)
-    assert isinstance(check_gpus(probe, [0, 1, 2, 3]), Healthy)
-    verdict = check_gpus(probe, range(8))
+    reader = FakeGpuReader.with_gpus(8)
+    reader.faults[6] = replace(healthy(6, "0000:21:00.0"), uncorrectable_ecc=3)
+    assert isinstance(check_gpus(reader, [0, 1, 2, 3]), Healthy)
+    verdict = check_gpus(reader, range(8))
     assert isinstance(verdict, Unhealthy) and verdict.reason.startswith("GPU 6 (0000:21:00.0): 3 volatile")
-    assert probe.asked == [0, 1, 2, 3, *range(8)] and verdict.seconds >= 0
+    assert reader.asked == [0, 1, 2, 3, *range(8)] and verdict.seconds >= 0
 
 
 def test_gpus_that_could_not_be_asked_are_skipped_or_warned_never_healthy_in_silence():
@@ -95,19 +95,19 @@ def test_gpus_that_could_not_be_asked_are_skipped_or_warned_never_healthy_in_sil
 
 
 def test_a_probe_that_is_unavailable_or_breaks_skips_the_check_never_healthy():
-    probe = FakeGpuProbe.with_gpus(2)
-    probe.unavailable = "the NVIDIA driver is not loaded"
-    with pytest.raises(ProbeUnavailable):
-        probe.open()
-    verdict = check_gpus(probe, [0, 1])
+    reader = FakeGpuReader.with_gpus(2)
+    reader.unavailable = "the NVIDIA driver is not loaded"
+    with pytest.raises(NvmlUnavailable):
+        reader.open()
+    verdict = check_gpus(reader, [0, 1])
     assert isinstance(verdict, Skipped) and verdict.reason == "the NVIDIA driver is not loaded"
     buggy = types.SimpleNamespace(health=lambda i: 1 / 0)
     verdict = check_gpus(buggy, [0])
     assert isinstance(verdict, Skipped) and verdict.reason.startswith("GPU check failed: ZeroDivisionError")
-    assert isinstance(check_gpus(probe, []), Skipped)
+    assert isinstance(check_gpus(reader, []), Skipped)
 
 
-# A stand-in for pynvml: the names NvmlProbe uses, each answer set by the test (a value, or an error code).
+# A stand-in for pynvml: the names NvmlReader uses, each answer set by the test (a value, or an error code).
 class NVMLError(Exception):
     def __init__(self, value: int) -> None:
         super().__init__(value)
@@ -147,22 +147,22 @@ class FakeNvml:
         return call
 
 
-def probe_on(nv: FakeNvml) -> NvmlProbe:
-    probe = NvmlProbe(load=lambda: nv)
-    probe.open()
-    return probe
+def reader_on(nv: FakeNvml) -> NvmlReader:
+    reader = NvmlReader(load=lambda: nv)
+    reader.open()
+    return reader
 
 
 def test_nvml_probe_lists_devices_and_reads_a_healthy_gpu():
     nv = FakeNvml()
-    probe = probe_on(nv)
-    probe.open()                                        # idempotent: NVML started once
-    assert [(g.index, g.uuid, g.bus_id, g.name) for g in probe.devices()] == [
+    reader = reader_on(nv)
+    reader.open()                                        # idempotent: NVML started once
+    assert [(g.index, g.uuid, g.bus_id, g.name) for g in reader.devices()] == [
         (0, "GPU-h0", "0000:1b:00.0", "NVIDIA H100"), (1, "GPU-h1", "0000:1c:00.0", "NVIDIA H100")]
-    assert probe.health(1) == replace(healthy(1, "0000:1c:00.0"), retired_pages_pending=None)
-    assert isinstance(check_gpus(probe, [0, 1]), Healthy)
-    probe.close()
-    probe.close()
+    assert reader.health(1) == replace(healthy(1, "0000:1c:00.0"), retired_pages_pending=None)
+    assert isinstance(check_gpus(reader, [0, 1]), Healthy)
+    reader.close()
+    reader.close()
     assert nv.calls.count("nvmlInit") == 1 and nv.calls.count("nvmlShutdown") == 1
 
 
@@ -178,20 +178,20 @@ def test_nvml_missing_or_the_driver_not_loaded_is_a_skipped_check_with_its_reaso
             raise load
         return load
 
-    probe = NvmlProbe(load=loader)
-    with pytest.raises(ProbeUnavailable) as caught:
-        probe.open()
+    reader = NvmlReader(load=loader)
+    with pytest.raises(NvmlUnavailable) as caught:
+        reader.open()
     assert str(caught.value).startswith(reason)
-    assert isinstance(check_gpus(probe, [0]), Skipped)          # never opened: skipped, not healthy
-    with pytest.raises(ProbeUnavailable):
-        probe.devices()
+    assert isinstance(check_gpus(reader, [0]), Skipped)          # never opened: skipped, not healthy
+    with pytest.raises(NvmlUnavailable):
+        reader.devices()
 
 
 def test_nvml_faults_reach_the_verdict():
     nv = FakeNvml(nvmlDeviceGetFieldValues=[field(1), field(1), field(None, ret=3)],
                   nvmlDeviceGetTotalEccErrors=4, nvmlDeviceGetRemappedRows=(0, 2, 1, 1),
                   nvmlDeviceGetCurrentClocksEventReasons=0x20)
-    found = probe_on(nv).health(0)
+    found = reader_on(nv).health(0)
     assert (found.recovery_action, found.reset_required, found.drain_and_reset) == (1, True, None)
     assert (found.uncorrectable_ecc, found.remap_pending, found.remap_failed) == (4, True, True)
     verdict = judge([found])
@@ -201,15 +201,15 @@ def test_nvml_faults_reach_the_verdict():
 
 def test_retired_pages_are_asked_only_where_row_remapping_is_not_supported():
     nv = FakeNvml(nvmlDeviceGetRemappedRows=NVMLError(3), nvmlDeviceGetRetiredPagesPendingStatus=1)
-    found = probe_on(nv).health(0)
+    found = reader_on(nv).health(0)
     assert found.retired_pages_pending is True and found.remap_pending is None
     assert "retired pages pending" in judge([found]).reason  # type: ignore[union-attr]
 
 
 def test_not_supported_is_unknown_and_not_asked_again():
     nv = FakeNvml(nvmlDeviceGetFieldValues=NVMLError(3), nvmlDeviceGetTotalEccErrors=NVMLError(3))
-    probe = probe_on(nv)
-    first, second = probe.health(0), probe.health(0)
+    reader = reader_on(nv)
+    first, second = reader.health(0), reader.health(0)
     assert first.recovery_action is None and first.uncorrectable_ecc is None and first.errors == ()
     assert first == second and isinstance(judge([first]), Healthy)
     assert nv.calls.count("nvmlDeviceGetTotalEccErrors") == 1 and nv.calls.count("nvmlDeviceGetFieldValues") == 1
@@ -217,34 +217,34 @@ def test_not_supported_is_unknown_and_not_asked_again():
 
 def test_a_lost_gpu_is_unhealthy_whichever_call_finds_it():
     lost_handle = FakeNvml(nvmlDeviceGetHandleByIndex=NVMLError(15))
-    probe = probe_on(lost_handle)
-    assert probe.devices()[1].error == "GPU is lost"
-    assert judge([probe.health(1)]) == Unhealthy("GPU 1: NVML: GPU is lost")
-    lost_later = probe_on(FakeNvml(nvmlDeviceGetTotalEccErrors=NVMLError(15)))
+    reader = reader_on(lost_handle)
+    assert reader.devices()[1].error == "GPU is lost"
+    assert judge([reader.health(1)]) == Unhealthy("GPU 1: NVML: GPU is lost")
+    lost_later = reader_on(FakeNvml(nvmlDeviceGetTotalEccErrors=NVMLError(15)))
     found = lost_later.health(0)
     assert found.lost == "GPU is lost" and found.remap_pending is None     # nothing asked after the loss
-    reset = probe_on(FakeNvml(nvmlDeviceGetRemappedRows=NVMLError(16))).health(0)
+    reset = reader_on(FakeNvml(nvmlDeviceGetRemappedRows=NVMLError(16))).health(0)
     assert isinstance(judge([reset]), Unhealthy)
 
 
 def test_a_gpu_without_a_handle_is_not_checked():
     nv = FakeNvml(nvmlDeviceGetHandleByIndex=NVMLError(4))
-    found = probe_on(nv).health(0)
+    found = reader_on(nv).health(0)
     assert found.unchecked == "NVML gives no handle: code 4" and isinstance(judge([found]), Skipped)
 
 
 def test_an_unexpected_nvml_error_is_a_warning_not_a_crash():
-    found = probe_on(FakeNvml(nvmlDeviceGetTotalEccErrors=NVMLError(999))).health(0)
+    found = reader_on(FakeNvml(nvmlDeviceGetTotalEccErrors=NVMLError(999))).health(0)
     assert found.errors == ("ecc: Unknown Error",) and isinstance(judge([found]), Healthy)
-    gone = probe_on(FakeNvml(nvmlDeviceGetCount=NVMLError(999)))
-    with pytest.raises(ProbeUnavailable, match="NVML cannot count the GPUs: Unknown Error"):
+    gone = reader_on(FakeNvml(nvmlDeviceGetCount=NVMLError(999)))
+    with pytest.raises(NvmlUnavailable, match="NVML cannot count the GPUs: Unknown Error"):
         gone.devices()
 
 
 def test_old_bindings_without_clock_event_reasons_fall_back_to_throttle_reasons():
     nv = FakeNvml(nvmlDeviceGetCurrentClocksThrottleReasons=0x8)
     del nv.answers["nvmlDeviceGetCurrentClocksEventReasons"]
-    assert probe_on(nv).health(0).throttle_reasons == 0x8
+    assert reader_on(nv).health(0).throttle_reasons == 0x8
 
 
 def test_mig_instances_are_listed_with_their_gpu():
@@ -256,7 +256,7 @@ def test_mig_instances_are_listed_with_their_gpu():
     nv = FakeNvml(nvmlDeviceGetMigMode=[1, 1], nvmlDeviceGetMaxMigDeviceCount=3,
                   nvmlDeviceGetMigDeviceHandleByIndex=slot_handle,
                   nvmlDeviceGetUUID=lambda h: f"MIG-{h}" if h.startswith("m") else f"GPU-{h}")
-    assert probe_on(nv).devices()[0].mig_uuids == ("MIG-m0", "MIG-m2")
+    assert reader_on(nv).devices()[0].mig_uuids == ("MIG-m0", "MIG-m2")
 
 
 # --health-check CMD
@@ -399,10 +399,10 @@ def test_a_huge_failure_message_is_scanned_at_both_ends():
 
 def test_a_check_after_listing_the_devices_asks_four_queries_per_gpu_and_not_the_pci_address_again():
     nv = FakeNvml()
-    probe = probe_on(nv)
-    probe.devices()
+    reader = reader_on(nv)
+    reader.devices()
     nv.calls.clear()
-    assert check_gpus(probe, [0, 1]).__class__.__name__ == "Healthy"
+    assert check_gpus(reader, [0, 1]).__class__.__name__ == "Healthy"
     assert nv.calls == ["nvmlDeviceGetFieldValues", "nvmlDeviceGetTotalEccErrors", "nvmlDeviceGetRemappedRows",
                         "nvmlDeviceGetCurrentClocksEventReasons"] * 2
 
@@ -415,28 +415,28 @@ def test_the_gpus_are_asked_at_once_and_judged_in_order():
 
     barrier = threading.Barrier(8, timeout=30)
 
-    class AllAtOnce(FakeGpuProbe):
+    class AllAtOnce(FakeGpuReader):
         def health(self, index: int) -> GpuHealth:
             barrier.wait()
             return super().health(index)
 
-    probe = AllAtOnce.with_gpus(8)
-    probe.faults[5] = replace(healthy(5), uncorrectable_ecc=3)
-    probe.open()
-    verdict = check_gpus(probe, list(range(8)))
+    reader = AllAtOnce.with_gpus(8)
+    reader.faults[5] = replace(healthy(5), uncorrectable_ecc=3)
+    reader.open()
+    verdict = check_gpus(reader, list(range(8)))
     assert isinstance(verdict, Unhealthy), verdict
     assert "GPU 5" in verdict.reason and not barrier.broken
 
 
 def test_a_gpus_utilization_is_read_and_a_query_it_does_not_support_is_not_asked_again():
     nv = FakeNvml(nvmlDeviceGetUtilizationRates=lambda h: types.SimpleNamespace(gpu=87 if h == "h0" else 250))
-    probe = probe_on(nv)
-    assert probe.utilization(0) == 87
-    assert probe.utilization(1) is None                     # out of range: not a reading
-    unsupported = probe_on(FakeNvml(nvmlDeviceGetUtilizationRates=NVMLError(3)))
+    reader = reader_on(nv)
+    assert reader.utilization(0) == 87
+    assert reader.utilization(1) is None                     # out of range: not a reading
+    unsupported = reader_on(FakeNvml(nvmlDeviceGetUtilizationRates=NVMLError(3)))
     assert unsupported.utilization(0) is None and unsupported.utilization(0) is None
     assert unsupported._nv.calls.count("nvmlDeviceGetUtilizationRates") == 1
-    lost = probe_on(FakeNvml(nvmlDeviceGetUtilizationRates=NVMLError(15)))
+    lost = reader_on(FakeNvml(nvmlDeviceGetUtilizationRates=NVMLError(15)))
     assert lost.utilization(0) is None                      # never raises
-    probe.close()
-    assert probe.utilization(0) is None                     # closed: nothing to read
+    reader.close()
+    assert reader.utilization(0) is None                     # closed: nothing to read

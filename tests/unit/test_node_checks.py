@@ -1,5 +1,5 @@
 """A GPU node's own checks in the whole agent loop (node_checks.py, core/node_health.py): the real Agent and
-the in-process server (LocalClient), a scripted worker group, a fake NVML (FakeGpuProbe) and a fake /dev.
+the in-process server (LocalClient), a scripted worker group, a fake NVML (FakeGpuReader) and a fake /dev.
 The test breaks a GPU, a --health-check or a worker's death and awaits what the node does."""
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from protocol.messages import JobConfig, UnhealthyKind, WorkerFailure
 from protocol.quoting import quote
 from rdzv_server.web import views
 from rdzv_server.web.page import parts
-from tests.gpu_fakes import FakeGpuProbe, healthy
+from tests.gpu_fakes import FakeGpuReader, healthy
 from tests.unit.agent_fakes import LIMIT, FakeGroup, agent_settings
 from tests.unit.test_agent_loop import ScriptedServer
 from tests.unit.test_gpu_topology import write_machine
@@ -62,7 +62,7 @@ class Node:
     agent: Agent
     server: ScriptedServer
     checks: RecordingChecks
-    probe: FakeGpuProbe
+    reader: FakeGpuReader
     console: io.StringIO
     groups: asyncio.Queue[FakeGroup]
     task: asyncio.Task[int]
@@ -92,13 +92,13 @@ def dev_with_gpus(tmp_path: Path, count: int) -> str:
 async def start(tmp_path) -> AsyncIterator[Callable[..., Node]]:
     nodes: list[Node] = []
 
-    def start_node(*, gpus: int = 2, nproc: int = 2, probe: FakeGpuProbe | None = None,
+    def start_node(*, gpus: int = 2, nproc: int = 2, reader: FakeGpuReader | None = None,
                    group_type: type[FakeGroup] = FakeGroup, **opts: object) -> Node:
         config = JobConfig(last_call_s=0.0, max_restarts=3)
         options = agent_settings(**{"script": "train.py", "nproc": nproc, "job_id": "j1", "job": config,
                                   "node_id": "n1", "mode": Mode.STANDALONE, "log_dir": str(tmp_path),
                                   "stop_timeout": 1.0, "gpu_check_interval": 0.05, **opts})  # type: ignore[arg-type]
-        probe = probe if probe is not None else FakeGpuProbe.with_gpus(gpus)
+        reader = reader if reader is not None else FakeGpuReader.with_gpus(gpus)
         console = io.StringIO()
         server = ScriptedServer("j1", "n1")
         groups: asyncio.Queue[FakeGroup] = asyncio.Queue()
@@ -111,10 +111,10 @@ async def start(tmp_path) -> AsyncIterator[Callable[..., Node]]:
             return group
 
         agent = Agent(options, server, "127.0.0.1", console, make_group=make_group)
-        checks = RecordingChecks(options.checks, agent.narrator.say, probe=lambda: probe, root=str(tmp_path / "sysfs"),
-                                 dev_dir=dev_with_gpus(tmp_path, gpus))
+        checks = RecordingChecks(options.checks, agent.narrator.say, reader=lambda: reader,
+                                 root=str(tmp_path / "sysfs"), dev_dir=dev_with_gpus(tmp_path, gpus))
         agent.checks = checks
-        node = Node(agent, server, checks, probe, console, groups, asyncio.create_task(agent.run()), made)
+        node = Node(agent, server, checks, reader, console, groups, asyncio.create_task(agent.run()), made)
         nodes.append(node)
         return node
 
@@ -125,7 +125,7 @@ async def start(tmp_path) -> AsyncIterator[Callable[..., Node]]:
 
 
 def bus(index: int) -> str:
-    return f"0000:{0x1b + index:02x}:00.0"       # FakeGpuProbe.with_gpus's addresses
+    return f"0000:{0x1b + index:02x}:00.0"       # FakeGpuReader.with_gpus's addresses
 
 
 def ecc(index: int, count: int = 2):
@@ -135,26 +135,26 @@ def ecc(index: int, count: int = 2):
 async def test_a_healthy_gpu_node_checks_before_joining_then_runs(start) -> None:
     node = start()
     answer = await node.checks.next(Stage.JOIN)
-    assert answer.problem is None and node.probe.asked == [0, 1]      # the two GPUs its workers use
+    assert answer.problem is None and node.reader.asked == [0, 1]      # the two GPUs its workers use
     group = await node.next_group()
     assert node.server.coordinator.core.jobs["j1"].nodes["n1"].checks == "GPU check on (NVML, held open)"
     assert node.server.sent[0] == "join"
     group.end(r0=0, r1=0)
     assert await asyncio.wait_for(node.task, LIMIT) == 0
-    assert node.probe.closed == 1                                       # NVML held until the agent ends
+    assert node.reader.closed == 1                                       # NVML held until the agent ends
 
 
 async def test_an_unhealthy_gpu_keeps_the_node_out_until_it_is_repaired_in_place(start) -> None:
-    probe = FakeGpuProbe.with_gpus(2, name="H100")
-    probe.faults[1] = ecc(1)
-    node = start(probe=probe)
+    reader = FakeGpuReader.with_gpus(2, name="H100")
+    reader.faults[1] = ecc(1)
+    node = start(reader=reader)
     answer = await node.checks.next(Stage.JOIN)
     assert answer.kind is UnhealthyKind.GPU
     assert "GPU 1 (0000:1c:00.0): 2 volatile uncorrectable ECC errors" in answer.problem
     assert "join" not in node.server.sent
     assert "not joining: this node is unhealthy: GPU check: GPU 1 (0000:1c:00.0): 2 volatile uncorrectable ECC" \
         in node.text()
-    probe.faults.clear()                                                # repaired: the next check passes
+    reader.faults.clear()                                                # repaired: the next check passes
     await node.next_group()
     assert node.server.sent[:2] == ["leave", "join"]      # said once why it is missing, then joined
 
@@ -162,7 +162,7 @@ async def test_an_unhealthy_gpu_keeps_the_node_out_until_it_is_repaired_in_place
 async def test_a_gpu_that_breaks_while_workers_run_makes_the_node_leave_without_a_restart(start) -> None:
     node = start()
     group = await node.next_group()
-    node.probe.faults[0] = replace(healthy(0, bus(0)), lost="GPU is lost")
+    node.reader.faults[0] = replace(healthy(0, bus(0)), lost="GPU is lost")
     answer = await node.checks.next(Stage.RUNNING)
     while answer.problem is None:                                       # checks made before the fault
         answer = await node.checks.next(Stage.RUNNING)
@@ -173,7 +173,7 @@ async def test_a_gpu_that_breaks_while_workers_run_makes_the_node_leave_without_
     assert job.restart_count == 0
     assert any(kind == "node_unhealthy" and "unhealthy: GPU check: GPU 0 (0000:1b:00.0): NVML: GPU is lost" in reason
                for kind, reason in node.events())
-    node.probe.faults.clear()                          # repaired in place: it checks, rejoins, runs again
+    node.reader.faults.clear()                          # repaired in place: it checks, rejoins, runs again
     again = await node.next_group()
     assert again.env["TORCHELASTIC_RESTART_COUNT"] == "0"
     again.end(r0=0, r1=0)
@@ -188,7 +188,7 @@ async def _left(node: Node) -> None:
 async def test_a_worker_failure_on_a_broken_gpu_leaves_instead_of_counting_a_restart(start) -> None:
     node = start()
     group = await node.next_group()
-    node.probe.faults[1] = ecc(1, 1)
+    node.reader.faults[1] = ecc(1, 1)
     group.end(r1=1)
     answer = await node.checks.next(Stage.FAILURE)
     assert answer.kind is UnhealthyKind.GPU and answer.failures[0].local_rank == 1
@@ -233,7 +233,7 @@ async def test_workers_that_outlive_sigkill_make_the_node_leave(start) -> None:
 
 
 async def test_nvml_missing_on_a_gpu_node_is_one_warning_and_the_job_runs(start) -> None:
-    node = start(probe=FakeGpuProbe(unavailable="nvidia-ml-py is not installed"))
+    node = start(reader=FakeGpuReader(unavailable="nvidia-ml-py is not installed"))
     group = await node.next_group()
     job = node.server.coordinator.core.jobs["j1"]
     shown = views.job_detail(job, 0.0).nodes[0]
@@ -254,7 +254,7 @@ async def test_more_workers_than_gpus_is_one_warning_naming_both_before_workers_
 
 
 async def test_a_failure_naming_a_gpu_fault_is_the_gpu_s_and_a_device_side_assert_the_user_s(tmp_path) -> None:
-    checks = NodeChecks(CheckSettings(), lambda line: None, probe=lambda: FakeGpuProbe.with_gpus(1),
+    checks = NodeChecks(CheckSettings(), lambda line: None, reader=lambda: FakeGpuReader.with_gpus(1),
                         root=str(tmp_path), dev_dir=dev_with_gpus(tmp_path, 1))
     checks.start()
     ecc_failure = WorkerFailure(local_rank=0, rank=3, exitcode=1,
@@ -311,9 +311,9 @@ async def test_a_health_check_that_cannot_run_keeps_the_node_out_saying_why(star
 
 
 def test_each_local_rank_reads_its_own_gpus_utilization(tmp_path) -> None:
-    probe = FakeGpuProbe.with_gpus(2)
-    probe.busy = {0: 97, 1: 4}
-    checks = NodeChecks(CheckSettings(nproc=3), lambda line: None, probe=lambda: probe, root=str(tmp_path),
+    reader = FakeGpuReader.with_gpus(2)
+    reader.busy = {0: 97, 1: 4}
+    checks = NodeChecks(CheckSettings(nproc=3), lambda line: None, reader=lambda: reader, root=str(tmp_path),
                         dev_dir=dev_with_gpus(tmp_path, 2))
     assert checks.gpu_busy(0) is None                        # not started: nothing to read
     checks.start()
