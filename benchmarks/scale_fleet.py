@@ -94,7 +94,7 @@ class SimNode:
         self.poll_gap = 0.0                       # the last answer -> the poll now in flight
         self.finished = False
         self.hold_s = 0.0                         # the longest hold the server said it gives this node's polls
-        self.path = PathCheck(self._probe)        # the agent's "is the path back?" (client/path_check.py)
+        self.path = PathCheck(self._readyz)        # the agent's "is the path back?" (client/path_check.py)
 
     async def run(self) -> None:
         try:
@@ -194,7 +194,7 @@ class SimNode:
             await asyncio.gather(back, return_exceptions=True)
         return not request.done()
 
-    async def _probe(self, _endpoint: str) -> int | None:
+    async def _readyz(self, _endpoint: str) -> int | None:
         """The server's /readyz status over a new connection from this node's address (None: no answer):
         the agent's probe (client/readyz.py)."""
         return await readyz_status(f"http://127.0.0.1:{self.client.port}", ssl_context=None,

@@ -52,7 +52,7 @@ class RdzvClient(Transport):
         self._ssl: ssl.SSLContext | bool = True
         self._session: aiohttp.ClientSession | None = None
         self._heard: set[str] = set()      # endpoints that have answered HTTP: no TCPStore there
-        self.path = PathCheck(self._probe)  # is the path back? (fresh connections; path_check.py)
+        self.path = PathCheck(self._readyz)  # is the path back? (fresh connections; path_check.py)
 
     async def __aenter__(self) -> RdzvClient:
         if self._tls_ca is not None:
@@ -166,7 +166,7 @@ class RdzvClient(Transport):
                                  f"endpoint at rdzv-server")
         return await request
 
-    async def _probe(self, server: str) -> int | None:
+    async def _readyz(self, server: str) -> int | None:
         """`server`'s /readyz status over a new connection (None: none); limits: path_check.py."""
         return await readyz_status(server, ssl_context=self._ssl if isinstance(self._ssl, ssl.SSLContext) else None,
                                    connect_s=CHECK_TIMEOUT_S, answer_s=ANSWER_WAIT_S, connected=self.path.connected)

@@ -6,7 +6,7 @@ Once an answer is overdue (`answer_due`), every endpoint's /readyz is asked on a
   its connection (it may yet be answered; keepalive ends it), since closing it would tell the server the
   node left; checks repeat on `CheckSchedule`, jittered so a fleet does not come back in one wave.
 Checks are shared (`PathCheck`): one round for all overdue requests, each endpoint at most 1 / MIN_PAUSE_S
-times a second. A probe that has connected (`connected()`, before TLS) is kept up to ANSWER_WAIT_S and
+times a second. A request that has connected (`connected()`, before TLS) is kept up to ANSWER_WAIT_S and
 reused by the next rounds: abandoned, it would stay in the server's accept queue, one more each round."""
 from __future__ import annotations
 
@@ -25,12 +25,12 @@ CHECK_EVERY_S = 0.5
 CHECK_JITTER = (0.7, 1.3)
 MIN_PAUSE_S = 0.3        # never more than about 3 rounds of checks a second
 CHECK_TIMEOUT_S = 1.0    # a server that does not answer /readyz on a new connection within this is away
-ANSWER_WAIT_S = 10.0     # a probe that has connected waits this long for its answer (the server is there)
+ANSWER_WAIT_S = 10.0     # a request that has connected waits this long for its answer (the server is there)
 
 # The endpoint is there but not serving (a standby, a restarting server, a gateway): check again later.
 NOT_SERVING = frozenset({502, 503, 504})
 
-Probe = Callable[[str], Awaitable[int | None]]   # an endpoint -> its /readyz HTTP status (None: no answer)
+Readyz = Callable[[str], Awaitable[int | None]]   # an endpoint -> its /readyz HTTP status (None: no answer)
 
 
 def poll_wait(wanted_s: float, hold_s: float) -> float:
@@ -59,23 +59,23 @@ class CheckSchedule:
 
 @dataclass
 class _Kept:
-    """A probe that has connected, kept beyond its round; `ended`: when it got its answer (or gave up)."""
-    probe: asyncio.Future[int | None]
+    """A request that has connected, kept beyond its round; `ended`: when it got its answer (or gave up)."""
+    request: asyncio.Future[int | None]
     ended: float | None = None
 
 
 class PathCheck:
     """Rounds of /readyz checks over fresh connections, shared by a client's requests: at most one round per
     MIN_PAUSE_S. `until_back` starts rounds on the schedule even while one waits on a silent endpoint, so a
-    healed path is seen within one pause; a kept probe's answer serves the next round within CHECK_TIMEOUT_S."""
+    healed path is seen within one pause; a kept request's answer serves the next round within CHECK_TIMEOUT_S."""
 
-    def __init__(self, probe: Probe, schedule: CheckSchedule | None = None,
+    def __init__(self, readyz: Readyz, schedule: CheckSchedule | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        self._probe = probe
+        self._readyz = readyz
         self.schedule = schedule or CheckSchedule()
         self._clock = clock
         self._latest: tuple[float, asyncio.Future[str | None]] | None = None   # (when it started, the round)
-        self._endpoint_of: dict[asyncio.Future[int | None], str] = {}          # probes under way
+        self._endpoint_of: dict[asyncio.Future[int | None], str] = {}          # requests under way
         self._kept: dict[str, _Kept] = {}                                       # by endpoint
         self.answered = False       # the last round that ended: did any endpoint answer HTTP?
 
@@ -86,41 +86,41 @@ class PathCheck:
         return self._latest[1]
 
     def connected(self) -> None:
-        """Told by a probe (from its own task) once connected: kept past its round, the next rounds reuse it."""
+        """Told by a request (from its own task) once connected: kept past its round, the next rounds reuse it."""
         task = asyncio.current_task()
         if task is not None and (endpoint := self._endpoint_of.get(task)) is not None:
             kept = self._kept[endpoint] = _Kept(task)
             task.add_done_callback(lambda _: setattr(kept, "ended", self._clock()))
 
-    def _probe_for(self, endpoint: str) -> asyncio.Future[int | None]:
-        """The kept probe of `endpoint` (under way, or its answer if fresh: taken once), else a new one."""
+    def _request_for(self, endpoint: str) -> asyncio.Future[int | None]:
+        """The kept request of `endpoint` (under way, or its answer if fresh: taken once), else a new one."""
         kept = self._kept.get(endpoint)
         if kept is not None:
             if kept.ended is None:
-                return kept.probe
+                return kept.request
             del self._kept[endpoint]
             if self._clock() - kept.ended <= CHECK_TIMEOUT_S:
-                return kept.probe
-        probe = asyncio.ensure_future(self._probe(endpoint))
-        self._endpoint_of[probe] = endpoint
-        probe.add_done_callback(self._endpoint_of.pop)
-        return probe
+                return kept.request
+        request = asyncio.ensure_future(self._readyz(endpoint))
+        self._endpoint_of[request] = endpoint
+        request.add_done_callback(self._endpoint_of.pop)
+        return request
 
     async def _round(self, endpoints: list[str]) -> str | None:
         """Every endpoint at once for up to CHECK_TIMEOUT_S; the first ready ends it (a silent leader is not
         waited for), the earliest given among those answering together."""
-        probes = {self._probe_for(e): e for e in endpoints}
-        pending, answered, ready = set(probes), False, None
+        requests = {self._request_for(e): e for e in endpoints}
+        pending, answered, ready = set(requests), False, None
         ends = asyncio.get_running_loop().time() + CHECK_TIMEOUT_S
         try:
             while pending and ready is None and (left := ends - asyncio.get_running_loop().time()) > 0:
                 done, pending = await asyncio.wait(pending, timeout=left, return_when=asyncio.FIRST_COMPLETED)
-                statuses = {probes[f]: _status(f) for f in done}
+                statuses = {requests[f]: _status(f) for f in done}
                 answered = answered or any(s is not None for s in statuses.values())
                 ready = next((e for e in endpoints if statuses.get(e) is not None
                               and statuses[e] not in NOT_SERVING), None)
         finally:
-            kept = {k.probe for k in self._kept.values()}
+            kept = {k.request for k in self._kept.values()}
             dropped = [f for f in pending if f not in kept]
             for f in dropped:
                 f.cancel()
@@ -139,8 +139,8 @@ class PathCheck:
         return Path.STANDBY if self.answered else Path.NO_SERVER
 
     async def close(self) -> None:
-        """Stop a round and the kept probes still under way (the client is closing)."""
-        stop: list[asyncio.Future[Any]] = [k.probe for k in self._kept.values()]
+        """Stop a round and the kept requests still under way (the client is closing)."""
+        stop: list[asyncio.Future[Any]] = [k.request for k in self._kept.values()]
         if self._latest is not None:
             stop.append(self._latest[1])
         self._kept.clear()
@@ -166,6 +166,6 @@ class PathCheck:
                     return ready
 
 
-def _status(probe: asyncio.Future[int | None]) -> int | None:
-    """A probe's answer (None: none, or it was stopped)."""
-    return None if probe.cancelled() or probe.exception() is not None else probe.result()
+def _status(request: asyncio.Future[int | None]) -> int | None:
+    """A request's answer (None: none, or it was stopped)."""
+    return None if request.cancelled() or request.exception() is not None else request.result()

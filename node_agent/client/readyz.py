@@ -1,6 +1,6 @@
-"""One path check: an endpoint's `GET /readyz` status over a new connection (path_check.py's probe).
+"""One path check: an endpoint's `GET /readyz` status over a new connection (path_check.py's request).
 The TCP handshake gets `connect_s` (the kernel completes it for a listening server, however busy), TLS
-and the answer `answer_s`, and `connected()` is told between them, so a probe to a server that is there
+and the answer `answer_s`, and `connected()` is told between them, so a request to a server that is there
 but slow is kept (path_check.py). The smallest HTTP/1.1 GET; only the status line is read."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The client's "is the path back?" schedule (node_agent/client/path_check.py), with fake probes and
+"""The client's "is the path back?" schedule (node_agent/client/path_check.py), with fake requests and
 recorded pauses: bounded rate, jitter, standbys and silent endpoints waited for, shared rounds."""
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ class Recorded(CheckSchedule):
 
 class Fake:
     """Endpoints answering what `answers` says, in turn (None: no answer at all; `silent`: an answer
-    only after `silent` seconds, as a probe of an endpoint whose path is down)."""
+    only after `silent` seconds, as a request of an endpoint whose path is down)."""
 
     def __init__(self, answers: dict[str, list[int | None]], silent: float = 0.0) -> None:
         self.answers = answers
@@ -37,16 +37,16 @@ class Fake:
         self.silent = silent
         self.schedule = Recorded()
 
-    async def probe(self, endpoint: str) -> int | None:
+    async def request(self, endpoint: str) -> int | None:
         self.asked.append(endpoint)
         seq = self.answers[endpoint]
         answer = seq.pop(0) if len(seq) > 1 else seq[0]
         if answer is None and self.silent:
-            await asyncio.sleep(self.silent)     # stands in for a probe's own timeout
+            await asyncio.sleep(self.silent)     # stands in for a request's own timeout
         return answer
 
     def check(self, fake_clock: bool = False) -> PathCheck:
-        return PathCheck(self.probe, self.schedule, **({"clock": lambda: self.now} if fake_clock else {}))
+        return PathCheck(self.request, self.schedule, **({"clock": lambda: self.now} if fake_clock else {}))
 
 
 def test_an_answer_is_due_after_the_servers_hold_plus_a_margin_and_other_requests_soon():
@@ -77,7 +77,7 @@ async def test_refusing_or_standby_endpoints_are_checked_on_the_schedule_until_o
 
 
 async def test_a_round_waiting_on_a_silent_endpoint_does_not_hold_up_the_next():
-    # Each failed probe takes 2 s (its timeout); the path heals at the fourth round: seen by that
+    # Each failed request takes 2 s (its timeout); the path heals at the fourth round: seen by that
     # round, started one pause after the third, not after the three timeouts in a row.
     fake = Fake({"a": [None, None, None, 200]}, silent=2.0)
     check = fake.check()
@@ -101,14 +101,14 @@ async def test_requests_overdue_together_share_one_round_of_checks():
     assert fake.asked == ["a"]                                       # not one check per request
     fake.now += MIN_PAUSE_S
     await check.check(["a"])
-    assert fake.asked == ["a", "a"]                                  # the next round: a probe of its own
+    assert fake.asked == ["a", "a"]                                  # the next round: a request of its own
 
 
 async def test_a_replica_that_serves_is_taken_without_waiting_for_a_silent_one():
-    # The leader went silent (its probe waits out its timeout); the standby that took over answers
-    # 200 at once: the round ends with it, and the silent probe is stopped.
+    # The leader went silent (its request waits out its timeout); the standby that took over answers
+    # 200 at once: the round ends with it, and the silent request is stopped.
     class Silent(Fake):
-        async def probe(self, endpoint: str) -> int | None:
+        async def request(self, endpoint: str) -> int | None:
             if endpoint == "old":
                 await asyncio.Event().wait()       # never answers: only cancelling ends it
             return 200
@@ -117,12 +117,12 @@ async def test_a_replica_that_serves_is_taken_without_waiting_for_a_silent_one()
     assert await asyncio.wait_for(fake.check().check(["old", "new"]), 5) == "new"
 
 
-async def test_a_probe_that_connected_is_asked_again_by_the_next_rounds_not_opened_anew():
-    # The path is back but the server is busy: the probe connected and waits 2.5 s for its answer
+async def test_a_request_that_connected_is_asked_again_by_the_next_rounds_not_opened_anew():
+    # The path is back but the server is busy: the request connected and waits 2.5 s for its answer
     # (its connection in the server's accept queue). Rounds go on on the schedule, each lasting
     # CHECK_TIMEOUT_S, but none opens another connection: the one answer ends the wait.
     class Busy(Fake):
-        async def probe(self, endpoint: str) -> int | None:
+        async def request(self, endpoint: str) -> int | None:
             self.asked.append(endpoint)
             check.connected()
             await asyncio.sleep(2.5)
@@ -134,11 +134,11 @@ async def test_a_probe_that_connected_is_asked_again_by_the_next_rounds_not_open
     assert len(fake.schedule.pauses) >= 2 and fake.asked == ["a"]     # rounds went on; one connection
 
 
-async def test_a_probe_that_never_connected_ends_with_its_round_and_the_next_round_opens_another():
+async def test_a_request_that_never_connected_ends_with_its_round_and_the_next_round_opens_another():
     started, stopped = [], []
 
     class Silent(Fake):
-        async def probe(self, endpoint: str) -> int | None:
+        async def request(self, endpoint: str) -> int | None:
             started.append(endpoint)
             try:
                 await asyncio.Event().wait()        # a SYN nobody answers: only its round ends it
@@ -155,11 +155,11 @@ async def test_a_probe_that_never_connected_ends_with_its_round_and_the_next_rou
     assert started == ["a", "a"]
 
 
-async def test_a_kept_probes_answer_is_taken_by_the_next_round_once_and_close_stops_one_under_way():
+async def test_a_kept_requests_answer_is_taken_by_the_next_round_once_and_close_stops_one_under_way():
     answer = asyncio.Event()
 
     class Slow(Fake):
-        async def probe(self, endpoint: str) -> int | None:
+        async def request(self, endpoint: str) -> int | None:
             self.asked.append(endpoint)
             check.connected()
             await answer.wait()
@@ -169,11 +169,11 @@ async def test_a_kept_probes_answer_is_taken_by_the_next_round_once_and_close_st
     check = fake.check(fake_clock=True)
     assert await check.check(["a"]) is None          # connected, no answer within the round
     answer.set()
-    await asyncio.sleep(0)                           # the kept probe gets its answer between rounds
+    await asyncio.sleep(0)                           # the kept request gets its answer between rounds
     fake.now += MIN_PAUSE_S
-    assert await check.check(["a"]) == "a" and fake.asked == ["a"]   # taken from the kept probe
+    assert await check.check(["a"]) == "a" and fake.asked == ["a"]   # taken from the kept request
     fake.now += MIN_PAUSE_S
     answer.clear()
-    assert await check.check(["a"]) is None and fake.asked == ["a", "a"]   # used once: a new probe
-    await check.close()                              # stops the probe kept from that round
+    assert await check.check(["a"]) is None and fake.asked == ["a", "a"]   # used once: a new request
+    await check.close()                              # stops the request kept from that round
     assert not check._kept                           # noqa: SLF001 (nothing left running)
