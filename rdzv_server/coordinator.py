@@ -57,7 +57,7 @@ class Coordinator:
     def __init__(self, core: Rendezvous | None = None, clock: Callable[[], float] = time.time,
                  store: Store | None = None, max_polls_per_peer: int = MAX_POLLS_PER_PEER,
                  loop_lag: LagSource | None = None, max_polls_per_node: int = MAX_POLLS_PER_NODE) -> None:
-        """`store`: the durable store, opened (None: memory only); `loop_lag`: the lag probe (None: in-process)."""
+        """`store`: the durable store, opened (None: memory only); `loop_lag`: the lag meter (None: in-process)."""
         self.core = core or Rendezvous()
         self.clock = clock
         self.store = store

@@ -24,7 +24,7 @@ class LoopLagMeter:
         self.max_s = 0.0
         self.total_s = 0.0
         self._recent: list[tuple[float, float]] = []   # (when, lag) of the lags worth noting, oldest first
-        self._last_wake: float | None = None            # monotonic time the probe last ran
+        self._last_wake: float | None = None            # monotonic time the meter last ran
         self._task: asyncio.Task[None] | None = None
         self._listeners: list[socket.socket] = []
 
@@ -72,7 +72,7 @@ class LoopLagMeter:
 
     def recent_s(self) -> float:
         """How far behind the server has run lately (seconds), at least ACCEPT_WAIT_S while connections
-        wait to be accepted. A stall still in progress counts too: a caller may run before the probe does."""
+        wait to be accepted. A stall still in progress counts too: a caller may run before the meter does."""
         now = time.monotonic()
         while self._recent and self._recent[0][0] < now - self.RECENT_S:
             self._recent.pop(0)

@@ -39,7 +39,7 @@ from rdzv_server.store.etcd.store import EtcdStore
 log = logging.getLogger("rdzv_server")
 
 POLL_S = 0.2                # a standby reads the election key this often
-PROBE_TIMEOUT_S = 0.5       # connecting to the leader's port: no answer in this long proves nothing
+CONNECT_TIMEOUT_S = 0.5       # connecting to the leader's port: no answer in this long proves nothing
 DEFAULT_TTL_S = 5           # the leader's etcd lease (etcd's own minimum is about 2 s)
 
 T = TypeVar("T")
@@ -223,7 +223,7 @@ async def _listening(url: str) -> bool:
     parsed = urllib.parse.urlsplit(url)
     port = parsed.port or (443 if parsed.scheme == "https" else 80)
     try:
-        _, writer = await asyncio.wait_for(asyncio.open_connection(parsed.hostname, port), PROBE_TIMEOUT_S)
+        _, writer = await asyncio.wait_for(asyncio.open_connection(parsed.hostname, port), CONNECT_TIMEOUT_S)
     except ConnectionRefusedError:
         return False
     except (OSError, asyncio.TimeoutError):
