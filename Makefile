@@ -7,7 +7,7 @@ PYTEST_WORKERS ?= 3
 
 .PHONY: venv chromium deploy-tools netns-tools etcd demo test multihost soak fuzz bench bench-faults bench-scale bench-blip bench-progress \
 	bench-leftovers bench-console bench-hangs bench-places bench-node-loss bench-copy-faults bench-copy-speed bench-snapshot-speed bench-framework-restart bench-suspects bench-snapshot-blocking bench-request-path \
-	bench-failover bench-first-step gpu-check gpu-hangs test-oldest clean
+	bench-failover bench-first-step gpu-check gpu-hangs bench-gpu-restart test-oldest clean
 
 # `make demo` installs what the demo runs (the package and torch); the test tools and the frameworks (Lightning,
 # transformers, accelerate) come with `make test` and every other target.
@@ -204,6 +204,15 @@ bench-failover: venv etcd
 GPU_PYTHON ?= $(if $(wildcard $(PY)),$(PY),$(PYTHON))
 gpu-check:
 	PYTHONPATH=$(CURDIR) $(GPU_PYTHON) benchmarks/gpu_check.py
+
+# On a node with a GPU: issue 54's restart, crash -> every rank stepping again, one worker per GPU over NCCL,
+# 4x Linear(4096) + AdamW (805 MB of state): node-agent with `protect` (memory), node-agent with the script's own
+# disk checkpoint, and torchrun beside them, interleaved. Writes docs/bench-gpu-restart.json (about 3 minutes).
+GPU_RESTART_ARGS ?= --device cuda --nodes 1 --nproc 1 --width 4096 --steps 40 --crash-step 25 --snapshot-every 10 \
+	--disk-every 10 --step-s 0.3 --pairs 2 --snapshot-mb 0 --name bench-gpu-restart \
+	--launchers "node-agent (defaults),node-agent (own disk),torchrun c10d"
+bench-gpu-restart:
+	PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} $(GPU_PYTHON) benchmarks/bench_first_step.py $(GPU_RESTART_ARGS)
 
 # On a node with a GPU: issue 44's hang cases with the model on the GPU (every rank shares GPU 0 over gloo, as a
 # node with one GPU can): a rank's long CUDA kernels waited for while the others wait (must not be decided: its

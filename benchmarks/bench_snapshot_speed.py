@@ -99,7 +99,8 @@ else:
 
 
 def child(root: str, kind: str, where: str, mb: int, rounds: int, device: str) -> dict[str, float]:
-    env = dict(os.environ, PYTHONPATH=root, NODE_AGENT_MEMORY_DIR=where)
+    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               NODE_AGENT_MEMORY_DIR=where)
     env.pop("NODE_AGENT_MEMORY_LIMIT", None)
     t0 = time.time()
     out = subprocess.run([sys.executable, "-c", CHILD, kind, where, str(mb), str(rounds), device], env=env, cwd=root,

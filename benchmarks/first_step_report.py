@@ -3,15 +3,16 @@
 Markers (examples/train_ddp.py --markers): `WHAT RANK RESTART TIME` lines, TIME from time.time() in each
 worker (one clock for every process on the machine). A recovery runs from the `crash` line to the last
 rank's first `step` after it; its parts are those of that last rank: restart (crash -> the new
-interpreter's first line), import, process group, model + optimizer, snapshot load, first step.
+interpreter's first line), import, CUDA (the context; none on the CPU), process group, model + optimizer,
+snapshot load, first step.
 """
 from __future__ import annotations
 
 import statistics
 from typing import Any
 
-PARTS = (("restart", "start"), ("import", "import"), ("process group", "pg"), ("model + optimizer", "built"),
-         ("snapshot load", "loaded"), ("first step", "step"))
+PARTS = (("restart", "start"), ("import", "import"), ("CUDA", "cuda"), ("process group", "pg"),
+         ("model + optimizer", "built"), ("snapshot load", "loaded"), ("first step", "step"))
 
 
 def read_markers(path: str) -> list[tuple[str, int, float]]:
@@ -69,7 +70,7 @@ def table(runs: list[dict[str, Any]], launchers: list[str]) -> str:
         total = f"**{statistics.median(totals):.2f}** ({_spread(totals)})" if totals else "never"
         if len(done) < len(mine):
             total += f"; in {len(mine) - len(done)} of {len(mine)} runs no rank stepped again ({_why(mine)})"
-        cells = [_spread([r["result"]["parts"][part] for r in done]) for part, _ in PARTS]
+        cells = [_spread([r["result"]["parts"].get(part, 0.0) for r in done]) for part, _ in PARTS]
         lines.append(f"| {name} | {total} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -109,7 +110,7 @@ def plot(runs: list[dict[str, Any]], launchers: list[str], path: str, note: str)
             else:
                 left = 0.0
                 for (part, _), color in zip(PARTS, colors, strict=True):
-                    width = max(0.0, result["parts"][part])
+                    width = max(0.0, result["parts"].get(part, 0.0))   # older runs had no CUDA part
                     ax.barh(y, width, left=left, color=color)
                     left += width
                 ax.text(left + 0.1, y, f"{result['total']:.1f} s", va="center", fontsize=8)
@@ -117,7 +118,7 @@ def plot(runs: list[dict[str, Any]], launchers: list[str], path: str, note: str)
     ax.set_yticks(range(len(labels)), labels, fontsize=8)
     ax.invert_yaxis()
     ax.set_xlabel("seconds from the crash until every rank has finished a training step again")
-    ax.set_title(f"Crash -> training again, 2 nodes x 2 workers, gloo DDP\n{note}", fontsize=9)
+    ax.set_title(f"Crash -> training again\n{note}", fontsize=9)
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colors]
     ax.legend(handles, [p for p, _ in PARTS], fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.1),
               ncol=len(PARTS), frameon=False)

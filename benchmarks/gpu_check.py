@@ -57,7 +57,8 @@ def nvml_figures() -> Any:
 def run_job(extra: list[str], label: str) -> bool:
     """One DDP job with a crash; True when it succeeded after its restart."""
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp:
-        env = dict(os.environ, PYTHONPATH=ROOT, GPU_CHECK_MARKER=os.path.join(tmp, "crashed"))
+        env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+                   GPU_CHECK_MARKER=os.path.join(tmp, "crashed"))
         argv = [sys.executable, "-m", "node_agent", "--standalone", "--nproc-per-node", "gpu", "--max-restarts",
                 "1", *extra, WORKER]
         began = time.time()

@@ -9,7 +9,9 @@ copied to a peer node), and on start every rank resumes from the newest one all 
 also writes a checkpoint into `--ckpt-dir` (rank 0), the fallback when memory holds none (under torchrun, or a
 job that lost its copies). A step number is the count of optimizer steps done: a snapshot or checkpoint of step
 25 resumes at step 25. `--final FILE` writes the trained weights (rank 0); `--markers FILE` appends timestamped
-lines (start, import, pg, built, loaded, step, crash) for benchmarks/bench_first_step.py. `--flip-rank R
+lines (start, import, cuda, pg, built, loaded, step, crash) for benchmarks/bench_first_step.py. `--device cuda`
+trains on the local rank's GPU over NCCL (the CUDA context is made before the process group, as a GPU script
+does; on the CPU the `cuda` marker follows `import` at once). `--flip-rank R
 --flip-step S` flips one bit of a weight on rank R after step S (first attempt), as silent data corruption
 would: protect's digests show the replicas diverged at the next snapshot and the job resumes from the newest
 step all held alike; at the end rank 0 says whether every replica's parameters are alike.
@@ -53,8 +55,8 @@ def build(args: argparse.Namespace) -> nn.Module:
     return nn.Sequential(*layers)
 
 
-def reduce_min(x: int) -> int:
-    t = torch.tensor([x], dtype=torch.int64)
+def reduce_min(x: int, device: torch.device) -> int:
+    t = torch.tensor([x], dtype=torch.int64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MIN)
     return int(t.item())
 
@@ -63,7 +65,7 @@ def load_disk(args: argparse.Namespace, model: nn.Module, opt: torch.optim.Optim
     """The steps done by the newest disk checkpoint every rank can read (0: none)."""
     held = [int(n[5:-3]) for n in os.listdir(args.ckpt_dir) if n.startswith("step-") and n.endswith(".pt")] \
         if args.ckpt_dir and os.path.isdir(args.ckpt_dir) else []
-    step = reduce_min(max(held, default=0))
+    step = reduce_min(max(held, default=0), next(model.parameters()).device)
     if step > 0:
         state = torch.load(os.path.join(args.ckpt_dir, f"step-{step}.pt"), mmap=True)
         model.load_state_dict(state["model"])
@@ -97,6 +99,8 @@ def main() -> None:
     p.add_argument("--depth", type=int, default=4)
     p.add_argument("--optimizer", choices=("sgd", "adamw"), default="sgd")
     p.add_argument("--markers", default="", help="append timestamped progress lines to this file")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="cuda: the local rank's GPU, over NCCL (the CPU: gloo)")
     p.add_argument("--final", default="", help="write the trained weights to this file (rank 0)")
     p.add_argument("--batches", choices=("seeded", "generator", "global"), default="seeded",
                    help="where each step's batch comes from: a generator seeded by the step (the default), a "
@@ -105,7 +109,16 @@ def main() -> None:
     mark(args, "start", STARTED)
     mark(args, "import", IMPORTED)
 
-    dist.init_process_group("gloo")
+    device = torch.device("cpu")
+    if args.device == "cuda":
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(device)
+        torch.empty(1, device=device)       # the CUDA context, made now (its own part of a restart)
+    mark(args, "cuda")
+    if args.device == "cuda":
+        dist.init_process_group("nccl", device_id=device)    # NCCL's communicator now, not at the first collective
+    else:
+        dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     restart = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
     mark(args, "pg")
@@ -114,14 +127,15 @@ def main() -> None:
           f"master {os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}", flush=True)
 
     torch.manual_seed(0)
-    model = build(args)
+    model = build(args).to(device)
     batches = torch.Generator().manual_seed(1000 + rank)      # --batches generator: the loop's own
     torch.manual_seed(100 + rank)                              # --batches global: the global RNG, per rank
     opt = (torch.optim.AdamW(model.parameters(), lr=args.lr * 0.01) if args.optimizer == "adamw"
            else torch.optim.SGD(model.parameters(), lr=args.lr))
     mark(args, "built")
     extra = {"batches": batches} if args.batches == "generator" else None
-    model = DDP(model)        # before protect: it then knows the parameters are alike on every rank (and checks)
+    # DDP before protect: protect then knows the parameters are alike on every rank (and checks)
+    model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
     start = protect(model, opt, every=args.snapshot_every, extra=extra,
                     fallback=lambda: load_disk(args, model.module, opt)) \
         if args.snapshot_every else load_disk(args, model.module, opt)     # memory, a peer's copy, the disk, or 0
@@ -132,6 +146,7 @@ def main() -> None:
         x = (torch.randn(*shape, generator=torch.Generator().manual_seed(step * 1000 + rank))
              if args.batches == "seeded" else torch.randn(*shape, generator=batches) if args.batches == "generator"
              else torch.randn(*shape))
+        x = x.to(device)
         y = x if args.width > 0 else x.sum(dim=1, keepdim=True)
         loss = nn.functional.mse_loss(model(x), y)
         opt.zero_grad()
@@ -148,6 +163,8 @@ def main() -> None:
         if args.step_s:
             time.sleep(args.step_s)
         if step == start:
+            if device.type == "cuda":
+                torch.cuda.synchronize()      # the step is done when the GPU is, not when it was queued
             mark(args, "step")
         save_disk(args, model.module, opt, step + 1)
         if rank == 0 and (step % 5 == 0 or step == args.steps - 1):
@@ -155,8 +172,8 @@ def main() -> None:
     if args.final and rank == 0:
         torch.save(model.module.state_dict(), args.final)
     if args.flip_rank >= 0:        # every replica's parameters, bit for bit: the same on every rank?
-        crc = torch.tensor([float(zlib.crc32(b"".join(p.detach().numpy().tobytes() for p in model.parameters())))],
-                           dtype=torch.float64)
+        weights = b"".join(p.detach().cpu().numpy().tobytes() for p in model.parameters())
+        crc = torch.tensor([float(zlib.crc32(weights))], dtype=torch.float64, device=device)
         low, high = crc.clone(), crc.clone()
         dist.all_reduce(low, op=dist.ReduceOp.MIN)
         dist.all_reduce(high, op=dist.ReduceOp.MAX)

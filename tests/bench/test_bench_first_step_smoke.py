@@ -54,8 +54,8 @@ def test_a_recovery_is_read_along_the_last_rank_to_step_and_needs_every_rank():
         for k, (_, marker) in enumerate(PARTS):
             marks.append((marker, rank, 11.0 + delay + k))
     r = recovery(marks, world=2)
-    assert r is not None and r["last_rank"] == 1 and r["total"] == 8.0
-    assert r["parts"] == {"restart": 3.0, "import": 1.0, "process group": 1.0, "model + optimizer": 1.0,
+    assert r is not None and r["last_rank"] == 1 and r["total"] == 9.0
+    assert r["parts"] == {"restart": 3.0, "import": 1.0, "CUDA": 1.0, "process group": 1.0, "model + optimizer": 1.0,
                           "snapshot load": 1.0, "first step": 1.0}
     assert recovery([m for m in marks if not (m[0] == "step" and m[1] == 1)], world=2) is None
     assert recovery([m for m in marks if m[0] != "crash"], world=2) is None
