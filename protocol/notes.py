@@ -46,6 +46,9 @@ class ProgressNote(msgspec.Struct, kw_only=True, frozen=True, gc=False):
     anatomy: RestartAnatomy | None = None     # where this round's restart took its time here (once all stepped)
     # The snapshot step its ranks wait after, as NodeStatus.hold_at_snapshot asked (-1: none)
     held_step: Annotated[int, Meta(ge=-1, le=MAX_ROUND)] = -1
+    # Its workers' collectives run on an accelerator (NCCL): their host does not wait in them, so `waited` does not
+    # see a wait on the GPU (a node slow on its GPU is not named: rdzv_server/core/slow.py)
+    on_device: bool = False
     # protect's, under DDP: each rank's newest few (node_agent/training/probe.py's DIGESTS)
     digests: Annotated[list[RankDigest], Meta(max_length=4 * MAX_LOCAL_WORLD_SIZE)] = []
 

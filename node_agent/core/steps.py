@@ -56,6 +56,7 @@ class ProbeRecord:
     digests: tuple[tuple[int, int], ...] = ()   # (step, digest) of its newest snapshots' replicated tensors
     pace: tuple[int, float, float] = (0, 0.0, 0.0)   # steps counted for the pace, their time, the time waited
     waits_measured: bool = False                    # the probe timed a wait on the others (backward, collective)
+    on_device: bool = False      # its collectives run on an accelerator (NCCL): the host does not wait in them
     held_step: int = -1          # the snapshot it waits after, as the agent asked (-1: none)
     replica_group: int = 0       # the ranks its digests are compared with (those of the same group)
 
@@ -148,6 +149,7 @@ class RoundSteps:
             waited=round(self._waited(), 3) if closes else -1.0,
             resumed_step=max((r.resumed_step for r in records), default=-1), anatomy=self.anatomy(),
             held_step=self.held_step(),
+            on_device=any(r.record.on_device for r in self.ranks.values() if r.record is not None),
             digests=[RankDigest(rank=self.global_ranks.get(lr, lr), step=step, digest=value,
                                 group=r.record.replica_group)
                      for lr, r in sorted(self.ranks.items()) if r.record is not None

@@ -62,8 +62,10 @@ STEP = struct.Struct("<Qdd")          # steps, first, last: written between two 
 FLAG = struct.Struct("<I")
 RESUMED = struct.Struct("<q")
 SEQ_AT, STEP_AT, FLAGS_AT, RESUMED_AT = 8, 16, 44, 56
-# flags: an optimizer hook counts; beat() was called; stacks answer; a wait on the others was measured
-HOOKED, BEATEN, STACKS, SYNCED = 1, 2, 4, 8
+# flags: an optimizer hook counts; beat() was called; stacks answer; a wait on the others was measured; the
+# collectives run on an accelerator (DEVICE_BACKENDS), where the host does not wait for them (the wait unseen)
+HOOKED, BEATEN, STACKS, SYNCED, ON_DEVICE = 1, 2, 4, 8, 16
+DEVICE_BACKENDS = ("nccl", "xccl", "hccl")
 # A step over OUTLIER x the typical one (an evaluation, a rank's solo work, a pause) is left out of the pace: it
 # says nothing of the node's speed. The typical step follows the counted ones (an exponential mean).
 OUTLIER = 4.0
@@ -240,8 +242,9 @@ def _hook(module: Any) -> None:
         _record.flag(HOOKED)
 
 
-def _timed(module: Any, name: str, phase: str) -> None:
-    """`module.name` marks `phase`_begun and _done around its first call (the C code looks it up by name)."""
+def _timed(module: Any, name: str, phase: str, after: Any = None) -> None:
+    """`module.name` marks `phase`_begun and _done around its first call (the C code looks it up by name), then
+    calls `after(module)`."""
     call = getattr(module, name, None)
     if call is None or getattr(call, "_node_agent_timed", False):
         return
@@ -253,6 +256,8 @@ def _timed(module: Any, name: str, phase: str) -> None:
         _record.mark(f"{phase}_begun")
         out = call(*args, **kwargs)
         _record.mark(f"{phase}_done")
+        if after is not None:
+            after(module)
         return out
     timed._node_agent_timed = True  # type: ignore[attr-defined]
     setattr(module, name, timed)
@@ -275,9 +280,19 @@ def _synced(module: Any) -> None:
             setattr(dist, name, synced)
 
 
+def _backend_noted(module: Any) -> None:
+    """The default group's collectives run on an accelerator (NCCL, "cuda:nccl,cpu:gloo"): flagged ON_DEVICE."""
+    try:
+        backend = str(module.get_backend()).lower()
+    except Exception:       # noqa: BLE001 - the probe never fails the worker's own call
+        return
+    if _record is not None and any(name in backend for name in DEVICE_BACKENDS) and not _record.flags & ON_DEVICE:
+        _record.flag(ON_DEVICE)
+
+
 def _hook_group(module: Any) -> None:
     """init_process_group: in torch.distributed too when it is imported already (a warm worker's fork)."""
-    _timed(module, "init_process_group", "group")
+    _timed(module, "init_process_group", "group", after=_backend_noted)
     _synced(module)
     dist, timed = sys.modules.get("torch.distributed"), getattr(module, "init_process_group", None)
     if dist is not None and timed is not None and getattr(dist, "init_process_group", None) is not timed:

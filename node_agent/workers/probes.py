@@ -145,7 +145,7 @@ def _checked(fields: tuple[int | float, ...], pid: int | None, wall_now: float) 
         raise BadRecord(f"step times {first!r}..{last!r}")
     return ProbeRecord(steps=int(steps), first_at=float(first), last_at=float(last), pid=int(rec_pid),
                        flags=int(flags), main_thread=int(main_thread), resumed_step=int(resumed),
-                       waits_measured=bool(int(flags) & probe.SYNCED))
+                       waits_measured=bool(int(flags) & probe.SYNCED), on_device=bool(int(flags) & probe.ON_DEVICE))
 
 
 def _pace_fits(pace: tuple[int, float, float]) -> bool:

@@ -36,6 +36,7 @@ class EventKind(str, enum.Enum):
     HANG_EXCUSED = "hang_excused"          # alone again where a limit decided a hang before: not decided again
     NODE_SLOW = "node_slow"                # the other nodes wait on it (core/slow.py)
     NODE_PACE_OK = "node_pace_ok"          # no longer slow
+    PACE_UNSEEN = "pace_unseen"            # slow nodes are to be swapped, but the job's collectives run on GPUs
     NODE_SUSPECT = "node_suspect"          # a worker asked for other hardware, or its replicas diverged
     REPLICAS_DIVERGED = "replicas_diverged"   # ranks' replicated tensors differ at a step (divergence.py)
 

@@ -23,6 +23,12 @@ from rdzv_server.core.records import JobRecord, NodeRecord
 from rdzv_server.core.rounds import assignment
 from rdzv_server.core.slow import DEMAND_GAP, SLOW_GAP, SLOW_NOTES, SLOW_STEPS, NodePace, Paces
 
+# Said once when a job that swaps slow nodes runs its collectives on GPUs (a node's note says `on_device`).
+UNSEEN_ON_DEVICE = ("slow nodes are named from how long the workers' host waits in backward and collectives; this "
+                    "job's collectives run on its GPUs (NCCL), which the host does not wait in, so a node slow on its "
+                    "GPU is not named and --replace-slow-nodes does not swap it (a node slow on its CPU side, its data "
+                    "loading, may be)")
+
 
 @dataclass
 class LiveRound:
@@ -31,6 +37,7 @@ class LiveRound:
     paces: Paces = field(default_factory=Paces)
     round_id: int = -1       # the round the paces are of
     said: set[tuple[object, ...]] = field(default_factory=set)   # the board's round's stalls given an event
+    unseen_said: bool = False    # PACE_UNSEEN was said (once per job)
     digests: divergence.Digests = field(default_factory=divergence.Digests)   # the round's replicas (divergence.py)
 
 
@@ -42,6 +49,9 @@ def noted(rules: JobRules, live: LiveRound, node_id: str, note: ProgressNote | N
     goodput.note(job.progress, node_id, note, job.round.round_id, now)
     if note.round_id != job.round.round_id:
         return
+    if note.on_device and job.config.replace_slow_nodes and not live.unseen_said:
+        live.unseen_said = True
+        rules.record(now, EventKind.PACE_UNSEEN, UNSEEN_ON_DEVICE, node_id, job.round.round_id)
     if note.digests:
         own = set(_ranks_of(rules, node_id))
         told = [d for d in note.digests if d.rank in own]     # its own ranks only

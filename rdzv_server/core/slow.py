@@ -9,8 +9,8 @@ A job whose nodes measure no wait (no backward, no collective timed: a `beat()` 
 CPU demand instead (`demand`: the rest of the window they waited), against DEMAND_GAP; a node is compared only
 with nodes measured the same way. Pure; memory only (a server that takes over measures again).
 
-What it cannot see: time on a GPU. With NCCL the CPU waits for kernels the same way whether the GPU computes
-or waits on a peer, so on GPU nodes it names only nodes slow on their CPU side (data loading, Python).
+What it cannot see: time on a GPU. NCCL's collectives are queued on the GPU and return to the host at once, so
+a node slow on its GPU is not named (its notes say `on_device`; progress_rules.py says so once).
 """
 from __future__ import annotations
 

@@ -162,7 +162,29 @@ async def test_the_worker_notes_when_its_process_group_and_restore_began_and_end
     assert set(m) == {"started", "group_begun", "group_done", "restore_begun", "restore_done"}, m
     assert m["started"] <= m["group_begun"] <= m["group_done"] <= m["restore_begun"] <= m["restore_done"]
     assert m["restore_done"] <= record.first_at and record.steps == 1
+    assert not record.on_device                                 # gloo: the collectives run on the host
     assert record.digests == ((4, int(written("digest"))),)     # DDP's parameters' digest, with its step
+
+
+# A one-rank group whose backend is named as a GPU job's default group is ("cpu:gloo,cuda:nccl": this CPU build of
+# torch has no NCCL, so the name is all that differs): the probe flags that its collectives run on the GPU.
+NAMED_NCCL = """import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
+real = c10d.get_backend
+c10d.get_backend = lambda group=None: "cpu:gloo,cuda:nccl" if group is None else real(group)
+port = __import__("socket").create_server(("127.0.0.1", 0)).getsockname()[1]
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+dist.init_process_group("gloo", rank=0, world_size=1)
+from node_agent.training.heartbeat import beat
+beat()
+"""
+
+
+@pytest.mark.parametrize("warm", [None, ("torch",)], ids=["cold", "warm-torch"])
+async def test_a_process_group_on_nccl_flags_the_collectives_as_on_the_gpu(run_group, warm) -> None:
+    group, files, _ = await run_group(NAMED_NCCL, warm=warm)
+    record = record_of(files, group.pids[0])
+    assert record.steps == 1 and record.on_device and record.flags & probe.ON_DEVICE
 
 
 # Steps of ~50 ms: 30 of them blocked inside backward (a wait on the others, as DDP's all-reduce is), 20 outside

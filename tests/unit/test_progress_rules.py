@@ -84,3 +84,24 @@ def test_a_restart_whose_round_ran_only_until_its_success_reports_is_counted() -
                                                  progress=note(2, 5, T + 13, T + 14)), T + 15)
     assert job.state == JobState.SUCCEEDED
     assert job.progress.restarts == 1 and job.progress.lost_s == pytest.approx(3.0)
+
+
+def test_a_job_that_swaps_slow_nodes_on_gpus_is_told_once_that_a_slow_gpu_is_not_seen() -> None:
+    rz = Rendezvous()
+    swapping = msgspec.structs.replace(CFG, replace_slow_nodes=True)
+    for job, config in (("gpus", swapping), ("gpus-no-swap", CFG), ("cpus", swapping)):
+        join(rz, job, "a", T, config)
+        join(rz, job, "b", T, config)
+    for i in range(1, 4):
+        at = T + 10 * i
+        for job in ("gpus", "gpus-no-swap", "cpus"):
+            round_id = rz.jobs[job].round.round_id
+            for node in ("a", "b"):
+                told = note(round_id, 20 * i, T + 5, at)
+                poll(rz, job, node, at, msgspec.structs.replace(told, on_device=job != "cpus"))
+
+    def unseen(job: str) -> list[str]:
+        return [e.message for e in rz.jobs[job].events if e.kind == EventKind.PACE_UNSEEN]
+    said = unseen("gpus")
+    assert len(said) == 1 and "GPU is not named" in said[0] and "--replace-slow-nodes" in said[0], said
+    assert unseen("gpus-no-swap") == [] and unseen("cpus") == []

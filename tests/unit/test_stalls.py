@@ -256,3 +256,19 @@ def test_the_snapshot_a_rank_holds_after_is_read_and_is_news_for_a_note(tmp_path
     r = RoundSteps(3)
     r.observe(0, record, look(), 10.0)
     assert record.held_step == 15 and r.held_step() == 15 and r.note(10.0).held_step == 15
+
+
+def test_a_rank_whose_collectives_run_on_its_gpu_is_read_so_and_its_node_says_so(tmp_path) -> None:
+    files = ProbeFiles.in_dir(str(tmp_path), 0)
+    files.create()
+    flags = probe.SYNCED | probe.ON_DEVICE
+    write_garbage(files.record, probe.RECORD.pack(probe.MAGIC, probe.VERSION, 2, 3, 10.0, 11.0, 7, flags, 1, -1))
+    reader = RecordReader(files.record)
+    record = reader.read(None, 1e9)
+    reader.close()
+    assert record is not None and record.on_device and record.waits_measured
+    r = RoundSteps(3)
+    r.observe(0, paced(1, (0, 0.0, 0.0)), look(), 10.0)
+    assert not r.note(10.0).on_device                      # gloo: on the host
+    r.observe(1, record, look(), 10.0)
+    assert r.note(10.0).on_device                          # one rank on the GPU: the node's wait is not all seen
