@@ -106,6 +106,10 @@ class Narrator:
                 self._said_peers = True
                 self.say("the server does not answer, nor does it answer the round's other nodes: the server "
                          "itself is away, so the workers keep running")
+            case WitnessesAnswered(verdict=Verdict.UNANSWERED) if not self._said_peers:
+                self._said_peers = True
+                self.say("the server does not answer; the round's other nodes take a connection but do not answer "
+                         "(busy, or their port flooded): this node is not cut off, so the workers keep running")
 
     def action(self, action: Action) -> None:
         """What the agent does, said as it starts doing it."""

@@ -2,7 +2,9 @@
 - one that hears the server holds a newer round: this node's round was replaced (evidence to fence on);
 - one that hears the server holds this round: nothing moved on; wait for our own link (path_check.py);
 - they answer but do not hear the server: the server itself is away; the round goes on;
-- none answers, twice, and the server cannot be reached either: this node is cut off; its workers stop.
+- none answers but one took the connection: this node is not cut off (a stranger flooding a witness's port makes
+  it close connections unanswered); nothing is concluded, the round goes on;
+- none can be reached, twice, and the server cannot be reached either: this node is cut off; its workers stop.
 An older witness's "in-contact" with no round means it hears the server (confirmed once)."""
 from __future__ import annotations
 
@@ -15,8 +17,9 @@ from node_agent.core.facts import SERVER_CHECK_DECIDES, Verdict, WitnessesAnswer
 from protocol.messages import Witness
 
 
-def verdict(answers: list[bytes], round_id: int) -> Verdict:
-    """What the witnesses' answers say together, for an asker running `round_id` (facts.py)."""
+def verdict(answers: list[bytes | None], round_id: int) -> Verdict:
+    """What the witnesses' answers say together, for an asker running `round_id` (facts.py); an answer is None
+    where the witness could not be reached, b"" where it took the connection and said nothing."""
     said = [answer for answer in map(read_answer, answers) if answer is not None]
     heard = [held for hears, held in said if hears]   # the round each that hears the server holds (None: not said)
     if any(r is not None and r > round_id for r in heard):
@@ -25,7 +28,9 @@ def verdict(answers: list[bytes], round_id: int) -> Verdict:
         return Verdict.STILL_MEMBER          # it hears the server, which still runs this node's round (or older news)
     if heard:
         return Verdict.SERVER_HEARD          # an older witness: hears the server, says no round
-    return Verdict.SERVER_AWAY if said else Verdict.SILENT
+    if said:
+        return Verdict.SERVER_AWAY
+    return Verdict.UNANSWERED if any(answer is not None for answer in answers) else Verdict.SILENT
 
 
 async def ask_witnesses(witnesses: tuple[Witness, ...], round_id: int = -1,

@@ -56,21 +56,23 @@ class WitnessServer:
         await self._listener.close()
 
 
-def read_answer(line: bytes) -> tuple[bool, int | None] | None:
+def read_answer(line: bytes | None) -> tuple[bool, int | None] | None:
     """(hears the server, the round it runs or None when an older witness did not say), or None for no answer."""
-    m = ANSWER_LINE.fullmatch(line)
+    m = ANSWER_LINE.fullmatch(line) if line else None
     if m is None:
         return None
     return m.group(1) == b"in-contact", int(m.group(2)) if m.group(2) is not None else None
 
 
-async def ask_each(witnesses: tuple[Witness, ...], round_id: int = -1, timeout: float = ASK_TIMEOUT_S) -> list[bytes]:
-    """Each witness's answer line, asked at once (b"" where none came within `timeout`)."""
-    async def ask(w: Witness) -> bytes:
+async def ask_each(witnesses: tuple[Witness, ...], round_id: int = -1,
+                   timeout: float = ASK_TIMEOUT_S) -> list[bytes | None]:
+    """Each witness's answer line, asked at once: b"" where it took the connection but no answer came within
+    `timeout` (closed, silent), None where it could not be reached at all (no connection within `timeout`)."""
+    async def ask(w: Witness) -> bytes | None:
         try:
             reader, writer = await asyncio.wait_for(asyncio.open_connection(w.addr, w.port), timeout)
         except (OSError, asyncio.TimeoutError):
-            return b""
+            return None
         try:
             writer.write(ASK % round_id)
             await writer.drain()

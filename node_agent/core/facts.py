@@ -95,7 +95,10 @@ class Verdict(str, enum.Enum):
     STILL_MEMBER = "still_member"      # one hears the server, which still runs this node's round
     SERVER_HEARD = "server_heard"      # one hears the server (an older witness: it names no round)
     SERVER_AWAY = "server_away"        # some answered, none hears the server: the server itself is away
-    SILENT = "silent"                  # none answered: this node is cut off from everyone
+    # None answered, but one took the connection: this node is not cut off (a witness busy, hung, or its port
+    # flooded by a stranger); nothing is known of the server, so nothing is concluded
+    UNANSWERED = "unanswered"
+    SILENT = "silent"                  # none could be reached: this node is cut off from everyone
 
 
 # The verdicts the server check (a fresh connection) decides between; the others do not wait for it

@@ -408,6 +408,21 @@ def test_a_silence_then_witnesses_that_do_not_hear_the_server_keep_the_workers()
     assert p.handle(WitnessesAnswered(Verdict.SERVER_AWAY), 17.3) == [] and p.workers == Workers.RUNNING
 
 
+def test_witnesses_reached_but_unanswering_are_no_evidence_however_often_and_long():
+    # A stranger flooding the witnesses' ports while the server is away makes them close connections unanswered:
+    # this node reached them, so it is not cut off; it never fences on that, before or after the lapse.
+    p = fenced_policy()
+    p.handle(unreachable(), 14.0)
+    p.handle(DeadlinePassed(), 14.5)
+    for at in (15.0, 16.0, 17.0, 30.0):
+        assert p.handle(WitnessesAnswered(Verdict.UNANSWERED), at) == [] and p.workers == Workers.RUNNING
+        assert p.next_deadline() == at + ASK_AGAIN_S
+        assert isinstance(p.handle(DeadlinePassed(), at + ASK_AGAIN_S)[0], AskWitnesses)
+    p.handle(WitnessesAnswered(Verdict.SILENT, Path.NO_SERVER), 31.0)     # then truly cut off: confirmed once more
+    p.handle(DeadlinePassed(), 31.0)
+    assert isinstance(p.handle(WitnessesAnswered(Verdict.SILENT, Path.NO_SERVER), 32.0)[0], StopWorkers)
+
+
 def test_witnesses_that_do_not_hear_the_server_either_keep_the_workers_and_are_asked_again():
     p = fenced_policy()
     p.handle(unreachable(), 14.0)

@@ -57,7 +57,9 @@ async def test_a_connection_that_asks_nothing_gets_nothing_and_older_answers_are
     assert verdict([b"rdzv-agent in-contact\n", b""], 3) == Verdict.SERVER_HEARD   # an older witness: no round said
     assert verdict([b"rdzv-agent alone\n"], 3) == Verdict.SERVER_AWAY
     assert verdict([b"rdzv-agent in-contact round=2\n"], 3) == Verdict.STILL_MEMBER   # older news: no evidence
-    assert verdict([b"garbage\n", b""], 3) == Verdict.SILENT
+    assert verdict([b"garbage\n", None], 3) == Verdict.UNANSWERED    # reached: this node is not cut off
+    assert verdict([b"", None], 3) == Verdict.UNANSWERED
+    assert verdict([None, None], 3) == Verdict.SILENT
 
 
 async def test_a_probe_waits_for_the_server_check_only_where_the_witnesses_leave_it_open():
@@ -87,3 +89,25 @@ async def test_a_probe_waits_for_the_server_check_only_where_the_witnesses_leave
     nobody = Witness(addr="127.0.0.1", port=closed_port())
     said = await witnesses_and_server((nobody,), 3, no_server)
     assert said == WitnessesAnswered(Verdict.SILENT, Path.NO_SERVER)   # the check decides
+
+
+async def test_a_witness_whose_port_is_flooded_is_no_evidence_that_this_node_is_cut_off():
+    """A stranger holding every connection a witness's agent may have open makes it close the next ones unanswered:
+    the asker reached it, so it is not cut off, whatever the server check says (the server away meanwhile)."""
+    from node_agent.client.listener import Caps
+
+    async def no_server() -> str:
+        return Path.NO_SERVER
+
+    w = WitnessServer("127.0.0.1", lambda: False, lambda: 3, caps=Caps(total=16, per_source=64))
+    held: list[asyncio.StreamWriter] = []
+    try:
+        witness = Witness(addr="127.0.0.1", port=await w.start())
+        for _ in range(40):                     # idle, asking nothing: the cap and more
+            held.append((await asyncio.open_connection("127.0.0.1", witness.port))[1])
+        said = await witnesses_and_server((witness,), 3, no_server)
+        assert said.verdict in (Verdict.UNANSWERED, Verdict.SERVER_AWAY), said   # answered, or not: never SILENT
+    finally:
+        for writer in held:
+            writer.close()
+        await w.close()
