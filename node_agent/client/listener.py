@@ -2,7 +2,10 @@
 port for peer copies. Anyone who can reach the node can connect, so each connection is bounded before it costs
 more than a descriptor, as the server bounds its own:
 - at most `Caps.total` connections open for all of the agent's listeners together, and `Caps.per_source` from one
-  address: the excess is closed at once, before any TLS handshake (the accept loop is ours for that reason);
+  address: past the per-source cap a new connection is closed at once, before any TLS handshake (the accept loop
+  is ours for that reason); at the total cap the connection waiting longest for its first line is closed to make
+  room (idle connections cannot shut out a witness's question or a copy: one that works is never closed), and
+  only when none waits is the new one closed; either is said, once a minute;
 - a TLS handshake done within HANDSHAKE_S, then the first line within FIRST_LINE_S (4 s each), read into a buffer of
   FIRST_LINE_LIMIT bytes (a real first line is under 512); what breaks either is closed without a word;
 - out of descriptors while accepting (EMFILE): said, once a minute, and accepting goes on after a pause.
@@ -16,6 +19,7 @@ import errno
 import socket
 import ssl
 import time
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 
 from protocol import keepalive
@@ -27,31 +31,42 @@ FIRST_LINE_S = 4.0
 FIRST_LINE_LIMIT = 1024   # the reader's buffer until the first line is in: a longer line ends the connection
 ACCEPT_PAUSE_S = 0.5      # out of descriptors: accepting waits this long before it tries again
 SAY_EVERY_S = 60.0
+TAKEN, EVICTED, REFUSED = "taken", "evicted", "refused"     # Caps.take
 
 Handler = Callable[[bytes, asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 
 
 class Caps:
-    """Connections open now, in total and by source address, for every listener of one agent."""
+    """Connections open now, in total and by source address, for every listener of one agent, and those still
+    waiting for their first line (the first to close at the total cap)."""
 
     def __init__(self, total: int = MAX_CONNECTIONS, per_source: int = MAX_PER_SOURCE) -> None:
         self.total, self.per_source = total, per_source
         self.open: dict[str, int] = {}      # source address -> its connections open now
         self.count = 0                      # all of them (every accept in a flood asks: kept, not summed)
-        self.refused = 0
+        self.waiting: OrderedDict[object, Callable[[], None]] = OrderedDict()   # oldest first: what closes it
 
     @classmethod
     def for_descriptors(cls, limit: int) -> Caps:
         """Caps that leave three quarters of `limit` descriptors to the rest of the agent (workers, pipes, polls)."""
         return cls(total=max(16, min(MAX_CONNECTIONS, limit // 4)))
 
-    def take(self, source: str) -> bool:
-        if self.count >= self.total or self.open.get(source, 0) >= self.per_source:
-            self.refused += 1
-            return False
+    def take(self, source: str) -> str:
+        """TAKEN: `source` may open one more; EVICTED: so, once the connection waiting longest for its first line
+        was closed to make room (`close()` gives its count back at once); REFUSED: at the per-source cap, or at the
+        total cap with every connection at work."""
+        if self.open.get(source, 0) >= self.per_source:
+            return REFUSED
+        taken = TAKEN
+        if self.count >= self.total:
+            if not self.waiting:
+                return REFUSED
+            _, close = self.waiting.popitem(last=False)
+            close()
+            taken = EVICTED
         self.open[source] = self.open.get(source, 0) + 1
         self.count += 1
-        return True
+        return taken
 
     def give(self, source: str) -> None:
         self.count -= 1
@@ -122,7 +137,12 @@ class Listener:
                 await asyncio.sleep(ACCEPT_PAUSE_S if exc.errno != errno.ECONNABORTED else 0)   # a pause, not a wait
                 continue
             source = str(peer[0]) if isinstance(peer, tuple) else "?"
-            if not self.caps.take(source):
+            taken = self.caps.take(source)
+            if taken != TAKEN:
+                done = "closed the one waiting longest for its first line, for" if taken == EVICTED else "refused"
+                self._say_now(f"{self.name}: at its cap of {self.caps.total} connections ({self.caps.per_source} "
+                              f"from one address): {done} a connection from {source!r} (said once a minute)")
+            if taken == REFUSED:
                 conn.close()                             # at once: no handshake, no buffer, no task
                 continue
             task = asyncio.create_task(self._serve(conn, source))
@@ -135,6 +155,14 @@ class Listener:
         loop = asyncio.get_running_loop()
         connected: asyncio.Future[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = loop.create_future()
         line, rest = b"", b""
+        key, task, evicted = object(), asyncio.current_task(), []
+
+        def evict() -> None:          # Caps.take, at the total cap: its count is given back now, once
+            evicted.append(True)
+            self.caps.give(source)
+            if task is not None:
+                task.cancel()
+        self.caps.waiting[key] = evict
 
         def made() -> asyncio.StreamReaderProtocol:
             reader = asyncio.StreamReader(limit=FIRST_LINE_LIMIT)
@@ -160,11 +188,18 @@ class Listener:
                     if not line:
                         line = await asyncio.wait_for(reader.readline(), FIRST_LINE_S)
                     if line:
+                        self.caps.waiting.pop(key, None)     # at work now: never closed to make room
                         await self.handler(line, reader, writer)
             finally:
                 writer.close()
+        except asyncio.CancelledError:
+            conn.close()
+            if not evicted:
+                raise                                        # the listener closing: evicted ones just end
         finally:
-            self.caps.give(source)
+            self.caps.waiting.pop(key, None)
+            if not evicted:
+                self.caps.give(source)
 
     def _say_now(self, line: str) -> None:
         now = time.monotonic()

@@ -1,5 +1,6 @@
-"""The agent's listeners face strangers (node_agent/client/listener.py): connections past the caps are closed at
-once, before any handshake; a silent TLS connection is let go within the handshake limit; a first line is read
+"""The agent's listeners face strangers (node_agent/client/listener.py): connections past the per-source cap are
+closed at once, before any handshake; at the total cap the one waiting longest for its first line makes room, and
+only connections at work make a newcomer wait its turn; a silent TLS connection is let go within the handshake limit; a first line is read
 into a small buffer, and only then widened for a payload. Real sockets on loopback, sources as 127.0.0.x."""
 from __future__ import annotations
 
@@ -21,13 +22,16 @@ WAIT = 10.0
 
 
 @contextlib.asynccontextmanager
-async def serving(caps: Caps, tls: ssl.SSLContext | None = None, said: list[str] | None = None
-                  ) -> AsyncIterator[tuple[int, list[bytes]]]:
-    """A listener whose handler answers each first line with `ok LINE` (what it was given, newline and all)."""
+async def serving(caps: Caps, tls: ssl.SSLContext | None = None, said: list[str] | None = None,
+                  busy: asyncio.Event | None = None) -> AsyncIterator[tuple[int, list[bytes]]]:
+    """A listener whose handler answers each first line with `ok LINE` (what it was given, newline and all); a line
+    `busy` keeps its handler at work until `busy` is set."""
     lines: list[bytes] = []
 
     async def echo(line: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         lines.append(line)
+        if line == b"busy\n" and busy is not None:
+            await busy.wait()
         writer.write(b"ok " + line)
         await writer.drain()
 
@@ -68,31 +72,49 @@ async def ask(port: int, line: bytes, source: str = "127.0.0.1") -> bytes:
 
 
 async def test_past_the_per_source_cap_a_connection_is_closed_at_once_and_others_still_get_in() -> None:
-    caps = Caps(total=100, per_source=3)
-    async with serving(caps) as (port, _):
+    caps, said = Caps(total=100, per_source=3), []
+    async with serving(caps, said=said) as (port, _):
         held = [silent(port) for _ in range(3)]
         await asyncio.sleep(0.2)            # the three are accepted (nothing to wait on from outside)
         extra = silent(port)
         began = time.monotonic()
         assert await closed_within(extra, 2.0) and time.monotonic() - began < 1.0
-        assert caps.refused == 1
+        assert len(said) == 1 and "refused a connection from '127.0.0.1'" in said[0], said
         assert await ask(port, b"rdzv-agent ask round=1\n", source="127.0.0.2") == b"ok rdzv-agent ask round=1\n"
         for s in held + [extra]:
             s.close()
 
 
-async def test_the_total_cap_holds_for_all_of_an_agents_listeners_together() -> None:
-    caps = Caps(total=4, per_source=10)
-    async with serving(caps) as (a, _), serving(caps) as (b, _):
+async def test_at_the_total_cap_idle_connections_make_room_for_a_question_on_any_listener() -> None:
+    """Strangers holding every place an agent's listeners have, saying nothing, cannot shut out a witness's question
+    or a copy: the connection waiting longest for its first line is closed for each newcomer."""
+    caps, said = Caps(total=4, per_source=10), []
+    async with serving(caps, said=said) as (a, _), serving(caps) as (b, _):
         held = [silent(a, f"127.0.0.{i}") for i in (2, 3)] + [silent(b, f"127.0.0.{i}") for i in (4, 5)]
         await asyncio.sleep(0.2)
-        late = [silent(a, "127.0.0.6"), silent(b, "127.0.0.7")]
-        assert all([await closed_within(s, 2.0) for s in late]) and caps.refused == 2
-        for s in held:
+        assert await ask(a, b"rdzv-agent ask round=1\n", source="127.0.0.6") == b"ok rdzv-agent ask round=1\n"
+        assert await closed_within(held[0], 2.0)                              # the oldest made room
+        assert len(said) == 1 and "closed the one waiting longest" in said[0], said
+        newcomers = [silent(b, "127.0.0.7"), silent(b, "127.0.0.8")]    # 3 held + 2: on the other listener ...
+        assert await closed_within(held[1], 2.0)                              # ... the oldest, on a, makes room
+        assert not await closed_within(held[2], 0.3) and not any([await closed_within(s, 0.1) for s in newcomers])
+        assert caps.count == caps.total == 4
+        for s in [*held, *newcomers]:
             s.close()
+
+
+async def test_at_the_total_cap_with_every_connection_at_work_a_newcomer_is_refused() -> None:
+    caps, busy, said = Caps(total=2, per_source=10), asyncio.Event(), []
+    async with serving(caps, said=said, busy=busy) as (port, _):
+        working = [asyncio.ensure_future(ask(port, b"busy\n", source=f"127.0.0.{i}")) for i in (2, 3)]
+        await asyncio.sleep(0.3)            # both at work in their handlers
+        late = silent(port, "127.0.0.4")
+        assert await closed_within(late, 2.0) and "refused" in said[0], said
+        busy.set()
+        assert await asyncio.gather(*working) == [b"ok busy\n", b"ok busy\n"]       # the work was never cut
+        late.close()
         await asyncio.sleep(0.2)
-        assert sum(caps.open.values()) == 0 or await ask(a, b"x\n") == b"ok x\n"
-        assert await ask(b, b"y\n", source="127.0.0.8") == b"ok y\n"
+        assert caps.count == 0 and caps.open == {}
 
 
 async def test_a_line_that_comes_late_is_still_served_and_one_too_long_is_not() -> None:
