@@ -92,6 +92,7 @@ def main() -> None:
     p.add_argument("--step-s", type=float, default=0.0, help="seconds each step sleeps (a paced step)")
     p.add_argument("--flip-rank", type=int, default=-1, help="flip one bit of a weight on this rank (first attempt)")
     p.add_argument("--flip-step", type=int, default=0, help="after this step's optimizer step")
+    p.add_argument("--alike", action="store_true", help="at the end rank 0 says whether every replica is alike")
     p.add_argument("--snapshot-every", type=int, default=0, help="steps between in-memory snapshots (0: none)")
     p.add_argument("--disk-every", type=int, default=0, help="steps between disk checkpoints (0: none)")
     p.add_argument("--ckpt-dir", default="", help="directory of the disk checkpoints")
@@ -171,7 +172,7 @@ def main() -> None:
             print(f"step {step:3d}  loss {mean.item() / world:.4f}", flush=True)
     if args.final and rank == 0:
         torch.save(model.module.state_dict(), args.final)
-    if args.flip_rank >= 0:        # every replica's parameters, bit for bit: the same on every rank?
+    if args.flip_rank >= 0 or args.alike:     # every replica's parameters, bit for bit: the same on every rank?
         weights = b"".join(p.detach().cpu().numpy().tobytes() for p in model.parameters())
         crc = torch.tensor([float(zlib.crc32(weights))], dtype=torch.float64, device=device)
         low, high = crc.clone(), crc.clone()

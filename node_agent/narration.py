@@ -39,6 +39,16 @@ from protocol.messages import (
 )
 from protocol.stalls import RankSeen, RankState
 
+# What the witnesses said that keeps the workers running while the server is silent: said once per outage.
+GOING_ON = {
+    Verdict.STILL_MEMBER: "the round's other nodes still hear the server, in this node's round: nothing was "
+                          "replaced, so the workers keep running while this node's own path comes back",
+    Verdict.SERVER_AWAY: "the server does not answer, nor does it answer the round's other nodes: the server itself "
+                         "is away, so the workers keep running",
+    Verdict.UNANSWERED: "the server does not answer; the round's other nodes take a connection but do not answer "
+                        "(busy, or their port flooded): this node is not cut off, so the workers keep running",
+}
+
 
 class Narrator:
     def __init__(self, node_id: str, console: TextIO | None = None, addr: str = "", *, server: str = "",
@@ -98,18 +108,9 @@ class Narrator:
                 self._said_peers = True
                 self.say("the server's replicas answer but none serves yet (a takeover or restart is under way): "
                          "the workers keep running")
-            case WitnessesAnswered(verdict=Verdict.STILL_MEMBER) if not self._said_peers:
+            case WitnessesAnswered(verdict=verdict) if verdict in GOING_ON and not self._said_peers:
                 self._said_peers = True
-                self.say("the round's other nodes still hear the server, in this node's round: nothing was "
-                         "replaced, so the workers keep running while this node's own path comes back")
-            case WitnessesAnswered(verdict=Verdict.SERVER_AWAY) if not self._said_peers:
-                self._said_peers = True
-                self.say("the server does not answer, nor does it answer the round's other nodes: the server "
-                         "itself is away, so the workers keep running")
-            case WitnessesAnswered(verdict=Verdict.UNANSWERED) if not self._said_peers:
-                self._said_peers = True
-                self.say("the server does not answer; the round's other nodes take a connection but do not answer "
-                         "(busy, or their port flooded): this node is not cut off, so the workers keep running")
+                self.say(GOING_ON[verdict])
 
     def action(self, action: Action) -> None:
         """What the agent does, said as it starts doing it."""

@@ -69,7 +69,7 @@ class Snapshots(TrainerCallback):
         found = resume.agree(where, lambda tree: trees.mismatch(tree.get("model"), live, "model") if live else None)
         if found is None:
             return None
-        step, tree = found
+        step, tree, _ = found
         folder = os.path.join(where, FOLDER)
         shutil.rmtree(folder, ignore_errors=True)
         os.mkdir(folder, 0o700)

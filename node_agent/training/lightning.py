@@ -45,7 +45,7 @@ class Snapshots(Callback):
         found = resume.agree(where, lambda tree: trees.mismatch(tree.get("state_dict"), pl_module.state_dict(),
                                                                 "state_dict"))
         if found is not None:       # what fit(ckpt_path=...) would have read; a path given to fit replaces it
-            self._restored, trainer._checkpoint_connector._loaded_checkpoint = found
+            self._restored, trainer._checkpoint_connector._loaded_checkpoint, _ = found
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._last = trainer.global_step

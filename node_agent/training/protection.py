@@ -50,31 +50,41 @@ def protect(model: nn.Module, optimizer: torch.optim.Optimizer, every: int = 5, 
     """Restore the newest snapshot every rank holds and snapshot every `every` optimizer steps from now on.
     Returns the number of optimizer steps already done (the loop's first step)."""
     replicated, group = _replicated(model)
+    lendable = isinstance(model, DistributedDataParallel)     # every rank a replica: one may lend its snapshot
     model, optimizer = _inner(model), _inner_optimizer(optimizer)
     objects = dict(extra or {})
     _check(model, optimizer, every, objects, keep)
     where = resume.memory_directory()
     if where is None:
         return fallback() if fallback is not None else 0
-    restored = restore(model, optimizer, objects, where)
+    restored = restore(model, optimizer, objects, where, lendable)
     start = restored if restored is not None else (fallback() if fallback is not None else 0)
     _Hooks(model, optimizer, objects, every, Capture(where, keep, replicated, group), start).register()
     return start
 
 
 def restore(model: nn.Module, optimizer: torch.optim.Optimizer, objects: Mapping[str, Extra],
-            where: str) -> int | None:
-    """The step restored from the memory directory (all ranks agree on it), or None (nothing was loaded)."""
-    found = resume.agree(where, lambda tree: _fits(tree.get("state"), model, optimizer, objects))
+            where: str, lendable: bool = False) -> int | None:
+    """The step restored from the memory directory (all ranks agree on it), or None (nothing was loaded).
+    `lendable`: every rank is a replica (DDP), so a rank without the step is lent a replica's snapshot: it loads
+    the model, optimizer and extras, but keeps its own RNG states and generators (the lender's would make it draw
+    the lender's batches)."""
+    found = resume.agree(where, lambda tree: _fits(tree.get("state"), model, optimizer, objects), lendable)
     if found is None:
         return None
-    step, tree = found
+    step, tree, lender = found
+    own = lender == resume.rank()
     saved = tree["state"]
     model.load_state_dict(trees.into_live(saved["model"], model.state_dict()))
     optimizer.load_state_dict(_optimizer_into_live(saved["optim"], optimizer))
     for name, obj in objects.items():
-        load_into(obj, saved["extra"][name])
-    rng.restore(tree.get("rng", {}))
+        if own or not isinstance(obj, torch.Generator):
+            load_into(obj, saved["extra"][name])
+    if own:
+        rng.restore(tree.get("rng", {}))
+    else:
+        say(f"rank {resume.rank()} held no snapshot of step {step}: it resumes from rank {lender}'s (a replica's "
+            f"model, optimizer and extras); its RNG states and generators start as the script left them")
     resume.resumed(step)
     return step
 

@@ -12,6 +12,8 @@ agent imports this): `save` takes bytes or a callable writing into a file, e.g.
   never stops training for it.
 - All ranks resume from the same step: `agreed_step` takes the MIN of every rank's newest step, then checks
   every rank holds (and accepts) it (a rank that lost its copy, e.g. a replaced node, sends everyone back to disk).
+  Where every rank's state is a replica of every other's (DDP: `lend`), a rank that holds nothing (a node that
+  joined a growing job, or lost its memory) or not that step is lent a replica's file instead.
   Snapshots newer than the step agreed (all of them, going back to disk) are removed: the job abandoned those steps.
 - While HOLD is in the directory (the server swaps a suspect node at the job's next snapshot), a rank that
   completes a snapshot waits after it (`hold_after`): no rank steps past it, so the job resumes from it with
@@ -30,9 +32,9 @@ from typing import BinaryIO
 
 from node_agent.training import heartbeat
 
-__all__ = ["COPY_WAIT_S", "DIR_VAR", "FETCHING", "HOLD", "LIMIT_VAR", "MemoryDirFull", "Writer", "agreed_step",
-           "directory", "full_error", "Room", "forget_after", "limit", "hold_after", "make_room", "newest", "path",
-           "remove", "save", "steps"]
+__all__ = ["COPY_WAIT_S", "DIR_VAR", "FETCHING", "HOLD", "LIMIT_VAR", "MemoryDirFull", "NONE_HELD", "Writer",
+           "agreed_step", "directory", "full_error", "Room", "forget_after", "limit", "hold_after", "make_room",
+           "newest", "path", "remove", "save", "steps"]
 
 DIR_VAR = "NODE_AGENT_MEMORY_DIR"
 FETCHING = ".fetching"    # the agent is fetching this rank's copy from a peer (node_agent/copies/peers.py)
@@ -42,6 +44,7 @@ HOLD = ".hold"            # the agent asks this rank to wait after its next snap
 HOLD_MAX_S = 30.0         # the most it waits: a swap that did not come lets the training go on
 HOLD_LOOK_S = 0.02
 _NAME = re.compile(r"step-(\d{1,18})")
+NONE_HELD = 2**62         # agreed_step with `lend`: what a rank that holds no snapshot offers (it can be lent one)
 
 Writer = Callable[[BinaryIO], object]
 
@@ -84,12 +87,15 @@ def newest(where: str | None = None) -> int | None:
 
 
 def agreed_step(reduce_min: Callable[[int], int], where: str | None = None,
-                accept: Callable[[int], bool] | None = None) -> int | None:
+                accept: Callable[[int], bool] | None = None,
+                lend: Callable[[int, bool], bool] | None = None) -> int | None:
     """The newest step every rank holds (and, given `accept`, every rank accepts), or None (then load from disk, or
     start from scratch). `reduce_min(x)` returns the minimum of x over all ranks (every rank calls it the same number
     of times), e.g. an all_reduce with ReduceOp.MIN of a one-element tensor. `accept(step)` is each rank's check of
     its own file (a checksum, the model's keys and shapes): a step refused by any rank sends every rank to the next
-    older one that all hold, so the job never loads a mix of steps."""
+    older one that all hold, so the job never loads a mix of steps. With `lend` (every rank's state a replica of
+    every other's), the step is the newest every rank that holds any holds, and `lend(step, held)` (every rank
+    calls it) hands a replica's file to the ranks that do not hold it: whether every rank now holds and accepts it."""
     where = where or directory()
     if where is not None:
         _await_copy(where)
@@ -97,12 +103,16 @@ def agreed_step(reduce_min: Callable[[int], int], where: str | None = None,
     below: int | None = None      # only steps older than this one are still candidates
     while True:
         held = [s for s in steps(where) if below is None or s < below] if where is not None else []
-        step = reduce_min(held[-1] if held else -1)
-        if step < 0:
+        step = reduce_min(held[-1] if held else -1 if lend is None else NONE_HELD)
+        if step < 0 or step == NONE_HELD:
             forget_after(-1, where)      # the job goes back to disk: these steps are not its future
             return None
-        ok = where is not None and os.path.exists(path(step, where)) and (accept is None or accept(step))
+        has = where is not None and os.path.exists(path(step, where))
+        ok = (has and (accept is None or accept(step))) or (lend is not None and not has)
         if reduce_min(1 if ok else 0) == 1:
+            if lend is not None and not lend(step, has):
+                forget_after(-1, where)
+                return None
             forget_after(step, where)
             heartbeat.resumed(step)       # the agent's probe: steps redone after this restore
             return step

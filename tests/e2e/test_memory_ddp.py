@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from protocol.restarts import PHASES
-from tests.e2e.harness import ROOT, job_events, job_view
+from tests.e2e.harness import ROOT, job_events, job_view, wait_until
 
 pytestmark = pytest.mark.e2e
 TRAIN = os.path.join(ROOT, "examples", "train_ddp.py")
@@ -149,3 +149,32 @@ def test_an_hsdp_replica_that_diverges_is_named_within_its_shard_and_every_rank_
         [f"rank {r}: resumed from step 10 (memory)" for r in range(6)], out
     assert "replicas alike at the end: yes" in out, out
     assert job_view(cluster, "hsdp")["restart_count"] == 1
+
+
+def test_a_node_that_joins_a_growing_job_is_lent_a_replicas_snapshot_and_nobody_goes_back_to_scratch(cluster,
+                                                                                                      tmp_path):
+    """An elastic job (2:3 nodes, one DDP worker each) grows once a third node joins: the two running ranks hold
+    snapshots, the newcomer none. Every rank resumes from the running ranks' newest snapshot, in memory (the
+    newcomer lent it by the lowest holding rank, its RNG left as the script set it): not from step 0, as the
+    minimum over all ranks was. The replicas train alike to the end."""
+    cluster.start_server()
+    args = ["--steps", "160", "--snapshot-every", "5", "--width", "32", "--depth", "2", "--step-s", "0.1", "--alike"]
+
+    def agent(name: str):
+        return cluster.agent("--endpoint", cluster.endpoint(), "--nnodes", "2:3", "--nproc", "1", "--job-id", "grow",
+                             "--max-restarts", "1", "--last-call", "1", "--node-id", f"grow-{name}", TRAIN, *args,
+                             name=f"grow-{name}")
+    first = [agent("a"), agent("b")]
+    wait_until(lambda: (job_view(cluster, "grow", missing_ok=True) or {}).get("progress", {}).get("steps", 0) >= 12,
+               120, "the first two nodes' steps past their second snapshot")
+    agents = [*first, agent("c")]
+    for a in agents:
+        assert a.wait(240) == 0, a.output
+    out = "".join(a.output for a in agents)
+    again = sorted(m.group(0) for m in RESUMED.finditer(out) if "scratch" not in m.group(0))
+    steps = {int(line.split("step ")[1].split()[0]) for line in again}
+    assert len(again) == 3 and len(steps) == 1 and steps.pop() >= 10, out       # one step, every rank, from memory
+    assert all(line.endswith("(memory)") for line in again), out
+    assert "held no snapshot of step" in out and "resumes from rank 0's" in out, out
+    assert "replicas alike at the end: yes" in out, out
+    assert not [e for e in job_events(cluster, "grow") if e["kind"] == "replicas_diverged"]

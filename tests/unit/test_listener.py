@@ -1,7 +1,8 @@
 """The agent's listeners face strangers (node_agent/client/listener.py): connections past the per-source cap are
 closed at once, before any handshake; at the total cap the one waiting longest for its first line makes room, and
-only connections at work make a newcomer wait its turn; a silent TLS connection is let go within the handshake limit; a first line is read
-into a small buffer, and only then widened for a payload. Real sockets on loopback, sources as 127.0.0.x."""
+only connections at work make a newcomer wait its turn; a silent TLS connection is let go within the handshake
+limit; a first line is read into a small buffer, and only then widened for a payload. Real sockets on loopback,
+sources as 127.0.0.x."""
 from __future__ import annotations
 
 import asyncio

@@ -334,3 +334,51 @@ def test_forget_after_removes_only_the_newer_snapshots_of_every_rank(tmp_path) -
     assert memory.forget_after(10, dirs) == [15]
     assert [sorted(os.listdir(d)) for d in dirs.values()] == [["step-10", "step-5"]] * 2
     assert memory.forget_after(10, dirs) == []
+
+
+@pytest.mark.parametrize(("held", "agreed"), [
+    ([[5, 10], [5, 10], []], 10),      # a node that joined a growing job holds nothing: lent the others' newest
+    ([[10], [5], [5]], 5),             # rank 0 lacks 5: lent it (its own 10 is a run the job abandoned)
+    ([[], [], []], None),              # nobody holds anything: nothing to lend
+])
+def test_replicas_lend_the_step_they_agree_on_to_the_ranks_that_lack_it(tmp_path, held, agreed) -> None:
+    """DDP: every rank's state a replica of every other's, so a rank that holds nothing or not the step is lent a
+    holder's file (here: copied between the ranks' directories, as resume.lend_file sends it) and resumes with them."""
+    n = len(held)
+    barrier = threading.Barrier(n)
+    values: list[int] = [0] * n
+    has: list[bool] = [False] * n
+    results: list[int | None] = [None] * n
+    dirs = [tmp_path / str(rank) for rank in range(n)]
+
+    def run(rank: int) -> None:
+        def reduce_min(x: int) -> int:
+            values[rank] = x
+            barrier.wait()
+            low = min(values)
+            barrier.wait()
+            return low
+
+        def lend(step: int, held_it: bool) -> bool:
+            has[rank] = held_it
+            barrier.wait()
+            if not held_it:
+                lender = dirs[has.index(True)]
+                snapshot.save((lender / f"step-{step}").read_bytes(), step, where=str(dirs[rank]), keep=3)
+            barrier.wait()
+            return True
+        results[rank] = snapshot.agreed_step(reduce_min, str(dirs[rank]), lend=lend)
+
+    for rank, steps in enumerate(held):
+        dirs[rank].mkdir()
+        for step in steps:
+            snapshot.save(b"s%d" % step, step, where=str(dirs[rank]), keep=3)
+    threads = [threading.Thread(target=run, args=(rank,)) for rank in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert results == [agreed] * n
+    if agreed is not None:
+        assert all((d / f"step-{agreed}").read_bytes() == b"s%d" % agreed for d in dirs)
+        assert all(max(snapshot.steps(str(d))) == agreed for d in dirs)     # nothing newer than the step kept
