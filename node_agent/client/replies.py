@@ -98,8 +98,10 @@ CONFLICT_RETRY_S = 1.0
 
 
 def conflict_retry_for(lease_timeout_s: float) -> float:
-    """How long a join refused as CONFLICT is tried again."""
-    return lease_timeout_s + 2 * CONFLICT_RETRY_S
+    """How long a join refused as CONFLICT is tried again: until the predecessor's lease must have lapsed, and a
+    server restarted on its saved state gives every node two leases more (JobRules.restored), so an agent restarted
+    with its server (a host's reboot) outwaits that too rather than give up the node."""
+    return 2 * lease_timeout_s + 2 * CONFLICT_RETRY_S
 
 
 def refusal(code: Code, request: type) -> Refusal:

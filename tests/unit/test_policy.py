@@ -300,16 +300,18 @@ def test_a_refused_token_ends_the_agent_with_the_servers_words() -> None:
     assert actions == [Exit(1, "the rendezvous server refused this agent: missing or wrong token: --token-file")]
 
 
-def test_a_node_id_held_by_a_live_agent_is_retried_for_a_lease_then_given_up() -> None:
+def test_a_node_id_held_by_a_live_agent_is_retried_for_two_leases_then_given_up() -> None:
+    # Two leases: a server restarted on its saved state (with the host that ran both) gives every node a fresh
+    # lease and one more of grace; the restarted agent must outwait its predecessor's, or its node is lost.
     p = SupervisionPolicy(server_wait_s=60, lease_timeout_s=5.0)
     conflict = ServerRefused(JoinRequest, "node_conflict", "node id 'a' is held by a live agent")
     assert p.handle(conflict, 0.0) == []
     assert p.next_deadline() == 1.0                          # the retry fires by the timer
     assert p.handle(DeadlinePassed(), 1.0) == [Rejoin("this node id is still held by a live agent; trying again")]
-    for t in range(1, 7):
-        assert p.handle(conflict, float(t)) == []            # within lease + 2 s: keep trying
+    for t in range(1, 12):
+        assert p.handle(conflict, float(t)) == []            # within 2 leases + 2 s: keep trying
         p.handle(DeadlinePassed(), t + 1.0)
-    final = p.handle(conflict, 7.5)
+    final = p.handle(conflict, 12.5)
     assert isinstance(final[-1], Exit) and final[-1].code == 1 and "held by a live agent" in final[-1].message
 
 
