@@ -3,9 +3,10 @@ port for peer copies. Anyone who can reach the node can connect, so each connect
 more than a descriptor, as the server bounds its own:
 - at most `Caps.total` connections open for all of the agent's listeners together, and `Caps.per_source` from one
   address: past the per-source cap a new connection is closed at once, before any TLS handshake (the accept loop
-  is ours for that reason); at the total cap the connection waiting longest for its first line is closed to make
-  room (idle connections cannot shut out a witness's question or a copy: one that works is never closed), and
-  only when none waits is the new one closed; either is said, once a minute;
+  is ours for that reason); at the total cap a connection still waiting for its first line is closed to make
+  room, the oldest of the source holding the most (a flood's, not a peer's few: idle connections cannot shut out
+  a witness's question or a copy; one at work is never closed), and only when none waits is the new one closed;
+  either is said, once a minute;
 - a TLS handshake done within HANDSHAKE_S, then the first line within FIRST_LINE_S (4 s each), read into a buffer of
   FIRST_LINE_LIMIT bytes (a real first line is under 512); what breaks either is closed without a word;
 - out of descriptors while accepting (EMFILE): said, once a minute, and accepting goes on after a pause.
@@ -38,13 +39,14 @@ Handler = Callable[[bytes, asyncio.StreamReader, asyncio.StreamWriter], Awaitabl
 
 class Caps:
     """Connections open now, in total and by source address, for every listener of one agent, and those still
-    waiting for their first line (the first to close at the total cap)."""
+    waiting for their first line (the ones closed to make room at the total cap)."""
 
     def __init__(self, total: int = MAX_CONNECTIONS, per_source: int = MAX_PER_SOURCE) -> None:
         self.total, self.per_source = total, per_source
         self.open: dict[str, int] = {}      # source address -> its connections open now
         self.count = 0                      # all of them (every accept in a flood asks: kept, not summed)
-        self.waiting: OrderedDict[object, Callable[[], None]] = OrderedDict()   # oldest first: what closes it
+        # source address -> its connections waiting for their first line, oldest first: what closes each
+        self.waiting: dict[str, OrderedDict[object, Callable[[], None]]] = {}
 
     @classmethod
     def for_descriptors(cls, limit: int) -> Caps:
@@ -52,21 +54,34 @@ class Caps:
         return cls(total=max(16, min(MAX_CONNECTIONS, limit // 4)))
 
     def take(self, source: str) -> str:
-        """TAKEN: `source` may open one more; EVICTED: so, once the connection waiting longest for its first line
-        was closed to make room (`close()` gives its count back at once); REFUSED: at the per-source cap, or at the
-        total cap with every connection at work."""
+        """TAKEN: `source` may open one more; EVICTED: so, once a connection waiting for its first line was closed
+        to make room, the oldest of the source holding the most (`close()` gives its count back at once); REFUSED: at
+        the per-source cap, or at the total cap with every connection at work."""
         if self.open.get(source, 0) >= self.per_source:
             return REFUSED
         taken = TAKEN
         if self.count >= self.total:
             if not self.waiting:
                 return REFUSED
-            _, close = self.waiting.popitem(last=False)
+            most = max(self.waiting, key=lambda s: self.open.get(s, 0))
+            _, close = self.waiting[most].popitem(last=False)
+            if not self.waiting[most]:
+                del self.waiting[most]
             close()
             taken = EVICTED
         self.open[source] = self.open.get(source, 0) + 1
         self.count += 1
         return taken
+
+    def wait(self, source: str, key: object, close: Callable[[], None]) -> None:
+        """A connection of `source` waits for its first line: `close()` ends it to make room."""
+        self.waiting.setdefault(source, OrderedDict())[key] = close
+
+    def at_work(self, source: str, key: object) -> None:
+        """The connection's first line is in (or it ended): it is no longer closed to make room."""
+        mine = self.waiting.get(source)
+        if mine is not None and mine.pop(key, None) is not None and not mine:
+            del self.waiting[source]
 
     def give(self, source: str) -> None:
         self.count -= 1
@@ -75,6 +90,24 @@ class Caps:
             self.open[source] = left
         else:
             self.open.pop(source, None)
+
+
+class _Accepted:
+    """A connection accepted, served by `task`: `evict()` ends it to make room (Caps.take), its count given back at
+    once; a task that has not started yet never will, so its socket is closed here."""
+
+    def __init__(self, conn: socket.socket, source: str, caps: Caps) -> None:
+        self.conn, self.source, self.caps = conn, source, caps
+        self.task: asyncio.Task[None] | None = None
+        self.started = self.evicted = False
+
+    def evict(self) -> None:
+        self.evicted = True
+        self.caps.give(self.source)
+        if self.task is not None:
+            self.task.cancel()
+        if not self.started:
+            self.conn.close()
 
 
 async def _first_line(loop: asyncio.AbstractEventLoop, conn: socket.socket) -> tuple[bytes, bytes]:
@@ -139,30 +172,26 @@ class Listener:
             source = str(peer[0]) if isinstance(peer, tuple) else "?"
             taken = self.caps.take(source)
             if taken != TAKEN:
-                done = "closed the one waiting longest for its first line, for" if taken == EVICTED else "refused"
+                done = "closed an idle one (of the source holding the most) for" if taken == EVICTED else "refused"
                 self._say_now(f"{self.name}: at its cap of {self.caps.total} connections ({self.caps.per_source} "
                               f"from one address): {done} a connection from {source!r} (said once a minute)")
             if taken == REFUSED:
                 conn.close()                             # at once: no handshake, no buffer, no task
                 continue
-            task = asyncio.create_task(self._serve(conn, source))
-            self._serving.add(task)
-            task.add_done_callback(self._serving.discard)
+            accepted = _Accepted(conn, source, self.caps)
+            accepted.task = asyncio.create_task(self._serve(accepted))
+            self.caps.wait(source, accepted, accepted.evict)     # from now: a burst finds it waiting, too
+            self._serving.add(accepted.task)
+            accepted.task.add_done_callback(self._serving.discard)
 
-    async def _serve(self, conn: socket.socket, source: str) -> None:
+    async def _serve(self, accepted: _Accepted) -> None:
         """In the clear the first line is read off the socket itself, a piece of at most FIRST_LINE_LIMIT at a time
         (a stream's transport would read 256 KiB at once); over TLS, after the handshake, into a small buffer."""
         loop = asyncio.get_running_loop()
         connected: asyncio.Future[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = loop.create_future()
         line, rest = b"", b""
-        key, task, evicted = object(), asyncio.current_task(), []
-
-        def evict() -> None:          # Caps.take, at the total cap: its count is given back now, once
-            evicted.append(True)
-            self.caps.give(source)
-            if task is not None:
-                task.cancel()
-        self.caps.waiting[key] = evict
+        conn, source = accepted.conn, accepted.source
+        accepted.started = True
 
         def made() -> asyncio.StreamReaderProtocol:
             reader = asyncio.StreamReader(limit=FIRST_LINE_LIMIT)
@@ -188,17 +217,17 @@ class Listener:
                     if not line:
                         line = await asyncio.wait_for(reader.readline(), FIRST_LINE_S)
                     if line:
-                        self.caps.waiting.pop(key, None)     # at work now: never closed to make room
+                        self.caps.at_work(source, accepted)  # never closed to make room from now on
                         await self.handler(line, reader, writer)
             finally:
                 writer.close()
         except asyncio.CancelledError:
             conn.close()
-            if not evicted:
+            if not accepted.evicted:
                 raise                                        # the listener closing: evicted ones just end
         finally:
-            self.caps.waiting.pop(key, None)
-            if not evicted:
+            self.caps.at_work(source, accepted)
+            if not accepted.evicted:
                 self.caps.give(source)
 
     def _say_now(self, line: str) -> None:

@@ -95,12 +95,25 @@ async def test_at_the_total_cap_idle_connections_make_room_for_a_question_on_any
         await asyncio.sleep(0.2)
         assert await ask(a, b"rdzv-agent ask round=1\n", source="127.0.0.6") == b"ok rdzv-agent ask round=1\n"
         assert await closed_within(held[0], 2.0)                              # the oldest made room
-        assert len(said) == 1 and "closed the one waiting longest" in said[0], said
+        assert len(said) == 1 and "closed an idle one" in said[0], said
         newcomers = [silent(b, "127.0.0.7"), silent(b, "127.0.0.8")]    # 3 held + 2: on the other listener ...
         assert await closed_within(held[1], 2.0)                              # ... the oldest, on a, makes room
         assert not await closed_within(held[2], 0.3) and not any([await closed_within(s, 0.1) for s in newcomers])
         assert caps.count == caps.total == 4
         for s in [*held, *newcomers]:
+            s.close()
+
+
+async def test_at_the_total_cap_the_source_holding_the_most_makes_room_not_a_peers_one() -> None:
+    caps = Caps(total=4, per_source=10)
+    async with serving(caps) as (port, _):
+        peer = silent(port, "127.0.0.2")                       # the oldest, but its source's only one
+        await asyncio.sleep(0.1)
+        flood = [silent(port, "127.0.0.9") for _ in range(3)]
+        await asyncio.sleep(0.2)
+        assert await ask(port, b"rdzv-agent ask round=1\n", source="127.0.0.3") == b"ok rdzv-agent ask round=1\n"
+        assert await closed_within(flood[0], 2.0) and not await closed_within(peer, 0.3)
+        for s in [peer, *flood]:
             s.close()
 
 
