@@ -25,7 +25,7 @@ import os
 import shutil
 import time
 from collections.abc import Callable
-from typing import Protocol
+from typing import Any, Protocol
 
 from node_agent.copies import files, room, stream, wire
 from node_agent.copies.own import OwnSnapshots
@@ -77,6 +77,7 @@ class CopyStore:
         self._own = own
         self._say = say
         self._pushing: dict[tuple[str, int], int] = {}    # (node, rank) -> bytes reserved by its push
+        self._under_way: dict[tuple[str, int], tuple[int, asyncio.Task[Any]]] = {}   # -> its step, its task
         self._said: dict[str, tuple[float, int]] = {}     # kind -> (when last said, how many since)
 
     # --- what is held -------------------------------------------------------------------------------------
@@ -165,16 +166,26 @@ class CopyStore:
         self._check_incarnation(req, self._copies())
         # Waiting holds no slot: a push of a step the job never reaches must not hold up the node's real ones.
         await self._until_reached(req.step)
-        if slot in self._pushing:
+        under_way = self._under_way.get(slot)
+        if under_way is not None and req.step <= under_way[0]:
             raise _Refusal("busy", "busy")
+        if under_way is not None:
+            # A newer step of the rank: the older push gives way, so one that trickles (a holder of the node's token
+            # can send a byte before each stall bound) cannot hold the rank's copies back past the next snapshot.
+            under_way[1].cancel()
+            self._pushing.pop(slot, None)
         copies = self._make_room(req.node, req.size, self._copies())
         self._check_incarnation(req, copies)      # (a push of the same node may have landed meanwhile)
         self._check_room(req, copies)
-        self._pushing[slot] = req.size
+        task = asyncio.current_task()
+        assert task is not None, "a push is served in a task (listener.py)"
+        mine = (req.step, task)
+        self._pushing[slot], self._under_way[slot] = req.size, mine
         try:
             await self._receive(req, reader, writer)
         finally:
-            del self._pushing[slot]
+            if self._under_way.get(slot) is mine:       # (not when a newer push took the slot)
+                del self._pushing[slot], self._under_way[slot]
 
     def _check_incarnation(self, req: PushRequest, copies: list[files.Copy]) -> None:
         """A push of one of its node's ranks, not of a round older than the node's newest held, nor past this

@@ -232,6 +232,26 @@ async def test_a_push_then_a_fetch_returns_the_same_bytes(tmp_path):
     assert os.stat(store.root).st_mode & 0o777 == 0o700
 
 
+async def test_a_push_that_trickles_gives_way_to_a_newer_step_of_the_rank(tmp_path):
+    """A holder of the node's token sending a byte before each stall bound held the rank's slot for as long as it
+    liked ("busy" to every real push): the node's copies froze. A push of a newer step of the rank takes the slot;
+    the one under way ends, and nothing of it is left."""
+    store = make_store(tmp_path)
+    new = blob(70_000, 2)
+    async with holder(store) as port:
+        async with connection(port) as (reader, writer):
+            writer.write(header(2, 1_000_000))
+            assert await line_of(reader) == GO
+            writer.write(b"x")                      # and nothing more for a while: under the stall bound
+            await writer.drain()
+            await asyncio.sleep(0.2)
+            sent = await client.push("127.0.0.1", port, key=KEY, node_id=NODE, local_rank=0, step=3,
+                                     path=snap(tmp_path, "b", new))
+            assert sent == client.PushResult(True, "stored step=3", len(new))
+            assert await asyncio.wait_for(reader.read(), 10) == b""       # the trickle was let go
+        assert store.held() == {(NODE, 0): 3} and files(store) == ["step-3", "step-3.sha256"]
+
+
 async def test_a_newer_push_replaces_the_copy_only_once_it_is_whole(tmp_path):
     store = make_store(tmp_path)
     old, new = blob(50_000, 1), blob(70_000, 2)
@@ -248,8 +268,8 @@ async def test_a_newer_push_replaces_the_copy_only_once_it_is_whole(tmp_path):
             assert files(store) == ["step-1", "step-1.sha256", "step-2.tmp"]
             got, back = await fetch_bytes(port, tmp_path)
             assert got.step == 1 and back == old
-            busy = await client.push("127.0.0.1", port, key=KEY, node_id=NODE, local_rank=0, step=3,
-                                     path=snap(tmp_path, "b", new))
+            busy = await client.push("127.0.0.1", port, key=KEY, node_id=NODE, local_rank=0, step=2,
+                                     path=snap(tmp_path, "b", new))         # the same step, again: under way
             assert busy == client.PushResult(False, "refused: busy", 0)
             writer.write(new[30_000:] + sha(new))
             assert await line_of(reader) == b"rdzv-agent stored step=2\n"
