@@ -1,11 +1,13 @@
 """No peer can take a node down (issue 53): a real agent whose descriptors are few (RLIMIT_NOFILE 128, soft and
 hard: it cannot raise it) under thousands of idle connections to its TLS port for copies and its witness port (held
 longer than the TLS handshake's limit), and long lines, from 40 loopback addresses. It lives, its job goes on with
-no restart, it answers a witness question once the flood is over, and its job ends as it would have."""
+no restart, it answers a witness question once the flood is over, and its job ends as it would have; and a stranger
+flooding a witness's port while the server is away makes no node fence."""
 from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import socket
 import sys
 import time
@@ -14,7 +16,7 @@ import psutil
 import pytest
 
 from tests.e2e.certs import make_ca, make_server_cert
-from tests.e2e.harness import SCRIPTS, Proc, child_env, job_view, wait_until
+from tests.e2e.harness import SCRIPTS, Proc, child_env, job_view, read_jsonl, wait_until
 
 pytestmark = pytest.mark.e2e
 WORKER = os.path.join(SCRIPTS, "memory_worker.py")
@@ -82,3 +84,49 @@ def test_a_flood_of_idle_connections_and_long_lines_takes_no_agent_down(cluster,
     (tmp_path / "done").write_text("")
     assert agent.wait(60) == 0, agent.output
     assert job_view(cluster, "flood")["restart_count"] == 0
+
+
+LOOP = os.path.join(SCRIPTS, "elastic_loop.py")
+
+
+def test_a_stranger_flooding_a_witness_while_the_server_is_away_fences_nobody(cluster, tmp_path):
+    """A node asks its round's witnesses when the server goes silent; a stranger holding every connection a
+    witness's agent may have open (RLIMIT_NOFILE 128: 32) made it close the asker's connections unanswered, which
+    counted as being cut off: the asker fenced its healthy workers, and the job spent a restart (or failed). Now a
+    witness reached is no sign of a cut, and idle strangers make room: both nodes train on through the outage."""
+    port = cluster.start_server()
+
+    def agent(node: str, *prefix: str) -> Proc:
+        argv = [*prefix, sys.executable, "-m", "node_agent.main", "--endpoint", cluster.endpoint(), "--nnodes", "2",
+                "--nproc", "1", "--job-id", "away", "--node-id", node, "--max-restarts", "0", "--lease-timeout", "3",
+                LOOP]
+        proc = Proc(argv, child_env(TMPDIR=cluster.temp_dir(), OUT_DIR=str(tmp_path), STEP_SLEEP="0.1"), node)
+        cluster.procs.append(proc)
+        return proc
+
+    a, b = agent("a"), agent("b", sys.executable, "-c", NOFILE_128)
+    steps = lambda since: {r["pid"] for r in read_jsonl(tmp_path, "steps-") if r["kind"] == "step" and r["t"] > since}  # noqa: E731
+    wait_until(lambda: len(steps(0)) == 2, 90, lambda: f"both workers stepping\n{a.output}\n{b.output}")
+    workers = steps(0)
+    witness = next(p for p in (c.laddr.port for c in psutil.Process(b.pid).net_connections("tcp")
+                               if c.status == "LISTEN") if ask(p).startswith(b"rdzv-agent"))
+    flood = []
+    for _ in range(60):                          # idle, from one address: past b's cap of 32
+        s = socket.create_connection(("127.0.0.1", witness), timeout=5, source_address=("127.0.0.2", 0))
+        flood.append(s)
+    try:
+        cluster.server.popen.send_signal(signal.SIGKILL)
+        cluster.server.popen.wait(10)
+        killed = time.time()
+        # Past the lease (3 s) and the fencing bound after it (2 s), with a margin: the same workers step on.
+        wait_until(lambda: steps(killed + 8.0) == workers, 60,
+                   lambda: f"the workers stepping 8 s into the outage\n{a.output}\n{b.output}")
+        assert "fenced" not in a.output + b.output, a.output + b.output
+        assert "workers keep running" in a.output, a.output
+    finally:
+        for s in flood:
+            s.close()
+    cluster.start_server(port=port)
+    (tmp_path / "stop").write_text("")
+    assert a.wait(90) == 0 and b.wait(90) == 0, a.output + b.output
+    assert job_view(cluster, "away")["restart_count"] == 0
