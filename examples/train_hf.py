@@ -7,11 +7,12 @@ launched unchanged by torchrun or node-agent, with in-memory snapshots in one li
 `--crash-rank R --crash-step S` makes global rank R raise once (first attempt) when S optimizer steps are done.
 `--disk-every M --ckpt-dir D` adds the Trainer's own checkpoints every M steps, and a restarted job resumes from
 the newest with `train(resume_from_checkpoint=...)` (the comparison in tests/e2e/test_framework_snapshots.py).
-`--final FILE` writes the trained weights (rank 0)."""
+`--final FILE` writes the trained weights (rank 0); `--step-s S` makes each step sleep S seconds (a paced job)."""
 from __future__ import annotations
 
 import argparse
 import os
+import time
 from typing import Any
 
 import torch
@@ -33,8 +34,12 @@ class Tokens(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
 
 
 class CrashAndSay(TrainerCallback):
-    def __init__(self, crash_rank: int, crash_step: int) -> None:
-        self.crash_rank, self.crash_step = crash_rank, crash_step
+    def __init__(self, crash_rank: int, crash_step: int, step_s: float = 0.0) -> None:
+        self.crash_rank, self.crash_step, self.step_s = crash_rank, crash_step, step_s
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.step_s:
+            time.sleep(self.step_s)
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         print(f"rank {args.process_index}: training from step {state.global_step} (epoch {state.epoch or 0:.2f})",
@@ -55,6 +60,7 @@ def main() -> None:
     p.add_argument("--disk-every", type=int, default=0)
     p.add_argument("--ckpt-dir", default="")
     p.add_argument("--final", default="")
+    p.add_argument("--step-s", type=float, default=0.0, help="seconds each step sleeps")
     args = p.parse_args()
 
     config = GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2)
@@ -67,7 +73,7 @@ def main() -> None:
         save_strategy="steps" if disk else "no", save_steps=args.disk_every or 500, report_to=[],
         logging_steps=1000, disable_tqdm=True, dataloader_num_workers=0)
     trainer = Trainer(model=model, args=training, train_dataset=Tokens(96, 16, 64),
-                      callbacks=[CrashAndSay(args.crash_rank, args.crash_step)])
+                      callbacks=[CrashAndSay(args.crash_rank, args.crash_step, args.step_s)])
     if args.snapshot_every:
         protect_trainer(trainer, every=args.snapshot_every)      # the one line
     last = get_last_checkpoint(args.ckpt_dir) if disk and os.path.isdir(args.ckpt_dir) else None

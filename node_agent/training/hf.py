@@ -26,7 +26,7 @@ from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState,
 from transformers.trainer_callback import ExportableState
 
 from node_agent.training import resume, rng, trees
-from node_agent.training.capture import Capture, check_cadence
+from node_agent.training.capture import Capture, check_cadence, say
 
 FOLDER = ".resume"     # the checkpoint folder laid out for the Trainer, in the memory directory until it is read
 
@@ -66,10 +66,13 @@ class Snapshots(TrainerCallback):
         where = self._capture.where
         model = self.trainer.model      # None until train() when the Trainer has a model_init: its own load checks
         live = model.state_dict() if model is not None else None
-        found = resume.agree(where, lambda tree: trees.mismatch(tree.get("model"), live, "model") if live else None)
+        args = self.trainer.args
+        ddp = args.world_size > 1 and not args.fsdp and not args.deepspeed    # a rank without the step is lent one
+        found = resume.agree(where, lambda tree: trees.mismatch(tree.get("model"), live, "model") if live else None,
+                             replicas=ddp)
         if found is None:
             return None
-        step, tree, _ = found
+        step, tree, lender = found
         folder = os.path.join(where, FOLDER)
         shutil.rmtree(folder, ignore_errors=True)
         os.mkdir(folder, 0o700)
@@ -78,9 +81,12 @@ class Snapshots(TrainerCallback):
         torch.save(tree["scheduler"], os.path.join(folder, "scheduler.pt"))
         if "scaler" in tree:
             torch.save(tree["scaler"], os.path.join(folder, "scaler.pt"))
-        args = self.trainer.args
-        torch.save(_hf_rng(tree["rng"]), os.path.join(folder, f"rng_state_{args.process_index}.pth"
-                                                      if args.world_size > 1 else "rng_state.pth"))
+        if lender == resume.rank():      # a lent rank keeps its own RNG states (the lender's would draw its batches)
+            torch.save(_hf_rng(tree["rng"]), os.path.join(folder, f"rng_state_{args.process_index}.pth"
+                                                          if args.world_size > 1 else "rng_state.pth"))
+        else:
+            say(f"rank {resume.rank()} held no snapshot of step {step}: it resumes from rank {lender}'s (a "
+                f"replica's model, optimizer and scheduler); its RNG states start as the Trainer set them")
         with open(os.path.join(folder, "trainer_state.json"), "w") as f:
             f.write(tree["trainer_state"])
         self._folder, self._last = folder, step

@@ -41,11 +41,17 @@ class Snapshots(Callback):
         where = resume.memory_directory()
         if where is None:
             return
-        self._capture = Capture(where, self.keep, _replicated(trainer, pl_module))
+        replicated = _replicated(trainer, pl_module)
+        self._capture = Capture(where, self.keep, replicated)
+        # Under DDP a rank without the step (a node that joined a growing job) is lent a replica's: Lightning's own
+        # checkpoint is one file every rank loads, so that is what fit(ckpt_path=...) would have done.
         found = resume.agree(where, lambda tree: trees.mismatch(tree.get("state_dict"), pl_module.state_dict(),
-                                                                "state_dict"))
+                                                                "state_dict"), replicas=replicated is not None)
         if found is not None:       # what fit(ckpt_path=...) would have read; a path given to fit replaces it
-            self._restored, trainer._checkpoint_connector._loaded_checkpoint, _ = found
+            self._restored, trainer._checkpoint_connector._loaded_checkpoint, lender = found
+            if lender != resume.rank():
+                say(f"rank {resume.rank()} held no snapshot of step {self._restored}: it resumes from rank "
+                    f"{lender}'s (a replica's checkpoint, as one Lightning checkpoint file is every rank's)")
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._last = trainer.global_step

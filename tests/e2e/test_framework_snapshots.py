@@ -107,3 +107,28 @@ def test_a_lost_nodes_replacement_resumes_lightning_from_the_peers_copy(cluster,
     resumed = sorted(int(m.group(1)) for m in re.finditer(r"rank \d: resumed from step (\d+) \(memory\)", after))
     assert len(resumed) == 4 and len(set(resumed)) == 1 and resumed[0] >= 10, after
     assert sorted(int(m.group(2)) for m in STARTED.finditer(after)) == resumed, after
+
+
+@pytest.mark.parametrize("script", ["train_lightning.py", "train_hf.py"])
+def test_a_node_that_joins_a_growing_job_resumes_with_the_others_from_a_replicas_snapshot(cluster, tmp_path, script):
+    """An elastic job (2:3 nodes, one DDP worker each) grows once a third node joins: the newcomer holds no
+    snapshot, and is lent a running rank's, as the framework's own single checkpoint file would be every rank's;
+    every rank of the grown job trains on from that step, none from step 0."""
+    cluster.start_server()
+    args = ["--steps", "300", "--snapshot-every", "5", "--step-s", "0.05"]
+
+    def agent(name: str):
+        return cluster.agent("--endpoint", cluster.endpoint(), "--nnodes", "2:3", "--nproc", "1", "--job-id", "grow",
+                             "--max-restarts", "1", "--last-call", "1", "--node-id", f"grow-{name}",
+                             os.path.join(ROOT, "examples", script), *args, name=f"grow-{name}")
+    first = [agent("a"), agent("b")]
+    wait_until(lambda: (job_view(cluster, "grow", missing_ok=True) or {}).get("progress", {}).get("steps", 0) >= 12,
+               180, "the first two nodes' steps past their second snapshot")
+    agents = [*first, agent("c")]
+    for a in agents:
+        assert a.wait(300) == 0, a.output
+    out = "".join(a.output for a in agents)
+    again = starts(out)[2:]                  # the first two ranks' first attempt began at 0
+    assert starts(out)[:2] == [0, 0] and len(again) == 3 and len(set(again)) == 1 and again[0] >= 10, out
+    assert "held no snapshot of step" in out, out
+    assert not [e for e in job_events(cluster, "grow") if e["kind"] == "replicas_diverged"]
