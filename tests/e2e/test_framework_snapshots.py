@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from tests.e2e.harness import ROOT, job_events, job_view, wait_until
+from tests.e2e.test_memory_ddp import grown
 from tests.e2e.test_peer_copies import memory_of
 
 pytestmark = pytest.mark.e2e
@@ -114,20 +115,8 @@ def test_a_node_that_joins_a_growing_job_resumes_with_the_others_from_a_replicas
     """An elastic job (2:3 nodes, one DDP worker each) grows once a third node joins: the newcomer holds no
     snapshot, and is lent a running rank's, as the framework's own single checkpoint file would be every rank's;
     every rank of the grown job trains on from that step, none from step 0."""
-    cluster.start_server()
-    args = ["--steps", "300", "--snapshot-every", "5", "--step-s", "0.05"]
-
-    def agent(name: str):
-        return cluster.agent("--endpoint", cluster.endpoint(), "--nnodes", "2:3", "--nproc", "1", "--job-id", "grow",
-                             "--max-restarts", "1", "--last-call", "1", "--node-id", f"grow-{name}",
-                             os.path.join(ROOT, "examples", script), *args, name=f"grow-{name}")
-    first = [agent("a"), agent("b")]
-    wait_until(lambda: (job_view(cluster, "grow", missing_ok=True) or {}).get("progress", {}).get("steps", 0) >= 12,
-               180, "the first two nodes' steps past their second snapshot")
-    agents = [*first, agent("c")]
-    for a in agents:
-        assert a.wait(300) == 0, a.output
-    out = "".join(a.output for a in agents)
+    out = grown(cluster, [os.path.join(ROOT, "examples", script), "--steps", "300", "--snapshot-every", "5",
+                          "--step-s", "0.05"])
     again = starts(out)[2:]                  # the first two ranks' first attempt began at 0
     assert starts(out)[:2] == [0, 0] and len(again) == 3 and len(set(again)) == 1 and again[0] >= 10, out
     assert "held no snapshot of step" in out, out

@@ -31,6 +31,24 @@ def run_job(cluster, tmp_path, job: str, train_args: list[str], *agent_flags: st
     return [m.group(0) for a in agents for m in RESUMED.finditer(a.output)]
 
 
+def grown(cluster, script: list[str]) -> str:
+    """The output of an elastic job (2:3 nodes, one worker each, job id "grow") that grows once a third node joins,
+    after the first two stepped past their second snapshot (one every 5 steps)."""
+    cluster.start_server()
+
+    def agent(name: str):
+        return cluster.agent("--endpoint", cluster.endpoint(), "--nnodes", "2:3", "--nproc", "1", "--job-id", "grow",
+                             "--max-restarts", "1", "--last-call", "1", "--node-id", f"grow-{name}", *script,
+                             name=f"grow-{name}")
+    first = [agent("a"), agent("b")]
+    wait_until(lambda: (job_view(cluster, "grow", missing_ok=True) or {}).get("progress", {}).get("steps", 0) >= 12,
+               180, "the first two nodes' steps past their second snapshot")
+    agents = [*first, agent("c")]
+    for a in agents:
+        assert a.wait(300) == 0, a.output
+    return "".join(a.output for a in agents)
+
+
 def crash_at_10(tmp_path) -> list[str]:
     """Snapshots in memory every 3 steps, on disk every 8; rank 1 crashes at step 10."""
     return ["--steps", "12", "--crash-rank", "1", "--crash-step", "10", "--snapshot-every", "3",
@@ -157,20 +175,8 @@ def test_a_node_that_joins_a_growing_job_is_lent_a_replicas_snapshot_and_nobody_
     snapshots, the newcomer none. Every rank resumes from the running ranks' newest snapshot, in memory (the
     newcomer lent it by the lowest holding rank, its RNG left as the script set it): not from step 0, as the
     minimum over all ranks was. The replicas train alike to the end."""
-    cluster.start_server()
-    args = ["--steps", "160", "--snapshot-every", "5", "--width", "32", "--depth", "2", "--step-s", "0.1", "--alike"]
-
-    def agent(name: str):
-        return cluster.agent("--endpoint", cluster.endpoint(), "--nnodes", "2:3", "--nproc", "1", "--job-id", "grow",
-                             "--max-restarts", "1", "--last-call", "1", "--node-id", f"grow-{name}", TRAIN, *args,
-                             name=f"grow-{name}")
-    first = [agent("a"), agent("b")]
-    wait_until(lambda: (job_view(cluster, "grow", missing_ok=True) or {}).get("progress", {}).get("steps", 0) >= 12,
-               120, "the first two nodes' steps past their second snapshot")
-    agents = [*first, agent("c")]
-    for a in agents:
-        assert a.wait(240) == 0, a.output
-    out = "".join(a.output for a in agents)
+    out = grown(cluster, [TRAIN, "--steps", "160", "--snapshot-every", "5", "--width", "32", "--depth", "2",
+                          "--step-s", "0.1", "--alike"])
     again = sorted(m.group(0) for m in RESUMED.finditer(out) if "scratch" not in m.group(0))
     steps = {int(line.split("step ")[1].split()[0]) for line in again}
     assert len(again) == 3 and len(steps) == 1 and steps.pop() >= 10, out       # one step, every rank, from memory

@@ -242,6 +242,17 @@ def test_the_limit_comes_from_the_agents_variable(tmp_path, monkeypatch) -> None
     assert snapshot.save(b"x" * 100, 1) == str(tmp_path / "step-1")
 
 
+def reduce_min_of(rank: int, barrier: threading.Barrier, values: list[int]):
+    """A stand-in for all_reduce(MIN) among threads, one per rank: `rank`'s x in, every rank's minimum out."""
+    def reduce_min(x: int) -> int:
+        values[rank] = x
+        barrier.wait()
+        low = min(values)
+        barrier.wait()
+        return low
+    return reduce_min
+
+
 def ranks_agree(held: list[list[int]], refused: dict[int, set[int]] | None = None):
     """(the results, a rank's body): agreed_step on every rank at once, each in a thread, with a
     `reduce_min` that sees all ranks' values (a stand-in for all_reduce)."""
@@ -251,14 +262,9 @@ def ranks_agree(held: list[list[int]], refused: dict[int, set[int]] | None = Non
     results: list[int | None] = [None] * n
 
     def run(rank: int, where: str) -> None:
-        def reduce_min(x: int) -> int:
-            values[rank] = x
-            barrier.wait()
-            low = min(values)
-            barrier.wait()
-            return low
         mine = (refused or {}).get(rank, set())
-        results[rank] = snapshot.agreed_step(reduce_min, where, accept=lambda step: step not in mine)
+        results[rank] = snapshot.agreed_step(reduce_min_of(rank, barrier, values), where,
+                                             accept=lambda step: step not in mine)
     return results, run
 
 
@@ -352,13 +358,6 @@ def test_replicas_lend_the_step_they_agree_on_to_the_ranks_that_lack_it(tmp_path
     dirs = [tmp_path / str(rank) for rank in range(n)]
 
     def run(rank: int) -> None:
-        def reduce_min(x: int) -> int:
-            values[rank] = x
-            barrier.wait()
-            low = min(values)
-            barrier.wait()
-            return low
-
         def lend(step: int, held_it: bool) -> bool:
             has[rank] = held_it
             barrier.wait()
@@ -367,7 +366,7 @@ def test_replicas_lend_the_step_they_agree_on_to_the_ranks_that_lack_it(tmp_path
                 snapshot.save((lender / f"step-{step}").read_bytes(), step, where=str(dirs[rank]), keep=3)
             barrier.wait()
             return True
-        results[rank] = snapshot.agreed_step(reduce_min, str(dirs[rank]), lend=lend)
+        results[rank] = snapshot.agreed_step(reduce_min_of(rank, barrier, values), str(dirs[rank]), lend=lend)
 
     for rank, steps in enumerate(held):
         dirs[rank].mkdir()
