@@ -4,8 +4,8 @@ more than a descriptor, as the server bounds its own:
 - at most `Caps.total` connections open for all of the agent's listeners together, and `Caps.per_source` from one
   address: past the per-source cap a new connection is closed at once, before any TLS handshake (the accept loop
   is ours for that reason); at the total cap a connection still waiting for its first line is closed to make
-  room, the oldest of the source holding the most (a flood's, not a peer's few: idle connections cannot shut out
-  a witness's question or a copy; one at work is never closed), and only when none waits is the new one closed;
+  room, the oldest of the source with the most waiting (a flood's, not a peer's one: idle connections cannot shut
+  out a witness's question or a copy; one at work is never closed), and only when none waits is the new one closed;
   either is said, once a minute;
 - a TLS handshake done within HANDSHAKE_S, then the first line within FIRST_LINE_S (4 s each), read into a buffer of
   FIRST_LINE_LIMIT bytes (a real first line is under 512); what breaks either is closed without a word;
@@ -55,15 +55,15 @@ class Caps:
 
     def take(self, source: str) -> str:
         """TAKEN: `source` may open one more; EVICTED: so, once a connection waiting for its first line was closed
-        to make room, the oldest of the source holding the most (`close()` gives its count back at once); REFUSED: at
-        the per-source cap, or at the total cap with every connection at work."""
+        to make room, the oldest of the source with the most waiting (`close()` gives its count back at once);
+        REFUSED: at the per-source cap, or at the total cap with every connection at work."""
         if self.open.get(source, 0) >= self.per_source:
             return REFUSED
         taken = TAKEN
         if self.count >= self.total:
             if not self.waiting:
                 return REFUSED
-            most = max(self.waiting, key=lambda s: self.open.get(s, 0))
+            most = max(self.waiting, key=lambda s: len(self.waiting[s]))   # ties: the source waiting longest
             _, close = self.waiting[most].popitem(last=False)
             if not self.waiting[most]:
                 del self.waiting[most]
@@ -172,7 +172,7 @@ class Listener:
             source = str(peer[0]) if isinstance(peer, tuple) else "?"
             taken = self.caps.take(source)
             if taken != TAKEN:
-                done = "closed an idle one (of the source holding the most) for" if taken == EVICTED else "refused"
+                done = "closed an idle one (of the source with the most) for" if taken == EVICTED else "refused"
                 self._say_now(f"{self.name}: at its cap of {self.caps.total} connections ({self.caps.per_source} "
                               f"from one address): {done} a connection from {source!r} (said once a minute)")
             if taken == REFUSED:
@@ -192,6 +192,7 @@ class Listener:
         line, rest = b"", b""
         conn, source = accepted.conn, accepted.source
         accepted.started = True
+        transport: asyncio.Transport | None = None      # once made, it owns the socket
 
         def made() -> asyncio.StreamReaderProtocol:
             reader = asyncio.StreamReader(limit=FIRST_LINE_LIMIT)
@@ -205,9 +206,10 @@ class Listener:
                     if not line:
                         conn.close()
                         return
-                await asyncio.wait_for(loop.connect_accepted_socket(made, conn, ssl=self.tls,
-                                                                    ssl_handshake_timeout=HANDSHAKE_S if self.tls
-                                                                    else None), HANDSHAKE_S + 1)
+                transport, _ = await asyncio.wait_for(
+                    loop.connect_accepted_socket(made, conn, ssl=self.tls,
+                                                 ssl_handshake_timeout=HANDSHAKE_S if self.tls else None),
+                    HANDSHAKE_S + 1)
                 reader, writer = await asyncio.wait_for(connected, 1.0)
             except (OSError, ValueError, asyncio.TimeoutError):     # a handshake refused or too slow: said nowhere
                 conn.close()
@@ -216,13 +218,18 @@ class Listener:
                 with contextlib.suppress(OSError, ValueError, asyncio.TimeoutError):
                     if not line:
                         line = await asyncio.wait_for(reader.readline(), FIRST_LINE_S)
-                    if line:
+                    if line and not accepted.evicted:        # (a cancel a finished read swallowed)
                         self.caps.at_work(source, accepted)  # never closed to make room from now on
                         await self.handler(line, reader, writer)
             finally:
                 writer.close()
         except asyncio.CancelledError:
-            conn.close()
+            # Closed at once and unregistered from the loop: the socket's number may be reused by the next accept
+            # right after (a TLS close would wait for the peer's close_notify with the number still registered).
+            if transport is not None:
+                transport.abort()
+            else:
+                conn.close()
             if not accepted.evicted:
                 raise                                        # the listener closing: evicted ones just end
         finally:

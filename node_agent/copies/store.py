@@ -25,7 +25,7 @@ import os
 import shutil
 import time
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Protocol
 
 from node_agent.copies import files, room, stream, wire
 from node_agent.copies.own import OwnSnapshots
@@ -77,7 +77,7 @@ class CopyStore:
         self._own = own
         self._say = say
         self._pushing: dict[tuple[str, int], int] = {}    # (node, rank) -> bytes reserved by its push
-        self._under_way: dict[tuple[str, int], tuple[int, asyncio.Task[Any]]] = {}   # -> its step, its task
+        self._under_way: dict[tuple[str, int], tuple[int, asyncio.StreamWriter]] = {}   # -> its step, its stream
         self._said: dict[str, tuple[float, int]] = {}     # kind -> (when last said, how many since)
 
     # --- what is held -------------------------------------------------------------------------------------
@@ -169,17 +169,22 @@ class CopyStore:
         under_way = self._under_way.get(slot)
         if under_way is not None and req.step <= under_way[0]:
             raise _Refusal("busy", "busy")
+        # A newer step of the rank: the older push gives way (its room counted free), so one that trickles (a holder
+        # of the node's token can send a byte before each stall bound) cannot hold the rank's copies back past the
+        # next snapshot. Only once this one is taken: refused, it leaves the older one be.
+        reserved = self._pushing.pop(slot, 0) if under_way is not None else 0
+        try:
+            copies = self._make_room(req.node, req.size, self._copies())
+            self._check_incarnation(req, copies)      # (a push of the same node may have landed meanwhile)
+            self._check_room(req, copies)
+        except _Refusal:
+            if under_way is not None and self._under_way.get(slot) is under_way:
+                self._pushing[slot] = reserved
+            raise
         if under_way is not None:
-            # A newer step of the rank: the older push gives way, so one that trickles (a holder of the node's token
-            # can send a byte before each stall bound) cannot hold the rank's copies back past the next snapshot.
-            under_way[1].cancel()
-            self._pushing.pop(slot, None)
-        copies = self._make_room(req.node, req.size, self._copies())
-        self._check_incarnation(req, copies)      # (a push of the same node may have landed meanwhile)
-        self._check_room(req, copies)
-        task = asyncio.current_task()
-        assert task is not None, "a push is served in a task (listener.py)"
-        mine = (req.step, task)
+            # Its connection ends at once; its receive ends on that (its file closed after the write under way).
+            under_way[1].transport.abort()
+        mine = (req.step, writer)
         self._pushing[slot], self._under_way[slot] = req.size, mine
         try:
             await self._receive(req, reader, writer)

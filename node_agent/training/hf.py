@@ -67,9 +67,8 @@ class Snapshots(TrainerCallback):
         model = self.trainer.model      # None until train() when the Trainer has a model_init: its own load checks
         live = model.state_dict() if model is not None else None
         args = self.trainer.args
-        ddp = args.world_size > 1 and not args.fsdp and not args.deepspeed    # a rank without the step is lent one
         found = resume.agree(where, lambda tree: trees.mismatch(tree.get("model"), live, "model") if live else None,
-                             replicas=ddp)
+                             replicas=self._ddp())      # a rank without the step is lent a replica's
         if found is None:
             return None
         step, tree, lender = found
@@ -122,10 +121,17 @@ class Snapshots(TrainerCallback):
         """Under DDP (several processes, neither FSDP nor DeepSpeed) every rank holds the model's parameters
         alike: their digests go to the server, which compares the replicas (rdzv_server/core/divergence.py)."""
         if self._params is None:
-            args, model = self.trainer.args, self.trainer.model
-            ddp = args.world_size > 1 and not args.fsdp and not args.deepspeed and model is not None
-            self._params = {f"/model/{name}" for name, _ in model.named_parameters()} if ddp and model else set()
+            model = self.trainer.model
+            self._params = {f"/model/{name}" for name, _ in model.named_parameters()} \
+                if self._ddp() and model is not None else set()
         return path in self._params
+
+    def _ddp(self) -> bool:
+        """Several processes, neither FSDP nor DeepSpeed (set in the arguments, or by accelerate's config)."""
+        t, args = self.trainer, self.trainer.args
+        sharded = args.fsdp or args.deepspeed or getattr(t, "is_fsdp_enabled", False) or \
+            getattr(t, "is_deepspeed_enabled", False)
+        return args.world_size > 1 and not sharded
 
     def _tree(self, trainer_state: TrainerState) -> dict[str, Any]:
         """What the Trainer's own checkpoint holds (its `_save_checkpoint`), as one tree."""

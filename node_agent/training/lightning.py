@@ -89,9 +89,10 @@ class Snapshots(Callback):
 
 def _replicated(trainer: pl.Trainer, pl_module: pl.LightningModule) -> Callable[[str], bool] | None:
     """Under the DDP strategy every rank holds the module's parameters alike: their digests go to the server,
-    which compares the replicas (rdzv_server/core/divergence.py). Other strategies: none is compared."""
-    from lightning.pytorch.strategies import DDPStrategy
-    if not isinstance(trainer.strategy, DDPStrategy):
+    which compares the replicas (rdzv_server/core/divergence.py). Other strategies (DeepSpeed's too, a DDPStrategy
+    whose ZeRO shards the optimizer or the parameters): none is compared, nor lent."""
+    from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
+    if not isinstance(trainer.strategy, DDPStrategy) or isinstance(trainer.strategy, DeepSpeedStrategy):
         return None
     names = {f"/state_dict/{name}" for name, _ in pl_module.named_parameters()}
     return names.__contains__

@@ -6,6 +6,7 @@ without the step (a node that joined a growing job, one that lost its memory) is
 file over the process group, and checks it as its own: the job resumes where its ranks were, not from disk."""
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from collections.abc import Callable
@@ -44,34 +45,74 @@ def agree(where: str, fits: Callable[[dict[str, Any]], str | None],
     return None if step is None else (step, accepted[step], lender[0] if lender[0] >= 0 else rank())
 
 
+LEND_PIECE = 64 << 20     # bytes one broadcast of a lent file carries: one buffer, reused (a GPU holds the model)
+
+
 def lend_file(step: int, where: str, held: bool) -> int:
-    """Every rank calls it: the lowest rank holding `step` sends its file to every rank that does not, which writes
-    it as its own. The lender's rank, or -1 where this rank's copy could not be written (its directory full)."""
+    """Every rank calls it: the lowest rank holding `step` sends its file, a piece at a time, to every rank that does
+    not, which writes it as its own. This rank's own rank where it held the step, else its lender's, or -1 where
+    its copy could not be written (its directory full): every rank makes the same calls either way."""
     if reduce_min(1 if held else 0) == 1:
         return rank()                          # every rank holds it: nothing to lend
     lender = reduce_min(rank() if held else snapshot.NONE_HELD)
-    device = _device()
-    size = torch.tensor([os.path.getsize(snapshot.path(step, where)) if rank() == lender else 0],
-                        dtype=torch.int64, device=device)
+    me, device, final = rank(), _device(), snapshot.path(step, where)
+    size = torch.tensor([os.path.getsize(final) if me == lender else 0], dtype=torch.int64, device=device)
     dist.broadcast(size, lender)
-    data = torch.empty(int(size.item()), dtype=torch.uint8)
-    if rank() == lender:
-        with open(snapshot.path(step, where), "rb") as f:
-            f.readinto(data.numpy().data)
-    sent = data.to(device)
-    dist.broadcast(sent, lender)
-    if held:
-        return lender
-    final = snapshot.path(step, where)
-    try:
-        with open(final + ".tmp", "wb") as f:
-            f.write(sent.cpu().numpy().data)
-        os.replace(final + ".tmp", final)
-    except OSError as exc:
-        snapshot.remove(final + ".tmp")
-        say(f"step-{step} lent by rank {lender} could not be written into {where}: {exc}")
-        return -1
-    return lender
+    total = int(size.item())
+    piece = torch.empty(max(1, min(LEND_PIECE, total)), dtype=torch.uint8, device=device)
+    host = piece if device.type == "cpu" else torch.empty(piece.numel(), dtype=torch.uint8, pin_memory=True)
+    out = None if held else _Lent(step, where)
+    with open(final, "rb") if me == lender else contextlib.nullcontext() as source:
+        for at in range(0, total, piece.numel()):
+            n = min(piece.numel(), total - at)
+            if source is not None:
+                source.readinto(host[:n].numpy().data)
+                if host is not piece:
+                    piece[:n].copy_(host[:n])
+            dist.broadcast(piece[:n], lender)
+            if out is not None:
+                if host is not piece:
+                    host[:n].copy_(piece[:n])
+                out.write(host[:n].numpy().data)
+    if out is None:
+        return me
+    return lender if out.done() else -1
+
+
+class _Lent:
+    """The lent file as it comes: written beside the snapshots as step-N.tmp (the steps newer than N removed
+    first: a run the job abandoned, and room for it), renamed once whole. A write that fails is said once and the
+    rest of the pieces are let pass (the broadcasts go on for every rank)."""
+
+    def __init__(self, step: int, where: str) -> None:
+        self.step, self.where, self.final = step, where, snapshot.path(step, where)
+        snapshot.forget_after(step, where)
+        self.problem = ""
+        self.file: Any = None
+        try:
+            self.file = open(self.final + ".tmp", "wb")  # noqa: SIM115 - written piece by piece, closed in done()
+        except OSError as exc:
+            self.problem = str(exc)
+
+    def write(self, data: memoryview) -> None:
+        if self.file is not None and not self.problem:
+            try:
+                self.file.write(data)
+            except OSError as exc:
+                self.problem = str(exc)
+
+    def done(self) -> bool:
+        try:
+            if self.file is not None:
+                self.file.close()
+            if not self.problem:
+                os.replace(self.final + ".tmp", self.final)
+                return True
+        except OSError as exc:
+            self.problem = str(exc)
+        snapshot.remove(self.final + ".tmp")
+        say(f"step-{self.step}, lent by a replica, could not be written into {self.where}: {self.problem}")
+        return False
 
 
 def read(step: int, where: str) -> dict[str, Any] | str:

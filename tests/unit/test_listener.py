@@ -20,6 +20,7 @@ from node_agent.copies import stream
 from tests.e2e.certs import make_ca, make_server_cert
 
 WAIT = 10.0
+AT_WORK: list[asyncio.Task] = []      # the tasks of `busy` lines, as `serving` runs them
 
 
 @contextlib.asynccontextmanager
@@ -32,6 +33,7 @@ async def serving(caps: Caps, tls: ssl.SSLContext | None = None, said: list[str]
     async def echo(line: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         lines.append(line)
         if line == b"busy\n" and busy is not None:
+            AT_WORK.append(asyncio.current_task())
             await busy.wait()
         writer.write(b"ok " + line)
         await writer.drain()
@@ -185,3 +187,32 @@ async def test_a_reader_widened_after_its_first_line_takes_a_payloads_chunks() -
     stream.widen(reader, 4096)
     reader.feed_data(b"y" * 100 + b"\n")
     assert await reader.readline() == b"y" * 100 + b"\n"
+
+
+async def test_a_tls_connection_ended_mid_request_frees_its_socket_for_the_next_at_once(tmp_path) -> None:
+    """A connection at work over TLS is cancelled (the listener closing; a push superseded by a newer step): its
+    socket must leave the loop at once. Closed under its TLS transport, which waits for the peer's close_notify,
+    the descriptor number stayed registered, and the next connection given that number (on any listener) was not
+    served: a witness's question went unanswered."""
+    ca = make_ca(str(tmp_path))
+    cert, key = make_server_cert(str(tmp_path), ca)
+    tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    tls.load_cert_chain(cert, key)
+    caps, busy = Caps(), asyncio.Event()
+    AT_WORK.clear()
+    async with serving(caps, tls=tls, busy=busy) as (secure, _), serving(caps) as (plain, _):
+        client = ssl.create_default_context(cafile=ca[0])
+        client.check_hostname = False
+
+        def quiet_peer() -> ssl.SSLSocket:   # a peer that then reads nothing: no close_notify comes back
+            s = client.wrap_socket(socket.create_connection(("127.0.0.1", secure), timeout=WAIT))
+            s.sendall(b"busy\n")
+            return s
+        quiet = await asyncio.to_thread(quiet_peer)     # (blocking: its handshake needs the loop)
+        await asyncio.sleep(0.3)             # at work in its handler
+        assert len(AT_WORK) == 1
+        AT_WORK.pop().cancel()               # as the listener closing, or a newer push, ends it
+        await asyncio.sleep(0.1)
+        answers = [await ask(plain, b"rdzv-agent ask round=1\n") for _ in range(3)]
+        assert answers == [b"ok rdzv-agent ask round=1\n"] * 3
+        quiet.close()
