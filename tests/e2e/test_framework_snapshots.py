@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import signal
 
 import pytest
@@ -14,7 +13,7 @@ import torch
 
 from tests.e2e.harness import ROOT, job_events, job_view, wait_until
 from tests.e2e.test_memory_ddp import grown
-from tests.e2e.test_peer_copies import memory_of
+from tests.e2e.test_peer_copies import remove_memory
 
 pytestmark = pytest.mark.e2e
 STARTED = re.compile(r"rank (\d): training from step (\d+)")
@@ -100,7 +99,7 @@ def test_a_lost_nodes_replacement_resumes_lightning_from_the_peers_copy(cluster,
     before = {n: len(a.output) for n, a in agents.items()}
     os.kill(agents[lost].pid, signal.SIGKILL)
     agents[lost].wait(60)
-    shutil.rmtree(memory_of("lost", lost))      # its host's memory is gone with it
+    remove_memory("lost", lost)                 # its host's memory is gone with it
     for node, agent in agents.items():
         if node != lost:
             assert agent.wait(300) == 0, agent.output

@@ -38,13 +38,21 @@ def memory_of(job: str, node: str) -> str:
     return os.path.join(f"/dev/shm/node-agent-mem-{os.getuid()}", dir_name(job, node))
 
 
+def remove_memory(job: str, node: str) -> None:
+    """`node`'s memory directory removed, as with its host: its workers die a moment after its agent, and one may
+    still be writing a snapshot into it meanwhile."""
+    gone = memory_of(job, node)
+    wait_until(lambda: not shutil.rmtree(gone, ignore_errors=True) and not os.path.exists(gone), LIMIT,
+               f"{gone} removed")
+
+
 def lose_group_rank_1(cluster, out, job: str, agents: dict) -> tuple[str, dict[int, tuple[int, str, str]]]:
     """SIGKILL the agent of group rank 1 (its workers die with it) and remove its memory; how every rank resumed."""
     lost = next(n["node_id"] for n in job_view(cluster, job)["nodes"] if n["group_rank"] == 1)
     killed_at = time.time()
     os.kill(agents[lost].pid, signal.SIGKILL)
     agents[lost].wait(LIMIT)
-    shutil.rmtree(memory_of(job, lost))          # its host's memory is gone with it
+    remove_memory(job, lost)                     # its host's memory is gone with it
     back = wait_until(lambda: len(shard_resumes(out, killed_at)) == 6 and shard_resumes(out, killed_at), LIMIT,
                       lambda: f"every rank resumed: {shard_resumes(out, killed_at)}\n{agents['s'].output}")
     return lost, back
