@@ -66,7 +66,7 @@ def noted(rules: JobRules, live: LiveRound, node_id: str, note: ProgressNote | N
                              if n in job.round.members})
         job.progress.slow = live.paces.slow()
     if note.held_step >= 0:
-        swaps.held(rules, note.held_step, now)
+        swaps.held(rules, node_id, note.held_step, now)
     named = live.paces.note(node_id, note, now)
     if named is None:
         if node_id in job.progress.slow and job.config.replace_slow_nodes and job.swap is None:

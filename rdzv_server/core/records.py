@@ -59,6 +59,7 @@ class SwapDue(msgspec.Struct, kw_only=True):
     round_id: int                      # the round it is due in (moot once another forms)
     until: float                       # then swapped whatever came (a snapshot may never come)
     held_step: int = -1                # the snapshot step the members hold after (-1: none yet)
+    suspect_held: int = -1             # ... and the suspect's own ranks, as its notes said
 
 
 class PlaceCopies(msgspec.Struct, kw_only=True):

@@ -4,8 +4,10 @@ job's next snapshot, so that no step is redone:
   not see the ask yet block in the next step's collectives on those that wait, so no rank gets past it;
 - once a node says its ranks wait after step S (ProgressNote.held_step), the suspect is held out as any suspect
   is (suspects.quarantine) and the spare takes its place and ranks in a round formed at once, which resumes from
-  S: the spare fetches the suspect's snapshots from the suspect itself (rounds.own_source), or, where it takes no
-  copies, from its peer once its copy of S is there (CopiesNote.copied_step).
+  S: the spare fetches the suspect's snapshots from the suspect itself (rounds.own_source) once its own ranks
+  hold S too (a slow node writes its snapshot last: fetched before, the newest there is older, and the steps
+  since are redone), or, where it takes no copies, from its peer once its copy of S is there
+  (CopiesNote.copied_step).
 It swaps at once when there is no snapshot to wait for (no member holds one yet, or the suspect neither serves its
 snapshots nor makes peer copies: the spare could not resume from it anyway), and after SWAP_WAIT_S when none came
 (said: the steps since the last one are redone). Without a ready spare nothing is swapped: the node stays named
@@ -53,12 +55,15 @@ def ask(rules: JobRules, node_id: str, why: str, now: float, named: bool = False
                  f"at the job's next snapshot (the ranks wait after it)", node_id, job.round.round_id)
 
 
-def held(rules: JobRules, step: int, now: float) -> None:
+def held(rules: JobRules, node_id: str, step: int, now: float) -> None:
     """A member's ranks wait after their snapshot of `step` (its note)."""
     swap = _due(rules)
-    if swap is not None and step > swap.held_step:
-        swap.held_step = step
-        check(rules, now)
+    if swap is None:
+        return
+    if node_id == swap.node_id:
+        swap.suspect_held = max(swap.suspect_held, step)
+    swap.held_step = max(swap.held_step, step)
+    check(rules, now)
 
 
 def check(rules: JobRules, now: float) -> None:
@@ -68,7 +73,10 @@ def check(rules: JobRules, now: float) -> None:
         return
     node = rules.job.nodes.get(swap.node_id)
     copies = node.copies if node is not None else None
-    if copies is not None and copies.copied_step < swap.held_step and not serves_itself(rules.job, swap.node_id):
+    if serves_itself(rules.job, swap.node_id):
+        if max(swap.suspect_held, copies.local_step if copies is not None else -1) < swap.held_step:
+            return      # the spare fetches it from the suspect, which has not written its snapshot of it yet
+    elif copies is not None and copies.copied_step < swap.held_step:
         return          # its copy of the held step is still on its way to its peer
     _swap(rules, swap.node_id, swap.why, f"at the snapshot of step {swap.held_step}", now)
 
@@ -76,8 +84,9 @@ def check(rules: JobRules, now: float) -> None:
 def tick(rules: JobRules, now: float) -> None:
     swap = _due(rules)
     if swap is not None and now >= swap.until:
-        late = f"its copy of step {swap.held_step} did not reach its peer" if swap.held_step >= 0 else \
-            "no snapshot came"
+        served = serves_itself(rules.job, swap.node_id)
+        late = "no snapshot came" if swap.held_step < 0 else f"its own snapshot of step {swap.held_step} did not " \
+            f"come" if served else f"its copy of step {swap.held_step} did not reach its peer"
         _swap(rules, swap.node_id, swap.why, f"now: {late} within {SWAP_WAIT_S:g}s (the steps since the "
               f"newest snapshot every rank holds are redone)", now)
 

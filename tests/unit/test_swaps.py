@@ -126,7 +126,9 @@ def test_a_suspect_serving_its_own_snapshots_is_the_spares_source_with_no_peer_c
     first = job.round.round_id
     own_token = rz.view("swap", "b", T + 140).assignment.copy_token
     assert job.swap is not None and own_token and hold_asked(rz, "a")
-    poll(rz, "a", T + 150, held=15, copied=None, holding=True)    # a's ranks wait after step 15: swapped now
+    poll(rz, "a", T + 150, held=15, copied=None, holding=True)    # a's ranks wait after step 15 ...
+    assert job.round.round_id == first          # ... but b, the source, has not written its own snapshot of 15 yet
+    poll(rz, "b", T + 150.5, held=15, copied=None, holding=True)  # (a slow node writes it last): swapped now
     assert job.round.round_id == first + 1 and job.round.members == ["a", "s", "c"]
     spare = rz.view("swap", "s", T + 151).assignment
     assert (spare.copies_of, spare.copies_token) == ("b", own_token)
@@ -140,7 +142,9 @@ def test_with_copies_on_the_suspect_itself_is_the_source_before_its_peers_copy()
     rz = Rendezvous()
     slow_b(rz, copy_port=7000)          # each node its own failure domain: copies go to peers
     job = rz.jobs["swap"]
-    poll(rz, "a", T + 150, held=15, copied=12, holding=True)      # b's copy of 15 is not on its peer: no matter
+    poll(rz, "a", T + 150, held=15, copied=12, holding=True)      # b's copy of 15 is not on its peer: no matter,
+    assert "b" in job.round.members
+    poll(rz, "b", T + 150.5, copied=15)                           # once b's own ranks hold 15 (its copies' note)
     assert "b" not in job.round.members
     spare = rz.view("swap", "s", T + 151).assignment
     assert spare.copies_of == "b" and spare.copies_at is not None and spare.copies_at.port == 7000
