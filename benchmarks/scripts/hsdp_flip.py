@@ -1,7 +1,8 @@
 """HSDP (fully_shard on a replicate x shard mesh, gloo) with `protect(every=5)`, for benchmarks/bench_suspects.py:
-REPLICAS x (WORLD_SIZE / REPLICAS) ranks, STEPS steps of STEP_S; FLIP=RANK:STEP flips one bit of a weight on
-global rank RANK after STEP's optimizer step (first attempt), as silent data corruption would. At the end every
-rank's shard is compared with its shard's other replicas: rank 0 prints "replicas alike at the end: yes|NO"."""
+REPLICAS x (WORLD_SIZE / REPLICAS) ranks, STEPS steps of STEP_S, KEEP snapshots kept (2); FLIP=RANK:STEP flips one
+bit of a weight on global rank RANK after STEP's optimizer step (first attempt), as silent data corruption would.
+At the end every rank's shard is compared with its shard's other replicas: rank 0 prints "replicas alike at the end:
+yes|NO"."""
 import os
 import time
 import zlib
@@ -26,7 +27,7 @@ torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.ReLU(), torch.nn.Linear(32, 32))
 fully_shard(model, mesh=mesh)
 opt = torch.optim.SGD(model.parameters(), lr=0.05)
-start = protect(model, opt, every=5)
+start = protect(model, opt, every=5, keep=int(env("KEEP", "2")))
 print(f"rank {rank}: resumed from step {start} ({'memory' if start else 'scratch'})", flush=True)
 for step in range(start, steps):
     x = torch.randn(8, 32, generator=torch.Generator().manual_seed(step * 1000 + mesh.get_coordinate()[1]))

@@ -26,7 +26,7 @@ from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState,
 from transformers.trainer_callback import ExportableState
 
 from node_agent.training import resume, rng, trees
-from node_agent.training.capture import Capture, check_cadence, say
+from node_agent.training.capture import Capture, check_cadence
 
 FOLDER = ".resume"     # the checkpoint folder laid out for the Trainer, in the memory directory until it is read
 
@@ -84,8 +84,8 @@ class Snapshots(TrainerCallback):
             torch.save(_hf_rng(tree["rng"]), os.path.join(folder, f"rng_state_{args.process_index}.pth"
                                                           if args.world_size > 1 else "rng_state.pth"))
         else:
-            say(f"rank {resume.rank()} held no snapshot of step {step}: it resumes from rank {lender}'s (a "
-                f"replica's model, optimizer and scheduler); its RNG states start as the Trainer set them")
+            resume.lent(step, lender, "a replica's model, optimizer and scheduler; its RNG states start as the "
+                                      "Trainer set them")
         with open(os.path.join(folder, "trainer_state.json"), "w") as f:
             f.write(tree["trainer_state"])
         self._folder, self._last = folder, step

@@ -50,8 +50,8 @@ class Snapshots(Callback):
         if found is not None:       # what fit(ckpt_path=...) would have read; a path given to fit replaces it
             self._restored, trainer._checkpoint_connector._loaded_checkpoint, lender = found
             if lender != resume.rank():
-                say(f"rank {resume.rank()} held no snapshot of step {self._restored}: it resumes from rank "
-                    f"{lender}'s (a replica's checkpoint, as one Lightning checkpoint file is every rank's)")
+                resume.lent(self._restored, lender, "a replica's checkpoint, as one Lightning checkpoint file is "
+                                                    "every rank's")
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._last = trainer.global_step

@@ -83,8 +83,8 @@ def restore(model: nn.Module, optimizer: torch.optim.Optimizer, objects: Mapping
     if own:
         rng.restore(tree.get("rng", {}))
     else:
-        say(f"rank {resume.rank()} held no snapshot of step {step}: it resumes from rank {lender}'s (a replica's "
-            f"model, optimizer and extras); its RNG states and generators start as the script left them")
+        resume.lent(step, lender, "a replica's model, optimizer and extras; its RNG states and generators start as "
+                                  "the script left them")
     resume.resumed(step)
     return step
 

@@ -143,6 +143,11 @@ def world() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
+def lent(step: int, lender: int, what: str) -> None:
+    """Said by a rank that held no snapshot of `step` and resumes from `lender`'s file (`what` it took of it)."""
+    say(f"rank {rank()} held no snapshot of step {step}: it resumes from rank {lender}'s ({what})")
+
+
 def resumed(step: int) -> None:
     """Said once the snapshot of `step` is loaded (the restart's anatomy: the restore ends here)."""
     heartbeat.restored()

@@ -152,7 +152,8 @@ def test_an_hsdp_replica_that_diverges_is_named_within_its_shard_and_every_rank_
     unshard hook, else the first forward after a snapshot fails.)"""
     cluster.start_server()
     script = os.path.join(ROOT, "benchmarks", "scripts", "hsdp_flip.py")
-    env = {"REPLICAS": "3", "STEPS": "30", "STEP_S": "0.25", "FLIP": "2:12"}
+    # KEEP 3: step 10's snapshot outlives step 20's, so a divergence found late on a loaded machine still has it
+    env = {"REPLICAS": "3", "STEPS": "30", "STEP_S": "0.25", "FLIP": "2:12", "KEEP": "3"}
     agents = [cluster.agent("--endpoint", cluster.endpoint(), "--nnodes", "3", "--nproc", "2", "--job-id", "hsdp",
                             "--max-restarts", "2", "--node-id", f"hsdp-{name}", script, name=f"hsdp-{name}", env=env)
               for name in ("a", "b", "c")]
