@@ -32,7 +32,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
-from node_agent.training import resume, rng, trees
+from node_agent.training import ddp_buckets, resume, rng, trees
 from node_agent.training.capture import Capture, check_cadence, say
 
 
@@ -50,26 +50,26 @@ def protect(model: nn.Module, optimizer: torch.optim.Optimizer, every: int = 5, 
     """Restore the newest snapshot every rank holds and snapshot every `every` optimizer steps from now on.
     Returns the number of optimizer steps already done (the loop's first step)."""
     replicated, group = _replicated(model)
-    lendable = isinstance(model, DistributedDataParallel)     # every rank a replica: one may lend its snapshot
+    ddp = model if isinstance(model, DistributedDataParallel) else None   # every rank a replica: one may lend
     model, optimizer = _inner(model), _inner_optimizer(optimizer)
     objects = dict(extra or {})
     _check(model, optimizer, every, objects, keep)
     where = resume.memory_directory()
     if where is None:
         return fallback() if fallback is not None else 0
-    restored = restore(model, optimizer, objects, where, lendable)
+    restored = restore(model, optimizer, objects, where, ddp)
     start = restored if restored is not None else (fallback() if fallback is not None else 0)
-    _Hooks(model, optimizer, objects, every, Capture(where, keep, replicated, group), start).register()
+    _Hooks(model, optimizer, objects, every, Capture(where, keep, replicated, group), start, ddp).register()
     return start
 
 
 def restore(model: nn.Module, optimizer: torch.optim.Optimizer, objects: Mapping[str, Extra],
-            where: str, lendable: bool = False) -> int | None:
+            where: str, ddp: DistributedDataParallel | None = None) -> int | None:
     """The step restored from the memory directory (all ranks agree on it), or None (nothing was loaded).
-    `lendable`: every rank is a replica (DDP), so a rank without the step is lent a replica's snapshot: it loads
-    the model, optimizer and extras, but keeps its own RNG states and generators (the lender's would make it draw
-    the lender's batches)."""
-    found = resume.agree(where, lambda tree: _fits(tree.get("state"), model, optimizer, objects), lendable)
+    `ddp`: the model's DDP, so every rank is a replica: a rank without the step is lent a replica's snapshot (it
+    loads the model, optimizer and extras, but keeps its own RNG states and generators: the lender's would make
+    it draw the lender's batches), and the DDP reduces in the snapshot's bucket layout (ddp_buckets)."""
+    found = resume.agree(where, lambda tree: _fits(tree.get("state"), model, optimizer, objects), ddp is not None)
     if found is None:
         return None
     step, tree, lender = found
@@ -85,6 +85,8 @@ def restore(model: nn.Module, optimizer: torch.optim.Optimizer, objects: Mapping
     else:
         resume.lent(step, lender, "a replica's model, optimizer and extras; its RNG states and generators start as "
                                   "the script left them")
+    if ddp is not None:
+        ddp_buckets.adopt(ddp, tree.get("ddp_buckets"))
     resume.resumed(step)
     return step
 
@@ -96,8 +98,8 @@ class _Hooks:
     step starts from. The weights and optimizer state are the same as right after the step."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, objects: Mapping[str, Extra],
-                 every: int, capture: Capture, start: int) -> None:
-        self.model, self.optimizer, self.objects = model, optimizer, objects
+                 every: int, capture: Capture, start: int, ddp: DistributedDataParallel | None = None) -> None:
+        self.model, self.optimizer, self.objects, self.ddp = model, optimizer, objects, ddp
         self.every, self.capture, self.steps = every, capture, start
         self.due: int | None = None
         self.drawn: dict[str, Any] = {}     # what the next step draws from, as the optimizer step left it
@@ -125,7 +127,8 @@ class _Hooks:
             step, self.due = self.due, None
             state = training_state(self.model, self.optimizer, self.objects)
             state["extra"].update(self.drawn["generators"])
-            self.capture.take(step, {"state": state, "rng": self.drawn["rng"]})
+            buckets = ddp_buckets.recorded(self.ddp) if self.ddp is not None else None
+            self.capture.take(step, {"state": state, "rng": self.drawn["rng"], "ddp_buckets": buckets})
 
 
 def training_state(model: nn.Module, optimizer: torch.optim.Optimizer, objects: Mapping[str, Extra]) -> Any:

@@ -106,16 +106,15 @@ def test_a_memory_resume_trains_the_weights_a_disk_resume_does(cluster, tmp_path
 def test_a_loop_that_draws_its_batches_resumes_bit_identical_to_an_uninterrupted_run(cluster, tmp_path, batches):
     """Each step's batch drawn before its forward, from a torch.Generator of the loop's own (in protect's `extra`)
     or the global RNG; rank 1 crashes in step 27, every rank resumes at 25 from memory and draws batch 25 again from
-    the states the uninterrupted run drew it from: the final weights are that run's, bit for bit. (2 nodes x 1
-    worker: with 4 ranks, DDP's first step after it is built reduces gradients in another bucket layout than the
-    uninterrupted run's, whatever the batches: the sums differ in their last bits, docs/benchmarks.md.)"""
+    the states the uninterrupted run drew it from, and the new DDP reduces in the bucket layout the uninterrupted one
+    had rebuilt (with 4 ranks an all-reduce's sums depend on it): the final weights are that run's, bit for bit."""
     common = ["--steps", "32", "--width", "16", "--depth", "2", "--optimizer", "adamw", "--snapshot-every", "5",
               "--batches", batches]
     crashed = run_job(cluster, tmp_path, f"crash-{batches}", [*common, "--crash-rank", "1", "--crash-step", "27",
-                                                              "--final", str(tmp_path / "crashed.pt")], nproc=1)
-    run_job(cluster, tmp_path, f"whole-{batches}", [*common, "--final", str(tmp_path / "whole.pt")], nproc=1)
+                                                              "--final", str(tmp_path / "crashed.pt")])
+    run_job(cluster, tmp_path, f"whole-{batches}", [*common, "--final", str(tmp_path / "whole.pt")])
     assert sorted(x for x in crashed if "scratch" not in x) == [f"rank {r}: resumed from step 25 (memory)"
-                                                               for r in range(2)], crashed
+                                                               for r in range(4)], crashed
     resumed, whole = torch.load(tmp_path / "crashed.pt"), torch.load(tmp_path / "whole.pt")
     assert all(torch.equal(resumed[k], whole[k]) for k in whole), "a resumed rank trained on another batch"
 
