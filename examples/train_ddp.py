@@ -94,6 +94,7 @@ def main() -> None:
     p.add_argument("--flip-step", type=int, default=0, help="after this step's optimizer step")
     p.add_argument("--alike", action="store_true", help="at the end rank 0 says whether every replica is alike")
     p.add_argument("--snapshot-every", type=int, default=0, help="steps between in-memory snapshots (0: none)")
+    p.add_argument("--keep", type=int, default=2, help="in-memory snapshots kept (protect's keep)")
     p.add_argument("--disk-every", type=int, default=0, help="steps between disk checkpoints (0: none)")
     p.add_argument("--ckpt-dir", default="", help="directory of the disk checkpoints")
     p.add_argument("--width", type=int, default=0, help="DEPTH x Linear(WIDTH, WIDTH) (0: a tiny model)")
@@ -137,7 +138,7 @@ def main() -> None:
     extra = {"batches": batches} if args.batches == "generator" else None
     # DDP before protect: protect then knows the parameters are alike on every rank (and checks)
     model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
-    start = protect(model, opt, every=args.snapshot_every, extra=extra,
+    start = protect(model, opt, every=args.snapshot_every, extra=extra, keep=args.keep,
                     fallback=lambda: load_disk(args, model.module, opt)) \
         if args.snapshot_every else load_disk(args, model.module, opt)     # memory, a peer's copy, the disk, or 0
     mark(args, "loaded")

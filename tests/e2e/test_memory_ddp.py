@@ -126,7 +126,7 @@ def test_a_flipped_bit_is_found_at_the_next_snapshot_and_every_replica_resumes_a
     job goes on with the same nodes and ends with every replica's parameters alike, bit for bit."""
     cluster.start_server()
     args = ["--steps", "30", "--snapshot-every", "5", "--flip-rank", "2", "--flip-step", "12", "--width", "32",
-            "--depth", "2", "--step-s", "0.25"]      # found before the next snapshot replaces step 10's (keep=2)
+            "--depth", "2", "--step-s", "0.25", "--keep", "3"]   # found before step 10's snapshot is replaced
     agents = [cluster.agent("--endpoint", cluster.endpoint(), "--nnodes", "3", "--nproc", "1", "--job-id", "flip",
                             "--max-restarts", "2", "--node-id", f"flip-{name}", TRAIN, *args, name=f"flip-{name}")
               for name in ("a", "b", "c")]
