@@ -64,3 +64,23 @@ def test_real_ddp_training_recovers_from_a_crash_on_warm_workers(cluster):
     assert "injected crash on rank 1" in out and "training done: 20 steps on 2 workers" in out
     # both rounds forked from the zygote: the first waited for it (the script imports torch)
     assert out.count("2 of 2 workers started warm") == 2, out
+
+
+def test_every_warm_worker_draws_its_own_random_numbers_as_a_cold_one_does(cluster, tmp_path):
+    """A cold interpreter seeds torch's and numpy's generators from the OS: so does a warm worker (forked from one
+    interpreter, every rank drew the same torch numbers, and every restart the same again)."""
+    pytest.importorskip("torch")
+    script = tmp_path / "seeds.py"
+    script.write_text("import os, random, sys, numpy, torch\n"
+                      "print('SEEDS', os.environ['RANK'], os.environ['TORCHELASTIC_RESTART_COUNT'], "
+                      "torch.initial_seed(), float(torch.rand(1)), float(numpy.random.rand()), random.random(), "
+                      "flush=True)\n"
+                      "sys.exit(1 if os.environ['RANK'] == '1' and os.environ['TORCHELASTIC_RESTART_COUNT'] == '0' "
+                      "else 0)\n")
+    agent = cluster.agent("--standalone", "--nproc", "2", "--max-restarts", "1", str(script))
+    assert agent.wait(120) == 0, agent.output
+    assert agent.output.count("2 of 2 workers started warm") == 2, agent.output
+    drawn = [line.split()[1:] for line in agent.output.splitlines() if line.startswith("SEEDS")]
+    assert sorted((rank, attempt) for rank, attempt, *_ in drawn) == [("0", "0"), ("0", "1"), ("1", "0"), ("1", "1")]
+    for k in range(2, 6):       # torch's seed, a torch draw, numpy's, random's: each its own on every rank and try
+        assert len({d[k] for d in drawn}) == 4, drawn

@@ -210,10 +210,15 @@ def run_as_main(launch: dict[str, Any]) -> None:
     sys.argv = list(launch["argv"])
     sys.orig_argv = list(launch["orig_argv"])
     sys.path[0] = launch["path0"]
-    # Reseed what an interpreter seeds from the OS at import, as a cold worker would (fork reseeds `random`).
+    # Reseed what an interpreter seeds from the OS at import, as a cold worker would (fork reseeds `random`):
+    # numpy's global generator and torch's CPU one (its GPU ones start from a constant either way). Else every
+    # rank draws the same numbers (unseeded dropout, shuffles), and every restart the same again.
     numpy_random = sys.modules.get("numpy.random")
     if numpy_random is not None:
         numpy_random.seed()
+    torch = sys.modules.get("torch")
+    if torch is not None and hasattr(torch, "default_generator"):
+        torch.default_generator.seed()
     main = types.ModuleType("__main__")
     main.__dict__.update(__annotations__={}, __builtins__=__builtins__)   # as the interpreter makes __main__
     sys.modules["__main__"] = main
