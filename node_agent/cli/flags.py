@@ -254,7 +254,8 @@ def resolve(parser: argparse.ArgumentParser, name: str) -> str | None:
 
 def split_command_line(parser: argparse.ArgumentParser, argv: Sequence[str]) -> tuple[list[str], list[str]]:
     """(the launcher's options, prefixes written out in full; the script and its arguments). The script is found
-    as argparse would, but its arguments are kept byte for byte (argparse drops a `--` after the script); a line
+    as argparse would, and its arguments are kept as torchrun passes them: untouched, but for a `--` right after
+    the script where none came before it (argparse takes that one as the end of the launcher's options); a line
     that cannot be split (an unknown option) comes back as options only, so that argparse names the problem."""
     actions = parser._option_string_actions
     options: list[str] = []
@@ -264,7 +265,7 @@ def split_command_line(parser: argparse.ArgumentParser, argv: Sequence[str]) -> 
         if tok == "--":
             return options, list(argv[i + 1:])
         if not tok.startswith("-") or tok == "-":
-            return options, list(argv[i:])
+            return options, [tok, *argv[i + 2:]] if argv[i + 1:i + 2] == ["--"] else list(argv[i:])
         if tok.startswith("--"):
             name, eq, value = tok.partition("=")
             full = resolve(parser, name)

@@ -122,6 +122,16 @@ def test_double_dash_before_script_and_module_mode() -> None:
     assert o.module and (o.script, o.script_args) == ("pkg.train", ("--", "a"))
 
 
+@pytest.mark.parametrize("argv, script_args", [
+    (["train.py", "--", "--lr", "0.5"], ("--lr", "0.5")),             # as torchrun: that `--` ends its options
+    (["train.py", "--", "--", "x"], ("--", "x")),
+    (["train.py", "a", "--", "b"], ("a", "--", "b")),
+    (["-m", "pkg.train", "--", "a"], ("a",)),
+])
+def test_a_double_dash_right_after_the_script_is_dropped_as_torchrun_drops_it(argv, script_args) -> None:
+    assert parse(*EP, *argv).script_args == script_args
+
+
 @pytest.mark.parametrize("spec, nodes, nproc", [
     ("2x4", (2, 2), 4), ("1:4x8", (1, 4), 8), ("4", (1, 1), 4), ("3:3x1", (3, 3), 1),
 ])
