@@ -26,7 +26,13 @@ from node_agent.workers.probes import ProbeRoot
 from node_agent.workers.process import WorkerExit, WorkerSpawnError
 from node_agent.workers.step_watch import StepWatch
 from node_agent.workers.warm.client import WarmZygote
-from node_agent.workers.warm.eligible import entry_imports, imports_any, script_dir, script_preloads
+from node_agent.workers.warm.eligible import (
+    entry_imports,
+    environment_set_first,
+    imports_any,
+    script_dir,
+    script_preloads,
+)
 from protocol.messages import Assignment, UnhealthyKind
 from protocol.notes import ProgressNote
 
@@ -77,7 +83,13 @@ class LocalWorkers:
         path0 = os.getcwd() if opts.module else script_dir(opts.script)
         preload = opts.warm_preload if opts.warm_preload is not None else \
             (*DEFAULT_PRELOAD, *script_preloads(opts.script, module=opts.module, cwd=os.getcwd(), path0=path0))
-        if opts.warm and make_group is None:
+        early = environment_set_first(opts.script, preload, module=opts.module, cwd=os.getcwd()) \
+            if opts.warm and make_group is None else None
+        if early is not None:
+            say(f"warm workers off: the script sets {early[0]} in its environment before it imports {early[1]}, "
+                f"which a warm interpreter has loaded already (what it reads as it loads would not reach it); its "
+                f"workers start cold, as under torchrun. Set it in node-agent's environment to keep warm starts")
+        if opts.warm and make_group is None and early is None:
             python = worker_argv(opts)[0]   # the cold path's interpreter: PYTHON_EXEC or ours
             self.warm = WarmZygote(python, preload, path0, common_env(os.environ, opts.nproc), say,
                                    fallback=DEFAULT_PRELOAD if opts.warm_preload is None else None)

@@ -84,3 +84,17 @@ def test_every_warm_worker_draws_its_own_random_numbers_as_a_cold_one_does(clust
     assert sorted((rank, attempt) for rank, attempt, *_ in drawn) == [("0", "0"), ("0", "1"), ("1", "0"), ("1", "1")]
     for k in range(2, 6):       # torch's seed, a torch draw, numpy's, random's: each its own on every rank and try
         assert len({d[k] for d in drawn}) == 4, drawn
+
+
+def test_a_script_that_sets_omp_num_threads_before_importing_torch_gets_it_as_under_torchrun(cluster, tmp_path):
+    """torch reads OMP_NUM_THREADS as it loads: a warm interpreter loaded it before the script set it, so such a
+    script's workers start cold, said once, and the setting takes."""
+    pytest.importorskip("torch")
+    script = tmp_path / "threads.py"
+    script.write_text("import os\nos.environ['OMP_NUM_THREADS'] = '2'\nimport torch\n"
+                      "print('THREADS', torch.get_num_threads(), flush=True)\n")
+    agent = cluster.agent("--standalone", "--nproc", "1", str(script), env={"OMP_NUM_THREADS": "1"})
+    assert agent.wait(120) == 0, agent.output
+    assert "THREADS 2" in agent.output, agent.output
+    assert "warm workers off: the script sets OMP_NUM_THREADS in its environment before it imports torch" \
+        in agent.output and "started warm" not in agent.output

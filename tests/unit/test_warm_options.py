@@ -9,7 +9,14 @@ import pytest
 from node_agent.cli.options import OptionsError, parse_options
 from node_agent.settings import DEFAULT_PRELOAD
 from node_agent.workers.launch import WorkerLaunch
-from node_agent.workers.warm.eligible import base_env, entry_imports, imports_any, script_preloads, warm_launch
+from node_agent.workers.warm.eligible import (
+    base_env,
+    entry_imports,
+    environment_set_first,
+    imports_any,
+    script_preloads,
+    warm_launch,
+)
 from tests.options_view import flat
 
 ENV = {"PATH": "/usr/bin"}
@@ -145,3 +152,23 @@ def test_the_script_s_installed_imports_are_preloaded_not_its_own_modules(tmp_pa
     got = script_preloads(str(tmp_path / "train.py"), module=False, cwd="/", path0=str(tmp_path))
     assert got == ("torch.distributed", "lightning.pytorch", "transformers", "node_agent.training", "accelerate")
     assert script_preloads(str(tmp_path / "none.py"), module=False, cwd="/", path0=str(tmp_path)) == ()
+
+
+@pytest.mark.parametrize("source, found", [
+    ("import os\nos.environ['OMP_NUM_THREADS'] = '2'\nimport torch\n", ("OMP_NUM_THREADS", "torch")),
+    ("import os\nos.environ.setdefault('TORCH_LOGS', 'x')\nfrom torch import nn\n", ("TORCH_LOGS", "torch")),
+    ("import os\nos.environ.update(MKL_NUM_THREADS='1')\nimport torch.distributed\n", ("MKL_NUM_THREADS", "torch")),
+    ("import os\nos.environ.update({'A': '1'})\nimport torch\n", ("A", "torch")),
+    ("from os import environ\nenviron['B'] = '1'\nimport torch\n", ("B", "torch")),
+    ("import os\nos.putenv('C', '1')\nimport torch\n", ("C", "torch")),
+    ("import os\nif __name__ == '__main__':\n    os.environ['D'] = '1'\n    import torch\n", ("D", "torch")),
+    ("import os, torch\nos.environ['OMP_NUM_THREADS'] = '2'\n", None),            # after: torch has loaded
+    ("import os\nos.environ['X'] = '1'\nimport json\n", None),                     # nothing preloaded after it
+    ("import os\ndef main():\n    os.environ['X'] = '1'\nimport torch\n", None),   # a function, not run yet
+    ("import os\nprint(os.environ['HOME'])\nimport torch\n", None),               # read, not set
+], ids=["assign", "setdefault", "update-kw", "update-dict", "environ", "putenv", "main-block", "after", "no-preload",
+        "function", "read"])
+def test_a_script_that_sets_a_variable_before_importing_a_preload_is_found(tmp_path, source, found) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(source)
+    assert environment_set_first(str(script), DEFAULT_PRELOAD, module=False, cwd=str(tmp_path)) == found

@@ -93,6 +93,63 @@ def script_preloads(entry: str, *, module: bool, cwd: str, path0: str) -> tuple[
     return tuple(kept[:MAX_SCRIPT_PRELOADS])
 
 
+def environment_set_first(entry: str, preload: Iterable[str], *, module: bool, cwd: str) -> tuple[str, str] | None:
+    """(the variable, the package): the script sets a variable in its environment (`os.environ[...] = `, its
+    `update`/`setdefault`, `os.putenv`) among its top-level statements before it imports a preloaded package; None
+    otherwise. What a package reads as it loads (OMP_NUM_THREADS, torch's settings) would not reach a warm
+    interpreter's, loaded before: such a script's workers start cold, as under torchrun."""
+    tree = _parsed(entry, module=module, cwd=cwd)
+    if tree is None:
+        return None
+    tops = {name.split(".")[0] for name in preload}
+    sets: str | None = None
+    for node in _top_level(tree.body):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            continue
+        for inner in sorted(ast.walk(node), key=lambda n: (getattr(n, "lineno", 0), getattr(n, "col_offset", 0))):
+            imported = _imported(inner) & tops
+            if imported and sets is not None:
+                return sets, sorted(imported)[0]
+            if imported:
+                return None
+            sets = sets or _variable_set(inner)
+    return None
+
+
+def _imported(node: ast.AST) -> set[str]:
+    if isinstance(node, ast.Import):
+        return {alias.name.split(".")[0] for alias in node.names}
+    if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+        return {node.module.split(".")[0]}
+    return set()
+
+
+_ENVIRON = ("os.environ", "environ")
+
+
+def _variable_set(node: ast.AST) -> str | None:
+    """The variable `node` sets in the process's environment (its name, or what names it), or None."""
+    targets = node.targets if isinstance(node, ast.Assign) else [node.target] \
+        if isinstance(node, ast.AugAssign | ast.AnnAssign) else []
+    for target in targets:
+        if isinstance(target, ast.Subscript) and ast.unparse(target.value) in _ENVIRON:
+            return _name(target.slice)
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+        owner, call = ast.unparse(node.func.value), node.func.attr
+        if owner in _ENVIRON and call in ("update", "setdefault", "__setitem__") or \
+                (owner, call) == ("os", "putenv"):
+            if node.args and call != "update":
+                return _name(node.args[0])
+            keys = [k.arg for k in node.keywords if k.arg] or \
+                [_name(k) for arg in node.args[:1] if isinstance(arg, ast.Dict) for k in arg.keys if k is not None]
+            return keys[0] if keys else f"{owner}.{call}(...)"
+    return None
+
+
+def _name(node: ast.AST) -> str:
+    return node.value if isinstance(node, ast.Constant) and isinstance(node.value, str) else ast.unparse(node)
+
+
 def _top_level(body: list[ast.stmt]) -> Iterable[ast.stmt]:
     for node in body:
         if isinstance(node, ast.If) and "__name__" not in ast.unparse(node.test):
