@@ -9,6 +9,7 @@ import dataclasses
 import glob
 import os
 import shutil
+import socket
 import sys
 import tempfile
 
@@ -73,6 +74,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"node-agent: error: --log-dir {workers.log_dir}: {exc.strerror or exc}", file=sys.stderr)
         return 2
     narrator = Narrator(settings.link.node_id)
+    if settings.link.host_if_unserved and _nothing_listens(settings.link):
+        narrator.say(f"nothing listens at {settings.link.endpoint} and the job has one node: the rendezvous runs in "
+                     f"this agent, as torchrun's agent hosts it (start an rdzv-server there first for the server's "
+                     f"job view, page and metrics)")
+        settings = dataclasses.replace(settings, link=dataclasses.replace(settings.link, mode=Mode.STANDALONE))
     for line in start_lines(settings):
         narrator.say(line)
     try:
@@ -82,6 +88,17 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if workers.log_dir is None:
             _tidy(workers, root, narrator)
+
+
+def _nothing_listens(link: LinkSettings) -> bool:
+    """The endpoint refuses a connection: no server there (one that is slow to answer is there)."""
+    try:
+        socket.create_connection((link.endpoint_host or "localhost", link.endpoint_port or 0), timeout=2).close()
+    except ConnectionRefusedError:
+        return True
+    except OSError:
+        return False
+    return False
 
 
 def _tidy(workers: WorkerSettings, root: str, narrator: Narrator) -> None:

@@ -85,6 +85,7 @@ class LinkSettings:
     endpoint_port: int | None = None
     endpoint_scheme: str = "http"
     endpoint_replicas: tuple[tuple[str, int], ...] = ()
+    host_if_unserved: bool = False     # one node at an endpoint on this host: in-process if nothing listens there
     token_file: str | None = None
     token: str | None = None
     tls_ca: str | None = None

@@ -6,9 +6,14 @@
   scripts write it). No server: each node computes its ranks from the values given, worker rank 0 hosts the
   workers' store at A:P, and restarts are this node's own. Several nodes at an endpoint with no node rank are
   refused: each would be node rank 0 and wait forever (torchrun hangs); such a line meant `--rdzv-backend c10d`.
-- `server`: an rdzv-server at the endpoint (`--endpoint`, or `--rdzv-endpoint` with any backend but static)."""
+- `server`: an rdzv-server at the endpoint (`--endpoint`, or `--rdzv-endpoint` with any backend but static). One
+  node at an `--rdzv-endpoint` on this host (`--nnodes 1 --rdzv-backend c10d --rdzv-endpoint localhost:29400`, the
+  tutorial's line) may run in-process after all: torchrun's agent hosts that rendezvous itself, so where nothing
+  listens there when the agent starts (`host_if_unserved`, node_agent/main.py), it does too."""
 from __future__ import annotations
 
+import dataclasses
+import socket
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -31,6 +36,7 @@ class Form:
     master_port: int = STATIC_MASTER_PORT
     job_id: str | None = None         # an id this form imposes (standalone: a fresh one when none was given)
     one_node: bool = False            # force 1:1 nodes
+    host_if_unserved: bool = False    # server: one node at an endpoint on this host (in-process if nothing listens)
     warnings: tuple[str, ...] = ()
 
 
@@ -51,7 +57,9 @@ def launch_form(*, backend: str | None, endpoint: str | None, endpoint_flag: str
             warnings.append(f"--standalone runs one node: --nnodes {nodes[0]}:{nodes[1]} becomes 1:1")
         return Form(Mode.STANDALONE, job_id=fresh_id, one_node=True, warnings=tuple(warnings))
     if ours or (backend or "static") != "static":
-        return _dynamic(endpoint or "", max_nodes, fresh_id, tls_ca, fail, port_0=not ours)
+        form = _dynamic(endpoint or "", max_nodes, fresh_id, tls_ca, fail, port_0=not ours)
+        hostable = not ours and max_nodes == 1 and not form.replicas and _on_this_host(form.host)
+        return dataclasses.replace(form, host_if_unserved=True) if hostable else form
     if not endpoint and master_port is None and max_nodes == 1:
         return Form(Mode.STANDALONE, job_id=fresh_id, one_node=True)   # torchrun's own shortcut
     return _static(endpoint, endpoint_flag, backend, master_addr, master_port, nodes, node_rank_given, fail)
@@ -78,6 +86,11 @@ def _dynamic(endpoint: str, max_nodes: int, fresh_id: str, tls_ca: str | None, f
     if port == 0:
         fail("endpoint", f"port 0 names no server in a list of replicas: {endpoint!r}")
     return Form(Mode.SERVER, scheme=scheme, host=host, port=port, replicas=tuple(replicas))
+
+
+def _on_this_host(host: str | None) -> bool:
+    return host is not None and (host in ("localhost", "::1", "0.0.0.0", socket.gethostname())
+                                 or host.startswith("127."))
 
 
 def _static(endpoint: str | None, flag: str, backend: str | None, master_addr: str | None,

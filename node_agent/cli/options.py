@@ -97,7 +97,8 @@ def parse_options(argv: Sequence[str], environ: Mapping[str, str] = os.environ) 
     stop_default = environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT")
     link = LinkSettings(
         mode=form.mode, endpoint_host=form.host, endpoint_port=form.port, endpoint_scheme=form.scheme,
-        endpoint_replicas=form.replicas, token_file=token_file if form.mode is Mode.SERVER else None,
+        endpoint_replicas=form.replicas, host_if_unserved=form.host_if_unserved,
+        token_file=token_file if form.mode is Mode.SERVER else None,
         token=token if form.mode is Mode.SERVER else None, tls_ca=tls_ca, job_id_source=source,
         **_copy_tls(line, tls_ca),
         command="" if get("no_command_check") else fingerprint,

@@ -6,7 +6,8 @@ import signal
 
 import pytest
 
-from tests.e2e.harness import SCRIPTS, pid_gone, read_records
+from tests.e2e.harness import SCRIPTS, job_view, pid_gone, read_records
+from tests.ports import free_port
 from tests.tcpstore import tcp_store
 
 pytestmark = pytest.mark.e2e
@@ -198,3 +199,21 @@ def test_redirects_without_a_log_dir_hide_the_output_in_a_kept_temporary_directo
     assert kept.startswith(str(tmp_path))                          # torchrun's place: TMPDIR
     with open(os.path.join(kept, "attempt_0", "1", "stdout.log")) as f:
         assert f.read() == "hello stdout from rank 1\n"
+
+
+def test_the_tutorials_one_node_c10d_line_runs_in_process_when_nothing_listens(cluster, tmp_path):
+    """`--nnodes 1 --rdzv-backend c10d --rdzv-endpoint localhost:PORT`: torchrun's agent hosts that rendezvous
+    itself; where nothing listens there, so does node-agent (said once), not 60 s of retries and an exit 1. With
+    an rdzv-server there, the job is the server's."""
+    script = tmp_path / "ok.py"
+    script.write_text("print('ok')\n")
+    line = ["--nnodes", "1", "--nproc", "2", "--rdzv-backend", "c10d", "--rdzv-id", "tutorial"]
+    alone = cluster.agent(*line, "--rdzv-endpoint", f"localhost:{free_port()}", str(script))
+    assert alone.wait(60) == 0, alone.output
+    assert "the job has one node: the rendezvous runs in this agent" in alone.output
+    assert "cannot reach" not in alone.output
+    cluster.start_server()
+    served = cluster.agent(*line, "--rdzv-endpoint", cluster.endpoint(), str(script))
+    assert served.wait(60) == 0, served.output
+    assert "runs in this agent" not in served.output
+    assert job_view(cluster, "tutorial")["state"] == "succeeded"

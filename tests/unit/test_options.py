@@ -363,3 +363,15 @@ def test_peer_copy_tls_needs_a_certificate_and_key_that_exist_and_a_ca(tmp_path)
     assert no_ca.startswith("--tls-cert: needs --tls-ca")
     o = parse(*EP, "--tls-cert", str(cert), "--tls-key", str(key), "--tls-ca", str(ca), "t.py")
     assert (o.tls_cert, o.tls_key) == (str(cert), str(key))
+
+
+@pytest.mark.parametrize("argv, hosts", [
+    (["--nnodes", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:29400"], True),
+    (["--nnodes", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:29400"], True),
+    (["--nnodes", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", "rdzv.example:29400"], False),   # elsewhere
+    (["--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:29400"], False),      # two nodes
+    (["--nnodes", "1", "--endpoint", "localhost:29400"], False),              # --endpoint always means a server
+])
+def test_one_node_at_an_endpoint_on_this_host_may_run_in_process_as_torchrun_hosts_it(argv, hosts) -> None:
+    o = parse(*argv, "t.py")
+    assert o.mode.value == "server" and o.host_if_unserved is hosts
