@@ -205,6 +205,15 @@ def run_torchx(cluster, tmp_path) -> None:
                                   "[1]:hello stderr from rank 1", "[1]:hello stdout from rank 1"]
 
 
+def run_tutorial(cluster, tmp_path) -> None:
+    """The tutorial's fault-tolerant line with one node and nothing at the endpoint: each agent hosts it."""
+    runs = both(cluster, tmp_path, ["--nnodes", "1", "--nproc-per-node", "2", "--max-restarts", "3", "--rdzv-id",
+                                    "100", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"localhost:{free_port()}",
+                                    ECHO])
+    assert {(r["env"]["WORLD_SIZE"], r["env"]["TORCHELASTIC_MAX_RESTARTS"]) for r in same_workers(runs)} == \
+        {("2", "3")}
+
+
 def run_pet(cluster, tmp_path) -> None:
     env = {"PET_NPROC_PER_NODE": "2", "PET_NNODES": "1", "PET_MAX_RESTARTS": "1", "PET_ROLE": "trainer",
            "PET_TEE": "1"}
@@ -349,7 +358,8 @@ def run_standalone(cluster, tmp_path) -> None:
 
 
 FORMS: dict[str, Callable[..., None]] = {
-    "plain": run_plain, "torch_test_line": run_torch_test_line, "torchx": run_torchx, "pet": run_pet,
+    "plain": run_plain, "torch_test_line": run_torch_test_line, "torchx": run_torchx, "tutorial": run_tutorial,
+    "pet": run_pet,
     "static": run_static, "server": run_server, "redirect_failure": run_redirect_failure, "tee_logs": run_tee_logs,
     "grace": run_grace, "usr1": run_usr1, "run_path": run_run_path, "module": run_module, "no_python": run_no_python,
     "virtual_local_rank": run_virtual_local_rank, "standalone": run_standalone,

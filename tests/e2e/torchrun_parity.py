@@ -159,6 +159,9 @@ FORMS: tuple[FormRow, ...] = (
             "id given (`TORCHELASTIC_RUN_ID`)"),
     FormRow("torchx", "TorchX's single node: `--rdzv_backend c10d --rdzv_endpoint localhost:0 --rdzv_id APP "
                       "--nnodes 1 --tee 3 --role \"\"`", SAME, "in process, no server; the same `[0]:` prefixes"),
+    FormRow("tutorial", "the tutorial's line with one node and nothing at the endpoint: `--nnodes 1 "
+                        "--rdzv-backend c10d --rdzv-endpoint localhost:29400 --rdzv-id 100`", SAME,
+            "in process, no server (said once); with an rdzv-server listening there, that server"),
     FormRow("pet", "`PET_NPROC_PER_NODE=2 PET_NNODES=1 PET_MAX_RESTARTS=1 PET_ROLE=trainer PET_TEE=1 torchrun "
                    "train.py`", SAME, "the same workers and console"),
     FormRow("static", "static, 2 nodes: `--nnodes 2 --node-rank R --master-addr A --master-port P` (gloo "
