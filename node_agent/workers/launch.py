@@ -48,8 +48,9 @@ class WorkerLaunch:
 
 
 def store_launch(a: Assignment, python: str, *, run_dir: str, environ: Mapping[str, str] = os.environ) -> WorkerLaunch:
-    """The round's c10d store host on the group-rank-0 node, started like a worker; output in ATTEMPT_DIR/store/."""
-    log_dir = os.path.join(attempt_dir(run_dir, a.restart_count), "store")
+    """The round's c10d store host on the group-rank-0 node, started like a worker; output in RUN_DIR/store/attempt_N/
+    (not beside the ranks' directories in attempt_N/, which tools read as local ranks, as torchrun lays them out)."""
+    log_dir = attempt_dir(os.path.join(run_dir, "store"), a.restart_count)
     os.makedirs(log_dir, exist_ok=True)
     env = {**common_env(environ, a.local_world_size), "MASTER_ADDR": a.master_addr, "MASTER_PORT": str(a.master_port)}
     return WorkerLaunch(local_rank=STORE_RANK, rank=STORE_RANK, argv=[python, "-u", STORE_HOST, str(a.master_port)],

@@ -150,8 +150,10 @@ def test_log_dir_holds_torchruns_layout_fresh_for_every_run(cluster, tmp_path):
     run_dirs = sorted(logs.iterdir())
     assert len(run_dirs) == 2 and all(d.name.startswith("logjob_") for d in run_dirs)
     for run in run_dirs:     # LOG_DIR/ID_XXXXXXXX/attempt_RESTART_COUNT/LOCAL_RANK/
-        assert sorted(p.name for p in run.iterdir()) == ["attempt_0", "attempt_1"]
+        # and store/attempt_N/: the agent's c10d store host (the script imports torch), not among the ranks
+        assert sorted(p.name for p in run.iterdir()) == ["attempt_0", "attempt_1", "store"]
         for attempt in ("attempt_0", "attempt_1"):
+            assert sorted(p.name for p in (run / attempt).iterdir()) == ["0", "1"]
             for local_rank in ("0", "1"):
                 rank_dir = run / attempt / local_rank
                 assert (rank_dir / "stdout.log").exists() and (rank_dir / "stderr.log").exists()
