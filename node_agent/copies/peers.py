@@ -163,7 +163,7 @@ class PeerCopies:
         if self.server_tls and self.tls is None:        # no copies in the clear (said once at listen)
             self.targets = ()
             return
-        if not self.targets and self.memory.enabled:
+        if not self.targets and self.memory.enabled and a.group_world_size > 1:    # alone: nobody to hold them
             self._say_once("none", "peer copies off for this job (--replicas 0): a lost node's ranks resume from disk"
                            if not a.copy_token else
                            "peer copies: no member takes this node's copies: none is in another failure domain "

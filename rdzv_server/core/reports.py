@@ -100,8 +100,9 @@ def success(rules: JobRules, node: NodeRecord, req: SuccessReport, now: float) -
                     node.node_id, req.round_id)
     assert job.round is not None
     if set(job.round.members) <= set(job.successes):
-        rules.finish(now, JobState.SUCCEEDED,
-                    f"all {len(job.round.members)} nodes of round {job.round.round_id} succeeded")
+        n = len(job.round.members)
+        rules.finish(now, JobState.SUCCEEDED, f"{'its one node' if n == 1 else f'all {n} nodes'} of round "
+                                              f"{job.round.round_id} succeeded")
     return ""
 
 

@@ -172,6 +172,8 @@ async def test_a_node_without_memory_directories_takes_no_copies(tmp_path) -> No
 async def test_a_node_whose_copies_go_nowhere_says_so_once(tmp_path) -> None:
     said: list[str] = []
     copies, dirs = agent_side(tmp_path, "b", said)
+    await copies.before_spawn(msgspec.structs.replace(assignment(()), group_world_size=1), dirs)
+    assert not [line for line in said if "peer copies" in line], said    # alone in its round: nobody to hold them
     for _ in range(2):                                # every round, said once
         await copies.before_spawn(assignment(()), dirs)
     assert len([line for line in said if "no member takes this node's copies" in line]) == 1, said
