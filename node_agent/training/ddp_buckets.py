@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import inspect
+import weakref
 from typing import Any
 
 import torch.distributed as dist
@@ -33,30 +34,38 @@ _HELPER_ARGS = ["parameters", "expect_sparse_gradient", "param_to_name_mapping",
 
 def recorded(ddp: Any) -> Buckets | None:     # ddp: a DistributedDataParallel (its internals are untyped)
     """The bucket layout DDP rebuilt after its first backward (parameter indices, the first-reduced bucket
-    first), or None: not logged yet (DDP logs it in its third step), never rebuilt (find_unused_parameters), or a
-    torch that does not tell."""
+    first), or the one it was built in by `adopt` (DDP logs its rebuilt layout from its third step on: a resumed
+    run's next snapshots hold the layout too), or None: not logged yet, never rebuilt (find_unused_parameters), or
+    a torch that does not tell."""
     try:
         text = ddp._get_ddp_logging_data().get("rebuilt_per_bucket_param_indices")
-        return [[int(i) for i in bucket.split()] for bucket in text.split(",")] if isinstance(text, str) else None
+        if isinstance(text, str):
+            return [[int(i) for i in bucket.split()] for bucket in text.split(",")]
     except (AttributeError, RuntimeError, ValueError):
-        return None
+        pass
+    return _adopted.get(ddp)
+
+
+_adopted: weakref.WeakKeyDictionary[Any, Buckets] = weakref.WeakKeyDictionary()   # a DDP -> the layout adopted
 
 
 def adopt(ddp: Any, buckets: Any) -> bool:
     """Every rank calls it after a restore: rebuild the reducer in `buckets` (the snapshot's layout) where every
-    rank can and holds the same one. True where it did."""
+    rank can and holds the same one. True where it did. Rank 0 says why not where any rank held one."""
     problem = None if buckets is None else _why_not(ddp, buckets)
     mine = _digest(buckets) if buckets is not None and problem is None else 0
     low, high = resume.reduce_min(mine), -resume.reduce_min(-mine)
-    if low != high or low == 0:
-        if buckets is not None and resume.rank() == 0:
-            why = problem or ("the ranks' snapshots hold different layouts" if low != high
-                              else "another rank cannot")
-            say(f"the resumed DDP reduces its first step in its own bucket layout ({why}): the gradients equal an "
-                "uninterrupted run's to about 1e-9, not bit for bit")
-        return False
-    _rebuild(ddp, buckets)
-    return True
+    if low == high != 0:
+        _rebuild(ddp, buckets)
+        _adopted[ddp] = buckets
+        return True
+    if resume.rank() == 0 and (buckets is not None or high != 0):
+        why = problem or ("rank 0's snapshot holds none" if buckets is None
+                          else "the ranks' snapshots hold different layouts" if low != 0
+                          else "another rank's snapshot holds none, or its DDP cannot take it")
+        say(f"the resumed DDP reduces its first step in its own bucket layout ({why}): the gradients equal an "
+            "uninterrupted run's to about 1e-9, not bit for bit")
+    return False
 
 
 def _why_not(ddp: Any, buckets: Any) -> str | None:

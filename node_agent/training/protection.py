@@ -18,7 +18,8 @@ The rules:
   memory (node_agent/training/capture.py).
 - Outside node-agent (no memory directory: torchrun, plain python) it takes none, says so once, and returns
   `fallback()` or 0; the script runs unchanged.
-- DDP models are snapshotted as their inner module, FSDP2 (`fully_shard`) ones as each rank's shards; accelerate's
+- DDP models are snapshotted as their inner module (a compiled DDP as the compiled wrapper, whose DDP is still
+  known: replicas, lending, buckets), FSDP2 (`fully_shard`) ones as each rank's shards; accelerate's
   prepared optimizer as the one it wraps (a loop on `Accelerator` uses this call too). A model,
   optimizer or state that cannot be snapshotted is a TypeError at the call, before any training step."""
 from __future__ import annotations
@@ -50,7 +51,7 @@ def protect(model: nn.Module, optimizer: torch.optim.Optimizer, every: int = 5, 
     """Restore the newest snapshot every rank holds and snapshot every `every` optimizer steps from now on.
     Returns the number of optimizer steps already done (the loop's first step)."""
     replicated, group = _replicated(model)
-    ddp = model if isinstance(model, DistributedDataParallel) else None   # every rank a replica: one may lend
+    ddp = _ddp_of(model)        # every rank a replica: one may lend
     model, optimizer = _inner(model), _inner_optimizer(optimizer)
     objects = dict(extra or {})
     _check(model, optimizer, every, objects, keep)
@@ -205,8 +206,8 @@ def _replicated(model: Any) -> tuple[Callable[[str], bool] | None, int]:
     between broadcasts); an HSDP model's (`fully_shard` on a mesh with replicated dims), on the ranks with the
     same coordinates on its sharded dims. Other models: none is compared, said once (FSDP2 shards are no
     replicas; a mixture of meshes or placements is not told apart)."""
-    if isinstance(model, DistributedDataParallel):
-        names = {f"/state/model/{name}" for name, _ in model.module.named_parameters()}
+    if _ddp_of(model) is not None:
+        names = {f"/state/model/{name}" for name, _ in _inner(model).named_parameters()}
         return names.__contains__, 0
     hsdp = _hsdp_replicas(model) if isinstance(model, nn.Module) else None
     if hsdp is not None:
@@ -234,6 +235,14 @@ def _hsdp_replicas(model: nn.Module) -> tuple[Callable[[str], bool], int] | None
         group = group * mesh.size(dim) + coordinate[dim]
     names = {f"/state/model/{name}" for name, _ in params}
     return names.__contains__, group
+
+
+def _ddp_of(model: Any) -> DistributedDataParallel | None:
+    """The model's DDP: itself, or the one torch.compile wrapped (`torch.compile(DDP(model))`, torch's own order)."""
+    for candidate in (model, getattr(model, "_orig_mod", None)):
+        if isinstance(candidate, DistributedDataParallel):
+            return candidate
+    return None
 
 
 def _inner(model: Any) -> Any:

@@ -40,6 +40,7 @@ second = ddp()
 out["fresh_sizes"] = sizes(second)
 out["adopted"] = ddp_buckets.adopt(second, layout)
 out["adopted_sizes"] = sizes(second)
+out["recorded_before_logged"] = ddp_buckets.recorded(second)     # its next snapshots hold it too
 steps(second, 3)
 out["after_adopted"] = ddp_buckets.recorded(second)
 out["none"] = ddp_buckets.adopt(ddp(), None)
@@ -50,8 +51,20 @@ hooked.register_comm_hook(None, lambda _, bucket: dist.all_reduce(bucket.buffer(
                           .then(lambda f: f.value()[0]))
 out["comm_hook"] = ddp_buckets.adopt(hooked, layout)
 out["static"] = ddp_buckets.adopt(ddp(static_graph=True), layout)
-resume.reduce_min = lambda x: min(x, 12345)          # another rank holds another layout
+def other_rank(digest):          # the two MINs adopt makes, with another rank that offers `digest`
+    calls = iter([lambda x: min(x, digest), lambda x: min(x, -digest)])
+    resume.reduce_min = lambda x: next(calls)(x)
+
+other_rank(12345)                                   # another rank holds another layout
 out["other_rank"] = ddp_buckets.adopt(ddp(), layout)
+other_rank(12345)                                   # this rank (0) holds none, another one does
+out["rank0_none"] = ddp_buckets.adopt(ddp(), None)
+other_rank(0)                                       # this rank holds one, another none
+out["other_none"] = ddp_buckets.adopt(ddp(), layout)
+other_rank(0)                                       # nobody holds one (find_unused_parameters, early steps)
+out["nobody"] = ddp_buckets.adopt(ddp(), None)
+from node_agent.training.protection import _ddp_of
+out["compiled"] = _ddp_of(torch.compile(first)) is first and _ddp_of(first) is first and _ddp_of(first.module) is None
 print("RESULT", json.dumps(out))
 dist.destroy_process_group()
 """
@@ -74,4 +87,8 @@ def test_the_rebuilt_layout_is_recorded_adopted_where_every_rank_can_and_refused
     assert out["comm_hook"] is False and "a comm hook is registered" in refused[2]
     assert out["static"] is False and "static_graph=True" in refused[3]
     assert out["other_rank"] is False and "the ranks' snapshots hold different layouts" in refused[4]
-    assert len(refused) == 5, refused
+    assert out["rank0_none"] is False and "rank 0's snapshot holds none" in refused[5]
+    assert out["other_none"] is False and "another rank's snapshot holds none, or its DDP cannot" in refused[6]
+    assert out["nobody"] is False and len(refused) == 7, refused
+    assert out["recorded_before_logged"] == out["layout"]
+    assert out["compiled"] is True                  # protect(torch.compile(DDP(model))) finds the DDP
