@@ -7,7 +7,8 @@ measure (a restarted worker is a new process), each checkout in `--roots` altern
   restart);
 - restore: a new process builds the model and optimizer, then protect's restore (agree, read, checksums, load
   into the model and optimizer), and its first training step against a steady one (what the restore left for
-  the step: pages mapped or copied on first write).
+  the step: pages mapped or copied on first write); then its next three snapshots (`restarted_N`: a restarted
+  worker's, with its predecessor's files in the directory).
 
 Run: .venv/bin/python benchmarks/bench_snapshot_speed.py [--sizes 1024] [--roots .,/tmp/old] [--rounds 6]
      [--device cuda] (on a GPU node: the state on the GPU, pinned buffers, the restore into GPU tensors)
@@ -93,8 +94,16 @@ else:
     step(model, opt)
     first = time.perf_counter() - t0
     assert got is not None, "nothing restored"
+    capture, later = Capture(where), []     # the restarted worker's next snapshots, into its predecessor's files
+    for n in range(rounds + 1, rounds + 4):
+        step(model, opt)
+        t0 = time.perf_counter()
+        capture.take(n, {"state": training_state(model, opt, {}), "rng": rng.capture()})
+        held = time.perf_counter() - t0
+        capture.wait()
+        later.append((held, time.perf_counter() - t0))
     print(json.dumps({"bytes": size(model, opt), "restore": restored, "first_step": first,
-                      "steady_step": min(steady)}))
+                      "steady_step": min(steady), "later": later}))
 """
 
 
@@ -137,6 +146,9 @@ def measure(roots: list[str], mb: int, rounds: int, repeat: int, device: str) ->
             got.setdefault("restore_s", []).append(r["restore"])
             got.setdefault("first_step_extra_s", []).append(r["first_step"] - r["steady_step"])
             got.setdefault("exit_waits_s", []).append(e["exit_after_take"] - e0["exit_after_take"])
+            for k, (held, done) in enumerate(r.get("later", [])):      # an old checkout's child tells none
+                got.setdefault(f"restarted_{k + 1}_complete_gb_s", []).append(gb / done)
+                got.setdefault(f"restarted_{k + 1}_held_s", []).append(held)
     return {root: {k: (round(statistics.median(v), 3) if k != "bytes" else int(v[0])) for k, v in got.items()}
             for root, got in raw.items()}
 

@@ -122,22 +122,14 @@ class Capture:
             self._thread = None
 
     def _slab_for(self, step: int, size: int) -> tuple[_Slab, snapshot.Room]:
-        """The file `step-N.tmp`, `size` bytes of data mapped: the dropped file this capture wrote, else a new one."""
+        """The file `step-N.tmp`, `size` bytes of data mapped: a dropped one written over (_reused), else a new one."""
         room = snapshot.make_room(step, self.where, self.keep)
         bound = snapshot.limit()
         if bound is not None and room.kept + size > bound:
             raise snapshot.full_error(step, self.where, bound, room)
         tmp = snapshot.path(step, self.where) + ".tmp"
         snapshot.remove(tmp)
-        again: _Slab | None = None
-        for old in room.dropped:
-            name = snapshot.path(old, self.where)
-            slab = self._slabs.get(_inode(name))
-            if again is None and slab is not None:
-                os.rename(name, tmp)      # before a byte changes: a reader of `name` sees it go
-                again = slab
-            else:
-                snapshot.remove(name)
+        again = self._reused(room.dropped, tmp)
         alive = {_inode(snapshot.path(s, self.where)) for s in snapshot.steps(self.where)}
         self._keep_slabs(lambda s: s.ino in alive or s is again)
         if again is not None and again.size == size:
@@ -156,6 +148,24 @@ class Capture:
         self._keep_slabs(lambda s: s is not again)
         self._slabs[slab.ino] = slab
         return slab, room
+
+    def _reused(self, dropped: list[int], tmp: str) -> _Slab | None:
+        """Of the dropped snapshots, the one written over as `tmp` (renamed first: a reader of its name sees it go;
+        the others are removed): the file this capture wrote (returned), else one another process wrote (a
+        restarted worker's predecessor's: its pages are there too, and a copy into pages that exist runs 3 times
+        as fast as into new ones), but never one this process maps (a restore's tensors lie in their snapshot's
+        private mapping: the optimizer's state until it is written, and a write to the file reaches them)."""
+        names = {old: snapshot.path(old, self.where) for old in dropped}
+        own = [old for old, name in names.items() if _inode(name) in self._slabs]
+        mapped = _mapped_inodes() if not own else set()
+        others = [old for old, name in names.items() if mapped is not None and _inode(name) not in mapped]
+        chosen = (own or others)[:1]
+        for old, name in names.items():
+            if old in chosen:
+                os.rename(name, tmp)
+            else:
+                snapshot.remove(name)
+        return self._slabs.get(_inode(tmp)) if chosen else None
 
     def _keep_slabs(self, keep: Callable[[_Slab], bool]) -> None:
         for ino, s in list(self._slabs.items()):
@@ -225,6 +235,15 @@ class Capture:
         if kind not in self._said:
             self._said.add(kind)
             say(text)
+
+
+def _mapped_inodes() -> set[int] | None:
+    """The inodes of the files this process maps, or None where it cannot tell (no /proc: reuse none)."""
+    try:
+        with open("/proc/self/maps") as f:
+            return {int(fields[4]) for line in f if len(fields := line.split(maxsplit=5)) >= 5 and fields[4] != "0"}
+    except (OSError, ValueError):
+        return None
 
 
 def _inode(name: str) -> int:

@@ -1,5 +1,5 @@
 """The snapshot file (node_agent/training/layout.py) and how a capture writes it (capture.py): read back as
-taken, written over in place when this process wrote it, never under a restored state's feet, and refused whole
+taken, written over in place (a predecessor's file too), never under a restored state's feet, and refused whole
 with the reason named when any part of it does not hold together."""
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from collections import OrderedDict
 import pytest
 import torch
 
+from node_agent.copies import files
 from node_agent.training import layout, snapshot
 from node_agent.training.capture import Capture
 
@@ -56,18 +57,22 @@ def test_the_file_a_snapshot_replaces_is_written_over_in_place_and_reads_back_ri
         assert not isinstance(back, str) and same(back, state(float(step)))
 
 
-def test_a_predecessors_file_is_removed_not_written_over_so_a_restored_state_keeps_its_values(memory) -> None:
+def test_a_predecessors_file_is_written_over_unless_a_restored_state_lies_in_it(memory) -> None:
     before = Capture(memory)
     take(before, 1, state(1.0))
     take(before, 2, state(2.0))
+    before._keep_slabs(lambda _: False)               # its process is gone, and its mappings with it
     restored = layout.read(snapshot.path(1), 1)       # a new worker's restore: tensors in a private mapping
     assert not isinstance(restored, str)
-    first_inode = os.stat(snapshot.path(1)).st_ino
+    inodes = {step: os.stat(snapshot.path(step)).st_ino for step in (1, 2)}
     after = Capture(memory)                           # the new worker's capture: it wrote none of these files
-    take(after, 3, state(3.0))
-    take(after, 4, state(4.0))
+    take(after, 3, state(3.0))                        # drops step 1's file: mapped, so removed
+    take(after, 4, state(4.0))                        # drops step 2's: its pages are there, written over
     assert same(restored, state(1.0))
-    assert os.stat(snapshot.path(3)).st_ino != first_inode
+    assert os.stat(snapshot.path(3)).st_ino != inodes[1] and os.stat(snapshot.path(4)).st_ino == inodes[2]
+    for step in (3, 4):
+        back = layout.read(snapshot.path(step), step)
+        assert not isinstance(back, str) and same(back, state(float(step)))
 
 
 def test_a_state_that_grows_gets_a_larger_file_and_one_past_the_limit_keeps_the_last(memory, monkeypatch,
@@ -117,9 +122,10 @@ def test_a_table_entry_outside_the_tensors_region_is_named() -> None:
         f"tensor /w: its 4000000000 bytes at offset {layout.ALIGN} lie outside the tensors' region")
 
 
-def test_a_file_put_under_a_written_name_by_someone_else_is_never_written_over(memory) -> None:
-    """The agent may remove a snapshot and a peer's copy come under its name: that file is not this capture's,
-    so the next snapshot removes it and writes a file of its own; a reader of it keeps its bytes."""
+def test_a_file_put_under_a_written_name_by_someone_else_is_renamed_away_before_it_is_written_over(memory) -> None:
+    """The agent may remove a snapshot and a peer's copy come under its name: that file is not this capture's
+    slab; the next snapshot renames it away before a byte changes, so a reader that checks the name, as the
+    agent's copy senders do (copies/files.names), sees it go and drops what it read."""
     capture = Capture(memory, keep=2)
     take(capture, 1, state(1.0))
     take(capture, 2, state(2.0))
@@ -127,7 +133,8 @@ def test_a_file_put_under_a_written_name_by_someone_else_is_never_written_over(m
     with open(snapshot.path(1), "wb") as f:
         f.write(b"a peer's copy" * 1000)
     with open(snapshot.path(1), "rb") as reader:
+        assert files.names(snapshot.path(1), reader.fileno())
         take(capture, 3, state(3.0))
-        assert reader.read() == b"a peer's copy" * 1000
+        assert not files.names(snapshot.path(1), reader.fileno())
     back = layout.read(snapshot.path(3), 3)
     assert not isinstance(back, str) and same(back, state(3.0)) and snapshot.steps() == [2, 3]
