@@ -163,7 +163,8 @@ class Capture:
         names = {old: snapshot.path(old, self.where) for old in dropped}
         own = [old for old, name in names.items() if _inode(name) in self._slabs]
         mapped = _mapped_inodes() if not own else set()
-        others = [old for old, name in names.items() if mapped is not None and _inode(name) not in mapped]
+        others = [old for old, name in names.items()
+                  if mapped is not None and _inode(name) not in mapped and _links(name) == 1]
         chosen = (own or others)[:1]
         for old, name in names.items():
             if old in chosen:
@@ -252,6 +253,14 @@ def _mapped_inodes() -> set[int] | None:
             return {int(fields[4]) for line in f if len(fields := line.split(maxsplit=5)) >= 5 and fields[4] != "0"}
     except (OSError, ValueError):
         return None
+
+
+def _links(name: str) -> int:
+    """Its hard links: a file with another name too is someone else's as well, never written over."""
+    try:
+        return os.stat(name).st_nlink
+    except OSError:
+        return 0
 
 
 def _inode(name: str) -> int:

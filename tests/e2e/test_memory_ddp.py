@@ -85,8 +85,10 @@ def test_without_a_memory_directory_they_resume_from_disk(cluster, tmp_path):
 
 def test_a_memory_resume_trains_the_weights_a_disk_resume_does(cluster, tmp_path):
     """The issue's case: rank 3 crashes in step 27 with a snapshot every 5 steps. Every rank resumes at step 25
-    from memory; a second job, without memory, resumes from its disk checkpoint of step 25. Same final weights,
-    bit for bit (AdamW: its moments and step count are restored too)."""
+    from memory; a second job, without memory, resumes from its disk checkpoint of step 25. The same final weights
+    (AdamW: its moments and step count are restored too), to the last bits: the memory resume reduces its first
+    step in the bucket layout DDP had rebuilt (an uninterrupted run's, bit for bit: the test below), the disk one
+    in a new DDP's first layout, which with 4 ranks adds the gradients in another order (about 1e-8)."""
     common = ["--steps", "32", "--crash-rank", "3", "--crash-step", "27", "--width", "16", "--depth", "2",
               "--optimizer", "adamw"]
     memory = run_job(cluster, tmp_path, "mem", [*common, "--snapshot-every", "5", "--final", str(tmp_path / "m.pt")])
@@ -99,7 +101,8 @@ def test_a_memory_resume_trains_the_weights_a_disk_resume_does(cluster, tmp_path
                                                             for r in range(4)], disk
     from_memory, from_disk = torch.load(tmp_path / "m.pt"), torch.load(tmp_path / "d.pt")
     assert from_memory.keys() == from_disk.keys()
-    assert all(torch.equal(from_memory[k], from_disk[k]) for k in from_memory), "the weights differ"
+    assert all(torch.allclose(from_memory[k], from_disk[k], rtol=0, atol=1e-6) for k in from_memory), \
+        "the weights differ"
 
 
 @pytest.mark.parametrize("batches", ["generator", "global"])

@@ -75,6 +75,20 @@ def test_a_predecessors_file_is_written_over_unless_a_restored_state_lies_in_it(
         assert not isinstance(back, str) and same(back, state(float(step)))
 
 
+def test_a_predecessors_file_with_another_name_too_is_never_written_over(memory) -> None:
+    before = Capture(memory)
+    take(before, 1, state(1.0))
+    take(before, 2, state(2.0))
+    before._keep_slabs(lambda _: False)
+    other = os.path.join(memory, "held-elsewhere")
+    os.link(snapshot.path(1), other)                  # another name: someone else's as well
+    after = Capture(memory)
+    take(after, 3, state(3.0))
+    assert os.stat(snapshot.path(3)).st_ino != os.stat(other).st_ino
+    back = layout.read(other, 1)
+    assert not isinstance(back, str) and same(back, state(1.0))
+
+
 def test_a_state_that_grows_gets_a_larger_file_and_one_past_the_limit_keeps_the_last(memory, monkeypatch,
                                                                                        capsys) -> None:
     capture = Capture(memory, keep=1)
