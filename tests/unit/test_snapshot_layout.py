@@ -57,11 +57,16 @@ def test_the_file_a_snapshot_replaces_is_written_over_in_place_and_reads_back_ri
         assert not isinstance(back, str) and same(back, state(float(step)))
 
 
-def test_a_predecessors_file_is_written_over_unless_a_restored_state_lies_in_it(memory) -> None:
+def predecessors_files(memory: str) -> None:
+    """Steps 1 and 2, written by a capture whose process is gone (its mappings with it)."""
     before = Capture(memory)
     take(before, 1, state(1.0))
     take(before, 2, state(2.0))
-    before._keep_slabs(lambda _: False)               # its process is gone, and its mappings with it
+    before._keep_slabs(lambda _: False)
+
+
+def test_a_predecessors_file_is_written_over_unless_a_restored_state_lies_in_it(memory) -> None:
+    predecessors_files(memory)
     restored = layout.read(snapshot.path(1), 1)       # a new worker's restore: tensors in a private mapping
     assert not isinstance(restored, str)
     inodes = {step: os.stat(snapshot.path(step)).st_ino for step in (1, 2)}
@@ -76,10 +81,7 @@ def test_a_predecessors_file_is_written_over_unless_a_restored_state_lies_in_it(
 
 
 def test_a_predecessors_file_with_another_name_too_is_never_written_over(memory) -> None:
-    before = Capture(memory)
-    take(before, 1, state(1.0))
-    take(before, 2, state(2.0))
-    before._keep_slabs(lambda _: False)
+    predecessors_files(memory)
     other = os.path.join(memory, "held-elsewhere")
     os.link(snapshot.path(1), other)                  # another name: someone else's as well
     after = Capture(memory)
