@@ -98,13 +98,14 @@ async def push(addr: str, port: int, *, key: str, node_id: str, local_rank: int,
     except OSError as exc:
         return PushResult(False, f"cannot read the snapshot: {exc.strerror or exc}", 0)
     try:
-        size = os.fstat(fd).st_size
+        opened = os.fstat(fd)
+        size = opened.st_size
         try:
             line = wire.push_line(wire.PushRequest(key, node_id, local_rank, step, size, round_id))
         except WireError as exc:
             return PushResult(False, f"bad request: {exc}", 0)
         return await _push_to(addr, port, line, fd, size, step, bandwidth_bytes_s, timeout_s, tls,
-                              lambda: files.names(path, fd))
+                              lambda: files.names(path, fd, opened.st_mtime_ns))
     finally:
         os.close(fd)
 

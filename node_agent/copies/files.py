@@ -172,11 +172,13 @@ def read_token(node_dir: str) -> str:
         return ""
 
 
-def names(path: str, fd: int) -> bool:
-    """The bytes `fd` read are still the snapshot at `path`: the file was unlinked (nobody writes it again) or
-    `path` still names it. A worker renames a snapshot file away before it writes it over (training/capture.py)."""
+def names(path: str, fd: int, since: int) -> bool:
+    """The bytes `fd` read are still the snapshot at `path`: it was not written to since its modification time
+    was `since` (taken at the open), and either it was unlinked or `path` still names it. A worker renames a
+    snapshot file away and sets its modification time before it writes it over (training/capture.py): a file it
+    died writing, unlinked after, is no longer the snapshot either."""
     try:
         held = os.fstat(fd)
-        return held.st_nlink == 0 or os.stat(path).st_ino == held.st_ino
+        return held.st_mtime_ns == since and (held.st_nlink == 0 or os.stat(path).st_ino == held.st_ino)
     except OSError:
         return False

@@ -302,13 +302,14 @@ class CopyStore:
             return
         fd, step, stored = opened
         try:
-            size = os.fstat(fd).st_size
+            at_open = os.fstat(fd)
+            size = at_open.st_size
             writer.write(wire.copy_line(step, size))
             # The trailer is the checksum stored on receipt, the bytes what is held now: a copy corrupted at rest
             # fails the fetcher's check, and is removed here (one pass over the bytes, not two). Own snapshots:
             # the checksum of the bytes as sent.
             sent = await stream.send(writer, fd, size, self.stall_s)
-            if own is not None and not files.names(own[2], fd):   # a rank still running wrote over it meanwhile
+            if own is not None and not files.names(own[2], fd, at_open.st_mtime_ns):   # a rank wrote over it
                 writer.write(wire.refused_line("the snapshot changed while it was sent"))
                 return
             writer.write(wire.trailer_line(stored or sent))

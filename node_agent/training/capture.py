@@ -3,11 +3,11 @@ file, mapped (on a GPU: into pinned buffers, on a side stream, then into the fil
 writes the file's header and names it complete while the training goes on (layout.py: the file's layout). The rules:
 - The training waits only for the copy. On a GPU not even for that: the next optimizer step waits, on the GPU,
   for the copy of the tensors it is about to change (`before_update`).
-- The file a snapshot replaces (the keep rule, node_agent.snapshot.make_room) is written over in place when this
-  process wrote it: its pages are already there, so the copy runs at memory speed, not at the speed tmpfs hands
-  out new pages. It is renamed `step-N.tmp` before a byte changes (a reader of the old name stops at the rename:
-  copies/client.py's push). Files it did not write (a predecessor's, a peer's copy) are removed instead: a
-  restored state may still map them.
+- The file a snapshot replaces (the keep rule, node_agent.snapshot.make_room) is written over in place, whoever
+  wrote it (this process, a restarted worker's predecessor, the agent's fetched copy): its pages are already
+  there, so the copy runs at memory speed, not at the speed tmpfs hands out new pages. Never one this process
+  maps (a restored state lies in it) or one with another name too. It is renamed `step-N.tmp` and its
+  modification time set before a byte changes: a sender of its bytes (copies/files.names) drops what it read.
 - A write still running when the next snapshot comes is waited for (the file is its): snapshots never queue.
 - A snapshot that does not fit the memory directory, or fails to write, is said once; training goes on and the
   last complete snapshot stays."""
@@ -19,6 +19,7 @@ import mmap
 import os
 import sys
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -169,6 +170,7 @@ class Capture:
         for old, name in names.items():
             if old in chosen:
                 os.rename(name, tmp)
+                _touch(tmp)
             else:
                 snapshot.remove(name)
         return self._slabs.get(_inode(tmp)) if chosen else None
@@ -253,6 +255,13 @@ def _mapped_inodes() -> set[int] | None:
             return {int(fields[4]) for line in f if len(fields := line.split(maxsplit=5)) >= 5 and fields[4] != "0"}
     except (OSError, ValueError):
         return None
+
+
+def _touch(name: str) -> None:
+    """A new modification time, before a byte changes: a sender of the file's bytes (copies/files.names) sees it
+    was written over, even where this process's mapping writes it with no fault (and so no time of its own)."""
+    st = os.stat(name)
+    os.utime(name, ns=(st.st_atime_ns, max(time.time_ns(), st.st_mtime_ns + 1)))
 
 
 def _links(name: str) -> int:

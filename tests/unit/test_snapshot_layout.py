@@ -149,8 +149,25 @@ def test_a_file_put_under_a_written_name_by_someone_else_is_renamed_away_before_
     with open(snapshot.path(1), "wb") as f:
         f.write(b"a peer's copy" * 1000)
     with open(snapshot.path(1), "rb") as reader:
-        assert files.names(snapshot.path(1), reader.fileno())
+        since = os.fstat(reader.fileno()).st_mtime_ns
+        assert files.names(snapshot.path(1), reader.fileno(), since)
         take(capture, 3, state(3.0))
-        assert not files.names(snapshot.path(1), reader.fileno())
+        assert not files.names(snapshot.path(1), reader.fileno(), since)
     back = layout.read(snapshot.path(3), 3)
     assert not isinstance(back, str) and same(back, state(3.0)) and snapshot.steps() == [2, 3]
+
+
+def test_a_file_written_over_and_then_unlinked_is_no_longer_the_snapshot_its_sender_read(memory) -> None:
+    """A worker dies writing over a dropped file (renamed step-N.tmp); its successor removes the .tmp. The sender
+    that opened the old name must drop what it read (before: an unlinked file passed as untouched, and a torn copy
+    was stored), while one whose file the keep rule only unlinked keeps it."""
+    capture = Capture(memory, keep=2)
+    take(capture, 1, state(1.0))
+    take(capture, 2, state(2.0))
+    with open(snapshot.path(1), "rb") as written, open(snapshot.path(2), "rb") as unlinked:
+        since = {f: os.fstat(f.fileno()).st_mtime_ns for f in (written, unlinked)}
+        capture._slab_for(3, capture._slabs[os.fstat(written.fileno()).st_ino].size)   # step 1's file: renamed
+        os.unlink(snapshot.path(3) + ".tmp")                                           # ... and the .tmp removed
+        os.unlink(snapshot.path(2))                                                     # the keep rule's drop
+        assert not files.names(snapshot.path(1), written.fileno(), since[written])
+        assert files.names(snapshot.path(2), unlinked.fileno(), since[unlinked])
