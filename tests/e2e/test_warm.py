@@ -98,3 +98,21 @@ def test_a_script_that_sets_omp_num_threads_before_importing_torch_gets_it_as_un
     assert "THREADS 2" in agent.output, agent.output
     assert "warm workers off: the script sets OMP_NUM_THREADS in its environment before it imports torch" \
         in agent.output and "started warm" not in agent.output
+
+
+def test_a_generator_a_preloaded_package_seeds_as_it_loads_stays_seeded_as_in_a_cold_worker(cluster, tmp_path):
+    """A package that seeds torch when imported (preloaded: the script imports it at its top): a cold worker's
+    import seeds every rank alike, and so does the zygote's; the fork does not undo it."""
+    pytest.importorskip("torch")
+    lib, job = tmp_path / "lib", tmp_path / "job"
+    lib.mkdir()
+    job.mkdir()
+    (lib / "seedlib.py").write_text("import torch\ntorch.manual_seed(0)\n")
+    (job / "draw.py").write_text("import os\nimport seedlib\nimport torch\n"
+                                 "print('DRAWN', os.environ['RANK'], float(torch.rand(1)), flush=True)\n")
+    agent = cluster.agent("--standalone", "--nproc", "2", str(job / "draw.py"),
+                          env={"PYTHONPATH": f"{lib}{os.pathsep}{ROOT}"})
+    assert agent.wait(120) == 0, agent.output
+    assert "2 of 2 workers started warm" in agent.output, agent.output
+    drawn = {line.split()[1]: line.split()[2] for line in agent.output.splitlines() if line.startswith("DRAWN")}
+    assert sorted(drawn) == ["0", "1"] and drawn["0"] == drawn["1"], drawn

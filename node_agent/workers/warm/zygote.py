@@ -212,13 +212,11 @@ def run_as_main(launch: dict[str, Any]) -> None:
     sys.path[0] = launch["path0"]
     # Reseed what an interpreter seeds from the OS at import, as a cold worker would (fork reseeds `random`):
     # numpy's global generator and torch's CPU one (its GPU ones start from a constant either way). Else every
-    # rank draws the same numbers (unseeded dropout, shuffles), and every restart the same again.
-    numpy_random = sys.modules.get("numpy.random")
-    if numpy_random is not None:
-        numpy_random.seed()
-    torch = sys.modules.get("torch")
-    if torch is not None and hasattr(torch, "default_generator"):
-        torch.default_generator.seed()
+    # rank draws the same numbers (unseeded dropout, shuffles), and every restart the same again. Not one a
+    # preload seeded as it was imported: a cold worker's import seeds it alike (`_generators_now`).
+    for name, state in _generators_now().items():
+        if _generators_at_import.get(name) == state:
+            _reseed(name)
     main = types.ModuleType("__main__")
     main.__dict__.update(__annotations__={}, __builtins__=__builtins__)   # as the interpreter makes __main__
     sys.modules["__main__"] = main
@@ -292,6 +290,29 @@ def _run_script(main: types.ModuleType, script: str) -> None:
     exec(code, main.__dict__)
 
 
+_generators_at_import: dict[str, object] = {}   # a global generator's state as its package's import left it
+
+
+def _generators_now() -> dict[str, object]:
+    """The global generators' states that tell whether anyone seeded them: torch's CPU seed, numpy's state."""
+    now: dict[str, object] = {}
+    torch = sys.modules.get("torch")
+    if torch is not None and hasattr(torch, "initial_seed"):
+        now["torch"] = torch.initial_seed()
+    numpy_random = sys.modules.get("numpy.random")
+    if numpy_random is not None and hasattr(numpy_random, "get_state"):
+        state = numpy_random.get_state()
+        now["numpy"] = (state[1].tobytes(), state[2])
+    return now
+
+
+def _reseed(name: str) -> None:
+    if name == "torch":
+        sys.modules["torch"].default_generator.seed()
+    else:
+        sys.modules["numpy.random"].seed()
+
+
 def main() -> None:
     # Python's advice for fork without exec: no collection here, gc.freeze() before each fork, gc.enable() in
     # the child, whose collections then never touch (and copy) the zygote's objects.
@@ -307,6 +328,8 @@ def main() -> None:
             importlib.import_module(name)
         except BaseException as exc:   # noqa: BLE001 - a failed preload is reported, never fatal
             failed.append([name, f"{type(exc).__name__}: {exc}"[:300]])
+        for generator, state in _generators_now().items():   # right after the import that brought it
+            _generators_at_import.setdefault(generator, state)
     del sys.argv[1:]
     _let_gloo_threads_finish_at_destroy()
     gc.collect()   # the imports' garbage, once; from now on the zygote's objects are frozen (see _request)
