@@ -26,13 +26,8 @@ from node_agent.workers.probes import ProbeRoot
 from node_agent.workers.process import WorkerExit, WorkerSpawnError
 from node_agent.workers.step_watch import StepWatch
 from node_agent.workers.warm.client import WarmZygote
-from node_agent.workers.warm.eligible import (
-    entry_imports,
-    environment_set_first,
-    imports_any,
-    script_dir,
-    script_preloads,
-)
+from node_agent.workers.warm.early_env import environment_set_first
+from node_agent.workers.warm.eligible import entry_imports, imports_any, script_dir, script_preloads
 from protocol.messages import Assignment, UnhealthyKind
 from protocol.notes import ProgressNote
 

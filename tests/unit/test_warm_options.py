@@ -9,14 +9,8 @@ import pytest
 from node_agent.cli.options import OptionsError, parse_options
 from node_agent.settings import DEFAULT_PRELOAD
 from node_agent.workers.launch import WorkerLaunch
-from node_agent.workers.warm.eligible import (
-    base_env,
-    entry_imports,
-    environment_set_first,
-    imports_any,
-    script_preloads,
-    warm_launch,
-)
+from node_agent.workers.warm.early_env import environment_set_first
+from node_agent.workers.warm.eligible import base_env, entry_imports, imports_any, script_preloads, warm_launch
 from tests.options_view import flat
 
 ENV = {"PATH": "/usr/bin"}
@@ -82,6 +76,14 @@ def test_other_launches_start_cold(tmp_path, monkeypatch, argv) -> None:
     monkeypatch.chdir(tmp_path)
     (tmp_path / "t.py").write_text("")
     assert warm_launch(launch(argv), sys.executable) is None
+
+
+def test_a_zip_archive_starts_cold_as_python_runs_its_main(tmp_path, monkeypatch) -> None:
+    import zipfile
+    monkeypatch.chdir(tmp_path)
+    with zipfile.ZipFile(tmp_path / "app.zip", "w") as z:
+        z.writestr("__main__.py", "print('hi')\n")
+    assert warm_launch(launch([sys.executable, "-u", "app.zip"]), sys.executable) is None
 
 
 def test_the_launchers_per_worker_variables_are_not_part_of_the_zygotes_environment() -> None:
@@ -166,8 +168,14 @@ def test_the_script_s_installed_imports_are_preloaded_not_its_own_modules(tmp_pa
     ("import os\nos.environ['X'] = '1'\nimport json\n", None),                     # nothing preloaded after it
     ("import os\ndef main():\n    os.environ['X'] = '1'\nimport torch\n", None),   # a function, not run yet
     ("import os\nprint(os.environ['HOME'])\nimport torch\n", None),               # read, not set
+    ("import os, numpy\nos.environ['E'] = '1'\nimport torch\n", ("E", "torch")),   # another preload first
+    ("import os as _os\n_os.environ['F'] = '1'\nimport torch\n", ("F", "torch")),
+    ("import os\nos.environ |= {'G': '1'}\nimport torch\n", ("G", "torch")),
+    ("import os\ndef setup():\n    os.environ['H'] = '1'\nsetup()\nimport torch\n", ("H", "torch")),
+    ("import os\nos.environ['MASTER_ADDR'] = 'h'\nos.environ['NCCL_DEBUG'] = 'INFO'\nimport torch\n", None),
+    ("import os\nx = {}\nx" + "[0]" * 600 + " = 1\nos.environ['I'] = '1'\nimport torch\n", ("I", "torch")),
 ], ids=["assign", "setdefault", "update-kw", "update-dict", "environ", "putenv", "main-block", "after", "no-preload",
-        "function", "read"])
+        "function", "read", "numpy-first", "alias", "or-assign", "setup-function", "read-later", "deep"])
 def test_a_script_that_sets_a_variable_before_importing_a_preload_is_found(tmp_path, source, found) -> None:
     script = tmp_path / "train.py"
     script.write_text(source)

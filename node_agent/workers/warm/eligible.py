@@ -7,8 +7,10 @@ whether a round waits for the zygote and whether the agent hosts the c10d store.
 from __future__ import annotations
 
 import ast
+import functools
 import os
 import sys
+import zipfile
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -59,7 +61,7 @@ def imports_any(imported: frozenset[str] | None, modules: Iterable[str]) -> bool
 def entry_imports(entry: str, *, module: bool, cwd: str) -> frozenset[str] | None:
     """The top-level packages the script (or `-m` module) imports anywhere in its source, read, never run;
     None when it cannot be found, read or parsed."""
-    tree = _parsed(entry, module=module, cwd=cwd)
+    tree = parsed(entry, module=module, cwd=cwd)
     if tree is None:
         return None
     found: set[str] = set()
@@ -79,11 +81,11 @@ def script_preloads(entry: str, *, module: bool, cwd: str, path0: str) -> tuple[
     statements (not in a function, a `try`, or `if __name__ == "__main__"`), of installed packages: not the
     standard library, not the script's own modules (found beside it or in the working directory: importing
     those may read the rank from the environment, or parse the command line, which a zygote has not)."""
-    tree = _parsed(entry, module=module, cwd=cwd)
+    tree = parsed(entry, module=module, cwd=cwd)
     if tree is None:
         return ()
     names: list[str] = []
-    for node in _top_level(tree.body):
+    for node in top_level(tree.body):
         if isinstance(node, ast.Import):
             names += [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
@@ -93,68 +95,11 @@ def script_preloads(entry: str, *, module: bool, cwd: str, path0: str) -> tuple[
     return tuple(kept[:MAX_SCRIPT_PRELOADS])
 
 
-def environment_set_first(entry: str, preload: Iterable[str], *, module: bool, cwd: str) -> tuple[str, str] | None:
-    """(the variable, the package): the script sets a variable in its environment (`os.environ[...] = `, its
-    `update`/`setdefault`, `os.putenv`) among its top-level statements before it imports a preloaded package; None
-    otherwise. What a package reads as it loads (OMP_NUM_THREADS, torch's settings) would not reach a warm
-    interpreter's, loaded before: such a script's workers start cold, as under torchrun."""
-    tree = _parsed(entry, module=module, cwd=cwd)
-    if tree is None:
-        return None
-    tops = {name.split(".")[0] for name in preload}
-    sets: str | None = None
-    for node in _top_level(tree.body):
-        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
-            continue
-        for inner in sorted(ast.walk(node), key=lambda n: (getattr(n, "lineno", 0), getattr(n, "col_offset", 0))):
-            imported = _imported(inner) & tops
-            if imported and sets is not None:
-                return sets, sorted(imported)[0]
-            if imported:
-                return None
-            sets = sets or _variable_set(inner)
-    return None
-
-
-def _imported(node: ast.AST) -> set[str]:
-    if isinstance(node, ast.Import):
-        return {alias.name.split(".")[0] for alias in node.names}
-    if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-        return {node.module.split(".")[0]}
-    return set()
-
-
-_ENVIRON = ("os.environ", "environ")
-
-
-def _variable_set(node: ast.AST) -> str | None:
-    """The variable `node` sets in the process's environment (its name, or what names it), or None."""
-    targets = node.targets if isinstance(node, ast.Assign) else [node.target] \
-        if isinstance(node, ast.AugAssign | ast.AnnAssign) else []
-    for target in targets:
-        if isinstance(target, ast.Subscript) and ast.unparse(target.value) in _ENVIRON:
-            return _name(target.slice)
-    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
-        owner, call = ast.unparse(node.func.value), node.func.attr
-        if owner in _ENVIRON and call in ("update", "setdefault", "__setitem__") or \
-                (owner, call) == ("os", "putenv"):
-            if node.args and call != "update":
-                return _name(node.args[0])
-            keys = [k.arg for k in node.keywords if k.arg] or \
-                [_name(k) for arg in node.args[:1] if isinstance(arg, ast.Dict) for k in arg.keys if k is not None]
-            return keys[0] if keys else f"{owner}.{call}(...)"
-    return None
-
-
-def _name(node: ast.AST) -> str:
-    return node.value if isinstance(node, ast.Constant) and isinstance(node.value, str) else ast.unparse(node)
-
-
-def _top_level(body: list[ast.stmt]) -> Iterable[ast.stmt]:
+def top_level(body: list[ast.stmt]) -> Iterable[ast.stmt]:
     for node in body:
         if isinstance(node, ast.If) and "__name__" not in ast.unparse(node.test):
-            yield from _top_level(node.body)
-            yield from _top_level(node.orelse)
+            yield from top_level(node.body)
+            yield from top_level(node.orelse)
         else:
             yield node
 
@@ -166,17 +111,28 @@ def _installed(top: str, own: list[str]) -> bool:
                    for d in own)
 
 
-def _parsed(entry: str, *, module: bool, cwd: str) -> ast.Module | None:
+def parsed(entry: str, *, module: bool, cwd: str) -> ast.Module | None:
+    """The entry point's syntax tree, read, never run (None: not found, too big, not Python); parsed once per
+    version of the file (the agent asks several questions of it)."""
     path = module_source(entry, [cwd, *sys.path]) if module else entry
     if path is None:
         return None
+    try:
+        st = os.stat(path)
+        return _parse(path, st.st_mtime_ns, st.st_size)
+    except OSError:
+        return None
+
+
+@functools.lru_cache(maxsize=4)
+def _parse(path: str, mtime_ns: int, size: int) -> ast.Module | None:
     try:
         with open(path, "rb") as f:
             source = f.read(MAX_SOURCE + 1)
         if len(source) > MAX_SOURCE:
             return None
         return ast.parse(source, filename=path)
-    except (OSError, SyntaxError, ValueError):
+    except (OSError, SyntaxError, ValueError, RecursionError, MemoryError):
         return None
 
 
@@ -209,7 +165,7 @@ def warm_launch(launch: Launch, python: str) -> WarmLaunch | None:
             return None
         return WarmLaunch(argv=["-m", *argv[4:]], orig_argv=list(argv), script="", module=argv[3], path0=cwd,
                           cwd=cwd, env=env, base_env=base_env(launch.env), cpus=cpus)
-    if argv[2].startswith("-") or not os.path.isfile(argv[2]):   # an option, stdin, a directory or zip: cold
-        return None
+    if argv[2].startswith("-") or not os.path.isfile(argv[2]) or zipfile.is_zipfile(argv[2]):
+        return None              # an option, stdin, a directory or a zip archive (its __main__.py): cold
     return WarmLaunch(argv=argv[2:], orig_argv=list(argv), script=argv[2], module="",
                       path0=script_dir(argv[2]), cwd=cwd, env=env, base_env=base_env(launch.env), cpus=cpus)
