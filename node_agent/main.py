@@ -12,6 +12,7 @@ import shutil
 import socket
 import sys
 import tempfile
+import time
 
 from node_agent.agent import Agent
 from node_agent.cli.command_line import OptionsError
@@ -90,15 +91,22 @@ def main(argv: list[str] | None = None) -> int:
             _tidy(workers, root, narrator)
 
 
+HOST_GRACE_S = 2.0     # a server started beside the agent listens within this (0.5 s on a quiet 2-core machine)
+
+
 def _nothing_listens(link: LinkSettings) -> bool:
-    """The endpoint refuses a connection: no server there (one that is slow to answer is there)."""
-    try:
-        socket.create_connection((link.endpoint_host or "localhost", link.endpoint_port or 0), timeout=2).close()
-    except ConnectionRefusedError:
-        return True
-    except OSError:
-        return False
-    return False
+    """The endpoint refuses every connection for HOST_GRACE_S: no server there (one that answers slowly is)."""
+    deadline = time.monotonic() + HOST_GRACE_S
+    while True:
+        try:
+            socket.create_connection((link.endpoint_host or "localhost", link.endpoint_port or 0), timeout=2).close()
+            return False
+        except ConnectionRefusedError:
+            if time.monotonic() >= deadline:
+                return True
+            time.sleep(0.1)
+        except OSError:
+            return False
 
 
 def _tidy(workers: WorkerSettings, root: str, narrator: Narrator) -> None:

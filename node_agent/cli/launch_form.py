@@ -89,7 +89,7 @@ def _dynamic(endpoint: str, max_nodes: int, fresh_id: str, tls_ca: str | None, f
 
 
 def _on_this_host(host: str | None) -> bool:
-    return host is not None and (host in ("localhost", "::1", "0.0.0.0", socket.gethostname())
+    return host is not None and (host.lower() in ("localhost", "::1", "0.0.0.0", socket.gethostname().lower())
                                  or host.startswith("127."))
 
 

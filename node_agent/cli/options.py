@@ -97,7 +97,8 @@ def parse_options(argv: Sequence[str], environ: Mapping[str, str] = os.environ) 
     stop_default = environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT")
     link = LinkSettings(
         mode=form.mode, endpoint_host=form.host, endpoint_port=form.port, endpoint_scheme=form.scheme,
-        endpoint_replicas=form.replicas, host_if_unserved=form.host_if_unserved,
+        endpoint_replicas=form.replicas, host_if_unserved=_may_host(form.host_if_unserved, form.scheme, token_file,
+                                                                    token, conf),
         token_file=token_file if form.mode is Mode.SERVER else None,
         token=token if form.mode is Mode.SERVER else None, tls_ca=tls_ca, job_id_source=source,
         **_copy_tls(line, tls_ca),
@@ -212,6 +213,14 @@ def _counts(line: CommandLine, environ: Mapping[str, str]) -> _Counts:
         line.fail("j" if get("j") else "nproc", "node-agent counts NVIDIA GPUs only (gpu); give the number of workers")
     nproc = resolve_nproc(nproc_text, environ, line.failing("j" if get("j") else "nproc"))
     return _Counts(min_nodes, max_nodes, nproc, nodes_flag, nnodes_text)
+
+
+def _may_host(hostable: bool, scheme: str, token_file: str | None, token: str | None,
+              conf: Mapping[str, str]) -> bool:
+    """One node at an endpoint on this host may run its rendezvous in the agent (Form.host_if_unserved), unless
+    the line asks for a real server: TLS, a token, or `--rdzv-conf is_host=0`."""
+    refused = conf.get("is_host", "").strip().lower() in ("0", "false", "no", "off")
+    return hostable and scheme == "http" and not token_file and not token and not refused
 
 
 def _rdzv_conf(line: CommandLine) -> tuple[dict[str, str], list[str]]:

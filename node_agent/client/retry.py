@@ -71,4 +71,5 @@ async def until_answered(send: Callable[[], Awaitable[T]], *,
 
 def unreachable_line(server: str, wait_s: float, error: str) -> str:
     """Said at the first unanswered try (node-agent and the plugin): silence for the whole wait looks like a hang."""
-    return f"cannot reach the rdzv-server at {server}; retrying for {wait_s:g}s ({error})"
+    return f"cannot reach the rdzv-server at {server}; retrying for {wait_s:g}s ({error}; is an rdzv-server " \
+           f"running there? `rdzv-server --port PORT` on that host starts one)"

@@ -59,7 +59,8 @@ def store_failure(e: WorkerExit, *, rank: int, host: str, node_id: str) -> Worke
     return WorkerFailure(local_rank=0, rank=rank, exitcode=e.exitcode or 1, signal=e.signal_name,
                          reason=FailureReason.STORE_EXITED.value,
                          message=f"the round's c10d store, hosted by this node's agent (pid {e.pid}), {how} "
-                                 f"while the workers ran (its output: the run directory's attempt_N/store/)",
+                                 f"while the workers ran (its output: the run directory's store/attempt_N/, kept "
+                                 f"with --log-dir)",
                          timestamp=e.seen_at or time.time(), host=host, node_id=node_id)
 
 

@@ -85,7 +85,8 @@ def test_an_unreachable_server_is_said_at_once(cluster, tmp_path):
     """Not 60 s of silence: the first failed try says where, and for how long it goes on trying."""
     agent = cluster.agent("--endpoint", "127.0.0.1:1", "--nnodes", "2", "--job-id", "away", "--server-wait", "600",
                           os.path.join(SCRIPTS, "sleeper.py"))
-    agent.wait_for_line(r"cannot reach the rdzv-server at 127\.0\.0\.1:1; retrying for 600s", 30)
+    agent.wait_for_line(r"cannot reach the rdzv-server at 127\.0\.0\.1:1; retrying for 600s \(.*; is an rdzv-server "
+                        r"running there\? `rdzv-server --port PORT` on that host starts one\)", 30)
     os.kill(agent.pid, signal.SIGTERM)
     assert agent.wait(30) == 128 + signal.SIGTERM
 

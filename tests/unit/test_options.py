@@ -371,6 +371,10 @@ def test_peer_copy_tls_needs_a_certificate_and_key_that_exist_and_a_ca(tmp_path)
     (["--nnodes", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", "rdzv.example:29400"], False),   # elsewhere
     (["--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:29400"], False),      # two nodes
     (["--nnodes", "1", "--endpoint", "localhost:29400"], False),              # --endpoint always means a server
+    (["--nnodes", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", "https://localhost:29400"], False),   # TLS
+    (["--nnodes", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:29400", "--rdzv-conf", "is_host=0"],
+     False),
+    (["--nnodes", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{socket.gethostname().upper()}:29400"], True),
 ])
 def test_one_node_at_an_endpoint_on_this_host_may_run_in_process_as_torchrun_hosts_it(argv, hosts) -> None:
     o = parse(*argv, "t.py")
