@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import socket
 import uuid
 from collections.abc import Callable
@@ -89,8 +90,13 @@ def _dynamic(endpoint: str, max_nodes: int, fresh_id: str, tls_ca: str | None, f
 
 
 def _on_this_host(host: str | None) -> bool:
-    return host is not None and (host.lower() in ("localhost", "::1", "0.0.0.0", socket.gethostname().lower())
-                                 or host.startswith("127."))
+    if host is None:
+        return False
+    try:
+        addr = ipaddress.ip_address(host)
+        return addr.is_loopback or addr.is_unspecified
+    except ValueError:
+        return host.lower() in ("localhost", socket.gethostname().lower())
 
 
 def _static(endpoint: str | None, flag: str, backend: str | None, master_addr: str | None,

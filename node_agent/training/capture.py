@@ -160,12 +160,14 @@ class Capture:
         the others are removed): the file this capture wrote (returned), else one another process wrote (a
         restarted worker's predecessor's: its pages are there too, and a copy into pages that exist runs 3 times
         as fast as into new ones), but never one this process maps (a restore's tensors lie in their snapshot's
-        private mapping: the optimizer's state until it is written, and a write to the file reaches them)."""
+        private mapping: the optimizer's state until it is written, and a write to the file reaches them), nor one
+        with another hard link (someone else's as well)."""
         names = {old: snapshot.path(old, self.where) for old in dropped}
-        own = [old for old, name in names.items() if _inode(name) in self._slabs]
+        stats = {old: _stat(name) for old, name in names.items()}
+        own = [old for old, st in stats.items() if st is not None and st.st_ino in self._slabs]
         mapped = _mapped_inodes() if not own else set()
-        others = [old for old, name in names.items()
-                  if mapped is not None and _inode(name) not in mapped and _links(name) == 1]
+        others = [old for old, st in stats.items()
+                  if mapped is not None and st is not None and st.st_ino not in mapped and st.st_nlink == 1]
         chosen = (own or others)[:1]
         for old, name in names.items():
             if old in chosen:
@@ -264,12 +266,12 @@ def _touch(name: str) -> None:
     os.utime(name, ns=(st.st_atime_ns, max(time.time_ns(), st.st_mtime_ns + 1)))
 
 
-def _links(name: str) -> int:
-    """Its hard links: a file with another name too is someone else's as well, never written over."""
+def _stat(name: str) -> os.stat_result | None:
+    """Its status, or None where the name is gone."""
     try:
-        return os.stat(name).st_nlink
+        return os.stat(name)
     except OSError:
-        return 0
+        return None
 
 
 def _inode(name: str) -> int:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import ast
 from collections.abc import Iterable
 
-from node_agent.workers.warm.eligible import parsed, top_level
+from node_agent.workers.warm.eligible import imported_packages, parsed, top_level
 
 READ_LATER = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "TOKENIZERS_PARALLELISM",
               "CUDA_VISIBLE_DEVICES", "CUDA_LAUNCH_BLOCKING", "PYTORCH_CUDA_ALLOC_CONF")
@@ -41,21 +41,13 @@ def _first(tree: ast.Module, preloaded: set[str]) -> tuple[str, str] | None:
             continue
         for node in sorted(ast.walk(statement), key=lambda n: (getattr(n, "lineno", 0), getattr(n, "col_offset", 0))):
             names.learn(node)
-            fresh = (_imports(node) & preloaded) - imported
+            fresh = (imported_packages(node) & preloaded) - imported
             if fresh and pending is not None:
                 return pending, sorted(fresh)[0]
             imported |= fresh
             called = node.func.id if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) else ""
             pending = pending or names.variable_set(node) or setters.get(called)
     return None
-
-
-def _imports(node: ast.AST) -> set[str]:
-    if isinstance(node, ast.Import):
-        return {alias.name.split(".")[0] for alias in node.names}
-    if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-        return {node.module.split(".")[0]}
-    return set()
 
 
 class _Names:

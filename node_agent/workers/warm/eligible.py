@@ -64,13 +64,16 @@ def entry_imports(entry: str, *, module: bool, cwd: str) -> frozenset[str] | Non
     tree = parsed(entry, module=module, cwd=cwd)
     if tree is None:
         return None
-    found: set[str] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            found.update(alias.name.split(".")[0] for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            found.add(node.module.split(".")[0])
-    return frozenset(found)
+    return frozenset(top for node in ast.walk(tree) for top in imported_packages(node))
+
+
+def imported_packages(node: ast.AST) -> set[str]:
+    """The top-level packages an import statement brings in (none for a relative import or another node)."""
+    if isinstance(node, ast.Import):
+        return {alias.name.split(".")[0] for alias in node.names}
+    if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+        return {node.module.split(".")[0]}
+    return set()
 
 
 MAX_SCRIPT_PRELOADS = 32
