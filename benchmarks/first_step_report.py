@@ -95,7 +95,7 @@ def plot(runs: list[dict[str, Any]], launchers: list[str], path: str, note: str)
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(10, 1.8 + 0.45 * len(runs)))
-    colors = ["#8c564b", "#1f77b4", "#2ca02c", "#9467bd", "#ff7f0e", "#d62728"]
+    colors = ["#8c564b", "#1f77b4", "#2ca02c", "#9467bd", "#17becf", "#ff7f0e", "#d62728"]
     labels, y = [], 0
     totals = [r["result"]["total"] for r in runs if r["result"] is not None]
     hung_width = max(totals) * 1.1 if totals else max(r["timeout_s"] for r in runs)   # keep the scale readable
