@@ -33,6 +33,7 @@ class Snapshots(Callback):
         self._capture: Capture | None = None
         self._last = -1
         self._restored: int | None = None
+        self._mapped: set[int] = set()       # where the restored snapshot's tensors lie (resume.copy_out)
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """Before Lightning restores (the process group is up, the optimizers not yet built)."""
@@ -49,12 +50,15 @@ class Snapshots(Callback):
                                                                 "state_dict"), replicas=replicated is not None)
         if found is not None:       # what fit(ckpt_path=...) would have read; a path given to fit replaces it
             self._restored, trainer._checkpoint_connector._loaded_checkpoint, lender = found
+            self._mapped = resume.storages(found[1])
             if lender != resume.rank():
                 resume.lent(self._restored, lender, "a replica's checkpoint, as one Lightning checkpoint file is "
                                                     "every rank's")
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._last = trainer.global_step
+        resume.copy_out(trainer.optimizers, self._mapped)     # Lightning has loaded them
+        self._mapped = set()
         given = trainer._checkpoint_connector._ckpt_path
         if self._restored is not None and not given:
             resume.resumed(self._restored)

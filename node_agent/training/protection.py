@@ -78,9 +78,11 @@ def restore(model: nn.Module, optimizer: torch.optim.Optimizer, objects: Mapping
     saved = tree["state"]
     model.load_state_dict(trees.into_live(saved["model"], model.state_dict()))
     optimizer.load_state_dict(_optimizer_into_live(saved["optim"], optimizer))
-    for name, obj in objects.items():
+    resume.copy_out([optimizer], resume.storages(saved["optim"]))
+    for name, obj in objects.items():     # an extra's load may keep its tensors: copies, not the mapping's
         if own or not isinstance(obj, torch.Generator):
-            load_into(obj, saved["extra"][name])
+            load_into(obj, trees.rebuild(saved["extra"][name],
+                                         lambda leaf: leaf.clone() if isinstance(leaf, torch.Tensor) else leaf))
     if own:
         rng.restore(tree.get("rng", {}))
     else:

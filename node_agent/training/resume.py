@@ -9,13 +9,13 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from node_agent.training import heartbeat, layout, snapshot
+from node_agent.training import heartbeat, layout, snapshot, trees
 from node_agent.training.capture import say
 
 
@@ -113,6 +113,24 @@ class _Lent:
         snapshot.remove(self.final + ".tmp")
         say(f"step-{self.step}, lent by a replica, could not be written into {self.where}: {self.problem}")
         return False
+
+
+def storages(tree: Any) -> set[int]:
+    """Where the tree's tensors lie: in a read snapshot, each tensor is its own storage in the file's mapping."""
+    return {trees.local(t).untyped_storage().data_ptr() for _, t in trees.tensors(tree)}
+
+
+def copy_out(optimizers: Iterable[torch.optim.Optimizer], mapped: set[int]) -> None:
+    """Optimizer state a load left in the snapshot's mapping (`mapped`: storages()) gets memory of its own. An
+    optimizer's `load_state_dict` keeps a CPU tensor by reference, and the mapping keeps the file: its /dev/shm
+    pages stay allocated for the worker's life after the file is dropped (one more state's worth per restarted
+    worker, past the memory directory's limit), and it is never written over. A copy now costs what the first
+    step's copy-on-write faults would have. (A model's load copies into its own weights; a GPU's state is copied.)"""
+    for optimizer in optimizers:
+        for state in optimizer.state.values():
+            for key, value in list(state.items()):
+                if isinstance(value, torch.Tensor) and trees.local(value).untyped_storage().data_ptr() in mapped:
+                    state[key] = value.clone()
 
 
 def read(step: int, where: str) -> dict[str, Any] | str:
