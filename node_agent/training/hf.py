@@ -58,6 +58,7 @@ class Snapshots(TrainerCallback):
         self._params: set[str] | None = None
         self._last = -1
         self._folder: str | None = None
+        self._prepared = False       # Capture.prepare called
 
     def lay_out(self) -> str | None:
         """The newest snapshot every rank holds, as a checkpoint folder the Trainer resumes from (None: none)."""
@@ -111,6 +112,9 @@ class Snapshots(TrainerCallback):
         if self._capture is not None and step > self._last and step % self.every == 0:
             self._last = step
             self._capture.take(step, self._tree(state))
+        elif self._capture is not None and not self._prepared:    # the first snapshot's buffers, ahead
+            self._prepared = True
+            self._capture.prepare(self._tree(state))
 
     def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                      **kwargs: Any) -> None:

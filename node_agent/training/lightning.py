@@ -33,6 +33,7 @@ class Snapshots(Callback):
         self._capture: Capture | None = None
         self._last = -1
         self._restored: int | None = None
+        self._prepared = False       # Capture.prepare called
         self._mapped: set[int] = set()       # where the restored snapshot's tensors lie (resume.copy_out)
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -80,6 +81,12 @@ class Snapshots(Callback):
         if self._capture is not None and step > self._last and step % self.every == 0:
             self._last = step
             self._capture.take(step, self._checkpoint(trainer))
+        elif self._capture is not None and not self._prepared:
+            self._prepared = True
+            if pl_module.device.type == "cuda":    # the first snapshot's buffers, ahead: the checkpoint's GPU
+                # tensors as they lie in it (its dump would call the user's on_save_checkpoint hooks once more)
+                self._capture.prepare({"state_dict": pl_module.state_dict(),
+                                       "optimizer_states": [o.state_dict() for o in trainer.optimizers]})
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if self._capture is not None:

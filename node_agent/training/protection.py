@@ -105,6 +105,7 @@ class _Hooks:
         self.model, self.optimizer, self.objects, self.ddp = model, optimizer, objects, ddp
         self.every, self.capture, self.steps = every, capture, start
         self.due: int | None = None
+        self.prepared = False       # Capture.prepare called
         self.drawn: dict[str, Any] = {}     # what the next step draws from, as the optimizer step left it
 
     def register(self) -> None:
@@ -120,6 +121,9 @@ class _Hooks:
             self.due = self.steps
             self.drawn = {"rng": rng.capture(), "generators": {
                 name: obj.get_state() for name, obj in self.objects.items() if isinstance(obj, torch.Generator)}}
+        elif not self.prepared:       # the optimizer's state exists now: the first snapshot's buffers, ahead
+            self.prepared = True
+            self.capture.prepare(training_state(self.model, self.optimizer, self.objects))
 
     def _before_step(self) -> None:
         self._take_due()
