@@ -95,6 +95,8 @@ class Snapshots(TrainerCallback):
 
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                        **kwargs: Any) -> None:
+        if self._folder is not None:         # the Trainer has loaded the optimizer from the snapshot
+            resume.settle_optimizers([self.trainer.optimizer], set())
         if self._capture is not None:
             trees.refuse_unplain(self._tree(state), "protect_trainer: the Trainer's state ")
 

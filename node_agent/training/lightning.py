@@ -34,7 +34,7 @@ class Snapshots(Callback):
         self._last = -1
         self._restored: int | None = None
         self._prepared = False       # Capture.prepare called
-        self._mapped: set[int] = set()       # where the restored snapshot's tensors lie (resume.copy_out)
+        self._mapped: set[int] = set()       # where the restored snapshot's tensors lie (resume.settle_optimizers)
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """Before Lightning restores (the process group is up, the optimizers not yet built)."""
@@ -50,16 +50,16 @@ class Snapshots(Callback):
         found = resume.agree(where, lambda tree: trees.mismatch(tree.get("state_dict"), pl_module.state_dict(),
                                                                 "state_dict"), replicas=replicated is not None)
         if found is not None:       # what fit(ckpt_path=...) would have read; a path given to fit replaces it
-            self._restored, trainer._checkpoint_connector._loaded_checkpoint, lender = found
-            self._mapped = resume.storages(found[1])
+            self._restored, tree, lender = found
+            self._mapped = resume.storages(tree)
+            trainer._checkpoint_connector._loaded_checkpoint = _loadable(tree)
             if lender != resume.rank():
                 resume.lent(self._restored, lender, "a replica's checkpoint, as one Lightning checkpoint file is "
                                                     "every rank's")
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._last = trainer.global_step
-        resume.copy_out(trainer.optimizers, self._mapped)     # Lightning has loaded them
-        self._mapped = set()
+        self._settle(trainer)
         given = trainer._checkpoint_connector._ckpt_path
         if self._restored is not None and not given:
             resume.resumed(self._restored)
@@ -89,13 +89,31 @@ class Snapshots(Callback):
                                        "optimizer_states": [o.state_dict() for o in trainer.optimizers]})
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._settle(trainer)       # a fit with nothing left to train has no on_train_start
         if self._capture is not None:
             self._capture.wait()
+
+    def _settle(self, trainer: pl.Trainer) -> None:
+        """Once Lightning has loaded the optimizers from the snapshot (resume.settle_optimizers)."""
+        if self._restored is not None and self._mapped:
+            resume.settle_optimizers(trainer.optimizers, self._mapped)
+            self._mapped = set()
 
     @staticmethod
     def _checkpoint(trainer: pl.Trainer) -> dict[str, Any]:
         checkpoint: dict[str, Any] = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
         return {k: v for k, v in checkpoint.items() if k not in NOT_KEPT}
+
+
+def _loadable(tree: dict[str, Any]) -> dict[str, Any]:
+    """The snapshot as Lightning loads it: copies of every tensor it may keep by reference (resume.owned), but the
+    weights (copied into the module's) and the optimizers' state (large, and copied to their device: settled once
+    loaded)."""
+    def part(key: str, value: Any) -> Any:
+        if key == "state_dict" and isinstance(value, dict):
+            return resume.weights(value)
+        return value if key == "optimizer_states" else resume.owned(value)
+    return {k: part(k, v) for k, v in tree.items()}
 
 
 def _replicated(trainer: pl.Trainer, pl_module: pl.LightningModule) -> Callable[[str], bool] | None:

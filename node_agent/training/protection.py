@@ -76,13 +76,12 @@ def restore(model: nn.Module, optimizer: torch.optim.Optimizer, objects: Mapping
     step, tree, lender = found
     own = lender == resume.rank()
     saved = tree["state"]
-    model.load_state_dict(trees.into_live(saved["model"], model.state_dict()))
+    model.load_state_dict(trees.into_live(resume.weights(saved["model"]), model.state_dict()))
     optimizer.load_state_dict(_optimizer_into_live(saved["optim"], optimizer))
-    resume.copy_out([optimizer], resume.storages(saved["optim"]))
-    for name, obj in objects.items():     # an extra's load may keep its tensors: copies, not the mapping's
+    resume.settle_optimizers([optimizer], resume.storages(saved["optim"]))
+    for name, obj in objects.items():
         if own or not isinstance(obj, torch.Generator):
-            load_into(obj, trees.rebuild(saved["extra"][name],
-                                         lambda leaf: leaf.clone() if isinstance(leaf, torch.Tensor) else leaf))
+            load_into(obj, resume.owned(saved["extra"][name]))
     if own:
         rng.restore(tree.get("rng", {}))
     else:
@@ -166,8 +165,9 @@ def _fits(saved: Any, model: nn.Module, optimizer: torch.optim.Optimizer,
 
 def _optimizer_mismatch(saved: Any, optimizer: torch.optim.Optimizer) -> str | None:
     """The optimizer's groups and parameters must be those of the snapshot, and every state tensor with its
-    parameter's rank its parameter's (local) shape. (The optimizer's own state is empty before its first step, so
-    the snapshot is checked against the parameters.)"""
+    parameter's rank its parameter's (local) shape, each size that or 1 (a factored second moment, Adafactor's).
+    (The optimizer's own state is empty before its first step, so the snapshot is checked against the
+    parameters.)"""
     if not isinstance(saved, dict) or not isinstance(saved.get("param_groups"), list) \
             or not isinstance(saved.get("state"), dict):
         return "optim is not an optimizer's state_dict in the snapshot"
@@ -184,7 +184,8 @@ def _optimizer_mismatch(saved: Any, optimizer: torch.optim.Optimizer) -> str | N
             return f"optim/state/{index} is for no parameter of the optimizer"
         mine = trees.local(param)
         for key, value in (entry.items() if isinstance(entry, dict) else ()):
-            if isinstance(value, torch.Tensor) and value.dim() == mine.dim() and value.shape != mine.shape:
+            if isinstance(value, torch.Tensor) and value.dim() == mine.dim() \
+                    and any(n not in (m, 1) for n, m in zip(value.shape, mine.shape, strict=True)):
                 return f"optim/state/{index}/{key} is {list(value.shape)} in the snapshot, the parameter " \
                        f"{list(mine.shape)}"
     return None

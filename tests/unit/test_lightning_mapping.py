@@ -1,43 +1,76 @@
-"""Lightning's restore from a snapshot keeps no part of the snapshot's file mapped (resume.copy_out): its optimizer
-load keeps CPU tensors by reference, which would hold the file's /dev/shm pages for the worker's life."""
+"""Lightning's restore from a snapshot keeps no part of the snapshot's file mapped (resume.settle_optimizers and
+resume.owned): its loads keep CPU tensors by reference (the optimizers', an LR scheduler's), which would hold the
+file's /dev/shm pages for the worker's life. And an ordinary Lightning resume is left alone."""
 from __future__ import annotations
 
 import os
 
 import lightning.pytorch as L
+import pytest
 import torch
 from torch import nn
 
 from node_agent.training import snapshot
+from node_agent.training.lightning import Snapshots
+
+
+class SparseSum(torch.optim.SGD):
+    """SGD that also keeps a sparse running sum of its gradients (state without a plain storage)."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = super().step(closure)
+        for group in self.param_groups:
+            for p in group["params"]:
+                acc = self.state[p].get("acc")
+                self.state[p]["acc"] = p.grad.to_sparse() if acc is None else (acc + p.grad.to_sparse()).coalesce()
+        return loss
 
 
 class Tiny(L.LightningModule):
-    def __init__(self) -> None:
+    def __init__(self, optimizer: str = "adamw") -> None:
         super().__init__()
         torch.manual_seed(0)
         self.net = nn.Linear(16, 16)
+        self.optimizer = optimizer
 
     def training_step(self, batch, _):
         return self.net(batch[0]).pow(2).mean()
 
     def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+        if self.optimizer == "sparse":
+            return SparseSum(self.parameters(), lr=0.01)
+        opt = torch.optim.AdamW(self.parameters(), lr=torch.tensor(1e-3))      # a tensor lr: the scheduler's too
+        return {"optimizer": opt,
+                "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.StepLR(opt, 1, 0.9), "interval": "step"}}
 
 
-def fit(steps: int) -> L.Trainer:
-    from node_agent.training.lightning import Snapshots
+def fit(steps: int, optimizer: str = "adamw", ckpt: str | None = None) -> L.Trainer:
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(64, 16)), batch_size=8)
     trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=steps, callbacks=[Snapshots(every=2)], logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
-    trainer.fit(Tiny(), data)
+    trainer.fit(Tiny(optimizer), data, ckpt_path=ckpt)
     return trainer
 
 
-def test_a_lightning_restore_keeps_no_part_of_its_snapshot_file_mapped(memory, capsys) -> None:
+def private_maps(name: str) -> list[str]:
+    """The private mappings of the file (the restore's; the first fit's capture maps it shared)."""
+    with open("/proc/self/maps") as f:
+        return [line for line in f if name in line and line.split()[1].endswith("p")]
+
+
+@pytest.mark.parametrize("steps", [6, 4], ids=["steps-left", "nothing-left-to-train"])
+def test_a_lightning_restore_keeps_no_part_of_its_snapshot_file_mapped(memory, capsys, steps) -> None:
     fit(4)
-    name = os.path.realpath(snapshot.path(4, memory))
-    second = fit(6)             # resumes at step 4
-    assert "resumed from step 4 (memory)" in capsys.readouterr().out
-    with open("/proc/self/maps") as f:       # private: the restore's (the first fit's capture maps it shared)
-        assert [line for line in f if name in line and line.split()[1].endswith("p")] == []
-    assert second.global_step == 6
+    second = fit(steps)             # resumes at step 4
+    assert "resumed from step 4 (memory)" in capsys.readouterr().out or steps == 4
+    assert private_maps(os.path.realpath(snapshot.path(4, memory))) == []
+    assert second.global_step == steps
+
+
+def test_an_ordinary_lightning_resume_is_left_alone(tmp_path, monkeypatch) -> None:
+    monkeypatch.delenv(snapshot.DIR_VAR, raising=False)       # as under torchrun: no memory directory
+    first = fit(2, "sparse")
+    first.save_checkpoint(tmp_path / "c.ckpt")
+    second = fit(4, "sparse", ckpt=str(tmp_path / "c.ckpt"))
+    assert second.global_step == 4 and second.optimizers[0].state[second.model.net.weight]["acc"].is_sparse

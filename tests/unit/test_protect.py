@@ -68,39 +68,6 @@ def test_a_restart_resumes_model_optimizer_extras_and_rng_as_if_never_stopped(me
     assert all(torch.equal(v, reference[k]) for k, v in model2.state_dict().items())
 
 
-class Keeper:
-    """An extra whose load keeps the tensor it is given (as a user's EMA might)."""
-
-    def __init__(self, t: torch.Tensor) -> None:
-        self.t = t
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        return {"t": self.t}
-
-    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        self.t = state["t"]
-
-
-def test_a_restored_state_keeps_no_part_of_its_snapshot_file_mapped(memory) -> None:
-    # An optimizer's load keeps CPU tensors by reference: the file's pages would stay allocated in /dev/shm for
-    # the worker's life after the file is dropped, and it would never be written over.
-    model, opt, sched = job()
-    protect(model, opt, every=2, extra={"sched": sched, "keeper": Keeper(torch.arange(4.0))})
-    train(model, opt, sched, 0, 2)
-    settle(model)
-    wait_for_writes()
-    saved = {k: v.clone() for k, v in opt.state_dict()["state"][0].items()}
-
-    model2, opt2, sched2 = job()
-    keeper = Keeper(torch.zeros(4))
-    assert protect(model2, opt2, every=2, extra={"sched": sched2, "keeper": keeper}) == 2
-    name = os.path.realpath(snapshot.path(2, memory))
-    with open("/proc/self/maps") as f:     # a private mapping: the restore's (the first job's capture maps it shared)
-        assert [line for line in f if name in line and line.split()[1].endswith("p")] == []
-    assert torch.equal(keeper.t, torch.arange(4.0))
-    assert all(torch.equal(v, saved[k]) for k, v in opt2.state_dict()["state"][0].items())
-
-
 def drawing(model: nn.Module, opt: torch.optim.Optimizer, sched, batches: torch.Generator, start: int,
             stop: int) -> None:
     """A loop that draws each step's batch before its forward, from a generator of its own and the global RNG
