@@ -65,11 +65,21 @@ if kind == "write":
     step(model, opt)
     capture = Capture(where)
     held, done = [], []
+    profile = os.environ.get("BENCH_PROFILE")
     for n in range(1, rounds + 1):
         step(model, opt)
+        if profile and n == rounds:                # where a steady snapshot's held time goes
+            import cProfile, pstats
+            prof = cProfile.Profile()
+            prof.enable()
         t0 = time.perf_counter()
         capture.take(n, {"state": training_state(model, opt, {}), "rng": rng.capture()})
         held.append(time.perf_counter() - t0)
+        if profile and n == rounds:
+            prof.disable()
+            with open(profile, "a") as f:
+                f.write(f"\n== {mb} MiB on {device}, snapshot {n}: held {held[-1]:.4f} s\n")
+                pstats.Stats(prof, stream=f).sort_stats("cumulative").print_stats(18)
         capture.wait()
         done.append(time.perf_counter() - t0)
     print(json.dumps({"bytes": size(model, opt), "held": held, "done": done}))
@@ -86,10 +96,20 @@ else:
     for _ in range(3):
         t0 = time.perf_counter(); step(model, opt); steady.append(time.perf_counter() - t0)
     model, opt = build()           # a new worker's model and optimizer (no state yet)
+    profile = os.environ.get("BENCH_PROFILE")
+    if profile:
+        import cProfile, pstats
+        prof = cProfile.Profile()
+        prof.enable()
     t0 = time.perf_counter()
     got = restore(model, opt, {}, where)
     sync()
     restored = time.perf_counter() - t0
+    if profile:
+        prof.disable()
+        with open(profile, "a") as f:
+            f.write(f"\n== {mb} MiB on {device}, restore: {restored:.4f} s\n")
+            pstats.Stats(prof, stream=f).sort_stats("cumulative").print_stats(18)
     t0 = time.perf_counter()
     step(model, opt)
     first = time.perf_counter() - t0
@@ -107,9 +127,10 @@ else:
 """
 
 
-def child(root: str, kind: str, where: str, mb: int, rounds: int, device: str) -> dict[str, float]:
+def child(root: str, kind: str, where: str, mb: int, rounds: int, device: str,
+          profile: str = "") -> dict[str, float]:
     env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""),
-               NODE_AGENT_MEMORY_DIR=where)
+               NODE_AGENT_MEMORY_DIR=where, BENCH_PROFILE=profile)
     env.pop("NODE_AGENT_MEMORY_LIMIT", None)
     t0 = time.time()
     out = subprocess.run([sys.executable, "-c", CHILD, kind, where, str(mb), str(rounds), device], env=env, cwd=root,
@@ -124,14 +145,15 @@ def child(root: str, kind: str, where: str, mb: int, rounds: int, device: str) -
     return figures
 
 
-def measure(roots: list[str], mb: int, rounds: int, repeat: int, device: str) -> dict[str, dict[str, object]]:
+def measure(roots: list[str], mb: int, rounds: int, repeat: int, device: str,
+            profile: str = "") -> dict[str, dict[str, object]]:
     raw: dict[str, dict[str, list[float]]] = {r: {} for r in roots}
     for _ in range(repeat):
         for root in roots:                          # alternated: old, new, old, new ...
             where = tempfile.mkdtemp(prefix="bench-snap-", dir=BASE)
             try:
-                w = child(root, "write", where, mb, rounds, device)
-                r = child(root, "restore", where, mb, rounds, device)
+                w = child(root, "write", where, mb, rounds, device, profile)
+                r = child(root, "restore", where, mb, rounds, device, profile)
                 e = child(root, "exit", where, mb, rounds, device)
                 e0 = child(root, "exit-plain", where, mb, rounds, device)
             finally:
@@ -161,11 +183,14 @@ def main() -> None:
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the model and optimizer live")
     p.add_argument("--json", default="", help="also write the figures to this file")
+    p.add_argument("--profile", default="", help="append profiles of each write measure's last snapshot's "
+                                                 "`take` (its held time) and of each restore to this file")
     args = p.parse_args()
     roots = [os.path.abspath(r) for r in args.roots.split(",")]
     figures = {}
     for mb in (int(s) for s in args.sizes.split(",")):
-        figures[mb] = measure(roots, mb, args.rounds, args.repeat, args.device)
+        figures[mb] = measure(roots, mb, args.rounds, args.repeat, args.device, os.path.abspath(args.profile)
+                              if args.profile else "")
         for root, f in figures[mb].items():
             print(f"{mb} MiB  {root}: " + ", ".join(f"{k} {v}" for k, v in f.items()), flush=True)
     if args.json:

@@ -9,7 +9,8 @@
 # 0. make bench-gpu-restart's case: crash -> stepping again, 805 MB of model + AdamW, node-agent with protect and
 #    torchrun beside it (2 runs each, interleaved; each run takes 35-55 s); its parts per run in $OUT/*.json;
 # 1. bench_snapshot_speed --device cuda: write (held, file complete) and restore of ~805 MB and 2 GiB of model +
-#    AdamW state on the GPU, new process per measure, and what a crash right after a snapshot waits;
+#    AdamW state on the GPU, new process per measure, and what a crash right after a snapshot waits; a profile
+#    of a steady snapshot's held time and of each restore in $OUT/snapshot-profile.txt;
 # 2. the same at 4 GiB (the issue's "the 4 GiB case finishes").
 # Measured on 2026-11-27 and left out since (docs/benchmarks.md, "Issue 54 on one H100"): gpu_check.py (the
 # GPU check, NCCL DDP with a crash) and bench_nccl_topo.py (NCCL_TOPO_FILE: no gain).
@@ -28,7 +29,7 @@ timeout 230 python3 benchmarks/bench_first_step.py --device cuda --nodes 1 --npr
   --name bench-gpu-restart --out "$OUT" \
   --launchers "node-agent (defaults),torchrun c10d" 2>&1 | tee "$OUT/gpu-restart.txt"
 timeout 180 python3 benchmarks/bench_snapshot_speed.py --device cuda --sizes 805,2048 --rounds 4 --repeat 1 \
-  --json "$OUT/snapshot-speed-gpu.json" 2>&1 | tee "$OUT/snapshot-speed-gpu.txt"
+  --json "$OUT/snapshot-speed-gpu.json" --profile "$OUT/snapshot-profile.txt" 2>&1 | tee "$OUT/snapshot-speed-gpu.txt"
 timeout 170 python3 benchmarks/bench_snapshot_speed.py --device cuda --sizes 4096 --rounds 3 --repeat 1 \
   --json "$OUT/snapshot-speed-gpu-4g.json" 2>&1 | tee "$OUT/snapshot-speed-gpu-4g.txt"
 echo "done: $OUT"
