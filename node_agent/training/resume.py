@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -150,10 +151,15 @@ def settle_optimizers(optimizers: Iterable[Any], mapped: set[int]) -> None:
 
 
 def _settled(value: Any, param: Any, mapped: set[int]) -> Any:
-    if isinstance(value, list | tuple):
-        return type(value)(_settled(v, param, mapped) for v in value)
-    if isinstance(value, dict):
-        return {k: _settled(v, param, mapped) for k, v in value.items()}
+    if isinstance(value, list | tuple | dict):     # the container itself where nothing in it changes
+        keys = list(value) if isinstance(value, dict) else list(range(len(value)))
+        new = {k: _settled(value[k], param, mapped) for k in keys}
+        if all(new[k] is value[k] for k in keys):
+            return value
+        if isinstance(value, dict):
+            return type(value)(new) if type(value) in (dict, OrderedDict) else new
+        items = [new[k] for k in keys]
+        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
     if not isinstance(value, torch.Tensor) or value.layout != torch.strided:
         return value
     if type(value) is torch.Tensor and isinstance(param, torch.Tensor) and not isinstance(param, DTensor) \
