@@ -8,7 +8,8 @@ measure (a restarted worker is a new process), each checkout in `--roots` altern
 - restore: a new process builds the model and optimizer, then protect's restore (agree, read, checksums, load
   into the model and optimizer), and its first training step against a steady one (what the restore left for
   the step: pages mapped or copied on first write); then its next three snapshots (`restarted_N`: a restarted
-  worker's, with its predecessor's files in the directory).
+  worker's, with its predecessor's files in the directory), their pinned buffers prepared first as `protect`
+  does after its first step (`prepare_s`: how long that thread took, on a GPU; the steps it needs to hide).
 
 Run: .venv/bin/python benchmarks/bench_snapshot_speed.py [--sizes 1024] [--roots .,/tmp/old] [--rounds 6]
      [--device cuda] (on a GPU node: the state on the GPU, pinned buffers, the restore into GPU tensors)
@@ -115,6 +116,13 @@ else:
     first = time.perf_counter() - t0
     assert got is not None, "nothing restored"
     capture, later = Capture(where), []     # the restarted worker's next snapshots, into its predecessor's files
+    prepared = None
+    if hasattr(capture, "prepare"):        # as protect does after the first step: the pinned buffers, in a thread
+        t0 = time.perf_counter()
+        capture.prepare({"state": training_state(model, opt, {}), "rng": rng.capture()})
+        if capture._preparing is not None:
+            capture._preparing.join()      # the steps before the first snapshot (how many: prepare_s / a step)
+        prepared = time.perf_counter() - t0
     for n in range(rounds + 1, rounds + 4):
         step(model, opt)
         t0 = time.perf_counter()
@@ -123,7 +131,7 @@ else:
         capture.wait()
         later.append((held, time.perf_counter() - t0))
     print(json.dumps({"bytes": size(model, opt), "restore": restored, "first_step": first,
-                      "steady_step": min(steady), "later": later}))
+                      "steady_step": min(steady), "later": later, "prepare": prepared}))
 """
 
 
@@ -168,6 +176,8 @@ def measure(roots: list[str], mb: int, rounds: int, repeat: int, device: str,
             got.setdefault("restore_s", []).append(r["restore"])
             got.setdefault("first_step_extra_s", []).append(r["first_step"] - r["steady_step"])
             got.setdefault("exit_waits_s", []).append(e["exit_after_take"] - e0["exit_after_take"])
+            if r.get("prepare") is not None:
+                got.setdefault("prepare_s", []).append(r["prepare"])
             for k, (held, done) in enumerate(r.get("later", [])):      # an old checkout's child tells none
                 got.setdefault(f"restarted_{k + 1}_complete_gb_s", []).append(gb / done)
                 got.setdefault(f"restarted_{k + 1}_held_s", []).append(held)
