@@ -115,8 +115,8 @@ class Capture:
     def prepare(self, tree: Any) -> None:
         """The pinned buffers a snapshot of `tree` copies its GPU tensors into, allocated now in a thread, ahead of
         the first snapshot: page-locking them (0.2 s at 516 MiB, 0.9 s at 2 GiB on an H200) would hold that step.
-        Callers call it once their first step has made the optimizer's state. Where it fails, `take` allocates
-        them itself, as before."""
+        Callers call it once a step has made the optimizer's state (a step a GradScaler skipped, or a micro-batch
+        of an accumulation, makes none). Where it fails, `take` allocates them itself, as before."""
         layout_now = _gpu_layout([trees.local(t) for _, t in trees.tensors(tree)])
         if not layout_now or layout_now == self._staging_layout or self._preparing is not None:
             return
@@ -125,7 +125,9 @@ class Capture:
             with contextlib.suppress(Exception):     # (`take` allocates them, and its failure is the user's to see)
                 self._prepared = (layout_now, _pinned(layout_now))
 
-        self._preparing = threading.Thread(target=allocate, name="node-agent pinned buffers", daemon=True)
+        # Not a daemon: the interpreter's exit waits for it (a thread stopped inside torch's allocation at exit
+        # aborts the process: a worker that finished its training would fail).
+        self._preparing = threading.Thread(target=allocate, name="node-agent pinned buffers")
         self._preparing.start()
 
     def before_update(self) -> None:

@@ -114,7 +114,8 @@ class Snapshots(TrainerCallback):
         if self._capture is not None and step > self._last and step % self.every == 0:
             self._last = step
             self._capture.take(step, self._tree(state))
-        elif self._capture is not None and not self._prepared:    # the first snapshot's buffers, ahead
+        elif self._capture is not None and not self._prepared and self.trainer.optimizer is not None \
+                and self.trainer.optimizer.state:       # the first snapshot's buffers, ahead
             self._prepared = True
             self._capture.prepare(self._tree(state))
 

@@ -59,8 +59,10 @@ class Snapshots(Callback):
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._last = trainer.global_step
-        self._settle(trainer)
         given = trainer._checkpoint_connector._ckpt_path
+        if given:
+            self._mapped = set()     # Lightning read that file, not the snapshot: nothing of it was loaded
+        self._settle(trainer)
         if self._restored is not None and not given:
             resume.resumed(self._restored)
         elif self._restored is not None:
@@ -81,7 +83,7 @@ class Snapshots(Callback):
         if self._capture is not None and step > self._last and step % self.every == 0:
             self._last = step
             self._capture.take(step, self._checkpoint(trainer))
-        elif self._capture is not None and not self._prepared:
+        elif self._capture is not None and not self._prepared and any(o.state for o in trainer.optimizers):
             self._prepared = True
             if pl_module.device.type == "cuda":    # the first snapshot's buffers, ahead: the checkpoint's GPU
                 # tensors as they lie in it (its dump would call the user's on_save_checkpoint hooks once more)

@@ -70,7 +70,8 @@ def restore(model: nn.Module, optimizer: torch.optim.Optimizer, objects: Mapping
     `ddp`: the model's DDP, so every rank is a replica: a rank without the step is lent a replica's snapshot (it
     loads the model, optimizer and extras, but keeps its own RNG states and generators: the lender's would make
     it draw the lender's batches), and the DDP reduces in the snapshot's bucket layout (ddp_buckets)."""
-    found = resume.agree(where, lambda tree: _fits(tree.get("state"), model, optimizer, objects), ddp is not None)
+    found = resume.agree(where, lambda tree: _fits(tree.get("state"), model, optimizer, objects,
+                                                   tree.get("param_shapes")), ddp is not None)
     if found is None:
         return None
     step, tree, lender = found
@@ -78,10 +79,13 @@ def restore(model: nn.Module, optimizer: torch.optim.Optimizer, objects: Mapping
     saved = tree["state"]
     model.load_state_dict(trees.into_live(resume.weights(saved["model"]), model.state_dict()))
     optimizer.load_state_dict(_optimizer_into_live(saved["optim"], optimizer))
-    resume.settle_optimizers([optimizer], resume.storages(saved["optim"]))
+    mapped = resume.storages(tree)
+    resume.settle_optimizers([optimizer], mapped)
     for name, obj in objects.items():
         if own or not isinstance(obj, torch.Generator):
-            load_into(obj, resume.owned(saved["extra"][name]))
+            load_into(obj, saved["extra"][name])
+            if resume.keeps(state_of(obj), mapped):     # its load kept them: again, from copies (most copy)
+                load_into(obj, resume.owned(saved["extra"][name]))
     if own:
         rng.restore(tree.get("rng", {}))
     else:
@@ -134,7 +138,8 @@ class _Hooks:
             state = training_state(self.model, self.optimizer, self.objects)
             state["extra"].update(self.drawn["generators"])
             buckets = ddp_buckets.recorded(self.ddp) if self.ddp is not None else None
-            self.capture.take(step, {"state": state, "rng": self.drawn["rng"], "ddp_buckets": buckets})
+            self.capture.take(step, {"state": state, "rng": self.drawn["rng"], "ddp_buckets": buckets,
+                                     "param_shapes": param_shapes(self.optimizer)})
 
 
 def training_state(model: nn.Module, optimizer: torch.optim.Optimizer, objects: Mapping[str, Extra]) -> Any:
@@ -155,19 +160,25 @@ def load_into(obj: Extra, saved: Any) -> None:
 
 
 def _fits(saved: Any, model: nn.Module, optimizer: torch.optim.Optimizer,
-          objects: Mapping[str, Extra]) -> str | None:
+          objects: Mapping[str, Extra], param_shapes: Any = None) -> str | None:
     if not isinstance(saved, dict) or set(saved) != {"model", "optim", "extra"}:
         return "its state is not a model, an optimizer and extras"
     return (trees.mismatch(saved["model"], model.state_dict(), "model")
-               or _optimizer_mismatch(saved["optim"], optimizer)
+               or _optimizer_mismatch(saved["optim"], optimizer, param_shapes)
                or trees.mismatch(saved["extra"], {k: state_of(v) for k, v in objects.items()}, "extra"))
 
 
-def _optimizer_mismatch(saved: Any, optimizer: torch.optim.Optimizer) -> str | None:
-    """The optimizer's groups and parameters must be those of the snapshot, and every state tensor with its
-    parameter's rank its parameter's (local) shape, each size that or 1 (a factored second moment, Adafactor's).
-    (The optimizer's own state is empty before its first step, so the snapshot is checked against the
-    parameters.)"""
+def param_shapes(optimizer: torch.optim.Optimizer) -> list[tuple[int, ...]]:
+    """The (local) shape of each of the optimizer's parameters, in order: a snapshot holds them (`param_shapes`)."""
+    return [tuple(trees.local(p).shape) for g in optimizer.param_groups for p in g["params"]]
+
+
+def _optimizer_mismatch(saved: Any, optimizer: torch.optim.Optimizer, shapes: Any = None) -> str | None:
+    """The optimizer's groups and parameters must be those of the snapshot: their shapes the snapshot's
+    `param_shapes`, and then a state tensor with its parameter's rank may be factored (each size its parameter's
+    or 1: Adafactor's second moment). A snapshot without them (an older release's) holds every such state tensor
+    to its parameter's shape. (The optimizer's own state is empty before its first step, so the snapshot is
+    checked against the parameters.)"""
     if not isinstance(saved, dict) or not isinstance(saved.get("param_groups"), list) \
             or not isinstance(saved.get("state"), dict):
         return "optim is not an optimizer's state_dict in the snapshot"
@@ -176,6 +187,11 @@ def _optimizer_mismatch(saved: Any, optimizer: torch.optim.Optimizer) -> str | N
     live_sizes = [len(g["params"]) for g in optimizer.param_groups]
     if sizes != live_sizes:
         return f"optim has {sizes} parameters per group in the snapshot, {live_sizes} in the optimizer"
+    live_shapes = param_shapes(optimizer)
+    factored = isinstance(shapes, list | tuple) and [tuple(s) if isinstance(s, list | tuple) else s
+                                                     for s in shapes] == live_shapes
+    if shapes is not None and not factored:
+        return f"optim's parameters are {_few_shapes(shapes)} in the snapshot, {_few_shapes(live_shapes)} here"
     params = dict(zip((i for g in groups for i in g["params"]),
                       (p for g in optimizer.param_groups for p in g["params"]), strict=True))
     for index, entry in saved["state"].items():
@@ -184,8 +200,8 @@ def _optimizer_mismatch(saved: Any, optimizer: torch.optim.Optimizer) -> str | N
             return f"optim/state/{index} is for no parameter of the optimizer"
         mine = trees.local(param)
         for key, value in (entry.items() if isinstance(entry, dict) else ()):
-            if isinstance(value, torch.Tensor) and value.dim() == mine.dim() \
-                    and any(n not in (m, 1) for n, m in zip(value.shape, mine.shape, strict=True)):
+            if isinstance(value, torch.Tensor) and value.dim() == mine.dim() and value.shape != mine.shape \
+                    and not (factored and all(n in (m, 1) for n, m in zip(value.shape, mine.shape, strict=True))):
                 return f"optim/state/{index}/{key} is {list(value.shape)} in the snapshot, the parameter " \
                        f"{list(mine.shape)}"
     return None
@@ -285,3 +301,8 @@ def _check(model: Any, optimizer: Any, every: Any, objects: dict[str, Any], keep
 
 def _name(obj: Any) -> str:
     return f"{type(obj).__module__}.{type(obj).__qualname__}"
+
+
+def _few_shapes(shapes: Any) -> str:
+    shown = [list(s) if isinstance(s, list | tuple) else s for s in list(shapes)[:4]]
+    return f"{shown}{' ...' if len(shapes) > 4 else ''} ({len(shapes)})"

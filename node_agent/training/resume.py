@@ -123,10 +123,15 @@ def storages(tree: Any) -> set[int]:
 
 
 def owned(tree: Any) -> Any:
-    """The tree with every tensor a copy of its own, for the parts a load may keep by reference (an extra, an LR
-    scheduler, a framework's loops and callbacks, a module's extra state): they are small. What a kept tensor of a
-    read snapshot costs: settle_optimizers."""
+    """The tree with every tensor a copy of its own, for the parts a load may keep by reference (an extra that
+    keeps them, an LR scheduler, a framework's loops and callbacks, a module's extra state). What a kept tensor of
+    a read snapshot costs: settle_optimizers."""
     return trees.rebuild(tree, lambda leaf: leaf.clone() if isinstance(leaf, torch.Tensor) else leaf)
+
+
+def keeps(state: Any, mapped: set[int]) -> bool:
+    """Whether a loaded object's state still lies in the snapshot's mapping (`mapped`: storages())."""
+    return any(_storage(t) in mapped for _, t in trees.tensors(state))
 
 
 def weights(state_dict: dict[str, Any]) -> dict[str, Any]:
@@ -144,10 +149,13 @@ def settle_optimizers(optimizers: Iterable[Any], mapped: set[int]) -> None:
     - shaped like their parameter but laid out otherwise take its layout: a snapshot holds tensors contiguous,
       and a fused optimizer updates a channels-last parameter's state as if laid out like it."""
     for optimizer in optimizers:
-        for param, state in getattr(optimizer, "state", {}).items():
+        states = getattr(optimizer, "state", {})
+        for param, state in list(states.items()):
             if isinstance(state, dict):
                 for key, value in list(state.items()):
                     state[key] = _settled(value, param, mapped)
+            else:                   # a value under a key of its own, not a parameter's (a global step count)
+                states[param] = _settled(state, None, mapped)
 
 
 def _settled(value: Any, param: Any, mapped: set[int]) -> Any:

@@ -27,6 +27,16 @@ class SparseSum(torch.optim.SGD):
         return loss
 
 
+class Counted(torch.optim.SGD):
+    """SGD that keeps a global step count under a key of its own (not a parameter's), a tensor updated in place."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = super().step(closure)
+        self.state.setdefault("t", torch.zeros(())).add_(1)
+        return loss
+
+
 class Tiny(L.LightningModule):
     def __init__(self, optimizer: str = "adamw") -> None:
         super().__init__()
@@ -40,6 +50,8 @@ class Tiny(L.LightningModule):
     def configure_optimizers(self):
         if self.optimizer == "sparse":
             return SparseSum(self.parameters(), lr=0.01)
+        if self.optimizer == "counted":
+            return Counted(self.parameters(), lr=0.01)
         opt = torch.optim.AdamW(self.parameters(), lr=torch.tensor(1e-3))      # a tensor lr: the scheduler's too
         return {"optimizer": opt,
                 "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.StepLR(opt, 1, 0.9), "interval": "step"}}
@@ -59,13 +71,16 @@ def private_maps(name: str) -> list[str]:
         return [line for line in f if name in line and line.split()[1].endswith("p")]
 
 
-@pytest.mark.parametrize("steps", [6, 4], ids=["steps-left", "nothing-left-to-train"])
-def test_a_lightning_restore_keeps_no_part_of_its_snapshot_file_mapped(memory, capsys, steps) -> None:
-    fit(4)
-    second = fit(steps)             # resumes at step 4
+@pytest.mark.parametrize("steps, optimizer", [(6, "adamw"), (4, "adamw"), (6, "counted")],
+                         ids=["steps-left", "nothing-left-to-train", "a-state-key-of-its-own"])
+def test_a_lightning_restore_keeps_no_part_of_its_snapshot_file_mapped(memory, capsys, steps, optimizer) -> None:
+    fit(4, optimizer)
+    second = fit(steps, optimizer)             # resumes at step 4
     assert "resumed from step 4 (memory)" in capsys.readouterr().out or steps == 4
     assert private_maps(os.path.realpath(snapshot.path(4, memory))) == []
     assert second.global_step == steps
+    if optimizer == "counted":
+        assert int(second.optimizers[0].state["t"]) == steps
 
 
 def test_an_ordinary_lightning_resume_is_left_alone(tmp_path, monkeypatch) -> None:

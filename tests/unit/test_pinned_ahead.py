@@ -87,3 +87,64 @@ def test_a_model_on_the_cpu_pins_nothing(memory, monkeypatch) -> None:
     train(model, opt, 3)
     model(torch.ones(1, 2))                      # the snapshot of step 2 is taken
     assert pinned == [] and not [t for t in threading.enumerate() if t.name == "node-agent pinned buffers"]
+
+
+EXIT_SCRIPT = r"""
+import sys, torch
+from node_agent.training import capture, protect
+def slow(layout):             # page-locking stood in for: a long allocation, the GIL released inside
+    return [torch.empty(s, dtype=d) for s, d in layout] + [torch.zeros(2**27) for _ in range(3)]
+capture._pinned = slow
+capture._gpu_layout = lambda live: [(tuple(t.shape), t.dtype) for t in live]
+model = torch.nn.Linear(64, 64)
+opt = torch.optim.AdamW(model.parameters())
+protect(model, opt, every=5)
+model(torch.ones(2, 64)).sum().backward()
+opt.step()                    # the first step: the buffers' thread starts
+print("done", flush=True)     # and the script ends while it allocates
+"""
+
+
+def test_a_script_that_ends_while_the_buffers_are_allocated_exits_0(memory) -> None:
+    import os
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    out = subprocess.run([sys.executable, "-c", EXIT_SCRIPT], capture_output=True, text=True, timeout=120,
+                         env=dict(os.environ, PYTHONPATH=root))
+    assert (out.returncode, out.stdout.strip()) == (0, "done"), out.stderr[-2000:]
+
+
+class OnGpu:
+    """A LightningModule mixin that says it is on a GPU (only Snapshots' check reads it here)."""
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cuda")
+
+
+def test_lightning_prepares_once_the_optimizer_has_state_not_at_an_accumulated_micro_batch(memory, monkeypatch):
+    import lightning.pytorch as L
+
+    from node_agent.training.lightning import Snapshots
+    made = fake_gpu(monkeypatch)
+
+    class Tiny(OnGpu, L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = torch.nn.Linear(8, 8)
+
+        def training_step(self, batch, _):
+            return self.net(batch[0]).pow(2).mean()
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=0.01)
+
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(64, 8)), batch_size=4)
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=3, accumulate_grad_batches=2, logger=False,
+                        callbacks=[Snapshots(every=4)], enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False)
+    trainer.fit(Tiny(), data)
+    snapshots = next(c for c in trainer.callbacks if isinstance(c, Snapshots))
+    snapshots._capture._buffers(made[0])         # joins the thread
+    assert [len(layout) for layout in made] == [2 + 2 * 3]    # weights, then AdamW's exp_avg, exp_avg_sq, step

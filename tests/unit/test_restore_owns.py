@@ -107,3 +107,52 @@ def test_a_fused_optimizer_over_a_channels_last_parameter_resumes_exactly(memory
     assert state["exp_avg"].stride() == model2.weight.stride()       # a snapshot's tensors are contiguous
     train(model2, opt2, 2, 4)
     assert torch.equal(model.weight, model2.weight) and torch.equal(model.bias, model2.bias)
+
+
+def test_a_parameter_outside_the_model_that_changed_shape_is_refused_not_broadcast(memory, capsys) -> None:
+    # A factored state ([4, 1] for a [4, 8] weight) is Adafactor's: allowed only where the snapshot's parameter
+    # shapes are the optimizer's. A loss's learned scale, [4, 1] when saved and [4, 8] now, is not one.
+    def run(width: int) -> int:
+        torch.manual_seed(0)
+        model, scale = nn.Linear(8, 4), nn.Parameter(torch.ones(4, width))
+        opt = torch.optim.Adam([*model.parameters(), scale], lr=0.01)
+        start = protect(model, opt, every=2)
+        for _ in range(3):
+            (model(torch.ones(2, 8)) * scale.sum()).sum().backward()
+            opt.step()
+        return start
+
+    assert run(1) == 0
+    for t in threading.enumerate():
+        if t.name.startswith("node-agent snapshot"):
+            t.join(30)
+    assert run(8) == 0
+    assert "optim's parameters are [[4, 8], [4], [4, 1]] (3) in the snapshot, [[4, 8], [4], [4, 8]] (3) here" \
+        in capsys.readouterr().err
+
+
+def test_an_extra_whose_load_copies_is_loaded_once_from_the_snapshot(memory, monkeypatch) -> None:
+    from node_agent.training import resume
+
+    def plain() -> tuple[nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 8))
+        return model, torch.optim.AdamW(model.parameters())
+
+    model, opt = plain()
+    ema = torch.optim.swa_utils.AveragedModel(model)
+    protect(model, opt, every=2, extra={"ema": ema, "keeper": Keeper(torch.arange(4.0))})
+    train(model, opt, 0, 3)
+    for t in threading.enumerate():
+        if t.name.startswith("node-agent snapshot"):
+            t.join(30)
+    copied = []
+    owned = resume.owned
+    monkeypatch.setattr(resume, "owned", lambda tree: copied.append(list(tree) if isinstance(tree, dict) else None)
+                        or owned(tree))     # (the keys: a tree kept here would keep the mapping)
+    model2, opt2 = plain()
+    keeper = Keeper(torch.zeros(4))
+    protect(model2, opt2, every=2, extra={"ema": torch.optim.swa_utils.AveragedModel(model2), "keeper": keeper})
+    assert [keys for keys in copied if keys and "t" in keys] == [["t"]]         # the keeper's, loaded again
+    assert not [keys for keys in copied if keys and "n_averaged" in keys]       # the EMA's: never
+    assert private_maps(os.path.realpath(snapshot.path(2, memory))) == []
