@@ -25,7 +25,7 @@ import torch
 from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 from transformers.trainer_callback import ExportableState
 
-from node_agent.training import resume, rng, trees
+from node_agent.training import restored, resume, rng, trees
 from node_agent.training.capture import Capture, check_cadence
 
 FOLDER = ".resume"     # the checkpoint folder laid out for the Trainer, in the memory directory until it is read
@@ -96,7 +96,7 @@ class Snapshots(TrainerCallback):
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                        **kwargs: Any) -> None:
         if self._folder is not None:         # the Trainer has loaded the optimizer from the snapshot
-            resume.settle_optimizers([self.trainer.optimizer], set())
+            restored.settle_optimizers([self.trainer.optimizer], set())
         if self._capture is not None:
             trees.refuse_unplain(self._tree(state), "protect_trainer: the Trainer's state ")
 

@@ -19,7 +19,7 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 
-from node_agent.training import resume, trees
+from node_agent.training import restored, resume, trees
 from node_agent.training.capture import Capture, check_cadence, say
 
 NOT_KEPT = ("hyper_parameters", "hparams_name", "hparams_type", "datamodule_hyper_parameters",
@@ -34,7 +34,7 @@ class Snapshots(Callback):
         self._last = -1
         self._restored: int | None = None
         self._prepared = False       # Capture.prepare called
-        self._mapped: set[int] = set()       # where the restored snapshot's tensors lie (resume.settle_optimizers)
+        self._mapped: set[int] = set()       # where the snapshot's tensors lie (restored.settle_optimizers)
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """Before Lightning restores (the process group is up, the optimizers not yet built)."""
@@ -51,7 +51,7 @@ class Snapshots(Callback):
                                                                 "state_dict"), replicas=replicated is not None)
         if found is not None:       # what fit(ckpt_path=...) would have read; a path given to fit replaces it
             self._restored, tree, lender = found
-            self._mapped = resume.storages(tree)
+            self._mapped = restored.storages(tree)
             trainer._checkpoint_connector._loaded_checkpoint = _loadable(tree)
             if lender != resume.rank():
                 resume.lent(self._restored, lender, "a replica's checkpoint, as one Lightning checkpoint file is "
@@ -96,9 +96,9 @@ class Snapshots(Callback):
             self._capture.wait()
 
     def _settle(self, trainer: pl.Trainer) -> None:
-        """Once Lightning has loaded the optimizers from the snapshot (resume.settle_optimizers)."""
+        """Once Lightning has loaded the optimizers from the snapshot (restored.settle_optimizers)."""
         if self._restored is not None and self._mapped:
-            resume.settle_optimizers(trainer.optimizers, self._mapped)
+            restored.settle_optimizers(trainer.optimizers, self._mapped)
             self._mapped = set()
 
     @staticmethod
@@ -108,13 +108,13 @@ class Snapshots(Callback):
 
 
 def _loadable(tree: dict[str, Any]) -> dict[str, Any]:
-    """The snapshot as Lightning loads it: copies of every tensor it may keep by reference (resume.owned), but the
+    """The snapshot as Lightning loads it: copies of every tensor it may keep by reference (restored.owned), but the
     weights (copied into the module's) and the optimizers' state (large, and copied to their device: settled once
     loaded)."""
     def part(key: str, value: Any) -> Any:
         if key == "state_dict" and isinstance(value, dict):
-            return resume.weights(value)
-        return value if key == "optimizer_states" else resume.owned(value)
+            return restored.weights(value)
+        return value if key == "optimizer_states" else restored.owned(value)
     return {k: part(k, v) for k, v in tree.items()}
 
 

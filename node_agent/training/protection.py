@@ -33,7 +33,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
-from node_agent.training import ddp_buckets, resume, rng, trees
+from node_agent.training import ddp_buckets, restored, resume, rng, trees
 from node_agent.training.capture import Capture, check_cadence, say
 
 
@@ -58,8 +58,8 @@ def protect(model: nn.Module, optimizer: torch.optim.Optimizer, every: int = 5, 
     where = resume.memory_directory()
     if where is None:
         return fallback() if fallback is not None else 0
-    restored = restore(model, optimizer, objects, where, ddp)
-    start = restored if restored is not None else (fallback() if fallback is not None else 0)
+    step = restore(model, optimizer, objects, where, ddp)
+    start = step if step is not None else (fallback() if fallback is not None else 0)
     _Hooks(model, optimizer, objects, every, Capture(where, keep, replicated, group), start, ddp).register()
     return start
 
@@ -77,15 +77,15 @@ def restore(model: nn.Module, optimizer: torch.optim.Optimizer, objects: Mapping
     step, tree, lender = found
     own = lender == resume.rank()
     saved = tree["state"]
-    model.load_state_dict(trees.into_live(resume.weights(saved["model"]), model.state_dict()))
+    model.load_state_dict(trees.into_live(restored.weights(saved["model"]), model.state_dict()))
     optimizer.load_state_dict(_optimizer_into_live(saved["optim"], optimizer))
-    mapped = resume.storages(tree)
-    resume.settle_optimizers([optimizer], mapped)
+    mapped = restored.storages(tree)
+    restored.settle_optimizers([optimizer], mapped)
     for name, obj in objects.items():
         if own or not isinstance(obj, torch.Generator):
             load_into(obj, saved["extra"][name])
-            if resume.keeps(state_of(obj), mapped):     # its load kept them: again, from copies (most copy)
-                load_into(obj, resume.owned(saved["extra"][name]))
+            if restored.keeps(state_of(obj), mapped):     # its load kept them: again, from copies (most copy)
+                load_into(obj, restored.owned(saved["extra"][name]))
     if own:
         rng.restore(tree.get("rng", {}))
     else:

@@ -1,5 +1,5 @@
-"""Lightning's restore from a snapshot keeps no part of the snapshot's file mapped (resume.settle_optimizers and
-resume.owned): its loads keep CPU tensors by reference (the optimizers', an LR scheduler's), which would hold the
+"""Lightning's restore from a snapshot keeps no part of the snapshot's file mapped (restored.settle_optimizers and
+restored.owned): its loads keep CPU tensors by reference (the optimizers', an LR scheduler's), which would hold the
 file's /dev/shm pages for the worker's life. And an ordinary Lightning resume is left alone."""
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """A restore leaves nothing of the training in the snapshot's file, and lays the optimizer's state out like its
-parameters (resume.settle_optimizers, resume.owned): a load keeps a CPU tensor by reference, and the file's private
+parameters (restored.settle_optimizers, restored.owned): a load keeps a CPU tensor by reference, and the file's private
 mapping would hold its /dev/shm pages for the worker's life after the keep rule dropped it; a snapshot holds
 tensors contiguous, and a fused optimizer updates a channels-last parameter's state as if laid out like it."""
 from __future__ import annotations
@@ -132,7 +132,7 @@ def test_a_parameter_outside_the_model_that_changed_shape_is_refused_not_broadca
 
 
 def test_an_extra_whose_load_copies_is_loaded_once_from_the_snapshot(memory, monkeypatch) -> None:
-    from node_agent.training import resume
+    from node_agent.training import restored
 
     def plain() -> tuple[nn.Module, torch.optim.Optimizer]:
         torch.manual_seed(0)
@@ -147,8 +147,8 @@ def test_an_extra_whose_load_copies_is_loaded_once_from_the_snapshot(memory, mon
         if t.name.startswith("node-agent snapshot"):
             t.join(30)
     copied = []
-    owned = resume.owned
-    monkeypatch.setattr(resume, "owned", lambda tree: copied.append(list(tree) if isinstance(tree, dict) else None)
+    owned = restored.owned
+    monkeypatch.setattr(restored, "owned", lambda tree: copied.append(list(tree) if isinstance(tree, dict) else None)
                         or owned(tree))     # (the keys: a tree kept here would keep the mapping)
     model2, opt2 = plain()
     keeper = Keeper(torch.zeros(4))
