@@ -35,11 +35,13 @@ class Snapshots(Callback):
         self._restored: int | None = None
         self._prepared = False       # Capture.prepare called
         self._mapped: set[int] = set()       # where the snapshot's tensors lie (restored.settle_optimizers)
+        self._said = False           # the resume from the snapshot said (_loaded)
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """Before Lightning restores (the process group is up, the optimizers not yet built)."""
         if stage != "fit":
             return
+        self._restored, self._said, self._prepared = None, False, False     # this fit's own
         where = resume.memory_directory()
         if where is None:
             return
@@ -59,14 +61,21 @@ class Snapshots(Callback):
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._last = trainer.global_step
+        self._loaded(trainer)
+
+    def _loaded(self, trainer: pl.Trainer) -> None:
+        """Once Lightning has restored (at the training's start, or at teardown for a fit with nothing left to
+        train): the optimizers settled (restored.settle_optimizers), the resume said."""
+        if self._restored is None or self._said:
+            return
+        self._said = True
         given = trainer._checkpoint_connector._ckpt_path
         if given:
-            self._mapped = set()     # Lightning read that file, not the snapshot: nothing of it was loaded
-        self._settle(trainer)
-        if self._restored is not None and not given:
-            resume.resumed(self._restored)
-        elif self._restored is not None:
             say(f"fit(ckpt_path={str(given)!r}) was loaded, not the snapshot of step {self._restored}")
+            return           # Lightning read that file: nothing of the snapshot was loaded
+        restored.settle_optimizers(trainer.optimizers, self._mapped)
+        self._mapped = set()
+        resume.resumed(self._restored)
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """The optimizers exist now: a state a snapshot cannot hold is an error before the first step."""
@@ -91,15 +100,9 @@ class Snapshots(Callback):
                                        "optimizer_states": [o.state_dict() for o in trainer.optimizers]})
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        self._settle(trainer)       # a fit with nothing left to train has no on_train_start
+        self._loaded(trainer)       # a fit with nothing left to train has no on_train_start
         if self._capture is not None:
             self._capture.wait()
-
-    def _settle(self, trainer: pl.Trainer) -> None:
-        """Once Lightning has loaded the optimizers from the snapshot (restored.settle_optimizers)."""
-        if self._restored is not None and self._mapped:
-            restored.settle_optimizers(trainer.optimizers, self._mapped)
-            self._mapped = set()
 
     @staticmethod
     def _checkpoint(trainer: pl.Trainer) -> dict[str, Any]:

@@ -76,7 +76,7 @@ def private_maps(name: str) -> list[str]:
 def test_a_lightning_restore_keeps_no_part_of_its_snapshot_file_mapped(memory, capsys, steps, optimizer) -> None:
     fit(4, optimizer)
     second = fit(steps, optimizer)             # resumes at step 4
-    assert "resumed from step 4 (memory)" in capsys.readouterr().out or steps == 4
+    assert "resumed from step 4 (memory)" in capsys.readouterr().out
     assert private_maps(os.path.realpath(snapshot.path(4, memory))) == []
     assert second.global_step == steps
     if optimizer == "counted":
