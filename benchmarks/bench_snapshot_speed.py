@@ -6,13 +6,15 @@ measure (a restarted worker is a new process), each checkout in `--roots` altern
   process being gone, less the same exit with no snapshot (what a crash right after a snapshot adds to the
   restart);
 - restore: a new process builds the model and optimizer, then protect's restore (agree, read, checksums, load
-  into the model and optimizer), and its first training step against a steady one (what the restore left for
-  the step: pages mapped or copied on first write); then its next three snapshots (`restarted_N`: a restarted
-  worker's, with its predecessor's files in the directory), their pinned buffers prepared first as `protect`
-  does after its first step (`prepare_s`: how long that thread took, on a GPU; the steps it needs to hide).
+  into the model and optimizer; every tensor then checked bit for bit against the snapshot), and its first
+  training step against a steady one (what the restore left for the step: pages mapped or copied on first
+  write); then its next three snapshots (`restarted_N`: a restarted worker's, with its predecessor's files in
+  the directory), their pinned buffers prepared first as `protect` does after its first step (`prepare_s`: how
+  long that thread took, on a GPU; the steps it needs to hide).
 
 Run: .venv/bin/python benchmarks/bench_snapshot_speed.py [--sizes 1024] [--roots .,/tmp/old] [--rounds 6]
      [--device cuda] (on a GPU node: the state on the GPU, pinned buffers, the restore into GPU tensors)
+     [--pageable-too] (each write also restored as before the ring of pinned slots: restore_pageable_s)
      (make bench-snapshot-speed). An old checkout for --roots: `git worktree add /tmp/old <commit>`.
 """
 from __future__ import annotations
@@ -28,6 +30,7 @@ import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+PAGEABLE = " (pageable)"     # a root whose restore leaves its tensors in pageable memory (no ring of pinned slots)
 BASE = "/dev/shm" if os.path.isdir("/dev/shm") else None
 
 CHILD = r"""
@@ -102,10 +105,24 @@ else:
         import cProfile, pstats
         prof = cProfile.Profile()
         prof.enable()
+    if os.environ.get("BENCH_PAGEABLE"):    # the restore as before its ring of pinned slots (upload.py)
+        from node_agent.training import upload
+        upload.onto = lambda pairs: [t for t, _ in pairs]
     t0 = time.perf_counter()
     got = restore(model, opt, {}, where)
     sync()
     restored = time.perf_counter() - t0
+    exact = None                   # every restored tensor bit for bit the snapshot's
+    if got is not None:
+        import gc
+        from node_agent.training import layout, snapshot, trees
+        saved = layout.read(snapshot.path(got, where), got)
+        if isinstance(saved, dict):
+            pairs = list(zip(trees.tensors(training_state(model, opt, {})), trees.tensors(saved["state"])))
+            exact = all(torch.equal(a.cpu(), b) for (_, a), (_, b) in pairs) and bool(pairs)
+            del pairs
+        del saved
+        gc.collect()               # its mapping closed: the snapshots below may write over that file
     if profile:
         prof.disable()
         with open(profile, "a") as f:
@@ -130,15 +147,16 @@ else:
         held = time.perf_counter() - t0
         capture.wait()
         later.append((held, time.perf_counter() - t0))
-    print(json.dumps({"bytes": size(model, opt), "restore": restored, "first_step": first,
+    print(json.dumps({"bytes": size(model, opt), "restore": restored, "first_step": first, "exact": exact,
                       "steady_step": min(steady), "later": later, "prepare": prepared}))
 """
 
 
-def child(root: str, kind: str, where: str, mb: int, rounds: int, device: str,
+def child(arm: str, kind: str, where: str, mb: int, rounds: int, device: str,
           profile: str = "") -> dict[str, float]:
+    root, pageable = arm.removesuffix(PAGEABLE), arm.endswith(PAGEABLE)
     env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""),
-               NODE_AGENT_MEMORY_DIR=where, BENCH_PROFILE=profile)
+               NODE_AGENT_MEMORY_DIR=where, BENCH_PROFILE=profile, BENCH_PAGEABLE="1" if pageable else "")
     env.pop("NODE_AGENT_MEMORY_LIMIT", None)
     t0 = time.time()
     out = subprocess.run([sys.executable, "-c", CHILD, kind, where, str(mb), str(rounds), device], env=env, cwd=root,
@@ -148,20 +166,26 @@ def child(root: str, kind: str, where: str, mb: int, rounds: int, device: str,
     if not lines or (not kind.startswith("exit") and out.returncode != 0):
         raise SystemExit(f"{kind} in {root} failed ({out.returncode}): {out.stderr[-2000:]}")
     figures = json.loads(lines[-1])
+    if figures.get("exact") is False:
+        raise SystemExit(f"the restore in {arm} did not give back the snapshot's tensors bit for bit")
     if kind.startswith("exit"):
         return {"exit_after_take": gone - figures["took"], "wall": gone - t0}
     return figures
 
 
 def measure(roots: list[str], mb: int, rounds: int, repeat: int, device: str,
-            profile: str = "") -> dict[str, dict[str, object]]:
+            profile: str = "", pageable: bool = False) -> dict[str, dict[str, object]]:
     raw: dict[str, dict[str, list[float]]] = {r: {} for r in roots}
-    for _ in range(repeat):
+    for n in range(repeat):
         for root in roots:                          # alternated: old, new, old, new ...
             where = tempfile.mkdtemp(prefix="bench-snap-", dir=BASE)
             try:
                 w = child(root, "write", where, mb, rounds, device, profile)
+                if pageable and n % 2:      # the pageable restore first every other time: alternated
+                    rp = child(root + PAGEABLE, "restore", where, mb, rounds, device)
                 r = child(root, "restore", where, mb, rounds, device, profile)
+                if pageable and not n % 2:
+                    rp = child(root + PAGEABLE, "restore", where, mb, rounds, device)
                 e = child(root, "exit", where, mb, rounds, device)
                 e0 = child(root, "exit-plain", where, mb, rounds, device)
             finally:
@@ -174,6 +198,8 @@ def measure(roots: list[str], mb: int, rounds: int, repeat: int, device: str,
             got.setdefault("steady_held_s", []).extend(w["held"][2:])
             got.setdefault("restore_gb_s", []).append(gb / r["restore"])
             got.setdefault("restore_s", []).append(r["restore"])
+            if pageable:
+                got.setdefault("restore_pageable_s", []).append(rp["restore"])
             got.setdefault("first_step_extra_s", []).append(r["first_step"] - r["steady_step"])
             got.setdefault("exit_waits_s", []).append(e["exit_after_take"] - e0["exit_after_take"])
             if r.get("prepare") is not None:
@@ -195,12 +221,14 @@ def main() -> None:
     p.add_argument("--json", default="", help="also write the figures to this file")
     p.add_argument("--profile", default="", help="append profiles of each write measure's last snapshot's "
                                                  "`take` (its held time) and of each restore to this file")
+    p.add_argument("--pageable-too", action="store_true", help="also restore each write without the ring of pinned "
+                                                                "slots (restore_pageable_s; alternated)")
     args = p.parse_args()
     roots = [os.path.abspath(r) for r in args.roots.split(",")]
     figures = {}
     for mb in (int(s) for s in args.sizes.split(",")):
         figures[mb] = measure(roots, mb, args.rounds, args.repeat, args.device, os.path.abspath(args.profile)
-                              if args.profile else "")
+                              if args.profile else "", args.pageable_too)
         for root, f in figures[mb].items():
             print(f"{mb} MiB  {root}: " + ", ".join(f"{k} {v}" for k, v in f.items()), flush=True)
     if args.json:

@@ -3,14 +3,16 @@
 # repository root; what it writes under $OUT comes back). Prepare on the development machine first:
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 \
 #       -d .whl msgspec xxhash          (.whl is ignored by git and carried: run(carry=[".whl"]))
-# Then: bash benchmarks/gpu_issue54.sh   (about 9.5 minutes; give it timeout_s 590)
+# Then: bash benchmarks/gpu_issue54.sh   (about 10 minutes: run PARTS="0 1" with timeout_s 450, then PARTS=2 with
+# timeout_s 170, in two calls on the warm machine)
 # It runs, each with a time limit so one hang costs only its own figures (the limits are what each took on an
 # H100 on 2026-11-27, with room):
 # 0. make bench-gpu-restart's case: crash -> stepping again, 805 MB of model + AdamW, node-agent with protect and
 #    torchrun beside it (2 runs each, interleaved; each run takes 35-55 s); its parts per run in $OUT/*.json;
 # 1. bench_snapshot_speed --device cuda: write (held, file complete) and restore of ~805 MB and 2 GiB of model +
 #    AdamW state on the GPU, new process per measure, and what a crash right after a snapshot waits; a profile
-#    of a steady snapshot's held time and of each restore in $OUT/snapshot-profile.txt;
+#    of a steady snapshot's held time and of each restore in $OUT/snapshot-profile.txt; each write restored
+#    twice, through the ring of pinned slots and as before it (restore_pageable_s), each checked bit for bit;
 # 2. the same at 4 GiB (the issue's "the 4 GiB case finishes").
 # Measured on 2026-11-27 and left out since (docs/benchmarks.md, "Issue 54 on one H100"): gpu_check.py (the
 # GPU check, NCCL DDP with a crash) and bench_nccl_topo.py (NCCL_TOPO_FILE: no gain).
@@ -24,12 +26,14 @@ if [ -d .whl ] && ! python3 -c "import msgspec, xxhash" 2>/dev/null; then
 fi
 export PYTHONPATH=${PYTHONPATH:-}:$PWD
 nvidia-smi -L 2>&1 | tee "$OUT/gpus.txt"
-timeout 230 python3 benchmarks/bench_first_step.py --device cuda --nodes 1 --nproc 1 --width 4096 --steps 40 \
+PARTS=${PARTS:-0 1 2}
+part() { case " $PARTS " in *" $1 "*) return 0;; *) return 1;; esac; }
+part 0 && timeout 230 python3 benchmarks/bench_first_step.py --device cuda --nodes 1 --nproc 1 --width 4096 --steps 40 \
   --crash-step 25 --snapshot-every 10 --disk-every 10 --step-s 0.3 --pairs 2 --snapshot-mb 0 --timeout 60 \
   --name bench-gpu-restart --out "$OUT" \
   --launchers "node-agent (defaults),torchrun c10d" 2>&1 | tee "$OUT/gpu-restart.txt"
-timeout 180 python3 benchmarks/bench_snapshot_speed.py --device cuda --sizes 805,2048 --rounds 4 --repeat 1 \
-  --json "$OUT/snapshot-speed-gpu.json" --profile "$OUT/snapshot-profile.txt" 2>&1 | tee "$OUT/snapshot-speed-gpu.txt"
-timeout 170 python3 benchmarks/bench_snapshot_speed.py --device cuda --sizes 4096 --rounds 3 --repeat 1 \
+part 1 && timeout 200 python3 benchmarks/bench_snapshot_speed.py --device cuda --sizes 805,2048 --rounds 4 --repeat 1 \
+  --pageable-too --json "$OUT/snapshot-speed-gpu.json" --profile "$OUT/snapshot-profile.txt" 2>&1 | tee "$OUT/snapshot-speed-gpu.txt"
+part 2 && timeout 160 python3 benchmarks/bench_snapshot_speed.py --device cuda --sizes 4096 --rounds 3 --repeat 1 \
   --json "$OUT/snapshot-speed-gpu-4g.json" 2>&1 | tee "$OUT/snapshot-speed-gpu-4g.txt"
 echo "done: $OUT"

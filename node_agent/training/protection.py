@@ -33,7 +33,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
-from node_agent.training import ddp_buckets, restored, resume, rng, trees
+from node_agent.training import ddp_buckets, restored, resume, rng, trees, upload
 from node_agent.training.capture import Capture, check_cadence, say
 
 
@@ -77,8 +77,9 @@ def restore(model: nn.Module, optimizer: torch.optim.Optimizer, objects: Mapping
     step, tree, lender = found
     own = lender == resume.rank()
     saved = tree["state"]
-    model.load_state_dict(trees.into_live(restored.weights(saved["model"]), model.state_dict()))
-    optimizer.load_state_dict(_optimizer_into_live(saved["optim"], optimizer))
+    live = model.state_dict()
+    model.load_state_dict(trees.into_live(upload.weights_onto(restored.weights(saved["model"]), live), live))
+    optimizer.load_state_dict(_optimizer_into_live(upload.optimizer_state_onto(saved["optim"], optimizer), optimizer))
     mapped = restored.storages(tree)
     restored.settle_optimizers([optimizer], mapped)
     for name, obj in objects.items():

@@ -1,0 +1,169 @@
+"""A restored snapshot's tensors onto their GPUs at the copy engine's speed. They lie in pageable memory (the file's
+private mapping, layout.read), and a copy from pageable memory to a GPU runs at a few GB/s: the driver stages it
+through small buffers of its own, one at a time. So they go through a ring of pinned slots instead:
+- threads copy the next pieces into free slots (small tensors packed together) while the GPU copies filled ones
+  on a stream of its own; a slot is filled again only once its copy is done (its event);
+- each tensor gets memory of its own on its GPU, laid out as in the snapshot, which the load then keeps or copies
+  from (a state tensor on its parameter's device already is kept as it is);
+- where no pinned memory or stream can be had, or the state is small, the tensors are left as they are: the load
+  copies them, slower.
+Everything is copied before `onto` returns (its stream waited for), so the tensors are any stream's to use."""
+from __future__ import annotations
+
+import contextlib
+from collections import deque
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from node_agent.training import trees
+
+SLOT_BYTES = 8 << 20
+SLOTS = 8                 # one pinned allocation of 64 MiB (the host allocator rounds up to a power of two)
+FILL_THREADS = 4
+SMALL = 32 << 20          # less than this to a device goes as it is: the ring's pinning would cost more than it saves
+
+
+@dataclass
+class Piece:
+    """`src`'s bytes (host) for `dst` (on the device), through a slot from its byte `at`."""
+    src: torch.Tensor
+    dst: torch.Tensor
+    at: int
+
+
+class Lane(Protocol):
+    """How filled slots reach a device: in order, each marked done once its copies are (CudaLane)."""
+    def send(self, slot: torch.Tensor, load: list[Piece], index: int) -> None: ...
+    def wait(self, index: int) -> None: ...
+    def finish(self) -> None: ...
+
+
+def onto(pairs: list[tuple[torch.Tensor, torch.device]]) -> list[torch.Tensor]:
+    """Each host tensor, copied onto its CUDA device where one is named (the others, and all of them where the ring
+    cannot be set up, returned as they are)."""
+    out = [t for t, _ in pairs]
+    by_device: dict[torch.device, list[int]] = {}
+    for i, (t, device) in enumerate(pairs):
+        if device.type == "cuda" and t.device.type == "cpu" and t.is_contiguous() and t.numel():
+            by_device.setdefault(device, []).append(i)
+    for device, chosen in by_device.items():
+        if sum(pairs[i][0].nbytes for i in chosen) < SMALL:
+            continue
+        try:
+            ring = torch.empty(SLOTS * SLOT_BYTES, dtype=torch.uint8, pin_memory=True)
+            lane = CudaLane(device)
+            moved = [torch.empty_like(pairs[i][0], device=device) for i in chosen]
+        except (RuntimeError, AssertionError):     # no pinned memory, or the device is full: as before
+            continue
+        copy([pairs[i][0] for i in chosen], moved, ring, lane)
+        for i, t in zip(chosen, moved, strict=True):
+            out[i] = t
+    return out
+
+
+def copy(srcs: list[torch.Tensor], dsts: list[torch.Tensor], ring: torch.Tensor, lane: Lane,
+         slot_bytes: int = SLOT_BYTES) -> None:
+    """Every `srcs[i]`'s bytes into `dsts[i]` (contiguous, same size) through `ring`'s slots of `slot_bytes`."""
+    slots = [ring[k * slot_bytes:(k + 1) * slot_bytes] for k in range(len(ring) // slot_bytes)]
+    filling: deque[tuple[int, list[Piece], Future[None]]] = deque()
+    with ThreadPoolExecutor(FILL_THREADS, thread_name_prefix="node-agent restore") as pool:
+        try:
+            for index, load in enumerate(loads(srcs, dsts, slot_bytes)):
+                while filling and filling[0][0] <= index - len(slots):   # the slot's last load sent first
+                    _send(filling.popleft(), slots, lane)
+                lane.wait(index - len(slots))                            # and copied
+                filling.append((index, load, pool.submit(_fill, slots[index % len(slots)], load)))
+            while filling:
+                _send(filling.popleft(), slots, lane)
+        finally:
+            for _, _, pending in filling:       # a failure: no thread still writing a slot, no copy left queued
+                with contextlib.suppress(Exception):
+                    pending.result()
+            lane.finish()
+
+
+def loads(srcs: list[torch.Tensor], dsts: list[torch.Tensor], size: int) -> Iterator[list[Piece]]:
+    """What each slot carries, in order: pieces of at most `size` bytes, small tensors packed into one slot."""
+    load: list[Piece] = []
+    used = 0
+    for src, dst in zip(srcs, dsts, strict=True):
+        s, d = _bytes(src), _bytes(dst)
+        start = 0
+        while start < len(s):
+            if used == size:
+                yield load
+                load, used = [], 0
+            n = min(size - used, len(s) - start)
+            load.append(Piece(s[start:start + n], d[start:start + n], used))
+            used += n
+            start += n
+    if load:
+        yield load
+
+
+class CudaLane:
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+        self.done: dict[int, torch.cuda.Event] = {}
+
+    def send(self, slot: torch.Tensor, load: list[Piece], index: int) -> None:
+        with torch.cuda.stream(self.stream):
+            for p in load:
+                p.dst.copy_(slot[p.at:p.at + len(p.src)], non_blocking=True)
+            self.done[index] = self.stream.record_event()
+
+    def wait(self, index: int) -> None:
+        event = self.done.pop(index, None)
+        if event is not None:
+            event.synchronize()
+
+    def finish(self) -> None:
+        self.stream.synchronize()
+
+
+def _send(entry: tuple[int, list[Piece], Future[None]], slots: list[torch.Tensor], lane: Lane) -> None:
+    index, load, filled = entry
+    filled.result()
+    lane.send(slots[index % len(slots)], load, index)
+
+
+def _fill(slot: torch.Tensor, load: list[Piece]) -> None:
+    for p in load:
+        slot[p.at:p.at + len(p.src)].copy_(p.src)
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1).view(torch.uint8)
+
+
+def weights_onto(saved: dict[str, Any], live: dict[str, Any]) -> dict[str, Any]:
+    """A model's saved state dict with each tensor whose live counterpart is on a GPU copied onto that GPU (the load
+    then copies it on the device)."""
+    keys = [k for k, v in saved.items() if isinstance(v, torch.Tensor) and isinstance(live.get(k), torch.Tensor)]
+    moved = onto([(saved[k], trees.local(live[k]).device) for k in keys])
+    return {**saved, **dict(zip(keys, moved, strict=True))}
+
+
+def optimizer_state_onto(saved: dict[str, Any], optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """An optimizer's saved state dict with each state tensor a stock load moves to its parameter's GPU (all but
+    `step`, which stays where a non-fused optimizer keeps it) copied onto that GPU: the load keeps it as it is. An
+    optimizer with a load of its own is left to it."""
+    stock = torch.optim.Optimizer
+    if type(optimizer).load_state_dict is not stock.load_state_dict or \
+            type(optimizer)._process_value_according_to_param_policy is not \
+            stock._process_value_according_to_param_policy:
+        return saved
+    params = dict(zip((i for g in saved["param_groups"] for i in g["params"]),
+                      (p for g in optimizer.param_groups for p in g["params"]), strict=True))
+    state = {i: dict(entry) if isinstance(entry, dict) else entry for i, entry in saved["state"].items()}
+    places = [(i, k) for i, entry in state.items() if isinstance(entry, dict) and i in params
+              for k, v in entry.items() if k != "step" and isinstance(v, torch.Tensor)]
+    moved = onto([(state[i][k], trees.local(params[i]).device) for i, k in places])
+    for (i, k), t in zip(places, moved, strict=True):
+        state[i][k] = t
+    return {**saved, "state": state}
