@@ -1,6 +1,7 @@
 """Taking a snapshot without holding up the training: `take` copies the state's tensors straight into the snapshot's
-file, mapped (on a GPU: into pinned buffers, on a side stream, then into the file), and a thread hashes the copy,
-writes the file's header and names it complete while the training goes on (layout.py: the file's layout). The rules:
+file, mapped (on a GPU: into pinned buffers, on a side stream, then into the file by the threads that hash them),
+and a thread hashes the copy, writes the file's header and names it complete while the training goes on (layout.py:
+the file's layout). The rules:
 - The training waits only for the copy. On a GPU not even for that: the next optimizer step waits, on the GPU,
   for the copy of the tensors it is about to change (`before_update`).
 - The file a snapshot replaces (the keep rule, node_agent.snapshot.make_room) is written over in place, whoever
@@ -238,9 +239,13 @@ class Capture:
         try:
             if p.copied is not None:
                 p.copied.synchronize()
-            for view, buffer in p.staged:
-                view.copy_(buffer)
-            sums = layout.digests(p.views)
+            staged = {id(view): buffer for view, buffer in p.staged}     # a GPU's tensors: from pinned buffers
+
+            def fill(i: int) -> None:
+                if (buffer := staged.get(id(p.views[i]))) is not None:
+                    p.views[i].copy_(buffer)
+
+            sums = layout.digests(p.views, fill if staged else None)
             head = layout.header(p.step, p.shape, p.views, p.plan, sums)
             bound = snapshot.limit()
             if bound is not None and p.room.kept + p.plan.end + len(head) > bound:

@@ -20,6 +20,7 @@ import io
 import mmap
 import os
 import struct
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -69,12 +70,18 @@ def digest(t: torch.Tensor) -> int:
     return xxhash.xxh3_64_intdigest(t.reshape(-1).view(torch.uint8).numpy().data)
 
 
-def digests(tensors: list[torch.Tensor]) -> list[int]:
-    """Every tensor's hash, the large ones spread over threads."""
+def digests(tensors: list[torch.Tensor], fill: Callable[[int], object] | None = None) -> list[int]:
+    """Every tensor's hash, the large ones spread over threads. `fill(i)`, where given, first writes tensor i, in
+    the thread that hashes it: the copy runs in as many threads, and the hash reads bytes still in the cache."""
+    def one(i: int) -> int:
+        if fill is not None:
+            fill(i)
+        return digest(tensors[i])
+
     if len(tensors) < 2 or sum(t.numel() * t.element_size() for t in tensors) < (64 << 20):
-        return [digest(t) for t in tensors]
+        return [one(i) for i in range(len(tensors))]
     with ThreadPoolExecutor(HASH_THREADS, thread_name_prefix="node-agent hash") as pool:
-        return list(pool.map(digest, tensors))
+        return list(pool.map(one, range(len(tensors))))
 
 
 def digest_of(sums: list[int]) -> int:

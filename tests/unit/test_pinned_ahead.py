@@ -148,3 +148,18 @@ def test_lightning_prepares_once_the_optimizer_has_state_not_at_an_accumulated_m
     snapshots = next(c for c in trainer.callbacks if isinstance(c, Snapshots))
     snapshots._capture._buffers(made[0])         # joins the thread
     assert [len(layout) for layout in made] == [2 + 2 * 3]    # weights, then AdamW's exp_avg, exp_avg_sq, step
+
+
+def test_the_thread_moves_a_gpus_staged_copies_into_the_file_while_it_hashes(memory, monkeypatch) -> None:
+    """On a GPU `take` only queues the copies into pinned buffers; the thread copies each into the file in the thread
+    that hashes it (layout.digests' fill). Stood in for by host buffers, the views left unwritten by `take`."""
+    from node_agent.training import layout, snapshot
+    monkeypatch.setattr(Capture, "_copy", lambda self, views, live: [(v, t.clone()) for v, t in zip(views, live)])
+    for size in (1000, 9 << 20):                 # the serial path, and the threads' (over 64 MiB in all)
+        tree = {"w": [torch.randn(size) for _ in range(8)], "n": torch.arange(5)}
+        c = Capture(memory)
+        c.take(size, tree)
+        c.wait()
+        saved = layout.read(snapshot.path(size, memory), size)
+        assert isinstance(saved, dict), saved
+        assert all(torch.equal(a, b) for a, b in zip(saved["w"] + [saved["n"]], tree["w"] + [tree["n"]]))
