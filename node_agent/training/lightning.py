@@ -19,7 +19,7 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 
-from node_agent.training import restored, resume, trees
+from node_agent.training import restored, resume, trees, upload
 from node_agent.training.capture import Capture, check_cadence, say
 
 NOT_KEPT = ("hyper_parameters", "hparams_name", "hparams_type", "datamodule_hyper_parameters",
@@ -78,9 +78,17 @@ class Snapshots(Callback):
         resume.resumed(self._restored)
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """The optimizers exist now: a state a snapshot cannot hold is an error before the first step."""
+        """The optimizers exist now: a state a snapshot cannot hold is an error before the first step, and the
+        restored optimizers' state goes onto their parameters' GPUs through pinned buffers (upload.py) before
+        Lightning loads it."""
         if self._capture is not None:
             trees.refuse_unplain(self._checkpoint(trainer), "Snapshots: the Lightning checkpoint's ")
+        loaded = trainer._checkpoint_connector._loaded_checkpoint
+        states = loaded.get("optimizer_states") if self._restored is not None and isinstance(loaded, dict) else None
+        if isinstance(states, list) and len(states) == len(trainer.optimizers) \
+                and not trainer._checkpoint_connector._ckpt_path:
+            loaded["optimizer_states"] = [upload.optimizer_state_onto(state, optimizer) if _plain(state) else state
+                                          for state, optimizer in zip(states, trainer.optimizers, strict=True)]
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
         if self._capture is not None:
@@ -119,6 +127,12 @@ def _loadable(tree: dict[str, Any]) -> dict[str, Any]:
             return restored.weights(value)
         return value if key == "optimizer_states" else restored.owned(value)
     return {k: part(k, v) for k, v in tree.items()}
+
+
+def _plain(state: Any) -> bool:
+    """An optimizer's state dict as torch's optimizers make it (what upload.optimizer_state_onto reads)."""
+    return isinstance(state, dict) and isinstance(state.get("state"), dict) and isinstance(state.get("param_groups"),
+                                                                                          list)
 
 
 def _replicated(trainer: pl.Trainer, pl_module: pl.LightningModule) -> Callable[[str], bool] | None:

@@ -152,14 +152,20 @@ def weights_onto(saved: dict[str, Any], live: dict[str, Any]) -> dict[str, Any]:
 def optimizer_state_onto(saved: dict[str, Any], optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """An optimizer's saved state dict with each state tensor a stock load moves to its parameter's GPU (all but
     `step`, which stays where a non-fused optimizer keeps it) copied onto that GPU: the load keeps it as it is. An
-    optimizer with a load of its own is left to it."""
+    optimizer with a load of its own, or a state that is not its, is left to its load."""
     stock = torch.optim.Optimizer
     if type(optimizer).load_state_dict is not stock.load_state_dict or \
             type(optimizer)._process_value_according_to_param_policy is not \
             stock._process_value_according_to_param_policy:
         return saved
-    params = dict(zip((i for g in saved["param_groups"] for i in g["params"]),
-                      (p for g in optimizer.param_groups for p in g["params"]), strict=True))
+    try:
+        ids = [i for g in saved["param_groups"] for i in g["params"]]
+    except (KeyError, TypeError):
+        return saved
+    live = [p for g in optimizer.param_groups for p in g["params"]]
+    if len(ids) != len(live):              # not this optimizer's: its load says so
+        return saved
+    params = dict(zip(ids, live, strict=True))
     state = {i: dict(entry) if isinstance(entry, dict) else entry for i, entry in saved["state"].items()}
     places = [(i, k) for i, entry in state.items() if isinstance(entry, dict) and i in params
               for k, v in entry.items() if k != "step" and isinstance(v, torch.Tensor)]

@@ -89,3 +89,23 @@ def test_an_ordinary_lightning_resume_is_left_alone(tmp_path, monkeypatch) -> No
     first.save_checkpoint(tmp_path / "c.ckpt")
     second = fit(4, "sparse", ckpt=str(tmp_path / "c.ckpt"))
     assert second.global_step == 4 and second.optimizers[0].state[second.model.net.weight]["acc"].is_sparse
+
+
+def test_a_lightning_restore_hands_the_optimizers_state_to_the_gpu_copy(memory, monkeypatch) -> None:
+    """At fit start the restored optimizers' state goes through upload.optimizer_state_onto (on a GPU: onto the
+    parameters' device through pinned buffers), once per optimizer, before Lightning loads it."""
+    from node_agent.training import upload
+    real = upload.optimizer_state_onto
+    seen: list[type] = []
+
+    def onto(saved, optimizer):
+        seen.append(type(optimizer))
+        return real(saved, optimizer)
+
+    monkeypatch.setattr(upload, "optimizer_state_onto", onto)
+    fit(4)
+    assert seen == []                          # nothing restored
+    second = fit(6)
+    assert seen == [torch.optim.AdamW] and second.global_step == 6
+    assert upload.optimizer_state_onto({"state": {}, "param_groups": [{"params": [0, 1, 2]}]},
+                                       second.optimizers[0]) == {"state": {}, "param_groups": [{"params": [0, 1, 2]}]}
