@@ -13,7 +13,7 @@ import time
 import uuid
 from typing import TextIO
 
-from node_agent.client.listener import Caps
+from node_agent.client.listener import caps_for_descriptors
 from node_agent.client.transport import Transport, free_port
 from node_agent.client.witness import WitnessServer
 from node_agent.copies.peers import PeerCopies
@@ -75,7 +75,7 @@ class Agent:
         self.exit: Exit | None = None       # how the agent ended (None while it runs)
         # answers the other members' "are you there, and do you hear the server?" (witness.py)
         # strangers may connect to its listeners: their connections are capped together (client/listener.py)
-        caps = Caps.for_descriptors(raise_open_file_limit())
+        caps = caps_for_descriptors(raise_open_file_limit())
         self.copies = PeerCopies(self.workers.memory, link.nproc, link.node_id, self.narrator.say,
                                  settings.workers.copy_bandwidth, self._copy_tls(),
                                  server_tls=link.endpoint_scheme == "https", caps=caps)

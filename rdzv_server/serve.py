@@ -32,6 +32,7 @@ from rdzv_server.web.access import Access
 from rdzv_server.web.app import NOTES, create_app
 from rdzv_server.web.connections import FD_RESERVE, GUARD, ConnectionGuard
 from rdzv_server.web.metrics import METRICS, ConnectionCollector
+from rdzv_server.web.tls_port import TlsPort
 
 log = logging.getLogger("rdzv_server")
 
@@ -120,11 +121,15 @@ async def serve(config: ServerConfig, store: Store | None = None,
     try:
         sock = listening_socket(config.host, config.port)
         assert runner.server is not None        # made by setup()
-        batched = isinstance(loop, asyncio.BaseEventLoop)      # asyncio's own loop, not uvloop
-        server = await loop.create_server(guard.factory(runner.server), sock=sock, ssl=config.tls,
-                                          backlog=ACCEPT_BATCH if batched else LISTEN_BACKLOG)
-        if batched:
-            sock.listen(LISTEN_BACKLOG)     # create_server listened with ACCEPT_BATCH: the queue as it was
+        server: asyncio.AbstractServer | TlsPort
+        if config.tls is not None:              # handshakes bounded before they cost more than a descriptor
+            server = TlsPort(sock, guard.factory(runner.server), config.tls, max(16, hard // 4), guard.not_connected)
+        else:
+            batched = isinstance(loop, asyncio.BaseEventLoop)      # asyncio's own loop, not uvloop
+            server = await loop.create_server(guard.factory(runner.server), sock=sock,
+                                              backlog=ACCEPT_BATCH if batched else LISTEN_BACKLOG)
+            if batched:
+                sock.listen(LISTEN_BACKLOG)     # create_server listened with ACCEPT_BATCH: the queue as it was
     except BaseException:
         await runner.cleanup()
         raise

@@ -13,7 +13,8 @@ import asyncio
 import re
 from collections.abc import Awaitable, Callable
 
-from node_agent.client.listener import Caps, Listener
+from node_agent.client.listener import Listener, agent_caps
+from protocol.accepting import Caps
 from protocol.messages import Witness
 
 ANSWER = b"rdzv-agent %s round=%d\n"
@@ -38,7 +39,7 @@ class WitnessServer:
         self.holds = holds
         self.copies = copies
         self.port = 0
-        self._listener = Listener(self._answer, caps if caps is not None else Caps(), say, name="witness port")
+        self._listener = Listener(self._answer, caps if caps is not None else agent_caps(), say, name="witness port")
 
     async def start(self) -> int:
         """Listen on a free port of `addr`; 0 when that is not possible (then nobody asks this node)."""

@@ -28,7 +28,7 @@ import re
 import time
 from collections.abc import Awaitable, Callable
 
-from node_agent.client.listener import Caps, Listener
+from node_agent.client.listener import Listener, agent_caps
 from node_agent.copies.client import FetchResult, drop, fetch, push
 from node_agent.copies.own import OwnSnapshots
 from node_agent.copies.store import CopyStore
@@ -36,6 +36,7 @@ from node_agent.copies.tls import CopyTls
 from node_agent.copies.wire import is_copy_request
 from node_agent.training import snapshot
 from node_agent.workers.memory import COPIES, MemoryDirs
+from protocol.accepting import Caps
 from protocol.messages import Assignment, CopySource, Witness
 from protocol.notes import CopiesNote
 
@@ -82,7 +83,7 @@ class PeerCopies:
         self.bandwidth = bandwidth
         self.tls, self.server_tls = tls, server_tls
         self._listener: Listener | None = None
-        self._caps = caps if caps is not None else Caps()
+        self._caps = caps if caps is not None else agent_caps()
         self._connect = tls.connect if tls is not None else None
         self.key = ""                              # this node's token for its copies (Assignment.copy_token)
         self.round = -1                            # this node's round (its copies' incarnation)

@@ -1,14 +1,17 @@
 """A cap on open connections that a flood of idle ones cannot turn against agents and /healthz.
 
-Past `max_connections` the longest-idle connections (never one with a request in progress, such as a
-held long-poll) are closed, so an agent or a health check always gets in; one is refused only past a
-hard limit below the open-file limit, so accepting never fails with "Too many open files". A body over
+Past `max_connections` idle connections are closed, so an agent or a health check always gets in: first
+those that never finished a request (a flood's; oldest first), then the longest idle of the others (an
+agent's keep-alive connection outlives a flood opened after it); never one with a request in progress,
+such as a held long-poll. One is refused only past a hard limit below the open-file limit, so accepting
+never fails with "Too many open files". A body over
 MAX_BODY_BYTES is refused (413) unread; one not in within BODY_TIMEOUT_S is refused (400) and its
 connection closed at once, not read on through aiohttp's "lingering" close.
 """
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -40,7 +43,7 @@ class _Refused(asyncio.Protocol):
 
 
 class ConnectionGuard:
-    """`max_connections`: the cap kept by closing the longest-idle connections (checked after each
+    """`max_connections`: the cap kept by closing idle connections (checked after each
     accept); `hard_limit`: past it a new connection is refused at once (never reach the open-file limit)."""
 
     def __init__(self, max_connections: int, hard_limit: int | None = None) -> None:
@@ -50,7 +53,8 @@ class ConnectionGuard:
         self.evicted = 0
         self._busy: dict[Any, web.Request] = {}          # protocols with a request in progress: it
         # Kept here, O(1) per accept: aiohttp's `Server.connections` copies the list of every open one.
-        self._open: dict[Any, None] = {}                 # connected handlers, oldest first
+        self._unproven: dict[Any, None] = {}             # connected, no request finished yet: oldest first
+        self._open: dict[Any, None] = {}                 # connected, a request finished: longest idle first
         self._fresh: dict[Any, float] = {}               # handlers made, not yet connected: when
         self._trim_soon = False
 
@@ -60,11 +64,12 @@ class ConnectionGuard:
 
         def on_made(handler: Any, transport: asyncio.Transport) -> None:
             self._fresh.pop(handler, None)
-            self._open[handler] = None
+            self._unproven[handler] = None
             made(handler, transport)
 
         def on_lost(handler: Any, exc: BaseException | None = None) -> None:
             self._open.pop(handler, None)
+            self._unproven.pop(handler, None)
             self._fresh.pop(handler, None)
             if (request := self._busy.get(handler)) is not None:  # its socket stays open until after this: ask now
                 request[CLOSED_ACK_AGE] = ack_age_s(handler.transport)
@@ -79,7 +84,7 @@ class ConnectionGuard:
             now = time.monotonic()
             while self._fresh and now - next(iter(self._fresh.values())) >= FRESH_S:
                 del self._fresh[next(iter(self._fresh))]      # never connected (a failed handshake)
-            count = len(self._open) + len(self._fresh)
+            count = len(self._open) + len(self._unproven) + len(self._fresh)
             if count >= self.hard_limit and not self._make_room():
                 self.refused += 1
                 return _Refused()
@@ -91,14 +96,18 @@ class ConnectionGuard:
             return handler
         return make
 
+    def not_connected(self, handler: Any) -> None:
+        """A handler made whose connection never connected (a TLS handshake refused or too slow): not counted."""
+        self._fresh.pop(handler, None)
+
     def _trim(self) -> None:
         self._trim_soon = False
-        excess = len(self._open) - self.max_connections
+        excess = len(self._open) + len(self._unproven) - self.max_connections
         while excess > 0 and self._make_room():
             excess -= 1
 
     def _make_room(self) -> bool:
-        for handler in self._open:
+        for handler in itertools.chain(self._unproven, self._open):      # (lazily: the first one idle)
             if handler not in self._busy and handler.transport is not None and not handler.transport.is_closing():
                 handler.transport.close()
                 self.evicted += 1
@@ -115,6 +124,10 @@ class ConnectionGuard:
             return await handler(request)
         finally:
             self._busy.pop(protocol, None)
+            if protocol in self._unproven or protocol in self._open:      # still connected: idle from now,
+                self._unproven.pop(protocol, None)                          # the last of those closed to make
+                self._open.pop(protocol, None)                              # room
+                self._open[protocol] = None
 
 
 GUARD = web.AppKey("connection_guard", ConnectionGuard)     # the server's (an app alone has none)

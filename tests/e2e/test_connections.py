@@ -2,6 +2,7 @@
 connection makes room; a held long-poll is never the one closed."""
 from __future__ import annotations
 
+import http.client
 import socket
 import time
 import urllib.request
@@ -67,6 +68,27 @@ def test_idle_connections_over_the_cap_make_room_for_healthz_and_agents(cluster)
         assert metric(port, "rdzv_connections_refused_total") >= 0
     finally:
         held.close()
+        for sock in idle:
+            sock.close()
+
+
+def test_a_keep_alive_connection_that_served_requests_outlives_a_later_idle_flood(cluster):
+    """The flood's connections, which never finished a request, make room first; before, connections were closed
+    in the order they were opened, an agent's keep-alive connection among the first."""
+    port = cluster.start_server("--state-dir", "none", "--max-connections", "40")
+    kept = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    kept.request("GET", "/healthz")
+    assert kept.getresponse().read() and metric(port, "rdzv_connections_evicted_total") == 0
+    idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(120)]   # never send anything
+    try:
+        wait_until(lambda: metric(port, "rdzv_connections_evicted_total") >= 120 - 40, 30,
+                   "the server closing idle connections down to its cap")
+        kept.request("GET", "/healthz")                          # the same connection: it was not closed
+        response = kept.getresponse()
+        assert response.status == 200
+        response.read()
+    finally:
+        kept.close()
         for sock in idle:
             sock.close()
 

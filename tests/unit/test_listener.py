@@ -15,8 +15,9 @@ from collections.abc import AsyncIterator
 import pytest
 
 from node_agent.client import listener as listening
-from node_agent.client.listener import Caps, Listener
+from node_agent.client.listener import Listener
 from node_agent.copies import stream
+from protocol.accepting import Caps
 from tests.e2e.certs import make_ca, make_server_cert
 
 WAIT = 10.0
@@ -134,7 +135,7 @@ async def test_at_the_total_cap_with_every_connection_at_work_a_newcomer_is_refu
 
 
 async def test_a_line_that_comes_late_is_still_served_and_one_too_long_is_not() -> None:
-    async with serving(Caps()) as (port, lines):
+    async with serving(listening.agent_caps()) as (port, lines):
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
         await asyncio.sleep(1.0)            # longer than any old wait for a question: still a request, not a probe
         writer.write(b"rdzv-agent push late\n")
@@ -173,8 +174,9 @@ async def test_a_tls_connection_that_never_says_hello_is_let_go_within_the_hands
 
 
 def test_caps_leave_most_descriptors_to_the_rest_of_the_agent() -> None:
-    assert Caps.for_descriptors(1024).total == 256 and Caps.for_descriptors(1 << 20).total == listening.MAX_CONNECTIONS
-    assert Caps.for_descriptors(20).total == 16
+    sized = listening.caps_for_descriptors
+    assert sized(1024).total == 256 and sized(1 << 20).total == listening.MAX_CONNECTIONS
+    assert sized(20).total == 16
 
 
 async def test_a_reader_widened_after_its_first_line_takes_a_payloads_chunks() -> None:
@@ -198,7 +200,7 @@ async def test_a_tls_connection_ended_mid_request_frees_its_socket_for_the_next_
     cert, key = make_server_cert(str(tmp_path), ca)
     tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     tls.load_cert_chain(cert, key)
-    caps, busy = Caps(), asyncio.Event()
+    caps, busy = listening.agent_caps(), asyncio.Event()
     AT_WORK.clear()
     async with serving(caps, tls=tls, busy=busy) as (secure, _), serving(caps) as (plain, _):
         client = ssl.create_default_context(cafile=ca[0])

@@ -1,0 +1,138 @@
+"""Accepting connections from strangers, for the agent's listeners and the server's TLS port alike: each connection
+is bounded before it costs more than a descriptor.
+- `Caps`: connections in progress, in total and by source address. Past the per-source cap a new one is closed at
+  once (before any TLS handshake: the accept loop is ours for that reason); at the total cap one still waiting
+  (for its handshake, or its first line) is closed to make room, the oldest of the source with the most waiting (a
+  flood's, not a peer's one: idle connections cannot shut out a newcomer); one at work is never closed, and only
+  when none waits is the newcomer closed. Either is said, once a minute.
+- Out of descriptors while accepting (EMFILE): said, once a minute, and accepting goes on after a pause."""
+from __future__ import annotations
+
+import asyncio
+import errno
+import socket
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Coroutine
+
+ACCEPT_PAUSE_S = 0.5      # out of descriptors: accepting waits this long before it tries again
+SAY_EVERY_S = 60.0
+TAKEN, EVICTED, REFUSED = "taken", "evicted", "refused"     # Caps.take
+
+
+class Caps:
+    """Connections open now, in total and by source address, and those of them still waiting (closed to make room
+    at the total cap)."""
+
+    def __init__(self, total: int, per_source: int) -> None:
+        self.total, self.per_source = total, per_source
+        self.open: dict[str, int] = {}      # source address -> its connections open now
+        self.count = 0                      # all of them (every accept in a flood asks: kept, not summed)
+        # source address -> its connections waiting, oldest first: what closes each
+        self.waiting: dict[str, OrderedDict[object, Callable[[], None]]] = {}
+
+    def take(self, source: str) -> str:
+        """TAKEN: `source` may open one more; EVICTED: so, once a waiting connection was closed to make room, the
+        oldest of the source with the most waiting (`close()` gives its count back at once); REFUSED: at the
+        per-source cap, or at the total cap with every connection at work."""
+        if self.open.get(source, 0) >= self.per_source:
+            return REFUSED
+        taken = TAKEN
+        if self.count >= self.total:
+            if not self.waiting:
+                return REFUSED
+            most = max(self.waiting, key=lambda s: len(self.waiting[s]))   # ties: the source waiting longest
+            _, close = self.waiting[most].popitem(last=False)
+            if not self.waiting[most]:
+                del self.waiting[most]
+            close()
+            taken = EVICTED
+        self.open[source] = self.open.get(source, 0) + 1
+        self.count += 1
+        return taken
+
+    def wait(self, source: str, key: object, close: Callable[[], None]) -> None:
+        """A connection of `source` waits: `close()` ends it to make room."""
+        self.waiting.setdefault(source, OrderedDict())[key] = close
+
+    def at_work(self, source: str, key: object) -> None:
+        """The connection waits no more (it is at work, or it ended): it is no longer closed to make room."""
+        mine = self.waiting.get(source)
+        if mine is not None and mine.pop(key, None) is not None and not mine:
+            del self.waiting[source]
+
+    def give(self, source: str) -> None:
+        self.count -= 1
+        left = self.open.get(source, 0) - 1
+        if left > 0:
+            self.open[source] = left
+        else:
+            self.open.pop(source, None)
+
+
+class Accepted:
+    """A connection accepted, served by `task`: `evict()` ends it to make room (Caps.take), its count given back at
+    once; a task that has not started yet never will, so its socket is closed here. Its server marks it `started`,
+    calls `caps.at_work` once it waits no more and, unless `evicted`, `caps.give` when it ends."""
+
+    def __init__(self, conn: socket.socket, source: str, caps: Caps) -> None:
+        self.conn, self.source, self.caps = conn, source, caps
+        self.task: asyncio.Task[None] | None = None
+        self.started = self.evicted = False
+
+    def evict(self) -> None:
+        self.evicted = True
+        self.caps.give(self.source)
+        if self.task is not None:
+            self.task.cancel()
+        if not self.started:
+            self.conn.close()
+
+
+class SayOnce:
+    """A line said at most once per SAY_EVERY_S (a flood is told once a minute, not once a connection)."""
+
+    def __init__(self, say: Callable[[str], None]) -> None:
+        self._say = say
+        self._said_at = -SAY_EVERY_S
+
+    def __call__(self, line: str) -> None:
+        now = time.monotonic()
+        if now - self._said_at >= SAY_EVERY_S:
+            self._said_at = now
+            self._say(line)
+
+
+Serve = Callable[[Accepted], Coroutine[object, object, None]]
+
+
+async def accept(sock: socket.socket, caps: Caps, name: str, say: SayOnce, serve: Serve,
+                 serving: set[asyncio.Task[None]]) -> None:
+    """Accept on `sock` until it is closed or the task cancelled: each connection within `caps`, served by a task of
+    its own (kept in `serving` while it runs), waiting until its server says it is at work."""
+    loop = asyncio.get_running_loop()
+    while True:
+        try:
+            conn, peer = await loop.sock_accept(sock)
+        except OSError as exc:
+            if sock.fileno() < 0:
+                return                              # closed
+            if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                say(f"{name}: out of descriptors or memory accepting a connection ({exc.strerror}): connections "
+                    f"wait in the backlog; accepting again in {ACCEPT_PAUSE_S:g}s")
+            await asyncio.sleep(ACCEPT_PAUSE_S if exc.errno != errno.ECONNABORTED else 0)   # a pause, not a wait
+            continue
+        source = str(peer[0]) if isinstance(peer, tuple) else "?"
+        taken = caps.take(source)
+        if taken != TAKEN:
+            done = "closed an idle one (of the source with the most) for" if taken == EVICTED else "refused"
+            say(f"{name}: at its cap of {caps.total} connections ({caps.per_source} from one address): {done} a "
+                f"connection from {source!r} (said once a minute)")
+        if taken == REFUSED:
+            conn.close()                             # at once: no handshake, no buffer, no task
+            continue
+        accepted = Accepted(conn, source, caps)
+        accepted.task = asyncio.create_task(serve(accepted))
+        caps.wait(source, accepted, accepted.evict)     # from now: a burst finds it waiting, too
+        serving.add(accepted.task)
+        accepted.task.add_done_callback(serving.discard)
