@@ -76,6 +76,9 @@ async def test_the_workers_rendezvous_on_the_store_host_which_the_stop_ends(tmp_
         assert sorted(console.lines("stdout")) == ["[0] sum 3", "[1] sum 3", f"[store] {READY} {port}"]
         [store_pid] = store_hosts(port)                   # the host outlives the workers, until the stop
         assert not await asyncio.to_thread(pid_gone, store_pid, 0)
+        # On MASTER_ADDR alone (TCPStore's own socket listens on every interface)
+        assert {c.laddr.ip for c in psutil.Process(store_pid).net_connections("tcp") if c.status == "LISTEN"} \
+            == {"127.0.0.1"}
     finally:
         await group.stop()
     assert await asyncio.to_thread(pid_gone, store_pid, LIMIT)
@@ -99,3 +102,13 @@ async def test_a_store_host_that_ends_while_the_workers_run_fails_the_round(tmp_
         await group.stop(signal.SIGKILL)
     for pid in group.pids:
         assert await asyncio.to_thread(pid_gone, pid, LIMIT)
+
+
+def test_a_store_listens_on_every_interface_where_master_addr_is_a_name_or_not_here() -> None:
+    from node_agent.workers.warm.store_host import listening
+    assert listening("localhost", 0) is None and listening("0.0.0.0", 0) is None
+    assert listening("192.0.2.1", 0) is None                  # TEST-NET-1: an address of no host here
+    bound = listening("127.0.0.1", 0)
+    assert bound is not None
+    with bound:
+        assert bound.getsockname()[0] == "127.0.0.1"
