@@ -102,8 +102,9 @@ def _new_record(rules: JobRules, req: JoinRequest, now: float, credential: str, 
         node.excluded_until = previous.excluded_until
     job.nodes[node.node_id] = node
     rules.node_changed(node.node_id)
-    rules.record(now, EventKind.NODE_JOINED, f"node {node.node_id} joined from {node.addr} "
-                 f"with {node.local_world_size} workers", node.node_id)
+    seen = f" (connected from {node.seen_from})" if node.seen_from and node.seen_from != node.addr else ""
+    rules.record(now, EventKind.NODE_JOINED, f"node {node.node_id} joined from {node.addr}{seen} "
+                 f"with {node.local_world_size} workers", node.node_id)     # addr: what it says; seen: TCP's
     return node
 
 

@@ -55,3 +55,15 @@ def test_a_late_duplicate_of_the_join_cannot_take_the_node_from_its_agent():
     with pytest.raises(RendezvousError) as err:
         rz.handle("j", PollRequest(v=1, node_id="a", credential="from-the-duplicate"), 1.3)
     assert err.value.code == ErrorCode.FORBIDDEN
+
+
+def test_the_join_event_names_the_address_the_connection_came_from_beside_the_one_the_node_gave():
+    """`addr` is what the node says (where others reach it); a stranger's claim shows beside the real source."""
+    rz = Rendezvous()
+    rz.handle("j", JoinRequest(v=1, node_id="a", addr="10.0.0.1", local_world_size=1, master_port=1, config=CFG,
+                               instance="i"), 1.0, Arrival(secret="s", peer="192.0.2.7", local="192.0.2.1"))
+    rz.handle("j", JoinRequest(v=1, node_id="b", addr="192.0.2.8", local_world_size=1, master_port=1, config=CFG,
+                               instance="j"), 1.0, Arrival(secret="t", peer="192.0.2.8", local="192.0.2.1"))
+    joined = [e.message for e in rz.jobs["j"].events if e.kind == "node_joined"]
+    assert joined == ["node a joined from 10.0.0.1 (connected from 192.0.2.7) with 1 workers",
+                      "node b joined from 192.0.2.8 with 1 workers"]
