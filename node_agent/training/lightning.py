@@ -85,7 +85,7 @@ class Snapshots(Callback):
             trees.refuse_unplain(self._checkpoint(trainer), "Snapshots: the Lightning checkpoint's ")
         loaded = trainer._checkpoint_connector._loaded_checkpoint
         states = loaded.get("optimizer_states") if self._restored is not None and isinstance(loaded, dict) else None
-        if isinstance(states, list) and len(states) == len(trainer.optimizers) \
+        if isinstance(states, list) and len(states) == len(trainer.optimizers) and _whole_states(trainer) \
                 and not trainer._checkpoint_connector._ckpt_path:
             loaded["optimizer_states"] = [upload.optimizer_state_onto(state, optimizer) if _plain(state) else state
                                           for state, optimizer in zip(states, trainer.optimizers, strict=True)]
@@ -127,6 +127,14 @@ def _loadable(tree: dict[str, Any]) -> dict[str, Any]:
             return restored.weights(value)
         return value if key == "optimizer_states" else restored.owned(value)
     return {k: part(k, v) for k, v in tree.items()}
+
+
+def _whole_states(trainer: pl.Trainer) -> bool:
+    """Whether each rank loads its optimizers' state as it lies in the checkpoint (one device, DDP), not through a
+    sharding strategy's own conversion (FSDP's, DeepSpeed's): only then does it go to the GPU beforehand."""
+    from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, SingleDeviceStrategy
+    return isinstance(trainer.strategy, DDPStrategy | SingleDeviceStrategy) \
+        and not isinstance(trainer.strategy, DeepSpeedStrategy)
 
 
 def _plain(state: Any) -> bool:
