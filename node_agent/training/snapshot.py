@@ -95,19 +95,27 @@ def agreed_step(reduce_min: Callable[[int], int], where: str | None = None,
     its own file (a checksum, the model's keys and shapes): a step refused by any rank sends every rank to the next
     older one that all hold, so the job never loads a mix of steps. With `lend` (every rank's state a replica of
     every other's), the step is the newest every rank that holds any holds, and `lend(step, held)` (every rank
-    calls it) hands a replica's file to the ranks that do not hold it: whether every rank now holds and accepts it."""
+    calls it) hands a replica's file to the ranks that do not hold it: whether every rank now holds and accepts it.
+    A rank whose steps are all older than every step some replica holds is behind the job: it is lent too."""
     where = where or directory()
     if where is not None:
         _await_copy(where)
         _forget_unfinished(where)
     below: int | None = None      # only steps older than this one are still candidates
+    behind = False                # (with `lend`) every step this rank holds is older than all a replica holds
     while True:
-        held = [s for s in steps(where) if below is None or s < below] if where is not None else []
+        held = [s for s in steps(where) if below is None or s < below] if where is not None and not behind else []
         step = reduce_min(held[-1] if held else -1 if lend is None else NONE_HELD)
         if step < 0 or step == NONE_HELD:
             forget_after(-1, where)      # the job goes back to disk: these steps are not its future
             return None
         has = where is not None and os.path.exists(path(step, where))
+        # A replica that lacks the step but holds newer ones went on without its holders (a node back in an
+        # elastic job after the others trained on, or one whose writes failed): they are lent a newer one instead
+        # of taking every rank back.
+        if lend is not None and reduce_min(0 if not has and held and held[-1] > step else 1) == 0:
+            behind = behind or (bool(held) and held[-1] == step)
+            continue
         ok = (has and (accept is None or accept(step))) or (lend is not None and not has)
         if reduce_min(1 if ok else 0) == 1:
             if lend is not None and not lend(step, has):

@@ -344,7 +344,11 @@ def test_forget_after_removes_only_the_newer_snapshots_of_every_rank(tmp_path) -
 
 @pytest.mark.parametrize(("held", "agreed"), [
     ([[5, 10], [5, 10], []], 10),      # a node that joined a growing job holds nothing: lent the others' newest
-    ([[10], [5], [5]], 5),             # rank 0 lacks 5: lent it (its own 10 is a run the job abandoned)
+    ([[10], [5], [5]], 10),            # one snapshot each (keep=1), rank 0 one ahead: the others are lent its 10
+    # a node back in an elastic job after the others trained on (or one whose writes failed): lent their newest
+    # step all hold, not taking every rank back to its own
+    ([[195, 200], [190, 195], [70, 75], [70, 75]], 195),
+    ([[195, 200], [195, 200], [75]], 200),
     ([[], [], []], None),              # nobody holds anything: nothing to lend
 ])
 def test_replicas_lend_the_step_they_agree_on_to_the_ranks_that_lack_it(tmp_path, held, agreed) -> None:
