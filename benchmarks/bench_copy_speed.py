@@ -20,7 +20,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from node_agent.client.listener import Caps, Listener  # noqa: E402
+from node_agent.client.listener import Listener, agent_caps  # noqa: E402
 from node_agent.copies import client, wire  # noqa: E402
 from node_agent.copies.store import CopyStore  # noqa: E402
 from node_agent.settings import WorkerSettings  # noqa: E402
@@ -58,7 +58,7 @@ async def one_size(mb: int, runs: int) -> dict:
             if wire.is_copy_request(line):
                 await store.serve(line, reader, writer)
 
-        server = Listener(handle, Caps(), print, name="bench")          # the agent's own listener
+        server = Listener(handle, agent_caps(), print, name="bench")          # the agent's own listener
         port = await server.start("127.0.0.1")
         times: dict[str, list[float]] = {"sha256": [], "push": [], "push_capped": [], "fetch": []}
         try:

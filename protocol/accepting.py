@@ -1,23 +1,39 @@
 """Accepting connections from strangers, for the agent's listeners and the server's TLS port alike: each connection
 is bounded before it costs more than a descriptor.
-- `Caps`: connections in progress, in total and by source address. Past the per-source cap a new one is closed at
-  once (before any TLS handshake: the accept loop is ours for that reason); at the total cap one still waiting
-  (for its handshake, or its first line) is closed to make room, the oldest of the source with the most waiting (a
-  flood's, not a peer's one: idle connections cannot shut out a newcomer); one at work is never closed, and only
-  when none waits is the newcomer closed. Either is said, once a minute.
+- `Caps`: connections in progress, in total and by source address (an IPv6 one's /64). Past the per-source cap a
+  new one is closed at once (before any TLS handshake: the accept loop is ours for that reason); at the total cap
+  one still waiting (for its handshake, or its first line) is closed to make room, the oldest of the source with
+  the most waiting (a flood's, not a peer's one: idle connections cannot shut out a newcomer); one at work is
+  never closed, and only when none waits is the newcomer closed. Either is said, once a minute.
 - Out of descriptors while accepting (EMFILE): said, once a minute, and accepting goes on after a pause."""
 from __future__ import annotations
 
 import asyncio
 import errno
+import ipaddress
 import socket
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Coroutine
 
 ACCEPT_PAUSE_S = 0.5      # out of descriptors: accepting waits this long before it tries again
+ACCEPT_BATCH = 64         # accepted in a row before the loop runs its other tasks (asyncio's own loop accepts a
+                          # whole backlog at once: a flood would freeze it)
 SAY_EVERY_S = 60.0
 TAKEN, EVICTED, REFUSED = "taken", "evicted", "refused"     # Caps.take
+
+
+def source_of(peer: object) -> str:
+    """The source a connection is counted under: its address, an IPv6 one's /64 (a host holds a whole /64)."""
+    if not isinstance(peer, tuple) or not peer:
+        return "?"
+    try:
+        ip = ipaddress.ip_address(str(peer[0]).split("%")[0])
+    except ValueError:
+        return str(peer[0])
+    if isinstance(ip, ipaddress.IPv6Address):
+        return str(ip.ipv4_mapped) if ip.ipv4_mapped else str(ipaddress.IPv6Network((ip, 64), strict=False))
+    return str(ip)
 
 
 class Caps:
@@ -111,7 +127,12 @@ async def accept(sock: socket.socket, caps: Caps, name: str, say: SayOnce, serve
     """Accept on `sock` until it is closed or the task cancelled: each connection within `caps`, served by a task of
     its own (kept in `serving` while it runs), waiting until its server says it is at work."""
     loop = asyncio.get_running_loop()
+    accepted_in_a_row = 0
     while True:
+        accepted_in_a_row += 1
+        if accepted_in_a_row >= ACCEPT_BATCH:
+            accepted_in_a_row = 0
+            await asyncio.sleep(0)
         try:
             conn, peer = await loop.sock_accept(sock)
         except OSError as exc:
@@ -122,7 +143,7 @@ async def accept(sock: socket.socket, caps: Caps, name: str, say: SayOnce, serve
                     f"wait in the backlog; accepting again in {ACCEPT_PAUSE_S:g}s")
             await asyncio.sleep(ACCEPT_PAUSE_S if exc.errno != errno.ECONNABORTED else 0)   # a pause, not a wait
             continue
-        source = str(peer[0]) if isinstance(peer, tuple) else "?"
+        source = source_of(peer)
         taken = caps.take(source)
         if taken != TAKEN:
             done = "closed an idle one (of the source with the most) for" if taken == EVICTED else "refused"

@@ -123,7 +123,8 @@ async def serve(config: ServerConfig, store: Store | None = None,
         assert runner.server is not None        # made by setup()
         server: asyncio.AbstractServer | TlsPort
         if config.tls is not None:              # handshakes bounded before they cost more than a descriptor
-            server = TlsPort(sock, guard.factory(runner.server), config.tls, max(16, hard // 4), guard.not_connected)
+            server = TlsPort(sock, guard.factory(runner.server, evict=False), config.tls, max(16, hard // 4),
+                             guard.not_connected)
         else:
             batched = isinstance(loop, asyncio.BaseEventLoop)      # asyncio's own loop, not uvloop
             server = await loop.create_server(guard.factory(runner.server), sock=sock,

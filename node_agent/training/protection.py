@@ -79,6 +79,7 @@ def restore(model: nn.Module, optimizer: torch.optim.Optimizer, objects: Mapping
     saved = tree["state"]
     live = model.state_dict()
     model.load_state_dict(trees.into_live(upload.weights_onto(restored.weights(saved["model"]), live), live))
+    upload.freed()
     optimizer.load_state_dict(_optimizer_into_live(upload.optimizer_state_onto(saved["optim"], optimizer), optimizer))
     mapped = restored.storages(tree)
     restored.settle_optimizers([optimizer], mapped)

@@ -55,8 +55,8 @@ def onto(pairs: list[tuple[torch.Tensor, torch.device]]) -> list[torch.Tensor]:
             continue
         try:
             ring = torch.empty(SLOTS * SLOT_BYTES, dtype=torch.uint8, pin_memory=True)
-            lane = CudaLane(device)
             moved = [torch.empty_like(pairs[i][0], device=device) for i in chosen]
+            lane = CudaLane(device)
         except (RuntimeError, AssertionError):     # no pinned memory, or the device is full: as before
             continue
         copy([pairs[i][0] for i in chosen], moved, ring, lane)
@@ -109,6 +109,9 @@ class CudaLane:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+        # After what the current stream queued: the memory written here may have been freed by kernels still queued
+        # there (the caching allocator hands a block back at once, for the stream it was used on).
+        self.stream.wait_stream(torch.cuda.current_stream(device))
         self.done: dict[int, torch.cuda.Event] = {}
 
     def send(self, slot: torch.Tensor, load: list[Piece], index: int) -> None:
@@ -143,10 +146,31 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 
 def weights_onto(saved: dict[str, Any], live: dict[str, Any]) -> dict[str, Any]:
     """A model's saved state dict with each tensor whose live counterpart is on a GPU copied onto that GPU (the load
-    then copies it on the device)."""
+    then copies it on the device): a second copy of the weights for the load's time, so only where a GPU has twice
+    that free (else they go as they are). `freed()` after the load gives that memory back."""
     keys = [k for k, v in saved.items() if isinstance(v, torch.Tensor) and isinstance(live.get(k), torch.Tensor)]
-    moved = onto([(saved[k], trees.local(live[k]).device) for k in keys])
+    devices = {k: trees.local(live[k]).device for k in keys}
+    need: dict[torch.device, int] = {}
+    for k in keys:
+        need[devices[k]] = need.get(devices[k], 0) + saved[k].nbytes
+    roomy = {d for d, n in need.items() if d.type == "cuda" and 2 * n <= _free(d)}
+    keys = [k for k in keys if devices[k] in roomy]
+    moved = onto([(saved[k], devices[k]) for k in keys])
     return {**saved, **dict(zip(keys, moved, strict=True))}
+
+
+def freed() -> None:
+    """The weights' second copy (weights_onto), dropped by its load, back to the driver: NCCL and cuBLAS allocate
+    outside torch's cache."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+        torch.cuda.empty_cache()
+
+
+def _free(device: torch.device) -> int:
+    try:
+        return int(torch.cuda.mem_get_info(device)[0])
+    except (RuntimeError, AssertionError):
+        return 0
 
 
 def optimizer_state_onto(saved: dict[str, Any], optimizer: torch.optim.Optimizer) -> dict[str, Any]:

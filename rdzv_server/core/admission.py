@@ -7,6 +7,8 @@ failure history and exclusion.
 """
 from __future__ import annotations
 
+import ipaddress
+
 from protocol.errors import ErrorCode
 from protocol.messages import JoinRequest, NodeState
 from protocol.quoting import quote
@@ -102,10 +104,22 @@ def _new_record(rules: JobRules, req: JoinRequest, now: float, credential: str, 
         node.excluded_until = previous.excluded_until
     job.nodes[node.node_id] = node
     rules.node_changed(node.node_id)
-    seen = f" (connected from {node.seen_from})" if node.seen_from and node.seen_from != node.addr else ""
+    seen = f" (connected from {node.seen_from})" if node.seen_from and not same_host(node.seen_from, node.addr) \
+        else ""
     rules.record(now, EventKind.NODE_JOINED, f"node {node.node_id} joined from {node.addr}{seen} "
                  f"with {node.local_world_size} workers", node.node_id)     # addr: what it says; seen: TCP's
     return node
+
+
+def same_host(seen: str, addr: str) -> bool:
+    """Whether a connection's source is the address a node gave (an IPv4 one as a dual-stack socket sees it too)."""
+    try:
+        ip = ipaddress.ip_address(seen)
+        if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+            ip = ip.ipv4_mapped
+        return ip == ipaddress.ip_address(addr)
+    except ValueError:
+        return seen == addr
 
 
 def _place(rules: JobRules, node: NodeRecord, now: float) -> None:

@@ -1,11 +1,11 @@
 """A cap on open connections that a flood of idle ones cannot turn against agents and /healthz.
 
 Past `max_connections` idle connections are closed, so an agent or a health check always gets in: first
-those that never finished a request (a flood's; oldest first), then the longest idle of the others (an
-agent's keep-alive connection outlives a flood opened after it); never one with a request in progress,
-such as a held long-poll. One is refused only past a hard limit below the open-file limit, so accepting
-never fails with "Too many open files". A body over
-MAX_BODY_BYTES is refused (413) unread; one not in within BODY_TIMEOUT_S is refused (400) and its
+those that never had a request answered (a flood's; oldest first; a refusal or /healthz counts for nothing),
+then the longest idle of the others (an agent's keep-alive connection outlives a flood opened after it); never
+one with a request in progress, such as a held long-poll. One is refused only past a hard limit below the
+open-file limit, so accepting never fails with "Too many open files". A body over MAX_BODY_BYTES is refused
+(413) unread; one not in within BODY_TIMEOUT_S is refused (400) and its
 connection closed at once, not read on through aiohttp's "lingering" close.
 """
 from __future__ import annotations
@@ -58,8 +58,10 @@ class ConnectionGuard:
         self._fresh: dict[Any, float] = {}               # handlers made, not yet connected: when
         self._trim_soon = False
 
-    def factory(self, server: web.Server) -> Callable[[], asyncio.BaseProtocol]:
-        """Wrap aiohttp's protocol factory (`AppRunner.server`), following the connections it makes and loses."""
+    def factory(self, server: web.Server, evict: bool = True) -> Callable[[], asyncio.BaseProtocol]:
+        """Wrap aiohttp's protocol factory (`AppRunner.server`), following the connections it makes and loses.
+        `evict=False` (a TLS port's, asked as a handshake starts): at the hard limit the newcomer is refused, not
+        given an idle connected one's place, for a handshake that may never end."""
         made, lost = server.connection_made, server.connection_lost
 
         def on_made(handler: Any, transport: asyncio.Transport) -> None:
@@ -85,7 +87,7 @@ class ConnectionGuard:
             while self._fresh and now - next(iter(self._fresh.values())) >= FRESH_S:
                 del self._fresh[next(iter(self._fresh))]      # never connected (a failed handshake)
             count = len(self._open) + len(self._unproven) + len(self._fresh)
-            if count >= self.hard_limit and not self._make_room():
+            if count >= self.hard_limit and not (evict and self._make_room()):
                 self.refused += 1
                 return _Refused()
             if count >= self.max_connections and not self._trim_soon:
@@ -120,13 +122,18 @@ class ConnectionGuard:
         """Marks a connection busy while it has a request in progress (a held long-poll is busy)."""
         protocol = request.protocol
         self._busy[protocol] = request
+        answered = 500
         try:
-            return await handler(request)
+            response = await handler(request)
+            answered = response.status
+            return response
         finally:
             self._busy.pop(protocol, None)
-            if protocol in self._unproven or protocol in self._open:      # still connected: idle from now,
-                self._unproven.pop(protocol, None)                          # the last of those closed to make
-                self._open.pop(protocol, None)                              # room
+            # Idle from now, the last of those closed to make room; a connection proves itself by a request it was
+            # entitled to (a refusal, or /healthz which anyone may ask, proves nothing).
+            proven = answered < 400 and request.path != "/healthz"
+            if protocol in self._open or (proven and self._unproven.pop(protocol, 0) is None):
+                self._open.pop(protocol, None)
                 self._open[protocol] = None
 
 

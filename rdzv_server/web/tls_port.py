@@ -2,10 +2,11 @@
 costs more than a descriptor. asyncio's own listener holds a silent connection through a 60 s handshake, and one
 refused at the cap until its handshake ends: a stranger opening connections that never say hello (no token needed)
 held every descriptor, and an agent whose connection broke could not reconnect. Here:
-- a handshake is done within HANDSHAKE_S, or its connection is closed;
+- a handshake is done within HANDSHAKE_S, or its connection is closed; a closing one waits SHUTDOWN_S at most;
 - at most `handshakes` are in progress at once (a quarter of the connection cap), however many from one address; at
   that cap the oldest handshake of the address with the most in progress is closed for the newcomer (a flood's,
-  not an agent's): no connected one is closed for it;
+  not an agent's; IPv6 addresses counted by /64): no connected one is closed for it, nor for a handshake at the
+  connection cap;
 - out of descriptors while accepting: said once a minute, accepting again after a pause.
 Once its handshake is done a connection is aiohttp's, within the ConnectionGuard's cap (web/connections.py)."""
 from __future__ import annotations
@@ -14,6 +15,7 @@ import asyncio
 import logging
 import socket
 import ssl
+import sys
 from collections.abc import Callable
 
 from protocol.accepting import Accepted, Caps, SayOnce, accept
@@ -21,6 +23,8 @@ from protocol.accepting import Accepted, Caps, SayOnce, accept
 log = logging.getLogger("rdzv_server")
 
 HANDSHAKE_S = 5.0
+SHUTDOWN_S = 2.0          # a closed connection's close_notify: a peer that never answers holds its descriptor no longer
+_SHUTDOWN = {"ssl_shutdown_timeout": SHUTDOWN_S} if sys.version_info >= (3, 11) else {}
 
 
 class TlsPort:
@@ -45,7 +49,8 @@ class TlsPort:
         connected = False
         try:
             await asyncio.wait_for(asyncio.get_running_loop().connect_accepted_socket(
-                protocol, accepted.conn, ssl=self.tls, ssl_handshake_timeout=HANDSHAKE_S), HANDSHAKE_S + 1)
+                protocol, accepted.conn, ssl=self.tls, ssl_handshake_timeout=HANDSHAKE_S, **_SHUTDOWN),
+                HANDSHAKE_S + 1)
             connected = True
         except (OSError, ValueError, asyncio.TimeoutError):      # refused or too slow: said nowhere
             pass

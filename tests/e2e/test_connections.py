@@ -77,7 +77,7 @@ def test_a_keep_alive_connection_that_served_requests_outlives_a_later_idle_floo
     in the order they were opened, an agent's keep-alive connection among the first."""
     port = cluster.start_server("--state-dir", "none", "--max-connections", "40")
     kept = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
-    kept.request("GET", "/healthz")
+    kept.request("GET", "/metrics")                            # answered (/healthz, which anyone may ask, would not do)
     assert kept.getresponse().read() and metric(port, "rdzv_connections_evicted_total") == 0
     idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(120)]   # never send anything
     try:

@@ -6,7 +6,6 @@ closed within the handshake's limit, and the flood is said once."""
 from __future__ import annotations
 
 import contextlib
-import os
 import select
 import socket
 import ssl

@@ -218,3 +218,11 @@ async def test_a_tls_connection_ended_mid_request_frees_its_socket_for_the_next_
         answers = [await ask(plain, b"rdzv-agent ask round=1\n") for _ in range(3)]
         assert answers == [b"ok rdzv-agent ask round=1\n"] * 3
         quiet.close()
+
+
+def test_a_source_is_an_address_and_an_ipv6_one_its_64() -> None:
+    """An IPv6 host holds a whole /64: counted by address, one host would pass any per-source cap."""
+    from protocol.accepting import source_of
+    assert source_of(("2001:db8::1", 1, 0, 0)) == source_of(("2001:db8::ffff:2", 9, 0, 0)) == "2001:db8::/64"
+    assert source_of(("::ffff:10.0.0.1", 1, 0, 0)) == "10.0.0.1" and source_of(("10.0.0.2", 5)) == "10.0.0.2"
+    assert source_of(None) == "?"

@@ -64,6 +64,8 @@ def test_the_join_event_names_the_address_the_connection_came_from_beside_the_on
                                instance="i"), 1.0, Arrival(secret="s", peer="192.0.2.7", local="192.0.2.1"))
     rz.handle("j", JoinRequest(v=1, node_id="b", addr="192.0.2.8", local_world_size=1, master_port=1, config=CFG,
                                instance="j"), 1.0, Arrival(secret="t", peer="192.0.2.8", local="192.0.2.1"))
+    rz.handle("j", JoinRequest(v=1, node_id="c", addr="192.0.2.9", local_world_size=1, master_port=1, config=CFG,
+                               instance="k"), 1.0, Arrival(secret="u", peer="::ffff:192.0.2.9", local="::"))
     joined = [e.message for e in rz.jobs["j"].events if e.kind == "node_joined"]
     assert joined == ["node a joined from 10.0.0.1 (connected from 192.0.2.7) with 1 workers",
-                      "node b joined from 192.0.2.8 with 1 workers"]
+                      "node b joined from 192.0.2.8 with 1 workers", "node c joined from 192.0.2.9 with 1 workers"]

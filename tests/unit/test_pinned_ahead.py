@@ -154,7 +154,8 @@ def test_the_thread_moves_a_gpus_staged_copies_into_the_file_while_it_hashes(mem
     """On a GPU `take` only queues the copies into pinned buffers; the thread copies each into the file in the thread
     that hashes it (layout.digests' fill). Stood in for by host buffers, the views left unwritten by `take`."""
     from node_agent.training import layout, snapshot
-    monkeypatch.setattr(Capture, "_copy", lambda self, views, live: [(v, t.clone()) for v, t in zip(views, live)])
+    monkeypatch.setattr(Capture, "_copy",
+                        lambda self, views, live: [(v, t.clone()) for v, t in zip(views, live, strict=True)])
     for size in (1000, 9 << 20):                 # the serial path, and the threads' (over 64 MiB in all)
         tree = {"w": [torch.randn(size) for _ in range(8)], "n": torch.arange(5)}
         c = Capture(memory)
@@ -162,4 +163,4 @@ def test_the_thread_moves_a_gpus_staged_copies_into_the_file_while_it_hashes(mem
         c.wait()
         saved = layout.read(snapshot.path(size, memory), size)
         assert isinstance(saved, dict), saved
-        assert all(torch.equal(a, b) for a, b in zip(saved["w"] + [saved["n"]], tree["w"] + [tree["n"]]))
+        assert all(torch.equal(a, b) for a, b in zip(saved["w"] + [saved["n"]], tree["w"] + [tree["n"]], strict=True))

@@ -16,6 +16,9 @@ import sys
 
 SCRIPT = os.path.abspath(__file__)
 READY = "c10d store listening on port"
+# =1: the store listens on every interface, as TCPStore's own socket does (an address of this host that peers reach
+# through another one: a Kubernetes hostNetwork pod with IPVS service addresses on every node)
+ANY_INTERFACE = "NODE_AGENT_STORE_ANY_INTERFACE"
 
 
 def main() -> None:
@@ -24,7 +27,7 @@ def main() -> None:
     from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
     addr, port = os.environ.get("MASTER_ADDR", "127.0.0.1"), int(sys.argv[1])
-    bound = listening(addr, port)
+    bound = None if os.environ.get(ANY_INTERFACE) == "1" else listening(addr, port)
     store = TCPStore(addr, port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60),
                      master_listen_fd=bound.fileno() if bound is not None else None)
     print(f"{READY} {store.port}", flush=True)
