@@ -147,6 +147,11 @@ class Capture:
         """The file `step-N.tmp`, `size` bytes of data mapped: a dropped one written over (_reused), else a new one."""
         room = snapshot.make_room(step, self.where, self.keep)
         bound = snapshot.limit()
+        fitted = snapshot.fit(room, step, self.where, size, bound)
+        if len(fitted.dropped) > len(room.dropped):
+            self._say_once("fewer", f"the memory directory's limit ({bound} bytes) holds {fitted.kept_count + 1} "
+                                    f"snapshot(s) of {size} bytes, not keep={self.keep}: older ones make room")
+        room = fitted
         if bound is not None and room.kept + size > bound:
             raise snapshot.full_error(step, self.where, bound, room)
         tmp = snapshot.path(step, self.where) + ".tmp"

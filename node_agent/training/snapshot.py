@@ -7,9 +7,10 @@ agent imports this): `save` takes bytes or a callable writing into a file, e.g.
 - A snapshot is the file `step-N`, written as `step-N.tmp` and renamed: a reader never sees half a file.
   Before writing, `save` drops all but the newest `keep - 1`, so at most `keep` files exist and the last
   complete one survives a failed write.
-- What is kept plus the new snapshot must fit the limit; otherwise (or /dev/shm is full) `save` raises
-  `MemoryDirFull` naming the limit and sizes, leaving no partial file. Catch it and train on: the agent
-  never stops training for it.
+- What is kept plus the new snapshot must fit the limit: where it does not, older snapshots go too, oldest first
+  (a limit that holds fewer than `keep` keeps the newest); where the new one alone does not fit (or /dev/shm is
+  full) `save` raises `MemoryDirFull` naming the limit and sizes, leaving no partial file. Catch it and train on:
+  the agent never stops training for it.
 - All ranks resume from the same step: `agreed_step` takes the MIN of every rank's newest step, then checks
   every rank holds (and accepts) it (a rank that lost its copy, e.g. a replaced node, sends everyone back to disk).
   Where every rank's state is a replica of every other's (DDP: `lend`), a rank that holds nothing (a node that
@@ -197,6 +198,8 @@ def save(data: bytes | Writer, step: int, *, where: str | None = None, keep: int
         raise FileNotFoundError(f"no memory directory (${DIR_VAR} is not set)")
     bound = max_bytes if max_bytes is not None else limit()
     made = make_room(step, where, keep)
+    if isinstance(data, bytes | bytearray):
+        made = fit(made, step, where, len(data), bound)
     for old in made.dropped:
         remove(path(old, where))
     room = None if bound is None else bound - made.kept
@@ -255,6 +258,22 @@ def make_room(step: int, where: str, keep: int) -> Room:
     held = [s for s in steps(where) if s != step]
     dropped = held[:max(0, len(held) - (keep - 1))]
     return Room(dropped, sum(size(path(s, where)) for s in held[len(dropped):]), len(held) - len(dropped))
+
+
+def fit(room: Room, step: int, where: str, new: int, bound: int | None) -> Room:
+    """`room`, with the oldest kept snapshots dropped too until `new` more bytes fit `bound`: a limit that holds
+    fewer snapshots than `keep` keeps the newest (kept refused, the oldest would outlive every later step and be
+    what the job resumes from). Unchanged where it fits, or where the new one alone does not."""
+    if bound is None or room.kept + new <= bound or new > bound:
+        return room
+    dropped, kept, count = list(room.dropped), room.kept, room.kept_count
+    for old in [s for s in steps(where) if s != step and s not in room.dropped]:
+        if kept + new <= bound:
+            break
+        dropped.append(old)
+        kept -= size(path(old, where))
+        count -= 1
+    return Room(dropped, kept, count)
 
 
 def full_error(step: int, where: str, bound: int | None, room: Room) -> MemoryDirFull:

@@ -213,8 +213,19 @@ def test_save_keeps_the_newest_and_never_leaves_a_partial_file(tmp_path) -> None
     assert snapshot.newest(where) == 4
 
 
-@pytest.mark.parametrize("as_writer", [False, True])
-def test_a_snapshot_past_the_limit_raises_memory_dir_full_and_keeps_the_last_one(tmp_path, as_writer) -> None:
+def test_a_limit_that_holds_fewer_than_keep_keeps_the_newest(tmp_path) -> None:
+    """Refusing the new one would keep the oldest for ever: every later step refused, the job resuming from it."""
+    where = str(tmp_path)
+    snapshot.save(b"a" * 600, 1, where=where, max_bytes=1000)
+    assert snapshot.save(b"b" * 600, 2, where=where, max_bytes=1000) == str(tmp_path / "step-2")
+    assert os.listdir(where) == ["step-2"]
+    with pytest.raises(snapshot.MemoryDirFull):                # one that does not fit alone: the last one stays
+        snapshot.save(b"c" * 1001, 3, where=where, max_bytes=1000)
+    assert os.listdir(where) == ["step-2"]
+
+
+def test_a_snapshot_written_past_the_limit_raises_memory_dir_full_and_keeps_the_last_one(tmp_path) -> None:
+    """A writer's size is known only as it writes: there the limit refuses it, the kept ones stay."""
     where = str(tmp_path)
     snapshot.save(b"a" * 600, 1, where=where, max_bytes=1000)
     data = b"b" * 600
@@ -226,7 +237,7 @@ def test_a_snapshot_past_the_limit_raises_memory_dir_full_and_keeps_the_last_one
         finally:
             f.write(b"end")
     with pytest.raises(snapshot.MemoryDirFull) as caught:
-        snapshot.save(writer if as_writer else data, 2, where=where, max_bytes=1000)
+        snapshot.save(writer, 2, where=where, max_bytes=1000)
     message = str(caught.value)
     assert "snapshot of step 2 does not fit the memory directory" in message
     assert "limit 1000 bytes" in message and "600 bytes kept in 1 older snapshot" in message

@@ -171,3 +171,16 @@ def test_a_file_written_over_and_then_unlinked_is_no_longer_the_snapshot_its_sen
         os.unlink(snapshot.path(2))                                                     # the keep rule's drop
         assert not files.names(snapshot.path(1), written.fileno(), since[written])
         assert files.names(snapshot.path(2), unlinked.fileno(), since[unlinked])
+
+
+def test_a_limit_that_holds_one_snapshot_where_keep_is_two_keeps_the_newest(memory, monkeypatch, capsys) -> None:
+    """Before, every snapshot after the first was refused ("does not fit") and the job resumed from the first."""
+    capture = Capture(memory, keep=2)
+    monkeypatch.setenv(snapshot.LIMIT_VAR, str(600_000))           # one snapshot of ~400 KB, not two
+    for step in (1, 2, 3):
+        take(capture, step, {"m": torch.full((100_000,), float(step))})
+    assert snapshot.steps() == [3]
+    back = layout.read(snapshot.path(3), 3)
+    assert not isinstance(back, str) and torch.equal(back["m"], torch.full((100_000,), 3.0))
+    err = capsys.readouterr().err
+    assert err.count("holds 1 snapshot(s)") == 1 and "does not fit" not in err
