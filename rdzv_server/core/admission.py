@@ -128,9 +128,16 @@ def _place(rules: JobRules, node: NodeRecord, now: float) -> None:
     why = "its agent restarted"
     losses = leases.recent_losses(job, node.node_id, now)
     if cfg.exclude_lost_after and losses >= cfg.exclude_lost_after:
-        # A host that keeps dropping out would cost every other node a round each way: kept out.
+        # A host that keeps dropping out would cost every other node a round each way: kept out, where the job can
+        # run without it (a spare, or more than its minimum); else keeping it out would only stop the job.
+        others = [n for n in job.nodes.values() if n.node_id != node.node_id and n.excluded_until <= now
+                  and leases.live(n, now)]
         hold = min(cfg.exclude_lost_cooldown_s * 2 ** (losses - cfg.exclude_lost_after), cfg.exclude_cooldown_max_s)
-        if now + hold > node.excluded_until:
+        if len(others) < cfg.min_nodes:
+            rules.record(now, EventKind.NODE_JOINED, f"node {node.node_id} was lost {losses} times within "
+                         f"{cfg.exclude_window_s:g}s, but is not kept out: the job needs {cfg.min_nodes} nodes and "
+                         f"has {len(others)} without it", node.node_id)
+        elif now + hold > node.excluded_until:
             node.excluded_until = now + hold
             why = f"it was lost {losses} times within {cfg.exclude_window_s:g}s: a flapping host"
     if node.excluded_until > now:

@@ -366,3 +366,30 @@ def test_a_connection_whose_closing_was_heard_late_in_a_silence_is_a_loss_after_
     rz2.connection_dropped("j", "b", 18.5)
     rz2.tick(19.5)
     assert "b" in rz2.jobs["j"].nodes and EventKind.LEASES_EXTENDED in kinds(rz2)
+
+
+def test_a_flapping_host_a_job_cannot_run_without_is_not_kept_out():
+    """Keeping it out would stop the job (no spare, no node above the minimum) for the hold-off: admitted, said."""
+    c = JobConfig(min_nodes=3, max_nodes=3, last_call_s=0.0, lease_timeout_s=LEASE, join_timeout_s=1e4)
+    rz = Rendezvous()
+
+    def join(n: str, t: float, instance: str) -> None:
+        rz.handle("j", JoinRequest(v=1, node_id=n, addr="10.0.0.1", local_world_size=1, master_port=1, config=c,
+                                 instance=instance), t)
+
+    for n in ("a", "b", "c"):
+        join(n, 0.0, n)
+    job = rz.jobs["j"]
+    t = 0.0
+    for flap in (1, 2):               # c's agent dies twice (an OOM-kill loop): its lease lapses, it comes back
+        down_at = t
+        while t < down_at + 7.0:
+            t += 1.0
+            for n in ("a", "b"):
+                poll(rz, n, t)
+            rz.tick(t)
+        join("c", t, f"c{flap}")
+    assert job.nodes["c"].state != "excluded" and job.round is not None and "c" in job.round.members
+    said = [e.message for e in job.events if "not kept out" in e.message]
+    assert len(said) == 1 and "needs 3 nodes and has 2" in said[0]
+    assert not [e for e in job.events if e.kind == EventKind.NODE_EXCLUDED]
