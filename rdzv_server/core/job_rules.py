@@ -72,6 +72,7 @@ class JobRules:
         for node in job.nodes.values():
             node.last_seen = min(now, max(node.last_seen, now - away_s))
             node.dropped, node.holding = False, 0     # the connections of held polls did not survive the restart
+            node.unheard = True           # a member that died with the server looks alive for its lease's time
         leases.extend(job.nodes.values(), now, grace, self.out)
         if job.last_call_deadline is not None:
             job.last_call_deadline += away_s

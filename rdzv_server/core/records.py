@@ -50,6 +50,16 @@ class NodeRecord(msgspec.Struct, kw_only=True):
     copy_port: int = 0                 # where its agent takes peer copies (0: none)
     copies: CopiesNote | None = None   # its peer copies, as its last poll said (shown, never acted on)
     store_per_round: bool = False      # its agent hosts a store per round it masters (JoinRequest; store_port.py)
+    unheard: bool = False              # not heard from since the server came back (a failure waits: reports.py)
+
+
+class HeldFailure(msgspec.Struct, kw_only=True):
+    """A round's failure reported while a member was not yet heard from after the server came back."""
+    node_id: str
+    round_id: int
+    failures: list[WorkerFailure]
+    cause: str
+    blamed: bool
 
 
 class SwapDue(msgspec.Struct, kw_only=True):
@@ -145,6 +155,7 @@ class JobRecord(msgspec.Struct, kw_only=True):
     root_cause: WorkerFailure | None = None        # first failure in time of the last failed round
     root_cause_round: int = -1
     last_failure: WorkerFailure | None = None
+    held_failure: HeldFailure | None = None      # a failure judged once every member is heard (reports.py)
     finished_at: float | None = None
     reason: str = ""                           # the latest decision's reason
     epoch: int = 0                             # bumped when any node's assignment view may change

@@ -14,7 +14,7 @@ from rdzv_server.core.errors import RendezvousError
 from rdzv_server.core.events import EventKind, RoundCause
 from rdzv_server.core.job_rules import JobRules
 from rdzv_server.core.payloads import WorkerFailed, WorkersFailed
-from rdzv_server.core.records import NodeRecord
+from rdzv_server.core.records import HeldFailure, NodeRecord
 from rdzv_server.core.standing import describe
 
 MAX_FAILURE_EVENTS = 8       # worker_failed events one report records; the rest are summed up in one more
@@ -33,6 +33,21 @@ def failure(rules: JobRules, node: NodeRecord, req: FailureReport, now: float) -
             rules.changed()
         return why_not
     return fail_round(rules, node, req.round_id, failures, now)
+
+
+def heard(rules: JobRules, node: NodeRecord, now: float) -> None:
+    """`node` heard from after the server came back: a failure held for the members (fail_round) is judged once
+    every member is, if its round still runs."""
+    node.unheard = False
+    job, held = rules.job, rules.job.held_failure
+    if held is None or any(job.nodes[n].unheard for n in rules.members() if n in job.nodes):
+        return
+    job.held_failure = None
+    rules.changed()
+    if job.round is not None and job.round.round_id == held.round_id and held.node_id in job.nodes \
+            and not job.state.finished:
+        fail_round(rules, job.nodes[held.node_id], held.round_id, held.failures, now, RoundCause(held.cause),
+                   held.blamed)
 
 
 def check_failure(rules: JobRules, node: NodeRecord, req: FailureReport) -> None:
@@ -55,6 +70,16 @@ def fail_round(rules: JobRules, node: NodeRecord, round_id: int, failures: list[
     if lapsed:
         rules.lose_all([job.nodes[n] for n in lapsed], now)
         return f"failure attributed to the loss of {', '.join(lapsed)}"
+    # After the server came back every member has a fresh lease: one that died with it (a host's reboot) looks
+    # alive until its lease lapses. Its peers' failures wait for it to be heard from (then counted) or lost.
+    unheard = [n for n in rules.members() if n != node.node_id and n in job.nodes and job.nodes[n].unheard]
+    if unheard:
+        if job.held_failure is None or job.held_failure.round_id != round_id:
+            job.held_failure = HeldFailure(node_id=node.node_id, round_id=round_id, failures=failures,
+                                           cause=cause.value, blamed=blamed)
+            rules.changed()
+        return f"failure held until {', '.join(unheard[:3])} is heard from since the server came back (its loss " \
+               f"would be the likelier cause)"
     first = failures[0]
     job.root_cause, job.root_cause_round, job.last_failure = first, round_id, first
     job.restart_count += 1

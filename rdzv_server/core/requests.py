@@ -84,6 +84,8 @@ def authenticate(kind: Kind, rules: JobRules, req: AgentRequest, now: float, hol
     credentials.proven(node)
     if kind.renews:
         (leases.hold if hold else leases.renew)(rules.job, node, now)
+    if node.unheard:
+        reports.heard(rules, node, now)
     return node
 
 

@@ -794,6 +794,42 @@ def test_restart_renews_every_lease_and_moves_pending_deadlines():
     assert "b" not in job.nodes and "a" in job.nodes
 
 
+def test_a_member_that_died_with_the_server_is_the_cause_of_its_peers_failures_not_a_restart():
+    """The server and b's host go down together (a reboot); a and c come back, their workers broken by b's: their
+    failures wait for b, whose lease lapses, and the job loses b, not a restart (max_restarts 0: before, it failed)."""
+    rz = Rendezvous()
+    c = cfg(min_nodes=2, max_nodes=3, lease_timeout_s=5.0, last_call_s=0.0, max_restarts=0)
+    for n in ("a", "b", "c"):
+        join(rz, n, 0.0, c)
+    job = rz.jobs[JOB]
+    first = job.round.round_id
+    rz.restored(10.0, away_s=3.0, clean=False)
+    fail(rz, "a", first, 10.5)
+    fail(rz, "c", first, 10.6)
+    assert job.state == JobState.RUNNING and job.restart_count == 0 and job.round.round_id == first
+    for t in (12.0, 15.0, 18.0, 20.0):
+        poll(rz, "a", t)
+        poll(rz, "c", t)
+        rz.tick(t)
+    assert "b" not in job.nodes and job.state == JobState.RUNNING and job.restart_count == 0
+    assert job.round.round_id > first and sorted(job.round.members) == ["a", "c"]
+
+
+def test_a_failure_held_after_the_server_came_back_counts_once_every_member_is_heard():
+    rz = Rendezvous()
+    c = cfg(min_nodes=2, max_nodes=2, lease_timeout_s=5.0, last_call_s=0.0, max_restarts=3)
+    for n in ("a", "b"):
+        join(rz, n, 0.0, c)
+    job = rz.jobs[JOB]
+    first = job.round.round_id
+    rz.restored(10.0, away_s=3.0, clean=False)
+    fail(rz, "a", first, 10.5)                 # a real failure of a's own, b alive but not yet back
+    assert job.restart_count == 0 and job.held_failure is not None
+    poll(rz, "b", 11.0)                        # b heard: the failure counts now
+    assert job.restart_count == 1 and job.held_failure is None and job.round.round_id == first + 1
+    assert any(e.kind == "worker_failed" for e in job.events)
+
+
 def test_restart_leaves_finished_jobs_alone():
     rz = Rendezvous()
     join(rz, "a", 0.0, cfg(min_nodes=1, max_nodes=1, max_restarts=0))

@@ -72,6 +72,7 @@ def test_after_a_restore_the_last_saved_port_is_not_taken_again():
     poll(rz, "a", 30002, 3.5)                                # in memory only: ports are saved with rounds
     restored = Rendezvous({"j": msgspec.msgpack.decode(saved, type=JobRecord)})
     restored.restored(4.0, 0.5, clean=False)
+    poll(restored, "a", 0, 4.05)                             # heard since the restore: b's failure counts at once
     fail(restored, 4.1)
     assert restored.view("j", "b", 4.1).assignment is None   # 30001 may still be round 2's store
     assert port_of(poll(restored, "a", 30003, 4.2)) == 30003
