@@ -51,6 +51,7 @@ class NodeRecord(msgspec.Struct, kw_only=True):
     copies: CopiesNote | None = None   # its peer copies, as its last poll said (shown, never acted on)
     store_per_round: bool = False      # its agent hosts a store per round it masters (JoinRequest; store_port.py)
     unheard: bool = False              # not heard from since the server came back (a failure waits: reports.py)
+    fetch_of: str = ""                 # the gone node whose copies a round told it to fetch (rounds.fetches_pending)
 
 
 class HeldFailure(msgspec.Struct, kw_only=True):

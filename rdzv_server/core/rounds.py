@@ -39,11 +39,30 @@ def build_round(job: JobRecord, members: list[str], round_id: int, opened_at: fl
                     replicas=replicas, replica_key=job.replica_key, run=run_of(job),
                     resume_at_most=job.resume_at_most)
     job.resume_at_most = -1           # told once: to the round that resumes
+    took = {**fetches_pending(job, members, took or {}), **(took or {})}
     if replicas and took:
         last = job.round
         r.copies = copies_held(lambda gone: place_of(last, gone) if last is not None else job.place_copies.get(gone),
                                took, r, lambda gone: own_source(job, gone, nodes))
+        for newcomer, (gone, *_) in r.copies.items():
+            job.nodes[newcomer].fetch_of = gone
     return r
+
+
+def fetches_pending(job: JobRecord, members: list[str], took: dict[str, str]) -> dict[str, str]:
+    """Members told in an earlier round to fetch a gone node's copies whose polls since say they hold no snapshot
+    of their own (its holder was lost mid-fetch, say): told again, else their ranks hold nothing and every rank
+    goes back to disk with them. One whose poll shows a snapshot is done with it."""
+    out: dict[str, str] = {}
+    for m in members:
+        node = job.nodes[m]
+        if not node.fetch_of or m in took or node.copies is None:
+            continue
+        if node.copies.local_step >= 0:
+            node.fetch_of = ""
+        else:
+            out[m] = node.fetch_of
+    return out
 
 
 def run_of(job: JobRecord) -> str:

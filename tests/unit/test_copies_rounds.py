@@ -167,6 +167,41 @@ def test_a_node_back_at_its_own_place_with_a_new_agent_is_told_where_its_own_cop
     assert "no copy of" not in formed.message
 
 
+def rejoin(rz: Rendezvous, node: str, now: float, config: JobConfig, incarnation: int, domain: str) -> None:
+    rz.handle(JOB, JoinRequest(v=1, node_id=node, addr=f"10.0.0.{ord(node) - 96}", local_world_size=2,
+                               master_port=20000, config=config, instance=f"{node}#{incarnation}", host=f"host-{node}",
+                               witness_port=4000, copy_port=4000, domain=domain),
+              now, Arrival(secret=f"secret-{node}{incarnation}"))
+
+
+def test_a_fetch_its_holder_was_lost_during_is_told_again_once_the_holder_is_back() -> None:
+    """b's agent restarted without its memory and fetches its copies from c; c's agent dies mid-fetch and comes back
+    with its memory (b's copies in it). Before, the next round told b nothing: b held no snapshot, and every rank went
+    back to step 0. A member whose poll shows a snapshot of its own is not told again."""
+    from protocol.notes import CopiesNote
+    fixed = JobConfig(min_nodes=3, max_nodes=3, lease_timeout_s=5.0, last_call_s=0.0)
+    for b_holds, told in ((-1, True), (10, False)):
+        rz = started({"a": "1", "b": "2", "c": "3"}, fixed)
+        outlive(rz, ("a", "c"))
+        rejoin(rz, "b", 7.0, fixed, 2, "2")
+        b = rz.view(JOB, "b", 7.0).assignment
+        assert b is not None and b.copies_of == "b" and b.copies_at == Witness(addr="10.0.0.3", port=4000)
+        rz.handle(JOB, PollRequest(v=1, node_id="b", credential="secret-b2", copies=CopiesNote(local_step=b_holds)),
+                  8.0)
+        for t in (9.0, 10.0, 11.0, 12.0, 13.0, 14.0):     # c's agent is gone: lost, the job waits for a third node
+            for n, secret in (("a", "secret-a"), ("b", "secret-b2")):
+                rz.handle(JOB, PollRequest(v=1, node_id=n, credential=secret), t)
+        rz.tick(rz.next_deadline())
+        assert "c" not in rz.jobs[JOB].nodes
+        rejoin(rz, "c", 15.0, fixed, 2, "3")                # back, its memory (b's copies) kept
+        r = rz.jobs[JOB].round
+        assert r is not None and sorted(r.members) == ["a", "b", "c"]
+        again = rz.view(JOB, "b", 15.0).assignment
+        assert again is not None and (again.copies_of == "b") is told, (b_holds, again.copies_of)
+        if told:
+            assert again.copies_at == Witness(addr="10.0.0.3", port=4000)
+
+
 def test_a_holder_is_told_how_many_ranks_each_source_has_and_each_run_is_its_own():
     rz = started({"a": "1", "b": "2", "c": "3"}, CFG)
     c = rz.view(JOB, "c", 1.0).assignment
