@@ -8,7 +8,7 @@ builds one Assignment and one NodeStatus per node per round change, too many to 
 from __future__ import annotations
 
 import enum
-from typing import Annotated
+from typing import Annotated, Literal
 
 import msgspec
 from msgspec import Meta
@@ -123,6 +123,9 @@ class JoinRequest(_Request, kw_only=True):
     # True: its agent hosts a new store for each round it is group rank 0 of, on its latest port (node-agent);
     # False: one store for every round, on its join's port (torchrun's plugin, an older agent).
     store_per_round: bool = False
+    # What starts its workers: "node-agent", or "torchrun" (the plugin in torch's agent); "": an older client.
+    # One job runs one (their rounds' stores and workers' rendezvous differ): an open job refuses the other.
+    launcher: Literal["", "node-agent", "torchrun"] = ""
     config: JobConfig = msgspec.field(default_factory=JobConfig)
     instance: ShortText = ""           # random per agent process: tells a restarted agent from a duplicate
     role: Annotated[str, Meta(min_length=1, max_length=64)] = "default"

@@ -193,7 +193,8 @@ class ServerSession:
             try:
                 await self._retrying(lambda: self._client.join(
                     addr=s.addr, host=s.hostname, local_world_size=s.local_world_size, master_port=self.master_port,
-                    config=s.config, instance=self._instance, role=s.role, witness_port=self.witness.port),
+                    config=s.config, instance=self._instance, role=s.role, witness_port=self.witness.port,
+                    launcher="torchrun"),
                     s.server_wait_s)
                 return
             except ServerRejected as exc:

@@ -32,6 +32,12 @@ def check_join(rules: JobRules, req: JoinRequest) -> None:
                               f"{quote(job.command)}, this node's {quote(req.command)}): give this run its own "
                               "--rdzv-id, or --no-command-check on every node if their scripts or arguments differ "
                               "on purpose")
+    if job.launcher and req.launcher and req.launcher != job.launcher:
+        names = {"node-agent": "node-agent", "torchrun": "torchrun with the rdzv-server plugin"}
+        raise RendezvousError(ErrorCode.CONFIG_CONFLICT, f"job {job.job_id!r} runs its workers under "
+                              f"{names[job.launcher]}, this node under {names[req.launcher]}: one job runs one "
+                              "launcher (their rounds' stores differ); start every node the same way, or give this "
+                              "run its own --rdzv-id")
     if req.node_id in job.drained:
         raise RendezvousError(ErrorCode.NODE_DRAINED, f"node {req.node_id} was drained from job "
                               f"{job.job_id!r} by the operator ({job.drained[req.node_id]})")
@@ -44,6 +50,9 @@ def join(rules: JobRules, req: JoinRequest, now: float, credential: str, via: tu
     job = rules.job
     if req.command and not job.command:     # the first node that names its command sets the job's
         job.command = req.command
+        rules.changed()
+    if req.launcher and not job.launcher:   # and its launcher
+        job.launcher = req.launcher
         rules.changed()
     existing = job.nodes.get(req.node_id)
     if existing is not None and credentials.owns(existing, req.credential, req.instance):

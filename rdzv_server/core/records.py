@@ -148,6 +148,7 @@ class JobRecord(msgspec.Struct, kw_only=True):
     loss_times: dict[str, list[float]] = msgspec.field(default_factory=dict)  # node id -> when it was lost
     join_config: JobConfig | None = None    # the config joins must match, once an operator resized the job
     command: str = ""                       # fingerprint of the command every node runs ("": not checked)
+    launcher: str = ""                      # what starts every node's workers (JoinRequest.launcher; "": not said)
     restart_count: int = 0
     forming_since: float | None = None      # when the next round started forming
     last_call_deadline: float | None = None

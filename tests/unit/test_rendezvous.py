@@ -837,3 +837,20 @@ def test_restart_leaves_finished_jobs_alone():
     seq = rz.jobs[JOB].event_seq
     rz.restored(50.0, away_s=40.0, clean=True)
     assert rz.jobs[JOB].event_seq == seq and rz.jobs[JOB].state == JobState.FAILED
+
+
+def test_one_job_runs_one_launcher():
+    """A node under torchrun's plugin cannot join a job of node-agent nodes (or the other way): their rounds' stores
+    differ, and the mix waited 60 s and failed. An older client, which names none, is let in."""
+    rz = Rendezvous()
+    c = cfg(min_nodes=3, max_nodes=3)
+    rz.handle(JOB, JoinRequest(v=1, node_id="a", addr="addr-a", local_world_size=1, master_port=1, config=c,
+                               instance="a#1", launcher="node-agent"), 0.0)
+    with pytest.raises(RendezvousError) as err:
+        rz.handle(JOB, JoinRequest(v=1, node_id="b", addr="addr-b", local_world_size=1, master_port=1, config=c,
+                                   instance="b#1", launcher="torchrun"), 0.1)
+    assert err.value.code == ErrorCode.CONFIG_CONFLICT
+    assert "under node-agent, this node under torchrun with the rdzv-server plugin" in err.value.message
+    rz.handle(JOB, JoinRequest(v=1, node_id="c", addr="addr-c", local_world_size=1, master_port=1, config=c,
+                               instance="c#1"), 0.2)
+    assert sorted(rz.jobs[JOB].nodes) == ["a", "c"]
