@@ -3,6 +3,8 @@ MessagePack) or `local.LocalClient` (in-process). Both raise only the two except
 (over `protocol.errors.RETRYABLE`) decides which error codes are worth a retry."""
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import socket
 from typing import Any, Literal, TypeVar
 
@@ -70,6 +72,7 @@ class Transport:
         self.node_id = node_id
         self.credential = ""     # the node's secret from its join's reply; every later request carries it
         self.hold_s = 0.0        # the longest the server said it holds this node's polls (0: not said)
+        self._joined: asyncio.Event | None = None     # set once the join in flight, if any, has its reply
 
     async def __aenter__(self) -> Transport:
         return self
@@ -90,18 +93,34 @@ class Transport:
 
     async def _request(self, message: msgspec.Struct, timeout: float | None = None) -> NodeStatus:
         action, limit = ACTION_OF[type(message)], self.REQUEST_TIMEOUT_S if timeout is None else timeout
+        joined = asyncio.Event() if isinstance(message, JoinRequest) else None
+        if joined is not None:
+            self._joined = joined
         try:
-            status = await self._send(action, message, limit)
-        except ServerRejected as exc:
-            # Sent with a secret a join replaced meanwhile (a rejoin racing a report or poll): about the old
-            # record, not a takeover. Once more, with the new one.
-            sent_with = getattr(message, "credential", "")
-            if exc.code != ErrorCode.FORBIDDEN.value or not sent_with or sent_with == self.credential:
-                raise
-            status = await self._send(action, msgspec.structs.replace(message, credential=self.credential), limit)
-        if status.credential:            # a join made this node's record afresh: a new secret
-            self.credential = status.credential
-        return status
+            try:
+                status = await self._send(action, message, limit)
+            except ServerRejected as exc:
+                # Sent with a secret a join replaced meanwhile (a rejoin racing a report or poll): about the old
+                # record, not a takeover. Once more, with the new one: where the join's reply is not in yet (the
+                # refusal came first), once it is.
+                sent_with = getattr(message, "credential", "")
+                if exc.code != ErrorCode.FORBIDDEN.value or not sent_with:
+                    raise
+                if sent_with == self.credential and joined is None and self._joined is not None:
+                    with contextlib.suppress(asyncio.TimeoutError):
+                        await asyncio.wait_for(self._joined.wait(), limit)
+                if sent_with == self.credential:
+                    raise
+                status = await self._send(action, msgspec.structs.replace(message, credential=self.credential),
+                                          limit)
+            if status.credential:            # a join made this node's record afresh: a new secret
+                self.credential = status.credential
+            return status
+        finally:
+            if joined is not None:
+                joined.set()
+                if self._joined is joined:
+                    self._joined = None
 
     def _for_node(self, cls: type[R], **fields: Any) -> R:
         """A request of type `cls` from this node, carrying its credential."""

@@ -9,6 +9,7 @@ import pytest
 from node_agent.client.transport import ServerRejected, ServerUnreachable, Transport
 from node_agent.core.facts import Fact, ServerNotReached, ServerRefused, StatusReceived
 from node_agent.server_link import ServerLink
+from protocol.errors import ErrorCode
 from protocol.messages import (
     FailureReport,
     JobConfig,
@@ -219,3 +220,47 @@ async def test_prompt_polls_go_one_at_a_time_each_try_with_the_news_then(link) -
     assert [a for a, _ in client.sent].count("poll") == 2
     sl.poll_now()
     assert (await client.until_sent(5))[-1] == "poll"
+
+
+class Rejoining(Transport):
+    """A server that made this node's record afresh: a report with the old secret is refused (FORBIDDEN) at once, the
+    join's reply (the new secret) comes when the test lets it."""
+
+    def __init__(self) -> None:
+        super().__init__("n1")
+        self.credential = "old"
+        self.gate = asyncio.Event()
+        self.refused = asyncio.Event()
+        self.sent: list[tuple[str, str]] = []
+
+    async def _send(self, action: str, message: object, timeout: float) -> NodeStatus:
+        self.sent.append((action, getattr(message, "credential", "")))
+        if action == "join":
+            await self.gate.wait()
+            return NodeStatus(job_id="j", job_state=JobState.RUNNING, node_state=NodeState.WAITING, round_id=-1,
+                              restart_count=0, credential="new")
+        if getattr(message, "credential", "") != "new":
+            self.refused.set()
+            raise ServerRejected(ErrorCode.FORBIDDEN, "the credential is not node n1's: another agent joined with "
+                                                      "this node id and took the node over (or the request is forged)")
+        return STATUS
+
+
+async def test_a_report_refused_before_the_rejoins_reply_is_sent_again_with_the_new_secret() -> None:
+    """Seen end to end: an agent stopped (SIGSTOP) past its lease rejoins while reporting its workers' failure; the
+    report's refusal came before the join's reply, and the agent took it for a takeover and stopped."""
+    t = Rejoining()
+    join = asyncio.create_task(t.join(addr="a", host="h", local_world_size=1, master_port=1, config=JobConfig(),
+                                      instance="i", role="default"))
+    report = asyncio.create_task(t.report_failure(1, [WorkerFailure(local_rank=0, rank=0, exitcode=1)]))
+    await asyncio.wait_for(t.refused.wait(), LIMIT)
+    assert not report.done()                   # waiting for the join's reply, not refused
+    t.gate.set()
+    await asyncio.wait_for(asyncio.gather(join, report), LIMIT)
+    assert t.sent == [("join", "old"), ("failure", "old"), ("failure", "new")] and t.credential == "new"
+
+
+async def test_a_refused_report_with_no_join_in_flight_is_a_takeover() -> None:
+    t = Rejoining()
+    with pytest.raises(ServerRejected):
+        await t.report_failure(1, [WorkerFailure(local_rank=0, rank=0, exitcode=1)])
