@@ -29,6 +29,7 @@ from rdzv_server.delivery.connection import IN_PROCESS, Connection
 from rdzv_server.delivery.holds import with_hold
 from rdzv_server.delivery.hub import Hub
 from rdzv_server.delivery.long_poll import long_poll
+from rdzv_server.logs import EVENT_LINES, EVENT_WINDOW_S, EventLines
 from rdzv_server.serving import Serving
 from rdzv_server.store.api import Store
 from rdzv_server.store.persistence import Durability, NotDurable, Persister, StoreUnavailable
@@ -60,6 +61,7 @@ class Coordinator:
         """`store`: the durable store, opened (None: memory only); `loop_lag`: the lag meter (None: in-process)."""
         self.core = core or Rendezvous()
         self.clock = clock
+        self.event_lines = EventLines()
         self.store = store
         self.persister: Durability = self._durability()
         self.loop_lag = loop_lag
@@ -158,8 +160,13 @@ class Coordinator:
         """After any core call: drain its outbox once and hand each effect to its consumer."""
         effects = self.core.take_effects()
         for job, ev in effects.events:
-            log.info("%s", ev.message, extra={"job_id": job.job_id, "event": ev.kind.value, "node_id": ev.node_id,
-                                              "round_id": ev.round_id})
+            show, skipped = self.event_lines.admit(job.job_id, ev.kind.value, time.monotonic())
+            if skipped:
+                log.info("%d more %s events were not logged (past %d in %gs; the job's history has the latest)",
+                         skipped, ev.kind.value, EVENT_LINES, EVENT_WINDOW_S, extra={"job_id": job.job_id})
+            if show:
+                log.info("%s", ev.message, extra={"job_id": job.job_id, "event": ev.kind.value,
+                                                  "node_id": ev.node_id, "round_id": ev.round_id})
         for listener in self.effect_listeners:
             listener(effects)
         self.persister.note(effects)
