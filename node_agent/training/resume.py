@@ -41,7 +41,7 @@ def agree(where: str, fits: Callable[[dict[str, Any]], str | None],
         lender[0] = lend_file(step, where, held)
         return reduce_min(1 if held or (lender[0] >= 0 and accept(step)) else 0) == 1
 
-    step = snapshot.agreed_step(reduce_min, where, accept, lend if replicas and world() > 1 else None)
+    step = snapshot.agreed_step(reduce_min, where, accept, lend if replicas and world() > 1 else None, reduce_sum)
     return None if step is None else (step, accepted[step], lender[0] if lender[0] >= 0 else rank())
 
 
@@ -122,10 +122,19 @@ def read(step: int, where: str) -> dict[str, Any] | str:
 
 def reduce_min(x: int) -> int:
     """MIN over every rank of the default process group (itself when there is none)."""
+    return _reduce(x, dist.ReduceOp.MIN)
+
+
+def reduce_sum(x: int) -> int:
+    """SUM over every rank of the default process group (itself when there is none)."""
+    return _reduce(x, dist.ReduceOp.SUM)
+
+
+def _reduce(x: int, op: Any) -> int:
     if not (dist.is_available() and dist.is_initialized()):
         return x
     t = torch.tensor([x], dtype=torch.int64, device=_device())
-    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    dist.all_reduce(t, op=op)
     return int(t.item())
 
 

@@ -89,7 +89,8 @@ def newest(where: str | None = None) -> int | None:
 
 def agreed_step(reduce_min: Callable[[int], int], where: str | None = None,
                 accept: Callable[[int], bool] | None = None,
-                lend: Callable[[int, bool], bool] | None = None) -> int | None:
+                lend: Callable[[int, bool], bool] | None = None,
+                reduce_sum: Callable[[int], int] | None = None) -> int | None:
     """The newest step every rank holds (and, given `accept`, every rank accepts), or None (then load from disk, or
     start from scratch). `reduce_min(x)` returns the minimum of x over all ranks (every rank calls it the same number
     of times), e.g. an all_reduce with ReduceOp.MIN of a one-element tensor. `accept(step)` is each rank's check of
@@ -97,13 +98,16 @@ def agreed_step(reduce_min: Callable[[int], int], where: str | None = None,
     older one that all hold, so the job never loads a mix of steps. With `lend` (every rank's state a replica of
     every other's), the step is the newest every rank that holds any holds, and `lend(step, held)` (every rank
     calls it) hands a replica's file to the ranks that do not hold it: whether every rank now holds and accepts it.
-    A rank whose steps are all older than every step some replica holds is behind the job: it is lent too."""
+    With `reduce_sum` too (SUM over all ranks), the ranks whose newest step is the candidate are behind the job where
+    at least as many lack it and hold newer ones (a node back in an elastic job after the others trained on without
+    it, or one whose writes failed): they are lent the newer one. Where fewer do, the newer steps are the odd ones
+    (a node that diverged and was held out, say): those ranks are lent the candidate, as before."""
     where = where or directory()
     if where is not None:
         _await_copy(where)
         _forget_unfinished(where)
     below: int | None = None      # only steps older than this one are still candidates
-    behind = False                # (with `lend`) every step this rank holds is older than all a replica holds
+    behind = False                # (with `lend`) this rank's newest step is older than most replicas' (until a refusal)
     while True:
         held = [s for s in steps(where) if below is None or s < below] if where is not None and not behind else []
         step = reduce_min(held[-1] if held else -1 if lend is None else NONE_HELD)
@@ -111,12 +115,13 @@ def agreed_step(reduce_min: Callable[[int], int], where: str | None = None,
             forget_after(-1, where)      # the job goes back to disk: these steps are not its future
             return None
         has = where is not None and os.path.exists(path(step, where))
-        # A replica that lacks the step but holds newer ones went on without its holders (a node back in an
-        # elastic job after the others trained on, or one whose writes failed): they are lent a newer one instead
-        # of taking every rank back.
-        if lend is not None and reduce_min(0 if not has and held and held[-1] > step else 1) == 0:
-            behind = behind or (bool(held) and held[-1] == step)
-            continue
+        if lend is not None and reduce_sum is not None:
+            ahead = not has and bool(held) and held[-1] > step
+            at = bool(held) and held[-1] == step
+            counts = reduce_sum((1 << 32) * ahead + at)
+            if counts >> 32 and counts >> 32 >= counts & 0xFFFFFFFF:     # as many ahead as at it, or more
+                behind = behind or at
+                continue
         ok = (has and (accept is None or accept(step))) or (lend is not None and not has)
         if reduce_min(1 if ok else 0) == 1:
             if lend is not None and not lend(step, has):
@@ -125,7 +130,7 @@ def agreed_step(reduce_min: Callable[[int], int], where: str | None = None,
             forget_after(step, where)
             heartbeat.resumed(step)       # the agent's probe: steps redone after this restore
             return step
-        below = step
+        below, behind = step, False       # a refusal: every rank's older steps are candidates again
 
 
 def _await_copy(where: str) -> None:

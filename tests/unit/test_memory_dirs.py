@@ -264,6 +264,17 @@ def reduce_min_of(rank: int, barrier: threading.Barrier, values: list[int]):
     return reduce_min
 
 
+def reduce_sum_of(rank: int, barrier: threading.Barrier, values: list[int]):
+    """As reduce_min_of, the sum."""
+    def reduce_sum(x: int) -> int:
+        values[rank] = x
+        barrier.wait()
+        total = sum(values)
+        barrier.wait()
+        return total
+    return reduce_sum
+
+
 def ranks_agree(held: list[list[int]], refused: dict[int, set[int]] | None = None):
     """(the results, a rank's body): agreed_step on every rank at once, each in a thread, with a
     `reduce_min` that sees all ranks' values (a stand-in for all_reduce)."""
@@ -355,11 +366,14 @@ def test_forget_after_removes_only_the_newer_snapshots_of_every_rank(tmp_path) -
 
 @pytest.mark.parametrize(("held", "agreed"), [
     ([[5, 10], [5, 10], []], 10),      # a node that joined a growing job holds nothing: lent the others' newest
-    ([[10], [5], [5]], 10),            # one snapshot each (keep=1), rank 0 one ahead: the others are lent its 10
+    ([[10], [5], [5]], 5),             # rank 0 alone ahead (one snapshot each, keep=1): lent 5, as the most hold
+    ([[10], [10], [5]], 10),           # most ahead: rank 2 is lent their 10
     # a node back in an elastic job after the others trained on (or one whose writes failed): lent their newest
     # step all hold, not taking every rank back to its own
     ([[195, 200], [190, 195], [70, 75], [70, 75]], 195),
     ([[195, 200], [195, 200], [75]], 200),
+    # one node's newer step, the others' older (a node that diverged at 150 and was held out, back): not followed
+    ([[130, 140], [130, 140], [150]], 140),
     ([[], [], []], None),              # nobody holds anything: nothing to lend
 ])
 def test_replicas_lend_the_step_they_agree_on_to_the_ranks_that_lack_it(tmp_path, held, agreed) -> None:
@@ -381,7 +395,8 @@ def test_replicas_lend_the_step_they_agree_on_to_the_ranks_that_lack_it(tmp_path
                 snapshot.save((lender / f"step-{step}").read_bytes(), step, where=str(dirs[rank]), keep=3)
             barrier.wait()
             return True
-        results[rank] = snapshot.agreed_step(reduce_min_of(rank, barrier, values), str(dirs[rank]), lend=lend)
+        results[rank] = snapshot.agreed_step(reduce_min_of(rank, barrier, values), str(dirs[rank]), lend=lend,
+                                             reduce_sum=reduce_sum_of(rank, barrier, values))
 
     for rank, steps in enumerate(held):
         dirs[rank].mkdir()
@@ -396,3 +411,42 @@ def test_replicas_lend_the_step_they_agree_on_to_the_ranks_that_lack_it(tmp_path
     if agreed is not None:
         assert all((d / f"step-{agreed}").read_bytes() == b"s%d" % agreed for d in dirs)
         assert all(max(snapshot.steps(str(d))) == agreed for d in dirs)     # nothing newer than the step kept
+
+
+@pytest.mark.parametrize(("held", "refused", "agreed"), [
+    ([[100], [200]], {1: {200}}, 100),         # the newer step refused: the older one is every rank's again
+    ([[100], [50, 200]], {1: {200}}, 100),
+])
+def test_a_rank_behind_a_refused_step_is_a_candidate_again(tmp_path, held, refused, agreed) -> None:
+    """A review found that a rank marked behind stayed behind once the newer step was refused: its good snapshot went
+    with every other (back to disk)."""
+    n = len(held)
+    barrier = threading.Barrier(n)
+    values: list[int] = [0] * n
+    has: list[bool] = [False] * n
+    results: list[int | None] = [None] * n
+    dirs = [tmp_path / str(rank) for rank in range(n)]
+
+    def run(rank: int) -> None:
+        def lend(step: int, held_it: bool) -> bool:
+            has[rank] = held_it
+            barrier.wait()
+            if not held_it:
+                lender = dirs[has.index(True)]
+                snapshot.save((lender / f"step-{step}").read_bytes(), step, where=str(dirs[rank]), keep=3)
+            barrier.wait()
+            return True
+        results[rank] = snapshot.agreed_step(reduce_min_of(rank, barrier, values), str(dirs[rank]),
+                                             accept=lambda step: step not in refused.get(rank, set()), lend=lend,
+                                             reduce_sum=reduce_sum_of(rank, barrier, values))
+
+    for rank, steps in enumerate(held):
+        dirs[rank].mkdir()
+        for step in steps:
+            snapshot.save(b"s%d" % step, step, where=str(dirs[rank]), keep=3)
+    threads = [threading.Thread(target=run, args=(rank,)) for rank in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert results == [agreed] * n
