@@ -39,29 +39,40 @@ def build_round(job: JobRecord, members: list[str], round_id: int, opened_at: fl
                     replicas=replicas, replica_key=job.replica_key, run=run_of(job),
                     resume_at_most=job.resume_at_most)
     job.resume_at_most = -1           # told once: to the round that resumes
-    took = {**fetches_pending(job, members, took or {}), **(took or {})}
+    pending = fetches_pending(job, members, took or {})
+    took = {**{m: place[0] for m, place in pending.items()}, **(took or {})}
     if replicas and took:
         last = job.round
-        r.copies = copies_held(lambda gone: place_of(last, gone) if last is not None else job.place_copies.get(gone),
-                               took, r, lambda gone: own_source(job, gone, nodes))
+
+        def place(gone: str) -> PlaceCopies | None:      # the last round's, or the one a pending fetch was told
+            found = place_of(last, gone) if last is not None else job.place_copies.get(gone)
+            return found or next((p for g, p in pending.values() if g == gone), None)
+
+        r.copies = copies_held(place, took, r, lambda gone: own_source(job, gone, nodes))
         for newcomer, (gone, *_) in r.copies.items():
-            job.nodes[newcomer].fetch_of = gone
+            told = place(gone)
+            # Told again while it holds nothing, but not past a cap (replicas diverged): a fetch told again would
+            # carry none, and bring back the gone node's newest, the step the job went back from.
+            if told is not None and r.resume_at_most < 0:
+                job.nodes[newcomer].fetch_of, job.nodes[newcomer].fetch_place = gone, told
+            else:
+                job.nodes[newcomer].fetch_of, job.nodes[newcomer].fetch_place = "", None
     return r
 
 
-def fetches_pending(job: JobRecord, members: list[str], took: dict[str, str]) -> dict[str, str]:
+def fetches_pending(job: JobRecord, members: list[str], took: dict[str, str]) -> dict[str, tuple[str, PlaceCopies]]:
     """Members told in an earlier round to fetch a gone node's copies whose polls since say they hold no snapshot
-    of their own (its holder was lost mid-fetch, say): told again, else their ranks hold nothing and every rank
-    goes back to disk with them. One whose poll shows a snapshot is done with it."""
-    out: dict[str, str] = {}
+    of their own (its holder was lost mid-fetch, say), with where those copies were: told again, else their ranks
+    hold nothing and every rank goes back to disk with them. One whose poll shows a snapshot is done with it."""
+    out: dict[str, tuple[str, PlaceCopies]] = {}
     for m in members:
         node = job.nodes[m]
-        if not node.fetch_of or m in took or node.copies is None:
+        if not node.fetch_of or node.fetch_place is None or m in took or node.copies is None:
             continue
         if node.copies.local_step >= 0:
-            node.fetch_of = ""
+            node.fetch_of, node.fetch_place = "", None
         else:
-            out[m] = node.fetch_of
+            out[m] = (node.fetch_of, node.fetch_place)
     return out
 
 

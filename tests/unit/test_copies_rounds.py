@@ -240,3 +240,42 @@ def test_racks_in_blocks_spread_their_copies_evenly_and_every_member_has_a_holde
         assert a is not None and len(a.replicas) == 1, n
         held[a.replicas[0].addr] = held.get(a.replicas[0].addr, 0) + 1
     assert max(held.values()) == 1 and len(held) == 256     # each member holds one other's copies
+
+
+def test_a_spares_fetch_its_holder_was_lost_during_is_told_again_where_the_copies_were() -> None:
+    """The gone node b is in no round since: where its copies were is kept with the fetch (a review found the spare
+    told nothing again: b's place was looked up in the last round only)."""
+    from protocol.notes import CopiesNote
+    fixed = JobConfig(min_nodes=3, max_nodes=3, lease_timeout_s=5.0, last_call_s=0.0)
+    rz = started({"a": "1", "b": "2", "c": "3"}, fixed)
+    join(rz, "s", 0.5, fixed, domain="4")
+    for t in (1.0, 2.0, 3.0, 4.0, 5.0):                 # b lost: the spare s takes its place
+        for n in ("a", "c", "s"):
+            poll(rz, n, t)
+    rz.tick(rz.next_deadline())
+    r = rz.jobs[JOB].round
+    assert r is not None and r.members == ["a", "s", "c"], r
+    s = rz.view(JOB, "s", 6.0).assignment
+    assert s is not None and s.copies_of == "b" and s.copies_at == Witness(addr="10.0.0.3", port=4000)
+    rz.handle(JOB, PollRequest(v=1, node_id="s", credential="secret-s", copies=CopiesNote(local_step=-1)), 6.5)
+    for t in (7.0, 8.0, 9.0, 10.0, 11.0, 12.0, 13.0):   # c, holding b's copies, lost mid-fetch
+        for n in ("a", "s"):
+            poll(rz, n, t)
+    rz.tick(rz.next_deadline())
+    assert "c" not in rz.jobs[JOB].nodes
+    rejoin(rz, "c", 14.0, fixed, 2, "3")                # back, its memory kept
+    again = rz.view(JOB, "s", 14.0).assignment
+    assert again is not None and again.copies_of == "b" and again.copies_at == Witness(addr="10.0.0.3", port=4000)
+
+
+def test_a_fetch_told_with_a_cap_is_not_told_again_without_it() -> None:
+    """Replicas diverged: the round resumes at most at step 140 and its fetch wants that step. Told again later, a
+    fetch would carry no cap and bring back the gone node's newest (the diverged one): it is not kept to be told."""
+    fixed = JobConfig(min_nodes=3, max_nodes=3, lease_timeout_s=5.0, last_call_s=0.0)
+    rz = started({"a": "1", "b": "2", "c": "3"}, fixed)
+    outlive(rz, ("a", "c"))
+    rz.jobs[JOB].resume_at_most = 140
+    rejoin(rz, "b", 7.0, fixed, 2, "2")
+    b = rz.view(JOB, "b", 7.0).assignment
+    assert b is not None and b.copies_of == "b" and b.resume_at_most == 140
+    assert rz.jobs[JOB].nodes["b"].fetch_of == "" and rz.jobs[JOB].nodes["b"].fetch_place is None
