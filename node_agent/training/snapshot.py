@@ -8,8 +8,9 @@ agent imports this): `save` takes bytes or a callable writing into a file, e.g.
   Before writing, `save` drops all but the newest `keep - 1`, so at most `keep` files exist and the last
   complete one survives a failed write.
 - What is kept plus the new snapshot must fit the limit: where it does not, older snapshots go too, oldest first
-  (a limit that holds fewer than `keep` keeps the newest); where the new one alone does not fit (or /dev/shm is
-  full) `save` raises `MemoryDirFull` naming the limit and sizes, leaving no partial file. Catch it and train on:
+  (a limit that holds fewer than `keep` keeps the newest; a writer's snapshot is taken to be the size of the
+  newest kept); where the new one alone does not fit (or /dev/shm is full) `save` raises `MemoryDirFull` naming
+  the limit and sizes, leaving no partial file. Catch it and train on:
   the agent never stops training for it.
 - All ranks resume from the same step: `agreed_step` takes the MIN of every rank's newest step, then checks
   every rank holds (and accepts) it (a rank that lost its copy, e.g. a replaced node, sends everyone back to disk).
@@ -203,8 +204,10 @@ def save(data: bytes | Writer, step: int, *, where: str | None = None, keep: int
         raise FileNotFoundError(f"no memory directory (${DIR_VAR} is not set)")
     bound = max_bytes if max_bytes is not None else limit()
     made = make_room(step, where, keep)
-    if isinstance(data, bytes | bytearray):
-        made = fit(made, step, where, len(data), bound)
+    kept = [s for s in steps(where) if s != step and s not in made.dropped]
+    # A writer's size is known once written: taken to be the newest kept snapshot's (a state keeps its size)
+    new = len(data) if isinstance(data, bytes | bytearray) else size(path(kept[-1], where)) if kept else 0
+    made = fit(made, step, where, new, bound)
     for old in made.dropped:
         remove(path(old, where))
     room = None if bound is None else bound - made.kept

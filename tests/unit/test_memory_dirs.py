@@ -213,22 +213,27 @@ def test_save_keeps_the_newest_and_never_leaves_a_partial_file(tmp_path) -> None
     assert snapshot.newest(where) == 4
 
 
-def test_a_limit_that_holds_fewer_than_keep_keeps_the_newest(tmp_path) -> None:
-    """Refusing the new one would keep the oldest for ever: every later step refused, the job resuming from it."""
-    where = str(tmp_path)
-    snapshot.save(b"a" * 600, 1, where=where, max_bytes=1000)
-    assert snapshot.save(b"b" * 600, 2, where=where, max_bytes=1000) == str(tmp_path / "step-2")
-    assert os.listdir(where) == ["step-2"]
-    with pytest.raises(snapshot.MemoryDirFull):                # one that does not fit alone: the last one stays
-        snapshot.save(b"c" * 1001, 3, where=where, max_bytes=1000)
-    assert os.listdir(where) == ["step-2"]
-
-
-def test_a_snapshot_written_past_the_limit_raises_memory_dir_full_and_keeps_the_last_one(tmp_path) -> None:
-    """A writer's size is known only as it writes: there the limit refuses it, the kept ones stay."""
+@pytest.mark.parametrize("as_writer", [False, True])
+def test_a_limit_that_holds_fewer_than_keep_keeps_the_newest(tmp_path, as_writer) -> None:
+    """Refusing the new one would keep the oldest for ever: every later step refused, the job resuming from it.
+    A writer's size is known once written: taken to be the newest kept snapshot's."""
     where = str(tmp_path)
     snapshot.save(b"a" * 600, 1, where=where, max_bytes=1000)
     data = b"b" * 600
+    for step in (2, 3):
+        got = snapshot.save((lambda f: f.write(data)) if as_writer else data, step, where=where, max_bytes=1000)
+        assert got == str(tmp_path / f"step-{step}") and os.listdir(where) == [f"step-{step}"]
+    with pytest.raises(snapshot.MemoryDirFull):                # one that does not fit alone: the last one stays
+        snapshot.save(b"c" * 1001, 4, where=where, max_bytes=1000)
+    assert os.listdir(where) == ["step-3"]
+
+
+def test_a_snapshot_written_past_the_limit_raises_memory_dir_full_and_keeps_the_last_one(tmp_path) -> None:
+    """A writer larger than the newest kept snapshot (which room was made for) is refused as it writes: the kept
+    ones stay."""
+    where = str(tmp_path)
+    snapshot.save(b"a" * 300, 1, where=where, max_bytes=1000)
+    data = b"b" * 800
 
     def writer(f) -> None:   # like torch.save: finishes its file even after a refused write
         try:
@@ -240,8 +245,8 @@ def test_a_snapshot_written_past_the_limit_raises_memory_dir_full_and_keeps_the_
         snapshot.save(writer, 2, where=where, max_bytes=1000)
     message = str(caught.value)
     assert "snapshot of step 2 does not fit the memory directory" in message
-    assert "limit 1000 bytes" in message and "600 bytes kept in 1 older snapshot" in message
-    assert "400 bytes left" in message
+    assert "limit 1000 bytes" in message and "300 bytes kept in 1 older snapshot" in message
+    assert "700 bytes left" in message
     assert os.listdir(where) == ["step-1"]
 
 
