@@ -110,7 +110,7 @@ def _new_record(rules: JobRules, req: JoinRequest, now: float, credential: str, 
         rules.out.deadline(now + PREPARE_LIMIT_S)
     if previous is not None:
         node.failure_times, node.exclusions = list(previous.failure_times), previous.exclusions
-        node.excluded_until = previous.excluded_until
+        node.excluded_until, node.held_off = previous.excluded_until, previous.held_off
     job.nodes[node.node_id] = node
     rules.node_changed(node.node_id)
     seen = f" (connected from {node.seen_from})" if node.seen_from and not same_host(node.seen_from, node.addr) \
@@ -143,11 +143,13 @@ def _place(rules: JobRules, node: NodeRecord, now: float) -> None:
                   and leases.live(n, now)]
         hold = min(cfg.exclude_lost_cooldown_s * 2 ** (losses - cfg.exclude_lost_after), cfg.exclude_cooldown_max_s)
         if len(others) < cfg.min_nodes:
+            if node.held_off:                # a hold-off of an earlier return ends too
+                node.excluded_until, node.held_off = min(node.excluded_until, now), False
             rules.record(now, EventKind.NODE_JOINED, f"node {node.node_id} was lost {losses} times within "
                          f"{cfg.exclude_window_s:g}s, but is not kept out: the job needs {cfg.min_nodes} nodes and "
                          f"has {len(others)} without it", node.node_id)
         elif now + hold > node.excluded_until:
-            node.excluded_until = now + hold
+            node.excluded_until, node.held_off = now + hold, True
             why = f"it was lost {losses} times within {cfg.exclude_window_s:g}s: a flapping host"
     if node.excluded_until > now:
         places.move(job, node, NodeState.EXCLUDED)

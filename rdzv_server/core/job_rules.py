@@ -109,6 +109,11 @@ class JobRules:
             if node.excluded_until <= now:
                 self.record(now, EventKind.NODE_READMITTED, f"node {nid} finished its exclusion cooldown", nid)
                 self.admit(node, now)
+            elif node.held_off and job.state == JobState.WAITING:   # flap damping only stops a job short of nodes
+                node.excluded_until, node.held_off = now, False
+                self.record(now, EventKind.NODE_READMITTED, f"node {nid}'s hold-off as a flapping host ends: the "
+                            f"job waits for nodes", nid)
+                self.admit(node, now)
         self._preparing_too_long(now)
         if job.last_call_deadline is not None and job.last_call_deadline <= now:
             job.last_call_deadline = None
@@ -210,6 +215,8 @@ class JobRules:
             job.round = None
             job.state = JobState.WAITING
             places.seat(job, (), chosen + preparing, rest)
+            if any(job.nodes[n].held_off for n in job.excluded):
+                self.out.deadline(now)        # the next tick lets a flapping host's hold-off end
             if job.join_deadline is None:
                 job.join_deadline = now + cfg.join_timeout_s
                 self.out.deadline(job.join_deadline)

@@ -37,6 +37,7 @@ class NodeRecord(msgspec.Struct, kw_only=True):
     checks_due: bool = False           # a suspect: not ready until its agent's checks pass again (suspects.py)
     exclusions: int = 0                # how often it was excluded (cooldown doubles each time)
     excluded_until: float = 0.0
+    held_off: bool = False             # excluded_until is flap damping's hold-off, not a failures' exclusion
     credential_digest: str = ""        # sha256 of the secret its join was given ("": none was issued)
     credential_used: bool = False      # a request has carried that secret: its agent has it (admission.py)
     seen_from: str = ""                # the address its join came from (as the server saw it)

@@ -393,3 +393,37 @@ def test_a_flapping_host_a_job_cannot_run_without_is_not_kept_out():
     said = [e.message for e in job.events if "not kept out" in e.message]
     assert len(said) == 1 and "needs 3 nodes and has 2" in said[0]
     assert not [e for e in job.events if e.kind == EventKind.NODE_EXCLUDED]
+
+
+def test_a_flapping_hosts_hold_off_ends_when_the_job_is_short_of_nodes():
+    """A review found a held-off host, alive, kept out while the job stood still: a's hold-off began while the spare s
+    could take its place; once s is lost too, the job waits for nodes, and a's hold-off ends."""
+    c = JobConfig(min_nodes=2, max_nodes=2, last_call_s=0.0, lease_timeout_s=LEASE, join_timeout_s=1e4)
+    rz = Rendezvous()
+
+    def join(n: str, t: float, instance: str) -> None:
+        rz.handle("j", JoinRequest(v=1, node_id=n, addr="10.0.0.1", local_world_size=1, master_port=1, config=c,
+                                 instance=instance), t)
+
+    for n in ("a", "b", "s"):
+        join(n, 0.0, n)
+    job = rz.jobs["j"]
+    t = 0.0
+    for flap in (1, 2):               # a's agent dies twice: s takes its place, then a comes back
+        down_at = t
+        while t < down_at + 7.0:
+            t += 1.0
+            for n in ("b", "s"):
+                if n in job.nodes:
+                    poll(rz, n, t)
+            rz.tick(t)
+        join("a", t, f"a{flap}")
+    assert job.nodes["a"].state == "excluded" and sorted(job.round.members) == ["b", "s"]
+    down_at = t
+    while t < down_at + 7.0:          # s lost: the job is short of nodes; a, held off, polls on
+        t += 1.0
+        for n in ("a", "b"):
+            poll(rz, n, t)
+        rz.tick(t)
+    assert "s" not in job.nodes and job.round is not None and sorted(job.round.members) == ["a", "b"]
+    assert any("hold-off as a flapping host ends" in e.message for e in job.events)
