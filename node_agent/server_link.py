@@ -136,9 +136,10 @@ class ServerLink:
             return call()
 
         try:
-            status = await until_answered(
-                timed_call, on_unreachable=lambda exc: self._put(ServerNotReached(request, str(exc))),
-                path_back=self._client.path_back)
+            async with self._client.joining() if request is JoinRequest else contextlib.nullcontext():
+                status = await until_answered(
+                    timed_call, on_unreachable=lambda exc: self._put(ServerNotReached(request, str(exc))),
+                    path_back=self._client.path_back)
         except ServerRejected as exc:
             self._put(ServerRefused(request, exc.code, exc.message))
             return

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
+from collections.abc import AsyncIterator
 from typing import Any, Literal, TypeVar
 
 import msgspec
@@ -91,9 +92,22 @@ class Transport:
         """Whether the server answers a fresh connection now (path_check.py)."""
         return Path.REACHED
 
+    @contextlib.asynccontextmanager
+    async def joining(self) -> AsyncIterator[None]:
+        """A join under way, its tries and the pauses between them included (ServerLink): a refusal of a request sent
+        with the secret it may replace waits for it (_request), as for one try in flight."""
+        joined = asyncio.Event()
+        outer, self._joined = self._joined, joined
+        try:
+            yield
+        finally:
+            joined.set()
+            if self._joined is joined:
+                self._joined = outer
+
     async def _request(self, message: msgspec.Struct, timeout: float | None = None) -> NodeStatus:
         action, limit = ACTION_OF[type(message)], self.REQUEST_TIMEOUT_S if timeout is None else timeout
-        joined = asyncio.Event() if isinstance(message, JoinRequest) else None
+        joined = asyncio.Event() if isinstance(message, JoinRequest) and self._joined is None else None
         if joined is not None:
             self._joined = joined
         try:
@@ -106,7 +120,7 @@ class Transport:
                 sent_with = getattr(message, "credential", "")
                 if exc.code != ErrorCode.FORBIDDEN.value or not sent_with:
                     raise
-                if sent_with == self.credential and joined is None and self._joined is not None:
+                if sent_with == self.credential and not isinstance(message, JoinRequest) and self._joined is not None:
                     with contextlib.suppress(asyncio.TimeoutError):
                         await asyncio.wait_for(self._joined.wait(), limit)
                 if sent_with == self.credential:

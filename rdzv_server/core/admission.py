@@ -47,13 +47,19 @@ def join(rules: JobRules, req: JoinRequest, now: float, credential: str, via: tu
     """Admit the node (again); returns the credential of a newly made record ("" otherwise).
     `via`: (the join's source address, the server's address it reached), as the shell saw them."""
     check_join(rules, req)
+    made = _admitted(rules, req, now, credential, via)
     job = rules.job
-    if req.command and not job.command:     # the first node that names its command sets the job's
+    if req.command and not job.command:     # the first node admitted that names its command sets the job's
         job.command = req.command
         rules.changed()
     if req.launcher and not job.launcher:   # and its launcher
         job.launcher = req.launcher
         rules.changed()
+    return made
+
+
+def _admitted(rules: JobRules, req: JoinRequest, now: float, credential: str, via: tuple[str, str]) -> str:
+    job = rules.job
     existing = job.nodes.get(req.node_id)
     if existing is not None and credentials.owns(existing, req.credential, req.instance):
         _rejoined(rules, existing, req, via, now)

@@ -84,8 +84,8 @@ def authenticate(kind: Kind, rules: JobRules, req: AgentRequest, now: float, hol
     credentials.proven(node)
     if kind.renews:
         (leases.hold if hold else leases.renew)(rules.job, node, now)
-    if node.unheard:
-        reports.heard(rules, node, now)
+        if node.unheard:            # (a leave is not heard: a failure held for the member leaving stays held)
+            reports.heard(rules, node, now)
     return node
 
 

@@ -264,3 +264,18 @@ async def test_a_refused_report_with_no_join_in_flight_is_a_takeover() -> None:
     t = Rejoining()
     with pytest.raises(ServerRejected):
         await t.report_failure(1, [WorkerFailure(local_rank=0, rank=0, exitcode=1)])
+
+
+async def test_a_report_refused_between_two_tries_of_a_join_waits_for_its_answer() -> None:
+    """A review found the wait covered one try: a join whose reply was lost is tried again after a pause, and a report
+    refused in that pause was taken for a takeover. ServerLink holds `joining()` over all the tries."""
+    t = Rejoining()
+    async with t.joining():                    # the first try's reply was lost; the next not yet sent
+        report = asyncio.create_task(t.report_failure(1, [WorkerFailure(local_rank=0, rank=0, exitcode=1)]))
+        await asyncio.wait_for(t.refused.wait(), LIMIT)
+        assert not report.done()
+        t.gate.set()
+        await t.join(addr="a", host="h", local_world_size=1, master_port=1, config=JobConfig(), instance="i",
+                     role="default")
+    await asyncio.wait_for(report, LIMIT)
+    assert t.sent == [("failure", "old"), ("join", "old"), ("failure", "new")]
