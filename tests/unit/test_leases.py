@@ -146,26 +146,40 @@ def test_a_loopback_rank_0_on_a_multi_host_round_gets_a_reachable_master_addr():
     assert {assignment(r, m).master_addr for r in [one_host.jobs["j"].round] for m in r.members} == {"127.0.0.1"}
 
 
-def test_a_flapping_host_is_kept_out_so_it_costs_the_others_at_most_three_rounds_in_five_minutes():
-    c = JobConfig(min_nodes=2, max_nodes=3, last_call_s=0.0, lease_timeout_s=LEASE, join_timeout_s=1e4)
+def only_heard(rz: Rendezvous, nodes: tuple[str, ...], t: float, seconds: float) -> float:
+    """`seconds` in steps of 1 s in which only `nodes` (those still known) poll, each step a tick; the time after."""
+    end = t + seconds
+    while t < end:
+        t += 1.0
+        for n in nodes:
+            if n in rz.jobs["j"].nodes:
+                poll(rz, n, t)
+        rz.tick(t)
+    return t
+
+
+def flapping_job(c: JobConfig, nodes: tuple[str, ...]):
+    """(a job of `nodes` joined at 0.0, a `join(node, t, instance)` that brings one back under a new agent)."""
     rz = Rendezvous()
 
     def join(n: str, t: float, instance: str) -> None:
         rz.handle("j", JoinRequest(v=1, node_id=n, addr="10.0.0.1", local_world_size=1, master_port=1, config=c,
                                  instance=instance), t)
 
-    for n in ("a", "b", "c"):
+    for n in nodes:
         join(n, 0.0, n)
+    return rz, join
+
+
+def test_a_flapping_host_is_kept_out_so_it_costs_the_others_at_most_three_rounds_in_five_minutes():
+    c = JobConfig(min_nodes=2, max_nodes=3, last_call_s=0.0, lease_timeout_s=LEASE, join_timeout_s=1e4)
+    rz, join = flapping_job(c, ("a", "b", "c"))
     job = rz.jobs["j"]
     first_round = job.round.round_id
     t, flaps = 0.0, 0
     while t < 300.0:                  # c: 7 s cut off (its lease lapses), 8 s back, again and again
         down_at = t
-        while t < down_at + 7.0:
-            t += 1.0
-            for n in ("a", "b"):
-                poll(rz, n, t)
-            rz.tick(t)
+        t = only_heard(rz, ("a", "b"), t, 7.0)
         flaps += 1
         join("c", t, f"c{flaps}")     # its agent reconnects (the old record was lost)
         while t < down_at + 15.0:
@@ -371,23 +385,11 @@ def test_a_connection_whose_closing_was_heard_late_in_a_silence_is_a_loss_after_
 def test_a_flapping_host_a_job_cannot_run_without_is_not_kept_out():
     """Keeping it out would stop the job (no spare, no node above the minimum) for the hold-off: admitted, said."""
     c = JobConfig(min_nodes=3, max_nodes=3, last_call_s=0.0, lease_timeout_s=LEASE, join_timeout_s=1e4)
-    rz = Rendezvous()
-
-    def join(n: str, t: float, instance: str) -> None:
-        rz.handle("j", JoinRequest(v=1, node_id=n, addr="10.0.0.1", local_world_size=1, master_port=1, config=c,
-                                 instance=instance), t)
-
-    for n in ("a", "b", "c"):
-        join(n, 0.0, n)
+    rz, join = flapping_job(c, ("a", "b", "c"))
     job = rz.jobs["j"]
     t = 0.0
     for flap in (1, 2):               # c's agent dies twice (an OOM-kill loop): its lease lapses, it comes back
-        down_at = t
-        while t < down_at + 7.0:
-            t += 1.0
-            for n in ("a", "b"):
-                poll(rz, n, t)
-            rz.tick(t)
+        t = only_heard(rz, ("a", "b"), t, 7.0)
         join("c", t, f"c{flap}")
     assert job.nodes["c"].state != "excluded" and job.round is not None and "c" in job.round.members
     said = [e.message for e in job.events if "not kept out" in e.message]
@@ -399,31 +401,13 @@ def test_a_flapping_hosts_hold_off_ends_when_the_job_is_short_of_nodes():
     """A review found a held-off host, alive, kept out while the job stood still: a's hold-off began while the spare s
     could take its place; once s is lost too, the job waits for nodes, and a's hold-off ends."""
     c = JobConfig(min_nodes=2, max_nodes=2, last_call_s=0.0, lease_timeout_s=LEASE, join_timeout_s=1e4)
-    rz = Rendezvous()
-
-    def join(n: str, t: float, instance: str) -> None:
-        rz.handle("j", JoinRequest(v=1, node_id=n, addr="10.0.0.1", local_world_size=1, master_port=1, config=c,
-                                 instance=instance), t)
-
-    for n in ("a", "b", "s"):
-        join(n, 0.0, n)
+    rz, join = flapping_job(c, ("a", "b", "s"))
     job = rz.jobs["j"]
     t = 0.0
     for flap in (1, 2):               # a's agent dies twice: s takes its place, then a comes back
-        down_at = t
-        while t < down_at + 7.0:
-            t += 1.0
-            for n in ("b", "s"):
-                if n in job.nodes:
-                    poll(rz, n, t)
-            rz.tick(t)
+        t = only_heard(rz, ("b", "s"), t, 7.0)
         join("a", t, f"a{flap}")
     assert job.nodes["a"].state == "excluded" and sorted(job.round.members) == ["b", "s"]
-    down_at = t
-    while t < down_at + 7.0:          # s lost: the job is short of nodes; a, held off, polls on
-        t += 1.0
-        for n in ("a", "b"):
-            poll(rz, n, t)
-        rz.tick(t)
+    t = only_heard(rz, ("a", "b"), t, 7.0)    # s lost: the job is short of nodes; a, held off, polls on
     assert "s" not in job.nodes and job.round is not None and sorted(job.round.members) == ["a", "b"]
     assert any("hold-off as a flapping host ends" in e.message for e in job.events)

@@ -258,26 +258,23 @@ def test_the_limit_comes_from_the_agents_variable(tmp_path, monkeypatch) -> None
     assert snapshot.save(b"x" * 100, 1) == str(tmp_path / "step-1")
 
 
-def reduce_min_of(rank: int, barrier: threading.Barrier, values: list[int]):
-    """A stand-in for all_reduce(MIN) among threads, one per rank: `rank`'s x in, every rank's minimum out."""
-    def reduce_min(x: int) -> int:
+def reduce_of(rank: int, barrier: threading.Barrier, values: list[int], op=min):
+    """A stand-in for all_reduce(op) among threads, one per rank: `rank`'s x in, `op` of every rank's out."""
+    def reduce(x: int) -> int:
         values[rank] = x
         barrier.wait()
-        low = min(values)
+        out = op(values)
         barrier.wait()
-        return low
-    return reduce_min
+        return out
+    return reduce
+
+
+def reduce_min_of(rank: int, barrier: threading.Barrier, values: list[int]):
+    return reduce_of(rank, barrier, values)
 
 
 def reduce_sum_of(rank: int, barrier: threading.Barrier, values: list[int]):
-    """As reduce_min_of, the sum."""
-    def reduce_sum(x: int) -> int:
-        values[rank] = x
-        barrier.wait()
-        total = sum(values)
-        barrier.wait()
-        return total
-    return reduce_sum
+    return reduce_of(rank, barrier, values, sum)
 
 
 def ranks_agree(held: list[list[int]], refused: dict[int, set[int]] | None = None):
@@ -369,62 +366,9 @@ def test_forget_after_removes_only_the_newer_snapshots_of_every_rank(tmp_path) -
     assert memory.forget_after(10, dirs) == []
 
 
-@pytest.mark.parametrize(("held", "agreed"), [
-    ([[5, 10], [5, 10], []], 10),      # a node that joined a growing job holds nothing: lent the others' newest
-    ([[10], [5], [5]], 5),             # rank 0 alone ahead (one snapshot each, keep=1): lent 5, as the most hold
-    ([[10], [10], [5]], 10),           # most ahead: rank 2 is lent their 10
-    # a node back in an elastic job after the others trained on (or one whose writes failed): lent their newest
-    # step all hold, not taking every rank back to its own
-    ([[195, 200], [190, 195], [70, 75], [70, 75]], 195),
-    ([[195, 200], [195, 200], [75]], 200),
-    # one node's newer step, the others' older (a node that diverged at 150 and was held out, back): not followed
-    ([[130, 140], [130, 140], [150]], 140),
-    ([[], [], []], None),              # nobody holds anything: nothing to lend
-])
-def test_replicas_lend_the_step_they_agree_on_to_the_ranks_that_lack_it(tmp_path, held, agreed) -> None:
-    """DDP: every rank's state a replica of every other's, so a rank that holds nothing or not the step is lent a
-    holder's file (here: copied between the ranks' directories, as resume.lend_file sends it) and resumes with them."""
-    n = len(held)
-    barrier = threading.Barrier(n)
-    values: list[int] = [0] * n
-    has: list[bool] = [False] * n
-    results: list[int | None] = [None] * n
-    dirs = [tmp_path / str(rank) for rank in range(n)]
-
-    def run(rank: int) -> None:
-        def lend(step: int, held_it: bool) -> bool:
-            has[rank] = held_it
-            barrier.wait()
-            if not held_it:
-                lender = dirs[has.index(True)]
-                snapshot.save((lender / f"step-{step}").read_bytes(), step, where=str(dirs[rank]), keep=3)
-            barrier.wait()
-            return True
-        results[rank] = snapshot.agreed_step(reduce_min_of(rank, barrier, values), str(dirs[rank]), lend=lend,
-                                             reduce_sum=reduce_sum_of(rank, barrier, values))
-
-    for rank, steps in enumerate(held):
-        dirs[rank].mkdir()
-        for step in steps:
-            snapshot.save(b"s%d" % step, step, where=str(dirs[rank]), keep=3)
-    threads = [threading.Thread(target=run, args=(rank,)) for rank in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(10)
-    assert results == [agreed] * n
-    if agreed is not None:
-        assert all((d / f"step-{agreed}").read_bytes() == b"s%d" % agreed for d in dirs)
-        assert all(max(snapshot.steps(str(d))) == agreed for d in dirs)     # nothing newer than the step kept
-
-
-@pytest.mark.parametrize(("held", "refused", "agreed"), [
-    ([[100], [200]], {1: {200}}, 100),         # the newer step refused: the older one is every rank's again
-    ([[100], [50, 200]], {1: {200}}, 100),
-])
-def test_a_rank_behind_a_refused_step_is_a_candidate_again(tmp_path, held, refused, agreed) -> None:
-    """A review found that a rank marked behind stayed behind once the newer step was refused: its good snapshot went
-    with every other (back to disk)."""
+def replicas_agree(tmp_path, held: list[list[int]], refused: dict[int, set[int]] | None = None):
+    """(every rank's agreed step, their directories): agreed_step with `lend` on every rank at once, a thread each; a
+    rank lacking the step is lent a holder's file (copied between the directories, as resume.lend_file sends it)."""
     n = len(held)
     barrier = threading.Barrier(n)
     values: list[int] = [0] * n
@@ -442,8 +386,8 @@ def test_a_rank_behind_a_refused_step_is_a_candidate_again(tmp_path, held, refus
             barrier.wait()
             return True
         results[rank] = snapshot.agreed_step(reduce_min_of(rank, barrier, values), str(dirs[rank]),
-                                             accept=lambda step: step not in refused.get(rank, set()), lend=lend,
-                                             reduce_sum=reduce_sum_of(rank, barrier, values))
+                                             accept=lambda step: step not in (refused or {}).get(rank, set()),
+                                             lend=lend, reduce_sum=reduce_sum_of(rank, barrier, values))
 
     for rank, steps in enumerate(held):
         dirs[rank].mkdir()
@@ -454,4 +398,37 @@ def test_a_rank_behind_a_refused_step_is_a_candidate_again(tmp_path, held, refus
         t.start()
     for t in threads:
         t.join(10)
-    assert results == [agreed] * n
+    return results, dirs
+
+
+@pytest.mark.parametrize(("held", "agreed"), [
+    ([[5, 10], [5, 10], []], 10),      # a node that joined a growing job holds nothing: lent the others' newest
+    ([[10], [5], [5]], 5),             # rank 0 alone ahead (one snapshot each, keep=1): lent 5, as the most hold
+    ([[10], [10], [5]], 10),           # most ahead: rank 2 is lent their 10
+    # a node back in an elastic job after the others trained on (or one whose writes failed): lent their newest
+    # step all hold, not taking every rank back to its own
+    ([[195, 200], [190, 195], [70, 75], [70, 75]], 195),
+    ([[195, 200], [195, 200], [75]], 200),
+    # one node's newer step, the others' older (a node that diverged at 150 and was held out, back): not followed
+    ([[130, 140], [130, 140], [150]], 140),
+    ([[], [], []], None),              # nobody holds anything: nothing to lend
+])
+def test_replicas_lend_the_step_they_agree_on_to_the_ranks_that_lack_it(tmp_path, held, agreed) -> None:
+    """DDP: every rank's state a replica of every other's, so a rank that holds nothing or not the step is lent a
+    holder's file and resumes with them."""
+    results, dirs = replicas_agree(tmp_path, held)
+    assert results == [agreed] * len(held)
+    if agreed is not None:
+        assert all((d / f"step-{agreed}").read_bytes() == b"s%d" % agreed for d in dirs)
+        assert all(max(snapshot.steps(str(d))) == agreed for d in dirs)     # nothing newer than the step kept
+
+
+@pytest.mark.parametrize(("held", "refused", "agreed"), [
+    ([[100], [200]], {1: {200}}, 100),         # the newer step refused: the older one is every rank's again
+    ([[100], [50, 200]], {1: {200}}, 100),
+])
+def test_a_rank_behind_a_refused_step_is_a_candidate_again(tmp_path, held, refused, agreed) -> None:
+    """A review found that a rank marked behind stayed behind once the newer step was refused: its good snapshot went
+    with every other (back to disk)."""
+    results, _ = replicas_agree(tmp_path, held, refused)
+    assert results == [agreed] * len(held)
