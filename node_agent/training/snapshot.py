@@ -10,8 +10,7 @@ agent imports this): `save` takes bytes or a callable writing into a file, e.g.
 - What is kept plus the new snapshot must fit the limit: where it does not, older snapshots go too, oldest first
   (a limit that holds fewer than `keep` keeps the newest; a writer's snapshot is taken to be the size of the
   newest kept); where the new one alone does not fit (or /dev/shm is full) `save` raises `MemoryDirFull` naming
-  the limit and sizes, leaving no partial file. Catch it and train on:
-  the agent never stops training for it.
+  the limit and sizes, leaving no partial file. Catch it and train on: the agent never stops training for it.
 - All ranks resume from the same step: `agreed_step` takes the MIN of every rank's newest step, then checks
   every rank holds (and accepts) it (a rank that lost its copy, e.g. a replaced node, sends everyone back to disk).
   Where every rank's state is a replica of every other's (DDP: `lend`), a rank that holds nothing (a node that

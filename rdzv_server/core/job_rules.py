@@ -227,7 +227,10 @@ class JobRules:
         job.last_round_id += 1
         last = (master_of(job.round), job.round.master_port) if job.round else \
             (job.places[0], job.places_port) if job.places else None          # the last round's store
+        fetching = {n for n in chosen if job.nodes[n].fetch_of}
         job.round = build_round(job, chosen, job.last_round_id, opened, now, why, took)
+        for nid in fetching | set(job.round.copies):      # their fetch_of set or cleared: saved
+            self.node_changed(nid)
         store_port.take(job.round, last, job.nodes[chosen[0]])
         corrected = master_correction(job.round, job.nodes[chosen[0]])
         if corrected:
