@@ -72,7 +72,7 @@ async def test_the_workers_rendezvous_on_the_store_host_which_the_stop_ends(tmp_
     try:
         await group.start()
         exits = await asyncio.wait_for(group.wait(), LIMIT * 4)
-        assert sorted(e.exitcode for e in exits) == [0, 0], console.lines("stderr")
+        assert sorted(e.exitcode for e in exits) == [0, 0], "\n".join(console.lines("stderr"))
         assert sorted(console.lines("stdout")) == ["[0] sum 3", "[1] sum 3", f"[store] {READY} {port}"]
         [store_pid] = store_hosts(port)                   # the host outlives the workers, until the stop
         assert not await asyncio.to_thread(pid_gone, store_pid, 0)
