@@ -94,8 +94,8 @@ class Transport:
 
     @contextlib.asynccontextmanager
     async def joining(self) -> AsyncIterator[None]:
-        """A join under way, its tries and the pauses between them included (ServerLink): a refusal of a request sent
-        with the secret it may replace waits for it (_request), as for one try in flight."""
+        """A join under way (each try: join; all of them and the pauses between: ServerLink): a refusal of a request
+        sent with the secret it may replace waits for it (_request)."""
         joined = asyncio.Event()
         outer, self._joined = self._joined, joined
         try:
@@ -107,34 +107,24 @@ class Transport:
 
     async def _request(self, message: msgspec.Struct, timeout: float | None = None) -> NodeStatus:
         action, limit = ACTION_OF[type(message)], self.REQUEST_TIMEOUT_S if timeout is None else timeout
-        joined = asyncio.Event() if isinstance(message, JoinRequest) and self._joined is None else None
-        if joined is not None:
-            self._joined = joined
         try:
-            try:
-                status = await self._send(action, message, limit)
-            except ServerRejected as exc:
-                # Sent with a secret a join replaced meanwhile (a rejoin racing a report or poll): about the old
-                # record, not a takeover. Once more, with the new one: where the join's reply is not in yet (the
-                # refusal came first), once it is.
-                sent_with = getattr(message, "credential", "")
-                if exc.code != ErrorCode.FORBIDDEN.value or not sent_with:
-                    raise
-                if sent_with == self.credential and not isinstance(message, JoinRequest) and self._joined is not None:
-                    with contextlib.suppress(asyncio.TimeoutError):
-                        await asyncio.wait_for(self._joined.wait(), limit)
-                if sent_with == self.credential:
-                    raise
-                status = await self._send(action, msgspec.structs.replace(message, credential=self.credential),
-                                          limit)
-            if status.credential:            # a join made this node's record afresh: a new secret
-                self.credential = status.credential
-            return status
-        finally:
-            if joined is not None:
-                joined.set()
-                if self._joined is joined:
-                    self._joined = None
+            status = await self._send(action, message, limit)
+        except ServerRejected as exc:
+            # Sent with a secret a join replaced meanwhile (a rejoin racing a report or poll): about the old
+            # record, not a takeover. Once more, with the new one: where the join's reply is not in yet (the
+            # refusal came first), once it is.
+            sent_with = getattr(message, "credential", "")
+            if exc.code != ErrorCode.FORBIDDEN.value or not sent_with:
+                raise
+            if sent_with == self.credential and not isinstance(message, JoinRequest) and self._joined is not None:
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self._joined.wait(), limit)
+            if sent_with == self.credential:
+                raise
+            status = await self._send(action, msgspec.structs.replace(message, credential=self.credential), limit)
+        if status.credential:            # a join made this node's record afresh: a new secret
+            self.credential = status.credential
+        return status
 
     def _for_node(self, cls: type[R], **fields: Any) -> R:
         """A request of type `cls` from this node, carrying its credential."""
@@ -145,11 +135,12 @@ class Transport:
                    ready: bool = True, domain: str = "", copy_port: int = 0,
                    store_per_round: bool = False, launcher: Literal["", "node-agent", "torchrun"] = "") -> NodeStatus:
         # torchrun allows an empty role (TorchX passes --role ""); the server's rule wants a name.
-        return await self._request(self._for_node(
-            JoinRequest, addr=addr, host=host, local_world_size=local_world_size, master_port=master_port,
-            config=config, instance=instance, role=role or "default", witness_port=witness_port, command=command,
-            checks=checks, ready=ready, domain=domain, copy_port=copy_port, store_per_round=store_per_round,
-            launcher=launcher))
+        async with self.joining():
+            return await self._request(self._for_node(
+                JoinRequest, addr=addr, host=host, local_world_size=local_world_size, master_port=master_port,
+                config=config, instance=instance, role=role or "default", witness_port=witness_port, command=command,
+                checks=checks, ready=ready, domain=domain, copy_port=copy_port, store_per_round=store_per_round,
+                launcher=launcher))
 
     async def poll(self, known_round: int, wait_s: float, master_port: int = 0,
                    progress: ProgressNote | None = None, ready: bool = True,

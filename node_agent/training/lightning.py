@@ -87,7 +87,7 @@ class Snapshots(Callback):
         states = loaded.get("optimizer_states") if self._restored is not None and isinstance(loaded, dict) else None
         if isinstance(states, list) and len(states) == len(trainer.optimizers) and _whole_states(trainer) \
                 and not trainer._checkpoint_connector._ckpt_path:
-            loaded["optimizer_states"] = [upload.optimizer_state_onto(state, optimizer) if _plain(state) else state
+            loaded["optimizer_states"] = [upload.optimizer_state_onto(state, optimizer)
                                           for state, optimizer in zip(states, trainer.optimizers, strict=True)]
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
@@ -135,12 +135,6 @@ def _whole_states(trainer: pl.Trainer) -> bool:
     from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, SingleDeviceStrategy
     return isinstance(trainer.strategy, DDPStrategy | SingleDeviceStrategy) \
         and not isinstance(trainer.strategy, DeepSpeedStrategy)
-
-
-def _plain(state: Any) -> bool:
-    """An optimizer's state dict as torch's optimizers make it (what upload.optimizer_state_onto reads)."""
-    return isinstance(state, dict) and isinstance(state.get("state"), dict) and isinstance(state.get("param_groups"),
-                                                                                          list)
 
 
 def _replicated(trainer: pl.Trainer, pl_module: pl.LightningModule) -> Callable[[str], bool] | None:

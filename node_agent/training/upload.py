@@ -178,7 +178,8 @@ def optimizer_state_onto(saved: dict[str, Any], optimizer: torch.optim.Optimizer
     `step`, which stays where a non-fused optimizer keeps it) copied onto that GPU: the load keeps it as it is. An
     optimizer with a load of its own, or a state that is not its, is left to its load."""
     stock = torch.optim.Optimizer
-    if type(optimizer).load_state_dict is not stock.load_state_dict or \
+    if not (isinstance(saved, dict) and isinstance(saved.get("state"), dict)) or \
+            type(optimizer).load_state_dict is not stock.load_state_dict or \
             type(optimizer)._process_value_according_to_param_policy is not \
             stock._process_value_according_to_param_policy:
         return saved
