@@ -15,6 +15,8 @@ measure (a restarted worker is a new process), each checkout in `--roots` altern
 Run: .venv/bin/python benchmarks/bench_snapshot_speed.py [--sizes 1024] [--roots .,/tmp/old] [--rounds 6]
      [--device cuda] (on a GPU node: the state on the GPU, pinned buffers, the restore into GPU tensors)
      [--pageable-too] (each write also restored as before the ring of pinned slots: restore_pageable_s)
+     [--unpacked-too] (each write measure also run copying every GPU tensor on its own, as before staging.py
+     packed the small ones: steady_held_unpacked_s, steady_complete_unpacked_gb_s)
      (make bench-snapshot-speed). An old checkout for --roots: `git worktree add /tmp/old <commit>`.
 """
 from __future__ import annotations
@@ -31,6 +33,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PAGEABLE = " (pageable)"     # a root whose restore leaves its tensors in pageable memory (no ring of pinned slots)
+UNPACKED = " (unpacked)"     # a root whose snapshots copy each GPU tensor on its own (no packed runs)
 BASE = "/dev/shm" if os.path.isdir("/dev/shm") else None
 
 CHILD = r"""
@@ -65,6 +68,9 @@ def size(model, opt):
     return sum(t.numel() * t.element_size() for _, t in tensors(tree))
 
 model, opt = build()
+if os.environ.get("BENCH_UNPACKED"):       # every GPU tensor copied on its own, as before staging.py's runs
+    from node_agent.training import staging
+    staging.SOLO = 0
 if kind == "write":
     step(model, opt)
     capture = Capture(where)
@@ -154,9 +160,10 @@ else:
 
 def child(arm: str, kind: str, where: str, mb: int, rounds: int, device: str,
           profile: str = "") -> dict[str, float]:
-    root, pageable = arm.removesuffix(PAGEABLE), arm.endswith(PAGEABLE)
+    root = arm.removesuffix(PAGEABLE).removesuffix(UNPACKED)
     env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""),
-               NODE_AGENT_MEMORY_DIR=where, BENCH_PROFILE=profile, BENCH_PAGEABLE="1" if pageable else "")
+               NODE_AGENT_MEMORY_DIR=where, BENCH_PROFILE=profile, BENCH_PAGEABLE="1" if arm.endswith(PAGEABLE) else "",
+               BENCH_UNPACKED="1" if arm.endswith(UNPACKED) else "")
     env.pop("NODE_AGENT_MEMORY_LIMIT", None)
     t0 = time.time()
     out = subprocess.run([sys.executable, "-c", CHILD, kind, where, str(mb), str(rounds), device], env=env, cwd=root,
@@ -174,13 +181,18 @@ def child(arm: str, kind: str, where: str, mb: int, rounds: int, device: str,
 
 
 def measure(roots: list[str], mb: int, rounds: int, repeat: int, device: str,
-            profile: str = "", pageable: bool = False) -> dict[str, dict[str, object]]:
+            profile: str = "", pageable: bool = False, unpacked: bool = False) -> dict[str, dict[str, object]]:
     raw: dict[str, dict[str, list[float]]] = {r: {} for r in roots}
     for n in range(repeat):
         for root in roots:                          # alternated: old, new, old, new ...
             where = tempfile.mkdtemp(prefix="bench-snap-", dir=BASE)
+            apart = tempfile.mkdtemp(prefix="bench-snap-", dir=BASE)     # the unpacked write's own directory
             try:
+                if unpacked and n % 2:      # the unpacked write first every other time: alternated
+                    wu = child(root + UNPACKED, "write", apart, mb, rounds, device)
                 w = child(root, "write", where, mb, rounds, device, profile)
+                if unpacked and not n % 2:
+                    wu = child(root + UNPACKED, "write", apart, mb, rounds, device)
                 if pageable and n % 2:      # the pageable restore first every other time: alternated
                     rp = child(root + PAGEABLE, "restore", where, mb, rounds, device)
                 r = child(root, "restore", where, mb, rounds, device, profile)
@@ -190,12 +202,16 @@ def measure(roots: list[str], mb: int, rounds: int, repeat: int, device: str,
                 e0 = child(root, "exit-plain", where, mb, rounds, device)
             finally:
                 shutil.rmtree(where, ignore_errors=True)
+                shutil.rmtree(apart, ignore_errors=True)
             gb = w["bytes"] / 1e9
             got = raw[root]
             got.setdefault("bytes", []).append(w["bytes"])
             got.setdefault("first_complete_gb_s", []).append(gb / w["done"][0])
             got.setdefault("steady_complete_gb_s", []).extend(gb / d for d in w["done"][2:])
             got.setdefault("steady_held_s", []).extend(w["held"][2:])
+            if unpacked:
+                got.setdefault("steady_held_unpacked_s", []).extend(wu["held"][2:])
+                got.setdefault("steady_complete_unpacked_gb_s", []).extend(gb / d for d in wu["done"][2:])
             got.setdefault("restore_gb_s", []).append(gb / r["restore"])
             got.setdefault("restore_s", []).append(r["restore"])
             if pageable:
@@ -223,12 +239,14 @@ def main() -> None:
                                                  "`take` (its held time) and of each restore to this file")
     p.add_argument("--pageable-too", action="store_true", help="also restore each write without the ring of pinned "
                                                                 "slots (restore_pageable_s; alternated)")
+    p.add_argument("--unpacked-too", action="store_true", help="also write with every GPU tensor copied on its own "
+                                                                "(steady_held_unpacked_s; alternated)")
     args = p.parse_args()
     roots = [os.path.abspath(r) for r in args.roots.split(",")]
     figures = {}
     for mb in (int(s) for s in args.sizes.split(",")):
         figures[mb] = measure(roots, mb, args.rounds, args.repeat, args.device, os.path.abspath(args.profile)
-                              if args.profile else "", args.pageable_too)
+                              if args.profile else "", args.pageable_too, args.unpacked_too)
         for root, f in figures[mb].items():
             print(f"{mb} MiB  {root}: " + ", ".join(f"{k} {v}" for k, v in f.items()), flush=True)
     if args.json:

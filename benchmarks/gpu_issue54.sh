@@ -3,7 +3,7 @@
 # repository root; what it writes under $OUT comes back). Prepare on the development machine first:
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 \
 #       -d .whl msgspec xxhash          (.whl is ignored by git and carried: run(carry=[".whl"]))
-# Then: bash benchmarks/gpu_issue54.sh   (about 10 minutes: run PARTS="0 1" with timeout_s 450, then PARTS=2 with
+# Then: bash benchmarks/gpu_issue54.sh   (about 10 minutes: run PARTS="0 1" with timeout_s 500, then PARTS=2 with
 # timeout_s 170, in two calls on the warm machine)
 # It runs, each with a time limit so one hang costs only its own figures (the limits are what each took on an
 # H100 on 2026-11-27, with room):
@@ -13,6 +13,8 @@
 #    AdamW state on the GPU, new process per measure, and what a crash right after a snapshot waits; a profile
 #    of a steady snapshot's held time and of each restore in $OUT/snapshot-profile.txt; each write restored
 #    twice, through the ring of pinned slots and as before it (restore_pageable_s), each checked bit for bit;
+#    each write also with every tensor copied to the host on its own, as before staging.py packed the small ones
+#    (steady_held_unpacked_s: the held time at 2 GiB, 109 ms on 2026-11-27, is what the packing is for);
 # 2. the same at 4 GiB (the issue's "the 4 GiB case finishes").
 # Measured on 2026-11-27 and left out since (docs/benchmarks.md, "Issue 54 on one H100"): gpu_check.py (the
 # GPU check, NCCL DDP with a crash) and bench_nccl_topo.py (NCCL_TOPO_FILE: no gain).
@@ -32,8 +34,8 @@ part 0 && timeout 230 python3 benchmarks/bench_first_step.py --device cuda --nod
   --crash-step 25 --snapshot-every 10 --disk-every 10 --step-s 0.3 --pairs 2 --snapshot-mb 0 --timeout 60 \
   --name bench-gpu-restart --out "$OUT" \
   --launchers "node-agent (defaults),torchrun c10d" 2>&1 | tee "$OUT/gpu-restart.txt"
-part 1 && timeout 200 python3 benchmarks/bench_snapshot_speed.py --device cuda --sizes 805,2048 --rounds 4 --repeat 1 \
-  --pageable-too --json "$OUT/snapshot-speed-gpu.json" --profile "$OUT/snapshot-profile.txt" 2>&1 | tee "$OUT/snapshot-speed-gpu.txt"
+part 1 && timeout 250 python3 benchmarks/bench_snapshot_speed.py --device cuda --sizes 805,2048 --rounds 4 --repeat 1 \
+  --pageable-too --unpacked-too --json "$OUT/snapshot-speed-gpu.json" --profile "$OUT/snapshot-profile.txt" 2>&1 | tee "$OUT/snapshot-speed-gpu.txt"
 part 2 && timeout 160 python3 benchmarks/bench_snapshot_speed.py --device cuda --sizes 4096 --rounds 3 --repeat 1 \
   --json "$OUT/snapshot-speed-gpu-4g.json" 2>&1 | tee "$OUT/snapshot-speed-gpu-4g.txt"
 echo "done: $OUT"

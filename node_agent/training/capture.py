@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from node_agent.training import heartbeat, layout, snapshot, trees
+from node_agent.training import heartbeat, layout, snapshot, staging, trees
 
 
 def check_cadence(call: str, every: object, keep: object) -> None:
@@ -84,10 +84,9 @@ class Capture:
         self.keep = keep
         self._replicated = replicated
         self._slabs: dict[int, _Slab] = {}       # inode -> a file this capture wrote
-        self._staging: list[torch.Tensor] = []
-        self._staging_layout: list[tuple[tuple[int, ...], torch.dtype]] = []
+        self._staging: staging.Staging | None = None
         self._preparing: threading.Thread | None = None
-        self._prepared: tuple[list[tuple[tuple[int, ...], torch.dtype]], list[torch.Tensor]] | None = None
+        self._prepared: staging.Staging | None = None
         self._thread: threading.Thread | None = None
         self._copied: torch.cuda.Event | None = None
         self._stream: torch.cuda.Stream | None = None
@@ -119,12 +118,12 @@ class Capture:
         Callers call it once a step has made the optimizer's state (a step a GradScaler skipped, or a micro-batch
         of an accumulation, makes none). Where it fails, `take` allocates them itself, as before."""
         layout_now = _gpu_layout([trees.local(t) for _, t in trees.tensors(tree)])
-        if not layout_now or layout_now == self._staging_layout or self._preparing is not None:
+        if not layout_now or self._staging_layout() == layout_now or self._preparing is not None:
             return
 
         def allocate() -> None:
             with contextlib.suppress(Exception):     # (`take` allocates them, and its failure is the user's to see)
-                self._prepared = (layout_now, _pinned(layout_now))
+                self._prepared = self._staged(layout_now)
 
         # Not a daemon: the interpreter's exit waits for it (a thread stopped inside torch's allocation at exit
         # aborts the process: a worker that finished its training would fail).
@@ -218,26 +217,30 @@ class Capture:
                 view.copy_(t)
         if not on_gpu:
             return []
-        self._staging = self._buffers(_gpu_layout([t for _, t in on_gpu]))
+        staged = self._buffers(_gpu_layout([t for _, t in on_gpu]))
         if self._stream is None:
             self._stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
         self._stream.wait_stream(torch.cuda.current_stream())     # the step that made them is done first
         with torch.cuda.stream(self._stream):
-            for buffer, (_, t) in zip(self._staging, on_gpu, strict=True):
-                buffer.copy_(t, non_blocking=True)
-        return [(view, buffer) for buffer, (view, _) in zip(self._staging, on_gpu, strict=True)]
+            staged.copy([t for _, t in on_gpu])
+        return [(view, buffer) for buffer, (view, _) in zip(staged.views, on_gpu, strict=True)]
 
-    def _buffers(self, layout_now: list[tuple[tuple[int, ...], torch.dtype]]) -> list[torch.Tensor]:
+    def _buffers(self, layout_now: staging.Layout) -> staging.Staging:
         """Pinned buffers for tensors of `layout_now`: the last snapshot's, or those prepared ahead, else new."""
         if self._preparing is not None:
             self._preparing.join()
             prepared, self._preparing, self._prepared = self._prepared, None, None
-            if prepared is not None and prepared[0] == layout_now != self._staging_layout:
-                self._staging_layout, self._staging = prepared
-        if layout_now != self._staging_layout:
-            self._staging = _pinned(layout_now)
-            self._staging_layout = layout_now
+            if prepared is not None and prepared.layout == layout_now != self._staging_layout():
+                self._staging = prepared
+        if self._staging is None or self._staging.layout != layout_now:
+            self._staging = self._staged(layout_now)
         return self._staging
+
+    def _staging_layout(self) -> staging.Layout | None:
+        return self._staging.layout if self._staging is not None else None
+
+    def _staged(self, layout_now: staging.Layout) -> staging.Staging:
+        return staging.Staging(layout_now, _pinned, lambda text: self._say_once("unpacked", text))
 
     def _write(self, p: _Pending) -> None:
         tmp = snapshot.path(p.step, self.where) + ".tmp"
@@ -289,13 +292,14 @@ class Capture:
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)     # Linux
 
 
-def _gpu_layout(live: list[torch.Tensor]) -> list[tuple[tuple[int, ...], torch.dtype]]:
-    """(shape, dtype) of each GPU tensor, in order: what the pinned buffers must hold."""
-    return [(tuple(t.shape), t.dtype) for t in live if t.is_cuda]
+def _gpu_layout(live: list[torch.Tensor]) -> staging.Layout:
+    """(shape, dtype, device) of each GPU tensor, in order: what the pinned buffers must hold."""
+    return [(tuple(t.shape), t.dtype, t.device) for t in live if t.is_cuda]
 
 
-def _pinned(layout_now: list[tuple[tuple[int, ...], torch.dtype]]) -> list[torch.Tensor]:
-    return [torch.empty(shape, dtype=dtype, pin_memory=True) for shape, dtype in layout_now]
+def _pinned(size: int) -> torch.Tensor:
+    """`size` bytes of page-locked host memory."""
+    return torch.empty(size, dtype=torch.uint8, pin_memory=True)
 
 
 def _mapped_inodes() -> set[int] | None:

@@ -7,19 +7,25 @@ import threading
 
 import torch
 
-from node_agent.training import capture, protect
+from node_agent.training import capture, protect, staging
 from node_agent.training.capture import Capture
 
+CPU = torch.device("cpu")
 
-def fake_gpu(monkeypatch) -> list[list[tuple[tuple[int, ...], torch.dtype]]]:
-    made: list[list[tuple[tuple[int, ...], torch.dtype]]] = []
 
-    def pinned(layout):
+def host(size: int) -> torch.Tensor:
+    return torch.empty(size, dtype=torch.uint8)
+
+
+def fake_gpu(monkeypatch) -> list[staging.Layout]:
+    made: list[staging.Layout] = []
+
+    def staged(self, layout):
         made.append(layout)
-        return [torch.empty(shape, dtype=dtype) for shape, dtype in layout]
+        return staging.Staging(layout, host)
 
-    monkeypatch.setattr(capture, "_pinned", pinned)
-    monkeypatch.setattr(capture, "_gpu_layout", lambda live: [(tuple(t.shape), t.dtype) for t in live])
+    monkeypatch.setattr(Capture, "_staged", staged)
+    monkeypatch.setattr(capture, "_gpu_layout", lambda live: [(tuple(t.shape), t.dtype, t.device) for t in live])
     return made
 
 
@@ -28,10 +34,10 @@ def test_the_buffers_prepared_ahead_are_the_first_snapshots(memory, monkeypatch)
     c = Capture(memory)
     tree = {"w": torch.zeros(3, 4), "step": torch.tensor(1, dtype=torch.int64)}
     c.prepare(tree)
-    layout = [((3, 4), torch.float32), ((), torch.int64)]
+    layout = [((3, 4), torch.float32, CPU), ((), torch.int64, CPU)]
     first = c._buffers(layout)                   # joins the thread
     assert made == [layout]                      # allocated once, by the thread
-    assert [tuple(b.shape) for b in first] == [(3, 4), ()]
+    assert [tuple(b.shape) for b in first.views] == [(3, 4), ()]
     assert c._buffers(layout) is first and made == [layout]      # the next snapshot reuses them
     c.prepare(tree)                              # already there: nothing more
     assert c._preparing is None
@@ -41,25 +47,27 @@ def test_buffers_prepared_for_another_layout_are_not_taken(memory, monkeypatch) 
     made = fake_gpu(monkeypatch)
     c = Capture(memory)
     c.prepare({"w": torch.zeros(2)})
-    c._buffers([((5,), torch.float32)])
-    assert made == [[((2,), torch.float32)], [((5,), torch.float32)]]
+    c._buffers([((5,), torch.float32, CPU)])
+    assert made == [[((2,), torch.float32, CPU)], [((5,), torch.float32, CPU)]]
 
 
 def test_a_failed_allocation_ahead_leaves_it_to_the_snapshot(memory, monkeypatch) -> None:
-    made = fake_gpu(monkeypatch)
-    real = capture._pinned
+    fake_gpu(monkeypatch)
+    made: list[object] = []
 
-    def fails_once(layout):
+    def fails_once(size):
         if not made:
             made.append("failed")
             raise RuntimeError("CUDA error: out of memory")
-        return real(layout)
+        made.append(size)
+        return host(size)
 
     monkeypatch.setattr(capture, "_pinned", fails_once)
+    monkeypatch.setattr(Capture, "_staged", lambda self, layout: staging.Staging(layout, capture._pinned))
     c = Capture(memory)
     c.prepare({"w": torch.zeros(2)})
-    assert [tuple(b.shape) for b in c._buffers([((2,), torch.float32)])] == [(2,)]
-    assert made == ["failed", [((2,), torch.float32)]]
+    assert [tuple(b.shape) for b in c._buffers([((2,), torch.float32, CPU)]).views] == [(2,)]
+    assert made == ["failed", 8]
 
 
 def train(model: torch.nn.Module, opt: torch.optim.Optimizer, steps: int) -> None:
@@ -92,10 +100,11 @@ def test_a_model_on_the_cpu_pins_nothing(memory, monkeypatch) -> None:
 EXIT_SCRIPT = r"""
 import sys, torch
 from node_agent.training import capture, protect
-def slow(layout):             # page-locking stood in for: a long allocation, the GIL released inside
-    return [torch.empty(s, dtype=d) for s, d in layout] + [torch.zeros(2**27) for _ in range(3)]
+def slow(size):               # page-locking stood in for: a long allocation, the GIL released inside
+    [torch.zeros(2**27) for _ in range(3)]
+    return torch.empty(size, dtype=torch.uint8)
 capture._pinned = slow
-capture._gpu_layout = lambda live: [(tuple(t.shape), t.dtype) for t in live]
+capture._gpu_layout = lambda live: [(tuple(t.shape), t.dtype, t.device) for t in live]
 model = torch.nn.Linear(64, 64)
 opt = torch.optim.AdamW(model.parameters())
 protect(model, opt, every=5)
