@@ -169,6 +169,7 @@ def child(arm: str, kind: str, where: str, mb: int, rounds: int, device: str,
     out = subprocess.run([sys.executable, "-c", CHILD, kind, where, str(mb), str(rounds), device], env=env, cwd=root,
                          capture_output=True, text=True, timeout=900)
     gone = time.time()
+    print(f"  ({kind}, {mb} MiB, {os.path.basename(arm)}: {gone - t0:.1f} s)", file=sys.stderr, flush=True)  # how far
     lines = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
     if not lines or (not kind.startswith("exit") and out.returncode != 0):
         raise SystemExit(f"{kind} in {root} failed ({out.returncode}): {out.stderr[-2000:]}")
