@@ -21,7 +21,7 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -68,9 +68,10 @@ class _Pending:
     views: list[torch.Tensor]
     plan: layout.Plan
     staged: list[tuple[torch.Tensor, torch.Tensor]]     # (view, pinned buffer) for tensors on a GPU
-    copied: torch.cuda.Event | None
+    copied: staging.Events
     room: snapshot.Room
     replicated: list[bool]      # per tensor: every replica holds it alike (its hash goes into the digest)
+    sources: list[torch.Tensor]     # the GPU tensors being copied: not freed (and their memory reused) meanwhile
 
 
 class Capture:
@@ -88,42 +89,55 @@ class Capture:
         self._preparing: threading.Thread | None = None
         self._prepared: staging.Staging | None = None
         self._thread: threading.Thread | None = None
-        self._copied: torch.cuda.Event | None = None
-        self._stream: torch.cuda.Stream | None = None
+        self._copied: staging.Events = []
         self._said: set[str] = set()
 
-    def take(self, step: int, tree: Any) -> None:
-        """Snapshot `tree` as step `step`: returns once its tensors are copied (on a GPU: queued)."""
+    def take(self, step: int, tree: Any, optimizers: Iterable[Any] = ()) -> None:
+        """Snapshot `tree` as step `step`: returns once its tensors are copied (on a GPU: queued). `optimizers`: those
+        whose next step waits for the copy (before_update); the training waits at once for the other tensors'."""
         self.wait()
         held = trees.tensors(tree)
         live = [trees.local(t).detach() for _, t in held]
         alike = [self._replicated is not None and self._replicated(path) for path, _ in held]
         plan = layout.plan(live)
+        if _capturing(live):
+            self._say_once("graph", "no snapshot is taken while a CUDA graph is captured, and its replays run no "
+                                    "hooks: snapshots need the steps run as they are, not replayed")
+            return
         try:
             slab, room = self._slab_for(step, plan.end)
         except (snapshot.MemoryDirFull, OSError) as exc:
             self._failed(step, exc)
             return
-        views = layout.views(slab.region, live, plan)
-        staged = self._copy(views, live)
-        self._copied = self._stream.record_event() if staged and self._stream is not None else None
-        pending = _Pending(step, slab, layout.skeleton(tree), views, plan, staged, self._copied, room, alike)
+        try:
+            views = layout.views(slab.region, live, plan)
+            staged, self._copied = self._copy(views, live, optimizers)
+        except Exception as exc:  # noqa: BLE001  (a snapshot never ends the training: said once, its file gone)
+            self._dropped(step, slab, exc)
+            return
+        pending = _Pending(step, slab, layout.skeleton(tree), views, plan, staged, self._copied, room, alike,
+                           [t for t in live if _on_gpu(t)])
         self._thread = threading.Thread(target=self._write, args=(pending,), name=f"node-agent snapshot {step}")
         self._thread.start()
         snapshot.hold_after(step, self.where, self.wait)
 
-    def prepare(self, tree: Any) -> None:
+    def prepare(self, tree: Any, optimizers: Iterable[Any] = ()) -> None:
         """The pinned buffers a snapshot of `tree` copies its GPU tensors into, allocated now in a thread, ahead of
         the first snapshot: page-locking them is slower than the copy into them, and would hold that step.
         Callers call it once a step has made the optimizer's state (a step a GradScaler skipped, or a micro-batch
         of an accumulation, makes none). Where it fails, `take` allocates them itself, as before."""
-        layout_now = _gpu_layout([trees.local(t) for _, t in trees.tensors(tree)])
-        if not layout_now or self._staging_layout() == layout_now or self._preparing is not None:
+        try:
+            live = [trees.local(t) for _, t in trees.tensors(tree)]
+            order, split = _gpu_order(live, optimizers)
+        except Exception:  # noqa: BLE001  (`take` does the same, and says once where it fails)
+            return
+        layout_now = _gpu_layout([live[i] for i in order])
+        if not layout_now or _fits(self._staging, layout_now, split) or self._preparing is not None:
             return
 
         def allocate() -> None:
-            with contextlib.suppress(Exception):     # (`take` allocates them, and its failure is the user's to see)
-                self._prepared = self._staged(layout_now)
+            with contextlib.suppress(Exception):     # (`take` allocates them, and says once where that fails)
+                self._prepared = self._staged(layout_now, split)
 
         # Not a daemon: the interpreter's exit waits for it (a thread stopped inside torch's allocation at exit
         # aborts the process: a worker that finished its training would fail).
@@ -132,9 +146,10 @@ class Capture:
 
     def before_update(self) -> None:
         """Before the optimizer changes the tensors: on a GPU, its stream waits for their copy (no host wait)."""
-        if self._copied is not None:
-            torch.cuda.current_stream().wait_event(self._copied)
-            self._copied = None
+        if self._copied and not torch.cuda.is_current_stream_capturing():
+            for device, event in self._copied:
+                torch.cuda.current_stream(device).wait_event(event)
+            self._copied = []
 
     def wait(self) -> None:
         """Until the snapshot being written is complete (or failed)."""
@@ -208,45 +223,44 @@ class Capture:
                 s.close()
                 del self._slabs[ino]
 
-    def _copy(self, views: list[torch.Tensor], live: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Host tensors into their views now; a GPU's into pinned buffers on a side stream (the thread moves them
-        into the file). Returns those (view, buffer) pairs."""
-        on_gpu = [(v, t) for v, t in zip(views, live, strict=True) if t.is_cuda]
+    def _copy(self, views: list[torch.Tensor], live: list[torch.Tensor], optimizers: Iterable[Any]
+              ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], staging.Events]:
+        """Host tensors into their views now; a GPU's queued into pinned buffers (staging.py; the thread moves them
+        into the file), the training's streams made to wait for those the optimizers do not own. Returns the (view,
+        pinned buffer) pairs and the events the optimizers' step waits for."""
         for view, t in zip(views, live, strict=True):
-            if not t.is_cuda:
+            if not _on_gpu(t):
                 view.copy_(t)
-        if not on_gpu:
-            return []
-        staged = self._buffers(_gpu_layout([t for _, t in on_gpu]))
-        if self._stream is None:
-            self._stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
-        self._stream.wait_stream(torch.cuda.current_stream())     # the step that made them is done first
-        with torch.cuda.stream(self._stream):
-            staged.copy([t for _, t in on_gpu])
-        return [(view, buffer) for buffer, (view, _) in zip(staged.views, on_gpu, strict=True)]
+        order, split = _gpu_order(live, optimizers)
+        if not order:
+            return [], []
+        staged = self._buffers(_gpu_layout([live[i] for i in order]), split)
+        first, done, hosts = staged.queue([live[i] for i in order])
+        for device, event in first:
+            torch.cuda.current_stream(device).wait_event(event)
+        return [(views[i], host) for i, host in zip(order, hosts, strict=True)], done
 
-    def _buffers(self, layout_now: staging.Layout) -> staging.Staging:
-        """Pinned buffers for tensors of `layout_now`: the last snapshot's, or those prepared ahead, else new."""
+    def _buffers(self, layout_now: staging.Layout, split: int | None = None) -> staging.Staging:
+        """Pinned buffers for tensors of `layout_now` (the first `split` copied first): the last snapshot's, or
+        those prepared ahead, else new."""
         if self._preparing is not None:
             self._preparing.join()
             prepared, self._preparing, self._prepared = self._prepared, None, None
-            if prepared is not None and prepared.layout == layout_now != self._staging_layout():
+            if _fits(prepared, layout_now, split) and not _fits(self._staging, layout_now, split):
                 self._staging = prepared
-        if self._staging is None or self._staging.layout != layout_now:
-            self._staging = self._staged(layout_now)
+        if self._staging is None or not _fits(self._staging, layout_now, split):
+            self._staging = self._staged(layout_now, split)
         return self._staging
 
-    def _staging_layout(self) -> staging.Layout | None:
-        return self._staging.layout if self._staging is not None else None
-
-    def _staged(self, layout_now: staging.Layout) -> staging.Staging:
-        return staging.Staging(layout_now, _pinned, lambda text: self._say_once("unpacked", text))
+    def _staged(self, layout_now: staging.Layout, split: int | None = None) -> staging.Staging:
+        return staging.Staging(layout_now, _pinned, lambda text: self._say_once("unpacked", text), split)
 
     def _write(self, p: _Pending) -> None:
         tmp = snapshot.path(p.step, self.where) + ".tmp"
         try:
-            if p.copied is not None:
-                p.copied.synchronize()
+            for _, event in p.copied:
+                event.synchronize()
+            p.sources.clear()
             staged = {id(view): buffer for view, buffer in p.staged}     # a GPU's tensors: from pinned buffers
 
             def fill(i: int) -> None:
@@ -270,9 +284,13 @@ class Capture:
                 heartbeat.digest(p.step, layout.digest_of([s for s, alike in zip(sums, p.replicated, strict=True)
                                                            if alike]), self.group)
         except Exception as exc:  # noqa: BLE001  (a thread's failure must reach the user, once, not end the training)
-            snapshot.remove(tmp)
-            self._keep_slabs(lambda s: s is not p.slab)
-            self._failed(p.step, exc)
+            self._dropped(p.step, p.slab, exc)
+
+    def _dropped(self, step: int, slab: _Slab, exc: BaseException) -> None:
+        """A snapshot that failed after its file was made: the file removed, the failure said once."""
+        snapshot.remove(snapshot.path(step, self.where) + ".tmp")
+        self._keep_slabs(lambda s: s is not slab)
+        self._failed(step, exc)
 
     def _failed(self, step: int, exc: BaseException) -> None:
         if isinstance(exc, snapshot.MemoryDirFull):
@@ -292,9 +310,43 @@ class Capture:
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)     # Linux
 
 
+def _on_gpu(t: torch.Tensor) -> bool:
+    return t.is_cuda
+
+
+def _capturing(live: list[torch.Tensor]) -> bool:
+    return any(_on_gpu(t) for t in live) and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def _gpu_order(live: list[torch.Tensor], optimizers: Iterable[Any]) -> tuple[list[int], int]:
+    """The indices of `live`'s GPU tensors in the order they are copied (those the optimizers do not own first),
+    and how many those are."""
+    on_gpu = [i for i, t in enumerate(live) if _on_gpu(t)]
+    owned = _owned_by(optimizers) if on_gpu else set()
+    guarded = [trees.storage(live[i]) in owned for i in on_gpu]
+    return [on_gpu[k] for k in staging.order(guarded)], guarded.count(False)
+
+
+def _owned_by(optimizers: Iterable[Any]) -> set[int | None]:
+    """Where the optimizers' parameters and state lie: what their next step changes (before_update waits for it)."""
+    owned: set[int | None] = set()
+    for optimizer in optimizers:
+        for group in optimizer.param_groups:
+            owned.update(trees.storage(p) for p in group["params"])
+        for state in optimizer.state.values():
+            owned.update(trees.storage(t) for _, t in trees.tensors(state))
+    owned.discard(None)
+    return owned
+
+
+def _fits(staged: staging.Staging | None, layout_now: staging.Layout, split: int | None) -> bool:
+    return staged is not None and staged.layout == layout_now and \
+        staged.split == (len(layout_now) if split is None else split)
+
+
 def _gpu_layout(live: list[torch.Tensor]) -> staging.Layout:
-    """(shape, dtype, device) of each GPU tensor, in order: what the pinned buffers must hold."""
-    return [(tuple(t.shape), t.dtype, t.device) for t in live if t.is_cuda]
+    """(shape, dtype, device) of each tensor, in order: what the pinned buffers must hold."""
+    return [(tuple(t.shape), t.dtype, t.device) for t in live]
 
 
 def _pinned(size: int) -> torch.Tensor:

@@ -113,11 +113,11 @@ class Snapshots(TrainerCallback):
         step = state.global_step
         if self._capture is not None and step > self._last and step % self.every == 0:
             self._last = step
-            self._capture.take(step, self._tree(state))
+            self._capture.take(step, self._tree(state), [o for o in [self.trainer.optimizer] if o is not None])
         elif self._capture is not None and not self._prepared and self.trainer.optimizer is not None \
                 and self.trainer.optimizer.state:       # the first snapshot's buffers, ahead
             self._prepared = True
-            self._capture.prepare(self._tree(state))
+            self._capture.prepare(self._tree(state), [self.trainer.optimizer])
 
     def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                      **kwargs: Any) -> None:

@@ -99,13 +99,14 @@ class Snapshots(Callback):
         step = trainer.global_step
         if self._capture is not None and step > self._last and step % self.every == 0:
             self._last = step
-            self._capture.take(step, self._checkpoint(trainer))
+            self._capture.take(step, self._checkpoint(trainer), trainer.optimizers)
         elif self._capture is not None and not self._prepared and any(o.state for o in trainer.optimizers):
             self._prepared = True
             if pl_module.device.type == "cuda":    # the first snapshot's buffers, ahead: the checkpoint's GPU
                 # tensors as they lie in it (its dump would call the user's on_save_checkpoint hooks once more)
                 self._capture.prepare({"state_dict": pl_module.state_dict(),
-                                       "optimizer_states": [o.state_dict() for o in trainer.optimizers]})
+                                       "optimizer_states": [o.state_dict() for o in trainer.optimizers]},
+                                      trainer.optimizers)
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._loaded(trainer)       # a fit with nothing left to train has no on_train_start

@@ -128,7 +128,7 @@ class _Hooks:
                 name: obj.get_state() for name, obj in self.objects.items() if isinstance(obj, torch.Generator)}}
         elif not self.prepared:       # the optimizer's state exists now: the first snapshot's buffers, ahead
             self.prepared = True
-            self.capture.prepare(training_state(self.model, self.optimizer, self.objects))
+            self.capture.prepare(training_state(self.model, self.optimizer, self.objects), [self.optimizer])
 
     def _before_step(self) -> None:
         self._take_due()
@@ -141,7 +141,7 @@ class _Hooks:
             state["extra"].update(self.drawn["generators"])
             buckets = ddp_buckets.recorded(self.ddp) if self.ddp is not None else None
             self.capture.take(step, {"state": state, "rng": self.drawn["rng"], "ddp_buckets": buckets,
-                                     "param_shapes": param_shapes(self.optimizer)})
+                                     "param_shapes": param_shapes(self.optimizer)}, [self.optimizer])
 
 
 def training_state(model: nn.Module, optimizer: torch.optim.Optimizer, objects: Mapping[str, Extra]) -> Any:

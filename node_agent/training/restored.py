@@ -20,7 +20,7 @@ from node_agent.training import trees
 
 def storages(tree: Any) -> set[int]:
     """Where the tree's tensors lie: in a read snapshot, each tensor is its own storage in the file's mapping."""
-    return {at for _, t in trees.tensors(tree) if (at := _storage(t)) is not None}
+    return {at for _, t in trees.tensors(tree) if (at := trees.storage(t)) is not None}
 
 
 def owned(tree: Any) -> Any:
@@ -32,7 +32,7 @@ def owned(tree: Any) -> Any:
 
 def keeps(state: Any, mapped: set[int]) -> bool:
     """Whether a loaded object's state still lies in the snapshot's mapping (`mapped`: storages())."""
-    return any(_storage(t) in mapped for _, t in trees.tensors(state))
+    return any(trees.storage(t) in mapped for _, t in trees.tensors(state))
 
 
 def weights(state_dict: dict[str, Any]) -> dict[str, Any]:
@@ -74,12 +74,4 @@ def _settled(value: Any, param: Any, mapped: set[int]) -> Any:
         like = torch.empty_like(param, dtype=value.dtype, device=value.device)
         if like.stride() == param.stride():
             return like.copy_(value)
-    return value.clone() if _storage(value) in mapped else value
-
-
-def _storage(t: torch.Tensor) -> int | None:
-    """Where a tensor's storage begins, or None for one without a plain storage (sparse, a wrapper subclass)."""
-    try:
-        return trees.local(t).untyped_storage().data_ptr()
-    except (NotImplementedError, RuntimeError, TypeError):
-        return None
+    return value.clone() if trees.storage(value) in mapped else value

@@ -35,6 +35,15 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+def storage(t: torch.Tensor) -> int | None:
+    """Where a tensor's storage begins (a DTensor's: its local shard's), or None for one without a plain storage
+    (sparse, a wrapper subclass): what tells tensors that share memory."""
+    try:
+        return local(t).untyped_storage().data_ptr()
+    except (NotImplementedError, RuntimeError, TypeError):
+        return None
+
+
 def refuse_unplain(tree: Any, what: str) -> None:
     """A leaf a snapshot cannot hold safely (an arbitrary object) is an error naming where it is."""
     for where, leaf in leaves(tree):

@@ -20,12 +20,12 @@ def host(size: int) -> torch.Tensor:
 def fake_gpu(monkeypatch) -> list[staging.Layout]:
     made: list[staging.Layout] = []
 
-    def staged(self, layout):
+    def staged(self, layout, split=None):
         made.append(layout)
-        return staging.Staging(layout, host)
+        return staging.Staging(layout, host, split=split)
 
     monkeypatch.setattr(Capture, "_staged", staged)
-    monkeypatch.setattr(capture, "_gpu_layout", lambda live: [(tuple(t.shape), t.dtype, t.device) for t in live])
+    monkeypatch.setattr(capture, "_on_gpu", lambda t: True)
     return made
 
 
@@ -63,7 +63,7 @@ def test_a_failed_allocation_ahead_leaves_it_to_the_snapshot(memory, monkeypatch
         return host(size)
 
     monkeypatch.setattr(capture, "_pinned", fails_once)
-    monkeypatch.setattr(Capture, "_staged", lambda self, layout: staging.Staging(layout, capture._pinned))
+    monkeypatch.setattr(Capture, "_staged", lambda self, layout, split=None: staging.Staging(layout, capture._pinned))
     c = Capture(memory)
     c.prepare({"w": torch.zeros(2)})
     assert [tuple(b.shape) for b in c._buffers([((2,), torch.float32, CPU)]).views] == [(2,)]
@@ -78,7 +78,8 @@ def train(model: torch.nn.Module, opt: torch.optim.Optimizer, steps: int) -> Non
 
 def test_protect_prepares_once_after_the_first_step(memory, monkeypatch) -> None:
     prepared = []
-    monkeypatch.setattr(Capture, "prepare", lambda self, tree: prepared.append(sorted(tree["optim"]["state"])))
+    monkeypatch.setattr(Capture, "prepare",
+                        lambda self, tree, optimizers=(): prepared.append(sorted(tree["optim"]["state"])))
     model = torch.nn.Linear(2, 2)
     opt = torch.optim.AdamW(model.parameters())
     protect(model, opt, every=5)
@@ -104,7 +105,7 @@ def slow(size):               # page-locking stood in for: a long allocation, th
     [torch.zeros(2**27) for _ in range(3)]
     return torch.empty(size, dtype=torch.uint8)
 capture._pinned = slow
-capture._gpu_layout = lambda live: [(tuple(t.shape), t.dtype, t.device) for t in live]
+capture._on_gpu = lambda t: True
 model = torch.nn.Linear(64, 64)
 opt = torch.optim.AdamW(model.parameters())
 protect(model, opt, every=5)
@@ -155,7 +156,8 @@ def test_lightning_prepares_once_the_optimizer_has_state_not_at_an_accumulated_m
                         enable_model_summary=False)
     trainer.fit(Tiny(), data)
     snapshots = next(c for c in trainer.callbacks if isinstance(c, Snapshots))
-    snapshots._capture._buffers(made[0])         # joins the thread
+    if snapshots._capture._preparing is not None:
+        snapshots._capture._preparing.join()
     assert [len(layout) for layout in made] == [2 + 2 * 3]    # weights, then AdamW's exp_avg, exp_avg_sq, step
 
 
@@ -163,8 +165,8 @@ def test_the_thread_moves_a_gpus_staged_copies_into_the_file_while_it_hashes(mem
     """On a GPU `take` only queues the copies into pinned buffers; the thread copies each into the file in the thread
     that hashes it (layout.digests' fill). Stood in for by host buffers, the views left unwritten by `take`."""
     from node_agent.training import layout, snapshot
-    monkeypatch.setattr(Capture, "_copy",
-                        lambda self, views, live: [(v, t.clone()) for v, t in zip(views, live, strict=True)])
+    monkeypatch.setattr(Capture, "_copy", lambda self, views, live, optimizers:
+                        ([(v, t.clone()) for v, t in zip(views, live, strict=True)], []))
     for size in (1000, 9 << 20):                 # the serial path, and the threads' (over 64 MiB in all)
         tree = {"w": [torch.randn(size) for _ in range(8)], "n": torch.arange(5)}
         c = Capture(memory)
