@@ -242,10 +242,12 @@ class Witness(msgspec.Struct, kw_only=True, frozen=True, gc=False):
 
 
 class CopySource(msgspec.Struct, kw_only=True, frozen=True, gc=False):
-    """A node whose snapshot copies this node holds, the token its copies come with, and its local ranks (a holder
-    takes copies of those only; 0: not said, by an older server)."""
+    """A node whose snapshot copies this node holds, what the key its copies come with is checked against
+    (`verifier`: protocol.tokens.copy_verifier of the node's token; an older server sent the token itself), and its
+    local ranks (a holder takes copies of those only; 0: not said, by an older server)."""
     node_id: str
-    token: str
+    token: str = ""
+    verifier: Annotated[str, Meta(max_length=128)] = ""
     ranks: Annotated[int, Meta(ge=0, le=MAX_LOCAL_WORLD_SIZE)] = 0
 
 

@@ -1,8 +1,16 @@
 """The bearer-token rule both sides check, so a token the server accepts the agent accepts too."""
 from __future__ import annotations
 
+import hashlib
+
 MIN_TOKEN_CHARS = 16
 MAX_TOKEN_CHARS = 4096
+
+
+def copy_verifier(token: str) -> str:
+    """What a holder of a node's peer copies is told in place of the node's copy token: it checks a key against it
+    and cannot present it, so a node that once held another's copies cannot push, fetch or drop them as it."""
+    return hashlib.sha256(b"rdzv copy verifier\0" + token.encode()).hexdigest() if token else ""
 
 
 def read_token_file(path: str) -> bytes:

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from node_agent.copies import stream, wire
 from node_agent.training.snapshot import remove, size
+from protocol.tokens import copy_verifier
 
 STEP_FILE = re.compile(r"step-(\d{1,18})")
 OURS = re.compile(r"step-(\d{1,18})(\.sha256|\.tmp)?")
@@ -156,17 +157,25 @@ def listdir(path: str) -> list[str]:
         return []
 
 
-TOKEN = ".token"     # in a node's directory: the token its copies came with
+VERIFIER = ".verifier"     # in a node's directory: the verifier of the key its copies came with
+TOKEN = ".token"           # (an older agent's: the key itself)
 
 
-def note_token(node_dir: str, token: str) -> None:
-    if read_token(node_dir) != token:
-        write_text(os.path.join(node_dir, TOKEN), token)
+def note_verifier(node_dir: str, verifier: str) -> None:
+    if read_verifier(node_dir) != verifier:
+        write_text(os.path.join(node_dir, VERIFIER), verifier)
 
 
-def read_token(node_dir: str) -> str:
+def read_verifier(node_dir: str) -> str:
+    """What a key for the copies in `node_dir` is checked against ("": none noted)."""
+    if held := _read_short(os.path.join(node_dir, VERIFIER)):
+        return held
+    return copy_verifier(_read_short(os.path.join(node_dir, TOKEN)))
+
+
+def _read_short(path: str) -> str:
     try:
-        with open(os.path.join(node_dir, TOKEN), encoding="ascii", errors="replace") as f:
+        with open(path, encoding="ascii", errors="replace") as f:
             return f.read(256).strip()
     except OSError:
         return ""

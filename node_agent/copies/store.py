@@ -32,6 +32,7 @@ from node_agent.copies.own import OwnSnapshots
 from node_agent.copies.stream import StreamError
 from node_agent.copies.wire import DropRequest, FetchRequest, PushRequest, WireError
 from node_agent.training.snapshot import remove
+from protocol.tokens import copy_verifier
 
 STALL_S = 30.0          # a peer sending or reading nothing for this long is given up
 EVICT_AFTER_S = 600.0   # a node's copies not renewed this long may make room for another's (see _make_room)
@@ -40,14 +41,19 @@ SAY_EVERY_S = 60.0      # a kind of refusal is logged at most once in this long,
 
 
 class _Refusal(Exception):
-    def __init__(self, kind: str, reason: str) -> None:
+    """A refusal: `reason` goes to the peer, `detail` to our log only."""
+    def __init__(self, kind: str, reason: str, detail: str = "") -> None:
         super().__init__(reason)
         self.kind = kind
         self.reason = reason
+        self.detail = detail
 
 
 class Source(Protocol):
-    """A node whose copies this node holds: the token they come with, its local ranks (0: not said)."""
+    """A node whose copies this node holds: what the key they come with is checked against (the token itself
+    from an older server), its local ranks (0: not said)."""
+    @property
+    def verifier(self) -> str: ...
     @property
     def token(self) -> str: ...
     @property
@@ -122,7 +128,7 @@ class CopyStore:
             else:
                 await self._fetch(request, writer, peer, first_line)
         except _Refusal as r:
-            self._note(r.kind, peer, f"refused {r.reason}", first_line)
+            self._note(r.kind, peer, f"refused {r.reason}{r.detail}", first_line)
             writer.write(wire.refused_line(r.reason))
         except (StreamError, OSError) as exc:
             self._note("lost", peer, f"gave up: {exc}", first_line)
@@ -134,16 +140,17 @@ class CopyStore:
 
     def _check_key(self, key: str, node: str, pushing: bool) -> None:
         """A push needs the node's token now; a fetch or drop the one its copies came with (or today's); this
-        node's own snapshots, its own token (nobody pushes them)."""
+        node's own snapshots, its own token (nobody pushes them). Checked against verifiers (copy_verifier): this
+        node knows no other node's token. One reason for every refusal: it tells a stranger nothing."""
         source = self._sources.get(node)
         if self._own is not None and self._is_own(node):
-            current = "" if pushing else self._own.key()
+            expected = "" if pushing else copy_verifier(self._own.key())
         else:
-            current = (source.token if source is not None else "") or \
-                ("" if pushing else files.read_token(os.path.join(self.root, node)))
-        if not current:
-            raise _Refusal("key", f"no token for node {node} here (not a node whose copies this one holds)")
-        if not hmac.compare_digest(key.encode(), current.encode()):
+            expected = (source.verifier or copy_verifier(source.token) if source is not None else "") or \
+                ("" if pushing else files.read_verifier(os.path.join(self.root, node)))
+        if not expected:
+            raise _Refusal("key", "wrong key", f" (no key of node {node} here: no node whose copies this one holds)")
+        if not hmac.compare_digest(copy_verifier(key).encode(), expected.encode()):
             raise _Refusal("key", "wrong key")
 
     def _note(self, kind: str, peer: str, what: str, first_line: bytes) -> None:
@@ -267,7 +274,7 @@ class CopyStore:
             files.write_sum(final + ".sha256", got, req.round)
             os.replace(tmp, final)
             landed = True
-            files.note_token(os.path.join(self.root, req.node), req.key)   # for a later fetch or drop of them
+            files.note_verifier(os.path.join(self.root, req.node), copy_verifier(req.key))  # a later fetch or drop
         except (StreamError, WireError) as exc:
             raise _Refusal("checksum", str(exc)) from None
         except OSError as exc:

@@ -18,6 +18,7 @@ from protocol.messages import (
     CopySource,
     Witness,
 )
+from protocol.tokens import copy_verifier
 from rdzv_server.core.credentials import copy_token
 from rdzv_server.core.records import JobRecord, NodeRecord, PlaceCopies, RoundRecord
 
@@ -277,8 +278,8 @@ class _Derived:
         return self._groups
 
     def sources(self, rank: int) -> tuple[CopySource, ...]:
-        """The members whose copies `rank` holds this round, with their tokens (the inverse of replica_ranks, made
-        once per round: O(N x replicas))."""
+        """The members whose copies `rank` holds this round, with their tokens' verifiers (the inverse of
+        replica_ranks, made once per round: O(N x replicas))."""
         r = self.round
         if not r.replicas:
             return ()
@@ -288,8 +289,8 @@ class _Derived:
                 for h in self.replica_ranks(i):
                     self._sources.setdefault(h, []).append(i)
         ranked = r.ranked or r.members
-        return tuple(CopySource(node_id=ranked[i], token=copy_token(r.replica_key, ranked[i]), ranks=r.local_sizes[i])
-                     for i in self._sources.get(rank, ()))
+        return tuple(CopySource(node_id=ranked[i], verifier=copy_verifier(copy_token(r.replica_key, ranked[i])),
+                                ranks=r.local_sizes[i]) for i in self._sources.get(rank, ()))
 
     def replica_targets(self, rank: int) -> tuple[Witness, ...]:
         r = self.round

@@ -5,6 +5,7 @@ from __future__ import annotations
 import msgspec
 
 from protocol.messages import JobConfig, JobState, JoinRequest, NodeStatus, PollRequest, Witness
+from protocol.tokens import copy_verifier
 from rdzv_server.core.rendezvous import Rendezvous
 from rdzv_server.core.requests import Arrival
 from rdzv_server.core.rounds import run_of
@@ -64,7 +65,9 @@ def test_each_members_copies_go_to_the_next_member_in_another_failure_domain():
     assert len(a.copy_token) == 48 and len({a.copy_token, b.copy_token, c.copy_token}) == 3    # a node's own
     assert "secret-a" not in (a.copy_token, b.copy_token)
     # c holds a's and b's copies: it knows their tokens, and only theirs (a holds c's)
-    assert {(x.node_id, x.token) for x in c.copy_sources} == {("a", a.copy_token), ("b", b.copy_token)}
+    assert {(x.node_id, x.verifier) for x in c.copy_sources} == {("a", copy_verifier(a.copy_token)),
+                                                                  ("b", copy_verifier(b.copy_token))}
+    assert {x.token for x in c.copy_sources} == {""}       # a holder is told no other node's token
     assert [x.node_id for x in a.copy_sources] == ["c"] and b.copy_sources == ()
 
 
@@ -108,8 +111,9 @@ def test_the_node_taking_a_lost_nodes_place_is_told_who_holds_its_copies():
     assert r is not None and r.members == ["a", "s", "c"]
     s = rz.view(JOB, "s", 6.0).assignment
     assert s is not None and s.copies_of == "b" and s.copies_at == Witness(addr="10.0.0.3", port=4000)   # b's went to c
-    first_b = [x.token for x in rz.view(JOB, "c", 6.0).assignment.copy_sources if x.node_id == "s"]
-    assert s.copies_token and s.copies_token != s.copy_token and first_b == [s.copy_token]   # b's token, to fetch
+    first_b = [x.verifier for x in rz.view(JOB, "c", 6.0).assignment.copy_sources if x.node_id == "s"]
+    assert s.copies_token and s.copies_token != s.copy_token               # b's token, to fetch its copies
+    assert first_b == [copy_verifier(s.copy_token)]
     others = [rz.view(JOB, n, 6.0).assignment for n in ("a", "c")]
     assert all(o is not None and o.copies_of == "" and o.copies_at is None for o in others)
     assert targets(rz, "a", 6.0) == ["10.0.0.19"]     # a's copies now go to s (a's old holder, b, is gone)

@@ -83,7 +83,7 @@ async def test_a_wrong_or_missing_token_gets_nothing(tmp_path):
     store, _, _ = setup(tmp_path / "none", key="")         # a node that has no token: serves nothing
     async with holder(store) as port:
         got, _ = await fetch(port, tmp_path, 0)
-        assert got.step is None and "no token" in got.reason, got
+        assert got.step is None and "wrong key" in got.reason, got
 
 
 async def test_a_drop_leaves_them_and_a_push_in_the_nodes_name_is_refused(tmp_path):
@@ -93,7 +93,7 @@ async def test_a_drop_leaves_them_and_a_push_in_the_nodes_name_is_refused(tmp_pa
         assert [snapshot.steps(where) for where in dirs.values()] == [[4, 6], [4, 6]]
         pushed = await client.push("127.0.0.1", port, key=MINE, node_id=ME, local_rank=0, step=9,
                                    path=snap(tmp_path, "forged", b"x" * 100))
-        assert not pushed.ok and "no token" in pushed.reason, pushed
+        assert not pushed.ok and "wrong key" in pushed.reason, pushed
         assert snapshot.steps(dirs[0]) == [4, 6] and store.held() == {}
         got, back = await fetch(port, tmp_path, 0)
         assert got.step == 6 and back == data[0, 6]

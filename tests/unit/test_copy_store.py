@@ -20,6 +20,7 @@ from node_agent.copies import client, stream, wire
 from node_agent.copies.store import CopyStore
 from node_agent.copies.wire import GO, FetchRequest, PushRequest, WireError
 from protocol.messages import CopySource
+from protocol.tokens import copy_verifier
 from tests.ports import loopback_server
 
 KEY = "job-7_replica-key-0123"
@@ -287,8 +288,7 @@ async def test_a_wrong_key_or_no_key_yet_writes_nothing(tmp_path):
     path = snap(tmp_path, "s", blob(1000))
     async with holder(store) as port:
         early = await client.push("127.0.0.1", port, key=KEY, node_id=NODE, local_rank=0, step=1, path=path)
-        assert early == client.PushResult(False, "refused: no token for node node-a here (not a node whose copies "
-                                             "this one holds)", 0)
+        assert early == client.PushResult(False, "refused: wrong key", 0)    # the same to a stranger
         key[0] = "another-job-key-000"
         for _ in range(2):
             wrong = await client.push("127.0.0.1", port, key=KEY, node_id=NODE, local_rank=0, step=1, path=path)
@@ -296,7 +296,7 @@ async def test_a_wrong_key_or_no_key_yet_writes_nothing(tmp_path):
         got, _ = await fetch_bytes(port, tmp_path)
     assert got == client.FetchResult(None, "refused: wrong key", 0)
     assert not exists(store.root) and troubles(store) == {"key"}
-    assert len(said) == 1 and "no token for node" in said[0] and "key=<hidden>" in said[0]   # once per kind, peer
+    assert len(said) == 1 and "no key of node node-a" in said[0] and "key=<hidden>" in said[0]  # once per kind
     assert not any(KEY in s for s in said)
 
 
@@ -668,9 +668,12 @@ async def test_a_nodes_common_step_stays_until_every_rank_has_a_newer_one_and_ca
 
 
 async def test_a_node_cannot_push_fetch_or_drop_under_another_nodes_id(tmp_path) -> None:
+    """The holder is told its sources' verifiers, not their tokens (the server's CopySource): it checks keys and
+    cannot present them, so a node that once held another's copies cannot act as it."""
     tokens = {"node-a": "token-of-node-a-0000", "node-b": "token-of-node-b-0000"}
-    store = CopyStore(str(tmp_path / "held"), 2**20, {n: CopySource(node_id=n, token=t) for n, t in tokens.items()},
-                         round_now=lambda: 1, reach=lambda: FAR)
+    store = CopyStore(str(tmp_path / "held"), 2**20,
+                      {n: CopySource(node_id=n, verifier=copy_verifier(t)) for n, t in tokens.items()},
+                      round_now=lambda: 1, reach=lambda: FAR)
     async with holder(store) as port:
         mine = await client.push("127.0.0.1", port, key=tokens["node-a"], node_id="node-a", local_rank=0, step=1,
                                  path=snap(tmp_path, "a", blob(100)))
@@ -684,11 +687,43 @@ async def test_a_node_cannot_push_fetch_or_drop_under_another_nodes_id(tmp_path)
                                     dest_dir=str(dest))
         assert stolen.step is None and stolen.reason == "refused: wrong key"
         assert not await client.drop("127.0.0.1", port, key=tokens["node-b"], node_id="node-a")
-        del tokens["node-a"]              # no source of this holder any more: its copies keep their token
+        told = await client.push("127.0.0.1", port, key=copy_verifier(tokens["node-a"]), node_id="node-a",
+                                 local_rank=0, step=2, path=snap(tmp_path, "c", blob(100)))
+        assert told == client.PushResult(False, "refused: wrong key", 0)     # what the holder knows is no key
+        del tokens["node-a"]              # no source of this holder any more: its copies keep their key's verifier
         own = await client.fetch("127.0.0.1", port, key="token-of-node-a-0000", node_id="node-a", local_rank=0,
                                  dest_dir=str(dest))
         assert own.step == 1
     assert store.held() == {("node-a", 0): 1}
+    assert b"token-of-node-a" not in every_byte_under(store.root)
+
+
+def every_byte_under(root: str) -> bytes:
+    out = b""
+    for where, _, names in os.walk(root):
+        for name in names:
+            with open(os.path.join(where, name), "rb") as f:
+                out += f.read()
+    return out
+
+
+async def test_copies_an_older_agent_held_with_the_key_itself_are_still_fetched_with_it(tmp_path) -> None:
+    store = make_store(tmp_path)
+    async with holder(store) as port:
+        assert (await client.push("127.0.0.1", port, key=KEY, node_id=NODE, local_rank=0, step=3,
+                                  path=snap(tmp_path, "a", blob(100)))).ok
+    node_dir = os.path.join(store.root, NODE)
+    os.remove(os.path.join(node_dir, ".verifier"))
+    snap(node_dir, ".token", KEY.encode())      # an older agent's note: the key itself
+    store = CopyStore(store.root, 2**20, {}, round_now=lambda: 1, reach=lambda: FAR)     # no source now
+    async with holder(store) as port:
+        got, _ = await fetch_bytes(port, tmp_path)
+        assert got.step == 3
+        dest = tmp_path / "other"
+        dest.mkdir()
+        other = await client.fetch("127.0.0.1", port, key="another-key-0000000", node_id=NODE, local_rank=0,
+                                   dest_dir=str(dest))
+        assert other.reason == "refused: wrong key"
 
 
 async def test_a_fetch_from_a_source_that_never_answers_is_given_up_at_the_answer_bound(tmp_path, monkeypatch):
