@@ -2,6 +2,10 @@
 and restarts), with no HTTP and no aiohttp import so a single-node job starts as fast as Python does."""
 from __future__ import annotations
 
+import hashlib
+
+import msgspec
+
 from node_agent.client.transport import Transport, refusal
 from protocol.messages import AgentRequest, NodeStatus
 from rdzv_server.coordinator import Coordinator
@@ -25,6 +29,16 @@ class LocalClient(Transport):
     async def _send(self, action: str, message: object, timeout: float) -> NodeStatus:
         try:
             assert isinstance(message, AgentRequest)
-            return await self.coordinator.handle(self.job_id, message)
+            status = await self.coordinator.handle(self.job_id, message)
         except RendezvousError as exc:
             raise refusal(exc.code.value, exc.message) from exc
+        if status.assignment is None:
+            return status
+        return msgspec.structs.replace(status, assignment=msgspec.structs.replace(status.assignment, run=self.run))
+
+    @property
+    def run(self) -> str:
+        """The job's run (Assignment.run) is its id's: the coordinator is made anew with each agent, so an agent
+        started again under the same --rdzv-id (systemd's Restart=, a container restarted) takes up the memory
+        its predecessor left. A job that ended removed it; without --rdzv-id each start has a fresh id."""
+        return "standalone-" + hashlib.sha256(self.job_id.encode()).hexdigest()[:16]

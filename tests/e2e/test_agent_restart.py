@@ -67,3 +67,28 @@ def test_an_agent_restarted_under_its_own_id_resumes_every_rank_from_memory(clus
     (tmp_path / "stop").write_text("stop")
     for agent in agents.values():
         assert agent.wait(LIMIT) == 0, agent.output
+
+
+def test_a_standalone_agent_restarted_under_its_job_id_resumes_from_its_memory(cluster, tmp_path):
+    """`--standalone --rdzv-id JOB`: the coordinator lives in the agent and is made anew with it; the job's run is
+    its id's, so the restarted agent takes up what its predecessor left instead of removing it as another run's."""
+    job = "standalone-restart"
+
+    def start_alone():
+        return cluster.agent("--standalone", "--rdzv-id", job, "--node-id", "n1", "--nproc", "2", "--max-restarts",
+                             "3", SHARDS, name="n1", env={"OUT_DIR": str(tmp_path), "NODE": "n1", **ENV})
+
+    agent = start_alone()
+    wait_until(lambda: max((s for _, s, _, _ in steps(tmp_path)), default=0) >= 12, LIMIT,
+               lambda: f"step 12: {agent.output}")
+    killed_at = time.time()
+    os.kill(agent.pid, signal.SIGKILL)
+    agent.wait(LIMIT)
+    agent = start_alone()
+    back = wait_until(lambda: len(shard_resumes(tmp_path, killed_at)) == 2 and shard_resumes(tmp_path, killed_at),
+                      LIMIT, lambda: f"both ranks resumed: {shard_resumes(tmp_path, killed_at)}\n{agent.output}")
+    assert {source for _, source, _ in back.values()} == {"memory"}, (back, agent.output)
+    assert min(step for step, _, _ in back.values()) >= 10 and {ok for *_, ok in back.values()} == {"ok"}, back
+    assert "another run" not in agent.output, agent.output
+    (tmp_path / "stop").write_text("stop")
+    assert agent.wait(LIMIT) == 0, agent.output
