@@ -2,7 +2,8 @@
 `fetch` brings the held copy of a (lost) node's rank into a worker's memory directory. Rules:
 - Never raises for the network or the holder: every outcome is a result with a reason a log can print.
 - `push` opens the snapshot before it connects and reads that open file to the end: a later save may
-  unlink it meanwhile (snapshot.py keeps two), and the bytes sent are still the ones hashed.
+  unlink it meanwhile (snapshot.py keeps two), and the bytes sent are still the ones hashed. A second name
+  (files.pin) keeps a worker from writing over it in place meanwhile.
 - `fetch` writes `step-S.tmp` and renames it to `step-S` only when its own hash matches the trailer, so
   the workers' readers (snapshot.py: `step-N` only) never see a partial or a corrupted copy.
 - `timeout_s` bounds each wait (connecting, an answer, a stall in the bytes), not the whole transfer: a
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 from node_agent.copies import files, stream, wire
 from node_agent.copies.stream import StreamError
 from node_agent.copies.wire import Answer, WireError
+from node_agent.training.snapshot import remove
 from protocol import keepalive
 
 # A source answers a fetch at once (its file is there or not): one that does not connect and answer within this
@@ -97,6 +99,7 @@ async def push(addr: str, port: int, *, key: str, node_id: str, local_rank: int,
         return PushResult(False, "snapshot gone", 0)
     except OSError as exc:
         return PushResult(False, f"cannot read the snapshot: {exc.strerror or exc}", 0)
+    pinned = None
     try:
         opened = os.fstat(fd)
         size = opened.st_size
@@ -104,10 +107,13 @@ async def push(addr: str, port: int, *, key: str, node_id: str, local_rank: int,
             line = wire.push_line(wire.PushRequest(key, node_id, local_rank, step, size, round_id))
         except WireError as exc:
             return PushResult(False, f"bad request: {exc}", 0)
+        pinned = files.pin(path, opened)
         return await _push_to(addr, port, line, fd, size, step, bandwidth_bytes_s, timeout_s, tls,
                               lambda: files.names(path, fd, opened.st_mtime_ns))
     finally:
         os.close(fd)
+        if pinned is not None:
+            remove(pinned)
 
 
 async def _push_to(addr: str, port: int, line: bytes, fd: int, size: int, step: int, rate: float | None,

@@ -181,13 +181,48 @@ def _read_short(path: str) -> str:
         return ""
 
 
+SENDING = ".sending-"      # in a rank's directory: a second name for a snapshot while its bytes are sent
+
+
+def pin(path: str, opened: os.stat_result) -> str | None:
+    """A second name for the snapshot at `path` (opened as `opened`) while its bytes are sent: a worker writes
+    over no snapshot file with two names (training/capture.py), so a send slower than the snapshots come still
+    lands. The name, or None where it cannot be made (the file gone or renamed away: the send notices). A pin a
+    gone agent left (another pid's) is removed first."""
+    where = os.path.dirname(path)
+    for name in listdir(where):
+        if name.startswith(SENDING) and not name.startswith(f"{SENDING}{os.getpid()}-"):
+            remove(os.path.join(where, name))
+    name = os.path.join(where, f"{SENDING}{os.getpid()}-{os.urandom(6).hex()}")
+    try:
+        os.link(path, name)
+        if os.stat(name).st_ino == opened.st_ino:
+            return name
+    except OSError:
+        return None
+    remove(name)
+    return None
+
+
 def names(path: str, fd: int, since: int) -> bool:
     """The bytes `fd` read are still the snapshot at `path`: it was not written to since its modification time
-    was `since` (taken at the open), and either it was unlinked or `path` still names it. A worker renames a
-    snapshot file away and sets its modification time before it writes it over (training/capture.py): a file it
-    died writing, unlinked after, is no longer the snapshot either."""
+    was `since` (taken at the open), and either `path` still names it or no name in its directory does but pins
+    (it was unlinked). A worker renames a snapshot file away and sets its modification time before it writes it
+    over (training/capture.py): a file it died writing, unlinked after, is no longer the snapshot either."""
     try:
         held = os.fstat(fd)
-        return held.st_mtime_ns == since and (held.st_nlink == 0 or os.stat(path).st_ino == held.st_ino)
     except OSError:
         return False
+    if held.st_mtime_ns != since:
+        return False
+    if _inode(path) == held.st_ino:
+        return True
+    where = os.path.dirname(path)
+    return not any(_inode(os.path.join(where, n)) == held.st_ino for n in listdir(where) if not n.startswith(SENDING))
+
+
+def _inode(path: str) -> int:
+    try:
+        return os.stat(path).st_ino
+    except OSError:
+        return -1

@@ -201,10 +201,10 @@ class Capture:
         restarted worker's predecessor's: its pages are there too, and a copy into pages that exist runs 3 times
         as fast as into new ones), but never one this process maps (a restore's tensors lie in their snapshot's
         private mapping: the optimizer's state until it is written, and a write to the file reaches them), nor one
-        with another hard link (someone else's as well)."""
+        with another hard link (someone else's as well, or the agent's while it sends it: copies/files.pin)."""
         names = {old: snapshot.path(old, self.where) for old in dropped}
         stats = {old: _stat(name) for old, name in names.items()}
-        own = [old for old, st in stats.items() if st is not None and st.st_ino in self._slabs]
+        own = [old for old, st in stats.items() if st is not None and st.st_ino in self._slabs and st.st_nlink == 1]
         mapped = _mapped_inodes() if not own else set()
         others = [old for old, st in stats.items()
                   if mapped is not None and st is not None and st.st_ino not in mapped and st.st_nlink == 1]

@@ -743,3 +743,23 @@ async def test_a_fetch_from_a_source_that_never_answers_is_given_up_at_the_answe
         finally:
             hold.set()
     assert got.step is None and got.reason.startswith("lost:"), got
+
+
+async def test_a_push_keeps_a_second_name_for_its_file_while_it_sends_and_none_after(tmp_path) -> None:
+    """files.pin: a worker writes over no snapshot with two names (capture.py), so a slow push still lands."""
+    store = make_store(tmp_path)
+    source = tmp_path / "rank0"
+    source.mkdir()
+    path = snap(source, "step-1", blob(300_000))
+    async with holder(store) as port:
+        push = asyncio.create_task(client.push("127.0.0.1", port, key=KEY, node_id=NODE, local_rank=0, step=1,
+                                               path=path, bandwidth_bytes_s=600_000))
+        deadline = asyncio.get_running_loop().time() + WAIT
+        while os.stat(path).st_nlink == 1 and not push.done():       # the file polled: it tells nobody
+            assert asyncio.get_running_loop().time() < deadline, "no second name while the push ran"
+            await asyncio.sleep(0.01)
+        assert os.stat(path).st_nlink == 2 and [n for n in os.listdir(source) if n.startswith(".sending-")]
+        os.unlink(path)                  # the keep rule drops it meanwhile: the push goes on with its bytes
+        result = await asyncio.wait_for(push, WAIT)
+    assert result.ok, result
+    assert os.listdir(source) == [] and store.held() == {(NODE, 0): 1}

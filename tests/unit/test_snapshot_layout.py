@@ -184,3 +184,36 @@ def test_a_limit_that_holds_one_snapshot_where_keep_is_two_keeps_the_newest(memo
     assert not isinstance(back, str) and torch.equal(back["m"], torch.full((100_000,), 3.0))
     err = capsys.readouterr().err
     assert err.count("holds 1 snapshot(s)") == 1 and "does not fit" not in err
+
+
+def test_a_snapshot_the_agent_is_sending_is_not_written_over_and_its_send_stays_whole(memory) -> None:
+    """The agent sends a snapshot under a second name (copies/files.pin): the worker's next snapshots write over
+    no file with two names, so a send slower than two snapshots still sends step 1's bytes, unchanged."""
+    capture = Capture(memory, keep=2)
+    take(capture, 1, state(1.0))
+    take(capture, 2, state(2.0))
+    with open(snapshot.path(1), "rb") as sent:
+        opened = os.fstat(sent.fileno())
+        pinned = files.pin(snapshot.path(1), opened)
+        assert pinned is not None and os.stat(snapshot.path(1)).st_nlink == 2
+        before = os.pread(sent.fileno(), opened.st_size, 0)
+        take(capture, 3, state(3.0))                 # step 1 dropped: a new file, step 1's only unlinked
+        take(capture, 4, state(4.0))
+        assert files.names(snapshot.path(1), sent.fileno(), opened.st_mtime_ns)
+        assert os.pread(sent.fileno(), opened.st_size, 0) == before
+        os.unlink(pinned)
+    assert snapshot.steps() == [3, 4]
+    back = layout.read(snapshot.path(4), 4)
+    assert not isinstance(back, str) and same(back, state(4.0))
+    take(capture, 5, state(5.0))                     # unpinned: written over in place again
+    assert snapshot.steps() == [4, 5] and not [n for n in os.listdir(memory) if n.startswith(files.SENDING)]
+
+
+def test_a_pin_a_gone_agent_left_is_removed_by_the_next_send(memory) -> None:
+    capture = Capture(memory, keep=2)
+    take(capture, 1, state(1.0))
+    stale = os.path.join(memory, f"{files.SENDING}999999999-abc")
+    os.link(snapshot.path(1), stale)
+    with open(snapshot.path(1), "rb") as f:
+        pinned = files.pin(snapshot.path(1), os.fstat(f.fileno()))
+    assert pinned is not None and not os.path.exists(stale) and os.stat(snapshot.path(1)).st_nlink == 2
