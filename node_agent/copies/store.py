@@ -13,6 +13,9 @@ Rules, so a fetcher only ever gets a whole copy that was whole when it came:
 - A copy is checked against its stored checksum as it is sent (the trailer is that checksum, so the fetcher
   refuses bytes changed at rest); one that no longer matches is deleted.
 - This node's own snapshots are fetched with its own token by the node taking its place (own.py).
+- What one key can hold: one push a rank waiting for the job's step (more are refused at once: each holds a
+  connection at work), and one fetch a rank (a newer one ends the older: a slow reader keeps no replaced copy's
+  file alive).
 - Never a traceback to a peer: every failure is a `refused` line, logged once per kind and SAY_EVERY_S with the
   count since (a flood from many addresses is a few lines)."""
 from __future__ import annotations
@@ -84,6 +87,8 @@ class CopyStore:
         self._say = say
         self._pushing: dict[tuple[str, int], int] = {}    # (node, rank) -> bytes reserved by its push
         self._under_way: dict[tuple[str, int], tuple[int, asyncio.StreamWriter]] = {}   # -> its step, its stream
+        self._waiting: dict[str, set[int]] = {}           # node -> its ranks whose push waits for the job's step
+        self._sending: dict[tuple[str, int], asyncio.StreamWriter] = {}     # (node, rank) -> the fetch it serves
         self._said: dict[str, tuple[float, int]] = {}     # kind -> (when last said, how many since)
 
     # --- what is held -------------------------------------------------------------------------------------
@@ -171,8 +176,18 @@ class CopyStore:
     async def _push(self, req: PushRequest, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         slot = (req.node, req.rank)
         self._check_incarnation(req, self._copies())
-        # Waiting holds no slot: a push of a step the job never reaches must not hold up the node's real ones.
-        await self._until_reached(req.step)
+        # Waiting holds no slot: a push of a step the job never reaches must not hold up the node's real ones. One
+        # wait per rank: a node's pushes of far steps cannot fill the listener (its connections at work).
+        waiting = self._waiting.setdefault(req.node, set())
+        source = self._sources.get(req.node)
+        if self._reach() < req.step and (req.rank in waiting or
+                                         len(waiting) >= (source.ranks if source is not None and source.ranks else 64)):
+            raise _Refusal("busy", "busy: a push of this rank already waits for the job to reach its step")
+        waiting.add(req.rank)
+        try:
+            await self._until_reached(req.step)
+        finally:
+            waiting.discard(req.rank)
         under_way = self._under_way.get(slot)
         if under_way is not None and req.step <= under_way[0]:
             raise _Refusal("busy", "busy")
@@ -308,6 +323,10 @@ class CopyStore:
             writer.write(wire.NONE)
             return
         fd, step, stored = opened
+        slot = (req.node, req.rank)
+        if (older := self._sending.get(slot)) is not None:
+            older.transport.abort()       # the newest fetch of a rank is served: a slow one keeps no file alive
+        self._sending[slot] = writer
         try:
             at_open = os.fstat(fd)
             size = at_open.st_size
@@ -329,6 +348,8 @@ class CopyStore:
                            first_line)
         finally:
             os.close(fd)
+            if self._sending.get(slot) is writer:
+                del self._sending[slot]
 
     def _open_held(self, node: str, rank: int, want: int | None = None) -> tuple[int, int, str] | None:
         try:

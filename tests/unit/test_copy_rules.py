@@ -5,6 +5,7 @@ the step it asked for. A real store behind a loopback listener (tests/unit/test_
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 
 import pytest
@@ -153,3 +154,48 @@ async def test_a_push_waiting_for_a_step_never_reached_holds_up_no_real_push_of_
         assert (await send(port, tmp_path, step=40, round_id=5)).ok          # the node's own: lands meanwhile
         assert (await asyncio.wait_for(frozen, 10)).reason.startswith("refused: step 999999999999999999 is past")
     assert store.held() == {(NODE, 0): 40}
+
+
+async def test_one_push_a_rank_waits_for_the_jobs_step_the_next_is_refused_at_once(tmp_path) -> None:
+    """A node's pushes of steps the job has not reached each hold a connection at work: one per rank waits, so a
+    node cannot fill the holder's listener with them (a review's 512 such pushes shut its witness out)."""
+    reach = [40]
+    store = store_of(tmp_path, reach=reach, ranks=2)
+    store.ahead_wait_s = 10.0
+    async with holder(store) as port:
+        first = asyncio.ensure_future(send(port, tmp_path, step=45, round_id=5))
+        while not store._waiting.get(NODE):           # (the store's own record: no sleep standing in for it)
+            assert not first.done(), first.result()
+            await asyncio.sleep(0.01)
+        again = await asyncio.wait_for(send(port, tmp_path, step=46, round_id=5), 5)
+        assert again.reason == "refused: busy: a push of this rank already waits for the job to reach its step"
+        other = asyncio.ensure_future(send(port, tmp_path, step=45, round_id=5, rank=1))     # another rank waits
+        reach[0] = 45
+        assert (await asyncio.wait_for(first, 10)).ok and (await asyncio.wait_for(other, 10)).ok
+        store.ahead_wait_s = 0.2              # the rank's wait is over: the next push of it may wait again
+        assert (await send(port, tmp_path, step=47, round_id=5)).reason.startswith("refused: step 47 is past")
+    assert store.held() == {(NODE, 0): 45, (NODE, 1): 45}
+
+
+async def test_the_newest_fetch_of_a_rank_is_served_and_an_older_slow_one_ends(tmp_path) -> None:
+    """A fetcher that reads slowly keeps the copy it was sent alive after a newer one replaced it (a /dev/shm file
+    outside the limit): a newer fetch of the same rank ends it."""
+    store = store_of(tmp_path, limit=96 << 20)
+    data = blob(32 << 20, 3)               # more than loopback's socket buffers hold
+    async with holder(store) as port:
+        assert (await client.push("127.0.0.1", port, key=KEY, node_id=NODE, local_rank=0, step=3, round_id=5,
+                                  path=snap(tmp_path, "big", data))).ok
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(wire.fetch_line(wire.FetchRequest(KEY, NODE, 0)))
+        assert (await asyncio.wait_for(reader.readline(), 5)).startswith(b"rdzv-agent copy ")   # then reads no more
+        assert (NODE, 0) in store._sending               # (set before the answer line was written)
+        dest = tmp_path / "dest"
+        dest.mkdir()
+        got = await client.fetch("127.0.0.1", port, key=KEY, node_id=NODE, local_rank=0, dest_dir=str(dest))
+        assert got.step == 3 and (dest / "step-3").read_bytes() == data
+        received = 0
+        with contextlib.suppress(ConnectionError):
+            while chunk := await asyncio.wait_for(reader.read(1 << 20), 5):
+                received += len(chunk)
+        assert received < len(data)                                                 # the older one was ended
+        writer.close()
