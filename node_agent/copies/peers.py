@@ -279,6 +279,7 @@ class PeerCopies:
             self.pushed[held] = step
             self.copied[rank] = (step, f"{target.addr}:{target.port}")
             self.on_copied()
+            self._lagging(rank, step)
             return
         self._retry_at[held] = time.monotonic() + RETRY_S
         self.refused += 1
@@ -287,6 +288,20 @@ class PeerCopies:
         self._say_once(re.sub(r"[0-9]+", "#", ":".join(result.reason.split(":")[:2]))[:60],   # numbers: one kind
                        f"copy of local rank {rank}'s step {step} to {target.addr}:{target.port} not made: "
                        f"{result.reason} (training goes on; tried again on the next snapshot)")
+
+    def _lagging(self, rank: int, step: int) -> None:
+        """A copy that landed after its rank let its step go: were this node lost, the node taking its place would
+        resume from a step the others may no longer keep. Said once, with what to change."""
+        with contextlib.suppress(OSError, KeyError):
+            kept = snapshot.steps(self._dirs[rank])
+            if kept and step < kept[0]:
+                rate = f"{self.bandwidth / 2**20:.0f} MiB/s" if self.bandwidth else "unlimited"
+                self._say_once("lag", f"peer copies lag behind the snapshots: local rank {rank}'s copy of step "
+                                      f"{step} landed when the rank kept only steps {kept[0]}..{kept[-1]}. Were "
+                                      f"this node lost, the node taking its place would resume from a step the "
+                                      f"others may no longer keep (a job whose ranks hold shards of their own "
+                                      f"then resumes from disk or step 0): give copies more bandwidth "
+                                      f"(--replica-bandwidth, {rate} now), snapshot less often, or keep more")
 
     def _say_once(self, kind: str, line: str) -> None:
         """Once per kind of trouble (a full peer, one away): news once; training goes on meanwhile."""

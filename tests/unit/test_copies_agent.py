@@ -204,3 +204,33 @@ async def test_a_first_source_that_fails_leaves_the_fetch_to_the_peer_copy(tmp_p
         assert any(f"fetched node b's snapshots of step 30 from {at.addr}:{at.port}" in line for line in said), said
         assert ("b", 0) not in store.held()          # the holder dropped them
         await spare.close()
+
+
+async def test_a_copy_that_lands_after_its_rank_let_its_step_go_is_said_once(tmp_path, monkeypatch) -> None:
+    """The push of step 10 took so long that the ranks kept only 20 and 25 when it landed: were the node lost, its
+    replacement would resume from a step the others may no longer keep. Said once, with what to change."""
+    from node_agent.copies import peers
+    said: list[str] = []
+    real = peers.push
+
+    async def slow(*args, **kwargs):
+        result = await real(*args, **kwargs)
+        for where in copies._dirs.values():         # the ranks went on while it was sent
+            snapshot.save(b"s20", 20, where=where)
+            snapshot.save(b"s25", 25, where=where)
+        return result
+
+    monkeypatch.setattr(peers, "push", slow)
+    async with holder(tmp_path) as (store, at):
+        copies, dirs = agent_side(tmp_path, "b", said)
+        pushing(copies, at, dirs)
+        for where in dirs.values():
+            snapshot.save(b"s10", 10, where=where)
+        await copies._scan()
+        assert store.held() == {("b", 0): 10, ("b", 1): 10}
+        lag = [line for line in said if "lag behind" in line]
+        assert len(lag) == 1 and "kept only steps 20..25" in lag[0] and "--replica-bandwidth" in lag[0], said
+        monkeypatch.setattr(peers, "push", real)
+        await copies._scan()                         # step 25's copy lands while the ranks keep it: nothing said
+        assert store.held() == {("b", 0): 25, ("b", 1): 25} and len([x for x in said if "lag behind" in x]) == 1
+        await copies.close()
