@@ -25,6 +25,7 @@ from node_agent.core.actions import (
     CheckNode,
     Exit,
     HoldAtSnapshot,
+    KeepFrom,
     Leave,
     Rejoin,
     ReportFailure,
@@ -164,6 +165,7 @@ class Agent:
                     self.narrator.say(f"the job's replicas diverged after step {assignment.resume_at_most}: "
                                       f"snapshots of step(s) {', '.join(map(str, gone))} removed")
                 self.workers.memory.hold(False)       # a hold was the last round's
+                self.workers.memory.keep_from(self.policy.keep_from)     # (a predecessor's mark: not this job's)
                 await self.copies.before_spawn(assignment, dirs)      # a fetch goes on while the workers start
                 await self.workers.spawn(assignment)
             case ReportFailure(round_id=round_id, failures=failures):
@@ -176,6 +178,8 @@ class Agent:
                 link.poll_now()
             case HoldAtSnapshot(on=on):
                 self.workers.memory.hold(on)
+            case KeepFrom(step=step):
+                self.workers.memory.keep_from(step)
             case Rejoin():
                 link.rejoin()
             case Leave(reason=reason, unhealthy=unhealthy):

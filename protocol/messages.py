@@ -315,6 +315,10 @@ class NodeStatus(msgspec.Struct, kw_only=True, gc=False):
     # A suspect of the job is swapped for a spare at the job's next snapshot (rdzv_server/core/swaps.py): this
     # member's ranks wait after their next one (node_agent/training/snapshot.py: hold_after), so none is redone.
     hold_at_snapshot: bool = False
+    # The oldest of the round's members' newest peer copies (rdzv_server/core/rounds.copies_floor; -1: none): a
+    # member lost now is taken over from a copy no older, so each member's ranks keep their snapshots from this
+    # step on besides their keep rule (node_agent/training/snapshot.py: KEEP_FROM), within the memory limit.
+    copies_floor: int = -1
 
 
 def poll_ready(status: NodeStatus, known_round: int, holding: bool = False) -> bool:

@@ -41,6 +41,13 @@ class HoldAtSnapshot:
 
 
 @dataclass(frozen=True)
+class KeepFrom:
+    """Ask the round's ranks to keep their snapshots from `step` on besides their keep rule (-1: no longer): the
+    oldest of the job's peer copies is of that step (NodeStatus.copies_floor)."""
+    step: int
+
+
+@dataclass(frozen=True)
 class ReportStall:
     """Tell the server what the round's stalled ranks are doing: it decides whether the job hangs."""
     round_id: int
@@ -89,4 +96,4 @@ class Exit:
 
 
 Action = (Spawn | StopWorkers | ReportFailure | ReportStall | ReportSuccess | Rejoin | Leave | AskWitnesses | CheckNode
-          | Exit | SendNote | HoldAtSnapshot)
+          | Exit | SendNote | HoldAtSnapshot | KeepFrom)

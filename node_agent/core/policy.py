@@ -43,6 +43,7 @@ from node_agent.core.actions import (
     CheckNode,
     Exit,
     HoldAtSnapshot,
+    KeepFrom,
     Leave,
     Rejoin,
     ReportFailure,
@@ -106,6 +107,7 @@ class SupervisionPolicy:
     ran: bool = False                # this node's workers were started in some round of the job
     health: NodeHealth = field(default_factory=NodeHealth)   # the node's own checks (node_health.py)
     holding: bool = False            # its ranks wait after their next snapshot (NodeStatus.hold_at_snapshot)
+    keep_from: int = -1              # its ranks keep their snapshots from this step on (NodeStatus.copies_floor)
 
     def __post_init__(self) -> None:
         self.fence = Fence(self.lease_timeout_s)
@@ -227,6 +229,10 @@ class SupervisionPolicy:
         if hold != self.holding:
             self.holding = hold
             actions.append(HoldAtSnapshot(hold))
+        floor = status.copies_floor if status.assignment is not None else -1       # (a member's news)
+        if floor != self.keep_from:
+            self.keep_from = floor
+            actions.append(KeepFrom(floor))
         return actions
 
     def _news(self, status: NodeStatus) -> list[Action]:

@@ -33,9 +33,9 @@ from typing import BinaryIO
 
 from node_agent.training import heartbeat
 
-__all__ = ["COPY_WAIT_S", "DIR_VAR", "FETCHING", "HOLD", "LIMIT_VAR", "MemoryDirFull", "NONE_HELD", "Writer",
-           "agreed_step", "directory", "full_error", "Room", "forget_after", "limit", "hold_after", "make_room",
-           "newest", "path", "remove", "save", "steps"]
+__all__ = ["COPY_WAIT_S", "DIR_VAR", "FETCHING", "HOLD", "KEEP_FROM", "LIMIT_VAR", "MemoryDirFull", "NONE_HELD",
+           "Writer", "agreed_step", "directory", "full_error", "Room", "forget_after", "keep_from", "limit",
+           "hold_after", "make_room", "newest", "path", "remove", "save", "steps"]
 
 DIR_VAR = "NODE_AGENT_MEMORY_DIR"
 FETCHING = ".fetching"    # the agent is fetching this rank's copy from a peer (node_agent/copies/peers.py)
@@ -43,6 +43,7 @@ COPY_WAIT_S = 90.0        # the most agreed_step waits for it (the agent gives u
 LIMIT_VAR = "NODE_AGENT_MEMORY_LIMIT"
 HOLD = ".hold"            # the agent asks this rank to wait after its next snapshot (NodeStatus.hold_at_snapshot)
 HOLD_MAX_S = 30.0         # the most it waits: a swap that did not come lets the training go on
+KEEP_FROM = ".keep-from"  # the agent asks this rank to keep its snapshots from this step on (NodeStatus.copies_floor)
 HOLD_LOOK_S = 0.02
 _NAME = re.compile(r"step-(\d{1,18})")
 NONE_HELD = 2**62         # agreed_step with `lend`: what a rank that holds no snapshot offers (it can be lent one)
@@ -255,7 +256,9 @@ def hold_after(step: int, where: str, written: Callable[[], object] = lambda: No
 @dataclass(frozen=True)
 class Room:
     """What the keep rule does before `step` is written: all but the newest `keep - 1` go (so the last complete
-    snapshot survives a failed write); the kept ones' bytes count against the limit."""
+    snapshot survives a failed write), but for those from the step the agent names (KEEP_FROM: the job's oldest
+    peer copy is of it, and a node lost now is taken over from a copy no older); the kept ones' bytes count against
+    the limit (`fit`: it wins)."""
     dropped: list[int]
     kept: int           # bytes
     kept_count: int
@@ -263,8 +266,19 @@ class Room:
 
 def make_room(step: int, where: str, keep: int) -> Room:
     held = [s for s in steps(where) if s != step]
-    dropped = held[:max(0, len(held) - (keep - 1))]
-    return Room(dropped, sum(size(path(s, where)) for s in held[len(dropped):]), len(held) - len(dropped))
+    floor = keep_from(where)
+    dropped = [s for s in held[:max(0, len(held) - (keep - 1))] if floor is None or s < floor]
+    kept = [s for s in held if s not in dropped]
+    return Room(dropped, sum(size(path(s, where)) for s in kept), len(kept))
+
+
+def keep_from(where: str) -> int | None:
+    """The step the agent asks this rank to keep its snapshots from (KEEP_FROM), or None."""
+    try:
+        with open(os.path.join(where, KEEP_FROM)) as f:
+            return int(f.read(32).strip())
+    except (OSError, ValueError):
+        return None
 
 
 def fit(room: Room, step: int, where: str, new: int, bound: int | None) -> Room:

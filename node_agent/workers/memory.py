@@ -63,6 +63,7 @@ class MemoryDirs:
         self._owner: owners.Ownership | None = None
         self._inherited: int | None = None   # the pid of the ended agent whose directory this one took up
         self._failed = False
+        self._keep_failed = False     # a keep-from mark that could not be written: said once
 
     @property
     def enabled(self) -> bool:
@@ -98,6 +99,22 @@ class MemoryDirs:
                         os.remove(mark)
             except OSError as exc:
                 self._say(f"cannot {'set' if on else 'clear'} the hold at the next snapshot in {path}: {exc}")
+
+    def keep_from(self, step: int) -> None:
+        """Ask this node's ranks to keep their snapshots from `step` on (snapshot.KEEP_FROM; -1: no longer). A
+        directory that cannot take the mark is said once: its ranks keep only what their keep rule keeps."""
+        for path in (self.dirs(self.nproc) if self.root is not None else {}).values():
+            mark = os.path.join(path, snapshot.KEEP_FROM)
+            try:
+                if step >= 0:
+                    _write(mark, str(step))
+                else:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.remove(mark)
+            except OSError as exc:
+                if not self._keep_failed:
+                    self._keep_failed = True
+                    self._say(f"cannot ask the ranks in {path} to keep their snapshots from step {step} on: {exc}")
 
     def dirs_for(self, local_world_size: int, rank_offset: int, run: str = "") -> dict[int, str]:
         """`dirs`, for the round of run `run` whose local rank 0 is global rank `rank_offset`: a directory whose

@@ -25,6 +25,7 @@ from rdzv_server.core.records import Event, JobRecord, NodeRecord
 from rdzv_server.core.rounds import (
     PREPARE_LIMIT_S,
     build_round,
+    copies_floor,
     copies_lost,
     copies_off,
     master_correction,
@@ -229,6 +230,7 @@ class JobRules:
             (job.places[0], job.places_port) if job.places else None          # the last round's store
         fetching = {n for n in chosen if job.nodes[n].fetch_of}
         job.round = build_round(job, chosen, job.last_round_id, opened, now, why, took)
+        job.copies_floor = copies_floor(job)
         for nid in fetching | set(job.round.copies):      # their fetch_of set or cleared: saved
             self.node_changed(nid)
         store_port.take(job.round, last, job.nodes[chosen[0]])

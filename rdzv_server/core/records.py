@@ -171,6 +171,7 @@ class JobRecord(msgspec.Struct, kw_only=True):
     resume_at_most: int = -1                   # for the next round: replicas diverged after this step (-1: none)
     swap: SwapDue | None = None                # a suspect swapped at the next snapshot (swaps.py)
     swapped_places: list[int] = msgspec.field(default_factory=list)   # group ranks a slow node was swapped from
+    copies_floor: int = -1                     # rounds.copies_floor, as the members' last notes give it
 
     def events_after(self, seq: int) -> list[Event]:
         """The kept events newer than `seq` (seqs are consecutive, so no scan of the history)."""

@@ -26,7 +26,17 @@ from protocol.messages import (
     StallReport,
     SuccessReport,
 )
-from rdzv_server.core import admission, credentials, leases, progress_rules, reports, store_port, suspects, swaps
+from rdzv_server.core import (
+    admission,
+    credentials,
+    leases,
+    progress_rules,
+    reports,
+    rounds,
+    store_port,
+    suspects,
+    swaps,
+)
 from rdzv_server.core.events import EventKind
 from rdzv_server.core.job_rules import JobRules
 from rdzv_server.core.payloads import NodeUnhealthy
@@ -131,7 +141,10 @@ def poll(call: Call, req: PollRequest) -> str:
             suspects.passed(call.rules, node, call.now)
         call.rules.readiness(node, req.ready and not node.checks_due, call.now)
         if req.copies is not None:
+            before = node.copies.copied_step if node.copies is not None else None
             node.copies = req.copies
+            if req.copies.copied_step != before:
+                call.rules.job.copies_floor = rounds.copies_floor(call.rules.job)
             swaps.check(call.rules, call.now)       # the copy a swap waits for may be on its peer now
     return ""
 

@@ -77,6 +77,19 @@ def fetches_pending(job: JobRecord, members: list[str], took: dict[str, str]) ->
     return out
 
 
+def copies_floor(job: JobRecord) -> int:
+    """The oldest of the round's members' newest copied steps (NodeStatus.copies_floor): the node taking a lost
+    member's place resumes from its copy, no older than this, so every member keeps its snapshots from this step
+    on (its copy may be several snapshots behind where copies are slower than snapshots). Members with no copy
+    yet do not count; -1 where none has one, or the job's rounds make no copies (copies_off)."""
+    r = job.round
+    if r is None or not r.replicas or job.copies_off:
+        return -1
+    steps = [c.copied_step for m in r.members if (node := job.nodes.get(m)) is not None
+             and (c := node.copies) is not None and c.copied_step >= 0]
+    return min(steps, default=-1)
+
+
 def run_of(job: JobRecord) -> str:
     """The job's run (Assignment.run): a finished job's id starts a new run, with a record made anew."""
     return hashlib.sha256(f"{job.job_id}\0{job.created_at!r}".encode()).hexdigest()[:16]

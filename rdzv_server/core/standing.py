@@ -45,6 +45,7 @@ def node_status(job: JobRecord, node_id: str, now: float, *, accepted: bool = Tr
                                   f"({master_of(r)})"
     elif r is not None and (finished or state == NodeState.MEMBER):
         status.assignment = assignment(r, node_id)
+        status.copies_floor = job.copies_floor if not finished else -1
     elif state == NodeState.SPARE:
         status.spare_position = job.spares.index(node_id)
     elif state == NodeState.EXCLUDED and node is not None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import msgspec
 
 from protocol.messages import JobConfig, JobState, JoinRequest, NodeStatus, PollRequest, Witness
+from protocol.notes import CopiesNote
 from protocol.tokens import copy_verifier
 from rdzv_server.core.rendezvous import Rendezvous
 from rdzv_server.core.requests import Arrival
@@ -283,3 +284,26 @@ def test_a_fetch_told_with_a_cap_is_not_told_again_without_it() -> None:
     b = rz.view(JOB, "b", 7.0).assignment
     assert b is not None and b.copies_of == "b" and b.resume_at_most == 140
     assert rz.jobs[JOB].nodes["b"].fetch_of == "" and rz.jobs[JOB].nodes["b"].fetch_place is None
+
+
+def noted(rz: Rendezvous, node: str, now: float, copied: int, local: int = 50) -> NodeStatus:
+    return rz.handle(JOB, PollRequest(v=1, node_id=node, credential=f"secret-{node}",
+                                      copies=CopiesNote(local_step=local, copied_step=copied)), now)
+
+
+def test_every_member_is_told_the_oldest_of_the_members_copies_to_keep_snapshots_from():
+    """A node lost now is taken over from its copy, which may be snapshots behind where copies are slower than
+    snapshots: every member keeps its snapshots from the oldest member's copy on (NodeStatus.copies_floor)."""
+    rz = started({"a": "1", "b": "2", "c": "3"}, CFG)
+    assert {rz.view(JOB, n, 1.0).copies_floor for n in "abc"} == {-1}      # no copy yet
+    noted(rz, "a", 1.0, 40)
+    assert rz.view(JOB, "c", 1.0).copies_floor == 40        # the nodes with no copy yet do not count
+    noted(rz, "b", 1.1, 30)
+    noted(rz, "c", 1.2, 45)
+    assert {rz.view(JOB, n, 1.3).copies_floor for n in "abc"} == {30}
+    noted(rz, "b", 1.4, 50)
+    assert {rz.view(JOB, n, 1.5).copies_floor for n in "abc"} == {40}
+    assert noted(rz, "a", 1.6, 40).copies_floor == 40      # the same step again: nothing to recompute
+    off = started({"a": "1", "b": "1"}, CFG)             # one failure domain: no copies, nothing to keep
+    noted(off, "a", 1.0, 40)
+    assert off.view(JOB, "a", 1.0).copies_floor == -1

@@ -11,6 +11,7 @@ from node_agent.core.actions import (
     AskWitnesses,
     Exit,
     HoldAtSnapshot,
+    KeepFrom,
     Leave,
     Rejoin,
     ReportFailure,
@@ -491,6 +492,17 @@ def test_the_hold_at_the_next_snapshot_is_asked_once_and_let_go_with_the_round()
     actions = p.handle(member(2, restart_count=0), 3.0)        # the suspect swapped: a new round, no hold
     assert actions[-1] == HoldAtSnapshot(False) and not p.holding
     assert isinstance(actions[0], StopWorkers) and Spawn(assignment(2)) in actions
+
+
+def test_the_step_to_keep_snapshots_from_is_passed_on_when_it_changes_and_let_go_when_the_job_ends() -> None:
+    p = running(1)
+    floor = msgspec.structs.replace(member(1).status, copies_floor=25)
+    assert p.handle(StatusReceived(PollRequest, floor, sent_at=0.0), 1.0) == [KeepFrom(25)]
+    assert p.handle(StatusReceived(PollRequest, floor, sent_at=0.0), 2.0) == [] and p.keep_from == 25
+    later = msgspec.structs.replace(member(1).status, copies_floor=30)
+    assert p.handle(StatusReceived(PollRequest, later, sent_at=0.0), 3.0) == [KeepFrom(30)]
+    ended = msgspec.structs.replace(member(1).status, job_state=JobState.SUCCEEDED, assignment=None)
+    assert KeepFrom(-1) in p.handle(StatusReceived(PollRequest, ended, sent_at=0.0), 4.0)
 
 
 def test_ranks_asked_to_hold_after_their_snapshot_are_not_reported_stalled() -> None:

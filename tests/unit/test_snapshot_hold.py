@@ -48,3 +48,18 @@ def test_the_agent_sets_and_clears_the_mark_in_every_local_ranks_directory(tmp_p
     dirs.hold(False)            # cleared twice: nothing to say
     assert not any(os.path.exists(os.path.join(d, snapshot.HOLD)) for d in where.values())
     dirs.close()
+
+
+def test_the_agent_names_the_step_to_keep_from_in_every_local_ranks_directory(tmp_path) -> None:
+    said: list[str] = []
+    memory = MemoryDirs("job", 2, 2**20, say=said.append, base=str(tmp_path))
+    dirs = memory.dirs_for(2, 0)
+    memory.keep_from(25)
+    assert [snapshot.keep_from(where) for where in dirs.values()] == [25, 25]
+    memory.keep_from(30)
+    assert [snapshot.keep_from(where) for where in dirs.values()] == [30, 30]
+    memory.keep_from(-1)
+    memory.keep_from(-1)          # cleared twice: nothing to say
+    assert [snapshot.keep_from(where) for where in dirs.values()] == [None, None]
+    assert not [line for line in said if "keep" in line], said
+    memory.close()

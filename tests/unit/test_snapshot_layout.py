@@ -217,3 +217,25 @@ def test_a_pin_a_gone_agent_left_is_removed_by_the_next_send(memory) -> None:
     with open(snapshot.path(1), "rb") as f:
         pinned = files.pin(snapshot.path(1), os.fstat(f.fileno()))
     assert pinned is not None and not os.path.exists(stale) and os.stat(snapshot.path(1)).st_nlink == 2
+
+
+def test_the_snapshots_from_the_step_the_agent_names_are_kept_within_the_limit(memory, monkeypatch) -> None:
+    """KEEP_FROM (NodeStatus.copies_floor): the job's oldest peer copy is of step 2, so a node lost now is taken over
+    from a copy that old, and this rank keeps steps 2 on besides keep=2; the memory limit still wins, newest first;
+    the mark gone, the keep rule alone."""
+    capture = Capture(memory, keep=2)
+    with open(os.path.join(memory, snapshot.KEEP_FROM), "w") as f:
+        f.write("2")
+    for step in (1, 2, 3, 4, 5):
+        take(capture, step, state(float(step)))
+    assert snapshot.steps() == [2, 3, 4, 5]
+    back = layout.read(snapshot.path(2), 2)
+    assert not isinstance(back, str) and same(back, state(2.0))
+    one = os.path.getsize(snapshot.path(5))
+    monkeypatch.setenv(snapshot.LIMIT_VAR, str(3 * one + one // 2))     # three snapshots fit, not five
+    take(capture, 6, state(6.0))
+    assert snapshot.steps() == [4, 5, 6]
+    os.remove(os.path.join(memory, snapshot.KEEP_FROM))
+    monkeypatch.delenv(snapshot.LIMIT_VAR)
+    take(capture, 7, state(7.0))
+    assert snapshot.steps() == [6, 7]
