@@ -162,7 +162,7 @@ class Capture:
         room = snapshot.make_room(step, self.where, self.keep)
         bound = snapshot.limit()
         fitted = snapshot.fit(room, step, self.where, size, bound)
-        if len(fitted.dropped) > len(room.dropped):
+        if len(fitted.dropped) > len(room.dropped) and fitted.kept_count + 1 < self.keep:
             self._say_once("fewer", f"the memory directory's limit ({bound} bytes) holds {fitted.kept_count + 1} "
                                     f"snapshot(s) of {size} bytes, not keep={self.keep}: older ones make room")
         room = fitted

@@ -129,3 +129,28 @@ def test_where_the_server_uses_tls_copies_need_the_nodes_certificates(cluster, t
         assert sorted(said_off) == ["a", "b", "c", "s"] and "memory" not in {src for _, src, _ in back.values()}
         assert any("no copy of" in e["message"] for e in job_events(cluster, "tls") if e["kind"] == "round_completed")
     finish(tmp_path, run, lost)
+
+
+def test_copies_slower_than_the_snapshots_still_cost_a_lost_node_no_more_than_its_copy(cluster, tmp_path):
+    """--replica-bandwidth so low that a copy lands several snapshots late (each rank keeps 2): before, the spare
+    fetched a step the others had let go, and every rank resumed from step 0. Every member now keeps its
+    snapshots from the job's oldest copy on (NodeStatus.copies_floor), so all resume from the lost node's copy."""
+    slow = ("--replica-bandwidth", "1M")             # 2 ranks x ~1 MB a push: ~2 s, a snapshot every 0.5 s
+    cluster.start_server()
+    agents = {n: start(cluster, tmp_path, n, "lag", extra=slow) for n in ("a", "b", "c")}
+    wait_until(lambda: len({r for *_, r, _ in steps(tmp_path)}) == 6, LIMIT, "every rank stepping")
+    agents["s"] = start(cluster, tmp_path, "s", "lag", extra=slow)
+    agents["s"].wait_for_line(r"ready after", LIMIT)
+    lost = next(n["node_id"] for n in job_view(cluster, "lag")["nodes"] if n["group_rank"] == 1)
+
+    def lagging() -> bool:      # its copy is older than what its ranks keep: the case this test is about
+        c = next(n for n in job_view(cluster, "lag")["nodes"] if n["node_id"] == lost).get("copies", {})
+        return c.get("copied_step", -1) >= 10 and c.get("local_step", -1) - c.get("copied_step", -1) >= 10
+
+    wait_until(lagging, LIMIT, f"node {lost}'s copies at step 10 or later, and 10 steps behind")
+    assert lose_group_rank_1(cluster, tmp_path, "lag", agents)[0] == lost
+    back = shard_resumes(tmp_path, 0.0)
+    assert {source for _, source, _ in back.values()} == {"memory"}, (back, agents["s"].output)
+    assert len({step for step, _, _ in back.values()}) == 1 and min(s for s, _, _ in back.values()) >= 10, back
+    assert {ok for _, _, ok in back.values()} == {"ok"}, back
+    finish(tmp_path, agents, lost)

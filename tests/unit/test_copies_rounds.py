@@ -295,9 +295,11 @@ def test_every_member_is_told_the_oldest_of_the_members_copies_to_keep_snapshots
     """A node lost now is taken over from its copy, which may be snapshots behind where copies are slower than
     snapshots: every member keeps its snapshots from the oldest member's copy on (NodeStatus.copies_floor)."""
     rz = started({"a": "1", "b": "2", "c": "3"}, CFG)
-    assert {rz.view(JOB, n, 1.0).copies_floor for n in "abc"} == {-1}      # no copy yet
+    assert {rz.view(JOB, n, 1.0).copies_floor for n in "abc"} == {-1}      # no note yet: nobody makes copies
     noted(rz, "a", 1.0, 40)
-    assert rz.view(JOB, "c", 1.0).copies_floor == 40        # the nodes with no copy yet do not count
+    assert rz.view(JOB, "c", 1.0).copies_floor == 40        # the nodes with no note do not count
+    noted(rz, "c", 1.05, -1)
+    assert rz.view(JOB, "a", 1.05).copies_floor == 0        # c's first copy is still coming: every step kept
     noted(rz, "b", 1.1, 30)
     noted(rz, "c", 1.2, 45)
     assert {rz.view(JOB, n, 1.3).copies_floor for n in "abc"} == {30}
