@@ -7,7 +7,7 @@ import hashlib
 import msgspec
 
 from node_agent.client.transport import Transport, refusal
-from protocol.messages import AgentRequest, NodeStatus
+from protocol.messages import AgentRequest, JoinRequest, NodeStatus
 from rdzv_server.coordinator import Coordinator
 from rdzv_server.core.rendezvous import Limits, Rendezvous, RendezvousError
 
@@ -16,6 +16,7 @@ class LocalClient(Transport):
     def __init__(self, job_id: str, node_id: str) -> None:
         super().__init__(node_id)
         self.job_id = job_id
+        self.command = ""          # its join's command fingerprint (JoinRequest.command)
         # One node, one job: no other job to keep an unhealthy host out of, so no hold (it checks before rejoining).
         self.coordinator = Coordinator(Rendezvous(limits=Limits(unhealthy_hold_s=0.0)))
 
@@ -27,6 +28,8 @@ class LocalClient(Transport):
         await self.coordinator.stop()
 
     async def _send(self, action: str, message: object, timeout: float) -> NodeStatus:
+        if isinstance(message, JoinRequest):
+            self.command = message.command
         try:
             assert isinstance(message, AgentRequest)
             status = await self.coordinator.handle(self.job_id, message)
@@ -38,7 +41,8 @@ class LocalClient(Transport):
 
     @property
     def run(self) -> str:
-        """The job's run (Assignment.run) is its id's: the coordinator is made anew with each agent, so an agent
-        started again under the same --rdzv-id (systemd's Restart=, a container restarted) takes up the memory
-        its predecessor left. A job that ended removed it; without --rdzv-id each start has a fresh id."""
-        return "standalone-" + hashlib.sha256(self.job_id.encode()).hexdigest()[:16]
+        """The job's run (Assignment.run) is its id's and its command's: the coordinator is made anew with each
+        agent, so an agent started again with the same command under the same --rdzv-id (systemd's Restart=, a
+        container restarted) takes up the memory its predecessor left; another command (a sweep reusing ids) does
+        not. A job that ended removed it; without --rdzv-id each start has a fresh id."""
+        return "standalone-" + hashlib.sha256(f"{self.job_id}\0{self.command}".encode()).hexdigest()[:16]

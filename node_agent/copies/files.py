@@ -8,7 +8,7 @@ import re
 from dataclasses import dataclass
 
 from node_agent.copies import stream, wire
-from node_agent.training.snapshot import remove, size
+from node_agent.training.snapshot import SENDING, remove, size
 from protocol.tokens import copy_verifier
 
 STEP_FILE = re.compile(r"step-(\d{1,18})")
@@ -162,8 +162,9 @@ TOKEN = ".token"           # (an older agent's: the key itself)
 
 
 def note_verifier(node_dir: str, verifier: str) -> None:
-    if read_verifier(node_dir) != verifier:
+    if _read_short(os.path.join(node_dir, VERIFIER)) != verifier:
         write_text(os.path.join(node_dir, VERIFIER), verifier)
+    remove(os.path.join(node_dir, TOKEN))       # an older agent's note of the key itself: no secret kept at rest
 
 
 def read_verifier(node_dir: str) -> str:
@@ -181,19 +182,20 @@ def _read_short(path: str) -> str:
         return ""
 
 
-SENDING = ".sending-"      # in a rank's directory: a second name for a snapshot while its bytes are sent
+_MINE = f"{SENDING}{os.urandom(6).hex()}-"   # this process's pins (a restarted container's agent may have its pid)
 
 
 def pin(path: str, opened: os.stat_result) -> str | None:
     """A second name for the snapshot at `path` (opened as `opened`) while its bytes are sent: a worker writes
     over no snapshot file with two names (training/capture.py), so a send slower than the snapshots come still
-    lands. The name, or None where it cannot be made (the file gone or renamed away: the send notices). A pin a
-    gone agent left (another pid's) is removed first."""
+    lands. The name, or None where it cannot be made (the file gone or renamed away: the send notices). A pin
+    another process left (a gone agent's) is removed first; a taken-up directory loses them all
+    (workers/memory.py)."""
     where = os.path.dirname(path)
     for name in listdir(where):
-        if name.startswith(SENDING) and not name.startswith(f"{SENDING}{os.getpid()}-"):
+        if name.startswith(SENDING) and not name.startswith(_MINE):
             remove(os.path.join(where, name))
-    name = os.path.join(where, f"{SENDING}{os.getpid()}-{os.urandom(6).hex()}")
+    name = os.path.join(where, f"{_MINE}{os.urandom(6).hex()}")
     try:
         os.link(path, name)
         if os.stat(name).st_ino == opened.st_ino:

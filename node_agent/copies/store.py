@@ -87,7 +87,8 @@ class CopyStore:
         self._say = say
         self._pushing: dict[tuple[str, int], int] = {}    # (node, rank) -> bytes reserved by its push
         self._under_way: dict[tuple[str, int], tuple[int, asyncio.StreamWriter]] = {}   # -> its step, its stream
-        self._waiting: dict[str, set[int]] = {}           # node -> its ranks whose push waits for the job's step
+        self._waiting: dict[str, dict[int, tuple[int, asyncio.StreamWriter]]] = {}   # node -> rank -> a push
+        # waiting for the job to reach its step: the step, its stream
         self._sending: dict[tuple[str, int], asyncio.StreamWriter] = {}     # (node, rank) -> the fetch it serves
         self._said: dict[str, tuple[float, int]] = {}     # kind -> (when last said, how many since)
 
@@ -176,18 +177,8 @@ class CopyStore:
     async def _push(self, req: PushRequest, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         slot = (req.node, req.rank)
         self._check_incarnation(req, self._copies())
-        # Waiting holds no slot: a push of a step the job never reaches must not hold up the node's real ones. One
-        # wait per rank: a node's pushes of far steps cannot fill the listener (its connections at work).
-        waiting = self._waiting.setdefault(req.node, set())
-        source = self._sources.get(req.node)
-        if self._reach() < req.step and (req.rank in waiting or
-                                         len(waiting) >= (source.ranks if source is not None and source.ranks else 64)):
-            raise _Refusal("busy", "busy: a push of this rank already waits for the job to reach its step")
-        waiting.add(req.rank)
-        try:
-            await self._until_reached(req.step)
-        finally:
-            waiting.discard(req.rank)
+        if self._reach() < req.step:
+            await self._wait_for_step(req, writer)
         under_way = self._under_way.get(slot)
         if under_way is not None and req.step <= under_way[0]:
             raise _Refusal("busy", "busy")
@@ -232,12 +223,36 @@ class CopyStore:
         if same and req.step <= max(same):
             raise _Refusal("stale", f"stale step {req.step} (holding {max(same)} of round {req.round})")
 
-    async def _until_reached(self, step: int) -> None:
+    async def _wait_for_step(self, req: PushRequest, writer: asyncio.StreamWriter) -> None:
+        """Waiting holds no slot: a push of a step the job never reaches must not hold up the node's real ones. One
+        wait a rank, so a node's pushes of far steps cannot fill the listener (each a connection at work): a push of
+        the same step or a newer one ends the one waiting (it may be a dead connection's), an older one is refused."""
+        waiting = self._waiting.setdefault(req.node, {})
+        older = waiting.get(req.rank)
+        source = self._sources.get(req.node)
+        if older is not None and req.step < older[0] or \
+                older is None and len(waiting) >= (source.ranks if source is not None and source.ranks else 64):
+            raise _Refusal("busy", "busy: a push of this rank already waits for the job to reach its step")
+        if older is not None:
+            older[1].transport.abort()
+        waiting[req.rank] = mine = (req.step, writer)
+        try:
+            await self._until_reached(req.step, lambda: waiting.get(req.rank) is mine)
+        finally:
+            if waiting.get(req.rank) is mine:
+                del waiting[req.rank]
+            if not waiting and self._waiting.get(req.node) is waiting:
+                del self._waiting[req.node]
+
+    async def _until_reached(self, step: int, still: Callable[[], bool] = lambda: True) -> None:
         """Until this node's own ranks hold `step` (they save at the same steps as their peers, and a moment apart):
         a step beyond what the job has reached, as a holder of a node's token could push to freeze its copies,
-        is refused after `ahead_wait_s`. Polled: another process's files tell nobody when they appear."""
+        is refused after `ahead_wait_s`, and one `still()` no longer wants at once. Polled: another process's files
+        tell nobody when they appear."""
         deadline = time.monotonic() + self.ahead_wait_s
         while (reached := self._reach()) < step:
+            if not still():
+                raise _Refusal("busy", "busy: a newer push of this rank came")
             if time.monotonic() >= deadline:
                 raise _Refusal("ahead", f"step {step} is past what the job has reached (this node's ranks hold "
                                         f"{reached if reached >= 0 else 'none'})")

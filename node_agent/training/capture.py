@@ -322,8 +322,11 @@ def _gpu_order(live: list[torch.Tensor], optimizers: Iterable[Any]) -> tuple[lis
     """The indices of `live`'s GPU tensors in the order they are copied (those the optimizers do not own first),
     and how many those are."""
     on_gpu = [i for i, t in enumerate(live) if _on_gpu(t)]
-    owned = _owned_by(optimizers) if on_gpu else set()
-    guarded = [trees.storage(live[i]) in owned for i in on_gpu]
+    try:
+        owned = _owned_by(optimizers) if on_gpu else set()
+        guarded = [trees.storage(live[i]) in owned for i in on_gpu]
+    except Exception:  # noqa: BLE001  (an optimizer read otherwise: every copy waited for at its step, as before)
+        guarded = [True] * len(on_gpu)
     return [on_gpu[k] for k in staging.order(guarded)], guarded.count(False)
 
 

@@ -5,8 +5,9 @@ restarted worker loads its predecessor's snapshot without touching remote storag
 agent imports this): `save` takes bytes or a callable writing into a file, e.g.
 `save(lambda f: torch.save(state, f), step)`; load with `torch.load(path(step), mmap=True)` (no copy). Rules:
 - A snapshot is the file `step-N`, written as `step-N.tmp` and renamed: a reader never sees half a file.
-  Before writing, `save` drops all but the newest `keep - 1`, so at most `keep` files exist and the last
-  complete one survives a failed write.
+  Before writing, `save` drops all but the newest `keep - 1`, so the last complete one survives a failed write;
+  but for those from the step the agent names in KEEP_FROM (the job's oldest peer copy is of it: a node lost now
+  is taken over from a copy no older, and every rank must still hold its step).
 - What is kept plus the new snapshot must fit the limit: where it does not, older snapshots go too, oldest first
   (a limit that holds fewer than `keep` keeps the newest; a writer's snapshot is taken to be the size of the
   newest kept); where the new one alone does not fit (or /dev/shm is full) `save` raises `MemoryDirFull` naming
@@ -34,7 +35,7 @@ from typing import BinaryIO
 from node_agent.training import heartbeat
 
 __all__ = ["COPY_WAIT_S", "DIR_VAR", "FETCHING", "HOLD", "KEEP_FROM", "LIMIT_VAR", "MemoryDirFull", "NONE_HELD",
-           "Writer", "agreed_step", "directory", "full_error", "Room", "forget_after", "keep_from", "limit",
+           "SENDING", "Writer", "agreed_step", "directory", "full_error", "Room", "forget_after", "keep_from", "limit",
            "hold_after", "make_room", "newest", "path", "remove", "save", "steps"]
 
 DIR_VAR = "NODE_AGENT_MEMORY_DIR"
@@ -44,6 +45,7 @@ LIMIT_VAR = "NODE_AGENT_MEMORY_LIMIT"
 HOLD = ".hold"            # the agent asks this rank to wait after its next snapshot (NodeStatus.hold_at_snapshot)
 HOLD_MAX_S = 30.0         # the most it waits: a swap that did not come lets the training go on
 KEEP_FROM = ".keep-from"  # the agent asks this rank to keep its snapshots from this step on (NodeStatus.copies_floor)
+SENDING = ".sending-"     # a second name for a snapshot while the agent sends it (copies/files.pin): not written over
 HOLD_LOOK_S = 0.02
 _NAME = re.compile(r"step-(\d{1,18})")
 NONE_HELD = 2**62         # agreed_step with `lend`: what a rank that holds no snapshot offers (it can be lent one)

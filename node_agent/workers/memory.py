@@ -106,8 +106,9 @@ class MemoryDirs:
         for path in (self.dirs(self.nproc) if self.root is not None else {}).values():
             mark = os.path.join(path, snapshot.KEEP_FROM)
             try:
-                if step >= 0:
-                    _write(mark, str(step))
+                if step >= 0:          # renamed into place: a rank reading it meanwhile sees the old step or the new
+                    _write(mark + ".new", str(step))
+                    os.replace(mark + ".new", mark)
                 else:
                     with contextlib.suppress(FileNotFoundError):
                         os.remove(mark)
@@ -152,6 +153,7 @@ class MemoryDirs:
             if run and _read(path) == run:
                 self._say(f"kept the memory of node {self.node_id}'s previous agent (pid {before}, ended): its "
                           f"snapshots, and the copies it held for others, stay this node's")
+                _unpin(self.root)          # its sends ended with it: their files may be written over, or go
             else:
                 _empty(self.root, keep={owners.OWNER, IDENTITY})
                 self._say(f"removed the memory node {self.node_id}'s previous agent (pid {before}) left: it is of "
@@ -275,6 +277,16 @@ def _read(path: str) -> str:
             return f.read(4096).strip()
     except OSError:
         return ""
+
+
+def _unpin(root: str) -> None:
+    """Remove the second names an ended agent gave the snapshots it was sending (snapshot.SENDING)."""
+    for rank in _listdir(root):
+        where = os.path.join(root, rank)
+        for name in _listdir(where) if rank.isdigit() else ():
+            if name.startswith(snapshot.SENDING):
+                with contextlib.suppress(OSError):
+                    os.unlink(os.path.join(where, name))
 
 
 def _write(path: str, text: str) -> None:

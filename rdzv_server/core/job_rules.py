@@ -230,7 +230,6 @@ class JobRules:
             (job.places[0], job.places_port) if job.places else None          # the last round's store
         fetching = {n for n in chosen if job.nodes[n].fetch_of}
         job.round = build_round(job, chosen, job.last_round_id, opened, now, why, took)
-        job.copies_floor = copies_floor(job)
         for nid in fetching | set(job.round.copies):      # their fetch_of set or cleared: saved
             self.node_changed(nid)
         store_port.take(job.round, last, job.nodes[chosen[0]])
@@ -255,6 +254,7 @@ class JobRules:
         if (off := copies_off(job.round, cfg.replicas)) != job.copies_off:     # said once, not every round
             job.copies_off = off
             taken += f"; peer copies {off}" if off else ""
+        job.copies_floor = copies_floor(job)          # (after copies_off: a round in one domain keeps nothing more)
         self.record(now, EventKind.ROUND_COMPLETED, f"round {job.round.round_id}: {len(chosen)} nodes, world size "
                     f"{job.round.world_size} ({why}){taken}", round_id=job.round.round_id, data=data)
 

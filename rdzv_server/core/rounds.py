@@ -81,14 +81,19 @@ def copies_floor(job: JobRecord) -> int:
     """The oldest of the round's members' newest copied steps (NodeStatus.copies_floor): the node taking a lost
     member's place resumes from its copy, no older than this, so every member keeps its snapshots from this step
     on (its copy may be several snapshots behind where copies are slower than snapshots). A member whose first
-    copy has not landed makes it 0: that copy may be of any step the others still hold (a floor that counted it
-    later could only come down, past snapshots let go meanwhile). Members that make no copies (no note) do not
-    count; -1 where none does, or the job's rounds make no copies (copies_off)."""
+    copy has not landed (or that has not said yet) makes it 0: that copy may be of any step the others still hold
+    (a floor that counted it later could only come down, past snapshots let go meanwhile); one whose pushes are
+    refused does not count (its copy may never come: the others would keep every snapshot for it; its agent says
+    why). -1 where the job's rounds make no copies (copies_off)."""
     r = job.round
     if r is None or not r.replicas or job.copies_off:
         return -1
-    steps = [max(0, c.copied_step) for m in r.members if (node := job.nodes.get(m)) is not None
-             and (c := node.copies) is not None]
+    steps = []
+    for m in r.members:
+        node = job.nodes.get(m)
+        c = node.copies if node is not None else None
+        if c is None or c.copied_step >= 0 or not c.refused:
+            steps.append(max(0, c.copied_step) if c is not None else 0)
     return min(steps, default=-1)
 
 

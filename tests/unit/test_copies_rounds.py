@@ -286,26 +286,37 @@ def test_a_fetch_told_with_a_cap_is_not_told_again_without_it() -> None:
     assert rz.jobs[JOB].nodes["b"].fetch_of == "" and rz.jobs[JOB].nodes["b"].fetch_place is None
 
 
-def noted(rz: Rendezvous, node: str, now: float, copied: int, local: int = 50) -> NodeStatus:
+def noted(rz: Rendezvous, node: str, now: float, copied: int, local: int = 50, refused: int = 0) -> NodeStatus:
     return rz.handle(JOB, PollRequest(v=1, node_id=node, credential=f"secret-{node}",
-                                      copies=CopiesNote(local_step=local, copied_step=copied)), now)
+                                      copies=CopiesNote(local_step=local, copied_step=copied, refused=refused)), now)
 
 
 def test_every_member_is_told_the_oldest_of_the_members_copies_to_keep_snapshots_from():
     """A node lost now is taken over from its copy, which may be snapshots behind where copies are slower than
     snapshots: every member keeps its snapshots from the oldest member's copy on (NodeStatus.copies_floor)."""
     rz = started({"a": "1", "b": "2", "c": "3"}, CFG)
-    assert {rz.view(JOB, n, 1.0).copies_floor for n in "abc"} == {-1}      # no note yet: nobody makes copies
+    assert {rz.view(JOB, n, 1.0).copies_floor for n in "abc"} == {0}       # no copy said yet: every step kept
     noted(rz, "a", 1.0, 40)
-    assert rz.view(JOB, "c", 1.0).copies_floor == 40        # the nodes with no note do not count
-    noted(rz, "c", 1.05, -1)
-    assert rz.view(JOB, "a", 1.05).copies_floor == 0        # c's first copy is still coming: every step kept
     noted(rz, "b", 1.1, 30)
+    assert rz.view(JOB, "a", 1.1).copies_floor == 0        # c's first copy is still to come
     noted(rz, "c", 1.2, 45)
     assert {rz.view(JOB, n, 1.3).copies_floor for n in "abc"} == {30}
     noted(rz, "b", 1.4, 50)
     assert {rz.view(JOB, n, 1.5).copies_floor for n in "abc"} == {40}
     assert noted(rz, "a", 1.6, 40).copies_floor == 40      # the same step again: nothing to recompute
+    noted(rz, "c", 1.7, -1, refused=3)                      # (its job went back, and its pushes are refused)
+    assert rz.view(JOB, "a", 1.8).copies_floor == 40       # not every snapshot kept for a copy that may not come
     off = started({"a": "1", "b": "1"}, CFG)             # one failure domain: no copies, nothing to keep
     noted(off, "a", 1.0, 40)
     assert off.view(JOB, "a", 1.0).copies_floor == -1
+
+
+def test_a_round_that_makes_no_copies_asks_nobody_to_keep_more():
+    rz = started({"a": "1", "b": "1", "c": "2"}, CFG)
+    for t, n in enumerate("abc"):
+        noted(rz, n, 1.0 + t / 10, 40)
+    assert rz.view(JOB, "a", 1.5).copies_floor == 40
+    outlive(rz, ("a", "b"))                               # c lost: a and b share a failure domain
+    r = rz.jobs[JOB].round
+    assert r is not None and r.members == ["a", "b"] and rz.jobs[JOB].copies_off
+    assert {rz.view(JOB, n, 6.0).copies_floor for n in "ab"} == {-1}

@@ -156,9 +156,10 @@ async def test_a_push_waiting_for_a_step_never_reached_holds_up_no_real_push_of_
     assert store.held() == {(NODE, 0): 40}
 
 
-async def test_one_push_a_rank_waits_for_the_jobs_step_the_next_is_refused_at_once(tmp_path) -> None:
+async def test_one_push_a_rank_waits_for_the_jobs_step_an_older_is_refused_a_newer_takes_its_place(tmp_path):
     """A node's pushes of steps the job has not reached each hold a connection at work: one per rank waits, so a
-    node cannot fill the holder's listener with them (a review's 512 such pushes shut its witness out)."""
+    node cannot fill the holder's listener with them (a review's 512 such pushes shut its witness out). A push of
+    the same or a newer step ends the one waiting (a restarted agent's, whose predecessor's connection died)."""
     reach = [40]
     store = store_of(tmp_path, reach=reach, ranks=2)
     store.ahead_wait_s = 10.0
@@ -167,14 +168,20 @@ async def test_one_push_a_rank_waits_for_the_jobs_step_the_next_is_refused_at_on
         while not store._waiting.get(NODE):           # (the store's own record: no sleep standing in for it)
             assert not first.done(), first.result()
             await asyncio.sleep(0.01)
-        again = await asyncio.wait_for(send(port, tmp_path, step=46, round_id=5), 5)
-        assert again.reason == "refused: busy: a push of this rank already waits for the job to reach its step"
+        older = await asyncio.wait_for(send(port, tmp_path, step=44, round_id=5), 5)
+        assert older.reason == "refused: busy: a push of this rank already waits for the job to reach its step"
+        newer = asyncio.ensure_future(send(port, tmp_path, step=46, round_id=5))
+        ended = await asyncio.wait_for(first, 5)                # without waiting for the job: ended at once
+        assert not ended.ok, ended
         other = asyncio.ensure_future(send(port, tmp_path, step=45, round_id=5, rank=1))     # another rank waits
-        reach[0] = 45
-        assert (await asyncio.wait_for(first, 10)).ok and (await asyncio.wait_for(other, 10)).ok
+        while len(store._waiting.get(NODE, {})) < 2:
+            assert not newer.done() and not other.done()
+            await asyncio.sleep(0.01)
+        reach[0] = 46
+        assert (await asyncio.wait_for(newer, 10)).ok and (await asyncio.wait_for(other, 10)).ok
         store.ahead_wait_s = 0.2              # the rank's wait is over: the next push of it may wait again
         assert (await send(port, tmp_path, step=47, round_id=5)).reason.startswith("refused: step 47 is past")
-    assert store.held() == {(NODE, 0): 45, (NODE, 1): 45}
+    assert store.held() == {(NODE, 0): 46, (NODE, 1): 45} and store._waiting == {}
 
 
 async def test_the_newest_fetch_of_a_rank_is_served_and_an_older_slow_one_ends(tmp_path) -> None:

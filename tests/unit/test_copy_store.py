@@ -724,6 +724,12 @@ async def test_copies_an_older_agent_held_with_the_key_itself_are_still_fetched_
         other = await client.fetch("127.0.0.1", port, key="another-key-0000000", node_id=NODE, local_rank=0,
                                    dest_dir=str(dest))
         assert other.reason == "refused: wrong key"
+    store = make_store(tmp_path)
+    store.root = os.path.dirname(node_dir)
+    async with holder(store) as port:          # a push to the upgraded holder: its verifier noted, the key forgotten
+        assert (await client.push("127.0.0.1", port, key=KEY, node_id=NODE, local_rank=0, step=4,
+                                  path=snap(tmp_path, "b", blob(100)))).ok
+    assert sorted(n for n in os.listdir(node_dir) if n.startswith(".")) == [".verifier"]
 
 
 async def test_a_fetch_from_a_source_that_never_answers_is_given_up_at_the_answer_bound(tmp_path, monkeypatch):

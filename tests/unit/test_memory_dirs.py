@@ -102,6 +102,7 @@ job, node, base = sys.argv[1:4]
 dirs = MemoryDirs(job, 2, 2**20, say=print, base=base, node_id=node).dirs_for(2, 2, "run-1")
 for d in dirs.values():
     snapshot.save(b"shard", 25, where=d)
+    os.link(snapshot.path(25, d), os.path.join(d, snapshot.SENDING + "its-own-pin"))    # a send under way
 os._exit(9)   # as a SIGKILL: no clean-up
 """
 
@@ -122,6 +123,7 @@ def test_the_next_agent_of_the_same_job_and_node_takes_up_its_memory_within_the_
     assert [snapshot.steps(d) for d in kept.values()] == [[25], [25]]
     assert any("found node node-b's memory, left by its previous agent" in line for line in said), said
     assert any("kept the memory of node node-b's previous agent" in line for line in said), said
+    assert [os.stat(snapshot.path(25, d)).st_nlink for d in kept.values()] == [1, 1]     # its sends ended with it
     dirs.close()
     killed_agent(tmp_path, "job", "node-b")
     again = MemoryDirs("job", 2, 2**20, say=said.append, base=str(tmp_path), node_id="node-b")

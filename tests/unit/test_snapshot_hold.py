@@ -63,3 +63,21 @@ def test_the_agent_names_the_step_to_keep_from_in_every_local_ranks_directory(tm
     assert [snapshot.keep_from(where) for where in dirs.values()] == [None, None]
     assert not [line for line in said if "keep" in line], said
     memory.close()
+
+
+def test_a_rank_reading_the_keep_from_mark_while_it_changes_sees_a_step(tmp_path, monkeypatch) -> None:
+    """The mark is renamed into place: a rank never reads it empty (None would let it drop the step kept)."""
+    memory = MemoryDirs("job", 1, 2**20, say=lambda s: None, base=str(tmp_path))
+    where = memory.dirs_for(1, 0)[0]
+    memory.keep_from(25)
+    seen = []
+    real = os.replace
+
+    def replace(src, dst):               # a rank reads the mark just before the new one takes its place
+        seen.append(snapshot.keep_from(where))
+        real(src, dst)
+
+    monkeypatch.setattr(os, "replace", replace)
+    memory.keep_from(30)
+    assert seen == [25] and snapshot.keep_from(where) == 30
+    memory.close()

@@ -165,3 +165,17 @@ def test_a_copy_that_fails_ends_no_training_and_leaves_no_file(memory, monkeypat
     c.take(3, tree)
     c.wait()
     assert snapshot.steps(memory) == [3]
+
+
+def test_an_optimizer_whose_state_cannot_be_read_leaves_every_copy_to_its_step(monkeypatch) -> None:
+    """(A wrapper whose `state` raises, say): the snapshot is still taken, every copy waited for at the step."""
+    class Odd:
+        param_groups: list = []
+
+        @property
+        def state(self):
+            raise RuntimeError("no state here")
+
+    monkeypatch.setattr(capture, "_on_gpu", lambda t: True)
+    live = [torch.zeros(2), torch.ones(3)]
+    assert capture._gpu_order(live, [Odd()]) == ([0, 1], 0)
