@@ -229,7 +229,8 @@ class Agent:
             addr=self.addr, host=self.hostname, local_world_size=self.link.nproc, master_port=self._free_port(),
             config=self.link.job, instance=self.instance, role=self.link.role, witness_port=self.witness.port,
             command=self.link.command, checks=self.checks.summary, ready=self.workers.ready,
-            domain=self.link.failure_domain, copy_port=self.copy_port, store_per_round=True, launcher="node-agent")
+            domain=self.link.failure_domain, copy_port=self.copy_port, store_per_round=True, launcher="node-agent",
+            copy_verifiers=True)
 
     def _free_port(self) -> int:
         """A port for the store, should this node host the next round's (0: none to offer now: the server keeps the

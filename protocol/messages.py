@@ -145,6 +145,9 @@ class JoinRequest(_Request, kw_only=True):
     # Where its agent takes peer copies (node_agent/copies/peers.py): its witness port, or a TLS listener of its own
     # where it has a certificate; 0: it takes none (an older agent, or the server uses TLS and it has no certificate).
     copy_port: Port = 0
+    # True: its agent checks the keys of the copies it holds against verifiers (CopySource.verifier) and is told no
+    # other node's token; False (an older agent): its sources' tokens, which it checks keys against.
+    copy_verifiers: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()

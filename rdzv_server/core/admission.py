@@ -110,7 +110,7 @@ def _new_record(rules: JobRules, req: JoinRequest, now: float, credential: str, 
                       credential_digest=credentials.digest(credential), seen_from=via[0], server_addr=via[1],
                       witness_port=req.witness_port, checks=req.checks, ready=req.ready,
                       preparing_since=0.0 if req.ready else now, domain=req.domain, copy_port=req.copy_port,
-                      store_per_round=req.store_per_round)
+                      store_per_round=req.store_per_round, copy_verifiers=req.copy_verifiers)
     rules.out.deadline(node.lease_expires)
     if not req.ready:
         rules.out.deadline(now + PREPARE_LIMIT_S)

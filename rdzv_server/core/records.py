@@ -49,6 +49,7 @@ class NodeRecord(msgspec.Struct, kw_only=True):
     preparing_said: bool = False       # preparing past the limit, said once
     domain: str = ""                   # its failure domain (JoinRequest.domain; "": its host)
     copy_port: int = 0                 # where its agent takes peer copies (0: none)
+    copy_verifiers: bool = False       # its agent is told verifiers, not tokens, of its sources (JoinRequest)
     copies: CopiesNote | None = None   # its peer copies, as its last poll said (shown, never acted on)
     store_per_round: bool = False      # its agent hosts a store per round it masters (JoinRequest; store_port.py)
     unheard: bool = False              # not heard from since the server came back (a failure waits: reports.py)
@@ -103,6 +104,7 @@ class RoundRecord(msgspec.Struct, kw_only=True, omit_defaults=True, dict=True):
     max_restarts: int = 0
     domains: list[str] = []            # each member's failure domain: its copies go to another (rounds.py)
     copy_ports: list[int] = []         # where each member takes peer copies (0: none)
+    copy_verifiers: list[bool] = []    # each member's JoinRequest.copy_verifiers ([]: an older round's, all False)
     replicas: int = 0                  # copies of each member's snapshots (JobConfig.replicas)
     replica_key: str = ""              # the job's key for its members' copies (JobRecord.replica_key)
     run: str = ""                      # the job's run (rounds.run_of): Assignment.run

@@ -16,10 +16,10 @@ JOB = "job-c"
 
 
 def join(rz: Rendezvous, node: str, now: float, config: JobConfig, *, domain: str = "", probe: int = 4000,
-         credential: str = "") -> NodeStatus:
+         credential: str = "", verifiers: bool = True) -> NodeStatus:
     req = JoinRequest(v=1, node_id=node, addr=f"10.0.0.{ord(node[0]) - 96}", local_world_size=2, master_port=20000,
                       config=config, instance=f"{node}#1", host=f"host-{node}", witness_port=probe, copy_port=probe,
-                      domain=domain)
+                      domain=domain, copy_verifiers=verifiers)
     return rz.handle(JOB, req, now, Arrival(secret=credential or f"secret-{node}"))
 
 
@@ -320,3 +320,16 @@ def test_a_round_that_makes_no_copies_asks_nobody_to_keep_more():
     r = rz.jobs[JOB].round
     assert r is not None and r.members == ["a", "b"] and rz.jobs[JOB].copies_off
     assert {rz.view(JOB, n, 6.0).copies_floor for n in "ab"} == {-1}
+
+
+def test_an_older_agent_holding_copies_is_told_its_sources_tokens_a_newer_one_only_their_verifiers():
+    """A rolling upgrade, server first: an agent that does not say it checks verifiers still gets the tokens it
+    checks keys against (else it would refuse every push); one that does is told none."""
+    rz = Rendezvous()
+    for i, (n, new) in enumerate((("a", True), ("b", False), ("c", True))):
+        join(rz, n, i * 0.01, CFG, domain=n, verifiers=new)
+    if rz.jobs[JOB].state == JobState.WAITING:
+        rz.tick(rz.next_deadline())
+    told = {n: rz.view(JOB, n, 1.0).assignment.copy_sources for n in "abc"}
+    assert all(s.verifier and s.token == "" for n in "ac" for s in told[n]), told
+    assert told["b"] and all(s.token and s.verifier == copy_verifier(s.token) for s in told["b"]), told
