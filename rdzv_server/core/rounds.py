@@ -83,9 +83,10 @@ def copies_floor(job: JobRecord) -> int:
     member's place resumes from its copy, no older than this, so every member keeps its snapshots from this step
     on (its copy may be several snapshots behind where copies are slower than snapshots). A member whose first
     copy has not landed (or that has not said yet) makes it 0: that copy may be of any step the others still hold
-    (a floor that counted it later could only come down, past snapshots let go meanwhile); one whose pushes are
-    refused does not count (its copy may never come: the others would keep every snapshot for it; its agent says
-    why). -1 where the job's rounds make no copies (copies_off)."""
+    (a floor that counted it later could only come down, past snapshots let go meanwhile). One whose pushes are
+    refused (its agent says why), or that holds no snapshot to copy (no memory directory, say), does not count: its
+    copy may never come, and the others would keep every snapshot for it. -1 where the job's rounds make no copies
+    (copies_off)."""
     r = job.round
     if r is None or not r.replicas or job.copies_off:
         return -1
@@ -93,8 +94,10 @@ def copies_floor(job: JobRecord) -> int:
     for m in r.members:
         node = job.nodes.get(m)
         c = node.copies if node is not None else None
-        if c is None or c.copied_step >= 0 or not c.refused:
-            steps.append(max(0, c.copied_step) if c is not None else 0)
+        if c is None:
+            steps.append(0)
+        elif c.copied_step >= 0 or (not c.refused and c.local_step >= 0):
+            steps.append(max(0, c.copied_step))
     return min(steps, default=-1)
 
 

@@ -306,6 +306,8 @@ def test_every_member_is_told_the_oldest_of_the_members_copies_to_keep_snapshots
     assert noted(rz, "a", 1.6, 40).copies_floor == 40      # the same step again: nothing to recompute
     noted(rz, "c", 1.7, -1, refused=3)                      # (its job went back, and its pushes are refused)
     assert rz.view(JOB, "a", 1.8).copies_floor == 40       # not every snapshot kept for a copy that may not come
+    noted(rz, "c", 1.9, -1, local=-1)                       # nothing to copy (no memory directory, say)
+    assert rz.view(JOB, "a", 2.0).copies_floor == 40
     off = started({"a": "1", "b": "1"}, CFG)             # one failure domain: no copies, nothing to keep
     noted(off, "a", 1.0, 40)
     assert off.view(JOB, "a", 1.0).copies_floor == -1
