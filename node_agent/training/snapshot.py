@@ -49,6 +49,7 @@ SENDING = ".sending-"     # a second name for a snapshot while the agent sends i
 HOLD_LOOK_S = 0.02
 _NAME = re.compile(r"step-(\d{1,18})")
 NONE_HELD = 2**62         # agreed_step with `lend`: what a rank that holds no snapshot offers (it can be lent one)
+_FIELD = (1 << 21) - 1    # agreed_step's counts of ranks, three in one 64-bit sum
 
 Writer = Callable[[BinaryIO], object]
 
@@ -103,8 +104,10 @@ def agreed_step(reduce_min: Callable[[int], int], where: str | None = None,
     calls it) hands a replica's file to the ranks that do not hold it: whether every rank now holds and accepts it.
     With `reduce_sum` too (SUM over all ranks), the ranks whose newest step is the candidate are behind the job where
     at least as many lack it and hold newer ones (a node back in an elastic job after the others trained on without
-    it, or one whose writes failed): they are lent the newer one. Where fewer do, the newer steps are the odd ones
-    (a node that diverged and was held out, say): those ranks are lent the candidate, as before."""
+    it, or one whose writes failed), or more hold newer ones as well as it (the node taking a lost one's place with
+    its lagging copy, which the others keep for a job of shards: KEEP_FROM): they are lent the newer one. Where fewer
+    do, the newer steps are the odd ones (a node that diverged and was held out, say): those ranks are lent the
+    candidate, as before."""
     where = where or directory()
     if where is not None:
         _await_copy(where)
@@ -119,10 +122,11 @@ def agreed_step(reduce_min: Callable[[int], int], where: str | None = None,
             return None
         has = where is not None and os.path.exists(path(step, where))
         if lend is not None and reduce_sum is not None:
-            ahead = not has and bool(held) and held[-1] > step
+            newer = bool(held) and held[-1] > step
             at = bool(held) and held[-1] == step
-            counts = reduce_sum((1 << 32) * ahead + at)
-            if counts >> 32 and counts >> 32 >= counts & 0xFFFFFFFF:     # as many ahead as at it, or more
+            counts = reduce_sum((1 << 42) * (newer and has) + (1 << 21) * (newer and not has) + at)
+            holding, lacking, at_it = counts >> 42, (counts >> 21) & _FIELD, counts & _FIELD
+            if lacking and lacking >= at_it or holding + lacking > at_it:     # (counts up to 2^21 ranks each)
                 behind = behind or at
                 continue
         ok = (has and (accept is None or accept(step))) or (lend is not None and not has)

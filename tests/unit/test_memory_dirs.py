@@ -411,6 +411,9 @@ def replicas_agree(tmp_path, held: list[list[int]], refused: dict[int, set[int]]
     # step all hold, not taking every rank back to its own
     ([[195, 200], [190, 195], [70, 75], [70, 75]], 195),
     ([[195, 200], [195, 200], [75]], 200),
+    # the node taking a lost one's place with its lagging copy (5), which the others keep (KEEP_FROM): lent 55, not
+    # every rank back to the copy's step (a review found DDP jobs resuming from it)
+    ([[5, 50, 55], [5, 50, 55], [5]], 55),
     # one node's newer step, the others' older (a node that diverged at 150 and was held out, back): not followed
     ([[130, 140], [130, 140], [150]], 140),
     ([[], [], []], None),              # nobody holds anything: nothing to lend
