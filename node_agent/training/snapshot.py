@@ -7,8 +7,7 @@ agent imports this): `save` takes bytes or a callable writing into a file, e.g.
 - A snapshot is the file `step-N`, written as `step-N.tmp` and renamed: a reader never sees half a file.
   Before writing, `save` drops all but the newest `keep - 1`, so the last complete one survives a failed write;
   but for those from the step the agent names in KEEP_FROM (the job's oldest peer copy is of it: a node lost now
-  is taken over from a copy no older, and every rank must still hold its step): that step and the FLOOR_SPAN
-  newest after it.
+  is taken over from a copy no older, and every rank must still hold its step).
 - What is kept plus the new snapshot must fit the limit: where it does not, older snapshots go too, oldest first
   (a limit that holds fewer than `keep` keeps the newest; a writer's snapshot is taken to be the size of the
   newest kept); where the new one alone does not fit (or /dev/shm is full) `save` raises `MemoryDirFull` naming
@@ -46,7 +45,6 @@ LIMIT_VAR = "NODE_AGENT_MEMORY_LIMIT"
 HOLD = ".hold"            # the agent asks this rank to wait after its next snapshot (NodeStatus.hold_at_snapshot)
 HOLD_MAX_S = 30.0         # the most it waits: a swap that did not come lets the training go on
 KEEP_FROM = ".keep-from"  # the agent asks this rank to keep its snapshots from this step on (NodeStatus.copies_floor)
-FLOOR_SPAN = 4            # ... the step itself, and at most this many after it besides the keep rule's
 SENDING = ".sending-"     # a second name for a snapshot while the agent sends it (copies/files.pin): not written over
 HOLD_LOOK_S = 0.02
 _NAME = re.compile(r"step-(\d{1,18})")
@@ -275,11 +273,7 @@ class Room:
 def make_room(step: int, where: str, keep: int) -> Room:
     held = [s for s in steps(where) if s != step]
     floor = keep_from(where)
-    by_keep = held[:max(0, len(held) - (keep - 1))]
-    spared = [s for s in by_keep if floor is not None and s >= floor]
-    if len(spared) > 1 + FLOOR_SPAN:      # the floor's step, and the newest of those after it: a copy refused for
-        spared = spared[:1] + spared[-FLOOR_SPAN:]     # good must not have every rank keep every snapshot
-    dropped = [s for s in by_keep if s not in spared]
+    dropped = [s for s in held[:max(0, len(held) - (keep - 1))] if floor is None or s < floor]
     kept = [s for s in held if s not in dropped]
     return Room(dropped, sum(size(path(s, where)) for s in kept), len(kept))
 

@@ -239,15 +239,3 @@ def test_the_snapshots_from_the_step_the_agent_names_are_kept_within_the_limit(m
     monkeypatch.delenv(snapshot.LIMIT_VAR)
     take(capture, 7, state(7.0))
     assert snapshot.steps() == [6, 7]
-
-
-def test_a_floor_that_stays_behind_keeps_its_step_and_a_few_after_it_not_every_snapshot(memory) -> None:
-    """A member whose copy landed once and whose pushes are refused since holds the floor at its step: every rank
-    keeps that step and the FLOOR_SPAN newest after it besides keep, not every snapshot since (a re-run found 52
-    snapshots a rank, growing until the memory limit)."""
-    capture = Capture(memory, keep=2)
-    with open(os.path.join(memory, snapshot.KEEP_FROM), "w") as f:
-        f.write("1")
-    for step in range(1, 21):
-        take(capture, step, {"w": torch.full((10,), float(step))})
-    assert snapshot.steps() == [1, 15, 16, 17, 18, 19, 20]
