@@ -254,7 +254,7 @@ class JobRules:
         if (off := copies_off(job.round, cfg.replicas)) != job.copies_off:     # said once, not every round
             job.copies_off = off
             taken += f"; peer copies {off}" if off else ""
-        job.copies_floor = copies_floor(job)          # (after copies_off: a round in one domain keeps nothing more)
+        job.copies_floor = copies_floor(job, now)     # (after copies_off: a round in one domain keeps nothing more)
         self.record(now, EventKind.ROUND_COMPLETED, f"round {job.round.round_id}: {len(chosen)} nodes, world size "
                     f"{job.round.world_size} ({why}){taken}", round_id=job.round.round_id, data=data)
 

@@ -50,7 +50,8 @@ class NodeRecord(msgspec.Struct, kw_only=True):
     domain: str = ""                   # its failure domain (JoinRequest.domain; "": its host)
     copy_port: int = 0                 # where its agent takes peer copies (0: none)
     copy_verifiers: bool = False       # its agent is told verifiers, not tokens, of its sources (JoinRequest)
-    copies: CopiesNote | None = None   # its peer copies, as its last poll said (shown, never acted on)
+    copies: CopiesNote | None = None   # its peer copies, as its last poll said
+    copied_at: float = 0.0             # when its copied step last changed (rounds.copies_floor)
     store_per_round: bool = False      # its agent hosts a store per round it masters (JoinRequest; store_port.py)
     unheard: bool = False              # not heard from since the server came back (a failure waits: reports.py)
     fetch_of: str = ""                 # the gone node whose copies a round told it to fetch (rounds.fetches_pending)
@@ -174,6 +175,7 @@ class JobRecord(msgspec.Struct, kw_only=True):
     swap: SwapDue | None = None                # a suspect swapped at the next snapshot (swaps.py)
     swapped_places: list[int] = msgspec.field(default_factory=list)   # group ranks a slow node was swapped from
     copies_floor: int = -1                     # rounds.copies_floor, as the members' last notes give it
+    copies_floor_at: float = 0.0               # when it was last worked out
 
     def events_after(self, seq: int) -> list[Event]:
         """The kept events newer than `seq` (seqs are consecutive, so no scan of the history)."""

@@ -335,3 +335,16 @@ def test_an_older_agent_holding_copies_is_told_its_sources_tokens_a_newer_one_on
     told = {n: rz.view(JOB, n, 1.0).assignment.copy_sources for n in "abc"}
     assert all(s.verifier and s.token == "" for n in "ac" for s in told[n]), told
     assert told["b"] and all(s.token and s.verifier == copy_verifier(s.token) for s in told["b"]), told
+
+
+def test_a_member_whose_copy_stopped_moving_under_refusals_leaves_the_floor_after_a_minute():
+    """Its copy landed once, its pushes are refused since (a full holder): counted a minute (a push may be slow),
+    then left out, so the others do not keep every snapshot after its old step (a re-run found 52 a rank)."""
+    rz = started({"a": "1", "b": "2", "c": "3"}, CFG)
+    noted(rz, "a", 1.0, 40)
+    noted(rz, "b", 1.1, 30)
+    noted(rz, "c", 1.2, 45)
+    assert noted(rz, "b", 30.0, 30, refused=5).copies_floor == 30
+    assert noted(rz, "a", 61.0, 40).copies_floor == 30          # a minute since b's copy moved: not yet
+    assert noted(rz, "b", 62.0, 30, refused=9).copies_floor == 40
+    assert noted(rz, "b", 70.0, 35, refused=9).copies_floor == 35      # its copy moved again: counted again
