@@ -145,8 +145,9 @@ class JoinRequest(_Request, kw_only=True):
     # Where its agent takes peer copies (node_agent/copies/peers.py): its witness port, or a TLS listener of its own
     # where it has a certificate; 0: it takes none (an older agent, or the server uses TLS and it has no certificate).
     copy_port: Port = 0
-    # True: its agent checks the keys of the copies it holds against verifiers (CopySource.verifier) and is told no
-    # other node's token; False (an older agent): its sources' tokens, which it checks keys against.
+    # True: its agent checks the keys of the copies it holds against verifiers (CopySource.verifier); False (an
+    # older agent, which checks them against its sources' tokens): it takes no part in copies, as one with no
+    # copy_port (a node that once held another's copies must not keep a key that acts for it).
     copy_verifiers: bool = False
 
     def __post_init__(self) -> None:

@@ -105,7 +105,6 @@ class RoundRecord(msgspec.Struct, kw_only=True, omit_defaults=True, dict=True):
     max_restarts: int = 0
     domains: list[str] = []            # each member's failure domain: its copies go to another (rounds.py)
     copy_ports: list[int] = []         # where each member takes peer copies (0: none)
-    copy_verifiers: list[bool] = []    # each member's JoinRequest.copy_verifiers ([]: an older round's, all False)
     replicas: int = 0                  # copies of each member's snapshots (JobConfig.replicas)
     replica_key: str = ""              # the job's key for its members' copies (JobRecord.replica_key)
     run: str = ""                      # the job's run (rounds.run_of): Assignment.run

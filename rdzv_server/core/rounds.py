@@ -36,8 +36,10 @@ def build_round(job: JobRecord, members: list[str], round_id: int, opened_at: fl
                     ranked=list(members), local_sizes=sizes, roles=[n.role for n in nodes],
                     addrs=reachable_addresses(nodes), witness_ports=[n.witness_port for n in nodes],
                     master_port=nodes[0].master_port, max_restarts=job.config.max_restarts,
-                    domains=[n.domain or n.host for n in nodes], copy_ports=[n.copy_port for n in nodes],
-                    copy_verifiers=[n.copy_verifiers for n in nodes],
+                    domains=[n.domain or n.host for n in nodes],
+                    # An older agent checks copy keys against its sources' tokens: it takes no part (it would learn
+                    # them and could act for those nodes for good), as one with no copy port
+                    copy_ports=[n.copy_port if n.copy_verifiers else 0 for n in nodes],
                     replicas=replicas, replica_key=job.replica_key, run=run_of(job),
                     resume_at_most=job.resume_at_most)
     job.resume_at_most = -1           # told once: to the round that resumes
@@ -319,10 +321,8 @@ class _Derived:
                 for h in self.replica_ranks(i):
                     self._sources.setdefault(h, []).append(i)
         ranked = r.ranked or r.members
-        told = rank < len(r.copy_verifiers) and r.copy_verifiers[rank]     # else an older agent: it needs tokens
-        return tuple(CopySource(node_id=ranked[i], token="" if told else copy_token(r.replica_key, ranked[i]),
-                                verifier=copy_verifier(copy_token(r.replica_key, ranked[i])), ranks=r.local_sizes[i])
-                     for i in self._sources.get(rank, ()))
+        return tuple(CopySource(node_id=ranked[i], verifier=copy_verifier(copy_token(r.replica_key, ranked[i])),
+                                ranks=r.local_sizes[i]) for i in self._sources.get(rank, ()))
 
     def replica_targets(self, rank: int) -> tuple[Witness, ...]:
         r = self.round

@@ -19,6 +19,7 @@ def join(rz: Rendezvous, job: str, node: str, now: float, config: JobConfig = CF
          domain: str = "") -> None:
     rz.handle(job, JoinRequest(v=1, node_id=node, addr="10.0.0.1", host=f"host-{node}", local_world_size=2,
                              master_port=29500, config=config, instance=f"{node}#1", copy_port=copy_port,
+                             copy_verifiers=True,
                              domain=domain), now,
                                  Arrival(secret=f"secret-{node}"))
 

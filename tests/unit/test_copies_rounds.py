@@ -100,7 +100,8 @@ def test_a_job_made_without_a_secret_has_no_key_and_so_no_copies():
     rz = Rendezvous()
     for i, n in enumerate("abc"):
         rz.handle(JOB, JoinRequest(v=1, node_id=n, addr=f"10.0.0.{i + 1}", local_world_size=1, master_port=1,
-                                 config=CFG, instance=n, witness_port=4000, copy_port=4000, domain=n), i * 0.01)
+                                 config=CFG, instance=n, witness_port=4000, copy_port=4000,
+                                 copy_verifiers=True, domain=n), i * 0.01)
     assert [targets(rz, n) for n in "abc"] == [[], [], []]
 
 
@@ -159,6 +160,7 @@ def test_a_node_back_at_its_own_place_with_a_new_agent_is_told_where_its_own_cop
     outlive(rz, ("a", "c"))              # b's agent is gone: lost; the job waits for a third node
     rz.handle(JOB, JoinRequest(v=1, node_id="b", addr="10.0.0.2", local_world_size=2, master_port=20000,
                              config=fixed, instance="b#2", host="host-b", witness_port=4000, copy_port=4000,
+                             copy_verifiers=True,
                              domain="2"),
               7.0, Arrival(secret="secret-b2"))
     r = rz.jobs[JOB].round
@@ -175,7 +177,7 @@ def test_a_node_back_at_its_own_place_with_a_new_agent_is_told_where_its_own_cop
 def rejoin(rz: Rendezvous, node: str, now: float, config: JobConfig, incarnation: int, domain: str) -> None:
     rz.handle(JOB, JoinRequest(v=1, node_id=node, addr=f"10.0.0.{ord(node) - 96}", local_world_size=2,
                                master_port=20000, config=config, instance=f"{node}#{incarnation}", host=f"host-{node}",
-                               witness_port=4000, copy_port=4000, domain=domain),
+                               witness_port=4000, copy_port=4000, copy_verifiers=True, domain=domain),
               now, Arrival(secret=f"secret-{node}{incarnation}"))
 
 
@@ -218,7 +220,8 @@ def test_a_holder_is_told_how_many_ranks_each_source_has_and_each_run_is_its_own
 def test_a_newcomer_of_another_size_takes_the_place_but_not_the_shards():
     rz = started({"a": "1", "b": "2", "c": "3"}, CFG)
     rz.handle(JOB, JoinRequest(v=1, node_id="s", addr="10.0.0.19", local_world_size=1, master_port=20000, config=CFG,
-                             instance="s#1", host="host-s", witness_port=4000, copy_port=4000, domain="4"), 0.5,
+                             instance="s#1", host="host-s", witness_port=4000, copy_port=4000,
+                             copy_verifiers=True, domain="4"), 0.5,
                                  Arrival(secret="secret-s"))
     outlive(rz, ("a", "c", "s"))
     r = rz.jobs[JOB].round
@@ -236,6 +239,7 @@ def test_racks_in_blocks_spread_their_copies_evenly_and_every_member_has_a_holde
     for i, n in enumerate(names):                     # racks of 128 in a row, as a switch's nodes come
         rz.handle(JOB, JoinRequest(v=1, node_id=n, addr=f"10.1.{i // 200}.{i % 200}", local_world_size=1,
                                  master_port=1, config=wide, instance=n, witness_port=4000, copy_port=4000,
+                                 copy_verifiers=True,
                                  domain="rack-a" if i < 128 else "rack-b"), i * 0.001, Arrival(secret=f"secret-{n}"))
     r = rz.jobs[JOB].round
     assert r is not None and len(r.members) == 256
@@ -324,17 +328,21 @@ def test_a_round_that_makes_no_copies_asks_nobody_to_keep_more():
     assert {rz.view(JOB, n, 6.0).copies_floor for n in "ab"} == {-1}
 
 
-def test_an_older_agent_holding_copies_is_told_its_sources_tokens_a_newer_one_only_their_verifiers():
-    """A rolling upgrade, server first: an agent that does not say it checks verifiers still gets the tokens it
-    checks keys against (else it would refuse every push); one that does is told none."""
+def test_an_older_agent_holds_no_copies_and_no_holder_is_told_a_token():
+    """An agent that does not say it checks verifiers would need its sources' tokens, and a node told another's
+    token could act for it for good (a review forged a copy by joining as an "older agent"): it takes no part in
+    copies (as an agent with no copy port), and the others' go to the newer ones."""
     rz = Rendezvous()
     for i, (n, new) in enumerate((("a", True), ("b", False), ("c", True))):
         join(rz, n, i * 0.01, CFG, domain=n, verifiers=new)
     if rz.jobs[JOB].state == JobState.WAITING:
         rz.tick(rz.next_deadline())
-    told = {n: rz.view(JOB, n, 1.0).assignment.copy_sources for n in "abc"}
-    assert all(s.verifier and s.token == "" for n in "ac" for s in told[n]), told
-    assert told["b"] and all(s.token and s.verifier == copy_verifier(s.token) for s in told["b"]), told
+    told = {n: rz.view(JOB, n, 1.0).assignment for n in "abc"}
+    assert all(a is not None for a in told.values())
+    assert told["b"].copy_sources == () and told["b"].replicas == ()
+    assert all(w.addr != "10.0.0.2" for a in told.values() for w in a.replicas) and told["a"].replicas
+    sources = [s for a in told.values() for s in a.copy_sources]
+    assert sources and all(s.token == "" and s.verifier for s in sources), sources
 
 
 def test_a_member_whose_copy_stopped_moving_under_refusals_leaves_the_floor_after_a_minute():
