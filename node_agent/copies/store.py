@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import errno
 import hmac
 import os
 import shutil
@@ -32,6 +31,7 @@ from typing import Protocol
 
 from node_agent.copies import files, room, stream, wire
 from node_agent.copies.own import OwnSnapshots
+from node_agent.copies.refusal import Refusal, parse, stored_failed
 from node_agent.copies.stream import StreamError
 from node_agent.copies.wire import DropRequest, FetchRequest, PushRequest, WireError
 from node_agent.training.snapshot import remove
@@ -41,15 +41,6 @@ STALL_S = 30.0          # a peer sending or reading nothing for this long is giv
 EVICT_AFTER_S = 600.0   # a node's copies not renewed this long may make room for another's (see _make_room)
 ANSWER_S = 5.0          # the most an answer line waits for the peer to take it
 SAY_EVERY_S = 60.0      # a kind of refusal is logged at most once in this long, with how many came since
-
-
-class _Refusal(Exception):
-    """A refusal: `reason` goes to the peer, `detail` to our log only."""
-    def __init__(self, kind: str, reason: str, detail: str = "") -> None:
-        super().__init__(reason)
-        self.kind = kind
-        self.reason = reason
-        self.detail = detail
 
 
 class Source(Protocol):
@@ -123,7 +114,7 @@ class CopyStore:
         passes, after the push's .tmp is removed); the caller closes the connection."""
         peer = _peer(writer)
         try:
-            request = _parse(first_line)
+            request = parse(first_line)
             self._check_key(request.key, request.node, isinstance(request, PushRequest))
             if isinstance(request, PushRequest):
                 await self._push(request, reader, writer)
@@ -133,7 +124,7 @@ class CopyStore:
                 writer.write(wire.DROPPED)
             else:
                 await self._fetch(request, writer, peer, first_line)
-        except _Refusal as r:
+        except Refusal as r:
             self._note(r.kind, peer, f"refused {r.reason}{r.detail}", first_line)
             writer.write(wire.refused_line(r.reason))
         except (StreamError, OSError) as exc:
@@ -155,9 +146,9 @@ class CopyStore:
             expected = (source.verifier or copy_verifier(source.token) if source is not None else "") or \
                 ("" if pushing else files.read_verifier(os.path.join(self.root, node)))
         if not expected:
-            raise _Refusal("key", "wrong key", f" (no key of node {node} here: no node whose copies this one holds)")
+            raise Refusal("key", "wrong key", f" (no key of node {node} here: no node whose copies this one holds)")
         if not hmac.compare_digest(copy_verifier(key).encode(), expected.encode()):
-            raise _Refusal("key", "wrong key")
+            raise Refusal("key", "wrong key")
 
     def _note(self, kind: str, peer: str, what: str, first_line: bytes) -> None:
         """Log a kind of trouble once per SAY_EVERY_S, with how many came since: peers retrying, or a flood from
@@ -181,7 +172,7 @@ class CopyStore:
             await self._wait_for_step(req, writer)
         under_way = self._under_way.get(slot)
         if under_way is not None and req.step <= under_way[0]:
-            raise _Refusal("busy", "busy")
+            raise Refusal("busy", "busy")
         # A newer step of the rank: the older push gives way (its room counted free), so one that trickles (a holder
         # of the node's token can send a byte before each stall bound) cannot hold the rank's copies back past the
         # next snapshot. Only once this one is taken: refused, it leaves the older one be.
@@ -190,7 +181,7 @@ class CopyStore:
             copies = self._make_room(req.node, req.size, self._copies())
             self._check_incarnation(req, copies)      # (a push of the same node may have landed meanwhile)
             self._check_room(req, copies)
-        except _Refusal:
+        except Refusal:
             if under_way is not None and self._under_way.get(slot) is under_way:
                 self._pushing[slot] = reserved
             raise
@@ -211,17 +202,17 @@ class CopyStore:
         source = self._sources.get(req.node)
         ranks = source.ranks if source is not None else 0
         if ranks and req.rank >= ranks:
-            raise _Refusal("rank", f"rank {req.rank} is not one of node {req.node}'s {ranks} local ranks")
+            raise Refusal("rank", f"rank {req.rank} is not one of node {req.node}'s {ranks} local ranks")
         now = self._round_now()
         if req.round > now:
-            raise _Refusal("round", f"round {req.round} is past this node's round ({now}): tried again later")
+            raise Refusal("round", f"round {req.round} is past this node's round ({now}): tried again later")
         theirs = [c for c in copies if c.node == req.node]
         newest = max((c.round for c in theirs), default=-1)
         if req.round < newest:
-            raise _Refusal("stale", f"stale round {req.round} (holding copies of round {newest})")
+            raise Refusal("stale", f"stale round {req.round} (holding copies of round {newest})")
         same = [c.step for c in theirs if c.rank == req.rank and c.round == req.round]
         if same and req.step <= max(same):
-            raise _Refusal("stale", f"stale step {req.step} (holding {max(same)} of round {req.round})")
+            raise Refusal("stale", f"stale step {req.step} (holding {max(same)} of round {req.round})")
 
     async def _wait_for_step(self, req: PushRequest, writer: asyncio.StreamWriter) -> None:
         """Waiting holds no slot: a push of a step the job never reaches must not hold up the node's real ones. One
@@ -232,7 +223,7 @@ class CopyStore:
         source = self._sources.get(req.node)
         if older is not None and req.step < older[0] or \
                 older is None and len(waiting) >= (source.ranks if source is not None and source.ranks else 64):
-            raise _Refusal("busy", "busy: a push of this rank already waits for the job to reach its step")
+            raise Refusal("busy", "busy: a push of this rank already waits for the job to reach its step")
         if older is not None:
             older[1].transport.abort()
         waiting[req.rank] = mine = (req.step, writer)
@@ -252,9 +243,9 @@ class CopyStore:
         deadline = time.monotonic() + self.ahead_wait_s
         while (reached := self._reach()) < step:
             if not still():
-                raise _Refusal("busy", "busy: a newer push of this rank came")
+                raise Refusal("busy", "busy: a newer push of this rank came")
             if time.monotonic() >= deadline:
-                raise _Refusal("ahead", f"step {step} is past what the job has reached (this node's ranks hold "
+                raise Refusal("ahead", f"step {step} is past what the job has reached (this node's ranks hold "
                                         f"{reached if reached >= 0 else 'none'})")
             await asyncio.sleep(0.05)
 
@@ -283,7 +274,7 @@ class CopyStore:
         free, total = files.space(self.root)
         why = room.refusal(req, copies, self._pushing, self.limit_bytes, len(self._sources), free, total)
         if why is not None:
-            raise _Refusal("limit", f"memory limit full: {why}")
+            raise Refusal("limit", f"memory limit full: {why}")
 
     async def _receive(self, req: PushRequest, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         where = self._dir(req.node, req.rank)
@@ -300,15 +291,15 @@ class CopyStore:
             finally:
                 os.close(fd)
             if not hmac.compare_digest(got, sent):
-                raise _Refusal("checksum", "checksum mismatch")
+                raise Refusal("checksum", "checksum mismatch")
             files.write_sum(final + ".sha256", got, req.round)
             os.replace(tmp, final)
             landed = True
             files.note_verifier(os.path.join(self.root, req.node), copy_verifier(req.key))  # a later fetch or drop
         except (StreamError, WireError) as exc:
-            raise _Refusal("checksum", str(exc)) from None
+            raise Refusal("checksum", str(exc)) from None
         except OSError as exc:
-            raise _stored_failed(exc) from None
+            raise stored_failed(exc) from None
         finally:
             if not landed:
                 remove(tmp)
@@ -342,9 +333,12 @@ class CopyStore:
         if (older := self._sending.get(slot)) is not None:
             older.transport.abort()       # the newest fetch of a rank is served: a slow one keeps no file alive
         self._sending[slot] = writer
+        pinned = None
         try:
             at_open = os.fstat(fd)
             size = at_open.st_size
+            if own is not None:          # a second name meanwhile: its rank writes its next snapshots elsewhere
+                pinned = files.pin(own[2], at_open)
             writer.write(wire.copy_line(step, size))
             # The trailer is the checksum stored on receipt, the bytes what is held now: a copy corrupted at rest
             # fails the fetcher's check, and is removed here (one pass over the bytes, not two). Own snapshots:
@@ -363,6 +357,8 @@ class CopyStore:
                            first_line)
         finally:
             os.close(fd)
+            if pinned is not None:
+                remove(pinned)
             if self._sending.get(slot) is writer:
                 del self._sending[slot]
 
@@ -371,26 +367,12 @@ class CopyStore:
             return files.open_held(self._dir(node, rank), want)
         except files.CorruptAtRest as exc:      # its checksum file is unreadable: gone
             self._discard(node, rank, exc.step)
-            raise _Refusal("corrupt", "copy corrupted at rest (its checksum file is unreadable)") from None
+            raise Refusal("corrupt", "copy corrupted at rest (its checksum file is unreadable)") from None
 
     def _discard(self, node: str, rank: int, step: int) -> None:
         final = os.path.join(self._dir(node, rank), f"step-{step}")
         remove(final)
         remove(final + ".sha256")
-
-
-def _parse(first_line: bytes) -> PushRequest | FetchRequest | DropRequest:
-    try:
-        return wire.parse_request(first_line)
-    except WireError as exc:
-        raise _Refusal("bad_request", f"bad request: {exc}") from None
-
-
-def _stored_failed(exc: OSError) -> _Refusal:
-    """Our own file failed: a full file system is the memory limit; anything else is named as such."""
-    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-        return _Refusal("limit", "memory limit full: the holder's file system is full")
-    return _Refusal("io", f"could not store the copy: {exc.strerror or type(exc).__name__}")
 
 
 def _peer(writer: asyncio.StreamWriter) -> str:

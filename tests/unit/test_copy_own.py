@@ -113,3 +113,20 @@ async def test_a_snapshot_written_over_while_it_is_sent_is_refused(tmp_path, mon
     async with holder(store) as port:
         got, _ = await fetch(port, tmp_path, 0)
     assert got.step is None and "changed while it was sent" in got.reason, got
+
+
+async def test_a_snapshot_sent_to_the_node_taking_its_place_has_a_second_name_meanwhile(tmp_path, monkeypatch):
+    """(files.pin, as for a push): a running rank writes its next snapshots over other files meanwhile."""
+    store, dirs, data = setup(tmp_path)
+    real = __import__("node_agent.copies.stream", fromlist=["send"]).send
+    links = []
+
+    async def send(writer, fd, *args, **kwargs):
+        links.append(os.fstat(fd).st_nlink)
+        return await real(writer, fd, *args, **kwargs)
+
+    monkeypatch.setattr("node_agent.copies.stream.send", send)
+    async with holder(store) as port:
+        got, back = await fetch(port, tmp_path, 0)
+    assert got.step == 6 and back == data[0, 6] and links == [2]
+    assert not [n for n in os.listdir(dirs[0]) if n.startswith(snapshot.SENDING)]
