@@ -165,6 +165,8 @@ def assess(board: StallBoard, running: list[str], finished: dict[str, list[int]]
     waiting = sorted(((node, r) for node, r in seen if r.state == RankState.WAITING), key=lambda s: s[1].rank)
     if not waiting:
         return None                         # nobody waits on anybody: ranks at work, or finishing
+    if finished and max(r.steps for _, r in waiting) < steps:
+        return None     # ranks stepped past these waits and finished: the wait was over (a healthy job's end, loaded)
     waits = [r for _, r in waiting]
     certain = sorted(((CERTAIN_STATES.index(r.state), r.rank, node, r) for node, r in seen if r.state.certain))
     if certain:

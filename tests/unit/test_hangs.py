@@ -268,3 +268,12 @@ def test_a_stall_is_over_once_the_job_steps_past_its_ranks_not_past_the_lagging_
     assert shown_stall(job, 11.0) is not None
     job.progress.round_steps = 42                                    # the job stepped on: it is over
     assert shown_stall(job, 11.0) is None
+
+
+def test_ranks_that_finished_after_stepping_past_a_wait_are_no_culprit() -> None:
+    """Ranks 0-1 reported waiting in a barrier at step 20; ranks 2-3 then stepped to 22 and exited 0 (the wait was
+    over: a report that came late, on a loaded host). Before, the job was restarted for a hang at its end."""
+    b = board(a=(msgspec.structs.replace(seen(0, W), steps=20), msgspec.structs.replace(seen(1, W), steps=20)))
+    assert assess(b, ["a"], {"b": [2, 3]}, CFG, (), 101.0, steps=22) is None
+    stall = assess(b, ["a"], {"b": [2, 3]}, CFG, (), 101.0, steps=20)          # they exited at the wait: a hang
+    assert stall is not None and stall.decided and stall.culprit.rank == 2
