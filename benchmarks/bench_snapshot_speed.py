@@ -2,9 +2,9 @@
 measure (a restarted worker is a new process), each checkout in `--roots` alternated:
 - write: the step held by `take`, and the time until the snapshot's file is complete (`take` to the rename), for
   the first snapshots (new files) and the later ones (the steady state);
-- exit: a worker that raises right after a snapshot began its write: the time from `take` returning to the
-  process being gone, less the same exit with no snapshot (what a crash right after a snapshot adds to the
-  restart);
+- exit: a running worker (its buffers prepared, two snapshots written) that raises right after its next snapshot
+  began its write: the time from `take` returning to the process being gone, less the same exit with no
+  snapshot (what a crash right after a snapshot adds to the restart: exit_waits_steady_s);
 - restore: a new process builds the model and optimizer, then protect's restore (agree, read, checksums, load
   into the model and optimizer; every tensor then checked bit for bit against the snapshot), and its first
   training step against a steady one (what the restore left for the step: pages mapped or copied on first
@@ -76,28 +76,36 @@ if kind == "write":
     capture = Capture(where)
     held, done = [], []
     profile = os.environ.get("BENCH_PROFILE")
-    for n in range(1, rounds + 1):
+    for n in range(1, rounds + 1 + bool(profile)):
         step(model, opt)
-        if profile and n == rounds:                # where a steady snapshot's held time goes
+        if n > rounds:                             # where a steady snapshot's held time goes: a round not counted
             import cProfile, pstats
             prof = cProfile.Profile()
             prof.enable()
         t0 = time.perf_counter()
         capture.take(n, {"state": training_state(model, opt, {}), "rng": rng.capture()})
-        held.append(time.perf_counter() - t0)
-        if profile and n == rounds:
+        if n > rounds:
             prof.disable()
             with open(profile, "a") as f:
-                f.write(f"\n== {mb} MiB on {device}, snapshot {n}: held {held[-1]:.4f} s\n")
+                f.write(f"\n== {mb} MiB on {device}, snapshot {n}: held {time.perf_counter() - t0:.4f} s "
+                        "(profiled)\n")
                 pstats.Stats(prof, stream=f).sort_stats("cumulative").print_stats(18)
+            capture.wait()
+            break
+        held.append(time.perf_counter() - t0)
         capture.wait()
         done.append(time.perf_counter() - t0)
     print(json.dumps({"bytes": size(model, opt), "held": held, "done": done}))
 elif kind in ("exit", "exit-plain"):
     step(model, opt)
-    if kind == "exit":
+    if kind == "exit":       # a running job's: its buffers prepared, two snapshots written, then one more taken
         capture = Capture(where)
-        capture.take(rounds + 1, {"state": training_state(model, opt, {}), "rng": rng.capture()})
+        if hasattr(capture, "prepare"):
+            capture.prepare({"state": training_state(model, opt, {}), "rng": rng.capture()})
+        for n in range(rounds + 1, rounds + 4):
+            step(model, opt)
+            capture.wait()
+            capture.take(n, {"state": training_state(model, opt, {}), "rng": rng.capture()})
     print(json.dumps({"took": time.time()}), flush=True)
     raise SystemExit(3)            # the crash: the interpreter's exit may wait for the write
 else:
@@ -182,7 +190,8 @@ def child(arm: str, kind: str, where: str, mb: int, rounds: int, device: str,
 
 
 def measure(roots: list[str], mb: int, rounds: int, repeat: int, device: str,
-            profile: str = "", pageable: bool = False, unpacked: bool = False) -> dict[str, dict[str, object]]:
+            profile: str = "", pageable: bool = False, unpacked: bool = False,
+            exits: bool = True) -> dict[str, dict[str, object]]:
     raw: dict[str, dict[str, list[float]]] = {r: {} for r in roots}
     for n in range(repeat):
         for root in roots:                          # alternated: old, new, old, new ...
@@ -196,11 +205,14 @@ def measure(roots: list[str], mb: int, rounds: int, repeat: int, device: str,
                     wu = child(root + UNPACKED, "write", apart, mb, rounds, device)
                 if pageable and n % 2:      # the pageable restore first every other time: alternated
                     rp = child(root + PAGEABLE, "restore", where, mb, rounds, device)
-                r = child(root, "restore", where, mb, rounds, device, profile)
+                r = child(root, "restore", where, mb, rounds, device)
+                if profile:                 # profiled in a child of its own: cProfile slows the restore it times
+                    child(root, "restore", where, mb, rounds, device, profile)
                 if pageable and not n % 2:
                     rp = child(root + PAGEABLE, "restore", where, mb, rounds, device)
-                e = child(root, "exit", where, mb, rounds, device)
-                e0 = child(root, "exit-plain", where, mb, rounds, device)
+                if exits:
+                    e = child(root, "exit", where, mb, rounds, device)
+                    e0 = child(root, "exit-plain", where, mb, rounds, device)
             finally:
                 shutil.rmtree(where, ignore_errors=True)
                 shutil.rmtree(apart, ignore_errors=True)
@@ -218,14 +230,15 @@ def measure(roots: list[str], mb: int, rounds: int, repeat: int, device: str,
             if pageable:
                 got.setdefault("restore_pageable_s", []).append(rp["restore"])
             got.setdefault("first_step_extra_s", []).append(r["first_step"] - r["steady_step"])
-            got.setdefault("exit_waits_s", []).append(e["exit_after_take"] - e0["exit_after_take"])
+            if exits:
+                got.setdefault("exit_waits_steady_s", []).append(e["exit_after_take"] - e0["exit_after_take"])
             if r.get("prepare") is not None:
                 got.setdefault("prepare_s", []).append(r["prepare"])
             for k, (held, done) in enumerate(r.get("later", [])):      # an old checkout's child tells none
                 got.setdefault(f"restarted_{k + 1}_complete_gb_s", []).append(gb / done)
                 got.setdefault(f"restarted_{k + 1}_held_s", []).append(held)
-    return {root: {k: (round(statistics.median(v), 3) if k != "bytes" else int(v[0])) for k, v in got.items()}
-            for root, got in raw.items()}
+    return {root: {k: (round(statistics.median(v), 3) if k != "bytes" else int(v[0])) for k, v in got.items()
+                   if v} for root, got in raw.items()}     # too few rounds for a steady figure: none
 
 
 def main() -> None:
@@ -236,18 +249,20 @@ def main() -> None:
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the model and optimizer live")
     p.add_argument("--json", default="", help="also write the figures to this file")
-    p.add_argument("--profile", default="", help="append profiles of each write measure's last snapshot's "
-                                                 "`take` (its held time) and of each restore to this file")
+    p.add_argument("--profile", default="", help="append profiles of a steady snapshot's `take` (its held time) "
+                                                 "and of a restore to this file (a round and a child of their own: "
+                                                 "not in the figures)")
     p.add_argument("--pageable-too", action="store_true", help="also restore each write without the ring of pinned "
                                                                 "slots (restore_pageable_s; alternated)")
     p.add_argument("--unpacked-too", action="store_true", help="also write with every GPU tensor copied on its own "
                                                                 "(steady_held_unpacked_s; alternated)")
+    p.add_argument("--no-exit", action="store_true", help="leave out the exit measures (write and restore only)")
     args = p.parse_args()
     roots = [os.path.abspath(r) for r in args.roots.split(",")]
     figures = {}
     for mb in (int(s) for s in args.sizes.split(",")):
         figures[mb] = measure(roots, mb, args.rounds, args.repeat, args.device, os.path.abspath(args.profile)
-                              if args.profile else "", args.pageable_too, args.unpacked_too)
+                              if args.profile else "", args.pageable_too, args.unpacked_too, not args.no_exit)
         for root, f in figures[mb].items():
             print(f"{mb} MiB  {root}: " + ", ".join(f"{k} {v}" for k, v in f.items()), flush=True)
     if args.json:

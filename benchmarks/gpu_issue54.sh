@@ -28,7 +28,7 @@ if [ -d .whl ] && ! python3 -c "import msgspec, xxhash" 2>/dev/null; then
 fi
 export PYTHONPATH=${PYTHONPATH:-}:$PWD
 nvidia-smi -L 2>&1 | tee "$OUT/gpus.txt"
-PARTS=${PARTS:-0 1 2}
+PARTS=${PARTS:-0 1 2}         # 3 and 4 when asked for
 part() { case " $PARTS " in *" $1 "*) return 0;; *) return 1;; esac; }
 part 0 && timeout 230 python3 benchmarks/bench_first_step.py --device cuda --nodes 1 --nproc 1 --width 4096 --steps 40 \
   --crash-step 25 --snapshot-every 10 --disk-every 10 --step-s 0.3 --pairs 2 --snapshot-mb 0 --timeout 60 \
@@ -38,4 +38,11 @@ part 1 && timeout 250 python3 benchmarks/bench_snapshot_speed.py --device cuda -
   --pageable-too --unpacked-too --json "$OUT/snapshot-speed-gpu.json" --profile "$OUT/snapshot-profile.txt" 2>&1 | tee "$OUT/snapshot-speed-gpu.txt"
 part 2 && timeout 160 python3 benchmarks/bench_snapshot_speed.py --device cuda --sizes 4096 --rounds 3 --repeat 1 \
   --json "$OUT/snapshot-speed-gpu-4g.json" 2>&1 | tee "$OUT/snapshot-speed-gpu-4g.txt"
+# 3. where a restore's time goes, phase by phase (restore_phases.py), at ~805 MB;
+part 3 && timeout 60 python3 benchmarks/restore_phases.py --device cuda --mb 805 --repeat 2 2>&1 | tee "$OUT/restore-phases.txt"
+# 4. write, restore and a crash right after a steady snapshot, an older checkout alternated with this one:
+#    OLD=<its directory> (e.g. `mkdir .bench-old && git archive <commit> node_agent protocol | tar -x -C .bench-old`,
+#    carried: run(carry=[".whl", ".bench-old"])).
+part 4 && [ -n "${OLD:-}" ] && timeout 240 python3 benchmarks/bench_snapshot_speed.py --device cuda --sizes 805,2048 \
+  --rounds 4 --repeat 1 --roots "$OLD,." --json "$OUT/snapshot-old-new.json" 2>&1 | tee "$OUT/snapshot-old-new.txt"
 echo "done: $OUT"

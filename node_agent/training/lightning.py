@@ -87,8 +87,12 @@ class Snapshots(Callback):
         states = loaded.get("optimizer_states") if self._restored is not None and isinstance(loaded, dict) else None
         if isinstance(states, list) and len(states) == len(trainer.optimizers) and _whole_states(trainer) \
                 and not trainer._checkpoint_connector._ckpt_path:
-            loaded["optimizer_states"] = [upload.optimizer_state_onto(state, optimizer)
-                                          for state, optimizer in zip(states, trainer.optimizers, strict=True)]
+            ring = upload.Ring()          # one for all the optimizers
+            try:
+                loaded["optimizer_states"] = [upload.optimizer_state_onto(state, optimizer, ring)
+                                              for state, optimizer in zip(states, trainer.optimizers, strict=True)]
+            finally:
+                ring.close()
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
         if self._capture is not None:

@@ -70,17 +70,23 @@ def restore(model: nn.Module, optimizer: torch.optim.Optimizer, objects: Mapping
     `ddp`: the model's DDP, so every rank is a replica: a rank without the step is lent a replica's snapshot (it
     loads the model, optimizer and extras, but keeps its own RNG states and generators: the lender's would make
     it draw the lender's batches), and the DDP reduces in the snapshot's bucket layout (ddp_buckets)."""
-    found = resume.agree(where, lambda tree: _fits(tree.get("state"), model, optimizer, objects,
-                                                   tree.get("param_shapes")), ddp is not None)
-    if found is None:
-        return None
-    step, tree, lender = found
+    ring = upload.Ring(upload.on_gpus(model) >= upload.SMALL)    # allocated while the snapshot is read
+    try:
+        found = resume.agree(where, lambda tree: _fits(tree.get("state"), model, optimizer, objects,
+                                                       tree.get("param_shapes")), ddp is not None)
+        if found is None:
+            return None
+        step, tree, lender = found
+        saved = tree["state"]
+        live = model.state_dict()
+        model.load_state_dict(trees.into_live(upload.weights_onto(restored.weights(saved["model"]), live, ring),
+                                              live))
+        upload.freed()
+        optimizer.load_state_dict(_optimizer_into_live(upload.optimizer_state_onto(saved["optim"], optimizer, ring),
+                                                       optimizer))
+    finally:
+        ring.close()
     own = lender == resume.rank()
-    saved = tree["state"]
-    live = model.state_dict()
-    model.load_state_dict(trees.into_live(upload.weights_onto(restored.weights(saved["model"]), live), live))
-    upload.freed()
-    optimizer.load_state_dict(_optimizer_into_live(upload.optimizer_state_onto(saved["optim"], optimizer), optimizer))
     mapped = restored.storages(tree)
     restored.settle_optimizers([optimizer], mapped)
     for name, obj in objects.items():

@@ -6,11 +6,15 @@ through small buffers of its own, one at a time. So they go through a ring of pi
 - each tensor gets memory of its own on its GPU, laid out as in the snapshot, which the load then keeps or copies
   from (a state tensor on its parameter's device already is kept as it is);
 - where no pinned memory or stream can be had, or the state is small, the tensors are left as they are: the load
-  copies them, slower.
+  copies them, slower;
+- page-locking the ring costs about as much as the copies it serves (~30 ms for 64 MiB on an H200), so a restore
+  allocates it once for all its uploads, in a thread begun before its snapshot is read (Ring).
 Everything is copied before `onto` returns (its stream waited for), so the tensors are any stream's to use."""
 from __future__ import annotations
 
 import contextlib
+import os
+import threading
 from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -23,7 +27,7 @@ from node_agent.training import trees
 
 SLOT_BYTES = 8 << 20
 SLOTS = 8                 # one pinned allocation of 64 MiB (the host allocator rounds up to a power of two)
-FILL_THREADS = 4
+FILL_THREADS = max(1, min(8, os.cpu_count() or 1))
 SMALL = 32 << 20          # less than this to a device goes as it is: the ring's pinning would cost more than it saves
 
 
@@ -42,9 +46,53 @@ class Lane(Protocol):
     def finish(self) -> None: ...
 
 
-def onto(pairs: list[tuple[torch.Tensor, torch.device]]) -> list[torch.Tensor]:
+class Ring:
+    """A restore's ring of pinned slots, shared by its uploads (weights, then optimizer state): allocated in a
+    thread from the start where `wanted` (the model holds at least SMALL bytes on GPUs), else when first asked for.
+    `close()` gives it back (the restore's end)."""
+
+    def __init__(self, wanted: bool = False) -> None:
+        self._memory: torch.Tensor | None = None
+        self._tried = False
+        self._thread: threading.Thread | None = None
+        if wanted:
+            # Not a daemon: a thread stopped inside torch's allocation at exit aborts the process (capture.prepare).
+            self._thread = threading.Thread(target=self._allocate, name="node-agent restore ring")
+            self._thread.start()
+
+    def memory(self) -> torch.Tensor | None:
+        """The ring's pinned bytes, or None where they cannot be had."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if not self._tried:
+            self._allocate()
+        return self._memory
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        self._memory = None
+
+    def _allocate(self) -> None:
+        self._tried = True
+        with contextlib.suppress(RuntimeError, AssertionError):     # no pinned memory: the uploads go as before
+            self._memory = _pinned(SLOTS * SLOT_BYTES)
+
+
+def _pinned(size: int) -> torch.Tensor:
+    return torch.empty(size, dtype=torch.uint8, pin_memory=True)
+
+
+def on_gpus(model: torch.nn.Module) -> int:
+    """Bytes of `model`'s parameters and buffers on GPUs (whether a restore's Ring is worth allocating ahead)."""
+    return sum(t.nbytes for t in [*model.parameters(), *model.buffers()] if trees.local(t).device.type == "cuda")
+
+
+def onto(pairs: list[tuple[torch.Tensor, torch.device]], ring: Ring | None = None) -> list[torch.Tensor]:
     """Each host tensor, copied onto its CUDA device where one is named (the others, and all of them where the ring
-    cannot be set up, returned as they are)."""
+    cannot be set up, returned as they are), through `ring` (a restore's) or one of its own."""
     out = [t for t, _ in pairs]
     by_device: dict[torch.device, list[int]] = {}
     for i, (t, device) in enumerate(pairs):
@@ -53,13 +101,15 @@ def onto(pairs: list[tuple[torch.Tensor, torch.device]]) -> list[torch.Tensor]:
     for device, chosen in by_device.items():
         if sum(pairs[i][0].nbytes for i in chosen) < SMALL:
             continue
+        memory = (ring or Ring()).memory()
+        if memory is None:
+            continue
         try:
-            ring = torch.empty(SLOTS * SLOT_BYTES, dtype=torch.uint8, pin_memory=True)
             moved = [torch.empty_like(pairs[i][0], device=device) for i in chosen]
             lane = CudaLane(device)
-        except (RuntimeError, AssertionError):     # no pinned memory, or the device is full: as before
+        except (RuntimeError, AssertionError):     # the device is full: as before
             continue
-        copy([pairs[i][0] for i in chosen], moved, ring, lane)
+        copy([pairs[i][0] for i in chosen], moved, memory, lane)
         for i, t in zip(chosen, moved, strict=True):
             out[i] = t
     return out
@@ -144,7 +194,7 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8)
 
 
-def weights_onto(saved: dict[str, Any], live: dict[str, Any]) -> dict[str, Any]:
+def weights_onto(saved: dict[str, Any], live: dict[str, Any], ring: Ring | None = None) -> dict[str, Any]:
     """A model's saved state dict with each tensor whose live counterpart is on a GPU copied onto that GPU (the load
     then copies it on the device): a second copy of the weights for the load's time, so only where a GPU has twice
     that free (else they go as they are). `freed()` after the load gives that memory back."""
@@ -155,7 +205,7 @@ def weights_onto(saved: dict[str, Any], live: dict[str, Any]) -> dict[str, Any]:
         need[devices[k]] = need.get(devices[k], 0) + saved[k].nbytes
     roomy = {d for d, n in need.items() if d.type == "cuda" and 2 * n <= _free(d)}
     keys = [k for k in keys if devices[k] in roomy]
-    moved = onto([(saved[k], devices[k]) for k in keys])
+    moved = onto([(saved[k], devices[k]) for k in keys], ring)
     return {**saved, **dict(zip(keys, moved, strict=True))}
 
 
@@ -173,7 +223,8 @@ def _free(device: torch.device) -> int:
         return 0
 
 
-def optimizer_state_onto(saved: dict[str, Any], optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+def optimizer_state_onto(saved: dict[str, Any], optimizer: torch.optim.Optimizer,
+                         ring: Ring | None = None) -> dict[str, Any]:
     """An optimizer's saved state dict with each state tensor a stock load moves to its parameter's GPU (all but
     `step`, which stays where a non-fused optimizer keeps it) copied onto that GPU: the load keeps it as it is. An
     optimizer with a load of its own, or a state that is not its, is left to its load."""
@@ -194,7 +245,7 @@ def optimizer_state_onto(saved: dict[str, Any], optimizer: torch.optim.Optimizer
     state = {i: dict(entry) if isinstance(entry, dict) else entry for i, entry in saved["state"].items()}
     places = [(i, k) for i, entry in state.items() if isinstance(entry, dict) and i in params
               for k, v in entry.items() if k != "step" and isinstance(v, torch.Tensor)]
-    moved = onto([(state[i][k], trees.local(params[i]).device) for i, k in places])
+    moved = onto([(state[i][k], trees.local(params[i]).device) for i, k in places], ring)
     for (i, k), t in zip(places, moved, strict=True):
         state[i][k] = t
     return {**saved, "state": state}

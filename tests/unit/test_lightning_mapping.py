@@ -98,9 +98,9 @@ def test_a_lightning_restore_hands_the_optimizers_state_to_the_gpu_copy(memory, 
     real = upload.optimizer_state_onto
     seen: list[type] = []
 
-    def onto(saved, optimizer):
+    def onto(saved, optimizer, ring=None):
         seen.append(type(optimizer))
-        return real(saved, optimizer)
+        return real(saved, optimizer, ring)
 
     monkeypatch.setattr(upload, "optimizer_state_onto", onto)
     fit(4)

@@ -85,7 +85,7 @@ def test_a_stock_optimizer_sends_all_but_step_and_one_with_its_own_load_nothing(
         monkeypatch: pytest.MonkeyPatch) -> None:
     asked: list[tuple[tuple[int, ...], str]] = []
 
-    def onto(pairs: list[tuple[torch.Tensor, torch.device]]) -> list[torch.Tensor]:
+    def onto(pairs: list[tuple[torch.Tensor, torch.device]], ring: upload.Ring | None = None) -> list[torch.Tensor]:
         asked.extend((tuple(t.shape), str(d)) for t, d in pairs)
         return [t + 1 for t, _ in pairs]
 
@@ -107,3 +107,37 @@ def test_a_stock_optimizer_sends_all_but_step_and_one_with_its_own_load_nothing(
     asked.clear()
     own = OwnLoad(model.parameters())
     assert upload.optimizer_state_onto(saved, own) is saved and not asked
+
+
+def test_a_restores_ring_is_allocated_once_ahead_in_a_thread_or_when_first_asked_for(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    made: list[str] = []
+
+    def pinned(size: int) -> torch.Tensor:
+        made.append(threading.current_thread().name)
+        return torch.zeros(size // 1024, dtype=torch.uint8)     # (a CPU build has no pinned memory)
+
+    monkeypatch.setattr(upload, "_pinned", pinned)
+    ahead = upload.Ring(wanted=True)
+    first = ahead.memory()
+    assert first is not None and ahead.memory() is first and made == ["node-agent restore ring"]
+    ahead.close()
+    assert ahead.memory() is None and made == ["node-agent restore ring"]     # closed: given back, not again
+    asked = upload.Ring()
+    assert made == ["node-agent restore ring"]            # nothing until asked for
+    assert asked.memory() is not None and asked.memory() is not None
+    assert made == ["node-agent restore ring", threading.current_thread().name]
+    assert not [t for t in threading.enumerate() if t.name == "node-agent restore ring"]
+
+
+def test_a_ring_without_pinned_memory_is_none_and_asked_for_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    tries: list[int] = []
+
+    def no_pinned(size: int) -> torch.Tensor:
+        tries.append(size)
+        raise RuntimeError("no CUDA")
+
+    monkeypatch.setattr(upload, "_pinned", no_pinned)
+    ring = upload.Ring(wanted=True)
+    assert ring.memory() is None and ring.memory() is None and len(tries) == 1
+    ring.close()

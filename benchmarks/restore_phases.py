@@ -1,0 +1,137 @@
+"""Where a GPU (or CPU) restore's time goes, phase by phase (issue 54): one process writes a snapshot of
+`--mb` MiB of Linear(1024) layers + AdamW, a new one builds the model, steps it, builds it again and runs protect's
+restore with each phase timed (read: header, views, checksums; the weights' and optimizer's uploads and loads),
+then the raw figures beside it: the file's bytes read into one pinned buffer by threads and copied to the GPU.
+
+Run: PYTHONPATH=. python benchmarks/restore_phases.py --device cuda --mb 805 [--repeat 2]"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+
+CHILD = r"""
+import json, os, sys, time
+from concurrent.futures import ThreadPoolExecutor
+kind, where, mb, device = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+import torch
+from torch import nn
+from node_agent.training import layout, protection, resume, restored, rng, snapshot, upload
+from node_agent.training.capture import Capture
+
+def build():
+    width = 1024
+    layers = max(1, round(mb * 2**20 / (3 * 4 * width * width)))
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)]).to(device)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+def sync():
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+def step(model, opt):
+    model(torch.randn(8, 1024, device=device)).pow(2).mean().backward()
+    opt.step(); opt.zero_grad(); sync()
+
+model, opt = build()
+step(model, opt)
+if kind == "write":
+    c = Capture(where)
+    c.take(1, {"state": protection.training_state(model, opt, {}), "rng": rng.capture()})
+    c.wait()
+    print(json.dumps({"ok": 1}))
+    raise SystemExit(0)
+for _ in range(3):
+    step(model, opt)
+model, opt = build()
+times = {}
+def timed(mod, name, key=None):
+    f = getattr(mod, name)
+    def w(*a, **k):
+        sync(); t0 = time.perf_counter()
+        try:
+            return f(*a, **k)
+        finally:
+            sync(); times[key or name] = times.get(key or name, 0.0) + time.perf_counter() - t0
+    setattr(mod, name, w)
+timed(resume, "agree")
+timed(rng, "restore", "rng.restore")
+timed(protection, "_fits")
+timed(layout, "digests")
+timed(layout, "_assemble")
+timed(layout, "read")
+timed(upload, "weights_onto")
+timed(upload, "optimizer_state_onto")
+timed(upload, "freed")
+timed(restored, "settle_optimizers")
+timed(model, "load_state_dict", "model.load_state_dict")
+timed(opt, "load_state_dict", "opt.load_state_dict")
+t0 = time.perf_counter()
+got = protection.restore(model, opt, {}, where)
+sync()
+times["restore"] = time.perf_counter() - t0
+assert got == 1, got
+path = snapshot.path(1, where)
+size = os.path.getsize(path)
+times["bytes"] = size
+if device == "cuda":
+    t0 = time.perf_counter()
+    pinned = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+    times["raw_pin_alloc"] = time.perf_counter() - t0
+    fd = os.open(path, os.O_RDONLY)
+    piece = 32 << 20
+    def fill(at):
+        os.preadv(fd, [pinned[at:at + piece].numpy().data], at)
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(fill, range(0, size, piece)))
+    times["raw_pread_pinned_8"] = time.perf_counter() - t0
+    gpu = torch.empty(size, dtype=torch.uint8, device=device)
+    sync(); t0 = time.perf_counter()
+    gpu.copy_(pinned, non_blocking=True); sync()
+    times["raw_h2d_pinned"] = time.perf_counter() - t0
+    import mmap
+    with open(path, "rb") as f:
+        m = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY)
+    host = torch.frombuffer(m, dtype=torch.uint8)
+    sync(); t0 = time.perf_counter()
+    gpu.copy_(host); sync()
+    times["raw_h2d_pageable_mmap"] = time.perf_counter() - t0
+    sync(); t0 = time.perf_counter()
+    gpu.copy_(host); sync()
+    times["raw_h2d_pageable_mmap_again"] = time.perf_counter() - t0
+print(json.dumps(times))
+"""
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--mb", type=int, default=805)
+    p.add_argument("--repeat", type=int, default=2)
+    args = p.parse_args()
+    env = dict(os.environ)
+    env.pop("NODE_AGENT_MEMORY_LIMIT", None)
+    for _ in range(args.repeat):
+        where = tempfile.mkdtemp(prefix="phases-", dir="/dev/shm")
+        try:
+            for kind in ("write", "restore"):
+                out = subprocess.run([sys.executable, "-c", CHILD, kind, where, str(args.mb), args.device],
+                                     env=dict(env, NODE_AGENT_MEMORY_DIR=where), capture_output=True, text=True,
+                                     timeout=300)
+                if out.returncode:
+                    raise SystemExit(out.stderr[-3000:])
+            got = json.loads(out.stdout.splitlines()[-1])
+            print(" ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in got.items()),
+                  flush=True)
+        finally:
+            shutil.rmtree(where, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
