@@ -87,7 +87,8 @@ def _pinned(size: int) -> torch.Tensor:
 
 def on_gpus(model: torch.nn.Module) -> int:
     """Bytes of `model`'s parameters and buffers on GPUs (whether a restore's Ring is worth allocating ahead)."""
-    return sum(t.nbytes for t in [*model.parameters(), *model.buffers()] if trees.local(t).device.type == "cuda")
+    here = [trees.local(t) for t in [*model.parameters(), *model.buffers()]]      # a DTensor: this rank's shard
+    return sum(t.nbytes for t in here if t.device.type == "cuda")
 
 
 def onto(pairs: list[tuple[torch.Tensor, torch.device]], ring: Ring | None = None) -> list[torch.Tensor]:

@@ -141,3 +141,8 @@ def test_a_ring_without_pinned_memory_is_none_and_asked_for_once(monkeypatch: py
     ring = upload.Ring(wanted=True)
     assert ring.memory() is None and ring.memory() is None and len(tries) == 1
     ring.close()
+
+
+def test_a_cpu_model_wants_no_ring_ahead() -> None:
+    model = torch.nn.Linear(64, 64)
+    assert upload.on_gpus(model) == 0 and upload.on_gpus(model) < upload.SMALL
