@@ -8,12 +8,15 @@ inside the server's namespace (`Network.socket`).
 from __future__ import annotations
 
 import datetime as dt
+import glob
 import http.client
 import json
 import os
+import shutil
 import sys
 from pathlib import Path
 
+from node_agent.workers import memory
 from tests.e2e.harness import ROOT, Proc, child_env
 from tests.multihost.netns import Network
 
@@ -96,8 +99,12 @@ class MultiHostJob:
         return proc
 
     def close(self) -> None:
+        """Every process, then the memory directories its agents kept (a SIGKILLed agent cannot remove its own:
+        they would stay KEEP_S in /dev/shm)."""
         for proc in reversed(self._procs):
             proc.kill_all()
+        for kept in glob.glob(os.path.join(memory.SHM, "node-agent-mem-*", glob.escape(self.job_id) + ".*")):
+            shutil.rmtree(kept, ignore_errors=True)
 
     # ------------------------------------------------------------------------------- worker logs
 
