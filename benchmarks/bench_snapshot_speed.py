@@ -40,27 +40,21 @@ CHILD = r"""
 import json, os, sys, time
 kind, where, mb, rounds, device = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
 import torch
-from torch import nn
 from node_agent.training import rng
 from node_agent.training.capture import Capture
 from node_agent.training.protection import restore, training_state
 
+sys.path.append(sys.argv[6])          # benchmarks/, for the state built (snapshot_model.py)
+import snapshot_model
+
 def build():
-    width = 1024
-    layers = max(1, round(mb * 2**20 / (3 * 4 * width * width)))
-    torch.manual_seed(0)
-    model = nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)]).to(device)
-    return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
+    return snapshot_model.build(mb, device)
 
 def sync():
-    if device == "cuda":
-        torch.cuda.synchronize()
+    snapshot_model.sync(device)
 
 def step(model, opt):
-    model(torch.randn(8, 1024, device=device)).pow(2).mean().backward()
-    opt.step()
-    opt.zero_grad()
-    sync()
+    snapshot_model.step(model, opt, device)
 
 def size(model, opt):
     tree = training_state(model, opt, {})
@@ -174,7 +168,8 @@ def child(arm: str, kind: str, where: str, mb: int, rounds: int, device: str,
                BENCH_UNPACKED="1" if arm.endswith(UNPACKED) else "")
     env.pop("NODE_AGENT_MEMORY_LIMIT", None)
     t0 = time.time()
-    out = subprocess.run([sys.executable, "-c", CHILD, kind, where, str(mb), str(rounds), device], env=env, cwd=root,
+    out = subprocess.run([sys.executable, "-c", CHILD, kind, where, str(mb), str(rounds), device, HERE], env=env,
+                         cwd=root,
                          capture_output=True, text=True, timeout=900)
     gone = time.time()
     print(f"  ({kind}, {mb} MiB, {os.path.basename(arm)}: {gone - t0:.1f} s)", file=sys.stderr, flush=True)  # how far

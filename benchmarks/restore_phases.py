@@ -14,29 +14,22 @@ import subprocess
 import sys
 import tempfile
 
+HERE = os.path.dirname(os.path.abspath(__file__))
+
 CHILD = r"""
 import json, os, sys, time
 from concurrent.futures import ThreadPoolExecutor
 kind, where, mb, device = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
 import torch
-from torch import nn
 from node_agent.training import layout, protection, resume, restored, rng, snapshot, upload
 from node_agent.training.capture import Capture
 
-def build():
-    width = 1024
-    layers = max(1, round(mb * 2**20 / (3 * 4 * width * width)))
-    torch.manual_seed(0)
-    model = nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)]).to(device)
-    return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
+sys.path.append(sys.argv[5])          # benchmarks/, for the state built (snapshot_model.py)
+from snapshot_model import build as build_state, step as train_step, sync as synchronise
 
-def sync():
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-def step(model, opt):
-    model(torch.randn(8, 1024, device=device)).pow(2).mean().backward()
-    opt.step(); opt.zero_grad(); sync()
+build = lambda: build_state(mb, device)
+sync = lambda: synchronise(device)
+step = lambda model, opt: train_step(model, opt, device)
 
 model, opt = build()
 step(model, opt)
@@ -121,7 +114,7 @@ def main() -> None:
         where = tempfile.mkdtemp(prefix="phases-", dir="/dev/shm")
         try:
             for kind in ("write", "restore"):
-                out = subprocess.run([sys.executable, "-c", CHILD, kind, where, str(args.mb), args.device],
+                out = subprocess.run([sys.executable, "-c", CHILD, kind, where, str(args.mb), args.device, HERE],
                                      env=dict(env, NODE_AGENT_MEMORY_DIR=where), capture_output=True, text=True,
                                      timeout=300)
                 if out.returncode:
