@@ -1,7 +1,8 @@
 """Where a GPU (or CPU) restore's time goes, phase by phase (issue 54): one process writes a snapshot of
 `--mb` MiB of Linear(1024) layers + AdamW, a new one builds the model, steps it, builds it again and runs protect's
 restore with each phase timed (read: header, views, checksums; the weights' and optimizer's uploads and loads),
-then the raw figures beside it: the file's bytes read into one pinned buffer by threads and copied to the GPU.
+then the raw figures beside it (on a GPU): the file's bytes read into one pinned buffer by threads and copied to
+the GPU, from the pageable mapping to the GPU, and a ring's fill by torch's copy_ and by memmove.
 
 Run: PYTHONPATH=. python benchmarks/restore_phases.py --device cuda --mb 805 [--repeat 2]"""
 from __future__ import annotations
@@ -98,6 +99,19 @@ if device == "cuda":
     sync(); t0 = time.perf_counter()
     gpu.copy_(host); sync()
     times["raw_h2d_pageable_mmap_again"] = time.perf_counter() - t0
+    # The ring's fill, from the (now mapped) file into 8 MiB pinned slots by 8 threads: torch's copy_ (an OpenMP
+    # team per calling thread?) against a plain memmove per piece.
+    import ctypes
+    slot, ring = 8 << 20, pinned[:64 << 20]
+    def by_copy(i):
+        ring[(i % 8) * slot:(i % 8 + 1) * slot].copy_(host[i * slot:(i + 1) * slot])
+    def by_memmove(i):
+        ctypes.memmove(ring.data_ptr() + (i % 8) * slot, host.data_ptr() + i * slot, slot)
+    for fill in (by_copy, by_memmove, by_copy, by_memmove):
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(8) as pool:
+            list(pool.map(fill, range(size // slot)))
+        times[f"raw_fill_{fill.__name__}_8"] = time.perf_counter() - t0
 print(json.dumps(times))
 """
 
