@@ -101,6 +101,7 @@ class PeerCopies:
         self._pusher: asyncio.Task[None] | None = None
         self.on_copied: Callable[[], None] = lambda: None    # a push succeeded (the agent may tell the server)
         self._fetching: asyncio.Task[None] | None = None
+        self._last_note: CopiesNote | None = None   # what note() said last (shown again where it cannot read)
 
     def _holder_store(self) -> CopyStore | None:
         """The store of copies held for others, under this run's memory directory (made on first need)."""
@@ -313,12 +314,19 @@ class PeerCopies:
         """What the server shows of this node's copies (None: copies are off for its round, or no memory dirs)."""
         if not self.targets and self.store is None:
             return None
-        local = next(iter(common_step(self._dirs).values()), (-1, ""))[0]
+        try:
+            local = next(iter(common_step(self._dirs).values()), (-1, ""))[0]
+            held = self.store.held_bytes() if self.store is not None else 0
+        except OSError as exc:      # out of descriptors (a flood at the copy port): the last note stands
+            self._say_once("note", f"peer copies: cannot read the memory directories for the server's view "
+                                   f"({exc.strerror or exc}): it shows the last figures until they can be read")
+            return self._last_note
         copied = [self.copied.get(rank, (-1, ""))[0] for rank in self._dirs]
         holder = next((where for _, where in self.copied.values()), "")
-        return CopiesNote(local_step=local, copied_step=min(copied, default=-1), holder=holder[:256],
-                          sent_bytes=self.sent_bytes, refused=self.refused, last_refusal=self.last_refusal,
-                          held_bytes=self.store.held_bytes() if self.store is not None else 0)
+        self._last_note = CopiesNote(local_step=local, copied_step=min(copied, default=-1), holder=holder[:256],
+                                     sent_bytes=self.sent_bytes, refused=self.refused,
+                                     last_refusal=self.last_refusal, held_bytes=held)
+        return self._last_note
 
     async def close(self, finished: bool = False) -> None:
         """Stop fetching and pushing. Once the job is over for this node (`finished`) its holders drop its copies

@@ -234,3 +234,26 @@ async def test_a_copy_that_lands_after_its_rank_let_its_step_go_is_said_once(tmp
         await copies._scan()                         # step 25's copy lands while the ranks keep it: nothing said
         assert store.held() == {("b", 0): 25, ("b", 1): 25} and len([x for x in said if "lag behind" in x]) == 1
         await copies.close()
+
+
+async def test_a_note_that_cannot_read_the_memory_shows_the_last_one_and_says_so_once(tmp_path,
+                                                                                     monkeypatch) -> None:
+    """Out of descriptors (idle connections flooding the copy port) the server's view keeps the last figures: the
+    poll it rides on goes out, and the agent lives (it died here of an EMFILE in note())."""
+    said: list[str] = []
+    async with holder(tmp_path) as (_, at):
+        copies, _ = await pushed(tmp_path, at, said, b"s10", 10)
+        first = copies.note()
+        assert first is not None and (first.local_step, first.copied_step) == (10, 10)
+
+        def out_of_descriptors(dirs: dict[int, str]) -> dict[int, tuple[int, str]]:
+            raise OSError(24, "Too many open files")
+
+        monkeypatch.setattr("node_agent.copies.peers.common_step", out_of_descriptors)
+        assert copies.note() is first and copies.note() is first
+        assert [line for line in said if "cannot read the memory directories for the server's view" in line] == [
+            "peer copies: cannot read the memory directories for the server's view (Too many open files): it "
+            "shows the last figures until they can be read"]
+        monkeypatch.undo()
+        assert copies.note() == first
+        await copies.close()
