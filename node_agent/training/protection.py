@@ -33,7 +33,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
-from node_agent.training import ddp_buckets, restored, resume, rng, trees, upload
+from node_agent.training import ddp_buckets, heartbeat, restored, resume, rng, trees, upload
 from node_agent.training.capture import Capture, check_cadence, say
 
 
@@ -60,6 +60,8 @@ def protect(model: nn.Module, optimizer: torch.optim.Optimizer, every: int = 5, 
         return fallback() if fallback is not None else 0
     step = restore(model, optimizer, objects, where, ddp)
     start = step if step is not None else (fallback() if fallback is not None else 0)
+    if step is None:
+        heartbeat.resumed(start)      # from disk or the start: the server counts (and says) the steps redone
     _Hooks(model, optimizer, objects, every, Capture(where, keep, replicated, group), start, ddp).register()
     return start
 

@@ -39,6 +39,7 @@ class EventKind(str, enum.Enum):
     PACE_UNSEEN = "pace_unseen"            # slow nodes are to be swapped, but the job's collectives run on GPUs
     NODE_SUSPECT = "node_suspect"          # a worker asked for other hardware, or its replicas diverged
     REPLICAS_DIVERGED = "replicas_diverged"   # ranks' replicated tensors differ at a step (divergence.py)
+    WORK_REDONE = "work_redone"            # a restart resumed from a step before the one the job had reached
 
 
 class RoundCause(str, enum.Enum):

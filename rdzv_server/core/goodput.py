@@ -103,10 +103,11 @@ def round_formed(p: JobProgress, round_id: int, cause: str) -> None:
         pending.round_id = round_id
 
 
-def note(p: JobProgress, node_id: str, n: ProgressNote, round_id: int, now: float) -> None:
-    """One node's note on round `round_id` (the running one; notes on others are stale: dropped)."""
+def note(p: JobProgress, node_id: str, n: ProgressNote, round_id: int, now: float) -> RestartCost | None:
+    """One node's note on round `round_id` (the running one; notes on others are stale: dropped). Returns the
+    restart this note saw end (the round's first step), if it did."""
     if n.round_id != round_id:
-        return
+        return None
     if p.round_id != round_id:      # a job saved before it kept progress: counted from here
         round_formed(p, round_id, "")
     if n.resumed_step >= 0:
@@ -115,7 +116,7 @@ def note(p: JobProgress, node_id: str, n: ProgressNote, round_id: int, now: floa
         p.rates[node_id] = n.window_steps / n.window_s
     _anatomy(p, node_id, n.anatomy, round_id)
     if not n.steps:
-        return
+        return None
     p.round_steps = max(p.round_steps, n.steps)
     p.round_first_at = min(p.round_first_at or n.first_step_at, n.first_step_at)
     p.round_last_at = max(p.round_last_at, n.last_step_at)
@@ -130,6 +131,7 @@ def note(p: JobProgress, node_id: str, n: ProgressNote, round_id: int, now: floa
         p.lost_s += pending.cost_s
         p.restarts += 1
     _rate_point(p, now)
+    return pending
 
 
 def _rate_point(p: JobProgress, now: float) -> None:

@@ -46,9 +46,13 @@ def noted(rules: JobRules, live: LiveRound, node_id: str, note: ProgressNote | N
     job = rules.job
     if note is None or job.round is None or node_id not in job.round.members:
         return
-    goodput.note(job.progress, node_id, note, job.round.round_id, now)
+    ended = goodput.note(job.progress, node_id, note, job.round.round_id, now)
     if note.round_id != job.round.round_id:
         return
+    if ended is not None and ended.redone > 0:      # work lost to the restart: said, whatever its cause
+        rules.record(now, EventKind.WORK_REDONE, f"round {job.round.round_id} resumed from step "
+                     f"{job.progress.round_resumed} after the job had reached step {job.progress.reached}: "
+                     f"{ended.redone} step(s) are trained again", "", job.round.round_id)
     if note.on_device and job.config.replace_slow_nodes and not live.unseen_said:
         live.unseen_said = True
         rules.record(now, EventKind.PACE_UNSEEN, UNSEEN_ON_DEVICE, node_id, job.round.round_id)

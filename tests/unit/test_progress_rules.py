@@ -10,7 +10,7 @@ from protocol.messages import FailureReport, JobState, LeaveRequest, SuccessRepo
 from rdzv_server.core.errors import RendezvousError
 from rdzv_server.core.events import EventKind
 from rdzv_server.core.rendezvous import Rendezvous
-from tests.unit.progress_jobs import CFG, T, crash, join, note, poll, slow
+from tests.unit.progress_jobs import CFG, T, crash, join, note, poll, restarting, slow, step, stepping
 
 
 def test_a_refused_failure_report_changes_no_progress() -> None:
@@ -105,3 +105,23 @@ def test_a_job_that_swaps_slow_nodes_on_gpus_is_told_once_that_a_slow_gpu_is_not
     said = unseen("gpus")
     assert len(said) == 1 and "GPU is not named" in said[0] and "--replace-slow-nodes" in said[0], said
     assert unseen("gpus-no-swap") == [] and unseen("cpus") == []
+
+
+def test_a_restart_that_trains_steps_again_says_how_many_once_and_one_of_unknown_resume_says_nothing() -> None:
+    rz = Rendezvous()
+    stepping(rz)                             # reached 180, resumed from 150
+    redone = [(e.message, e.round_id) for e in rz.jobs["train"].events if e.kind == EventKind.WORK_REDONE]
+    assert redone == [("round 2 resumed from step 150 after the job had reached step 180: 30 step(s) are trained "
+                       "again", 2)]
+    restarting(rz)                           # a script without snapshots: it tells no resumed step
+    step(rz, "again", ["a", "b"], T + 70, T + 80, 10, T + 80)
+    job = rz.jobs["again"]
+    assert job.progress.restarts == 1 and not [e for e in job.events if e.kind == EventKind.WORK_REDONE]
+
+
+def test_a_job_sent_back_to_step_0_says_so() -> None:
+    rz = Rendezvous()
+    restarting(rz)                           # reached 80 (from scratch), then a crash
+    step(rz, "again", ["a", "b"], T + 70, T + 80, 10, T + 80, resumed=0)
+    assert [e.message for e in rz.jobs["again"].events if e.kind == EventKind.WORK_REDONE] == [
+        "round 2 resumed from step 0 after the job had reached step 80: 80 step(s) are trained again"]

@@ -293,3 +293,19 @@ def test_a_model_sharded_at_its_root_only_trains_on_past_its_snapshots(memory) -
                           env={**os.environ})
     assert done.returncode == 0, done.stderr[-2000:]
     assert "START 0" in done.stdout and snapshot.steps(memory) == [1, 2]      # taken as the next step began
+
+
+def test_the_step_a_job_starts_from_without_a_snapshot_goes_to_the_probe(memory, monkeypatch) -> None:
+    """The server counts the steps a restart trains again (and says so: work_redone) from the step each worker
+    resumed from: a job sent back to its disk checkpoint or to the start tells that step too."""
+    import sys
+    import types
+
+    from node_agent.training.heartbeat import PROBE_MODULE
+    told: list[int] = []
+    monkeypatch.setitem(sys.modules, PROBE_MODULE, types.SimpleNamespace(
+        resumed=told.append, beat=lambda: None, mark=lambda _: None))
+    model, opt, _ = job()
+    assert protect(model, opt, every=2, fallback=lambda: 17) == 17 and told == [17]
+    other, other_opt, _ = job()
+    assert protect(other, other_opt, every=2) == 0 and told == [17, 0]
