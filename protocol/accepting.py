@@ -5,7 +5,11 @@ is bounded before it costs more than a descriptor.
   one still waiting (for its handshake, or its first line) is closed to make room, the oldest of the source with
   the most waiting (a flood's, not a peer's one: idle connections cannot shut out a newcomer); one at work is
   never closed, and only when none waits is the newcomer closed. Either is said, once a minute.
-- Out of descriptors while accepting (EMFILE): said, once a minute, and accepting goes on after a pause."""
+- Out of descriptors while accepting (EMFILE): said, once a minute, and accepting goes on after a pause. Where the
+  caps `shrink` (an agent's: its own work needs descriptors more than strangers do), the total cap comes down for
+  good to three quarters of the connections open then, waiting ones closed to fit: the limit was lowered, or the
+  rest of the process needs more than the cap left it. A server's stays: a moment short of descriptors must not
+  cap how many agents it serves from then on."""
 from __future__ import annotations
 
 import asyncio
@@ -20,6 +24,7 @@ ACCEPT_PAUSE_S = 0.5      # out of descriptors: accepting waits this long before
 ACCEPT_BATCH = 64         # accepted in a row before the loop runs its other tasks (asyncio's own loop accepts a
                           # whole backlog at once: a flood would freeze it)
 SAY_EVERY_S = 60.0
+MIN_TOTAL = 16            # a total cap never comes below this (a node's peers ask and copy with a few each)
 TAKEN, EVICTED, REFUSED = "taken", "evicted", "refused"     # Caps.take
 
 
@@ -40,8 +45,8 @@ class Caps:
     """Connections open now, in total and by source address, and those of them still waiting (closed to make room
     at the total cap)."""
 
-    def __init__(self, total: int, per_source: int) -> None:
-        self.total, self.per_source = total, per_source
+    def __init__(self, total: int, per_source: int, shrinks: bool = False) -> None:
+        self.total, self.per_source, self.shrinks = total, per_source, shrinks
         self.open: dict[str, int] = {}      # source address -> its connections open now
         self.count = 0                      # all of them (every accept in a flood asks: kept, not summed)
         # source address -> its connections waiting, oldest first: what closes each
@@ -57,15 +62,29 @@ class Caps:
         if self.count >= self.total:
             if not self.waiting:
                 return REFUSED
-            most = max(self.waiting, key=lambda s: len(self.waiting[s]))   # ties: the source waiting longest
-            _, close = self.waiting[most].popitem(last=False)
-            if not self.waiting[most]:
-                del self.waiting[most]
-            close()
+            self._close_one_waiting()
             taken = EVICTED
         self.open[source] = self.open.get(source, 0) + 1
         self.count += 1
         return taken
+
+    def shrink(self, total: int) -> int:
+        """The total cap down to `total` (MIN_TOTAL at least), waiting connections closed until it holds (those at
+        work stay). How many were closed."""
+        self.total = max(MIN_TOTAL, min(self.total, total))
+        closed = 0
+        while self.count > self.total and self.waiting:
+            self._close_one_waiting()
+            closed += 1
+        return closed
+
+    def _close_one_waiting(self) -> None:
+        """The oldest waiting connection of the source with the most waiting (`close()` gives its count back)."""
+        most = max(self.waiting, key=lambda s: len(self.waiting[s]))   # ties: the source waiting longest
+        _, close = self.waiting[most].popitem(last=False)
+        if not self.waiting[most]:
+            del self.waiting[most]
+        close()
 
     def wait(self, source: str, key: object, close: Callable[[], None]) -> None:
         """A connection of `source` waits: `close()` ends it to make room."""
@@ -138,7 +157,12 @@ async def accept(sock: socket.socket, caps: Caps, name: str, say: SayOnce, serve
         except OSError as exc:
             if sock.fileno() < 0:
                 return                              # closed
-            if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+            if exc.errno in (errno.EMFILE, errno.ENFILE) and caps.shrinks:
+                closed = caps.shrink(caps.count * 3 // 4)
+                say(f"{name}: out of descriptors accepting a connection ({exc.strerror}): at most {caps.total} "
+                    f"connections from now on ({closed} waiting closed); others wait in the backlog; accepting "
+                    f"again in {ACCEPT_PAUSE_S:g}s")
+            elif exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
                 say(f"{name}: out of descriptors or memory accepting a connection ({exc.strerror}): connections "
                     f"wait in the backlog; accepting again in {ACCEPT_PAUSE_S:g}s")
             await asyncio.sleep(ACCEPT_PAUSE_S if exc.errno != errno.ECONNABORTED else 0)   # a pause, not a wait

@@ -16,7 +16,7 @@ import ssl
 from collections.abc import Awaitable, Callable
 
 from protocol import keepalive
-from protocol.accepting import Accepted, Caps, SayOnce, accept
+from protocol.accepting import MIN_TOTAL, Accepted, Caps, SayOnce, accept
 
 MAX_CONNECTIONS = 512     # open at once, for all the agent's listeners (and a quarter of its descriptors at most)
 MAX_PER_SOURCE = 64       # open at once from one address (a node pushes, fetches and asks with a few each)
@@ -29,11 +29,11 @@ Handler = Callable[[bytes, asyncio.StreamReader, asyncio.StreamWriter], Awaitabl
 
 def caps_for_descriptors(limit: int) -> Caps:
     """Caps that leave three quarters of `limit` descriptors to the rest of the agent (workers, pipes, polls)."""
-    return Caps(total=max(16, min(MAX_CONNECTIONS, limit // 4)), per_source=MAX_PER_SOURCE)
+    return Caps(total=max(MIN_TOTAL, min(MAX_CONNECTIONS, limit // 4)), per_source=MAX_PER_SOURCE, shrinks=True)
 
 
 def agent_caps() -> Caps:
-    return Caps(MAX_CONNECTIONS, MAX_PER_SOURCE)
+    return Caps(MAX_CONNECTIONS, MAX_PER_SOURCE, shrinks=True)
 
 
 async def _first_line(loop: asyncio.AbstractEventLoop, conn: socket.socket) -> tuple[bytes, bytes]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import socket
 import ssl
 import time
@@ -17,7 +18,7 @@ import pytest
 from node_agent.client import listener as listening
 from node_agent.client.listener import Listener
 from node_agent.copies import stream
-from protocol.accepting import Caps
+from protocol.accepting import MIN_TOTAL, Caps, SayOnce, accept
 from tests.e2e.certs import make_ca, make_server_cert
 
 WAIT = 10.0
@@ -226,3 +227,49 @@ def test_a_source_is_an_address_and_an_ipv6_one_its_64() -> None:
     assert source_of(("2001:db8::1", 1, 0, 0)) == source_of(("2001:db8::ffff:2", 9, 0, 0)) == "2001:db8::/64"
     assert source_of(("::ffff:10.0.0.1", 1, 0, 0)) == "10.0.0.1" and source_of(("10.0.0.2", 5)) == "10.0.0.2"
     assert source_of(None) == "?"
+
+
+def test_shrinking_closes_waiting_connections_of_the_biggest_source_first_and_never_one_at_work() -> None:
+    caps, closed = Caps(total=40, per_source=40, shrinks=True), []
+    for i in range(30):
+        assert caps.take("flood") == "taken"
+        caps.wait("flood", i, lambda i=i: (closed.append(i), caps.give("flood")))
+    for i in range(3):
+        caps.take("peer")
+        caps.wait("peer", f"p{i}", lambda i=i: (closed.append(f"p{i}"), caps.give("peer")))
+    for _ in range(4):
+        caps.take("busy")                    # at work: never closed
+    assert caps.shrink(20) == 17 and caps.total == 20 and caps.count == 20
+    assert closed == list(range(17)) and caps.open == {"flood": 13, "peer": 3, "busy": 4}
+    assert caps.shrink(1) == 4 and caps.total == MIN_TOTAL == caps.count     # never below MIN_TOTAL
+
+
+async def test_out_of_descriptors_an_agents_listener_lowers_its_cap_and_a_servers_keeps_it(monkeypatch) -> None:
+    loop = asyncio.get_running_loop()
+    for caps, after in ((Caps(total=100, per_source=10, shrinks=True), 24), (Caps(total=100, per_source=10), 100)):
+        for i in range(32):                  # 32 open, waiting for their first line
+            caps.take(f"10.0.0.{i % 4}")
+            caps.wait(f"10.0.0.{i % 4}", i, lambda i=i, caps=caps: caps.give(f"10.0.0.{i % 4}"))
+        calls: list[int] = []
+        said: list[str] = []
+
+        async def sock_accept(sock: socket.socket, calls: list[int] = calls) -> tuple[socket.socket, object]:
+            calls.append(1)
+            if len(calls) == 1:
+                raise OSError(errno.EMFILE, "Too many open files")
+            await asyncio.Event().wait()     # nothing more comes
+            raise AssertionError
+
+        monkeypatch.setattr(loop, "sock_accept", sock_accept)
+        with socket.socket() as sock:
+            task = asyncio.create_task(accept(sock, caps, "witness port", SayOnce(said.append), None, set()))
+            for _ in range(200):             # the pause after the error (0.5 s), then the next accept
+                if len(calls) >= 2:
+                    break
+                await asyncio.sleep(0.05)
+            assert len(calls) == 2
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        assert caps.total == after and caps.count == min(32, after) and len(said) == 1
+        assert ("at most 24 connections from now on (8 waiting closed)" in said[0]) == caps.shrinks, said
