@@ -294,7 +294,7 @@ def test_the_card_shows_pace_ratio_time_lost_and_steps_redone():
                     "steps redone 30"), text
     m = Markup(html)
     row = next(a for t, a in m.tags if t == "tr" and a.get("data-job") == "train")
-    assert row and "2 83.7% round_completed" in m.text        # the summary's steps/s and ratio columns
+    assert row and "2 83.7% work_redone" in m.text        # steps/s, ratio, the last event: the steps redone
     assert "no progress signal" not in m.text
     job = Markup(page.job_page(rz, "train", T + 200) or "")
     assert ("#2 failure (restart) 31s 30 31.00 s: stop 0.50 · rendezvous 20.00 · start 0.50 · set-up 5.00 · "
