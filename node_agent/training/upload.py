@@ -62,18 +62,20 @@ class Ring:
 
     def memory(self) -> torch.Tensor | None:
         """The ring's pinned bytes, or None where they cannot be had."""
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
+        self._allocated()
         if not self._tried:
             self._allocate()
         return self._memory
 
     def close(self) -> None:
+        self._allocated()
+        self._memory = None
+
+    def _allocated(self) -> None:
+        """Once the thread allocating ahead is done (if one was started)."""
         if self._thread is not None:
             self._thread.join()
             self._thread = None
-        self._memory = None
 
     def _allocate(self) -> None:
         self._tried = True
