@@ -81,7 +81,7 @@ def _admitted(rules: JobRules, req: JoinRequest, now: float, credential: str, vi
                               f"agent is gone ({max(0.0, existing.lease_expires - now):.1f}s without contact)")
     if existing is not None:
         rules.remove(existing, now, EventKind.NODE_LOST, f"node {req.node_id} restarted (new agent instance)",
-                     failed_at=existing.last_seen)
+                     failed_at=existing.last_seen, restarting=True)
     _place(rules, _new_record(rules, req, now, credential, via, existing), now)
     return credential
 

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from protocol.errors import ErrorCode
 from protocol.messages import JobState, NodeState
-from rdzv_server.core import goodput, leases, places, store_port
-from rdzv_server.core.choice import candidates, choose, count_nodes, growth_cause
+from rdzv_server.core import awaiting, goodput, leases, places, store_port
+from rdzv_server.core.choice import Choice, candidates, choose, count_nodes, growth_cause
 from rdzv_server.core.errors import RendezvousError
 from rdzv_server.core.events import REMOVAL_CAUSE, EventKind, RoundCause
 from rdzv_server.core.outbox import Outbox
@@ -118,7 +118,11 @@ class JobRules:
         self._preparing_too_long(now)
         if job.last_call_deadline is not None and job.last_call_deadline <= now:
             job.last_call_deadline = None
-            self.form_round(now, "last call ended with " + count_nodes(candidates(job)), growth_cause(job))
+            if job.awaited:
+                self.form_round(now, f"{awaiting.names(job)} not back within {awaiting.window_s(job.config):g}s: "
+                                f"going on with " + count_nodes(candidates(job)), RoundCause.NODE_LOST)
+            else:
+                self.form_round(now, "last call ended with " + count_nodes(candidates(job)), growth_cause(job))
         if job.state == JobState.WAITING and job.last_call_deadline is None and \
                 job.join_deadline is not None and job.join_deadline <= now:
             unhealthy = sum(1 for e in job.events if e.kind == EventKind.NODE_UNHEALTHY)
@@ -136,6 +140,10 @@ class JobRules:
         job, cfg = self.job, self.job.config
         if len(self.members()) + self.ready_waiting() < cfg.max_nodes:
             places.move(job, node, NodeState.WAITING)
+            if node.node_id in job.awaited and not node.ready and job.last_call_deadline is not None:
+                # back, its workers still preparing (a warm interpreter importing): one more window for them
+                job.last_call_deadline = max(job.last_call_deadline, now + awaiting.window_s(cfg))
+                self.out.deadline(job.last_call_deadline)
             if job.forming_since is None:
                 job.forming_since = now
                 self.record(now, EventKind.ROUND_OPENED, f"round {job.last_round_id + 1} opened by {node.node_id}: "
@@ -154,7 +162,9 @@ class JobRules:
         if not ready:
             return                  # nobody to add: the running round (if any) stays as it is
         total = len(self.members()) + ready
-        if total >= cfg.max_nodes:
+        if job.awaited and awaiting.all_back(job):
+            self.form_round(now, f"{awaiting.names(job)} back", RoundCause.NODE_LOST)
+        elif total >= cfg.max_nodes:
             self.form_round(now, f"max_nodes {cfg.max_nodes} reached", growth_cause(job))
         elif total >= cfg.min_nodes and job.last_call_deadline is None:
             if cfg.last_call_s <= 0:
@@ -194,34 +204,21 @@ class JobRules:
                             f"{now - node.preparing_since:.0f}s (its warm interpreter still imports, or its agent "
                             f"never said it was ready): left out of every round until it is", node.node_id)
 
-    def form_round(self, now: float, why: str, cause: RoundCause, failed_at: float | None = None) -> None:
+    def form_round(self, now: float, why: str, cause: RoundCause, failed_at: float | None = None,
+                   restarting: list[str] | None = None) -> None:
         """Form the next round from live members + waiting + spares, or go back to waiting. `failed_at`: when the
-        failure or loss that caused it happened (worker exit, or the lost node's last contact)."""
+        failure or loss that caused it happened (worker exit, or the lost node's last contact). `restarting`: lost
+        members whose agents may be restarting: awaited rather than gone on without (awaiting.py)."""
         job, cfg = self.job, self.job.config
         choice = choose(job)
         chosen, rest, preparing, took = choice.chosen, choice.rest, choice.preparing, choice.took
         job.last_call_deadline = None
+        job.awaited = []
         job.successes = []
         self.wake()
-        if len(chosen) < cfg.min_nodes:
-            if job.round is not None:
-                goodput.round_ended(job.progress, cause.value)
-            if job.round is not None or job.state != JobState.WAITING:
-                self.record(now, EventKind.ROUND_ABANDONED, f"{why}; {count_nodes(chosen)} < min "
-                            f"{cfg.min_nodes}: waiting for nodes", data=RoundWaiting(cause=cause.value))
-            if job.round is not None:        # the survivors keep their places for the round that comes
-                job.places, job.places_port = list(job.round.ranked or job.round.members), job.round.master_port
-                job.places_at = job.round.completed_at
-                job.place_copies = places_kept(job.round)
-            job.round = None
-            job.state = JobState.WAITING
-            places.seat(job, (), chosen + preparing, rest)
-            if any(job.nodes[n].held_off for n in job.excluded):
-                self.out.deadline(now)        # the next tick lets a flapping host's hold-off end
-            if job.join_deadline is None:
-                job.join_deadline = now + cfg.join_timeout_s
-                self.out.deadline(job.join_deadline)
-            job.reason = f"{why}; waiting for nodes"
+        held = awaiting.worth_awaiting(job, choice, restarting or [], now) if len(chosen) >= cfg.min_nodes else []
+        if len(chosen) < cfg.min_nodes or held:
+            self._wait_for_nodes(now, why, cause, choice, held)
             return
         opened = job.forming_since if job.forming_since is not None else now
         promoted = len(set(chosen) & set(job.spares))
@@ -258,6 +255,40 @@ class JobRules:
         self.record(now, EventKind.ROUND_COMPLETED, f"round {job.round.round_id}: {len(chosen)} nodes, world size "
                     f"{job.round.world_size} ({why}){taken}", round_id=job.round.round_id, data=data)
 
+    def _wait_for_nodes(self, now: float, why: str, cause: RoundCause, choice: Choice, held: list[str]) -> None:
+        """No round: below min_nodes, or while `held` (members restarting) are awaited until the last call's end.
+        The survivors keep their places for the round that comes."""
+        job, cfg = self.job, self.job.config
+        # a newcomer that would have taken an awaited node's place stays spare meanwhile: it gets it if that node
+        # is not back in time
+        standby = [new for new, gone in choice.took.items() if gone in held and new not in self.members()]
+        if held:
+            job.awaited = held
+            job.last_call_deadline = now + awaiting.window_s(cfg)
+            self.out.deadline(job.last_call_deadline)
+            waits = (f"waiting up to {awaiting.window_s(cfg):g}s for {awaiting.names(job)} to come back (an agent "
+                     f"restarting keeps its place) before going on with {count_nodes(choice.chosen)}")
+        else:
+            waits = f"{count_nodes(choice.chosen)} < min {cfg.min_nodes}: waiting for nodes"
+        if job.round is not None:
+            goodput.round_ended(job.progress, cause.value)
+        if job.round is not None or job.state != JobState.WAITING:
+            self.record(now, EventKind.ROUND_ABANDONED, f"{why}; {waits}", data=RoundWaiting(cause=cause.value))
+        if job.round is not None:        # the survivors keep their places for the round that comes
+            job.places, job.places_port = list(job.round.ranked or job.round.members), job.round.master_port
+            job.places_at = job.round.completed_at
+            job.place_copies = places_kept(job.round)
+        job.round = None
+        job.state = JobState.WAITING
+        waiting = [n for n in choice.chosen if n not in standby]
+        places.seat(job, (), waiting + choice.preparing, standby + choice.rest)
+        if any(job.nodes[n].held_off for n in job.excluded):
+            self.out.deadline(now)        # the next tick lets a flapping host's hold-off end
+        if job.join_deadline is None:
+            job.join_deadline = now + cfg.join_timeout_s
+            self.out.deadline(job.join_deadline)
+        job.reason = f"{why}; {waits}" if held else f"{why}; waiting for nodes"
+
     def lose_all(self, nodes: list[NodeRecord], now: float) -> None:
         """Nodes lost together leave together: one round forms without any of them."""
         members = set(self.members())
@@ -272,12 +303,15 @@ class JobRules:
             self.job.forming_since = now
             names = ", ".join(n.node_id for n, _ in lost[:10]) + (" ..." if len(lost) > 10 else "")
             why = lost[0][1] if len(lost) == 1 else f"{len(lost)} nodes lost: {names}"
-            self.form_round(now, why, RoundCause.NODE_LOST, failed_at=min(n.last_seen for n, _ in lost))
+            self.form_round(now, why, RoundCause.NODE_LOST, failed_at=min(n.last_seen for n, _ in lost),
+                            restarting=[n.node_id for n, _ in lost if awaiting.restarting(n.dropped, n.drop_heard)])
 
     def remove(self, node: NodeRecord, now: float, kind: EventKind, message: str,
-               failed_at: float | None = None, form: bool = True, data: Payload | None = None) -> None:
+               failed_at: float | None = None, form: bool = True, data: Payload | None = None,
+               restarting: bool = False) -> None:
         """Take a node out of the job (lost, left or drained); a member's going re-forms the round
-        (unless `form` is False: the caller forms it once for several)."""
+        (unless `form` is False: the caller forms it once for several). `restarting`: a new instance of its agent
+        is joining: its place is kept for it (awaiting.py)."""
         job = self.job
         was_member = node.node_id in self.members()
         del job.nodes[node.node_id]
@@ -290,11 +324,12 @@ class JobRules:
         if was_member:
             if form:
                 job.forming_since = now
-                self.form_round(now, message, REMOVAL_CAUSE[kind], failed_at)
+                self.form_round(now, message, REMOVAL_CAUSE[kind], failed_at,
+                                restarting=[node.node_id] if restarting else None)
         elif job.last_call_deadline is not None:
             # Below min, or with no newcomer left while a round runs, the window has nothing to form.
             if len(self.members()) + self.ready_waiting() < job.config.min_nodes:
-                job.last_call_deadline = None
+                job.last_call_deadline, job.awaited = None, []
                 if job.join_deadline is not None:      # hidden while the window was open: due again
                     self.out.deadline(job.join_deadline)
             elif job.round is not None and not self.ready_waiting():      # nobody ready left to add

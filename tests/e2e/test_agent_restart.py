@@ -20,8 +20,8 @@ from tests.e2e.test_peer_copies import ENV, FAST, LIMIT, SHARDS, memory_of, step
 pytestmark = pytest.mark.e2e
 
 
-def start(cluster, out, node: str, job: str):
-    return cluster.agent("--endpoint", cluster.endpoint(), "--nnodes", "3", "--nproc", "2", "--job-id", job,
+def start(cluster, out, node: str, job: str, nnodes: str = "3"):
+    return cluster.agent("--endpoint", cluster.endpoint(), "--nnodes", nnodes, "--nproc", "2", "--job-id", job,
                          "--max-restarts", "3", "--node-id", node, "--failure-domain", f"rack-{node}", *FAST, SHARDS,
                          name=node, env={"OUT_DIR": str(out), "NODE": node, **ENV})
 
@@ -30,11 +30,13 @@ def copies_of(cluster, job: str, node: str) -> dict:
     return next((n.get("copies") or {} for n in job_view(cluster, job)["nodes"] if n["node_id"] == node), {})
 
 
-@pytest.mark.parametrize("memory", ["kept", "gone"])
-def test_an_agent_restarted_under_its_own_id_resumes_every_rank_from_memory(cluster, tmp_path, memory):
-    job = f"restart-{memory}"
+@pytest.mark.parametrize("memory,nnodes", [("kept", "3"), ("gone", "3"), ("kept", "2:3")])
+def test_an_agent_restarted_under_its_own_id_resumes_every_rank_from_memory(cluster, tmp_path, memory, nnodes):
+    """`2:3`: an elastic job waits for the restarting agent rather than shrinking (rdzv_server/core/awaiting.py):
+    before, the node behind it closed up and took its ranks, and every rank went back to step 0."""
+    job = f"restart-{memory}-{nnodes.replace(':', '-')}"
     cluster.start_server()
-    agents = {n: start(cluster, tmp_path, n, job) for n in ("a", "b", "c")}
+    agents = {n: start(cluster, tmp_path, n, job, nnodes) for n in ("a", "b", "c")}
     wait_until(lambda: len({r for *_, r, _ in steps(tmp_path)}) == 6, LIMIT, "every rank stepping")
     node = next(n["node_id"] for n in job_view(cluster, job)["nodes"] if n["group_rank"] == 1)
     wait_until(lambda: copies_of(cluster, job, node).get("copied_step", -1) >= 10, LIMIT,
@@ -47,7 +49,7 @@ def test_an_agent_restarted_under_its_own_id_resumes_every_rank_from_memory(clus
     assert os.path.isdir(held), held                # the memory belongs to the job and node id, not the agent
     if memory == "gone":
         shutil.rmtree(held)
-    agents[node] = start(cluster, tmp_path, node, job)
+    agents[node] = start(cluster, tmp_path, node, job, nnodes)
     back = wait_until(lambda: len(shard_resumes(tmp_path, killed_at)) == 6 and shard_resumes(tmp_path, killed_at),
                       LIMIT, lambda: f"every rank resumed: {shard_resumes(tmp_path, killed_at)}\n"
                                      f"{agents[node].output}")

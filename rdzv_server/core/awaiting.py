@@ -1,0 +1,60 @@
+"""A member whose agent restarts keeps its place: the job waits for it, bounded, rather than going on without it.
+
+An agent restarted under its own id (an OOM kill, systemd's or a container's restart) closes its connection and
+joins again seconds later, its memory directory in place. Were the round formed without it, an elastic job would
+shrink: the survivors behind it close up and take other ranks, so per-rank state (shards, a rank's own RNG) is
+dropped, and the regrown round finds no common step: every rank goes back to disk or to step 0. A spare's fetch of a
+lost node's copies from the restarting node fails the same way. So a member lost with its connection closed by its
+host (or replaced by a new instance of its agent), whose place no node takes or whose copies a member still
+fetches, is awaited for `window_s` (a lease and a last call) while the survivors wait; once more from its return
+when it comes back still preparing. What looks the same: an agent that crashed for good, or a host closing its
+connections as it shuts down (an agent stopped by SIGTERM leaves instead): the job goes on without it that much
+later, and the event says why. A host that keeps dropping out (a flapping host, exclude_lost_after) is not awaited.
+"""
+from __future__ import annotations
+
+from protocol.messages import JobConfig, NodeState
+from rdzv_server.core import leases
+from rdzv_server.core.choice import Choice
+from rdzv_server.core.records import JobRecord
+
+
+def window_s(cfg: JobConfig) -> float:
+    """How long a restarting member is awaited: its lease (what a silent one gets) and a last call."""
+    return cfg.lease_timeout_s + cfg.last_call_s
+
+
+def worth_awaiting(job: JobRecord, choice: Choice, lost: list[str], now: float) -> list[str]:
+    """Of `lost` (members whose agents may be restarting), those the round about to form (`choice`) would go on
+    without at a cost: no newcomer takes its place (the round shrinks: a survivor behind it closing up takes other
+    ranks), or a member still fetches copies it holds."""
+    if not lost or job.round is None:
+        return []
+    cfg = job.config
+    staying = set(job.round.members)
+    taken = {gone for new, gone in choice.took.items() if new not in staying}    # by a newcomer, not a survivor
+    fetched_from: set[str] = set()
+    for nid in choice.chosen:
+        node = job.nodes[nid]
+        if node.fetch_of and node.fetch_place is not None and node.copies is not None and \
+                node.copies.local_step < 0:
+            fetched_from.update(node.fetch_place.holders)
+    return [n for n in lost if (n not in taken or n in fetched_from)
+            and not (cfg.exclude_lost_after and leases.recent_losses(job, n, now) >= cfg.exclude_lost_after)]
+
+
+def restarting(node_dropped: bool, drop_heard: bool) -> bool:
+    """A lost member whose host closed its connection (FIN or RST while the link worked): its agent's process
+    ended and the host lives; a host gone silent (a lease run out, a keepalive given up) is not awaited."""
+    return node_dropped and drop_heard
+
+
+def all_back(job: JobRecord) -> bool:
+    """Every awaited node has joined again and can start at once: the round forms now."""
+    return all(n in job.nodes and job.nodes[n].ready and job.nodes[n].state == NodeState.WAITING
+               for n in job.awaited)
+
+
+def names(job: JobRecord) -> str:
+    shown = ", ".join(job.awaited[:5]) + (" ..." if len(job.awaited) > 5 else "")
+    return f"node{'s' if len(job.awaited) > 1 else ''} {shown}"

@@ -1,0 +1,216 @@
+"""A member whose agent restarts keeps its place (rdzv_server/core/awaiting.py): an elastic job waits for it, bounded,
+rather than shrinking (the survivors behind it would take other ranks, and per-rank state would be dropped: a review
+saw every rank go back to step 0). Pure core, time as plain floats."""
+from __future__ import annotations
+
+import pytest
+
+from protocol.messages import JobConfig, JobState, NodeState, PollRequest
+from protocol.notes import CopiesNote
+from rdzv_server.core.awaiting import window_s
+from rdzv_server.core.leases import DROP_GRACE_S
+from tests.unit import test_copies_rounds as copies
+from tests.unit.test_rendezvous import JOB, job, join, members, poll, running, view
+
+ELASTIC = JobConfig(min_nodes=2, max_nodes=3, max_restarts=3, lease_timeout_s=5.0, last_call_s=3.0)
+WINDOW = window_s(ELASTIC)
+
+
+def crash_agent(rz, node: str, now: float) -> None:
+    """`node`'s agent process ends (SIGKILL, OOM): its host closes the held poll's connection; the others poll on."""
+    for n in job(rz).nodes:
+        if n != node:
+            poll(rz, n, now)
+    rz.connection_dropped(JOB, node, now, heard=True)
+
+
+def heard(rz, nodes: str, *times: float) -> None:
+    """`nodes` poll at each of `times` (their leases run while the job waits)."""
+    for t in times:
+        for n in nodes:
+            poll(rz, n, t)
+
+
+def last_event(rz, kind: str) -> str:
+    return next(e.message for e in reversed(job(rz).events) if e.kind == kind)
+
+
+def test_a_member_whose_agent_restarts_keeps_its_place_and_every_rank_its_ranks():
+    rz = running(["a", "b", "c"], ELASTIC)
+    crash_agent(rz, "b", 10.0)
+    rz.tick(10.0 + DROP_GRACE_S)                 # lost: the job would shrink to a, c (c taking b's ranks)
+    assert "b" not in job(rz).nodes and job(rz).round is None and job(rz).state == JobState.WAITING
+    assert job(rz).awaited == ["b"] and job(rz).last_call_deadline == pytest.approx(10.0 + DROP_GRACE_S + WINDOW)
+    said = last_event(rz, "round_waiting")
+    assert f"waiting up to {WINDOW:g}s for node b to come back" in said and "going on with 2 nodes" in said, said
+    assert view(rz, "a", 12.0).node_state == view(rz, "c", 12.0).node_state == NodeState.WAITING
+    join(rz, "b", 13.0, ELASTIC, instance="b#2")         # the new agent, ready
+    assert members(rz) == ["a", "b", "c"] and job(rz).restart_count == 0
+    assert "b is back at its place (group rank 1) with a new agent" in last_event(rz, "round_completed")
+    assert job(rz).awaited == [] and job(rz).last_call_deadline is None
+
+
+def test_a_new_agent_that_joins_before_its_predecessor_is_lost_takes_the_place_in_the_same_request():
+    rz = running(["a", "b", "c"], ELASTIC)
+    first = job(rz).round.round_id
+    crash_agent(rz, "b", 10.0)
+    join(rz, "b", 10.2, ELASTIC, instance="b#2")          # within the drop's grace: the old record is replaced
+    assert members(rz) == ["a", "b", "c"] and job(rz).round.round_id == first + 1     # never a round without it
+    assert "waiting up to" in last_event(rz, "round_waiting")
+
+
+def test_a_member_not_back_within_the_window_is_gone_on_without():
+    rz = running(["a", "b", "c"], ELASTIC)
+    crash_agent(rz, "b", 10.0)
+    rz.tick(10.0 + DROP_GRACE_S)
+    deadline = job(rz).last_call_deadline
+    heard(rz, "ac", 14.0, deadline - 0.01)
+    rz.tick(deadline - 0.01)
+    assert job(rz).round is None
+    rz.tick(deadline)
+    assert members(rz) == ["a", "c"] and job(rz).awaited == [] and job(rz).restart_count == 0
+    said = last_event(rz, "round_completed")
+    assert f"node b not back within {WINDOW:g}s: going on with 2 nodes" in said, said
+    assert job(rz).events[-1].data["cause"] == "node_lost"
+
+
+def test_one_back_still_preparing_gets_one_more_window_and_forms_the_round_once_ready():
+    rz = running(["a", "b", "c"], ELASTIC)
+    crash_agent(rz, "b", 10.0)
+    rz.tick(10.0 + DROP_GRACE_S)
+    back = 10.0 + DROP_GRACE_S + WINDOW - 1.0
+    heard(rz, "ac", 14.0, back)
+    join(rz, "b", back, ELASTIC, instance="b#2", ready=False)     # its warm interpreter still imports
+    assert job(rz).round is None and job(rz).last_call_deadline == pytest.approx(back + WINDOW)
+    heard(rz, "ac", back + 2.0)
+    rz.tick(back + 2.0)
+    assert job(rz).round is None
+    poll(rz, "b", back + 2.5, ready=True)
+    assert members(rz) == ["a", "b", "c"]
+
+
+def test_one_still_preparing_after_its_second_window_is_gone_on_without():
+    rz = running(["a", "b", "c"], ELASTIC)
+    crash_agent(rz, "b", 10.0)
+    rz.tick(10.0 + DROP_GRACE_S)
+    back = 12.0
+    join(rz, "b", back, ELASTIC, instance="b#2", ready=False)
+    for t in (back + 2.0, back + 4.0, back + WINDOW - 1.0):
+        for n in "abc":
+            poll(rz, n, t, ready=n != "b")
+    rz.tick(back + WINDOW - 0.01)
+    assert job(rz).round is None
+    rz.tick(back + WINDOW)
+    assert members(rz) == ["a", "c"] and view(rz, "b", back + WINDOW).node_state == NodeState.WAITING
+
+
+@pytest.mark.parametrize("how", ["lease", "keepalive"])
+def test_a_host_gone_silent_is_not_awaited(how):
+    """A lease run out, or a held poll's connection closed by the keepalive (no ACK lately): the host is gone, not
+    its agent restarting; the job goes on at once."""
+    rz = running(["a", "b", "c"], ELASTIC)
+    first = job(rz).round.round_id
+    for t in (1.0, 2.0, 3.0, 4.0, 5.0, 6.0):
+        for n in "ac":
+            poll(rz, n, t)
+    if how == "keepalive":
+        rz.connection_dropped(JOB, "b", 6.0, heard=False)
+    rz.tick(rz.next_deadline())
+    assert members(rz) == ["a", "c"] and job(rz).round.round_id == first + 1 and job(rz).awaited == []
+
+
+def test_a_spare_takes_the_place_at_once():
+    rz = running(["a", "b", "c"], ELASTIC)
+    join(rz, "s", 1.0, ELASTIC)
+    crash_agent(rz, "b", 10.0)
+    poll(rz, "s", 10.0)
+    rz.tick(10.0 + DROP_GRACE_S)
+    assert members(rz) == ["a", "s", "c"] and job(rz).awaited == []
+
+
+def test_a_fixed_size_job_waits_for_nodes_as_before():
+    fixed = JobConfig(min_nodes=3, max_nodes=3, lease_timeout_s=5.0, last_call_s=3.0)
+    rz = running(["a", "b", "c"], fixed)
+    crash_agent(rz, "b", 10.0)
+    rz.tick(10.0 + DROP_GRACE_S)
+    assert job(rz).round is None and job(rz).awaited == [] and "< min 3" in last_event(rz, "round_waiting")
+    join(rz, "b", 14.0, fixed, instance="b#2")
+    assert members(rz) == ["a", "b", "c"]
+
+
+def test_a_flapping_host_is_not_awaited():
+    """Lost a second time within exclude_window_s: exclude_lost_after keeps it out when it comes back anyway."""
+    rz = running(["a", "b", "c"], ELASTIC)
+    crash_agent(rz, "b", 10.0)
+    rz.tick(10.0 + DROP_GRACE_S)
+    join(rz, "b", 12.0, ELASTIC, instance="b#2")
+    assert members(rz) == ["a", "b", "c"]
+    crash_agent(rz, "b", 20.0)
+    rz.tick(20.0 + DROP_GRACE_S)
+    assert members(rz) == ["a", "c"] and job(rz).awaited == []
+
+
+def test_a_survivor_lost_while_the_job_waits_leaves_nothing_awaited_below_min():
+    rz = running(["a", "b", "c"], ELASTIC)
+    crash_agent(rz, "b", 10.0)
+    rz.tick(10.0 + DROP_GRACE_S)
+    rz.connection_dropped(JOB, "c", 12.0, heard=True)
+    poll(rz, "a", 12.0)
+    rz.tick(12.0 + DROP_GRACE_S)
+    assert "c" not in job(rz).nodes and job(rz).awaited == [] and job(rz).last_call_deadline is None
+    assert job(rz).state == JobState.WAITING and job(rz).join_deadline is not None   # for nodes, up to join_timeout
+    join(rz, "b", 13.0, ELASTIC, instance="b#2")       # a and b: min 2, max 3: a last call, as for any newcomer
+    assert job(rz).round is None and job(rz).last_call_deadline == pytest.approx(13.0 + ELASTIC.last_call_s)
+    heard(rz, "ab", 15.0)
+    rz.tick(13.0 + ELASTIC.last_call_s)
+    assert members(rz) == ["a", "b"]
+
+
+def test_a_spares_fetch_holder_whose_agent_restarts_is_awaited_even_with_another_spare():
+    """s took b's place and fetches b's copies from c; c's agent restarts mid-fetch. Another spare t could take c's
+    place, but s would then hold nothing and every rank go back to step 0: c is awaited, and tells s again."""
+    fixed = JobConfig(min_nodes=3, max_nodes=3, lease_timeout_s=5.0, last_call_s=0.0)
+    rz = copies.started({"a": "1", "b": "2", "c": "3"}, fixed)
+    copies.join(rz, "s", 0.5, fixed, domain="4")
+    copies.join(rz, "t", 0.6, fixed, domain="5")
+    for t in (1.0, 2.0, 3.0, 4.0, 5.0):                 # b lost: the spare s takes its place
+        for n in ("a", "c", "s", "t"):
+            copies.poll(rz, n, t)
+    rz.tick(rz.next_deadline())
+    assert rz.jobs[copies.JOB].round.members == ["a", "s", "c"]
+    rz.handle(copies.JOB, PollRequest(v=1, node_id="s", credential="secret-s", copies=CopiesNote(local_step=-1)), 6.0)
+    for n in ("a", "c", "t"):
+        copies.poll(rz, n, 6.0)
+    rz.connection_dropped(copies.JOB, "c", 6.0, heard=True)
+    rz.tick(6.0 + DROP_GRACE_S)
+    assert rz.jobs[copies.JOB].round is None and rz.jobs[copies.JOB].awaited == ["c"]
+    assert rz.jobs[copies.JOB].spares == ["t"]             # t takes c's place only if c is not back in time
+    copies.rejoin(rz, "c", 8.0, fixed, 2, "3")          # back, its memory (b's copies) kept
+    r = rz.jobs[copies.JOB].round
+    assert r is not None and r.members == ["a", "s", "c"]
+    again = rz.view(copies.JOB, "s", 8.0).assignment
+    assert again is not None and again.copies_of == "b" and again.copies_at.addr == "10.0.0.3"
+    assert rz.jobs[copies.JOB].spares == ["t"]
+
+
+def test_a_fetch_holder_not_back_in_time_has_its_place_taken_by_the_spare_waiting():
+    fixed = JobConfig(min_nodes=3, max_nodes=3, lease_timeout_s=5.0, last_call_s=0.0)
+    rz = copies.started({"a": "1", "b": "2", "c": "3"}, fixed)
+    copies.join(rz, "s", 0.5, fixed, domain="4")
+    copies.join(rz, "t", 0.6, fixed, domain="5")
+    for t in (1.0, 2.0, 3.0, 4.0, 5.0):
+        for n in ("a", "c", "s", "t"):
+            copies.poll(rz, n, t)
+    rz.tick(rz.next_deadline())
+    rz.handle(copies.JOB, PollRequest(v=1, node_id="s", credential="secret-s", copies=CopiesNote(local_step=-1)), 6.0)
+    rz.connection_dropped(copies.JOB, "c", 6.0, heard=True)
+    for n in ("a", "s", "t"):
+        copies.poll(rz, n, 6.5)
+    rz.tick(6.0 + DROP_GRACE_S)
+    deadline = rz.jobs[copies.JOB].last_call_deadline
+    assert deadline == pytest.approx(6.0 + DROP_GRACE_S + window_s(fixed))
+    for n in ("a", "s", "t"):
+        copies.poll(rz, n, deadline - 0.5)
+    rz.tick(deadline)
+    r = rz.jobs[copies.JOB].round
+    assert r is not None and r.members == ["a", "s", "t"] and rz.jobs[copies.JOB].spares == []
