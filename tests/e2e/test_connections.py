@@ -136,9 +136,10 @@ def test_a_connection_closed_late_in_anothers_held_poll_is_a_loss_after_the_grac
         wait_until(lambda: open_polls(port) == 2, 30, "the server holding both polls")
         time.sleep(3.5)          # the scenario itself: b dies 3.5 s into a silence (not a synchronisation)
         b_poll.close()
+        # b's agent may be restarting: the job waits for it (a lease) rather than shrinking, so a's poll is
+        # answered with its round ended, the job waiting (rdzv_server/core/awaiting.py)
         answer = read_answer(a_poll, 20.0)
-        assert answer["assignment"]["round_id"] > round_id
-        assert answer["assignment"]["world_size"] == 1
+        assert answer["assignment"] is None and answer["job_state"] == "waiting", answer
         kinds = [e["kind"] for e in job_events(cluster, "conn")]
         assert "node_lost" in kinds and "leases_extended" not in kinds
     finally:

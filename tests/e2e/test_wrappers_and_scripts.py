@@ -17,8 +17,8 @@ pytestmark = pytest.mark.e2e
 DATALOADER_CRASH = os.path.join(SCRIPTS, "dataloader_crash.py")
 INTERRUPTIBLE = """
 import os, sys, time
-open(os.path.join(os.environ["OUT_DIR"], f"started-{os.environ['RANK']}"), "w").close()
-try:
+try:    # the mark made inside: a Ctrl-C as soon as it exists is this script's to handle
+    open(os.path.join(os.environ["OUT_DIR"], f"started-{os.environ['RANK']}"), "w").close()
     while True:
         time.sleep(0.05)
 except KeyboardInterrupt:

@@ -73,7 +73,9 @@ async def run_group(tmp_path, monkeypatch) -> AsyncIterator[Callable[..., Awaita
         groups.append(group)
         await group.start()
         assert bool(group.warm_pids) == (warm is not None)
-        await until(lambda: (tmp_path / "ready").exists(), what="the worker's steps")
+        await until(lambda: (tmp_path / "ready").exists(),
+                    what=lambda: f"the worker's steps; its output: {console.lines('stdout')[-20:]} "
+                                 f"{console.lines('stderr')[-20:]}")
         return group, files, console
 
     yield run
@@ -83,12 +85,12 @@ async def run_group(tmp_path, monkeypatch) -> AsyncIterator[Callable[..., Awaita
         await zygote.close()
 
 
-async def until(check: Callable[[], bool], *, what: str) -> None:
+async def until(check: Callable[[], bool], *, what: str | Callable[[], str]) -> None:
     """Wait for a condition a worker process makes true (its files), up to LIMIT * 3."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + LIMIT * 3
     while not check():
-        assert loop.time() < deadline, f"timed out waiting for {what}"
+        assert loop.time() < deadline, f"timed out waiting for {what if isinstance(what, str) else what()}"
         await asyncio.sleep(0.02)
 
 
