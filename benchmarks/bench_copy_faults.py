@@ -8,6 +8,7 @@ steps of about 0.1 s). Node b's agent runs with RLIMIT_NOFILE 1024 (soft and har
                 alternated: the step every rank resumed from against the newest snapshot all ranks held, the
                 source, own shards, kill -> every rank stepping, and its first copy after it resumed in its
                 holder's store (which of its snapshots, how long after every rank stepped)
+  --nnodes S    the --restart job's size: 3 (default), or 2:3 (elastic: the job waits for b rather than shrinking)
   --flood S     S seconds of 2,000 idle connections to each of node b's ports (its TLS copy port and its plain
                 witness port), from 100 loopback addresses, each one closed opened again: whether the agent lives,
                 the job's restarts, node b's descriptors at most, how soon a connection that never says a word is
@@ -63,9 +64,10 @@ NOFILE = 1024
 class Job(ShardJob):
     """bench_node_loss's job, over TLS, with node b's agent at RLIMIT_NOFILE 1024."""
 
-    def __init__(self, port: int, job: str, out: str, certs: tuple[str, str, str], extra: tuple[str, ...] = ()) -> None:
+    def __init__(self, port: int, job: str, out: str, certs: tuple[str, str, str], extra: tuple[str, ...] = (),
+                 nnodes: str = "3") -> None:
         ca, cert, key = certs
-        super().__init__(port, job, out, "3", ("--tls-ca", ca, "--tls-cert", cert, "--tls-key", key, *extra))
+        super().__init__(port, job, out, nnodes, ("--tls-ca", ca, "--tls-cert", cert, "--tls-key", key, *extra))
         self.ca = ca
 
     def start(self, node: str) -> None:
@@ -74,7 +76,7 @@ class Job(ShardJob):
         with open(os.path.join(self.out, f"agent-{node}.log"), "a") as log:
             self.agents[node] = subprocess.Popen(
                 [sys.executable, "-m", "node_agent.main", "--endpoint", f"https://127.0.0.1:{self.port}", "--nnodes",
-                 "3", "--nproc", "2", "--job-id", self.job, "--node-id", node, "--max-restarts", "5",
+                 self.nnodes, "--nproc", "2", "--job-id", self.job, "--node-id", node, "--max-restarts", "5",
                  "--failure-domain", f"rack-{node}", *FAST, *self.extra, SCRIPT],
                 env=env, cwd=self.out, stdout=log, stderr=subprocess.STDOUT, preexec_fn=limit)
 
@@ -101,11 +103,11 @@ def _certs(where: str) -> tuple[str, str, str]:
 
 
 @contextlib.contextmanager
-def running_job(name: str, extra: tuple[str, ...] = ()) -> Iterator[Job]:
+def running_job(name: str, extra: tuple[str, ...] = (), nnodes: str = "3") -> Iterator[Job]:
     with _workdir() as out:
         certs = _certs(out)
         with running_server("--tls-cert", certs[1], "--tls-key", certs[2]) as port:
-            job = Job(port, name, out, certs, extra)
+            job = Job(port, name, out, certs, extra, nnodes)
             try:
                 for n in ("a", "b", "c"):
                     job.start(n)
@@ -116,11 +118,11 @@ def running_job(name: str, extra: tuple[str, ...] = ()) -> Iterator[Job]:
                 job.stop()
 
 
-def restart_runs(n: int) -> list[dict]:
+def restart_runs(n: int, nnodes: str) -> list[dict]:
     rows = []
     # One job, node b's agent restarted 2N times in minutes: flap damping (a node lost twice in 10 minutes is kept
     # out 5 minutes: --exclude-lost-after) is off, or the job would rightly keep b out from its second restart.
-    with running_job("restart", ("--exclude-lost-after", "0")) as job:
+    with running_job("restart", ("--exclude-lost-after", "0"), nnodes) as job:
         for i in range(2 * n):
             memory = "kept" if i % 2 == 0 else "gone"
             rows.append(one_restart(job, i, memory))
@@ -257,13 +259,24 @@ def lines_run() -> dict:
 
 
 def _holder_of(job: Job, node: str) -> tuple[str, str]:
-    """(the holder of `node`'s copies, the token they came with), from the holder's store on this machine."""
+    """(the holder of `node`'s copies, the token they came with: "" where the holder keeps only its verifier, as
+    agents do since the copies' keys were checked by verifiers), from the holder's store on this machine."""
     for holder in ("a", "b", "c"):
-        token = os.path.join(SHM, dir_name(job.job, holder), COPIES, node, ".token")
-        if os.path.exists(token):
-            with open(token) as f:
+        kept = os.path.join(SHM, dir_name(job.job, holder), COPIES, node)
+        if os.path.exists(os.path.join(kept, ".verifier")):
+            return holder, ""
+        if os.path.exists(os.path.join(kept, ".token")):
+            with open(os.path.join(kept, ".token")) as f:
                 return holder, f.read().strip()
     raise RuntimeError(f"no holder of {node}'s copies")
+
+
+def _token_of(job: Job, node: str) -> str:
+    token = _holder_of(job, node)[1]
+    if not token:
+        raise RuntimeError(f"{node}'s copy token is not in its holder's store (holders keep only a verifier): "
+                           f"--ahead and --busy need it from elsewhere")
+    return token
 
 
 def _push_line(token: str, node: str, step: int, round_id: int) -> bytes:
@@ -272,7 +285,7 @@ def _push_line(token: str, node: str, step: int, round_id: int) -> bytes:
 
 def ahead_run() -> dict:
     with running_job("ahead") as job:
-        holder, token = _holder_of(job, "b")
+        holder, token = _holder_of(job, "b")[0], _token_of(job, "b")
         _, tls_port = ports_of(job.agents[holder].pid)
         context = ssl.create_default_context(cafile=job.ca)
         context.check_hostname = False
@@ -319,7 +332,7 @@ async def _pushes(port: int, token: str, n: int) -> dict:
 
 def busy_run(n: int) -> dict:
     with running_job("busy") as job:
-        _, token = _holder_of(job, "b")
+        token = _token_of(job, "b")
         plain, _ = ports_of(job.agents["c" if _holder_of(job, "b")[0] == "c" else "a"].pid)
         burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 2)]
         try:
@@ -333,6 +346,7 @@ def busy_run(n: int) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--restart", type=int, default=0)
+    p.add_argument("--nnodes", default="3", help="the --restart job's size (2:3: elastic, awaiting.py's case)")
     p.add_argument("--flood", type=float, default=0.0)
     p.add_argument("--lines", action="store_true")
     p.add_argument("--ahead", action="store_true")
@@ -341,7 +355,7 @@ def main() -> None:
     args = p.parse_args()
     report: dict = {}
     if args.restart:
-        report["restart"] = restart_runs(args.restart)
+        report["restart"] = restart_runs(args.restart, args.nnodes)
     if args.flood:
         report["flood"] = flood_run(args.flood)
         print(json.dumps(report["flood"]), flush=True)

@@ -74,7 +74,10 @@ class ConnectionGuard:
             self._unproven.pop(handler, None)
             self._fresh.pop(handler, None)
             if (request := self._busy.get(handler)) is not None:  # its socket stays open until after this: ask now
-                request[CLOSED_ACK_AGE] = ack_age_s(handler.transport)
+                age = ack_age_s(handler.transport)
+                if age is None and closed_by_peer(exc):
+                    age = 0.0     # TLS tells after its socket closed: a FIN or RST is the peer's host, just now
+                request[CLOSED_ACK_AGE] = age
             lost(handler, exc)
 
         server.connection_made = on_made      # type: ignore[method-assign]
@@ -138,6 +141,12 @@ class ConnectionGuard:
 
 
 GUARD = web.AppKey("connection_guard", ConnectionGuard)     # the server's (an app alone has none)
+
+
+def closed_by_peer(exc: BaseException | None) -> bool:
+    """Whether a connection ended by its peer's host: a FIN (no error) or a reset, not a keepalive or a
+    retransmission giving up (ETIMEDOUT, EHOSTUNREACH: the path is silent)."""
+    return exc is None or isinstance(exc, (ConnectionResetError, BrokenPipeError, ConnectionAbortedError))
 
 
 def local_address(transport: asyncio.BaseTransport | None) -> str:

@@ -3,13 +3,16 @@ connection makes room; a held long-poll is never the one closed."""
 from __future__ import annotations
 
 import http.client
+import os
 import socket
+import ssl
 import time
 import urllib.request
 
 import msgpack
 import pytest
 
+from tests.e2e.certs import make_ca, make_server_cert
 from tests.e2e.harness import job_events, wait_until
 
 pytestmark = pytest.mark.e2e
@@ -163,3 +166,56 @@ def test_a_client_that_asks_for_a_stream_is_refused_at_once(cluster):
     head, body = reply.split(b"\r\n\r\n", 1)
     assert head.startswith(b"HTTP/1.1 404"), head
     assert b"long-polls are the only transport" in body, body
+
+
+@pytest.mark.parametrize("event_loop", ["asyncio", "uvloop"])     # each tells a TLS connection's end its own way
+def test_a_tls_poll_closed_by_its_host_is_a_restarting_agent_awaited_not_a_silent_host(cluster, tmp_path,
+                                                                                      event_loop):
+    """Over TLS the protocol hears of a connection's end after its socket closed (no TCP_INFO left to read): a
+    FIN is still the node's host speaking, so a member of an elastic job whose held poll ends so is awaited as an
+    agent restarting (awaiting.py) rather than taken for a host gone silent (the job would shrink at once)."""
+    ca = make_ca(str(tmp_path))
+    cert, key = make_server_cert(str(tmp_path), ca)
+    port = cluster.start_server("--state-dir", "none", "--event-loop", event_loop, "--tls-cert", cert,
+                                "--tls-key", key)
+    cluster.ca = ca[0]
+    context = ssl.create_default_context(cafile=ca[0])
+    config = {"min_nodes": 1, "max_nodes": 2, "last_call_s": 0.0, "lease_timeout_s": 5.0}
+
+    def join(node: str) -> dict:
+        request = urllib.request.Request(
+            f"https://127.0.0.1:{port}/v1/jobs/conn/join", method="POST",
+            data=msgpack.packb({"v": 1, "node_id": node, "addr": "127.0.0.1", "local_world_size": 1,
+                                "master_port": 1, "config": config}),
+            headers={"Content-Type": "application/msgpack"})
+        with urllib.request.urlopen(request, timeout=10, context=context) as resp:
+            return dict(msgpack.unpackb(resp.read()))
+
+    a, b = join("a"), join("b")
+    round_id = b["assignment"]["round_id"]
+    polls = {n: context.wrap_socket(socket.create_connection(("127.0.0.1", port)), server_hostname="127.0.0.1")
+             for n in "ab"}
+    for n, joined in (("a", a), ("b", b)):
+        body = msgpack.packb({"v": 1, "node_id": n, "credential": joined["credential"], "known_round": round_id,
+                              "wait_s": 60.0})
+        polls[n].sendall(b"POST /v1/jobs/conn/poll HTTP/1.1\r\nHost: x\r\nContent-Type: application/msgpack\r\n"
+                         + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+    try:
+        wait_until(lambda: polls_held(cluster) == 2, 30, "both polls held")
+        os.close(polls["b"].detach())      # b's agent dies: its kernel closes the socket (a FIN, no TLS goodbye)
+        answer = read_answer(polls["a"], 20.0)
+        assert answer["assignment"] is None and answer["job_state"] == "waiting", answer
+        events = [e for e in job_events(cluster, "conn") if e["kind"] in ("node_lost", "round_waiting")]
+        assert [e["kind"] for e in events] == ["node_lost", "round_waiting"], events
+        assert "waiting up to 5s for node b to come back" in events[1]["message"], events
+    finally:
+        for sock in polls.values():
+            sock.close()
+
+
+def polls_held(cluster) -> float:
+    """rdzv_open_long_polls, from the server's /metrics (over TLS where the cluster's server uses it)."""
+    with urllib.request.urlopen(f"{cluster.scheme}://127.0.0.1:{cluster.port}/metrics", timeout=10,
+                                context=ssl.create_default_context(cafile=cluster.ca)) as resp:
+        return next(float(line.split()[1]) for line in resp.read().decode().splitlines()
+                    if line.startswith("rdzv_open_long_polls "))

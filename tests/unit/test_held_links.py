@@ -57,3 +57,12 @@ def test_the_connections_are_asked_at_most_every_check_gap_and_only_once_the_ser
     links.check(rz, 3.0 + CHECK_GAP_S + 2.0)
     assert asked == [1, 1]
 
+
+
+def test_a_connection_ended_by_its_peers_host_is_told_from_one_a_silent_path_ended():
+    """What a closed TLS poll is judged by (its socket is gone when the protocol hears of the end): a FIN (no
+    error) or a reset is the peer's host speaking; a keepalive or a retransmission giving up is not."""
+    from rdzv_server.web.connections import closed_by_peer
+    assert closed_by_peer(None) and closed_by_peer(ConnectionResetError()) and closed_by_peer(BrokenPipeError())
+    assert not closed_by_peer(TimeoutError(110, "Connection timed out"))
+    assert not closed_by_peer(OSError(113, "No route to host"))
