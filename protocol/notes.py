@@ -63,3 +63,4 @@ class CopiesNote(msgspec.Struct, kw_only=True, frozen=True, gc=False):
     refused: Count = 0                 # pushes a peer refused or could not take
     last_refusal: ShortText = ""       # the latest of them: the peer, and why
     held_bytes: Bytes = 0              # copies this node holds for others
+    copying: bool = True               # False: its round makes no copies (off): local_step alone is said

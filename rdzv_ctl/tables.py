@@ -85,10 +85,12 @@ JOBS: list[Column[JobView]] = [
     ("ETTR", lambda j: ettr(j.progress)), ("REASON", lambda j: truncate(j.reason, REASON_WIDTH))]
 def _snapshot(n: NodeView) -> str | None:
     """Its newest in-memory snapshot's step / its newest copy's on a peer (issue 46): "25/25", "25/-", and how many
-    pushes a peer refused: "25/20!3"."""
+    pushes a peer refused: "25/20!3"; "25/off": its round makes no copies."""
     c = n.copies
     if c is None or c.local_step < 0:
         return None
+    if not c.copying:
+        return f"{c.local_step}/off"
     return f"{c.local_step}/{c.copied_step if c.copied_step >= 0 else '-'}" + (f"!{c.refused}" if c.refused else "")
 
 

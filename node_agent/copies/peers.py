@@ -311,8 +311,10 @@ class PeerCopies:
             self._say(line)
 
     def note(self) -> CopiesNote | None:
-        """What the server shows of this node's copies (None: copies are off for its round, or no memory dirs)."""
-        if not self.targets and self.store is None:
+        """What the server shows of this node's copies and newest snapshot (None: no memory dirs). With copies off
+        for its round the snapshot alone is said (`copying`): a node whose agent restarts is waited for where it
+        holds state of its own (rdzv_server/core/awaiting.py)."""
+        if not self.targets and self.store is None and not self._dirs:
             return None
         try:
             local = next(iter(common_step(self._dirs).values()), (-1, ""))[0]
@@ -325,7 +327,7 @@ class PeerCopies:
         holder = next((where for _, where in self.copied.values()), "")
         self._last_note = CopiesNote(local_step=local, copied_step=min(copied, default=-1), holder=holder[:256],
                                      sent_bytes=self.sent_bytes, refused=self.refused,
-                                     last_refusal=self.last_refusal, held_bytes=held)
+                                     last_refusal=self.last_refusal, held_bytes=held, copying=bool(self.targets))
         return self._last_note
 
     async def close(self, finished: bool = False) -> None:

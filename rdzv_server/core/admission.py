@@ -12,7 +12,7 @@ import ipaddress
 from protocol.errors import ErrorCode
 from protocol.messages import JoinRequest, NodeState
 from protocol.quoting import quote
-from rdzv_server.core import credentials, leases, places
+from rdzv_server.core import awaiting, credentials, leases, places
 from rdzv_server.core.errors import RendezvousError
 from rdzv_server.core.events import EventKind
 from rdzv_server.core.job_rules import JobRules
@@ -81,7 +81,7 @@ def _admitted(rules: JobRules, req: JoinRequest, now: float, credential: str, vi
                               f"agent is gone ({max(0.0, existing.lease_expires - now):.1f}s without contact)")
     if existing is not None:
         rules.remove(existing, now, EventKind.NODE_LOST, f"node {req.node_id} restarted (new agent instance)",
-                     failed_at=existing.last_seen, restarting=True)
+                     failed_at=existing.last_seen, restarting=awaiting.holds_own_state(job, existing))
     _place(rules, _new_record(rules, req, now, credential, via, existing), now)
     return credential
 

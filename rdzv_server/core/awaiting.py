@@ -5,18 +5,19 @@ joins again seconds later, its memory directory in place. Were the round formed 
 shrink: the survivors behind it close up and take other ranks, so per-rank state (shards, a rank's own RNG) is
 dropped, and the regrown round finds no common step: every rank goes back to disk or to step 0. A spare's fetch of a
 lost node's copies from the restarting node fails the same way. So a member lost with its connection closed by its
-host (or replaced by a new instance of its agent), whose place no node takes or whose copies a member still
-fetches, is awaited for `window_s` (a lease and a last call) while the survivors wait; once more from its return
-when it comes back still preparing. What looks the same: an agent that crashed for good, or a host closing its
-connections as it shuts down (an agent stopped by SIGTERM leaves instead): the job goes on without it that much
-later, and the event says why. A host that keeps dropping out (a flapping host, exclude_lost_after) is not awaited.
+host (or replaced by a new instance of its agent) that holds state of its own (`holds_own_state`), whose place no
+node takes or whose copies a member still fetches, is awaited for `window_s` (a lease and a last call) while the
+survivors wait; once more from its return when it comes back still preparing. What looks the same: an agent that
+crashed for good, or a host closing its connections as it shuts down (an agent stopped by SIGTERM leaves instead):
+the job goes on without it that much later, and the event says why. A host that keeps dropping out (a flapping
+host, exclude_lost_after) is not awaited.
 """
 from __future__ import annotations
 
 from protocol.messages import JobConfig, NodeState
 from rdzv_server.core import leases
 from rdzv_server.core.choice import Choice
-from rdzv_server.core.records import JobRecord
+from rdzv_server.core.records import JobRecord, NodeRecord
 
 
 def window_s(cfg: JobConfig) -> float:
@@ -43,10 +44,19 @@ def worth_awaiting(job: JobRecord, choice: Choice, lost: list[str], now: float) 
             and not (cfg.exclude_lost_after and leases.recent_losses(job, n, now) >= cfg.exclude_lost_after)]
 
 
-def restarting(node_dropped: bool, drop_heard: bool) -> bool:
-    """A lost member whose host closed its connection (FIN or RST while the link worked): its agent's process
-    ended and the host lives; a host gone silent (a lease run out, a keepalive given up) is not awaited."""
-    return node_dropped and drop_heard
+def restarting(job: JobRecord, node: NodeRecord) -> bool:
+    """A lost member whose host closed its connection (FIN or RST while the link worked: its agent's process ended,
+    the host lives) and whose memory holds state of its own; a host gone silent (a lease run out, a keepalive given
+    up) is not awaited."""
+    return node.dropped and node.drop_heard and holds_own_state(job, node)
+
+
+def holds_own_state(job: JobRecord, node: NodeRecord) -> bool:
+    """Whether going on without the node may lose state only it holds: its last note told an in-memory snapshot,
+    and the job's ranks are not known to be replicas of each other (DDP: the job's digests agreed, and a rank
+    without the step is lent it). A job without snapshots in memory, or of replicas, loses nothing by shrinking
+    and is not made to wait (an agent killed for good: the survivors go on within a second or two)."""
+    return node.copies is not None and node.copies.local_step >= 0 and job.progress.alike_step < 0
 
 
 def all_back(job: JobRecord) -> bool:

@@ -304,7 +304,7 @@ class JobRules:
             names = ", ".join(n.node_id for n, _ in lost[:10]) + (" ..." if len(lost) > 10 else "")
             why = lost[0][1] if len(lost) == 1 else f"{len(lost)} nodes lost: {names}"
             self.form_round(now, why, RoundCause.NODE_LOST, failed_at=min(n.last_seen for n, _ in lost),
-                            restarting=[n.node_id for n, _ in lost if awaiting.restarting(n.dropped, n.drop_heard)])
+                            restarting=[n.node_id for n, _ in lost if awaiting.restarting(self.job, n)])
 
     def remove(self, node: NodeRecord, now: float, kind: EventKind, message: str,
                failed_at: float | None = None, form: bool = True, data: Payload | None = None,

@@ -167,7 +167,8 @@ class _CopyFamilies:
                                          "(a full memory limit, a peer away), as the agents count.", labels=["job"])
 
     def add(self, job: JobRecord) -> None:
-        notes = [n.copies for n in job.nodes.values() if n.copies is not None and n.state == NodeState.MEMBER]
+        notes = [n.copies for n in job.nodes.values()
+                 if n.copies is not None and n.copies.copying and n.state == NodeState.MEMBER]
         if not notes:
             return
         self.lag.add_metric([job.job_id], max(max(0, c.local_step - max(c.copied_step, 0)) for c in notes))

@@ -16,8 +16,16 @@ ELASTIC = JobConfig(min_nodes=2, max_nodes=3, max_restarts=3, lease_timeout_s=5.
 WINDOW = window_s(ELASTIC)
 
 
-def crash_agent(rz, node: str, now: float) -> None:
-    """`node`'s agent process ends (SIGKILL, OOM): its host closes the held poll's connection; the others poll on."""
+def snapshots(rz, node: str, now: float, step: int = 10) -> None:
+    """`node`'s poll tells that its ranks hold an in-memory snapshot of `step` (CopiesNote.local_step)."""
+    rz.handle(JOB, PollRequest(v=1, node_id=node, copies=CopiesNote(local_step=step, copying=False)), now)
+
+
+def crash_agent(rz, node: str, now: float, held: bool = True) -> None:
+    """`node`'s agent process ends (SIGKILL, OOM): its host closes the held poll's connection; the others poll on.
+    `held`: its memory held a snapshot of its own, as its polls told."""
+    if held:
+        snapshots(rz, node, now - 0.5)
     for n in job(rz).nodes:
         if n != node:
             poll(rz, n, now)
@@ -128,6 +136,33 @@ def test_a_spare_takes_the_place_at_once():
     assert members(rz) == ["a", "s", "c"] and job(rz).awaited == []
 
 
+def test_a_node_whose_memory_held_no_snapshot_is_not_awaited():
+    """Nothing of its own to lose (no protect, no Snapshots): the job goes on at the smaller size at once, as an
+    elastic job whose agent was killed for good should (issue 4: within about a second)."""
+    rz = running(["a", "b", "c"], ELASTIC)
+    crash_agent(rz, "b", 10.0, held=False)
+    rz.tick(10.0 + DROP_GRACE_S)
+    assert members(rz) == ["a", "c"] and job(rz).awaited == []
+
+
+def test_a_job_of_replicas_is_not_made_to_wait():
+    """DDP: the ranks' digests agreed (their snapshots are replicas), so a rank without the step is lent it by
+    another after the job grows again; shrinking loses nothing."""
+    rz = running(["a", "b", "c"], ELASTIC)
+    job(rz).progress.alike_step = 10
+    crash_agent(rz, "b", 10.0)
+    rz.tick(10.0 + DROP_GRACE_S)
+    assert members(rz) == ["a", "c"] and job(rz).awaited == []
+
+
+def test_a_new_agent_of_a_node_that_held_nothing_replaces_it_without_a_wait():
+    rz = running(["a", "b", "c"], ELASTIC)
+    crash_agent(rz, "b", 10.0, held=False)
+    join(rz, "b", 10.2, ELASTIC, instance="b#2")
+    assert "round_waiting" not in [e.kind for e in job(rz).events]
+    assert members(rz) == ["a", "c", "b"]         # shrunk, then grown: b joins last
+
+
 def test_a_fixed_size_job_waits_for_nodes_as_before():
     fixed = JobConfig(min_nodes=3, max_nodes=3, lease_timeout_s=5.0, last_call_s=3.0)
     rz = running(["a", "b", "c"], fixed)
@@ -145,7 +180,7 @@ def test_a_flapping_host_is_not_awaited():
     rz.tick(10.0 + DROP_GRACE_S)
     join(rz, "b", 12.0, ELASTIC, instance="b#2")
     assert members(rz) == ["a", "b", "c"]
-    crash_agent(rz, "b", 20.0)
+    crash_agent(rz, "b", 20.0)        # (its new agent's polls tell its snapshot)
     rz.tick(20.0 + DROP_GRACE_S)
     assert members(rz) == ["a", "c"] and job(rz).awaited == []
 
@@ -179,7 +214,8 @@ def test_a_spares_fetch_holder_whose_agent_restarts_is_awaited_even_with_another
     rz.tick(rz.next_deadline())
     assert rz.jobs[copies.JOB].round.members == ["a", "s", "c"]
     rz.handle(copies.JOB, PollRequest(v=1, node_id="s", credential="secret-s", copies=CopiesNote(local_step=-1)), 6.0)
-    for n in ("a", "c", "t"):
+    rz.handle(copies.JOB, PollRequest(v=1, node_id="c", credential="secret-c", copies=CopiesNote(local_step=10)), 6.0)
+    for n in ("a", "t"):
         copies.poll(rz, n, 6.0)
     rz.connection_dropped(copies.JOB, "c", 6.0, heard=True)
     rz.tick(6.0 + DROP_GRACE_S)
@@ -203,6 +239,7 @@ def test_a_fetch_holder_not_back_in_time_has_its_place_taken_by_the_spare_waitin
             copies.poll(rz, n, t)
     rz.tick(rz.next_deadline())
     rz.handle(copies.JOB, PollRequest(v=1, node_id="s", credential="secret-s", copies=CopiesNote(local_step=-1)), 6.0)
+    rz.handle(copies.JOB, PollRequest(v=1, node_id="c", credential="secret-c", copies=CopiesNote(local_step=10)), 6.0)
     rz.connection_dropped(copies.JOB, "c", 6.0, heard=True)
     for n in ("a", "s", "t"):
         copies.poll(rz, n, 6.5)

@@ -257,3 +257,18 @@ async def test_a_note_that_cannot_read_the_memory_shows_the_last_one_and_says_so
         monkeypatch.undo()
         assert copies.note() == first
         await copies.close()
+
+
+async def test_with_copies_off_the_note_still_tells_the_newest_snapshot_and_that_nothing_is_copied(tmp_path) -> None:
+    """--replicas 0, or one failure domain: no targets, no store. The server still learns that this node's memory
+    holds state of its own (a member whose agent restarts is waited for: rdzv_server/core/awaiting.py)."""
+    said: list[str] = []
+    copies, dirs = agent_side(tmp_path, "b", said)
+    assert copies.note() is None                         # no round yet: nothing to tell
+    copies.key, copies.targets, copies._dirs, copies.round = KEY, (), dirs, 1
+    assert copies.note() == msgspec.convert({"local_step": -1, "copying": False}, type(copies.note()))
+    for where in dirs.values():
+        snapshot.save(b"s10", 10, where=where)
+    note = copies.note()
+    assert note is not None and (note.local_step, note.copied_step, note.copying) == (10, -1, False)
+    await copies.close()

@@ -375,3 +375,13 @@ def test_a_nodes_copies_show_their_lag_and_refusals_on_the_page_and_in_rdzv_ctl(
     assert any(a.get("title") == note.last_refusal for t, a in m.tags if t == "span")
     rows = ctl.format_job(views.job_detail(rz.jobs[JOB], 1.0)).splitlines()
     assert any(row.split()[:2] == ["0", "a"] and "30/20!3" in row.split() for row in rows), rows
+
+
+def test_a_node_whose_round_makes_no_copies_shows_its_snapshot_without_a_warning():
+    rz = started({"a": "1", "b": "2"}, CFG)
+    note = CopiesNote(local_step=30, copying=False)
+    rz.handle(JOB, PollRequest(v=1, node_id="a", credential="secret-a", copies=note), 1.0)
+    m = Markup(page.job_page(rz, JOB, 1.0) or "")
+    assert "30 · copies off" in m.text and "no copy" not in m.text, m.text
+    rows = ctl.format_job(views.job_detail(rz.jobs[JOB], 1.0)).splitlines()
+    assert any(row.split()[:2] == ["0", "a"] and "30/off" in row.split() for row in rows), rows

@@ -80,6 +80,8 @@ def _copies(n: NodeView) -> str:
         return "&mdash;"
     refused = (f' &middot; <span class="warn-text" title="{esc(c.last_refusal)}">{c.refused} refused</span>'
                if c.refused else "")
+    if not c.copying:
+        return f"{c.local_step} &middot; copies off"
     if c.copied_step < 0:
         return f'{c.local_step} &middot; <span class="warn-text">no copy</span>{refused}'
     lag = f" ({c.local_step - c.copied_step} behind)" if c.local_step > c.copied_step else ""
