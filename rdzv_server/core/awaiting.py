@@ -25,13 +25,28 @@ def window_s(cfg: JobConfig) -> float:
     return cfg.lease_timeout_s + cfg.last_call_s
 
 
+def deadline(job: JobRecord, now: float) -> float:
+    """The wait's end once more is awaited at `now` (one back still preparing, another member lost meanwhile):
+    a window from now, but never past two windows from the wait's start, whatever comes and goes (an agent that
+    keeps crashing as it starts would otherwise hold the job for good)."""
+    window = window_s(job.config)
+    current = job.last_call_deadline if job.last_call_deadline is not None else now
+    return max(current, min(now + window, job.awaited_since + 2 * window))
+
+
+def flapping(job: JobRecord, node_id: str, now: float) -> bool:
+    """Lost exclude_lost_after times within exclude_window_s (this loss counted): flap damping keeps it out, so
+    it is not awaited."""
+    cfg = job.config
+    return bool(cfg.exclude_lost_after) and leases.recent_losses(job, node_id, now) >= cfg.exclude_lost_after
+
+
 def worth_awaiting(job: JobRecord, choice: Choice, lost: list[str], now: float) -> list[str]:
     """Of `lost` (members whose agents may be restarting), those the round about to form (`choice`) would go on
     without at a cost: no newcomer takes its place (the round shrinks: a survivor behind it closing up takes other
     ranks), or a member still fetches copies it holds."""
     if not lost or job.round is None:
         return []
-    cfg = job.config
     staying = set(job.round.members)
     taken = {gone for new, gone in choice.took.items() if new not in staying}    # by a newcomer, not a survivor
     fetched_from: set[str] = set()
@@ -40,8 +55,24 @@ def worth_awaiting(job: JobRecord, choice: Choice, lost: list[str], now: float) 
         if node.fetch_of and node.fetch_place is not None and node.copies is not None and \
                 node.copies.local_step < 0:
             fetched_from.update(node.fetch_place.holders)
-    return [n for n in lost if (n not in taken or n in fetched_from)
-            and not (cfg.exclude_lost_after and leases.recent_losses(job, n, now) >= cfg.exclude_lost_after)]
+    return [n for n in lost if (n not in taken or n in fetched_from) and not flapping(job, n, now)]
+
+
+def lost_again(job: JobRecord, node: NodeRecord, now: float, restarting: bool) -> bool:
+    """A node of the last round's places lost (or replaced) while the job waits for the awaited ones: awaited too
+    where its agent may be restarting (else the round formed on their return would close up over its place), but
+    one awaited that is lost again as a flapping host, or not as a restart, is not any more. Whether the wait
+    still has anyone to wait for."""
+    nid = node.node_id
+    if nid not in job.places:
+        return bool(job.awaited)
+    if restarting and not flapping(job, nid, now):
+        if nid not in job.awaited:
+            job.awaited.append(nid)
+        job.last_call_deadline = deadline(job, now)
+    elif nid in job.awaited:
+        job.awaited.remove(nid)
+    return bool(job.awaited)
 
 
 def restarting(job: JobRecord, node: NodeRecord) -> bool:

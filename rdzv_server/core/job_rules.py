@@ -110,7 +110,8 @@ class JobRules:
             if node.excluded_until <= now:
                 self.record(now, EventKind.NODE_READMITTED, f"node {nid} finished its exclusion cooldown", nid)
                 self.admit(node, now)
-            elif node.held_off and job.state == JobState.WAITING:   # flap damping only stops a job short of nodes
+            elif node.held_off and job.state == JobState.WAITING and not job.awaited:
+                # flap damping only stops a job short of nodes (not one that waits for members restarting)
                 node.excluded_until, node.held_off = now, False
                 self.record(now, EventKind.NODE_READMITTED, f"node {nid}'s hold-off as a flapping host ends: the "
                             f"job waits for nodes", nid)
@@ -141,8 +142,8 @@ class JobRules:
         if len(self.members()) + self.ready_waiting() < cfg.max_nodes:
             places.move(job, node, NodeState.WAITING)
             if node.node_id in job.awaited and not node.ready and job.last_call_deadline is not None:
-                # back, its workers still preparing (a warm interpreter importing): one more window for them
-                job.last_call_deadline = max(job.last_call_deadline, now + awaiting.window_s(cfg))
+                # back, its workers still preparing (a warm interpreter importing): more time, bounded
+                job.last_call_deadline = awaiting.deadline(job, now)
                 self.out.deadline(job.last_call_deadline)
             if job.forming_since is None:
                 job.forming_since = now
@@ -263,7 +264,7 @@ class JobRules:
         # is not back in time
         standby = [new for new, gone in choice.took.items() if gone in held and new not in self.members()]
         if held:
-            job.awaited = held
+            job.awaited, job.awaited_since = held, now
             job.last_call_deadline = now + awaiting.window_s(cfg)
             self.out.deadline(job.last_call_deadline)
             waits = (f"waiting up to {awaiting.window_s(cfg):g}s for {awaiting.names(job)} to come back (an agent "
@@ -296,22 +297,24 @@ class JobRules:
         for node in nodes:
             leases.note_loss(self.job, node.node_id, now)
             message = f"node {node.node_id} lost: {leases.why_lapsed(self.job, node, now)}"
-            self.remove(node, now, EventKind.NODE_LOST, message, form=False)
+            restarting = awaiting.restarting(self.job, node)
+            self.remove(node, now, EventKind.NODE_LOST, message, form=False, restarting=restarting)
             if node.node_id in members:
-                lost.append((node, message))
+                lost.append((node, message, restarting))
         if lost:
             self.job.forming_since = now
-            names = ", ".join(n.node_id for n, _ in lost[:10]) + (" ..." if len(lost) > 10 else "")
+            names = ", ".join(n.node_id for n, *_ in lost[:10]) + (" ..." if len(lost) > 10 else "")
             why = lost[0][1] if len(lost) == 1 else f"{len(lost)} nodes lost: {names}"
-            self.form_round(now, why, RoundCause.NODE_LOST, failed_at=min(n.last_seen for n, _ in lost),
-                            restarting=[n.node_id for n, _ in lost if awaiting.restarting(self.job, n)])
+            self.form_round(now, why, RoundCause.NODE_LOST, failed_at=min(n.last_seen for n, *_ in lost),
+                            restarting=[n.node_id for n, _, restarting in lost if restarting])
 
     def remove(self, node: NodeRecord, now: float, kind: EventKind, message: str,
                failed_at: float | None = None, form: bool = True, data: Payload | None = None,
                restarting: bool = False) -> None:
         """Take a node out of the job (lost, left or drained); a member's going re-forms the round
-        (unless `form` is False: the caller forms it once for several). `restarting`: a new instance of its agent
-        is joining: its place is kept for it (awaiting.py)."""
+        (unless `form` is False: the caller forms it once for several). `restarting`: its agent may be restarting
+        (its host closed its connection, or a new instance of it joins) and it held state of its own: its place is
+        kept for it (awaiting.py)."""
         job = self.job
         was_member = node.node_id in self.members()
         del job.nodes[node.node_id]
@@ -326,7 +329,12 @@ class JobRules:
                 job.forming_since = now
                 self.form_round(now, message, REMOVAL_CAUSE[kind], failed_at,
                                 restarting=[node.node_id] if restarting else None)
-        elif job.last_call_deadline is not None:
+            return
+        if job.round is None and job.awaited:       # the job waits for members restarting: this one too?
+            if not awaiting.lost_again(job, node, now, restarting):
+                job.last_call_deadline = now        # nobody left to wait for: the next tick forms the round
+            self.out.deadline(job.last_call_deadline or now)
+        if job.last_call_deadline is not None:
             # Below min, or with no newcomer left while a round runs, the window has nothing to form.
             if len(self.members()) + self.ready_waiting() < job.config.min_nodes:
                 job.last_call_deadline, job.awaited = None, []

@@ -157,7 +157,8 @@ class JobRecord(msgspec.Struct, kw_only=True):
     forming_since: float | None = None      # when the next round started forming
     last_call_deadline: float | None = None
     awaited: list[str] = msgspec.field(default_factory=list)   # while waiting: members restarting, kept until the
-    #                                                             last call's deadline (awaiting.py)
+    #                                                             last call's deadline (awaiting.py) ...
+    awaited_since: float = 0.0                                  # ... from when (its bound: awaiting.deadline)
     join_deadline: float | None = None
     successes: list[str] = msgspec.field(default_factory=list)
     root_cause: WorkerFailure | None = None        # first failure in time of the last failed round

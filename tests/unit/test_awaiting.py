@@ -16,9 +16,10 @@ ELASTIC = JobConfig(min_nodes=2, max_nodes=3, max_restarts=3, lease_timeout_s=5.
 WINDOW = window_s(ELASTIC)
 
 
-def snapshots(rz, node: str, now: float, step: int = 10) -> None:
+def snapshots(rz, node: str, now: float, step: int = 10, ready: bool = True) -> None:
     """`node`'s poll tells that its ranks hold an in-memory snapshot of `step` (CopiesNote.local_step)."""
-    rz.handle(JOB, PollRequest(v=1, node_id=node, copies=CopiesNote(local_step=step, copying=False)), now)
+    rz.handle(JOB, PollRequest(v=1, node_id=node, ready=ready, copies=CopiesNote(local_step=step, copying=False)),
+              now)
 
 
 def crash_agent(rz, node: str, now: float, held: bool = True) -> None:
@@ -251,3 +252,83 @@ def test_a_fetch_holder_not_back_in_time_has_its_place_taken_by_the_spare_waitin
     rz.tick(deadline)
     r = rz.jobs[copies.JOB].round
     assert r is not None and r.members == ["a", "s", "t"] and rz.jobs[copies.JOB].spares == []
+
+
+def test_an_agent_crashing_again_as_it_starts_ends_the_wait():
+    """b's new instances keep dying while their warm interpreters import (each replaced by the next within the
+    drop's grace, or lost): the job goes on without b at the latest two windows after the wait began, not never
+    (a review held a job 44 s, and would have for as long as the loop ran)."""
+    for replaced in (True, False):
+        rz = running(["a", "b", "c"], ELASTIC)
+        crash_agent(rz, "b", 10.0)
+        rz.tick(10.0 + DROP_GRACE_S)
+        began, t = 10.0 + DROP_GRACE_S, 12.0
+        for i in range(6):
+            if job(rz).round is not None:
+                break
+            join(rz, "b", t, ELASTIC, instance=f"b#{i + 2}", ready=False)     # back, preparing
+            heard(rz, "ac", t + 1.0)
+            rz.tick(t + 1.0)
+            if not replaced:
+                rz.connection_dropped(JOB, "b", t + 1.5, heard=True)         # dies again while importing
+                heard(rz, "ac", t + 1.5 + DROP_GRACE_S)
+                rz.tick(t + 1.5 + DROP_GRACE_S)
+            t += 3.0
+        if job(rz).round is None:
+            heard(rz, "ac", began + 2 * WINDOW)
+            rz.tick(began + 2 * WINDOW)
+        assert job(rz).round is not None and "b" not in members(rz), (replaced, members(rz), job(rz).awaited)
+        assert job(rz).events[-1].t <= began + 2 * WINDOW
+
+
+def test_with_flap_damping_off_a_crash_loop_is_still_bounded_by_two_windows():
+    cfg = JobConfig(min_nodes=2, max_nodes=3, max_restarts=3, lease_timeout_s=5.0, last_call_s=3.0,
+                    exclude_lost_after=0)
+    rz = running(["a", "b", "c"], cfg)
+    crash_agent(rz, "b", 10.0)
+    rz.tick(10.0 + DROP_GRACE_S)
+    began, window = 10.0 + DROP_GRACE_S, window_s(cfg)
+    t = 12.0
+    while t < began + 2 * window:
+        join(rz, "b", t, cfg, instance=f"b#{t}", ready=False)
+        snapshots(rz, "b", t + 0.1, ready=False)     # its memory holds its snapshot: a restart each time
+        heard(rz, "ac", t + 1.0)
+        rz.connection_dropped(JOB, "b", t + 1.0, heard=True)
+        rz.tick(t + 1.0 + DROP_GRACE_S)
+        t += 2.5
+    heard(rz, "ac", began + 2 * window)
+    rz.tick(began + 2 * window)
+    assert job(rz).round is not None and members(rz) == ["a", "c"]
+
+
+def test_a_member_lost_while_the_job_waits_for_another_is_awaited_too():
+    """2:4, b and then c lost 0.3 s apart: before, the round formed on b's return with d closed up over c's place
+    (every rank to step 0 in a review's run)."""
+    cfg = JobConfig(min_nodes=2, max_nodes=4, max_restarts=3, lease_timeout_s=5.0, last_call_s=3.0)
+    rz = running(["a", "b", "c", "d"], cfg)
+    for n in "bc":
+        snapshots(rz, n, 9.5)
+    heard(rz, "ad", 10.0)
+    rz.connection_dropped(JOB, "b", 10.0, heard=True)
+    rz.connection_dropped(JOB, "c", 10.3, heard=True)
+    rz.tick(10.0 + DROP_GRACE_S)
+    assert job(rz).awaited == ["b"]
+    heard(rz, "ad", 11.2)
+    rz.tick(10.3 + DROP_GRACE_S)
+    assert job(rz).awaited == ["b", "c"] and job(rz).round is None
+    join(rz, "b", 12.0, cfg, instance="b#2")
+    assert job(rz).round is None                     # c is not back yet
+    join(rz, "c", 12.5, cfg, instance="c#2")
+    assert members(rz) == ["a", "b", "c", "d"]
+
+
+def test_one_that_left_while_the_job_waits_is_not_awaited():
+    cfg = JobConfig(min_nodes=2, max_nodes=4, max_restarts=3, lease_timeout_s=5.0, last_call_s=3.0)
+    rz = running(["a", "b", "c", "d"], cfg)
+    crash_agent(rz, "b", 10.0)
+    rz.tick(10.0 + DROP_GRACE_S)
+    from tests.unit.test_rendezvous import leave
+    leave(rz, "c", 11.5)
+    assert job(rz).awaited == ["b"]
+    join(rz, "b", 12.0, cfg, instance="b#2")
+    assert members(rz) == ["a", "b", "d"]
