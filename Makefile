@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP_FLAGS := --disable-pip-version-check -q
 PYTEST_WORKERS ?= 3
 
-.PHONY: venv chromium deploy-tools netns-tools etcd demo test multihost soak fuzz bench bench-faults bench-scale bench-blip bench-progress \
+.PHONY: venv chromium deploy-tools netns-tools etcd demo test multihost soak fuzz bench bench-fresh-memory bench-faults bench-scale bench-blip bench-progress \
 	bench-leftovers bench-console bench-hangs bench-places bench-node-loss bench-copy-faults bench-copy-speed bench-snapshot-speed bench-framework-restart bench-suspects bench-snapshot-blocking bench-request-path \
 	bench-failover bench-first-step gpu-check gpu-hangs bench-gpu-restart test-oldest clean
 
@@ -182,6 +182,11 @@ bench-suspects: venv
 # --roots alternated (BENCH_SNAPSHOT_SPEED_ARGS="--roots /tmp/old,."; about 3 minutes).
 bench-snapshot-speed: venv
 	$(PY) benchmarks/bench_snapshot_speed.py $(BENCH_SNAPSHOT_SPEED_ARGS)
+
+# What fresh memory costs a CPU restore: torch.empty + copy_ against huge pages and pre-populated mappings
+bench-fresh-memory: venv
+	for how in empty populate huge huge-populate; do $(PY) benchmarks/fresh_memory.py $$how; done
+	THP_MEM_ALLOC_ENABLE=1 $(PY) benchmarks/fresh_memory.py thp-env
 
 # What protect's snapshot holds the training step, against the plain torch.save into memory it replaces
 # (alternated), at 32 and 512 MiB of state; BENCH_SNAPSHOT_BLOCKING_ARGS="--device cuda" on a GPU node.
