@@ -75,6 +75,9 @@ def _admitted(rules: JobRules, req: JoinRequest, now: float, credential: str, vi
         leases.renew(job, existing, now)
         return credential
     if existing is not None and existing.credential_digest and leases.live(existing, now):
+        if req.instance and req.instance != existing.instance and not existing.successor_refused:
+            existing.successor_refused = True       # its agent restarted, say, as the server was away: once it
+            rules.node_changed(existing.node_id)    # is lost, its place waits for this one (awaiting.py)
         raise RendezvousError(ErrorCode.NODE_CONFLICT, f"node id {req.node_id!r} is held by a live agent of "
                               f"job {job.job_id!r} (heard from {now - existing.last_seen:.1f}s ago, at "
                               f"{existing.addr}); give this agent another node id, or wait until that "

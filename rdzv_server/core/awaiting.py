@@ -61,25 +61,31 @@ def worth_awaiting(job: JobRecord, choice: Choice, lost: list[str], now: float) 
 def lost_again(job: JobRecord, node: NodeRecord, now: float, restarting: bool) -> bool:
     """A node of the last round's places lost (or replaced) while the job waits for the awaited ones: awaited too
     where its agent may be restarting (else the round formed on their return would close up over its place), but
-    one awaited that is lost again as a flapping host, or not as a restart, is not any more. Whether the wait
-    still has anyone to wait for."""
+    one awaited that is lost again as a flapping host, or not as a restart, is not any more. Whether the wait goes
+    on: someone is still awaited and not everyone awaited is back."""
     nid = node.node_id
-    if nid not in job.places:
-        return bool(job.awaited)
-    if restarting and not flapping(job, nid, now):
+    if nid in job.places and restarting and not flapping(job, nid, now):
         if nid not in job.awaited:
             job.awaited.append(nid)
         job.last_call_deadline = deadline(job, now)
-    elif nid in job.awaited:
-        job.awaited.remove(nid)
-    return bool(job.awaited)
+        return True
+    return not given_up(job, nid)
+
+
+def given_up(job: JobRecord, node_id: str) -> bool:
+    """`node_id` is awaited no more (lost again, drained): whether that ends the wait (nobody else awaited, or
+    every other one back and ready: the round may form now)."""
+    if node_id in job.awaited:
+        job.awaited.remove(node_id)
+    return not job.awaited or all_back(job)
 
 
 def restarting(job: JobRecord, node: NodeRecord) -> bool:
     """A lost member whose host closed its connection (FIN or RST while the link worked: its agent's process ended,
-    the host lives) and whose memory holds state of its own; a host gone silent (a lease run out, a keepalive given
-    up) is not awaited."""
-    return node.dropped and node.drop_heard and holds_own_state(job, node)
+    the host lives), or whose new agent instance was refused while this one's lease ran (after the server came
+    back every lease runs anew), and whose memory holds state of its own; a host gone silent (a lease run out, a
+    keepalive given up) is not awaited."""
+    return (node.dropped and node.drop_heard or node.successor_refused) and holds_own_state(job, node)
 
 
 def holds_own_state(job: JobRecord, node: NodeRecord) -> bool:

@@ -81,6 +81,8 @@ class JobRules:
         if job.join_deadline is not None:
             job.join_deadline += away_s
             self.out.deadline(job.join_deadline)
+        if job.awaited:
+            job.awaited_since += away_s             # its bound moves with the deadline
         self.record(now, EventKind.SERVER_RESTARTED, f"server restarted {how}; away about {away_s:.1f}s; "
                     f"{len(job.nodes)} node leases renewed for {grace:g}s",
                     data=LeasesExtended(away_s=round(away_s, 3)))
@@ -119,9 +121,10 @@ class JobRules:
         self._preparing_too_long(now)
         if job.last_call_deadline is not None and job.last_call_deadline <= now:
             job.last_call_deadline = None
-            if job.awaited:
-                self.form_round(now, f"{awaiting.names(job)} not back within {awaiting.window_s(job.config):g}s: "
-                                f"going on with " + count_nodes(candidates(job)), RoundCause.NODE_LOST)
+            if job.awaited:             # the wait's end, or every one still awaited is back (another given up)
+                self.form_round(now, f"{awaiting.names(job)} back" if awaiting.all_back(job) else
+                                f"{awaiting.names(job)} not back within {awaiting.window_s(job.config):g}s: going on "
+                                f"with " + count_nodes(candidates(job)), RoundCause.NODE_LOST)
             else:
                 self.form_round(now, "last call ended with " + count_nodes(candidates(job)), growth_cause(job))
         if job.state == JobState.WAITING and job.last_call_deadline is None and \

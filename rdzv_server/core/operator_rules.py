@@ -9,7 +9,7 @@ import msgspec
 
 from protocol.errors import ErrorCode
 from protocol.messages import JobConfig, JobState
-from rdzv_server.core import places
+from rdzv_server.core import awaiting, places
 from rdzv_server.core.errors import RendezvousError
 from rdzv_server.core.events import EventKind, RoundCause
 from rdzv_server.core.job_rules import JobRules
@@ -65,6 +65,9 @@ def drain(rules: JobRules, node_id: str, reason: str, now: float, by: str = "ope
         rules.wake()
         rules.record(now, EventKind.NODE_DRAINED, f"node {node_id} (not in the job now) drained by {by}: {why}",
                      node_id)
+        if node_id in job.awaited and awaiting.given_up(job, node_id):
+            job.last_call_deadline = now        # not awaited any more: the next tick forms the round
+            rules.out.deadline(now)
         return
     rules.remove(node, now, EventKind.NODE_DRAINED, f"node {node_id} drained by {by}: {why}")
 
@@ -114,5 +117,7 @@ def resize(rules: JobRules, min_nodes: int, max_nodes: int, now: float) -> None:
         elif job.waiting:      # already at the new max: newcomers become spares, no round to form
             places.seat(job, (), [], job.waiting + job.spares)
             job.last_call_deadline = job.forming_since = None
+    elif job.awaited and len(job.places) <= max_nodes:
+        pass        # members restarting are awaited: their return (or the wait's end) forms the round
     elif len(job.waiting) + len(job.spares) >= min_nodes:
         rules.form_round(now, why, RoundCause.RESIZED)

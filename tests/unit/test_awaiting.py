@@ -9,6 +9,7 @@ from protocol.messages import JobConfig, JobState, NodeState, PollRequest
 from protocol.notes import CopiesNote
 from rdzv_server.core.awaiting import window_s
 from rdzv_server.core.leases import DROP_GRACE_S
+from rdzv_server.core.rendezvous import RendezvousError
 from tests.unit import test_copies_rounds as copies
 from tests.unit.test_rendezvous import JOB, job, join, members, poll, running, view
 
@@ -332,3 +333,91 @@ def test_one_that_left_while_the_job_waits_is_not_awaited():
     assert job(rz).awaited == ["b"]
     join(rz, "b", 12.0, cfg, instance="b#2")
     assert members(rz) == ["a", "b", "d"]
+
+
+def waiting_for_b() -> object:
+    rz = running(["a", "b", "c"], ELASTIC)
+    crash_agent(rz, "b", 10.0)
+    rz.tick(10.0 + DROP_GRACE_S)
+    assert job(rz).awaited == ["b"]
+    return rz
+
+
+def test_a_resize_during_the_wait_keeps_it_while_the_places_fit():
+    """A second review: `resize` formed the round at once, c closed up over b's place (every rank to step 0)."""
+    rz = waiting_for_b()
+    rz.resize(JOB, 2, 4, 11.5)
+    assert job(rz).round is None and job(rz).awaited == ["b"]
+    join(rz, "b", 12.0, ELASTIC, instance="b#2")
+    assert members(rz) == ["a", "b", "c"]
+    rz = waiting_for_b()
+    rz.resize(JOB, 1, 2, 11.5)                     # the places no longer fit: the resize decides
+    assert members(rz) == ["a", "c"] and job(rz).awaited == []
+
+
+def test_an_awaited_node_drained_ends_the_wait():
+    rz = waiting_for_b()
+    rz.drain_node(JOB, "b", "bad host", 11.5)
+    assert job(rz).awaited == [] and job(rz).last_call_deadline == 11.5
+    heard(rz, "ac", 11.5)
+    rz.tick(11.5)
+    assert members(rz) == ["a", "c"]
+
+
+def test_the_round_forms_once_the_rest_awaited_are_back_and_one_is_given_up():
+    cfg = JobConfig(min_nodes=2, max_nodes=4, max_restarts=3, lease_timeout_s=5.0, last_call_s=3.0)
+    rz = running(["a", "b", "c", "d"], cfg)
+    for n in "bc":
+        snapshots(rz, n, 9.5)
+    heard(rz, "ad", 10.0)
+    rz.connection_dropped(JOB, "b", 10.0, heard=True)
+    rz.connection_dropped(JOB, "c", 10.0, heard=True)
+    rz.tick(10.0 + DROP_GRACE_S)
+    join(rz, "c", 11.5, cfg, instance="c#2", ready=False)      # back, preparing (no snapshot told yet)
+    join(rz, "b", 12.0, cfg, instance="b#2")                   # back, ready
+    assert job(rz).round is None
+    join(rz, "c", 12.5, cfg, instance="c#3", ready=False)      # c's agent crashed again as it started
+    assert job(rz).awaited == ["b"] and job(rz).last_call_deadline == 12.5     # b is back: the next tick forms
+    heard(rz, "abd", 12.5)
+    rz.tick(12.5)
+    assert members(rz) == ["a", "b", "d"] and "(node b back)" in last_event(rz, "round_completed")
+
+
+def test_a_server_away_during_the_wait_moves_its_bound_too():
+    rz = waiting_for_b()
+    deadline, since = job(rz).last_call_deadline, job(rz).awaited_since
+    rz.restored(42.0, 30.0, clean=False)
+    assert job(rz).last_call_deadline == deadline + 30.0 and job(rz).awaited_since == since + 30.0
+    back = job(rz).last_call_deadline - 1.0
+    heard(rz, "ac", back)
+    join(rz, "b", back, ELASTIC, instance="b#2", ready=False)
+    assert job(rz).last_call_deadline == pytest.approx(back + WINDOW)      # one more window, as without the restart
+
+
+def test_an_agent_restarted_while_the_server_was_away_keeps_its_place():
+    """After a restart every lease runs anew, so b's new instance is refused (its record looks alive) until the old
+    lease runs out, and then b was taken for a host gone silent: c took its ranks (a second review). The refused
+    successor marks it: it is awaited, and its next join takes the place."""
+    cfg = JobConfig(min_nodes=2, max_nodes=3, max_restarts=3, lease_timeout_s=5.0, last_call_s=3.0)
+    rz = copies.started({"a": "1", "b": "2", "c": "3"}, cfg)
+
+    def snap(n: str, t: float) -> None:
+        rz.handle(copies.JOB, PollRequest(v=1, node_id=n, credential=f"secret-{n}",
+                                          copies=CopiesNote(local_step=10, copying=False)), t)
+    for n in "abc":
+        snap(n, 9.5)
+    rz.restored(20.0, 10.0, clean=False)
+    t, refused = 20.5, 0
+    while True:
+        for n in "ac":
+            snap(n, t)
+        rz.tick(t)
+        try:
+            copies.rejoin(rz, "b", t, cfg, 2, "2")
+            break
+        except RendezvousError:
+            refused += 1
+            t += 0.7
+    assert refused > 0
+    r = rz.jobs[copies.JOB].round
+    assert r is not None and r.members == ["a", "b", "c"], (r, [e.message for e in rz.jobs[copies.JOB].events[-4:]])
