@@ -25,13 +25,15 @@ def window_s(cfg: JobConfig) -> float:
     return cfg.lease_timeout_s + cfg.last_call_s
 
 
-def deadline(job: JobRecord, now: float) -> float:
-    """The wait's end once more is awaited at `now` (one back still preparing, another member lost meanwhile):
-    a window from now, but never past two windows from the wait's start, whatever comes and goes (an agent that
-    keeps crashing as it starts would otherwise hold the job for good)."""
+def deadline(job: JobRecord, now: float, back: bool = False) -> float:
+    """The wait's end once more is awaited at `now`: another member lost meanwhile gets a window from now, and one
+    `back` still preparing (its warm interpreter importing: seconds) all that is left; never past two windows
+    from the wait's start, whatever comes and goes (an agent that keeps crashing as it starts would otherwise
+    hold the job for good)."""
     window = window_s(job.config)
     current = job.last_call_deadline if job.last_call_deadline is not None else now
-    return max(current, min(now + window, job.awaited_since + 2 * window))
+    bound = job.awaited_since + 2 * window
+    return max(current, bound if back else min(now + window, bound))
 
 
 def flapping(job: JobRecord, node_id: str, now: float) -> bool:

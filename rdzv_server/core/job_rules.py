@@ -146,7 +146,7 @@ class JobRules:
             places.move(job, node, NodeState.WAITING)
             if node.node_id in job.awaited and not node.ready and job.last_call_deadline is not None:
                 # back, its workers still preparing (a warm interpreter importing): more time, bounded
-                job.last_call_deadline = awaiting.deadline(job, now)
+                job.last_call_deadline = awaiting.deadline(job, now, back=True)
                 self.out.deadline(job.last_call_deadline)
             if job.forming_since is None:
                 job.forming_since = now

@@ -84,14 +84,17 @@ def test_a_member_not_back_within_the_window_is_gone_on_without():
     assert job(rz).events[-1].data["cause"] == "node_lost"
 
 
-def test_one_back_still_preparing_gets_one_more_window_and_forms_the_round_once_ready():
+def test_one_back_still_preparing_is_waited_for_up_to_two_windows_and_forms_the_round_once_ready():
+    """A make test run under load: b's new agent joined as the wait began and its warm interpreter took 5 s of a
+    4 s window; the job went on without it. One back is waited for up to two windows from the wait's start."""
     rz = running(["a", "b", "c"], ELASTIC)
     crash_agent(rz, "b", 10.0)
     rz.tick(10.0 + DROP_GRACE_S)
     back = 10.0 + DROP_GRACE_S + WINDOW - 1.0
     heard(rz, "ac", 14.0, back)
     join(rz, "b", back, ELASTIC, instance="b#2", ready=False)     # its warm interpreter still imports
-    assert job(rz).round is None and job(rz).last_call_deadline == pytest.approx(back + WINDOW)
+    assert job(rz).round is None
+    assert job(rz).last_call_deadline == pytest.approx(10.0 + DROP_GRACE_S + 2 * WINDOW)
     heard(rz, "ac", back + 2.0)
     rz.tick(back + 2.0)
     assert job(rz).round is None
@@ -99,19 +102,21 @@ def test_one_back_still_preparing_gets_one_more_window_and_forms_the_round_once_
     assert members(rz) == ["a", "b", "c"]
 
 
-def test_one_still_preparing_after_its_second_window_is_gone_on_without():
+def test_one_still_preparing_after_two_windows_is_gone_on_without():
     rz = running(["a", "b", "c"], ELASTIC)
     crash_agent(rz, "b", 10.0)
     rz.tick(10.0 + DROP_GRACE_S)
-    back = 12.0
+    back, end = 12.0, 10.0 + DROP_GRACE_S + 2 * WINDOW
     join(rz, "b", back, ELASTIC, instance="b#2", ready=False)
-    for t in (back + 2.0, back + 4.0, back + WINDOW - 1.0):
+    t = back
+    while t < end:
         for n in "abc":
             poll(rz, n, t, ready=n != "b")
-    rz.tick(back + WINDOW - 0.01)
+        t += 2.0
+    rz.tick(end - 0.01)
     assert job(rz).round is None
-    rz.tick(back + WINDOW)
-    assert members(rz) == ["a", "c"] and view(rz, "b", back + WINDOW).node_state == NodeState.WAITING
+    rz.tick(end)
+    assert members(rz) == ["a", "c"] and view(rz, "b", end).node_state == NodeState.WAITING
 
 
 @pytest.mark.parametrize("how", ["lease", "keepalive"])
@@ -391,7 +396,7 @@ def test_a_server_away_during_the_wait_moves_its_bound_too():
     back = job(rz).last_call_deadline - 1.0
     heard(rz, "ac", back)
     join(rz, "b", back, ELASTIC, instance="b#2", ready=False)
-    assert job(rz).last_call_deadline == pytest.approx(back + WINDOW)      # one more window, as without the restart
+    assert job(rz).last_call_deadline == pytest.approx(since + 30.0 + 2 * WINDOW)     # as without the restart
 
 
 def test_an_agent_restarted_while_the_server_was_away_keeps_its_place():
