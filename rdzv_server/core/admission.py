@@ -74,10 +74,10 @@ def _admitted(rules: JobRules, req: JoinRequest, now: float, credential: str, vi
         rules.node_changed(existing.node_id)
         leases.renew(job, existing, now)
         return credential
-    if existing is not None and existing.credential_digest and leases.live(existing, now):
-        if req.instance and req.instance != existing.instance and not existing.successor_refused:
-            existing.successor_refused = True       # its agent restarted, say, as the server was away: once it
-            rules.node_changed(existing.node_id)    # is lost, its place waits for this one (awaiting.py)
+    # A record not heard from since the server came back looks alive (every lease runs anew), but a new instance of
+    # its agent says it restarted meanwhile: it takes the place now (awaited: awaiting.py), as after a loss.
+    successor = existing is not None and existing.unheard and bool(req.instance) and req.instance != existing.instance
+    if existing is not None and existing.credential_digest and leases.live(existing, now) and not successor:
         raise RendezvousError(ErrorCode.NODE_CONFLICT, f"node id {req.node_id!r} is held by a live agent of "
                               f"job {job.job_id!r} (heard from {now - existing.last_seen:.1f}s ago, at "
                               f"{existing.addr}); give this agent another node id, or wait until that "

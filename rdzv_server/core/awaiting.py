@@ -84,10 +84,9 @@ def given_up(job: JobRecord, node_id: str) -> bool:
 
 def restarting(job: JobRecord, node: NodeRecord) -> bool:
     """A lost member whose host closed its connection (FIN or RST while the link worked: its agent's process ended,
-    the host lives), or whose new agent instance was refused while this one's lease ran (after the server came
-    back every lease runs anew), and whose memory holds state of its own; a host gone silent (a lease run out, a
-    keepalive given up) is not awaited."""
-    return (node.dropped and node.drop_heard or node.successor_refused) and holds_own_state(job, node)
+    the host lives) and whose memory holds state of its own; a host gone silent (a lease run out, a keepalive
+    given up) is not awaited. (One replaced by a new instance of its agent: admission.py.)"""
+    return node.dropped and node.drop_heard and holds_own_state(job, node)
 
 
 def holds_own_state(job: JobRecord, node: NodeRecord) -> bool:

@@ -55,7 +55,6 @@ def renew(job: JobRecord, node: NodeRecord, now: float) -> None:
     """Traffic from the node: its lease runs from now (later only: no deadline comes closer)."""
     node.last_seen = now
     node.dropped = False
-    node.successor_refused = False      # its own agent is heard: no other instance is waiting to take over
     node.lease_expires = now + job.config.lease_timeout_s
 
 

@@ -56,7 +56,6 @@ class NodeRecord(msgspec.Struct, kw_only=True):
     unheard: bool = False              # not heard from since the server came back (a failure waits: reports.py)
     fetch_of: str = ""                 # the gone node whose copies a round told it to fetch (rounds.fetches_pending)
     fetch_place: PlaceCopies | None = None    # where those copies were, and the ranks they are of
-    successor_refused: bool = False    # a new instance of its agent was refused while its lease ran (awaiting.py)
 
 
 class HeldFailure(msgspec.Struct, kw_only=True):
