@@ -7,10 +7,10 @@ dropped, and the regrown round finds no common step: every rank goes back to dis
 lost node's copies from the restarting node fails the same way. So a member lost with its connection closed by its
 host (or replaced by a new instance of its agent) that holds state of its own (`holds_own_state`), whose place no
 node takes or whose copies a member still fetches, is awaited for `window_s` (a lease and a last call) while the
-survivors wait; once more from its return when it comes back still preparing. What looks the same: an agent that
-crashed for good, or a host closing its connections as it shuts down (an agent stopped by SIGTERM leaves instead):
-the job goes on without it that much later, and the event says why. A host that keeps dropping out (a flapping
-host, exclude_lost_after) is not awaited.
+survivors wait; back but still preparing, up to two windows from the wait's start (`deadline`). What looks the same:
+an agent that crashed for good, or a host closing its connections as it shuts down (an agent stopped by SIGTERM
+leaves instead): the job goes on without it that much later, and the event says why. A host that keeps dropping out
+(a flapping host, exclude_lost_after) is not awaited.
 """
 from __future__ import annotations
 
