@@ -308,17 +308,25 @@ def test_with_flap_damping_off_a_crash_loop_is_still_bounded_by_two_windows():
     assert job(rz).round is not None and members(rz) == ["a", "c"]
 
 
-def test_a_member_lost_while_the_job_waits_for_another_is_awaited_too():
-    """2:4, b and then c lost 0.3 s apart: before, the round formed on b's return with d closed up over c's place
-    (every rank to step 0 in a review's run)."""
-    cfg = JobConfig(min_nodes=2, max_nodes=4, max_restarts=3, lease_timeout_s=5.0, last_call_s=3.0)
-    rz = running(["a", "b", "c", "d"], cfg)
+WIDE = JobConfig(min_nodes=2, max_nodes=4, max_restarts=3, lease_timeout_s=5.0, last_call_s=3.0)
+
+
+def b_and_c_crash(c_at: float):
+    """A 2:4 job of a, b, c, d whose b and c hold snapshots: b's agent dies at 10.0, c's at `c_at`; b is lost."""
+    rz = running(["a", "b", "c", "d"], WIDE)
     for n in "bc":
         snapshots(rz, n, 9.5)
     heard(rz, "ad", 10.0)
     rz.connection_dropped(JOB, "b", 10.0, heard=True)
-    rz.connection_dropped(JOB, "c", 10.3, heard=True)
+    rz.connection_dropped(JOB, "c", c_at, heard=True)
     rz.tick(10.0 + DROP_GRACE_S)
+    return rz, WIDE
+
+
+def test_a_member_lost_while_the_job_waits_for_another_is_awaited_too():
+    """2:4, b and then c lost 0.3 s apart: before, the round formed on b's return with d closed up over c's place
+    (every rank to step 0 in a review's run)."""
+    rz, cfg = b_and_c_crash(10.3)
     assert job(rz).awaited == ["b"]
     heard(rz, "ad", 11.2)
     rz.tick(10.3 + DROP_GRACE_S)
@@ -371,14 +379,7 @@ def test_an_awaited_node_drained_ends_the_wait():
 
 
 def test_the_round_forms_once_the_rest_awaited_are_back_and_one_is_given_up():
-    cfg = JobConfig(min_nodes=2, max_nodes=4, max_restarts=3, lease_timeout_s=5.0, last_call_s=3.0)
-    rz = running(["a", "b", "c", "d"], cfg)
-    for n in "bc":
-        snapshots(rz, n, 9.5)
-    heard(rz, "ad", 10.0)
-    rz.connection_dropped(JOB, "b", 10.0, heard=True)
-    rz.connection_dropped(JOB, "c", 10.0, heard=True)
-    rz.tick(10.0 + DROP_GRACE_S)
+    rz, cfg = b_and_c_crash(10.0)
     join(rz, "c", 11.5, cfg, instance="c#2", ready=False)      # back, preparing (no snapshot told yet)
     join(rz, "b", 12.0, cfg, instance="b#2")                   # back, ready
     assert job(rz).round is None
