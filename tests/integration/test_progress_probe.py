@@ -130,9 +130,7 @@ async def test_optimizer_steps_are_counted_with_no_change_to_the_script(run_grou
 # began and ended (the restart's anatomy, node_agent/core/anatomy.py).
 MILESTONES = """import torch, torch.distributed as dist, tempfile, os
 from node_agent.training import protect
-port = __import__("socket").create_server(("127.0.0.1", 0)).getsockname()[1]
-os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-dist.init_process_group("gloo", rank=0, world_size=1)
+dist.init_process_group("gloo", store=dist.TCPStore("127.0.0.1", 0, 1, True), rank=0, world_size=1)
 os.environ["NODE_AGENT_MEMORY_DIR"] = tempfile.mkdtemp()
 model = torch.nn.Linear(2, 2)
 opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -174,9 +172,7 @@ NAMED_NCCL = """import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 real = c10d.get_backend
 c10d.get_backend = lambda group=None: "cpu:gloo,cuda:nccl" if group is None else real(group)
-port = __import__("socket").create_server(("127.0.0.1", 0)).getsockname()[1]
-os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-dist.init_process_group("gloo", rank=0, world_size=1)
+dist.init_process_group("gloo", store=dist.TCPStore("127.0.0.1", 0, 1, True), rank=0, world_size=1)
 from node_agent.training.heartbeat import beat
 beat()
 """

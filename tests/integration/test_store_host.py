@@ -8,7 +8,6 @@ import asyncio
 import contextlib
 import os
 import signal
-import socket
 import sys
 
 import psutil
@@ -20,6 +19,7 @@ from node_agent.workers.launch import STORE_RANK, WorkerLaunch
 from node_agent.workers.warm.store_host import READY, SCRIPT
 from tests.e2e.harness import pid_gone
 from tests.integration.worker_support import LIMIT, RecordingConsole
+from tests.ports import free_port
 
 ENV = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
 ALLREDUCE = """
@@ -40,12 +40,6 @@ def store_hosts(port: int) -> list[int]:
             if child.cmdline()[-2:] == [SCRIPT, str(port)]:
                 found.append(child.pid)
     return found
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def store(port: int, argv: list[str] | None = None) -> WorkerLaunch:

@@ -10,13 +10,12 @@ import subprocess
 import sys
 
 SCRIPT = """
-import json, os, socket, torch, torch.distributed as dist
+import json, os, torch, torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from node_agent.training import ddp_buckets, resume
-port = socket.create_server(("127.0.0.1", 0)).getsockname()[1]
-os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0")
-dist.init_process_group("gloo", rank=0, world_size=1)
+os.environ.update(RANK="0")
+dist.init_process_group("gloo", store=dist.TCPStore("127.0.0.1", 0, 1, True), rank=0, world_size=1)
 
 def ddp(**kw):
     torch.manual_seed(0)

@@ -263,12 +263,10 @@ def test_a_loop_on_accelerate_is_protected_through_the_optimizer_it_wraps(memory
 
 
 FSDP_ROOT_ONLY = """
-import os, socket, threading, torch, torch.distributed as dist
+import os, threading, torch, torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 from node_agent.training import protect
-port = socket.create_server(("127.0.0.1", 0)).getsockname()[1]
-os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-dist.init_process_group("gloo", rank=0, world_size=1)
+dist.init_process_group("gloo", store=dist.TCPStore("127.0.0.1", 0, 1, True), rank=0, world_size=1)
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
 fully_shard(model)                  # the root only: its forward's own hook unshards every parameter
