@@ -86,6 +86,7 @@ class Agent:
                                      (is_copy_request, self.copies.serve), caps=caps, say=self.narrator.say)
         self._link: ServerLink | None = None
         self._no_port_said = False
+        self._place_kept = False     # the job waits for this node's next agent (its leave's reply): memory kept
 
     now = staticmethod(time.monotonic)
 
@@ -107,7 +108,7 @@ class Agent:
             for sig in self.settings.workers.signals:
                 loop.remove_signal_handler(sig)
             await self.copies.close(finished=self.policy.job_over)
-            await self.workers.close()
+            await self.workers.close(keep_memory=self._place_kept)
             await self.witness.close()
             self.checks.close()
 
@@ -182,8 +183,8 @@ class Agent:
                 self.workers.memory.keep_from(step)
             case Rejoin():
                 link.rejoin()
-            case Leave(reason=reason, unhealthy=unhealthy):
-                await link.leave(reason, unhealthy)
+            case Leave(reason=reason, unhealthy=unhealthy, stopped=stopped):
+                self._place_kept = await link.leave(reason, unhealthy, stopped) > 0
             case CheckNode():
                 start_source(self._check(action), self.facts.put_nowait)
             case AskWitnesses(witnesses=witnesses):

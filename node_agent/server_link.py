@@ -77,18 +77,21 @@ class ServerLink:
     def report_stall(self, round_id: int, threshold_s: float, ranks: tuple[RankSeen, ...]) -> None:
         self._send(StallReport, lambda: self._client.report_stall(round_id, threshold_s, list(ranks)))
 
-    async def leave(self, reason: str, unhealthy: UnhealthyKind | None = None) -> None:
+    async def leave(self, reason: str, unhealthy: UnhealthyKind | None = None, stopped: bool = False) -> float:
         """Say goodbye, once and briefly (the lease lapses anyway). A join on its way is waited for briefly,
-        so the leave carries its credential rather than leave a record that lapses as a loss (flap damping)."""
+        so the leave carries its credential rather than leave a record that lapses as a loss (flap damping).
+        How long the job keeps this node's place for its next agent (0: not, or not heard)."""
         joining = self._tasks.get(JoinRequest)
         if joining is not None and not joining.done():
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(asyncio.shield(joining), JOIN_LANDING_S)
+        kept = 0.0
         with contextlib.suppress(ServerUnreachable, ServerRejected):
-            await self._client.leave(reason, unhealthy)
+            kept = (await self._client.leave(reason, unhealthy, stopped)).place_kept_s
         self.joined = False          # no more polls: this node is no member until it joins again
         self._cancel(PollRequest)
         self._cancel_prompt()
+        return kept
 
     @contextlib.asynccontextmanager
     async def lease_kept(self, interval: float) -> AsyncIterator[None]:

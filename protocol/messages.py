@@ -229,6 +229,10 @@ class LeaveRequest(_Request, kw_only=True):
     # Set when the node leaves because it is unhealthy: the server keeps its host out of every job for a
     # while. Absent from older agents (a plain leave); ignored by older servers.
     unhealthy: UnhealthyKind | None = None
+    # Set when the agent was stopped from outside (a signal: `systemctl restart`, a container stopped): it may be
+    # started again under its own id at once, so a job that would lose state only it holds waits for it
+    # (rdzv_server/core/awaiting.py). Absent from older agents; ignored by older servers.
+    stopped: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -323,6 +327,10 @@ class NodeStatus(msgspec.Struct, kw_only=True, gc=False):
     # member lost now is taken over from a copy no older, so each member's ranks keep their snapshots from this
     # step on besides their keep rule (node_agent/training/snapshot.py: KEEP_FROM), within the memory limit.
     copies_floor: int = -1
+    # A node gone from the job whose place is kept for its next agent (rdzv_server/core/awaiting.py): how much
+    # longer the job waits for it (0: it goes on without it). In the reply to a stopped agent's leave, its agent
+    # keeps its snapshots in memory for the next one.
+    place_kept_s: float = 0.0
 
 
 def poll_ready(status: NodeStatus, known_round: int, holding: bool = False) -> bool:

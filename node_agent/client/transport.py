@@ -165,8 +165,8 @@ class Transport:
         return await self._request(self._for_node(StallReport, round_id=round_id, threshold_s=threshold_s,
                                                   ranks=ranks))
 
-    async def leave(self, reason: str, unhealthy: UnhealthyKind | None = None) -> NodeStatus:
-        return await self._request(self._for_node(LeaveRequest, reason=reason, unhealthy=unhealthy),
+    async def leave(self, reason: str, unhealthy: UnhealthyKind | None = None, stopped: bool = False) -> NodeStatus:
+        return await self._request(self._for_node(LeaveRequest, reason=reason, unhealthy=unhealthy, stopped=stopped),
                                    self.LEAVE_TIMEOUT_S)
 
 

@@ -68,9 +68,11 @@ class Rejoin:
 
 @dataclass(frozen=True)
 class Leave:
-    """Tell the server this node goes (a courtesy: its lease lapses anyway); `unhealthy`: its host is kept out."""
+    """Tell the server this node goes (a courtesy: its lease lapses anyway); `unhealthy`: its host is kept out;
+    `stopped`: the agent was stopped by a signal and may be started again at once (LeaveRequest.stopped)."""
     reason: str
     unhealthy: UnhealthyKind | None = None
+    stopped: bool = False
 
 
 @dataclass(frozen=True)

@@ -335,7 +335,7 @@ class SupervisionPolicy:
         name = signal.Signals(signum).name
         self.exiting = True
         return self._stop(f"agent received {name}", signum) + [
-            Leave(f"agent received {name}"), Exit(128 + signum, f"node-agent stopped by {name}")]
+            Leave(f"agent received {name}", stopped=True), Exit(128 + signum, f"node-agent stopped by {name}")]
 
     def _stop(self, reason: str, signum: int = signal.SIGTERM) -> list[Action]:
         running, self.workers = self.workers == Workers.RUNNING, Workers.NONE

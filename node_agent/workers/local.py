@@ -207,11 +207,12 @@ class LocalWorkers:
         if self.group is not None:
             self.group.send_signal(signal.SIGKILL)
 
-    async def close(self) -> None:
+    async def close(self, keep_memory: bool = False) -> None:
+        """`keep_memory`: the job keeps this node's place for its next agent: its snapshots stay for it."""
         await self.stop()
         if self.warm is not None:
             await self.warm.close()
-        self.memory.close()   # the job ended or the node leaves: its snapshots go with it
+        self.memory.close(keep_memory)   # the job ended or the node leaves: its snapshots go with it
         if self.steps is not None:
             self.steps.close()
         self.probes.close()

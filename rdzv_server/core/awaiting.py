@@ -5,12 +5,13 @@ joins again seconds later, its memory directory in place. Were the round formed 
 shrink: the survivors behind it close up and take other ranks, so per-rank state (shards, a rank's own RNG) is
 dropped, and the regrown round finds no common step: every rank goes back to disk or to step 0. A spare's fetch of a
 lost node's copies from the restarting node fails the same way. So a member lost with its connection closed by its
-host (or replaced by a new instance of its agent) that holds state of its own (`holds_own_state`), whose place no
-node takes or whose copies a member still fetches, is awaited for `window_s` (a lease and a last call) while the
-survivors wait; back but still preparing, up to two windows from the wait's start (`deadline`). What looks the same:
-an agent that crashed for good, or a host closing its connections as it shuts down (an agent stopped by SIGTERM
-leaves instead): the job goes on without it that much later, and the event says why. A host that keeps dropping out
-(a flapping host, exclude_lost_after) is not awaited.
+host, replaced by a new instance of its agent, or leaving because its agent was stopped by a signal (`systemctl
+restart`: LeaveRequest.stopped), that holds state of its own (`holds_own_state`), whose place no node takes or whose
+copies a member still fetches, is awaited for `window_s` (a lease and a last call) while the survivors wait; back but
+still preparing, up to two windows from the wait's start (`deadline`). What looks the same: an agent that crashed or
+was stopped for good, or a host closing its connections as it shuts down: the job goes on without it that much later
+(when shrinking would have lost the state anyway), and the event says why. A host that keeps dropping out (a flapping
+host, exclude_lost_after), a node that leaves unhealthy and a drained one are not awaited.
 """
 from __future__ import annotations
 

@@ -28,6 +28,7 @@ from protocol.messages import (
 )
 from rdzv_server.core import (
     admission,
+    awaiting,
     credentials,
     leases,
     progress_rules,
@@ -164,7 +165,10 @@ def leave(call: Call, req: LeaveRequest) -> str:
                                                                  host=node.host if node is not None else "")
     if node is not None:     # unhealthy: as a lost node (no restart counted, a spare or a smaller world takes over)
         kind = EventKind.NODE_LEFT if unhealthy is None else EventKind.NODE_UNHEALTHY
-        rules.remove(node, now, kind, f"node {node.node_id} left: {req.reason}", data=unhealthy)
+        # an agent stopped from outside may be started again at once (systemctl restart): awaited as a restart
+        restarting = req.stopped and unhealthy is None and awaiting.holds_own_state(rules.job, node)
+        rules.remove(node, now, kind, f"node {node.node_id} left: {req.reason}", data=unhealthy,
+                     restarting=restarting)
         if req.unhealthy is not None:      # its host is kept out of every job for a while
             call.unhealthy.hold(node.host or node.addr, req.unhealthy.value, req.reason, rules.job.job_id,
                                 req.node_id, now)

@@ -50,6 +50,8 @@ def node_status(job: JobRecord, node_id: str, now: float, *, accepted: bool = Tr
         status.spare_position = job.spares.index(node_id)
     elif state == NodeState.EXCLUDED and node is not None:
         status.excluded_for_s = max(0.0, node.excluded_until - now)
+    elif node is None and node_id in job.awaited and job.last_call_deadline is not None and not finished:
+        status.place_kept_s = max(0.0, job.last_call_deadline - now)     # its next agent is awaited (awaiting.py)
     return status
 
 

@@ -30,10 +30,11 @@ def copies_of(cluster, job: str, node: str) -> dict:
     return next((n.get("copies") or {} for n in job_view(cluster, job)["nodes"] if n["node_id"] == node), {})
 
 
-@pytest.mark.parametrize("memory,nnodes", [("kept", "3"), ("gone", "3"), ("kept", "2:3")])
+@pytest.mark.parametrize("memory,nnodes", [("gone", "3"), ("kept", "2:3"), ("stopped", "2:3")])
 def test_an_agent_restarted_under_its_own_id_resumes_every_rank_from_memory(cluster, tmp_path, memory, nnodes):
     """`2:3`: an elastic job waits for the restarting agent rather than shrinking (rdzv_server/core/awaiting.py):
-    before, the node behind it closed up and took its ranks, and every rank went back to step 0."""
+    before, the node behind it closed up and took its ranks, and every rank went back to step 0. `stopped`: the
+    agent is stopped with SIGTERM (`systemctl restart`), leaves saying so, and keeps its memory for the next."""
     job = f"restart-{memory}-{nnodes.replace(':', '-')}"
     cluster.start_server()
     agents = {n: start(cluster, tmp_path, n, job, nnodes) for n in ("a", "b", "c")}
@@ -43,8 +44,11 @@ def test_an_agent_restarted_under_its_own_id_resumes_every_rank_from_memory(clus
                lambda: f"node {node}'s copies of step 10 or later: {copies_of(cluster, job, node)}")
 
     killed_at = time.time()
-    os.kill(agents[node].pid, signal.SIGKILL)
-    agents[node].wait(LIMIT)
+    os.kill(agents[node].pid, signal.SIGTERM if memory == "stopped" else signal.SIGKILL)
+    code = agents[node].wait(LIMIT)
+    if memory == "stopped":
+        assert code == 128 + signal.SIGTERM, agents[node].output
+        assert f"the job keeps node {node}'s place for its next agent" in agents[node].output, agents[node].output
     held = memory_of(job, node)
     assert os.path.isdir(held), held                # the memory belongs to the job and node id, not the agent
     if memory == "gone":
@@ -56,7 +60,7 @@ def test_an_agent_restarted_under_its_own_id_resumes_every_rank_from_memory(clus
     assert {source for _, source, _ in back.values()} == {"memory"}, (back, agents[node].output)
     assert len({step for step, _, _ in back.values()}) == 1 and min(s for s, _, _ in back.values()) >= 10, back
     assert {ok for _, _, ok in back.values()} == {"ok"}, back        # each rank loaded its own shard
-    said = "fetched node" if memory == "gone" else "kept the memory"
+    said = "fetched node" if memory == "gone" else "kept the memory"       # kept: its predecessor's
     assert said in agents[node].output, agents[node].output
 
     # Its pushes land again (the new agent's counters: bytes really sent, none refused), and the copied step

@@ -132,6 +132,37 @@ def test_the_next_agent_of_the_same_job_and_node_takes_up_its_memory_within_the_
     again.close()
 
 
+STOPPED_AGENT = """
+import os, sys
+from node_agent.training import snapshot
+from node_agent.workers.memory import MemoryDirs
+job, node, base = sys.argv[1:4]
+dirs = MemoryDirs(job, 1, 2**20, say=print, base=base, node_id=node.replace("PID", str(os.getpid())))
+snapshot.save(b"shard", 25, where=dirs.dirs_for(1, 0, "run-1")[0])
+dirs.close(keep=True)     # its leave's reply kept its place (NodeStatus.place_kept_s)
+"""
+
+
+@pytest.mark.parametrize("node", ["node-b", "host-PID"])
+def test_a_stopped_agent_whose_place_is_kept_leaves_its_memory_to_the_next_one_if_it_can_come(tmp_path, node):
+    """`systemctl restart`: the next agent of a given node id takes the memory up; one whose id was made from the
+    agent's pid (the default HOSTNAME-PID) has no next agent: its memory goes as always."""
+    env = dict(os.environ, PYTHONPATH=os.getcwd())
+    done = subprocess.run([sys.executable, "-c", STOPPED_AGENT, "job", node, str(tmp_path)], env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    left = os.listdir(os.path.join(tmp_path, f"node-agent-mem-{os.getuid()}"))
+    if node == "host-PID":
+        assert left == [] and "stay in" not in done.stdout, (left, done.stdout)
+        return
+    assert "the job keeps node node-b's place for its next agent: its snapshots stay in" in done.stdout, done.stdout
+    said: list[str] = []
+    nxt = MemoryDirs("job", 1, 2**20, say=said.append, base=str(tmp_path), node_id="node-b")
+    assert snapshot.steps(nxt.dirs_for(1, 0, "run-1")[0]) == [25], said
+    assert any("kept the memory of node node-b's previous agent" in line for line in said), said
+    nxt.close()
+
+
 def test_memory_taken_up_keeps_only_the_ranks_whose_global_ranks_stayed(tmp_path) -> None:
     killed_agent(tmp_path, "job", "node-b")
     dirs = MemoryDirs("job", 1, 2**20, say=lambda _: None, base=str(tmp_path), node_id="node-b")

@@ -1,0 +1,81 @@
+"""An agent stopped by a signal (`systemctl restart`, a container stopped and started again) keeps its place as a
+killed one does (rdzv_server/core/awaiting.py): its leave says `stopped`, and an elastic job that would lose state
+only it holds waits for its next agent rather than shrinking (before: the node behind it closed up over its ranks,
+and every rank went back to step 0). The reply tells the agent how long, so it keeps its memory for the next one.
+Pure core, time as plain floats."""
+from __future__ import annotations
+
+import pytest
+
+from protocol.messages import JobConfig, JobState, LeaveRequest, NodeState, NodeStatus, UnhealthyKind
+from rdzv_server.core.rendezvous import Rendezvous
+from tests.unit.test_awaiting import ELASTIC, WINDOW, heard, last_event, snapshots
+from tests.unit.test_rendezvous import JOB, job, join, members, running, view
+
+
+def stop(rz: Rendezvous, node: str, now: float, *, stopped: bool = True, held: bool = True,
+         unhealthy: UnhealthyKind | None = None) -> NodeStatus:
+    """`node`'s agent got SIGTERM: it stopped its workers and leaves. `held`: its polls told a snapshot of its own."""
+    if held:
+        snapshots(rz, node, now - 0.5)
+    return rz.handle(JOB, LeaveRequest(v=1, node_id=node, reason="agent received SIGTERM", stopped=stopped,
+                                       unhealthy=unhealthy), now)
+
+
+def test_a_stopped_member_keeps_its_place_until_its_next_agent_joins():
+    rz = running(["a", "b", "c"], ELASTIC)
+    reply = stop(rz, "b", 10.0)
+    assert reply.node_state == NodeState.GONE and reply.place_kept_s == pytest.approx(WINDOW)
+    assert job(rz).round is None and job(rz).state == JobState.WAITING and job(rz).awaited == ["b"]
+    said = last_event(rz, "round_waiting")
+    assert f"waiting up to {WINDOW:g}s for node b to come back" in said and "left: agent received SIGTERM" in said
+    assert view(rz, "b", 12.0).place_kept_s == pytest.approx(WINDOW - 2.0)
+    heard(rz, "ac", 12.0)
+    join(rz, "b", 13.0, ELASTIC, instance="b#2")          # systemd started it again
+    assert members(rz) == ["a", "b", "c"] and job(rz).restart_count == 0 and job(rz).awaited == []
+    assert view(rz, "b", 13.0).place_kept_s == 0.0
+
+
+def test_a_stopped_member_not_back_within_the_window_is_gone_on_without():
+    rz = running(["a", "b", "c"], ELASTIC)
+    stop(rz, "b", 10.0)
+    heard(rz, "ac", 14.0, 10.0 + WINDOW - 0.01)
+    rz.tick(10.0 + WINDOW - 0.01)
+    assert job(rz).round is None
+    rz.tick(10.0 + WINDOW)
+    assert members(rz) == ["a", "c"] and job(rz).restart_count == 0
+    assert f"node b not back within {WINDOW:g}s" in last_event(rz, "round_completed")
+
+
+@pytest.mark.parametrize("case", ["plain-leave", "unhealthy", "nothing-held", "replicas"])
+def test_a_leave_the_job_loses_nothing_by_is_gone_on_without_at_once(case):
+    """A leave not from a stop (the server refused the node, an older agent), one unhealthy (its host is held out
+    anyway), a node with no snapshot in memory, a DDP job (its ranks replicas): the round forms at once."""
+    rz = running(["a", "b", "c"], ELASTIC)
+    if case == "replicas":
+        job(rz).progress.alike_step = 10
+    reply = stop(rz, "b", 10.0, stopped=case != "plain-leave", held=case != "nothing-held",
+                 unhealthy=UnhealthyKind.GPU if case == "unhealthy" else None)
+    assert members(rz) == ["a", "c"] and job(rz).awaited == [] and reply.place_kept_s == 0.0
+
+
+def test_one_stopped_while_the_job_waits_for_another_is_awaited_too():
+    cfg = JobConfig(min_nodes=2, max_nodes=4, max_restarts=3, lease_timeout_s=5.0, last_call_s=3.0)
+    rz = running(["a", "b", "c", "d"], cfg)
+    stop(rz, "b", 10.0)
+    heard(rz, "acd", 10.5)
+    stop(rz, "c", 11.0)
+    assert job(rz).awaited == ["b", "c"] and job(rz).round is None
+    join(rz, "b", 12.0, cfg, instance="b#2")
+    assert job(rz).round is None                     # c is not back yet
+    join(rz, "c", 12.5, cfg, instance="c#2")
+    assert members(rz) == ["a", "b", "c", "d"]
+
+
+def test_every_agent_stopped_leaves_the_job_waiting_for_nodes_as_before():
+    """srun ending a job, every node drained at once: nothing to form a round from; the join timeout runs."""
+    rz = running(["a", "b", "c"], ELASTIC)
+    for i, node in enumerate("abc"):
+        stop(rz, node, 10.0 + i * 0.1)
+    assert job(rz).round is None and job(rz).awaited == [] and job(rz).last_call_deadline is None
+    assert job(rz).join_deadline == pytest.approx(10.0 + ELASTIC.join_timeout_s)
