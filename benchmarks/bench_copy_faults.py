@@ -9,6 +9,8 @@ steps of about 0.1 s). Node b's agent runs with RLIMIT_NOFILE 1024 (soft and har
                 source, own shards, kill -> every rank stepping, and its first copy after it resumed in its
                 holder's store (which of its snapshots, how long after every rank stepped)
   --nnodes S    the --restart job's size: 3 (default), or 2:3 (elastic: the job waits for b rather than shrinking)
+  --signal S    how --restart stops b's agent: KILL (default: an OOM kill, a crash) or TERM (`systemctl restart`:
+                it stops its workers and leaves, saying it was stopped)
   --flood S     S seconds of 2,000 idle connections to each of node b's ports (its TLS copy port and its plain
                 witness port), from 100 loopback addresses, each one closed opened again: whether the agent lives,
                 the job's restarts, node b's descriptors at most, how soon a connection that never says a word is
@@ -118,31 +120,33 @@ def running_job(name: str, extra: tuple[str, ...] = (), nnodes: str = "3") -> It
                 job.stop()
 
 
-def restart_runs(n: int, nnodes: str) -> list[dict]:
+def restart_runs(n: int, nnodes: str, how: signal.Signals = signal.SIGKILL) -> list[dict]:
     rows = []
     # One job, node b's agent restarted 2N times in minutes: flap damping (a node lost twice in 10 minutes is kept
     # out 5 minutes: --exclude-lost-after) is off, or the job would rightly keep b out from its second restart.
     with running_job("restart", ("--exclude-lost-after", "0"), nnodes) as job:
         for i in range(2 * n):
             memory = "kept" if i % 2 == 0 else "gone"
-            rows.append(one_restart(job, i, memory))
+            rows.append(one_restart(job, i, memory, how))
             print(json.dumps(rows[-1]), flush=True)
     return rows
 
 
-def one_restart(job: Job, i: int, memory: str) -> dict:
-    """Kill b's agent two steps past a snapshot (its last one copied), restart it under its own id."""
+def one_restart(job: Job, i: int, memory: str, how: signal.Signals = signal.SIGKILL) -> dict:
+    """Kill (or stop: `how`) b's agent two steps past a snapshot (its last one copied), restart it under its own id.
+    Its memory "gone": removed before the restart."""
     wait(lambda: (c := job.copies("b")).get("copied_step", -2) == c.get("local_step", -1), 120, "b's copies caught up")
     now = job.top_step()
     target = now + 1 + (2 - (now + 1)) % 5
     wait(lambda: job.top_step() >= target, 120, f"step {target}")
     low = min(max(s for _, s, _, _, r, _ in job.steps() if r == rank) for rank in range(6))
     held = low - low % 5     # the newest snapshot every rank held at the kill (two steps back: its save is done)
-    logged = len(job.log("b"))
+    logged, logged_a = len(job.log("b")), len(job.log("a"))
     killed_at = time.time()
-    job.agents["b"].send_signal(signal.SIGKILL)
+    job.agents["b"].send_signal(how)
     job.agents["b"].wait()
-    if memory == "gone":
+    left = os.path.isdir(os.path.join(SHM, dir_name(job.job, "b")))     # a stopped agent keeps it when told to
+    if memory == "gone" and left:
         shutil.rmtree(os.path.join(SHM, dir_name(job.job, "b")))
     job.start("b")
     wait(lambda: len(job.resumed(killed_at)) == 6 and _stepping(job, killed_at), 120, "every rank again")
@@ -156,7 +160,8 @@ def one_restart(job: Job, i: int, memory: str) -> dict:
                 and c, 120, "b's copies in the server's view")
     assert isinstance(view, dict)
     log = job.log("b")[logged:]
-    return {"run": i, "memory": memory, "killed_after_step": low, "newest_held": held,
+    return {"run": i, "signal": how.name, "memory": memory, "memory_left": left, "killed_after_step": low,
+            "newest_held": held, "waited": "waiting up to" in job.log("a")[logged_a:],
             "steps": sorted({int(v[0]) for v in resumed.values()}), "sources": sorted({v[1] for v in resumed.values()}),
             "own_shards": sum(v[2] == "ok" for v in resumed.values()),
             "stepping_again_s": round(max(first.values()) - killed_at, 2),
@@ -347,6 +352,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--restart", type=int, default=0)
     p.add_argument("--nnodes", default="3", help="the --restart job's size (2:3: elastic, awaiting.py's case)")
+    p.add_argument("--signal", default="KILL", choices=["KILL", "TERM"], help="how --restart stops b's agent")
     p.add_argument("--flood", type=float, default=0.0)
     p.add_argument("--lines", action="store_true")
     p.add_argument("--ahead", action="store_true")
@@ -355,7 +361,7 @@ def main() -> None:
     args = p.parse_args()
     report: dict = {}
     if args.restart:
-        report["restart"] = restart_runs(args.restart, args.nnodes)
+        report["restart"] = restart_runs(args.restart, args.nnodes, signal.Signals[f"SIG{args.signal}"])
     if args.flood:
         report["flood"] = flood_run(args.flood)
         print(json.dumps(report["flood"]), flush=True)

@@ -327,9 +327,9 @@ class NodeStatus(msgspec.Struct, kw_only=True, gc=False):
     # member lost now is taken over from a copy no older, so each member's ranks keep their snapshots from this
     # step on besides their keep rule (node_agent/training/snapshot.py: KEEP_FROM), within the memory limit.
     copies_floor: int = -1
-    # A node gone from the job whose place is kept for its next agent (rdzv_server/core/awaiting.py): how much
-    # longer the job waits for it (0: it goes on without it). In the reply to a stopped agent's leave, its agent
-    # keeps its snapshots in memory for the next one.
+    # A node gone from the job whose place the job, waiting, keeps for its next agent: how much longer (awaited,
+    # rdzv_server/core/awaiting.py: to the wait's end; below min_nodes: to the join timeout; 0: the job goes on
+    # without it). In the reply to a stopped agent's leave: its agent keeps its snapshots for the next one.
     place_kept_s: float = 0.0
 
 

@@ -50,9 +50,16 @@ def node_status(job: JobRecord, node_id: str, now: float, *, accepted: bool = Tr
         status.spare_position = job.spares.index(node_id)
     elif state == NodeState.EXCLUDED and node is not None:
         status.excluded_for_s = max(0.0, node.excluded_until - now)
-    elif node is None and node_id in job.awaited and job.last_call_deadline is not None and not finished:
-        status.place_kept_s = max(0.0, job.last_call_deadline - now)     # its next agent is awaited (awaiting.py)
+    elif node is None and r is None and node_id in job.places and not finished:
+        status.place_kept_s = place_kept_s(job, node_id, now)
     return status
+
+
+def place_kept_s(job: JobRecord, node_id: str, now: float) -> float:
+    """How much longer the job, waiting, keeps the place of `node_id` (gone) for its next agent: to the end of the wait
+    for it (awaited: awaiting.py), or, below min_nodes, as long as the job waits for nodes (its join timeout)."""
+    until = job.last_call_deadline if node_id in job.awaited else job.join_deadline
+    return max(0.0, until - now) if until is not None else 0.0
 
 
 def describe(f: WorkerFailure) -> str:

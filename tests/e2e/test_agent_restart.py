@@ -30,7 +30,7 @@ def copies_of(cluster, job: str, node: str) -> dict:
     return next((n.get("copies") or {} for n in job_view(cluster, job)["nodes"] if n["node_id"] == node), {})
 
 
-@pytest.mark.parametrize("memory,nnodes", [("gone", "3"), ("kept", "2:3"), ("stopped", "2:3")])
+@pytest.mark.parametrize("memory,nnodes", [("gone", "3"), ("kept", "2:3"), ("stopped", "2:3"), ("stopped", "3")])
 def test_an_agent_restarted_under_its_own_id_resumes_every_rank_from_memory(cluster, tmp_path, memory, nnodes):
     """`2:3`: an elastic job waits for the restarting agent rather than shrinking (rdzv_server/core/awaiting.py):
     before, the node behind it closed up and took its ranks, and every rank went back to step 0. `stopped`: the

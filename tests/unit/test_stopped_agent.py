@@ -79,3 +79,14 @@ def test_every_agent_stopped_leaves_the_job_waiting_for_nodes_as_before():
         stop(rz, node, 10.0 + i * 0.1)
     assert job(rz).round is None and job(rz).awaited == [] and job(rz).last_call_deadline is None
     assert job(rz).join_deadline == pytest.approx(10.0 + ELASTIC.join_timeout_s)
+
+
+def test_a_fixed_size_job_keeps_a_stopped_members_place_while_it_waits_for_nodes():
+    """Below min_nodes the job waits for nodes anyway, and a node back takes its old place: the reply tells its
+    agent to keep its memory (with copies off, the only place its ranks' snapshots are)."""
+    fixed = JobConfig(min_nodes=3, max_nodes=3, lease_timeout_s=5.0, last_call_s=3.0)
+    rz = running(["a", "b", "c"], fixed)
+    reply = stop(rz, "b", 10.0, held=False)
+    assert reply.place_kept_s == pytest.approx(fixed.join_timeout_s) and job(rz).awaited == []
+    join(rz, "b", 14.0, fixed, instance="b#2")
+    assert members(rz) == ["a", "b", "c"] and view(rz, "b", 14.0).place_kept_s == 0.0
