@@ -184,7 +184,8 @@ class Agent:
             case Rejoin():
                 link.rejoin()
             case Leave(reason=reason, unhealthy=unhealthy, stopped=stopped):
-                self._place_kept = await link.leave(reason, unhealthy, stopped) > 0
+                kept = await link.leave(reason, unhealthy, stopped)
+                self._place_kept = stopped and kept > 0
             case CheckNode():
                 start_source(self._check(action), self.facts.put_nowait)
             case AskWitnesses(witnesses=witnesses):

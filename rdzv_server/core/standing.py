@@ -56,9 +56,10 @@ def node_status(job: JobRecord, node_id: str, now: float, *, accepted: bool = Tr
 
 
 def place_kept_s(job: JobRecord, node_id: str, now: float) -> float:
-    """How much longer the job, waiting, keeps the place of `node_id` (gone) for its next agent: to the end of the wait
-    for it (awaited: awaiting.py), or, below min_nodes, as long as the job waits for nodes (its join timeout)."""
-    until = job.last_call_deadline if node_id in job.awaited else job.join_deadline
+    """How much longer, at most, the job, waiting, keeps the place of `node_id` (gone, one of the last round's) for its
+    next agent: to the end of the wait for it (awaited: awaiting.py); below min_nodes, as long as the job waits for
+    nodes (its join timeout; a newcomer may take it first). 0 while others are awaited: their return forms the round."""
+    until = job.last_call_deadline if node_id in job.awaited else None if job.awaited else job.join_deadline
     return max(0.0, until - now) if until is not None else 0.0
 
 

@@ -90,3 +90,12 @@ def test_a_fixed_size_job_keeps_a_stopped_members_place_while_it_waits_for_nodes
     assert reply.place_kept_s == pytest.approx(fixed.join_timeout_s) and job(rz).awaited == []
     join(rz, "b", 14.0, fixed, instance="b#2")
     assert members(rz) == ["a", "b", "c"] and view(rz, "b", 14.0).place_kept_s == 0.0
+
+
+def test_one_that_leaves_while_others_are_awaited_is_told_its_place_is_not_kept():
+    """The awaited ones' return forms the round: the node behind a plain leaver closes up over its place."""
+    cfg = JobConfig(min_nodes=2, max_nodes=4, max_restarts=3, lease_timeout_s=5.0, last_call_s=3.0)
+    rz = running(["a", "b", "c", "d"], cfg)
+    stop(rz, "b", 10.0)
+    heard(rz, "acd", 10.5)
+    assert stop(rz, "c", 11.0, stopped=False).place_kept_s == 0.0 and job(rz).awaited == ["b"]
