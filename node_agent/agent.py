@@ -11,6 +11,7 @@ import socket
 import ssl
 import time
 import uuid
+from collections.abc import Mapping
 from typing import TextIO
 
 from node_agent.client.listener import caps_for_descriptors
@@ -41,7 +42,7 @@ from node_agent.core.policy import SupervisionPolicy
 from node_agent.narration import Narrator
 from node_agent.node_checks import NodeChecks
 from node_agent.server_link import ServerLink
-from node_agent.settings import AgentSettings
+from node_agent.settings import AgentSettings, Mode, lasting_node_id
 from node_agent.sources import start_source
 from node_agent.witness import witnesses_and_server
 from node_agent.workers.interfaces import gloo_interface
@@ -51,6 +52,16 @@ from protocol.descriptors import raise_open_file_limit
 from protocol.messages import NodeStatus, Witness
 
 SAME_SIGNAL_S = 1.0     # a signal repeated this soon is the first one delivered twice (see _on_signal)
+
+
+def restartable(settings: AgentSettings, environ: Mapping[str, str]) -> bool:
+    """Whether a SIGTERM to this agent may be a restart, after which the job keeps its place (LeaveRequest.stopped): it
+    reaches an rdzv-server of its own (a standalone job, or one hosted in-process, ends with its agent), under a node
+    id its next agent can have (given, not HOSTNAME-PID), outside a Slurm job (there a signal ends the step: scancel,
+    the time limit, preemption)."""
+    link = settings.link
+    return link.mode is Mode.SERVER and not link.host_if_unserved and lasting_node_id(link.node_id) \
+        and "SLURM_JOB_ID" not in environ
 
 
 class Agent:
@@ -64,7 +75,8 @@ class Agent:
         self.instance = uuid.uuid4().hex[:12]   # tells a restarted agent from a duplicate node id
         self.facts: asyncio.Queue[Fact | BaseException] = asyncio.Queue()   # or what broke a source
         self.policy = SupervisionPolicy(server_wait_s=max(link.server_wait, link.job.lease_timeout_s),
-                                        lease_timeout_s=link.job.lease_timeout_s)
+                                        lease_timeout_s=link.job.lease_timeout_s,
+                                        restartable=restartable(settings, os.environ))
         self.narrator = Narrator(link.node_id, console, addr, server=link.server,
                                  server_wait_s=self.policy.server_wait_s)
         self.workers = LocalWorkers(settings.workers, self.facts.put_nowait, hostname=self.hostname,
@@ -108,7 +120,7 @@ class Agent:
             for sig in self.settings.workers.signals:
                 loop.remove_signal_handler(sig)
             await self.copies.close(finished=self.policy.job_over)
-            await self.workers.close(keep_memory=self._place_kept)
+            await self.workers.close(keep_memory=self._place_kept and not self.policy.job_over)
             await self.witness.close()
             self.checks.close()
 

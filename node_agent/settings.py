@@ -3,7 +3,10 @@ these (cli/options.py `parse_options`) and main.py hands each part its own, so n
 from __future__ import annotations
 
 import enum
+import os
+import re
 import signal
+import socket
 from dataclasses import dataclass, field
 
 from protocol.messages import JobConfig
@@ -12,6 +15,20 @@ DEFAULT_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
 DEFAULT_TEE_PREFIX = "[${role_name}${local_rank}]:"     # torchrun's prefix of tee'd lines
 # What a typical training script imports before its first step (its first optimizer step imports torch._dynamo).
 DEFAULT_PRELOAD = ("torch", "torch.distributed", "torch.nn", "torch.optim", "torch._dynamo")
+
+
+def default_node_id(pid: int | None = None) -> str:
+    """HOSTNAME-PID (this agent's pid, or `pid`'s), trimmed to the node-id rule (host names may carry characters it
+    refuses)."""
+    host = re.sub(r"[^A-Za-z0-9._-]", "-", socket.gethostname()).lstrip("._-") or "node"
+    suffix = f"-{os.getpid() if pid is None else pid}"
+    return host[: 128 - len(suffix)] + suffix
+
+
+def lasting_node_id(node_id: str, pid: int | None = None) -> bool:
+    """Whether a later agent can be known by `node_id`: it was given, not made from the pid of the agent that used it
+    (this one, or `pid`) as the default is (a given `trainer-1` of an agent that runs as pid 1 lasts)."""
+    return bool(node_id) and node_id != default_node_id(pid)
 
 
 class Mode(str, enum.Enum):

@@ -25,7 +25,6 @@ from node_agent.cli.values import (  # noqa: F401  (count_gpus: re-exported)
     _seconds,
     _split_j,
     count_gpus,
-    default_node_id,
     parse_filters,
     parse_modules,
     parse_nnodes,
@@ -43,6 +42,7 @@ from node_agent.settings import (
     LinkSettings,
     Mode,
     WorkerSettings,
+    default_node_id,
 )
 from protocol.ids import job_id_problem, node_id_problem
 

@@ -6,7 +6,6 @@ import itertools
 import os
 import re
 import signal
-import socket
 from collections.abc import Callable, Mapping
 from typing import NoReturn
 
@@ -250,8 +249,3 @@ def _rank_set(text: str | None, fail: Fail) -> frozenset[int] | None:
     return frozenset(_rank(item, fail) for item in text.split(","))
 
 
-def default_node_id() -> str:
-    """HOSTNAME-PID, trimmed to the node-id rule (host names may carry characters it refuses)."""
-    host = re.sub(r"[^A-Za-z0-9._-]", "-", socket.gethostname()).lstrip("._-") or "node"
-    suffix = f"-{os.getpid()}"
-    return host[: 128 - len(suffix)] + suffix

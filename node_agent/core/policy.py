@@ -94,6 +94,9 @@ REQUEST_NAMES = {cls: name for name, cls in REQUEST_TYPES.items()}
 class SupervisionPolicy:
     server_wait_s: float
     lease_timeout_s: float = 5.0
+    # A SIGTERM may be a restart (`systemctl restart`, a container's): its next agent can come back under this
+    # node id (agent.py: given, not made from this process's pid; not the end of a Slurm step; not standalone).
+    restartable: bool = False
     running_round: int = -1          # the round whose workers we run (or ran, until told otherwise)
     workers: Workers = Workers.NONE
     unreachable_since: float | None = None
@@ -334,8 +337,9 @@ class SupervisionPolicy:
     def _signalled(self, signum: int) -> list[Action]:
         name = signal.Signals(signum).name
         self.exiting = True
+        stopped = self.restartable and signum == signal.SIGTERM      # what a service manager stops with
         return self._stop(f"agent received {name}", signum) + [
-            Leave(f"agent received {name}", stopped=True), Exit(128 + signum, f"node-agent stopped by {name}")]
+            Leave(f"agent received {name}", stopped=stopped), Exit(128 + signum, f"node-agent stopped by {name}")]
 
     def _stop(self, reason: str, signum: int = signal.SIGTERM) -> list[Action]:
         running, self.workers = self.workers == Workers.RUNNING, Workers.NONE

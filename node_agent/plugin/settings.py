@@ -19,8 +19,9 @@ import msgspec
 
 from node_agent.cli.job_identity import TORCHRUN_DEFAULT_ID, command_fingerprint, default_job_id
 from node_agent.cli.rdzv_conf import INT_KEYS, KNOWN_KEYS, LOCAL_SECONDS, NO_TRANSPORT_CHOICE, SECONDS_KEYS, unquoted
-from node_agent.cli.values import default_node_id, parse_server, server_token
+from node_agent.cli.values import parse_server, server_token
 from node_agent.client.transport import local_addr_towards
+from node_agent.settings import default_node_id
 from protocol.ids import job_id_problem, node_id_problem
 from protocol.messages import JobConfig
 

@@ -11,6 +11,8 @@ The memory belongs to the job and the node id, not to one agent process (workers
   for: of a node id that was given (one made from the dead agent's pid, HOSTNAME-PID, never comes back), and
   written to within KEEP_S (its next agent is minutes away at most: a restart policy's back-off). So memory a
   node id never comes back for is held KEEP_S past its last snapshot, no longer.
+- An agent stopped by a signal while the job keeps its place (`systemctl restart`: NodeStatus.place_kept_s) leaves
+  its directory as a killed one does (close(keep=True)).
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ import time
 from collections.abc import Callable
 
 import node_agent.training.snapshot as snapshot
+from node_agent.settings import default_node_id, lasting_node_id
 from node_agent.workers import owners
 
 SHM = "/dev/shm"
@@ -53,7 +56,7 @@ class MemoryDirs:
                  base: str | None = None, node_id: str = "") -> None:
         """`node_id` "": a node of this process alone (its directory is never taken up by another agent)."""
         self.job_id = job_id
-        self.node_id = node_id or f"agent-{os.getpid()}"
+        self.node_id = node_id or default_node_id()     # of this process alone: never taken up
         self.nproc = nproc
         self.limit = limit          # bytes for the whole node; None: the default; 0: off
         self._say = say
@@ -214,7 +217,7 @@ class MemoryDirs:
         place for its next agent (a stopped agent: `systemctl restart`), which takes them up as a killed agent's,
         where it can (the node id was given, not made from this agent's pid)."""
         if keep and self.root is not None and os.path.basename(self.root) == dir_name(self.job_id, self.node_id) \
-                and not self.node_id.endswith(f"-{os.getpid()}"):
+                and lasting_node_id(self.node_id):
             self._say(f"the job keeps node {self.node_id}'s place for its next agent: its snapshots stay in "
                       f"{self.root} for it (else removed by the next agent starting on this host, "
                       f"{KEEP_S:.0f}s after their last write)")
@@ -240,7 +243,7 @@ def sweep(parent: str, besides: str = "") -> int:
             continue     # alive, being made, or not ours
         try:
             node = (_read(os.path.join(entry.path, IDENTITY)) + "\n\n").split("\n")[1]
-            if node and not node.endswith(f"-{gone.previous}") and now - _last_write(entry.path) < KEEP_S:
+            if lasting_node_id(node, gone.previous) and now - _last_write(entry.path) < KEEP_S:
                 continue
             shutil.rmtree(entry.path, ignore_errors=True)
             removed += 1

@@ -340,6 +340,8 @@ class JobRules:
         if job.last_call_deadline is not None:
             # Below min, or with no newcomer left while a round runs, the window has nothing to form.
             if len(self.members()) + self.ready_waiting() < job.config.min_nodes:
+                if job.awaited:       # nobody to go on with: the job waits for nodes, as it says
+                    job.reason = f"{message}; waiting for nodes"
                 job.last_call_deadline, job.awaited = None, []
                 if job.join_deadline is not None:      # hidden while the window was open: due again
                     self.out.deadline(job.join_deadline)

@@ -165,8 +165,11 @@ def leave(call: Call, req: LeaveRequest) -> str:
                                                                  host=node.host if node is not None else "")
     if node is not None:     # unhealthy: as a lost node (no restart counted, a spare or a smaller world takes over)
         kind = EventKind.NODE_LEFT if unhealthy is None else EventKind.NODE_UNHEALTHY
-        # an agent stopped from outside may be started again at once (systemctl restart): awaited as a restart
+        # an agent stopped from outside may be started again at once (systemctl restart): awaited as a restart, and
+        # a restart is a loss to flap damping (stopped again and again: a flapping host, not awaited)
         restarting = req.stopped and unhealthy is None and awaiting.holds_own_state(rules.job, node)
+        if restarting:
+            leases.note_loss(rules.job, node.node_id, now)
         rules.remove(node, now, kind, f"node {node.node_id} left: {req.reason}", data=unhealthy,
                      restarting=restarting)
         if req.unhealthy is not None:      # its host is kept out of every job for a while

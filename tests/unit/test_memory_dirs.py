@@ -13,6 +13,7 @@ import pytest
 
 from node_agent.cli.command_line import OptionsError
 from node_agent.cli.options import parse_options
+from node_agent.settings import default_node_id, lasting_node_id
 from node_agent.training import snapshot
 from node_agent.workers import memory
 from node_agent.workers.environment import worker_env
@@ -137,13 +138,14 @@ import os, sys
 from node_agent.training import snapshot
 from node_agent.workers.memory import MemoryDirs
 job, node, base = sys.argv[1:4]
-dirs = MemoryDirs(job, 1, 2**20, say=print, base=base, node_id=node.replace("PID", str(os.getpid())))
+from node_agent.settings import default_node_id
+dirs = MemoryDirs(job, 1, 2**20, say=print, base=base, node_id=default_node_id() if node == "HOSTNAME-PID" else node)
 snapshot.save(b"shard", 25, where=dirs.dirs_for(1, 0, "run-1")[0])
 dirs.close(keep=True)     # its leave's reply kept its place (NodeStatus.place_kept_s)
 """
 
 
-@pytest.mark.parametrize("node", ["node-b", "host-PID"])
+@pytest.mark.parametrize("node", ["node-b", "HOSTNAME-PID"])
 def test_a_stopped_agent_whose_place_is_kept_leaves_its_memory_to_the_next_one_if_it_can_come(tmp_path, node):
     """`systemctl restart`: the next agent of a given node id takes the memory up; one whose id was made from the
     agent's pid (the default HOSTNAME-PID) has no next agent: its memory goes as always."""
@@ -152,7 +154,7 @@ def test_a_stopped_agent_whose_place_is_kept_leaves_its_memory_to_the_next_one_i
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     left = os.listdir(os.path.join(tmp_path, f"node-agent-mem-{os.getuid()}"))
-    if node == "host-PID":
+    if node == "HOSTNAME-PID":
         assert left == [] and "stay in" not in done.stdout, (left, done.stdout)
         return
     assert "the job keeps node node-b's place for its next agent: its snapshots stay in" in done.stdout, done.stdout
@@ -161,6 +163,14 @@ def test_a_stopped_agent_whose_place_is_kept_leaves_its_memory_to_the_next_one_i
     assert snapshot.steps(nxt.dirs_for(1, 0, "run-1")[0]) == [25], said
     assert any("kept the memory of node node-b's previous agent" in line for line in said), said
     nxt.close()
+
+
+def test_a_node_id_lasts_unless_made_from_the_agents_pid() -> None:
+    """A given id that happens to end in the agent's pid lasts (a StatefulSet's `trainer-1`, its agent pid 1 in its
+    container); HOSTNAME-PID, the default, does not."""
+    assert lasting_node_id("trainer-1", 1) and lasting_node_id(f"{default_node_id(1)}x", 1)
+    assert not lasting_node_id(default_node_id(1), 1) and not lasting_node_id("", 1)
+    assert not lasting_node_id(default_node_id())
 
 
 def test_memory_taken_up_keeps_only_the_ranks_whose_global_ranks_stayed(tmp_path) -> None:

@@ -220,11 +220,22 @@ def test_a_refusal_is_an_answer_too() -> None:
     assert p.next_deadline() is None
 
 
+@pytest.mark.parametrize("signum, restartable, stopped", [
+    (signal.SIGTERM, True, True),         # systemctl restart, a container's: it may be started again (LeaveRequest)
+    (signal.SIGTERM, False, False),       # standalone, HOSTNAME-PID, a Slurm job: no next agent takes the place
+    (signal.SIGINT, True, False),         # Ctrl-C: someone ends it
+])
+def test_a_sigterm_of_an_agent_that_may_be_restarted_says_so_in_its_leave(signum, restartable, stopped) -> None:
+    p = SupervisionPolicy(server_wait_s=60, restartable=restartable)
+    p.handle(member(1), 0.0)
+    name = signal.Signals(signum).name
+    assert Leave(f"agent received {name}", stopped=stopped) in p.handle(SignalReceived(signum), 1.0)
+
+
 def test_signal_stops_workers_with_that_signal_leaves_and_exits_128_plus_signal() -> None:
     p = running(1)
     actions = p.handle(SignalReceived(signal.SIGTERM), 1.0)
-    assert actions == [StopWorkers("agent received SIGTERM", signal.SIGTERM),
-                       Leave("agent received SIGTERM", stopped=True),    # it may be started again: LeaveRequest
+    assert actions == [StopWorkers("agent received SIGTERM", signal.SIGTERM), Leave("agent received SIGTERM"),
                        Exit(128 + signal.SIGTERM, "node-agent stopped by SIGTERM")]
     assert p.handle(member(2), 2.0) == []                    # exiting: the server's news no longer matters
     assert p.handle(SignalReceived(signal.SIGINT), 2.0) == []

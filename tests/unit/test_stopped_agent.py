@@ -99,3 +99,26 @@ def test_one_that_leaves_while_others_are_awaited_is_told_its_place_is_not_kept(
     stop(rz, "b", 10.0)
     heard(rz, "acd", 10.5)
     assert stop(rz, "c", 11.0, stopped=False).place_kept_s == 0.0 and job(rz).awaited == ["b"]
+
+
+def test_an_agent_stopped_again_and_again_is_a_flapping_host():
+    """A restart is a loss to flap damping, as a killed agent's is (a container restarted by a failing probe, in a
+    loop): stopped twice within exclude_window_s, it is not awaited the second time, and is kept out."""
+    rz = running(["a", "b", "c"], ELASTIC)
+    stop(rz, "b", 10.0)
+    join(rz, "b", 12.0, ELASTIC, instance="b#2")
+    assert members(rz) == ["a", "b", "c"]
+    heard(rz, "ac", 20.0)
+    stop(rz, "b", 20.0)
+    assert members(rz) == ["a", "c"] and job(rz).awaited == []
+    join(rz, "b", 22.0, ELASTIC, instance="b#3")
+    assert view(rz, "b", 22.0).node_state == NodeState.EXCLUDED
+
+
+def test_once_nobody_is_left_to_go_on_with_the_job_says_it_waits_for_nodes():
+    rz = running(["a", "b", "c"], ELASTIC)
+    stop(rz, "a", 10.0)
+    assert "to come back" in job(rz).reason
+    stop(rz, "b", 10.1)
+    stop(rz, "c", 10.2)
+    assert job(rz).reason.endswith("left: agent received SIGTERM; waiting for nodes"), job(rz).reason
