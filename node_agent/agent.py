@@ -98,7 +98,7 @@ class Agent:
                                      (is_copy_request, self.copies.serve), caps=caps, say=self.narrator.say)
         self._link: ServerLink | None = None
         self._no_port_said = False
-        self._place_kept = False     # the job waits for this node's next agent (its leave's reply): memory kept
+        self._memory_kept = ""       # why this stopped node's memory stays for its next agent ("": it goes)
 
     now = staticmethod(time.monotonic)
 
@@ -120,7 +120,7 @@ class Agent:
             for sig in self.settings.workers.signals:
                 loop.remove_signal_handler(sig)
             await self.copies.close(finished=self.policy.job_over)
-            await self.workers.close(keep_memory=self._place_kept and not self.policy.job_over)
+            await self.workers.close(keep_memory="" if self.policy.job_over else self._memory_kept)
             await self.witness.close()
             self.checks.close()
 
@@ -197,7 +197,11 @@ class Agent:
                 link.rejoin()
             case Leave(reason=reason, unhealthy=unhealthy, stopped=stopped):
                 kept = await link.leave(reason, unhealthy, stopped)
-                self._place_kept = stopped and kept > 0
+                # no answer: its memory stays as a killed agent's would (its next agent may find the job waiting)
+                self._memory_kept = "" if not stopped or kept == 0 else \
+                    "the job keeps node {node}'s place for its next agent" if kept else \
+                    "the server did not answer node {node}'s leave: as a killed agent's, its memory stays"
+
             case CheckNode():
                 start_source(self._check(action), self.facts.put_nowait)
             case AskWitnesses(witnesses=witnesses):

@@ -77,16 +77,19 @@ class ServerLink:
     def report_stall(self, round_id: int, threshold_s: float, ranks: tuple[RankSeen, ...]) -> None:
         self._send(StallReport, lambda: self._client.report_stall(round_id, threshold_s, list(ranks)))
 
-    async def leave(self, reason: str, unhealthy: UnhealthyKind | None = None, stopped: bool = False) -> float:
+    async def leave(self, reason: str, unhealthy: UnhealthyKind | None = None, stopped: bool = False) -> float | None:
         """Say goodbye, once and briefly (the lease lapses anyway). A join on its way is waited for briefly,
         so the leave carries its credential rather than leave a record that lapses as a loss (flap damping).
-        How long the job keeps this node's place for its next agent (0: not, or not heard)."""
+        How long the job keeps this node's place for its next agent (0: not; None: no answer). `stopped`: a poll
+        first tells the server what the node's memory holds now (its newest snapshot: awaiting.py's evidence)."""
         joining = self._tasks.get(JoinRequest)
         if joining is not None and not joining.done():
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(asyncio.shield(joining), JOIN_LANDING_S)
-        kept = 0.0
+        kept = None
         with contextlib.suppress(ServerUnreachable, ServerRejected):
+            if stopped:
+                await self._poll(0.0)
             kept = (await self._client.leave(reason, unhealthy, stopped)).place_kept_s
         self.joined = False          # no more polls: this node is no member until it joins again
         self._cancel(PollRequest)
@@ -97,7 +100,7 @@ class ServerLink:
     async def lease_kept(self, interval: float) -> AsyncIterator[None]:
         """Renew the lease with instant polls while the loop is busy (its long-poll is not re-issued)."""
         async def renew() -> None:
-            while True:
+            while self.joined:                  # (a node that left has no lease)
                 await asyncio.sleep(interval)   # periodic renewal, not synchronisation
                 with contextlib.suppress(ServerUnreachable, ServerRejected):
                     await self._poll(0.0)

@@ -13,11 +13,13 @@ SLOW_AT=NODE:STEP:FRACTION:HOW: on node NODE, from step STEP, each step takes FR
 (HOW=sleep, as slow storage) or computing (HOW=compute). JITTER=F: each step's sleep is STEP_S x (1 +- F), drawn
 per rank and step. SOLO_AT=STEP,STEP:SECONDS: global rank 0 computes alone for SECONDS at those steps (first
 attempt), as an evaluation does, while the others wait in the next all_reduce. Each step is a beat() (the probe's
-steps and pace).
+steps and pace). IGNORE_TERM=1: the ranks ignore SIGTERM (a framework saving before it stops): their agent's stop takes
+--stop-timeout.
 """
 import functools
 import os
 import random
+import signal
 import time
 
 import torch
@@ -28,6 +30,8 @@ from node_agent.training.heartbeat import beat
 
 env = os.environ.get
 out = env("OUT_DIR", ".")
+if env("IGNORE_TERM") == "1":
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
 restart = int(env("TORCHELASTIC_RESTART_COUNT", "0"))

@@ -338,8 +338,10 @@ class SupervisionPolicy:
         name = signal.Signals(signum).name
         self.exiting = True
         stopped = self.restartable and signum == signal.SIGTERM      # what a service manager stops with
-        return self._stop(f"agent received {name}", signum) + [
-            Leave(f"agent received {name}", stopped=stopped), Exit(128 + signum, f"node-agent stopped by {name}")]
+        leave = Leave(f"agent received {name}", stopped=stopped)
+        stop, end = self._stop(f"agent received {name}", signum), Exit(128 + signum, f"node-agent stopped by {name}")
+        # said first when stopped: a second signal, or the manager's SIGKILL when its grace ends, may cut the stop short
+        return [leave, *stop, end] if stopped else [*stop, leave, end]
 
     def _stop(self, reason: str, signum: int = signal.SIGTERM) -> list[Action]:
         running, self.workers = self.workers == Workers.RUNNING, Workers.NONE

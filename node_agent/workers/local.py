@@ -207,8 +207,8 @@ class LocalWorkers:
         if self.group is not None:
             self.group.send_signal(signal.SIGKILL)
 
-    async def close(self, keep_memory: bool = False) -> None:
-        """`keep_memory`: the job keeps this node's place for its next agent: its snapshots stay for it."""
+    async def close(self, keep_memory: str = "") -> None:
+        """`keep_memory`: why this node's snapshots stay for its next agent (MemoryDirs.close)."""
         await self.stop()
         if self.warm is not None:
             await self.warm.close()

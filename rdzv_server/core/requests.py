@@ -144,6 +144,8 @@ def poll(call: Call, req: PollRequest) -> str:
         if req.copies is not None:
             before = node.copies
             node.copies = req.copies
+            if (before is None or before.local_step < 0) != (req.copies.local_step < 0):
+                call.rules.node_changed(node.node_id)     # saved: whether it holds state of its own (awaiting.py)
             if before is None or req.copies.copied_step != before.copied_step:
                 node.copied_at = call.now
             job = call.rules.job

@@ -98,3 +98,48 @@ def test_a_standalone_agent_restarted_under_its_job_id_resumes_from_its_memory(c
     assert "another run" not in agent.output, agent.output
     (tmp_path / "stop").write_text("stop")
     assert agent.wait(LIMIT) == 0, agent.output
+
+
+@pytest.mark.parametrize("cut", ["server-away", "manager-kill"])
+def test_a_stop_cut_short_keeps_the_nodes_memory_and_place(cluster, tmp_path, cut):
+    """`systemctl restart` going wrong. server-away: the server cannot hear the stopped agent's leave (one failure
+    domain, so no peer holds copies: its memory is all there is of its ranks' snapshots): it keeps it, as a killed
+    agent's. manager-kill: the workers take their time to stop (they ignore SIGTERM) and the service manager
+    SIGKILLs the agent when its grace ends: its leave went first, so the job still waits for it."""
+    job = f"stop-{cut}"
+    cluster.start_server()
+    env = {"IGNORE_TERM": "1"} if cut == "manager-kill" else {}
+
+    def start_node(node: str):
+        return cluster.agent("--endpoint", cluster.endpoint(), "--nnodes", "2:3", "--nproc", "2", "--job-id", job,
+                             "--max-restarts", "3", "--node-id", node, "--failure-domain", "one", *FAST,
+                             "--stop-timeout", "30", SHARDS, name=node,
+                             env={"OUT_DIR": str(tmp_path), "NODE": node, **ENV, **env})
+
+    agents = {n: start_node(n) for n in ("a", "b", "c")}
+    wait_until(lambda: len({r for *_, r, _ in steps(tmp_path)}) == 6 and max(s for _, s, _, _ in steps(tmp_path)) >= 12,
+               LIMIT, "every rank stepping past step 12")
+    node = next(n["node_id"] for n in job_view(cluster, job)["nodes"] if n["group_rank"] == 1)
+    if cut == "server-away":
+        cluster.server.popen.send_signal(signal.SIGKILL)
+        cluster.server.popen.wait(LIMIT)
+    stopped_at = time.time()
+    os.kill(agents[node].pid, signal.SIGTERM)
+    if cut == "manager-kill":
+        wait_until(lambda: "left: agent received SIGTERM" in (job_view(cluster, job).get("reason") or ""), LIMIT,
+                   "the stopped agent's leave")
+        os.kill(agents[node].pid, signal.SIGKILL)
+    agents[node].wait(LIMIT)
+    assert os.path.isdir(memory_of(job, node)), agents[node].output
+    if cut == "server-away":
+        assert f"the server did not answer node {node}'s leave" in agents[node].output, agents[node].output
+        cluster.start_server(port=cluster.port)
+    agents[node] = start_node(node)
+    back = wait_until(lambda: len(shard_resumes(tmp_path, stopped_at)) == 6 and shard_resumes(tmp_path, stopped_at),
+                      LIMIT, lambda: f"every rank resumed: {shard_resumes(tmp_path, stopped_at)}\n"
+                                     f"{agents[node].output}")
+    assert {source for _, source, _ in back.values()} == {"memory"}, (back, agents[node].output)
+    assert len({step for step, _, _ in back.values()}) == 1 and {ok for *_, ok in back.values()} == {"ok"}, back
+    (tmp_path / "stop").write_text("stop")
+    for agent in agents.values():
+        assert agent.wait(LIMIT) == 0, agent.output

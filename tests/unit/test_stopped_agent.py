@@ -122,3 +122,26 @@ def test_once_nobody_is_left_to_go_on_with_the_job_says_it_waits_for_nodes():
     stop(rz, "b", 10.1)
     stop(rz, "c", 10.2)
     assert job(rz).reason.endswith("left: agent received SIGTERM; waiting for nodes"), job(rz).reason
+
+
+def test_a_node_stopped_while_a_last_call_can_form_the_round_without_it_is_told_its_place_is_not_kept():
+    """min 3 of 5: c left, d and e came, the last call runs with a, b, d, e; b is stopped: the call's end forms
+    a, d, e. Its memory would be kept for nothing."""
+    cfg = JobConfig(min_nodes=3, max_nodes=5, max_restarts=3, lease_timeout_s=5.0, last_call_s=3.0)
+    rz = running(["a", "b", "c"], cfg)
+    stop(rz, "c", 10.0, stopped=False)
+    join(rz, "d", 10.5, cfg)
+    join(rz, "e", 10.6, cfg)
+    assert job(rz).round is None and job(rz).last_call_deadline is not None
+    assert stop(rz, "b", 11.0).place_kept_s == 0.0
+
+
+def test_whether_a_node_holds_a_snapshot_is_saved_with_it():
+    """A server restarted on its state must still know a node held state of its own, or a node stopped or killed
+    while it was away would not be awaited (every rank from step 0). Saved when it changes, not at every note."""
+    rz = running(["a", "b", "c"], ELASTIC)
+    rz.take_effects()
+    snapshots(rz, "b", 5.0)
+    assert rz.take_effects().nodes.get(JOB) == {"b"}
+    snapshots(rz, "b", 6.0, step=15)
+    assert not rz.take_effects().nodes.get(JOB)
