@@ -61,6 +61,11 @@ class RestartCostView(msgspec.Struct, kw_only=True):
     anatomy: RestartAnatomy | None = None    # where its time went on the node that stepped again last
     anatomy_node: str | None = None
 
+    @property
+    def round_label(self) -> str:
+        """How a table names its round: "#next" while it has yet to form (round_id -1: the job waits for nodes)."""
+        return f"#{self.round_id}" if self.round_id >= 0 else "#next"
+
 
 class ProgressView(msgspec.Struct, kw_only=True):
     """A job's training progress as its agents report it. `signal` False: it never stepped (a reader says "no

@@ -103,7 +103,7 @@ MEMBERS: list[Column[NodeView]] = [
     ("PACE", lambda n: "slow" if n.slow else None)]
 # Rows start with "#": a line of a job's view that starts with a digit is a member's (scripts read them so).
 COSTS: list[Column[RestartCostView]] = [
-    ("ROUND", lambda c: f"#{c.round_id}"), ("CAUSE", lambda c: c.cause or "-"),
+    ("ROUND", lambda c: c.round_label), ("CAUSE", lambda c: c.cause or "-"),
     ("COST", lambda c: duration(c.cost_s) if c.cost_s is not None else "not stepped since"),
     ("REDONE", lambda c: c.redone)]
 OTHERS: list[Column[NodeView]] = [

@@ -129,6 +129,8 @@ class JobCollector(Collector):
                                  "step before each to the first step after it.", labels=["job"])
         slow = GaugeMetricFamily("rdzv_slow_nodes", "Members of a job named slow now (the other nodes wait on them).",
                                  labels=["job"])
+        awaited = GaugeMetricFamily("rdzv_job_awaited_nodes", "Nodes a job waits for now, their places kept while "
+                                    "their agents restart (killed, or stopped by systemctl restart).", labels=["job"])
         phases = GaugeMetricFamily("rdzv_job_restart_phase_seconds", "Where a job's latest measured restart took "
                                    "its time, per phase (stop, rendezvous, start, setup, cuda, group, restore, "
                                    "first_step), on the node the job waited for (protocol/restarts.py).",
@@ -138,6 +140,7 @@ class JobCollector(Collector):
             copies.add(job)
             view = progress(job, now)
             slow.add_metric([job.job_id], len(view.slow_nodes))
+            awaited.add_metric([job.job_id], len(job.awaited))
             if not view.signal:
                 continue
             steps.add_metric([job.job_id], view.steps)
@@ -148,7 +151,7 @@ class JobCollector(Collector):
             latest = next((c.anatomy for c in reversed(view.costs) if c.anatomy is not None), None)
             for phase in PHASES if latest is not None else ():
                 phases.add_metric([job.job_id, phase], getattr(latest, phase))
-        return [steps, pace, ratio, lost, slow, phases, copies.lag, copies.sent, copies.refused,
+        return [steps, pace, ratio, lost, slow, awaited, phases, copies.lag, copies.sent, copies.refused,
                 GaugeMetricFamily("rdzv_job_series_omitted", f"Unfinished jobs left out of the per-job series "
                                   f"(at most {MAX_JOB_SERIES} jobs have them, the first by id).",
                                   len(unfinished) - len(shown))]

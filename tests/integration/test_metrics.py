@@ -310,3 +310,23 @@ async def test_per_job_series_are_capped(server, http, clock, monkeypatch):
     s = await scrape(http, server)
     assert s.labels_of("rdzv_slow_nodes", "job") == {"a", "b"}        # the first by id, so series never flap
     assert s["rdzv_job_series_omitted"] == 2
+
+
+async def test_a_job_waiting_for_a_stopped_agent_shows_it_awaited(server, http, clock):
+    """`systemctl restart` of b's agent in an elastic job whose ranks hold state of their own: the job keeps b's place
+    (rdzv_server/core/awaiting.py) and /metrics says it waits for one node; b's next agent back, for none."""
+    cfg = dict(min_nodes=2, max_nodes=3, last_call_s=1, lease_timeout_s=10)
+    nodes = [Node(http, server, "w", n, **cfg) for n in "abc"]
+    for node in nodes:
+        await node.join()
+    clock.now = T0 + 1.5                                               # the last call's end: round a, b, c
+    server.app[COORDINATOR].clock_moved()
+    first = (await nodes[0].poll(known_round=-1, wait_s=0))["round_id"]
+    await nodes[1].post("poll", {"known_round": first, "wait_s": 0, "copies": {"local_step": 10, "copying": False}})
+    kept = await nodes[1].post("leave", {"reason": "agent received SIGTERM", "stopped": True})
+    assert kept["place_kept_s"] == 11.0 and kept["node_state"] == "gone"
+    s = await scrape(http, server)
+    assert s["rdzv_job_awaited_nodes", {"job": "w"}] == 1
+    await Node(http, server, "w", "b", instance="2", **cfg).join()          # its next agent: the round forms
+    s = await scrape(http, server)
+    assert s["rdzv_job_awaited_nodes", {"job": "w"}] == 0

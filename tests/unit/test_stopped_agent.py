@@ -145,3 +145,10 @@ def test_whether_a_node_holds_a_snapshot_is_saved_with_it():
     assert rz.take_effects().nodes.get(JOB) == {"b"}
     snapshots(rz, "b", 6.0, step=15)
     assert not rz.take_effects().nodes.get(JOB)
+
+
+def test_the_restart_under_way_while_the_job_waits_names_the_next_round():
+    """rdzv-ctl and the page showed "#-1" for the restart of a job waiting for its stopped node."""
+    from protocol.views import RestartCostView
+    assert RestartCostView(round_id=-1, cause="node_left", cost_s=None, redone=None).round_label == "#next"
+    assert RestartCostView(round_id=4, cause="failure", cost_s=1.0, redone=0).round_label == "#4"

@@ -69,7 +69,7 @@ def _cost(c: RestartCostView, under_way: bool) -> str:
 
 # The table of restarts, its columns declared once; a row is a restart and whether it is the one under way.
 COSTS: list[Column[tuple[RestartCostView, bool]]] = [
-    (">round", lambda r: f"#{r[0].round_id}"),
+    (">round", lambda r: r[0].round_label),
     ("cause", lambda r: esc(cause_label(r[0].cause) if r[0].cause else "")),
     (">cost", lambda r: _cost(*r)),
     (">steps redone", lambda r: esc(f"{r[0].redone:,}" if r[0].redone is not None else None)),
