@@ -331,8 +331,13 @@ def test_a_member_lost_while_the_job_waits_for_another_is_awaited_too():
     heard(rz, "ad", 11.2)
     rz.tick(10.3 + DROP_GRACE_S)
     assert job(rz).awaited == ["b", "c"] and job(rz).round is None
+    b_then_c_back(rz, cfg)
+
+
+def b_then_c_back(rz, cfg: JobConfig) -> None:
+    """b's and c's next agents join in turn: no round while c is not back, then every node at its place."""
     join(rz, "b", 12.0, cfg, instance="b#2")
-    assert job(rz).round is None                     # c is not back yet
+    assert job(rz).round is None
     join(rz, "c", 12.5, cfg, instance="c#2")
     assert members(rz) == ["a", "b", "c", "d"]
 

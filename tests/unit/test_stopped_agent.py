@@ -9,7 +9,7 @@ import pytest
 
 from protocol.messages import JobConfig, JobState, LeaveRequest, NodeState, NodeStatus, UnhealthyKind
 from rdzv_server.core.rendezvous import Rendezvous
-from tests.unit.test_awaiting import ELASTIC, WINDOW, heard, last_event, snapshots
+from tests.unit.test_awaiting import ELASTIC, WINDOW, b_then_c_back, heard, last_event, snapshots
 from tests.unit.test_rendezvous import JOB, job, join, members, running, view
 
 
@@ -66,10 +66,7 @@ def test_one_stopped_while_the_job_waits_for_another_is_awaited_too():
     heard(rz, "acd", 10.5)
     stop(rz, "c", 11.0)
     assert job(rz).awaited == ["b", "c"] and job(rz).round is None
-    join(rz, "b", 12.0, cfg, instance="b#2")
-    assert job(rz).round is None                     # c is not back yet
-    join(rz, "c", 12.5, cfg, instance="c#2")
-    assert members(rz) == ["a", "b", "c", "d"]
+    b_then_c_back(rz, cfg)
 
 
 def test_every_agent_stopped_leaves_the_job_waiting_for_nodes_as_before():
