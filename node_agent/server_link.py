@@ -29,6 +29,8 @@ from protocol.stalls import RankSeen
 
 # How long a leave waits for a join still on its way (see leave()).
 JOIN_LANDING_S = 2.0
+# How long a stopped agent's note before its leave may take: its workers' stop waits for both (a manager's grace).
+NOTE_BEFORE_LEAVE_S = 1.0
 
 
 class ServerLink:
@@ -87,9 +89,10 @@ class ServerLink:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(asyncio.shield(joining), JOIN_LANDING_S)
         kept = None
+        if stopped:
+            with contextlib.suppress(ServerUnreachable, ServerRejected, asyncio.TimeoutError):
+                await asyncio.wait_for(self._poll(0.0), NOTE_BEFORE_LEAVE_S)
         with contextlib.suppress(ServerUnreachable, ServerRejected):
-            if stopped:
-                await self._poll(0.0)
             kept = (await self._client.leave(reason, unhealthy, stopped)).place_kept_s
         self.joined = False          # no more polls: this node is no member until it joins again
         self._cancel(PollRequest)

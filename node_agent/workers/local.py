@@ -212,7 +212,7 @@ class LocalWorkers:
         await self.stop()
         if self.warm is not None:
             await self.warm.close()
-        self.memory.close(keep_memory)   # the job ended or the node leaves: its snapshots go with it
+        self.memory.close(keep_memory)   # the job ended or the node leaves: its snapshots go, unless kept
         if self.steps is not None:
             self.steps.close()
         self.probes.close()

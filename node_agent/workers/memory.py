@@ -12,7 +12,7 @@ The memory belongs to the job and the node id, not to one agent process (workers
   written to within KEEP_S (its next agent is minutes away at most: a restart policy's back-off). So memory a
   node id never comes back for is held KEEP_S past its last snapshot, no longer.
 - An agent stopped by a signal while the job keeps its place (`systemctl restart`: NodeStatus.place_kept_s) leaves
-  its directory as a killed one does (close(keep=True)).
+  its directory as a killed one does (close(keep=WHY)).
 """
 from __future__ import annotations
 

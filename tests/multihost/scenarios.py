@@ -235,8 +235,11 @@ def one_way_loss(job: MultiHostJob, victim: str, hosts: list[str], *, direction:
     first = wait_until(lambda: job.training(hosts, len(hosts), since=healed), limit_s,
                        lambda: f"all of {hosts} training at full size after the heal\n{job.diagnosis()}")
     seen.full_size_s = max(r["t"] for r in first.values()) - healed
-    joins = [e for e in job.events_of("node_joined", since=healed) if e["node_id"] == victim]
+    # its join after it was lost: "in" loses only the server's replies, so the server may take the join (and log it)
+    # a moment before the heal, its reply held back by TCP until then (0 s after the heal, then)
+    lost = [parse_time(e["time"]) for e in job.events_of("node_lost", since=seen.t0) if e["node_id"] == victim]
+    joins = [e for e in job.events_of("node_joined", since=lost[0] if lost else healed) if e["node_id"] == victim]
     if joins:
-        seen.rejoined_s = parse_time(joins[0]["time"]) - healed
+        seen.rejoined_s = max(0.0, parse_time(joins[0]["time"]) - healed)
     _count_after(job, seen, hosts)
     return seen

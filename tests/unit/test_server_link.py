@@ -6,6 +6,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
+from node_agent import server_link
 from node_agent.client.transport import ServerRejected, ServerUnreachable, Transport
 from node_agent.core.facts import Fact, ServerNotReached, ServerRefused, StatusReceived
 from node_agent.server_link import ServerLink
@@ -283,3 +284,15 @@ async def test_a_report_refused_between_two_tries_of_a_join_waits_for_its_answer
                      role="default")
     await asyncio.wait_for(report, LIMIT)
     assert t.sent == [("failure", "old"), ("join", "old"), ("failure", "new")]
+
+
+async def test_a_stopped_agents_leave_tells_its_snapshot_first_and_a_silent_server_holds_it_up_briefly(link,
+                                                                                                   monkeypatch):
+    """The note before a stopped agent's leave (its newest snapshot: awaiting.py's evidence) has NOTE_BEFORE_LEAVE_S:
+    the workers' stop waits for it and the leave, inside a service manager's grace."""
+    sl, client, _ = link
+    monkeypatch.setattr(server_link, "NOTE_BEFORE_LEAVE_S", 0.05)
+    client.script["poll"] = ["hold"]                  # a server that never answers the note
+    assert await asyncio.wait_for(sl.leave("agent received SIGTERM", stopped=True), LIMIT) == STATUS.place_kept_s
+    assert [a for a, _ in client.sent] == ["poll", "leave"]
+    assert client.sent[-1][1].stopped                 # type: ignore[attr-defined]
