@@ -201,7 +201,6 @@ class Agent:
                 self._memory_kept = "" if not stopped or kept == 0 else \
                     "the job keeps node {node}'s place for its next agent" if kept else \
                     "the server did not answer node {node}'s leave: as a killed agent's, its memory stays"
-
             case CheckNode():
                 start_source(self._check(action), self.facts.put_nowait)
             case AskWitnesses(witnesses=witnesses):
