@@ -447,3 +447,23 @@ def test_a_record_heard_since_the_server_came_back_is_not_taken_over():
         copies.rejoin(rz, "b", 21.0, cfg, 2, "2")
     assert refused.value.code == "node_conflict"
     assert msgspec.to_builtins(rz.jobs[copies.JOB]) == before
+
+
+def test_a_member_unheard_since_the_server_came_back_is_awaited_when_its_lease_runs_out():
+    """b's agent was stopped (or killed) while the server was away, and its next agent is slower than a lease to join
+    after the server is back: nobody heard how b ended, so its place is kept for a window (before: a host gone
+    silent, c closed up over b's ranks: every rank from step 0)."""
+    cfg = JobConfig(min_nodes=2, max_nodes=3, max_restarts=3, lease_timeout_s=5.0, last_call_s=3.0)
+    rz = copies.started({"a": "1", "b": "2", "c": "3"}, cfg)
+    for n in "abc":
+        rz.handle(copies.JOB, PollRequest(v=1, node_id=n, credential=f"secret-{n}",
+                                          copies=CopiesNote(local_step=10, copying=False)), 9.5)
+    rz.restored(20.0, 10.0, clean=False)
+    for t in (22.0, 25.0, 28.0, 31.0):
+        for n in "ac":
+            copies.poll(rz, n, t)
+    rz.tick(31.0)                                     # b's lease, renewed at the restore for the time away, is out
+    record = rz.jobs[copies.JOB]
+    assert record.round is None and record.awaited == ["b"], [e.message for e in record.events[-3:]]
+    copies.rejoin(rz, "b", 33.0, cfg, 2, "2")
+    assert record.round is not None and record.round.members == ["a", "b", "c"]
