@@ -198,9 +198,10 @@ class Agent:
             case Leave(reason=reason, unhealthy=unhealthy, stopped=stopped):
                 kept = await link.leave(reason, unhealthy, stopped)
                 # no answer: its memory stays as a killed agent's would (its next agent may find the job waiting)
+                node = self.link.node_id
                 self._memory_kept = "" if not stopped or kept == 0 else \
-                    "the job keeps node {node}'s place for its next agent" if kept else \
-                    "the server did not answer node {node}'s leave: as a killed agent's, its memory stays"
+                    f"the job keeps node {node}'s place for its next agent" if kept else \
+                    f"the server did not answer node {node}'s leave: as a killed agent's, its memory stays"
             case CheckNode():
                 start_source(self._check(action), self.facts.put_nowait)
             case AskWitnesses(witnesses=witnesses):

@@ -214,11 +214,11 @@ class MemoryDirs:
 
     def close(self, keep: str = "") -> None:
         """Remove this node's directories (the job ended, or the node leaves); `keep`: why they stay for its next
-        agent instead (a stopped agent: `systemctl restart`; "{node}" names the node), which takes them up as a
-        killed agent's, where it can (the node id lasts: given, not made from this agent's pid)."""
+        agent instead (a stopped agent: `systemctl restart`), which takes them up as a killed agent's, where it can
+        (the node id lasts: given, not made from this agent's pid)."""
         if keep and self.root is not None and os.path.basename(self.root) == dir_name(self.job_id, self.node_id) \
                 and lasting_node_id(self.node_id):
-            self._say(f"{keep.format(node=self.node_id)}: its snapshots stay in {self.root} for it (else removed by "
+            self._say(f"{keep}: its snapshots stay in {self.root} for it (else removed by "
                       f"the next agent starting on this host, {KEEP_S:.0f}s after their last write)")
             self.root = None
         if self.root is not None:

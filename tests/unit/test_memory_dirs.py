@@ -141,7 +141,7 @@ job, node, base = sys.argv[1:4]
 from node_agent.settings import default_node_id
 dirs = MemoryDirs(job, 1, 2**20, say=print, base=base, node_id=default_node_id() if node == "HOSTNAME-PID" else node)
 snapshot.save(b"shard", 25, where=dirs.dirs_for(1, 0, "run-1")[0])
-dirs.close(keep="the job keeps node {node}'s place for its next agent")     # its leave's reply (place_kept_s)
+dirs.close(keep=f"the job keeps node {dirs.node_id}'s place for its next agent")     # its leave's reply (place_kept_s)
 """
 
 
