@@ -196,7 +196,7 @@ class Agent:
             case Rejoin():
                 link.rejoin()
             case Leave(reason=reason, unhealthy=unhealthy, stopped=stopped):
-                kept = await link.leave(reason, unhealthy, stopped)
+                kept = await link.leave(reason, unhealthy, stopped, self.settings.workers.stop_timeout)
                 # no answer: its memory stays as a killed agent's would (its next agent may find the job waiting)
                 node = self.link.node_id
                 self._memory_kept = "" if not stopped or kept == 0 else \

@@ -13,7 +13,7 @@ from node_agent.client.retry import until_answered
 from node_agent.client.transport import ServerRejected, ServerUnreachable, Transport
 from node_agent.core.facts import Put, Request, ServerNotReached, ServerRefused, StatusReceived
 from node_agent.sources import start_source
-from protocol.bounds import MAX_POLL_WAIT_S
+from protocol.bounds import MAX_POLL_WAIT_S, MAX_STOP_S
 from protocol.messages import (
     FailureReport,
     JoinRequest,
@@ -79,11 +79,13 @@ class ServerLink:
     def report_stall(self, round_id: int, threshold_s: float, ranks: tuple[RankSeen, ...]) -> None:
         self._send(StallReport, lambda: self._client.report_stall(round_id, threshold_s, list(ranks)))
 
-    async def leave(self, reason: str, unhealthy: UnhealthyKind | None = None, stopped: bool = False) -> float | None:
+    async def leave(self, reason: str, unhealthy: UnhealthyKind | None = None, stopped: bool = False,
+                    stop_timeout_s: float = 0.0) -> float | None:
         """Say goodbye, once and briefly (the lease lapses anyway). A join on its way is waited for briefly,
         so the leave carries its credential rather than leave a record that lapses as a loss (flap damping).
         How long the job keeps this node's place for its next agent (0: not; None: no answer). `stopped`: a poll
-        first tells the server what the node's memory holds now (its newest snapshot: awaiting.py's evidence)."""
+        first tells the server what the node's memory holds now (its newest snapshot: awaiting.py's evidence), and
+        the leave how long its workers may take to stop (`stop_timeout_s`)."""
         joining = self._tasks.get(JoinRequest)
         if joining is not None and not joining.done():
             with contextlib.suppress(asyncio.TimeoutError):
@@ -93,7 +95,8 @@ class ServerLink:
             with contextlib.suppress(ServerUnreachable, ServerRejected, asyncio.TimeoutError):
                 await asyncio.wait_for(self._poll(0.0), NOTE_BEFORE_LEAVE_S)
         with contextlib.suppress(ServerUnreachable, ServerRejected):
-            kept = (await self._client.leave(reason, unhealthy, stopped)).place_kept_s
+            kept = (await self._client.leave(reason, unhealthy, stopped,
+                                             min(stop_timeout_s, MAX_STOP_S) if stopped else 0.0)).place_kept_s
         self.joined = False          # no more polls: this node is no member until it joins again
         self._cancel(PollRequest)
         self._cancel_prompt()

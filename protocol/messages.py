@@ -24,6 +24,7 @@ from protocol.bounds import (
     MAX_RESTARTS,
     MAX_ROUND,
     MAX_SHORT_TEXT,
+    MAX_STOP_S,
     MAX_TRACEBACK,
     Nodes,
     Port,
@@ -233,6 +234,9 @@ class LeaveRequest(_Request, kw_only=True):
     # started again under its own id at once, so a job that would lose state only it holds waits for it
     # (rdzv_server/core/awaiting.py). Absent from older agents; ignored by older servers.
     stopped: bool = False
+    # With `stopped`: how long its workers may still take to stop (its --stop-timeout: a script that saves a
+    # checkpoint on SIGTERM); the wait for its next agent counts from then. Absent from older agents: 0.
+    stop_timeout_s: Annotated[float, Meta(ge=0, le=MAX_STOP_S)] = 0.0
 
     def __post_init__(self) -> None:
         super().__post_init__()

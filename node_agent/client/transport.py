@@ -165,9 +165,10 @@ class Transport:
         return await self._request(self._for_node(StallReport, round_id=round_id, threshold_s=threshold_s,
                                                   ranks=ranks))
 
-    async def leave(self, reason: str, unhealthy: UnhealthyKind | None = None, stopped: bool = False) -> NodeStatus:
-        return await self._request(self._for_node(LeaveRequest, reason=reason, unhealthy=unhealthy, stopped=stopped),
-                                   self.LEAVE_TIMEOUT_S)
+    async def leave(self, reason: str, unhealthy: UnhealthyKind | None = None, stopped: bool = False,
+                    stop_timeout_s: float = 0.0) -> NodeStatus:
+        return await self._request(self._for_node(LeaveRequest, reason=reason, unhealthy=unhealthy, stopped=stopped,
+                                                  stop_timeout_s=stop_timeout_s), self.LEAVE_TIMEOUT_S)
 
 
 def local_addr_towards(host: str, port: int) -> str:

@@ -8,7 +8,9 @@ lost node's copies from the restarting node fails the same way. So a member lost
 host, replaced by a new instance of its agent, or leaving because its agent was stopped by a signal (`systemctl
 restart`: LeaveRequest.stopped), that holds state of its own (`holds_own_state`), whose place no node takes or whose
 copies a member still fetches, is awaited for `window_s` (a lease and a last call) while the survivors wait; back but
-still preparing, up to two windows from the wait's start (`deadline`). What looks the same: an agent that crashed or
+still preparing, up to two windows from the wait's start (`deadline`). A stopped agent leaves before it stops its
+workers: its wait starts when they may be stopped (LeaveRequest.stop_timeout_s: a script saving a checkpoint on
+SIGTERM would otherwise be gone on without while it saves). What looks the same: an agent that crashed or
 was stopped for good, or a host closing its connections as it shuts down: the job goes on without it that much later
 (when shrinking would have lost the state anyway), and the event says why. A host that keeps dropping out (a flapping
 host, exclude_lost_after), a node that leaves unhealthy and a drained one are not awaited.
@@ -61,16 +63,19 @@ def worth_awaiting(job: JobRecord, choice: Choice, lost: list[str], now: float) 
     return [n for n in lost if (n not in taken or n in fetched_from) and not flapping(job, n, now)]
 
 
-def lost_again(job: JobRecord, node: NodeRecord, now: float, restarting: bool) -> bool:
+def lost_again(job: JobRecord, node: NodeRecord, now: float, restarting: bool, stopping_s: float = 0.0) -> bool:
     """A node of the last round's places lost (or replaced) while the job waits for the awaited ones: awaited too
-    where its agent may be restarting (else the round formed on their return would close up over its place), but
-    one awaited that is lost again as a flapping host, or not as a restart, is not any more. Whether the wait goes
-    on: someone is still awaited and not everyone awaited is back."""
+    where its agent may be restarting (else the round formed on their return would close up over its place), its
+    window from when its workers are stopped (`stopping_s` from now; the wait's bound moves with it), but one
+    awaited that is lost again as a flapping host, or not as a restart, is not any more. Whether the wait goes on:
+    someone is still awaited and not everyone awaited is back."""
     nid = node.node_id
     if nid in job.places and restarting and not flapping(job, nid, now):
         if nid not in job.awaited:
             job.awaited.append(nid)
-        job.last_call_deadline = deadline(job, now)
+        if stopping_s:
+            job.awaited_since = max(job.awaited_since, now + stopping_s - window_s(job.config))
+        job.last_call_deadline = deadline(job, now + stopping_s)
         return True
     return not given_up(job, nid)
 

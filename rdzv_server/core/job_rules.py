@@ -209,10 +209,11 @@ class JobRules:
                             f"never said it was ready): left out of every round until it is", node.node_id)
 
     def form_round(self, now: float, why: str, cause: RoundCause, failed_at: float | None = None,
-                   restarting: list[str] | None = None) -> None:
+                   restarting: list[str] | None = None, stopping_s: float = 0.0) -> None:
         """Form the next round from live members + waiting + spares, or go back to waiting. `failed_at`: when the
         failure or loss that caused it happened (worker exit, or the lost node's last contact). `restarting`: lost
-        members whose agents may be restarting: awaited rather than gone on without (awaiting.py)."""
+        members whose agents may be restarting: awaited rather than gone on without (awaiting.py), from when their
+        workers are stopped (`stopping_s` from now)."""
         job, cfg = self.job, self.job.config
         choice = choose(job)
         chosen, rest, preparing, took = choice.chosen, choice.rest, choice.preparing, choice.took
@@ -222,7 +223,7 @@ class JobRules:
         self.wake()
         held = awaiting.worth_awaiting(job, choice, restarting or [], now) if len(chosen) >= cfg.min_nodes else []
         if len(chosen) < cfg.min_nodes or held:
-            self._wait_for_nodes(now, why, cause, choice, held)
+            self._wait_for_nodes(now, why, cause, choice, held, stopping_s)
             return
         opened = job.forming_since if job.forming_since is not None else now
         promoted = len(set(chosen) & set(job.spares))
@@ -259,7 +260,8 @@ class JobRules:
         self.record(now, EventKind.ROUND_COMPLETED, f"round {job.round.round_id}: {len(chosen)} nodes, world size "
                     f"{job.round.world_size} ({why}){taken}", round_id=job.round.round_id, data=data)
 
-    def _wait_for_nodes(self, now: float, why: str, cause: RoundCause, choice: Choice, held: list[str]) -> None:
+    def _wait_for_nodes(self, now: float, why: str, cause: RoundCause, choice: Choice, held: list[str],
+                        stopping_s: float = 0.0) -> None:
         """No round: below min_nodes, or while `held` (members restarting) are awaited until the last call's end.
         The survivors keep their places for the round that comes."""
         job, cfg = self.job, self.job.config
@@ -267,11 +269,11 @@ class JobRules:
         # is not back in time
         standby = [new for new, gone in choice.took.items() if gone in held and new not in self.members()]
         if held:
-            job.awaited, job.awaited_since = held, now
-            job.last_call_deadline = now + awaiting.window_s(cfg)
+            job.awaited, job.awaited_since = held, now + stopping_s
+            job.last_call_deadline = job.awaited_since + awaiting.window_s(cfg)
             self.out.deadline(job.last_call_deadline)
-            waits = (f"waiting up to {awaiting.window_s(cfg):g}s for {awaiting.names(job)} to come back (an agent "
-                     f"restarting keeps its place) before going on with {count_nodes(choice.chosen)}")
+            waits = (f"waiting up to {job.last_call_deadline - now:g}s for {awaiting.names(job)} to come back (an "
+                     f"agent restarting keeps its place) before going on with {count_nodes(choice.chosen)}")
         else:
             waits = f"{count_nodes(choice.chosen)} < min {cfg.min_nodes}: waiting for nodes"
         if job.round is not None:
@@ -313,11 +315,11 @@ class JobRules:
 
     def remove(self, node: NodeRecord, now: float, kind: EventKind, message: str,
                failed_at: float | None = None, form: bool = True, data: Payload | None = None,
-               restarting: bool = False) -> None:
+               restarting: bool = False, stopping_s: float = 0.0) -> None:
         """Take a node out of the job (lost, left or drained); a member's going re-forms the round
         (unless `form` is False: the caller forms it once for several). `restarting`: its agent may be restarting
-        (its host closed its connection, or a new instance of it joins) and it held state of its own: its place is
-        kept for it (awaiting.py)."""
+        (its host closed its connection, a new instance of it joins, or it was stopped: its workers stop within
+        `stopping_s`) and it held state of its own: its place is kept for it (awaiting.py)."""
         job = self.job
         was_member = node.node_id in self.members()
         del job.nodes[node.node_id]
@@ -331,10 +333,10 @@ class JobRules:
             if form:
                 job.forming_since = now
                 self.form_round(now, message, REMOVAL_CAUSE[kind], failed_at,
-                                restarting=[node.node_id] if restarting else None)
+                                restarting=[node.node_id] if restarting else None, stopping_s=stopping_s)
             return
         if job.round is None and job.awaited:       # the job waits for members restarting: this one too?
-            if not awaiting.lost_again(job, node, now, restarting):
+            if not awaiting.lost_again(job, node, now, restarting, stopping_s):
                 job.last_call_deadline = now        # nobody left to wait for: the next tick forms the round
             self.out.deadline(job.last_call_deadline or now)
         if job.last_call_deadline is not None:

@@ -173,7 +173,7 @@ def leave(call: Call, req: LeaveRequest) -> str:
         if restarting:
             leases.note_loss(rules.job, node.node_id, now)
         rules.remove(node, now, kind, f"node {node.node_id} left: {req.reason}", data=unhealthy,
-                     restarting=restarting)
+                     restarting=restarting, stopping_s=req.stop_timeout_s if restarting else 0.0)
         if req.unhealthy is not None:      # its host is kept out of every job for a while
             call.unhealthy.hold(node.host or node.addr, req.unhealthy.value, req.reason, rules.job.job_id,
                                 req.node_id, now)

@@ -100,7 +100,7 @@ def test_a_standalone_agent_restarted_under_its_job_id_resumes_from_its_memory(c
     assert agent.wait(LIMIT) == 0, agent.output
 
 
-@pytest.mark.parametrize("cut", ["server-away", "server-away-elastic", "manager-kill"])
+@pytest.mark.parametrize("cut", ["server-away", "server-away-elastic", "manager-kill", "slow-stop"])
 def test_a_stop_cut_short_keeps_the_nodes_memory_and_place(cluster, tmp_path, cut):
     """`systemctl restart` going wrong. server-away: the server cannot hear the stopped agent's leave (one failure
     domain, so no peer holds copies: its memory is all there is of its ranks' snapshots): it keeps it, as a killed
@@ -108,17 +108,19 @@ def test_a_stop_cut_short_keeps_the_nodes_memory_and_place(cluster, tmp_path, cu
     when the server came back, ran out: nobody heard how it ended, so its place is kept (before: a host gone
     silent, the node behind closed up, every rank from step 0). manager-kill: the workers take their time to stop
     (they ignore SIGTERM) and the service manager SIGKILLs the agent when its grace ends: its leave went first, so
-    the job still waits for it."""
+    the job still waits for it. slow-stop: the workers take the agent's whole --stop-timeout (8 s, twice the job's
+    4 s window: a script saving a checkpoint on SIGTERM) before it kills them: the wait counts from then (before:
+    the job shrank without the node while its workers stopped)."""
     job = f"stop-{cut}"
     nnodes = "3" if cut == "server-away" else "2:3"
     away = cut.startswith("server-away")
     cluster.start_server()
-    env = {"IGNORE_TERM": "1"} if cut == "manager-kill" else {}
+    env = {"IGNORE_TERM": "1"} if cut in ("manager-kill", "slow-stop") else {}
 
     def start_node(node: str):
         return cluster.agent("--endpoint", cluster.endpoint(), "--nnodes", nnodes, "--nproc", "2", "--job-id", job,
                              "--max-restarts", "3", "--node-id", node, "--failure-domain", "one", *FAST,
-                             "--stop-timeout", "30", SHARDS, name=node,
+                             "--stop-timeout", "8" if cut == "slow-stop" else "30", SHARDS, name=node,
                              env={"OUT_DIR": str(tmp_path), "NODE": node, **ENV, **env})
 
     agents = {n: start_node(n) for n in ("a", "b", "c")}

@@ -10,6 +10,7 @@ from node_agent import server_link
 from node_agent.client.transport import ServerRejected, ServerUnreachable, Transport
 from node_agent.core.facts import Fact, ServerNotReached, ServerRefused, StatusReceived
 from node_agent.server_link import ServerLink
+from protocol.bounds import MAX_STOP_S
 from protocol.errors import ErrorCode
 from protocol.messages import (
     FailureReport,
@@ -293,6 +294,13 @@ async def test_a_stopped_agents_leave_tells_its_snapshot_first_and_a_silent_serv
     sl, client, _ = link
     monkeypatch.setattr(server_link, "NOTE_BEFORE_LEAVE_S", 0.05)
     client.script["poll"] = ["hold"]                  # a server that never answers the note
-    assert await asyncio.wait_for(sl.leave("agent received SIGTERM", stopped=True), LIMIT) == STATUS.place_kept_s
+    assert await asyncio.wait_for(sl.leave("agent received SIGTERM", stopped=True, stop_timeout_s=30.0), LIMIT) \
+        == STATUS.place_kept_s
     assert [a for a, _ in client.sent] == ["poll", "leave"]
     assert client.sent[-1][1].stopped                 # type: ignore[attr-defined]
+    # how long its workers may take to stop: the job's wait counts from then, bounded by the wire's limit
+    assert client.sent[-1][1].stop_timeout_s == 30.0  # type: ignore[attr-defined]
+    await sl.leave("agent received SIGTERM", stopped=True, stop_timeout_s=86400.0)
+    assert client.sent[-1][1].stop_timeout_s == MAX_STOP_S  # type: ignore[attr-defined]
+    await sl.leave("its checks failed", stop_timeout_s=30.0)
+    assert client.sent[-1][1].stop_timeout_s == 0.0  # type: ignore[attr-defined]

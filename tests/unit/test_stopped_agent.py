@@ -5,21 +5,25 @@ and every rank went back to step 0). The reply tells the agent how long, so it k
 Pure core, time as plain floats."""
 from __future__ import annotations
 
+import msgpack
+import msgspec
 import pytest
 
 from protocol.messages import JobConfig, JobState, LeaveRequest, NodeState, NodeStatus, UnhealthyKind
+from rdzv_server.core.awaiting import window_s
 from rdzv_server.core.rendezvous import Rendezvous
 from tests.unit.test_awaiting import ELASTIC, WINDOW, b_then_c_back, heard, last_event, snapshots
 from tests.unit.test_rendezvous import JOB, job, join, members, running, view
 
 
 def stop(rz: Rendezvous, node: str, now: float, *, stopped: bool = True, held: bool = True,
-         unhealthy: UnhealthyKind | None = None) -> NodeStatus:
-    """`node`'s agent got SIGTERM: it stopped its workers and leaves. `held`: its polls told a snapshot of its own."""
+         unhealthy: UnhealthyKind | None = None, stop_timeout_s: float = 0.0) -> NodeStatus:
+    """`node`'s agent got SIGTERM: it leaves, then stops its workers (within `stop_timeout_s`). `held`: its polls
+    told a snapshot of its own."""
     if held:
         snapshots(rz, node, now - 0.5)
     return rz.handle(JOB, LeaveRequest(v=1, node_id=node, reason="agent received SIGTERM", stopped=stopped,
-                                       unhealthy=unhealthy), now)
+                                       unhealthy=unhealthy, stop_timeout_s=stop_timeout_s), now)
 
 
 def test_a_stopped_member_keeps_its_place_until_its_next_agent_joins():
@@ -45,6 +49,50 @@ def test_a_stopped_member_not_back_within_the_window_is_gone_on_without():
     rz.tick(10.0 + WINDOW)
     assert members(rz) == ["a", "c"] and job(rz).restart_count == 0
     assert f"node b not back within {WINDOW:g}s" in last_event(rz, "round_completed")
+
+
+def test_the_wait_for_a_stopped_member_counts_from_when_its_workers_may_be_stopped():
+    """A script that saves a checkpoint on SIGTERM takes its time: the agent's next instance comes once its
+    workers are stopped, which may take them its --stop-timeout (the leave says how long). Before, the window
+    counted from the leave, and a stop longer than it lost the node its place (an elastic job shrank)."""
+    rz = running(["a", "b", "c"], ELASTIC)
+    reply = stop(rz, "b", 10.0, stop_timeout_s=20.0)
+    assert reply.place_kept_s == pytest.approx(20.0 + WINDOW) and job(rz).awaited == ["b"]
+    assert f"waiting up to {20.0 + WINDOW:g}s for node b" in last_event(rz, "round_waiting")
+    heard(rz, "ac", 15.0, 20.0, 25.0)
+    rz.tick(10.0 + WINDOW)
+    assert job(rz).round is None
+    join(rz, "b", 29.0, ELASTIC, instance="b#2")            # its workers took 18 s to save and stop
+    assert members(rz) == ["a", "b", "c"] and job(rz).restart_count == 0
+
+
+def test_a_stopped_member_whose_workers_stop_and_which_never_comes_back_is_gone_on_without_then():
+    rz = running(["a", "b", "c"], ELASTIC)
+    stop(rz, "b", 10.0, stop_timeout_s=20.0)
+    heard(rz, "ac", 15.0, 20.0, 25.0, 30.0, 35.0, 10.0 + 20.0 + WINDOW)
+    rz.tick(10.0 + 20.0 + WINDOW - 0.01)
+    assert job(rz).round is None
+    rz.tick(10.0 + 20.0 + WINDOW)
+    assert members(rz) == ["a", "c"]
+
+
+def test_one_stopped_while_the_job_waits_for_another_is_awaited_until_its_workers_may_be_stopped_too():
+    cfg = JobConfig(min_nodes=2, max_nodes=4, max_restarts=3, lease_timeout_s=5.0, last_call_s=3.0)
+    rz = running(["a", "b", "c", "d"], cfg)
+    stop(rz, "b", 10.0)
+    heard(rz, "acd", 10.5)
+    assert stop(rz, "c", 11.0, stop_timeout_s=30.0).place_kept_s == pytest.approx(30.0 + window_s(cfg))
+    assert job(rz).awaited == ["b", "c"] and job(rz).last_call_deadline == pytest.approx(41.0 + window_s(cfg))
+    b_then_c_back(rz, cfg)
+
+
+def test_a_leave_cannot_hold_the_job_past_ten_minutes():
+    with pytest.raises(msgspec.ValidationError, match="stop_timeout_s"):
+        msgspec.msgpack.decode(msgpack.packb({"v": 1, "node_id": "b", "stopped": True, "stop_timeout_s": 601.0}),
+                               type=LeaveRequest)
+    for bad in (-1.0, float("nan"), float("inf")):
+        with pytest.raises(msgspec.ValidationError):
+            msgspec.msgpack.decode(msgpack.packb({"v": 1, "node_id": "b", "stop_timeout_s": bad}), type=LeaveRequest)
 
 
 @pytest.mark.parametrize("case", ["plain-leave", "unhealthy", "nothing-held", "replicas"])
