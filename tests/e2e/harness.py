@@ -99,11 +99,21 @@ class Proc:
             pass
 
 
-def child_env(**extra: str) -> dict[str, str]:
+def child_env(**extra: str | None) -> dict[str, str]:
+    """The environment a test's process gets: ours, the checkout on PYTHONPATH, and `extra` (None: unset).
+    OMP_NUM_THREADS is 1 unless set: the suite runs several multi-node torch jobs at once on a few cores, and a
+    worker alone on its node gets an OpenMP team as wide as the machine (as under torchrun), whose threads spin
+    while the other jobs' want the cores (a 3-node HF Trainer test took 120 s, 30 s with one thread each). Tests
+    of the agent's own rule for it unset it."""
     env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     env["PYTHONUNBUFFERED"] = "1"
-    env.update(extra)
+    for key, value in extra.items():
+        if value is None:
+            env.pop(key, None)
+        else:
+            env[key] = value
     return env
 
 
@@ -138,7 +148,7 @@ class Cluster:
         self.scheme, self.port = found.group(1), int(found.group(2))
         return self.port
 
-    def agent(self, *args: str, name: str = "agent", env: dict[str, str] | None = None) -> Proc:
+    def agent(self, *args: str, name: str = "agent", env: dict[str, str | None] | None = None) -> Proc:
         argv = [sys.executable, "-m", "node_agent.main", *args]
         proc = Proc(argv, child_env(**{"TMPDIR": self.temp_dir(), **(env or {})}), name)
         self.procs.append(proc)

@@ -137,12 +137,14 @@ def test_every_launch_line_row_has_its_run() -> None:
 # ---- launch lines, under both launchers ------------------------------------------------------------
 
 def start(cluster: Cluster, launcher: str, argv: list[str], env: dict[str, str], name: str = "") -> Proc:
+    """`launcher` (torchrun or node-agent) started with `argv`; OMP_NUM_THREADS unset unless `env` sets it, so the
+    launchers' own rules for it are compared."""
     cmd = [TORCHRUN, *argv] if launcher == "torchrun" else [sys.executable, "-m", "node_agent", *argv]
     if "TMPDIR" not in env:     # torchrun leaves a log directory in TMPDIR at every run: keep it in the test's
         tmp = cluster.tmp / f"tmp-{len(cluster.procs)}"
         tmp.mkdir()
         env = {**env, "TMPDIR": str(tmp)}
-    proc = Proc(cmd, child_env(**env), name or launcher)
+    proc = Proc(cmd, child_env(**{"OMP_NUM_THREADS": None, **env}), name or launcher)
     cluster.procs.append(proc)
     return proc
 
