@@ -11,6 +11,8 @@ steps of about 0.1 s). Node b's agent runs with RLIMIT_NOFILE 1024 (soft and har
   --nnodes S    the --restart job's size: 3 (default), or 2:3 (elastic: the job waits for b rather than shrinking)
   --signal S    how --restart stops b's agent: KILL (default: an OOM kill, a crash) or TERM (`systemctl restart`:
                 it stops its workers and leaves, saying it was stopped)
+  --slow-stop S node b's workers ignore SIGTERM (a script saving a checkpoint as it stops) and its agent's
+                --stop-timeout is S seconds: with --signal TERM, its workers take S to stop (the job's window: 4 s)
   --flood S     S seconds of 2,000 idle connections to each of node b's ports (its TLS copy port and its plain
                 witness port), from 100 loopback addresses, each one closed opened again: whether the agent lives,
                 the job's restarts, node b's descriptors at most, how soon a connection that never says a word is
@@ -67,19 +69,22 @@ class Job(ShardJob):
     """bench_node_loss's job, over TLS, with node b's agent at RLIMIT_NOFILE 1024."""
 
     def __init__(self, port: int, job: str, out: str, certs: tuple[str, str, str], extra: tuple[str, ...] = (),
-                 nnodes: str = "3") -> None:
+                 nnodes: str = "3", slow_stop: float = 0.0) -> None:
         ca, cert, key = certs
         super().__init__(port, job, out, nnodes, ("--tls-ca", ca, "--tls-cert", cert, "--tls-key", key, *extra))
-        self.ca = ca
+        self.ca, self.slow_stop = ca, slow_stop
 
     def start(self, node: str) -> None:
-        env = dict(os.environ, PYTHONPATH=ROOT, OUT_DIR=self.out, NODE=node, **ENV)
+        slow = node == "b" and self.slow_stop > 0
+        env = dict(os.environ, PYTHONPATH=ROOT, OUT_DIR=self.out, NODE=node, **ENV, **({"IGNORE_TERM": "1"} if slow
+                                                                                        else {}))
         limit = (lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (NOFILE, NOFILE))) if node == "b" else None
         with open(os.path.join(self.out, f"agent-{node}.log"), "a") as log:
             self.agents[node] = subprocess.Popen(
                 [sys.executable, "-m", "node_agent.main", "--endpoint", f"https://127.0.0.1:{self.port}", "--nnodes",
                  self.nnodes, "--nproc", "2", "--job-id", self.job, "--node-id", node, "--max-restarts", "5",
-                 "--failure-domain", f"rack-{node}", *FAST, *self.extra, SCRIPT],
+                 "--failure-domain", f"rack-{node}", *FAST, *self.extra,
+                 *(("--stop-timeout", f"{self.slow_stop:g}") if slow else ()), SCRIPT],
                 env=env, cwd=self.out, stdout=log, stderr=subprocess.STDOUT, preexec_fn=limit)
 
     def view(self) -> dict:
@@ -105,11 +110,11 @@ def _certs(where: str) -> tuple[str, str, str]:
 
 
 @contextlib.contextmanager
-def running_job(name: str, extra: tuple[str, ...] = (), nnodes: str = "3") -> Iterator[Job]:
+def running_job(name: str, extra: tuple[str, ...] = (), nnodes: str = "3", slow_stop: float = 0.0) -> Iterator[Job]:
     with _workdir() as out:
         certs = _certs(out)
         with running_server("--tls-cert", certs[1], "--tls-key", certs[2]) as port:
-            job = Job(port, name, out, certs, extra, nnodes)
+            job = Job(port, name, out, certs, extra, nnodes, slow_stop)
             try:
                 for n in ("a", "b", "c"):
                     job.start(n)
@@ -120,11 +125,11 @@ def running_job(name: str, extra: tuple[str, ...] = (), nnodes: str = "3") -> It
                 job.stop()
 
 
-def restart_runs(n: int, nnodes: str, how: signal.Signals = signal.SIGKILL) -> list[dict]:
+def restart_runs(n: int, nnodes: str, how: signal.Signals = signal.SIGKILL, slow_stop: float = 0.0) -> list[dict]:
     rows = []
     # One job, node b's agent restarted 2N times in minutes: flap damping (a node lost twice in 10 minutes is kept
     # out 5 minutes: --exclude-lost-after) is off, or the job would rightly keep b out from its second restart.
-    with running_job("restart", ("--exclude-lost-after", "0"), nnodes) as job:
+    with running_job("restart", ("--exclude-lost-after", "0"), nnodes, slow_stop) as job:
         for i in range(2 * n):
             memory = "kept" if i % 2 == 0 else "gone"
             rows.append(one_restart(job, i, memory, how))
@@ -353,6 +358,7 @@ def main() -> None:
     p.add_argument("--restart", type=int, default=0)
     p.add_argument("--nnodes", default="3", help="the --restart job's size (2:3: elastic, awaiting.py's case)")
     p.add_argument("--signal", default="KILL", choices=["KILL", "TERM"], help="how --restart stops b's agent")
+    p.add_argument("--slow-stop", type=float, default=0.0, help="b's workers take this long to stop (--restart)")
     p.add_argument("--flood", type=float, default=0.0)
     p.add_argument("--lines", action="store_true")
     p.add_argument("--ahead", action="store_true")
@@ -361,7 +367,8 @@ def main() -> None:
     args = p.parse_args()
     report: dict = {}
     if args.restart:
-        report["restart"] = restart_runs(args.restart, args.nnodes, signal.Signals[f"SIG{args.signal}"])
+        report["restart"] = restart_runs(args.restart, args.nnodes, signal.Signals[f"SIG{args.signal}"],
+                                         args.slow_stop)
     if args.flood:
         report["flood"] = flood_run(args.flood)
         print(json.dumps(report["flood"]), flush=True)

@@ -10,6 +10,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+# One OpenMP thread per process unless set: the suite runs several multi-process torch jobs (and in-process torch)
+# at once on a few cores, and a process alone on its "node" gets an OpenMP team as wide as the machine (as under
+# torchrun), whose threads spin while the others want the cores: a 3-node HF Trainer test took 120 s, 30 s with
+# one thread each. Tests of the launchers' own rule for it unset it (tests/e2e/harness.py child_env). Set before
+# any test module imports torch, which reads it as it loads.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 # What an agent (without --log-dir) or torchrun makes in the temp dir for a run: it must not outlive it.
 RUN_DIRS = ("node-agent_*", "torchelastic_*")
 

@@ -100,13 +100,9 @@ class Proc:
 
 
 def child_env(**extra: str | None) -> dict[str, str]:
-    """The environment a test's process gets: ours, the checkout on PYTHONPATH, and `extra` (None: unset).
-    OMP_NUM_THREADS is 1 unless set: the suite runs several multi-node torch jobs at once on a few cores, and a
-    worker alone on its node gets an OpenMP team as wide as the machine (as under torchrun), whose threads spin
-    while the other jobs' want the cores (a 3-node HF Trainer test took 120 s, 30 s with one thread each). Tests
-    of the agent's own rule for it unset it."""
+    """The environment a test's process gets: ours (OMP_NUM_THREADS=1 among it: tests/conftest.py), the checkout on
+    PYTHONPATH, and `extra` (None: unset)."""
     env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", "1")
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     env["PYTHONUNBUFFERED"] = "1"
     for key, value in extra.items():
