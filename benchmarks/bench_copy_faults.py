@@ -11,8 +11,8 @@ steps of about 0.1 s). Node b's agent runs with RLIMIT_NOFILE 1024 (soft and har
   --nnodes S    the --restart job's size: 3 (default), or 2:3 (elastic: the job waits for b rather than shrinking)
   --signal S    how --restart stops b's agent: KILL (default: an OOM kill, a crash) or TERM (`systemctl restart`:
                 it stops its workers and leaves, saying it was stopped)
-  --slow-stop S node b's workers ignore SIGTERM (a script saving a checkpoint as it stops) and its agent's
-                --stop-timeout is S seconds: with --signal TERM, its workers take S to stop (the job's window: 4 s)
+  --slow-stop S node b's workers take S seconds to stop on SIGTERM (a script saving a checkpoint as it stops;
+                its agent's --stop-timeout S + 2): with --signal TERM, longer than the job's window (4 s) if S > 4
   --flood S     S seconds of 2,000 idle connections to each of node b's ports (its TLS copy port and its plain
                 witness port), from 100 loopback addresses, each one closed opened again: whether the agent lives,
                 the job's restarts, node b's descriptors at most, how soon a connection that never says a word is
@@ -76,15 +76,15 @@ class Job(ShardJob):
 
     def start(self, node: str) -> None:
         slow = node == "b" and self.slow_stop > 0
-        env = dict(os.environ, PYTHONPATH=ROOT, OUT_DIR=self.out, NODE=node, **ENV, **({"IGNORE_TERM": "1"} if slow
-                                                                                        else {}))
+        env = dict(os.environ, PYTHONPATH=ROOT, OUT_DIR=self.out, NODE=node, **ENV,
+                   **({"TERM_SAVE_S": f"{self.slow_stop:g}"} if slow else {}))
         limit = (lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (NOFILE, NOFILE))) if node == "b" else None
         with open(os.path.join(self.out, f"agent-{node}.log"), "a") as log:
             self.agents[node] = subprocess.Popen(
                 [sys.executable, "-m", "node_agent.main", "--endpoint", f"https://127.0.0.1:{self.port}", "--nnodes",
                  self.nnodes, "--nproc", "2", "--job-id", self.job, "--node-id", node, "--max-restarts", "5",
                  "--failure-domain", f"rack-{node}", *FAST, *self.extra,
-                 *(("--stop-timeout", f"{self.slow_stop:g}") if slow else ()), SCRIPT],
+                 *(("--stop-timeout", f"{self.slow_stop + 2:g}") if slow else ()), SCRIPT],
                 env=env, cwd=self.out, stdout=log, stderr=subprocess.STDOUT, preexec_fn=limit)
 
     def view(self) -> dict:
@@ -158,22 +158,25 @@ def one_restart(job: Job, i: int, memory: str, how: signal.Signals = signal.SIGK
     resumed, first = job.resumed(killed_at), _stepping(job, killed_at)
     step = min(int(v[0]) for v in resumed.values())
     stepping = max(first.values())
-    holder = os.path.join(SHM, dir_name(job.job, _holder_of(job, "b")[0]), COPIES, "b")
+    log = job.log("b")[logged:]
+    row = {"run": i, "signal": how.name, "memory": memory, "memory_left": left, "killed_after_step": low,
+           "newest_held": held, "waited": "waiting up to" in job.log("a")[logged_a:],
+           "steps": sorted({int(v[0]) for v in resumed.values()}), "sources": sorted({v[1] for v in resumed.values()}),
+           "own_shards": sum(v[2] == "ok" for v in resumed.values()),
+           "stepping_again_s": round(max(first.values()) - killed_at, 2),
+           "took_up": log.count("kept the memory of node b's previous agent"), "fetched": log.count("fetched node b")}
+    try:
+        holder = os.path.join(SHM, dir_name(job.job, _holder_of(job, "b")[0]), COPIES, "b")
+    except RuntimeError as exc:         # (b not where it was: the job went on without it)
+        return {**row, "copies": str(exc)}
     held_at = wait(lambda: _newest_held(holder) > step and time.time(), 120, "b's next copy on its holder")
     landed = _newest_held(holder)         # b's first snapshot after it resumed, in its holder's store
     view = wait(lambda: (c := job.copies("b")).get("sent_bytes", 0) > 0 and c.get("copied_step", -1) >= landed
                 and c, 120, "b's copies in the server's view")
     assert isinstance(view, dict)
-    log = job.log("b")[logged:]
-    return {"run": i, "signal": how.name, "memory": memory, "memory_left": left, "killed_after_step": low,
-            "newest_held": held, "waited": "waiting up to" in job.log("a")[logged_a:],
-            "steps": sorted({int(v[0]) for v in resumed.values()}), "sources": sorted({v[1] for v in resumed.values()}),
-            "own_shards": sum(v[2] == "ok" for v in resumed.values()),
-            "stepping_again_s": round(max(first.values()) - killed_at, 2),
-            "first_copy_after_resume": landed, "its_snapshots_after_resume": (landed - step) // 5,
+    return {**row, "first_copy_after_resume": landed, "its_snapshots_after_resume": (landed - step) // 5,
             "copy_after_stepping_s": round(float(held_at) - stepping, 2),  # type: ignore[arg-type]
-            "refused_after": view.get("refused", 0),
-            "took_up": log.count("kept the memory of node b's previous agent"), "fetched": log.count("fetched node b")}
+            "refused_after": view.get("refused", 0)}
 
 
 def ports_of(pid: int) -> tuple[int, int]:

@@ -14,7 +14,7 @@ SLOW_AT=NODE:STEP:FRACTION:HOW: on node NODE, from step STEP, each step takes FR
 per rank and step. SOLO_AT=STEP,STEP:SECONDS: global rank 0 computes alone for SECONDS at those steps (first
 attempt), as an evaluation does, while the others wait in the next all_reduce. Each step is a beat() (the probe's
 steps and pace). IGNORE_TERM=1: the ranks ignore SIGTERM (a framework saving before it stops): their agent's stop takes
---stop-timeout.
+--stop-timeout. TERM_SAVE_S=S: on SIGTERM a rank takes S seconds (a checkpoint saved as it stops), then exits.
 """
 import functools
 import os
@@ -32,6 +32,11 @@ env = os.environ.get
 out = env("OUT_DIR", ".")
 if env("IGNORE_TERM") == "1":
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+if float(env("TERM_SAVE_S", "0")) > 0:
+    def _saving(signum, _frame):
+        time.sleep(float(env("TERM_SAVE_S", "0")))
+        raise SystemExit(128 + signum)
+    signal.signal(signal.SIGTERM, _saving)
 dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
 restart = int(env("TORCHELASTIC_RESTART_COUNT", "0"))
