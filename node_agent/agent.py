@@ -195,8 +195,9 @@ class Agent:
                 self.workers.memory.keep_from(step)
             case Rejoin():
                 link.rejoin()
-            case Leave(reason=reason, unhealthy=unhealthy, stopped=stopped):
-                kept = await link.leave(reason, unhealthy, stopped, self.settings.workers.stop_timeout)
+            case Leave(reason=reason, unhealthy=unhealthy, stopped=stopped, stops_workers=stops_workers):
+                kept = await link.leave(reason, unhealthy, stopped,
+                                        self.settings.workers.stop_timeout if stops_workers else 0.0)
                 # no answer: its memory stays as a killed agent's would (its next agent may find the job waiting)
                 node = self.link.node_id
                 self._memory_kept = "" if not stopped or kept == 0 else \

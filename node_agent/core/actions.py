@@ -69,10 +69,12 @@ class Rejoin:
 @dataclass(frozen=True)
 class Leave:
     """Tell the server this node goes (a courtesy: its lease lapses anyway); `unhealthy`: its host is kept out;
-    `stopped`: the agent was stopped by a signal and may be started again at once (LeaveRequest.stopped)."""
+    `stopped`: the agent was stopped by a signal and may be started again at once (LeaveRequest.stopped), and
+    `stops_workers`: it stops its workers after the leave (the job's wait counts from the end of their stop)."""
     reason: str
     unhealthy: UnhealthyKind | None = None
     stopped: bool = False
+    stops_workers: bool = False
 
 
 @dataclass(frozen=True)

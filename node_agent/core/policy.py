@@ -338,8 +338,8 @@ class SupervisionPolicy:
         name = signal.Signals(signum).name
         self.exiting = True
         stopped = self.restartable and signum == signal.SIGTERM      # what a service manager stops with
-        leave = Leave(f"agent received {name}", stopped=stopped)
         stop, end = self._stop(f"agent received {name}", signum), Exit(128 + signum, f"node-agent stopped by {name}")
+        leave = Leave(f"agent received {name}", stopped=stopped, stops_workers=stopped and bool(stop))
         # said first when stopped: a second signal, or the manager's SIGKILL when its grace ends, may cut the stop short
         return [leave, *stop, end] if stopped else [*stop, leave, end]
 

@@ -71,7 +71,9 @@ def lost_again(job: JobRecord, node: NodeRecord, now: float, restarting: bool, s
     someone is still awaited and not everyone awaited is back."""
     nid = node.node_id
     if nid in job.places and restarting and not flapping(job, nid, now):
-        if nid not in job.awaited:
+        if nid in job.awaited:        # back, and stopped again: its stop moves nothing (the bound stays a bound)
+            stopping_s = 0.0
+        else:
             job.awaited.append(nid)
         if stopping_s:
             job.awaited_since = max(job.awaited_since, now + stopping_s - window_s(job.config))
@@ -109,6 +111,18 @@ def all_back(job: JobRecord) -> bool:
     """Every awaited node has joined again and can start at once: the round forms now."""
     return all(n in job.nodes and job.nodes[n].ready and job.nodes[n].state == NodeState.WAITING
                for n in job.awaited)
+
+
+def waiting(job: JobRecord, now: float) -> str:
+    """What the job waits for, and how long (the job's reason and its round_waiting event say it)."""
+    left = (job.last_call_deadline or now) - now
+    return f"waiting up to {left:g}s for {names(job)} to come back (an agent restarting keeps its place)"
+
+
+def not_back(job: JobRecord) -> str:
+    """Why the wait ended without them: counted from their agents' end (a stopped one's: its workers' stop)."""
+    whose = "its agent's" if len(job.awaited) == 1 else "their agents'"
+    return f"{names(job)} not back within {window_s(job.config):g}s of {whose} end"
 
 
 def names(job: JobRecord) -> str:

@@ -123,8 +123,8 @@ class JobRules:
             job.last_call_deadline = None
             if job.awaited:             # the wait's end, or every one still awaited is back (another given up)
                 self.form_round(now, f"{awaiting.names(job)} back" if awaiting.all_back(job) else
-                                f"{awaiting.names(job)} not back within {awaiting.window_s(job.config):g}s: going on "
-                                f"with " + count_nodes(candidates(job)), RoundCause.NODE_LOST)
+                                f"{awaiting.not_back(job)}: going on with " + count_nodes(candidates(job)),
+                                RoundCause.NODE_LOST)
             else:
                 self.form_round(now, "last call ended with " + count_nodes(candidates(job)), growth_cause(job))
         if job.state == JobState.WAITING and job.last_call_deadline is None and \
@@ -272,8 +272,7 @@ class JobRules:
             job.awaited, job.awaited_since = held, now + stopping_s
             job.last_call_deadline = job.awaited_since + awaiting.window_s(cfg)
             self.out.deadline(job.last_call_deadline)
-            waits = (f"waiting up to {job.last_call_deadline - now:g}s for {awaiting.names(job)} to come back (an "
-                     f"agent restarting keeps its place) before going on with {count_nodes(choice.chosen)}")
+            waits = f"{awaiting.waiting(job, now)} before going on with {count_nodes(choice.chosen)}"
         else:
             waits = f"{count_nodes(choice.chosen)} < min {cfg.min_nodes}: waiting for nodes"
         if job.round is not None:
@@ -338,6 +337,8 @@ class JobRules:
         if job.round is None and job.awaited:       # the job waits for members restarting: this one too?
             if not awaiting.lost_again(job, node, now, restarting, stopping_s):
                 job.last_call_deadline = now        # nobody left to wait for: the next tick forms the round
+            elif restarting:        # awaited too: what the job waits for, and how long, as it says
+                job.reason = f"{message}; {awaiting.waiting(job, now)}"
             self.out.deadline(job.last_call_deadline or now)
         if job.last_call_deadline is not None:
             # Below min, or with no newcomer left while a round runs, the window has nothing to form.

@@ -230,10 +230,17 @@ def test_a_sigterm_of_an_agent_that_may_be_restarted_says_so_in_its_leave(signum
     p.handle(member(1), 0.0)
     name = signal.Signals(signum).name
     actions = p.handle(SignalReceived(signum), 1.0)
-    leave = Leave(f"agent received {name}", stopped=stopped)
+    leave = Leave(f"agent received {name}", stopped=stopped, stops_workers=stopped)
     # a stopped agent's leave goes first: a second signal, or its manager's SIGKILL, may cut its workers' stop short
     stop, end = StopWorkers(f"agent received {name}", signum), Exit(128 + signum, f"node-agent stopped by {name}")
     assert actions == ([leave, stop, end] if stopped else [stop, leave, end])
+
+
+def test_a_stopped_agent_with_no_workers_running_asks_for_no_time_to_stop_them() -> None:
+    """A survivor whose round was abandoned while the job waits: nothing to stop, so the job's wait for its next
+    agent need not count from the end of a stop (LeaveRequest.stop_timeout_s: 0)."""
+    p = SupervisionPolicy(server_wait_s=60, restartable=True)
+    assert p.handle(SignalReceived(signal.SIGTERM), 1.0)[0] == Leave("agent received SIGTERM", stopped=True)
 
 
 def test_signal_stops_workers_with_that_signal_leaves_and_exits_128_plus_signal() -> None:

@@ -83,7 +83,31 @@ def test_one_stopped_while_the_job_waits_for_another_is_awaited_until_its_worker
     heard(rz, "acd", 10.5)
     assert stop(rz, "c", 11.0, stop_timeout_s=30.0).place_kept_s == pytest.approx(30.0 + window_s(cfg))
     assert job(rz).awaited == ["b", "c"] and job(rz).last_call_deadline == pytest.approx(41.0 + window_s(cfg))
+    # the job says so (it said "waiting up to 8s for node b")
+    assert job(rz).reason.endswith(f"waiting up to {30.0 + window_s(cfg):g}s for nodes b, c to come back (an agent "
+                                   f"restarting keeps its place)"), job(rz).reason
     b_then_c_back(rz, cfg)
+
+
+def test_a_member_stopped_again_as_it_prepares_moves_the_wait_no_further():
+    """Its stop's time counts once: a next agent stopped again and again while it prepares (a probe in a loop;
+    flap damping off) would otherwise hold the job for good. The wait ends at its bound, two windows from the
+    end of the first stop, and the round forms without it."""
+    cfg = JobConfig(min_nodes=2, max_nodes=3, max_restarts=3, lease_timeout_s=5.0, last_call_s=3.0,
+                    exclude_lost_after=0)
+    rz = running(["a", "b", "c"], cfg)
+    stop(rz, "b", 10.0, stop_timeout_s=30.0)
+    bound = 10.0 + 30.0 + 2 * window_s(cfg)
+    t = 12.0
+    while job(rz).round is None and t < 200.0:
+        join(rz, "b", t, cfg, instance=f"b#{t:g}", ready=False)
+        snapshots(rz, "b", t + 0.5, ready=False)
+        rz.handle(JOB, LeaveRequest(v=1, node_id="b", reason="agent received SIGTERM", stopped=True,
+                                    stop_timeout_s=30.0), t + 1.0)
+        t += 2.0
+        heard(rz, "ac", t)
+        rz.tick(t)
+    assert job(rz).round is not None and t <= bound + 2.0 and members(rz) == ["a", "c"], t
 
 
 def test_a_leave_cannot_hold_the_job_past_ten_minutes():
