@@ -339,7 +339,9 @@ class SupervisionPolicy:
         self.exiting = True
         stopped = self.restartable and signum == signal.SIGTERM      # what a service manager stops with
         stop, end = self._stop(f"agent received {name}", signum), Exit(128 + signum, f"node-agent stopped by {name}")
-        leave = Leave(f"agent received {name}", stopped=stopped, stops_workers=stopped and bool(stop))
+        # (a restart waiting for its check has spawned nothing yet)
+        spawned = bool(stop) and self.health.pending is None
+        leave = Leave(f"agent received {name}", stopped=stopped, stops_workers=stopped and spawned)
         # said first when stopped: a second signal, or the manager's SIGKILL when its grace ends, may cut the stop short
         return [leave, *stop, end] if stopped else [*stop, leave, end]
 

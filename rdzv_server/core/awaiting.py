@@ -71,11 +71,12 @@ def lost_again(job: JobRecord, node: NodeRecord, now: float, restarting: bool, s
     someone is still awaited and not everyone awaited is back."""
     nid = node.node_id
     if nid in job.places and restarting and not flapping(job, nid, now):
-        if nid in job.awaited:        # back, and stopped again: its stop moves nothing (the bound stays a bound)
-            stopping_s = 0.0
-        else:
+        if nid in job.awaited or nid in job.stops_counted:    # a node's stop moves the wait once: back, or given
+            stopping_s = 0.0                                      # up, and stopped again, the bound stays a bound
+        if nid not in job.awaited:
             job.awaited.append(nid)
         if stopping_s:
+            job.stops_counted.append(nid)
             job.awaited_since = max(job.awaited_since, now + stopping_s - window_s(job.config))
         job.last_call_deadline = deadline(job, now + stopping_s)
         return True
@@ -109,8 +110,12 @@ def holds_own_state(job: JobRecord, node: NodeRecord) -> bool:
 
 def all_back(job: JobRecord) -> bool:
     """Every awaited node has joined again and can start at once: the round forms now."""
-    return all(n in job.nodes and job.nodes[n].ready and job.nodes[n].state == NodeState.WAITING
-               for n in job.awaited)
+    return all(back(job, n) for n in job.awaited)
+
+
+def back(job: JobRecord, node_id: str) -> bool:
+    node = job.nodes.get(node_id)
+    return node is not None and node.ready and node.state == NodeState.WAITING
 
 
 def waiting(job: JobRecord, now: float) -> str:
@@ -121,10 +126,12 @@ def waiting(job: JobRecord, now: float) -> str:
 
 def not_back(job: JobRecord) -> str:
     """Why the wait ended without them: counted from their agents' end (a stopped one's: its workers' stop)."""
-    whose = "its agent's" if len(job.awaited) == 1 else "their agents'"
-    return f"{names(job)} not back within {window_s(job.config):g}s of {whose} end"
+    missing = [n for n in job.awaited if not back(job, n)]
+    whose = "its agent's" if len(missing) == 1 else "their agents'"
+    return f"{names(job, missing)} not back within {window_s(job.config):g}s of {whose} end"
 
 
-def names(job: JobRecord) -> str:
-    shown = ", ".join(job.awaited[:5]) + (" ..." if len(job.awaited) > 5 else "")
-    return f"node{'s' if len(job.awaited) > 1 else ''} {shown}"
+def names(job: JobRecord, nodes: list[str] | None = None) -> str:
+    nodes = job.awaited if nodes is None else nodes
+    shown = ", ".join(nodes[:5]) + (" ..." if len(nodes) > 5 else "")
+    return f"node{'s' if len(nodes) > 1 else ''} {shown}"

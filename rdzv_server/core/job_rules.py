@@ -218,7 +218,7 @@ class JobRules:
         choice = choose(job)
         chosen, rest, preparing, took = choice.chosen, choice.rest, choice.preparing, choice.took
         job.last_call_deadline = None
-        job.awaited = []
+        job.awaited, job.stops_counted = [], []
         job.successes = []
         self.wake()
         held = awaiting.worth_awaiting(job, choice, restarting or [], now) if len(chosen) >= cfg.min_nodes else []
@@ -270,6 +270,7 @@ class JobRules:
         standby = [new for new, gone in choice.took.items() if gone in held and new not in self.members()]
         if held:
             job.awaited, job.awaited_since = held, now + stopping_s
+            job.stops_counted = list(held) if stopping_s else []
             job.last_call_deadline = job.awaited_since + awaiting.window_s(cfg)
             self.out.deadline(job.last_call_deadline)
             waits = f"{awaiting.waiting(job, now)} before going on with {count_nodes(choice.chosen)}"
@@ -337,7 +338,7 @@ class JobRules:
         if job.round is None and job.awaited:       # the job waits for members restarting: this one too?
             if not awaiting.lost_again(job, node, now, restarting, stopping_s):
                 job.last_call_deadline = now        # nobody left to wait for: the next tick forms the round
-            elif restarting:        # awaited too: what the job waits for, and how long, as it says
+            else:                   # what the job still waits for, and how long, as it says
                 job.reason = f"{message}; {awaiting.waiting(job, now)}"
             self.out.deadline(job.last_call_deadline or now)
         if job.last_call_deadline is not None:
@@ -345,7 +346,7 @@ class JobRules:
             if len(self.members()) + self.ready_waiting() < job.config.min_nodes:
                 if job.awaited:       # nobody to go on with: the job waits for nodes, as it says
                     job.reason = f"{message}; waiting for nodes"
-                job.last_call_deadline, job.awaited = None, []
+                job.last_call_deadline, job.awaited, job.stops_counted = None, [], []
                 if job.join_deadline is not None:      # hidden while the window was open: due again
                     self.out.deadline(job.join_deadline)
             elif job.round is not None and not self.ready_waiting():      # nobody ready left to add

@@ -159,6 +159,7 @@ class JobRecord(msgspec.Struct, kw_only=True):
     awaited: list[str] = msgspec.field(default_factory=list)   # while waiting: members restarting, kept until the
     #                                                             last call's deadline (awaiting.py) ...
     awaited_since: float = 0.0                                  # ... from when (its bound: awaiting.deadline)
+    stops_counted: list[str] = msgspec.field(default_factory=list)  # whose stop moved this wait (once each)
     join_deadline: float | None = None
     successes: list[str] = msgspec.field(default_factory=list)
     root_cause: WorkerFailure | None = None        # first failure in time of the last failed round

@@ -1,8 +1,10 @@
 """The node's own checks in the pure policy (core/node_health.py through policy.py), plain-float time."""
 from __future__ import annotations
 
+import signal
+
 from node_agent.core.actions import CheckNode, Exit, Leave, Rejoin, ReportFailure, SendNote, Spawn, StopWorkers
-from node_agent.core.facts import DeadlinePassed, NodeChecked, Stage, WorkersExited
+from node_agent.core.facts import DeadlinePassed, NodeChecked, SignalReceived, Stage, WorkersExited
 from node_agent.core.node_health import RETRY_MAX_S, NodeHealth
 from node_agent.core.policy import SupervisionPolicy, Workers
 from protocol.bounds import MAX_REASON
@@ -150,3 +152,14 @@ def test_a_suspect_checks_once_more_when_asked_and_says_it_passed_on_its_polls()
     failed.handle(asked, 1.0)
     assert failed.handle(bad(Stage.READMIT, -1), 2.0) == [Leave("unhealthy: GPU check: GPU 0: NVML: GPU is lost",
                                                                 UnhealthyKind.GPU)]
+
+
+def test_a_stopped_agent_whose_restart_waits_for_its_check_has_no_workers_to_stop():
+    """A new round replaced the old one and its restart waits for the node's check: nothing is spawned, so the
+    leave asks for no time to stop workers (the job's wait for its next agent would count from their stop)."""
+    p = checked()
+    p.restartable = True
+    p.handle(member(1), 0.0)
+    assert p.handle(member(2, 1), 1.0)[-1] == CheckNode(Stage.RESTART, 2)
+    leave = p.handle(SignalReceived(signal.SIGTERM), 1.5)[0]
+    assert leave == Leave("agent received SIGTERM", stopped=True, stops_workers=False)

@@ -110,6 +110,51 @@ def test_a_member_stopped_again_as_it_prepares_moves_the_wait_no_further():
     assert job(rz).round is not None and t <= bound + 2.0 and members(rz) == ["a", "c"], t
 
 
+def test_a_member_given_up_then_stopped_again_moves_the_wait_no_further():
+    """Its next agent stopped before its first note (nothing of its own told: given up), the one after it noting a
+    snapshot and stopped again, in a loop, while c is still awaited: b's stop counted once, the wait ends at its
+    bound (flap damping off)."""
+    cfg = JobConfig(min_nodes=2, max_nodes=4, max_restarts=3, lease_timeout_s=5.0, last_call_s=3.0,
+                    exclude_lost_after=0)
+    rz = running(["a", "b", "c", "d"], cfg)
+    stop(rz, "b", 10.0, stop_timeout_s=30.0)
+    stop(rz, "c", 10.5, stop_timeout_s=30.0)              # c never comes back
+    bound = 10.5 + 30.0 + 2 * window_s(cfg)
+    t, k = 12.0, 0
+    while job(rz).round is None and t < 400.0:
+        k += 1
+        join(rz, "b", t, cfg, instance=f"b#{k}a", ready=False)
+        rz.handle(JOB, LeaveRequest(v=1, node_id="b", reason="agent received SIGTERM", stopped=True), t + 0.2)
+        join(rz, "b", t + 0.5, cfg, instance=f"b#{k}b", ready=False)
+        snapshots(rz, "b", t + 0.7, ready=False)
+        rz.handle(JOB, LeaveRequest(v=1, node_id="b", reason="agent received SIGTERM", stopped=True,
+                                    stop_timeout_s=30.0), t + 1.0)
+        t += 2.0
+        heard(rz, "ad", t)
+        rz.tick(t)
+    assert job(rz).round is not None and t <= bound + 2.0, t
+
+
+def test_the_job_names_only_the_nodes_it_still_waits_for():
+    """c, awaited with b, comes back and leaves for good (SIGINT): the job's reason names b alone; and when the
+    wait ends, only the nodes not back are said to be not back."""
+    cfg = JobConfig(min_nodes=2, max_nodes=4, max_restarts=3, lease_timeout_s=5.0, last_call_s=3.0)
+    rz = running(["a", "b", "c", "d"], cfg)
+    stop(rz, "b", 10.0)
+    stop(rz, "c", 10.5)
+    join(rz, "c", 11.0, cfg, instance="c#2", ready=False)
+    rz.handle(JOB, LeaveRequest(v=1, node_id="c", reason="agent received SIGINT"), 11.5)
+    assert job(rz).awaited == ["b"] and "for node b to come back" in job(rz).reason, job(rz).reason
+    rz2 = running(["a", "b", "c", "d"], cfg)
+    stop(rz2, "b", 10.0)
+    stop(rz2, "c", 10.5)
+    join(rz2, "b", 12.0, cfg, instance="b#2", ready=True)
+    heard(rz2, "ad", 14.0, 18.0)
+    rz2.tick(10.5 + window_s(cfg))
+    said = last_event(rz2, "round_completed")
+    assert f"node c not back within {window_s(cfg):g}s of its agent's end" in said, said
+
+
 def test_a_leave_cannot_hold_the_job_past_ten_minutes():
     with pytest.raises(msgspec.ValidationError, match="stop_timeout_s"):
         msgspec.msgpack.decode(msgpack.packb({"v": 1, "node_id": "b", "stopped": True, "stop_timeout_s": 601.0}),
