@@ -89,6 +89,15 @@ def test_one_stopped_while_the_job_waits_for_another_is_awaited_until_its_worker
     b_then_c_back(rz, cfg)
 
 
+def back_preparing_and_stopped(rz: Rendezvous, cfg: JobConfig, node: str, now: float, instance: str) -> None:
+    """`node`'s next agent joins, tells a snapshot of its own while it prepares, and is stopped (its workers within
+    30 s)."""
+    join(rz, node, now, cfg, instance=instance, ready=False)
+    snapshots(rz, node, now + 0.2, ready=False)
+    rz.handle(JOB, LeaveRequest(v=1, node_id=node, reason="agent received SIGTERM", stopped=True,
+                                stop_timeout_s=30.0), now + 0.5)
+
+
 def test_a_member_stopped_again_as_it_prepares_moves_the_wait_no_further():
     """Its stop's time counts once: a next agent stopped again and again while it prepares (a probe in a loop;
     flap damping off) would otherwise hold the job for good. The wait ends at its bound, two windows from the
@@ -100,10 +109,7 @@ def test_a_member_stopped_again_as_it_prepares_moves_the_wait_no_further():
     bound = 10.0 + 30.0 + 2 * window_s(cfg)
     t = 12.0
     while job(rz).round is None and t < 200.0:
-        join(rz, "b", t, cfg, instance=f"b#{t:g}", ready=False)
-        snapshots(rz, "b", t + 0.5, ready=False)
-        rz.handle(JOB, LeaveRequest(v=1, node_id="b", reason="agent received SIGTERM", stopped=True,
-                                    stop_timeout_s=30.0), t + 1.0)
+        back_preparing_and_stopped(rz, cfg, "b", t, f"b#{t:g}")
         t += 2.0
         heard(rz, "ac", t)
         rz.tick(t)
@@ -125,10 +131,7 @@ def test_a_member_given_up_then_stopped_again_moves_the_wait_no_further():
         k += 1
         join(rz, "b", t, cfg, instance=f"b#{k}a", ready=False)
         rz.handle(JOB, LeaveRequest(v=1, node_id="b", reason="agent received SIGTERM", stopped=True), t + 0.2)
-        join(rz, "b", t + 0.5, cfg, instance=f"b#{k}b", ready=False)
-        snapshots(rz, "b", t + 0.7, ready=False)
-        rz.handle(JOB, LeaveRequest(v=1, node_id="b", reason="agent received SIGTERM", stopped=True,
-                                    stop_timeout_s=30.0), t + 1.0)
+        back_preparing_and_stopped(rz, cfg, "b", t + 0.5, f"b#{k}b")
         t += 2.0
         heard(rz, "ad", t)
         rz.tick(t)
