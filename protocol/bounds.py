@@ -24,6 +24,7 @@ MAX_POLL_WAIT_S = 60.0               # agents ask for this and let the server ch
 MAX_COMMAND = 64                     # a join's command fingerprint
 MAX_REPLICAS = 4                     # peer copies of each node's snapshots (JobConfig.replicas)
 MAX_STOP_S = 600.0                   # how long a stopped agent's workers may take to stop (LeaveRequest)
+MAX_PREPARE_S = 60.0                 # a node joined not ready says it is within this (its agent starts cold after)
 
 RoundRef = Annotated[int, Meta(ge=-1, le=MAX_ROUND)]
 Nodes = Annotated[int, Meta(ge=1, le=MAX_NODES)]

@@ -139,7 +139,8 @@ class JoinRequest(_Request, kw_only=True):
     # GPU node: never silently healthy); "": nothing to say (a CPU node, or an older agent).
     checks: ShortText = ""
     # Its workers can start at once. False while its warm interpreter still imports (it says so on a poll once
-    # ready): the node waits outside the rounds meanwhile, so running nodes never stand stopped for it.
+    # ready, within MAX_PREPARE_S): the node waits outside the rounds meanwhile, so running nodes never stand
+    # stopped for it.
     ready: bool = True
     # Its failure domain (a rack, a switch: what fails together), for choosing where its copies go; "": its host.
     domain: ShortText = ""

@@ -28,10 +28,11 @@ from node_agent.workers.step_watch import StepWatch
 from node_agent.workers.warm.client import WarmZygote
 from node_agent.workers.warm.early_env import environment_set_first
 from node_agent.workers.warm.eligible import entry_imports, imports_any, script_dir, script_preloads
+from protocol.bounds import MAX_PREPARE_S
 from protocol.messages import Assignment, UnhealthyKind
 from protocol.notes import ProgressNote
 
-WARM_WAIT_S = 60.0   # a zygote importing longer than this (a hung file system?) lets the round start cold
+WARM_WAIT_S = MAX_PREPARE_S   # a zygote importing longer (a hung file system?) lets the round start cold
 
 
 class Group(Protocol):

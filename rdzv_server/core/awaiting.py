@@ -8,15 +8,17 @@ lost node's copies from the restarting node fails the same way. So a member lost
 host, replaced by a new instance of its agent, or leaving because its agent was stopped by a signal (`systemctl
 restart`: LeaveRequest.stopped), that holds state of its own (`holds_own_state`), whose place no node takes or whose
 copies a member still fetches, is awaited for `window_s` (a lease and a last call) while the survivors wait; back but
-still preparing, up to two windows from the wait's start (`deadline`). A stopped agent leaves before it stops its
-workers: its wait starts when they may be stopped (LeaveRequest.stop_timeout_s: a script saving a checkpoint on
-SIGTERM would otherwise be gone on without while it saves). What looks the same: an agent that crashed or
+still preparing, until its agent would start cold (`deadline`: a loaded host imports for seconds, and the survivors'
+idle seconds cost less than every rank's progress). A stopped agent leaves before it stops its workers: its wait
+starts when they may be stopped (LeaveRequest.stop_timeout_s: a script saving a checkpoint on SIGTERM would
+otherwise be gone on without while it saves). What looks the same: an agent that crashed or
 was stopped for good, or a host closing its connections as it shuts down: the job goes on without it that much later
 (when shrinking would have lost the state anyway), and the event says why. A host that keeps dropping out (a flapping
 host, exclude_lost_after), a node that leaves unhealthy and a drained one are not awaited.
 """
 from __future__ import annotations
 
+from protocol.bounds import MAX_PREPARE_S
 from protocol.messages import JobConfig, NodeState
 from rdzv_server.core import leases
 from rdzv_server.core.choice import Choice
@@ -29,14 +31,21 @@ def window_s(cfg: JobConfig) -> float:
 
 
 def deadline(job: JobRecord, now: float, back: bool = False) -> float:
-    """The wait's end once more is awaited at `now`: another member lost meanwhile gets a window from now, and one
-    `back` still preparing (its warm interpreter importing: seconds) all that is left; never past two windows
-    from the wait's start, whatever comes and goes (an agent that keeps crashing as it starts would otherwise
-    hold the job for good)."""
+    """The wait's end once more is awaited at `now`: another member lost meanwhile gets a window from now, never
+    past two windows from the wait's start, whatever comes and goes (an agent that keeps crashing as it starts
+    would otherwise hold the job for good); one `back` still preparing (its warm interpreter importing) as long
+    as its agent waits for that (MAX_PREPARE_S) more, only while one is (one lost again ends the extension)."""
     window = window_s(job.config)
-    current = job.last_call_deadline if job.last_call_deadline is not None else now
     bound = job.awaited_since + 2 * window
-    return max(current, bound if back else min(now + window, bound))
+    current = capped(job, job.last_call_deadline if job.last_call_deadline is not None else now)
+    return max(current, bound + MAX_PREPARE_S if back else min(now + window, bound))
+
+
+def capped(job: JobRecord, end: float) -> float:
+    """`end`, no later than the wait's bound: two windows from its start, and MAX_PREPARE_S more while a node
+    awaited is back and preparing."""
+    bound = job.awaited_since + 2 * window_s(job.config)
+    return min(end, bound + MAX_PREPARE_S if any(preparing(job, n) for n in job.awaited) else bound)
 
 
 def flapping(job: JobRecord, node_id: str, now: float) -> bool:
@@ -80,7 +89,11 @@ def lost_again(job: JobRecord, node: NodeRecord, now: float, restarting: bool, s
             job.awaited_since = max(job.awaited_since, now + stopping_s - window_s(job.config))
         job.last_call_deadline = deadline(job, now + stopping_s)
         return True
-    return not given_up(job, nid)
+    if given_up(job, nid):
+        return False
+    if job.last_call_deadline is not None:
+        job.last_call_deadline = capped(job, job.last_call_deadline)
+    return True
 
 
 def given_up(job: JobRecord, node_id: str) -> bool:
@@ -118,6 +131,11 @@ def back(job: JobRecord, node_id: str) -> bool:
     return node is not None and node.ready and node.state == NodeState.WAITING
 
 
+def preparing(job: JobRecord, node_id: str) -> bool:
+    node = job.nodes.get(node_id)
+    return node is not None and not node.ready and node.state == NodeState.WAITING
+
+
 def waiting(job: JobRecord, now: float) -> str:
     """What the job waits for, and how long (the job's reason and its round_waiting event say it)."""
     left = (job.last_call_deadline or now) - now
@@ -125,10 +143,14 @@ def waiting(job: JobRecord, now: float) -> str:
 
 
 def not_back(job: JobRecord) -> str:
-    """Why the wait ended without them: counted from their agents' end (a stopped one's: its workers' stop)."""
-    missing = [n for n in job.awaited if not back(job, n)]
+    """Why the wait ended without them: counted from their agents' end (a stopped one's: its workers' stop), or
+    back but never ready."""
+    missing = [n for n in job.awaited if not back(job, n) and not preparing(job, n)]
     whose = "its agent's" if len(missing) == 1 else "their agents'"
-    return f"{names(job, missing)} not back within {window_s(job.config):g}s of {whose} end"
+    gone = f"{names(job, missing)} not back within {window_s(job.config):g}s of {whose} end" if missing else ""
+    slow = [n for n in job.awaited if preparing(job, n)]
+    said = f"{names(job, slow)} back but still preparing at the wait's end" if slow else ""
+    return "; ".join(part for part in (gone, said) if part)
 
 
 def names(job: JobRecord, nodes: list[str] | None = None) -> str:

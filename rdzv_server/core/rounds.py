@@ -13,6 +13,7 @@ import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from protocol.bounds import MAX_PREPARE_S
 from protocol.messages import (
     Assignment,
     CopySource,
@@ -372,4 +373,4 @@ def _loopback(addr: str) -> bool:
 
 
 WITNESSES = 2      # other members each node may ask while the server is silent
-PREPARE_LIMIT_S = 90.0   # a node preparing this long is said (its agent gives its warm interpreter 60 s)
+PREPARE_LIMIT_S = MAX_PREPARE_S + 30.0   # a node preparing this long is said (its agent never said it was ready)

@@ -83,8 +83,9 @@ def test_a_commit_waits_on_a_hung_member_no_longer_than_the_election(etcd, setti
     assert store.settings.timeout_s <= asyncio.run(election_timeout())
     assert store.settings.timeout_s < rep.leader_ttl_s / 2       # two hung members still leave the lease some
 
-    # the election key, as the leader would hold it (through the hung member too)
-    client = EtcdClient(store.settings)
+    # the election key, as the leader would hold it, put through the live members with the fixture's timeout: a
+    # create-if-absent that timed out on a loaded machine after it committed would fail its retry
+    client = EtcdClient(settings)
     ok, reply = client.txn([created_at(store.leader_key, 0)], [put(store.leader_key, b"http://me:1")])
     client.close()
     assert ok
