@@ -139,7 +139,21 @@ def preparing(job: JobRecord, node_id: str) -> bool:
 def waiting(job: JobRecord, now: float) -> str:
     """What the job waits for, and how long (the job's reason and its round_waiting event say it)."""
     left = (job.last_call_deadline or now) - now
-    return f"waiting up to {left:g}s for {names(job)} to come back (an agent restarting keeps its place)"
+    away = [n for n in job.awaited if not back(job, n) and not preparing(job, n)]
+    slow = [n for n in job.awaited if preparing(job, n)]
+    what = " and ".join(([f"{names(job, away)} to come back"] if away else []) +
+                        ([f"{names(job, slow)} to be ready"] if slow else [])) or f"{names(job)}"
+    return f"waiting up to {left:g}s for {what} (an agent restarting keeps its place)"
+
+
+def came_back_preparing(job: JobRecord, node: NodeRecord, now: float) -> bool:
+    """`node`, awaited, joined again still preparing (its warm interpreter importing): the wait goes on while it
+    prepares (`deadline`), as the job's reason says. Whether the wait's end moved."""
+    if node.node_id not in job.awaited or node.ready or job.last_call_deadline is None:
+        return False
+    job.last_call_deadline = deadline(job, now, back=True)
+    job.reason = f"node {node.node_id} back, its workers preparing; {waiting(job, now)}"
+    return True
 
 
 def not_back(job: JobRecord) -> str:

@@ -144,10 +144,8 @@ class JobRules:
         job, cfg = self.job, self.job.config
         if len(self.members()) + self.ready_waiting() < cfg.max_nodes:
             places.move(job, node, NodeState.WAITING)
-            if node.node_id in job.awaited and not node.ready and job.last_call_deadline is not None:
-                # back, its workers still preparing (a warm interpreter importing): more time, bounded
-                job.last_call_deadline = awaiting.deadline(job, now, back=True)
-                self.out.deadline(job.last_call_deadline)
+            if awaiting.came_back_preparing(job, node, now):     # more time while its workers prepare
+                self.out.deadline(job.last_call_deadline or now)
             if job.forming_since is None:
                 job.forming_since = now
                 self.record(now, EventKind.ROUND_OPENED, f"round {job.last_round_id + 1} opened by {node.node_id}: "

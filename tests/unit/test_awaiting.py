@@ -98,6 +98,9 @@ def test_one_back_still_preparing_is_waited_for_as_long_as_its_agent_waits_and_f
     join(rz, "b", back, ELASTIC, instance="b#2", ready=False)     # its warm interpreter still imports
     assert job(rz).round is None
     assert job(rz).last_call_deadline == pytest.approx(10.0 + DROP_GRACE_S + 2 * WINDOW + MAX_PREPARE_S)
+    left = 10.0 + DROP_GRACE_S + 2 * WINDOW + MAX_PREPARE_S - back
+    assert job(rz).reason == f"node b back, its workers preparing; waiting up to {left:g}s for node b to be ready " \
+                             "(an agent restarting keeps its place)", job(rz).reason
     slow = 10.0 + DROP_GRACE_S + 2 * WINDOW + 5.0               # past two windows: the first fix's bound
     for t in (back + 2.0, back + 6.0, back + 10.0, slow):
         heard(rz, "ac", t)
@@ -349,6 +352,27 @@ def b_then_c_back(rz, cfg: JobConfig) -> None:
     assert job(rz).round is None
     join(rz, "c", 12.5, cfg, instance="c#2")
     assert members(rz) == ["a", "b", "c", "d"]
+
+
+def test_one_back_preparing_and_lost_again_ends_the_extra_time_another_awaited_one_still_has_its_window():
+    """b back and preparing moves the wait's end past two windows; b's new agent dies too (a second loss: a
+    flapping host, given up): c, still away, has no more than two windows from the wait's start."""
+    rz, cfg = b_and_c_crash(10.3)
+    heard(rz, "ad", 11.2)
+    rz.tick(10.3 + DROP_GRACE_S)
+    bound = job(rz).awaited_since + 2 * window_s(cfg)
+    heard(rz, "ad", 12.0)
+    join(rz, "b", 12.0, cfg, instance="b#2", ready=False)
+    assert job(rz).last_call_deadline == pytest.approx(bound + MAX_PREPARE_S)
+    said = job(rz).reason
+    assert "waiting up to" in said and "for node c to come back and node b to be ready" in said, said
+    heard(rz, "ad", 13.0)
+    rz.connection_dropped(JOB, "b", 13.0, heard=True)
+    rz.tick(13.0 + DROP_GRACE_S)
+    assert job(rz).awaited == ["c"] and job(rz).last_call_deadline <= bound
+    heard(rz, "ad", 15.0, bound)
+    rz.tick(bound)
+    assert members(rz) == ["a", "d"]
 
 
 def test_one_that_left_while_the_job_waits_is_not_awaited():
