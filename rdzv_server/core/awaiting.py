@@ -89,19 +89,20 @@ def lost_again(job: JobRecord, node: NodeRecord, now: float, restarting: bool, s
             job.awaited_since = max(job.awaited_since, now + stopping_s - window_s(job.config))
         job.last_call_deadline = deadline(job, now + stopping_s)
         return True
-    if given_up(job, nid):
-        return False
-    if job.last_call_deadline is not None:
-        job.last_call_deadline = capped(job, job.last_call_deadline)
-    return True
+    return not given_up(job, nid)
 
 
 def given_up(job: JobRecord, node_id: str) -> bool:
     """`node_id` is awaited no more (lost again, drained): whether that ends the wait (nobody else awaited, or
-    every other one back and ready: the round may form now)."""
+    every other one back and ready: the round may form now); else its end comes back within its bound (time a
+    node preparing had moved it by is not kept for the others)."""
     if node_id in job.awaited:
         job.awaited.remove(node_id)
-    return not job.awaited or all_back(job)
+    if not job.awaited or all_back(job):
+        return True
+    if job.last_call_deadline is not None:
+        job.last_call_deadline = capped(job, job.last_call_deadline)
+    return False
 
 
 def restarting(job: JobRecord, node: NodeRecord) -> bool:
@@ -146,13 +147,19 @@ def waiting(job: JobRecord, now: float) -> str:
     return f"waiting up to {left:g}s for {what} (an agent restarting keeps its place)"
 
 
-def came_back_preparing(job: JobRecord, node: NodeRecord, now: float) -> bool:
-    """`node`, awaited, joined again still preparing (its warm interpreter importing): the wait goes on while it
-    prepares (`deadline`), as the job's reason says. Whether the wait's end moved."""
-    if node.node_id not in job.awaited or node.ready or job.last_call_deadline is None:
+def came_back(job: JobRecord, node: NodeRecord, now: float) -> bool:
+    """`node`, awaited, joined again or said it is ready (or preparing again): still preparing (its warm
+    interpreter importing), the wait goes on while it prepares (`deadline`); ready, time it had moved the end by
+    is not kept for the others still away. The job's reason says who is still waited for. Whether the wait's
+    end may have moved (the caller reschedules its tick)."""
+    if node.node_id not in job.awaited or job.last_call_deadline is None:
         return False
-    job.last_call_deadline = deadline(job, now, back=True)
-    job.reason = f"node {node.node_id} back, its workers preparing; {waiting(job, now)}"
+    if preparing(job, node.node_id):
+        job.last_call_deadline = deadline(job, now, back=True)
+        job.reason = f"node {node.node_id} back, its workers preparing; {waiting(job, now)}"
+    else:
+        job.last_call_deadline = capped(job, job.last_call_deadline)
+        job.reason = f"node {node.node_id} back and ready; {waiting(job, now)}"
     return True
 
 

@@ -144,7 +144,7 @@ class JobRules:
         job, cfg = self.job, self.job.config
         if len(self.members()) + self.ready_waiting() < cfg.max_nodes:
             places.move(job, node, NodeState.WAITING)
-            if awaiting.came_back_preparing(job, node, now):     # more time while its workers prepare
+            if awaiting.came_back(job, node, now):     # more time while its workers prepare
                 self.out.deadline(job.last_call_deadline or now)
             if job.forming_since is None:
                 job.forming_since = now
@@ -186,6 +186,8 @@ class JobRules:
         places.set_ready(self.job, node, ready)
         node.preparing_since = 0.0 if ready else now
         self.node_changed(node.node_id)
+        if node.state == NodeState.WAITING and awaiting.came_back(self.job, node, now):
+            self.out.deadline(max(self.job.last_call_deadline or now, now))
         if not ready:
             node.preparing_said = False
             self.out.deadline(now + PREPARE_LIMIT_S)

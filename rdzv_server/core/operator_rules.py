@@ -65,9 +65,12 @@ def drain(rules: JobRules, node_id: str, reason: str, now: float, by: str = "ope
         rules.wake()
         rules.record(now, EventKind.NODE_DRAINED, f"node {node_id} (not in the job now) drained by {by}: {why}",
                      node_id)
-        if node_id in job.awaited and awaiting.given_up(job, node_id):
-            job.last_call_deadline = now        # not awaited any more: the next tick forms the round
-            rules.out.deadline(now)
+        if node_id in job.awaited:
+            if awaiting.given_up(job, node_id):
+                job.last_call_deadline = now        # not awaited any more: the next tick forms the round
+            else:
+                job.reason = f"node {node_id} drained; {awaiting.waiting(job, now)}"
+            rules.out.deadline(job.last_call_deadline or now)
         return
     rules.remove(node, now, EventKind.NODE_DRAINED, f"node {node_id} drained by {by}: {why}")
 

@@ -500,3 +500,54 @@ def test_a_member_unheard_since_the_server_came_back_is_awaited_when_its_lease_r
     assert record.round is None and record.awaited == ["b"], [e.message for e in record.events[-3:]]
     copies.rejoin(rz, "b", 33.0, cfg, 2, "2")
     assert record.round is not None and record.round.members == ["a", "b", "c"]
+
+def b_back_preparing_and_c_away():
+    """2:4, b and c awaited; b's next agent is back, preparing: the wait's end moves past its two windows."""
+    rz, cfg = b_and_c_crash(10.3)
+    heard(rz, "ad", 11.2)
+    rz.tick(10.3 + DROP_GRACE_S)
+    bound = job(rz).awaited_since + 2 * window_s(cfg)
+    heard(rz, "ad", 12.0)
+    join(rz, "b", 12.0, cfg, instance="b#2", ready=False)
+    assert job(rz).awaited == ["b", "c"] and job(rz).last_call_deadline == pytest.approx(bound + MAX_PREPARE_S)
+    return rz, cfg, bound
+
+
+def test_one_back_preparing_and_then_ready_ends_its_extra_time_and_the_reason_says_who_is_left():
+    """A review: b's extra time outlived its preparation, and c, gone for good, held the job to bound + 60 s."""
+    rz, cfg, bound = b_back_preparing_and_c_away()
+    heard(rz, "ad", 13.0)
+    poll(rz, "b", 13.0, ready=True)
+    assert job(rz).round is None and job(rz).last_call_deadline == pytest.approx(bound)
+    said = job(rz).reason
+    assert said.startswith("node b back and ready; waiting up to") and said.count("node") == 2 and \
+        "for node c to come back (" in said, said
+
+
+def test_one_ready_past_the_others_two_windows_forms_the_round_at_once():
+    rz, cfg, bound = b_back_preparing_and_c_away()
+    t = 13.0
+    while t < bound + 5.0:
+        heard(rz, "ad", t)
+        poll(rz, "b", t, ready=False)
+        t += 2.0
+    heard(rz, "ad", bound + 5.0)
+    poll(rz, "b", bound + 5.0, ready=True)
+    rz.tick(bound + 5.0)
+    assert members(rz) == ["a", "b", "d"]
+    assert "node c not back within" in last_event(rz, "round_completed")
+
+
+def test_the_reason_stops_naming_one_back_and_ready_or_drained_as_away():
+    rz, cfg, bound = b_back_preparing_and_c_away()
+    heard(rz, "ad", 13.0)
+    join(rz, "c", 13.0, cfg, instance="c#2")                 # c back and ready, b still preparing
+    assert job(rz).round is None
+    said = job(rz).reason
+    assert said.startswith("node c back and ready;") and "for node b to be ready (" in said, said
+    rz, cfg, bound = b_back_preparing_and_c_away()
+    heard(rz, "ad", 13.0)
+    rz.drain_node(JOB, "c", "bad host", 13.0)                # c, away, drained: b alone is waited for
+    said = job(rz).reason
+    assert job(rz).round is None and job(rz).awaited == ["b"], said
+    assert said.startswith("node c drained; waiting up to") and "for node b to be ready (" in said, said
