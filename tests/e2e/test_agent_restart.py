@@ -20,10 +20,15 @@ from tests.e2e.test_peer_copies import ENV, FAST, LIMIT, SHARDS, memory_of, step
 pytestmark = pytest.mark.e2e
 
 
+# The job's window for a restarting member (lease + last call): 6 s, for its next agent to start and join on a
+# loaded machine (a round of all three forms at once; only a node given up waits out the last call).
+WINDOW = ("--last-call", "3")
+
+
 def start(cluster, out, node: str, job: str, nnodes: str = "3"):
     return cluster.agent("--endpoint", cluster.endpoint(), "--nnodes", nnodes, "--nproc", "2", "--job-id", job,
-                         "--max-restarts", "3", "--node-id", node, "--failure-domain", f"rack-{node}", *FAST, SHARDS,
-                         name=node, env={"OUT_DIR": str(out), "NODE": node, **ENV})
+                         "--max-restarts", "3", "--node-id", node, "--failure-domain", f"rack-{node}", *FAST, *WINDOW,
+                         SHARDS, name=node, env={"OUT_DIR": str(out), "NODE": node, **ENV})
 
 
 def copies_of(cluster, job: str, node: str) -> dict:
@@ -120,6 +125,7 @@ def test_a_stop_cut_short_keeps_the_nodes_memory_and_place(cluster, tmp_path, cu
     def start_node(node: str):
         return cluster.agent("--endpoint", cluster.endpoint(), "--nnodes", nnodes, "--nproc", "2", "--job-id", job,
                              "--max-restarts", "3", "--node-id", node, "--failure-domain", "one", *FAST,
+                             *(() if cut == "slow-stop" else WINDOW),     # slow-stop: a stop twice the window
                              "--stop-timeout", "8" if cut == "slow-stop" else "30", SHARDS, name=node,
                              env={"OUT_DIR": str(tmp_path), "NODE": node, **ENV, **env})
 

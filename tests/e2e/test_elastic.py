@@ -303,8 +303,10 @@ def test_every_round_is_one_agreed_fact_for_all_its_workers(cluster, tmp_path):
     cover 0..W-1 once, and agents, workers and the server tell the same story."""
     cluster.start_server()
     env = {"FAIL_RANK": "1", "FAIL_STEP": "2"}     # rank 1 fails once, at restart count 0
-    agents = {n: start_agent(cluster, tmp_path, n, job="agree", nnodes="2:3", nproc=p, env=env)
-              for n, p in (("a", 1), ("b", 2), ("c", 1))}
+    # a long last call: the first round has all three even where their imports end seconds apart (a loaded
+    # machine), else its rank 1 fails at world 3 and no world of 4 at restart 0 ever exists
+    agents = {n: start_agent(cluster, tmp_path, n, job="agree", nnodes="2:3", nproc=p, env=env,
+                             extra=("--last-call", "15")) for n, p in (("a", 1), ("b", 2), ("c", 1))}
     k0, _ = wait_world(tmp_path, world=4, restart=0)
     k1, _ = wait_world(tmp_path, world=4, restart=1, what="after the planned failure")
     leaver = next(n["node_id"] for n in job_view(cluster, "agree")["nodes"] if n["group_rank"] == 2)

@@ -128,8 +128,10 @@ def test_a_flipped_bit_is_found_at_the_next_snapshot_and_every_replica_resumes_a
     (restart 1, reason diverged), and every rank resumes from step 10, the newest all held alike. No spare: the
     job goes on with the same nodes and ends with every replica's parameters alike, bit for bit."""
     cluster.start_server()
-    args = ["--steps", "30", "--snapshot-every", "5", "--flip-rank", "2", "--flip-step", "12", "--width", "32",
-            "--depth", "2", "--step-s", "0.25", "--keep", "3"]   # found before step 10's snapshot is replaced
+    # KEEP 5: step 10's snapshot lives until step 35's begins (5 s), for step 15's digests to be compared, the
+    # round failed and the workers stopped on a loaded machine
+    args = ["--steps", "40", "--snapshot-every", "5", "--flip-rank", "2", "--flip-step", "12", "--width", "32",
+            "--depth", "2", "--step-s", "0.25", "--keep", "5"]
     agents = [cluster.agent("--endpoint", cluster.endpoint(), "--nnodes", "3", "--nproc", "1", "--job-id", "flip",
                             "--max-restarts", "2", "--node-id", f"flip-{name}", TRAIN, *args, name=f"flip-{name}")
               for name in ("a", "b", "c")]
@@ -154,8 +156,8 @@ def test_an_hsdp_replica_that_diverges_is_named_within_its_shard_and_every_rank_
     unshard hook, else the first forward after a snapshot fails.)"""
     cluster.start_server()
     script = os.path.join(ROOT, "benchmarks", "scripts", "hsdp_flip.py")
-    # KEEP 3: step 10's snapshot outlives step 20's, so a divergence found late on a loaded machine still has it
-    env = {"REPLICAS": "3", "STEPS": "30", "STEP_S": "0.25", "FLIP": "2:12", "KEEP": "3"}
+    # KEEP 5: step 10's snapshot outlives step 30's, so a divergence found late on a loaded machine still has it
+    env = {"REPLICAS": "3", "STEPS": "40", "STEP_S": "0.25", "FLIP": "2:12", "KEEP": "5"}
     agents = [cluster.agent("--endpoint", cluster.endpoint(), "--nnodes", "3", "--nproc", "2", "--job-id", "hsdp",
                             "--max-restarts", "2", "--node-id", f"hsdp-{name}", script, name=f"hsdp-{name}", env=env)
               for name in ("a", "b", "c")]

@@ -68,7 +68,7 @@ def hung():
 def test_a_commit_waits_on_a_hung_member_no_longer_than_the_election(etcd, settings, hung):
     members = ",".join(e.split("://", 1)[1] for e in settings.endpoints)
     args = build_parser().parse_args(["--store", f"etcd://127.0.0.1:{hung.port},{members}",
-                                      "--etcd-prefix", settings.prefix, "--leader-ttl", "2"])
+                                      "--etcd-prefix", settings.prefix, "--leader-ttl", "8"])
     rep = replication(args)
     assert rep is not None
     store = rep.store

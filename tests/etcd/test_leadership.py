@@ -21,7 +21,9 @@ CONFIG = {"min_nodes": 2, "max_nodes": 2, "lease_timeout_s": 30.0, "last_call_s"
 
 
 class Replica:
-    def __init__(self, settings, ttl: int = 2) -> None:
+    # The product's default lease: with 2 s (a 0.5 s request timeout, 1.5 s of margin) a loaded machine can stall a
+    # renewal past it, and the leader steps down under a test that waits on it.
+    def __init__(self, settings, ttl: int = 5) -> None:
         self.ttl = ttl
         self.store = EtcdStore(settings)
         self.coordinator = Coordinator(store=self.store)
@@ -47,7 +49,7 @@ class Replica:
         await self.leadership.resign()
 
 
-async def start_pair(settings, ttl: int = 2) -> list[Replica]:
+async def start_pair(settings, ttl: int = 5) -> list[Replica]:
     replicas = [await Replica(settings, ttl).start()]
     await wait_until(lambda: replicas[0].coordinator.serving(), 20)
     replicas.append(await Replica(settings, ttl).start())

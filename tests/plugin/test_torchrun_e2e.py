@@ -134,11 +134,12 @@ def test_survivor_goes_on_when_a_torchrun_agent_is_sigkilled(cluster, tmp_path):
     out.mkdir()
     a = torchrun(cluster, out, "a", job="loss", nnodes="1:2")
     b = torchrun(cluster, out, "b", job="loss", nnodes="1:2")
-    both, _ = wait_world(out, world=2, nodes={"a", "b"}, what="(both nodes)")
+    wait_world(out, world=2, nodes={"a", "b"}, what="(both nodes)")
+    before = set(worlds(out))       # a may have run alone first (b's import seconds behind on a loaded machine)
     b.remember_descendants()        # its workers outlive a SIGKILLed torchrun agent: kill them at teardown
     os.kill(b.pid, signal.SIGKILL)
 
-    _, recs = wait_world(out, world=1, nodes={"a"}, exclude={both}, what="(after b's agent was killed)")
+    _, recs = wait_world(out, world=1, nodes={"a"}, exclude=before, what="(after b's agent was killed)")
     assert_clean_world(recs, 1)
     assert [n["node_id"] for n in job_view(cluster, "loss")["nodes"]] == ["a"]
     lost = [e["node_id"] for e in job_events(cluster, "loss") if e["kind"] == "node_lost"]
@@ -172,8 +173,9 @@ def test_a_node_that_finished_leaves_when_another_fails_after_it(cluster, tmp_pa
     out.mkdir()
     env = {"FAIL_RANK": "1", "FAIL_STEP": "end", "FAIL_ONCE": str(tmp_path / "failed"), "STEPS": "4",
            "JOB_URL": f"http://{cluster.endpoint()}/v1/jobs/late"}   # fail once the other node reported success
-    a = torchrun(cluster, out, "a", job="late", nnodes="1:2", env=env)
-    b = torchrun(cluster, out, "b", job="late", nnodes="1:2", env=env)
+    slow = "lease_timeout=3,last_call_timeout=15"      # both in the first round, however far apart their imports
+    a = torchrun(cluster, out, "a", job="late", nnodes="1:2", env=env, conf=slow)
+    b = torchrun(cluster, out, "b", job="late", nnodes="1:2", env=env, conf=slow)
     # rank 1 is whichever node joined second; its node fails after the other one's workers finished
     first, _ = wait_world(out, world=2, nodes={"a", "b"})
     failing = next(r["node"] for r in worlds(out)[first] if r["rank"] == 1)
