@@ -95,10 +95,12 @@ def test_a_lost_nodes_replacement_resumes_lightning_from_the_peers_copy(cluster,
                              "--max-restarts", "2", "--node-id", node, "--failure-domain", f"rack-{node}", *fast,
                              script, "--steps", "150", "--step-s", "0.1", "--snapshot-every", "5", name=node)
 
-    agents = {n: start(n) for n in ("a", "b")}
+    # all three at once (started once training had, the spare's imports could outlast it on a loaded machine):
+    # the two first ready train, the third waits as the spare
+    agents = {n: start(n) for n in ("a", "b", "s")}
     wait_until(lambda: STARTED.findall("".join(a.output for a in agents.values())), 120, "training started")
-    agents["s"] = start("s")
-    agents["s"].wait_for_line(r"ready after", 120)
+    [spare] = set(agents) - {n["node_id"] for n in job_view(cluster, "lost")["nodes"]}
+    agents[spare].wait_for_line(r"ready after", 120)
     lost = next(n["node_id"] for n in job_view(cluster, "lost")["nodes"] if n["group_rank"] == 1)
     wait_until(lambda: next(n for n in job_view(cluster, "lost")["nodes"] if n["node_id"] == lost)
                .get("copies", {}).get("copied_step", -1) >= 10, 120, f"node {lost}'s copies of step 10 or later")
