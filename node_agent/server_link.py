@@ -104,12 +104,14 @@ class ServerLink:
 
     @contextlib.asynccontextmanager
     async def lease_kept(self, interval: float) -> AsyncIterator[None]:
-        """Renew the lease with instant polls while the loop is busy (its long-poll is not re-issued)."""
+        """Renew the lease with instant polls while the loop is busy (its long-poll is not re-issued): at once
+        (the answer that made it busy may end a hold the lease ran through: half of it gone), then every
+        `interval`."""
         async def renew() -> None:
             while self.joined:                  # (a node that left has no lease)
-                await asyncio.sleep(interval)   # periodic renewal, not synchronisation
                 with contextlib.suppress(ServerUnreachable, ServerRejected):
                     await self._poll(0.0)
+                await asyncio.sleep(interval)   # periodic renewal, not synchronisation
 
         keeper = asyncio.create_task(renew())
         try:
