@@ -273,3 +273,35 @@ def job_view(cluster: Cluster, job_id: str, missing_ok: bool = False) -> dict | 
 
 def job_events(cluster: Cluster, job_id: str) -> list[dict]:
     return cluster.get(f"/v1/jobs/{job_id}/events")["events"]
+
+
+class Gate:
+    """Holds an agent "preparing": its warm interpreter's last preload (`gated`, in `directory`) reads a FIFO, so
+    its imports end when the test opens it. `flags(script)`/`env` for the agent; `opened()` in a wait_until."""
+
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+        self.fifo = os.path.join(directory, "gate")
+        os.mkfifo(self.fifo)
+        with open(os.path.join(directory, "gated.py"), "w") as f:
+            f.write(f"import os\nif os.environ.get('GATED'):\n    with open({self.fifo!r}) as f:\n        f.read()\n")
+        self.env = {"GATED": "1", "PYTHONPATH": ROOT + os.pathsep + directory}
+
+    def flags(self, script: str) -> tuple[str, str]:
+        """--warm-preload with what the agent would preload for `script` (its imports), `gated` last."""
+        from node_agent.settings import DEFAULT_PRELOAD
+        from node_agent.workers.warm.eligible import script_preloads
+        found = script_preloads(script, module=False, cwd=ROOT, path0=os.path.dirname(script))
+        return "--warm-preload", ",".join(dict.fromkeys([*DEFAULT_PRELOAD, *found, "gated"]))
+
+    def opened(self) -> bool:
+        """Whether a reader waits on the FIFO: it is told to go (its imports end), else False (none yet)."""
+        try:
+            fd = os.open(self.fifo, os.O_WRONLY | os.O_NONBLOCK)
+        except OSError:             # ENXIO: nobody reads it yet
+            return False
+        try:
+            os.write(fd, b"go")
+        finally:
+            os.close(fd)
+        return True

@@ -10,10 +10,8 @@ import re
 import pytest
 import torch
 
-from node_agent.settings import DEFAULT_PRELOAD
-from node_agent.workers.warm.eligible import script_preloads
 from protocol.restarts import PHASES
-from tests.e2e.harness import ROOT, job_events, job_view, wait_until
+from tests.e2e.harness import ROOT, Gate, job_events, job_view, wait_until
 
 pytestmark = pytest.mark.e2e
 TRAIN = os.path.join(ROOT, "examples", "train_ddp.py")
@@ -33,43 +31,23 @@ def run_job(cluster, tmp_path, job: str, train_args: list[str], *agent_flags: st
     return [m.group(0) for a in agents for m in RESUMED.finditer(a.output)]
 
 
-def opened(fifo: str) -> bool:
-    """Whether a reader waits on `fifo`: it is told to go (its imports end), else False (no reader yet)."""
-    try:
-        fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
-    except OSError:             # ENXIO: nobody reads it yet
-        return False
-    try:
-        os.write(fd, b"go")
-    finally:
-        os.close(fd)
-    return True
-
-
 def grown(cluster, script: list[str]) -> str:
     """The output of an elastic job (2:3 nodes, one worker each, job id "grow") that grows once a third node is
     ready, after the first two stepped past their second snapshot (one every 5 steps). The third starts with
     them, its warm interpreter held back at its last preload (a module that waits on a FIFO) until then: started
     late, its imports (a framework's: seconds on a loaded machine) could outlast the others' training."""
     cluster.start_server()
-    gate = os.path.join(cluster.temp_dir(), "gate")
-    os.mkfifo(gate)
-    with open(os.path.join(cluster.temp_dir(), "gated.py"), "w") as f:
-        f.write(f"import os\nif os.environ.get('GATED'):\n    with open({gate!r}) as f:\n        f.read()\n")
-    entry = script[0]
-    preload = [*DEFAULT_PRELOAD, *script_preloads(entry, module=False, cwd=ROOT, path0=os.path.dirname(entry)),
-               "gated"]
+    gate = Gate(cluster.temp_dir())
 
     def agent(name: str, *extra: str, env: dict[str, str] | None = None):
         return cluster.agent("--endpoint", cluster.endpoint(), "--nnodes", "2:3", "--nproc", "1", "--job-id", "grow",
                              "--max-restarts", "1", "--last-call", "1", "--node-id", f"grow-{name}", *extra, *script,
                              name=f"grow-{name}", env=env)
     agents = [agent("a"), agent("b"),
-              agent("c", "--warm-preload", ",".join(dict.fromkeys(preload)),
-                    env={"GATED": "1", "PYTHONPATH": ROOT + os.pathsep + cluster.temp_dir()})]
+              agent("c", *gate.flags(script[0]), env=gate.env)]
     wait_until(lambda: (job_view(cluster, "grow", missing_ok=True) or {}).get("progress", {}).get("steps", 0) >= 12,
                180, "the first two nodes' steps past their second snapshot")
-    wait_until(lambda: opened(gate), 180, "grow-c's warm interpreter at its gate")
+    wait_until(gate.opened, 180, "grow-c's warm interpreter at its gate")
     for a in agents:
         assert a.wait(300) == 0, a.output
     return "".join(a.output for a in agents)
