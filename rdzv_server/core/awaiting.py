@@ -35,17 +35,18 @@ def deadline(job: JobRecord, now: float, back: bool = False) -> float:
     past two windows from the wait's start, whatever comes and goes (an agent that keeps crashing as it starts
     would otherwise hold the job for good); one `back` still preparing (its warm interpreter importing) as long
     as its agent waits for that (MAX_PREPARE_S) more, only while one is (one lost again ends the extension)."""
-    window = window_s(job.config)
-    bound = job.awaited_since + 2 * window
     current = capped(job, job.last_call_deadline if job.last_call_deadline is not None else now)
-    return max(current, bound + MAX_PREPARE_S if back else min(now + window, bound))
+    return max(current, bound(job) + MAX_PREPARE_S if back else min(now + window_s(job.config), bound(job)))
+
+
+def bound(job: JobRecord) -> float:
+    """Two windows from the wait's start."""
+    return job.awaited_since + 2 * window_s(job.config)
 
 
 def capped(job: JobRecord, end: float) -> float:
-    """`end`, no later than the wait's bound: two windows from its start, and MAX_PREPARE_S more while a node
-    awaited is back and preparing."""
-    bound = job.awaited_since + 2 * window_s(job.config)
-    return min(end, bound + MAX_PREPARE_S if any(preparing(job, n) for n in job.awaited) else bound)
+    """`end`, no later than the wait's bound, MAX_PREPARE_S past it while a node awaited is back and preparing."""
+    return min(end, bound(job) + (MAX_PREPARE_S if any(preparing(job, n) for n in job.awaited) else 0.0))
 
 
 def flapping(job: JobRecord, node_id: str, now: float) -> bool:
@@ -143,7 +144,7 @@ def waiting(job: JobRecord, now: float) -> str:
     away = [n for n in job.awaited if not back(job, n) and not preparing(job, n)]
     slow = [n for n in job.awaited if preparing(job, n)]
     what = " and ".join(([f"{names(job, away)} to come back"] if away else []) +
-                        ([f"{names(job, slow)} to be ready"] if slow else [])) or f"{names(job)}"
+                        ([f"{names(job, slow)} to be ready"] if slow else [])) or names(job)
     return f"waiting up to {left:g}s for {what} (an agent restarting keeps its place)"
 
 
