@@ -32,6 +32,15 @@ def start(cluster, out, node: str, job: str, nnodes: str = "3", gate: Gate | Non
                          env={"OUT_DIR": str(out), "NODE": node, **ENV, **(gate.env if gate else {})})
 
 
+def resumed_from_memory(out, since: float, restarted) -> dict[int, tuple[int, str, str]]:
+    """Every one of the 6 ranks resumed after `since` from the same step, in memory, each loading its own shard."""
+    back = wait_until(lambda: len(shard_resumes(out, since)) == 6 and shard_resumes(out, since), LIMIT,
+                      lambda: f"every rank resumed: {shard_resumes(out, since)}\n{restarted.output}")
+    assert {source for _, source, _ in back.values()} == {"memory"}, (back, restarted.output)
+    assert len({step for step, _, _ in back.values()}) == 1 and {ok for *_, ok in back.values()} == {"ok"}, back
+    return back
+
+
 def copies_of(cluster, job: str, node: str) -> dict:
     return next((n.get("copies") or {} for n in job_view(cluster, job)["nodes"] if n["node_id"] == node), {})
 
@@ -60,12 +69,8 @@ def test_an_agent_restarted_under_its_own_id_resumes_every_rank_from_memory(clus
     if memory == "gone":
         shutil.rmtree(held)
     agents[node] = start(cluster, tmp_path, node, job, nnodes)
-    back = wait_until(lambda: len(shard_resumes(tmp_path, killed_at)) == 6 and shard_resumes(tmp_path, killed_at),
-                      LIMIT, lambda: f"every rank resumed: {shard_resumes(tmp_path, killed_at)}\n"
-                                     f"{agents[node].output}")
-    assert {source for _, source, _ in back.values()} == {"memory"}, (back, agents[node].output)
-    assert len({step for step, _, _ in back.values()}) == 1 and min(s for s, _, _ in back.values()) >= 10, back
-    assert {ok for _, _, ok in back.values()} == {"ok"}, back        # each rank loaded its own shard
+    back = resumed_from_memory(tmp_path, killed_at, agents[node])
+    assert min(s for s, _, _ in back.values()) >= 10, back
     said = "fetched node" if memory == "gone" else "kept the memory"       # kept: its predecessor's
     assert said in agents[node].output, agents[node].output
 
@@ -106,11 +111,7 @@ def test_a_next_agent_slow_to_prepare_keeps_its_place_while_it_prepares(cluster,
     assert f"node {node} back, its workers preparing; waiting up to" in reason() and \
         f"for node {node} to be ready" in reason(), reason()
     wait_until(gate.opened, LIMIT, f"node {node}'s warm interpreter at its gate")
-    back = wait_until(lambda: len(shard_resumes(tmp_path, killed_at)) == 6 and shard_resumes(tmp_path, killed_at),
-                      LIMIT, lambda: f"every rank resumed: {shard_resumes(tmp_path, killed_at)}\n"
-                                     f"{agents[node].output}")
-    assert {source for _, source, _ in back.values()} == {"memory"}, (back, agents[node].output)
-    assert len({step for step, _, _ in back.values()}) == 1 and {ok for *_, ok in back.values()} == {"ok"}, back
+    resumed_from_memory(tmp_path, killed_at, agents[node])
     (tmp_path / "stop").write_text("stop")
     for agent in agents.values():
         assert agent.wait(LIMIT) == 0, agent.output
@@ -189,11 +190,7 @@ def test_a_stop_cut_short_keeps_the_nodes_memory_and_place(cluster, tmp_path, cu
         wait_until(lambda: f"for node {node} to come back" in (job_view(cluster, job).get("reason") or ""), LIMIT,
                    lambda: f"the job waiting for node {node}: {job_view(cluster, job).get('reason')}")
     agents[node] = start_node(node)
-    back = wait_until(lambda: len(shard_resumes(tmp_path, stopped_at)) == 6 and shard_resumes(tmp_path, stopped_at),
-                      LIMIT, lambda: f"every rank resumed: {shard_resumes(tmp_path, stopped_at)}\n"
-                                     f"{agents[node].output}")
-    assert {source for _, source, _ in back.values()} == {"memory"}, (back, agents[node].output)
-    assert len({step for step, _, _ in back.values()}) == 1 and {ok for *_, ok in back.values()} == {"ok"}, back
+    resumed_from_memory(tmp_path, stopped_at, agents[node])
     (tmp_path / "stop").write_text("stop")
     for agent in agents.values():
         assert agent.wait(LIMIT) == 0, agent.output

@@ -354,16 +354,22 @@ def b_then_c_back(rz, cfg: JobConfig) -> None:
     assert members(rz) == ["a", "b", "c", "d"]
 
 
-def test_one_back_preparing_and_lost_again_ends_the_extra_time_another_awaited_one_still_has_its_window():
-    """b back and preparing moves the wait's end past two windows; b's new agent dies too (a second loss: a
-    flapping host, given up): c, still away, has no more than two windows from the wait's start."""
+def b_back_preparing_and_c_away():
+    """2:4, b and c awaited; b's next agent is back, preparing: the wait's end moves past its two windows."""
     rz, cfg = b_and_c_crash(10.3)
     heard(rz, "ad", 11.2)
     rz.tick(10.3 + DROP_GRACE_S)
     bound = job(rz).awaited_since + 2 * window_s(cfg)
     heard(rz, "ad", 12.0)
     join(rz, "b", 12.0, cfg, instance="b#2", ready=False)
-    assert job(rz).last_call_deadline == pytest.approx(bound + MAX_PREPARE_S)
+    assert job(rz).awaited == ["b", "c"] and job(rz).last_call_deadline == pytest.approx(bound + MAX_PREPARE_S)
+    return rz, cfg, bound
+
+
+def test_one_back_preparing_and_lost_again_ends_the_extra_time_another_awaited_one_still_has_its_window():
+    """b back and preparing moves the wait's end past two windows; b's new agent dies too (a second loss: a
+    flapping host, given up): c, still away, has no more than two windows from the wait's start."""
+    rz, cfg, bound = b_back_preparing_and_c_away()
     said = job(rz).reason
     assert "waiting up to" in said and "for node c to come back and node b to be ready" in said, said
     heard(rz, "ad", 13.0)
@@ -500,17 +506,6 @@ def test_a_member_unheard_since_the_server_came_back_is_awaited_when_its_lease_r
     assert record.round is None and record.awaited == ["b"], [e.message for e in record.events[-3:]]
     copies.rejoin(rz, "b", 33.0, cfg, 2, "2")
     assert record.round is not None and record.round.members == ["a", "b", "c"]
-
-def b_back_preparing_and_c_away():
-    """2:4, b and c awaited; b's next agent is back, preparing: the wait's end moves past its two windows."""
-    rz, cfg = b_and_c_crash(10.3)
-    heard(rz, "ad", 11.2)
-    rz.tick(10.3 + DROP_GRACE_S)
-    bound = job(rz).awaited_since + 2 * window_s(cfg)
-    heard(rz, "ad", 12.0)
-    join(rz, "b", 12.0, cfg, instance="b#2", ready=False)
-    assert job(rz).awaited == ["b", "c"] and job(rz).last_call_deadline == pytest.approx(bound + MAX_PREPARE_S)
-    return rz, cfg, bound
 
 
 def test_one_back_preparing_and_then_ready_ends_its_extra_time_and_the_reason_says_who_is_left():
