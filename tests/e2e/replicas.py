@@ -14,7 +14,9 @@ from tests.etcd_cluster import EtcdCluster, etcd_available
 
 
 class Replicas:
-    def __init__(self, cluster: Cluster, tmp_path, members: int = 3, leader_ttl: int = 2) -> None:
+    # A 4 s leader lease (renewed every second, 1 s a request): with 2 s a loaded machine's stalled renewal could
+    # depose a leader under a test that counts takeovers.
+    def __init__(self, cluster: Cluster, tmp_path, members: int = 3, leader_ttl: int = 4) -> None:
         assert etcd_available(), "etcd is not installed: run `make etcd` (Debian's etcd-server package)"
         self.cluster = cluster
         self.etcd = EtcdCluster(members, base_dir=str(tmp_path)).start()

@@ -145,7 +145,7 @@ def test_one_etcd_member_down_changes_nothing(replicas, tmp_path):
     replicas.etcd.kill_member(0)                      # the member every client tries first
     agents.append(start_agent(replicas, out, "node-c", "member", nnodes="2:3"))
     # Asked of whichever replica leads at the time: when the killed member led etcd, etcd's own election
-    # can outlast the tests' 2 s lease on a loaded machine and move the leadership (a standby answers 503).
+    # can outlast the tests' leader lease on a loaded machine and move the leadership (a standby answers 503).
     view = wait_until(lambda: (v := replicas.get(replicas.leader(LIMIT), "/v1/jobs/member"))["round_id"]
                       > before["round_id"] and len(v["nodes"]) == 3 and v, LIMIT, "the third node's round to form")
     assert view["restart_count"] == 0
@@ -153,7 +153,7 @@ def test_one_etcd_member_down_changes_nothing(replicas, tmp_path):
     (out / "stop").touch()
     assert [a.wait(LIMIT) for a in agents] == [0, 0, 0], "\n".join(a.output for a in agents)
     # Asked of whichever replica leads now: when the killed member led etcd, etcd's own election can
-    # outlast the tests' 2 s lease on a loaded machine and move the leadership; the job must not notice.
+    # outlast the tests' leader lease on a loaded machine and move the leadership; the job must not notice.
     final = replicas.get(replicas.leader(LIMIT), "/v1/jobs/member")
     assert final["state"] == "succeeded" and final["restart_count"] == 0
     assert len(starts(out)) == 4 + 6, "a worker was restarted"
