@@ -42,7 +42,7 @@ def test_job_status_and_events_show_every_field(cluster, tmp_path):
     assert [(n["node_id"], n["group_rank"], n["rank_offset"]) for n in members] == [("a", 0, 0), ("c", 1, 1)]
     for n in members:
         assert n["state"] == "member" and n["addr"] == "127.0.0.1" and n["local_world_size"] == 1
-        assert n["worker_state"] == "running" and 0 <= n["lease_age_s"] < 3.0
+        assert n["worker_state"] == "running" and 0 <= n["lease_age_s"] < 10.0     # a loaded machine's re-poll
         parse_time(n["joined_at"])
     assert [(s["node_id"], s["spare_position"], s["state"]) for s in job["spares"]] == [("d", 0, "spare")]
     (excluded,) = job["excluded"]

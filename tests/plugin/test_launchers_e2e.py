@@ -61,7 +61,7 @@ def test_a_report_the_server_refuses_for_good_ends_the_node_and_the_others_go_on
     out = tmp_path / "out"
     out.mkdir()
     crash = {"FAIL_RANK": "3", "FAIL_STEP": "1", "FAIL_ONCE": str(tmp_path / "crashed")}
-    conf = f"{FAST},local_world_size=1,join_timeout=5"
+    conf = f"{FAST},local_world_size=1,join_timeout=12"    # both join within it, however far apart their imports
     nodes = [launcher(cluster, out, rank, max_restarts=2, conf=conf, env=crash) for rank in (0, 1)]
     codes = [p.wait(LIMIT) for p in nodes]
     assert all(code != 0 for code in codes), "\n\n".join(p.output for p in nodes)
