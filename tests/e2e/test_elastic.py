@@ -14,7 +14,7 @@ from collections import defaultdict
 
 import pytest
 
-from tests.e2e.harness import SCRIPTS, announced_rounds, job_events, job_view, pid_gone, read_jsonl, wait_until
+from tests.e2e.harness import SCRIPTS, Gate, announced_rounds, job_events, job_view, pid_gone, read_jsonl, wait_until
 
 pytestmark = pytest.mark.e2e
 LOOP = os.path.join(SCRIPTS, "elastic_loop.py")
@@ -155,13 +155,8 @@ def test_a_node_still_preparing_joins_no_round_until_it_is_ready(cluster, tmp_pa
     cluster.start_server()
     agents = {n: start_agent(cluster, tmp_path, n, job="prep", nnodes="2:3") for n in ("a", "b")}
     key2, _ = wait_world(tmp_path, world=2)
-    gate = tmp_path / "gate"
-    os.mkfifo(gate)
-    (tmp_path / "gated.py").write_text(
-        f"import os\nif os.environ.get('GATED'):\n    with open({str(gate)!r}) as f:\n        f.read()\n")
-    agents["c"] = start_agent(cluster, tmp_path, "c", job="prep", nnodes="2:3",
-                              extra=("--warm-preload", "torch,torch.distributed,gated"),
-                              env={"GATED": "1", "PYTHONPATH": str(tmp_path)})
+    gate = Gate(str(tmp_path))
+    agents["c"] = start_agent(cluster, tmp_path, "c", job="prep", nnodes="2:3", extra=gate.flags(LOOP), env=gate.env)
     agents["c"].wait_for_line("preparing: the warm interpreter imports")
 
     def c_preparing() -> bool:
@@ -171,8 +166,7 @@ def test_a_node_still_preparing_joins_no_round_until_it_is_ready(cluster, tmp_pa
     steps = len(worlds(tmp_path)[key2])
     wait_until(lambda: len(worlds(tmp_path)[key2]) >= steps + 10, LIMIT, "a and b to step on meanwhile")
     assert [e["data"]["nodes"] for e in kinds(job_events(cluster, "prep"), "round_completed")] == [2]
-    with open(gate, "w") as f:           # its imports end: c is ready, and the round grows to it
-        f.write("go")
+    wait_until(gate.opened, LIMIT, "c's warm interpreter at its gate")     # its imports end: the round grows
     key3, recs3 = wait_world(tmp_path, world=3, nodes=("a", "b", "c"), what="with c once it was ready")
     assert key3[2] == 0 and "ready after" in agents["c"].output, agents["c"].output
     stop_job(tmp_path)
