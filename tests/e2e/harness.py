@@ -229,7 +229,9 @@ def shard_resumes(directory, since: float) -> dict[int, tuple[int, str, str]]:
 
 
 def read_jsonl(directory, prefix: str) -> list[dict]:
-    """Every JSON line in DIR/PREFIX*.jsonl; a torn last line (a writer mid-write) is skipped."""
+    """Every JSON line in DIR/PREFIX*.jsonl, oldest first by its "t"; a torn last line is skipped.
+
+    Files are named by pid, and pids wrap: file order is not the order the processes ran in."""
     out = []
     for name in sorted(os.listdir(directory)):
         if name.startswith(prefix) and name.endswith(".jsonl"):
@@ -239,6 +241,7 @@ def read_jsonl(directory, prefix: str) -> list[dict]:
                         out.append(json.loads(line))
                     except ValueError:
                         pass
+    out.sort(key=lambda rec: rec.get("t", 0.0))
     return out
 
 
