@@ -61,9 +61,10 @@ deploy-tools:
 # are what they check, and four workers of other tests beside them on 2 cores stretched those past it.
 # --dist worksteal: a worker that runs out takes queued tests from the others; xdist's default hands each
 # worker a fixed first quarter of the suite, whose long end-to-end tests then ran on alone (11:10 -> 8:11).
+# --durations: the slowest tests, printed where CI's log shows them (the suite stays under 15 minutes).
 XDIST := -n $(PYTEST_WORKERS) --dist worksteal
 test: venv chromium deploy-tools netns-tools etcd
-	$(PY) -m pytest $(XDIST) -m "not soak and not multihost" -q -p no:cacheprovider
+	$(PY) -m pytest $(XDIST) -m "not soak and not multihost" -q -p no:cacheprovider --durations=30
 	$(PY) -m pytest -n 2 -m "multihost and not soak" -q -p no:cacheprovider tests/multihost
 
 # The suite (the multi-host tests aside) on the oldest Python and dependency versions pyproject allows

@@ -4,6 +4,7 @@ import shutil
 import sys
 import tempfile
 
+import hypothesis
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -16,6 +17,11 @@ if ROOT not in sys.path:
 # one thread each. Tests of the launchers' own rule for it unset it (tests/e2e/harness.py child_env). Set before
 # any test module imports torch, which reads it as it loads.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+# Hypothesis fails an example that runs past 200 ms as "unreliable timing": on a loaded machine a preemption or
+# a worker's full GC does that, and no property here is about time.
+hypothesis.settings.register_profile("suite", deadline=None)
+hypothesis.settings.load_profile("suite")
 
 # What an agent (without --log-dir) or torchrun makes in the temp dir for a run: it must not outlive it.
 RUN_DIRS = ("node-agent_*", "torchelastic_*")

@@ -45,7 +45,7 @@ def protect_trainer(trainer: Trainer, every: int = 5, keep: int = 2) -> Snapshot
             resume_from_checkpoint = callback.lay_out()
         return train(resume_from_checkpoint, *args, **kwargs)
 
-    trainer.train = train_from_snapshot  # type: ignore[method-assign]
+    trainer.train = train_from_snapshot
     return callback
 
 

@@ -1,8 +1,9 @@
 """Smoke test of `make bench-first-step`'s harness at its smallest (a tiny model, one pair, a small
-snapshot), so it does not rot: every launcher that recovers produced a run with every part, the snapshot
-load was measured both ways, and the JSON (and the chart, with matplotlib) was written. torchrun's own c10d
-rendezvous is left to `make bench-first-step`: on a loaded machine it may not rendezvous again after the crash,
-and waiting out its limit was the longest test of the suite. Nothing here asserts how long anything took."""
+snapshot, one worker on each of two nodes), so it does not rot: every launcher that recovers produced a run
+with every part, the snapshot load was measured both ways, and the JSON (and the chart, with matplotlib) was
+written. torchrun's own c10d rendezvous is left to `make bench-first-step`: on a loaded machine it may not
+rendezvous again after the crash, and waiting out its limit was the longest test of the suite. Nothing here
+asserts how long anything took."""
 from __future__ import annotations
 
 import importlib.util
@@ -27,7 +28,7 @@ def test_every_recovering_launcher_gives_a_run_with_every_part(tmp_path):
     assert "torchrun c10d" in LAUNCHERS and "torchrun c10d" not in RECOVERING
     done = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_first_step.py"), "--pairs", "1",
                            "--launchers", ",".join(RECOVERING),
-                           "--width", "32", "--steps", "6", "--crash-step", "4", "--snapshot-mb", "2",
+                           "--width", "32", "--steps", "6", "--crash-step", "4", "--snapshot-mb", "2", "--nproc", "1",
                            "--timeout", "120", "--out", str(tmp_path)],
                           capture_output=True, text=True, timeout=600, env=dict(os.environ, PYTHONPATH=ROOT))
     assert done.returncode == 0, done.stdout + done.stderr

@@ -32,7 +32,7 @@ class SlurmCluster:
             os.makedirs(os.path.join(root, sub), exist_ok=True)
         plugstack = os.path.join(root, "plugstack.conf")    # empty: ignore /etc/slurm/plugstack.conf
         open(plugstack, "w").close()
-        cpus = max(1, os.cpu_count() or 1)
+        cpus = max(1, len(os.sched_getaffinity(0)))     # what this process may use (a CI runner's cpuset)
         lines = [
             "ClusterName=deploytest",
             f"SlurmctldHost={self.host}(127.0.0.1)",

@@ -81,9 +81,9 @@ def test_sbatch_runs_a_gloo_job_with_one_agent_per_slurm_node(slurm, tmp_path):
         assert r["sum"] == 3.0 and r["world"] == 2          # 1 + 2: both ranks took part
         assert r["env"]["TORCHELASTIC_RUN_ID"] == job
     assert sorted(r["env"]["GROUP_RANK"] for r in records) == ["0", "1"]
-    # each node's agent and worker hold every CPU of their Slurm node (CPUs=this host's count), not one
+    # each node's agent and worker hold every CPU of their Slurm node (CPUs=the CPUs this test may use), not one
     for r in records:
-        assert len(r["cpus"]) == os.cpu_count(), f"worker {r['env']['RANK']} is bound to CPUs {r['cpus']}"
+        assert len(r["cpus"]) == len(os.sched_getaffinity(0)), f"worker {r['env']['RANK']} is bound to CPUs {r['cpus']}"
     # one agent per Slurm node, named after it
     assert "[node-agent n1]" in out and "[node-agent n2]" in out, out
     assert f"job {job} succeeded" in out

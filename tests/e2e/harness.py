@@ -19,6 +19,8 @@ import urllib.request
 
 import psutil
 
+from tests.ports import free_port
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPTS = os.path.join(ROOT, "tests", "e2e", "scripts")
 
@@ -133,8 +135,11 @@ class Cluster:
         os.makedirs(path, exist_ok=True)
         return path
 
-    def start_server(self, *extra: str, port: int = 0) -> int:
-        """Start (or restart) the server; its state dir is the same for the whole test unless given."""
+    def start_server(self, *extra: str, port: int | None = None) -> int:
+        """Start (or restart) the server; its state dir is the same for the whole test unless given. Its port is
+        one below the kernel's ephemeral range (tests/ports.py): a test that restarts it on the same port would
+        find a port the kernel picked taken meanwhile by some process's client socket or bind(0)."""
+        port = free_port() if port is None else port
         if not any(arg.startswith("--state-dir") for arg in extra):
             extra = (*extra, "--state-dir", os.path.join(str(self.tmp), "server-state"))
         self.server = Proc([sys.executable, "-m", "rdzv_server.cli", "--host", "127.0.0.1", "--port", str(port),

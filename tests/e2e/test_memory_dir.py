@@ -63,8 +63,8 @@ def test_sigterm_to_the_agent_removes_the_directory(cluster, tmp_path):
 
 
 def test_a_killed_agents_directory_is_removed_by_the_next_agent_on_the_node(cluster, tmp_path):
+    os.makedirs(tmp_path / "a")                             # its worker writes there
     first = standalone(cluster, tmp_path / "a", env={"WAIT_FILE": str(tmp_path / "never")}, nproc="1")
-    os.makedirs(tmp_path / "a")
     wait_until(lambda: records(tmp_path / "a").get((0, 0)), 60, "the first worker's record")
     left = os.path.dirname(records(tmp_path / "a")[0, 0]["dir"])
     first.kill_all()                                        # SIGKILL: no clean-up

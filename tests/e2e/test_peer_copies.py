@@ -108,26 +108,27 @@ def test_where_the_server_uses_tls_copies_need_the_nodes_certificates(cluster, t
     cert, key = make_server_cert(str(tmp_path), ca)
     cluster.start_server("--tls-cert", cert, "--tls-key", key, "--state-dir", "none")
     cluster.ca = ca[0]
+    job = f"tls-{'certs' if with_certs else 'none'}"     # a job id per case: its memory directories are its own
     extra = ("--tls-ca", ca[0], *(("--tls-cert", cert, "--tls-key", key) if with_certs else ()))
-    run = {n: start(cluster, tmp_path, n, "tls", endpoint=f"https://{cluster.endpoint()}", extra=extra)
+    run = {n: start(cluster, tmp_path, n, job, endpoint=f"https://{cluster.endpoint()}", extra=extra)
            for n in ("a", "b", "c")}
     wait_until(lambda: len({r for *_, r, _ in steps(tmp_path)}) == 6, LIMIT, "every rank stepping")
-    run["s"] = start(cluster, tmp_path, "s", "tls", endpoint=f"https://{cluster.endpoint()}", extra=extra)
+    run["s"] = start(cluster, tmp_path, "s", job, endpoint=f"https://{cluster.endpoint()}", extra=extra)
     run["s"].wait_for_line(r"ready after", LIMIT)
     said_off = [n for n, a in run.items() if "peer copies off: the server uses TLS" in a.output]
     if with_certs:
-        lost = next(n["node_id"] for n in job_view(cluster, "tls")["nodes"] if n["group_rank"] == 1)
-        wait_until(lambda: next(n for n in job_view(cluster, "tls")["nodes"] if n["node_id"] == lost)
+        lost = next(n["node_id"] for n in job_view(cluster, job)["nodes"] if n["group_rank"] == 1)
+        wait_until(lambda: next(n for n in job_view(cluster, job)["nodes"] if n["node_id"] == lost)
                    .get("copies", {}).get("copied_step", -1) >= 10, LIMIT, f"node {lost}'s copies on a peer")
     else:
         wait_until(lambda: max((s for _, s, _, _ in steps(tmp_path)), default=0) >= 12, LIMIT, "step 12")
-    lost, back = lose_group_rank_1(cluster, tmp_path, "tls", run)
+    lost, back = lose_group_rank_1(cluster, tmp_path, job, run)
     if with_certs:                     # over TLS, both ways checked: as in the clear
         assert not said_off and {source for _, source, _ in back.values()} == {"memory"}, (back, run["s"].output)
         assert f"fetched node {lost}'s snapshots" in run["s"].output and {ok for *_, ok in back.values()} == {"ok"}
     else:                              # no copies in the clear: said by every node; the job goes back, as before
         assert sorted(said_off) == ["a", "b", "c", "s"] and "memory" not in {src for _, src, _ in back.values()}
-        assert any("no copy of" in e["message"] for e in job_events(cluster, "tls") if e["kind"] == "round_completed")
+        assert any("no copy of" in e["message"] for e in job_events(cluster, job) if e["kind"] == "round_completed")
     finish(tmp_path, run, lost)
 
 

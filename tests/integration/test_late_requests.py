@@ -18,7 +18,7 @@ from rdzv_server.web.app import COORDINATOR
 from tests.integration.support import wait_until
 from tests.integration.test_direct_reply import join, poll, read_reply, request
 
-HOLD_S = 0.5
+HOLD_S = 1.5          # a poll handled at once is held: this is the loaded machine's margin for "at once"
 
 
 @pytest.fixture
@@ -35,7 +35,7 @@ def holds(monkeypatch):
     return added
 
 
-@pytest.mark.parametrize("busy_s", [0.0, 2 * HOLD_S])
+@pytest.mark.parametrize("busy_s", [0.0, HOLD_S + 1.0])
 async def test_a_poll_the_server_got_to_late_is_held_only_for_what_is_left_of_its_hold(server, holds, busy_s):
     a = await join(server, "a")
     reader, writer = await asyncio.open_connection("127.0.0.1", server.port)

@@ -26,9 +26,9 @@ async def test_the_probe_reports_a_stall_still_in_progress():
     probe.start()
     try:
         await asyncio.sleep(0.2)                  # the probe has run: no stall
-        assert probe.recent_s() < 0.2
-        time.sleep(0.6)      # noqa: ASYNC251 - the loop is stuck on purpose: nobody has run since
-        assert probe.recent_s() >= 0.5
+        assert probe.recent_s() < 0.5             # (a loaded machine's own stall may count: under the one made below)
+        time.sleep(1.0)      # noqa: ASYNC251 - the loop is stuck on purpose: nobody has run since
+        assert probe.recent_s() >= 0.9
     finally:
         await probe.stop()
 

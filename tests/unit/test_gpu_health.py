@@ -306,10 +306,10 @@ async def test_a_check_that_hangs_is_cut_at_its_deadline_with_its_children(tmp_p
     pidfile = tmp_path / "child.pid"
     start = time.monotonic()
     verdict = await run_health_check(script(tmp_path, f"echo probing; sleep 600 & echo $! > {pidfile}; wait"),
-                                     timeout=0.5)
-    assert time.monotonic() - start < 5
+                                     timeout=3)      # time for the shell to start its child on a loaded machine
+    assert time.monotonic() - start < 10
     assert isinstance(verdict, Unhealthy)
-    assert verdict.reason.endswith("did not finish within 0.5 s: 'probing'") and verdict.output == "probing\\n"
+    assert verdict.reason.endswith("did not finish within 3 s: 'probing'") and verdict.output == "probing\\n"
     assert gone_within(int(pidfile.read_text()), 5)
 
 
@@ -348,8 +348,8 @@ async def test_megabytes_of_output_are_kept_bounded_and_quoted():
 
 
 async def test_endless_output_that_never_exits_is_bounded_by_time_and_size():
-    verdict = await run_health_check(["yes", "GPU ok"], timeout=0.5, output_limit=1000)
-    assert isinstance(verdict, Unhealthy) and "did not finish within 0.5 s: 'GPU ok'" in verdict.reason
+    verdict = await run_health_check(["yes", "GPU ok"], timeout=2, output_limit=1000)
+    assert isinstance(verdict, Unhealthy) and "did not finish within 2 s: 'GPU ok'" in verdict.reason
     assert verdict.output.startswith("GPU ok\\nGPU ok") and "output cut at 1000 of" in verdict.output
 
 
