@@ -5,10 +5,10 @@ even when the test fails. Ports come from the OS (port 0).
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
-import signal
 import ssl
 import subprocess
 import sys
@@ -36,7 +36,7 @@ class Proc:
         self._cond = threading.Condition()
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
-        self.known: set[int] = set()
+        self.known: dict[int, psutil.Process] = {}
 
     def _read(self) -> None:
         assert self.popen.stdout is not None
@@ -82,19 +82,22 @@ class Proc:
         return code
 
     def remember_descendants(self) -> set[int]:
+        """Its descendants now, kept to be killed at the end (orphans of a SIGKILLed agent among them)."""
         try:
-            self.known |= {c.pid for c in psutil.Process(self.pid).children(recursive=True)}
+            for child in psutil.Process(self.pid).children(recursive=True):
+                self.known.setdefault(child.pid, child)
         except psutil.NoSuchProcess:
             pass
-        return self.known
+        return set(self.known)
 
     def kill_all(self) -> None:
+        """SIGKILL it and every descendant remembered. psutil checks each one's start time first: a pid the kernel
+        gave to another process since (the suite runs as root) is left alone."""
         self.remember_descendants()
-        for pid in [self.pid, *self.known]:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        self.popen.kill()                            # nothing once reaped
+        for child in self.known.values():
+            with contextlib.suppress(psutil.NoSuchProcess):
+                child.kill()
         try:
             self.popen.wait(10)
         except subprocess.TimeoutExpired:
