@@ -2,19 +2,19 @@
 
 An agent restarted under its own id (an OOM kill, systemd's or a container's restart) closes its connection and
 joins again seconds later, its memory directory in place. Were the round formed without it, an elastic job would
-shrink: the survivors behind it close up and take other ranks, so per-rank state (shards, a rank's own RNG) is
-dropped, and the regrown round finds no common step: every rank goes back to disk or to step 0. A spare's fetch of a
-lost node's copies from the restarting node fails the same way. So a member lost with its connection closed by its
-host, replaced by a new instance of its agent, or leaving because its agent was stopped by a signal (`systemctl
-restart`: LeaveRequest.stopped), that holds state of its own (`holds_own_state`), whose place no node takes or whose
-copies a member still fetches, is awaited for `window_s` (a lease and a last call) while the survivors wait; back but
-still preparing, until its agent would start cold (`deadline`: a loaded host imports for seconds, and the survivors'
-idle seconds cost less than every rank's progress). A stopped agent leaves before it stops its workers: its wait
-starts when they may be stopped (LeaveRequest.stop_timeout_s: a script saving a checkpoint on SIGTERM would
-otherwise be gone on without while it saves). What looks the same: an agent that crashed or
-was stopped for good, or a host closing its connections as it shuts down: the job goes on without it that much later
-(when shrinking would have lost the state anyway), and the event says why. A host that keeps dropping out (a flapping
-host, exclude_lost_after), a node that leaves unhealthy and a drained one are not awaited.
+shrink: the last survivor moves into its place and takes its ranks, so the last ranks' state (shards, a rank's own
+RNG) is dropped, and the regrown round finds no common step: every rank goes back to disk or to step 0. A spare's
+fetch of a lost node's copies from the restarting node fails the same way. So a member lost with its connection
+closed by its host, replaced by a new instance of its agent, or leaving because its agent was stopped by a signal
+(`systemctl restart`: LeaveRequest.stopped), that holds state of its own (`holds_own_state`), whose place no node
+takes or whose copies a member still fetches, is awaited for `window_s` (a lease and a last call) while the
+survivors wait; back but still preparing, until its agent would start cold (`deadline`: a loaded host imports for
+seconds, and the survivors' idle seconds cost less than every rank's progress). A stopped agent leaves before it
+stops its workers: its wait starts when they may be stopped (LeaveRequest.stop_timeout_s: a script saving a
+checkpoint on SIGTERM would otherwise be gone on without while it saves). What looks the same: an agent that crashed
+or was stopped for good, or a host closing its connections as it shuts down: the job goes on without it that much
+later (when shrinking would have lost the state anyway), and the event says why. A host that keeps dropping out (a
+flapping host, exclude_lost_after), a node that leaves unhealthy and a drained one are not awaited.
 """
 from __future__ import annotations
 
@@ -58,7 +58,7 @@ def flapping(job: JobRecord, node_id: str, now: float) -> bool:
 
 def worth_awaiting(job: JobRecord, choice: Choice, lost: list[str], now: float) -> list[str]:
     """Of `lost` (members whose agents may be restarting), those the round about to form (`choice`) would go on
-    without at a cost: no newcomer takes its place (the round shrinks: a survivor behind it closing up takes other
+    without at a cost: no newcomer takes its place (the round shrinks: the last survivor moving into it takes other
     ranks), or a member still fetches copies it holds."""
     if not lost or job.round is None:
         return []
@@ -75,7 +75,7 @@ def worth_awaiting(job: JobRecord, choice: Choice, lost: list[str], now: float) 
 
 def lost_again(job: JobRecord, node: NodeRecord, now: float, restarting: bool, stopping_s: float = 0.0) -> bool:
     """A node of the last round's places lost (or replaced) while the job waits for the awaited ones: awaited too
-    where its agent may be restarting (else the round formed on their return would close up over its place), its
+    where its agent may be restarting (else the round formed on their return would fill its place from the end), its
     window from when its workers are stopped (`stopping_s` from now; the wait's bound moves with it), but one
     awaited that is lost again as a flapping host, or not as a restart, is not any more. Whether the wait goes on:
     someone is still awaited and not everyone awaited is back."""

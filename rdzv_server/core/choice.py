@@ -24,12 +24,14 @@ def choose(job: JobRecord) -> Choice:
 
 
 def candidates(job: JobRecord) -> list[str]:
-    """The next round's nodes in group-rank order. A member still here keeps its place; a place its member left
-    (lost, left, drained, excluded) goes to the first waiting node or spare, so every survivor keeps its group
-    rank and so its global ranks (a sharded snapshot stays its own), and the newcomer takes the ranks, and the
-    shards, of the node it replaces. With nobody to take a place, the survivors behind it close up in order.
-    While the job waits for nodes, the last round's places are kept (`job.places`) for the survivors waiting. Only
-    ready nodes are candidates (JoinRequest.ready)."""
+    """The next round's nodes in group-rank order. A member still here keeps its place; a place its member left (lost,
+    left, drained, excluded) goes to the first waiting node or spare, so every survivor keeps its group rank and
+    so its global ranks (a sharded snapshot stays its own), and the newcomer takes the ranks, and the shards, of
+    the node it replaces. A place nobody takes is filled from the end: the last survivor moves into it and takes
+    the gone node's ranks (and its copies: places_taken), so every other survivor keeps its ranks and the
+    snapshots of them (where all behind it closed up, every one of them held ranks nobody had saved). While the
+    job waits for nodes, the last round's places are kept (`job.places`) for the survivors waiting. Only ready
+    nodes are candidates (JoinRequest.ready)."""
     if job.round is not None:          # a member keeps its place, whatever it says of its next start
         places, stay = job.round.ranked or job.round.members, set(job.round.members)
     else:
@@ -37,12 +39,12 @@ def candidates(job: JobRecord) -> list[str]:
     holders = {n for n in places if n in stay and n in job.nodes}
     # a node still preparing enters no round (it would hold up every other node): it stays where it is
     takers = iter([n for n in job.waiting + job.spares if n not in holders and job.nodes[n].ready])
-    pool = []
-    for node_id in places:
-        taker = node_id if node_id in holders else next(takers, None)
-        if taker is not None:
-            pool.append(taker)
-    return pool + list(takers)
+    pool: list[str | None] = [n if n in holders else next(takers, None) for n in places]
+    while None in pool:
+        last = pool.pop()
+        if last is not None:
+            pool[pool.index(None)] = last
+    return [n for n in pool if n is not None] + list(takers)
 
 
 def places_taken(job: JobRecord, chosen: list[str]) -> dict[str, str]:

@@ -267,12 +267,35 @@ def test_two_members_lost_at_once_with_one_spare_it_takes_the_lower_group_rank_a
     assert [view(rz, n, 6.0).assignment.rank_offset for n in ("a", "s", "d")] == [0, 2, 4]
 
 
-def test_without_a_spare_the_survivors_close_up_in_order_and_a_newcomer_goes_last():
+def completed(rz) -> str:
+    return next(e.message for e in reversed(job(rz).events) if e.kind == "round_completed")
+
+
+def test_without_a_spare_the_last_survivor_fills_the_place_and_a_newcomer_goes_last():
+    """Only the last node moves (taking the gone node's ranks and its copies): b keeps its ranks. When every node
+    behind the gap closed up, each held ranks nobody had saved, and a review saw every rank go back to step 0."""
     rz = running(["a", "b", "c"], cfg(min_nodes=2, max_nodes=3, **QUIET))
     rz.drain_node(JOB, "a", "maintenance", 1.0)
-    assert members(rz) == ["b", "c"]
+    assert members(rz) == ["c", "b"] and "c takes a's place" in completed(rz)
     join(rz, "d", 2.0, job(rz).config)
-    assert members(rz) == ["b", "c", "d"]
+    assert members(rz) == ["c", "b", "d"]
+
+
+@pytest.mark.parametrize("spare", [False, True], ids=["none", "a-spare"])
+def test_places_nobody_takes_are_filled_from_the_end_after_the_spares(spare):
+    """b and d lost together: a spare takes the first place; a place nobody takes gets the last survivor."""
+    config = cfg(min_nodes=2, max_nodes=5, lease_timeout_s=5.0, last_call_s=0.0)
+    rz = running(["a", "b", "c", "d", "e"], config)
+    if spare:
+        join(rz, "s", 0.5, config)
+    for t in (1.0, 2.0, 3.0, 4.0, 5.0, 6.0):
+        for n in "ace" + ("s" if spare else ""):
+            poll(rz, n, t)
+    rz.tick(6.0)
+    if spare:
+        assert members(rz) == ["a", "s", "c", "e"] and "s takes b's place" in completed(rz)
+    else:
+        assert members(rz) == ["a", "e", "c"] and "e takes b's place" in completed(rz)
 
 
 def test_below_min_the_survivors_keep_their_places_for_the_node_that_comes():
