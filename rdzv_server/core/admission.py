@@ -78,11 +78,6 @@ def _admitted(rules: JobRules, req: JoinRequest, now: float, credential: str, vi
     # its agent says it restarted meanwhile: it takes the place now (awaited: awaiting.py), as after a loss.
     successor = existing is not None and existing.unheard and bool(req.instance) and req.instance != existing.instance
     if existing is not None and existing.credential_digest and leases.live(existing, now) and not successor:
-        if req.instance and req.instance != existing.instance and (req.host or req.addr) == existing.host:
-            # Its agent restarted while it held no poll (stopping or starting workers): nobody heard it end, and the
-            # lease must run out first. Once it does, it is a restart, not a host gone silent (awaiting.restarting).
-            existing.successor_at = now
-            rules.node_changed(existing.node_id)
         raise RendezvousError(ErrorCode.NODE_CONFLICT, f"node id {req.node_id!r} is held by a live agent of "
                               f"job {job.job_id!r} (heard from {now - existing.last_seen:.1f}s ago, at "
                               f"{existing.addr}); give this agent another node id, or wait until that "

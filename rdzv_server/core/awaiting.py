@@ -109,11 +109,10 @@ def given_up(job: JobRecord, node_id: str) -> bool:
 def restarting(job: JobRecord, node: NodeRecord) -> bool:
     """A lost member whose host closed its connection (FIN or RST while the link worked: its agent's process ended,
     the host lives), or not heard from since the server came back (its agent killed or stopped while the server
-    was away: nobody heard how it ended), or whose next agent asked for its id meanwhile, and whose memory holds
-    state of its own; a host gone silent under a running server (a lease run out, a keepalive given up) is not
-    awaited. (One replaced by a new instance of its agent: admission.py.)"""
-    agent_ended = node.dropped and node.drop_heard or node.unheard or leases.successor_asked(node)
-    return agent_ended and holds_own_state(job, node)
+    was away: nobody heard how it ended), and whose memory holds state of its own; a host gone silent under a
+    running server (a lease run out, a keepalive given up) is not awaited. (One replaced by a new instance of its
+    agent: admission.py.)"""
+    return (node.dropped and node.drop_heard or node.unheard) and holds_own_state(job, node)
 
 
 def holds_own_state(job: JobRecord, node: NodeRecord) -> bool:

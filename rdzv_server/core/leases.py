@@ -179,14 +179,7 @@ def recent_losses(job: JobRecord, node_id: str, now: float) -> int:
     return sum(t > now - job.config.exclude_window_s for t in job.loss_times.get(node_id, []))
 
 
-def successor_asked(node: NodeRecord) -> bool:
-    """A new instance of its agent, on its host, asked for its id after its agent was last heard: that agent ended
-    while it held no poll (killed as it started or stopped workers), so no close was heard (admission.py)."""
-    return node.successor_at > node.last_seen
-
-
 def why_lapsed(job: JobRecord, node: NodeRecord, now: float) -> str:
     if node.dropped:
         return "its connection closed"
-    lapsed = f"no contact for {now - node.last_seen:.1f}s (lease {job.config.lease_timeout_s:g}s)"
-    return f"{lapsed}, its agent restarted (a new one asked for its id)" if successor_asked(node) else lapsed
+    return f"no contact for {now - node.last_seen:.1f}s (lease {job.config.lease_timeout_s:g}s)"

@@ -54,7 +54,6 @@ class NodeRecord(msgspec.Struct, kw_only=True):
     copied_at: float = 0.0             # when its copied step last changed (rounds.copies_floor)
     store_per_round: bool = False      # its agent hosts a store per round it masters (JoinRequest; store_port.py)
     unheard: bool = False              # not heard from since the server came back (a failure waits: reports.py)
-    successor_at: float = 0.0          # when a new instance of its agent on its host asked for its id (admission.py)
     fetch_of: str = ""                 # the gone node whose copies a round told it to fetch (rounds.fetches_pending)
     fetch_place: PlaceCopies | None = None    # where those copies were, and the ranks they are of
 
