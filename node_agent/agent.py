@@ -146,6 +146,8 @@ class Agent:
             fact = await self._next_fact()
             actions = self.policy.handle(fact, self.now())
             self.narrator.fact(fact, actions)
+            if actions:
+                link.keep_polling()     # held while they run: an agent killed meanwhile closes it (awaiting.py)
             for action in actions:
                 self.narrator.action(action)
                 await self._do(action, link)

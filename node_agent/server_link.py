@@ -104,13 +104,15 @@ class ServerLink:
 
     @contextlib.asynccontextmanager
     async def lease_kept(self, interval: float) -> AsyncIterator[None]:
-        """Renew the lease with instant polls while the loop is busy (its long-poll is not re-issued): at once
-        (the answer that made it busy may end a hold the lease ran through: half of it gone), then every
-        `interval`."""
+        """Keep a long-poll held while the loop is busy (it re-issues none until it is done): at once (the answer
+        that made it busy may end a hold the lease ran through: half of it gone), then again every `interval` once
+        answered (its answers wait for the loop as facts). A held poll is the lease, and more: an agent killed
+        while busy (as it stops or starts workers) closes it, and the server hears that close as a restart
+        (rdzv_server/core/awaiting.py); killed between instant polls it fell silent, a host gone, and an elastic job
+        went on without it (a review: every rank back to step 0)."""
         async def renew() -> None:
             while self.joined:                  # (a node that left has no lease)
-                with contextlib.suppress(ServerUnreachable, ServerRejected):
-                    await self._poll(0.0)
+                self.keep_polling()
                 await asyncio.sleep(interval)   # periodic renewal, not synchronisation
 
         keeper = asyncio.create_task(renew())
