@@ -31,9 +31,9 @@ print("env", os.environ.get("NODE_AGENT_PROGRESS"), "boot", any(p.endswith("boot
       "pythonpath", os.environ.get("PYTHONPATH"), flush=True)
 """
 TAIL = """
-with open("ready", "w"):
-    pass
 def waiting_for_the_test():
+    with open("ready", "w"):     # inside: a stack taken once it exists shows this function
+        pass
     time.sleep(600)
 waiting_for_the_test()
 """
