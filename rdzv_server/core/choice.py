@@ -40,10 +40,15 @@ def candidates(job: JobRecord) -> list[str]:
     # a node still preparing enters no round (it would hold up every other node): it stays where it is
     takers = iter([n for n in job.waiting + job.spares if n not in holders and job.nodes[n].ready])
     pool: list[str | None] = [n if n in holders else next(takers, None) for n in places]
-    while None in pool:
-        last = pool.pop()
-        if last is not None:
-            pool[pool.index(None)] = last
+    last = len(pool) - 1                 # one pass, gaps from the front, movers from the back (a rack lost at once)
+    for gap in range(len(pool)):
+        if pool[gap] is not None:
+            continue
+        while last > gap and pool[last] is None:
+            last -= 1
+        if last <= gap:
+            break
+        pool[gap], pool[last] = pool[last], None
     return [n for n in pool if n is not None] + list(takers)
 
 
