@@ -50,11 +50,11 @@ def capped(job: JobRecord, end: float) -> float:
 
 
 def note_loss(job: JobRecord, node: NodeRecord, now: float, restarting: bool) -> None:
-    """Count a loss for flap damping. A restart (`restarting`) of a node that trained with the job since its last
-    return until its memory held a newer snapshot than the round resumed from forgives its earlier losses: two
-    OOM kills in ten minutes with work saved between are not a flapping host, and not awaiting the second would
-    shrink the job and send every rank back to step 0 when it grows again. A crash loop saves nothing between
-    its losses and is damped as before."""
+    """Count a loss for flap damping. A restart worth awaiting (`restarting`: its ranks hold their own state) of a
+    node that trained with the job since its last return until its memory held a newer snapshot than the round
+    resumed from forgives its earlier losses: two OOM kills in ten minutes with work saved between are not a
+    flapping host, and not awaiting the second would shrink the job and send every rank back to step 0 when it
+    grows again. A crash loop saves nothing between its losses and is damped as before."""
     leases.note_loss(job, node.node_id, now, forgive_earlier=restarting and saved_since_return(job, node))
 
 
