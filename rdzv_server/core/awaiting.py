@@ -140,6 +140,24 @@ def holds_own_state(job: JobRecord, node: NodeRecord) -> bool:
     return node.copies is not None and node.copies.local_step >= 0 and job.progress.alike_step < 0
 
 
+def resized(job: JobRecord, before: list[str], after: list[str]) -> str:
+    """What a round-formed message says when a job whose ranks hold their own state changes its number of nodes
+    ("": it does not): memory cannot reshard such state. A shrink leaves its last ranks' snapshots unused, and a
+    growth adds ranks no snapshot is of, so every rank resumes from the script's own checkpoint or from step 0.
+    Said where it happens, with what keeps the job's size, rather than found in the steps redone."""
+    if not before or len(before) == len(after) or \
+            not any(holds_own_state(job, job.nodes[n]) for n in after if n in job.nodes):
+        return ""
+    if len(after) < len(before):
+        return (f"; the job shrinks from {len(before)} to {len(after)} nodes and its ranks hold their own state: "
+                f"when it grows again, no snapshot in memory is of the new ranks and every rank resumes from the "
+                f"script's own checkpoint, or from step 0 (a spare keeps the job's size; `rdzv-ctl resize "
+                f"{job.job_id} --nnodes {len(after)}:{len(after)}` keeps this one)")
+    return (f"; the job grows from {len(before)} to {len(after)} nodes and its ranks hold their own state: no "
+            f"snapshot in memory is of the new ranks, so every rank resumes from the script's own checkpoint, or "
+            f"from step 0")
+
+
 def all_back(job: JobRecord) -> bool:
     """Every awaited node has joined again and can start at once: the round forms now."""
     return all(back(job, n) for n in job.awaited)

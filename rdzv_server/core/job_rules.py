@@ -231,6 +231,7 @@ class JobRules:
         last = (master_of(job.round), job.round.master_port) if job.round else \
             (job.places[0], job.places_port) if job.places else None          # the last round's store
         fetching = {n for n in chosen if job.nodes[n].fetch_of}
+        before = list(job.round.members) if job.round else list(job.places)
         job.round = build_round(job, chosen, job.last_round_id, opened, now, why, took)
         for nid in fetching | set(job.round.copies):      # their fetch_of set or cleared: saved
             self.node_changed(nid)
@@ -252,7 +253,8 @@ class JobRules:
                            took=dict(list(took.items())[:MAP_NODES]), ranks=chosen if len(chosen) <= MAP_NODES else [])
         taken = "".join(f"; {new} takes {old}'s place (group rank {chosen.index(new)})" if new != old else
                          f"; {new} is back at its place (group rank {chosen.index(new)}) with a new agent"
-                         for new, old in list(took.items())[:3]) + copies_lost(job.round, took)
+                         for new, old in list(took.items())[:3]) + copies_lost(job.round, took) + \
+            awaiting.resized(job, before, chosen)
         if (off := copies_off(job.round, cfg.replicas)) != job.copies_off:     # said once, not every round
             job.copies_off = off
             taken += f"; peer copies {off}" if off else ""

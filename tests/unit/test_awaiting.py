@@ -175,6 +175,34 @@ def test_a_job_of_replicas_is_not_made_to_wait():
     assert members(rz) == ["a", "c"] and job(rz).awaited == []
 
 
+@pytest.mark.parametrize("replicas", [False, True])
+def test_a_job_of_per_rank_state_that_changes_size_says_every_rank_goes_back_when_it_grows(replicas):
+    """A host gone silent is not awaited (a lease, not a restart): the job shrinks, and when the node returns it
+    grows into ranks no snapshot in memory is of: every rank resumes from disk or step 0. Both rounds say so, with
+    what keeps the job's size; a job of replicas (DDP) loses nothing and is told nothing."""
+    rz = running(["a", "b", "c"], ELASTIC)
+    if replicas:
+        job(rz).progress.alike_step = 10
+    for n in "abc":
+        snapshots(rz, n, 1.0)
+    heard(rz, "ac", 3.0, 5.0)
+    rz.tick(1.0 + ELASTIC.lease_timeout_s)                    # b silent for a lease: lost, not awaited
+    assert members(rz) == ["a", "c"] and job(rz).awaited == []
+    shrunk = last_event(rz, "round_completed")
+    join(rz, "b", 7.0, ELASTIC, instance="b#2")
+    heard(rz, "ac", 7.0)
+    rz.tick(7.0 + ELASTIC.last_call_s)
+    assert members(rz) == ["a", "c", "b"]
+    grown = last_event(rz, "round_completed")
+    if replicas:
+        assert "own state" not in shrunk + grown, (shrunk, grown)
+        return
+    assert "the job shrinks from 3 to 2 nodes and its ranks hold their own state" in shrunk, shrunk
+    assert f"`rdzv-ctl resize {JOB} --nnodes 2:2` keeps this one" in shrunk, shrunk
+    assert "the job grows from 2 to 3 nodes and its ranks hold their own state: no snapshot in memory is of the " \
+        "new ranks, so every rank resumes from the script's own checkpoint, or from step 0" in grown, grown
+
+
 def test_a_new_agent_of_a_node_that_held_nothing_replaces_it_without_a_wait():
     rz = running(["a", "b", "c"], ELASTIC)
     crash_agent(rz, "b", 10.0, held=False)
