@@ -161,7 +161,8 @@ FLAGS: tuple[Flag, ...] = (
     Flag(("--exclude-cooldown", "--exclude_cooldown"), "exclude_cooldown_s", "S",
          "first exclusion's length, doubling each time up to {cooldown_max:g} s; default {default:g}"),
     Flag(("--exclude-lost-after", "--exclude_lost_after"), "exclude_lost_after", "K",
-         "keep a node out when it was lost K times within --exclude-window (a flapping host); 0 never; "
+         "keep a node out when it was lost K times within --exclude-window (a flapping host; an agent "
+         "restart the job waits for: K+1); 0 never; "
          "default {default}"),
     Flag(("--exclude-lost-cooldown", "--exclude_lost_cooldown"), "exclude_lost_cooldown_s", "S",
          "how long such a node is kept out the first time, doubling each time up to {cooldown_max:g} s; "

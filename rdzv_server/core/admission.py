@@ -83,10 +83,9 @@ def _admitted(rules: JobRules, req: JoinRequest, now: float, credential: str, vi
                               f"{existing.addr}); give this agent another node id, or wait until that "
                               f"agent is gone ({max(0.0, existing.lease_expires - now):.1f}s without contact)")
     if existing is not None:
-        restarting = awaiting.holds_own_state(job, existing)
-        awaiting.note_loss(job, existing, now, restarting)      # a loss as much as a lease run out (flap damping)
+        leases.note_loss(job, existing.node_id, now)      # a loss as much as a lease run out (flap damping)
         rules.remove(existing, now, EventKind.NODE_LOST, f"node {req.node_id} restarted (new agent instance)",
-                     failed_at=existing.last_seen, restarting=restarting)
+                     failed_at=existing.last_seen, restarting=awaiting.holds_own_state(job, existing))
     _place(rules, _new_record(rules, req, now, credential, via, existing), now)
     return credential
 
@@ -147,7 +146,8 @@ def _place(rules: JobRules, node: NodeRecord, now: float) -> None:
     job, cfg = rules.job, rules.job.config
     why = "its agent restarted"
     losses = leases.recent_losses(job, node.node_id, now)
-    if cfg.exclude_lost_after and losses >= cfg.exclude_lost_after:
+    if cfg.exclude_lost_after and losses >= cfg.exclude_lost_after and node.node_id not in job.awaited:
+        # (one the job waits for passed awaiting.flapping's stricter count: held off, it would only cost the wait)
         # A host that keeps dropping out would cost every other node a round each way: kept out, where the job can
         # run without it (a spare, or more than its minimum); else keeping it out would only stop the job.
         others = [n for n in job.nodes.values() if n.node_id != node.node_id and n.excluded_until <= now

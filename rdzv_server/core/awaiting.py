@@ -49,28 +49,14 @@ def capped(job: JobRecord, end: float) -> float:
     return min(end, bound(job) + (MAX_PREPARE_S if any(preparing(job, n) for n in job.awaited) else 0.0))
 
 
-def note_loss(job: JobRecord, node: NodeRecord, now: float, restarting: bool) -> None:
-    """Count a loss for flap damping. A restart worth awaiting (`restarting`: its ranks hold their own state) of a
-    node that trained with the job since its last return until its memory held a newer snapshot than the round
-    resumed from forgives its earlier losses: two OOM kills in ten minutes with work saved between are not a
-    flapping host, and not awaiting the second would shrink the job and send every rank back to step 0 when it
-    grows again. A crash loop saves nothing between its losses and is damped as before."""
-    leases.note_loss(job, node.node_id, now, forgive_earlier=restarting and saved_since_return(job, node))
-
-
-def saved_since_return(job: JobRecord, node: NodeRecord) -> bool:
-    """`node` is in the running round, which stepped, and its ranks hold a snapshot newer than the round resumed
-    from (its notes; a round resumed from nothing: any)."""
-    r, p = job.round, job.progress
-    return r is not None and node.node_id in r.members and p.round_id == r.round_id and p.round_steps > 0 and \
-        node.copies is not None and node.copies.local_step > p.round_resumed
-
-
 def flapping(job: JobRecord, node_id: str, now: float) -> bool:
-    """Lost exclude_lost_after times within exclude_window_s (this loss counted): flap damping keeps it out, so
-    it is not awaited."""
+    """A restart is a flapping host's once the node was lost exclude_lost_after + 1 times within exclude_window_s
+    (this loss counted): flap damping keeps it out, so it is not awaited. One more than a host that goes silent
+    gets, because here damping costs the most: the job shrinks, and when it grows again every rank goes back to
+    disk or step 0 (two OOM kills of one agent in ten minutes are awaited both times). An agent in a crash loop
+    still costs the others at most one round per loss, exclude_lost_after + 1 of them per window."""
     cfg = job.config
-    return bool(cfg.exclude_lost_after) and leases.recent_losses(job, node_id, now) >= cfg.exclude_lost_after
+    return bool(cfg.exclude_lost_after) and leases.recent_losses(job, node_id, now) > cfg.exclude_lost_after
 
 
 def worth_awaiting(job: JobRecord, choice: Choice, lost: list[str], now: float) -> list[str]:

@@ -302,9 +302,9 @@ class JobRules:
         members = set(self.members())
         lost = []
         for node in nodes:
-            restarting = awaiting.restarting(self.job, node)
-            awaiting.note_loss(self.job, node, now, restarting)
+            leases.note_loss(self.job, node.node_id, now)
             message = f"node {node.node_id} lost: {leases.why_lapsed(self.job, node, now)}"
+            restarting = awaiting.restarting(self.job, node)
             self.remove(node, now, EventKind.NODE_LOST, message, form=False, restarting=restarting)
             if node.node_id in members:
                 lost.append((node, message, restarting))

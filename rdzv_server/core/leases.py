@@ -165,13 +165,11 @@ def hold_back(job: JobRecord, nodes: list[NodeRecord], now: float, lag_s: float,
         out.deadline(now + by)
 
 
-def note_loss(job: JobRecord, node_id: str, now: float, forgive_earlier: bool = False) -> None:
-    """Remember when a node was lost: a flapping host is kept out when it comes back (admission.py).
-    `forgive_earlier`: its losses before this one no longer count (awaiting.note_loss says when)."""
+def note_loss(job: JobRecord, node_id: str, now: float) -> None:
+    """Remember when a node was lost: a flapping host is kept out when it comes back (admission.py)."""
     window = job.config.exclude_window_s
     history = job.loss_times
-    earlier = [] if forgive_earlier else history.get(node_id, [])
-    history[node_id] = [t for t in earlier if t > now - window][-MAX_LOSSES_KEPT:] + [now]
+    history[node_id] = [t for t in history.get(node_id, []) if t > now - window][-MAX_LOSSES_KEPT:] + [now]
     if len(history) > MAX_LOSS_HISTORY:          # bounded: the nodes lost longest ago are forgotten
         for old in sorted(history, key=lambda n: history[n][-1])[: len(history) - MAX_LOSS_HISTORY]:
             del history[old]

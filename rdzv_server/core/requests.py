@@ -171,7 +171,7 @@ def leave(call: Call, req: LeaveRequest) -> str:
         # a restart is a loss to flap damping (stopped again and again: a flapping host, not awaited)
         restarting = req.stopped and unhealthy is None and awaiting.holds_own_state(rules.job, node)
         if restarting:
-            awaiting.note_loss(rules.job, node, now, restarting)
+            leases.note_loss(rules.job, node.node_id, now)
         rules.remove(node, now, kind, f"node {node.node_id} left: {req.reason}", data=unhealthy,
                      restarting=restarting, stopping_s=req.stop_timeout_s if restarting else 0.0)
         if req.unhealthy is not None:      # its host is kept out of every job for a while
