@@ -64,27 +64,10 @@ class JobRules:
     # ---- time ----------------------------------------------------------------------------
 
     def restored(self, now: float, away_s: float, how: str) -> None:
-        """After the server came back on a saved state: nobody is blamed for the time it was away. Every node gets a
-        fresh lease plus one more of grace to reconnect (agents find a new leader about a second after it serves:
-        path_check.py); last-call and join deadlines move by the time away; cooldowns keep running. Renewals are
-        not saved, so a node's silence counts from when the server went away at the latest."""
-        job = self.job
-        grace = 2 * job.config.lease_timeout_s
-        for node in job.nodes.values():
-            node.last_seen = min(now, max(node.last_seen, now - away_s))
-            node.dropped, node.holding = False, 0     # the connections of held polls did not survive the restart
-            node.unheard = True           # a member that died with the server looks alive for its lease's time
-        leases.extend(job.nodes.values(), now, grace, self.out)
-        if job.last_call_deadline is not None:
-            job.last_call_deadline += away_s
-            self.out.deadline(job.last_call_deadline)
-        if job.join_deadline is not None:
-            job.join_deadline += away_s
-            self.out.deadline(job.join_deadline)
-        if job.awaited:
-            job.awaited_since += away_s             # its bound moves with the deadline
+        """After the server came back on a saved state: nobody is blamed for the time it was away (leases.restored)."""
+        grace = leases.restored(self.job, now, away_s, self.out)
         self.record(now, EventKind.SERVER_RESTARTED, f"server restarted {how}; away about {away_s:.1f}s; "
-                    f"{len(job.nodes)} node leases renewed for {grace:g}s",
+                    f"{len(self.job.nodes)} node leases renewed for {grace:g}s",
                     data=LeasesExtended(away_s=round(away_s, 3)))
 
     def tick(self, now: float, hearing: leases.Hearing) -> int:
@@ -169,10 +152,10 @@ class JobRules:
         elif total >= cfg.max_nodes:
             self.form_round(now, f"max_nodes {cfg.max_nodes} reached", growth_cause(job))
         elif total >= cfg.min_nodes and job.last_call_deadline is None:
-            if cfg.last_call_s <= 0:
+            if cfg.last_call_s <= 0 and not job.awaited:
                 self.form_round(now, f"{total} nodes (last call 0s)", growth_cause(job))
-            else:
-                job.last_call_deadline = now + cfg.last_call_s
+            else:           # (members restarting still away: their wait resumes, within its bound)
+                job.last_call_deadline = awaiting.deadline(job, now) if job.awaited else now + cfg.last_call_s
                 self.out.deadline(job.last_call_deadline)
 
     def ready_waiting(self) -> int:
@@ -221,7 +204,7 @@ class JobRules:
         job.awaited, job.stops_counted = [], []
         job.successes = []
         self.wake()
-        held = awaiting.worth_awaiting(job, choice, restarting or [], now) if len(chosen) >= cfg.min_nodes else []
+        held = awaiting.worth_awaiting(job, choice, restarting or [], now)
         if len(chosen) < cfg.min_nodes or held:
             self._wait_for_nodes(now, why, cause, choice, held, stopping_s)
             return
@@ -270,9 +253,10 @@ class JobRules:
         # a newcomer that would have taken an awaited node's place stays spare meanwhile: it gets it if that node
         # is not back in time
         standby = [new for new, gone in choice.took.items() if gone in held and new not in self.members()]
-        if held:
+        if held:       # below min too: when enough are back, the others' wait resumes (grow)
             job.awaited, job.awaited_since = held, now + stopping_s
             job.stops_counted = list(held) if stopping_s else []
+        if held and len(choice.chosen) >= cfg.min_nodes:
             job.last_call_deadline = job.awaited_since + awaiting.window_s(cfg)
             self.out.deadline(job.last_call_deadline)
             waits = f"{awaiting.waiting(job, now)} before going on with {count_nodes(choice.chosen)}"
@@ -295,7 +279,7 @@ class JobRules:
         if job.join_deadline is None:
             job.join_deadline = now + cfg.join_timeout_s
             self.out.deadline(job.join_deadline)
-        job.reason = f"{why}; {waits}" if held else f"{why}; waiting for nodes"
+        job.reason = f"{why}; {waits}" if job.last_call_deadline is not None else f"{why}; waiting for nodes"
 
     def lose_all(self, nodes: list[NodeRecord], now: float) -> None:
         """Nodes lost together leave together: one round forms without any of them."""
@@ -346,9 +330,9 @@ class JobRules:
         if job.last_call_deadline is not None:
             # Below min, or with no newcomer left while a round runs, the window has nothing to form.
             if len(self.members()) + self.ready_waiting() < job.config.min_nodes:
-                if job.awaited:       # nobody to go on with: the job waits for nodes, as it says
-                    job.reason = f"{message}; waiting for nodes"
-                job.last_call_deadline, job.awaited, job.stops_counted = None, [], []
+                if job.awaited:       # nobody to go on with: the job waits for nodes, as it says (still awaiting
+                    job.reason = f"{message}; waiting for nodes"      # its members restarting: grow)
+                job.last_call_deadline = None
                 if job.join_deadline is not None:      # hidden while the window was open: due again
                     self.out.deadline(job.join_deadline)
             elif job.round is not None and not self.ready_waiting():      # nobody ready left to add

@@ -156,6 +156,28 @@ def extend(nodes: Iterable[NodeRecord], now: float, by: float, out: Outbox) -> N
     out.deadline(now + by)
 
 
+def restored(job: JobRecord, now: float, away_s: float, out: Outbox) -> float:
+    """After the server came back on a saved state, `away_s` after it went: every node gets a fresh lease plus one
+    more of grace to reconnect (agents find a new leader about a second after it serves: path_check.py); last-call
+    and join deadlines, and a wait's bound, move by the time away; cooldowns keep running. Renewals are not saved,
+    so a node's silence counts from when the server went away at the latest. Returns the leases' length."""
+    grace = 2 * job.config.lease_timeout_s
+    for node in job.nodes.values():
+        node.last_seen = min(now, max(node.last_seen, now - away_s))
+        node.dropped, node.holding = False, 0     # the connections of held polls did not survive the restart
+        node.unheard = True           # a member that died with the server looks alive for its lease's time
+    extend(job.nodes.values(), now, grace, out)
+    if job.last_call_deadline is not None:
+        job.last_call_deadline += away_s
+        out.deadline(job.last_call_deadline)
+    if job.join_deadline is not None:
+        job.join_deadline += away_s
+        out.deadline(job.join_deadline)
+    if job.awaited:
+        job.awaited_since += away_s             # its bound moves with the deadline
+    return grace
+
+
 def hold_back(job: JobRecord, nodes: list[NodeRecord], now: float, lag_s: float, quiet_s: float,
               out: Outbox) -> None:
     """Judge `nodes` (`lapsed`'s deferred) again once each one's patience has passed, a lease at most."""

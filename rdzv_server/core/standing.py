@@ -57,14 +57,14 @@ def node_status(job: JobRecord, node_id: str, now: float, *, accepted: bool = Tr
 
 def place_kept_s(job: JobRecord, node_id: str, now: float) -> float:
     """How much longer, at most, the job, waiting, keeps the place of `node_id` (gone, one of the last round's) for its
-    next agent: to the end of the wait for it (awaited: awaiting.py); below min_nodes without it, as long as the job
-    waits for nodes (its join timeout; a newcomer may take it first). 0 where a round may form without it: others
-    awaited (their return forms it), or enough nodes ready (a last call's end forms it)."""
-    if node_id in job.awaited:
-        until = job.last_call_deadline
+    next agent: below min_nodes without it, as long as the job waits for nodes (its join timeout; a newcomer may
+    take it first); else to the end of the wait for it (awaited: awaiting.py). 0 where a round may form without it:
+    others awaited (their return forms it), or enough nodes ready (a last call's end forms it)."""
+    ready = len(job.waiting) - job.waiting_preparing
+    if job.last_call_deadline is None and ready < job.config.min_nodes:
+        until = job.join_deadline
     else:
-        ready = len(job.waiting) - job.waiting_preparing
-        until = job.join_deadline if not job.awaited and ready < job.config.min_nodes else None
+        until = job.last_call_deadline if node_id in job.awaited else None
     return max(0.0, until - now) if until is not None else 0.0
 
 

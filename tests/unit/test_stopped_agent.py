@@ -190,12 +190,14 @@ def test_one_stopped_while_the_job_waits_for_another_is_awaited_too():
 
 
 def test_every_agent_stopped_leaves_the_job_waiting_for_nodes_as_before():
-    """srun ending a job, every node drained at once: nothing to form a round from; the join timeout runs."""
+    """srun ending a job, every node drained at once: nothing to form a round from; the join timeout runs, and each
+    is told its place is kept that long. (Every agent restarted at once, an upgrade: test_awaiting.py's
+    test_members_restarting_together_below_min_keep_their_places_when_enough_are_back.)"""
     rz = running(["a", "b", "c"], ELASTIC)
-    for i, node in enumerate("abc"):
-        stop(rz, node, 10.0 + i * 0.1)
-    assert job(rz).round is None and job(rz).awaited == [] and job(rz).last_call_deadline is None
+    kept = [stop(rz, node, 10.0 + i * 0.1).place_kept_s for i, node in enumerate("abc")]
+    assert job(rz).round is None and job(rz).last_call_deadline is None
     assert job(rz).join_deadline == pytest.approx(10.0 + ELASTIC.join_timeout_s)
+    assert kept[-1] == pytest.approx(ELASTIC.join_timeout_s - 0.2) and min(kept) > 0, kept
 
 
 def test_a_fixed_size_job_keeps_a_stopped_members_place_while_it_waits_for_nodes():
