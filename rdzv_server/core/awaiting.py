@@ -39,6 +39,12 @@ def deadline(job: JobRecord, now: float, back: bool = False) -> float:
     return max(current, bound(job) + MAX_PREPARE_S if back else min(now + window_s(job.config), bound(job)))
 
 
+def resumed(job: JobRecord, now: float) -> float:
+    """The wait's end once enough nodes are back after the job fell below min_nodes while awaiting members (their
+    wait resumes, within its bound; one of them back and still preparing gets its time, as `came_back` gives)."""
+    return deadline(job, now, back=any(preparing(job, n) for n in job.awaited))
+
+
 def bound(job: JobRecord) -> float:
     """Two windows from the wait's start."""
     return job.awaited_since + 2 * window_s(job.config)

@@ -157,7 +157,7 @@ class JobRules:
             if cfg.last_call_s <= 0 and not job.awaited:
                 self.form_round(now, f"{total} nodes (last call 0s)", growth_cause(job))
             else:           # (members restarting still away: their wait resumes, within its bound)
-                job.last_call_deadline = awaiting.deadline(job, now) if job.awaited else now + cfg.last_call_s
+                job.last_call_deadline = awaiting.resumed(job, now) if job.awaited else now + cfg.last_call_s
                 self.out.deadline(job.last_call_deadline)
 
     def ready_waiting(self) -> int:

@@ -121,6 +121,8 @@ def resize(rules: JobRules, min_nodes: int, max_nodes: int, now: float) -> None:
             places.seat(job, (), [], job.waiting + job.spares)
             job.last_call_deadline = job.forming_since = None
     elif job.awaited and len(job.places) <= max_nodes:
-        pass        # members restarting are awaited: their return (or the wait's end) forms the round
+        # members restarting are awaited: their return (or the wait's end) forms the round; a job that was short
+        # of nodes and is not at the new size resumes that wait (JobRules.grow)
+        rules.grow(now)
     elif len(job.waiting) + len(job.spares) >= min_nodes:
         rules.form_round(now, why, RoundCause.RESIZED)

@@ -507,6 +507,43 @@ def test_a_resize_during_the_wait_keeps_it_while_the_places_fit():
     assert members(rz) == ["a", "c"] and job(rz).awaited == []
 
 
+def test_a_resize_of_a_job_short_of_nodes_with_a_member_awaited_goes_on_within_the_waits_bound():
+    """A review: fixed size 3, c's agent killed for good (awaited below min, no wait running); the operator
+    resized to 2:3 and nothing happened until the join timeout failed the job. The wait resumes at the resize and
+    ends within its bound."""
+    fixed = JobConfig(min_nodes=3, max_nodes=3, lease_timeout_s=5.0, last_call_s=3.0, join_timeout_s=40.0)
+    rz = running(["a", "b", "c"], fixed)
+    crash_agent(rz, "c", 10.0)
+    rz.tick(10.0 + DROP_GRACE_S)
+    assert job(rz).awaited == ["c"] and job(rz).last_call_deadline is None
+    rz.resize(JOB, 2, 3, 13.0)
+    end = job(rz).last_call_deadline
+    assert end is not None and end <= 10.0 + DROP_GRACE_S + 2 * window_s(fixed)
+    heard(rz, "ab", 15.0, end)
+    rz.tick(end)
+    assert members(rz) == ["a", "b"] and job(rz).state == JobState.RUNNING
+
+
+def test_one_back_preparing_while_the_job_is_short_keeps_its_time_when_the_wait_resumes():
+    """Every agent restarted (an upgrade): b back but still preparing while the job is short; once a and c are back
+    the wait resumes with the time a node preparing gets (MAX_PREPARE_S past the bound), as when the job is not
+    short."""
+    rz = running(["a", "b", "c"], ELASTIC)
+    for n in "abc":
+        snapshots(rz, n, 9.5)
+    for n, t in (("a", 10.0), ("b", 10.1), ("c", 10.2)):
+        rz.connection_dropped(JOB, n, t, heard=True)
+    rz.tick(10.2 + DROP_GRACE_S)
+    assert sorted(job(rz).awaited) == ["a", "b", "c"] and job(rz).last_call_deadline is None
+    join(rz, "b", 11.5, ELASTIC, instance="b#2", ready=False)
+    join(rz, "a", 11.6, ELASTIC, instance="a#2")
+    join(rz, "c", 11.7, ELASTIC, instance="c#2")
+    assert job(rz).round is None
+    assert job(rz).last_call_deadline == pytest.approx(job(rz).awaited_since + 2 * WINDOW + MAX_PREPARE_S)
+    poll(rz, "b", 20.0, ready=True)
+    assert members(rz) == ["a", "b", "c"]
+
+
 def test_an_awaited_node_drained_ends_the_wait():
     rz = waiting_for_b()
     rz.drain_node(JOB, "b", "bad host", 11.5)
