@@ -132,13 +132,15 @@ def holds_own_state(job: JobRecord, node: NodeRecord) -> bool:
     return node.copies is not None and node.copies.local_step >= 0 and job.progress.alike_step < 0
 
 
-def resized(job: JobRecord, before: list[str], after: list[str]) -> str:
+def resized(job: JobRecord, before: list[str], after: list[str], was_awaited: bool = False) -> str:
     """What a round-formed message says when a job whose ranks hold their own state changes its number of nodes
     ("": it does not): memory cannot reshard such state. A shrink leaves its last ranks' snapshots unused, and a
     growth adds ranks no snapshot is of, so every rank resumes from the script's own checkpoint or from step 0.
-    Said where it happens, with what keeps the job's size, rather than found in the steps redone."""
-    if not before or len(before) == len(after) or \
-            not any(holds_own_state(job, job.nodes[n]) for n in after if n in job.nodes):
+    Said where it happens, with what keeps the job's size, rather than found in the steps redone. Such a job is
+    one a member's notes say so of, or one that was awaiting members (every agent restarted: new records that
+    have told nothing yet)."""
+    own_state = was_awaited or any(holds_own_state(job, job.nodes[n]) for n in after if n in job.nodes)
+    if not before or len(before) == len(after) or not own_state:
         return ""
     if len(after) < len(before):
         return (f"; the job shrinks from {len(before)} to {len(after)} nodes and its ranks hold their own state: "

@@ -203,6 +203,7 @@ class JobRules:
         choice = choose(job)
         chosen, rest, preparing, took = choice.chosen, choice.rest, choice.preparing, choice.took
         job.last_call_deadline = None
+        was_awaited = bool(job.awaited)       # (members restarting were awaited: their ranks hold their own state)
         job.awaited, job.stops_counted = [], []
         job.successes = []
         self.wake()
@@ -239,7 +240,7 @@ class JobRules:
         taken = "".join(f"; {new} takes {old}'s place (group rank {chosen.index(new)})" if new != old else
                          f"; {new} is back at its place (group rank {chosen.index(new)}) with a new agent"
                          for new, old in list(took.items())[:3]) + copies_lost(job.round, took) + \
-            awaiting.resized(job, before, chosen)
+            awaiting.resized(job, before, chosen, was_awaited)
         if (off := copies_off(job.round, cfg.replicas)) != job.copies_off:     # said once, not every round
             job.copies_off = off
             taken += f"; peer copies {off}" if off else ""
