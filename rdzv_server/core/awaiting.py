@@ -152,6 +152,14 @@ def resized(job: JobRecord, before: list[str], after: list[str], was_awaited: bo
             f"from step 0")
 
 
+def reserved(job: JobRecord, node_id: str) -> int:
+    """Places the awaited members other than `node_id` hold while they are not back and ready: a newcomer that
+    would fill max_nodes meanwhile waits as a spare (a review: with a spare, every member restarted together and
+    the first ones back filled the round before the last one was ready, every rank from step 0). It gets a place
+    if the wait ends without them."""
+    return sum(1 for n in job.awaited if n != node_id and not back(job, n))
+
+
 def all_back(job: JobRecord) -> bool:
     """Every awaited node has joined again and can start at once: the round forms now."""
     return all(back(job, n) for n in job.awaited)
@@ -174,6 +182,8 @@ def waiting(job: JobRecord, now: float) -> str:
     slow = [n for n in job.awaited if preparing(job, n)]
     what = " and ".join(([f"{names(job, away)} to come back"] if away else []) +
                         ([f"{names(job, slow)} to be ready"] if slow else [])) or names(job)
+    if job.last_call_deadline is None:        # short of nodes: no wait runs until enough are back
+        return f"waiting for nodes, and for {what} (an agent restarting keeps its place)"
     return f"waiting up to {left:g}s for {what} (an agent restarting keeps its place)"
 
 

@@ -127,7 +127,7 @@ class JobRules:
         """Place a newly joined (or readmitted) node: waiting for the next round, or spare once the members and the
         ready waiting nodes fill max_nodes (nodes still preparing hold no place)."""
         job, cfg = self.job, self.job.config
-        if len(self.members()) + self.ready_waiting() < cfg.max_nodes:
+        if len(self.members()) + self.ready_waiting() + awaiting.reserved(job, node.node_id) < cfg.max_nodes:
             places.move(job, node, NodeState.WAITING)
             if awaiting.came_back(job, node, now):     # more time while its workers prepare
                 self.out.deadline(job.last_call_deadline or now)
@@ -151,7 +151,7 @@ class JobRules:
         total = len(self.members()) + ready
         if job.awaited and awaiting.all_back(job):
             self.form_round(now, f"{awaiting.names(job)} back", RoundCause.NODE_LOST)
-        elif total >= cfg.max_nodes:
+        elif total >= cfg.max_nodes and not job.awaited:    # (else newcomers wait as spares: awaiting.py)
             self.form_round(now, f"max_nodes {cfg.max_nodes} reached", growth_cause(job))
         elif total >= cfg.min_nodes and job.last_call_deadline is None:
             if cfg.last_call_s <= 0 and not job.awaited:

@@ -562,6 +562,37 @@ def test_one_back_preparing_while_the_job_is_short_keeps_its_time_when_the_wait_
     assert members(rz) == ["a", "b", "c"]
 
 
+def test_a_newcomer_that_fills_max_during_the_wait_stays_spare_until_the_awaited_one_is_back():
+    """A review (2:3 with a spare, every member restarted together): the first one back as a spare and the others
+    filled max_nodes while a member awaited was still preparing, and the round formed at once with the spare in its
+    place: every rank from step 0. A newcomer during a wait waits as a spare; it gets the place only if the wait
+    ends without the member."""
+    rz = waiting_for_b()
+    join(rz, "d", 11.0, ELASTIC)                   # ready: a, c and d fill max_nodes
+    assert job(rz).round is None and job(rz).awaited == ["b"]
+    join(rz, "b", 12.0, ELASTIC, instance="b#2")
+    assert members(rz) == ["a", "b", "c"] and view(rz, "d", 12.0).node_state == NodeState.SPARE
+    rz = waiting_for_b()
+    join(rz, "d", 11.0, ELASTIC)
+    end = job(rz).last_call_deadline
+    heard(rz, "acd", 12.0, end)
+    rz.tick(end)                                   # b not back: d takes its place
+    assert members(rz) == ["a", "d", "c"]
+
+
+def test_a_drain_while_the_job_is_short_says_it_waits_for_nodes():
+    """A review: the reason said "waiting up to 0s" for a job short of nodes, where no wait runs."""
+    rz = running(["a", "b", "c"], ELASTIC)
+    for n in "abc":
+        snapshots(rz, n, 9.5)
+    for n, t in (("a", 10.0), ("b", 10.1), ("c", 10.2)):
+        rz.connection_dropped(JOB, n, t, heard=True)
+    rz.tick(10.2 + DROP_GRACE_S)
+    rz.drain_node(JOB, "c", "bad host", 12.0)
+    assert job(rz).reason.startswith("node c drained; waiting for nodes, and for nodes a, b to come back"), \
+        job(rz).reason
+
+
 def test_an_awaited_node_drained_ends_the_wait():
     rz = waiting_for_b()
     rz.drain_node(JOB, "b", "bad host", 11.5)
