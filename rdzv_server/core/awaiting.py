@@ -152,12 +152,12 @@ def resized(job: JobRecord, before: list[str], after: list[str], was_awaited: bo
             f"from step 0")
 
 
-def reserved(job: JobRecord, node_id: str) -> int:
-    """Places the awaited members other than `node_id` hold while they are not back and ready: a newcomer that
-    would fill max_nodes meanwhile waits as a spare (a review: with a spare, every member restarted together and
-    the first ones back filled the round before the last one was ready, every rank from step 0). It gets a place
-    if the wait ends without them."""
-    return sum(1 for n in job.awaited if n != node_id and not back(job, n))
+def reserved(job: JobRecord) -> int:
+    """Places the awaited members hold while they are not back and ready: a newcomer that would fill max_nodes
+    meanwhile waits as a spare (a review: with a spare, every member restarted together and the first ones back
+    filled the round before the last one was ready, every rank from step 0); it gets a place if the wait ends
+    without them. An awaited member back always waits at its place (JobRules.admit)."""
+    return sum(1 for n in job.awaited if not back(job, n))
 
 
 def all_back(job: JobRecord) -> bool:

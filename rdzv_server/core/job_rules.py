@@ -127,7 +127,8 @@ class JobRules:
         """Place a newly joined (or readmitted) node: waiting for the next round, or spare once the members and the
         ready waiting nodes fill max_nodes (nodes still preparing hold no place)."""
         job, cfg = self.job, self.job.config
-        if len(self.members()) + self.ready_waiting() + awaiting.reserved(job, node.node_id) < cfg.max_nodes:
+        if node.node_id in job.awaited or \
+                len(self.members()) + self.ready_waiting() + awaiting.reserved(job) < cfg.max_nodes:
             places.move(job, node, NodeState.WAITING)
             if awaiting.came_back(job, node, now):     # more time while its workers prepare
                 self.out.deadline(job.last_call_deadline or now)

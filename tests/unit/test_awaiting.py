@@ -580,6 +580,27 @@ def test_a_newcomer_that_fills_max_during_the_wait_stays_spare_until_the_awaited
     assert members(rz) == ["a", "d", "c"]
 
 
+def test_an_awaited_member_back_waits_at_its_place_whoever_else_is_ready():
+    """The same review's other run: a spare still preparing when a and c restarted together, ready before they
+    were back; c, back, was benched as a spare (max_nodes looked full) and its place went to the spare at the
+    wait's end: every rank from step 0. An awaited member back always waits at its place."""
+    rz = running(["a", "b", "c"], ELASTIC)
+    join(rz, "d", 1.0, ELASTIC, ready=False)              # a spare, its workers still preparing
+    for n in "ac":
+        snapshots(rz, n, 9.5)
+    heard(rz, "b", 9.5, 10.0)
+    poll(rz, "d", 10.0, ready=False)
+    for n in "ac":
+        rz.connection_dropped(JOB, n, 10.0, heard=True)
+    rz.tick(10.0 + DROP_GRACE_S)
+    assert job(rz).round is None and sorted(job(rz).awaited) == ["a", "c"]
+    poll(rz, "d", 11.2, ready=True)                       # ready now: b and d could form a round of min 2
+    join(rz, "c", 11.5, ELASTIC, instance="c#2")
+    assert view(rz, "c", 11.5).node_state == NodeState.WAITING
+    join(rz, "a", 12.0, ELASTIC, instance="a#2")
+    assert members(rz) == ["a", "b", "c"] and view(rz, "d", 12.0).node_state == NodeState.SPARE
+
+
 def test_a_drain_while_the_job_is_short_says_it_waits_for_nodes():
     """A review: the reason said "waiting up to 0s" for a job short of nodes, where no wait runs."""
     rz = running(["a", "b", "c"], ELASTIC)
