@@ -43,6 +43,18 @@ def heard(rz, nodes: str, *times: float) -> None:
             poll(rz, n, t)
 
 
+def every_agent_restarted():
+    """A running job of a, b and c whose agents all restart 0.1 s apart (an upgrade), each memory holding a
+    snapshot: their hosts close the held polls, and the job falls below min awaiting them."""
+    rz = running(["a", "b", "c"], ELASTIC)
+    for n in "abc":
+        snapshots(rz, n, 9.5)
+    for n, t in (("a", 10.0), ("b", 10.1), ("c", 10.2)):
+        rz.connection_dropped(JOB, n, t, heard=True)
+    rz.tick(10.2 + DROP_GRACE_S)
+    return rz
+
+
 def last_event(rz, kind: str) -> str:
     return next(e.message for e in reversed(job(rz).events) if e.kind == kind)
 
@@ -510,12 +522,7 @@ def test_a_resize_during_the_wait_keeps_it_while_the_places_fit():
 def test_a_job_that_shrinks_after_every_agent_restarted_says_so():
     """A review: every agent restarted (an upgrade), c not back in time: a and b's new records had told nothing
     of their memory yet, and the round where the job shrank said nothing (only the growth later did)."""
-    rz = running(["a", "b", "c"], ELASTIC)
-    for n in "abc":
-        snapshots(rz, n, 9.5)
-    for n, t in (("a", 10.0), ("b", 10.1), ("c", 10.2)):
-        rz.connection_dropped(JOB, n, t, heard=True)
-    rz.tick(10.2 + DROP_GRACE_S)
+    rz = every_agent_restarted()
     join(rz, "a", 11.5, ELASTIC, instance="a#2")
     join(rz, "b", 11.6, ELASTIC, instance="b#2")
     end = job(rz).last_call_deadline
@@ -546,12 +553,7 @@ def test_one_back_preparing_while_the_job_is_short_keeps_its_time_when_the_wait_
     """Every agent restarted (an upgrade): b back but still preparing while the job is short; once a and c are back
     the wait resumes with the time a node preparing gets (MAX_PREPARE_S past the bound), as when the job is not
     short."""
-    rz = running(["a", "b", "c"], ELASTIC)
-    for n in "abc":
-        snapshots(rz, n, 9.5)
-    for n, t in (("a", 10.0), ("b", 10.1), ("c", 10.2)):
-        rz.connection_dropped(JOB, n, t, heard=True)
-    rz.tick(10.2 + DROP_GRACE_S)
+    rz = every_agent_restarted()
     assert sorted(job(rz).awaited) == ["a", "b", "c"] and job(rz).last_call_deadline is None
     join(rz, "b", 11.5, ELASTIC, instance="b#2", ready=False)
     join(rz, "a", 11.6, ELASTIC, instance="a#2")
@@ -603,12 +605,7 @@ def test_an_awaited_member_back_waits_at_its_place_whoever_else_is_ready():
 
 def test_a_drain_while_the_job_is_short_says_it_waits_for_nodes():
     """A review: the reason said "waiting up to 0s" for a job short of nodes, where no wait runs."""
-    rz = running(["a", "b", "c"], ELASTIC)
-    for n in "abc":
-        snapshots(rz, n, 9.5)
-    for n, t in (("a", 10.0), ("b", 10.1), ("c", 10.2)):
-        rz.connection_dropped(JOB, n, t, heard=True)
-    rz.tick(10.2 + DROP_GRACE_S)
+    rz = every_agent_restarted()
     rz.drain_node(JOB, "c", "bad host", 12.0)
     assert job(rz).reason.startswith("node c drained; waiting for nodes, and for nodes a, b to come back"), \
         job(rz).reason
