@@ -115,8 +115,9 @@ class JobRules:
         if job.state == JobState.WAITING and job.last_call_deadline is None and \
                 job.join_deadline is not None and job.join_deadline <= now:
             unhealthy = sum(1 for e in job.events if e.kind == EventKind.NODE_UNHEALTHY)
-            self.finish(now, JobState.FAILED, f"only {len(job.waiting)} of min {job.config.min_nodes} nodes "
-                        f"joined within join_timeout {job.config.join_timeout_s:g}s" + (
+            slow = f" ({job.waiting_preparing} more joined, still preparing)" if job.waiting_preparing else ""
+            self.finish(now, JobState.FAILED, f"only {self.ready_waiting()} of min {job.config.min_nodes} nodes "
+                        f"joined and ready within join_timeout {job.config.join_timeout_s:g}s{slow}" + (
                             f" (no healthy set of {job.config.min_nodes} nodes: {unhealthy} left unhealthy)"
                             if unhealthy else ""))
         return extended

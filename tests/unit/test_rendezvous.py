@@ -173,6 +173,18 @@ def test_first_round_below_min_fails_the_job_at_join_timeout():
     assert rz.next_deadline() == 600.0 + rz.limits.retain_finished_s   # only forgetting it is left
 
 
+def test_a_join_timeout_counts_the_ready_nodes_and_says_who_still_prepares():
+    """A review read "only 2 of min 2 nodes joined within join_timeout": one of the two was back and preparing."""
+    rz = Rendezvous()
+    c = cfg(min_nodes=2, max_nodes=2, join_timeout_s=60.0)
+    join(rz, "a", 0.0, c)
+    join(rz, "b", 1.0, c, ready=False)
+    rz.tick(60.0)
+    assert job(rz).state == JobState.FAILED
+    assert "only 1 of min 2 nodes joined and ready within join_timeout 60s (1 more joined, still preparing)" in \
+        job(rz).reason, job(rz).reason
+
+
 def test_min_reached_inside_the_last_call_before_join_timeout_forms_the_round():
     rz = Rendezvous()
     c = cfg(min_nodes=2, max_nodes=3, join_timeout_s=600.0, last_call_s=3.0)
