@@ -45,6 +45,12 @@ def resumed(job: JobRecord, now: float) -> float:
     return deadline(job, now, back=any(preparing(job, n) for n in job.awaited))
 
 
+def wait_runs(job: JobRecord) -> bool:
+    """The job waits for members restarting, its end set; awaited with none set, it is short of nodes (below
+    min_nodes: no wait runs until enough are back, JobRules.grow)."""
+    return bool(job.awaited) and job.last_call_deadline is not None
+
+
 def bound(job: JobRecord) -> float:
     """Two windows from the wait's start."""
     return job.awaited_since + 2 * window_s(job.config)
@@ -182,7 +188,7 @@ def waiting(job: JobRecord, now: float) -> str:
     slow = [n for n in job.awaited if preparing(job, n)]
     what = " and ".join(([f"{names(job, away)} to come back"] if away else []) +
                         ([f"{names(job, slow)} to be ready"] if slow else [])) or names(job)
-    if job.last_call_deadline is None:        # short of nodes: no wait runs until enough are back
+    if not wait_runs(job):
         return f"waiting for nodes, and for {what} (an agent restarting keeps its place)"
     return f"waiting up to {left:g}s for {what} (an agent restarting keeps its place)"
 

@@ -95,10 +95,8 @@ class JobRules:
             if node.excluded_until <= now:
                 self.record(now, EventKind.NODE_READMITTED, f"node {nid} finished its exclusion cooldown", nid)
                 self.admit(node, now)
-            elif node.held_off and job.state == JobState.WAITING and \
-                    (not job.awaited or job.last_call_deadline is None):
-                # flap damping only stops a job short of nodes (not one that waits for members restarting: with
-                # them awaited below min, it is short)
+            elif node.held_off and job.state == JobState.WAITING and not awaiting.wait_runs(job):
+                # flap damping only stops a job short of nodes (not one that waits for members restarting)
                 node.excluded_until, node.held_off = now, False
                 self.record(now, EventKind.NODE_READMITTED, f"node {nid}'s hold-off as a flapping host ends: the "
                             f"job waits for nodes", nid)
