@@ -226,7 +226,7 @@ class Coordinator:
                     and loop.time() >= ticked + TICK_GAP_S:
                 ticked = loop.time()
                 self.hub.links.check(self.core, self.clock())    # what held connections say of the link
-                self.core.tick(self.clock(), self.loop_lag.recent_s() if self.loop_lag is not None else 0.0)
+                self.core.tick(self.clock(), self.lag_s())
                 self.apply()
                 look_again = True
 
@@ -263,6 +263,10 @@ class Coordinator:
             await self.persister.durable(job_id)
         except StoreUnavailable as exc:
             raise RendezvousError(ErrorCode.STORE_UNAVAILABLE, f"{exc}; retry shortly") from None
+
+    def lag_s(self) -> float:
+        """How far behind the event loop has run lately (0.0 in-process: nothing measures it)."""
+        return self.loop_lag.recent_s() if self.loop_lag is not None else 0.0
 
     def call(self, fn: Callable[[float], T]) -> T:
         """One core call, with `now`; its effects are applied whether it succeeds or raises."""

@@ -40,6 +40,9 @@ class Driver(Protocol):
     def call(self, fn: Callable[[float], T]) -> T:
         """One core call, with `now`; its effects are handed on whether it succeeds or raises."""
 
+    def lag_s(self) -> float:
+        """How far behind the event loop has run lately, a stall still going on included."""
+
     async def durable(self, job_id: str) -> None:
         """Until the job, as any reply would show it now, is in the store (or a refusal: store unavailable)."""
 
@@ -99,8 +102,9 @@ class Hub:
         d = self.driver
         age = sub.ack_age() if sub.ack_age is not None else None
         if dropped and not d.gate.shutting_down:
-            d.call(lambda now: d.core.connection_dropped(sub.job_id, sub.node_id, now,
-                                                         heard=age is not None and age < CLOSE_HEARD_S))
+            # A FIN that came in while the loop stalled is as old as the stall: still the host's close.
+            heard = age is not None and age < CLOSE_HEARD_S + d.lag_s()
+            d.call(lambda now: d.core.connection_dropped(sub.job_id, sub.node_id, now, heard=heard))
         elif not dropped:
             d.call(lambda now: d.core.poll_ended(sub.job_id, sub.node_id, now, now - (age or 0.0)))
 

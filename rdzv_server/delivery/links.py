@@ -13,8 +13,9 @@ from rdzv_server.delivery.subscriber import AckAge
 
 CHECK_GAP_S = 0.5       # looked at no more often than this (an outage keeps the rule asking)
 MAX_CHECKED = 256       # connections looked at per check: when the link works, any live one answers
-# A held poll's connection that ended with its last ACK this fresh was closed by the node's host (a FIN
-# or RST just in), not by a keepalive giving up (that takes 4 s of silence): evidence (leases.closing_heard).
+# A held poll's connection that ended with its last ACK this fresh (plus how far the loop ran behind: a FIN
+# that came in during a stall) was closed by the node's host (a FIN or RST just in), not by a keepalive giving
+# up (that takes 4 s of silence): evidence (leases.closing_heard).
 CLOSE_HEARD_S = 1.0
 
 

@@ -135,3 +135,24 @@ def test_a_hold_that_ends_closes_its_subscriber_as_ended_and_a_wake_does_not():
         assert again.closed == [True]
 
     asyncio.run(run())
+
+
+def test_a_close_that_came_in_while_the_loop_stalled_is_still_the_hosts():
+    """A held poll's connection closed by its node's host (its agent killed) while the server's loop stalled:
+    its last ACK is as old as the stall when the loop gets to it, and it still reads as the host's close (the
+    node may be restarting: awaiting.restarting), not as a keepalive giving up; without a stall, as old is not."""
+    def dropped_heard(ack_age_s: float, lag_s: float) -> bool:
+        core = Rendezvous()
+        join(core, "a", 0.0, cfg())
+        driver = SimpleNamespace(core=core, gate=Serving(), clock=lambda: 1.0, call=lambda fn: fn(1.0),
+                                 lag_s=lambda: lag_s)
+        sub = Recorded("a", -1)
+        sub.ack_age = lambda: ack_age_s
+        Hub(driver).detach(sub, "127.0.0.1", dropped=True)   # type: ignore[arg-type]
+        node = core.jobs[JOB].nodes["a"]
+        assert node.dropped
+        return node.drop_heard
+
+    assert dropped_heard(ack_age_s=4.8, lag_s=5.0)        # a 5 s stall: the FIN came in during it
+    assert not dropped_heard(ack_age_s=4.8, lag_s=0.0)    # 4.8 s of silence on a loop on time: not the host's
+    assert dropped_heard(ack_age_s=0.1, lag_s=0.0)
