@@ -7,7 +7,8 @@ RNG) is dropped, and the regrown round finds no common step: every rank goes bac
 fetch of a lost node's copies from the restarting node fails the same way. So a member lost with its connection
 closed by its host, replaced by a new instance of its agent, or leaving because its agent was stopped by a signal
 (`systemctl restart`: LeaveRequest.stopped), that holds state of its own (`holds_own_state`), whose place no node
-takes or whose copies a member still fetches, is awaited for `window_s` (a lease and a last call) while the
+takes, or only a spare from an older copy than its own newest snapshot, or whose copies a member still fetches, is
+awaited for `window_s` (a lease and a last call) while the
 survivors wait; back but still preparing, until its agent would start cold (`deadline`: a loaded host imports for
 seconds, and the survivors' idle seconds cost less than every rank's progress). A stopped agent leaves before it
 stops its workers: its wait starts when they may be stopped (LeaveRequest.stop_timeout_s: a script saving a
@@ -71,10 +72,11 @@ def flapping(job: JobRecord, node_id: str, now: float) -> bool:
     return bool(cfg.exclude_lost_after) and leases.recent_losses(job, node_id, now) > cfg.exclude_lost_after
 
 
-def worth_awaiting(job: JobRecord, choice: Choice, lost: list[str], now: float) -> list[str]:
+def worth_awaiting(job: JobRecord, choice: Choice, lost: list[NodeRecord], now: float) -> list[str]:
     """Of `lost` (members whose agents may be restarting), those the round about to form (`choice`) would go on
     without at a cost: no newcomer takes its place (the round shrinks: the last survivor moving into it takes other
-    ranks), or a member still fetches copies it holds."""
+    ranks), a newcomer would but from an older copy than the node's own newest snapshot (`copy_behind`), or a member
+    still fetches copies it holds."""
     if not lost or job.round is None:
         return []
     staying = set(job.round.members)
@@ -85,7 +87,17 @@ def worth_awaiting(job: JobRecord, choice: Choice, lost: list[str], now: float) 
         if node.fetch_of and node.fetch_place is not None and node.copies is not None and \
                 node.copies.local_step < 0:
             fetched_from.update(node.fetch_place.holders)
-    return [n for n in lost if (n not in taken or n in fetched_from) and not flapping(job, n, now)]
+    return [n.node_id for n in lost if (n.node_id not in taken or n.node_id in fetched_from or copy_behind(n))
+            and not flapping(job, n.node_id, now)]
+
+
+def copy_behind(node: NodeRecord) -> bool:
+    """Whether the node's newest snapshot is newer than its newest copy at a peer (or none landed, or its round makes
+    none): a spare taking its place would resume every rank from that older copy, or from step 0, where its own
+    agent, back in seconds, resumes from the newest. Waiting a window costs the survivors seconds; the steps a copy
+    lags may be minutes of training."""
+    c = node.copies
+    return c is not None and c.local_step > c.copied_step
 
 
 def lost_again(job: JobRecord, node: NodeRecord, now: float, restarting: bool, stopping_s: float = 0.0) -> bool:

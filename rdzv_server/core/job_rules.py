@@ -194,7 +194,7 @@ class JobRules:
                             f"never said it was ready): left out of every round until it is", node.node_id)
 
     def form_round(self, now: float, why: str, cause: RoundCause, failed_at: float | None = None,
-                   restarting: list[str] | None = None, stopping_s: float = 0.0) -> None:
+                   restarting: list[NodeRecord] | None = None, stopping_s: float = 0.0) -> None:
         """Form the next round from live members + waiting + spares, or go back to waiting. `failed_at`: when the
         failure or loss that caused it happened (worker exit, or the lost node's last contact). `restarting`: lost
         members whose agents may be restarting: awaited rather than gone on without (awaiting.py), from when their
@@ -300,7 +300,7 @@ class JobRules:
             names = ", ".join(n.node_id for n, *_ in lost[:10]) + (" ..." if len(lost) > 10 else "")
             why = lost[0][1] if len(lost) == 1 else f"{len(lost)} nodes lost: {names}"
             self.form_round(now, why, RoundCause.NODE_LOST, failed_at=min(n.last_seen for n, *_ in lost),
-                            restarting=[n.node_id for n, _, restarting in lost if restarting])
+                            restarting=[n for n, _, restarting in lost if restarting])
 
     def remove(self, node: NodeRecord, now: float, kind: EventKind, message: str,
                failed_at: float | None = None, form: bool = True, data: Payload | None = None,
@@ -322,7 +322,7 @@ class JobRules:
             if form:
                 job.forming_since = now
                 self.form_round(now, message, REMOVAL_CAUSE[kind], failed_at,
-                                restarting=[node.node_id] if restarting else None, stopping_s=stopping_s)
+                                restarting=[node] if restarting else None, stopping_s=stopping_s)
             return
         if job.round is None and job.awaited:       # the job waits for members restarting: this one too?
             if not awaiting.lost_again(job, node, now, restarting, stopping_s):

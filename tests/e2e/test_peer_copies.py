@@ -155,3 +155,36 @@ def test_copies_slower_than_the_snapshots_still_cost_a_lost_node_no_more_than_it
     assert len({step for step, _, _ in back.values()}) == 1 and min(s for s, _, _ in back.values()) >= 10, back
     assert {ok for _, _, ok in back.values()} == {"ok"}, back
     finish(tmp_path, agents, lost)
+
+
+def test_a_member_whose_agent_restarts_with_its_copy_behind_keeps_its_place_from_a_ready_spare(cluster, tmp_path):
+    """A review: with a ready spare and copies slower than the snapshots, a member's agent killed and started again
+    at once (its memory kept) lost its place to the spare, which resumed every rank from the member's older copy (or
+    from step 0 before its first copy landed). The member is awaited instead: every rank resumes from its own newer
+    snapshot, and the spare stays spare."""
+    slow = ("--replica-bandwidth", "1M")
+    cluster.start_server()
+    agents = {n: start(cluster, tmp_path, n, "behind", extra=slow) for n in ("a", "b", "c")}
+    wait_until(lambda: len({r for *_, r, _ in steps(tmp_path)}) == 6, LIMIT, "every rank stepping")
+    agents["s"] = start(cluster, tmp_path, "s", "behind", extra=slow)
+    agents["s"].wait_for_line(r"ready after", LIMIT)
+    lost = next(n["node_id"] for n in job_view(cluster, "behind")["nodes"] if n["group_rank"] == 1)
+
+    def copies() -> dict:
+        return next(n for n in job_view(cluster, "behind")["nodes"] if n["node_id"] == lost).get("copies", {})
+
+    wait_until(lambda: copies().get("local_step", -1) - copies().get("copied_step", -1) >= 10, LIMIT,
+               f"node {lost}'s copies 10 steps behind its snapshots")
+    copied = copies().get("copied_step", -1)
+    killed_at = time.time()
+    os.kill(agents[lost].pid, signal.SIGKILL)
+    agents[lost].wait(LIMIT)
+    agents[lost] = start(cluster, tmp_path, lost, "behind", extra=slow)      # its memory in place
+    back = wait_until(lambda: len(shard_resumes(tmp_path, killed_at)) == 6 and shard_resumes(tmp_path, killed_at),
+                      LIMIT, lambda: f"every rank resumed: {shard_resumes(tmp_path, killed_at)}")
+    assert {source for _, source, _ in back.values()} == {"memory"}, back
+    assert len({step for step, _, _ in back.values()}) == 1 and min(s for s, _, _ in back.values()) > copied, \
+        (back, copied, job_events(cluster, "behind")[-6:])
+    view = job_view(cluster, "behind")
+    assert [n["node_id"] for n in view["spares"]] == ["s"] and view["restart_count"] == 0, view
+    finish(tmp_path, agents, "s")            # the spare ran no worker: it exits 1, as it should

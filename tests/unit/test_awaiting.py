@@ -19,17 +19,19 @@ ELASTIC = JobConfig(min_nodes=2, max_nodes=3, max_restarts=3, lease_timeout_s=5.
 WINDOW = window_s(ELASTIC)
 
 
-def snapshots(rz, node: str, now: float, step: int = 10, ready: bool = True) -> None:
-    """`node`'s poll tells that its ranks hold an in-memory snapshot of `step` (CopiesNote.local_step)."""
-    rz.handle(JOB, PollRequest(v=1, node_id=node, ready=ready, copies=CopiesNote(local_step=step, copying=False)),
-              now)
+def snapshots(rz, node: str, now: float, step: int = 10, ready: bool = True, copied: int | None = None) -> None:
+    """`node`'s poll tells that its ranks hold an in-memory snapshot of `step` (CopiesNote.local_step), and, with
+    `copied`, the newest step copied to a peer."""
+    note = CopiesNote(local_step=step, copying=False) if copied is None else \
+        CopiesNote(local_step=step, copied_step=copied, holder="127.0.0.1:9")
+    rz.handle(JOB, PollRequest(v=1, node_id=node, ready=ready, copies=note), now)
 
 
-def crash_agent(rz, node: str, now: float, held: bool = True) -> None:
+def crash_agent(rz, node: str, now: float, held: bool = True, copied: int | None = None) -> None:
     """`node`'s agent process ends (SIGKILL, OOM): its host closes the held poll's connection; the others poll on.
-    `held`: its memory held a snapshot of its own, as its polls told."""
+    `held`: its memory held a snapshot of its own (step 10), as its polls told; `copied`: its newest copy's step."""
     if held:
-        snapshots(rz, node, now - 0.5)
+        snapshots(rz, node, now - 0.5, copied=copied)
     for n in job(rz).nodes:
         if n != node:
             poll(rz, n, now)
@@ -160,12 +162,36 @@ def test_a_host_gone_silent_is_not_awaited(how):
 
 
 def test_a_spare_takes_the_place_at_once():
+    """b's copy holds its newest snapshot: the spare resumes its ranks from there."""
     rz = running(["a", "b", "c"], ELASTIC)
     join(rz, "s", 1.0, ELASTIC)
-    crash_agent(rz, "b", 10.0)
+    crash_agent(rz, "b", 10.0, copied=10)
     poll(rz, "s", 10.0)
     rz.tick(10.0 + DROP_GRACE_S)
     assert members(rz) == ["a", "s", "c"] and job(rz).awaited == []
+
+
+@pytest.mark.parametrize("copied", [5, -1])
+def test_a_spare_does_not_take_the_place_from_a_copy_older_than_the_restarting_nodes_memory(copied):
+    """A review (2:3 with a ready spare, b's copies pushed at 16 MiB/s): b's agent was killed with its copy at step 5
+    and its memory at 25; the spare took b's place at once and every rank went back to 5 (or, with no copy landed
+    yet, to step 0), where b's own agent, back in seconds, had 25. b is awaited; back, it keeps its place and the
+    spare stays spare. Not back within the window, the spare takes the place from the copy."""
+    for back in (True, False):
+        rz = running(["a", "b", "c"], ELASTIC)
+        join(rz, "s", 1.0, ELASTIC)
+        crash_agent(rz, "b", 10.0, copied=copied)
+        heard(rz, "acs", 10.0)
+        rz.tick(10.0 + DROP_GRACE_S)
+        assert job(rz).round is None and job(rz).awaited == ["b"] and job(rz).spares == ["s"]
+        if back:
+            join(rz, "b", 12.0, ELASTIC, instance="b#2")
+            assert members(rz) == ["a", "b", "c"] and job(rz).spares == ["s"]
+            assert "b is back at its place" in last_event(rz, "round_completed")
+        else:
+            heard(rz, "acs", 12.0, 14.0, 16.0, 18.0, 20.0)
+            rz.tick(10.0 + DROP_GRACE_S + WINDOW + 0.1)
+            assert members(rz) == ["a", "s", "c"] and job(rz).awaited == []
 
 
 def test_a_node_whose_memory_held_no_snapshot_is_not_awaited():
