@@ -17,9 +17,10 @@ from collections.abc import Callable
 from typing import Protocol, TypeVar
 
 from protocol.errors import ErrorCode
-from protocol.messages import AgentRequest, JoinRequest, NodeStatus, PollRequest
+from protocol.messages import AgentRequest, FailureReport, JoinRequest, NodeStatus, PollRequest
 from protocol.views import HostHold
 from rdzv_server.core.errors import RendezvousError
+from rdzv_server.core.leases import DOUBT_QUIET_S, QUIET_S
 from rdzv_server.core.operator_rules import OperatorAction
 from rdzv_server.core.outbox import Outbox
 from rdzv_server.core.records import JobRecord
@@ -37,6 +38,9 @@ from rdzv_server.store.persistence import Durability, NotDurable, Persister, Sto
 log = logging.getLogger("rdzv_server")
 
 TICK_GAP_S = 0.05           # deadlines are handled at most this often (each tick walks every node)
+# While polls are held, their connections are looked at least this often (links.check), so a quiet job's gaps
+# between requests never read as a silence of the server's own (leases.doubted): keepalive ACKs fill them.
+LINK_CHECK_S = 1.0
 T = TypeVar("T")
 
 class LagSource(Protocol):
@@ -70,6 +74,7 @@ class Coordinator:
         self._deliveries: set[asyncio.Task[None]] = set()
         self._armed: float | None = None          # the deadline the timer sleeps to (None: none)
         self._rearm: asyncio.Event | None = None
+        self._outage: tuple[float, float] | None = None   # the server's own last outage (_outage_seen)
         self.timer_wakeups = 0                    # times the deadline task woke (re-armed or due): /metrics
         self._timer: asyncio.Task[None] | None = None
         # Each gets every drained outbox, after logging (metrics hook here). A listener must not raise.
@@ -217,15 +222,18 @@ class Coordinator:
             deadline = self._armed
             timeout = None if deadline is None else \
                 max(0.0, deadline - self.clock(), ticked + TICK_GAP_S - loop.time())
+            if self.hub.links:
+                timeout = LINK_CHECK_S if timeout is None else min(timeout, LINK_CHECK_S)
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._rearm.wait(), timeout)
             self._rearm.clear()
             self.timer_wakeups += 1
             look_again = False
+            if not self.gate.shutting_down:
+                self.hub.links.check(self.core, self.clock())    # what held connections say of the link
             if not self.gate.shutting_down and self._armed is not None and self._armed <= self.clock() \
                     and loop.time() >= ticked + TICK_GAP_S:
                 ticked = loop.time()
-                self.hub.links.check(self.core, self.clock())    # what held connections say of the link
                 self.core.tick(self.clock(), self.lag_s())
                 self.apply()
                 look_again = True
@@ -236,6 +244,8 @@ class Coordinator:
         once what the reply shows is saved."""
         if conn.waited_s > 0 and self.loop_lag is not None:
             self.loop_lag.note_waited(conn.waited_s)
+        if isinstance(req, FailureReport):    # its peers may have died unheard in an outage just over
+            conn = dataclasses.replace(conn, outage=self._outage_seen(self.clock()))
         if isinstance(req, PollRequest):
             return with_hold(self.core.node_count, await long_poll(self.hub, job_id, req, conn))
         if isinstance(req, JoinRequest):   # a fresh secret: the core keeps it only if the join makes a node record
@@ -263,6 +273,19 @@ class Coordinator:
             await self.persister.durable(job_id)
         except StoreUnavailable as exc:
             raise RendezvousError(ErrorCode.STORE_UNAVAILABLE, f"{exc}; retry shortly") from None
+
+    def _outage_seen(self, now: float) -> tuple[float, float] | None:
+        """The server's own last outage (Arrival.outage): its loop DOUBT_QUIET_S or more behind, or no agent heard
+        for QUIET_S, requests and held connections' keepalive ACKs counted (looked at every LINK_CHECK_S)."""
+        self.hub.links.check(self.core, now)
+        self.core.heard(now)            # this request: a silence it ends is recorded (core.silence)
+        lag, silence = self.lag_s(), self.core.silence
+        if lag >= DOUBT_QUIET_S and (self._outage is None or now - lag > self._outage[1]):
+            self._outage = (now - lag, now)      # a stall: the meter says so for RECENT_S, its end stays
+        if silence is not None and silence[1] - silence[0] >= QUIET_S and \
+                (self._outage is None or silence[1] > self._outage[1]):
+            self._outage = silence
+        return self._outage
 
     def lag_s(self) -> float:
         """How far behind the event loop has run lately (0.0 in-process: nothing measures it)."""

@@ -34,6 +34,7 @@ DOUBT_QUIET_S = 1.5     # silence from everyone past this: a lapsing lease waits
 OUTAGE_LIMIT_S = 60.0
 LEAD_S = 2.0            # a node heard this long before a silence began may have been cut off by it
 RESUME_GRACE_S = 1.5    # after a silence ends, the time a cut-off agent needs to come back (path_check.py)
+SETTLE_S = 2.0          # after an outage of the server's own, how long a failure report doubts the unheard
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,24 @@ def renew(job: JobRecord, node: NodeRecord, now: float) -> None:
     node.last_seen = now
     node.dropped = False
     node.lease_expires = now + job.config.lease_timeout_s
+
+
+def doubted(job: JobRecord, members: Iterable[str], reporter: str, outage: tuple[float, float] | None,
+            now: float) -> list[str]:
+    """The members a failure reported as an outage of the server's own ends (its loop stalled, or its link cut:
+    Arrival.outage) leaves in doubt: those not heard from since. Their peers' collectives break when one dies unheard
+    in it (its FIN lost to the cut, or read after a stall; its new agent's join on its way), and its record looks
+    alive for a lease; as after a server restart they are marked unheard, so the failure waits for them to be heard
+    from (then counted) or lost (reports.fail_round). Doubted only within SETTLE_S: reports queued in it come first."""
+    if outage is None or not 0.0 <= now - outage[1] <= SETTLE_S:
+        return []
+    out = []
+    for nid in members:
+        node = job.nodes.get(nid)
+        if node is not None and nid != reporter and node.last_seen < outage[1]:
+            node.unheard = True
+            out.append(nid)
+    return out
 
 
 def hold(job: JobRecord, node: NodeRecord, now: float) -> None:

@@ -20,8 +20,10 @@ from rdzv_server.core.standing import describe
 MAX_FAILURE_EVENTS = 8       # worker_failed events one report records; the rest are summed up in one more
 
 
-def failure(rules: JobRules, node: NodeRecord, req: FailureReport, now: float) -> str:
-    """Count a failure of the running round; returns why it was not acted on ("" when it was)."""
+def failure(rules: JobRules, node: NodeRecord, req: FailureReport, now: float,
+            outage: tuple[float, float] | None = None) -> str:
+    """Count a failure of the running round; returns why it was not acted on ("" when it was). `outage`: the
+    server's own last outage (Arrival.outage)."""
     job = rules.job
     failures = sorted((_stamp(f, node, now) for f in req.failures), key=lambda f: f.timestamp)
     why_not = not_running(rules, node, req.round_id)
@@ -32,6 +34,8 @@ def failure(rules: JobRules, node: NodeRecord, req: FailureReport, now: float) -
             job.root_cause = failures[0]
             rules.changed()
         return why_not
+    for nid in leases.doubted(job, rules.members(), node.node_id, outage, now):
+        rules.node_changed(nid)
     return fail_round(rules, node, req.round_id, failures, now)
 
 
@@ -71,15 +75,16 @@ def fail_round(rules: JobRules, node: NodeRecord, round_id: int, failures: list[
         rules.lose_all([job.nodes[n] for n in lapsed], now)
         return f"failure attributed to the loss of {', '.join(lapsed)}"
     # After the server came back every member has a fresh lease: one that died with it (a host's reboot) looks
-    # alive until its lease lapses. Its peers' failures wait for it to be heard from (then counted) or lost.
+    # alive until its lease lapses; so after an outage of its own (leases.doubted). Its peers' failures wait for it
+    # to be heard from (then counted) or lost.
     unheard = [n for n in rules.members() if n != node.node_id and n in job.nodes and job.nodes[n].unheard]
     if unheard:
         if job.held_failure is None or job.held_failure.round_id != round_id:
             job.held_failure = HeldFailure(node_id=node.node_id, round_id=round_id, failures=failures,
                                            cause=cause.value, blamed=blamed)
             rules.changed()
-        return f"failure held until {', '.join(unheard[:3])} is heard from since the server came back (its loss " \
-               f"would be the likelier cause)"
+        return f"failure held until {', '.join(unheard[:3])} is heard from (nothing was since the server came " \
+               f"back or was last out; its loss would be the likelier cause)"
     first = failures[0]
     job.root_cause, job.root_cause_round, job.last_failure = first, round_id, first
     job.restart_count += 1

@@ -53,6 +53,9 @@ class Arrival:
     local: str = ""       # the server's address it reached
     secret: str = ""      # a fresh credential: kept only if a join makes a new node record
     hold: bool = False    # a poll the shell holds open until news (its connection is the lease meanwhile)
+    # The server's own last outage its shell saw (its loop stalled, or its held connections heard nothing for
+    # QUIET_S): (start, end). Members may have died unheard in it (leases.doubted).
+    outage: tuple[float, float] | None = None
 
 
 ARRIVED = Arrival()
@@ -110,7 +113,7 @@ def note_progress(call: Call, req: AgentRequest) -> None:
 # ---- the rules, one per kind ---------------------------------------------------------------------------------
 
 def failure(call: Call, req: FailureReport) -> str:
-    return reports.failure(call.rules, _member(call), req, call.now)
+    return reports.failure(call.rules, _member(call), req, call.now, call.arrival.outage)
 
 
 def success(call: Call, req: SuccessReport) -> str:

@@ -24,6 +24,9 @@ class HeldLinks:
         self._ages: dict[AckAge, None] = {}
         self._checked = float("-inf")
 
+    def __len__(self) -> int:
+        return len(self._ages)
+
     def add(self, age: AckAge) -> None:
         self._ages[age] = None
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import subprocess
 import time
 
 import pytest
@@ -191,6 +192,60 @@ def test_a_stop_cut_short_keeps_the_nodes_memory_and_place(cluster, tmp_path, cu
                    lambda: f"the job waiting for node {node}: {job_view(cluster, job).get('reason')}")
     agents[node] = start_node(node)
     resumed_from_memory(tmp_path, stopped_at, agents[node])
+    (tmp_path / "stop").write_text("stop")
+    for agent in agents.values():
+        assert agent.wait(LIMIT) == 0, agent.output
+
+
+
+def cut_port(port: int) -> str:
+    """Every packet to or from `port` on this host dropped (nftables, its own table): the server's link cut, FINs
+    and all. Returns the table to delete."""
+    table = f"rdzv_cut_{port}"
+    script = (f"table ip {table} {{\n chain out {{\n  type filter hook output priority -5;\n"
+              f"  tcp dport {port} drop\n  tcp sport {port} drop\n }}\n}}\n")
+    subprocess.run(["nft", "-f", "-"], input=script, text=True, check=True, capture_output=True, timeout=30)
+    return table
+
+
+@pytest.mark.parametrize("fault", ["stall", "cut"])
+def test_an_agent_restarted_while_the_server_is_out_costs_no_restart_and_no_work(cluster, tmp_path, fault):
+    """A review: the server's link cut for 5 s (or its loop stalled: SIGSTOP here; a long GC, a starved host) while
+    the agent of group rank 1 was killed and started again. Its peers' reports of their broken workers were read
+    before its close (lost to the cut, or not yet read), and counted: a job with the default --max-restarts 0 failed
+    (an elastic one shrank, then grew back from step 0). A failure read as an outage of the server's own ends now
+    waits for the members not heard from since. (The stall lost the race only sometimes; the cut, every time.)"""
+    if fault == "cut" and (os.geteuid() != 0 or shutil.which("nft") is None):
+        pytest.skip("cutting the server's port needs root and nft (`make netns-tools`)")
+    job = f"restart-{fault}"
+    port = cluster.start_server()
+    agents = {n: cluster.agent("--endpoint", cluster.endpoint(), "--nnodes", "3", "--nproc", "2", "--job-id", job,
+                               "--node-id", n, "--failure-domain", f"rack-{n}", *FAST, *WINDOW, SHARDS, name=n,
+                               env={"OUT_DIR": str(tmp_path), "NODE": n, **ENV}) for n in ("a", "b", "c")}
+    wait_until(lambda: len({r for *_, r, _ in steps(tmp_path)}) == 6, LIMIT, "every rank stepping")
+    node = next(n["node_id"] for n in job_view(cluster, job)["nodes"] if n["group_rank"] == 1)
+    wait_until(lambda: copies_of(cluster, job, node).get("local_step", -1) >= 10, LIMIT, "a snapshot of step 10")
+    assert cluster.server is not None
+    killed_at, table = time.time(), ""
+    if fault == "stall":
+        os.kill(cluster.server.pid, signal.SIGSTOP)
+    else:
+        table = cut_port(port)
+    try:
+        os.kill(agents[node].pid, signal.SIGKILL)
+        agents[node].wait(LIMIT)
+        agents[node] = cluster.agent("--endpoint", cluster.endpoint(), "--nnodes", "3", "--nproc", "2", "--job-id",
+                                     job, "--node-id", node, "--failure-domain", f"rack-{node}", *FAST, *WINDOW,
+                                     SHARDS, name=f"{node}-2", env={"OUT_DIR": str(tmp_path), "NODE": node, **ENV})
+        time.sleep(max(0.0, killed_at + 5.0 - time.time()))     # the outage lasts 5 s: the fault itself, no wait
+    finally:
+        if table:
+            subprocess.run(["nft", "delete", "table", "ip", table], capture_output=True, timeout=30)
+        os.kill(cluster.server.pid, signal.SIGCONT)
+    back = resumed_from_memory(tmp_path, killed_at, agents[node])
+    assert min(s for s, _, _ in back.values()) >= 10, back
+    view = job_view(cluster, job)
+    assert view["state"] == "running" and view["restart_count"] == 0, view
     (tmp_path / "stop").write_text("stop")
     for agent in agents.values():
         assert agent.wait(LIMIT) == 0, agent.output
