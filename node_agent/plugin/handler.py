@@ -21,6 +21,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
+import socket
 import sys
 import time
 from datetime import timedelta
@@ -54,6 +55,7 @@ from node_agent.plugin.session import (
 from node_agent.plugin.settings import BACKEND, PluginSettings, SettingsError, plugin_settings
 from node_agent.plugin.torch_internals import PrefixStore, Store, TCPStore, launch_settings, run_loop_failures
 from node_agent.workers.script_check import script_problem
+from node_agent.workers.warm.store_host import ANY_INTERFACE, listening
 from protocol.errors import ErrorCode
 from protocol.messages import Assignment, JobState, WorkerFailure
 
@@ -91,6 +93,7 @@ class RdzvServerHandler(RendezvousHandler):
         self.settings = settings
         self._session: ServerSession | None = None
         self._agent_store: TCPStore | None = None
+        self._store_socket: socket.socket | None = None      # the agent store's listening socket, where bound here
         self._assignment: Assignment | None = None   # the round torch's workers run
         self._succeeded_round = -1                   # the round whose success this node reported
         self._rounds = 0                             # rounds handed to torch
@@ -191,8 +194,12 @@ class RdzvServerHandler(RendezvousHandler):
     def _start(self) -> ServerSession:
         if self._session is None:
             s = self.settings
-            self._agent_store = TCPStore(s.addr, 0, is_master=True, wait_for_workers=False,
-                                         timeout=timedelta(seconds=s.store_timeout_s))
+            # On --local-addr alone where that is this host's, as node-agent's store (it authenticates nobody)
+            self._store_socket = None if os.environ.get(ANY_INTERFACE) == "1" else listening(s.addr, 0)
+            bound = self._store_socket
+            self._agent_store = TCPStore(s.addr, bound.getsockname()[1] if bound is not None else 0, is_master=True,
+                                         wait_for_workers=False, timeout=timedelta(seconds=s.store_timeout_s),
+                                         master_listen_fd=bound.fileno() if bound is not None else None)
             client = RdzvClient(s.host, s.port, s.job_id, s.node_id, scheme=s.scheme, token=s.token, tls_ca=s.tls_ca)
             session = ServerSession(s, client, master_port=self._agent_store.port, say=self.say)
             session.start()

@@ -15,6 +15,7 @@ import sys
 import urllib.request
 from collections import defaultdict
 
+import psutil
 import pytest
 
 from tests.e2e.harness import Proc, child_env, job_events, job_view, read_jsonl, wait_until
@@ -108,6 +109,21 @@ def test_two_agents_recover_from_a_worker_crash_with_the_job_wide_count(cluster,
     with urllib.request.urlopen(f"http://{cluster.endpoint()}/", timeout=10) as resp:
         page = resp.read().decode()
     assert 'data-job="crash"' in page and re.search(r">\s*1 / 2\s*<", page), page
+
+
+def test_the_agents_listeners_answer_on_its_local_addr_alone(cluster, tmp_path):
+    """A review: the plugin's agent store (a TCPStore inside torchrun's own process, which authenticates nobody)
+    listened on every interface, a management network's too. It listens on --local-addr where that is this host's
+    address, as node-agent's store does, and so does the witness port."""
+    cluster.start_server("--state-dir", "none")
+    out = tmp_path / "out"
+    out.mkdir()
+    agent = torchrun(cluster, out, "a", job="bound", nnodes="1")
+    wait_world(out, world=1, nodes={"a"})
+    listening = [c.laddr for c in psutil.Process(agent.pid).net_connections("tcp") if c.status == psutil.CONN_LISTEN]
+    assert len(listening) >= 2 and {a.ip for a in listening} == {"127.0.0.1"}, listening
+    stop_job(out)
+    assert proc_exit(agent) == 0, agent.output
 
 
 def test_a_node_joining_later_grows_the_job(cluster, tmp_path):
