@@ -11,6 +11,7 @@ import ipaddress
 
 from protocol.errors import ErrorCode
 from protocol.messages import JoinRequest, NodeState
+from protocol.notes import CopiesNote
 from protocol.quoting import quote
 from rdzv_server.core import awaiting, credentials, leases, places
 from rdzv_server.core.errors import RendezvousError
@@ -121,6 +122,12 @@ def _new_record(rules: JobRules, req: JoinRequest, now: float, credential: str, 
     if previous is not None:
         node.failure_times, node.exclusions = list(previous.failure_times), previous.exclusions
         node.excluded_until, node.held_off = previous.excluded_until, previous.held_off
+    unfinished = job.unfinished_fetches.pop(req.node_id, None)
+    if unfinished is not None:
+        # Its agent restarted before the fetch ended (a spare that took a lost node's place): fetched again at its
+        # place, else its ranks hold nothing and every rank goes back with them (rounds.fetches_pending).
+        node.fetch_of, node.fetch_place = unfinished.of, unfinished.place
+        node.copies = CopiesNote(local_step=-1)
     job.nodes[node.node_id] = node
     rules.node_changed(node.node_id)
     seen = f" (connected from {node.seen_from})" if node.seen_from and not same_host(node.seen_from, node.addr) \

@@ -143,11 +143,13 @@ def restarting(job: JobRecord, node: NodeRecord) -> bool:
 
 
 def holds_own_state(job: JobRecord, node: NodeRecord) -> bool:
-    """Whether going on without the node may lose state only it holds: its last note told an in-memory snapshot,
-    and the job's ranks are not known to be replicas of each other (DDP: the job's digests agreed, and a rank
-    without the step is lent it). A job without snapshots in memory, or of replicas, loses nothing by shrinking
-    and is not made to wait (an agent killed for good: the survivors go on within a second or two)."""
-    return node.copies is not None and node.copies.local_step >= 0 and job.progress.alike_step < 0
+    """Whether going on without the node may lose state only it holds: its last note told an in-memory snapshot, or
+    it was fetching a gone node's copies (a spare that took its place: its next agent fetches them again), and the
+    job's ranks are not known to be replicas of each other (DDP: the job's digests agreed, and a rank without the
+    step is lent it). A job without snapshots in memory, or of replicas, loses nothing by shrinking and is not made
+    to wait (an agent killed for good: the survivors go on within a second or two)."""
+    fetching = bool(node.fetch_of) and (node.copies is None or node.copies.local_step < 0)
+    return (fetching or node.copies is not None and node.copies.local_step >= 0) and job.progress.alike_step < 0
 
 
 def resized(job: JobRecord, before: list[str], after: list[str], was_awaited: bool = False) -> str:

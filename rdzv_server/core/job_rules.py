@@ -21,7 +21,7 @@ from rdzv_server.core.errors import RendezvousError
 from rdzv_server.core.events import REMOVAL_CAUSE, EventKind, RoundCause
 from rdzv_server.core.outbox import Outbox
 from rdzv_server.core.payloads import LeasesExtended, Payload, RoundFormed, RoundWaiting, as_data
-from rdzv_server.core.records import Event, JobRecord, NodeRecord
+from rdzv_server.core.records import Event, JobRecord, NodeRecord, UnfinishedFetch
 from rdzv_server.core.rounds import (
     PREPARE_LIMIT_S,
     build_round,
@@ -311,6 +311,9 @@ class JobRules:
         `stopping_s`) and it held state of its own: its place is kept for it (awaiting.py)."""
         job = self.job
         was_member = node.node_id in self.members()
+        if was_member and node.fetch_of and node.fetch_place is not None and \
+                (node.copies is None or node.copies.local_step < 0):
+            job.unfinished_fetches[node.node_id] = UnfinishedFetch(of=node.fetch_of, place=node.fetch_place)
         del job.nodes[node.node_id]
         places.leave(job, node)
         self.node_changed(node.node_id)

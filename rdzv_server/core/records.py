@@ -84,6 +84,12 @@ class PlaceCopies(msgspec.Struct, kw_only=True):
     local_size: int
 
 
+class UnfinishedFetch(msgspec.Struct, kw_only=True):
+    """A member lost while it fetched a gone node's copies (NodeRecord.fetch_of), before it held a snapshot."""
+    of: str
+    place: PlaceCopies
+
+
 class RoundRecord(msgspec.Struct, kw_only=True, omit_defaults=True, dict=True):
     """One round as formed. Assignments are not kept (smaller to store): rounds.assignment() computes them from
     the columns below, taken from the members' records at formation (later changes do not move a round).
@@ -146,6 +152,8 @@ class JobRecord(msgspec.Struct, kw_only=True):
     replica_key: str = ""           # what members' agents show each other with a copy (derived from a secret)
     # While waiting: each member of the last round's copies (rounds.places_kept), for the node taking a place
     place_copies: dict[str, PlaceCopies] = msgspec.field(default_factory=dict)
+    # Until the next round forms: members lost mid-fetch, for their next agent to fetch again (admission.py)
+    unfinished_fetches: dict[str, UnfinishedFetch] = msgspec.field(default_factory=dict)
     copies_off: str = ""            # why the job's rounds make no peer copies, as last said (rounds.copies_off)
     excluded: list[str] = msgspec.field(default_factory=list)
     drained: dict[str, str] = msgspec.field(default_factory=dict)  # node id -> operator's reason: may not join

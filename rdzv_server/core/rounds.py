@@ -45,7 +45,8 @@ def build_round(job: JobRecord, members: list[str], round_id: int, opened_at: fl
                     resume_at_most=job.resume_at_most)
     job.resume_at_most = -1           # told once: to the round that resumes
     pending = fetches_pending(job, members, took or {})
-    took = {**{m: place[0] for m, place in pending.items()}, **(took or {})}
+    job.unfinished_fetches = {}       # a node not back by now takes no place of its own: a newcomer fetches
+    took = {**(took or {}), **{m: place[0] for m, place in pending.items()}}
     if replicas and took:
         last = job.round
 
@@ -68,11 +69,13 @@ def build_round(job: JobRecord, members: list[str], round_id: int, opened_at: fl
 def fetches_pending(job: JobRecord, members: list[str], took: dict[str, str]) -> dict[str, tuple[str, PlaceCopies]]:
     """Members told in an earlier round to fetch a gone node's copies whose polls since say they hold no snapshot
     of their own (its holder was lost mid-fetch, say), with where those copies were: told again, else their ranks
-    hold nothing and every rank goes back to disk with them. One whose poll shows a snapshot is done with it."""
+    hold nothing and every rank goes back to disk with them. One whose poll shows a snapshot is done with it. One
+    back at its own place with a new agent (`took` itself) that had not ended such a fetch fetches it again: its
+    place's state is those copies, not any of its own (admission.py)."""
     out: dict[str, tuple[str, PlaceCopies]] = {}
     for m in members:
         node = job.nodes[m]
-        if not node.fetch_of or node.fetch_place is None or m in took or node.copies is None:
+        if not node.fetch_of or node.fetch_place is None or took.get(m, m) != m or node.copies is None:
             continue
         if node.copies.local_step >= 0:
             node.fetch_of, node.fetch_place = "", None

@@ -770,3 +770,36 @@ def test_the_reason_stops_naming_one_back_and_ready_or_drained_as_away():
     said = job(rz).reason
     assert job(rz).round is None and job(rz).awaited == ["b"], said
     assert said.startswith("node c drained; waiting up to") and "for node b to be ready (" in said, said
+
+
+@pytest.mark.parametrize("nodes", ["3", "2:3"])
+def test_a_spare_whose_agent_restarts_mid_fetch_is_awaited_and_told_to_fetch_again(nodes):
+    """A review: b lost, the spare s took its place and fetched b's copies; s's agent was killed and started again
+    before the fetch ended. Its new agent was told to fetch its own copies (it had none: every rank went back to
+    step 0), and an elastic job did not wait for it (its polls had told no snapshot). s's place holds b's copies:
+    s is awaited, and its new agent is told to fetch b's again."""
+    lo, hi = (int(x) for x in (nodes.split(":") if ":" in nodes else (nodes, nodes)))
+    config = JobConfig(min_nodes=lo, max_nodes=hi, lease_timeout_s=5.0, last_call_s=0.0)
+    rz = copies.started({"a": "1", "b": "2", "c": "3"}, config)
+    copies.join(rz, "s", 0.5, config, domain="4")
+    for t in (1.0, 2.0, 3.0, 4.0, 5.0):                 # b lost: the spare s takes its place
+        for n in ("a", "c", "s"):
+            copies.poll(rz, n, t)
+    rz.tick(rz.next_deadline())
+    assert rz.jobs[copies.JOB].round.members == ["a", "s", "c"]
+    told = rz.view(copies.JOB, "s", 5.5).assignment
+    assert told is not None and told.copies_of == "b"
+    rz.handle(copies.JOB, PollRequest(v=1, node_id="s", credential="secret-s", copies=CopiesNote(local_step=-1)), 6.0)
+    for n in ("a", "c"):
+        copies.poll(rz, n, 6.0)
+    rz.connection_dropped(copies.JOB, "s", 6.0, heard=True)       # its agent killed mid-fetch
+    rz.tick(6.0 + DROP_GRACE_S)
+    assert rz.jobs[copies.JOB].round is None and "s" not in rz.jobs[copies.JOB].nodes
+    if ":" in nodes:
+        assert rz.jobs[copies.JOB].awaited == ["s"]
+    copies.rejoin(rz, "s", 7.5, config, 2, "4")          # its new agent
+    r = rz.jobs[copies.JOB].round
+    assert r is not None and r.members == ["a", "s", "c"]
+    again = rz.view(copies.JOB, "s", 7.5).assignment
+    assert again is not None and again.copies_of == "b" and again.copies_at.addr == told.copies_at.addr
+    assert rz.jobs[copies.JOB].unfinished_fetches == {}
