@@ -26,6 +26,15 @@ def one_line(text: str) -> str:
     return _UNSAFE.sub(_escaped, text)
 
 
+_UNSAFE_KEEPING_LINES = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069\ud800-\udfff]")
+
+
+def lines_kept(text: str) -> str:
+    """`text` with its control characters shown as escapes but its line breaks kept (a traceback on a page: a
+    terminal that shows the page's source must not take an ESC or a BEL in it for its own)."""
+    return _UNSAFE_KEEPING_LINES.sub(_escaped, text)
+
+
 def quote(value: object, limit: int = QUOTE_CHARS) -> str:
     """`value` quoted for an error message: repr-style (one line, escapes for anything unprintable),
     and at most `limit` characters of it, saying how long it was when it is cut."""

@@ -220,6 +220,17 @@ def test_client_strings_are_escaped_everywhere():
         page.not_found_page(rz, "<script>alert(3)</script>", T)).text
 
 
+def test_a_failure_message_with_terminal_controls_shows_them_as_escapes():
+    """A review: a worker's failure message reached the page with its ESC and BEL bytes raw (the log showed them
+    escaped); an operator's `curl` of the page to a terminal took them for its own. Line breaks stay."""
+    rz = Rendezvous()
+    running(rz, "j", ["a", "b"], cfg(min_nodes=1, max_nodes=3))
+    fail(rz, "j", "a", T + 3, message="boom\x1b[2J\x1b]0;title\x07\nnext line\u202e")
+    text = page.job_page(rz, "j", T + 5) or ""
+    assert not any(c in text for c in "\x1b\x07\u202e"), [c for c in text if ord(c) < 32 and c not in "\n\t"]
+    assert "boom\\x1b[2J" in text and "\\x07" in text
+
+
 # ---- one job ------------------------------------------------------------------------------------
 
 def test_job_page_has_config_failures_and_the_newest_events_first():

@@ -8,6 +8,7 @@ import urllib.parse
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, TypeVar
 
+from protocol.quoting import lines_kept
 from protocol.views import JobView, NodeView
 from rdzv_server.core.events import EventKind
 
@@ -25,7 +26,8 @@ GOOD = {k.value for k in (EventKind.ROUND_COMPLETED, EventKind.JOB_SUCCEEDED, Ev
 
 
 def esc(value: Any) -> str:
-    return "&mdash;" if value is None or value == "" else html.escape(str(value), quote=True)
+    """`value` as page text: markup escaped, and control characters a client sent shown as escapes."""
+    return "&mdash;" if value is None or value == "" else html.escape(lines_kept(str(value)), quote=True)
 
 
 def job_path(job_id: str) -> str:

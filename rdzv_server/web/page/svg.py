@@ -9,6 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from protocol.quoting import lines_kept
 from rdzv_server.core.records import MAX_EVENTS_PER_JOB
 
 W = 1200                  # the viewBox width; the page scales it to the card's width (at most 1:1)
@@ -72,7 +73,7 @@ _STEPS = (1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 900, 1800, 3600, 7200, 10800, 
 
 def x_(text: Any) -> str:
     """Escaped for SVG text and attribute values (quotes too)."""
-    return html.escape(str(text), quote=True)
+    return html.escape(lines_kept(str(text)), quote=True)
 
 
 def cause_label(cause: str) -> str:
