@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import resource
 import threading
 import uuid
 from collections.abc import Awaitable, Callable, Coroutine
@@ -22,6 +23,7 @@ from typing import Any, TypeVar
 
 import msgspec
 
+from node_agent.client.listener import agent_caps, caps_for_descriptors
 from node_agent.client.replies import (
     CONFLICT_RETRY_S,
     ENDINGS,
@@ -113,7 +115,12 @@ class ServerSession:
         self._left = False                      # left the job: follow no more, never rejoin
         self._running = -1                      # the round whose workers torch runs (the witness says it)
         self._cut_off = False                   # the latest request reached no server (the witness says it)
-        self.witness = WitnessServer(settings.addr, lambda: not self._cut_off, lambda: self._running)
+        # Capped by torchrun's own descriptor limit (not raised: its workers inherit it), and saying so when a flood
+        # meets the caps, as node-agent's listeners do
+        limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        caps = agent_caps() if limit == resource.RLIM_INFINITY else caps_for_descriptors(limit)
+        self.witness = WitnessServer(settings.addr, lambda: not self._cut_off, lambda: self._running, caps=caps,
+                                     say=say)
         self._closed = False
         self._stopped = False
 

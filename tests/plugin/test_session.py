@@ -3,6 +3,7 @@ joins, the job-wide failure report, adopting a round another node caused, leavin
 unreachable server. Nodes are sessions in this process, each with its own loop thread."""
 from __future__ import annotations
 
+import resource
 import socket
 import urllib.request
 from collections.abc import Iterator
@@ -167,3 +168,23 @@ def test_plugin_nodes_are_witnesses_answering_with_the_round_torch_runs(tmp_path
                    30, "b to say it no longer hears the server")
     finally:
         cluster.close()
+
+
+def test_the_witness_port_is_capped_by_torchruns_descriptor_limit_and_says_so(monkeypatch):
+    """A review: the plugin's witness port held up to 512 connections whatever torchrun's open-file limit, and said
+    nothing when a flood met its caps. Its caps leave three quarters of torchrun's descriptors to torchrun (its limit
+    is not raised: its workers inherit it), and what it says goes to the plugin's lines."""
+    said: list[str] = []
+    monkeypatch.setattr(resource, "getrlimit", lambda which: (256, 4096))
+    settings = plugin_settings(endpoint="127.0.0.1:1", run_id="caps", min_nodes=1, max_nodes=1,
+                               local_addr="127.0.0.1", launch=TorchLaunch(local_world_size=1, max_restarts=0),
+                               conf={"node_id": "a"})
+    session = ServerSession(settings, RdzvClient(settings.host, settings.port, "caps", "a"), master_port=1,
+                            say=said.append)
+    try:
+        listener = session.witness._listener
+        assert listener.caps.total == 64
+        listener._say("the witness port is full")
+        assert said == ["the witness port is full"]
+    finally:
+        session._loop.close()        # never started: nothing to leave
