@@ -43,8 +43,10 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     "node_agent.training.boot": (),
     # the command line: read into settings; the composition root (node_agent/main.py) builds the rest
     "node_agent.cli": ("protocol", "node_agent.settings", "node_agent.gpu.topology"),
+    # (and the store host's rule for where a c10d store listens: the plugin hosts one too)
     "node_agent.plugin": ("protocol", "node_agent.client", "node_agent.cli.job_identity", "node_agent.cli.rdzv_conf",
-                          "node_agent.cli.values", "node_agent.workers.script_check", "node_agent.settings"),
+                          "node_agent.cli.values", "node_agent.workers.script_check", "node_agent.settings",
+                          "node_agent.workers.warm.store_host"),
     "node_agent": ("protocol", "node_agent.core", "node_agent.client", "node_agent.workers", "node_agent.cli",
                    "node_agent.gpu", "node_agent.copies", "node_agent.training.snapshot",
                    "node_agent.training.heartbeat"),
