@@ -75,6 +75,20 @@ def steps(out) -> list[tuple[float, int, int, str]]:
     return rows
 
 
+SLOW = ("--replica-bandwidth", "1M")        # 2 ranks x ~1 MB a push: ~2 s, a snapshot every 0.5 s
+
+
+def slow_copies_and_a_spare(cluster, out, job: str) -> tuple[dict, str]:
+    """a, b and c stepping with copies slower than their snapshots, and a ready spare s; the agents, and the node of
+    group rank 1."""
+    cluster.start_server()
+    agents = {n: start(cluster, out, n, job, extra=SLOW) for n in ("a", "b", "c")}
+    wait_until(lambda: len({r for *_, r, _ in steps(out)}) == 6, LIMIT, "every rank stepping")
+    agents["s"] = start(cluster, out, "s", job, extra=SLOW)
+    agents["s"].wait_for_line(r"ready after", LIMIT)
+    return agents, next(n["node_id"] for n in job_view(cluster, job)["nodes"] if n["group_rank"] == 1)
+
+
 def test_the_node_taking_a_lost_nodes_place_resumes_from_its_peer_copy(cluster, tmp_path):
     cluster.start_server()
     agents = {n: start(cluster, tmp_path, n, "copies") for n in ("a", "b", "c")}
@@ -136,13 +150,7 @@ def test_copies_slower_than_the_snapshots_still_cost_a_lost_node_no_more_than_it
     """--replica-bandwidth so low that a copy lands several snapshots late (each rank keeps 2): before, the spare
     fetched a step the others had let go, and every rank resumed from step 0. Every member now keeps its
     snapshots from the job's oldest copy on (NodeStatus.copies_floor), so all resume from the lost node's copy."""
-    slow = ("--replica-bandwidth", "1M")             # 2 ranks x ~1 MB a push: ~2 s, a snapshot every 0.5 s
-    cluster.start_server()
-    agents = {n: start(cluster, tmp_path, n, "lag", extra=slow) for n in ("a", "b", "c")}
-    wait_until(lambda: len({r for *_, r, _ in steps(tmp_path)}) == 6, LIMIT, "every rank stepping")
-    agents["s"] = start(cluster, tmp_path, "s", "lag", extra=slow)
-    agents["s"].wait_for_line(r"ready after", LIMIT)
-    lost = next(n["node_id"] for n in job_view(cluster, "lag")["nodes"] if n["group_rank"] == 1)
+    agents, lost = slow_copies_and_a_spare(cluster, tmp_path, "lag")
 
     def lagging() -> bool:      # its copy is older than what its ranks keep: the case this test is about
         c = next(n for n in job_view(cluster, "lag")["nodes"] if n["node_id"] == lost).get("copies", {})
@@ -162,13 +170,7 @@ def test_a_member_whose_agent_restarts_with_its_copy_behind_keeps_its_place_from
     at once (its memory kept) lost its place to the spare, which resumed every rank from the member's older copy (or
     from step 0 before its first copy landed). The member is awaited instead: every rank resumes from its own newer
     snapshot, and the spare stays spare."""
-    slow = ("--replica-bandwidth", "1M")
-    cluster.start_server()
-    agents = {n: start(cluster, tmp_path, n, "behind", extra=slow) for n in ("a", "b", "c")}
-    wait_until(lambda: len({r for *_, r, _ in steps(tmp_path)}) == 6, LIMIT, "every rank stepping")
-    agents["s"] = start(cluster, tmp_path, "s", "behind", extra=slow)
-    agents["s"].wait_for_line(r"ready after", LIMIT)
-    lost = next(n["node_id"] for n in job_view(cluster, "behind")["nodes"] if n["group_rank"] == 1)
+    agents, lost = slow_copies_and_a_spare(cluster, tmp_path, "behind")
 
     def copies() -> dict:
         return next(n for n in job_view(cluster, "behind")["nodes"] if n["node_id"] == lost).get("copies", {})
@@ -179,7 +181,7 @@ def test_a_member_whose_agent_restarts_with_its_copy_behind_keeps_its_place_from
     killed_at = time.time()
     os.kill(agents[lost].pid, signal.SIGKILL)
     agents[lost].wait(LIMIT)
-    agents[lost] = start(cluster, tmp_path, lost, "behind", extra=slow)      # its memory in place
+    agents[lost] = start(cluster, tmp_path, lost, "behind", extra=SLOW)      # its memory in place
     back = wait_until(lambda: len(shard_resumes(tmp_path, killed_at)) == 6 and shard_resumes(tmp_path, killed_at),
                       LIMIT, lambda: f"every rank resumed: {shard_resumes(tmp_path, killed_at)}")
     assert {source for _, source, _ in back.values()} == {"memory"}, back
