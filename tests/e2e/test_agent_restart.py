@@ -208,13 +208,14 @@ def cut_port(port: int) -> str:
     return table
 
 
-@pytest.mark.parametrize("fault", ["stall", "cut"])
+@pytest.mark.parametrize("fault", ["cut"])
 def test_an_agent_restarted_while_the_server_is_out_costs_no_restart_and_no_work(cluster, tmp_path, fault):
-    """A review: the server's link cut for 5 s (or its loop stalled: SIGSTOP here; a long GC, a starved host) while
-    the agent of group rank 1 was killed and started again. Its peers' reports of their broken workers were read
-    before its close (lost to the cut, or not yet read), and counted: a job with the default --max-restarts 0 failed
-    (an elastic one shrank, then grew back from step 0). A failure read as an outage of the server's own ends now
-    waits for the members not heard from since. (The stall lost the race only sometimes; the cut, every time.)"""
+    """A review: the server's link cut for 5 s (or its loop stalled: SIGSTOP, a long GC, a starved host) while the
+    agent of group rank 1 was killed and started again. Its peers' reports of their broken workers were read before
+    its close (lost to the cut, or not yet read), and counted: a job with the default --max-restarts 0 failed (an
+    elastic one shrank, then grew back from step 0). A failure read as an outage of the server's own ends now waits
+    for the members not heard from since. `stall` (SIGSTOP of the server) runs the same, but lost the race on the old
+    code only sometimes: the unit tests hold it (test_hub, test_doubt_after_silence), the cut fails it every time."""
     if fault == "cut" and (os.geteuid() != 0 or shutil.which("nft") is None):
         pytest.skip("cutting the server's port needs root and nft (`make netns-tools`)")
     job = f"restart-{fault}"
