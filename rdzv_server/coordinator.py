@@ -246,6 +246,11 @@ class Coordinator:
             self.loop_lag.note_waited(conn.waited_s)
         if isinstance(req, FailureReport):    # its peers may have died unheard in an outage just over
             conn = dataclasses.replace(conn, outage=self._outage_seen(self.clock()))
+            # A member whose agent died closed its held poll: its FIN may be in, unread, as its peers' reports of
+            # their broken collectives are read (a loop late by a stall, or the same wake-up): its loss first.
+            closed = self.hub.closed_unread(job_id)
+            if closed:
+                self.call(lambda now: self._dropped(job_id, closed, now))
         if isinstance(req, PollRequest):
             return with_hold(self.core.node_count, await long_poll(self.hub, job_id, req, conn))
         if isinstance(req, JoinRequest):   # a fresh secret: the core keeps it only if the join makes a node record
@@ -273,6 +278,10 @@ class Coordinator:
             await self.persister.durable(job_id)
         except StoreUnavailable as exc:
             raise RendezvousError(ErrorCode.STORE_UNAVAILABLE, f"{exc}; retry shortly") from None
+
+    def _dropped(self, job_id: str, nodes: list[str], now: float) -> None:
+        for node_id in nodes:
+            self.core.connection_dropped(job_id, node_id, now, heard=True)
 
     def _outage_seen(self, now: float) -> tuple[float, float] | None:
         """The server's own last outage (Arrival.outage): its loop DOUBT_QUIET_S or more behind, or no agent heard

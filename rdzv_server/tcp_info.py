@@ -13,7 +13,9 @@ from dataclasses import dataclass
 from typing import Any
 
 # struct tcp_info (linux/tcp.h): byte offsets of the u32 fields read (ms for the ages)
-_FIELDS = struct.Struct("=24xI16xI4xII")   # tcpi_unacked @24, last_data_sent @44, last_data_recv @52, last_ack_recv @56
+# tcpi_state @0, tcpi_unacked @24, last_data_sent @44, last_data_recv @52, last_ack_recv @56
+_FIELDS = struct.Struct("=B23xI16xI4xII")
+CLOSE_WAIT = 8         # tcpi_state: the peer's FIN is in, the server has not closed its side
 _SIZE = 104
 _enabled = hasattr(socket, "TCP_INFO")
 
@@ -24,6 +26,13 @@ class TcpInfo:
     last_data_sent_s: float
     last_data_recv_s: float
     last_ack_recv_s: float
+    state: int = 0
+
+    @property
+    def closed_by_peer(self) -> bool:
+        """The peer's host sent its FIN (its process ended, or it closed the connection) and the loop has not yet
+        read it."""
+        return self.state == CLOSE_WAIT
 
 
 def read(sock: Any) -> TcpInfo | None:
@@ -32,10 +41,10 @@ def read(sock: Any) -> TcpInfo | None:
         return None
     try:
         raw = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, _SIZE)
-        unacked, sent, received, acked = _FIELDS.unpack_from(raw)
+        state, unacked, sent, received, acked = _FIELDS.unpack_from(raw)
     except (OSError, ValueError, AttributeError, struct.error):
         return None
-    return TcpInfo(unacked, sent / 1000.0, received / 1000.0, acked / 1000.0)
+    return TcpInfo(unacked, sent / 1000.0, received / 1000.0, acked / 1000.0, state)
 
 
 def of(transport: asyncio.BaseTransport | None) -> TcpInfo | None:

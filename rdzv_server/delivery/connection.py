@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from protocol.messages import NodeStatus
 from rdzv_server.core.requests import Arrival
-from rdzv_server.delivery.subscriber import AckAge
+from rdzv_server.delivery.subscriber import AckAge, PeerClosed
 
 # Sends a poll's reply straight to its connection; False: it could not (web/direct_reply.py).
 Reply = Callable[[NodeStatus], bool]
@@ -19,6 +19,7 @@ class Connection(Arrival):
     ack_age: AckAge | None = None   # seconds since its kernel last heard the node (None: unknown)
     reply: Reply | None = None      # sends a poll's answer during a wake
     waited_s: float = 0.0           # how long it waited for the server (a poll's hold counts from its arrival)
+    peer_closed: PeerClosed | None = None   # whether the node's host closed it, its FIN not yet read
 
 
 IN_PROCESS = Connection()           # node-agent --standalone, tests: no socket

@@ -101,12 +101,20 @@ class Hub:
         self.per_node.give_back(sub.key)
         d = self.driver
         age = sub.ack_age() if sub.ack_age is not None else None
-        if dropped and not d.gate.shutting_down:
+        if dropped and not d.gate.shutting_down and not sub.drop_told:
             # A FIN that came in while the loop stalled is as old as the stall: still the host's close.
             heard = age is not None and age < CLOSE_HEARD_S + d.lag_s()
             d.call(lambda now: d.core.connection_dropped(sub.job_id, sub.node_id, now, heard=heard))
         elif not dropped:
             d.call(lambda now: d.core.poll_ended(sub.job_id, sub.node_id, now, now - (age or 0.0)))
+
+    def closed_unread(self, job_id: str) -> list[str]:
+        """The job's nodes whose held poll's connection their host closed, its FIN not yet read by the loop (a
+        member's agent killed as a stall or a burst of requests kept the loop from it)."""
+        closed = [s for s in self._by_job.get(job_id, ()) if s.peer_closed is not None and s.peer_closed()]
+        for sub in closed:
+            sub.drop_told = True         # told once: its detach later must not touch a record made since
+        return sorted({s.node_id for s in closed})
 
     def _unindex(self, sub: Subscriber) -> None:
         subs = self._by_job.get(sub.job_id)

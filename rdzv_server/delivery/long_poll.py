@@ -52,6 +52,7 @@ async def long_poll(hub: Hub, job_id: str, req: PollRequest, conn: Connection) -
     d = hub.driver
     peer = conn.peer
     sub = LongPoll(job_id, req, conn.ack_age, conn.reply)
+    sub.peer_closed = conn.peer_closed
     status = hub.attach(sub, req, peer)
     loop = asyncio.get_running_loop()
     sub.ends = loop.time() + max(0.0, hold_for(d.core.node_count, status, req.wait_s) - conn.waited_s)
@@ -70,6 +71,9 @@ async def long_poll(hub: Hub, job_id: str, req: PollRequest, conn: Connection) -
         dropped = not sub.sent        # the agent's connection closed mid-poll (after its answer: an ordinary end)
         raise
     finally:
+        # The node's host closed the connection before its answer (its agent killed while the loop ran late, a
+        # hold ending then): a drop, not an answer that renews its lease
+        dropped = dropped or (sub.peer_closed is not None and sub.peer_closed())
         hub.detach(sub, peer, dropped=dropped)
     if sub.sent:
         return status                 # the view before the pass: its reply, the newer one, went out already

@@ -10,10 +10,11 @@ from collections.abc import Callable
 from protocol.messages import NodeStatus, poll_ready
 
 AckAge = Callable[[], "float | None"]   # seconds since the connection's last ACK (None: unknown)
+PeerClosed = Callable[[], bool]        # whether the node's host closed the connection, its FIN not yet read
 
 
 class Subscriber(abc.ABC):
-    __slots__ = ("ack_age", "ends", "holding", "job_id", "known_round", "node_id")
+    __slots__ = ("ack_age", "drop_told", "ends", "holding", "job_id", "known_round", "node_id", "peer_closed")
 
     def __init__(self, job_id: str, node_id: str, known_round: int, ack_age: AckAge | None,
                  holding: bool = False) -> None:
@@ -22,6 +23,8 @@ class Subscriber(abc.ABC):
         self.known_round = known_round       # the round of the last view the node was sent
         self.holding = holding               # ... and whether its ranks hold at their next snapshot
         self.ack_age = ack_age               # its connection's kernel: when it last heard the node
+        self.peer_closed: PeerClosed | None = None      # ... and whether the node's host closed it, unread yet
+        self.drop_told = False               # its close told to the core before the loop read it (Hub.closed_unread)
         self.ends = float("inf")             # loop time at which its hold ends
 
     @property

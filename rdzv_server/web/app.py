@@ -19,6 +19,7 @@ from rdzv_server.web import admin, views
 from rdzv_server.web.access import ACCESS, NO_STREAM, Access, access_middleware
 from rdzv_server.web.connections import (
     SlowBody,
+    closed_by_peer_now,
     local_address,
     read_body,
     request_ack_age_s,
@@ -93,7 +94,8 @@ async def agent_request(request: web.Request) -> web.StreamResponse:
     try:
         status = await coord.handle(job_id, req, Connection(
             peer=request.remote or "", local=local_address(request.transport),
-            ack_age=lambda: request_ack_age_s(request), reply=reply, waited_s=request_waited_s(request)))
+            ack_age=lambda: request_ack_age_s(request), reply=reply, waited_s=request_waited_s(request),
+            peer_closed=lambda: closed_by_peer_now(request.transport)))
     except Exception:
         if reply is None or not reply.sent:
             raise

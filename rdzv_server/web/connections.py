@@ -161,6 +161,12 @@ def ack_age_s(transport: asyncio.BaseTransport | None) -> float | None:
     return None if info is None else info.last_ack_recv_s
 
 
+def closed_by_peer_now(transport: asyncio.BaseTransport | None) -> bool:
+    """Whether the peer's FIN is in and not yet read (tcp_info.TcpInfo.closed_by_peer); False where unknown."""
+    info = tcp_info.of(transport)
+    return info is not None and info.closed_by_peer
+
+
 def request_waited_s(request: web.Request) -> float:
     """How long the request waited for the server since its last bytes arrived; 0.0 where unknown and when
     pipelined (sent before the previous reply): that wait was the client's choice, not the server's lag."""

@@ -64,3 +64,26 @@ def test_a_socket_closed_under_its_transport_reads_as_unknown() -> None:
             return Closed() if name == "socket" else None
 
     assert ack_age_s(Transport()) is None  # type: ignore[arg-type]
+
+
+def test_a_connection_its_peer_closed_reads_as_closed_by_peer_until_the_server_closes_it() -> None:
+    """TCP_INFO's state: a FIN in and not yet acted on (CLOSE_WAIT) is the peer's host closing it (Hub.closed_unread:
+    a member's agent killed while the loop runs late); an open one is not."""
+    import socket
+    import time
+
+    from rdzv_server import tcp_info
+
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(1)
+        client = socket.create_connection(listener.getsockname())
+        server, _ = listener.accept()
+        with server:
+            info = tcp_info.read(server)
+            assert info is not None and not info.closed_by_peer
+            client.close()                                  # the peer's FIN
+            deadline = time.monotonic() + 10
+            while not ((info := tcp_info.read(server)) is not None and info.closed_by_peer):
+                assert time.monotonic() < deadline, info    # the FIN travels through loopback: a moment
+                time.sleep(0.01)

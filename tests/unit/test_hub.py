@@ -156,3 +156,25 @@ def test_a_close_that_came_in_while_the_loop_stalled_is_still_the_hosts():
     assert dropped_heard(ack_age_s=4.8, lag_s=5.0)        # a 5 s stall: the FIN came in during it
     assert not dropped_heard(ack_age_s=4.8, lag_s=0.0)    # 4.8 s of silence on a loop on time: not the host's
     assert dropped_heard(ack_age_s=0.1, lag_s=0.0)
+
+
+def test_a_held_poll_closed_by_its_host_but_unread_is_named_once_and_its_later_detach_touches_nothing():
+    """A member's agent killed as the loop runs late: its FIN is in (CLOSE_WAIT) but unread when its peers' failure
+    reports are read. The hub names it (the coordinator tells the core its loss first); when the loop reads the close
+    later, a record made since by its new agent is left alone."""
+    core = Rendezvous()
+    join(core, "a", 0.0, cfg())
+    calls: list[str] = []
+    driver = SimpleNamespace(core=core, gate=Serving(), clock=lambda: 1.0, call=lambda fn: calls.append("call"),
+                             lag_s=lambda: 0.0)
+    hub = Hub(driver)   # type: ignore[arg-type]
+    closed, open_ = Recorded("a", -1), Recorded("b", -1)
+    closed.peer_closed, open_.peer_closed = (lambda: True), (lambda: False)
+    closed.ends = open_.ends = float("inf")
+    hub.wait(closed)
+    hub.wait(open_)
+    assert hub.closed_unread(JOB) == ["a"] and closed.drop_told and not open_.drop_told
+    hub.detach(closed, "127.0.0.1", dropped=True)
+    assert calls == []                                   # told already: nothing more for the core
+    hub.detach(open_, "127.0.0.1", dropped=True)
+    assert calls == ["call"]
