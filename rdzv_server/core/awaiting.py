@@ -204,7 +204,7 @@ def waiting(job: JobRecord, now: float) -> str:
                         ([f"{names(job, slow)} to be ready"] if slow else [])) or names(job)
     if not wait_runs(job):
         return f"waiting for nodes, and for {what} (an agent restarting keeps its place)"
-    return f"waiting up to {left:g}s for {what} (an agent restarting keeps its place)"
+    return f"waiting up to {round(left, 1):g}s for {what} (an agent restarting keeps its place)"
 
 
 def came_back(job: JobRecord, node: NodeRecord, now: float) -> bool:

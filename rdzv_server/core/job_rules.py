@@ -106,7 +106,8 @@ class JobRules:
             job.last_call_deadline = None
             if job.awaited:             # the wait's end, or every one still awaited is back (another given up)
                 self.form_round(now, f"{awaiting.names(job)} back" if awaiting.all_back(job) else
-                                f"{awaiting.not_back(job)}: going on with " + count_nodes(candidates(job)),
+                                f"{awaiting.not_back(job)}: going on with " +
+                                count_nodes(candidates(job)[:job.config.max_nodes]),
                                 RoundCause.NODE_LOST)
             else:
                 self.form_round(now, "last call ended with " + count_nodes(candidates(job)), growth_cause(job))

@@ -45,14 +45,17 @@ def build_round(job: JobRecord, members: list[str], round_id: int, opened_at: fl
                     resume_at_most=job.resume_at_most)
     job.resume_at_most = -1           # told once: to the round that resumes
     pending = fetches_pending(job, members, took or {})
-    job.unfinished_fetches = {}       # a node not back by now takes no place of its own: a newcomer fetches
-    took = {**(took or {}), **{m: place[0] for m, place in pending.items()}}
+    # A newcomer in the place of a member lost mid-fetch takes that fetch over: the place's state is those copies
+    unfinished, job.unfinished_fetches = job.unfinished_fetches, {}
+    took = {new: unfinished[gone].of if gone in unfinished else gone for new, gone in (took or {}).items()}
+    took.update({m: place[0] for m, place in pending.items()})
     if replicas and took:
         last = job.round
 
-        def place(gone: str) -> PlaceCopies | None:      # the last round's, or the one a pending fetch was told
+        def place(gone: str) -> PlaceCopies | None:      # the last round's, or the one a fetch was told
             found = place_of(last, gone) if last is not None else job.place_copies.get(gone)
-            return found or next((p for g, p in pending.values() if g == gone), None)
+            return found or next((p for g, p in pending.values() if g == gone), None) or \
+                next((u.place for u in unfinished.values() if u.of == gone), None)
 
         r.copies = copies_held(place, took, r, lambda gone: own_source(job, gone, nodes))
         for newcomer, (gone, *_) in r.copies.items():

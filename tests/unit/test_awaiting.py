@@ -803,3 +803,31 @@ def test_a_spare_whose_agent_restarts_mid_fetch_is_awaited_and_told_to_fetch_aga
     again = rz.view(copies.JOB, "s", 7.5).assignment
     assert again is not None and again.copies_of == "b" and again.copies_at.addr == told.copies_at.addr
     assert rz.jobs[copies.JOB].unfinished_fetches == {}
+
+
+def test_a_second_spare_in_the_place_of_one_lost_mid_fetch_fetches_what_it_was_fetching():
+    """The next review: b lost, the spare s took its place and fetched b's copies; s was lost for good mid-fetch and
+    the second spare t took s's place: it was told to fetch s's own copies (none), and every rank went to step 0. It
+    is told to fetch b's, from where s was told."""
+    fixed = JobConfig(min_nodes=3, max_nodes=3, lease_timeout_s=5.0, last_call_s=0.0)
+    rz = copies.started({"a": "1", "b": "2", "c": "3"}, fixed)
+    copies.join(rz, "s", 0.5, fixed, domain="4")
+    copies.join(rz, "t", 0.6, fixed, domain="5")
+    for t in (1.0, 2.0, 3.0, 4.0, 5.0):                 # b lost: the spare s takes its place
+        for n in ("a", "c", "s", "t"):
+            copies.poll(rz, n, t)
+    rz.tick(rz.next_deadline())
+    told = rz.view(copies.JOB, "s", 5.5).assignment
+    assert told is not None and told.copies_of == "b"
+    rz.handle(copies.JOB, PollRequest(v=1, node_id="s", credential="secret-s", copies=CopiesNote(local_step=-1)), 6.0)
+    for n in ("a", "c", "t"):
+        copies.poll(rz, n, 6.0)
+    rz.connection_dropped(copies.JOB, "s", 6.0, heard=True)       # lost for good mid-fetch
+    for t in (6.5, 7.0, 8.0, 9.0, 10.0, 11.0, 12.0, 13.0, 14.0, 15.0):
+        for n in ("a", "c", "t"):
+            copies.poll(rz, n, t)
+        rz.tick(t)
+    r = rz.jobs[copies.JOB].round
+    assert r is not None and r.members == ["a", "t", "c"], r
+    got = rz.view(copies.JOB, "t", 15.0).assignment
+    assert got is not None and got.copies_of == "b" and got.copies_at.addr == told.copies_at.addr
