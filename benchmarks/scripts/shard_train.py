@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from node_agent.training import snapshot
-from node_agent.training.heartbeat import beat
+from node_agent.training.heartbeat import beat, resumed
 
 env = os.environ.get
 out = env("OUT_DIR", ".")
@@ -68,6 +68,8 @@ def resume() -> tuple[int, str, torch.Tensor]:
 
 held_before = snapshot.newest()
 step, source, state = resume()
+if source != "memory":
+    resumed(step)             # from disk or scratch (memory says so itself): the server counts the steps redone
 state = state.clone()
 ok = bool(torch.all(state == float(rank + step)))
 with open(os.path.join(out, "resumed.txt"), "a") as f:    # one line per rank and start, appended at once
