@@ -11,7 +11,7 @@ from protocol.messages import JobConfig, JobState, NodeState, PollRequest
 from protocol.notes import CopiesNote
 from rdzv_server.core.awaiting import window_s
 from rdzv_server.core.leases import DROP_GRACE_S
-from rdzv_server.core.rendezvous import RendezvousError
+from rdzv_server.core.rendezvous import Rendezvous, RendezvousError
 from tests.unit import test_copies_rounds as copies
 from tests.unit.test_rendezvous import JOB, job, join, members, poll, running, view
 
@@ -353,17 +353,24 @@ def test_a_survivor_lost_while_the_job_waits_leaves_the_job_waiting_for_nodes_an
     assert members(rz) == ["a", "b"] and "node b back" in last_event(rz, "round_completed")
 
 
-def test_a_spares_fetch_holder_whose_agent_restarts_is_awaited_even_with_another_spare():
-    """s took b's place and fetches b's copies from c; c's agent restarts mid-fetch. Another spare t could take c's
-    place, but s would then hold nothing and every rank go back to step 0: c is awaited, and tells s again."""
+def two_spares_and_b_lost() -> tuple[JobConfig, Rendezvous]:
+    """A fixed-size job of a, b and c (copies on, each its own domain) with spares s and t; b lost: s takes its
+    place (and is told to fetch b's copies)."""
     fixed = JobConfig(min_nodes=3, max_nodes=3, lease_timeout_s=5.0, last_call_s=0.0)
     rz = copies.started({"a": "1", "b": "2", "c": "3"}, fixed)
     copies.join(rz, "s", 0.5, fixed, domain="4")
     copies.join(rz, "t", 0.6, fixed, domain="5")
-    for t in (1.0, 2.0, 3.0, 4.0, 5.0):                 # b lost: the spare s takes its place
+    for t in (1.0, 2.0, 3.0, 4.0, 5.0):
         for n in ("a", "c", "s", "t"):
             copies.poll(rz, n, t)
     rz.tick(rz.next_deadline())
+    return fixed, rz
+
+
+def test_a_spares_fetch_holder_whose_agent_restarts_is_awaited_even_with_another_spare():
+    """s took b's place and fetches b's copies from c; c's agent restarts mid-fetch. Another spare t could take c's
+    place, but s would then hold nothing and every rank go back to step 0: c is awaited, and tells s again."""
+    fixed, rz = two_spares_and_b_lost()
     assert rz.jobs[copies.JOB].round.members == ["a", "s", "c"]
     rz.handle(copies.JOB, PollRequest(v=1, node_id="s", credential="secret-s", copies=CopiesNote(local_step=-1)), 6.0)
     rz.handle(copies.JOB, PollRequest(v=1, node_id="c", credential="secret-c", copies=CopiesNote(local_step=10)), 6.0)
@@ -382,14 +389,7 @@ def test_a_spares_fetch_holder_whose_agent_restarts_is_awaited_even_with_another
 
 
 def test_a_fetch_holder_not_back_in_time_has_its_place_taken_by_the_spare_waiting():
-    fixed = JobConfig(min_nodes=3, max_nodes=3, lease_timeout_s=5.0, last_call_s=0.0)
-    rz = copies.started({"a": "1", "b": "2", "c": "3"}, fixed)
-    copies.join(rz, "s", 0.5, fixed, domain="4")
-    copies.join(rz, "t", 0.6, fixed, domain="5")
-    for t in (1.0, 2.0, 3.0, 4.0, 5.0):
-        for n in ("a", "c", "s", "t"):
-            copies.poll(rz, n, t)
-    rz.tick(rz.next_deadline())
+    fixed, rz = two_spares_and_b_lost()
     rz.handle(copies.JOB, PollRequest(v=1, node_id="s", credential="secret-s", copies=CopiesNote(local_step=-1)), 6.0)
     rz.handle(copies.JOB, PollRequest(v=1, node_id="c", credential="secret-c", copies=CopiesNote(local_step=10)), 6.0)
     rz.connection_dropped(copies.JOB, "c", 6.0, heard=True)
@@ -809,14 +809,7 @@ def test_a_second_spare_in_the_place_of_one_lost_mid_fetch_fetches_what_it_was_f
     """The next review: b lost, the spare s took its place and fetched b's copies; s was lost for good mid-fetch and
     the second spare t took s's place: it was told to fetch s's own copies (none), and every rank went to step 0. It
     is told to fetch b's, from where s was told."""
-    fixed = JobConfig(min_nodes=3, max_nodes=3, lease_timeout_s=5.0, last_call_s=0.0)
-    rz = copies.started({"a": "1", "b": "2", "c": "3"}, fixed)
-    copies.join(rz, "s", 0.5, fixed, domain="4")
-    copies.join(rz, "t", 0.6, fixed, domain="5")
-    for t in (1.0, 2.0, 3.0, 4.0, 5.0):                 # b lost: the spare s takes its place
-        for n in ("a", "c", "s", "t"):
-            copies.poll(rz, n, t)
-    rz.tick(rz.next_deadline())
+    fixed, rz = two_spares_and_b_lost()
     told = rz.view(copies.JOB, "s", 5.5).assignment
     assert told is not None and told.copies_of == "b"
     rz.handle(copies.JOB, PollRequest(v=1, node_id="s", credential="secret-s", copies=CopiesNote(local_step=-1)), 6.0)
