@@ -148,8 +148,13 @@ def holds_own_state(job: JobRecord, node: NodeRecord) -> bool:
     job's ranks are not known to be replicas of each other (DDP: the job's digests agreed, and a rank without the
     step is lent it). A job without snapshots in memory, or of replicas, loses nothing by shrinking and is not made
     to wait (an agent killed for good: the survivors go on within a second or two)."""
-    fetching = bool(node.fetch_of) and (node.copies is None or node.copies.local_step < 0)
-    return (fetching or node.copies is not None and node.copies.local_step >= 0) and job.progress.alike_step < 0
+    return (fetch_unfinished(node) or node.copies is not None and node.copies.local_step >= 0) and \
+        job.progress.alike_step < 0
+
+
+def fetch_unfinished(node: NodeRecord) -> bool:
+    """The node was told to fetch a gone node's copies (rounds.build_round) and has told no snapshot since."""
+    return bool(node.fetch_of) and node.fetch_place is not None and (node.copies is None or node.copies.local_step < 0)
 
 
 def resized(job: JobRecord, before: list[str], after: list[str], was_awaited: bool = False) -> str:

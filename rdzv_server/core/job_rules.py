@@ -312,8 +312,7 @@ class JobRules:
         `stopping_s`) and it held state of its own: its place is kept for it (awaiting.py)."""
         job = self.job
         was_member = node.node_id in self.members()
-        if was_member and node.fetch_of and node.fetch_place is not None and \
-                (node.copies is None or node.copies.local_step < 0):
+        if was_member and node.fetch_place is not None and awaiting.fetch_unfinished(node):
             job.unfinished_fetches[node.node_id] = UnfinishedFetch(of=node.fetch_of, place=node.fetch_place)
         del job.nodes[node.node_id]
         places.leave(job, node)
