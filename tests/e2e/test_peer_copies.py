@@ -188,5 +188,8 @@ def test_a_member_whose_agent_restarts_with_its_copy_behind_keeps_its_place_from
     assert len({step for step, _, _ in back.values()}) == 1 and min(s for s, _, _ in back.values()) > copied, \
         (back, copied, job_events(cluster, "behind")[-6:])
     view = job_view(cluster, "behind")
-    assert [n["node_id"] for n in view["spares"]] == ["s"] and view["restart_count"] == 0, view
+    # The spare stays spare, unless the kill fell between a poll's answer and the next: then nobody heard the agent
+    # end, its loss is a silent host's (not awaited) and the spare takes the place, from a copy newer than `copied`
+    silent = any(e["kind"] == "node_lost" and "no contact" in e["message"] for e in job_events(cluster, "behind"))
+    assert view["restart_count"] == 0 and (silent or [n["node_id"] for n in view["spares"]] == ["s"]), view
     finish(tmp_path, agents, "s")            # the spare ran no worker: it exits 1, as it should
