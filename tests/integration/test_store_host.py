@@ -8,7 +8,10 @@ import asyncio
 import contextlib
 import os
 import signal
+import subprocess
 import sys
+import time
+from typing import Any
 
 import psutil
 import pytest
@@ -98,6 +101,19 @@ async def test_a_store_host_that_ends_while_the_workers_run_fails_the_round(tmp_
         assert await asyncio.to_thread(pid_gone, pid, LIMIT)
 
 
+def said_in(path: Any, text: str) -> str:
+    """The first line of the file at `path` holding `text` (torch's own warnings come before it), once written;
+    AssertionError after LIMIT."""
+    deadline = time.monotonic() + LIMIT
+    while True:
+        lines = path.read_text().splitlines()
+        found = [line for line in lines if text in line]
+        if found:
+            return found[0]
+        assert time.monotonic() < deadline, f"{text!r} not said within {LIMIT}s: {lines[-5:]}"
+        time.sleep(0.05)
+
+
 def test_a_store_listens_on_every_interface_where_master_addr_is_a_name_or_not_here() -> None:
     from node_agent.workers.warm.store_host import listening
     assert listening("localhost", 0) is None and listening("0.0.0.0", 0) is None
@@ -106,3 +122,46 @@ def test_a_store_listens_on_every_interface_where_master_addr_is_a_name_or_not_h
     assert bound is not None
     with bound:
         assert bound.getsockname()[0] == "127.0.0.1"
+
+
+def test_a_store_filled_by_a_stranger_refuses_past_its_bound_and_serves_the_job_on(tmp_path) -> None:
+    """The store keeps whatever anyone who reaches it sends: bounded, a flood's `set` is refused and the store lives,
+    its job's keys and clients with it, instead of the host running out of memory."""
+    pytest.importorskip("torch")
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    from node_agent.workers.warm.store_host import MEMORY_MB, memory_budget
+    said = tmp_path / "stderr"
+    with open(said, "w") as err:
+        host = psutil.Popen([sys.executable, "-u", SCRIPT, "0"], stdout=subprocess.PIPE, stderr=err, text=True,
+                            env={**ENV, "MASTER_ADDR": "127.0.0.1", MEMORY_MB: "64"})
+    try:
+        port = int(host.stdout.readline().split()[-1])
+        start = host.memory_info().rss
+        job = TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=LIMIT))
+        job.set("job/key", b"1")
+        stranger = TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=LIMIT))
+        blob = b"x" * (7 << 20)                  # torch's store takes values up to 8 MiB
+        refused_at = None
+        for i in range(40):                      # 280 MiB: past the bound of 64
+            try:
+                stranger.set(f"flood/{i}", blob)
+            except RuntimeError:                 # torch's DistNetworkError: the store closed the connection
+                refused_at = i
+                break
+        assert refused_at is not None and refused_at * 7 <= 64 + 8, refused_at
+        assert host.is_running() and host.status() != psutil.STATUS_ZOMBIE
+        assert host.memory_info().rss - start < (64 + 16) << 20
+        assert f"{MEMORY_MB}=64" in said_in(said, "near its bound")   # the watch's, within a second of it
+        job.set("job/next", b"2")                # the job's client and a new one go on
+        again = TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=LIMIT))
+        assert again.get("job/key") == b"1" and again.get("job/next") == b"2"
+    finally:
+        host.kill()
+        host.wait()
+    assert memory_budget({}) == (1024, "")
+    assert memory_budget({MEMORY_MB: "0"}) == (0, "")
+    budget, problem = memory_budget({MEMORY_MB: "1G"})
+    assert budget == 1024 and f"{MEMORY_MB}='1G' is not a whole number of MiB" in problem
