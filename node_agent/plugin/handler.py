@@ -12,8 +12,9 @@ workers and again whenever it restarts them; `num_nodes_waiting()` on every moni
   the newer round without a report. A failed or closed job is RendezvousClosedError.
 - Success: torch tells a handler nothing of its workers' fate, but an agent enters its exit barrier only when
   all its workers exited 0, so `RoundStore` reports success there; `shutdown()` with no exception is the fallback.
-- Stores: each agent hosts a TCPStore from the start, its port published at join; a round's agents use group rank
-  0's under `rdzv-server/JOB/ROUND/`, so a new round never reads an old one's keys. Workers do not share it
+- Stores: each agent hosts a TCPStore from the start (in a process of its own, agent_store.py), its port published
+  at join; a round's agents use group rank 0's under `rdzv-server/JOB/ROUND/`, so a new round never reads an old
+  one's keys. Workers do not share it
   (use_agent_store is False): worker rank 0 hosts their own store, fresh with every start, as under node-agent, on
   a free port group rank 0's agent passes on through the round store."""
 from __future__ import annotations
@@ -21,7 +22,6 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
-import socket
 import sys
 import time
 from datetime import timedelta
@@ -40,6 +40,7 @@ from torch.distributed.elastic.rendezvous import (
 from node_agent.cli.rdzv_conf import IGNORED_KEYS, unquoted
 from node_agent.client.http import RdzvClient
 from node_agent.client.transport import free_port
+from node_agent.plugin.agent_store import AgentStore
 from node_agent.plugin.failures import worker_failures
 from node_agent.plugin.round_store import JOB_SUCCEEDED, RoundStore, first_line, pauses
 from node_agent.plugin.session import (
@@ -55,7 +56,6 @@ from node_agent.plugin.session import (
 from node_agent.plugin.settings import BACKEND, PluginSettings, SettingsError, plugin_settings
 from node_agent.plugin.torch_internals import PrefixStore, Store, TCPStore, launch_settings, run_loop_failures
 from node_agent.workers.script_check import script_problem
-from node_agent.workers.warm.store_host import ANY_INTERFACE, listening
 from protocol.errors import ErrorCode
 from protocol.messages import Assignment, JobState, WorkerFailure
 
@@ -92,8 +92,7 @@ class RdzvServerHandler(RendezvousHandler):
     def __init__(self, settings: PluginSettings) -> None:
         self.settings = settings
         self._session: ServerSession | None = None
-        self._agent_store: TCPStore | None = None
-        self._store_socket: socket.socket | None = None      # the agent store's listening socket, where bound here
+        self._agent_store: AgentStore | None = None
         self._assignment: Assignment | None = None   # the round torch's workers run
         self._succeeded_round = -1                   # the round whose success this node reported
         self._rounds = 0                             # rounds handed to torch
@@ -195,11 +194,7 @@ class RdzvServerHandler(RendezvousHandler):
         if self._session is None:
             s = self.settings
             # On --local-addr alone where that is this host's, as node-agent's store (it authenticates nobody)
-            self._store_socket = None if os.environ.get(ANY_INTERFACE) == "1" else listening(s.addr, 0)
-            bound = self._store_socket
-            self._agent_store = TCPStore(s.addr, bound.getsockname()[1] if bound is not None else 0, is_master=True,
-                                         wait_for_workers=False, timeout=timedelta(seconds=s.store_timeout_s),
-                                         master_listen_fd=bound.fileno() if bound is not None else None)
+            self._agent_store = AgentStore(s.addr, self.say)
             client = RdzvClient(s.host, s.port, s.job_id, s.node_id, scheme=s.scheme, token=s.token, tls_ca=s.tls_ca)
             session = ServerSession(s, client, master_port=self._agent_store.port, say=self.say)
             session.start()
@@ -231,7 +226,9 @@ class RdzvServerHandler(RendezvousHandler):
 
     def _round_info(self, a: Assignment) -> RendezvousInfo | None:
         """The round's store and the workers' MASTER_ADDR/PORT; None when the round moved on meanwhile."""
-        base = self._agent_store if a.group_rank == 0 else self._connect(a)
+        if a.group_rank == 0 and self._agent_store is not None:
+            self._agent_store.ensure()
+        base = self._connect(a)      # group rank 0's own too: its store is a process of its own
         if base is None:
             return None
         inner = PrefixStore(f"rdzv-server/{self.settings.job_id}/{a.round_id}", base)

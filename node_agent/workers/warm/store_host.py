@@ -35,13 +35,22 @@ NEAR_BOUND = 0.9          # said once when the store's data reaches this share o
 
 
 def main() -> None:
+    """`store_host.py PORT` (node-agent: binds MASTER_ADDR:PORT) or `store_host.py --fd N --parent PID` (the torchrun
+    plugin: serves a listening socket its parent made and published, and ends when that parent does)."""
     from datetime import timedelta
 
     from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
-    addr, port = os.environ.get("MASTER_ADDR", "127.0.0.1"), int(sys.argv[1])
+    addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
     # kept referenced for the process's life: its socket is the store's (closed when collected)
-    listener = None if os.environ.get(ANY_INTERFACE) == "1" else listening(addr, port)
+    listener: socket.socket | None
+    if sys.argv[1] == "--fd":
+        listener, parent = socket.socket(fileno=int(sys.argv[2])), int(sys.argv[4])
+        port = listener.getsockname()[1]
+        threading.Thread(target=end_with_parent, args=(parent,), daemon=True).start()
+    else:
+        port = int(sys.argv[1])
+        listener = None if os.environ.get(ANY_INTERFACE) == "1" else listening(addr, port)
     store = TCPStore(addr, port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60),
                      master_listen_fd=listener.fileno() if listener is not None else None)
     extra_mb, problem = memory_budget(os.environ)
@@ -53,6 +62,13 @@ def main() -> None:
     print(f"{READY} {store.port}", flush=True)
     while True:            # until the agent stops the round's group
         signal.pause()
+
+
+def end_with_parent(parent: int, every_s: float = 0.5) -> None:
+    """Ends this process once `parent` has (it was adopted by another): torchrun's process may end by SIGKILL."""
+    while os.getppid() == parent:
+        time.sleep(every_s)
+    os._exit(0)
 
 
 def say(message: str) -> None:
@@ -118,6 +134,18 @@ def listening(addr: str, port: int) -> socket.socket | None:
         sock.close()
         return None
     return sock
+
+
+def store_socket(addr: str) -> socket.socket:
+    """A listening socket on a free port for a store that authenticates nobody: on `addr` alone where that is an
+    address of this host (`listening`), else (a name, an address not here, NODE_AGENT_STORE_ANY_INTERFACE=1) on
+    every interface, as TCPStore's own."""
+    sock = None if os.environ.get(ANY_INTERFACE) == "1" else listening(addr, 0)
+    if sock is not None:
+        return sock
+    if socket.has_dualstack_ipv6():
+        return socket.create_server(("", 0), family=socket.AF_INET6, dualstack_ipv6=True, backlog=socket.SOMAXCONN)
+    return socket.create_server(("", 0), backlog=socket.SOMAXCONN)
 
 
 if __name__ == "__main__":
