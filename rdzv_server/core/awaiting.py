@@ -100,6 +100,24 @@ def copy_behind(node: NodeRecord) -> bool:
     return c is not None and c.local_step > c.copied_step
 
 
+def held_back(standby: dict[str, str], lost: list[NodeRecord]) -> str:
+    """Why each newcomer that would take an awaited node's place stays spare meanwhile (`standby`: newcomer -> the
+    node whose place it would take; `lost`: the awaited nodes' records), for the job's reason: an operator seeing a
+    ready spare idle asks."""
+    records = {n.node_id: n for n in lost}
+    said = []
+    for new, gone in list(standby.items())[:3]:
+        node = records.get(gone)
+        c = node.copies if node is not None else None
+        if node is not None and c is not None and copy_behind(node):
+            copy = f"its copy of step {c.copied_step}" if c.copied_step >= 0 else "no copy of its (none landed yet)"
+            said.append(f"spare {new} stays spare: it would resume {gone}'s ranks from {copy}, where {gone}'s own "
+                        f"newest is step {c.local_step}")
+        else:
+            said.append(f"spare {new} stays spare while {gone} is awaited: {gone} holds copies a fetch needs")
+    return "; ".join(said)
+
+
 def lost_again(job: JobRecord, node: NodeRecord, now: float, restarting: bool, stopping_s: float = 0.0) -> bool:
     """A node of the last round's places lost (or replaced) while the job waits for the awaited ones: awaited too
     where its agent may be restarting (else the round formed on their return would fill its place from the end), its

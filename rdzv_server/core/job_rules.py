@@ -210,7 +210,7 @@ class JobRules:
         self.wake()
         held = awaiting.worth_awaiting(job, choice, restarting or [], now)
         if len(chosen) < cfg.min_nodes or held:
-            self._wait_for_nodes(now, why, cause, choice, held, stopping_s)
+            self._wait_for_nodes(now, why, cause, choice, held, stopping_s, restarting or [])
             return
         opened = job.forming_since if job.forming_since is not None else now
         promoted = len(set(chosen) & set(job.spares))
@@ -250,7 +250,7 @@ class JobRules:
                     f"{job.round.world_size} ({why}){taken}", round_id=job.round.round_id, data=data)
 
     def _wait_for_nodes(self, now: float, why: str, cause: RoundCause, choice: Choice, held: list[str],
-                        stopping_s: float = 0.0) -> None:
+                        stopping_s: float = 0.0, lost: list[NodeRecord] | None = None) -> None:
         """No round: below min_nodes, or while `held` (members restarting) are awaited until the last call's end.
         The survivors keep their places for the round that comes."""
         job, cfg = self.job, self.job.config
@@ -264,6 +264,8 @@ class JobRules:
             job.last_call_deadline = job.awaited_since + awaiting.window_s(cfg)
             self.out.deadline(job.last_call_deadline)
             waits = f"{awaiting.waiting(job, now)} before going on with {count_nodes(choice.chosen)}"
+            if reasons := awaiting.held_back({new: choice.took[new] for new in standby}, lost or []):
+                waits += f"; {reasons}"
         else:
             waits = f"{count_nodes(choice.chosen)} < min {cfg.min_nodes}: waiting for nodes"
         if job.round is not None:
