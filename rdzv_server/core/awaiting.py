@@ -195,6 +195,26 @@ def resized(job: JobRecord, before: list[str], after: list[str], was_awaited: bo
             f"from step 0")
 
 
+def ranks_moved(job: JobRecord, ranked: list[str], sizes: list[int], was_awaited: bool = False) -> str:
+    """What a round-formed message says when, at the same number of nodes, a member's new agent runs another number
+    of workers (its --nproc-per-node changed, or a GPU fewer under `gpu`) in a job whose ranks hold their own state
+    ("": none did): its ranks and those after it move, no snapshot in memory is of them, and every rank resumes from
+    the script's own checkpoint, or from step 0. `ranked`, `sizes`: the last round's places and workers."""
+    r = job.round
+    if r is None or len(ranked) != len(r.ranked) or len(sizes) != len(ranked) or len(r.local_sizes) != len(r.ranked):
+        return ""
+    own_state = was_awaited or any(holds_own_state(job, job.nodes[n]) for n in r.ranked if n in job.nodes)
+    was, now = dict(zip(ranked, sizes, strict=True)), dict(zip(r.ranked, r.local_sizes, strict=True))
+    changed = [n for n in r.ranked if n in was and was[n] != now[n]]
+    if not own_state or not (changed or sum(sizes) != r.world_size):
+        return ""
+    told = ", ".join(f"node {n} runs {now[n]} workers where it ran {was[n]}" for n in changed[:3]) or \
+        "a node taking a place runs another number of workers"
+    return (f"; {told}: the world size goes from {sum(sizes)} to {r.world_size} and ranks move; the job's ranks "
+            f"hold their own state, so no snapshot in memory is of them and every rank resumes from the script's own "
+            f"checkpoint, or from step 0")
+
+
 def reserved(job: JobRecord) -> int:
     """Places the awaited members hold while they are not back and ready: a newcomer that would fill max_nodes
     meanwhile waits as a spare (a review: with a spare, every member restarted together and the first ones back

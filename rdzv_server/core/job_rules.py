@@ -219,6 +219,7 @@ class JobRules:
             (job.places[0], job.places_port) if job.places else None          # the last round's store
         fetching = {n for n in chosen if job.nodes[n].fetch_of}
         before = list(job.round.members) if job.round else list(job.places)
+        layout = (job.round.ranked, job.round.local_sizes) if job.round else (job.places, job.places_sizes)
         job.round = build_round(job, chosen, job.last_round_id, opened, now, why, took)
         for nid in fetching | set(job.round.copies):      # their fetch_of set or cleared: saved
             self.node_changed(nid)
@@ -229,7 +230,7 @@ class JobRules:
         job.state = JobState.RUNNING
         room = cfg.max_nodes - len(chosen)          # a node preparing waits for a place that is free ...
         places.seat(job, chosen, preparing[:room], rest + preparing[room:])   # ... else for a member to go, as a spare
-        job.places, job.place_copies = [], {}
+        job.places, job.places_sizes, job.place_copies = [], [], {}
         job.forming_since = now if job.waiting else None
         job.join_deadline = None
         job.reason = why
@@ -241,7 +242,7 @@ class JobRules:
         taken = "".join(f"; {new} takes {old}'s place (group rank {chosen.index(new)})" if new != old else
                          f"; {new} is back at its place (group rank {chosen.index(new)}) with a new agent"
                          for new, old in list(took.items())[:3]) + copies_lost(job.round, took) + \
-            awaiting.resized(job, before, chosen, was_awaited)
+            awaiting.resized(job, before, chosen, was_awaited) + awaiting.ranks_moved(job, *layout, was_awaited)
         if (off := copies_off(job.round, cfg.replicas)) != job.copies_off:     # said once, not every round
             job.copies_off = off
             taken += f"; peer copies {off}" if off else ""
@@ -275,6 +276,7 @@ class JobRules:
         if job.round is not None:        # the survivors keep their places for the round that comes
             job.places, job.places_port = list(job.round.ranked or job.round.members), job.round.master_port
             job.places_at = job.round.completed_at
+            job.places_sizes = list(job.round.local_sizes) if job.round.ranked else []
             job.place_copies = places_kept(job.round)
         job.round = None
         job.state = JobState.WAITING

@@ -147,6 +147,7 @@ class JobRecord(msgspec.Struct, kw_only=True):
     places: list[str] = msgspec.field(default_factory=list)   # while waiting: the last round's, by group rank
     places_port: int = 0            # while waiting: the last round's store port (store_port.py)
     places_at: float = 0.0          # while waiting: when the last round formed (a node joined since is a new one)
+    places_sizes: list[int] = msgspec.field(default_factory=list)   # while waiting: their workers ([]: not known)
     waiting_preparing: int = 0      # of `waiting`, the nodes whose workers cannot start at once yet (not ready)
     spares: list[str] = msgspec.field(default_factory=list)
     replica_key: str = ""           # what members' agents show each other with a copy (derived from a secret)

@@ -827,3 +827,31 @@ def test_a_second_spare_in_the_place_of_one_lost_mid_fetch_fetches_what_it_was_f
     assert r is not None and r.members == ["a", "t", "c"], r
     got = rz.view(copies.JOB, "t", 15.0).assignment
     assert got is not None and got.copies_of == "b" and got.copies_at.addr == told.copies_at.addr
+
+
+@pytest.mark.parametrize("workers", [2, 1])
+def test_a_member_back_with_another_number_of_workers_says_every_rank_goes_back(workers):
+    """b's new agent runs 2 workers where it ran 1 (its --nproc-per-node changed, or a GPU fewer under `gpu`): the
+    ranks after its first move and the world size changes, so no snapshot in memory is of them. A review found
+    every rank back at step 0 with nothing said; the round says it now. Back with as many workers: nothing said."""
+    rz = running(["a", "b", "c"], ELASTIC)
+    crash_agent(rz, "b", 10.0)
+    rz.tick(10.0 + DROP_GRACE_S)
+    join(rz, "b", 12.0, ELASTIC, instance="b#2", lws=workers)
+    formed = last_event(rz, "round_completed")
+    assert members(rz) == ["a", "b", "c"] and "b is back at its place" in formed
+    if workers == 1:
+        assert "ranks move" not in formed, formed
+        return
+    assert "node b runs 2 workers where it ran 1: the world size goes from 3 to 4 and ranks move; the job's ranks " \
+        "hold their own state, so no snapshot in memory is of them and every rank resumes from the script's own " \
+        "checkpoint, or from step 0" in formed, formed
+
+
+def test_a_job_of_replicas_back_with_another_number_of_workers_is_told_nothing():
+    rz = running(["a", "b", "c"], ELASTIC)
+    job(rz).progress.alike_step = 10           # DDP: a rank without the step is lent it
+    crash_agent(rz, "b", 10.0)
+    rz.tick(10.0 + DROP_GRACE_S)
+    join(rz, "b", 10.5, ELASTIC, instance="b#2", lws=2)
+    assert "ranks move" not in last_event(rz, "round_completed")
