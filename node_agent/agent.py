@@ -42,7 +42,7 @@ from node_agent.core.policy import SupervisionPolicy
 from node_agent.narration import Narrator
 from node_agent.node_checks import NodeChecks
 from node_agent.server_link import ServerLink
-from node_agent.settings import AgentSettings, Mode, lasting_node_id
+from node_agent.settings import AgentSettings, Mode
 from node_agent.sources import start_source
 from node_agent.witness import witnesses_and_server
 from node_agent.workers.interfaces import gloo_interface
@@ -56,12 +56,11 @@ SAME_SIGNAL_S = 1.0     # a signal repeated this soon is the first one delivered
 
 def restartable(settings: AgentSettings, environ: Mapping[str, str]) -> bool:
     """Whether a SIGTERM to this agent may be a restart, after which the job keeps its place (LeaveRequest.stopped): it
-    reaches an rdzv-server of its own (a standalone job, or one hosted in-process, ends with its agent), under a node
-    id its next agent can have (given, not HOSTNAME-PID), outside a Slurm job (there a signal ends the step: scancel,
-    the time limit, preemption)."""
+    reaches an rdzv-server of its own (a standalone job, or one hosted in-process, ends with its agent), outside a
+    Slurm job (there a signal ends the step: scancel, the time limit, preemption). Its next agent has its node id:
+    given, or, made from this one's pid, taken with its memory (workers/memory.predecessor)."""
     link = settings.link
-    return link.mode is Mode.SERVER and not link.host_if_unserved and lasting_node_id(link.node_id) \
-        and "SLURM_JOB_ID" not in environ
+    return link.mode is Mode.SERVER and not link.host_if_unserved and "SLURM_JOB_ID" not in environ
 
 
 class Agent:

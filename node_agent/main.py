@@ -19,10 +19,11 @@ from node_agent.cli.command_line import OptionsError
 from node_agent.cli.options import agent_token, parse_options
 from node_agent.client.transport import Transport, local_addr_towards
 from node_agent.narration import Narrator, reply_of, start_lines
-from node_agent.settings import AgentSettings, LinkSettings, Mode, StdSpec, WorkerSettings
+from node_agent.settings import AgentSettings, LinkSettings, Mode, StdSpec, WorkerSettings, default_node_id
 from node_agent.workers.environment import worker_argv
 from node_agent.workers.error_file import write_reply_file
 from node_agent.workers.launch import make_run_dir
+from node_agent.workers.memory import predecessor
 from node_agent.workers.script_check import script_problem
 
 
@@ -74,7 +75,10 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as exc:
         print(f"node-agent: error: --log-dir {workers.log_dir}: {exc.strerror or exc}", file=sys.stderr)
         return 2
+    settings, taken = _with_predecessor(settings)
     narrator = Narrator(settings.link.node_id)
+    if taken:
+        narrator.say(taken)
     if settings.link.host_if_unserved and _nothing_listens(settings.link):
         narrator.say(f"nothing listens at {settings.link.endpoint} and the job has one node: the rendezvous runs in "
                      f"this agent, as torchrun's agent hosts it (start an rdzv-server there first for the server's "
@@ -89,6 +93,23 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if workers.log_dir is None:
             _tidy(workers, root, narrator)
+
+
+def _with_predecessor(settings: AgentSettings) -> tuple[AgentSettings, str]:
+    """An agent started without --node-id takes the node id of an ended agent of its job on this host with its memory
+    (workers/memory.predecessor): the job keeps the node's place and snapshots, as for an agent given its id. The
+    line that says so ("" where none)."""
+    link, workers = settings.link, settings.workers
+    if link.mode is not Mode.SERVER or link.node_id != default_node_id() or workers.memory_dir_limit == 0:
+        return settings, ""
+    taken = predecessor(link.job_id)
+    if taken is None:
+        return settings, ""
+    node_id, pid = taken
+    settings = dataclasses.replace(settings, link=dataclasses.replace(link, node_id=node_id),
+                                   workers=dataclasses.replace(workers, node_id=node_id))
+    return settings, (f"node id {node_id}: its previous agent's on this host (pid {pid}, ended), taken with its "
+                      f"memory, so job {link.job_id!r} keeps this node's place and snapshots (--node-id sets another)")
 
 
 HOST_GRACE_S = 2.0     # a server started beside the agent listens within this (0.5 s on a quiet 2-core machine)

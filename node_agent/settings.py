@@ -25,10 +25,10 @@ def default_node_id(pid: int | None = None) -> str:
     return host[: 128 - len(suffix)] + suffix
 
 
-def lasting_node_id(node_id: str, pid: int | None = None) -> bool:
-    """Whether a later agent can be known by `node_id`: it was given, not made from the pid of the agent that used it
-    (this one, or `pid`) as the default is (a given `trainer-1` of an agent that runs as pid 1 lasts)."""
-    return bool(node_id) and node_id != default_node_id(pid)
+def made_from_pid(node_id: str) -> bool:
+    """Whether `node_id` is a default one of this host (HOSTNAME-PID, whatever the pid)."""
+    _, _, pid = node_id.rpartition("-")
+    return pid.isdigit() and len(pid) <= 10 and node_id == default_node_id(int(pid))
 
 
 class Mode(str, enum.Enum):

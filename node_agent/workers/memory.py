@@ -7,10 +7,12 @@ The memory belongs to the job and the node id, not to one agent process (workers
   directory up (systemd's Restart=, a container restarted): its snapshots stay, if its first round is of the same
   run of the job (Assignment.run; another run's are removed) and for the local ranks whose global ranks are
   the same (dirs_for).
-- Every agent starting removes the directories of agents that are gone, but those an agent may still come back
-  for: of a node id that was given (one made from the dead agent's pid, HOSTNAME-PID, never comes back), and
-  written to within KEEP_S (its next agent is minutes away at most: a restart policy's back-off). So memory a
-  node id never comes back for is held KEEP_S past its last snapshot, no longer.
+- An agent started without --node-id takes the node id of an ended agent of the same job on this host whose id was
+  made from its pid (HOSTNAME-PID, the default), and its directory with it (`predecessor`): a torchrun user's
+  restarted agent keeps its node's place and memory as one given an id does.
+- Every agent starting removes the directories of agents that are gone, but a node's written to within KEEP_S (its
+  next agent is minutes away at most: a restart policy's back-off). So memory no agent comes back for is held
+  KEEP_S past its last snapshot, no longer.
 - An agent stopped by a signal while the job keeps its place (`systemctl restart`: NodeStatus.place_kept_s) leaves
   its directory as a killed one does (close(keep=WHY)).
 """
@@ -26,7 +28,7 @@ import time
 from collections.abc import Callable
 
 import node_agent.training.snapshot as snapshot
-from node_agent.settings import default_node_id, lasting_node_id
+from node_agent.settings import default_node_id, made_from_pid
 from node_agent.workers import owners
 
 SHM = "/dev/shm"
@@ -35,12 +37,51 @@ IDENTITY = "identity"    # in the node's directory: its job id and node id, a li
 RUN = "run"              # in the node's directory: the run of the job its snapshots are of (Assignment.run)
 COPIES = "replicas"      # in the node's directory: the copies it holds for other nodes (node_agent/copies/peers.py)
 KEEP_S = 600.0           # an ended agent's memory is kept this long after its last write, for its node's next agent
+# Directories `predecessor` claimed for this agent before its node id was final, for MemoryDirs to own (by path)
+_claimed: dict[str, owners.Ownership] = {}
 
 
 def default_limit(base: str) -> int:
     """Half of the free space under `base`: room for the snapshots without starving the workers' own use."""
     st = os.statvfs(base)
     return st.f_bavail * st.f_frsize // 2
+
+
+def parent_dir(base: str | None) -> str:
+    """Where this user's node directories lie: under `base`, else /dev/shm where it can be written, else the temp
+    directory (a disk)."""
+    if base is None:
+        base = SHM if os.path.isdir(SHM) and os.access(SHM, os.W_OK) else tempfile.gettempdir()
+    return os.path.join(base, f"node-agent-mem-{os.getuid()}")
+
+
+def predecessor(job_id: str, base: str | None = None) -> tuple[str, int] | None:
+    """(node id, pid) of the ended agent whose memory this agent, started without --node-id, takes with its node id:
+    one of `job_id` on this host whose id was made from its pid (HOSTNAME-PID), written to within KEEP_S, the newest
+    written where several are. Its directory is claimed here (two agents starting at once take one each, never the
+    same). None where there is none: a new node id, as before."""
+    parent = parent_dir(base)
+    found = []
+    now = time.time()
+    for entry in _scandir(parent):
+        node = (_read(os.path.join(entry.path, IDENTITY)) + "\n\n").split("\n")
+        if node[0] != job_id or not made_from_pid(node[1]) or entry.name != dir_name(job_id, node[1]):
+            continue
+        written = _last_write(entry.path)
+        if now - written < KEEP_S:
+            found.append((written, entry.path, node[1]))
+    for _, path, node_id in sorted(found, reverse=True):
+        gone = owners.owner_gone(path)       # an ended agent's (not a live one's, nor one being made)
+        if gone is None:
+            continue
+        gone.release()
+        own = owners.claim(path)
+        if own is not None and own.previous is not None:
+            _claimed[path] = own
+            return node_id, own.previous
+        if own is not None:
+            own.release()
+    return None
 
 
 def dir_name(job_id: str, node_id: str) -> str:
@@ -54,9 +95,9 @@ def dir_name(job_id: str, node_id: str) -> str:
 class MemoryDirs:
     def __init__(self, job_id: str, nproc: int, limit: int | None, *, say: Callable[[str], None],
                  base: str | None = None, node_id: str = "") -> None:
-        """`node_id` "": a node of this process alone (its directory is never taken up by another agent)."""
+        """`node_id` "": this agent's default, HOSTNAME-PID."""
         self.job_id = job_id
-        self.node_id = node_id or default_node_id()     # of this process alone: never taken up
+        self.node_id = node_id or default_node_id()
         self.nproc = nproc
         self.limit = limit          # bytes for the whole node; None: the default; 0: off
         self._say = say
@@ -168,12 +209,10 @@ class MemoryDirs:
                 shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)
 
     def _open(self) -> str:
-        base = self._base
-        if base is None:
-            base = SHM if os.path.isdir(SHM) and os.access(SHM, os.W_OK) else tempfile.gettempdir()
-            if base != SHM:
-                self._say(f"no writable {SHM}: the in-memory checkpoint directory is on disk, under {base}")
-        parent = os.path.join(base, f"node-agent-mem-{os.getuid()}")
+        parent = parent_dir(self._base)
+        base = os.path.dirname(parent)
+        if self._base is None and base != SHM:
+            self._say(f"no writable {SHM}: the in-memory checkpoint directory is on disk, under {base}")
         os.makedirs(parent, mode=0o700, exist_ok=True)
         name = dir_name(self.job_id, self.node_id)
         removed = sweep(parent, besides=name)
@@ -199,7 +238,7 @@ class MemoryDirs:
         for _ in range(3):
             with contextlib.suppress(FileExistsError):
                 os.mkdir(where, 0o700)
-            own = owners.claim(where)
+            own = _claimed.pop(where, None) or owners.claim(where)
             if own is not None:
                 _write(os.path.join(where, IDENTITY), f"{self.job_id}\n{self.node_id}\n")
                 return own
@@ -215,9 +254,8 @@ class MemoryDirs:
     def close(self, keep: str = "") -> None:
         """Remove this node's directories (the job ended, or the node leaves); `keep`: why they stay for its next
         agent instead (a stopped agent: `systemctl restart`), which takes them up as a killed agent's, where it can
-        (the node id lasts: given, not made from this agent's pid)."""
-        if keep and self.root is not None and os.path.basename(self.root) == dir_name(self.job_id, self.node_id) \
-                and lasting_node_id(self.node_id):
+        (by its node id: given, or taken from this one, `predecessor`)."""
+        if keep and self.root is not None and os.path.basename(self.root) == dir_name(self.job_id, self.node_id):
             self._say(f"{keep}: its snapshots stay in {self.root} for it (else removed by "
                       f"the next agent starting on this host, {KEEP_S:.0f}s after their last write)")
             self.root = None
@@ -231,7 +269,7 @@ class MemoryDirs:
 
 def sweep(parent: str, besides: str = "") -> int:
     """Remove the directories under `parent` whose owning agent is gone (not one being made, nor `besides`), but
-    those its node's next agent may take up (see above). How many went."""
+    those its node's next agent may take up (written within KEEP_S). How many went."""
     removed = 0
     now = time.time()
     for entry in os.scandir(parent):
@@ -242,13 +280,20 @@ def sweep(parent: str, besides: str = "") -> int:
             continue     # alive, being made, or not ours
         try:
             node = (_read(os.path.join(entry.path, IDENTITY)) + "\n\n").split("\n")[1]
-            if lasting_node_id(node, gone.previous) and now - _last_write(entry.path) < KEEP_S:
+            if node and now - _last_write(entry.path) < KEEP_S:    # one without a node is nobody's to take up
                 continue
             shutil.rmtree(entry.path, ignore_errors=True)
             removed += 1
         finally:
             gone.release()
     return removed
+
+
+def _scandir(path: str) -> list[os.DirEntry[str]]:
+    try:
+        return [e for e in os.scandir(path) if e.is_dir(follow_symlinks=False)]
+    except OSError:
+        return []
 
 
 def _last_write(root: str) -> float:

@@ -26,9 +26,11 @@ pytestmark = pytest.mark.e2e
 WINDOW = ("--last-call", "3")
 
 
-def start(cluster, out, node: str, job: str, nnodes: str = "3", gate: Gate | None = None):
+def start(cluster, out, node: str, job: str, nnodes: str = "3", gate: Gate | None = None, given: bool = True):
+    """`given`: the agent is started with `--node-id NODE`, else without one (HOSTNAME-PID, a torchrun user's)."""
     return cluster.agent("--endpoint", cluster.endpoint(), "--nnodes", nnodes, "--nproc", "2", "--job-id", job,
-                         "--max-restarts", "3", "--node-id", node, "--failure-domain", f"rack-{node}", *FAST, *WINDOW,
+                         "--max-restarts", "3", *(("--node-id", node) if given else ()),
+                         "--failure-domain", f"rack-{node}", *FAST, *WINDOW,
                          *(gate.flags(SHARDS) if gate else ()), SHARDS, name=node,
                          env={"OUT_DIR": str(out), "NODE": node, **ENV, **(gate.env if gate else {})})
 
@@ -46,34 +48,40 @@ def copies_of(cluster, job: str, node: str) -> dict:
     return next((n.get("copies") or {} for n in job_view(cluster, job)["nodes"] if n["node_id"] == node), {})
 
 
-@pytest.mark.parametrize("memory,nnodes", [("gone", "3"), ("kept", "2:3"), ("stopped", "2:3"), ("stopped", "3")])
-def test_an_agent_restarted_under_its_own_id_resumes_every_rank_from_memory(cluster, tmp_path, memory, nnodes):
+@pytest.mark.parametrize("memory,nnodes,given", [("gone", "3", True), ("kept", "2:3", False), ("stopped", "2:3", True),
+                                                ("stopped", "3", False)])
+def test_an_agent_restarted_under_its_own_id_resumes_every_rank_from_memory(cluster, tmp_path, memory, nnodes, given):
     """`2:3`: an elastic job waits for the restarting agent rather than shrinking (rdzv_server/core/awaiting.py):
     before, the node behind it closed up and took its ranks, and every rank went back to step 0. `stopped`: the
-    agent is stopped with SIGTERM (`systemctl restart`), leaves saying so, and keeps its memory for the next."""
+    agent is stopped with SIGTERM (`systemctl restart`), leaves saying so, and keeps its memory for the next. Not
+    `given`: the agents run without --node-id (HOSTNAME-PID), as a torchrun user's; the next agent takes its ended
+    predecessor's id with its memory, where before it was a new node and the memory was swept at once."""
     job = f"restart-{memory}-{nnodes.replace(':', '-')}"
     cluster.start_server()
-    agents = {n: start(cluster, tmp_path, n, job, nnodes) for n in ("a", "b", "c")}
+    agents = {n: start(cluster, tmp_path, n, job, nnodes, given=given) for n in ("a", "b", "c")}
     wait_until(lambda: len({r for *_, r, _ in steps(tmp_path)}) == 6, LIMIT, "every rank stepping")
     node = next(n["node_id"] for n in job_view(cluster, job)["nodes"] if n["group_rank"] == 1)
+    name = node if given else next(n for n, agent in agents.items() if node.endswith(f"-{agent.pid}"))
     wait_until(lambda: copies_of(cluster, job, node).get("copied_step", -1) >= 10, LIMIT,
                lambda: f"node {node}'s copies of step 10 or later: {copies_of(cluster, job, node)}")
 
     killed_at = time.time()
-    os.kill(agents[node].pid, signal.SIGTERM if memory == "stopped" else signal.SIGKILL)
-    code = agents[node].wait(LIMIT)
+    os.kill(agents[name].pid, signal.SIGTERM if memory == "stopped" else signal.SIGKILL)
+    code = agents[name].wait(LIMIT)
     if memory == "stopped":
-        assert code == 128 + signal.SIGTERM, agents[node].output
-        assert f"the job keeps node {node}'s place for its next agent" in agents[node].output, agents[node].output
+        assert code == 128 + signal.SIGTERM, agents[name].output
+        assert f"the job keeps node {node}'s place for its next agent" in agents[name].output, agents[name].output
     held = memory_of(job, node)
     assert os.path.isdir(held), held                # the memory belongs to the job and node id, not the agent
     if memory == "gone":
         shutil.rmtree(held)
-    agents[node] = start(cluster, tmp_path, node, job, nnodes)
-    back = resumed_from_memory(tmp_path, killed_at, agents[node])
+    agents[name] = start(cluster, tmp_path, name, job, nnodes, given=given)
+    back = resumed_from_memory(tmp_path, killed_at, agents[name])
     assert min(s for s, _, _ in back.values()) >= 10, back
     said = "fetched node" if memory == "gone" else "kept the memory"       # kept: its predecessor's
-    assert said in agents[node].output, agents[node].output
+    assert said in agents[name].output, agents[name].output
+    if not given:
+        assert f"node id {node}: its previous agent's on this host" in agents[name].output, agents[name].output
 
     # Its pushes land again (the new agent's counters: bytes really sent, none refused), and the copied step
     # catches up with the local one.

@@ -13,11 +13,11 @@ import pytest
 
 from node_agent.cli.command_line import OptionsError
 from node_agent.cli.options import parse_options
-from node_agent.settings import default_node_id, lasting_node_id
+from node_agent.settings import default_node_id, made_from_pid
 from node_agent.training import snapshot
 from node_agent.workers import memory
 from node_agent.workers.environment import worker_env
-from node_agent.workers.memory import KEEP_S, MemoryDirs, sweep
+from node_agent.workers.memory import KEEP_S, MemoryDirs, dir_name, predecessor, sweep
 from protocol.messages import Assignment
 
 ONE = Assignment(round_id=1, group_rank=0, group_world_size=1, rank_offset=0, world_size=2, local_world_size=2,
@@ -100,7 +100,10 @@ import os, sys
 from node_agent.training import snapshot
 from node_agent.workers.memory import MemoryDirs
 job, node, base = sys.argv[1:4]
-dirs = MemoryDirs(job, 2, 2**20, say=print, base=base, node_id=node).dirs_for(2, 2, "run-1")
+from node_agent.settings import default_node_id
+node = default_node_id() if node == "HOSTNAME-PID" else node
+print(node, flush=True)
+dirs = MemoryDirs(job, 2, 2**20, say=lambda _: None, base=base, node_id=node).dirs_for(2, 2, "run-1")
 for d in dirs.values():
     snapshot.save(b"shard", 25, where=d)
     os.link(snapshot.path(25, d), os.path.join(d, snapshot.SENDING + "its-own-pin"))    # a send under way
@@ -108,12 +111,14 @@ os._exit(9)   # as a SIGKILL: no clean-up
 """
 
 
-def killed_agent(tmp_path, job: str, node: str) -> None:
-    """An agent process of `job`'s node `node` that saved step 25 on its 2 local ranks (global 2-3) and was killed."""
+def killed_agent(tmp_path, job: str, node: str) -> str:
+    """An agent process of `job`'s node `node` (HOSTNAME-PID: the default, made from its pid) that saved step 25 on
+    its 2 local ranks (global 2-3) and was killed; its node id."""
     env = dict(os.environ, PYTHONPATH=os.getcwd())
     done = subprocess.run([sys.executable, "-c", KILLED_AGENT, job, node, str(tmp_path)], env=env, capture_output=True,
                           text=True, timeout=60)
     assert done.returncode == 9, done.stderr
+    return done.stdout.strip()
 
 
 def test_the_next_agent_of_the_same_job_and_node_takes_up_its_memory_within_the_same_run(tmp_path) -> None:
@@ -146,31 +151,66 @@ dirs.close(keep=f"the job keeps node {dirs.node_id}'s place for its next agent")
 
 
 @pytest.mark.parametrize("node", ["node-b", "HOSTNAME-PID"])
-def test_a_stopped_agent_whose_place_is_kept_leaves_its_memory_to_the_next_one_if_it_can_come(tmp_path, node):
+def test_a_stopped_agent_whose_place_is_kept_leaves_its_memory_to_the_next_one(tmp_path, node):
     """`systemctl restart`: the next agent of a given node id takes the memory up; one whose id was made from the
-    agent's pid (the default HOSTNAME-PID) has no next agent: its memory goes as always."""
+    agent's pid (the default HOSTNAME-PID) is taken by the next agent started without --node-id, with that id."""
     env = dict(os.environ, PYTHONPATH=os.getcwd())
     done = subprocess.run([sys.executable, "-c", STOPPED_AGENT, "job", node, str(tmp_path)], env=env,
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
-    left = os.listdir(os.path.join(tmp_path, f"node-agent-mem-{os.getuid()}"))
+    assert "place for its next agent: its snapshots stay in" in done.stdout, done.stdout
     if node == "HOSTNAME-PID":
-        assert left == [] and "stay in" not in done.stdout, (left, done.stdout)
-        return
-    assert "the job keeps node node-b's place for its next agent: its snapshots stay in" in done.stdout, done.stdout
+        taken = predecessor("job", str(tmp_path))
+        assert taken is not None and made_from_pid(taken[0]), taken
+        node = taken[0]
     said: list[str] = []
-    nxt = MemoryDirs("job", 1, 2**20, say=said.append, base=str(tmp_path), node_id="node-b")
+    nxt = MemoryDirs("job", 1, 2**20, say=said.append, base=str(tmp_path), node_id=node)
     assert snapshot.steps(nxt.dirs_for(1, 0, "run-1")[0]) == [25], said
-    assert any("kept the memory of node node-b's previous agent" in line for line in said), said
+    assert any(f"kept the memory of node {node}'s previous agent" in line for line in said), said
     nxt.close()
 
 
-def test_a_node_id_lasts_unless_made_from_the_agents_pid() -> None:
-    """A given id that happens to end in the agent's pid lasts (a StatefulSet's `trainer-1`, its agent pid 1 in its
-    container); HOSTNAME-PID, the default, does not."""
-    assert lasting_node_id("trainer-1", 1) and lasting_node_id(f"{default_node_id(1)}x", 1)
-    assert not lasting_node_id(default_node_id(1), 1) and not lasting_node_id("", 1)
-    assert not lasting_node_id(default_node_id())
+def test_a_node_id_made_from_a_pid_is_this_hosts_default() -> None:
+    assert made_from_pid(default_node_id()) and made_from_pid(default_node_id(1))
+    assert not made_from_pid("trainer-1") and not made_from_pid(f"{default_node_id(1)}x")
+    assert not made_from_pid("") and not made_from_pid(f"not-{default_node_id(1)}")
+
+
+def test_an_agent_without_a_node_id_takes_its_ended_predecessors_with_its_memory(tmp_path) -> None:
+    """A torchrun user's agent (no --node-id) killed and started again: the new one takes the node id and memory of
+    the newest-written ended agent of its job on this host whose id was made from its pid, one agent each; never a
+    live agent's, another job's, a given id's, or one older than KEEP_S."""
+    base = str(tmp_path)
+    older = killed_agent(tmp_path, "job", "HOSTNAME-PID")
+    newer = killed_agent(tmp_path, "job", "HOSTNAME-PID")
+    killed_agent(tmp_path, "other", "HOSTNAME-PID")
+    killed_agent(tmp_path, "job", "given")
+    live = MemoryDirs("job", 1, 2**20, say=lambda _: None, base=base)      # this process's own default id: alive
+    live.dirs(1)
+    parent = os.path.join(base, f"node-agent-mem-{os.getuid()}")
+    stale = os.path.join(parent, dir_name("job", older))
+    now = time.time()
+    for where, dirs, names in os.walk(stale):
+        for name in dirs + names:
+            os.utime(os.path.join(where, name), (now - 1, now - 1))     # written before the other
+    first = predecessor("job", base)
+    assert first is not None and first[0] == newer, (first, newer)
+    assert predecessor("job", base) == (older, int(older.rpartition("-")[2]))   # claimed: the other goes to the next
+    assert predecessor("job", base) is None
+    said: list[str] = []
+    taken = MemoryDirs("job", 2, 2**20, say=said.append, base=base, node_id=newer)
+    assert [snapshot.steps(d) for d in taken.dirs_for(2, 2, "run-1").values()] == [[25], [25]], said
+    taken.close()
+    claimed = MemoryDirs("job", 1, 2**20, say=lambda _: None, base=base, node_id=older)   # owns what was claimed
+    claimed.dirs(1)
+    claimed.close()
+    live.close()
+    gone = killed_agent(tmp_path, "job", "HOSTNAME-PID")
+    old = time.time() - KEEP_S - 1
+    for where, dirs, names in os.walk(os.path.join(parent, dir_name("job", gone))):
+        for name in dirs + names:
+            os.utime(os.path.join(where, name), (old, old))
+    assert predecessor("job", base) is None                                        # too old to be taken
 
 
 def test_memory_taken_up_keeps_only_the_ranks_whose_global_ranks_stayed(tmp_path) -> None:

@@ -222,7 +222,7 @@ def test_a_refusal_is_an_answer_too() -> None:
 
 @pytest.mark.parametrize("signum, restartable, stopped", [
     (signal.SIGTERM, True, True),         # systemctl restart, a container's: it may be started again (LeaveRequest)
-    (signal.SIGTERM, False, False),       # standalone, HOSTNAME-PID, a Slurm job: no next agent takes the place
+    (signal.SIGTERM, False, False),       # standalone, a Slurm job: no next agent takes the place
     (signal.SIGINT, True, False),         # Ctrl-C: someone ends it
 ])
 def test_a_sigterm_of_an_agent_that_may_be_restarted_says_so_in_its_leave(signum, restartable, stopped) -> None:
