@@ -72,23 +72,14 @@ def flapping(job: JobRecord, node_id: str, now: float) -> bool:
     return bool(cfg.exclude_lost_after) and leases.recent_losses(job, node_id, now) > cfg.exclude_lost_after
 
 
-def worth_awaiting(job: JobRecord, choice: Choice, lost: list[NodeRecord], now: float) -> list[str]:
-    """Of `lost` (members whose agents may be restarting), those the round about to form (`choice`) would go on
-    without at a cost: no newcomer takes its place (the round shrinks: the last survivor moving into it takes other
-    ranks), a newcomer would but from an older copy than the node's own newest snapshot (`copy_behind`), or a member
-    still fetches copies it holds."""
-    if not lost or job.round is None:
-        return []
-    staying = set(job.round.members)
-    taken = {gone for new, gone in choice.took.items() if new not in staying}    # by a newcomer, not a survivor
-    fetched_from: set[str] = set()
-    for nid in choice.chosen:
-        node = job.nodes[nid]
-        if node.fetch_of and node.fetch_place is not None and node.copies is not None and \
-                node.copies.local_step < 0:
-            fetched_from.update(node.fetch_place.holders)
-    return [n.node_id for n in lost if (n.node_id not in taken or n.node_id in fetched_from or copy_behind(n))
-            and not flapping(job, n.node_id, now)]
+def worth_awaiting(job: JobRecord, lost: list[NodeRecord], now: float) -> list[str]:
+    """Of `lost` (members whose agents may be restarting, their memory holding state of their own), those the job
+    waits for, bounded: all but a flapping host's. Even where a spare could take the place at once: its copy of the
+    node's state may lag the node's own (its note a second behind its snapshots, or pushes slower than them), its
+    holder may be lost or replaced in the same event, and the node may hold others' copies that only it serves. A
+    review saw each send every rank back a snapshot, or to step 0, where the node's agent, back in seconds, had
+    everything. The spare takes the place when the wait runs out."""
+    return [n.node_id for n in lost if not flapping(job, n.node_id, now)]
 
 
 def copy_behind(node: NodeRecord) -> bool:
@@ -114,7 +105,8 @@ def held_back(standby: dict[str, str], lost: list[NodeRecord]) -> str:
             said.append(f"spare {new} stays spare: it would resume {gone}'s ranks from {copy}, where {gone}'s own "
                         f"newest is step {c.local_step}")
         else:
-            said.append(f"spare {new} stays spare while {gone} is awaited: {gone} holds copies a fetch needs")
+            said.append(f"spare {new} stays spare while {gone}'s agent restarts: its memory holds {gone}'s newest "
+                        f"state, and copies it may hold for others")
     return "; ".join(said)
 
 

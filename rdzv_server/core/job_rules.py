@@ -208,7 +208,7 @@ class JobRules:
         job.awaited, job.stops_counted = [], []
         job.successes = []
         self.wake()
-        held = awaiting.worth_awaiting(job, choice, restarting or [], now)
+        held = awaiting.worth_awaiting(job, restarting or [], now)
         if len(chosen) < cfg.min_nodes or held:
             self._wait_for_nodes(now, why, cause, choice, held, stopping_s, restarting or [])
             return
