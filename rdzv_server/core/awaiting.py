@@ -22,7 +22,6 @@ from __future__ import annotations
 from protocol.bounds import MAX_PREPARE_S
 from protocol.messages import JobConfig, NodeState
 from rdzv_server.core import leases
-from rdzv_server.core.choice import Choice
 from rdzv_server.core.records import JobRecord, NodeRecord
 
 
@@ -154,12 +153,14 @@ def restarting(job: JobRecord, node: NodeRecord) -> bool:
 
 def holds_own_state(job: JobRecord, node: NodeRecord) -> bool:
     """Whether going on without the node may lose state only it holds: its last note told an in-memory snapshot, or
-    it was fetching a gone node's copies (a spare that took its place: its next agent fetches them again), and the
-    job's ranks are not known to be replicas of each other (DDP: the job's digests agreed, and a rank without the
-    step is lent it). A job without snapshots in memory, or of replicas, loses nothing by shrinking and is not made
-    to wait (an agent killed for good: the survivors go on within a second or two)."""
-    return (fetch_unfinished(node) or node.copies is not None and node.copies.local_step >= 0) and \
-        job.progress.alike_step < 0
+    it was fetching a gone node's copies (a spare that took its place: its next agent fetches them again), or it is
+    the new agent of a member the job awaits (its memory is its predecessor's; it has told nothing yet: a review
+    killed it again as it prepared, and the job, no longer waiting, shrank and regrew to step 0), and the job's
+    ranks are not known to be replicas of each other (DDP: the job's digests agreed, and a rank without the step is
+    lent it). A job without snapshots in memory, or of replicas, loses nothing by shrinking and is not made to wait
+    (an agent killed for good: the survivors go on within a second or two)."""
+    return (fetch_unfinished(node) or node.copies is not None and node.copies.local_step >= 0 or
+            node.copies is None and node.node_id in job.awaited) and job.progress.alike_step < 0
 
 
 def fetch_unfinished(node: NodeRecord) -> bool:

@@ -514,15 +514,16 @@ def b_back_preparing_and_c_away():
 
 
 def test_one_back_preparing_and_lost_again_ends_the_extra_time_another_awaited_one_still_has_its_window():
-    """b back and preparing moves the wait's end past two windows; b's new agent dies too (a second loss: a
-    flapping host, given up): c, still away, has no more than two windows from the wait's start."""
+    """b back and preparing moves the wait's end past two windows; b's new agent dies too (a second loss: still
+    awaited, its memory its predecessor's, but no longer preparing): neither has more than two windows from the
+    wait's start."""
     rz, cfg, bound = b_back_preparing_and_c_away()
     said = job(rz).reason
     assert "waiting up to" in said and "for node c to come back and node b to be ready" in said, said
     heard(rz, "ad", 13.0)
     rz.connection_dropped(JOB, "b", 13.0, heard=True)
     rz.tick(13.0 + DROP_GRACE_S)
-    assert job(rz).awaited == ["c"] and job(rz).last_call_deadline <= bound
+    assert job(rz).awaited == ["b", "c"] and job(rz).last_call_deadline <= bound
     heard(rz, "ad", 15.0, bound)
     rz.tick(bound)
     assert members(rz) == ["a", "d"]
@@ -666,7 +667,9 @@ def test_the_round_forms_once_the_rest_awaited_are_back_and_one_is_given_up():
     join(rz, "c", 11.5, cfg, instance="c#2", ready=False)      # back, preparing (no snapshot told yet)
     join(rz, "b", 12.0, cfg, instance="b#2")                   # back, ready
     assert job(rz).round is None
-    join(rz, "c", 12.5, cfg, instance="c#3", ready=False)      # c's agent crashed again as it started
+    join(rz, "c", 12.4, cfg, instance="c#3", ready=False)      # c's agent crashed again as it started: awaited
+    assert job(rz).awaited == ["b", "c"] and job(rz).round is None
+    join(rz, "c", 12.5, cfg, instance="c#4", ready=False)      # and again: a third loss, a flapping host
     assert job(rz).awaited == ["b"] and job(rz).last_call_deadline == 12.5     # b is back: the next tick forms
     heard(rz, "abd", 12.5)
     rz.tick(12.5)
@@ -867,3 +870,22 @@ def test_a_job_of_replicas_back_with_another_number_of_workers_is_told_nothing()
     rz.tick(10.0 + DROP_GRACE_S)
     join(rz, "b", 10.5, ELASTIC, instance="b#2", lws=2)
     assert "ranks move" not in last_event(rz, "round_completed")
+
+
+def test_a_new_agent_killed_again_as_it_prepares_is_still_awaited():
+    """A review: b's agent killed, its next agent killed again a second later while its warm interpreter imported.
+    That agent had told no snapshot yet, so its loss did not count as a restart: the job stopped waiting, shrank
+    (c took b's ranks), and grew back when b's third agent came: every rank from step 0. Its memory is its
+    predecessor's: it is awaited, and b's third agent takes the place back."""
+    cfg = msgspec.structs.replace(ELASTIC, exclude_lost_after=2)
+    rz = running(["a", "b", "c"], cfg)
+    crash_agent(rz, "b", 10.0)
+    rz.tick(10.0 + DROP_GRACE_S)
+    join(rz, "b", 11.0, cfg, instance="b#2", ready=False)          # preparing
+    heard(rz, "ac", 11.5)
+    rz.connection_dropped(JOB, "b", 12.0, heard=True)               # killed again
+    rz.tick(12.0 + DROP_GRACE_S)
+    assert job(rz).round is None and job(rz).awaited == ["b"]
+    join(rz, "b", 13.0, cfg, instance="b#3")
+    assert members(rz) == ["a", "b", "c"] and "b is back at its place" in last_event(rz, "round_completed")
+    assert "excluded" not in [e.kind.value for e in job(rz).events]
