@@ -81,6 +81,9 @@ class Agent:
         self.workers = LocalWorkers(settings.workers, self.facts.put_nowait, hostname=self.hostname,
                                     make_group=make_group, say=self.narrator.say,
                                     detect_stalls=link.job.hang_detection)
+        # the secret of this node's previous agent, ended (its memory): proves this one succeeds it at its join
+        self._predecessor = self.workers.memory.left_credential() if link.mode is Mode.SERVER and \
+            self.workers.memory.enabled else ""
         # the node's own checks (GPUs, --health-check) and --numa-binding: node_checks.py
         self.checks = checks if checks is not None else NodeChecks(settings.checks, self.narrator.say)
         self._first_signal: tuple[int, float] | None = None   # the signal that asked the agent to stop, and when
@@ -175,6 +178,7 @@ class Agent:
             case Spawn(assignment=assignment):
                 dirs = self.workers.memory.dirs_for(assignment.local_world_size, assignment.rank_offset,
                                                     assignment.run)
+                self.workers.memory.keep_credential(self.transport.credential)    # for this node's next agent
                 if assignment.resume_at_most >= 0 and (gone := forget_after(assignment.resume_at_most, dirs)):
                     self.narrator.say(f"the job's replicas diverged after step {assignment.resume_at_most}: "
                                       f"snapshots of step(s) {', '.join(map(str, gone))} removed")
@@ -250,7 +254,7 @@ class Agent:
             config=self.link.job, instance=self.instance, role=self.link.role, witness_port=self.witness.port,
             command=self.link.command, checks=self.checks.summary, ready=self.workers.ready,
             domain=self.link.failure_domain, copy_port=self.copy_port, store_per_round=True, launcher="node-agent",
-            copy_verifiers=True)
+            copy_verifiers=True, predecessor=self._predecessor)
 
     def _free_port(self) -> int:
         """A port for the store, should this node host the next round's (0: none to offer now: the server keeps the

@@ -151,6 +151,10 @@ class JoinRequest(_Request, kw_only=True):
     # older agent, which checks them against its sources' tokens): it takes no part in copies, as one with no
     # copy_port (a node that once held another's copies must not keep a key that acts for it).
     copy_verifiers: bool = False
+    # The secret its node's previous agent was given (kept in the node's memory directory): a new instance proves it
+    # succeeds that agent, and takes the node's place at once where its record still looks alive (after the
+    # server's outage, or before the old agent's end is noticed); "": none (a new host under the id: a lease's wait).
+    predecessor: Annotated[str, Meta(max_length=MAX_CREDENTIAL)] = ""
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -134,14 +134,14 @@ class Transport:
                    instance: str, role: str, witness_port: int = 0, command: str = "", checks: str = "",
                    ready: bool = True, domain: str = "", copy_port: int = 0,
                    store_per_round: bool = False, launcher: Literal["", "node-agent", "torchrun"] = "",
-                   copy_verifiers: bool = False) -> NodeStatus:
+                   copy_verifiers: bool = False, predecessor: str = "") -> NodeStatus:
         # torchrun allows an empty role (TorchX passes --role ""); the server's rule wants a name.
         async with self.joining():
             return await self._request(self._for_node(
                 JoinRequest, addr=addr, host=host, local_world_size=local_world_size, master_port=master_port,
                 config=config, instance=instance, role=role or "default", witness_port=witness_port, command=command,
                 checks=checks, ready=ready, domain=domain, copy_port=copy_port, store_per_round=store_per_round,
-                launcher=launcher, copy_verifiers=copy_verifiers))
+                launcher=launcher, copy_verifiers=copy_verifiers, predecessor=predecessor))
 
     async def poll(self, known_round: int, wait_s: float, master_port: int = 0,
                    progress: ProgressNote | None = None, ready: bool = True,

@@ -30,12 +30,14 @@ from collections.abc import Callable
 import node_agent.training.snapshot as snapshot
 from node_agent.settings import default_node_id, made_from_pid
 from node_agent.workers import owners
+from protocol.bounds import MAX_CREDENTIAL
 
 SHM = "/dev/shm"
 RANK_FILE = ".rank"      # in each local rank's directory: the global rank whose snapshots it holds
 IDENTITY = "identity"    # in the node's directory: its job id and node id, a line each
 RUN = "run"              # in the node's directory: the run of the job its snapshots are of (Assignment.run)
 COPIES = "replicas"      # in the node's directory: the copies it holds for other nodes (node_agent/copies/peers.py)
+SECRET = "credential"    # in the node's directory: its agent's secret from the server, for its next agent to prove
 KEEP_S = 600.0           # an ended agent's memory is kept this long after its last write, for its node's next agent
 # Directories `predecessor` claimed for this agent before its node id was final, for MemoryDirs to own (by path)
 _claimed: dict[str, owners.Ownership] = {}
@@ -128,6 +130,32 @@ class MemoryDirs:
             self.close()
             self._say(f"no in-memory checkpoint directory ({exc.strerror or exc}); workers run without one")
             return {}
+
+    def keep_credential(self, secret: str) -> None:
+        """Keep the agent's secret from the server in the node's directory: its next agent, ended or restarted,
+        shows it to take the node's place at once (JoinRequest.predecessor). Not kept where it cannot be written."""
+        if not secret or self.root is None or os.path.basename(self.root) != dir_name(self.job_id, self.node_id):
+            return
+        path = os.path.join(self.root, SECRET)
+        if _read(path) == secret:
+            return
+        with contextlib.suppress(OSError):
+            fd = os.open(path + ".new", os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(secret)
+            os.replace(path + ".new", path)
+
+    def left_credential(self) -> str:
+        """The secret the node's previous agent kept in its directory, where that agent has ended (never a live
+        agent's: a second agent given the same node id must not take the first's place); "" where none."""
+        where = os.path.join(parent_dir(self._base), dir_name(self.job_id, self.node_id))
+        gone = None if where in _claimed else owners.owner_gone(where)     # claimed: taken with its node id
+        if where not in _claimed and gone is None:
+            return ""
+        secret = _read(os.path.join(where, SECRET))
+        if gone is not None:
+            gone.release()
+        return secret if len(secret) <= MAX_CREDENTIAL else ""
 
     def hold(self, on: bool) -> None:
         """Ask this node's ranks to wait after their next snapshot (snapshot.HOLD, NodeStatus.hold_at_snapshot), or

@@ -75,9 +75,12 @@ def _admitted(rules: JobRules, req: JoinRequest, now: float, credential: str, vi
         rules.node_changed(existing.node_id)
         leases.renew(job, existing, now)
         return credential
-    # A record not heard from since the server came back looks alive (every lease runs anew), but a new instance of
-    # its agent says it restarted meanwhile: it takes the place now (awaited: awaiting.py), as after a loss.
-    successor = existing is not None and existing.unheard and bool(req.instance) and req.instance != existing.instance
+    # A record that looks alive (not heard from since the server came back: every lease runs anew; or its agent's
+    # end not noticed yet) whose agent's next instance proves it succeeds it (the old secret, from the node's
+    # memory): the new one takes the place now (awaited: awaiting.py), as after a loss. Without the proof, a
+    # token holder could take any node unheard after an outage, and its agent would stop (a review: step 0).
+    successor = existing is not None and credentials.succeeds(existing, req.predecessor, req.instance) and \
+        (existing.unheard or bool(existing.credential_digest))
     if existing is not None and existing.credential_digest and leases.live(existing, now) and not successor:
         raise RendezvousError(ErrorCode.NODE_CONFLICT, f"node id {req.node_id!r} is held by a live agent of "
                               f"job {job.job_id!r} (heard from {now - existing.last_seen:.1f}s ago, at "

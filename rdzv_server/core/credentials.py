@@ -36,6 +36,17 @@ def owns(node: NodeRecord, credential: str, instance: str) -> bool:
     return bool(credential) and hmac.compare_digest(digest(credential), node.credential_digest)
 
 
+def succeeds(node: NodeRecord, predecessor: str, instance: str) -> bool:
+    """Whether a join of another agent instance with `predecessor` (the secret the node's record was given) comes
+    from the next agent of the one that owns `node`: it read the secret from the node's memory. A record made
+    without a secret (in-process tests, an older store) is succeeded by any other instance."""
+    if not instance or instance == node.instance:
+        return False
+    if not node.credential_digest:
+        return True
+    return bool(predecessor) and hmac.compare_digest(digest(predecessor), node.credential_digest)
+
+
 def verify(node: NodeRecord, credential: str) -> None:
     """Raise unless `credential` is the node's (a node made without one accepts any); notes nothing: the request
     may still be refused, and a refusal changes nothing (`proven` notes it once the request is accepted)."""

@@ -690,7 +690,8 @@ def test_a_server_away_during_the_wait_moves_its_bound_too():
 def test_an_agent_restarted_while_the_server_was_away_keeps_its_place():
     """After a restart every lease runs anew, so b's new instance was refused (its record looked alive) until the old
     lease ran out, and then b was taken for a host gone silent: c took its ranks (a second review). A record not
-    heard from since the server came back is taken over by a new instance of its agent, its place kept for it."""
+    heard from since the server came back is taken over by a new instance of its agent that shows the old agent's
+    secret (from the node's memory), its place kept for it."""
     cfg = JobConfig(min_nodes=2, max_nodes=3, max_restarts=3, lease_timeout_s=5.0, last_call_s=3.0)
     rz = copies.started({"a": "1", "b": "2", "c": "3"}, cfg)
 
@@ -706,7 +707,7 @@ def test_an_agent_restarted_while_the_server_was_away_keeps_its_place():
             snap(n, t)
         rz.tick(t)
         try:
-            copies.rejoin(rz, "b", t, cfg, 2, "2")
+            copies.rejoin(rz, "b", t, cfg, 2, "2", predecessor="secret-b")
             break
         except RendezvousError:
             refused += 1
@@ -714,6 +715,34 @@ def test_an_agent_restarted_while_the_server_was_away_keeps_its_place():
     assert refused == 0
     r = rz.jobs[copies.JOB].round
     assert r is not None and r.members == ["a", "b", "c"], (r, [e.message for e in rz.jobs[copies.JOB].events[-4:]])
+
+
+@pytest.mark.parametrize("shown", ["", "secret-a", "guess"])
+def test_a_node_unheard_since_the_server_came_back_is_not_taken_without_its_agents_secret(shown):
+    """A review: any holder of the agent token joined as b with a new instance right after a server restart, took b's
+    place, and b's own agent stopped (taken over): every rank from step 0. A successor shows the old agent's secret;
+    without it (or with another node's) the join is a conflict and changes nothing."""
+    cfg = JobConfig(min_nodes=2, max_nodes=3, max_restarts=3, lease_timeout_s=5.0, last_call_s=3.0)
+    rz = copies.started({"a": "1", "b": "2", "c": "3"}, cfg)
+    rz.restored(20.0, 10.0, clean=False)
+    before = msgspec.to_builtins(rz.jobs[copies.JOB])
+    with pytest.raises(RendezvousError) as refused:
+        copies.rejoin(rz, "b", 20.5, cfg, 9, "2", predecessor=shown)
+    assert refused.value.code == "node_conflict"
+    assert msgspec.to_builtins(rz.jobs[copies.JOB]) == before
+
+
+def test_an_agents_next_instance_with_its_secret_takes_a_live_records_place_at_once():
+    """b's agent restarted and its end not yet noticed (its record live): its next agent shows the old secret and
+    takes the place at once, awaited as a restart, instead of a conflict until the old lease runs out."""
+    cfg = JobConfig(min_nodes=2, max_nodes=3, max_restarts=3, lease_timeout_s=5.0, last_call_s=3.0)
+    rz = copies.started({"a": "1", "b": "2", "c": "3"}, cfg)
+    rz.handle(copies.JOB, PollRequest(v=1, node_id="b", credential="secret-b",
+                                      copies=CopiesNote(local_step=10, copying=False)), 1.0)
+    copies.rejoin(rz, "b", 1.5, cfg, 2, "2", predecessor="secret-b")
+    assert "node b restarted (new agent instance)" in [e.message for e in rz.jobs[copies.JOB].events]
+    r = rz.jobs[copies.JOB].round
+    assert r is not None and r.members == ["a", "b", "c"], [e.message for e in rz.jobs[copies.JOB].events[-4:]]
 
 
 def test_a_record_heard_since_the_server_came_back_is_not_taken_over():

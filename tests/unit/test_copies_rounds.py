@@ -174,10 +174,13 @@ def test_a_node_back_at_its_own_place_with_a_new_agent_is_told_where_its_own_cop
     assert "no copy of" not in formed.message
 
 
-def rejoin(rz: Rendezvous, node: str, now: float, config: JobConfig, incarnation: int, domain: str) -> None:
+def rejoin(rz: Rendezvous, node: str, now: float, config: JobConfig, incarnation: int, domain: str,
+           predecessor: str = "") -> None:
+    """`node`'s agent number `incarnation` joins; `predecessor`: the secret its previous agent left in its memory."""
     rz.handle(JOB, JoinRequest(v=1, node_id=node, addr=f"10.0.0.{ord(node) - 96}", local_world_size=2,
                                master_port=20000, config=config, instance=f"{node}#{incarnation}", host=f"host-{node}",
-                               witness_port=4000, copy_port=4000, copy_verifiers=True, domain=domain),
+                               witness_port=4000, copy_port=4000, copy_verifiers=True, domain=domain,
+                               predecessor=predecessor),
               now, Arrival(secret=f"secret-{node}{incarnation}"))
 
 

@@ -103,7 +103,9 @@ job, node, base = sys.argv[1:4]
 from node_agent.settings import default_node_id
 node = default_node_id() if node == "HOSTNAME-PID" else node
 print(node, flush=True)
-dirs = MemoryDirs(job, 2, 2**20, say=lambda _: None, base=base, node_id=node).dirs_for(2, 2, "run-1")
+memory = MemoryDirs(job, 2, 2**20, say=lambda _: None, base=base, node_id=node)
+dirs = memory.dirs_for(2, 2, "run-1")
+memory.keep_credential(f"secret-of-{node}")       # its secret from the server, for its next agent to show
 for d in dirs.values():
     snapshot.save(b"shard", 25, where=d)
     os.link(snapshot.path(25, d), os.path.join(d, snapshot.SENDING + "its-own-pin"))    # a send under way
@@ -218,7 +220,7 @@ def test_memory_taken_up_keeps_only_the_ranks_whose_global_ranks_stayed(tmp_path
     dirs = MemoryDirs("job", 1, 2**20, say=lambda _: None, base=str(tmp_path), node_id="node-b")
     one = dirs.dirs_for(1, 4, "run-1")                # now one local rank, global rank 4: not what it saved
     assert [snapshot.steps(d) for d in one.values()] == [[]] and sorted(os.listdir(dirs.root)) == \
-        ["0", "identity", "owner", "run"]
+        ["0", "credential", "identity", "owner", "run"]
     dirs.close()
 
 
@@ -518,3 +520,18 @@ def test_a_rank_behind_a_refused_step_is_a_candidate_again(tmp_path, held, refus
     with every other (back to disk)."""
     results, _ = replicas_agree(tmp_path, held, refused)
     assert results == [agreed] * len(held)
+
+
+def test_a_next_agent_shows_its_ended_predecessors_secret_never_a_live_agents(tmp_path) -> None:
+    """The secret the server gave a node's agent, kept in the node's memory: its next agent reads it once that agent
+    has ended (JoinRequest.predecessor), never while it lives (two agents given one node id)."""
+    base = str(tmp_path)
+    killed_agent(tmp_path, "job", "node-b")
+    nxt = MemoryDirs("job", 2, 2**20, say=lambda _: None, base=base, node_id="node-b")
+    assert nxt.left_credential() == "secret-of-node-b"
+    nxt.dirs(2)                                    # now it owns the directory: live
+    nxt.keep_credential("its-own-secret")
+    third = MemoryDirs("job", 2, 2**20, say=lambda _: None, base=base, node_id="node-b")
+    assert third.left_credential() == ""
+    nxt.close()
+    assert MemoryDirs("job", 1, 2**20, say=lambda _: None, base=base, node_id="node-c").left_credential() == ""
