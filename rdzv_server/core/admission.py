@@ -7,13 +7,12 @@ failure history and exclusion.
 """
 from __future__ import annotations
 
-import ipaddress
-
 from protocol.errors import ErrorCode
 from protocol.messages import JoinRequest, NodeState
 from protocol.notes import CopiesNote
 from protocol.quoting import quote
 from rdzv_server.core import awaiting, credentials, leases, places
+from rdzv_server.core.addresses import same_host
 from rdzv_server.core.errors import RendezvousError
 from rdzv_server.core.events import EventKind
 from rdzv_server.core.job_rules import JobRules
@@ -138,17 +137,6 @@ def _new_record(rules: JobRules, req: JoinRequest, now: float, credential: str, 
     rules.record(now, EventKind.NODE_JOINED, f"node {node.node_id} joined from {node.addr}{seen} "
                  f"with {node.local_world_size} workers", node.node_id)     # addr: what it says; seen: TCP's
     return node
-
-
-def same_host(seen: str, addr: str) -> bool:
-    """Whether a connection's source is the address a node gave (an IPv4 one as a dual-stack socket sees it too)."""
-    try:
-        ip = ipaddress.ip_address(seen)
-        if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-            ip = ip.ipv4_mapped
-        return ip == ipaddress.ip_address(addr)
-    except ValueError:
-        return seen == addr
 
 
 def _place(rules: JobRules, node: NodeRecord, now: float) -> None:

@@ -77,7 +77,7 @@ class Rendezvous:
         progress noted, once for every kind (requests.py); then the kind's rule; the node's view in reply."""
         self.heard(now)
         kind = requests.KINDS[type(req)]
-        rules = self._job_to_join(job_id, req, now, arrival.secret) if isinstance(req, JoinRequest) \
+        rules = self._job_to_join(job_id, req, now, arrival) if isinstance(req, JoinRequest) \
             else self.rules(job_id)
         with self._counting(rules.job):           # a call may add node records, or lose or drain nodes
             node = requests.authenticate(kind, rules, req, now, arrival.hold)
@@ -89,10 +89,11 @@ class Rendezvous:
             kind.reply(call, status)
         return status
 
-    def _job_to_join(self, job_id: str, req: JoinRequest, now: float, secret: str) -> JobRules:
+    def _job_to_join(self, job_id: str, req: JoinRequest, now: float, arrival: Arrival) -> JobRules:
         """The job a join enters: found, or made (a new id, or a finished one's id reused; its peer-copy key comes
-        from its creator's `secret`); refused past the limits or to a host held as unhealthy."""
-        self.unhealthy.check(req.host or req.addr, req.node_id, now)
+        from its creator's secret, `arrival.secret`); refused past the limits or to a host held as unhealthy."""
+        self.unhealthy.check(req.host or req.addr, req.node_id, now, source=arrival.peer)
+        secret = arrival.secret
         job = self.jobs.get(job_id)
         if job is not None and job.state.finished:
             late = job.finished_at is None or now - job.finished_at < REUSE_FINISHED_AFTER_S

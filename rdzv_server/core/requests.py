@@ -179,7 +179,7 @@ def leave(call: Call, req: LeaveRequest) -> str:
                      restarting=restarting, stopping_s=req.stop_timeout_s if restarting else 0.0)
         if req.unhealthy is not None:      # its host is kept out of every job for a while
             call.unhealthy.hold(node.host or node.addr, req.unhealthy.value, req.reason, rules.job.job_id,
-                                req.node_id, now)
+                                req.node_id, now, source=node.seen_from)
     elif unhealthy is not None:
         # a node whose own check failed before it joined: the history says why it is missing
         rules.record(now, EventKind.NODE_UNHEALTHY, f"node {req.node_id} did not join: {req.reason}", req.node_id,

@@ -1,6 +1,8 @@
 """Hosts that left a job unhealthy (a broken GPU, a failed --health-check, a stuck worker), kept out of every job of
 this server for `hold_s` or until `rdzv-ctl clear-unhealthy HOST`: no single-job launcher can do that. Keyed by the
-join's host name; in memory only (each node checks itself again before it joins anyway).
+join's host name, which is the node's own word: a hold keeps out only joins from the address the unhealthy node's
+connection came from (a review: any holder of the agent token named another host, left unhealthy, and kept that
+host out of every job for an hour). In memory only (each node checks itself again before it joins anyway).
 """
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ from dataclasses import dataclass
 from protocol.errors import ErrorCode
 from protocol.quoting import quote
 from protocol.views import HostHold
+from rdzv_server.core.addresses import same_host
 from rdzv_server.core.errors import RendezvousError
 
 DEFAULT_HOLD_S = 3600.0
@@ -24,6 +27,7 @@ class Hold:
     node_id: str
     since: float
     until: float
+    source: str = ""          # where the node's connection came from ("": not known: the name alone)
 
     def view(self, now: float) -> HostHold:
         return HostHold(host=self.host, kind=self.kind, reason=self.reason, job_id=self.job_id, node_id=self.node_id,
@@ -35,19 +39,21 @@ class UnhealthyHosts:
         self.hold_s = hold_s
         self._holds: dict[str, Hold] = {}
 
-    def hold(self, host: str, kind: str, reason: str, job_id: str, node_id: str, now: float) -> None:
-        """Keep `host` out until now + hold_s (unless holds are off, or there is no host to hold)."""
+    def hold(self, host: str, kind: str, reason: str, job_id: str, node_id: str, now: float,
+             source: str = "") -> None:
+        """Keep `host` out until now + hold_s (unless holds are off, or there is no host to hold): its joins from
+        `source`, the unhealthy node's connection's address (any, where not known)."""
         if self.hold_s <= 0 or not host:
             return
         self._holds.pop(host, None)
         while len(self._holds) >= MAX_HOSTS:
             del self._holds[next(iter(self._holds))]
-        self._holds[host] = Hold(host, kind, reason, job_id, node_id, now, now + self.hold_s)
+        self._holds[host] = Hold(host, kind, reason, job_id, node_id, now, now + self.hold_s, source)
 
-    def check(self, host: str, node_id: str, now: float) -> None:
-        """Refuse a join from a held host."""
+    def check(self, host: str, node_id: str, now: float, source: str = "") -> None:
+        """Refuse a join from a held host (from the held source, where both are known)."""
         held = self.get(host, now)
-        if held is not None:
+        if held is not None and (not held.source or not source or same_host(source, held.source)):
             raise RendezvousError(ErrorCode.HOST_UNHEALTHY, (
                 f"host {quote(host)} (node {quote(node_id)}) is held out as unhealthy for {held.until - now:.0f}s "
                 f"more: node {quote(held.node_id)} of job {quote(held.job_id)} left with {held.reason}; an "

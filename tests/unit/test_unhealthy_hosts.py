@@ -147,3 +147,22 @@ def test_a_node_unhealthy_before_joining_is_in_the_job_s_history_but_holds_nothi
     assert event.message.startswith("node sick did not join: unhealthy: ")
     assert payload_of(event.kind, event.data) == NodeUnhealthy(kind="health_check", host="")
     assert "sick" not in rz.jobs["a"].nodes and rz.unhealthy.current(1.0) == []
+
+
+def test_a_hold_keeps_out_only_joins_from_the_unhealthy_nodes_address() -> None:
+    """A review: a node of another job (any holder of the agent token) joined naming b's host, left unhealthy, and b
+    was kept out of every job for an hour. The host name is the node's own word: the hold applies to joins from the
+    address the unhealthy node connected from."""
+    from rdzv_server.core.requests import Arrival
+    rz = Rendezvous(limits=Limits(unhealthy_hold_s=100.0))
+
+    def join_from(node: str, job: str, peer: str, now: float) -> NodeStatus:
+        return rz.handle(job, JoinRequest(v=1, node_id=node, addr=peer, host="host-b", local_world_size=1,
+                                          master_port=29500, config=CONFIG, instance=f"{node}#1"), now,
+                         Arrival(peer=peer))
+    join_from("evil", "other", "10.9.9.9", 1.0)
+    rz.handle("other", LeaveRequest(v=1, node_id="evil", reason="GPU 0: Xid 79", unhealthy=UnhealthyKind.GPU), 2.0)
+    assert join_from("b", "a", "10.0.0.2", 3.0).accepted          # b's own address: not the one that left
+    with pytest.raises(RendezvousError) as refused:
+        join_from("b2", "a", "::ffff:10.9.9.9", 4.0)              # from where the unhealthy node was: held
+    assert refused.value.code == ErrorCode.HOST_UNHEALTHY
