@@ -58,6 +58,13 @@ def mark_fetching(dirs: dict[int, str], on: bool) -> None:
                 os.unlink(mark)
 
 
+def _written_since(path: str, since: float) -> bool:
+    try:
+        return os.stat(path).st_mtime >= since
+    except OSError:
+        return False
+
+
 def common_step(dirs: dict[int, str]) -> dict[int, tuple[int, str]]:
     """local rank -> (step, its file) of the step every local rank has saved (the oldest newest): pushed once the
     last rank's save is done, so a copy never competes with a save of that step, and a holder gets one step for
@@ -87,6 +94,7 @@ class PeerCopies:
         self._connect = tls.connect if tls is not None else None
         self.key = ""                              # this node's token for its copies (Assignment.copy_token)
         self.round = -1                            # this node's round (its copies' incarnation)
+        self._round_began = 0.0                    # when this round's workers were started (time.time())
         self.sources: dict[str, CopySource] = {}   # nodes whose copies it holds, with their tokens (copy_sources)
         self.targets: tuple[Witness, ...] = ()     # where this node's copies go now
         self.store: CopyStore | None = None     # the copies this node holds for others
@@ -159,6 +167,8 @@ class PeerCopies:
 
     async def before_spawn(self, a: Assignment, dirs: dict[int, str]) -> None:
         """Take the round's copy settings; fetch a gone node's copies where this node takes its place."""
+        if a.round_id != self.round:
+            self._round_began = time.time()
         self.key, self.targets, self._dirs, self.round = a.copy_token, a.replicas, dirs, a.round_id
         self.sources.clear()
         self.sources.update((s.node_id, s) for s in a.copy_sources)
@@ -253,7 +263,14 @@ class PeerCopies:
                 self._say_once("scan", f"peer copies: cannot read the memory directories ({exc}); trying again")
 
     async def _scan(self) -> None:
-        newest = common_step(self._dirs)
+        # Only what this round wrote (its workers' snapshots, or copies it fetched): a snapshot of an earlier round
+        # may be one the job abandoned (it went back: the workers' agreed_step removes it as they start), and a copy
+        # of it tagged with this round would make the holder refuse the step the job resumed from (a review: the
+        # holder kept the abandoned step, and a later loss sent every rank to step 0).
+        newest = {rank: (step, path) for rank, (step, path) in common_step(self._dirs).items()
+                  if _written_since(path, self._round_began)}
+        if len(newest) != len(self._dirs):
+            newest = {}
         # A copy newer than the newest step here is of steps the job abandoned (it went back): no copy of this run.
         for rank, where in self._dirs.items():
             here = snapshot.newest(where)

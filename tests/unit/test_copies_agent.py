@@ -272,3 +272,26 @@ async def test_with_copies_off_the_note_still_tells_the_newest_snapshot_and_that
     note = copies.note()
     assert note is not None and (note.local_step, note.copied_step, note.copying) == (10, -1, False)
     await copies.close()
+
+
+async def test_a_new_round_pushes_only_what_it_wrote(tmp_path) -> None:
+    """A review: b's restarted agent pushed its newest snapshot (step 30) tagged with the new round before its
+    workers agreed on 20 and removed 30: the holder kept the abandoned 30 and refused the job's 20 and 25 of that
+    round as stale, and a later loss of b sent every rank to step 0. A round pushes only what it wrote (its
+    workers' snapshots, or copies it fetched)."""
+    import time
+    said: list[str] = []
+    async with holder(tmp_path) as (store, at):
+        copies, dirs = agent_side(tmp_path, "b", said)
+        for where in dirs.values():
+            snapshot.save(b"s30", 30, where=where)          # the previous agent's, of steps the job will abandon
+            os.utime(snapshot.path(30, where), (time.time() - 5, time.time() - 5))
+        await copies.before_spawn(assignment(()), dirs)      # round 1 begins (no targets: no push loop)
+        pushing(copies, at, dirs)
+        await copies._scan()
+        assert store.held() == {}                            # not of this round: not pushed
+        for where in dirs.values():
+            snapshot.save(b"s25", 25, where=where)           # this round's workers, resumed from 20
+            os.remove(snapshot.path(30, where))              # (agreed_step removed the abandoned one)
+        await copies._scan()
+        assert store.held() == {("b", 0): 25, ("b", 1): 25}
