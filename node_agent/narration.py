@@ -89,7 +89,9 @@ class Narrator:
                 self.say(f"server rejected the report: {message}")
             case WorkersExited(failures=(first, *_)) if actions:
                 what = first.message if first.reason == FailureReason.EXITED_EARLY else f"failed with {how(first)}"
-                self.say(f"{worker(first)} {what}; stopping local workers")
+                # the store host is reported as local rank 0 (the protocol's fields), but no worker died
+                said = first.message if first.reason == FailureReason.STORE_EXITED else f"{worker(first)} {what}"
+                self.say(f"{said}; stopping local workers")
             case RanksStalled(first=True, threshold_s=threshold_s, ranks=ranks) if actions:
                 self.say(stall_lines(ranks, threshold_s))
             case SpawnFailed(failure=failure) if actions:

@@ -137,3 +137,19 @@ def test_a_probe_that_concludes_nothing_is_told_once_per_outage_and_says_why():
     out2 = io.StringIO()
     Narrator("node-b", out2).fact(WitnessesAnswered("server_away", Path.STANDBY), [])
     assert "takeover" in out2.getvalue()
+
+
+def test_the_store_hosts_end_is_told_as_the_stores_not_a_workers() -> None:
+    """A review: the round's c10d store host killed (as the kernel's OOM killer would) was told as "worker rank 0
+    (local 0) failed with signal SIGKILL": no worker had died. It is reported as local rank 0's (the protocol's
+    fields), but told as the store's."""
+    from node_agent.workers.failures import store_failure
+    from node_agent.workers.process import WorkerExit
+    n, out = narrator()
+    gone = store_failure(WorkerExit(local_rank=-1, rank=-1, pid=4242, exitcode=-9, signal_name="SIGKILL",
+                                    error_file=None), rank=4, host="h",
+                         node_id="n1")
+    n.fact(WorkersExited(1, (gone,)), REPORT)
+    line = out.getvalue().splitlines()[0]
+    assert line.startswith("[node-agent n1] the round's c10d store, hosted by this node's agent (pid 4242), was "
+                           "killed by SIGKILL") and "worker rank" not in line, line
