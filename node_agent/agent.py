@@ -45,6 +45,7 @@ from node_agent.server_link import ServerLink
 from node_agent.settings import AgentSettings, Mode
 from node_agent.sources import start_source
 from node_agent.witness import witnesses_and_server
+from node_agent.workers import succession
 from node_agent.workers.interfaces import gloo_interface
 from node_agent.workers.local import GroupFactory, LocalWorkers
 from node_agent.workers.memory import forget_after
@@ -82,7 +83,7 @@ class Agent:
                                     make_group=make_group, say=self.narrator.say,
                                     detect_stalls=link.job.hang_detection)
         # the secret of this node's previous agent, ended (its memory): proves this one succeeds it at its join
-        self._predecessor = self.workers.memory.left_credential() if link.mode is Mode.SERVER and \
+        self._predecessor = succession.left_credential(self.workers.memory) if link.mode is Mode.SERVER and \
             self.workers.memory.enabled else ""
         # the node's own checks (GPUs, --health-check) and --numa-binding: node_checks.py
         self.checks = checks if checks is not None else NodeChecks(settings.checks, self.narrator.say)
@@ -176,9 +177,11 @@ class Agent:
                 async with link.lease_kept(max(0.2, self.link.job.lease_timeout_s / 3)):
                     await self.workers.stop(signum)
             case Spawn(assignment=assignment):
+                # (its previous agent may still stop its workers: the same --stop-timeout, and a margin)
+                await succession.predecessor_gone(self.workers.memory, self.settings.workers.stop_timeout + 5.0)
                 dirs = self.workers.memory.dirs_for(assignment.local_world_size, assignment.rank_offset,
                                                     assignment.run)
-                self.workers.memory.keep_credential(self.transport.credential)    # for this node's next agent
+                succession.keep_credential(self.workers.memory, self.transport.credential)    # for its next agent
                 if assignment.resume_at_most >= 0 and (gone := forget_after(assignment.resume_at_most, dirs)):
                     self.narrator.say(f"the job's replicas diverged after step {assignment.resume_at_most}: "
                                       f"snapshots of step(s) {', '.join(map(str, gone))} removed")

@@ -23,8 +23,8 @@ from node_agent.settings import AgentSettings, LinkSettings, Mode, StdSpec, Work
 from node_agent.workers.environment import worker_argv
 from node_agent.workers.error_file import write_reply_file
 from node_agent.workers.launch import make_run_dir
-from node_agent.workers.memory import predecessor
 from node_agent.workers.script_check import script_problem
+from node_agent.workers.succession import predecessor
 
 
 def _transport(link: LinkSettings, token: str | None) -> tuple[Transport, str]:

@@ -8,8 +8,8 @@ The memory belongs to the job and the node id, not to one agent process (workers
   run of the job (Assignment.run; another run's are removed) and for the local ranks whose global ranks are
   the same (dirs_for).
 - An agent started without --node-id takes the node id of an ended agent of the same job on this host whose id was
-  made from its pid (HOSTNAME-PID, the default), and its directory with it (`predecessor`): a torchrun user's
-  restarted agent keeps its node's place and memory as one given an id does.
+  made from its pid (HOSTNAME-PID, the default), and its directory with it (workers/succession.py): a torchrun
+  user's restarted agent keeps its node's place and memory as one given an id does.
 - Every agent starting removes the directories of agents that are gone, but a node's written to within KEEP_S (its
   next agent is minutes away at most: a restart policy's back-off). So memory no agent comes back for is held
   KEEP_S past its last snapshot, no longer.
@@ -28,19 +28,15 @@ import time
 from collections.abc import Callable
 
 import node_agent.training.snapshot as snapshot
-from node_agent.settings import default_node_id, made_from_pid
+from node_agent.settings import default_node_id
 from node_agent.workers import owners
-from protocol.bounds import MAX_CREDENTIAL
 
 SHM = "/dev/shm"
 RANK_FILE = ".rank"      # in each local rank's directory: the global rank whose snapshots it holds
 IDENTITY = "identity"    # in the node's directory: its job id and node id, a line each
 RUN = "run"              # in the node's directory: the run of the job its snapshots are of (Assignment.run)
 COPIES = "replicas"      # in the node's directory: the copies it holds for other nodes (node_agent/copies/peers.py)
-SECRET = "credential"    # in the node's directory: its agent's secret from the server, for its next agent to prove
 KEEP_S = 600.0           # an ended agent's memory is kept this long after its last write, for its node's next agent
-# Directories `predecessor` claimed for this agent before its node id was final, for MemoryDirs to own (by path)
-_claimed: dict[str, owners.Ownership] = {}
 
 
 def default_limit(base: str) -> int:
@@ -55,35 +51,6 @@ def parent_dir(base: str | None) -> str:
     if base is None:
         base = SHM if os.path.isdir(SHM) and os.access(SHM, os.W_OK) else tempfile.gettempdir()
     return os.path.join(base, f"node-agent-mem-{os.getuid()}")
-
-
-def predecessor(job_id: str, base: str | None = None) -> tuple[str, int] | None:
-    """(node id, pid) of the ended agent whose memory this agent, started without --node-id, takes with its node id:
-    one of `job_id` on this host whose id was made from its pid (HOSTNAME-PID), written to within KEEP_S, the newest
-    written where several are. Its directory is claimed here (two agents starting at once take one each, never the
-    same). None where there is none: a new node id, as before."""
-    parent = parent_dir(base)
-    found = []
-    now = time.time()
-    for entry in _scandir(parent):
-        node = (_read(os.path.join(entry.path, IDENTITY)) + "\n\n").split("\n")
-        if node[0] != job_id or not made_from_pid(node[1]) or entry.name != dir_name(job_id, node[1]):
-            continue
-        written = _last_write(entry.path)
-        if now - written < KEEP_S:
-            found.append((written, entry.path, node[1]))
-    for _, path, node_id in sorted(found, reverse=True):
-        gone = owners.owner_gone(path)       # an ended agent's (not a live one's, nor one being made)
-        if gone is None:
-            continue
-        gone.release()
-        own = owners.claim(path)
-        if own is not None and own.previous is not None:
-            _claimed[path] = own
-            return node_id, own.previous
-        if own is not None:
-            own.release()
-    return None
 
 
 def dir_name(job_id: str, node_id: str) -> str:
@@ -102,7 +69,7 @@ class MemoryDirs:
         self.node_id = node_id or default_node_id()
         self.nproc = nproc
         self.limit = limit          # bytes for the whole node; None: the default; 0: off
-        self._say = say
+        self.say = say
         self._base = base
         self.root: str | None = None   # this node's directory, once made
         self.rank_limit: int | None = None
@@ -128,34 +95,13 @@ class MemoryDirs:
         except OSError as exc:   # never a failed job over it: the workers run without
             self._failed = True
             self.close()
-            self._say(f"no in-memory checkpoint directory ({exc.strerror or exc}); workers run without one")
+            self.say(f"no in-memory checkpoint directory ({exc.strerror or exc}); workers run without one")
             return {}
 
-    def keep_credential(self, secret: str) -> None:
-        """Keep the agent's secret from the server in the node's directory: its next agent, ended or restarted,
-        shows it to take the node's place at once (JoinRequest.predecessor). Not kept where it cannot be written."""
-        if not secret or self.root is None or os.path.basename(self.root) != dir_name(self.job_id, self.node_id):
-            return
-        path = os.path.join(self.root, SECRET)
-        if _read(path) == secret:
-            return
-        with contextlib.suppress(OSError):
-            fd = os.open(path + ".new", os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-            with os.fdopen(fd, "w") as f:
-                f.write(secret)
-            os.replace(path + ".new", path)
-
-    def left_credential(self) -> str:
-        """The secret the node's previous agent kept in its directory, where that agent has ended (never a live
-        agent's: a second agent given the same node id must not take the first's place); "" where none."""
-        where = os.path.join(parent_dir(self._base), dir_name(self.job_id, self.node_id))
-        gone = None if where in _claimed else owners.owner_gone(where)     # claimed: taken with its node id
-        if where not in _claimed and gone is None:
-            return ""
-        secret = _read(os.path.join(where, SECRET))
-        if gone is not None:
-            gone.release()
-        return secret if len(secret) <= MAX_CREDENTIAL else ""
+    @property
+    def home(self) -> str:
+        """This node's own directory (the job's and the node id's), whether made yet or not."""
+        return os.path.join(parent_dir(self._base), dir_name(self.job_id, self.node_id))
 
     def hold(self, on: bool) -> None:
         """Ask this node's ranks to wait after their next snapshot (snapshot.HOLD, NodeStatus.hold_at_snapshot), or
@@ -170,7 +116,7 @@ class MemoryDirs:
                     with contextlib.suppress(FileNotFoundError):
                         os.remove(mark)
             except OSError as exc:
-                self._say(f"cannot {'set' if on else 'clear'} the hold at the next snapshot in {path}: {exc}")
+                self.say(f"cannot {'set' if on else 'clear'} the hold at the next snapshot in {path}: {exc}")
 
     def keep_from(self, step: int) -> None:
         """Ask this node's ranks to keep their snapshots from `step` on (snapshot.KEEP_FROM; -1: no longer). A
@@ -187,7 +133,7 @@ class MemoryDirs:
             except OSError as exc:
                 if not self._keep_failed:
                     self._keep_failed = True
-                    self._say(f"cannot ask the ranks in {path} to keep their snapshots from step {step} on: {exc}")
+                    self.say(f"cannot ask the ranks in {path} to keep their snapshots from step {step} on: {exc}")
 
     def dirs_for(self, local_world_size: int, rank_offset: int, run: str = "") -> dict[int, str]:
         """`dirs`, for the round of run `run` whose local rank 0 is global rank `rank_offset`: a directory whose
@@ -211,7 +157,7 @@ class MemoryDirs:
             with contextlib.suppress(OSError), open(mark, "w") as f:
                 f.write(f"{rank_offset + local}\n")
         if moved:
-            self._say(f"this node's ranks moved (now from {rank_offset}): the snapshots of rank(s) {', '.join(moved)} "
+            self.say(f"this node's ranks moved (now from {rank_offset}): the snapshots of rank(s) {', '.join(moved)} "
                       f"are not theirs and were removed")
         return out
 
@@ -222,15 +168,15 @@ class MemoryDirs:
         path = os.path.join(self.root, RUN)
         if self._inherited is not None:
             before, self._inherited = self._inherited, None
-            if run and _read(path) == run:
-                self._say(f"kept the memory of node {self.node_id}'s previous agent (pid {before}, ended): its "
+            if run and read_text(path) == run:
+                self.say(f"kept the memory of node {self.node_id}'s previous agent (pid {before}, ended): its "
                           f"snapshots, and the copies it held for others, stay this node's")
                 _unpin(self.root)          # its sends ended with it: their files may be written over, or go
             else:
                 _empty(self.root, keep={owners.OWNER, IDENTITY})
-                self._say(f"removed the memory node {self.node_id}'s previous agent (pid {before}) left: it is of "
+                self.say(f"removed the memory node {self.node_id}'s previous agent (pid {before}) left: it is of "
                           f"another run of job {self.job_id!r}")
-        if _read(path) != run:
+        if read_text(path) != run:
             _write(path, run)
         for name in os.listdir(self.root):
             if name.isdigit() and int(name) >= local_world_size:
@@ -240,12 +186,12 @@ class MemoryDirs:
         parent = parent_dir(self._base)
         base = os.path.dirname(parent)
         if self._base is None and base != SHM:
-            self._say(f"no writable {SHM}: the in-memory checkpoint directory is on disk, under {base}")
+            self.say(f"no writable {SHM}: the in-memory checkpoint directory is on disk, under {base}")
         os.makedirs(parent, mode=0o700, exist_ok=True)
         name = dir_name(self.job_id, self.node_id)
         removed = sweep(parent, besides=name)
         if removed:
-            self._say(f"removed {removed} in-memory checkpoint director{'y' if removed == 1 else 'ies'} "
+            self.say(f"removed {removed} in-memory checkpoint director{'y' if removed == 1 else 'ies'} "
                       f"left by agents that were killed")
         self._owner = own = self._claim(parent, name)
         limit = self.limit if self.limit is not None else default_limit(base)
@@ -253,9 +199,9 @@ class MemoryDirs:
         self.rank_limit = limit // max(1, self.nproc)
         self._inherited = own.previous
         if own.previous is not None:
-            self._say(f"found node {self.node_id}'s memory, left by its previous agent (pid {own.previous}, ended): "
+            self.say(f"found node {self.node_id}'s memory, left by its previous agent (pid {own.previous}, ended): "
                       f"taken up, if this round is of the same run")
-        self._say(f"in-memory checkpoints: {self.root}/LOCAL_RANK, {self.rank_limit / 2**20:.0f} MiB per local rank "
+        self.say(f"in-memory checkpoints: {self.root}/LOCAL_RANK, {self.rank_limit / 2**20:.0f} MiB per local rank "
                   f"($NODE_AGENT_MEMORY_DIR)")
         return self.root
 
@@ -266,7 +212,7 @@ class MemoryDirs:
         for _ in range(3):
             with contextlib.suppress(FileExistsError):
                 os.mkdir(where, 0o700)
-            own = _claimed.pop(where, None) or owners.claim(where)
+            own = owners.claimed_ahead.pop(where, None) or owners.claim(where)
             if own is not None:
                 _write(os.path.join(where, IDENTITY), f"{self.job_id}\n{self.node_id}\n")
                 return own
@@ -276,15 +222,15 @@ class MemoryDirs:
         own = owners.claim(alone)
         if own is None:
             raise OSError(f"cannot own {alone}")
-        self._say(f"another live agent of node {self.node_id} keeps its memory in {where}: this one uses {alone}")
+        self.say(f"another live agent of node {self.node_id} keeps its memory in {where}: this one uses {alone}")
         return own
 
     def close(self, keep: str = "") -> None:
         """Remove this node's directories (the job ended, or the node leaves); `keep`: why they stay for its next
         agent instead (a stopped agent: `systemctl restart`), which takes them up as a killed agent's, where it can
-        (by its node id: given, or taken from this one, `predecessor`)."""
+        (by its node id: given, or taken from this one: workers/succession.py)."""
         if keep and self.root is not None and os.path.basename(self.root) == dir_name(self.job_id, self.node_id):
-            self._say(f"{keep}: its snapshots stay in {self.root} for it (else removed by "
+            self.say(f"{keep}: its snapshots stay in {self.root} for it (else removed by "
                       f"the next agent starting on this host, {KEEP_S:.0f}s after their last write)")
             self.root = None
         if self.root is not None:
@@ -307,8 +253,8 @@ def sweep(parent: str, besides: str = "") -> int:
         if gone is None:
             continue     # alive, being made, or not ours
         try:
-            node = (_read(os.path.join(entry.path, IDENTITY)) + "\n\n").split("\n")[1]
-            if node and now - _last_write(entry.path) < KEEP_S:    # one without a node is nobody's to take up
+            node = (read_text(os.path.join(entry.path, IDENTITY)) + "\n\n").split("\n")[1]
+            if node and now - last_write(entry.path) < KEEP_S:    # one without a node is nobody's to take up
                 continue
             shutil.rmtree(entry.path, ignore_errors=True)
             removed += 1
@@ -317,14 +263,14 @@ def sweep(parent: str, besides: str = "") -> int:
     return removed
 
 
-def _scandir(path: str) -> list[os.DirEntry[str]]:
+def scandir(path: str) -> list[os.DirEntry[str]]:
     try:
         return [e for e in os.scandir(path) if e.is_dir(follow_symlinks=False)]
     except OSError:
         return []
 
 
-def _last_write(root: str) -> float:
+def last_write(root: str) -> float:
     """When a node's directory was last written to: its owner file, its ranks' snapshots."""
     times = [0.0]
     for where in (root, *(os.path.join(root, n) for n in _listdir(root) if n.isdigit())):
@@ -354,7 +300,7 @@ def _empty(path: str, keep: set[str]) -> None:
                 os.unlink(entry)
 
 
-def _read(path: str) -> str:
+def read_text(path: str) -> str:
     try:
         with open(path, encoding="utf-8", errors="replace") as f:
             return f.read(4096).strip()

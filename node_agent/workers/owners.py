@@ -12,6 +12,9 @@ import shutil
 from dataclasses import dataclass
 
 OWNER = "owner"
+# Directories claimed for this agent ahead of their use (workers/succession.py: before its node id was final), by
+# path, for the MemoryDirs that opens them
+claimed_ahead: dict[str, Ownership] = {}
 
 
 def start_time(pid: int) -> str | None:
@@ -90,6 +93,26 @@ def owner_gone(directory: str) -> Ownership | None:
         os.close(fd)
         return None
     return Ownership(directory, fd, before[0])
+
+
+def live_owner(directory: str) -> int | None:
+    """The pid of the live agent that owns `directory` (its lock held, or an older agent's pid alive), else None: no
+    owner file, one nobody holds, or it names no process."""
+    try:
+        fd = os.open(os.path.join(directory, OWNER), os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        named = _read(fd)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except OSError:
+            return named[0] if named is not None else -1      # locked: its owner lives
+        return named[0] if named is not None and named[0] != os.getpid() and alive(*named) else None
+    except (OSError, ValueError):
+        return None
+    finally:
+        os.close(fd)
 
 
 def sweep(parent: str, prefix: str) -> int:

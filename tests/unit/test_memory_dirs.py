@@ -17,7 +17,8 @@ from node_agent.settings import default_node_id, made_from_pid
 from node_agent.training import snapshot
 from node_agent.workers import memory
 from node_agent.workers.environment import worker_env
-from node_agent.workers.memory import KEEP_S, MemoryDirs, dir_name, predecessor, sweep
+from node_agent.workers.memory import KEEP_S, MemoryDirs, dir_name, sweep
+from node_agent.workers.succession import keep_credential, left_credential, predecessor
 from protocol.messages import Assignment
 
 ONE = Assignment(round_id=1, group_rank=0, group_world_size=1, rank_offset=0, world_size=2, local_world_size=2,
@@ -105,7 +106,8 @@ node = default_node_id() if node == "HOSTNAME-PID" else node
 print(node, flush=True)
 memory = MemoryDirs(job, 2, 2**20, say=lambda _: None, base=base, node_id=node)
 dirs = memory.dirs_for(2, 2, "run-1")
-memory.keep_credential(f"secret-of-{node}")       # its secret from the server, for its next agent to show
+from node_agent.workers.succession import keep_credential
+keep_credential(memory, f"secret-of-{node}")       # its secret from the server, for its next agent to show
 for d in dirs.values():
     snapshot.save(b"shard", 25, where=d)
     os.link(snapshot.path(25, d), os.path.join(d, snapshot.SENDING + "its-own-pin"))    # a send under way
@@ -528,10 +530,55 @@ def test_a_next_agent_shows_its_ended_predecessors_secret_never_a_live_agents(tm
     base = str(tmp_path)
     killed_agent(tmp_path, "job", "node-b")
     nxt = MemoryDirs("job", 2, 2**20, say=lambda _: None, base=base, node_id="node-b")
-    assert nxt.left_credential() == "secret-of-node-b"
+    assert left_credential(nxt) == "secret-of-node-b"
     nxt.dirs(2)                                    # now it owns the directory: live
-    nxt.keep_credential("its-own-secret")
+    keep_credential(nxt, "its-own-secret")
     third = MemoryDirs("job", 2, 2**20, say=lambda _: None, base=base, node_id="node-b")
-    assert third.left_credential() == ""
+    assert left_credential(third) == ""
     nxt.close()
-    assert MemoryDirs("job", 1, 2**20, say=lambda _: None, base=base, node_id="node-c").left_credential() == ""
+    assert left_credential(MemoryDirs("job", 1, 2**20, say=lambda _: None, base=base, node_id="node-c")) == ""
+
+
+STOPPING_AGENT = """
+import os, sys
+from node_agent.training import snapshot
+from node_agent.workers.memory import MemoryDirs
+job, node, base = sys.argv[1:4]
+dirs = MemoryDirs(job, 1, 2**20, say=lambda _: None, base=base, node_id=node)
+snapshot.save(b"shard", 25, where=dirs.dirs_for(1, 0, "run-1")[0])
+print("owned", flush=True)
+sys.stdin.read()                 # its workers stopping: until the test lets it end
+dirs.close(keep="stopped")
+"""
+
+
+async def test_a_next_agent_waits_for_its_stopping_predecessor_to_end_and_keeps_the_snapshots(tmp_path) -> None:
+    """A review started the next agent while its predecessor, SIGTERMed, still stopped its workers: it made a
+    directory of its own and fetched the node's copies, a snapshot behind. It waits for the predecessor to end."""
+    import asyncio
+
+    from node_agent.workers.succession import predecessor_gone
+    env = dict(os.environ, PYTHONPATH=os.getcwd())
+    old = subprocess.Popen([sys.executable, "-c", STOPPING_AGENT, "job", "node-b", str(tmp_path)], env=env,
+                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert old.stdout.readline().strip() == "owned"
+        waiting = asyncio.Event()
+        said: list[str] = []
+
+        def say(line: str) -> None:
+            said.append(line)
+            waiting.set()
+        nxt = MemoryDirs("job", 1, 2**20, say=say, base=str(tmp_path), node_id="node-b")
+        task = asyncio.ensure_future(predecessor_gone(nxt, 60.0))
+        await asyncio.wait_for(waiting.wait(), 30)
+        assert f"node node-b's previous agent (pid {old.pid}) still owns its memory" in said[0] and not task.done()
+        old.stdin.close()                               # it ends (reaped: not this test's zombie)
+        await asyncio.to_thread(old.wait, 30)
+        await asyncio.wait_for(task, 30)
+        assert snapshot.steps(nxt.dirs_for(1, 0, "run-1")[0]) == [25], said
+        assert not any("another live agent" in line for line in said), said
+        nxt.close()
+    finally:
+        old.kill()
+        old.wait()

@@ -1,0 +1,95 @@
+"""How a node's next agent succeeds its previous one on a host (an OOM kill, systemd's Restart=, a container
+restarted, an agent stopped and started again): the node's memory directory (workers/memory.py) carries what it
+needs.
+- Its node id: an agent started without --node-id (HOSTNAME-PID, a torchrun user's) takes the id of an ended agent of
+  its job on this host whose id was made from its pid, and its directory with it (`predecessor`).
+- Its place: each agent keeps the secret the server gave it in the directory (`keep_credential`); the next one
+  shows it (JoinRequest.predecessor, `left_credential`) and takes the node's record at once where it still looks
+  alive. Only an ended agent's secret is read: a second live agent given the same node id never takes the first's.
+- Its memory: where the previous agent still owns the directory while it stops its workers (it left; the server took
+  this one in its place), the next one waits for it to end (`predecessor_gone`) rather than start without it."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import time
+
+from node_agent.settings import made_from_pid
+from node_agent.workers import memory, owners
+from node_agent.workers.memory import MemoryDirs
+from protocol.bounds import MAX_CREDENTIAL
+
+SECRET = "credential"    # in the node's directory: its agent's secret from the server, for its next agent to show
+
+
+def predecessor(job_id: str, base: str | None = None) -> tuple[str, int] | None:
+    """(node id, pid) of the ended agent whose memory this agent, started without --node-id, takes with its node id:
+    one of `job_id` on this host whose id was made from its pid (HOSTNAME-PID), written to within KEEP_S, the newest
+    written where several are. Its directory is claimed here (two agents starting at once take one each, never the
+    same). None where there is none: a new node id, as before."""
+    found = []
+    now = time.time()
+    for entry in memory.scandir(memory.parent_dir(base)):
+        node = (memory.read_text(os.path.join(entry.path, memory.IDENTITY)) + "\n\n").split("\n")
+        if node[0] != job_id or not made_from_pid(node[1]) or entry.name != memory.dir_name(job_id, node[1]):
+            continue
+        written = memory.last_write(entry.path)
+        if now - written < memory.KEEP_S:
+            found.append((written, entry.path, node[1]))
+    for _, path, node_id in sorted(found, reverse=True):
+        gone = owners.owner_gone(path)       # an ended agent's (not a live one's, nor one being made)
+        if gone is None:
+            continue
+        gone.release()
+        own = owners.claim(path)
+        if own is not None and own.previous is not None:
+            owners.claimed_ahead[path] = own
+            return node_id, own.previous
+        if own is not None:
+            own.release()
+    return None
+
+
+def keep_credential(dirs: MemoryDirs, secret: str) -> None:
+    """Keep the agent's secret from the server in the node's directory, once open (not where it cannot be written)."""
+    if not secret or dirs.root is None or dirs.root != dirs.home:
+        return
+    path = os.path.join(dirs.root, SECRET)
+    if memory.read_text(path) == secret:
+        return
+    with contextlib.suppress(OSError):
+        fd = os.open(path + ".new", os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secret)
+        os.replace(path + ".new", path)
+
+
+def left_credential(dirs: MemoryDirs) -> str:
+    """The secret the node's previous agent kept in its directory, where that agent has ended; "" where none."""
+    where = dirs.home
+    claimed = where in owners.claimed_ahead          # taken with its node id (`predecessor`)
+    gone = None if claimed else owners.owner_gone(where)
+    if not claimed and gone is None:
+        return ""
+    secret = memory.read_text(os.path.join(where, SECRET))
+    if gone is not None:
+        gone.release()
+    return secret if len(secret) <= MAX_CREDENTIAL else ""
+
+
+async def predecessor_gone(dirs: MemoryDirs, limit_s: float) -> None:
+    """Before the node's directory is first opened: while a live agent still owns it, wait for it to end, up to
+    `limit_s` (a review: the next agent made a directory of its own, and fetched its copies, a snapshot behind)."""
+    if dirs.root is not None or not dirs.enabled:
+        return
+    where = dirs.home
+    deadline = time.monotonic() + limit_s
+    said = False
+    while where not in owners.claimed_ahead and (pid := owners.live_owner(where)) is not None \
+            and time.monotonic() < deadline:
+        if not said:
+            said = True
+            dirs.say(f"node {dirs.node_id}'s previous agent (pid {pid}) still owns its memory, stopping its workers: "
+                     f"waiting up to {limit_s:g}s for it to end, so this node keeps its snapshots")
+        await asyncio.sleep(0.1)
