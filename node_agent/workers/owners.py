@@ -28,10 +28,19 @@ def start_time(pid: int) -> str | None:
 
 
 def alive(pid: int, started: str) -> bool:
-    """Whether process `pid`, started at `started` (start_time), still runs (a reused pid is another process)."""
+    """Whether process `pid`, started at `started` (start_time), still runs (a reused pid is another process; a
+    zombie, ended and not yet reaped by its parent, runs no more)."""
     if os.path.isdir("/proc/self"):
-        return start_time(pid) == started
+        return start_time(pid) == started and not _zombie(pid)
     return _running(pid)    # no /proc: the pid alone
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] in ("Z", "X")
+    except (OSError, IndexError):
+        return False
 
 
 def _read(fd: int) -> tuple[int, str] | None:
