@@ -82,6 +82,7 @@ class Agent:
         self.workers = LocalWorkers(settings.workers, self.facts.put_nowait, hostname=self.hostname,
                                     make_group=make_group, say=self.narrator.say,
                                     detect_stalls=link.job.hang_detection)
+        self.workers.memory.succeeded = link.mode is Mode.SERVER     # its next agent may take its id and memory
         # the secret of this node's previous agent, ended (its memory): proves this one succeeds it at its join
         self._predecessor = succession.left_credential(self.workers.memory) if link.mode is Mode.SERVER and \
             self.workers.memory.enabled else ""

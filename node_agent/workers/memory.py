@@ -10,9 +10,10 @@ The memory belongs to the job and the node id, not to one agent process (workers
 - An agent started without --node-id takes the node id of an ended agent of the same job on this host whose id was
   made from its pid (HOSTNAME-PID, the default), and its directory with it (workers/succession.py): a torchrun
   user's restarted agent keeps its node's place and memory as one given an id does.
-- Every agent starting removes the directories of agents that are gone, but a node's written to within KEEP_S (its
-  next agent is minutes away at most: a restart policy's back-off). So memory no agent comes back for is held
-  KEEP_S past its last snapshot, no longer.
+- Every agent starting removes the directories of agents that are gone, but a node's that its next agent may take
+  up (its id given, or taken by a successor: an agent that reached a server) written to within KEEP_S (its next
+  agent is minutes away at most: a restart policy's back-off). So memory no agent comes back for is held KEEP_S
+  past its last snapshot, no longer; a standalone run's without --node-id goes at once.
 - An agent stopped by a signal while the job keeps its place (`systemctl restart`: NodeStatus.place_kept_s) leaves
   its directory as a killed one does (close(keep=WHY)).
 """
@@ -28,12 +29,13 @@ import time
 from collections.abc import Callable
 
 import node_agent.training.snapshot as snapshot
-from node_agent.settings import default_node_id
+from node_agent.settings import default_node_id, made_from_pid
 from node_agent.workers import owners
 
 SHM = "/dev/shm"
 RANK_FILE = ".rank"      # in each local rank's directory: the global rank whose snapshots it holds
-IDENTITY = "identity"    # in the node's directory: its job id and node id, a line each
+IDENTITY = "identity"    # in the node's directory: its job id and node id, a line each, and SUCCEEDED where so
+SUCCEEDED = "succeeded"  # its node id made from its agent's pid is taken by the next agent (workers/succession.py)
 RUN = "run"              # in the node's directory: the run of the job its snapshots are of (Assignment.run)
 COPIES = "replicas"      # in the node's directory: the copies it holds for other nodes (node_agent/copies/peers.py)
 KEEP_S = 600.0           # an ended agent's memory is kept this long after its last write, for its node's next agent
@@ -70,6 +72,9 @@ class MemoryDirs:
         self.nproc = nproc
         self.limit = limit          # bytes for the whole node; None: the default; 0: off
         self.say = say
+        # A next agent started without --node-id takes this node's id and directory where its id is made from this
+        # agent's pid: set by an agent that reaches a server (a standalone run's job id is new each time)
+        self.succeeded = False
         self._base = base
         self.root: str | None = None   # this node's directory, once made
         self.rank_limit: int | None = None
@@ -214,7 +219,8 @@ class MemoryDirs:
                 os.mkdir(where, 0o700)
             own = owners.claimed_ahead.pop(where, None) or owners.claim(where)
             if own is not None:
-                _write(os.path.join(where, IDENTITY), f"{self.job_id}\n{self.node_id}\n")
+                mark = SUCCEEDED if self.succeeded else ""
+                _write(os.path.join(where, IDENTITY), f"{self.job_id}\n{self.node_id}\n{mark}\n")
                 return own
             if os.path.isdir(where):
                 break
@@ -253,8 +259,9 @@ def sweep(parent: str, besides: str = "") -> int:
         if gone is None:
             continue     # alive, being made, or not ours
         try:
-            node = (read_text(os.path.join(entry.path, IDENTITY)) + "\n\n").split("\n")[1]
-            if node and now - last_write(entry.path) < KEEP_S:    # one without a node is nobody's to take up
+            _, node, mark, *_ = (read_text(os.path.join(entry.path, IDENTITY)) + "\n\n\n").split("\n")
+            comes_back = node and (mark == SUCCEEDED or not made_from_pid(node))   # (none: nobody's to take up)
+            if comes_back and now - last_write(entry.path) < KEEP_S:
                 continue
             shutil.rmtree(entry.path, ignore_errors=True)
             removed += 1

@@ -31,8 +31,9 @@ def predecessor(job_id: str, base: str | None = None) -> tuple[str, int] | None:
     found = []
     now = time.time()
     for entry in memory.scandir(memory.parent_dir(base)):
-        node = (memory.read_text(os.path.join(entry.path, memory.IDENTITY)) + "\n\n").split("\n")
-        if node[0] != job_id or not made_from_pid(node[1]) or entry.name != memory.dir_name(job_id, node[1]):
+        node = (memory.read_text(os.path.join(entry.path, memory.IDENTITY)) + "\n\n\n").split("\n")
+        if node[0] != job_id or not made_from_pid(node[1]) or node[2] != memory.SUCCEEDED or \
+                entry.name != memory.dir_name(job_id, node[1]):
             continue
         written = memory.last_write(entry.path)
         if now - written < memory.KEEP_S:

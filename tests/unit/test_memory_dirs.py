@@ -105,6 +105,7 @@ from node_agent.settings import default_node_id
 node = default_node_id() if node == "HOSTNAME-PID" else node
 print(node, flush=True)
 memory = MemoryDirs(job, 2, 2**20, say=lambda _: None, base=base, node_id=node)
+memory.succeeded = sys.argv[4:] != ["standalone"]     # an agent that reached a server: its next may take its id
 dirs = memory.dirs_for(2, 2, "run-1")
 from node_agent.workers.succession import keep_credential
 keep_credential(memory, f"secret-of-{node}")       # its secret from the server, for its next agent to show
@@ -115,12 +116,13 @@ os._exit(9)   # as a SIGKILL: no clean-up
 """
 
 
-def killed_agent(tmp_path, job: str, node: str) -> str:
+def killed_agent(tmp_path, job: str, node: str, standalone: bool = False) -> str:
     """An agent process of `job`'s node `node` (HOSTNAME-PID: the default, made from its pid) that saved step 25 on
-    its 2 local ranks (global 2-3) and was killed; its node id."""
+    its 2 local ranks (global 2-3) and was killed; its node id. `standalone`: one that reached no server."""
     env = dict(os.environ, PYTHONPATH=os.getcwd())
-    done = subprocess.run([sys.executable, "-c", KILLED_AGENT, job, node, str(tmp_path)], env=env, capture_output=True,
-                          text=True, timeout=60)
+    done = subprocess.run([sys.executable, "-c", KILLED_AGENT, job, node, str(tmp_path),
+                           *(["standalone"] if standalone else [])], env=env, capture_output=True, text=True,
+                          timeout=60)
     assert done.returncode == 9, done.stderr
     return done.stdout.strip()
 
@@ -149,6 +151,7 @@ from node_agent.workers.memory import MemoryDirs
 job, node, base = sys.argv[1:4]
 from node_agent.settings import default_node_id
 dirs = MemoryDirs(job, 1, 2**20, say=print, base=base, node_id=default_node_id() if node == "HOSTNAME-PID" else node)
+dirs.succeeded = True
 snapshot.save(b"shard", 25, where=dirs.dirs_for(1, 0, "run-1")[0])
 dirs.close(keep=f"the job keeps node {dirs.node_id}'s place for its next agent")     # its leave's reply (place_kept_s)
 """
@@ -189,6 +192,7 @@ def test_an_agent_without_a_node_id_takes_its_ended_predecessors_with_its_memory
     newer = killed_agent(tmp_path, "job", "HOSTNAME-PID")
     killed_agent(tmp_path, "other", "HOSTNAME-PID")
     killed_agent(tmp_path, "job", "given")
+    alone = killed_agent(tmp_path, "job", "HOSTNAME-PID", standalone=True)   # no server: a new job id each run
     live = MemoryDirs("job", 1, 2**20, say=lambda _: None, base=base)      # this process's own default id: alive
     live.dirs(1)
     parent = os.path.join(base, f"node-agent-mem-{os.getuid()}")
@@ -201,6 +205,7 @@ def test_an_agent_without_a_node_id_takes_its_ended_predecessors_with_its_memory
     assert first is not None and first[0] == newer, (first, newer)
     assert predecessor("job", base) == (older, int(older.rpartition("-")[2]))   # claimed: the other goes to the next
     assert predecessor("job", base) is None
+    assert alone not in (older, newer)
     said: list[str] = []
     taken = MemoryDirs("job", 2, 2**20, say=said.append, base=base, node_id=newer)
     assert [snapshot.steps(d) for d in taken.dirs_for(2, 2, "run-1").values()] == [[25], [25]], said
@@ -552,15 +557,20 @@ dirs.close(keep="stopped")
 """
 
 
+def stopping_agent(tmp_path) -> subprocess.Popen[str]:
+    """Node b's agent owning its memory (step 25 saved) until its stdin closes, as one stopping its workers."""
+    env = dict(os.environ, PYTHONPATH=os.getcwd())
+    return subprocess.Popen([sys.executable, "-c", STOPPING_AGENT, "job", "node-b", str(tmp_path)], env=env,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+
 async def test_a_next_agent_waits_for_its_stopping_predecessor_to_end_and_keeps_the_snapshots(tmp_path) -> None:
     """A review started the next agent while its predecessor, SIGTERMed, still stopped its workers: it made a
     directory of its own and fetched the node's copies, a snapshot behind. It waits for the predecessor to end."""
     import asyncio
 
     from node_agent.workers.succession import predecessor_gone
-    env = dict(os.environ, PYTHONPATH=os.getcwd())
-    old = subprocess.Popen([sys.executable, "-c", STOPPING_AGENT, "job", "node-b", str(tmp_path)], env=env,
-                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    old = stopping_agent(tmp_path)
     try:
         assert old.stdout.readline().strip() == "owned"
         waiting = asyncio.Event()
