@@ -4,7 +4,9 @@ the same bytes at the same step. Each snapshot's digest of those tensors comes o
 (ProgressNote.digests); once every rank of the round has told its digest of a step, the step is judged, each
 group on its own (pure; `now` is an argument):
 - all alike in every group: the newest agreed step;
-- in a group, one value held by more than half of its ranks: the others diverged. The round fails (a restart, reason
+- in a group, one value held by more than half of its nodes (each node one voice, whatever ranks it runs: a review
+  had a node that ran 5 ranks and sent one made-up digest outvote two honest nodes of 2 ranks each and get one of
+  them excluded): the others diverged. The round fails (a restart, reason
   `diverged`, the first odd rank the root cause), its node is a suspect (suspects.py: a ready spare takes its
   place), and every node drops its snapshots newer than the newest agreed step (Assignment.resume_at_most),
   so the job resumes from bytes every replica held (none judged alike yet, as after a server restart: those
@@ -27,6 +29,7 @@ class Digests:
     world: int = 0
     by_step: dict[int, dict[int, tuple[int, int]]] = field(default_factory=dict)   # step -> rank -> (group, digest)
     agreed: int = -1                   # the newest step every rank held alike (-1: none judged yet)
+    voters: dict[int, str] = field(default_factory=dict)     # rank -> the node that told it (its voice)
 
 
 @dataclass(frozen=True)
@@ -38,13 +41,16 @@ class Diverged:
     groups: int = 1                    # in how many groups of replicas
 
 
-def note(d: Digests, round_id: int, world: int, told: list[RankDigest]) -> Diverged | None:
-    """Digests told for round `round_id` of `world` ranks; the first step judged diverged, or None."""
+def note(d: Digests, round_id: int, world: int, told: list[RankDigest], voter: str = "") -> Diverged | None:
+    """Digests told for round `round_id` of `world` ranks by node `voter` (its own ranks; "": each rank its own
+    voice); the first step judged diverged, or None."""
     if d.round_id != round_id:
-        d.round_id, d.world, d.by_step = round_id, world, {}
+        d.round_id, d.world, d.by_step, d.voters = round_id, world, {}, {}
     for t in told:
         if t.rank < world and t.step > d.agreed:
             d.by_step.setdefault(t.step, {})[t.rank] = (t.group, t.digest)
+            if voter:
+                d.voters[t.rank] = voter
     for step in sorted(d.by_step)[:-KEEP_STEPS]:
         del d.by_step[step]
     for step in sorted(s for s, held in d.by_step.items() if len(held) == world):
@@ -53,9 +59,10 @@ def note(d: Digests, round_id: int, world: int, told: list[RankDigest]) -> Diver
             groups.setdefault(group, {})[rank] = value
         odd, alike = [], True
         for held in groups.values():
-            (value, count), *_ = Counter(held.values()).most_common(1)
-            alike = alike and count == len(held)
-            if 2 * count > len(held):
+            alike = alike and len(set(held.values())) == 1
+            voices = {(d.voters.get(r, f"rank {r}"), v) for r, v in held.items()}     # a node once per value
+            (value, count), *_ = Counter(v for _, v in voices).most_common(1)
+            if 2 * count > len({who for who, _ in voices}):
                 odd += [r for r, v in held.items() if v != value]
         if alike:
             d.agreed = max(d.agreed, step)

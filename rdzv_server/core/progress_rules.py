@@ -59,7 +59,7 @@ def noted(rules: JobRules, live: LiveRound, node_id: str, note: ProgressNote | N
     if note.digests:
         own = set(_ranks_of(rules, node_id))
         told = [d for d in note.digests if d.rank in own]     # its own ranks only
-        verdict = divergence.note(live.digests, job.round.round_id, job.round.world_size, told)
+        verdict = divergence.note(live.digests, job.round.round_id, job.round.world_size, told, node_id)
         job.progress.alike_step = max(job.progress.alike_step, live.digests.agreed)
         if verdict is not None:
             _diverged(rules, verdict, now)

@@ -104,3 +104,23 @@ def test_the_newest_step_all_held_alike_is_shown() -> None:
     assert detail.progress.alike_step == 5
     assert "replicas   alike at step 5 (the newest snapshot compared)" in ctl.format_job(detail).splitlines()
     assert 'data-alike="1"' in (page.job_page(rz, "j", T + 7) or "")
+
+
+def test_a_node_that_runs_more_ranks_does_not_outvote_the_others() -> None:
+    """A review: node h ran 5 ranks (its own --nproc) and sent one made-up digest for all of them; a and b, 2 honest
+    ranks each, were the minority: b was named a suspect and excluded, and on a tie the job failed. Each node is one
+    voice: h is the one whose ranks differ."""
+    cfg = JobConfig(min_nodes=3, max_nodes=3, max_restarts=5, last_call_s=0.0, lease_timeout_s=10_000.0)
+    rz = Rendezvous()
+    for node, workers in (("a", 2), ("b", 2), ("h", 5)):
+        rz.handle("j", JoinRequest(v=1, node_id=node, addr="10.0.0.1", host=f"host-{node}", local_world_size=workers,
+                                   master_port=29500, config=cfg, instance=f"{node}#1"), T,
+                  Arrival(secret=f"secret-{node}"))
+    spans = {n: (a.rank_offset, a.local_world_size) for n in ("a", "b", "h")
+             if (a := poll(rz, n, T + 2).assignment) is not None}
+    for n, (at, size) in spans.items():
+        poll(rz, n, T + 5, told(5, {at + i: 666 if n == "h" else 1 for i in range(size)}))
+    event = next(e.message for e in rz.jobs["j"].events if e.kind == "replicas_diverged")
+    h_ranks = ", ".join(str(spans["h"][0] + i) for i in range(5))
+    assert event.startswith(f"rank(s) {h_ranks} hold other parameters"), event
+    assert rz.jobs["j"].nodes["b"].state != NodeState.EXCLUDED
