@@ -95,7 +95,8 @@ class Agent:
         caps = caps_for_descriptors(raise_open_file_limit())
         self.copies = PeerCopies(self.workers.memory, link.nproc, link.node_id, self.narrator.say,
                                  settings.workers.copy_bandwidth, self._copy_tls(),
-                                 server_tls=link.endpoint_scheme == "https", caps=caps)
+                                 server_tls=link.endpoint_scheme == "https", caps=caps,
+                                 stepping=self.workers.all_stepping)
         self.copy_port = 0          # where this node takes peer copies (PeerCopies.listen)
         self.copies.on_copied = self._copied
         self.witness = WitnessServer(addr, lambda: self.policy.in_contact, self._holds,

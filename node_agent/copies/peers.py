@@ -81,11 +81,14 @@ def common_step(dirs: dict[int, str]) -> dict[int, tuple[int, str]]:
 class PeerCopies:
     def __init__(self, memory: MemoryDirs, nproc: int, node_id: str, say: Callable[[str], None],
                  bandwidth: int, tls: CopyTls | None = None, server_tls: bool = False,
-                 caps: Caps | None = None) -> None:
+                 caps: Caps | None = None, stepping: Callable[[int, int], bool] | None = None) -> None:
         """`tls`: copies go over TLS (copies/tls.py); `server_tls`: the server uses TLS, so copies without it
         would cross the network in the clear: this node then makes and takes none. `caps`: the connections the
-        agent's listeners may hold together (client/listener.py)."""
+        agent's listeners may hold together (client/listener.py). `stepping(round, ranks)`: whether that many
+        local ranks of the round have each done a step (LocalWorkers.all_stepping)."""
         self.memory, self.nproc, self.node_id = memory, nproc, node_id
+        self._stepping = stepping
+        self._past_start = False                   # this round's ranks all stepped: past their snapshot agreement
         self._say = say
         self.bandwidth = bandwidth
         self.tls, self.server_tls = tls, server_tls
@@ -168,7 +171,7 @@ class PeerCopies:
     async def before_spawn(self, a: Assignment, dirs: dict[int, str]) -> None:
         """Take the round's copy settings; fetch a gone node's copies where this node takes its place."""
         if a.round_id != self.round:
-            self._round_began = time.time()
+            self._round_began, self._past_start = time.time(), False
         self.key, self.targets, self._dirs, self.round = a.copy_token, a.replicas, dirs, a.round_id
         self.sources.clear()
         self.sources.update((s.node_id, s) for s in a.copy_sources)
@@ -263,14 +266,18 @@ class PeerCopies:
                 self._say_once("scan", f"peer copies: cannot read the memory directories ({exc}); trying again")
 
     async def _scan(self) -> None:
-        # Only what this round wrote (its workers' snapshots, or copies it fetched): a snapshot of an earlier round
-        # may be one the job abandoned (it went back: the workers' agreed_step removes it as they start), and a copy
-        # of it tagged with this round would make the holder refuse the step the job resumed from (a review: the
-        # holder kept the abandoned step, and a later loss sent every rank to step 0).
-        newest = {rank: (step, path) for rank, (step, path) in common_step(self._dirs).items()
-                  if _written_since(path, self._round_began)}
-        if len(newest) != len(self._dirs):
-            newest = {}
+        # A snapshot of an earlier round may be one the job abandoned (it went back: the workers' agreed_step removes
+        # it as they start), and a copy of it tagged with this round would make the holder refuse the step the job
+        # resumed from (a review: the holder kept the abandoned step, and a later loss sent every rank to step 0).
+        # So until every local rank has stepped (past its agreement), only what this round wrote goes: its
+        # workers' snapshots, or copies it fetched. Then its newest too, whatever round wrote it (the step it resumed
+        # from, for a holder new in this round: a second review lost every rank to step 0 waiting for the next).
+        newest = common_step(self._dirs)
+        if newest and not self._past_start:
+            if self._stepping is not None and self._stepping(self.round, len(self._dirs)):
+                self._past_start = True
+            elif not all(_written_since(path, self._round_began) for _, path in newest.values()):
+                newest = {}
         # A copy newer than the newest step here is of steps the job abandoned (it went back): no copy of this run.
         for rank, where in self._dirs.items():
             here = snapshot.newest(where)

@@ -114,6 +114,10 @@ class RoundSteps:
     def exited(self, local_rank: int, code: int) -> None:
         self.ranks.setdefault(local_rank, RankSteps()).exited = code
 
+    def all_stepped(self, count: int) -> bool:
+        """Whether `count` local ranks have each done a step (so each is past its start: its snapshot agreement)."""
+        return sum(1 for r in self.ranks.values() if r.record is not None and r.record.steps > 0) >= count
+
     @property
     def steps(self) -> int:
         return max((r.record.steps for r in self.ranks.values() if r.record is not None), default=0)

@@ -272,6 +272,12 @@ class LocalWorkers:
             watch.round.before = (self._last_step_at, self._stopped_at)
         return watch
 
+    def all_stepping(self, round_id: int, count: int) -> bool:
+        """Whether `count` local ranks of round `round_id` have each done a step, as the step watch last looked
+        (no probe: False)."""
+        watch = self.steps
+        return watch is not None and watch.round.round_id == round_id and watch.round.all_stepped(count)
+
     def progress_note(self, round_id: int) -> ProgressNote | None:
         """The round's progress so far, for the next request to the server (None: not this round's, no probe)."""
         watch = self.steps

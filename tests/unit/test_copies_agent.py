@@ -295,3 +295,28 @@ async def test_a_new_round_pushes_only_what_it_wrote(tmp_path) -> None:
             os.remove(snapshot.path(30, where))              # (agreed_step removed the abandoned one)
         await copies._scan()
         assert store.held() == {("b", 0): 25, ("b", 1): 25}
+
+
+async def test_once_its_ranks_step_a_round_pushes_the_step_it_resumed_from(tmp_path) -> None:
+    """A second review: a node whose holder changed in this round (a spare took the old holder's place) pushed
+    nothing until its next snapshot, minutes away in a real job; lost meanwhile, every rank went to step 0. Once
+    every local rank has stepped (past its agreement: nothing abandoned is left), the round's newest goes, whatever
+    round wrote it."""
+    import time
+    said: list[str] = []
+    stepped = {"now": False}
+    async with holder(tmp_path) as (store, at):
+        memory = MemoryDirs("job", 2, 8 * 2**20, say=said.append, base=str(tmp_path / "b"))
+        copies = PeerCopies(memory, 2, "b", said.append, bandwidth=0,
+                            stepping=lambda round_id, ranks: stepped["now"] and round_id == 1 and ranks == 2)
+        dirs = memory.dirs_for(2, 2)
+        for where in dirs.values():
+            snapshot.save(b"s100", 100, where=where)          # an earlier round's: the step this one resumes from
+            os.utime(snapshot.path(100, where), (time.time() - 5, time.time() - 5))
+        await copies.before_spawn(assignment(()), dirs)
+        pushing(copies, at, dirs)
+        await copies._scan()
+        assert store.held() == {}                             # its ranks not past their start yet
+        stepped["now"] = True
+        await copies._scan()
+        assert store.held() == {("b", 0): 100, ("b", 1): 100}
