@@ -102,7 +102,7 @@ def _with_predecessor(settings: AgentSettings) -> tuple[AgentSettings, str]:
     link, workers = settings.link, settings.workers
     if link.mode is not Mode.SERVER or link.node_id != default_node_id() or workers.memory_dir_limit == 0:
         return settings, ""
-    taken = predecessor(link.job_id)
+    taken = predecessor(link.job_id, link.nproc)
     if taken is None:
         return settings, ""
     node_id, pid = taken

@@ -280,14 +280,14 @@ def scandir(path: str) -> list[os.DirEntry[str]]:
 def last_write(root: str) -> float:
     """When a node's directory was last written to: its owner file, its ranks' snapshots."""
     times = [0.0]
-    for where in (root, *(os.path.join(root, n) for n in _listdir(root) if n.isdigit())):
-        for name in _listdir(where):
+    for where in (root, *(os.path.join(root, n) for n in listdir(root) if n.isdigit())):
+        for name in listdir(where):
             with contextlib.suppress(OSError):
                 times.append(os.stat(os.path.join(where, name), follow_symlinks=False).st_mtime)
     return max(times)
 
 
-def _listdir(path: str) -> list[str]:
+def listdir(path: str) -> list[str]:
     try:
         return os.listdir(path)
     except OSError:
@@ -317,9 +317,9 @@ def read_text(path: str) -> str:
 
 def _unpin(root: str) -> None:
     """Remove the second names an ended agent gave the snapshots it was sending (snapshot.SENDING)."""
-    for rank in _listdir(root):
+    for rank in listdir(root):
         where = os.path.join(root, rank)
-        for name in _listdir(where) if rank.isdigit() else ():
+        for name in listdir(where) if rank.isdigit() else ():
             if name.startswith(snapshot.SENDING):
                 with contextlib.suppress(OSError):
                     os.unlink(os.path.join(where, name))

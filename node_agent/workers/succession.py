@@ -23,11 +23,12 @@ from protocol.bounds import MAX_CREDENTIAL
 SECRET = "credential"    # in the node's directory: its agent's secret from the server, for its next agent to show
 
 
-def predecessor(job_id: str, base: str | None = None) -> tuple[str, int] | None:
+def predecessor(job_id: str, nproc: int, base: str | None = None) -> tuple[str, int] | None:
     """(node id, pid) of the ended agent whose memory this agent, started without --node-id, takes with its node id:
-    one of `job_id` on this host whose id was made from its pid (HOSTNAME-PID), written to within KEEP_S, the newest
-    written where several are. Its directory is claimed here (two agents starting at once take one each, never the
-    same). None where there is none: a new node id, as before."""
+    one of `job_id` on this host whose id was made from its pid (HOSTNAME-PID), that ran `nproc` local ranks (a
+    review: agents of 1 and 3 workers restarted together swapped ids, and every rank moved: step 0), written to
+    within KEEP_S, the newest written where several are. Its directory is claimed here (two agents starting at once
+    take one each, never the same). None where there is none: a new node id, as before."""
     found = []
     now = time.time()
     for entry in memory.scandir(memory.parent_dir(base)):
@@ -35,8 +36,9 @@ def predecessor(job_id: str, base: str | None = None) -> tuple[str, int] | None:
         if node[0] != job_id or not made_from_pid(node[1]) or node[2] != memory.SUCCEEDED or \
                 entry.name != memory.dir_name(job_id, node[1]):
             continue
+        ranks = sum(1 for name in memory.listdir(entry.path) if name.isdigit())
         written = memory.last_write(entry.path)
-        if now - written < memory.KEEP_S:
+        if ranks == nproc and now - written < memory.KEEP_S:
             found.append((written, entry.path, node[1]))
     for _, path, node_id in sorted(found, reverse=True):
         gone = owners.owner_gone(path)       # an ended agent's (not a live one's, nor one being made)

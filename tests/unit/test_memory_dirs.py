@@ -167,7 +167,7 @@ def test_a_stopped_agent_whose_place_is_kept_leaves_its_memory_to_the_next_one(t
     assert done.returncode == 0, done.stderr
     assert "place for its next agent: its snapshots stay in" in done.stdout, done.stdout
     if node == "HOSTNAME-PID":
-        taken = predecessor("job", str(tmp_path))
+        taken = predecessor("job", 1, str(tmp_path))
         assert taken is not None and made_from_pid(taken[0]), taken
         node = taken[0]
     said: list[str] = []
@@ -201,10 +201,11 @@ def test_an_agent_without_a_node_id_takes_its_ended_predecessors_with_its_memory
     for where, dirs, names in os.walk(stale):
         for name in dirs + names:
             os.utime(os.path.join(where, name), (now - 1, now - 1))     # written before the other
-    first = predecessor("job", base)
+    assert predecessor("job", 3, base) is None                    # they ran 2 workers, this one 3
+    first = predecessor("job", 2, base)
     assert first is not None and first[0] == newer, (first, newer)
-    assert predecessor("job", base) == (older, int(older.rpartition("-")[2]))   # claimed: the other goes to the next
-    assert predecessor("job", base) is None
+    assert predecessor("job", 2, base) == (older, int(older.rpartition("-")[2]))   # claimed: the other goes to the next
+    assert predecessor("job", 2, base) is None
     assert alone not in (older, newer)
     said: list[str] = []
     taken = MemoryDirs("job", 2, 2**20, say=said.append, base=base, node_id=newer)
@@ -219,7 +220,7 @@ def test_an_agent_without_a_node_id_takes_its_ended_predecessors_with_its_memory
     for where, dirs, names in os.walk(os.path.join(parent, dir_name("job", gone))):
         for name in dirs + names:
             os.utime(os.path.join(where, name), (old, old))
-    assert predecessor("job", base) is None                                        # too old to be taken
+    assert predecessor("job", 2, base) is None                                     # too old to be taken
 
 
 def test_memory_taken_up_keeps_only_the_ranks_whose_global_ranks_stayed(tmp_path) -> None:
