@@ -37,7 +37,9 @@ class Hold:
 class UnhealthyHosts:
     def __init__(self, hold_s: float = DEFAULT_HOLD_S) -> None:
         self.hold_s = hold_s
-        self._holds: dict[str, Hold] = {}
+        # host -> source -> its hold: one source's never replaces another's (a stranger's would lift a real one)
+        self._holds: dict[str, dict[str, Hold]] = {}
+        self._count = 0
 
     def hold(self, host: str, kind: str, reason: str, job_id: str, node_id: str, now: float,
              source: str = "") -> None:
@@ -45,36 +47,45 @@ class UnhealthyHosts:
         `source`, the unhealthy node's connection's address (any, where not known)."""
         if self.hold_s <= 0 or not host:
             return
-        self._holds.pop(host, None)
-        while len(self._holds) >= MAX_HOSTS:
-            del self._holds[next(iter(self._holds))]
-        self._holds[host] = Hold(host, kind, reason, job_id, node_id, now, now + self.hold_s, source)
+        self._drop(host, source)
+        while self._count >= MAX_HOSTS:
+            oldest = min((h for held in self._holds.values() for h in held.values()), key=lambda h: h.since)
+            self._drop(oldest.host, oldest.source)
+        self._holds.setdefault(host, {})[source] = Hold(host, kind, reason, job_id, node_id, now, now + self.hold_s,
+                                                       source)
+        self._count += 1
 
     def check(self, host: str, node_id: str, now: float, source: str = "") -> None:
-        """Refuse a join from a held host (from the held source, where both are known)."""
-        held = self.get(host, now)
-        if held is not None and (not held.source or not source or same_host(source, held.source)):
-            raise RendezvousError(ErrorCode.HOST_UNHEALTHY, (
-                f"host {quote(host)} (node {quote(node_id)}) is held out as unhealthy for {held.until - now:.0f}s "
-                f"more: node {quote(held.node_id)} of job {quote(held.job_id)} left with {held.reason}; an "
-                f"operator clears it with `rdzv-ctl clear-unhealthy {host}`"))
+        """Refuse a join from a held host (from a held source, where both are known)."""
+        for held in self.get(host, now):
+            if not held.source or not source or same_host(source, held.source):
+                raise RendezvousError(ErrorCode.HOST_UNHEALTHY, (
+                    f"host {quote(host)} (node {quote(node_id)}) is held out as unhealthy for "
+                    f"{held.until - now:.0f}s more: node {quote(held.node_id)} of job {quote(held.job_id)} left "
+                    f"with {held.reason}; an operator clears it with `rdzv-ctl clear-unhealthy {host}`"))
 
-    def get(self, host: str, now: float) -> Hold | None:
-        held = self._holds.get(host)
-        if held is not None and held.until <= now:
-            del self._holds[host]
-            return None
-        return held
+    def get(self, host: str, now: float) -> list[Hold]:
+        """`host`'s holds still running, oldest first."""
+        for held in [h for h in self._holds.get(host, {}).values() if h.until <= now]:
+            self._drop(host, held.source)
+        return sorted(self._holds.get(host, {}).values(), key=lambda h: h.since)
 
     def clear(self, host: str, now: float) -> Hold:
-        """An operator lets `host` join again; NOT_FOUND when it is not held."""
+        """An operator lets `host` join again (from every source): its newest hold; NOT_FOUND when it is not held."""
         held = self.get(host, now)
-        if held is None:
+        if not held:
             raise RendezvousError(ErrorCode.NOT_FOUND, f"host {quote(host)} is not held as unhealthy")
-        return self._holds.pop(host)
+        for h in held:
+            self._drop(host, h.source)
+        return held[-1]
 
     def current(self, now: float) -> list[Hold]:
         """The holds still running, oldest first."""
-        for host in [h for h, held in self._holds.items() if held.until <= now]:
-            del self._holds[host]
-        return sorted(self._holds.values(), key=lambda h: h.since)
+        return sorted((h for host in list(self._holds) for h in self.get(host, now)), key=lambda h: h.since)
+
+    def _drop(self, host: str, source: str) -> None:
+        held = self._holds.get(host)
+        if held is not None and held.pop(source, None) is not None:
+            self._count -= 1
+            if not held:
+                del self._holds[host]

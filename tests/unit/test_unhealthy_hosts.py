@@ -166,3 +166,19 @@ def test_a_hold_keeps_out_only_joins_from_the_unhealthy_nodes_address() -> None:
     with pytest.raises(RendezvousError) as refused:
         join_from("b2", "a", "::ffff:10.9.9.9", 4.0)              # from where the unhealthy node was: held
     assert refused.value.code == ErrorCode.HOST_UNHEALTHY
+
+
+def test_a_second_hold_from_another_address_does_not_lift_the_first() -> None:
+    """A review (by reading): holds were keyed by the host name alone, so a stranger leaving unhealthy under b's host
+    name from its own address replaced b's real hold, and let b back in."""
+    from rdzv_server.core.unhealthy import UnhealthyHosts
+    holds = UnhealthyHosts(100.0)
+    holds.hold("host-b", "gpu", "GPU 0: Xid 79", "a", "b", 1.0, source="10.0.0.2")
+    holds.hold("host-b", "gpu", "made up", "other", "evil", 2.0, source="10.9.9.9")
+    for source in ("10.0.0.2", "10.9.9.9"):
+        with pytest.raises(RendezvousError):
+            holds.check("host-b", "b", 3.0, source=source)
+    holds.check("host-b", "b", 3.0, source="10.0.0.3")           # from neither: not held
+    assert [h.source for h in holds.current(3.0)] == ["10.0.0.2", "10.9.9.9"]
+    assert holds.clear("host-b", 3.0).source == "10.9.9.9" and holds.current(3.0) == []
+    holds.check("host-b", "b", 3.0, source="10.0.0.2")
