@@ -100,7 +100,8 @@ def held_back(standby: dict[str, str], lost: list[NodeRecord]) -> str:
         node = records.get(gone)
         c = node.copies if node is not None else None
         if node is not None and c is not None and copy_behind(node):
-            copy = f"its copy of step {c.copied_step}" if c.copied_step >= 0 else "no copy of its (none landed yet)"
+            copy = f"its copy of step {c.copied_step}" if c.copied_step >= 0 else \
+                "no copy its agent has told of (none landed yet, or its new agent pushed none yet)"
             said.append(f"spare {new} stays spare: it would resume {gone}'s ranks from {copy}, where {gone}'s own "
                         f"newest is step {c.local_step}")
         else:
