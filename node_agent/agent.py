@@ -59,7 +59,7 @@ def restartable(settings: AgentSettings, environ: Mapping[str, str]) -> bool:
     """Whether a SIGTERM to this agent may be a restart, after which the job keeps its place (LeaveRequest.stopped): it
     reaches an rdzv-server of its own (a standalone job, or one hosted in-process, ends with its agent), outside a
     Slurm job (there a signal ends the step: scancel, the time limit, preemption). Its next agent has its node id:
-    given, or, made from this one's pid, taken with its memory (workers/memory.predecessor)."""
+    given, or, made from this one's pid, taken with its memory (workers/succession.predecessor)."""
     link = settings.link
     return link.mode is Mode.SERVER and not link.host_if_unserved and "SLURM_JOB_ID" not in environ
 

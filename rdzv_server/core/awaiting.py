@@ -6,16 +6,15 @@ shrink: the last survivor moves into its place and takes its ranks, so the last 
 RNG) is dropped, and the regrown round finds no common step: every rank goes back to disk or to step 0. A spare's
 fetch of a lost node's copies from the restarting node fails the same way. So a member lost with its connection
 closed by its host, replaced by a new instance of its agent, or leaving because its agent was stopped by a signal
-(`systemctl restart`: LeaveRequest.stopped), that holds state of its own (`holds_own_state`), whose place no node
-takes, or only a spare from an older copy than its own newest snapshot, or whose copies a member still fetches, is
-awaited for `window_s` (a lease and a last call) while the
-survivors wait; back but still preparing, until its agent would start cold (`deadline`: a loaded host imports for
-seconds, and the survivors' idle seconds cost less than every rank's progress). A stopped agent leaves before it
-stops its workers: its wait starts when they may be stopped (LeaveRequest.stop_timeout_s: a script saving a
-checkpoint on SIGTERM would otherwise be gone on without while it saves). What looks the same: an agent that crashed
-or was stopped for good, or a host closing its connections as it shuts down: the job goes on without it that much
-later (when shrinking would have lost the state anyway), and the event says why. A host that keeps dropping out (a
-flapping host, exclude_lost_after), a node that leaves unhealthy and a drained one are not awaited.
+(`systemctl restart`: LeaveRequest.stopped), that holds state of its own (`holds_own_state`), is awaited for
+`window_s` (a lease and a last call), a ready spare or not (`worth_awaiting`), while the survivors wait; back but
+still preparing, until its agent would start cold (`deadline`: a loaded host imports for seconds, and the survivors'
+idle seconds cost less than every rank's progress). A stopped agent leaves before it stops its workers: its wait
+starts when they may be stopped (LeaveRequest.stop_timeout_s: a script saving a checkpoint on SIGTERM would
+otherwise be gone on without while it saves). What looks the same: an agent that crashed or was stopped for good, or
+a host closing its connections as it shuts down: the job goes on without it (or a spare takes its place) that much
+later, and the event says why. A host that keeps dropping out (a flapping host, exclude_lost_after), a node that
+leaves unhealthy and a drained one are not awaited.
 """
 from __future__ import annotations
 
