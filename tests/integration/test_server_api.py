@@ -93,6 +93,10 @@ async def test_dropped_long_poll_connection_loses_the_node_after_a_short_grace(s
         await wait_until(lambda: server.app[COORDINATOR].hub.open == 1)
         poll.cancel()
     woken = await a.poll(known_round=round_id, wait_s=10)
+    for _ in range(5):     # a loaded machine may answer a held poll before the loss is decided: poll on
+        if woken["assignment"]["round_id"] > round_id:
+            break
+        woken = await a.poll(known_round=round_id, wait_s=10)
     assert woken["assignment"]["round_id"] > round_id
     assert woken["assignment"]["world_size"] == 2  # a alone
     assert woken["restart_count"] == 0
