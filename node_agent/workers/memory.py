@@ -259,7 +259,7 @@ def sweep(parent: str, besides: str = "") -> int:
         if gone is None:
             continue     # alive, being made, or not ours
         try:
-            _, node, mark, *_ = (read_text(os.path.join(entry.path, IDENTITY)) + "\n\n\n").split("\n")
+            _, node, mark = identity(entry.path)
             comes_back = node and (mark == SUCCEEDED or not made_from_pid(node))   # (none: nobody's to take up)
             if comes_back and now - last_write(entry.path) < KEEP_S:
                 continue
@@ -323,6 +323,12 @@ def _unpin(root: str) -> None:
             if name.startswith(snapshot.SENDING):
                 with contextlib.suppress(OSError):
                     os.unlink(os.path.join(where, name))
+
+
+def identity(directory: str) -> tuple[str, str, str]:
+    """A node directory's job id, node id and mark (SUCCEEDED or ""), as `_claim` wrote them ("" where missing)."""
+    job_id, node_id, mark, *_ = (read_text(os.path.join(directory, IDENTITY)) + "\n\n\n").split("\n")
+    return job_id, node_id, mark
 
 
 def _write(path: str, text: str) -> None:

@@ -32,14 +32,14 @@ def predecessor(job_id: str, nproc: int, base: str | None = None) -> tuple[str, 
     found = []
     now = time.time()
     for entry in memory.scandir(memory.parent_dir(base)):
-        node = (memory.read_text(os.path.join(entry.path, memory.IDENTITY)) + "\n\n\n").split("\n")
-        if node[0] != job_id or not made_from_pid(node[1]) or node[2] != memory.SUCCEEDED or \
-                entry.name != memory.dir_name(job_id, node[1]):
+        its_job, node_id, mark = memory.identity(entry.path)
+        if its_job != job_id or not made_from_pid(node_id) or mark != memory.SUCCEEDED or \
+                entry.name != memory.dir_name(job_id, node_id):
             continue
         ranks = sum(1 for name in memory.listdir(entry.path) if name.isdigit())
         written = memory.last_write(entry.path)
         if ranks == nproc and now - written < memory.KEEP_S:
-            found.append((written, entry.path, node[1]))
+            found.append((written, entry.path, node_id))
     for _, path, node_id in sorted(found, reverse=True):
         gone = owners.owner_gone(path)       # an ended agent's (not a live one's, nor one being made)
         if gone is None:
