@@ -197,10 +197,10 @@ def test_an_agent_without_a_node_id_takes_its_ended_predecessors_with_its_memory
     live.dirs(1)
     parent = os.path.join(base, f"node-agent-mem-{os.getuid()}")
     stale = os.path.join(parent, dir_name("job", older))
-    now = time.time()
-    for where, dirs, names in os.walk(stale):
+    before = memory.last_write(os.path.join(parent, dir_name("job", newer))) - 1    # (not `now`: the agents after it
+    for where, dirs, names in os.walk(stale):                                # may take a second to start)
         for name in dirs + names:
-            os.utime(os.path.join(where, name), (now - 1, now - 1))     # written before the other
+            os.utime(os.path.join(where, name), (before, before))     # written before the other
     assert predecessor("job", 3, base) is None                    # they ran 2 workers, this one 3
     first = predecessor("job", 2, base)
     assert first is not None and first[0] == newer, (first, newer)
