@@ -21,13 +21,18 @@ STARTED = re.compile(r"rank (\d): training from step (\d+)")
 RESUMED = re.compile(r"rank \d: resumed from step \d+ \(memory\)")
 
 
-def run_job(cluster, job: str, script: str, train_args: list[str], *agent_flags: str) -> str:
+def start_job(cluster, job: str, script: str, train_args: list[str], *agent_flags: str) -> list:
+    """Job `job`'s two agents (nodes JOB-a and JOB-b), started; a second job may run beside it."""
     if cluster.server is None:
         cluster.start_server()
-    agents = [cluster.agent("--endpoint", cluster.endpoint(), "--nnodes", "2", "--nproc", "2", "--job-id", job,
-                            "--max-restarts", "1", "--node-id", f"{job}-{name}", *agent_flags,
-                            os.path.join(ROOT, "examples", script), *train_args, name=f"{job}-{name}")
-              for name in ("a", "b")]
+    return [cluster.agent("--endpoint", cluster.endpoint(), "--nnodes", "2", "--nproc", "2", "--job-id", job,
+                          "--max-restarts", "1", "--node-id", f"{job}-{name}", *agent_flags,
+                          os.path.join(ROOT, "examples", script), *train_args, name=f"{job}-{name}")
+            for name in ("a", "b")]
+
+
+def output(agents: list) -> str:
+    """Once every agent exited 0: their output."""
     for agent in agents:
         assert agent.wait(300) == 0, agent.output
     return "".join(a.output for a in agents)
@@ -50,10 +55,11 @@ def test_a_crash_resumes_from_the_snapshot_as_the_framework_would(cluster, tmp_p
     Trainer's resume skips the batches done and restores the RNG states: its snapshot resume is bit-identical to
     a run that never crashed."""
     crash = ["--steps", "32", "--crash-rank", "3", "--crash-step", "27"]
-    memory = run_job(cluster, "mem", script, [*crash, "--snapshot-every", "5", "--final", str(tmp_path / "m.pt")])
     other = [*crash, "--disk-every", "25", "--ckpt-dir", str(tmp_path / "ckpt")] if reference == "disk" \
         else ["--steps", "32", "--snapshot-every", "5"]
-    other_out = run_job(cluster, reference, script, [*other, "--final", str(tmp_path / "r.pt")])
+    both = [start_job(cluster, "mem", script, [*crash, "--snapshot-every", "5", "--final", str(tmp_path / "m.pt")]),
+            start_job(cluster, reference, script, [*other, "--final", str(tmp_path / "r.pt")])]
+    memory, other_out = (output(agents) for agents in both)      # the two jobs side by side
     assert starts(memory) == [0, 0, 0, 0, 25, 25, 25, 25], memory
     assert len(RESUMED.findall(memory)) == 4, memory
     # DDP's parameters compared at each snapshot: alike, bit for bit
@@ -68,15 +74,13 @@ def test_fsdp2_shards_resume_as_if_never_stopped(cluster, tmp_path):
     rank resumes at 6 from its own shard. The weights equal a run that never crashed, bit for bit."""
     script = os.path.join(ROOT, "tests", "e2e", "scripts", "fsdp_train.py")
     cluster.start_server()
-    outputs = {}
-    for job, crash in (("crash", "2"), ("whole", "-1")):
+    jobs = {}
+    for job, crash in (("crash", "2"), ("whole", "-1")):      # the two jobs side by side
         env = {"CRASH_RANK": crash, "CRASH_STEP": "7", "FINAL": str(tmp_path / f"{job}.pt")}
-        agents = [cluster.agent("--endpoint", cluster.endpoint(), "--nnodes", "2", "--nproc", "2", "--job-id", job,
-                                "--max-restarts", "1", "--node-id", f"{job}-{n}", script, name=f"{job}-{n}", env=env)
-                  for n in ("a", "b")]
-        for agent in agents:
-            assert agent.wait(180) == 0, agent.output
-        outputs[job] = "".join(a.output for a in agents)
+        jobs[job] = [cluster.agent("--endpoint", cluster.endpoint(), "--nnodes", "2", "--nproc", "2", "--job-id", job,
+                                   "--max-restarts", "1", "--node-id", f"{job}-{n}", script, name=f"{job}-{n}",
+                                   env=env) for n in ("a", "b")]
+    outputs = {job: output(agents) for job, agents in jobs.items()}
     assert starts(outputs["crash"]) == [0, 0, 0, 0, 6, 6, 6, 6], outputs["crash"]
     assert starts(outputs["whole"]) == [0, 0, 0, 0], outputs["whole"]
     assert same_weights(tmp_path / "crash.pt", tmp_path / "whole.pt"), "the weights differ"

@@ -18,17 +18,26 @@ TRAIN = os.path.join(ROOT, "examples", "train_ddp.py")
 RESUMED = re.compile(r"rank \d: resumed from step -?\d+ \(\w+\)")
 
 
-def run_job(cluster, tmp_path, job: str, train_args: list[str], *agent_flags: str, nproc: int = 2) -> list[str]:
-    """The lines `rank R: resumed from step S (SOURCE)` of every attempt."""
+def start_job(cluster, job: str, train_args: list[str], *agent_flags: str, nproc: int = 2) -> list:
+    """Job `job`'s two agents (nodes JOB-a and JOB-b), started; a second job may run beside it."""
     if cluster.server is None:
         cluster.start_server()
-    agents = [cluster.agent("--endpoint", cluster.endpoint(), "--nnodes", "2", "--nproc", str(nproc), "--job-id", job,
-                            "--max-restarts", "1", "--node-id", f"{job}-{name}", *agent_flags, TRAIN, *train_args,
-                            name=f"{job}-{name}")
-              for name in ("a", "b")]
+    return [cluster.agent("--endpoint", cluster.endpoint(), "--nnodes", "2", "--nproc", str(nproc), "--job-id", job,
+                          "--max-restarts", "1", "--node-id", f"{job}-{name}", *agent_flags, TRAIN, *train_args,
+                          name=f"{job}-{name}")
+            for name in ("a", "b")]
+
+
+def resumes(agents: list) -> list[str]:
+    """Once every agent exited 0: the lines `rank R: resumed from step S (SOURCE)` of every attempt."""
     for agent in agents:
         assert agent.wait(180) == 0, agent.output
     return [m.group(0) for a in agents for m in RESUMED.finditer(a.output)]
+
+
+def run_job(cluster, tmp_path, job: str, train_args: list[str], *agent_flags: str, nproc: int = 2) -> list[str]:
+    """The lines `rank R: resumed from step S (SOURCE)` of every attempt."""
+    return resumes(start_job(cluster, job, train_args, *agent_flags, nproc=nproc))
 
 
 def grown(cluster, script: list[str]) -> str:
@@ -95,10 +104,10 @@ def test_a_memory_resume_trains_the_weights_a_disk_resume_does(cluster, tmp_path
     in a new DDP's first layout, which with 4 ranks adds the gradients in another order (about 1e-8)."""
     common = ["--steps", "32", "--crash-rank", "3", "--crash-step", "27", "--width", "16", "--depth", "2",
               "--optimizer", "adamw"]
-    memory = run_job(cluster, tmp_path, "mem", [*common, "--snapshot-every", "5", "--final", str(tmp_path / "m.pt")])
-    disk = run_job(cluster, tmp_path, "disk", [*common, "--snapshot-every", "5", "--disk-every", "25", "--ckpt-dir",
-                                               str(tmp_path / "ckpt"), "--final", str(tmp_path / "d.pt")],
-                   "--no-memory-dir")
+    both = [start_job(cluster, "mem", [*common, "--snapshot-every", "5", "--final", str(tmp_path / "m.pt")]),
+            start_job(cluster, "disk", [*common, "--snapshot-every", "5", "--disk-every", "25", "--ckpt-dir",
+                                        str(tmp_path / "ckpt"), "--final", str(tmp_path / "d.pt")], "--no-memory-dir")]
+    memory, disk = (resumes(agents) for agents in both)        # the two jobs side by side
     assert sorted(x for x in memory if "scratch" not in x) == [f"rank {r}: resumed from step 25 (memory)"
                                                               for r in range(4)], memory
     assert sorted(x for x in disk if "scratch" not in x) == [f"rank {r}: resumed from step 25 (disk)"
@@ -117,9 +126,10 @@ def test_a_loop_that_draws_its_batches_resumes_bit_identical_to_an_uninterrupted
     had rebuilt (with 4 ranks an all-reduce's sums depend on it): the final weights are that run's, bit for bit."""
     common = ["--steps", "32", "--width", "16", "--depth", "2", "--optimizer", "adamw", "--snapshot-every", "5",
               "--batches", batches]
-    crashed = run_job(cluster, tmp_path, f"crash-{batches}", [*common, "--crash-rank", "1", "--crash-step", "27",
-                                                              "--final", str(tmp_path / "crashed.pt")])
-    run_job(cluster, tmp_path, f"whole-{batches}", [*common, "--final", str(tmp_path / "whole.pt")])
+    both = [start_job(cluster, f"crash-{batches}", [*common, "--crash-rank", "1", "--crash-step", "27", "--final",
+                                                     str(tmp_path / "crashed.pt")]),
+            start_job(cluster, f"whole-{batches}", [*common, "--final", str(tmp_path / "whole.pt")])]
+    crashed, _ = (resumes(agents) for agents in both)          # the two jobs side by side
     assert sorted(x for x in crashed if "scratch" not in x) == [f"rank {r}: resumed from step 25 (memory)"
                                                                for r in range(4)], crashed
     resumed, whole = torch.load(tmp_path / "crashed.pt"), torch.load(tmp_path / "whole.pt")

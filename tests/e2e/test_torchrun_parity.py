@@ -24,7 +24,7 @@ from node_agent.cli.options import OptionsError, build_argparser, parse_options
 from tests.e2e import torchrun_parity as parity
 from tests.e2e.harness import SCRIPTS, Cluster, Proc, child_env, read_records
 from tests.options_view import flat
-from tests.ports import free_port
+from tests.ports import free_port, free_ports
 
 pytestmark = pytest.mark.e2e
 ECHO = os.path.join(SCRIPTS, "echo_env.py")
@@ -153,16 +153,18 @@ def worker_lines(proc: Proc) -> list[str]:
     return sorted(line for line in proc.lines if "hello" in line)
 
 
-def both(cluster: Cluster, tmp_path, argv: list[str], env: dict[str, str] | None = None, *,
-         code: int = 0) -> dict[str, tuple[Proc, str]]:
-    """Run the line under each launcher (one after the other); each exits with `code`."""
+def both(cluster: Cluster, tmp_path, argv: list[str] | Callable[[str], list[str]], env: dict[str, str] | None = None,
+         *, code: int = 0) -> dict[str, tuple[Proc, str]]:
+    """Run the line (or each launcher's own, where a port in it would be shared) under each launcher, side by side;
+    each exits with `code`."""
     runs = {}
     for launcher in LAUNCHERS:
         out = tmp_path / launcher
         out.mkdir()
-        proc = start(cluster, launcher, argv, {"OUT_DIR": str(out), **(env or {})})
+        line = argv(launcher) if callable(argv) else argv
+        runs[launcher] = (start(cluster, launcher, line, {"OUT_DIR": str(out), **(env or {})}), str(out))
+    for launcher, (proc, _) in runs.items():
         assert proc.wait(120) == code, f"{launcher}:\n{proc.output}"
-        runs[launcher] = (proc, str(out))
     return runs
 
 
@@ -209,9 +211,10 @@ def run_torchx(cluster, tmp_path) -> None:
 
 def run_tutorial(cluster, tmp_path) -> None:
     """The tutorial's fault-tolerant line with one node and nothing at the endpoint: each agent hosts it."""
-    runs = both(cluster, tmp_path, ["--nnodes", "1", "--nproc-per-node", "2", "--max-restarts", "3", "--rdzv-id",
-                                    "100", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"localhost:{free_port()}",
-                                    ECHO])
+    ports = dict(zip(LAUNCHERS, free_ports(len(LAUNCHERS)), strict=True))
+    runs = both(cluster, tmp_path, lambda launcher: [
+        "--nnodes", "1", "--nproc-per-node", "2", "--max-restarts", "3", "--rdzv-id", "100", "--rdzv-backend", "c10d",
+        "--rdzv-endpoint", f"localhost:{ports[launcher]}", ECHO])
     assert {(r["env"]["WORLD_SIZE"], r["env"]["TORCHELASTIC_MAX_RESTARTS"]) for r in same_workers(runs)} == \
         {("2", "3")}
 
@@ -226,13 +229,16 @@ def run_pet(cluster, tmp_path) -> None:
 
 
 def run_static(cluster, tmp_path) -> None:
-    for launcher in LAUNCHERS:
+    runs = {}
+    for launcher, port in zip(LAUNCHERS, map(str, free_ports(len(LAUNCHERS))), strict=True):    # side by side
         out = tmp_path / launcher
         out.mkdir()
-        port = str(free_port())
-        nodes = [start(cluster, launcher, ["--nnodes", "2", "--node-rank", str(rank), "--master-addr", "127.0.0.1",
-                                           "--master-port", port, "--nproc-per-node", "1", ALLREDUCE],
-                       {"OUT_DIR": str(out)}, f"{launcher}-{rank}") for rank in (0, 1)]
+        runs[launcher] = [start(cluster, launcher, ["--nnodes", "2", "--node-rank", str(rank), "--master-addr",
+                                                    "127.0.0.1", "--master-port", port, "--nproc-per-node", "1",
+                                                    ALLREDUCE], {"OUT_DIR": str(out)}, f"{launcher}-{rank}")
+                          for rank in (0, 1)], port
+    for launcher, (nodes, port) in runs.items():
+        out = tmp_path / launcher
         assert [n.wait(120) for n in nodes] == [0, 0], "\n".join(n.output for n in nodes)
         records = read_records(out)
         assert sorted(r["env"]["RANK"] for r in records) == ["0", "1"] and {r["sum"] for r in records} == {3.0}
@@ -241,13 +247,16 @@ def run_static(cluster, tmp_path) -> None:
 
 def run_server(cluster, tmp_path) -> None:
     cluster.start_server("--state-dir", "none")
-    for launcher in LAUNCHERS:
+    runs = {}
+    for launcher in LAUNCHERS:          # side by side
         out = tmp_path / launcher
         out.mkdir()
         endpoint = cluster.endpoint() if launcher == "node-agent" else f"127.0.0.1:{free_port()}"
-        nodes = [start(cluster, launcher, ["--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id",
-                                           "parity", "--nnodes", "2", "--nproc-per-node", "1", ECHO],
-                       {"OUT_DIR": str(out)}, f"{launcher}-{n}") for n in (0, 1)]
+        runs[launcher] = [start(cluster, launcher, ["--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint,
+                                                    "--rdzv-id", "parity", "--nnodes", "2", "--nproc-per-node", "1",
+                                                    ECHO], {"OUT_DIR": str(out)}, f"{launcher}-{n}") for n in (0, 1)]
+    for launcher, nodes in runs.items():
+        out = tmp_path / launcher
         assert [n.wait(120) for n in nodes] == [0, 0], "\n".join(n.output for n in nodes)
         records = read_records(out)
         assert sorted((r["env"]["RANK"], r["env"]["WORLD_SIZE"], r["env"]["TORCHELASTIC_RUN_ID"]) for r in records) \
@@ -260,16 +269,17 @@ def run_redirect_failure(cluster, tmp_path) -> None:
         (tmp_path / f"tmp-{launcher}").mkdir()
         (tmp_path / f"reply-{launcher}").mkdir()
     runs = {}
-    for launcher in LAUNCHERS:
+    for launcher in LAUNCHERS:          # side by side
         out, tmp = tmp_path / launcher, tmp_path / f"tmp-{launcher}"
         out.mkdir()
         reply = tmp_path / f"reply-{launcher}" / "error.json"
-        proc = start(cluster, launcher, ["--nproc-per-node", "2", "-r", "3", ECHO],
-                     {"OUT_DIR": str(out), "TMPDIR": str(tmp), "TORCHELASTIC_ERROR_FILE": str(reply),
-                      "EXIT_RANK": "1", "EXIT_CODE": "3"})
+        runs[launcher] = (start(cluster, launcher, ["--nproc-per-node", "2", "-r", "3", ECHO],
+                                {"OUT_DIR": str(out), "TMPDIR": str(tmp), "TORCHELASTIC_ERROR_FILE": str(reply),
+                                 "EXIT_RANK": "1", "EXIT_CODE": "3"}), str(out))
+    for launcher, (proc, _) in runs.items():
+        tmp, reply = tmp_path / f"tmp-{launcher}", tmp_path / f"reply-{launcher}" / "error.json"
         assert proc.wait(120) == 1, proc.output
         assert worker_lines(proc) == []                        # -r 3: nothing on the console
-        runs[launcher] = (proc, str(out))
         body = json.loads(reply.read_text())["message"]
         replies[launcher] = (body["message"], body["extraInfo"]["py_callstack"], body["errorCode"])
         run_dir, = glob.glob(os.path.join(str(tmp), "*", "*", "attempt_0", ".."))
@@ -284,14 +294,16 @@ def run_redirect_failure(cluster, tmp_path) -> None:
 def run_tee_logs(cluster, tmp_path) -> None:
     runs = {}
     layouts, filtered = {}, {}
-    for launcher in LAUNCHERS:
+    for launcher in LAUNCHERS:          # side by side
         out, logs = tmp_path / launcher, tmp_path / f"logs-{launcher}"
         out.mkdir()
-        proc = start(cluster, launcher, ["--log-dir", str(logs), "--tee", "3", "--local-ranks-filter", "1",
-                                         "--duplicate-stdout-filters", "hello", "--nproc-per-node", "2", ECHO],
-                     {"OUT_DIR": str(out), "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE": "[${role_name}/${rank}] "})
+        env = {"OUT_DIR": str(out), "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE": "[${role_name}/${rank}] "}
+        runs[launcher] = (start(cluster, launcher, ["--log-dir", str(logs), "--tee", "3", "--local-ranks-filter",
+                                                    "1", "--duplicate-stdout-filters", "hello", "--nproc-per-node",
+                                                    "2", ECHO], env), str(out))
+    for launcher, (proc, _) in runs.items():
+        logs = tmp_path / f"logs-{launcher}"
         assert proc.wait(120) == 0, proc.output
-        runs[launcher] = (proc, str(out))
         run_dir, = glob.glob(os.path.join(str(logs), "*"))
         layouts[launcher] = sorted(os.path.relpath(p, run_dir) for p in glob.glob(os.path.join(run_dir, "**"),
                                                                                recursive=True))
@@ -303,14 +315,17 @@ def run_tee_logs(cluster, tmp_path) -> None:
 
 
 def stop_by_signal(cluster, tmp_path, argv: list[str], env: dict[str, str], sig: int) -> dict[str, str]:
-    """Start each launcher, send `sig` once its worker waits; return what each worker left."""
-    left = {}
+    """Start each launcher (side by side), send `sig` once its worker waits; return what each worker left."""
+    left, procs = {}, {}
     for launcher in LAUNCHERS:
         out = tmp_path / launcher
         out.mkdir()
-        proc = start(cluster, launcher, [*argv, "--nproc-per-node", "1", ECHO], {"OUT_DIR": str(out), **env})
+        procs[launcher] = start(cluster, launcher, [*argv, "--nproc-per-node", "1", ECHO], {"OUT_DIR": str(out), **env})
+    for proc in procs.values():
         proc.wait_for_line(r"rank 0 waiting for")
         os.kill(proc.pid, sig)
+    for launcher, proc in procs.items():
+        out = tmp_path / launcher
         proc.wait(120)
         left[launcher] = " ".join(sorted(p.name + "=" + p.read_text() for p in out.iterdir()
                                          if p.name.startswith(("signal", "done"))))
