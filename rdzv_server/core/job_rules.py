@@ -125,10 +125,14 @@ class JobRules:
 
     def admit(self, node: NodeRecord, now: float) -> None:
         """Place a newly joined (or readmitted) node: waiting for the next round, or spare once the members and the
-        ready waiting nodes fill max_nodes (nodes still preparing hold no place)."""
+        ready waiting nodes fill max_nodes (nodes still preparing hold no place), counting the places of members
+        awaited while their wait runs. A job short of nodes runs no wait: a newcomer then waits for the round, so
+        that it can start the wait (a review: a fixed-size job's lost member was awaited, the node that joined to
+        replace it was benched as a spare, and no wait ever ran to give it the place: the job would fail at its
+        join timeout with a ready node)."""
         job, cfg = self.job, self.job.config
-        if node.node_id in job.awaited or \
-                len(self.members()) + self.ready_waiting() + awaiting.reserved(job) < cfg.max_nodes:
+        held = awaiting.reserved(job) if awaiting.wait_runs(job) else 0
+        if node.node_id in job.awaited or len(self.members()) + self.ready_waiting() + held < cfg.max_nodes:
             places.move(job, node, NodeState.WAITING)
             if awaiting.came_back(job, node, now):     # more time while its workers prepare
                 self.out.deadline(job.last_call_deadline or now)
@@ -160,6 +164,8 @@ class JobRules:
             else:           # (members restarting still away: their wait resumes, within its bound)
                 job.last_call_deadline = awaiting.resumed(job, now) if job.awaited else now + cfg.last_call_s
                 self.out.deadline(job.last_call_deadline)
+                if job.awaited:
+                    job.reason = f"{count_nodes(candidates(job))} ready; {awaiting.waiting(job, now)}"
 
     def ready_waiting(self) -> int:
         """The waiting nodes that can start at once (counted as they come and go: no scan of a long list)."""

@@ -919,3 +919,43 @@ def test_a_new_agent_killed_again_as_it_prepares_is_still_awaited():
     join(rz, "b", 13.0, cfg, instance="b#3")
     assert members(rz) == ["a", "b", "c"] and "b is back at its place" in last_event(rz, "round_completed")
     assert "excluded" not in [e.kind.value for e in job(rz).events]
+
+
+FIXED = JobConfig(min_nodes=3, max_nodes=3, max_restarts=3, lease_timeout_s=5.0, last_call_s=3.0)
+
+
+@pytest.mark.parametrize("back", [False, True])
+def test_a_node_joining_a_fixed_size_job_short_of_an_awaited_member_takes_its_place_when_the_wait_ends(back):
+    """A review: c's agent killed in a 3:3 job (its memory told a snapshot: awaited), and a new node d joined to
+    replace it. Below min_nodes no wait ran, d was benched as a spare, and nothing ever gave it the place: the job
+    waited for nodes until its join timeout. d now waits for the round and starts c's wait; c not back within it,
+    d takes c's place; c back, it keeps its place and d is spare."""
+    rz = running(["a", "b", "c"], FIXED)
+    crash_agent(rz, "c", 10.0, copied=10)
+    rz.tick(10.0 + DROP_GRACE_S)
+    assert job(rz).awaited == ["c"] and job(rz).last_call_deadline is None      # short of nodes: no wait yet
+    join(rz, "d", 11.0, FIXED)
+    assert job(rz).spares == [] and job(rz).round is None
+    assert job(rz).last_call_deadline is not None and job(rz).last_call_deadline <= 10.0 + 2 * window_s(FIXED)
+    assert "waiting up to" in job(rz).reason and "for node c to come back" in job(rz).reason, job(rz).reason
+    if back:
+        join(rz, "c", 12.0, FIXED, instance="c#2")
+        assert members(rz) == ["a", "b", "c"] and job(rz).spares == ["d"]
+        return
+    for t in range(12, 20):
+        heard(rz, "abd", float(t))
+        rz.tick(float(t))
+    assert members(rz) == ["a", "b", "d"] and job(rz).awaited == [] and job(rz).restart_count == 0
+    assert "node c not back within" in last_event(rz, "round_completed")
+
+
+def test_a_node_joining_long_after_a_fixed_size_jobs_member_was_lost_takes_its_place_at_once():
+    rz = running(["a", "b", "c"], FIXED)
+    crash_agent(rz, "c", 10.0, copied=10)
+    rz.tick(10.0 + DROP_GRACE_S)
+    for t in range(11, 60, 2):
+        heard(rz, "ab", float(t))
+        rz.tick(float(t))
+    join(rz, "d", 60.0, FIXED)                  # the wait's bound (two windows from c's loss) long past
+    rz.tick(60.0)
+    assert members(rz) == ["a", "b", "d"] and job(rz).awaited == []
