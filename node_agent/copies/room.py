@@ -13,9 +13,28 @@ def refusal(req: PushRequest, copies: list[files.Copy], pushing: dict[tuple[str,
             nodes: int, free: int, total: int) -> str | None:
     """Why the push `req` does not fit (None: it does). `pushing`: (node, rank) -> bytes reserved by pushes under
     way; `nodes`: how many nodes' copies this one holds; `free`/`total`: its file system's bytes."""
+    why = beyond_share(req, copies, pushing, limit, nodes)
+    if why is not None:
+        return why
     size, held = req.size, sum(c.size for c in copies)
     mine = sum(c.size for c in copies if (c.node, c.rank) == (req.node, req.rank))
     reserved = sum(pushing.values())
+    if held + reserved + size > limit:
+        return (f"{held} bytes held ({mine} of them this rank's current copy, kept until the new one is whole), "
+                f"{reserved} reserved by pushes under way, {size} new; limit {limit} bytes")
+    if free - reserved - size < total * FREE_RESERVE:
+        return (f"the holder's file system would keep less than {FREE_RESERVE:.0%} of its {total} bytes free ({free} "
+                f"free, {reserved} reserved, {size} new): left to its own workers (NCCL's and DataLoaders' shared "
+                f"memory)")
+    return None
+
+
+def beyond_share(req: PushRequest, copies: list[files.Copy], pushing: dict[tuple[str, int], int], limit: int,
+                 nodes: int) -> str | None:
+    """Why the push `req` exceeds what its node may hold here whatever else is held (None: it does not): checked
+    before anything is evicted to make room for it (a review: a member's push of 2**40 bytes, refused anyway, first
+    removed a lost node's copies, those its replacement was about to fetch)."""
+    size = req.size
     share = limit // max(1, nodes)
     theirs = sum(c.size for c in copies if c.node == req.node) + \
         sum(n for (node, _), n in pushing.items() if node == req.node)
@@ -24,11 +43,4 @@ def refusal(req: PushRequest, copies: list[files.Copy], pushing: dict[tuple[str,
                 f"is {share} bytes (the limit of {limit} bytes over the {nodes} nodes whose copies this one holds)")
     if size > limit:
         return f"the copy's {size} bytes exceed the limit of {limit} bytes"
-    if held + reserved + size > limit:
-        return (f"{held} bytes held ({mine} of them this rank's current copy, kept until the new one is whole), "
-                f"{reserved} reserved by pushes under way, {size} new; limit {limit} bytes")
-    if free - reserved - size < total * FREE_RESERVE:
-        return (f"the holder's file system would keep less than {FREE_RESERVE:.0%} of its {total} bytes free ({free} "
-                f"free, {reserved} reserved, {size} new): left to its own workers (NCCL's and DataLoaders' shared "
-                f"memory)")
     return None

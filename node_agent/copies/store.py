@@ -178,6 +178,9 @@ class CopyStore:
         # next snapshot. Only once this one is taken: refused, it leaves the older one be.
         reserved = self._pushing.pop(slot, 0) if under_way is not None else 0
         try:
+            beyond = room.beyond_share(req, self._copies(), self._pushing, self.limit_bytes, len(self._sources))
+            if beyond is not None:          # refused whatever is evicted: nothing is
+                raise Refusal("limit", f"memory limit full: {beyond}")
             copies = self._make_room(req.node, req.size, self._copies())
             self._check_incarnation(req, copies)      # (a push of the same node may have landed meanwhile)
             self._check_room(req, copies)

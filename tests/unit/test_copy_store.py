@@ -608,6 +608,22 @@ async def test_copies_nobody_renewed_for_long_make_room_and_fresh_ones_never_do(
     assert any("removed node old's copies" in line for line in said)
 
 
+async def test_a_push_refused_whatever_is_evicted_evicts_nothing(tmp_path) -> None:
+    """A review: a member's push too big to ever fit (a size of 2**40) first removed the copies of a lost node
+    not renewed while the job waited for its replacement, those the replacement was about to fetch."""
+    said: list[str] = []
+    store = make_store(tmp_path, limit=2500, said=said)
+    async with holder(store) as port:
+        done = await client.push("127.0.0.1", port, key=KEY, node_id="old", local_rank=0, step=1,
+                                 path=snap(tmp_path, "old-1", blob(1000)))
+        assert done.ok, done
+        os.utime(os.path.join(store.root, "old", "0", "step-1"), (1.0, 1.0))      # its node lost long ago
+        refused = await client.push("127.0.0.1", port, key=KEY, node_id="new", local_rank=0, step=1,
+                                    path=snap(tmp_path, "new-1", blob(3000)))
+        assert not refused.ok and "exceed the limit of 2500 bytes" in refused.reason, refused
+    assert store.held() == {("old", 0): 1} and not any("removed node old's copies" in line for line in said), said
+
+
 def tls_of_nodes_and_stranger(tmp_path) -> tuple[Any, Any]:
     """Copy TLS (node_agent/copies/tls.py) of the job's nodes (one CA), and of a stranger signed by another CA."""
     from node_agent.copies.tls import copy_tls
