@@ -110,6 +110,8 @@ class PeerCopies:
         self._retry_at: dict[tuple[str, int, int], float] = {}
         self._dirs: dict[int, str] = {}            # this round's local rank -> memory directory
         self._pusher: asyncio.Task[None] | None = None
+        self._to_holder: dict[tuple[str, int], asyncio.Task[None]] = {}    # (addr, port) -> its pushes under way
+        self._in_flight: dict[tuple[str, int], int] = {}                   # (addr, port) -> how many
         self.on_copied: Callable[[], None] = lambda: None    # a push succeeded (the agent may tell the server)
         self._fetching: asyncio.Task[None] | None = None
         self._last_note: CopiesNote | None = None   # what note() said last (shown again where it cannot read)
@@ -261,11 +263,18 @@ class PeerCopies:
         while True:
             await asyncio.sleep(PUSH_SCAN_S)     # a look at the directories on a schedule, not a wait for anything
             try:
-                await self._scan()
+                self._start_pushes()             # each holder's pushes go on their own (not awaited here)
             except OSError as exc:               # a directory gone under us (the job ending): said, then again
                 self._say_once("scan", f"peer copies: cannot read the memory directories ({exc}); trying again")
 
     async def _scan(self) -> None:
+        """Start the pushes due, and wait for them."""
+        await asyncio.gather(*self._start_pushes())
+
+    def _start_pushes(self) -> list[asyncio.Task[None]]:
+        """The pushes due, started: one task per holder not busy with an earlier one, so a slow holder (a member
+        reading at a trickle, inside every stall bound) holds back its own copies only, not those to the others (a
+        review: with --replicas 2 every push waited for the slow one, and a lost node resumed a snapshot back)."""
         # A snapshot of an earlier round may be one the job abandoned (it went back: the workers' agreed_step removes
         # it as they start), and a copy of it tagged with this round would make the holder refuse the step the job
         # resumed from (a review: the holder kept the abandoned step, and a later loss sent every rank to step 0).
@@ -285,10 +294,27 @@ class PeerCopies:
                 del self.copied[rank]
         # The local ranks' copies go together, so a holder has one step for all of them (agreed_step needs one),
         # sharing --replica-bandwidth.
-        due = [(t, rank, step, path) for t in self.targets for rank, (step, path) in newest.items()
-               if self._due(t, rank, step)]
-        rate = float(self.bandwidth) / len(due) if self.bandwidth and due else None
-        await asyncio.gather(*(self._push(t, rank, step, path, rate) for t, rank, step, path in due))
+        self._to_holder = {at: task for at, task in self._to_holder.items() if not task.done()}
+        due = [(t, rank, step, path) for t in self.targets if (t.addr, t.port) not in self._to_holder
+               for rank, (step, path) in newest.items() if self._due(t, rank, step)]
+        pushes = len(due) + sum(self._in_flight.values())
+        rate = float(self.bandwidth) / pushes if self.bandwidth and pushes else None
+        started = []
+        for target in {(t.addr, t.port): t for t, *_ in due}.values():
+            mine = [(rank, step, path) for t, rank, step, path in due if t is target]
+            task = asyncio.create_task(self._push_to(target, mine, rate))
+            self._to_holder[(target.addr, target.port)] = task
+            started.append(task)
+        return started
+
+    async def _push_to(self, target: Witness, pushes: list[tuple[int, int, str]], rate: float | None) -> None:
+        """`pushes` (local rank, step, file) to one holder, together (a holder has one step for all of them)."""
+        at = (target.addr, target.port)
+        self._in_flight[at] = len(pushes)
+        try:
+            await asyncio.gather(*(self._push(target, rank, step, path, rate) for rank, step, path in pushes))
+        finally:
+            self._in_flight.pop(at, None)
 
     def _due(self, target: Witness, rank: int, step: int) -> bool:
         """Not the step the target holds of this node (lower too: the job went back), and not refused lately."""
@@ -361,9 +387,11 @@ class PeerCopies:
         if self._fetching is not None:
             self._fetching.cancel()
             await self.fetched()
-        if self._pusher is not None:
-            self._pusher.cancel()
-            await asyncio.gather(self._pusher, return_exceptions=True)
+        for task in (self._pusher, *self._to_holder.values()):
+            if task is not None:
+                task.cancel()
+        await asyncio.gather(*(t for t in (self._pusher, *self._to_holder.values()) if t is not None),
+                             return_exceptions=True)
         if finished and self.key:
             await asyncio.gather(*(drop(t.addr, t.port, key=self.key, node_id=self.node_id, timeout_s=DROP_LIMIT_S,
                                         tls=self._connect) for t in self.targets))

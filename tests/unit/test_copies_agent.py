@@ -320,3 +320,39 @@ async def test_once_its_ranks_step_a_round_pushes_the_step_it_resumed_from(tmp_p
         stepped["now"] = True
         await copies._scan()
         assert store.held() == {("b", 0): 100, ("b", 1): 100}
+
+
+async def test_a_slow_holder_holds_back_its_own_copies_only(tmp_path) -> None:
+    """A review: with --replicas 2 every push of a scan waited for the others, and a member reading its pushes at a
+    trickle (inside every stall bound) held back the copies to the honest holder too: the node, lost, resumed a
+    snapshot back. Each holder's pushes go on their own."""
+    stuck: list[asyncio.StreamWriter] = []
+
+    async def never_answers(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readline()
+        stuck.append(writer)                  # holds the push: no answer, nothing read
+
+    slow = await asyncio.start_server(never_answers, "127.0.0.1", 0)
+    said: list[str] = []
+    try:
+        async with holder(tmp_path) as (store, at):
+            copies, dirs = agent_side(tmp_path, "b", said)
+            pushing(copies, at, dirs)
+            copies.targets = (Witness(addr="127.0.0.1", port=slow.sockets[0].getsockname()[1]), at)
+            for step in (5, 10):
+                for where in dirs.values():
+                    snapshot.save(b"s%d" % step, step, where=where)
+                for _ in range(200):
+                    copies._start_pushes()
+                    if store.held() == {("b", 0): step, ("b", 1): step}:
+                        break
+                    await asyncio.sleep(0.01)
+                assert store.held() == {("b", 0): step, ("b", 1): step}, (step, said)
+            busy = [at for at, task in copies._to_holder.items() if not task.done()]
+            assert stuck and busy == [("127.0.0.1", slow.sockets[0].getsockname()[1])]    # its step 5, still
+            await copies.close()
+    finally:
+        for writer in stuck:
+            writer.close()
+        slow.close()
+        await slow.wait_closed()
