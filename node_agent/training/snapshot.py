@@ -28,7 +28,7 @@ import errno
 import os
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import BinaryIO
 
@@ -169,8 +169,9 @@ def forget_after(step: int, where: str | None) -> list[int]:
 
 
 class _Bounded:
-    """A file that refuses to grow past `room` bytes, then drops later writes: a writer's clean-up
-    (torch.save finishing its zip) must not hide the first refusal."""
+    """A file that refuses to grow past `room` bytes, or past what its file system has left (ENOSPC), then drops
+    later writes: a writer's clean-up (torch.save finishing its zip) must not hide the first refusal (a review:
+    torch's zip writer turned a full /dev/shm into a RuntimeError, and the worker died at every save)."""
 
     def __init__(self, f: BinaryIO, room: int | None) -> None:
         self._f = f
@@ -184,17 +185,31 @@ class _Bounded:
         if self._room is not None and self.written + len(data) > self._room:
             self.full = True
             raise MemoryDirFull(f"needs more than the {self._room} bytes left")
+        with self._no_space():
+            done = self._f.write(data)
         self.written += len(data)
-        return self._f.write(data)
+        return done
+
+    @contextlib.contextmanager
+    def _no_space(self) -> Iterator[None]:
+        """ENOSPC from a write, or from the buffered file's flush of earlier ones: the file system is full."""
+        try:
+            yield
+        except OSError as exc:
+            if exc.errno == errno.ENOSPC:
+                self.full = True
+            raise
 
     def flush(self) -> None:
-        self._f.flush()
+        with self._no_space():
+            self._f.flush()
 
     def tell(self) -> int:
         return self._f.tell()
 
     def seek(self, offset: int, whence: int = 0) -> int:
-        return self._f.seek(offset, whence)
+        with self._no_space():
+            return self._f.seek(offset, whence)
 
     def seekable(self) -> bool:
         return True

@@ -343,6 +343,25 @@ def test_a_snapshot_written_past_the_limit_raises_memory_dir_full_and_keeps_the_
     assert os.listdir(where) == ["step-1"]
 
 
+def test_a_full_file_system_under_a_writer_that_hides_the_error_is_memory_dir_full(tmp_path, monkeypatch) -> None:
+    """A review: /dev/shm full (ENOSPC) under torch.save, whose zip writer re-raises a RuntimeError of its own: the
+    worker died at every save instead of training on without the snapshot. Here the file is /dev/full."""
+    where = str(tmp_path)
+    real_open = open
+    monkeypatch.setattr(snapshot, "open", lambda path, mode="r", *args: real_open(
+        "/dev/full" if str(path).endswith(".tmp") else path, mode, *args), raising=False)
+
+    def writer(f) -> None:       # like torch's zip writer: its own error, the file system's as its context
+        try:
+            f.write(b"x" * 100_000)
+            f.flush()
+        except OSError as exc:
+            raise RuntimeError("unexpected pos 704 vs 598") from exc
+    with pytest.raises(snapshot.MemoryDirFull, match="found /dev/shm full"):
+        snapshot.save(writer, 3, where=where)
+    assert os.listdir(where) == []
+
+
 def test_the_limit_comes_from_the_agents_variable(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv(snapshot.DIR_VAR, str(tmp_path))
     monkeypatch.setenv(snapshot.LIMIT_VAR, "100")
