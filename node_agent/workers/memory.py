@@ -41,10 +41,23 @@ COPIES = "replicas"      # in the node's directory: the copies it holds for othe
 KEEP_S = 600.0           # an ended agent's memory is kept this long after its last write, for its node's next agent
 
 
-def default_limit(base: str) -> int:
-    """Half of the free space under `base`: room for the snapshots without starving the workers' own use."""
+def default_limit(base: str, held: int = 0) -> int:
+    """Half of the free space under `base` and of the `held` bytes this node's directory takes up already (its
+    previous agent's snapshots and the copies it held: a review saw each restart halve what the node could keep,
+    until no snapshot fit and every rank went back to step 0): room for the snapshots without starving the
+    workers' own use."""
     st = os.statvfs(base)
-    return st.f_bavail * st.f_frsize // 2
+    return (st.f_bavail * st.f_frsize + held) // 2
+
+
+def bytes_under(path: str) -> int:
+    """What the files under `path` take up (their blocks: a sparse file counts what it uses)."""
+    total = 0
+    for where, _, names in os.walk(path):
+        for name in names:
+            with contextlib.suppress(OSError):
+                total += os.stat(os.path.join(where, name), follow_symlinks=False).st_blocks * 512
+    return total
 
 
 def parent_dir(base: str | None) -> str:
@@ -199,7 +212,8 @@ class MemoryDirs:
             self.say(f"removed {removed} in-memory checkpoint director{'y' if removed == 1 else 'ies'} "
                       f"left by agents that were killed")
         self._owner = own = self._claim(parent, name)
-        limit = self.limit if self.limit is not None else default_limit(base)
+        limit = self.limit if self.limit is not None else \
+            default_limit(base, bytes_under(own.directory) if own.previous is not None else 0)
         self.root = own.directory
         self.rank_limit = limit // max(1, self.nproc)
         self._inherited = own.previous

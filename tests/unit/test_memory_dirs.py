@@ -177,6 +177,24 @@ def test_a_stopped_agent_whose_place_is_kept_leaves_its_memory_to_the_next_one(t
     nxt.close()
 
 
+def test_a_next_agent_counts_what_its_nodes_memory_holds_as_room_of_its_own(tmp_path, monkeypatch) -> None:
+    """A review: the default limit is half of the free space, and a restarted agent counted its own predecessor's
+    snapshots (and the copies it held) as used by others: each restart halved what the node could keep, until no
+    snapshot fit and every rank went back to step 0."""
+    killed_agent(tmp_path, "job", "node-b")
+    free = types.SimpleNamespace(f_bavail=1000, f_frsize=4096)
+    monkeypatch.setattr(memory.os, "statvfs", lambda path: free)
+    fresh = MemoryDirs("job", 2, None, say=lambda _: None, base=str(tmp_path), node_id="node-c")
+    fresh.dirs(2)
+    assert fresh.rank_limit == 1000 * 4096 // 2 // 2              # nothing of its own: half the free space
+    fresh.close()
+    nxt = MemoryDirs("job", 2, None, say=lambda _: None, base=str(tmp_path), node_id="node-b")
+    nxt.dirs(2)
+    held = memory.bytes_under(nxt.home)
+    assert held > 0 and nxt.rank_limit == (1000 * 4096 + held) // 2 // 2, (held, nxt.rank_limit)
+    nxt.close()
+
+
 def test_a_node_id_made_from_a_pid_is_this_hosts_default() -> None:
     assert made_from_pid(default_node_id()) and made_from_pid(default_node_id(1))
     assert not made_from_pid("trainer-1") and not made_from_pid(f"{default_node_id(1)}x")
