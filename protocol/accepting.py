@@ -2,9 +2,11 @@
 is bounded before it costs more than a descriptor.
 - `Caps`: connections in progress, in total and by source address (an IPv6 one's /64). Past the per-source cap a
   new one is closed at once (before any TLS handshake: the accept loop is ours for that reason); at the total cap
-  one still waiting (for its handshake, or its first line) is closed to make room, the oldest of the source with
-  the most waiting (a flood's, not a peer's one: idle connections cannot shut out a newcomer); one at work is
-  never closed, and only when none waits is the newcomer closed. Either is said, once a minute.
+  the one waiting longest (for its handshake, or its first line) is closed to make room: a peer sends its first
+  line at once, so idle connections cannot shut out a newcomer, from one source or from many (a review: with one
+  idle connection from each of 768 addresses, "the source with the most waiting" was a peer pushing two ranks at
+  once, and the node taking a lost one's place found no copy: step 0); one at work is never closed, and only
+  when none waits is the newcomer closed. Either is said, once a minute.
 - Out of descriptors while accepting (EMFILE): said, once a minute, and accepting goes on after a pause. Where the
   caps `shrink` (an agent's: its own work needs descriptors more than strangers do), the total cap comes down for
   good to three quarters of the connections open then, waiting ones closed to fit: the limit was lowered, or the
@@ -49,12 +51,11 @@ class Caps:
         self.total, self.per_source, self.shrinks = total, per_source, shrinks
         self.open: dict[str, int] = {}      # source address -> its connections open now
         self.count = 0                      # all of them (every accept in a flood asks: kept, not summed)
-        # source address -> its connections waiting, oldest first: what closes each
-        self.waiting: dict[str, OrderedDict[object, Callable[[], None]]] = {}
+        self.waiting: OrderedDict[object, Callable[[], None]] = OrderedDict()   # longest waiting first: the close
 
     def take(self, source: str) -> str:
         """TAKEN: `source` may open one more; EVICTED: so, once a waiting connection was closed to make room, the
-        oldest of the source with the most waiting (`close()` gives its count back at once); REFUSED: at the
+        one waiting longest (`close()` gives its count back at once); REFUSED: at the
         per-source cap, or at the total cap with every connection at work."""
         if self.open.get(source, 0) >= self.per_source:
             return REFUSED
@@ -79,22 +80,17 @@ class Caps:
         return closed
 
     def _close_one_waiting(self) -> None:
-        """The oldest waiting connection of the source with the most waiting (`close()` gives its count back)."""
-        most = max(self.waiting, key=lambda s: len(self.waiting[s]))   # ties: the source waiting longest
-        _, close = self.waiting[most].popitem(last=False)
-        if not self.waiting[most]:
-            del self.waiting[most]
+        """The connection waiting longest (`close()` gives its count back)."""
+        _, close = self.waiting.popitem(last=False)
         close()
 
     def wait(self, source: str, key: object, close: Callable[[], None]) -> None:
         """A connection of `source` waits: `close()` ends it to make room."""
-        self.waiting.setdefault(source, OrderedDict())[key] = close
+        self.waiting[key] = close
 
     def at_work(self, source: str, key: object) -> None:
         """The connection waits no more (it is at work, or it ended): it is no longer closed to make room."""
-        mine = self.waiting.get(source)
-        if mine is not None and mine.pop(key, None) is not None and not mine:
-            del self.waiting[source]
+        self.waiting.pop(key, None)
 
     def give(self, source: str) -> None:
         self.count -= 1
@@ -170,7 +166,7 @@ async def accept(sock: socket.socket, caps: Caps, name: str, say: SayOnce, serve
         source = source_of(peer)
         taken = caps.take(source)
         if taken != TAKEN:
-            done = "closed an idle one (of the source with the most) for" if taken == EVICTED else "refused"
+            done = "closed the one idle longest for" if taken == EVICTED else "refused"
             say(f"{name}: at its cap of {caps.total} connections ({caps.per_source} from one address): {done} a "
                 f"connection from {source!r} (said once a minute)")
         if taken == REFUSED:
