@@ -21,11 +21,13 @@ import socket
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Coroutine
+from itertools import islice
 
 ACCEPT_PAUSE_S = 0.5      # out of descriptors: accepting waits this long before it tries again
 ACCEPT_BATCH = 64         # accepted in a row before the loop runs its other tasks (asyncio's own loop accepts a
                           # whole backlog at once: a flood would freeze it)
 SAY_EVERY_S = 60.0
+LOOK_AHEAD = 64           # waiting connections looked at for one that sent nothing, longest waiting first
 MIN_TOTAL = 16            # a total cap never comes below this (a node's peers ask and copy with a few each)
 TAKEN, EVICTED, REFUSED = "taken", "evicted", "refused"     # Caps.take
 
@@ -51,7 +53,8 @@ class Caps:
         self.total, self.per_source, self.shrinks = total, per_source, shrinks
         self.open: dict[str, int] = {}      # source address -> its connections open now
         self.count = 0                      # all of them (every accept in a flood asks: kept, not summed)
-        self.waiting: OrderedDict[object, Callable[[], None]] = OrderedDict()   # longest waiting first: the close
+        # longest waiting first: what closes each, and whether it has sent anything yet
+        self.waiting: OrderedDict[object, tuple[Callable[[], None], Callable[[], bool]]] = OrderedDict()
 
     def take(self, source: str) -> str:
         """TAKEN: `source` may open one more; EVICTED: so, once a waiting connection was closed to make room, the
@@ -80,13 +83,17 @@ class Caps:
         return closed
 
     def _close_one_waiting(self) -> None:
-        """The connection waiting longest (`close()` gives its count back)."""
-        _, close = self.waiting.popitem(last=False)
+        """The connection waiting longest that has sent nothing yet (a peer's sends at once: its line may wait for a
+        loop busy accepting a flood), else the one waiting longest. `close()` gives its count back."""
+        victim = next((key for key, (_, sent) in islice(self.waiting.items(), LOOK_AHEAD) if not sent()),
+                      next(iter(self.waiting)))
+        close, _ = self.waiting.pop(victim)
         close()
 
-    def wait(self, source: str, key: object, close: Callable[[], None]) -> None:
-        """A connection of `source` waits: `close()` ends it to make room."""
-        self.waiting[key] = close
+    def wait(self, source: str, key: object, close: Callable[[], None],
+             sent: Callable[[], bool] = lambda: False) -> None:
+        """A connection of `source` waits: `close()` ends it to make room; `sent()`: bytes of it are in."""
+        self.waiting[key] = (close, sent)
 
     def at_work(self, source: str, key: object) -> None:
         """The connection waits no more (it is at work, or it ended): it is no longer closed to make room."""
@@ -109,7 +116,17 @@ class Accepted:
     def __init__(self, conn: socket.socket, source: str, caps: Caps) -> None:
         self.conn, self.source, self.caps = conn, source, caps
         self.task: asyncio.Task[None] | None = None
-        self.started = self.evicted = False
+        self.started = self.evicted = self.heard = False
+
+    def sent(self) -> bool:
+        """The peer has sent something: bytes wait to be read (a first line, a TLS hello; looked at, not taken), or
+        its server read some already (`heard`)."""
+        if self.heard:
+            return True
+        try:
+            return bool(self.conn.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT))
+        except OSError:          # nothing yet (EAGAIN), or closed
+            return False
 
     def evict(self) -> None:
         self.evicted = True
@@ -174,6 +191,6 @@ async def accept(sock: socket.socket, caps: Caps, name: str, say: SayOnce, serve
             continue
         accepted = Accepted(conn, source, caps)
         accepted.task = asyncio.create_task(serve(accepted))
-        caps.wait(source, accepted, accepted.evict)     # from now: a burst finds it waiting, too
+        caps.wait(source, accepted, accepted.evict, accepted.sent)    # from now: a burst finds it waiting, too
         serving.add(accepted.task)
         accepted.task.add_done_callback(serving.discard)

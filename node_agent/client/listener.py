@@ -36,14 +36,15 @@ def agent_caps() -> Caps:
     return Caps(MAX_CONNECTIONS, MAX_PER_SOURCE, shrinks=True)
 
 
-async def _first_line(loop: asyncio.AbstractEventLoop, conn: socket.socket) -> tuple[bytes, bytes]:
+async def _first_line(loop: asyncio.AbstractEventLoop, accepted: Accepted) -> tuple[bytes, bytes]:
     """(the first line with its newline, what came after it), or (b"", b"") when the peer closed or sent a line
     longer than FIRST_LINE_LIMIT."""
     got = b""
     while b"\n" not in got:
-        piece = await loop.sock_recv(conn, FIRST_LINE_LIMIT - len(got))
+        piece = await loop.sock_recv(accepted.conn, FIRST_LINE_LIMIT - len(got))
         if not piece:
             return b"", b""
+        accepted.heard = True       # a peer at its line: closed to make room only where every one waiting is
         got += piece
         if len(got) >= FIRST_LINE_LIMIT and b"\n" not in got:
             return b"", b""
@@ -98,10 +99,11 @@ class Listener:
         try:
             try:
                 if self.tls is None:
-                    line, rest = await asyncio.wait_for(_first_line(loop, conn), FIRST_LINE_S)
+                    line, rest = await asyncio.wait_for(_first_line(loop, accepted), FIRST_LINE_S)
                     if not line:
                         conn.close()
                         return
+                accepted.heard = accepted.sent()      # its hello in: the handshake reads it off the socket
                 transport, _ = await asyncio.wait_for(
                     loop.connect_accepted_socket(made, conn, ssl=self.tls,
                                                  ssl_handshake_timeout=HANDSHAKE_S if self.tls else None),
