@@ -18,7 +18,7 @@ import pytest
 from node_agent.client import listener as listening
 from node_agent.client.listener import Listener
 from node_agent.copies import stream
-from protocol.accepting import MIN_TOTAL, Caps, SayOnce, accept
+from protocol.accepting import EVICTED, MIN_TOTAL, TAKEN, Caps, SayOnce, accept
 from tests.e2e.certs import make_ca, make_server_cert
 
 WAIT = 10.0
@@ -286,3 +286,16 @@ async def test_out_of_descriptors_an_agents_listener_lowers_its_cap_and_a_server
                 await task
         assert caps.total == after and caps.count == min(32, after) and len(said) == 1
         assert ("at most 24 connections from now on (8 waiting closed)" in said[0]) == caps.shrinks, said
+
+
+def test_at_the_total_cap_a_connection_whose_peer_has_sent_something_is_closed_last() -> None:
+    """The same review, its flood reconnecting at ~7,000 connections/s: the one waiting longest was at times a peer's,
+    its first line in the socket while the loop was busy accepting. One that has sent nothing goes first."""
+    caps, closed = Caps(total=3, per_source=10), []
+    for key, sent in (("peer", True), ("idle-1", False), ("idle-2", False)):
+        assert caps.take("x") == TAKEN
+        caps.wait("x", key, lambda key=key: (closed.append(key), caps.give("x")), lambda sent=sent: sent)
+    assert caps.take("y") == EVICTED and closed == ["idle-1"]
+    caps.wait("y", "peer-2", lambda: (closed.append("peer-2"), caps.give("y")), lambda: True)
+    assert caps.take("z") == EVICTED and closed == ["idle-1", "idle-2"]
+    assert caps.take("z") == EVICTED and closed == ["idle-1", "idle-2", "peer"]    # every one has: the longest
