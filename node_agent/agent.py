@@ -286,6 +286,7 @@ class Agent:
 
     async def _poll(self, wait_s: float) -> NodeStatus:
         known = self.policy.known_round
+        self.workers.memory.alive()
         return await self.transport.poll(known, wait_s, master_port=self._free_port(),
                                          progress=self.workers.progress_note(known) if known >= 0 else None,
                                          ready=self.workers.ready, copies=self.copies.note(),

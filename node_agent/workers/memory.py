@@ -12,8 +12,9 @@ The memory belongs to the job and the node id, not to one agent process (workers
   user's restarted agent keeps its node's place and memory as one given an id does.
 - Every agent starting removes the directories of agents that are gone, but a node's that its next agent may take
   up (its id given, or taken by a successor: an agent that reached a server) written to within KEEP_S (its next
-  agent is minutes away at most: a restart policy's back-off). So memory no agent comes back for is held KEEP_S
-  past its last snapshot, no longer; a standalone run's without --node-id goes at once.
+  agent is minutes away at most: a restart policy's back-off); a live agent marks its directory written to every
+  ALIVE_EVERY_S (`alive`). So memory no agent comes back for is held KEEP_S past its agent's end, no longer; a
+  standalone run's without --node-id goes at once.
 - An agent stopped by a signal while the job keeps its place (`systemctl restart`: NodeStatus.place_kept_s) leaves
   its directory as a killed one does (close(keep=WHY)).
 """
@@ -38,6 +39,7 @@ IDENTITY = "identity"    # in the node's directory: its job id and node id, a li
 SUCCEEDED = "succeeded"  # its node id made from its agent's pid is taken by the next agent (workers/succession.py)
 RUN = "run"              # in the node's directory: the run of the job its snapshots are of (Assignment.run)
 COPIES = "replicas"      # in the node's directory: the copies it holds for other nodes (node_agent/copies/peers.py)
+ALIVE_EVERY_S = 60.0     # how often a live agent marks its node's directory written to (MemoryDirs.alive)
 KEEP_S = 600.0           # an ended agent's memory is kept this long after its last write, for its node's next agent
 
 
@@ -95,6 +97,7 @@ class MemoryDirs:
         self._inherited: int | None = None   # the pid of the ended agent whose directory this one took up
         self._failed = False
         self._keep_failed = False     # a keep-from mark that could not be written: said once
+        self._alive_at = 0.0          # when the directory was last marked as its live agent's (time.monotonic())
 
     @property
     def enabled(self) -> bool:
@@ -244,6 +247,17 @@ class MemoryDirs:
             raise OSError(f"cannot own {alone}")
         self.say(f"another live agent of node {self.node_id} keeps its memory in {where}: this one uses {alone}")
         return own
+
+    def alive(self) -> None:
+        """Mark the directory written to now, at most every ALIVE_EVERY_S: KEEP_S counts from when its agent was last
+        alive, not from its last snapshot (a review: with snapshots ten minutes apart, the next agent of a killed one
+        found its memory too old to take up, made a new node and swept the memory: every rank from step 0)."""
+        now = time.monotonic()
+        if self.root is None or now - self._alive_at < ALIVE_EVERY_S:
+            return
+        self._alive_at = now
+        with contextlib.suppress(OSError):
+            os.utime(os.path.join(self.root, IDENTITY))
 
     def close(self, keep: str = "") -> None:
         """Remove this node's directories (the job ended, or the node leaves); `keep`: why they stay for its next

@@ -195,6 +195,21 @@ def test_a_next_agent_counts_what_its_nodes_memory_holds_as_room_of_its_own(tmp_
     nxt.close()
 
 
+def test_a_live_agent_marks_its_nodes_memory_written_to_so_its_next_one_takes_it_up(tmp_path) -> None:
+    """A review: KEEP_S counted from the last snapshot; with snapshots ten minutes apart the next agent of a killed
+    one (no --node-id) found the memory too old, made a new node and swept it: every rank from step 0."""
+    dirs = MemoryDirs("job", 1, 2**20, say=lambda _: None, base=str(tmp_path), node_id="node-b")
+    dirs.dirs(1)
+    old = time.time() - KEEP_S - 100
+    for where, subdirs, names in os.walk(dirs.home):
+        for name in subdirs + names:
+            os.utime(os.path.join(where, name), (old, old))        # its last snapshot long ago
+    assert memory.last_write(dirs.home) < time.time() - KEEP_S
+    dirs.alive()                                                  # its agent polls the server: alive
+    assert memory.last_write(dirs.home) > time.time() - 5
+    dirs.close()
+
+
 def test_a_node_id_made_from_a_pid_is_this_hosts_default() -> None:
     assert made_from_pid(default_node_id()) and made_from_pid(default_node_id(1))
     assert not made_from_pid("trainer-1") and not made_from_pid(f"{default_node_id(1)}x")
