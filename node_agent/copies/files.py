@@ -64,6 +64,12 @@ def settle(node_dir: str, landed: str) -> None:
                 remove(os.path.join(where, name))
 
 
+def drop(where: str, step: int) -> None:
+    """Remove a rank's copy of `step` (its checksum with it)."""
+    remove(os.path.join(where, f"step-{step}"))
+    remove(os.path.join(where, f"step-{step}.sha256"))
+
+
 def complete_steps(where: str) -> list[int]:
     """The steps of the complete copies in a rank's directory (`step-S` with its `.sha256`)."""
     names = set(listdir(where))

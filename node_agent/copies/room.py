@@ -44,3 +44,16 @@ def beyond_share(req: PushRequest, copies: list[files.Copy], pushing: dict[tuple
     if size > limit:
         return f"the copy's {size} bytes exceed the limit of {limit} bytes"
     return None
+
+
+def superseded(req: PushRequest, copies: list[files.Copy]) -> list[files.Copy]:
+    """The pushing rank's copies this push supersedes that no node taking its place could use meanwhile: older than
+    the push, and not the node's common step (a restore needs one step on every rank: files.settle keeps it). A
+    review (a small /dev/shm) saw a rank's newest kept beside the old common step while another rank's push was
+    refused, and every later push refused at the limit: the copies frozen hundreds of steps behind for good."""
+    mine = [c for c in copies if c.node == req.node]
+    ranks: dict[int, set[int]] = {}
+    for c in mine:
+        ranks.setdefault(c.rank, set()).add(c.step)
+    common = max(set.intersection(*ranks.values()), default=None) if ranks else None
+    return [c for c in mine if c.rank == req.rank and c.step < req.step and c.step != common]

@@ -181,7 +181,7 @@ class CopyStore:
             beyond = room.beyond_share(req, self._copies(), self._pushing, self.limit_bytes, len(self._sources))
             if beyond is not None:          # refused whatever is evicted: nothing is
                 raise Refusal("limit", f"memory limit full: {beyond}")
-            copies = self._make_room(req.node, req.size, self._copies())
+            copies = self._make_room(req, self._copies())
             self._check_incarnation(req, copies)      # (a push of the same node may have landed meanwhile)
             self._check_room(req, copies)
         except Refusal:
@@ -252,12 +252,17 @@ class CopyStore:
                                         f"{reached if reached >= 0 else 'none'})")
             await asyncio.sleep(0.05)
 
-    def _make_room(self, pusher: str, size: int, copies: list[files.Copy]) -> list[files.Copy]:
-        """Where a push does not fit, the copies of nodes that stopped pushing (none for EVICT_AFTER_S: gone from
-        the job, their place taken long since) go, the longest silent first; what is held then."""
-        over = sum(c.size for c in copies) + sum(self._pushing.values()) + size - self.limit_bytes
+    def _make_room(self, req: PushRequest, copies: list[files.Copy]) -> list[files.Copy]:
+        """Where a push does not fit, the pushing rank's copies it supersedes (room.superseded), then the copies of
+        nodes that stopped pushing (none for EVICT_AFTER_S: gone from the job, their place taken long since) go,
+        the longest silent first; what is held then."""
+        over = sum(c.size for c in copies) + sum(self._pushing.values()) + req.size - self.limit_bytes
         if over <= 0:
             return copies
+        for old in room.superseded(req, copies):        # its own dead weight first
+            files.drop(self._dir(old.node, old.rank), old.step)
+            over -= old.size
+        pusher = req.node
         last: dict[str, float] = {}
         for c in copies:
             path = os.path.join(self._dir(c.node, c.rank), f"step-{c.step}")

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 from node_agent.copies import client, stream, wire
+from node_agent.copies import files as copies_files
 from node_agent.copies.store import CopyStore
 from node_agent.copies.wire import GO, FetchRequest, PushRequest, WireError
 from protocol.messages import CopySource
@@ -606,6 +607,25 @@ async def test_copies_nobody_renewed_for_long_make_room_and_fresh_ones_never_do(
         assert done.ok, done
     assert store.held() == {("fresh", 0): 1, ("new", 0): 1}
     assert any("removed node old's copies" in line for line in said)
+
+
+async def test_a_ranks_next_push_supersedes_its_copy_no_restore_could_use(tmp_path) -> None:
+    """A review (a small /dev/shm): pushes refused by the file system's reserve left each rank's newest at another
+    step beside the common one; holding two copies a rank, the holder refused every later push at its limit: the
+    copies frozen hundreds of steps behind for good. A rank's newest that is not the common step is of no use to a
+    restore (it needs one step on every rank): its next push supersedes it."""
+    store = make_store(tmp_path, limit=4000)
+    async with holder(store) as port:
+        async def push(rank: int, step: int) -> client.PushResult:
+            return await client.push("127.0.0.1", port, key=KEY, node_id=NODE, local_rank=rank, step=step,
+                                     path=snap(tmp_path, f"{rank}-{step}", blob(1000, step)))
+        for rank, step in ((0, 5), (1, 5), (0, 10), (1, 7)):
+            assert (await push(rank, step)).ok, (rank, step)
+        assert sorted((c.rank, c.step) for c in copies_files.copies(store.root)) == [(0, 5), (0, 10), (1, 5), (1, 7)]
+        assert (await push(0, 15)).ok, "rank 0's 10 (no use without rank 1's) makes room"
+        assert sorted((c.rank, c.step) for c in copies_files.copies(store.root)) == [(0, 5), (0, 15), (1, 5), (1, 7)]
+        assert (await push(1, 15)).ok
+        assert sorted((c.rank, c.step) for c in copies_files.copies(store.root)) == [(0, 15), (1, 15)]
 
 
 async def test_a_push_refused_whatever_is_evicted_evicts_nothing(tmp_path) -> None:

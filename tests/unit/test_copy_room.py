@@ -1,0 +1,29 @@
+"""How much a holder takes (node_agent/copies/room.py): pure, from what it holds."""
+from __future__ import annotations
+
+from node_agent.copies import room
+from node_agent.copies.files import Copy
+from node_agent.copies.wire import PushRequest
+
+KEY = "job-key-for-copies-0123"
+
+
+def push(rank: int, step: int, size: int = 100) -> PushRequest:
+    return PushRequest(KEY, "b", rank, step, size)
+
+
+def test_a_ranks_copy_no_restore_could_use_is_superseded_by_its_next_push() -> None:
+    """A review (a small /dev/shm): b's rank 1 push was refused by the file system's reserve while rank 0's landed;
+    the holder kept rank 0's newest (10) beside the common step (5), and refused every later push at its limit: b's
+    copies stayed hundreds of steps behind for good. Rank 0's 10 is of no use without rank 1's: its next push
+    supersedes it; the common step stays."""
+    held = [Copy("b", 0, 10, 100, 1), Copy("b", 0, 5, 100, 1), Copy("b", 1, 5, 100, 1)]
+    assert room.superseded(push(0, 15), held) == [Copy("b", 0, 10, 100, 1)]
+    assert room.superseded(push(1, 15), held) == []                # rank 1 holds only the common step
+    assert room.superseded(push(0, 8), held) == []                 # (an older push supersedes nothing)
+
+
+def test_a_copy_every_rank_holds_is_never_superseded() -> None:
+    held = [Copy("b", 0, 5, 100, 1), Copy("b", 1, 5, 100, 1), Copy("c", 0, 3, 100, 1)]
+    assert room.superseded(push(0, 10), held) == []
+    assert room.superseded(PushRequest(KEY, "b", 0, 10, 100), [Copy("b", 0, 5, 100, 1)]) == []   # one rank: common
