@@ -38,10 +38,13 @@ def deadline(job: JobRecord, now: float, back: bool = False) -> float:
     return max(current, bound(job) + MAX_PREPARE_S if back else min(now + window_s(job.config), bound(job)))
 
 
-def resumed(job: JobRecord, now: float) -> float:
-    """The wait's end once enough nodes are back after the job fell below min_nodes while awaiting members (their
-    wait resumes, within its bound; one of them back and still preparing gets its time, as `came_back` gives)."""
-    return deadline(job, now, back=any(preparing(job, n) for n in job.awaited))
+def resume(job: JobRecord, now: float, ready: str) -> float:
+    """Set the wait's end once enough nodes are back after the job fell below min_nodes while awaiting members
+    (their wait resumes, within its bound; one of them back and still preparing gets its time, as `came_back`
+    gives), and say it in the job's reason (`ready`: who is ready). The end."""
+    job.last_call_deadline = deadline(job, now, back=any(preparing(job, n) for n in job.awaited))
+    job.reason = f"{ready} ready; {waiting(job, now)}"
+    return job.last_call_deadline
 
 
 def wait_runs(job: JobRecord) -> bool:
@@ -214,6 +217,40 @@ def reserved(job: JobRecord) -> int:
     filled the round before the last one was ready, every rank from step 0); it gets a place if the wait ends
     without them. An awaited member back always waits at its place (JobRules.admit)."""
     return sum(1 for n in job.awaited if not back(job, n))
+
+
+def taker_preparing(job: JobRecord, now: float) -> str:
+    """At the wait's end, a node that would take an awaited member's place (a newcomer, waiting or spare) and is
+    still preparing while too few takers are ready: waited for as a member back and preparing is, as long as its
+    agent waits for its imports (a review: a replacement joined a second after the loss and was ready 11 s later;
+    the 2:3 job shrank at the 8 s wait's end and grew again with it: every rank from step 0). "" where none."""
+    if all_back(job) or now >= bound(job) + MAX_PREPARE_S:
+        return ""
+    takers = [n for n in job.waiting + job.spares if n not in job.places and n in job.nodes]
+    away = sum(1 for n in job.awaited if not back(job, n))
+    if sum(1 for n in takers if job.nodes[n].ready) >= away:
+        return ""
+    return next((n for n in takers if not job.nodes[n].ready), "")
+
+
+def wait_for_taker(job: JobRecord, node_id: str, now: float) -> float:
+    """The wait's end moved for `node_id` preparing (`taker_preparing`); said in the job's reason."""
+    job.last_call_deadline = bound(job) + MAX_PREPARE_S
+    away = [n for n in job.awaited if not back(job, n)]
+    job.reason = (f"{names(job, away)} not back; node {node_id}, to take the place, still preparing: waiting up to "
+                  f"{round(job.last_call_deadline - now, 1):g}s for it to be ready (a job whose ranks hold their own "
+                  f"state would otherwise shrink, and grow again with it from step 0)")
+    return job.last_call_deadline
+
+
+def taker_ready(job: JobRecord, node: NodeRecord, now: float) -> bool:
+    """`node`, a newcomer the wait was moved for (`wait_for_taker`: past its bound, no member awaited preparing),
+    is ready: the wait ends now (its end set to `now`)."""
+    if not (wait_runs(job) and node.node_id not in job.places and job.last_call_deadline is not None and
+            job.last_call_deadline > bound(job) and not any(preparing(job, n) for n in job.awaited)):
+        return False
+    job.last_call_deadline = now
+    return True
 
 
 def all_back(job: JobRecord) -> bool:

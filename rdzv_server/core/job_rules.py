@@ -104,7 +104,9 @@ class JobRules:
         self._preparing_too_long(now)
         if job.last_call_deadline is not None and job.last_call_deadline <= now:
             job.last_call_deadline = None
-            if job.awaited:             # the wait's end, or every one still awaited is back (another given up)
+            if job.awaited and (taker := awaiting.taker_preparing(job, now)):
+                self.out.deadline(awaiting.wait_for_taker(job, taker, now))
+            elif job.awaited:           # the wait's end, or every one still awaited is back (another given up)
                 self.form_round(now, f"{awaiting.names(job)} back" if awaiting.all_back(job) else
                                 f"{awaiting.not_back(job)}: going on with " +
                                 count_nodes(candidates(job)[:job.config.max_nodes]),
@@ -124,12 +126,9 @@ class JobRules:
     # ---- the mechanics of rounds (operator rules use these too) -----------------------------
 
     def admit(self, node: NodeRecord, now: float) -> None:
-        """Place a newly joined (or readmitted) node: waiting for the next round, or spare once the members and the
-        ready waiting nodes fill max_nodes (nodes still preparing hold no place), counting the places of members
-        awaited while their wait runs. A job short of nodes runs no wait: a newcomer then waits for the round, so
-        that it can start the wait (a review: a fixed-size job's lost member was awaited, the node that joined to
-        replace it was benched as a spare, and no wait ever ran to give it the place: the job would fail at its
-        join timeout with a ready node)."""
+        """Place a newly joined (or readmitted) node: waiting for the next round, or spare once the members, the
+        ready waiting nodes and the members awaited while their wait runs fill max_nodes. A job short of nodes runs
+        no wait: a newcomer waits for the round, to start it (a review: benched, it never got the place)."""
         job, cfg = self.job, self.job.config
         held = awaiting.reserved(job) if awaiting.wait_runs(job) else 0
         if node.node_id in job.awaited or len(self.members()) + self.ready_waiting() + held < cfg.max_nodes:
@@ -162,10 +161,9 @@ class JobRules:
             if cfg.last_call_s <= 0 and not job.awaited:
                 self.form_round(now, f"{total} nodes (last call 0s)", growth_cause(job))
             else:           # (members restarting still away: their wait resumes, within its bound)
-                job.last_call_deadline = awaiting.resumed(job, now) if job.awaited else now + cfg.last_call_s
+                job.last_call_deadline = awaiting.resume(job, now, count_nodes(candidates(job))) if job.awaited \
+                    else now + cfg.last_call_s
                 self.out.deadline(job.last_call_deadline)
-                if job.awaited:
-                    job.reason = f"{count_nodes(candidates(job))} ready; {awaiting.waiting(job, now)}"
 
     def ready_waiting(self) -> int:
         """The waiting nodes that can start at once (counted as they come and go: no scan of a long list)."""
@@ -188,7 +186,9 @@ class JobRules:
             node.preparing_said = False
             self.record(now, EventKind.NODE_READY, f"node {node.node_id} is ready: its workers can start at once",
                         node.node_id)
-        if node.state == NodeState.WAITING and not self.job.state.finished:
+        if awaiting.taker_ready(self.job, node, now):
+            self.out.deadline(now)
+        elif node.state == NodeState.WAITING and not self.job.state.finished:
             self.grow(now)
 
     def _preparing_too_long(self, now: float) -> None:

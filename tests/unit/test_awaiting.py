@@ -959,3 +959,35 @@ def test_a_node_joining_long_after_a_fixed_size_jobs_member_was_lost_takes_its_p
     join(rz, "d", 60.0, FIXED)                  # the wait's bound (two windows from c's loss) long past
     rz.tick(60.0)
     assert members(rz) == ["a", "b", "d"] and job(rz).awaited == []
+
+
+@pytest.mark.parametrize("ready_after", [3.0, None])
+def test_a_replacement_still_preparing_at_the_waits_end_is_waited_for_while_it_prepares(ready_after):
+    """A review: a 2:3 job's member c lost (awaited), a replacement d joined a second later and was ready 11 s after;
+    the job shrank at the wait's end and grew again with d: every rank from step 0. d is waited for as a member
+    back and preparing is; never ready, the job goes on without it at that bound."""
+    rz = running(["a", "b", "c"], ELASTIC)
+    crash_agent(rz, "c", 10.0, copied=10)
+    rz.tick(10.0 + DROP_GRACE_S)
+    join(rz, "d", 11.0, ELASTIC, ready=False)                 # its warm interpreter imports
+    end = job(rz).last_call_deadline
+    heard(rz, "ab", 12.0, 14.0, end - 0.1)
+    poll(rz, "d", end - 0.1, ready=False)
+    rz.tick(end)
+    assert job(rz).round is None and "node d, to take the place, still preparing" in job(rz).reason, job(rz).reason
+    bound = 10.0 + DROP_GRACE_S + 2 * WINDOW + MAX_PREPARE_S
+    assert job(rz).last_call_deadline == pytest.approx(bound)
+    if ready_after is not None:
+        heard(rz, "ab", end + ready_after)
+        poll(rz, "d", end + ready_after, ready=True)
+        rz.tick(end + ready_after)
+        assert members(rz) == ["a", "b", "d"] and job(rz).restart_count == 0
+        assert "d takes c's place" in last_event(rz, "round_completed"), last_event(rz, "round_completed")
+        return
+    t = end
+    while t < bound:
+        t += 2.0
+        heard(rz, "ab", t)
+        poll(rz, "d", t, ready=False)
+        rz.tick(t)
+    assert members(rz) == ["a", "b"]
