@@ -359,3 +359,17 @@ def test_a_member_whose_copy_stopped_moving_under_refusals_leaves_the_floor_afte
     assert noted(rz, "a", 61.0, 40).copies_floor == 30          # a minute since b's copy moved: not yet
     assert noted(rz, "b", 62.0, 30, refused=9).copies_floor == 40
     assert noted(rz, "b", 70.0, 35, refused=9).copies_floor == 35      # its copy moved again: counted again
+
+
+def test_a_member_with_snapshots_whose_first_copy_never_comes_leaves_the_floor_after_a_minute():
+    """A review: a member that never pushed (its notes: snapshots of its own, no copy, nothing refused) made every
+    rank keep every snapshot, 24 a rank after 25 s and growing, until the memory directories were full."""
+    rz = started({"a": "1", "b": "2", "c": "3"}, CFG)
+    noted(rz, "a", 1.0, 40)
+    noted(rz, "b", 1.1, 30)
+    assert noted(rz, "c", 1.2, -1, local=45).copies_floor == 0          # its first copy may be under way
+    assert noted(rz, "a", 60.0, 40).copies_floor == 0
+    assert noted(rz, "c", 70.0, -1, local=95).copies_floor == 30        # a minute with none: left out
+    noted(rz, "a", 71.0, 60, local=95)
+    assert noted(rz, "b", 71.5, 50, local=95).copies_floor == 50
+    assert noted(rz, "c", 72.0, 45, local=95).copies_floor == 45        # it lands: counted again
