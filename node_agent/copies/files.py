@@ -125,11 +125,26 @@ def read_sum(path: str) -> tuple[str, int] | None:
 
 
 def space(path: str) -> tuple[int, int]:
-    """(free, total) bytes of the file system `path` (or its nearest existing parent) is on."""
+    """(free, total) bytes of the file system `path` (or its nearest existing parent) is on; under /dev/shm no more
+    than the host's memory available and its total (a review: /dev/shm sized past what the host has, a member's
+    copy of 10 GiB was taken, and the kernel killed a process for memory)."""
     while not os.path.exists(path) and os.path.dirname(path) != path:
         path = os.path.dirname(path)
     st = os.statvfs(path)
-    return st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize
+    free, total = st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize
+    memory = ram() if os.path.realpath(path).startswith("/dev/shm") else None
+    return (min(free, memory[0]), min(total, memory[1])) if memory is not None else (free, total)
+
+
+def ram() -> tuple[int, int] | None:
+    """(available, total) bytes of the host's memory, from /proc/meminfo; None where it cannot be read."""
+    fields: dict[str, int] = {}
+    with contextlib.suppress(OSError, ValueError, IndexError), open("/proc/meminfo") as f:
+        for line in f:
+            name, _, rest = line.partition(":")
+            if name in ("MemAvailable", "MemTotal"):
+                fields[name] = int(rest.split()[0]) * 1024
+    return (fields["MemAvailable"], fields["MemTotal"]) if len(fields) == 2 else None
 
 
 def mtime(path: str) -> float:

@@ -27,3 +27,14 @@ def test_a_copy_every_rank_holds_is_never_superseded() -> None:
     held = [Copy("b", 0, 5, 100, 1), Copy("b", 1, 5, 100, 1), Copy("c", 0, 3, 100, 1)]
     assert room.superseded(push(0, 10), held) == []
     assert room.superseded(PushRequest(KEY, "b", 0, 10, 100), [Copy("b", 0, 5, 100, 1)]) == []   # one rank: common
+
+
+def test_under_dev_shm_the_free_space_is_no_more_than_the_memory_available(monkeypatch, tmp_path) -> None:
+    """A review: /dev/shm sized past the host's memory, a member's copy of 10 GiB was taken (the file system's reserve
+    measured against /dev/shm alone) and the kernel killed a process for memory."""
+    from node_agent.copies import files
+    monkeypatch.setattr(files, "ram", lambda: (1000, 4000))
+    assert files.space("/dev/shm") == (1000, 4000)
+    assert files.space(str(tmp_path))[0] > 1000                       # a disk: its own free space
+    assert "less than 25% of its 4000 bytes free" in (room.refusal(push(0, 5, size=100), [], {}, 10**6, 1,
+                                                                   *files.space("/dev/shm")) or "")
