@@ -174,7 +174,7 @@ def copies_held(place: Callable[[str], PlaceCopies | None], took: dict[str, str]
     """Newcomer -> [the gone node whose place it takes, where that node's snapshots are], for each gone node whose
     ranks the newcomer takes exactly (the same global ranks: a shard is one rank's; a newcomer of another size or
     offset gets none): the gone node itself where it lives on (`itself`: its agent, kept in r.copies_from), else
-    the first member of round `r` holding its copies."""
+    the members of round `r` holding its copies (two at most: the second asked where the first has none)."""
     out: dict[str, list[str]] = {}
     derived = _derived(r)
     members = derived.rank
@@ -183,12 +183,12 @@ def copies_held(place: Callable[[str], PlaceCopies | None], took: dict[str, str]
         if held is None or at is None or (derived.offsets[at], r.local_sizes[at]) != (held.rank_offset,
                                                                                          held.local_size):
             continue
-        holder = next((h for h in held.holders if h in members), None)
+        holders = [h for h in held.holders if h in members]
         if gone not in members and (own := itself(gone)) is not None:
-            out[newcomer] = [gone, gone, *([holder] if holder is not None else [])]    # the holder if it fails
+            out[newcomer] = [gone, gone, *holders[:1]]    # the holder if it fails
             r.copies_from[newcomer] = own
-        elif holder is not None:
-            out[newcomer] = [gone, holder]
+        elif holders:       # a second holder (--replicas 2) if the first has none (a review: step 0 where it had)
+            out[newcomer] = [gone, *holders[:2]]
     return out
 
 
@@ -340,7 +340,7 @@ class _Derived:
 
     def copies(self, node_id: str) -> tuple[str, Witness | None, Witness | None]:
         """(the gone node whose snapshots `node_id` fetches, where from, and where else: its peer copies' holder
-        when the first is the node itself), or ("", None, None)."""
+        when the first is the node itself, or a second holder), or ("", None, None)."""
         r = self.round
         held = r.copies.get(node_id) if r.replicas else None
         if held is None:

@@ -121,6 +121,19 @@ def test_the_node_taking_a_lost_nodes_place_is_told_who_holds_its_copies():
     assert targets(rz, "a", 6.0) == ["10.0.0.19"]     # a's copies now go to s (a's old holder, b, is gone)
 
 
+def test_with_two_replicas_the_node_taking_a_place_is_told_both_holders():
+    """A review (--replicas 2): the one holder named had no copy of the lost node while the other had step 30: the
+    node taking its place never asked it, and every rank went to step 0. Told both, it asks the second where the
+    first has none."""
+    two = JobConfig(min_nodes=3, max_nodes=4, lease_timeout_s=5.0, last_call_s=0.0, replicas=2)
+    rz = started({"a": "1", "b": "2", "c": "3", "d": "4"}, two)
+    join(rz, "s", 0.5, two, domain="5")
+    outlive(rz, ("a", "c", "d", "s"))    # b is silent: lost; s takes its place
+    s = rz.view(JOB, "s", 6.0).assignment
+    assert s is not None and s.copies_of == "b" and s.copies_at is not None and s.copies_also is not None
+    assert {s.copies_at.addr, s.copies_also.addr} == {"10.0.0.3", "10.0.0.4"}, s     # b's went to c and d
+
+
 def test_a_lost_node_whose_holder_was_lost_with_it_leaves_nothing_to_fetch():
     rz = started({"a": "1", "b": "2", "c": "3"}, CFG)
     join(rz, "s", 0.5, CFG, domain="4")
