@@ -300,10 +300,10 @@ class PeerCopies:
         pushes = len(due) + sum(self._in_flight.values())
         rate = float(self.bandwidth) / pushes if self.bandwidth and pushes else None
         started = []
-        for target in {(t.addr, t.port): t for t, *_ in due}.values():
-            mine = [(rank, step, path) for t, rank, step, path in due if t is target]
+        for at, target in {(t.addr, t.port): t for t, *_ in due}.items():
+            mine = [(rank, step, path) for t, rank, step, path in due if (t.addr, t.port) == at]
             task = asyncio.create_task(self._push_to(target, mine, rate))
-            self._to_holder[(target.addr, target.port)] = task
+            self._to_holder[at] = task
             started.append(task)
         return started
 
