@@ -18,6 +18,8 @@ Evidence must be about the node, never about the server itself:
   the job's nodes keep coming back (`ReturnWave`), the last return + RESUME_GRACE_S.
 - No lease lapses while the server runs `lag_s` behind; closed connections wait too (the agent re-sends an overdue
   poll on a new one, maybe in the backlog), at most a lease.
+- A held poll answered leaves its node `answered` until its next request: a failure of its peers waits for that
+  (reports.fail_round), as its agent killed before it polls again closes no held poll.
 Nodes lapsing at once leave together, so one round forms without any of them.
 """
 from __future__ import annotations
@@ -55,7 +57,7 @@ MAX_LOSSES_KEPT = 32         # losses remembered per node
 def renew(job: JobRecord, node: NodeRecord, now: float) -> None:
     """Traffic from the node: its lease runs from now (later only: no deadline comes closer)."""
     node.last_seen = now
-    node.dropped = False
+    node.dropped = node.answered = False
     node.lease_expires = now + job.config.lease_timeout_s
 
 
@@ -88,6 +90,7 @@ def release(job: JobRecord, node: NodeRecord, now: float, out: Outbox, heard_at:
     the answer, which says nothing about the node: a host cut off during the hold is found a lease after the cut."""
     node.holding = max(0, node.holding - 1)
     renew(job, node, max(node.last_seen, min(now, heard_at if heard_at is not None else now)))
+    node.answered = node.holding == 0       # until its next request (a healthy agent's comes within ms)
     if node.holding == 0:
         out.deadline(node.lease_expires)
 

@@ -54,17 +54,20 @@ class NodeRecord(msgspec.Struct, kw_only=True):
     copied_at: float = 0.0             # when its copied step last changed (rounds.copies_floor)
     store_per_round: bool = False      # its agent hosts a store per round it masters (JoinRequest; store_port.py)
     unheard: bool = False              # not heard from since the server came back (a failure waits: reports.py)
+    answered: bool = False             # its held poll was answered and nothing heard since (a failure waits too)
     fetch_of: str = ""                 # the gone node whose copies a round told it to fetch (rounds.fetches_pending)
     fetch_place: PlaceCopies | None = None    # where those copies were, and the ranks they are of
 
 
 class HeldFailure(msgspec.Struct, kw_only=True):
-    """A round's failure reported while a member was not yet heard from after the server came back."""
+    """A round's failure reported while a member was not yet heard from after the server came back, or between its
+    polls (reports.fail_round)."""
     node_id: str
     round_id: int
     failures: list[WorkerFailure]
     cause: str
     blamed: bool
+    waiting_for: list[str] = msgspec.field(default_factory=list)   # members answered, not yet polling again
 
 
 class SwapDue(msgspec.Struct, kw_only=True):

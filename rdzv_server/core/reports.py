@@ -14,7 +14,7 @@ from rdzv_server.core.errors import RendezvousError
 from rdzv_server.core.events import EventKind, RoundCause
 from rdzv_server.core.job_rules import JobRules
 from rdzv_server.core.payloads import WorkerFailed, WorkersFailed
-from rdzv_server.core.records import HeldFailure, NodeRecord
+from rdzv_server.core.records import HeldFailure, JobRecord, NodeRecord
 from rdzv_server.core.standing import describe
 
 MAX_FAILURE_EVENTS = 8       # worker_failed events one report records; the rest are summed up in one more
@@ -40,18 +40,29 @@ def failure(rules: JobRules, node: NodeRecord, req: FailureReport, now: float,
 
 
 def heard(rules: JobRules, node: NodeRecord, now: float) -> None:
-    """`node` heard from after the server came back: a failure held for the members (fail_round) is judged once
-    every member is, if its round still runs."""
+    """`node` heard from after the server came back, or after its held poll was answered: a failure held for the
+    members (fail_round) is judged once every member is, if its round still runs."""
     node.unheard = False
     job, held = rules.job, rules.job.held_failure
-    if held is None or any(job.nodes[n].unheard for n in rules.members() if n in job.nodes):
+    if held is None:
+        return
+    if node.node_id in held.waiting_for:
+        held.waiting_for.remove(node.node_id)
+        rules.changed()
+    members = [n for n in rules.members() if n in job.nodes]
+    if any(job.nodes[n].unheard or n in held.waiting_for for n in members):
         return
     job.held_failure = None
     rules.changed()
     if job.round is not None and job.round.round_id == held.round_id and held.node_id in job.nodes \
             and not job.state.finished:
         fail_round(rules, job.nodes[held.node_id], held.round_id, held.failures, now, RoundCause(held.cause),
-                   held.blamed)
+                   held.blamed, doubt=False)
+
+
+def waited_for(job: JobRecord, node: NodeRecord) -> bool:
+    """Whether a held failure waits to hear from `node` (heard() then)."""
+    return node.unheard or (job.held_failure is not None and node.node_id in job.held_failure.waiting_for)
 
 
 def check_failure(rules: JobRules, node: NodeRecord, req: FailureReport) -> None:
@@ -63,10 +74,11 @@ def check_failure(rules: JobRules, node: NodeRecord, req: FailureReport) -> None
 
 
 def fail_round(rules: JobRules, node: NodeRecord, round_id: int, failures: list[WorkerFailure], now: float,
-               cause: RoundCause = RoundCause.FAILURE, blamed: bool = True) -> str:
+               cause: RoundCause = RoundCause.FAILURE, blamed: bool = True, doubt: bool = True) -> str:
     """The running round failed on `node` (`failures` first in time): a restart counted, or the job's end past
     the budget; returns why it was not (a lost member is the likelier cause). `blamed` False: the node only
-    stands for the job (replicas diverged with no majority): nothing counts against it."""
+    stands for the job (replicas diverged with no majority): nothing counts against it. `doubt` False: a held
+    failure judged (heard): the members it waited for were heard from."""
     job = rules.job
     # A member that just dropped or lapsed is the likelier cause (its peers' collectives then break): lost first.
     lapsed = [n for n in rules.members() if n != node.node_id and n in job.nodes
@@ -77,14 +89,21 @@ def fail_round(rules: JobRules, node: NodeRecord, round_id: int, failures: list[
     # After the server came back every member has a fresh lease: one that died with it (a host's reboot) looks
     # alive until its lease lapses; so after an outage of its own (leases.doubted). Its peers' failures wait for it
     # to be heard from (then counted) or lost.
-    unheard = [n for n in rules.members() if n != node.node_id and n in job.nodes and job.nodes[n].unheard]
-    if unheard:
+    # A member whose held poll was just answered and that has not polled again holds no connection to close: its
+    # agent killed then (SIGKILL) looks alive for its lease. A healthy agent polls again within milliseconds.
+    others = [job.nodes[n] for n in rules.members() if n != node.node_id and n in job.nodes]
+    unheard = [n.node_id for n in others if n.unheard]
+    between = [n.node_id for n in others if n.answered and not n.unheard] if doubt else []
+    if unheard or between:
         if job.held_failure is None or job.held_failure.round_id != round_id:
             job.held_failure = HeldFailure(node_id=node.node_id, round_id=round_id, failures=failures,
-                                           cause=cause.value, blamed=blamed)
+                                           cause=cause.value, blamed=blamed, waiting_for=between)
             rules.changed()
-        return f"failure held until {', '.join(unheard[:3])} is heard from (nothing was since the server came " \
-               f"back or was last out; its loss would be the likelier cause)"
+        waiting = unheard or between
+        why = "nothing was since the server came back or was last out" if unheard else \
+            "its held poll was answered and it has not polled again"
+        return f"failure held until {', '.join(waiting[:3])} is heard from ({why}; its loss would be the " \
+               f"likelier cause)"
     first = failures[0]
     job.root_cause, job.root_cause_round, job.last_failure = first, round_id, first
     job.restart_count += 1

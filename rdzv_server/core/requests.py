@@ -98,7 +98,7 @@ def authenticate(kind: Kind, rules: JobRules, req: AgentRequest, now: float, hol
     credentials.proven(node)
     if kind.renews:
         (leases.hold if hold else leases.renew)(rules.job, node, now)
-        if node.unheard:            # (a leave is not heard: a failure held for the member leaving stays held)
+        if reports.waited_for(rules.job, node):    # (a leave is not heard: a failure held for it stays held)
             reports.heard(rules, node, now)
     return node
 

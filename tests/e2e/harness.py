@@ -203,6 +203,22 @@ def pid_gone(pid: int, timeout: float) -> bool:
         return True
 
 
+def reply_unread(pid: int, port: int) -> bool:
+    """Whether bytes from 127.0.0.1:`port` wait unread in a TCP socket of process `pid` (a stopped agent's socket
+    holding the server's answer to its poll: /proc's per-socket receive queue)."""
+    try:
+        inodes = {os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")}
+        lines = open(f"/proc/{pid}/net/tcp").read().splitlines()[1:]
+    except OSError:
+        return False
+    for line in lines:
+        f = line.split()
+        remote_port, rx_queue = int(f[2].split(":")[1], 16), int(f[4].split(":")[1], 16)
+        if remote_port == port and rx_queue > 0 and f"socket:[{f[9]}]" in inodes:
+            return True
+    return False
+
+
 # ---------------------------------------------------------------------------------------------- waits
 
 
