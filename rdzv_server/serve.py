@@ -103,7 +103,9 @@ async def serve(config: ServerConfig, store: Store | None = None,
     app = create_app(coordinator, access=config.access, standby=replication is not None)
     app.middlewares.insert(0, guard.middleware)
     app[GUARD] = guard
-    app[METRICS].registry.register(ConnectionCollector(lambda: (guard.refused, guard.evicted)))
+    hub = coordinator.hub
+    guard.give_way = hub.give_way         # at the hard limit with none idle, a held poll makes room
+    app[METRICS].registry.register(ConnectionCollector(lambda: (guard.refused, guard.evicted, hub.gave_way)))
     app[NOTES] = config.notes
     trimmer = HeapTrimmer()
     coordinator.effect_listeners.append(trimmer.on_effects)

@@ -12,6 +12,7 @@ from rdzv_server.delivery.subscriber import AckAge, PeerClosed
 
 # Sends a poll's reply straight to its connection; False: it could not (web/direct_reply.py).
 Reply = Callable[[NodeStatus], bool]
+HangUp = Callable[[], None]      # closes the connection once its reply is out (web/app.py)
 
 
 @dataclass(frozen=True)
@@ -20,6 +21,7 @@ class Connection(Arrival):
     reply: Reply | None = None      # sends a poll's answer during a wake
     waited_s: float = 0.0           # how long it waited for the server (a poll's hold counts from its arrival)
     peer_closed: PeerClosed | None = None   # whether the node's host closed it, its FIN not yet read
+    hang_up: HangUp | None = None   # have it closed after its reply (a held poll giving way: give_way.py)
 
 
 IN_PROCESS = Connection()           # node-agent --standalone, tests: no socket

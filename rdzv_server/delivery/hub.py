@@ -19,6 +19,7 @@ from rdzv_server.core.rendezvous import Rendezvous
 from rdzv_server.core.requests import Arrival
 from rdzv_server.core.standing import node_status
 from rdzv_server.delivery.caps import MAX_POLLS_PER_NODE, MAX_POLLS_PER_PEER, HeldPolls
+from rdzv_server.delivery.give_way import WaitingOrder, tier
 from rdzv_server.delivery.holds import HoldGrid, with_hold
 from rdzv_server.delivery.links import CLOSE_HEARD_S, HeldLinks
 from rdzv_server.delivery.subscriber import Subscriber
@@ -47,6 +48,7 @@ class Driver(Protocol):
         """Until the job, as any reply would show it now, is in the store (or a refusal: store unavailable)."""
 
 
+GAVE_WAY_SAY_S = 60.0         # polls giving way are said at most this often
 HELD = Arrival(hold=True)      # a poll the hub holds open: its connection is the lease meanwhile
 
 
@@ -60,6 +62,9 @@ class Hub:
         self.holds = HoldGrid(self._hold_ended, self._gone)
         self._by_job: dict[str, set[Subscriber]] = {}
         self._attached: set[Subscriber] = set()
+        self._order = WaitingOrder()         # which waiting poll gives way first (give_way.py)
+        self.gave_way = 0                    # polls answered early to let a newcomer in
+        self._gave_way_said = -GAVE_WAY_SAY_S
 
     @property
     def open(self) -> int:
@@ -90,6 +95,24 @@ class Hub:
         """`sub` waits for news until its hold ends (`sub.ends`)."""
         self._by_job.setdefault(sub.job_id, set()).add(sub)
         self.holds.add(sub.ends, sub)
+        self._order.add(sub, tier(self.driver.core.jobs.get(sub.job_id), sub.node_id, self.per_node.held(sub.key)))
+
+    def give_way(self) -> bool:
+        """The server is at its connection limit with no idle connection to close: the waiting poll first in
+        give_way.py's order is answered now, its connection closed after; False when none waits."""
+        sub = self._order.first_to_give_way()
+        if sub is None:
+            return False
+        self._unindex(sub)
+        sub.close(ended=True, hang_up=True)
+        self.gave_way += 1
+        now = self.driver.clock()
+        if now - self._gave_way_said >= GAVE_WAY_SAY_S:
+            self._gave_way_said = now
+            log.warning("at the connection limit with no idle connection: held long-polls are answered early to let "
+                        "newcomers in (%d so far; %d held now); raise the server's open-file limit (LimitNOFILE), "
+                        "or see which job holds polls of nodes that run nothing", self.gave_way, self.open)
+        return True
 
     def detach(self, sub: Subscriber, peer: str, *, dropped: bool) -> None:
         """`sub` is done: answered or its hold over, or `dropped` (its connection closed under it)."""
@@ -117,6 +140,7 @@ class Hub:
         return sorted({s.node_id for s in closed})
 
     def _unindex(self, sub: Subscriber) -> None:
+        self._order.discard(sub)
         subs = self._by_job.get(sub.job_id)
         if subs is not None:
             subs.discard(sub)

@@ -10,18 +10,20 @@ from __future__ import annotations
 import asyncio
 
 from protocol.messages import NodeStatus, PollRequest, poll_ready
-from rdzv_server.delivery.connection import Connection, Reply
+from rdzv_server.delivery.connection import Connection, HangUp, Reply
 from rdzv_server.delivery.holds import hold_for
 from rdzv_server.delivery.hub import Hub
 from rdzv_server.delivery.subscriber import AckAge, Subscriber
 
 
 class LongPoll(Subscriber):
-    __slots__ = ("_reply", "_woken", "ended", "sent")
+    __slots__ = ("_hang_up", "_reply", "_woken", "ended", "sent")
 
-    def __init__(self, job_id: str, req: PollRequest, ack_age: AckAge | None, reply: Reply | None) -> None:
+    def __init__(self, job_id: str, req: PollRequest, ack_age: AckAge | None, reply: Reply | None,
+                 hang_up: HangUp | None = None) -> None:
         super().__init__(job_id, req.node_id, req.known_round, ack_age, req.holding)
         self._reply = reply
+        self._hang_up = hang_up
         self._woken: asyncio.Future[None] | None = None
         self.ended = False        # its hold ran out
         self.sent = False         # its reply went out during a pass
@@ -38,8 +40,10 @@ class LongPoll(Subscriber):
         self._wake()
         return True
 
-    def close(self, *, ended: bool) -> None:
+    def close(self, *, ended: bool, hang_up: bool = False) -> None:
         self.ended = self.ended or ended
+        if hang_up and self._hang_up is not None:
+            self._hang_up()
         self._wake()
 
     def _wake(self) -> None:
@@ -51,7 +55,7 @@ async def long_poll(hub: Hub, job_id: str, req: PollRequest, conn: Connection) -
     """The node's view once it is news (or the hold ended), saved; meanwhile the open poll is its lease."""
     d = hub.driver
     peer = conn.peer
-    sub = LongPoll(job_id, req, conn.ack_age, conn.reply)
+    sub = LongPoll(job_id, req, conn.ack_age, conn.reply, conn.hang_up)
     sub.peer_closed = conn.peer_closed
     status = hub.attach(sub, req, peer)
     loop = asyncio.get_running_loop()

@@ -40,5 +40,6 @@ class Subscriber(abc.ABC):
         """Send `view` now, from the hub's pass; False when it cannot (its owner then looks itself)."""
 
     @abc.abstractmethod
-    def close(self, *, ended: bool) -> None:
-        """Stop waiting: `ended`, the hold is over; else its owner must look again (not serving, gone, unsaved)."""
+    def close(self, *, ended: bool, hang_up: bool = False) -> None:
+        """Stop waiting: `ended`, the hold is over; else its owner must look again (not serving, gone, unsaved).
+        `hang_up`: its connection is closed once answered (it gave way: give_way.py)."""

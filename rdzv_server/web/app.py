@@ -18,8 +18,10 @@ from rdzv_server.looplag import LoopLagMeter
 from rdzv_server.web import admin, views
 from rdzv_server.web.access import ACCESS, NO_STREAM, Access, access_middleware
 from rdzv_server.web.connections import (
+    HANG_UP,
     SlowBody,
     closed_by_peer_now,
+    hang_up,
     local_address,
     read_body,
     request_ack_age_s,
@@ -95,7 +97,7 @@ async def agent_request(request: web.Request) -> web.StreamResponse:
         status = await coord.handle(job_id, req, Connection(
             peer=request.remote or "", local=local_address(request.transport),
             ack_age=lambda: request_ack_age_s(request), reply=reply, waited_s=request_waited_s(request),
-            peer_closed=lambda: closed_by_peer_now(request.transport)))
+            peer_closed=lambda: closed_by_peer_now(request.transport), hang_up=lambda: hang_up(request)))
     except Exception:
         if reply is None or not reply.sent:
             raise
@@ -103,8 +105,11 @@ async def agent_request(request: web.Request) -> web.StreamResponse:
         log.exception("internal error on %s %s after its reply was sent", request.method, quote(request.path))
         return AlreadyWritten(keep_alive=False)
     if reply is not None and reply.sent:       # answered during a wake (direct_reply.py)
-        return AlreadyWritten(keep_alive=True)
-    return web.Response(body=encode(status), content_type=CONTENT_TYPE)
+        return AlreadyWritten(keep_alive=HANG_UP not in request)
+    response = web.Response(body=encode(status), content_type=CONTENT_TYPE)
+    if HANG_UP in request:            # a held poll that gave way: its descriptor is for a newcomer
+        response.force_close()
+    return response
 
 
 # Answered by a standby replica too; everything else there is refused with `not_leader`.

@@ -3,8 +3,9 @@
 Past `max_connections` idle connections are closed, so an agent or a health check always gets in: first
 those that never had a request answered (a flood's; oldest first; a refusal or /healthz counts for nothing),
 then the longest idle of the others (an agent's keep-alive connection outlives a flood opened after it); never
-one with a request in progress, such as a held long-poll. One is refused only past a hard limit below the
-open-file limit, so accepting never fails with "Too many open files". A body over MAX_BODY_BYTES is refused
+one with a request in progress, such as a held long-poll. At the hard limit below the open-file limit, with none
+idle, a held long-poll gives way (delivery/give_way.py); a newcomer is refused only when none can, so accepting never
+fails with "Too many open files". A body over MAX_BODY_BYTES is refused
 (413) unread; one not in within BODY_TIMEOUT_S is refused (400) and its
 connection closed at once, not read on through aiohttp's "lingering" close.
 """
@@ -32,6 +33,8 @@ FD_RESERVE = 256            # descriptors kept free for the store, logs and the 
 # request key: its connection's ack age when it ended (a typed key where aiohttp has them: 3.12 on)
 CLOSED_ACK_AGE: Any = (web.RequestKey("closed_ack_age_s", object) if hasattr(web, "RequestKey")
                        else "rdzv.closed_ack_age_s")
+HANG_UP: Any = web.RequestKey("hang_up", bool) if hasattr(web, "RequestKey") else "rdzv.hang_up"
+GIVE_WAY_SLACK = 32         # connections accepted past the hard limit while the polls that gave way close
 FRESH_S = 10.0              # a connection accepted but not yet connected (TLS handshake) counts this long
 
 
@@ -51,6 +54,7 @@ class ConnectionGuard:
         self.hard_limit = max(hard_limit or max_connections, max_connections)
         self.refused = 0
         self.evicted = 0
+        self.give_way: Callable[[], bool] | None = None     # a held poll answered to make room (the hub's)
         self._busy: dict[Any, web.Request] = {}          # protocols with a request in progress: it
         # Kept here, O(1) per accept: aiohttp's `Server.connections` copies the list of every open one.
         self._unproven: dict[Any, None] = {}             # connected, no request finished yet: oldest first
@@ -90,7 +94,7 @@ class ConnectionGuard:
             while self._fresh and now - next(iter(self._fresh.values())) >= FRESH_S:
                 del self._fresh[next(iter(self._fresh))]      # never connected (a failed handshake)
             count = len(self._open) + len(self._unproven) + len(self._fresh)
-            if count >= self.hard_limit and not (evict and self._make_room()):
+            if count >= self.hard_limit and not (evict and (self._make_room() or self._held_gives_way(count))):
                 self.refused += 1
                 return _Refused()
             if count >= self.max_connections and not self._trim_soon:
@@ -119,6 +123,10 @@ class ConnectionGuard:
                 return True
         return False
 
+    def _held_gives_way(self, count: int) -> bool:
+        """A held poll gives way (closed once answered): at most GIVE_WAY_SLACK past the hard limit meanwhile."""
+        return count < self.hard_limit + GIVE_WAY_SLACK and self.give_way is not None and self.give_way()
+
     @web.middleware
     async def middleware(self, request: web.Request,
                          handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
@@ -141,6 +149,11 @@ class ConnectionGuard:
 
 
 GUARD = web.AppKey("connection_guard", ConnectionGuard)     # the server's (an app alone has none)
+
+
+def hang_up(request: web.Request) -> None:
+    """Have the request's connection closed once its reply is out (a held poll that gave way: app.py)."""
+    request[HANG_UP] = True
 
 
 def closed_by_peer(exc: BaseException | None) -> bool:

@@ -138,14 +138,15 @@ class Cluster:
         os.makedirs(path, exist_ok=True)
         return path
 
-    def start_server(self, *extra: str, port: int | None = None) -> int:
+    def start_server(self, *extra: str, port: int | None = None, prefix: tuple[str, ...] = ()) -> int:
         """Start (or restart) the server; its state dir is the same for the whole test unless given. Its port is
         one below the kernel's ephemeral range (tests/ports.py): a test that restarts it on the same port would
-        find a port the kernel picked taken meanwhile by some process's client socket or bind(0)."""
+        find a port the kernel picked taken meanwhile by some process's client socket or bind(0). `prefix`: a
+        command that runs it (one that sets its limits, say)."""
         port = free_port() if port is None else port
         if not any(arg.startswith("--state-dir") for arg in extra):
             extra = (*extra, "--state-dir", os.path.join(str(self.tmp), "server-state"))
-        self.server = Proc([sys.executable, "-m", "rdzv_server.cli", "--host", "127.0.0.1", "--port", str(port),
+        self.server = Proc([*prefix, sys.executable, "-m", "rdzv_server.cli", "--host", "127.0.0.1", "--port", str(port),
                             *extra], child_env(TMPDIR=self.temp_dir()), "server")
         self.procs.append(self.server)
         found = self.server.wait_for_line(r"listening on (https?)://[^:]+:(\d+)", 30)

@@ -2,20 +2,25 @@
 connection makes room; a held long-poll is never the one closed."""
 from __future__ import annotations
 
+import asyncio
 import http.client
 import os
 import socket
 import ssl
+import sys
+import threading
 import time
 import urllib.request
+from collections import Counter
 
 import msgpack
 import pytest
 
 from tests.e2e.certs import make_ca, make_server_cert
-from tests.e2e.harness import job_events, wait_until
+from tests.e2e.harness import SCRIPTS, job_events, job_view, read_jsonl, wait_until
 
 pytestmark = pytest.mark.e2e
+LOOP = os.path.join(SCRIPTS, "elastic_loop.py")
 
 
 def metric(port: int, name: str) -> float:
@@ -218,3 +223,87 @@ def polls_held(cluster) -> float:
                                 context=ssl.create_default_context(cafile=cluster.ca)) as resp:
         return next(float(line.split()[1]) for line in resp.read().decode().splitlines()
                     if line.startswith("rdzv_open_long_polls "))
+
+
+# Runs the rest of its command line at RLIMIT_NOFILE 320, soft and hard: the server then keeps 64 connections.
+NOFILE_320 = "import os, resource, sys; resource.setrlimit(resource.RLIMIT_NOFILE, (320, 320)); " \
+             "os.execv(sys.argv[1], sys.argv[1:])"
+FAKE_NODES, POLLS_EACH = 20, 4       # 80 held polls: past the server's 64
+
+
+async def hold_polls_of_made_up_nodes(port: int, stop: threading.Event, seen: Counter) -> None:
+    """What a holder of the agent token can do: made-up nodes of a job that never forms, each holding POLLS_EACH
+    long-polls, polling again as each is answered or closed (at an attacker's pace), until `stop`."""
+    config = {"min_nodes": 1000, "max_nodes": 1000, "lease_timeout_s": 60.0, "join_timeout_s": 600.0}
+    nodes = {f"fake{i}": post(port, "join", {"v": 1, "node_id": f"fake{i}", "addr": "10.0.0.9", "local_world_size": 1,
+                                             "master_port": 1, "config": config})["credential"]
+             for i in range(FAKE_NODES)}
+
+    async def slot(node: str, credential: str) -> None:
+        body = msgpack.packb({"v": 1, "node_id": node, "credential": credential, "known_round": -1, "wait_s": 60.0})
+        request = (b"POST /v1/jobs/conn/poll HTTP/1.1\r\nHost: x\r\nContent-Type: application/msgpack\r\n"
+                   + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        while True:
+            try:
+                reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            except OSError:
+                seen["refused"] += 1
+                await asyncio.sleep(0.2)
+                continue
+            try:
+                while True:
+                    writer.write(request)
+                    head = await reader.readuntil(b"\r\n\r\n")
+                    length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                                  if line.lower().startswith(b"content-length"))
+                    await reader.readexactly(length)
+                    seen["answered"] += 1
+            except (OSError, asyncio.IncompleteReadError):
+                seen["closed"] += 1
+            finally:
+                writer.close()
+            await asyncio.sleep(0.2)
+
+    slots = [asyncio.ensure_future(slot(n, c)) for n, c in nodes.items() for _ in range(POLLS_EACH)]
+    await asyncio.get_running_loop().run_in_executor(None, stop.wait)
+    for task in slots:
+        task.cancel()
+    await asyncio.gather(*slots, return_exceptions=True)
+
+
+def held_now(port: int) -> float:
+    """Polls held now; -1 while /metrics cannot be reached (the server at its connection limit)."""
+    try:
+        return open_polls(port)
+    except OSError:
+        return -1.0
+
+
+def test_held_polls_of_made_up_nodes_give_way_to_a_real_node(cluster, tmp_path):
+    """A holder of the agent token fills the server's connections (64: RLIMIT_NOFILE 320) with held polls of made-up
+    nodes; then a real agent joins a job of its own (lease 3 s). Before, its connections were refused (none idle, the
+    hard limit) while the polls were held: it could not join, and a running node's requests failed until its lease
+    ran out (a review, 2 of 2). Now a held poll of a made-up node gives way to each newcomer: the node joins, and its
+    worker steps on over three leases of the flood, never lost."""
+    port = cluster.start_server("--state-dir", "none", prefix=(sys.executable, "-c", NOFILE_320))
+    stop, seen = threading.Event(), Counter()
+    flood = threading.Thread(target=asyncio.run, args=(hold_polls_of_made_up_nodes(port, stop, seen),))
+    flood.start()
+    try:
+        wait_until(lambda: held_now(port) >= 60, 60, lambda: f"the made-up nodes' polls held: {seen}")
+        agent = cluster.agent("--endpoint", cluster.endpoint(), "--nnodes", "1", "--nproc", "1", "--job-id", "real",
+                              "--node-id", "n", "--lease-timeout", "3", "--max-restarts", "3", LOOP, name="n",
+                              env={"OUT_DIR": str(tmp_path), "NODE": "n", "STEP_SLEEP": "0.1"})
+        steps = lambda since: {r["pid"] for r in read_jsonl(tmp_path, "steps-")      # noqa: E731
+                               if r["kind"] == "step" and r["t"] > since}
+        wait_until(lambda: steps(0), 90, lambda: f"the worker stepping\n{agent.output}\n{seen}")
+        worker, began = steps(0), time.time()
+        wait_until(lambda: steps(began + 9.0), 60, lambda: f"the worker stepping 9 s on\n{agent.output}")
+        assert steps(began + 9.0) == worker, agent.output          # the same worker: never stopped
+        assert open_polls(port) >= 60 and metric(port, "rdzv_polls_gave_way_total") > 0, seen   # still flooded
+    finally:
+        stop.set()
+        flood.join(30)
+    real = job_view(cluster, "real")
+    assert real["restart_count"] == 0 and [n["node_id"] for n in real["nodes"]] == ["n"], real
+    assert "node_lost" not in [e["kind"] for e in job_events(cluster, "real")]

@@ -75,7 +75,7 @@ class Recorded(Subscriber):
         self.pushed.append(view)
         return self.push_result
 
-    def close(self, *, ended: bool) -> None:
+    def close(self, *, ended: bool, hang_up: bool = False) -> None:
         self.closed.append(ended)
         self.told.set()
 
