@@ -217,10 +217,10 @@ def test_workers_slow_to_stop_do_not_cost_their_node_its_lease(cluster, tmp_path
 # ---------------------------------------------------------------------------------------- spares
 
 
-@pytest.mark.parametrize("between_polls", [False, True], ids=["polling", "between-polls"])
-def test_spare_is_promoted_when_a_member_dies(cluster, tmp_path, between_polls):
-    # between-polls: the master's agent is killed after the server answered its held poll and before it polled
-    # again (CI saw it): no held poll's connection closes; its peer's broken collective is reported at once.
+def test_spare_is_promoted_when_a_member_dies(cluster, tmp_path):
+    # The master's agent is killed after the server answered its held poll and before it polled again (CI saw it):
+    # no held poll's connection closes, and its peer's broken collective is reported at once. (Killed while its
+    # poll is held: test_sigkilled_agent_survivors_run_at_smaller_world_without_using_a_restart.)
     cluster.start_server()
     agents = {n: start_agent(cluster, tmp_path, n, job="spare", nnodes="2:2") for n in ("a", "b")}
     key1, recs1 = wait_world(tmp_path, world=2)
@@ -236,9 +236,8 @@ def test_spare_is_promoted_when_a_member_dies(cluster, tmp_path, between_polls):
     master = next(n["node_id"] for n in job["nodes"] if n["group_rank"] == 0)
     other = "b" if master == "a" else "a"
     master_workers = {r["pid"] for r in recs1 if r["node"] == master}
-    if between_polls:             # its held poll answered (the hold's end: half a lease), left unread
-        os.kill(agents[master].pid, signal.SIGSTOP)
-        wait_until(lambda: reply_unread(agents[master].pid, cluster.port), LIMIT, "the stopped agent's poll answered")
+    os.kill(agents[master].pid, signal.SIGSTOP)     # its held poll answered (the hold's end: half a lease), unread
+    wait_until(lambda: reply_unread(agents[master].pid, cluster.port), LIMIT, "the stopped agent's poll answered")
     os.kill(agents[master].pid, signal.SIGKILL)
     key2, recs2 = wait_world(tmp_path, world=2, nodes=(other, "c"), what="with the promoted spare")
 
