@@ -8,6 +8,7 @@ import asyncio
 from protocol.messages import JobConfig, JoinRequest, NodeState, NodeStatus, PollRequest
 from rdzv_server.coordinator import Coordinator
 from rdzv_server.delivery.connection import Connection
+from tests.integration.test_poll_limits import held
 
 RUNNING = JobConfig(min_nodes=1, max_nodes=1, lease_timeout_s=600.0, last_call_s=0.0)
 WAITING = JobConfig(min_nodes=3, max_nodes=3, lease_timeout_s=600.0)
@@ -16,14 +17,6 @@ WAITING = JobConfig(min_nodes=3, max_nodes=3, lease_timeout_s=600.0)
 async def join(coord: Coordinator, job: str, node: str, config: JobConfig) -> NodeStatus:
     return await coord.handle(job, JoinRequest(v=1, node_id=node, addr="10.0.0.1", local_world_size=1, master_port=1,
                                                config=config, instance=node), Connection(peer="192.0.2.1"))
-
-
-async def held(coord: Coordinator, count: int) -> None:
-    for _ in range(1000):                          # yields until the polls are parked
-        if coord.hub.open == count:
-            return
-        await asyncio.sleep(0)
-    raise AssertionError(f"{coord.hub.open} polls held, expected {count}")
 
 
 async def test_polls_give_way_extra_ones_first_then_outside_a_running_round_then_members():
