@@ -7,8 +7,10 @@ answers None and the rules that use it fall back to what the server sees itself.
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import socket
 import struct
+import termios
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,6 +52,16 @@ def read(sock: Any) -> TcpInfo | None:
 def of(transport: asyncio.BaseTransport | None) -> TcpInfo | None:
     """The TCP_INFO of a transport's socket."""
     return read(transport.get_extra_info("socket") if transport is not None else None)
+
+
+def unread_bytes(transport: asyncio.BaseTransport | None) -> int:
+    """Bytes in the transport's socket that the loop has not read yet (FIONREAD); 0 where unknown."""
+    sock = transport.get_extra_info("socket") if transport is not None else None
+    try:
+        raw = fcntl.ioctl(sock.fileno(), termios.FIONREAD, b"\0\0\0\0")   # type: ignore[union-attr]
+        return int(struct.unpack("i", raw)[0])
+    except (OSError, ValueError, AttributeError, struct.error):
+        return 0
 
 
 def check() -> str | None:

@@ -35,6 +35,7 @@ CLOSED_ACK_AGE: Any = (web.RequestKey("closed_ack_age_s", object) if hasattr(web
                        else "rdzv.closed_ack_age_s")
 HANG_UP: Any = web.RequestKey("hang_up", bool) if hasattr(web, "RequestKey") else "rdzv.hang_up"
 GIVE_WAY_SLACK = 32         # connections accepted past the hard limit while the polls that gave way close
+ARRIVING_S = 1.0            # a connection this new with its request unread is not idle: not closed to make room
 FRESH_S = 10.0              # a connection accepted but not yet connected (TLS handshake) counts this long
 
 
@@ -57,7 +58,7 @@ class ConnectionGuard:
         self.give_way: Callable[[], bool] | None = None     # a held poll answered to make room (the hub's)
         self._busy: dict[Any, web.Request] = {}          # protocols with a request in progress: it
         # Kept here, O(1) per accept: aiohttp's `Server.connections` copies the list of every open one.
-        self._unproven: dict[Any, None] = {}             # connected, no request finished yet: oldest first
+        self._unproven: dict[Any, float] = {}            # connected, no request finished yet: oldest first; when
         self._open: dict[Any, None] = {}                 # connected, a request finished: longest idle first
         self._fresh: dict[Any, float] = {}               # handlers made, not yet connected: when
         self._trim_soon = False
@@ -70,7 +71,7 @@ class ConnectionGuard:
 
         def on_made(handler: Any, transport: asyncio.Transport) -> None:
             self._fresh.pop(handler, None)
-            self._unproven[handler] = None
+            self._unproven[handler] = time.monotonic()
             made(handler, transport)
 
         def on_lost(handler: Any, exc: BaseException | None = None) -> None:
@@ -116,11 +117,20 @@ class ConnectionGuard:
             excess -= 1
 
     def _make_room(self) -> bool:
-        for handler in itertools.chain(self._unproven, self._open):      # (lazily: the first one idle)
-            if handler not in self._busy and handler.transport is not None and not handler.transport.is_closing():
-                handler.transport.close()
-                self.evicted += 1
-                return True
+        """Close the first idle connection (lazily: unproven ones first, then the longest idle), but not one just
+        connected whose request is in its socket, unread yet: a newcomer (an agent reconnecting after its poll gave
+        way), taken for idle, was closed by the next newcomer of the same accept batch, over and over (a review: a
+        member lost under a flood of polls)."""
+        now = time.monotonic()
+        for handler, since in itertools.chain(self._unproven.items(), ((h, 0.0) for h in self._open)):
+            transport = handler.transport
+            if handler in self._busy or transport is None or transport.is_closing():
+                continue
+            if now - since < ARRIVING_S and tcp_info.unread_bytes(transport) > 0:
+                continue
+            transport.close()
+            self.evicted += 1
+            return True
         return False
 
     def _held_gives_way(self, count: int) -> bool:
@@ -143,7 +153,7 @@ class ConnectionGuard:
             # Idle from now, the last of those closed to make room; a connection proves itself by a request it was
             # entitled to (a refusal, or /healthz which anyone may ask, proves nothing).
             proven = answered < 400 and request.path != "/healthz"
-            if protocol in self._open or (proven and self._unproven.pop(protocol, 0) is None):
+            if protocol in self._open or (proven and self._unproven.pop(protocol, None) is not None):
                 self._open.pop(protocol, None)
                 self._open[protocol] = None
 

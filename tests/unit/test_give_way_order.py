@@ -1,0 +1,81 @@
+"""Which held poll gives way at the connection limit (delivery/give_way.py): the tiers in order, a draw within one,
+and a poll that waits again keeps its one place; the guard closes no newcomer whose request is still unread."""
+from __future__ import annotations
+
+import socket
+import time
+
+from rdzv_server.delivery.give_way import EXTRA, MEMBER, OUTSIDE, WaitingOrder, tier
+from rdzv_server.web.connections import ConnectionGuard
+from tests.unit.test_rendezvous import cfg, job, running
+
+
+class Sub:
+    """A stand-in subscriber: WaitingOrder only hashes it."""
+
+
+def test_tiers_go_in_order_and_a_draw_picks_within_one():
+    draws: list[int] = []
+
+    def draw(n: int) -> int:
+        draws.append(n)
+        return n - 1                     # the last of the tier
+    order = WaitingOrder(draw)
+    m1, m2, w1, extra = Sub(), Sub(), Sub(), Sub()
+    for sub, t in ((m1, MEMBER), (m2, MEMBER), (w1, OUTSIDE), (extra, EXTRA)):
+        order.add(sub, t)
+    order.add(m1, MEMBER)                # waiting again: still one place
+    assert order.first_to_give_way() is extra and draws == [1]
+    order.discard(extra)
+    assert order.first_to_give_way() is w1
+    order.discard(w1)
+    assert order.first_to_give_way() is m2 and draws[-1] == 2
+    order.discard(m1)                    # the last one takes the removed one's slot
+    assert order.first_to_give_way() is m2 and draws[-1] == 1
+    order.add(m2, OUTSIDE)               # its node left the round: moves tier
+    order.discard(m2)
+    assert order.first_to_give_way() is None
+
+
+def test_a_poll_s_tier_comes_from_its_node_and_its_job():
+    rz = running(["a", "b"], cfg(min_nodes=2, max_nodes=2))
+    assert tier(job(rz), "a", 1) == MEMBER and tier(job(rz), "a", 2) == EXTRA
+    assert tier(job(rz), "stranger", 1) == OUTSIDE and tier(None, "a", 1) == OUTSIDE
+
+
+class Handler:
+    def __init__(self, sock: socket.socket) -> None:
+        self.transport = Transport(sock)
+
+
+class Transport:
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock, self.closed = sock, False
+
+    def get_extra_info(self, name: str) -> object:
+        return self.sock if name == "socket" else None
+
+    def is_closing(self) -> bool:
+        return self.closed
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_room_is_made_from_an_idle_connection_not_a_newcomer_whose_request_is_unread():
+    guard = ConnectionGuard(4)
+    pairs = [socket.socketpair() for _ in range(3)]
+    try:
+        older, arriving, idle = (Handler(server) for server, _ in pairs)
+        pairs[1][1].sendall(b"POST /v1/jobs/j/poll HTTP/1.1\r\n")     # the newcomer's request, not yet read
+        now = time.monotonic()
+        guard._unproven.update({older: now - 5.0, arriving: now, idle: now})
+        pairs[0][1].sendall(b"x")        # an old one, a few bytes unread for 5 s: idle
+        assert guard._make_room() and older.transport.closed          # the oldest unproven first
+        assert guard._make_room() and idle.transport.closed and not arriving.transport.closed
+        guard._unproven[arriving] = now - 2.0                           # unread for long: idle after all
+        assert guard._make_room() and arriving.transport.closed
+    finally:
+        for a, b in pairs:
+            a.close()
+            b.close()
