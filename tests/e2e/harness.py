@@ -146,8 +146,8 @@ class Cluster:
         port = free_port() if port is None else port
         if not any(arg.startswith("--state-dir") for arg in extra):
             extra = (*extra, "--state-dir", os.path.join(str(self.tmp), "server-state"))
-        self.server = Proc([*prefix, sys.executable, "-m", "rdzv_server.cli", "--host", "127.0.0.1", "--port", str(port),
-                            *extra], child_env(TMPDIR=self.temp_dir()), "server")
+        self.server = Proc([*prefix, sys.executable, "-m", "rdzv_server.cli", "--host", "127.0.0.1", "--port",
+                            str(port), *extra], child_env(TMPDIR=self.temp_dir()), "server")
         self.procs.append(self.server)
         found = self.server.wait_for_line(r"listening on (https?)://[^:]+:(\d+)", 30)
         self.scheme, self.port = found.group(1), int(found.group(2))
