@@ -35,7 +35,7 @@ CLOSED_ACK_AGE: Any = (web.RequestKey("closed_ack_age_s", object) if hasattr(web
                        else "rdzv.closed_ack_age_s")
 HANG_UP: Any = web.RequestKey("hang_up", bool) if hasattr(web, "RequestKey") else "rdzv.hang_up"
 GIVE_WAY_SLACK = 32         # connections accepted past the hard limit while the polls that gave way close
-ARRIVING_S = 1.0            # a connection this new with its request unread is not idle: not closed to make room
+ARRIVING_S = 1.0            # a connection this new with its request unread is closed last to make room
 FRESH_S = 10.0              # a connection accepted but not yet connected (TLS handshake) counts this long
 
 
@@ -117,21 +117,28 @@ class ConnectionGuard:
             excess -= 1
 
     def _make_room(self) -> bool:
-        """Close the first idle connection (lazily: unproven ones first, then the longest idle), but not one just
-        connected whose request is in its socket, unread yet: a newcomer (an agent reconnecting after its poll gave
-        way), taken for idle, was closed by the next newcomer of the same accept batch, over and over (a review: a
-        member lost under a flood of polls)."""
+        """Close the first idle connection (lazily: unproven ones first, then the longest idle), one just connected
+        whose request waits unread in its socket last: a newcomer (an agent reconnecting after its poll gave way)
+        taken for idle was closed by the next newcomer of the same accept batch, over and over (a review: a member
+        lost under a flood of polls). Still before any held poll gives way: sparing them for good let strangers'
+        fresh connections make members' polls give way (a second review: members lost)."""
         now = time.monotonic()
+        arriving = None
         for handler, since in itertools.chain(self._unproven.items(), ((h, 0.0) for h in self._open)):
             transport = handler.transport
             if handler in self._busy or transport is None or transport.is_closing():
                 continue
             if now - since < ARRIVING_S and tcp_info.unread_bytes(transport) > 0:
+                arriving = arriving or transport            # the oldest such
                 continue
             transport.close()
             self.evicted += 1
             return True
-        return False
+        if arriving is None:
+            return False
+        arriving.close()
+        self.evicted += 1
+        return True
 
     def _held_gives_way(self, count: int) -> bool:
         """A held poll gives way (closed once answered): at most GIVE_WAY_SLACK past the hard limit meanwhile."""
