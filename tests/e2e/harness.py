@@ -204,6 +204,13 @@ def pid_gone(pid: int, timeout: float) -> bool:
         return True
 
 
+def open_files_limit(n: int) -> tuple[str, ...]:
+    """A command prefix that runs the rest of its command line at RLIMIT_NOFILE `n`, soft and hard (as util-linux's
+    prlimit would): the process cannot raise it."""
+    return (sys.executable, "-c", f"import os, resource, sys; resource.setrlimit(resource.RLIMIT_NOFILE, ({n}, {n})); "
+                                  "os.execv(sys.argv[1], sys.argv[1:])")
+
+
 def reply_unread(pid: int, port: int) -> bool:
     """Whether bytes from 127.0.0.1:`port` wait unread in a TCP socket of process `pid` (a stopped agent's socket
     holding the server's answer to its poll: /proc's per-socket receive queue)."""

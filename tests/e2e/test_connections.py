@@ -7,7 +7,6 @@ import http.client
 import os
 import socket
 import ssl
-import sys
 import threading
 import time
 import urllib.request
@@ -17,7 +16,7 @@ import msgpack
 import pytest
 
 from tests.e2e.certs import make_ca, make_server_cert
-from tests.e2e.harness import SCRIPTS, job_events, job_view, read_jsonl, wait_until
+from tests.e2e.harness import SCRIPTS, job_events, job_view, open_files_limit, read_jsonl, wait_until
 
 pytestmark = pytest.mark.e2e
 LOOP = os.path.join(SCRIPTS, "elastic_loop.py")
@@ -225,9 +224,6 @@ def polls_held(cluster) -> float:
                     if line.startswith("rdzv_open_long_polls "))
 
 
-# Runs the rest of its command line at RLIMIT_NOFILE 320, soft and hard: the server then keeps 64 connections.
-NOFILE_320 = "import os, resource, sys; resource.setrlimit(resource.RLIMIT_NOFILE, (320, 320)); " \
-             "os.execv(sys.argv[1], sys.argv[1:])"
 FAKE_NODES, POLLS_EACH = 20, 4       # 80 held polls: past the server's 64
 
 
@@ -285,7 +281,7 @@ def test_held_polls_of_made_up_nodes_give_way_to_a_real_node(cluster, tmp_path):
     hard limit) while the polls were held: it could not join, and a running node's requests failed until its lease
     ran out (a review, 2 of 2). Now a held poll of a made-up node gives way to each newcomer: the node joins, and its
     worker steps on over three leases of the flood, never lost."""
-    port = cluster.start_server("--state-dir", "none", prefix=(sys.executable, "-c", NOFILE_320))
+    port = cluster.start_server("--state-dir", "none", prefix=open_files_limit(320))   # 64 connections
     stop, seen = threading.Event(), Counter()
     flood = threading.Thread(target=asyncio.run, args=(hold_polls_of_made_up_nodes(port, stop, seen),))
     flood.start()

@@ -16,13 +16,10 @@ import psutil
 import pytest
 
 from tests.e2e.certs import make_ca, make_server_cert
-from tests.e2e.harness import SCRIPTS, Proc, child_env, job_view, read_jsonl, wait_until
+from tests.e2e.harness import SCRIPTS, Proc, child_env, job_view, open_files_limit, read_jsonl, wait_until
 
 pytestmark = pytest.mark.e2e
 WORKER = os.path.join(SCRIPTS, "memory_worker.py")
-# Runs the rest of its command line at RLIMIT_NOFILE 128, soft and hard (as util-linux's prlimit would).
-NOFILE_128 = "import os, resource, sys; resource.setrlimit(resource.RLIMIT_NOFILE, (128, 128)); " \
-             "os.execv(sys.argv[1], sys.argv[1:])"
 
 
 def listening_ports(pid: int) -> list[int]:
@@ -44,7 +41,7 @@ def test_a_flood_of_idle_connections_and_long_lines_takes_no_agent_down(cluster,
     cert, key = make_server_cert(str(tmp_path), ca)
     cluster.start_server("--tls-cert", cert, "--tls-key", key)
     cluster.ca = ca[0]
-    argv = [sys.executable, "-c", NOFILE_128, sys.executable, "-m", "node_agent.main", "--endpoint",
+    argv = [*open_files_limit(128), sys.executable, "-m", "node_agent.main", "--endpoint",
             f"https://{cluster.endpoint()}", "--tls-ca", ca[0], "--tls-cert", cert, "--tls-key", key, "--nnodes", "1",
             "--nproc", "1", "--job-id", "flood", "--node-id", "n", "--max-restarts", "0", "--lease-timeout", "3",
             WORKER]
@@ -104,7 +101,7 @@ def test_a_stranger_flooding_a_witness_while_the_server_is_away_fences_nobody(cl
         cluster.procs.append(proc)
         return proc
 
-    a, b = agent("a"), agent("b", sys.executable, "-c", NOFILE_128)
+    a, b = agent("a"), agent("b", *open_files_limit(128))
     steps = lambda since: {r["pid"] for r in read_jsonl(tmp_path, "steps-") if r["kind"] == "step" and r["t"] > since}  # noqa: E731
     wait_until(lambda: len(steps(0)) == 2, 90, lambda: f"both workers stepping\n{a.output}\n{b.output}")
     workers = steps(0)

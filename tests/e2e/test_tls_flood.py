@@ -17,11 +17,9 @@ import pytest
 
 from rdzv_server.web.tls_port import HANDSHAKE_S
 from tests.e2e.certs import make_ca, make_server_cert
-from tests.e2e.harness import Proc, child_env
+from tests.e2e.harness import Proc, child_env, open_files_limit
 
 pytestmark = pytest.mark.e2e
-NOFILE_1024 = "import os, resource, sys; resource.setrlimit(resource.RLIMIT_NOFILE, (1024, 1024)); " \
-              "os.execv(sys.argv[1], sys.argv[1:])"
 FLOOD = 900
 
 
@@ -46,7 +44,7 @@ def closed_by_peer(s: socket.socket) -> bool:
 def test_a_flood_of_silent_tls_connections_shuts_nobody_out(tmp_path) -> None:
     ca = make_ca(str(tmp_path))
     cert, key = make_server_cert(str(tmp_path), ca)
-    server = Proc([sys.executable, "-c", NOFILE_1024, sys.executable, "-m", "rdzv_server.cli", "--host", "127.0.0.1",
+    server = Proc([*open_files_limit(1024), sys.executable, "-m", "rdzv_server.cli", "--host", "127.0.0.1",
                    "--port", "0", "--state-dir", "none", "--tls-cert", cert, "--tls-key", key],
                   child_env(TMPDIR=str(tmp_path)), "server")
     flood: list[socket.socket] = []
