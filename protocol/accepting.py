@@ -64,9 +64,8 @@ class Caps:
             return REFUSED
         taken = TAKEN
         if self.count >= self.total:
-            if not self.waiting:
+            if not self.close_one_waiting():
                 return REFUSED
-            self._close_one_waiting()
             taken = EVICTED
         self.open[source] = self.open.get(source, 0) + 1
         self.count += 1
@@ -81,6 +80,13 @@ class Caps:
             self._close_one_waiting()
             closed += 1
         return closed
+
+    def close_one_waiting(self) -> bool:
+        """Close a waiting connection (`_close_one_waiting`) to make room elsewhere; False where none waits."""
+        if not self.waiting:
+            return False
+        self._close_one_waiting()
+        return True
 
     def _close_one_waiting(self) -> None:
         """The connection waiting longest that has sent nothing yet (a peer's sends at once: its line may wait for a

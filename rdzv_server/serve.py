@@ -127,6 +127,7 @@ async def serve(config: ServerConfig, store: Store | None = None,
         if config.tls is not None:              # handshakes bounded before they cost more than a descriptor
             server = TlsPort(sock, guard.factory(runner.server, evict=False), config.tls, max(16, hard // 4),
                              guard.not_connected)
+            guard.close_a_handshake = server.close_a_handshake
         else:
             batched = isinstance(loop, asyncio.BaseEventLoop)      # asyncio's own loop, not uvloop
             server = await loop.create_server(guard.factory(runner.server), sock=sock,

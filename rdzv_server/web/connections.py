@@ -5,9 +5,9 @@ those that never had a request answered (a flood's; oldest first; a refusal or /
 then the longest idle of the others (an agent's keep-alive connection outlives a flood opened after it); never
 one with a request in progress, such as a held long-poll. At the hard limit below the open-file limit, with none
 idle, a held long-poll gives way (delivery/give_way.py); a newcomer is refused only when none can, so accepting never
-fails with "Too many open files". A body over MAX_BODY_BYTES is refused
-(413) unread; one not in within BODY_TIMEOUT_S is refused (400) and its
-connection closed at once, not read on through aiohttp's "lingering" close.
+fails with "Too many open files"; a TLS newcomer's room is made once its handshake is done. A body over
+MAX_BODY_BYTES is refused (413) unread; one not in within BODY_TIMEOUT_S is refused (400) and its connection closed
+at once, not read on through aiohttp's "lingering" close.
 """
 from __future__ import annotations
 
@@ -56,21 +56,28 @@ class ConnectionGuard:
         self.refused = 0
         self.evicted = 0
         self.give_way: Callable[[], bool] | None = None     # a held poll answered to make room (the hub's)
+        self.close_a_handshake: Callable[[], bool] | None = None    # the TLS port's longest waiting one closed
         self._busy: dict[Any, web.Request] = {}          # protocols with a request in progress: it
         # Kept here, O(1) per accept: aiohttp's `Server.connections` copies the list of every open one.
         self._unproven: dict[Any, float] = {}            # connected, no request finished yet: oldest first; when
-        self._open: dict[Any, None] = {}                 # connected, a request finished: longest idle first
+        self._open: dict[Any, float] = {}                # connected, a request finished: longest idle first; when
         self._fresh: dict[Any, float] = {}               # handlers made, not yet connected: when
         self._trim_soon = False
 
     def factory(self, server: web.Server, evict: bool = True) -> Callable[[], asyncio.BaseProtocol]:
         """Wrap aiohttp's protocol factory (`AppRunner.server`), following the connections it makes and loses.
-        `evict=False` (a TLS port's, asked as a handshake starts): at the hard limit the newcomer is refused, not
-        given an idle connected one's place, for a handshake that may never end."""
+        `evict=False` (a TLS port's, asked as a handshake starts): at the hard limit room is made once the
+        newcomer's handshake is done, not for a handshake that may never end (`_handshake_past_limit`)."""
         made, lost = server.connection_made, server.connection_lost
 
         def on_made(handler: Any, transport: asyncio.Transport) -> None:
             self._fresh.pop(handler, None)
+            if (not evict and len(self._open) + len(self._unproven) >= self.hard_limit
+                    and not (self._make_room() or (self.give_way is not None and self.give_way()))):
+                self.refused += 1           # nobody idle, no held poll: the newcomer goes after all
+                made(handler, transport)
+                close_now(transport)
+                return
             self._unproven[handler] = time.monotonic()
             made(handler, transport)
 
@@ -95,7 +102,7 @@ class ConnectionGuard:
             while self._fresh and now - next(iter(self._fresh.values())) >= FRESH_S:
                 del self._fresh[next(iter(self._fresh))]      # never connected (a failed handshake)
             count = len(self._open) + len(self._unproven) + len(self._fresh)
-            if count >= self.hard_limit and not (evict and (self._make_room() or self._held_gives_way(count))):
+            if count >= self.hard_limit and not self._room_at_limit(count, evict):
                 self.refused += 1
                 return _Refused()
             if count >= self.max_connections and not self._trim_soon:
@@ -117,28 +124,43 @@ class ConnectionGuard:
             excess -= 1
 
     def _make_room(self) -> bool:
-        """Close the first idle connection (lazily: unproven ones first, then the longest idle), one just connected
-        whose request waits unread in its socket last: a newcomer (an agent reconnecting after its poll gave way)
-        taken for idle was closed by the next newcomer of the same accept batch, over and over (a review: a member
-        lost under a flood of polls). Still before any held poll gives way: sparing them for good let strangers'
-        fresh connections make members' polls give way (a second review: members lost)."""
+        """Close the first idle connection (lazily: unproven ones first, then the longest idle); one whose request
+        is arriving (connected or answered under ARRIVING_S ago, its next request unread in its socket or read and
+        not yet handled) last: a newcomer (an agent reconnecting after its poll gave way) taken for idle was closed
+        by the next newcomer of the same accept batch, over and over (a review: a member lost under a flood of
+        polls). Still before any held poll gives way: sparing them for good let strangers' fresh connections make
+        members' polls give way (a second review: members lost)."""
         now = time.monotonic()
         arriving = None
-        for handler, since in itertools.chain(self._unproven.items(), ((h, 0.0) for h in self._open)):
+        for handler, since in itertools.chain(self._unproven.items(), self._open.items()):
             transport = handler.transport
             if handler in self._busy or transport is None or transport.is_closing():
                 continue
-            if now - since < ARRIVING_S and tcp_info.unread_bytes(transport) > 0:
+            if now - since < ARRIVING_S and (request_read(handler) or tcp_info.unread_bytes(transport) > 0):
                 arriving = arriving or transport            # the oldest such
                 continue
-            transport.close()
+            close_now(transport)
             self.evicted += 1
             return True
         if arriving is None:
             return False
-        arriving.close()
+        close_now(arriving)
         self.evicted += 1
         return True
+
+    def _room_at_limit(self, count: int, evict: bool) -> bool:
+        """Whether a newcomer at the hard limit is taken: room made now (an idle one closed, else a held poll gives
+        way), or, for a TLS port's, once its handshake is done."""
+        if evict:
+            return self._make_room() or self._held_gives_way(count)
+        return self._handshake_past_limit(count)
+
+    def _handshake_past_limit(self, count: int) -> bool:
+        """Whether a TLS handshake starts at the hard limit: its room is made when it is done (`on_made`). Refusing it
+        let a stranger's idle connections, handshakes done and no token needed, shut every agent out (a review). At
+        most GIVE_WAY_SLACK past the limit; there the TLS port's longest waiting handshake is closed for it."""
+        return count < self.hard_limit + GIVE_WAY_SLACK or (self.close_a_handshake is not None
+                                                            and self.close_a_handshake())
 
     def _held_gives_way(self, count: int) -> bool:
         """A held poll gives way (closed once answered): at most GIVE_WAY_SLACK past the hard limit meanwhile."""
@@ -162,7 +184,24 @@ class ConnectionGuard:
             proven = answered < 400 and request.path != "/healthz"
             if protocol in self._open or (proven and self._unproven.pop(protocol, None) is not None):
                 self._open.pop(protocol, None)
-                self._open[protocol] = None
+                self._open[protocol] = time.monotonic()
+
+
+def close_now(transport: asyncio.BaseTransport) -> None:
+    """Close a connection to make room, its descriptor free at once: a TLS one aborted, not shut down (a closed TLS
+    connection waits up to SHUTDOWN_S for its peer's close_notify, counted all along: a stranger's idle ones, each
+    closed for a newcomer, still filled the limit and the newcomers after were refused)."""
+    if transport.get_extra_info("sslcontext") is not None:
+        transport.abort()      # type: ignore[attr-defined]
+    else:
+        transport.close()
+
+
+def request_read(handler: Any) -> bool:
+    """Whether aiohttp has read a request on this connection that has not reached the middleware yet (its handler
+    task starts an event-loop turn or two later): without it, a request read in the same turn as a newcomer's accept
+    looked idle and was closed (a review: 86 times in one flood). aiohttp's own fields; False where they differ."""
+    return bool(getattr(handler, "_messages", None)) or bool(getattr(handler, "_request_in_progress", False))
 
 
 GUARD = web.AppKey("connection_guard", ConnectionGuard)     # the server's (an app alone has none)

@@ -5,8 +5,8 @@ held every descriptor, and an agent whose connection broke could not reconnect. 
 - a handshake is done within HANDSHAKE_S, or its connection is closed; a closing one waits SHUTDOWN_S at most;
 - at most `handshakes` are in progress at once (a quarter of the connection cap), however many from one address; at
   that cap the oldest handshake of the address with the most in progress is closed for the newcomer (a flood's,
-  not an agent's; IPv6 addresses counted by /64): no connected one is closed for it, nor for a handshake at the
-  connection cap;
+  not an agent's; IPv6 addresses counted by /64): no connected one is closed for it. At the connection limit a
+  handshake goes on, and an idle connection is closed for it once it is done (web/connections.py);
 - out of descriptors while accepting: said once a minute, accepting again after a pause.
 Once its handshake is done a connection is aiohttp's, within the ConnectionGuard's cap (web/connections.py)."""
 from __future__ import annotations
@@ -63,6 +63,11 @@ class TlsPort:
             self.caps.at_work(accepted.source, accepted)
             if not accepted.evicted:
                 self.caps.give(accepted.source)
+
+    def close_a_handshake(self) -> bool:
+        """Close the handshake waiting longest that has sent nothing, else the longest waiting (Caps), for a newcomer
+        at the connection limit; False where none is in progress."""
+        return self.caps.close_one_waiting()
 
     def close(self) -> None:
         """No new connections (those connected are aiohttp's to close)."""

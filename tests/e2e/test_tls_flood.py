@@ -69,3 +69,30 @@ def test_a_flood_of_silent_tls_connections_shuts_nobody_out(tmp_path) -> None:
         for s in flood:
             s.close()
         server.kill_all()
+
+
+def test_a_strangers_idle_tls_connections_at_the_limit_shut_nobody_out(tmp_path) -> None:
+    """A stranger (no token) completes TLS handshakes from 50 addresses and keeps 120 connections idle, at a server
+    whose limit is 64 (RLIMIT_NOFILE 320). Before, a newcomer at the hard limit was refused as its handshake began
+    (nothing closed for a handshake that may never end): every agent reconnecting was shut out for the idle
+    connections' 60 s (a review). Now its handshake goes on and an idle connection is closed for it once it is done."""
+    ca = make_ca(str(tmp_path))
+    cert, key = make_server_cert(str(tmp_path), ca)
+    server = Proc([*open_files_limit(320), sys.executable, "-m", "rdzv_server.cli", "--host", "127.0.0.1",
+                   "--port", "0", "--state-dir", "none", "--tls-cert", cert, "--tls-key", key],
+                  child_env(TMPDIR=str(tmp_path)), "server")
+    context = ssl.create_default_context(cafile=ca[0])
+    idle: list[ssl.SSLSocket] = []
+    try:
+        port = int(server.wait_for_line(r"listening on https://[^:]+:(\d+)", 30).group(1))
+        for i in range(120):
+            raw = socket.create_connection(("127.0.0.1", port), timeout=10, source_address=(f"127.0.0.{2 + i % 50}", 0))
+            idle.append(context.wrap_socket(raw, server_hostname="127.0.0.1"))      # its handshake done
+        for _ in range(3):
+            assert healthz(port, ca[0]) == b"HTTP/1.1 200 OK"
+        assert len(psutil.Process(server.pid).net_connections("tcp")) <= 64 + 1 + 32   # the listener, the slack
+        assert "Traceback" not in server.output, server.output
+    finally:
+        for s in idle:
+            s.close()
+        server.kill_all()

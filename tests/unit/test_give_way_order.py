@@ -6,7 +6,7 @@ import socket
 import time
 
 from rdzv_server.delivery.give_way import EXTRA, MEMBER, OUTSIDE, WaitingOrder, tier
-from rdzv_server.web.connections import ConnectionGuard
+from rdzv_server.web.connections import GIVE_WAY_SLACK, ConnectionGuard
 from tests.unit.test_rendezvous import cfg, job, running
 
 
@@ -78,3 +78,70 @@ def test_room_is_made_from_an_idle_connection_before_a_newcomer_whose_request_is
         for a, b in pairs:
             a.close()
             b.close()
+
+
+
+class FakeServer:
+    """aiohttp's Server as the guard wraps it: makes handlers, told of their connections."""
+
+    def __init__(self, socks: list[socket.socket]) -> None:
+        self.socks = socks
+
+    def __call__(self) -> Handler:
+        return Handler(self.socks.pop())
+
+    def connection_made(self, handler: Handler, transport: Transport) -> None:
+        pass
+
+    def connection_lost(self, handler: Handler, exc: BaseException | None = None) -> None:
+        pass
+
+
+async def test_a_tls_newcomer_at_the_limit_starts_its_handshake_and_room_is_made_once_it_is_done():
+    """The TLS port asks as a handshake starts (evict=False): nothing is closed for a handshake that may never end;
+    once it is done an idle connection is closed for it, else a held poll gives way, else it goes itself."""
+    pairs = [socket.socketpair() for _ in range(5)]
+    try:
+        server = FakeServer([a for a, _ in pairs])
+        guard = ConnectionGuard(2)
+        asked: list[bool] = []
+        guard.give_way = lambda: asked.append(len(asked) == 0) or asked[-1]     # a held poll gives way once
+        make = guard.factory(server, evict=False)       # type: ignore[arg-type]
+
+        def connect(handler: object) -> Handler:
+            assert isinstance(handler, Handler), "refused as its handshake starts"
+            server.connection_made(handler, handler.transport)
+            return handler
+        busy, idle = connect(make()), connect(make())
+        guard._busy[busy] = object()                    # a held poll
+        newcomer = make()                               # at the limit: its handshake starts, nothing closed yet
+        assert isinstance(newcomer, Handler) and not idle.transport.closed
+        connect(newcomer)                               # done: the idle one goes for it
+        assert idle.transport.closed and not newcomer.transport.closed and newcomer in guard._unproven
+        server.connection_lost(idle)
+        guard._busy[newcomer] = object()
+        second = connect(make())                        # none idle: a held poll gives way
+        assert asked == [True] and not second.transport.closed
+        guard._busy[second] = object()
+        third = connect(make())                         # none idle, no poll gives way: it goes itself
+        assert asked == [True, False] and third.transport.closed and guard.refused == 1
+    finally:
+        for a, b in pairs:
+            a.close()
+            b.close()
+
+
+async def test_handshakes_past_the_limit_are_bounded_by_closing_the_longest_waiting():
+    a, b = socket.socketpair()
+    try:
+        guard = ConnectionGuard(2)
+        make = guard.factory(FakeServer([a]), evict=False)      # type: ignore[arg-type]
+        guard._fresh.update({object(): time.monotonic() for _ in range(2 + GIVE_WAY_SLACK)})
+        closed: list[bool] = []
+        guard.close_a_handshake = lambda: closed.append(False) or False      # none in progress to close
+        assert not isinstance(make(), Handler) and closed == [False] and guard.refused == 1
+        guard.close_a_handshake = lambda: closed.append(True) or True        # the longest waiting closed for it
+        assert isinstance(make(), Handler) and closed == [False, True]
+    finally:
+        a.close()
+        b.close()
