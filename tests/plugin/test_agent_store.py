@@ -29,6 +29,8 @@ def test_the_store_runs_apart_bounded_and_comes_back_on_its_port() -> None:
     store = AgentStore("127.0.0.1", said.append)
     try:
         first = psutil.Process(store._process.pid)
+        # Popen may return while the child is still execing (its cmdline reads empty for that moment)
+        wait_until(lambda: first.cmdline() != [], LIMIT, "the store process's exec")
         assert SCRIPT in first.cmdline() and first.ppid() == os.getpid()
         c = client(store.port)
         c.set("k", b"1")
