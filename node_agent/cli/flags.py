@@ -184,8 +184,9 @@ FLAGS: tuple[Flag, ...] = (
          "auto: workers of a Python script or -m module are forked from an interpreter that has already imported "
          "--warm-preload (a restart skips `import torch`); off: every worker starts cold; default {default}"),
     Flag(("--warm-preload", "--warm_preload"), "warm_preload", "MOD[,MOD...]",
-         "the modules warm workers find imported (exactly these); default torch, torch.distributed, torch.nn, "
-         "torch.optim, torch._dynamo and the installed packages the script imports at its top level "
+         "the modules warm workers find imported (exactly these; module:name also looks a name up in it, as "
+         "`from module import name` does); default torch, torch.distributed, torch.nn, torch.optim, torch._dynamo "
+         "and the installed packages the script imports at its top level, with the names it imports from them "
          "(Lightning, transformers, ...; not the script's own modules)"),
     Flag(("--no-command-check", "--no_command_check"), "no_command_check", None,
          "let nodes whose script or arguments differ join one job (by default the server refuses them)"),

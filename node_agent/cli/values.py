@@ -223,17 +223,19 @@ def parse_signals(text: str, fail: Fail) -> tuple[int, ...]:
 
 
 MAX_PRELOAD = 64     # modules in --warm-preload
-_MODULE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
+_MODULE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*(:[A-Za-z_][A-Za-z0-9_]*)?")
 
 
 def parse_modules(text: str, fail: Fail) -> tuple[str, ...]:
-    """`a,b.c` -> module names, each a dotted Python name (at most MAX_PRELOAD, 200 characters each)."""
+    """`a,b.c,d:e` -> module names, each a dotted Python name, or `module:name` (a name looked up in the module, as
+    `from module import name`) (at most MAX_PRELOAD, 200 characters each)."""
     names = tuple(dict.fromkeys(item.strip() for item in text.split(",") if item.strip()))
     if len(names) > MAX_PRELOAD:
         fail(f"at most {MAX_PRELOAD} modules, got {len(names)}")
     for name in names:
         if len(name) > 200 or not _MODULE.fullmatch(name):
-            fail(f"{name[:200]!r} is not a module name (such as torch or torch.distributed)")
+            fail(f"{name[:200]!r} is not a module name (such as torch or torch.distributed), nor module:name "
+                 f"(such as transformers:Trainer)")
     return names
 
 

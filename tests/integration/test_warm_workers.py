@@ -184,6 +184,32 @@ async def test_a_preload_that_fails_is_one_warning_and_workers_still_start_warm(
     assert warm.warm and warm.key() == (0, "")
 
 
+LAZY = """import importlib
+def __getattr__(name):
+    if name == "Thing":
+        return importlib.import_module(__name__ + ".heavy").Thing
+    raise AttributeError(name)
+"""
+
+
+async def test_a_name_a_script_imports_from_a_lazy_package_is_looked_up_in_the_zygote(make_zygote, workdir) -> None:
+    """`from lazy import Thing` imports lazy.heavy only when Thing is looked up (as transformers does its Trainer):
+    preloading `lazy:Thing` does that in the zygote; `lazy:sub`, a submodule the package does not import itself."""
+    os.mkdir(os.path.join(workdir, "lazy"))
+    write(os.path.join(workdir, "lazy", "__init__.py"), LAZY)
+    write(os.path.join(workdir, "lazy", "heavy.py"), "class Thing:\n    pass\n")
+    write(os.path.join(workdir, "lazy", "sub.py"), "")
+    write(os.path.join(workdir, "seen.py"), "import sys\nopen(sys.argv[1], 'w').write(','.join(sorted(m for m in "
+                                            "sys.modules if m.startswith('lazy'))))\n")
+    out = os.path.join(workdir, "seen.txt")
+    cold = await run(["seen.py", out], None, workdir)
+    assert not cold.warm and read(out) == ""
+    warnings: list[str] = []
+    zygote = await make_zygote(("lazy", "lazy:Thing", "lazy:sub"), warnings)
+    warm = await run(["seen.py", out], zygote, workdir)
+    assert warm.warm and read(out) == "lazy,lazy.heavy,lazy.sub" and warnings == []
+
+
 async def test_lightnings_rank_is_the_workers_not_the_zygotes(make_zygote, workdir) -> None:
     """Lightning keeps the rank the environment said at its import (rank_zero_only.rank): a worker forked from a
     zygote that imported it has its own, as a cold one does (RANK=3 in run())."""

@@ -35,11 +35,13 @@ def test_cold_start_keeps_for_off_no_python_and_run_path(argv) -> None:
 def test_warm_preload_replaces_the_list() -> None:
     assert parse("--warm-preload", "json, numpy ,json,", "t.py").warm_preload == ("json", "numpy")
     assert parse("--warm-preload", "", "t.py").warm_preload == ()
+    assert parse("--warm-preload", "transformers:Trainer", "t.py").warm_preload == ("transformers:Trainer",)
 
 
 @pytest.mark.parametrize("argv, message", [
     (("--warm-workers", "on", "t.py"), "--warm-workers: expected auto or off, got 'on'"),
     (("--warm-preload", "torch,os.path/x", "t.py"), "--warm-preload: 'os.path/x' is not a module name"),
+    (("--warm-preload", "a:b:c", "t.py"), "--warm-preload: 'a:b:c' is not a module name"),
     (("--warm-preload", ",".join(f"m{i}" for i in range(65)), "t.py"), "--warm-preload: at most 64 modules"),
 ])
 def test_bad_warm_flags_are_one_line_naming_the_flag(argv, message) -> None:
@@ -152,7 +154,10 @@ def test_the_script_s_installed_imports_are_preloaded_not_its_own_modules(tmp_pa
     (tmp_path / "mine.py").write_text("")
     (tmp_path / "helpers").mkdir()
     got = script_preloads(str(tmp_path / "train.py"), module=False, cwd="/", path0=str(tmp_path))
-    assert got == ("torch.distributed", "lightning.pytorch", "transformers", "node_agent.training", "accelerate")
+    # the names a `from` imports after the modules (a lazy package imports a name's code when it is looked up);
+    # none from a module not preloaded (`helpers.data`: the script's own)
+    assert got == ("torch.distributed", "lightning.pytorch", "transformers", "node_agent.training", "accelerate",
+                   "transformers:Trainer", "node_agent.training:protect")
     assert script_preloads(str(tmp_path / "none.py"), module=False, cwd="/", path0=str(tmp_path)) == ()
 
 

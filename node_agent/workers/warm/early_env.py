@@ -12,7 +12,7 @@ from __future__ import annotations
 import ast
 from collections.abc import Iterable
 
-from node_agent.workers.warm.eligible import imported_packages, parsed, top_level
+from node_agent.workers.warm.eligible import imported_packages, parsed, top_level, top_package
 
 READ_LATER = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "TOKENIZERS_PARALLELISM",
               "CUDA_VISIBLE_DEVICES", "CUDA_LAUNCH_BLOCKING", "PYTORCH_CUDA_ALLOC_CONF")
@@ -25,7 +25,7 @@ def environment_set_first(entry: str, preload: Iterable[str], *, module: bool, c
     if tree is None:
         return None
     try:
-        return _first(tree, {name.split(".")[0] for name in preload})
+        return _first(tree, {top_package(name) for name in preload})
     except RecursionError:          # a statement nested past what ast's walkers take: not judged
         return None
 

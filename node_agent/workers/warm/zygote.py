@@ -1,6 +1,8 @@
 """The warm zygote: an interpreter that imports the preload list once, then forks one worker per request.
 
-Run by the agent as `PYTHON -u zygote.py FD PATH0 MOD[,MOD...] PROBE_NAME` with the worker's interpreter: it
+Run by the agent as `PYTHON -u zygote.py FD PATH0 MOD[,MOD...] PROBE_NAME` with the worker's interpreter (a MOD of
+the form `module:name` imports the module, then looks the name up in it, as `from module import name` does: a lazy
+package such as transformers imports its Trainer only then, 1.4 s of every worker's start otherwise): it
 imports only the standard library, never node_agent, as it must run under any PYTHON_EXEC (the probe's boot, first
 on its PYTHONPATH, has loaded the probe as PROBE_NAME). It forks only while clean (no
 other Python thread, CUDA not initialised) and opens no socket but FD, the agent's. It dies with the agent
@@ -313,6 +315,15 @@ def _reseed(name: str) -> None:
         sys.modules["numpy.random"].seed()
 
 
+def _preload(entry: str) -> None:
+    """Import `module`, or for `module:name` also look `name` up as `from module import name` would (an attribute,
+    else a submodule its package does not import itself)."""
+    module, _, name = entry.partition(":")
+    loaded = importlib.import_module(module)
+    if name and not hasattr(loaded, name):
+        importlib.import_module(f"{module}.{name}")
+
+
 def main() -> None:
     # Python's advice for fork without exec: no collection here, gc.freeze() before each fork, gc.enable() in
     # the child, whose collections then never touch (and copy) the zygote's objects.
@@ -325,7 +336,7 @@ def main() -> None:
     failed = []
     for name in preload:
         try:
-            importlib.import_module(name)
+            _preload(name)
         except BaseException as exc:   # noqa: BLE001 - a failed preload is reported, never fatal
             failed.append([name, f"{type(exc).__name__}: {exc}"[:300]])
         for generator, state in _generators_now().items():   # right after the import that brought it
