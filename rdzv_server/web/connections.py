@@ -198,10 +198,13 @@ def close_now(transport: asyncio.BaseTransport) -> None:
 
 
 def request_read(handler: Any) -> bool:
-    """Whether aiohttp has read a request on this connection that has not reached the middleware yet (its handler
-    task starts an event-loop turn or two later): without it, a request read in the same turn as a newcomer's accept
-    looked idle and was closed (a review: 86 times in one flood). aiohttp's own fields; False where they differ."""
-    return bool(getattr(handler, "_messages", None)) or bool(getattr(handler, "_request_in_progress", False))
+    """Whether aiohttp has read a request on this connection while it was idle, and has not taken it up yet (a turn
+    of the event loop later): without it, a request read in the same turn as a newcomer's accept looked idle and was
+    closed (a review: 86 times in one flood). Not a connection at work on requests it pipelined (its queue is not
+    empty for as long as it sends more): sparing those let a stranger's flood outlast the newcomers (a review).
+    aiohttp's own fields (its handler waits on `_waiter` while idle); False where they differ."""
+    waiting = getattr(handler, "_waiter", None)
+    return waiting is not None and bool(getattr(handler, "_messages", None))
 
 
 GUARD = web.AppKey("connection_guard", ConnectionGuard)     # the server's (an app alone has none)

@@ -8,6 +8,7 @@ import time
 
 from aiohttp import web
 
+from rdzv_server import tcp_info
 from rdzv_server.web.connections import ConnectionGuard
 
 REQUEST = b"GET /ok HTTP/1.1\r\nHost: x\r\n\r\n"
@@ -15,6 +16,10 @@ REQUEST = b"GET /ok HTTP/1.1\r\nHost: x\r\n\r\n"
 
 async def ok(request: web.Request) -> web.Response:
     return web.Response(text="ok")
+
+
+async def big(request: web.Request) -> web.Response:
+    return web.Response(body=b"x" * (4 << 20))
 
 
 async def until(predicate, what: str) -> None:
@@ -25,14 +30,19 @@ async def until(predicate, what: str) -> None:
         await asyncio.sleep(0.01)
 
 
-async def test_a_request_read_and_not_yet_handled_is_closed_after_the_idle_ones():
-    guard = ConnectionGuard(8)
+async def serving(guard: ConnectionGuard) -> tuple[web.AppRunner, asyncio.AbstractServer, int]:
     app = web.Application(middlewares=[guard.middleware])
     app.router.add_get("/ok", ok)
+    app.router.add_get("/healthz", big)     # answered, proving nothing: the connection stays unproven
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     server = await asyncio.get_running_loop().create_server(guard.factory(runner.server), "127.0.0.1", 0)
-    port = server.sockets[0].getsockname()[1]
+    return runner, server, server.sockets[0].getsockname()[1]
+
+
+async def test_a_request_read_and_not_yet_handled_is_closed_after_the_idle_ones():
+    guard = ConnectionGuard(8)
+    runner, server, port = await serving(guard)
     clients = []
     try:
         for _ in range(2):
@@ -48,6 +58,31 @@ async def test_a_request_read_and_not_yet_handled_is_closed_after_the_idle_ones(
         # answered and idle past ARRIVING_S (as if): the next to go
         guard._open[reading] -= 2.0
         assert guard._make_room() and reading.transport.is_closing()
+    finally:
+        for _, writer in clients:
+            writer.close()
+        server.close()
+        await runner.cleanup()
+
+
+async def test_a_connection_at_work_on_requests_it_pipelined_and_never_reads_is_not_spared():
+    """A stranger pipelines requests and reads no answer: its queue stays full while the server writes into its
+    full socket. It looks arriving to nothing: the oldest idle, it is closed first (sparing such connections let a
+    stranger's flood outlast every newcomer, a review)."""
+    guard = ConnectionGuard(8)
+    runner, server, port = await serving(guard)
+    clients = []
+    try:
+        for _ in range(2):
+            clients.append(await asyncio.open_connection("127.0.0.1", port))
+        await until(lambda: len(guard._unproven) == 2, "both connections connected")
+        pipelining, idle = guard._unproven
+        clients[0][1].write(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n" * 8)        # never read
+        clients[0][1].transport.pause_reading()
+        await until(lambda: (pipelining._messages and pipelining not in guard._busy and pipelining._waiter is None
+                             and tcp_info.unread_bytes(pipelining.transport) == 0),
+                    "the server at work on the pipelined requests (all read), writing into a full socket")
+        assert guard._make_room() and pipelining.transport.is_closing() and not idle.transport.is_closing()
     finally:
         for _, writer in clients:
             writer.close()
