@@ -62,6 +62,7 @@ class ConnectionGuard:
         self._unproven: dict[Any, float] = {}            # connected, no request finished yet: oldest first; when
         self._open: dict[Any, float] = {}                # connected, a request finished: longest idle first; when
         self._fresh: dict[Any, float] = {}               # handlers made, not yet connected: when
+        self._closed_for_room: set[Any] = set()          # closed by _make_room, until their end is told
         self._trim_soon = False
 
     def factory(self, server: web.Server, evict: bool = True) -> Callable[[], asyncio.BaseProtocol]:
@@ -82,6 +83,7 @@ class ConnectionGuard:
             made(handler, transport)
 
         def on_lost(handler: Any, exc: BaseException | None = None) -> None:
+            self._closed_for_room.discard(handler)
             self._open.pop(handler, None)
             self._unproven.pop(handler, None)
             self._fresh.pop(handler, None)
@@ -129,24 +131,33 @@ class ConnectionGuard:
         not yet handled) last: a newcomer (an agent reconnecting after its poll gave way) taken for idle was closed
         by the next newcomer of the same accept batch, over and over (a review: a member lost under a flood of
         polls). Still before any held poll gives way: sparing them for good let strangers' fresh connections make
-        members' polls give way (a second review: members lost)."""
+        members' polls give way (a second review: members lost). A TLS connection closing (waiting up to SHUTDOWN_S
+        for its peer's close_notify, counted all along) is ended as an idle one is: else a stranger asking with
+        `Connection: close` and never answering the close_notify filled the limit, and members' polls gave way to
+        its newcomers (a review: nodes lost)."""
         now = time.monotonic()
         arriving = None
         for handler, since in itertools.chain(self._unproven.items(), self._open.items()):
             transport = handler.transport
-            if handler in self._busy or transport is None or transport.is_closing():
+            if handler in self._busy or transport is None or handler in self._closed_for_room:
                 continue
-            if now - since < ARRIVING_S and (request_read(handler) or tcp_info.unread_bytes(transport) > 0):
-                arriving = arriving or transport            # the oldest such
+            if transport.is_closing():
+                if transport.get_extra_info("sslcontext") is None:
+                    continue                                # a plain one is gone in a turn
+            elif now - since < ARRIVING_S and (request_read(handler) or tcp_info.unread_bytes(transport) > 0):
+                arriving = arriving or handler              # the oldest such
                 continue
-            close_now(transport)
-            self.evicted += 1
+            self._close_for_room(handler)
             return True
         if arriving is None:
             return False
-        close_now(arriving)
-        self.evicted += 1
+        self._close_for_room(arriving)
         return True
+
+    def _close_for_room(self, handler: Any) -> None:
+        self._closed_for_room.add(handler)
+        close_now(handler.transport)
+        self.evicted += 1
 
     def _room_at_limit(self, count: int, evict: bool) -> bool:
         """Whether a newcomer at the hard limit is taken: room made now (an idle one closed, else a held poll gives

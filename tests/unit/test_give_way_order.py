@@ -49,17 +49,20 @@ class Handler:
 
 
 class Transport:
-    def __init__(self, sock: socket.socket) -> None:
-        self.sock, self.closed = sock, False
+    def __init__(self, sock: socket.socket, tls: bool = False) -> None:
+        self.sock, self.tls, self.closed, self.aborted = sock, tls, False, False
 
     def get_extra_info(self, name: str) -> object:
-        return self.sock if name == "socket" else None
+        return {"socket": self.sock, "sslcontext": object() if self.tls else None}.get(name)
 
     def is_closing(self) -> bool:
-        return self.closed
+        return self.closed or self.aborted
 
     def close(self) -> None:
         self.closed = True
+
+    def abort(self) -> None:
+        self.aborted = True
 
 
 def test_room_is_made_from_an_idle_connection_before_a_newcomer_whose_request_is_unread():
@@ -145,3 +148,24 @@ async def test_handshakes_past_the_limit_are_bounded_by_closing_the_longest_wait
     finally:
         a.close()
         b.close()
+
+
+def test_a_tls_connection_waiting_for_its_peers_close_notify_is_ended_to_make_room():
+    """A TLS connection the server closed waits up to SHUTDOWN_S for its peer's close_notify, counted all along: a
+    stranger asking with `Connection: close` and never answering filled the limit with them (a review: members'
+    polls gave way to its newcomers, nodes lost). It is aborted to make room, once; a plain one is gone in a turn."""
+    pairs = [socket.socketpair() for _ in range(3)]
+    try:
+        guard = ConnectionGuard(4)
+        closing_tls, closing_plain, idle = (Handler(a) for a, _ in pairs)
+        closing_tls.transport.tls = True
+        closing_tls.transport.closed = closing_plain.transport.closed = True
+        now = time.monotonic()
+        guard._unproven.update({closing_plain: now - 3.0, closing_tls: now - 2.0, idle: now - 1.0})
+        assert guard._make_room() and closing_tls.transport.aborted and not idle.transport.closed
+        assert guard._make_room() and idle.transport.closed and not closing_plain.transport.aborted
+        assert not guard._make_room() and guard.evicted == 2       # each closed once, until its end is told
+    finally:
+        for a, b in pairs:
+            a.close()
+            b.close()
