@@ -9,6 +9,7 @@ server, or a proxy whose server restarts, look the same. The job id is one perce
 from __future__ import annotations
 
 import asyncio
+import errno
 import ssl
 import urllib.parse
 
@@ -21,6 +22,7 @@ from node_agent.client.path_check import ANSWER_WAIT_S, CHECK_TIMEOUT_S, PathChe
 from node_agent.client.readyz import readyz_status
 from node_agent.client.replies import ClientCode, Path
 from node_agent.client.transport import (
+    CLOSED_BY_SERVER,
     PathBack,
     ServerRejected,
     ServerUnreachable,
@@ -188,7 +190,8 @@ class RdzvClient(Transport):
             raise ServerRejected(ClientCode.NOT_RDZV_SERVER, f"{server} is not an rdzv-server: its reply is not "
                                  f"HTTP ({str(exc.message).splitlines()[0]}); check the endpoint") from exc
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
-            raise ServerUnreachable(f"{type(exc).__name__}: {exc}".rstrip(": ")) from exc
+            closed = "" if not closed_by_server(exc) else f"; {CLOSED_BY_SERVER}"
+            raise ServerUnreachable(f"{type(exc).__name__}: {exc}".rstrip(": ") + closed) from exc
         try:
             reply = decode_reply(body)
         except Exception as exc:   # not our protocol: another service, or a gateway whose server is away
@@ -198,3 +201,13 @@ class RdzvClient(Transport):
                                  f"{resp.status} ({resp.content_type or 'no content type'}) that is not the "
                                  f"rendezvous protocol; check the endpoint") from exc
         return reply, leader
+
+
+def closed_by_server(exc: BaseException) -> bool:
+    """Whether a failed try reached the server, which closed the connection (a reset, or a disconnect before the
+    reply), rather than never connecting or timing out."""
+    if isinstance(exc, (aiohttp.ClientConnectorError, asyncio.TimeoutError)):
+        return False
+    if isinstance(exc, aiohttp.ServerDisconnectedError):
+        return True
+    return isinstance(exc, OSError) and exc.errno in (errno.ECONNRESET, errno.EPIPE)

@@ -42,6 +42,11 @@ class ServerUnreachable(Exception):
     """The server could not be reached or is going away: retry later."""
 
 
+# said of a try whose connection the server took and then closed (it is there: busy, restarting, or making room at
+# its connection limit): no hint that it may not be running (retry.unreachable_line)
+CLOSED_BY_SERVER = "the server closed the connection"
+
+
 class PathBack(ServerUnreachable):
     """An answer was overdue, but an endpoint answers a fresh connection: send the request again there
     at once (the connection it waited on is stalled in TCP's back-off, or the leader moved)."""

@@ -15,7 +15,15 @@ from aiohttp.test_utils import TestServer
 from node_agent.client.http import RdzvClient
 from node_agent.client.local import LocalClient
 from node_agent.client.replies import ClientCode
-from node_agent.client.transport import ACTION_OF, ServerRejected, ServerUnreachable, Transport, refusal
+from node_agent.client.retry import unreachable_line
+from node_agent.client.transport import (
+    ACTION_OF,
+    CLOSED_BY_SERVER,
+    ServerRejected,
+    ServerUnreachable,
+    Transport,
+    refusal,
+)
 from protocol.codec import REQUEST_TYPES
 from protocol.errors import RETRYABLE, ErrorCode
 from protocol.messages import JobConfig, JobState, NodeState, NodeStatus, WorkerFailure
@@ -169,6 +177,37 @@ async def test_http_errors_below_the_protocol_are_unreachable() -> None:
     async with RdzvClient("127.0.0.1", srv.port or 0, "j", "n1") as client:   # nobody listens there now
         with pytest.raises(ServerUnreachable):
             await join(client)
+
+
+@pytest.mark.parametrize("how", ["reset", "closed"])
+async def test_a_connection_the_server_took_and_closed_is_not_told_as_a_server_that_may_not_run(how: str) -> None:
+    """A server at its connection limit closes connections to make room (aborted over TLS: a reset): the agent's
+    line says the server closed it, not "is an rdzv-server running there?" (a review found the hint misleading);
+    nobody listening keeps the hint."""
+    async def closing(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.read(100)
+        if how == "reset":
+            writer.transport.abort()     # unread bytes left: the kernel answers with a reset
+        else:
+            writer.close()
+
+    server = await asyncio.start_server(closing, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        async with RdzvClient("127.0.0.1", port, "j", "n1") as client:
+            with pytest.raises(ServerUnreachable) as info:
+                await join(client)
+    finally:
+        server.close()
+        await server.wait_closed()
+    assert CLOSED_BY_SERVER in str(info.value)
+    line = unreachable_line(f"127.0.0.1:{port}", 60, str(info.value))
+    assert "running there" not in line and "connection limit" in line
+    async with RdzvClient("127.0.0.1", port, "j", "n1") as client:   # nobody listens there now
+        with pytest.raises(ServerUnreachable) as info:
+            await join(client)
+    assert CLOSED_BY_SERVER not in str(info.value)
+    assert "is an rdzv-server running there?" in unreachable_line(f"127.0.0.1:{port}", 60, str(info.value))
 
 
 @pytest.mark.parametrize("status, content_type, body", [
