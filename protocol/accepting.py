@@ -81,18 +81,20 @@ class Caps:
             closed += 1
         return closed
 
-    def close_one_waiting(self) -> bool:
-        """Close a waiting connection (`_close_one_waiting`) to make room elsewhere; False where none waits."""
-        if not self.waiting:
+    def close_one_waiting(self, sparing: object = None) -> bool:
+        """Close a waiting connection (`_close_one_waiting`) to make room elsewhere, never `sparing` (the one the room
+        is for); False where none other waits."""
+        if not self.waiting or list(self.waiting) == [sparing]:
             return False
-        self._close_one_waiting()
+        self._close_one_waiting(sparing)
         return True
 
-    def _close_one_waiting(self) -> None:
+    def _close_one_waiting(self, sparing: object = None) -> None:
         """The connection waiting longest that has sent nothing yet (a peer's sends at once: its line may wait for a
-        loop busy accepting a flood), else the one waiting longest. `close()` gives its count back."""
-        victim = next((key for key, (_, sent) in islice(self.waiting.items(), LOOK_AHEAD) if not sent()),
-                      next(iter(self.waiting)))
+        loop busy accepting a flood), else the one waiting longest; never `sparing`. `close()` gives its count back."""
+        others = ((key, sent) for key, (_, sent) in self.waiting.items() if key is not sparing)
+        ahead = list(islice(others, LOOK_AHEAD))
+        victim = next((key for key, sent in ahead if not sent()), ahead[0][0])
         close, _ = self.waiting.pop(victim)
         close()
 

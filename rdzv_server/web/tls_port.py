@@ -35,6 +35,7 @@ class TlsPort:
         self.sock, self.factory, self.tls, self.not_connected = sock, factory, tls, not_connected
         self.caps = Caps(total=handshakes, per_source=handshakes)
         self._serving: set[asyncio.Task[None]] = set()
+        self._asking: Accepted | None = None       # the handshake whose protocol is being made
         self._accepting = asyncio.create_task(accept(sock, self.caps, "the TLS port", SayOnce(log.warning),
                                                      self._handshake, self._serving))
 
@@ -43,7 +44,11 @@ class TlsPort:
         made: list[asyncio.BaseProtocol] = []
 
         def protocol() -> asyncio.BaseProtocol:
-            made.append(self.factory())
+            self._asking = accepted          # spared by close_a_handshake: the room is for it
+            try:
+                made.append(self.factory())
+            finally:
+                self._asking = None
             return made[-1]
 
         connected = False
@@ -67,7 +72,7 @@ class TlsPort:
     def close_a_handshake(self) -> bool:
         """Close the handshake waiting longest that has sent nothing, else the longest waiting (Caps), for a newcomer
         at the connection limit; False where none is in progress."""
-        return self.caps.close_one_waiting()
+        return self.caps.close_one_waiting(sparing=self._asking)
 
     def close(self) -> None:
         """No new connections (those connected are aiohttp's to close)."""

@@ -188,6 +188,18 @@ async def test_a_tls_connection_that_never_says_hello_is_let_go_within_the_hands
             s.close()
 
 
+def test_a_waiting_connection_closed_for_a_newcomer_is_never_the_newcomer_itself() -> None:
+    """The server's TLS port closes a waiting handshake for a newcomer past its connection limit: where the newcomer's
+    own is the only one waiting there is none to close (refused, and counted so), not the newcomer closed."""
+    caps, closed = Caps(total=8, per_source=8), []
+    newcomer, older = object(), object()
+    caps.wait("a", older, lambda: closed.append("older"), lambda: True)
+    caps.wait("b", newcomer, lambda: closed.append("newcomer"), lambda: False)
+    assert caps.close_one_waiting(sparing=newcomer) and closed == ["older"]     # though the newcomer sent nothing
+    assert not caps.close_one_waiting(sparing=newcomer) and closed == ["older"]
+    assert caps.close_one_waiting() and closed == ["older", "newcomer"]
+
+
 def test_caps_leave_most_descriptors_to_the_rest_of_the_agent() -> None:
     sized = listening.caps_for_descriptors
     assert sized(1024).total == 256 and sized(1 << 20).total == listening.MAX_CONNECTIONS
