@@ -26,7 +26,7 @@ from node_agent.workers.probes import ProbeRoot
 from node_agent.workers.process import WorkerExit, WorkerSpawnError
 from node_agent.workers.step_watch import StepWatch
 from node_agent.workers.warm.client import WarmZygote
-from node_agent.workers.warm.early_env import environment_set_first
+from node_agent.workers.warm.early_env import preloads_before_a_set
 from node_agent.workers.warm.eligible import entry_imports, imports_any, script_dir, script_preloads
 from protocol.bounds import MAX_PREPARE_S
 from protocol.messages import Assignment, UnhealthyKind
@@ -77,10 +77,17 @@ class LocalWorkers:
         self._say = say
         self.warm: WarmZygote | None = None   # only real processes start warm: a test's stand-in group gets no zygote
         path0 = os.getcwd() if opts.module else script_dir(opts.script)
-        preload = opts.warm_preload if opts.warm_preload is not None else \
-            (*DEFAULT_PRELOAD, *script_preloads(opts.script, module=opts.module, cwd=os.getcwd(), path0=path0))
-        early = environment_set_first(opts.script, preload, module=opts.module, cwd=os.getcwd()) \
-            if opts.warm and make_group is None else None
+        base = opts.warm_preload if opts.warm_preload is not None else DEFAULT_PRELOAD
+        preload = base if opts.warm_preload is not None else \
+            (*base, *script_preloads(opts.script, module=opts.module, cwd=os.getcwd(), path0=path0))
+        early = None
+        if opts.warm and make_group is None:
+            preload, left_out, early = preloads_before_a_set(opts.script, preload, base, module=opts.module,
+                                                             cwd=os.getcwd())
+            if left_out is not None and early is None:
+                say(f"warm workers: not preloading {left_out[1]}: the script sets {left_out[0]} in its environment "
+                    f"before it imports it (what it reads as it loads would not reach it); the workers import it "
+                    f"themselves")
         if early is not None:
             say(f"warm workers off: the script sets {early[0]} in its environment before it imports {early[1]}, "
                 f"which a warm interpreter has loaded already (what it reads as it loads would not reach it); its "

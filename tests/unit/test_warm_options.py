@@ -9,7 +9,7 @@ import pytest
 from node_agent.cli.options import OptionsError, parse_options
 from node_agent.settings import DEFAULT_PRELOAD
 from node_agent.workers.launch import WorkerLaunch
-from node_agent.workers.warm.early_env import environment_set_first
+from node_agent.workers.warm.early_env import environment_set_first, preloads_before_a_set
 from node_agent.workers.warm.eligible import base_env, entry_imports, imports_any, script_preloads, warm_launch
 from tests.options_view import flat
 
@@ -159,6 +159,9 @@ def test_the_script_s_installed_imports_are_preloaded_not_its_own_modules(tmp_pa
     assert got == ("torch.distributed", "lightning.pytorch", "transformers", "node_agent.training", "accelerate",
                    "transformers:Trainer", "node_agent.training:protect")
     assert script_preloads(str(tmp_path / "none.py"), module=False, cwd="/", path0=str(tmp_path)) == ()
+    (tmp_path / "typed.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                                       "    from transformers import Trainer\n")     # never run
+    assert script_preloads(str(tmp_path / "typed.py"), module=False, cwd="/", path0=str(tmp_path)) == ()
 
 
 @pytest.mark.parametrize("source, found", [
@@ -185,3 +188,26 @@ def test_a_script_that_sets_a_variable_before_importing_a_preload_is_found(tmp_p
     script = tmp_path / "train.py"
     script.write_text(source)
     assert environment_set_first(str(script), DEFAULT_PRELOAD, module=False, cwd=str(tmp_path)) == found
+
+
+@pytest.mark.parametrize("source, kept, left_out, early", [
+    # the review's: a name looked up after the variable is set (transformers' Trainer imports accelerate, which
+    # reads ACCELERATE_LOG_LEVEL): that name is not preloaded, the rest is
+    ("import os, torch, transformers\nos.environ['ACCELERATE_LOG_LEVEL'] = 'INFO'\nfrom transformers import Trainer\n",
+     ("transformers",), ("ACCELERATE_LOG_LEVEL", "transformers:Trainer"), None),
+    # the package itself first imported after it: none of it
+    ("import os, torch\nos.environ['HF_HOME'] = '/x'\nfrom transformers import Trainer\n",
+     (), ("HF_HOME", "transformers"), None),
+    # a base preload after it: the workers start cold, as before
+    ("import os\nos.environ['OMP_NUM_THREADS'] = '2'\nimport torch, transformers\n",
+     ("transformers", "transformers:Trainer"), None, ("OMP_NUM_THREADS", "torch")),
+    ("import os, torch\nfrom transformers import Trainer\nos.environ['X'] = '1'\n",
+     ("transformers", "transformers:Trainer"), None, None),
+], ids=["name-after", "package-after", "base-after", "set-last"])
+def test_the_script_s_imports_after_it_sets_a_variable_are_not_preloaded(tmp_path, source, kept, left_out,
+                                                                         early) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(source)
+    preload = (*DEFAULT_PRELOAD, "transformers", "transformers:Trainer")
+    got = preloads_before_a_set(str(script), preload, DEFAULT_PRELOAD, module=False, cwd=str(tmp_path))
+    assert got == ((*DEFAULT_PRELOAD, *kept), left_out, early)

@@ -47,7 +47,8 @@ class WarmZygote:
     def __init__(self, python: str, preload: Sequence[str], path0: str, env: Mapping[str, str],
                  warn: Callable[[str], None], fallback: Sequence[str] | None = None) -> None:
         """`fallback`: what to preload instead when `preload` leaves the zygote unfit to fork (the script's own
-        imports started a thread, or CUDA)."""
+        imports started a thread, or CUDA); tried first: `preload` without the names looked up in its modules (one
+        name's thread would otherwise cost every module its preload: a review)."""
         self.python = python
         self.preload = tuple(preload)
         self.fallback = tuple(fallback) if fallback is not None else None
@@ -122,10 +123,13 @@ class WarmZygote:
             for name, error in m.get("failed", []):
                 self._warn(f"warm workers: preloading {name!r} failed ({error}); workers import it themselves")
             if m.get("unclean") and self.fallback is not None and self.preload != self.fallback:
-                extra = [name for name in self.preload if name not in self.fallback]
+                modules = tuple(name for name in self.preload if ":" not in name)
+                after = modules if modules != self.preload else self.fallback
+                extra = [name for name in self.preload if name not in after]
                 self._warn(f"warm workers: {m['unclean']} after preloading the script's imports "
-                           f"({', '.join(extra)[:200]}); the next zygote preloads {', '.join(self.fallback)} only")
-                self.preload = self.fallback
+                           f"({', '.join(extra)[:200]}); the next zygote preloads "
+                           f"{'their modules' if after is modules else ', '.join(after)} only")
+                self.preload = after
                 self._starts -= 1      # not a failure of the zygote's: it may still be replaced as often
                 self._kill()
                 return

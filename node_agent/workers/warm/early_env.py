@@ -10,7 +10,7 @@ Variables read only later (the rendezvous's, NCCL's, CUDA's at its first use) do
 from __future__ import annotations
 
 import ast
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from node_agent.workers.warm.eligible import imported_packages, parsed, top_level, top_package
 
@@ -20,14 +20,32 @@ READ_LATER_PREFIXES = ("NCCL_", "GLOO_", "WANDB_", "TORCH_NCCL_")
 
 
 def environment_set_first(entry: str, preload: Iterable[str], *, module: bool, cwd: str) -> tuple[str, str] | None:
-    """(the variable, the preloaded package the script imports after setting it), or None."""
+    """(the variable, the preloaded package, or `module:name`, the script imports after setting it), or None."""
     tree = parsed(entry, module=module, cwd=cwd)
     if tree is None:
         return None
+    entries = list(preload)
     try:
-        return _first(tree, {top_package(name) for name in preload})
+        return _first(tree, {top_package(name) for name in entries} | {name for name in entries if ":" in name})
     except RecursionError:          # a statement nested past what ast's walkers take: not judged
         return None
+
+
+def preloads_before_a_set(entry: str, preload: Sequence[str], base: Sequence[str], *, module: bool,
+                          cwd: str) -> tuple[tuple[str, ...], tuple[str, str] | None, tuple[str, str] | None]:
+    """`preload` less the script's own entries (those not in `base`) that it imports after setting a variable in
+    its environment: (what is left, the first (variable, entry) left out, or None; a (variable, package) of `base`
+    it imports after setting one: its workers start cold, or None). A review: `import transformers`, then a
+    variable set, then `from transformers import Trainer` gave warm workers other log levels than cold ones."""
+    kept, left_out = list(preload), None
+    bases = {top_package(name) for name in base}
+    while (early := environment_set_first(entry, kept, module=module, cwd=cwd)) is not None:
+        what = early[1]
+        if what in bases:
+            return tuple(kept), left_out, early
+        left_out = left_out or early
+        kept = [name for name in kept if name in base or (name != what and top_package(name) != what)]
+    return tuple(kept), left_out, None
 
 
 def _first(tree: ast.Module, preloaded: set[str]) -> tuple[str, str] | None:
@@ -41,13 +59,22 @@ def _first(tree: ast.Module, preloaded: set[str]) -> tuple[str, str] | None:
             continue
         for node in sorted(ast.walk(statement), key=lambda n: (getattr(n, "lineno", 0), getattr(n, "col_offset", 0))):
             names.learn(node)
-            fresh = (imported_packages(node) & preloaded) - imported
+            fresh = (preload_keys(node) & preloaded) - imported
             if fresh and pending is not None:
                 return pending, sorted(fresh)[0]
             imported |= fresh
             called = node.func.id if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) else ""
             pending = pending or names.variable_set(node) or setters.get(called)
     return None
+
+
+def preload_keys(node: ast.AST) -> set[str]:
+    """What an import statement brings in, as preloads name it: its top-level packages, and a `from`'s
+    `module:name`s."""
+    keys = imported_packages(node)
+    if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+        keys |= {f"{node.module}:{alias.name}" for alias in node.names}
+    return keys
 
 
 class _Names:

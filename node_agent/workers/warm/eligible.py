@@ -107,9 +107,14 @@ def script_preloads(entry: str, *, module: bool, cwd: str, path0: str) -> tuple[
     return (*kept, *[n for n in dict.fromkeys(names) if n.partition(":")[0] in kept][:MAX_SCRIPT_PRELOADS])
 
 
+NOT_AT_START = ("__name__", "TYPE_CHECKING")     # an `if` on these is not run as the script starts
+
+
 def top_level(body: list[ast.stmt]) -> Iterable[ast.stmt]:
+    """The statements run as the script starts: those of an `if` too, but for `if __name__ == "__main__":` (the
+    script's run, not its start) and `if TYPE_CHECKING:` (never run)."""
     for node in body:
-        if isinstance(node, ast.If) and "__name__" not in ast.unparse(node.test):
+        if isinstance(node, ast.If) and not any(word in ast.unparse(node.test) for word in NOT_AT_START):
             yield from top_level(node.body)
             yield from top_level(node.orelse)
         else:

@@ -317,11 +317,14 @@ def _reseed(name: str) -> None:
 
 def _preload(entry: str) -> None:
     """Import `module`, or for `module:name` also look `name` up as `from module import name` would (an attribute,
-    else a submodule its package does not import itself)."""
+    else a submodule its package does not import itself). A name that is not there is passed over unsaid: it may
+    be imported in a branch that never runs (another version's, as `if v5: ... else: from transformers import
+    AdamW`), and the script says so itself where it does run."""
     module, _, name = entry.partition(":")
     loaded = importlib.import_module(module)
     if name and not hasattr(loaded, name):
-        importlib.import_module(f"{module}.{name}")
+        with contextlib.suppress(ImportError):
+            importlib.import_module(f"{module}.{name}")
 
 
 def main() -> None:
