@@ -30,6 +30,13 @@ async def until(predicate, what: str) -> None:
         await asyncio.sleep(0.01)
 
 
+async def connect_two(guard: ConnectionGuard, port: int) -> list:
+    """Two client connections, once the server has both (oldest first in `guard._unproven`)."""
+    clients = [await asyncio.open_connection("127.0.0.1", port) for _ in range(2)]
+    await until(lambda: len(guard._unproven) == 2, "both connections connected")
+    return clients
+
+
 async def serving(guard: ConnectionGuard) -> tuple[web.AppRunner, asyncio.AbstractServer, int]:
     app = web.Application(middlewares=[guard.middleware])
     app.router.add_get("/ok", ok)
@@ -45,9 +52,7 @@ async def test_a_request_read_and_not_yet_handled_is_closed_after_the_idle_ones(
     runner, server, port = await serving(guard)
     clients = []
     try:
-        for _ in range(2):
-            clients.append(await asyncio.open_connection("127.0.0.1", port))
-        await until(lambda: len(guard._unproven) == 2, "both connections connected")
+        clients += await connect_two(guard, port)
         reading, idle = guard._unproven        # oldest first: the one to go first, were both idle
         # aiohttp reads the request (its parser queues it); the handler's task runs a turn later. In this same
         # turn a newcomer's accept asks for room:
@@ -73,9 +78,7 @@ async def test_a_connection_at_work_on_requests_it_pipelined_and_never_reads_is_
     runner, server, port = await serving(guard)
     clients = []
     try:
-        for _ in range(2):
-            clients.append(await asyncio.open_connection("127.0.0.1", port))
-        await until(lambda: len(guard._unproven) == 2, "both connections connected")
+        clients += await connect_two(guard, port)
         pipelining, idle = guard._unproven
         clients[0][1].write(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n" * 8)        # never read
         clients[0][1].transport.pause_reading()

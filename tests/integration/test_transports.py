@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TypeVar
 
 import pytest
 from aiohttp import web
@@ -35,6 +36,7 @@ from tests.integration.support import start_app
 LIMIT = 10.0
 ONE_NODE = JobConfig(min_nodes=1, max_nodes=1, max_restarts=1, last_call_s=0.0)
 Connect = Callable[[str, str], Awaitable[Transport]]
+E = TypeVar("E", bound=Exception)
 
 
 @pytest.fixture(params=["http", "local"])
@@ -179,6 +181,20 @@ async def test_http_errors_below_the_protocol_are_unreachable() -> None:
             await join(client)
 
 
+async def join_a_raw_server(serve, expected: type[E]) -> tuple[int, E]:
+    """A join sent to a plain TCP server answering with `serve`: its port, and the `expected` error raised."""
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        async with RdzvClient("127.0.0.1", port, "j", "n1") as client:
+            with pytest.raises(expected) as info:
+                await join(client)
+    finally:
+        server.close()
+        await server.wait_closed()
+    return port, info.value
+
+
 @pytest.mark.parametrize("how", ["reset", "closed"])
 async def test_a_connection_the_server_took_and_closed_is_not_told_as_a_server_that_may_not_run(how: str) -> None:
     """A server at its connection limit closes connections to make room (aborted over TLS: a reset): the agent's
@@ -191,17 +207,9 @@ async def test_a_connection_the_server_took_and_closed_is_not_told_as_a_server_t
         else:
             writer.close()
 
-    server = await asyncio.start_server(closing, "127.0.0.1", 0)
-    port = server.sockets[0].getsockname()[1]
-    try:
-        async with RdzvClient("127.0.0.1", port, "j", "n1") as client:
-            with pytest.raises(ServerUnreachable) as info:
-                await join(client)
-    finally:
-        server.close()
-        await server.wait_closed()
-    assert CLOSED_BY_SERVER in str(info.value)
-    line = unreachable_line(f"127.0.0.1:{port}", 60, str(info.value))
+    port, error = await join_a_raw_server(closing, ServerUnreachable)
+    assert CLOSED_BY_SERVER in str(error)
+    line = unreachable_line(f"127.0.0.1:{port}", 60, str(error))
     assert "running there" not in line and "connection limit" in line
     async with RdzvClient("127.0.0.1", port, "j", "n1") as client:   # nobody listens there now
         with pytest.raises(ServerUnreachable) as info:
@@ -242,16 +250,8 @@ async def test_an_endpoint_that_does_not_speak_http_is_refused_as_such() -> None
         await writer.drain()
         writer.close()
 
-    server = await asyncio.start_server(junk, "127.0.0.1", 0)
-    port = server.sockets[0].getsockname()[1]
-    try:
-        async with RdzvClient("127.0.0.1", port, "j", "n1") as client:
-            with pytest.raises(ServerRejected) as info:
-                await join(client)
-    finally:
-        server.close()
-        await server.wait_closed()
-    assert info.value.code == ClientCode.NOT_RDZV_SERVER and "its reply is not HTTP" in info.value.message
+    _, error = await join_a_raw_server(junk, ServerRejected)
+    assert error.code == ClientCode.NOT_RDZV_SERVER and "its reply is not HTTP" in error.message
 
 
 @pytest.mark.parametrize("job_id", ["team/exp1", "a" * 300, "app_id:7@host+x=y~z"])
