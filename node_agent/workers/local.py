@@ -27,7 +27,13 @@ from node_agent.workers.process import WorkerExit, WorkerSpawnError
 from node_agent.workers.step_watch import StepWatch
 from node_agent.workers.warm.client import WarmZygote
 from node_agent.workers.warm.early_env import preloads_before_a_set
-from node_agent.workers.warm.eligible import entry_imports, imports_any, script_dir, script_preloads
+from node_agent.workers.warm.eligible import (
+    entry_imports,
+    imports_any,
+    script_dir,
+    script_preloads,
+    standard_library_only,
+)
 from protocol.bounds import MAX_PREPARE_S
 from protocol.messages import Assignment, UnhealthyKind
 from protocol.notes import ProgressNote
@@ -77,7 +83,9 @@ class LocalWorkers:
         self._say = say
         self.warm: WarmZygote | None = None   # only real processes start warm: a test's stand-in group gets no zygote
         path0 = os.getcwd() if opts.module else script_dir(opts.script)
-        base = opts.warm_preload if opts.warm_preload is not None else DEFAULT_PRELOAD
+        # torch's modules, unless the script and its own modules import only the standard library
+        torch_free = standard_library_only(opts.script, module=opts.module, cwd=os.getcwd(), path0=path0)
+        base = opts.warm_preload if opts.warm_preload is not None else () if torch_free else DEFAULT_PRELOAD
         preload = base if opts.warm_preload is not None else \
             (*base, *script_preloads(opts.script, module=opts.module, cwd=os.getcwd(), path0=path0))
         early = None
@@ -95,7 +103,7 @@ class LocalWorkers:
         if opts.warm and make_group is None and early is None:
             python = worker_argv(opts)[0]   # the cold path's interpreter: PYTHON_EXEC or ours
             self.warm = WarmZygote(python, preload, path0, common_env(os.environ, opts.nproc), say,
-                                   fallback=DEFAULT_PRELOAD if opts.warm_preload is None else None)
+                                   fallback=base if opts.warm_preload is None else None)
         self._make_group: GroupFactory = make_group or self._process_group
         imported = None if opts.no_python else entry_imports(opts.script, module=opts.module, cwd=os.getcwd())
         # a zygote still importing is worth waiting for only when the script imports what it preloads

@@ -10,7 +10,14 @@ from node_agent.cli.options import OptionsError, parse_options
 from node_agent.settings import DEFAULT_PRELOAD
 from node_agent.workers.launch import WorkerLaunch
 from node_agent.workers.warm.early_env import environment_set_first, preloads_before_a_set
-from node_agent.workers.warm.eligible import base_env, entry_imports, imports_any, script_preloads, warm_launch
+from node_agent.workers.warm.eligible import (
+    base_env,
+    entry_imports,
+    imports_any,
+    script_preloads,
+    standard_library_only,
+    warm_launch,
+)
 from tests.options_view import flat
 
 ENV = {"PATH": "/usr/bin"}
@@ -211,3 +218,23 @@ def test_the_script_s_imports_after_it_sets_a_variable_are_not_preloaded(tmp_pat
     preload = (*DEFAULT_PRELOAD, "transformers", "transformers:Trainer")
     got = preloads_before_a_set(str(script), preload, DEFAULT_PRELOAD, module=False, cwd=str(tmp_path))
     assert got == ((*DEFAULT_PRELOAD, *kept), left_out, early)
+
+
+def test_a_script_and_own_modules_of_the_standard_library_alone_preload_no_torch(tmp_path) -> None:
+    """A torch-free script's zygote imported torch and torch._dynamo (3.5 s of CPU) for nothing: only where the
+    script and its own modules (read, never run) import the standard library alone; anything else may import
+    torch, and keeps the preload."""
+    def only_stdlib(source: str) -> bool:
+        (tmp_path / "train.py").write_text(source)
+        return standard_library_only(str(tmp_path / "train.py"), module=False, cwd="/", path0=str(tmp_path))
+    (tmp_path / "helpers").mkdir()
+    (tmp_path / "helpers" / "__init__.py").write_text("from . import io\n")
+    (tmp_path / "helpers" / "io.py").write_text("import json\n")
+    (tmp_path / "model.py").write_text("import helpers\nimport torch\n")
+    assert only_stdlib("import os, sys, time\nimport helpers\n")
+    assert not only_stdlib("import os\nimport model\n")                 # its own module imports torch
+    assert not only_stdlib("import os\nfrom node_agent.training import snapshot\n")     # installed: may
+    assert not only_stdlib("import os\nimport runpy\nimport model\n")
+    (tmp_path / "helpers" / "io.py").write_text("import numpy\n")       # deeper in its own package
+    assert not only_stdlib("import helpers\n")
+    assert not standard_library_only(str(tmp_path / "nowhere.py"), module=False, cwd="/", path0=str(tmp_path))
