@@ -83,8 +83,10 @@ class LocalWorkers:
         self._say = say
         self.warm: WarmZygote | None = None   # only real processes start warm: a test's stand-in group gets no zygote
         path0 = os.getcwd() if opts.module else script_dir(opts.script)
-        # torch's modules, unless the script and its own modules import only the standard library
-        torch_free = standard_library_only(opts.script, module=opts.module, cwd=os.getcwd(), path0=path0)
+        # torch's modules, unless the script and its own modules import only the standard library (read only where
+        # a zygote may start: not for --no-python's program)
+        torch_free = opts.warm and opts.warm_preload is None and \
+            standard_library_only(opts.script, module=opts.module, cwd=os.getcwd(), path0=path0)
         base = opts.warm_preload if opts.warm_preload is not None else () if torch_free else DEFAULT_PRELOAD
         preload = base if opts.warm_preload is not None else \
             (*base, *script_preloads(opts.script, module=opts.module, cwd=os.getcwd(), path0=path0))
