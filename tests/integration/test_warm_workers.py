@@ -69,7 +69,7 @@ class Run:
 
 async def run(argv: list[str], zygote: WarmZygote | None, tmp: str, *, extra_env: dict[str, str] | None = None) -> Run:
     error_file = os.path.join(tmp, "error.json")
-    env = {**ENV, **(extra_env or {}), "RANK": "3", "LOCAL_RANK": "0", "TORCHELASTIC_ERROR_FILE": error_file}
+    env = {**ENV, "RANK": "3", "LOCAL_RANK": "0", **(extra_env or {}), "TORCHELASTIC_ERROR_FILE": error_file}
     launch = WorkerLaunch(local_rank=0, rank=3, argv=[sys.executable, "-u", *argv], env=env, log_dir=None,
                           prefix="[w] ", prefix_all=True)
     console = RecordingConsole()
@@ -211,19 +211,24 @@ async def test_a_name_a_script_imports_from_a_lazy_package_is_looked_up_in_the_z
     assert warm.warm and read(out) == "lazy,lazy.heavy,lazy.sub" and warnings == []
 
 
-async def test_lightnings_rank_is_the_workers_not_the_zygotes(make_zygote, workdir) -> None:
-    """Lightning keeps the rank the environment said at its import (rank_zero_only.rank): a worker forked from a
-    zygote that imported it has its own, as a cold one does (RANK=3 in run())."""
-    pytest.importorskip("lightning")
-    write(os.path.join(workdir, "rank.py"), "import sys\nfrom lightning.fabric.utilities.rank_zero import "
-                                            "rank_zero_only\nopen(sys.argv[1], 'w').write(str(rank_zero_only.rank))\n")
-    zygote = await make_zygote(("lightning.fabric.utilities.rank_zero",))
+@pytest.mark.parametrize(("package", "module", "rank"), [
+    ("lightning", "lightning.fabric.utilities.rank_zero", "3"),   # Lightning reads RANK first
+    ("torchmetrics", "torchmetrics.utilities.prints", "1"),       # torchmetrics its LOCAL_RANK, a function of its own
+], ids=["lightning", "torchmetrics"])
+async def test_a_frameworks_rank_is_the_workers_not_the_zygotes(make_zygote, workdir, package, module, rank) -> None:
+    """Lightning and torchmetrics keep the rank the environment said at their import (rank_zero_only.rank): a
+    worker forked from a zygote that imported them has its own, as a cold one does (RANK=3, LOCAL_RANK=1; the
+    zygote's environment has neither)."""
+    pytest.importorskip(package)
+    write(os.path.join(workdir, "rank.py"), f"import sys\nfrom {module} import rank_zero_only\n"
+                                            "open(sys.argv[1], 'w').write(str(rank_zero_only.rank))\n")
+    zygote = await make_zygote((module,))
     out = os.path.join(workdir, "rank.txt")
-    cold = await run(["rank.py", out], None, workdir)
+    cold = await run(["rank.py", out], None, workdir, extra_env={"LOCAL_RANK": "1"})
     cold_rank = read(out)
-    warm = await run(["rank.py", out], zygote, workdir)
+    warm = await run(["rank.py", out], zygote, workdir, extra_env={"LOCAL_RANK": "1"})
     assert (cold.warm, warm.warm) == (False, True)
-    assert cold_rank == read(out) == "3"
+    assert cold_rank == read(out) == rank
 
 
 async def test_script_imports_that_leave_a_thread_fall_back_to_the_base_preloads(workdir, tmp_path) -> None:
@@ -380,6 +385,20 @@ async def test_a_warm_worker_ends_at_once_keeping_what_the_user_relies_on(make_z
     full = {"atexit", "buffered", "finalized"} | ({"thread"} if case == "thread" else set())
     assert left["cold"] == full
     assert left["warm"] == (full if case in ("thread", "full_exit") else {"atexit", "buffered"})   # no teardown
+
+
+@pytest.mark.parametrize("exit_env", [{}, {"NODE_AGENT_FULL_EXIT": "1"}], ids=["at_once", "full_exit"])
+async def test_a_file_a_preload_opened_keeps_every_workers_writes_once(make_zygote, workdir, exit_env) -> None:
+    """A package that opens a log file at import (in the zygote, for warm workers): each worker's writes reach
+    it, at the early exit too, and what the import itself wrote reaches it once, not once per worker."""
+    log = os.path.join(workdir, "log.txt")
+    write(os.path.join(workdir, "logmod.py"), f"LOG = open({log!r}, 'a')\nLOG.write('import\\n')\n")
+    write(os.path.join(workdir, "logs.py"), "import sys, logmod\nlogmod.LOG.write(f'worker {sys.argv[1]}\\n')\n")
+    cold = await run(["logs.py", "cold"], None, workdir, extra_env=exit_env)
+    zygote = await make_zygote(("json", "logmod"), env=exit_env)
+    warm = [await run(["logs.py", f"warm{i}"], zygote, workdir, extra_env=exit_env) for i in (1, 2)]
+    assert not cold.warm and all(r.warm and r.key() == (0, "") for r in warm)
+    assert read(log).splitlines() == ["import", "worker cold", "import", "worker warm1", "worker warm2"]
 
 
 @pytest.fixture

@@ -18,6 +18,7 @@ import contextlib
 import ctypes
 import gc
 import importlib
+import io
 import json
 import os
 import select
@@ -25,6 +26,8 @@ import signal
 import socket
 import sys
 import types
+import weakref
+from collections.abc import Callable
 from typing import Any
 
 MAX_MESSAGE = 1 << 20        # one launch (argv + environment); the agent starts a larger one cold
@@ -155,18 +158,22 @@ def _per_worker_setup(launch: dict[str, Any]) -> None:
             os.sched_setaffinity(0, cpus)
 
 
-# Modules that keep the process's rank as the environment said when they were imported (Lightning's
-# rank_zero_only.rank): the zygote's has none. A forked worker reads it again from its own, as a cold one would.
-RANK_AT_IMPORT = ("lightning.fabric.utilities.rank_zero", "lightning_fabric.utilities.rank_zero")
+# Modules that keep the process's rank as the environment said when they were imported, each as its import reads
+# it: the zygote's environment has none. A forked worker reads it again from its own, as a cold one would.
+RANK_AT_IMPORT: dict[str, Callable[[types.ModuleType], int]] = {
+    "lightning.fabric.utilities.rank_zero": lambda module: module._get_rank() or 0,
+    "lightning_fabric.utilities.rank_zero": lambda module: module._get_rank() or 0,
+    "torchmetrics.utilities.prints": lambda _: int(os.environ.get("LOCAL_RANK", 0)),   # its own rank_zero_only
+}
 
 
 def _ranks_read_at_import() -> None:
-    for name in RANK_AT_IMPORT:
+    for name, read in RANK_AT_IMPORT.items():
         module = sys.modules.get(name)
-        read, only = getattr(module, "_get_rank", None), getattr(module, "rank_zero_only", None)
-        if read is not None and only is not None:
+        only = getattr(module, "rank_zero_only", None)
+        if module is not None and only is not None:
             with contextlib.suppress(Exception):      # another version's: the worker starts as it would have
-                only.rank = read() or 0
+                only.rank = read(module)
 
 
 _probe_name = ""     # the progress probe's module: loaded at the zygote's start-up (its boot), before any fork
@@ -265,17 +272,40 @@ def exit_at_once(code: int) -> None:
 
 
 def _flush_open_files() -> None:
-    """Flush what finalization would have: the standard streams and the worker's open file objects
-    (the zygote's own were frozen before the fork, so gc.get_objects() lists the worker's alone)."""
-    import io
+    """Flush what finalization would have: the standard streams, the worker's open file objects and those a
+    preload opened in the zygote (frozen before the fork, so gc.get_objects() no longer lists them: a log file
+    a package opens at import would lose every worker's writes)."""
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(OSError, ValueError, AttributeError):
             stream.flush()
-    for obj in gc.get_objects():
-        if isinstance(obj, io.IOBase) and not obj.closed:
+    _flush(gc.get_objects())
+    _flush(list(_zygote_files))
+
+
+def _writable_files() -> tuple[type[io.IOBase], ...]:
+    """The file types that buffer writes: concrete, as an isinstance against the io.IOBase ABC costs ~0.2 s over
+    a torch interpreter's objects."""
+    return io.TextIOWrapper, io.BufferedWriter, io.BufferedRandom, io.BufferedRWPair
+
+
+def _flush(objects: list[Any]) -> None:
+    kinds = _writable_files()
+    for obj in objects:
+        if isinstance(obj, kinds) and not obj.closed:
             with contextlib.suppress(OSError, ValueError):
                 if obj.writable():
                     obj.flush()
+
+
+_zygote_files: weakref.WeakSet[Any] = weakref.WeakSet()   # file objects the preloads left open
+
+
+def _flush_the_zygotes_files() -> None:
+    """Flush, once the preloads are done, the file objects they opened, and remember them for the workers'
+    exit: a byte still buffered here would reach the file once per worker that flushes it."""
+    kinds = _writable_files()
+    _zygote_files.update(obj for obj in gc.get_objects() if isinstance(obj, kinds))
+    _flush(list(_zygote_files))
 
 
 def _run_script(main: types.ModuleType, script: str) -> None:
@@ -347,6 +377,7 @@ def main() -> None:
     del sys.argv[1:]
     _let_gloo_threads_finish_at_destroy()
     gc.collect()   # the imports' garbage, once; from now on the zygote's objects are frozen (see _request)
+    _flush_the_zygotes_files()
     _send(sock, {"op": "ready", "failed": failed, "unclean": _unclean()})
     run_as_main(Zygote(sock).serve())
 
