@@ -11,6 +11,7 @@ import json
 import os
 import signal
 import sys
+import zlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
@@ -94,6 +95,11 @@ def write(path: str, text: str) -> None:
 
 def read(path: str) -> str:
     with open(path) as f:
+        return f.read()
+
+
+def read_bytes(path: str) -> bytes:
+    with open(path, "rb") as f:
         return f.read()
 
 
@@ -399,6 +405,54 @@ async def test_a_file_a_preload_opened_keeps_every_workers_writes_once(make_zygo
     warm = [await run(["logs.py", f"warm{i}"], zygote, workdir, extra_env=exit_env) for i in (1, 2)]
     assert not cold.warm and all(r.warm and r.key() == (0, "") for r in warm)
     assert read(log).splitlines() == ["import", "worker cold", "import", "worker warm1", "worker warm2"]
+
+
+TROUBLE = """\
+import io
+
+BUILT = []
+
+
+class Lazy:                        # as Django's settings and accelerate's proxies: __class__ builds, or raises
+    @property
+    def __class__(self):
+        BUILT.append("built")
+        raise RuntimeError("settings are not configured")
+
+
+class Failing(io.RawIOBase):
+    def writable(self):
+        return True
+
+    def write(self, b):
+        raise RuntimeError("this file cannot be written")
+
+
+settings = Lazy()
+broken = io.BufferedWriter(Failing())
+broken.write(b"never")
+"""
+
+
+async def test_a_preloads_odd_objects_neither_stop_the_zygote_nor_the_workers_flushes(make_zygote, workdir) -> None:
+    """The file objects are found by their type alone, and a file that fails to flush is passed over, as
+    finalization passes it: a lazy proxy among a preload's objects is not built (nor its error raised) in the
+    zygote, a file whose flush raises costs no other file its flush, and a file object of the worker's own that
+    is not one of io's concrete types (gzip's) is flushed too."""
+    write(os.path.join(workdir, "trouble.py"), TROUBLE)
+    log = os.path.join(workdir, "log.txt")
+    write(os.path.join(workdir, "logmod.py"), f"LOG = open({log!r}, 'a')\n")
+    write(os.path.join(workdir, "odd.py"), "import gzip, sys, logmod, trouble\n"
+                                           "mine = trouble.Lazy()\nbad = trouble.io.BufferedWriter(trouble.Failing())\n"
+                                           "bad.write(b'x')\nlogmod.LOG.write(f'{sys.argv[1]} {trouble.BUILT}\\n')\n"
+                                           "gz = gzip.open(sys.argv[1] + '.gz', 'wb')\ngz.write(b'kept')\n")
+    warnings: list[str] = []
+    zygote = await make_zygote(("json", "trouble", "logmod"), warnings)
+    runs = [await run(["odd.py", os.path.join(workdir, f"w{i}")], zygote, workdir) for i in (1, 2)]
+    assert all(r.warm and r.key() == (0, "") for r in runs) and warnings == []
+    assert read(log).splitlines() == [f"{os.path.join(workdir, f'w{i}')} []" for i in (1, 2)]
+    for i in (1, 2):     # no gzip trailer at the fast exit (no __del__ closes it), but every byte written
+        assert zlib.decompressobj(31).decompress(read_bytes(os.path.join(workdir, f"w{i}.gz"))) == b"kept"
 
 
 @pytest.fixture
