@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from node_agent.training import heartbeat, layout, snapshot, staging, trees
+from node_agent.training import exit_marks, heartbeat, layout, snapshot, staging, trees
 
 
 def check_cadence(call: str, every: object, keep: object) -> None:
@@ -117,7 +117,8 @@ class Capture:
             return
         pending = _Pending(step, slab, layout.skeleton(tree), views, plan, staged, self._copied, room, alike,
                            [t for t in live if _on_gpu(t)])
-        self._thread = threading.Thread(target=self._write, args=(pending,), name=f"node-agent snapshot {step}")
+        self._thread = exit_marks.mark(threading.Thread(target=self._write, args=(pending,),
+                                                        name=f"node-agent snapshot {step}"), exit_marks.JOIN)
         self._thread.start()
         snapshot.hold_after(step, self.where, self.wait)
 
@@ -141,7 +142,8 @@ class Capture:
 
         # Not a daemon: the interpreter's exit waits for it (a thread stopped inside torch's allocation at exit
         # aborts the process: a worker that finished its training would fail).
-        self._preparing = threading.Thread(target=allocate, name="node-agent pinned buffers")
+        self._preparing = exit_marks.mark(threading.Thread(target=allocate, name="node-agent pinned buffers"),
+                                          exit_marks.DROP)
         self._preparing.start()
 
     def before_update(self) -> None:

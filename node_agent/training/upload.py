@@ -23,7 +23,7 @@ from typing import Any, Protocol
 
 import torch
 
-from node_agent.training import trees
+from node_agent.training import exit_marks, trees
 
 SLOT_BYTES = 8 << 20
 SLOTS = 8                 # one pinned allocation of 64 MiB (the host allocator rounds up to a power of two)
@@ -57,7 +57,8 @@ class Ring:
         self._thread: threading.Thread | None = None
         if wanted:
             # Not a daemon: a thread stopped inside torch's allocation at exit aborts the process (capture.prepare).
-            self._thread = threading.Thread(target=self._allocate, name="node-agent restore ring")
+            self._thread = exit_marks.mark(threading.Thread(target=self._allocate, name="node-agent restore ring"),
+                                           exit_marks.DROP)
             self._thread.start()
 
     def memory(self) -> torch.Tensor | None:

@@ -19,9 +19,11 @@ import psutil
 import pytest
 
 from node_agent.settings import DEFAULT_PRELOAD
+from node_agent.training import exit_marks
 from node_agent.workers.group import WorkerGroup
 from node_agent.workers.launch import WorkerLaunch
 from node_agent.workers.process import WorkerExit
+from node_agent.workers.warm import zygote as zygote_module
 from node_agent.workers.warm.client import WarmZygote
 from node_agent.workers.warm.eligible import base_env, warm_launch
 from tests.e2e.harness import pid_gone
@@ -453,6 +455,49 @@ async def test_a_preloads_odd_objects_neither_stop_the_zygote_nor_the_workers_fl
     assert read(log).splitlines() == [f"{os.path.join(workdir, f'w{i}')} []" for i in (1, 2)]
     for i in (1, 2):     # no gzip trailer at the fast exit (no __del__ closes it), but every byte written
         assert zlib.decompressobj(31).decompress(read_bytes(os.path.join(workdir, f"w{i}.gz"))) == b"kept"
+
+
+OURS = """\
+import atexit, os, sys, threading, time
+from node_agent.training import exit_marks
+out = sys.argv[1]
+atexit.register(lambda: open(os.path.join(out, "atexit"), "w").write("ran"))
+
+
+class Finalized:
+    def __del__(self, _open=open, _path=os.path.join(out, "finalized")):
+        with _open(_path, "w") as f:
+            f.write("ran")
+
+
+marker = Finalized()
+
+
+def write():                        # as a snapshot's write: ends by itself, and is wanted
+    time.sleep(0.3)
+    open(os.path.join(out, "written"), "w").write("ran")
+
+
+blocked, _ = os.pipe()              # as pinned buffers allocated ahead: worth nothing now (never ends here)
+exit_marks.mark(threading.Thread(target=write), exit_marks.JOIN).start()
+exit_marks.mark(threading.Thread(target=os.read, args=(blocked, 1)), exit_marks.DROP).start()
+raise RuntimeError("failed")
+"""
+
+
+async def test_a_warm_worker_waits_for_its_snapshots_write_and_not_for_buffers_ahead(make_zygote, workdir) -> None:
+    """A crash right after a snapshot (its write still running in a thread of ours) took the full exit, the
+    interpreter's teardown (~0.3 s here, ~1.7 s with CUDA) before the restart: the fast exit now waits for the
+    write alone (it is wanted) and leaves a thread allocating buffers ahead (worth nothing now)."""
+    zygote = await make_zygote()
+    (Path(workdir) / "ours.py").write_text(OURS)
+    out = Path(workdir) / "out"
+    out.mkdir()
+    warm = await run(["ours.py", str(out)], zygote, workdir)
+    assert warm.warm and warm.key() == (1, "")
+    assert warm.console.lines("stderr")[-1] == "[w] RuntimeError: failed"
+    assert {p.name for p in out.iterdir()} == {"atexit", "written"}     # no teardown ("finalized")
+    assert (exit_marks.ATTRIBUTE, exit_marks.JOIN, exit_marks.DROP) == (zygote_module.AT_EXIT, "join", "drop")
 
 
 @pytest.fixture

@@ -254,14 +254,23 @@ def run_as_main(launch: dict[str, Any]) -> None:
     exit_at_once(0)
 
 
+AT_EXIT = "node_agent_at_exit"     # a thread's mark: node_agent/training/exit_marks.py says what each means
+
+
 def exit_at_once(code: int) -> None:
     """End a finished worker now, not after finalization (with torch: slow teardowns that delay the next round
     and could hang in gloo). Kept: atexit handlers, flushed files, the exit status; skipped: module teardown,
-    __del__. A live non-daemon thread (maybe finishing a write) or NODE_AGENT_FULL_EXIT=1: the full exit."""
+    __del__. A thread of ours still running is waited for (a snapshot's write) or left (buffers allocated ahead),
+    as its mark says; any other live non-daemon thread (maybe finishing a write) or NODE_AGENT_FULL_EXIT=1: the
+    full exit."""
     import threading
     if os.environ.get("NODE_AGENT_FULL_EXIT") == "1":
         return
-    if any(t.is_alive() and not t.daemon for t in threading.enumerate() if t is not threading.main_thread()):
+    running = [t for t in threading.enumerate() if t is not threading.main_thread() and not t.daemon]
+    for thread in running:
+        if getattr(thread, AT_EXIT, None) == "join":
+            thread.join()
+    if any(t.is_alive() and getattr(t, AT_EXIT, None) != "drop" for t in running):
         return
     try:
         import atexit
