@@ -2,9 +2,10 @@
 measure (a restarted worker is a new process), each checkout in `--roots` alternated:
 - write: the step held by `take`, and the time until the snapshot's file is complete (`take` to the rename), for
   the first snapshots (new files) and the later ones (the steady state);
-- exit: a running worker (its buffers prepared, two snapshots written) that raises right after its next snapshot
-  began its write: the time from `take` returning to the process being gone, less the same exit with no
-  snapshot (what a crash right after a snapshot adds to the restart: exit_waits_steady_s);
+- exit: a running worker (its buffers prepared, two snapshots written) that crashes right after its next snapshot
+  began its write, ended as a warm worker is (the fast exit, where its rules allow it): the time from `take`
+  returning to the process being gone, less the same exit with no snapshot (what a crash right after a snapshot
+  adds to the restart: exit_waits_steady_s);
 - restore: a new process builds the model and optimizer, then protect's restore (agree, read, checksums, load
   into the model and optimizer; every tensor then checked bit for bit against the snapshot), and its first
   training step against a steady one (what the restore left for the step: pages mapped or copied on first
@@ -101,7 +102,13 @@ elif kind in ("exit", "exit-plain"):
             capture.wait()
             capture.take(n, {"state": training_state(model, opt, {}), "rng": rng.capture()})
     print(json.dumps({"took": time.time()}), flush=True)
-    raise SystemExit(3)            # the crash: the interpreter's exit may wait for the write
+    try:                           # the crash, ended as a warm worker's (the default): the fast exit where it may
+        from node_agent.workers.warm.zygote import exit_at_once
+    except ImportError:
+        def exit_at_once(code: int) -> None:
+            return None
+    exit_at_once(3)
+    raise SystemExit(3)            # the full exit: the interpreter's may wait for the write
 else:
     step(model, opt)
     steady = []
