@@ -3,8 +3,10 @@
 # repository root; what it writes under $OUT comes back). Prepare on the development machine first:
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 \
 #       -d .whl msgspec xxhash          (.whl is ignored by git and carried: run(carry=[".whl"]))
-# Then: bash benchmarks/gpu_issue54.sh   (about 10 minutes: run PARTS="0 1" with timeout_s 500, then PARTS=2 with
-# timeout_s 170, in two calls on the warm machine)
+# Then: PARTS="3 0 1 2" is about 8 minutes on an H200 (2026-11-28: part 3 ~40 s, part 0 ~170 s, part 1 ~200 s,
+# part 2 ~60 s, and ~50 s to start the machine): one call, `PARTS=3 bash ...; PARTS="0 1 2" bash ...` with
+# timeout_s 560, leaves the rest of 15 minutes for one short call after it. Part 3 comes first: it is short and
+# answers the open questions (page-locking by threads, and whether it holds up the training thread).
 # It runs, each with a time limit so one hang costs only its own figures (the limits are what each took on an
 # H100 on 2026-11-27, with room):
 # 0. make bench-gpu-restart's case: crash -> stepping again, 805 MB of model + AdamW, node-agent with protect and

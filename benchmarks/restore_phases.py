@@ -2,7 +2,8 @@
 `--mb` MiB of Linear(1024) layers + AdamW, a new one builds the model, steps it, builds it again and runs protect's
 restore with each phase timed (read: header, views, checksums; the weights' and optimizer's uploads and loads),
 then the raw figures beside it (on a GPU): the file's bytes read into one pinned buffer by threads and copied to
-the GPU, from the pageable mapping to the GPU, and a ring's fill by torch's copy_ and by memmove.
+the GPU, from the pageable mapping to the GPU, a ring's fill by torch's copy_ and by memmove, page-locking by
+torch's allocator against cudaHostRegister by 8 threads, and small kernels' latency beside a pinning thread.
 
 Run: PYTHONPATH=. python benchmarks/restore_phases.py --device cuda --mb 805 [--repeat 2]"""
 from __future__ import annotations
@@ -112,6 +113,56 @@ if device == "cuda":
         with ThreadPoolExecutor(8) as pool:
             list(pool.map(fill, range(size // slot)))
         times[f"raw_fill_{fill.__name__}_8"] = time.perf_counter() - t0
+    # Page-locking, as capture.prepare does it (torch's pinned allocator: one cudaHostAlloc per buffer) against
+    # plain memory registered in pieces by 8 threads at once (cudaHostRegister), and whether a pinning thread
+    # holds up the training thread's CUDA calls (the first step after a restore runs beside prepare's thread):
+    # 200 small kernels and a synchronize, alone and while another thread pins twice the file's size.
+    def tried(name, f):
+        try:
+            t0 = time.perf_counter()
+            f()
+            times[name] = time.perf_counter() - t0
+        except Exception as exc:   # a figure missing, said; the others still come
+            times[name] = f"{type(exc).__name__}: {exc}"[:120]
+    del pinned, ring
+    getattr(torch._C, "_host_emptyCache", lambda: None)()      # the pinned blocks back to the driver
+    cudart = torch.cuda.cudart()
+    def register(threads):
+        plain = torch.empty(size + 4096, dtype=torch.uint8)
+        base = -(-plain.data_ptr() // 4096) * 4096           # pieces of whole pages: none shares one
+        step = -(-size // threads // 4096) * 4096
+        def one(at):
+            n = min(step, size - at)
+            assert int(cudart.cudaHostRegister(base + at, n, 0)) == 0
+            return at, n
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(threads) as pool:
+            done = list(pool.map(one, range(0, size, step)))
+        took = time.perf_counter() - t0
+        for at, _ in done:
+            cudart.cudaHostUnregister(base + at)
+        return took
+    for threads in (1, 8):
+        tried(f"raw_pin_register_{threads}_total", lambda: times.__setitem__(f"raw_pin_register_{threads}",
+                                                                               register(threads)))
+    small = torch.ones(1024, device=device)
+    def launches():
+        for _ in range(200):
+            small.mul_(1.0)
+        sync()
+    launches()
+    tried("raw_launches_alone", launches)
+    import threading
+    def pin_beside():
+        # twice the file's size: a block of the allocator's cache (a power of two) cannot serve it
+        pinning = threading.Thread(target=lambda: torch.empty(2 * size, dtype=torch.uint8, pin_memory=True))
+        pinning.start()
+        time.sleep(0.05)
+        t0 = time.perf_counter()
+        launches()
+        times["raw_launches_beside_pinning"] = time.perf_counter() - t0
+        pinning.join()
+    tried("raw_pin_beside_total", pin_beside)
 print(json.dumps(times))
 """
 
