@@ -80,8 +80,15 @@ def digests(tensors: list[torch.Tensor], fill: Callable[[int], object] | None = 
 
     if len(tensors) < 2 or sum(t.numel() * t.element_size() for t in tensors) < (64 << 20):
         return [one(i) for i in range(len(tensors))]
-    with ThreadPoolExecutor(HASH_THREADS, thread_name_prefix="node-agent hash") as pool:
-        return list(pool.map(one, range(len(tensors))))
+    try:
+        with ThreadPoolExecutor(HASH_THREADS, thread_name_prefix="node-agent hash") as pool:
+            return list(pool.map(one, range(len(tensors))))
+    except RuntimeError as exc:
+        # The interpreter is ending (a crash right after the snapshot, the full exit): its shutdown refuses new
+        # futures before it waits for the write, which would be lost for them. Hashed here, one by one.
+        if "interpreter shutdown" not in str(exc):
+            raise
+        return [one(i) for i in range(len(tensors))]
 
 
 def digest_of(sums: list[int]) -> int:

@@ -500,6 +500,45 @@ async def test_a_warm_worker_waits_for_its_snapshots_write_and_not_for_buffers_a
     assert (exit_marks.ATTRIBUTE, exit_marks.JOIN, exit_marks.DROP) == (zygote_module.AT_EXIT, "join", "drop")
 
 
+INTERRUPTED = """\
+import os, signal, sys, threading, time
+from node_agent.training import exit_marks
+signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))      # a user's handler: "stop means done"
+main = threading.main_thread().ident
+blocked, _ = os.pipe()
+
+
+def waiting(frame):
+    names = set()
+    while frame is not None:
+        names.add(frame.f_code.co_name)
+        frame = frame.f_back
+    return "exit_at_once" in names and "join" in names
+
+
+def write():                        # a write that never ends: the signal comes while the exit waits for it
+    while not waiting(sys._current_frames().get(main)):
+        time.sleep(0.01)
+    os.kill(os.getpid(), signal.SIGTERM)
+    os.read(blocked, 1)
+
+
+exit_marks.mark(threading.Thread(target=write), exit_marks.JOIN).start()
+raise RuntimeError("failed")
+"""
+
+
+async def test_a_signal_handlers_exit_during_the_wait_for_a_write_keeps_the_crashs_status(make_zygote, workdir) -> None:
+    """A user's SIGTERM handler that calls sys.exit(0) while the fast exit waits for a snapshot's write ends the
+    wait, as in Python's own shutdown, and the worker still ends as the crash it was (exit 1, not 0: a job
+    reported done whose training had failed)."""
+    zygote = await make_zygote()
+    (Path(workdir) / "interrupted.py").write_text(INTERRUPTED)
+    warm = await run(["interrupted.py"], zygote, workdir)
+    assert warm.warm and warm.key() == (1, "")
+    assert warm.console.lines("stderr")[-1] == "[w] RuntimeError: failed"
+
+
 @pytest.fixture
 def gated_preload(workdir) -> Callable[[], Awaitable[None]]:
     """A preload module whose import blocks on a FIFO: the zygote stays 'importing' until the test opens

@@ -267,10 +267,13 @@ def exit_at_once(code: int) -> None:
     if os.environ.get("NODE_AGENT_FULL_EXIT") == "1":
         return
     running = [t for t in threading.enumerate() if t is not threading.main_thread() and not t.daemon]
-    for thread in running:
-        if getattr(thread, AT_EXIT, None) == "join":
-            thread.join()
-    if any(t.is_alive() and getattr(t, AT_EXIT, None) != "drop" for t in running):
+    try:
+        for thread in running:
+            if getattr(thread, AT_EXIT, None) == "join":
+                thread.join()
+    except BaseException:  # noqa: BLE001, S110 - a signal handler's exception (a user's SIGTERM handler calling
+        pass               # sys.exit(0)) ends the wait, as in Python's own shutdown, never the crash's exit status
+    if any(t.is_alive() and getattr(t, AT_EXIT, None) not in ("join", "drop") for t in running):
         return
     try:
         import atexit
