@@ -40,22 +40,13 @@ def _send(sock: socket.socket, message: dict[str, Any]) -> None:
     sock.send(json.dumps(message).encode())
 
 
-def _python_threads() -> int:
-    threading = sys.modules.get("threading")
-    return 1 if threading is None else int(threading.active_count())
-
-
-def _cuda_initialized() -> bool:
-    torch = sys.modules.get("torch")
-    cuda = getattr(torch, "cuda", None)
-    return bool(cuda is not None and cuda.is_initialized())
-
-
 def _unclean() -> str:
     """Why a fork now would not give a clean worker ("" when it would)."""
-    if _python_threads() != 1:
-        return f"{_python_threads()} Python threads in the zygote"
-    if _cuda_initialized():
+    threading, cuda = sys.modules.get("threading"), getattr(sys.modules.get("torch"), "cuda", None)
+    threads = 1 if threading is None else int(threading.active_count())
+    if threads != 1:
+        return f"{threads} Python threads in the zygote"
+    if cuda is not None and cuda.is_initialized():
         return "CUDA is initialised in the zygote"
     return ""
 
@@ -329,9 +320,7 @@ _zygote_files: weakref.WeakSet[Any] = weakref.WeakSet()   # file objects the pre
 def _flush_the_zygotes_files() -> None:
     """Flush, once the preloads are done, the file objects they opened, and remember them for the workers'
     exit: a byte still buffered here would reach the file once per worker that flushes it."""
-    for obj in _files(gc.get_objects()):
-        with contextlib.suppress(TypeError):      # a file type without weak references: its own flush at exit
-            _zygote_files.add(obj)
+    _zygote_files.update(_files(gc.get_objects()))      # io.IOBase's objects all take weak references
     _flush(list(_zygote_files))
 
 
@@ -366,10 +355,7 @@ def _generators_now() -> dict[str, object]:
 
 
 def _reseed(name: str) -> None:
-    if name == "torch":
-        sys.modules["torch"].default_generator.seed()
-    else:
-        sys.modules["numpy.random"].seed()
+    (sys.modules["torch"].default_generator if name == "torch" else sys.modules["numpy.random"]).seed()
 
 
 def _preload(entry: str) -> None:
