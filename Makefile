@@ -57,15 +57,16 @@ deploy-tools:
 		$$s apt-get update && $$s env DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends $$missing; fi
 
 # pytest exits 5 when it collected no test: make treats any non-zero exit as failure. The multi-host
-# tests run after the rest, two at a time: their fault timings (a cut host fenced within the lease + 2 s)
-# are what they check, and four workers of other tests beside them on 2 cores stretched those past it.
+# tests run after the rest, PYTEST_WORKERS at a time: their fault timings (a cut host fenced within the lease
+# + 2 s) are what they check, and four workers of other tests beside them on 2 cores stretched those past it.
+# Alone they mostly wait (~40 s of CPU in 2 minutes): three at a time took 1:58 against 2:33 two at a time.
 # --dist worksteal: a worker that runs out takes queued tests from the others; xdist's default hands each
 # worker a fixed first quarter of the suite, whose long end-to-end tests then ran on alone (11:10 -> 8:11).
 # --durations: the slowest tests, printed where CI's log shows them (the suite stays under 15 minutes).
 XDIST := -n $(PYTEST_WORKERS) --dist worksteal
 test: venv chromium deploy-tools netns-tools etcd
 	$(PY) -m pytest $(XDIST) -m "not soak and not multihost" -q -p no:cacheprovider --durations=30
-	$(PY) -m pytest -n 2 -m "multihost and not soak" -q -p no:cacheprovider tests/multihost
+	$(PY) -m pytest -n $(PYTEST_WORKERS) -m "multihost and not soak" -q -p no:cacheprovider tests/multihost
 
 # The suite (the multi-host tests aside) on the oldest Python and dependency versions pyproject allows
 # (constraints-oldest.txt): a floor that is too low breaks a user's install, not ours. Not part of `make test`.
