@@ -1,9 +1,8 @@
 """What a warm worker's fast exit (node_agent/workers/warm/zygote.py, `exit_at_once`) does with a thread of ours
 still running when the script ends, said on the thread itself (the zygote imports nothing of ours and reads the
 attribute by this name):
-- JOIN: it ends by itself, soon, and its work is wanted: a snapshot's write (a crash right after a snapshot would
-  otherwise lose it, or, as before, take the full exit: the interpreter's teardown, with CUDA and NCCL's, 0.3 s on
-  a CPU and ~1.7 s on a GPU node, before the restart could begin);
+- JOIN: it ends by itself, soon, and its work is wanted: a snapshot's write (unmarked, a crash right after a
+  snapshot took the full exit: the interpreter's teardown, CUDA's and NCCL's with it, before the restart);
 - DROP: its work is worth nothing to a process that ends: pinned buffers allocated ahead.
 A live non-daemon thread without a mark (the user's) keeps the full exit, which waits for it."""
 from __future__ import annotations
