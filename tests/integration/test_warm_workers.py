@@ -409,6 +409,38 @@ async def test_a_file_a_preload_opened_keeps_every_workers_writes_once(make_zygo
     assert read(log).splitlines() == ["import", "worker cold", "import", "worker warm1", "worker warm2"]
 
 
+PRINTS = """\
+import ctypes, os, sys, warnings
+print("printed at import")
+print("to stderr at import", file=sys.stderr)
+os.write(1, b"written to fd 1 at import\\n")
+ctypes.CDLL(None).printf(b"from C at import\\n")
+warnings.warn("a warning at import")
+"""
+
+
+async def test_what_a_preloads_import_prints_each_warm_worker_shows_as_a_cold_one(make_zygote, workdir,
+                                                                                 capfd) -> None:
+    """A module the zygote preloads prints at import (Python, the fd itself, C's stdio, a warning): each warm worker
+    shows it on its own stdout and stderr, as each cold worker does, and the agent's own stderr gets none of it."""
+    write(os.path.join(workdir, "printsmod.py"), PRINTS)
+    write(os.path.join(workdir, "prints.py"), "import printsmod\nprint('the script')\n")
+    cold = await run(["prints.py"], None, workdir)
+    said: list[str] = []
+    zygote = await make_zygote(("json", "printsmod"), warnings=said)
+    warm = [await run(["prints.py"], zygote, workdir) for _ in range(2)]
+    assert not cold.warm and all(r.warm and r.key() == (0, "") for r in warm)
+    out, err = cold.console.lines("stdout"), cold.console.lines("stderr")
+    assert {"[w] printed at import", "[w] written to fd 1 at import", "[w] from C at import"} <= set(out)
+    assert "[w] to stderr at import" in err and any("UserWarning: a warning at import" in line for line in err)
+    for r in warm:   # C's stdio reaches a cold worker's pipe only at its exit: the same lines, maybe in another order
+        assert sorted(r.console.lines("stdout")) == sorted(out) and r.console.lines("stderr") == err
+        assert r.console.lines("stdout").index("[w] printed at import") < r.console.lines("stdout").index(
+            "[w] the script")
+    agent = capfd.readouterr()      # the zygote's own streams are the test process's (the agent's)
+    assert not said and "at import" not in agent.out + agent.err
+
+
 TROUBLE = """\
 import io
 

@@ -18,7 +18,6 @@ import contextlib
 import ctypes
 import gc
 import importlib
-import io
 import json
 import os
 import select
@@ -26,7 +25,6 @@ import signal
 import socket
 import sys
 import types
-import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -34,6 +32,24 @@ MAX_MESSAGE = 1 << 20        # one launch (argv + environment); the agent starts
 _PR_SET_PDEATHSIG = 1
 _STARTUP_SIGNALS = {s: signal.getsignal(s) for s in signal.valid_signals()
                     if s not in (signal.SIGKILL, signal.SIGSTOP)}   # as Python's start-up left them
+
+
+def _sibling(name: str) -> types.ModuleType:
+    """A module of this folder, loaded by its path under a name no user's module has: the zygote runs as a script
+    under the worker's interpreter, where node_agent may not be importable."""
+    import importlib.util
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), f"{name}.py")
+    spec = importlib.util.spec_from_file_location(f"_node_agent_{name}", path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot load {path}")
+    module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+_fast_exit, _import_output = _sibling("fast_exit"), _sibling("import_output")
+exit_at_once: Callable[[int], None] = _fast_exit.exit_at_once
+AT_EXIT: str = _fast_exit.AT_EXIT
 
 
 def _send(sock: socket.socket, message: dict[str, Any]) -> None:
@@ -52,8 +68,9 @@ def _unclean() -> str:
 
 
 class Zygote:
-    def __init__(self, sock: socket.socket) -> None:
+    def __init__(self, sock: socket.socket, printed: tuple[bytes, bytes] = (b"", b"")) -> None:
         self.sock = sock
+        self.printed = printed        # what the preloads printed, repeated by each worker
         self.children: dict[int, int] = {}    # pidfd -> pid
         self.prctl = ctypes.CDLL(None, use_errno=True).prctl   # loaded before any fork: the child loads nothing
         self.prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
@@ -131,6 +148,7 @@ class Zygote:
         for fd in high:
             if fd not in targets:
                 os.close(fd)
+        _import_output.repeat(self.printed)
         _per_worker_setup(launch)
         os.chdir(launch["cwd"])
         os.environ.clear()
@@ -245,85 +263,6 @@ def run_as_main(launch: dict[str, Any]) -> None:
     exit_at_once(0)
 
 
-AT_EXIT = "node_agent_at_exit"     # a thread's mark: node_agent/training/exit_marks.py says what each means
-
-
-def exit_at_once(code: int) -> None:
-    """End a finished worker now, not after finalization (with torch: slow teardowns that delay the next round
-    and could hang in gloo). Kept: atexit handlers, flushed files, the exit status; skipped: module teardown,
-    __del__. A thread of ours still running is waited for (a snapshot's write) or left (buffers allocated ahead),
-    as its mark says; any other live non-daemon thread (maybe finishing a write) or NODE_AGENT_FULL_EXIT=1: the
-    full exit."""
-    import threading
-    if os.environ.get("NODE_AGENT_FULL_EXIT") == "1":
-        return
-    running = [t for t in threading.enumerate() if t is not threading.main_thread() and not t.daemon]
-    try:
-        for thread in running:
-            if getattr(thread, AT_EXIT, None) == "join":
-                thread.join()
-    except BaseException:  # noqa: BLE001, S110 - a signal handler's exception (a user's SIGTERM handler calling
-        pass               # sys.exit(0)) ends the wait, as in Python's own shutdown, never the crash's exit status
-    if any(t.is_alive() and getattr(t, AT_EXIT, None) not in ("join", "drop") for t in running):
-        return
-    try:
-        import atexit
-        atexit._run_exitfuncs()
-        _flush_open_files()
-    finally:
-        os._exit(code & 0xFF)
-
-
-def _flush_open_files() -> None:
-    """Flush what finalization would have: the standard streams, the file objects a preload opened in the zygote
-    (frozen before the fork, so gc.get_objects() no longer lists them: a log file a package opens at import would
-    lose every worker's writes) and the worker's own. One that fails to flush is passed over, as finalization
-    does."""
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(Exception):
-            stream.flush()
-    _flush(list(_zygote_files))
-    _flush(_files(gc.get_objects()))
-
-
-def _files(objects: list[Any]) -> list[Any]:
-    """The file objects among `objects`, told by their type alone: an isinstance would look `__class__` up, which
-    a lazy proxy (Django's settings, accelerate's) answers by building its object, or raising; the answer per
-    type is kept, as an ABC's issubclass is slow over a torch interpreter's objects."""
-    kinds: dict[type, bool] = {}
-    found = []
-    for obj in objects:
-        kind = type(obj)
-        is_file = kinds.get(kind)
-        if is_file is None:
-            try:
-                is_file = kinds[kind] = issubclass(kind, io.IOBase)
-            except Exception:  # noqa: BLE001 - a metaclass of a user's own: not a file
-                is_file = kinds[kind] = False
-        if is_file:
-            found.append(obj)
-    return found
-
-
-def _flush(files: list[Any]) -> None:
-    for obj in files:
-        try:
-            if not obj.closed and obj.writable():
-                obj.flush()
-        except Exception:  # noqa: BLE001, S112 - a file that cannot flush: finalization would pass it over too
-            continue
-
-
-_zygote_files: weakref.WeakSet[Any] = weakref.WeakSet()   # file objects the preloads left open
-
-
-def _flush_the_zygotes_files() -> None:
-    """Flush, once the preloads are done, the file objects they opened, and remember them for the workers'
-    exit: a byte still buffered here would reach the file once per worker that flushes it."""
-    _zygote_files.update(_files(gc.get_objects()))      # io.IOBase's objects all take weak references
-    _flush(list(_zygote_files))
-
-
 def _run_script(main: types.ModuleType, script: str) -> None:
     path = os.path.abspath(script)
     try:
@@ -379,7 +318,14 @@ def main() -> None:
     _probe_name = sys.argv[4] if len(sys.argv) > 4 else ""
     sys.path[0] = path0   # preloads resolve as they would in the worker
     sock = socket.socket(fileno=fd)
-    failed = []
+    failed: list[list[str]] = []
+    printed = _import_output.printed_by(lambda: _preload_all(preload, failed))
+    del sys.argv[1:]
+    _send(sock, {"op": "ready", "failed": failed, "unclean": _unclean()})
+    run_as_main(Zygote(sock, printed).serve())
+
+
+def _preload_all(preload: list[str], failed: list[list[str]]) -> None:
     for name in preload:
         try:
             _preload(name)
@@ -387,12 +333,9 @@ def main() -> None:
             failed.append([name, f"{type(exc).__name__}: {exc}"[:300]])
         for generator, state in _generators_now().items():   # right after the import that brought it
             _generators_at_import.setdefault(generator, state)
-    del sys.argv[1:]
     _let_gloo_threads_finish_at_destroy()
     gc.collect()   # the imports' garbage, once; from now on the zygote's objects are frozen (see _request)
-    _flush_the_zygotes_files()
-    _send(sock, {"op": "ready", "failed": failed, "unclean": _unclean()})
-    run_as_main(Zygote(sock).serve())
+    _fast_exit.flush_the_zygotes_files()
 
 
 if __name__ == "__main__":

@@ -1,0 +1,90 @@
+"""How a warm worker ends: at once where Python's finalization would only cost time (module teardown, torch's
+slow destructors), keeping what a user relies on (atexit handlers, flushed files, the exit status). Loaded by the
+zygote from its own folder (it imports only the standard library, never node_agent)."""
+from __future__ import annotations
+
+import contextlib
+import gc
+import io
+import os
+import sys
+import weakref
+from typing import Any
+
+AT_EXIT = "node_agent_at_exit"     # a thread's mark: node_agent/training/exit_marks.py says what each means
+
+
+def exit_at_once(code: int) -> None:
+    """End a finished worker now, not after finalization (with torch: slow teardowns that delay the next round
+    and could hang in gloo). Kept: atexit handlers, flushed files, the exit status; skipped: module teardown,
+    __del__. A thread of ours still running is waited for (a snapshot's write) or left (buffers allocated ahead),
+    as its mark says; any other live non-daemon thread (maybe finishing a write) or NODE_AGENT_FULL_EXIT=1: the
+    full exit."""
+    import threading
+    if os.environ.get("NODE_AGENT_FULL_EXIT") == "1":
+        return
+    running = [t for t in threading.enumerate() if t is not threading.main_thread() and not t.daemon]
+    try:
+        for thread in running:
+            if getattr(thread, AT_EXIT, None) == "join":
+                thread.join()
+    except BaseException:  # noqa: BLE001, S110 - a signal handler's exception (a user's SIGTERM handler calling
+        pass               # sys.exit(0)) ends the wait, as in Python's own shutdown, never the crash's exit status
+    if any(t.is_alive() and getattr(t, AT_EXIT, None) not in ("join", "drop") for t in running):
+        return
+    try:
+        import atexit
+        atexit._run_exitfuncs()
+        _flush_open_files()
+    finally:
+        os._exit(code & 0xFF)
+
+
+def _flush_open_files() -> None:
+    """Flush what finalization would have: the standard streams, the file objects a preload opened in the zygote
+    (frozen before the fork, so gc.get_objects() no longer lists them: a log file a package opens at import would
+    lose every worker's writes) and the worker's own. One that fails to flush is passed over, as finalization
+    does."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    _flush(list(_zygote_files))
+    _flush(_files(gc.get_objects()))
+
+
+def _files(objects: list[Any]) -> list[Any]:
+    """The file objects among `objects`, told by their type alone: an isinstance would look `__class__` up, which
+    a lazy proxy (Django's settings, accelerate's) answers by building its object, or raising; the answer per
+    type is kept, as an ABC's issubclass is slow over a torch interpreter's objects."""
+    kinds: dict[type, bool] = {}
+    found = []
+    for obj in objects:
+        kind = type(obj)
+        is_file = kinds.get(kind)
+        if is_file is None:
+            try:
+                is_file = kinds[kind] = issubclass(kind, io.IOBase)
+            except Exception:  # noqa: BLE001 - a metaclass of a user's own: not a file
+                is_file = kinds[kind] = False
+        if is_file:
+            found.append(obj)
+    return found
+
+
+def _flush(files: list[Any]) -> None:
+    for obj in files:
+        try:
+            if not obj.closed and obj.writable():
+                obj.flush()
+        except Exception:  # noqa: BLE001, S112 - a file that cannot flush: finalization would pass it over too
+            continue
+
+
+_zygote_files: weakref.WeakSet[Any] = weakref.WeakSet()   # file objects the preloads left open
+
+
+def flush_the_zygotes_files() -> None:
+    """Flush, once the preloads are done, the file objects they opened, and remember them for the workers'
+    exit: a byte still buffered here would reach the file once per worker that flushes it."""
+    _zygote_files.update(_files(gc.get_objects()))      # io.IOBase's objects all take weak references
+    _flush(list(_zygote_files))
