@@ -30,6 +30,10 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     # the warm zygote's agent side; the zygote itself (zygote.py) imports nothing of ours
     "node_agent.workers.warm": ("node_agent.training.probe", "node_agent.workers.deathsig",
                                 "node_agent.workers.environment"),
+    # the zygote and the modules it loads by path run under any interpreter: the standard library alone
+    "node_agent.workers.warm.zygote": (),
+    "node_agent.workers.warm.fast_exit": (),
+    "node_agent.workers.warm.import_output": (),
     # the peer-copy wire and store: the standard library, the snapshot files' helpers (torch-free), and the one
     # keepalive rule of every agent connection
     "node_agent.copies": ("node_agent.training.snapshot", "protocol.keepalive", "protocol.tokens"),

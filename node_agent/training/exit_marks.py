@@ -1,4 +1,4 @@
-"""What a warm worker's fast exit (node_agent/workers/warm/zygote.py, `exit_at_once`) does with a thread of ours
+"""What a warm worker's fast exit (node_agent/workers/warm/fast_exit.py, `exit_at_once`) does with a thread of ours
 still running when the script ends, said on the thread itself (the zygote imports nothing of ours and reads the
 attribute by this name):
 - JOIN: it ends by itself, soon, and its work is wanted: a snapshot's write (unmarked, a crash right after a
