@@ -26,7 +26,7 @@ from node_agent.workers.probes import ProbeRoot
 from node_agent.workers.process import WorkerExit, WorkerSpawnError
 from node_agent.workers.step_watch import StepWatch
 from node_agent.workers.warm.client import WarmZygote
-from node_agent.workers.warm.early_env import preloads_before_a_set
+from node_agent.workers.warm.early_env import SYS_PATH, change, preloads_before_a_set
 from node_agent.workers.warm.eligible import (
     entry_imports,
     imports_any,
@@ -95,11 +95,12 @@ class LocalWorkers:
             preload, left_out, early = preloads_before_a_set(opts.script, preload, base, module=opts.module,
                                                              cwd=os.getcwd())
             if left_out is not None and early is None:
-                say(f"warm workers: not preloading {left_out[1]}: the script sets {left_out[0]} in its environment "
-                    f"before it imports it (what it reads as it loads would not reach it); the workers import it "
-                    f"themselves")
+                why = "it may be found elsewhere then" if left_out[0] == SYS_PATH else \
+                    "what it reads as it loads would not reach it"
+                say(f"warm workers: not preloading {left_out[1]}: the script {change(left_out[0])} before it imports "
+                    f"it ({why}); the workers import it themselves")
         if early is not None:
-            say(f"warm workers off: the script sets {early[0]} in its environment before it imports {early[1]}, "
+            say(f"warm workers off: the script {change(early[0])} before it imports {early[1]}, "
                 f"which a warm interpreter has loaded already (what it reads as it loads would not reach it); its "
                 f"workers start cold, as under torchrun. Set it in node-agent's environment to keep warm starts")
         if opts.warm and make_group is None and early is None:

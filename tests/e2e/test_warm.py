@@ -96,7 +96,7 @@ def test_a_script_that_sets_omp_num_threads_before_importing_torch_gets_it_as_un
     agent = cluster.agent("--standalone", "--nproc", "1", str(script), env={"OMP_NUM_THREADS": "1"})
     assert agent.wait(120) == 0, agent.output
     assert "THREADS 2" in agent.output, agent.output
-    assert "warm workers off: the script sets OMP_NUM_THREADS in its environment before it imports torch" \
+    assert "warm workers off: the script changes OMP_NUM_THREADS in its environment before it imports torch" \
         in agent.output and "started warm" not in agent.output
 
 

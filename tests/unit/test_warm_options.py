@@ -189,8 +189,16 @@ def test_the_script_s_installed_imports_are_preloaded_not_its_own_modules(tmp_pa
     ("import os\ndef setup():\n    os.environ['H'] = '1'\nsetup()\nimport torch\n", ("H", "torch")),
     ("import os\nos.environ['MASTER_ADDR'] = 'h'\nos.environ['NCCL_DEBUG'] = 'INFO'\nimport torch\n", None),
     ("import os\nx = {}\nx" + "[0]" * 600 + " = 1\nos.environ['I'] = '1'\nimport torch\n", ("I", "torch")),
+    # a review: removing a variable counts as setting one
+    ("import os\nos.environ.pop('OMP_NUM_THREADS')\nimport torch\n", ("OMP_NUM_THREADS", "torch")),
+    ("import os\ndel os.environ['J']\nimport torch\n", ("J", "torch")),
+    ("import os\nos.unsetenv('K')\nimport torch\n", ("K", "torch")),
+    ("import os\nos.environ.clear()\nimport torch\n", ("os.environ.clear", "torch")),
+    # a change of sys.path is not one of the environment: torch, a base preload, is still preloaded after it
+    ("import os, sys\nsys.path.insert(0, 'vendor')\nimport torch\n", None),
 ], ids=["assign", "setdefault", "update-kw", "update-dict", "environ", "putenv", "main-block", "after", "no-preload",
-        "function", "read", "numpy-first", "alias", "or-assign", "setup-function", "read-later", "deep"])
+        "function", "read", "numpy-first", "alias", "or-assign", "setup-function", "read-later", "deep", "pop", "del",
+        "unsetenv", "clear", "sys-path"])
 def test_a_script_that_sets_a_variable_before_importing_a_preload_is_found(tmp_path, source, found) -> None:
     script = tmp_path / "train.py"
     script.write_text(source)
@@ -218,6 +226,37 @@ def test_the_script_s_imports_after_it_sets_a_variable_are_not_preloaded(tmp_pat
     preload = (*DEFAULT_PRELOAD, "transformers", "transformers:Trainer")
     got = preloads_before_a_set(str(script), preload, DEFAULT_PRELOAD, module=False, cwd=str(tmp_path))
     assert got == ((*DEFAULT_PRELOAD, *kept), left_out, early)
+
+
+@pytest.mark.parametrize("own, source, found", [
+    # a review: the script's own module sets the variable as it is imported, before the script imports torch
+    ("import os\nos.environ['OMP_NUM_THREADS'] = '2'\n", "import settings\nimport torch\n",
+     ("OMP_NUM_THREADS", "torch")),
+    ("import os\ndef setup():\n    os.environ.pop('X', None)\nsetup()\n", "import settings, torch\n", ("X", "torch")),
+    # its own module imports torch before it sets one: torch has loaded as it would have cold
+    ("import os, torch\nos.environ['OMP_NUM_THREADS'] = '2'\n", "import settings\nimport torch\n", None),
+    # a function of its own module, not called as it is imported
+    ("import os\ndef later():\n    os.environ['X'] = '1'\n", "import settings\nimport torch\n", None),
+], ids=["sets", "function-called", "torch-first", "not-called"])
+def test_a_variable_the_scripts_own_module_sets_as_it_is_imported_is_found(tmp_path, own, source, found) -> None:
+    (tmp_path / "settings.py").write_text(own)
+    (tmp_path / "train.py").write_text(source)
+    assert environment_set_first(str(tmp_path / "train.py"), DEFAULT_PRELOAD, module=False, cwd="/") == found
+
+
+@pytest.mark.parametrize("source, left_out", [
+    # a review: a vendored copy put first on sys.path: the zygote would have preloaded the installed one
+    ("import sys, torch\nsys.path.insert(0, 'vendor')\nimport tqdm\n", ("sys.path", "tqdm")),
+    ("import sys as s, torch\ns.path[:0] = ['vendor']\nimport tqdm\n", ("sys.path", "tqdm")),
+    ("import site, torch\nsite.addsitedir('vendor')\nfrom tqdm import tqdm\n", ("sys.path", "tqdm")),
+    ("from sys import path\nimport torch\npath.append('vendor')\nimport tqdm\n", ("sys.path", "tqdm")),
+    ("import sys, torch, tqdm\nsys.path.insert(0, 'vendor')\n", None),     # imported before the change
+], ids=["insert", "slice-alias", "addsitedir", "from-sys", "before"])
+def test_the_scripts_imports_after_it_changes_sys_path_are_not_preloaded(tmp_path, source, left_out) -> None:
+    (tmp_path / "train.py").write_text(source)
+    preload = (*DEFAULT_PRELOAD, "tqdm", "tqdm:tqdm")
+    got = preloads_before_a_set(str(tmp_path / "train.py"), preload, DEFAULT_PRELOAD, module=False, cwd="/")
+    assert got == ((*DEFAULT_PRELOAD, *(() if left_out else ("tqdm", "tqdm:tqdm"))), left_out, None)
 
 
 def test_a_script_and_own_modules_of_the_standard_library_alone_preload_no_torch(tmp_path) -> None:

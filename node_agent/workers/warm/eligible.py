@@ -141,7 +141,7 @@ def standard_library_only(entry: str, *, module: bool, cwd: str, path0: str) -> 
             for path in _own_files(top, own):
                 if path not in read:
                     read.add(path)
-                    found = _read_tree(path)
+                    found = read_tree(path)
                     if found is None or len(read) > MAX_OWN_FILES:
                         return False
                     trees.append(found)
@@ -159,7 +159,7 @@ def _own_files(top: str, own: list[str]) -> list[str]:
     return []
 
 
-def _read_tree(path: str) -> ast.Module | None:
+def read_tree(path: str) -> ast.Module | None:
     try:
         st = os.stat(path)
         return _parse(path, st.st_mtime_ns, st.st_size)
@@ -178,7 +178,7 @@ def parsed(entry: str, *, module: bool, cwd: str) -> ast.Module | None:
     """The entry point's syntax tree, read, never run (None: not found, too big, not Python); parsed once per
     version of the file (the agent asks several questions of it)."""
     path = module_source(entry, [cwd, *sys.path]) if module else entry
-    return None if path is None else _read_tree(path)
+    return None if path is None else read_tree(path)
 
 
 @functools.lru_cache(maxsize=8)
