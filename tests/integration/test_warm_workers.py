@@ -7,10 +7,13 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import gzip
 import json
 import os
 import signal
 import sys
+import sysconfig
+import zipfile
 import zlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
@@ -27,7 +30,7 @@ from node_agent.workers.warm import zygote as zygote_module
 from node_agent.workers.warm.client import WarmZygote
 from node_agent.workers.warm.eligible import base_env, warm_launch
 from tests.e2e.harness import pid_gone
-from tests.integration.warm_scripts import DESTROY, DUMP, FAILING, RECORD
+from tests.integration.warm_scripts import DESTROY, DUMP, FAILING, LAST_VALUE, LEFT_OPEN, OWNMOD, RECORD
 from tests.integration.worker_support import LIMIT, RecordingConsole, kill_strays
 
 # pytest changes PYTEST_CURRENT_TEST between phases: the workers' environment must not
@@ -40,9 +43,9 @@ async def make_zygote(tmp_path) -> AsyncIterator[MakeZygote]:
     made: list[WarmZygote] = []
 
     async def make(preload: tuple[str, ...] = ("json",), warnings: list[str] | None = None,
-                   env: dict[str, str] | None = None) -> WarmZygote:
+                   env: dict[str, str] | None = None, fallback: tuple[str, ...] | None = None) -> WarmZygote:
         zygote = WarmZygote(sys.executable, preload, str(tmp_path), base_env({**ENV, **(env or {})}),
-                            warnings.append if warnings is not None else print)
+                            warnings.append if warnings is not None else print, fallback)
         made.append(zygote)
         zygote.start()
         assert await zygote.wait_ready(LIMIT * 2), "the zygote never became ready"
@@ -239,15 +242,23 @@ async def test_a_frameworks_rank_is_the_workers_not_the_zygotes(make_zygote, wor
     assert cold_rank == read(out) == rank
 
 
+def installed_site(tmp_path: Path) -> tuple[str, dict[str, str]]:
+    """A directory packages are installed into (a user site: `pip install --user`'s), on the path: (it, the
+    environment that makes it so). The zygote preloads the script's imports only from such a place."""
+    base = os.path.join(tmp_path, "userbase")
+    site = sysconfig.get_path("purelib", scheme="posix_user", vars={"userbase": base})
+    os.makedirs(site)
+    return site, {"PYTHONUSERBASE": base, "PYTHONPATH": site}
+
+
 async def test_script_imports_that_leave_a_thread_fall_back_to_the_base_preloads(workdir, tmp_path) -> None:
     """A preloaded import that starts a thread makes a fork unsafe: the zygote is started again with the base
     list (said once), and workers start warm from it."""
-    site = os.path.join(tmp_path, "site")
-    os.mkdir(site)
+    site, installed = installed_site(tmp_path)
     write(os.path.join(site, "threads_at_import.py"),
           "import threading, time\nthreading.Thread(target=time.sleep, args=(600,), daemon=True).start()\n")
     warnings: list[str] = []
-    env = base_env({**ENV, "PYTHONPATH": site})
+    env = base_env({**ENV, **installed})
     zygote = WarmZygote(sys.executable, ("json", "threads_at_import"), str(tmp_path), env, warnings.append,
                         fallback=("json",))
     try:
@@ -258,7 +269,7 @@ async def test_script_imports_that_leave_a_thread_fall_back_to_the_base_preloads
             await zygote.wait_ready(LIMIT)
         assert len(warnings) == 1 and "after preloading the script's imports (threads_at_import)" in warnings[0]
         out = os.path.join(workdir, "seen.json")        # forked from a clean zygote: warm, without that import
-        assert (await run(["dump.py", out, "0"], zygote, workdir, extra_env={"PYTHONPATH": site})).warm
+        assert (await run(["dump.py", out, "0"], zygote, workdir, extra_env=installed)).warm
         assert "json" in dumped(out)["modules"] and "threads_at_import" not in dumped(out)["modules"]
     finally:
         await zygote.close()
@@ -267,13 +278,12 @@ async def test_script_imports_that_leave_a_thread_fall_back_to_the_base_preloads
 async def test_a_name_whose_lookup_leaves_a_thread_costs_only_the_names_their_preload(workdir, tmp_path) -> None:
     """A name looked up (`module:name`) that starts a thread: the next zygote preloads the modules without the names
     (said once), not the base list only (a review: one name cost every module its preload)."""
-    site = os.path.join(tmp_path, "site")
-    os.mkdir(site)
+    site, installed = installed_site(tmp_path)
     write(os.path.join(site, "lazyt.py"), "import threading, time\ndef __getattr__(name):\n"
                                           "    threading.Thread(target=time.sleep, args=(600,), daemon=True).start()\n"
                                           "    return name\n")
     warnings: list[str] = []
-    env = base_env({**ENV, "PYTHONPATH": site})
+    env = base_env({**ENV, **installed})
     zygote = WarmZygote(sys.executable, ("json", "lazyt", "lazyt:Threaded"), str(tmp_path), env, warnings.append,
                         fallback=("json",))
     try:
@@ -392,7 +402,76 @@ async def test_a_warm_worker_ends_at_once_keeping_what_the_user_relies_on(make_z
         assert runs["warm"].console.lines("stderr")[-1] == "[w] RuntimeError: failed"
     full = {"atexit", "buffered", "finalized"} | ({"thread"} if case == "thread" else set())
     assert left["cold"] == full
-    assert left["warm"] == (full if case in ("thread", "full_exit") else {"atexit", "buffered"})   # no teardown
+    # a crash skips the teardown (the restart waits for it); a script that ended frees what it made
+    assert left["warm"] == (full if case in ("thread", "full_exit", "ok") else {"atexit", "buffered"})
+
+
+@pytest.mark.parametrize("how", ["end", "exit"])
+async def test_a_warm_worker_that_ends_finishes_what_the_scripts_objects_would(make_zygote, workdir, how) -> None:
+    """A review: files a script never closed (a zip file, gzip's, its own module's), a temporary file and a
+    paused generator were left as they were at a warm worker's end: a zip file unreadable, the temporary file
+    left, the `finally` never run. Python's teardown finishes them; a warm worker that ends does too."""
+    write(os.path.join(workdir, "ownmod.py"), OWNMOD)
+    write(os.path.join(workdir, "left.py"), LEFT_OPEN)
+    zygote = await make_zygote()
+    seen = {}
+    for kind, z in (("cold", None), ("warm", zygote)):
+        out = os.path.join(workdir, kind)
+        os.mkdir(out)
+        result = await run(["left.py", out, how], z, workdir)
+        assert result.warm == (kind == "warm") and result.key() == (0, "")
+        with zipfile.ZipFile(os.path.join(out, "run.zip")) as a, zipfile.ZipFile(os.path.join(out, "local.zip")) as b:
+            names = (a.namelist(), b.namelist())
+        with gzip.open(os.path.join(out, "log.gz"), "rt") as g, gzip.open(os.path.join(out, "own.gz"), "rt") as h:
+            texts = (g.read(), h.read())
+        seen[kind] = (names, texts, sorted(os.listdir(out)), result.console.lines("stdout"))
+    assert seen["cold"] == ((["m.json"], ["a"]), ("line\n", "own\n"), ["local.zip", "log.gz", "own.gz", "run.zip"],
+                            ["[w] generator finalized"])
+    assert seen["warm"] == seen["cold"]
+
+
+async def test_ps_and_pgrep_see_a_warm_workers_command_as_a_cold_ones(make_zygote, workdir) -> None:
+    """A review: every warm worker's /proc/PID/cmdline was the zygote's (`python -u .../zygote.py 8 ...`): `pgrep
+    -f train.py` found none of them. It reads as the worker's own command line, as one line (setproctitle's)."""
+    write(os.path.join(workdir, "cmd.py"), "import sys\nwith open('/proc/self/cmdline', 'rb') as f:\n"
+          "    print(f.read().split(b'\\0')[0].decode() if sys.argv[-1] == 'warm' else "
+          "f.read().rstrip(b'\\0').replace(b'\\0', b' ').decode(), flush=True)\n")
+    zygote = await make_zygote()
+    cold = await run(["cmd.py", "--lr", "0.1", "cold"], None, workdir)
+    warm = await run(["cmd.py", "--lr", "0.1", "warm"], zygote, workdir)
+    assert warm.warm and cold.console.lines("stdout") == [f"[w] {sys.executable} -u cmd.py --lr 0.1 cold"]
+    assert warm.console.lines("stdout") == [f"[w] {sys.executable} -u cmd.py --lr 0.1 warm"]
+    assert any(arg.endswith("zygote.py") for arg in psutil.Process(zygote.pid).cmdline())   # the zygote keeps its own
+
+
+async def test_atexit_handlers_of_a_crashed_warm_worker_see_the_exception_as_a_cold_ones_do(make_zygote,
+                                                                                          workdir) -> None:
+    write(os.path.join(workdir, "last.py"), LAST_VALUE)
+    zygote = await make_zygote()
+    cold = await run(["last.py"], None, workdir)
+    warm = await run(["last.py"], zygote, workdir)
+    assert warm.warm and warm.key() == cold.key() == (1, "")
+    assert warm.console.lines("stdout") == cold.console.lines("stdout") == ["[w] at exit: RuntimeError True"]
+
+
+async def test_the_users_own_package_on_pythonpath_is_not_preloaded_and_reads_the_workers_rank(
+        make_zygote, workdir, tmp_path) -> None:
+    """A review: a package of the user's own on PYTHONPATH (not beside the script) that the script imports was
+    taken for an installed one and imported in the zygote: it read the zygote's rank and command line, and a
+    restart ran it unedited. Only the script's imports found in the interpreter's library are preloaded."""
+    proj = tmp_path / "proj"
+    (proj / "mylib").mkdir(parents=True)
+    (proj / "mylib" / "__init__.py").write_text("import os, sys\nRANK = os.environ.get('RANK')\nARGV = sys.argv[1:]\n")
+    write(os.path.join(workdir, "own.py"),
+          "import sys\nprint(sorted(m for m in ('mylib', 'msgpack') if m in sys.modules), flush=True)\n"
+          "import msgpack, mylib\nprint(mylib.RANK, mylib.ARGV, flush=True)\n")
+    env = {"PYTHONPATH": str(proj)}
+    said: list[str] = []
+    zygote = await make_zygote(("json", "msgpack", "mylib"), warnings=said, env=env, fallback=("json",))
+    cold = await run(["own.py", "--lr", "0.1"], None, workdir, extra_env=env)
+    warm = await run(["own.py", "--lr", "0.1"], zygote, workdir, extra_env=env)
+    assert warm.warm and cold.console.lines("stdout") == ["[w] []", "[w] 3 ['--lr', '0.1']"]
+    assert warm.console.lines("stdout") == ["[w] ['msgpack']", "[w] 3 ['--lr', '0.1']"] and not said
 
 
 @pytest.mark.parametrize("exit_env", [{}, {"NODE_AGENT_FULL_EXIT": "1"}], ids=["at_once", "full_exit"])

@@ -91,3 +91,52 @@ dist.destroy_process_group()
 print("after", dist.is_initialized(), dist.destroy_process_group.__name__, flush=True)
 print("paused", hasattr(dist.destroy_process_group, "__wrapped__"), flush=True)
 '''
+
+# A script that ends (argv[2]: "end", or "exit": sys.exit(0) in a function) leaving what Python's teardown
+# finishes: an unclosed zip file and gzip file (its own and its own module's), a temporary file, a paused
+# generator, and a zip file in the frame sys.exit() left.
+LEFT_OPEN = '''
+import gzip, os, sys, tempfile, zipfile
+import ownmod
+out = sys.argv[1]
+archive = zipfile.ZipFile(os.path.join(out, "run.zip"), "w")
+archive.writestr("m.json", "{}")
+packed = gzip.open(os.path.join(out, "log.gz"), "wt")
+packed.write("line\\n")
+scratch = tempfile.NamedTemporaryFile(dir=out, prefix="scratch")
+
+
+def paused():
+    try:
+        yield 1
+    finally:
+        print("generator finalized", flush=True)
+
+
+gen = paused()
+next(gen)
+
+
+def main():
+    local = zipfile.ZipFile(os.path.join(out, "local.zip"), "w")
+    local.writestr("a", "b")
+    if sys.argv[2] == "exit":
+        sys.exit(0)
+
+
+main()
+'''
+
+OWNMOD = '''
+import gzip, os, sys
+LOG = gzip.open(os.path.join(sys.argv[1], "own.gz"), "wt")
+LOG.write("own\\n")
+'''
+
+# An atexit handler that reads what the interpreter keeps of an uncaught exception.
+LAST_VALUE = '''
+import atexit, sys
+atexit.register(lambda: print("at exit:", type(getattr(sys, "last_value", None)).__name__,
+                              sys.excepthook is sys.__excepthook__, flush=True))
+raise RuntimeError("failed")
+'''

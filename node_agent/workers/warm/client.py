@@ -90,7 +90,7 @@ class WarmZygote:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             self._proc = await asyncio.create_subprocess_exec(
-                self.python, "-u", ZYGOTE, str(theirs.fileno()), self.path0, ",".join(self.preload), probe.NAME,
+                self.python, "-u", ZYGOTE, str(theirs.fileno()), self.path0, ",".join(self._marked()), probe.NAME,
                 env=booted(self.env), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                 pass_fds=(theirs.fileno(),), start_new_session=True, preexec_fn=preexec(os.getpid(), prctl()))
         except OSError as exc:
@@ -103,6 +103,12 @@ class WarmZygote:
         ours.setblocking(False)
         self._sock = ours
         asyncio.get_running_loop().add_reader(ours.fileno(), self._readable, ours)
+
+    def _marked(self) -> list[str]:
+        """The preloads as the zygote is told them: the script's own imports (not in `fallback`) marked "?", which
+        it preloads only where they are installed, not the user's code (own_code.py)."""
+        base = set(self.fallback) if self.fallback is not None else None
+        return [name if base is None or name in base else f"?{name}" for name in self.preload]
 
     def _readable(self, sock: socket.socket) -> None:
         while True:

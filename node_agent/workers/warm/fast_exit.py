@@ -1,6 +1,7 @@
-"""How a warm worker ends: at once where Python's finalization would only cost time (module teardown, torch's
-slow destructors), keeping what a user relies on (atexit handlers, flushed files, the exit status). Loaded by the
-zygote from its own folder (it imports only the standard library, never node_agent)."""
+"""How a warm worker ends: at once where Python's finalization would only cost time (the teardown of torch's
+modules, its slow destructors), keeping what a user relies on (atexit handlers, flushed files, the exit status,
+the `__del__` of what the script made where it ended). Loaded by the zygote from its own folder (it imports only
+the standard library, never node_agent)."""
 from __future__ import annotations
 
 import contextlib
@@ -8,18 +9,36 @@ import gc
 import io
 import os
 import sys
+import types
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 AT_EXIT = "node_agent_at_exit"     # a thread's mark: node_agent/training/exit_marks.py says what each means
 
 
-def exit_at_once(code: int) -> None:
+_before: frozenset[str] = frozenset()        # the modules loaded before the script ran: the zygote's
+_own: Callable[[object], bool] | None = None   # whether a file is the user's own code (own_code.own)
+
+
+def script_starts(own: Callable[[object], bool]) -> None:
+    global _before, _own
+    _before, _own = frozenset(sys.modules), own
+
+
+def script_ended(code: int, frames: types.TracebackType | None = None) -> None:
+    """The script returned, or called sys.exit(code) (`frames`: its traceback): what the interpreter's teardown
+    would free of what the script made is freed first (_free_the_scripts_objects), then exit_at_once."""
+    exit_at_once(code, ended=True, frames=frames)
+
+
+def exit_at_once(code: int, *, ended: bool = False, frames: types.TracebackType | None = None) -> None:
     """End a finished worker now, not after finalization (with torch: slow teardowns that delay the next round
-    and could hang in gloo). Kept: atexit handlers, flushed files, the exit status; skipped: module teardown,
-    __del__. A thread of ours still running is waited for (a snapshot's write) or left (buffers allocated ahead),
-    as its mark says; any other live non-daemon thread (maybe finishing a write) or NODE_AGENT_FULL_EXIT=1: the
-    full exit."""
+    and could hang in gloo). Kept: atexit handlers, flushed files, the exit status, and where the script ended
+    (not a crash, where the restart waits) the objects it made freed; skipped: the teardown of torch's and other
+    libraries' modules. A thread of ours still running is waited for (a snapshot's write) or left (buffers
+    allocated ahead), as its mark says; any other live non-daemon thread (maybe finishing a write) or
+    NODE_AGENT_FULL_EXIT=1: the full exit."""
     import threading
     if os.environ.get("NODE_AGENT_FULL_EXIT") == "1":
         return
@@ -33,11 +52,33 @@ def exit_at_once(code: int) -> None:
     if any(t.is_alive() and getattr(t, AT_EXIT, None) not in ("join", "drop") for t in running):
         return
     try:
+        if frames is not None:
+            import traceback
+            traceback.clear_frames(frames)     # the locals of the frames sys.exit() left (running ones kept)
         import atexit
         atexit._run_exitfuncs()
         _flush_open_files()
+        if ended:
+            _free_the_scripts_objects()
+            _flush_open_files()
     finally:
         os._exit(code & 0xFF)
+
+
+def _free_the_scripts_objects() -> None:
+    """Free what the script made, as the interpreter's teardown would, for what their `__del__` does (a zip file's
+    directory written, gzip's trailer, a temporary file removed, a paused generator's `finally`): the namespaces
+    of `__main__` and of the user's own modules it imported, cleared as Python clears a module (names with one
+    underscore first, `__builtins__` kept), the last imported first, then a collection."""
+    for name, module in reversed(list(sys.modules.items())):
+        if name == "__main__" or (name not in _before and _own is not None and _own(getattr(module, "__file__", None))):
+            with contextlib.suppress(Exception):
+                namespace = module.__dict__
+                for key in [k for k in namespace if k[:1] == "_" and k[1:2] != "_"]:
+                    namespace[key] = None
+                for key in [k for k in namespace if k != "__builtins__"]:
+                    namespace[key] = None
+    gc.collect()
 
 
 def _flush_open_files() -> None:

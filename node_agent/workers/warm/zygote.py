@@ -47,7 +47,7 @@ def _sibling(name: str) -> types.ModuleType:
     return module
 
 
-_fast_exit, _import_output = _sibling("fast_exit"), _sibling("import_output")
+_fast_exit, _import_output, _own_code = _sibling("fast_exit"), _sibling("import_output"), _sibling("own_code")
 exit_at_once: Callable[[int], None] = _fast_exit.exit_at_once
 AT_EXIT: str = _fast_exit.AT_EXIT
 
@@ -150,6 +150,7 @@ class Zygote:
                 os.close(fd)
         _import_output.repeat(self.printed)
         _per_worker_setup(launch)
+        _show_the_command(launch["orig_argv"])
         os.chdir(launch["cwd"])
         os.environ.clear()
         os.environ.update(launch["env"])
@@ -165,6 +166,23 @@ def _per_worker_setup(launch: dict[str, Any]) -> None:
         # as cold: a CPU taken away since the plan: run unbound rather than not at all
         with contextlib.suppress(OSError):
             os.sched_setaffinity(0, cpus)
+
+
+def _show_the_command(argv: list[str]) -> None:
+    """Write the worker's command line over the zygote's in the process's argument area, where ps, `pgrep -f`,
+    top and /proc/PID/cmdline read it (a cold worker's `python -u train.py ...`): as one line, as setproctitle
+    does (its last byte not NUL: the kernel then reads the line up to its NUL), cut to the area's size. Done only
+    where the area holds the zygote's own command line, as expected; else the zygote's stays."""
+    with contextlib.suppress(Exception):
+        with open("/proc/self/stat", "rb") as f:
+            fields = f.read().rpartition(b")")[2].split()
+        start, end = int(fields[45]), int(fields[46])          # arg_start, arg_end (proc(5), fields 48 and 49)
+        size = end - start
+        if size < 3 or size > 1 << 20 or ctypes.string_at(start, size) != \
+                b"".join(os.fsencode(arg) + b"\0" for arg in sys.orig_argv):
+            return
+        line = b" ".join(os.fsencode(arg) for arg in argv)[:size - 2]
+        ctypes.memmove(start, line + b"\0" * (size - 1 - len(line)) + b" ", size)
 
 
 # Modules that keep the process's rank as the environment said when they were imported, each as its import reads
@@ -238,6 +256,7 @@ def run_as_main(launch: dict[str, Any]) -> None:
     main = types.ModuleType("__main__")
     main.__dict__.update(__annotations__={}, __builtins__=__builtins__)   # as the interpreter makes __main__
     sys.modules["__main__"] = main
+    _fast_exit.script_starts(_own_code.own)
     try:
         if launch["module"]:
             import runpy
@@ -247,20 +266,25 @@ def run_as_main(launch: dict[str, Any]) -> None:
             _run_script(main, launch["script"])
     except SystemExit as exc:
         if exc.code is None or isinstance(exc.code, int):   # sys.exit("message") prints: the full exit
-            exit_at_once(exc.code or 0)
+            _fast_exit.script_ended(exc.code or 0, exc.__traceback__)
         raise
     except BaseException as exc:
-        # Printed as the interpreter would, less our frames; exit 1 (a KeyboardInterrupt: SIGINT's death).
+        # Printed as the interpreter would, less our frames, and kept as it keeps it (sys.last_*, which an atexit
+        # handler may read); exit 1 (a KeyboardInterrupt: SIGINT's death, the interpreter's own).
         tb = exc.__traceback__
         while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
             tb = tb.tb_next
         exc.__traceback__ = tb
+        sys.last_type, sys.last_value, sys.last_traceback = type(exc), exc, tb
+        if sys.version_info >= (3, 12):
+            sys.last_exc = exc
         sys.excepthook(type(exc), exc, exc.__traceback__)
-        sys.excepthook = lambda *_: None
-        if not isinstance(exc, KeyboardInterrupt):
-            exit_at_once(1)
-        raise
-    exit_at_once(0)
+        if isinstance(exc, KeyboardInterrupt):
+            sys.excepthook = lambda *_: None      # printed already
+            raise
+        exit_at_once(1)
+        raise SystemExit(1) from None             # the full exit, printed already
+    _fast_exit.script_ended(0)
 
 
 def _run_script(main: types.ModuleType, script: str) -> None:
@@ -302,7 +326,9 @@ def _preload(entry: str) -> None:
     else a submodule its package does not import itself). A name that is not there is passed over unsaid: it may
     be imported in a branch that never runs (another version's, as `if v5: ... else: from transformers import
     AdamW`), and the script says so itself where it does run."""
-    module, _, name = entry.partition(":")
+    module, _, name = entry.removeprefix("?").partition(":")
+    if entry.startswith("?") and not _own_code.installed(module.split(".")[0]):
+        return    # the script's import of the user's own code (on PYTHONPATH, an editable install): never preloaded
     loaded = importlib.import_module(module)
     if name and not hasattr(loaded, name):
         with contextlib.suppress(ImportError):
@@ -330,7 +356,7 @@ def _preload_all(preload: list[str], failed: list[list[str]]) -> None:
         try:
             _preload(name)
         except BaseException as exc:   # noqa: BLE001 - a failed preload is reported, never fatal
-            failed.append([name, f"{type(exc).__name__}: {exc}"[:300]])
+            failed.append([name.removeprefix("?"), f"{type(exc).__name__}: {exc}"[:300]])
         for generator, state in _generators_now().items():   # right after the import that brought it
             _generators_at_import.setdefault(generator, state)
     _let_gloo_threads_finish_at_destroy()
