@@ -430,6 +430,18 @@ async def test_a_warm_worker_that_ends_finishes_what_the_scripts_objects_would(m
     assert seen["warm"] == seen["cold"]
 
 
+async def test_pythonsafepath_keeps_the_scripts_directory_off_a_warm_workers_path(make_zygote, workdir) -> None:
+    """A review: with PYTHONSAFEPATH=1 a cold worker's sys.path has no script directory; a warm worker's had it
+    in place of the path's first entry."""
+    write(os.path.join(workdir, "path.py"), "import sys\nprint(sys.path[:2], flush=True)\n")
+    env = {"PYTHONSAFEPATH": "1"}
+    zygote = await make_zygote(env=env)
+    cold = await run(["path.py"], None, workdir, extra_env=env)
+    warm = await run(["path.py"], zygote, workdir, extra_env=env)
+    assert warm.warm and warm.console.lines("stdout") == cold.console.lines("stdout")
+    assert workdir not in cold.console.lines("stdout")[0]
+
+
 async def test_ps_and_pgrep_see_a_warm_workers_command_as_a_cold_ones(make_zygote, workdir) -> None:
     """A review: every warm worker's /proc/PID/cmdline was the zygote's (`python -u .../zygote.py 8 ...`): `pgrep
     -f train.py` found none of them. It reads as the worker's own command line, as one line (setproctitle's)."""

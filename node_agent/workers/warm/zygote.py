@@ -245,7 +245,8 @@ def run_as_main(launch: dict[str, Any]) -> None:
     """Run the worker's script or module as `python -u script` / `python -u -m module` would."""
     sys.argv = list(launch["argv"])
     sys.orig_argv = list(launch["orig_argv"])
-    sys.path[0] = launch["path0"]
+    if not getattr(sys.flags, "safe_path", False):   # PYTHONSAFEPATH=1: no script directory, as cold
+        sys.path[0] = launch["path0"]
     # Reseed what an interpreter seeds from the OS at import, as a cold worker would (fork reseeds `random`):
     # numpy's global generator and torch's CPU one (its GPU ones start from a constant either way). Else every
     # rank draws the same numbers (unseeded dropout, shuffles), and every restart the same again. Not one a
@@ -342,7 +343,8 @@ def main() -> None:
     gc.disable()
     fd, path0, preload = int(sys.argv[1]), sys.argv[2], [m for m in sys.argv[3].split(",") if m]
     _probe_name = sys.argv[4] if len(sys.argv) > 4 else ""
-    sys.path[0] = path0   # preloads resolve as they would in the worker
+    if not getattr(sys.flags, "safe_path", False):   # (PYTHONSAFEPATH=1: the zygote's own is not there either)
+        sys.path[0] = path0   # preloads resolve as they would in the worker
     sock = socket.socket(fileno=fd)
     failed: list[list[str]] = []
     printed = _import_output.printed_by(lambda: _preload_all(preload, failed))
