@@ -91,8 +91,11 @@ def test_a_solo_spell_decided_a_hang_once_is_never_decided_again_at_that_place(c
 
 def test_ranks_that_compute_past_the_threshold_are_left_alone(cluster, tmp_path):
     job = "busy"
-    agents = start_pair(cluster, tmp_path, job, {"FAULT": "busy", "EVAL_EVERY": "10", "EVAL_S": "7", "BUSY_S": "7",
-                                                 "STEPS": "22"})
+    # Every rank evaluates 7 s, then rank 0 writes alone for 16 s: the first look (from 5 s) may fall on the
+    # switch from one to the other, and the look re-sent on the next wall-clock tick (2.5-7.5 s later) falls
+    # inside the write, whatever the tick's phase.
+    agents = start_pair(cluster, tmp_path, job, {"FAULT": "busy", "EVAL_EVERY": "10", "EVAL_S": "7", "BUSY_S": "16",
+                                                 "STEPS": "14"})
     view = finish(agents, cluster, job)
     assert view["state"] == "succeeded" and view["restart_count"] == 0, view
     events = job_events(cluster, job)
