@@ -26,16 +26,11 @@ def script_starts(own: Callable[[object], bool]) -> None:
     _before, _own = frozenset(sys.modules), own
 
 
-def script_ended(code: int, frames: types.TracebackType | None = None) -> None:
-    """The script returned, or called sys.exit(code) (`frames`: its traceback): what the interpreter's teardown
-    would free of what the script made is freed first (_free_the_scripts_objects), then exit_at_once."""
-    exit_at_once(code, ended=True, frames=frames)
-
-
 def exit_at_once(code: int, *, ended: bool = False, frames: types.TracebackType | None = None) -> None:
     """End a finished worker now, not after finalization (with torch: slow teardowns that delay the next round
     and could hang in gloo). Kept: atexit handlers, flushed files, the exit status, and where the script ended
-    (not a crash, where the restart waits) the objects it made freed; skipped: the teardown of torch's and other
+    (`ended`: it returned or called sys.exit; not a crash, where the restart waits) the objects it made freed
+    (`frames`: the traceback sys.exit left, whose locals go first); skipped: the teardown of torch's and other
     libraries' modules. A thread of ours still running is waited for (a snapshot's write) or left (buffers
     allocated ahead), as its mark says; any other live non-daemon thread (maybe finishing a write) or
     NODE_AGENT_FULL_EXIT=1: the full exit."""
@@ -58,8 +53,8 @@ def exit_at_once(code: int, *, ended: bool = False, frames: types.TracebackType 
         import atexit
         atexit._run_exitfuncs()
         _flush_open_files()
-        if ended:
-            _free_the_scripts_objects()
+        if ended:           # flushed first too: a `__del__` may block (a DataLoader joining its workers) and the
+            _free_the_scripts_objects()     # agent's stop then ends the worker with nothing lost
             _flush_open_files()
     finally:
         os._exit(code & 0xFF)

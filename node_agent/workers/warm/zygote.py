@@ -48,7 +48,7 @@ def _sibling(name: str) -> types.ModuleType:
 
 
 _fast_exit, _import_output, _own_code = _sibling("fast_exit"), _sibling("import_output"), _sibling("own_code")
-exit_at_once: Callable[[int], None] = _fast_exit.exit_at_once
+exit_at_once: Callable[..., None] = _fast_exit.exit_at_once
 AT_EXIT: str = _fast_exit.AT_EXIT
 
 
@@ -267,7 +267,7 @@ def run_as_main(launch: dict[str, Any]) -> None:
             _run_script(main, launch["script"])
     except SystemExit as exc:
         if exc.code is None or isinstance(exc.code, int):   # sys.exit("message") prints: the full exit
-            _fast_exit.script_ended(exc.code or 0, exc.__traceback__)
+            exit_at_once(exc.code or 0, ended=True, frames=exc.__traceback__)
         raise
     except BaseException as exc:
         # Printed as the interpreter would, less our frames, and kept as it keeps it (sys.last_*, which an atexit
@@ -285,7 +285,7 @@ def run_as_main(launch: dict[str, Any]) -> None:
             raise
         exit_at_once(1)
         raise SystemExit(1) from None             # the full exit, printed already
-    _fast_exit.script_ended(0)
+    exit_at_once(0, ended=True)
 
 
 def _run_script(main: types.ModuleType, script: str) -> None:
