@@ -34,6 +34,7 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     "node_agent.workers.warm.zygote": (),
     "node_agent.workers.warm.fast_exit": (),
     "node_agent.workers.warm.import_output": (),
+    "node_agent.workers.warm.fork_state": (),
     # the peer-copy wire and store: the standard library, the snapshot files' helpers (torch-free), and the one
     # keepalive rule of every agent connection
     "node_agent.copies": ("node_agent.training.snapshot", "protocol.keepalive", "protocol.tokens"),

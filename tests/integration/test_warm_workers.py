@@ -752,3 +752,42 @@ async def test_destroy_process_group_in_a_warm_worker_does_what_torchs_does_then
     said = ["[w] before True", "[w] after False destroy_process_group"]
     assert cold.console.lines("stdout") == [*said, "[w] paused False"]
     assert warm.console.lines("stdout") == [*said, "[w] paused True"]
+
+
+async def test_a_preload_that_computes_on_cpu_threads_as_it_loads_leaves_workers_that_compute(
+        make_zygote, workdir, tmp_path) -> None:
+    """A review: an installed package running a matmul as it is imported started OpenMP's pool in the zygote, whose
+    threads a fork does not copy: the warm worker's first parallel matmul waited on them forever. The zygote holds
+    torch to one CPU thread while it preloads; each worker gets the environment's number back, as a cold one has."""
+    site, installed = installed_site(tmp_path)
+    write(os.path.join(site, "ompinit.py"), "import torch\n(torch.randn(600, 600) @ torch.randn(600, 600)).sum()\n")
+    write(os.path.join(workdir, "omp.py"), "import torch, ompinit\na = torch.randn(800, 800)\n(a @ a).sum()\n"
+                                           "print(torch.get_num_threads(), flush=True)\n")
+    env = {**installed, "OMP_NUM_THREADS": "2"}
+    said: list[str] = []
+    zygote = await make_zygote(("torch", "ompinit"), warnings=said, env=env)
+    cold = await run(["omp.py"], None, workdir, extra_env=env)
+    warm = await run(["omp.py"], zygote, workdir, extra_env=env)
+    assert warm.warm and not said, said
+    assert cold.key() == warm.key() == (0, "") and cold.console.lines("stdout") == warm.console.lines("stdout") \
+        == ["[w] 2"], (cold.console.lines("stdout"), warm.console.lines("stdout"))
+
+
+async def test_a_seed_a_preload_sets_as_it_loads_is_each_warm_workers_as_a_cold_ones(
+        make_zygote, workdir, tmp_path) -> None:
+    """A review: an installed package's `random.seed(1234)` at import was lost in warm workers (a fork reseeds
+    `random`), so ranks that draw alike cold drew apart warm. Kept; an unseeded `random` still differs per worker."""
+    site, installed = installed_site(tmp_path)
+    write(os.path.join(site, "seedpkg.py"), "import random\nrandom.seed(1234)\n")
+    write(os.path.join(workdir, "draw.py"), "import sys, random\nif sys.argv[1] == 'seeded':\n    import seedpkg\n"
+                                            "print(random.random(), flush=True)\n")
+    zygote = await make_zygote(("json", "seedpkg"), env=installed)
+    cold = await run(["draw.py", "seeded"], None, workdir, extra_env=installed)
+    warm = [await run(["draw.py", "seeded"], zygote, workdir, extra_env=installed) for _ in range(2)]
+    assert all(w.warm for w in warm)
+    assert [w.console.lines("stdout") for w in warm] == [cold.console.lines("stdout")] * 2, \
+        (cold.console.lines("stdout"), [w.console.lines("stdout") for w in warm])
+    plain = await make_zygote(("json",), env=installed)
+    unseeded = [(await run(["draw.py", "unseeded"], plain, workdir, extra_env=installed)).console.lines("stdout")
+                for _ in range(2)]
+    assert unseeded[0] != unseeded[1], unseeded

@@ -4,9 +4,10 @@ Run by the agent as `PYTHON -u zygote.py FD PATH0 MOD[,MOD...] PROBE_NAME` with 
 the form `module:name` imports the module, then looks the name up in it, as `from module import name` does: a lazy
 package such as transformers imports its Trainer only then, 1.4 s of every worker's start otherwise): it
 imports only the standard library, never node_agent, as it must run under any PYTHON_EXEC (the probe's boot, first
-on its PYTHONPATH, has loaded the probe as PROBE_NAME). It forks only while clean (no
-other Python thread, CUDA not initialised) and opens no socket but FD, the agent's. It dies with the agent
-(PR_SET_PDEATHSIG, set by the agent), each child with it. The wire (a SOCK_SEQPACKET datagram of JSON each):
+on its PYTHONPATH, has loaded the probe as PROBE_NAME). It forks only while clean (fork_state.py: no other
+Python thread, CUDA not initialised, torch's CPU threads held) and opens no socket but FD, the agent's. It dies
+with the agent (PR_SET_PDEATHSIG, set by the agent), each child with it. The wire (a SOCK_SEQPACKET datagram
+of JSON each):
   zygote -> agent  {"op": "ready", "failed": [[mod, error], ...]}      once, after the preloads
   agent -> zygote  {"op": "spawn", "id": N, ...launch...} + fds [stdin, stdout, stderr]
   zygote -> agent  {"op": "started", "id": N, "pid": P} or {"op": "refused", "id": N, "why": "..."}
@@ -48,23 +49,13 @@ def _sibling(name: str) -> types.ModuleType:
 
 
 _fast_exit, _import_output, _own_code = _sibling("fast_exit"), _sibling("import_output"), _sibling("own_code")
+_fork_state = _sibling("fork_state")
 exit_at_once: Callable[..., None] = _fast_exit.exit_at_once
 AT_EXIT: str = _fast_exit.AT_EXIT
 
 
 def _send(sock: socket.socket, message: dict[str, Any]) -> None:
     sock.send(json.dumps(message).encode())
-
-
-def _unclean() -> str:
-    """Why a fork now would not give a clean worker ("" when it would)."""
-    threading, cuda = sys.modules.get("threading"), getattr(sys.modules.get("torch"), "cuda", None)
-    threads = 1 if threading is None else int(threading.active_count())
-    if threads != 1:
-        return f"{threads} Python threads in the zygote"
-    if cuda is not None and cuda.is_initialized():
-        return "CUDA is initialised in the zygote"
-    return ""
 
 
 class Zygote:
@@ -92,7 +83,7 @@ class Zygote:
         if not data:   # the agent closed its end: nothing more to do
             os._exit(0)
         message = json.loads(data)
-        why = _unclean()
+        why = _fork_state.unclean()
         if why:
             for fd in fds:
                 os.close(fd)
@@ -247,13 +238,9 @@ def run_as_main(launch: dict[str, Any]) -> None:
     sys.orig_argv = list(launch["orig_argv"])
     if not getattr(sys.flags, "safe_path", False):   # PYTHONSAFEPATH=1: no script directory, as cold
         sys.path[0] = launch["path0"]
-    # Reseed what an interpreter seeds from the OS at import, as a cold worker would (fork reseeds `random`):
-    # numpy's global generator and torch's CPU one (its GPU ones start from a constant either way). Else every
-    # rank draws the same numbers (unseeded dropout, shuffles), and every restart the same again. Not one a
-    # preload seeded as it was imported: a cold worker's import seeds it alike (`_generators_now`).
-    for name, state in _generators_now().items():
-        if _generators_at_import.get(name) == state:
-            _reseed(name)
+    # torch's CPU threads, and the generators an interpreter seeds from the OS at import reseeded as a cold
+    # worker's (else every rank draws the same numbers, and every restart the same again): fork_state.py.
+    _fork_state.in_worker()
     main = types.ModuleType("__main__")
     main.__dict__.update(__annotations__={}, __builtins__=__builtins__)   # as the interpreter makes __main__
     sys.modules["__main__"] = main
@@ -302,26 +289,6 @@ def _run_script(main: types.ModuleType, script: str) -> None:
     exec(code, main.__dict__)
 
 
-_generators_at_import: dict[str, object] = {}   # a global generator's state as its package's import left it
-
-
-def _generators_now() -> dict[str, object]:
-    """The global generators' states that tell whether anyone seeded them: torch's CPU seed, numpy's state."""
-    now: dict[str, object] = {}
-    torch = sys.modules.get("torch")
-    if torch is not None and hasattr(torch, "initial_seed"):
-        now["torch"] = torch.initial_seed()
-    numpy_random = sys.modules.get("numpy.random")
-    if numpy_random is not None and hasattr(numpy_random, "get_state"):
-        state = numpy_random.get_state()
-        now["numpy"] = (state[1].tobytes(), state[2])
-    return now
-
-
-def _reseed(name: str) -> None:
-    (sys.modules["torch"].default_generator if name == "torch" else sys.modules["numpy.random"]).seed()
-
-
 def _preload(entry: str) -> None:
     """Import `module`, or for `module:name` also look `name` up as `from module import name` would (an attribute,
     else a submodule its package does not import itself). A name that is not there is passed over unsaid: it may
@@ -349,18 +316,21 @@ def main() -> None:
     failed: list[list[str]] = []
     printed = _import_output.printed_by(lambda: _preload_all(preload, failed))
     del sys.argv[1:]
-    _send(sock, {"op": "ready", "failed": failed, "unclean": _unclean()})
+    _send(sock, {"op": "ready", "failed": failed, "unclean": _fork_state.unclean()})
     run_as_main(Zygote(sock, printed).serve())
 
 
 def _preload_all(preload: list[str], failed: list[list[str]]) -> None:
+    _fork_state.hold_threads()
+    _fork_state.note_generators()
     for name in preload:
         try:
             _preload(name)
         except BaseException as exc:   # noqa: BLE001 - a failed preload is reported, never fatal
             failed.append([name.removeprefix("?"), f"{type(exc).__name__}: {exc}"[:300]])
-        for generator, state in _generators_now().items():   # right after the import that brought it
-            _generators_at_import.setdefault(generator, state)
+        _fork_state.hold_threads()
+        _fork_state.note_generators()
+    _fork_state.preloads_done()
     _let_gloo_threads_finish_at_destroy()
     gc.collect()   # the imports' garbage, once; from now on the zygote's objects are frozen (see _request)
     _fast_exit.flush_the_zygotes_files()
