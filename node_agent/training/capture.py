@@ -20,14 +20,13 @@ import mmap
 import os
 import sys
 import threading
-import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from node_agent.training import exit_marks, heartbeat, layout, snapshot, staging, trees
+from node_agent.training import exit_marks, heartbeat, layout, slabs, snapshot, staging, trees
 
 
 def check_cadence(call: str, every: object, keep: object) -> None:
@@ -45,25 +44,10 @@ def say(text: str) -> None:
 
 
 @dataclass
-class _Slab:
-    """A snapshot file this process wrote, mapped shared: its data region is written again in place. Its
-    descriptor stays open: the inode cannot be freed and its number given to another file meanwhile, so a name
-    with this inode number is this file."""
-    fd: int
-    ino: int
-    size: int          # the data region's size: the mapping's
-    region: torch.Tensor
-
-    def close(self) -> None:
-        with contextlib.suppress(OSError):
-            os.close(self.fd)
-
-
-@dataclass
 class _Pending:
     """A snapshot whose tensors are copied (or queued, on a GPU) into its file, its header not yet written."""
     step: int
-    slab: _Slab
+    slab: slabs.Slab
     shape: Any
     views: list[torch.Tensor]
     plan: layout.Plan
@@ -84,7 +68,7 @@ class Capture:
         self.where = where
         self.keep = keep
         self._replicated = replicated
-        self._slabs: dict[int, _Slab] = {}       # inode -> a file this capture wrote
+        self._slabs: dict[int, slabs.Slab] = {}       # inode -> a file this capture wrote
         self._staging: staging.Staging | None = None
         self._preparing: threading.Thread | None = None
         self._prepared: staging.Staging | None = None
@@ -159,21 +143,40 @@ class Capture:
             self._thread.join()
             self._thread = None
 
-    def _slab_for(self, step: int, size: int) -> tuple[_Slab, snapshot.Room]:
-        """The file `step-N.tmp`, `size` bytes of data mapped: a dropped one written over (_reused), else a new one."""
-        room = snapshot.make_room(step, self.where, self.keep)
+    def _slab_for(self, step: int, size: int) -> tuple[slabs.Slab, snapshot.Room]:
+        """The file `step-N.tmp`, `size` bytes of data mapped: a dropped one written over (_reused), else a new one;
+        beside the last complete snapshot where the limit holds one only and there is room (snapshot.fit), else
+        (no room for it after all: ENOSPC) in its place."""
+        made = snapshot.make_room(step, self.where, self.keep)
         bound = snapshot.limit()
-        fitted = snapshot.fit(room, step, self.where, size, bound)
-        if len(fitted.dropped) > len(room.dropped) and fitted.kept_count + 1 < self.keep:
-            self._say_once("fewer", f"the memory directory's limit ({bound} bytes) holds {fitted.kept_count + 1} "
-                                    f"snapshot(s) of {size} bytes, not keep={self.keep}: older ones make room")
-        room = fitted
+        room = snapshot.fit(made, step, self.where, size, bound)
+        try:
+            return self._slab_in(step, size, made, room, bound)
+        except snapshot.MemoryDirFull:
+            if not room.after:
+                raise
+        return self._slab_in(step, size, made, snapshot.fit(made, step, self.where, size, bound, beside=False), bound)
+
+    def _slab_in(self, step: int, size: int, made: snapshot.Room, room: snapshot.Room,
+                 bound: int | None) -> tuple[slabs.Slab, snapshot.Room]:
+        forced = room.after or len(room.dropped) > len(made.dropped)    # the limit dropped what keep would keep
+        if forced and room.kept_count + 1 < self.keep:
+            if room.after:
+                self._say_once("fewer", f"the memory directory's limit ({bound} bytes) holds {room.kept_count + 1} "
+                                        f"snapshot(s) of {size} bytes, not keep={self.keep}: older ones make room, "
+                                        f"the last complete one once the next is (written beside it)")
+            else:
+                self._say_once("bare", f"the memory directory's limit ({bound} bytes) holds {room.kept_count + 1} "
+                                       f"snapshot(s) of {size} bytes, not keep={self.keep}, and there is no room "
+                                       f"beside it: the last one makes room before the next is written, so a node "
+                                       f"killed meanwhile leaves this rank none (room for {self.keep} keeps it: a "
+                                       f"larger --memory-dir-limit or /dev/shm)")
         if bound is not None and room.kept + size > bound:
             raise snapshot.full_error(step, self.where, bound, room)
         tmp = snapshot.path(step, self.where) + ".tmp"
         snapshot.remove(tmp)
         again = self._reused(room.dropped, tmp)
-        alive = {_inode(snapshot.path(s, self.where)) for s in snapshot.steps(self.where)}
+        alive = {slabs.inode(snapshot.path(s, self.where)) for s in snapshot.steps(self.where)}
         self._keep_slabs(lambda s: s.ino in alive or s is again)
         if again is not None and again.size == size:
             return again, room
@@ -184,9 +187,9 @@ class Capture:
             os.posix_fallocate(fd, 0, size)    # ENOSPC here, not a SIGBUS when the copy touches the page
             # A file written before has its pages: mapped in one go (a fault per page costs 3 times the copy);
             # a new one's are made as the copy touches them (populating them first costs more).
-            flags = mmap.MAP_SHARED | (_POPULATE if written else 0)
-            slab = _Slab(fd, os.fstat(fd).st_ino, size,
-                         torch.frombuffer(mmap.mmap(fd, size, flags=flags), dtype=torch.uint8))
+            flags = mmap.MAP_SHARED | (slabs.POPULATE if written else 0)
+            slab = slabs.Slab(fd, os.fstat(fd).st_ino, size,
+                              torch.frombuffer(mmap.mmap(fd, size, flags=flags), dtype=torch.uint8))
         except OSError as exc:
             os.close(fd)
             snapshot.remove(tmp)
@@ -197,7 +200,7 @@ class Capture:
         self._slabs[slab.ino] = slab
         return slab, room
 
-    def _reused(self, dropped: list[int], tmp: str) -> _Slab | None:
+    def _reused(self, dropped: list[int], tmp: str) -> slabs.Slab | None:
         """Of the dropped snapshots, the one written over as `tmp` (renamed first: a reader of its name sees it go;
         the others are removed): the file this capture wrote (returned), else one another process wrote (a
         restarted worker's predecessor's: its pages are there too, and a copy into pages that exist runs 3 times
@@ -205,21 +208,27 @@ class Capture:
         private mapping: the optimizer's state until it is written, and a write to the file reaches them), nor one
         with another hard link (someone else's as well, or the agent's while it sends it: copies/files.pin)."""
         names = {old: snapshot.path(old, self.where) for old in dropped}
-        stats = {old: _stat(name) for old, name in names.items()}
+        stats = {old: slabs.stat(name) for old, name in names.items()}
         own = [old for old, st in stats.items() if st is not None and st.st_ino in self._slabs and st.st_nlink == 1]
-        mapped = _mapped_inodes() if not own else set()
+        mapped = slabs.mapped_inodes() if not own else set()
         others = [old for old, st in stats.items()
                   if mapped is not None and st is not None and st.st_ino not in mapped and st.st_nlink == 1]
         chosen = (own or others)[:1]
         for old, name in names.items():
             if old in chosen:
                 os.rename(name, tmp)
-                _touch(tmp)
+                slabs.touch(tmp)
             else:
                 snapshot.remove(name)
-        return self._slabs.get(_inode(tmp)) if chosen else None
+        return self._slabs.get(slabs.inode(tmp)) if chosen else None
 
-    def _keep_slabs(self, keep: Callable[[_Slab], bool]) -> None:
+    def _forget(self, name: str) -> None:
+        """Remove a snapshot's file and unmap it: its pages go back at once."""
+        ino = slabs.inode(name)
+        snapshot.remove(name)
+        self._keep_slabs(lambda s: s.ino != ino)
+
+    def _keep_slabs(self, keep: Callable[[slabs.Slab], bool]) -> None:
         for ino, s in list(self._slabs.items()):
             if not keep(s):
                 s.close()
@@ -282,13 +291,15 @@ class Capture:
             finally:
                 os.close(fd)
             os.replace(tmp, snapshot.path(p.step, self.where))
+            for old in p.room.after:          # the last complete one, kept beside it for the write's time
+                self._forget(snapshot.path(old, self.where))
             if any(p.replicated):
                 heartbeat.digest(p.step, layout.digest_of([s for s, alike in zip(sums, p.replicated, strict=True)
                                                            if alike]), self.group)
         except Exception as exc:  # noqa: BLE001  (a thread's failure must reach the user, once, not end the training)
             self._dropped(p.step, p.slab, exc)
 
-    def _dropped(self, step: int, slab: _Slab, exc: BaseException) -> None:
+    def _dropped(self, step: int, slab: slabs.Slab, exc: BaseException) -> None:
         """A snapshot that failed after its file was made: the file removed, the failure said once."""
         snapshot.remove(snapshot.path(step, self.where) + ".tmp")
         self._keep_slabs(lambda s: s is not slab)
@@ -307,9 +318,6 @@ class Capture:
         if kind not in self._said:
             self._said.add(kind)
             say(text)
-
-
-_POPULATE = getattr(mmap, "MAP_POPULATE", 0)     # Linux
 
 
 def _on_gpu(t: torch.Tensor) -> bool:
@@ -357,35 +365,3 @@ def _gpu_layout(live: list[torch.Tensor]) -> staging.Layout:
 def _pinned(size: int) -> torch.Tensor:
     """`size` bytes of page-locked host memory."""
     return torch.empty(size, dtype=torch.uint8, pin_memory=True)
-
-
-def _mapped_inodes() -> set[int] | None:
-    """The inodes of the files this process maps, or None where it cannot tell (no /proc: reuse none)."""
-    try:
-        with open("/proc/self/maps") as f:
-            return {int(fields[4]) for line in f if len(fields := line.split(maxsplit=5)) >= 5 and fields[4] != "0"}
-    except (OSError, ValueError):
-        return None
-
-
-def _touch(name: str) -> None:
-    """A new modification time, before a byte changes: a sender of the file's bytes (copies/files.names) sees it
-    was written over, even where this process's mapping writes it with no fault (and so no time of its own)."""
-    st = os.stat(name)
-    os.utime(name, ns=(st.st_atime_ns, max(time.time_ns(), st.st_mtime_ns + 1)))
-
-
-def _stat(name: str) -> os.stat_result | None:
-    """Its status, or None where the name is gone."""
-    try:
-        return os.stat(name)
-    except OSError:
-        return None
-
-
-def _inode(name: str) -> int:
-    try:
-        return os.stat(name).st_ino
-    except OSError:
-        return -1
-

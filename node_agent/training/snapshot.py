@@ -10,7 +10,8 @@ agent imports this): `save` takes bytes or a callable writing into a file, e.g.
   is taken over from a copy no older, and every rank must still hold its step).
 - What is kept plus the new snapshot must fit the limit: where it does not, older snapshots go too, oldest first
   (a limit that holds fewer than `keep` keeps the newest; a writer's snapshot is taken to be the size of the
-  newest kept); where the new one alone does not fit (or /dev/shm is full) `save` raises `MemoryDirFull` naming
+  newest), but the last complete one goes only once the new one is complete where there is room beside it
+  (`fit`); where the new one alone does not fit (or /dev/shm is full) `save` raises `MemoryDirFull` naming
   the limit and sizes, leaving no partial file. Catch it and train on: the agent never stops training for it.
 - All ranks resume from the same step: `agreed_step` takes the MIN of every rank's newest step, then checks
   every rank holds (and accepts) it (a rank that lost its copy, e.g. a replaced node, sends everyone back to disk).
@@ -32,7 +33,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import BinaryIO
 
-from node_agent.training import heartbeat
+from node_agent.training import headroom, heartbeat
 
 __all__ = ["COPY_WAIT_S", "DIR_VAR", "FETCHING", "HOLD", "KEEP_FROM", "LIMIT_VAR", "MemoryDirFull", "NONE_HELD",
            "SENDING", "Writer", "agreed_step", "directory", "full_error", "Room", "forget_after", "keep_from", "limit",
@@ -225,10 +226,20 @@ def save(data: bytes | Writer, step: int, *, where: str | None = None, keep: int
         raise FileNotFoundError(f"no memory directory (${DIR_VAR} is not set)")
     bound = max_bytes if max_bytes is not None else limit()
     made = make_room(step, where, keep)
-    kept = [s for s in steps(where) if s != step and s not in made.dropped]
-    # A writer's size is known once written: taken to be the newest kept snapshot's (a state keeps its size)
-    new = len(data) if isinstance(data, bytes | bytearray) else size(path(kept[-1], where)) if kept else 0
-    made = fit(made, step, where, new, bound)
+    held = [s for s in steps(where) if s != step]
+    # A writer's size is known once written: taken to be the newest snapshot's (a state keeps its size)
+    new = len(data) if isinstance(data, bytes | bytearray) else size(path(held[-1], where)) if held else 0
+    fitted = fit(made, step, where, new, bound)
+    try:
+        return _written(data, step, where, bound, fitted)
+    except MemoryDirFull:
+        if not fitted.after:
+            raise
+    # no room beside the last complete snapshot after all (the node's other ranks took it): it makes room
+    return _written(data, step, where, bound, fit(made, step, where, new, bound, beside=False))
+
+
+def _written(data: bytes | Writer, step: int, where: str, bound: int | None, made: Room) -> str:
     for old in made.dropped:
         remove(path(old, where))
     room = None if bound is None else bound - made.kept
@@ -253,6 +264,8 @@ def save(data: bytes | Writer, step: int, *, where: str | None = None, keep: int
             raise full_error(step, where, bound, made) from exc
         raise
     os.replace(tmp, final)
+    for old in made.after:
+        remove(path(old, where))
     hold_after(step, where)
     return final
 
@@ -279,11 +292,12 @@ class Room:
     """What the keep rule does before `step` is written: all but the newest `keep - 1` go (so the last complete
     snapshot survives a failed write), but for those from the step the agent names (KEEP_FROM: the job's oldest
     peer copy is of it, and a node lost now is taken over from a copy no older); the kept ones' bytes count against
-    the limit (`fit`: it wins)."""
+    the limit (`fit`: it wins). `after`: the last complete one, where nothing else is kept: it goes only once the
+    new one is complete (its bytes are not counted: it stays for the write's time only)."""
     dropped: list[int]
     kept: int           # bytes
     kept_count: int
-
+    after: tuple[int, ...] = ()
 
 def make_room(step: int, where: str, keep: int) -> Room:
     held = [s for s in steps(where) if s != step]
@@ -302,19 +316,28 @@ def keep_from(where: str) -> int | None:
         return None
 
 
-def fit(room: Room, step: int, where: str, new: int, bound: int | None) -> Room:
+def fit(room: Room, step: int, where: str, new: int, bound: int | None, beside: bool = True) -> Room:
     """`room`, with the oldest kept snapshots dropped too until `new` more bytes fit `bound`: a limit that holds
     fewer snapshots than `keep` keeps the newest (kept refused, the oldest would outlive every later step and be
-    what the job resumes from). Unchanged where it fits, or where the new one alone does not."""
-    if bound is None or room.kept + new <= bound or new > bound:
+    what the job resumes from). Unchanged where the new one alone does not fit. Where nothing would be kept, the
+    last complete snapshot stays until the new one is complete (`after`), if `beside` and there is room for both:
+    within `bound`, else in the file system and the memory (headroom.py); else a node killed during the write
+    would leave the rank none."""
+    if bound is not None and new > bound:
         return room
     dropped, kept, count = list(room.dropped), room.kept, room.kept_count
-    for old in [s for s in steps(where) if s != step and s not in room.dropped]:
-        if kept + new <= bound:
-            break
-        dropped.append(old)
-        kept -= size(path(old, where))
-        count -= 1
+    if bound is not None:
+        for old in [s for s in steps(where) if s != step and s not in room.dropped]:
+            if kept + new <= bound:
+                break
+            dropped.append(old)
+            kept -= size(path(old, where))
+            count -= 1
+    complete = [s for s in steps(where) if s != step]
+    if count == 0 and complete and beside:
+        last = complete[-1]
+        if (bound is not None and kept + size(path(last, where)) + new <= bound) or headroom.room_beside(where, new):
+            return Room([s for s in dropped if s != last], kept, 0, (last,))
     return Room(dropped, kept, count)
 
 

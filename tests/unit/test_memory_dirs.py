@@ -342,16 +342,42 @@ def test_save_keeps_the_newest_and_never_leaves_a_partial_file(tmp_path) -> None
 @pytest.mark.parametrize("as_writer", [False, True])
 def test_a_limit_that_holds_fewer_than_keep_keeps_the_newest(tmp_path, as_writer) -> None:
     """Refusing the new one would keep the oldest for ever: every later step refused, the job resuming from it.
-    A writer's size is known once written: taken to be the newest kept snapshot's."""
+    A writer's size is known once written: taken to be the newest kept snapshot's. The last complete one stays
+    while the next is written (room beside it: the memory and file system have it), going once it is complete."""
     where = str(tmp_path)
     snapshot.save(b"a" * 600, 1, where=where, max_bytes=1000)
     data = b"b" * 600
     for step in (2, 3):
-        got = snapshot.save((lambda f: f.write(data)) if as_writer else data, step, where=where, max_bytes=1000)
+        seen: list[list[str]] = []
+
+        def writer(f, seen: list[list[str]] = seen) -> None:
+            seen.append(sorted(os.listdir(where)))
+            f.write(data)
+        got = snapshot.save(writer if as_writer else data, step, where=where, max_bytes=1000)
         assert got == str(tmp_path / f"step-{step}") and os.listdir(where) == [f"step-{step}"]
+        assert seen == ([[f"step-{step - 1}", f"step-{step}.tmp"]] if as_writer else []), seen
     with pytest.raises(snapshot.MemoryDirFull):                # one that does not fit alone: the last one stays
         snapshot.save(b"c" * 1001, 4, where=where, max_bytes=1000)
     assert os.listdir(where) == ["step-3"]
+
+
+def test_keep_one_keeps_the_last_snapshot_until_the_next_is_complete(tmp_path, monkeypatch) -> None:
+    """keep=1 is one snapshot at rest: a write that fails (or a node killed during it) leaves the last one."""
+    where = str(tmp_path)
+    snapshot.save(b"a" * 10, 1, where=where, keep=1)
+
+    def failing(f) -> None:
+        f.write(b"half")
+        raise RuntimeError("the writer failed")
+    with pytest.raises(RuntimeError):
+        snapshot.save(failing, 2, where=where, keep=1)
+    assert os.listdir(where) == ["step-1"]
+    snapshot.save(b"b" * 10, 3, where=where, keep=1)
+    assert os.listdir(where) == ["step-3"]
+    monkeypatch.setattr(snapshot.headroom, "room_beside", lambda where, new: False)   # no room beside: as before
+    with pytest.raises(RuntimeError):
+        snapshot.save(failing, 4, where=where, keep=1)
+    assert os.listdir(where) == []
 
 
 def test_a_snapshot_written_past_the_limit_raises_memory_dir_full_and_keeps_the_last_one(tmp_path) -> None:
