@@ -791,3 +791,21 @@ async def test_a_seed_a_preload_sets_as_it_loads_is_each_warm_workers_as_a_cold_
     unseeded = [(await run(["draw.py", "unseeded"], plain, workdir, extra_env=installed)).console.lines("stdout")
                 for _ in range(2)]
     assert unseeded[0] != unseeded[1], unseeded
+
+
+async def test_a_file_beside_the_script_named_as_a_module_a_preload_imports_runs_only_in_the_worker(
+        make_zygote, workdir) -> None:
+    """A review: statistics.py beside the script (torch._dynamo imports `statistics`, a cold `import torch` does
+    not) ran in the zygote, with no RANK, and the worker's `import statistics` got that copy; profile.py broke the
+    dynamo preload. Preloads now resolve past the script's directory; the worker imports the user's file."""
+    write(os.path.join(workdir, "statistics.py"), "import os\nRANK = os.environ.get('RANK')\n"
+                                                  "print('own statistics', RANK, flush=True)\n")
+    write(os.path.join(workdir, "stats.py"), "import torch, statistics\n"
+                                             "print(statistics.RANK, hasattr(statistics, 'mean'), flush=True)\n")
+    said: list[str] = []
+    zygote = await make_zygote(DEFAULT_PRELOAD, warnings=said)
+    cold = await run(["stats.py"], None, workdir)
+    warm = await run(["stats.py"], zygote, workdir)
+    assert warm.warm and not said, said
+    assert cold.console.lines("stdout") == warm.console.lines("stdout") == ["[w] own statistics 3", "[w] 3 False"], \
+        (cold.console.lines("stdout"), warm.console.lines("stdout"))

@@ -310,14 +310,35 @@ def main() -> None:
     gc.disable()
     fd, path0, preload = int(sys.argv[1]), sys.argv[2], [m for m in sys.argv[3].split(",") if m]
     _probe_name = sys.argv[4] if len(sys.argv) > 4 else ""
-    if not getattr(sys.flags, "safe_path", False):   # (PYTHONSAFEPATH=1: the zygote's own is not there either)
-        sys.path[0] = path0   # preloads resolve as they would in the worker
+    safe = getattr(sys.flags, "safe_path", False)      # PYTHONSAFEPATH=1: the zygote's own is not there either
+    if not safe:
+        sys.path[0:1] = []
+        sys.path.append(path0)       # past the library while preloading: _forget_shadowed
     sock = socket.socket(fileno=fd)
     failed: list[list[str]] = []
+    before = set(sys.modules)
     printed = _import_output.printed_by(lambda: _preload_all(preload, failed))
+    if not safe:
+        del sys.path[len(sys.path) - 1 - sys.path[::-1].index(path0)]
+        sys.path.insert(0, path0)
+        _forget_shadowed(path0, before)
     del sys.argv[1:]
     _send(sock, {"op": "ready", "failed": failed, "unclean": _fork_state.unclean()})
     run_as_main(Zygote(sock, printed).serve())
+
+
+def _forget_shadowed(path0: str, before: set[str]) -> None:
+    """A file of the user's beside the script named as a module a preload imports (statistics.py, profile.py:
+    torch._dynamo imports them, a cold `import torch` does not) must not run in the zygote, with its environment:
+    the preloads found the library's, past the script's directory. The worker imports the user's from there, as
+    a cold one does: the library's is forgotten (torch keeps its own reference)."""
+    here = os.path.join(os.path.realpath(path0), "")
+    for name in [n for n in sys.modules if n not in before]:
+        top, found = name.partition(".")[0], getattr(sys.modules[name], "__file__", None)
+        shadowed = os.path.isfile(os.path.join(path0, f"{top}.py")) or \
+            os.path.isfile(os.path.join(path0, top, "__init__.py"))
+        if shadowed and not (isinstance(found, str) and os.path.realpath(found).startswith(here)):  # (user's: kept)
+            del sys.modules[name]
 
 
 def _preload_all(preload: list[str], failed: list[list[str]]) -> None:
