@@ -26,7 +26,7 @@ from node_agent.workers.probes import ProbeRoot
 from node_agent.workers.process import WorkerExit, WorkerSpawnError
 from node_agent.workers.step_watch import StepWatch
 from node_agent.workers.warm.client import WarmZygote
-from node_agent.workers.warm.early_env import SYS_PATH, change, preloads_before_a_set
+from node_agent.workers.warm.early_env import SYS_PATH, change, cold_because, preloads_before_a_set
 from node_agent.workers.warm.eligible import (
     entry_imports,
     imports_any,
@@ -90,23 +90,22 @@ class LocalWorkers:
         base = opts.warm_preload if opts.warm_preload is not None else () if torch_free else DEFAULT_PRELOAD
         preload = base if opts.warm_preload is not None else \
             (*base, *script_preloads(opts.script, module=opts.module, cwd=os.getcwd(), path0=path0))
-        early = None
+        early: tuple[str, str] | None = None
+        deferred: dict[str, str] = {}
         if opts.warm and make_group is None:
-            preload, left_out, early = preloads_before_a_set(opts.script, preload, base, module=opts.module,
-                                                             cwd=os.getcwd())
+            preload, left_out, early, deferred = preloads_before_a_set(opts.script, preload, base,
+                                                                       module=opts.module, cwd=os.getcwd())
             if left_out is not None and early is None:
                 why = "it may be found elsewhere then" if left_out[0] == SYS_PATH else \
                     "what it reads as it loads would not reach it"
                 say(f"warm workers: not preloading {left_out[1]}: the script {change(left_out[0])} before it imports "
                     f"it ({why}); the workers import it themselves")
         if early is not None:
-            say(f"warm workers off: the script {change(early[0])} before it imports {early[1]}, "
-                f"which a warm interpreter has loaded already (what it reads as it loads would not reach it); its "
-                f"workers start cold, as under torchrun. Set it in node-agent's environment to keep warm starts")
+            say(cold_because(*early))
         if opts.warm and make_group is None and early is None:
             python = worker_argv(opts)[0]   # the cold path's interpreter: PYTHON_EXEC or ours
             self.warm = WarmZygote(python, preload, path0, common_env(os.environ, opts.nproc), say,
-                                   fallback=base if opts.warm_preload is None else None)
+                                   fallback=base if opts.warm_preload is None else None, cold_if_read=deferred)
         self._make_group: GroupFactory = make_group or self._process_group
         imported = None if opts.no_python else entry_imports(opts.script, module=opts.module, cwd=os.getcwd())
         # a zygote still importing is worth waiting for only when the script imports what it preloads

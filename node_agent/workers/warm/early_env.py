@@ -14,13 +14,22 @@ from __future__ import annotations
 
 import ast
 import os
-from collections.abc import Iterable, Sequence
+import re
+from collections.abc import Callable, Iterable, Sequence
 
 from node_agent.workers.warm.eligible import imported_packages, parsed, read_tree, script_dir, top_level, top_package
 
 READ_LATER = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "TOKENIZERS_PARALLELISM",
               "CUDA_VISIBLE_DEVICES", "CUDA_LAUNCH_BLOCKING", "PYTORCH_CUDA_ALLOC_CONF")
 READ_LATER_PREFIXES = ("NCCL_", "GLOO_", "WANDB_", "TORCH_NCCL_")
+# Read by native code as a library loads (OpenMP, BLAS, torch's own, CUDA's, the C library): no Python-level record
+# of it, so setting one before a preload always counts. Any other variable named as a constant counts only where a
+# preload read it as it loaded (the zygote records those: `deferrable`).
+READ_AT_LOAD_PREFIXES = ("OMP_", "KMP_", "GOMP_", "MKL", "OPENBLAS", "GOTO", "BLIS", "VECLIB", "NUMEXPR", "DNNL",
+                         "ONEDNN", "TORCH", "PYTORCH", "ATEN", "CAFFE2", "C10", "CUDA", "CUBLAS", "CUDNN", "NV",
+                         "LD_", "MALLOC", "GLIBC", "PYTHON", "LC_", "LANG", "TZ", "XLA", "TF_", "JAX", "HIP", "ROCM",
+                         "HSA_", "TRITON", "NUMBA", "KINETO", "CUPTI")
+_CONSTANT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
 SYS_PATH = "sys.path"      # what `_first` names for a change of where imports are found
@@ -30,17 +39,37 @@ def environment_set_first(entry: str, preload: Iterable[str], *, module: bool, c
                           path_counts: Iterable[str] = ()) -> tuple[str, str] | None:
     """(the variable, or SYS_PATH, and the preloaded package, or `module:name`, the script imports after changing
     it), or None. A change of `sys.path` counts only before the imports of `path_counts` (the script's own)."""
+    return _set_first(entry, preload, module=module, cwd=cwd, path_counts=path_counts)[0]
+
+
+def _set_first(entry: str, preload: Iterable[str], *, module: bool, cwd: str, path_counts: Iterable[str] = (),
+               defer: Callable[[str], bool] = lambda _: False) -> tuple[tuple[str, str] | None, dict[str, str]]:
+    """environment_set_first, passing over the variables `defer` names: those are returned apart, each with the
+    first preloaded package imported after it."""
     tree = parsed(entry, module=module, cwd=cwd)
     if tree is None:
-        return None
+        return None, {}
     entries = list(preload)
     keys = {top_package(name) for name in entries} | {name for name in entries if ":" in name}
     own = [d for d in dict.fromkeys((cwd if module else script_dir(entry), cwd)) if d]
-    walk = _Walk(keys, {top_package(n) for n in path_counts} | {n for n in path_counts if ":" in n}, own)
+    walk = _Walk(keys, {top_package(n) for n in path_counts} | {n for n in path_counts if ":" in n}, own, defer)
     try:
-        return walk.statements(tree.body)
+        return walk.statements(tree.body), walk.deferred
     except RecursionError:          # a statement nested past what ast's walkers take: not judged
-        return None
+        return None, {}
+
+
+def deferrable(variable: str) -> bool:
+    """A variable named as a constant that no library is known to read natively as it loads: whether a preload
+    reads it is left to what the zygote records."""
+    return bool(_CONSTANT.fullmatch(variable)) and not variable.upper().startswith(READ_AT_LOAD_PREFIXES)
+
+
+def cold_because(variable: str, entry: str) -> str:
+    """The one line that says a script's workers start cold, and why."""
+    return (f"warm workers off: the script {change(variable)} before it imports {entry}, which a warm interpreter "
+            f"has loaded already (what it reads as it loads would not reach it); its workers start cold, as under "
+            f"torchrun. Set it in node-agent's environment to keep warm starts")
 
 
 def change(variable: str) -> str:
@@ -48,23 +77,26 @@ def change(variable: str) -> str:
     return "changes sys.path" if variable == SYS_PATH else f"changes {variable} in its environment"
 
 
-def preloads_before_a_set(entry: str, preload: Sequence[str], base: Sequence[str], *, module: bool,
-                          cwd: str) -> tuple[tuple[str, ...], tuple[str, str] | None, tuple[str, str] | None]:
+def preloads_before_a_set(entry: str, preload: Sequence[str], base: Sequence[str], *, module: bool, cwd: str
+                          ) -> tuple[tuple[str, ...], tuple[str, str] | None, tuple[str, str] | None, dict[str, str]]:
     """`preload` less the script's own entries (those not in `base`) that it imports after changing a variable in
     its environment, or `sys.path`: (what is left, the first (variable, entry) left out, or None; a (variable,
-    package) of `base` it imports after changing a variable: its workers start cold, or None). A review: `import
+    package) of `base` it imports after changing a variable read natively as it loads, or not named as a
+    constant: its workers start cold, or None; the variables it changes before a package of `base` otherwise,
+    each with that package: its workers start cold only if a preload reads one as it loads). A review: `import
     transformers`, then a variable set, then `from transformers import Trainer` gave warm workers other log levels
     than cold ones."""
+    found, deferred = _set_first(entry, [n for n in preload if n in base], module=module, cwd=cwd,
+                                 defer=deferrable)
+    if found is not None:
+        return tuple(preload), None, found, {}
     kept, left_out = list(preload), None
-    bases = {top_package(name) for name in base}
-    while (early := environment_set_first(entry, kept, module=module, cwd=cwd,
+    while (early := environment_set_first(entry, [n for n in kept if n not in base], module=module, cwd=cwd,
                                           path_counts=[n for n in kept if n not in base])) is not None:
         what = early[1]
-        if what in bases:
-            return tuple(kept), left_out, early
         left_out = left_out or early
         kept = [name for name in kept if name in base or (name != what and top_package(name) != what)]
-    return tuple(kept), left_out, None
+    return tuple(kept), left_out, None, deferred
 
 
 MAX_OWN_MODULES = 64     # the script's own modules read where it imports them: past it, not judged further
@@ -73,8 +105,11 @@ MAX_OWN_MODULES = 64     # the script's own modules read where it imports them: 
 class _Walk:
     """The statements run as the script starts, in order, with what they change and import."""
 
-    def __init__(self, preloaded: set[str], path_counts: set[str], own: list[str]) -> None:
-        self.preloaded, self.path_counts, self.own = preloaded, path_counts, own
+    def __init__(self, preloaded: set[str], path_counts: set[str], own: list[str],
+                 defer: Callable[[str], bool]) -> None:
+        self.preloaded, self.path_counts, self.own, self.defer = preloaded, path_counts, own, defer
+        self.deferred: dict[str, str] = {}      # a variable passed over -> the first preload imported after it
+        self.deferred_pending: list[str] = []
         self.imported: set[str] = set()
         self.pending: str | None = None          # a variable changed, not yet imported after
         self.path_pending = False                # sys.path changed
@@ -97,6 +132,8 @@ class _Walk:
                 changed = names.change(node) or setters.get(called)
                 if changed == SYS_PATH:
                     self.path_pending = True
+                elif changed is not None and self.defer(changed):
+                    self.deferred_pending.append(changed)
                 elif changed is not None:
                     self.pending = self.pending or changed
         return None
@@ -109,6 +146,9 @@ class _Walk:
             fresh = (preload_keys(part) & self.preloaded) - self.imported
             if fresh and self.pending is not None:
                 return self.pending, sorted(fresh)[0]
+            for variable in self.deferred_pending if fresh else ():
+                self.deferred.setdefault(variable, sorted(fresh)[0])
+            self.deferred_pending = [] if fresh else self.deferred_pending
             if fresh & self.path_counts and self.path_pending:
                 return SYS_PATH, sorted(fresh & self.path_counts)[0]
             self.imported |= fresh
@@ -220,4 +260,5 @@ def _first_key(node: ast.AST) -> str | None:
 
 
 def _name(node: ast.AST) -> str:
-    return node.value if isinstance(node, ast.Constant) and isinstance(node.value, str) else ast.unparse(node)
+    """A constant's value; any other expression in brackets (`[key]`: never taken for a variable's name)."""
+    return node.value if isinstance(node, ast.Constant) and isinstance(node.value, str) else f"[{ast.unparse(node)}]"
