@@ -300,5 +300,7 @@ class Agent:
         self.narrator.say("preparing: the warm interpreter imports what the workers need; this node enters a "
                           "round once it is ready")
         await self.workers.until_ready()
+        if self.exit is not None:       # the agent is ending (refused, stopped): its zygote was closed, not ready
+            return
         self.narrator.say(f"ready after {self.now() - waited:.1f}s: this node's workers can start at once")
         link.poll_now()

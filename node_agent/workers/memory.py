@@ -223,8 +223,8 @@ class MemoryDirs:
         if own.previous is not None:
             self.say(f"found node {self.node_id}'s memory, left by its previous agent (pid {own.previous}, ended): "
                       f"taken up, if this round is of the same run")
-        self.say(f"in-memory checkpoints: {self.root}/LOCAL_RANK, {self.rank_limit / 2**20:.0f} MiB per local rank "
-                  f"($NODE_AGENT_MEMORY_DIR)")
+        share = f"{self.rank_limit / 2**20:.0f} MiB" if self.rank_limit >= 2**20 else f"{self.rank_limit} bytes"
+        self.say(f"in-memory checkpoints: {self.root}/LOCAL_RANK, {share} per local rank ($NODE_AGENT_MEMORY_DIR)")
         return self.root
 
     def _claim(self, parent: str, name: str) -> owners.Ownership:

@@ -11,7 +11,6 @@ from tests.e2e.harness import SCRIPTS, job_view, read_records
 
 pytestmark = pytest.mark.e2e
 ECHO = os.path.join(SCRIPTS, "echo_env.py")
-SLEEPER = os.path.join(SCRIPTS, "sleeper.py")
 SERVER = ("--rdzv-backend", "c10d", "--lease-timeout", "3", "--last-call", "0")
 
 
@@ -38,12 +37,15 @@ def test_two_commands_under_one_id_are_not_merged_and_a_spare_that_never_ran_exi
     env = {"OUT_DIR": str(tmp_path), "WAIT_FILE": str(release)}
     first = cluster.agent(*common, "--node-id", "first", ECHO, name="first", env=env)
     first.wait_for_line(r"rank 0 waiting for")
-    other = cluster.agent(*common, "--node-id", "other", SLEEPER, name="other", env=env)   # another script
+    # another script, which imports torch: its warm interpreter is still importing as the refusal comes
+    other = cluster.agent(*common, "--node-id", "other", os.path.join(SCRIPTS, "stall_worker.py"), name="other",
+                          env=env)
     assert other.wait(60) == 1
     refusal = other.wait_for_line(r"refused this node's join: (.*)").group(1)
     assert "runs another command" in refusal and "--rdzv-id" in refusal
     assert len(re.findall(r"\b[0-9a-f]{16}\b", refusal)) == 2        # both fingerprints, to compare
     assert not (tmp_path / "pid-0").exists()                           # its script never ran
+    assert "ready after" not in other.output, other.output            # (a review: said as it ended)
 
     spare = cluster.agent(*common, "--node-id", "spare", ECHO, name="spare", env=env)
     spare.wait_for_line(r"waiting as spare #1")

@@ -37,6 +37,15 @@ def test_one_directory_per_local_rank_the_same_every_round_removed_on_close(tmp_
     assert not os.path.exists(os.path.dirname(first[0]))
 
 
+def test_a_share_under_a_mib_is_said_in_bytes_not_as_zero(tmp_path) -> None:
+    """A review: an agent restarted onto a nearly full /dev/shm said "0 MiB per local rank", then wrote snapshots."""
+    said: list[str] = []
+    dirs = MemoryDirs("job", 2, 600_000, say=said.append, base=str(tmp_path))
+    dirs.dirs(2)
+    assert any("300000 bytes per local rank" in line for line in said) and not any("0 MiB" in x for x in said)
+    dirs.close()
+
+
 def test_a_directory_whose_ranks_moved_is_emptied_and_one_whose_ranks_stayed_is_kept(tmp_path) -> None:
     said: list[str] = []
     dirs = MemoryDirs("job", 2, 4 * 2**20, say=said.append, base=str(tmp_path))
