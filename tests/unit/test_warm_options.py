@@ -252,6 +252,15 @@ def test_a_variable_set_before_a_base_preload_is_cold_or_left_to_what_the_preloa
     assert got == (DEFAULT_PRELOAD, None, early, deferred)
 
 
+def test_a_variable_set_before_torch_leaves_the_scripts_torch_names_to_what_the_preloads_read(tmp_path) -> None:
+    """`from torch import nn` is torch's: its names go with torch, not left out (said as "not preloading torch")."""
+    script = tmp_path / "train.py"
+    script.write_text("import os\nos.environ['MY_APP'] = '1'\nimport torch\nfrom torch import nn\n")
+    preload = (*DEFAULT_PRELOAD, "torch:nn")
+    got = preloads_before_a_set(str(script), preload, DEFAULT_PRELOAD, module=False, cwd=str(tmp_path))
+    assert got == (preload, None, None, {"MY_APP": "torch"})
+
+
 def test_a_variable_set_between_torch_and_a_scripts_import_still_leaves_that_import_out(tmp_path) -> None:
     """Deferring a variable set before torch must not hide one set before the script's own installed import."""
     script = tmp_path / "train.py"

@@ -86,13 +86,14 @@ def preloads_before_a_set(entry: str, preload: Sequence[str], base: Sequence[str
     each with that package: its workers start cold only if a preload reads one as it loads). A review: `import
     transformers`, then a variable set, then `from transformers import Trainer` gave warm workers other log levels
     than cold ones."""
-    found, deferred = _set_first(entry, [n for n in preload if n in base], module=module, cwd=cwd,
-                                 defer=deferrable)
+    bases = {top_package(name) for name in base}
+    in_base = [n for n in preload if n in base or top_package(n) in bases]     # `from torch import nn` too
+    found, deferred = _set_first(entry, in_base, module=module, cwd=cwd, defer=deferrable)
     if found is not None:
         return tuple(preload), None, found, {}
     kept, left_out = list(preload), None
-    while (early := environment_set_first(entry, [n for n in kept if n not in base], module=module, cwd=cwd,
-                                          path_counts=[n for n in kept if n not in base])) is not None:
+    while (early := environment_set_first(entry, own := [n for n in kept if n not in in_base], module=module,
+                                          cwd=cwd, path_counts=own)) is not None:
         what = early[1]
         left_out = left_out or early
         kept = [name for name in kept if name in base or (name != what and top_package(name) != what)]
