@@ -29,7 +29,8 @@ def test_no_agent_or_server_module_outside_the_plugin_imports_torch():
     torch_side = ("node_agent.training.protection", "node_agent.training.capture", "node_agent.training.resume",
                   "node_agent.training.trees", "node_agent.training.rng", "node_agent.training.lightning",
                   "node_agent.training.hf", "node_agent.training.layout", "node_agent.training.ddp_buckets",
-                  "node_agent.training.restored", "node_agent.training.upload", "node_agent.training.staging")
+                  "node_agent.training.restored", "node_agent.training.upload", "node_agent.training.staging",
+                  "node_agent.training.slabs")
     outside = [m for m in modules() if not m.startswith(("node_agent.plugin", *torch_side))
                and not m.endswith("__main__")]
     assert "node_agent.training.snapshot" in outside and "node_agent.training" in outside
