@@ -299,6 +299,7 @@ class Room:
     kept_count: int
     after: tuple[int, ...] = ()
 
+
 def make_room(step: int, where: str, keep: int) -> Room:
     held = [s for s in steps(where) if s != step]
     floor = keep_from(where)

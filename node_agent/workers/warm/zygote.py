@@ -8,7 +8,8 @@ on its PYTHONPATH, has loaded the probe as PROBE_NAME). It forks only while clea
 Python thread, CUDA not initialised, torch's CPU threads held) and opens no socket but FD, the agent's. It dies
 with the agent (PR_SET_PDEATHSIG, set by the agent), each child with it. The wire (a SOCK_SEQPACKET datagram
 of JSON each):
-  zygote -> agent  {"op": "ready", "failed": [[mod, error], ...]}      once, after the preloads
+  zygote -> agent  {"op": "ready", "failed": [[mod, error], ...], "unclean": why, "read": [variable, ...]}
+                   once, after the preloads ("read": what they read from os.environ; null: too many to list)
   agent -> zygote  {"op": "spawn", "id": N, ...launch...} + fds [stdin, stdout, stderr]
   zygote -> agent  {"op": "started", "id": N, "pid": P} or {"op": "refused", "id": N, "why": "..."}
   zygote -> agent  {"op": "exited", "pid": P, "code": C}             C: waitpid's exit code, -SIG when killed
@@ -319,7 +320,8 @@ def main() -> None:
     before, read = set(sys.modules), set[str]()
     printed = _import_output.printed_by(lambda: _reads_noted(read, lambda: _preload_all(preload, failed)))
     if not safe:
-        del sys.path[len(sys.path) - 1 - sys.path[::-1].index(path0)]
+        with contextlib.suppress(ValueError):     # (a preload that took it out of sys.path)
+            del sys.path[len(sys.path) - 1 - sys.path[::-1].index(path0)]
         sys.path.insert(0, path0)
         _forget_shadowed(path0, before)
     del sys.argv[1:]
