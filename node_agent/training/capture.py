@@ -159,18 +159,9 @@ class Capture:
 
     def _slab_in(self, step: int, size: int, made: snapshot.Room, room: snapshot.Room,
                  bound: int | None) -> tuple[slabs.Slab, snapshot.Room]:
-        forced = room.after or len(room.dropped) > len(made.dropped)    # the limit dropped what keep would keep
-        if forced and room.kept_count + 1 < self.keep:
-            if room.after:
-                self._say_once("fewer", f"the memory directory's limit ({bound} bytes) holds {room.kept_count + 1} "
-                                        f"snapshot(s) of {size} bytes, not keep={self.keep}: older ones make room, "
-                                        f"the last complete one once the next is (written beside it)")
-            else:
-                self._say_once("bare", f"the memory directory's limit ({bound} bytes) holds {room.kept_count + 1} "
-                                       f"snapshot(s) of {size} bytes, not keep={self.keep}, and there is no room "
-                                       f"beside it: the last one makes room before the next is written, so a node "
-                                       f"killed meanwhile leaves this rank none (room for {self.keep} keeps it: a "
-                                       f"larger --memory-dir-limit or /dev/shm)")
+        said = snapshot.fewer(made, room, bound, size, self.keep)
+        if said is not None:
+            self._say_once(*said)
         if bound is not None and room.kept + size > bound:
             raise snapshot.full_error(step, self.where, bound, room)
         tmp = snapshot.path(step, self.where) + ".tmp"
@@ -291,7 +282,7 @@ class Capture:
             finally:
                 os.close(fd)
             os.replace(tmp, snapshot.path(p.step, self.where))
-            for old in p.room.after:          # the last complete one, kept beside it for the write's time
+            for old in p.room.after if self.keep == 1 else ():     # kept for the write's time only (keep=1)
                 self._forget(snapshot.path(old, self.where))
             if any(p.replicated):
                 heartbeat.digest(p.step, layout.digest_of([s for s, alike in zip(sums, p.replicated, strict=True)

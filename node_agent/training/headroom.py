@@ -32,22 +32,59 @@ def _local_ranks() -> int:
 
 
 def free_memory() -> int | None:
-    """Bytes of memory this process's processes may still take: the kernel's MemAvailable, less where its
-    cgroup (v2) is limited to less; None where neither can be read."""
+    """Bytes of memory this process's processes may still take: the kernel's MemAvailable, less where a memory
+    cgroup it is in, or any group above it (a Slurm step's, a pod's), is limited to less (cgroup v2's memory.max
+    and memory.high, or v1's memory.limit_in_bytes, less what is used); None where none can be read."""
     found: list[int] = []
     with contextlib.suppress(OSError, ValueError), open("/proc/meminfo") as f:
         for line in f:
             if line.startswith("MemAvailable:"):
                 found.append(int(line.split()[1]) * 1024)
                 break
-    with contextlib.suppress(OSError, ValueError):
-        with open("/proc/self/cgroup") as f:
-            group = next((line.strip()[3:] for line in f if line.startswith("0::")), None)
-        if group is not None:
-            base = os.path.join("/sys/fs/cgroup", group.lstrip("/"))
-            with open(os.path.join(base, "memory.max")) as f:
-                most = f.read().strip()
-            if most != "max":
-                with open(os.path.join(base, "memory.current")) as f:
-                    found.append(int(most) - int(f.read().strip()))
+    found += [most - used for most, used in cgroup_limits()]
     return min(found) if found else None
+
+
+V2 = (("/sys/fs/cgroup", "/sys/fs/cgroup/unified"), ("memory.max", "memory.high"), "memory.current")
+V1 = (("/sys/fs/cgroup/memory",), ("memory.limit_in_bytes",), "memory.usage_in_bytes")
+NO_LIMIT = 1 << 60         # v1 says "no limit" with a number near 2**63
+
+
+def cgroup_limits(groups: str = "/proc/self/cgroup", v2: tuple[tuple[str, ...], tuple[str, ...], str] = V2,
+                  v1: tuple[tuple[str, ...], tuple[str, ...], str] = V1) -> list[tuple[int, int]]:
+    """(limit, usage) of each memory cgroup this process is in and of each above it, as far as they are mounted."""
+    out: list[tuple[int, int]] = []
+    with contextlib.suppress(OSError):
+        with open(groups) as f:
+            lines = [line.rstrip("\n").split(":", 2) for line in f]
+        for fields in lines:
+            if len(fields) != 3:
+                continue
+            kind = v2 if fields[0] == "0" and not fields[1] else v1 if "memory" in fields[1].split(",") else None
+            if kind is not None:
+                out += _limits_up(fields[2], *kind)
+    return out
+
+
+def _limits_up(group: str, roots: tuple[str, ...], limits: tuple[str, ...], usage: str) -> list[tuple[int, int]]:
+    out: list[tuple[int, int]] = []
+    for root in roots:
+        where = os.path.join(root, group.lstrip("/"))
+        while True:
+            used = _number(os.path.join(where, usage))
+            for name in limits:
+                most = _number(os.path.join(where, name))
+                if most is not None and used is not None and most < NO_LIMIT:
+                    out.append((most, used))
+            if os.path.normpath(where) == os.path.normpath(root):
+                break
+            where = os.path.dirname(where)
+    return out
+
+
+def _number(path: str) -> int | None:
+    try:
+        with open(path) as f:
+            return int(f.read().strip())
+    except (OSError, ValueError):       # "max": no limit; a file not there
+        return None

@@ -10,8 +10,9 @@ agent imports this): `save` takes bytes or a callable writing into a file, e.g.
   is taken over from a copy no older, and every rank must still hold its step).
 - What is kept plus the new snapshot must fit the limit: where it does not, older snapshots go too, oldest first
   (a limit that holds fewer than `keep` keeps the newest; a writer's snapshot is taken to be the size of the
-  newest), but the last complete one goes only once the new one is complete where there is room beside it
-  (`fit`); where the new one alone does not fit (or /dev/shm is full) `save` raises `MemoryDirFull` naming
+  newest), but the newest complete one stays beside the new one, past the limit, where the file system and
+  the memory have room for it (`fit`: so every rank keeps a step in common; with keep=1 only until the new one
+  is complete); where the new one alone does not fit (or /dev/shm is full) `save` raises `MemoryDirFull` naming
   the limit and sizes, leaving no partial file. Catch it and train on: the agent never stops training for it.
 - All ranks resume from the same step: `agreed_step` takes the MIN of every rank's newest step, then checks
   every rank holds (and accepts) it (a rank that lost its copy, e.g. a replaced node, sends everyone back to disk).
@@ -28,6 +29,7 @@ import contextlib
 import errno
 import os
 import re
+import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -231,15 +233,43 @@ def save(data: bytes | Writer, step: int, *, where: str | None = None, keep: int
     new = len(data) if isinstance(data, bytes | bytearray) else size(path(held[-1], where)) if held else 0
     fitted = fit(made, step, where, new, bound)
     try:
-        return _written(data, step, where, bound, fitted)
+        return _written(data, step, where, bound, fitted, keep, fewer(made, fitted, bound, new, keep))
     except MemoryDirFull:
         if not fitted.after:
             raise
     # no room beside the last complete snapshot after all (the node's other ranks took it): it makes room
-    return _written(data, step, where, bound, fit(made, step, where, new, bound, beside=False))
+    fitted = fit(made, step, where, new, bound, beside=False)
+    return _written(data, step, where, bound, fitted, keep, fewer(made, fitted, bound, new, keep))
 
 
-def _written(data: bytes | Writer, step: int, where: str, bound: int | None, made: Room) -> str:
+def fewer(made: Room, room: Room, bound: int | None, new: int, keep: int) -> tuple[str, str] | None:
+    """What a save says, once, where the limit (`room`, fitted from `made`) holds fewer snapshots than `keep`:
+    (its kind, its line), or None."""
+    if bound is None or room.kept_count + 1 >= keep or not (room.after or len(room.dropped) > len(made.dropped)):
+        return None
+    head = (f"the memory directory's limit ({bound} bytes) holds {room.kept_count + 1} snapshot(s) of {new} bytes, "
+            f"not keep={keep}")
+    if room.after:
+        return "fewer", (f"{head}: the newest complete one stays beside the next, past the limit, while /dev/shm and "
+                         f"the memory have room for it, so every rank keeps a step in common")
+    return "bare", (f"{head}, and there is no room beside it: the last one makes room before the next is written, "
+                    f"so a node killed meanwhile leaves this rank none (room for {keep} keeps it: a larger "
+                    f"--memory-dir-limit or /dev/shm)")
+
+
+_said: set[str] = set()
+
+
+def _say_once(kind: str, text: str) -> None:
+    if kind not in _said:
+        _said.add(kind)
+        print(f"node-agent snapshot (rank {os.environ.get('RANK', '?')}): {text}", file=sys.stderr, flush=True)
+
+
+def _written(data: bytes | Writer, step: int, where: str, bound: int | None, made: Room, keep: int,
+             said: tuple[str, str] | None) -> str:
+    if said is not None:
+        _say_once(*said)
     for old in made.dropped:
         remove(path(old, where))
     room = None if bound is None else bound - made.kept
@@ -264,7 +294,7 @@ def _written(data: bytes | Writer, step: int, where: str, bound: int | None, mad
             raise full_error(step, where, bound, made) from exc
         raise
     os.replace(tmp, final)
-    for old in made.after:
+    for old in made.after if keep == 1 else ():     # kept for the write's time only; else past the limit, at rest
         remove(path(old, where))
     hold_after(step, where)
     return final
@@ -292,8 +322,9 @@ class Room:
     """What the keep rule does before `step` is written: all but the newest `keep - 1` go (so the last complete
     snapshot survives a failed write), but for those from the step the agent names (KEEP_FROM: the job's oldest
     peer copy is of it, and a node lost now is taken over from a copy no older); the kept ones' bytes count against
-    the limit (`fit`: it wins). `after`: the last complete one, where nothing else is kept: it goes only once the
-    new one is complete (its bytes are not counted: it stays for the write's time only)."""
+    the limit (`fit`: it wins). `after`: the newest complete one, where nothing else would be kept, not counted
+    against the limit: it stays past it, until the next save's keep rule (with keep=1 until the new one is
+    complete), so a rank killed during the write, or whose peers are slower, still holds a step in common."""
     dropped: list[int]
     kept: int           # bytes
     kept_count: int
@@ -321,9 +352,9 @@ def fit(room: Room, step: int, where: str, new: int, bound: int | None, beside: 
     """`room`, with the oldest kept snapshots dropped too until `new` more bytes fit `bound`: a limit that holds
     fewer snapshots than `keep` keeps the newest (kept refused, the oldest would outlive every later step and be
     what the job resumes from). Unchanged where the new one alone does not fit. Where nothing would be kept, the
-    last complete snapshot stays until the new one is complete (`after`), if `beside` and there is room for both:
-    within `bound`, else in the file system and the memory (headroom.py); else a node killed during the write
-    would leave the rank none."""
+    newest complete snapshot stays beside the new one (`after`), if `beside` and there is room for both: within
+    `bound`, else in the file system and the memory (headroom.py); else a node killed during the write would
+    leave the rank none, and ranks that finish theirs at different times no step in common."""
     if bound is not None and new > bound:
         return room
     dropped, kept, count = list(room.dropped), room.kept, room.kept_count

@@ -351,8 +351,9 @@ def test_save_keeps_the_newest_and_never_leaves_a_partial_file(tmp_path) -> None
 @pytest.mark.parametrize("as_writer", [False, True])
 def test_a_limit_that_holds_fewer_than_keep_keeps_the_newest(tmp_path, as_writer) -> None:
     """Refusing the new one would keep the oldest for ever: every later step refused, the job resuming from it.
-    A writer's size is known once written: taken to be the newest kept snapshot's. The last complete one stays
-    while the next is written (room beside it: the memory and file system have it), going once it is complete."""
+    A writer's size is known once written: taken to be the newest kept snapshot's. The newest complete one stays
+    beside the next, past the limit (the memory and file system have room), so every rank keeps a step in common
+    whichever finishes its write first (a review); the keep rule drops it at the next save."""
     where = str(tmp_path)
     snapshot.save(b"a" * 600, 1, where=where, max_bytes=1000)
     data = b"b" * 600
@@ -363,11 +364,25 @@ def test_a_limit_that_holds_fewer_than_keep_keeps_the_newest(tmp_path, as_writer
             seen.append(sorted(os.listdir(where)))
             f.write(data)
         got = snapshot.save(writer if as_writer else data, step, where=where, max_bytes=1000)
-        assert got == str(tmp_path / f"step-{step}") and os.listdir(where) == [f"step-{step}"]
+        assert got == str(tmp_path / f"step-{step}") and sorted(os.listdir(where)) == [f"step-{step - 1}",
+                                                                                       f"step-{step}"]
         assert seen == ([[f"step-{step - 1}", f"step-{step}.tmp"]] if as_writer else []), seen
     with pytest.raises(snapshot.MemoryDirFull):                # one that does not fit alone: the last one stays
         snapshot.save(b"c" * 1001, 4, where=where, max_bytes=1000)
     assert os.listdir(where) == ["step-3"]
+
+
+def test_a_save_with_no_room_beside_the_last_snapshot_says_what_that_risks_once(tmp_path, monkeypatch,
+                                                                                capsys) -> None:
+    """A review: `save` fell back to dropping the last snapshot first and said nothing (protect said it)."""
+    where = str(tmp_path)
+    monkeypatch.setattr(snapshot, "_said", set())
+    monkeypatch.setattr(snapshot.headroom, "room_beside", lambda where, new: False)
+    for step in (1, 2, 3):
+        snapshot.save(b"a" * 600, step, where=where, max_bytes=1000)
+    assert os.listdir(where) == ["step-3"]
+    err = capsys.readouterr().err
+    assert err.count("holds 1 snapshot(s) of 600 bytes, not keep=2, and there is no room beside it") == 1, err
 
 
 def test_keep_one_keeps_the_last_snapshot_until_the_next_is_complete(tmp_path, monkeypatch) -> None:
