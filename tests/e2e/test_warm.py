@@ -100,18 +100,6 @@ def test_a_script_that_sets_omp_num_threads_before_importing_torch_gets_it_as_un
         in agent.output and "started warm" not in agent.output
 
 
-def test_a_script_that_sets_its_own_variable_before_importing_torch_starts_warm(cluster, tmp_path):
-    """A review: any variable set before `import torch` started the workers cold, though no preload reads it."""
-    pytest.importorskip("torch")
-    script = tmp_path / "mode.py"
-    script.write_text("import os\nos.environ['MY_APP_MODE'] = 'fast'\nimport torch\n"
-                      "print('MODE', os.environ['MY_APP_MODE'], flush=True)\n")
-    agent = cluster.agent("--standalone", "--nproc", "1", str(script))
-    assert agent.wait(120) == 0, agent.output
-    assert "MODE fast" in agent.output and "1 of 1 workers started warm" in agent.output, agent.output
-    assert "warm workers off" not in agent.output, agent.output
-
-
 def test_a_generator_a_preloaded_package_seeds_as_it_loads_stays_seeded_as_in_a_cold_worker(cluster, tmp_path):
     """A package that seeds torch when imported (preloaded: the script imports it at its top): a cold worker's
     import seeds every rank alike, and so does the zygote's; the fork does not undo it."""

@@ -9,6 +9,7 @@ import pytest
 from node_agent.cli.options import OptionsError, parse_options
 from node_agent.settings import DEFAULT_PRELOAD
 from node_agent.workers.launch import WorkerLaunch
+from node_agent.workers.warm import early_env
 from node_agent.workers.warm.early_env import environment_set_first, preloads_before_a_set
 from node_agent.workers.warm.eligible import (
     base_env,
@@ -244,15 +245,19 @@ def test_the_script_s_imports_after_it_sets_a_variable_are_not_preloaded(tmp_pat
     ("import os\nos.environ.clear()\nimport torch\n", ("os.environ.clear", "torch"), {}),
     ("import os, torch\nos.environ['MY_APP_MODE'] = 'x'\n", None, {}),             # after torch: nothing
 ], ids=["app-variable", "two", "omp-too", "torch-logs", "mkl", "dynamic", "clear", "after"])
-def test_a_variable_set_before_a_base_preload_is_cold_or_left_to_what_the_preloads_read(tmp_path, source, early,
+def test_a_variable_set_before_a_base_preload_is_cold_or_left_to_what_the_preloads_read(tmp_path, monkeypatch,
+                                                                                        source, early,
                                                                                         deferred) -> None:
+    monkeypatch.setattr(early_env, "DEFER", True)     # the rule, as it would act once turned on
     script = tmp_path / "train.py"
     script.write_text(source)
     got = preloads_before_a_set(str(script), DEFAULT_PRELOAD, DEFAULT_PRELOAD, module=False, cwd=str(tmp_path))
     assert got == (DEFAULT_PRELOAD, None, early, deferred)
 
 
-def test_a_variable_set_before_torch_leaves_the_scripts_torch_names_to_what_the_preloads_read(tmp_path) -> None:
+def test_a_variable_set_before_torch_leaves_the_scripts_torch_names_to_what_the_preloads_read(tmp_path,
+                                                                                             monkeypatch) -> None:
+    monkeypatch.setattr(early_env, "DEFER", True)
     """`from torch import nn` is torch's: its names go with torch, not left out (said as "not preloading torch")."""
     script = tmp_path / "train.py"
     script.write_text("import os\nos.environ['MY_APP'] = '1'\nimport torch\nfrom torch import nn\n")
@@ -261,7 +266,8 @@ def test_a_variable_set_before_torch_leaves_the_scripts_torch_names_to_what_the_
     assert got == (preload, None, None, {"MY_APP": "torch"})
 
 
-def test_a_variable_set_between_torch_and_a_scripts_import_still_leaves_that_import_out(tmp_path) -> None:
+def test_a_variable_set_between_torch_and_a_scripts_import_still_leaves_that_import_out(tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(early_env, "DEFER", True)
     """Deferring a variable set before torch must not hide one set before the script's own installed import."""
     script = tmp_path / "train.py"
     script.write_text("import os\nos.environ['MY_APP'] = '1'\nimport torch\nos.environ['HF_HOME'] = '/x'\n"
@@ -320,3 +326,12 @@ def test_a_script_and_own_modules_of_the_standard_library_alone_preload_no_torch
     (tmp_path / "helpers" / "io.py").write_text("import numpy\n")       # deeper in its own package
     assert not only_stdlib("import helpers\n")
     assert not standard_library_only(str(tmp_path / "nowhere.py"), module=False, cwd="/", path0=str(tmp_path))
+
+
+def test_deferring_is_off_so_any_variable_set_before_torch_starts_the_workers_cold(tmp_path) -> None:
+    """A review of the deferred rule found reads the zygote cannot see (tqdm looping over os.environ at import,
+    os.environb, numpy's native getenv) and `update()` judged by its first key: off until covered."""
+    script = tmp_path / "train.py"
+    script.write_text("import os\nos.environ.update({'MY_APP_MODE': 'x', 'OMP_NUM_THREADS': '2'})\nimport torch\n")
+    got = preloads_before_a_set(str(script), DEFAULT_PRELOAD, DEFAULT_PRELOAD, module=False, cwd=str(tmp_path))
+    assert got == (DEFAULT_PRELOAD, None, ("MY_APP_MODE", "torch"), {})

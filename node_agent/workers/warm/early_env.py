@@ -59,10 +59,16 @@ def _set_first(entry: str, preload: Iterable[str], *, module: bool, cwd: str, pa
         return None, {}
 
 
+# Off: a review found reads the zygote's record misses (a preload looping over os.environ, as tqdm does at import;
+# os.environb; numpy's native getenv of NPY_*), and `update()` judged by its first key only, each a setting a warm
+# worker would silently ignore. Every variable set first counts, as before, until those are covered.
+DEFER = False
+
+
 def deferrable(variable: str) -> bool:
     """A variable named as a constant that no library is known to read natively as it loads: whether a preload
-    reads it is left to what the zygote records."""
-    return bool(_CONSTANT.fullmatch(variable)) and not variable.upper().startswith(READ_AT_LOAD_PREFIXES)
+    reads it is left to what the zygote records (only where DEFER)."""
+    return DEFER and bool(_CONSTANT.fullmatch(variable)) and not variable.upper().startswith(READ_AT_LOAD_PREFIXES)
 
 
 def cold_because(variable: str, entry: str) -> str:
