@@ -15,7 +15,8 @@ from collections.abc import Mapping
 from typing import TextIO
 
 from node_agent.client.listener import caps_for_descriptors
-from node_agent.client.transport import Transport, free_port
+from node_agent.client.ports import free_port
+from node_agent.client.transport import Transport
 from node_agent.client.witness import WitnessServer
 from node_agent.copies.peers import PeerCopies
 from node_agent.copies.tls import CopyTls, copy_tls

@@ -193,11 +193,3 @@ def keepalive_socket(addr_info: tuple[Any, ...]) -> socket.socket:
     sock = socket.socket(addr_info[0], addr_info[1], addr_info[2])
     keepalive.enable(sock)
     return sock
-
-
-def free_port(addr: str = "") -> int:
-    """A port free right now on this machine (the rank-0 worker binds it for the store)."""
-    family = socket.AF_INET6 if ":" in addr else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        s.bind(("", 0))
-        return int(s.getsockname()[1])

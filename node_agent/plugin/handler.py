@@ -39,7 +39,7 @@ from torch.distributed.elastic.rendezvous import (
 
 from node_agent.cli.rdzv_conf import IGNORED_KEYS, unquoted
 from node_agent.client.http import RdzvClient
-from node_agent.client.transport import free_port
+from node_agent.client.ports import free_port
 from node_agent.plugin.agent_store import AgentStore
 from node_agent.plugin.failures import worker_failures
 from node_agent.plugin.round_store import JOB_SUCCEEDED, RoundStore, first_line, pauses

@@ -200,7 +200,8 @@ def test_a_node_that_finished_leaves_when_another_fails_after_it(cluster, tmp_pa
     assert "torchrun's agent cannot run them again, so this node left the job" in finishing.output
     assert proc_exit(other) == 0, other.output
     job = job_view(cluster, "late")
-    assert (job["state"], job["restart_count"], job["world_size"]) == ("succeeded", 1, 1), job
+    events = [(e["kind"], e.get("node_id"), e.get("data")) for e in job_events(cluster, "late")]
+    assert (job["state"], job["restart_count"], job["world_size"]) == ("succeeded", 1, 1), (job, events)
     left = [e["node_id"] for e in job_events(cluster, "late") if e["kind"] == "node_left"]
     assert left == [finishing.name]
 
