@@ -832,3 +832,21 @@ async def test_a_variable_the_script_sets_first_turns_warm_workers_off_only_wher
         assert not zygote.coming                     # and no other zygote is started to find the same
     finally:
         await zygote.close()
+
+
+@pytest.mark.parametrize("sibling", ["code", "secrets"])
+async def test_the_users_preloaded_module_gets_its_own_sibling_named_as_a_library_module(
+        make_zygote, workdir, sibling) -> None:
+    """A review: with the script's directory last while preloading, `--warm-preload torch,mymod` bound mymod's
+    `import code` to the library's module (then forgotten, but mymod kept it), where torchrun gives the user's
+    code.py. The user's own modules are forgotten with it, and the worker imports both from there."""
+    write(os.path.join(workdir, f"{sibling}.py"), "WHICH = 'own'\n")
+    write(os.path.join(workdir, "mymod.py"), f"import {sibling}\nWHICH = getattr({sibling}, 'WHICH', 'library')\n")
+    write(os.path.join(workdir, "use.py"), "import torch, mymod\nprint(mymod.WHICH, flush=True)\n")
+    said: list[str] = []
+    zygote = await make_zygote((*DEFAULT_PRELOAD, "mymod"), warnings=said)
+    cold = await run(["use.py"], None, workdir)
+    warm = await run(["use.py"], zygote, workdir)
+    assert warm.warm and not said, said
+    assert cold.console.lines("stdout") == warm.console.lines("stdout") == ["[w] own"], \
+        (cold.console.lines("stdout"), warm.console.lines("stdout"))

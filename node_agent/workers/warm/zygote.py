@@ -357,14 +357,18 @@ def _forget_shadowed(path0: str, before: set[str]) -> None:
     """A file of the user's beside the script named as a module a preload imports (statistics.py, profile.py:
     torch._dynamo imports them, a cold `import torch` does not) must not run in the zygote, with its environment:
     the preloads found the library's, past the script's directory. The worker imports the user's from there, as
-    a cold one does: the library's is forgotten (torch keeps its own reference)."""
+    a cold one does: the library's is forgotten (torch keeps its own reference). The user's own modules preloaded
+    from there (--warm-preload) are forgotten too once anything is: they may hold a forgotten one (their `import
+    code` found the library's), where a cold worker's get the user's file."""
     here = os.path.join(os.path.realpath(path0), "")
-    for name in [n for n in sys.modules if n not in before]:
-        top, found = name.partition(".")[0], getattr(sys.modules[name], "__file__", None)
-        shadowed = os.path.isfile(os.path.join(path0, f"{top}.py")) or \
-            os.path.isfile(os.path.join(path0, top, "__init__.py"))
-        if shadowed and not (isinstance(found, str) and os.path.realpath(found).startswith(here)):  # (user's: kept)
-            del sys.modules[name]
+    new = [n for n in sys.modules if n not in before]
+    own = {n for n in new if isinstance(f := getattr(sys.modules[n], "__file__", None), str)
+           and os.path.realpath(f).startswith(here)}
+    forgotten = [n for n in new if n not in own and (
+        os.path.isfile(os.path.join(path0, f"{(top := n.partition('.')[0])}.py"))
+        or os.path.isfile(os.path.join(path0, top, "__init__.py")))]
+    for name in [*forgotten, *own] if forgotten else []:
+        del sys.modules[name]
 
 
 def _preload_all(preload: list[str], failed: list[list[str]]) -> None:
