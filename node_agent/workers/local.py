@@ -91,10 +91,9 @@ class LocalWorkers:
         preload = base if opts.warm_preload is not None else \
             (*base, *script_preloads(opts.script, module=opts.module, cwd=os.getcwd(), path0=path0))
         early: tuple[str, str] | None = None
-        deferred: dict[str, str] = {}
         if opts.warm and make_group is None:
-            preload, left_out, early, deferred = preloads_before_a_set(opts.script, preload, base,
-                                                                       module=opts.module, cwd=os.getcwd())
+            preload, left_out, early = preloads_before_a_set(opts.script, preload, base, module=opts.module,
+                                                             cwd=os.getcwd())
             if left_out is not None and early is None:
                 why = "it may be found elsewhere then" if left_out[0] == SYS_PATH else \
                     "what it reads as it loads would not reach it"
@@ -105,7 +104,7 @@ class LocalWorkers:
         if opts.warm and make_group is None and early is None:
             python = worker_argv(opts)[0]   # the cold path's interpreter: PYTHON_EXEC or ours
             self.warm = WarmZygote(python, preload, path0, common_env(os.environ, opts.nproc), say,
-                                   fallback=base if opts.warm_preload is None else None, cold_if_read=deferred)
+                                   fallback=base if opts.warm_preload is None else None)
         self._make_group: GroupFactory = make_group or self._process_group
         imported = None if opts.no_python else entry_imports(opts.script, module=opts.module, cwd=os.getcwd())
         # a zygote still importing is worth waiting for only when the script imports what it preloads

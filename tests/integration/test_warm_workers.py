@@ -811,29 +811,6 @@ async def test_a_file_beside_the_script_named_as_a_module_a_preload_imports_runs
         (cold.console.lines("stdout"), warm.console.lines("stdout"))
 
 
-@pytest.mark.parametrize("variable, warm", [("MY_APP_MODE", False), ("MY_OTHER_FLAG", True)])
-async def test_a_variable_the_script_sets_first_turns_warm_workers_off_only_where_a_preload_read_it(
-        workdir, tmp_path, variable, warm) -> None:
-    """A review: any variable set before `import torch` started the workers cold. The zygote now notes what its
-    preloads read from os.environ as they load; only a variable of those (or one read natively: early_env.py)
-    turns warm workers off, said once."""
-    site, installed = installed_site(tmp_path)
-    write(os.path.join(site, "readsenv.py"), "import os\nMODE = os.environ.get('MY_APP_MODE', 'plain')\n")
-    said: list[str] = []
-    zygote = WarmZygote(sys.executable, ("json", "readsenv"), str(tmp_path), base_env({**ENV, **installed}),
-                        said.append, cold_if_read={variable: "readsenv"})
-    try:
-        zygote.start()
-        assert await zygote.wait_ready(LIMIT * 2) is warm, said
-        assert said == ([] if warm else [f"warm workers off: the script changes {variable} in its environment "
-                                         f"before it imports readsenv, which a warm interpreter has loaded already "
-                                         f"(what it reads as it loads would not reach it); its workers start cold, "
-                                         f"as under torchrun. Set it in node-agent's environment to keep warm starts"])
-        assert not zygote.coming                     # and no other zygote is started to find the same
-    finally:
-        await zygote.close()
-
-
 @pytest.mark.parametrize("sibling", ["code", "secrets"])
 async def test_the_users_preloaded_module_gets_its_own_sibling_named_as_a_library_module(
         make_zygote, workdir, sibling) -> None:

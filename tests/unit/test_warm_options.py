@@ -9,7 +9,6 @@ import pytest
 from node_agent.cli.options import OptionsError, parse_options
 from node_agent.settings import DEFAULT_PRELOAD
 from node_agent.workers.launch import WorkerLaunch
-from node_agent.workers.warm import early_env
 from node_agent.workers.warm.early_env import environment_set_first, preloads_before_a_set
 from node_agent.workers.warm.eligible import (
     base_env,
@@ -226,55 +225,36 @@ def test_the_script_s_imports_after_it_sets_a_variable_are_not_preloaded(tmp_pat
     script.write_text(source)
     preload = (*DEFAULT_PRELOAD, "transformers", "transformers:Trainer")
     got = preloads_before_a_set(str(script), preload, DEFAULT_PRELOAD, module=False, cwd=str(tmp_path))
-    assert got == ((*DEFAULT_PRELOAD, *kept), left_out, early, {})
+    assert got == ((*DEFAULT_PRELOAD, *kept), left_out, early)
 
 
-@pytest.mark.parametrize("source, early, deferred", [
-    # a review: any variable set before `import torch` started every worker cold; one named as a constant that no
-    # library reads natively as it loads now counts only where a preload read it (the zygote says)
-    ("import os\nos.environ['MY_APP_MODE'] = 'x'\nimport torch\n", None, {"MY_APP_MODE": "torch"}),
-    ("import os\nos.environ.setdefault('HF_HOME', '/x')\nos.environ.pop('SEED', None)\nimport torch\n", None,
-     {"HF_HOME": "torch", "SEED": "torch"}),
-    # read natively as a library loads: cold, as before, whatever else is set first
-    ("import os\nos.environ['MY_APP_MODE'] = 'x'\nos.environ['OMP_NUM_THREADS'] = '2'\nimport torch\n",
-     ("OMP_NUM_THREADS", "torch"), {}),
-    ("import os\nos.environ['TORCH_LOGS'] = '+dynamo'\nimport torch\n", ("TORCH_LOGS", "torch"), {}),
-    ("import os\nos.environ['MKL_NUM_THREADS'] = '2'\nimport torch\n", ("MKL_NUM_THREADS", "torch"), {}),
-    # a name not written as a constant, or the whole environment: cold
-    ("import os\nkey = 'X'\nos.environ[key] = '1'\nimport torch\n", ("[key]", "torch"), {}),
-    ("import os\nos.environ.clear()\nimport torch\n", ("os.environ.clear", "torch"), {}),
-    ("import os, torch\nos.environ['MY_APP_MODE'] = 'x'\n", None, {}),             # after torch: nothing
-], ids=["app-variable", "two", "omp-too", "torch-logs", "mkl", "dynamic", "clear", "after"])
-def test_a_variable_set_before_a_base_preload_is_cold_or_left_to_what_the_preloads_read(tmp_path, monkeypatch,
-                                                                                        source, early,
-                                                                                        deferred) -> None:
-    monkeypatch.setattr(early_env, "DEFER", True)     # the rule, as it would act once turned on
+@pytest.mark.parametrize("source, early", [
+    # any variable set before torch: a preload may read it as it loads (natively, or looping over os.environ as
+    # tqdm does when torch imports it), so the workers start cold, as under torchrun
+    ("import os\nos.environ['MY_APP_MODE'] = 'x'\nimport torch\n", ("MY_APP_MODE", "torch")),
+    ("import os\nos.environ.setdefault('HF_HOME', '/x')\nos.environ.pop('SEED', None)\nimport torch\n",
+     ("HF_HOME", "torch")),
+    ("import os\nos.environ['TORCH_LOGS'] = '+dynamo'\nimport torch\n", ("TORCH_LOGS", "torch")),
+    ("import os\nos.environ.update({'MY_APP_MODE': 'x', 'OMP_NUM_THREADS': '2'})\nimport torch\n",
+     ("MY_APP_MODE", "torch")),
+    ("import os\nkey = 'X'\nos.environ[key] = '1'\nimport torch\n", ("[key]", "torch")),
+    ("import os\nos.environ.clear()\nimport torch\n", ("os.environ.clear", "torch")),
+    ("import os, torch\nos.environ['MY_APP_MODE'] = 'x'\n", None),             # after torch: nothing
+], ids=["app-variable", "two", "torch-logs", "update", "dynamic", "clear", "after"])
+def test_a_variable_set_before_a_base_preload_starts_the_workers_cold(tmp_path, source, early) -> None:
     script = tmp_path / "train.py"
     script.write_text(source)
     got = preloads_before_a_set(str(script), DEFAULT_PRELOAD, DEFAULT_PRELOAD, module=False, cwd=str(tmp_path))
-    assert got == (DEFAULT_PRELOAD, None, early, deferred)
+    assert got == (DEFAULT_PRELOAD, None, early)
 
 
-def test_a_variable_set_before_torch_leaves_the_scripts_torch_names_to_what_the_preloads_read(tmp_path,
-                                                                                             monkeypatch) -> None:
-    monkeypatch.setattr(early_env, "DEFER", True)
+def test_a_variable_set_before_torch_is_said_as_torchs_not_as_the_scripts_torch_names(tmp_path) -> None:
     """`from torch import nn` is torch's: its names go with torch, not left out (said as "not preloading torch")."""
     script = tmp_path / "train.py"
     script.write_text("import os\nos.environ['MY_APP'] = '1'\nimport torch\nfrom torch import nn\n")
     preload = (*DEFAULT_PRELOAD, "torch:nn")
     got = preloads_before_a_set(str(script), preload, DEFAULT_PRELOAD, module=False, cwd=str(tmp_path))
-    assert got == (preload, None, None, {"MY_APP": "torch"})
-
-
-def test_a_variable_set_between_torch_and_a_scripts_import_still_leaves_that_import_out(tmp_path, monkeypatch) -> None:
-    monkeypatch.setattr(early_env, "DEFER", True)
-    """Deferring a variable set before torch must not hide one set before the script's own installed import."""
-    script = tmp_path / "train.py"
-    script.write_text("import os\nos.environ['MY_APP'] = '1'\nimport torch\nos.environ['HF_HOME'] = '/x'\n"
-                      "from transformers import Trainer\n")
-    preload = (*DEFAULT_PRELOAD, "transformers", "transformers:Trainer")
-    got = preloads_before_a_set(str(script), preload, DEFAULT_PRELOAD, module=False, cwd=str(tmp_path))
-    assert got == (DEFAULT_PRELOAD, ("MY_APP", "transformers"), None, {"MY_APP": "torch"})
+    assert got == (preload, None, ("MY_APP", "torch"))
 
 
 @pytest.mark.parametrize("own, source, found", [
@@ -305,7 +285,7 @@ def test_the_scripts_imports_after_it_changes_sys_path_are_not_preloaded(tmp_pat
     (tmp_path / "train.py").write_text(source)
     preload = (*DEFAULT_PRELOAD, "tqdm", "tqdm:tqdm")
     got = preloads_before_a_set(str(tmp_path / "train.py"), preload, DEFAULT_PRELOAD, module=False, cwd="/")
-    assert got == ((*DEFAULT_PRELOAD, *(() if left_out else ("tqdm", "tqdm:tqdm"))), left_out, None, {})
+    assert got == ((*DEFAULT_PRELOAD, *(() if left_out else ("tqdm", "tqdm:tqdm"))), left_out, None)
 
 
 def test_a_script_and_own_modules_of_the_standard_library_alone_preload_no_torch(tmp_path) -> None:
@@ -326,12 +306,3 @@ def test_a_script_and_own_modules_of_the_standard_library_alone_preload_no_torch
     (tmp_path / "helpers" / "io.py").write_text("import numpy\n")       # deeper in its own package
     assert not only_stdlib("import helpers\n")
     assert not standard_library_only(str(tmp_path / "nowhere.py"), module=False, cwd="/", path0=str(tmp_path))
-
-
-def test_deferring_is_off_so_any_variable_set_before_torch_starts_the_workers_cold(tmp_path) -> None:
-    """A review of the deferred rule found reads the zygote cannot see (tqdm looping over os.environ at import,
-    os.environb, numpy's native getenv) and `update()` judged by its first key: off until covered."""
-    script = tmp_path / "train.py"
-    script.write_text("import os\nos.environ.update({'MY_APP_MODE': 'x', 'OMP_NUM_THREADS': '2'})\nimport torch\n")
-    got = preloads_before_a_set(str(script), DEFAULT_PRELOAD, DEFAULT_PRELOAD, module=False, cwd=str(tmp_path))
-    assert got == (DEFAULT_PRELOAD, None, ("MY_APP_MODE", "torch"), {})

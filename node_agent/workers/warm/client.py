@@ -18,7 +18,6 @@ from typing import Any
 import node_agent.training.probe as probe
 from node_agent.workers.deathsig import prctl, preexec
 from node_agent.workers.environment import booted
-from node_agent.workers.warm.early_env import cold_because
 from node_agent.workers.warm.eligible import WarmLaunch
 
 ZYGOTE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "zygote.py")
@@ -46,18 +45,14 @@ class WarmProcess:
 
 class WarmZygote:
     def __init__(self, python: str, preload: Sequence[str], path0: str, env: Mapping[str, str],
-                 warn: Callable[[str], None], fallback: Sequence[str] | None = None,
-                 cold_if_read: Mapping[str, str] | None = None) -> None:
+                 warn: Callable[[str], None], fallback: Sequence[str] | None = None) -> None:
         """`fallback`: what to preload instead when `preload` leaves the zygote unfit to fork (the script's own
         imports started a thread, or CUDA); tried first: `preload` without the names looked up in its modules (one
-        name's thread would otherwise cost every module its preload: a review). `cold_if_read`: the variables the
-        script sets before it imports a preload (each with that preload): where a preload read one as it loaded,
-        the workers start cold (early_env.py)."""
+        name's thread would otherwise cost every module its preload: a review)."""
         self.python = python
         self.preload = tuple(preload)
         self.fallback = tuple(fallback) if fallback is not None else None
         self.path0 = path0
-        self.cold_if_read = dict(cold_if_read or {})
         self.env = dict(env)            # what the zygote was started with: a launch must match it
         self._warn = warn
         self._proc: asyncio.subprocess.Process | None = None
@@ -146,13 +141,6 @@ class WarmZygote:
                 return
             if m.get("unclean"):
                 self._warn(f"warm workers off: {m['unclean']} after the preloads; workers start cold")
-                self._off()
-                return
-            read = m.get("read")
-            read_set = set(read) if isinstance(read, list) else None     # None: it read them all
-            hit = next(((v, e) for v, e in self.cold_if_read.items() if read_set is None or v in read_set), None)
-            if hit is not None:
-                self._warn(cold_because(*hit))
                 self._off()
                 return
             self.ready = True

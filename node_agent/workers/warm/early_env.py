@@ -14,22 +14,13 @@ from __future__ import annotations
 
 import ast
 import os
-import re
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 from node_agent.workers.warm.eligible import imported_packages, parsed, read_tree, script_dir, top_level, top_package
 
 READ_LATER = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "TOKENIZERS_PARALLELISM",
               "CUDA_VISIBLE_DEVICES", "CUDA_LAUNCH_BLOCKING", "PYTORCH_CUDA_ALLOC_CONF")
 READ_LATER_PREFIXES = ("NCCL_", "GLOO_", "WANDB_", "TORCH_NCCL_")
-# Read by native code as a library loads (OpenMP, BLAS, torch's own, CUDA's, the C library): no Python-level record
-# of it, so setting one before a preload always counts. Any other variable named as a constant counts only where a
-# preload read it as it loaded (the zygote records those: `deferrable`).
-READ_AT_LOAD_PREFIXES = ("OMP_", "KMP_", "GOMP_", "MKL", "OPENBLAS", "GOTO", "BLIS", "VECLIB", "NUMEXPR", "DNNL",
-                         "ONEDNN", "TORCH", "PYTORCH", "ATEN", "CAFFE2", "C10", "CUDA", "CUBLAS", "CUDNN", "NV",
-                         "LD_", "MALLOC", "GLIBC", "PYTHON", "LC_", "LANG", "TZ", "XLA", "TF_", "JAX", "HIP", "ROCM",
-                         "HSA_", "TRITON", "NUMBA", "KINETO", "CUPTI")
-_CONSTANT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
 SYS_PATH = "sys.path"      # what `_first` names for a change of where imports are found
@@ -39,36 +30,17 @@ def environment_set_first(entry: str, preload: Iterable[str], *, module: bool, c
                           path_counts: Iterable[str] = ()) -> tuple[str, str] | None:
     """(the variable, or SYS_PATH, and the preloaded package, or `module:name`, the script imports after changing
     it), or None. A change of `sys.path` counts only before the imports of `path_counts` (the script's own)."""
-    return _set_first(entry, preload, module=module, cwd=cwd, path_counts=path_counts)[0]
-
-
-def _set_first(entry: str, preload: Iterable[str], *, module: bool, cwd: str, path_counts: Iterable[str] = (),
-               defer: Callable[[str], bool] = lambda _: False) -> tuple[tuple[str, str] | None, dict[str, str]]:
-    """environment_set_first, passing over the variables `defer` names: those are returned apart, each with the
-    first preloaded package imported after it."""
     tree = parsed(entry, module=module, cwd=cwd)
     if tree is None:
-        return None, {}
+        return None
     entries = list(preload)
     keys = {top_package(name) for name in entries} | {name for name in entries if ":" in name}
     own = [d for d in dict.fromkeys((cwd if module else script_dir(entry), cwd)) if d]
-    walk = _Walk(keys, {top_package(n) for n in path_counts} | {n for n in path_counts if ":" in n}, own, defer)
+    walk = _Walk(keys, {top_package(n) for n in path_counts} | {n for n in path_counts if ":" in n}, own)
     try:
-        return walk.statements(tree.body), walk.deferred
+        return walk.statements(tree.body)
     except RecursionError:          # a statement nested past what ast's walkers take: not judged
-        return None, {}
-
-
-# Off: a review found reads the zygote's record misses (a preload looping over os.environ, as tqdm does at import;
-# os.environb; numpy's native getenv of NPY_*), and `update()` judged by its first key only, each a setting a warm
-# worker would silently ignore. Every variable set first counts, as before, until those are covered.
-DEFER = False
-
-
-def deferrable(variable: str) -> bool:
-    """A variable named as a constant that no library is known to read natively as it loads: whether a preload
-    reads it is left to what the zygote records (only where DEFER)."""
-    return DEFER and bool(_CONSTANT.fullmatch(variable)) and not variable.upper().startswith(READ_AT_LOAD_PREFIXES)
+        return None
 
 
 def cold_because(variable: str, entry: str) -> str:
@@ -83,27 +55,25 @@ def change(variable: str) -> str:
     return "changes sys.path" if variable == SYS_PATH else f"changes {variable} in its environment"
 
 
-def preloads_before_a_set(entry: str, preload: Sequence[str], base: Sequence[str], *, module: bool, cwd: str
-                          ) -> tuple[tuple[str, ...], tuple[str, str] | None, tuple[str, str] | None, dict[str, str]]:
+def preloads_before_a_set(entry: str, preload: Sequence[str], base: Sequence[str], *, module: bool,
+                          cwd: str) -> tuple[tuple[str, ...], tuple[str, str] | None, tuple[str, str] | None]:
     """`preload` less the script's own entries (those not in `base`) that it imports after changing a variable in
     its environment, or `sys.path`: (what is left, the first (variable, entry) left out, or None; a (variable,
-    package) of `base` it imports after changing a variable read natively as it loads, or not named as a
-    constant: its workers start cold, or None; the variables it changes before a package of `base` otherwise,
-    each with that package: its workers start cold only if a preload reads one as it loads). A review: `import
+    package) of `base` it imports after changing a variable: its workers start cold, or None). A review: `import
     transformers`, then a variable set, then `from transformers import Trainer` gave warm workers other log levels
     than cold ones."""
     bases = {top_package(name) for name in base}
     in_base = [n for n in preload if n in base or top_package(n) in bases]     # `from torch import nn` too
-    found, deferred = _set_first(entry, in_base, module=module, cwd=cwd, defer=deferrable)
+    found = environment_set_first(entry, in_base, module=module, cwd=cwd)
     if found is not None:
-        return tuple(preload), None, found, {}
+        return tuple(preload), None, found
     kept, left_out = list(preload), None
     while (early := environment_set_first(entry, own := [n for n in kept if n not in in_base], module=module,
                                           cwd=cwd, path_counts=own)) is not None:
         what = early[1]
         left_out = left_out or early
         kept = [name for name in kept if name in base or (name != what and top_package(name) != what)]
-    return tuple(kept), left_out, None, deferred
+    return tuple(kept), left_out, None
 
 
 MAX_OWN_MODULES = 64     # the script's own modules read where it imports them: past it, not judged further
@@ -112,11 +82,8 @@ MAX_OWN_MODULES = 64     # the script's own modules read where it imports them: 
 class _Walk:
     """The statements run as the script starts, in order, with what they change and import."""
 
-    def __init__(self, preloaded: set[str], path_counts: set[str], own: list[str],
-                 defer: Callable[[str], bool]) -> None:
-        self.preloaded, self.path_counts, self.own, self.defer = preloaded, path_counts, own, defer
-        self.deferred: dict[str, str] = {}      # a variable passed over -> the first preload imported after it
-        self.deferred_pending: list[str] = []
+    def __init__(self, preloaded: set[str], path_counts: set[str], own: list[str]) -> None:
+        self.preloaded, self.path_counts, self.own = preloaded, path_counts, own
         self.imported: set[str] = set()
         self.pending: str | None = None          # a variable changed, not yet imported after
         self.path_pending = False                # sys.path changed
@@ -139,8 +106,6 @@ class _Walk:
                 changed = names.change(node) or setters.get(called)
                 if changed == SYS_PATH:
                     self.path_pending = True
-                elif changed is not None and self.defer(changed):
-                    self.deferred_pending.append(changed)
                 elif changed is not None:
                     self.pending = self.pending or changed
         return None
@@ -153,9 +118,6 @@ class _Walk:
             fresh = (preload_keys(part) & self.preloaded) - self.imported
             if fresh and self.pending is not None:
                 return self.pending, sorted(fresh)[0]
-            for variable in self.deferred_pending if fresh else ():
-                self.deferred.setdefault(variable, sorted(fresh)[0])
-            self.deferred_pending = [] if fresh else self.deferred_pending
             if fresh & self.path_counts and self.path_pending:
                 return SYS_PATH, sorted(fresh & self.path_counts)[0]
             self.imported |= fresh

@@ -8,8 +8,7 @@ on its PYTHONPATH, has loaded the probe as PROBE_NAME). It forks only while clea
 Python thread, CUDA not initialised, torch's CPU threads held) and opens no socket but FD, the agent's. It dies
 with the agent (PR_SET_PDEATHSIG, set by the agent), each child with it. The wire (a SOCK_SEQPACKET datagram
 of JSON each):
-  zygote -> agent  {"op": "ready", "failed": [[mod, error], ...], "unclean": why, "read": [variable, ...]}
-                   once, after the preloads ("read": what they read from os.environ; null: too many to list)
+  zygote -> agent  {"op": "ready", "failed": [[mod, error], ...], "unclean": why}    once, after the preloads
   agent -> zygote  {"op": "spawn", "id": N, ...launch...} + fds [stdin, stdout, stderr]
   zygote -> agent  {"op": "started", "id": N, "pid": P} or {"op": "refused", "id": N, "why": "..."}
   zygote -> agent  {"op": "exited", "pid": P, "code": C}             C: waitpid's exit code, -SIG when killed
@@ -317,40 +316,16 @@ def main() -> None:
         sys.path.append(path0)       # past the library while preloading: _forget_shadowed
     sock = socket.socket(fileno=fd)
     failed: list[list[str]] = []
-    before, read = set(sys.modules), set[str]()
-    printed = _import_output.printed_by(lambda: _reads_noted(read, lambda: _preload_all(preload, failed)))
+    before = set(sys.modules)
+    printed = _import_output.printed_by(lambda: _preload_all(preload, failed))
     if not safe:
         with contextlib.suppress(ValueError):     # (a preload that took it out of sys.path)
             del sys.path[len(sys.path) - 1 - sys.path[::-1].index(path0)]
         sys.path.insert(0, path0)
         _forget_shadowed(path0, before)
     del sys.argv[1:]
-    names = sorted(read)
-    _send(sock, {"op": "ready", "failed": failed, "unclean": _fork_state.unclean(),
-                 "read": names if sum(map(len, names)) <= MAX_READ else None})    # None: read them all
+    _send(sock, {"op": "ready", "failed": failed, "unclean": _fork_state.unclean()})
     run_as_main(Zygote(sock, printed).serve())
-
-
-MAX_READ = 256 << 10     # characters of variable names the ready message lists
-
-
-def _reads_noted(read: set[str], run: Callable[[], None]) -> None:
-    """Run `run`, noting each variable it reads from os.environ (`[]`, get, `in`, os.getenv and copies all read
-    through __getitem__): the agent starts the workers cold where the script sets one of them before it imports
-    its preloads (early_env.py)."""
-    kind = type(os.environ)
-    getitem = kind.__getitem__
-
-    def noted(self: Any, key: Any) -> Any:
-        if self is os.environ and isinstance(key, str):
-            read.add(key)
-        return getitem(self, key)
-
-    kind.__getitem__ = noted    # type: ignore[method-assign]
-    try:
-        run()
-    finally:
-        kind.__getitem__ = getitem    # type: ignore[method-assign]
 
 
 def _forget_shadowed(path0: str, before: set[str]) -> None:
