@@ -17,6 +17,7 @@ import time
 from node_agent.agent import Agent
 from node_agent.cli.command_line import OptionsError
 from node_agent.cli.options import agent_token, parse_options
+from node_agent.client.ports import store_ports
 from node_agent.client.transport import Transport, local_addr_towards
 from node_agent.narration import Narrator, reply_of, start_lines
 from node_agent.settings import AgentSettings, LinkSettings, Mode, StdSpec, WorkerSettings, default_node_id
@@ -54,10 +55,19 @@ async def _run(settings: AgentSettings, token: str | None) -> int:
     return code
 
 
+def _check_store_ports() -> None:
+    """$NODE_AGENT_STORE_PORTS, said at start-up where it is no range (it is read where a port is offered)."""
+    try:
+        store_ports()
+    except ValueError as exc:
+        raise OptionsError(str(exc)) from None
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         settings = parse_options(sys.argv[1:] if argv is None else argv)
         token = agent_token(settings.link)
+        _check_store_ports()
     except OptionsError as exc:
         print(f"node-agent: error: {exc}", file=sys.stderr)
         return 2

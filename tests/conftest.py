@@ -17,6 +17,11 @@ if ROOT not in sys.path:
 # one thread each. Tests of the launchers' own rule for it unset it (tests/e2e/harness.py child_env). Set before
 # any test module imports torch, which reads it as it loads.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# The suite's workers bind port 0 by the thousand (gloo's listeners, clients), and the kernel may hand a round's
+# store port, offered a moment before the store binds it, to one of them: an extra restart a test counts (CI had
+# one). Rounds take their store ports from a range of their own (node_agent/client/ports.py), below the ephemeral
+# range and apart from tests/ports.py's servers. tests/unit/test_ports.py covers the default, the kernel's pick.
+os.environ.setdefault("NODE_AGENT_STORE_PORTS", "10000-19999")
 
 # Hypothesis fails an example that runs past 200 ms as "unreliable timing": on a loaded machine a preemption or
 # a worker's full GC does that, and no property here is about time.

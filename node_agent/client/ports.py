@@ -1,40 +1,55 @@
-"""The port a round's store is offered on: free now, bound a moment later by another process (the store host
-or worker rank 0), so it is taken below the kernel's ephemeral range where the range leaves room. A port from
-bind(0) lies inside that range, and any process's outgoing connection on this machine can be handed it before
-the store binds it: the store then fails with EADDRINUSE and the round costs the job a restart."""
+"""The port a round's store is offered on: free now, bound a moment later by another process (node-agent's store
+host, or worker rank 0 under the torchrun plugin). By default the kernel picks it (bind to port 0), as torchrun's
+agent does: a port of the ephemeral range, which docs/deploy.md's firewall rule allows. NODE_AGENT_STORE_PORTS=
+LOW-HIGH takes a free one of that range instead: for a firewall that names the store's ports, or a host where
+many processes bind port 0 at once (the test suite's), where the kernel may hand the port offered to one of them
+before the store binds it (EADDRINUSE: the round costs the job a restart)."""
 from __future__ import annotations
 
+import errno
+import os
 import random
+import re
 import socket
+from collections.abc import Mapping
 
-EPHEMERAL_RANGE = "/proc/sys/net/ipv4/ip_local_port_range"
-LOWEST = 10000     # below: the ports services are configured on (databases, exporters, web servers)
-TRIES = 32
-
-
-def ephemeral_start(path: str = EPHEMERAL_RANGE) -> int:
-    """The first port the kernel hands to outgoing connections (Linux's default where it cannot be read)."""
-    try:
-        with open(path, encoding="ascii") as f:
-            return int(f.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768
+STORE_PORTS = "NODE_AGENT_STORE_PORTS"
+TRIES = 32          # random picks, before the range is walked through
 
 
-def free_port(addr: str = "", *, below: int | None = None) -> int:
-    """A port free right now on this machine, below the ephemeral range when there is room (see the top), else
-    one the kernel picks. Raises OSError only when no port at all can be bound (out of descriptors)."""
+def store_ports(environ: Mapping[str, str] = os.environ) -> range | None:
+    """NODE_AGENT_STORE_PORTS as a range of ports (None: not set); ValueError naming it where it is no LOW-HIGH
+    of ports 1024-65535."""
+    text = environ.get(STORE_PORTS, "").strip()
+    if not text:
+        return None
+    m = re.fullmatch(r"(\d{1,5})\s*-\s*(\d{1,5})", text)
+    low, high = (int(m[1]), int(m[2])) if m else (0, 0)
+    if not 1024 <= low <= high <= 65535:
+        raise ValueError(f"${STORE_PORTS}={text[:40]!r}: give LOW-HIGH, ports 1024-65535 (e.g. 29500-29599)")
+    return range(low, high + 1)
+
+
+def free_port(addr: str = "", environ: Mapping[str, str] = os.environ) -> int:
+    """A port free right now on this machine, of NODE_AGENT_STORE_PORTS where it is set (see the top). OSError when
+    none can be bound (out of descriptors, or every port of the range taken)."""
     family = socket.AF_INET6 if ":" in addr else socket.AF_INET
-    top = ephemeral_start() if below is None else below
+    try:
+        ports = store_ports(environ)
+    except ValueError:
+        ports = None        # said at start-up (node-agent's options, the plugin's settings)
     with socket.socket(family, socket.SOCK_STREAM) as s:
-        if top - LOWEST >= 1000:
-            pick = random.Random()     # its own state: a forked process's copy of the module's would repeat
-            for _ in range(TRIES):
-                port = pick.randrange(LOWEST, top)
-                try:
-                    s.bind(("", port))
-                    return port
-                except OSError:
-                    continue
-        s.bind(("", 0))
-        return int(s.getsockname()[1])
+        if ports is None:
+            s.bind(("", 0))
+            return int(s.getsockname()[1])
+        pick = random.Random()      # its own state: a forked copy of the module's would repeat its picks
+        start = pick.randrange(len(ports))
+        order = [ports[pick.randrange(len(ports))] for _ in range(TRIES)] + \
+            [ports[(start + i) % len(ports)] for i in range(len(ports))]
+        for port in order:
+            try:
+                s.bind(("", port))
+                return port
+            except OSError:
+                continue
+    raise OSError(errno.EADDRINUSE, f"no free port in {ports.start}-{ports.stop - 1} (${STORE_PORTS})")

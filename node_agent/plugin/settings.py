@@ -20,6 +20,7 @@ import msgspec
 from node_agent.cli.job_identity import TORCHRUN_DEFAULT_ID, command_fingerprint, default_job_id
 from node_agent.cli.rdzv_conf import INT_KEYS, KNOWN_KEYS, LOCAL_SECONDS, NO_TRANSPORT_CHOICE, SECONDS_KEYS, unquoted
 from node_agent.cli.values import parse_server, server_token
+from node_agent.client.ports import store_ports
 from node_agent.client.transport import local_addr_towards
 from node_agent.settings import default_node_id
 from protocol.ids import job_id_problem, node_id_problem
@@ -90,6 +91,10 @@ def plugin_settings(*, endpoint: str, run_id: str, min_nodes: int, max_nodes: in
     if unknown := sorted(k for k in conf if k not in KNOWN_KEYS):
         raise SettingsError(f"--rdzv-conf: unknown key {unknown[0]!r} for --rdzv-backend {BACKEND}; "
                             f"known keys: {', '.join(KNOWN_KEYS)}")
+    try:
+        store_ports(environ)
+    except ValueError as exc:
+        raise SettingsError(str(exc)) from None
     tls_ca = str(conf["tls_ca"]) if conf.get("tls_ca") else None
     if tls_ca is not None and not os.path.isfile(tls_ca):
         _fail("tls_ca", f"no such file: {tls_ca}")

@@ -1,31 +1,64 @@
-"""The store's port is taken below the kernel's ephemeral range, where outgoing connections cannot take it
-between the offer and the store's bind."""
+"""The round's store port: the kernel's pick by default (the ephemeral range docs/deploy.md's firewall rule
+allows), or a free one of NODE_AGENT_STORE_PORTS; a bad value is one line at start-up, never a traceback."""
 from __future__ import annotations
 
 import socket
+import subprocess
+import sys
 
-from node_agent.client.ports import LOWEST, ephemeral_start, free_port
+import pytest
 
-
-def test_the_port_offered_lies_below_the_ephemeral_range_and_can_be_bound():
-    start = ephemeral_start()
-    for _ in range(20):
-        port = free_port("127.0.0.1")
-        assert LOWEST <= port < start
-        with socket.socket() as s:
-            s.bind(("", port))     # free, as promised
+from node_agent.client.ports import STORE_PORTS, free_port, store_ports
+from tests.e2e.harness import child_env
 
 
-def test_where_the_range_leaves_no_room_the_kernel_picks():
-    port = free_port(below=LOWEST + 10)
-    assert port >= ephemeral_start()
+def ephemeral() -> range:
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        low, high = map(int, f.read().split())
+    return range(low, high + 1)
 
 
-def test_the_range_is_read_from_the_kernel_and_a_bad_file_falls_back(tmp_path):
-    good, bad = tmp_path / "good", tmp_path / "bad"
-    good.write_text("20000\t60999\n")
-    bad.write_text("junk\n")
-    assert ephemeral_start(str(good)) == 20000
-    assert ephemeral_start(str(bad)) == 32768
-    assert ephemeral_start(str(tmp_path / "absent")) == 32768
+def test_by_default_the_kernel_picks_an_ephemeral_port_that_can_be_bound():
+    port = free_port("127.0.0.1", environ={})
+    assert port in ephemeral()
+    with socket.socket() as s:
+        s.bind(("", port))
 
+
+def test_a_range_given_is_where_every_port_offered_lies_and_a_taken_one_is_passed_over():
+    with socket.socket() as held:
+        held.bind(("", 0))
+        taken = held.getsockname()[1]
+        env = {STORE_PORTS: f"{taken}-{taken + 1}"}
+        offered = {free_port(environ=env) for _ in range(20)}
+    assert offered == {taken + 1}
+
+
+def test_a_range_with_every_port_taken_is_an_error_naming_it():
+    with socket.socket() as held:
+        held.bind(("", 0))
+        taken = held.getsockname()[1]
+        with pytest.raises(OSError, match=f"no free port in {taken}-{taken} \\(\\${STORE_PORTS}\\)"):
+            free_port(environ={STORE_PORTS: f"{taken}-{taken}"})
+
+
+@pytest.mark.parametrize("text", ["29500", "abc", "29600-29500", "80-90", "29500-70000", "1-2-3"])
+def test_a_value_that_is_no_range_is_refused_naming_it(text):
+    with pytest.raises(ValueError, match=f"\\${STORE_PORTS}=.*LOW-HIGH"):
+        store_ports({STORE_PORTS: text})
+    assert store_ports({STORE_PORTS: " 29500 - 29599 "}) == range(29500, 29600)
+    assert store_ports({}) is None
+
+
+@pytest.mark.parametrize("launcher", ["node-agent", "torchrun"])
+def test_node_agent_and_the_torchrun_plugin_say_a_bad_value_in_one_line(tmp_path, launcher):
+    script = tmp_path / "train.py"
+    script.write_text("print('ran')\n")
+    argv = [sys.executable, "-m", "node_agent", "--standalone", str(script)] if launcher == "node-agent" else \
+        [sys.executable, "-m", "torch.distributed.run", "--rdzv-backend", "rdzv-server", "--rdzv-endpoint",
+         "127.0.0.1:1", "--nnodes", "1", str(script)]
+    env = child_env(**{STORE_PORTS: "junk", "TMPDIR": str(tmp_path)})
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert "$NODE_AGENT_STORE_PORTS='junk': give LOW-HIGH" in done.stderr
+    assert "Traceback" not in done.stderr and "ran" not in done.stdout
