@@ -233,7 +233,10 @@ class RdzvServerHandler(RendezvousHandler):
             return None
         inner = PrefixStore(f"rdzv-server/{self.settings.job_id}/{a.round_id}", base)
         if a.group_rank == 0:
-            port = free_port(self.settings.addr)
+            try:
+                port = free_port(self.settings.addr)
+            except OSError as exc:
+                raise RendezvousConnectionError(f"round {a.round_id}: no port for the workers' store: {exc}") from None
             inner.set(WORKER_PORT_KEY, str(port))
         else:
             if not self._wait_for_key(inner, WORKER_PORT_KEY, a):
