@@ -15,7 +15,6 @@ the file's layout). The rules:
 from __future__ import annotations
 
 import contextlib
-import errno
 import mmap
 import os
 import sys
@@ -26,7 +25,7 @@ from typing import Any
 
 import torch
 
-from node_agent.training import exit_marks, heartbeat, layout, slabs, snapshot, staging, trees
+from node_agent.training import exit_marks, headroom, heartbeat, layout, slabs, snapshot, staging, trees
 
 
 def check_cadence(call: str, every: object, keep: object) -> None:
@@ -145,17 +144,12 @@ class Capture:
 
     def _slab_for(self, step: int, size: int) -> tuple[slabs.Slab, snapshot.Room]:
         """The file `step-N.tmp`, `size` bytes of data mapped: a dropped one written over (_reused), else a new one;
-        beside the last complete snapshot where the limit holds one only and there is room (snapshot.fit), else
-        (no room for it after all: ENOSPC) in its place."""
+        beside the last complete snapshot where the limit holds one only and there is room (snapshot.fit): where
+        there is none after all (ENOSPC: others took it), MemoryDirFull, and the last one stays (a review: made
+        room by dropping it, the rank held none when the second try failed too)."""
         made = snapshot.make_room(step, self.where, self.keep)
         bound = snapshot.limit()
-        room = snapshot.fit(made, step, self.where, size, bound)
-        try:
-            return self._slab_in(step, size, made, room, bound)
-        except snapshot.MemoryDirFull:
-            if not room.after:
-                raise
-        return self._slab_in(step, size, made, snapshot.fit(made, step, self.where, size, bound, beside=False), bound)
+        return self._slab_in(step, size, made, snapshot.fit(made, step, self.where, size, bound), bound)
 
     def _slab_in(self, step: int, size: int, made: snapshot.Room, room: snapshot.Room,
                  bound: int | None) -> tuple[slabs.Slab, snapshot.Room]:
@@ -184,7 +178,7 @@ class Capture:
         except OSError as exc:
             os.close(fd)
             snapshot.remove(tmp)
-            if exc.errno == errno.ENOSPC:
+            if exc.errno in snapshot.FULL:
                 raise snapshot.full_error(step, self.where, None, room) from exc
             raise
         self._keep_slabs(lambda s: s is not again)
@@ -201,7 +195,7 @@ class Capture:
         names = {old: snapshot.path(old, self.where) for old in dropped}
         stats = {old: slabs.stat(name) for old, name in names.items()}
         own = [old for old, st in stats.items() if st is not None and st.st_ino in self._slabs and st.st_nlink == 1]
-        mapped = slabs.mapped_inodes() if not own else set()
+        mapped = headroom.mapped_inodes() if not own else set()
         others = [old for old, st in stats.items()
                   if mapped is not None and st is not None and st.st_ino not in mapped and st.st_nlink == 1]
         chosen = (own or others)[:1]
@@ -282,7 +276,7 @@ class Capture:
             finally:
                 os.close(fd)
             os.replace(tmp, snapshot.path(p.step, self.where))
-            for old in p.room.after if self.keep == 1 else ():     # kept for the write's time only (keep=1)
+            for old in p.room.after:          # the last complete one, kept beside it for the write's time only
                 self._forget(snapshot.path(old, self.where))
             if any(p.replicated):
                 heartbeat.digest(p.step, layout.digest_of([s for s, alike in zip(sums, p.replicated, strict=True)
@@ -299,7 +293,7 @@ class Capture:
     def _failed(self, step: int, exc: BaseException) -> None:
         if isinstance(exc, snapshot.MemoryDirFull):
             self._say_once("full", f"{exc}; training goes on, the last complete snapshot stays")
-        elif isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+        elif isinstance(exc, OSError) and exc.errno in snapshot.FULL:
             self._say_once("full", f"snapshot of step {step}: /dev/shm is full; training goes on, the last "
                                    "complete snapshot stays")
         else:

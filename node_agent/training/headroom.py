@@ -1,27 +1,54 @@
 """Whether a snapshot can be written beside the last complete one for the write's time, past the memory
 directory's limit (snapshot.fit: a limit that holds one snapshot would otherwise drop it first, and a node killed
 during the write would leave the rank none): only where the file system and the memory both have room for it,
-for every local rank of the node at once (they write the same step together). A tmpfs's pages are memory, and a
-container's memory limit counts them: a write the file system takes could still get the node OOM-killed.
-No torch import (the agent may import the snapshot module)."""
+for every local rank of the node at once (they write the same step together), and a reserve stays free after it.
+A tmpfs's pages are memory, and a container's memory limit counts them: a write the file system takes could still
+get the node OOM-killed, and the training's own memory peaks while the write runs in the background (a review: a
+snapshot kept beside past the limit at rest got a worker OOM-killed at its next allocation). No torch import (the
+agent may import the snapshot module)."""
 from __future__ import annotations
 
 import contextlib
 import os
 
 LOCAL_RANKS_VAR = "LOCAL_WORLD_SIZE"
+FS_RESERVE = 0.25      # of the file system left to others, as the copy store leaves (copies/room.py)
+MEMORY_RESERVE = 0.10  # of the memory (the machine's, each cgroup's limit) left to the training's peaks
 
 
-def room_beside(where: str, new: int) -> bool:
-    need = new * _local_ranks()
+def room_beside(where: str, new: int, freed: int = 0) -> bool:
+    """Room for `new` more bytes a local rank (less `freed`: what its own drops give back) with the reserves left
+    (a review: /dev/shm was held at 9 MB free, a peer's copy refused, another program's write failed)."""
+    need = max(0, new - freed) * _local_ranks()
     try:
         st = os.statvfs(where)
     except OSError:
         return False
-    if st.f_bavail * st.f_frsize < need:
+    if st.f_bavail * st.f_frsize - need < FS_RESERVE * st.f_blocks * st.f_frsize:
         return False
-    free = free_memory()
-    return free is None or free >= need
+    return all(free - need >= MEMORY_RESERVE * total for free, total in memory_room())
+
+
+def freed_by(paths: list[str]) -> int:
+    """Bytes removing `paths` gives back: not a file with another name (a hard link: the agent's while it sends
+    it), nor one this process maps (a restore's tensors lie in their snapshot's mapping)."""
+    mapped = mapped_inodes()
+    out = 0
+    for p in paths:
+        with contextlib.suppress(OSError):
+            st = os.stat(p)
+            if st.st_nlink == 1 and mapped is not None and st.st_ino not in mapped:
+                out += st.st_size
+    return out
+
+
+def mapped_inodes() -> set[int] | None:
+    """The inodes of the files this process maps, or None where it cannot tell."""
+    try:
+        with open("/proc/self/maps") as f:
+            return {int(fields[4]) for line in f if len(fields := line.split(maxsplit=5)) >= 5 and fields[4] != "0"}
+    except (OSError, ValueError):
+        return None
 
 
 def _local_ranks() -> int:
@@ -31,18 +58,18 @@ def _local_ranks() -> int:
         return 1
 
 
-def free_memory() -> int | None:
-    """Bytes of memory this process's processes may still take: the kernel's MemAvailable, less where a memory
-    cgroup it is in, or any group above it (a Slurm step's, a pod's), is limited to less (cgroup v2's memory.max
-    and memory.high, or v1's memory.limit_in_bytes, less what is used); None where none can be read."""
-    found: list[int] = []
+def memory_room() -> list[tuple[int, int]]:
+    """(bytes free, bytes in all) of each bound on this process's memory: the kernel's MemAvailable of MemTotal,
+    and each memory cgroup it is in, or above it (a Slurm step's, a pod's), that is limited (cgroup v2's
+    memory.max and memory.high, or v1's memory.limit_in_bytes, less what is used); empty where none can be read."""
+    found: dict[str, int] = {}
     with contextlib.suppress(OSError, ValueError), open("/proc/meminfo") as f:
         for line in f:
-            if line.startswith("MemAvailable:"):
-                found.append(int(line.split()[1]) * 1024)
-                break
-    found += [most - used for most, used in cgroup_limits()]
-    return min(found) if found else None
+            key, _, rest = line.partition(":")
+            if key in ("MemAvailable", "MemTotal"):
+                found[key] = int(rest.split()[0]) * 1024
+    out = [(found["MemAvailable"], found["MemTotal"])] if len(found) == 2 else []
+    return out + [(most - used, most) for most, used in cgroup_limits()]
 
 
 V2 = (("/sys/fs/cgroup", "/sys/fs/cgroup/unified"), ("memory.max", "memory.high"), "memory.current")

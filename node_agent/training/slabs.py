@@ -28,15 +28,6 @@ class Slab:
             os.close(self.fd)
 
 
-def mapped_inodes() -> set[int] | None:
-    """The inodes of the files this process maps, or None where it cannot tell (no /proc: reuse none)."""
-    try:
-        with open("/proc/self/maps") as f:
-            return {int(fields[4]) for line in f if len(fields := line.split(maxsplit=5)) >= 5 and fields[4] != "0"}
-    except (OSError, ValueError):
-        return None
-
-
 def touch(name: str) -> None:
     """A new modification time, before a byte changes: a sender of the file's bytes (copies/files.names) sees it
     was written over, even where this process's mapping writes it with no fault (and so no time of its own)."""

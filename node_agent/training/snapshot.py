@@ -10,10 +10,10 @@ agent imports this): `save` takes bytes or a callable writing into a file, e.g.
   is taken over from a copy no older, and every rank must still hold its step).
 - What is kept plus the new snapshot must fit the limit: where it does not, older snapshots go too, oldest first
   (a limit that holds fewer than `keep` keeps the newest; a writer's snapshot is taken to be the size of the
-  newest), but the newest complete one stays beside the new one, past the limit, where the file system and
-  the memory have room for it (`fit`: so every rank keeps a step in common; with keep=1 only until the new one
-  is complete); where the new one alone does not fit (or /dev/shm is full) `save` raises `MemoryDirFull` naming
-  the limit and sizes, leaving no partial file. Catch it and train on: the agent never stops training for it.
+  newest), but the newest complete one stays beside the new one until it is complete, past the limit, where the
+  file system and the memory have room for both (`fit`); where the new one alone does not fit (or /dev/shm is
+  full) `save` raises `MemoryDirFull` naming the limit and sizes, leaving no partial file and the last complete
+  one. Catch it and train on: the agent never stops training for it.
 - All ranks resume from the same step: `agreed_step` takes the MIN of every rank's newest step, then checks
   every rank holds (and accepts) it (a rank that lost its copy, e.g. a replaced node, sends everyone back to disk).
   Where every rank's state is a replica of every other's (DDP: `lend`), a rank that holds nothing (a node that
@@ -50,6 +50,7 @@ HOLD_MAX_S = 30.0         # the most it waits: a swap that did not come lets the
 KEEP_FROM = ".keep-from"  # the agent asks this rank to keep its snapshots from this step on (NodeStatus.copies_floor)
 SENDING = ".sending-"     # a second name for a snapshot while the agent sends it (copies/files.pin): not written over
 HOLD_LOOK_S = 0.02
+FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)    # no room for the snapshot: MemoryDirFull, as past the limit
 _NAME = re.compile(r"step-(\d{1,18})")
 NONE_HELD = 2**62         # agreed_step with `lend`: what a rank that holds no snapshot offers (it can be lent one)
 _FIELD = (1 << 21) - 1    # agreed_step's counts of ranks, three in one 64-bit sum
@@ -199,7 +200,7 @@ class _Bounded:
         try:
             yield
         except OSError as exc:
-            if exc.errno == errno.ENOSPC:
+            if exc.errno in FULL:
                 self.full = True
             raise
 
@@ -231,15 +232,8 @@ def save(data: bytes | Writer, step: int, *, where: str | None = None, keep: int
     held = [s for s in steps(where) if s != step]
     # A writer's size is known once written: taken to be the newest snapshot's (a state keeps its size)
     new = len(data) if isinstance(data, bytes | bytearray) else size(path(held[-1], where)) if held else 0
-    fitted = fit(made, step, where, new, bound)
-    try:
-        return _written(data, step, where, bound, fitted, keep, fewer(made, fitted, bound, new, keep))
-    except MemoryDirFull:
-        if not fitted.after:
-            raise
-    # no room beside the last complete snapshot after all (the node's other ranks took it): it makes room
-    fitted = fit(made, step, where, new, bound, beside=False)
-    return _written(data, step, where, bound, fitted, keep, fewer(made, fitted, bound, new, keep))
+    fitted = fit(made, step, where, new, bound)     # no room beside after all (ENOSPC): MemoryDirFull, last kept
+    return _written(data, step, where, bound, fitted, fewer(made, fitted, bound, new, keep))
 
 
 def fewer(made: Room, room: Room, bound: int | None, new: int, keep: int) -> tuple[str, str] | None:
@@ -250,8 +244,10 @@ def fewer(made: Room, room: Room, bound: int | None, new: int, keep: int) -> tup
     head = (f"the memory directory's limit ({bound} bytes) holds {room.kept_count + 1} snapshot(s) of {new} bytes, "
             f"not keep={keep}")
     if room.after:
-        return "fewer", (f"{head}: the newest complete one stays beside the next, past the limit, while /dev/shm and "
-                         f"the memory have room for it, so every rank keeps a step in common")
+        return "fewer", (f"{head}: the newest complete one stays beside the next until it is complete, past the "
+                         f"limit, while /dev/shm and the memory have room for both; ranks that finish their writes "
+                         f"at different times may hold no step in common meanwhile (room for {keep} closes it: a "
+                         f"larger --memory-dir-limit)")
     return "bare", (f"{head}, and there is no room beside it: the last one makes room before the next is written, "
                     f"so a node killed meanwhile leaves this rank none (room for {keep} keeps it: a larger "
                     f"--memory-dir-limit or /dev/shm)")
@@ -266,19 +262,19 @@ def _say_once(kind: str, text: str) -> None:
         print(f"node-agent snapshot (rank {os.environ.get('RANK', '?')}): {text}", file=sys.stderr, flush=True)
 
 
-def _written(data: bytes | Writer, step: int, where: str, bound: int | None, made: Room, keep: int,
+def _written(data: bytes | Writer, step: int, where: str, bound: int | None, made: Room,
              said: tuple[str, str] | None) -> str:
     if said is not None:
         _say_once(*said)
+    room = None if bound is None else bound - made.kept
+    if room is not None and isinstance(data, bytes | bytearray) and len(data) > room:
+        raise full_error(step, where, bound, made)        # known before a file goes
     for old in made.dropped:
         remove(path(old, where))
-    room = None if bound is None else bound - made.kept
     final = path(step, where)
     tmp = final + ".tmp"
     out: _Bounded | None = None
     try:
-        if room is not None and isinstance(data, bytes | bytearray) and len(data) > room:
-            raise MemoryDirFull(f"needs {len(data)} bytes")
         with open(tmp, "wb") as f:
             out = _Bounded(f, room)
             if isinstance(data, bytes | bytearray):
@@ -290,11 +286,11 @@ def _written(data: bytes | Writer, step: int, where: str, bound: int | None, mad
     except Exception as exc:
         remove(tmp)
         full = (out is not None and out.full) or isinstance(exc, MemoryDirFull)
-        if full or (isinstance(exc, OSError) and exc.errno == errno.ENOSPC):   # or /dev/shm itself is full
+        if full or (isinstance(exc, OSError) and exc.errno in FULL):   # or /dev/shm itself is full
             raise full_error(step, where, bound, made) from exc
         raise
     os.replace(tmp, final)
-    for old in made.after if keep == 1 else ():     # kept for the write's time only; else past the limit, at rest
+    for old in made.after:     # kept for the write's time only: at rest the limit holds
         remove(path(old, where))
     hold_after(step, where)
     return final
@@ -323,8 +319,8 @@ class Room:
     snapshot survives a failed write), but for those from the step the agent names (KEEP_FROM: the job's oldest
     peer copy is of it, and a node lost now is taken over from a copy no older); the kept ones' bytes count against
     the limit (`fit`: it wins). `after`: the newest complete one, where nothing else would be kept, not counted
-    against the limit: it stays past it, until the next save's keep rule (with keep=1 until the new one is
-    complete), so a rank killed during the write, or whose peers are slower, still holds a step in common."""
+    against the limit: it stays past it until the new one is complete, so a rank killed during the write still
+    holds one (kept at rest, a review found it got a worker OOM-killed at the training's next peak)."""
     dropped: list[int]
     kept: int           # bytes
     kept_count: int
@@ -348,13 +344,13 @@ def keep_from(where: str) -> int | None:
         return None
 
 
-def fit(room: Room, step: int, where: str, new: int, bound: int | None, beside: bool = True) -> Room:
+def fit(room: Room, step: int, where: str, new: int, bound: int | None) -> Room:
     """`room`, with the oldest kept snapshots dropped too until `new` more bytes fit `bound`: a limit that holds
     fewer snapshots than `keep` keeps the newest (kept refused, the oldest would outlive every later step and be
     what the job resumes from). Unchanged where the new one alone does not fit. Where nothing would be kept, the
-    newest complete snapshot stays beside the new one (`after`), if `beside` and there is room for both: within
-    `bound`, else in the file system and the memory (headroom.py); else a node killed during the write would
-    leave the rank none, and ranks that finish theirs at different times no step in common."""
+    newest complete snapshot stays beside the new one (`after`), if there is room for both: within `bound`, else
+    in the file system and the memory, less what the drops give back (headroom.py); else a node killed during the
+    write would leave the rank none."""
     if bound is not None and new > bound:
         return room
     dropped, kept, count = list(room.dropped), room.kept, room.kept_count
@@ -366,9 +362,11 @@ def fit(room: Room, step: int, where: str, new: int, bound: int | None, beside: 
             kept -= size(path(old, where))
             count -= 1
     complete = [s for s in steps(where) if s != step]
-    if count == 0 and complete and beside:
+    if count == 0 and complete:
         last = complete[-1]
-        if (bound is not None and kept + size(path(last, where)) + new <= bound) or headroom.room_beside(where, new):
+        freed = headroom.freed_by([path(s, where) for s in dropped if s != last])
+        if (bound is not None and kept + size(path(last, where)) + new <= bound) or \
+                headroom.room_beside(where, new, freed):
             return Room([s for s in dropped if s != last], kept, 0, (last,))
     return Room(dropped, kept, count)
 

@@ -352,8 +352,8 @@ def test_save_keeps_the_newest_and_never_leaves_a_partial_file(tmp_path) -> None
 def test_a_limit_that_holds_fewer_than_keep_keeps_the_newest(tmp_path, as_writer) -> None:
     """Refusing the new one would keep the oldest for ever: every later step refused, the job resuming from it.
     A writer's size is known once written: taken to be the newest kept snapshot's. The newest complete one stays
-    beside the next, past the limit (the memory and file system have room), so every rank keeps a step in common
-    whichever finishes its write first (a review); the keep rule drops it at the next save."""
+    beside the next until it is complete, past the limit (the memory and file system have room), so a node killed
+    during the write still holds one; at rest the limit holds (a review: kept past it, a worker was OOM-killed)."""
     where = str(tmp_path)
     snapshot.save(b"a" * 600, 1, where=where, max_bytes=1000)
     data = b"b" * 600
@@ -364,8 +364,7 @@ def test_a_limit_that_holds_fewer_than_keep_keeps_the_newest(tmp_path, as_writer
             seen.append(sorted(os.listdir(where)))
             f.write(data)
         got = snapshot.save(writer if as_writer else data, step, where=where, max_bytes=1000)
-        assert got == str(tmp_path / f"step-{step}") and sorted(os.listdir(where)) == [f"step-{step - 1}",
-                                                                                       f"step-{step}"]
+        assert got == str(tmp_path / f"step-{step}") and sorted(os.listdir(where)) == [f"step-{step}"]
         assert seen == ([[f"step-{step - 1}", f"step-{step}.tmp"]] if as_writer else []), seen
     with pytest.raises(snapshot.MemoryDirFull):                # one that does not fit alone: the last one stays
         snapshot.save(b"c" * 1001, 4, where=where, max_bytes=1000)
@@ -377,7 +376,7 @@ def test_a_save_with_no_room_beside_the_last_snapshot_says_what_that_risks_once(
     """A review: `save` fell back to dropping the last snapshot first and said nothing (protect said it)."""
     where = str(tmp_path)
     monkeypatch.setattr(snapshot, "_said", set())
-    monkeypatch.setattr(snapshot.headroom, "room_beside", lambda where, new: False)
+    monkeypatch.setattr(snapshot.headroom, "room_beside", lambda where, new, freed: False)
     for step in (1, 2, 3):
         snapshot.save(b"a" * 600, step, where=where, max_bytes=1000)
     assert os.listdir(where) == ["step-3"]
@@ -398,7 +397,7 @@ def test_keep_one_keeps_the_last_snapshot_until_the_next_is_complete(tmp_path, m
     assert os.listdir(where) == ["step-1"]
     snapshot.save(b"b" * 10, 3, where=where, keep=1)
     assert os.listdir(where) == ["step-3"]
-    monkeypatch.setattr(snapshot.headroom, "room_beside", lambda where, new: False)   # no room beside: as before
+    monkeypatch.setattr(snapshot.headroom, "room_beside", lambda where, new, freed: False)   # no room beside
     with pytest.raises(RuntimeError):
         snapshot.save(failing, 4, where=where, keep=1)
     assert os.listdir(where) == []
@@ -694,3 +693,41 @@ async def test_a_next_agent_waits_for_its_stopping_predecessor_to_end_and_keeps_
     finally:
         old.kill()
         old.wait()
+
+
+def test_a_snapshot_grown_past_the_limit_keeps_the_last_complete_one(tmp_path) -> None:
+    """A review: the state grew (an optimizer's state made lazily) past the limit; the writer's refusal came after
+    the last complete snapshot was dropped to try again, and the rank held none."""
+    where = str(tmp_path)
+    for step in (1, 2):
+        snapshot.save(b"a" * 25_000, step, where=where, max_bytes=32_000)
+    with pytest.raises(snapshot.MemoryDirFull):
+        snapshot.save(lambda f: f.write(b"c" * 40_000), 3, where=where, max_bytes=32_000)
+    assert os.listdir(where) == ["step-2"]
+    with pytest.raises(snapshot.MemoryDirFull):          # bytes: known too large before anything goes
+        snapshot.save(b"c" * 40_000, 3, where=where, max_bytes=32_000)
+    assert os.listdir(where) == ["step-2"]
+
+
+@pytest.mark.parametrize("writer_kind", ["bytes", "torch-like"])
+def test_a_file_size_limit_is_memory_dir_full_and_keeps_the_last_snapshot(tmp_path, writer_kind) -> None:
+    """A review: `ulimit -f` (EFBIG; EDQUOT likewise) raised OSError, or torch.save's RuntimeError, past a script's
+    documented `except MemoryDirFull`: the worker died at the save."""
+    import resource
+    where = str(tmp_path)
+    snapshot.save(b"a" * 1000, 1, where=where)
+
+    def torch_like(f) -> None:       # torch's zip writer turns the file's error into its own
+        try:
+            f.write(b"b" * 40_000)
+            f.flush()
+        except OSError as exc:
+            raise RuntimeError("unexpected pos") from exc
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (20_000, hard))    # Python ignores SIGXFSZ: writes fail with EFBIG
+    try:
+        with pytest.raises(snapshot.MemoryDirFull):
+            snapshot.save(b"b" * 40_000 if writer_kind == "bytes" else torch_like, 2, where=where)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    assert os.listdir(where) == ["step-1"]
