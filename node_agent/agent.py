@@ -51,7 +51,7 @@ from node_agent.workers.interfaces import gloo_interface
 from node_agent.workers.local import GroupFactory, LocalWorkers
 from node_agent.workers.memory import forget_after
 from protocol.descriptors import raise_open_file_limit
-from protocol.messages import NodeStatus, Witness
+from protocol.messages import Assignment, NodeStatus, Witness
 
 SAME_SIGNAL_S = 1.0     # a signal repeated this soon is the first one delivered twice (see _on_signal)
 
@@ -180,18 +180,10 @@ class Agent:
                 async with link.lease_kept(max(0.2, self.link.job.lease_timeout_s / 3)):
                     await self.workers.stop(signum)
             case Spawn(assignment=assignment):
-                # (its previous agent may still stop its workers: the same --stop-timeout, and a margin)
-                await succession.predecessor_gone(self.workers.memory, self.settings.workers.stop_timeout + 5.0)
-                dirs = self.workers.memory.dirs_for(assignment.local_world_size, assignment.rank_offset,
-                                                    assignment.run)
-                succession.keep_credential(self.workers.memory, self.transport.credential)    # for its next agent
-                if assignment.resume_at_most >= 0 and (gone := forget_after(assignment.resume_at_most, dirs)):
-                    self.narrator.say(f"the job's replicas diverged after step {assignment.resume_at_most}: "
-                                      f"snapshots of step(s) {', '.join(map(str, gone))} removed")
-                self.workers.memory.hold(False)       # a hold was the last round's
-                self.workers.memory.keep_from(self.policy.keep_from)     # (a predecessor's mark: not this job's)
-                await self.copies.before_spawn(assignment, dirs)      # a fetch goes on while the workers start
-                await self.workers.spawn(assignment)
+                # Its previous agent may still stop its workers, a fetch or a zygote take a while: past a lease,
+                # which must not lapse meanwhile (a review: the node was lost and excluded for 300 s)
+                async with link.lease_kept(max(0.2, self.link.job.lease_timeout_s / 3)):
+                    await self._spawn(assignment)
             case ReportFailure(round_id=round_id, failures=failures):
                 link.report_failure(round_id, failures, self.workers.progress_note(round_id))
             case ReportSuccess(round_id=round_id):
@@ -220,6 +212,20 @@ class Agent:
                 start_source(self._ask_witnesses(witnesses), self.facts.put_nowait)
             case Exit():
                 self.exit = action
+
+    async def _spawn(self, assignment: Assignment) -> None:
+        # (its previous agent may still stop its workers: the same --stop-timeout, and a margin)
+        await succession.predecessor_gone(self.workers.memory, self.settings.workers.stop_timeout + 5.0)
+        dirs = self.workers.memory.dirs_for(assignment.local_world_size, assignment.rank_offset,
+                                            assignment.run)
+        succession.keep_credential(self.workers.memory, self.transport.credential)    # for its next agent
+        if assignment.resume_at_most >= 0 and (gone := forget_after(assignment.resume_at_most, dirs)):
+            self.narrator.say(f"the job's replicas diverged after step {assignment.resume_at_most}: "
+                              f"snapshots of step(s) {', '.join(map(str, gone))} removed")
+        self.workers.memory.hold(False)       # a hold was the last round's
+        self.workers.memory.keep_from(self.policy.keep_from)     # (a predecessor's mark: not this job's)
+        await self.copies.before_spawn(assignment, dirs)      # a fetch goes on while the workers start
+        await self.workers.spawn(assignment)
 
     async def _check(self, action: CheckNode) -> None:
         self.facts.put_nowait(await self.checks.check(action, self.workers.stuck_pids))

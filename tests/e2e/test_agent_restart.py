@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from tests.e2e.harness import Gate, job_view, shard_resumes, wait_until
+from tests.e2e.harness import Gate, job_events, job_view, shard_resumes, wait_until
 from tests.e2e.test_peer_copies import ENV, FAST, LIMIT, SHARDS, memory_of, steps
 
 pytestmark = pytest.mark.e2e
@@ -26,13 +26,15 @@ pytestmark = pytest.mark.e2e
 WINDOW = ("--last-call", "3")
 
 
-def start(cluster, out, node: str, job: str, nnodes: str = "3", gate: Gate | None = None, given: bool = True):
+def start(cluster, out, node: str, job: str, nnodes: str = "3", gate: Gate | None = None, given: bool = True,
+          stop_timeout: str | None = None, env: dict[str, str] | None = None):
     """`given`: the agent is started with `--node-id NODE`, else without one (HOSTNAME-PID, a torchrun user's)."""
     return cluster.agent("--endpoint", cluster.endpoint(), "--nnodes", nnodes, "--nproc", "2", "--job-id", job,
                          "--max-restarts", "3", *(("--node-id", node) if given else ()),
                          "--failure-domain", f"rack-{node}", *FAST, *WINDOW,
+                         *(("--stop-timeout", stop_timeout) if stop_timeout else ()),
                          *(gate.flags(SHARDS) if gate else ()), SHARDS, name=node,
-                         env={"OUT_DIR": str(out), "NODE": node, **ENV, **(gate.env if gate else {})})
+                         env={"OUT_DIR": str(out), "NODE": node, **ENV, **(gate.env if gate else {}), **(env or {})})
 
 
 def resumed_from_memory(out, since: float, restarted) -> dict[int, tuple[int, str, str]]:
@@ -124,6 +126,34 @@ def test_a_next_agent_slow_to_prepare_keeps_its_place_while_it_prepares(cluster,
     (tmp_path / "stop").write_text("stop")
     for agent in agents.values():
         assert agent.wait(LIMIT) == 0, agent.output
+
+
+def test_a_next_agent_started_while_its_predecessor_still_stops_keeps_the_nodes_place(cluster, tmp_path):
+    """A review: SIGTERM, the next agent started at once, the old one's workers slow to stop (a framework saving as
+    it stops: --stop-timeout). The next agent waited for its predecessor with no poll held: past its lease, the
+    server took the node for lost, counted a flap, and excluded it for 300 s; the 2:3 job went on with 4 ranks.
+    The lease is now kept through the whole start of the workers, and the node is back at its place."""
+    job = "restart-predecessor-stopping"
+    cluster.start_server()
+    agents = {n: start(cluster, tmp_path, n, job, "2:3", stop_timeout="15", env={"IGNORE_TERM": "1"})
+              for n in ("a", "b", "c")}
+    wait_until(lambda: len({r for *_, r, _ in steps(tmp_path)}) == 6, LIMIT, "every rank stepping")
+    node = next(n["node_id"] for n in job_view(cluster, job)["nodes"] if n["group_rank"] == 1)
+    wait_until(lambda: copies_of(cluster, job, node).get("local_step", -1) >= 10, LIMIT, "a snapshot of step 10")
+    stopped_at = time.time()
+    os.kill(agents[node].pid, signal.SIGTERM)      # its workers ignore it: its stop takes --stop-timeout
+    old = agents[node]
+    agents[node] = start(cluster, tmp_path, node, job, "2:3", stop_timeout="15", env={"IGNORE_TERM": "1"})
+    old.wait(LIMIT)
+    resumed_from_memory(tmp_path, stopped_at, agents[node])
+    assert "previous agent" in agents[node].output and "still owns its memory" in agents[node].output, \
+        agents[node].output[-3000:]                # it did wait for it, past a lease
+    lost = [e for e in job_events(cluster, job) if e["kind"] in ("node_lost", "node_excluded")]
+    assert not lost, (lost, agents[node].output[-3000:])
+    assert "excluded" not in agents[node].output, agents[node].output[-3000:]
+    (tmp_path / "stop").write_text("stop")
+    for agent in agents.values():
+        assert agent.wait(LIMIT) == 0, agent.output[-3000:]
 
 
 def test_a_standalone_agent_restarted_under_its_job_id_resumes_from_its_memory(cluster, tmp_path):
