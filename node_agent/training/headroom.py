@@ -10,6 +10,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
+import threading
+import time
+from collections.abc import Callable
 
 LOCAL_RANKS_VAR = "LOCAL_WORLD_SIZE"
 FS_RESERVE = 0.25      # of the file system left to others, as the copy store leaves (copies/room.py)
@@ -49,6 +53,56 @@ def mapped_inodes() -> set[int] | None:
             return {int(fields[4]) for line in f if len(fields := line.split(maxsplit=5)) >= 5 and fields[4] != "0"}
     except (OSError, ValueError):
         return None
+
+
+SIBLINGS_WAIT_S = 10.0    # the most the last one stays for the node's other ranks (one whose write failed)
+SIBLINGS_LOOK_S = 0.01
+_STEP = re.compile(r"step-(\d{1,18})")
+
+
+def await_siblings(step: int, where: str, stop: threading.Event | None = None,
+                   wait_s: float = SIBLINGS_WAIT_S) -> bool:
+    """Until every other local rank of the node that holds a snapshot (in the directories beside `where`: the
+    agent's ROOT/LOCAL_RANK) holds `step` or a newer one, at most `wait_s`; False where `stop` came first. The last
+    snapshot kept beside the new one goes then, so none of the node's ranks is left without a step the others
+    hold (a review: ranks that finished at different times held none in common 5% of the time)."""
+    deadline = time.monotonic() + wait_s
+    while siblings_behind(step, where) and time.monotonic() < deadline:
+        if stop is not None:
+            if stop.wait(SIBLINGS_LOOK_S):
+                return False
+        else:
+            time.sleep(SIBLINGS_LOOK_S)
+    return True
+
+
+def siblings_behind(step: int, where: str) -> bool:
+    """Whether another local rank of the node that holds a snapshot holds none of `step` or later."""
+    parent, me = os.path.split(os.path.normpath(where))
+    if not me.isdigit():
+        return False                    # not an agent's rank directory: no siblings known
+    return any(_behind(os.path.join(parent, str(r)), step) for r in range(_local_ranks()) if str(r) != me)
+
+
+def drop_after_siblings(step: int, where: str, paths: list[str], drop: Callable[[str], None]) -> None:
+    """`drop` each of `paths` once the node's other ranks hold `step`: now where they do, else in a thread of
+    its own (the training goes on meanwhile)."""
+    def later() -> None:
+        await_siblings(step, where)
+        for p in paths:
+            drop(p)
+    if not siblings_behind(step, where):
+        later()
+    else:
+        threading.Thread(target=later, daemon=True, name=f"node-agent snapshot {step}: the one before").start()
+
+
+def _behind(directory: str, step: int) -> bool:
+    try:
+        held = [int(m[1]) for name in os.listdir(directory) if (m := _STEP.fullmatch(name))]
+    except OSError:
+        return False
+    return bool(held) and max(held) < step       # (one that holds none takes no snapshots: not waited for)
 
 
 def _local_ranks() -> int:

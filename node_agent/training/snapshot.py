@@ -290,8 +290,8 @@ def _written(data: bytes | Writer, step: int, where: str, bound: int | None, mad
             raise full_error(step, where, bound, made) from exc
         raise
     os.replace(tmp, final)
-    for old in made.after:     # kept for the write's time only: at rest the limit holds
-        remove(path(old, where))
+    # the one kept beside it goes once the node's other ranks hold this step too: at rest the limit holds
+    headroom.drop_after_siblings(step, where, [path(s, where) for s in made.after], remove)
     hold_after(step, where)
     return final
 
