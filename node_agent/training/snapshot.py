@@ -373,7 +373,8 @@ def fit(room: Room, step: int, where: str, new: int, bound: int | None) -> Room:
 
 def full_error(step: int, where: str, bound: int | None, room: Room) -> MemoryDirFull:
     left = None if bound is None else bound - room.kept
-    need = f"needs more than the {left} bytes left" if left is not None else "found /dev/shm full"
+    need = "found /dev/shm full" if left is None else f"needs more than the {left} bytes left" if left > 0 else \
+        "finds it taken by those (a smaller limit than they were kept under)"
     return MemoryDirFull(f"snapshot of step {step} does not fit the memory directory {where}: limit {_text(bound)}, "
                          f"{room.kept} bytes kept in {room.kept_count} older snapshot(s), the new one {need}")
 

@@ -223,7 +223,8 @@ class MemoryDirs:
         if own.previous is not None:
             self.say(f"found node {self.node_id}'s memory, left by its previous agent (pid {own.previous}, ended): "
                       f"taken up, if this round is of the same run")
-        share = f"{self.rank_limit / 2**20:.0f} MiB" if self.rank_limit >= 2**20 else f"{self.rank_limit} bytes"
+        share = f"{self.rank_limit / 2**20:.{0 if self.rank_limit >= 10 * 2**20 else 1}f} MiB" \
+            if self.rank_limit >= 2**20 else f"{self.rank_limit} bytes"      # (1.5 MiB is not "2 MiB")
         self.say(f"in-memory checkpoints: {self.root}/LOCAL_RANK, {share} per local rank ($NODE_AGENT_MEMORY_DIR)")
         return self.root
 

@@ -32,7 +32,7 @@ def test_one_directory_per_local_rank_the_same_every_round_removed_on_close(tmp_
     assert sorted(first) == [0, 1] and all(os.path.isdir(d) for d in first.values())
     assert dirs.dirs(2) == first and dirs.rank_limit == 2 * 2**20
     assert os.path.basename(os.path.dirname(first[0])).startswith("job_1.")   # one path component
-    assert any("2 MiB per local rank" in line for line in said)
+    assert any("2.0 MiB per local rank" in line for line in said)
     dirs.close()
     assert not os.path.exists(os.path.dirname(first[0]))
 
@@ -731,3 +731,16 @@ def test_a_file_size_limit_is_memory_dir_full_and_keeps_the_last_snapshot(tmp_pa
     finally:
         resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
     assert os.listdir(where) == ["step-1"]
+
+
+def test_a_limit_below_what_is_kept_is_said_as_such_not_as_negative_bytes(tmp_path) -> None:
+    """A review: an agent restarted with a smaller --memory-dir-limit said "needs more than the -1576018 bytes
+    left"."""
+    where = str(tmp_path)
+    for step in (1, 2):
+        snapshot.save(b"a" * 1200, step, where=where)
+    with pytest.raises(snapshot.MemoryDirFull) as caught:
+        snapshot.save(b"b" * 1500, 3, where=where, max_bytes=1000)
+    said = str(caught.value)
+    assert "-" not in said.split("limit")[1] and "1200 bytes kept" in said and "finds it taken by those" in said
+    assert snapshot.steps(where) == [1, 2]
