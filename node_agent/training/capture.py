@@ -72,8 +72,6 @@ class Capture:
         self._preparing: threading.Thread | None = None
         self._prepared: staging.Staging | None = None
         self._thread: threading.Thread | None = None
-        self._beside: threading.Thread | None = None      # _drop_beside's, waiting for the node's other ranks
-        self._superseded = threading.Event()
         self._copied: staging.Events = []
         self._said: set[str] = set()
 
@@ -81,6 +79,7 @@ class Capture:
         """Snapshot `tree` as step `step`: returns once its tensors are copied (on a GPU: queued). `optimizers`: those
         whose next step waits for the copy (before_update); the training waits at once for the other tensors'."""
         self.wait()
+        headroom.supersede(self.where)      # (its drop's thread touches _slabs: joined before anything here does)
         held = trees.tensors(tree)
         live = [trees.local(t).detach() for _, t in held]
         alike = [self._replicated is not None and self._replicated(path) for path, _ in held]
@@ -139,34 +138,10 @@ class Capture:
             self._copied = []
 
     def wait(self) -> None:
-        """Until the snapshot being written is complete (or failed). The one kept beside it that waits for the node's
-        other ranks is left to the next snapshot's keep rule."""
+        """Until the snapshot being written is complete (or failed)."""
         if self._thread is not None:
             self._thread.join()
             self._thread = None
-        if self._beside is not None:
-            self._superseded.set()
-            self._beside.join()
-            self._beside = None
-            self._superseded.clear()
-
-    def _drop_beside(self, step: int, names: list[str]) -> None:
-        """The last complete snapshot, kept beside `step`'s for its write, goes once the node's other ranks hold
-        `step` too (headroom.await_siblings): now, else in a thread of its own, which the next snapshot ends (its
-        keep rule drops it) and an exit drops (kept: a rank that died mid-write leaves the step before common)."""
-        if not names or not headroom.siblings_behind(step, self.where):
-            for name in names:
-                self._forget(name)
-            return
-
-        def later() -> None:
-            if headroom.await_siblings(step, self.where, self._superseded):
-                for name in names:
-                    self._forget(name)
-        self._beside = exit_marks.mark(threading.Thread(target=later, daemon=True,
-                                                        name=f"node-agent snapshot {step}: the one before"),
-                                       exit_marks.DROP)
-        self._beside.start()
 
     def _slab_for(self, step: int, size: int) -> tuple[slabs.Slab, snapshot.Room]:
         """The file `step-N.tmp`, `size` bytes of data mapped: a dropped one written over (_reused), else a new one;
@@ -175,7 +150,8 @@ class Capture:
         room by dropping it, the rank held none when the second try failed too)."""
         made = snapshot.make_room(step, self.where, self.keep)
         bound = snapshot.limit()
-        return self._slab_in(step, size, made, snapshot.fit(made, step, self.where, size, bound), bound)
+        room = snapshot.fit(made, step, self.where, size, bound, set(self._slabs))   # (its own: freed on a drop)
+        return self._slab_in(step, size, made, room, bound)
 
     def _slab_in(self, step: int, size: int, made: snapshot.Room, room: snapshot.Room,
                  bound: int | None) -> tuple[slabs.Slab, snapshot.Room]:
@@ -302,7 +278,8 @@ class Capture:
             finally:
                 os.close(fd)
             os.replace(tmp, snapshot.path(p.step, self.where))
-            self._drop_beside(p.step, [snapshot.path(old, self.where) for old in p.room.after])
+            headroom.drop_after_siblings(p.step, self.where, [snapshot.path(old, self.where) for old in p.room.after],
+                                         self._forget)
             if any(p.replicated):
                 heartbeat.digest(p.step, layout.digest_of([s for s, alike in zip(sums, p.replicated, strict=True)
                                                            if alike]), self.group)

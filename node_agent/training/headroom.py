@@ -13,7 +13,7 @@ import os
 import re
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 LOCAL_RANKS_VAR = "LOCAL_WORLD_SIZE"
 FS_RESERVE = 0.25      # of the file system left to others, as the copy store leaves (copies/room.py)
@@ -33,15 +33,16 @@ def room_beside(where: str, new: int, freed: int = 0) -> bool:
     return all(free - need >= MEMORY_RESERVE * total for free, total in memory_room())
 
 
-def freed_by(paths: list[str]) -> int:
+def freed_by(paths: list[str], own: Collection[int] = ()) -> int:
     """Bytes removing `paths` gives back: not a file with another name (a hard link: the agent's while it sends
-    it), nor one this process maps (a restore's tensors lie in their snapshot's mapping)."""
+    it), nor one this process maps (a restore's tensors lie in their snapshot's mapping), but for `own`: the
+    inodes a capture maps and unmaps as it drops them."""
     mapped = mapped_inodes()
     out = 0
     for p in paths:
         with contextlib.suppress(OSError):
             st = os.stat(p)
-            if st.st_nlink == 1 and mapped is not None and st.st_ino not in mapped:
+            if st.st_nlink == 1 and mapped is not None and (st.st_ino not in mapped or st.st_ino in own):
                 out += st.st_size
     return out
 
@@ -60,14 +61,14 @@ SIBLINGS_LOOK_S = 0.01
 _STEP = re.compile(r"step-(\d{1,18})")
 
 
-def await_siblings(step: int, where: str, stop: threading.Event | None = None,
-                   wait_s: float = SIBLINGS_WAIT_S) -> bool:
+def await_siblings(step: int, where: str, stop: threading.Event | None = None, wait_s: float | None = None) -> bool:
     """Until every other local rank of the node that holds a snapshot (in the directories beside `where`: the
-    agent's ROOT/LOCAL_RANK) holds `step` or a newer one, at most `wait_s`; False where `stop` came first. The last
-    snapshot kept beside the new one goes then, so none of the node's ranks is left without a step the others
-    hold (a review: ranks that finished at different times held none in common 5% of the time)."""
-    deadline = time.monotonic() + wait_s
-    while siblings_behind(step, where) and time.monotonic() < deadline:
+    agent's ROOT/LOCAL_RANK) holds `step` or a newer one: True; False where `stop` came first, or `wait_s` passed
+    with one still behind (its write failed: the one kept beside stays for the next snapshot's keep rule)."""
+    deadline = time.monotonic() + (SIBLINGS_WAIT_S if wait_s is None else wait_s)
+    while siblings_behind(step, where):
+        if time.monotonic() >= deadline:
+            return False
         if stop is not None:
             if stop.wait(SIBLINGS_LOOK_S):
                 return False
@@ -84,17 +85,37 @@ def siblings_behind(step: int, where: str) -> bool:
     return any(_behind(os.path.join(parent, str(r)), step) for r in range(_local_ranks()) if str(r) != me)
 
 
+_waits: dict[str, tuple[threading.Thread, threading.Event]] = {}     # a rank directory -> its drop's wait
+
+
 def drop_after_siblings(step: int, where: str, paths: list[str], drop: Callable[[str], None]) -> None:
-    """`drop` each of `paths` once the node's other ranks hold `step`: now where they do, else in a thread of
-    its own (the training goes on meanwhile)."""
-    def later() -> None:
-        await_siblings(step, where)
+    """`drop` each of `paths` (the snapshot kept beside `step`'s) once the node's other ranks hold `step` too, so
+    none of them is left without a step the others hold (a review: ranks that finished at different times held
+    none in common 5% of the time): now where they do, else in a thread of its own, which `supersede` ends."""
+    supersede(where)
+    if not paths or not siblings_behind(step, where):
         for p in paths:
             drop(p)
-    if not siblings_behind(step, where):
-        later()
-    else:
-        threading.Thread(target=later, daemon=True, name=f"node-agent snapshot {step}: the one before").start()
+        return
+    stop = threading.Event()
+
+    def later() -> None:
+        if await_siblings(step, where, stop):
+            for p in paths:
+                drop(p)
+    thread = threading.Thread(target=later, daemon=True, name=f"node-agent snapshot {step}: the one before")
+    _waits[where] = (thread, stop)
+    thread.start()           # (a daemon: an exit leaves what it waits to drop, a step the node's ranks hold)
+
+
+def supersede(where: str) -> None:
+    """The next snapshot of `where` begins: the wait of the last one's drop ends, and what it would drop is left to
+    the new one's keep rule (`fit` keeps the newest step the other ranks hold too). Called before the keep rule
+    looks, so no file goes from under it."""
+    waiting = _waits.pop(where, None)
+    if waiting is not None:
+        waiting[1].set()
+        waiting[0].join()
 
 
 def _behind(directory: str, step: int) -> bool:

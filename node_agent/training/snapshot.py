@@ -31,7 +31,7 @@ import os
 import re
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 from typing import BinaryIO
 
@@ -228,6 +228,7 @@ def save(data: bytes | Writer, step: int, *, where: str | None = None, keep: int
     if where is None:
         raise FileNotFoundError(f"no memory directory (${DIR_VAR} is not set)")
     bound = max_bytes if max_bytes is not None else limit()
+    headroom.supersede(where)
     made = make_room(step, where, keep)
     held = [s for s in steps(where) if s != step]
     # A writer's size is known once written: taken to be the newest snapshot's (a state keeps its size)
@@ -344,7 +345,7 @@ def keep_from(where: str) -> int | None:
         return None
 
 
-def fit(room: Room, step: int, where: str, new: int, bound: int | None) -> Room:
+def fit(room: Room, step: int, where: str, new: int, bound: int | None, own: Collection[int] = ()) -> Room:
     """`room`, with the oldest kept snapshots dropped too until `new` more bytes fit `bound`: a limit that holds
     fewer snapshots than `keep` keeps the newest (kept refused, the oldest would outlive every later step and be
     what the job resumes from). Unchanged where the new one alone does not fit. Where nothing would be kept, the
@@ -362,9 +363,9 @@ def fit(room: Room, step: int, where: str, new: int, bound: int | None) -> Room:
             kept -= size(path(old, where))
             count -= 1
     complete = [s for s in steps(where) if s != step]
-    if count == 0 and complete:
-        last = complete[-1]
-        freed = headroom.freed_by([path(s, where) for s in dropped if s != last])
+    if count == 0 and complete:     # beside: the newest the node's other ranks hold too (their writes may lag)
+        last = next((s for s in reversed(complete) if not headroom.siblings_behind(s, where)), complete[-1])
+        freed = headroom.freed_by([path(s, where) for s in dropped if s != last], own)
         if (bound is not None and kept + size(path(last, where)) + new <= bound) or \
                 headroom.room_beside(where, new, freed):
             return Room([s for s in dropped if s != last], kept, 0, (last,))

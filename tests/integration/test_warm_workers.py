@@ -8,8 +8,10 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import gzip
+import importlib
 import json
 import os
+import shutil
 import signal
 import sys
 import sysconfig
@@ -827,3 +829,31 @@ async def test_the_users_preloaded_module_gets_its_own_sibling_named_as_a_librar
     assert warm.warm and not said, said
     assert cold.console.lines("stdout") == warm.console.lines("stdout") == ["[w] own"], \
         (cold.console.lines("stdout"), warm.console.lines("stdout"))
+
+
+def installed_copy(package: str, site: str) -> str:
+    """A copy of an installed package (and its bundled libraries) in `site`."""
+    installed = os.path.dirname(os.path.dirname(importlib.import_module(package).__file__ or ""))
+    for name in (package, f"{package}.libs"):
+        if os.path.isdir(os.path.join(installed, name)):
+            shutil.copytree(os.path.join(installed, name), os.path.join(site, name))
+    return site
+
+
+async def test_a_library_in_a_venv_inside_the_scripts_directory_is_not_taken_for_the_users_own(
+        make_zygote, workdir) -> None:
+    """A review: with the user's own modules forgotten beside a shadowed one, everything under the script's
+    directory counted as the user's: numpy from a project's .venv was forgotten too, and the warm worker's import
+    of it failed ("cannot load module more than once per process")."""
+    site = installed_copy("numpy", os.path.join(workdir, ".venv", "site"))
+    write(os.path.join(workdir, "code.py"), "WHICH = 'own'\n")
+    write(os.path.join(workdir, "use.py"), f"import numpy, code\nprint(numpy.__file__.startswith({site!r}), "
+                                           f"code.WHICH, flush=True)\n")
+    env = {"PYTHONPATH": site}
+    said: list[str] = []
+    zygote = await make_zygote(("numpy", "code"), warnings=said, env=env)
+    cold = await run(["use.py"], None, workdir, extra_env=env)
+    warm = await run(["use.py"], zygote, workdir, extra_env=env)
+    assert warm.warm and not said, said
+    assert cold.console.lines("stdout") == warm.console.lines("stdout") == ["[w] True own"], \
+        (cold.console.lines("stdout"), warm.console.lines("stderr")[-5:])

@@ -66,12 +66,14 @@ def test_what_a_drop_gives_back_is_a_file_of_one_name_no_mapping_holds(tmp_path)
     os.link(linked, tmp_path / "second-name")
     with open(mapped, "r+b") as f, mmap.mmap(f.fileno(), 8192):
         assert headroom.freed_by([str(alone), str(linked), str(mapped), str(tmp_path / "gone")]) == 8192
+        own = {os.stat(mapped).st_ino}              # a capture's own file: unmapped as it is dropped (a review)
+        assert headroom.freed_by([str(alone), str(mapped)], own) == 2 * 8192
 
 
 def test_the_last_snapshot_goes_once_every_other_local_rank_holds_the_new_one(tmp_path, monkeypatch) -> None:
     """A review: ranks that finished at different times held no step in common; the one beside the new one now
     stays until every local rank that takes snapshots holds the new step (or a newer), at most SIBLINGS_WAIT_S,
-    or until `stop` (the next snapshot, whose keep rule drops it)."""
+    or until `stop` (the next snapshot, whose keep rule drops it); False: it stays for that keep rule."""
     for rank in range(4):
         (tmp_path / str(rank)).mkdir()
     (tmp_path / "1" / "step-8").write_bytes(b"x")           # ahead already
@@ -89,7 +91,7 @@ def test_the_last_snapshot_goes_once_every_other_local_rank_holds_the_new_one(tm
     assert headroom.siblings_behind(7, me)
     assert headroom.await_siblings(7, me) and len(looks) == 3
     assert not headroom.siblings_behind(7, me)
-    assert headroom.await_siblings(9, me, wait_s=0.0)                  # bounded: a failed write lets it go
+    assert not headroom.await_siblings(9, me, wait_s=0.0)              # bounded: a failed write ends the wait
     stop = threading.Event()
     stop.set()
     assert not headroom.await_siblings(9, me, stop)                    # the next snapshot came first

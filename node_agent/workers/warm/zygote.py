@@ -335,15 +335,22 @@ def _forget_shadowed(path0: str, before: set[str]) -> None:
     a cold one does: the library's is forgotten (torch keeps its own reference). The user's own modules preloaded
     from there (--warm-preload) are forgotten too once anything is: they may hold a forgotten one (their `import
     code` found the library's), where a cold worker's get the user's file."""
-    here = os.path.join(os.path.realpath(path0), "")
+    here = os.path.realpath(path0)
     new = [n for n in sys.modules if n not in before]
-    own = {n for n in new if isinstance(f := getattr(sys.modules[n], "__file__", None), str)
-           and os.path.realpath(f).startswith(here)}
+    own = {n for n in new if isinstance(f := getattr(sys.modules[n], "__file__", None), str) and _beside(n, f, here)}
     forgotten = [n for n in new if n not in own and (
         os.path.isfile(os.path.join(path0, f"{(top := n.partition('.')[0])}.py"))
         or os.path.isfile(os.path.join(path0, top, "__init__.py")))]
     for name in [*forgotten, *own] if forgotten else []:
         del sys.modules[name]
+
+
+def _beside(name: str, file: str, here: str) -> bool:
+    """Whether module `name` was found in the script's directory `here` itself (top.py, top.*.so, or the package
+    top/), not in a library under it (a project's .venv: forgotten, a loaded numpy or torch cannot load again)."""
+    real, top = os.path.realpath(file), name.partition(".")[0]
+    return os.path.dirname(real) == here and os.path.basename(real).partition(".")[0] == top or \
+        real.startswith(os.path.join(here, top, ""))
 
 
 def _preload_all(preload: list[str], failed: list[list[str]]) -> None:
