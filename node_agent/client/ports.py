@@ -19,14 +19,15 @@ TRIES = 32          # random picks, before the range is walked through
 
 def store_ports(environ: Mapping[str, str] = os.environ) -> range | None:
     """NODE_AGENT_STORE_PORTS as a range of ports (None: not set); ValueError naming it where it is no LOW-HIGH
-    of ports 1024-65535."""
+    (or PORT) of ports 1024-65535."""
     text = environ.get(STORE_PORTS, "").strip()
     if not text:
         return None
-    m = re.fullmatch(r"(\d{1,5})\s*-\s*(\d{1,5})", text)
-    low, high = (int(m[1]), int(m[2])) if m else (0, 0)
+    m = re.fullmatch(r"(\d{1,5})(?:\s*-\s*(\d{1,5}))?", text)
+    low, high = (int(m[1]), int(m[2] or m[1])) if m else (0, 0)
     if not 1024 <= low <= high <= 65535:
-        raise ValueError(f"${STORE_PORTS}={text[:40]!r}: give LOW-HIGH, ports 1024-65535 (e.g. 29500-29599)")
+        raise ValueError(f"${STORE_PORTS}={text[:40]!r}: give LOW-HIGH (or one PORT), ports 1024-65535 "
+                         f"(e.g. 29500-29599)")
     return range(low, high + 1)
 
 
