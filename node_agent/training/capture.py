@@ -79,7 +79,6 @@ class Capture:
         """Snapshot `tree` as step `step`: returns once its tensors are copied (on a GPU: queued). `optimizers`: those
         whose next step waits for the copy (before_update); the training waits at once for the other tensors'."""
         self.wait()
-        headroom.supersede(self.where)      # (its drop's thread touches _slabs: joined before anything here does)
         held = trees.tensors(tree)
         live = [trees.local(t).detach() for _, t in held]
         alike = [self._replicated is not None and self._replicated(path) for path, _ in held]
@@ -278,8 +277,8 @@ class Capture:
             finally:
                 os.close(fd)
             os.replace(tmp, snapshot.path(p.step, self.where))
-            headroom.drop_after_siblings(p.step, self.where, [snapshot.path(old, self.where) for old in p.room.after],
-                                         self._forget)
+            for old in p.room.after:          # the last complete one, kept beside it for the write's time only
+                self._forget(snapshot.path(old, self.where))
             if any(p.replicated):
                 heartbeat.digest(p.step, layout.digest_of([s for s, alike in zip(sums, p.replicated, strict=True)
                                                            if alike]), self.group)

@@ -10,10 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
-import threading
-import time
-from collections.abc import Callable, Collection
+from collections.abc import Collection
 
 LOCAL_RANKS_VAR = "LOCAL_WORLD_SIZE"
 FS_RESERVE = 0.25      # of the file system left to others, as the copy store leaves (copies/room.py)
@@ -54,76 +51,6 @@ def mapped_inodes() -> set[int] | None:
             return {int(fields[4]) for line in f if len(fields := line.split(maxsplit=5)) >= 5 and fields[4] != "0"}
     except (OSError, ValueError):
         return None
-
-
-SIBLINGS_WAIT_S = 10.0    # the most the last one stays for the node's other ranks (one whose write failed)
-SIBLINGS_LOOK_S = 0.01
-_STEP = re.compile(r"step-(\d{1,18})")
-
-
-def await_siblings(step: int, where: str, stop: threading.Event | None = None, wait_s: float | None = None) -> bool:
-    """Until every other local rank of the node that holds a snapshot (in the directories beside `where`: the
-    agent's ROOT/LOCAL_RANK) holds `step` or a newer one: True; False where `stop` came first, or `wait_s` passed
-    with one still behind (its write failed: the one kept beside stays for the next snapshot's keep rule)."""
-    deadline = time.monotonic() + (SIBLINGS_WAIT_S if wait_s is None else wait_s)
-    while siblings_behind(step, where):
-        if time.monotonic() >= deadline:
-            return False
-        if stop is not None:
-            if stop.wait(SIBLINGS_LOOK_S):
-                return False
-        else:
-            time.sleep(SIBLINGS_LOOK_S)
-    return True
-
-
-def siblings_behind(step: int, where: str) -> bool:
-    """Whether another local rank of the node that holds a snapshot holds none of `step` or later."""
-    parent, me = os.path.split(os.path.normpath(where))
-    if not me.isdigit():
-        return False                    # not an agent's rank directory: no siblings known
-    return any(_behind(os.path.join(parent, str(r)), step) for r in range(_local_ranks()) if str(r) != me)
-
-
-_waits: dict[str, tuple[threading.Thread, threading.Event]] = {}     # a rank directory -> its drop's wait
-
-
-def drop_after_siblings(step: int, where: str, paths: list[str], drop: Callable[[str], None]) -> None:
-    """`drop` each of `paths` (the snapshot kept beside `step`'s) once the node's other ranks hold `step` too, so
-    none of them is left without a step the others hold (a review: ranks that finished at different times held
-    none in common 5% of the time): now where they do, else in a thread of its own, which `supersede` ends."""
-    supersede(where)
-    if not paths or not siblings_behind(step, where):
-        for p in paths:
-            drop(p)
-        return
-    stop = threading.Event()
-
-    def later() -> None:
-        if await_siblings(step, where, stop):
-            for p in paths:
-                drop(p)
-    thread = threading.Thread(target=later, daemon=True, name=f"node-agent snapshot {step}: the one before")
-    _waits[where] = (thread, stop)
-    thread.start()           # (a daemon: an exit leaves what it waits to drop, a step the node's ranks hold)
-
-
-def supersede(where: str) -> None:
-    """The next snapshot of `where` begins: the wait of the last one's drop ends, and what it would drop is left to
-    the new one's keep rule (`fit` keeps the newest step the other ranks hold too). Called before the keep rule
-    looks, so no file goes from under it."""
-    waiting = _waits.pop(where, None)
-    if waiting is not None:
-        waiting[1].set()
-        waiting[0].join()
-
-
-def _behind(directory: str, step: int) -> bool:
-    try:
-        held = [int(m[1]) for name in os.listdir(directory) if (m := _STEP.fullmatch(name))]
-    except OSError:
-        return False
-    return bool(held) and max(held) < step       # (one that holds none takes no snapshots: not waited for)
 
 
 def _local_ranks() -> int:

@@ -228,7 +228,6 @@ def save(data: bytes | Writer, step: int, *, where: str | None = None, keep: int
     if where is None:
         raise FileNotFoundError(f"no memory directory (${DIR_VAR} is not set)")
     bound = max_bytes if max_bytes is not None else limit()
-    headroom.supersede(where)
     made = make_room(step, where, keep)
     held = [s for s in steps(where) if s != step]
     # A writer's size is known once written: taken to be the newest snapshot's (a state keeps its size)
@@ -247,8 +246,8 @@ def fewer(made: Room, room: Room, bound: int | None, new: int, keep: int) -> tup
     if room.after:
         return "fewer", (f"{head}: the newest complete one stays beside the next until it is complete, past the "
                          f"limit, while /dev/shm and the memory have room for both; ranks that finish their writes "
-                         f"at different times may hold no step in common meanwhile (room for {keep} closes it: a "
-                         f"larger --memory-dir-limit)")
+                         f"at different times may hold no step in common meanwhile (room for {keep} leaves that to "
+                         f"writes longer than a snapshot's interval: a larger --memory-dir-limit)")
     return "bare", (f"{head}, and there is no room beside it: the last one makes room before the next is written, "
                     f"so a node killed meanwhile leaves this rank none (room for {keep} keeps it: a larger "
                     f"--memory-dir-limit or /dev/shm)")
@@ -291,8 +290,8 @@ def _written(data: bytes | Writer, step: int, where: str, bound: int | None, mad
             raise full_error(step, where, bound, made) from exc
         raise
     os.replace(tmp, final)
-    # the one kept beside it goes once the node's other ranks hold this step too: at rest the limit holds
-    headroom.drop_after_siblings(step, where, [path(s, where) for s in made.after], remove)
+    for old in made.after:     # kept for the write's time only: at rest the limit holds
+        remove(path(old, where))
     hold_after(step, where)
     return final
 
@@ -363,8 +362,8 @@ def fit(room: Room, step: int, where: str, new: int, bound: int | None, own: Col
             kept -= size(path(old, where))
             count -= 1
     complete = [s for s in steps(where) if s != step]
-    if count == 0 and complete:     # beside: the newest the node's other ranks hold too (their writes may lag)
-        last = next((s for s in reversed(complete) if not headroom.siblings_behind(s, where)), complete[-1])
+    if count == 0 and complete:
+        last = complete[-1]
         freed = headroom.freed_by([path(s, where) for s in dropped if s != last], own)
         if (bound is not None and kept + size(path(last, where)) + new <= bound) or \
                 headroom.room_beside(where, new, freed):

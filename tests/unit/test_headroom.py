@@ -4,7 +4,6 @@ limit on a v1 host or on a parent group, a Slurm step's or a pod's, went unseen 
 from __future__ import annotations
 
 import os
-import threading
 from pathlib import Path
 
 from node_agent.training import headroom
@@ -68,34 +67,3 @@ def test_what_a_drop_gives_back_is_a_file_of_one_name_no_mapping_holds(tmp_path)
         assert headroom.freed_by([str(alone), str(linked), str(mapped), str(tmp_path / "gone")]) == 8192
         own = {os.stat(mapped).st_ino}              # a capture's own file: unmapped as it is dropped (a review)
         assert headroom.freed_by([str(alone), str(mapped)], own) == 2 * 8192
-
-
-def test_the_last_snapshot_goes_once_every_other_local_rank_holds_the_new_one(tmp_path, monkeypatch) -> None:
-    """A review: ranks that finished at different times held no step in common; the one beside the new one now
-    stays until every local rank that takes snapshots holds the new step (or a newer), at most SIBLINGS_WAIT_S,
-    or until `stop` (the next snapshot, whose keep rule drops it); False: it stays for that keep rule."""
-    for rank in range(4):
-        (tmp_path / str(rank)).mkdir()
-    (tmp_path / "1" / "step-8").write_bytes(b"x")           # ahead already
-    (tmp_path / "2" / "step-6").write_bytes(b"x")           # behind: writing step 7
-    (tmp_path / "2" / "step-7.tmp").write_bytes(b"x")       # (rank 3 holds none: takes no snapshots)
-    monkeypatch.setenv(headroom.LOCAL_RANKS_VAR, "4")
-    me = str(tmp_path / "0")
-    looks: list[float] = []
-
-    def look(s: float) -> None:        # rank 2's write completes at the third look
-        looks.append(s)
-        if len(looks) == 3:
-            (tmp_path / "2" / "step-7.tmp").rename(tmp_path / "2" / "step-7")
-    monkeypatch.setattr(headroom.time, "sleep", look)
-    assert headroom.siblings_behind(7, me)
-    assert headroom.await_siblings(7, me) and len(looks) == 3
-    assert not headroom.siblings_behind(7, me)
-    assert not headroom.await_siblings(9, me, wait_s=0.0)              # bounded: a failed write ends the wait
-    stop = threading.Event()
-    stop.set()
-    assert not headroom.await_siblings(9, me, stop)                    # the next snapshot came first
-    assert not headroom.siblings_behind(9, str(tmp_path))              # no rank directory: no siblings
-    dropped: list[str] = []
-    headroom.drop_after_siblings(7, me, ["a", "b"], dropped.append)    # none behind: at once
-    assert dropped == ["a", "b"] and len(looks) == 3

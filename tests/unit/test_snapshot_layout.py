@@ -5,15 +5,13 @@ from __future__ import annotations
 
 import os
 import struct
-import threading
-import time
 from collections import OrderedDict
 
 import pytest
 import torch
 
 from node_agent.copies import files
-from node_agent.training import headroom, layout, snapshot
+from node_agent.training import layout, snapshot
 from node_agent.training.capture import Capture
 
 
@@ -292,69 +290,3 @@ def test_the_snapshots_from_the_step_the_agent_names_are_kept_within_the_limit(m
     monkeypatch.delenv(snapshot.LIMIT_VAR)
     take(capture, 7, state(7.0))
     assert snapshot.steps() == [6, 7]
-
-
-def ranks(tmp_path, monkeypatch, n: int = 2) -> list[str]:
-    """The node's rank directories, ROOT/LOCAL_RANK as the agent makes them, with a limit that holds one ~400 KB
-    snapshot a rank and room beside it."""
-    monkeypatch.setenv(headroom.LOCAL_RANKS_VAR, str(n))
-    monkeypatch.setenv(snapshot.LIMIT_VAR, str(600_000))
-    monkeypatch.setattr(snapshot.headroom, "room_beside", lambda where, new, freed: True)
-    dirs = [str(tmp_path / str(r)) for r in range(n)]
-    for d in dirs:
-        os.mkdir(d)
-    return dirs
-
-
-def until(what, check) -> None:
-    deadline = time.monotonic() + 20
-    while not check():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.01)
-
-
-def test_a_rank_ahead_of_the_others_keeps_the_step_they_hold_beside_its_next(tmp_path, monkeypatch) -> None:
-    """A review: rank 0 finished step 2 while rank 1 still wrote it, then took step 3: the keep rule kept its own
-    newest (2) beside 3 and dropped 1, the only step the node's ranks held in common."""
-    mine, other = ranks(tmp_path, monkeypatch)
-    a = Capture(mine, keep=2)
-    tree = {"m": torch.full((100_000,), 1.0)}
-    take(a, 1, tree)
-    open(os.path.join(other, "step-1"), "wb").close()          # rank 1 holds 1, and writes 2 for a while
-    take(a, 2, tree)
-    assert snapshot.steps(mine) == [1, 2]                     # 1 stays: rank 1 does not hold 2 yet
-    take(a, 3, tree)
-    assert snapshot.steps(mine) == [1, 3], os.listdir(mine)   # before: [2, 3], nothing in common with [1]
-    open(os.path.join(other, "step-3"), "wb").close()          # rank 1 catches up
-    until("step 1 dropped once rank 1 holds 3", lambda: snapshot.steps(mine) == [3])
-
-
-def test_a_wait_after_the_last_snapshot_still_drops_the_one_beside_once_the_others_hold_it(tmp_path,
-                                                                                         monkeypatch) -> None:
-    """A review: a wait() right after the last snapshot (hf's on_train_end, lightning's teardown) ended the wait
-    for the other ranks, and the one kept beside stayed past the limit for good."""
-    mine, other = ranks(tmp_path, monkeypatch)
-    a = Capture(mine, keep=2)
-    tree = {"m": torch.full((100_000,), 1.0)}
-    take(a, 1, tree)
-    open(os.path.join(other, "step-1"), "wb").close()
-    take(a, 2, tree)                                           # (take() waits: the training's end would too)
-    a.wait()
-    assert snapshot.steps(mine) == [1, 2]
-    open(os.path.join(other, "step-2"), "wb").close()
-    until("step 1 dropped once rank 1 holds 2", lambda: snapshot.steps(mine) == [2])
-
-
-def test_a_save_ahead_of_the_others_keeps_their_step_and_a_sibling_that_never_comes_leaves_it(
-        tmp_path, monkeypatch) -> None:
-    """`snapshot.save` as `protect`: the step the other ranks hold stays beside; where one of them never writes
-    the new step (its write failed), the wait ends and the one beside is left to the next save's keep rule."""
-    mine, other = ranks(tmp_path, monkeypatch)
-    monkeypatch.setattr(headroom, "SIBLINGS_WAIT_S", 0.05)
-    open(os.path.join(other, "step-1"), "wb").close()
-    for step in (1, 2, 3):
-        snapshot.save(b"x" * 400_000, step, where=mine)
-    assert snapshot.steps(mine) == [1, 3]
-    until("the wait ended", lambda: not headroom._waits.get(mine, (threading.Thread(),))[0].is_alive())
-    assert snapshot.steps(mine) == [1, 3]                     # rank 1 never held 3: 1 kept
-    headroom.supersede(mine)
