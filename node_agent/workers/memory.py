@@ -119,6 +119,18 @@ class MemoryDirs:
             self.say(f"no in-memory checkpoint directory ({exc.strerror or exc}); workers run without one")
             return {}
 
+    def moved_to(self, home: str) -> None:
+        """Its directory, still owned by this agent, was renamed `home` (succession.settle)."""
+        self.root = home
+        if self._owner is not None:
+            self._owner.directory = home
+        self._identify(home)
+
+    def _identify(self, where: str) -> None:
+        """The directory's job and node id, for the sweep and the node's next agent (IDENTITY)."""
+        mark = SUCCEEDED if self.succeeded else ""
+        _write(os.path.join(where, IDENTITY), f"{self.job_id}\n{self.node_id}\n{mark}\n")
+
     @property
     def home(self) -> str:
         """This node's own directory (the job's and the node id's), whether made yet or not."""
@@ -237,8 +249,7 @@ class MemoryDirs:
                 os.mkdir(where, 0o700)
             own = owners.claimed_ahead.pop(where, None) or owners.claim(where)
             if own is not None:
-                mark = SUCCEEDED if self.succeeded else ""
-                _write(os.path.join(where, IDENTITY), f"{self.job_id}\n{self.node_id}\n{mark}\n")
+                self._identify(where)
                 return own
             if os.path.isdir(where):
                 break

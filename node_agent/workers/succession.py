@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import shutil
 import time
 
 from node_agent.settings import made_from_pid
@@ -96,3 +97,21 @@ async def predecessor_gone(dirs: MemoryDirs, limit_s: float) -> None:
             dirs.say(f"node {dirs.node_id}'s previous agent (pid {pid}) still owns its memory, stopping its workers: "
                      f"waiting up to {limit_s:g}s for it to end, so this node keeps its snapshots")
         await asyncio.sleep(0.1)
+
+
+def settle(dirs: MemoryDirs) -> None:
+    """A directory of its own, made while the node's was a live predecessor's (it never ended within the wait): moved
+    to the node's own name once no live agent holds that (between rounds: no worker writes it), so the agent after
+    this one takes it up. A review: it stayed apart, and the agent after it swept it as a killed agent's and fetched
+    the copies, a snapshot behind. What is left under the node's name is an ended predecessor's, older."""
+    root, home = dirs.root, dirs.home
+    if root is None or root == home or owners.live_owner(home) is not None:
+        return
+    shutil.rmtree(home, ignore_errors=True)
+    try:
+        os.rename(root, home)
+    except OSError:
+        return
+    dirs.moved_to(home)
+    dirs.say(f"node {dirs.node_id}'s previous agent has ended: this one's memory moved to {home}, where the node's "
+             f"next agent finds it")

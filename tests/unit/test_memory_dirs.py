@@ -15,7 +15,7 @@ from node_agent.cli.command_line import OptionsError
 from node_agent.cli.options import parse_options
 from node_agent.settings import default_node_id, made_from_pid
 from node_agent.training import snapshot
-from node_agent.workers import memory
+from node_agent.workers import memory, owners, succession
 from node_agent.workers.environment import worker_env
 from node_agent.workers.memory import KEEP_S, MemoryDirs, dir_name, sweep
 from node_agent.workers.succession import keep_credential, left_credential, predecessor
@@ -744,3 +744,24 @@ def test_a_limit_below_what_is_kept_is_said_as_such_not_as_negative_bytes(tmp_pa
     said = str(caught.value)
     assert "-" not in said.split("limit")[1] and "1200 bytes kept" in said and "finds it taken by those" in said
     assert snapshot.steps(where) == [1, 2]
+
+
+def test_a_directory_of_its_own_takes_the_nodes_name_once_the_live_agent_before_it_has_ended(tmp_path) -> None:
+    """A review: an agent whose predecessor outlived the wait (SIGSTOPped) kept a directory of its own for good;
+    the agent after it swept it as a killed agent's and fetched the copies, a snapshot behind. Between rounds it
+    now takes the node's own name once no live agent holds that."""
+    said: list[str] = []
+    first = MemoryDirs("job", 1, 2**20, say=lambda _: None, base=str(tmp_path), node_id="n")
+    second = MemoryDirs("job", 1, 2**20, say=said.append, base=str(tmp_path), node_id="n")
+    first.dirs_for(1, 0, "r")
+    snapshot.save(b"x" * 10, 7, where=second.dirs_for(1, 0, "r")[0])
+    succession.settle(second)                       # the first still lives: nothing moves
+    assert second.root != second.home and os.path.isdir(first.home)
+    first.close()                                   # it ends, as a replaced agent does
+    succession.settle(second)
+    assert second.root == second.home and snapshot.steps(second.dirs_for(1, 0, "r")[0]) == [7]
+    with open(os.path.join(second.home, "identity")) as f:
+        assert f.read().split("\n")[:2] == ["job", "n"]        # the sweep and the next agent know it as node n's
+    assert owners.live_owner(second.home) == os.getpid() and "memory moved to" in said[-1], said
+    second.close()
+    assert not os.path.exists(second.home)
