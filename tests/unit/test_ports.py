@@ -25,12 +25,25 @@ def test_by_default_the_kernel_picks_an_ephemeral_port_that_can_be_bound():
         s.bind(("", port))
 
 
-def test_a_range_given_is_where_every_port_offered_lies_and_a_taken_one_is_passed_over():
-    with socket.socket() as held:
+def held_beside_a_free_one() -> tuple[socket.socket, int]:
+    """A socket bound to a port P whose next one, P + 1, could be bound a moment ago (other tests bind ports too)."""
+    for _ in range(100):
+        held = socket.socket()
         held.bind(("", 0))
         taken = held.getsockname()[1]
-        env = {STORE_PORTS: f"{taken}-{taken + 1}"}
-        offered = {free_port(environ=env) for _ in range(20)}
+        with socket.socket() as probe:
+            try:
+                probe.bind(("", taken + 1))
+                return held, taken
+            except OSError:
+                held.close()
+    raise AssertionError("no port with a free one beside it")
+
+
+def test_a_range_given_is_where_every_port_offered_lies_and_a_taken_one_is_passed_over():
+    held, taken = held_beside_a_free_one()
+    with held:
+        offered = {free_port(environ={STORE_PORTS: f"{taken}-{taken + 1}"}) for _ in range(5)}
     assert offered == {taken + 1}
 
 
