@@ -37,7 +37,8 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     "node_agent.workers.warm.fork_state": (),
     # the peer-copy wire and store: the standard library, the snapshot files' helpers (torch-free), and the one
     # keepalive rule of every agent connection
-    "node_agent.copies": ("node_agent.training.snapshot", "protocol.keepalive", "protocol.tokens"),
+    "node_agent.copies": ("node_agent.training.snapshot", "node_agent.training.headroom", "protocol.keepalive",
+                          "protocol.tokens"),
     # the agent's side of peer copies: the wire and store, the listener, the memory dirs, the snapshot files
     "node_agent.copies.peers": ("protocol", "node_agent.copies", "node_agent.client.listener",
                                 "node_agent.training.snapshot", "node_agent.workers.memory"),

@@ -7,6 +7,7 @@ before the store binds it (EADDRINUSE: the round costs the job a restart)."""
 from __future__ import annotations
 
 import errno
+import itertools
 import os
 import random
 import re
@@ -45,8 +46,8 @@ def free_port(addr: str = "", environ: Mapping[str, str] = os.environ) -> int:
             return int(s.getsockname()[1])
         pick = random.Random()      # its own state: a forked copy of the module's would repeat its picks
         start = pick.randrange(len(ports))
-        order = [ports[pick.randrange(len(ports))] for _ in range(TRIES)] + \
-            [ports[(start + i) % len(ports)] for i in range(len(ports))]
+        order = itertools.chain((ports[pick.randrange(len(ports))] for _ in range(TRIES)),    # (made as tried:
+                                (ports[(start + i) % len(ports)] for i in range(len(ports))))  # each poll asks)
         for port in order:
             try:
                 s.bind(("", port))

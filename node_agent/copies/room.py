@@ -5,8 +5,7 @@ from __future__ import annotations
 
 from node_agent.copies import files
 from node_agent.copies.wire import PushRequest
-
-FREE_RESERVE = 0.25     # copies never leave less of /dev/shm free than this share: its workers need some too
+from node_agent.training.headroom import FS_RESERVE
 
 
 def refusal(req: PushRequest, copies: list[files.Copy], pushing: dict[tuple[str, int], int], limit: int,
@@ -22,8 +21,8 @@ def refusal(req: PushRequest, copies: list[files.Copy], pushing: dict[tuple[str,
     if held + reserved + size > limit:
         return (f"{held} bytes held ({mine} of them this rank's current copy, kept until the new one is whole), "
                 f"{reserved} reserved by pushes under way, {size} new; limit {limit} bytes")
-    if free - reserved - size < total * FREE_RESERVE:
-        return (f"the holder's file system would keep less than {FREE_RESERVE:.0%} of its {total} bytes free ({free} "
+    if free - reserved - size < total * FS_RESERVE:
+        return (f"the holder's file system would keep less than {FS_RESERVE:.0%} of its {total} bytes free ({free} "
                 f"free, {reserved} reserved, {size} new): left to its own workers (NCCL's and DataLoaders' shared "
                 f"memory)")
     return None

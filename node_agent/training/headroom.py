@@ -13,7 +13,7 @@ import os
 from collections.abc import Collection
 
 LOCAL_RANKS_VAR = "LOCAL_WORLD_SIZE"
-FS_RESERVE = 0.25      # of the file system left to others, as the copy store leaves (copies/room.py)
+FS_RESERVE = 0.25      # of /dev/shm past-limit snapshots and peer copies leave free (copies/room.py): workers need some
 MEMORY_RESERVE = 0.10  # of the memory (the machine's, each cgroup's limit) left to the training's peaks
 
 
