@@ -335,12 +335,14 @@ def _forget_shadowed(path0: str, before: set[str]) -> None:
     a cold one does: the library's is forgotten (torch keeps its own reference). The user's own modules preloaded
     from there (--warm-preload) are forgotten too once anything is: they may hold a forgotten one (their `import
     code` found the library's), where a cold worker's get the user's file."""
-    here = os.path.realpath(path0)
     new = [n for n in sys.modules if n not in before]
+    named = {top for top in {n.partition(".")[0] for n in new} if os.path.isfile(os.path.join(path0, f"{top}.py"))
+             or os.path.isfile(os.path.join(path0, top, "__init__.py"))}
+    if not named:
+        return      # (the common case: no file there is named as a module loaded, and no path is resolved)
+    here = os.path.realpath(path0)
     own = {n for n in new if isinstance(f := getattr(sys.modules[n], "__file__", None), str) and _beside(n, f, here)}
-    forgotten = [n for n in new if n not in own and (
-        os.path.isfile(os.path.join(path0, f"{(top := n.partition('.')[0])}.py"))
-        or os.path.isfile(os.path.join(path0, top, "__init__.py")))]
+    forgotten = [n for n in new if n not in own and n.partition(".")[0] in named]
     for name in [*forgotten, *own] if forgotten else []:
         del sys.modules[name]
 
