@@ -277,13 +277,18 @@ class Capture:
             finally:
                 os.close(fd)
             os.replace(tmp, snapshot.path(p.step, self.where))
+        except Exception as exc:  # noqa: BLE001  (a thread's failure must reach the user, once, not end the training)
+            self._dropped(p.step, p.slab, exc)
+            return
+        try:      # the snapshot is complete: what fails now is said as such, its file and slab kept
             for old in p.room.after:          # the last complete one, kept beside it for the write's time only
                 self._forget(snapshot.path(old, self.where))
             if any(p.replicated):
                 heartbeat.digest(p.step, layout.digest_of([s for s, alike in zip(sums, p.replicated, strict=True)
                                                            if alike]), self.group)
-        except Exception as exc:  # noqa: BLE001  (a thread's failure must reach the user, once, not end the training)
-            self._dropped(p.step, p.slab, exc)
+        except Exception as exc:  # noqa: BLE001
+            self._say_once(f"after-{type(exc).__name__}", f"snapshot of step {p.step} written, but what follows it "
+                                                          f"failed: {type(exc).__name__}: {exc}")
 
     def _dropped(self, step: int, slab: slabs.Slab, exc: BaseException) -> None:
         """A snapshot that failed after its file was made: the file removed, the failure said once."""

@@ -167,6 +167,23 @@ def test_a_copy_that_fails_ends_no_training_and_leaves_no_file(memory, monkeypat
     assert snapshot.steps(memory) == [3]
 
 
+def test_what_fails_after_a_snapshot_is_complete_keeps_it_and_says_it_was_written(memory, monkeypatch,
+                                                                                   capsys) -> None:
+    """The file renamed, a failure after it (the digest told to the probe) is no failed snapshot: the snapshot stays
+    and the line says it was written."""
+    def fails(step: int, value: int, group: int = 0) -> None:
+        raise OSError("probe gone")
+
+    monkeypatch.setattr(capture.heartbeat, "digest", fails)
+    c = Capture(memory, replicated=lambda path: True)
+    c.take(1, {"w": torch.randn(64)})
+    c.wait()
+    assert snapshot.steps(memory) == [1]
+    said = capsys.readouterr().err
+    assert "snapshot of step 1 written, but what follows it failed: OSError: probe gone" in said, said
+    assert "not written" not in said, said
+
+
 def test_an_optimizer_whose_state_cannot_be_read_leaves_every_copy_to_its_step(monkeypatch) -> None:
     """(A wrapper whose `state` raises, say): the snapshot is still taken, every copy waited for at the step."""
     class Odd:
