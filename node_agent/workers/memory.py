@@ -211,9 +211,12 @@ class MemoryDirs:
                           f"another run of job {self.job_id!r}")
         if read_text(path) != run:
             _write(path, run)
-        for name in os.listdir(self.root):
-            if name.isdigit() and int(name) >= local_world_size:
-                shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)
+        gone = sorted((n for n in os.listdir(self.root) if n.isdigit() and int(n) >= local_world_size), key=int)
+        for name in gone:
+            shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)
+        if gone:
+            self.say(f"this node now runs {local_world_size} local rank(s): the snapshots of local rank(s) "
+                      f"{', '.join(gone)} were removed")
 
     def _open(self) -> str:
         parent = parent_dir(self._base)

@@ -267,10 +267,13 @@ def test_an_agent_without_a_node_id_takes_its_ended_predecessors_with_its_memory
 
 def test_memory_taken_up_keeps_only_the_ranks_whose_global_ranks_stayed(tmp_path) -> None:
     killed_agent(tmp_path, "job", "node-b")
-    dirs = MemoryDirs("job", 1, 2**20, say=lambda _: None, base=str(tmp_path), node_id="node-b")
+    said: list[str] = []
+    dirs = MemoryDirs("job", 1, 2**20, say=said.append, base=str(tmp_path), node_id="node-b")
     one = dirs.dirs_for(1, 4, "run-1")                # now one local rank, global rank 4: not what it saved
     assert [snapshot.steps(d) for d in one.values()] == [[]] and sorted(os.listdir(dirs.root)) == \
         ["0", "credential", "identity", "owner", "run"]
+    assert any("now runs 1 local rank(s): the snapshots of local rank(s) 1 were removed" in line
+               for line in said), said                # the operator reads why they went
     dirs.close()
 
 
