@@ -43,7 +43,7 @@ class HoldAtSnapshot:
 @dataclass(frozen=True)
 class KeepFrom:
     """Ask the round's ranks to keep their snapshots from `step` on besides their keep rule (-1: no longer): the
-    oldest of the job's peer copies is of that step (NodeStatus.copies_floor)."""
+    oldest of the job's peer copies, or of its members' newest snapshots, is of that step (policy.keep_floor)."""
     step: int
 
 

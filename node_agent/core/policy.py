@@ -110,7 +110,7 @@ class SupervisionPolicy:
     ran: bool = False                # this node's workers were started in some round of the job
     health: NodeHealth = field(default_factory=NodeHealth)   # the node's own checks (node_health.py)
     holding: bool = False            # its ranks wait after their next snapshot (NodeStatus.hold_at_snapshot)
-    keep_from: int = -1              # its ranks keep their snapshots from this step on (NodeStatus.copies_floor)
+    keep_from: int = -1              # its ranks keep their snapshots from this step on (keep_floor)
 
     def __post_init__(self) -> None:
         self.fence = Fence(self.lease_timeout_s)
@@ -232,7 +232,7 @@ class SupervisionPolicy:
         if hold != self.holding:
             self.holding = hold
             actions.append(HoldAtSnapshot(hold))
-        floor = status.copies_floor if status.assignment is not None else -1       # (a member's news)
+        floor = keep_floor(status) if status.assignment is not None else -1      # (a member's news)
         if floor != self.keep_from:
             self.keep_from = floor
             actions.append(KeepFrom(floor))
@@ -358,3 +358,9 @@ class SupervisionPolicy:
         self.job_over = True
         code, stop, message = job_ending(status, self.ran)
         return self._end(code, stop, message, status.root_cause if status.job_state == JobState.FAILED else None)
+
+
+def keep_floor(status: NodeStatus) -> int:
+    """The step a member's ranks keep their snapshots from (-1: none): the lower of the job's oldest peer copy
+    (NodeStatus.copies_floor) and the oldest of its members' newest snapshots (held_floor)."""
+    return min((f for f in (status.copies_floor, status.held_floor) if f >= 0), default=-1)

@@ -6,8 +6,8 @@ agent imports this): `save` takes bytes or a callable writing into a file, e.g.
 `save(lambda f: torch.save(state, f), step)`; load with `torch.load(path(step), mmap=True)` (no copy). Rules:
 - A snapshot is the file `step-N`, written as `step-N.tmp` and renamed: a reader never sees half a file.
   Before writing, `save` drops all but the newest `keep - 1`, so the last complete one survives a failed write;
-  but for those from the step the agent names in KEEP_FROM (the job's oldest peer copy is of it: a node lost now
-  is taken over from a copy no older, and every rank must still hold its step).
+  but for those from the step the agent names in KEEP_FROM (the job's oldest peer copy, or the slowest rank's
+  newest snapshot, is of it: a node lost now is taken over from a copy no older, or every rank holds that step).
 - What is kept plus the new snapshot must fit the limit: where it does not, older snapshots go too, oldest first
   (a limit that holds fewer than `keep` keeps the newest; a writer's snapshot is taken to be the size of the
   newest), but the newest complete one stays beside the new one until it is complete, past the limit, where the
@@ -26,18 +26,18 @@ agent imports this): `save` takes bytes or a callable writing into a file, e.g.
 from __future__ import annotations
 
 import contextlib
-import errno
 import os
 import re
 import sys
 import time
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import BinaryIO
 
 from node_agent.training import headroom, heartbeat
+from node_agent.training.bounded import FULL, Bounded, MemoryDirFull
 
-__all__ = ["COPY_WAIT_S", "DIR_VAR", "FETCHING", "HOLD", "KEEP_FROM", "LIMIT_VAR", "MemoryDirFull", "NONE_HELD",
+__all__ = ["COPY_WAIT_S", "DIR_VAR", "FETCHING", "FULL", "HOLD", "KEEP_FROM", "LIMIT_VAR", "MemoryDirFull", "NONE_HELD",
            "SENDING", "Writer", "agreed_step", "directory", "full_error", "Room", "forget_after", "keep_from", "limit",
            "hold_after", "make_room", "newest", "path", "remove", "save", "steps"]
 
@@ -47,19 +47,14 @@ COPY_WAIT_S = 90.0        # the most agreed_step waits for it (the agent gives u
 LIMIT_VAR = "NODE_AGENT_MEMORY_LIMIT"
 HOLD = ".hold"            # the agent asks this rank to wait after its next snapshot (NodeStatus.hold_at_snapshot)
 HOLD_MAX_S = 30.0         # the most it waits: a swap that did not come lets the training go on
-KEEP_FROM = ".keep-from"  # the agent asks this rank to keep its snapshots from this step on (NodeStatus.copies_floor)
+KEEP_FROM = ".keep-from"  # the agent asks this rank to keep its snapshots from this step on (policy.keep_floor)
 SENDING = ".sending-"     # a second name for a snapshot while the agent sends it (copies/files.pin): not written over
 HOLD_LOOK_S = 0.02
-FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)    # no room for the snapshot: MemoryDirFull, as past the limit
 _NAME = re.compile(r"step-(\d{1,18})")
 NONE_HELD = 2**62         # agreed_step with `lend`: what a rank that holds no snapshot offers (it can be lent one)
 _FIELD = (1 << 21) - 1    # agreed_step's counts of ranks, three in one 64-bit sum
 
 Writer = Callable[[BinaryIO], object]
-
-
-class MemoryDirFull(OSError):
-    """A snapshot does not fit the memory directory's limit (or /dev/shm is full)."""
 
 
 def directory(environ: dict[str, str] | None = None) -> str | None:
@@ -172,53 +167,6 @@ def forget_after(step: int, where: str | None) -> list[int]:
     return later
 
 
-class _Bounded:
-    """A file that refuses to grow past `room` bytes, or past what its file system has left (ENOSPC), then drops
-    later writes: a writer's clean-up (torch.save finishing its zip) must not hide the first refusal (a review:
-    torch's zip writer turned a full /dev/shm into a RuntimeError, and the worker died at every save)."""
-
-    def __init__(self, f: BinaryIO, room: int | None) -> None:
-        self._f = f
-        self._room = room
-        self.written = 0
-        self.full = False
-
-    def write(self, data: bytes) -> int:
-        if self.full:
-            return len(data)
-        if self._room is not None and self.written + len(data) > self._room:
-            self.full = True
-            raise MemoryDirFull(f"needs more than the {self._room} bytes left")
-        with self._no_space():
-            done = self._f.write(data)
-        self.written += len(data)
-        return done
-
-    @contextlib.contextmanager
-    def _no_space(self) -> Iterator[None]:
-        """ENOSPC from a write, or from the buffered file's flush of earlier ones: the file system is full."""
-        try:
-            yield
-        except OSError as exc:
-            if exc.errno in FULL:
-                self.full = True
-            raise
-
-    def flush(self) -> None:
-        with self._no_space():
-            self._f.flush()
-
-    def tell(self) -> int:
-        return self._f.tell()
-
-    def seek(self, offset: int, whence: int = 0) -> int:
-        with self._no_space():
-            return self._f.seek(offset, whence)
-
-    def seekable(self) -> bool:
-        return True
-
-
 def save(data: bytes | Writer, step: int, *, where: str | None = None, keep: int = 2,
          max_bytes: int | None = None) -> str:
     """Write the snapshot of `step` atomically; return its path. Raises MemoryDirFull (see above)."""
@@ -273,10 +221,10 @@ def _written(data: bytes | Writer, step: int, where: str, bound: int | None, mad
         remove(path(old, where))
     final = path(step, where)
     tmp = final + ".tmp"
-    out: _Bounded | None = None
+    out: Bounded | None = None
     try:
         with open(tmp, "wb") as f:
-            out = _Bounded(f, room)
+            out = Bounded(f, room)
             if isinstance(data, bytes | bytearray):
                 out.write(data)
             else:
@@ -317,7 +265,7 @@ def hold_after(step: int, where: str, written: Callable[[], object] = lambda: No
 class Room:
     """What the keep rule does before `step` is written: all but the newest `keep - 1` go (so the last complete
     snapshot survives a failed write), but for those from the step the agent names (KEEP_FROM: the job's oldest
-    peer copy is of it, and a node lost now is taken over from a copy no older); the kept ones' bytes count against
+    peer copy, or a slower rank's newest snapshot, is of it); the kept ones' bytes count against
     the limit (`fit`: it wins). `after`: the newest complete one, where nothing else would be kept, not counted
     against the limit: it stays past it until the new one is complete, so a rank killed during the write still
     holds one (kept at rest, a review found it got a worker OOM-killed at the training's next peak)."""
@@ -329,8 +277,13 @@ class Room:
 
 def make_room(step: int, where: str, keep: int) -> Room:
     held = [s for s in steps(where) if s != step]
-    floor = keep_from(where)
-    dropped = [s for s in held[:max(0, len(held) - (keep - 1))] if floor is None or s < floor]
+    older, floor = held[:max(0, len(held) - (keep - 1))], keep_from(where)      # what the keep rule lets go
+    dropped = [s for s in older if floor is None or s < floor]
+    if len(dropped) < len(older) and not headroom.room_beside(where, size(path(held[-1], where)), 0):
+        dropped = older       # kept for the floor only where a reserve of memory stays (headroom.py), said once
+        _say_once("floor", f"keeps no more snapshots than keep={keep} for the job's slower ranks or peer copies "
+                           f"(from step {floor} on): /dev/shm or the memory has too little room left, and a failure "
+                           f"while a slower rank still writes may find no step every rank holds")
     kept = [s for s in held if s not in dropped]
     return Room(dropped, sum(size(path(s, where)) for s in kept), len(kept))
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from protocol.errors import ErrorCode
 from protocol.messages import JobState, NodeState
-from rdzv_server.core import awaiting, goodput, leases, places, store_port
+from rdzv_server.core import awaiting, floors, goodput, leases, places, store_port
 from rdzv_server.core.choice import Choice, candidates, choose, count_nodes, growth_cause
 from rdzv_server.core.errors import RendezvousError
 from rdzv_server.core.events import REMOVAL_CAUSE, EventKind, RoundCause
@@ -25,7 +25,6 @@ from rdzv_server.core.records import Event, JobRecord, NodeRecord, UnfinishedFet
 from rdzv_server.core.rounds import (
     PREPARE_LIMIT_S,
     build_round,
-    copies_floor,
     copies_lost,
     copies_off,
     master_correction,
@@ -252,7 +251,7 @@ class JobRules:
         if (off := copies_off(job.round, cfg.replicas)) != job.copies_off:     # said once, not every round
             job.copies_off = off
             taken += f"; peer copies {off}" if off else ""
-        job.copies_floor = copies_floor(job, now)     # (after copies_off: a round in one domain keeps nothing more)
+        floors.refresh(job, now)      # (after copies_off: a round in one domain keeps no more for copies)
         self.record(now, EventKind.ROUND_COMPLETED, f"round {job.round.round_id}: {len(chosen)} nodes, world size "
                     f"{job.round.world_size} ({why}){taken}", round_id=job.round.round_id, data=data)
 

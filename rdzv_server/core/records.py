@@ -51,7 +51,8 @@ class NodeRecord(msgspec.Struct, kw_only=True):
     copy_port: int = 0                 # where its agent takes peer copies (0: none)
     copy_verifiers: bool = False       # its agent is told verifiers, not tokens, of its sources (JoinRequest)
     copies: CopiesNote | None = None   # its peer copies, as its last poll said
-    copied_at: float = 0.0             # when its copied step last changed (rounds.copies_floor)
+    copied_at: float = 0.0             # when its copied step last changed (floors.copies_floor)
+    stepped_at: float = 0.0            # when its newest snapshot's step last changed (floors.held_floor)
     store_per_round: bool = False      # its agent hosts a store per round it masters (JoinRequest; store_port.py)
     unheard: bool = False              # not heard from since the server came back (a failure waits: reports.py)
     answered: bool = False             # its held poll was answered and nothing heard since (a failure waits too)
@@ -189,8 +190,9 @@ class JobRecord(msgspec.Struct, kw_only=True):
     resume_at_most: int = -1                   # for the next round: replicas diverged after this step (-1: none)
     swap: SwapDue | None = None                # a suspect swapped at the next snapshot (swaps.py)
     swapped_places: list[int] = msgspec.field(default_factory=list)   # group ranks a slow node was swapped from
-    copies_floor: int = -1                     # rounds.copies_floor, as the members' last notes give it
-    copies_floor_at: float = 0.0               # when it was last worked out
+    copies_floor: int = -1                     # floors.copies_floor, as the members' last notes give it
+    held_floor: int = -1                       # floors.held_floor, likewise
+    copies_floor_at: float = 0.0               # when they were last worked out
 
     def events_after(self, seq: int) -> list[Event]:
         """The kept events newer than `seq` (seqs are consecutive, so no scan of the history)."""

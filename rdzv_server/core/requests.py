@@ -30,10 +30,10 @@ from rdzv_server.core import (
     admission,
     awaiting,
     credentials,
+    floors,
     leases,
     progress_rules,
     reports,
-    rounds,
     store_port,
     suspects,
     swaps,
@@ -146,18 +146,9 @@ def poll(call: Call, req: PollRequest) -> str:
         call.rules.readiness(node, req.ready and not node.checks_due, call.now)
         if req.copies is not None:
             before = node.copies
-            node.copies = req.copies
             if (before is None or before.local_step < 0) != (req.copies.local_step < 0):
                 call.rules.node_changed(node.node_id)     # saved: whether it holds state of its own (awaiting.py)
-            if before is None or req.copies.copied_step != before.copied_step:
-                node.copied_at = call.now
-            job = call.rules.job
-            # Worked out again where this note moves it, and every few seconds (a member's copy stuck): each poll
-            # of a thousand members over a thousand notes would be a million looks.
-            if before is None or (before.copied_step, before.refused, before.local_step < 0) != \
-                    (req.copies.copied_step, req.copies.refused, req.copies.local_step < 0) or \
-                    call.now - job.copies_floor_at >= rounds.FLOOR_EVERY_S:
-                job.copies_floor, job.copies_floor_at = rounds.copies_floor(job, call.now), call.now
+            floors.noted(call.rules.job, node, before, req.copies, call.now)
             swaps.check(call.rules, call.now)       # the copy a swap waits for may be on its peer now
     return ""
 

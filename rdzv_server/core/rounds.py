@@ -87,38 +87,6 @@ def fetches_pending(job: JobRecord, members: list[str], took: dict[str, str]) ->
     return out
 
 
-COPY_STUCK_S = 60.0     # a member whose pushes are refused and whose copy has not moved this long: out of the floor
-FLOOR_EVERY_S = 5.0     # the floor is worked out again at least this often while notes come
-
-
-def copies_floor(job: JobRecord, now: float) -> int:
-    """The oldest of the round's members' newest copied steps (NodeStatus.copies_floor): the node taking a lost
-    member's place resumes from its copy, no older than this, so every member keeps its snapshots from this step
-    on (its copy may be several snapshots behind where copies are slower than snapshots). A member whose first
-    copy has not landed (or that has not said yet) makes it 0: that copy may be of any step the others still hold
-    (a floor that counted it later could only come down, past snapshots let go meanwhile). One whose pushes are
-    refused (its agent says why) with no copy yet, or whose copy has not moved for COPY_STUCK_S since, or with
-    snapshots of its own and no copy COPY_STUCK_S after it first said so (a review: a member that never pushed made
-    every rank keep every snapshot until the memory directories were full), or that holds no snapshot to copy (no
-    memory directory, say), does not count: its copy may never come (or come again), and the others would keep
-    every snapshot for it. -1 where the job's rounds make no copies (copies_off)."""
-    r = job.round
-    if r is None or not r.replicas or job.copies_off:
-        return -1
-    steps = []
-    for m in r.members:
-        node = job.nodes.get(m)
-        c = node.copies if node is not None else None
-        stuck = node is not None and c is not None and (
-            c.refused > 0 and (c.copied_step < 0 or now - node.copied_at > COPY_STUCK_S) or
-            c.copied_step < 0 and c.local_step >= 0 and now - node.copied_at > COPY_STUCK_S)
-        if c is None:
-            steps.append(0)
-        elif not stuck and (c.copied_step >= 0 or c.local_step >= 0):
-            steps.append(max(0, c.copied_step))
-    return min(steps, default=-1)
-
-
 def run_of(job: JobRecord) -> str:
     """The job's run (Assignment.run): a finished job's id starts a new run, with a record made anew."""
     return hashlib.sha256(f"{job.job_id}\0{job.created_at!r}".encode()).hexdigest()[:16]

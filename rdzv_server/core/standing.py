@@ -46,6 +46,7 @@ def node_status(job: JobRecord, node_id: str, now: float, *, accepted: bool = Tr
     elif r is not None and (finished or state == NodeState.MEMBER):
         status.assignment = assignment(r, node_id)
         status.copies_floor = job.copies_floor if not finished else -1
+        status.held_floor = job.held_floor if not finished else -1
     elif state == NodeState.SPARE:
         status.spare_position = job.spares.index(node_id)
     elif state == NodeState.EXCLUDED and node is not None:

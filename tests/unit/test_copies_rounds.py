@@ -386,3 +386,32 @@ def test_a_member_with_snapshots_whose_first_copy_never_comes_leaves_the_floor_a
     noted(rz, "a", 71.0, 60, local=95)
     assert noted(rz, "b", 71.5, 50, local=95).copies_floor == 50
     assert noted(rz, "c", 72.0, 45, local=95).copies_floor == 45        # it lands: counted again
+
+
+def test_every_member_is_told_the_oldest_of_the_members_newest_snapshots_copies_or_not():
+    """A rank whose write of a snapshot outlasts the interval holds an older newest one than the ranks ahead: those
+    keep it (NodeStatus.held_floor), so a failure meanwhile finds a step every rank holds; in a round without copies
+    too (one failure domain), where no replica can lend one."""
+    rz = started({"a": "1", "b": "1", "c": "1"}, CFG)
+    assert rz.jobs[JOB].copies_off and rz.view(JOB, "a", 1.0).held_floor == -1      # nothing said yet
+    noted(rz, "a", 1.0, -1, local=40)
+    assert rz.view(JOB, "a", 1.0).held_floor == 40 and rz.view(JOB, "a", 1.0).copies_floor == -1
+    noted(rz, "b", 1.6, -1, local=35)                  # b's write of 40 still under way
+    noted(rz, "c", 2.2, -1, local=-1)                  # c holds none (just joined): not counted
+    assert {rz.view(JOB, n, 2.2).held_floor for n in "abc"} == {35}
+    noted(rz, "a", 2.3, -1, local=45)                  # within HELD_EVERY_S of the last look: not worked out again
+    assert rz.view(JOB, "a", 2.3).held_floor == 35     # (a floor that lags keeps more, never less)
+    noted(rz, "b", 2.9, -1, local=45)
+    assert rz.view(JOB, "a", 2.9).held_floor == 45
+    noted(rz, "a", 40.0, -1, local=50)
+    noted(rz, "a", 70.0, -1, local=55)                 # b's newest lags and has not moved for a minute: its writes
+    assert rz.view(JOB, "a", 70.0).held_floor == 55    # fail, and the others keep no more for it
+
+
+def test_the_held_floor_ends_with_the_job():
+    rz = started({"a": "1", "b": "2"}, CFG)
+    noted(rz, "a", 1.0, 10, local=40)
+    noted(rz, "b", 1.6, 10, local=40)
+    assert rz.view(JOB, "a", 1.6).held_floor == 40
+    rz.jobs[JOB].state = JobState.SUCCEEDED
+    assert rz.view(JOB, "a", 2.0).held_floor == -1

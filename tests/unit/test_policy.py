@@ -528,6 +528,16 @@ def test_the_step_to_keep_snapshots_from_is_passed_on_when_it_changes_and_let_go
     assert KeepFrom(-1) in p.handle(StatusReceived(PollRequest, ended, sent_at=0.0), 4.0)
 
 
+def test_the_ranks_keep_their_snapshots_from_the_lower_of_the_copies_and_the_held_floor() -> None:
+    p = running(1)
+    both = msgspec.structs.replace(member(1).status, copies_floor=25, held_floor=20)
+    assert p.handle(StatusReceived(PollRequest, both, sent_at=0.0), 1.0) == [KeepFrom(20)]
+    held_only = msgspec.structs.replace(member(1).status, held_floor=30)          # copies off: the held floor alone
+    assert p.handle(StatusReceived(PollRequest, held_only, sent_at=0.0), 2.0) == [KeepFrom(30)]
+    copies_lower = msgspec.structs.replace(member(1).status, copies_floor=15, held_floor=30)
+    assert p.handle(StatusReceived(PollRequest, copies_lower, sent_at=0.0), 3.0) == [KeepFrom(15)]
+
+
 def test_ranks_asked_to_hold_after_their_snapshot_are_not_reported_stalled() -> None:
     p = running(1)
     held = msgspec.structs.replace(member(1).status, hold_at_snapshot=True)

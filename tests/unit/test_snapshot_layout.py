@@ -290,3 +290,24 @@ def test_the_snapshots_from_the_step_the_agent_names_are_kept_within_the_limit(m
     monkeypatch.delenv(snapshot.LIMIT_VAR)
     take(capture, 7, state(7.0))
     assert snapshot.steps() == [6, 7]
+
+
+def test_snapshots_kept_for_the_floor_go_where_the_memory_has_no_room_left_and_it_is_said(memory, monkeypatch,
+                                                                                          capsys) -> None:
+    """A floor (KEEP_FROM) that lags keeps more snapshots than keep=2, within the limit; where /dev/shm or the memory
+    would be left without its reserve (headroom.py: a container's limit counts /dev/shm), the keep rule alone
+    decides, and the rank says so once."""
+    capture = Capture(memory, keep=2)
+    with open(os.path.join(memory, snapshot.KEEP_FROM), "w") as f:
+        f.write("1")
+    for step in (1, 2, 3):
+        take(capture, step, state(float(step)))
+    assert snapshot.steps() == [1, 2, 3]
+    monkeypatch.setattr(snapshot, "_said", set())
+    monkeypatch.setattr(snapshot.headroom, "room_beside", lambda where, new, freed: False)
+    take(capture, 4, state(4.0))
+    take(capture, 5, state(5.0))
+    assert snapshot.steps() == [4, 5]
+    said = capsys.readouterr().err
+    assert said.count("keeps no more snapshots than keep=2 for the job's slower ranks or peer copies (from step 1 "
+                      "on): /dev/shm or the memory has too little room left") == 1, said

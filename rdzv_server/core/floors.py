@@ -1,0 +1,81 @@
+"""The steps a round's members keep their snapshots from (NodeStatus.copies_floor, held_floor), worked out from the
+notes their polls carry (CopiesNote). Each member's ranks keep every snapshot from the lower of the two on, besides
+their keep rule and within the memory limit (node_agent/training/snapshot.py: KEEP_FROM).
+
+A floor only ever lags: worked out from notes that may be old, it is at most the step each member holds, so the
+ranks keep more meanwhile, never less. Worked out again where a note moves it, at most every HELD_EVERY_S for a
+member's newest snapshot (each member's moves with every snapshot: a thousand members' polls over a thousand notes
+would be a million looks), and every FLOOR_EVERY_S while notes come (a member's copy stuck).
+"""
+from __future__ import annotations
+
+from protocol.notes import CopiesNote
+from rdzv_server.core.records import JobRecord, NodeRecord
+
+COPY_STUCK_S = 60.0     # a member whose pushes are refused and whose copy has not moved this long: out of the floor
+FLOOR_EVERY_S = 5.0     # the floors are worked out again at least this often while notes come
+HELD_EVERY_S = 0.5      # ... and at most this often for a member's newest snapshot alone
+HELD_STUCK_S = 60.0     # a member whose newest snapshot lags the others' and has not moved this long: out of it
+
+
+def refresh(job: JobRecord, now: float) -> None:
+    job.copies_floor, job.held_floor, job.copies_floor_at = copies_floor(job, now), held_floor(job, now), now
+
+
+def noted(job: JobRecord, node: NodeRecord, before: CopiesNote | None, note: CopiesNote, now: float) -> None:
+    """A member's poll said `note` (its last said `before`): its record, and the floors where it moves them."""
+    node.copies = note
+    if before is None or note.copied_step != before.copied_step:
+        node.copied_at = now
+    if before is None or note.local_step != before.local_step:
+        node.stepped_at = now
+    if before is None or (before.copied_step, before.refused, before.local_step < 0) != \
+            (note.copied_step, note.refused, note.local_step < 0) or now - job.copies_floor_at >= FLOOR_EVERY_S or \
+            (note.local_step != before.local_step and now - job.copies_floor_at >= HELD_EVERY_S):
+        refresh(job, now)
+
+
+def held_floor(job: JobRecord, now: float) -> int:
+    """The oldest of the round's members' newest snapshots, every local rank's (NodeStatus.held_floor; -1: none
+    said). The ranks ahead keep it while a slower one still writes its next (a write longer than the snapshots'
+    interval, a rank with more state): a failure then finds a step every rank holds, and the job resumes from
+    memory rather than disk or step 0 (a job of shards has no replica to lend one). A member that holds none (it
+    just joined, or has no memory directory) does not count, nor one whose newest lags the others' and has not
+    moved for HELD_STUCK_S (its writes fail: the others would keep every snapshot for it, up to the limit)."""
+    r = job.round
+    if r is None:
+        return -1
+    held = [(node.copies.local_step, node.stepped_at) for m in r.members
+            if (node := job.nodes.get(m)) is not None and node.copies is not None and node.copies.local_step >= 0]
+    newest = max((step for step, _ in held), default=-1)
+    return min((step for step, at in held if step == newest or now - at <= HELD_STUCK_S), default=-1)
+
+
+
+
+def copies_floor(job: JobRecord, now: float) -> int:
+    """The oldest of the round's members' newest copied steps (NodeStatus.copies_floor): the node taking a lost
+    member's place resumes from its copy, no older than this, so every member keeps its snapshots from this step
+    on (its copy may be several snapshots behind where copies are slower than snapshots). A member whose first
+    copy has not landed (or that has not said yet) makes it 0: that copy may be of any step the others still hold
+    (a floor that counted it later could only come down, past snapshots let go meanwhile). One whose pushes are
+    refused (its agent says why) with no copy yet, or whose copy has not moved for COPY_STUCK_S since, or with
+    snapshots of its own and no copy COPY_STUCK_S after it first said so (a review: a member that never pushed made
+    every rank keep every snapshot until the memory directories were full), or that holds no snapshot to copy (no
+    memory directory, say), does not count: its copy may never come (or come again), and the others would keep
+    every snapshot for it. -1 where the job's rounds make no copies (copies_off)."""
+    r = job.round
+    if r is None or not r.replicas or job.copies_off:
+        return -1
+    steps = []
+    for m in r.members:
+        node = job.nodes.get(m)
+        c = node.copies if node is not None else None
+        stuck = node is not None and c is not None and (
+            c.refused > 0 and (c.copied_step < 0 or now - node.copied_at > COPY_STUCK_S) or
+            c.copied_step < 0 and c.local_step >= 0 and now - node.copied_at > COPY_STUCK_S)
+        if c is None:
+            steps.append(0)
+        elif not stuck and (c.copied_step >= 0 or c.local_step >= 0):
+            steps.append(max(0, c.copied_step))
+    return min(steps, default=-1)
