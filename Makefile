@@ -10,7 +10,7 @@ PYTEST_WORKERS ?= 3
 unexport PYTHONDONTWRITEBYTECODE
 
 .PHONY: venv chromium deploy-tools netns-tools etcd demo test multihost soak fuzz bench bench-fresh-memory bench-faults bench-scale bench-blip bench-progress \
-	bench-leftovers bench-console bench-hangs bench-places bench-node-loss bench-copy-faults bench-copy-speed bench-snapshot-speed bench-framework-restart bench-suspects bench-snapshot-blocking bench-request-path \
+	bench-leftovers bench-console bench-hangs bench-places bench-node-loss bench-copy-faults bench-copy-speed bench-snapshot-speed bench-common-step bench-framework-restart bench-suspects bench-snapshot-blocking bench-request-path \
 	bench-failover bench-first-step gpu-check gpu-hangs bench-gpu-restart test-oldest clean
 
 # `make demo` installs what the demo runs (the package and torch); the test tools and the frameworks (Lightning,
@@ -188,6 +188,10 @@ bench-suspects: venv
 # --roots alternated (BENCH_SNAPSHOT_SPEED_ARGS="--roots /tmp/old,."; about 3 minutes).
 bench-snapshot-speed: venv
 	$(PY) benchmarks/bench_snapshot_speed.py $(BENCH_SNAPSHOT_SPEED_ARGS)
+
+# How often a node's ranks hold no snapshot step in common while one rank's writes run long, and what they hold
+bench-common-step: venv
+	$(PY) benchmarks/bench_common_step.py $(BENCH_COMMON_STEP_ARGS)
 
 # What fresh memory costs a CPU restore: torch.empty + copy_ against huge pages and pre-populated mappings
 bench-fresh-memory: venv

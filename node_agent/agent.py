@@ -175,10 +175,10 @@ class Agent:
 
     async def _do(self, action: Action, link: ServerLink) -> None:
         match action:
-            case StopWorkers(signum=signum):
+            case StopWorkers(signum=signum, finish_writes=finish_writes):
                 # Up to --stop-timeout: the lease must not lapse meanwhile.
                 async with link.lease_kept(max(0.2, self.link.job.lease_timeout_s / 3)):
-                    await self.workers.stop(signum)
+                    await self.workers.stop(signum, finish_writes)
             case Spawn(assignment=assignment):
                 # Its previous agent may still stop its workers, a fetch or a zygote take a while: past a lease,
                 # which must not lapse meanwhile (a review: the node was lost and excluded for 300 s)
@@ -194,8 +194,8 @@ class Agent:
                 link.poll_now()
             case HoldAtSnapshot(on=on):
                 self.workers.memory.hold(on)
-            case KeepFrom(step=step):
-                self.workers.memory.keep_from(step)
+            case KeepFrom(step=step, held=held):
+                self.workers.memory.keep_from(step, held)
             case Rejoin():
                 link.rejoin()
             case Leave(reason=reason, unhealthy=unhealthy, stopped=stopped, stops_workers=stops_workers):
@@ -224,7 +224,7 @@ class Agent:
             self.narrator.say(f"the job's replicas diverged after step {assignment.resume_at_most}: "
                               f"snapshots of step(s) {', '.join(map(str, gone))} removed")
         self.workers.memory.hold(False)       # a hold was the last round's
-        self.workers.memory.keep_from(self.policy.keep_from)     # (a predecessor's mark: not this job's)
+        self.workers.memory.keep_from(*self.policy.keep_from)     # (a predecessor's mark: not this job's)
         await self.copies.before_spawn(assignment, dirs)      # a fetch goes on while the workers start
         await self.workers.spawn(assignment)
 

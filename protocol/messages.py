@@ -336,8 +336,9 @@ class NodeStatus(msgspec.Struct, kw_only=True, gc=False):
     # member lost now is taken over from a copy no older, so each member's ranks keep their snapshots from this
     # step on besides their keep rule (node_agent/training/snapshot.py: KEEP_FROM), within the memory limit.
     copies_floor: int = -1
-    # The oldest of the round's members' newest snapshots (rdzv_server/core/floors.held_floor; -1: none said): ranks
-    # ahead of a slower one's write keep it likewise, so a failure meanwhile finds a step every rank holds.
+    # The oldest of the round's members' newest snapshots (rdzv_server/core/floors.held_floor; -1: none): each
+    # member's ranks keep the newest snapshot their keep rule lets go where it is of this step or later, so a
+    # failure while a slower rank still writes finds a step every rank holds.
     held_floor: int = -1
     # A node gone from the job whose place the job, waiting, keeps for its next agent: how much longer (awaited,
     # rdzv_server/core/awaiting.py: to the wait's end; below min_nodes: to the join timeout; 0: the job goes on

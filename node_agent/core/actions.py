@@ -18,9 +18,11 @@ class Spawn:
 
 @dataclass(frozen=True)
 class StopWorkers:
-    """Stop the local workers (`signum`, then SIGKILL after --stop-timeout)."""
+    """Stop the local workers (`signum`, then SIGKILL after --stop-timeout). `finish_writes`: the agent's own stop
+    (its signal): their snapshot writes under way end first (workers/writes.py)."""
     reason: str
     signum: int = signal.SIGTERM
+    finish_writes: bool = False
 
 
 @dataclass(frozen=True)
@@ -43,8 +45,10 @@ class HoldAtSnapshot:
 @dataclass(frozen=True)
 class KeepFrom:
     """Ask the round's ranks to keep their snapshots from `step` on besides their keep rule (-1: no longer): the
-    oldest of the job's peer copies, or of its members' newest snapshots, is of that step (policy.keep_floor)."""
+    oldest of the job's peer copies is of that step (NodeStatus.copies_floor); and the newest their keep rule lets
+    go where it is of `held` or later: the slowest rank's newest may be of it (NodeStatus.held_floor)."""
     step: int
+    held: int = -1
 
 
 @dataclass(frozen=True)

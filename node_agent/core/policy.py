@@ -110,7 +110,7 @@ class SupervisionPolicy:
     ran: bool = False                # this node's workers were started in some round of the job
     health: NodeHealth = field(default_factory=NodeHealth)   # the node's own checks (node_health.py)
     holding: bool = False            # its ranks wait after their next snapshot (NodeStatus.hold_at_snapshot)
-    keep_from: int = -1              # its ranks keep their snapshots from this step on (keep_floor)
+    keep_from: tuple[int, int] = (-1, -1)   # the floors its ranks keep their snapshots by (KeepFrom)
 
     def __post_init__(self) -> None:
         self.fence = Fence(self.lease_timeout_s)
@@ -232,10 +232,11 @@ class SupervisionPolicy:
         if hold != self.holding:
             self.holding = hold
             actions.append(HoldAtSnapshot(hold))
-        floor = keep_floor(status) if status.assignment is not None else -1      # (a member's news)
-        if floor != self.keep_from:
-            self.keep_from = floor
-            actions.append(KeepFrom(floor))
+        member = status.assignment is not None          # (a member's news)
+        floors = (status.copies_floor, status.held_floor) if member else (-1, -1)
+        if floors != self.keep_from:
+            self.keep_from = floors
+            actions.append(KeepFrom(*floors))
         return actions
 
     def _news(self, status: NodeStatus) -> list[Action]:
@@ -338,16 +339,17 @@ class SupervisionPolicy:
         name = signal.Signals(signum).name
         self.exiting = True
         stopped = self.restartable and signum == signal.SIGTERM      # what a service manager stops with
-        stop, end = self._stop(f"agent received {name}", signum), Exit(128 + signum, f"node-agent stopped by {name}")
+        stop, end = self._stop(f"agent received {name}", signum, finish_writes=True), \
+            Exit(128 + signum, f"node-agent stopped by {name}")
         # (a restart waiting for its check has spawned nothing yet)
         spawned = bool(stop) and self.health.pending is None
         leave = Leave(f"agent received {name}", stopped=stopped, stops_workers=stopped and spawned)
         # said first when stopped: a second signal, or the manager's SIGKILL when its grace ends, may cut the stop short
         return [leave, *stop, end] if stopped else [*stop, leave, end]
 
-    def _stop(self, reason: str, signum: int = signal.SIGTERM) -> list[Action]:
+    def _stop(self, reason: str, signum: int = signal.SIGTERM, finish_writes: bool = False) -> list[Action]:
         running, self.workers = self.workers == Workers.RUNNING, Workers.NONE
-        return [StopWorkers(reason, signum)] if running else []
+        return [StopWorkers(reason, signum, finish_writes)] if running else []
 
     def _drop_round(self, reason: str) -> list[Action]:
         """Stop the workers and run no round until the server names one."""
@@ -358,9 +360,3 @@ class SupervisionPolicy:
         self.job_over = True
         code, stop, message = job_ending(status, self.ran)
         return self._end(code, stop, message, status.root_cause if status.job_state == JobState.FAILED else None)
-
-
-def keep_floor(status: NodeStatus) -> int:
-    """The step a member's ranks keep their snapshots from (-1: none): the lower of the job's oldest peer copy
-    (NodeStatus.copies_floor) and the oldest of its members' newest snapshots (held_floor)."""
-    return min((f for f in (status.copies_floor, status.held_floor) if f >= 0), default=-1)

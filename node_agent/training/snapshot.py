@@ -6,8 +6,9 @@ agent imports this): `save` takes bytes or a callable writing into a file, e.g.
 `save(lambda f: torch.save(state, f), step)`; load with `torch.load(path(step), mmap=True)` (no copy). Rules:
 - A snapshot is the file `step-N`, written as `step-N.tmp` and renamed: a reader never sees half a file.
   Before writing, `save` drops all but the newest `keep - 1`, so the last complete one survives a failed write;
-  but for those from the step the agent names in KEEP_FROM (the job's oldest peer copy, or the slowest rank's
-  newest snapshot, is of it: a node lost now is taken over from a copy no older, or every rank holds that step).
+  but for those from the step the agent names in KEEP_FROM (the job's oldest peer copy is of it: a node lost now
+  is taken over from a copy no older), and the newest of the others where it is of KEEP_FROM's second step (the
+  slowest rank's newest, as the server last heard: a failure while a slower rank writes finds a step all hold).
 - What is kept plus the new snapshot must fit the limit: where it does not, older snapshots go too, oldest first
   (a limit that holds fewer than `keep` keeps the newest; a writer's snapshot is taken to be the size of the
   newest), but the newest complete one stays beside the new one until it is complete, past the limit, where the
@@ -39,7 +40,7 @@ from node_agent.training.bounded import FULL, Bounded, MemoryDirFull
 
 __all__ = ["COPY_WAIT_S", "DIR_VAR", "FETCHING", "FULL", "HOLD", "KEEP_FROM", "LIMIT_VAR", "MemoryDirFull", "NONE_HELD",
            "SENDING", "Writer", "agreed_step", "directory", "full_error", "Room", "forget_after", "keep_from", "limit",
-           "hold_after", "make_room", "newest", "path", "remove", "save", "steps"]
+           "hold_after", "make_room", "newest", "path", "remove", "save", "steps", "unfinished"]
 
 DIR_VAR = "NODE_AGENT_MEMORY_DIR"
 FETCHING = ".fetching"    # the agent is fetching this rank's copy from a peer (node_agent/copies/peers.py)
@@ -47,7 +48,7 @@ COPY_WAIT_S = 90.0        # the most agreed_step waits for it (the agent gives u
 LIMIT_VAR = "NODE_AGENT_MEMORY_LIMIT"
 HOLD = ".hold"            # the agent asks this rank to wait after its next snapshot (NodeStatus.hold_at_snapshot)
 HOLD_MAX_S = 30.0         # the most it waits: a swap that did not come lets the training go on
-KEEP_FROM = ".keep-from"  # the agent asks this rank to keep its snapshots from this step on (policy.keep_floor)
+KEEP_FROM = ".keep-from"  # the steps the agent asks this rank to keep its snapshots by (`floors`)
 SENDING = ".sending-"     # a second name for a snapshot while the agent sends it (copies/files.pin): not written over
 HOLD_LOOK_S = 0.02
 _NAME = re.compile(r"step-(\d{1,18})")
@@ -110,7 +111,8 @@ def agreed_step(reduce_min: Callable[[int], int], where: str | None = None,
     where = where or directory()
     if where is not None:
         _await_copy(where)
-        _forget_unfinished(where)
+        for name in unfinished(where):
+            remove(os.path.join(where, name))
     below: int | None = None      # only steps older than this one are still candidates
     behind = False                # (with `lend`) this rank's newest step is older than most replicas' (until a refusal)
     while True:
@@ -149,11 +151,13 @@ def _await_copy(where: str) -> None:
         time.sleep(0.01)
 
 
-def _forget_unfinished(where: str) -> None:
-    """Remove the half-written files of a writer that died (a worker killed mid-save): nothing else ever would."""
-    for name in os.listdir(where):
-        if name.endswith(".tmp") and _NAME.fullmatch(name[:-4]):
-            remove(os.path.join(where, name))
+def unfinished(where: str) -> list[str]:
+    """The `step-N.tmp` files in `where`: a write under way (workers/writes.py lets it end before a stop), or a dead
+    writer's (a worker killed mid-save), which agreed_step removes: nothing else ever would."""
+    try:
+        return [name for name in os.listdir(where) if name.endswith(".tmp") and _NAME.fullmatch(name[:-4])]
+    except OSError:
+        return []
 
 
 def forget_after(step: int, where: str | None) -> list[int]:
@@ -264,8 +268,8 @@ def hold_after(step: int, where: str, written: Callable[[], object] = lambda: No
 @dataclass(frozen=True)
 class Room:
     """What the keep rule does before `step` is written: all but the newest `keep - 1` go (so the last complete
-    snapshot survives a failed write), but for those from the step the agent names (KEEP_FROM: the job's oldest
-    peer copy, or a slower rank's newest snapshot, is of it); the kept ones' bytes count against
+    snapshot survives a failed write), but for those the agent's floors keep (KEEP_FROM: `floors`); the kept
+    ones' bytes count against
     the limit (`fit`: it wins). `after`: the newest complete one, where nothing else would be kept, not counted
     against the limit: it stays past it until the new one is complete, so a rank killed during the write still
     holds one (kept at rest, a review found it got a worker OOM-killed at the training's next peak)."""
@@ -277,24 +281,35 @@ class Room:
 
 def make_room(step: int, where: str, keep: int) -> Room:
     held = [s for s in steps(where) if s != step]
-    older, floor = held[:max(0, len(held) - (keep - 1))], keep_from(where)      # what the keep rule lets go
+    older, (floor, slower) = held[:max(0, len(held) - (keep - 1))], floors(where)      # what the keep rule lets go
     dropped = [s for s in older if floor is None or s < floor]
+    if dropped and slower is not None and dropped[-1] >= slower:
+        dropped.pop()   # for a slower rank (ranks step together: its newest is at most one older than this one keeps)
     if len(dropped) < len(older) and not headroom.room_beside(where, size(path(held[-1], where)), 0):
-        dropped = older       # kept for the floor only where a reserve of memory stays (headroom.py), said once
-        _say_once("floor", f"keeps no more snapshots than keep={keep} for the job's slower ranks or peer copies "
-                           f"(from step {floor} on): /dev/shm or the memory has too little room left, and a failure "
-                           f"while a slower rank still writes may find no step every rank holds")
+        dropped = older       # kept for a floor only where a reserve of memory stays (headroom.py), said once
+        _say_once("floor", f"keeps no more snapshots than keep={keep} for the job's slower ranks or peer copies: "
+                           f"/dev/shm or the memory has too little room left, and a failure while a slower rank "
+                           f"still writes may find no step every rank holds")
     kept = [s for s in held if s not in dropped]
     return Room(dropped, sum(size(path(s, where)) for s in kept), len(kept))
 
 
 def keep_from(where: str) -> int | None:
     """The step the agent asks this rank to keep its snapshots from (KEEP_FROM), or None."""
+    return floors(where)[0]
+
+
+def floors(where: str) -> tuple[int | None, int | None]:
+    """KEEP_FROM's steps, None where not given: the copies floor (every snapshot from it on kept) and the held floor
+    (the slowest rank's newest, as the server last heard: the newest snapshot the keep rule lets go is kept if no
+    older)."""
     try:
         with open(os.path.join(where, KEEP_FROM)) as f:
-            return int(f.read(32).strip())
+            given = [int(n) for n in f.read(64).split()[:2]]
     except (OSError, ValueError):
-        return None
+        return None, None
+    copies, held = (given + [-1, -1])[:2]
+    return (copies if copies >= 0 else None), (held if held >= 0 else None)
 
 
 def fit(room: Room, step: int, where: str, new: int, bound: int | None, own: Collection[int] = ()) -> Room:

@@ -4,18 +4,20 @@
 - a worker that cannot be spawned gets those already started killed;
 - `wait()` returns the moment any worker fails, or once all succeeded;
 - `stop()` signals every group (and continues stopped ones), SIGKILL after the stop timeout, then ends what the
-  workers left there.
+  workers left there; the agent's own stop first lets the snapshot writes under way end (writes.py).
 """
 from __future__ import annotations
 
 import asyncio
 import signal
 
+from node_agent.training import snapshot
 from node_agent.workers import leftovers
 from node_agent.workers.launch import WorkerLaunch
 from node_agent.workers.output import Console
 from node_agent.workers.process import Worker, WorkerExit, WorkerSpawnError
 from node_agent.workers.warm.client import WarmZygote
+from node_agent.workers.writes import Writes
 
 _KILL_WAIT_S = 10.0             # after SIGKILL, how long to wait for a reap before giving up on it
 _DRAIN_WAIT_S = 2.0             # after the workers are gone, how long their pipes may stay open
@@ -45,6 +47,7 @@ class WorkerGroup:
         self._started = False
         self._stopping: asyncio.Task[None] | None = None
         self._start_done = asyncio.Event()
+        self._writes = Writes(launch.env.get(snapshot.DIR_VAR) for launch in self._launches)
 
     @property
     def launches(self) -> list[WorkerLaunch]:
@@ -148,20 +151,24 @@ class WorkerGroup:
         for worker in self._workers:
             worker.send_signal(sig)
 
-    async def stop(self, sig: int = signal.SIGTERM) -> None:
-        """Stop every worker: `sig`, then SIGKILL after stop_timeout; reap all, finish their logs. Later calls
-        wait for the same stop; a later SIGKILL cuts the grace period short (a second Ctrl-C)."""
+    async def stop(self, sig: int = signal.SIGTERM, finish_writes: bool = False) -> None:
+        """Stop every worker: `sig` (with `finish_writes`, once their snapshot writes under way ended: writes.py),
+        then SIGKILL after stop_timeout; reap all, finish their logs. Later calls wait for the same stop; a later
+        SIGKILL cuts the grace period short (a second Ctrl-C)."""
         if self._stopping is None:
             self._stop_asked.set()
-            self._stopping = asyncio.create_task(self._stop(sig))
+            self._stopping = asyncio.create_task(self._stop(sig, finish_writes))
         elif sig == signal.SIGKILL and not self._stopping.done():
             self._signal_groups(signal.SIGKILL)
         await asyncio.shield(self._stopping)
 
-    async def _stop(self, sig: int) -> None:
+    async def _stop(self, sig: int, finish_writes: bool) -> None:
         if self._started:
             await self._start_done.wait()   # at most the spawn in flight: start() checks for us
         held = leftovers.held_temp_dirs(self._live_groups())   # a killed process removes none (leftovers.py)
+        if finish_writes and sig != signal.SIGKILL:
+            await self._writes.ended((w.launch.env.get(snapshot.DIR_VAR) for w in self._workers
+                                      if w.reaper is not None and not w.reaper.done()), self._stop_timeout)
         self._signal_groups(sig)
         self._signal_groups(signal.SIGCONT)   # a stopped worker (SIGSTOP, a debugger) acts on `sig` only once running
         running = [w.reaper for w in self._processes() if w.reaper is not None and not w.reaper.done()]

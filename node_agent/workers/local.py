@@ -65,7 +65,7 @@ class Group(Protocol):
 
     def send_signal(self, sig: int) -> None: ...
 
-    async def stop(self, sig: int = signal.SIGTERM) -> None: ...
+    async def stop(self, sig: int = signal.SIGTERM, finish_writes: bool = False) -> None: ...
 
 
 class GroupFactory(Protocol):
@@ -201,13 +201,13 @@ class LocalWorkers:
         if self.steps is not None and self.steps.round.round_id == round_id:
             self._watchers.append(start_source(self.steps.run(self._put), self._put))
 
-    async def stop(self, signum: int = signal.SIGTERM) -> None:
-        """Stop the running group, if any (up to --stop-timeout, then SIGKILL)."""
+    async def stop(self, signum: int = signal.SIGTERM, finish_writes: bool = False) -> None:
+        """Stop the running group, if any (up to --stop-timeout, then SIGKILL; `finish_writes`: WorkerGroup.stop)."""
         self._stop_watching()
         group, self.group = self.group, None
         starting, self._starting = self._starting, None
         if group is not None:
-            await group.stop(signum)   # also ends a start still waiting for the zygote
+            await group.stop(signum, finish_writes)   # also ends a start still waiting for the zygote
             self._workers_gone()
             if starting is not None:   # its failure, if any, reached the loop already (start_source)
                 await asyncio.wait([starting])

@@ -151,14 +151,15 @@ class MemoryDirs:
             except OSError as exc:
                 self.say(f"cannot {'set' if on else 'clear'} the hold at the next snapshot in {path}: {exc}")
 
-    def keep_from(self, step: int) -> None:
-        """Ask this node's ranks to keep their snapshots from `step` on (snapshot.KEEP_FROM; -1: no longer). A
-        directory that cannot take the mark is said once: its ranks keep only what their keep rule keeps."""
+    def keep_from(self, step: int, held: int = -1) -> None:
+        """Ask this node's ranks to keep their snapshots from `step` on (snapshot.KEEP_FROM; -1: no longer), and the
+        newest their keep rule lets go where it is of `held` or later (-1: none). A directory that cannot take the
+        mark is said once: its ranks keep only what their keep rule keeps."""
         for path in (self.dirs(self.nproc) if self.root is not None else {}).values():
             mark = os.path.join(path, snapshot.KEEP_FROM)
             try:
-                if step >= 0:          # renamed into place: a rank reading it meanwhile sees the old step or the new
-                    _write(mark + ".new", str(step))
+                if step >= 0 or held >= 0:   # renamed into place: a rank reading it sees the old steps or the new
+                    _write(mark + ".new", f"{step} {held}")
                     os.replace(mark + ".new", mark)
                 else:
                     with contextlib.suppress(FileNotFoundError):

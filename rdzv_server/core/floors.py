@@ -1,6 +1,7 @@
-"""The steps a round's members keep their snapshots from (NodeStatus.copies_floor, held_floor), worked out from the
-notes their polls carry (CopiesNote). Each member's ranks keep every snapshot from the lower of the two on, besides
-their keep rule and within the memory limit (node_agent/training/snapshot.py: KEEP_FROM).
+"""The steps a round's members keep their snapshots by (NodeStatus.copies_floor, held_floor), worked out from the
+notes their polls carry (CopiesNote): besides their keep rule and within the memory limit, each member's ranks keep
+every snapshot from the copies floor on, and the newest snapshot the keep rule lets go where it is of the held floor
+or later (node_agent/training/snapshot.py: KEEP_FROM).
 
 A floor only ever lags: worked out from notes that may be old, it is at most the step each member holds, so the
 ranks keep more meanwhile, never less. Worked out again where a note moves it, at most every HELD_EVERY_S for a
@@ -24,33 +25,42 @@ def refresh(job: JobRecord, now: float) -> None:
 
 def noted(job: JobRecord, node: NodeRecord, before: CopiesNote | None, note: CopiesNote, now: float) -> None:
     """A member's poll said `note` (its last said `before`): its record, and the floors where it moves them."""
-    node.copies = note
+    first = job.round is not None and node.noted_at < job.round.completed_at       # its first note of the round
+    node.copies, node.noted_at = note, now
     if before is None or note.copied_step != before.copied_step:
         node.copied_at = now
     if before is None or note.local_step != before.local_step:
         node.stepped_at = now
     if before is None or (before.copied_step, before.refused, before.local_step < 0) != \
             (note.copied_step, note.refused, note.local_step < 0) or now - job.copies_floor_at >= FLOOR_EVERY_S or \
-            (note.local_step != before.local_step and now - job.copies_floor_at >= HELD_EVERY_S):
+            ((first or note.local_step != before.local_step) and now - job.copies_floor_at >= HELD_EVERY_S):
         refresh(job, now)
 
 
 def held_floor(job: JobRecord, now: float) -> int:
-    """The oldest of the round's members' newest snapshots, every local rank's (NodeStatus.held_floor; -1: none
-    said). The ranks ahead keep it while a slower one still writes its next (a write longer than the snapshots'
-    interval, a rank with more state): a failure then finds a step every rank holds, and the job resumes from
-    memory rather than disk or step 0 (a job of shards has no replica to lend one). A member that holds none (it
-    just joined, or has no memory directory) does not count, nor one whose newest lags the others' and has not
-    moved for HELD_STUCK_S (its writes fail: the others would keep every snapshot for it, up to the limit)."""
+    """The oldest of the round's members' newest snapshots, every local rank's (NodeStatus.held_floor; -1: none).
+    The ranks ahead keep it while a slower one still writes its next (a write longer than the snapshots' interval,
+    a rank with more state): a failure then finds a step every rank holds, and the job resumes from memory rather
+    than disk or step 0 (a job of shards has no replica to lend one). Ranks step together, so the slowest rank's
+    newest is at most one older than what a rank's keep rule keeps: a rank keeps that one more, where it is of the
+    floor or later (a floor that lags costs one snapshot). In the round's first HELD_STUCK_S, 0 while a member has
+    not said what it holds since the round formed (its last note may be of steps the job went back from) or holds
+    none yet: the round's first snapshots come before its note. Past that, such a member does not count (it has no
+    memory directory, say), nor one whose newest lags the others' and has not moved for HELD_STUCK_S (its writes
+    fail): the others would keep one more snapshot for it for good."""
     r = job.round
     if r is None:
         return -1
-    held = [(node.copies.local_step, node.stepped_at) for m in r.members
-            if (node := job.nodes.get(m)) is not None and node.copies is not None and node.copies.local_step >= 0]
-    newest = max((step for step, _ in held), default=-1)
-    return min((step for step, at in held if step == newest or now - at <= HELD_STUCK_S), default=-1)
-
-
+    said: list[tuple[int, float]] = []
+    for m in r.members:
+        node = job.nodes.get(m)
+        if node is not None and node.copies is not None and node.copies.local_step >= 0 and \
+                node.noted_at >= r.completed_at:
+            said.append((node.copies.local_step, node.stepped_at))
+    if len(said) < len(r.members) and now - r.completed_at <= HELD_STUCK_S:
+        return 0
+    newest = max((step for step, _ in said), default=-1)
+    return min((step for step, at in said if step == newest or now - at <= HELD_STUCK_S), default=-1)
 
 
 def copies_floor(job: JobRecord, now: float) -> int:

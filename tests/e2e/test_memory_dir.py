@@ -93,9 +93,9 @@ def test_no_memory_dir_means_no_variable(cluster, tmp_path):
 
 def test_ranks_ahead_of_a_slower_ones_write_keep_a_step_every_rank_holds(cluster, tmp_path):
     """Rank 1's write of step 3 outlasts the snapshots' interval; rank 0 saves 3 and 4 meanwhile and then fails.
-    Rank 0 keeps from the slowest rank's newest step on (the server's held floor), so the restarted ranks still
-    hold a step in common, 2, and resume from memory. (Before, rank 0 dropped 2 when it saved 4: no step in common,
-    and a job of shards went back to disk or step 0.)"""
+    Rank 0 keeps the newest snapshot its keep rule lets go, 2, as the server's held floor is no newer, so the
+    restarted ranks still hold a step in common, 2, and resume from memory. (Before, rank 0 dropped 2 when it saved
+    4: no step in common, and a job of shards went back to disk or step 0.)"""
     agent = cluster.agent("--standalone", "--nproc", "2", "--max-restarts", "1", "--memory-dir-limit", "1M",
                           os.path.join(SCRIPTS, "slow_writer.py"), env={"OUT_DIR": str(tmp_path)})
     assert agent.wait() == 0, agent.output
@@ -105,5 +105,6 @@ def test_ranks_ahead_of_a_slower_ones_write_keep_a_step_every_rank_holds(cluster
             held[rank] = json.load(f)
     with open(tmp_path / "kept_from.json") as f:
         kept_from = json.load(f)
-    assert held[1] == [2] and kept_from is not None and kept_from <= 2, (held, kept_from, agent.output)
-    assert 2 in held[0] and 4 in held[0], (held, agent.output)
+    common = set(held[0]) & set(held[1])
+    assert common and max(common) == 2 and 4 in held[0], (held, kept_from, agent.output)
+    assert kept_from is not None and kept_from <= 2, (held, kept_from, agent.output)

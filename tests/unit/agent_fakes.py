@@ -61,7 +61,7 @@ class FakeGroup:
     def send_signal(self, sig: int) -> None:
         self.signals.append(sig)
 
-    async def stop(self, sig: int = signal.SIGTERM) -> None:
+    async def stop(self, sig: int = signal.SIGTERM, finish_writes: bool = False) -> None:
         if self.stopped_with is None:
             self.stopped_with = sig
             ended = {e.local_rank for e in self._exits}

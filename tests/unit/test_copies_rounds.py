@@ -393,19 +393,32 @@ def test_every_member_is_told_the_oldest_of_the_members_newest_snapshots_copies_
     keep it (NodeStatus.held_floor), so a failure meanwhile finds a step every rank holds; in a round without copies
     too (one failure domain), where no replica can lend one."""
     rz = started({"a": "1", "b": "1", "c": "1"}, CFG)
-    assert rz.jobs[JOB].copies_off and rz.view(JOB, "a", 1.0).held_floor == -1      # nothing said yet
+    assert rz.jobs[JOB].copies_off and rz.view(JOB, "a", 1.0).held_floor == 0      # nothing said yet: all kept
     noted(rz, "a", 1.0, -1, local=40)
-    assert rz.view(JOB, "a", 1.0).held_floor == 40 and rz.view(JOB, "a", 1.0).copies_floor == -1
     noted(rz, "b", 1.6, -1, local=35)                  # b's write of 40 still under way
-    noted(rz, "c", 2.2, -1, local=-1)                  # c holds none (just joined): not counted
+    assert rz.view(JOB, "a", 1.6).held_floor == 0 and rz.view(JOB, "a", 1.6).copies_floor == -1   # c: not yet
+    noted(rz, "c", 2.2, -1, local=40)
     assert {rz.view(JOB, n, 2.2).held_floor for n in "abc"} == {35}
     noted(rz, "a", 2.3, -1, local=45)                  # within HELD_EVERY_S of the last look: not worked out again
     assert rz.view(JOB, "a", 2.3).held_floor == 35     # (a floor that lags keeps more, never less)
     noted(rz, "b", 2.9, -1, local=45)
-    assert rz.view(JOB, "a", 2.9).held_floor == 45
+    assert rz.view(JOB, "a", 2.9).held_floor == 40     # c's 40 now the oldest newest
+    noted(rz, "c", 3.5, -1, local=45)
     noted(rz, "a", 40.0, -1, local=50)
+    noted(rz, "c", 40.6, -1, local=50)
     noted(rz, "a", 70.0, -1, local=55)                 # b's newest lags and has not moved for a minute: its writes
-    assert rz.view(JOB, "a", 70.0).held_floor == 55    # fail, and the others keep no more for it
+    assert rz.view(JOB, "a", 70.0).held_floor == 50    # fail, and the others keep no more for it
+
+
+def test_a_member_that_holds_none_keeps_every_step_kept_for_a_minute_then_no_longer():
+    """A member that holds no snapshot yet (the round's first is coming) counts as 0 for the round's first minute;
+    past it, one that still holds none (no memory directory, a script that takes none) no longer counts."""
+    rz = started({"a": "1", "b": "1"}, CFG)
+    noted(rz, "a", 1.0, -1, local=40)
+    noted(rz, "b", 1.6, -1, local=-1)
+    assert rz.view(JOB, "a", 1.6).held_floor == 0
+    noted(rz, "a", 62.0, -1, local=45)
+    assert rz.view(JOB, "a", 62.0).held_floor == 45
 
 
 def test_the_held_floor_ends_with_the_job():
@@ -415,3 +428,19 @@ def test_the_held_floor_ends_with_the_job():
     assert rz.view(JOB, "a", 1.6).held_floor == 40
     rz.jobs[JOB].state = JobState.SUCCEEDED
     assert rz.view(JOB, "a", 2.0).held_floor == -1
+
+
+def test_a_new_round_keeps_every_step_until_each_member_has_said_what_it_holds_since():
+    """Notes from before a round may be of steps the job went back from; until each member's next note, its ranks
+    keep every step (within the limit): the round's first snapshots come before that note."""
+    rz = started({"a": "1", "b": "1", "c": "1"}, CFG)
+    for t, n in enumerate("abc"):
+        noted(rz, n, 0.1 + t / 10, -1, local=40)
+    assert rz.view(JOB, "a", 0.5).held_floor == 40
+    outlive(rz, ("a", "b"))                               # c lost: a round of a and b
+    now = rz.jobs[JOB].round.completed_at
+    assert rz.jobs[JOB].round.members == ["a", "b"] and rz.view(JOB, "a", now).held_floor == 0
+    noted(rz, "a", now + 1.0, -1, local=40)
+    assert rz.view(JOB, "a", now + 1.0).held_floor == 0   # b has not said yet
+    noted(rz, "b", now + 2.0, -1, local=35)               # the same notes as before, said again: worked out again
+    assert rz.view(JOB, "b", now + 2.0).held_floor == 35

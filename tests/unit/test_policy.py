@@ -232,7 +232,8 @@ def test_a_sigterm_of_an_agent_that_may_be_restarted_says_so_in_its_leave(signum
     actions = p.handle(SignalReceived(signum), 1.0)
     leave = Leave(f"agent received {name}", stopped=stopped, stops_workers=stopped)
     # a stopped agent's leave goes first: a second signal, or its manager's SIGKILL, may cut its workers' stop short
-    stop, end = StopWorkers(f"agent received {name}", signum), Exit(128 + signum, f"node-agent stopped by {name}")
+    stop, end = StopWorkers(f"agent received {name}", signum, finish_writes=True), \
+        Exit(128 + signum, f"node-agent stopped by {name}")
     assert actions == ([leave, stop, end] if stopped else [stop, leave, end])
 
 
@@ -246,7 +247,8 @@ def test_a_stopped_agent_with_no_workers_running_asks_for_no_time_to_stop_them()
 def test_signal_stops_workers_with_that_signal_leaves_and_exits_128_plus_signal() -> None:
     p = running(1)
     actions = p.handle(SignalReceived(signal.SIGTERM), 1.0)
-    assert actions == [StopWorkers("agent received SIGTERM", signal.SIGTERM), Leave("agent received SIGTERM"),
+    assert actions == [StopWorkers("agent received SIGTERM", signal.SIGTERM, finish_writes=True),
+                       Leave("agent received SIGTERM"),
                        Exit(128 + signal.SIGTERM, "node-agent stopped by SIGTERM")]
     assert p.handle(member(2), 2.0) == []                    # exiting: the server's news no longer matters
     assert p.handle(SignalReceived(signal.SIGINT), 2.0) == []
@@ -521,21 +523,20 @@ def test_the_step_to_keep_snapshots_from_is_passed_on_when_it_changes_and_let_go
     p = running(1)
     floor = msgspec.structs.replace(member(1).status, copies_floor=25)
     assert p.handle(StatusReceived(PollRequest, floor, sent_at=0.0), 1.0) == [KeepFrom(25)]
-    assert p.handle(StatusReceived(PollRequest, floor, sent_at=0.0), 2.0) == [] and p.keep_from == 25
+    assert p.handle(StatusReceived(PollRequest, floor, sent_at=0.0), 2.0) == [] and p.keep_from == (25, -1)
     later = msgspec.structs.replace(member(1).status, copies_floor=30)
     assert p.handle(StatusReceived(PollRequest, later, sent_at=0.0), 3.0) == [KeepFrom(30)]
     ended = msgspec.structs.replace(member(1).status, job_state=JobState.SUCCEEDED, assignment=None)
     assert KeepFrom(-1) in p.handle(StatusReceived(PollRequest, ended, sent_at=0.0), 4.0)
 
 
-def test_the_ranks_keep_their_snapshots_from_the_lower_of_the_copies_and_the_held_floor() -> None:
+def test_both_floors_are_passed_on_when_either_changes() -> None:
     p = running(1)
     both = msgspec.structs.replace(member(1).status, copies_floor=25, held_floor=20)
-    assert p.handle(StatusReceived(PollRequest, both, sent_at=0.0), 1.0) == [KeepFrom(20)]
+    assert p.handle(StatusReceived(PollRequest, both, sent_at=0.0), 1.0) == [KeepFrom(25, 20)]
     held_only = msgspec.structs.replace(member(1).status, held_floor=30)          # copies off: the held floor alone
-    assert p.handle(StatusReceived(PollRequest, held_only, sent_at=0.0), 2.0) == [KeepFrom(30)]
-    copies_lower = msgspec.structs.replace(member(1).status, copies_floor=15, held_floor=30)
-    assert p.handle(StatusReceived(PollRequest, copies_lower, sent_at=0.0), 3.0) == [KeepFrom(15)]
+    assert p.handle(StatusReceived(PollRequest, held_only, sent_at=0.0), 2.0) == [KeepFrom(-1, 30)]
+    assert p.handle(StatusReceived(PollRequest, held_only, sent_at=0.0), 3.0) == [] and p.keep_from == (-1, 30)
 
 
 def test_ranks_asked_to_hold_after_their_snapshot_are_not_reported_stalled() -> None:

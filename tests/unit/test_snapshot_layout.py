@@ -309,5 +309,22 @@ def test_snapshots_kept_for_the_floor_go_where_the_memory_has_no_room_left_and_i
     take(capture, 5, state(5.0))
     assert snapshot.steps() == [4, 5]
     said = capsys.readouterr().err
-    assert said.count("keeps no more snapshots than keep=2 for the job's slower ranks or peer copies (from step 1 "
-                      "on): /dev/shm or the memory has too little room left") == 1, said
+    assert said.count("keeps no more snapshots than keep=2 for the job's slower ranks or peer copies: /dev/shm or "
+                      "the memory has too little room left") == 1, said
+
+
+def test_a_held_floor_keeps_at_most_one_snapshot_more_than_the_keep_rule(memory) -> None:
+    """The held floor (the slowest rank's newest, as the server last heard, maybe long ago): ranks step together, so
+    the slowest rank's newest is at most one older than what the keep rule keeps: the newest the rule lets go stays
+    where it is of the floor or later, and no other (a floor that lags costs one snapshot, not every one since)."""
+    capture = Capture(memory, keep=2)
+    with open(os.path.join(memory, snapshot.KEEP_FROM), "w") as f:
+        f.write("-1 0")
+    assert snapshot.floors(memory) == (None, 0) and snapshot.keep_from(memory) is None
+    for step in (1, 2, 3, 4, 5):
+        take(capture, step, state(float(step)))
+    assert snapshot.steps() == [3, 4, 5]
+    with open(os.path.join(memory, snapshot.KEEP_FROM), "w") as f:
+        f.write("-1 5")                        # every rank holds 5: nothing more kept
+    take(capture, 6, state(6.0))
+    assert snapshot.steps() == [5, 6]

@@ -1,0 +1,43 @@
+"""Snapshot writes under way in a round's memory directories, let end before the agent's own stop signals its
+workers (an operator's restart of the agent, a Ctrl-C): a rank stopped mid-write holds only its older step, while the
+ranks whose writes end (a peer node's, dying of the broken collective: the interpreter's exit waits for its writer)
+hold the new one, and where the limit holds one snapshot no step is held in common: every rank of a job of shards
+went back to step 0 (a review). Bounded by the stop timeout and WAIT_S, and never for a stop the job's own restart
+makes (a crash's recovery does not wait on a write: the held floor keeps a step in common there). A `.tmp` there
+before the workers started is a dead writer's: not waited for."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+from collections.abc import Iterable
+
+from node_agent.training import snapshot
+
+WAIT_S = 5.0            # the most a stop waits for writes under way
+
+
+class Writes:
+    def __init__(self, dirs: Iterable[str | None]) -> None:
+        """`dirs`: the round's memory directories, as its workers start."""
+        self._stale = _under_way(dirs)          # a writer's that died earlier: no worker of this round ends them
+
+    async def ended(self, dirs: Iterable[str | None], limit: float) -> None:
+        """Until no write begun in `dirs` (the running workers') since the round started is under way, at most
+        `limit` seconds (and WAIT_S)."""
+        running = list(dirs)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + min(limit, WAIT_S)
+        while _under_way(running) - self._stale and loop.time() < deadline:  # noqa: ASYNC110  (another process's
+            await asyncio.sleep(0.01)        # rename: nothing tells the agent of it, so it is polled)
+
+
+def _under_way(dirs: Iterable[str | None]) -> set[tuple[str, int, int]]:
+    """path, inode, mtime of each write under way in `dirs`."""
+    found = set()
+    for where in {d for d in dirs if d}:
+        for name in snapshot.unfinished(where):
+            with contextlib.suppress(OSError):
+                st = os.stat(os.path.join(where, name))
+                found.add((os.path.join(where, name), st.st_ino, st.st_mtime_ns))
+    return found

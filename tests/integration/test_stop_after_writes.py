@@ -1,0 +1,67 @@
+"""The agent's own stop (its SIGTERM: an operator restarting it) lets a snapshot write under way end first
+(workers/writes.py). Before, a rank SIGTERMed while it wrote kept only its older step, while the ranks whose writes
+ended (a peer node's, dying of the broken collective: the interpreter's exit waits for the writer) held the new one:
+where the limit holds one snapshot no step was held in common and every rank went back to step 0 (a review). A
+stop of the job's own restart does not wait (a crash's recovery never waits on a write); nor does any stop for a
+write a dead writer left before the round, nor past the stop timeout."""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+
+import pytest
+
+from node_agent.workers import writes
+from node_agent.workers.group import WorkerGroup
+from tests.integration.worker_support import LIMIT, RecordingConsole, launch
+
+WRITER = """
+    import os, time
+    d = os.environ["NODE_AGENT_MEMORY_DIR"]
+    tmp = os.path.join(d, "step-5.tmp")
+    with open(tmp, "wb") as f:
+        f.write(b"x")
+    time.sleep(float(os.environ["WRITE_S"]))
+    os.replace(tmp, os.path.join(d, "step-5"))
+    time.sleep(600)
+"""
+
+
+async def stopped(tmp_path, write_s: float, *, finish_writes: bool, stop_timeout: float = 5.0) -> list[str]:
+    """What the memory directory holds once a stop that came during the write of step 5 is done."""
+    group = WorkerGroup([launch(0, WRITER, env={"NODE_AGENT_MEMORY_DIR": str(tmp_path), "WRITE_S": str(write_s)})],
+                        stop_timeout=stop_timeout, console=RecordingConsole())
+    await group.start()
+    try:
+        async def write_begun() -> None:
+            while not (tmp_path / "step-5.tmp").exists() and not (tmp_path / "step-5").exists():  # noqa: ASYNC110
+                await asyncio.sleep(0.01)
+        await asyncio.wait_for(write_begun(), LIMIT)
+        await asyncio.wait_for(group.stop(signal.SIGTERM, finish_writes), LIMIT)
+        return sorted(os.listdir(tmp_path))
+    finally:
+        await asyncio.wait_for(group.stop(signal.SIGKILL), LIMIT)
+
+
+async def test_the_agents_own_stop_lets_a_snapshot_write_under_way_end(tmp_path) -> None:
+    assert await stopped(tmp_path, 1.0, finish_writes=True) == ["step-5"]
+
+
+async def test_a_stop_of_the_jobs_own_restart_does_not_wait_for_a_write(tmp_path) -> None:
+    assert await stopped(tmp_path, 600, finish_writes=False) == ["step-5.tmp"]
+
+
+@pytest.mark.parametrize("stop_timeout", [1.0, 600.0])
+async def test_a_write_that_never_ends_holds_the_stop_no_longer_than_the_timeout_and_the_cap(tmp_path, monkeypatch,
+                                                                                         stop_timeout) -> None:
+    monkeypatch.setattr(writes, "WAIT_S", 1.0 if stop_timeout > 1 else 600.0)     # each bound alone ends it
+    assert await stopped(tmp_path, 600, finish_writes=True, stop_timeout=stop_timeout) == ["step-5.tmp"]
+
+
+async def test_a_dead_writers_file_holds_no_stop(tmp_path, monkeypatch) -> None:
+    """step-3.tmp, left by a worker killed mid-save before the round: nobody ends it, so nobody waits for it (were
+    it waited for, this stop would take the 600 s cap and the test its LIMIT)."""
+    monkeypatch.setattr(writes, "WAIT_S", 600.0)
+    (tmp_path / "step-3.tmp").write_bytes(b"x")
+    assert await stopped(tmp_path, 0.2, finish_writes=True, stop_timeout=600.0) == ["step-3.tmp", "step-5"]
