@@ -23,13 +23,21 @@ class Writes:
         self._stale = _under_way(dirs)          # a writer's that died earlier: no worker of this round ends them
 
     async def ended(self, dirs: Iterable[str | None], limit: float) -> None:
-        """Until no write begun in `dirs` (the running workers') since the round started is under way, at most
+        """Until the writes under way in `dirs` (the running workers', begun since the round started) ended, at most
         `limit` seconds (and WAIT_S)."""
         running = list(dirs)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + min(limit, WAIT_S)
-        while _under_way(running) - self._stale and loop.time() < deadline:  # noqa: ASYNC110  (another process's
+        # Those under way now, not a moment with none: a writer whose next snapshot begins as its last ends leaves
+        # none (a review: every such stop took the whole cap, and signalled mid-write all the same)
+        begun = _files(_under_way(running) - self._stale)
+        while begun & _files(_under_way(running)) and loop.time() < deadline:  # noqa: ASYNC110  (another process's
             await asyncio.sleep(0.01)        # rename: nothing tells the agent of it, so it is polled)
+
+
+def _files(found: set[tuple[str, int, int]]) -> set[tuple[str, int]]:
+    """path and inode: a file's mtime moves while it is written."""
+    return {(path, ino) for path, ino, _ in found}
 
 
 def _under_way(dirs: Iterable[str | None]) -> set[tuple[str, int, int]]:

@@ -65,3 +65,38 @@ async def test_a_dead_writers_file_holds_no_stop(tmp_path, monkeypatch) -> None:
     monkeypatch.setattr(writes, "WAIT_S", 600.0)
     (tmp_path / "step-3.tmp").write_bytes(b"x")
     assert await stopped(tmp_path, 0.2, finish_writes=True, stop_timeout=600.0) == ["step-3.tmp", "step-5"]
+
+
+BACK_TO_BACK = """
+    import os, time
+    d = os.environ["NODE_AGENT_MEMORY_DIR"]
+    step = 0
+    while True:                        # a writer whose next snapshot begins as its last ends (writes outlast steps)
+        tmp = os.path.join(d, f"step-{step}.tmp")
+        with open(tmp, "wb") as f:
+            f.write(b"x")
+        time.sleep(0.3)
+        os.replace(tmp, os.path.join(d, f"step-{step}"))
+        step += 1
+"""
+
+
+async def test_a_stop_waits_for_the_writes_under_way_not_for_a_moment_with_none(tmp_path, monkeypatch) -> None:
+    """Back-to-back writes leave no moment without a `.tmp`: a stop that waited for one took the whole cap (and
+    signalled mid-write all the same); it waits for the writes under way when it came, about one write."""
+    monkeypatch.setattr(writes, "WAIT_S", 5.0)
+    group = WorkerGroup([launch(0, BACK_TO_BACK, env={"NODE_AGENT_MEMORY_DIR": str(tmp_path)})],
+                        stop_timeout=30.0, console=RecordingConsole())
+    await group.start()
+    try:
+        async def write_begun() -> None:
+            while not (tmp_path / "step-1.tmp").exists():  # noqa: ASYNC110
+                await asyncio.sleep(0.01)
+        await asyncio.wait_for(write_begun(), LIMIT)
+        loop = asyncio.get_running_loop()
+        began = loop.time()
+        await asyncio.wait_for(group.stop(signal.SIGTERM, True), LIMIT)
+        assert loop.time() - began < 2.0
+        assert "step-1" in os.listdir(tmp_path)      # the write under way when the stop came ended
+    finally:
+        await asyncio.wait_for(group.stop(signal.SIGKILL), LIMIT)
