@@ -23,6 +23,14 @@ def refresh(job: JobRecord, now: float) -> None:
     job.copies_floor, job.held_floor, job.copies_floor_at = copies_floor(job, now), held_floor(job, now), now
 
 
+def restored(job: JobRecord, now: float, away_s: float) -> None:
+    """After the server came back, `away_s` after it went: no member's newest snapshot or copy counts as stuck for
+    the time its notes could not come (a review: after 3 minutes away, the first note made every slower member
+    stuck, and the ranks ahead dropped the step it held)."""
+    for node in job.nodes.values():
+        node.stepped_at, node.copied_at = min(now, node.stepped_at + away_s), min(now, node.copied_at + away_s)
+
+
 def noted(job: JobRecord, node: NodeRecord, before: CopiesNote | None, note: CopiesNote, now: float) -> None:
     """A member's poll said `note` (its last said `before`): its record, and the floors where it moves them."""
     first = job.round is not None and node.noted_at < job.round.completed_at       # its first note of the round

@@ -65,6 +65,7 @@ class JobRules:
     def restored(self, now: float, away_s: float, how: str) -> None:
         """After the server came back on a saved state: nobody is blamed for the time it was away (leases.restored)."""
         grace = leases.restored(self.job, now, away_s, self.out)
+        floors.restored(self.job, now, away_s)
         self.record(now, EventKind.SERVER_RESTARTED, f"server restarted {how}; away about {away_s:.1f}s; "
                     f"{len(self.job.nodes)} node leases renewed for {grace:g}s",
                     data=LeasesExtended(away_s=round(away_s, 3)))
