@@ -321,13 +321,15 @@ def test_every_member_is_told_the_oldest_of_the_members_copies_to_keep_snapshots
     assert rz.view(JOB, "a", 1.1).copies_floor == 0        # c's first copy is still to come
     noted(rz, "c", 1.2, 45)
     assert {rz.view(JOB, n, 1.3).copies_floor for n in "abc"} == {30}
-    noted(rz, "b", 1.4, 50)
-    assert {rz.view(JOB, n, 1.5).copies_floor for n in "abc"} == {40}
-    assert noted(rz, "a", 1.6, 40).copies_floor == 40      # the same step again: nothing to recompute
-    noted(rz, "c", 1.7, -1, refused=3)                      # (its job went back, and its pushes are refused)
-    assert rz.view(JOB, "a", 1.8).copies_floor == 40       # not every snapshot kept for a copy that may not come
-    noted(rz, "c", 1.9, -1, local=-1)                       # nothing to copy (no memory directory, say)
-    assert rz.view(JOB, "a", 2.0).copies_floor == 40
+    noted(rz, "b", 1.4, 50)                                 # a rise within HELD_EVERY_S of the last look: lags
+    assert rz.view(JOB, "a", 1.4).copies_floor == 30       # (keeps more meanwhile, never less)
+    noted(rz, "b", 1.8, 55)
+    assert {rz.view(JOB, n, 1.9).copies_floor for n in "abc"} == {40}
+    assert noted(rz, "a", 2.0, 40).copies_floor == 40      # the same step again: nothing to recompute
+    noted(rz, "c", 2.1, -1, refused=3)                      # (its job went back, and its pushes are refused)
+    assert rz.view(JOB, "a", 2.2).copies_floor == 40       # not every snapshot kept for a copy that may not come
+    noted(rz, "c", 2.3, -1, local=-1)                       # nothing to copy (no memory directory, say)
+    assert rz.view(JOB, "a", 2.4).copies_floor == 40
     off = started({"a": "1", "b": "1"}, CFG)             # one failure domain: no copies, nothing to keep
     noted(off, "a", 1.0, 40)
     assert off.view(JOB, "a", 1.0).copies_floor == -1
