@@ -115,6 +115,7 @@ class LocalWorkers:
         self.agent_store = make_group is None and not opts.no_python and imports_any(imported, ("torch",))
         self._round_store: WorkerLaunch | None = None
         self.group: Group | None = None
+        self._stopping: Group | None = None     # the group a stop ends
         self.cpu_affinity: Mapping[int, frozenset[int]] = {}   # --numa-binding: local rank -> its CPUs
         self.gpu_busy: Callable[[int], int | None] = lambda _: None   # local rank -> its GPU's utilization, %
         self.stuck_pids: list[int] = []      # workers that outlived SIGKILL (the node is unhealthy)
@@ -207,7 +208,11 @@ class LocalWorkers:
         group, self.group = self.group, None
         starting, self._starting = self._starting, None
         if group is not None:
-            await group.stop(signum, finish_writes)   # also ends a start still waiting for the zygote
+            self._stopping = group       # kill() reaches it meanwhile (a second Ctrl-C while it waits for writes)
+            try:
+                await group.stop(signum, finish_writes)   # also ends a start still waiting for the zygote
+            finally:
+                self._stopping = None
             self._workers_gone()
             if starting is not None:   # its failure, if any, reached the loop already (start_source)
                 await asyncio.wait([starting])
@@ -221,8 +226,9 @@ class LocalWorkers:
 
     def kill(self) -> None:
         """SIGKILL every worker now, without waiting (the agent is about to exit)."""
-        if self.group is not None:
-            self.group.send_signal(signal.SIGKILL)
+        for group in (self.group, self._stopping):
+            if group is not None:
+                group.send_signal(signal.SIGKILL)
 
     async def close(self, keep_memory: str = "") -> None:
         """`keep_memory`: why this node's snapshots stay for its next agent (MemoryDirs.close)."""

@@ -64,3 +64,32 @@ async def test_a_source_that_breaks_hands_the_loop_its_exception(tmp_path) -> No
     item = await asyncio.wait_for(facts.get(), LIMIT)
     assert isinstance(item, RuntimeError) and str(item) == "a bug in the group"
     await workers.close()
+
+
+async def test_a_kill_reaches_a_group_whose_stop_waits_for_its_writes(tmp_path) -> None:
+    """The agent's own stop waits for the snapshot writes under way before it signals (up to 5 s); a second Ctrl-C
+    meanwhile kills the workers and exits. kill() looked only at the running group, which the stop had taken away:
+    it signalled nothing, and the workers' own children (in their groups, no death signal) outlived the agent."""
+    facts: asyncio.Queue[Fact | BaseException] = asyncio.Queue()
+    release = asyncio.Event()
+
+    class WritesUnderWay(FakeGroup):
+        async def stop(self, sig: int = signal.SIGTERM, finish_writes: bool = False) -> None:
+            await release.wait()
+            await super().stop(sig, finish_writes)
+
+    groups: list[FakeGroup] = []
+
+    def make(launches: list[WorkerLaunch], *, stop_timeout: float) -> FakeGroup:
+        groups.append(WritesUnderWay(launches, stop_timeout=stop_timeout))
+        return groups[-1]
+
+    opts = WorkerSettings(script="train.py", nproc=2, node_id="n1", log_dir=str(tmp_path))
+    workers = LocalWorkers(opts, facts.put_nowait, hostname="h", make_group=make)
+    await workers.spawn(assignment(1))
+    stopping = asyncio.create_task(workers.stop(signal.SIGTERM, finish_writes=True))
+    await asyncio.sleep(0.05)
+    workers.kill()
+    assert groups[0].signals == [signal.SIGKILL]
+    release.set()
+    await asyncio.wait_for(stopping, LIMIT)
