@@ -283,8 +283,8 @@ def make_room(step: int, where: str, keep: int) -> Room:
     held = [s for s in steps(where) if s != step]
     older, (floor, slower) = held[:max(0, len(held) - (keep - 1))], floors(where)      # what the keep rule lets go
     dropped = [s for s in older if floor is None or s < floor]
-    if dropped and slower is not None and dropped[-1] >= slower:
-        dropped.pop()   # for a slower rank (ranks step together: its newest is at most one older than this one keeps)
+    if older and older[-1] in dropped and slower is not None and older[-1] >= slower:
+        dropped.remove(older[-1])   # for a slower rank (ranks step together: its newest is one older at most)
     if len(dropped) < len(older) and not headroom.room_beside(where, size(path(held[-1], where)), 0):
         dropped = older       # kept for a floor only where a reserve of memory stays (headroom.py), said once
         _say_once("floor", f"keeps no more snapshots than keep={keep} for the job's slower ranks or peer copies: "

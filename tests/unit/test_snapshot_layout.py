@@ -328,3 +328,18 @@ def test_a_held_floor_keeps_at_most_one_snapshot_more_than_the_keep_rule(memory)
         f.write("-1 5")                        # every rank holds 5: nothing more kept
     take(capture, 6, state(6.0))
     assert snapshot.steps() == [5, 6]
+
+
+def test_with_both_floors_the_one_more_is_the_newest_the_keep_rule_lets_go(memory) -> None:
+    """(A review): steps 7-10 held, keep=2, the copies floor 9 and the held floor 0: the copies floor keeps 9, the
+    newest the keep rule lets go, so the held floor keeps no other (8 went, as 7)."""
+    capture = Capture(memory, keep=2)
+    for step in (7, 8, 9, 10):
+        with open(os.path.join(memory, snapshot.KEEP_FROM), "w") as f:
+            f.write("0")                               # all kept while they are written
+        take(capture, step, state(float(step)))
+    with open(os.path.join(memory, snapshot.KEEP_FROM), "w") as f:
+        f.write("9 0")
+    take(capture, 11, state(11.0))
+    assert snapshot.steps() == [9, 10, 11]
+
