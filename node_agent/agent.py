@@ -46,7 +46,7 @@ from node_agent.server_link import ServerLink
 from node_agent.settings import AgentSettings, Mode
 from node_agent.sources import start_source
 from node_agent.witness import witnesses_and_server
-from node_agent.workers import succession
+from node_agent.workers import succession, writes
 from node_agent.workers.interfaces import gloo_interface
 from node_agent.workers.local import GroupFactory, LocalWorkers
 from node_agent.workers.memory import forget_after
@@ -200,7 +200,7 @@ class Agent:
                 link.rejoin()
             case Leave(reason=reason, unhealthy=unhealthy, stopped=stopped, stops_workers=stops_workers):
                 kept = await link.leave(reason, unhealthy, stopped,
-                                        self.settings.workers.stop_timeout if stops_workers else 0.0)
+                                        writes.stop_bound(self.settings.workers.stop_timeout) if stops_workers else 0.0)
                 # no answer: its memory stays as a killed agent's would (its next agent may find the job waiting)
                 node = self.link.node_id
                 self._memory_kept = "" if not stopped or kept == 0 else \

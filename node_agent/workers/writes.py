@@ -17,6 +17,12 @@ from node_agent.training import snapshot
 WAIT_S = 5.0            # the most a stop waits for writes under way
 
 
+def stop_bound(stop_timeout: float) -> float:
+    """The most the agent's own stop takes before SIGKILL: the writes' wait, then --stop-timeout (what its leave
+    tells the server: LeaveRequest.stop_timeout_s)."""
+    return min(stop_timeout, WAIT_S) + stop_timeout
+
+
 class Writes:
     def __init__(self, dirs: Iterable[str | None]) -> None:
         """`dirs`: the round's memory directories, as its workers start."""

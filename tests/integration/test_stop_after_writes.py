@@ -100,3 +100,10 @@ async def test_a_stop_waits_for_the_writes_under_way_not_for_a_moment_with_none(
         assert "step-1" in os.listdir(tmp_path)      # the write under way when the stop came ended
     finally:
         await asyncio.wait_for(group.stop(signal.SIGKILL), LIMIT)
+
+
+def test_the_leave_counts_the_writes_wait_in_the_time_the_stop_may_take() -> None:
+    """The server keeps a stopped agent's place for the stop's time (LeaveRequest.stop_timeout_s): the writes' wait
+    comes before --stop-timeout runs (a review: it was counted short by up to WAIT_S)."""
+    assert writes.stop_bound(30.0) == 30.0 + writes.WAIT_S
+    assert writes.stop_bound(1.0) == 2.0 and writes.stop_bound(0.0) == 0.0
