@@ -42,11 +42,13 @@ def noted(job: JobRecord, node: NodeRecord, before: CopiesNote | None, note: Cop
     # A note below a floor may bring it down: at once. One that moves a step up may only raise it, and a floor that
     # lags keeps more meanwhile, never less: at most every HELD_EVERY_S (a review: each copy's note worked both out
     # again over every member, 21 ms at 10,000 members, 70 s of the event loop for one copy of each)
+    if before is None or (before.refused, before.local_step < 0) != (note.refused, note.local_step < 0):
+        refresh(job, now)      # a member that says anew whether it holds or copies anything
+        return
     below = max(0, note.copied_step) < job.copies_floor or 0 <= note.local_step < job.held_floor     # (-1 counts 0)
-    if before is None or below or (before.refused, before.local_step < 0) != (note.refused, note.local_step < 0) or \
-            now - job.copies_floor_at >= FLOOR_EVERY_S or ((first or note.local_step != before.local_step or
-                                                             note.copied_step != before.copied_step)
-                                                            and now - job.copies_floor_at >= HELD_EVERY_S):
+    rises = first or (note.local_step, note.copied_step) != (before.local_step, before.copied_step)
+    since = now - job.copies_floor_at
+    if below or since >= FLOOR_EVERY_S or (rises and since >= HELD_EVERY_S):
         refresh(job, now)
 
 
