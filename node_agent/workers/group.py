@@ -167,8 +167,8 @@ class WorkerGroup:
             await self._start_done.wait()   # at most the spawn in flight: start() checks for us
         held = leftovers.held_temp_dirs(self._live_groups())   # a killed process removes none (leftovers.py)
         if finish_writes and sig != signal.SIGKILL:
-            await self._writes.ended((w.launch.env.get(snapshot.DIR_VAR) for w in self._workers
-                                      if w.reaper is not None and not w.reaper.done()), self._stop_timeout)
+            await self._writes.ended(lambda: [w.launch.env.get(snapshot.DIR_VAR) for w in self._workers
+                                              if w.reaper is not None and not w.reaper.done()], self._stop_timeout)
         self._signal_groups(sig)
         self._signal_groups(signal.SIGCONT)   # a stopped worker (SIGSTOP, a debugger) acts on `sig` only once running
         running = [w.reaper for w in self._processes() if w.reaper is not None and not w.reaper.done()]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from node_agent.training import snapshot
 
@@ -28,16 +28,15 @@ class Writes:
         """`dirs`: the round's memory directories, as its workers start."""
         self._stale = _under_way(dirs)          # a writer's that died earlier: no worker of this round ends them
 
-    async def ended(self, dirs: Iterable[str | None], limit: float) -> None:
-        """Until the writes under way in `dirs` (the running workers', begun since the round started) ended, at most
-        `limit` seconds (and WAIT_S)."""
-        running = list(dirs)
+    async def ended(self, running: Callable[[], Iterable[str | None]], limit: float) -> None:
+        """Until the writes under way in the directories of the workers `running()` (begun since the round started)
+        ended, or their writers did, at most `limit` seconds (and WAIT_S)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + min(limit, WAIT_S)
         # Those under way now, not a moment with none: a writer whose next snapshot begins as its last ends leaves
         # none (a review: every such stop took the whole cap, and signalled mid-write all the same)
-        begun = _files(_under_way(running) - self._stale)
-        while begun & _files(_under_way(running)) and loop.time() < deadline:  # noqa: ASYNC110  (another process's
+        begun = _files(_under_way(running()) - self._stale)
+        while begun & _files(_under_way(running())) and loop.time() < deadline:  # noqa: ASYNC110  (another process's
             await asyncio.sleep(0.01)        # rename: nothing tells the agent of it, so it is polled)
 
 

@@ -107,3 +107,30 @@ def test_the_leave_counts_the_writes_wait_in_the_time_the_stop_may_take() -> Non
     comes before --stop-timeout runs (a review: it was counted short by up to WAIT_S)."""
     assert writes.stop_bound(30.0) == 30.0 + writes.WAIT_S
     assert writes.stop_bound(1.0) == 2.0 and writes.stop_bound(0.0) == 0.0
+
+
+DIES_WRITING = """
+    import os, time
+    with open(os.path.join(os.environ["NODE_AGENT_MEMORY_DIR"], "step-5.tmp"), "wb") as f:
+        f.write(b"x")
+    time.sleep(float(os.environ["WRITE_S"]))
+    os._exit(1)       # killed mid-write (the OOM killer, say): its file stays, unfinished
+"""
+
+
+async def test_a_writer_that_dies_during_the_wait_ends_it(tmp_path, monkeypatch) -> None:
+    """(A review) its .tmp never ends: were it still waited for, this stop would take the 600 s cap and the test
+    its LIMIT."""
+    monkeypatch.setattr(writes, "WAIT_S", 600.0)
+    group = WorkerGroup([launch(0, DIES_WRITING, env={"NODE_AGENT_MEMORY_DIR": str(tmp_path), "WRITE_S": "0.5"})],
+                        stop_timeout=600.0, console=RecordingConsole())
+    await group.start()
+    try:
+        async def write_begun() -> None:
+            while not (tmp_path / "step-5.tmp").exists():  # noqa: ASYNC110
+                await asyncio.sleep(0.01)
+        await asyncio.wait_for(write_begun(), LIMIT)
+        await asyncio.wait_for(group.stop(signal.SIGTERM, True), LIMIT)
+        assert os.listdir(tmp_path) == ["step-5.tmp"]
+    finally:
+        await asyncio.wait_for(group.stop(signal.SIGKILL), LIMIT)
