@@ -28,9 +28,10 @@ WRITER = """
 """
 
 
-async def stopped(tmp_path, write_s: float, *, finish_writes: bool, stop_timeout: float = 5.0) -> list[str]:
-    """What the memory directory holds once a stop that came during the write of step 5 is done."""
-    group = WorkerGroup([launch(0, WRITER, env={"NODE_AGENT_MEMORY_DIR": str(tmp_path), "WRITE_S": str(write_s)})],
+async def stopped(tmp_path, write_s: float, *, finish_writes: bool, stop_timeout: float = 5.0,
+                  code: str = WRITER) -> list[str]:
+    """What the memory directory holds once a stop that came during the write of step 5 (by `code`) is done."""
+    group = WorkerGroup([launch(0, code, env={"NODE_AGENT_MEMORY_DIR": str(tmp_path), "WRITE_S": str(write_s)})],
                         stop_timeout=stop_timeout, console=RecordingConsole())
     await group.start()
     try:
@@ -122,15 +123,4 @@ async def test_a_writer_that_dies_during_the_wait_ends_it(tmp_path, monkeypatch)
     """(A review) its .tmp never ends: were it still waited for, this stop would take the 600 s cap and the test
     its LIMIT."""
     monkeypatch.setattr(writes, "WAIT_S", 600.0)
-    group = WorkerGroup([launch(0, DIES_WRITING, env={"NODE_AGENT_MEMORY_DIR": str(tmp_path), "WRITE_S": "0.5"})],
-                        stop_timeout=600.0, console=RecordingConsole())
-    await group.start()
-    try:
-        async def write_begun() -> None:
-            while not (tmp_path / "step-5.tmp").exists():  # noqa: ASYNC110
-                await asyncio.sleep(0.01)
-        await asyncio.wait_for(write_begun(), LIMIT)
-        await asyncio.wait_for(group.stop(signal.SIGTERM, True), LIMIT)
-        assert os.listdir(tmp_path) == ["step-5.tmp"]
-    finally:
-        await asyncio.wait_for(group.stop(signal.SIGKILL), LIMIT)
+    assert await stopped(tmp_path, 0.5, finish_writes=True, stop_timeout=600.0, code=DIES_WRITING) == ["step-5.tmp"]
