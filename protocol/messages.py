@@ -340,6 +340,9 @@ class NodeStatus(msgspec.Struct, kw_only=True, gc=False):
     # member's ranks keep the newest snapshot their keep rule lets go where it is of this step or later, so a
     # failure while a slower rank still writes finds a step every rank holds.
     held_floor: int = -1
+    # A round that a member's leave ended, not a failure (-1: none): its members let their ranks' snapshot writes
+    # under way end before they stop them (node_agent/workers/writes.py), as the leaving agent does its own.
+    writes_end_round: int = -1
     # A node gone from the job whose place the job, waiting, keeps for its next agent: how much longer (awaited,
     # rdzv_server/core/awaiting.py: to the wait's end; below min_nodes: to the join timeout; 0: the job goes on
     # without it). In the reply to a stopped agent's leave: its agent keeps its snapshots for the next one.

@@ -251,12 +251,14 @@ class SupervisionPolicy:
             case News.NEW_ROUND:
                 a = status.assignment
                 assert a is not None
-                actions = self._stop(f"round {a.round_id} replaces round {self.running_round}")
+                actions = self._stop(f"round {a.round_id} replaces round {self.running_round}",
+                                     finish_writes=status.writes_end_round == self.running_round)
                 restart, self.ran = self.ran, True
                 self.running_round, self.workers, self.assignment = a.round_id, Workers.RUNNING, a
                 return actions + self.health.spawn(a, restart)
             case News.NOT_MEMBER if self.running_round != -1:   # waiting, spare or excluded: run nothing
-                return self._drop_round(f"node is {status.node_state.value}: {status.reason}")
+                return self._drop_round(f"node is {status.node_state.value}: {status.reason}",
+                                        finish_writes=status.writes_end_round == self.running_round)
         return []
 
     def _refused(self, fact: ServerRefused, now: float) -> list[Action]:
@@ -351,10 +353,11 @@ class SupervisionPolicy:
         running, self.workers = self.workers == Workers.RUNNING, Workers.NONE
         return [StopWorkers(reason, signum, finish_writes)] if running else []
 
-    def _drop_round(self, reason: str) -> list[Action]:
-        """Stop the workers and run no round until the server names one."""
+    def _drop_round(self, reason: str, finish_writes: bool = False) -> list[Action]:
+        """Stop the workers and run no round until the server names one (`finish_writes`: a member's leave ended
+        the round, no failure: their snapshot writes under way end first, NodeStatus.writes_end_round)."""
         self.running_round = -1
-        return self._stop(reason)
+        return self._stop(reason, finish_writes=finish_writes)
 
     def _finish(self, status: NodeStatus) -> list[Action]:
         self.job_over = True

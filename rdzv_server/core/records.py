@@ -193,6 +193,7 @@ class JobRecord(msgspec.Struct, kw_only=True):
     swapped_places: list[int] = msgspec.field(default_factory=list)   # group ranks a slow node was swapped from
     copies_floor: int = -1                     # floors.copies_floor, as the members' last notes give it
     held_floor: int = -1                       # floors.held_floor, likewise
+    writes_end_round: int = -1                 # NodeStatus.writes_end_round (requests.leave)
     copies_floor_at: float = 0.0               # when they were last worked out
 
     def events_after(self, seq: int) -> list[Event]:

@@ -166,6 +166,9 @@ def leave(call: Call, req: LeaveRequest) -> str:
         restarting = req.stopped and unhealthy is None and awaiting.holds_own_state(rules.job, node)
         if restarting:
             leases.note_loss(rules.job, node.node_id, now)
+        r = rules.job.round
+        if unhealthy is None and r is not None and node.node_id in r.members:
+            rules.job.writes_end_round = r.round_id     # no failure ends it: the others' writes under way may end
         rules.remove(node, now, kind, f"node {node.node_id} left: {req.reason}", data=unhealthy,
                      restarting=restarting, stopping_s=req.stop_timeout_s if restarting else 0.0)
         if req.unhealthy is not None:      # its host is kept out of every job for a while

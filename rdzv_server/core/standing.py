@@ -36,7 +36,7 @@ def node_status(job: JobRecord, node_id: str, now: float, *, accepted: bool = Tr
                         lease_timeout_s=job.config.lease_timeout_s,
                         checks_due=node is not None and node.checks_due and not finished,
                         hold_at_snapshot=job.swap is not None and r is not None and job.swap.round_id == r.round_id
-                        and state == NodeState.MEMBER and not finished)
+                        and state == NodeState.MEMBER and not finished, writes_end_round=job.writes_end_round)
     if finished:
         status.root_cause = job.root_cause if job.state == JobState.FAILED else None
     if r is not None and state == NodeState.MEMBER and not finished and r.awaits_port:   # store_port.py

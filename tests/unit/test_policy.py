@@ -547,3 +547,16 @@ def test_ranks_asked_to_hold_after_their_snapshot_are_not_reported_stalled() -> 
     assert p.handle(RanksStalled(1, 5.0, ranks), 2.0) == []
     p.handle(member(1), 3.0)                                   # the hold let go (no swap came)
     assert p.handle(RanksStalled(1, 5.0, ranks), 4.0) == [ReportStall(1, 5.0, ranks)]
+
+
+def test_a_round_a_members_leave_ended_lets_the_writes_under_way_end_a_failures_does_not() -> None:
+    """A member's agent stopped (an operator's restart) ends the round with no failure: the others' ranks may be
+    mid-write, and are stopped once those writes end, as the leaving agent's are (NodeStatus.writes_end_round)."""
+    left = status(node_state=NodeState.WAITING, reason="node b left", writes_end_round=1)
+    assert running(1).handle(left, 1.0)[0] == StopWorkers("node is waiting: node b left", finish_writes=True)
+    replaced = msgspec.structs.replace(member(2).status, writes_end_round=1)
+    assert StopWorkers("round 2 replaces round 1", finish_writes=True) in \
+        running(1).handle(StatusReceived(PollRequest, replaced, sent_at=0.0), 1.0)
+    an_older = msgspec.structs.replace(member(3).status, writes_end_round=1)     # round 2 ended by a failure
+    assert StopWorkers("round 3 replaces round 2") in \
+        running(2).handle(StatusReceived(PollRequest, an_older, sent_at=0.0), 1.0)

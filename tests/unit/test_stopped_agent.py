@@ -13,7 +13,7 @@ from protocol.messages import JobConfig, JobState, LeaveRequest, NodeState, Node
 from rdzv_server.core.awaiting import window_s
 from rdzv_server.core.rendezvous import Rendezvous
 from tests.unit.test_awaiting import ELASTIC, WINDOW, b_then_c_back, heard, last_event, snapshots
-from tests.unit.test_rendezvous import JOB, job, join, members, running, view
+from tests.unit.test_rendezvous import JOB, fail, job, join, members, running, view
 
 
 def stop(rz: Rendezvous, node: str, now: float, *, stopped: bool = True, held: bool = True,
@@ -275,3 +275,18 @@ def test_the_restart_under_way_while_the_job_waits_names_the_next_round():
     from protocol.views import RestartCostView
     assert RestartCostView(round_id=-1, cause="node_left", cost_s=None, redone=None).round_label == "#next"
     assert RestartCostView(round_id=4, cause="failure", cost_s=1.0, redone=0).round_label == "#4"
+
+
+def test_a_round_a_stopped_members_leave_ended_tells_the_others_their_writes_may_end():
+    """No failure ended it: the others' ranks may be mid-write, and their agents let those writes end before they
+    stop them, as the leaving agent does its own (NodeStatus.writes_end_round). A round a failure ends does not."""
+    rz = running(["a", "b", "c"], ELASTIC)
+    first = job(rz).round.round_id
+    assert view(rz, "a", 1.0).writes_end_round == -1
+    stop(rz, "b", 10.0)
+    assert view(rz, "a", 10.0).writes_end_round == first and view(rz, "c", 10.0).writes_end_round == first
+    heard(rz, "ac", 12.0)
+    join(rz, "b", 13.0, ELASTIC, instance="b#2")
+    second = job(rz).round.round_id
+    fail(rz, "a", second, 14.0)
+    assert job(rz).round.round_id != second and view(rz, "a", 14.0).writes_end_round == first   # not the failed one
