@@ -337,8 +337,9 @@ class NodeStatus(msgspec.Struct, kw_only=True, gc=False):
     # step on besides their keep rule (node_agent/training/snapshot.py: KEEP_FROM), within the memory limit.
     copies_floor: int = -1
     # The oldest of the round's members' newest snapshots (rdzv_server/core/floors.held_floor; -1: none): each
-    # member's ranks keep the newest snapshot their keep rule lets go where it is of this step or later, so a
-    # failure while a slower rank still writes finds a step every rank holds.
+    # member's ranks keep this step and the newest snapshot their keep rule lets go where it is of this step or
+    # later, so a failure while a slower rank still writes (or after its last write failed) finds a step every
+    # rank holds.
     held_floor: int = -1
     # A round that a member's leave ended, not a failure (-1: none): its members let their ranks' snapshot writes
     # under way end before they stop them (node_agent/workers/writes.py), as the leaving agent does its own.

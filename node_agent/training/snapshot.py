@@ -283,8 +283,8 @@ def make_room(step: int, where: str, keep: int) -> Room:
     held = [s for s in steps(where) if s != step]
     older, (floor, slower) = held[:max(0, len(held) - (keep - 1))], floors(where)      # what the keep rule lets go
     dropped = [s for s in older if floor is None or s < floor]
-    if older and older[-1] in dropped and slower is not None and older[-1] >= slower:
-        dropped.remove(older[-1])   # for a slower rank (ranks step together: its newest is one older at most)
+    if slower is not None:      # for a slower rank: ranks step together, its newest is one older at most...
+        dropped = [s for s in dropped if s != slower and (s != older[-1] or s < slower)]   # ...or its write failed
     if len(dropped) < len(older) and not headroom.room_beside(where, size(path(held[-1], where)), 0):
         dropped = older       # kept for a floor only where a reserve of memory stays (headroom.py), said once
         _say_once("floor", f"keeps no more snapshots than keep={keep} for the job's slower ranks or peer copies: "
@@ -301,8 +301,8 @@ def keep_from(where: str) -> int | None:
 
 def floors(where: str) -> tuple[int | None, int | None]:
     """KEEP_FROM's steps, None where not given: the copies floor (every snapshot from it on kept) and the held floor
-    (the slowest rank's newest, as the server last heard: the newest snapshot the keep rule lets go is kept if no
-    older)."""
+    (the slowest rank's newest, as the server last heard: that step, and the newest snapshot the keep rule lets go
+    if no older, are kept)."""
     try:
         with open(os.path.join(where, KEEP_FROM)) as f:
             given = [int(n) for n in f.read(64).split()[:2]]

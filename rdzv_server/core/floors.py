@@ -1,7 +1,7 @@
 """The steps a round's members keep their snapshots by (NodeStatus.copies_floor, held_floor), worked out from the
 notes their polls carry (CopiesNote): besides their keep rule and within the memory limit, each member's ranks keep
-every snapshot from the copies floor on, and the newest snapshot the keep rule lets go where it is of the held floor
-or later (node_agent/training/snapshot.py: KEEP_FROM).
+every snapshot from the copies floor on, and the held floor's step with the newest snapshot the keep rule lets go
+where it is of the held floor or later (node_agent/training/snapshot.py: KEEP_FROM).
 
 A floor only ever lags: worked out from notes that may be old, it is at most the step each member holds, so the
 ranks keep more meanwhile, never less. Worked out again where a note moves it, at most every HELD_EVERY_S for a

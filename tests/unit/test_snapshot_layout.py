@@ -330,6 +330,25 @@ def test_a_held_floor_keeps_at_most_one_snapshot_more_than_the_keep_rule(memory)
     assert snapshot.steps() == [5, 6]
 
 
+def test_the_held_floors_own_step_stays_where_a_slower_ranks_last_write_failed(memory) -> None:
+    """(A review): the slower rank's write of 3 failed (its memory directory full), so its newest is 2 while it
+    writes 4: the ranks ahead, writing 5, keep 2 itself besides the one more, or a failure then finds no step every
+    rank holds (the slower one 2, these 3 and 4)."""
+    capture = Capture(memory, keep=2)
+    for step in (1, 2, 3, 4):
+        with open(os.path.join(memory, snapshot.KEEP_FROM), "w") as f:
+            f.write("-1 0")
+        take(capture, step, state(float(step)))
+    with open(os.path.join(memory, snapshot.KEEP_FROM), "w") as f:
+        f.write("-1 2")
+    take(capture, 5, state(5.0))
+    assert snapshot.steps() == [2, 3, 4, 5]
+    with open(os.path.join(memory, snapshot.KEEP_FROM), "w") as f:
+        f.write("-1 4")                        # its write of 4 landed: 2 and 3 go
+    take(capture, 6, state(6.0))
+    assert snapshot.steps() == [4, 5, 6]
+
+
 def test_with_both_floors_the_one_more_is_the_newest_the_keep_rule_lets_go(memory) -> None:
     """(A review): steps 7-10 held, keep=2, the copies floor 9 and the held floor 0: the copies floor keeps 9, the
     newest the keep rule lets go, so the held floor keeps no other (8 went, as 7)."""
