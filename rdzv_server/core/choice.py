@@ -38,8 +38,12 @@ def candidates(job: JobRecord) -> list[str]:
         places, stay = job.places, {n for n in job.waiting if job.nodes[n].ready}
     holders = {n for n in places if n in stay and n in job.nodes}
     # a node still preparing enters no round (it would hold up every other node): it stays where it is
-    takers = iter([n for n in job.waiting + job.spares if n not in holders and job.nodes[n].ready])
-    pool: list[str | None] = [n if n in holders else next(takers, None) for n in places]
+    ready = [n for n in job.waiting + job.spares if n not in holders and job.nodes[n].ready]
+    given = reshaped(job, places, holders, ready)
+    holders -= set(given)                 # their new agents wait behind the places, as the other newcomers do
+    ready += list(given)
+    takers = iter([n for n in ready if n not in given.values()])
+    pool: list[str | None] = [n if n in holders else given[n] if n in given else next(takers, None) for n in places]
     last = len(pool) - 1                 # one pass, gaps from the front, movers from the back (a rack lost at once)
     for gap in range(len(pool)):
         if pool[gap] is not None:
@@ -50,6 +54,27 @@ def candidates(job: JobRecord) -> list[str]:
             break
         pool[gap], pool[last] = pool[last], None
     return [n for n in pool if n is not None] + list(takers)
+
+
+def reshaped(job: JobRecord, places: list[str], holders: set[str], ready: list[str]) -> dict[str, str]:
+    """While the job waits, the places whose node is back with another number of workers (its agent restarted with
+    another --nproc-per-node, or a GPU fewer under `gpu`) in a job whose ranks hold their own state -> the ready
+    waiting node or spare (of `ready`) that runs the place's old number and takes it instead: with the node in its
+    place its ranks and those after it would move, no snapshot in memory would be of them and every rank would go
+    back to the script's own checkpoint or step 0, where the taker resumes the place's ranks from the node's copies
+    and every other rank from its own memory (a review: 3 x 2 with a ready spare of 2, one agent back with 1: every
+    rank from step 0). The node then comes after the others (a spare where the round is full)."""
+    sizes = job.places_sizes if job.round is None else []
+    if len(sizes) != len(places) or job.progress.alike_step >= 0:
+        return {}
+    given: dict[str, str] = {}
+    for place, size in zip(places, sizes, strict=True):
+        if place not in holders or job.nodes[place].local_world_size == size:
+            continue
+        taker = next((n for n in ready if n not in given.values() and job.nodes[n].local_world_size == size), None)
+        if taker is not None:
+            given[place] = taker
+    return given
 
 
 def places_taken(job: JobRecord, chosen: list[str]) -> dict[str, str]:

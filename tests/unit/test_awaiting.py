@@ -7,11 +7,12 @@ import msgspec
 import pytest
 
 from protocol.bounds import MAX_PREPARE_S
-from protocol.messages import JobConfig, JobState, NodeState, PollRequest
+from protocol.messages import JobConfig, JobState, JoinRequest, NodeState, PollRequest
 from protocol.notes import CopiesNote
 from rdzv_server.core.awaiting import window_s
 from rdzv_server.core.leases import DROP_GRACE_S
 from rdzv_server.core.rendezvous import Rendezvous, RendezvousError
+from rdzv_server.core.requests import Arrival
 from tests.unit import test_copies_rounds as copies
 from tests.unit.test_rendezvous import JOB, job, join, members, poll, running, view
 
@@ -891,6 +892,51 @@ def test_a_member_back_with_another_number_of_workers_says_every_rank_goes_back(
     assert "node b runs 2 workers where it ran 1: the world size goes from 3 to 4 and ranks move; the job's ranks " \
         "hold their own state, so no snapshot in memory is of them and every rank resumes from the script's own " \
         "checkpoint, or from step 0" in formed, formed
+
+
+@pytest.mark.parametrize("spare_workers", [1, 2])
+def test_a_member_back_with_another_number_of_workers_gives_its_place_to_a_spare_of_its_old_size(spare_workers):
+    """A review (3 x 2 shard job, a ready spare of 2 workers, copies landed): b's agent restarted with
+    --nproc-per-node 1. The spare stayed spare while b was awaited ("its memory holds b's newest state"), then b came
+    back with 1 worker, took its place, the ranks moved and every rank went back to step 0, where the spare, taking
+    b's place from its copy, kept the job's size and every rank's state. A spare of b's old size (here 1 worker, b's
+    new agent 2) takes the place now; b waits as the spare. One of another size does not: b is back at its place."""
+    rz = running(["a", "b", "c"], ELASTIC)
+    join(rz, "s", 1.0, ELASTIC, lws=spare_workers)
+    crash_agent(rz, "b", 10.0, copied=10)
+    poll(rz, "s", 10.0)
+    rz.tick(10.0 + DROP_GRACE_S)
+    assert job(rz).round is None and job(rz).awaited == ["b"] and job(rz).spares == ["s"]
+    join(rz, "b", 12.0, ELASTIC, instance="b#2", lws=2)
+    formed = last_event(rz, "round_completed")
+    if spare_workers == 1:
+        assert members(rz) == ["a", "s", "c"] and job(rz).spares == ["b"], (members(rz), formed)
+        assert "s takes b's place (group rank 1)" in formed and "ranks move" not in formed, formed
+        assert job(rz).restart_count == 0
+    else:
+        assert members(rz) == ["a", "b", "c"] and job(rz).spares == ["s"], (members(rz), formed)
+
+
+def test_the_spare_taking_the_place_of_a_member_back_with_another_number_of_workers_fetches_its_copies():
+    """The same with peer copies on: the spare is told to fetch b's copies from their holder, so b's ranks resume
+    from them and every other rank from its own memory."""
+    config = JobConfig(min_nodes=2, max_nodes=3, lease_timeout_s=5.0, last_call_s=3.0)
+    rz = copies.started({"a": "1", "b": "2", "c": "3"}, config)
+    copies.join(rz, "s", 0.5, config, domain="4")
+    rz.handle(copies.JOB, PollRequest(v=1, node_id="b", credential="secret-b",
+                                      copies=CopiesNote(local_step=10, copied_step=10, holder="10.0.0.3:4000")), 9.5)
+    for n in ("a", "c", "s"):
+        copies.poll(rz, n, 10.0)
+    rz.connection_dropped(copies.JOB, "b", 10.0, heard=True)
+    rz.tick(10.0 + DROP_GRACE_S)
+    assert rz.jobs[copies.JOB].awaited == ["b"] and rz.jobs[copies.JOB].spares == ["s"]
+    rz.handle(copies.JOB, JoinRequest(v=1, node_id="b", addr="10.0.0.2", local_world_size=1, master_port=20000,
+                                      config=config, instance="b#2", host="host-b", witness_port=4000,
+                                      copy_port=4000, copy_verifiers=True, domain="2"), 12.0, Arrival(secret="b2"))
+    r = rz.jobs[copies.JOB].round
+    assert r is not None and r.members == ["a", "s", "c"] and rz.jobs[copies.JOB].spares == ["b"], r
+    got = rz.view(copies.JOB, "s", 12.5).assignment
+    assert got is not None and got.copies_of == "b" and got.copies_at is not None, got
 
 
 def test_a_job_of_replicas_back_with_another_number_of_workers_is_told_nothing():
