@@ -195,7 +195,8 @@ def ranks_moved(job: JobRecord, ranked: list[str], sizes: list[int], was_awaited
     """What a round-formed message says when, at the same number of nodes, a member's new agent runs another number
     of workers (its --nproc-per-node changed, or a GPU fewer under `gpu`) in a job whose ranks hold their own state
     ("": none did): its ranks and those after it move, no snapshot in memory is of them, and every rank resumes from
-    the script's own checkpoint, or from step 0. `ranked`, `sizes`: the last round's places and workers."""
+    the script's own checkpoint, or from step 0; where the last node alone runs fewer, no rank moves and its last
+    ranks' state is what goes. `ranked`, `sizes`: the last round's places and workers."""
     r = job.round
     if r is None or len(ranked) != len(r.ranked) or len(sizes) != len(ranked) or len(r.local_sizes) != len(r.ranked):
         return ""
@@ -204,6 +205,15 @@ def ranks_moved(job: JobRecord, ranked: list[str], sizes: list[int], was_awaited
     changed = [n for n in r.ranked if n in was and was[n] != now[n]]
     if not own_state or not (changed or sum(sizes) != r.world_size):
         return ""
+    last = r.ranked[-1]
+    if changed == [last] and ranked == r.ranked and now[last] < was[last]:    # no rank moves: the last ones go
+        first = r.world_size
+        gone = f"rank {first} and the state it held is" if sum(sizes) - first == 1 else \
+            f"ranks {first}-{sum(sizes) - 1} and the state they held are"
+        return (f"; node {last} runs {now[last]} worker{'s' * (now[last] != 1)} where it ran {was[last]}: the world "
+                f"size goes from "
+                f"{sum(sizes)} to {r.world_size}; no rank moves, but the job's ranks hold their own state and {gone} "
+                f"gone")
     told = ", ".join(f"node {n} runs {now[n]} workers where it ran {was[n]}" for n in changed[:3]) or \
         "a node taking a place runs another number of workers"
     return (f"; {told}: the world size goes from {sum(sizes)} to {r.world_size} and ranks move; the job's ranks "

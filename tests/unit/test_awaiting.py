@@ -894,6 +894,19 @@ def test_a_member_back_with_another_number_of_workers_says_every_rank_goes_back(
         "checkpoint, or from step 0" in formed, formed
 
 
+def test_the_last_member_back_with_fewer_workers_says_its_last_ranks_go_not_that_ranks_move():
+    """(A review): the last node, c, back with 1 worker where it ran 2: no rank moves, every other rank resumes from
+    its memory, and rank 5 goes with its state: the round says that, not "ranks move ... from step 0"."""
+    rz = running(["a", "b", "c"], ELASTIC, lws=2)
+    crash_agent(rz, "c", 10.0)
+    rz.tick(10.0 + DROP_GRACE_S)
+    join(rz, "c", 12.0, ELASTIC, instance="c#2", lws=1)
+    formed = last_event(rz, "round_completed")
+    assert members(rz) == ["a", "b", "c"] and "ranks move" not in formed, formed
+    assert "node c runs 1 worker where it ran 2: the world size goes from 6 to 5; no rank moves, but the job's " \
+        "ranks hold their own state and rank 5 and the state it held is gone" in formed, formed
+
+
 @pytest.mark.parametrize("spare_workers", [1, 2])
 def test_a_member_back_with_another_number_of_workers_gives_its_place_to_a_spare_of_its_old_size(spare_workers):
     """A review (3 x 2 shard job, a ready spare of 2 workers, copies landed): b's agent restarted with
