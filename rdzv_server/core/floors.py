@@ -17,6 +17,7 @@ COPY_STUCK_S = 60.0     # a member whose pushes are refused and whose copy has n
 FLOOR_EVERY_S = 5.0     # the floors are worked out again at least this often while notes come
 HELD_EVERY_S = 0.5      # ... and at most this often for a member's newest snapshot alone
 HELD_STUCK_S = 60.0     # a member whose newest snapshot lags the others' and has not moved this long: out of it
+HELD_STUCK_SNAPSHOTS = 2    # ... nor for this many of the newest members' snapshot intervals (one write that failed)
 
 
 def refresh(job: JobRecord, now: float) -> None:
@@ -38,6 +39,9 @@ def noted(job: JobRecord, node: NodeRecord, before: CopiesNote | None, note: Cop
     if before is None or note.copied_step != before.copied_step:
         node.copied_at = now
     if before is None or note.local_step != before.local_step:
+        if before is not None and 0 <= before.local_step < note.local_step and job.round is not None and \
+                node.stepped_at >= job.round.completed_at:
+            node.step_gap = now - node.stepped_at       # its snapshots' interval, as its notes tell it
         node.stepped_at = now
     # A note below a floor may bring it down: at once. One that moves a step up may only raise it, and a floor that
     # lags keeps more meanwhile, never less: at most every HELD_EVERY_S (a review: each copy's note worked both out
@@ -61,21 +65,26 @@ def held_floor(job: JobRecord, now: float) -> int:
     floor or later (a floor that lags costs one snapshot). In the round's first HELD_STUCK_S, 0 while a member has
     not said what it holds since the round formed (its last note may be of steps the job went back from) or holds
     none yet: the round's first snapshots come before its note. Past that, such a member does not count (it has no
-    memory directory, say), nor one whose newest lags the others' and has not moved for HELD_STUCK_S (its writes
-    fail): the others would keep one more snapshot for it for good."""
+    memory directory, say), nor one whose newest lags the others' and has not moved for HELD_STUCK_S and
+    HELD_STUCK_SNAPSHOTS of the newest members' intervals (its writes fail): the others would keep one more snapshot
+    for it for good. One write that failed, where snapshots are far apart, is not that."""
     r = job.round
     if r is None:
         return -1
-    said: list[tuple[int, float]] = []
+    said: list[tuple[int, float, float]] = []
     for m in r.members:
         node = job.nodes.get(m)
         if node is not None and node.copies is not None and node.copies.local_step >= 0 and \
                 node.noted_at >= r.completed_at:
-            said.append((node.copies.local_step, node.stepped_at))
+            said.append((node.copies.local_step, node.stepped_at, node.step_gap))
     if len(said) < len(r.members) and now - r.completed_at <= HELD_STUCK_S:
         return 0
-    newest = max((step for step, _ in said), default=-1)
-    return min((step for step, at in said if step == newest or now - at <= HELD_STUCK_S), default=-1)
+    newest = max((step for step, _, _ in said), default=-1)
+    # Stuck is counted in snapshots as well as seconds: where snapshots are more than half a minute apart, one write
+    # that failed left a member a minute behind (a review: the ranks ahead then dropped the one step it held)
+    interval = max((gap for step, _, gap in said if step == newest), default=0.0)
+    stuck_s = max(HELD_STUCK_S, HELD_STUCK_SNAPSHOTS * interval)
+    return min((step for step, at, _ in said if step == newest or now - at <= stuck_s), default=-1)
 
 
 def copies_floor(job: JobRecord, now: float) -> int:

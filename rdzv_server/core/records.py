@@ -53,6 +53,7 @@ class NodeRecord(msgspec.Struct, kw_only=True):
     copies: CopiesNote | None = None   # its peer copies, as its last poll said
     copied_at: float = 0.0             # when its copied step last changed (floors.copies_floor)
     stepped_at: float = 0.0            # when its newest snapshot's step last changed (floors.held_floor)
+    step_gap: float = 0.0              # the time between its last two moves up in a round (its snapshots' interval)
     noted_at: float = 0.0              # when its last note came (floors.held_floor)
     store_per_round: bool = False      # its agent hosts a store per round it masters (JoinRequest; store_port.py)
     unheard: bool = False              # not heard from since the server came back (a failure waits: reports.py)

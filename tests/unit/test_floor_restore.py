@@ -45,3 +45,25 @@ def test_notes_of_no_copy_yet_under_a_floor_of_0_are_not_each_worked_out():
         for i in range(9):
             noted(rz, "abc"[i % 3], 1.0 + i / 100, -1, local=40 + i)
     assert len(looks) == 0 and rz.view(JOB, "a", 1.1).copies_floor == 0
+
+
+def test_one_failed_write_of_a_slower_member_keeps_it_in_the_held_floor_where_snapshots_are_far_apart():
+    """Snapshots 40 s apart: b's write of 80 fails (its memory directory full, once). When a makes room for 120, b
+    still holds only 40, and a must keep it (a failure during the write of 120 then finds 40 on every rank). A
+    minute without a move is not b's writes failing for good where one interval is 40 s: b missed one snapshot."""
+    rz = started({"a": "1", "b": "1"}, CFG)
+    noted(rz, "a", 1.0, -1, local=0)
+    noted(rz, "b", 1.6, -1, local=0)
+    noted(rz, "a", 41.0, -1, local=40)
+    noted(rz, "b", 41.6, -1, local=40)
+    assert rz.view(JOB, "a", 41.6).held_floor == 40
+    noted(rz, "a", 81.0, -1, local=80)                  # b's write of 80 failed: b holds 40 only
+    noted(rz, "b", 81.6, -1, local=40)
+    assert rz.view(JOB, "a", 81.6).held_floor == 40
+    noted(rz, "a", 110.0, -1, local=80)                 # a's held poll, just before it makes room for 120
+    assert rz.view(JOB, "a", 110.0).held_floor == 40    # b still counts: a keeps 40 for it
+    noted(rz, "a", 121.0, -1, local=120)
+    noted(rz, "b", 121.6, -1, local=40)                 # b's write of 120 failed too: two in a row
+    noted(rz, "a", 150.0, -1, local=120)
+    noted(rz, "a", 161.0, -1, local=160)
+    assert rz.view(JOB, "a", 161.0).held_floor == 160   # b's writes fail: no more is kept for it
