@@ -183,6 +183,10 @@ class RoundSteps:
         return max((r.record.digests[-1][0] for r in self.ranks.values() if r.record is not None and r.record.digests),
                    default=-1)
 
+    def resumed_ranks(self) -> int:
+        """How many ranks said the step they resumed from (snapshot.agreed_step, protect): news for the server."""
+        return sum(1 for r in self.ranks.values() if r.record is not None and r.record.resumed_step >= 0)
+
     def held_step(self) -> int:
         """The newest snapshot step a rank waits after (-1: none): news for the server at once, as a digest is."""
         return max((r.record.held_step for r in self.ranks.values() if r.record is not None), default=-1)

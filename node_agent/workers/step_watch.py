@@ -53,15 +53,13 @@ class StepWatch:
         self._warn = warn
         self._clock, self._wall = clock, wall
         self._next_report: float | None = None    # when the stall under way is reported again (None: none is)
-        self._told = (-1, -1)                     # the newest digest's step and held step a note was sent for
+        self._told = (-1, -1, 0)      # the newest digest's step, held step and ranks resumed a note was sent for
 
     async def run(self, put: Put) -> None:
         """Look every LOOK_S until cancelled; put a `RanksStalled` fact for each report."""
         while True:
             self.look()
-            news = (self.round.newest_digest(), self.round.held_step())
-            if news > self._told:
-                self._told = news
+            if self.news_due():
                 put(NoteDue(self.round.round_id))
             stalled = self.round.stalled(self._wall()) if self._detect else []
             wall = self._wall()
@@ -72,6 +70,17 @@ class StepWatch:
                 self._next_report = next_report_at(wall, self.round.threshold_s())
                 put(RanksStalled(self.round.round_id, self.round.threshold_s(), await self.examine(), first))
             await asyncio.sleep(LOOK_S)    # the watch's period: records change with no event to wait on
+
+    def news_due(self) -> bool:
+        """Whether the server should hear this node now: a new digest or hold, or a rank that resumed (its agreement
+        removed the snapshots the job went back from: the note its agent sent as the workers started still names
+        them, and a held floor worked out from it has the ranks ahead drop the step a slower rank holds; a review
+        saw every rank of a job of shards go back to step 0)."""
+        news = (self.round.newest_digest(), self.round.held_step(), self.round.resumed_ranks())
+        if news > self._told:
+            self._told = news
+            return True
+        return False
 
     def look(self) -> None:
         now, wall = self._clock(), self._wall()

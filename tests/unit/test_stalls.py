@@ -272,3 +272,20 @@ def test_a_rank_whose_collectives_run_on_its_gpu_is_read_so_and_its_node_says_so
     assert not r.note(10.0).on_device                      # gloo: on the host
     r.observe(1, record, look(), 10.0)
     assert r.note(10.0).on_device                          # one rank on the GPU: the node's wait is not all seen
+
+
+def test_a_rank_that_resumed_is_news_for_the_server_at_once(tmp_path) -> None:
+    """The note an agent sends as its workers start names the newest snapshot in memory, which the workers'
+    agreement may remove (the job went back: a damaged snapshot). The held floor worked out from it is then above
+    what a slower rank holds, and the ranks ahead drop its step; its resume is news at once, as a digest is."""
+    files = ProbeFiles.in_dir(str(tmp_path), 0)
+    files.create()
+    write_garbage(files.record, probe.RECORD.pack(probe.MAGIC, probe.VERSION, 0, 0, 0.0, 0.0, os.getpid(), 0, 1, -1))
+    watch = StepWatch(1, {0: (4, files)}, detect=False, pid_of=lambda lr: os.getpid(), exit_of=lambda lr: None,
+                      warn=lambda _: None)
+    watch.look()
+    assert not watch.news_due()
+    write_garbage(files.record, probe.RECORD.pack(probe.MAGIC, probe.VERSION, 0, 0, 0.0, 0.0, os.getpid(), 0, 1, 50))
+    watch.look()
+    assert watch.news_due() and not watch.news_due()
+    watch.close()
