@@ -311,3 +311,51 @@ def test_at_the_total_cap_a_connection_whose_peer_has_sent_something_is_closed_l
     caps.wait("y", "peer-2", lambda: (closed.append("peer-2"), caps.give("y")), lambda: True)
     assert caps.take("z") == EVICTED and closed == ["idle-1", "idle-2"]
     assert caps.take("z") == EVICTED and closed == ["idle-1", "idle-2", "peer"]    # every one has: the longest
+
+
+async def test_a_tls_peer_that_never_answers_the_close_holds_no_descriptor_past_the_caps(tmp_path,
+                                                                                        monkeypatch) -> None:
+    """A peer with a member's certificate sends a line, takes the answer and never answers the close (no close_notify,
+    its socket kept open). Its places were given back at once while each connection waited 30 s for the close_notify:
+    a review held 1,700 connections past the cap of 512 (600 MB, the agent out of descriptors). Now a close waits
+    CLOSE_S, counted in the caps, and is then aborted."""
+    import psutil
+    ca = make_ca(str(tmp_path))
+    cert, key = make_server_cert(str(tmp_path), ca)
+    tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    tls.load_cert_chain(cert, key)
+    monkeypatch.setattr(listening, "CLOSE_S", 0.2, raising=False)
+    caps = Caps(total=4, per_source=4)
+
+    def served(port: int) -> int:       # the listener's side of its connections, open now
+        return sum(1 for c in psutil.Process().net_connections("tcp")
+                   if c.laddr and c.laddr.port == port and c.status != psutil.CONN_LISTEN)
+
+    async with serving(caps, tls=tls) as (port, _):
+        client = ssl.create_default_context(cafile=ca[0])
+        client.check_hostname = False
+
+        def quiet_peer() -> ssl.SSLSocket | None:       # answered, then silent: no close_notify, never closed
+            raw = socket.create_connection(("127.0.0.1", port), timeout=WAIT)
+            try:
+                s = client.wrap_socket(raw)
+                s.sendall(b"hello\n")
+                if s.recv(64) == b"ok hello\n":
+                    return s
+            except OSError:
+                pass
+            raw.close()                 # refused (its source at the cap): tried again
+            return None
+        quiet: list[ssl.SSLSocket] = []
+        most = 0
+        while len(quiet) < 12:
+            s = await asyncio.to_thread(quiet_peer)
+            if s is not None:
+                quiet.append(s)
+            else:
+                await asyncio.sleep(0.05)
+            most = max(most, served(port))
+        assert most <= caps.total, f"{most} connections open past the cap of {caps.total}"
+        await until(lambda: served(port) == 0 and caps.count == 0, "every quiet peer's connection closed")
+        for s in quiet:
+            s.close()
