@@ -23,6 +23,7 @@ MAX_PER_SOURCE = 64       # open at once from one address (a node pushes, fetche
 HANDSHAKE_S = 4.0       # within the 5 s an operator is promised, with a margin for a loaded machine
 FIRST_LINE_S = 4.0
 FIRST_LINE_LIMIT = 1024   # the reader's buffer until the first line is in: a longer line ends the connection
+HANDSHAKES_SHARE = 4      # TLS handshakes at once: a quarter of the total cap at most (each holds ~1 MiB)
 CLOSE_S = 2.0             # a served connection's close (a TLS peer's close_notify, a reader taking the last bytes):
                           # then aborted. Counted in the caps until then: a peer that never answers holds no more
 
@@ -76,6 +77,7 @@ class Listener:
         self._sock: socket.socket | None = None
         self._accepting: asyncio.Task[None] | None = None
         self._serving: set[asyncio.Task[None]] = set()
+        self._handshaking: dict[Accepted, None] = {}     # TLS handshakes under way, the longest first
 
     async def start(self, addr: str) -> int:
         """Listen on a free port of `addr`; the port, or 0 when that is not possible."""
@@ -96,6 +98,26 @@ class Listener:
         self._sock = sock
         self._accepting = asyncio.create_task(accept(sock, self.caps, self.name, self._say, self._serve, self._serving))
         return int(sock.getsockname()[1])
+
+    async def _connect(self, loop: asyncio.AbstractEventLoop, made: Callable[[], asyncio.StreamReaderProtocol],
+                       accepted: Accepted) -> tuple[asyncio.Transport, asyncio.BaseProtocol]:
+        """The accepted socket as a stream's transport, over TLS once its handshake is done. A handshake holds ~1 MiB
+        of buffers while it lasts (a review's flood of strangers' handshakes took the agent from 49 to 550 MiB), so
+        at most a quarter of the total cap go on at once: past that the one under way longest is ended. A peer's
+        takes milliseconds; a newcomer never waits behind a stranger's (the server's TLS port does alike)."""
+        if self.tls is None:
+            return await loop.connect_accepted_socket(made, accepted.conn)
+        while len(self._handshaking) >= max(2, self.caps.total // HANDSHAKES_SHARE):
+            longest = next(iter(self._handshaking))
+            del self._handshaking[longest]
+            self.caps.at_work(longest.source, longest)      # out of the waiting ones first: evicted once
+            longest.evict()
+        self._handshaking[accepted] = None
+        try:
+            return await loop.connect_accepted_socket(made, accepted.conn, ssl=self.tls,
+                                                      ssl_handshake_timeout=HANDSHAKE_S)
+        finally:
+            self._handshaking.pop(accepted, None)
 
     async def _serve(self, accepted: Accepted) -> None:
         """In the clear the first line is read off the socket itself, a piece of at most FIRST_LINE_LIMIT at a time
@@ -120,10 +142,7 @@ class Listener:
                         conn.close()
                         return
                 accepted.heard = accepted.sent()      # its hello in: the handshake reads it off the socket
-                transport, _ = await asyncio.wait_for(
-                    loop.connect_accepted_socket(made, conn, ssl=self.tls,
-                                                 ssl_handshake_timeout=HANDSHAKE_S if self.tls else None),
-                    HANDSHAKE_S + 1)
+                transport, _ = await asyncio.wait_for(self._connect(loop, made, accepted), HANDSHAKE_S + 1)
                 reader, writer = await asyncio.wait_for(connected, 1.0)
             except (OSError, ValueError, asyncio.TimeoutError):     # a handshake refused or too slow: said nowhere
                 conn.close()

@@ -359,3 +359,39 @@ async def test_a_tls_peer_that_never_answers_the_close_holds_no_descriptor_past_
         await until(lambda: served(port) == 0 and caps.count == 0, "every quiet peer's connection closed")
         for s in quiet:
             s.close()
+
+
+async def test_past_a_quarter_of_the_cap_in_tls_handshakes_the_longest_under_way_gives_way(tmp_path,
+                                                                                          monkeypatch) -> None:
+    """A TLS handshake holds ~1 MiB while it lasts: a review's flood of strangers' handshakes took an agent from 49 to
+    550 MiB. At most a quarter of the total cap go on at once; past that the one under way longest is ended, so a
+    peer's handshake never waits behind a stranger's (the handshake's own limit is made too long to end any here)."""
+    ca = make_ca(str(tmp_path))
+    cert, key = make_server_cert(str(tmp_path), ca)
+    tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    tls.load_cert_chain(cert, key)
+    monkeypatch.setattr(listening, "HANDSHAKE_S", 60.0)
+    caps = Caps(total=8, per_source=8)            # 2 handshakes at once
+
+    async def answer(line: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(b"ok " + line)
+        await writer.drain()
+
+    server = Listener(answer, caps, [].append, tls=tls)
+    port = await server.start("127.0.0.1")
+    try:
+        quiet = [silent(port) for _ in range(4)]  # no ClientHello: each waits in its handshake
+        assert await closed_within(quiet[0], WAIT) and await closed_within(quiet[1], WAIT)
+        await until(lambda: len(server._handshaking) == 2 and caps.count == 2, "the two newest handshakes left")
+        client = ssl.create_default_context(cafile=ca[0])
+        client.check_hostname = False
+        reader, writer = await asyncio.open_connection("127.0.0.1", port, ssl=client)
+        writer.write(b"hello\n")
+        assert await asyncio.wait_for(reader.readline(), WAIT) == b"ok hello\n"
+        writer.close()
+        assert await closed_within(quiet[2], WAIT)        # the peer's handshake ended the longest under way
+        await until(lambda: len(server._handshaking) == 1 and caps.count == 1, "the last stranger's alone")
+        for s in quiet:
+            s.close()
+    finally:
+        await server.close()
