@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import json
 import os
 import ssl
 from collections.abc import AsyncIterator, Callable
@@ -141,7 +142,7 @@ async def _push_to(addr: str, port: int, line: bytes, fd: int, size: int, step: 
 
 def _not_go(answer: Answer) -> str:
     if answer.kind == "refused":
-        return f"refused: {answer.reason}"
+        return f"refused: {json.dumps(answer.reason)}"      # the holder's words, quoted: they reach our log and page
     return f"unexpected answer: {answer.kind}" + (f" step={answer.step}" if answer.step is not None else "")
 
 

@@ -41,7 +41,7 @@ async def test_a_source_stores_only_its_own_ranks(tmp_path) -> None:
         assert (await send(port, tmp_path, step=1, round_id=1)).ok
         for rank in (1, 7, 4095):
             done = await send(port, tmp_path, step=1, round_id=1, rank=rank)
-            assert done.reason == f"refused: rank {rank} is not one of node {NODE}'s 1 local ranks", done
+            assert done.reason == f"refused: \"rank {rank} is not one of node {NODE}'s 1 local ranks\"", done
     assert store.held() == {(NODE, 0): 1} and troubles(store) == {"rank"}
 
 
@@ -49,14 +49,14 @@ async def test_a_round_past_the_holders_own_is_refused_and_an_older_one_than_hel
     store = store_of(tmp_path, round_now=5)
     async with holder(store) as port:
         ahead = await send(port, tmp_path, step=1, round_id=6)
-        assert ahead.reason == "refused: round 6 is past this node's round (5): tried again later"
+        assert ahead.reason == "refused: \"round 6 is past this node's round (5): tried again later\""
         assert (await send(port, tmp_path, step=20, round_id=4)).ok
         assert (await send(port, tmp_path, step=10, round_id=5)).ok       # a newer round: supersedes step 20
         assert store.held() == {(NODE, 0): 10}
         old = await send(port, tmp_path, step=30, round_id=4, rank=1)     # the older incarnation, on any rank
-        assert old.reason == "refused: stale round 4 (holding copies of round 5)"
+        assert old.reason == "refused: \"stale round 4 (holding copies of round 5)\""
         same = await send(port, tmp_path, step=10, round_id=5)
-        assert same.reason == "refused: stale step 10 (holding 10 of round 5)"
+        assert same.reason == "refused: \"stale step 10 (holding 10 of round 5)\""
 
 
 async def test_a_newer_rounds_copy_supersedes_the_older_rounds_at_its_step_or_later_on_every_rank(tmp_path) -> None:
@@ -84,8 +84,8 @@ async def test_a_step_beyond_what_the_job_reached_is_refused_and_one_reached_mea
     store.ahead_wait_s = 0.3
     async with holder(store) as port:
         frozen = await send(port, tmp_path, step=wire.MAX_STEP, round_id=5)      # a holder of the token, say
-        assert frozen.reason == "refused: step 999999999999999999 is past what the job has reached (this node's " \
-                                "ranks hold 40)" and frozen.sent == 0
+        assert frozen.reason == "refused: \"step 999999999999999999 is past what the job has reached (this node's " \
+                                "ranks hold 40)\"" and frozen.sent == 0
         assert store.held() == {}
         store.ahead_wait_s = 10.0
         coming = asyncio.ensure_future(send(port, tmp_path, step=45, round_id=5))
@@ -101,7 +101,7 @@ async def test_each_source_has_its_share_of_the_limit(tmp_path) -> None:
     async with holder(store) as port:
         assert (await send(port, tmp_path, step=1, round_id=1, node="node-a", size=300)).ok
         over = await send(port, tmp_path, step=1, round_id=1, node="node-a", rank=1, size=300)
-        assert over.reason.startswith("refused: memory limit full: node node-a's share full: 300 bytes held"), over
+        assert over.reason.startswith("refused: \"memory limit full: node node-a's share full: 300 bytes held"), over
         assert "its share is 500 bytes" in over.reason
         assert (await send(port, tmp_path, step=1, round_id=1, node="node-b", size=500)).ok
 
@@ -152,7 +152,7 @@ async def test_a_push_waiting_for_a_step_never_reached_holds_up_no_real_push_of_
         frozen = asyncio.ensure_future(send(port, tmp_path, step=wire.MAX_STEP, round_id=5))
         await asyncio.sleep(0.2)
         assert (await send(port, tmp_path, step=40, round_id=5)).ok          # the node's own: lands meanwhile
-        assert (await asyncio.wait_for(frozen, 10)).reason.startswith("refused: step 999999999999999999 is past")
+        assert (await asyncio.wait_for(frozen, 10)).reason.startswith("refused: \"step 999999999999999999 is past")
     assert store.held() == {(NODE, 0): 40}
 
 
@@ -169,7 +169,7 @@ async def test_one_push_a_rank_waits_for_the_jobs_step_an_older_is_refused_a_new
             assert not first.done(), first.result()
             await asyncio.sleep(0.01)
         older = await asyncio.wait_for(send(port, tmp_path, step=44, round_id=5), 5)
-        assert older.reason == "refused: busy: a push of this rank already waits for the job to reach its step"
+        assert older.reason == "refused: \"busy: a push of this rank already waits for the job to reach its step\""
         newer = asyncio.ensure_future(send(port, tmp_path, step=46, round_id=5))
         ended = await asyncio.wait_for(first, 5)                # without waiting for the job: ended at once
         assert not ended.ok, ended
@@ -180,7 +180,7 @@ async def test_one_push_a_rank_waits_for_the_jobs_step_an_older_is_refused_a_new
         reach[0] = 46
         assert (await asyncio.wait_for(newer, 10)).ok and (await asyncio.wait_for(other, 10)).ok
         store.ahead_wait_s = 0.2              # the rank's wait is over: the next push of it may wait again
-        assert (await send(port, tmp_path, step=47, round_id=5)).reason.startswith("refused: step 47 is past")
+        assert (await send(port, tmp_path, step=47, round_id=5)).reason.startswith("refused: \"step 47 is past")
     assert store.held() == {(NODE, 0): 46, (NODE, 1): 45} and store._waiting == {}
 
 

@@ -272,7 +272,7 @@ async def test_a_newer_push_replaces_the_copy_only_once_it_is_whole(tmp_path):
             assert got.step == 1 and back == old
             busy = await client.push("127.0.0.1", port, key=KEY, node_id=NODE, local_rank=0, step=2,
                                      path=snap(tmp_path, "b", new))         # the same step, again: under way
-            assert busy == client.PushResult(False, "refused: busy", 0)
+            assert busy == client.PushResult(False, "refused: \"busy\"", 0)
             writer.write(new[30_000:] + sha(new))
             assert await line_of(reader) == b"rdzv-agent stored step=2\n"
         assert store.held() == {(NODE, 0): 2} and files(store) == ["step-2", "step-2.sha256"]
@@ -289,13 +289,13 @@ async def test_a_wrong_key_or_no_key_yet_writes_nothing(tmp_path):
     path = snap(tmp_path, "s", blob(1000))
     async with holder(store) as port:
         early = await client.push("127.0.0.1", port, key=KEY, node_id=NODE, local_rank=0, step=1, path=path)
-        assert early == client.PushResult(False, "refused: wrong key", 0)    # the same to a stranger
+        assert early == client.PushResult(False, "refused: \"wrong key\"", 0)    # the same to a stranger
         key[0] = "another-job-key-000"
         for _ in range(2):
             wrong = await client.push("127.0.0.1", port, key=KEY, node_id=NODE, local_rank=0, step=1, path=path)
-            assert wrong == client.PushResult(False, "refused: wrong key", 0)
+            assert wrong == client.PushResult(False, "refused: \"wrong key\"", 0)
         got, _ = await fetch_bytes(port, tmp_path)
-    assert got == client.FetchResult(None, "refused: wrong key", 0)
+    assert got == client.FetchResult(None, "refused: \"wrong key\"", 0)
     assert not exists(store.root) and troubles(store) == {"key"}
     assert len(said) == 1 and "no key of node node-a" in said[0] and "key=<hidden>" in said[0]  # once per kind
     assert not any(KEY in s for s in said)
@@ -309,7 +309,7 @@ async def test_a_step_not_newer_than_the_held_one_is_stale(tmp_path):
                                      path=snap(tmp_path, f"s{step}", blob(100, step)))
             assert done.ok is ok
             if not ok:
-                assert done.reason == f"refused: stale step {step} (holding 5 of round 0)" and done.sent == 0
+                assert done.reason == f"refused: \"stale step {step} (holding 5 of round 0)\"" and done.sent == 0
     assert store.held() == {(NODE, 0): 6} and troubles(store) == {"stale"}
 
 
@@ -321,11 +321,11 @@ async def test_the_limit_counts_the_current_copy_until_it_is_replaced(tmp_path):
                                      path=snap(tmp_path, f"{node}-{step}", blob(size, step)))
         assert (await push(NODE, 1, 600)).ok
         full = await push(NODE, 2, 600)         # 600 held + 600 new > 1000, though 2 would replace 1
-        assert not full.ok and full.reason.startswith("refused: memory limit full: 600 bytes held")
+        assert not full.ok and full.reason.startswith("refused: \"memory limit full: 600 bytes held")
         other = await push("node-b", 1, 500)
         assert not other.ok and "limit 1000 bytes" in other.reason
         huge = await push("node-b", 1, 1001)
-        assert huge.reason == "refused: memory limit full: the copy's 1001 bytes exceed the limit of 1000 bytes"
+        assert huge.reason == "refused: \"memory limit full: the copy's 1001 bytes exceed the limit of 1000 bytes\""
         assert (await push(NODE, 2, 400)).ok
         got, back = await fetch_bytes(port, tmp_path)
     assert got.step == 2 and back == blob(400, 2) and troubles(store) == {"limit"}
@@ -716,16 +716,16 @@ async def test_a_node_cannot_push_fetch_or_drop_under_another_nodes_id(tmp_path)
         assert mine.ok, mine
         forged = await client.push("127.0.0.1", port, key=tokens["node-b"], node_id="node-a", local_rank=0, step=2,
                                    path=snap(tmp_path, "b", blob(100)))
-        assert forged == client.PushResult(False, "refused: wrong key", 0)
+        assert forged == client.PushResult(False, "refused: \"wrong key\"", 0)
         dest = tmp_path / "dest"
         dest.mkdir()
         stolen = await client.fetch("127.0.0.1", port, key=tokens["node-b"], node_id="node-a", local_rank=0,
                                     dest_dir=str(dest))
-        assert stolen.step is None and stolen.reason == "refused: wrong key"
+        assert stolen.step is None and stolen.reason == "refused: \"wrong key\""
         assert not await client.drop("127.0.0.1", port, key=tokens["node-b"], node_id="node-a")
         told = await client.push("127.0.0.1", port, key=copy_verifier(tokens["node-a"]), node_id="node-a",
                                  local_rank=0, step=2, path=snap(tmp_path, "c", blob(100)))
-        assert told == client.PushResult(False, "refused: wrong key", 0)     # what the holder knows is no key
+        assert told == client.PushResult(False, "refused: \"wrong key\"", 0)     # what the holder knows is no key
         del tokens["node-a"]              # no source of this holder any more: its copies keep their key's verifier
         own = await client.fetch("127.0.0.1", port, key="token-of-node-a-0000", node_id="node-a", local_rank=0,
                                  dest_dir=str(dest))
@@ -759,7 +759,7 @@ async def test_copies_an_older_agent_held_with_the_key_itself_are_still_fetched_
         dest.mkdir()
         other = await client.fetch("127.0.0.1", port, key="another-key-0000000", node_id=NODE, local_rank=0,
                                    dest_dir=str(dest))
-        assert other.reason == "refused: wrong key"
+        assert other.reason == "refused: \"wrong key\""
     store = make_store(tmp_path)
     store.root = os.path.dirname(node_dir)
     async with holder(store) as port:          # a push to the upgraded holder: its verifier noted, the key forgotten
