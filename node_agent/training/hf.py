@@ -62,7 +62,8 @@ class Snapshots(TrainerCallback):
 
     def lay_out(self) -> str | None:
         """The newest snapshot every rank holds, as a checkpoint folder the Trainer resumes from (None: none)."""
-        if self._capture is None:
+        # Every rank takes part in the agreement, one without a memory directory too (its node's --no-memory-dir)
+        if not resume.everywhere(self._capture.where if self._capture is not None else None) or self._capture is None:
             return None
         where = self._capture.where
         model = self.trainer.model      # None until train() when the Trainer has a model_init: its own load checks

@@ -43,6 +43,7 @@ class Snapshots(Callback):
             return
         self._restored, self._said, self._prepared = None, False, False     # this fit's own
         where = resume.memory_directory()
+        everywhere = resume.everywhere(where)       # every rank takes part in the agreement, one without memory too
         if where is None:
             return
         replicated = _replicated(trainer, pl_module)
@@ -50,7 +51,8 @@ class Snapshots(Callback):
         # Under DDP a rank without the step (a node that joined a growing job) is lent a replica's: Lightning's own
         # checkpoint is one file every rank loads, so that is what fit(ckpt_path=...) would have done.
         found = resume.agree(where, lambda tree: trees.mismatch(tree.get("state_dict"), pl_module.state_dict(),
-                                                                "state_dict"), replicas=replicated is not None)
+                                                                "state_dict"), replicas=replicated is not None) \
+            if everywhere else None
         if found is not None:       # what fit(ckpt_path=...) would have read; a path given to fit replaces it
             self._restored, tree, lender = found
             self._mapped = restored.storages(tree)

@@ -56,9 +56,10 @@ def protect(model: nn.Module, optimizer: torch.optim.Optimizer, every: int = 5, 
     objects = dict(extra or {})
     _check(model, optimizer, every, objects, keep)
     where = resume.memory_directory()
+    everywhere = resume.everywhere(where)       # every rank takes part in the agreement, one without memory too
     if where is None:
         return fallback() if fallback is not None else 0
-    step = restore(model, optimizer, objects, where, ddp)
+    step = restore(model, optimizer, objects, where, ddp) if everywhere else None
     start = step if step is not None else (fallback() if fallback is not None else 0)
     if step is None:
         heartbeat.resumed(start)      # from disk or the start: the server counts (and says) the steps redone

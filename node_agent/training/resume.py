@@ -163,6 +163,19 @@ def resumed(step: int) -> None:
     print(f"rank {os.environ.get('RANK', '?')}: resumed from step {step} (memory)", flush=True)
 
 
+def everywhere(where: str | None) -> bool:
+    """Whether every rank has a memory directory. Every rank calls it, with one or without, before `agree`: a rank
+    without one (its node's agent runs with --no-memory-dir) that skipped the agreement would meet the others'
+    collectives with its training's (a review: every rank of the job aborted, "collective mismatch", on every
+    restart). Where one lacks it no step is held by every rank: every rank takes the fallback."""
+    if reduce_min(1 if where is not None else 0) == 1:
+        return True
+    if where is not None and rank() == 0:
+        print("node-agent snapshot: a rank of the job has no memory directory (its node runs with --no-memory-dir): "
+              "no snapshot is resumed, every rank starts from the fallback", file=sys.stderr, flush=True)
+    return False
+
+
 def memory_directory() -> str | None:
     """This worker's memory directory (snapshot.directory). Without one, said once per job (by rank 0): the script
     runs as it would without us."""
