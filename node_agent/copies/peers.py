@@ -361,9 +361,15 @@ class PeerCopies:
             self._say(line)
 
     def note(self) -> CopiesNote | None:
-        """What the server shows of this node's copies and newest snapshot (None: no memory dirs). With copies off
+        """What the server shows of this node's copies and newest snapshot (None: no memory dirs yet; -1 for both
+        where it keeps none, --no-memory-dir: rdzv_server/core/floors.py counts it out). With copies off
         for its round the snapshot alone is said (`copying`): a node whose agent restarts is waited for where it
         holds state of its own (rdzv_server/core/awaiting.py)."""
+        if not self.memory.enabled:
+            # Said, not left unsaid: a member the server has no note of counts as one whose first copy is still
+            # coming, and the copies floor stays 0 for it (a review: with one node run with --no-memory-dir, every
+            # other rank kept every snapshot of the job until its memory limit)
+            return CopiesNote(local_step=-1, copied_step=-1, copying=False)
         if not self.targets and self.store is None and not self._dirs:
             return None
         try:

@@ -15,7 +15,7 @@ from node_agent.copies.peers import PeerCopies
 from node_agent.copies.store import CopyStore
 from node_agent.training import snapshot
 from node_agent.workers.memory import MemoryDirs
-from protocol.messages import Assignment, Witness
+from protocol.messages import Assignment, PollRequest, Witness
 from tests.unit.test_copy_store import FAR, Everyone
 
 KEY = "job-key-for-copies-0123"
@@ -356,3 +356,20 @@ async def test_a_slow_holder_holds_back_its_own_copies_only(tmp_path) -> None:
             writer.close()
         slow.close()
         await slow.wait_closed()
+
+
+
+def test_a_node_without_memory_directories_says_it_holds_nothing_so_no_floor_waits_for_its_copy(tmp_path) -> None:
+    """A node run with --no-memory-dir sends a note of no snapshot and no copy: with none the server counted it as a
+    member whose first copy was still coming, and the copies floor stayed 0 (every other rank kept every snapshot)."""
+    from tests.unit.test_copies_rounds import CFG, JOB, noted, started
+
+    said: list[str] = []
+    note = PeerCopies(MemoryDirs("job", 2, 0, say=said.append, base=str(tmp_path / "c")), 2, "c", said.append,
+                      bandwidth=0).note()
+    assert note is not None and (note.local_step, note.copied_step) == (-1, -1)
+    rz = started({"a": "1", "b": "2", "c": "3"}, CFG)
+    noted(rz, "a", 1.0, 40)
+    noted(rz, "b", 1.1, 30)
+    rz.handle(JOB, PollRequest(v=1, node_id="c", credential="secret-c", copies=note), 1.2)
+    assert rz.view(JOB, "a", 1.2).copies_floor == 30
