@@ -7,7 +7,7 @@ another node, the node that takes its place resumes from that step instead of ev
   --replica-bandwidth, each with this round's id (the node's incarnation: the holder lets a newer round's copy
   supersede an older round's, so a job that went back, or an agent restarted, copies again). A push is copied
   only when the holder stored it: a refusal is counted and shown (CopiesNote), said once per kind, tried again
-  RETRY_S later; training goes on regardless.
+  RETRY_S later.
 - A node that takes a gone node's place (`Assignment.copies_of`/`copies_at`) fetches that node's copies
   into its own ranks' memory directories while its workers start (FETCH_LIMIT_S at most; `snapshot.agreed_step`
   waits for it), so agreed_step finds the step on every rank, and the holder then drops them. None there: every rank
@@ -17,8 +17,7 @@ another node, the node that takes its place resumes from that step instead of ev
   (copies/own.py): they need no peer copy.
 - Copies held for others live under the node's memory directory: removed with it when the job ends or the
   node leaves, taken up with it by the node's next agent, or swept (workers/memory.py); a node whose job is
-  over asks its holders to drop its copies at once.
-- A job whose copies go nowhere (one failure domain, --replicas 0) is said once."""
+  over asks its holders to drop its copies at once. A job whose copies go nowhere is said once."""
 from __future__ import annotations
 
 import asyncio
@@ -43,8 +42,7 @@ from protocol.notes import CopiesNote
 PUSH_SCAN_S = 0.1       # how often the memory directories are looked at for a newer snapshot (a dir listing)
 FETCH_LIMIT_S = 60.0    # a node taking a place waits this long for its copies, then starts without them
 DROP_LIMIT_S = 1.0      # a leaving node's goodbye to each holder of its copies
-RETRY_S = 1.0           # a peer a push could not reach or that refused is tried again this much later (a header:
-                        # cheap; a holder flooded by strangers takes the copies again within this of the flood's end)
+RETRY_S = 1.0           # a peer a push could not reach or that refused is tried again this much later (cheap)
 
 
 def mark_fetching(dirs: dict[int, str], on: bool) -> None:
@@ -361,14 +359,11 @@ class PeerCopies:
             self._say(line)
 
     def note(self) -> CopiesNote | None:
-        """What the server shows of this node's copies and newest snapshot (None: no memory dirs yet; -1 for both
-        where it keeps none, --no-memory-dir: rdzv_server/core/floors.py counts it out). With copies off
+        """What the server shows of this node's copies and newest snapshot (None: no memory dirs yet). With copies off
         for its round the snapshot alone is said (`copying`): a node whose agent restarts is waited for where it
-        holds state of its own (rdzv_server/core/awaiting.py)."""
+        holds state of its own (rdzv_server/core/awaiting.py). With --no-memory-dir, -1 for both: unsaid, the floors
+        waited for its copy, and every other rank kept every snapshot until its memory limit (a review)."""
         if not self.memory.enabled:
-            # Said, not left unsaid: a member the server has no note of counts as one whose first copy is still
-            # coming, and the copies floor stays 0 for it (a review: with one node run with --no-memory-dir, every
-            # other rank kept every snapshot of the job until its memory limit)
             return CopiesNote(local_step=-1, copied_step=-1, copying=False)
         if not self.targets and self.store is None and not self._dirs:
             return None
@@ -393,11 +388,10 @@ class PeerCopies:
         if self._fetching is not None:
             self._fetching.cancel()
             await self.fetched()
-        for task in (self._pusher, *self._to_holder.values()):
-            if task is not None:
-                task.cancel()
-        await asyncio.gather(*(t for t in (self._pusher, *self._to_holder.values()) if t is not None),
-                             return_exceptions=True)
+        tasks = [t for t in (self._pusher, *self._to_holder.values()) if t is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         if finished and self.key:
             await asyncio.gather(*(drop(t.addr, t.port, key=self.key, node_id=self.node_id, timeout_s=DROP_LIMIT_S,
                                         tls=self._connect) for t in self.targets))

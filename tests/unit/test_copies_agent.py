@@ -358,7 +358,6 @@ async def test_a_slow_holder_holds_back_its_own_copies_only(tmp_path) -> None:
         await slow.wait_closed()
 
 
-
 def test_a_node_without_memory_directories_says_it_holds_nothing_so_no_floor_waits_for_its_copy(tmp_path) -> None:
     """A node run with --no-memory-dir sends a note of no snapshot and no copy: with none the server counted it as a
     member whose first copy was still coming, and the copies floor stayed 0 (every other rank kept every snapshot)."""
