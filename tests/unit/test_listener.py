@@ -12,6 +12,7 @@ import socket
 import ssl
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
 
@@ -47,6 +48,27 @@ async def serving(caps: Caps, tls: ssl.SSLContext | None = None, said: list[str]
         yield port, lines
     finally:
         await server.close()
+
+
+def server_tls(tmp_path) -> tuple[tuple[Any, ...], ssl.SSLContext]:
+    """A test CA (its files) and a listener's TLS context with a certificate it signed."""
+    ca = make_ca(str(tmp_path))
+    cert, key = make_server_cert(str(tmp_path), ca)
+    tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    tls.load_cert_chain(cert, key)
+    return ca, tls
+
+
+async def hello_over_tls(port: int, ca: tuple[Any, ...]) -> bytes:
+    """A peer's `hello` line over TLS, and the line it is answered."""
+    client = ssl.create_default_context(cafile=ca[0])
+    client.check_hostname = False
+    reader, writer = await asyncio.open_connection("127.0.0.1", port, ssl=client)
+    try:
+        writer.write(b"hello\n")
+        return await asyncio.wait_for(reader.readline(), WAIT)
+    finally:
+        writer.close()
 
 
 def silent(port: int, source: str = "127.0.0.1") -> socket.socket:
@@ -167,10 +189,7 @@ async def test_a_line_that_comes_late_is_still_served_and_one_too_long_is_not() 
 
 async def test_a_tls_connection_that_never_says_hello_is_let_go_within_the_handshake_limit(tmp_path,
                                                                                          monkeypatch) -> None:
-    ca = make_ca(str(tmp_path))
-    cert, key = make_server_cert(str(tmp_path), ca)
-    tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    tls.load_cert_chain(cert, key)
+    ca, tls = server_tls(tmp_path)
     monkeypatch.setattr(listening, "HANDSHAKE_S", 0.5)
     caps = Caps(total=10, per_source=2)
     async with serving(caps, tls=tls) as (port, _):
@@ -178,12 +197,7 @@ async def test_a_tls_connection_that_never_says_hello_is_let_go_within_the_hands
         began = time.monotonic()                       # the handshake's 0.5 s, not the first line's limit
         assert all([await closed_within(s, 3.5) for s in quiet]) and time.monotonic() - began < listening.FIRST_LINE_S
         await until(lambda: caps.open == {}, "their places free again")
-        client = ssl.create_default_context(cafile=ca[0])
-        client.check_hostname = False
-        reader, writer = await asyncio.open_connection("127.0.0.1", port, ssl=client)
-        writer.write(b"hello\n")
-        assert await asyncio.wait_for(reader.readline(), WAIT) == b"ok hello\n"
-        writer.close()
+        assert await hello_over_tls(port, ca) == b"ok hello\n"
         for s in quiet:
             s.close()
 
@@ -223,10 +237,7 @@ async def test_a_tls_connection_ended_mid_request_frees_its_socket_for_the_next_
     socket must leave the loop at once. Closed under its TLS transport, which waits for the peer's close_notify,
     the descriptor number stayed registered, and the next connection given that number (on any listener) was not
     served: a witness's question went unanswered."""
-    ca = make_ca(str(tmp_path))
-    cert, key = make_server_cert(str(tmp_path), ca)
-    tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    tls.load_cert_chain(cert, key)
+    ca, tls = server_tls(tmp_path)
     caps, busy = listening.agent_caps(), asyncio.Event()
     AT_WORK.clear()
     async with serving(caps, tls=tls, busy=busy) as (secure, _), serving(caps) as (plain, _):
@@ -320,10 +331,7 @@ async def test_a_tls_peer_that_never_answers_the_close_holds_no_descriptor_past_
     a review held 1,700 connections past the cap of 512 (600 MB, the agent out of descriptors). Now a close waits
     CLOSE_S, counted in the caps, and is then aborted."""
     import psutil
-    ca = make_ca(str(tmp_path))
-    cert, key = make_server_cert(str(tmp_path), ca)
-    tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    tls.load_cert_chain(cert, key)
+    ca, tls = server_tls(tmp_path)
     monkeypatch.setattr(listening, "CLOSE_S", 0.2, raising=False)
     caps = Caps(total=4, per_source=4)
 
@@ -366,10 +374,7 @@ async def test_past_a_quarter_of_the_cap_in_tls_handshakes_the_longest_under_way
     """A TLS handshake holds ~1 MiB while it lasts: a review's flood of strangers' handshakes took an agent from 49 to
     550 MiB. At most a quarter of the total cap go on at once; past that the one under way longest is ended, so a
     peer's handshake never waits behind a stranger's (the handshake's own limit is made too long to end any here)."""
-    ca = make_ca(str(tmp_path))
-    cert, key = make_server_cert(str(tmp_path), ca)
-    tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    tls.load_cert_chain(cert, key)
+    ca, tls = server_tls(tmp_path)
     monkeypatch.setattr(listening, "HANDSHAKE_S", 60.0)
     caps = Caps(total=8, per_source=8)            # 2 handshakes at once
 
@@ -383,12 +388,7 @@ async def test_past_a_quarter_of_the_cap_in_tls_handshakes_the_longest_under_way
         quiet = [silent(port) for _ in range(4)]  # no ClientHello: each waits in its handshake
         assert await closed_within(quiet[0], WAIT) and await closed_within(quiet[1], WAIT)
         await until(lambda: len(server._handshaking) == 2 and caps.count == 2, "the two newest handshakes left")
-        client = ssl.create_default_context(cafile=ca[0])
-        client.check_hostname = False
-        reader, writer = await asyncio.open_connection("127.0.0.1", port, ssl=client)
-        writer.write(b"hello\n")
-        assert await asyncio.wait_for(reader.readline(), WAIT) == b"ok hello\n"
-        writer.close()
+        assert await hello_over_tls(port, ca) == b"ok hello\n"
         assert await closed_within(quiet[2], WAIT)        # the peer's handshake ended the longest under way
         await until(lambda: len(server._handshaking) == 1 and caps.count == 1, "the last stranger's alone")
         for s in quiet:
