@@ -137,6 +137,8 @@ class Accepted:
             return False
 
     def evict(self) -> None:
+        if self.evicted:        # once: a Caps eviction and the listener's handshake share may both pick it
+            return
         self.evicted = True
         self.caps.give(self.source)
         if self.task is not None:

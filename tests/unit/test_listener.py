@@ -19,7 +19,7 @@ import pytest
 from node_agent.client import listener as listening
 from node_agent.client.listener import Listener
 from node_agent.copies import stream
-from protocol.accepting import EVICTED, MIN_TOTAL, TAKEN, Caps, SayOnce, accept
+from protocol.accepting import EVICTED, MIN_TOTAL, TAKEN, Accepted, Caps, SayOnce, accept
 from tests.e2e.certs import make_ca, make_server_cert
 
 WAIT = 10.0
@@ -394,4 +394,36 @@ async def test_past_a_quarter_of_the_cap_in_tls_handshakes_the_longest_under_way
         for s in quiet:
             s.close()
     finally:
+        await server.close()
+
+
+async def test_a_handshake_the_caps_closed_is_not_given_back_again_by_the_handshake_share(tmp_path,
+                                                                                         monkeypatch) -> None:
+    """At the total cap the accept loop closes the stranger waiting longest, mid-handshake; a newcomer's handshake,
+    starting before that one's task has unwound, found it still under way and ended it again: its place was given
+    back twice (the caps' count below the connections open)."""
+    ca, tls = server_tls(tmp_path)
+    monkeypatch.setattr(listening, "HANDSHAKE_S", 60.0)
+    caps = Caps(total=8, per_source=8)            # 2 handshakes at once
+    server = Listener(lambda *_: asyncio.sleep(0), caps, [].append, tls=tls)
+    port = await server.start("127.0.0.1")
+    a, b = socket.socketpair()
+    try:
+        quiet = [silent(port) for _ in range(2)]
+        await until(lambda: len(server._handshaking) == 2 and caps.count == 2, "two handshakes under way")
+        assert caps.close_one_waiting() and caps.count == 1          # the accept loop, at the total cap
+        assert caps.take("127.0.0.1") == TAKEN
+        newcomer = Accepted(a, "127.0.0.1", caps)
+        task = asyncio.ensure_future(server._connect(asyncio.get_running_loop(),
+                                                     lambda: asyncio.StreamReaderProtocol(asyncio.StreamReader()),
+                                                     newcomer))
+        await until(lambda: newcomer in server._handshaking, "the newcomer's handshake under way")
+        await asyncio.sleep(0.1)
+        assert caps.count == 2, f"{caps.count} counted: the other stranger's and the newcomer's are open"
+        task.cancel()
+        for s in quiet:
+            s.close()
+    finally:
+        a.close()
+        b.close()
         await server.close()

@@ -60,3 +60,6 @@ def test_a_rank_without_a_memory_directory_agrees_with_the_others_on_the_fallbac
     # Neither resumes a snapshot only rank 0 holds: both take the fallback, and their collectives line up
     assert "rank 0: start 7, sum 2" in outs[0] and "rank 1: start 7, sum 2" in outs[1], outs
     assert "a rank of the job has no memory directory" in outs[0], outs[0]
+    # Its step 3 is not the job's future: left there, it would outlive the fallback's snapshots (the keep rule drops
+    # those) and be resumed at the next restart where every rank has a memory directory
+    assert "step-3" not in os.listdir(where), os.listdir(where)
