@@ -167,7 +167,11 @@ def everywhere(where: str | None) -> bool:
     """Whether every rank has a memory directory. Every rank calls it, with one or without, before `agree`: a rank
     without one (its node's agent runs with --no-memory-dir) that skipped the agreement would meet the others'
     collectives with its training's (a review: every rank of the job aborted, "collective mismatch", on every
-    restart). Where one lacks it no step is held by every rank: every rank takes the fallback."""
+    restart). Where one lacks it no step is held by every rank: every rank takes the fallback. Not under node-agent
+    ($NODE_AGENT_MEMORY_DIR unset on every rank, empty where the agent gives none) there is nothing to ask: the
+    script runs as it would without us, no collective added."""
+    if snapshot.DIR_VAR not in os.environ:
+        return where is not None
     if reduce_min(1 if where is not None else 0) == 1:
         return True
     if where is not None:       # as an agreement that finds no step: these snapshots are not the job's future (they

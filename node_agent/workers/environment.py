@@ -55,9 +55,9 @@ def worker_env(*, base: Mapping[str, str], assignment: Assignment, local_rank: i
     `nccl_async`: TORCH_NCCL_ASYNC_ERROR_HANDLING; None keeps the base's, else "1" (torchrun's: NCCL errors
     abort, not hang). `virtual_local_rank`: LOCAL_RANK 0, CUDA_VISIBLE_DEVICES the rank's own GPU. `signals`:
     TORCHELASTIC_SIGNALS_TO_HANDLE, read by torch's launchers in a worker. `memory_dir`: NODE_AGENT_MEMORY_DIR,
-    its limit in bytes NODE_AGENT_MEMORY_LIMIT; None sets neither. `agent_store`: the agent hosts the c10d
-    store at MASTER_ADDR:MASTER_PORT (every rank a client), not worker rank 0. `probe`: its progress probe's
-    files (NODE_AGENT_PROGRESS; the probe takes it out of the worker's environment). Pure: it makes no file.
+    its limit in bytes NODE_AGENT_MEMORY_LIMIT; None: the first empty, the second unset. `agent_store`: the agent
+    hosts the c10d store at MASTER_ADDR:MASTER_PORT (every rank a client), not worker rank 0. `probe`: its progress
+    probe's files (NODE_AGENT_PROGRESS; the probe takes it out of the worker's environment). Pure: it makes no file.
     """
     a = assignment
     if not 0 <= local_rank < a.local_world_size:
@@ -92,10 +92,9 @@ def worker_env(*, base: Mapping[str, str], assignment: Assignment, local_rank: i
         env["CUDA_VISIBLE_DEVICES"] = devices[local_rank] if devices is not None else str(local_rank)
     if error_file is not None:
         env["TORCHELASTIC_ERROR_FILE"] = error_file
-    if memory_dir is not None:
-        env[MEMORY_DIR_VAR] = memory_dir
-        if memory_limit is not None:
-            env[MEMORY_LIMIT_VAR] = str(memory_limit)
+    env[MEMORY_DIR_VAR] = memory_dir or ""     # empty: none, and every rank joins protect's one question of it
+    if memory_dir is not None and memory_limit is not None:
+        env[MEMORY_LIMIT_VAR] = str(memory_limit)
     if probe is not None:
         env[PROBE_VAR] = probe.env()
     return env

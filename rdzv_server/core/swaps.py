@@ -44,7 +44,9 @@ def ask(rules: JobRules, node_id: str, why: str, now: float, named: bool = False
     # Copies off (no member notes a step): the ranks are asked to hold all the same; a job with no snapshot at all
     # swaps after SWAP_WAIT_S.
     served = serves_itself(rules.job, node_id)
-    if (job.nodes[node_id].copies is None and not served) or (held and max(held) < 0):
+    c, suspect = job.nodes[node_id].copies, job.nodes[node_id]
+    memoryless = c is None or c.local_step < 0 and c.copied_step < 0 and not c.copying and not suspect.copy_port
+    if (memoryless and not served) or (held and max(held) < 0):     # (--no-memory-dir notes -1s, no copy port)
         _swap(rules, node_id, why, "no snapshot to wait for", now)
         return
     job.swap = SwapDue(node_id=node_id, why=why, round_id=job.round.round_id, until=now + SWAP_WAIT_S)

@@ -44,6 +44,7 @@ def test_every_variable_for_a_two_node_assignment() -> None:
         "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
         "TORCHELASTIC_ERROR_FILE": "/logs/2/error.json",
         "OMP_NUM_THREADS": "1",
+        "NODE_AGENT_MEMORY_DIR": "",       # none given: empty (protect asks every rank whether it has one)
     }
 
 

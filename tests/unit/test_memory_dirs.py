@@ -332,7 +332,8 @@ def test_the_workers_environment_names_the_directory_and_its_limit() -> None:
                      memory_dir="/dev/shm/x/1", memory_limit=1024)
     assert env[snapshot.DIR_VAR] == "/dev/shm/x/1" and env[snapshot.LIMIT_VAR] == "1024"
     off = worker_env(base=base, assignment=ONE, local_rank=1, job_id="j", role="r", error_file=None)
-    assert snapshot.DIR_VAR not in off and snapshot.LIMIT_VAR not in off
+    # none (--no-memory-dir): empty, so every rank still joins protect's question of who has one; the outer gone
+    assert off[snapshot.DIR_VAR] == "" and snapshot.directory(off) is None and snapshot.LIMIT_VAR not in off
 
 
 # ------------------------------------------------------------------------------- the worker's helper

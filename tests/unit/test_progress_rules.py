@@ -6,7 +6,8 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from protocol.messages import FailureReport, JobState, LeaveRequest, SuccessReport, WorkerFailure
+from protocol.messages import FailureReport, JobState, LeaveRequest, PollRequest, SuccessReport, WorkerFailure
+from protocol.notes import CopiesNote
 from rdzv_server.core.errors import RendezvousError
 from rdzv_server.core.events import EventKind
 from rdzv_server.core.rendezvous import Rendezvous
@@ -38,7 +39,10 @@ def test_a_slow_node_that_left_is_no_longer_named() -> None:
     assert job.progress.slow == []
 
 
-def test_a_slow_node_of_a_job_with_no_snapshot_is_swapped_for_the_spare_at_once() -> None:
+@pytest.mark.parametrize("memoryless", [False, True])
+def test_a_slow_node_of_a_job_with_no_snapshot_is_swapped_for_the_spare_at_once(memoryless) -> None:
+    """Also where b runs --no-memory-dir: its note says it holds nothing and copies nothing, and it has no copy port
+    (a review: the swap waited for a snapshot that never comes, and the ranks held after theirs meanwhile)."""
     rz = Rendezvous()
     config = msgspec.structs.replace(CFG, replace_slow_nodes=True)
     for node in ("a", "b", "c"):                 # c: a hot spare of a 2-node job
@@ -49,6 +53,10 @@ def test_a_slow_node_of_a_job_with_no_snapshot_is_swapped_for_the_spare_at_once(
     for i in range(1, 9):
         at = T + 10 * i
         poll(rz, "swap", "a", at, note(round_id, 20 * i, T + 5, at, demand=0.33))
+        if memoryless:       # a holds snapshots, b none
+            for n, held in (("a", 10 * i), ("b", -1)):
+                rz.handle("swap", PollRequest(v=1, node_id=n, credential=f"secret-{n}", known_round=round_id,
+                                              wait_s=0.0, copies=CopiesNote(local_step=held, copying=False)), at)
         poll(rz, "swap", "b", at, note(round_id, 20 * i, T + 5, at, demand=0.98))
         if job.round.round_id != round_id:
             break

@@ -19,15 +19,17 @@ rank, port = int(sys.argv[1]), int(sys.argv[2])
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
 model = nn.Linear(4, 4)
 opt = torch.optim.SGD(model.parameters(), lr=0.1)
-start = protect(model, opt, every=1, fallback=lambda: 7)
+start = protect(model, opt, every=1, fallback=lambda: 7) if sys.argv[3:] != ["skip"] else 7
 t = torch.ones(1)
 dist.all_reduce(t)                  # the training's first collective
 print(f"rank {rank}: start {start}, sum {t.item():g}", flush=True)
+dist.barrier()                      # both done before either tears gloo down (one gone first aborts the other)
 dist.destroy_process_group()
 """
 
 
 def test_a_rank_without_a_memory_directory_agrees_with_the_others_on_the_fallback(tmp_path) -> None:
+    """Rank 1's node runs --no-memory-dir: its agent gives it an empty $NODE_AGENT_MEMORY_DIR."""
     port = free_port()
     where = tmp_path / "mem"
     where.mkdir()
@@ -46,7 +48,7 @@ def test_a_rank_without_a_memory_directory_agrees_with_the_others_on_the_fallbac
     assert "step-3" in os.listdir(where)
     procs = [subprocess.Popen([sys.executable, str(script), str(rank), str(port)], stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True,
-                              env={**env, "NODE_AGENT_MEMORY_DIR": str(where)} if rank == 0 else env)
+                              env={**env, "NODE_AGENT_MEMORY_DIR": str(where) if rank == 0 else ""})
              for rank in (0, 1)]
     outs = []
     for p in procs:
@@ -63,3 +65,26 @@ def test_a_rank_without_a_memory_directory_agrees_with_the_others_on_the_fallbac
     # Its step 3 is not the job's future: left there, it would outlive the fallback's snapshots (the keep rule drops
     # those) and be resumed at the next restart where every rank has a memory directory
     assert "step-3" not in os.listdir(where), os.listdir(where)
+
+
+def test_not_under_node_agent_protect_adds_no_collective(tmp_path) -> None:
+    """Under torchrun (no $NODE_AGENT_MEMORY_DIR on any rank) the script runs as it would without us: protect asks
+    the other ranks nothing, so a rank that does not call it (here rank 1) meets rank 0 at the training's own first
+    collective."""
+    port = free_port()
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
+    env.pop("NODE_AGENT_MEMORY_DIR", None)
+    procs = [subprocess.Popen([sys.executable, str(script), str(rank), str(port), *(["skip"] if rank else [])],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env) for rank in (0, 1)]
+    outs = []
+    for p in procs:
+        try:
+            outs.append(p.communicate(timeout=120)[0])
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise AssertionError("a rank hung: " + "\n".join(q.communicate()[0] for q in procs)) from None
+    assert [p.returncode for p in procs] == [0, 0], outs
+    assert "rank 0: start 7, sum 2" in outs[0] and "rank 1: start 7, sum 2" in outs[1], outs
