@@ -77,10 +77,9 @@ class StepWatch:
         them, and a held floor worked out from it has the ranks ahead drop the step a slower rank holds; a review
         saw every rank of a job of shards go back to step 0)."""
         news = (self.round.newest_digest(), self.round.held_step(), self.round.resumed_ranks())
-        if news > self._told:
-            self._told = news
-            return True
-        return False
+        due = any(n > t for n, t in zip(news, self._told, strict=True))    # each on its own: a hold ended is no news
+        self._told = (max(news[0], self._told[0]), news[1], max(news[2], self._told[2]))
+        return due
 
     def look(self) -> None:
         now, wall = self._clock(), self._wall()
