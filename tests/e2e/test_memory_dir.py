@@ -84,11 +84,14 @@ def test_a_snapshot_past_the_limit_raises_in_the_worker_and_training_goes_on(clu
     assert "does not fit the memory directory" in record["full"] and "limit 1024 bytes" in record["full"]
 
 
-def test_no_memory_dir_means_no_variable(cluster, tmp_path):
+def test_no_memory_dir_means_an_empty_variable(cluster, tmp_path):
+    """Empty, not unset: protect asks every rank of a node-agent job whether it has a directory (one node run with
+    --no-memory-dir sends every rank to the fallback), and under torchrun, with the variable on no rank, it asks
+    nothing."""
     agent = standalone(cluster, tmp_path, "--no-memory-dir", nproc="1")
     assert agent.wait() == 0, agent.output
     record = records(tmp_path)[0, 0]
-    assert record["dir"] is None and record["limit"] is None
+    assert record["dir"] == "" and record["limit"] is None
 
 
 def test_ranks_ahead_of_a_slower_ones_write_keep_a_step_every_rank_holds(cluster, tmp_path):
