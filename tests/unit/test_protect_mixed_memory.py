@@ -28,6 +28,24 @@ dist.destroy_process_group()
 """
 
 
+def both_ranks(script, port: int, envs: list[dict[str, str]], skip: int = -1) -> list[str]:
+    """Ranks 0 and 1 run `script` with their own environments (rank `skip` does not call protect); their output,
+    once both exited 0."""
+    procs = [subprocess.Popen([sys.executable, str(script), str(rank), str(port), *(["skip"] if rank == skip else [])],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=envs[rank])
+             for rank in (0, 1)]
+    outs = []
+    for p in procs:
+        try:
+            outs.append(p.communicate(timeout=120)[0])
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise AssertionError("a rank hung: " + "\n".join(q.communicate()[0] for q in procs)) from None
+    assert [p.returncode for p in procs] == [0, 0], outs
+    return outs
+
+
 def test_a_rank_without_a_memory_directory_agrees_with_the_others_on_the_fallback(tmp_path) -> None:
     """Rank 1's node runs --no-memory-dir: its agent gives it an empty $NODE_AGENT_MEMORY_DIR."""
     port = free_port()
@@ -46,19 +64,8 @@ def test_a_rank_without_a_memory_directory_agrees_with_the_others_on_the_fallbac
     subprocess.run([sys.executable, str(seed)], env={**env, "NODE_AGENT_MEMORY_DIR": str(where)}, check=True,
                    timeout=120)
     assert "step-3" in os.listdir(where)
-    procs = [subprocess.Popen([sys.executable, str(script), str(rank), str(port)], stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True,
-                              env={**env, "NODE_AGENT_MEMORY_DIR": str(where) if rank == 0 else ""})
-             for rank in (0, 1)]
-    outs = []
-    for p in procs:
-        try:
-            outs.append(p.communicate(timeout=120)[0])
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            raise AssertionError("a rank hung: " + "\n".join(q.communicate()[0] for q in procs)) from None
-    assert [p.returncode for p in procs] == [0, 0], outs
+    outs = both_ranks(script, port, [{**env, "NODE_AGENT_MEMORY_DIR": str(where)},
+                                     {**env, "NODE_AGENT_MEMORY_DIR": ""}])     # rank 1's node: --no-memory-dir
     # Neither resumes a snapshot only rank 0 holds: both take the fallback, and their collectives line up
     assert "rank 0: start 7, sum 2" in outs[0] and "rank 1: start 7, sum 2" in outs[1], outs
     assert "a rank of the job has no memory directory" in outs[0], outs[0]
@@ -76,15 +83,5 @@ def test_not_under_node_agent_protect_adds_no_collective(tmp_path) -> None:
     script.write_text(SCRIPT)
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
     env.pop("NODE_AGENT_MEMORY_DIR", None)
-    procs = [subprocess.Popen([sys.executable, str(script), str(rank), str(port), *(["skip"] if rank else [])],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env) for rank in (0, 1)]
-    outs = []
-    for p in procs:
-        try:
-            outs.append(p.communicate(timeout=120)[0])
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            raise AssertionError("a rank hung: " + "\n".join(q.communicate()[0] for q in procs)) from None
-    assert [p.returncode for p in procs] == [0, 0], outs
+    outs = both_ranks(script, port, [env, env], skip=1)
     assert "rank 0: start 7, sum 2" in outs[0] and "rank 1: start 7, sum 2" in outs[1], outs
