@@ -174,9 +174,12 @@ def everywhere(where: str | None) -> bool:
         return where is not None
     if reduce_min(1 if where is not None else 0) == 1:
         return True
-    if where is not None:       # as an agreement that finds no step: these snapshots are not the job's future (they
-        snapshot.agreed_step(lambda _: -1, where)       # would outlive the fallback's and be resumed later)
-    if where is not None and rank() == 0:
+    if where is None:
+        return False
+    # As an agreement that finds no step: these snapshots are not the job's future (they would outlive the fallback's
+    # and be resumed later)
+    snapshot.agreed_step(lambda _: -1, where)
+    if rank() == 0:
         print("node-agent snapshot: a rank of the job has no memory directory (its node runs with --no-memory-dir): "
               "no snapshot is resumed, every rank starts from the fallback", file=sys.stderr, flush=True)
     return False
