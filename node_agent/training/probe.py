@@ -16,6 +16,7 @@ import functools
 import importlib.abc
 import mmap
 import os
+import socket
 import struct
 import sys
 import threading
@@ -77,6 +78,7 @@ SYNC_CALLS = {"torch.autograd": ("backward",),
                   "broadcast", "reduce", "barrier", "all_to_all", "all_to_all_single", "gather", "scatter",
                   "all_gather_object", "broadcast_object_list")}
 OPTIMIZER_MODULE = "torch.optim.optimizer"
+STORE_POLL_S, STORE_WAIT_S = 0.005, 60.0     # _store_listening
 
 
 class Record:
@@ -242,9 +244,9 @@ def _hook(module: Any) -> None:
         _record.flag(HOOKED)
 
 
-def _timed(module: Any, name: str, phase: str, after: Any = None) -> None:
-    """`module.name` marks `phase`_begun and _done around its first call (the C code looks it up by name), then
-    calls `after(module)`."""
+def _timed(module: Any, name: str, phase: str, after: Any = None, before: Any = None) -> None:
+    """`module.name` marks `phase`_begun and _done around its first call (the C code looks it up by name), calls
+    `before(args, kwargs)` first and `after(module)` once it returned."""
     call = getattr(module, name, None)
     if call is None or getattr(call, "_node_agent_timed", False):
         return
@@ -254,6 +256,8 @@ def _timed(module: Any, name: str, phase: str, after: Any = None) -> None:
         if _record is None:
             return call(*args, **kwargs)
         _record.mark(f"{phase}_begun")
+        if before is not None:
+            before(args, kwargs)
         out = call(*args, **kwargs)
         _record.mark(f"{phase}_done")
         if after is not None:
@@ -290,9 +294,37 @@ def _backend_noted(module: Any) -> None:
         _record.flag(ON_DEVICE)
 
 
+def _store_listening(args: Any, kwargs: Any) -> None:
+    """Where the agent hosts the round's c10d store (TORCHELASTIC_USE_AGENT_STORE=True, env://), wait until it
+    listens, trying every STORE_POLL_S: the store starts as its node's round does, often just after another
+    node's workers, and torch's first connect refused sleeps 250-750 ms (its backoff) before it tries again.
+    Bounded by STORE_WAIT_S and the call's own timeout; then torch's connect goes on as it would."""
+    try:
+        init = kwargs.get("init_method", args[1] if len(args) > 1 else None)
+        if (os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or init not in (None, "env://")
+                or kwargs.get("store", args[5] if len(args) > 5 else None) is not None):
+            return
+        where = (os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
+        timeout = kwargs.get("timeout", args[2] if len(args) > 2 else None)
+        limit = min(STORE_WAIT_S, timeout.total_seconds()) if timeout is not None else STORE_WAIT_S
+        deadline = time.monotonic() + limit
+        while True:
+            try:
+                socket.create_connection(where, timeout=1.0).close()
+                return
+            except socket.gaierror:
+                return          # torch says what is wrong with the name
+            except OSError:
+                if time.monotonic() + STORE_POLL_S > deadline:
+                    return
+                time.sleep(STORE_POLL_S)
+    except Exception:       # noqa: BLE001 - the probe never fails the worker's own call
+        return
+
+
 def _hook_group(module: Any) -> None:
     """init_process_group: in torch.distributed too when it is imported already (a warm worker's fork)."""
-    _timed(module, "init_process_group", "group", after=_backend_noted)
+    _timed(module, "init_process_group", "group", after=_backend_noted, before=_store_listening)
     _synced(module)
     dist, timed = sys.modules.get("torch.distributed"), getattr(module, "init_process_group", None)
     if dist is not None and timed is not None and getattr(dist, "init_process_group", None) is not timed:
