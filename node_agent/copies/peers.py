@@ -29,6 +29,7 @@ from collections.abc import Awaitable, Callable
 
 from node_agent.client.listener import Listener, agent_caps
 from node_agent.copies.client import FetchResult, drop, fetch, push
+from node_agent.copies.local_steps import common_step, mark_fetching, written_since
 from node_agent.copies.own import OwnSnapshots
 from node_agent.copies.store import CopyStore
 from node_agent.copies.tls import CopyTls
@@ -42,38 +43,8 @@ from protocol.notes import CopiesNote
 PUSH_SCAN_S = 0.1       # how often the memory directories are looked at for a newer snapshot (a dir listing)
 FETCH_LIMIT_S = 60.0    # a node taking a place waits this long for its copies, then starts without them
 DROP_LIMIT_S = 1.0      # a leaving node's goodbye to each holder of its copies
+FLUSH_LIMIT_S = 10.0    # a node leaving a job that goes on sends its newest snapshot this long at most (close)
 RETRY_S = 1.0           # a peer a push could not reach or that refused is tried again this much later (cheap)
-
-
-def mark_fetching(dirs: dict[int, str], on: bool) -> None:
-    """snapshot.FETCHING in each rank's directory (or not): its copy is on its way from a peer."""
-    for where in dirs.values():
-        mark = os.path.join(where, snapshot.FETCHING)
-        with contextlib.suppress(OSError):
-            if on:
-                open(mark, "w").close()       # noqa: SIM115 - an empty file: its name is the message
-            else:
-                os.unlink(mark)
-
-
-def _written_since(path: str, since: float) -> bool:
-    try:
-        return os.stat(path).st_mtime >= since
-    except OSError:
-        return False
-
-
-def common_step(dirs: dict[int, str]) -> dict[int, tuple[int, str]]:
-    """local rank -> (step, its file) of the step every local rank has saved (the oldest newest): pushed once the
-    last rank's save is done, so a copy never competes with a save of that step, and a holder gets one step for
-    all of them. {} while a rank has none."""
-    held = {rank: snapshot.newest(where) for rank, where in dirs.items()}
-    steps = [s for s in held.values() if s is not None]
-    if not steps or len(steps) < len(held):
-        return {}
-    step = min(steps)
-    return {rank: (step, snapshot.path(step, where)) for rank, where in dirs.items()
-            if os.path.exists(snapshot.path(step, where))}
 
 
 class PeerCopies:
@@ -283,7 +254,7 @@ class PeerCopies:
         if newest and not self._past_start:
             if self._stepping is not None and self._stepping(self.round, len(self._dirs)):
                 self._past_start = True
-            elif not all(_written_since(path, self._round_began) for _, path in newest.values()):
+            elif not all(written_since(path, self._round_began) for _, path in newest.values()):
                 newest = {}
         # A copy newer than the newest step here is of steps the job abandoned (it went back): no copy of this run.
         for rank, where in self._dirs.items():
@@ -313,6 +284,11 @@ class PeerCopies:
             await asyncio.gather(*(self._push(target, rank, step, path, rate) for rank, step, path in pushes))
         finally:
             self._in_flight.pop(at, None)
+
+    async def _flush(self) -> None:
+        """The pushes under way, then those due now (the newest step), to their end."""
+        await asyncio.gather(*self._to_holder.values(), return_exceptions=True)
+        await self._scan()
 
     def _due(self, target: Witness, rank: int, step: int) -> bool:
         """Not the step the target holds of this node (lower too: the job went back), and not refused lately."""
@@ -384,10 +360,20 @@ class PeerCopies:
     async def close(self, finished: bool = False) -> None:
         """Stop fetching and pushing. Once the job is over for this node (`finished`) its holders drop its copies
         at once; a node leaving a job that goes on keeps them there: a spare may take its place and fetch them
-        (holders let copies nobody renews make room after a while: copies/store.py)."""
+        (holders let copies nobody renews make room after a while: copies/store.py). Such a node first sends its
+        holders the newest step they lack (FLUSH_LIMIT_S at most): its workers' last write ended as they stopped,
+        and without it the node taking its place resumes a snapshot back (a review: a node stopped for good)."""
         if self._fetching is not None:
             self._fetching.cancel()
             await self.fetched()
+        if self._pusher is not None:
+            self._pusher.cancel()
+        if not finished and self.key and self.targets:
+            try:
+                await asyncio.wait_for(self._flush(), FLUSH_LIMIT_S)
+            except (asyncio.TimeoutError, OSError):
+                self._say(f"peer copies: this node's newest snapshot did not reach its holders within "
+                          f"{FLUSH_LIMIT_S:g}s of its stop; a node taking its place resumes from the copy before")
         tasks = [t for t in (self._pusher, *self._to_holder.values()) if t is not None]
         for task in tasks:
             task.cancel()

@@ -322,7 +322,7 @@ async def test_once_its_ranks_step_a_round_pushes_the_step_it_resumed_from(tmp_p
         assert store.held() == {("b", 0): 100, ("b", 1): 100}
 
 
-async def test_a_slow_holder_holds_back_its_own_copies_only(tmp_path) -> None:
+async def test_a_slow_holder_holds_back_its_own_copies_only(tmp_path, monkeypatch) -> None:
     """A review: with --replicas 2 every push of a scan waited for the others, and a member reading its pushes at a
     trickle (inside every stall bound) held back the copies to the honest holder too: the node, lost, resumed a
     snapshot back. Each holder's pushes go on their own."""
@@ -350,7 +350,9 @@ async def test_a_slow_holder_holds_back_its_own_copies_only(tmp_path) -> None:
                 assert store.held() == {("b", 0): step, ("b", 1): step}, (step, said)
             slow_at = ("127.0.0.1", slow.sockets[0].getsockname()[1])
             assert stuck and not copies._to_holder[slow_at].done()      # its step 5, still under way
-            await copies.close()
+            monkeypatch.setattr("node_agent.copies.peers.FLUSH_LIMIT_S", 0.1)
+            await copies.close()             # its leave's last pushes wait for the slow holder: bounded, said
+            assert any("did not reach its holders within 0.1s" in line for line in said), said
     finally:
         for writer in stuck:
             writer.close()

@@ -1,0 +1,40 @@
+"""The local ranks' snapshots as peer copies see them (peers.py): the step all of them hold, and the mark that
+says a copy of theirs is on its way from a peer. Plain file operations."""
+from __future__ import annotations
+
+import contextlib
+import os
+
+from node_agent.training import snapshot
+
+
+def mark_fetching(dirs: dict[int, str], on: bool) -> None:
+    """snapshot.FETCHING in each rank's directory (or not): its copy is on its way from a peer."""
+    for where in dirs.values():
+        mark = os.path.join(where, snapshot.FETCHING)
+        with contextlib.suppress(OSError):
+            if on:
+                open(mark, "w").close()       # noqa: SIM115 - an empty file: its name is the message
+            else:
+                os.unlink(mark)
+
+
+def written_since(path: str, since: float) -> bool:
+    """`path` was written at `since` or later (False: gone)."""
+    try:
+        return os.stat(path).st_mtime >= since
+    except OSError:
+        return False
+
+
+def common_step(dirs: dict[int, str]) -> dict[int, tuple[int, str]]:
+    """local rank -> (step, its file) of the step every local rank has saved (the oldest newest): pushed once the
+    last rank's save is done, so a copy never competes with a save of that step, and a holder gets one step for
+    all of them. {} while a rank has none."""
+    held = {rank: snapshot.newest(where) for rank, where in dirs.items()}
+    steps = [s for s in held.values() if s is not None]
+    if not steps or len(steps) < len(held):
+        return {}
+    step = min(steps)
+    return {rank: (step, snapshot.path(step, where)) for rank, where in dirs.items()
+            if os.path.exists(snapshot.path(step, where))}

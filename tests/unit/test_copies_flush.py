@@ -1,0 +1,40 @@
+"""A node leaving a job that goes on sends its holders the newest step they lack before it exits (PeerCopies.close):
+its workers' last write ends as they stop, and a node that never comes back is replaced from its copy."""
+from __future__ import annotations
+
+from node_agent.training import snapshot
+from tests.unit.test_copies_agent import holder, pushed
+
+
+async def test_a_leaving_node_sends_the_step_its_ranks_wrote_as_they_stopped(tmp_path) -> None:
+    """A review (a middle node stopped for good while its ranks wrote step 18): the holder had 16, and the node
+    taking its place resumed every rank from 16. The close now sends 18 first."""
+    said: list[str] = []
+    async with holder(tmp_path) as (store, at):
+        copies, dirs = await pushed(tmp_path, at, said, b"s16", 16)
+        assert store.held() == {("b", 0): 16, ("b", 1): 16}
+        for where in dirs.values():            # the write that ended as the workers stopped
+            snapshot.save(b"s18", 18, where=where)
+        await copies.close()
+        assert store.held() == {("b", 0): 18, ("b", 1): 18}, said
+
+
+async def test_a_node_whose_job_is_over_sends_nothing_more(tmp_path) -> None:
+    said: list[str] = []
+    async with holder(tmp_path) as (store, at):
+        copies, dirs = await pushed(tmp_path, at, said, b"s16", 16)
+        for where in dirs.values():
+            snapshot.save(b"s18", 18, where=where)
+        await copies.close(finished=True)      # its holders drop its copies instead
+        assert store.held() == {}, said
+
+
+async def test_a_step_not_every_rank_holds_is_not_sent(tmp_path) -> None:
+    """One rank's write of 18 ended, the other's not (killed at the stop's end): 16 stays the copy, one step for
+    every rank as the taker's agreement needs."""
+    said: list[str] = []
+    async with holder(tmp_path) as (store, at):
+        copies, dirs = await pushed(tmp_path, at, said, b"s16", 16)
+        snapshot.save(b"s18", 18, where=dirs[min(dirs)])
+        await copies.close()
+        assert store.held() == {("b", 0): 16, ("b", 1): 16}, said
