@@ -24,6 +24,7 @@ from node_agent.settings import AgentSettings, LinkSettings, Mode, StdSpec, Work
 from node_agent.workers.environment import worker_argv
 from node_agent.workers.error_file import write_reply_file
 from node_agent.workers.launch import make_run_dir
+from node_agent.workers.memory import left_behind
 from node_agent.workers.script_check import script_problem
 from node_agent.workers.succession import predecessor
 
@@ -78,6 +79,9 @@ def main(argv: list[str] | None = None) -> int:
                                                                                worker_argv(workers)[0])):
         print(f"node-agent: error: {problem}", file=sys.stderr)   # before joining: no round, no restart used
         return 2
+    if refusal := _memory_off_over_snapshots(settings):
+        print(f"node-agent: error: {refusal}", file=sys.stderr)
+        return 2
     try:   # torchrun's layout: a fresh directory for this run, under --log-dir or a temporary one
         root = workers.log_dir or tempfile.mkdtemp(prefix="node-agent_")
         workers = dataclasses.replace(workers, run_dir=make_run_dir(root, workers.job_id))
@@ -120,6 +124,20 @@ def _with_predecessor(settings: AgentSettings) -> tuple[AgentSettings, str]:
                                    workers=dataclasses.replace(workers, node_id=node_id))
     return settings, (f"node id {node_id}: its previous agent's on this host (pid {pid}, ended), taken with its "
                       f"memory, so job {link.job_id!r} keeps this node's place and snapshots (--node-id sets another)")
+
+
+def _memory_off_over_snapshots(settings: AgentSettings) -> str:
+    """--no-memory-dir (--memory-dir-limit 0) given to the next agent of a node whose previous agent left snapshots
+    of this job (an operator's reconfiguration, node by node): its ranks could not load them, and one rank without
+    memory sends every rank of the job to its fallback (disk or step 0). Refused, "" where nothing is left."""
+    link, workers = settings.link, settings.workers
+    left = left_behind(link.job_id, link.node_id) if workers.memory_dir_limit == 0 and link.node_id else None
+    if left is None:
+        return ""
+    home, step = left
+    return (f"--no-memory-dir: node {link.node_id}'s previous agent left snapshots of job {link.job_id!r} (step "
+            f"{step}) in {home}; without a memory directory every rank of the job would go back to its disk checkpoint "
+            f"or step 0. Start this node as before to resume from them, or remove {home} first to drop them")
 
 
 HOST_GRACE_S = 2.0     # a server started beside the agent listens within this (0.5 s on a quiet 2-core machine)

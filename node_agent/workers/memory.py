@@ -291,6 +291,16 @@ class MemoryDirs:
             self._owner = None
 
 
+def left_behind(job_id: str, node_id: str, base: str | None = None) -> tuple[str, int] | None:
+    """This node's directory and the newest snapshot in it, where an ended agent of the node left one, else None."""
+    home = os.path.join(parent_dir(base), dir_name(job_id, node_id))
+    held: list[int] = []
+    for rank in (name for name in listdir(home) if name.isdigit()):
+        with contextlib.suppress(OSError):
+            held += snapshot.steps(os.path.join(home, rank))
+    return (home, max(held)) if held else None
+
+
 def sweep(parent: str, besides: str = "") -> int:
     """Remove the directories under `parent` whose owning agent is gone (not one being made, nor `besides`), but
     those its node's next agent may take up (written within KEEP_S). How many went."""

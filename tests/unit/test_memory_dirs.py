@@ -3,6 +3,7 @@ variables; the worker's helper (node_agent/snapshot.py)."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -777,3 +778,29 @@ def test_a_directory_of_its_own_takes_the_nodes_name_once_the_live_agent_before_
     assert owners.live_owner(second.home) == os.getpid() and "memory moved to" in said[-1], said
     second.close()
     assert not os.path.exists(second.home)
+
+
+@pytest.mark.parametrize("off", [("--no-memory-dir",), ("--memory-dir-limit", "0")])
+def test_memory_switched_off_over_the_snapshots_a_nodes_previous_agent_left_is_refused(tmp_path, monkeypatch,
+                                                                                      capsys, off) -> None:
+    """A review (an operator reconfiguring node by node): node b's agent stopped (its place and memory kept) and
+    started again with --no-memory-dir. Its ranks had no memory directory, and one rank without one sends every rank
+    of the job to its fallback: all 6 ranks from step 0, though b's snapshots lay in its directory and on a peer,
+    said by no line of the agent's. The change is refused in one line naming the flag; nothing else is touched."""
+    from node_agent.main import main
+    monkeypatch.setattr(memory, "SHM", str(tmp_path))
+    script = tmp_path / "train.py"
+    script.write_text("pass\n")
+    home = os.path.join(memory.parent_dir(None), dir_name("reconf", "b"))
+    for rank, steps in ((0, (15, 20)), (1, (20,))):
+        os.makedirs(os.path.join(home, str(rank)))
+        for step in steps:
+            open(os.path.join(home, str(rank), f"step-{step}"), "wb").close()
+    argv = ["--standalone", "--rdzv-id", "reconf", "--node-id", "b", "--nproc", "1", *off, str(script)]
+    assert main(argv) == 2
+    said = capsys.readouterr().err.strip().splitlines()
+    assert len(said) == 1 and "--no-memory-dir" in said[0] and "(step 20)" in said[0] and home in said[0], said
+    assert sorted(os.listdir(os.path.join(home, "0"))) == ["step-15", "step-20"]     # left as it was
+    assert memory.left_behind("reconf", "c") is None and memory.left_behind("other", "b") is None
+    shutil.rmtree(home)
+    assert main(argv) == 0         # nothing left behind: switched off as asked
