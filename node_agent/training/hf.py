@@ -7,9 +7,11 @@
 
 Every `every` optimizer steps (`state.global_step`) a TrainerCallback takes what the Trainer's own checkpoint
 holds (model weights, optimizer, LR scheduler, grad scaler, RNG states, trainer state) into the node agent's
-memory. When `train()` starts with no `resume_from_checkpoint` of yours, the newest snapshot every rank holds is
-laid out as a checkpoint folder in memory and handed to the Trainer's own resume: the global step, the epoch
-and the batches already seen follow, as with `train(resume_from_checkpoint=...)`. A folder you pass wins. The
+memory, where the Trainer's own checkpoint is written: after the step's logging, evaluation and save (an
+evaluation draws from the RNG: the next step's dropout follows it), as the next step or epoch begins. When
+`train()` starts with no `resume_from_checkpoint` of yours, the newest snapshot every rank holds is laid out
+as a checkpoint folder in memory and handed to the Trainer's own resume: the global step, the epoch and the
+batches already seen follow, as with `train(resume_from_checkpoint=...)`. A folder you pass wins. The
 rules of `protect` hold (checksums, every rank on one step, nothing under torchrun); the model's keys and shapes
 are checked before the Trainer loads anything."""
 from __future__ import annotations
@@ -57,6 +59,7 @@ class Snapshots(TrainerCallback):
         self._capture = Capture(where, keep, self._replicated) if where is not None else None
         self._params: set[str] | None = None
         self._last = -1
+        self._due: int | None = None       # the step whose snapshot is taken once its evaluation and save are done
         self._folder: str | None = None
         self._prepared = False       # Capture.prepare called
 
@@ -96,6 +99,7 @@ class Snapshots(TrainerCallback):
 
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                        **kwargs: Any) -> None:
+        self._due = None       # one left by a train() that raised is not this one's
         if self._folder is not None:         # the Trainer has loaded the optimizer from the snapshot
             restored.settle_optimizers([self.trainer.optimizer], set())
         if self._capture is not None:
@@ -113,17 +117,33 @@ class Snapshots(TrainerCallback):
             self._folder = None
         step = state.global_step
         if self._capture is not None and step > self._last and step % self.every == 0:
-            self._last = step
-            self._capture.take(step, self._tree(state), [o for o in [self.trainer.optimizer] if o is not None])
+            self._last = self._due = step      # taken by _take_due: the Trainer's evaluation and save come first
         elif self._capture is not None and not self._prepared and self.trainer.optimizer is not None \
                 and self.trainer.optimizer.state:       # the first snapshot's buffers, ahead
             self._prepared = True
             self._capture.prepare(self._tree(state), [self.trainer.optimizer])
 
+    def on_step_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                      **kwargs: Any) -> None:
+        self._take_due(state)       # the RNG states as the Trainer's resume loads them: after the step's batches
+
+    def on_epoch_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                       **kwargs: Any) -> None:
+        self._take_due(state)       # before the epoch's iterator draws its seed (the Trainer loads them before)
+
     def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                      **kwargs: Any) -> None:
+        self._take_due(state)
         if self._capture is not None:
             self._capture.wait()
+
+    def _take_due(self, state: TrainerState) -> None:
+        """The snapshot of the step last done, where the Trainer's own checkpoint would hold it: after its
+        `_maybe_log_save_evaluate` (a rank that fails in an evaluation resumes from the snapshot before, and the
+        evaluation is done again, as from the Trainer's own checkpoint)."""
+        due, self._due = self._due, None
+        if due is not None and self._capture is not None:
+            self._capture.take(due, self._tree(state), [o for o in [self.trainer.optimizer] if o is not None])
 
     def _replicated(self, path: str) -> bool:
         """Under DDP (several processes, neither FSDP nor DeepSpeed) every rank holds the model's parameters

@@ -1,0 +1,62 @@
+"""protect_trainer's resume in one process (no process group): a Trainer stopped after its snapshot of step 5
+resumes from it and ends with the weights of a run never stopped, bit for bit (the Trainer's own resume restores
+the RNG states, and GPT-2's dropout draws from them), with an evaluation at the snapshot's step too: it draws from
+the RNG (its DataLoader's seed), so the snapshot holds the RNG states from after it, as the Trainer's own
+checkpoint does (before, from before it: the resumed run's next dropout masks were not the uninterrupted run's)."""
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
+
+from node_agent.training import snapshot
+from node_agent.training.hf import protect_trainer
+
+
+class Tokens(torch.utils.data.Dataset):
+    def __init__(self, n: int) -> None:
+        self.ids = torch.randint(0, 64, (n, 16), generator=torch.Generator().manual_seed(1))
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+class Stop(TrainerCallback):
+    def on_step_begin(self, args, state, control, **kwargs) -> None:
+        if state.global_step == 7:
+            raise RuntimeError("stopped at step 7")
+
+
+def train(out, evaluate: str, stop: bool = False) -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2))
+    args = TrainingArguments(output_dir=str(out), max_steps=9, per_device_train_batch_size=4, learning_rate=1e-3,
+                             seed=0, use_cpu=True, save_strategy="no", report_to=[], disable_tqdm=True,
+                             logging_steps=1000, eval_strategy=evaluate, eval_steps=5)
+    # "epoch": 5 steps an epoch, the snapshot's step the first epoch's last
+    trainer = Trainer(model=model, args=args, train_dataset=Tokens(20 if evaluate == "epoch" else 96),
+                      eval_dataset=Tokens(8),
+                      callbacks=[Stop()] if stop else [])
+    snapshots = protect_trainer(trainer, every=5)
+    if stop:
+        with pytest.raises(RuntimeError, match="stopped at step 7"):
+            trainer.train()
+        snapshots._capture.wait()
+    else:
+        trainer.train()
+    return {k: v.clone() for k, v in trainer.model.state_dict().items()}
+
+
+@pytest.mark.parametrize("evaluate", ["no", "steps", "epoch"])
+def test_a_resumed_trainer_ends_as_one_never_stopped(memory, tmp_path, monkeypatch, capsys, evaluate) -> None:
+    with monkeypatch.context() as outside:
+        outside.delenv(snapshot.DIR_VAR)          # not under node-agent: no snapshots
+        whole = train(tmp_path / "whole", evaluate)
+    train(tmp_path / "stopped", evaluate, stop=True)
+    resumed = train(tmp_path / "resumed", evaluate)
+    assert "resumed from step 5 (memory)" in capsys.readouterr().out
+    assert whole.keys() == resumed.keys()
+    assert [k for k in whole if not torch.equal(whole[k], resumed[k])] == []
