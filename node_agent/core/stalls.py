@@ -12,6 +12,7 @@ names the torch call it waits in, so the server can tell which rank of a deadloc
 """
 from __future__ import annotations
 
+import itertools
 import re
 from dataclasses import dataclass
 
@@ -28,6 +29,7 @@ LOADING_PATHS = ("/torch/utils/data/",)      # a main thread waiting for its Dat
 # torch's decorators around its collectives: the call is the function they wrap, one frame in
 WRAPPERS = frozenset({"wrapper", "inner", "_fn", "decorate_context", "_wrapped", "wrapped"})
 LIBRARY_PATHS = ("/torch/", "/site-packages/", "/dist-packages/")   # code that is not the script's own
+STDLIB_PATHS = ("/lib/python3", "<frozen ")     # nor is Python's (a wait of torch's in threading, say)
 
 
 @dataclass(frozen=True)
@@ -82,6 +84,14 @@ def _in(frames: list[Frame], paths: tuple[str, ...]) -> bool:
     return any(p in f.file for f in frames for p in paths)
 
 
+def _waits(frames: list[Frame]) -> bool:
+    """Whether a blocked main thread waits in torch (WAIT_PATHS) rather than in the script's own code: the frames
+    inside the innermost of its own. Those around it are its callers: Lightning runs a step inside DDP's forward,
+    and a rank idle in its own step (a sleep, a call to a service) waits on nothing of the others'."""
+    inner = itertools.takewhile(lambda f: _in([f], LIBRARY_PATHS + STDLIB_PATHS), frames)
+    return _in(list(inner), WAIT_PATHS)
+
+
 def classify(before: ProcSample | None, after: ProcSample | None, watched_s: float,
              stacks: list[list[Frame]], gpu_busy: int | None = None) -> tuple[RankState, float]:
     """The rank's state and its main thread's CPU share over the `watched_s` between two looks, given the main
@@ -105,7 +115,7 @@ def classify(before: ProcSample | None, after: ProcSample | None, watched_s: flo
     if busy >= BUSY_CPU:
         own = not _in(stacks[-1][:1], LIBRARY_PATHS)
         return (RankState.SPINNING if _one_loop(stacks) and own and not moved else RankState.WORKING), cpu
-    if busy < IDLE_CPU and all(_in(s, WAIT_PATHS) for s in stacks):
+    if busy < IDLE_CPU and all(_waits(s) for s in stacks):
         computing = gpu_busy is not None and gpu_busy >= GPU_BUSY and not _in(stacks[-1], COLLECTIVE_PATHS)
         return (RankState.WORKING if computing else RankState.WAITING), cpu
     if busy < IDLE_CPU and same and not moved and after.state != "D" and not _in(stacks[-1], LOADING_PATHS):

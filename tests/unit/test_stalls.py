@@ -29,6 +29,20 @@ WAITING = [Frame("/venv/lib/python3.11/site-packages/torch/_tensor.py", 623, "ba
 SLEEPING = [Frame("/job/train.py", 16, "<module>")]
 IN_TORCH = [Frame("/venv/lib/python3.11/site-packages/torch/nn/modules/linear.py", 125, "forward"),
             Frame("/job/train.py", 40, "evaluate")]
+# Idle in its own Lightning step (a sleep, a blocking call to a service): Lightning calls it inside DDP's forward
+IN_STEP = [Frame("/job/train.py", 23, "validation_step"),
+           Frame("/venv/lib/python3.11/site-packages/lightning/pytorch/strategies/strategy.py", 634, "wrapped_forward"),
+           Frame("/venv/lib/python3.11/site-packages/torch/nn/modules/module.py", 1789, "_call_impl"),
+           Frame("/venv/lib/python3.11/site-packages/torch/nn/parallel/distributed.py", 1715, "_run_ddp_forward"),
+           Frame("/venv/lib/python3.11/site-packages/torch/nn/parallel/distributed.py", 1890, "forward"),
+           Frame("/venv/lib/python3.11/site-packages/lightning/pytorch/loops/evaluation_loop.py", 420, "_step")]
+IN_DDP_FORWARD = [Frame("/venv/lib/python3.11/site-packages/torch/distributed/distributed_c10d.py", 2800, "broadcast"),
+                  Frame("/venv/lib/python3.11/site-packages/torch/nn/parallel/distributed.py", 1600, "_pre_forward"),
+                  Frame("/venv/lib/python3.11/site-packages/torch/nn/parallel/distributed.py", 1890, "forward"),
+                  Frame("/job/train.py", 30, "<module>")]
+IN_THREADING = [Frame("/usr/lib/python3.11/threading.py", 327, "wait"),
+                Frame("/venv/lib/python3.11/site-packages/torch/distributed/elastic/x.py", 10, "wait_all"),
+                Frame("/job/train.py", 31, "<module>")]
 LOADING = [Frame("/usr/lib/python3.11/queue.py", 180, "get"),
            Frame("/venv/lib/python3.11/site-packages/torch/utils/data/dataloader.py", 1133, "_try_get_data"),
            Frame("/job/train.py", 22, "<module>")]
@@ -58,6 +72,9 @@ def test_the_dump_is_read_thread_by_thread_and_the_main_one_picked() -> None:
     (look(cpu_s=0), look("R", cpu_s=1.0), [IN_TORCH, IN_TORCH], RankState.WORKING),   # an eval loop
     (look(), look(cpu_s=0.01), [WAITING, WAITING], RankState.WAITING),
     (look(), look(cpu_s=0.01), [SLEEPING, SLEEPING], RankState.QUIET),
+    (look(), look(cpu_s=0.01), [IN_STEP, IN_STEP], RankState.QUIET),       # torch's frames are only its callers
+    (look(), look(cpu_s=0.01), [IN_DDP_FORWARD, IN_DDP_FORWARD], RankState.WAITING),
+    (look(), look(cpu_s=0.01), [IN_THREADING, IN_THREADING], RankState.WAITING),   # torch's wait in Python's code
     (look(), look("D", cpu_s=0.01), [SLEEPING], RankState.WORKING),                  # in uninterruptible I/O
     (look(), look(cpu_s=0.01, io_bytes=4 << 20), [SLEEPING], RankState.WORKING),     # moving data slowly
     (look(), look(cpu_s=0.01), [LOADING], RankState.WORKING),                        # waiting for its DataLoader
