@@ -31,6 +31,7 @@ from rdzv_server.delivery.holds import with_hold
 from rdzv_server.delivery.hub import Hub
 from rdzv_server.delivery.long_poll import long_poll
 from rdzv_server.logs import EVENT_LINES, EVENT_WINDOW_S, EventLines
+from rdzv_server.refused_joins import RefusedJoins
 from rdzv_server.serving import Serving
 from rdzv_server.store.api import Store
 from rdzv_server.store.persistence import Durability, NotDurable, Persister, StoreUnavailable
@@ -66,6 +67,7 @@ class Coordinator:
         self.core = core or Rendezvous()
         self.clock = clock
         self.event_lines = EventLines()
+        self.refused_joins = RefusedJoins()
         self.store = store
         self.persister: Durability = self._durability()
         self.loop_lag = loop_lag
@@ -255,7 +257,12 @@ class Coordinator:
             return with_hold(self.core.node_count, await long_poll(self.hub, job_id, req, conn))
         if isinstance(req, JoinRequest):   # a fresh secret: the core keeps it only if the join makes a node record
             conn = dataclasses.replace(conn, secret=secrets.token_urlsafe(24))
-        status = self.call(lambda now: self.core.handle(job_id, req, now, conn))
+        try:
+            status = self.call(lambda now: self.core.handle(job_id, req, now, conn))
+        except RendezvousError as exc:
+            if isinstance(req, JoinRequest):
+                self.refused_joins.note(job_id, req.node_id, conn.peer, exc.code, exc.message, self.clock())
+            raise
         await self.durable(job_id)
         return with_hold(self.core.node_count, status)
 
