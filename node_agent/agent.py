@@ -85,8 +85,7 @@ class Agent:
                                     detect_stalls=link.job.hang_detection)
         self.workers.memory.succeeded = link.mode is Mode.SERVER     # its next agent may take its id and memory
         # the secret of this node's previous agent, ended (its memory): proves this one succeeds it at its join
-        self._predecessor = succession.left_credential(self.workers.memory) if link.mode is Mode.SERVER and \
-            self.workers.memory.enabled else ""
+        self._predecessor = self._left_credential()
         # the node's own checks (GPUs, --health-check) and --numa-binding: node_checks.py
         self.checks = checks if checks is not None else NodeChecks(settings.checks, self.narrator.say)
         self._first_signal: tuple[int, float] | None = None   # the signal that asked the agent to stop, and when
@@ -261,7 +260,14 @@ class Agent:
         self._first_signal = (signum, now)
         self.facts.put_nowait(SignalReceived(signum))
 
+    def _left_credential(self) -> str:
+        return succession.left_credential(self.workers.memory) if self.link.mode is Mode.SERVER and \
+            self.workers.memory.enabled else ""
+
     async def _join(self) -> NodeStatus:
+        # a predecessor that still stopped its workers as this agent started may have ended since: where its leave
+        # never reached the server (away meanwhile), its secret is what takes the node's record before its lease ends
+        self._predecessor = self._predecessor or self._left_credential()
         return await self.transport.join(
             addr=self.addr, host=self.hostname, local_world_size=self.link.nproc, master_port=self._free_port(),
             config=self.link.job, instance=self.instance, role=self.link.role, witness_port=self.witness.port,

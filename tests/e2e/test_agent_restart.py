@@ -156,6 +156,40 @@ def test_a_next_agent_started_while_its_predecessor_still_stops_keeps_the_nodes_
         assert agent.wait(LIMIT) == 0, agent.output[-3000:]
 
 
+def test_a_next_agent_started_while_its_predecessor_stops_and_the_server_is_away_takes_its_place_at_once(
+        cluster, tmp_path):
+    """A review: the server SIGKILLed, node b's agent SIGTERMed (its workers slow to stop) and its next agent started
+    at once, the server back (on its state dir) once the old agent ended. The old one's leave never reached the
+    server; the next one looked for its predecessor's secret as it started, while the old one still lived, found
+    none and never looked again: its joins were refused ("still held by a live agent") until b's lease lapsed, and
+    the whole job stood meanwhile (a lease and more). It now looks again at each join."""
+    job = "restart-predecessor-server-away"
+    port = cluster.start_server()
+    agents = {n: start(cluster, tmp_path, n, job, "3", stop_timeout="10" if n == "b" else None,
+                       env={"IGNORE_TERM": "1"} if n == "b" else None) for n in ("a", "b", "c")}
+    wait_until(lambda: len({r for *_, r, _ in steps(tmp_path)}) == 6, LIMIT, "every rank stepping")
+    wait_until(lambda: copies_of(cluster, job, "b").get("local_step", -1) >= 10, LIMIT, "a snapshot of step 10")
+    assert cluster.server is not None
+    stopped_at = time.time()
+    cluster.server.popen.kill()
+    cluster.server.wait(LIMIT)
+    old = agents["b"]
+    os.kill(old.pid, signal.SIGTERM)             # its workers ignore it: its stop takes --stop-timeout
+    agents["b"] = start(cluster, tmp_path, "b", job, "3")
+    agents["b"].wait_for_line(r"cannot reach the rdzv-server", LIMIT)
+    assert old.popen.poll() is None, old.output[-3000:]      # the next agent started while the old one stops
+    assert old.wait(LIMIT) == 128 + signal.SIGTERM, old.output[-3000:]
+    cluster.start_server(port=port)
+    resumed_from_memory(tmp_path, stopped_at, agents["b"])
+    assert "still held by a live agent" not in agents["b"].output, agents["b"].output[-3000:]
+    lost = [e["message"] for e in job_events(cluster, job) if e["kind"] == "node_lost"]
+    assert lost == ["node b restarted (new agent instance)"], lost
+    assert job_view(cluster, job)["restart_count"] == 0
+    (tmp_path / "stop").write_text("stop")
+    for agent in agents.values():
+        assert agent.wait(LIMIT) == 0, agent.output[-3000:]
+
+
 def test_a_standalone_agent_restarted_under_its_job_id_resumes_from_its_memory(cluster, tmp_path):
     """`--standalone --rdzv-id JOB`: the coordinator lives in the agent and is made anew with it; the job's run is
     its id's, so the restarted agent takes up what its predecessor left instead of removing it as another run's."""
