@@ -9,7 +9,7 @@ import msgspec
 
 from protocol.errors import ErrorCode
 from protocol.messages import JobConfig, JobState
-from rdzv_server.core import awaiting, places
+from rdzv_server.core import awaiting, leases, places
 from rdzv_server.core.errors import RendezvousError
 from rdzv_server.core.events import EventKind, RoundCause
 from rdzv_server.core.job_rules import JobRules
@@ -92,6 +92,12 @@ def clear_exclusion(rules: JobRules, node_id: str, now: float) -> None:
     rules.node_changed(node_id)
     rules.record(now, EventKind.NODE_READMITTED, f"exclusion of node {node_id} cleared by operator", node_id)
     rules.wake()
+    if not leases.live(node, now):
+        # its agent is gone (restarting, say): readmitted, it would fill a round at once that no agent runs; its
+        # next agent joins afresh (not excluded)
+        rules.remove(node, now, EventKind.NODE_LOST, f"node {node_id} lost: {leases.why_lapsed(rules.job, node, now)}"
+                     f"; its next agent joins afresh")
+        return
     rules.admit(node, now)
 
 

@@ -92,3 +92,38 @@ def test_resize_checks_its_numbers_and_keeps_joins_matching_the_start_config():
     # a restarted agent joins with the flags it started with: that is not a config conflict
     join(rz, "b", 4.0, cfg(min_nodes=2, max_nodes=2, last_call_s=0.0), instance="b#2")
     assert job.spares == ["b"]
+
+
+def test_clearing_the_exclusion_of_a_node_whose_agent_is_gone_forms_no_round_with_it():
+    """A review: b excluded after a failure, its agent killed (to be started again, repaired), the operator clears
+    the exclusion before the server gave the closed connection up. b was readmitted as ready and a round of 3
+    formed at once with no agent behind it: a and c stopped their workers for it, and again a moment later when b
+    was lost. Its record now goes (its next agent joins afresh, not excluded); the running round stays."""
+    rz = Rendezvous()
+    c = cfg(min_nodes=2, max_nodes=3, last_call_s=0.0, exclude_after=1, max_restarts=5)
+    for n in ("a", "b", "c"):
+        join(rz, n, 0.0, c)
+    job = rz.jobs[JOB]
+    fail(rz, "b", job.round.round_id, 1.0)
+    assert job.excluded == ["b"] and job.round.members == ["a", "c"]
+    running_round = job.round.round_id
+    rz.connection_dropped(JOB, "b", 2.0, heard=True)      # its agent killed
+    rz.clear_exclusion(JOB, "b", 2.1)
+    assert job.round.round_id == running_round and job.round.members == ["a", "c"]
+    assert "b" not in job.nodes and job.excluded == [] and job.restart_count == 1
+    rz.tick(5.0)
+    assert job.round.round_id == running_round
+    join(rz, "b", 6.0, c, instance="b#2")                   # its next agent: admitted, not excluded
+    assert job.nodes["b"].state in (NodeState.WAITING, NodeState.MEMBER) and job.excluded == []
+
+
+def test_clearing_the_exclusion_of_a_node_whose_agent_waits_readmits_it():
+    rz = Rendezvous()
+    c = cfg(min_nodes=2, max_nodes=3, last_call_s=0.0, exclude_after=1, max_restarts=5)
+    for n in ("a", "b", "c"):
+        join(rz, n, 0.0, c)
+    job = rz.jobs[JOB]
+    fail(rz, "b", job.round.round_id, 1.0)
+    poll(rz, "b", 1.5)
+    rz.clear_exclusion(JOB, "b", 2.0)
+    assert "b" in job.round.members and job.restart_count == 1
