@@ -9,9 +9,8 @@ from __future__ import annotations
 
 from protocol.errors import ErrorCode
 from protocol.messages import JoinRequest, NodeState
-from protocol.notes import CopiesNote
 from protocol.quoting import quote
-from rdzv_server.core import awaiting, credentials, leases, places
+from rdzv_server.core import awaiting, credentials, gone_nodes, leases, places
 from rdzv_server.core.addresses import same_host
 from rdzv_server.core.errors import RendezvousError
 from rdzv_server.core.events import EventKind
@@ -124,12 +123,7 @@ def _new_record(rules: JobRules, req: JoinRequest, now: float, credential: str, 
     if previous is not None:
         node.failure_times, node.exclusions = list(previous.failure_times), previous.exclusions
         node.excluded_until, node.held_off = previous.excluded_until, previous.held_off
-    unfinished = job.unfinished_fetches.pop(req.node_id, None)
-    if unfinished is not None:
-        # Its agent restarted before the fetch ended (a spare that took a lost node's place): fetched again at its
-        # place, else its ranks hold nothing and every rank goes back with them (rounds.fetches_pending).
-        node.fetch_of, node.fetch_place = unfinished.of, unfinished.place
-        node.copies = CopiesNote(local_step=-1)
+    gone_nodes.take_up(job, node, now, fresh=previous is None)    # an unfinished fetch, an exclusion running on
     job.nodes[node.node_id] = node
     rules.node_changed(node.node_id)
     seen = f" (connected from {node.seen_from})" if node.seen_from and not same_host(node.seen_from, node.addr) \

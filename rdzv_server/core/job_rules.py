@@ -15,13 +15,13 @@ from __future__ import annotations
 
 from protocol.errors import ErrorCode
 from protocol.messages import JobState, NodeState
-from rdzv_server.core import awaiting, floors, goodput, leases, places, store_port
+from rdzv_server.core import awaiting, floors, gone_nodes, goodput, leases, places, store_port
 from rdzv_server.core.choice import Choice, candidates, choose, count_nodes, growth_cause
 from rdzv_server.core.errors import RendezvousError
 from rdzv_server.core.events import REMOVAL_CAUSE, EventKind, RoundCause
 from rdzv_server.core.outbox import Outbox
 from rdzv_server.core.payloads import LeasesExtended, Payload, RoundFormed, RoundWaiting, as_data
-from rdzv_server.core.records import Event, JobRecord, NodeRecord, UnfinishedFetch
+from rdzv_server.core.records import Event, JobRecord, NodeRecord
 from rdzv_server.core.rounds import (
     PREPARE_LIMIT_S,
     build_round,
@@ -322,8 +322,7 @@ class JobRules:
         `stopping_s`) and it held state of its own: its place is kept for it (awaiting.py)."""
         job = self.job
         was_member = node.node_id in self.members()
-        if was_member and node.fetch_place is not None and awaiting.fetch_unfinished(node):
-            job.unfinished_fetches[node.node_id] = UnfinishedFetch(of=node.fetch_of, place=node.fetch_place)
+        gone_nodes.note_gone(job, node, now, was_member)     # what its next agent takes up
         del job.nodes[node.node_id]
         places.leave(job, node)
         self.node_changed(node.node_id)

@@ -85,6 +85,11 @@ def clear_exclusion(rules: JobRules, node_id: str, now: float) -> None:
                      f"drain of node {node_id} cleared by operator: it may join again", node_id)
         return
     node = job.nodes.get(node_id)
+    if node is None and job.kept_out.pop(node_id, None) is not None:    # excluded, then its agent went
+        rules.changed()
+        rules.record(now, EventKind.NODE_READMITTED, f"exclusion of node {node_id} cleared by operator: its next "
+                     f"agent joins afresh", node_id)
+        return
     if node is None or node_id not in job.excluded:
         raise RendezvousError(ErrorCode.NOT_FOUND,
                               f"node {node_id!r} is neither excluded nor drained in job {job.job_id!r}")

@@ -90,6 +90,12 @@ class PlaceCopies(msgspec.Struct, kw_only=True):
     local_size: int
 
 
+class KeptOut(msgspec.Struct, kw_only=True):
+    """An exclusion still running when its node's record went (gone_nodes.py): its next agent's join takes it up."""
+    until: float
+    exclusions: int
+
+
 class UnfinishedFetch(msgspec.Struct, kw_only=True):
     """A member lost while it fetched a gone node's copies (NodeRecord.fetch_of), before it held a snapshot."""
     of: str
@@ -165,6 +171,7 @@ class JobRecord(msgspec.Struct, kw_only=True):
     excluded: list[str] = msgspec.field(default_factory=list)
     drained: dict[str, str] = msgspec.field(default_factory=dict)  # node id -> operator's reason: may not join
     loss_times: dict[str, list[float]] = msgspec.field(default_factory=dict)  # node id -> when it was lost
+    kept_out: dict[str, KeptOut] = msgspec.field(default_factory=dict)   # excluded nodes gone meanwhile (gone_nodes)
     join_config: JobConfig | None = None    # the config joins must match, once an operator resized the job
     command: str = ""                       # fingerprint of the command every node runs ("": not checked)
     launcher: str = ""                      # what starts every node's workers (JoinRequest.launcher; "": not said)

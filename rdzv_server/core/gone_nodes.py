@@ -1,0 +1,35 @@
+"""What outlives a node's record when it goes (lost, left, drained), for its next agent's join (admission.py):
+- a fetch it had not finished (a member lost while it fetched a gone node's copies, before it held a snapshot):
+  fetched again at its place, else its ranks hold nothing and every rank goes back with them;
+- an exclusion still running: its cooldown runs on. An agent restarted (by hand, or by a service manager) must not
+  bring a node excluded for its failures straight back into the job (a review: its next agent joined as a member).
+  At most MAX_KEPT_OUT are kept (those ended are let go first): made-up node ids cannot grow the job's record."""
+from __future__ import annotations
+
+from protocol.notes import CopiesNote
+from rdzv_server.core import awaiting
+from rdzv_server.core.records import JobRecord, KeptOut, NodeRecord, UnfinishedFetch
+
+MAX_KEPT_OUT = 1024
+
+
+def note_gone(job: JobRecord, node: NodeRecord, now: float, was_member: bool) -> None:
+    """Keep what `node`'s next agent takes up (called as its record goes)."""
+    if was_member and node.fetch_place is not None and awaiting.fetch_unfinished(node):
+        job.unfinished_fetches[node.node_id] = UnfinishedFetch(of=node.fetch_of, place=node.fetch_place)
+    if node.excluded_until > now and not node.held_off:     # (a flapping host's hold-off: its losses are kept)
+        for ended in [nid for nid, kept in job.kept_out.items() if kept.until <= now]:
+            del job.kept_out[ended]
+        if len(job.kept_out) < MAX_KEPT_OUT:
+            job.kept_out[node.node_id] = KeptOut(until=node.excluded_until, exclusions=node.exclusions)
+
+
+def take_up(job: JobRecord, node: NodeRecord, now: float, fresh: bool) -> None:
+    """A new record of the node takes up what its gone one left (`fresh`: no previous record handed it over)."""
+    unfinished = job.unfinished_fetches.pop(node.node_id, None)
+    if unfinished is not None:
+        node.fetch_of, node.fetch_place = unfinished.of, unfinished.place
+        node.copies = CopiesNote(local_step=-1)
+    kept = job.kept_out.pop(node.node_id, None)
+    if fresh and kept is not None and kept.until > now:
+        node.excluded_until, node.exclusions = kept.until, kept.exclusions

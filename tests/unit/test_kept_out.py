@@ -1,0 +1,71 @@
+"""An exclusion outlives its node's record (rdzv_server/core/gone_nodes.py): a node excluded for its failures whose
+agent leaves or is lost, and is started again, stays out until its cooldown ends or an operator clears it."""
+from __future__ import annotations
+
+import msgspec
+
+from protocol.messages import NodeState
+from rdzv_server.core import gone_nodes
+from rdzv_server.core.records import KeptOut
+from rdzv_server.core.rendezvous import Rendezvous
+from tests.unit.test_rendezvous import JOB, cfg, fail, join, leave
+
+
+def excluded_and_left(left: bool = True) -> tuple[Rendezvous, object]:
+    rz = Rendezvous()
+    c = cfg(min_nodes=2, max_nodes=3, last_call_s=0.0, exclude_after=1, exclude_cooldown_s=60.0, max_restarts=5)
+    for n in ("a", "b", "c"):
+        join(rz, n, 0.0, c)
+    job = rz.jobs[JOB]
+    fail(rz, "b", job.round.round_id, 1.0)
+    assert job.excluded == ["b"] and job.round.members == ["a", "c"]
+    if left:
+        leave(rz, "b", 2.0)                      # its agent stopped (to be started again by hand or by systemd)
+    else:
+        rz.connection_dropped(JOB, "b", 2.0, heard=True)     # killed
+        rz.tick(10.0)
+    assert "b" not in job.nodes
+    return rz, c
+
+
+def test_a_node_excluded_then_left_comes_back_excluded_for_the_rest_of_its_cooldown():
+    """A review: its next agent joined straight in as a member (and an operator's clear answered 404)."""
+    for left in (True, False):
+        rz, c = excluded_and_left(left)
+        job = rz.jobs[JOB]
+        round_before = job.round.round_id
+        join(rz, "b", 20.0, c, instance="b#2")
+        assert job.nodes["b"].state == NodeState.EXCLUDED and job.nodes["b"].excluded_until == 61.0
+        assert job.round.round_id == round_before and job.round.members == ["a", "c"]
+        rz.tick(61.0)                             # its cooldown ends as it would have
+        assert job.nodes["b"].state != NodeState.EXCLUDED
+
+
+def test_after_its_cooldown_the_node_joins_as_any():
+    rz, c = excluded_and_left()
+    job = rz.jobs[JOB]
+    join(rz, "b", 62.0, c, instance="b#2")
+    assert job.nodes["b"].state != NodeState.EXCLUDED and "b" not in job.kept_out
+
+
+def test_an_operator_clears_the_exclusion_of_a_node_whose_agent_went():
+    rz, c = excluded_and_left()
+    job = rz.jobs[JOB]
+    rz.clear_exclusion(JOB, "b", 3.0)
+    assert "b" not in job.kept_out and "cleared by operator" in job.events[-1].message
+    join(rz, "b", 4.0, c, instance="b#2")
+    assert job.nodes["b"].state != NodeState.EXCLUDED
+
+
+def test_what_is_kept_is_bounded_and_ended_ones_go_first():
+    rz, _ = excluded_and_left()
+    b = rz.jobs[JOB]
+    job = msgspec.structs.replace(b, kept_out={})
+    for i in range(gone_nodes.MAX_KEPT_OUT):
+        job.kept_out[f"old{i}"] = KeptOut(until=1.0, exclusions=1)
+    node = msgspec.structs.replace(next(iter(b.nodes.values())), node_id="x", excluded_until=100.0, held_off=False)
+    gone_nodes.note_gone(job, node, 50.0, was_member=False)
+    assert list(job.kept_out) == ["x"]            # the ended ones made room
+    for i in range(2 * gone_nodes.MAX_KEPT_OUT):
+        gone_nodes.note_gone(job, msgspec.structs.replace(node, node_id=f"n{i}"), 50.0, was_member=False)
+    assert len(job.kept_out) == gone_nodes.MAX_KEPT_OUT
