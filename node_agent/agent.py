@@ -18,7 +18,7 @@ from node_agent.client.listener import caps_for_descriptors
 from node_agent.client.ports import free_port
 from node_agent.client.transport import Transport
 from node_agent.client.witness import WitnessServer
-from node_agent.copies.peers import PeerCopies
+from node_agent.copies.peers import PeerCopies, flush_limit
 from node_agent.copies.tls import CopyTls, copy_tls
 from node_agent.copies.wire import is_copy_request
 from node_agent.core.actions import (
@@ -104,6 +104,7 @@ class Agent:
         self._link: ServerLink | None = None
         self._no_port_said = False
         self._memory_kept = ""       # why this stopped node's memory stays for its next agent ("": it goes)
+        self._place_until: float | None = None     # when the job stops keeping this node's place for its next agent
 
     now = staticmethod(time.monotonic)
 
@@ -124,7 +125,8 @@ class Agent:
         finally:
             for sig in self.settings.workers.signals:
                 loop.remove_signal_handler(sig)
-            await self.copies.close(finished=self.policy.job_over)
+            left = None if self._place_until is None else self._place_until - self.now()
+            await self.copies.close(finished=self.policy.job_over, flush_s=flush_limit(left))
             await self.workers.close(keep_memory="" if self.policy.job_over else self._memory_kept)
             await self.witness.close()
             self.checks.close()
@@ -202,6 +204,7 @@ class Agent:
                                         writes.stop_bound(self.settings.workers.stop_timeout) if stops_workers else 0.0)
                 # no answer: its memory stays as a killed agent's would (its next agent may find the job waiting)
                 node = self.link.node_id
+                self._place_until = self.now() + kept if stopped and kept else None
                 self._memory_kept = "" if not stopped or kept == 0 else \
                     f"the job keeps node {node}'s place for its next agent" if kept else \
                     f"the server did not answer node {node}'s leave: as a killed agent's, its memory stays"

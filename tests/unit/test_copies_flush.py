@@ -2,6 +2,7 @@
 its workers' last write ends as they stop, and a node that never comes back is replaced from its copy."""
 from __future__ import annotations
 
+from node_agent.copies.peers import FLUSH_LIMIT_S, flush_limit
 from node_agent.training import snapshot
 from tests.unit.test_copies_agent import holder, pushed
 
@@ -37,4 +38,24 @@ async def test_a_step_not_every_rank_holds_is_not_sent(tmp_path) -> None:
         copies, dirs = await pushed(tmp_path, at, said, b"s16", 16)
         snapshot.save(b"s18", 18, where=dirs[min(dirs)])
         await copies.close()
+        assert store.held() == {("b", 0): 16, ("b", 1): 16}, said
+
+
+def test_a_restarting_nodes_last_copies_leave_its_next_agent_half_its_place() -> None:
+    """A review: SIGTERM (`systemctl restart`) with copies slow to land (a 12 MB push at --replica-bandwidth 1M).
+    The flush took its 10 s, longer than the job kept the node's place (stop 2 s + lease 3 s + last call 3 s); the
+    next agent came too late, the elastic job shrank and every sharded rank went back to step 0."""
+    assert flush_limit(None) == FLUSH_LIMIT_S          # stopped for good, or not told: the full bound
+    assert flush_limit(7.5) == 3.75                      # the next agent keeps as long again to join
+    assert flush_limit(60.0) == FLUSH_LIMIT_S
+    assert flush_limit(-1.0) == 0.0
+
+
+async def test_no_time_left_sends_nothing_more(tmp_path) -> None:
+    said: list[str] = []
+    async with holder(tmp_path) as (store, at):
+        copies, dirs = await pushed(tmp_path, at, said, b"s16", 16)
+        for where in dirs.values():
+            snapshot.save(b"s18", 18, where=where)
+        await copies.close(flush_s=0.0)
         assert store.held() == {("b", 0): 16, ("b", 1): 16}, said
