@@ -165,3 +165,36 @@ def test_a_store_filled_by_a_stranger_refuses_past_its_bound_and_serves_the_job_
     assert memory_budget({MEMORY_MB: "0"}) == (0, "")
     budget, problem = memory_budget({MEMORY_MB: "1G"})
     assert budget == 1024 and f"{MEMORY_MB}='1G' is not a whole number of MiB" in problem
+
+
+def test_a_stranger_holding_the_store_hosts_descriptors_does_not_keep_the_rounds_workers_out() -> None:
+    """torch's store accepts every connection and closes none: a stranger's idle ones, up to the store host's
+    descriptor limit, kept the round's workers from connecting (their init failed: a restart used). The store host
+    raises its soft limit to the hard one, so such a stranger needs that many connections, not a thousand."""
+    pytest.importorskip("torch")
+    import resource
+    import socket
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    soft, hard = 128, min(4096, resource.getrlimit(resource.RLIMIT_NOFILE)[1])
+
+    def low_limit() -> None:          # as an agent started with a soft limit of 1024 (a shell's, systemd's)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    host = psutil.Popen([sys.executable, "-u", SCRIPT, "0"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                        text=True, env={**ENV, "MASTER_ADDR": "127.0.0.1"}, preexec_fn=low_limit)
+    idle: list[socket.socket] = []
+    try:
+        port = int(host.stdout.readline().split()[-1])
+        assert host.rlimit(psutil.RLIMIT_NOFILE) == (hard, hard)
+        for _ in range(soft + 64):                    # past the limit it was started with
+            idle.append(socket.create_connection(("127.0.0.1", port), timeout=LIMIT))
+        job = TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=LIMIT))
+        job.set("job/key", b"1")
+        assert job.get("job/key") == b"1"
+    finally:
+        for sock in idle:
+            sock.close()
+        host.kill()
+        host.wait()

@@ -10,6 +10,8 @@ The store authenticates nobody and keeps whatever it is sent (values up to torch
 so its memory is bounded (RLIMIT_DATA: what it holds at start plus NODE_AGENT_STORE_MEMORY_MB, default 1 GiB): past
 it a `set` is refused and its connection closed (torch's store survives its std::bad_alloc), said once, rather than
 the host running out of memory and the kernel killing a training worker.
+Its descriptors go up to the hard limit: torch's store closes no idle connection, and a stranger's, up to a soft
+limit of 1024, kept the round's workers out.
 """
 from __future__ import annotations
 
@@ -42,6 +44,7 @@ def main() -> None:
     from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
     addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    raise_descriptor_limit()
     # kept referenced for the process's life: its socket is the store's (closed when collected)
     listener: socket.socket | None
     if sys.argv[1] == "--fd":
@@ -62,6 +65,15 @@ def main() -> None:
     print(f"{READY} {store.port}", flush=True)
     while True:            # until the agent stops the round's group
         signal.pause()
+
+
+def raise_descriptor_limit() -> None:
+    """The soft limit on descriptors up to the hard one: torch's store accepts every connection and closes none, so
+    a stranger's idle connections up to the limit (1024: a shell's, systemd's) keep the round's workers out (their
+    `init_process_group` fails, a restart used). libuv polls with epoll: descriptors past 1024 are fine."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
 def end_with_parent(parent: int, every_s: float = 0.5) -> None:
