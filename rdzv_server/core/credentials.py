@@ -22,11 +22,15 @@ def replica_key(credential: str) -> str:
     return hmac.new(credential.encode(), b"rdzv replica key", hashlib.sha256).hexdigest()[:48] if credential else ""
 
 
-def copy_token(replica_key: str, node_id: str) -> str:
+def copy_token(replica_key: str, node_id: str, epoch: int = 0) -> str:
     """A node's token for its peer copies (`replica_key` never leaves the server): what it pushes and fetches its
-    own copies with; a holder learns its sources' tokens in its assignment, so no node acts for another."""
-    return hmac.new(replica_key.encode(), b"copies of " + node_id.encode(), hashlib.sha256).hexdigest()[:48] \
-        if replica_key else ""
+    own copies with; a holder learns its sources' tokens in its assignment, so no node acts for another. `epoch`:
+    a new one each time the node is a member again after another node was told its token (it took the node's
+    place and fetched its copies): that node may not act for it afterwards (rounds.copy_epochs)."""
+    if not replica_key:
+        return ""
+    what = b"copies of " + node_id.encode() + (b"#%d" % epoch if epoch else b"")
+    return hmac.new(replica_key.encode(), what, hashlib.sha256).hexdigest()[:48]
 
 
 def owns(node: NodeRecord, credential: str, instance: str) -> bool:

@@ -132,6 +132,7 @@ class RoundRecord(msgspec.Struct, kw_only=True, omit_defaults=True, dict=True):
     # at `copies_from`, the holder's copies the second source
     copies: dict[str, list[str]] = {}
     copies_from: dict[str, Witness] = {}
+    copy_epochs: dict[str, int] = {}     # its members' and gone nodes' copy token epochs, where not 0 (credentials)
     # A round saved without the columns: its assignments as they were written.
     legacy: dict[str, Assignment] = msgspec.field(default_factory=dict, name="assignments")
 
@@ -171,6 +172,8 @@ class JobRecord(msgspec.Struct, kw_only=True):
     excluded: list[str] = msgspec.field(default_factory=list)
     drained: dict[str, str] = msgspec.field(default_factory=dict)  # node id -> operator's reason: may not join
     loss_times: dict[str, list[float]] = msgspec.field(default_factory=dict)  # node id -> when it was lost
+    copy_epochs: dict[str, int] = msgspec.field(default_factory=dict)    # node id -> its copy token's epoch (not 0)
+    copies_told: list[str] = msgspec.field(default_factory=list)    # nodes whose copy token another node was told
     kept_out: dict[str, KeptOut] = msgspec.field(default_factory=dict)   # excluded nodes gone meanwhile (gone_nodes)
     join_config: JobConfig | None = None    # the config joins must match, once an operator resized the job
     command: str = ""                       # fingerprint of the command every node runs ("": not checked)

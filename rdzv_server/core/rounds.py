@@ -44,6 +44,7 @@ def build_round(job: JobRecord, members: list[str], round_id: int, opened_at: fl
                     replicas=replicas, replica_key=job.replica_key, run=run_of(job),
                     resume_at_most=job.resume_at_most)
     job.resume_at_most = -1           # told once: to the round that resumes
+    r.copy_epochs = copy_epochs(job, members)
     pending = fetches_pending(job, members, took or {})
     # A newcomer in the place of a member lost mid-fetch takes that fetch over: the place's state is those copies
     unfinished, job.unfinished_fetches = job.unfinished_fetches, {}
@@ -58,6 +59,7 @@ def build_round(job: JobRecord, members: list[str], round_id: int, opened_at: fl
                 next((u.place for u in unfinished.values() if u.of == gone), None)
 
         r.copies = copies_held(place, took, r, lambda gone: own_source(job, gone, nodes))
+        told_tokens(job, r)
         for newcomer, (gone, *_) in r.copies.items():
             told = place(gone)
             # Told again while it holds nothing, but not past a cap (replicas diverged): a fetch told again would
@@ -67,6 +69,27 @@ def build_round(job: JobRecord, members: list[str], round_id: int, opened_at: fl
             else:
                 job.nodes[newcomer].fetch_of, job.nodes[newcomer].fetch_place = "", None
     return r
+
+
+def copy_epochs(job: JobRecord, members: list[str]) -> dict[str, int]:
+    """The members' copy token epochs for a new round: a member whose token another node was told (it took the
+    member's place, and fetched with it) gets a new one, so that node cannot push or drop its copies afterwards
+    (a review: a spare that once took b's place could overwrite b's copy with junk for the job's life)."""
+    for m in members:
+        if m in job.copies_told:
+            job.copies_told.remove(m)
+            job.copy_epochs[m] = job.copy_epochs.get(m, 0) + 1
+    return {m: e for m in members if (e := job.copy_epochs.get(m, 0))}
+
+
+def told_tokens(job: JobRecord, r: RoundRecord) -> None:
+    """The gone nodes whose copies a newcomer fetches in round `r`: told with the epoch their copies came with."""
+    for newcomer, (gone, *_) in r.copies.items():
+        if newcomer != gone:             # (a node back at its own place fetches its own: nobody else learns it)
+            if epoch := job.copy_epochs.get(gone, 0):
+                r.copy_epochs[gone] = epoch
+            if gone not in job.copies_told:
+                job.copies_told.append(gone)
 
 
 def fetches_pending(job: JobRecord, members: list[str], took: dict[str, str]) -> dict[str, tuple[str, PlaceCopies]]:
@@ -214,8 +237,9 @@ def assignment(r: RoundRecord, node_id: str) -> Assignment | None:
             master_port=r.master_port, restart_count=r.restart_count, max_restarts=r.max_restarts,
             role_rank_offset=derived.role_offsets[rank], role_world_size=derived.role_sizes[role],
             witnesses=derived.witnesses(rank), replicas=derived.replica_targets(rank),
-            copy_token=copy_token(r.replica_key, node_id) if r.replicas else "", copy_sources=derived.sources(rank),
-            copies_of=copies_of, copies_token=copy_token(r.replica_key, copies_of) if copies_of else "",
+            copy_token=copy_token(r.replica_key, node_id, r.copy_epochs.get(node_id, 0)) if r.replicas else "",
+            copy_sources=derived.sources(rank), copies_of=copies_of,
+            copies_token=copy_token(r.replica_key, copies_of, r.copy_epochs.get(copies_of, 0)) if copies_of else "",
             copies_at=copies_at, copies_also=copies_also, run=r.run, resume_at_most=r.resume_at_most)
     return built
 
@@ -299,8 +323,9 @@ class _Derived:
                 for h in self.replica_ranks(i):
                     self._sources.setdefault(h, []).append(i)
         ranked = r.ranked or r.members
-        return tuple(CopySource(node_id=ranked[i], verifier=copy_verifier(copy_token(r.replica_key, ranked[i])),
-                                ranks=r.local_sizes[i]) for i in self._sources.get(rank, ()))
+        return tuple(CopySource(node_id=ranked[i], ranks=r.local_sizes[i], verifier=copy_verifier(
+            copy_token(r.replica_key, ranked[i], r.copy_epochs.get(ranked[i], 0))))
+            for i in self._sources.get(rank, ()))
 
     def replica_targets(self, rank: int) -> tuple[Witness, ...]:
         r = self.round
