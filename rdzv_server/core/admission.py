@@ -88,7 +88,11 @@ def _admitted(rules: JobRules, req: JoinRequest, now: float, credential: str, vi
         leases.note_loss(job, existing.node_id, now)      # a loss as much as a lease run out (flap damping)
         rules.remove(existing, now, EventKind.NODE_LOST, f"node {req.node_id} restarted (new agent instance)",
                      failed_at=existing.last_seen, restarting=awaiting.holds_own_state(job, existing))
-    _place(rules, _new_record(rules, req, now, credential, via, existing), now)
+    node = _new_record(rules, req, now, credential, via, existing)
+    # an exclusion its gone record left (gone_nodes.py) runs on: said as such, not as a restart's
+    kept = gone_nodes.take_up(job, node, now, fresh=existing is None)
+    _place(rules, node, now, "the rest of its exclusion, kept while it had no agent; an operator's clear-exclusion "
+           "readmits it" if kept else "its agent restarted")
     return credential
 
 
@@ -123,7 +127,6 @@ def _new_record(rules: JobRules, req: JoinRequest, now: float, credential: str, 
     if previous is not None:
         node.failure_times, node.exclusions = list(previous.failure_times), previous.exclusions
         node.excluded_until, node.held_off = previous.excluded_until, previous.held_off
-    gone_nodes.take_up(job, node, now, fresh=previous is None)    # an unfinished fetch, an exclusion running on
     job.nodes[node.node_id] = node
     rules.node_changed(node.node_id)
     seen = f" (connected from {node.seen_from})" if node.seen_from and not same_host(node.seen_from, node.addr) \
@@ -133,10 +136,9 @@ def _new_record(rules: JobRules, req: JoinRequest, now: float, credential: str, 
     return node
 
 
-def _place(rules: JobRules, node: NodeRecord, now: float) -> None:
-    """Admit a new node, or keep it out while its exclusion (or a flapping host's hold-off) lasts."""
+def _place(rules: JobRules, node: NodeRecord, now: float, why: str) -> None:
+    """Admit a new node, or keep it out while its exclusion (or a flapping host's hold-off) lasts (`why`)."""
     job, cfg = rules.job, rules.job.config
-    why = "its agent restarted"
     losses = leases.recent_losses(job, node.node_id, now)
     if cfg.exclude_lost_after and losses >= cfg.exclude_lost_after and node.node_id not in job.awaited:
         # (one the job waits for passed awaiting.flapping's stricter count: held off, it would only cost the wait)

@@ -24,8 +24,9 @@ def note_gone(job: JobRecord, node: NodeRecord, now: float, was_member: bool) ->
             job.kept_out[node.node_id] = KeptOut(until=node.excluded_until, exclusions=node.exclusions)
 
 
-def take_up(job: JobRecord, node: NodeRecord, now: float, fresh: bool) -> None:
-    """A new record of the node takes up what its gone one left (`fresh`: no previous record handed it over)."""
+def take_up(job: JobRecord, node: NodeRecord, now: float, fresh: bool) -> bool:
+    """A new record of the node takes up what its gone one left (`fresh`: no previous record handed it over).
+    Returns whether it took up an exclusion (its join's event says so, not that its agent restarted)."""
     unfinished = job.unfinished_fetches.pop(node.node_id, None)
     if unfinished is not None:
         node.fetch_of, node.fetch_place = unfinished.of, unfinished.place
@@ -33,3 +34,5 @@ def take_up(job: JobRecord, node: NodeRecord, now: float, fresh: bool) -> None:
     kept = job.kept_out.pop(node.node_id, None)
     if fresh and kept is not None and kept.until > now:
         node.excluded_until, node.exclusions = kept.until, kept.exclusions
+        return True
+    return False

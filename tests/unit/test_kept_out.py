@@ -69,3 +69,12 @@ def test_what_is_kept_is_bounded_and_ended_ones_go_first():
     for i in range(2 * gone_nodes.MAX_KEPT_OUT):
         gone_nodes.note_gone(job, msgspec.structs.replace(node, node_id=f"n{i}"), 50.0, was_member=False)
     assert len(job.kept_out) == gone_nodes.MAX_KEPT_OUT
+
+
+def test_its_join_says_it_is_the_rest_of_its_exclusion_not_a_restart():
+    """A review: a job of 3:3 waited out the cooldown, said as "kept out for 56s (its agent restarted)"."""
+    rz, c = excluded_and_left()
+    job = rz.jobs[JOB]
+    join(rz, "b", 20.0, c, instance="b#2")
+    said = [e.message for e in job.events if e.node_id == "b"][-1]
+    assert "kept out for 41s" in said and "rest of its exclusion" in said and "restarted" not in said, said
