@@ -249,7 +249,7 @@ class JobRules:
                          f"; {new} is back at its place (group rank {chosen.index(new)}) with a new agent"
                          for new, old in list(took.items())[:3]) + copies_lost(job.round, took) + \
             awaiting.resized(job, before, chosen, was_awaited) + awaiting.ranks_moved(job, *layout, was_awaited)
-        if (off := copies_off(job.round, cfg.replicas)) != job.copies_off:     # said once, not every round
+        if (off := copies_off(job.round, cfg.replicas, job.launcher)) != job.copies_off:     # said once
             job.copies_off = off
             taken += f"; peer copies {off}" if off else ""
         floors.refresh(job, now)      # (after copies_off: a round in one domain keeps no more for copies)

@@ -192,13 +192,17 @@ def copies_lost(r: RoundRecord, took: dict[str, str]) -> str:
             f"was lost too, or its ranks are not the newcomer's): every rank resumes from disk")
 
 
-def copies_off(r: RoundRecord | None, replicas: int) -> str:
+def copies_off(r: RoundRecord | None, replicas: int, launcher: str = "") -> str:
     """Why round `r` makes no peer copies at all, and what to change ("": some member's copies have a holder, or
-    there is no round). A job whose copies cannot act says so, once, rather than lose a node's work silently."""
+    there is no round). A job whose copies cannot act says so, once, rather than lose a node's work silently.
+    `launcher`: the job's (JobRecord.launcher); torchrun's plugin keeps no snapshots, so none are copied."""
     if r is None:
         return ""
     if not replicas:
         return "off (--replicas 0): a lost node's ranks resume from disk; --replicas 1 keeps a copy on a peer"
+    if launcher == "torchrun" and not any(r.copy_ports):
+        return ("off: torchrun starts this job's workers (the rdzv-server plugin), which keeps no in-memory "
+                "snapshots: start the nodes with node-agent for snapshots and their peer copies")
     if not r.replicas:
         return "off: the job has no key for them (it was made by an agent without the server's credential)"
     if not any(r.copy_ports):

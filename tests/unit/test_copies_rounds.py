@@ -96,6 +96,19 @@ def test_all_in_one_failure_domain_no_copies_and_replicas_zero_none_each_said_on
     assert started({"a": "1", "b": "2", "c": "3"}, CFG).jobs[JOB].copies_off == ""     # copies made: nothing said
 
 
+def test_a_torchrun_job_is_told_its_launcher_keeps_no_snapshots_not_to_drop_no_memory_dir():
+    rz = Rendezvous()
+    for i, n in enumerate("ab"):     # as torchrun's plugin joins: no copy port, launcher "torchrun"
+        rz.handle(JOB, JoinRequest(v=1, node_id=n, addr=f"10.0.0.{i + 1}", local_world_size=2, master_port=1,
+                                 config=CFG, instance=n, launcher="torchrun", domain=n), i * 0.01,
+                  Arrival(secret=f"secret-{n}"))
+    rz.tick(rz.next_deadline() or 1.0)
+    off = rz.jobs[JOB].copies_off
+    assert off.startswith("off: torchrun starts this job's workers") and "--no-memory-dir" not in off, off
+    formed = [e.message for e in rz.jobs[JOB].events if e.kind == "round_completed"]
+    assert formed and f"; peer copies {off}" in formed[0], formed
+
+
 def test_a_job_made_without_a_secret_has_no_key_and_so_no_copies():
     rz = Rendezvous()
     for i, n in enumerate("abc"):
