@@ -63,7 +63,9 @@ def main() -> None:
     p.add_argument("--step-s", type=float, default=0.0, help="seconds each step sleeps")
     args = p.parse_args()
 
-    config = GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2)
+    # (GPT-2's bos/eos ids, 50256, lie outside this vocabulary: transformers warns of each, on every rank)
+    config = GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2, bos_token_id=0,
+                        eos_token_id=0)
     torch.manual_seed(0)
     model = GPT2LMHeadModel(config)
     disk = bool(args.disk_every)
