@@ -18,7 +18,8 @@ from node_agent.client.listener import caps_for_descriptors
 from node_agent.client.ports import free_port
 from node_agent.client.transport import Transport
 from node_agent.client.witness import WitnessServer
-from node_agent.copies.peers import PeerCopies, flush_limit
+from node_agent.copies.last_copies import flush_limit
+from node_agent.copies.peers import PeerCopies
 from node_agent.copies.tls import CopyTls, copy_tls
 from node_agent.copies.wire import is_copy_request
 from node_agent.core.actions import (

@@ -29,6 +29,7 @@ from collections.abc import Awaitable, Callable
 
 from node_agent.client.listener import Listener, agent_caps
 from node_agent.copies.client import FetchResult, drop, fetch, push
+from node_agent.copies.last_copies import FLUSH_LIMIT_S, due_bytes, last_copies
 from node_agent.copies.local_steps import common_step, mark_fetching, written_since
 from node_agent.copies.own import OwnSnapshots
 from node_agent.copies.store import CopyStore
@@ -43,14 +44,6 @@ from protocol.notes import CopiesNote
 PUSH_SCAN_S = 0.1       # how often the memory directories are looked at for a newer snapshot (a dir listing)
 FETCH_LIMIT_S = 60.0    # a node taking a place waits this long for its copies, then starts without them
 DROP_LIMIT_S = 1.0      # a leaving node's goodbye to each holder of its copies
-FLUSH_LIMIT_S = 10.0    # a node leaving a job that goes on sends its newest snapshot this long at most (close)
-
-
-def flush_limit(place_left_s: float | None) -> float:
-    """How long close's last copies may take: FLUSH_LIMIT_S, but where the job keeps this node's place for its
-    next agent for `place_left_s` more (a restart: None where not), half of that: the next agent must join
-    within it, else the job goes on without it (an elastic job's sharded ranks then go back to step 0)."""
-    return FLUSH_LIMIT_S if place_left_s is None else max(0.0, min(FLUSH_LIMIT_S, place_left_s / 2))
 RETRY_S = 1.0           # a peer a push could not reach or that refused is tried again this much later (cheap)
 
 
@@ -368,21 +361,16 @@ class PeerCopies:
         """Stop fetching and pushing. Once the job is over for this node (`finished`) its holders drop its copies
         at once; a node leaving a job that goes on keeps them there: a spare may take its place and fetch them
         (holders let copies nobody renews make room after a while: copies/store.py). Such a node first sends its
-        holders the newest step they lack (`flush_s` at most: flush_limit): its workers' last write ended as they
-        stopped, and without it the node taking its place resumes a snapshot back (a review: a node stopped for
-        good)."""
+        holders the newest step they lack (`flush_s` at most: copies/last_copies.py): its workers' last write ended
+        as they stopped, and without it the node taking its place resumes a snapshot back (a review)."""
         if self._fetching is not None:
             self._fetching.cancel()
             await self.fetched()
         if self._pusher is not None:
             self._pusher.cancel()
-        flush_s = FLUSH_LIMIT_S if flush_s is None else flush_s
-        if not finished and self.key and self.targets and flush_s > 0:
-            try:
-                await asyncio.wait_for(self._flush(), flush_s)
-            except (asyncio.TimeoutError, OSError):
-                self._say(f"peer copies: this node's newest snapshot did not reach its holders within "
-                          f"{flush_s:.3g}s of its stop; a node taking its place resumes from the copy before")
+        if not finished and self.key and self.targets:
+            await last_copies(self._flush, due_bytes(self.targets, self._dirs, self.pushed), self.bandwidth, self._say,
+                              FLUSH_LIMIT_S if flush_s is None else flush_s)
         tasks = [t for t in (self._pusher, *self._to_holder.values()) if t is not None]
         for task in tasks:
             task.cancel()

@@ -2,7 +2,7 @@
 its workers' last write ends as they stop, and a node that never comes back is replaced from its copy."""
 from __future__ import annotations
 
-from node_agent.copies.peers import FLUSH_LIMIT_S, flush_limit
+from node_agent.copies.last_copies import FLUSH_LIMIT_S, flush_limit
 from node_agent.training import snapshot
 from tests.unit.test_copies_agent import holder, pushed
 
@@ -59,3 +59,28 @@ async def test_no_time_left_sends_nothing_more(tmp_path) -> None:
             snapshot.save(b"s18", 18, where=where)
         await copies.close(flush_s=0.0)
         assert store.held() == {("b", 0): 16, ("b", 1): 16}, said
+
+
+async def test_a_last_copy_that_cannot_end_in_time_is_not_begun_and_what_it_waits_for_is_said(tmp_path) -> None:
+    """A review: with --replica-bandwidth 1M a restart's exit waited its whole limit for a push that could not end
+    in it (and its memory stayed for its next agent anyway): ~5 s more to every rank stepping, nothing said."""
+    said: list[str] = []
+    async with holder(tmp_path) as (store, at):
+        copies, dirs = await pushed(tmp_path, at, said, b"s16", 16)
+        for where in dirs.values():
+            snapshot.save(b"x" * 4096, 18, where=where)
+        copies.bandwidth = 1024                    # 8 KiB and more to send at 1 KiB/s: 8 s, past a 2 s limit
+        await copies.close(flush_s=2.0)
+        assert store.held() == {("b", 0): 16, ("b", 1): 16}
+        assert any("is not sent before it exits" in line and "more than the 2s" in line for line in said), said
+
+
+async def test_a_last_copy_is_said_as_it_begins(tmp_path) -> None:
+    said: list[str] = []
+    async with holder(tmp_path) as (store, at):
+        copies, dirs = await pushed(tmp_path, at, said, b"s16", 16)
+        for where in dirs.values():
+            snapshot.save(b"s18", 18, where=where)
+        await copies.close(flush_s=2.0)
+        assert store.held() == {("b", 0): 18, ("b", 1): 18}
+        assert any("sending this node's newest snapshot" in line and "at most 2s" in line for line in said), said

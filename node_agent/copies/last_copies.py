@@ -1,0 +1,63 @@
+"""A node leaving a job that goes on sends its holders the newest step all its ranks hold before its agent exits
+(PeerCopies.close): its workers' last write ended as they stopped, and a node that never comes back (a preempted
+host's SIGTERM) is replaced from its copy, a snapshot back without it (a review).
+- It waits FLUSH_LIMIT_S at most, and where the job keeps the node's place for its next agent (a `systemctl
+  restart`), half of what is left of that (flush_limit): the next agent must join within it, else the job goes on
+  without it (a second review: every rank of an elastic job of shards back to step 0).
+- A push that cannot end in that time at --replica-bandwidth is not begun (a restart would wait for nothing: its
+  memory stays for its next agent), and what it waits for is said as it begins."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+from collections.abc import Awaitable, Callable, Iterable
+
+from node_agent.copies.local_steps import common_step
+from protocol.messages import Witness
+
+FLUSH_LIMIT_S = 10.0
+
+
+def flush_limit(place_left_s: float | None) -> float:
+    """How long the last copies may take: FLUSH_LIMIT_S, or half of `place_left_s`, what is left of the place the
+    job keeps for this node's next agent (None: none kept)."""
+    return FLUSH_LIMIT_S if place_left_s is None else max(0.0, min(FLUSH_LIMIT_S, place_left_s / 2))
+
+
+def due_bytes(targets: Iterable[Witness], dirs: dict[int, str], pushed: dict[tuple[str, int, int], int]) -> int:
+    """The bytes of the newest step every local rank holds not yet confirmed at each holder (pushes under way
+    included; 0 where the directories went with the job)."""
+    total = 0
+    try:
+        newest = common_step(dirs)
+    except OSError:
+        return 0
+    for target in targets:
+        for rank, (step, path) in newest.items():
+            if pushed.get((target.addr, target.port, rank), -1) != step:
+                with contextlib.suppress(OSError):
+                    total += os.path.getsize(path)
+    return total
+
+
+async def last_copies(flush: Callable[[], Awaitable[None]], due: int, bandwidth: int, say: Callable[[str], None],
+                      limit_s: float) -> None:
+    """`flush` (the pushes under way, then those due) for `due` bytes at `bandwidth` (0: no cap), at most
+    `limit_s`; not begun where it cannot end in time."""
+    if not due or limit_s <= 0:
+        return
+    mib = due / 2**20
+    if bandwidth and due / bandwidth > limit_s:
+        say(f"peer copies: this node's newest snapshot ({mib:.0f} MiB) is not sent before it exits: at "
+                    f"--replica-bandwidth {bandwidth / 2**20:.0f} MiB/s it would take "
+                    f"{due / bandwidth:.1f}s, more than the {limit_s:.3g}s its stop allows; a node taking "
+                    f"its place resumes from the copy before")
+        return
+    say(f"peer copies: sending this node's newest snapshot ({mib:.0f} MiB) to its holders before it "
+                f"exits (at most {limit_s:.3g}s)")
+    try:
+        await asyncio.wait_for(flush(), limit_s)
+    except (asyncio.TimeoutError, OSError):
+        say(f"peer copies: this node's newest snapshot did not reach its holders within {limit_s:.3g}s of "
+                    f"its stop; a node taking its place resumes from the copy before")
