@@ -80,6 +80,7 @@ def clear_exclusion(rules: JobRules, node_id: str, now: float) -> None:
     job = rules.job
     if node_id in job.drained:
         del job.drained[node_id]
+        job.kept_out.pop(node_id, None)      # an exclusion it had when drained: lifted with the drain, as said
         rules.wake()
         rules.record(now, EventKind.NODE_UNDRAINED,
                      f"drain of node {node_id} cleared by operator: it may join again", node_id)

@@ -147,8 +147,10 @@ def node_lists(job: JobRecord, now: float, offset: int, limit: int) -> dict[str,
     r = job.round
     members = r.members if r else []
     succeeded = set(job.successes) if r and job.successes else set()
+    # excluded nodes whose agent went (core/gone_nodes.py): still excluded, shown with no agent behind them
+    kept_out = [(n, k) for n, k in job.kept_out.items() if k.until > now and n not in job.nodes]
     counts = NodeCounts(nodes=len(members), waiting=len(job.waiting), spares=len(job.spares),
-                        excluded=len(job.excluded), drained=len(job.drained))
+                        excluded=len(job.excluded) + len(kept_out), drained=len(job.drained))
     end = offset + limit
 
     def page(ids: list[str]) -> list[NodeRecord]:
@@ -159,7 +161,11 @@ def node_lists(job: JobRecord, now: float, offset: int, limit: int) -> dict[str,
         waiting=[_node(n, now) for n in page(job.waiting)],
         spares=[_node(n, now, spare_position=i) for i, n in enumerate(page(job.spares), start=offset)],
         excluded=[_node(n, now, excluded_for_s=round(max(0.0, n.excluded_until - now), 1), exclusions=n.exclusions)
-                  for n in page(job.excluded)],
+                  for n in page(job.excluded)] +
+        [NodeView(node_id=n, state=NodeState.GONE.value, host="", addr="", role="", local_world_size=0, lease_age_s=0.0,
+                  joined_at=None, recent_failures=0, checks="", excluded_for_s=round(k.until - now, 1),
+                  exclusions=k.exclusions)
+         for n, k in kept_out[max(0, offset - len(job.excluded)):max(0, end - len(job.excluded))]],
         drained=[DrainedView(n, why) for n, why in itertools.islice(job.drained.items(), offset, end)])
     return dict(lists, counts=counts,
                 lists_cut=any(len(lists[name]) < getattr(counts, name) for name in NODE_LISTS))

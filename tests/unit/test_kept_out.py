@@ -8,6 +8,7 @@ from protocol.messages import NodeState
 from rdzv_server.core import gone_nodes
 from rdzv_server.core.records import KeptOut
 from rdzv_server.core.rendezvous import Rendezvous
+from rdzv_server.web import views
 from tests.unit.test_rendezvous import JOB, cfg, fail, join, leave
 
 
@@ -78,3 +79,21 @@ def test_its_join_says_it_is_the_rest_of_its_exclusion_not_a_restart():
     join(rz, "b", 20.0, c, instance="b#2")
     said = [e.message for e in job.events if e.node_id == "b"][-1]
     assert "kept out for 41s" in said and "rest of its exclusion" in said and "restarted" not in said, said
+
+
+def test_the_operators_views_show_a_node_kept_out_with_no_agent():
+    rz, c = excluded_and_left()
+    lists = views.node_lists(rz.jobs[JOB], 3.0, 0, 100)
+    assert lists["counts"].excluded == 1
+    [shown] = lists["excluded"]
+    assert (shown.node_id, shown.state, shown.excluded_for_s, shown.exclusions) == ("b", "gone", 58.0, 1)
+    assert views.node_lists(rz.jobs[JOB], 62.0, 0, 100)["counts"].excluded == 0      # its cooldown over
+
+
+def test_lifting_a_drain_lifts_the_exclusion_the_node_had():
+    rz, c = excluded_and_left()
+    job = rz.jobs[JOB]
+    rz.drain_node(JOB, "b", "bad disk", 3.0)
+    rz.clear_exclusion(JOB, "b", 4.0)                     # "it may join again": so it does, not excluded
+    join(rz, "b", 5.0, c, instance="b#2")
+    assert job.nodes["b"].state != NodeState.EXCLUDED
