@@ -73,7 +73,8 @@ def main() -> None:
         output_dir=args.ckpt_dir or "/tmp/train_hf_unused", max_steps=args.steps, per_device_train_batch_size=4,
         learning_rate=1e-3, lr_scheduler_type="linear", warmup_steps=3, seed=0, use_cpu=True, ddp_backend="gloo",
         save_strategy="steps" if disk else "no", save_steps=args.disk_every or 500, report_to=[],
-        logging_steps=1000, disable_tqdm=True, dataloader_num_workers=0)
+        logging_steps=1000, disable_tqdm=True, dataloader_num_workers=0,
+        ddp_find_unused_parameters=False)     # every parameter is used: DDP need not look (and warns if told to)
     trainer = Trainer(model=model, args=training, train_dataset=Tokens(96, 16, 64),
                       callbacks=[CrashAndSay(args.crash_rank, args.crash_step, args.step_s)])
     if args.snapshot_every:

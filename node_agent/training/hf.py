@@ -27,7 +27,7 @@ import torch
 from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 from transformers.trainer_callback import ExportableState
 
-from node_agent.training import restored, resume, rng, trees
+from node_agent.training import ddp_buckets, restored, resume, rng, trees
 from node_agent.training.capture import Capture, check_cadence
 
 FOLDER = ".resume"     # the checkpoint folder laid out for the Trainer, in the memory directory until it is read
@@ -62,6 +62,8 @@ class Snapshots(TrainerCallback):
         self._due: int | None = None       # the step whose snapshot is taken once its evaluation and save are done
         self._folder: str | None = None
         self._prepared = False       # Capture.prepare called
+        self._buckets: Any = None     # the resumed snapshot's DDP bucket layout, adopted once DDP is built
+        self._adopt = False
 
     def lay_out(self) -> str | None:
         """The newest snapshot every rank holds, as a checkpoint folder the Trainer resumes from (None: none)."""
@@ -94,6 +96,7 @@ class Snapshots(TrainerCallback):
         with open(os.path.join(folder, "trainer_state.json"), "w") as f:
             f.write(tree["trainer_state"])
         self._folder, self._last = folder, step
+        self._buckets, self._adopt = tree.get("ddp_buckets"), True     # every rank, as every rank agreed
         resume.resumed(step)
         return folder
 
@@ -129,6 +132,10 @@ class Snapshots(TrainerCallback):
 
     def on_epoch_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                        **kwargs: Any) -> None:
+        if self._adopt:     # the first hook after the Trainer built its DDP (after on_train_begin), before a step
+            self._adopt = False
+            if (ddp := self._wrapped_ddp()) is not None:
+                ddp_buckets.adopt(ddp, self._buckets)   # its first step sums as the uninterrupted run's did
         self._take_due(state)       # before the epoch's iterator draws its seed (the Trainer loads them before)
 
     def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
@@ -171,7 +178,13 @@ class Snapshots(TrainerCallback):
         scaler = getattr(t.accelerator, "scaler", None)
         if scaler is not None:
             tree["scaler"] = scaler.state_dict()
+        if (ddp := self._wrapped_ddp()) is not None and (buckets := ddp_buckets.recorded(ddp)) is not None:
+            tree["ddp_buckets"] = buckets     # DDP's rebuilt layout (find_unused_parameters=False): ddp_buckets.py
         return tree
+
+    def _wrapped_ddp(self) -> Any:
+        wrapped = getattr(self.trainer, "model_wrapped", None)
+        return wrapped if isinstance(wrapped, torch.nn.parallel.DistributedDataParallel) else None
 
 
 def _trainer_state_json(trainer: Trainer, trainer_state: TrainerState) -> str:
