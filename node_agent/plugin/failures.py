@@ -11,9 +11,11 @@ from protocol.messages import Assignment, WorkerFailure
 
 
 def worker_failures(failures: dict[int, Any] | None, a: Assignment, host: str) -> list[WorkerFailure]:
-    """torch's ProcessFailures by global rank -> the failure report; one generic failure without them."""
+    """torch's ProcessFailures by global rank -> the failure report; one generic failure without them. In torch's
+    order: the worker that failed first, then those torch stopped. Its stamps are whole seconds, so within one the
+    server's root cause (the first by time, a stable sort) is then torch's (get_first_failure), not the lowest rank."""
     out = []
-    for rank, f in sorted((failures or {}).items()):
+    for rank, f in (failures or {}).items():
         try:
             message, tb = f.message, ""
             if isinstance(message, dict):   # an error file written by @record

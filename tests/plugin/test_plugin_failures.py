@@ -46,3 +46,21 @@ def test_failures_are_found_on_childfailederror_or_in_torchs_run_loop():
         return agent_failures(None)
     assert _invoke_run() == {3: failure}
     assert agent_failures(None) is None
+
+
+def test_the_report_names_first_the_failure_torch_names_the_root_cause(tmp_path):
+    """torch captures the worker that failed first, then the ones it stopped (SIGTERM), all stamped in whole
+    seconds: the report's order within a second is torch's, so the server's root cause is torch's (a review: a
+    crashed rank 3 was reported after its node's rank 2, stopped by torch, and the job failed naming rank 2)."""
+    def error_file(name: str, message: str) -> str:
+        path = tmp_path / name
+        path.write_text(json.dumps({"message": {"message": message, "extraInfo": {
+            "py_callstack": "Traceback ...", "timestamp": "1700000000"}}}))
+        return str(path)
+    failures = {7: ProcessFailure(local_rank=1, pid=11, exitcode=1, error_file=error_file("7.json", "injected")),
+                6: ProcessFailure(local_rank=0, pid=12, exitcode=-signal.SIGTERM,
+                                  error_file=error_file("6.json", "gloo: Connection closed by peer"))}
+    root, _ = ChildFailedError("train.py", failures).get_first_failure()
+    report = worker_failures(failures, ROUND, "host-b")
+    first = sorted(report, key=lambda f: f.timestamp)[0]     # the server's order (rdzv_server/core/reports.py)
+    assert (root, first.rank, first.message) == (7, 7, "injected")
