@@ -141,13 +141,15 @@ class CopyStore:
         node knows no other node's token. One reason for every refusal: it tells a stranger nothing."""
         source = self._sources.get(node)
         if self._own is not None and self._is_own(node):
-            expected = "" if pushing else copy_verifier(self._own.key())
+            expected = ["" if pushing else copy_verifier(self._own.key())]
         else:
-            expected = (source.verifier or copy_verifier(source.token) if source is not None else "") or \
-                ("" if pushing else files.read_verifier(os.path.join(self.root, node)))
-        if not expected:
+            # (a fetch told a node's copies while the node is back with a new token: the one they came with)
+            expected = [source.verifier or copy_verifier(source.token) if source is not None else "",
+                        "" if pushing else files.read_verifier(os.path.join(self.root, node))]
+        if not any(expected):
             raise Refusal("key", "wrong key", f" (no key of node {node} here: no node whose copies this one holds)")
-        if not hmac.compare_digest(copy_verifier(key).encode(), expected.encode()):
+        given = copy_verifier(key).encode()
+        if not any([hmac.compare_digest(given, v.encode()) for v in expected if v]):
             raise Refusal("key", "wrong key")
 
     def _note(self, kind: str, peer: str, what: str, first_line: bytes) -> None:

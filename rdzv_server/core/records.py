@@ -133,6 +133,7 @@ class RoundRecord(msgspec.Struct, kw_only=True, omit_defaults=True, dict=True):
     copies: dict[str, list[str]] = {}
     copies_from: dict[str, Witness] = {}
     copy_epochs: dict[str, int] = {}     # its members' and gone nodes' copy token epochs, where not 0 (credentials)
+    told_epochs: dict[str, int] = {}     # gone node -> the epoch its copies came with, told to their fetcher
     # A round saved without the columns: its assignments as they were written.
     legacy: dict[str, Assignment] = msgspec.field(default_factory=dict, name="assignments")
 

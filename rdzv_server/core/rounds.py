@@ -44,7 +44,6 @@ def build_round(job: JobRecord, members: list[str], round_id: int, opened_at: fl
                     replicas=replicas, replica_key=job.replica_key, run=run_of(job),
                     resume_at_most=job.resume_at_most)
     job.resume_at_most = -1           # told once: to the round that resumes
-    r.copy_epochs = copy_epochs(job, members)
     pending = fetches_pending(job, members, took or {})
     # A newcomer in the place of a member lost mid-fetch takes that fetch over: the place's state is those copies
     unfinished, job.unfinished_fetches = job.unfinished_fetches, {}
@@ -68,6 +67,7 @@ def build_round(job: JobRecord, members: list[str], round_id: int, opened_at: fl
                 job.nodes[newcomer].fetch_of, job.nodes[newcomer].fetch_place = gone, told
             else:
                 job.nodes[newcomer].fetch_of, job.nodes[newcomer].fetch_place = "", None
+    r.copy_epochs = copy_epochs(job, members)     # after told_tokens: a fetch is told the epoch before any new one
     return r
 
 
@@ -83,11 +83,12 @@ def copy_epochs(job: JobRecord, members: list[str]) -> dict[str, int]:
 
 
 def told_tokens(job: JobRecord, r: RoundRecord) -> None:
-    """The gone nodes whose copies a newcomer fetches in round `r`: told with the epoch their copies came with."""
+    """The gone nodes whose copies a newcomer fetches in round `r`: told with the epoch their copies came with, its
+    epoch before this round (a fetch told again while the gone node is a member anew: not its new token, which the
+    fetcher could act for it with, nor one its holders' copies never came with)."""
     for newcomer, (gone, *_) in r.copies.items():
         if newcomer != gone:             # (a node back at its own place fetches its own: nobody else learns it)
-            if epoch := job.copy_epochs.get(gone, 0):
-                r.copy_epochs[gone] = epoch
+            r.told_epochs[gone] = job.copy_epochs.get(gone, 0)
             if gone not in job.copies_told:
                 job.copies_told.append(gone)
 
@@ -243,7 +244,8 @@ def assignment(r: RoundRecord, node_id: str) -> Assignment | None:
             witnesses=derived.witnesses(rank), replicas=derived.replica_targets(rank),
             copy_token=copy_token(r.replica_key, node_id, r.copy_epochs.get(node_id, 0)) if r.replicas else "",
             copy_sources=derived.sources(rank), copies_of=copies_of,
-            copies_token=copy_token(r.replica_key, copies_of, r.copy_epochs.get(copies_of, 0)) if copies_of else "",
+            copies_token=copy_token(r.replica_key, copies_of, r.told_epochs.get(copies_of, r.copy_epochs.get(
+                copies_of, 0))) if copies_of else "",
             copies_at=copies_at, copies_also=copies_also, run=r.run, resume_at_most=r.resume_at_most)
     return built
 

@@ -3,6 +3,8 @@ afterwards: the node, a member again, gets a token of a new epoch (rdzv_server/c
 back at its own place, whose token nobody else was told, keeps its own (test_copies_rounds.py: "back at its place")."""
 from __future__ import annotations
 
+from protocol.messages import JobConfig, PollRequest
+from protocol.notes import CopiesNote
 from protocol.tokens import copy_verifier
 from rdzv_server.core.rendezvous import Rendezvous
 from tests.unit.test_copies_rounds import CFG, JOB, join, poll, started
@@ -35,3 +37,27 @@ def test_a_spare_that_took_a_place_cannot_push_as_that_node_once_it_is_back():
     holders = [rz.view(JOB, m, t).assignment for m in r.members if m != "b"]
     verifiers = [x.verifier for h in holders if h is not None for x in h.copy_sources if x.node_id == "b"]
     assert verifiers and copy_verifier(told) not in verifiers and copy_verifier(b.copy_token) in verifiers
+
+
+def test_a_fetch_told_again_once_its_node_is_a_member_anew_keeps_the_token_its_copies_came_with():
+    """A review: s took b's place and its fetch of b's copies (held by c) had not ended when a was lost and b, back,
+    took a's place with a token of a new epoch. s, told its fetch again, was told b's new token: it could act for b,
+    a member, and c (b's holder no more) refused it, its copies of b having come with b's old token."""
+    fixed = JobConfig(min_nodes=3, max_nodes=3, lease_timeout_s=5.0, last_call_s=0.0)
+    rz = started({"a": "1", "b": "2", "c": "3"}, fixed)
+    join(rz, "s", 0.5, fixed, domain="4")
+    t = only(rz, ("a", "c", "s"), 0.5)                        # b lost: s takes its place
+    s = rz.view(JOB, "s", t).assignment
+    assert s is not None and s.copies_of == "b"
+    told = s.copies_token
+    join(rz, "b", t, fixed, domain="2", credential="secret-b")   # b's agent back: a spare
+    for i in range(1, 7):                                      # a lost while s's fetch has not ended
+        for n in ("b", "c"):
+            poll(rz, n, t + i)
+        rz.handle(JOB, PollRequest(v=1, node_id="s", credential="secret-s", copies=CopiesNote(local_step=-1)), t + i)
+    rz.tick(rz.next_deadline())
+    r = rz.jobs[JOB].round
+    assert r is not None and sorted(r.members) == ["b", "c", "s"]
+    s, b = rz.view(JOB, "s", t + 7).assignment, rz.view(JOB, "b", t + 7).assignment
+    assert s is not None and b is not None and s.copies_of == "b" and b.copy_token != told
+    assert s.copies_token == told                              # the token b's copies came with, not b's new one

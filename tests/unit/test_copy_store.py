@@ -805,3 +805,27 @@ async def test_a_push_keeps_a_second_name_for_its_file_while_it_sends_and_none_a
         result = await asyncio.wait_for(push, WAIT)
     assert result.ok, result
     assert os.listdir(source) == [] and store.held() == {(NODE, 0): 1}
+
+
+async def test_copies_that_came_with_a_nodes_old_token_are_fetched_with_it_while_it_is_a_source_anew(tmp_path) -> None:
+    """A node back in the job with a token of a new epoch (rdzv_server/core/rounds.copy_epochs) is a source of this
+    holder again before it pushed with it: the node fetching its copies of before is told the token they came with,
+    and was refused (only the source's token now was checked); a push still needs the new one."""
+    old, new = "token-of-node-a-0000", "token-of-node-a-0001"
+    sources = {NODE: CopySource(node_id=NODE, verifier=copy_verifier(old))}
+    store = CopyStore(str(tmp_path / "held"), 2**20, sources, round_now=lambda: 1, reach=lambda: FAR)
+    async with holder(store) as port:
+        assert (await client.push("127.0.0.1", port, key=old, node_id=NODE, local_rank=0, step=1,
+                                  path=snap(tmp_path, "a", blob(100)))).ok
+        sources[NODE] = CopySource(node_id=NODE, verifier=copy_verifier(new))
+        dest = tmp_path / "dest"
+        dest.mkdir()
+        got = await client.fetch("127.0.0.1", port, key=old, node_id=NODE, local_rank=0, dest_dir=str(dest))
+        assert got.step == 1, got
+        stale = await client.push("127.0.0.1", port, key=old, node_id=NODE, local_rank=0, step=2,
+                                  path=snap(tmp_path, "b", blob(100)))
+        assert stale == client.PushResult(False, "refused: \"wrong key\"", 0)
+        assert (await client.push("127.0.0.1", port, key=new, node_id=NODE, local_rank=0, step=2,
+                                  path=snap(tmp_path, "c", blob(100)))).ok
+        again = await client.fetch("127.0.0.1", port, key=old, node_id=NODE, local_rank=0, dest_dir=str(dest))
+        assert again.reason == "refused: \"wrong key\""      # its copies came with the new token since
