@@ -12,11 +12,18 @@ import asyncio
 import contextlib
 import os
 from collections.abc import Awaitable, Callable, Iterable
+from typing import Protocol
 
 from node_agent.copies.local_steps import common_step
-from protocol.messages import Witness
 
 FLUSH_LIMIT_S = 10.0
+
+
+class Holder(Protocol):      # a Witness: where a holder takes copies
+    @property
+    def addr(self) -> str: ...
+    @property
+    def port(self) -> int: ...
 
 
 def flush_limit(place_left_s: float | None) -> float:
@@ -25,7 +32,7 @@ def flush_limit(place_left_s: float | None) -> float:
     return FLUSH_LIMIT_S if place_left_s is None else max(0.0, min(FLUSH_LIMIT_S, place_left_s / 2))
 
 
-def due_bytes(targets: Iterable[Witness], dirs: dict[int, str], pushed: dict[tuple[str, int, int], int]) -> int:
+def due_bytes(targets: Iterable[Holder], dirs: dict[int, str], pushed: dict[tuple[str, int, int], int]) -> int:
     """The bytes of the newest step every local rank holds not yet confirmed at each holder (pushes under way
     included; 0 where the directories went with the job)."""
     total = 0
