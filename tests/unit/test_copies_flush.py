@@ -2,30 +2,38 @@
 its workers' last write ends as they stop, and a node that never comes back is replaced from its copy."""
 from __future__ import annotations
 
+import contextlib
+from collections.abc import AsyncIterator
+
 from node_agent.copies.last_copies import FLUSH_LIMIT_S, flush_limit
+from node_agent.copies.peers import PeerCopies
+from node_agent.copies.store import CopyStore
 from node_agent.training import snapshot
 from tests.unit.test_copies_agent import holder, pushed
+
+
+@contextlib.asynccontextmanager
+async def wrote_18(tmp_path, said: list[str], data: bytes = b"s18") -> AsyncIterator[tuple[CopyStore, PeerCopies]]:
+    """Node b's ranks' step 16 at the holder, and their step 18 written as the workers stopped."""
+    async with holder(tmp_path) as (store, at):
+        copies, dirs = await pushed(tmp_path, at, said, b"s16", 16)
+        for where in dirs.values():
+            snapshot.save(data, 18, where=where)
+        yield store, copies
 
 
 async def test_a_leaving_node_sends_the_step_its_ranks_wrote_as_they_stopped(tmp_path) -> None:
     """A review (a middle node stopped for good while its ranks wrote step 18): the holder had 16, and the node
     taking its place resumed every rank from 16. The close now sends 18 first."""
     said: list[str] = []
-    async with holder(tmp_path) as (store, at):
-        copies, dirs = await pushed(tmp_path, at, said, b"s16", 16)
-        assert store.held() == {("b", 0): 16, ("b", 1): 16}
-        for where in dirs.values():            # the write that ended as the workers stopped
-            snapshot.save(b"s18", 18, where=where)
+    async with wrote_18(tmp_path, said) as (store, copies):
         await copies.close()
         assert store.held() == {("b", 0): 18, ("b", 1): 18}, said
 
 
 async def test_a_node_whose_job_is_over_sends_nothing_more(tmp_path) -> None:
     said: list[str] = []
-    async with holder(tmp_path) as (store, at):
-        copies, dirs = await pushed(tmp_path, at, said, b"s16", 16)
-        for where in dirs.values():
-            snapshot.save(b"s18", 18, where=where)
+    async with wrote_18(tmp_path, said) as (store, copies):
         await copies.close(finished=True)      # its holders drop its copies instead
         assert store.held() == {}, said
 
@@ -53,10 +61,7 @@ def test_a_restarting_nodes_last_copies_leave_its_next_agent_half_its_place() ->
 
 async def test_no_time_left_sends_nothing_more(tmp_path) -> None:
     said: list[str] = []
-    async with holder(tmp_path) as (store, at):
-        copies, dirs = await pushed(tmp_path, at, said, b"s16", 16)
-        for where in dirs.values():
-            snapshot.save(b"s18", 18, where=where)
+    async with wrote_18(tmp_path, said) as (store, copies):
         await copies.close(flush_s=0.0)
         assert store.held() == {("b", 0): 16, ("b", 1): 16}, said
 
@@ -65,10 +70,7 @@ async def test_a_last_copy_that_cannot_end_in_time_is_not_begun_and_what_it_wait
     """A review: with --replica-bandwidth 1M a restart's exit waited its whole limit for a push that could not end
     in it (and its memory stayed for its next agent anyway): ~5 s more to every rank stepping, nothing said."""
     said: list[str] = []
-    async with holder(tmp_path) as (store, at):
-        copies, dirs = await pushed(tmp_path, at, said, b"s16", 16)
-        for where in dirs.values():
-            snapshot.save(b"x" * 4096, 18, where=where)
+    async with wrote_18(tmp_path, said, b"x" * 4096) as (store, copies):
         copies.bandwidth = 1024                    # 8 KiB and more to send at 1 KiB/s: 8 s, past a 2 s limit
         await copies.close(flush_s=2.0)
         assert store.held() == {("b", 0): 16, ("b", 1): 16}
@@ -77,10 +79,7 @@ async def test_a_last_copy_that_cannot_end_in_time_is_not_begun_and_what_it_wait
 
 async def test_a_last_copy_is_said_as_it_begins(tmp_path) -> None:
     said: list[str] = []
-    async with holder(tmp_path) as (store, at):
-        copies, dirs = await pushed(tmp_path, at, said, b"s16", 16)
-        for where in dirs.values():
-            snapshot.save(b"s18", 18, where=where)
+    async with wrote_18(tmp_path, said) as (store, copies):
         await copies.close(flush_s=2.0)
         assert store.held() == {("b", 0): 18, ("b", 1): 18}
         assert any("sending this node's newest snapshot" in line and "at most 2s" in line for line in said), said

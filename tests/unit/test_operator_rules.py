@@ -4,7 +4,8 @@ from __future__ import annotations
 import pytest
 
 from protocol.errors import ErrorCode
-from protocol.messages import JobState, NodeState
+from protocol.messages import JobConfig, JobState, NodeState
+from rdzv_server.core.records import JobRecord
 from rdzv_server.core.rendezvous import Rendezvous, RendezvousError
 from tests.unit.test_rendezvous import JOB, cfg, fail, join, poll
 
@@ -94,17 +95,23 @@ def test_resize_checks_its_numbers_and_keeps_joins_matching_the_start_config():
     assert job.spares == ["b"]
 
 
-def test_clearing_the_exclusion_of_a_node_whose_agent_is_gone_forms_no_round_with_it():
-    """A review: b excluded after a failure, its agent killed (to be started again, repaired), the operator clears
-    the exclusion before the server gave the closed connection up. b was readmitted as ready and a round of 3
-    formed at once with no agent behind it: a and c stopped their workers for it, and again a moment later when b
-    was lost. Its record now goes (its next agent joins afresh, not excluded); the running round stays."""
+def b_failed_and_excluded() -> tuple[Rendezvous, JobConfig, JobRecord]:
+    """a, b, c in a 2:3 job that excludes after one failure; b has failed (the job goes on with a and c)."""
     rz = Rendezvous()
     c = cfg(min_nodes=2, max_nodes=3, last_call_s=0.0, exclude_after=1, max_restarts=5)
     for n in ("a", "b", "c"):
         join(rz, n, 0.0, c)
     job = rz.jobs[JOB]
     fail(rz, "b", job.round.round_id, 1.0)
+    return rz, c, job
+
+
+def test_clearing_the_exclusion_of_a_node_whose_agent_is_gone_forms_no_round_with_it():
+    """A review: b excluded after a failure, its agent killed (to be started again, repaired), the operator clears
+    the exclusion before the server gave the closed connection up. b was readmitted as ready and a round of 3
+    formed at once with no agent behind it: a and c stopped their workers for it, and again a moment later when b
+    was lost. Its record now goes (its next agent joins afresh, not excluded); the running round stays."""
+    rz, c, job = b_failed_and_excluded()
     assert job.excluded == ["b"] and job.round.members == ["a", "c"]
     running_round = job.round.round_id
     rz.connection_dropped(JOB, "b", 2.0, heard=True)      # its agent killed
@@ -118,12 +125,7 @@ def test_clearing_the_exclusion_of_a_node_whose_agent_is_gone_forms_no_round_wit
 
 
 def test_clearing_the_exclusion_of_a_node_whose_agent_waits_readmits_it():
-    rz = Rendezvous()
-    c = cfg(min_nodes=2, max_nodes=3, last_call_s=0.0, exclude_after=1, max_restarts=5)
-    for n in ("a", "b", "c"):
-        join(rz, n, 0.0, c)
-    job = rz.jobs[JOB]
-    fail(rz, "b", job.round.round_id, 1.0)
+    rz, c, job = b_failed_and_excluded()
     poll(rz, "b", 1.5)
     rz.clear_exclusion(JOB, "b", 2.0)
     assert "b" in job.round.members and job.restart_count == 1
