@@ -88,6 +88,7 @@ class PlaceCopies(msgspec.Struct, kw_only=True):
     holders: list[str]
     rank_offset: int
     local_size: int
+    epoch: int = 0          # the member's copy token epoch there (RoundRecord.copy_epochs): what they came with
 
 
 class KeptOut(msgspec.Struct, kw_only=True):
@@ -133,7 +134,7 @@ class RoundRecord(msgspec.Struct, kw_only=True, omit_defaults=True, dict=True):
     copies: dict[str, list[str]] = {}
     copies_from: dict[str, Witness] = {}
     copy_epochs: dict[str, int] = {}     # its members' and gone nodes' copy token epochs, where not 0 (credentials)
-    told_epochs: dict[str, int] = {}     # gone node -> the epoch its copies came with, told to their fetcher
+    told_epochs: dict[str, int] = {}     # newcomer -> the epoch the gone node's copies it fetches came with
     # A round saved without the columns: its assignments as they were written.
     legacy: dict[str, Assignment] = msgspec.field(default_factory=dict, name="assignments")
 

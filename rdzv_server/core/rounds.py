@@ -53,12 +53,14 @@ def build_round(job: JobRecord, members: list[str], round_id: int, opened_at: fl
         last = job.round
 
         def place(gone: str) -> PlaceCopies | None:      # the last round's, or the one a fetch was told
+            told = next((p for g, p in pending.values() if g == gone), None)
+            if told is not None and gone in members:     # back meanwhile: its place now is not the one fetched
+                return told
             found = place_of(last, gone) if last is not None else job.place_copies.get(gone)
-            return found or next((p for g, p in pending.values() if g == gone), None) or \
-                next((u.place for u in unfinished.values() if u.of == gone), None)
+            return found or told or next((u.place for u in unfinished.values() if u.of == gone), None)
 
         r.copies = copies_held(place, took, r, lambda gone: own_source(job, gone, nodes))
-        told_tokens(job, r)
+        told_tokens(job, r, place)
         for newcomer, (gone, *_) in r.copies.items():
             told = place(gone)
             # Told again while it holds nothing, but not past a cap (replicas diverged): a fetch told again would
@@ -82,13 +84,14 @@ def copy_epochs(job: JobRecord, members: list[str]) -> dict[str, int]:
     return {m: e for m in members if (e := job.copy_epochs.get(m, 0))}
 
 
-def told_tokens(job: JobRecord, r: RoundRecord) -> None:
-    """The gone nodes whose copies a newcomer fetches in round `r`: told with the epoch their copies came with, its
-    epoch before this round (a fetch told again while the gone node is a member anew: not its new token, which the
-    fetcher could act for it with, nor one its holders' copies never came with)."""
+def told_tokens(job: JobRecord, r: RoundRecord, place: Callable[[str], PlaceCopies | None]) -> None:
+    """The gone nodes whose copies a newcomer fetches in round `r`: told with the epoch their copies came with, that
+    of the place they are fetched from (a fetch told again, in any later round, while the gone node is a member anew:
+    not its new token, which the fetcher could act for it with, nor one its holders' copies never came with)."""
     for newcomer, (gone, *_) in r.copies.items():
         if newcomer != gone:             # (a node back at its own place fetches its own: nobody else learns it)
-            r.told_epochs[gone] = job.copy_epochs.get(gone, 0)
+            r.told_epochs[newcomer] = held.epoch if (held := place(gone)) is not None else \
+                job.copy_epochs.get(gone, 0)
             if gone not in job.copies_told:
                 job.copies_told.append(gone)
 
@@ -135,7 +138,7 @@ def place_of(r: RoundRecord, node: str) -> PlaceCopies | None:
         return None
     ranked = r.ranked or r.members
     return PlaceCopies(holders=[ranked[i] for i in derived.replica_ranks(rank)], rank_offset=derived.offsets[rank],
-                       local_size=r.local_sizes[rank])
+                       local_size=r.local_sizes[rank], epoch=r.copy_epochs.get(node, 0))
 
 
 def places_kept(r: RoundRecord) -> dict[str, PlaceCopies]:
@@ -244,7 +247,7 @@ def assignment(r: RoundRecord, node_id: str) -> Assignment | None:
             witnesses=derived.witnesses(rank), replicas=derived.replica_targets(rank),
             copy_token=copy_token(r.replica_key, node_id, r.copy_epochs.get(node_id, 0)) if r.replicas else "",
             copy_sources=derived.sources(rank), copies_of=copies_of,
-            copies_token=copy_token(r.replica_key, copies_of, r.told_epochs.get(copies_of, r.copy_epochs.get(
+            copies_token=copy_token(r.replica_key, copies_of, r.told_epochs.get(node_id, r.copy_epochs.get(
                 copies_of, 0))) if copies_of else "",
             copies_at=copies_at, copies_also=copies_also, run=r.run, resume_at_most=r.resume_at_most)
     return built

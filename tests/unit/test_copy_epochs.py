@@ -61,3 +61,41 @@ def test_a_fetch_told_again_once_its_node_is_a_member_anew_keeps_the_token_its_c
     s, b = rz.view(JOB, "s", t + 7).assignment, rz.view(JOB, "b", t + 7).assignment
     assert s is not None and b is not None and s.copies_of == "b" and b.copy_token != told
     assert s.copies_token == told                              # the token b's copies came with, not b's new one
+
+
+def test_a_fetch_told_a_third_time_still_carries_the_token_its_copies_came_with():
+    """As above, and then another round (a worker failure at c) while s's fetch has still not ended: told its fetch
+    a third time, s must be told b's epoch its copies came with (0) once more, not the epoch b pushed with in the
+    round before (c, holding b's copies of epoch 0, would refuse it, and s would know a token b acted with)."""
+    from protocol.messages import FailureReport, WorkerFailure
+    fixed = JobConfig(min_nodes=3, max_nodes=3, lease_timeout_s=5.0, last_call_s=0.0, max_restarts=3)
+    rz = started({"a": "1", "b": "2", "c": "3"}, fixed)
+    join(rz, "s", 0.5, fixed, domain="4")
+    t = only(rz, ("a", "c", "s"), 0.5)
+    s = rz.view(JOB, "s", t).assignment
+    assert s is not None and s.copies_of == "b"
+    told = s.copies_token
+    join(rz, "b", t, fixed, domain="2", credential="secret-b")
+    pending = PollRequest(v=1, node_id="s", credential="secret-s", copies=CopiesNote(local_step=-1))
+    for i in range(1, 7):
+        for n in ("b", "c"):
+            poll(rz, n, t + i)
+        rz.handle(JOB, pending, t + i)
+    rz.tick(rz.next_deadline())
+    r = rz.jobs[JOB].round
+    assert r is not None and sorted(r.members) == ["b", "c", "s"]
+    t += 7
+    b_before = rz.view(JOB, "b", t).assignment
+    assert b_before is not None
+    rz.handle(JOB, pending, t)
+    failure = WorkerFailure(local_rank=0, rank=0, exitcode=1)
+    rz.handle(JOB, FailureReport(v=1, node_id="c", credential="secret-c", round_id=r.round_id, failures=[failure]),
+              t + 0.1)
+    for n in ("b", "c"):
+        poll(rz, n, t + 0.2)
+    rz.handle(JOB, pending, t + 0.2)
+    r2 = rz.jobs[JOB].round
+    assert r2 is not None and r2.round_id > r.round_id and sorted(r2.members) == ["b", "c", "s"]
+    s = rz.view(JOB, "s", t + 1).assignment
+    assert s is not None and s.copies_of == "b"
+    assert s.copies_token == told and s.copies_token != b_before.copy_token
