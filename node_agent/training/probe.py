@@ -78,7 +78,7 @@ SYNC_CALLS = {"torch.autograd": ("backward",),
                   "broadcast", "reduce", "barrier", "all_to_all", "all_to_all_single", "gather", "scatter",
                   "all_gather_object", "broadcast_object_list")}
 OPTIMIZER_MODULE = "torch.optim.optimizer"
-STORE_POLL_S, STORE_WAIT_S = 0.005, 60.0     # _store_listening
+STORE_POLL_S, STORE_WAIT_S, STORE_SAY_S = 0.005, 60.0, 5.0     # _store_listening
 
 
 class Record:
@@ -298,7 +298,7 @@ def _store_listening(args: Any, kwargs: Any) -> None:
     """Where the agent hosts the round's c10d store (TORCHELASTIC_USE_AGENT_STORE=True, env://), wait until it
     listens, trying every STORE_POLL_S: the store starts as its node's round does, often just after another
     node's workers, and torch's first connect refused sleeps 250-750 ms (its backoff) before it tries again.
-    Bounded by STORE_WAIT_S and the call's own timeout; then torch's connect goes on as it would."""
+    Bounded by STORE_WAIT_S and the call's own timeout, said past STORE_SAY_S; then torch's connect goes on."""
     try:
         init = kwargs.get("init_method", args[1] if len(args) > 1 else None)
         if (os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or init not in (None, "env://")
@@ -307,7 +307,7 @@ def _store_listening(args: Any, kwargs: Any) -> None:
         where = (os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
         timeout = kwargs.get("timeout", args[2] if len(args) > 2 else None)
         limit = min(STORE_WAIT_S, timeout.total_seconds()) if timeout is not None else STORE_WAIT_S
-        deadline = time.monotonic() + limit
+        start = time.monotonic()
         while True:
             try:
                 socket.create_connection(where, timeout=1.0).close()
@@ -315,8 +315,12 @@ def _store_listening(args: Any, kwargs: Any) -> None:
             except socket.gaierror:
                 return          # torch says what is wrong with the name
             except OSError:
-                if time.monotonic() + STORE_POLL_S > deadline:
+                waited = time.monotonic() - start
+                if waited + STORE_POLL_S > limit:
                     return
+                if waited < STORE_SAY_S <= waited + STORE_POLL_S:
+                    print(f"[node-agent] the round's c10d store at {where[0]}:{where[1]} is not listening after "
+                          f"{STORE_SAY_S:g}s (its node's agent starts it): waiting up to {limit:g}s", file=sys.stderr)
                 time.sleep(STORE_POLL_S)
     except Exception:       # noqa: BLE001 - the probe never fails the worker's own call
         return

@@ -112,3 +112,12 @@ def test_torch_never_retries_under_the_probe(tmp_path, probed):
     done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120)
     assert "grouped" in done.stdout, done.stderr[-3000:]
     assert (REFUSED in done.stderr) != probed, done.stderr[-3000:]
+
+
+def test_a_long_wait_is_said_once(store_env, monkeypatch, capsys):
+    monkeypatch.setattr(probe, "STORE_SAY_S", 0.05)
+    thread = waiting(("gloo",), {"timeout": timedelta(seconds=0.3)})
+    thread.join(LIMIT)
+    assert not thread.is_alive()
+    said = capsys.readouterr().err
+    assert said.count("is not listening after 0.05s") == 1 and f"127.0.0.1:{store_env}" in said, said
