@@ -57,14 +57,13 @@ async def last_copies(flush: Callable[[], Awaitable[None]], due: int, bandwidth:
     mib = due / 2**20
     if bandwidth and due / bandwidth > limit_s:
         say(f"peer copies: this node's newest snapshot ({mib:.0f} MiB) is not sent before it exits: at "
-                    f"--replica-bandwidth {bandwidth / 2**20:.0f} MiB/s it would take "
-                    f"{due / bandwidth:.1f}s, more than the {limit_s:.3g}s its stop allows; a node taking "
-                    f"its place resumes from the copy before")
+            f"--replica-bandwidth {bandwidth / 2**20:.0f} MiB/s it would take {due / bandwidth:.1f}s, more than "
+            f"the {limit_s:.3g}s its stop allows; a node taking its place resumes from the copy before")
         return
-    say(f"peer copies: sending this node's newest snapshot ({mib:.0f} MiB) to its holders before it "
-                f"exits (at most {limit_s:.3g}s)")
+    say(f"peer copies: sending this node's newest snapshot ({mib:.0f} MiB) to its holders before it exits (at "
+        f"most {limit_s:.3g}s)")
     try:
         await asyncio.wait_for(flush(), limit_s)
     except (asyncio.TimeoutError, OSError):
-        say(f"peer copies: this node's newest snapshot did not reach its holders within {limit_s:.3g}s of "
-                    f"its stop; a node taking its place resumes from the copy before")
+        say(f"peer copies: this node's newest snapshot did not reach its holders within {limit_s:.3g}s of its "
+            f"stop; a node taking its place resumes from the copy before")
