@@ -113,6 +113,11 @@ class JobView(msgspec.Struct, kw_only=True):
     progress: ProgressView = msgspec.field(default_factory=ProgressView)
     copies_off: str = ""               # why the job makes no peer copies, and what to change ("": it makes some)
 
+    def pace(self) -> float | None:
+        """The steps per second its readers show: None (a dash) when it never stepped or has ended. No signal, or a
+        job that is done, is not one stepping at 0 steps/s."""
+        return self.progress.steps_per_s if self.progress.signal and self.finished_at is None else None
+
 
 class JobDetail(JobView, kw_only=True):
     """One job in full: `GET /v1/jobs/{id}` (one page of each node list)."""

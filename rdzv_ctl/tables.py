@@ -66,9 +66,9 @@ def rate(value: float) -> str:
     return f"{value:,.0f}" if value >= 100 else f"{value:.3g}" if value >= 0.01 or value <= 0 else f"{value:.1e}"
 
 
-def pace(p: ProgressView) -> str | None:
-    """A job's steps per second; None (shown as "-") when it never stepped: no signal is not 0 steps/s."""
-    return rate(p.steps_per_s) if p.signal else None
+def pace(job: JobView) -> str | None:
+    """A job's steps per second; None (shown as "-") where JobView.pace has none."""
+    return rate(steps_per_s) if (steps_per_s := job.pace()) is not None else None
 
 
 def ettr(p: ProgressView) -> str | None:
@@ -81,7 +81,7 @@ JOBS: list[Column[JobView]] = [
     ("JOB", lambda j: j.job_id), ("STATE", lambda j: j.state), ("ROUND", lambda j: j.round_id),
     ("WORLD", lambda j: j.world_size), ("NODES", lambda j: f"{j.counts.nodes} ({j.min_nodes}:{j.max_nodes})"),
     ("RESTARTS", lambda j: f"{j.restart_count}/{j.max_restarts}"), ("SPARES", lambda j: j.counts.spares),
-    ("EXCLUDED", lambda j: j.counts.excluded), ("STEPS/S", lambda j: pace(j.progress)),
+    ("EXCLUDED", lambda j: j.counts.excluded), ("STEPS/S", pace),
     ("ETTR", lambda j: ettr(j.progress)), ("REASON", lambda j: truncate(j.reason, REASON_WIDTH))]
 def _snapshot(n: NodeView) -> str | None:
     """Its newest in-memory snapshot's step / its newest copy's on a peer (issue 46): "25/25", "25/-", and how many
@@ -157,7 +157,8 @@ def _progress(p: ProgressView, live: bool) -> list[str]:
     """A job's training progress, a few lines of the job's view."""
     if not p.signal:
         return ["progress   no progress signal (no worker reported a training step)"]
-    out = [f"progress   {p.steps:,} steps, {rate(p.steps_per_s)} steps/s, effective training time ratio "
+    paced = f", {rate(p.steps_per_s)} steps/s" if live else ""
+    out = [f"progress   {p.steps:,} steps{paced}, effective training time ratio "
            f"{ettr(p) or '-'} (first step {p.first_step_at or '-'})"]
     lost = f"lost       {duration(p.lost_s)} to {_plural(p.restarts, 'restart')}"
     if p.redone or any(c.redone is not None for c in p.costs):

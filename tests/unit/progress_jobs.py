@@ -3,7 +3,15 @@ notes their agents send (protocol.notes.ProgressNote), so JobProgress is filled 
 Shared by the tests of the views, the page, the picture and rdzv-ctl. Times are plain floats from T."""
 from __future__ import annotations
 
-from protocol.messages import FailureReport, JobConfig, JoinRequest, PollRequest, StallReport, WorkerFailure
+from protocol.messages import (
+    FailureReport,
+    JobConfig,
+    JoinRequest,
+    PollRequest,
+    StallReport,
+    SuccessReport,
+    WorkerFailure,
+)
 from protocol.notes import ProgressNote
 from protocol.restarts import RestartAnatomy
 from protocol.stalls import RankSeen, RankState
@@ -74,6 +82,15 @@ def restarting(rz: Rendezvous, job: str = "again") -> None:
     join(rz, job, "b", T)
     step(rz, job, ["a", "b"], T + 10, T + 50, 80, T + 50)
     crash(rz, job, "a", T + 60)
+
+
+def succeeded(rz: Rendezvous, job: str = "done") -> None:
+    """A two-node job that stepped 40 times (T+1 to T+20) and succeeded at T+21."""
+    join(rz, job, "a", T)
+    join(rz, job, "b", T)
+    for node in ("a", "b"):
+        rz.handle(job, SuccessReport(v=1, node_id=node, credential=f"secret-{node}", round_id=1,
+                                     progress=note(1, 40, T + 1, T + 20)), T + 21)
 
 
 def silent(rz: Rendezvous, job: str = "quiet") -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+from protocol.messages import JobState
 from protocol.views import StatusView, to_json
 from rdzv_ctl import cli
 from rdzv_ctl import tables as ctl
@@ -56,6 +57,19 @@ def test_status_shows_pace_and_ratio_per_job_and_names_slow_nodes():
     # lagging: first step T+5, stepped ever since; quiet: never stepped (a dash, not 0); train: one 31 s restart
     assert cells == {"lagging": ["2", "100.0%"], "quiet": ["-", "-"], "train": ["2", "83.7%"]}, text
     assert rows[-1] == "slow nodes in job lagging: b"
+
+
+def test_a_job_that_has_ended_shows_no_pace_not_zero_steps_per_s():
+    rz = Rendezvous()
+    progress_jobs.succeeded(rz)
+    assert rz.jobs["done"].state == JobState.SUCCEEDED
+    now = progress_jobs.T + 200
+    header, row = ctl.format_status(cli.typed(json.loads(to_json(views.server_status(rz, now))),
+                                              StatusView)).splitlines()
+    assert row.split()[1] == "succeeded" and row.split()[9] == "-", row     # STEPS/S (NODES takes 2 words)
+    lines = ctl.format_job(views.job_detail(rz.jobs["done"], now)).splitlines()
+    assert [line for line in lines if line.startswith("progress")] == [
+        "progress   40 steps, effective training time ratio 100.0% (first step 2023-11-14T22:13:21.000Z)"], lines
 
 
 def test_ranks_not_stepping_are_said_in_the_status_and_the_job_view():

@@ -325,6 +325,14 @@ def test_a_restart_under_way_says_how_long_it_has_lost_so_far():
     assert "#2 failure (restart) never stepped again" in ended.text and "lost so far" not in ended.text
 
 
+def test_a_job_that_has_ended_shows_no_pace_not_zero_steps_per_second():
+    rz = Rendezvous()
+    progress_jobs.succeeded(rz)
+    html = page.index_page(rz, T + 200)
+    assert goodput_text(html, "done").startswith("steps/s — steps 40 "), goodput_text(html, "done")
+    assert Markup(html).attr("title").count("the job has ended") == 2         # the card's and the summary's
+
+
 def test_a_job_without_steps_says_no_progress_signal_never_zero_steps_per_second():
     rz = Rendezvous()
     progress_jobs.silent(rz)

@@ -11,9 +11,12 @@ from rdzv_server.web.page.svg import cause_label
 SLOW_SHOWN = 5            # slow nodes named on a card (the view names up to views.SLOW_LIMIT)
 
 
-def pace(p: ProgressView) -> str:
-    """Steps per second as a cell: a dash when there is no signal."""
-    return figure(p.steps_per_s) if p.signal else '<span class="muted" title="no progress signal">&mdash;</span>'
+def pace(job: JobView) -> str:
+    """Steps per second as a cell: a dash where JobView.pace has none (no signal, or the job has ended)."""
+    if (steps_per_s := job.pace()) is not None:
+        return figure(steps_per_s)
+    why = "no progress signal" if not job.progress.signal else "the job has ended"
+    return f'<span class="muted" title="{why}">&mdash;</span>'
 
 
 def ettr(p: ProgressView) -> str:
@@ -35,7 +38,7 @@ def goodput_line(job: JobView) -> str:
     if not p.signal:
         return ('<div class="stats goodput" data-signal="0"><span class="muted">no progress signal: no worker has '
                 'reported a training step</span></div>')
-    stats = [stat("steps/s", pace(p)), stat("steps", f"{p.steps:,}"),
+    stats = [stat("steps/s", pace(job)), stat("steps", f"{p.steps:,}"),
              stat("effective training", ettr(p), ' title="effective training time ratio: time since the first step '
                                                  'less the time restarts cost, over the time since the first step"'),
              stat("lost to restarts", age(p.lost_s) + (f' <span class="muted">in {plural(p.restarts, "restart")}</span>'

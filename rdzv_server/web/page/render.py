@@ -118,7 +118,7 @@ SUMMARY: list[Column[tuple[JobView, list[EventView], float]]] = [
     ("restarts", lambda r: restarts(r[0].restart_count, r[0].max_restarts)),
     (">spares", lambda r: str(r[0].counts.spares)),
     (">excluded", lambda r: str(r[0].counts.excluded)),
-    (">steps/s", lambda r: pace(r[0].progress)),
+    (">steps/s", lambda r: pace(r[0])),
     (">effective training", lambda r: ettr(r[0].progress)),
     ("latest event", lambda r: _latest(r[1], r[2])),
 ]
