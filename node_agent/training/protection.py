@@ -11,11 +11,11 @@ The rules:
   the model's keys and shapes is refused with one line, and every rank goes to the next older one. With none, it
   returns `fallback()` (your own checkpoint's step count) or 0. Nothing is half loaded.
 - Then, every `every` optimizer steps (counted by the optimizer's step hook, so gradient accumulation and
-  skipped AMP steps count as the optimizer does), a snapshot is taken as the next step begins, so it holds what
-  the loop did after `optimizer.step()` (an LR scheduler's step), with the RNG states (and the `extra`
-  torch.Generators) as that optimizer step left them: a loop draws its next batch before its next forward, and
-  a resumed run draws it again from there (`_Hooks`). The training waits only for the copy of the state into host
-  memory (node_agent/training/capture.py).
+  skipped AMP steps count as the optimizer does), a snapshot is taken as the next step begins (its training
+  forward, not an evaluation's), so it holds what the loop did after `optimizer.step()` (an LR scheduler's
+  step), with the RNG states (and the `extra` torch.Generators) as that optimizer step left them: a loop draws its
+  next batch before its next forward, and a resumed run draws it again from there (`_Hooks`). The training waits
+  only for the copy of the state into host memory (node_agent/training/capture.py).
 - Outside node-agent (no memory directory: torchrun, plain python) it takes none, says so once, and returns
   `fallback()` or 0; the script runs unchanged.
 - DDP models are snapshotted as their inner module (a compiled DDP as the compiled wrapper, whose DDP is still
@@ -110,7 +110,8 @@ def restore(model: nn.Module, optimizer: torch.optim.Optimizer, objects: Mapping
 
 class _Hooks:
     """A snapshot is due when the optimizer has stepped a multiple of `every` times, and is taken when the next step
-    begins: at the model's next forward (or, for a model never called, the next optimizer step), so that what the
+    begins: at the model's next training forward (grad enabled, the model in training mode; or, for a model never
+    called so, the next optimizer step), not an evaluation's, so that what the
     loop does after `optimizer.step()` (an LR scheduler's step) is in it, and the RNG states are those the next
     step starts from. The weights and optimizer state are the same as right after the step."""
 
@@ -125,7 +126,7 @@ class _Hooks:
     def register(self) -> None:
         # First of the forward's hooks: FSDP2's unshards the parameters for the forward, and a state_dict taken
         # after it puts the sharded ones back under the forward's feet.
-        self.model.register_forward_pre_hook(lambda *_: self._take_due(), prepend=True)
+        self.model.register_forward_pre_hook(lambda *_: self._at_forward(), prepend=True)
         self.optimizer.register_step_pre_hook(lambda *_: self._before_step())
         self.optimizer.register_step_post_hook(lambda *_: self._stepped())
 
@@ -138,6 +139,13 @@ class _Hooks:
         elif not self.prepared:       # the optimizer's state exists now: the first snapshot's buffers, ahead
             self.prepared = True
             self.capture.prepare(training_state(self.model, self.optimizer, self.objects), [self.optimizer])
+
+    def _at_forward(self) -> None:
+        # An evaluation's forward (no grad, or the model in eval mode) is not the next step beginning: the loop may
+        # step its scheduler after it (`scheduler.step(val_loss)`), and a snapshot taken there would miss that step.
+        # The next training forward takes it, or the next optimizer step (a model trained in eval mode).
+        if torch.is_grad_enabled() and self.model.training:
+            self._take_due()
 
     def _before_step(self) -> None:
         self._take_due()
