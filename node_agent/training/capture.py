@@ -273,7 +273,7 @@ class Capture:
             try:
                 os.ftruncate(fd, p.plan.end + len(head))
                 os.pwrite(fd, head, p.plan.end)
-                os.pwrite(fd, layout.head(p.plan.end, len(head)), 0)
+                os.pwrite(fd, layout.head(p.plan.end, head), 0)
             finally:
                 os.close(fd)
             os.replace(tmp, snapshot.path(p.step, self.where))

@@ -1,6 +1,7 @@
 """A snapshot file as it lies in the memory directory, written and read at memory speed:
 
-    [0, 4096)      MAGIC, then the header's offset and length (two little-endian u64)
+    [0, 4096)      MAGIC, then the header's offset, length and xxh3-64 (three little-endian u64; a hash of 0:
+                   a file from before it, its header not checked)
     [4096, ...)    every tensor's bytes, each at a 4096-byte boundary, in the tree's order
     [header]       torch.save of {format, step, tree, table, sums}: the tree with every tensor replaced by
                    an empty placeholder, (offset, shape, dtype) per tensor, and an xxh3-64 of each tensor's bytes
@@ -9,9 +10,11 @@ The rules:
 - The tensors' bytes are written where they will be read: a writer maps the file and copies into it
   (capture.py); nothing is serialised tensor by tensor. The header is read with `torch.load(weights_only=True)`,
   so a peer's file runs no code.
-- A file is refused whole when its head, header or table do not hold together or any tensor fails its hash;
-  the reason names the tensor. xxh3 runs at memory speed (24 GB/s a core here, CRC-32 at 4), and the tensors'
-  hashes are taken in parallel threads (xxhash releases the GIL).
+- A file is refused whole when its head, header or table do not hold together, its header or any tensor fails
+  its hash; the reason names the tensor. The header's hash covers the plain values (a scheduler's step, the RNG
+  states, the learning rate): a flipped bit there unpickles as well as the right one. xxh3 runs at memory speed
+  (24 GB/s a core here, CRC-32 at 4), and the tensors' hashes are taken in parallel threads (xxhash releases the
+  GIL).
 - A reader's tensors lie in a private (copy-on-write) mapping of the file, each with a storage of its own:
   nothing is copied until the caller loads them, and writing to them never reaches the file."""
 from __future__ import annotations
@@ -32,7 +35,7 @@ from node_agent.training import trees
 
 FORMAT = "node-agent-snapshot/2"
 MAGIC = b"node-agent-snap2"
-HEAD = struct.Struct("<16sQQ")
+HEAD = struct.Struct("<16sQQQ")
 ALIGN = 4096
 HEADER_LIMIT = 1 << 30        # a header (tree, table, sums) past this is not ours
 HASH_THREADS = max(1, min(8, os.cpu_count() or 1))
@@ -110,8 +113,12 @@ def header(step: int, shape: Any, live: list[torch.Tensor], where: Plan, sums: l
     return out.getvalue()
 
 
-def head(header_at: int, header_len: int) -> bytes:
-    return HEAD.pack(MAGIC, header_at, header_len)
+def head(header_at: int, header: bytes) -> bytes:
+    return HEAD.pack(MAGIC, header_at, len(header), _header_hash(header))
+
+
+def _header_hash(header: bytes) -> int:
+    return xxhash.xxh3_64_intdigest(header) or 1      # never 0: a file with no hash
 
 
 def read(path: str, step: int) -> dict[str, Any] | str:
@@ -122,13 +129,16 @@ def read(path: str, step: int) -> dict[str, Any] | str:
             size = os.fstat(f.fileno()).st_size
             if size < ALIGN:
                 return f"too short for a snapshot ({size} bytes)"
-            magic, at, length = HEAD.unpack(f.read(HEAD.size))
+            magic, at, length, hashed = HEAD.unpack(f.read(HEAD.size))
             if magic != MAGIC:
                 return f"not a snapshot in the format {FORMAT} (written by another version of node-agent?)"
             if not (ALIGN <= at and 0 < length <= HEADER_LIMIT and at + length <= size):
                 return f"its head points outside the file (header at {at}, {length} bytes, file {size} bytes)"
             mapped = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY)
-        record = torch.load(io.BytesIO(mapped[at:at + length]), weights_only=True)
+        header = mapped[at:at + length]
+        if hashed and _header_hash(header) != hashed:
+            return "its header fails its checksum"
+        record = torch.load(io.BytesIO(header), weights_only=True)
     except Exception as exc:  # noqa: BLE001  (any unreadable file is refused the same way)
         return f"unreadable ({type(exc).__name__}: {str(exc)[:200]})"
     if not isinstance(record, dict) or record.get("format") != FORMAT or record.get("step") != step:

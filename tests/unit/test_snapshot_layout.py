@@ -111,9 +111,19 @@ def damage(path: str, at: int, data: bytes) -> None:
         f.write(data)
 
 
+def flip_in_header(path: str, value: bytes) -> None:
+    """One bit flipped in a plain value the header holds (the tree's `lr`): it unpickles as well as the right one."""
+    at, length = head_of(path)
+    with open(path, "rb") as f:
+        f.seek(at)
+        found = f.read(length).find(value)
+    assert found >= 0
+    damage(path, at + found, bytes([value[0] ^ 1]))
+
+
 def head_of(path: str) -> tuple[int, int]:
     with open(path, "rb") as f:
-        _, at, length = layout.HEAD.unpack(f.read(layout.HEAD.size))
+        _, at, length = struct.unpack_from("<16sQQ", f.read(layout.HEAD.size))
     return at, length
 
 
@@ -121,7 +131,9 @@ def head_of(path: str) -> tuple[int, int]:
     (lambda p: os.truncate(p, 100), "too short for a snapshot (100 bytes)"),
     (lambda p: damage(p, 0, b"PK\x03\x04"), "not a snapshot in the format node-agent-snapshot/2 (written by another"),
     (lambda p: damage(p, 16, struct.pack("<Q", 2**40)), "its head points outside the file (header at 1099511627776"),
-    (lambda p: damage(p, head_of(p)[0], b"\0" * 8), "unreadable ("),
+    (lambda p: damage(p, head_of(p)[0], b"\0" * 8), "its header fails its checksum"),
+    (lambda p: damage(p, 32, b"\0" * 8) or damage(p, head_of(p)[0], b"\0" * 8), "unreadable ("),
+    (lambda p: flip_in_header(p, struct.pack(">d", 0.2)), "its header fails its checksum"),
     (lambda p: damage(p, layout.ALIGN + 8, b"\x01"), "tensor /w fails its checksum"),
 ])
 def test_a_file_that_does_not_hold_together_is_refused_with_the_reason(memory, spoil, says) -> None:
