@@ -110,8 +110,8 @@ def restore(model: nn.Module, optimizer: torch.optim.Optimizer, objects: Mapping
 
 class _Hooks:
     """A snapshot is due when the optimizer has stepped a multiple of `every` times, and is taken when the next step
-    begins: at the model's next training forward (grad enabled, the model in training mode; or, for a model never
-    called so, the next optimizer step), not an evaluation's, so that what the
+    begins: at the model's next training forward (grad enabled; or, for a model never called so, the next optimizer
+    step), not an evaluation's under no_grad, so that what the
     loop does after `optimizer.step()` (an LR scheduler's step) is in it, and the RNG states are those the next
     step starts from. The weights and optimizer state are the same as right after the step."""
 
@@ -141,10 +141,11 @@ class _Hooks:
             self.capture.prepare(training_state(self.model, self.optimizer, self.objects), [self.optimizer])
 
     def _at_forward(self) -> None:
-        # An evaluation's forward (no grad, or the model in eval mode) is not the next step beginning: the loop may
+        # An evaluation's forward (under no_grad or inference_mode) is not the next step beginning: the loop may
         # step its scheduler after it (`scheduler.step(val_loss)`), and a snapshot taken there would miss that step.
-        # The next training forward takes it, or the next optimizer step (a model trained in eval mode).
-        if torch.is_grad_enabled() and self.model.training:
+        # Eval mode alone is no sign: fine-tuning with frozen batch norm trains in it, and its next forward must
+        # take the snapshot before the batch after it is drawn.
+        if torch.is_grad_enabled():
             self._take_due()
 
     def _before_step(self) -> None:

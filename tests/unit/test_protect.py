@@ -116,6 +116,49 @@ def evaluating(model: nn.Module, opt: torch.optim.Optimizer, sched, start: int, 
         opt.zero_grad()
 
 
+class Calls(nn.Module):
+    """Counts its forwards in a buffer, in any mode (as a module keeping a running step does)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return x
+
+
+def frozen_norm(model: nn.Module, opt: torch.optim.Optimizer, start: int, stop: int) -> None:
+    """Fine-tuning in eval mode (frozen batch norm), its batches drawn from the global RNG before each forward."""
+    model.eval()
+    for _ in range(start, stop):
+        model(torch.randn(3, model[0].in_features)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def test_a_model_trained_in_eval_mode_is_snapshotted_as_its_next_step_begins(memory) -> None:
+    """Eval mode is no evaluation: with grad enabled, the next forward takes the snapshot, before it runs; taken
+    later (at the optimizer's step), it would hold that forward's work, and the resumed run would do it twice."""
+    def frozen() -> tuple[nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2), Calls())
+        return model, torch.optim.AdamW(model.parameters(), lr=0.01)
+
+    model, opt = frozen()
+    protect(model, opt, every=3)
+    frozen_norm(model, opt, 0, 8)
+    wait_for_writes()
+    reference = {k: v.clone() for k, v in model.state_dict().items()}
+
+    model2, opt2 = frozen()
+    torch.manual_seed(123)                  # the RNG state the snapshot holds must replace this one
+    assert protect(model2, opt2, every=3) == 6
+    frozen_norm(model2, opt2, 6, 8)
+    assert int(model2[3].calls) == 8
+    assert all(torch.equal(v, reference[k]) for k, v in model2.state_dict().items())
+
+
 def test_an_evaluation_before_the_scheduler_steps_is_not_where_the_snapshot_is_taken(memory) -> None:
     """The snapshot is taken at the next training forward, not at an evaluation's (no grad, eval mode): taken there,
     it would hold the scheduler one step behind, and the resumed run would train on another learning rate."""
