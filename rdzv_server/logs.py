@@ -10,6 +10,7 @@ import datetime as dt
 import json
 import logging
 import sys
+import time
 
 from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web import RequestPayloadError
@@ -71,15 +72,60 @@ class EventLines:
         return False, skipped
 
 
+CLIENT_FAULT_LINES = 20       # lines about clients' malformed or abandoned requests per CLIENT_FAULT_WINDOW_S
+CLIENT_FAULT_WINDOW_S = 60.0
+
+
+class ClientFaultLines:
+    """Lines about requests a client broke (malformed HTTP, a body never sent): anyone who reaches the port sends
+    those, before any token is read, so they go to the log at a bounded rate, all clients together: past
+    CLIENT_FAULT_LINES in CLIENT_FAULT_WINDOW_S they are counted, and the count is said with the first line of a later
+    window. Before, one line each: a flood of half-sent requests wrote 8 MB of log in 45 s."""
+
+    def __init__(self) -> None:
+        self._began = -CLIENT_FAULT_WINDOW_S
+        self._said = 0
+        self._unsaid = 0
+
+    def admit(self, now: float) -> tuple[bool, int]:
+        """(whether to log this line, how many lines earlier windows did not log, to say with it)."""
+        if now - self._began >= CLIENT_FAULT_WINDOW_S:
+            self._began, self._said = now, 0
+        if self._said >= CLIENT_FAULT_LINES:
+            self._unsaid += 1
+            return False, 0
+        self._said += 1
+        unsaid, self._unsaid = self._unsaid, 0
+        return True, unsaid
+
+
+CLIENT_FAULTS = ClientFaultLines()
+
+
+def _unsaid_note(unsaid: int) -> str:
+    return f" ({unsaid} more lines about clients' malformed or abandoned requests were not logged)" if unsaid else ""
+
+
+def say_client_fault(logger: logging.Logger, message: str, *args: object) -> None:
+    """Log one info line about a request a client broke, within CLIENT_FAULTS' budget."""
+    show, unsaid = CLIENT_FAULTS.admit(time.time())
+    if show:
+        logger.info(message % args + _unsaid_note(unsaid))
+
+
 class _ClientErrorFilter(logging.Filter):
     """aiohttp's errors for a malformed request or an undecodable body (RequestPayloadError, met while it
-    drains a refused request): one line, no traceback. Anything else it logs keeps its traceback."""
+    drains a refused request): one line, no traceback, within CLIENT_FAULTS' budget. Anything else it logs keeps
+    its traceback."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         exc = record.exc_info[1] if record.exc_info else None
         if isinstance(exc, (HttpProcessingError, RequestPayloadError, ConnectionError)):
-            record.msg = "malformed request from a client: %s: %s"
-            record.args = (type(exc).__name__, one_line(str(exc))[:200])
+            show, unsaid = CLIENT_FAULTS.admit(record.created)
+            if not show:
+                return False
+            record.msg = "malformed request from a client: %s: %s%s"
+            record.args = (type(exc).__name__, one_line(str(exc))[:200], _unsaid_note(unsaid))
             record.exc_info = None
             record.levelno, record.levelname = logging.INFO, "INFO"
         return True

@@ -23,7 +23,7 @@ from aiohttp import web
 from protocol.codec import MAX_BODY_BYTES
 from protocol.errors import ErrorCode
 from protocol.quoting import quote
-from rdzv_server import tcp_info
+from rdzv_server import logs, tcp_info
 from rdzv_server.core.errors import RendezvousError
 
 log = logging.getLogger("rdzv_server")
@@ -295,8 +295,8 @@ async def read_body(request: web.Request) -> bytes:
         raise SlowBody(ErrorCode.BAD_REQUEST, f"the request body did not arrive within "
                        f"{BODY_TIMEOUT_S:g}s") from None
     except ConnectionError as exc:
-        log.info("client %s closed the connection before its request body arrived (%s %s): %s",
-                 request.remote, request.method, quote(request.path), exc)
+        logs.say_client_fault(log, "client %s closed the connection before its request body arrived (%s %s): %s",
+                              request.remote, request.method, quote(request.path), exc)
         raise ClientGone() from None
     except web.RequestPayloadError as exc:
         raise RendezvousError(ErrorCode.BAD_REQUEST, f"the request body could not be read: {exc}") from None

@@ -7,7 +7,8 @@ import logging
 from aiohttp.web import RequestPayloadError
 
 from protocol.quoting import QUOTE_CHARS, one_line, quote
-from rdzv_server.logs import JsonFormatter, TextFormatter, _ClientErrorFilter
+from rdzv_server import logs
+from rdzv_server.logs import ClientFaultLines, JsonFormatter, TextFormatter, _ClientErrorFilter
 
 UNSAFE = "a\nb\rc\x00d\x1be\x7ff\x85g\x9bh\u2028i\u2029j\u202ek\ud800l"
 
@@ -53,7 +54,8 @@ def test_the_json_log_is_one_ascii_line():
     assert json.loads(line)["message"] == UNSAFE
 
 
-def test_a_body_aiohttp_cannot_decode_is_one_info_line_without_traceback():
+def test_a_body_aiohttp_cannot_decode_is_one_info_line_without_traceback(monkeypatch):
+    monkeypatch.setattr(logs, "CLIENT_FAULTS", ClientFaultLines())     # the budget of such lines, whole
     rec = record("Unhandled exception", exc=RequestPayloadError("Can not decode content-encoding: deflate"))
     rec.levelno, rec.levelname = logging.ERROR, "ERROR"
     assert _ClientErrorFilter().filter(rec)
