@@ -8,8 +8,11 @@ import re
 QUOTE_CHARS = 80     # of the client's value; its escapes may make the quote a few times longer
 
 # C0 controls but tab, DEL, C1 controls (NEL U+0085, CSI U+009B, ...), the Unicode line and paragraph
-# separators, and the bidirectional overrides (which make a viewer show text in another order).
-_UNSAFE = re.compile("[\x00-\x08\x0a-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069\ud800-\udfff]")
+# separators, the bidirectional overrides (which make a viewer show text in another order), and the invisible
+# format characters (zero-width spaces and joiners, marks, the byte-order mark, tag characters), which hide text.
+_INVISIBLE = "\u00ad\u061c\u180e\u200b-\u200f\u2060-\u2065\u206a-\u206f\ufeff\ufff9-\ufffb\U000e0000-\U000e007f"
+_SHOWN_AS_ESCAPES = f"\\x7f-\\x9f\\u2028\\u2029\\u202a-\\u202e\\u2066-\\u2069\\ud800-\\udfff{_INVISIBLE}"
+_UNSAFE = re.compile(f"[\\x00-\\x08\\x0a-\\x1f{_SHOWN_AS_ESCAPES}]")
 _NAMED = {"\n": "\\n", "\r": "\\r"}
 
 
@@ -18,7 +21,7 @@ def _escaped(match: re.Match[str]) -> str:
     if char in _NAMED:
         return _NAMED[char]
     code = ord(char)
-    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}" if code < 0x10000 else f"\\U{code:08x}"
 
 
 def one_line(text: str) -> str:
@@ -26,7 +29,7 @@ def one_line(text: str) -> str:
     return _UNSAFE.sub(_escaped, text)
 
 
-_UNSAFE_KEEPING_LINES = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069\ud800-\udfff]")
+_UNSAFE_KEEPING_LINES = re.compile(f"[\\x00-\\x08\\x0b-\\x1f{_SHOWN_AS_ESCAPES}]")
 
 
 def lines_kept(text: str) -> str:

@@ -6,7 +6,7 @@ import logging
 
 from aiohttp.web import RequestPayloadError
 
-from protocol.quoting import QUOTE_CHARS, one_line, quote
+from protocol.quoting import QUOTE_CHARS, lines_kept, one_line, quote
 from rdzv_server import logs
 from rdzv_server.logs import ClientFaultLines, JsonFormatter, TextFormatter, _ClientErrorFilter
 
@@ -31,6 +31,13 @@ def test_quote_and_one_line_leave_no_line_break_nor_control_character():
         assert text.isprintable(), text
         assert "\\n" in text and "\\x85" in text and "\\u2028" in text and "\\ud800" in text
         text.encode()          # no lone surrogate left: any UTF-8 writer takes it
+
+
+def test_invisible_characters_are_shown_as_escapes():
+    """Zero-width spaces, the byte-order mark and tag characters hide text from whoever reads the line."""
+    hidden = "drain\u200bnode-a\ufeff\U000e0041\u00ad"
+    for text in (one_line(hidden), lines_kept(hidden)):
+        assert text == "drain\\u200bnode-a\\ufeff\\U000e0041\\xad", text
 
 
 def test_one_line_keeps_printable_text_and_tabs_as_they_are():
