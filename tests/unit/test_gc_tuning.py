@@ -5,7 +5,7 @@ from __future__ import annotations
 import gc
 import weakref
 
-from rdzv_server.gc_tuning import Freezer
+from rdzv_server.gc_tuning import EARLY_REFRESH_S, Freezer
 
 
 class Node:
@@ -45,6 +45,38 @@ def test_a_cycle_that_dies_frozen_is_reclaimed_on_refresh():
         clock[0] = 600.0                               # the refresh: unfrozen, collected, frozen again
         freezer.tick()
         assert probe() is None
+    finally:
+        gc.unfreeze()
+        if enabled:
+            gc.enable()
+
+
+def test_frozen_cycles_are_reclaimed_early_once_the_frozen_objects_doubled():
+    """A flood of connections leaves their cycles frozen: the walk comes once the frozen objects doubled (and
+    EARLY_REFRESH_S since the last), not an hour later."""
+    clock, frozen = [0.0], [300_000]
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        freezer = Freezer(refresh_s=3600.0, clock=lambda: clock[0], frozen=lambda: frozen[0])
+        kept = Node()
+        probe = weakref.ref(kept)
+        freezer.tick()
+        del kept
+        clock[0], frozen[0] = EARLY_REFRESH_S, 599_999        # not yet doubled: still frozen
+        freezer.tick()
+        assert probe() is not None
+        frozen[0] = 600_000
+        freezer.tick()
+        assert probe() is None
+        clock[0] = 2 * EARLY_REFRESH_S                       # the baseline is what the walk left frozen
+        kept = Node()
+        probe = weakref.ref(kept)
+        freezer.tick()
+        del kept
+        clock[0] = 3 * EARLY_REFRESH_S
+        freezer.tick()
+        assert probe() is not None
     finally:
         gc.unfreeze()
         if enabled:
