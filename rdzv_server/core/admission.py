@@ -85,7 +85,7 @@ def _admitted(rules: JobRules, req: JoinRequest, now: float, credential: str, vi
                               f"{existing.addr}); give this agent another node id, or wait until that "
                               f"agent is gone ({max(0.0, existing.lease_expires - now):.1f}s without contact)")
     if existing is not None:
-        leases.note_loss(job, existing.node_id, now)      # a loss as much as a lease run out (flap damping)
+        leases.note_loss(job, existing.node_id, now, restarted=True)   # a loss as a lease run out (flap damping)
         rules.remove(existing, now, EventKind.NODE_LOST, f"node {req.node_id} restarted (new agent instance)",
                      failed_at=existing.last_seen, restarting=awaiting.holds_own_state(job, existing))
     node = _new_record(rules, req, now, credential, via, existing)

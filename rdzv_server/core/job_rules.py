@@ -300,7 +300,7 @@ class JobRules:
         members = set(self.members())
         lost = []
         for node in nodes:
-            leases.note_loss(self.job, node.node_id, now)
+            leases.note_loss(self.job, node.node_id, now, restarted=node.dropped and node.drop_heard)
             message = f"node {node.node_id} lost: {leases.why_lapsed(self.job, node, now)}"
             restarting = awaiting.restarting(self.job, node)
             self.remove(node, now, EventKind.NODE_LOST, message, form=False, restarting=restarting)

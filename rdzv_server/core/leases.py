@@ -209,8 +209,14 @@ def hold_back(job: JobRecord, nodes: list[NodeRecord], now: float, lag_s: float,
         out.deadline(now + by)
 
 
-def note_loss(job: JobRecord, node_id: str, now: float) -> None:
-    """Remember when a node was lost: a flapping host is kept out when it comes back (admission.py)."""
+def note_loss(job: JobRecord, node_id: str, now: float, restarted: bool = False) -> None:
+    """Remember when a node was lost: a flapping host is kept out when it comes back (admission.py). `restarted`:
+    its agent ended with its host alive (its next agent replaced the record, or its host closed the connection),
+    a loss only where the node held a place (a member of the round, or of the last one's places while the job
+    waits): an operator's restart typed twice (its second agent gone before it ever entered a round) cost the
+    others nothing, and made a healthy node "a flapping host", kept out 300s. A host gone silent counts anyway."""
+    if restarted and node_id not in (job.round.members if job.round is not None else job.places):
+        return
     window = job.config.exclude_window_s
     history = job.loss_times
     history[node_id] = [t for t in history.get(node_id, []) if t > now - window][-MAX_LOSSES_KEPT:] + [now]

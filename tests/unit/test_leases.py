@@ -2,7 +2,7 @@
 silent server blames nobody, a lagging server judges nobody, nodes lost together leave together."""
 from __future__ import annotations
 
-from protocol.messages import JobConfig, JoinRequest, PollRequest
+from protocol.messages import JobConfig, JoinRequest, NodeState, PollRequest
 from rdzv_server.core.events import EventKind
 from rdzv_server.core.leases import OUTAGE_LIMIT_S, QUIET_S, RESUME_GRACE_S
 from rdzv_server.core.rendezvous import Rendezvous
@@ -411,3 +411,29 @@ def test_a_flapping_hosts_hold_off_ends_when_the_job_is_short_of_nodes():
     t = only_heard(rz, ("a", "b"), t, 7.0)    # s lost: the job is short of nodes; a, held off, polls on
     assert "s" not in job.nodes and job.round is not None and sorted(job.round.members) == ["a", "b"]
     assert any("hold-off as a flapping host ends" in e.message for e in job.events)
+
+
+def test_an_agent_restarted_twice_at_once_is_no_flapping_host():
+    """A review (2 gloo nodes, DDP): an operator's restart typed twice. b's next agent, still preparing, was replaced
+    by the one after it within a second; that counted as b's second loss, and b was kept out 300s as a flapping host
+    (the job ran on without it) though its second agent never entered a round. A loss counts for a node with a place."""
+    c = JobConfig(min_nodes=1, max_nodes=3, last_call_s=0.0, lease_timeout_s=LEASE, join_timeout_s=1e4)
+    rz = Rendezvous()
+
+    def join(instance: str, t: float, ready: bool = True, predecessor: str = "", again: bool = False) -> None:
+        rz.handle("j", JoinRequest(v=1, node_id=instance[0], addr="10.0.0.1", local_world_size=1, master_port=1,
+                                   config=c, instance=instance, ready=ready, predecessor=predecessor,
+                                   credential=f"secret-{instance}" if again else ""),
+                  t, Arrival(secret=f"secret-{instance}"))
+
+    join("a", 0.0)
+    join("b", 0.0)
+    rz.tick(0.0)
+    job = rz.jobs["j"]
+    assert job.round is not None and job.round.members == ["a", "b"]
+    join("b2", 1.0, ready=False, predecessor="secret-b")      # its agent restarted: a loss (b was a member)
+    join("b3", 1.5, ready=False, predecessor="secret-b2")     # and restarted again before b2 was ever in a round
+    assert job.nodes["b"].state != NodeState.EXCLUDED, [e.message for e in job.events[-3:]]
+    join("b3", 3.0, again=True)                               # ready: back in the job
+    rz.tick(3.0)
+    assert job.round is not None and job.round.members == ["a", "b"], [e.message for e in job.events[-3:]]
