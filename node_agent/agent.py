@@ -221,7 +221,7 @@ class Agent:
         await succession.predecessor_gone(self.workers.memory, self.settings.workers.stop_timeout + 5.0)
         succession.settle(self.workers.memory)
         dirs = self.workers.memory.dirs_for(assignment.local_world_size, assignment.rank_offset,
-                                            assignment.run)
+                                            assignment.run, assignment.ranks_alike)
         succession.keep_credential(self.workers.memory, self.transport.credential)    # for its next agent
         if assignment.resume_at_most >= 0 and (gone := forget_after(assignment.resume_at_most, dirs)):
             self.narrator.say(f"the job's replicas diverged after step {assignment.resume_at_most}: "

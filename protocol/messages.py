@@ -303,6 +303,9 @@ class Assignment(msgspec.Struct, kw_only=True, frozen=True, gc=False):
     # After replicas diverged: the newest step all held alike. The agent drops its ranks' snapshots newer than
     # it before the workers start, so they resume from it (-1: keep them all).
     resume_at_most: Annotated[int, Meta(ge=-1, le=MAX_ROUND)] = -1
+    # The job's ranks are replicas of each other (DDP: their snapshots' digests agreed): a node whose ranks move
+    # keeps its snapshots (any rank's is every rank's state), where it would empty its directories of a shard.
+    ranks_alike: bool = False
 
 
 class NodeStatus(msgspec.Struct, kw_only=True, gc=False):

@@ -169,11 +169,11 @@ class MemoryDirs:
                     self._keep_failed = True
                     self.say(f"cannot ask the ranks in {path} to keep their snapshots from step {step} on: {exc}")
 
-    def dirs_for(self, local_world_size: int, rank_offset: int, run: str = "") -> dict[int, str]:
-        """`dirs`, for the round of run `run` whose local rank 0 is global rank `rank_offset`: a directory whose
-        snapshots were saved by another global rank (this node's ranks moved: it closed up, or took a gone node's
-        place) is emptied first. A shard of one rank must never be loaded by another (agreed_step then goes to
-        disk). A directory taken up from an ended agent keeps its snapshots only for the same run."""
+    def dirs_for(self, local_world_size: int, rank_offset: int, run: str = "", alike: bool = False) -> dict[int, str]:
+        """`dirs`, for the round of run `run` whose local rank 0 is global rank `rank_offset`: a directory of another
+        global rank's snapshots (ranks moved: it closed up, or took a gone node's place) is emptied, a shard never
+        loaded by another rank; not where ranks are replicas (`alike`: DDP's digests agreed: a review saw a last
+        survivor, moved, remove the only snapshot left: step 0). Taken up from an ended agent: for the same run."""
         if self.dirs(local_world_size) and self.root is not None:
             self._take_up(run, local_world_size)
         out = self.dirs(local_world_size)
@@ -187,12 +187,14 @@ class MemoryDirs:
                 held = ""
             if held and held != str(rank_offset + local):
                 moved.append(held)
-                _empty(path, keep={RANK_FILE})
+                if not alike:
+                    _empty(path, keep={RANK_FILE})
             with contextlib.suppress(OSError), open(mark, "w") as f:
                 f.write(f"{rank_offset + local}\n")
         if moved:
-            self.say(f"this node's ranks moved (now from {rank_offset}): the snapshots of rank(s) {', '.join(moved)} "
-                      f"are not theirs and were removed")
+            self.say(f"this node's ranks moved (now from {rank_offset}): the snapshots of rank(s) {', '.join(moved)} " +
+                     ("are kept, the job's ranks being replicas (their digests agreed)" if alike else
+                      "are not theirs and were removed"))
         return out
 
     def _take_up(self, run: str, local_world_size: int) -> None:

@@ -30,6 +30,7 @@ class Digests:
     by_step: dict[int, dict[int, tuple[int, int]]] = field(default_factory=dict)   # step -> rank -> (group, digest)
     agreed: int = -1                   # the newest step every rank held alike (-1: none judged yet)
     voters: dict[int, str] = field(default_factory=dict)     # rank -> the node that told it (its voice)
+    groups: int = 0                    # the groups of replicas at `agreed` (1: every rank alike, DDP; HSDP: shards)
 
 
 @dataclass(frozen=True)
@@ -65,7 +66,7 @@ def note(d: Digests, round_id: int, world: int, told: list[RankDigest], voter: s
             if 2 * count > len({who for who, _ in voices}):
                 odd += [r for r, v in held.items() if v != value]
         if alike:
-            d.agreed = max(d.agreed, step)
+            d.agreed, d.groups = max(d.agreed, step), len(groups)
             continue
         d.by_step.clear()
         return Diverged(step=step, odd=sorted(odd), agreed=d.agreed, ranks=world, groups=len(groups))

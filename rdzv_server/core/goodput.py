@@ -54,6 +54,7 @@ class JobProgress(msgspec.Struct, kw_only=True, omit_defaults=True):
     rates: dict[str, float] = msgspec.field(default_factory=dict)    # each node's steps per second lately
     slow: list[str] = msgspec.field(default_factory=list)            # nodes named slow now (slow.py)
     alike_step: int = -1       # the newest snapshot step every replica held alike (divergence.py; -1: none)
+    all_alike: bool = False    # ... and the replicas were every rank (DDP), not each shard's (HSDP): ranks_alike
 
     @property
     def steps(self) -> int:

@@ -128,6 +128,7 @@ class RoundRecord(msgspec.Struct, kw_only=True, omit_defaults=True, dict=True):
     replica_key: str = ""              # the job's key for its members' copies (JobRecord.replica_key)
     run: str = ""                      # the job's run (rounds.run_of): Assignment.run
     resume_at_most: int = -1           # Assignment.resume_at_most (after replicas diverged)
+    ranks_alike: bool = False          # Assignment.ranks_alike (the job's digests agreed)
     # A node that took a gone node's place -> [that node, the member holding its copies], or [that node, itself,
     # and the holder if any] where it lives on in the job (a suspect swapped out): it serves its own snapshots,
     # at `copies_from`, the holder's copies the second source

@@ -42,7 +42,7 @@ def build_round(job: JobRecord, members: list[str], round_id: int, opened_at: fl
                     # them and could act for those nodes for good), as one with no copy port
                     copy_ports=[n.copy_port if n.copy_verifiers else 0 for n in nodes],
                     replicas=replicas, replica_key=job.replica_key, run=run_of(job),
-                    resume_at_most=job.resume_at_most)
+                    resume_at_most=job.resume_at_most, ranks_alike=job.progress.all_alike)
     job.resume_at_most = -1           # told once: to the round that resumes
     pending = fetches_pending(job, members, took or {})
     # A newcomer in the place of a member lost mid-fetch takes that fetch over: the place's state is those copies
@@ -249,7 +249,8 @@ def assignment(r: RoundRecord, node_id: str) -> Assignment | None:
             copy_sources=derived.sources(rank), copies_of=copies_of,
             copies_token=copy_token(r.replica_key, copies_of, r.told_epochs.get(node_id, r.copy_epochs.get(
                 copies_of, 0))) if copies_of else "",
-            copies_at=copies_at, copies_also=copies_also, run=r.run, resume_at_most=r.resume_at_most)
+            copies_at=copies_at, copies_also=copies_also, run=r.run, resume_at_most=r.resume_at_most,
+            ranks_alike=r.ranks_alike)
     return built
 
 

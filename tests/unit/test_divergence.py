@@ -3,6 +3,8 @@ it; all alike moves the agreed step, a minority is named (the round fails for it
 at most from the agreed step), no majority names nobody. Through the real core with agents' progress notes."""
 from __future__ import annotations
 
+import pytest
+
 from protocol.messages import JobConfig, JoinRequest, NodeState, PollRequest
 from protocol.notes import ProgressNote, RankDigest
 from rdzv_ctl import tables as ctl
@@ -124,3 +126,24 @@ def test_a_node_that_runs_more_ranks_does_not_outvote_the_others() -> None:
     h_ranks = ", ".join(str(spans["h"][0] + i) for i in range(5))
     assert event.startswith(f"rank(s) {h_ranks} hold other parameters"), event
     assert rz.jobs["j"].nodes["b"].state != NodeState.EXCLUDED
+
+
+@pytest.mark.parametrize("shards", [1, 2])
+def test_a_round_after_the_replicas_agreed_tells_its_nodes_their_ranks_are_alike(shards: int) -> None:
+    """A review (2 gloo nodes, DDP): the survivor that moved into a restarting node's place removed its snapshots (the
+    only ones left) as another rank's shards: every rank from step 0. Once the digests agreed, a round says its ranks
+    are replicas (Assignment.ranks_alike), and a node whose ranks move keeps them (node_agent/workers/memory.py).
+    Not HSDP's (replicas within each shard only): a moved rank would load another shard."""
+    from protocol.messages import LeaveRequest
+    rz = Rendezvous()
+    for node in ("a", "b", "c"):
+        join(rz, node, T)
+    offsets = {n: poll(rz, n, T + 2).assignment.rank_offset for n in ("a", "b", "c")}
+    assert not any(poll(rz, n, T + 3).assignment.ranks_alike for n in offsets)      # nothing compared yet
+    for n, at in offsets.items():
+        poll(rz, n, T + 5, [RankDigest(rank=r, step=5, digest=7 + r % shards, group=r % shards) for r in (at, at + 1)])
+    rz.jobs["j"].config = JobConfig(min_nodes=2, max_nodes=3, max_restarts=5, last_call_s=0.0, lease_timeout_s=1e4)
+    rz.handle("j", LeaveRequest(v=1, node_id="a", credential="secret-a"), T + 6)
+    job = rz.jobs["j"]
+    assert job.round is not None and sorted(job.round.members) == ["b", "c"] and job.progress.alike_step == 5
+    assert {poll(rz, n, T + 7).assignment.ranks_alike for n in job.round.members} == {shards == 1}

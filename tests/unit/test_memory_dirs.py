@@ -64,6 +64,20 @@ def test_a_directory_whose_ranks_moved_is_emptied_and_one_whose_ranks_stayed_is_
     assert snapshot.steps(dirs.dirs_for(2, 2)[0]) == [15]      # its own again from then on
 
 
+def test_a_directory_whose_ranks_moved_keeps_its_snapshots_where_the_ranks_are_replicas(tmp_path) -> None:
+    """A review (2 gloo nodes, DDP): group rank 0's agent restarted, the survivor moved into its place and removed
+    its own snapshots, the only ones left: every rank back to step 0. Under DDP (the job's digests agreed) any
+    rank's snapshot is every rank's state: kept, and said."""
+    said: list[str] = []
+    dirs = MemoryDirs("job", 1, 4 * 2**20, say=said.append, base=str(tmp_path))
+    snapshot.save(b"replica", 40, where=dirs.dirs_for(1, 1)[0])       # global rank 1
+    moved = dirs.dirs_for(1, 0, alike=True)                           # it took rank 0's place
+    assert snapshot.steps(moved[0]) == [40]
+    assert "rank(s) 1 are kept" in said[-1]
+    with open(os.path.join(moved[0], memory.RANK_FILE)) as f:
+        assert f.read().strip() == "0"
+
+
 def test_off_means_no_directory(tmp_path) -> None:
     dirs = MemoryDirs("j", 2, 0, say=lambda _: None, base=str(tmp_path))
     assert dirs.dirs(2) == {} and os.listdir(tmp_path) == []
