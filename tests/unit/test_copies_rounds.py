@@ -3,6 +3,7 @@ gone node's place is told to fetch. Pure core, time as plain floats."""
 from __future__ import annotations
 
 import msgspec
+import pytest
 
 from protocol.messages import JobConfig, JobState, JoinRequest, NodeStatus, PollRequest, Witness
 from protocol.notes import CopiesNote
@@ -147,8 +148,12 @@ def test_with_two_replicas_the_node_taking_a_place_is_told_both_holders():
     assert {s.copies_at.addr, s.copies_also.addr} == {"10.0.0.3", "10.0.0.4"}, s     # b's went to c and d
 
 
-def test_a_lost_node_whose_holder_was_lost_with_it_leaves_nothing_to_fetch():
+@pytest.mark.parametrize("alike", [False, True])
+def test_a_lost_node_whose_holder_was_lost_with_it_leaves_nothing_to_fetch(alike: bool):
+    """Where the job's ranks are replicas (DDP: their digests agreed) each rank resumes from a replica's snapshot,
+    not from disk: the round says so (a review read "every rank resumes from disk" and then saw step 20 in memory)."""
     rz = started({"a": "1", "b": "2", "c": "3"}, CFG)
+    rz.jobs[JOB].progress.all_alike = alike
     join(rz, "s", 0.5, CFG, domain="4")
     join(rz, "t", 0.5, CFG, domain="5")
     for n in ("b", "c"):
@@ -161,6 +166,8 @@ def test_a_lost_node_whose_holder_was_lost_with_it_leaves_nothing_to_fetch():
     assert t is not None and t.copies_of == "c" and t.copies_at == Witness(addr="10.0.0.1", port=4000)  # c's on a
     formed = [e for e in rz.jobs[JOB].events if e.kind == "round_completed"][-1]
     assert "no copy of b's snapshots is left" in formed.message and "no copy of c" not in formed.message
+    assert ("every rank resumes from disk" in formed.message) != alike
+    assert ("each rank resumes from the newest snapshot a replica holds" in formed.message) == alike
 
 
 def test_a_fixed_size_job_waiting_for_a_node_keeps_where_the_lost_nodes_copies_are():
