@@ -15,7 +15,7 @@ Rules, so a fetcher only ever gets a whole copy that was whole when it came:
 - This node's own snapshots are fetched with its own token by the node taking its place (own.py).
 - What one key can hold: one push a rank waiting for the job's step (more are refused at once: each holds a
   connection at work), and one fetch a rank (a newer one ends the older: a slow reader keeps no replaced copy's
-  file alive).
+  file alive; while the older is ending a newer is refused, so a loop of fetches holds two connections, not the cap).
 - Never a traceback to a peer: every failure is a `refused` line, logged once per kind and SAY_EVERY_S with the
   count since (a flood from many addresses is a few lines)."""
 from __future__ import annotations
@@ -81,6 +81,7 @@ class CopyStore:
         self._waiting: dict[str, dict[int, tuple[int, asyncio.StreamWriter]]] = {}   # node -> rank -> a push
         # waiting for the job to reach its step: the step, its stream
         self._sending: dict[tuple[str, int], asyncio.StreamWriter] = {}     # (node, rank) -> the fetch it serves
+        self._ending: set[tuple[str, int]] = set()      # ranks whose older fetch, ended for a newer, still runs
         self._said: dict[str, tuple[float, int]] = {}     # kind -> (when last said, how many since)
 
     # --- what is held -------------------------------------------------------------------------------------
@@ -331,6 +332,9 @@ class CopyStore:
         return self._own is not None and node == self._own.node
 
     async def _fetch(self, req: FetchRequest, writer: asyncio.StreamWriter, peer: str, first_line: bytes) -> None:
+        slot = (req.node, req.rank)
+        if slot in self._ending:    # a review: a member's loop of fetches filled the cap and shut out others' pushes
+            raise Refusal("busy", "busy: a fetch of this rank is still ending")
         mine = self._own if self._own is not None and req.node == self._own.node else None
         own = mine.open(req.rank, req.step) if mine is not None else None
         opened = (*own[:2], "") if own is not None else None if mine is not None else \
@@ -339,9 +343,9 @@ class CopyStore:
             writer.write(wire.NONE)
             return
         fd, step, stored = opened
-        slot = (req.node, req.rank)
         if (older := self._sending.get(slot)) is not None:
             older.transport.abort()       # the newest fetch of a rank is served: a slow one keeps no file alive
+            self._ending.add(slot)
         self._sending[slot] = writer
         pinned = None
         try:
@@ -371,6 +375,8 @@ class CopyStore:
                 remove(pinned)
             if self._sending.get(slot) is writer:
                 del self._sending[slot]
+            else:
+                self._ending.discard(slot)
 
     def _open_held(self, node: str, rank: int, want: int | None = None) -> tuple[int, int, str] | None:
         try:

@@ -10,7 +10,7 @@ import os
 
 import pytest
 
-from node_agent.copies import client, wire
+from node_agent.copies import client, stream, wire
 from node_agent.copies.store import CopyStore
 from protocol.messages import CopySource
 from tests.unit.test_copy_store import FAR, KEY, NODE, SAID, blob, header, holder, raw_push, snap, troubles
@@ -206,3 +206,38 @@ async def test_the_newest_fetch_of_a_rank_is_served_and_an_older_slow_one_ends(t
                 received += len(chunk)
         assert received < len(data)                                                 # the older one was ended
         writer.close()
+
+
+async def test_a_loop_of_fetches_of_one_rank_holds_two_connections_at_work_not_the_cap(tmp_path, monkeypatch) -> None:
+    """A member fetching its copy in a loop, reading nothing: each newer fetch ended the older, but an older one
+    ends only once its read of the file (in a thread) returns, so they piled up at work: a review's loop of them
+    filled an agent's cap of 64 and its other peers' pushes were refused. While an older one is ending, a newer
+    fetch of the rank is refused at once. Here every read of the file waits until released: the ended one cannot
+    end meanwhile."""
+    import threading
+    store = store_of(tmp_path, limit=96 << 20)
+    release = threading.Event()
+    real = stream._read_and_hash
+
+    def held_read(digest, fd: int, n: int, offset: int) -> bytes:
+        release.wait(10)
+        return real(digest, fd, n, offset)
+
+    async with holder(store) as port:
+        assert (await client.push("127.0.0.1", port, key=KEY, node_id=NODE, local_rank=0, step=3, round_id=5,
+                                  path=snap(tmp_path, "big", blob(4 << 20, 3)))).ok
+        monkeypatch.setattr(stream, "_read_and_hash", held_read)
+        conns = []
+        try:
+            answers = []
+            for _ in range(8):
+                reader, writer = await asyncio.open_connection("127.0.0.1", port)
+                conns.append(writer)
+                writer.write(wire.fetch_line(wire.FetchRequest(KEY, NODE, 0)))
+                answers.append(await asyncio.wait_for(reader.readline(), 5))
+            assert [a.split(b" step=")[0] for a in answers[:2]] == [b"rdzv-agent copy"] * 2, answers
+            assert answers[2:] == [b"rdzv-agent refused busy: a fetch of this rank is still ending\n"] * 6, answers
+        finally:
+            release.set()
+            for writer in conns:
+                writer.close()
