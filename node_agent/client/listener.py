@@ -31,8 +31,11 @@ Handler = Callable[[bytes, asyncio.StreamReader, asyncio.StreamWriter], Awaitabl
 
 
 def caps_for_descriptors(limit: int) -> Caps:
-    """Caps that leave three quarters of `limit` descriptors to the rest of the agent (workers, pipes, polls)."""
-    return Caps(total=max(MIN_TOTAL, min(MAX_CONNECTIONS, limit // 4)), per_source=MAX_PER_SOURCE, shrinks=True)
+    """Caps that leave three quarters of `limit` descriptors to the rest of the agent (workers, pipes, polls), and
+    one source at most half the total: a review at 256 descriptors (a total of 64, as the source cap) saw one address
+    hold every connection at work and a peer's push refused."""
+    total = max(MIN_TOTAL, min(MAX_CONNECTIONS, limit // 4))
+    return Caps(total=total, per_source=min(MAX_PER_SOURCE, total // 2), shrinks=True)
 
 
 def agent_caps() -> Caps:

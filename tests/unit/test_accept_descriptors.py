@@ -11,7 +11,7 @@ import threading
 
 import psutil
 
-from node_agent.client.listener import Listener
+from node_agent.client.listener import MAX_PER_SOURCE, Listener, caps_for_descriptors
 from protocol.accepting import Caps
 from tests.unit.test_listener import until
 
@@ -66,3 +66,11 @@ async def test_idle_connections_closed_to_make_room_hold_no_descriptor_past_the_
         await listener.close()
     # one more than the cap: a connection accepted a moment before the one it makes room for is closed
     assert most[0] <= caps.total + 1, f"{most[0]} sockets open at a cap of {caps.total}"
+
+
+def test_one_source_holds_at_most_half_of_a_small_agents_connections() -> None:
+    """At 256 descriptors the total cap (64) was the per-source one: one address held every connection, and while
+    they were at work a peer's push was refused at accept."""
+    assert caps_for_descriptors(256).per_source == 32
+    assert caps_for_descriptors(20).per_source == 8
+    assert caps_for_descriptors(1 << 20).per_source == MAX_PER_SOURCE
