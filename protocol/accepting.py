@@ -154,16 +154,17 @@ class Accepted:
 
 
 class SayOnce:
-    """A line said at most once per SAY_EVERY_S (a flood is told once a minute, not once a connection)."""
+    """A line of each kind said at most once per SAY_EVERY_S (a flood is told once a minute, not once a connection).
+    Kinds apart: a review saw a cap lowered for want of descriptors never said (a line on the cap said just before)."""
 
     def __init__(self, say: Callable[[str], None]) -> None:
         self._say = say
-        self._said_at = -SAY_EVERY_S
+        self._said_at: dict[str, float] = {}
 
-    def __call__(self, line: str) -> None:
+    def __call__(self, line: str, kind: str = "") -> None:
         now = time.monotonic()
-        if now - self._said_at >= SAY_EVERY_S:
-            self._said_at = now
+        if now - self._said_at.get(kind, -SAY_EVERY_S) >= SAY_EVERY_S:
+            self._said_at[kind] = now
             self._say(line)
 
 
@@ -195,10 +196,10 @@ async def accept(sock: socket.socket, caps: Caps, name: str, say: SayOnce, serve
                 closed = caps.shrink(caps.count * 3 // 4)
                 say(f"{name}: out of descriptors accepting a connection ({exc.strerror}): at most {caps.total} "
                     f"connections from now on ({closed} waiting closed); others wait in the backlog; accepting "
-                    f"again in {ACCEPT_PAUSE_S:g}s")
+                    f"again in {ACCEPT_PAUSE_S:g}s", "descriptors")
             elif exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
                 say(f"{name}: out of descriptors or memory accepting a connection ({exc.strerror}): connections "
-                    f"wait in the backlog; accepting again in {ACCEPT_PAUSE_S:g}s")
+                    f"wait in the backlog; accepting again in {ACCEPT_PAUSE_S:g}s", "descriptors")
             await asyncio.sleep(ACCEPT_PAUSE_S if exc.errno != errno.ECONNABORTED else 0)   # a pause, not a wait
             continue
         source = source_of(peer)
@@ -206,7 +207,7 @@ async def accept(sock: socket.socket, caps: Caps, name: str, say: SayOnce, serve
         if taken != TAKEN:
             done = "closed the one idle longest for" if taken == EVICTED else "refused"
             say(f"{name}: at its cap of {caps.total} connections ({caps.per_source} from one address): {done} a "
-                f"connection from {source!r} (said once a minute)")
+                f"connection from {source!r} (said once a minute)", "cap")
         if taken == REFUSED:
             conn.close()                             # at once: no handshake, no buffer, no task
             continue

@@ -12,7 +12,7 @@ import threading
 import psutil
 
 from node_agent.client.listener import MAX_PER_SOURCE, Listener, caps_for_descriptors
-from protocol.accepting import Caps
+from protocol.accepting import Caps, SayOnce
 from tests.unit.test_listener import until
 
 FLOOD = 600
@@ -74,3 +74,15 @@ def test_one_source_holds_at_most_half_of_a_small_agents_connections() -> None:
     assert caps_for_descriptors(256).per_source == 32
     assert caps_for_descriptors(20).per_source == 8
     assert caps_for_descriptors(1 << 20).per_source == MAX_PER_SOURCE
+
+
+def test_a_line_about_descriptors_is_said_though_one_about_the_cap_was_just_said() -> None:
+    """A flood past the cap, then out of descriptors: the cap lowered for good was never said (one line a minute for
+    both), and an operator saw "at its cap of 36" with no reason."""
+    said: list[str] = []
+    say = SayOnce(said.append)
+    say("at its cap", "cap")
+    say("out of descriptors", "descriptors")
+    say("at its cap again", "cap")
+    say("out of descriptors again", "descriptors")
+    assert said == ["at its cap", "out of descriptors"]
