@@ -28,6 +28,11 @@ from protocol import keepalive
 # A source answers a fetch at once (its file is there or not): one that does not connect and answer within this
 # (a hung agent, a dead host) is given up, so the node taking a place resumes from disk in seconds, not a minute.
 FETCH_ANSWER_S = 10.0
+# A holder answers "busy" while an older fetch of the rank it ended still ends (its file read in a thread returns):
+# asked again, a few times, before the fetch counts as failed and the ranks go to disk (a round change mid-fetch
+# asks again at once).
+FETCH_BUSY_TRIES = 5
+FETCH_BUSY_WAIT_S = 0.2
 
 
 @dataclass(frozen=True)
@@ -155,10 +160,27 @@ async def fetch(addr: str, port: int, *, key: str, node_id: str, local_rank: int
     except WireError as exc:
         return FetchResult(None, f"bad request: {exc}", 0)
     got = _Count()
+    for _ in range(FETCH_BUSY_TRIES - 1):
+        if (result := await _fetch_once(addr, port, line, dest_dir, max_bytes, timeout_s, tls, step, got)):
+            return result
+        await _busy_back_off()
+    return await _fetch_once(addr, port, line, dest_dir, max_bytes, timeout_s, tls, step, got) or \
+        FetchResult(None, f"refused: the holder stayed busy ({FETCH_BUSY_TRIES} asks)", 0)
+
+
+async def _busy_back_off() -> None:
+    await asyncio.sleep(FETCH_BUSY_WAIT_S)      # a back-off: the holder's ended fetch ends on its own
+
+
+async def _fetch_once(addr: str, port: int, line: bytes, dest_dir: str, max_bytes: int | None, timeout_s: float,
+                      tls: ssl.SSLContext | None, step: int | None, got: _Count) -> FetchResult | None:
+    """One ask of `fetch`'s; None where the holder answered busy."""
     try:
         async with _ask(addr, port, line, min(timeout_s, FETCH_ANSWER_S), tls) as (reader, _, answer):
             if answer.kind == "none":
                 return FetchResult(None, "no copy held", 0)
+            if answer.kind == "refused" and (answer.reason or "").startswith("busy"):
+                return None
             if answer.kind != "copy" or answer.step is None or answer.size is None:
                 return FetchResult(None, _not_go(answer), 0)
             if step is not None and answer.step != step:

@@ -241,3 +241,33 @@ async def test_a_loop_of_fetches_of_one_rank_holds_two_connections_at_work_not_t
             release.set()
             for writer in conns:
                 writer.close()
+
+
+async def test_a_fetch_answered_busy_asks_again_while_the_older_one_ends(tmp_path, monkeypatch) -> None:
+    """"busy" (an older fetch of the rank, ended, still ending) is asked again after a back-off, not taken for a
+    failed fetch: that would send the fetching node's ranks, and with them every rank, to disk. Here the back-off
+    is where the older fetch ends."""
+    store = store_of(tmp_path, limit=96 << 20)
+    slot = (NODE, 0)
+    waits = []
+
+    async def older_ends() -> None:
+        waits.append("back-off")
+        store._ending.discard(slot)
+
+    async def never_ends() -> None:
+        waits.append("back-off")
+
+    async with holder(store) as port:
+        assert (await client.push("127.0.0.1", port, key=KEY, node_id=NODE, local_rank=0, step=3, round_id=5,
+                                  path=snap(tmp_path, "s", blob(1 << 16, 3)))).ok
+        store._ending.add(slot)
+        monkeypatch.setattr(client, "_busy_back_off", older_ends)
+        dest = tmp_path / "fetched"
+        dest.mkdir()
+        got = await client.fetch("127.0.0.1", port, key=KEY, node_id=NODE, local_rank=0, dest_dir=str(dest))
+        assert got.step == 3 and waits == ["back-off"], (got, waits)
+        store._ending.add(slot)                    # never ends: a bounded number of asks, then a failed fetch
+        monkeypatch.setattr(client, "_busy_back_off", never_ends)
+        again = await client.fetch("127.0.0.1", port, key=KEY, node_id=NODE, local_rank=0, dest_dir=str(dest))
+        assert again.step is None and "stayed busy" in again.reason and len(waits) == 1 + (client.FETCH_BUSY_TRIES - 1)
