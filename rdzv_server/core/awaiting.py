@@ -161,9 +161,11 @@ def holds_own_state(job: JobRecord, node: NodeRecord) -> bool:
     killed it again as it prepared, and the job, no longer waiting, shrank and regrew to step 0), and the job's
     ranks are not known to be replicas of each other (DDP: the job's digests agreed, and a rank without the step is
     lent it). A job without snapshots in memory, or of replicas, loses nothing by shrinking and is not made to wait
-    (an agent killed for good: the survivors go on within a second or two)."""
+    (an agent killed for good: the survivors go on within a second or two). HSDP's digests agree too, but only
+    within each shard (`alike_step`, not `all_alike`): no rank is lent another's shard, and a review saw such a job
+    not wait for a restarted agent, shrink and go back to step 0."""
     return (fetch_unfinished(node) or node.copies is not None and node.copies.local_step >= 0 or
-            node.copies is None and node.node_id in job.awaited) and job.progress.alike_step < 0
+            node.copies is None and node.node_id in job.awaited) and not job.progress.all_alike
 
 
 def fetch_unfinished(node: NodeRecord) -> bool:

@@ -65,7 +65,7 @@ def reshaped(job: JobRecord, places: list[str], holders: set[str], ready: list[s
     and every other rank from its own memory (a review: 3 x 2 with a ready spare of 2, one agent back with 1: every
     rank from step 0). The node then comes after the others (a spare where the round is full)."""
     sizes = job.places_sizes if job.round is None else []
-    if len(sizes) != len(places) or job.progress.alike_step >= 0:
+    if len(sizes) != len(places) or job.progress.all_alike:     # DDP; not HSDP (replicas within a shard)
         return {}
     given: dict[str, str] = {}
     for place, size in zip(places, sizes, strict=True):

@@ -224,10 +224,23 @@ def test_a_job_of_replicas_is_not_made_to_wait():
     """DDP: the ranks' digests agreed (their snapshots are replicas), so a rank without the step is lent it by
     another after the job grows again; shrinking loses nothing."""
     rz = running(["a", "b", "c"], ELASTIC)
-    job(rz).progress.alike_step = 10
+    job(rz).progress.alike_step, job(rz).progress.all_alike = 10, True
     crash_agent(rz, "b", 10.0)
     rz.tick(10.0 + DROP_GRACE_S)
     assert members(rz) == ["a", "c"] and job(rz).awaited == []
+
+
+def test_a_job_of_replicas_within_each_shard_only_is_made_to_wait():
+    """A review (HSDP, 2 nodes x 2 ranks, 2 replicas of 2 shards, nnodes 1:2): its digests agree within each shard,
+    which set `alike_step` as DDP's do, and the job shrank when an agent was killed and restarted: every rank from
+    step 0. No rank is lent another's shard (the ranks are not all replicas): the node is awaited."""
+    rz = running(["a", "b", "c"], ELASTIC)
+    job(rz).progress.alike_step = 10            # agreed in each shard's group, not across every rank
+    crash_agent(rz, "b", 10.0)
+    rz.tick(10.0 + DROP_GRACE_S)
+    assert job(rz).round is None and job(rz).awaited == ["b"]
+    join(rz, "b", 11.0, ELASTIC, instance="b#2")
+    assert members(rz) == ["a", "b", "c"] and "b is back at its place" in last_event(rz, "round_completed")
 
 
 @pytest.mark.parametrize("replicas", [False, True])
@@ -237,7 +250,7 @@ def test_a_job_of_per_rank_state_that_changes_size_says_every_rank_goes_back_whe
     what keeps the job's size; a job of replicas (DDP) loses nothing and is told nothing."""
     rz = running(["a", "b", "c"], ELASTIC)
     if replicas:
-        job(rz).progress.alike_step = 10
+        job(rz).progress.alike_step, job(rz).progress.all_alike = 10, True
     for n in "abc":
         snapshots(rz, n, 1.0)
     heard(rz, "ac", 3.0, 5.0)
@@ -907,14 +920,19 @@ def test_the_last_member_back_with_fewer_workers_says_its_last_ranks_go_not_that
         "ranks hold their own state and rank 5 and the state it held is gone" in formed, formed
 
 
+@pytest.mark.parametrize("hsdp", [False, True])
 @pytest.mark.parametrize("spare_workers", [1, 2])
-def test_a_member_back_with_another_number_of_workers_gives_its_place_to_a_spare_of_its_old_size(spare_workers):
+def test_a_member_back_with_another_number_of_workers_gives_its_place_to_a_spare_of_its_old_size(spare_workers,
+                                                                                                 hsdp):
     """A review (3 x 2 shard job, a ready spare of 2 workers, copies landed): b's agent restarted with
     --nproc-per-node 1. The spare stayed spare while b was awaited ("its memory holds b's newest state"), then b came
     back with 1 worker, took its place, the ranks moved and every rank went back to step 0, where the spare, taking
     b's place from its copy, kept the job's size and every rank's state. A spare of b's old size (here 1 worker, b's
-    new agent 2) takes the place now; b waits as the spare. One of another size does not: b is back at its place."""
+    new agent 2) takes the place now; b waits as the spare. One of another size does not: b is back at its place.
+    `hsdp`: the job's digests agreed within each shard only (HSDP): its ranks still hold their own shards."""
     rz = running(["a", "b", "c"], ELASTIC)
+    if hsdp:
+        job(rz).progress.alike_step = 10
     join(rz, "s", 1.0, ELASTIC, lws=spare_workers)
     crash_agent(rz, "b", 10.0, copied=10)
     poll(rz, "s", 10.0)
@@ -954,7 +972,7 @@ def test_the_spare_taking_the_place_of_a_member_back_with_another_number_of_work
 
 def test_a_job_of_replicas_back_with_another_number_of_workers_is_told_nothing():
     rz = running(["a", "b", "c"], ELASTIC)
-    job(rz).progress.alike_step = 10           # DDP: a rank without the step is lent it
+    job(rz).progress.alike_step, job(rz).progress.all_alike = 10, True     # DDP: a rank without the step is lent it
     crash_agent(rz, "b", 10.0)
     rz.tick(10.0 + DROP_GRACE_S)
     join(rz, "b", 10.5, ELASTIC, instance="b#2", lws=2)

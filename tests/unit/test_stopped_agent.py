@@ -173,7 +173,7 @@ def test_a_leave_the_job_loses_nothing_by_is_gone_on_without_at_once(case):
     anyway), a node with no snapshot in memory, a DDP job (its ranks replicas): the round forms at once."""
     rz = running(["a", "b", "c"], ELASTIC)
     if case == "replicas":
-        job(rz).progress.alike_step = 10
+        job(rz).progress.alike_step, job(rz).progress.all_alike = 10, True
     reply = stop(rz, "b", 10.0, stopped=case != "plain-leave", held=case != "nothing-held",
                  unhealthy=UnhealthyKind.GPU if case == "unhealthy" else None)
     assert members(rz) == ["a", "c"] and job(rz).awaited == [] and reply.place_kept_s == 0.0
