@@ -97,7 +97,7 @@ class Agent:
         self.copies = PeerCopies(self.workers.memory, link.nproc, link.node_id, self.narrator.say,
                                  settings.workers.copy_bandwidth, self._copy_tls(),
                                  server_tls=link.endpoint_scheme == "https", caps=caps,
-                                 stepping=self.workers.all_stepping)
+                                 stepping=self.workers.all_stepping, static=link.mode is Mode.STATIC)
         self.copy_port = 0          # where this node takes peer copies (PeerCopies.listen)
         self.copies.on_copied = self._copied
         self.witness = WitnessServer(addr, lambda: self.policy.in_contact, self._holds,

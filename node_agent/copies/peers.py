@@ -50,11 +50,14 @@ RETRY_S = 1.0           # a peer a push could not reach or that refused is tried
 class PeerCopies:
     def __init__(self, memory: MemoryDirs, nproc: int, node_id: str, say: Callable[[str], None],
                  bandwidth: int, tls: CopyTls | None = None, server_tls: bool = False,
-                 caps: Caps | None = None, stepping: Callable[[int, int], bool] | None = None) -> None:
+                 caps: Caps | None = None, stepping: Callable[[int, int], bool] | None = None,
+                 static: bool = False) -> None:
         """`tls`: copies go over TLS (copies/tls.py); `server_tls`: the server uses TLS, so copies without it
         would cross the network in the clear: this node then makes and takes none. `caps`: the connections the
         agent's listeners may hold together (client/listener.py). `stepping(round, ranks)`: whether that many
-        local ranks of the round have each done a step (LocalWorkers.all_stepping)."""
+        local ranks of the round have each done a step (LocalWorkers.all_stepping). `static`: a static launch
+        (--node-rank), where no server pairs the nodes, so no copies whatever the failure domains."""
+        self.static = static
         self.memory, self.nproc, self.node_id = memory, nproc, node_id
         self._stepping = stepping
         self._past_start = False                   # this round's ranks all stepped: past their snapshot agreement
@@ -150,7 +153,9 @@ class PeerCopies:
             self.targets = ()
             return
         if not self.targets and self.memory.enabled and a.group_world_size > 1:    # alone: nobody to hold them
-            self._say_once("none", "peer copies off for this job (--replicas 0): a lost node's ranks resume from disk"
+            self._say_once("none", "peer copies: none in a static launch (--node-rank: no rendezvous server pairs "
+                           "the nodes), so a lost node's ranks resume from disk" if self.static else
+                           "peer copies off for this job (--replicas 0): a lost node's ranks resume from disk"
                            if not a.copy_token else
                            "peer copies: no member takes this node's copies: none is in another failure domain "
                            "(--failure-domain; by default each host is one), so a lost node's ranks resume from disk "

@@ -186,6 +186,18 @@ async def test_a_node_whose_copies_go_nowhere_says_so_once(tmp_path) -> None:
     await copies_off.close()
 
 
+async def test_a_static_launch_says_it_makes_no_copies_not_that_domains_are_one(tmp_path) -> None:
+    # A static launch's coordinator is the node alone: --failure-domain cannot help, and there is no job page.
+    said: list[str] = []
+    memory = MemoryDirs("job", 2, 8 * 2**20, say=lambda s: None, base=str(tmp_path))
+    copies = PeerCopies(memory, 2, "n", said.append, 0, static=True)
+    await copies.before_spawn(assignment(()), memory.dirs_for(2, 2))
+    assert [line for line in said if "peer copies" in line] == [
+        "peer copies: none in a static launch (--node-rank: no rendezvous server pairs the nodes), so a lost node's "
+        "ranks resume from disk"], said
+    await copies.close()
+
+
 async def test_a_first_source_that_fails_leaves_the_fetch_to_the_peer_copy(tmp_path) -> None:
     """The gone node itself first (here: gone too, nothing listens), its peer copies' holder second."""
     said: list[str] = []
