@@ -154,8 +154,10 @@ class Agent:
             fact = await self._next_fact()
             actions = self.policy.handle(fact, self.now())
             self.narrator.fact(fact, actions)
-            if actions:
-                link.keep_polling()     # held while they run: an agent killed meanwhile closes it (awaiting.py)
+            # A poll is held while they run: an agent killed meanwhile closes it (awaiting.py). Not before a
+            # Rejoin: the server no longer counts the node, and that poll's answer would say so again (twice said).
+            if actions and not any(isinstance(action, Rejoin) for action in actions):
+                link.keep_polling()
             for action in actions:
                 self.narrator.action(action)
                 await self._do(action, link)

@@ -254,3 +254,17 @@ async def test_a_broken_source_ends_the_agent_loudly_with_its_workers_stopped(st
     with pytest.raises(RuntimeError, match="a bug in the group"):
         await run.exit_code()
     assert group.stopped_with == signal.SIGTERM
+
+
+async def test_a_drained_node_says_rejoining_once_and_joins_once_more(start) -> None:
+    # The answer that says the server no longer counts the node must not be followed by a fresh poll while the
+    # workers stop: its answer (the same news) made the agent say "rejoining" and send its join twice.
+    from rdzv_server.core.operator_rules import DrainNode
+    run = start()
+    group = await run.next_group()
+    await run.server.coordinator.operate("j1", DrainNode("n1", "bad GPU"))
+    assert await run.exit_code() == 0
+    assert group.stopped_with == signal.SIGTERM
+    rejoining = [line for line in run.lines() if "rejoining" in line]
+    assert len(rejoining) == 1 and run.server.sent.count("join") == 2, (rejoining, run.server.sent)
+    assert run.lines()[-1] == "[node-agent n1] node n1 was drained from job 'j1' by the operator (bad GPU)"
