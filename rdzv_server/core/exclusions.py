@@ -23,5 +23,6 @@ def exclude(rules: JobRules, node: NodeRecord, now: float, why: str = "") -> Non
     places.move(job, node, NodeState.EXCLUDED)
     if job.round is not None and node.node_id in job.round.members:
         job.round.members = [m for m in job.round.members if m != node.node_id]
-    why = why or f"after {cfg.exclude_after} worker failures within {cfg.exclude_window_s:g}s"
+    failures = f"{cfg.exclude_after} worker failure{'s' * (cfg.exclude_after != 1)}"
+    why = why or f"after {failures} within {cfg.exclude_window_s:g}s"
     rules.record(now, EventKind.NODE_EXCLUDED, f"node {node.node_id} excluded for {cooldown:g}s {why}", node.node_id)

@@ -253,8 +253,9 @@ class JobRules:
             job.copies_off = off
             taken += f"; peer copies {off}" if off else ""
         floors.refresh(job, now)      # (after copies_off: a round in one domain keeps no more for copies)
-        self.record(now, EventKind.ROUND_COMPLETED, f"round {job.round.round_id}: {len(chosen)} nodes, world size "
-                    f"{job.round.world_size} ({why}){taken}", round_id=job.round.round_id, data=data)
+        self.record(now, EventKind.ROUND_COMPLETED, f"round {job.round.round_id}: {len(chosen)} "
+                    f"node{'s' * (len(chosen) != 1)}, world size {job.round.world_size} ({why}){taken}",
+                    round_id=job.round.round_id, data=data)
 
     def _wait_for_nodes(self, now: float, why: str, cause: RoundCause, choice: Choice, held: list[str],
                         stopping_s: float = 0.0, lost: list[NodeRecord] | None = None) -> None:

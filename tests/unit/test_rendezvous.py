@@ -635,6 +635,15 @@ def test_node_failing_exclude_after_times_within_the_window_is_excluded():
     assert any(e.kind == "node_excluded" and "b" in e.message for e in job(rz).events)
 
 
+def test_a_one_node_round_and_a_first_failure_exclusion_read_in_the_singular():
+    # Operators read these lines in `rdzv-ctl events` and the log: "1 nodes", "1 worker failures" read wrong.
+    rz = running(["a", "b"], cfg(**{**EXCL, "exclude_after": 1}))
+    fail(rz, "b", round_id(rz), 10.0)
+    messages = [e.message for e in job(rz).events]
+    assert "node b excluded for 10s after 1 worker failure within 60s" in messages, messages
+    assert any(m.startswith(f"round {round_id(rz)}: 1 node, world size 1 (") for m in messages), messages
+
+
 def test_failures_further_apart_than_the_window_do_not_exclude():
     rz = running(["a", "b"], cfg(**EXCL))
     fail(rz, "b", round_id(rz), 10.0)
