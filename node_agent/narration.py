@@ -62,6 +62,7 @@ class Narrator:
         self.server_wait_s = server_wait_s
         self._last_view: tuple[NodeState, int, int] | None = None
         self._said_master = False
+        self._rejoin_said = ""         # the rejoin last said: a join retried for the same reason is said once
         self._said_peers = False
         self._said_unreachable = False     # said once per outage, at its first failed try
         self._said_stall: tuple[str, float] = ("", 0.0)   # the server's stall line last said (its shape), and when
@@ -118,13 +119,15 @@ class Narrator:
         """What the agent does, said as it starts doing it."""
         match action:
             case Spawn(assignment=a):
+                self._rejoin_said = ""
                 self.say(round_line(a))
                 if a.group_rank == 0 and a.master_addr != self.addr and not self._said_master and self.addr:
                     self._said_master = True
                     self.say(f"this node advertises {self.addr}, which the other hosts cannot reach (a loopback "
                              f"address: it reached the server by loopback); the server gives them MASTER_ADDR "
                              f"{a.master_addr} instead. Start this agent with --local-addr ADDR to choose it.")
-            case Rejoin(reason=reason):
+            case Rejoin(reason=reason) if reason != self._rejoin_said:
+                self._rejoin_said = reason
                 self.say(f"rejoining: {reason}")
             case Exit(message=message):
                 self.say(message)

@@ -117,6 +117,18 @@ def test_refused_reports_spawns_rejoins_and_exits_are_told_outages_and_leaves_ar
         "[node-agent n1] job j succeeded"]
 
 
+def test_a_join_retried_for_the_same_reason_is_said_once_until_a_round_runs() -> None:
+    # A second agent with a live agent's node id retries its join every second for a lease: one line, not twelve.
+    n, out = narrator()
+    a = Assignment(round_id=1, group_rank=0, group_world_size=1, rank_offset=0, world_size=1, local_world_size=1,
+                   master_addr="10.0.0.1", master_port=29500, restart_count=0, max_restarts=0)
+    held = "this node id is still held by a live agent; trying again"
+    for action in (Rejoin(held), Rejoin(held), Rejoin(held), Spawn(a), Rejoin(held)):
+        n.action(action)
+    assert [line for line in out.getvalue().splitlines() if "rejoining" in line] == [
+        f"[node-agent n1] rejoining: {held}", f"[node-agent n1] rejoining: {held}"], out.getvalue()
+
+
 def test_failure_summary_names_the_root_cause() -> None:
     tb = WorkerFailure(local_rank=1, rank=5, exitcode=1, message="E: x", traceback="Traceback\n  line\n",
                        host="h2", node_id="n2", reason="exited")
