@@ -30,6 +30,9 @@ def node_status(job: JobRecord, node_id: str, now: float, *, accepted: bool = Tr
     Called for every subscriber of a job in a fan-out: kept lean."""
     node, r, finished = job.nodes.get(node_id), job.round, job.state.finished
     state = node.state if node is not None and not finished else NodeState.GONE
+    if state == NodeState.GONE and not finished and not reason and node_id in job.drained:
+        # a drain that formed no round (a spare's, a waiting node's) left the job's reason older news: say the drain
+        reason = f"node {node_id} drained by operator: {job.drained[node_id]}"
     status = NodeStatus(job_id=job.job_id, job_state=job.state, node_state=state,
                         round_id=r.round_id if r is not None else -1, restart_count=job.restart_count,
                         accepted=accepted, reason=reason or job.reason,

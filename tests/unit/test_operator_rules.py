@@ -45,6 +45,17 @@ def test_drain_reforms_without_the_node_uses_no_restart_and_keeps_it_out_until_c
     assert "b" in job.nodes and job.nodes["b"].state in (NodeState.WAITING, NodeState.MEMBER)
 
 
+def test_a_drained_spare_hears_it_was_drained_not_the_jobs_older_news():
+    # A spare's drain forms no round, so the job's reason is older news (a review: the drained spare's agent
+    # said "rejoining ... (job j: worker failure on b ...)"): its status says the drain.
+    rz = running()
+    join(rz, "c", 3.0, cfg(min_nodes=2, max_nodes=2, last_call_s=0.0))
+    assert rz.jobs[JOB].spares == ["c"]
+    rz.drain_node(JOB, "c", "flaky NIC", 4.0)
+    status = poll(rz, "c", 5.0)
+    assert status.node_state == NodeState.GONE and status.reason == "node c drained by operator: flaky NIC"
+
+
 def test_a_node_not_in_the_job_can_be_drained_ahead():
     rz = running()
     rz.drain_node(JOB, "ghost", "known bad", 3.0)
