@@ -92,7 +92,7 @@ def run(args: argparse.Namespace, client: Client) -> str:
         return json.dumps(doc, indent=2) if args.json else format_events(typed(doc, EventsView), args.last)
     if cmd == "drain":
         doc = client.post(f"/v1/admin/jobs/{job}/nodes/{_quote(args.node)}/drain", {"reason": args.reason})
-        done = f"drained node {args.node} from job {args.job}"
+        done = f"drained node {args.node} from job {args.job}" + _short_after_drain(doc)
     elif cmd == "clear":
         doc = client.post(f"/v1/admin/jobs/{job}/nodes/{_quote(args.node)}/clear-exclusion", {})
         done = f"cleared node {args.node} in job {args.job}: it may join again"
@@ -103,6 +103,17 @@ def run(args: argparse.Namespace, client: Client) -> str:
         doc = client.post(f"/v1/admin/jobs/{job}/resize", args.nnodes)
         done = f"resized job {args.job} to nodes {doc['min_nodes']}:{doc['max_nodes']}"
     return json.dumps(doc, indent=2) if args.json else f"{done}\n\n{format_job(typed(doc, JobDetail))}"
+
+
+def _short_after_drain(doc: Any) -> str:
+    """What a drain cost, said with it: a job left below its minimum runs nothing until nodes come, and fails if too
+    few are ready within its join timeout (the server accepts the drain: the operator may mean to add a node)."""
+    job = typed(doc, JobDetail)
+    have, least = job.counts.nodes + job.counts.waiting + job.counts.spares, job.config.min_nodes
+    if job.state != "waiting" or have >= least:
+        return ""
+    return (f"; the job has {have} of its minimum {least} nodes: it runs nothing until nodes join, "
+            f"and fails if too few are ready within its join timeout ({job.config.join_timeout_s:g}s)")
 
 
 def _positive(text: str) -> int:

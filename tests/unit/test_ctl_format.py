@@ -112,3 +112,30 @@ def test_the_job_view_says_a_restart_is_under_way_no_signal_and_slow():
     lagging = ctl.format_job(views.job_detail(rz.jobs["lagging"], now)).splitlines()
     assert "slow       b" in lagging
     assert [line.split()[-1] for line in lagging if line[:1].isdigit()] == ["-", "slow"]
+
+
+def test_a_drain_that_leaves_the_job_below_its_minimum_says_what_it_costs():
+    # A review drained a 2:2 job's member with no spare: "drained node b" and nothing of the job now running
+    # nothing, to fail in its join timeout if no node comes.
+    from tests.unit.test_operator_rules import JOB, running
+
+    class Answers:
+        def __init__(self, rz: Rendezvous) -> None:
+            self.rz = rz
+
+        def post(self, path: str, body: dict) -> object:
+            node = path.split("/")[-2]
+            return json.loads(to_json(views.job_detail(self.rz.drain_node(JOB, node, "", 5.0), 5.0)))
+
+    def drain(node: str) -> str:
+        args = cli.build_parser().parse_args(["drain", JOB, node])
+        args.json = False         # (main's default)
+        return cli.run(args, Answers(rz)).splitlines()[0]  # type: ignore[arg-type]
+
+    rz = running(("a", "b", "c"))
+    rz.resize(JOB, 2, 3, 3.0)
+    said = drain("c")
+    assert said == f"drained node c from job {JOB}"          # still 2 of min 2: nothing more to say
+    said = drain("b")
+    assert said.startswith(f"drained node b from job {JOB}; the job has 1 of its minimum 2 nodes: it runs nothing")
+    assert "join timeout" in said
