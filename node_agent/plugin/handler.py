@@ -137,7 +137,10 @@ class RdzvServerHandler(RendezvousHandler):
         session = self._start()
         ran = self._assignment
         failures = None
-        if ran is not None and self._succeeded_round != ran.round_id and still_in_round(session.view, ran.round_id):
+        # Once the session ended (the server out past server_wait, this node taken over) torch stopped the workers
+        # for that: nothing of theirs failed, and a report would only wait out server_wait once more
+        if ran is not None and self._succeeded_round != ran.round_id and session.ended is None \
+                and still_in_round(session.view, ran.round_id):
             failures = worker_failures(run_loop_failures(None), ran, self.settings.hostname)
             self.say(f"round {ran.round_id}: this node's workers failed; reporting it")
         self._assignment = None
