@@ -187,6 +187,7 @@ class ServerSession:
             assignment = newer_assignment(view, ran_round)
             if assignment is not None:
                 self._running = assignment.round_id
+                self._said = None   # waiting again after this round is news: a survivor below MIN says why
                 return assignment
             self._describe(view)
             await self._changed.wait()

@@ -6,7 +6,7 @@ from __future__ import annotations
 import resource
 import socket
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -40,12 +40,12 @@ def sessions() -> Iterator[list[ServerSession]]:
 
 
 def start(sessions: list[ServerSession], host: str, port: int, job: str, node: str, nnodes: tuple[int, int] = (2, 2),
-          **conf: str) -> ServerSession:
+          say: Callable[[str], None] = lambda line: None, **conf: str) -> ServerSession:
     settings = plugin_settings(endpoint=f"{host}:{port}", run_id=job, min_nodes=nnodes[0], max_nodes=nnodes[1],
                                local_addr="127.0.0.1", launch=TorchLaunch(local_world_size=1, max_restarts=0),
                                conf={"node_id": node, "last_call_timeout": "0", "lease_timeout": "3", **conf})
     session = ServerSession(settings, RdzvClient(settings.host, settings.port, job, node), master_port=1234,
-                            say=lambda line: None)
+                            say=say)
     session.start()
     sessions.append(session)
     return session
@@ -87,6 +87,21 @@ def test_a_node_that_leaves_starts_a_smaller_round_for_the_others(server, sessio
     wait_until(lambda: needs_rendezvous(a.view, ra.round_id), 30, "a to hear that b left")
     after = a.next_assignment(ra.round_id, None)
     assert (after.round_id, after.group_world_size, after.restart_count) == (ra.round_id + 1, 1, 0)
+
+
+def test_a_survivor_below_min_nodes_says_it_waits_again(server, sessions):
+    """A review: a node's "waiting for the next round" was said once per run, so after a peer left a 2-node job
+    the survivor's torchrun sat silent until join_timeout failed the job (900 s by default)."""
+    said: list[str] = []
+    a = start(sessions, "127.0.0.1", server.port, "wait-again", "a", say=said.append, join_timeout="3")
+    b = start(sessions, "127.0.0.1", server.port, "wait-again", "b", join_timeout="3")
+    ra, _ = first_rounds(a, b)
+    said.clear()
+    b.leave("done here")
+    wait_until(lambda: needs_rendezvous(a.view, ra.round_id), 30, "a to hear that b left")
+    with pytest.raises(JobFinished, match="within join_timeout"):
+        a.next_assignment(ra.round_id, None)
+    assert any(line.startswith("waiting for the next round") for line in said), said
 
 
 def test_an_exhausted_budget_ends_the_job_for_every_node(server, sessions):
