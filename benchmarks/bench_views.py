@@ -22,6 +22,7 @@ from aiohttp.test_utils import TestClient, TestServer
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from protocol.messages import JobConfig, JoinRequest, SuccessReport  # noqa: E402
+from protocol.views import NODE_LIMIT_MAX  # noqa: E402
 from rdzv_server.coordinator import Coordinator  # noqa: E402
 from rdzv_server.core.rendezvous import Limits, Rendezvous  # noqa: E402
 from rdzv_server.web import views  # noqa: E402
@@ -125,7 +126,7 @@ def main() -> None:
          lambda: json.dumps(views.server_status(core, now, far, 200))),
         ("GET /v1/jobs/big", "/v1/jobs/big", lambda: json.dumps(views.job_detail(big, now))),
         ("GET /v1/jobs/big?node_limit=2000", "/v1/jobs/big?node_limit=2000",
-         lambda: json.dumps(views.job_detail(big, now, 0, views.NODE_LIMIT_MAX))),
+         lambda: json.dumps(views.job_detail(big, now, 0, NODE_LIMIT_MAX))),
         ("GET /v1/jobs/big/events", "/v1/jobs/big/events", lambda: json.dumps(views.job_events(big))),
         ("GET /", "/", lambda: page.index_page(core, now)),
         (f"GET /?offset={far}", f"/?offset={far}", lambda: page.index_page(core, now, offset=far)),

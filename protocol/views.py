@@ -11,6 +11,8 @@ from protocol.messages import JobConfig, WorkerFailure
 from protocol.notes import CopiesNote
 from protocol.restarts import RestartAnatomy
 
+NODE_LIMIT_MAX = 2000        # nodes per list of GET /v1/jobs/{id} at most (?node_limit=)
+
 
 class NodeView(msgspec.Struct, kw_only=True, omit_defaults=True):
     """A node in one of a job's lists; the fields after `checks` only in the lists they describe."""

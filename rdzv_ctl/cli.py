@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 
 import msgspec
 
-from protocol.views import EventsView, JobDetail, StatusView
+from protocol.views import NODE_LIMIT_MAX, EventsView, JobDetail, StatusView
 from rdzv_ctl.client import ADMIN_TOKEN_ENV, DEFAULT_SERVER, TOKEN_ENV, Client, CtlError, UsageError, client_for
 from rdzv_ctl.tables import format_events, format_job, format_status
 
@@ -91,8 +91,10 @@ def run(args: argparse.Namespace, client: Client) -> str:
         doc = client.get(f"/v1/jobs/{job}/events" + _query(after=args.after, limit=args.last))
         return json.dumps(doc, indent=2) if args.json else format_events(typed(doc, EventsView), args.last)
     if cmd == "drain":
+        before = typed(client.get(f"/v1/jobs/{job}" + _query(node_limit=NODE_LIMIT_MAX)), JobDetail)
         doc = client.post(f"/v1/admin/jobs/{job}/nodes/{_quote(args.node)}/drain", {"reason": args.reason})
-        done = f"drained node {args.node} from job {args.job}" + _short_after_drain(doc)
+        done = f"drained node {args.node} from job {args.job}" + _absent(before, args.node, args.job) + \
+            _short_after_drain(doc)
     elif cmd == "clear":
         doc = client.post(f"/v1/admin/jobs/{job}/nodes/{_quote(args.node)}/clear-exclusion", {})
         done = f"cleared node {args.node} in job {args.job}: it may join again"
@@ -103,6 +105,16 @@ def run(args: argparse.Namespace, client: Client) -> str:
         doc = client.post(f"/v1/admin/jobs/{job}/resize", args.nnodes)
         done = f"resized job {args.job} to nodes {doc['min_nodes']}:{doc['max_nodes']}"
     return json.dumps(doc, indent=2) if args.json else f"{done}\n\n{format_job(typed(doc, JobDetail))}"
+
+
+def _absent(job: JobDetail, node: str, job_arg: str) -> str:
+    """A drain of a node in none of the job's lists is accepted (it is kept out when it comes), but a mistyped id
+    must not read as a success: said, unless the lists were cut (the node may be in a part not shown)."""
+    listed = {n.node_id for n in (*job.nodes, *job.waiting, *job.spares, *job.excluded)}
+    if job.lists_cut or node in listed or any(d.node_id == node for d in job.drained):
+        return ""
+    return (f" (it is not in the job now: it will be kept out if it comes; a mistyped id? "
+            f"undo with `rdzv-ctl clear {job_arg} {node}`)")
 
 
 def _short_after_drain(doc: Any) -> str:

@@ -10,6 +10,7 @@ from protocol.codec import CONTENT_TYPE, MAX_BODY_BYTES, REQUEST_TYPES, DecodeEr
 from protocol.errors import HTTP_STATUS, RETRYABLE, ErrorCode, unknown_job
 from protocol.messages import ErrorReply, PollRequest
 from protocol.quoting import quote
+from protocol.views import NODE_LIMIT_MAX
 from rdzv_server.coordinator import Coordinator
 from rdzv_server.core.records import MAX_EVENTS_PER_JOB, JobRecord
 from rdzv_server.core.rendezvous import RendezvousError
@@ -162,7 +163,7 @@ async def job_detail(request: web.Request) -> web.Response:
     """One job with one page of each node list (?node_offset=, ?node_limit=)."""
     q = request.query
     offset = views.query_int(q, "node_offset", 0)
-    limit = views.query_int(q, "node_limit", views.NODE_LIMIT, low=1, high=views.NODE_LIMIT_MAX)
+    limit = views.query_int(q, "node_limit", views.NODE_LIMIT, low=1, high=NODE_LIMIT_MAX)
     return view_response(views.job_detail(_job(request), request.app[COORDINATOR].clock(), offset, limit))
 
 

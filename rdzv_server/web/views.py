@@ -43,7 +43,6 @@ STATUS_LIMIT = 50            # jobs per page of GET /v1/status unless ?limit= sa
 STATUS_LIMIT_MAX = 200
 LIST_LIMIT = 8               # nodes shown per list (members, waiting, spares, ...) of each job in the status
 NODE_LIMIT = 500             # nodes per list of GET /v1/jobs/{id} unless ?node_limit= says otherwise
-NODE_LIMIT_MAX = 2000
 NODE_LISTS = ("nodes", "waiting", "spares", "excluded", "drained")
 HOSTS_LIMIT = 100            # unhealthy hosts listed at most (the oldest holds first)
 SLOW_LIMIT = 50              # slow nodes named per job at most
