@@ -55,6 +55,7 @@ class RdzvClient(Transport):
         self._session: aiohttp.ClientSession | None = None
         self._heard: set[str] = set()      # endpoints that have answered HTTP: no TCPStore there
         self.path = PathCheck(self._readyz)  # is the path back? (fresh connections; path_check.py)
+        self._named: str | None = None       # the leader a standby's /readyz named: checked with the others
 
     async def __aenter__(self) -> RdzvClient:
         if self._tls_ca is not None:
@@ -101,12 +102,12 @@ class RdzvClient(Transport):
 
     async def path_back(self) -> bool:
         """Wait for an endpoint ready on a fresh connection, sending there next; whether none was at first."""
-        ready = await self.path.check(self.endpoints.in_order())
-        self.endpoints.use(ready or await self.path.until_back(self.endpoints.in_order))
+        ready = await self.path.check(self._check_order())
+        self.endpoints.use(ready or await self.path.until_back(self._check_order))
         return ready is None
 
     async def reach(self) -> Path:
-        return await self.path.reach(self.endpoints.in_order())
+        return await self.path.reach(self._check_order())
 
     async def _post(self, action: str, data: bytes, timeout: float,
                     due: float) -> tuple[NodeStatus | ErrorReply, str]:
@@ -130,13 +131,13 @@ class RdzvClient(Transport):
             if done:
                 return request.result()
             waited += slice_s
-            ready = await self.path.check(self.endpoints.in_order())
+            ready = await self.path.check(self._check_order())
             if request.done():
                 return request.result()
             if ready is None:
                 # Nobody serves: keep the connection (it may yet be answered; keepalive ends it) and check
                 # on the schedule; once an endpoint answers, the request goes again there.
-                back = asyncio.ensure_future(self.path.until_back(self.endpoints.in_order))
+                back = asyncio.ensure_future(self.path.until_back(self._check_order))
                 try:
                     either: set[asyncio.Future[object]] = {request, back}   # type: ignore[arg-type]
                     await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
@@ -168,10 +169,20 @@ class RdzvClient(Transport):
                                  f"endpoint at rdzv-server")
         return await request
 
+    def _check_order(self) -> list[str]:
+        """Where the path checks look: every endpoint, then the leader a standby last named. Given one endpoint
+        (one name for all replicas) that is a standby now, only the leader it names can be found ready."""
+        order = self.endpoints.in_order()
+        return order if self._named is None or self._named in order else [*order, self._named]
+
+    def _leader_named(self, url: str) -> None:
+        self._named = url.rstrip("/")
+
     async def _readyz(self, server: str) -> int | None:
         """`server`'s /readyz status over a new connection (None: none); limits: path_check.py."""
         return await readyz_status(server, ssl_context=self._ssl if isinstance(self._ssl, ssl.SSLContext) else None,
-                                   connect_s=CHECK_TIMEOUT_S, answer_s=ANSWER_WAIT_S, connected=self.path.connected)
+                                   connect_s=CHECK_TIMEOUT_S, answer_s=ANSWER_WAIT_S, connected=self.path.connected,
+                                   named=self._leader_named)
 
     async def _post_once(self, server: str, action: str, data: bytes,
                          timeout: float) -> tuple[NodeStatus | ErrorReply, str]:

@@ -16,6 +16,7 @@ from rdzv_server.core.records import MAX_EVENTS_PER_JOB, JobRecord
 from rdzv_server.core.rendezvous import RendezvousError
 from rdzv_server.delivery.connection import Connection
 from rdzv_server.looplag import LoopLagMeter
+from rdzv_server.serving import LEADER_HEADER
 from rdzv_server.web import admin, views
 from rdzv_server.web.access import ACCESS, NO_STREAM, Access, access_middleware
 from rdzv_server.web.connections import (
@@ -140,8 +141,13 @@ async def no_stream(request: web.Request) -> web.Response:
 
 async def readyz(request: web.Request) -> web.Response:
     """Ready to serve agents (loaded, not stopping, leading); else 503, so a Service sends to the leader only."""
-    ready = request.app[COORDINATOR].serving()
-    return web.json_response({"ready": ready}, status=200 if ready else 503)
+    coord = request.app[COORDINATOR]
+    ready = coord.serving()
+    # A standby names the leader here too: an agent given only this endpoint (one name for every replica)
+    # checks /readyz while the leader is away, and must learn where the new one is, not wait for this one.
+    url = None if ready or coord.gate.shutting_down else coord.gate.leader_url()
+    return web.json_response({"ready": ready}, status=200 if ready else 503,
+                             headers={LEADER_HEADER: url} if url else None)
 
 
 async def status(request: web.Request) -> web.Response:

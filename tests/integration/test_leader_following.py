@@ -50,6 +50,17 @@ async def test_the_agent_follows_the_leader_a_standby_names(leader_and_standby):
         assert status.round_id >= 1 and c.endpoints.current == f"http://127.0.0.1:{leader.port}"
 
 
+async def test_given_only_a_standby_the_path_check_finds_the_leader_it_names(leader_and_standby):
+    """One endpoint for every replica (the old leader restarted as a standby, or one name for both): its
+    /readyz names the leader, which the path check then finds ready; before, the agent waited for that
+    standby to lead until --server-wait ran out and its workers were stopped."""
+    leader, standby = leader_and_standby
+    async with RdzvClient("127.0.0.1", standby.port or 0, "j", "n1") as c:
+        await asyncio.wait_for(c.path_back(), LIMIT)
+        assert c.endpoints.current == f"http://127.0.0.1:{leader.port}"
+        assert (await join(c)).round_id >= 1
+
+
 async def test_an_unreachable_replica_is_skipped_for_the_next(leader_and_standby):
     leader, _ = leader_and_standby
     async with RdzvClient("127.0.0.1", free_port(), "j", "n1", replicas=(("127.0.0.1", leader.port or 0),)) as c:

@@ -19,9 +19,10 @@ from node_agent.client.replies import Path
 from tests.e2e.certs import make_ca, make_server_cert
 
 
-async def _serve(status: int, tls: ssl.SSLContext | None = None) -> tuple[web.AppRunner, int]:
+async def _serve(status: int, tls: ssl.SSLContext | None = None,
+                 headers: dict[str, str] | None = None) -> tuple[web.AppRunner, int]:
     async def readyz(_: web.Request) -> web.Response:
-        return web.Response(status=status, text="ready" if status == 200 else "standby")
+        return web.Response(status=status, text="ready" if status == 200 else "standby", headers=headers)
 
     app = web.Application()
     app.router.add_get("/readyz", readyz)
@@ -75,6 +76,22 @@ async def test_the_status_over_tls_with_the_ca_and_none_without_it(tls):
     try:
         assert await _ask(f"https://127.0.0.1:{port}", client_ctx) == (200, 1)
         assert await _ask(f"https://127.0.0.1:{port}") == (None, 1)      # the system's CAs do not trust it
+    finally:
+        await runner.cleanup()
+
+
+@pytest.mark.parametrize("leader,seen", [("http://10.0.0.6:29400", "http://10.0.0.6:29400"),
+                                         ("ftp://x", None), ("http://a b", None), ("http://" + "a" * 600, None)])
+@pytest.mark.parametrize("over_tls", [False, True])
+async def test_a_standby_names_the_leader_and_nothing_else_is_taken(tls, leader, seen, over_tls):
+    server_ctx, client_ctx = tls
+    runner, port = await _serve(503, server_ctx if over_tls else None, headers={"Rdzv-Leader": leader})
+    named: list[str] = []
+    try:
+        status = await readyz_status(f"{'https' if over_tls else 'http'}://127.0.0.1:{port}",
+                                     ssl_context=client_ctx if over_tls else None, connect_s=2.0, answer_s=5.0,
+                                     named=named.append)
+        assert (status, named) == (503, [seen] if seen else [])
     finally:
         await runner.cleanup()
 
