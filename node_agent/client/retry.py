@@ -13,7 +13,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
-from node_agent.client.transport import CLOSED_BY_SERVER, ServerUnreachable
+from node_agent.client.transport import CLOSED_BY_SERVER, SERVER_BUSY, ServerUnreachable
 
 BACKOFF_FIRST_S = 0.05
 BACKOFF_MAX_S = 0.5
@@ -71,7 +71,10 @@ async def until_answered(send: Callable[[], Awaitable[T]], *,
 
 def unreachable_line(server: str, wait_s: float, error: str) -> str:
     """Said at the first unanswered try (node-agent and the plugin): silence for the whole wait looks like a hang.
-    Where the server took the connection and closed it, it is there: no hint that it may not be running."""
+    Where the server took the connection and closed it, or answered "not now" (a standby during an election,
+    a stopping server), it is there: no hint that it may not be running."""
+    if error.startswith(SERVER_BUSY):
+        return f"the rdzv-server at {server} answers but serves nobody now; retrying for {wait_s:g}s ({error})"
     if CLOSED_BY_SERVER in error:
         return f"cannot reach the rdzv-server at {server}; retrying for {wait_s:g}s ({error}: busy, restarting, " \
                f"or making room at its connection limit)"

@@ -45,6 +45,7 @@ class ServerUnreachable(Exception):
 # said of a try whose connection the server took and then closed (it is there: busy, restarting, or making room at
 # its connection limit): no hint that it may not be running (retry.unreachable_line)
 CLOSED_BY_SERVER = "the server closed the connection"
+SERVER_BUSY = "server busy"     # a retryable refusal: the server answered, it serves nobody now
 
 
 class PathBack(ServerUnreachable):
@@ -64,7 +65,7 @@ class ServerRejected(Exception):
 def refusal(code: str, message: str) -> ServerUnreachable | ServerRejected:
     """The exception for an error reply: a retryable code ("not now") counts as the server being away."""
     if code in {c.value for c in RETRYABLE}:
-        return ServerUnreachable(f"server busy ({code}): {message}")
+        return ServerUnreachable(f"{SERVER_BUSY} ({code}): {message}")
     return ServerRejected(code, message)
 
 
