@@ -85,6 +85,10 @@ class StateCollector(Collector):
             fam_jobs, fam_nodes,
             GaugeMetricFamily("rdzv_open_long_polls", "Agent long-polls now waiting for an answer.",
                               self.coordinator.hub.open),
+            # A standby holds no jobs: its job gauges read 0 whatever runs. This says which replica to believe.
+            GaugeMetricFamily("rdzv_serving", "1: this server serves agents and its job and node gauges count "
+                              "them (among replicas, the leader); 0: a standby, or a server loading or stopping, "
+                              "whose job and node gauges count nothing.", 1.0 if self.coordinator.serving() else 0.0),
             GaugeMetricFamily("rdzv_requests_waiting_for_leader", "Agent requests held during an election, "
                               "answered once this replica leads or knows the leader (at most 3 s).",
                               self.coordinator.gate.parked),

@@ -66,11 +66,16 @@ async def pair(settings):
             await r.close()
 
 
+def gauge(replica: Replica, name: str) -> float:
+    """One of the replica's /metrics gauges without labels."""
+    metrics = StateCollector(replica.coordinator).collect()
+    [family] = [m for m in metrics if m.name == name]
+    return family.samples[0].value
+
+
 def waiting_for_leader(replica: Replica) -> float:
     """The replica's /metrics gauge of agent requests held for an election."""
-    metrics = StateCollector(replica.coordinator).collect()
-    [family] = [m for m in metrics if m.name == "rdzv_requests_waiting_for_leader"]
-    return family.samples[0].value
+    return gauge(replica, "rdzv_requests_waiting_for_leader")
 
 
 async def post(http, replica: Replica, action: str, body: dict) -> tuple[int, dict, dict]:
@@ -93,6 +98,8 @@ async def test_a_standby_names_the_leader_and_is_not_ready(pair, http):
     assert status == 503 and reply["code"] == "not_leader" and headers["Rdzv-Leader"] == url(leader.srv, "")
     async with http.get(url(standby.srv, "/readyz")) as r:
         assert r.status == 503
+    # /metrics says which replica's job gauges count: the standby's read 0 whatever runs
+    assert (gauge(leader, "rdzv_serving"), gauge(standby, "rdzv_serving")) == (1.0, 0.0)
     async with http.get(url(standby.srv, "/v1/status")) as r:
         assert r.status == 503 and (await r.json())["code"] == "not_leader"
     async with http.get(url(leader.srv, "/readyz")) as r:
