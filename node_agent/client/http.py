@@ -39,6 +39,9 @@ PROBE_AFTER_S = 1.0              # an rdzv-server answers a join, failure, succe
 MAX_RESENDS = 2                  # a request sent again because its answer was overdue while the path works
 
 
+NAMED_MAX = 4     # leaders named by standbys that the path checks look at besides the endpoints given
+
+
 class RdzvClient(Transport):
     def __init__(self, host: str, port: int, job_id: str, node_id: str, *, scheme: str = "http",
                  token: str | None = None, tls_ca: str | None = None,
@@ -55,7 +58,7 @@ class RdzvClient(Transport):
         self._session: aiohttp.ClientSession | None = None
         self._heard: set[str] = set()      # endpoints that have answered HTTP: no TCPStore there
         self.path = PathCheck(self._readyz)  # is the path back? (fresh connections; path_check.py)
-        self._named: str | None = None       # the leader a standby's /readyz named: checked with the others
+        self._named: list[str] = []          # leaders standbys' /readyz named, newest first: checked too
 
     async def __aenter__(self) -> RdzvClient:
         if self._tls_ca is not None:
@@ -170,13 +173,16 @@ class RdzvClient(Transport):
         return await request
 
     def _check_order(self) -> list[str]:
-        """Where the path checks look: every endpoint, then the leader a standby last named. Given one endpoint
-        (one name for all replicas) that is a standby now, only the leader it names can be found ready."""
+        """Where the path checks look: every endpoint, then the leaders standbys named. Given one endpoint (one
+        name for all replicas) that is a standby now, only the leader it names can be found ready."""
         order = self.endpoints.in_order()
-        return order if self._named is None or self._named in order else [*order, self._named]
+        return [*order, *(n for n in self._named if n not in order)]
 
     def _leader_named(self, url: str) -> None:
-        self._named = url.rstrip("/")
+        """Kept, not replaced: a standby about to take over still names the leader just lost, and the one
+        named before (the standby itself, at another URL) must stay checked. At most NAMED_MAX."""
+        url = url.rstrip("/")
+        self._named = [url, *(n for n in self._named if n != url)][:NAMED_MAX]
 
     async def _readyz(self, server: str) -> int | None:
         """`server`'s /readyz status over a new connection (None: none); limits: path_check.py."""

@@ -8,9 +8,12 @@ import asyncio
 
 import pytest
 from aiohttp import web
+from aiohttp.test_utils import TestServer
 
 from node_agent.client import http as client_module
 from node_agent.client.http import RdzvClient
+from node_agent.client.path_check import MIN_PAUSE_S
+from node_agent.client.replies import Path
 from node_agent.client.transport import ServerUnreachable
 from protocol.codec import CONTENT_TYPE, encode
 from protocol.messages import JobConfig, JobState, NodeState, NodeStatus
@@ -59,6 +62,32 @@ async def test_given_only_a_standby_the_path_check_finds_the_leader_it_names(lea
         await asyncio.wait_for(c.path_back(), LIMIT)
         assert c.endpoints.current == f"http://127.0.0.1:{leader.port}"
         assert (await join(c)).round_id >= 1
+
+
+async def test_a_leader_named_earlier_stays_checked_when_a_standby_names_a_lost_one():
+    """Given one endpoint: a standby about to take over still names the leader just lost. The one named before
+    (not ready yet, then leading) must stay checked; replaced by the lost one, nothing checked could answer."""
+    later_port, lost = free_port(), f"http://127.0.0.1:{free_port()}"
+    standby_coord, named = Coordinator(), [f"http://127.0.0.1:{later_port}"]
+    standby_coord.gate.leader_url = lambda: named[0]
+    standby = await start_app(create_app(standby_coord, standby=True))
+    leader = TestServer(create_app(Coordinator(loop_lag=LoopLagMeter())), host="127.0.0.1", port=later_port)
+    try:
+        async with RdzvClient("127.0.0.1", standby.port or 0, "j", "n1") as c:
+            assert await c.reach() is Path.STANDBY              # learns the first leader's URL
+            named[0] = lost
+            for _ in range(2):                                  # a round that hears the lost one named
+                await asyncio.sleep(MIN_PAUSE_S)                # rounds closer than this are one round
+                assert await c.reach() is Path.STANDBY
+            await leader.start_server()
+            reached: list[Path] = []
+            while Path.REACHED not in reached:
+                assert len(reached) < 20, f"the leader named first is no longer checked: {reached[-3:]}"
+                await asyncio.sleep(MIN_PAUSE_S)
+                reached.append(await c.reach())
+    finally:
+        await standby.close()
+        await leader.close()
 
 
 async def test_an_unreachable_replica_is_skipped_for_the_next(leader_and_standby):
