@@ -60,6 +60,8 @@ def test_the_swap_waits_for_the_snapshot_the_members_hold_after_and_the_suspects
     assert job.nodes["b"].state == NodeState.EXCLUDED and job.swap is None
     formed = [e for e in job.events if e.kind == EventKind.ROUND_COMPLETED][-1]
     assert formed.data is not None and formed.data["cause"] == RoundCause.SWAPPED.value
+    # the same 3 places: the job neither grew nor shrank (b's exclusion took it out of the round's members)
+    assert "grows" not in formed.message and "step 0" not in formed.message, formed.message
     swapped = [e.message for e in job.events if e.kind == EventKind.NODE_SUSPECT]
     assert swapped[-1].startswith("node b swapped for spare s at the snapshot of step 15"), swapped
     assert not hold_asked(rz, "a")                             # the new round holds nowhere
