@@ -9,12 +9,13 @@ newest snapshot it held), OUT_DIR/saves-NODE-LOCAL_RANK.txt (seconds each snapsh
 OUT_DIR/pid-NODE-LOCAL_RANK. Trains until OUT_DIR/stop exists (decided together every 10 steps).
 EXIT_AT=RANK:CODE: global rank RANK exits with CODE at its first step after OUT_DIR/exit appears, on the first attempt
 only (EXIT_EVERY_TRY=1: on every attempt), as a worker asking for other hardware does (Megatron's exit 16).
-SLOW_AT=NODE:STEP:FRACTION:HOW: on node NODE, from step STEP, each step takes FRACTION x STEP_S more, by sleeping
-(HOW=sleep, as slow storage) or computing (HOW=compute). JITTER=F: each step's sleep is STEP_S x (1 +- F), drawn
-per rank and step. SOLO_AT=STEP,STEP:SECONDS: global rank 0 computes alone for SECONDS at those steps (first
-attempt), as an evaluation does, while the others wait in the next all_reduce. Each step is a beat() (the probe's
-steps and pace). IGNORE_TERM=1: the ranks ignore SIGTERM (a framework saving before it stops): their agent's stop takes
---stop-timeout. TERM_SAVE_S=S: on SIGTERM a rank takes S seconds (a checkpoint saved as it stops), then exits.
+SLOW_AT=NODE:STEP:FRACTION:HOW[:UNTIL]: on node NODE, from step STEP (to step UNTIL: it recovers), each step takes
+FRACTION x STEP_S more, by sleeping (HOW=sleep, as slow storage) or computing (HOW=compute). JITTER=F: each step's
+sleep is STEP_S x (1 +- F), drawn per rank and step. SOLO_AT=STEP,STEP:SECONDS: global rank 0 computes alone for
+SECONDS at those steps (first attempt), as an evaluation does, while the others wait in the next all_reduce. Each
+step is a beat() (the probe's steps and pace). IGNORE_TERM=1: the ranks ignore SIGTERM (a framework saving before it
+stops): their agent's stop takes --stop-timeout. TERM_SAVE_S=S: on SIGTERM a rank takes S seconds (a checkpoint
+saved as it stops), then exits.
 """
 import functools
 import os
@@ -74,7 +75,7 @@ state = state.clone()
 ok = bool(torch.all(state == float(rank + step)))
 with open(os.path.join(out, "resumed.txt"), "a") as f:    # one line per rank and start, appended at once
     f.write(f"{time.time():.6f} {rank} {step} {source} {'ok' if ok else 'WRONG'} {held_before}\n")
-slow_node, slow_from, slow_by, slow_how = (env("SLOW_AT") or "-:0:0:sleep").split(":")
+slow_node, slow_from, slow_by, slow_how, *slow_until = (env("SLOW_AT") or "-:0:0:sleep").split(":")
 jitter = float(env("JITTER", "0"))
 solo_steps, solo_s = ((env("SOLO_AT") or ":0").split(":")[0], float((env("SOLO_AT") or ":0").split(":")[1]))
 solo_at = {int(x) for x in solo_steps.split(",") if x}
@@ -99,7 +100,7 @@ while True:
     state += 1
     dist.all_reduce(torch.ones(1))
     time.sleep(step_s * (1 + draw.uniform(-jitter, jitter)))
-    if env("NODE") == slow_node and step >= int(slow_from):
+    if env("NODE") == slow_node and int(slow_from) <= step < int((slow_until or ["1000000000"])[0]):
         extra = float(slow_by) * step_s
         if slow_how == "compute":
             spin(extra)

@@ -80,7 +80,8 @@ def noted(rules: JobRules, live: LiveRound, node_id: str, note: ProgressNote | N
     pace = live.paces.nodes[node_id]
     job.progress.slow = live.paces.slow()
     if not named:
-        rules.record(now, EventKind.NODE_PACE_OK, f"node {node_id} keeps pace again", node_id, job.round.round_id)
+        rules.record(now, EventKind.NODE_PACE_OK, f"node {node_id} keeps pace again{swaps.call_off(rules, node_id)}",
+                     node_id, job.round.round_id)
         rules.node_changed(node_id)
         return
     why = _why_slow(node_id, pace)

@@ -11,7 +11,8 @@ job's next snapshot, so that no step is redone:
 It swaps at once when there is no snapshot to wait for (no member holds one yet, or the suspect neither serves its
 snapshots nor makes peer copies: the spare could not resume from it anyway), and after SWAP_WAIT_S when none came
 (said: the steps since the last one are redone). Without a ready spare nothing is swapped: the node stays named
-slow, and its next note asks again. No restart of the budget is spent (as a drain). A place (group rank) swapped
+slow, and its next note asks again. A suspect that keeps pace again before the swap is no suspect: called off
+(call_off). No restart of the budget is spent (as a drain). A place (group rank) swapped
 once is never swapped again: a node named slow where another was is slow by its place (a pipeline stage's share of
 the work, say), and swapping would loop through the spares. Pure.
 """
@@ -81,6 +82,18 @@ def check(rules: JobRules, now: float) -> None:
     elif copies is not None and copies.copied_step < swap.held_step:
         return          # its copy of the held step is still on its way to its peer
     _swap(rules, swap.node_id, swap.why, f"at the snapshot of step {swap.held_step}", now)
+
+
+def call_off(rules: JobRules, node_id: str) -> str:
+    """`node_id` keeps pace again before its swap came: a node no longer slow is no suspect, so it is not swapped
+    nor excluded for it, and the ranks asked to hold go on. Returns what its event adds ("": no swap was due)."""
+    swap = _due(rules)
+    if swap is None or swap.node_id != node_id:
+        return ""
+    rules.job.swap = None
+    for member in rules.job.round.members if rules.job.round is not None else ():
+        rules.node_changed(member)      # their ranks go on
+    return ": its swap for a spare is called off"
 
 
 def tick(rules: JobRules, now: float) -> None:

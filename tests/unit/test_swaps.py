@@ -167,3 +167,24 @@ def test_a_lost_nodes_place_is_still_fetched_from_its_peers_copy() -> None:
     assert job.round.round_id == first + 1 and "b" not in job.nodes
     gone, holder = job.round.copies["s"]
     assert gone == "b" and holder in ("a", "c") and "s" not in job.round.copies_from
+
+
+def test_a_suspect_that_keeps_pace_again_before_the_snapshot_is_not_swapped() -> None:
+    """Slow for a while (a neighbour's job on its host, say), b keeps pace again before the snapshot the swap waits
+    for: the swap is called off and the ranks go on; b is not excluded for a slowness it no longer has."""
+    rz = Rendezvous()
+    slow_b(rz)
+    job = rz.jobs["swap"]
+    first, at = job.round.round_id, T + 100
+    while not any(e.kind == EventKind.NODE_PACE_OK for e in job.events):
+        at += 1
+        assert at < T + 200, "b never kept pace again"
+        for node in ("a", "b", "c"):
+            poll(rz, node, at, waited=0.2)
+    assert job.swap is None and not hold_asked(rz, "a")
+    poll(rz, "a", at + 1, held=15, copied=15, holding=True)    # a late hold of a's: nothing to swap at
+    poll(rz, "b", at + 2, held=15, copied=15, holding=True)
+    assert job.round.round_id == first and job.round.members == ["a", "b", "c"]
+    assert job.nodes["b"].state == NodeState.MEMBER and job.spares == ["s"]
+    said = [e.message for e in job.events if e.kind == EventKind.NODE_PACE_OK]
+    assert said == ["node b keeps pace again: its swap for a spare is called off"], said
