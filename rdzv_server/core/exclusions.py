@@ -16,7 +16,7 @@ def exclude(rules: JobRules, node: NodeRecord, now: float, why: str = "") -> Non
     cooldown = min(cfg.exclude_cooldown_s * (2 ** node.exclusions), cfg.exclude_cooldown_max_s)
     node.exclusions += 1
     node.excluded_until = now + cooldown
-    node.held_off = False
+    node.held_off = node.slow_out = False
     rules.node_changed(node.node_id)
     rules.out.deadline(node.excluded_until)
     node.failure_times = []

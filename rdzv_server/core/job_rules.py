@@ -95,11 +95,11 @@ class JobRules:
             if node.excluded_until <= now:
                 self.record(now, EventKind.NODE_READMITTED, f"node {nid} finished its exclusion cooldown", nid)
                 self.admit(node, now)
-            elif node.held_off and job.state == JobState.WAITING and not awaiting.wait_runs(job):
-                # flap damping only stops a job short of nodes (not one that waits for members restarting)
-                node.excluded_until, node.held_off = now, False
-                self.record(now, EventKind.NODE_READMITTED, f"node {nid}'s hold-off as a flapping host ends: the "
-                            f"job waits for nodes", nid)
+            elif (node.held_off or node.slow_out) and job.state == JobState.WAITING and not awaiting.wait_runs(job):
+                # flap damping, or a slow node's swap, only stops a job short of nodes (not one awaiting members)
+                what = "hold-off as a flapping host" if node.held_off else "exclusion as a slow node swapped out"
+                node.excluded_until, node.held_off, node.slow_out = now, False, False
+                self.record(now, EventKind.NODE_READMITTED, f"node {nid}'s {what} ends: the job waits for nodes", nid)
                 self.admit(node, now)
         self._preparing_too_long(now)
         if job.last_call_deadline is not None and job.last_call_deadline <= now:

@@ -38,6 +38,7 @@ class NodeRecord(msgspec.Struct, kw_only=True):
     exclusions: int = 0                # how often it was excluded (cooldown doubles each time)
     excluded_until: float = 0.0
     held_off: bool = False             # excluded_until is flap damping's hold-off, not a failures' exclusion
+    slow_out: bool = False             # ... is a slow node's, swapped for a spare (swaps.py): ends if the job waits
     credential_digest: str = ""        # sha256 of the secret its join was given ("": none was issued)
     credential_used: bool = False      # a request has carried that secret: its agent has it (admission.py)
     seen_from: str = ""                # the address its join came from (as the server saw it)

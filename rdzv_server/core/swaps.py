@@ -131,6 +131,7 @@ def _swap(rules: JobRules, node_id: str, why: str, when: str, now: float) -> Non
         job.swapped_places.append(job.round.members.index(node_id))
     suspects.suspected(rules, node, now)
     exclusions.exclude(rules, node, now, f"as a suspect ({why}): spare {spare} takes its place")
+    node.slow_out = True        # it can go on: readmitted should the job be short of nodes (the spare lost)
     then = suspects.quarantine(node, now)
     rules.record(now, EventKind.NODE_SUSPECT, f"node {node_id} swapped for spare {spare} {when}{then}", node_id)
     rules.out.suspects.append(suspects.Action.REPLACED.value)

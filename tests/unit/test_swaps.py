@@ -188,3 +188,20 @@ def test_a_suspect_that_keeps_pace_again_before_the_snapshot_is_not_swapped() ->
     assert job.nodes["b"].state == NodeState.MEMBER and job.spares == ["s"]
     said = [e.message for e in job.events if e.kind == EventKind.NODE_PACE_OK]
     assert said == ["node b keeps pace again: its swap for a spare is called off"], said
+
+
+def test_a_slow_node_swapped_out_is_readmitted_when_its_spare_is_lost_and_the_job_waits() -> None:
+    """The spare that took b's place is lost at once: the job, short of nodes, does not wait out b's cooldown (it
+    trained nothing for a minute) but readmits b, slow but working, as flap damping's hold-off ends; an exclusion
+    for failures is kept."""
+    rz = Rendezvous()
+    slow_b(rz)
+    job = rz.jobs["swap"]
+    poll(rz, "a", T + 150, held=15, copied=15, holding=True)
+    poll(rz, "b", T + 151, copied=15, holding=True)
+    assert job.nodes["b"].state == NodeState.EXCLUDED and "s" in job.round.members
+    rz.handle("swap", LeaveRequest(v=1, node_id="s", credential="secret-s", reason="lost"), T + 152)
+    rz.tick(T + 153)
+    assert job.nodes["b"].state != NodeState.EXCLUDED, job.nodes["b"]
+    said = [e.message for e in job.events if e.kind == EventKind.NODE_READMITTED]
+    assert said == ["node b's exclusion as a slow node swapped out ends: the job waits for nodes"], said
