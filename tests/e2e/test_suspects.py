@@ -6,6 +6,8 @@ workers per node running benchmarks/scripts/shard_train.py."""
 from __future__ import annotations
 
 import datetime
+import os
+import signal
 import time
 
 import pytest
@@ -94,3 +96,29 @@ def test_a_slow_node_that_keeps_pace_again_before_the_snapshot_is_not_swapped(cl
     assert view["round_id"] == 1 and {n["node_id"] for n in view["nodes"]} == {"a", "b"}, view
     assert [n["node_id"] for n in view["spares"]] == ["s"] and view["excluded"] == [], view
     finish(tmp_path, agents, "s")      # (the spare, whose workers never ran, exits 1)
+
+
+def test_a_slow_node_swapped_out_comes_back_at_once_when_its_spare_is_lost(cluster, tmp_path):
+    """The spare that took slow node b's place dies at once (its agent SIGKILLed): the job, short of nodes, does not
+    sit out b's 60 s cooldown but readmits b, slow but working, and every rank resumes from the swap's snapshot."""
+    cluster.start_server()
+    env = {"SLOW_AT": "b:0:0.5:sleep"}
+    extra = ("--nnodes", "2", "--replace-slow-nodes")
+    agents = {n: start(cluster, tmp_path, n, "back", extra=extra, env=env) for n in ("a", "b")}
+    wait_until(lambda: len({r for *_, r, _ in steps(tmp_path)}) >= 4, LIMIT, "every rank stepping")
+    agents["s"] = start(cluster, tmp_path, "s", "back", extra=extra, env=env)
+    swapped = wait_until(lambda: next((e for e in job_events(cluster, "back") if e["kind"] == "node_suspect"
+                                       and "swapped for spare s" in e["message"]), None), LIMIT,
+                         lambda: f"b swapped: {job_events(cluster, 'back')}", interval=0.02)
+    killed_at = time.time()
+    os.kill(agents["s"].pid, signal.SIGKILL)
+    held = int(swapped["message"].split("at the snapshot of step ")[1].split()[0])
+    said = wait_until(lambda: [e["message"] for e in job_events(cluster, "back") if e["kind"] == "node_readmitted"],
+                      LIMIT, lambda: f"b readmitted: {job_events(cluster, 'back')}")
+    assert said == ["node b's exclusion as a slow node swapped out ends: the job waits for nodes"], said
+    view = wait_until(lambda: (v := job_view(cluster, "back"))["round_id"] == 3 and v, LIMIT, "round 3")
+    assert {n["node_id"] for n in view["nodes"]} == {"a", "b"} and view["excluded"] == [], view
+    back = wait_until(lambda: len(shard_resumes(tmp_path, killed_at)) == 4 and shard_resumes(tmp_path, killed_at),
+                      LIMIT, lambda: f"every rank resumed: {shard_resumes(tmp_path, killed_at)}")
+    assert {(step, source) for step, source, _ in back.values()} == {(held, "memory")}, back
+    finish(tmp_path, agents, "s")
