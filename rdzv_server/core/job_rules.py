@@ -224,8 +224,7 @@ class JobRules:
         last = (master_of(job.round), job.round.master_port) if job.round else \
             (job.places[0], job.places_port) if job.places else None          # the last round's store
         fetching = {n for n in chosen if job.nodes[n].fetch_of}
-        # As formed: an excluded node left `members`, and a spare in its place (a swap) is no growth of the job
-        before = list(job.round.ranked or job.round.members) if job.round else list(job.places)
+        before = list(job.round.ranked or job.round.members) if job.round else list(job.places)  # as formed: swaps
         layout = (job.round.ranked, job.round.local_sizes) if job.round else (job.places, job.places_sizes)
         job.round = build_round(job, chosen, job.last_round_id, opened, now, why, took)
         for nid in fetching | set(job.round.copies):      # their fetch_of set or cleared: saved
