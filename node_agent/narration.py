@@ -126,7 +126,7 @@ class Narrator:
                     self.say(f"this node advertises {self.addr}, which the other hosts cannot reach (a loopback "
                              f"address: it reached the server by loopback); the server gives them MASTER_ADDR "
                              f"{a.master_addr} instead. Start this agent with --local-addr ADDR to choose it.")
-            case Rejoin(reason=reason) if reason != self._rejoin_said:
+            case Rejoin(reason=reason) if reason and reason != self._rejoin_said:
                 self._rejoin_said = reason
                 self.say(f"rejoining: {reason}")
             case Exit(message=message):

@@ -66,7 +66,7 @@ class ReportSuccess:
 
 @dataclass(frozen=True)
 class Rejoin:
-    """Join the job again from scratch (the server no longer counts this node)."""
+    """Join the job again from scratch (the server no longer counts this node); `reason` "": nothing to say."""
     reason: str
 
 

@@ -305,14 +305,15 @@ class SupervisionPolicy:
 
     def _checked(self, fact: NodeChecked, now: float) -> list[Action]:
         if fact.problem is None:
+            was_out = self.health.out_since is not None
             self.health.passed(fact.stage, now)
             if fact.stage == Stage.FAILURE:
                 return [ReportFailure(fact.round_id, fact.failures)]
             if fact.stage == Stage.READMIT:
                 self.health.readmit_passed = True
                 return [SendNote()]      # the server hears it now, not at the next held poll's end
-            if fact.stage == Stage.JOIN:
-                return [Rejoin("the node's checks passed")]
+            if fact.stage == Stage.JOIN:        # said only where a check had kept it out: a first join is no news
+                return [Rejoin("the node's checks passed" if was_out else "")]
             a = self.health.take_pending(fact.round_id) if fact.stage == Stage.RESTART \
                 and fact.round_id == self.running_round else None
             return [Spawn(a)] if a is not None and self.workers == Workers.RUNNING else []

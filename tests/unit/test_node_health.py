@@ -9,6 +9,7 @@ from node_agent.core.node_health import RETRY_MAX_S, NodeHealth
 from node_agent.core.policy import SupervisionPolicy, Workers
 from protocol.bounds import MAX_REASON
 from protocol.messages import JobState, NodeState, UnhealthyKind
+from tests.unit.test_narration import narrator
 from tests.unit.test_policy import failure, member, status
 
 
@@ -62,6 +63,19 @@ def test_an_unhealthy_node_leaves_without_reporting_and_checks_again_after_a_dou
     assert p.next_deadline() == 16.2                               # 5 s, then 10 s
     assert p.handle(DeadlinePassed(), 16.2) == [CheckNode(Stage.JOIN, -1)]
     assert p.handle(NodeChecked(Stage.JOIN, -1), 16.3) == [Rejoin("the node's checks passed")]
+
+
+def test_a_first_join_whose_checks_pass_says_nothing_of_rejoining() -> None:
+    """A review: an agent started with --health-check printed "rejoining: the node's checks passed" as it first
+    joined. That is news only after a check kept the node out (the test above)."""
+    p = checked()
+    actions = p.handle(NodeChecked(Stage.JOIN, -1), 0.1)
+    assert actions == [Rejoin("")]
+    n, out = narrator()
+    n.fact(NodeChecked(Stage.JOIN, -1), actions)
+    for action in actions:
+        n.action(action)
+    assert out.getvalue() == ""
 
 
 def test_the_back_off_is_capped() -> None:
