@@ -31,7 +31,7 @@ from node_agent.client.listener import Listener, agent_caps
 from node_agent.copies.client import FetchResult, drop, fetch, push
 from node_agent.copies.last_copies import FLUSH_LIMIT_S, due_bytes, last_copies
 from node_agent.copies.local_steps import common_step, mark_fetching, written_since
-from node_agent.copies.own import OwnSnapshots
+from node_agent.copies.own import OwnSnapshots, keep_token, left_dirs, left_key
 from node_agent.copies.store import CopyStore
 from node_agent.copies.tls import CopyTls
 from node_agent.copies.wire import is_copy_request
@@ -95,7 +95,10 @@ class PeerCopies:
             if not dirs or self.memory.root is None or self.memory.rank_limit is None:
                 return None
             limit = self.memory.rank_limit * max(1, self.nproc)
-            own = OwnSnapshots(self.node_id, key=lambda: self.key, dirs=lambda: self._dirs)
+            # Before this agent's first round: the memory its previous agent left, with that agent's key (own.py)
+            root = self.memory.root
+            own = OwnSnapshots(self.node_id, key=lambda: left_key(root) if self.round < 0 else self.key,
+                               dirs=lambda: left_dirs(root) if self.round < 0 else self._dirs)
             self.store = CopyStore(os.path.join(self.memory.root, COPIES), limit, self.sources, self._say,
                                    round_now=lambda: self.round, reach=self._reach, own=own)
         return self.store
@@ -147,6 +150,7 @@ class PeerCopies:
         if a.round_id != self.round:
             self._round_began, self._past_start = time.time(), False
         self.key, self.targets, self._dirs, self.round = a.copy_token, a.replicas, dirs, a.round_id
+        keep_token(self.memory.root if self.memory.root == self.memory.home else None, self.key)
         self.sources.clear()
         self.sources.update((s.node_id, s) for s in a.copy_sources)
         if self.server_tls and self.tls is None:        # no copies in the clear (said once at listen)

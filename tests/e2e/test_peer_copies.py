@@ -193,3 +193,31 @@ def test_a_member_whose_agent_restarts_with_its_copy_behind_keeps_its_place_from
     silent = any(e["kind"] == "node_lost" and "no contact" in e["message"] for e in job_events(cluster, "behind"))
     assert view["restart_count"] == 0 and (silent or [n["node_id"] for n in view["spares"]] == ["s"]), view
     finish(tmp_path, agents, "s")            # the spare ran no worker: it exits 1, as it should
+
+
+def test_a_spare_taking_the_place_of_a_member_back_with_fewer_workers_gets_its_own_newest(cluster, tmp_path):
+    """A review: b's agent killed and started again with --nproc 1 while a ready spare of 2 workers waited, copies
+    behind the snapshots. The spare took b's place (b waits as the spare) and was told to fetch from b's new agent,
+    which refused it ("no key of node b here": it had run no round yet), so every rank resumed from b's older
+    peer copy. b's new agent serves the memory it took up with its previous agent's key: every rank resumes past
+    the copy."""
+    agents, lost = slow_copies_and_a_spare(cluster, tmp_path, "fewer")
+
+    def copies() -> dict:
+        return next(n for n in job_view(cluster, "fewer")["nodes"] if n["node_id"] == lost).get("copies", {})
+
+    wait_until(lambda: copies().get("local_step", -1) - copies().get("copied_step", -1) >= 10 and
+               copies().get("copied_step", -1) >= 5, LIMIT, f"node {lost}'s copies 10 steps behind its snapshots")
+    copied = copies().get("copied_step", -1)
+    killed_at = time.time()
+    os.kill(agents[lost].pid, signal.SIGKILL)
+    agents[lost].wait(LIMIT)
+    agents[lost] = start(cluster, tmp_path, lost, "fewer", extra=(*SLOW, "--nproc", "1"))
+    back = wait_until(lambda: len(shard_resumes(tmp_path, killed_at)) == 6 and shard_resumes(tmp_path, killed_at),
+                      LIMIT, lambda: f"every rank resumed: {shard_resumes(tmp_path, killed_at)}\n"
+                                     f"{agents['s'].output}\n{agents[lost].output}")
+    assert "no key of node" not in agents[lost].output, agents[lost].output
+    assert {source for _, source, _ in back.values()} == {"memory"}, back
+    assert len({step for step, _, _ in back.values()}) == 1 and min(s for s, _, _ in back.values()) > copied, \
+        (back, copied, agents["s"].output)
+    finish(tmp_path, agents, lost)            # b, a spare now, ran no worker
