@@ -16,6 +16,17 @@ class Refusal(Exception):
         self.detail = detail
 
 
+NO_KEY = " (no key of node "     # a detail's start: this holder holds no copies of the node, nor is it a source
+
+
+def unheard(r: Refusal, first_line: bytes) -> bool:
+    """A refusal our log need not say: a drop of a node's copies where none are held. Harmless and common: the node
+    that took a gone node's place fetched its copies and dropped them, and the gone node itself (excluded, its job
+    then over) drops them again (a review saw it logged as trouble at every such job's end). The peer is still
+    answered "wrong key", as for any key refused."""
+    return r.detail.startswith(NO_KEY) and first_line.startswith(b"rdzv-agent drop ")
+
+
 def parse(first_line: bytes) -> PushRequest | FetchRequest | DropRequest:
     """The request a first line makes, or a Refusal naming the field that is wrong."""
     try:

@@ -31,7 +31,7 @@ from typing import Protocol
 
 from node_agent.copies import files, room, stream, wire
 from node_agent.copies.own import OwnSnapshots
-from node_agent.copies.refusal import Refusal, parse, stored_failed
+from node_agent.copies.refusal import NO_KEY, Refusal, parse, stored_failed, unheard
 from node_agent.copies.stream import StreamError
 from node_agent.copies.wire import DropRequest, FetchRequest, PushRequest, WireError
 from node_agent.training.snapshot import remove
@@ -126,7 +126,8 @@ class CopyStore:
             else:
                 await self._fetch(request, writer, peer, first_line)
         except Refusal as r:
-            self._note(r.kind, peer, f"refused {r.reason}{r.detail}", first_line)
+            if not unheard(r, first_line):
+                self._note(r.kind, peer, f"refused {r.reason}{r.detail}", first_line)
             writer.write(wire.refused_line(r.reason))
         except (StreamError, OSError) as exc:
             self._note("lost", peer, f"gave up: {exc}", first_line)
@@ -148,7 +149,7 @@ class CopyStore:
             expected = [source.verifier or copy_verifier(source.token) if source is not None else "",
                         "" if pushing else files.read_verifier(os.path.join(self.root, node))]
         if not any(expected):
-            raise Refusal("key", "wrong key", f" (no key of node {node} here: no node whose copies this one holds)")
+            raise Refusal("key", "wrong key", f"{NO_KEY}{node} here: no node whose copies this one holds)")
         given = copy_verifier(key).encode()
         if not any([hmac.compare_digest(given, v.encode()) for v in expected if v]):
             raise Refusal("key", "wrong key")

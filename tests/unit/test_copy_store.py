@@ -829,3 +829,23 @@ async def test_copies_that_came_with_a_nodes_old_token_are_fetched_with_it_while
                                   path=snap(tmp_path, "c", blob(100)))).ok
         again = await client.fetch("127.0.0.1", port, key=old, node_id=NODE, local_rank=0, dest_dir=str(dest))
         assert again.reason == "refused: \"wrong key\""      # its copies came with the new token since
+
+
+async def test_a_drop_of_copies_already_gone_is_refused_but_not_said_as_trouble(tmp_path) -> None:
+    """A review (a member's worker crashed, it was excluded, the next member took its place from its copies and
+    dropped them at its holder, itself): at the job's end the excluded node dropped its copies too, and the holder,
+    holding none, said "refused wrong key (no key of node ...)" as trouble. Nothing is lost: the drop is still
+    refused (the answer a stranger gets), but not said. A fetch or push for such a node is still said."""
+    said: list[str] = []
+    sources: dict[str, CopySource] = {NODE: CopySource(node_id=NODE, token=KEY)}
+    store = CopyStore(str(tmp_path / "held"), 2**20, sources, said.append, round_now=lambda: 1, reach=lambda: FAR)
+    async with holder(store) as port:
+        assert (await client.push("127.0.0.1", port, key=KEY, node_id=NODE, local_rank=0, step=5,
+                                  path=snap(tmp_path, "s", blob(1000)))).ok
+        assert await client.drop("127.0.0.1", port, key=KEY, node_id=NODE)       # the node taking its place
+        sources.clear()                                                          # the next round: no source
+        assert not await client.drop("127.0.0.1", port, key=KEY, node_id=NODE)   # the node itself, its job over
+        assert said == [] and store.held() == {}
+        got, _ = await fetch_bytes(port, tmp_path)
+    assert got == client.FetchResult(None, "refused: \"wrong key\"", 0)
+    assert len(said) == 1 and "no key of node node-a" in said[0] and "fetch" in said[0], said
