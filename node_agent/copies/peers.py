@@ -86,6 +86,7 @@ class PeerCopies:
         self._in_flight: dict[tuple[str, int], int] = {}                   # (addr, port) -> how many
         self.on_copied: Callable[[], None] = lambda: None    # a push succeeded (the agent may tell the server)
         self._fetching: asyncio.Task[None] | None = None
+        self._let_go: tuple[str, str, list[Witness], int] | None = None    # a fetched node's copies, dropped later
         self._last_note: CopiesNote | None = None   # what note() said last (shown again where it cannot read)
 
     def _holder_store(self) -> CopyStore | None:
@@ -211,10 +212,9 @@ class PeerCopies:
         else:
             return
         size = sum(r.received for r in got)
-        if gone != self.node_id:   # its copies are this node's now (and its own go to the same peer): let go
-            for source in sources:
-                await drop(source.addr, source.port, key=token, node_id=gone, timeout_s=DROP_LIMIT_S,
-                           tls=self._connect)
+        # Its copies are this node's now, let go once this node's own copies of that step landed (_push): till then
+        # they are the place's only state off this node (a review dropped them at once: lost meanwhile, step 0)
+        self._let_go = (gone, token, sources, got[0].step or 0) if gone != self.node_id else None
         self._say(f"fetched node {gone}'s snapshots of step {got[0].step} from {at.addr}:{at.port} ({len(got)} "
                   f"ranks, {size / 2**20:.1f} MiB in {time.monotonic() - began:.2f}s): this node's ranks resume "
                   f"where {gone}'s left off")
@@ -314,6 +314,10 @@ class PeerCopies:
             self.copied[rank] = (step, f"{target.addr}:{target.port}")
             self.on_copied()
             self._lagging(rank, step)
+            if (go := self._let_go) is not None and all(self.copied.get(r, (-1,))[0] >= go[3] for r in self._dirs):
+                self._let_go = None
+                await asyncio.gather(*(drop(at.addr, at.port, key=go[1], node_id=go[0], timeout_s=DROP_LIMIT_S,
+                                            tls=self._connect) for at in go[2]))
             return
         self._retry_at[held] = time.monotonic() + RETRY_S
         self.refused += 1

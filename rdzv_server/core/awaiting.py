@@ -169,8 +169,11 @@ def holds_own_state(job: JobRecord, node: NodeRecord) -> bool:
 
 
 def fetch_unfinished(node: NodeRecord) -> bool:
-    """The node was told to fetch a gone node's copies (rounds.build_round) and has told no snapshot since."""
-    return bool(node.fetch_of) and node.fetch_place is not None and (node.copies is None or node.copies.local_step < 0)
+    """The node was told to fetch a gone node's copies (rounds.build_round) and has told no snapshot since, or, its
+    round making copies, no copy of its own landed yet: the gone node's copies are the place's only state off the
+    node until then (its agent drops them only then: a review lost the node in between, and every rank went to 0)."""
+    return bool(node.fetch_of) and node.fetch_place is not None and (
+        node.copies is None or node.copies.local_step < 0 or node.copies.copying and node.copies.copied_step < 0)
 
 
 def resized(job: JobRecord, before: list[str], after: list[str], was_awaited: bool = False) -> str:

@@ -20,6 +20,7 @@ from protocol.messages import (
     Witness,
 )
 from protocol.tokens import copy_verifier
+from rdzv_server.core import awaiting
 from rdzv_server.core.credentials import copy_token
 from rdzv_server.core.records import JobRecord, NodeRecord, PlaceCopies, RoundRecord
 
@@ -107,8 +108,9 @@ def fetches_pending(job: JobRecord, members: list[str], took: dict[str, str]) ->
         node = job.nodes[m]
         if not node.fetch_of or node.fetch_place is None or took.get(m, m) != m or node.copies is None:
             continue
-        if node.copies.local_step >= 0:
-            node.fetch_of, node.fetch_place = "", None
+        if node.copies.local_step >= 0:     # done, or its own copy still landing (kept for its loss: gone_nodes)
+            if not awaiting.fetch_unfinished(node):
+                node.fetch_of, node.fetch_place = "", None
         else:
             out[m] = (node.fetch_of, node.fetch_place)
     return out

@@ -221,3 +221,35 @@ def test_a_spare_taking_the_place_of_a_member_back_with_fewer_workers_gets_its_o
     assert len({step for step, _, _ in back.values()}) == 1 and min(s for s, _, _ in back.values()) > copied, \
         (back, copied, agents["s"].output)
     finish(tmp_path, agents, lost)            # b, a spare now, ran no worker
+
+
+def test_a_spare_lost_before_its_own_copy_landed_leaves_the_place_the_copies_it_fetched(cluster, tmp_path):
+    """A review: s took b's place, fetched b's copies from their holder and dropped them there at once; lost (its
+    host gone) before its own copy of that step landed, the next spare t was told b's copies, refused ("no key of
+    node b here"): every rank back to step 0. s now drops them once its own copy landed, and the server keeps the
+    fetch unfinished till then: t resumes the place from b's copies."""
+    cluster.start_server()
+    one = ("--nproc", "1", *SLOW)
+    agents = {n: start(cluster, tmp_path, n, "window", extra=one) for n in ("a", "b", "c")}
+    wait_until(lambda: len({r for *_, r, _ in steps(tmp_path)}) == 3, LIMIT, "every rank stepping")
+    for spare in ("s", "t"):
+        agents[spare] = start(cluster, tmp_path, spare, "window", extra=one)
+        agents[spare].wait_for_line(r"ready after", LIMIT)
+    lost = next(n["node_id"] for n in job_view(cluster, "window")["nodes"] if n["group_rank"] == 1)
+    wait_until(lambda: next(n for n in job_view(cluster, "window")["nodes"] if n["node_id"] == lost)
+               .get("copies", {}).get("copied_step", -1) >= 10, LIMIT, f"node {lost}'s copies of step 10 or later")
+    os.kill(agents[lost].pid, signal.SIGKILL)
+    agents[lost].wait(LIMIT)
+    remove_memory("window", lost)
+    taker = wait_until(lambda: next((n for n in ("s", "t") if f"fetched node {lost}'s" in agents[n].output), None),
+                       LIMIT, f"a spare fetched node {lost}'s copies")
+    killed_at = time.time()
+    os.kill(agents[taker].pid, signal.SIGKILL)       # as its own first copy is on its way (1 MB at 1 MB/s)
+    agents[taker].wait(LIMIT)
+    remove_memory("window", taker)
+    back = wait_until(lambda: len(shard_resumes(tmp_path, killed_at)) == 3 and shard_resumes(tmp_path, killed_at),
+                      LIMIT, lambda: f"every rank resumed: {shard_resumes(tmp_path, killed_at)}")
+    other = "t" if taker == "s" else "s"
+    assert {source for _, source, _ in back.values()} == {"memory"}, (back, agents[other].output)
+    assert min(s for s, _, _ in back.values()) >= 10, back
+    finish(tmp_path, {n: a for n, a in agents.items() if n != taker}, lost)

@@ -99,3 +99,22 @@ def test_a_fetch_told_a_third_time_still_carries_the_token_its_copies_came_with(
     s = rz.view(JOB, "s", t + 1).assignment
     assert s is not None and s.copies_of == "b"
     assert s.copies_token == told and s.copies_token != b_before.copy_token
+
+
+def test_a_node_lost_before_its_own_copy_of_a_fetched_place_landed_leaves_that_fetch_to_the_next():
+    """A review: s took b's place and fetched b's copies (its poll told the step), then was lost before its own copy
+    landed. t, taking the place, was told s's copies (none anywhere): every rank went back to step 0. Until a copy
+    of its own lands the fetch is unfinished: t is told b's copies, with the token they came with."""
+    from protocol.messages import PollRequest
+    from protocol.notes import CopiesNote
+    rz = started({"a": "1", "b": "2", "c": "3"}, CFG)
+    join(rz, "s", 0.5, CFG, domain="4")
+    join(rz, "t", 0.5, CFG, domain="5")
+    t = only(rz, ("a", "c", "s", "t"), 0.5)                   # b lost: s takes its place
+    s = rz.view(JOB, "s", t).assignment
+    assert s is not None and s.copies_of == "b"
+    fetched = CopiesNote(local_step=20, copied_step=-1)      # its ranks hold b's step, no copy of its own yet
+    rz.handle(JOB, PollRequest(v=1, node_id="s", credential="secret-s", copies=fetched), t)
+    t = only(rz, ("a", "c", "t"), t)                          # s lost: t takes its place
+    got = rz.view(JOB, "t", t).assignment
+    assert got is not None and got.copies_of == "b" and got.copies_token == s.copies_token, got
