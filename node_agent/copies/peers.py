@@ -10,11 +10,11 @@ another node, the node that takes its place resumes from that step instead of ev
   RETRY_S later.
 - A node that takes a gone node's place (`Assignment.copies_of`/`copies_at`) fetches that node's copies
   into its own ranks' memory directories while its workers start (FETCH_LIMIT_S at most; `snapshot.agreed_step`
-  waits for it), so agreed_step finds the step on every rank, and the holder then drops them. None there: every rank
-  falls back to disk (agreed_step), said in one line. A node back at its own place as a new incarnation (its agent
-  restarted) is told of its own copies: fetched only where its memory did not outlive its predecessor. A node
-  swapped out while it lives (a suspect) is the source of its own snapshots for the node taking its place
-  (copies/own.py): they need no peer copy.
+  waits for it), so agreed_step finds the step on every rank; the holder drops them once this node's own copies
+  landed. None there: every rank falls back to disk (agreed_step), said in one line. A node back at its own place
+  as a new incarnation (its agent restarted) is told of its own copies: fetched only where its memory did not
+  outlive its predecessor. A node swapped out while it lives (a suspect) is the source of its own snapshots for
+  the node taking its place (copies/own.py): they need no peer copy.
 - Copies held for others live under the node's memory directory: removed with it when the job ends or the
   node leaves, taken up with it by the node's next agent, or swept (workers/memory.py); a node whose job is
   over asks its holders to drop its copies at once. A job whose copies go nowhere is said once."""
