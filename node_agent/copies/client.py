@@ -229,3 +229,10 @@ async def drop(addr: str, port: int, *, key: str, node_id: str, timeout_s: float
             return answer.kind == "dropped"
     except (_Unreachable, StreamError, WireError, OSError):
         return False
+
+
+async def drop_all(holders: list[tuple[str, int]], key: str, node_id: str, timeout_s: float,
+                   tls: ssl.SSLContext | None = None) -> None:
+    """`drop` at each (addr, port), together: a node taking a gone node's place lets that node's copies go."""
+    await asyncio.gather(*(drop(addr, port, key=key, node_id=node_id, timeout_s=timeout_s, tls=tls)
+                           for addr, port in holders))

@@ -28,7 +28,7 @@ import time
 from collections.abc import Awaitable, Callable
 
 from node_agent.client.listener import Listener, agent_caps
-from node_agent.copies.client import FetchResult, drop, fetch, push
+from node_agent.copies.client import FetchResult, drop, drop_all, fetch, push
 from node_agent.copies.last_copies import FLUSH_LIMIT_S, due_bytes, last_copies
 from node_agent.copies.local_steps import common_step, mark_fetching, written_since
 from node_agent.copies.own import OwnSnapshots, keep_token, left_dirs, left_key
@@ -86,7 +86,7 @@ class PeerCopies:
         self._in_flight: dict[tuple[str, int], int] = {}                   # (addr, port) -> how many
         self.on_copied: Callable[[], None] = lambda: None    # a push succeeded (the agent may tell the server)
         self._fetching: asyncio.Task[None] | None = None
-        self._let_go: tuple[str, str, list[Witness], int] | None = None    # a fetched node's copies, dropped later
+        self._let_go: tuple[str, str, list[tuple[str, int]], int] | None = None  # a fetched node's copies, to drop
         self._last_note: CopiesNote | None = None   # what note() said last (shown again where it cannot read)
 
     def _holder_store(self) -> CopyStore | None:
@@ -214,7 +214,8 @@ class PeerCopies:
         size = sum(r.received for r in got)
         # Its copies are this node's now, let go once this node's own copies of that step landed (_push): till then
         # they are the place's only state off this node (a review dropped them at once: lost meanwhile, step 0)
-        self._let_go = (gone, token, sources, got[0].step or 0) if gone != self.node_id else None
+        self._let_go = (gone, token, [(s.addr, s.port) for s in sources], got[0].step or 0) \
+            if gone != self.node_id else None
         self._say(f"fetched node {gone}'s snapshots of step {got[0].step} from {at.addr}:{at.port} ({len(got)} "
                   f"ranks, {size / 2**20:.1f} MiB in {time.monotonic() - began:.2f}s): this node's ranks resume "
                   f"where {gone}'s left off")
@@ -316,9 +317,11 @@ class PeerCopies:
             self._lagging(rank, step)
             if (go := self._let_go) is not None and all(self.copied.get(r, (-1,))[0] >= go[3] for r in self._dirs):
                 self._let_go = None
-                await asyncio.gather(*(drop(at.addr, at.port, key=go[1], node_id=go[0], timeout_s=DROP_LIMIT_S,
-                                            tls=self._connect) for at in go[2]))
+                await drop_all(go[2], go[1], go[0], DROP_LIMIT_S, self._connect)
             return
+        if (go := self._let_go) is not None and "limit full" in result.reason:   # no room for both: theirs go now
+            self._let_go = None
+            await drop_all(go[2], go[1], go[0], DROP_LIMIT_S, self._connect)
         self._retry_at[held] = time.monotonic() + RETRY_S
         self.refused += 1
         self.last_refusal = "".join(c if c.isprintable() else "?" for c in f"{target.addr}:{target.port}: "

@@ -138,6 +138,25 @@ async def test_the_node_taking_a_place_fetches_its_copies_before_spawning_and_th
         await spare.close()
 
 
+async def test_a_holder_without_room_for_both_lets_the_fetched_copies_go_for_the_spares_own(tmp_path) -> None:
+    """The fetched node's copies stay till the spare's own copy lands; where the holder has no room for both, the
+    spare's push is refused for its limit: the fetched ones go then (as before), and its own land next time."""
+    said: list[str] = []
+    async with holder(tmp_path) as (store, at):
+        await pushed(tmp_path, at, said, b"b's shard", 25)
+        store.limit_bytes = store.held_bytes() + 10          # room for b's copies only
+        spare, dirs = agent_side(tmp_path, "s", said)
+        await spare.before_spawn(assignment((at,), copies_of="b", copies_at=at), dirs)
+        await spare.fetched()
+        await spare._flush()
+        held = store.held()
+        assert ("b", 0) not in held and ("b", 1) not in held and spare.refused, (held, said)    # refused: b's go
+        spare._retry_at.clear()
+        await spare._flush()
+        assert store.held() == {("s", 0): 25, ("s", 1): 25}, store.held()
+        await spare.close()
+
+
 async def test_no_copy_left_is_said_and_the_spawn_goes_on(tmp_path) -> None:
     said: list[str] = []
     async with holder(tmp_path) as (_, at):
