@@ -130,3 +130,30 @@ async def test_a_snapshot_sent_to_the_node_taking_its_place_has_a_second_name_me
         got, back = await fetch(port, tmp_path, 0)
     assert got.step == 6 and back == data[0, 6] and links == [2]
     assert not [n for n in os.listdir(dirs[0]) if n.startswith(snapshot.SENDING)]
+
+
+async def test_a_next_agent_serves_the_memory_it_took_up_with_the_token_its_predecessor_kept(tmp_path):
+    """A member back with another number of workers waits as the spare, its agent in no round yet: it serves its
+    predecessor's memory (its rank directories, 0 and 1) with the token that agent kept there (a review: refused
+    for want of a key, the spare taking its place resumed from the older peer copy)."""
+    from node_agent.copies.own import keep_token, left_dirs, left_key
+    root = tmp_path / "node"
+    data = {}
+    for rank in (0, 1):
+        (root / str(rank)).mkdir(parents=True)
+        data[rank] = blob(50_000, seed=rank)
+        snapshot.save(data[rank], 35, where=str(root / str(rank)))
+    (root / "copies").mkdir()                           # what it holds for others: no rank's
+    keep_token(str(root), MINE)
+    assert os.stat(root / "copy-token").st_mode & 0o777 == 0o600 and left_key(str(root)) == MINE
+    assert left_dirs(str(root)) == {0: str(root / "0"), 1: str(root / "1")}
+    own = OwnSnapshots(ME, key=lambda: left_key(str(root)), dirs=lambda: left_dirs(str(root)))
+    store = CopyStore(str(tmp_path / "held"), 2**20, Everyone(lambda: KEY), round_now=lambda: 1, reach=lambda: FAR,
+                      own=own)
+    async with holder(store) as port:
+        for rank in (0, 1):
+            got, back = await fetch(port, tmp_path, rank)
+            assert got.step == 35 and back == data[rank], got
+        got, _ = await fetch(port, tmp_path, 0, key="another-token-000000")
+        assert got.step is None, got
+    assert left_key(str(tmp_path / "none")) == "" and left_dirs(str(tmp_path / "none")) == {}
