@@ -21,11 +21,18 @@ def job(width: int = 4) -> tuple[nn.Module, torch.optim.Optimizer, torch.optim.l
     return model, opt, torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
 
 
-def train(model: nn.Module, opt: torch.optim.Optimizer, sched, start: int, stop: int) -> None:
+def train(model: nn.Module, opt: torch.optim.Optimizer, sched, start: int, stop: int, evaluate: bool = False) -> None:
+    """`evaluate`: a forward under no_grad between the optimizer's step and the scheduler's (as
+    `scheduler.step(val_loss)` needs)."""
     for step in range(start, stop):
         x = torch.randn(3, model[0].in_features, generator=torch.Generator().manual_seed(step))
         model(x).pow(2).mean().backward()
         opt.step()
+        if evaluate:
+            model.eval()
+            with torch.no_grad():
+                model(torch.ones(2, model[0].in_features))
+            model.train()
         sched.step()
         opt.zero_grad()
 
@@ -102,20 +109,6 @@ def test_a_loop_that_draws_its_batch_before_the_forward_resumes_on_the_same_batc
     assert all(torch.equal(v, reference[k]) for k, v in model2.state_dict().items()), "another batch was drawn"
 
 
-def evaluating(model: nn.Module, opt: torch.optim.Optimizer, sched, start: int, stop: int) -> None:
-    """A loop that evaluates between its optimizer's step and its scheduler's (as `scheduler.step(val_loss)` does)."""
-    for step in range(start, stop):
-        x = torch.randn(3, model[0].in_features, generator=torch.Generator().manual_seed(step))
-        model(x).pow(2).mean().backward()
-        opt.step()
-        model.eval()
-        with torch.no_grad():
-            model(torch.ones(2, model[0].in_features))
-        model.train()
-        sched.step()
-        opt.zero_grad()
-
-
 class Calls(nn.Module):
     """Counts its forwards in a buffer, in any mode (as a module keeping a running step does)."""
 
@@ -164,14 +157,14 @@ def test_an_evaluation_before_the_scheduler_steps_is_not_where_the_snapshot_is_t
     it would hold the scheduler one step behind, and the resumed run would train on another learning rate."""
     model, opt, sched = job()
     protect(model, opt, every=3, extra={"sched": sched})
-    evaluating(model, opt, sched, 0, 8)                # snapshots of 3 and 6, taken at the forwards of 4 and 7
+    train(model, opt, sched, 0, 8, evaluate=True)     # snapshots of 3 and 6, taken at the forwards of 4 and 7
     wait_for_writes()
     reference = {k: v.clone() for k, v in model.state_dict().items()}
 
     model2, opt2, sched2 = job()
     assert protect(model2, opt2, every=3, extra={"sched": sched2}) == 6
     assert sched2.last_epoch == 6
-    evaluating(model2, opt2, sched2, 6, 8)
+    train(model2, opt2, sched2, 6, 8, evaluate=True)
     assert all(torch.equal(v, reference[k]) for k, v in model2.state_dict().items())
 
 
