@@ -58,18 +58,28 @@ class StepWatch:
     async def run(self, put: Put) -> None:
         """Look every LOOK_S until cancelled; put a `RanksStalled` fact for each report."""
         while True:
-            self.look()
-            if self.news_due():
-                put(NoteDue(self.round.round_id))
-            stalled = self.round.stalled(self._wall()) if self._detect else []
-            wall = self._wall()
-            if not stalled:
-                self._next_report = None
-            elif self._next_report is None or wall >= self._next_report:
-                first = self._next_report is None
-                self._next_report = next_report_at(wall, self.round.threshold_s())
-                put(RanksStalled(self.round.round_id, self.round.threshold_s(), await self.examine(), first))
+            await self.tick(put)
             await asyncio.sleep(LOOK_S)    # the watch's period: records change with no event to wait on
+
+    async def tick(self, put: Put) -> None:
+        """One look; a stall examined, and reported, when one is due."""
+        self.look()
+        if self.news_due():
+            put(NoteDue(self.round.round_id))
+        stalled = self.round.stalled(self._wall()) if self._detect else []
+        wall = self._wall()
+        if not stalled:
+            self._next_report = None
+        elif self._next_report is None or wall >= self._next_report:
+            first = self._next_report is None
+            self._next_report = next_report_at(wall, self.round.threshold_s())
+            seen = await self.examine()
+            if not self.round.stalled(self._wall()):
+                # Every rank stepped while watched: the stall is over, and what was seen is its end (a rank caught
+                # entering the collective its peers waited in is no rank alone, "for 0s"). Nothing is reported.
+                self._next_report = None
+                return
+            put(RanksStalled(self.round.round_id, self.round.threshold_s(), seen, first))
 
     def news_due(self) -> bool:
         """Whether the server should hear this node now: a new digest or hold, or a rank that resumed (its agreement

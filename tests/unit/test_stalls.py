@@ -306,3 +306,33 @@ def test_a_rank_that_resumed_is_news_for_the_server_at_once(tmp_path) -> None:
     watch.look()
     assert watch.news_due() and not watch.news_due()
     watch.close()
+
+
+@pytest.mark.parametrize("steps_meanwhile", [False, True])
+def test_a_stall_that_ends_while_it_is_watched_is_not_reported(tmp_path, monkeypatch, steps_meanwhile) -> None:
+    """Ranks that step again while the agent takes their stacks were seen at the stall's end (one caught entering
+    the collective its peers wait in): a report of that moment showed "rank 0 alone for 0s at ... all_reduce"."""
+    import asyncio
+
+    import node_agent.workers.step_watch as step_watch
+    from node_agent.core.facts import RanksStalled
+    files = ProbeFiles.in_dir(str(tmp_path), 0)
+    files.create()
+
+    def record(steps: int, last_at: float) -> bytes:
+        return probe.RECORD.pack(probe.MAGIC, probe.VERSION, 0, steps, 100.0, last_at, os.getpid(), 0, 1, -1)
+
+    async def stacks(targets: dict) -> dict:
+        if steps_meanwhile:
+            write_garbage(files.record, record(6, 1000.0))      # the rank steps between two looks
+        return {}
+    monkeypatch.setattr(step_watch, "take_stacks", stacks)
+    monkeypatch.setattr(step_watch, "EXAMINE_GAP_S", 0.0)
+    write_garbage(files.record, record(5, 900.0))               # last stepped 100 s ago
+    watch = StepWatch(1, {0: (4, files)}, detect=True, pid_of=lambda lr: os.getpid(), exit_of=lambda lr: None,
+                      warn=lambda _: None, wall=lambda: 1000.0)
+    facts: list = []
+    asyncio.run(watch.tick(facts.append))
+    reports = [f for f in facts if isinstance(f, RanksStalled)]
+    assert len(reports) == (0 if steps_meanwhile else 1)
+    watch.close()
