@@ -153,7 +153,9 @@ def _show(rules: JobRules, live: LiveRound, stall: Stall, req: StallReport, step
                    f"taken as working and never decided a hang there again")
     else:
         kind = EventKind.RANKS_ALONE if stall.kind is StallKind.ALONE else EventKind.LONG_COLLECTIVE
-        message = f"{line}: {'working, ' if stall.kind is StallKind.ALONE else ''}not hung; {limit}"
+        # a rank alone is shown, not judged: say what it was seen doing (a rank asleep for ever is quiet, not working)
+        state = f"rank {c.rank} {c.state.value} (shown, not judged)" if stall.kind is StallKind.ALONE else "not hung"
+        message = f"{line}: {state}; {limit}"
     rules.record(now, kind, message, stall.node_id, req.round_id, StallSeen(
         kind=stall.kind.value, culprit=c.rank, stalled_s=round(stall.spell_s, 3), limit_s=stall.limit_s,
         place=stall.place, ranks=_ranks_was(stall), excused_round=before.round_id if before else -1))

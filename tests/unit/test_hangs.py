@@ -215,7 +215,8 @@ def test_a_rank_alone_is_shown_at_once_with_one_event_and_in_the_reply(running) 
     alone_reports(running, 1, 12.0, 15.0)                  # the spell goes on: said once
     said = [e for e in job.events if e.kind == EventKind.RANKS_ALONE]
     assert len(said) == 1 and said[0].data["culprit"] == 0 and said[0].data["limit_s"] == 1800.0
-    assert said[0].message.endswith("working, not hung; a hang only after 1800s (--hang-alone-timeout)")
+    # what rank 0 was seen doing, quiet in readinto: not "working", which a rank asleep for ever is not either
+    assert said[0].message.endswith("rank 0 quiet (shown, not judged); a hang only after 1800s (--hang-alone-timeout)")
     assert shown_stall(job, 15.0 + 20.1) is None           # no fresh report: no longer shown
     job.progress.round_id, job.progress.round_steps = 1, 20     # the job stepped again; rank 0 goes alone again
     alone_reports(running, 1, 7.0, 40.0, steps=20)
