@@ -37,6 +37,7 @@ STEPS_BEHIND = 1        # a report's ranks this many steps behind the job's know
 MAX_PLACE = 2048        # characters of a place kept (its outermost frames go first)
 MAX_PLACES = 32         # places one job keeps (the oldest go first)
 PLACE_LINES = 10        # an innermost line this close to a place's is that place (a loop's other lines)
+_NOT_SCRIPT = ("/torch/", "/site-packages/", "/dist-packages/", "/lib/python3", "<frozen ")   # frames not the script's
 _LINE = re.compile(r":(\d+) in ")
 _LOOSE = re.compile(r"(?P<file>.*):~(?P<line>\d+) in (?P<function>.*)")
 
@@ -256,8 +257,16 @@ def _odd(stall: Stall) -> str:
                 f"before this one); the lowest rank is named")
     odd = {r.rank for r in stall.odd}
     rest = [r for r in stall.waiting if r.rank not in odd]
-    return (f"{_ranks(odd)} wait{'s' if len(odd) == 1 else ''} in {c.call or 'an unknown call'}{_at(c)} while "
-            f"{_ranks(r.rank for r in rest)} wait{_calls(rest)}")
+    rest_ranks = {r.rank for r in rest}
+    return (f"{_ranks(odd)} wait{'s' if len(odd) == 1 else ''} in {c.call or 'an unknown call'}{_at_script(c)} "
+            f"while {_ranks(rest_ranks)} wait{'s' if len(rest_ranks) == 1 else ''}{_calls(rest)}")
+
+
+def _at_script(r: RankSeen) -> str:
+    """' at train.py:40 in main': the script's line the rank waits from (its innermost frame outside torch, the
+    libraries and Python's own), which a restart does not mend; the innermost frame where its stack has none."""
+    line = next((f for f in r.stack.splitlines() if f.strip() and not any(p in "/" + f for p in _NOT_SCRIPT)), "")
+    return f" at {line.strip()}" if line else _at(r)
 
 
 def _how(r: RankSeen) -> str:

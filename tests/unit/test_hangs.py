@@ -22,6 +22,7 @@ W, Q, S, P, X, K, U = (RankState.WAITING, RankState.QUIET, RankState.STOPPED, Ra
                        RankState.WORKING, RankState.UNKNOWN)
 MAIN = "train.py:90 in <module>\ntrain.py:60 in main"        # outermost last, as a report's stack is written
 EVAL = "metrics.py:12 in ngrams\ntrain.py:41 in evaluate\ntrain.py:55 in main\ntrain.py:90 in <module>"
+RECV = "/venv/lib/python3.11/site-packages/torch/distributed/distributed_c10d.py:2799 in recv\ntrain.py:40 in main"
 ALL_REDUCE = "torch/distributed/distributed_c10d.py:2900 in all_reduce\ntrain.py:57 in main\ntrain.py:90 in <module>"
 
 
@@ -111,12 +112,18 @@ def test_a_rank_apart_while_the_others_wait_is_alone_and_decided_only_at_the_alo
 
 def test_every_rank_waiting_with_nothing_moving_is_a_deadlock_naming_the_rank_whose_call_differs() -> None:
     b = board(a=(seen(0, W, call="barrier"), seen(1, W, call="barrier")),
-              b=(seen(2, W, call="barrier"), seen(3, W, where="train.py:40 in main", call="recv")))
+              b=(seen(2, W, call="barrier"), seen(3, W, where="torch/distributed/distributed_c10d.py:2799 in recv",
+                                                   call="recv", stack=RECV)))
     stall = assess(b, ["a", "b"], {}, CFG, (), 101.0)
     assert stall is not None and stall.kind is StallKind.DEADLOCK and stall.decided and not stall.capped
     assert (stall.node_id, stall.culprit.rank, [r.rank for r in stall.odd]) == ("b", 3, [3])
     assert stall.message == ("deadlock: every rank waits on the others, none computing and no data moving; rank 3 "
                              "waits in recv at train.py:40 in main while ranks 0-2 wait in barrier")
+    # the agent's `where` is the innermost frame, torch's: the script's line is the one that names the bug
+    two = board(a=(seen(0, W, call="recv", stack=RECV),), b=(seen(1, W, call="barrier", where="x.py:1 in f"),))
+    named = assess(two, ["a", "b"], {}, CFG, (), 101.0)
+    assert named is not None and named.message.endswith("rank 0 waits in recv at train.py:40 in main while rank 1 "
+                                                        "waits in barrier")
     same = board(a=(seen(0, W), seen(1, W)), b=(seen(2, W), seen(3, W)))
     everyone = assess(same, ["a", "b"], {}, CFG, (), 101.0)
     assert everyone is not None and everyone.decided and everyone.culprit.rank == 0 and not everyone.odd
