@@ -119,7 +119,10 @@ class Snapshots(TrainerCallback):
             shutil.rmtree(self._folder, ignore_errors=True)
             self._folder = None
         step = state.global_step
-        if self._capture is not None and step > self._last and step % self.every == 0:
+        # Not the last step's (max_steps): the Trainer's resume runs one step past a checkpoint of it (no check
+        # before its first step), so a worker failing after train() returned would end past the run
+        last = 0 < args.max_steps <= step
+        if self._capture is not None and step > self._last and step % self.every == 0 and not last:
             self._last = self._due = step      # taken by _take_due: the Trainer's evaluation and save come first
         elif self._capture is not None and not self._prepared and self.trainer.optimizer is not None \
                 and self.trainer.optimizer.state:       # the first snapshot's buffers, ahead

@@ -60,3 +60,29 @@ def test_a_resumed_trainer_ends_as_one_never_stopped(memory, tmp_path, monkeypat
     assert "resumed from step 5 (memory)" in capsys.readouterr().out
     assert whole.keys() == resumed.keys()
     assert [k for k in whole if not torch.equal(whole[k], resumed[k])] == []
+
+
+@pytest.mark.parametrize("keep", [1, 2])
+def test_a_trainer_restarted_after_its_last_step_trains_no_step_past_max_steps(memory, tmp_path, capsys,
+                                                                              keep) -> None:
+    """No snapshot is taken of step max_steps (the training's end): the Trainer's resume runs one more step from
+    it (global_step 11 of 10, a batch and an LR step past the run), so a worker that failed after train() returned
+    ended past an uninterrupted run. It resumes from the one before, and the steps are done again as they were."""
+    def run(out) -> tuple[int, dict[str, torch.Tensor]]:
+        torch.manual_seed(0)
+        model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2))
+        args = TrainingArguments(output_dir=str(out), max_steps=10, per_device_train_batch_size=4,
+                                 learning_rate=1e-3, lr_scheduler_type="constant", seed=0, use_cpu=True,
+                                 save_strategy="no", report_to=[], disable_tqdm=True, logging_steps=1000)
+        trainer = Trainer(model=model, args=args, train_dataset=Tokens(96))
+        protect_trainer(trainer, every=5, keep=keep)
+        trainer.train()
+        return trainer.state.global_step, {k: v.clone() for k, v in trainer.model.state_dict().items()}
+
+    steps, whole = run(tmp_path / "whole")
+    again, resumed = run(tmp_path / "again")      # the same memory: a worker restarted after train() returned
+    said = capsys.readouterr()
+    out = said.out + said.err
+    assert (steps, again) == (10, 10)
+    assert all(torch.equal(whole[k], resumed[k]) for k in whole)
+    assert "resumed from step 5 (memory)" in out, out
