@@ -240,8 +240,9 @@ class Agent:
         self.facts.put_nowait(await witnesses_and_server(witnesses, self.policy.known_round, self.transport.reach))
 
     def _copied(self) -> None:
-        """A copy reached its peer: while a swap waits for it (the ranks hold), the server hears it now."""
-        if self.policy.holding and self._link is not None:
+        """A copy reached its peer: while a swap waits for it (the ranks hold), or a fetched node's copies wait for
+        the server to hear it (PeerCopies.heard), the server hears it now."""
+        if (self.policy.holding or self.copies.let_go is not None) and self._link is not None:
             self._link.poll_now()
 
     def _holds(self) -> int:
@@ -307,11 +308,13 @@ class Agent:
     async def _poll(self, wait_s: float) -> NodeStatus:
         known = self.policy.known_round
         self.workers.memory.alive()
-        return await self.transport.poll(known, wait_s, master_port=self._free_port(),
-                                         progress=self.workers.progress_note(known) if known >= 0 else None,
-                                         ready=self.workers.ready, copies=self.copies.note(),
-                                         checks_passed=self.policy.health.readmit_passed,
-                                         holding=self.policy.holding)
+        status = await self.transport.poll(known, wait_s, master_port=self._free_port(),
+                                           progress=self.workers.progress_note(known) if known >= 0 else None,
+                                           ready=self.workers.ready, copies=(copies := self.copies.note()),
+                                           checks_passed=self.policy.health.readmit_passed,
+                                           holding=self.policy.holding)
+        self.copies.heard(copies)       # answered: the server knows what it said (a fetched node's copies may go)
+        return status
 
     async def _when_ready(self, link: ServerLink) -> None:
         """The server forms rounds only of nodes that can start their workers at once: say so as soon as this one

@@ -10,11 +10,11 @@ another node, the node that takes its place resumes from that step instead of ev
   RETRY_S later.
 - A node that takes a gone node's place (`Assignment.copies_of`/`copies_at`) fetches that node's copies
   into its own ranks' memory directories while its workers start (FETCH_LIMIT_S at most; `snapshot.agreed_step`
-  waits for it), so agreed_step finds the step on every rank; the holder drops them once this node's own copies
-  landed. None there: every rank falls back to disk (agreed_step), said in one line. A node back at its own place
-  as a new incarnation (its agent restarted) is told of its own copies: fetched only where its memory did not
-  outlive its predecessor. A node swapped out while it lives (a suspect) is the source of its own snapshots for
-  the node taking its place (copies/own.py): they need no peer copy.
+  waits for it), so agreed_step finds the step on every rank; the holder drops them once the server heard this
+  node's own copies landed (`heard`). None there: every rank falls back to disk (agreed_step), said in one line.
+  A node back at its own place as a new incarnation (its agent restarted) is told of its own copies: fetched only
+  where its memory did not outlive its predecessor. A node swapped out while it lives (a suspect) is the source
+  of its own snapshots for the node taking its place (copies/own.py): they need no peer copy.
 - Copies held for others live under the node's memory directory: removed with it when the job ends or the
   node leaves, taken up with it by the node's next agent, or swept (workers/memory.py); a node whose job is
   over asks its holders to drop its copies at once. A job whose copies go nowhere is said once."""
@@ -86,7 +86,8 @@ class PeerCopies:
         self._in_flight: dict[tuple[str, int], int] = {}                   # (addr, port) -> how many
         self.on_copied: Callable[[], None] = lambda: None    # a push succeeded (the agent may tell the server)
         self._fetching: asyncio.Task[None] | None = None
-        self._let_go: tuple[str, str, list[tuple[str, int]], int] | None = None  # a fetched node's copies, to drop
+        self.let_go: tuple[str, str, list[tuple[str, int]], int] | None = None  # a fetched node's copies, to drop
+        self._dropping: asyncio.Future[None] | None = None      # their drop (`heard`), under way
         self._last_note: CopiesNote | None = None   # what note() said last (shown again where it cannot read)
 
     def _holder_store(self) -> CopyStore | None:
@@ -182,8 +183,7 @@ class PeerCopies:
         if self.targets and self.key and (self._pusher is None or self._pusher.done()):
             self._pusher = asyncio.create_task(self._push_loop())
 
-    async def fetched(self) -> None:
-        """Until the fetch under way, if any, is over (it never raises)."""
+    async def fetched(self) -> None:    # until the fetch under way, if any, is over (it never raises)
         if self._fetching is not None:
             await asyncio.gather(self._fetching, return_exceptions=True)
 
@@ -212,9 +212,8 @@ class PeerCopies:
         else:
             return
         size = sum(r.received for r in got)
-        # Its copies are this node's now, let go once this node's own copies of that step landed (_push): till then
-        # they are the place's only state off this node (a review dropped them at once: lost meanwhile, step 0)
-        self._let_go = (gone, token, [(s.addr, s.port) for s in sources], got[0].step or 0) \
+        # Its copies are this node's now: let go once the server heard this node's own copies landed (`heard`)
+        self.let_go = (gone, token, [(s.addr, s.port) for s in sources], got[0].step or 0) \
             if gone != self.node_id else None
         self._say(f"fetched node {gone}'s snapshots of step {got[0].step} from {at.addr}:{at.port} ({len(got)} "
                   f"ranks, {size / 2**20:.1f} MiB in {time.monotonic() - began:.2f}s): this node's ranks resume "
@@ -246,8 +245,7 @@ class PeerCopies:
             except OSError as exc:               # a directory gone under us (the job ending): said, then again
                 self._say_once("scan", f"peer copies: cannot read the memory directories ({exc}); trying again")
 
-    async def _scan(self) -> None:
-        """Start the pushes due, and wait for them."""
+    async def _scan(self) -> None:      # start the pushes due, and wait for them
         await asyncio.gather(*self._start_pushes())
 
     def _start_pushes(self) -> list[asyncio.Task[None]]:
@@ -257,9 +255,9 @@ class PeerCopies:
         # A snapshot of an earlier round may be one the job abandoned (it went back: the workers' agreed_step removes
         # it as they start), and a copy of it tagged with this round would make the holder refuse the step the job
         # resumed from (a review: the holder kept the abandoned step, and a later loss sent every rank to step 0).
-        # So until every local rank has stepped (past its agreement), only what this round wrote goes: its
-        # workers' snapshots, or copies it fetched. Then its newest too, whatever round wrote it (the step it resumed
-        # from, for a holder new in this round: a second review lost every rank to step 0 waiting for the next).
+        # So until every local rank has stepped (past its agreement), only what this round wrote goes (its workers'
+        # snapshots, or copies it fetched); then its newest too, whatever round wrote it (the step it resumed from,
+        # for a holder new in this round: a second review lost every rank to step 0 waiting for the next).
         newest = common_step(self._dirs)
         if newest and not self._past_start:
             if self._stepping is not None and self._stepping(self.round, len(self._dirs)):
@@ -295,8 +293,7 @@ class PeerCopies:
         finally:
             self._in_flight.pop(at, None)
 
-    async def _flush(self) -> None:
-        """The pushes under way, then those due now (the newest step), to their end."""
+    async def _flush(self) -> None:     # the pushes under way, then those due now (the newest step), to their end
         await asyncio.gather(*self._to_holder.values(), return_exceptions=True)
         await self._scan()
 
@@ -315,12 +312,9 @@ class PeerCopies:
             self.copied[rank] = (step, f"{target.addr}:{target.port}")
             self.on_copied()
             self._lagging(rank, step)
-            if (go := self._let_go) is not None and all(self.copied.get(r, (-1,))[0] >= go[3] for r in self._dirs):
-                self._let_go = None
-                await drop_all(go[2], go[1], go[0], DROP_LIMIT_S, self._connect)
             return
-        if (go := self._let_go) is not None and "limit full" in result.reason:   # no room for both: theirs go now
-            self._let_go = None
+        if (go := self.let_go) is not None and "limit full" in result.reason:   # no room for both: theirs go now
+            self.let_go = None
             await drop_all(go[2], go[1], go[0], DROP_LIMIT_S, self._connect)
         self._retry_at[held] = time.monotonic() + RETRY_S
         self.refused += 1
@@ -372,6 +366,13 @@ class PeerCopies:
                                      sent_bytes=self.sent_bytes, refused=self.refused,
                                      last_refusal=self.last_refusal, held_bytes=held, copying=bool(self.targets))
         return self._last_note
+
+    def heard(self, note: CopiesNote | None) -> None:
+        """The server heard `note` (its poll answered): a fetched node's copies go once it heard this node's own landed,
+        not at the landing (a loss before the next poll hands their fetch on, awaiting.py: a review's found none)."""
+        if note is not None and (go := self.let_go) is not None and note.copied_step >= go[3]:
+            self.let_go = None
+            self._dropping = asyncio.ensure_future(drop_all(go[2], go[1], go[0], DROP_LIMIT_S, self._connect))
 
     async def close(self, finished: bool = False, flush_s: float | None = None) -> None:
         """Stop fetching and pushing. Once the job is over for this node (`finished`) its holders drop its copies

@@ -131,9 +131,16 @@ async def test_the_node_taking_a_place_fetches_its_copies_before_spawning_and_th
         assert marked(dirs) == [False, False]
         assert [snapshot.steps(where) for where in dirs.values()] == [[25], [25]]
         assert any("fetched node b's snapshots of step 25" in line for line in said), said
-        # Dropped once the spare's own copies of that step landed, not before: till then they are the place's only
-        # state off the spare (a review: the spare lost meanwhile, and every rank went back to step 0)
+        # Dropped once the server heard the spare's own copies of that step landed, not before: till then a loss of
+        # the spare hands their fetch to the next node (a review: dropped at the landing, the spare lost before its
+        # next poll, the next node found none and every rank went back to disk)
+        before = spare.note()                        # a poll before its copies landed
         await spare._flush()
+        assert store.held() == {("b", 0): 25, ("b", 1): 25, ("s", 0): 25, ("s", 1): 25}, store.held()
+        spare.heard(before)                          # answered: the server knows of no copy yet, they stay
+        assert ("b", 0) in store.held() and spare._dropping is None
+        spare.heard(spare.note())                    # the poll saying they landed was answered: they go
+        await spare._dropping
         assert store.held() == {("s", 0): 25, ("s", 1): 25}, store.held()
         await spare.close()
 
@@ -236,7 +243,9 @@ async def test_a_first_source_that_fails_leaves_the_fetch_to_the_peer_copy(tmp_p
                                                            f"127.0.0.1:{nobody.port}")]
         assert len(failed) == 1 and "resume from disk" not in failed[0], said
         assert any(f"fetched node b's snapshots of step 30 from {at.addr}:{at.port}" in line for line in said), said
-        await spare._flush()                         # its own copies landed: the holder dropped b's
+        await spare._flush()                         # its own copies landed, and the server heard: b's go
+        spare.heard(spare.note())
+        await spare._dropping
         assert ("b", 0) not in store.held() and ("s", 0) in store.held()
         await spare.close()
 
