@@ -61,7 +61,8 @@ def noted(rules: JobRules, live: LiveRound, node_id: str, note: ProgressNote | N
         told = [d for d in note.digests if d.rank in own]     # its own ranks only
         verdict = divergence.note(live.digests, job.round.round_id, job.round.world_size, told, node_id)
         job.progress.alike_step = max(job.progress.alike_step, live.digests.agreed)
-        job.progress.all_alike = job.progress.all_alike or live.digests.groups == 1
+        if live.digests.groups:     # the newest judgement: a mesh grown from one shard to two holds shards since
+            job.progress.all_alike = live.digests.groups == 1
         if verdict is not None:
             _diverged(rules, verdict, now)
             return

@@ -147,3 +147,26 @@ def test_a_round_after_the_replicas_agreed_tells_its_nodes_their_ranks_are_alike
     job = rz.jobs["j"]
     assert job.round is not None and sorted(job.round.members) == ["b", "c"] and job.progress.alike_step == 5
     assert {poll(rz, n, T + 7).assignment.ranks_alike for n in job.round.members} == {shards == 1}
+
+
+def test_replicas_that_are_a_shards_only_since_are_no_longer_told_alike() -> None:
+    """The newest judgement says whether the ranks are replicas, not any before it: an HSDP job whose shard dim was
+    1 (every rank a whole replica: one group) and then 2 (its mesh grew with the job, or a node's workers) holds
+    shards. Told ranks_alike still, a node whose ranks moved kept another rank's shard, of the same shape, and its
+    rank loaded it (a review: the flag, once set, stayed for the job's life)."""
+    from protocol.messages import LeaveRequest
+    rz = Rendezvous()
+    for node in ("a", "b", "c"):
+        join(rz, node, T)
+    offsets = {n: poll(rz, n, T + 2).assignment.rank_offset for n in ("a", "b", "c")}
+    for n, at in offsets.items():           # step 5: one group, every rank alike
+        poll(rz, n, T + 5, [RankDigest(rank=r, step=5, digest=7, group=0) for r in (at, at + 1)])
+    assert rz.jobs["j"].progress.all_alike
+    for n, at in offsets.items():           # step 10: two shards, each alike within itself
+        poll(rz, n, T + 6, [RankDigest(rank=r, step=10, digest=7 + r % 2, group=r % 2) for r in (at, at + 1)])
+    rz.jobs["j"].config = JobConfig(min_nodes=2, max_nodes=3, max_restarts=5, last_call_s=0.0, lease_timeout_s=1e4)
+    rz.handle("j", LeaveRequest(v=1, node_id="a", credential="secret-a"), T + 7)
+    job = rz.jobs["j"]
+    assert job.round is not None and sorted(job.round.members) == ["b", "c"] and job.progress.alike_step == 10
+    assert not job.progress.all_alike
+    assert not any(poll(rz, n, T + 8).assignment.ranks_alike for n in job.round.members)
