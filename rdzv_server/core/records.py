@@ -74,6 +74,15 @@ class HeldFailure(msgspec.Struct, kw_only=True):
     waiting_for: list[str] = msgspec.field(default_factory=list)   # members answered, not yet polling again
 
 
+class Blame(msgspec.Struct, kw_only=True):
+    """Whom the last failed round's failure was counted against (blame.py): moved to the root cause's node when a
+    later report names an earlier failure."""
+    node_id: str
+    counted_at: float                   # its entry in that node's failure_times
+    excluded: bool = False              # the count excluded it ...
+    before: list[float] = msgspec.field(default_factory=list)   # ... and its failure_times before it
+
+
 class SwapDue(msgspec.Struct, kw_only=True):
     """A suspect that can go on (a slow node), swapped for a spare at the job's next snapshot (swaps.py)."""
     node_id: str
@@ -194,6 +203,7 @@ class JobRecord(msgspec.Struct, kw_only=True):
     root_cause: WorkerFailure | None = None        # first failure in time of the last failed round
     root_cause_round: int = -1
     last_failure: WorkerFailure | None = None
+    blame: Blame | None = None                   # who root_cause_round's failure counts against (blame.py)
     held_failure: HeldFailure | None = None      # a failure judged once every member is heard (reports.py)
     finished_at: float | None = None
     reason: str = ""                           # the latest decision's reason

@@ -9,7 +9,7 @@ import msgspec
 
 from protocol.errors import ErrorCode
 from protocol.messages import FailureReport, JobState, SuccessReport, WorkerFailure
-from rdzv_server.core import exclusions, leases, suspects
+from rdzv_server.core import blame, exclusions, leases, suspects
 from rdzv_server.core.errors import RendezvousError
 from rdzv_server.core.events import EventKind, RoundCause
 from rdzv_server.core.job_rules import JobRules
@@ -31,8 +31,7 @@ def failure(rules: JobRules, node: NodeRecord, req: FailureReport, now: float,
         # A late report on the failed round may hold an earlier failure: the root cause, not counted again.
         if not job.state.finished and req.round_id == job.root_cause_round and job.root_cause is not None \
                 and failures[0].timestamp < job.root_cause.timestamp:
-            job.root_cause = failures[0]
-            rules.changed()
+            blame.late_root_cause(rules, node, req.round_id, failures[0], now)
         return why_not
     for nid in leases.doubted(job, rules.members(), node.node_id, outage, now):
         rules.node_changed(nid)
@@ -105,7 +104,7 @@ def fail_round(rules: JobRules, node: NodeRecord, round_id: int, failures: list[
         return f"failure held until {', '.join(waiting[:3])} is heard from ({why}; its loss would be the " \
                f"likelier cause)"
     first = failures[0]
-    job.root_cause, job.root_cause_round, job.last_failure = first, round_id, first
+    job.root_cause, job.root_cause_round, job.last_failure, job.blame = first, round_id, first, None
     job.restart_count += 1
     for f in failures[:MAX_FAILURE_EVENTS]:
         rules.record(now, EventKind.WORKER_FAILED, describe(f), node.node_id, round_id,
@@ -117,8 +116,7 @@ def fail_round(rules: JobRules, node: NodeRecord, round_id: int, failures: list[
                     f"failed in round {round_id}", node.node_id, round_id,
                     WorkersFailed(count=len(rest), reason=rest[0].reason))
     if blamed:
-        node.failure_times = [t for t in node.failure_times if t > now - job.config.exclude_window_s] + [now]
-        rules.node_changed(node.node_id)
+        blame.count(rules, node, now)
     cfg = job.config
     if job.restart_count > cfg.max_restarts:
         rules.finish(now, JobState.FAILED, f"worker failures exceeded max_restarts={cfg.max_restarts}; "
@@ -133,6 +131,7 @@ def fail_round(rules: JobRules, node: NodeRecord, round_id: int, failures: list[
         suspects.act(rules, node, asked, round_id, now)
     elif blamed and cfg.exclude_after and len(node.failure_times) >= cfg.exclude_after:
         exclusions.exclude(rules, node, now)
+        blame.excluded(rules)
     rules.form_round(now, why, cause, failed_at=first.timestamp)
     return ""
 

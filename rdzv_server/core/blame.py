@@ -1,0 +1,77 @@
+"""Who a failed round counts against. Every node's workers fail when one node's worker crashes (their collective
+broke), and whichever report arrives first fails the round (reports.fail_round). The root cause is the earliest
+failure by its timestamp, so a later report that names an earlier failure takes over the round's blame: the
+count toward `--exclude-after` moves to its node, and an exclusion the wrong count caused is undone. One record
+(JobRecord.blame) owns it, so a node is never counted twice for one round nor a healthy one left blamed."""
+from __future__ import annotations
+
+from protocol.messages import WorkerFailure
+from rdzv_server.core import exclusions, leases
+from rdzv_server.core.events import EventKind, RoundCause
+from rdzv_server.core.job_rules import JobRules
+from rdzv_server.core.payloads import WorkerFailed
+from rdzv_server.core.records import Blame, NodeRecord
+from rdzv_server.core.standing import describe
+
+
+def count(rules: JobRules, node: NodeRecord, now: float) -> None:
+    """Count the running round's failure against `node` (its report was the first)."""
+    job = rules.job
+    node.failure_times = [t for t in node.failure_times if t > now - job.config.exclude_window_s] + [now]
+    job.blame = Blame(node_id=node.node_id, counted_at=now, before=list(node.failure_times[:-1]))
+    rules.node_changed(node.node_id)
+
+
+def excluded(rules: JobRules) -> None:
+    """The count just made excluded its node (undone if the blame moves)."""
+    if rules.job.blame is not None:
+        rules.job.blame.excluded = True
+
+
+def late_root_cause(rules: JobRules, node: NodeRecord, round_id: int, first: WorkerFailure, now: float) -> None:
+    """A report on the last failed round, after it failed, names an earlier failure (`first`) than its root cause:
+    `first` becomes the root cause, shown as such, and the round's count moves to `node`."""
+    job = rules.job
+    job.root_cause = job.last_failure = first
+    rules.changed()
+    rules.record(now, EventKind.WORKER_FAILED, f"root cause of round {round_id}: {describe(first)} on node "
+                 f"{node.node_id} (reported after the round failed; it came first: the count moves to it)",
+                 node.node_id, round_id,
+                 WorkerFailed(rank=first.rank, local_rank=first.local_rank, exitcode=first.exitcode,
+                              signal=first.signal, reason=first.reason, host=first.host, message=first.message))
+    was = job.blame
+    if was is None or was.node_id == node.node_id:
+        return                               # nothing was counted (a hang's stand-in, a held failure), or it was
+    wrong = job.nodes.get(was.node_id)
+    if wrong is not None:
+        _unblame(rules, wrong, was, round_id, now)
+    job.blame = None
+    # the node whose worker failed first takes the count (its exclusion then, as a first report's would)
+    count(rules, node, now)
+    cfg = job.config
+    if cfg.exclude_after and len(node.failure_times) >= cfg.exclude_after and node.node_id not in job.excluded:
+        member = job.round is not None and node.node_id in job.round.members
+        exclusions.exclude(rules, node, now)
+        excluded(rules)
+        if member:      # it left the round just formed: the next one forms without it
+            rules.form_round(now, f"node {node.node_id} excluded", RoundCause.FAILURE)
+
+
+def _unblame(rules: JobRules, node: NodeRecord, was: Blame, round_id: int, now: float) -> None:
+    """Take back the count `was` made against `node`, and the exclusion it caused."""
+    job = rules.job
+    if not was.excluded:
+        if was.counted_at in node.failure_times:
+            node.failure_times.remove(was.counted_at)
+        rules.node_changed(node.node_id)
+        return
+    if node.node_id not in job.excluded:
+        return                               # its exclusion already ended (or an operator cleared it)
+    node.exclusions = max(0, node.exclusions - 1)
+    node.excluded_until, node.failure_times = now, list(was.before)
+    rules.node_changed(node.node_id)
+    rules.record(now, EventKind.NODE_READMITTED, f"node {node.node_id} readmitted: its failure in round {round_id} "
+                 f"followed another node's earlier one (the root cause)", node.node_id)
+    rules.wake()
+    if leases.live(node, now):
+        rules.admit(node, now)

@@ -1,0 +1,78 @@
+"""A worker crash on one node breaks every node's collective, so both agents report a failure; whichever report
+arrives first fails the round. The root cause is the earliest failure by its timestamp: when the healthy node's
+report (its collective broke later) arrives first, the crashed node's later report takes over the round's count
+toward --exclude-after, the exclusion it wrongly caused, and the root cause the job's events name."""
+from __future__ import annotations
+
+import msgspec
+
+from protocol.messages import FailureReport, JobConfig, JoinRequest, NodeState, WorkerFailure
+from rdzv_server.core.rendezvous import Rendezvous
+
+JOB = "job-1"
+CFG = JobConfig(min_nodes=1, max_nodes=2, max_restarts=100, exclude_after=2, exclude_window_s=600.0,
+                exclude_cooldown_s=60.0, lease_timeout_s=10_000.0)
+
+
+def running(exclude_after: int = 2) -> Rendezvous:
+    rz, config = Rendezvous(), msgspec.structs.replace(CFG, exclude_after=exclude_after)
+    for i, n in enumerate(("a", "b")):
+        rz.handle(JOB, JoinRequest(v=1, node_id=n, addr=f"addr-{n}", local_world_size=1, master_port=20000 + i,
+                                   config=config, instance=f"{n}#1"), i * 0.01)
+    assert list(rz.jobs[JOB].round.members) == ["a", "b"]
+    return rz
+
+
+def report(rz: Rendezvous, node: str, round_id: int, now: float, at: float, message: str) -> None:
+    failure = WorkerFailure(local_rank=0, rank=0 if node == "a" else 1, exitcode=1, message=message, timestamp=at)
+    rz.handle(JOB, FailureReport(v=1, node_id=node, round_id=round_id, failures=[failure]), now)
+
+
+def crash_on_a_reported_by_b_first(rz: Rendezvous, now: float) -> int:
+    """a's worker crashes at `now`; b's dies of the broken collective 0.5 s later; b's report arrives first."""
+    r = rz.jobs[JOB].round.round_id
+    report(rz, "b", r, now + 1.0, now + 0.5, "RuntimeError: [gloo] Connection closed by peer")
+    report(rz, "a", r, now + 1.2, now, "ValueError: bad batch")
+    return r
+
+
+def test_the_crashed_nodes_late_report_takes_the_count_and_is_named_the_root_cause():
+    rz = running()
+    r = crash_on_a_reported_by_b_first(rz, 10.0)
+    job = rz.jobs[JOB]
+    assert job.root_cause is not None and job.root_cause.node_id == "a"
+    assert job.last_failure is not None and job.last_failure.node_id == "a"
+    assert job.nodes["b"].failure_times == [] and len(job.nodes["a"].failure_times) == 1
+    assert job.restart_count == 1                              # one failed round, one restart
+    named = [e for e in job.events if e.kind == "worker_failed" and e.node_id == "a" and e.round_id == r]
+    assert named and "root cause" in named[-1].message and "node a" in named[-1].message, named
+
+
+def test_the_healthy_node_is_not_excluded_for_crashes_on_the_other():
+    rz = running()
+    crash_on_a_reported_by_b_first(rz, 10.0)
+    crash_on_a_reported_by_b_first(rz, 20.0)    # b's second first-report would have excluded it (exclude_after=2)
+    job = rz.jobs[JOB]
+    assert job.nodes["b"].state != NodeState.EXCLUDED and job.nodes["b"].exclusions == 0
+    assert job.excluded == ["a"] and job.nodes["a"].exclusions == 1
+    assert job.round is not None and list(job.round.members) == ["b"]
+
+
+def test_an_exclusion_the_first_report_caused_moves_to_the_root_causes_node():
+    rz = running(exclude_after=1)
+    crash_on_a_reported_by_b_first(rz, 10.0)
+    job = rz.jobs[JOB]
+    assert job.nodes["b"].state != NodeState.EXCLUDED and job.nodes["b"].exclusions == 0
+    assert job.excluded == ["a"] and job.nodes["a"].exclusions == 1
+    assert job.round is not None and list(job.round.members) == ["b"]
+    assert any(e.kind == "node_readmitted" and e.node_id == "b" for e in job.events)
+
+
+def test_a_later_report_of_a_later_failure_changes_nothing():
+    rz = running()
+    r = rz.jobs[JOB].round.round_id
+    report(rz, "a", r, 11.0, 10.0, "ValueError: bad batch")
+    report(rz, "b", r, 11.2, 10.5, "RuntimeError: [gloo] Connection closed by peer")
+    job = rz.jobs[JOB]
+    assert job.root_cause is not None and job.root_cause.node_id == "a"
+    assert job.nodes["b"].failure_times == [] and job.nodes["a"].failure_times == [11.0]
