@@ -75,3 +75,22 @@ def _unblame(rules: JobRules, node: NodeRecord, was: Blame, round_id: int, now: 
     rules.wake()
     if leases.live(node, now):
         rules.admit(node, now)
+
+
+def ended_round(rules: JobRules, node: NodeRecord, round_id: int, first: WorkerFailure, now: float) -> bool:
+    """A failure of the round a leave or loss just ended, the job now waiting with no round (torchrun: a node's
+    agent leaves once its workers fail, its peer's report comes after): no restart counted, but it is the job's
+    last failure and the root cause its end names (else a join timeout named only the missing nodes)."""
+    job = rules.job
+    if job.round is not None or round_id != job.last_round_id:
+        return False
+    if job.root_cause_round == round_id and job.root_cause is not None and \
+            job.root_cause.timestamp <= first.timestamp:
+        return True                               # an earlier one of that round is already kept
+    job.root_cause, job.root_cause_round, job.last_failure, job.blame = first, round_id, first, None
+    rules.changed()
+    rules.record(now, EventKind.WORKER_FAILED, f"{describe(first)} on node {node.node_id}, in round {round_id} "
+                 f"that had already ended (no restart counted)", node.node_id, round_id,
+                 WorkerFailed(rank=first.rank, local_rank=first.local_rank, exitcode=first.exitcode,
+                              signal=first.signal, reason=first.reason, host=first.host, message=first.message))
+    return True

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from protocol.errors import ErrorCode
 from protocol.messages import JobState, NodeState
-from rdzv_server.core import awaiting, floors, gone_nodes, goodput, leases, places, store_port
+from rdzv_server.core import awaiting, floors, gone_nodes, goodput, leases, places, standing, store_port
 from rdzv_server.core.choice import Choice, candidates, choose, count_nodes, growth_cause
 from rdzv_server.core.errors import RendezvousError
 from rdzv_server.core.events import REMOVAL_CAUSE, EventKind, RoundCause
@@ -120,7 +120,7 @@ class JobRules:
             self.finish(now, JobState.FAILED, f"only {self.ready_waiting()} of min {job.config.min_nodes} nodes "
                         f"joined and ready within join_timeout {job.config.join_timeout_s:g}s{slow}" + (
                             f" (no healthy set of {job.config.min_nodes} nodes: {unhealthy} left unhealthy)"
-                            if unhealthy else ""))
+                            if unhealthy else "") + standing.last_failed(job))
         return extended
 
     # ---- the mechanics of rounds (operator rules use these too) -----------------------------

@@ -32,6 +32,8 @@ def failure(rules: JobRules, node: NodeRecord, req: FailureReport, now: float,
         if not job.state.finished and req.round_id == job.root_cause_round and job.root_cause is not None \
                 and failures[0].timestamp < job.root_cause.timestamp:
             blame.late_root_cause(rules, node, req.round_id, failures[0], now)
+        elif not job.state.finished:
+            blame.ended_round(rules, node, req.round_id, failures[0], now)
         return why_not
     for nid in leases.doubted(job, rules.members(), node.node_id, outage, now):
         rules.node_changed(nid)

@@ -80,3 +80,10 @@ def describe(f: WorkerFailure) -> str:
         if f.reason and f.reason != FailureReason.EXITED else how
     text = f"rank {f.rank} (local {f.local_rank}) on {f.host or f.node_id}: {what}"
     return f"{text}: {one_line(f.message)}" if f.message else text
+
+
+def last_failed(job: JobRecord) -> str:
+    """The job's last worker failure, for an end that is not about failures (a join timeout after a node whose
+    workers failed left): "" when there was none."""
+    f = job.last_failure
+    return f"; last failure: {describe(f)} on node {f.node_id}" if f is not None else ""

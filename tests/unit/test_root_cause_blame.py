@@ -6,7 +6,15 @@ from __future__ import annotations
 
 import msgspec
 
-from protocol.messages import FailureReport, JobConfig, JoinRequest, NodeState, WorkerFailure
+from protocol.messages import (
+    FailureReport,
+    JobConfig,
+    JobState,
+    JoinRequest,
+    LeaveRequest,
+    NodeState,
+    WorkerFailure,
+)
 from rdzv_server.core.rendezvous import Rendezvous
 
 JOB = "job-1"
@@ -76,3 +84,25 @@ def test_a_later_report_of_a_later_failure_changes_nothing():
     job = rz.jobs[JOB]
     assert job.root_cause is not None and job.root_cause.node_id == "a"
     assert job.nodes["b"].failure_times == [] and job.nodes["a"].failure_times == [11.0]
+
+
+def test_a_failure_of_the_round_a_leave_ended_is_the_failure_the_jobs_end_names():
+    # torchrun: b's agent leaves once its workers fail (its report came first, or was never sent); a's report on
+    # that round is stale, the job waits with no round, and its join timeout must still name the crash
+    config = msgspec.structs.replace(CFG, min_nodes=2, join_timeout_s=30.0)
+    rz = Rendezvous()
+    for i, n in enumerate(("a", "b")):
+        rz.handle(JOB, JoinRequest(v=1, node_id=n, addr=f"addr-{n}", local_world_size=1, master_port=20000 + i,
+                                   config=config, instance=f"{n}#1"), i * 0.01)
+    r = rz.jobs[JOB].round.round_id
+    rz.handle(JOB, LeaveRequest(v=1, node_id="b", reason="the torchrun agent stopped after its workers failed"), 5.0)
+    assert rz.jobs[JOB].round is None
+    report(rz, "a", r, 5.1, 4.9, "ValueError: bad batch")
+    rz.handle(JOB, LeaveRequest(v=1, node_id="a", reason="the torchrun agent stopped after its workers failed"), 5.2)
+    deadline = rz.next_deadline()
+    assert deadline is not None
+    rz.tick(deadline)
+    job = rz.jobs[JOB]
+    assert job.state == JobState.FAILED and job.restart_count == 0
+    assert job.root_cause is not None and job.root_cause.node_id == "a"
+    assert "last failure: rank 0" in job.reason and "node a" in job.reason, job.reason
