@@ -5,7 +5,7 @@ count toward `--exclude-after` moves to its node, and an exclusion the wrong cou
 (JobRecord.blame) owns it, so a node is never counted twice for one round nor a healthy one left blamed."""
 from __future__ import annotations
 
-from protocol.messages import WorkerFailure
+from protocol.messages import JobState, WorkerFailure
 from rdzv_server.core import exclusions, leases
 from rdzv_server.core.events import EventKind, RoundCause
 from rdzv_server.core.job_rules import JobRules
@@ -35,10 +35,14 @@ def late_root_cause(rules: JobRules, node: NodeRecord, round_id: int, first: Wor
     job.root_cause = job.last_failure = first
     rules.changed()
     rules.record(now, EventKind.WORKER_FAILED, f"root cause of round {round_id}: {describe(first)} on node "
-                 f"{node.node_id} (reported after the round failed; it came first: the count moves to it)",
+                 f"{node.node_id} (reported after the round failed; it came first"
+                 f"{'' if job.state is JobState.FAILED else ': the count moves to it'})",
                  node.node_id, round_id,
                  WorkerFailed(rank=first.rank, local_rank=first.local_rank, exitcode=first.exitcode,
                               signal=first.signal, reason=first.reason, host=first.host, message=first.message))
+    if job.state is JobState.FAILED:     # the budget's end: its reason names the root cause; nothing else counts
+        job.reason = job.reason.split("; root cause: ")[0] + f"; root cause: {describe(first)}"
+        return
     was = job.blame
     if was is None or was.node_id == node.node_id:
         return                               # nothing was counted (a hang's stand-in, a held failure), or it was

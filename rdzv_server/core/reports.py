@@ -17,6 +17,8 @@ from rdzv_server.core.payloads import WorkerFailed, WorkersFailed
 from rdzv_server.core.records import HeldFailure, JobRecord, NodeRecord
 from rdzv_server.core.standing import describe
 
+# A late report may correct the root cause while the job runs, or once it failed (its end names it; doc'd)
+LIVE_OR_FAILED = (JobState.WAITING, JobState.RUNNING, JobState.FAILED)
 MAX_FAILURE_EVENTS = 8       # worker_failed events one report records; the rest are summed up in one more
 
 
@@ -29,7 +31,7 @@ def failure(rules: JobRules, node: NodeRecord, req: FailureReport, now: float,
     why_not = not_running(rules, node, req.round_id)
     if why_not:
         # A late report on the failed round may hold an earlier failure: the root cause, not counted again.
-        if not job.state.finished and req.round_id == job.root_cause_round and job.root_cause is not None \
+        if job.state in LIVE_OR_FAILED and req.round_id == job.root_cause_round and job.root_cause is not None \
                 and failures[0].timestamp < job.root_cause.timestamp:
             blame.late_root_cause(rules, node, req.round_id, failures[0], now)
         elif not job.state.finished:

@@ -106,3 +106,19 @@ def test_a_failure_of_the_round_a_leave_ended_is_the_failure_the_jobs_end_names(
     assert job.state == JobState.FAILED and job.restart_count == 0
     assert job.root_cause is not None and job.root_cause.node_id == "a"
     assert "last failure: rank 0" in job.reason and "node a" in job.reason, job.reason
+
+
+def test_past_the_budget_the_late_earlier_failure_is_the_root_cause_the_failed_job_names():
+    rz = Rendezvous()
+    config = msgspec.structs.replace(CFG, max_restarts=0)
+    for i, n in enumerate(("a", "b")):
+        rz.handle(JOB, JoinRequest(v=1, node_id=n, addr=f"addr-{n}", local_world_size=1, master_port=20000 + i,
+                                   config=config, instance=f"{n}#1"), i * 0.01)
+    crash_on_a_reported_by_b_first(rz, 10.0)
+    job = rz.jobs[JOB]
+    assert job.state == JobState.FAILED
+    assert job.root_cause is not None and job.root_cause.node_id == "a" and job.root_cause.rank == 0
+    assert job.reason.endswith("; root cause: rank 0 (local 0) on addr-a: exit code 1: ValueError: bad batch"), \
+        job.reason
+    status = rz.view(JOB, "b", 12.0)
+    assert status.root_cause is not None and status.root_cause.node_id == "a"
