@@ -36,6 +36,8 @@ class NodeView(msgspec.Struct, kw_only=True, omit_defaults=True):
     slow: bool | None = None               # members of an unfinished job: named slow now (the others wait on it)
     steps_per_s: float | None = None       # ... and its steps per second lately (None: not reported)
     copies: CopiesNote | None = None       # its peer copies as its agent last said (issue 46)
+    # ... said before the server last restarted, and no note since: old figures, not where the node is now
+    copies_before_restart: bool | None = None
     suspicions: int | None = None          # times it was a suspect, within the exclude window of the latest
     checks_due: bool | None = None         # a suspect taking no place until its agent's checks pass again
 

@@ -89,9 +89,11 @@ def _snapshot(n: NodeView) -> str | None:
     c = n.copies
     if c is None or c.local_step < 0:
         return None
+    old = " (before restart)" if n.copies_before_restart else ""     # no note since the server came back
     if not c.copying:
-        return f"{c.local_step}/off"
-    return f"{c.local_step}/{c.copied_step if c.copied_step >= 0 else '-'}" + (f"!{c.refused}" if c.refused else "")
+        return f"{c.local_step}/off{old}"
+    return (f"{c.local_step}/{c.copied_step if c.copied_step >= 0 else '-'}" + (f"!{c.refused}" if c.refused else "")
+            + old)
 
 
 MEMBERS: list[Column[NodeView]] = [

@@ -30,6 +30,7 @@ def restored(job: JobRecord, now: float, away_s: float) -> None:
     stuck, and the ranks ahead dropped the step it held)."""
     for node in job.nodes.values():
         node.stepped_at, node.copied_at = min(now, node.stepped_at + away_s), min(now, node.copied_at + away_s)
+    job.restored_at = now      # notes before it are the saved figures, not news (views: copies_before_restart)
 
 
 def noted(job: JobRecord, node: NodeRecord, before: CopiesNote | None, note: CopiesNote, now: float) -> None:

@@ -220,6 +220,7 @@ class JobRecord(msgspec.Struct, kw_only=True):
     held_floor: int = -1                       # floors.held_floor, likewise
     writes_end_round: int = -1                 # NodeStatus.writes_end_round (requests.leave)
     copies_floor_at: float = 0.0               # when they were last worked out
+    restored_at: float = 0.0                   # when the server last came back on a saved state (0: never)
 
     def events_after(self, seq: int) -> list[Event]:
         """The kept events newer than `seq` (seqs are consecutive, so no scan of the history)."""

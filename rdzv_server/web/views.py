@@ -68,11 +68,13 @@ def query_int(query: Mapping[str, str], name: str, default: int, *, low: int = 0
     return value if high is None else min(value, high)
 
 
-def _node(node: NodeRecord, now: float, **extra: Any) -> NodeView:
+def _node(node: NodeRecord, now: float, restored_at: float = 0.0, **extra: Any) -> NodeView:
     if not node.ready and node.state in (NodeState.WAITING, NodeState.SPARE):
         extra["preparing_for_s"] = round(max(0.0, now - node.preparing_since), 3)
     if node.copies is not None:
         extra["copies"] = node.copies
+        if node.noted_at < restored_at:     # saved before the server restarted, no note since: old figures
+            extra["copies_before_restart"] = True
     if node.suspect_times:
         extra["suspicions"] = len(node.suspect_times)
     if node.checks_due:
@@ -86,12 +88,13 @@ def _node(node: NodeRecord, now: float, **extra: Any) -> NodeView:
 def _member(job: JobRecord, node: NodeRecord, now: float, succeeded: set[str]) -> NodeView:
     a = assignment(job.round, node.node_id) if job.round is not None else None
     if a is None:
-        return _node(node, now)
+        return _node(node, now, job.restored_at)
     worker = "succeeded" if node.node_id in succeeded else "stopped" if job.state.finished else "running"
     p = job.progress
     # an ended job's paces are history: none is sent
     pace = {} if job.state.finished else dict(slow=node.node_id in p.slow, steps_per_s=_rate(p.rates.get(node.node_id)))
-    return _node(node, now, group_rank=a.group_rank, rank_offset=a.rank_offset, worker_state=worker, **pace)
+    return _node(node, now, job.restored_at, group_rank=a.group_rank, rank_offset=a.rank_offset, worker_state=worker,
+                 **pace)
 
 
 def _rate(value: float | None) -> float | None:

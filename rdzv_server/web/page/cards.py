@@ -74,6 +74,12 @@ def _ready(n: NodeView) -> str:
 
 
 def _copies(n: NodeView) -> str:
+    """Its snapshot and copy, marked where the figures are the ones saved before the server restarted."""
+    old = ' <span class="muted" data-copies-old="1">(as said before the server restarted)</span>'
+    return _copies_said(n) + (old if n.copies_before_restart and n.copies is not None else "")
+
+
+def _copies_said(n: NodeView) -> str:
     """Its newest snapshot and its newest copy on a peer (issue 46): a lost node resumes from the copy."""
     c = n.copies
     if c is None or c.local_step < 0:
