@@ -13,6 +13,7 @@ from typing import Any, TypeVar
 
 import msgspec
 
+from protocol.quoting import one_line
 from protocol.views import NODE_LIMIT_MAX, EventsView, JobDetail, StatusView
 from rdzv_ctl.client import ADMIN_TOKEN_ENV, DEFAULT_SERVER, TOKEN_ENV, Client, CtlError, UsageError, client_for
 from rdzv_ctl.tables import format_events, format_job, format_status
@@ -93,8 +94,7 @@ def run(args: argparse.Namespace, client: Client) -> str:
     if cmd == "drain":
         before = typed(client.get(f"/v1/jobs/{job}" + _query(node_limit=NODE_LIMIT_MAX)), JobDetail)
         doc = client.post(f"/v1/admin/jobs/{job}/nodes/{_quote(args.node)}/drain", {"reason": args.reason})
-        done = f"drained node {args.node} from job {args.job}" + _absent(before, args.node, args.job) + \
-            _short_after_drain(doc)
+        done = _drained(before, args.node, args.job) + _short_after_drain(doc)
     elif cmd == "clear":
         doc = client.post(f"/v1/admin/jobs/{job}/nodes/{_quote(args.node)}/clear-exclusion", {})
         done = f"cleared node {args.node} in job {args.job}: it may join again"
@@ -105,6 +105,14 @@ def run(args: argparse.Namespace, client: Client) -> str:
         doc = client.post(f"/v1/admin/jobs/{job}/resize", args.nnodes)
         done = f"resized job {args.job} to nodes {doc['min_nodes']}:{doc['max_nodes']}"
     return json.dumps(doc, indent=2) if args.json else f"{done}\n\n{format_job(typed(doc, JobDetail))}"
+
+
+def _drained(job: JobDetail, node: str, job_arg: str) -> str:
+    """What a drain did: a node drained already stays so with its first reason (the server changes nothing)."""
+    first = next((d.reason for d in job.drained if d.node_id == node), None)
+    if first is not None:
+        return f"node {node} was drained already from job {job_arg} (its reason stands: {one_line(first)})"
+    return f"drained node {node} from job {job_arg}" + _absent(job, node, job_arg)
 
 
 def _absent(job: JobDetail, node: str, job_arg: str) -> str:

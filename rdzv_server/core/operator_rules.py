@@ -58,9 +58,12 @@ def drain(rules: JobRules, node_id: str, reason: str, now: float, by: str = "ope
     """Take a node out of the job until its drain is cleared. A member's going re-forms the round at once
     without using the restart budget, as a leave would; its agent sees the node gone and exits."""
     job = rules.job
-    why = reason or "no reason given"
-    job.drained[node_id] = why
     node = job.nodes.get(node_id)
+    if node is None and node_id in job.drained:
+        # drained already: the first drain stands (its reason is the job's, its events', its refusals'); another
+        # reason here would make the drained list disagree with them. Nothing changes; rdzv-ctl says so.
+        return
+    why = job.drained.setdefault(node_id, reason or "no reason given")
     if node is None:    # lost or not yet joined: it may not (re)join
         rules.wake()
         rules.record(now, EventKind.NODE_DRAINED, f"node {node_id} (not in the job now) drained by {by}: {why}",

@@ -146,4 +146,6 @@ def test_a_drain_that_leaves_the_job_below_its_minimum_says_what_it_costs():
                            f"comes; a mistyped id? undo with `rdzv-ctl clear {JOB} zz`); the job has 1 of its "
                            f"minimum 2 nodes: it runs nothing until nodes join, and fails if too few are ready "
                            f"within its join timeout (600s)")
-    assert drain("zz").startswith(f"drained node zz from job {JOB}; the job has")    # drained already: listed
+    # drained already: said so, with the reason that stands (a second drain changes nothing)
+    assert drain("zz").startswith(f"node zz was drained already from job {JOB} (its reason stands: no reason "
+                                  f"given); the job has")

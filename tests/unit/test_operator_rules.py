@@ -140,3 +140,19 @@ def test_clearing_the_exclusion_of_a_node_whose_agent_waits_readmits_it():
     poll(rz, "b", 1.5)
     rz.clear_exclusion(JOB, "b", 2.0)
     assert "b" in job.round.members and job.restart_count == 1
+
+
+def test_draining_a_drained_node_again_keeps_the_first_drains_reason():
+    # A review: a second drain answered "drained" again and replaced the reason in the drained list, while the
+    # job's reason (and its agent's refusals' first word) kept the first: the first drain stands, as a no-op.
+    rz = running(("a", "b", "c"))
+    rz.resize(JOB, 2, 3, 2.0)
+    job = rz.jobs[JOB]
+    rz.drain_node(JOB, "b", "bad disk", 3.0)
+    events, round_id = job.event_seq, job.round.round_id
+    rz.drain_node(JOB, "b", "flaky NIC", 4.0)
+    assert job.drained == {"b": "bad disk"} and "bad disk" in job.reason
+    assert job.event_seq == events and job.round.round_id == round_id        # nothing else changed
+    with pytest.raises(RendezvousError) as err:
+        join(rz, "b", 5.0, cfg(min_nodes=3, max_nodes=3, last_call_s=0.0), instance="b#2")
+    assert "bad disk" in err.value.message and "flaky NIC" not in err.value.message
