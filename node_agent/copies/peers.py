@@ -217,7 +217,7 @@ class PeerCopies:
             if gone != self.node_id else None
         self._say(f"fetched node {gone}'s snapshots of step {got[0].step} from {at.addr}:{at.port} ({len(got)} "
                   f"ranks, {size / 2**20:.1f} MiB in {time.monotonic() - began:.2f}s): this node's ranks resume "
-                  f"where {gone}'s left off")
+                  f"where {gone}'s left off, if it fits this round (each worker checks)")
 
     async def _fetch_all(self, gone: str, token: str, at: Witness, dirs: dict[int, str],
                          want: int | None = None) -> list[FetchResult]:
