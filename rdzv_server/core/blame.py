@@ -10,16 +10,28 @@ from rdzv_server.core import exclusions, leases
 from rdzv_server.core.events import EventKind, RoundCause
 from rdzv_server.core.job_rules import JobRules
 from rdzv_server.core.payloads import WorkerFailed
-from rdzv_server.core.records import Blame, NodeRecord
+from rdzv_server.core.records import Blame, JobRecord, NodeRecord
 from rdzv_server.core.standing import describe
 
 
-def count(rules: JobRules, node: NodeRecord, now: float) -> None:
-    """Count the running round's failure against `node` (its report was the first)."""
+def count(rules: JobRules, node: NodeRecord, now: float, round_start: float | None = None) -> None:
+    """Count the running round's failure against `node` (its report was the first). `round_start`: when the
+    failed round formed (None: the running round is it)."""
     job = rules.job
+    if round_start is None:
+        round_start = job.round.completed_at if job.round is not None else now
     node.failure_times = [t for t in node.failure_times if t > now - job.config.exclude_window_s] + [now]
-    job.blame = Blame(node_id=node.node_id, counted_at=now, before=list(node.failure_times[:-1]))
+    job.blame = Blame(node_id=node.node_id, counted_at=now, before=list(node.failure_times[:-1]),
+                      round_start=round_start)
     rules.node_changed(node.node_id)
+
+
+def trusted(job: JobRecord, timestamp: float) -> bool:
+    """Whether a late report's failure time may move the blame: an agent's clock (or a hostile agent) stamps what
+    it likes, so only a time inside the failed round (after it formed, before the first report arrived) counts;
+    else a stamp of 1.0 took any round's blame off the node that crashed."""
+    was = job.blame
+    return was is None or was.round_start <= timestamp <= was.counted_at
 
 
 def excluded(rules: JobRules) -> None:
@@ -51,7 +63,7 @@ def late_root_cause(rules: JobRules, node: NodeRecord, round_id: int, first: Wor
         _unblame(rules, wrong, was, round_id, now)
     job.blame = None
     # the node whose worker failed first takes the count (its exclusion then, as a first report's would)
-    count(rules, node, now)
+    count(rules, node, now, was.round_start)
     cfg = job.config
     if cfg.exclude_after and len(node.failure_times) >= cfg.exclude_after and node.node_id not in job.excluded:
         member = job.round is not None and node.node_id in job.round.members

@@ -81,6 +81,7 @@ class Blame(msgspec.Struct, kw_only=True):
     counted_at: float                   # its entry in that node's failure_times
     excluded: bool = False              # the count excluded it ...
     before: list[float] = msgspec.field(default_factory=list)   # ... and its failure_times before it
+    round_start: float = 0.0            # when that round formed: a failure stamped before it never moves blame
 
 
 class SwapDue(msgspec.Struct, kw_only=True):

@@ -122,3 +122,27 @@ def test_past_the_budget_the_late_earlier_failure_is_the_root_cause_the_failed_j
         job.reason
     status = rz.view(JOB, "b", 12.0)
     assert status.root_cause is not None and status.root_cause.node_id == "a"
+
+
+def test_a_failure_stamped_before_its_round_formed_moves_no_blame():
+    # an agent's clock (or a hostile agent) stamps what it likes: a's crash reported first is a's count; b's late
+    # report stamped before round 2 even formed must not take it (with exclude_after=1: readmit a, exclude b)
+    rz = running()
+    report(rz, "a", rz.jobs[JOB].round.round_id, 11.0, 10.0, "ValueError: bad batch")   # round 2 forms at 11.0
+    r = rz.jobs[JOB].round.round_id
+    report(rz, "a", r, 20.5, 20.0, "ValueError: bad batch")
+    report(rz, "b", r, 21.0, 5.0, "RuntimeError: [gloo] Connection closed by peer")
+    job = rz.jobs[JOB]
+    assert job.nodes["b"].failure_times == [] and job.nodes["b"].state != NodeState.EXCLUDED
+    assert job.excluded == ["a"] and job.root_cause is not None and job.root_cause.node_id == "a"
+
+
+def test_a_failure_stamped_after_the_round_failed_moves_no_blame():
+    # the first report stamped its crash in the future (a broken clock): a late stamp after the round failed
+    # (counted_at) is no earlier failure, whatever it compares to
+    rz = running()
+    r = rz.jobs[JOB].round.round_id
+    report(rz, "a", r, 10.5, 1e6, "ValueError: bad batch")
+    report(rz, "b", r, 11.0, 10.8, "RuntimeError: [gloo] Connection closed by peer")
+    job = rz.jobs[JOB]
+    assert job.nodes["b"].failure_times == [] and job.nodes["a"].failure_times == [10.5]
