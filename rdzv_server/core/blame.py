@@ -14,15 +14,16 @@ from rdzv_server.core.records import Blame, JobRecord, NodeRecord
 from rdzv_server.core.standing import describe
 
 
-def count(rules: JobRules, node: NodeRecord, now: float, round_start: float | None = None) -> None:
+def count(rules: JobRules, node: NodeRecord, now: float, round_start: float | None = None,
+          held: list[str] | None = None) -> None:
     """Count the running round's failure against `node` (its report was the first). `round_start`: when the
-    failed round formed (None: the running round is it)."""
+    failed round formed (None: the running round is it); `held`: the nodes the count already moved off."""
     job = rules.job
     if round_start is None:
         round_start = job.round.completed_at if job.round is not None else now
     node.failure_times = [t for t in node.failure_times if t > now - job.config.exclude_window_s] + [now]
     job.blame = Blame(node_id=node.node_id, counted_at=now, before=list(node.failure_times[:-1]),
-                      round_start=round_start)
+                      round_start=round_start, held=list(held or []))
     rules.node_changed(node.node_id)
 
 
@@ -58,12 +59,14 @@ def late_root_cause(rules: JobRules, node: NodeRecord, round_id: int, first: Wor
     was = job.blame
     if was is None or was.node_id == node.node_id:
         return                               # nothing was counted (a hang's stand-in, a held failure), or it was
+    if node.node_id in was.held:
+        return      # it held this count once: two agents stamping ever earlier times must not flip exclusions
     wrong = job.nodes.get(was.node_id)
     if wrong is not None:
         _unblame(rules, wrong, was, round_id, now)
     job.blame = None
     # the node whose worker failed first takes the count (its exclusion then, as a first report's would)
-    count(rules, node, now, was.round_start)
+    count(rules, node, now, was.round_start, was.held + [was.node_id])
     cfg = job.config
     if cfg.exclude_after and len(node.failure_times) >= cfg.exclude_after and node.node_id not in job.excluded:
         member = job.round is not None and node.node_id in job.round.members

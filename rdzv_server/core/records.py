@@ -82,6 +82,7 @@ class Blame(msgspec.Struct, kw_only=True):
     excluded: bool = False              # the count excluded it ...
     before: list[float] = msgspec.field(default_factory=list)   # ... and its failure_times before it
     round_start: float = 0.0            # when that round formed: a failure stamped before it never moves blame
+    held: list[str] = msgspec.field(default_factory=list)   # nodes it moved off: none takes it back
 
 
 class SwapDue(msgspec.Struct, kw_only=True):

@@ -146,3 +146,18 @@ def test_a_failure_stamped_after_the_round_failed_moves_no_blame():
     report(rz, "b", r, 11.0, 10.8, "RuntimeError: [gloo] Connection closed by peer")
     job = rz.jobs[JOB]
     assert job.nodes["b"].failure_times == [] and job.nodes["a"].failure_times == [10.5]
+
+
+def test_a_rounds_count_never_moves_back_to_a_node_it_left():
+    # two agents stamping ever earlier failures of one round flipped the exclusion (and re-formed rounds,
+    # restarting every worker) once per report: a node the count moved off never takes it again
+    rz = running(exclude_after=1)
+    r = rz.jobs[JOB].round.round_id
+    report(rz, "a", r, 10.5, 10.4, "RuntimeError: [gloo] Connection closed by peer")
+    report(rz, "b", r, 11.0, 10.3, "ValueError: bad batch")       # b's earlier failure: b takes the count
+    formed = rz.jobs[JOB].round.round_id
+    for i, n in enumerate(("a", "b", "a")):
+        report(rz, n, r, 12.0 + i, 10.2 - i * 0.01, "ValueError: bad batch")
+    job = rz.jobs[JOB]
+    assert job.excluded == ["b"] and job.nodes["a"].exclusions == 0 and job.nodes["b"].exclusions == 1
+    assert job.round is not None and job.round.round_id == formed and list(job.round.members) == ["a"]
