@@ -84,9 +84,10 @@ def _unblame(rules: JobRules, node: NodeRecord, was: Blame, round_id: int, now: 
             node.failure_times.remove(was.counted_at)
         rules.node_changed(node.node_id)
         return
+    node.exclusions = max(0, node.exclusions - 1)   # not its fault: its next cooldown does not double for it
+    rules.node_changed(node.node_id)
     if node.node_id not in job.excluded:
         return                               # its exclusion already ended (or an operator cleared it)
-    node.exclusions = max(0, node.exclusions - 1)
     node.excluded_until, node.failure_times = now, list(was.before)
     rules.node_changed(node.node_id)
     rules.record(now, EventKind.NODE_READMITTED, f"node {node.node_id} readmitted: its failure in round {round_id} "

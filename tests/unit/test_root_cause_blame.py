@@ -161,3 +161,16 @@ def test_a_rounds_count_never_moves_back_to_a_node_it_left():
     job = rz.jobs[JOB]
     assert job.excluded == ["b"] and job.nodes["a"].exclusions == 0 and job.nodes["b"].exclusions == 1
     assert job.round is not None and job.round.round_id == formed and list(job.round.members) == ["a"]
+
+
+def test_an_exclusion_served_before_the_late_report_does_not_double_the_next():
+    # b's wrong exclusion ended before a's late report named the earlier crash: b's served cooldown cannot be
+    # undone, but it no longer counts toward doubling b's next one
+    rz = running(exclude_after=1)
+    r = rz.jobs[JOB].round.round_id
+    report(rz, "b", r, 10.5, 10.4, "RuntimeError: [gloo] Connection closed by peer")
+    rz.tick(100.0)                                          # b's 60 s cooldown ended: b is back
+    assert rz.jobs[JOB].excluded == []
+    report(rz, "a", r, 101.0, 10.0, "ValueError: bad batch")
+    job = rz.jobs[JOB]
+    assert job.nodes["b"].exclusions == 0 and job.excluded == ["a"] and job.nodes["a"].exclusions == 1
