@@ -14,25 +14,27 @@ from rdzv_server.core.records import Blame, JobRecord, NodeRecord
 from rdzv_server.core.standing import describe
 
 
-def count(rules: JobRules, node: NodeRecord, now: float, round_start: float | None = None,
-          held: list[str] | None = None) -> None:
-    """Count the running round's failure against `node` (its report was the first). `round_start`: when the
-    failed round formed (None: the running round is it); `held`: the nodes the count already moved off."""
+def count(rules: JobRules, node: NodeRecord, now: float, was: Blame | None = None) -> None:
+    """Count the running round's failure against `node` (its report was the first), or the count `was` moved
+    to it (its round, members and the nodes it moved off kept)."""
     job = rules.job
-    if round_start is None:
-        round_start = job.round.completed_at if job.round is not None else now
     node.failure_times = [t for t in node.failure_times if t > now - job.config.exclude_window_s] + [now]
-    job.blame = Blame(node_id=node.node_id, counted_at=now, before=list(node.failure_times[:-1]),
-                      round_start=round_start, held=list(held or []))
+    job.blame = Blame(node_id=node.node_id, counted_at=now, before=list(node.failure_times[:-1]))
+    if was is not None:
+        job.blame.round_start, job.blame.members = was.round_start, was.members
+        job.blame.held = was.held + [was.node_id]
+    elif job.round is not None:
+        job.blame.round_start, job.blame.members = job.round.completed_at, list(job.round.members)
     rules.node_changed(node.node_id)
 
 
-def trusted(job: JobRecord, timestamp: float) -> bool:
-    """Whether a late report's failure time may move the blame: an agent's clock (or a hostile agent) stamps what
-    it likes, so only a time inside the failed round (after it formed, before the first report arrived) counts;
-    else a stamp of 1.0 took any round's blame off the node that crashed."""
+def trusted(job: JobRecord, node_id: str, timestamp: float) -> bool:
+    """Whether a late report's failure may move the blame: an agent's clock (or a hostile agent) stamps what it
+    likes, so only a time inside the failed round (after it formed, before the first report arrived) counts,
+    from one of its members; else a stamp of 1.0, or a spare's report, took the blame off the node that crashed."""
     was = job.blame
-    return was is None or was.round_start <= timestamp <= was.counted_at
+    return was is None or (was.round_start <= timestamp <= was.counted_at
+                           and (not was.members or node_id in was.members))
 
 
 def excluded(rules: JobRules) -> None:
@@ -66,7 +68,7 @@ def late_root_cause(rules: JobRules, node: NodeRecord, round_id: int, first: Wor
         _unblame(rules, wrong, was, round_id, now)
     job.blame = None
     # the node whose worker failed first takes the count (its exclusion then, as a first report's would)
-    count(rules, node, now, was.round_start, was.held + [was.node_id])
+    count(rules, node, now, was)
     cfg = job.config
     if cfg.exclude_after and len(node.failure_times) >= cfg.exclude_after and node.node_id not in job.excluded:
         member = job.round is not None and node.node_id in job.round.members

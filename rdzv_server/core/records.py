@@ -83,6 +83,7 @@ class Blame(msgspec.Struct, kw_only=True):
     before: list[float] = msgspec.field(default_factory=list)   # ... and its failure_times before it
     round_start: float = 0.0            # when that round formed: a failure stamped before it never moves blame
     held: list[str] = msgspec.field(default_factory=list)   # nodes it moved off: none takes it back
+    members: list[str] = msgspec.field(default_factory=list)   # that round's: only they report its failures
 
 
 class SwapDue(msgspec.Struct, kw_only=True):

@@ -174,3 +174,21 @@ def test_an_exclusion_served_before_the_late_report_does_not_double_the_next():
     report(rz, "a", r, 101.0, 10.0, "ValueError: bad batch")
     job = rz.jobs[JOB]
     assert job.nodes["b"].exclusions == 0 and job.excluded == ["a"] and job.nodes["a"].exclusions == 1
+
+
+def test_a_report_from_a_node_outside_the_failed_round_moves_no_blame():
+    # c was a spare in round r: its "failure" of round r (a broken or hostile agent) must not readmit a, whose
+    # crash failed it, nor exclude c and re-form the round
+    rz = Rendezvous()
+    config = msgspec.structs.replace(CFG, exclude_after=1)
+    for i, n in enumerate(("a", "b", "c")):
+        rz.handle(JOB, JoinRequest(v=1, node_id=n, addr=f"addr-{n}", local_world_size=1, master_port=20000 + i,
+                                   config=config, instance=f"{n}#1"), i * 0.01)
+    r = rz.jobs[JOB].round.round_id
+    assert rz.jobs[JOB].spares == ["c"]
+    report(rz, "a", r, 10.5, 10.4, "ValueError: bad batch")
+    formed = rz.jobs[JOB].round.round_id
+    report(rz, "c", r, 11.0, 10.0, "ValueError: never ran")
+    job = rz.jobs[JOB]
+    assert job.excluded == ["a"] and job.nodes["c"].exclusions == 0
+    assert job.round is not None and job.round.round_id == formed and job.root_cause.node_id == "a"
