@@ -8,6 +8,7 @@ from node_agent.workers.error_file import read_error_file
 from node_agent.workers.process import WorkerExit
 from protocol.bounds import MAX_MESSAGE, MAX_TRACEBACK
 from protocol.messages import FailureReason, WorkerFailure
+from protocol.peer_gone import broken_by_peer
 
 SPAWN_FAILED_EXITCODE = 127    # the shell's "command not found"
 
@@ -36,20 +37,6 @@ def early_exits(exits: list[WorkerExit], failed: WorkerFailure, *, host: str, no
                                   f"{failed.timestamp - e.seen_at:.1f}s later",
                           timestamp=e.seen_at, host=host, node_id=node_id)
             for e in exits if e.exitcode == 0 and failed.timestamp - EARLY_EXIT_S <= e.seen_at < failed.timestamp]
-
-
-# What a collective says when a peer has gone (gloo, NCCL, torch's store and its wrappers), lower case.
-PEER_GONE = ("connection closed", "connection reset", "broken pipe", "distbackenderror", "distnetworkerror",
-             "nccl", "gloo", "peer", "socket", "timed out")
-
-
-def broken_by_peer(failed: WorkerFailure) -> bool:
-    """Whether a failure may be a consequence of a peer leaving: it says so, or says nothing (no error file:
-    the launcher cannot tell). A worker killed by a signal other than SIGABRT (NCCL's abort) was not."""
-    if failed.signal and failed.signal != "SIGABRT":
-        return False
-    said = f"{failed.message}\n{failed.traceback}".lower()
-    return not said.strip() or any(words in said for words in PEER_GONE)
 
 
 def store_failure(e: WorkerExit, *, rank: int, host: str, node_id: str) -> WorkerFailure:

@@ -6,6 +6,7 @@ count toward `--exclude-after` moves to its node, and an exclusion the wrong cou
 from __future__ import annotations
 
 from protocol.messages import JobState, WorkerFailure
+from protocol.peer_gone import broken_by_peer
 from rdzv_server.core import exclusions, leases
 from rdzv_server.core.events import EventKind, RoundCause
 from rdzv_server.core.job_rules import JobRules
@@ -26,6 +27,13 @@ def count(rules: JobRules, node: NodeRecord, now: float, was: Blame | None = Non
     elif job.round is not None:
         job.blame.round_start, job.blame.members = job.round.completed_at, list(job.round.members)
     rules.node_changed(node.node_id)
+
+
+def victim_after_cause(job: JobRecord, late: WorkerFailure) -> bool:
+    """Whether a late failure reads as a broken collective (a victim's) while the root cause reads as an error
+    of its own: hosts' clocks differ by more than the milliseconds between a crash and its peers' broken
+    collectives, so its earlier stamp is the skew's, and it takes neither the root cause nor the count."""
+    return job.root_cause is not None and broken_by_peer(late) and not broken_by_peer(job.root_cause)
 
 
 def trusted(job: JobRecord, node_id: str, timestamp: float) -> bool:

@@ -33,7 +33,8 @@ def failure(rules: JobRules, node: NodeRecord, req: FailureReport, now: float,
         # A late report on the failed round may hold an earlier failure: the root cause, not counted again.
         if job.state in LIVE_OR_FAILED and req.round_id == job.root_cause_round and job.root_cause is not None \
                 and failures[0].timestamp < job.root_cause.timestamp:
-            if blame.trusted(job, node.node_id, failures[0].timestamp):
+            if blame.trusted(job, node.node_id, failures[0].timestamp) and \
+                    not blame.victim_after_cause(job, failures[0]):
                 blame.late_root_cause(rules, node, req.round_id, failures[0], now)
         elif not job.state.finished:
             blame.ended_round(rules, node, req.round_id, failures[0], now)

@@ -192,3 +192,15 @@ def test_a_report_from_a_node_outside_the_failed_round_moves_no_blame():
     job = rz.jobs[JOB]
     assert job.excluded == ["a"] and job.nodes["c"].exclusions == 0
     assert job.round is not None and job.round.round_id == formed and job.root_cause.node_id == "a"
+
+
+def test_a_victim_stamped_earlier_by_a_clock_behind_takes_no_blame():
+    # a crashes at 10.0 and reports first; b's clock runs 50 ms behind, so its broken collective (really at
+    # 10.02) is stamped 9.97: b's failure reads as a victim's, a's as its own error, so the count stays on a
+    rz = running(exclude_after=1)
+    r = rz.jobs[JOB].round.round_id
+    report(rz, "a", r, 10.1, 10.0, "ValueError: bad batch")
+    report(rz, "b", r, 10.2, 9.97, "RuntimeError: [gloo] Connection closed by peer")
+    job = rz.jobs[JOB]
+    assert job.excluded == ["a"] and job.nodes["b"].exclusions == 0 and job.root_cause.node_id == "a"
+    assert job.round is not None and list(job.round.members) == ["b"]
