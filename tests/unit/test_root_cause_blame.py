@@ -36,6 +36,12 @@ def report(rz: Rendezvous, node: str, round_id: int, now: float, at: float, mess
     rz.handle(JOB, FailureReport(v=1, node_id=node, round_id=round_id, failures=[failure]), now)
 
 
+def a_then_b(rz: Rendezvous, r: int, a_came: float, a_at: float, b_came: float, b_at: float) -> None:
+    """a's crash reported first, then b's broken collective, in round `r` (arrival, then stamp, of each)."""
+    report(rz, "a", r, a_came, a_at, "ValueError: bad batch")
+    report(rz, "b", r, b_came, b_at, "RuntimeError: [gloo] Connection closed by peer")
+
+
 def crash_on_a_reported_by_b_first(rz: Rendezvous, now: float) -> int:
     """a's worker crashes at `now`; b's dies of the broken collective 0.5 s later; b's report arrives first."""
     r = rz.jobs[JOB].round.round_id
@@ -79,8 +85,7 @@ def test_an_exclusion_the_first_report_caused_moves_to_the_root_causes_node():
 def test_a_later_report_of_a_later_failure_changes_nothing():
     rz = running()
     r = rz.jobs[JOB].round.round_id
-    report(rz, "a", r, 11.0, 10.0, "ValueError: bad batch")
-    report(rz, "b", r, 11.2, 10.5, "RuntimeError: [gloo] Connection closed by peer")
+    a_then_b(rz, r, 11.0, 10.0, 11.2, 10.5)
     job = rz.jobs[JOB]
     assert job.root_cause is not None and job.root_cause.node_id == "a"
     assert job.nodes["b"].failure_times == [] and job.nodes["a"].failure_times == [11.0]
@@ -130,8 +135,7 @@ def test_a_failure_stamped_before_its_round_formed_moves_no_blame():
     rz = running()
     report(rz, "a", rz.jobs[JOB].round.round_id, 11.0, 10.0, "ValueError: bad batch")   # round 2 forms at 11.0
     r = rz.jobs[JOB].round.round_id
-    report(rz, "a", r, 20.5, 20.0, "ValueError: bad batch")
-    report(rz, "b", r, 21.0, 5.0, "RuntimeError: [gloo] Connection closed by peer")
+    a_then_b(rz, r, 20.5, 20.0, 21.0, 5.0)
     job = rz.jobs[JOB]
     assert job.nodes["b"].failure_times == [] and job.nodes["b"].state != NodeState.EXCLUDED
     assert job.excluded == ["a"] and job.root_cause is not None and job.root_cause.node_id == "a"
@@ -142,8 +146,7 @@ def test_a_failure_stamped_after_the_round_failed_moves_no_blame():
     # (counted_at) is no earlier failure, whatever it compares to
     rz = running()
     r = rz.jobs[JOB].round.round_id
-    report(rz, "a", r, 10.5, 1e6, "ValueError: bad batch")
-    report(rz, "b", r, 11.0, 10.8, "RuntimeError: [gloo] Connection closed by peer")
+    a_then_b(rz, r, 10.5, 1e6, 11.0, 10.8)
     job = rz.jobs[JOB]
     assert job.nodes["b"].failure_times == [] and job.nodes["a"].failure_times == [10.5]
 
