@@ -61,8 +61,7 @@ def late_root_cause(rules: JobRules, node: NodeRecord, round_id: int, first: Wor
                  f"{node.node_id} (reported after the round failed; it came first"
                  f"{'' if job.state is JobState.FAILED else ': the count moves to it'})",
                  node.node_id, round_id,
-                 WorkerFailed(rank=first.rank, local_rank=first.local_rank, exitcode=first.exitcode,
-                              signal=first.signal, reason=first.reason, host=first.host, message=first.message))
+                 WorkerFailed.of(first))
     if job.state is JobState.FAILED:     # the budget's end: its reason names the root cause; nothing else counts
         job.reason = job.reason.split("; root cause: ")[0] + f"; root cause: {describe(first)}"
         return
@@ -121,6 +120,5 @@ def ended_round(rules: JobRules, node: NodeRecord, round_id: int, first: WorkerF
     rules.changed()
     rules.record(now, EventKind.WORKER_FAILED, f"{describe(first)} on node {node.node_id}, in round {round_id} "
                  f"that had already ended (no restart counted)", node.node_id, round_id,
-                 WorkerFailed(rank=first.rank, local_rank=first.local_rank, exitcode=first.exitcode,
-                              signal=first.signal, reason=first.reason, host=first.host, message=first.message))
+                 WorkerFailed.of(first))
     return True

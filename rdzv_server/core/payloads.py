@@ -8,6 +8,7 @@ from typing import Any
 
 import msgspec
 
+from protocol.messages import WorkerFailure
 from rdzv_server.core.events import EventKind
 
 
@@ -39,6 +40,11 @@ class WorkerFailed(msgspec.Struct, kw_only=True):
     reason: str
     host: str
     message: str
+
+    @classmethod
+    def of(cls, f: WorkerFailure) -> WorkerFailed:
+        return cls(rank=f.rank, local_rank=f.local_rank, exitcode=f.exitcode, signal=f.signal, reason=f.reason,
+                   host=f.host, message=f.message)
 
 
 class WorkersFailed(msgspec.Struct, kw_only=True):

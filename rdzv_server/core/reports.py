@@ -114,8 +114,7 @@ def fail_round(rules: JobRules, node: NodeRecord, round_id: int, failures: list[
     job.restart_count += 1
     for f in failures[:MAX_FAILURE_EVENTS]:
         rules.record(now, EventKind.WORKER_FAILED, describe(f), node.node_id, round_id,
-                    WorkerFailed(rank=f.rank, local_rank=f.local_rank, exitcode=f.exitcode, signal=f.signal,
-                                 reason=f.reason, host=f.host, message=f.message))
+                    WorkerFailed.of(f))
     rest = failures[MAX_FAILURE_EVENTS:]
     if rest:       # one line for the rest: a node of many workers must not flood the history
         rules.record(now, EventKind.WORKER_FAILED, f"and {len(rest)} more worker(s) of node {node.node_id} "
