@@ -23,6 +23,7 @@ from typing import Any, TypeVar
 
 import msgspec
 
+from node_agent.client.endpoints import origin
 from node_agent.client.listener import agent_caps, caps_for_descriptors
 from node_agent.client.replies import (
     CONFLICT_RETRY_S,
@@ -237,7 +238,8 @@ class ServerSession:
 
     def _unreachable(self, waited: float, exc: Exception) -> str:
         s = self.settings
-        return (f"cannot reach the rdzv-server at {s.host}:{s.port} (--rdzv-endpoint) for {waited:.0f}s "
+        where = origin(s.scheme, s.host, s.port).partition("://")[2]    # an IPv6 host in brackets, as written
+        return (f"cannot reach the rdzv-server at {where} (--rdzv-endpoint) for {waited:.0f}s "
                 f"(--rdzv-conf server_wait={s.server_wait_s:g}): {exc}")
 
     async def _follow(self) -> None:

@@ -3,6 +3,7 @@ joins, the job-wide failure report, adopting a round another node caused, leavin
 unreachable server. Nodes are sessions in this process, each with its own loop thread."""
 from __future__ import annotations
 
+import re
 import resource
 import socket
 import urllib.request
@@ -125,12 +126,15 @@ def test_a_join_with_other_settings_is_refused(server, sessions):
     assert info.value.code == "config_conflict"
 
 
-def test_an_unreachable_server_ends_the_session_with_the_endpoint_named(sessions):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+@pytest.mark.parametrize(("family", "host", "named"), [(socket.AF_INET, "127.0.0.1", "127.0.0.1"),
+                                                       (socket.AF_INET6, "::1", "[::1]")])
+def test_an_unreachable_server_ends_the_session_with_the_endpoint_named(sessions, family, host, named):
+    with socket.socket(family) as s:
+        s.bind((host, 0))
         port = s.getsockname()[1]
-    a = start(sessions, "127.0.0.1", port, "nowhere", "a", server_wait="0.3", lease_timeout="0.3")
-    with pytest.raises(ServerLost, match=f"cannot reach the rdzv-server at 127.0.0.1:{port}"):
+    endpoint = f"[{host}]" if ":" in host else host      # an IPv6 address is named as the user writes it
+    a = start(sessions, endpoint, port, "nowhere", "a", server_wait="0.3", lease_timeout="0.3")
+    with pytest.raises(ServerLost, match=re.escape(f"cannot reach the rdzv-server at {named}:{port} ")):
         a.next_assignment(-1, None)
 
 
