@@ -92,6 +92,8 @@ LEADER_HEADER = "Rdzv-Leader"     # a standby replica's not_leader reply names t
 
 
 class Client:
+    QUICK_S = 3.0      # among several replicas, how long a view is first asked of each (see _at_leader)
+
     def __init__(self, server: str, timeout: float, *, token: Token | None = None, admin_token: Token | None = None,
                  tls: ssl.SSLContext | None = None) -> None:
         """`server`: a base URL, or several replicas' comma-separated: the leader among them answers."""
@@ -101,6 +103,7 @@ class Client:
         self.token = token
         self.admin_token = admin_token
         self.tls = tls
+        self.slow: list[str] = []       # replicas that timed out on the last quick pass
 
     def get(self, path: str) -> Any:
         return self._at_leader(lambda: urllib.request.Request(self.server + path, headers={
@@ -112,11 +115,28 @@ class Client:
             "Content-Type": "application/json", "Accept": "application/json"}), self.admin_token, admin=True)
 
     def _at_leader(self, request: Callable[[], urllib.request.Request], token: Token | None, *, admin: bool) -> Any:
-        """The request at each replica in turn until one answers; a standby's answer names the leader."""
+        """The request at each replica in turn until one answers; a standby's answer names the leader. Among
+        several replicas a view is first asked of each for QUICK_S (a frozen replica accepts connections and never
+        answers: the operator would wait the whole --timeout before the next one), then of those that did not
+        answer in time for the whole --timeout. An admin action is sent once per replica: it may have acted."""
+        quick = min(self.timeout, self.QUICK_S)
+        if admin or len(self.replicas) == 1 or quick >= self.timeout:
+            return self._each_replica(self.replicas, request, token, admin=admin, timeout=self.timeout)
+        self.slow = []
+        try:
+            return self._each_replica(self.replicas, request, token, admin=admin, timeout=quick)
+        except CtlError:
+            if not self.slow:
+                raise
+            self.server = self.slow[0]
+            return self._each_replica(self.slow, request, token, admin=admin, timeout=self.timeout)
+
+    def _each_replica(self, replicas: list[str], request: Callable[[], urllib.request.Request], token: Token | None,
+                      *, admin: bool, timeout: float) -> Any:
         tried: list[str] = []
         while True:
             try:
-                return self._call(request(), token, admin=admin)
+                return self._call(request(), token, admin=admin, timeout=timeout)
             except _NotLeader as moved:
                 tried.append(self.server)
                 if moved.leader and moved.leader not in tried:
@@ -126,16 +146,16 @@ class Client:
             except CtlError as exc:
                 tried.append(self.server)
                 error = exc
-            untried = [r for r in self.replicas if r not in tried]
+            untried = [r for r in replicas if r not in tried]
             if not untried:
                 raise error
             self.server = untried[0]
 
-    def _call(self, req: urllib.request.Request, token: Token | None, *, admin: bool) -> Any:
+    def _call(self, req: urllib.request.Request, token: Token | None, *, admin: bool, timeout: float) -> Any:
         if token is not None:
             req.add_header("Authorization", f"Bearer {token.value}")
         try:
-            with urllib.request.urlopen(req, timeout=self.timeout, context=self.tls) as resp:
+            with urllib.request.urlopen(req, timeout=timeout, context=self.tls) as resp:
                 raw = resp.read()
         except urllib.error.HTTPError as exc:
             if exc.code == 503 and (exc.headers.get(LEADER_HEADER) is not None or len(self.replicas) > 1):
@@ -143,14 +163,20 @@ class Client:
                                  self._refusal(req, exc, token, admin)) from None
             raise CtlError(self._refusal(req, exc, token, admin)) from None
         except urllib.error.URLError as exc:
+            self._timed_out(exc.reason)
             raise CtlError(self._unreachable(exc.reason)) from None
         except (OSError, ValueError, http.client.HTTPException) as exc:   # timeouts, resets, a malformed URL
+            self._timed_out(exc)
             raise CtlError(self._unreachable(exc)) from None
         try:
             return json.loads(raw)
         except ValueError:
             raise CtlError(f"server {self.server} answered {req.selector} with something that is not JSON "
                            f"(is it an rdzv-server?)") from None
+
+    def _timed_out(self, reason: object) -> None:
+        if isinstance(reason, TimeoutError):
+            self.slow.append(self.server)      # connected or not, no answer in time: asked again for longer
 
     def _refusal(self, req: urllib.request.Request, exc: urllib.error.HTTPError, token: Token | None,
                  admin: bool) -> str:

@@ -5,6 +5,7 @@ of a replica that does not lead (create_app(..., standby=True) never elected).""
 from __future__ import annotations
 
 import asyncio
+import socket
 
 import pytest
 from aiohttp import web
@@ -162,6 +163,47 @@ async def test_rdzv_ctl_follows_the_leader(leader_and_standby):
     ctl = Client(f"http://127.0.0.1:{free_port()},http://127.0.0.1:{standby.port}", 5.0)
     doc = await asyncio.to_thread(ctl.get, "/v1/status")
     assert doc["jobs"] == [] and ctl.server == f"http://127.0.0.1:{leader.port}"
+
+
+async def test_rdzv_ctl_asks_the_next_replica_before_a_frozen_one_times_out(leader_and_standby, monkeypatch):
+    """A frozen replica (SIGSTOP: the kernel still accepts its connections) answers nothing: rdzv-ctl asks it
+    only QUICK_S before the next replica, whose leader answers, instead of the whole --timeout."""
+    leader, standby = leader_and_standby
+    monkeypatch.setattr(Client, "QUICK_S", 0.2)
+    with socket.socket() as frozen:
+        frozen.bind(("127.0.0.1", 0))
+        frozen.listen(8)          # never accepted: connections complete in the kernel, no answer ever comes
+        ctl = Client(f"http://127.0.0.1:{frozen.getsockname()[1]},http://127.0.0.1:{standby.port}", 3600.0)
+        doc = await asyncio.wait_for(asyncio.to_thread(ctl.get, "/v1/status"), LIMIT)
+    assert doc["jobs"] == [] and ctl.server == f"http://127.0.0.1:{leader.port}"
+
+
+async def test_rdzv_ctl_gives_a_replica_slow_to_answer_the_whole_timeout(monkeypatch):
+    """Only a slow replica: after the quick pass it is asked again for the whole --timeout, and its answer
+    is taken (a busy leader is not an outage)."""
+    monkeypatch.setattr(Client, "QUICK_S", 0.2)
+    answer, asked = asyncio.Event(), [0]
+
+    async def slow_status(request: web.Request) -> web.Response:
+        asked[0] += 1
+        if asked[0] == 1:
+            await asyncio.Event().wait()     # never answered: the quick pass gives up on this one
+        await answer.wait()
+        return web.json_response({"jobs": ["slow"]})
+
+    app = web.Application()
+    app.router.add_get("/v1/status", slow_status)
+    srv = await start_app(app)
+    slow = f"http://127.0.0.1:{srv.port}"
+    try:
+        ctl = Client(f"http://127.0.0.1:{free_port()},{slow}", 3600.0)
+        pending = asyncio.ensure_future(asyncio.to_thread(ctl.get, "/v1/status"))
+        await wait_until(lambda: ctl.slow, LIMIT)
+        answer.set()
+        doc = await asyncio.wait_for(pending, LIMIT)
+    finally:
+        await srv.close()
+    assert doc["jobs"] == ["slow"] and ctl.server == slow
 
 
 async def test_a_followed_leader_that_is_gone_sends_the_agent_back_to_its_endpoint():
