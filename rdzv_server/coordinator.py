@@ -33,7 +33,7 @@ from rdzv_server.delivery.long_poll import long_poll
 from rdzv_server.logs import EVENT_LINES, EVENT_WINDOW_S, EventLines
 from rdzv_server.refused_joins import RefusedJoins
 from rdzv_server.serving import Serving
-from rdzv_server.store.api import Store
+from rdzv_server.store.api import Store, StoreError
 from rdzv_server.store.persistence import Durability, NotDurable, Persister, StoreUnavailable
 
 log = logging.getLogger("rdzv_server")
@@ -120,7 +120,10 @@ class Coordinator:
         changed = list(self.core.outbox.changed)
         self.apply()
         for job_id in changed:
-            await self.durable(job_id)
+            try:
+                await self.persister.durable(job_id)
+            except StoreUnavailable as exc:   # the restored jobs cannot be saved: say so, do not serve them
+                raise StoreError(f"cannot save the restored jobs: {exc}; refusing to start") from None
         self.gate.start()
 
     async def step_down(self) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import sqlite3
 
 import msgpack
+import pytest
 
 from rdzv_server.coordinator import Coordinator
 from rdzv_server.looplag import LoopLagMeter
@@ -53,3 +54,22 @@ async def test_a_full_disk_refuses_the_join_by_name_and_keeps_nothing_of_it(tmp_
     finally:
         await srv.close()
     assert set(SqliteStore(str(tmp_path)).load().jobs) == {"kept"}
+
+
+async def test_restored_jobs_that_cannot_be_saved_refuse_the_start_in_one_line(tmp_path):
+    from rdzv_server.core.rendezvous import Rendezvous
+    from rdzv_server.store.api import StoreError
+    from tests.unit.test_store import _save, every_state
+
+    first = SqliteStore(str(tmp_path))
+    _save(first, every_state())
+    first.release()
+    store = FullDisk(str(tmp_path))
+    store.fail = 1
+    coordinator = Coordinator(Rendezvous(), store=store)
+    try:
+        with pytest.raises(StoreError, match="cannot save the restored jobs: .*is full"):
+            await coordinator.start()
+        assert not coordinator.serving()
+    finally:
+        await coordinator.persister.close()
