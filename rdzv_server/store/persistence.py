@@ -175,13 +175,22 @@ class Persister:
 
     async def _alive_loop(self) -> None:
         loop = asyncio.get_running_loop()
+        failing = ""          # the failure last said: a full disk is said once, not every ALIVE_EVERY_S
         while True:
             await asyncio.sleep(ALIVE_EVERY_S)     # a periodic mark, not a synchronisation wait
             if self._writer is None or self._writer.done():
                 try:
                     await loop.run_in_executor(self._executor, self.store.write, [], self.clock())
                 except Exception as exc:
-                    log.error("state store liveness mark failed: %s", self.store.describe_failure(exc))
+                    why = self.store.describe_failure(exc)
+                    if why != failing:
+                        log.error("state store liveness mark failed: %s (said again only once it changes; "
+                                  "the server keeps serving, changes are refused until it can write)", why)
+                    failing = why
+                else:
+                    if failing:
+                        log.info("state store written again: its liveness mark succeeded")
+                    failing = ""
 
     async def close(self) -> None:
         """Flush what is pending, mark a clean shutdown, release the store."""

@@ -3,6 +3,7 @@ a failed commit fails the waiting replies, keeps the change, and is retried."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 
 import pytest
@@ -130,3 +131,38 @@ async def test_round_trip_through_sqlite_with_the_persister(tmp_path):
     loaded = SqliteStore(str(tmp_path)).load()
     assert [e.message for e in loaded.jobs["a"].events] == [f"event {i}" for i in range(5)]
     assert loaded.clean_shutdown
+
+
+class CountedStore(GatedStore):
+    """Liveness marks that fail while `failing`, and a gate opened after `until` marks."""
+
+    def __init__(self, until: int) -> None:
+        super().__init__()
+        self.gate.set()
+        self.failing = True
+        self.marks = 0
+        self.until = until
+        self.reached = threading.Event()
+
+    def write(self, snapshots: list[JobSnapshot], alive_at: float, deleted=()) -> None:
+        self.marks += 1
+        if self.marks >= self.until:
+            self.reached.set()
+        if self.failing:
+            raise OSError(28, "No space left on device")
+
+
+async def test_a_full_disk_is_said_once_by_the_liveness_mark_and_its_end_too(monkeypatch, caplog):
+    monkeypatch.setattr("rdzv_server.store.persistence.ALIVE_EVERY_S", 0.0)
+    caplog.set_level(logging.INFO, logger="rdzv_server")
+    store = CountedStore(until=5)
+    p = Persister(store)  # type: ignore[arg-type]
+    p.start()
+    loop = asyncio.get_running_loop()
+    assert await loop.run_in_executor(None, store.reached.wait, 10)
+    store.failing, store.reached, store.until = False, threading.Event(), store.marks + 3
+    assert await loop.run_in_executor(None, store.reached.wait, 10)
+    await p.close()
+    said = [r.getMessage() for r in caplog.records if "liveness mark" in r.getMessage()]
+    assert len(said) == 2, said
+    assert "is full" in said[0] and "written again" in said[1]
