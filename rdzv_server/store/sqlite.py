@@ -160,6 +160,8 @@ class SqliteStore:
 
     def _decode(self, job_id: str, blob: bytes, decoder: msgspec.msgpack.Decoder[T], what: str) -> T:
         try:
+            if not isinstance(blob, bytes):     # edited by hand: a text or number column is no record of ours
+                raise msgspec.DecodeError(f"a {type(blob).__name__} value, not msgpack bytes")
             return decoder.decode(blob)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             raise StoreError(f"{self.path}: job {job_id!r} has an unreadable {what} ({exc}); {_MOVE_AWAY}") from None

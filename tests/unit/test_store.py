@@ -258,3 +258,13 @@ def test_a_round_saved_with_its_assignments_by_an_older_server_loads_with_them(t
     store.write([snap], 1.0)
     loaded = store.load().jobs["big"]
     assert {m: assignment(loaded.round, m) for m in loaded.round.members} == written
+
+
+def test_a_record_that_is_not_bytes_is_refused_by_name_not_a_traceback(tmp_path):
+    store = SqliteStore(str(tmp_path))
+    _save(store, every_state())
+    store._db.execute("UPDATE jobs SET record = 'hand-edited' WHERE job_id = 'running'")
+    store.release()
+    with pytest.raises(StoreError, match="job 'running' has an unreadable record .*str"):
+        SqliteStore(str(tmp_path)).load()
+
