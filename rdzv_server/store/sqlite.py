@@ -100,6 +100,16 @@ class SqliteStore:
             db.execute("VACUUM")
         db.execute("PRAGMA journal_mode = WAL")
         db.execute("PRAGMA synchronous = FULL")
+        # A file we may read but not write (another user's, read-only) is refused now: else the server would
+        # serve with every commit failing, or fail restoring its jobs after it started.
+        try:
+            with self._transaction() as txn:
+                txn.execute("DELETE FROM meta WHERE key = 'write-probe'")
+        except sqlite3.OperationalError as exc:
+            if "readonly" not in str(exc):
+                raise
+            raise StoreError(f"{self.path} cannot be written ({exc}): check its owner and mode, or run the "
+                             "server as the user that owns it") from None
 
     def _migrate_from_1(self) -> None:
         """Schema 1 kept a job's nodes inside its row: move them to rows of their own, in one transaction."""

@@ -268,3 +268,14 @@ def test_a_record_that_is_not_bytes_is_refused_by_name_not_a_traceback(tmp_path)
     with pytest.raises(StoreError, match="job 'running' has an unreadable record .*str"):
         SqliteStore(str(tmp_path)).load()
 
+def test_a_store_file_it_cannot_write_is_refused_at_start(tmp_path, monkeypatch):
+    SqliteStore(str(tmp_path)).release()
+    real = sqlite3.connect
+
+    def read_only(path, **kw):        # as a file of another user, or chmod 444, opens (root ignores modes)
+        return real(f"file:{path}?mode=ro", uri=True, **kw)
+
+    monkeypatch.setattr("rdzv_server.store.sqlite.sqlite3.connect", read_only)
+    with pytest.raises(StoreError, match="cannot be written .*owner and mode"):
+        SqliteStore(str(tmp_path))
+
