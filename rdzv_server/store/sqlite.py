@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
+import shutil
 import sqlite3
 from collections.abc import Collection, Iterator
 from contextlib import contextmanager
@@ -40,6 +41,7 @@ CREATE TABLE events (job_id TEXT NOT NULL, seq INTEGER NOT NULL, record BLOB NOT
                      PRIMARY KEY (job_id, seq)) WITHOUT ROWID;
 CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 """
+_FULL_BELOW = 1 << 20    # free bytes under which a disk that fails a write is said to be full
 _MOVE_AWAY = "refusing to start; move the file away to start with an empty state"
 
 
@@ -68,10 +70,25 @@ class SqliteStore:
             self._open_schema()
         except sqlite3.Error as exc:
             self.release()
-            raise StoreError(f"cannot open state store {self.path}: {_sqlite_reason(exc)}; {_MOVE_AWAY}") from None
+            raise StoreError(self._open_failure(exc)) from None
         except StoreError:
             self.release()
             raise
+
+    def _open_failure(self, exc: sqlite3.Error) -> str:
+        """Why the file could not be opened. A disk that fails or is full is no corrupt file: moving the file away
+        would lose every job, so the operator is told to fix the disk instead."""
+        text = str(exc)
+        name = getattr(exc, "sqlite_errorname", "")    # Python 3.11+
+        if not (name.startswith(("SQLITE_IOERR", "SQLITE_FULL")) or "disk I/O error" in text or "disk is full" in text):
+            return f"cannot open state store {self.path}: {_sqlite_reason(exc)}; {_MOVE_AWAY}"
+        try:
+            free = shutil.disk_usage(self.state_dir).free
+        except OSError:
+            free = -1
+        where = f"the disk holding --state-dir {self.state_dir} is full" if 0 <= free < _FULL_BELOW else "disk error"
+        return (f"cannot open state store {self.path}: {text} ({where}); refusing to start; the file is kept as "
+                "it is: free space on (or repair) its disk and start again")
 
     def _open_schema(self) -> None:
         db = self._db

@@ -268,6 +268,7 @@ def test_a_record_that_is_not_bytes_is_refused_by_name_not_a_traceback(tmp_path)
     with pytest.raises(StoreError, match="job 'running' has an unreadable record .*str"):
         SqliteStore(str(tmp_path)).load()
 
+
 def test_a_store_file_it_cannot_write_is_refused_at_start(tmp_path, monkeypatch):
     SqliteStore(str(tmp_path)).release()
     real = sqlite3.connect
@@ -279,3 +280,15 @@ def test_a_store_file_it_cannot_write_is_refused_at_start(tmp_path, monkeypatch)
     with pytest.raises(StoreError, match="cannot be written .*owner and mode"):
         SqliteStore(str(tmp_path))
 
+
+def test_a_disk_error_at_start_does_not_say_to_move_the_file_away(tmp_path, monkeypatch):
+    SqliteStore(str(tmp_path)).release()
+
+    def io_error(self):
+        raise sqlite3.OperationalError("disk I/O error")
+
+    monkeypatch.setattr(SqliteStore, "_open_schema", io_error)
+    monkeypatch.setattr("rdzv_server.store.sqlite.shutil.disk_usage", lambda _: type("U", (), {"free": 0})())
+    with pytest.raises(StoreError) as caught:
+        SqliteStore(str(tmp_path))
+    assert "is full" in str(caught.value) and "move the file away" not in str(caught.value)
