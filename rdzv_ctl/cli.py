@@ -103,8 +103,13 @@ def run(args: argparse.Namespace, client: Client) -> str:
         done = f"closed job {args.job}"
     else:   # resize
         doc = client.post(f"/v1/admin/jobs/{job}/resize", args.nnodes)
-        done = f"resized job {args.job} to nodes {doc['min_nodes']}:{doc['max_nodes']}"
-    return json.dumps(doc, indent=2) if args.json else f"{done}\n\n{format_job(typed(doc, JobDetail))}"
+        done = f"resized job {args.job}"
+    if args.json:
+        return json.dumps(doc, indent=2)
+    view = typed(doc, JobDetail)      # read as a view first: a reply of another shape is one line, no KeyError
+    if cmd == "resize":
+        done += f" to nodes {view.min_nodes}:{view.max_nodes}"
+    return f"{done}\n\n{format_job(view)}"
 
 
 def _drained(job: JobDetail, node: str, job_arg: str) -> str:

@@ -149,3 +149,19 @@ def test_a_drain_that_leaves_the_job_below_its_minimum_says_what_it_costs():
     # drained already: said so, with the reason that stands (a second drain changes nothing)
     assert drain("zz").startswith(f"node zz was drained already from job {JOB} (its reason stands: no reason "
                                   f"given); the job has")
+
+
+def test_a_resize_answered_in_another_shape_is_one_line_not_a_traceback():
+    # A review pointed rdzv-ctl resize at a server answering `{}` (another version, a proxy): KeyError 'min_nodes'.
+    import pytest
+
+    from rdzv_ctl.client import CtlError
+
+    class Answers:
+        def post(self, path: str, body: dict) -> object:
+            return {}
+
+    args = cli.build_parser().parse_args(["resize", "j", "--nnodes", "1:2"])
+    args.json = False
+    with pytest.raises(CtlError, match="not the JobDetail this rdzv-ctl reads"):
+        cli.run(args, Answers())  # type: ignore[arg-type]
