@@ -66,6 +66,7 @@ class SqliteStore:
             raise StoreError(f"--state-dir {state_dir} is in use by another rdzv-server (lock {LOCK_NAME} "
                              "is held); give each server its own state dir") from None
         try:
+            self._refuse_emptied()
             self._db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
             self._open_schema()
         except sqlite3.Error as exc:
@@ -74,6 +75,20 @@ class SqliteStore:
         except StoreError:
             self.release()
             raise
+
+    def _refuse_emptied(self) -> None:
+        """An empty state file (truncated, or `> file` by mistake) would open as a new store, and SQLite would then
+        drop a write-ahead log left beside it, with the jobs it holds: refused, everything left as it is."""
+        try:
+            size = os.path.getsize(self.path)
+        except FileNotFoundError:
+            size = -1
+        wal = os.path.getsize(self.path + "-wal") if os.path.exists(self.path + "-wal") else 0
+        if size == 0 or (size < 0 and wal > 0):
+            state = "is empty (0 bytes)" if size == 0 else "is missing"
+            log = f" while its write-ahead log {self.path}-wal holds {wal} bytes" if wal else ""
+            raise StoreError(f"{self.path} {state}{log}: truncated or removed? refusing to start; restore it from "
+                             "a backup, or move the state dir's files away to start with an empty state")
 
     def _open_failure(self, exc: sqlite3.Error) -> str:
         """Why the file could not be opened. A disk that fails or is full is no corrupt file: moving the file away

@@ -292,3 +292,21 @@ def test_a_disk_error_at_start_does_not_say_to_move_the_file_away(tmp_path, monk
     with pytest.raises(StoreError) as caught:
         SqliteStore(str(tmp_path))
     assert "is full" in str(caught.value) and "move the file away" not in str(caught.value)
+
+
+def test_an_emptied_state_file_is_refused_and_its_log_kept(tmp_path):
+    # A review truncated the file of a killed server: it started with no jobs and SQLite dropped the -wal
+    # holding them, so every agent's job was unknown and restarted from scratch.
+    store = SqliteStore(str(tmp_path))
+    _save(store, every_state())
+    wal = (tmp_path / (DB_NAME + "-wal")).read_bytes()      # as a killed server leaves it
+    store.release()
+    assert wal
+    (tmp_path / DB_NAME).write_bytes(b"")
+    (tmp_path / (DB_NAME + "-wal")).write_bytes(wal)
+    with pytest.raises(StoreError, match=r"is empty \(0 bytes\) while its write-ahead log .* holds"):
+        SqliteStore(str(tmp_path))
+    assert (tmp_path / (DB_NAME + "-wal")).read_bytes() == wal and (tmp_path / DB_NAME).read_bytes() == b""
+    (tmp_path / (DB_NAME + "-wal")).unlink()
+    with pytest.raises(StoreError, match=r"is empty \(0 bytes\): truncated"):
+        SqliteStore(str(tmp_path))
