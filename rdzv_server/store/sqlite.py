@@ -57,8 +57,9 @@ class SqliteStore:
         try:
             os.makedirs(state_dir, exist_ok=True)
             self._lock = open(os.path.join(state_dir, LOCK_NAME), "a+")
-        except OSError as exc:
-            raise StoreError(f"cannot use --state-dir {state_dir}: {exc.strerror or exc}") from None
+        except OSError as exc:      # makedirs on a file says "File exists": name what is wrong instead
+            why = "it is a file, not a directory" if isinstance(exc, FileExistsError) else exc.strerror or exc
+            raise StoreError(f"cannot use --state-dir {state_dir}: {why}") from None
         try:
             fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:

@@ -310,3 +310,10 @@ def test_an_emptied_state_file_is_refused_and_its_log_kept(tmp_path):
     (tmp_path / (DB_NAME + "-wal")).unlink()
     with pytest.raises(StoreError, match=r"is empty \(0 bytes\): truncated"):
         SqliteStore(str(tmp_path))
+
+
+def test_a_state_dir_that_is_a_file_is_named_so(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    with pytest.raises(StoreError, match=r"cannot use --state-dir .*file: it is a file, not a directory"):
+        SqliteStore(str(blocker))
