@@ -8,6 +8,7 @@ server off the same dir.
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import os
@@ -66,16 +67,27 @@ class SqliteStore:
             self._lock.close()
             raise StoreError(f"--state-dir {state_dir} is in use by another rdzv-server (lock {LOCK_NAME} "
                              "is held); give each server its own state dir") from None
+        new = not os.path.exists(self.path)
         try:
             self._refuse_emptied()
             self._db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
             self._open_schema()
         except sqlite3.Error as exc:
             self.release()
+            self._drop_if_empty(new)
             raise StoreError(self._open_failure(exc)) from None
         except StoreError:
             self.release()
+            self._drop_if_empty(new)
             raise
+
+    def _drop_if_empty(self, new: bool) -> None:
+        """A first start that failed before its schema was written (a full disk) leaves no empty file behind: the
+        next start would take it for a truncated store and refuse."""
+        if new and os.path.exists(self.path) and os.path.getsize(self.path) == 0:
+            for suffix in ("", "-wal", "-shm"):
+                with contextlib.suppress(OSError):
+                    os.remove(self.path + suffix)
 
     def _refuse_emptied(self) -> None:
         """An empty state file (truncated, or `> file` by mistake) would open as a new store, and SQLite would then

@@ -317,3 +317,17 @@ def test_a_state_dir_that_is_a_file_is_named_so(tmp_path):
     blocker.write_text("not a directory")
     with pytest.raises(StoreError, match=r"cannot use --state-dir .*file: it is a file, not a directory"):
         SqliteStore(str(blocker))
+
+
+def test_a_first_start_that_fails_leaves_no_empty_file_to_be_refused_next(tmp_path, monkeypatch):
+    real = SqliteStore._open_schema
+
+    def full(self):
+        self._db.execute("PRAGMA application_id")      # the file is made, as on a disk with no room for a page
+        raise sqlite3.OperationalError("database or disk is full")
+
+    monkeypatch.setattr(SqliteStore, "_open_schema", full)
+    with pytest.raises(StoreError, match="is full"):
+        SqliteStore(str(tmp_path))
+    monkeypatch.setattr(SqliteStore, "_open_schema", real)
+    SqliteStore(str(tmp_path)).release()                # room again: it starts
