@@ -59,8 +59,12 @@ def server_url(server: str | None, endpoint: str | None, tls_ca: str | None) -> 
 def _one_url(url: str, tls_ca: str | None) -> str:
     if "://" not in url:
         url = ("https://" if tls_ca else "http://") + url
-    parsed = urllib.parse.urlsplit(url)
-    if parsed.scheme not in ("http", "https") or not parsed.hostname:
+    try:       # urlsplit, hostname and port raise ValueError on "[::1", "[zz]:1", ":abc", ":99999"
+        parsed = urllib.parse.urlsplit(url)
+        valid = parsed.scheme in ("http", "https") and bool(parsed.hostname) and (parsed.port or 1) > 0
+    except ValueError:
+        valid = False
+    if not valid:
         raise UsageError(f"server address must look like http://HOST:PORT, https://HOST:PORT or HOST:PORT, "
                          f"got {url!r}")
     if tls_ca and parsed.scheme != "https":
