@@ -107,6 +107,9 @@ class SqliteStore:
         """Why the file could not be opened. A disk that fails or is full is no corrupt file: moving the file away
         would lose every job, so the operator is told to fix the disk instead."""
         text = str(exc)
+        if "readonly" in text:      # e.g. switching a backup restored in rollback mode to WAL: not a corrupt file
+            return (f"{self.path} cannot be written ({text}): check its owner and mode, or run the server as the "
+                    "user that owns it")
         name = getattr(exc, "sqlite_errorname", "")    # Python 3.11+
         if not (name.startswith(("SQLITE_IOERR", "SQLITE_FULL")) or "disk I/O error" in text or "disk is full" in text):
             return f"cannot open state store {self.path}: {_sqlite_reason(exc)}; {_MOVE_AWAY}"

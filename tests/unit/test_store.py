@@ -331,3 +331,17 @@ def test_a_first_start_that_fails_leaves_no_empty_file_to_be_refused_next(tmp_pa
         SqliteStore(str(tmp_path))
     monkeypatch.setattr(SqliteStore, "_open_schema", real)
     SqliteStore(str(tmp_path)).release()                # room again: it starts
+
+
+def test_a_read_only_store_not_in_wal_mode_is_not_called_corrupt(tmp_path, monkeypatch):
+    # A review restored a backup in rollback-journal mode, read-only: "move the file away" for a mode problem.
+    SqliteStore(str(tmp_path)).release()
+    db = sqlite3.connect(tmp_path / DB_NAME)
+    db.execute("PRAGMA journal_mode = DELETE")
+    db.close()
+    real = sqlite3.connect
+    monkeypatch.setattr("rdzv_server.store.sqlite.sqlite3.connect",
+                        lambda path, **kw: real(f"file:{path}?mode=ro", uri=True, **kw))
+    with pytest.raises(StoreError) as caught:
+        SqliteStore(str(tmp_path))
+    assert "owner and mode" in str(caught.value) and "move the file away" not in str(caught.value)
