@@ -175,7 +175,7 @@ class Client:
         try:
             return json.loads(raw)
         except ValueError:
-            raise CtlError(f"server {self.server} answered {req.selector} with something that is not JSON "
+            raise CtlError(f"server {self.server} answered {_shown(req.selector)} with something that is not JSON "
                            f"(is it an rdzv-server?)") from None
 
     def _timed_out(self, reason: object) -> None:
@@ -196,6 +196,8 @@ class Client:
                         f"${TOKEN_ENV}), F being the file of the server's --token-file (or --admin-token-file)")
             return f"{what}: the token from {token.source} is not one of this server's tokens (401)"
         text = _error_text(exc)
+        if text.startswith("HTTP ") and len(req.selector) > SHOWN_PATH:     # refused before the server read it
+            text += f" (the path is {len(req.selector)} characters: is a job, node or host name that long?)"
         if exc.code == 403 and admin and "loopback" in text:
             text += " (with an admin token on the server: rdzv-ctl --admin-token-file F)"
         return f"{what}: {text}"
@@ -221,6 +223,13 @@ class _NotLeader(Exception):
     def __init__(self, leader: str, text: str) -> None:
         super().__init__(text)
         self.leader = leader
+
+
+SHOWN_PATH = 200    # a request path is echoed up to this long: a mistyped 20 kB name must not flood the terminal
+
+
+def _shown(path: str) -> str:
+    return path if len(path) <= SHOWN_PATH else f"{path[:SHOWN_PATH]}... ({len(path)} characters)"
 
 
 def _error_text(exc: urllib.error.HTTPError) -> str:
