@@ -20,7 +20,7 @@ from rdzv_server.delivery.caps import MAX_POLLS_PER_NODE, MAX_POLLS_PER_PEER
 from rdzv_server.serve import ListenError, Replication, ServerConfig, serve
 from rdzv_server.store.etcd import options as etcd_options
 from rdzv_server.store.etcd.store import EtcdStore
-from rdzv_server.store.sqlite import SqliteStore, StoreError
+from rdzv_server.store.sqlite import SqliteStore, StoreError, describe_failure
 from rdzv_server.web.access import Access, TokenError, read_token
 
 
@@ -196,8 +196,10 @@ def main(argv: list[str] | None = None) -> int:
     except (UsageError, StoreError) as exc:
         print(f"rdzv-server: error: {exc}", file=sys.stderr)
         return exc.code if isinstance(exc, UsageError) else 1
-    except sqlite3.Error as exc:     # e.g. a full disk at start-up: the store says what it could not do
-        print(f"rdzv-server: error: the state store in {args.state_dir} failed: {exc}", file=sys.stderr)
+    except sqlite3.Error as exc:     # e.g. a full disk at a clean stop: its mark could not be written
+        state_dir = args.state_dir or "rdzv-state"     # (None when the default was taken)
+        print(f"rdzv-server: error: the state store in {state_dir} failed: {describe_failure(exc, state_dir)}",
+              file=sys.stderr)
         return 1
     except ListenError as exc:
         print(f"rdzv-server: {exc}", file=sys.stderr)

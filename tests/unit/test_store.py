@@ -345,3 +345,18 @@ def test_a_read_only_store_not_in_wal_mode_is_not_called_corrupt(tmp_path, monke
     with pytest.raises(StoreError) as caught:
         SqliteStore(str(tmp_path))
     assert "owner and mode" in str(caught.value) and "move the file away" not in str(caught.value)
+
+
+def test_a_store_failure_at_stop_names_the_default_state_dir_and_a_full_disk(tmp_path, monkeypatch, capsys):
+    # A review stopped a server on the default state dir of a full disk: "the state store in None failed".
+    from rdzv_server import cli
+
+    monkeypatch.chdir(tmp_path)
+
+    async def stop_on_a_full_disk(*args, **kwargs):
+        raise sqlite3.OperationalError("database or disk is full")     # as the clean-shutdown mark fails
+
+    monkeypatch.setattr(cli, "serve", stop_on_a_full_disk)
+    assert cli.main(["--host", "127.0.0.1", "--port", "0", "--event-loop", "asyncio"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "None" not in err and "state store in rdzv-state failed" in err and "--state-dir rdzv-state is full" in err
