@@ -112,7 +112,13 @@ async def serve(config: ServerConfig, store: Store | None = None,
     # keepalive_timeout: aiohttp closes a connection idle this long (a new one too): idle ones do not pile up.
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=2.0,
                            keepalive_timeout=IDLE_TIMEOUT_S)
-    await runner.setup()                 # the state is loaded here (the coordinator's start)
+    # The port first: a second server on a port in use is refused in one line before it loads (and marks) a store.
+    sock = listening_socket(config.host, config.port)
+    try:
+        await runner.setup()             # the state is loaded here (the coordinator's start)
+    except BaseException:
+        sock.close()
+        raise
     if (problem := tcp_info.check()) is not None:
         log.warning("%s: the server reads no connection's state from the kernel", problem)
     freezer = Freezer() if config.gc_tuning else None
@@ -121,7 +127,6 @@ async def serve(config: ServerConfig, store: Store | None = None,
         freezer.start()
     loop = asyncio.get_running_loop()
     try:
-        sock = listening_socket(config.host, config.port)
         assert runner.server is not None        # made by setup()
         server: asyncio.AbstractServer | TlsPort
         if config.tls is not None:              # handshakes bounded before they cost more than a descriptor
@@ -135,6 +140,7 @@ async def serve(config: ServerConfig, store: Store | None = None,
             if batched:
                 sock.listen(LISTEN_BACKLOG)     # create_server listened with ACCEPT_BATCH: the queue as it was
     except BaseException:
+        sock.close()
         await runner.cleanup()
         raise
     lag.watch_listener(sock)     # a node's next poll may wait in its accept queue

@@ -137,3 +137,32 @@ def test_server_refuses_a_bad_state_dir_with_one_clear_line(tmp_path, bad):
     assert "Traceback" not in run.stderr + run.stdout and "listening" not in run.stdout
     if bad == "corrupt":
         assert (state / "rdzv-state.sqlite3").read_bytes() == b"garbage" * 1000
+
+
+def test_a_second_server_on_a_port_in_use_leaves_its_state_dir_untouched(tmp_path):
+    # A review started a second server on a port in use: it loaded its state dir, logged the restored jobs,
+    # recorded a server restart in them and marked a clean stop, and only then said the port was in use.
+    import socket
+    import subprocess
+    import sys
+
+    from rdzv_server.store.sqlite import SqliteStore
+    from tests.e2e.harness import child_env
+    from tests.unit.test_store import _save, every_state
+
+    state = tmp_path / "state"
+    store = SqliteStore(str(state))
+    _save(store, every_state())
+    store.release()
+    before = {j: len(job.events) for j, job in SqliteStore(str(state)).load().jobs.items()}
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        run = subprocess.run([sys.executable, "-m", "rdzv_server.cli", "--host", "127.0.0.1", "--port",
+                              str(port), "--state-dir", str(state)],
+                             capture_output=True, text=True, env=child_env(), timeout=60)
+    assert run.returncode == 1 and run.stderr.strip().splitlines() == [
+        f"rdzv-server: cannot listen on 127.0.0.1:{port}: Address already in use"], run.stderr
+    loaded = SqliteStore(str(state)).load()
+    assert {j: len(job.events) for j, job in loaded.jobs.items()} == before and not loaded.clean_shutdown
