@@ -184,7 +184,7 @@ class Client:
 
     def _refusal(self, req: urllib.request.Request, exc: urllib.error.HTTPError, token: Token | None,
                  admin: bool) -> str:
-        what = f"server {self.server} refused {req.get_method()} {req.selector}"
+        what = f"server {self.server} refused {req.get_method()} {_shown(req.selector)}"
         if exc.code == 401:
             if admin:
                 if token is None:
