@@ -308,7 +308,9 @@ class CopyStore:
             os.replace(tmp, final)
             landed = True
             files.note_verifier(os.path.join(self.root, req.node), copy_verifier(req.key))  # a later fetch or drop
-        except (StreamError, WireError) as exc:
+        except StreamError as exc:      # the pusher broke off (a network fault): not corruption, its own kind, so it
+            raise Refusal("lost", str(exc)) from None   # never mutes a checksum mismatch's line for a minute
+        except WireError as exc:
             raise Refusal("checksum", str(exc)) from None
         except OSError as exc:
             raise stored_failed(exc) from None

@@ -378,7 +378,21 @@ async def test_a_hundred_broken_pushes_leave_the_previous_copy_fetchable(tmp_pat
                 assert got.step == 10 and back == good
         got, back = await fetch_bytes(port, tmp_path)
     assert got.step == 10 and back == good
-    assert troubles(store) == {"checksum", "stale"}
+    assert troubles(store) == {"checksum", "lost", "stale"}
+
+
+async def test_a_push_cut_off_midway_does_not_mute_a_checksum_mismatch(tmp_path):
+    """A pusher lost mid-stream (a network fault) is no corruption: said as a loss, so the corrupt push that follows
+    within the minute is still said (each kind is said once a minute)."""
+    store = make_store(tmp_path)
+    data = blob(20_000, 5)
+    async with holder(store) as port:
+        cut = await raw_push(port, header(1, len(data)), data[:5000], eof=True)
+        flipped = bytes([data[0] ^ 0xFF]) + data[1:]
+        corrupt = await raw_push(port, header(2, len(data)), flipped, sha(data))
+    assert cut[-1].startswith(b"rdzv-agent refused short stream") and corrupt[-1].startswith(b"rdzv-agent refused ")
+    assert troubles(store) == {"lost", "checksum"}, SAID[store]
+    assert any("checksum mismatch" in line for line in SAID[store]), SAID[store]
 
 
 async def test_a_stalled_push_is_given_up_and_cleaned(tmp_path):
