@@ -1,5 +1,6 @@
 """What a round's witnesses say together (the wire: client/witness.py), for the policy (policy.py):
-- one that hears the server holds a newer round: this node's round was replaced (evidence to fence on);
+- one that hears the server holds a newer round, or none: this node's round was replaced or ended (evidence to fence
+  on);
 - one that hears the server holds this round: nothing moved on; wait for our own link (path_check.py);
 - they answer but do not hear the server: the server itself is away; the round goes on;
 - none answers but one took the connection: this node is not cut off (a stranger flooding a witness's port makes
@@ -22,7 +23,10 @@ def verdict(answers: list[bytes | None], round_id: int) -> Verdict:
     where the witness could not be reached, b"" where it took the connection and said nothing."""
     said = [answer for answer in map(read_answer, answers) if answer is not None]
     heard = [held for hears, held in said if hears]   # the round each that hears the server holds (None: not said)
-    if any(r is not None and r > round_id for r in heard):
+    # A newer round, or none (-1) while this node runs one: a member of this node's round that hears the server was
+    # told its round is over (this node's loss left the job below its minimum: no newer round follows). Read as "in
+    # this node's round", a host cut off from the server kept its workers until --server-wait.
+    if any(r is not None and (r > round_id or (r == -1 and round_id >= 0)) for r in heard):
         return Verdict.ROUND_REPLACED
     if any(r is not None for r in heard):
         return Verdict.STILL_MEMBER          # it hears the server, which still runs this node's round (or older news)

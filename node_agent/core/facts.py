@@ -91,7 +91,7 @@ class SignalReceived:
 
 class Verdict(str, enum.Enum):
     """What the witnesses said, together (WitnessesAnswered.verdict)."""
-    ROUND_REPLACED = "round_replaced"  # one hears the server and holds a newer round: this node's round is over
+    ROUND_REPLACED = "round_replaced"  # one hears the server and holds a newer round (or none): this node's is over
     STILL_MEMBER = "still_member"      # one hears the server, which still runs this node's round
     SERVER_HEARD = "server_heard"      # one hears the server (an older witness: it names no round)
     SERVER_AWAY = "server_away"        # some answered, none hears the server: the server itself is away

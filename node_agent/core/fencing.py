@@ -2,11 +2,11 @@
 concludes. No I/O. From about when this node's lease must have lapsed on the server (a silence counts only after
 it), the round's witnesses are asked which round they hold and whether they hear the server (witness.py) while the
 server is checked over a fresh connection (path_check.py). Workers stop and the round's failure is reported only
-when a witness that hears the server holds a newer round (ours was replaced), or no witness answers, twice, and no
-endpoint either (we are cut off). Otherwise (a witness hears the server in our round, none hears it, the server
-answers again, a replica does not serve yet) the round goes on, asked again every ASK_AGAIN_S. The policy
-(policy.py) says when a silence began and whether workers run; the times, the state of the asking and the wording
-are here, so the fencing bound (lease + ~1 s) is in one place."""
+when a witness that hears the server holds a newer round or none (ours was replaced or ended), or no witness
+answers, twice, and no endpoint either (we are cut off). Otherwise (a witness hears the server in our round, none
+hears it, the server answers again, a replica does not serve yet) the round goes on, asked again every ASK_AGAIN_S.
+The policy (policy.py) says when a silence began and whether workers run; the times, the state of the asking and
+the wording are here, so the fencing bound (lease + ~1 s) is in one place."""
 from __future__ import annotations
 
 import signal
@@ -43,7 +43,8 @@ def first_ask_at(renewed_at: float | None, unreachable_since: float, lease_timeo
 
 def fenced(verdict: Verdict, silent_s: float, lease_timeout_s: float, rank: int) -> tuple[str, WorkerFailure]:
     """What the node says, and reports for its round, when it stops its workers as the one cut off."""
-    seen = ("a witness that hears the server runs a newer round" if verdict == Verdict.ROUND_REPLACED else
+    seen = ("a witness that hears the server runs a newer round (or none: the round ended)"
+            if verdict == Verdict.ROUND_REPLACED else
             "the round's other nodes still hear the server" if verdict == Verdict.SERVER_HEARD else
             "neither the round's other nodes nor any endpoint answer")
     why = (f"fenced: no answer from the server for {silent_s:.1f}s (lease {lease_timeout_s:g}s), and "

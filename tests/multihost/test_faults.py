@@ -128,3 +128,23 @@ def test_flapping_host_costs_healthy_hosts_at_most_3_restarts(multihost):
 @pytest.mark.soak
 def test_flapping_host_for_2_minutes_costs_healthy_hosts_at_most_3_restarts(multihost):
     _flapping_host_costs_at_most_3_restarts(multihost(["a", "b", "c"]), duration_s=120.0)
+
+
+def test_host_partitioned_from_server_below_the_minimum_is_fenced(multihost):
+    """Two hosts, at least two nodes: the server loses b and forms no newer round (a waits), so a, b's witness,
+    hears the server and runs no round. That ends b's round: b's workers stop within the fencing bound, not at
+    --server-wait (60 s), and b rejoins once the partition heals."""
+    job = multihost(["a", "b"])
+    start_training(job, ["a", "b"])
+
+    seen = lose_host(job, "partition", "b", ["a"], fence_wait_s=FENCE_BOUND_S, limit_s=FENCE_BOUND_S + 5.0)
+    print(seen.summary())
+
+    assert seen.losses >= 1, f"the server never dropped the partitioned host\n{job.diagnosis()}"
+    assert seen.fencing_s is not None, f"b's workers still ran {FENCE_BOUND_S:g} s after the partition\n" \
+                                       f"{job.diagnosis()}"
+    assert any("fenced: " in line for line in job.agents["b"].lines), job.diagnosis()
+    healed = time.time()
+    job.net.heal("b", job.server_host)
+    wait_until(lambda: job.training(["a", "b"], 2, since=healed), SETUP_LIMIT_S,
+               lambda: f"both training again after the partition healed\n{job.diagnosis()}")

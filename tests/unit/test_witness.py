@@ -30,6 +30,9 @@ async def test_the_verdict_follows_what_the_witnesses_say_about_the_server_and_t
         held[0] = 4
         assert await ask_witnesses((wa, wb), 3) == Verdict.ROUND_REPLACED     # a newer round: this node's is over
         assert await ask_witnesses((wa, wb), 4) == Verdict.STILL_MEMBER
+        held[0] = -1       # told its round is over (this node's loss left the job below its minimum): no newer one
+        assert await ask_witnesses((wa, wb), 3) == Verdict.ROUND_REPLACED
+        assert await ask_witnesses((wa, wb), -1) == Verdict.STILL_MEMBER      # an asker running nothing: no evidence
         hears[0] = False
         assert await ask_witnesses((wa, wb)) == Verdict.SERVER_AWAY           # none hears it: the server is away
         assert await ask_witnesses((nobody, wb)) == Verdict.SERVER_AWAY
