@@ -14,12 +14,18 @@ from rdzv_server.core.payloads import WorkerFailed
 from rdzv_server.core.records import Blame, JobRecord, NodeRecord
 from rdzv_server.core.standing import describe
 
+# Failures a node's record keeps (the newest, inside the window): --exclude-after counts at most this many, so the
+# rule is unchanged, and a job that never excludes (--exclude-after 0) or has a long window does not grow a node's
+# record (and the blame's copy of it, both rewritten at every failure) by one time per crash for ever.
+MAX_FAILURE_TIMES = 1000
+
 
 def count(rules: JobRules, node: NodeRecord, now: float, was: Blame | None = None) -> None:
     """Count the running round's failure against `node` (its report was the first), or the count `was` moved
     to it (its round, members and the nodes it moved off kept)."""
     job = rules.job
-    node.failure_times = [t for t in node.failure_times if t > now - job.config.exclude_window_s] + [now]
+    recent = [t for t in node.failure_times if t > now - job.config.exclude_window_s] + [now]
+    node.failure_times = recent[-MAX_FAILURE_TIMES:]
     job.blame = Blame(node_id=node.node_id, counted_at=now, before=list(node.failure_times[:-1]))
     if was is not None:
         job.blame.round_start, job.blame.members = was.round_start, was.members

@@ -207,3 +207,25 @@ def test_a_victim_stamped_earlier_by_a_clock_behind_takes_no_blame():
     job = rz.jobs[JOB]
     assert job.excluded == ["a"] and job.nodes["b"].exclusions == 0 and job.root_cause.node_id == "a"
     assert job.round is not None and list(job.round.members) == ["b"]
+
+
+def test_a_node_that_crashes_for_ever_keeps_a_bounded_count_and_the_largest_exclude_after_still_excludes():
+    """A review: with --exclude-after 0 (a job that never excludes, --max-restarts large) or a long window, a node's
+    failure_times (and the blame's copy of it, both rewritten at every failure) grew by one time per crash for the
+    job's life: 3,000 crashes, 3,000 times each. The newest MAX_FAILURE_TIMES are all any --exclude-after counts."""
+    from rdzv_server.core.blame import MAX_FAILURE_TIMES
+    for after in (0, 1000):
+        rz = Rendezvous()
+        config = msgspec.structs.replace(CFG, exclude_after=after, max_restarts=100_000, exclude_window_s=86400.0)
+        for i, n in enumerate(("a", "b")):
+            rz.handle(JOB, JoinRequest(v=1, node_id=n, addr=f"addr-{n}", local_world_size=1, master_port=20000 + i,
+                                       config=config, instance=f"{n}#1"), i * 0.01)
+        job = rz.jobs[JOB]
+        for i in range(3 * MAX_FAILURE_TIMES):
+            if job.nodes["a"].state == NodeState.EXCLUDED:
+                break
+            report(rz, "a", job.round.round_id, 10.0 + i, 9.5 + i, "ValueError: bad batch")
+            assert len(job.nodes["a"].failure_times) <= MAX_FAILURE_TIMES
+            assert job.blame is not None and len(job.blame.before) < MAX_FAILURE_TIMES
+        assert (job.nodes["a"].state == NodeState.EXCLUDED) == (after == 1000), after
+        assert job.restart_count == (3 * MAX_FAILURE_TIMES if after == 0 else after)
