@@ -167,7 +167,7 @@ class Capture:
         if again is not None and again.size == size:
             return again, room
         written = os.path.exists(tmp)         # a dropped file renamed to it (_reused)
-        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
         try:
             os.ftruncate(fd, size)             # size >= layout.ALIGN: the head's page is mapped too
             os.posix_fallocate(fd, 0, size)    # ENOSPC here, not a SIGBUS when the copy touches the page

@@ -39,8 +39,8 @@ from node_agent.training import headroom, heartbeat
 from node_agent.training.bounded import FULL, Bounded, MemoryDirFull
 
 __all__ = ["COPY_WAIT_S", "DIR_VAR", "FETCHING", "FULL", "HOLD", "KEEP_FROM", "LIMIT_VAR", "MemoryDirFull", "NONE_HELD",
-           "SENDING", "Writer", "agreed_step", "directory", "full_error", "Room", "forget_after", "keep_from", "limit",
-           "hold_after", "make_room", "newest", "path", "remove", "save", "steps", "unfinished"]
+           "SENDING", "Writer", "agreed_step", "directory", "foreign", "full_error", "Room", "forget_after",
+           "keep_from", "limit", "hold_after", "make_room", "newest", "path", "remove", "save", "steps", "unfinished"]
 
 DIR_VAR = "NODE_AGENT_MEMORY_DIR"
 FETCHING = ".fetching"    # the agent is fetching this rank's copy from a peer (node_agent/copies/peers.py)
@@ -71,11 +71,31 @@ def limit(environ: dict[str, str] | None = None) -> int | None:
 
 
 def steps(where: str | None = None) -> list[int]:
-    """The complete snapshots' steps, oldest first."""
+    """The complete snapshots' steps, oldest first: regular files `step-N`. Nothing else so named is one
+    (`foreign`): a symlink written over in place writes its target (a review: a worker wrote its snapshot into
+    the file a link named step-1 pointed to), and a directory cannot be removed (agreed_step raised)."""
     where = where or directory()
     if where is None:
         return []
-    return sorted(int(m.group(1)) for m in map(_NAME.fullmatch, os.listdir(where)) if m)
+    return sorted(step for _, step, ours in _named(where) if ours)
+
+
+def foreign(where: str) -> list[str]:
+    """The names in `where` that look like a snapshot's (or a write's) but are no file of ours (`steps`)."""
+    tmp = [name for name, ours in _entries(where, ".tmp") if not ours and _NAME.fullmatch(name[:-4])]
+    return sorted([name for name, _, ours in _named(where) if not ours] + tmp)
+
+
+def _named(where: str) -> list[tuple[str, int, bool]]:
+    """(name, step, whether it is a file of ours) of each `step-N` in `where`."""
+    return [(name, int(m.group(1)), ours) for name, ours in _entries(where)
+            if (m := _NAME.fullmatch(name))]
+
+
+def _entries(where: str, suffix: str = "") -> list[tuple[str, bool]]:
+    """(name, whether it is a regular file: a symlink is not) of each name in `where` ending in `suffix`."""
+    with os.scandir(where) as found:
+        return [(e.name, e.is_file(follow_symlinks=False)) for e in found if e.name.endswith(suffix)]
 
 
 def path(step: int, where: str | None = None) -> str:
@@ -113,6 +133,9 @@ def agreed_step(reduce_min: Callable[[int], int], where: str | None = None,
         _await_copy(where)
         for name in unfinished(where):
             remove(os.path.join(where, name))
+        if odd := foreign(where):     # left alone: not ours to remove, never read or written through
+            _say_once("foreign", f"{', '.join(map(repr, odd[:4]))}{' ...' if len(odd) > 4 else ''} in {where}: "
+                                 f"not snapshot files (a symlink, a directory): ignored")
     below: int | None = None      # only steps older than this one are still candidates
     behind = False                # (with `lend`) this rank's newest step is older than most replicas' (until a refusal)
     while True:
@@ -155,7 +178,7 @@ def unfinished(where: str) -> list[str]:
     """The `step-N.tmp` files in `where`: a write under way (workers/writes.py lets it end before a stop), or a dead
     writer's (a worker killed mid-save), which agreed_step removes: nothing else ever would."""
     try:
-        return [name for name in os.listdir(where) if name.endswith(".tmp") and _NAME.fullmatch(name[:-4])]
+        return [name for name, ours in _entries(where, ".tmp") if ours and _NAME.fullmatch(name[:-4])]
     except OSError:
         return []
 
