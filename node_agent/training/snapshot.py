@@ -52,6 +52,7 @@ KEEP_FROM = ".keep-from"  # the steps the agent asks this rank to keep its snaps
 SENDING = ".sending-"     # a second name for a snapshot while the agent sends it (copies/files.pin): not written over
 HOLD_LOOK_S = 0.02
 _NAME = re.compile(r"step-(\d{1,18})")
+MAX_STEP = 2**53          # protocol.bounds.MAX_ROUND: the server's bound on the steps the agent reports (local_step)
 NONE_HELD = 2**62         # agreed_step with `lend`: what a rank that holds no snapshot offers (it can be lent one)
 _FIELD = (1 << 21) - 1    # agreed_step's counts of ranks, three in one 64-bit sum
 
@@ -71,9 +72,10 @@ def limit(environ: dict[str, str] | None = None) -> int | None:
 
 
 def steps(where: str | None = None) -> list[int]:
-    """The complete snapshots' steps, oldest first: regular files `step-N`. Nothing else so named is one
-    (`foreign`): a symlink written over in place writes its target (a review: a worker wrote its snapshot into
-    the file a link named step-1 pointed to), and a directory cannot be removed (agreed_step raised)."""
+    """The complete snapshots' steps, oldest first: regular files `step-N`, N at most MAX_STEP. Nothing else so
+    named is one (`foreign`): a symlink written over in place writes its target (a review: a worker wrote its
+    snapshot into the file a link named step-1 pointed to), a directory cannot be removed, and a step past what
+    the agent may report got its polls refused by the server (its node left the job)."""
     where = where or directory()
     if where is None:
         return []
@@ -88,7 +90,7 @@ def foreign(where: str) -> list[str]:
 
 def _named(where: str) -> list[tuple[str, int, bool]]:
     """(name, step, whether it is a file of ours) of each `step-N` in `where`."""
-    return [(name, int(m.group(1)), ours) for name, ours in _entries(where)
+    return [(name, int(m.group(1)), ours and int(m.group(1)) <= MAX_STEP) for name, ours in _entries(where)
             if (m := _NAME.fullmatch(name))]
 
 
@@ -135,7 +137,7 @@ def agreed_step(reduce_min: Callable[[int], int], where: str | None = None,
             remove(os.path.join(where, name))
         if odd := foreign(where):     # left alone: not ours to remove, never read or written through
             _say_once("foreign", f"{', '.join(map(repr, odd[:4]))}{' ...' if len(odd) > 4 else ''} in {where}: "
-                                 f"not snapshot files (a symlink, a directory): ignored")
+                                 f"not snapshot files (a symlink, a directory, or a step past {MAX_STEP}): ignored")
     below: int | None = None      # only steps older than this one are still candidates
     behind = False                # (with `lend`) this rank's newest step is older than most replicas' (until a refusal)
     while True:

@@ -50,3 +50,12 @@ def test_directories_named_as_a_snapshot_or_a_write_are_ignored_with_one_line(me
     assert os.path.isdir(snapshot.path(9)) and os.path.isdir(snapshot.path(3) + ".tmp")
     err = capsys.readouterr().err
     assert "'step-3.tmp', 'step-9'" in err and "Traceback" not in err
+
+
+def test_a_step_past_what_the_agent_may_report_is_no_snapshot(memory) -> None:
+    huge = 2**53 + 1                    # past protocol.bounds.MAX_ROUND: the server refused the agent's polls
+    snapshot.save(b"x" * 100, 5)
+    with open(snapshot.path(huge), "wb") as f:
+        f.write(b"x" * 100)
+    assert snapshot.newest() == 5 and snapshot.steps() == [5]
+    assert snapshot.foreign(memory) == [f"step-{huge}"]
