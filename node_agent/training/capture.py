@@ -146,11 +146,39 @@ class Capture:
         """The file `step-N.tmp`, `size` bytes of data mapped: a dropped one written over (_reused), else a new one;
         beside the last complete snapshot where the limit holds one only and there is room (snapshot.fit): where
         there is none after all (ENOSPC: others took it), MemoryDirFull, and the last one stays (a review: made
-        room by dropping it, the rank held none when the second try failed too)."""
+        room by dropping it, the rank held none when the second try failed too), unless /dev/shm takes it once the
+        older ones go (`_alone`)."""
         made = snapshot.make_room(step, self.where, self.keep)
         bound = snapshot.limit()
         room = snapshot.fit(made, step, self.where, size, bound, set(self._slabs))   # (its own: freed on a drop)
-        return self._slab_in(step, size, made, room, bound)
+        try:
+            return self._slab_in(step, size, made, room, bound)
+        except snapshot.MemoryDirFull as exc:
+            alone = self._alone(step, size, room, exc)
+            if alone is None:
+                raise
+            return self._slab_in(step, size, made, alone, bound)
+
+    def _alone(self, step: int, size: int, room: snapshot.Room, exc: snapshot.MemoryDirFull) -> snapshot.Room | None:
+        """After /dev/shm refused the new file (ENOSPC) beside older snapshots the keep rule kept: `room` with them
+        dropped too, where the file system then takes it, said once with what it risks (the line of a limit that
+        holds one: snapshot.fewer); else None. Kept, they were every snapshot this rank would ever hold (a review:
+        it held its first and refused every later one, and a crash sent the job back to it)."""
+        cause = exc.__cause__
+        if room.kept_count == 0 or not (isinstance(cause, OSError) and cause.errno in snapshot.FULL):
+            return None
+        kept = [s for s in snapshot.steps(self.where) if s != step and s not in room.dropped]
+        freed = headroom.freed_by([snapshot.path(s, self.where) for s in kept], set(self._slabs))
+        try:
+            st = os.statvfs(self.where)
+        except OSError:
+            return None
+        if not kept or st.f_bavail * st.f_frsize + freed < size:
+            return None
+        self._say_once("bare", f"{self.where}'s file system holds no more than one snapshot of {size} bytes "
+                                  f"with what else it holds: the last one makes room before the next is written, so "
+                                  f"a node killed meanwhile leaves this rank none (more room in /dev/shm keeps it)")
+        return snapshot.Room(room.dropped + kept, 0, 0)
 
     def _slab_in(self, step: int, size: int, made: snapshot.Room, room: snapshot.Room,
                  bound: int | None) -> tuple[slabs.Slab, snapshot.Room]:
