@@ -89,8 +89,10 @@ class _Lent:
         snapshot.forget_after(step, where)
         self.problem = ""
         self.file: Any = None
-        try:
-            self.file = open(self.final + ".tmp", "wb")  # noqa: SIM115 - written piece by piece, closed in done()
+        try:      # a new file: never one a name there already points to (a symlink's target: written through)
+            snapshot.remove(self.final + ".tmp")
+            self.file = os.fdopen(os.open(self.final + ".tmp", os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+                                          | os.O_CLOEXEC, 0o600), "wb")
         except OSError as exc:
             self.problem = str(exc)
 

@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from node_agent.training import layout, snapshot
+from node_agent.training import layout, resume, snapshot
 from node_agent.training.capture import Capture
 
 
@@ -59,3 +59,15 @@ def test_a_step_past_what_the_agent_may_report_is_no_snapshot(memory) -> None:
         f.write(b"x" * 100)
     assert snapshot.newest() == 5 and snapshot.steps() == [5]
     assert snapshot.foreign(memory) == [f"step-{huge}"]
+
+
+def test_a_lent_file_is_never_written_through_a_symlink_named_as_its_write(memory, tmp_path) -> None:
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"not yours\n")
+    os.symlink(victim, snapshot.path(7) + ".tmp")
+    lent = resume._Lent(7, memory)
+    lent.write(memoryview(b"lent bytes"))
+    assert lent.done()
+    assert victim.read_bytes() == b"not yours\n"
+    with open(snapshot.path(7), "rb") as f:
+        assert f.read() == b"lent bytes"
