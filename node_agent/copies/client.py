@@ -202,7 +202,9 @@ async def _receive_copy(reader: asyncio.StreamReader, dest_dir: str, step: int, 
     tmp = final + ".tmp"
     landed = False
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        with contextlib.suppress(FileNotFoundError):    # a new file: never written through a symlink of its name
+            os.unlink(tmp)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
             mine = await stream.receive(reader, fd, size, timeout_s, got)
             theirs = wire.parse_trailer(await stream.read_line(reader, timeout_s))

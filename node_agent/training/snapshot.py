@@ -252,7 +252,8 @@ def _written(data: bytes | Writer, step: int, where: str, bound: int | None, mad
     tmp = final + ".tmp"
     out: Bounded | None = None
     try:
-        with open(tmp, "wb") as f:
+        remove(tmp)
+        with open(tmp, "xb") as f:     # a new file (O_EXCL): never written through a symlink of its name
             out = Bounded(f, room)
             if isinstance(data, bytes | bytearray):
                 out.write(data)

@@ -219,6 +219,21 @@ def test_pacing_sleeps_what_keeps_the_sender_to_its_rate():
 
 # --- the store behind a listener -----------------------------------------------------------------------------
 
+async def test_a_fetch_never_writes_through_a_symlink_named_as_its_file(tmp_path):
+    store = make_store(tmp_path)
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"not yours\n")
+    dest = tmp_path / "dest"
+    dest.mkdir()
+    os.symlink(victim, dest / "step-5.tmp")
+    data = blob(1000)
+    async with holder(store) as port:
+        await client.push("127.0.0.1", port, key=KEY, node_id=NODE, local_rank=0, step=5,
+                          path=snap(tmp_path, "step-5", data))
+        got = await client.fetch("127.0.0.1", port, key=KEY, node_id=NODE, local_rank=0, dest_dir=str(dest))
+    assert got.step == 5 and (dest / "step-5").read_bytes() == data
+    assert victim.read_bytes() == b"not yours\n"
+
 async def test_a_push_then_a_fetch_returns_the_same_bytes(tmp_path):
     store = make_store(tmp_path)
     data = blob(2 * stream.CHUNK + 12345)        # several chunks

@@ -71,3 +71,13 @@ def test_a_lent_file_is_never_written_through_a_symlink_named_as_its_write(memor
     assert victim.read_bytes() == b"not yours\n"
     with open(snapshot.path(7), "rb") as f:
         assert f.read() == b"lent bytes"
+
+
+def test_a_save_never_writes_through_a_symlink_named_as_its_write(memory, tmp_path) -> None:
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"not yours\n")
+    os.symlink(victim, snapshot.path(7) + ".tmp")
+    snapshot.save(b"saved", 7)
+    assert victim.read_bytes() == b"not yours\n"
+    with open(snapshot.path(7), "rb") as f:
+        assert f.read() == b"saved"
