@@ -450,7 +450,8 @@ def test_a_full_file_system_under_a_writer_that_hides_the_error_is_memory_dir_fu
     where = str(tmp_path)
     real_open = open
     monkeypatch.setattr(snapshot, "open", lambda path, mode="r", *args: real_open(
-        "/dev/full" if str(path).endswith(".tmp") else path, mode, *args), raising=False)
+        "/dev/full", mode.replace("x", "w"), *args) if str(path).endswith(".tmp") else real_open(path, mode, *args),
+        raising=False)     # (a new file is made "x": /dev/full is there already)
 
     def writer(f) -> None:       # like torch's zip writer: its own error, the file system's as its context
         try:
