@@ -831,6 +831,23 @@ async def test_the_users_preloaded_module_gets_its_own_sibling_named_as_a_librar
         (cold.console.lines("stdout"), warm.console.lines("stdout"))
 
 
+@pytest.mark.parametrize("name", ["sysconfig", "ctypes"])
+async def test_a_file_beside_the_script_named_as_a_module_the_zygote_itself_imports_is_the_workers(
+        make_zygote, workdir, name) -> None:
+    """A review: sysconfig.py (or ctypes.py) beside the script, which `python script.py` imports, gave a warm
+    worker the library's module: the zygote imports it for itself before the preloads, where only modules new
+    to the preloads were forgotten. Every module past the interpreter's own start-up now is."""
+    write(os.path.join(workdir, f"{name}.py"), "WHICH = 'own'\n")
+    write(os.path.join(workdir, "use.py"), f"import json, {name}\nprint(getattr({name}, 'WHICH', 'library'))\n")
+    said: list[str] = []
+    zygote = await make_zygote(warnings=said)
+    cold = await run(["use.py"], None, workdir)
+    warm = await run(["use.py"], zygote, workdir)
+    assert warm.warm and not said, said
+    assert cold.console.lines("stdout") == warm.console.lines("stdout") == ["[w] own"], \
+        (cold.console.lines("stdout"), warm.console.lines("stdout"))
+
+
 def installed_copy(package: str, site: str) -> str:
     """A copy of an installed package (and its bundled libraries) in `site`."""
     installed = os.path.dirname(os.path.dirname(importlib.import_module(package).__file__ or ""))

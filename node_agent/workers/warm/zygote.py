@@ -15,6 +15,14 @@ of JSON each):
 """
 from __future__ import annotations
 
+# ruff: noqa: E402
+# (E402: the interpreter's own start-up modules are read before the zygote imports any of its own)
+import sys
+
+# What `python script.py` has loaded as the script starts: any other module a file beside the script shadows is
+# forgotten for the workers (_forget_shadowed), the zygote's own imports (sysconfig, socket) too.
+AT_START = frozenset(sys.modules)
+
 import contextlib
 import ctypes
 import gc
@@ -24,7 +32,6 @@ import os
 import select
 import signal
 import socket
-import sys
 import types
 from collections.abc import Callable
 from typing import Any
@@ -316,25 +323,25 @@ def main() -> None:
         sys.path.append(path0)       # past the library while preloading: _forget_shadowed
     sock = socket.socket(fileno=fd)
     failed: list[list[str]] = []
-    before = set(sys.modules)
     printed = _import_output.printed_by(lambda: _preload_all(preload, failed))
     if not safe:
         with contextlib.suppress(ValueError):     # (a preload that took it out of sys.path)
             del sys.path[len(sys.path) - 1 - sys.path[::-1].index(path0)]
         sys.path.insert(0, path0)
-        _forget_shadowed(path0, before)
+        _forget_shadowed(path0, AT_START)
     del sys.argv[1:]
     _send(sock, {"op": "ready", "failed": failed, "unclean": _fork_state.unclean()})
     run_as_main(Zygote(sock, printed).serve())
 
 
-def _forget_shadowed(path0: str, before: set[str]) -> None:
+def _forget_shadowed(path0: str, before: frozenset[str]) -> None:
     """A file of the user's beside the script named as a module a preload imports (statistics.py, profile.py:
-    torch._dynamo imports them, a cold `import torch` does not) must not run in the zygote, with its environment:
-    the preloads found the library's, past the script's directory. The worker imports the user's from there, as
-    a cold one does: the library's is forgotten (torch keeps its own reference). The user's own modules preloaded
-    from there (--warm-preload) are forgotten too once anything is: they may hold a forgotten one (their `import
-    code` found the library's), where a cold worker's get the user's file."""
+    torch._dynamo imports them, a cold `import torch` does not; sysconfig.py, socket.py: the zygote's own) must
+    not run in the zygote, with its environment: the preloads found the library's, past the script's directory.
+    The worker imports the user's from there, as a cold one does: the library's is forgotten (torch, the zygote
+    keep their own reference). The user's own modules preloaded from there (--warm-preload) are forgotten too once
+    anything is: they may hold a forgotten one (their `import code` found the library's), where a cold worker's
+    get the user's file."""
     new = [n for n in sys.modules if n not in before]
     named = {top for top in {n.partition(".")[0] for n in new} if os.path.isfile(os.path.join(path0, f"{top}.py"))
              or os.path.isfile(os.path.join(path0, top, "__init__.py"))}
