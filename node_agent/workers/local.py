@@ -132,7 +132,13 @@ class LocalWorkers:
 
     def _process_group(self, launches: list[WorkerLaunch], *, stop_timeout: float) -> Group:
         return WorkerGroup(launches, stop_timeout=stop_timeout, kill_timeout=self.opts.kill_timeout,
-                           warm=self.warm, warm_wait_s=self._warm_wait_s, store=self._round_store)
+                           warm=self.warm, warm_wait_s=self._zygote_wait_s, store=self._round_store)
+
+    @property
+    def _zygote_wait_s(self) -> float:
+        """How long a round waits for a zygote still importing: not again once it took past WARM_WAIT_S (the node
+        said ready then, and its round starts cold at once, as the other nodes' workers run already)."""
+        return 0.0 if self._gave_up else self._warm_wait_s
 
     @property
     def ready(self) -> bool:
@@ -173,7 +179,7 @@ class LocalWorkers:
         group = self._make_group(launches, stop_timeout=opts.stop_timeout)
         self.group, self._round = group, a.round_id
         self.steps = self._step_watch(group, a.round_id)
-        if self.warm is not None and self._warm_wait_s > 0 and self.warm.coming:
+        if self.warm is not None and self._zygote_wait_s > 0 and self.warm.coming:
             # Not awaited: a signal, a new round or the lease must not wait on the zygote's imports.
             self._starting = start_source(self._start(group, a.round_id), self._put)
         else:

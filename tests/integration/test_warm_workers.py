@@ -23,14 +23,16 @@ from pathlib import Path
 import psutil
 import pytest
 
-from node_agent.settings import DEFAULT_PRELOAD
+from node_agent.settings import DEFAULT_PRELOAD, WorkerSettings
 from node_agent.training import exit_marks
+from node_agent.workers import local
 from node_agent.workers.group import WorkerGroup
 from node_agent.workers.launch import WorkerLaunch
 from node_agent.workers.process import WorkerExit
 from node_agent.workers.warm import zygote as zygote_module
 from node_agent.workers.warm.client import WarmZygote
 from node_agent.workers.warm.eligible import base_env, warm_launch
+from protocol.messages import Assignment
 from tests.e2e.harness import pid_gone
 from tests.integration.warm_scripts import DESTROY, DUMP, FAILING, LAST_VALUE, LEFT_OPEN, OWNMOD, RECORD
 from tests.integration.worker_support import LIMIT, RecordingConsole, kill_strays
@@ -720,6 +722,31 @@ async def test_a_stop_ends_the_wait_for_the_zygote_and_nothing_starts(workdir, g
     finally:
         await gated_preload()                              # let the zygote finish, then close it
         await zygote.close()
+
+
+async def test_once_the_wait_for_a_zygote_still_importing_gave_up_the_round_starts_cold_at_once(
+        workdir, gated_preload, monkeypatch) -> None:
+    """A review: a preload importing past WARM_WAIT_S (60 s) made the node say ready and the first round start,
+    but its workers then waited for the zygote up to WARM_WAIT_S more (docs: "after 60 s the round starts
+    cold"), while the other nodes' workers were running. The round now starts cold at once."""
+    monkeypatch.setattr(local, "WARM_WAIT_S", 0.05)       # the gate stays shut: this wait always gives up
+    write(os.path.join(workdir, "train.py"), "import json\n")
+    facts: asyncio.Queue[object] = asyncio.Queue()
+    opts = WorkerSettings(script=os.path.join(workdir, "train.py"), node_id="n1", log_dir=workdir,
+                          memory_dir_limit=0, warm_preload=("json", "gated"))
+    workers = local.LocalWorkers(opts, facts.put_nowait, hostname="h")
+    try:
+        workers.warm_up()
+        await asyncio.wait_for(workers.until_ready(), LIMIT)
+        assert workers.ready and workers.warm is not None and workers.warm.coming
+        await asyncio.wait_for(workers.spawn(Assignment(
+            round_id=1, group_rank=0, group_world_size=1, rank_offset=0, world_size=1, local_world_size=1,
+            master_addr="127.0.0.1", master_port=1, restart_count=0, max_restarts=0)), LIMIT)
+        group = workers.group
+        assert isinstance(group, WorkerGroup) and group.pids and not group.warm_pids, "the round waited again"
+    finally:
+        await gated_preload()                              # let the zygote finish, then close it
+        await workers.close()
 
 
 async def test_a_zygote_that_cannot_start_ends_the_wait_at_once(workdir) -> None:
