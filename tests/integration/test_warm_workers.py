@@ -875,6 +875,24 @@ async def test_a_file_beside_the_script_named_as_a_module_the_zygote_itself_impo
         (cold.console.lines("stdout"), warm.console.lines("stdout"))
 
 
+async def test_a_signal_handler_a_preload_installs_as_it_loads_is_the_warm_workers_as_a_cold_ones(
+        make_zygote, workdir) -> None:
+    """A review: a package that installs a signal handler as it is imported (SIGUSR1, SIGTERM) had it in a cold
+    worker, whose import runs it, but a warm worker's handlers were put back as Python's start-up left them: the
+    import ran in the zygote only, and the worker lost the handler unsaid. The worker keeps what its preloads did."""
+    write(os.path.join(workdir, "sigmod.py"), "import signal\ndef on_usr1(s, f):\n    pass\n"
+                                              "signal.signal(signal.SIGUSR1, on_usr1)\n")
+    write(os.path.join(workdir, "use.py"), "import json, signal, sigmod\n"
+                                           "print(getattr(signal.getsignal(signal.SIGUSR1), '__name__', None))\n")
+    said: list[str] = []
+    zygote = await make_zygote(("json", "sigmod"), warnings=said)
+    cold = await run(["use.py"], None, workdir)
+    warm = await run(["use.py"], zygote, workdir)
+    assert warm.warm and not said, said
+    assert cold.console.lines("stdout") == warm.console.lines("stdout") == ["[w] on_usr1"], \
+        (cold.console.lines("stdout"), warm.console.lines("stdout"))
+
+
 def installed_copy(package: str, site: str) -> str:
     """A copy of an installed package (and its bundled libraries) in `site`."""
     installed = os.path.dirname(os.path.dirname(importlib.import_module(package).__file__ or ""))

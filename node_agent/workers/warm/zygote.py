@@ -38,8 +38,6 @@ from typing import Any
 
 MAX_MESSAGE = 1 << 20        # one launch (argv + environment); the agent starts a larger one cold
 _PR_SET_PDEATHSIG = 1
-_STARTUP_SIGNALS = {s: signal.getsignal(s) for s in signal.valid_signals()
-                    if s not in (signal.SIGKILL, signal.SIGSTOP)}   # as Python's start-up left them
 
 
 def _sibling(name: str) -> types.ModuleType:
@@ -131,9 +129,8 @@ class Zygote:
         self.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)   # dies with the zygote, which dies with the agent
         if os.getppid() != parent:
             os._exit(1)
-        for s, handler in _STARTUP_SIGNALS.items():
-            if signal.getsignal(s) is not handler and handler is not None:
-                signal.signal(s, handler)
+        # The signal handlers stay as the preloads' imports left them, as a cold worker's imports leave them (a
+        # package that handles SIGTERM as it loads): the zygote installs none of its own.
         signal.pthread_sigmask(signal.SIG_SETMASK, [])
         # The launch's fds onto 0, 1, 2; the zygote's own fds are closed.
         high = [os.dup(fd) for fd in fds]
