@@ -893,6 +893,23 @@ async def test_a_signal_handler_a_preload_installs_as_it_loads_is_the_warm_worke
         (cold.console.lines("stdout"), warm.console.lines("stdout"))
 
 
+async def test_a_script_path_with_dot_dot_through_a_link_runs_the_file_a_cold_worker_runs(make_zygote, workdir) -> None:
+    """A review: a warm worker normalised the script's path (os.path.abspath) where `python` only joins it to the
+    working directory: `__file__` differed (sub/../use.py), and where `sub` is a link to another directory the
+    warm worker ran another file than the kernel resolves, the one a cold worker runs."""
+    os.makedirs(os.path.join(workdir, "other", "inner"))
+    os.symlink(os.path.join(workdir, "other", "inner"), os.path.join(workdir, "sub"))
+    for where, which in ((workdir, "top"), (os.path.join(workdir, "other"), "other")):
+        write(os.path.join(where, "use.py"), f"import json\nprint({which!r})\nprint(__file__)\n")
+    zygote = await make_zygote()
+    cold = await run([os.path.join("sub", "..", "use.py")], None, workdir)
+    warm = await run([os.path.join("sub", "..", "use.py")], zygote, workdir)
+    assert warm.warm
+    expected = ["[w] other", f"[w] {os.path.join(workdir, 'sub', '..', 'use.py')}"]
+    assert cold.console.lines("stdout") == warm.console.lines("stdout") == expected, \
+        (cold.console.lines("stdout"), warm.console.lines("stdout"))
+
+
 def installed_copy(package: str, site: str) -> str:
     """A copy of an installed package (and its bundled libraries) in `site`."""
     installed = os.path.dirname(os.path.dirname(importlib.import_module(package).__file__ or ""))

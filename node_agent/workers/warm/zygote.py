@@ -280,7 +280,9 @@ def run_as_main(launch: dict[str, Any]) -> None:
 
 
 def _run_script(main: types.ModuleType, script: str) -> None:
-    path = os.path.abspath(script)
+    # joined to the working directory, never normalised, as `python` does: `sub/..` is the kernel's to resolve
+    # (sub may be a link), and __file__ reads as a cold worker's
+    path = script if os.path.isabs(script) else os.path.join(os.getcwd(), script)
     try:
         with open(path, "rb") as f:
             source = f.read()
