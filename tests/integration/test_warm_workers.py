@@ -910,6 +910,23 @@ async def test_a_script_path_with_dot_dot_through_a_link_runs_the_file_a_cold_wo
         (cold.console.lines("stdout"), warm.console.lines("stdout"))
 
 
+async def test_a_variable_a_preload_sets_as_it_loads_is_in_the_warm_workers_environment_as_a_cold_ones(
+        make_zygote, workdir) -> None:
+    """A review: lightning.fabric sets PYTORCH_NVML_BASED_CUDA_CHECK=1 as it is imported; a cold worker's import
+    leaves it in the worker's environment, but a warm worker's environment was replaced by the launch's, and the
+    variables its preloads set were gone. They are kept now, the worker's own (its rank) still the worker's."""
+    write(os.path.join(workdir, "envmod.py"), "import os\nos.environ['SET_AT_IMPORT'] = '1'\n"
+                                              "os.environ.setdefault('RANK', '0')\nos.environ.pop('GONE', None)\n")
+    write(os.path.join(workdir, "use.py"), "import json, os, envmod\n"
+                                           "print(os.getenv('SET_AT_IMPORT'), os.getenv('RANK'), os.getenv('GONE'))\n")
+    zygote = await make_zygote(("json", "envmod"), env={"GONE": "x"})
+    cold = await run(["use.py"], None, workdir, extra_env={"GONE": "x"})
+    warm = await run(["use.py"], zygote, workdir, extra_env={"GONE": "x"})
+    assert warm.warm
+    assert cold.console.lines("stdout") == warm.console.lines("stdout") == ["[w] 1 3 None"], \
+        (cold.console.lines("stdout"), warm.console.lines("stdout"))
+
+
 def installed_copy(package: str, site: str) -> str:
     """A copy of an installed package (and its bundled libraries) in `site`."""
     installed = os.path.dirname(os.path.dirname(importlib.import_module(package).__file__ or ""))

@@ -64,9 +64,11 @@ def _send(sock: socket.socket, message: dict[str, Any]) -> None:
 
 
 class Zygote:
-    def __init__(self, sock: socket.socket, printed: tuple[bytes, bytes] = (b"", b"")) -> None:
+    def __init__(self, sock: socket.socket, printed: tuple[bytes, bytes] = (b"", b""),
+                 env: tuple[dict[str, str], dict[str, str]] = ({}, {})) -> None:
         self.sock = sock
         self.printed = printed        # what the preloads printed, repeated by each worker
+        self.env = env                # the environment before and after the preloads
         self.children: dict[int, int] = {}    # pidfd -> pid
         self.prctl = ctypes.CDLL(None, use_errno=True).prctl   # loaded before any fork: the child loads nothing
         self.prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
@@ -148,9 +150,23 @@ class Zygote:
         _show_the_command(launch["orig_argv"])
         os.chdir(launch["cwd"])
         os.environ.clear()
-        os.environ.update(launch["env"])
+        os.environ.update(_as_the_preloads_left_it(launch["env"], *self.env))
         _start_probe()
         _ranks_read_at_import()
+
+
+def _as_the_preloads_left_it(env: dict[str, str], before: dict[str, str], after: dict[str, str]) -> dict[str, str]:
+    """The worker's environment with what the preloads' imports set or removed in the zygote's (lightning.fabric
+    sets PYTORCH_NVML_BASED_CUDA_CHECK), as a cold worker's imports leave its own; a variable the worker has
+    otherwise than the zygote had (its rank) stays the worker's, as a setdefault leaves it."""
+    env = dict(env)
+    for key in before.keys() | after.keys():
+        if before.get(key) != after.get(key) and env.get(key) == before.get(key):
+            if key in after:
+                env[key] = after[key]
+            else:
+                env.pop(key, None)
+    return env
 
 
 def _per_worker_setup(launch: dict[str, Any]) -> None:
@@ -322,6 +338,7 @@ def main() -> None:
         sys.path.append(path0)       # past the library while preloading: _forget_shadowed
     sock = socket.socket(fileno=fd)
     failed: list[list[str]] = []
+    env = dict(os.environ)
     printed = _import_output.printed_by(lambda: _preload_all(preload, failed))
     if not safe:
         with contextlib.suppress(ValueError):     # (a preload that took it out of sys.path)
@@ -330,7 +347,7 @@ def main() -> None:
         _forget_shadowed(path0, AT_START)
     del sys.argv[1:]
     _send(sock, {"op": "ready", "failed": failed, "unclean": _fork_state.unclean()})
-    run_as_main(Zygote(sock, printed).serve())
+    run_as_main(Zygote(sock, printed, (env, dict(os.environ))).serve())
 
 
 def _forget_shadowed(path0: str, before: frozenset[str]) -> None:
