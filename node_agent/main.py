@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import errno
 import glob
 import os
 import shutil
@@ -87,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         workers = dataclasses.replace(workers, run_dir=make_run_dir(root, workers.job_id))
         settings = dataclasses.replace(settings, workers=workers)
     except OSError as exc:
-        print(f"node-agent: error: --log-dir {workers.log_dir}: {exc.strerror or exc}", file=sys.stderr)
+        print(f"node-agent: error: {_log_dir_problem(workers.log_dir, exc)}", file=sys.stderr)
         return 2
     settings, taken = _with_predecessor(settings)
     narrator = Narrator(settings.link.node_id)
@@ -124,6 +125,17 @@ def _with_predecessor(settings: AgentSettings) -> tuple[AgentSettings, str]:
                                    workers=dataclasses.replace(workers, node_id=node_id))
     return settings, (f"node id {node_id}: its previous agent's on this host (pid {pid}, ended), taken with its "
                       f"memory, so job {link.job_id!r} keeps this node's place and snapshots (--node-id sets another)")
+
+
+def _log_dir_problem(log_dir: str | None, exc: OSError) -> str:
+    """What is wrong with the log directory, in words: mkdir's bare "File exists" for a file in the way
+    reads as if the directory were fine, and without --log-dir the temporary one is what failed."""
+    where = f"--log-dir {log_dir}" if log_dir else f"a temporary log directory in {tempfile.gettempdir()}"
+    if exc.errno == errno.EEXIST:
+        return f"{where}: is a file, not a directory"
+    if exc.errno == errno.ENOTDIR:
+        return f"{where}: a part of the path is a file, not a directory"
+    return f"{where}: {exc.strerror or exc}"
 
 
 def _memory_off_over_snapshots(settings: AgentSettings) -> str:

@@ -22,3 +22,23 @@ def test_bad_input_is_one_line_and_exit_2_without_connecting(argv: list[str], li
     assert cli.main(["--endpoint", "127.0.0.1:1", *argv]) == 2
     captured = capsys.readouterr()
     assert captured.err.splitlines() == [line] and captured.out == ""
+
+
+@pytest.mark.parametrize("under, says", [
+    ("", "is a file, not a directory"),          # mkdir's own words were "File exists"
+    ("sub", "a part of the path is a file, not a directory"),
+])
+def test_a_log_dir_that_is_a_file_is_named_as_one(under: str, says: str, tmp_path, capsys, monkeypatch) -> None:
+    script = tmp_path / "t.py"
+    script.write_text("pass\n")
+    in_the_way = tmp_path / "logs"
+    in_the_way.write_text("")
+    log_dir = str(in_the_way / under) if under else str(in_the_way)
+
+    def no_connecting(*args: object) -> None:
+        raise AssertionError("the agent started despite a bad --log-dir")
+
+    monkeypatch.setattr(cli, "_run", no_connecting)
+    assert cli.main(["--endpoint", "127.0.0.1:1", "--log-dir", log_dir, str(script)]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.splitlines() == [f"node-agent: error: --log-dir {log_dir}: {says}"]
