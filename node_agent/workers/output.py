@@ -83,6 +83,12 @@ class Console:
         except (OSError, ValueError):      # closed or broken console: keep logging to files, drop echo
             self._broken.add(stream)
 
+    def end(self, stream: str, writer: object) -> None:
+        """`writer` writes no more: end its unfinished line, so that the next line (the agent's own, or a
+        later worker's) starts a line of its own instead of running on after a worker's last partial line."""
+        if self._open.get(stream) is writer:
+            self.write(stream, writer, "", "", ends_line=True)
+
 
 @dataclass
 class Sink:
@@ -92,6 +98,7 @@ class Sink:
     echo: Callable[[str, bool], None] | None       # (text, ends_line)
     filtered: Callable[[str], None] | None = None  # a whole line that may go to filtered_*.log
     direct: int | None = None
+    end: Callable[[], None] | None = None          # the stream ended: finish a partial line on the console
 
     def close(self) -> None:
         if self.file is not None:
@@ -121,9 +128,14 @@ def open_sink(launch: WorkerLaunch, stream: str, std: Std, console: Console) -> 
         file = open(os.path.join(launch.log_dir, f"{stream}.log"), "a", encoding="utf-8", newline="",
                     buffering=1)
     echo: Callable[[str, bool], None] | None = None
+    end: Callable[[], None] | None = None
     if on_console:
         def echo(text: str, ends_line: bool) -> None:
             console.write(stream, echo, prefix, text, ends_line=ends_line)
+
+        def end_line() -> None:
+            console.end(stream, echo)
+        end = end_line
     filtered = None
     if filters and launch.attempt_dir is not None:
         path = os.path.join(launch.attempt_dir, f"filtered_{stream}.log")
@@ -133,7 +145,7 @@ def open_sink(launch: WorkerLaunch, stream: str, std: Std, console: Console) -> 
                 # one append per line: the ranks of a node share the file
                 with contextlib.suppress(OSError), open(path, "a", encoding="utf-8") as f:
                     f.write(f"{prefix}{line}\n")
-    return Sink(file, echo, filtered)
+    return Sink(file, echo, filtered, end=end)
 
 
 class LinePump(asyncio.Protocol):
@@ -159,6 +171,8 @@ class LinePump(asyncio.Protocol):
         if self._timer is not None:
             self._timer.cancel()
         self._show_pending()
+        if self._sink.end is not None:
+            self._sink.end()
         if self._line and self._sink.filtered is not None:
             self._sink.filtered(self._line)
         self._sink.close()

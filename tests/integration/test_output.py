@@ -195,3 +195,23 @@ async def test_duplicate_filters_copy_matching_teed_lines_of_every_rank(run, tmp
     assert sorted((tmp_path / "filtered_stdout.log").read_text().splitlines()) == [
         "[default0]:apple 0", "[default0]:orange, 0", "[default1]:apple 1", "[default1]:orange, 1"]
     assert not (tmp_path / "filtered_stderr.log").exists()
+
+
+async def test_a_workers_last_partial_line_is_ended_when_its_stream_ends(run) -> None:
+    # The agent's own lines go to stderr, often the same pipe or file as stdout (2>&1, a pod's log):
+    # without the newline its next line ("job ... succeeded") ran on after "last" on the same line.
+    console = RecordingConsole()
+    assert [e.exitcode for e in await run([launch(0, 'import sys; sys.stdout.write("last")')], console)] == [0]
+    assert console.out.getvalue() == "[h:rank 10] last\n"
+
+
+def test_ending_a_stream_adds_no_empty_line_once_another_writer_ended_its_line() -> None:
+    out = io.StringIO()
+    console = Console(out, io.StringIO())
+    a, b = object(), object()
+    console.write("stdout", a, "[a]", "abc", ends_line=False)
+    console.write("stdout", b, "[b]", "xyz", ends_line=False)   # ends a's line first
+    console.end("stdout", a)      # a's stream ended: nothing of a's is open
+    console.end("stdout", b)
+    console.end("stdout", b)      # twice: one newline
+    assert out.getvalue() == "[a]abc\n[b]xyz\n"
