@@ -18,6 +18,7 @@ from protocol.bounds import (
     MAX_CREDENTIAL,
     MAX_LOCAL_WORLD_SIZE,
     MAX_MESSAGE,
+    MAX_NODES,
     MAX_POLL_WAIT_S,
     MAX_REASON,
     MAX_REPLICAS,
@@ -306,6 +307,9 @@ class Assignment(msgspec.Struct, kw_only=True, frozen=True, gc=False):
     # The job's ranks are replicas of each other (DDP: their snapshots' digests agreed): a node whose ranks move
     # keeps its snapshots (any rank's is every rank's state), where it would empty its directories of a shard.
     ranks_alike: bool = False
+    # The gone nodes whose copies a node may still fetch (awaiting.copies_wanted): a holder drops those it holds of
+    # any other node that is no source of it now, and frees their room (None: an older server: nothing dropped).
+    copies_wanted: Annotated[tuple[ShortText, ...], Meta(max_length=MAX_NODES)] | None = None
 
 
 class NodeStatus(msgspec.Struct, kw_only=True, gc=False):

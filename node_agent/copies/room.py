@@ -4,6 +4,7 @@ holds and what pushes under way have reserved."""
 from __future__ import annotations
 
 from node_agent.copies import files
+from node_agent.copies.refusal import Refusal
 from node_agent.copies.wire import PushRequest
 from node_agent.training.headroom import FS_RESERVE
 
@@ -56,3 +57,19 @@ def superseded(req: PushRequest, copies: list[files.Copy]) -> list[files.Copy]:
         ranks.setdefault(c.rank, set()).add(c.step)
     common = max(set.intersection(*ranks.values()), default=None) if ranks else None
     return [c for c in mine if c.rank == req.rank and c.step < req.step and c.step != common]
+
+
+def check_incarnation(req: PushRequest, copies: list[files.Copy], ranks: int, now: int) -> None:
+    """A push of one of its node's ranks, not of a round older than the node's newest held, nor past this
+    node's own round, and past the step held of its own round."""
+    if ranks and req.rank >= ranks:
+        raise Refusal("rank", f"rank {req.rank} is not one of node {req.node}'s {ranks} local ranks")
+    if req.round > now:
+        raise Refusal("round", f"round {req.round} is past this node's round ({now}): tried again later")
+    theirs = [c for c in copies if c.node == req.node]
+    newest = max((c.round for c in theirs), default=-1)
+    if req.round < newest:
+        raise Refusal("stale", f"stale round {req.round} (holding copies of round {newest})")
+    same = [c.step for c in theirs if c.rank == req.rank and c.round == req.round]
+    if same and req.step <= max(same):
+        raise Refusal("stale", f"stale step {req.step} (holding {max(same)} of round {req.round})")

@@ -26,7 +26,7 @@ import hmac
 import os
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Protocol
 
 from node_agent.copies import files, room, stream, wire
@@ -107,6 +107,16 @@ class CopyStore:
     def clear(self) -> None:
         """Drop every copy (the job ended, or its key changed); the root is made again when needed."""
         shutil.rmtree(self.root, ignore_errors=True)
+
+    def drop_unwanted(self, wanted: Collection[str]) -> list[str]:
+        """Drop the copies of every node no node can fetch them for now (Assignment.copies_wanted: the server's, which
+        knows): neither one of this node's sources, nor `wanted`, nor being fetched. The nodes dropped."""
+        busy = {node for node, _ in self._sending} | set(wanted)
+        gone = sorted({c.node for c in self._copies() if c.node not in busy and self._sources.get(c.node) is None
+                       and not self._is_own(c.node)})
+        for node in gone:
+            self.remove_node(node)
+        return gone
 
     # --- serving ------------------------------------------------------------------------------------------
 
@@ -204,22 +214,8 @@ class CopyStore:
                 del self._pushing[slot], self._under_way[slot]
 
     def _check_incarnation(self, req: PushRequest, copies: list[files.Copy]) -> None:
-        """A push of one of its node's ranks, not of a round older than the node's newest held, nor past this
-        node's own round, and past the step held of its own round."""
         source = self._sources.get(req.node)
-        ranks = source.ranks if source is not None else 0
-        if ranks and req.rank >= ranks:
-            raise Refusal("rank", f"rank {req.rank} is not one of node {req.node}'s {ranks} local ranks")
-        now = self._round_now()
-        if req.round > now:
-            raise Refusal("round", f"round {req.round} is past this node's round ({now}): tried again later")
-        theirs = [c for c in copies if c.node == req.node]
-        newest = max((c.round for c in theirs), default=-1)
-        if req.round < newest:
-            raise Refusal("stale", f"stale round {req.round} (holding copies of round {newest})")
-        same = [c.step for c in theirs if c.rank == req.rank and c.round == req.round]
-        if same and req.step <= max(same):
-            raise Refusal("stale", f"stale step {req.step} (holding {max(same)} of round {req.round})")
+        room.check_incarnation(req, copies, source.ranks if source is not None else 0, self._round_now())
 
     async def _wait_for_step(self, req: PushRequest, writer: asyncio.StreamWriter) -> None:
         """Waiting holds no slot: a push of a step the job never reaches must not hold up the node's real ones. One

@@ -176,6 +176,16 @@ def fetch_unfinished(node: NodeRecord) -> bool:
         node.copies is None or node.copies.local_step < 0 or node.copies.copying and node.copies.copied_step < 0)
 
 
+def copies_wanted(job: JobRecord, members: list[str], told: dict[str, list[str]]) -> list[str]:
+    """The gone nodes whose copies a node may still fetch, as a round forms (Assignment.copies_wanted): those it tells
+    (`told`), those members were told before and may not have ended (fetch_of: kept until a round after their own
+    copy landed), those lost mid-fetch, and the places a waiting job keeps. No other gone node's copies can be asked
+    for: a round names only its last round's members' places (rounds.build_round), so their holders free that room."""
+    wanted = {gone for gone, *_ in told.values()} | {u.of for u in job.unfinished_fetches.values()}
+    wanted |= {of for m in members if (of := job.nodes[m].fetch_of)} | set(job.place_copies)
+    return sorted(wanted)
+
+
 def resized(job: JobRecord, before: list[str], after: list[str], was_awaited: bool = False) -> str:
     """What a round-formed message says when a job whose ranks hold their own state changes its number of nodes
     ("": it does not): memory cannot reshard such state. A shrink leaves its last ranks' snapshots unused, and a

@@ -70,6 +70,7 @@ def build_round(job: JobRecord, members: list[str], round_id: int, opened_at: fl
                 job.nodes[newcomer].fetch_of, job.nodes[newcomer].fetch_place = gone, told
             else:
                 job.nodes[newcomer].fetch_of, job.nodes[newcomer].fetch_place = "", None
+    r.copies_wanted = awaiting.copies_wanted(job, members, r.copies) if replicas else None
     r.copy_epochs = copy_epochs(job, members)     # after told_tokens: a fetch is told the epoch before any new one
     return r
 
@@ -254,7 +255,8 @@ def assignment(r: RoundRecord, node_id: str) -> Assignment | None:
             copies_token=copy_token(r.replica_key, copies_of, r.told_epochs.get(node_id, r.copy_epochs.get(
                 copies_of, 0))) if copies_of else "",
             copies_at=copies_at, copies_also=copies_also, run=r.run, resume_at_most=r.resume_at_most,
-            ranks_alike=r.ranks_alike)
+            ranks_alike=r.ranks_alike,
+            copies_wanted=tuple(r.copies_wanted) if r.copies_wanted is not None else None)
     return built
 
 

@@ -253,3 +253,26 @@ def test_a_spare_lost_before_its_own_copy_landed_leaves_the_place_the_copies_it_
     assert {source for _, source, _ in back.values()} == {"memory"}, (back, agents[other].output)
     assert min(s for s, _, _ in back.values()) >= 10, back
     finish(tmp_path, {n: a for n, a in agents.items() if n != taker}, lost)
+
+
+def test_a_gone_nodes_copies_nobody_can_fetch_leave_their_holder_at_once(cluster, tmp_path):
+    """A soak review: a 2-node job whose second node came back under a new id each time (its newcomer fetching
+    nothing) left every gone id's copies on the survivor until its limit refused the live member's pushes. b lost and
+    a round formed without it, a new node q joins: the round names no copy of b as wanted, and a drops them."""
+    cluster.start_server()
+    one = ("--nproc", "1", "--nnodes", "1:2")
+    agents = {n: start(cluster, tmp_path, n, "unwanted", extra=one) for n in ("a", "b")}
+    wait_until(lambda: len({r for *_, r, _ in steps(tmp_path)}) == 2, LIMIT, "every rank stepping")
+    wait_until(lambda: next((n for n in job_view(cluster, "unwanted")["nodes"] if n["node_id"] == "b"), {})
+               .get("copies", {}).get("copied_step", -1) >= 5, LIMIT, "node b's copies of step 5 or later on a")
+    held = os.path.join(memory_of("unwanted", "a"), "replicas", "b")
+    assert os.path.isdir(held)
+    os.kill(agents["b"].pid, signal.SIGKILL)
+    agents["b"].wait(LIMIT)
+    agents["a"].wait_for_line(r"group rank 0/1,", LIMIT)      # a round without b: nobody took its place
+    agents["q"] = start(cluster, tmp_path, "q", "unwanted", extra=one)     # a new node, under a new id
+    agents["a"].wait_for_line(r"dropped those of node\(s\) b: gone", LIMIT)
+    assert not os.path.exists(held)
+    wait_until(lambda: os.path.isdir(os.path.join(memory_of("unwanted", "a"), "replicas", "q")), LIMIT,
+               "node q's copies on a")
+    finish(tmp_path, agents, "b")

@@ -466,3 +466,43 @@ def test_a_new_round_keeps_every_step_until_each_member_has_said_what_it_holds_s
     assert rz.view(JOB, "a", now + 1.0).held_floor == 0   # b has not said yet
     noted(rz, "b", now + 2.0, -1, local=35)               # the same notes as before, said again: worked out again
     assert rz.view(JOB, "b", now + 2.0).held_floor == 35
+
+
+def wanted(rz: Rendezvous, node: str, now: float) -> tuple[str, ...] | None:
+    a = rz.view(JOB, node, now).assignment
+    assert a is not None
+    return a.copies_wanted
+
+
+def test_a_gone_nodes_copies_nobody_can_fetch_are_wanted_no_more():
+    """A soak review: each replaced node (a new id each time) of a 2-node DDP job left its copies on the survivor,
+    which kept them all and then refused the live member's pushes at its limit. A round that shrank without the
+    gone node names no place of it, so no later round can tell its copies: its holder is told they are unwanted."""
+    elastic = JobConfig(min_nodes=1, max_nodes=2, lease_timeout_s=5.0, last_call_s=0.0)
+    rz = started({"a": "1", "b": "2"}, elastic)
+    assert wanted(rz, "a", 0.5) == ()
+    outlive(rz, ("a",))                  # b lost: a goes on alone, nobody takes b's place
+    r = rz.jobs[JOB].round
+    assert r is not None and r.members == ["a"], r
+    assert wanted(rz, "a", 6.0) == ()    # a drops b's copies: it holds none anyone can ask for
+
+
+def test_a_lost_nodes_copies_stay_wanted_while_a_fetch_of_them_may_be_told_again():
+    """The node taking b's place fetches b's copies; lost before a copy of its own landed, its fetch is the next
+    node's: b's copies stay wanted on every round until then (never dropped before its own copies landed)."""
+    fixed = JobConfig(min_nodes=3, max_nodes=3, lease_timeout_s=5.0, last_call_s=0.0)
+    rz = started({"a": "1", "b": "2", "c": "3"}, fixed)
+    join(rz, "s", 0.5, fixed, domain="4")
+    outlive(rz, ("a", "c", "s"))         # b lost: s takes its place and fetches b's copies from c
+    assert rz.view(JOB, "s", 6.0).assignment.copies_of == "b"
+    assert {wanted(rz, n, 6.0) for n in ("a", "s", "c")} == {("b",)}
+    rz.handle(JOB, PollRequest(v=1, node_id="s", credential="secret-s", copies=CopiesNote(local_step=-1)), 6.5)
+    join(rz, "t", 6.6, fixed, domain="5")
+    for t in (7.0, 8.0, 9.0, 10.0, 11.0, 12.0):     # s lost before it held anything: t takes the same fetch
+        for n in ("a", "c", "t"):
+            poll(rz, n, t)
+    rz.tick(rz.next_deadline())
+    r = rz.jobs[JOB].round
+    assert r is not None and "t" in r.members and "s" not in r.members, r
+    assert rz.view(JOB, "t", 13.0).assignment.copies_of == "b"
+    assert wanted(rz, "c", 13.0) == ("b",)            # c keeps b's copies; s's (none landed) are nobody's

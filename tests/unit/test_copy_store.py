@@ -878,3 +878,23 @@ async def test_a_drop_of_copies_already_gone_is_refused_but_not_said_as_trouble(
         got, _ = await fetch_bytes(port, tmp_path)
     assert got == client.FetchResult(None, "refused: \"wrong key\"", 0)
     assert len(said) == 1 and "no key of node node-a" in said[0] and "fetch" in said[0], said
+
+
+async def test_copies_no_node_can_fetch_make_way_and_the_rest_stay(tmp_path) -> None:
+    """A soak review: a holder kept the copies of every replaced node of a 2-node job (nobody fetched them) and then
+    refused the live member's pushes at its limit. Told which gone nodes' copies may still be fetched (the server
+    knows), it drops the others; a current source's, a wanted one's and one being fetched stay."""
+    sources = {n: CopySource(node_id=n, token=KEY) for n in ("b", "q0", "q1", "c")}
+    store = CopyStore(str(tmp_path / "held"), 2**20, sources, round_now=lambda: 10**6, reach=lambda: FAR)
+    data = blob(1000)
+    async with holder(store) as port:
+        for n in sources:
+            sent = await client.push("127.0.0.1", port, key=KEY, node_id=n, local_rank=0, step=5,
+                                     path=snap(tmp_path, "step-5", data))
+            assert sent.ok, sent
+    del sources["b"], sources["q0"], sources["q1"]    # gone: c alone is a source now
+    store._sending[("q1", 0)] = store._sending.get(("q1", 0))  # type: ignore[assignment]   # a fetch of q1's under way
+    assert store.drop_unwanted(["b"]) == ["q0"]
+    assert sorted(store.held()) == [("b", 0), ("c", 0), ("q1", 0)]
+    del store._sending[("q1", 0)]
+    assert store.drop_unwanted([]) == ["b", "q1"] and sorted(store.held()) == [("c", 0)]
