@@ -12,6 +12,7 @@ from protocol.quoting import quote
 MAX_NODES = 100_000                  # nodes in one job
 MAX_LOCAL_WORLD_SIZE = 4096          # workers on one node
 MAX_RESTARTS = 1_000_000
+MAX_EXCLUDE_AFTER = 1000             # worker failures counted against one node (JobConfig.exclude_after)
 MAX_DURATION_S = 7 * 24 * 3600.0     # any timeout or window: a week
 MAX_ROUND = 2 ** 53                  # round ids and counters stay exact as JSON numbers
 MAX_UNIX_TIME = 32503680000.0        # year 3000

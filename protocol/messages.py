@@ -16,6 +16,7 @@ from msgspec import Meta
 from protocol.bounds import (
     MAX_COMMAND,
     MAX_CREDENTIAL,
+    MAX_EXCLUDE_AFTER,
     MAX_LOCAL_WORLD_SIZE,
     MAX_MESSAGE,
     MAX_NODES,
@@ -75,7 +76,7 @@ class JobConfig(msgspec.Struct, kw_only=True, frozen=True):
     last_call_s: Seconds = 3.0
     join_timeout_s: PositiveSeconds = 600.0
     lease_timeout_s: PositiveSeconds = 5.0
-    exclude_after: Annotated[int, Meta(ge=0, le=1000)] = 3   # worker failures of one node within ...
+    exclude_after: Annotated[int, Meta(ge=0, le=MAX_EXCLUDE_AFTER)] = 3   # worker failures of one node within ...
     exclude_window_s: PositiveSeconds = 600.0
     exclude_cooldown_s: Seconds = 60.0   # ... exclude it this long, doubling each time
     exclude_cooldown_max_s: Seconds = 3600.0

@@ -5,6 +5,7 @@ count toward `--exclude-after` moves to its node, and an exclusion the wrong cou
 (JobRecord.blame) owns it, so a node is never counted twice for one round nor a healthy one left blamed."""
 from __future__ import annotations
 
+from protocol.bounds import MAX_EXCLUDE_AFTER
 from protocol.messages import JobState, WorkerFailure
 from protocol.peer_gone import broken_by_peer
 from rdzv_server.core import exclusions, leases
@@ -17,7 +18,7 @@ from rdzv_server.core.standing import describe
 # Failures a node's record keeps (the newest, inside the window): --exclude-after counts at most this many, so the
 # rule is unchanged, and a job that never excludes (--exclude-after 0) or has a long window does not grow a node's
 # record (and the blame's copy of it, both rewritten at every failure) by one time per crash for ever.
-MAX_FAILURE_TIMES = 1000
+MAX_FAILURE_TIMES = MAX_EXCLUDE_AFTER
 
 
 def count(rules: JobRules, node: NodeRecord, now: float, was: Blame | None = None) -> None:
