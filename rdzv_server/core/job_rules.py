@@ -111,7 +111,7 @@ class JobRules:
                                 f"{awaiting.not_back(job)}: going on with " +
                                 count_nodes(candidates(job)[:job.config.max_nodes]),
                                 RoundCause.NODE_LOST)
-            else:
+            elif not leases.hold_last_call(job, now, self.out):     # (a newcomer's connection closed: its grace)
                 self.form_round(now, "last call ended with " + count_nodes(candidates(job)), growth_cause(job))
         if job.state == JobState.WAITING and job.last_call_deadline is None and \
                 job.join_deadline is not None and job.join_deadline <= now:

@@ -103,6 +103,19 @@ def drop(job: JobRecord, node: NodeRecord, now: float, out: Outbox, heard: bool 
     out.deadline(node.lease_expires)
 
 
+def hold_last_call(job: JobRecord, now: float, out: Outbox) -> bool:
+    """At a last call's end, whether a ready newcomer's connection closed and its grace still runs: the window is held
+    to the grace's end (at most DROP_GRACE_S), when it is back or lost. Formed at once, the round took in a killed
+    agent and formed again without it a moment later: every running worker stopped twice, for nothing."""
+    ends = [n.lease_expires for nid in job.waiting if (n := job.nodes.get(nid)) is not None and n.ready and
+            n.dropped and n.holding == 0 and n.lease_expires > now]
+    if not ends:
+        return False
+    job.last_call_deadline = max(ends)
+    out.deadline(job.last_call_deadline)
+    return True
+
+
 def live(node: NodeRecord, now: float) -> bool:
     """Whether the node may still be alive: a poll held open, or a lease not yet lapsed."""
     return node.holding > 0 or (not node.dropped and node.lease_expires > now)

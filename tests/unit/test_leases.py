@@ -437,3 +437,28 @@ def test_an_agent_restarted_twice_at_once_is_no_flapping_host():
     join("b3", 3.0, again=True)                               # ready: back in the job
     rz.tick(3.0)
     assert job.round is not None and job.round.members == ["a", "b"], [e.message for e in job.events[-3:]]
+
+
+def test_a_newcomer_whose_connection_closed_in_the_last_call_does_not_restart_the_round_at_its_end():
+    # a review: an agent killed as it became ready was taken into the round its last call formed, and the
+    # round formed again without it a few ms later: the running node's workers stopped twice, for nothing
+    rz = Rendezvous()
+    config = JobConfig(min_nodes=1, max_nodes=3, last_call_s=1.0, lease_timeout_s=LEASE, join_timeout_s=1e4)
+    rz.handle("j", JoinRequest(v=1, node_id="a", addr="10.0.0.1", local_world_size=1, master_port=1,
+                               config=config, instance="a"), 0.0)
+    rz.tick(1.0)
+    job = rz.jobs["j"]
+    assert job.round is not None and job.round.members == ["a"]
+    first = job.round.round_id
+    poll(rz, "a", 10.0)
+    rz.handle("j", JoinRequest(v=1, node_id="b", addr="10.0.0.2", local_world_size=1, master_port=1,
+                               config=config, instance="b"), 10.0)
+    rz.handle("j", PollRequest(v=1, node_id="b"), 10.5, Arrival(hold=True))
+    rz.connection_dropped("j", "b", 10.8, heard=True)     # b's agent killed 0.2 s before the last call ends
+    poll(rz, "a", 10.9)
+    rz.tick(11.0)                                          # the last call's end: b's grace still runs
+    assert job.round is not None and job.round.round_id == first
+    poll(rz, "a", 11.5)
+    rz.tick(11.8)                                          # b's grace over: lost, and nobody is left to add
+    assert "b" not in job.nodes
+    assert job.round is not None and job.round.round_id == first and job.round.members == ["a"]
