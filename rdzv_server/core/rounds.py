@@ -217,6 +217,8 @@ def copies_off(r: RoundRecord | None, replicas: int, launcher: str = "") -> str:
     if not any(r.copy_ports):
         return ("off: no member takes copies (their agents run with --no-memory-dir, or the server uses TLS and they "
                 "have no --tls-cert and --tls-key)")
+    if len(r.members) < 2:        # no peer at all: naming --failure-domain would send an operator who set it astray
+        return "off: the round has one node, with no peer to hold its copies (lost now, its newest snapshot goes)"
     groups = _derived(r).domain_groups()
     if len(groups.order) < 2:
         return (f"off: every member is in one failure domain ({groups.order[0]!r}; a host is its own by default), "

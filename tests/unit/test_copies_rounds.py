@@ -506,3 +506,10 @@ def test_a_lost_nodes_copies_stay_wanted_while_a_fetch_of_them_may_be_told_again
     assert r is not None and "t" in r.members and "s" not in r.members, r
     assert rz.view(JOB, "t", 13.0).assignment.copies_of == "b"
     assert wanted(rz, "c", 13.0) == ("b",)            # c keeps b's copies; s's (none landed) are nobody's
+
+
+def test_a_round_of_one_node_says_it_has_no_peer_not_to_set_a_failure_domain_already_set():
+    # a review: nodes started with --failure-domain each were told to set it whenever the job ran on one node
+    rz = started({"a": "rack-1"}, JobConfig(min_nodes=1, max_nodes=3, lease_timeout_s=5.0, last_call_s=0.0))
+    assert rz.jobs[JOB].copies_off.startswith("off: the round has one node"), rz.jobs[JOB].copies_off
+    assert "--failure-domain" not in rz.jobs[JOB].copies_off
