@@ -37,6 +37,9 @@ def protect_trainer(trainer: Trainer, every: int = 5, keep: int = 2) -> Snapshot
     """Add the snapshots to `trainer` and make its `train()` resume from the newest one (see above)."""
     if not isinstance(trainer, Trainer):
         raise TypeError(f"protect_trainer(trainer=...): a {type(trainer).__qualname__} is not a transformers Trainer")
+    # Twice, two captures wrote the same step's file (one of them failed each snapshot) and two resumes were laid out
+    if any(isinstance(cb, Snapshots) for cb in trainer.callback_handler.callbacks):
+        raise ValueError("protect_trainer(trainer): this Trainer is protected already; call protect_trainer once")
     callback = Snapshots(trainer, every, keep)
     trainer.add_callback(callback)
     train = trainer.train

@@ -41,6 +41,9 @@ class Snapshots(Callback):
         """Before Lightning restores (the process group is up, the optimizers not yet built)."""
         if stage != "fit":
             return
+        # Two would write the same steps' files in one memory directory and each hand a resume to Lightning
+        if (many := sum(isinstance(cb, Snapshots) for cb in trainer.callbacks)) > 1:
+            raise ValueError(f"Snapshots: the Trainer's callbacks hold {many} Snapshots callbacks; keep one")
         self._restored, self._said, self._prepared = None, False, False     # this fit's own
         where = resume.memory_directory()
         everywhere = resume.everywhere(where)       # every rank takes part in the agreement, one without memory too

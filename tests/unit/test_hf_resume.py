@@ -86,3 +86,13 @@ def test_a_trainer_restarted_after_its_last_step_trains_no_step_past_max_steps(m
     assert (steps, again) == (10, 10)
     assert all(torch.equal(whole[k], resumed[k]) for k in whole)
     assert "resumed from step 5 (memory)" in out, out
+
+
+def test_protect_trainer_twice_is_refused_in_one_line(memory, tmp_path) -> None:
+    """Twice, two captures raced for each step's file (one failed every snapshot) and two resumes were laid out."""
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=2, use_cpu=True, report_to=[], save_strategy="no")
+    trainer = Trainer(model=GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2,
+                                                       n_head=2)), args=args, train_dataset=Tokens(8))
+    protect_trainer(trainer, every=5)
+    with pytest.raises(ValueError, match="protected already"):
+        protect_trainer(trainer, every=5)

@@ -109,3 +109,13 @@ def test_a_lightning_restore_hands_the_optimizers_state_to_the_gpu_copy(memory, 
     assert seen == [torch.optim.AdamW] and second.global_step == 6
     assert upload.optimizer_state_onto({"state": {}, "param_groups": [{"params": [0, 1, 2]}]},
                                        second.optimizers[0]) == {"state": {}, "param_groups": [{"params": [0, 1, 2]}]}
+
+
+def test_two_snapshots_callbacks_are_refused_in_one_line(memory) -> None:
+    """Two would each write the same steps' files in one memory directory and each hand a resume to Lightning."""
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(16, 16)), batch_size=8)
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=2, callbacks=[Snapshots(every=2), Snapshots(every=3)],
+                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False)
+    with pytest.raises(ValueError, match="2 Snapshots callbacks; keep one"):
+        trainer.fit(Tiny(), data)
