@@ -46,6 +46,7 @@ def protect_trainer(trainer: Trainer, every: int = 5, keep: int = 2) -> Snapshot
 
     @functools.wraps(train)
     def train_from_snapshot(resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
+        callback.fit = resume.next_fit()
         if resume_from_checkpoint in (None, False):
             resume_from_checkpoint = callback.lay_out()
         return train(resume_from_checkpoint, *args, **kwargs)
@@ -67,6 +68,7 @@ class Snapshots(TrainerCallback):
         self._prepared = False       # Capture.prepare called
         self._buckets: Any = None     # the resumed snapshot's DDP bucket layout, adopted once DDP is built
         self._adopt = False
+        self.fit = 0                  # this process's how-manieth train() (resume.FIT)
 
     def lay_out(self) -> str | None:
         """The newest snapshot every rank holds, as a checkpoint folder the Trainer resumes from (None: none)."""
@@ -77,8 +79,8 @@ class Snapshots(TrainerCallback):
         model = self.trainer.model      # None until train() when the Trainer has a model_init: its own load checks
         live = model.state_dict() if model is not None else None
         args = self.trainer.args
-        found = resume.agree(where, lambda tree: trees.mismatch(tree.get("model"), live, "model") if live else None,
-                             replicas=self._ddp())      # a rank without the step is lent a replica's
+        found = resume.agree(where, lambda tree: resume.other_fit(tree, self.fit) or (     # a rank without the step
+            trees.mismatch(tree.get("model"), live, "model") if live else None), replicas=self._ddp())  # is lent one
         if found is None:
             return None
         step, tree, lender = found
@@ -180,7 +182,7 @@ class Snapshots(TrainerCallback):
         assert t.model is not None and t.optimizer is not None and t.lr_scheduler is not None   # built by train()
         tree: dict[str, Any] = {"model": t.model.state_dict(), "optimizer": t.optimizer.state_dict(),
                                 "scheduler": t.lr_scheduler.state_dict(), "rng": rng.capture(),
-                                "trainer_state": _trainer_state_json(t, trainer_state)}
+                                "trainer_state": _trainer_state_json(t, trainer_state), resume.FIT: self.fit}
         scaler = getattr(t.accelerator, "scaler", None)
         if scaler is not None:
             tree["scaler"] = scaler.state_dict()

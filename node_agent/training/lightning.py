@@ -36,6 +36,7 @@ class Snapshots(Callback):
         self._prepared = False       # Capture.prepare called
         self._mapped: set[int] = set()       # where the snapshot's tensors lie (restored.settle_optimizers)
         self._said = False           # the resume from the snapshot said (_loaded)
+        self._fit = 0                # this process's how-manieth fit (resume.FIT)
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """Before Lightning restores (the process group is up, the optimizers not yet built)."""
@@ -45,6 +46,7 @@ class Snapshots(Callback):
         if (many := sum(isinstance(cb, Snapshots) for cb in trainer.callbacks)) > 1:
             raise ValueError(f"Snapshots: the Trainer's callbacks hold {many} Snapshots callbacks; keep one")
         self._restored, self._said, self._prepared = None, False, False     # this fit's own
+        self._fit = resume.next_fit()
         where = resume.memory_directory()
         everywhere = resume.everywhere(where)       # every rank takes part in the agreement, one without memory too
         if where is None:
@@ -53,8 +55,8 @@ class Snapshots(Callback):
         self._capture = Capture(where, self.keep, replicated)
         # Under DDP a rank without the step (a node that joined a growing job) is lent a replica's: Lightning's own
         # checkpoint is one file every rank loads, so that is what fit(ckpt_path=...) would have done.
-        found = resume.agree(where, lambda tree: trees.mismatch(tree.get("state_dict"), pl_module.state_dict(),
-                                                                "state_dict"), replicas=replicated is not None) \
+        found = resume.agree(where, lambda tree: resume.other_fit(tree, self._fit) or trees.mismatch(
+            tree.get("state_dict"), pl_module.state_dict(), "state_dict"), replicas=replicated is not None) \
             if everywhere else None
         if found is not None:       # what fit(ckpt_path=...) would have read; a path given to fit replaces it
             self._restored, tree, lender = found
@@ -108,7 +110,7 @@ class Snapshots(Callback):
         step = trainer.global_step
         if self._capture is not None and step > self._last and step % self.every == 0:
             self._last = step
-            self._capture.take(step, self._checkpoint(trainer), trainer.optimizers)
+            self._capture.take(step, {**self._checkpoint(trainer), resume.FIT: self._fit}, trainer.optimizers)
         elif self._capture is not None and not self._prepared and any(o.state for o in trainer.optimizers):
             self._prepared = True
             if pl_module.device.type == "cuda":    # the first snapshot's buffers, ahead: the checkpoint's GPU
@@ -136,7 +138,7 @@ def _loadable(tree: dict[str, Any]) -> dict[str, Any]:
         if key == "state_dict" and isinstance(value, dict):
             return restored.weights(value)
         return value if key == "optimizer_states" else restored.owned(value)
-    return {k: part(k, v) for k, v in tree.items()}
+    return {k: part(k, v) for k, v in tree.items() if k != resume.FIT}
 
 
 def _whole_states(trainer: pl.Trainer) -> bool:

@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
 
-from node_agent.training import snapshot
+from node_agent.training import resume, snapshot
 from node_agent.training.hf import protect_trainer
 
 
@@ -31,6 +31,7 @@ class Stop(TrainerCallback):
 
 
 def train(out, evaluate: str, stop: bool = False) -> dict[str, torch.Tensor]:
+    resume._fits[0] = 0          # as a new process's first train()
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2))
     args = TrainingArguments(output_dir=str(out), max_steps=9, per_device_train_batch_size=4, learning_rate=1e-3,
@@ -69,6 +70,7 @@ def test_a_trainer_restarted_after_its_last_step_trains_no_step_past_max_steps(m
     it (global_step 11 of 10, a batch and an LR step past the run), so a worker that failed after train() returned
     ended past an uninterrupted run. It resumes from the one before, and the steps are done again as they were."""
     def run(out) -> tuple[int, dict[str, torch.Tensor]]:
+        resume._fits[0] = 0          # as a new process's first train()
         torch.manual_seed(0)
         model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2))
         args = TrainingArguments(output_dir=str(out), max_steps=10, per_device_train_batch_size=4,
@@ -96,3 +98,19 @@ def test_protect_trainer_twice_is_refused_in_one_line(memory, tmp_path) -> None:
     protect_trainer(trainer, every=5)
     with pytest.raises(ValueError, match="protected already"):
         protect_trainer(trainer, every=5)
+
+
+def test_a_second_train_in_one_process_does_not_resume_from_the_firsts_snapshots(memory, tmp_path, capsys) -> None:
+    """A script's second Trainer (a second phase) found the first one's snapshot of step 5 and, with no crash,
+    resumed from it: 5 of its 10 steps skipped. Each train() resumes from its own snapshots only."""
+    resume._fits[0] = 0
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2))
+    for _ in (1, 2):
+        args = TrainingArguments(output_dir=str(tmp_path), max_steps=10, per_device_train_batch_size=4, use_cpu=True,
+                                 save_strategy="no", report_to=[], disable_tqdm=True, logging_steps=1000)
+        trainer = Trainer(model=model, args=args, train_dataset=Tokens(40))
+        protect_trainer(trainer, every=5)
+        trainer.train()
+    said = capsys.readouterr()
+    assert "resumed from step" not in said.out + said.err
+    assert "this is its fit number 2" in said.err, said.err

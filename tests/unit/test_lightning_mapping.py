@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from node_agent.training import snapshot
+from node_agent.training import resume, snapshot
 from node_agent.training.lightning import Snapshots
 
 
@@ -58,6 +58,7 @@ class Tiny(L.LightningModule):
 
 
 def fit(steps: int, optimizer: str = "adamw", ckpt: str | None = None) -> L.Trainer:
+    resume._fits[0] = 0          # as a new process's first fit
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(64, 16)), batch_size=8)
     trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=steps, callbacks=[Snapshots(every=2)], logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
@@ -119,3 +120,15 @@ def test_two_snapshots_callbacks_are_refused_in_one_line(memory) -> None:
                         enable_model_summary=False)
     with pytest.raises(ValueError, match="2 Snapshots callbacks; keep one"):
         trainer.fit(Tiny(), data)
+
+
+def test_a_second_fit_in_one_process_does_not_resume_from_the_firsts_snapshots(memory, capsys) -> None:
+    """The same Trainer fit again (or a second phase's): it trains on from where it is, not from the first fit's
+    snapshot of step 4 (a silent rewind, with no crash at all)."""
+    trainer = fit(6)
+    trainer.fit_loop.epoch_loop.max_steps = 8
+    trainer.fit(trainer.lightning_module, torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(torch.randn(64, 16)), batch_size=8))
+    said = capsys.readouterr()
+    assert "resumed from step" not in said.out and "this is its fit number 2" in said.err, said.err
+    assert trainer.global_step == 8
