@@ -5,7 +5,8 @@
 
 Every `every` optimizer steps (Lightning's `global_step`) the callback takes the checkpoint Lightning itself would
 write (`dump_checkpoint`: model, optimizers, LR schedulers, loops, callbacks, precision) into the node agent's
-memory, the same moment a ModelCheckpoint(every_n_train_steps=every) saves. When `fit` starts it hands the newest
+memory, dumped the same moment a ModelCheckpoint(every_n_train_steps=every) saves, kept once it has saved.
+When `fit` starts it hands the newest
 snapshot every rank holds to Lightning's own restore, as `fit(ckpt_path=...)` would: the global step, the epoch
 and the position in it follow. A `ckpt_path` you pass wins. The rules of `protect` hold (checksums, every rank on
 one step, nothing under torchrun); the model's keys and shapes are checked before Lightning loads anything (the
@@ -13,6 +14,7 @@ optimizers do not exist yet: Lightning's own load checks them). The
 hyper-parameters are not kept (Lightning needs them to build a model from a file, not to resume one)."""
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from typing import Any
 
@@ -37,6 +39,7 @@ class Snapshots(Callback):
         self._mapped: set[int] = set()       # where the snapshot's tensors lie (restored.settle_optimizers)
         self._said = False           # the resume from the snapshot said (_loaded)
         self._fit = 0                # this process's how-manieth fit (resume.FIT)
+        self._due: tuple[int, dict[str, Any]] | None = None     # dumped at the batch's end, taken after the saves
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """Before Lightning restores (the process group is up, the optimizers not yet built)."""
@@ -46,7 +49,7 @@ class Snapshots(Callback):
         if (many := sum(isinstance(cb, Snapshots) for cb in trainer.callbacks)) > 1:
             raise ValueError(f"Snapshots: the Trainer's callbacks hold {many} Snapshots callbacks; keep one")
         self._restored, self._said, self._prepared = None, False, False     # this fit's own
-        self._fit = resume.next_fit()
+        self._fit, self._due = resume.next_fit(), None
         where = resume.memory_directory()
         everywhere = resume.everywhere(where)       # every rank takes part in the agreement, one without memory too
         if where is None:
@@ -110,7 +113,10 @@ class Snapshots(Callback):
         step = trainer.global_step
         if self._capture is not None and step > self._last and step % self.every == 0:
             self._last = step
-            self._capture.take(step, {**self._checkpoint(trainer), resume.FIT: self._fit}, trainer.optimizers)
+            # Dumped now, as a ModelCheckpoint(every_n_train_steps) dumps it; taken by _take_due once the checkpoint
+            # callbacks (Lightning runs them last) have saved: a crash in their save resumes from the snapshot before
+            # and saves this step again, as Lightning's own resume does (taken at once, it left the file torn)
+            self._due = (step, {**self._checkpoint(trainer), resume.FIT: self._fit})
         elif self._capture is not None and not self._prepared and any(o.state for o in trainer.optimizers):
             self._prepared = True
             if pl_module.device.type == "cuda":    # the first snapshot's buffers, ahead: the checkpoint's GPU
@@ -118,6 +124,24 @@ class Snapshots(Callback):
                 self._capture.prepare({"state_dict": pl_module.state_dict(),
                                        "optimizer_states": [o.state_dict() for o in trainer.optimizers]},
                                       trainer.optimizers)
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        self._take_due(trainer)
+
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._take_due(trainer)      # a crash in the validation resumes from this step, as before
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._take_due(trainer)      # before the epoch's LR schedulers step
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._take_due(trainer)      # not in teardown: it runs after a crash in the save too
+
+    def _take_due(self, trainer: pl.Trainer) -> None:
+        due, self._due = self._due, None
+        if due is not None and self._capture is not None:
+            self._capture.take(due[0], due[1], trainer.optimizers)
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._loaded(trainer)       # a fit with nothing left to train has no on_train_start
@@ -127,7 +151,8 @@ class Snapshots(Callback):
     @staticmethod
     def _checkpoint(trainer: pl.Trainer) -> dict[str, Any]:
         checkpoint: dict[str, Any] = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
-        return {k: v for k, v in checkpoint.items() if k not in NOT_KEPT}
+        # the callbacks' states as they are now: a ModelCheckpoint's save changes its dicts in place before the take
+        return {k: copy.deepcopy(v) if k == "callbacks" else v for k, v in checkpoint.items() if k not in NOT_KEPT}
 
 
 def _loadable(tree: dict[str, Any]) -> dict[str, Any]:

@@ -132,3 +132,32 @@ def test_a_second_fit_in_one_process_does_not_resume_from_the_firsts_snapshots(m
     said = capsys.readouterr()
     assert "resumed from step" not in said.out and "this is its fit number 2" in said.err, said.err
     assert trainer.global_step == 8
+
+
+def test_a_crash_in_modelcheckpoints_save_resumes_from_the_snapshot_before_it(memory, tmp_path, capsys) -> None:
+    """Snapshots took step 4 before ModelCheckpoint's save of it (Lightning runs checkpoint callbacks last): a crash
+    in that save resumed from 4 and step 4's file was never written again (left torn). Taken after the save, the
+    resume is from 2, as Lightning's own, and step 4 is saved again, whole."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    class Torn(ModelCheckpoint):
+        def _save_checkpoint(self, trainer, filepath) -> None:
+            if self.crash and trainer.global_step == 4:
+                open(filepath, "w").close()
+                raise RuntimeError("crashed in the save")
+            super()._save_checkpoint(trainer, filepath)
+
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(64, 16)), batch_size=8)
+    for crash in (True, False):
+        resume._fits[0] = 0          # as a new process's first fit
+        saves = Torn(dirpath=tmp_path, every_n_train_steps=2, save_top_k=-1, filename="{step}")
+        saves.crash = crash
+        trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=6, callbacks=[Snapshots(every=2), saves],
+                            logger=False, enable_progress_bar=False, enable_model_summary=False)
+        if crash:
+            with pytest.raises(RuntimeError, match="crashed in the save"):
+                trainer.fit(Tiny(), data)
+        else:
+            trainer.fit(Tiny(), data)
+    assert "resumed from step 2 (memory)" in capsys.readouterr().out
+    assert torch.load(tmp_path / "step=4-v1.ckpt", weights_only=False)["global_step"] == 4
