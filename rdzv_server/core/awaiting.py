@@ -182,7 +182,9 @@ def copies_wanted(job: JobRecord, members: list[str], told: dict[str, list[str]]
     copy landed), those lost mid-fetch, and the places a waiting job keeps. No other gone node's copies can be asked
     for: a round names only its last round's members' places (rounds.build_round), so their holders free that room."""
     wanted = {gone for gone, *_ in told.values()} | {u.of for u in job.unfinished_fetches.values()}
-    wanted |= {of for m in members if (of := job.nodes[m].fetch_of)} | set(job.place_copies)
+    # A waiting job's places are every last member's: only the gone ones' copies are at stake (the members' own
+    # would make each member's assignment O(nodes), and the server's round O(nodes^2): a review)
+    wanted |= {of for m in members if (of := job.nodes[m].fetch_of)} | (set(job.place_copies) - set(members))
     return sorted(wanted)
 
 

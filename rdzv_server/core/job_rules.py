@@ -16,6 +16,7 @@ from __future__ import annotations
 from protocol.errors import ErrorCode
 from protocol.messages import JobState, NodeState
 from rdzv_server.core import awaiting, floors, gone_nodes, goodput, leases, places, standing, store_port
+from rdzv_server.core.addresses import master_correction
 from rdzv_server.core.choice import Choice, candidates, choose, count_nodes, growth_cause
 from rdzv_server.core.errors import RendezvousError
 from rdzv_server.core.events import REMOVAL_CAUSE, EventKind, RoundCause
@@ -27,7 +28,6 @@ from rdzv_server.core.rounds import (
     build_round,
     copies_lost,
     copies_off,
-    master_correction,
     master_of,
     places_kept,
 )

@@ -130,7 +130,7 @@ class RoundRecord(msgspec.Struct, kw_only=True, omit_defaults=True, dict=True):
     ranked: list[str] = []             # node ids by group rank, as formed: the columns' order
     local_sizes: list[int] = []
     roles: list[str] = []
-    addrs: list[str] = []              # where the other members reach each (rounds.reachable_addresses)
+    addrs: list[str] = []              # where the other members reach each (addresses.reachable_addresses)
     witness_ports: list[int] = msgspec.field(default_factory=list, name="probe_ports")   # 0: not a witness
     master_port: int = 0
     awaits_port: bool = False          # master_port is its master's last round's: it waits for another (store_port)

@@ -6,9 +6,7 @@ nodes may run different numbers of workers. MASTER_ADDR/PORT are the group-rank-
 from __future__ import annotations
 
 import bisect
-import functools
 import hashlib
-import ipaddress
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -21,6 +19,7 @@ from protocol.messages import (
 )
 from protocol.tokens import copy_verifier
 from rdzv_server.core import awaiting
+from rdzv_server.core.addresses import reachable_addresses
 from rdzv_server.core.credentials import copy_token
 from rdzv_server.core.records import JobRecord, NodeRecord, PlaceCopies, RoundRecord
 
@@ -258,7 +257,7 @@ def assignment(r: RoundRecord, node_id: str) -> Assignment | None:
                 copies_of, 0))) if copies_of else "",
             copies_at=copies_at, copies_also=copies_also, run=r.run, resume_at_most=r.resume_at_most,
             ranks_alike=r.ranks_alike,
-            copies_wanted=tuple(r.copies_wanted) if r.copies_wanted is not None else None)
+            copies_wanted=derived.wanted())
     return built
 
 
@@ -293,6 +292,13 @@ class _Derived:
         self.round = r
         self._groups: _Domains | None = None
         self._sources: dict[int, list[int]] | None = None
+        self._wanted: tuple[str, ...] | None = None
+
+    def wanted(self) -> tuple[str, ...] | None:
+        """copies_wanted: one tuple all members' assignments share (read late: build_round sets it after this)."""
+        if self._wanted is None and self.round.copies_wanted is not None:
+            self._wanted = tuple(self.round.copies_wanted)
+        return self._wanted
 
     def witnesses(self, rank: int) -> tuple[Witness, ...]:
         """The next WITNESSES members after `rank` in the ring that answer as witnesses, never itself: a different pair
@@ -363,33 +369,6 @@ class _Derived:
     def _copy_port(self, member: str) -> Witness | None:
         at = self.rank.get(member)
         return Witness(addr=self.round.addrs[at], port=self.round.copy_ports[at]) if at is not None else None
-
-
-def reachable_addresses(nodes: list[NodeRecord]) -> list[str]:
-    """The address other members reach each node at: its own, unless loopback on a multi-host round (they would hang
-    on their own); then its join's source address, or if that is loopback too, the server's address they reached."""
-    if all(_loopback(n.addr) and _loopback(n.seen_from or n.addr) for n in nodes):
-        return [n.addr for n in nodes]          # one host: loopback is right
-    server = next((n.server_addr for n in nodes if n.server_addr and not _loopback(n.server_addr)), "")
-    return [n.addr if not _loopback(n.addr) else
-            n.seen_from if n.seen_from and not _loopback(n.seen_from) else server or n.addr for n in nodes]
-
-
-def master_correction(r: RoundRecord, master: NodeRecord) -> str:
-    """Why round `r`'s MASTER_ADDR is not its group-rank-0 node's own `addr` ("": it is)."""
-    if r.addrs[0] == master.addr:
-        return ""
-    return (f"node {master.node_id} advertises the loopback address {master.addr}, which the other hosts "
-            f"cannot reach; MASTER_ADDR is {r.addrs[0]} instead (start its agent with --local-addr to choose)")
-
-
-@functools.lru_cache(maxsize=1 << 16)
-def _loopback(addr: str) -> bool:
-    # Cached: every round formation asks it about every member, and parsing an address is slow.
-    try:
-        return ipaddress.ip_address(addr.split("%", 1)[0]).is_loopback
-    except ValueError:
-        return addr == "localhost"
 
 
 WITNESSES = 2      # other members each node may ask while the server is silent

@@ -513,3 +513,20 @@ def test_a_round_of_one_node_says_it_has_no_peer_not_to_set_a_failure_domain_alr
     rz = started({"a": "rack-1"}, JobConfig(min_nodes=1, max_nodes=3, lease_timeout_s=5.0, last_call_s=0.0))
     assert rz.jobs[JOB].copies_off.startswith("off: the round has one node"), rz.jobs[JOB].copies_off
     assert "--failure-domain" not in rz.jobs[JOB].copies_off
+
+
+def test_a_round_after_waiting_names_only_the_gone_places_not_every_member():
+    """A review: a job that waited below min_nodes kept every member's place, and copies_wanted named them all, so
+    each member's assignment grew with the job (O(nodes) each, O(nodes^2) a round). Only b is gone."""
+    fixed = JobConfig(min_nodes=3, max_nodes=3, lease_timeout_s=5.0, last_call_s=0.0)
+    rz = started({"a": "1", "b": "2", "c": "3"}, fixed)
+    outlive(rz, ("a", "c"))              # b lost: below min, the places kept
+    assert rz.jobs[JOB].state == JobState.WAITING and set(rz.jobs[JOB].place_copies) == {"a", "b", "c"}
+    join(rz, "s", 6.0, fixed, domain="4")
+    if (deadline := rz.next_deadline()) is not None:
+        rz.tick(deadline)
+    r = rz.jobs[JOB].round
+    assert r is not None and r.members == ["a", "s", "c"], r
+    assert rz.view(JOB, "s", 7.0).assignment.copies_of == "b"
+    assert {wanted(rz, n, 7.0) for n in ("a", "s", "c")} == {("b",)}
+    assert wanted(rz, "a", 7.0) is wanted(rz, "c", 7.0)      # one tuple, shared

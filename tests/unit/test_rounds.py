@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from protocol.messages import FailureReport, JobConfig, JobState, JoinRequest, NodeState, WorkerFailure
-from rdzv_server.core import rounds
+from rdzv_server.core import addresses, rounds
 from rdzv_server.core.records import JobRecord, NodeRecord
 from rdzv_server.core.rendezvous import Rendezvous
 from rdzv_server.core.requests import Arrival
@@ -22,9 +22,9 @@ MEMBERS = 40
     ("127.0.0.1", True), ("127.1.2.3", True), ("::1", True), ("localhost", True),
     ("10.0.0.1", False), ("fe80::1%eth0", False), ("node-7.example", False), ("127.0.0.999", False)])
 def test_loopback_addresses_are_told_apart_the_same_way_every_time(addr: str, loopback: bool):
-    rounds._loopback.cache_clear()
-    assert rounds._loopback(addr) is loopback
-    assert rounds._loopback(addr) is loopback            # the cached answer is the same
+    addresses._loopback.cache_clear()
+    assert addresses._loopback(addr) is loopback
+    assert addresses._loopback(addr) is loopback            # the cached answer is the same
 
 
 def test_a_round_formed_again_parses_no_member_address_again(monkeypatch: pytest.MonkeyPatch):
@@ -36,7 +36,7 @@ def test_a_round_formed_again_parses_no_member_address_again(monkeypatch: pytest
         return real(addr)
 
     monkeypatch.setattr(ipaddress, "ip_address", counting)
-    rounds._loopback.cache_clear()
+    addresses._loopback.cache_clear()
     rz = Rendezvous()
     cfg = JobConfig(min_nodes=MEMBERS, max_nodes=MEMBERS, max_restarts=5, lease_timeout_s=1e4)
     for i in range(MEMBERS):
