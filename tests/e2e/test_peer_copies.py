@@ -261,7 +261,10 @@ def test_a_gone_nodes_copies_nobody_can_fetch_leave_their_holder_at_once(cluster
     a round formed without it, a new node q joins: the round names no copy of b as wanted, and a drops them."""
     cluster.start_server()
     one = ("--nproc", "1", "--nnodes", "1:2")
-    agents = {n: start(cluster, tmp_path, n, "unwanted", extra=one) for n in ("a", "b")}
+    # a joins first: group rank 0 (b joining first made a take b's place, and fetch its copies, as the job shrank)
+    agents = {"a": start(cluster, tmp_path, "a", "unwanted", extra=one)}
+    agents["a"].wait_for_line(r"waiting for the next round", LIMIT)
+    agents["b"] = start(cluster, tmp_path, "b", "unwanted", extra=one)
     wait_until(lambda: len({r for *_, r, _ in steps(tmp_path)}) == 2, LIMIT, "every rank stepping")
     wait_until(lambda: next((n for n in job_view(cluster, "unwanted")["nodes"] if n["node_id"] == "b"), {})
                .get("copies", {}).get("copied_step", -1) >= 5, LIMIT, "node b's copies of step 5 or later on a")
