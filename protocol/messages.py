@@ -311,6 +311,9 @@ class Assignment(msgspec.Struct, kw_only=True, frozen=True, gc=False):
     # The gone nodes whose copies a node may still fetch (awaiting.copies_wanted): a holder drops those it holds of
     # any other node that is no source of it now, and frees their room (None: an older server: nothing dropped).
     copies_wanted: Annotated[tuple[ShortText, ...], Meta(max_length=MAX_NODES)] | None = None
+    # The newest snapshot step the round's members had noted as it formed (-1: none, or an older server): a holder
+    # takes pushes up to it though its own ranks never stepped (a newcomer), and only the server can raise it.
+    noted_step: Annotated[int, Meta(ge=-1, le=MAX_ROUND)] = -1
 
 
 class NodeStatus(msgspec.Struct, kw_only=True, gc=False):

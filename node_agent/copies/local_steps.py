@@ -38,3 +38,16 @@ def common_step(dirs: dict[int, str]) -> dict[int, tuple[int, str]]:
     step = min(steps)
     return {rank: (step, snapshot.path(step, where)) for rank, where in dirs.items()
             if os.path.exists(snapshot.path(step, where))}
+
+
+def lag_line(rank: int, step: int, kept: list[int], bandwidth: int) -> str:
+    """A copy that landed after its rank let its step go: were this node lost, the node taking its place would
+    resume from a step the others may no longer keep. What to say, with what to change ("": it did not lag)."""
+    if not kept or step >= kept[0]:
+        return ""
+    rate = f"{bandwidth / 2**20:.0f} MiB/s" if bandwidth else "unlimited"
+    return (f"peer copies lag behind the snapshots: local rank {rank}'s copy of step {step} landed when the rank "
+            f"kept only steps {kept[0]}..{kept[-1]}. Were this node lost, the node taking its place would resume "
+            f"from a step the others may no longer keep (a job whose ranks hold shards of their own then resumes "
+            f"from disk or step 0): give copies more bandwidth (--replica-bandwidth, {rate} now), snapshot less "
+            f"often, or keep more")

@@ -30,7 +30,7 @@ from collections.abc import Awaitable, Callable
 from node_agent.client.listener import Listener, agent_caps
 from node_agent.copies.client import FetchResult, drop, drop_all, fetch, push
 from node_agent.copies.last_copies import FLUSH_LIMIT_S, due_bytes, last_copies
-from node_agent.copies.local_steps import common_step, mark_fetching, written_since
+from node_agent.copies.local_steps import common_step, lag_line, mark_fetching, written_since
 from node_agent.copies.own import OwnSnapshots, keep_token, left_dirs, left_key
 from node_agent.copies.store import CopyStore
 from node_agent.copies.tls import CopyTls
@@ -57,10 +57,9 @@ class PeerCopies:
         agent's listeners may hold together (client/listener.py). `stepping(round, ranks)`: whether that many
         local ranks of the round have each done a step (LocalWorkers.all_stepping). `static`: a static launch
         (--node-rank), where no server pairs the nodes, so no copies whatever the failure domains."""
-        self.static = static
-        self.memory, self.nproc, self.node_id = memory, nproc, node_id
+        self.static, self.memory, self.nproc, self.node_id = static, memory, nproc, node_id
         self._stepping = stepping
-        self._past_start = False                   # this round's ranks all stepped: past their snapshot agreement
+        self._past_start = self._alike = False     # this round's ranks all stepped / are replicas that resume alike
         self._say = say
         self.bandwidth = bandwidth
         self.tls, self.server_tls = tls, server_tls
@@ -69,14 +68,14 @@ class PeerCopies:
         self._connect = tls.connect if tls is not None else None
         self.key = ""                              # this node's token for its copies (Assignment.copy_token)
         self.round = -1                            # this node's round (its copies' incarnation)
+        self.noted = -1                            # the step the server says the job reached (Assignment.noted_step)
         self._round_began = 0.0                    # when this round's workers were started (time.time())
         self.sources: dict[str, CopySource] = {}   # nodes whose copies it holds, with their tokens (copy_sources)
         self.targets: tuple[Witness, ...] = ()     # where this node's copies go now
         self.store: CopyStore | None = None     # the copies this node holds for others
         self.pushed: dict[tuple[str, int, int], int] = {}    # (addr, port, local rank) -> the step it holds
         self.copied: dict[int, tuple[int, str]] = {}         # local rank -> (its newest copied step, where)
-        self.sent_bytes = 0
-        self.refused = 0
+        self.sent_bytes = self.refused = 0
         self.last_refusal = ""
         self._said: set[str] = set()
         self._retry_at: dict[tuple[str, int, int], float] = {}
@@ -106,8 +105,8 @@ class PeerCopies:
         return self.store
 
     def _reach(self) -> int:
-        """The newest step this node's own ranks hold (-1: none): as far as the job is known to have come."""
-        return max((s for s in map(snapshot.newest, self._dirs.values()) if s is not None), default=-1)
+        """The newest step its own ranks hold, or the server noted (a newcomer never stepped): how far the job came."""
+        return max([self.noted, *(s for s in map(snapshot.newest, self._dirs.values()) if s is not None)])
 
     async def listen(self, addr: str, plain_port: int) -> int:
         """Where this node takes copies (JoinRequest.copy_port): a TLS listener of its own, the witnesses' plain
@@ -151,7 +150,9 @@ class PeerCopies:
         """Take the round's copy settings; fetch a gone node's copies where this node takes its place."""
         if a.round_id != self.round:
             self._round_began, self._past_start = time.time(), False
-        self.key, self.targets, self._dirs, self.round = a.copy_token, a.replicas, dirs, a.round_id
+        self.key, self.targets, self._dirs, self.round, self.noted = a.copy_token, a.replicas, dirs, a.round_id, \
+            a.noted_step
+        self._alike = a.ranks_alike and a.resume_at_most < 0
         keep_token(self.memory.root if self.memory.root == self.memory.home else None, self.key)
         self.sources.clear()
         self.sources.update((s.node_id, s) for s in a.copy_sources)
@@ -324,19 +325,10 @@ class PeerCopies:
                        f"copy of local rank {rank}'s step {step} to {target.addr}:{target.port} not made: "
                        f"{result.reason} (training goes on; tried again on the next snapshot)")
 
-    def _lagging(self, rank: int, step: int) -> None:
-        """A copy that landed after its rank let its step go: were this node lost, the node taking its place would
-        resume from a step the others may no longer keep. Said once, with what to change."""
+    def _lagging(self, rank: int, step: int) -> None:     # said once (local_steps.lag_line)
         with contextlib.suppress(OSError, KeyError):
-            kept = snapshot.steps(self._dirs[rank])
-            if kept and step < kept[0]:
-                rate = f"{self.bandwidth / 2**20:.0f} MiB/s" if self.bandwidth else "unlimited"
-                self._say_once("lag", f"peer copies lag behind the snapshots: local rank {rank}'s copy of step "
-                                      f"{step} landed when the rank kept only steps {kept[0]}..{kept[-1]}. Were "
-                                      f"this node lost, the node taking its place would resume from a step the "
-                                      f"others may no longer keep (a job whose ranks hold shards of their own "
-                                      f"then resumes from disk or step 0): give copies more bandwidth "
-                                      f"(--replica-bandwidth, {rate} now), snapshot less often, or keep more")
+            if line := lag_line(rank, step, snapshot.steps(self._dirs[rank]), self.bandwidth):
+                self._say_once("lag", line)
 
     def _say_once(self, kind: str, line: str) -> None:
         """Once per kind of trouble (a full peer, one away): news once; training goes on meanwhile."""
@@ -386,6 +378,10 @@ class PeerCopies:
         if self._pusher is not None:
             self._pusher.cancel()
         if not finished and self.key and self.targets:
+            # Leaving before its ranks stepped, a node of replicas (not diverged) sends its newest anyway: it is what
+            # the job resumes from, and its last chance (a third review: a lone node stopped as a replica joined
+            # sent nothing, and the job went back to step 0).
+            self._past_start = self._past_start or self._alike
             await last_copies(self._flush, due_bytes(self.targets, self._dirs, self.pushed), self.bandwidth, self._say,
                               FLUSH_LIMIT_S if flush_s is None else flush_s)
         tasks = [t for t in (self._pusher, *self._to_holder.values()) if t is not None]

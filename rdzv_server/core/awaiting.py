@@ -163,9 +163,26 @@ def holds_own_state(job: JobRecord, node: NodeRecord) -> bool:
     lent it). A job without snapshots in memory, or of replicas, loses nothing by shrinking and is not made to wait
     (an agent killed for good: the survivors go on within a second or two). HSDP's digests agree too, but only
     within each shard (`alike_step`, not `all_alike`): no rank is lent another's shard, and a review saw such a job
-    not wait for a restarted agent, shrink and go back to step 0."""
+    not wait for a restarted agent, shrink and go back to step 0. Replicas or not, a node whose round's others hold
+    no snapshot (a newcomer that never stepped) is awaited: its last push has yet to land (a review: a lone node
+    stopped as a replica joined, and the job went back to step 0)."""
     return (fetch_unfinished(node) or node.copies is not None and node.copies.local_step >= 0 or
-            node.copies is None and node.node_id in job.awaited) and not job.progress.all_alike
+            node.copies is None and node.node_id in job.awaited) and (not job.progress.all_alike or
+                                                                      not others_hold(job, node.node_id))
+
+
+def others_hold(job: JobRecord, node_id: str) -> bool:
+    """Whether another member of the job's round noted a snapshot of its own."""
+    members = job.round.members if job.round is not None else list(job.nodes)
+    return any(m != node_id and (n := job.nodes.get(m)) is not None and n.copies is not None and
+               n.copies.local_step >= 0 for m in members)
+
+
+def noted_step(job: JobRecord, members: list[str]) -> int:
+    """The newest snapshot step the members noted (Assignment.noted_step; -1: none): a newcomer's holder takes a
+    push up to it (a review: a lone node's last push, "ahead" of a replica that never stepped, was lost)."""
+    return max((n.copies.local_step for m in members if (n := job.nodes.get(m)) is not None and n.copies is not None),
+               default=-1)
 
 
 def fetch_unfinished(node: NodeRecord) -> bool:

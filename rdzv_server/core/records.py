@@ -142,6 +142,7 @@ class RoundRecord(msgspec.Struct, kw_only=True, omit_defaults=True, dict=True):
     run: str = ""                      # the job's run (rounds.run_of): Assignment.run
     resume_at_most: int = -1           # Assignment.resume_at_most (after replicas diverged)
     ranks_alike: bool = False          # Assignment.ranks_alike (the job's digests agreed)
+    noted_step: int = -1               # Assignment.noted_step (awaiting.noted_step)
     # A node that took a gone node's place -> [that node, the member holding its copies], or [that node, itself,
     # and the holder if any] where it lives on in the job (a suspect swapped out): it serves its own snapshots,
     # at `copies_from`, the holder's copies the second source

@@ -42,7 +42,8 @@ def build_round(job: JobRecord, members: list[str], round_id: int, opened_at: fl
                     # them and could act for those nodes for good), as one with no copy port
                     copy_ports=[n.copy_port if n.copy_verifiers else 0 for n in nodes],
                     replicas=replicas, replica_key=job.replica_key, run=run_of(job),
-                    resume_at_most=job.resume_at_most, ranks_alike=job.progress.all_alike)
+                    resume_at_most=job.resume_at_most, ranks_alike=job.progress.all_alike,
+                    noted_step=awaiting.noted_step(job, members))
     job.resume_at_most = -1           # told once: to the round that resumes
     pending = fetches_pending(job, members, took or {})
     # A newcomer in the place of a member lost mid-fetch takes that fetch over: the place's state is those copies
@@ -256,8 +257,7 @@ def assignment(r: RoundRecord, node_id: str) -> Assignment | None:
             copies_token=copy_token(r.replica_key, copies_of, r.told_epochs.get(node_id, r.copy_epochs.get(
                 copies_of, 0))) if copies_of else "",
             copies_at=copies_at, copies_also=copies_also, run=r.run, resume_at_most=r.resume_at_most,
-            ranks_alike=r.ranks_alike,
-            copies_wanted=derived.wanted())
+            ranks_alike=r.ranks_alike, noted_step=r.noted_step, copies_wanted=derived.wanted())
     return built
 
 

@@ -222,9 +222,13 @@ def test_a_node_whose_memory_held_no_snapshot_is_not_awaited():
 
 def test_a_job_of_replicas_is_not_made_to_wait():
     """DDP: the ranks' digests agreed (their snapshots are replicas), so a rank without the step is lent it by
-    another after the job grows again; shrinking loses nothing."""
+    another after the job grows again; shrinking loses nothing (the others hold the snapshot too: one that alone
+    holds any is awaited, test_lone_holder.py)."""
     rz = running(["a", "b", "c"], ELASTIC)
     job(rz).progress.alike_step, job(rz).progress.all_alike = 10, True
+    heard(rz, "ac", 9.0)
+    snapshots(rz, "a", 9.0)
+    snapshots(rz, "c", 9.0)
     crash_agent(rz, "b", 10.0)
     rz.tick(10.0 + DROP_GRACE_S)
     assert members(rz) == ["a", "c"] and job(rz).awaited == []
@@ -973,6 +977,7 @@ def test_the_spare_taking_the_place_of_a_member_back_with_another_number_of_work
 def test_a_job_of_replicas_back_with_another_number_of_workers_is_told_nothing():
     rz = running(["a", "b", "c"], ELASTIC)
     job(rz).progress.alike_step, job(rz).progress.all_alike = 10, True     # DDP: a rank without the step is lent it
+    snapshots(rz, "a", 9.0)
     crash_agent(rz, "b", 10.0)
     rz.tick(10.0 + DROP_GRACE_S)
     join(rz, "b", 10.5, ELASTIC, instance="b#2", lws=2)

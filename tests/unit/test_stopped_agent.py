@@ -172,8 +172,9 @@ def test_a_leave_the_job_loses_nothing_by_is_gone_on_without_at_once(case):
     """A leave not from a stop (the server refused the node, an older agent), one unhealthy (its host is held out
     anyway), a node with no snapshot in memory, a DDP job (its ranks replicas): the round forms at once."""
     rz = running(["a", "b", "c"], ELASTIC)
-    if case == "replicas":
+    if case == "replicas":     # (the others hold the snapshot too: a lone holder is awaited, test_lone_holder.py)
         job(rz).progress.alike_step, job(rz).progress.all_alike = 10, True
+        snapshots(rz, "a", 9.0)
     reply = stop(rz, "b", 10.0, stopped=case != "plain-leave", held=case != "nothing-held",
                  unhealthy=UnhealthyKind.GPU if case == "unhealthy" else None)
     assert members(rz) == ["a", "c"] and job(rz).awaited == [] and reply.place_kept_s == 0.0

@@ -1,0 +1,103 @@
+"""A review: a DDP job (--nnodes 1:3) ran on node a alone to step 57; b joined, and a's agent was stopped (SIGTERM) as
+round 2 began. a's last push never landed at b, and round 3 sent every rank back to step 0. Three rules, each here:
+- a holder whose own ranks never stepped takes pushes up to the step the server noted as the round formed
+  (Assignment.noted_step), not further (a stolen copy token alone still cannot freeze copies with a far step);
+- replicas leaving before they stepped send the newest of an earlier round (the step every rank resumes
+  from);
+- the server waits for a leaver of a job of replicas where no other member holds a snapshot of its own."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+from collections.abc import AsyncIterator
+from typing import Any
+
+import msgspec
+
+from node_agent.copies import wire
+from node_agent.copies.client import push
+from node_agent.copies.store import CopyStore
+from node_agent.training import snapshot
+from protocol.messages import Assignment, Witness
+from rdzv_server.core.leases import DROP_GRACE_S
+from tests.unit.test_awaiting import ELASTIC, crash_agent, snapshots
+from tests.unit.test_copies_agent import KEY, agent_side, assignment, holder, pushing
+from tests.unit.test_copy_store import Everyone
+from tests.unit.test_rendezvous import job, members, running, view
+
+
+@contextlib.asynccontextmanager
+async def serving(store: CopyStore) -> AsyncIterator[Witness]:
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        line = await reader.readline()
+        if wire.is_copy_request(line):
+            await store.serve(line, reader, writer)
+        writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    try:
+        yield Witness(addr="127.0.0.1", port=server.sockets[0].getsockname()[1])
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
+def told(a: Assignment, **changes: Any) -> Assignment:
+    return msgspec.structs.replace(a, **changes)
+
+
+async def test_a_holder_that_never_stepped_takes_pushes_up_to_the_step_the_server_noted(tmp_path) -> None:
+    said: list[str] = []
+    b, dirs = agent_side(tmp_path, "b", said)            # a newcomer: no snapshot of its own
+    await b.before_spawn(told(assignment(()), noted_step=55), dirs)
+    assert b._reach() == 55
+    store = CopyStore(str(tmp_path / "held"), 64 * 2**20, Everyone(lambda: KEY), round_now=lambda: 10**6,
+                      reach=b._reach)
+    store.ahead_wait_s = 0.0
+    src = tmp_path / "a"
+    src.mkdir()
+    path = snapshot.save(b"s55", 55, where=str(src))
+    async with serving(store) as at:
+        landed = await push(at.addr, at.port, key=KEY, node_id="a", local_rank=0, step=55, path=path, round_id=2)
+        assert landed.ok, landed
+        far = snapshot.save(b"far", 10**6, where=str(src))
+        refused = await push(at.addr, at.port, key=KEY, node_id="a", local_rank=0, step=10**6, path=far, round_id=2)
+        assert not refused.ok and "past what the job has reached" in refused.reason, refused
+    assert store.held() == {("a", 0): 55}
+
+
+async def test_replicas_leaving_before_they_stepped_send_the_newest_of_an_earlier_round(tmp_path) -> None:
+    import time
+    said: list[str] = []
+    async with holder(tmp_path) as (store, at):
+        for node, resume_at_most in (("a", -1), ("c", 50)):
+            copies, dirs = agent_side(tmp_path, node, said)
+            for where in dirs.values():
+                snapshot.save(b"s55", 55, where=where)        # round 1's, alone: the step round 2 resumes from
+                os.utime(snapshot.path(55, where), (time.time() - 5, time.time() - 5))
+            await copies.before_spawn(told(assignment(()), ranks_alike=True, resume_at_most=resume_at_most), dirs)
+            pushing(copies, at, dirs)
+            await copies._scan()
+            assert (node, 0) not in store.held()             # running: only once its ranks stepped, as before
+            await copies.close()                             # stopped before its workers stepped
+        # Diverged replicas (resume_at_most) send nothing: their newest may be a step the job abandons
+        assert store.held() == {("a", 0): 55, ("a", 1): 55}
+
+
+def test_a_leaver_of_replicas_whose_others_hold_no_snapshot_is_awaited() -> None:
+    rz = running(["a", "b", "c"], ELASTIC)
+    job(rz).progress.alike_step, job(rz).progress.all_alike = 10, True
+    crash_agent(rz, "a", 10.0)                      # a alone noted a snapshot: b and c never stepped
+    rz.tick(10.0 + DROP_GRACE_S)
+    assert job(rz).awaited == ["a"] and job(rz).round is None
+
+
+def test_a_round_tells_its_members_the_newest_step_they_noted() -> None:
+    rz = running(["a", "b", "c"], ELASTIC)
+    snapshots(rz, "a", 5.0, step=55)
+    crash_agent(rz, "c", 10.0, held=False)          # held nothing: not awaited, the round forms without it
+    rz.tick(10.0 + DROP_GRACE_S)
+    assert members(rz) == ["a", "b"]
+    got = view(rz, "b", 11.0).assignment
+    assert got is not None and got.noted_step == 55, got
