@@ -22,10 +22,8 @@ KEY = "job-key-for-copies-0123"
 
 
 @contextlib.asynccontextmanager
-async def holder(tmp_path) -> AsyncIterator[tuple[CopyStore, Witness]]:
-    store = CopyStore(str(tmp_path / "held"), 64 * 2**20, Everyone(lambda: KEY), round_now=lambda: 10**6,
-                         reach=lambda: FAR)
-
+async def serving(store: CopyStore) -> AsyncIterator[Witness]:
+    """`store` behind a port of its own on loopback: where its copies are pushed and fetched."""
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         line = await reader.readline()
         if wire.is_copy_request(line):
@@ -34,10 +32,18 @@ async def holder(tmp_path) -> AsyncIterator[tuple[CopyStore, Witness]]:
 
     server = await asyncio.start_server(handle, "127.0.0.1", 0)
     try:
-        yield store, Witness(addr="127.0.0.1", port=server.sockets[0].getsockname()[1])
+        yield Witness(addr="127.0.0.1", port=server.sockets[0].getsockname()[1])
     finally:
         server.close()
         await server.wait_closed()
+
+
+@contextlib.asynccontextmanager
+async def holder(tmp_path) -> AsyncIterator[tuple[CopyStore, Witness]]:
+    store = CopyStore(str(tmp_path / "held"), 64 * 2**20, Everyone(lambda: KEY), round_now=lambda: 10**6,
+                         reach=lambda: FAR)
+    async with serving(store) as where:
+        yield store, where
 
 
 def marked(dirs: dict[int, str]) -> list[bool]:

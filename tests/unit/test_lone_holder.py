@@ -7,40 +7,20 @@ round 2 began. a's last push never landed at b, and round 3 sent every rank back
 - the server waits for a leaver of a job of replicas where no other member holds a snapshot of its own."""
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import os
-from collections.abc import AsyncIterator
 from typing import Any
 
 import msgspec
 
-from node_agent.copies import wire
 from node_agent.copies.client import push
 from node_agent.copies.store import CopyStore
 from node_agent.training import snapshot
-from protocol.messages import Assignment, Witness
+from protocol.messages import Assignment
 from rdzv_server.core.leases import DROP_GRACE_S
 from tests.unit.test_awaiting import ELASTIC, crash_agent, snapshots
-from tests.unit.test_copies_agent import KEY, agent_side, assignment, holder, pushing
+from tests.unit.test_copies_agent import KEY, agent_side, assignment, holder, pushing, serving
 from tests.unit.test_copy_store import Everyone
 from tests.unit.test_rendezvous import job, members, running, view
-
-
-@contextlib.asynccontextmanager
-async def serving(store: CopyStore) -> AsyncIterator[Witness]:
-    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        line = await reader.readline()
-        if wire.is_copy_request(line):
-            await store.serve(line, reader, writer)
-        writer.close()
-
-    server = await asyncio.start_server(handle, "127.0.0.1", 0)
-    try:
-        yield Witness(addr="127.0.0.1", port=server.sockets[0].getsockname()[1])
-    finally:
-        server.close()
-        await server.wait_closed()
 
 
 def told(a: Assignment, **changes: Any) -> Assignment:
