@@ -107,11 +107,16 @@ def hold_last_call(job: JobRecord, now: float, out: Outbox) -> bool:
     """At a last call's end, whether a ready newcomer's connection closed and its grace still runs: the window is held
     to the grace's end (at most DROP_GRACE_S), when it is back or lost. Formed at once, the round took in a killed
     agent and formed again without it a moment later: every running worker stopped twice, for nothing."""
+    # Held once, for connections closed by the last call's own end: a node back and away again within each grace
+    # (a flaky link, or an agent doing so on purpose) would hold it again at every hold's end, for ever (a review).
+    # A hold's end comes within a grace of the last call's; a mark older than two graces is a stale one's.
+    began = job.last_call_held if job.last_call_held and now - job.last_call_held <= 2 * DROP_GRACE_S else now
     ends = [n.lease_expires for nid in job.waiting if (n := job.nodes.get(nid)) is not None and n.ready and
-            n.dropped and n.holding == 0 and n.lease_expires > now]
+            n.dropped and n.holding == 0 and n.lease_expires > now and n.dropped_at <= began]
     if not ends:
+        job.last_call_held = 0.0
         return False
-    job.last_call_deadline = max(ends)
+    job.last_call_deadline, job.last_call_held = max(ends), began
     out.deadline(job.last_call_deadline)
     return True
 

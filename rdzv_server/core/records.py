@@ -199,6 +199,7 @@ class JobRecord(msgspec.Struct, kw_only=True):
     restart_count: int = 0
     forming_since: float | None = None      # when the next round started forming
     last_call_deadline: float | None = None
+    last_call_held: float = 0.0             # the end of the last call a hold runs past (leases.hold_last_call)
     awaited: list[str] = msgspec.field(default_factory=list)   # while waiting: members restarting, kept until the
     #                                                             last call's deadline (awaiting.py) ...
     awaited_since: float = 0.0                                  # ... from when (its bound: awaiting.deadline)

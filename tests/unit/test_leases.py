@@ -462,3 +462,35 @@ def test_a_newcomer_whose_connection_closed_in_the_last_call_does_not_restart_th
     rz.tick(11.8)                                          # b's grace over: lost, and nobody is left to add
     assert "b" not in job.nodes
     assert job.round is not None and job.round.round_id == first and job.round.members == ["a"]
+
+
+def test_a_newcomer_that_keeps_closing_its_connection_holds_the_last_call_once_not_for_ever():
+    # a review: a flaky (or hostile) agent that polls and closes again within each grace was dropped with its grace
+    # running at every hold's end, and the last call was held again and again: no round formed for the others
+    rz = Rendezvous()
+    config = JobConfig(min_nodes=1, max_nodes=4, last_call_s=1.0, lease_timeout_s=LEASE, join_timeout_s=1e4)
+    rz.handle("j", JoinRequest(v=1, node_id="a", addr="10.0.0.1", local_world_size=1, master_port=1,
+                               config=config, instance="a"), 0.0)
+    rz.tick(1.0)
+    job = rz.jobs["j"]
+    first = job.round.round_id if job.round is not None else -1
+    poll(rz, "a", 10.0)
+    for c in ("b", "c"):
+        rz.handle("j", JoinRequest(v=1, node_id=c, addr="10.0.0.2", local_world_size=1, master_port=1,
+                                   config=config, instance=c), 10.0)
+    rz.handle("j", PollRequest(v=1, node_id="b"), 10.5, Arrival(hold=True))
+    rz.handle("j", PollRequest(v=1, node_id="c"), 10.5, Arrival(hold=True))
+    t = 10.9
+    rz.connection_dropped("j", "b", t, heard=True)         # closed 0.1 s before the last call ends
+    for _ in range(10):
+        end = job.last_call_deadline
+        if end is None:
+            break
+        rz.tick(end)
+        if job.round is not None and job.round.round_id != first:
+            break
+        rz.handle("j", PollRequest(v=1, node_id="b"), end + 0.1, Arrival(hold=True))     # back, and away again
+        poll(rz, "a", end + 0.2)
+        rz.connection_dropped("j", "b", end + 0.5, heard=True)
+    assert job.round is not None and job.round.round_id != first and "c" in job.round.members, \
+        [e.message for e in job.events[-3:]]
