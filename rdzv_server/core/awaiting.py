@@ -166,9 +166,20 @@ def holds_own_state(job: JobRecord, node: NodeRecord) -> bool:
     not wait for a restarted agent, shrink and go back to step 0. Replicas or not, a node whose round's others hold
     no snapshot (a newcomer that never stepped) is awaited: its last push has yet to land (a review: a lone node
     stopped as a replica joined, and the job went back to step 0)."""
-    return (fetch_unfinished(node) or node.copies is not None and node.copies.local_step >= 0 or
-            node.copies is None and node.node_id in job.awaited) and (not job.progress.all_alike or
-                                                                      not others_hold(job, node.node_id))
+    return held_state(job, node) and (not job.progress.all_alike or not others_hold(job, node.node_id))
+
+
+def held_state(job: JobRecord, node: NodeRecord) -> bool:
+    """Whether the node's memory holds state (a snapshot told, a fetch unfinished, a new agent of one awaited)."""
+    return fetch_unfinished(node) or node.copies is not None and node.copies.local_step >= 0 or \
+        node.copies is None and node.node_id in job.awaited
+
+
+def ranks_own_state(job: JobRecord, node: NodeRecord) -> bool:
+    """Whether the node's ranks hold state no other rank can lend (what a change of size loses): held, and the
+    ranks not replicas. Not holds_own_state: a lone replica holder is awaited, but a rank of a job of replicas that
+    grows is lent its step (a review: DDP growing from one node was told every rank went back to step 0)."""
+    return held_state(job, node) and not job.progress.all_alike
 
 
 def others_hold(job: JobRecord, node_id: str) -> bool:
@@ -212,7 +223,9 @@ def resized(job: JobRecord, before: list[str], after: list[str], was_awaited: bo
     Said where it happens, with what keeps the job's size, rather than found in the steps redone. Such a job is
     one a member's notes say so of, or one that was awaiting members (every agent restarted: new records that
     have told nothing yet)."""
-    own_state = was_awaited or any(holds_own_state(job, job.nodes[n]) for n in after if n in job.nodes)
+    # (a job of replicas awaited a lone holder: a rank that joins is lent its step)
+    own_state = (was_awaited and not job.progress.all_alike or
+                 any(ranks_own_state(job, job.nodes[n]) for n in after if n in job.nodes))
     if not before or len(before) == len(after) or not own_state:
         return ""
     if len(after) < len(before):
@@ -234,7 +247,9 @@ def ranks_moved(job: JobRecord, ranked: list[str], sizes: list[int], was_awaited
     r = job.round
     if r is None or len(ranked) != len(r.ranked) or len(sizes) != len(ranked) or len(r.local_sizes) != len(r.ranked):
         return ""
-    own_state = was_awaited or any(holds_own_state(job, job.nodes[n]) for n in r.ranked if n in job.nodes)
+    # (a job of replicas awaited a lone holder: a rank that joins is lent its step)
+    own_state = (was_awaited and not job.progress.all_alike or
+                 any(ranks_own_state(job, job.nodes[n]) for n in r.ranked if n in job.nodes))
     was, now = dict(zip(ranked, sizes, strict=True)), dict(zip(r.ranked, r.local_sizes, strict=True))
     changed = [n for n in r.ranked if n in was and was[n] != now[n]]
     if not own_state or not (changed or sum(sizes) != r.world_size):

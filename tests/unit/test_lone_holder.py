@@ -15,12 +15,12 @@ import msgspec
 from node_agent.copies.client import push
 from node_agent.copies.store import CopyStore
 from node_agent.training import snapshot
-from protocol.messages import Assignment
+from protocol.messages import Assignment, JobConfig
 from rdzv_server.core.leases import DROP_GRACE_S
-from tests.unit.test_awaiting import ELASTIC, crash_agent, snapshots
+from tests.unit.test_awaiting import ELASTIC, crash_agent, heard, last_event, snapshots
 from tests.unit.test_copies_agent import KEY, agent_side, assignment, holder, pushing, serving
 from tests.unit.test_copy_store import Everyone
-from tests.unit.test_rendezvous import job, members, running, view
+from tests.unit.test_rendezvous import job, join, members, running, view
 
 
 def told(a: Assignment, **changes: Any) -> Assignment:
@@ -81,3 +81,37 @@ def test_a_round_tells_its_members_the_newest_step_they_noted() -> None:
     assert members(rz) == ["a", "b"]
     got = view(rz, "b", 11.0).assignment
     assert got is not None and got.noted_step == 55, got
+
+
+def test_a_job_of_replicas_growing_from_one_node_is_not_told_every_rank_goes_back() -> None:
+    # a review: DDP (--nnodes 1:3) on node a alone, then b joined: the round said "its ranks hold their own state
+    # ... every rank resumes from the script's own checkpoint, or from step 0", though b is lent a's replica and
+    # every rank resumed from memory (the lone-holder wait's rule had leaked into what the round says)
+    config = JobConfig(min_nodes=1, max_nodes=3, max_restarts=3, lease_timeout_s=5.0, last_call_s=3.0)
+    rz = running(["a"], config)
+    job(rz).progress.alike_step, job(rz).progress.all_alike = 10, True
+    snapshots(rz, "a", 1.0, step=55)
+    join(rz, "b", 7.0, config)
+    heard(rz, "a", 7.0)
+    rz.tick(7.0 + config.last_call_s)
+    assert members(rz) == ["a", "b"]
+    grown = last_event(rz, "round_completed")
+    assert "own state" not in grown, grown
+
+
+def test_a_job_of_replicas_going_on_after_a_lone_holders_wait_is_not_told_its_ranks_hold_their_own_state() -> None:
+    # a real run (DDP, b with --no-memory-dir, a's agent SIGKILLed): after the wait the round said "the job shrinks
+    # ... its ranks hold their own state: when it grows again ... every rank resumes from step 0": a rank of
+    # replicas that joins is lent the step
+    rz = running(["a", "b", "c"], ELASTIC)
+    job(rz).progress.alike_step, job(rz).progress.all_alike = 10, True
+    crash_agent(rz, "a", 10.0)
+    rz.tick(10.0 + DROP_GRACE_S)
+    assert job(rz).awaited == ["a"]
+    end = job(rz).last_call_deadline
+    assert end is not None
+    heard(rz, "bc", end - 1.0)
+    rz.tick(end)
+    assert sorted(members(rz)) == ["b", "c"]
+    shrunk = last_event(rz, "round_completed")
+    assert "own state" not in shrunk, shrunk
