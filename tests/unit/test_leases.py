@@ -439,20 +439,24 @@ def test_an_agent_restarted_twice_at_once_is_no_flapping_host():
     assert job.round is not None and job.round.members == ["a", "b"], [e.message for e in job.events[-3:]]
 
 
+def one_worker(rz: Rendezvous, node: str, addr: str, config: JobConfig, t: float) -> None:
+    """`node` (its own instance) joins job "j" from `addr` with one worker at `t`."""
+    rz.handle("j", JoinRequest(v=1, node_id=node, addr=addr, local_world_size=1, master_port=1, config=config,
+                               instance=node), t)
+
+
 def test_a_newcomer_whose_connection_closed_in_the_last_call_does_not_restart_the_round_at_its_end():
     # a review: an agent killed as it became ready was taken into the round its last call formed, and the
     # round formed again without it a few ms later: the running node's workers stopped twice, for nothing
     rz = Rendezvous()
     config = JobConfig(min_nodes=1, max_nodes=3, last_call_s=1.0, lease_timeout_s=LEASE, join_timeout_s=1e4)
-    rz.handle("j", JoinRequest(v=1, node_id="a", addr="10.0.0.1", local_world_size=1, master_port=1,
-                               config=config, instance="a"), 0.0)
+    one_worker(rz, "a", "10.0.0.1", config, 0.0)
     rz.tick(1.0)
     job = rz.jobs["j"]
     assert job.round is not None and job.round.members == ["a"]
     first = job.round.round_id
     poll(rz, "a", 10.0)
-    rz.handle("j", JoinRequest(v=1, node_id="b", addr="10.0.0.2", local_world_size=1, master_port=1,
-                               config=config, instance="b"), 10.0)
+    one_worker(rz, "b", "10.0.0.2", config, 10.0)
     rz.handle("j", PollRequest(v=1, node_id="b"), 10.5, Arrival(hold=True))
     rz.connection_dropped("j", "b", 10.8, heard=True)     # b's agent killed 0.2 s before the last call ends
     poll(rz, "a", 10.9)
@@ -469,15 +473,13 @@ def test_a_newcomer_that_keeps_closing_its_connection_holds_the_last_call_once_n
     # running at every hold's end, and the last call was held again and again: no round formed for the others
     rz = Rendezvous()
     config = JobConfig(min_nodes=1, max_nodes=4, last_call_s=1.0, lease_timeout_s=LEASE, join_timeout_s=1e4)
-    rz.handle("j", JoinRequest(v=1, node_id="a", addr="10.0.0.1", local_world_size=1, master_port=1,
-                               config=config, instance="a"), 0.0)
+    one_worker(rz, "a", "10.0.0.1", config, 0.0)
     rz.tick(1.0)
     job = rz.jobs["j"]
     first = job.round.round_id if job.round is not None else -1
     poll(rz, "a", 10.0)
     for c in ("b", "c"):
-        rz.handle("j", JoinRequest(v=1, node_id=c, addr="10.0.0.2", local_world_size=1, master_port=1,
-                                   config=config, instance=c), 10.0)
+        one_worker(rz, c, "10.0.0.2", config, 10.0)
     rz.handle("j", PollRequest(v=1, node_id="b"), 10.5, Arrival(hold=True))
     rz.handle("j", PollRequest(v=1, node_id="c"), 10.5, Arrival(hold=True))
     t = 10.9
