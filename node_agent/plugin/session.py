@@ -238,8 +238,7 @@ class ServerSession:
 
     def _unreachable(self, waited: float, exc: Exception) -> str:
         s = self.settings
-        where = origin(s.scheme, s.host, s.port).partition("://")[2]    # an IPv6 host in brackets, as written
-        return (f"cannot reach the rdzv-server at {where} (--rdzv-endpoint) for {waited:.0f}s "
+        return (f"cannot reach the rdzv-server at {self._server} (--rdzv-endpoint) for {waited:.0f}s "
                 f"(--rdzv-conf server_wait={s.server_wait_s:g}): {exc}")
 
     async def _follow(self) -> None:
@@ -292,9 +291,14 @@ class ServerSession:
 
     def _lost_contact(self, exc: Exception) -> None:
         if not self._cut_off:   # said once per outage, at its first failed try
-            s = self.settings
-            self.say(unreachable_line(f"{s.host}:{s.port}", s.server_wait_s, str(exc)))
+            self.say(unreachable_line(self._server, self.settings.server_wait_s, str(exc)))
         self._cut_off = True
+
+    @property
+    def _server(self) -> str:
+        """HOST:PORT as the user writes it: an IPv6 host in brackets."""
+        s = self.settings
+        return origin(s.scheme, s.host, s.port).partition("://")[2]
 
     def _set(self, status: NodeStatus) -> None:
         if self._cut_off:

@@ -133,9 +133,11 @@ def test_an_unreachable_server_ends_the_session_with_the_endpoint_named(sessions
         s.bind((host, 0))
         port = s.getsockname()[1]
     endpoint = f"[{host}]" if ":" in host else host      # an IPv6 address is named as the user writes it
-    a = start(sessions, endpoint, port, "nowhere", "a", server_wait="0.3", lease_timeout="0.3")
+    said: list[str] = []
+    a = start(sessions, endpoint, port, "nowhere", "a", say=said.append, server_wait="0.3", lease_timeout="0.3")
     with pytest.raises(ServerLost, match=re.escape(f"cannot reach the rdzv-server at {named}:{port} ")):
         a.next_assignment(-1, None)
+    assert any(f" {named}:{port}" in line for line in said), said      # the line said as contact was lost too
 
 
 def admin(server: Cluster, path: str) -> None:
