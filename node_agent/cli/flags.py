@@ -124,7 +124,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag(("--lease-timeout", "--lease_timeout"), "lease_timeout_s", "S",
          "seconds of silence after which the server drops a node; default {default:g}"),
     Flag(("--server-wait", "--server_wait"), "server_wait", "S",
-         "seconds to keep retrying an unreachable server; default {default:g}"),
+         "seconds to keep retrying an unreachable server (never less than --lease-timeout); default {default:g}"),
     Flag(("--hang-detection", "--hang_detection"), "hang_detection", "on|off",
          "restart the job, naming the culprit, when ranks wait on a rank that is stopped or gone, or every rank "
          "waits in a collective with nothing moving (a deadlock); default on"),
