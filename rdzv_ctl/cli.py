@@ -59,6 +59,8 @@ def _nnodes(text: str) -> dict[str, int]:
             f"expected MIN:MAX, N, MIN: or :MAX with whole numbers, got {text!r}") from None
     if not body:
         raise argparse.ArgumentTypeError(f"give at least one of MIN and MAX, got {text!r}")
+    if body.get("min_nodes", 0) > body.get("max_nodes", body.get("min_nodes", 0)):
+        raise argparse.ArgumentTypeError(f"MIN is larger than MAX in {text!r}")
     return body
 
 

@@ -165,3 +165,13 @@ def test_a_resize_answered_in_another_shape_is_one_line_not_a_traceback():
     args.json = False
     with pytest.raises(CtlError, match="not the JobDetail this rdzv-ctl reads"):
         cli.run(args, Answers())  # type: ignore[arg-type]
+
+
+def test_a_resize_whose_min_is_above_its_max_is_refused_before_it_is_sent(capsys):
+    # A review: `resize --nnodes 2:1` went to the server to be refused there; the numbers alone say it is wrong.
+    import pytest
+
+    with pytest.raises(SystemExit) as stop:
+        cli.build_parser().parse_args(["resize", "j", "--nnodes", "2:1"])
+    assert stop.value.code == 2 and "MIN is larger than MAX in '2:1'" in capsys.readouterr().err
+    assert cli.build_parser().parse_args(["resize", "j", "--nnodes", "2:"]).nnodes == {"min_nodes": 2}
