@@ -195,10 +195,11 @@ def copies_lost(r: RoundRecord, took: dict[str, str]) -> str:
     gone = [old for new, old in took.items() if new not in r.copies and new != old] if r.replicas else []
     if not gone:
         return ""
-    then = "each rank resumes from the newest snapshot a replica holds (the ranks are replicas)" if r.ranks_alike \
-        else "every rank resumes from disk"      # a DDP job's moved ranks keep theirs (memory.dirs_for)
-    return (f"; no copy of {', '.join(gone[:3])}{' ...' if len(gone) > 3 else ''}'s snapshots is left (its peer "
-            f"was lost too, or its ranks are not the newcomer's): {then}")
+    # (a review: a lone node's round had no peer at all, and no replica held a snapshot: step 0 followed)
+    then = ("each rank resumes from the newest snapshot a replica holds (the ranks are replicas), else from disk or "
+            "step 0") if r.ranks_alike else "every rank resumes from disk"   # a DDP job's moved ranks keep theirs
+    return (f"; no copy of {', '.join(gone[:3])}{' ...' if len(gone) > 3 else ''}'s snapshots is left (it had no "
+            f"peer to hold them, its peer was lost too, or its ranks are not the newcomer's): {then}")
 
 
 def copies_off(r: RoundRecord | None, replicas: int, launcher: str = "") -> str:

@@ -168,6 +168,8 @@ def test_a_lost_node_whose_holder_was_lost_with_it_leaves_nothing_to_fetch(alike
     assert "no copy of b's snapshots is left" in formed.message and "no copy of c" not in formed.message
     assert ("every rank resumes from disk" in formed.message) != alike
     assert ("each rank resumes from the newest snapshot a replica holds" in formed.message) == alike
+    assert "(it had no peer to hold them, its peer was lost too, or" in formed.message    # a lone node had none
+    assert ("else from disk or step 0" in formed.message) == alike       # no replica may hold one (a review: step 0)
 
 
 def test_a_fixed_size_job_waiting_for_a_node_keeps_where_the_lost_nodes_copies_are():
