@@ -334,9 +334,13 @@ def waiting(job: JobRecord, now: float) -> str:
     slow = [n for n in job.awaited if preparing(job, n)]
     what = " and ".join(([f"{names(job, away)} to come back"] if away else []) +
                         ([f"{names(job, slow)} to be ready"] if slow else [])) or names(job)
+    why = "an agent restarting keeps its place"
+    if job.progress.all_alike and (lone := [n for n in job.awaited if not others_hold(job, n)]):  # why replicas wait
+        why += (f"; the ranks are replicas, but only the memory of {names(job, lone)} holds a snapshot: a last copy "
+                f"sent as its agent stops lands meanwhile")
     if not wait_runs(job):
-        return f"waiting for nodes, and for {what} (an agent restarting keeps its place)"
-    return f"waiting up to {round(left, 1):g}s for {what} (an agent restarting keeps its place)"
+        return f"waiting for nodes, and for {what} ({why})"
+    return f"waiting up to {round(left, 1):g}s for {what} ({why})"
 
 
 def came_back(job: JobRecord, node: NodeRecord, now: float) -> bool:

@@ -71,6 +71,8 @@ def test_a_leaver_of_replicas_whose_others_hold_no_snapshot_is_awaited() -> None
     crash_agent(rz, "a", 10.0)                      # a alone noted a snapshot: b and c never stepped
     rz.tick(10.0 + DROP_GRACE_S)
     assert job(rz).awaited == ["a"] and job(rz).round is None
+    # why a job of replicas waits (a review: the line said only "an agent restarting keeps its place")
+    assert "the ranks are replicas, but only the memory of node a holds a snapshot" in job(rz).reason, job(rz).reason
 
 
 def test_a_round_tells_its_members_the_newest_step_they_noted() -> None:
