@@ -43,12 +43,13 @@ def first_ask_at(renewed_at: float | None, unreachable_since: float, lease_timeo
 
 def fenced(verdict: Verdict, silent_s: float, lease_timeout_s: float, rank: int) -> tuple[str, WorkerFailure]:
     """What the node says, and reports for its round, when it stops its workers as the one cut off."""
-    seen = ("a witness that hears the server runs a newer round (or none: the round ended)"
+    # One verdict covers both: a newer round (ours replaced) or none (ours ended, the job below its minimum)
+    seen = ("a witness that hears the server runs a newer round, or none"
             if verdict == Verdict.ROUND_REPLACED else
             "the round's other nodes still hear the server" if verdict == Verdict.SERVER_HEARD else
             "neither the round's other nodes nor any endpoint answer")
     why = (f"fenced: no answer from the server for {silent_s:.1f}s (lease {lease_timeout_s:g}s), and "
-           f"{seen}: this node is cut off, and the server has replaced its round")
+           f"{seen}: this node is cut off, and the server has replaced or ended its round")
     failure = WorkerFailure(local_rank=0, rank=rank, exitcode=-signal.SIGTERM, signal="SIGTERM",
                             reason=FailureReason.FENCED.value, message=why[:MAX_MESSAGE])
     return why, failure

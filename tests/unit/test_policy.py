@@ -479,6 +479,8 @@ def test_a_witness_holding_a_newer_round_is_the_evidence_to_fence_at_once():
     p.handle(DeadlinePassed(), 16.0)
     actions = p.handle(WitnessesAnswered(Verdict.ROUND_REPLACED, Path.NO_SERVER), 16.2)
     assert isinstance(actions[0], StopWorkers) and "runs a newer round" in actions[0].reason
+    # a witness running no round (ours ended, the job below its minimum) is this verdict too: not said "replaced"
+    assert "the server has replaced or ended its round" in actions[0].reason, actions[0].reason
     assert isinstance(actions[1], ReportFailure) and p.workers == Workers.FAILED
 
 
