@@ -108,6 +108,7 @@ class Client:
         self.admin_token = admin_token
         self.tls = tls
         self.slow: list[str] = []       # replicas that timed out on the last quick pass
+        self.failed: dict[str, str] = {}  # replica -> why it gave no answer, for the request under way
 
     def get(self, path: str) -> Any:
         return self._at_leader(lambda: urllib.request.Request(self.server + path, headers={
@@ -124,6 +125,7 @@ class Client:
         answers: the operator would wait the whole --timeout before the next one), then of those that did not
         answer in time for the whole --timeout. An admin action is sent once per replica: it may have acted."""
         quick = min(self.timeout, self.QUICK_S)
+        self.failed = {}
         if admin or len(self.replicas) == 1 or quick >= self.timeout:
             return self._each_replica(self.replicas, request, token, admin=admin, timeout=self.timeout)
         self.slow = []
@@ -150,9 +152,10 @@ class Client:
             except CtlError as exc:
                 tried.append(self.server)
                 error = exc
+            self.failed[tried[-1]] = str(error)
             untried = [r for r in replicas if r not in tried]
-            if not untried:
-                raise error
+            if not untried:     # each replica's own line: a frozen one's timeout must not hide another's refusal
+                raise CtlError("; ".join(dict.fromkeys(self.failed.values()))) if len(self.failed) > 1 else error
             self.server = untried[0]
 
     def _call(self, req: urllib.request.Request, token: Token | None, *, admin: bool, timeout: float) -> Any:

@@ -18,7 +18,7 @@ from node_agent.client.replies import Path
 from node_agent.client.transport import ServerUnreachable
 from protocol.codec import CONTENT_TYPE, encode
 from protocol.messages import JobConfig, JobState, NodeState, NodeStatus
-from rdzv_ctl.client import Client
+from rdzv_ctl.client import Client, CtlError
 from rdzv_server.coordinator import Coordinator
 from rdzv_server.looplag import LoopLagMeter
 from rdzv_server.web.app import create_app
@@ -204,6 +204,29 @@ async def test_rdzv_ctl_gives_a_replica_slow_to_answer_the_whole_timeout(monkeyp
     finally:
         await srv.close()
     assert doc["jobs"] == ["slow"] and ctl.server == slow
+
+
+async def test_rdzv_ctl_says_each_replicas_failure_not_only_the_frozen_ones(monkeypatch):
+    """A review: a frozen replica first, a live one that needs a token: rdzv-ctl said only "cannot reach ...
+    timed out" of the frozen one, and the live one's "pass --token-file" was lost. Each replica's line is said."""
+    monkeypatch.setattr(Client, "QUICK_S", 0.2)
+
+    async def needs_token(request: web.Request) -> web.Response:
+        return web.json_response({"error": "unauthorized"}, status=401)
+
+    app = web.Application()
+    app.router.add_get("/v1/status", needs_token)
+    srv = await start_app(app)
+    try:
+        with socket.socket() as frozen:
+            frozen.bind(("127.0.0.1", 0))
+            frozen.listen(8)          # never accepted: no answer ever comes
+            ctl = Client(f"http://127.0.0.1:{frozen.getsockname()[1]},http://127.0.0.1:{srv.port}", 0.5)
+            with pytest.raises(CtlError) as failed:
+                await asyncio.wait_for(asyncio.to_thread(ctl.get, "/v1/status"), LIMIT)
+    finally:
+        await srv.close()
+    assert "timed out" in str(failed.value) and "pass --token-file" in str(failed.value), failed.value
 
 
 async def test_a_followed_leader_that_is_gone_sends_the_agent_back_to_its_endpoint():
