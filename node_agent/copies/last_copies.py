@@ -48,6 +48,11 @@ def due_bytes(targets: Iterable[Holder], dirs: dict[int, str], pushed: dict[tupl
     return total
 
 
+# A node that ran alone (or whose copies never landed) has no copy before: not promised (a review read "resumes from
+# the copy before" where a lone node's job then went back to step 0).
+EARLIER = "a node taking its place resumes from an earlier copy where one landed, else from disk or step 0"
+
+
 async def last_copies(flush: Callable[[], Awaitable[None]], due: int, bandwidth: int, say: Callable[[str], None],
                       limit_s: float) -> None:
     """`flush` (the pushes under way, then those due) for `due` bytes at `bandwidth` (0: no cap), at most
@@ -58,7 +63,7 @@ async def last_copies(flush: Callable[[], Awaitable[None]], due: int, bandwidth:
     if bandwidth and due / bandwidth > limit_s:
         say(f"peer copies: this node's newest snapshot ({mib:.0f} MiB) is not sent before it exits: at "
             f"--replica-bandwidth {bandwidth / 2**20:.0f} MiB/s it would take {due / bandwidth:.1f}s, more than "
-            f"the {limit_s:.3g}s its stop allows; a node taking its place resumes from the copy before")
+            f"the {limit_s:.3g}s its stop allows; {EARLIER}")
         return
     say(f"peer copies: sending this node's newest snapshot ({mib:.0f} MiB) to its holders before it exits (at "
         f"most {limit_s:.3g}s)")
@@ -66,4 +71,4 @@ async def last_copies(flush: Callable[[], Awaitable[None]], due: int, bandwidth:
         await asyncio.wait_for(flush(), limit_s)
     except (asyncio.TimeoutError, OSError):
         say(f"peer copies: this node's newest snapshot did not reach its holders within {limit_s:.3g}s of its "
-            f"stop; a node taking its place resumes from the copy before")
+            f"stop; {EARLIER}")
