@@ -5,7 +5,8 @@
 
 Every `every` optimizer steps (Lightning's `global_step`) the callback takes the checkpoint Lightning itself would
 write (`dump_checkpoint`: model, optimizers, LR schedulers, loops, callbacks, precision) into the node agent's
-memory, dumped the same moment a ModelCheckpoint(every_n_train_steps=every) saves, kept once it has saved.
+memory, at the end of the first batch whose global step reached or passed a multiple of `every` (with several
+optimizers it moves more than one a batch), dumped where a ModelCheckpoint saves, kept once it has saved.
 When `fit` starts it hands the newest
 snapshot every rank holds to Lightning's own restore, as `fit(ckpt_path=...)` would: the global step, the epoch
 and the position in it follow. A `ckpt_path` you pass wins. The rules of `protect` hold (checksums, every rank on
@@ -111,7 +112,9 @@ class Snapshots(Callback):
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         step = trainer.global_step
-        if self._capture is not None and step > self._last and step % self.every == 0:
+        # Due once the step passed a multiple of `every`, not only landed on one: global_step moves once per
+        # optimizer step, 2 a batch with two optimizers (a GAN), and steps 1, 3, 5, ... never land on 4's
+        if self._capture is not None and step // self.every > self._last // self.every:
             self._last = step
             # Dumped now, as a ModelCheckpoint(every_n_train_steps) dumps it; taken by _take_due once the checkpoint
             # callbacks (Lightning runs them last) have saved: a crash in their save resumes from the snapshot before

@@ -161,3 +161,43 @@ def test_a_crash_in_modelcheckpoints_save_resumes_from_the_snapshot_before_it(me
             trainer.fit(Tiny(), data)
     assert "resumed from step 2 (memory)" in capsys.readouterr().out
     assert torch.load(tmp_path / "step=4-v1.ckpt", weights_only=False)["global_step"] == 4
+
+
+class Gan(L.LightningModule):
+    """Manual optimization with two optimizers: `global_step` moves once per `step()` called, 2 a batch, and 1 on
+    the first batch (the discriminator warms up alone), so every step after it is odd."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.automatic_optimization = False
+        self.g, self.d = nn.Linear(4, 4), nn.Linear(4, 1)
+
+    def training_step(self, batch, batch_idx):
+        g, d = self.optimizers()
+        d.zero_grad()
+        self.manual_backward(self.d(batch[0]).mean() - self.d(self.g(batch[0]).detach()).mean())
+        d.step()
+        if batch_idx > 0:
+            g.zero_grad()
+            self.manual_backward(self.d(self.g(batch[0])).mean())
+            g.step()
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.g.parameters(), 1e-2), torch.optim.Adam(self.d.parameters(), 1e-2)
+
+
+def test_a_snapshot_is_due_once_global_step_passes_a_multiple_of_every(memory, capsys) -> None:
+    """Steps 1, 3, 5, ... never land on a multiple of 4: a snapshot taken only on one was never taken, and a crash
+    went back to step 0. One is due at the first batch whose global step passed a multiple: 5 and 9 of 1..11."""
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(80, 4)), batch_size=8)
+    for steps in (11, 13):
+        resume._fits[0] = 0          # as a new process's first fit
+        trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=steps, callbacks=[Snapshots(every=4)],
+                            logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                            enable_model_summary=False)
+        trainer.fit(Gan(), data)
+        if steps == 11:
+            assert sorted(os.listdir(memory)) == ["step-5", "step-9"]
+    assert "resumed from step 9 (memory)" in capsys.readouterr().out
+    assert trainer.global_step == 13
