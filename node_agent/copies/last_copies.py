@@ -32,12 +32,13 @@ def flush_limit(place_left_s: float | None) -> float:
     return FLUSH_LIMIT_S if place_left_s is None else max(0.0, min(FLUSH_LIMIT_S, place_left_s / 2))
 
 
-def due_bytes(targets: Iterable[Holder], dirs: dict[int, str], pushed: dict[tuple[str, int, int], int]) -> int:
-    """The bytes of the newest step every local rank holds not yet confirmed at each holder (pushes under way
-    included; 0 where the directories went with the job)."""
+def due_bytes(targets: Iterable[Holder], dirs: dict[int, str], pushed: dict[tuple[str, int, int], int],
+              at_most: int | None = None) -> int:
+    """The bytes of the newest step every local rank holds (none past `at_most`) not yet confirmed at each holder
+    (pushes under way included; 0 where the directories went with the job)."""
     total = 0
     try:
-        newest = common_step(dirs)
+        newest = common_step(dirs, at_most)
     except OSError:
         return 0
     for target in targets:

@@ -27,11 +27,12 @@ def written_since(path: str, since: float) -> bool:
         return False
 
 
-def common_step(dirs: dict[int, str]) -> dict[int, tuple[int, str]]:
-    """local rank -> (step, its file) of the step every local rank has saved (the oldest newest): pushed once the
-    last rank's save is done, so a copy never competes with a save of that step, and a holder gets one step for
-    all of them. {} while a rank has none."""
-    held = {rank: snapshot.newest(where) for rank, where in dirs.items()}
+def common_step(dirs: dict[int, str], at_most: int | None = None) -> dict[int, tuple[int, str]]:
+    """local rank -> (step, its file) of the step every local rank has saved (the oldest newest; none past
+    `at_most`): pushed once the last rank's save is done, so a copy never competes with a save of that step, and a
+    holder gets one step for all of them. {} while a rank has none."""
+    held = {rank: max((s for s in snapshot.steps(where) if at_most is None or s <= at_most), default=None)
+            for rank, where in dirs.items()}
     steps = [s for s in held.values() if s is not None]
     if not steps or len(steps) < len(held):
         return {}

@@ -60,6 +60,7 @@ class PeerCopies:
         self.static, self.memory, self.nproc, self.node_id = static, memory, nproc, node_id
         self._stepping = stepping
         self._past_start = self._alike = False     # this round's ranks all stepped / are replicas that resume alike
+        self._at_most: int | None = None           # no push past this step (a leaver's last copies: `close`)
         self._say = say
         self.bandwidth = bandwidth
         self.tls, self.server_tls = tls, server_tls
@@ -259,7 +260,7 @@ class PeerCopies:
         # So until every local rank has stepped (past its agreement), only what this round wrote goes (its workers'
         # snapshots, or copies it fetched); then its newest too, whatever round wrote it (the step it resumed from,
         # for a holder new in this round: a second review lost every rank to step 0 waiting for the next).
-        newest = common_step(self._dirs)
+        newest = common_step(self._dirs, self._at_most)
         if newest and not self._past_start:
             if self._stepping is not None and self._stepping(self.round, len(self._dirs)):
                 self._past_start = True
@@ -380,10 +381,12 @@ class PeerCopies:
         if not finished and self.key and self.targets:
             # Leaving before its ranks stepped, a node of replicas (not diverged) sends its newest anyway: it is what
             # the job resumes from, and its last chance (a third review: a lone node stopped as a replica joined
-            # sent nothing, and the job went back to step 0).
-            self._past_start = self._past_start or self._alike
-            await last_copies(self._flush, due_bytes(self.targets, self._dirs, self.pushed), self.bandwidth, self._say,
-                              FLUSH_LIMIT_S if flush_s is None else flush_s)
+            # sent nothing, and the job went back to step 0). No step past the one the server noted: its holders,
+            # never stepped, park a newer one as "ahead" of the job past the flush's end (a fourth review: step 0).
+            if self._alike and not self._past_start:
+                self._past_start, self._at_most = True, self.noted if self.noted >= 0 else None
+            await last_copies(self._flush, due_bytes(self.targets, self._dirs, self.pushed, self._at_most),
+                              self.bandwidth, self._say, FLUSH_LIMIT_S if flush_s is None else flush_s)
         tasks = [t for t in (self._pusher, *self._to_holder.values()) if t is not None]
         for task in tasks:
             task.cancel()

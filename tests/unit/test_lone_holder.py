@@ -65,6 +65,28 @@ async def test_replicas_leaving_before_they_stepped_send_the_newest_of_an_earlie
         assert store.held() == {("a", 0): 55, ("a", 1): 55}
 
 
+async def test_a_leaver_of_replicas_sends_no_step_past_the_one_the_server_noted(tmp_path) -> None:
+    # a fourth review: a's workers saved step 250 after the server noted 245 as round 2 formed; b, never stepped,
+    # parked 250 as "ahead" past a's flush, and round 3 sent every rank back to step 0
+    import time
+    said: list[str] = []
+    b, _ = agent_side(tmp_path, "b", said)
+    await b.before_spawn(told(assignment(()), noted_step=245), {})
+    store = CopyStore(str(tmp_path / "held"), 64 * 2**20, Everyone(lambda: KEY), round_now=lambda: 10**6,
+                      reach=b._reach)
+    store.ahead_wait_s = 0.0
+    async with serving(store) as at:
+        a, dirs = agent_side(tmp_path, "a", said)
+        for where in dirs.values():
+            for step in (245, 250):                   # round 1's, alone; keep=2
+                snapshot.save(b"s%d" % step, step, where=where)
+                os.utime(snapshot.path(step, where), (time.time() - 5, time.time() - 5))
+        await a.before_spawn(told(assignment(()), ranks_alike=True, noted_step=245), dirs)
+        pushing(a, at, dirs, round_id=2)
+        await a.close()                                 # stopped before its round-2 workers stepped
+    assert store.held() == {("a", 0): 245, ("a", 1): 245}
+
+
 def test_a_leaver_of_replicas_whose_others_hold_no_snapshot_is_awaited() -> None:
     rz = running(["a", "b", "c"], ELASTIC)
     job(rz).progress.alike_step, job(rz).progress.all_alike = 10, True
