@@ -1,7 +1,10 @@
 """Accepting connections from strangers, for the agent's listeners and the server's TLS port alike: each connection
 is bounded before it costs more than a descriptor.
-- `Caps`: connections in progress, in total and by source address (an IPv6 one's /64). Past the per-source cap a
-  new one is closed at once (before any TLS handshake: the accept loop is ours for that reason); at the total cap
+- `Caps`: connections in progress, in total and by source address (an IPv6 one's /64). At the per-source cap the
+  one of that source waiting longest (that sent nothing, else any) makes room, and where all of the source's are at
+  work the newcomer is closed at once (before any TLS handshake: the accept loop is ours for that reason): a review
+  saw a process on a peer's host (its address) hold the cap with idle connections, reopened as they were closed,
+  and the peer's pushes refused for the whole attack. At the total cap
   the one waiting longest (for its handshake, or its first line) is closed to make room: a peer sends its first
   line at once, so idle connections cannot shut out a newcomer, from one source or from many (a review: with one
   idle connection from each of 768 addresses, "the source with the most waiting" was a peer pushing two ranks at
@@ -53,19 +56,22 @@ class Caps:
         self.total, self.per_source, self.shrinks = total, per_source, shrinks
         self.open: dict[str, int] = {}      # source address -> its connections open now
         self.count = 0                      # all of them (every accept in a flood asks: kept, not summed)
-        # longest waiting first: what closes each, and whether it has sent anything yet
-        self.waiting: OrderedDict[object, tuple[Callable[[], None], Callable[[], bool]]] = OrderedDict()
+        # longest waiting first: what closes each, whether it has sent anything yet, its source
+        self.waiting: OrderedDict[object, tuple[Callable[[], None], Callable[[], bool], str]] = OrderedDict()
         # Closed to make room but not closed yet: a task that started closes its socket once it runs again, so its
         # descriptor outlives its count (the accept loop waits for these: `accept`).
         self.ending: set[asyncio.Task[None]] = set()
 
     def take(self, source: str) -> str:
         """TAKEN: `source` may open one more; EVICTED: so, once a waiting connection was closed to make room, the
-        one waiting longest (`close()` gives its count back at once); REFUSED: at the
-        per-source cap, or at the total cap with every connection at work."""
-        if self.open.get(source, 0) >= self.per_source:
-            return REFUSED
+        one of `source` waiting longest at the per-source cap, else the one waiting longest (`close()` gives its count
+        back at once); REFUSED: at the per-source cap with every one of the source's at work, or at the total cap
+        with every connection at work."""
         taken = TAKEN
+        if self.open.get(source, 0) >= self.per_source:
+            if not self._close_one_waiting_of(source):
+                return REFUSED
+            taken = EVICTED
         if self.count >= self.total:
             if not self.close_one_waiting():
                 return REFUSED
@@ -92,19 +98,30 @@ class Caps:
         self._close_one_waiting(sparing)
         return True
 
+    def _close_one_waiting_of(self, source: str) -> bool:
+        """Close the connection of `source` waiting longest that has sent nothing yet, else its one waiting longest;
+        False where none of its connections waits (all at work)."""
+        ahead = list(islice(((key, sent) for key, (_, sent, of) in self.waiting.items() if of == source), LOOK_AHEAD))
+        if not ahead:
+            return False
+        victim = next((key for key, sent in ahead if not sent()), ahead[0][0])
+        close, _, _ = self.waiting.pop(victim)
+        close()
+        return True
+
     def _close_one_waiting(self, sparing: object = None) -> None:
         """The connection waiting longest that has sent nothing yet (a peer's sends at once: its line may wait for a
         loop busy accepting a flood), else the one waiting longest; never `sparing`. `close()` gives its count back."""
-        others = ((key, sent) for key, (_, sent) in self.waiting.items() if key is not sparing)
+        others = ((key, sent) for key, (_, sent, _) in self.waiting.items() if key is not sparing)
         ahead = list(islice(others, LOOK_AHEAD))
         victim = next((key for key, sent in ahead if not sent()), ahead[0][0])
-        close, _ = self.waiting.pop(victim)
+        close, _, _ = self.waiting.pop(victim)
         close()
 
     def wait(self, source: str, key: object, close: Callable[[], None],
              sent: Callable[[], bool] = lambda: False) -> None:
         """A connection of `source` waits: `close()` ends it to make room; `sent()`: bytes of it are in."""
-        self.waiting[key] = (close, sent)
+        self.waiting[key] = (close, sent, source)
 
     def at_work(self, source: str, key: object) -> None:
         """The connection waits no more (it is at work, or it ended): it is no longer closed to make room."""

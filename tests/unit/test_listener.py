@@ -106,17 +106,38 @@ async def ask(port: int, line: bytes, source: str = "127.0.0.1") -> bytes:
         writer.close()
 
 
-async def test_past_the_per_source_cap_a_connection_is_closed_at_once_and_others_still_get_in() -> None:
-    caps, said = Caps(total=100, per_source=3), []
-    async with serving(caps, said=said) as (port, _):
-        held = [silent(port) for _ in range(3)]
-        await until(lambda: caps.count == 3, "the three accepted")
+async def test_past_the_per_source_cap_with_all_of_its_at_work_a_connection_is_closed_at_once() -> None:
+    caps, busy, said = Caps(total=100, per_source=3), asyncio.Event(), []
+    async with serving(caps, said=said, busy=busy) as (port, _):
+        AT_WORK.clear()
+        working = [asyncio.ensure_future(ask(port, b"busy\n")) for _ in range(3)]
+        await until(lambda: len(AT_WORK) == 3, "the three at work in their handlers")
         extra = silent(port)
         began = time.monotonic()              # at once: well before a silent one's first-line limit
         assert await closed_within(extra, 3.0) and time.monotonic() - began < listening.FIRST_LINE_S - 1
         assert len(said) == 1 and "refused a connection from '127.0.0.1'" in said[0], said
         assert await ask(port, b"rdzv-agent ask round=1\n", source="127.0.0.2") == b"ok rdzv-agent ask round=1\n"
-        for s in held + [extra]:
+        busy.set()
+        assert await asyncio.gather(*working) == [b"ok busy\n"] * 3
+        extra.close()
+
+
+async def test_at_the_per_source_cap_idle_ones_of_that_source_make_room_for_a_peer_from_it() -> None:
+    """A review: a process on a peer's host (the peer's address) held the per-source cap with idle connections,
+    reopened as they were closed, and every push of the peer's was closed at once for the whole attack. The one of
+    that source waiting longest makes room, as at the total cap; the source still holds no more than its cap."""
+    caps, said = Caps(total=100, per_source=3), []
+    async with serving(caps, said=said) as (port, _):
+        held = []
+        for n in range(1, 4):
+            held.append(silent(port))
+            await until(lambda n=n: caps.count == n, "the idle ones accepted in turn")
+        assert await ask(port, b"rdzv-agent ask round=1\n") == b"ok rdzv-agent ask round=1\n"
+        assert await closed_within(held[0], 2.0)                    # the one waiting longest made room
+        assert not any([await closed_within(s, 0.2) for s in held[1:]])
+        assert len(said) == 1 and "closed the one idle longest" in said[0], said
+        await until(lambda: caps.open == {"127.0.0.1": 2}, "the peer's place given back, the source under its cap")
+        for s in held:
             s.close()
 
 
