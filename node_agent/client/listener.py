@@ -72,6 +72,24 @@ async def _close(writer: asyncio.StreamWriter) -> None:
         writer.transport.abort()
 
 
+def _let_go(conn: socket.socket, transport: asyncio.WriteTransport | None,
+            connected: asyncio.Future[tuple[asyncio.StreamReader, asyncio.StreamWriter]], owned: bool) -> None:
+    """End a connection at once, whatever stage it was cut at. A socket asyncio made a transport on is never closed
+    here: a wait cancelled just as the TLS handshake ended (closed for room) leaves that transport shutting TLS down,
+    reading the socket's number for up to 30 s, and the number closed under it goes to the next socket (a review: "File
+    descriptor N is used by transport", a traceback, and a peer's push lost). Its stream, where the handshake made one,
+    is aborted; else the socket is shut down, so the transport fails on it and closes it itself."""
+    if transport is None and connected.done() and not connected.cancelled():
+        transport = connected.result()[1].transport
+    if transport is not None:
+        transport.abort()
+    if owned:
+        with contextlib.suppress(OSError):
+            conn.shutdown(socket.SHUT_RDWR)
+    else:
+        conn.close()
+
+
 class Listener:
     def __init__(self, handler: Handler, caps: Caps, say: Callable[[str], None], tls: ssl.SSLContext | None = None,
                  name: str = "listener") -> None:
@@ -131,8 +149,11 @@ class Listener:
         conn, source = accepted.conn, accepted.source
         accepted.started = True
         transport: asyncio.Transport | None = None      # once made, it owns the socket
+        owned = False       # asyncio made a transport on the socket (before handing it over): it closes the socket
 
         def made() -> asyncio.StreamReaderProtocol:
+            nonlocal owned
+            owned = True
             reader = asyncio.StreamReader(limit=FIRST_LINE_LIMIT)
             reader.feed_data(rest)         # what came after the first line, before the stream took over
             return asyncio.StreamReaderProtocol(reader, lambda r, w: connected.set_result((r, w)))
@@ -148,7 +169,7 @@ class Listener:
                 transport, _ = await asyncio.wait_for(self._connect(loop, made, accepted), HANDSHAKE_S + 1)
                 reader, writer = await asyncio.wait_for(connected, 1.0)
             except (OSError, ValueError, asyncio.TimeoutError):     # a handshake refused or too slow: said nowhere
-                conn.close()
+                _let_go(conn, transport, connected, owned)
                 return
             try:
                 with contextlib.suppress(OSError, ValueError, asyncio.TimeoutError):
@@ -162,10 +183,7 @@ class Listener:
         except asyncio.CancelledError:
             # Closed at once and unregistered from the loop: the socket's number may be reused by the next accept
             # right after (a TLS close would wait for the peer's close_notify with the number still registered).
-            if transport is not None:
-                transport.abort()
-            else:
-                conn.close()
+            _let_go(conn, transport, connected, owned)
             if not accepted.evicted:
                 raise                                        # the listener closing: evicted ones just end
         finally:

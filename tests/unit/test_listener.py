@@ -448,3 +448,31 @@ async def test_a_handshake_the_caps_closed_is_not_given_back_again_by_the_handsh
         a.close()
         b.close()
         await server.close()
+
+
+async def test_a_tls_connection_closed_for_room_as_its_handshake_ends_leaves_no_transport_on_a_reused_number(
+        tmp_path, monkeypatch) -> None:
+    """A review: strangers' ClientHellos at an agent's TLS copy port closed a peer's connection for room just as its
+    handshake ended, before the listener had its transport. The listener closed the socket itself while asyncio's
+    transport, left shutting TLS down (30 s for a close_notify), still read its number: the next socket given that
+    number failed ("File descriptor N is used by transport"), a traceback in the agent's log, and its push lost."""
+    ca, tls = server_tls(tmp_path)
+    caps = Caps(total=8, per_source=8)
+    evicted: list[bool] = []
+
+    class EvictedAsItConnects(asyncio.StreamReaderProtocol):
+        def connection_made(self, transport: asyncio.BaseTransport) -> None:   # the handshake just ended
+            super().connection_made(transport)
+            if not evicted:
+                evicted.append(caps.close_one_waiting())
+
+    async with serving(caps, tls=tls) as (port, _):
+        with monkeypatch.context() as patched:
+            patched.setattr(asyncio, "StreamReaderProtocol", EvictedAsItConnects)
+            with contextlib.suppress(OSError, asyncio.TimeoutError):
+                await hello_over_tls(port, ca)
+        assert evicted == [True]
+        await until(lambda: caps.count == 0, "the evicted connection's place given back")
+        # The lowest free descriptor numbers, the evicted one's among them, go to new sockets: each connects
+        for _ in range(4):
+            assert await hello_over_tls(port, ca) == b"ok hello\n"
