@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from node_agent.copies import files, stream, wire
 from node_agent.copies.stream import StreamError
 from node_agent.copies.wire import Answer, WireError
-from node_agent.training.snapshot import remove
+from node_agent.training.snapshot import mark_fetched, remove
 from protocol import keepalive
 
 # A source answers a fetch at once (its file is there or not): one that does not connect and answer within this
@@ -214,6 +214,7 @@ async def _receive_copy(reader: asyncio.StreamReader, dest_dir: str, step: int, 
             return FetchResult(None, "checksum mismatch", got.n)
         os.replace(tmp, final)
         landed = True
+        mark_fetched(dest_dir, step)     # a copy, which may lag the job: agreed_step counts its rank behind
         return FetchResult(step, f"fetched step={step}", got.n)
     except OSError as exc:      # our own file (stream errors are StreamError): no room, or no directory
         return FetchResult(None, f"could not write {tmp}: {exc.strerror or exc}", got.n)

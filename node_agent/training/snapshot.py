@@ -37,10 +37,13 @@ from typing import BinaryIO
 
 from node_agent.training import headroom, heartbeat
 from node_agent.training.bounded import FULL, Bounded, MemoryDirFull
+from node_agent.training.fetched import is_copy
+from node_agent.training.fetched import mark as mark_fetched
 
 __all__ = ["COPY_WAIT_S", "DIR_VAR", "FETCHING", "FULL", "HOLD", "KEEP_FROM", "LIMIT_VAR", "MemoryDirFull", "NONE_HELD",
            "SENDING", "Writer", "agreed_step", "directory", "foreign", "full_error", "Room", "forget_after",
-           "keep_from", "limit", "hold_after", "make_room", "newest", "path", "remove", "save", "steps", "unfinished"]
+           "keep_from", "limit", "hold_after", "make_room", "mark_fetched", "newest", "path", "remove", "save", "steps",
+           "unfinished"]
 
 DIR_VAR = "NODE_AGENT_MEMORY_DIR"
 FETCHING = ".fetching"    # the agent is fetching this rank's copy from a peer (node_agent/copies/peers.py)
@@ -149,8 +152,9 @@ def agreed_step(reduce_min: Callable[[int], int], where: str | None = None,
         has = where is not None and os.path.exists(path(step, where))
         if lend is not None and reduce_sum is not None:
             newer = bool(held) and held[-1] > step
-            at = bool(held) and held[-1] == step
-            counts = reduce_sum((1 << 42) * (newer and has) + (1 << 21) * (newer and not has) + at)
+            at = bool(held) and held[-1] == step    # a fetched copy's step is no rank's own: behind (fetched.py)
+            counts = reduce_sum((1 << 42) * (newer and has) + (1 << 21) * (newer and not has) +
+                                (at and not is_copy(where, step)))
             holding, lacking, at_it = counts >> 42, (counts >> 21) & _FIELD, counts & _FIELD
             if lacking and lacking >= at_it or holding + lacking > at_it:     # (counts up to 2^21 ranks each)
                 behind = behind or at

@@ -11,7 +11,7 @@ import ssl
 from node_agent.copies import client
 from node_agent.copies.own import OwnSnapshots
 from node_agent.copies.store import CopyStore
-from node_agent.training import snapshot
+from node_agent.training import fetched, snapshot
 from tests.unit.test_copy_store import FAR, KEY, Everyone, blob, holder, snap, tls_of_nodes_and_stranger
 
 ME = "suspect"
@@ -51,6 +51,8 @@ async def test_the_newest_or_a_named_step_of_each_rank_is_fetched_with_the_nodes
         for rank in (0, 1):
             got, back = await fetch(port, tmp_path, rank)
             assert got.step == 6 and back == data[rank, 6], got
+            # marked a copy: agreed_step counts the rank behind replicas holding newer steps (training/fetched.py)
+            assert fetched.is_copy(str(tmp_path / f"dest-{rank}-None-{MINE[:4]}-{id(None)}"), 6)
         got, back = await fetch(port, tmp_path, 1, step=4)
         assert got.step == 4 and back == data[1, 4], got
         got, _ = await fetch(port, tmp_path, 0, step=5)

@@ -15,7 +15,7 @@ import pytest
 from node_agent.cli.command_line import OptionsError
 from node_agent.cli.options import parse_options
 from node_agent.settings import default_node_id, made_from_pid
-from node_agent.training import snapshot
+from node_agent.training import fetched, snapshot
 from node_agent.workers import memory, owners, succession
 from node_agent.workers.environment import worker_env
 from node_agent.workers.memory import KEEP_S, MemoryDirs, dir_name, sweep
@@ -122,7 +122,7 @@ def test_the_sweep_removes_directories_of_dead_agents_only(tmp_path) -> None:
 
 KILLED_AGENT = """
 import os, sys
-from node_agent.training import snapshot
+from node_agent.training import fetched, snapshot
 from node_agent.workers.memory import MemoryDirs
 job, node, base = sys.argv[1:4]
 from node_agent.settings import default_node_id
@@ -170,7 +170,7 @@ def test_the_next_agent_of_the_same_job_and_node_takes_up_its_memory_within_the_
 
 STOPPED_AGENT = """
 import os, sys
-from node_agent.training import snapshot
+from node_agent.training import fetched, snapshot
 from node_agent.workers.memory import MemoryDirs
 job, node, base = sys.argv[1:4]
 from node_agent.settings import default_node_id
@@ -580,9 +580,11 @@ def test_forget_after_removes_only_the_newer_snapshots_of_every_rank(tmp_path) -
     assert memory.forget_after(10, dirs) == []
 
 
-def replicas_agree(tmp_path, held: list[list[int]], refused: dict[int, set[int]] | None = None):
+def replicas_agree(tmp_path, held: list[list[int]], refused: dict[int, set[int]] | None = None,
+                   fetched: frozenset[int] = frozenset()):
     """(every rank's agreed step, their directories): agreed_step with `lend` on every rank at once, a thread each; a
-    rank lacking the step is lent a holder's file (copied between the directories, as resume.lend_file sends it)."""
+    rank lacking the step is lent a holder's file (copied between the directories, as resume.lend_file sends it).
+    `fetched`: the ranks whose newest snapshot the agent fetched from a peer's copy (marked as copies/client does)."""
     n = len(held)
     barrier = threading.Barrier(n)
     values: list[int] = [0] * n
@@ -607,6 +609,8 @@ def replicas_agree(tmp_path, held: list[list[int]], refused: dict[int, set[int]]
         dirs[rank].mkdir()
         for step in steps:
             snapshot.save(b"s%d" % step, step, where=str(dirs[rank]), keep=3)
+        if rank in fetched:
+            snapshot.mark_fetched(str(dirs[rank]), steps[-1])
     threads = [threading.Thread(target=run, args=(rank,)) for rank in range(n)]
     for t in threads:
         t.start()
@@ -640,6 +644,30 @@ def test_replicas_lend_the_step_they_agree_on_to_the_ranks_that_lack_it(tmp_path
         assert all(max(snapshot.steps(str(d))) == agreed for d in dirs)     # nothing newer than the step kept
 
 
+@pytest.mark.parametrize(("held", "fetched", "agreed"), [
+    ([[30, 55, 60], [30]], {1}, 60),           # a tie: the copy is behind the replica's own snapshots
+    ([[30, 55, 60], [30, 55, 60], [30], [30]], {2, 3}, 60),
+    ([[30, 55, 60], [30]], set(), 30),         # its own memory stopped at 30: a tie keeps the older step, as before
+    ([[30], [30]], {1}, 30),                   # nobody newer: the copy's step is every rank's
+])
+def test_a_rank_resuming_a_fetched_copy_is_lent_the_replicas_newer_step(tmp_path, held, fetched, agreed) -> None:
+    """A review: a 2-node DDP job whose node restarted with its memory wiped fetched its copy of step 30, lagging
+    (copies slower than snapshots), while the other node held 60 (and 30, kept for the copy): a tie, and every rank
+    went back 31 steps to the copy's step."""
+    results, _ = replicas_agree(tmp_path, held, fetched=frozenset(fetched))
+    assert results == [agreed] * len(held)
+
+
+def test_a_snapshot_written_over_a_fetched_copy_is_the_ranks_own(tmp_path) -> None:
+    where = str(tmp_path)
+    snapshot.save(b"copy", 30, where=where)
+    snapshot.mark_fetched(where, 30)
+    assert fetched.is_copy(where, 30) and not fetched.is_copy(where, 25)
+    snapshot.remove(os.path.join(where, "step-30"))
+    snapshot.save(b"its own, longer", 30, where=where)
+    assert not fetched.is_copy(where, 30)
+
+
 @pytest.mark.parametrize(("held", "refused", "agreed"), [
     ([[100], [200]], {1: {200}}, 100),         # the newer step refused: the older one is every rank's again
     ([[100], [50, 200]], {1: {200}}, 100),
@@ -668,7 +696,7 @@ def test_a_next_agent_shows_its_ended_predecessors_secret_never_a_live_agents(tm
 
 STOPPING_AGENT = """
 import os, sys
-from node_agent.training import snapshot
+from node_agent.training import fetched, snapshot
 from node_agent.workers.memory import MemoryDirs
 job, node, base = sys.argv[1:4]
 dirs = MemoryDirs(job, 1, 2**20, say=lambda _: None, base=base, node_id=node)
@@ -731,7 +759,7 @@ def test_a_snapshot_grown_past_the_limit_keeps_the_last_complete_one(tmp_path) -
 
 FILE_SIZE_LIMITED = """
 import resource, sys
-from node_agent.training import snapshot
+from node_agent.training import fetched, snapshot
 where, kind = sys.argv[1], sys.argv[2]
 snapshot.save(b"a" * 1000, 1, where=where)
 
