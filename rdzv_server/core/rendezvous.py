@@ -97,7 +97,11 @@ class Rendezvous:
         job = self.jobs.get(job_id)
         if job is not None and job.state.finished:
             late = job.finished_at is None or now - job.finished_at < REUSE_FINISHED_AFTER_S
-            if late and (not req.instance or any(n.instance == req.instance for n in job.nodes.values())):
+            # The next agent of a node killed in that run (it shows the secret its predecessor left in the node's
+            # memory: systemd's Restart=) is as late as its predecessor: a new run would train from step 0 again (a
+            # review: a member killed near the end of an elastic job came back to a new run of it, alone)
+            if late and (not req.instance or req.predecessor or
+                         any(n.instance == req.instance for n in job.nodes.values())):
                 raise RendezvousError(ErrorCode.JOB_FINISHED,
                                       f"job {job_id!r} has already {job.state.value}: {job.reason}")
             self._check_room(None, now)

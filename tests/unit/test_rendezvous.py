@@ -795,6 +795,26 @@ def test_finished_job_id_starts_a_new_run_at_once_for_an_agent_that_was_not_in_i
     assert late.job_state == JobState.RUNNING
 
 
+def test_the_next_agent_of_a_node_killed_in_a_finished_run_is_late_for_it_not_a_new_run():
+    """A review: node b of an elastic 1:2 job was SIGKILLed near the end, the job succeeded on a alone, and b's agent,
+    restarted under its id (systemd's Restart=) seconds later, started a new run of the job id: every step from 0."""
+    from rdzv_server.core.rendezvous import REUSE_FINISHED_AFTER_S
+    core = Rendezvous()
+    cfg = JobConfig(min_nodes=1, max_nodes=1)
+
+    def join_as(node: str, instance: str, now: float, predecessor: str = ""):
+        return core.handle("j", JoinRequest(v=1, node_id=node, addr="h", local_world_size=1, master_port=1,
+                                          config=cfg, instance=instance, predecessor=predecessor), now)
+
+    first = join_as("a", "ia", 0.0)
+    core.handle("j", SuccessReport(v=1, node_id="a", credential=first.credential, round_id=first.round_id), 1.0)
+    with pytest.raises(RendezvousError) as err:
+        join_as("b", "ib2", 2.0, predecessor="secret-b-left-in-its-memory")
+    assert err.value.code == ErrorCode.JOB_FINISHED and "succeeded" in err.value.message
+    late = join_as("b", "ib3", 1.0 + REUSE_FINISHED_AFTER_S, predecessor="s")   # long after the end: a new run
+    assert late.job_state == JobState.RUNNING
+    assert [e.kind for e in core.jobs["j"].events][:2] == ["job_created", "job_reused"]
+
 def test_a_join_whose_command_differs_from_the_jobs_is_refused_naming_both():
     core = Rendezvous()
     cfg = JobConfig(min_nodes=2, max_nodes=2)
