@@ -222,6 +222,7 @@ class JobRecord(msgspec.Struct, kw_only=True):
     resume_at_most: int = -1                   # for the next round: replicas diverged after this step (-1: none)
     swap: SwapDue | None = None                # a suspect swapped at the next snapshot (swaps.py)
     swapped_places: list[int] = msgspec.field(default_factory=list)   # group ranks a slow node was swapped from
+    swapped_from: dict[str, int] = msgspec.field(default_factory=dict)  # slow node swapped out -> its group rank
     copies_floor: int = -1                     # floors.copies_floor, as the members' last notes give it
     held_floor: int = -1                       # floors.held_floor, likewise
     writes_end_round: int = -1                 # NodeStatus.writes_end_round (requests.leave)

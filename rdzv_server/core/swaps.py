@@ -14,7 +14,8 @@ snapshots nor makes peer copies: the spare could not resume from it anyway), and
 slow, and its next note asks again. A suspect that keeps pace again before the swap is no suspect: called off
 (call_off). No restart of the budget is spent (as a drain). A place (group rank) swapped
 once is never swapped again: a node named slow where another was is slow by its place (a pipeline stage's share of
-the work, say), and swapping would loop through the spares. Pure.
+the work, say), and swapping would loop through the spares; the node swapped out from it, back there (its spare
+lost), is slow itself and swapped again. Pure.
 """
 from __future__ import annotations
 
@@ -33,7 +34,9 @@ def ask(rules: JobRules, node_id: str, why: str, now: float, named: bool = False
     job = rules.job
     if job.swap is not None or job.round is None or node_id not in job.round.members:
         return
-    if (place := job.round.members.index(node_id)) in job.swapped_places:
+    # The place is slow only where a node other than the one swapped out from it is slow there: the node swapped out
+    # and back in its place (its spare lost) is slow itself, and is swapped again when a spare is ready.
+    if (place := job.round.members.index(node_id)) in job.swapped_places and job.swapped_from.get(node_id) != place:
         if named:
             rules.record(now, EventKind.NODE_SUSPECT, f"node {node_id} is slow at group rank {place}, where a node "
                          f"was swapped for being slow before: the place itself is slow (a pipeline stage's share "
@@ -128,7 +131,8 @@ def _swap(rules: JobRules, node_id: str, why: str, when: str, now: float) -> Non
         return
     node = job.nodes[node_id]
     if job.round is not None and node_id in job.round.members:
-        job.swapped_places.append(job.round.members.index(node_id))
+        job.swapped_places.append(place := job.round.members.index(node_id))
+        job.swapped_from[node_id] = place
     suspects.suspected(rules, node, now)
     exclusions.exclude(rules, node, now, f"as a suspect ({why}): spare {spare} takes its place")
     node.slow_out = True        # it can go on: readmitted should the job be short of nodes (the spare lost)

@@ -205,3 +205,29 @@ def test_a_slow_node_swapped_out_is_readmitted_when_its_spare_is_lost_and_the_jo
     assert job.nodes["b"].state != NodeState.EXCLUDED, job.nodes["b"]
     said = [e.message for e in job.events if e.kind == EventKind.NODE_READMITTED]
     assert said == ["node b's exclusion as a slow node swapped out ends: the job waits for nodes"], said
+
+
+def test_the_slow_node_swapped_out_and_back_in_its_place_is_swapped_again_not_called_a_slow_place() -> None:
+    """b, swapped out for being slow, is readmitted in its place when its spare is lost; still slow there, it is
+    slow itself, not its place (no other node was slow there): a review saw "the place itself is slow (a pipeline
+    stage's share of the work?), so it is not swapped again", and the job ran at b's pace with a spare ready."""
+    rz = Rendezvous()
+    slow_b(rz)
+    job = rz.jobs["swap"]
+    poll(rz, "a", T + 150, held=15, copied=15, holding=True)
+    poll(rz, "b", T + 151, copied=15, holding=True)
+    rz.handle("swap", LeaveRequest(v=1, node_id="s", credential="secret-s", reason="lost"), T + 152)
+    rz.tick(T + 153)
+    for node in ("a", "b", "c"):
+        poll(rz, node, T + 154)
+    rz.tick(T + 160)
+    assert job.round is not None and job.round.members == ["a", "b", "c"], job.round
+    join(rz, "swap", "t", T + 161, CONFIG)                      # a new spare, ready
+    at = T + 161
+    while job.swap is None:
+        at += 1
+        assert at < T + 300, [e.message for e in job.events[-6:]]
+        for node, waited in (("a", 0.2), ("b", 0.02), ("c", 0.2)):
+            poll(rz, node, at, waited=waited)
+    assert not any("the place itself is slow" in e.message for e in job.events)
+    assert job.swap.node_id == "b" and "spare t takes its place" in job.events[-1].message, job.events[-1].message
