@@ -3,10 +3,11 @@ thread's CPU time and I/O (/proc), its main thread's Python stack at several loo
 dump) and its GPU's utilization. Pure: the agent's shell reads, this decides. The server weighs every node's
 answer (core/hangs.py).
 
-The rule, in order: gone -> EXITED; stopped -> STOPPED; busy in its own code with the same stack at every look
-and no I/O -> SPINNING; idle in a CUDA wait while its GPU is busy -> WORKING (it computes on the GPU); idle in
-torch's collectives, its backward or a CUDA wait -> WAITING; idle anywhere else -> QUIET, unless it is in
-uninterruptible sleep, moving data or waiting for its DataLoader (WORKING); no stack to tell -> UNKNOWN.
+The rule, in order: gone -> EXITED; stopped, and not run since the last look -> STOPPED; busy in its own code
+with the same stack at every look and no I/O -> SPINNING; idle in a CUDA wait while its GPU is busy -> WORKING (it
+computes on the GPU); idle in torch's collectives, its backward or a CUDA wait -> WAITING; idle anywhere else ->
+QUIET, unless it is in uninterruptible sleep, moving data or waiting for its DataLoader (WORKING); no stack to tell
+-> UNKNOWN.
 Anything busy otherwise is WORKING: an eval loop, a checkpoint write, data loading. A waiting rank's `call`
 names the torch call it waits in, so the server can tell which rank of a deadlock called something else.
 """
@@ -104,8 +105,10 @@ def classify(before: ProcSample | None, after: ProcSample | None, watched_s: flo
         ran = after.cpu_s - before.cpu_s
         cpu = min(1.0, max(0.0, ran / watched_s))
         busy = min(1.0, max(0.0, (ran + after.run_delay_s - before.run_delay_s) / watched_s))
-    if after.state in ("T", "t"):
+    if after.state in ("T", "t") and (before is None or after.cpu_s <= before.cpu_s):
         return RankState.STOPPED, cpu
+    # Stopped now but it ran meanwhile: stopped and continued in turn (cpulimit's throttling, a debugger's
+    # steps), slow rather than stopped for good: never a certain culprit, at most a rank apart.
     moved = before is not None and after.io_bytes - before.io_bytes >= MOVING_BYTES
     if not stacks:
         return (RankState.UNKNOWN if busy < IDLE_CPU and after.state != "D" and not moved else RankState.WORKING), cpu

@@ -65,6 +65,11 @@ def test_the_dump_is_read_thread_by_thread_and_the_main_one_picked() -> None:
     (look(), None, [], RankState.EXITED),
     (look(), look("Z"), [], RankState.EXITED),
     (look(), look("T"), [], RankState.STOPPED),
+    (None, look("T"), [], RankState.STOPPED),
+    (look(cpu_s=2.0), look("t", cpu_s=2.0), [], RankState.STOPPED),
+    # stopped now, but it ran since the last look: throttled by SIGSTOP/SIGCONT (cpulimit), not stopped for good
+    (look(cpu_s=2.0), look("T", cpu_s=2.1), [], RankState.WORKING),
+    (look(cpu_s=2.0), look("T", cpu_s=2.05), [], RankState.UNKNOWN),
     (look(cpu_s=0), look("R", cpu_s=1.0), [SLEEPING, SLEEPING], RankState.SPINNING),
     (look(cpu_s=0), look("R", cpu_s=1.0), [SLEEPING, [Frame("/job/train.py", 30, "evaluate"), *SLEEPING]],
      RankState.WORKING),                                                          # its code moves on
