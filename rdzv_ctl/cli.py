@@ -9,10 +9,12 @@ import json
 import os
 import sys
 import urllib.parse
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 import msgspec
 
+from protocol.ids import job_id_problem, node_id_problem
 from protocol.quoting import one_line
 from protocol.views import NODE_LIMIT_MAX, EventsView, JobDetail, StatusView
 from rdzv_ctl.client import ADMIN_TOKEN_ENV, DEFAULT_SERVER, TOKEN_ENV, Client, CtlError, UsageError, client_for
@@ -143,6 +145,16 @@ def _short_after_drain(doc: Any) -> str:
             f"and fails if too few are ready within its join timeout ({job.config.join_timeout_s:g}s)")
 
 
+def _checked(problem: Callable[[str], str]) -> Callable[[str], str]:
+    """An operand checked by the server's own id rule: a wrong id is bad usage, said before any request (an empty one
+    made the server answer "no route")."""
+    def check(text: str) -> str:
+        if why := problem(text):
+            raise argparse.ArgumentTypeError(why)
+        return text
+    return check
+
+
 def _positive(text: str) -> int:
     n = _count(text)
     if n < 1:
@@ -177,7 +189,8 @@ def build_parser() -> argparse.ArgumentParser:
         """A COMMAND taking the connection options and its `operands` (JOB, NODE, HOST), in order."""
         parser = sub.add_parser(name, parents=[common], help=summary)
         for operand in operands:
-            parser.add_argument(operand.lower(), metavar=operand)
+            kind = {"JOB": _checked(job_id_problem), "NODE": _checked(node_id_problem)}.get(operand, str)
+            parser.add_argument(operand.lower(), metavar=operand, type=kind)
         return parser
 
     st = command("status", "one page of jobs, one line each")

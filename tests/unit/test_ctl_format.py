@@ -175,3 +175,18 @@ def test_a_resize_whose_min_is_above_its_max_is_refused_before_it_is_sent(capsys
         cli.build_parser().parse_args(["resize", "j", "--nnodes", "2:1"])
     assert stop.value.code == 2 and "MIN is larger than MAX in '2:1'" in capsys.readouterr().err
     assert cli.build_parser().parse_args(["resize", "j", "--nnodes", "2:"]).nnodes == {"min_nodes": 2}
+
+
+def test_an_id_that_breaks_the_rule_is_refused_before_any_request(capsys):
+    # A review: `rdzv-ctl drain JOB "$NODE"` with NODE empty answered "refused POST .../nodes//drain: 404 not_found:
+    # no route", and `drain "" b` "refused GET /v1/jobs/...: no route": nothing said the id was wrong. Bad usage.
+    import pytest
+
+    for argv, said in ((["drain", "j", ""], "argument NODE: node id must be"),
+                       (["drain", "", "b"], "argument JOB: job id must be"),
+                       (["clear", "j", "../a"], "argument NODE: node id must be"),
+                       (["events", "a b"], "argument JOB: job id must be")):
+        with pytest.raises(SystemExit) as stop:
+            cli.build_parser().parse_args(argv)
+        assert stop.value.code == 2 and said in capsys.readouterr().err, argv
+    assert cli.build_parser().parse_args(["drain", "team/run-1", "node-b.1"]).job == "team/run-1"
