@@ -84,6 +84,8 @@ def _admitted(rules: JobRules, req: JoinRequest, now: float, credential: str, vi
                               f"job {job.job_id!r} (heard from {now - existing.last_seen:.1f}s ago, at "
                               f"{existing.addr}); give this agent another node id, or wait until that "
                               f"agent is gone ({max(0.0, existing.lease_expires - now):.1f}s without contact)")
+    # an exclusion its previous agent's record had runs on (_new_record): said as such, not as the restart's hold
+    carried = existing is not None and existing.excluded_until > now and not existing.held_off
     if existing is not None:
         leases.note_loss(job, existing.node_id, now, restarted=True)   # a loss as a lease run out (flap damping)
         rules.remove(existing, now, EventKind.NODE_LOST, f"node {req.node_id} restarted (new agent instance)",
@@ -92,7 +94,8 @@ def _admitted(rules: JobRules, req: JoinRequest, now: float, credential: str, vi
     # an exclusion its gone record left (gone_nodes.py) runs on: said as such, not as a restart's
     kept = gone_nodes.take_up(job, node, now, fresh=existing is None)
     _place(rules, node, now, "the rest of its exclusion, kept while it had no agent; an operator's clear-exclusion "
-           "readmits it" if kept else "its agent restarted")
+           "readmits it" if kept else "the rest of its exclusion, which its agent's restart does not end; an "
+           "operator's clear-exclusion readmits it" if carried else "its agent restarted")
     return credential
 
 
@@ -160,6 +163,6 @@ def _place(rules: JobRules, node: NodeRecord, now: float, why: str) -> None:
         places.move(job, node, NodeState.EXCLUDED)
         rules.out.deadline(node.excluded_until)
         rules.record(now, EventKind.NODE_EXCLUDED, f"node {node.node_id} is kept out for "
-                     f"{node.excluded_until - now:g}s ({why})", node.node_id)
+                     f"{round(node.excluded_until - now, 1):g}s ({why})", node.node_id)
     else:
         rules.admit(node, now)

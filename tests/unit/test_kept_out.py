@@ -97,3 +97,20 @@ def test_lifting_a_drain_lifts_the_exclusion_the_node_had():
     rz.clear_exclusion(JOB, "b", 4.0)                     # "it may join again": so it does, not excluded
     join(rz, "b", 5.0, c, instance="b#2")
     assert job.nodes["b"].state != NodeState.EXCLUDED
+
+
+def test_a_restarted_agent_whose_record_lives_on_is_told_the_rest_of_its_exclusion_not_a_restarts_hold():
+    """A review restarted the agent of a node excluded (a suspect swapped for a spare) before its old record went:
+    the job said "node b is kept out for 58.6231s (its agent restarted)", as if flap damping held it for the
+    restart, where the exclusion it had ran on."""
+    rz = Rendezvous()
+    c = cfg(min_nodes=2, max_nodes=3, last_call_s=0.0, exclude_after=1, exclude_cooldown_s=60.0, max_restarts=5)
+    for n in ("a", "b", "c"):
+        join(rz, n, 0.0, c)
+    job = rz.jobs[JOB]
+    fail(rz, "b", job.round.round_id, 1.0)
+    assert job.excluded == ["b"] and "b" in job.nodes
+    join(rz, "b", 20.3333, c, instance="b#2")        # its old record not yet gone
+    said = [e.message for e in job.events if e.node_id == "b"][-1]
+    assert job.nodes["b"].state == NodeState.EXCLUDED and job.nodes["b"].excluded_until == 61.0
+    assert "kept out for 40.7s" in said and "rest of its exclusion" in said and "restarted)" not in said, said
