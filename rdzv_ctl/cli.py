@@ -98,7 +98,7 @@ def run(args: argparse.Namespace, client: Client) -> str:
     if cmd == "drain":
         before = typed(client.get(f"/v1/jobs/{job}" + _query(node_limit=NODE_LIMIT_MAX)), JobDetail)
         doc = client.post(f"/v1/admin/jobs/{job}/nodes/{_quote(args.node)}/drain", {"reason": args.reason})
-        done = _drained(before, args.node, args.job) + _short_after_drain(doc)
+        done = _drained(before, args.node, args.job) + _swapped_at_snapshot(doc, args.node) + _short_after_drain(doc)
     elif cmd == "clear":
         doc = client.post(f"/v1/admin/jobs/{job}/nodes/{_quote(args.node)}/clear-exclusion", {})
         done = f"cleared node {args.node} in job {args.job}: it may join again"
@@ -132,6 +132,16 @@ def _absent(job: JobDetail, node: str, job_arg: str) -> str:
         return ""
     return (f" (it is not in the job now: it will be kept out if it comes; a mistyped id? "
             f"undo with `rdzv-ctl clear {job_arg} {node}`)")
+
+
+def _swapped_at_snapshot(doc: Any, node: str) -> str:
+    """A drained member still listed among the job's nodes goes at the job's next snapshot (a spare takes its place
+    then, fetching from it: core/swaps.py): said, or the operator would take it for a drain that did nothing."""
+    job = typed(doc, JobDetail)
+    if not any(n.node_id == node for n in (*job.nodes, *job.excluded)) or all(d.node_id != node for d in job.drained):
+        return ""
+    return ("; a spare takes its place at the job's next snapshot, fetching it from the node, which then goes "
+            "(nothing is trained again)")
 
 
 def _short_after_drain(doc: Any) -> str:

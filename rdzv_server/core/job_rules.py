@@ -92,7 +92,7 @@ class JobRules:
             self.lose_all(gone, now)
         for nid in list(job.excluded):
             node = job.nodes[nid]
-            if node.excluded_until <= now:
+            if node.excluded_until <= now and nid not in job.drained:   # drained: it goes (swaps.fetched)
                 self.record(now, EventKind.NODE_READMITTED, f"node {nid} finished its exclusion cooldown", nid)
                 self.admit(node, now)
             elif (node.held_off or node.slow_out) and job.state == JobState.WAITING and not awaiting.wait_runs(job):

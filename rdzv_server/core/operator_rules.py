@@ -9,7 +9,7 @@ import msgspec
 
 from protocol.errors import ErrorCode
 from protocol.messages import JobConfig, JobState
-from rdzv_server.core import awaiting, leases, places
+from rdzv_server.core import awaiting, leases, places, swaps
 from rdzv_server.core.errors import RendezvousError
 from rdzv_server.core.events import EventKind, RoundCause
 from rdzv_server.core.job_rules import JobRules
@@ -56,10 +56,12 @@ def apply(rules: JobRules, action: OperatorAction, now: float) -> None:
 
 def drain(rules: JobRules, node_id: str, reason: str, now: float, by: str = "operator") -> None:
     """Take a node out of the job until its drain is cleared. A member's going re-forms the round at once
-    without using the restart budget, as a leave would; its agent sees the node gone and exits."""
+    without using the restart budget, as a leave would; its agent sees the node gone and exits. With a spare ready
+    and snapshots of its own, it goes as a slow node does (swaps.py): the spare takes its place at the next snapshot,
+    fetched from it, and then it goes; its drain is in force from now (it may not rejoin, and lists say it)."""
     job = rules.job
     node = job.nodes.get(node_id)
-    if node is None and node_id in job.drained:
+    if node_id in job.drained:      # (a node in the job and drained: its swap is under way)
         # drained already: the first drain stands (its reason is the job's, its events', its refusals'); another
         # reason here would make the drained list disagree with them. Nothing changes; rdzv-ctl says so.
         return
@@ -75,6 +77,10 @@ def drain(rules: JobRules, node_id: str, reason: str, now: float, by: str = "ope
                 job.reason = f"node {node_id} drained; {awaiting.waiting(job, now)}"
             rules.out.deadline(job.last_call_deadline or now)
         return
+    if swaps.drainable(rules, node_id):
+        rules.wake()
+        swaps.ask(rules, node_id, f"drained by {by}: {why}", now, drain=True)
+        return
     rules.remove(node, now, EventKind.NODE_DRAINED, f"node {node_id} drained by {by}: {why}")
 
 
@@ -87,6 +93,7 @@ def clear_exclusion(rules: JobRules, node_id: str, now: float) -> None:
         rules.wake()
         rules.record(now, EventKind.NODE_UNDRAINED,
                      f"drain of node {node_id} cleared by operator: it may join again", node_id)
+        swaps.lifted(rules, node_id, now)       # a drain still waiting for its swap: called off
         return
     node = job.nodes.get(node_id)
     if node is None and job.kept_out.pop(node_id, None) is not None:    # excluded, then its agent went

@@ -87,13 +87,16 @@ class Blame(msgspec.Struct, kw_only=True):
 
 
 class SwapDue(msgspec.Struct, kw_only=True):
-    """A suspect that can go on (a slow node), swapped for a spare at the job's next snapshot (swaps.py)."""
+    """A suspect that can go on (a slow node), or a member an operator drained, swapped for a spare at the job's
+    next snapshot (swaps.py)."""
     node_id: str
     why: str
     round_id: int                      # the round it is due in (moot once another forms)
     until: float                       # then swapped whatever came (a snapshot may never come)
     held_step: int = -1                # the snapshot step the members hold after (-1: none yet)
     suspect_held: int = -1             # ... and the suspect's own ranks, as its notes said
+    drain: bool = False                # an operator's drain: the node goes once the spare fetched (JobRecord.draining)
+    spare: str = ""                    # (draining) the spare in its place, whose fetch it serves
 
 
 class PlaceCopies(msgspec.Struct, kw_only=True):
@@ -221,6 +224,7 @@ class JobRecord(msgspec.Struct, kw_only=True):
     hang_places: list[HangPlace] = msgspec.field(default_factory=list)   # decided by a limit: not again
     resume_at_most: int = -1                   # for the next round: replicas diverged after this step (-1: none)
     swap: SwapDue | None = None                # a suspect swapped at the next snapshot (swaps.py)
+    draining: SwapDue | None = None            # a drained node swapped out, serving its spare's fetch (swaps.py)
     swapped_places: list[int] = msgspec.field(default_factory=list)   # group ranks a slow node was swapped from
     swapped_from: dict[str, int] = msgspec.field(default_factory=dict)  # slow node swapped out -> its group rank
     copies_floor: int = -1                     # floors.copies_floor, as the members' last notes give it

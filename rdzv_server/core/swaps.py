@@ -15,28 +15,48 @@ slow, and its next note asks again. A suspect that keeps pace again before the s
 (call_off). No restart of the budget is spent (as a drain). A place (group rank) swapped
 once is never swapped again: a node named slow where another was is slow by its place (a pipeline stage's share of
 the work, say), and swapping would loop through the spares; the node swapped out from it, back there (its spare
-lost), is slow itself and swapped again. Pure.
+lost), is slow itself and swapped again.
+An operator's drain of a member (operator_rules.drain) is swapped the same way where a spare is ready and the node
+holds a snapshot the spare can fetch (drainable): its shards would otherwise be fetched from its peer's copy, which
+may lag many steps behind (a review: 33 steps redone at 8 MB/s). The drain is in force at once (it may not rejoin);
+swapped out, the node is held out until the spare's note shows the held step (or SWAP_WAIT_S passed), serving its
+snapshots meanwhile, and only then goes as drained (fetched). Pure.
 """
 from __future__ import annotations
 
-from rdzv_server.core import exclusions, suspects
+from protocol.messages import NodeState
+from rdzv_server.core import exclusions, places, suspects
 from rdzv_server.core.events import EventKind, RoundCause
 from rdzv_server.core.job_rules import JobRules
-from rdzv_server.core.records import SwapDue
+from rdzv_server.core.records import NodeRecord, SwapDue
 from rdzv_server.core.rounds import serves_itself
 
 SWAP_WAIT_S = 60.0
 
 
-def ask(rules: JobRules, node_id: str, why: str, now: float, named: bool = False) -> None:
-    """`node_id` holds the job back (`why`): swap it at the next snapshot, when a spare is ready (`named`: it was
-    named slow just now: a place swapped before is said once here)."""
+def drainable(rules: JobRules, node_id: str) -> bool:
+    """Whether an operator's drain of `node_id` waits for a swap: a member, a spare ready, no swap under way, and a
+    snapshot of its own that the spare can fetch (from its agent, or its peer's copy). Else it goes at once."""
+    job = rules.job
+    node = job.nodes.get(node_id)
+    c = node.copies if node is not None else None
+    if c is None or job.swap is not None or job.draining is not None or job.round is None or \
+            node_id not in job.round.members or suspects.ready_spare(rules) is None:
+        return False
+    return max(c.local_step, c.copied_step) >= 0 and (serves_itself(job, node_id) or c.copying or c.copied_step >= 0)
+
+
+def ask(rules: JobRules, node_id: str, why: str, now: float, named: bool = False, drain: bool = False) -> None:
+    """`node_id` holds the job back (`why`), or is drained (`drain`, once drainable): swap it at the next snapshot,
+    when a spare is ready (`named`: it was named slow just now: a place swapped before is said once here)."""
     job = rules.job
     if job.swap is not None or job.round is None or node_id not in job.round.members:
         return
     # The place is slow only where a node other than the one swapped out from it is slow there: the node swapped out
     # and back in its place (its spare lost) is slow itself, and is swapped again when a spare is ready.
-    if (place := job.round.members.index(node_id)) in job.swapped_places and job.swapped_from.get(node_id) != place:
+    # (A drain is the operator's word: not about the place.)
+    place = job.round.members.index(node_id)
+    if not drain and place in job.swapped_places and job.swapped_from.get(node_id) != place:
         if named:
             rules.record(now, EventKind.NODE_SUSPECT, f"node {node_id} is slow at group rank {place}, where a node "
                          f"was swapped for being slow before: the place itself is slow (a pipeline stage's share "
@@ -51,14 +71,19 @@ def ask(rules: JobRules, node_id: str, why: str, now: float, named: bool = False
     c, suspect = job.nodes[node_id].copies, job.nodes[node_id]
     memoryless = c is None or c.local_step < 0 and c.copied_step < 0 and not c.copying and not suspect.copy_port
     if (memoryless and not served) or (held and max(held) < 0):     # (--no-memory-dir notes -1s, no copy port)
-        _swap(rules, node_id, why, "no snapshot to wait for", now)
+        _swap(rules, node_id, why, "no snapshot to wait for", now, drain)
         return
-    job.swap = SwapDue(node_id=node_id, why=why, round_id=job.round.round_id, until=now + SWAP_WAIT_S)
+    job.swap = SwapDue(node_id=node_id, why=why, round_id=job.round.round_id, until=now + SWAP_WAIT_S, drain=drain)
     rules.out.deadline(job.swap.until)
     for member in job.round.members:
         rules.node_changed(member)
-    rules.record(now, EventKind.NODE_SUSPECT, f"node {node_id} is a suspect: {why}; spare {spare} takes its place "
-                 f"at the job's next snapshot (the ranks wait after it)", node_id, job.round.round_id)
+    then = f"spare {spare} takes its place at the job's next snapshot (the ranks wait after it)"
+    if drain:
+        rules.record(now, EventKind.NODE_DRAINED, f"node {node_id} {why}; {then}, fetching its snapshots from it; "
+                     f"then it goes", node_id, job.round.round_id)
+        return
+    rules.record(now, EventKind.NODE_SUSPECT, f"node {node_id} is a suspect: {why}; {then}", node_id,
+                 job.round.round_id)
 
 
 def held(rules: JobRules, node_id: str, step: int, now: float) -> None:
@@ -74,6 +99,7 @@ def held(rules: JobRules, node_id: str, step: int, now: float) -> None:
 
 def check(rules: JobRules, now: float) -> None:
     """Swap once the members hold and the suspect's copy of the held step is on its peer (after a poll or note)."""
+    fetched(rules, now)
     swap = _due(rules)
     if swap is None or swap.held_step < 0:
         return
@@ -84,14 +110,14 @@ def check(rules: JobRules, now: float) -> None:
             return      # the spare fetches it from the suspect, which has not written its snapshot of it yet
     elif copies is not None and copies.copied_step < swap.held_step:
         return          # its copy of the held step is still on its way to its peer
-    _swap(rules, swap.node_id, swap.why, f"at the snapshot of step {swap.held_step}", now)
+    _swap(rules, swap.node_id, swap.why, f"at the snapshot of step {swap.held_step}", now, swap.drain, swap.held_step)
 
 
 def call_off(rules: JobRules, node_id: str) -> str:
     """`node_id` keeps pace again before its swap came: a node no longer slow is no suspect, so it is not swapped
     nor excluded for it, and the ranks asked to hold go on. Returns what its event adds ("": no swap was due)."""
     swap = _due(rules)
-    if swap is None or swap.node_id != node_id:
+    if swap is None or swap.node_id != node_id or swap.drain:      # (a drain is the operator's: it stands)
         return ""
     rules.job.swap = None
     for member in rules.job.round.members if rules.job.round is not None else ():
@@ -99,14 +125,52 @@ def call_off(rules: JobRules, node_id: str) -> str:
     return ": its swap for a spare is called off"
 
 
+def lifted(rules: JobRules, node_id: str, now: float) -> None:
+    """The operator lifted the drain of `node_id` before it went: its swap is called off (the ranks asked to hold go
+    on), or, swapped out already, it is readmitted as any node whose exclusion ended."""
+    job = rules.job
+    if (swap := _due(rules)) is not None and swap.drain and swap.node_id == node_id:
+        job.swap = None
+        for member in job.round.members if job.round is not None else ():
+            rules.node_changed(member)      # their ranks go on
+    if job.draining is not None and job.draining.node_id == node_id:
+        job.draining = None
+        if (node := job.nodes.get(node_id)) is not None and node.state == NodeState.EXCLUDED:
+            node.excluded_until = now
+            rules.admit(node, now)
+
+
+def fetched(rules: JobRules, now: float) -> None:
+    """A drained node swapped out goes as drained once the spare in its place holds the step it was swapped at (its
+    note shows it, whichever source it came from), the spare is no member any more, or SWAP_WAIT_S passed: its agent
+    then exits as a drained node's does. Until then it serves its snapshots to the spare, and may not rejoin."""
+    job, due = rules.job, rules.job.draining
+    if due is None:
+        return
+    node, spare = job.nodes.get(due.node_id), job.nodes.get(due.spare)
+    if node is None or node.state != NodeState.EXCLUDED:        # lost meanwhile (its drain stands), or readmitted
+        job.draining = None
+        return
+    held = spare.copies.local_step if spare is not None and spare.copies is not None else -1
+    if spare is not None and job.round is not None and due.spare in job.round.members and \
+            held < max(due.held_step, 0) and now < due.until:
+        return
+    job.draining = None
+    how = f"spare {due.spare} holds step {held}" if held >= max(due.held_step, 0) else \
+        f"spare {due.spare} is no member now" if spare is None or job.round is None or \
+        due.spare not in job.round.members else f"spare {due.spare}'s fetch did not end within {SWAP_WAIT_S:g}s"
+    rules.remove(node, now, EventKind.NODE_DRAINED, f"node {due.node_id} {due.why}: it goes now ({how})")
+
+
 def tick(rules: JobRules, now: float) -> None:
+    fetched(rules, now)
     swap = _due(rules)
     if swap is not None and now >= swap.until:
         served = serves_itself(rules.job, swap.node_id)
         late = "no snapshot came" if swap.held_step < 0 else f"its own snapshot of step {swap.held_step} did not " \
             f"come" if served else f"its copy of step {swap.held_step} did not reach its peer"
         _swap(rules, swap.node_id, swap.why, f"now: {late} within {SWAP_WAIT_S:g}s (the steps since the "
-              f"newest snapshot every rank holds are redone)", now)
+              f"newest snapshot every rank holds are redone)", now, swap.drain, swap.held_step)
 
 
 def _due(rules: JobRules) -> SwapDue | None:
@@ -119,17 +183,26 @@ def _due(rules: JobRules) -> SwapDue | None:
     return swap
 
 
-def _swap(rules: JobRules, node_id: str, why: str, when: str, now: float) -> None:
+def _swap(rules: JobRules, node_id: str, why: str, when: str, now: float, drain: bool = False,
+          held_step: int = -1) -> None:
     job = rules.job
     job.swap = None
     spare = suspects.ready_spare(rules)
+    node = job.nodes[node_id]
     if spare is None:
         for member in job.round.members if job.round is not None else ():
             rules.node_changed(member)      # their ranks go on
+        if drain:       # drained all the same: at once, as with no spare at all
+            rules.remove(node, now, EventKind.NODE_DRAINED, f"node {node_id} {why} (no spare is ready any more: "
+                         f"it goes at once)")
+            return
         rules.record(now, EventKind.NODE_SUSPECT, f"node {node_id} is a suspect ({why}) but no spare is ready any "
                      f"more: not swapped; asked again when one is", node_id)
         return
-    node = job.nodes[node_id]
+    if drain:
+        _drained_out(rules, node, SwapDue(node_id=node_id, why=why, round_id=-1, until=now + SWAP_WAIT_S,
+                                          held_step=held_step, drain=True, spare=spare), when, now)
+        return
     if job.round is not None and node_id in job.round.members:
         job.swapped_places.append(place := job.round.members.index(node_id))
         job.swapped_from[node_id] = place
@@ -141,3 +214,20 @@ def _swap(rules: JobRules, node_id: str, why: str, when: str, now: float) -> Non
     rules.out.suspects.append(suspects.Action.REPLACED.value)
     job.forming_since = now
     rules.form_round(now, f"node {node_id} swapped for spare {spare} ({why})", RoundCause.SWAPPED)
+
+
+def _drained_out(rules: JobRules, node: NodeRecord, due: SwapDue, when: str, now: float) -> None:
+    """The drained node out of the round, the spare in its place, in a round formed now. Held out (excluded, no
+    exclusion counted: it goes as drained, never readmitted) while it serves the spare's fetch (fetched)."""
+    job = rules.job
+    job.draining = due
+    node.excluded_until = due.until
+    places.move(job, node, NodeState.EXCLUDED)
+    if job.round is not None:
+        job.round.members = [m for m in job.round.members if m != node.node_id]
+    rules.node_changed(node.node_id)
+    rules.out.deadline(due.until)
+    rules.record(now, EventKind.NODE_DRAINED, f"node {node.node_id} swapped for spare {due.spare} {when}: it goes "
+                 f"once {due.spare} holds its snapshots (at most {SWAP_WAIT_S:g}s)", node.node_id)
+    job.forming_since = now
+    rules.form_round(now, f"node {node.node_id} {due.why}: spare {due.spare} takes its place", RoundCause.NODE_DRAINED)

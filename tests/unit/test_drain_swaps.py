@@ -1,0 +1,154 @@
+"""An operator's drain of a member while a spare is ready (operator_rules.drain, swaps.py), through the real
+Rendezvous: with snapshots of its own, the node is swapped for the spare at the job's next snapshot, as a slow node
+is, and goes as drained only once the spare holds that step (fetched from the drained node itself). A review saw
+the drain re-form the round at once: the spare fetched b's shard from its peer's copy, 33 steps behind, and b's
+agent, which held the newest, exited. The drain is in force at once; a drain with no snapshot goes at once."""
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from protocol.errors import ErrorCode
+from protocol.messages import JoinRequest, NodeState
+from rdzv_server.core.errors import RendezvousError
+from rdzv_server.core.events import EventKind
+from rdzv_server.core.rendezvous import Rendezvous
+from rdzv_server.core.swaps import SWAP_WAIT_S
+from tests.unit.progress_jobs import CFG, T, join
+from tests.unit.test_swaps import poll
+
+CONFIG = msgspec.structs.replace(CFG, min_nodes=3, max_nodes=3)
+WHY = "ECC errors"
+
+
+def running(copied: int | None = 10) -> Rendezvous:
+    """Members a, b, c holding (and having copied to peers) step 10 (`copied`), spare s ready; copy ports on."""
+    rz = Rendezvous()
+    for node in ("a", "b", "c", "s"):
+        join(rz, "swap", node, T, CONFIG, copy_port=7000)
+    for node in ("a", "b", "c"):
+        poll(rz, node, T + 1, copied=copied)
+    job = rz.jobs["swap"]
+    assert job.round is not None and job.round.members == ["a", "b", "c"] and job.spares == ["s"]
+    return rz
+
+
+def hold_asked(rz: Rendezvous, node: str, at: float) -> bool:
+    return rz.view("swap", node, at).hold_at_snapshot
+
+
+def test_a_drained_member_is_swapped_at_the_next_snapshot_and_goes_once_the_spare_holds_it() -> None:
+    rz = running()
+    job = rz.jobs["swap"]
+    first = job.round.round_id
+    rz.drain_node("swap", "b", WHY, T + 2)
+    # in force at once (listed, and no agent of b may join), but b runs on until the next snapshot
+    assert job.drained == {"b": WHY} and job.round.round_id == first and job.round.members == ["a", "b", "c"]
+    assert [hold_asked(rz, n, T + 3) for n in ("a", "b", "c", "s")] == [True, True, True, False]
+    with pytest.raises(RendezvousError) as err:
+        rz.handle("swap", JoinRequest(v=1, node_id="b", addr="10.0.0.1", host="host-b", local_world_size=2,
+                                      master_port=29500, config=CONFIG, instance="b#2"), T + 3)
+    assert err.value.code == ErrorCode.NODE_DRAINED
+    rz.drain_node("swap", "b", "another reason", T + 3)          # drained already: nothing changes
+    assert job.drained == {"b": WHY} and job.swap is not None
+    poll(rz, "a", T + 4, held=15, copied=15, holding=True)       # a's ranks wait after step 15 ...
+    assert job.round.round_id == first                          # ... b has not written its own snapshot of it
+    poll(rz, "b", T + 5, held=15, copied=12, holding=True)      # (its copy of 15 still on its way to its peer)
+    assert job.round.round_id == first + 1 and job.restart_count == 0
+    assert job.round.members == ["a", "s", "c"]                 # the spare in b's place
+    spare = rz.view("swap", "s", T + 6).assignment
+    assert spare is not None and spare.copies_of == "b"
+    assert spare.copies_at is not None and spare.copies_at.port == 7000     # fetched from b itself
+    # b stays (out of the round, serving its snapshots) until the spare's note shows step 15
+    assert job.nodes["b"].state == NodeState.EXCLUDED
+    assert rz.view("swap", "b", T + 6).node_state == NodeState.EXCLUDED
+    rz.tick(T + 7)
+    poll(rz, "s", T + 8, copied=-1)                              # still fetching
+    assert "b" in job.nodes
+    poll(rz, "s", T + 9, copied=15)
+    assert "b" not in job.nodes and job.drained == {"b": WHY} and job.draining is None
+    status = rz.view("swap", "b", T + 10)
+    assert status.node_state == NodeState.GONE and status.reason == f"node b drained by operator: {WHY}"
+    assert job.round.round_id == first + 1                      # b's going forms no other round
+    said = [e.message for e in job.events if e.kind == EventKind.NODE_DRAINED]
+    assert said[-1] == f"node b drained by operator: {WHY}: it goes now (spare s holds step 15)", said
+
+
+def test_a_drained_node_whose_spare_never_holds_the_step_goes_after_the_wait() -> None:
+    rz = running()
+    job = rz.jobs["swap"]
+    rz.drain_node("swap", "b", WHY, T + 2)
+    poll(rz, "a", T + 4, held=15, copied=15, holding=True)
+    poll(rz, "b", T + 5, held=15, copied=15, holding=True)
+    assert "s" in job.round.members and job.draining is not None
+    until = job.draining.until
+    assert until == T + 5 + SWAP_WAIT_S
+    rz.tick(until - 1)
+    assert job.nodes["b"].state == NodeState.EXCLUDED           # neither gone nor readmitted yet
+    rz.tick(until)
+    assert "b" not in job.nodes and "b" in job.drained
+    assert f"fetch did not end within {SWAP_WAIT_S:g}s" in job.events[-1].message
+
+
+def test_a_drain_of_a_node_holding_no_snapshot_or_with_no_spare_goes_at_once() -> None:
+    rz = running(copied=-1)                                      # no snapshot yet: nothing to wait for
+    job = rz.jobs["swap"]
+    first = job.round.round_id
+    rz.drain_node("swap", "b", WHY, T + 2)
+    assert "b" not in job.nodes and job.round.round_id == first + 1 and job.swap is None
+    rz = running()
+    job = rz.jobs["swap"]
+    rz.drain_node("swap", "s", WHY, T + 2)                       # the spare itself: at once, as before
+    rz.drain_node("swap", "b", WHY, T + 3)                       # no spare ready now: at once
+    assert "b" not in job.nodes and job.swap is None and job.round is None     # (below min_nodes 3: waits)
+
+
+def test_a_drain_lifted_before_its_swap_calls_it_off() -> None:
+    rz = running()
+    job = rz.jobs["swap"]
+    rz.drain_node("swap", "b", WHY, T + 2)
+    rz.clear_exclusion("swap", "b", T + 3)
+    assert job.swap is None and not hold_asked(rz, "a", T + 4) and job.drained == {}
+    poll(rz, "a", T + 4, held=15, copied=15, holding=True)
+    poll(rz, "b", T + 5, held=15, copied=15, holding=True)
+    assert job.round.members == ["a", "b", "c"] and job.spares == ["s"]
+
+
+def test_rdzv_ctl_says_a_drained_member_goes_at_the_next_snapshot() -> None:
+    """The drained node is still listed among the job's nodes after the answer: said why, or the operator would
+    take it for a drain that did nothing."""
+    import json
+
+    from protocol.views import to_json
+    from rdzv_ctl import cli
+    from rdzv_server.web import views
+
+    rz = running()
+
+    class Answers:
+        def post(self, path: str, body: dict) -> object:
+            return json.loads(to_json(views.job_detail(rz.drain_node("swap", path.split("/")[-2], WHY, T + 2),
+                                                       T + 2)))
+
+        def get(self, path: str) -> object:
+            return json.loads(to_json(views.job_detail(rz.jobs["swap"], T + 2)))
+
+    args = cli.build_parser().parse_args(["drain", "swap", "b", "--reason", WHY])
+    args.json = False
+    said = cli.run(args, Answers()).splitlines()[0]  # type: ignore[arg-type]
+    assert said == ("drained node b from job swap; a spare takes its place at the job's next snapshot, fetching it "
+                    "from the node, which then goes (nothing is trained again)"), said
+
+
+def test_a_drain_lifted_while_the_node_serves_its_spare_readmits_it() -> None:
+    rz = running()
+    job = rz.jobs["swap"]
+    rz.drain_node("swap", "b", WHY, T + 2)
+    poll(rz, "a", T + 4, held=15, copied=15, holding=True)
+    poll(rz, "b", T + 5, held=15, copied=15, holding=True)
+    assert job.nodes["b"].state == NodeState.EXCLUDED and job.draining is not None
+    rz.clear_exclusion("swap", "b", T + 6)
+    assert job.draining is None and job.drained == {} and job.nodes["b"].state == NodeState.SPARE
+    poll(rz, "s", T + 7, copied=15)
+    rz.tick(T + 6 + SWAP_WAIT_S)
+    assert job.nodes["b"].state == NodeState.SPARE                # not removed as drained after all
