@@ -101,4 +101,9 @@ def build_launches(a: Assignment, opts: WorkerSettings, *, run_dir: str, hostnam
             prefix=prefix, prefix_all=opts.log_line_prefix is not None,
             dup_stdout=opts.dup_stdout, dup_stderr=opts.dup_stderr, attempt_dir=base, stdin_tty=stdin_tty,
             probe=probe, cpu_affinity=(cpu_affinity or {}).get(local_rank)))
+    # torchrun opens attempt_N/filtered_*.log whenever its filter is given, matched or not: a tool that reads it
+    # finds it. Appended to (not emptied), as the lines are: a new round of one restart count writes on.
+    for stream, needles in (("stdout", opts.dup_stdout), ("stderr", opts.dup_stderr)):
+        if needles:
+            open(os.path.join(base, f"filtered_{stream}.log"), "a").close()
     return launches

@@ -299,8 +299,9 @@ def run_tee_logs(cluster, tmp_path) -> None:
         out.mkdir()
         env = {"OUT_DIR": str(out), "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE": "[${role_name}/${rank}] "}
         runs[launcher] = (start(cluster, launcher, ["--log-dir", str(logs), "--tee", "3", "--local-ranks-filter",
-                                                    "1", "--duplicate-stdout-filters", "hello", "--nproc-per-node",
-                                                    "2", ECHO], env), str(out))
+                                                    "1", "--duplicate-stdout-filters", "hello",
+                                                    "--duplicate-stderr-filters", "nowhere",   # matches no line
+                                                    "--nproc-per-node", "2", ECHO], env), str(out))
     for launcher, (proc, _) in runs.items():
         logs = tmp_path / f"logs-{launcher}"
         assert proc.wait(120) == 0, proc.output
@@ -312,6 +313,7 @@ def run_tee_logs(cluster, tmp_path) -> None:
     assert same_console(runs) == ["[default/1] hello stderr from rank 1", "[default/1] hello stdout from rank 1"]
     assert layouts["torchrun"] == layouts["node-agent"]
     assert filtered["torchrun"] == filtered["node-agent"] == "[default/1] hello stdout from rank 1\n"
+    assert "attempt_0/filtered_stderr.log" in layouts["node-agent"]      # torchrun opens it, matched or not
 
 
 def stop_by_signal(cluster, tmp_path, argv: list[str], env: dict[str, str], sig: int) -> dict[str, str]:

@@ -174,9 +174,9 @@ FORMS: tuple[FormRow, ...] = (
                                 "`TORCHELASTIC_ERROR_FILE` set (as TorchX sets it)", SAME,
             "output hidden in a kept temporary directory with torchrun's layout; exit 1; the same root "
             "cause in the launcher's error file (node-agent also writes one when the worker left none)"),
-    FormRow("tee_logs", "`--log-dir D --tee 3 --local-ranks-filter 1 --duplicate-stdout-filters hello` with "
-                        "`TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE`", SAME,
-            "the same console lines, log files and `filtered_stdout.log`"),
+    FormRow("tee_logs", "`--log-dir D --tee 3 --local-ranks-filter 1 --duplicate-stdout-filters hello "
+                        "--duplicate-stderr-filters nowhere` with `TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE`", SAME,
+            "the same console lines, log files, `filtered_stdout.log` and an empty `filtered_stderr.log`"),
     FormRow("grace", "SIGTERM to the launcher while a worker saves for 6 s", SAME,
             "the worker gets SIGTERM and 30 s (torchrun's grace) to finish"),
     FormRow("usr1", "`--signals-to-handle SIGTERM,SIGUSR1` and SIGUSR1 to the launcher (Slurm's warning)", SAME,

@@ -60,6 +60,23 @@ def test_log_dir_streams_and_filter_follow_the_flags(tmp_path) -> None:
     assert all(w.dup_stdout == ("a,b", "c") and w.dup_stderr == () for w in launches)
 
 
+def test_each_filter_given_has_its_filtered_log_in_the_attempt_matched_or_not(tmp_path) -> None:
+    # torchrun opens attempt_N/filtered_std{out,err}.log for every filter flag given, even when no line matches
+    build_launches(SECOND_NODE, options("--duplicate-stderr-filters", "x"), run_dir=str(tmp_path), hostname="h",
+                   environ=ENV)
+    base = attempt_dir(str(tmp_path), 1)
+    assert sorted(os.listdir(base)) == ["0", "1", "2", "filtered_stderr.log"]
+    with open(os.path.join(base, "filtered_stderr.log"), "w") as f:
+        f.write("kept\n")
+    build_launches(SECOND_NODE, options("--duplicate-stderr-filters", "x", "--duplicate-stdout-filters", "y"),
+                   run_dir=str(tmp_path), hostname="h", environ=ENV)     # a new round of the same count
+    assert sorted(os.listdir(base)) == ["0", "1", "2", "filtered_stderr.log", "filtered_stdout.log"]
+    with open(os.path.join(base, "filtered_stderr.log")) as f:
+        assert f.read() == "kept\n"                                     # written on, as the lines are
+    build_launches(SECOND_NODE, options(), run_dir=str(tmp_path / "none"), hostname="h", environ=ENV)
+    assert sorted(os.listdir(attempt_dir(str(tmp_path / "none"), 1))) == ["0", "1", "2"]
+
+
 def test_a_no_python_program_gets_no_probe(tmp_path) -> None:
     launches = build_launches(SECOND_NODE, options("--no-python"), run_dir=str(tmp_path), hostname="h", environ=ENV,
                               probes=ProbeRoot())
