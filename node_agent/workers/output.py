@@ -2,8 +2,9 @@
 
 - Console only, unprefixed, and the console a terminal, /dev/null or a file: the worker gets the agent's console
   itself, so `isatty()`, colours, progress bars and `breakpoint()` behave as in `python train.py`.
-- Else through a pipe the agent reads: files get the text as written; the console each line whole, prefixed
-  (again after `\\r`, for progress bars), a partial line after FLUSH_DELAY_S; lines of two ranks never mix.
+- Else through a pipe the agent reads: files get the bytes as written (as torchrun's worker writes its file, not
+  valid UTF-8 too); the console each line whole, prefixed (again after `\\r`, for progress bars), a partial line
+  after FLUSH_DELAY_S; lines of two ranks never mix.
 - A worker must never block on its output: a failing log file (disk full) is dropped, said once; a console
   that is a pipe, socket or FIFO is never handed to a worker (nobody may read it), and the agent writes
   to its console through node_agent/workers/console.py, which drops (and counts) lines rather than wait.
@@ -20,7 +21,7 @@ import subprocess
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TextIO
+from typing import BinaryIO, TextIO
 
 from node_agent.settings import Std
 from node_agent.workers.console import agent_console, hands_over
@@ -94,7 +95,7 @@ class Console:
 class Sink:
     """One stream's destinations: a log file, the console (through `echo`), a filtered copy, or the
     console itself handed to the worker (`direct`: a file descriptor, or subprocess.DEVNULL)."""
-    file: TextIO | None
+    file: BinaryIO | None
     echo: Callable[[str, bool], None] | None       # (text, ends_line)
     filtered: Callable[[str], None] | None = None  # a whole line that may go to filtered_*.log
     direct: int | None = None
@@ -108,7 +109,7 @@ class Sink:
 
 def open_sink(launch: WorkerLaunch, stream: str, std: Std, console: Console) -> Sink:
     """`stream` ("stdout"/"stderr") of one worker, routed by its redirect/tee/echo settings."""
-    file: TextIO | None = None
+    file: BinaryIO | None = None
     logged = launch.log_dir is not None and bool((launch.redirect | launch.tee) & std)
     tee = logged and bool(launch.tee & std)
     on_console = launch.echo and (tee or not logged)
@@ -125,8 +126,7 @@ def open_sink(launch: WorkerLaunch, stream: str, std: Std, console: Console) -> 
         assert launch.log_dir is not None
         os.makedirs(launch.log_dir, exist_ok=True)
         # Append: a directory reused by a later round keeps the earlier output.
-        file = open(os.path.join(launch.log_dir, f"{stream}.log"), "a", encoding="utf-8", newline="",
-                    buffering=1)
+        file = open(os.path.join(launch.log_dir, f"{stream}.log"), "ab")   # flushed per read (data_received)
     echo: Callable[[str, bool], None] | None = None
     end: Callable[[], None] | None = None
     if on_console:
@@ -161,6 +161,17 @@ class LinePump(asyncio.Protocol):
         self.done: asyncio.Future[None] = self._loop.create_future()
 
     def data_received(self, data: bytes) -> None:
+        sink = self._sink
+        if sink.file is not None:
+            try:   # the file gets the bytes as written, undecoded (not valid UTF-8 too), as in torchrun's file
+                sink.file.write(data)
+                sink.file.flush()      # buffered: a short write of the file is retried, not lost
+            except OSError as e:   # disk full and the like: the worker must not block on its pipe
+                file, sink.file = sink.file, None
+                with contextlib.suppress(OSError):
+                    file.close()
+                if sink.echo is not None:
+                    sink.echo(f"(log file {getattr(file, 'name', '?')} failed: {e}; not writing it)", True)
         self._feed(self._decoder.decode(data))
 
     def eof_received(self) -> bool:
@@ -182,14 +193,6 @@ class LinePump(asyncio.Protocol):
     def _feed(self, text: str) -> None:
         if not text:
             return
-        sink = self._sink
-        if sink.file is not None:
-            try:   # the file gets the text as written
-                sink.file.write(text)
-            except OSError as e:   # disk full and the like: the worker must not block on its pipe
-                file, sink.file = sink.file, None
-                if sink.echo is not None:
-                    sink.echo(f"(log file {getattr(file, 'name', '?')} failed: {e}; not writing it)", True)
         *lines, self._pending = (self._pending + text).split("\n")
         for line in lines:
             self._show(line, ends_line=True)
