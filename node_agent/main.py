@@ -106,8 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     finally:
-        if workers.log_dir is None:
-            _tidy(workers, root, narrator)
+        _tidy(workers, root, narrator)
 
 
 def _with_predecessor(settings: AgentSettings) -> tuple[AgentSettings, str]:
@@ -171,12 +170,14 @@ def _nothing_listens(link: LinkSettings) -> bool:
 
 
 def _tidy(workers: WorkerSettings, root: str, narrator: Narrator) -> None:
-    """The temporary log directory (no --log-dir) goes, unless it holds output or a worker's error file."""
+    """Where this run's worker logs and error files are, said when it holds any: its directory's name is new for
+    every run, and torchrun's failure summary names the error file. The temporary one (no --log-dir) goes when it
+    holds neither."""
     assert workers.run_dir is not None
     logs = workers.redirects != StdSpec() or workers.tee != StdSpec()
     if logs or glob.glob(os.path.join(glob.escape(workers.run_dir), "attempt_*", "*", "error.json")):
-        narrator.say(f"worker logs and error files are kept in {workers.run_dir}")
-    else:
+        narrator.say(f"worker logs and error files are {'in' if workers.log_dir else 'kept in'} {workers.run_dir}")
+    elif workers.log_dir is None:
         shutil.rmtree(root, ignore_errors=True)
 
 

@@ -149,6 +149,9 @@ def test_log_dir_holds_torchruns_layout_fresh_for_every_run(cluster, tmp_path):
             f.unlink()
     run_dirs = sorted(logs.iterdir())
     assert len(run_dirs) == 2 and all(d.name.startswith("logjob_") for d in run_dirs)
+    # each run says which directory is its own (torchrun's failure summary names the error file's path)
+    said = sorted(agent.wait_for_line(r"worker logs and error files are in (\S+)").group(1) for agent in runs)
+    assert said == [str(d) for d in run_dirs]
     for run in run_dirs:     # LOG_DIR/ID_XXXXXXXX/attempt_RESTART_COUNT/LOCAL_RANK/
         # and store/attempt_N/: the agent's c10d store host (the script imports torch), not among the ranks
         assert sorted(p.name for p in run.iterdir()) == ["attempt_0", "attempt_1", "store"]
