@@ -76,8 +76,8 @@ def main(argv: list[str] | None = None) -> int:
     for warning in settings.warnings:
         print(f"node-agent: warning: {warning}", file=sys.stderr)
     workers = settings.workers
-    if not (workers.module or workers.no_python) and (problem := script_problem(workers.script,
-                                                                               worker_argv(workers)[0])):
+    if not (workers.module or workers.no_python) and (problem := script_problem(
+            workers.script, worker_argv(workers)[0], workers.nproc)):
         print(f"node-agent: error: {problem}", file=sys.stderr)   # before joining: no round, no restart used
         return 2
     if refusal := _memory_off_over_snapshots(settings):

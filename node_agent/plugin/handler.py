@@ -72,7 +72,8 @@ def create_handler(params: RendezvousParameters) -> RdzvServerHandler:
                                    launch=launch)
     except SettingsError as exc:
         _exit(2, f"torchrun --rdzv-backend {BACKEND}: {exc}")
-    if launch is not None and launch.kind == "python" and (problem := script_problem(launch.script)):
+    if launch is not None and launch.kind == "python" and (
+            problem := script_problem(launch.script, local_ranks=launch.local_world_size)):
         _exit(2, f"torchrun --rdzv-backend {BACKEND}: {problem}")
     handler = RdzvServerHandler(settings)
     if settings.job_id_source:

@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import zipfile
+from string import Template
 
 _COMPILE = ("import json, sys\n"
             "try:\n"
@@ -21,8 +22,17 @@ _COMPILE = ("import json, sys\n"
 CHILD_TIMEOUT_S = 20.0
 
 
-def script_problem(script: str, python: str | None = None) -> str | None:
-    """One line saying why `script` cannot run under `python` (default: this one), or None."""
+def script_problem(script: str, python: str | None = None, local_ranks: int = 1) -> str | None:
+    """One line saying why `script` cannot run under `python` (default: this one), or None. torchrun's
+    `${local_rank}` in the path becomes each of `local_ranks` local ranks' own, as it does in the workers' command
+    (`train_${local_rank}.py`): each such script is checked."""
+    for each in dict.fromkeys(Template(script).safe_substitute(local_rank=str(r)) for r in range(max(1, local_ranks))):
+        if problem := _problem(each, python):
+            return problem
+    return None
+
+
+def _problem(script: str, python: str | None) -> str | None:
     path = os.path.abspath(script)
     if not os.path.exists(path):
         return f"the script {script!r} does not exist (looked for {path})"

@@ -104,3 +104,12 @@ def test_a_crash_with_dataloader_workers_alive_leaves_no_multiprocessing_directo
         assert left_in(tmp) == [], left_in(tmp)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def test_local_rank_in_the_script_path_runs_each_ranks_script_as_torchrun(cluster, tmp_path):
+    # torchrun substitutes ${local_rank} in the script's path as in its arguments; the check before joining did not
+    for r in (0, 1):
+        (tmp_path / f"part_{r}.py").write_text(f"import os\nprint('script {r} is rank', os.environ['RANK'])\n")
+    agent = cluster.agent("--standalone", "--nproc-per-node", "2", str(tmp_path / "part_${local_rank}.py"))
+    assert agent.wait(60) == 0, agent.output
+    assert "script 0 is rank 0" in agent.output and "script 1 is rank 1" in agent.output, agent.output
