@@ -155,7 +155,7 @@ async def serve(config: ServerConfig, store: Store | None = None,
         leadership = Leadership(replication.store.settings, replication.store, url, replication.leader_ttl_s,
                                 on_elected=coordinator.take_over, on_deposed=coordinator.step_down)
         coordinator.gate.follow(leadership.sure, lambda: None if leadership is None or leadership.leading
-                                else leadership.leader_url, leadership.electing)
+                                else leadership.leader_url, leadership.electing, replication.store.where)
         leadership.on_news = coordinator.gate.election_news
         leadership.start()
         log.info("replica %s on %s: standing by until elected", url, replication.store.where)

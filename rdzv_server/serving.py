@@ -7,13 +7,18 @@ this replica leads, rather than refused and retried after a backoff; a standby's
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Callable
 
 from protocol.errors import ErrorCode
+from protocol.quoting import quote
 from rdzv_server.core.errors import RendezvousError
 
 LEADER_HEADER = "Rdzv-Leader"   # on a not_leader reply: the leader's advertised URL
 ELECTION_WAIT_S = 3.0           # an agent's request is parked at most this long during an election
+FOREIGN_SAID_MAX = 1024         # job ids whose "another deployment" line was said (then said again)
+
+log = logging.getLogger("rdzv_server")
 
 
 class Serving:
@@ -23,15 +28,34 @@ class Serving:
         # Replicas: whether this one surely leads, where the leader is, whether an election is under way.
         self.leading: Callable[[], bool] = lambda: True
         self.leader_url: Callable[[], str | None] = lambda: None
+        self.replicated = False                   # one of several replicas on a replicated store (etcd)
+        self.where = ""                           # that store, as its log lines name it
+        self._foreign_said: set[str] = set()
         self.electing: Callable[[], bool] = lambda: False
         self.parked = 0                           # agent requests waiting for an election to end
         self._served = asyncio.Event()            # set while started
         self._news = asyncio.Event()              # set (and replaced) when the election's outcome changes
 
     def follow(self, leading: Callable[[], bool], leader_url: Callable[[], str | None],
-               electing: Callable[[], bool]) -> None:
+               electing: Callable[[], bool], where: str = "") -> None:
         """Take leadership from an election instead of leading from the start."""
         self.leading, self.leader_url, self.electing = leading, leader_url, electing
+        self.replicated, self.where = True, where
+
+    def foreign_job(self, job_id: str) -> RendezvousError:
+        """A replica's answer to a poll or report for a job its store does not hold. A replicated store loses no
+        running job, so the job is another deployment's (this replica's --etcd-prefix or --store is not the one
+        its agents' leader used): `unknown_job` would have them join here as a new job, from scratch, and drop
+        their snapshots; `not_leader` has them keep their workers and wait for their own leader. Said once a job."""
+        if job_id not in self._foreign_said:
+            if len(self._foreign_said) >= FOREIGN_SAID_MAX:
+                self._foreign_said.clear()
+            self._foreign_said.add(job_id)
+            log.warning("an agent of job %s asks this replica, whose store (%s) has no such job: not served here "
+                        "(is this replica's --etcd-prefix or --store the deployment its job runs on?)", quote(job_id),
+                        self.where or "etcd")
+        return RendezvousError(ErrorCode.NOT_LEADER, f"this replica's store has no job {quote(job_id)}: it serves "
+                               "another deployment (check its --etcd-prefix and --store); not serving this job here")
 
     def start(self) -> None:
         self.started = True

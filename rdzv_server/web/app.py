@@ -8,7 +8,7 @@ from aiohttp import web
 
 from protocol.codec import CONTENT_TYPE, MAX_BODY_BYTES, REQUEST_TYPES, DecodeError, decode_request, encode
 from protocol.errors import HTTP_STATUS, RETRYABLE, ErrorCode, unknown_job
-from protocol.messages import ErrorReply, PollRequest
+from protocol.messages import ErrorReply, JoinRequest, PollRequest
 from protocol.quoting import quote
 from protocol.views import NODE_LIMIT_MAX
 from rdzv_server.coordinator import Coordinator
@@ -94,6 +94,8 @@ async def agent_request(request: web.Request) -> web.StreamResponse:
     if not await coord.gate.until_serving():
         raise coord.gate.not_serving()
     req = decode_request(cls, body)
+    if coord.gate.replicated and not isinstance(req, JoinRequest) and job_id not in coord.core.jobs:
+        raise coord.gate.foreign_job(job_id)
     reply = DirectReply(request) if isinstance(req, PollRequest) and DirectReply.fits(request) else None
     try:
         status = await coord.handle(job_id, req, Connection(

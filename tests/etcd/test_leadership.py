@@ -4,6 +4,8 @@ deposed leader whose commit is refused by the fence, which makes it step down an
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import logging
 
 import msgpack
 import pytest
@@ -156,3 +158,29 @@ async def test_a_request_during_an_election_waits_for_the_takeover_instead_of_a_
         assert waiting_for_leader(replica) == 0
     finally:
         await replica.close()
+
+
+async def test_a_replica_on_another_prefix_does_not_have_a_running_jobs_agents_start_over(settings, http, caplog):
+    # Two deployments: the job runs on `settings`' prefix; a replica given a wrong --etcd-prefix leads its own (empty)
+    # one. When the job's leader is gone, its agents reach that replica: `unknown_job` would have them join it as a
+    # new job, from scratch (their snapshots' ranks moved and removed); `not_leader` has them wait for their own.
+    ours = await Replica(settings).start()
+    await wait_until(lambda: ours.coordinator.serving(), 20)
+    wrong = await Replica(dataclasses.replace(settings, prefix=settings.prefix + "typo/")).start()
+    try:
+        await wait_until(lambda: wrong.coordinator.serving(), 20)
+        assert (await post(http, ours, "join", join_body("a")))[0] == 200
+        caplog.set_level(logging.WARNING, logger="rdzv_server")
+        for _ in range(2):
+            status, reply, _ = await post(http, wrong, "poll", {"v": 1, "node_id": "a", "known_round": 1,
+                                                                 "wait_s": 0.0})
+            assert status == 503 and reply["code"] == "not_leader", reply
+            assert "has no job 'j'" in reply["message"] and "--etcd-prefix" in reply["message"]
+        said = [r.getMessage() for r in caplog.records if "has no such job" in r.getMessage()]
+        assert len(said) == 1, said            # once per job, not per request
+        assert "j" not in wrong.coordinator.core.jobs
+        status, reply, _ = await post(http, wrong, "join", join_body("b"))    # a new job's join still makes it
+        assert status == 200
+    finally:
+        await wrong.close()
+        await ours.close()
