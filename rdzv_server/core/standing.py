@@ -38,8 +38,8 @@ def node_status(job: JobRecord, node_id: str, now: float, *, accepted: bool = Tr
                         accepted=accepted, reason=reason or job.reason,
                         lease_timeout_s=job.config.lease_timeout_s,
                         checks_due=node is not None and node.checks_due and not finished,
-                        hold_at_snapshot=job.swap is not None and r is not None and job.swap.round_id == r.round_id
-                        and state == NodeState.MEMBER and not finished, writes_end_round=job.writes_end_round)
+                        hold_at_snapshot=_holds(job) and state == NodeState.MEMBER and not finished,
+                        writes_end_round=job.writes_end_round)
     if finished:
         status.root_cause = job.root_cause if job.state == JobState.FAILED else None
     if r is not None and state == NodeState.MEMBER and not finished and r.awaits_port:   # store_port.py
@@ -87,3 +87,11 @@ def last_failed(job: JobRecord) -> str:
     workers failed left): "" when there was none."""
     f = job.last_failure
     return f"; last failure: {describe(f)} on node {f.node_id}" if f is not None else ""
+
+
+def _holds(job: JobRecord) -> bool:
+    """Whether the round's ranks wait after their next snapshot for a swap: one due in this round, or a drain's, which
+    carries over to any round its node is a member of (swaps._due)."""
+    swap, r = job.swap, job.round
+    return swap is not None and r is not None and (swap.round_id == r.round_id or
+                                                   swap.drain and swap.node_id in r.members)

@@ -177,6 +177,12 @@ def _due(rules: JobRules) -> SwapDue | None:
     """The swap under way (None: none, or moot: another round formed, or the suspect left)."""
     job = rules.job
     swap = job.swap
+    if swap is not None and swap.drain and job.round is not None and swap.round_id != job.round.round_id and \
+            swap.node_id in job.round.members:
+        # An operator's drain stands whatever round forms meanwhile (another node lost or drained, a restart): its
+        # swap carries over to this round, else the node would run on in it for good, listed as drained. The step
+        # held was the last round's; the bound (until) stands.
+        swap.round_id, swap.held_step, swap.suspect_held = job.round.round_id, -1, -1
     if swap is not None and (job.round is None or job.round.round_id != swap.round_id
                              or swap.node_id not in job.round.members):
         job.swap = swap = None

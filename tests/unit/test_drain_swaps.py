@@ -152,3 +152,21 @@ def test_a_drain_lifted_while_the_node_serves_its_spare_readmits_it() -> None:
     poll(rz, "s", T + 7, copied=15)
     rz.tick(T + 6 + SWAP_WAIT_S)
     assert job.nodes["b"].state == NodeState.SPARE                # not removed as drained after all
+
+
+def test_a_drain_waiting_for_its_swap_carries_over_to_a_round_formed_meanwhile() -> None:
+    """A review drained b (its swap due), then c, which went at once (the spare took its place): the new round made
+    b's swap moot, and b ran on in every round after, listed as drained. The drain stands: b goes at that round's
+    snapshot (at once there, no spare being ready any more)."""
+    rz = running()
+    job = rz.jobs["swap"]
+    rz.drain_node("swap", "b", WHY, T + 2)
+    rz.drain_node("swap", "c", WHY, T + 3)                       # another swap under way: c goes at once
+    assert job.round.members == ["a", "b", "s"] and job.drained == {"b": WHY, "c": WHY}
+    assert [hold_asked(rz, n, T + 4) for n in ("a", "b", "s")] == [True, True, True]   # the new round's ranks hold
+    second = job.round.round_id
+    for node in ("a", "b", "s"):
+        poll(rz, node, T + 5, held=20, copied=20, holding=True)
+    assert "b" not in job.nodes and job.swap is None, job.round
+    assert job.events[-2].message == f"node b drained by operator: {WHY} (no spare is ready any more: it goes at once)"
+    assert job.round is None or job.round.round_id != second
