@@ -17,7 +17,10 @@ def note_gone(job: JobRecord, node: NodeRecord, now: float, was_member: bool) ->
     """Keep what `node`'s next agent takes up (called as its record goes)."""
     if was_member and node.fetch_place is not None and awaiting.fetch_unfinished(node):
         job.unfinished_fetches[node.node_id] = UnfinishedFetch(of=node.fetch_of, place=node.fetch_place)
-    if node.excluded_until > now and not node.held_off:     # (a flapping host's hold-off: its losses are kept)
+    # (a flapping host's hold-off: its losses are kept; a drained node swapped out is held out by its drain, not an
+    # exclusion: kept as one, the views listed it excluded for a minute more after it went, as if it came back then)
+    draining = job.draining is not None and job.draining.node_id == node.node_id
+    if node.excluded_until > now and not node.held_off and not draining:
         for ended in [nid for nid, kept in job.kept_out.items() if kept.until <= now]:
             del job.kept_out[ended]
         if len(job.kept_out) < MAX_KEPT_OUT:

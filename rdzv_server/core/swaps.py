@@ -155,11 +155,11 @@ def fetched(rules: JobRules, now: float) -> None:
     if spare is not None and job.round is not None and due.spare in job.round.members and \
             held < max(due.held_step, 0) and now < due.until:
         return
-    job.draining = None
     how = f"spare {due.spare} holds step {held}" if held >= max(due.held_step, 0) else \
         f"spare {due.spare} is no member now" if spare is None or job.round is None or \
         due.spare not in job.round.members else f"spare {due.spare}'s fetch did not end within {SWAP_WAIT_S:g}s"
     rules.remove(node, now, EventKind.NODE_DRAINED, f"node {due.node_id} {due.why}: it goes now ({how})")
+    job.draining = None     # (after: gone_nodes keeps no exclusion of it)
 
 
 def tick(rules: JobRules, now: float) -> None:

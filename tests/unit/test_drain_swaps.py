@@ -170,3 +170,25 @@ def test_a_drain_waiting_for_its_swap_carries_over_to_a_round_formed_meanwhile()
     assert "b" not in job.nodes and job.swap is None, job.round
     assert job.events[-2].message == f"node b drained by operator: {WHY} (no spare is ready any more: it goes at once)"
     assert job.round is None or job.round.round_id != second
+
+
+@pytest.mark.parametrize("how", ["fetched", "lost"])
+def test_a_drained_node_gone_after_its_swap_is_listed_drained_not_excluded(how: str) -> None:
+    """A review: after b went (its spare holding the step, or its agent killed while it served), rdzv-ctl job listed
+    b as excluded with most of a minute left, as if it came back then; its drain, not an exclusion, keeps it out."""
+    from rdzv_server.web import views
+
+    rz = running()
+    job = rz.jobs["swap"]
+    rz.drain_node("swap", "b", WHY, T + 2)
+    poll(rz, "a", T + 4, held=15, copied=15, holding=True)
+    poll(rz, "b", T + 5, held=15, copied=15, holding=True)
+    assert job.draining is not None
+    if how == "fetched":
+        poll(rz, "s", T + 6, copied=15)
+    else:
+        rz.connection_dropped("swap", "b", T + 6, heard=True)
+        rz.tick(T + 20)
+    assert "b" not in job.nodes and job.drained == {"b": WHY} and "b" not in job.kept_out
+    detail = views.job_detail(job, T + 21)
+    assert [n.node_id for n in detail.excluded] == [] and [d.node_id for d in detail.drained] == ["b"]
