@@ -52,6 +52,7 @@ def apply(rules: JobRules, action: OperatorAction, now: float) -> None:
             clear_exclusion(rules, node_id, now)
         case ResizeJob(min_nodes=min_nodes, max_nodes=max_nodes):
             resize(rules, min_nodes, max_nodes, now)
+            swaps.settle(rules, now)        # a drained member waiting for its swap, made a spare: it goes now
 
 
 def drain(rules: JobRules, node_id: str, reason: str, now: float, by: str = "operator") -> None:

@@ -97,9 +97,23 @@ def held(rules: JobRules, node_id: str, step: int, now: float) -> None:
     check(rules, now)
 
 
+def settle(rules: JobRules, now: float) -> None:
+    """A drained node whose swap is due but which is no member of a running round now (a resize made it a spare, or
+    the job waits for nodes) goes at once, as a drain with nothing to swap does: left, it stayed in the job, listed
+    as drained, and a later round took it in again (a review: resized 3 -> 2 and back, the drained node trained)."""
+    job, swap = rules.job, rules.job.swap
+    if swap is None or not swap.drain or (node := job.nodes.get(swap.node_id)) is None or \
+            job.round is not None and swap.node_id in job.round.members:
+        return
+    job.swap = None
+    rules.remove(node, now, EventKind.NODE_DRAINED, f"node {swap.node_id} {swap.why} (no member of a running round "
+                 f"now: it goes at once)")
+
+
 def check(rules: JobRules, now: float) -> None:
     """Swap once the members hold and the suspect's copy of the held step is on its peer (after a poll or note)."""
     fetched(rules, now)
+    settle(rules, now)
     swap = _due(rules)
     if swap is None or swap.held_step < 0:
         return
@@ -129,7 +143,7 @@ def lifted(rules: JobRules, node_id: str, now: float) -> None:
     """The operator lifted the drain of `node_id` before it went: its swap is called off (the ranks asked to hold go
     on), or, swapped out already, it is readmitted as any node whose exclusion ended."""
     job = rules.job
-    if (swap := _due(rules)) is not None and swap.drain and swap.node_id == node_id:
+    if (swap := job.swap) is not None and swap.drain and swap.node_id == node_id:     # (due, or moot: settle's)
         job.swap = None
         for member in job.round.members if job.round is not None else ():
             rules.node_changed(member)      # their ranks go on
@@ -164,6 +178,7 @@ def fetched(rules: JobRules, now: float) -> None:
 
 def tick(rules: JobRules, now: float) -> None:
     fetched(rules, now)
+    settle(rules, now)
     swap = _due(rules)
     if swap is not None and now >= swap.until:
         served = serves_itself(rules.job, swap.node_id)
@@ -185,6 +200,8 @@ def _due(rules: JobRules) -> SwapDue | None:
         swap.round_id, swap.held_step, swap.suspect_held = job.round.round_id, -1, -1
     if swap is not None and (job.round is None or job.round.round_id != swap.round_id
                              or swap.node_id not in job.round.members):
+        if swap.drain and swap.node_id in job.nodes:
+            return None         # no member now (a spare, excluded, waiting): it goes at once (settle)
         job.swap = swap = None
     return swap
 

@@ -192,3 +192,33 @@ def test_a_drained_node_gone_after_its_swap_is_listed_drained_not_excluded(how: 
     assert "b" not in job.nodes and job.drained == {"b": WHY} and "b" not in job.kept_out
     detail = views.job_detail(job, T + 21)
     assert [n.node_id for n in detail.excluded] == [] and [d.node_id for d in detail.drained] == ["b"]
+
+
+def test_a_drained_member_made_a_spare_before_its_swap_goes_and_is_never_taken_in_again() -> None:
+    """A review drained c (its swap due), then resized the job 3 -> 2: c, made a spare, made the swap moot and stayed
+    in the job, listed as drained; resized back to 3, c was a member again and trained."""
+    rz = running()
+    job = rz.jobs["swap"]
+    rz.drain_node("swap", "c", WHY, T + 2)
+    rz.resize("swap", 2, 2, T + 3)
+    assert "c" not in job.nodes and job.swap is None and job.drained == {"c": WHY}
+    assert job.events[-1].message == f"node c drained by operator: {WHY} (no member of a running round now: it goes " \
+                                     f"at once)"
+    rz.resize("swap", 3, 3, T + 4)
+    assert job.round.members == ["a", "b", "s"]
+
+
+def test_a_drained_member_excluded_for_a_failure_before_its_swap_goes() -> None:
+    """Excluded for its workers' failure before the snapshot came, the drained node was neither readmitted (drained)
+    nor removed: held excluded for good, its agent waiting."""
+    from protocol.messages import FailureReport, WorkerFailure
+    rz = running()
+    job = rz.jobs["swap"]
+    job.config = msgspec.structs.replace(job.config, exclude_after=1)
+    rz.drain_node("swap", "b", WHY, T + 2)
+    failure = WorkerFailure(local_rank=0, rank=2, exitcode=1, timestamp=T + 3)
+    rz.handle("swap", FailureReport(v=1, node_id="b", credential="secret-b", round_id=job.round.round_id,
+                                    failures=[failure]), T + 3)
+    assert "b" not in job.round.members
+    rz.tick(T + 4)
+    assert "b" not in job.nodes and job.drained == {"b": WHY} and job.swap is None
