@@ -99,8 +99,10 @@ class Rendezvous:
             late = job.finished_at is None or now - job.finished_at < REUSE_FINISHED_AFTER_S
             # The next agent of a node killed in that run (it shows the secret its predecessor left in the node's
             # memory: systemd's Restart=) is as late as its predecessor: a new run would train from step 0 again (a
-            # review: a member killed near the end of an elastic job came back to a new run of it, alone)
-            if late and (not req.instance or req.predecessor or
+            # review: a member killed near the end of an elastic job came back to a new run of it, alone). Only after
+            # a success: a run closed or failed is relaunched at once by operators, a stopped node's agent first (a
+            # review: its join refused as late, the new run waited for it and failed).
+            if late and (not req.instance or req.predecessor and job.state == JobState.SUCCEEDED or
                          any(n.instance == req.instance for n in job.nodes.values())):
                 raise RendezvousError(ErrorCode.JOB_FINISHED,
                                       f"job {job_id!r} has already {job.state.value}: {job.reason}")

@@ -815,6 +815,23 @@ def test_the_next_agent_of_a_node_killed_in_a_finished_run_is_late_for_it_not_a_
     assert late.job_state == JobState.RUNNING
     assert [e.kind for e in core.jobs["j"].events][:2] == ["job_created", "job_reused"]
 
+
+def test_a_stopped_nodes_next_agent_starts_a_new_run_of_a_job_closed_just_before():
+    """A review: node b's agent was stopped (its memory, and secret, kept for its next agent), the operator closed the
+    job and relaunched both at once: b's join, carrying the secret, was refused as late, and the new run waited for
+    b and failed. Only a success makes the next agent of a node of the run late."""
+    core = Rendezvous()
+    cfg = JobConfig(min_nodes=1, max_nodes=1)
+    core.handle("j", JoinRequest(v=1, node_id="a", addr="h", local_world_size=1, master_port=1, config=cfg,
+                                 instance="ia"), 0.0)
+    core.close_job("j", "relaunch with a fix", 1.0)
+    assert core.jobs["j"].state == JobState.CLOSED
+    again = core.handle("j", JoinRequest(v=1, node_id="b", addr="h", local_world_size=1, master_port=1, config=cfg,
+                                         instance="ib2", predecessor="secret-b-left-in-its-memory"), 2.0)
+    assert again.job_state == JobState.RUNNING
+    assert [e.kind for e in core.jobs["j"].events][:2] == ["job_created", "job_reused"]
+
+
 def test_a_join_whose_command_differs_from_the_jobs_is_refused_naming_both():
     core = Rendezvous()
     cfg = JobConfig(min_nodes=2, max_nodes=2)
