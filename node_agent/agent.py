@@ -106,6 +106,8 @@ class Agent:
         self._no_port_said = False
         self._memory_kept = ""       # why this stopped node's memory stays for its next agent ("": it goes)
         self._place_until: float | None = None     # when the job stops keeping this node's place for its next agent
+        self._stop_told = False      # its leave told a stop of its workers and the job keeps its place (stop_ended)
+        self._memory_closed = False
 
     now = staticmethod(time.monotonic)
 
@@ -120,17 +122,31 @@ class Agent:
                 link = self._link = ServerLink(client, self.facts.put_nowait, self.now, join=self._join,
                                                poll=self._poll)
                 try:
-                    return await self._run(link)
+                    code = await self._run(link)
                 finally:
                     await link.close()
+                # stopped, its workers stopped: once its last copies went, the wait for its next agent starts now
+                if self._stop_told:
+                    await self._close_memory()
+                    if await link.stop_ended():
+                        self.narrator.say(f"node {self.link.node_id}'s stop is over: told the server, whose wait "
+                                          f"for its next agent starts now")
+                return code
         finally:
             for sig in self.settings.workers.signals:
                 loop.remove_signal_handler(sig)
-            left = None if self._place_until is None else self._place_until - self.now()
-            await self.copies.close(finished=self.policy.job_over, flush_s=flush_limit(left))
-            await self.workers.close(keep_memory="" if self.policy.job_over else self._memory_kept)
+            await self._close_memory()
             await self.witness.close()
             self.checks.close()
+
+    async def _close_memory(self) -> None:
+        """Once: the last copies sent, and the workers' memory left as the job's end or the next agent needs it."""
+        if self._memory_closed:
+            return
+        self._memory_closed = True
+        left = None if self._place_until is None else self._place_until - self.now()
+        await self.copies.close(finished=self.policy.job_over, flush_s=flush_limit(left))
+        await self.workers.close(keep_memory="" if self.policy.job_over else self._memory_kept)
 
     async def _run(self, link: ServerLink) -> int:
         chosen = gloo_interface(self.addr, os.environ)
@@ -208,6 +224,7 @@ class Agent:
                 # no answer: its memory stays as a killed agent's would (its next agent may find the job waiting)
                 node = self.link.node_id
                 self._place_until = self.now() + kept if stopped and kept else None
+                self._stop_told = stopped and stops_workers and bool(kept)
                 self._memory_kept = "" if not stopped or kept == 0 else \
                     f"the job keeps node {node}'s place for its next agent" if kept else \
                     f"the server did not answer node {node}'s leave: as a killed agent's, its memory stays"

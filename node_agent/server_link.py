@@ -102,6 +102,14 @@ class ServerLink:
         self._cancel_prompt()
         return kept
 
+    async def stop_ended(self) -> bool:
+        """Tell the server this stopped node's stop is over (its workers stopped, its last copies sent), once and
+        briefly: the job's wait for its next agent counts from now, not from its --stop-timeout's end
+        (LeaveRequest.stop_ended). Whether it was heard (unheard: the wait stays as its leave told)."""
+        with contextlib.suppress(ServerUnreachable, ServerRejected):
+            return (await self._client.leave("its stop is over", stopped=True, stop_ended=True)).accepted
+        return False
+
     @contextlib.asynccontextmanager
     async def lease_kept(self, interval: float) -> AsyncIterator[None]:
         """Keep a long-poll held while the loop is busy (it re-issues none until it is done): at once (the answer

@@ -244,6 +244,11 @@ class LeaveRequest(_Request, kw_only=True):
     # With `stopped`: how long its workers may still take to stop (its --stop-timeout: a script that saves a
     # checkpoint on SIGTERM); the wait for its next agent counts from then. Absent from older agents: 0.
     stop_timeout_s: Annotated[float, Meta(ge=0, le=MAX_STOP_S)] = 0.0
+    # Sent again, once, by a stopped agent whose place the job keeps, after its workers stopped and its last copies
+    # went: its stop is over, and the wait for its next agent counts from now if sooner (rdzv_server/core/stops.py;
+    # proven with the credential its leave carried). Absent from older agents; an older server takes it as a leave
+    # of a node it no longer knows, and changes nothing.
+    stop_ended: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -172,9 +172,10 @@ class Transport:
                                                   ranks=ranks))
 
     async def leave(self, reason: str, unhealthy: UnhealthyKind | None = None, stopped: bool = False,
-                    stop_timeout_s: float = 0.0) -> NodeStatus:
+                    stop_timeout_s: float = 0.0, stop_ended: bool = False) -> NodeStatus:
         return await self._request(self._for_node(LeaveRequest, reason=reason, unhealthy=unhealthy, stopped=stopped,
-                                                  stop_timeout_s=stop_timeout_s), self.LEAVE_TIMEOUT_S)
+                                                  stop_timeout_s=stop_timeout_s, stop_ended=stop_ended),
+                                   self.LEAVE_TIMEOUT_S)
 
 
 def local_addr_towards(host: str, port: int) -> str:

@@ -11,17 +11,18 @@ closed by its host, replaced by a new instance of its agent, or leaving because 
 still preparing, until its agent would start cold (`deadline`: a loaded host imports for seconds, and the survivors'
 idle seconds cost less than every rank's progress). A stopped agent leaves before it stops its workers: its wait
 starts when they may be stopped (LeaveRequest.stop_timeout_s: a script saving a checkpoint on SIGTERM would
-otherwise be gone on without while it saves). What looks the same: an agent that crashed or was stopped for good, or
-a host closing its connections as it shuts down: the job goes on without it (or a spare takes its place) that much
-later, and the event says why. A host that keeps dropping out (a flapping host, exclude_lost_after), a node that
-leaves unhealthy and a drained one are not awaited.
+otherwise be gone on without while it saves), or when it says its stop is over, if sooner (stops.py). What looks
+the same: an agent that crashed or was stopped for good, or a host closing its connections as it shuts down: the
+job goes on without it (or a spare takes its place) that much later, and the event says why. A host that keeps
+dropping out (a flapping host, exclude_lost_after), a node that leaves unhealthy and a drained one are not
+awaited.
 """
 from __future__ import annotations
 
 from protocol.bounds import MAX_PREPARE_S
 from protocol.messages import JobConfig, NodeState
 from rdzv_server.core import leases
-from rdzv_server.core.records import JobRecord, NodeRecord
+from rdzv_server.core.records import JobRecord, NodeRecord, StopKept
 
 
 def window_s(cfg: JobConfig) -> float:
@@ -126,6 +127,9 @@ def lost_again(job: JobRecord, node: NodeRecord, now: float, restarting: bool, s
             job.awaited.append(nid)
         if stopping_s:
             job.stops_counted.append(nid)
+            if node.credential_digest:           # to be told over (stops.py)
+                job.stops[nid] = StopKept(digest=node.credential_digest, end=now + stopping_s,
+                                          since_before=job.awaited_since, lead=window_s(job.config))
             job.awaited_since = max(job.awaited_since, now + stopping_s - window_s(job.config))
         job.last_call_deadline = deadline(job, now + stopping_s)
         return True
@@ -138,6 +142,7 @@ def given_up(job: JobRecord, node_id: str) -> bool:
     node preparing had moved it by is not kept for the others)."""
     if node_id in job.awaited:
         job.awaited.remove(node_id)
+    job.stops.pop(node_id, None)
     if not job.awaited or all_back(job):
         return True
     if job.last_call_deadline is not None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from protocol.errors import ErrorCode
 from protocol.messages import JobState, NodeState
-from rdzv_server.core import awaiting, floors, gone_nodes, goodput, leases, places, standing, store_port
+from rdzv_server.core import awaiting, floors, gone_nodes, goodput, leases, places, standing, stops, store_port
 from rdzv_server.core.addresses import master_correction
 from rdzv_server.core.choice import Choice, candidates, choose, count_nodes, growth_cause
 from rdzv_server.core.errors import RendezvousError
@@ -211,7 +211,7 @@ class JobRules:
         chosen, rest, preparing, took = choice.chosen, choice.rest, choice.preparing, choice.took
         job.last_call_deadline = None
         was_awaited = bool(job.awaited)       # (members restarting were awaited: their ranks hold their own state)
-        job.awaited, job.stops_counted = [], []
+        job.awaited, job.stops_counted, job.stops = [], [], {}
         job.successes = []
         self.wake()
         held = awaiting.worth_awaiting(job, restarting or [], now)
@@ -267,7 +267,7 @@ class JobRules:
         standby = [new for new, gone in choice.took.items() if gone in held and new not in self.members()]
         if held:       # below min too: when enough are back, the others' wait resumes (grow)
             job.awaited, job.awaited_since = held, now + stopping_s
-            job.stops_counted = list(held) if stopping_s else []
+            stops.counted(job, held, lost or [], now, stopping_s)
         if held and len(choice.chosen) >= cfg.min_nodes:
             job.last_call_deadline = job.awaited_since + awaiting.window_s(cfg)
             self.out.deadline(job.last_call_deadline)

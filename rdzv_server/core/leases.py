@@ -215,6 +215,8 @@ def restored(job: JobRecord, now: float, away_s: float, out: Outbox) -> float:
         out.deadline(job.join_deadline)
     if job.awaited:
         job.awaited_since += away_s             # its bound moves with the deadline
+        for stop in job.stops.values():         # (stops.py) and the stops it counts from
+            stop.end, stop.since_before = stop.end + away_s, stop.since_before + away_s
     return grace
 
 

@@ -113,6 +113,17 @@ class KeptOut(msgspec.Struct, kw_only=True):
     exclusions: int
 
 
+class StopKept(msgspec.Struct, kw_only=True):
+    """A stopped agent's stop that moved the wait for it (stops.py): when its told stop timeout ends, the wait's start
+    before it (`since_before`, `lead`: awaiting.lost_again's), and its credential's digest, which alone may tell the
+    stop over (`ended`: told, `end` then when)."""
+    digest: str
+    end: float
+    since_before: float
+    lead: float = 0.0
+    ended: bool = False
+
+
 class UnfinishedFetch(msgspec.Struct, kw_only=True):
     """A member lost while it fetched a gone node's copies (NodeRecord.fetch_of), before it held a snapshot."""
     of: str
@@ -207,6 +218,7 @@ class JobRecord(msgspec.Struct, kw_only=True):
     #                                                             last call's deadline (awaiting.py) ...
     awaited_since: float = 0.0                                  # ... from when (its bound: awaiting.deadline)
     stops_counted: list[str] = msgspec.field(default_factory=list)  # whose stop moved this wait (once each)
+    stops: dict[str, StopKept] = msgspec.field(default_factory=dict)   # their stops, until over (stops.py)
     join_deadline: float | None = None
     successes: list[str] = msgspec.field(default_factory=list)
     root_cause: WorkerFailure | None = None        # first failure in time of the last failed round

@@ -34,13 +34,14 @@ from rdzv_server.core import (
     leases,
     progress_rules,
     reports,
+    stops,
     store_port,
     suspects,
     swaps,
 )
-from rdzv_server.core.events import EventKind
+from rdzv_server.core.events import EventKind, RoundCause
 from rdzv_server.core.job_rules import JobRules
-from rdzv_server.core.payloads import NodeUnhealthy
+from rdzv_server.core.payloads import NodeUnhealthy, RoundWaiting
 from rdzv_server.core.progress_rules import LiveRound
 from rdzv_server.core.records import NodeRecord
 from rdzv_server.core.unhealthy import UnhealthyHosts
@@ -156,6 +157,14 @@ def poll(call: Call, req: PollRequest) -> str:
 def leave(call: Call, req: LeaveRequest) -> str:
     rules, node, now = call.rules, call.node, call.now
     if rules.job.state.finished:
+        return ""
+    if req.stop_ended:        # its record went with its first leave: proven by what its stop kept (stops.py)
+        if node is not None or not (said := stops.ended(rules.job, req.node_id, req.credential, now)):
+            return "no stop of this node's moves the wait"
+        rules.record(now, EventKind.ROUND_ABANDONED, said, req.node_id,     # (the wait's reason changed)
+                     data=RoundWaiting(cause=RoundCause.NODE_LEFT.value))
+        rules.changed()
+        rules.out.deadline(rules.job.last_call_deadline or now)
         return ""
     unhealthy = None if req.unhealthy is None else NodeUnhealthy(kind=req.unhealthy.value,
                                                                  host=node.host if node is not None else "")

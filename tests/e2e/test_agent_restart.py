@@ -270,6 +270,31 @@ def test_a_stop_cut_short_keeps_the_nodes_memory_and_place(cluster, tmp_path, cu
 
 
 
+def test_a_stopped_agents_place_is_kept_no_longer_than_its_stop_takes(cluster, tmp_path):
+    """A preempted pod (SIGTERM, its agent never started again) whose workers stop at once: its leave told its
+    --stop-timeout (600 s here), and the job waited for its next agent from that timeout's end, the survivor idle
+    all of it. The agent now says its stop is over once its workers stopped (rdzv_server/core/stops.py): the wait
+    counts from then, and the job goes on without it a window later."""
+    job = "stop-ended"
+    cluster.start_server()
+    agents = {n: start(cluster, tmp_path, n, job, "1:2", stop_timeout="600") for n in ("a", "b")}
+    wait_until(lambda: len({r for *_, r, _ in steps(tmp_path)}) == 4, LIMIT, "every rank stepping")
+    node = next(n["node_id"] for n in job_view(cluster, job)["nodes"] if n["group_rank"] == 1)
+    other = next(n for n in agents if n != node)
+    wait_until(lambda: copies_of(cluster, job, node).get("local_step", -1) >= 10, LIMIT, "a snapshot of step 10")
+    os.kill(agents[node].pid, signal.SIGTERM)
+    assert agents[node].wait(LIMIT) == 128 + signal.SIGTERM, agents[node].output
+    assert f"node {node}'s stop is over: told the server" in agents[node].output, agents[node].output[-3000:]
+
+    def said(text: str) -> bool:
+        return any(text in e["message"] for e in job_events(cluster, job))
+    assert said(f"node {node}'s agent ended: waiting up to"), job_events(cluster, job)[-3:]
+    wait_until(lambda: said(f"node {node} not back within"), LIMIT,       # before: 600 s and a window after
+               lambda: f"the job going on without node {node}: {job_view(cluster, job).get('reason')}")
+    (tmp_path / "stop").write_text("stop")
+    assert agents[other].wait(LIMIT) == 0, agents[other].output[-3000:]
+
+
 def cut_port(port: int) -> str:
     """Every packet to or from `port` on this host dropped (nftables, its own table): the server's link cut, FINs
     and all. Returns the table to delete."""

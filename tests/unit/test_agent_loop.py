@@ -268,3 +268,27 @@ async def test_a_drained_node_says_rejoining_once_and_joins_once_more(start) -> 
     rejoining = [line for line in run.lines() if "rejoining" in line]
     assert len(rejoining) == 1 and run.server.sent.count("join") == 2, (rejoining, run.server.sent)
     assert run.lines()[-1] == "[node-agent n1] node n1 was drained from job 'j1' by the operator (bad GPU)"
+
+
+async def test_a_stopped_agent_whose_place_is_kept_says_its_stop_is_over_once_its_workers_stopped(start) -> None:
+    """The job waits for its next agent from its --stop-timeout's end (LeaveRequest.stop_timeout_s), unless told
+    sooner that its stop is over (rdzv_server/core/stops.py): told after its workers stopped, never before."""
+    run = start()
+    run.agent.policy.restartable = True       # (a SIGTERM may be a restart: an agent of an rdzv-server's job)
+    group = await run.next_group()
+    leaves: list[tuple[bool, bool, int | None]] = []
+    plain = run.server.leave
+
+    async def leave(reason: str, unhealthy: object = None, stopped: bool = False, stop_timeout_s: float = 0.0,
+                    stop_ended: bool = False) -> NodeStatus:
+        leaves.append((stopped, stop_ended, group.stopped_with))
+        status = await plain(reason, None, stopped, stop_timeout_s, stop_ended)
+        status.place_kept_s = 0.0 if stop_ended else 20.0        # its memory held state of its own
+        status.accepted = True                                    # (a lone node: no wait runs to move)
+        return status
+
+    run.server.leave = leave  # type: ignore[method-assign]
+    os.kill(os.getpid(), signal.SIGTERM)
+    assert await run.exit_code() == 128 + signal.SIGTERM
+    assert leaves == [(True, False, None), (True, True, signal.SIGTERM)]
+    assert any("n1's stop is over: told the server" in line for line in run.lines()), run.lines()
