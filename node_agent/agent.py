@@ -248,11 +248,13 @@ class Agent:
         self.workers.memory.hold(False)       # a hold was the last round's
         self.workers.memory.keep_from(*self.policy.keep_from)     # (a predecessor's mark: not this job's)
         await self.copies.before_spawn(assignment, dirs)      # a fetch goes on while the workers start
-        # Copies of gone nodes no node can fetch any more (the server knows): their room is the live members' pushes'
+        # Copies no node will fetch from here (the server knows): of gone nodes, or of members whose copy landed at
+        # their new holder. Their room is the live members' pushes'. (Said so: a member's are not "gone".)
         if (held := self.copies.store) is not None and assignment.copies_wanted is not None and \
                 (dropped := held.drop_unwanted(assignment.copies_wanted)):
             self.narrator.say(f"peer copies: dropped those of node(s) {', '.join(dropped[:5])}"
-                              f"{' ...' if len(dropped) > 5 else ''}: gone, and no node can fetch them any more")
+                              f"{' ...' if len(dropped) > 5 else ''}: no longer held here (gone from the job, or "
+                              f"their copies are with another holder now), and no node will fetch them from here")
         await self.workers.spawn(assignment)
 
     async def _check(self, action: CheckNode) -> None:

@@ -19,7 +19,7 @@ awaited.
 """
 from __future__ import annotations
 
-from protocol.bounds import MAX_PREPARE_S
+from protocol.bounds import MAX_NODES, MAX_PREPARE_S
 from protocol.messages import JobConfig, NodeState
 from rdzv_server.core import leases
 from rdzv_server.core.records import JobRecord, NodeRecord, StopKept
@@ -218,7 +218,9 @@ def copies_wanted(job: JobRecord, members: list[str], told: dict[str, list[str]]
     # A waiting job's places are every last member's: only the gone ones' copies are at stake (the members' own
     # would make each member's assignment O(nodes), and the server's round O(nodes^2): a review)
     wanted |= {of for m in members if (of := job.nodes[m].fetch_of)} | (set(job.place_copies) - set(members))
-    return sorted(wanted)
+    # Live members whose new holders have no copy yet: their old ones keep it (the gone first within the bound)
+    moving = sorted(set(job.copies_moving) - wanted)[:max(0, MAX_NODES - len(wanted))]
+    return sorted(wanted | set(moving))
 
 
 def resized(job: JobRecord, before: list[str], after: list[str], was_awaited: bool = False) -> str:

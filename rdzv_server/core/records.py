@@ -198,6 +198,8 @@ class JobRecord(msgspec.Struct, kw_only=True):
     replica_key: str = ""           # what members' agents show each other with a copy (derived from a secret)
     # While waiting: each member of the last round's copies (rounds.places_kept), for the node taking a place
     place_copies: dict[str, PlaceCopies] = msgspec.field(default_factory=dict)
+    # Members whose round gave their copies other holders, with where their copy still is (moving_copies.py)
+    copies_moving: dict[str, PlaceCopies] = msgspec.field(default_factory=dict)
     # Until the next round forms: members lost mid-fetch, for their next agent to fetch again (admission.py)
     unfinished_fetches: dict[str, UnfinishedFetch] = msgspec.field(default_factory=dict)
     copies_off: str = ""            # why the job's rounds make no peer copies, as last said (rounds.copies_off)

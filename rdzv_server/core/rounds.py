@@ -18,7 +18,7 @@ from protocol.messages import (
     Witness,
 )
 from protocol.tokens import copy_verifier
-from rdzv_server.core import awaiting
+from rdzv_server.core import awaiting, moving_copies
 from rdzv_server.core.addresses import reachable_addresses
 from rdzv_server.core.credentials import copy_token
 from rdzv_server.core.records import JobRecord, NodeRecord, PlaceCopies, RoundRecord
@@ -57,7 +57,8 @@ def build_round(job: JobRecord, members: list[str], round_id: int, opened_at: fl
             told = next((p for g, p in pending.values() if g == gone), None)
             if told is not None and gone in members:     # back meanwhile: its place now is not the one fetched
                 return told
-            found = place_of(last, gone) if last is not None else job.place_copies.get(gone)
+            found = moving_copies.with_old_holders(job, gone, place_of(last, gone) if last is not None else
+                                                   job.place_copies.get(gone))
             return found or told or next((u.place for u in unfinished.values() if u.of == gone), None)
 
         r.copies = copies_held(place, took, r, lambda gone: own_source(job, gone, nodes))
@@ -70,6 +71,7 @@ def build_round(job: JobRecord, members: list[str], round_id: int, opened_at: fl
                 job.nodes[newcomer].fetch_of, job.nodes[newcomer].fetch_place = gone, told
             else:
                 job.nodes[newcomer].fetch_of, job.nodes[newcomer].fetch_place = "", None
+    moving_copies.update(job, job.round, r, place_of)     # (after place(): a lost member's old holders)
     r.copies_wanted = awaiting.copies_wanted(job, members, r.copies) if replicas else None
     r.copy_epochs = copy_epochs(job, members)     # after told_tokens: a fetch is told the epoch before any new one
     return r

@@ -274,8 +274,67 @@ def test_a_gone_nodes_copies_nobody_can_fetch_leave_their_holder_at_once(cluster
     agents["b"].wait(LIMIT)
     agents["a"].wait_for_line(r"group rank 0/1,", LIMIT)      # a round without b: nobody took its place
     agents["q"] = start(cluster, tmp_path, "q", "unwanted", extra=one)     # a new node, under a new id
-    agents["a"].wait_for_line(r"dropped those of node\(s\) b: gone", LIMIT)
+    agents["a"].wait_for_line(r"dropped those of node\(s\) b: no longer held here", LIMIT)
     assert not os.path.exists(held)
     wait_until(lambda: os.path.isdir(os.path.join(memory_of("unwanted", "a"), "replicas", "q")), LIMIT,
                "node q's copies on a")
     finish(tmp_path, agents, "b")
+
+
+def holders(cluster, job: str, racks: dict[str, str]) -> dict[str, str]:
+    """Each member's copy holder in the job's round (--replicas 1), as rounds.Derived.replica_ranks pairs them: the
+    member at its position in the next rack, by the racks' first appearance in group rank order."""
+    ranked = [n["node_id"] for n in sorted(job_view(cluster, job)["nodes"], key=lambda n: n.get("group_rank") or 0)
+              if n.get("group_rank") is not None and n["group_rank"] >= 0]
+    order: dict[str, list[str]] = {}
+    for m in ranked:
+        order.setdefault(racks[m], []).append(m)
+    domains = list(order)
+    out = {}
+    for m in ranked:
+        rack = order[domains[(domains.index(racks[m]) + 1) % len(domains)]]
+        out[m] = rack[order[racks[m]].index(m) % len(rack)]
+    return out
+
+
+def test_a_live_members_copy_stays_at_its_old_holder_till_its_new_holder_has_one(cluster, tmp_path):
+    """A review: 4 nodes, racks A A B B (a copy goes to the other rack), and a spare of a third rack C. The spare took
+    group rank 1's place and the pairing turned: a member's copies went to the spare from now on, and their old
+    holder dropped them as the round began ("gone", though the member lived) while its first copy to the spare was
+    still on its way (8 MB at 1 MB/s). That member lost then, with its memory, resumed from step 0. Its old holder
+    now keeps its copies till the new one has its own, and its loss fetches them from there."""
+    cluster.start_server()
+    racks = {"a": "A", "b": "A", "c": "B", "d": "B", "s": "C"}
+    env = {"STATE_MB": "8"}
+
+    def one(node: str):
+        return start(cluster, tmp_path, node, "turn", env=env, extra=("--nproc", "1", "--nnodes", "4:4", *SLOW,
+                                                                      "--failure-domain", racks[node]))
+
+    agents = {n: one(n) for n in ("a", "b", "c", "d")}
+    wait_until(lambda: len({r for *_, r, _ in steps(tmp_path)}) == 4, LIMIT, "every rank stepping")
+    agents["s"] = one("s")
+    agents["s"].wait_for_line(r"ready after", LIMIT)
+    wait_until(lambda: min(n.get("copies", {}).get("copied_step", -1) for n in job_view(cluster, "turn")["nodes"])
+               >= 10, LIMIT, "every node's copies of step 10 or later")
+    before = holders(cluster, "turn", racks)
+    lost = next(n["node_id"] for n in job_view(cluster, "turn")["nodes"] if n["group_rank"] == 1)
+    os.kill(agents[lost].pid, signal.SIGKILL)
+    agents[lost].wait(LIMIT)
+    remove_memory("turn", lost)
+    agents["s"].wait_for_line(f"fetched node {lost}'s", LIMIT)
+    after = holders(cluster, "turn", racks)
+    # A member whose copies go to another holder now, their old holder alive (the racks make one)
+    turned = next(m for m, h in after.items() if m != "s" and before.get(m) not in (h, lost, None))
+    killed_at = time.time()
+    os.kill(agents[turned].pid, signal.SIGKILL)
+    agents[turned].wait(LIMIT)
+    remove_memory("turn", turned)
+    agents[turned] = one(turned)
+    back = wait_until(lambda: len(shard_resumes(tmp_path, killed_at)) == 4 and shard_resumes(tmp_path, killed_at),
+                      LIMIT, lambda: f"every rank resumed: {shard_resumes(tmp_path, killed_at)}")
+    assert {source for _, source, _ in back.values()} == {"memory"}, \
+        (back, agents[turned].output, {n: a.output[-3000:] for n, a in agents.items() if n != turned})
+    assert min(s for s, _, _ in back.values()) >= 10, back
+    assert f"fetched node {turned}'s snapshots" in agents[turned].output, agents[turned].output   # from its old holder
+    finish(tmp_path, agents, lost)

@@ -532,3 +532,52 @@ def test_a_round_after_waiting_names_only_the_gone_places_not_every_member():
     assert rz.view(JOB, "s", 7.0).assignment.copies_of == "b"
     assert {wanted(rz, n, 7.0) for n in ("a", "s", "c")} == {("b",)}
     assert wanted(rz, "a", 7.0) is wanted(rz, "c", 7.0)      # one tuple, shared
+
+
+def note(rz: Rendezvous, node: str, now: float, holder: str) -> None:
+    """`node` polls saying its copies of step 10 landed at `holder` (its address and copy port, as its agent says)."""
+    copies = CopiesNote(local_step=10, copied_step=10, holder=f"10.0.0.{ord(holder[0]) - 96}:4000")
+    rz.handle(JOB, PollRequest(v=1, node_id=node, credential=f"secret-{node}", copies=copies), now)
+
+
+def test_a_live_members_copy_stays_with_its_old_holder_until_its_new_holder_has_one():
+    """A review: racks B A B A (c a d b: c and a, d and b hold each other's copies) and a spare s of rack C. s took
+    a's place and the pairing turned: d's copies go to s now, and b dropped d's as the round began, while d's first
+    copy to s was on its way. d lost then, its place's state went with it. b keeps d's copies (wanted) until d's
+    note says one landed at s, and d's loss fetches from s, then from b."""
+    fixed = JobConfig(min_nodes=4, max_nodes=4, lease_timeout_s=5.0, last_call_s=0.0)
+    rz = started({"c": "B", "a": "A", "d": "B", "b": "A"}, fixed)
+    for n, holder in (("c", "a"), ("a", "c"), ("d", "b"), ("b", "d")):
+        note(rz, n, 0.5, holder)
+    join(rz, "s", 0.6, fixed, domain="C")
+    outlive(rz, ("c", "d", "b", "s"))        # a lost: s takes its place
+    assert rz.jobs[JOB].round.ranked == ["c", "s", "d", "b"], rz.jobs[JOB].round
+    assert targets(rz, "d", 6.0) == ["10.0.0.19"]          # d's copies go to s now, not b
+    assert "d" in wanted(rz, "b", 6.0)                       # b keeps them meanwhile
+    join(rz, "t", 6.5, fixed, domain="D")
+    for t in (7.0, 8.0, 9.0, 10.0, 11.0, 12.0):            # d lost before its copy landed at s: t takes its place
+        for n in ("c", "s", "b"):
+            poll(rz, n, t)
+    rz.tick(rz.next_deadline())
+    a = rz.view(JOB, "t", 13.0).assignment
+    assert a is not None and a.copies_of == "d", a
+    assert a.copies_at is not None and a.copies_at.addr == "10.0.0.19", a.copies_at     # s first (newer once there)
+    assert a.copies_also is not None and a.copies_also.addr == "10.0.0.2", a.copies_also   # then b, which has it
+
+
+def test_a_moved_members_old_holder_lets_its_copies_go_once_its_new_holder_has_one():
+    fixed = JobConfig(min_nodes=4, max_nodes=4, lease_timeout_s=5.0, last_call_s=0.0)
+    rz = started({"c": "B", "a": "A", "d": "B", "b": "A"}, fixed)
+    for n, holder in (("c", "a"), ("a", "c"), ("d", "b"), ("b", "d")):
+        note(rz, n, 0.5, holder)
+    join(rz, "s", 0.6, fixed, domain="C")
+    outlive(rz, ("c", "d", "b", "s"))        # a lost: s takes its place; b holds d's copies until d's land at s
+    assert rz.jobs[JOB].copies_moving.keys() == {"d", "b"}, rz.jobs[JOB].copies_moving
+    note(rz, "d", 6.0, "s")
+    join(rz, "t", 6.5, fixed, domain="A")
+    for t in (7.0, 8.0, 9.0, 10.0, 11.0, 12.0):            # b lost: t takes its place, the pairing as it was
+        for n in ("c", "d", "s"):
+            poll(rz, n, t)
+    rz.tick(rz.next_deadline())
+    assert rz.jobs[JOB].round.ranked == ["c", "s", "d", "t"], rz.jobs[JOB].round
+    assert "d" not in wanted(rz, "c", 13.0) and not rz.jobs[JOB].copies_moving    # d's copy is at s: b's may go
