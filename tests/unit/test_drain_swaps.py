@@ -33,6 +33,13 @@ def running(copied: int | None = 10) -> Rendezvous:
     return rz
 
 
+def swapped_out(rz: Rendezvous) -> None:
+    """b drained at T + 2; a and b hold after their snapshot of 15: the spare took b's place, b serves its fetch."""
+    rz.drain_node("swap", "b", WHY, T + 2)
+    poll(rz, "a", T + 4, held=15, copied=15, holding=True)
+    poll(rz, "b", T + 5, held=15, copied=15, holding=True)
+
+
 def hold_asked(rz: Rendezvous, node: str, at: float) -> bool:
     return rz.view("swap", node, at).hold_at_snapshot
 
@@ -77,9 +84,7 @@ def test_a_drained_member_is_swapped_at_the_next_snapshot_and_goes_once_the_spar
 def test_a_drained_node_whose_spare_never_holds_the_step_goes_after_the_wait() -> None:
     rz = running()
     job = rz.jobs["swap"]
-    rz.drain_node("swap", "b", WHY, T + 2)
-    poll(rz, "a", T + 4, held=15, copied=15, holding=True)
-    poll(rz, "b", T + 5, held=15, copied=15, holding=True)
+    swapped_out(rz)
     assert "s" in job.round.members and job.draining is not None
     until = job.draining.until
     assert until == T + 5 + SWAP_WAIT_S
@@ -143,9 +148,7 @@ def test_rdzv_ctl_says_a_drained_member_goes_at_the_next_snapshot() -> None:
 def test_a_drain_lifted_while_the_node_serves_its_spare_readmits_it() -> None:
     rz = running()
     job = rz.jobs["swap"]
-    rz.drain_node("swap", "b", WHY, T + 2)
-    poll(rz, "a", T + 4, held=15, copied=15, holding=True)
-    poll(rz, "b", T + 5, held=15, copied=15, holding=True)
+    swapped_out(rz)
     assert job.nodes["b"].state == NodeState.EXCLUDED and job.draining is not None
     rz.clear_exclusion("swap", "b", T + 6)
     assert job.draining is None and job.drained == {} and job.nodes["b"].state == NodeState.SPARE
@@ -180,9 +183,7 @@ def test_a_drained_node_gone_after_its_swap_is_listed_drained_not_excluded(how: 
 
     rz = running()
     job = rz.jobs["swap"]
-    rz.drain_node("swap", "b", WHY, T + 2)
-    poll(rz, "a", T + 4, held=15, copied=15, holding=True)
-    poll(rz, "b", T + 5, held=15, copied=15, holding=True)
+    swapped_out(rz)
     assert job.draining is not None
     if how == "fetched":
         poll(rz, "s", T + 6, copied=15)

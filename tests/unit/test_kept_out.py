@@ -12,7 +12,8 @@ from rdzv_server.web import views
 from tests.unit.test_rendezvous import JOB, cfg, fail, join, leave
 
 
-def excluded_and_left(left: bool = True) -> tuple[Rendezvous, object]:
+def excluded_b() -> tuple[Rendezvous, object]:
+    """Three nodes; b's worker failed at 1.0 and b is excluded (exclude_after 1, a 60 s cooldown), its agent alive."""
     rz = Rendezvous()
     c = cfg(min_nodes=2, max_nodes=3, last_call_s=0.0, exclude_after=1, exclude_cooldown_s=60.0, max_restarts=5)
     for n in ("a", "b", "c"):
@@ -20,6 +21,12 @@ def excluded_and_left(left: bool = True) -> tuple[Rendezvous, object]:
     job = rz.jobs[JOB]
     fail(rz, "b", job.round.round_id, 1.0)
     assert job.excluded == ["b"] and job.round.members == ["a", "c"]
+    return rz, c
+
+
+def excluded_and_left(left: bool = True) -> tuple[Rendezvous, object]:
+    rz, c = excluded_b()
+    job = rz.jobs[JOB]
     if left:
         leave(rz, "b", 2.0)                      # its agent stopped (to be started again by hand or by systemd)
     else:
@@ -103,13 +110,9 @@ def test_a_restarted_agent_whose_record_lives_on_is_told_the_rest_of_its_exclusi
     """A review restarted the agent of a node excluded (a suspect swapped for a spare) before its old record went:
     the job said "node b is kept out for 58.6231s (its agent restarted)", as if flap damping held it for the
     restart, where the exclusion it had ran on."""
-    rz = Rendezvous()
-    c = cfg(min_nodes=2, max_nodes=3, last_call_s=0.0, exclude_after=1, exclude_cooldown_s=60.0, max_restarts=5)
-    for n in ("a", "b", "c"):
-        join(rz, n, 0.0, c)
+    rz, c = excluded_b()
     job = rz.jobs[JOB]
-    fail(rz, "b", job.round.round_id, 1.0)
-    assert job.excluded == ["b"] and "b" in job.nodes
+    assert "b" in job.nodes
     join(rz, "b", 20.3333, c, instance="b#2")        # its old record not yet gone
     said = [e.message for e in job.events if e.node_id == "b"][-1]
     assert job.nodes["b"].state == NodeState.EXCLUDED and job.nodes["b"].excluded_until == 61.0
