@@ -52,10 +52,14 @@ def update(job: JobRecord, last: RoundRecord | None, r: RoundRecord, place_of: P
         there = landed(job, r, m, was.holders)
         if (kept := job.copies_moving.get(m)) is not None and not there:
             src = kept            # its copy is still only where an earlier move left it
-        elif now is not None and not set(now.holders) >= set(was.holders) and there:
-            src = was             # `r` turns its holders: its copy is at the last round's
+        elif now is not None and not set(now.holders) >= set(was.holders) and there and \
+                not set(now.holders) & set(was.holders) & members:
+            src = was             # `r` turns all its holders: its copy is at the last round's
         else:
-            continue              # landed where it goes, holders unchanged, or no copy anywhere to keep
+            # Landed where it goes, holders unchanged, or no copy anywhere to keep; or (--replicas 2) a holder of the
+            # last round stays one: it has the newest copy, and a fetch asks two holders at most (copies_at, _also),
+            # so an old holder's older copy would be asked in its stead (a review: resumed older than it could)
+            continue
         if old := [h for h in src.holders if h in members and (now is None or h not in now.holders)]:
             moving[m] = PlaceCopies(holders=old, rank_offset=src.rank_offset, local_size=src.local_size,
                                     epoch=src.epoch)

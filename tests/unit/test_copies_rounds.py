@@ -581,3 +581,26 @@ def test_a_moved_members_old_holder_lets_its_copies_go_once_its_new_holder_has_o
     rz.tick(rz.next_deadline())
     assert rz.jobs[JOB].round.ranked == ["c", "s", "d", "t"], rz.jobs[JOB].round
     assert "d" not in wanted(rz, "c", 13.0) and not rz.jobs[JOB].copies_moving    # d's copy is at s: b's may go
+
+
+def test_with_two_replicas_a_holder_kept_through_the_turn_is_asked_before_a_stale_old_holder():
+    """A review (--replicas 2): racks A A B B C C, a spare of rack D took e's place and d's holders turned from f, b
+    to s, f: f held d's newest copy all along, b only the one from before the turn. d's loss fetched from s, then b
+    (f not asked: two sources at most), and its ranks resumed older than f's copy, or from nothing where b had none."""
+    two = JobConfig(min_nodes=6, max_nodes=6, lease_timeout_s=5.0, last_call_s=0.0, replicas=2)
+    rz = started({"a": "A", "b": "A", "c": "B", "d": "B", "e": "C", "f": "C"}, two)
+    for n in ("a", "b", "c", "d", "f"):
+        note(rz, n, 0.5, "f" if n == "d" else "a")
+    join(rz, "s", 0.6, two, domain="D")
+    outlive(rz, ("a", "b", "c", "d", "f", "s"))        # e lost: s takes its place
+    assert rz.jobs[JOB].round.ranked == ["a", "b", "c", "d", "s", "f"], rz.jobs[JOB].round
+    assert sorted(targets(rz, "d", 6.0)) == ["10.0.0.19", "10.0.0.6"]       # s and f now (f and b before)
+    join(rz, "t", 6.5, two, domain="B")
+    for t in (7.0, 8.0, 9.0, 10.0, 11.0, 12.0):            # d lost before its copy landed at s: t takes its place
+        for n in ("a", "b", "c", "s", "f"):
+            poll(rz, n, t)
+    rz.tick(rz.next_deadline())
+    a = rz.view(JOB, "t", 13.0).assignment
+    assert a is not None and a.copies_of == "d", a
+    asked = {w.addr for w in (a.copies_at, a.copies_also) if w is not None}
+    assert "10.0.0.6" in asked, a          # f, which held d's copies before and after the turn
