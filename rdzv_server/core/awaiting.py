@@ -128,8 +128,10 @@ def lost_again(job: JobRecord, node: NodeRecord, now: float, restarting: bool, s
         if stopping_s:
             job.stops_counted.append(nid)
             if node.credential_digest:           # to be told over (stops.py)
+                # the wait's start before any stop moved it (another's told end is no part of this one's)
+                base = min((s.since_before for s in job.stops.values()), default=job.awaited_since)
                 job.stops[nid] = StopKept(digest=node.credential_digest, end=now + stopping_s,
-                                          since_before=job.awaited_since, lead=window_s(job.config))
+                                          since_before=base, lead=window_s(job.config))
             job.awaited_since = max(job.awaited_since, now + stopping_s - window_s(job.config))
         job.last_call_deadline = deadline(job, now + stopping_s)
         return True

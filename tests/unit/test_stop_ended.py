@@ -145,3 +145,21 @@ def test_a_stop_over_while_the_job_waits_for_nodes_changes_nothing():
     assert job(j.rz).awaited == ["b"] and job(j.rz).last_call_deadline is None
     assert not j.ended("b", 12.0).accepted
     assert job(j.rz).last_call_deadline is None and not job(j.rz).stops["b"].ended
+
+
+def test_once_every_stop_ended_the_bound_counts_from_their_ends_not_the_first_ones_told_end():
+    """Two members stopped one after the other, both over in a second: the wait's bound (what a member crashing as
+    it starts, or one preparing, may hold the others to) counted from the first one's told --stop-timeout even
+    once both said their stops were over, the second one's kept start being the wait's start as the first stop
+    had moved it."""
+    cfg = JobConfig(min_nodes=1, max_nodes=4, max_restarts=3, lease_timeout_s=5.0, last_call_s=3.0)
+    window = window_s(cfg)
+    j = Job("abcd", cfg)
+    j.stop("c", 10.0)
+    j.heard("abd", 10.2)
+    j.stop("b", 10.5)
+    assert j.ended("c", 10.6).accepted
+    assert job(j.rz).last_call_deadline == pytest.approx(10.5 + STOP_S + window)     # b's stop may still run
+    assert j.ended("b", 11.0).accepted
+    assert job(j.rz).last_call_deadline == pytest.approx(11.0 + window)
+    assert bound(job(j.rz)) == pytest.approx(10.6 + 2 * window)      # before: c's told end, 40 + 2 windows
