@@ -445,17 +445,23 @@ def one_worker(rz: Rendezvous, node: str, addr: str, config: JobConfig, t: float
                                instance=node), t)
 
 
-def test_a_newcomer_whose_connection_closed_in_the_last_call_does_not_restart_the_round_at_its_end():
-    # a review: an agent killed as it became ready was taken into the round its last call formed, and the
-    # round formed again without it a few ms later: the running node's workers stopped twice, for nothing
+def a_alone(max_nodes: int) -> tuple[Rendezvous, JobConfig, int]:
+    """Node a alone in round 1 of job "j" (last call 1 s), heard at 10.0: the rendezvous, its config, the round."""
     rz = Rendezvous()
-    config = JobConfig(min_nodes=1, max_nodes=3, last_call_s=1.0, lease_timeout_s=LEASE, join_timeout_s=1e4)
+    config = JobConfig(min_nodes=1, max_nodes=max_nodes, last_call_s=1.0, lease_timeout_s=LEASE, join_timeout_s=1e4)
     one_worker(rz, "a", "10.0.0.1", config, 0.0)
     rz.tick(1.0)
     job = rz.jobs["j"]
     assert job.round is not None and job.round.members == ["a"]
-    first = job.round.round_id
     poll(rz, "a", 10.0)
+    return rz, config, job.round.round_id
+
+
+def test_a_newcomer_whose_connection_closed_in_the_last_call_does_not_restart_the_round_at_its_end():
+    # a review: an agent killed as it became ready was taken into the round its last call formed, and the
+    # round formed again without it a few ms later: the running node's workers stopped twice, for nothing
+    rz, config, first = a_alone(max_nodes=3)
+    job = rz.jobs["j"]
     one_worker(rz, "b", "10.0.0.2", config, 10.0)
     rz.handle("j", PollRequest(v=1, node_id="b"), 10.5, Arrival(hold=True))
     rz.connection_dropped("j", "b", 10.8, heard=True)     # b's agent killed 0.2 s before the last call ends
@@ -471,13 +477,8 @@ def test_a_newcomer_whose_connection_closed_in_the_last_call_does_not_restart_th
 def test_a_newcomer_that_keeps_closing_its_connection_holds_the_last_call_once_not_for_ever():
     # a review: a flaky (or hostile) agent that polls and closes again within each grace was dropped with its grace
     # running at every hold's end, and the last call was held again and again: no round formed for the others
-    rz = Rendezvous()
-    config = JobConfig(min_nodes=1, max_nodes=4, last_call_s=1.0, lease_timeout_s=LEASE, join_timeout_s=1e4)
-    one_worker(rz, "a", "10.0.0.1", config, 0.0)
-    rz.tick(1.0)
+    rz, config, first = a_alone(max_nodes=4)
     job = rz.jobs["j"]
-    first = job.round.round_id if job.round is not None else -1
-    poll(rz, "a", 10.0)
     for c in ("b", "c"):
         one_worker(rz, c, "10.0.0.2", config, 10.0)
     rz.handle("j", PollRequest(v=1, node_id="b"), 10.5, Arrival(hold=True))
