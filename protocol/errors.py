@@ -18,6 +18,7 @@ class ErrorCode(str, enum.Enum):
     CONFIG_CONFLICT = "config_conflict"      # join asked for a config that differs from the job's
     NODE_CONFLICT = "node_conflict"          # node id in use by another live agent
     JOB_FINISHED = "job_finished"            # job succeeded/failed/closed: no new joins
+    RUN_SUCCEEDED = "run_succeeded"          # the next agent of a member of a run that succeeded: nothing to run
     NODE_DRAINED = "node_drained"            # an operator removed this node from the job: do not rejoin
     HOST_UNHEALTHY = "host_unhealthy"        # the host left a job unhealthy: kept out until the hold ends
     UNAUTHORIZED = "unauthorized"            # no or wrong token, or no credential for this node
@@ -41,6 +42,7 @@ HTTP_STATUS: dict[ErrorCode, int] = {
     ErrorCode.CONFIG_CONFLICT: 409,
     ErrorCode.NODE_CONFLICT: 409,
     ErrorCode.JOB_FINISHED: 410,
+    ErrorCode.RUN_SUCCEEDED: 410,
     ErrorCode.NODE_DRAINED: 410,
     ErrorCode.HOST_UNHEALTHY: 409,
     ErrorCode.UNAUTHORIZED: 401,

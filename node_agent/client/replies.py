@@ -85,6 +85,7 @@ class Refusal(enum.Enum):
     UNAUTHORIZED = "unauthorized"  # no valid token, or the server's certificate is not trusted: stop
     NOT_A_SERVER = "not_a_server"  # the endpoint answers, but it is not an rdzv-server: stop
     DRAINED = "drained"            # an operator took this node out: stop, and that is no failure
+    RAN = "ran"                    # the run this node's previous agent worked in succeeded: nothing left, no failure
     JOIN_REFUSED = "join_refused"  # any other refused join: stop
     POLL_REFUSED = "poll_refused"  # any other refused poll: stop
     INVALID = "invalid"            # a request the server will refuse again (malformed, another version): leave, stop
@@ -117,6 +118,8 @@ def refusal(code: Code, request: type) -> Refusal:
             return Refusal.CONFLICT
         if code is ErrorCode.NODE_DRAINED:
             return Refusal.DRAINED
+        if code is ErrorCode.RUN_SUCCEEDED:
+            return Refusal.RAN
         return Refusal.JOIN_REFUSED
     if code is ErrorCode.FORBIDDEN:
         return Refusal.TAKEN_OVER
@@ -137,5 +140,6 @@ ENDINGS: dict[Refusal, tuple[int, str, str]] = {
     Refusal.UNAUTHORIZED: (1, "the server refused this agent", "the rendezvous server refused this agent: {}"),
     Refusal.NOT_A_SERVER: (1, "the endpoint is not an rdzv-server", "{}"),     # the message names what answered
     Refusal.DRAINED: (0, "node drained by the operator", "{}"),    # an operator took it out: done, nothing failed
+    Refusal.RAN: (0, "the job already succeeded", "{}"),     # its workers ran in the run that succeeded
 }
 OTHER_ENDING = (1, "the server refused this agent", "the server refused this agent: {}")

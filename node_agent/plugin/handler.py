@@ -40,6 +40,7 @@ from torch.distributed.elastic.rendezvous import (
 from node_agent.cli.rdzv_conf import IGNORED_KEYS, unquoted
 from node_agent.client.http import RdzvClient
 from node_agent.client.ports import free_port
+from node_agent.client.replies import ENDINGS, OTHER_ENDING, refusal
 from node_agent.plugin.agent_store import AgentStore
 from node_agent.plugin.failures import worker_failures
 from node_agent.plugin.round_store import JOB_SUCCEEDED, RoundStore, first_line, pauses
@@ -56,8 +57,7 @@ from node_agent.plugin.session import (
 from node_agent.plugin.settings import BACKEND, PluginSettings, SettingsError, plugin_settings
 from node_agent.plugin.torch_internals import PrefixStore, Store, TCPStore, launch_settings, run_loop_failures
 from node_agent.workers.script_check import script_problem
-from protocol.errors import ErrorCode
-from protocol.messages import Assignment, JobState, WorkerFailure
+from protocol.messages import Assignment, JobState, JoinRequest, WorkerFailure
 
 RESTART_COUNT_ENV = "RDZV_SERVER_RESTART_COUNT"   # the job-wide count, for workers (torch's is per agent)
 WORKER_PORT_KEY = "worker_master_port"
@@ -213,7 +213,7 @@ class RdzvServerHandler(RendezvousHandler):
         except RequestRefused as exc:     # sent again, refused again: leave, so the others go on at once
             self._exit_cleanly(1, str(exc))
         except JoinRefused as exc:
-            if exc.code is ErrorCode.NODE_DRAINED:   # an operator took this node out: done, as node-agent
+            if ENDINGS.get(refusal(exc.code, JoinRequest), OTHER_ENDING)[0] == 0:   # done, nothing failed (drained)
                 self._exit_cleanly(0, str(exc))
             if self._rounds == 0:
                 self._exit_cleanly(1, str(exc))

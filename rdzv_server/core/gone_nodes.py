@@ -3,11 +3,17 @@
   fetched again at its place, else its ranks hold nothing and every rank goes back with them;
 - an exclusion still running: its cooldown runs on. An agent restarted (by hand, or by a service manager) must not
   bring a node excluded for its failures straight back into the job (a review: its next agent joined as a member).
-  At most MAX_KEPT_OUT are kept (those ended are let go first): made-up node ids cannot grow the job's record."""
+  At most MAX_KEPT_OUT are kept (those ended are let go first): made-up node ids cannot grow the job's record;
+- a member's credential digest, kept for as long as the job's record: once the run succeeded, its next agent (which
+  shows the secret its predecessor left in the node's memory) has nothing left to run (`took_part`). At most
+  MAX_KEPT_OUT, the oldest let go first."""
 from __future__ import annotations
 
+import hmac
+
+from protocol.messages import NodeState
 from protocol.notes import CopiesNote
-from rdzv_server.core import awaiting
+from rdzv_server.core import awaiting, credentials
 from rdzv_server.core.records import JobRecord, KeptOut, NodeRecord, UnfinishedFetch
 
 MAX_KEPT_OUT = 1024
@@ -15,6 +21,11 @@ MAX_KEPT_OUT = 1024
 
 def note_gone(job: JobRecord, node: NodeRecord, now: float, was_member: bool) -> None:
     """Keep what `node`'s next agent takes up (called as its record goes)."""
+    if was_member and node.credential_digest:
+        job.gone_members.pop(node.node_id, None)         # (kept newest last: the oldest goes first)
+        job.gone_members[node.node_id] = node.credential_digest
+        for oldest in list(job.gone_members)[:max(0, len(job.gone_members) - MAX_KEPT_OUT)]:
+            del job.gone_members[oldest]
     if was_member and node.fetch_place is not None and awaiting.fetch_unfinished(node):
         job.unfinished_fetches[node.node_id] = UnfinishedFetch(of=node.fetch_of, place=node.fetch_place)
     # (a flapping host's hold-off: its losses are kept; a drained node swapped out is held out by its drain, not an
@@ -39,3 +50,16 @@ def take_up(job: JobRecord, node: NodeRecord, now: float, fresh: bool) -> bool:
         node.excluded_until, node.exclusions = kept.until, kept.exclusions
         return True
     return False
+
+
+def took_part(job: JobRecord, node_id: str, predecessor: str, instance: str) -> bool:
+    """Whether a join of another agent instance showing `predecessor` comes from the next agent of one whose workers
+    ran in this job's run as a member (a member still, or gone from it): proven by the secret that agent was given.
+    A review: such a node, killed near the end of an elastic job that then succeeded without it, was refused as late
+    (exit 1) and its service manager's next try, past the refusal's 10 s, trained a new run alone from step 0."""
+    node = job.nodes.get(node_id)
+    if node is not None:
+        return bool(node.credential_digest) and node.state is NodeState.MEMBER and \
+            credentials.succeeds(node, predecessor, instance)
+    kept = job.gone_members.get(node_id, "")
+    return bool(kept) and bool(predecessor) and hmac.compare_digest(credentials.digest(predecessor), kept)

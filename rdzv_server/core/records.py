@@ -209,6 +209,7 @@ class JobRecord(msgspec.Struct, kw_only=True):
     copy_epochs: dict[str, int] = msgspec.field(default_factory=dict)    # node id -> its copy token's epoch (not 0)
     copies_told: list[str] = msgspec.field(default_factory=list)    # nodes whose copy token another node was told
     kept_out: dict[str, KeptOut] = msgspec.field(default_factory=dict)   # excluded nodes gone meanwhile (gone_nodes)
+    gone_members: dict[str, str] = msgspec.field(default_factory=dict)   # gone members: credential digest
     join_config: JobConfig | None = None    # the config joins must match, once an operator resized the job
     command: str = ""                       # fingerprint of the command every node runs ("": not checked)
     launcher: str = ""                      # what starts every node's workers (JoinRequest.launcher; "": not said)

@@ -14,7 +14,7 @@ from contextlib import contextmanager
 
 from protocol.errors import ErrorCode, unknown_job
 from protocol.messages import AgentRequest, JobConfig, JobState, JoinRequest, NodeStatus
-from rdzv_server.core import admission, credentials, operator_rules, requests, swaps
+from rdzv_server.core import admission, credentials, gone_nodes, operator_rules, requests, swaps
 from rdzv_server.core.errors import RendezvousError
 from rdzv_server.core.events import EventKind
 from rdzv_server.core.job_rules import JobRules
@@ -96,6 +96,15 @@ class Rendezvous:
         secret = arrival.secret
         job = self.jobs.get(job_id)
         if job is not None and job.state.finished:
+            # The next agent of a member of a run that succeeded (proven by the secret its predecessor left in the
+            # node's memory), as long as the run's record is kept: its workers ran in it, so it ends, and it is no
+            # failure (a review: refused as late, exit 1, a service manager's fifth try, past the 10 s below, trained
+            # a new run alone from step 0)
+            if job.state == JobState.SUCCEEDED and \
+                    gone_nodes.took_part(job, req.node_id, req.predecessor, req.instance):
+                raise RendezvousError(ErrorCode.RUN_SUCCEEDED, (
+                    f"job {job_id!r} has already succeeded ({job.reason}), and this node's workers ran in it: "
+                    "nothing is left for it to run"))
             late = job.finished_at is None or now - job.finished_at < REUSE_FINISHED_AFTER_S
             # The next agent of a node killed in that run (it shows the secret its predecessor left in the node's
             # memory: systemd's Restart=) is as late as its predecessor: a new run would train from step 0 again (a

@@ -24,6 +24,7 @@ from protocol.messages import (
 from rdzv_server.core.leases import DROP_GRACE_S
 from rdzv_server.core.records import JobRecord
 from rdzv_server.core.rendezvous import Rendezvous, RendezvousError
+from rdzv_server.core.requests import Arrival
 from rdzv_server.core.rounds import PREPARE_LIMIT_S
 
 JOB = "job-1"
@@ -935,3 +936,41 @@ def test_one_job_runs_one_launcher():
     rz.handle(JOB, JoinRequest(v=1, node_id="c", addr="addr-c", local_world_size=1, master_port=1, config=c,
                                instance="c#1"), 0.2)
     assert sorted(rz.jobs[JOB].nodes) == ["a", "c"]
+
+
+def test_the_next_agent_of_a_member_lost_before_its_run_succeeded_ends_as_done_for_as_long_as_the_run_is_kept():
+    """A review: b of an elastic 1:2 job was SIGKILLed near the end, the job succeeded on a alone, and b's next agent
+    (systemd's Restart=on-failure) was refused as late, exit 1: its fifth try, past the 10 s, trained a new run of
+    the job id alone from step 0. Proven by the secret its predecessor was given, it has nothing left to run (its
+    agent exits 0), for as long as the run is kept; a made-up secret, or a spare's, proves nothing."""
+    from rdzv_server.core.rendezvous import REUSE_FINISHED_AFTER_S
+    config = cfg(min_nodes=1, max_nodes=2, lease_timeout_s=5.0)
+    rz = Rendezvous()
+
+    def join_as(node: str, now: float, instance: str = "", predecessor: str = "") -> NodeStatus:
+        req = JoinRequest(v=1, node_id=node, addr=f"addr-{node}", local_world_size=1, master_port=1, config=config,
+                          instance=instance or f"{node}#1", predecessor=predecessor)
+        return rz.handle(JOB, req, now, Arrival(secret=f"secret-{node}-{instance}"))
+
+    join_as("a", 0.0), join_as("b", 0.0)
+    rz.tick(rz.next_deadline())
+    assert members(rz) == ["a", "b"]
+    join_as("c", 0.5)                                        # a spare: its workers never ran
+    t = 1.0
+    while "b" in members(rz) or job(rz).round is None:       # b is silent: lost, waited for, gone on without
+        for n in ("a", "c"):
+            rz.handle(JOB, PollRequest(v=1, node_id=n, credential=f"secret-{n}-"), t)
+        rz.tick(t)
+        t += 1.0
+    assert "b" not in job(rz).nodes
+    for n in members(rz):
+        rz.handle(JOB, SuccessReport(v=1, node_id=n, credential=f"secret-{n}-", round_id=round_id(rz)), t)
+    assert job(rz).state == JobState.SUCCEEDED
+    much_later = t + 100 * REUSE_FINISHED_AFTER_S
+    with pytest.raises(RendezvousError) as err:
+        join_as("b", much_later, "b#2", predecessor="secret-b-")
+    assert err.value.code == ErrorCode.RUN_SUCCEEDED and "nothing is left for it to run" in err.value.message
+    assert job(rz).state == JobState.SUCCEEDED
+    assert "c" not in job(rz).gone_members
+    assert join_as("b", much_later, "b#3", predecessor="made-up").job_state != JobState.SUCCEEDED   # a new run
+    assert kinds(rz)[:2] == ["job_created", "job_reused"]

@@ -99,6 +99,8 @@ def test_the_plugin_follows_the_rule(status, meaning):
 REFUSALS = [   # (request, code, what it means)
     (JoinRequest, "node_conflict", Refusal.CONFLICT),
     (JoinRequest, "node_drained", Refusal.DRAINED),
+    (JoinRequest, "run_succeeded", Refusal.RAN),
+    (JoinRequest, "job_finished", Refusal.JOIN_REFUSED),
     (JoinRequest, "config_conflict", Refusal.JOIN_REFUSED),
     (JoinRequest, "unauthorized", Refusal.UNAUTHORIZED),
     (JoinRequest, "tls_untrusted", Refusal.UNAUTHORIZED),
@@ -126,7 +128,7 @@ def test_the_refusal_rule(request_type, code, meaning):
 
 
 AGENT_ENDS = {   # the agent's exit status per meaning (None: it goes on)
-    Refusal.FORGOTTEN: None, Refusal.CONFLICT: None, Refusal.DROPPED: None, Refusal.DRAINED: 0,
+    Refusal.FORGOTTEN: None, Refusal.CONFLICT: None, Refusal.DROPPED: None, Refusal.DRAINED: 0, Refusal.RAN: 0,
     Refusal.TAKEN_OVER: 1, Refusal.UNAUTHORIZED: 1, Refusal.NOT_A_SERVER: 1, Refusal.JOIN_REFUSED: 1,
     Refusal.POLL_REFUSED: 1, Refusal.INVALID: 1,
 }
