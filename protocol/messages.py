@@ -319,6 +319,9 @@ class Assignment(msgspec.Struct, kw_only=True, frozen=True, gc=False):
     # The newest snapshot step the round's members had noted as it formed (-1: none, or an older server): a holder
     # takes pushes up to it though its own ranks never stepped (a newcomer), and only the server can raise it.
     noted_step: Annotated[int, Meta(ge=-1, le=MAX_ROUND)] = -1
+    # Of `copies_wanted`, the live members whose copies go to another holder now (moving_copies.py): a holder keeps
+    # theirs while room allows, but drops them to make room for its sources' pushes (node_agent/copies/room.py).
+    copies_moving: Annotated[tuple[ShortText, ...], Meta(max_length=MAX_NODES)] = ()
 
 
 class NodeStatus(msgspec.Struct, kw_only=True, gc=False):

@@ -72,6 +72,7 @@ class PeerCopies:
         self.noted = -1                            # the step the server says the job reached (Assignment.noted_step)
         self._round_began = 0.0                    # when this round's workers were started (time.time())
         self.sources: dict[str, CopySource] = {}   # nodes whose copies it holds, with their tokens (copy_sources)
+        self.moving: tuple[str, ...] = ()          # members whose copies go elsewhere now (copies_moving: room.py)
         self.targets: tuple[Witness, ...] = ()     # where this node's copies go now
         self.store: CopyStore | None = None     # the copies this node holds for others
         self.pushed: dict[tuple[str, int, int], int] = {}    # (addr, port, local rank) -> the step it holds
@@ -102,7 +103,7 @@ class PeerCopies:
             own = OwnSnapshots(self.node_id, key=lambda: left_key(root) if self.round < 0 else self.key,
                                dirs=lambda: left_dirs(root) if self.round < 0 else self._dirs)
             self.store = CopyStore(os.path.join(self.memory.root, COPIES), limit, self.sources, self._say,
-                                   round_now=lambda: self.round, reach=self._reach, own=own)
+                                   round_now=lambda: self.round, reach=self._reach, own=own, moving=lambda: self.moving)
         return self.store
 
     def _reach(self) -> int:
@@ -153,7 +154,7 @@ class PeerCopies:
             self._round_began, self._past_start = time.time(), False
         self.key, self.targets, self._dirs, self.round, self.noted = a.copy_token, a.replicas, dirs, a.round_id, \
             a.noted_step
-        self._alike = a.ranks_alike and a.resume_at_most < 0
+        self._alike, self.moving = a.ranks_alike and a.resume_at_most < 0, a.copies_moving
         keep_token(self.memory.root if self.memory.root == self.memory.home else None, self.key)
         self.sources.clear()
         self.sources.update((s.node_id, s) for s in a.copy_sources)

@@ -3,6 +3,8 @@ limit, and the file system keeps a reserve for the holder's own workers. Pure: t
 holds and what pushes under way have reserved."""
 from __future__ import annotations
 
+from collections.abc import Collection
+
 from node_agent.copies import files
 from node_agent.copies.refusal import Refusal
 from node_agent.copies.wire import PushRequest
@@ -57,6 +59,36 @@ def superseded(req: PushRequest, copies: list[files.Copy]) -> list[files.Copy]:
         ranks.setdefault(c.rank, set()).add(c.step)
     common = max(set.intersection(*ranks.values()), default=None) if ranks else None
     return [c for c in mine if c.rank == req.rank and c.step < req.step and c.step != common]
+
+
+def evictions(copies: list[files.Copy], over: int, pusher: str, last: dict[str, float], now: float,
+              evict_after: float, moving: Collection[str]) -> list[tuple[str, str]]:
+    """The nodes whose copies go to make room for `pusher`'s push, `over` bytes past the limit, each with why. First
+    those not renewed for `evict_after` seconds (`last`: each node's newest copy's time): gone from the job, their
+    place taken long since, the longest silent first. Then, if still over, those of `moving` (live members whose
+    copies go to another holder now, none a source of this one: kept as the second place a loss fetches from),
+    the least recently renewed first, and only where they free enough: none is dropped for a push that still does
+    not fit. A review: with room for fewer than three copies, a moving one held back the holder's own source's pushes
+    until it went unrenewed for `evict_after`, and that source's copies went ten minutes stale."""
+    size: dict[str, int] = {}
+    for c in copies:
+        size[c.node] = size.get(c.node, 0) + c.size
+    out: list[tuple[str, str]] = []
+    for node, at in sorted(last.items(), key=lambda item: item[1]):
+        if over <= 0 or now - at < evict_after:
+            break
+        if node != pusher:
+            over -= size.get(node, 0)
+            out.append((node, f"not renewed for {now - at:.0f}s"))
+    gone = {node for node, _ in out}
+    rest = sorted((n for n in moving if n in size and n != pusher and n not in gone), key=lambda n: last.get(n, 0.0))
+    if 0 < over <= sum(size[n] for n in rest):
+        for node in rest:
+            if over <= 0:
+                break
+            over -= size[node]
+            out.append((node, "of a member whose copies go to another holder now (kept here while room allowed)"))
+    return out
 
 
 def check_incarnation(req: PushRequest, copies: list[files.Copy], ranks: int, now: int) -> None:

@@ -62,11 +62,13 @@ class Sources(Protocol):
 
 class CopyStore:
     def __init__(self, root: str, limit_bytes: int, sources: Sources, say: Callable[[str], None] = lambda s: None,
-                 *, round_now: Callable[[], int], reach: Callable[[], int], own: OwnSnapshots | None = None) -> None:
+                 *, round_now: Callable[[], int], reach: Callable[[], int], own: OwnSnapshots | None = None,
+                 moving: Callable[[], Collection[str]] = tuple) -> None:
         """`sources`: a node's token and ranks now (absent: it is no source of this holder now; a fetch or drop of
         copies held is then checked against the token they came with). `round_now()`: this node's round;
         `reach()`: the newest step its own ranks hold (-1: none), how far the job is known to have come. `own`:
-        this node's own snapshots, fetched by the node taking its place (own.py)."""
+        this node's own snapshots, fetched by the node taking its place (own.py). `moving()`: the members whose
+        copies go to another holder now (Assignment.copies_moving): theirs held here make room for a source's push."""
         self.root = root
         self.limit_bytes = limit_bytes
         self.stall_s = STALL_S
@@ -74,6 +76,7 @@ class CopyStore:
         self._sources = sources
         self._round_now = round_now
         self._reach = reach
+        self._moving = moving
         self._own = own
         self._say = say
         self._pushing: dict[tuple[str, int], int] = {}    # (node, rank) -> bytes reserved by its push
@@ -254,28 +257,23 @@ class CopyStore:
 
     def _make_room(self, req: PushRequest, copies: list[files.Copy]) -> list[files.Copy]:
         """Where a push does not fit, the pushing rank's copies it supersedes (room.superseded), then the copies of
-        nodes that stopped pushing (none for EVICT_AFTER_S: gone from the job, their place taken long since) go,
-        the longest silent first; what is held then."""
+        nodes that stopped pushing or of members moving to another holder (room.evictions: neither a source of this
+        node now nor being fetched) go; what is held then."""
         over = sum(c.size for c in copies) + sum(self._pushing.values()) + req.size - self.limit_bytes
         if over <= 0:
             return copies
         for old in room.superseded(req, copies):        # its own dead weight first
             files.drop(self._dir(old.node, old.rank), old.step)
             over -= old.size
-        pusher = req.node
         last: dict[str, float] = {}
         for c in copies:
             path = os.path.join(self._dir(c.node, c.rank), f"step-{c.step}")
             last[c.node] = max(last.get(c.node, 0.0), files.mtime(path))
-        now = time.time()
-        for node, at in sorted(last.items(), key=lambda item: item[1]):
-            if over <= 0 or now - at < EVICT_AFTER_S:
-                break
-            if node != pusher:
-                over -= sum(c.size for c in copies if c.node == node)
-                self.remove_node(node)
-                self._say(f"copy store: removed node {node}'s copies, not renewed for {now - at:.0f}s, to make "
-                          f"room for node {pusher}'s")
+        busy = {node for node, _ in self._sending}
+        moving = [n for n in self._moving() if n not in busy and self._sources.get(n) is None and not self._is_own(n)]
+        for node, why in room.evictions(copies, over, req.node, last, time.time(), EVICT_AFTER_S, moving):
+            self.remove_node(node)
+            self._say(f"copy store: removed node {node}'s copies, {why}, to make room for node {req.node}'s")
         return self._copies()
 
     def _check_room(self, req: PushRequest, copies: list[files.Copy]) -> None:

@@ -211,18 +211,20 @@ def fetch_unfinished(node: NodeRecord) -> bool:
         node.copies is None or node.copies.local_step < 0 or node.copies.copying and node.copies.copied_step < 0)
 
 
-def copies_wanted(job: JobRecord, members: list[str], told: dict[str, list[str]]) -> list[str]:
+def copies_wanted(job: JobRecord, members: list[str], told: dict[str, list[str]]) -> tuple[list[str], list[str]]:
     """The gone nodes whose copies a node may still fetch, as a round forms (Assignment.copies_wanted): those it tells
     (`told`), those members were told before and may not have ended (fetch_of: kept until a round after their own
     copy landed), those lost mid-fetch, and the places a waiting job keeps. No other gone node's copies can be asked
-    for: a round names only its last round's members' places (rounds.build_round), so their holders free that room."""
+    for: a round names only its last round's members' places (rounds.build_round), so their holders free that room.
+    Second, of them, the live members moving (Assignment.copies_moving): a holder drops theirs to make room for its
+    sources' pushes, never a gone one's (a replacement fetches those)."""
     wanted = {gone for gone, *_ in told.values()} | {u.of for u in job.unfinished_fetches.values()}
     # A waiting job's places are every last member's: only the gone ones' copies are at stake (the members' own
     # would make each member's assignment O(nodes), and the server's round O(nodes^2): a review)
     wanted |= {of for m in members if (of := job.nodes[m].fetch_of)} | (set(job.place_copies) - set(members))
     # Live members whose new holders have no copy yet: their old ones keep it (the gone first within the bound)
     moving = sorted(set(job.copies_moving) - wanted)[:max(0, MAX_NODES - len(wanted))]
-    return sorted(wanted | set(moving))
+    return sorted(wanted | set(moving)), moving
 
 
 def resized(job: JobRecord, before: list[str], after: list[str], was_awaited: bool = False) -> str:

@@ -165,6 +165,7 @@ class RoundRecord(msgspec.Struct, kw_only=True, omit_defaults=True, dict=True):
     copy_epochs: dict[str, int] = {}     # its members' and gone nodes' copy token epochs, where not 0 (credentials)
     told_epochs: dict[str, int] = {}     # newcomer -> the epoch the gone node's copies it fetches came with
     copies_wanted: list[str] | None = None    # Assignment.copies_wanted (None: a round saved before it)
+    copies_moving: list[str] = []             # Assignment.copies_moving (of copies_wanted)
     # A round saved without the columns: its assignments as they were written.
     legacy: dict[str, Assignment] = msgspec.field(default_factory=dict, name="assignments")
 

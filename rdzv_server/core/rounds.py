@@ -72,7 +72,7 @@ def build_round(job: JobRecord, members: list[str], round_id: int, opened_at: fl
             else:
                 job.nodes[newcomer].fetch_of, job.nodes[newcomer].fetch_place = "", None
     moving_copies.update(job, job.round, r, place_of)     # (after place(): a lost member's old holders)
-    r.copies_wanted = awaiting.copies_wanted(job, members, r.copies) if replicas else None
+    r.copies_wanted, r.copies_moving = awaiting.copies_wanted(job, members, r.copies) if replicas else (None, [])
     r.copy_epochs = copy_epochs(job, members)     # after told_tokens: a fetch is told the epoch before any new one
     return r
 
@@ -260,7 +260,8 @@ def assignment(r: RoundRecord, node_id: str) -> Assignment | None:
             copies_token=copy_token(r.replica_key, copies_of, r.told_epochs.get(node_id, r.copy_epochs.get(
                 copies_of, 0))) if copies_of else "",
             copies_at=copies_at, copies_also=copies_also, run=r.run, resume_at_most=r.resume_at_most,
-            ranks_alike=r.ranks_alike, noted_step=r.noted_step, copies_wanted=derived.wanted())
+            ranks_alike=r.ranks_alike, noted_step=r.noted_step, copies_wanted=derived.wanted(),
+            copies_moving=derived.moving())
     return built
 
 
@@ -296,12 +297,19 @@ class _Derived:
         self._groups: _Domains | None = None
         self._sources: dict[int, list[int]] | None = None
         self._wanted: tuple[str, ...] | None = None
+        self._moving: tuple[str, ...] | None = None
 
     def wanted(self) -> tuple[str, ...] | None:
         """copies_wanted: one tuple all members' assignments share (read late: build_round sets it after this)."""
         if self._wanted is None and self.round.copies_wanted is not None:
             self._wanted = tuple(self.round.copies_wanted)
         return self._wanted
+
+    def moving(self) -> tuple[str, ...]:
+        """copies_moving: one tuple all members' assignments share, as copies_wanted."""
+        if self._moving is None:
+            self._moving = tuple(self.round.copies_moving)
+        return self._moving
 
     def witnesses(self, rank: int) -> tuple[Witness, ...]:
         """The next WITNESSES members after `rank` in the ring that answer as witnesses, never itself: a different pair

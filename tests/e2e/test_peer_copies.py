@@ -338,3 +338,45 @@ def test_a_live_members_copy_stays_at_its_old_holder_till_its_new_holder_has_one
     assert min(s for s, _, _ in back.values()) >= 10, back
     assert f"fetched node {turned}'s snapshots" in agents[turned].output, agents[turned].output   # from its old holder
     finish(tmp_path, agents, lost)
+
+
+def test_a_moving_members_copy_makes_room_for_its_old_holders_own_source_at_a_small_limit(cluster, tmp_path):
+    """A review: racks A A B B and a spare of rack C, --memory-dir-limit for two copies, not three. The spare took
+    group rank 1's place and the pairing turned; an old holder kept a moved member's copy (the second place its loss
+    fetches from) beside its new source's first copy, and refused every later push of that source ("memory limit
+    full") until the moved copy went unrenewed for 10 minutes: the source's copies stayed at their first step there.
+    The moved copy now makes room for the source's pushes."""
+    cluster.start_server()
+    racks = {"a": "A", "b": "A", "c": "B", "d": "B", "s": "C"}
+
+    def one(node: str):
+        return start(cluster, tmp_path, node, "small", env={"STATE_MB": "4"},
+                     extra=("--nproc", "1", "--nnodes", "4:4", *SLOW, "--memory-dir-limit", "10M",
+                            "--failure-domain", racks[node]))
+
+    def copies(node: str) -> dict:
+        return next(n.get("copies") or {} for n in job_view(cluster, "small")["nodes"] if n["node_id"] == node)
+
+    agents = {n: one(n) for n in ("a", "b", "c", "d")}
+    wait_until(lambda: len({r for *_, r, _ in steps(tmp_path)}) == 4, LIMIT, "every rank stepping")
+    agents["s"] = one("s")
+    agents["s"].wait_for_line(r"ready after", LIMIT)
+    wait_until(lambda: min(n.get("copies", {}).get("copied_step", -1) for n in job_view(cluster, "small")["nodes"])
+               >= 10, LIMIT, "every node's copies of step 10 or later")
+    before = holders(cluster, "small", racks)
+    lost = next(n["node_id"] for n in job_view(cluster, "small")["nodes"] if n["group_rank"] == 1)
+    os.kill(agents[lost].pid, signal.SIGKILL)
+    agents[lost].wait(LIMIT)
+    remove_memory("small", lost)
+    agents["s"].wait_for_line(f"fetched node {lost}'s", LIMIT)
+    after = holders(cluster, "small", racks)
+    # A member whose copies go to another holder now, their old holder alive, and that holder's source now
+    moved, old, source = next((m, before[m], src) for m, h in after.items() for src, at in after.items()
+                              if m != "s" and before.get(m) not in (h, lost, None) and at == before[m])
+    agents[old].wait_for_line(f"removed node {moved}'s copies, of a member whose copies go to another holder now",
+                              LIMIT)
+    first = wait_until(lambda: copies(source).get("copied_step", -1), LIMIT, f"node {source}'s copies")
+    wait_until(lambda: copies(source).get("copied_step", -1) >= first + 10, LIMIT,
+               lambda: f"node {source}'s copies at {old} past step {first + 10}: {copies(source)}\n"
+                       f"{agents[old].output[-3000:]}")
+    finish(tmp_path, agents, lost)

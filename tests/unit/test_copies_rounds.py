@@ -476,6 +476,12 @@ def wanted(rz: Rendezvous, node: str, now: float) -> tuple[str, ...] | None:
     return a.copies_wanted
 
 
+def moving(rz: Rendezvous, node: str, now: float) -> tuple[str, ...]:
+    a = rz.view(JOB, node, now).assignment
+    assert a is not None
+    return a.copies_moving
+
+
 def test_a_gone_nodes_copies_nobody_can_fetch_are_wanted_no_more():
     """A soak review: each replaced node (a new id each time) of a 2-node DDP job left its copies on the survivor,
     which kept them all and then refused the live member's pushes at its limit. A round that shrank without the
@@ -554,6 +560,8 @@ def test_a_live_members_copy_stays_with_its_old_holder_until_its_new_holder_has_
     assert rz.jobs[JOB].round.ranked == ["c", "s", "d", "b"], rz.jobs[JOB].round
     assert targets(rz, "d", 6.0) == ["10.0.0.19"]          # d's copies go to s now, not b
     assert "d" in wanted(rz, "b", 6.0)                       # b keeps them meanwhile
+    # ... while room allows: d is moving (b may drop its copy for a source's push), a, gone, is not (s fetches it)
+    assert moving(rz, "b", 6.0) == ("b", "d") and "a" in wanted(rz, "b", 6.0), moving(rz, "b", 6.0)
     join(rz, "t", 6.5, fixed, domain="D")
     for t in (7.0, 8.0, 9.0, 10.0, 11.0, 12.0):            # d lost before its copy landed at s: t takes its place
         for n in ("c", "s", "b"):
@@ -563,6 +571,7 @@ def test_a_live_members_copy_stays_with_its_old_holder_until_its_new_holder_has_
     assert a is not None and a.copies_of == "d", a
     assert a.copies_at is not None and a.copies_at.addr == "10.0.0.19", a.copies_at     # s first (newer once there)
     assert a.copies_also is not None and a.copies_also.addr == "10.0.0.2", a.copies_also   # then b, which has it
+    assert "d" in wanted(rz, "b", 13.0) and "d" not in moving(rz, "b", 13.0)     # gone now: b drops it for no push
 
 
 def test_a_moved_members_old_holder_lets_its_copies_go_once_its_new_holder_has_one():

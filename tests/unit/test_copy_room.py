@@ -38,3 +38,16 @@ def test_under_dev_shm_the_free_space_is_no_more_than_the_memory_available(monke
     assert files.space(str(tmp_path))[0] > 1000                       # a disk: its own free space
     assert "less than 25% of its 4000 bytes free" in (room.refusal(push(0, 5, size=100), [], {}, 10**6, 1,
                                                                    *files.space("/dev/shm")) or "")
+
+
+def test_moving_copies_make_room_only_where_enough_and_after_long_silent_ones() -> None:
+    """A member's copies moving to another holder go for a source's push (the least recently renewed first), but
+    only where dropping them makes room: kept, they are the second place a loss fetches from."""
+    held = [Copy("m1", 0, 5, 300, 1), Copy("m2", 0, 5, 300, 1), Copy("old", 0, 2, 100, 1), Copy("b", 0, 5, 300, 1)]
+    last = {"m1": 900.0, "m2": 800.0, "old": 1.0, "b": 900.0}
+    assert room.evictions(held, 0, "b", last, 1000.0, 600.0, ["m1", "m2"]) == []       # it fits: all kept
+    got = room.evictions(held, 350, "b", last, 1000.0, 600.0, ["m1", "m2"])
+    assert [n for n, _ in got] == ["old", "m2"]              # the silent one first, then the older moving one
+    assert [n for n, _ in room.evictions(held, 350, "b", last, 1000.0, 600.0, ["m1"])] == ["old", "m1"]
+    assert [n for n, _ in room.evictions(held, 701, "b", last, 1000.0, 600.0, ["m1", "m2"])] == ["old"]  # not enough
+    assert room.evictions(held, 200, "m1", last, 1000.0, 600.0, ["m1"])[1:] == []   # never the pusher's own

@@ -898,3 +898,54 @@ async def test_copies_no_node_can_fetch_make_way_and_the_rest_stay(tmp_path) -> 
     assert sorted(store.held()) == [("b", 0), ("c", 0), ("q1", 0)]
     del store._sending[("q1", 0)]
     assert store.drop_unwanted([]) == ["b", "q1"] and sorted(store.held()) == [("c", 0)]
+
+
+async def test_a_moving_members_copy_makes_room_for_a_current_sources_push_and_stays_while_there_is_room(
+        tmp_path) -> None:
+    """A review (--memory-dir-limit for fewer than three copies): an old holder kept a moved member's copy (the
+    second place a loss fetches from) for the whole round, and refused its own current source's pushes at its limit
+    until the copy went unrenewed for EVICT_AFTER_S: that source's copies ten minutes stale. Told which of the copies
+    it keeps are of members moving to another holder (Assignment.copies_moving), it drops one to make room for a
+    current source's push, and only then; a gone node's copy (one a replacement fetches) still stays."""
+    said: list[str] = []
+    sources = {n: CopySource(node_id=n, token=KEY) for n in ("m", "g", "s")}
+    moving: tuple[str, ...] = ()
+    store = CopyStore(str(tmp_path / "held"), 3500, sources, said.append, round_now=lambda: 10**6,
+                      reach=lambda: FAR, moving=lambda: moving)
+    async with holder(store) as port:
+        async def push(node: str, step: int) -> client.PushResult:
+            return await client.push("127.0.0.1", port, key=KEY, node_id=node, local_rank=0, step=step,
+                                     path=snap(tmp_path, f"{node}-{step}", blob(1000, step)))
+        assert (await push("g", 1)).ok and (await push("m", 1)).ok
+        del sources["m"], sources["g"]          # the next round: m's copies go elsewhere, g is gone; s is a source
+        assert (await push("s", 2)).ok, "room for s's first copy: m's is kept beside it"
+        refused = await push("s", 3)            # not told m moves (an older server): m's copy is kept
+        assert not refused.ok and "memory limit full" in refused.reason, refused
+        moving = ("m",)
+        assert store.held() == {("g", 0): 1, ("m", 0): 1, ("s", 0): 2}
+        got, _ = await fetch_bytes(port, tmp_path, node="m")
+        assert got.step == 1                     # still the second place m's loss fetches from
+        assert (await push("s", 3)).ok, "m's copy, moving elsewhere, makes room for s's newer one"
+        assert store.held() == {("g", 0): 1, ("s", 0): 3}
+        assert any("removed node m's copies" in line and "node s's" in line for line in said), said
+        assert (await push("s", 4)).ok           # the gone node's copy is no moving one: kept
+    assert store.held() == {("g", 0): 1, ("s", 0): 4}
+
+
+async def test_a_moving_members_copy_being_fetched_makes_no_room(tmp_path) -> None:
+    """A moving member's copy that a node taking its place fetches now stays: the push waits for the next snapshot."""
+    sources = {n: CopySource(node_id=n, token=KEY) for n in ("m", "s")}
+    store = CopyStore(str(tmp_path / "held"), 2500, sources, round_now=lambda: 10**6, reach=lambda: FAR,
+                      moving=lambda: ("m",))
+    async with holder(store) as port:
+        async def push(node: str, step: int) -> client.PushResult:
+            return await client.push("127.0.0.1", port, key=KEY, node_id=node, local_rank=0, step=step,
+                                     path=snap(tmp_path, f"{node}-{step}", blob(1000, step)))
+        assert (await push("m", 1)).ok and (await push("s", 1)).ok
+        del sources["m"]                                   # its old holder now
+        store._sending[("m", 0)] = store._sending.get(("m", 0))  # type: ignore[assignment]   # a fetch of m's
+        refused = await push("s", 2)
+        assert not refused.ok and "memory limit full" in refused.reason, refused
+        assert store.held() == {("m", 0): 1, ("s", 0): 1}
+        del store._sending[("m", 0)]
+        assert (await push("s", 2)).ok and store.held() == {("s", 0): 2}
