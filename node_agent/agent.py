@@ -338,6 +338,7 @@ class Agent:
                                            checks_passed=self.policy.health.readmit_passed,
                                            holding=self.policy.holding)
         self.copies.heard(copies)       # answered: the server knows what it said (a fetched node's copies may go)
+        self.copies.told(status.sources_noted)      # at once, not as a fact: a leaver's last push waits on it
         return status
 
     async def _when_ready(self, link: ServerLink) -> None:

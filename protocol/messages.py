@@ -41,7 +41,7 @@ from protocol.bounds import (
     printable,
 )
 from protocol.ids import NODE_ID, NODE_ID_RULE
-from protocol.notes import CopiesNote, ProgressNote
+from protocol.notes import CopiesNote, ProgressNote, SourceStep
 from protocol.quoting import quote
 from protocol.stalls import RankSeen
 
@@ -367,6 +367,10 @@ class NodeStatus(msgspec.Struct, kw_only=True, gc=False):
     # rdzv_server/core/awaiting.py: to the wait's end; below min_nodes: to the join timeout; 0: the job goes on
     # without it). In the reply to a stopped agent's leave: its agent keeps its snapshots for the next one.
     place_kept_s: float = 0.0
+    # While the job waits: the nodes of its last round gone since whose copies this node held there, each with the
+    # newest step its own last note told. A holder takes that node's last push up to it though its own ranks never got
+    # there (a newcomer): a lone holder's leave sends what it told (a review: step 0, as the round's note lagged).
+    sources_noted: Annotated[tuple[SourceStep, ...], Meta(max_length=MAX_NODES)] = ()
 
 
 def poll_ready(status: NodeStatus, known_round: int, holding: bool = False) -> bool:

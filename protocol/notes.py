@@ -64,3 +64,10 @@ class CopiesNote(msgspec.Struct, kw_only=True, frozen=True, gc=False):
     last_refusal: ShortText = ""       # the latest of them: the peer, and why
     held_bytes: Bytes = 0              # copies this node holds for others
     copying: bool = True               # False: its round makes no copies (off): local_step alone is said
+
+
+class SourceStep(msgspec.Struct, kw_only=True, frozen=True, gc=False):
+    """A node gone from the job whose copies the told node held, and the newest snapshot step that node's own last
+    note told (NodeStatus.sources_noted): the server's word, not a peer's."""
+    node_id: ShortText
+    step: Annotated[int, Meta(ge=0, le=MAX_ROUND)]

@@ -16,7 +16,7 @@ import hmac
 import json
 import os
 import ssl
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
 from node_agent.copies import files, stream, wire
@@ -166,6 +166,26 @@ async def fetch(addr: str, port: int, *, key: str, node_id: str, local_rank: int
         await _busy_back_off()
     return await _fetch_once(addr, port, line, dest_dir, max_bytes, timeout_s, tls, step, got) or \
         FetchResult(None, f"refused: the holder stayed busy ({FETCH_BUSY_TRIES} asks)", 0)
+
+
+async def fetch_ranks(addr: str, port: int, key: str, node_id: str, dirs: dict[int, str], max_bytes: int | None,
+                      timeout_s: float, tls: ssl.SSLContext | None, want: int | None = None) -> list[FetchResult]:
+    """`fetch` of each local rank's newest copy (or step `want`) into its directory in `dirs`; where they differ (the
+    node was lost while a step's copies were landing), the newer ones again at the oldest step, which the holder
+    keeps for all of them (files.py)."""
+    def one(rank: int, where: str, step: int | None = None) -> Awaitable[FetchResult]:
+        return fetch(addr, port, key=key, node_id=node_id, local_rank=rank, dest_dir=where, max_bytes=max_bytes,
+                     timeout_s=timeout_s, tls=tls, step=step)
+    ranks = sorted(dirs.items())
+    got = list(await asyncio.gather(*(one(rank, where, want) for rank, where in ranks)))
+    steps = [r.step for r in got]
+    if None in steps or len(set(steps)) == 1:
+        return got
+    common = min(s for s in steps if s is not None)
+    again = await asyncio.gather(*(one(rank, where, common) for (rank, where), s in zip(ranks, steps, strict=True)
+                                   if s != common))
+    newer = iter(again)
+    return [r if r.step == common else next(newer) for r in got]
 
 
 async def _busy_back_off() -> None:

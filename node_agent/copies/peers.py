@@ -25,10 +25,10 @@ import contextlib
 import os
 import re
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Iterable
 
 from node_agent.client.listener import Listener, agent_caps
-from node_agent.copies.client import FetchResult, drop, drop_all, fetch, push
+from node_agent.copies.client import FetchResult, drop, drop_all, fetch_ranks, push
 from node_agent.copies.last_copies import FLUSH_LIMIT_S, due_bytes, last_copies
 from node_agent.copies.local_steps import common_step, lag_line, mark_fetching, written_since
 from node_agent.copies.own import OwnSnapshots, keep_token, left_dirs, left_key
@@ -39,7 +39,7 @@ from node_agent.training import snapshot
 from node_agent.workers.memory import COPIES, MemoryDirs
 from protocol.accepting import Caps
 from protocol.messages import Assignment, CopySource, Witness
-from protocol.notes import CopiesNote
+from protocol.notes import CopiesNote, SourceStep
 
 PUSH_SCAN_S = 0.1       # how often the memory directories are looked at for a newer snapshot (a dir listing)
 FETCH_LIMIT_S = 60.0    # a node taking a place waits this long for its copies, then starts without them
@@ -70,6 +70,8 @@ class PeerCopies:
         self.key = ""                              # this node's token for its copies (Assignment.copy_token)
         self.round = -1                            # this node's round (its copies' incarnation)
         self.noted = -1                            # the step the server says the job reached (Assignment.noted_step)
+        self.heard_step = -1                       # the newest snapshot step a note the server answered told
+        self.left_noted: dict[str, int] = {}       # a source gone while the job waits -> its step (`told`)
         self._round_began = 0.0                    # when this round's workers were started (time.time())
         self.sources: dict[str, CopySource] = {}   # nodes whose copies it holds, with their tokens (copy_sources)
         self.moving: tuple[str, ...] = ()          # members whose copies go elsewhere now (copies_moving: room.py)
@@ -103,7 +105,8 @@ class PeerCopies:
             own = OwnSnapshots(self.node_id, key=lambda: left_key(root) if self.round < 0 else self.key,
                                dirs=lambda: left_dirs(root) if self.round < 0 else self._dirs)
             self.store = CopyStore(os.path.join(self.memory.root, COPIES), limit, self.sources, self._say,
-                                   round_now=lambda: self.round, reach=self._reach, own=own, moving=lambda: self.moving)
+                                   round_now=lambda: self.round, reach=self._reach, own=own, noted=self.left_noted,
+                                   moving=lambda: self.moving)
         return self.store
 
     def _reach(self) -> int:
@@ -203,7 +206,8 @@ class PeerCopies:
         began = time.monotonic()
         for at in sources:
             try:
-                got = await asyncio.wait_for(self._fetch_all(gone, token, at, dirs, want), FETCH_LIMIT_S)
+                got = await asyncio.wait_for(fetch_ranks(at.addr, at.port, token, gone, dirs, self.memory.rank_limit,
+                                                         FETCH_LIMIT_S, self._connect, want), FETCH_LIMIT_S)
             except asyncio.TimeoutError:      # a cancelled fetch removes its partial file
                 got = [FetchResult(None, f"not all there within {FETCH_LIMIT_S:g}s", 0)]
             if all(r.step is not None for r in got) and len({r.step for r in got}) == 1:
@@ -221,24 +225,6 @@ class PeerCopies:
         self._say(f"fetched node {gone}'s snapshots of step {got[0].step} from {at.addr}:{at.port} ({len(got)} "
                   f"ranks, {size / 2**20:.1f} MiB in {time.monotonic() - began:.2f}s): this node's ranks resume "
                   f"where {gone}'s left off, if it fits this round (each worker checks)")
-
-    async def _fetch_all(self, gone: str, token: str, at: Witness, dirs: dict[int, str],
-                         want: int | None = None) -> list[FetchResult]:
-        """Each rank's newest copy (or step `want`); where they differ (the node was lost while a step's copies were
-        landing), the newer ones again at the oldest step, which the holder keeps for all of them (copies/files.py)."""
-        def one(rank: int, where: str, step: int | None = None) -> Awaitable[FetchResult]:
-            return fetch(at.addr, at.port, key=token, node_id=gone, local_rank=rank, dest_dir=where,
-                         max_bytes=self.memory.rank_limit, timeout_s=FETCH_LIMIT_S, tls=self._connect, step=step)
-        ranks = sorted(dirs.items())
-        got = list(await asyncio.gather(*(one(rank, where, want) for rank, where in ranks)))
-        steps = [r.step for r in got]
-        if None in steps or len(set(steps)) == 1:
-            return got
-        common = min(s for s in steps if s is not None)
-        again = await asyncio.gather(*(one(rank, where, common) for (rank, where), s in zip(ranks, steps, strict=True)
-                                       if s != common))
-        newer = iter(again)
-        return [r if r.step == common else next(newer) for r in got]
 
     async def _push_loop(self) -> None:
         while True:
@@ -361,9 +347,16 @@ class PeerCopies:
                                      last_refusal=self.last_refusal, held_bytes=held, copying=bool(self.targets))
         return self._last_note
 
+    def told(self, noted: Iterable[SourceStep]) -> None:
+        """The server's word on sources gone while the job waits (NodeStatus.sources_noted): each one's last push is
+        taken up to the step its own last note told, though this node's ranks never got there (store.py)."""
+        self.left_noted.clear()
+        self.left_noted.update((s.node_id, s.step) for s in noted)
+
     def heard(self, note: CopiesNote | None) -> None:
         """The server heard `note` (its poll answered): a fetched node's copies go once it heard this node's own landed,
         not at the landing (a loss before the next poll hands their fetch on, awaiting.py: a review's found none)."""
+        self.heard_step = note.local_step if note is not None else self.heard_step
         if note is not None and (go := self.let_go) is not None and note.copied_step >= go[3]:
             self.let_go = None
             self._dropping = asyncio.ensure_future(drop_all(go[2], go[1], go[0], DROP_LIMIT_S, self._connect))
@@ -382,12 +375,18 @@ class PeerCopies:
         if not finished and self.key and self.targets:
             # Leaving before its ranks stepped, a node of replicas (not diverged) sends its newest anyway: it is what
             # the job resumes from, and its last chance (a third review: a lone node stopped as a replica joined
-            # sent nothing, and the job went back to step 0). No step past the one the server noted: its holders,
-            # never stepped, park a newer one as "ahead" of the job past the flush's end (a fourth review: step 0).
+            # sent nothing, and the job went back to step 0). Its holders, never stepped, park a step past the round's
+            # noted one as "ahead" of the job past the flush's end (a fourth review: step 0), so that goes first;
+            # then up to what the server heard of this node, which it tells them as the job waits (`told`: a fifth
+            # review's noted step lagged by more than the ranks keep, nothing went, and the job went to step 0 again).
+            caps: list[int | None] = [self._at_most]
             if self._alike and not self._past_start:
-                self._past_start, self._at_most = True, self.noted if self.noted >= 0 else None
-            await last_copies(self._flush, due_bytes(self.targets, self._dirs, self.pushed, self._at_most),
-                              self.bandwidth, self._say, FLUSH_LIMIT_S if flush_s is None else flush_s)
+                self._past_start = True
+                caps = [step for step in sorted({self.noted, self.heard_step}) if step >= 0] or [None]
+            end = time.monotonic() + (FLUSH_LIMIT_S if flush_s is None else flush_s)
+            for self._at_most in caps:
+                await last_copies(self._flush, due_bytes(self.targets, self._dirs, self.pushed, self._at_most),
+                                  self.bandwidth, self._say, end - time.monotonic())
         tasks = [t for t in (self._pusher, *self._to_holder.values()) if t is not None]
         for task in tasks:
             task.cancel()

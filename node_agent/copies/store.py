@@ -6,10 +6,11 @@ Rules, so a fetcher only ever gets a whole copy that was whole when it came:
   (files.settle): a broken push (short, stalled, corrupted, malformed trailer) leaves the previous copy in place.
 - A push must carry its node's current key and be of one of that node's ranks, of a round no older than the
   newest held of the node's and not past this node's own, of a step past the one held of its round and no further
-  than this node's own ranks have reached (wire.AHEAD_WAIT_S to get there), and fit its node's share of the limit and
-  the limit itself next to what is held (the current copy counts until the new one replaces it) and what other
-  pushes have reserved. A round is the pusher's incarnation: once a copy of a newer round is whole, the node's
-  copies of older rounds at its step or later are of steps the job abandoned (it went back), and go.
+  than this node's own ranks have reached (wire.AHEAD_WAIT_S to get there) or the server says the node, gone, noted
+  itself, and fit its node's share of the limit and the limit itself next to what is held (the current copy counts
+  until the new one replaces it) and what other pushes have reserved. A round is the pusher's incarnation: once a
+  copy of a newer round is whole, the node's copies of older rounds at its step or later are of steps the job
+  abandoned (it went back), and go.
 - A copy is checked against its stored checksum as it is sent (the trailer is that checksum, so the fetcher
   refuses bytes changed at rest); one that no longer matches is deleted.
 - This node's own snapshots are fetched with its own token by the node taking its place (own.py).
@@ -26,7 +27,7 @@ import hmac
 import os
 import shutil
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
 from typing import Protocol
 
 from node_agent.copies import files, room, stream, wire
@@ -63,19 +64,19 @@ class Sources(Protocol):
 class CopyStore:
     def __init__(self, root: str, limit_bytes: int, sources: Sources, say: Callable[[str], None] = lambda s: None,
                  *, round_now: Callable[[], int], reach: Callable[[], int], own: OwnSnapshots | None = None,
-                 moving: Callable[[], Collection[str]] = tuple) -> None:
+                 noted: Mapping[str, int] | None = None, moving: Callable[[], Collection[str]] = tuple) -> None:
         """`sources`: a node's token and ranks now (absent: it is no source of this holder now; a fetch or drop of
         copies held is then checked against the token they came with). `round_now()`: this node's round;
         `reach()`: the newest step its own ranks hold (-1: none), how far the job is known to have come. `own`:
-        this node's own snapshots, fetched by the node taking its place (own.py). `moving()`: the members whose
-        copies go to another holder now (Assignment.copies_moving): theirs held here make room for a source's push."""
-        self.root = root
-        self.limit_bytes = limit_bytes
+        this node's own snapshots, fetched by the node taking its place (own.py). `noted`: a source gone from the
+        job -> the step the server says its own last note told (NodeStatus.sources_noted): its pushes reach that far.
+        `moving()`: the members whose copies go to another holder now (Assignment.copies_moving): theirs held here
+        make room for a source's push."""
+        self.root, self.limit_bytes = root, limit_bytes
         self.stall_s = STALL_S
         self.ahead_wait_s = wire.AHEAD_WAIT_S
-        self._sources = sources
-        self._round_now = round_now
-        self._reach = reach
+        self._sources, self._round_now = sources, round_now
+        self._reach, self._noted = reach, noted if noted is not None else {}
         self._moving = moving
         self._own = own
         self._say = say
@@ -185,7 +186,7 @@ class CopyStore:
     async def _push(self, req: PushRequest, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         slot = (req.node, req.rank)
         self._check_incarnation(req, self._copies())
-        if self._reach() < req.step:
+        if self._reached(req.node) < req.step:
             await self._wait_for_step(req, writer)
         under_way = self._under_way.get(slot)
         if under_way is not None and req.step <= under_way[0]:
@@ -234,20 +235,23 @@ class CopyStore:
             older[1].transport.abort()
         waiting[req.rank] = mine = (req.step, writer)
         try:
-            await self._until_reached(req.step, lambda: waiting.get(req.rank) is mine)
+            await self._until_reached(req.step, lambda: waiting.get(req.rank) is mine, req.node)
         finally:
             if waiting.get(req.rank) is mine:
                 del waiting[req.rank]
             if not waiting and self._waiting.get(req.node) is waiting:
                 del self._waiting[req.node]
 
-    async def _until_reached(self, step: int, still: Callable[[], bool] = lambda: True) -> None:
+    def _reached(self, node: str) -> int:   # how far `node`'s pushes may go: the job's reach, or its own noted step
+        return max(self._reach(), self._noted.get(node, -1))
+
+    async def _until_reached(self, step: int, still: Callable[[], bool] = lambda: True, node: str = "") -> None:
         """Until this node's own ranks hold `step` (they save at the same steps as their peers, and a moment apart):
         a step beyond what the job has reached, as a holder of a node's token could push to freeze its copies,
         is refused after `ahead_wait_s`, and one `still()` no longer wants at once. Polled: another process's files
         tell nobody when they appear."""
         deadline = time.monotonic() + self.ahead_wait_s
-        while (reached := self._reach()) < step:
+        while (reached := self._reached(node)) < step:
             if not still():
                 raise Refusal("busy", "busy: a newer push of this rank came")
             if time.monotonic() >= deadline:

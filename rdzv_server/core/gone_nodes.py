@@ -1,4 +1,7 @@
-"""What outlives a node's record when it goes (lost, left, drained), for its next agent's join (admission.py):
+"""What outlives a node's record when it goes (lost, left, drained), for its next agent's join (admission.py) or its
+copies' holders:
+- the newest snapshot step a member's last note told, while the job waits (JobRecord.left_steps): its holders take
+  its last push up to it, though their own ranks never got there (a newcomer that never stepped);
 - a fetch it had not finished (a member lost while it fetched a gone node's copies, before it held a snapshot):
   fetched again at its place, else its ranks hold nothing and every rank goes back with them;
 - an exclusion still running: its cooldown runs on. An agent restarted (by hand, or by a service manager) must not
@@ -26,6 +29,8 @@ def note_gone(job: JobRecord, node: NodeRecord, now: float, was_member: bool) ->
         job.gone_members[node.node_id] = node.credential_digest
         for oldest in list(job.gone_members)[:max(0, len(job.gone_members) - MAX_KEPT_OUT)]:
             del job.gone_members[oldest]
+    if was_member and node.copies is not None and node.copies.local_step >= 0:    # what its last push may be of
+        job.left_steps[node.node_id] = node.copies.local_step
     if was_member and node.fetch_place is not None and awaiting.fetch_unfinished(node):
         job.unfinished_fetches[node.node_id] = UnfinishedFetch(of=node.fetch_of, place=node.fetch_place)
     # (a flapping host's hold-off: its losses are kept; a drained node swapped out is held out by its drain, not an

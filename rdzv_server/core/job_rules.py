@@ -236,7 +236,7 @@ class JobRules:
         job.state = JobState.RUNNING
         room = cfg.max_nodes - len(chosen)          # a node preparing waits for a place that is free ...
         places.seat(job, chosen, preparing[:room], rest + preparing[room:])   # ... else for a member to go, as a spare
-        job.places, job.places_sizes, job.place_copies = [], [], {}
+        job.places, job.places_sizes, job.place_copies, job.left_steps = [], [], {}, {}
         job.forming_since = now if job.waiting else None
         job.join_deadline = None
         job.reason = why

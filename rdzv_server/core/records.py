@@ -199,6 +199,9 @@ class JobRecord(msgspec.Struct, kw_only=True):
     replica_key: str = ""           # what members' agents show each other with a copy (derived from a secret)
     # While waiting: each member of the last round's copies (rounds.places_kept), for the node taking a place
     place_copies: dict[str, PlaceCopies] = msgspec.field(default_factory=dict)
+    # Members gone from the last round that had told a snapshot, with its step, until the next round forms: their
+    # holders take their last push up to it (NodeStatus.sources_noted, gone_nodes.note_gone)
+    left_steps: dict[str, int] = msgspec.field(default_factory=dict)
     # Members whose round gave their copies other holders, with where their copy still is (moving_copies.py)
     copies_moving: dict[str, PlaceCopies] = msgspec.field(default_factory=dict)
     # Until the next round forms: members lost mid-fetch, for their next agent to fetch again (admission.py)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from protocol.messages import FailureReason, JobState, NodeState, NodeStatus, WorkerFailure
+from protocol.notes import SourceStep
 from protocol.quoting import one_line
 from rdzv_server.core.records import JobRecord
 from rdzv_server.core.rounds import PREPARE_LIMIT_S, assignment, master_of
@@ -56,7 +57,16 @@ def node_status(job: JobRecord, node_id: str, now: float, *, accepted: bool = Tr
         status.excluded_for_s = max(0.0, node.excluded_until - now)
     elif node is None and r is None and node_id in job.places and not finished:
         status.place_kept_s = place_kept_s(job, node_id, now)
+    if r is None and job.left_steps and not finished:
+        status.sources_noted = sources_noted(job, node_id)
     return status
+
+
+def sources_noted(job: JobRecord, node_id: str) -> tuple[SourceStep, ...]:
+    """The last round's members gone since whose copies `node_id` held there, each with the step its own last note
+    told (NodeStatus.sources_noted): a node's word on its own steps, never another's. O(gone), not O(members)."""
+    return tuple(SourceStep(node_id=gone, step=step) for gone, step in job.left_steps.items()
+                 if (place := job.place_copies.get(gone)) is not None and node_id in place.holders)
 
 
 def place_kept_s(job: JobRecord, node_id: str, now: float) -> float:

@@ -1,10 +1,12 @@
 """A review: a DDP job (--nnodes 1:3) ran on node a alone to step 57; b joined, and a's agent was stopped (SIGTERM) as
-round 2 began. a's last push never landed at b, and round 3 sent every rank back to step 0. Three rules, each here:
+round 2 began. a's last push never landed at b, and round 3 sent every rank back to step 0. Four rules, each here:
 - a holder whose own ranks never stepped takes pushes up to the step the server noted as the round formed
   (Assignment.noted_step), not further (a stolen copy token alone still cannot freeze copies with a far step);
 - replicas leaving before they stepped send the newest of an earlier round (the step every rank resumes
   from);
-- the server waits for a leaver of a job of replicas where no other member holds a snapshot of its own."""
+- the server waits for a leaver of a job of replicas where no other member holds a snapshot of its own;
+- as it waits, the server tells a gone node's holders the step that node's own last note told
+  (NodeStatus.sources_noted), and the leaver sends up to it: its newest, though the round's note lagged."""
 from __future__ import annotations
 
 import os
@@ -15,10 +17,16 @@ import msgspec
 from node_agent.copies.client import push
 from node_agent.copies.store import CopyStore
 from node_agent.training import snapshot
-from protocol.messages import Assignment, JobConfig
+from protocol.messages import Assignment, CopySource, JobConfig, LeaveRequest, PollRequest
+from protocol.notes import CopiesNote, SourceStep
+from protocol.tokens import copy_verifier
 from rdzv_server.core.leases import DROP_GRACE_S
+from rdzv_server.core.rendezvous import Rendezvous
 from tests.unit.test_awaiting import ELASTIC, crash_agent, heard, last_event, snapshots
 from tests.unit.test_copies_agent import KEY, agent_side, assignment, holder, pushing, serving
+from tests.unit.test_copies_rounds import JOB
+from tests.unit.test_copies_rounds import join as copies_join
+from tests.unit.test_copies_rounds import poll as copies_poll
 from tests.unit.test_copy_store import Everyone
 from tests.unit.test_rendezvous import job, join, members, running, view
 
@@ -139,3 +147,90 @@ def test_a_job_of_replicas_going_on_after_a_lone_holders_wait_is_not_told_its_ra
     assert sorted(members(rz)) == ["b", "c"]
     shrunk = last_event(rz, "round_completed")
     assert "own state" not in shrunk, shrunk
+
+
+# A fifth review: the round's noted step lagged a's newest by more than its ranks keep (snapshots a step apart),
+# so a held no step at or before it and sent nothing: round 3 resumed from step 0. The rule since: the server tells
+# a gone source's holders the step that source's own last note told (NodeStatus.sources_noted), the holder takes
+# that source's push up to it, and the leaver sends up to what the server heard from it.
+
+def lone_holder_leaves(step: int) -> Rendezvous:
+    """DDP on a alone (step 245 noted), b joined (round 2); a told `step` and was stopped before its ranks stepped."""
+    config = JobConfig(min_nodes=1, max_nodes=3, max_restarts=3, lease_timeout_s=5.0, last_call_s=3.0)
+    rz = Rendezvous()
+    copies_join(rz, "a", 0.0, config, domain="fa", credential="secret-a")
+    rz.tick(3.0)
+    rz.jobs[JOB].progress.alike_step, rz.jobs[JOB].progress.all_alike = 10, True
+    rz.handle(JOB, PollRequest(v=1, node_id="a", credential="secret-a", copies=CopiesNote(local_step=245)), 4.0)
+    copies_join(rz, "b", 5.0, config, domain="fb", credential="secret-b")
+    copies_poll(rz, "a", 7.0)
+    rz.tick(8.0)
+    assert rz.jobs[JOB].round is not None and rz.jobs[JOB].round.members == ["a", "b"]
+    b = copies_poll(rz, "b", 8.0).assignment
+    assert b is not None and b.noted_step == 245 and [s.node_id for s in b.copy_sources] == ["a"]
+    rz.handle(JOB, PollRequest(v=1, node_id="a", credential="secret-a", copies=CopiesNote(local_step=step)), 8.5)
+    rz.handle(JOB, LeaveRequest(v=1, node_id="a", credential="secret-a", stopped=True, stop_timeout_s=3.0), 8.6)
+    assert rz.jobs[JOB].awaited == ["a"] and rz.jobs[JOB].round is None
+    return rz
+
+
+def test_a_lone_holders_holder_is_told_the_step_its_last_note_told_while_the_job_waits() -> None:
+    rz = lone_holder_leaves(270)
+    waiting = copies_poll(rz, "b", 8.7)
+    assert waiting.assignment is None and waiting.sources_noted == (SourceStep(node_id="a", step=270),), waiting
+    b_says = CopiesNote(local_step=10**6)      # a node's own note moves no other node's step
+    rz.handle(JOB, PollRequest(v=1, node_id="b", credential="secret-b", copies=b_says), 8.8)
+    assert copies_poll(rz, "b", 8.9).sources_noted == (SourceStep(node_id="a", step=270),)
+    rz.tick(rz.jobs[JOB].last_call_deadline or 30.0)      # a not back: b goes on alone, and the word goes with the wait
+    r = rz.jobs[JOB].round
+    assert r is not None and r.members == ["b"] and copies_poll(rz, "b", 31.0).sources_noted == ()
+
+
+async def test_a_leaver_whose_newest_is_past_the_noted_step_by_more_than_it_keeps_sends_what_it_told(tmp_path) -> None:
+    import time
+    said: list[str] = []
+    b, _ = agent_side(tmp_path, "b", said)
+    sources = tuple(CopySource(node_id=n, verifier=copy_verifier(KEY), ranks=2) for n in "ac")
+    await b.before_spawn(told(assignment(()), round_id=2, noted_step=245, copy_sources=sources), {})
+    store = b._holder_store()
+    assert store is not None
+    store.ahead_wait_s = 0.5
+    async with serving(store) as at:
+        a, dirs = agent_side(tmp_path, "a", said)
+        for where in dirs.values():
+            for step in (265, 270):                   # round 1's, alone, keep=2: 245 long gone
+                snapshot.save(b"s%d" % step, step, where=where)
+                os.utime(snapshot.path(step, where), (time.time() - 5, time.time() - 5))
+        await a.before_spawn(told(assignment(()), ranks_alike=True, noted_step=245), dirs)
+        a.heard(a.note())                               # its poll before its leave: the server heard 270
+        b.told((SourceStep(node_id="a", step=270),))    # b's poll answered as the job waits for a
+        pushing(a, at, dirs, round_id=2)
+        await a.close()                                 # stopped before its round-2 workers stepped
+        assert store.held() == {("a", 0): 270, ("a", 1): 270}, said
+        # the server's word is of node a only: another node's push past what the job reached stays refused
+        (tmp_path / "c").mkdir()
+        far = snapshot.save(b"far", 271, where=str(tmp_path / "c"))
+        refused = await push(at.addr, at.port, key=KEY, node_id="c", local_rank=0, step=271, path=far, round_id=2)
+        assert not refused.ok and "past what the job has reached" in refused.reason, refused
+
+
+async def test_a_leaver_sends_the_noted_step_first_for_a_holder_that_is_not_told(tmp_path) -> None:
+    # an older holder agent (or an older server) tells it nothing: the step the round noted still lands there
+    import time
+    said: list[str] = []
+    b, _ = agent_side(tmp_path, "b", said)
+    await b.before_spawn(told(assignment(()), noted_step=245), {})
+    store = CopyStore(str(tmp_path / "held"), 64 * 2**20, Everyone(lambda: KEY), round_now=lambda: 10**6,
+                      reach=b._reach)
+    store.ahead_wait_s = 0.0
+    async with serving(store) as at:
+        a, dirs = agent_side(tmp_path, "a", said)
+        for where in dirs.values():
+            for step in (245, 250):
+                snapshot.save(b"s%d" % step, step, where=where)
+                os.utime(snapshot.path(step, where), (time.time() - 5, time.time() - 5))
+        await a.before_spawn(told(assignment(()), ranks_alike=True, noted_step=245), dirs)
+        a.heard(a.note())                               # the server heard 250, but b was never told it
+        pushing(a, at, dirs, round_id=2)
+        await a.close()
+    assert store.held() == {("a", 0): 245, ("a", 1): 245}
