@@ -45,6 +45,8 @@ PUSH_SCAN_S = 0.1       # how often the memory directories are looked at for a n
 FETCH_LIMIT_S = 60.0    # a node taking a place waits this long for its copies, then starts without them
 DROP_LIMIT_S = 1.0      # a leaving node's goodbye to each holder of its copies
 RETRY_S = 1.0           # a peer a push could not reach or that refused is tried again this much later (cheap)
+MAX_KINDS = 16          # kinds of refusal said, once each: a holder words its own (a review: a hostile one's, new each
+                        # time, made each refusal a line, and a kind kept for good); past it, the rest are one kind
 
 
 class PeerCopies:
@@ -58,11 +60,9 @@ class PeerCopies:
         local ranks of the round have each done a step (LocalWorkers.all_stepping). `static`: a static launch
         (--node-rank), where no server pairs the nodes, so no copies whatever the failure domains."""
         self.static, self.memory, self.nproc, self.node_id = static, memory, nproc, node_id
-        self._stepping = stepping
+        self._stepping, self._say, self.bandwidth = stepping, say, bandwidth
         self._past_start = self._alike = False     # this round's ranks all stepped / are replicas that resume alike
         self._at_most: int | None = None           # no push past this step (a leaver's last copies: `close`)
-        self._say = say
-        self.bandwidth = bandwidth
         self.tls, self.server_tls = tls, server_tls
         self._listener: Listener | None = None
         self._caps = caps if caps is not None else agent_caps()
@@ -79,8 +79,7 @@ class PeerCopies:
         self.store: CopyStore | None = None     # the copies this node holds for others
         self.pushed: dict[tuple[str, int, int], int] = {}    # (addr, port, local rank) -> the step it holds
         self.copied: dict[int, tuple[int, str]] = {}         # local rank -> (its newest copied step, where)
-        self.sent_bytes = self.refused = 0
-        self.last_refusal = ""
+        self.sent_bytes, self.refused, self.last_refusal = 0, 0, ""
         self._said: set[str] = set()
         self._retry_at: dict[tuple[str, int, int], float] = {}
         self._dirs: dict[int, str] = {}            # this round's local rank -> memory directory
@@ -309,9 +308,11 @@ class PeerCopies:
         self.refused += 1
         self.last_refusal = "".join(c if c.isprintable() else "?" for c in f"{target.addr}:{target.port}: "
                                     f"{result.reason}")[:256]
-        self._say_once(re.sub(r"[0-9]+", "#", ":".join(result.reason.split(":")[:2]))[:60],   # numbers: one kind
-                       f"copy of local rank {rank}'s step {step} to {target.addr}:{target.port} not made: "
-                       f"{result.reason} (training goes on; tried again on the next snapshot)")
+        kind = re.sub(r"[0-9]+", "#", ":".join(result.reason.split(":")[:2]))[:60]     # numbers: one kind
+        more = kind not in self._said and len(self._said) >= MAX_KINDS
+        self._say_once("more kinds" if more else kind, f"copy of local rank {rank}'s step {step} to {target.addr}:"
+                       f"{target.port} not made: {result.reason} (training goes on; tried again on the next snapshot)"
+                       + ("; further kinds of refusal are not said (the server's view counts them)" if more else ""))
 
     def _lagging(self, rank: int, step: int) -> None:     # said once (local_steps.lag_line)
         with contextlib.suppress(OSError, KeyError):
