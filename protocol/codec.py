@@ -54,10 +54,20 @@ _error_decoder = msgspec.msgpack.Decoder(ErrorReply)
 _any_decoder = msgspec.msgpack.Decoder()
 
 
+class _Versioned(msgspec.Struct):
+    """A refused body's version alone, typed: the rest is skipped, never built. Built untyped, a body of 1 MiB was a
+    million objects, ~70 MB and 0.2-0.3 s of the server's one loop a request (a review: a stranger's 11 a second lagged
+    every agent's poll by up to 0.55 s; plain bytes at 600 a second, 0.04 s)."""
+    v: int | float | str | bool | None = None
+
+
+_version_decoder = msgspec.msgpack.Decoder(_Versioned)
+
+
 def decode_request(cls: type[R], body: bytes) -> R:
     """Decode a request body into `cls`, or raise DecodeError naming what was wrong. The typed decode comes first
-    (one pass for a good request); only a body it refuses is read untyped, so that a client of another version
-    hears `unsupported_version` rather than a confusing field error."""
+    (one pass for a good request); only a body it refuses is read again for its version alone (`_Versioned`), so
+    that a client of another version hears `unsupported_version` rather than a confusing field error."""
     if len(body) > MAX_BODY_BYTES:
         raise DecodeError(ErrorCode.TOO_LARGE, f"body of {len(body)} bytes exceeds {MAX_BODY_BYTES}")
     try:
@@ -75,12 +85,12 @@ def decode_request(cls: type[R], body: bytes) -> R:
 def _check_version(body: bytes) -> None:
     """Raise DecodeError when the body is not a map, has no `v`, or speaks another version."""
     try:
-        raw = _any_decoder.decode(body)
+        version = _version_decoder.decode(body).v
+    except msgspec.ValidationError as exc:
+        raise DecodeError(ErrorCode.BAD_REQUEST, f"body must be a map of field names with a version `v`: "
+                          f"{_short(exc)}") from None
     except Exception as exc:   # noqa: BLE001 - see the top
         raise DecodeError(ErrorCode.BAD_REQUEST, f"body is not valid MessagePack: {_short(exc)}") from None
-    if not isinstance(raw, dict):
-        raise DecodeError(ErrorCode.BAD_REQUEST, f"body must be a map, got {type(raw).__name__}")
-    version = raw.get("v")
     if version is None:
         raise DecodeError(ErrorCode.BAD_REQUEST, "Object missing required field `v` (protocol version)")
     if version != PROTOCOL_VERSION:   # `true` or `1.0` pass here: the typed decode names the field
