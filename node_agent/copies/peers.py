@@ -240,17 +240,17 @@ class PeerCopies:
         """The pushes due, started: one task per holder not busy with an earlier one, so a slow holder (a member
         reading at a trickle, inside every stall bound) holds back its own copies only, not those to the others (a
         review: with --replicas 2 every push waited for the slow one, and a lost node resumed a snapshot back)."""
-        # A snapshot of an earlier round may be one the job abandoned (it went back: the workers' agreed_step removes
-        # it as they start), and a copy of it tagged with this round would make the holder refuse the step the job
-        # resumed from (a review: the holder kept the abandoned step, and a later loss sent every rank to step 0).
-        # So until every local rank has stepped (past its agreement), only what this round wrote goes (its workers'
-        # snapshots, or copies it fetched); then its newest too, whatever round wrote it (the step it resumed from,
-        # for a holder new in this round: a second review lost every rank to step 0 waiting for the next).
+        # A snapshot of an earlier round, or a copy fetched, may be of steps the job abandons (the workers' agreed_step
+        # removes it as they start), and a copy of it tagged with this round makes the holder refuse the steps the job
+        # resumed from (reviews: a later loss sent every rank to step 0; a third: another node had lost its copies).
+        # So until every local rank has stepped (past its agreement), only what this round's workers wrote goes; then
+        # its newest too, whatever wrote it (the step it resumed from, for a holder new in this round: a second review).
         newest = common_step(self._dirs, self._at_most)
         if newest and not self._past_start:
             if self._stepping is not None and self._stepping(self.round, len(self._dirs)):
                 self._past_start = True
-            elif not all(written_since(path, self._round_began) for _, path in newest.values()):
+            elif not all(written_since(path, self._round_began) and not snapshot.is_copy(self._dirs[rank], step)
+                         for rank, (step, path) in newest.items()):
                 newest = {}
         # A copy newer than the newest step here is of steps the job abandoned (it went back): no copy of this run.
         for rank, where in self._dirs.items():

@@ -42,8 +42,8 @@ from node_agent.training.fetched import mark as mark_fetched
 
 __all__ = ["COPY_WAIT_S", "DIR_VAR", "FETCHING", "FULL", "HOLD", "KEEP_FROM", "LIMIT_VAR", "MemoryDirFull", "NONE_HELD",
            "SENDING", "Writer", "agreed_step", "directory", "foreign", "full_error", "Room", "forget_after",
-           "keep_from", "limit", "hold_after", "make_room", "mark_fetched", "newest", "path", "remove", "save", "steps",
-           "unfinished"]
+           "keep_from", "limit", "hold_after", "is_copy", "make_room", "mark_fetched", "newest", "path", "remove",
+           "save", "steps", "unfinished"]
 
 DIR_VAR = "NODE_AGENT_MEMORY_DIR"
 FETCHING = ".fetching"    # the agent is fetching this rank's copy from a peer (node_agent/copies/peers.py)

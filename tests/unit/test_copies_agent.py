@@ -58,9 +58,10 @@ def assignment(targets: tuple[Witness, ...], *, copies_of: str = "", copies_at: 
                       copies_also=copies_also)
 
 
-def agent_side(tmp_path, node: str, said: list[str]) -> tuple[PeerCopies, dict[int, str]]:
+def agent_side(tmp_path, node: str, said: list[str], stepping=None) -> tuple[PeerCopies, dict[int, str]]:
+    """`stepping`: whether the round's local ranks have each stepped (LocalWorkers.all_stepping)."""
     memory = MemoryDirs("job", 2, 8 * 2**20, say=said.append, base=str(tmp_path / node))
-    return PeerCopies(memory, 2, node, said.append, bandwidth=0), memory.dirs_for(2, 2)
+    return PeerCopies(memory, 2, node, said.append, bandwidth=0, stepping=stepping), memory.dirs_for(2, 2)
 
 
 def pushing(copies: PeerCopies, at: Witness, dirs: dict[int, str], round_id: int = 1) -> None:
@@ -130,7 +131,7 @@ async def test_the_node_taking_a_place_fetches_its_copies_before_spawning_and_th
     said: list[str] = []
     async with holder(tmp_path) as (store, at):
         await pushed(tmp_path, at, said, b"b's shard", 25)
-        spare, dirs = agent_side(tmp_path, "s", said)
+        spare, dirs = agent_side(tmp_path, "s", said, stepping=lambda round_id, ranks: True)   # its ranks stepped
         await spare.before_spawn(assignment((at,), copies_of="b", copies_at=at), dirs)
         assert marked(dirs) == [True, True]
         await spare.fetched()             # agreed_step in its workers waits for this
@@ -158,7 +159,7 @@ async def test_a_holder_without_room_for_both_lets_the_fetched_copies_go_for_the
     async with holder(tmp_path) as (store, at):
         await pushed(tmp_path, at, said, b"b's shard", 25)
         store.limit_bytes = store.held_bytes() + 10          # room for b's copies only
-        spare, dirs = agent_side(tmp_path, "s", said)
+        spare, dirs = agent_side(tmp_path, "s", said, stepping=lambda round_id, ranks: True)
         await spare.before_spawn(assignment((at,), copies_of="b", copies_at=at), dirs)
         await spare.fetched()
         await spare._flush()
@@ -241,7 +242,7 @@ async def test_a_first_source_that_fails_leaves_the_fetch_to_the_peer_copy(tmp_p
         with socket.socket() as probe:       # a port nothing listens on: refused at once
             probe.bind(("127.0.0.1", 0))
             nobody = Witness(addr="127.0.0.1", port=probe.getsockname()[1])
-        spare, dirs = agent_side(tmp_path, "s", said)
+        spare, dirs = agent_side(tmp_path, "s", said, stepping=lambda round_id, ranks: True)
         await spare.before_spawn(assignment((at,), copies_of="b", copies_at=nobody, copies_also=at), dirs)
         await spare.fetched()
         assert [snapshot.steps(where) for where in dirs.values()] == [[30], [30]]
@@ -345,6 +346,31 @@ async def test_a_new_round_pushes_only_what_it_wrote(tmp_path) -> None:
             os.remove(snapshot.path(30, where))              # (agreed_step removed the abandoned one)
         await copies._scan()
         assert store.held() == {("b", 0): 25, ("b", 1): 25}
+
+
+async def test_a_copy_it_fetched_goes_only_once_its_ranks_stepped(tmp_path) -> None:
+    """A review: b and c of a 3-node job restarted at once, their memory gone; b's copy was at c, so b fetched only
+    its own copy of step 20 from a and every rank went back to step 0. b's agent pushed that fetched 20, tagged with
+    the new round, before its workers removed it (abandoned): a refused b's new 5, 10, 15 as stale, and b lost again
+    at step 16 sent every rank to step 0 a second time. A fetched copy goes only once the ranks stepped past their
+    agreement (it is then what they resumed from, or gone)."""
+    said: list[str] = []
+    stepped = {"now": False}
+    async with holder(tmp_path) as (store, at):
+        copies, dirs = agent_side(tmp_path, "b", said, stepping=lambda round_id, ranks: stepped["now"])
+        await copies.before_spawn(assignment(()), dirs)      # round 1 begins (no targets: no push loop)
+        pushing(copies, at, dirs)
+        for where in dirs.values():
+            snapshot.save(b"s20", 20, where=where)          # fetched: of steps the job is about to abandon
+            snapshot.mark_fetched(where, 20)
+        await copies._scan()
+        assert store.held() == {}                            # not before its ranks agreed on a step
+        for where in dirs.values():
+            os.remove(snapshot.path(20, where))              # agreed_step went back to 0 and removed it
+            snapshot.save(b"s5", 5, where=where)             # this round's workers
+        stepped["now"] = True
+        await copies._scan()
+        assert store.held() == {("b", 0): 5, ("b", 1): 5}, (store.held(), said)
 
 
 async def test_once_its_ranks_step_a_round_pushes_the_step_it_resumed_from(tmp_path) -> None:
