@@ -80,8 +80,9 @@ def worth_awaiting(job: JobRecord, lost: list[NodeRecord], now: float) -> list[s
     node's state may lag the node's own (its note a second behind its snapshots, or pushes slower than them), its
     holder may be lost or replaced in the same event, and the node may hold others' copies that only it serves. A
     review saw each send every rank back a snapshot, or to step 0, where the node's agent, back in seconds, had
-    everything. The spare takes the place when the wait runs out."""
-    return [n.node_id for n in lost if not flapping(job, n.node_id, now)]
+    everything. The spare takes the place when the wait runs out. A drained node is not awaited: its next agent's join
+    is refused (a review: every rank stood idle a window for a node drained, then lost, before its swap)."""
+    return [n.node_id for n in lost if not flapping(job, n.node_id, now) and n.node_id not in job.drained]
 
 
 def copy_behind(node: NodeRecord) -> bool:

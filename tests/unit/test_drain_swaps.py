@@ -223,3 +223,19 @@ def test_a_drained_member_excluded_for_a_failure_before_its_swap_goes() -> None:
     assert "b" not in job.round.members
     rz.tick(T + 4)
     assert "b" not in job.nodes and job.drained == {"b": WHY} and job.swap is None
+
+
+def test_a_drained_member_lost_before_its_swap_is_not_awaited() -> None:
+    """A review: b drained (its swap due at the next snapshot), then its agent killed: the job waited a window
+    (lease and last call) for b's next agent to come back, every rank idle, though that agent's join is refused as
+    drained. A drained node is not awaited: the spare takes its place at once, fetching b's copy from its peer."""
+    rz = running()
+    job = rz.jobs["swap"]
+    first = job.round.round_id
+    rz.drain_node("swap", "b", WHY, T + 2)
+    rz.connection_dropped("swap", "b", T + 3, heard=True)
+    rz.tick(T + 4)                                               # past the connection's grace
+    assert job.awaited == [] and job.round is not None and job.round.round_id == first + 1, job.reason
+    assert job.round.members == ["a", "s", "c"]
+    spare = rz.view("swap", "s", T + 5).assignment
+    assert spare is not None and spare.copies_of == "b"
