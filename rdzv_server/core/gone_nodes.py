@@ -23,8 +23,11 @@ MAX_KEPT_OUT = 1024
 
 
 def note_gone(job: JobRecord, node: NodeRecord, now: float, was_member: bool) -> None:
-    """Keep what `node`'s next agent takes up (called as its record goes)."""
-    if was_member and node.credential_digest:
+    """Keep what `node`'s next agent takes up (called as its record goes). A member of the last round counts while
+    the job waits for nodes too (no round runs then: a review lost a member while the job awaited another's restart,
+    and its next agent, refused as late once the job succeeded without it, would have trained a new run alone)."""
+    ran = was_member or job.round is None and node.node_id in job.places
+    if ran and node.credential_digest:
         job.gone_members.pop(node.node_id, None)         # (kept newest last: the oldest goes first)
         job.gone_members[node.node_id] = node.credential_digest
         for oldest in list(job.gone_members)[:max(0, len(job.gone_members) - MAX_KEPT_OUT)]:

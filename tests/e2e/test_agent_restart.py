@@ -347,3 +347,36 @@ def test_an_agent_restarted_while_the_server_is_out_costs_no_restart_and_no_work
     (tmp_path / "stop").write_text("stop")
     for agent in agents.values():
         assert agent.wait(LIMIT) == 0, agent.output
+
+
+def test_a_member_killed_while_the_job_waits_for_another_ends_as_done_once_the_run_succeeded(cluster, tmp_path):
+    """A review: b of an elastic 1:2 job was SIGKILLed, and a too while the job waited for b's next agent (a rack's
+    power blip); b's next agent came back, the job went on with it alone to its end, and a's next agent was refused
+    as late (job_finished, exit 1): a was no member of a running round as it went (the job was waiting), so its
+    credential was not kept, and a later try past the 10 s trained a new run of the job id alone from step 0."""
+    job = "restart-both-succeeded"
+    cluster.start_server()
+
+    def start_one(node: str, name: str):
+        return cluster.agent("--endpoint", cluster.endpoint(), "--nnodes", "1:2", "--nproc", "1", "--job-id", job,
+                             "--node-id", node, "--failure-domain", f"rack-{node}", *FAST, *WINDOW, SHARDS,
+                             name=name, env={"OUT_DIR": str(tmp_path), "NODE": node, **ENV})
+
+    agents = {n: start_one(n, n) for n in ("a", "b")}
+    wait_until(lambda: len({r for *_, r, _ in steps(tmp_path)}) == 2, LIMIT, "every rank stepping")
+    for n in ("a", "b"):
+        wait_until(lambda n=n: copies_of(cluster, job, n).get("local_step", -1) >= 5, LIMIT, f"{n}'s snapshot")
+    os.kill(agents["b"].pid, signal.SIGKILL)
+    agents["b"].wait(LIMIT)
+    wait_until(lambda: job_view(cluster, job)["state"] == "waiting", LIMIT, "the job waiting for b's next agent")
+    os.kill(agents["a"].pid, signal.SIGKILL)
+    agents["a"].wait(LIMIT)
+    killed_at = time.time()
+    agents["b"] = start_one("b", "b-2")
+    wait_until(lambda: any(t > killed_at and n == "b" for t, _, _, n in steps(tmp_path)), LIMIT, "b stepping again")
+    (tmp_path / "stop").write_text("stop")
+    assert agents["b"].wait(LIMIT) == 0, agents["b"].output
+    assert job_view(cluster, job)["state"] == "succeeded"
+    agents["a"] = start_one("a", "a-2")
+    assert agents["a"].wait(LIMIT) == 0, agents["a"].output
+    assert "nothing is left for it to run" in agents["a"].output, agents["a"].output

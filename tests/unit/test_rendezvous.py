@@ -974,3 +974,40 @@ def test_the_next_agent_of_a_member_lost_before_its_run_succeeded_ends_as_done_f
     assert "c" not in job(rz).gone_members
     assert join_as("b", much_later, "b#3", predecessor="made-up").job_state != JobState.SUCCEEDED   # a new run
     assert kinds(rz)[:2] == ["job_created", "job_reused"]
+
+
+def test_a_member_lost_while_the_job_waits_for_another_is_kept_as_one_that_ran():
+    """A review: a and b of an elastic 1:2 job killed one after the other, a while the job waited for b's next agent
+    (no round ran, so a was no member of one as it went): once the job succeeded on b alone, a's next agent was
+    refused as late (exit 1), and a later try would have trained a new run of the job id alone from step 0."""
+    from protocol.notes import CopiesNote
+    config = cfg(min_nodes=1, max_nodes=2, lease_timeout_s=5.0)
+    rz = Rendezvous()
+
+    def join_as(node: str, now: float, instance: str, predecessor: str = "") -> NodeStatus:
+        req = JoinRequest(v=1, node_id=node, addr=f"addr-{node}", local_world_size=1, master_port=1, config=config,
+                          instance=instance, predecessor=predecessor)
+        return rz.handle(JOB, req, now, Arrival(secret=f"secret-{instance}"))
+
+    join_as("a", 0.0, "a#1"), join_as("b", 0.0, "b#1")
+    rz.tick(rz.next_deadline())
+    for n in ("a", "b"):             # each holds a snapshot of its own: the job waits for its next agent
+        rz.handle(JOB, PollRequest(v=1, node_id=n, credential=f"secret-{n}#1",
+                                   copies=CopiesNote(local_step=10, copying=False)), 9.5)
+    rz.connection_dropped(JOB, "b", 10.0, heard=True)
+    rz.tick(10.0 + DROP_GRACE_S)
+    assert job(rz).round is None and job(rz).awaited == ["b"]
+    rz.connection_dropped(JOB, "a", 11.0, heard=True)
+    rz.tick(11.0 + DROP_GRACE_S)
+    assert "a" not in job(rz).nodes and sorted(job(rz).gone_members) == ["a", "b"]
+    join_as("b", 12.0, "b#2", predecessor="secret-b#1")
+    t = 12.0
+    while job(rz).round is None:
+        rz.handle(JOB, PollRequest(v=1, node_id="b", credential="secret-b#2"), t)
+        rz.tick(t)
+        t += 1.0
+    rz.handle(JOB, SuccessReport(v=1, node_id="b", credential="secret-b#2", round_id=round_id(rz)), t)
+    assert job(rz).state == JobState.SUCCEEDED
+    with pytest.raises(RendezvousError) as err:
+        join_as("a", t + 1.0, "a#2", predecessor="secret-a#1")
+    assert err.value.code == ErrorCode.RUN_SUCCEEDED
