@@ -25,14 +25,15 @@ MAX_KEPT_OUT = 1024
 def note_gone(job: JobRecord, node: NodeRecord, now: float, was_member: bool) -> None:
     """Keep what `node`'s next agent takes up (called as its record goes). A member of the last round counts while
     the job waits for nodes too (no round runs then: a review lost a member while the job awaited another's restart,
-    and its next agent, refused as late once the job succeeded without it, would have trained a new run alone)."""
+    and its next agent, refused as late once the job succeeded without it, would have trained a new run alone; and
+    one stopped as a fixed-size job waited for a lost member: its holders were never told its last note's step)."""
     ran = was_member or job.round is None and node.node_id in job.places
     if ran and node.credential_digest:
         job.gone_members.pop(node.node_id, None)         # (kept newest last: the oldest goes first)
         job.gone_members[node.node_id] = node.credential_digest
         for oldest in list(job.gone_members)[:max(0, len(job.gone_members) - MAX_KEPT_OUT)]:
             del job.gone_members[oldest]
-    if was_member and node.copies is not None and node.copies.local_step >= 0:    # what its last push may be of
+    if ran and node.copies is not None and node.copies.local_step >= 0:    # what its last push may be of
         job.left_steps[node.node_id] = node.copies.local_step
     if was_member and node.fetch_place is not None and awaiting.fetch_unfinished(node):
         job.unfinished_fetches[node.node_id] = UnfinishedFetch(of=node.fetch_of, place=node.fetch_place)

@@ -234,3 +234,24 @@ async def test_a_leaver_sends_the_noted_step_first_for_a_holder_that_is_not_told
         pushing(a, at, dirs, round_id=2)
         await a.close()
     assert store.held() == {("a", 0): 245, ("a", 1): 245}
+
+
+def test_a_member_leaving_while_the_job_waits_for_nodes_has_its_holders_told_its_step() -> None:
+    """A review: a fixed-size job of replicas waited for nodes (c lost), and a, one of the last round's, was stopped
+    meanwhile: no round ran as it went, so its last note's step was not kept and its holder b never told it (its
+    last push past the round's noted step refused, as in the fifth review above)."""
+    config = JobConfig(min_nodes=3, max_nodes=3, max_restarts=3, lease_timeout_s=5.0, last_call_s=3.0)
+    rz = Rendezvous()
+    for n in "abc":
+        copies_join(rz, n, 0.0, config, domain=f"f{n}")
+    rz.tick(3.0)
+    b = copies_poll(rz, "b", 3.0).assignment
+    assert b is not None and [s.node_id for s in b.copy_sources] == ["a"]
+    rz.jobs[JOB].progress.alike_step, rz.jobs[JOB].progress.all_alike = 10, True
+    rz.handle(JOB, PollRequest(v=1, node_id="a", credential="secret-a", copies=CopiesNote(local_step=270)), 4.0)
+    rz.connection_dropped(JOB, "c", 5.0, heard=True)
+    copies_poll(rz, "a", 5.0 + DROP_GRACE_S), copies_poll(rz, "b", 5.0 + DROP_GRACE_S)
+    rz.tick(5.0 + DROP_GRACE_S)
+    assert rz.jobs[JOB].round is None           # below min_nodes: the job waits for nodes
+    rz.handle(JOB, LeaveRequest(v=1, node_id="a", credential="secret-a", stopped=True, stop_timeout_s=3.0), 7.0)
+    assert copies_poll(rz, "b", 7.1).sources_noted == (SourceStep(node_id="a", step=270),)
