@@ -68,7 +68,13 @@ def took_part(job: JobRecord, node_id: str, predecessor: str, instance: str) -> 
     (exit 1) and its service manager's next try, past the refusal's 10 s, trained a new run alone from step 0."""
     node = job.nodes.get(node_id)
     if node is not None:
-        return bool(node.credential_digest) and node.state is NodeState.MEMBER and \
-            credentials.succeeds(node, predecessor, instance)
+        if node.credential_digest and node.state is NodeState.MEMBER and credentials.succeeds(node, predecessor,
+                                                                                               instance):
+            return True
+        if not instance or instance == node.instance:       # the record's own agent: no next one
+            return False
+    # A gone member's secret proves it though another agent's record is there: an agent keeps its secret in the
+    # node's memory only as its workers start, so a next agent that waited past the end (no round, exit 1) left
+    # its predecessor's there (a review: the agent after it was refused as late, and a later one trained a new run)
     kept = job.gone_members.get(node_id, "")
     return bool(kept) and bool(predecessor) and hmac.compare_digest(credentials.digest(predecessor), kept)

@@ -380,3 +380,34 @@ def test_a_member_killed_while_the_job_waits_for_another_ends_as_done_once_the_r
     agents["a"] = start_one("a", "a-2")
     assert agents["a"].wait(LIMIT) == 0, agents["a"].output
     assert "nothing is left for it to run" in agents["a"].output, agents["a"].output
+
+
+def test_the_agent_after_a_next_agent_that_waited_past_the_end_ends_as_done(cluster, tmp_path):
+    """A review: b of an elastic job SIGKILLed, the job went on with a alone, and b's next agent, back before the end,
+    waited for a round the run ended before (exit 1: its workers never ran). The one after it, showing b's secret
+    (an agent keeps its own only as its workers start), was refused as late (job_finished, exit 1): b-2's record
+    was there. A later try would have trained a new run alone from step 0. b-2 is held preparing (its warm
+    interpreter's last import waits on a gate never opened) so it enters no round."""
+    job = "restart-waited-past-the-end"
+    cluster.start_server()
+
+    def start_one(node: str, name: str, gate: Gate | None = None):
+        return cluster.agent("--endpoint", cluster.endpoint(), "--nnodes", "1:2", "--nproc", "1", "--job-id", job,
+                             "--node-id", node, "--failure-domain", f"rack-{node}", *FAST, *WINDOW,
+                             *(gate.flags(SHARDS) if gate else ()), SHARDS, name=name,
+                             env={"OUT_DIR": str(tmp_path), "NODE": node, **ENV, **(gate.env if gate else {})})
+
+    agents = {n: start_one(n, n) for n in ("a", "b")}
+    wait_until(lambda: len({r for *_, r, _ in steps(tmp_path)}) == 2, LIMIT, "every rank stepping")
+    wait_until(lambda: copies_of(cluster, job, "b").get("local_step", -1) >= 5, LIMIT, "b's snapshot")
+    os.kill(agents["b"].pid, signal.SIGKILL)
+    agents["b"].wait(LIMIT)
+    wait_until(lambda: [n["node_id"] for n in job_view(cluster, job)["nodes"]] == ["a"], LIMIT, "a going on alone")
+    agents["b"] = start_one("b", "b-2", Gate(cluster.temp_dir()))
+    agents["b"].wait_for_line("waiting for the next round", LIMIT)
+    (tmp_path / "stop").write_text("stop")
+    assert agents["a"].wait(LIMIT) == 0, agents["a"].output
+    assert agents["b"].wait(LIMIT) == 1 and "its workers never ran" in agents["b"].output, agents["b"].output
+    agents["b"] = start_one("b", "b-3")
+    assert agents["b"].wait(LIMIT) == 0, agents["b"].output
+    assert "nothing is left for it to run" in agents["b"].output, agents["b"].output

@@ -1011,3 +1011,36 @@ def test_a_member_lost_while_the_job_waits_for_another_is_kept_as_one_that_ran()
     with pytest.raises(RendezvousError) as err:
         join_as("a", t + 1.0, "a#2", predecessor="secret-a#1")
     assert err.value.code == ErrorCode.RUN_SUCCEEDED
+
+
+def test_a_gone_members_secret_proves_its_run_though_a_next_agent_that_never_ran_is_recorded():
+    """A review: b of an elastic job SIGKILLed, the job went on with a alone, and b's next agent, back before the end,
+    waited for a round the run ended before (exit 1: its workers never ran). An agent keeps its secret in the node's
+    memory only as its workers start, so the agent after it showed b's; b-2's record being there, it was refused as
+    late (job_finished, exit 1), and a later try would have trained a new run of the job id alone from step 0."""
+    config = cfg(min_nodes=1, max_nodes=3, lease_timeout_s=5.0)   # (3: b's join waits out the last call)
+    rz = Rendezvous()
+
+    def join_as(node: str, now: float, instance: str, predecessor: str = "") -> NodeStatus:
+        req = JoinRequest(v=1, node_id=node, addr=f"addr-{node}", local_world_size=1, master_port=1, config=config,
+                          instance=instance, predecessor=predecessor)
+        return rz.handle(JOB, req, now, Arrival(secret=f"secret-{instance}"))
+
+    join_as("a", 0.0, "a#1"), join_as("b", 0.0, "b#1")
+    rz.tick(rz.next_deadline())
+    t = 1.0
+    while "b" in members(rz) or job(rz).round is None:       # b is silent: lost, gone on without
+        rz.handle(JOB, PollRequest(v=1, node_id="a", credential="secret-a#1"), t)
+        rz.tick(t)
+        t += 1.0
+    join_as("b", t, "b#2", predecessor="secret-b#1")          # back before the end: waits for the next round
+    assert job(rz).nodes["b"].state != NodeState.MEMBER
+    rz.handle(JOB, SuccessReport(v=1, node_id="a", credential="secret-a#1", round_id=round_id(rz)), t)
+    assert job(rz).state == JobState.SUCCEEDED and "b" in job(rz).nodes
+    for instance, predecessor in (("b#2", "secret-b#1"), ("b#4", "made-up"), ("b#5", "secret-b#2")):
+        with pytest.raises(RendezvousError) as err:      # b-2 itself, a made-up secret, b-2's (it never ran): late
+            join_as("b", t + 1.0, instance, predecessor=predecessor)
+        assert err.value.code == ErrorCode.JOB_FINISHED, instance
+    with pytest.raises(RendezvousError) as err:
+        join_as("b", t + 1.0, "b#3", predecessor="secret-b#1")      # b's secret, left in the memory: b ran in it
+    assert err.value.code == ErrorCode.RUN_SUCCEEDED
