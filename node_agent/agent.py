@@ -339,6 +339,7 @@ class Agent:
                                            holding=self.policy.holding)
         self.copies.heard(copies)       # answered: the server knows what it said (a fetched node's copies may go)
         self.copies.told(status.sources_noted)      # at once, not as a fact: a leaver's last push waits on it
+        self.copies.landed = status.moved_landed    # (a moving member's copy held here makes room only then)
         return status
 
     async def _when_ready(self, link: ServerLink) -> None:

@@ -371,6 +371,9 @@ class NodeStatus(msgspec.Struct, kw_only=True, gc=False):
     # newest step its own last note told. A holder takes that node's last push up to it though its own ranks never got
     # there (a newcomer): a lone holder's leave sends what it told (a review: step 0, as the round's note lagged).
     sources_noted: Annotated[tuple[SourceStep, ...], Meta(max_length=MAX_NODES)] = ()
+    # Of the round's copies_moving whose old copy this node holds, those whose own note says their copy landed at a
+    # holder of this round: only theirs make room here for a source's push (before, theirs here is their only one).
+    moved_landed: Annotated[tuple[ShortText, ...], Meta(max_length=MAX_NODES)] = ()
 
 
 def poll_ready(status: NodeStatus, known_round: int, holding: bool = False) -> bool:

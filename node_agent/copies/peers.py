@@ -75,6 +75,7 @@ class PeerCopies:
         self._round_began = 0.0                    # when this round's workers were started (time.time())
         self.sources: dict[str, CopySource] = {}   # nodes whose copies it holds, with their tokens (copy_sources)
         self.moving: tuple[str, ...] = ()          # members whose copies go elsewhere now (copies_moving: room.py)
+        self.landed: tuple[str, ...] = ()          # of them, those whose copy landed there (NodeStatus.moved_landed)
         self.targets: tuple[Witness, ...] = ()     # where this node's copies go now
         self.store: CopyStore | None = None     # the copies this node holds for others
         self.pushed: dict[tuple[str, int, int], int] = {}    # (addr, port, local rank) -> the step it holds
@@ -105,7 +106,7 @@ class PeerCopies:
                                dirs=lambda: left_dirs(root) if self.round < 0 else self._dirs)
             self.store = CopyStore(os.path.join(self.memory.root, COPIES), limit, self.sources, self._say,
                                    round_now=lambda: self.round, reach=self._reach, own=own, noted=self.left_noted,
-                                   moving=lambda: self.moving)
+                                   moving=lambda: [m for m in self.moving if m in self.landed])
         return self.store
 
     def _reach(self) -> int:
@@ -156,7 +157,7 @@ class PeerCopies:
             self._round_began, self._past_start = time.time(), False
         self.key, self.targets, self._dirs, self.round, self.noted = a.copy_token, a.replicas, dirs, a.round_id, \
             a.noted_step
-        self._alike, self.moving = a.ranks_alike and a.resume_at_most < 0, a.copies_moving
+        self._alike, self.moving, self.landed = a.ranks_alike and a.resume_at_most < 0, a.copies_moving, ()
         keep_token(self.memory.root if self.memory.root == self.memory.home else None, self.key)
         self.sources.clear()
         self.sources.update((s.node_id, s) for s in a.copy_sources)

@@ -129,6 +129,12 @@ def master_of(r: RoundRecord) -> str:
     return (r.ranked or r.members)[0]
 
 
+def copy_addr(r: RoundRecord, node: str) -> str:
+    """Where `node`'s agent takes peer copies in round `r`, as a member's note names its holder ("": no member)."""
+    rank = _derived(r).rank.get(node)
+    return f"{r.addrs[rank]}:{r.copy_ports[rank]}" if rank is not None and r.copy_ports else ""
+
+
 def give_master_port(r: RoundRecord, port: int) -> None:
     """Round `r`'s store port, given after it formed (store_port.py); assignments derived before it are dropped."""
     r.master_port = port

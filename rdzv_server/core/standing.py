@@ -7,8 +7,8 @@ from collections.abc import Iterable
 from protocol.messages import FailureReason, JobState, NodeState, NodeStatus, WorkerFailure
 from protocol.notes import SourceStep
 from protocol.quoting import one_line
-from rdzv_server.core.records import JobRecord
-from rdzv_server.core.rounds import PREPARE_LIMIT_S, assignment, master_of
+from rdzv_server.core.records import JobRecord, RoundRecord
+from rdzv_server.core.rounds import PREPARE_LIMIT_S, assignment, copy_addr, master_of, place_of
 
 
 def deadlines(job: JobRecord) -> Iterable[float]:
@@ -51,6 +51,7 @@ def node_status(job: JobRecord, node_id: str, now: float, *, accepted: bool = Tr
         status.assignment = assignment(r, node_id)
         status.copies_floor = job.copies_floor if not finished else -1
         status.held_floor = job.held_floor if not finished else -1
+        status.moved_landed = moved_landed(job, r, node_id) if r.copies_moving and not finished else ()
     elif state == NodeState.SPARE:
         status.spare_position = job.spares.index(node_id)
     elif state == NodeState.EXCLUDED and node is not None:
@@ -60,6 +61,28 @@ def node_status(job: JobRecord, node_id: str, now: float, *, accepted: bool = Tr
     if r is None and job.left_steps and not finished:
         status.sources_noted = sources_noted(job, node_id)
     return status
+
+
+def moved_landed(job: JobRecord, r: RoundRecord, node_id: str) -> tuple[str, ...]:
+    """Of round `r`'s moving members whose old copy `node_id` holds (JobRecord.copies_moving), those whose own note
+    says their copy landed at a holder of `r` (NodeStatus.moved_landed): until then the old copy is their only one
+    off their host, and stays (a review: dropped for a source's push as the round began, the member lost before its
+    new copy landed, and every rank went back to step 0). A fan-out calls it for every member: the holders' index
+    is built once a round (O(moving)), then O(replicas) per member held."""
+    held: dict[str, list[str]] | None = r.__dict__.get("moved_held")
+    if held is None:
+        held = r.__dict__["moved_held"] = {}
+        for m in r.copies_moving:
+            for h in (old.holders if (old := job.copies_moving.get(m)) is not None else ()):
+                held.setdefault(h, []).append(m)
+    return tuple(m for m in held.get(node_id, ()) if _landed(job, r, m))
+
+
+def _landed(job: JobRecord, r: RoundRecord, node_id: str) -> bool:
+    c = job.nodes[node_id].copies if node_id in job.nodes else None
+    place = place_of(r, node_id)
+    return c is not None and c.copied_step >= 0 and bool(c.holder) and place is not None and \
+        c.holder in {copy_addr(r, h) for h in place.holders}
 
 
 def sources_noted(job: JobRecord, node_id: str) -> tuple[SourceStep, ...]:

@@ -380,3 +380,41 @@ def test_a_moving_members_copy_makes_room_for_its_old_holders_own_source_at_a_sm
                lambda: f"node {source}'s copies at {old} past step {first + 10}: {copies(source)}\n"
                        f"{agents[old].output[-3000:]}")
     finish(tmp_path, agents, lost)
+
+
+def test_a_moving_members_only_copy_stays_at_its_old_holder_till_its_new_one_landed(cluster, tmp_path):
+    """A review (of the test above's rule): the old holder dropped a moved member's copy for its source's push as the
+    round began, before the member's first push to its new holder landed; the member was lost then, with its memory,
+    its next agent found no copy at either holder ("no copy held", "wrong key"), and every rank went back to step 0
+    (89 steps trained again). The old copy makes room only once the server heard the new one landed."""
+    cluster.start_server()
+    racks = {"a": "A", "b": "A", "c": "B", "d": "B", "s": "C"}
+
+    def one(node: str):
+        return start(cluster, tmp_path, node, "moving", env={"STATE_MB": "4"},
+                     extra=("--nproc", "1", "--nnodes", "4:4", *SLOW, "--memory-dir-limit", "10M",
+                            "--failure-domain", racks[node]))
+
+    agents = {n: one(n) for n in ("a", "b", "c", "d")}
+    wait_until(lambda: len({r for *_, r, _ in steps(tmp_path)}) == 4, LIMIT, "every rank stepping")
+    agents["s"] = one("s")
+    agents["s"].wait_for_line(r"ready after", LIMIT)
+    wait_until(lambda: min(n.get("copies", {}).get("copied_step", -1) for n in job_view(cluster, "moving")["nodes"])
+               >= 10, LIMIT, "every node's copies of step 10 or later")
+    before = holders(cluster, "moving", racks)
+    lost = next(n["node_id"] for n in job_view(cluster, "moving")["nodes"] if n["group_rank"] == 1)
+    os.kill(agents[lost].pid, signal.SIGKILL)
+    agents[lost].wait(LIMIT)
+    remove_memory("moving", lost)
+    agents["s"].wait_for_line(f"fetched node {lost}'s", LIMIT)
+    after = holders(cluster, "moving", racks)
+    moved, old = next((m, before[m]) for m, h in after.items() for src, at in after.items()
+                      if m != "s" and before.get(m) not in (h, lost, None) and at == before[m])
+    agents[old].wait_for_line(f"removed node {moved}'s copies, of a member whose copies go to another holder now",
+                              LIMIT)
+    os.kill(agents[moved].pid, signal.SIGKILL)      # lost the moment its old copy went: its new one is there
+    agents[moved].wait(LIMIT)
+    remove_memory("moving", moved)
+    agents[moved] = one(moved)
+    agents[moved].wait_for_line(f"fetched node {moved}'s", LIMIT)
+    finish(tmp_path, agents, lost)

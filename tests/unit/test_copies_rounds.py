@@ -613,3 +613,22 @@ def test_with_two_replicas_a_holder_kept_through_the_turn_is_asked_before_a_stal
     assert a is not None and a.copies_of == "d", a
     asked = {w.addr for w in (a.copies_at, a.copies_also) if w is not None}
     assert "10.0.0.6" in asked, a          # f, which held d's copies before and after the turn
+
+
+def test_a_moving_members_old_holder_is_told_it_may_make_room_only_once_the_new_copy_landed():
+    """A review: the old holder b dropped d's copy (moving: copies_moving) for its source's push as the round began,
+    before d's first copy landed at s, and d, lost then with its memory, found no copy anywhere: every rank went back
+    to step 0. b is told d's copy landed (NodeStatus.moved_landed) only once d's own note says it is at s."""
+    fixed = JobConfig(min_nodes=4, max_nodes=4, lease_timeout_s=5.0, last_call_s=0.0)
+    rz = started({"c": "B", "a": "A", "d": "B", "b": "A"}, fixed)
+    for n, holder in (("c", "a"), ("a", "c"), ("d", "b"), ("b", "d")):
+        note(rz, n, 0.5, holder)
+    join(rz, "s", 0.6, fixed, domain="C")
+    outlive(rz, ("c", "d", "b", "s"))        # a lost: s takes its place, d's copies go to s now, not b
+    assert "d" in moving(rz, "b", 6.0)
+    assert rz.view(JOB, "b", 6.0).moved_landed == ()            # d's copy at b is its only one off its host
+    note(rz, "d", 6.1, "b")                                      # still b's (its push to s under way)
+    assert rz.view(JOB, "b", 6.2).moved_landed == ()
+    note(rz, "d", 6.3, "s")                                      # landed at s
+    assert rz.view(JOB, "b", 6.4).moved_landed == ("d",)
+    assert rz.view(JOB, "c", 6.4).moved_landed == ()             # c never held d's
