@@ -67,8 +67,7 @@ class PeerCopies:
         self._listener: Listener | None = None
         self._caps = caps if caps is not None else agent_caps()
         self._connect = tls.connect if tls is not None else None
-        self.key = ""                              # this node's token for its copies (Assignment.copy_token)
-        self.round = -1                            # this node's round (its copies' incarnation)
+        self.key, self.round = "", -1              # its copies' token (Assignment.copy_token), round (incarnation)
         self.noted = -1                            # the step the server says the job reached (Assignment.noted_step)
         self.heard_step = -1                       # the newest snapshot step a note the server answered told
         self.left_noted: dict[str, int] = {}       # a source gone while the job waits -> its step (`told`)
