@@ -10,12 +10,13 @@ The rules:
   objects (an LR scheduler, a grad scaler) and the RNG states. A file that fails its checksum or does not match
   the model's keys and shapes is refused with one line, and every rank goes to the next older one. With none, it
   returns `fallback()` (your own checkpoint's step count) or 0. Nothing is half loaded.
-- Then, every `every` optimizer steps (counted by the optimizer's step hook, so gradient accumulation and
-  skipped AMP steps count as the optimizer does), a snapshot is taken as the next step begins (its training
-  forward, not an evaluation's), so it holds what the loop did after `optimizer.step()` (an LR scheduler's
-  step), with the RNG states (and the `extra` torch.Generators) as that optimizer step left them: a loop draws its
-  next batch before its next forward, and a resumed run draws it again from there (`_Hooks`). The training waits
-  only for the copy of the state into host memory (node_agent/training/capture.py).
+- Then, every `every` optimizer steps (counted by the optimizer's step hook, so gradient accumulation counts as the
+  optimizer does; a step a GradScaler in `extra` skips counts too: the loop made it), a snapshot is taken as the
+  next step begins (its training forward, not an evaluation's), so it holds what the loop did after
+  `optimizer.step()` (an LR scheduler's step), with the RNG states (and the `extra` torch.Generators) as that
+  optimizer step left them: a loop draws its next batch before its next forward, and a resumed run draws it again
+  from there (`_Hooks`). The training waits only for the copy of the state into host memory
+  (node_agent/training/capture.py).
 - Outside node-agent (no memory directory: torchrun, plain python) it takes none, says so once, and returns
   `fallback()` or 0; the script runs unchanged.
 - DDP models are snapshotted as their inner module (a compiled DDP as the compiled wrapper, whose DDP is still
@@ -129,14 +130,32 @@ class _Hooks:
         self.model.register_forward_pre_hook(lambda *_: self._at_forward(), prepend=True)
         self.optimizer.register_step_pre_hook(lambda *_: self._before_step())
         self.optimizer.register_step_post_hook(lambda *_: self._stepped())
+        for obj in self.objects.values():
+            if isinstance(obj, torch.amp.GradScaler):
+                self._count_skips(obj)
 
-    def _stepped(self) -> None:
+    def _count_skips(self, scaler: torch.amp.GradScaler) -> None:
+        """A step the scaler skips (an inf in the gradients: no optimizer.step) is counted as a step all the same: the
+        loop made it and draws the next batch after it, so the count stays the loop's and a resumed loop starts on
+        the batch it was at (a review: an fp16 loop whose scaler skipped its first 2 steps resumed 2 batches early,
+        and trained other weights). A fused optimizer's step runs even then, and is counted once."""
+        step = scaler.step
+
+        def counted(optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+            before = self.steps
+            out = step(optimizer, *args, **kwargs)
+            if self.steps == before and _inner_optimizer(optimizer) is self.optimizer:
+                self._stepped(skipped=True)
+            return out
+        setattr(scaler, "step", counted)  # noqa: B010  (mypy: a method is not assigned to)
+
+    def _stepped(self, skipped: bool = False) -> None:
         self.steps += 1
         if self.steps % self.every == 0:
             self.due = self.steps
             self.drawn = {"rng": rng.capture(), "generators": {
                 name: obj.get_state() for name, obj in self.objects.items() if isinstance(obj, torch.Generator)}}
-        elif not self.prepared:       # the optimizer's state exists now: the first snapshot's buffers, ahead
+        elif not self.prepared and not skipped:   # the optimizer's state exists now: the first snapshot's buffers
             self.prepared = True
             self.capture.prepare(training_state(self.model, self.optimizer, self.objects), [self.optimizer])
 
