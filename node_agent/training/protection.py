@@ -204,7 +204,7 @@ def _fits(saved: Any, model: nn.Module, optimizer: torch.optim.Optimizer,
         return "its state is not a model, an optimizer and extras"
     return (trees.mismatch(saved["model"], model.state_dict(), "model")
                or _optimizer_mismatch(saved["optim"], optimizer, param_shapes)
-               or trees.mismatch(saved["extra"], {k: state_of(v) for k, v in objects.items()}, "extra"))
+               or trees.mismatch(saved["extra"], {k: state_of(v) for k, v in objects.items()}, "extra", 1))
 
 
 def param_shapes(optimizer: torch.optim.Optimizer) -> list[tuple[int, ...]]:

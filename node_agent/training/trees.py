@@ -2,7 +2,8 @@
 values (what `torch.load(weights_only=True)` reads back, so loading a peer's file runs no code). The rules:
 - A tensor is kept as its local part: a DTensor (FSDP2) as its shard, restored into the live layout.
 - A snapshot fits a live state only if the same keys hold tensors of the same local shapes and dtypes; the first
-  difference is named. Nothing is loaded until everything fits: never a partial load."""
+  difference is named (an extra object's plain state may differ: mismatch's `plain_free_at`). Nothing is loaded
+  until everything fits: never a partial load."""
 from __future__ import annotations
 
 from collections import OrderedDict
@@ -64,9 +65,15 @@ def rebuild(tree: Any, leaf: Callable[[Any], Any]) -> Any:
     return leaf(tree)
 
 
-def mismatch(saved: Any, live: Any, where: str = "") -> str | None:
+def mismatch(saved: Any, live: Any, where: str = "", plain_free_at: int | None = None) -> str | None:
     """The first difference between a snapshot's tree and the live one in keys, tensor shapes or dtypes, or None.
-    Plain values may differ (a learning rate, a step count): the snapshot's are loaded."""
+    Plain values may differ (a learning rate, a step count): the snapshot's are loaded. `plain_free_at`: from that
+    depth down (0: the root), a part that holds no tensor in either tree may differ in its keys and lengths too (an
+    object's own plain state, as `protect`'s extras hold: a loss history that grows, a dict per epoch): its object's
+    load takes it. Refused, a fresh object's empty history sent every resume back to step 0 (a review)."""
+    if plain_free_at is not None and plain_free_at <= 0 and not tensors(saved) and not tensors(live):
+        return None
+    deeper = None if plain_free_at is None else plain_free_at - 1
     if isinstance(live, dict):
         if not isinstance(saved, dict):
             return f"{where or '/'} is a {type(saved).__name__} in the snapshot, a dict in the model"
@@ -75,12 +82,12 @@ def mismatch(saved: Any, live: Any, where: str = "") -> str | None:
         if missing or extra:
             return f"{where or '/'}: keys {_few(missing)} missing from the snapshot" if missing \
                 else f"{where or '/'}: keys {_few(extra)} in the snapshot are not in the model"
-        found = (mismatch(saved[key], value, f"{where}/{key}") for key, value in live.items())
+        found = (mismatch(saved[key], value, f"{where}/{key}", deeper) for key, value in live.items())
         return next(filter(None, found), None)
     if isinstance(live, list | tuple):
         if not isinstance(saved, list | tuple) or len(saved) != len(live):
             return f"{where}: {_len(saved)} in the snapshot, {len(live)} entries in the model"
-        found = (mismatch(s, v, f"{where}/{i}") for i, (s, v) in enumerate(zip(saved, live, strict=True)))
+        found = (mismatch(s, v, f"{where}/{i}", deeper) for i, (s, v) in enumerate(zip(saved, live, strict=True)))
         return next(filter(None, found), None)
     if isinstance(live, torch.Tensor):
         mine = local(live)

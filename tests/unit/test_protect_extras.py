@@ -1,0 +1,66 @@
+"""protect's `extra` objects on a resume: an object's plain state (a history that grows, a dict per epoch) is the
+object's to load, whatever its keys and lengths; the extras' names and their tensors must still fit."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from node_agent.training import protect, snapshot
+from tests.unit.test_protect import job, settle, train, wait_for_writes
+
+
+class History:
+    """A loop's own record, as a script keeps it: a list that grows each step and a dict keyed by the epoch."""
+
+    def __init__(self, shape: tuple[int, ...] = (2,)) -> None:
+        self.losses: list[float] = []
+        self.by_epoch: dict[str, float] = {}
+        self.ema = torch.zeros(shape)
+
+    def add(self, step: int) -> None:
+        self.losses.append(step / 10)
+        self.by_epoch[str(step // 2)] = step / 10
+        self.ema += step
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"losses": list(self.losses), "by_epoch": dict(self.by_epoch), "ema": self.ema.clone()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.losses, self.by_epoch, self.ema = list(state["losses"]), dict(state["by_epoch"]), state["ema"].clone()
+
+
+def trained(memory: str, history: History) -> None:
+    """4 steps with a snapshot every 2, the history in `extra`, one entry a step."""
+    model, opt, sched = job()
+    assert protect(model, opt, every=2, extra={"sched": sched, "history": history}) == 0
+    for step in range(4):
+        train(model, opt, sched, step, step + 1)
+        history.add(step)
+    settle(model)
+    wait_for_writes()
+    assert snapshot.steps(memory) == [2, 4]
+
+
+def test_an_extras_plain_state_that_grew_is_resumed_not_refused(memory, capsys) -> None:
+    """A fresh History holds no entries where the snapshot holds 4: refused (a list's length, a dict's keys), every
+    resume went back to step 0."""
+    trained(memory, History())
+    model, opt, sched = job()
+    again = History()
+    assert protect(model, opt, every=2, extra={"sched": sched, "history": again}) == 4
+    assert "refused" not in capsys.readouterr().err
+    assert again.losses == [0.0, 0.1, 0.2, 0.3] and again.by_epoch == {"0": 0.1, "1": 0.3}
+    assert torch.equal(again.ema, torch.full((2,), 6.0))
+
+
+def test_an_extras_tensor_of_another_shape_and_another_extras_name_are_still_refused(memory, capsys) -> None:
+    trained(memory, History())
+    model, opt, sched = job()
+    assert protect(model, opt, every=2, extra={"sched": sched, "history": History((3,))}) == 0
+    assert "extra/history/ema is torch.float32 [2] in the snapshot, torch.float32 [3] in the model" in \
+        capsys.readouterr().err
+    trained(memory, History())
+    model, opt, sched = job()
+    assert protect(model, opt, every=2, extra={"sched": sched, "history": History(), "more": History()}) == 0
+    assert "extra: keys 'more' missing from the snapshot" in capsys.readouterr().err
