@@ -17,6 +17,7 @@ The rules:
   optimizer step left them: a loop draws its next batch before its next forward, and a resumed run draws it again
   from there (`_Hooks`). The training waits only for the copy of the state into host memory
   (node_agent/training/capture.py).
+- A second call (a script's next phase) ends the first's snapshots and resumes from its own only (_LIVE).
 - Outside node-agent (no memory directory: torchrun, plain python) it takes none, says so once, and returns
   `fallback()` or 0; the script runs unchanged.
 - DDP models are snapshotted as their inner module (a compiled DDP as the compiled wrapper, whose DDP is still
@@ -56,28 +57,57 @@ def protect(model: nn.Module, optimizer: torch.optim.Optimizer, every: int = 5, 
     model, optimizer = _inner(model), _inner_optimizer(optimizer)
     objects = dict(extra or {})
     _check(model, optimizer, every, objects, keep)
+    fit = _next_call()       # a script's second protect (a second phase) resumes from its own snapshots only
     where = resume.memory_directory()
     everywhere = resume.everywhere(where)       # every rank takes part in the agreement, one without memory too
     if where is None:
         return fallback() if fallback is not None else 0
-    step = restore(model, optimizer, objects, where, ddp) if everywhere else None
-    start = step if step is not None else (fallback() if fallback is not None else 0)
+    _end_earlier()
+    base = _NUMBERED[0]
+    step = restore(model, optimizer, objects, where, ddp, fit) if everywhere else None
+    start = step - base if step is not None else (fallback() if fallback is not None else 0)
     if step is None:
-        heartbeat.resumed(start)      # from disk or the start: the server counts (and says) the steps redone
-    _Hooks(model, optimizer, objects, every, Capture(where, keep, replicated, group), start, ddp).register()
+        heartbeat.resumed(base + start)      # from disk or the start: the server counts (and says) the steps redone
+    hooks = _Hooks(model, optimizer, objects, every, Capture(where, keep, replicated, group), base + start, ddp, fit)
+    hooks.register()
+    _LIVE.append(hooks)
     return start
 
 
+# The hooks of this process's last protect call. A next call (the script's next phase, a new optimizer) ends them
+# first: their phase is over, its due snapshot is taken then, and written before the call's restore looks (which
+# removes unfinished files); left on, they took it at the next phase's first forward, with that phase's restored
+# weights in it, and two captures wrote the same step files.
+_LIVE: list[_Hooks] = []
+_CALLS = [0]        # protect calls this process made: each resumes from its own snapshots only (resume.other_fit)
+# The steps the ended calls numbered: a next call's snapshots are numbered after them (it returns its own count), so
+# a step's number is never taken twice by one process (the server compares the replicas' digests of each step: a
+# second phase numbered from 0 again was judged diverged from the first's snapshot of that step, a restart counted).
+_NUMBERED = [0]
+
+
+def _end_earlier() -> None:
+    while _LIVE:
+        _LIVE.pop().end()
+
+
+def _next_call() -> int:
+    _CALLS[0] += 1
+    return _CALLS[0] - 1
+
+
 def restore(model: nn.Module, optimizer: torch.optim.Optimizer, objects: Mapping[str, Extra],
-            where: str, ddp: DistributedDataParallel | None = None) -> int | None:
+            where: str, ddp: DistributedDataParallel | None = None, fit: int | None = None) -> int | None:
     """The step restored from the memory directory (all ranks agree on it), or None (nothing was loaded).
+    `fit`: the script's protect call this is (_next_call); only its own snapshots are taken (None: any).
     `ddp`: the model's DDP, so every rank is a replica: a rank without the step is lent a replica's snapshot (it
     loads the model, optimizer and extras, but keeps its own RNG states and generators: the lender's would make
     it draw the lender's batches), and the DDP reduces in the snapshot's bucket layout (ddp_buckets)."""
     ring = upload.Ring(upload.on_gpus(model) >= upload.SMALL)    # allocated while the snapshot is read
     try:
-        found = resume.agree(where, lambda tree: _fits(tree.get("state"), model, optimizer, objects,
-                                                       tree.get("param_shapes")), ddp is not None)
+        found = resume.agree(where, lambda tree: (None if fit is None else resume.other_fit(tree, fit, "protect call"))
+                             or _fits(tree.get("state"), model, optimizer, objects, tree.get("param_shapes")),
+                             ddp is not None)
         if found is None:
             return None
         step, tree, lender = found
@@ -117,19 +147,22 @@ class _Hooks:
     step starts from. The weights and optimizer state are the same as right after the step."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, objects: Mapping[str, Extra],
-                 every: int, capture: Capture, start: int, ddp: DistributedDataParallel | None = None) -> None:
-        self.model, self.optimizer, self.objects, self.ddp = model, optimizer, objects, ddp
+                 every: int, capture: Capture, start: int, ddp: DistributedDataParallel | None = None,
+                 fit: int = 0) -> None:
+        self.model, self.optimizer, self.objects, self.ddp, self.fit = model, optimizer, objects, ddp, fit
         self.every, self.capture, self.steps = every, capture, start
         self.due: int | None = None
         self.prepared = False       # Capture.prepare called
+        self.ended = False          # a later protect call took over (end)
+        self.handles: list[Any] = []
         self.drawn: dict[str, Any] = {}     # what the next step draws from, as the optimizer step left it
 
     def register(self) -> None:
         # First of the forward's hooks: FSDP2's unshards the parameters for the forward, and a state_dict taken
         # after it puts the sharded ones back under the forward's feet.
-        self.model.register_forward_pre_hook(lambda *_: self._at_forward(), prepend=True)
-        self.optimizer.register_step_pre_hook(lambda *_: self._before_step())
-        self.optimizer.register_step_post_hook(lambda *_: self._stepped())
+        self.handles = [self.model.register_forward_pre_hook(lambda *_: self._at_forward(), prepend=True),
+                        self.optimizer.register_step_pre_hook(lambda *_: self._before_step()),
+                        self.optimizer.register_step_post_hook(lambda *_: self._stepped())]
         for obj in self.objects.values():
             if isinstance(obj, torch.amp.GradScaler):
                 self._count_skips(obj)
@@ -149,7 +182,18 @@ class _Hooks:
             return out
         setattr(scaler, "step", counted)  # noqa: B010  (mypy: a method is not assigned to)
 
+    def end(self) -> None:
+        """A later protect call ends these hooks (_LIVE): the due snapshot is taken now and written."""
+        self._take_due()
+        for handle in self.handles:
+            handle.remove()
+        self.ended = True
+        _NUMBERED[0] = max(_NUMBERED[0], self.steps)
+        self.capture.wait()
+
     def _stepped(self, skipped: bool = False) -> None:
+        if self.ended:      # (a GradScaler's wrapper outlives the hooks)
+            return
         self.steps += 1
         if self.steps % self.every == 0:
             self.due = self.steps
@@ -178,7 +222,8 @@ class _Hooks:
             state["extra"].update(self.drawn["generators"])
             buckets = ddp_buckets.recorded(self.ddp) if self.ddp is not None else None
             self.capture.take(step, {"state": state, "rng": self.drawn["rng"], "ddp_buckets": buckets,
-                                     "param_shapes": param_shapes(self.optimizer)}, [self.optimizer])
+                                     "param_shapes": param_shapes(self.optimizer), resume.FIT: self.fit},
+                              [self.optimizer])
 
 
 def training_state(model: nn.Module, optimizer: torch.optim.Optimizer, objects: Mapping[str, Extra]) -> Any:

@@ -197,22 +197,23 @@ def memory_directory() -> str | None:
     return where
 
 
-# A framework snapshot notes which fit of its process took it (Lightning's fit, the Trainer's train(): the script's
-# first, second, ...), and only the same fit resumes from it. Unnoted, a script's second fit (a second phase, a new
-# Trainer) resumed from the first one's snapshots with no crash at all and skipped its own steps, and a restarted
-# worker's first fit resumed from the second's.
+# A snapshot notes which fit of its process took it (Lightning's fit, the Trainer's train(), a `protect` call: the
+# script's first, second, ...), and only the same fit resumes from it. Unnoted, a script's second fit (a second
+# phase, a new Trainer, a second protect for a new optimizer) resumed from the first one's snapshots with no crash at
+# all and skipped its own steps, and a restarted worker's first fit resumed from the second's.
 FIT = "node_agent_fit"
 _fits = [0]
 
 
 def next_fit() -> int:
-    """The number of this process's framework fits begun before this one (0: the script's first)."""
+    """The number of this process's framework fits begun before this one (0: the script's first). `protect` counts
+    its calls itself (protection._next_call)."""
     _fits[0] += 1
     return _fits[0] - 1
 
 
-def other_fit(tree: dict[str, Any], fit: int) -> str | None:
-    """Why a framework snapshot is not this fit's to resume from, or None."""
+def other_fit(tree: dict[str, Any], fit: int, what: str = "fit") -> str | None:
+    """Why a snapshot is not this fit's to resume from, or None (`what` the script does: a fit, a protect call)."""
     saved = tree.get(FIT, 0)
-    return None if saved == fit else (f"taken by the script's fit number {saved + 1}, and this is its fit number "
-                                      f"{fit + 1} (each fit resumes from its own snapshots only)")
+    return None if saved == fit else (f"taken by the script's {what} number {saved + 1}, and this is its {what} "
+                                      f"number {fit + 1} (each resumes from its own snapshots only)")

@@ -64,3 +64,34 @@ def test_an_extras_tensor_of_another_shape_and_another_extras_name_are_still_ref
     model, opt, sched = job()
     assert protect(model, opt, every=2, extra={"sched": sched, "history": History(), "more": History()}) == 0
     assert "extra: keys 'more' missing from the snapshot" in capsys.readouterr().err
+
+
+def test_a_scripts_second_protect_resumes_from_its_own_snapshots_only(script_calls, capsys) -> None:
+    """Two phases in one script, each with its optimizer and protect: the second, with no crash at all, resumed
+    from the first's snapshot (step 15 of 20) and skipped 15 of its steps; restarted, the first resumed from the
+    second's. Now each refuses the other's (said once a step): a crash in the second phase sends both back to their
+    start (the first's snapshots went as the second began), never into the other's steps."""
+    model, opt, sched = job()
+    assert protect(model, opt, every=5) == 0
+    train(model, opt, sched, 0, 20)
+    opt2 = torch.optim.SGD(model.parameters(), lr=0.01)
+    assert protect(model, opt2, every=5) == 0
+    assert "taken by the script's protect call number 1, and this is its protect call number 2" in \
+        capsys.readouterr().err
+    train(model, opt2, sched, 0, 7)
+    settle(model)
+    wait_for_writes()
+    assert snapshot.steps(script_calls) == [25]           # numbered after the first's 20: no number taken twice
+
+    restart()
+    model, opt, sched = job()
+    assert protect(model, opt, every=5) == 0
+    assert "taken by the script's protect call number 2, and this is its protect call number 1" in \
+        capsys.readouterr().err
+
+
+def restart() -> None:
+    """A new process of the script: its protect calls numbered from its first again."""
+    from node_agent.training import protection
+    protection._CALLS[0] = protection._NUMBERED[0] = 0
+    protection._LIVE.clear()
