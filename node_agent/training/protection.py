@@ -154,6 +154,7 @@ class _Hooks:
         self.due: int | None = None
         self.prepared = False       # Capture.prepare called
         self.ended = False          # a later protect call took over (end)
+        self.unplain = False        # said: the state holds an object a snapshot cannot
         self.handles: list[Any] = []
         self.drawn: dict[str, Any] = {}     # what the next step draws from, as the optimizer step left it
 
@@ -220,6 +221,12 @@ class _Hooks:
             step, self.due = self.due, None
             state = training_state(self.model, self.optimizer, self.objects)
             state["extra"].update(self.drawn["generators"])
+            # (a leaf gained since the call, a numpy float in a history: written, then refused as unreadable, unsaid)
+            if (odd := trees.unplain(state, "the state's ")) is not None:
+                if not self.unplain:
+                    say(f"no snapshot of step {step} (nor later, while it holds it): {odd}")
+                self.unplain = True
+                return
             buckets = ddp_buckets.recorded(self.ddp) if self.ddp is not None else None
             self.capture.take(step, {"state": state, "rng": self.drawn["rng"], "ddp_buckets": buckets,
                                      "param_shapes": param_shapes(self.optimizer), resume.FIT: self.fit},

@@ -47,10 +47,18 @@ def storage(t: torch.Tensor) -> int | None:
 
 def refuse_unplain(tree: Any, what: str) -> None:
     """A leaf a snapshot cannot hold safely (an arbitrary object) is an error naming where it is."""
+    problem = unplain(tree, what)
+    if problem is not None:
+        raise TypeError(problem)
+
+
+def unplain(tree: Any, what: str) -> str | None:
+    """The line naming the tree's first leaf a snapshot cannot hold safely (an arbitrary object), or None."""
     for where, leaf in leaves(tree):
         if not isinstance(leaf, (torch.Tensor, *PLAIN)):
-            raise TypeError(f"{what}{where} is a {type(leaf).__module__}.{type(leaf).__qualname__}: a snapshot holds "
-                            f"tensors and plain values (numbers, strings, lists, dicts), not arbitrary objects")
+            return (f"{what}{where} is a {type(leaf).__module__}.{type(leaf).__qualname__}: a snapshot holds "
+                    f"tensors and plain values (numbers, strings, lists, dicts), not arbitrary objects")
+    return None
 
 
 def rebuild(tree: Any, leaf: Callable[[Any], Any]) -> Any:

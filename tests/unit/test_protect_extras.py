@@ -95,3 +95,24 @@ def restart() -> None:
     from node_agent.training import protection
     protection._CALLS[0] = protection._NUMBERED[0] = 0
     protection._LIVE.clear()
+
+
+def test_an_object_an_extra_gains_after_the_call_is_said_once_and_no_snapshot_is_written(memory, capsys) -> None:
+    """A history that takes numpy floats is empty at the call (nothing to refuse there): each snapshot was written,
+    then refused as unreadable on every resume (weights_only), and a crash went back to step 0 with nothing said
+    while it trained."""
+    import numpy as np
+
+    history = History()
+    model, opt, sched = job()
+    protect(model, opt, every=2, extra={"history": history})
+    for step in range(6):
+        train(model, opt, sched, step, step + 1)
+        history.losses.append(np.float32(step))
+    settle(model)
+    wait_for_writes()
+    assert snapshot.steps(memory) == []
+    err = capsys.readouterr().err
+    assert err.count("no snapshot of step 2 (nor later, while it holds it): the state's /extra/history/losses/0 is "
+                     "a numpy.float32: a snapshot holds tensors and plain values") == 1, err
+    assert "step 4" not in err
