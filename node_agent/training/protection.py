@@ -13,7 +13,7 @@ The rules:
 - Then, every `every` optimizer steps (counted by the optimizer's step hook, so gradient accumulation counts as the
   optimizer does; a step a GradScaler in `extra` skips counts too: the loop made it), a snapshot is taken as the
   next step begins (its training forward, not an evaluation's), so it holds what the loop did after
-  `optimizer.step()` (an LR scheduler's step), with the RNG states (and the `extra` torch.Generators) as that
+  `optimizer.step()` (an LR scheduler's step), with the RNG states (and the `extra` generators) as that
   optimizer step left them: a loop draws its next batch before its next forward, and a resumed run draws it again
   from there (`_Hooks`). The training waits only for the copy of the state into host memory
   (node_agent/training/capture.py).
@@ -44,7 +44,7 @@ class Stateful(Protocol):
     def load_state_dict(self, state_dict: Any) -> Any: ...
 
 
-Extra = Stateful | torch.Generator     # what `extra` may hold
+Extra = Stateful | torch.Generator | Any     # what `extra` may hold: a Stateful or a generator (rng.is_generator)
 
 
 def protect(model: nn.Module, optimizer: torch.optim.Optimizer, every: int = 5, *,
@@ -124,7 +124,7 @@ def restore(model: nn.Module, optimizer: torch.optim.Optimizer, objects: Mapping
     mapped = restored.storages(tree)
     restored.settle_optimizers([optimizer], mapped)
     for name, obj in objects.items():
-        if own or not isinstance(obj, torch.Generator):
+        if own or not rng.is_generator(obj):
             load_into(obj, saved["extra"][name])
             if restored.keeps(state_of(obj), mapped):     # its load kept them: again, from copies (most copy)
                 load_into(obj, restored.owned(saved["extra"][name]))
@@ -199,7 +199,7 @@ class _Hooks:
         if self.steps % self.every == 0:
             self.due = self.steps
             self.drawn = {"rng": rng.capture(), "generators": {
-                name: obj.get_state() for name, obj in self.objects.items() if isinstance(obj, torch.Generator)}}
+                name: rng.state_of(obj) for name, obj in self.objects.items() if rng.is_generator(obj)}}
         elif not self.prepared and not skipped:   # the optimizer's state exists now: the first snapshot's buffers
             self.prepared = True
             self.capture.prepare(training_state(self.model, self.optimizer, self.objects), [self.optimizer])
@@ -238,16 +238,7 @@ def training_state(model: nn.Module, optimizer: torch.optim.Optimizer, objects: 
             "extra": {name: state_of(obj) for name, obj in objects.items()}}
 
 
-def state_of(obj: Extra) -> Any:
-    """An extra object's state: its state_dict, or a torch.Generator's state (a tensor)."""
-    return obj.get_state() if isinstance(obj, torch.Generator) else obj.state_dict()
-
-
-def load_into(obj: Extra, saved: Any) -> None:
-    if isinstance(obj, torch.Generator):
-        obj.set_state(saved)
-    else:
-        obj.load_state_dict(saved)
+state_of, load_into = rng.state_of, rng.load_into     # an extra's state: its state_dict, or a generator's
 
 
 def _fits(saved: Any, model: nn.Module, optimizer: torch.optim.Optimizer,
@@ -383,10 +374,10 @@ def _check(model: Any, optimizer: Any, every: Any, objects: dict[str, Any], keep
         raise TypeError(f"protect(optimizer=...): a {_name(optimizer)} is not a torch.optim.Optimizer")
     check_cadence("protect", every, keep)
     for name, obj in objects.items():
-        if not isinstance(obj, torch.Generator) and not (callable(getattr(obj, "state_dict", None))
+        if not rng.is_generator(obj) and not (callable(getattr(obj, "state_dict", None))
                                                          and callable(getattr(obj, "load_state_dict", None))):
             raise TypeError(f"protect(extra={{{name!r}: ...}}): a {_name(obj)} has no state_dict/load_state_dict "
-                            f"(and is no torch.Generator)")
+                            f"(and is no torch.Generator, numpy Generator or random.Random)")
     trees.refuse_unplain(training_state(model, optimizer, objects), "protect: the state's ")
 
 

@@ -38,3 +38,32 @@ def restore(saved: dict[str, Any]) -> None:
     if np is not None and isinstance(state, dict):
         np.random.set_state((state["kind"], state["keys"].numpy(), state["pos"], state["has_gauss"],
                              state["cached"]))
+
+
+def is_generator(obj: Any) -> bool:
+    """A generator a loop draws from, as `protect`'s `extra` may hold it: a torch.Generator, a numpy Generator
+    (`np.random.default_rng`) or a `random.Random`. Its state is taken as the optimizer step left it, as the global
+    ones are: taken at the next forward (as a Stateful is), it was past the batch drawn before it, and a resumed run
+    drew another (a review: a wrapped default_rng in `extra`, other weights)."""
+    np = sys.modules.get("numpy")
+    return isinstance(obj, torch.Generator | random.Random) or (np is not None and isinstance(obj, np.random.Generator))
+
+
+def state_of(obj: Any) -> Any:
+    """A generator's state as a snapshot holds it (a tensor, plain values), else the object's state_dict."""
+    if isinstance(obj, torch.Generator):
+        return obj.get_state()
+    if isinstance(obj, random.Random):
+        return obj.getstate()
+    return obj.bit_generator.state if is_generator(obj) else obj.state_dict()
+
+
+def load_into(obj: Any, saved: Any) -> None:
+    if isinstance(obj, torch.Generator):
+        obj.set_state(saved)
+    elif isinstance(obj, random.Random):
+        obj.setstate((saved[0], tuple(saved[1]), saved[2]))
+    elif is_generator(obj):
+        obj.bit_generator.state = saved
+    else:
+        obj.load_state_dict(saved)

@@ -116,3 +116,38 @@ def test_an_object_an_extra_gains_after_the_call_is_said_once_and_no_snapshot_is
     assert err.count("no snapshot of step 2 (nor later, while it holds it): the state's /extra/history/losses/0 is "
                      "a numpy.float32: a snapshot holds tensors and plain values") == 1, err
     assert "step 4" not in err
+
+
+def drawn(model, opt, sched, rngs, start: int, stop: int) -> None:
+    """Each step's batch drawn before its forward from a numpy Generator and a random.Random of the loop's own."""
+    for _ in range(start, stop):
+        x = torch.tensor(rngs["np"].standard_normal((3, 4)), dtype=torch.float32) * rngs["py"].random()
+        model(x).pow(2).mean().backward()
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+
+
+def test_a_loops_numpy_and_python_generators_in_extra_resume_on_the_same_batches(memory) -> None:
+    """As a torch.Generator in `extra`: their states as the optimizer step left them, not as the next forward found
+    them (past the batch drawn for it). Refused at the call before; wrapped in a Stateful of the script's own, they
+    were taken at the forward and the resumed run drew other batches."""
+    import random
+
+    import numpy as np
+
+    def rngs(seed: int) -> dict:
+        return {"np": np.random.default_rng(seed), "py": random.Random(seed)}
+
+    model, opt, sched = job()
+    mine = rngs(5)
+    assert protect(model, opt, every=3, extra={"sched": sched, **mine}) == 0
+    drawn(model, opt, sched, mine, 0, 8)              # snapshots of 3 and 6, taken at the forwards of 4 and 7
+    wait_for_writes()
+    reference = {k: v.clone() for k, v in model.state_dict().items()}
+
+    model2, opt2, sched2 = job()
+    again = rngs(99)                                  # a fresh process: other states
+    assert protect(model2, opt2, every=3, extra={"sched": sched2, **again}) == 6
+    drawn(model2, opt2, sched2, again, 6, 8)
+    assert all(torch.equal(v, reference[k]) for k, v in model2.state_dict().items()), "another batch was drawn"
