@@ -3,8 +3,9 @@ server hears every node, so only it decides; pure, `now` is an argument.
 
 Reports of one moment only: nothing is assessed before every running member has sent a fresh report, all within
 TOGETHER_S of each other (a node still stepping sends none). Then, while some rank waits on the others:
-- **certain**, decided at once: a rank stopped, or gone (it exited while the others wait); or a **deadlock**: every
-  rank waiting, none computing (in any of its threads), no data moving and no GPU busy. A deadlock's culprit is
+- **certain**, decided at once: a rank stopped, or gone (it exited while the others wait; one that exited 0 only
+  while no other rank works apart, which they may wait on instead); or a **deadlock**: every rank waiting, none
+  computing (in any of its threads), no data moving and no GPU busy. A deadlock's culprit is
   the rank whose call differs from the others' (the fewest ranks making one call), else the lowest rank.
 - **alone**: a rank apart (working, idle or spinning in its own code, or not answering) while the others wait. An
   evaluation, an upload or a polling loop looks exactly like a rank hung there, so it is shown at once and decided
@@ -169,7 +170,12 @@ def assess(board: StallBoard, running: list[str], finished: dict[str, list[int]]
     if finished and max(r.steps for _, r in waiting) < steps:
         return None     # ranks stepped past these waits and finished: the wait was over (a healthy job's end, loaded)
     waits = [r for _, r in waiting]
-    certain = sorted(((CERTAIN_STATES.index(r.state), r.rank, node, r) for node, r in seen if r.state.certain))
+    # A rank that finished (exit 0) while another still works apart and the rest wait is no certain culprit: the
+    # wait may be on the working rank, in a collective of a group the finished ones are not in (a node-local
+    # barrier while local rank 0 writes its node's files at the end). The working rank is shown alone instead.
+    working = any(r.state.apart for _, r in seen)
+    certain = sorted(((CERTAIN_STATES.index(r.state), r.rank, node, r) for node, r in seen if r.state.certain
+                      and not (working and r.state == RankState.EXITED and r.exitcode == 0)))
     if certain:
         _, _, node, culprit = certain[0]
         return Stall(StallKind.CULPRIT, node, culprit, [], waits, seen, "", 0.0, decided=True)

@@ -94,6 +94,18 @@ def test_a_member_whose_workers_all_exited_0_is_the_culprit_when_the_others_wait
     assert stall.message == "rank 2 exited with code 0 while ranks 0-1 waited for it in all_reduce"
 
 
+def test_a_member_that_finished_while_a_rank_still_works_is_no_culprit_of_a_node_local_wait() -> None:
+    """Node b finished (exit 0); on node a, rank 0 writes the node's files while rank 1 waits in a node-local
+    barrier: healthy. Before, it failed at once as "rank 2 exited with code 0 while rank 1 waited for it"."""
+    b = board(a=(seen(0, K, 8.0, "train.py:70 in save", stack=EVAL), seen(1, W, 8.0, call="barrier")))
+    stall = assess(b, ["a"], {"b": [2, 3]}, CFG, (), 101.0)
+    assert stall is not None and not stall.decided
+    assert (stall.kind, stall.culprit.rank) == (StallKind.ALONE, 0)
+    gone = board(a=(seen(0, K, 8.0, stack=EVAL), seen(1, W, 8.0)), b=(seen(2, X), seen(3, W)))
+    stall = assess(gone, ["a", "b"], {}, CFG, (), 101.0)          # exited with no code known: still certain
+    assert stall is not None and stall.decided and stall.culprit.rank == 2
+
+
 @pytest.mark.parametrize("state", [Q, P, K, U])
 def test_a_rank_apart_while_the_others_wait_is_alone_and_decided_only_at_the_alone_limit(state) -> None:
     alone = seen(0, state, 42.0, "metrics.py:12 in ngrams", stack=EVAL)
