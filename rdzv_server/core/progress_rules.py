@@ -21,7 +21,7 @@ from rdzv_server.core.job_rules import JobRules
 from rdzv_server.core.payloads import HangDetected, RankWas, StallSeen
 from rdzv_server.core.records import JobRecord, NodeRecord
 from rdzv_server.core.rounds import assignment
-from rdzv_server.core.slow import DEMAND_GAP, SLOW_GAP, SLOW_NOTES, SLOW_STEPS, NodePace, Paces
+from rdzv_server.core.slow import DEMAND_GAP, SLOW_GAP, SLOW_NOTES, SLOW_SPAN_S, SLOW_STEPS, NodePace, Paces
 
 # Said once when a job that swaps slow nodes runs its collectives on GPUs (a node's note says `on_device`).
 UNSEEN_ON_DEVICE = ("slow nodes are named from how long the workers' host waits in backward and collectives; this "
@@ -96,7 +96,7 @@ def _why_slow(node_id: str, pace: NodePace) -> str:
     how = "on it in backward and collectives" if pace.measured else "by CPU demand"
     return (f"node {node_id} is slow: the other nodes wait {pace.gap:.0%} more of each step than it does, {how} "
             f"(at least {SLOW_GAP if pace.measured else DEMAND_GAP:.0%}, over {SLOW_STEPS}+ steps and "
-            f"{SLOW_NOTES} notes)")
+            f"{SLOW_NOTES} notes in {SLOW_SPAN_S:.0f}+ s)")
 
 
 def stalled(rules: JobRules, live: LiveRound, node: NodeRecord, req: StallReport, now: float) -> str:

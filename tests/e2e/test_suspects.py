@@ -75,11 +75,12 @@ def test_a_slow_node_is_swapped_for_the_spare_at_the_next_snapshot_with_nothing_
 
 
 def test_a_slow_node_that_keeps_pace_again_before_the_snapshot_is_not_swapped(cluster, tmp_path):
-    """Node b is slow from step 105 to 135 only (a neighbour's job on its host, say): named slow after the snapshot
-    of step 100, its swap waits for the one of step 200; b keeps pace again before it, so the swap is called off:
-    no new round, b stays a member (not excluded for a slowness it no longer has), s stays the spare."""
+    """Node b is slow from step 105 to 200 only (a neighbour's job on its host, say; long enough to be named,
+    slow.SLOW_SPAN_S): named slow after the snapshot of step 150, its swap waits for the one of step 300; b keeps
+    pace again before it, so the swap is called off: no new round, b stays a member (not excluded for a slowness it
+    no longer has), s stays the spare."""
     cluster.start_server()
-    env = {"SLOW_AT": "b:105:0.5:sleep:135", "SNAP_EVERY": "100"}
+    env = {"SLOW_AT": "b:105:0.5:sleep:200", "SNAP_EVERY": "150"}
     extra = ("--nnodes", "2", "--replace-slow-nodes")
     agents = {n: start(cluster, tmp_path, n, "calm", extra=extra, env=env) for n in ("a", "b")}
     wait_until(lambda: len({r for *_, r, _ in steps(tmp_path)}) >= 4, LIMIT, "every rank stepping")
@@ -87,7 +88,7 @@ def test_a_slow_node_that_keeps_pace_again_before_the_snapshot_is_not_swapped(cl
     agents["s"].wait_for_line(r"ready after", LIMIT)
     wait_until(lambda: any(e["kind"] == "node_pace_ok" for e in job_events(cluster, "calm")), LIMIT,
                lambda: f"b keeps pace again: {job_events(cluster, 'calm')}")
-    wait_until(lambda: max(s for _, s, _, _ in steps(tmp_path)) >= 210, LIMIT, "past the snapshot of step 200")
+    wait_until(lambda: max(s for _, s, _, _ in steps(tmp_path)) >= 310, LIMIT, "past the snapshot of step 300")
     said = [(e["kind"], e["message"]) for e in job_events(cluster, "calm")
             if e["kind"] in ("node_suspect", "node_pace_ok", "node_excluded")]
     assert [k for k, _ in said] == ["node_suspect", "node_pace_ok"], said

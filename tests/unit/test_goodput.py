@@ -61,13 +61,13 @@ def test_a_node_the_others_wait_on_is_named_slow_after_enough_steps_and_cleared_
     paces = Paces()
     changes = []
     for i in range(8):           # b computes all the time; a waits two thirds of each step
-        paces.note("a", n(1, i, 0, 0, window_steps=5, demand=0.33), float(i))
-        changes.append(paces.note("b", n(1, i, 0, 0, window_steps=5, demand=0.98), float(i)))
+        paces.note("a", n(1, i, 0, 0, window_steps=5, demand=0.33), 5.0 * i)     # a note every 5 s
+        changes.append(paces.note("b", n(1, i, 0, 0, window_steps=5, demand=0.98), 5.0 * i))
     named_at = changes.index(True)
     assert (named_at + 1) * 5 >= SLOW_STEPS and paces.slow() == ["b"] and changes.count(True) == 1
     for i in range(8, 16):
-        paces.note("a", n(1, i, 0, 0, window_steps=5, demand=0.9), float(i))
-        changes.append(paces.note("b", n(1, i, 0, 0, window_steps=5, demand=0.95), float(i)))
+        paces.note("a", n(1, i, 0, 0, window_steps=5, demand=0.9), 5.0 * i)
+        changes.append(paces.note("b", n(1, i, 0, 0, window_steps=5, demand=0.95), 5.0 * i))
     assert changes.count(False) == 1 and paces.slow() == []
 
 
@@ -87,8 +87,8 @@ def test_one_odd_note_names_no_node_and_a_pace_near_the_line_does_not_flap() -> 
     said = []
     for i in range(20):          # named at gap 0.3, then it hovers at 0.15: above the clearing line
         gap = 0.3 if i < 3 else 0.15
-        paces.note("a", n(1, i, 0, 0, window_steps=12, demand=0.5), float(i))
-        said.append(paces.note("b", n(1, i, 0, 0, window_steps=12, demand=0.5 + gap), float(i)))
+        paces.note("a", n(1, i, 0, 0, window_steps=12, demand=0.5), 2.0 + 5.0 * i)
+        said.append(paces.note("b", n(1, i, 0, 0, window_steps=12, demand=0.5 + gap), 2.0 + 5.0 * i))
     assert said.count(True) == 1 and False not in said and paces.slow() == ["b"]
 
 
@@ -97,8 +97,8 @@ def test_in_a_large_job_the_slow_node_is_still_named_against_the_jobs_median() -
     said = []
     for i in range(6):
         for k in range(100):
-            paces.note(f"n{k}", n(1, i, 0, 0, window_steps=12, demand=0.4), float(i))
-        said.append(paces.note("slowest", n(1, i, 0, 0, window_steps=12, demand=0.95), float(i) + 0.5))
+            paces.note(f"n{k}", n(1, i, 0, 0, window_steps=12, demand=0.4), 5.0 * i)
+        said.append(paces.note("slowest", n(1, i, 0, 0, window_steps=12, demand=0.95), 5.0 * i + 0.5))
     assert said.count(True) == 1 and paces.slow() == ["slowest"]
 
 

@@ -4,7 +4,7 @@ compared only with nodes measured alike."""
 from __future__ import annotations
 
 from protocol.notes import ProgressNote
-from rdzv_server.core.slow import SLOW_NOTES, SLOW_STEPS, Paces
+from rdzv_server.core.slow import SLOW_NOTES, SLOW_SPAN_S, SLOW_STEPS, Paces
 
 
 def w(waited: float, *, demand: float = 0.5, steps: int = 5, step_s: float = 0.2) -> ProgressNote:
@@ -12,11 +12,16 @@ def w(waited: float, *, demand: float = 0.5, steps: int = 5, step_s: float = 0.2
                         demand=demand, waited=waited)
 
 
-def feed(paces: Paces, notes: dict[str, ProgressNote], looks: int) -> list[tuple[str, bool]]:
+CLOCKS: dict[int, float] = {}      # each Paces' time, on from one feed to the next
+
+
+def feed(paces: Paces, notes: dict[str, ProgressNote], looks: int, every_s: float = 5.0) -> list[tuple[str, bool]]:
+    """`looks` notes of every node, `every_s` apart (a node's note comes with its polls, every few seconds)."""
     changes = []
-    for i in range(looks):
+    for _ in range(looks):
+        now = CLOCKS[id(paces)] = CLOCKS.get(id(paces), -every_s) + every_s
         for node, note in notes.items():
-            named = paces.note(node, note, float(i))
+            named = paces.note(node, note, now)
             if named is not None:
                 changes.append((node, named))
     return changes
@@ -51,3 +56,16 @@ def test_nodes_measured_differently_are_not_compared() -> None:
     # b measures no wait (its demand says it computed all the time); a and c do: nobody is compared with b
     mixed = {"a": w(0.3, demand=0.2), "b": w(-1.0, demand=1.0), "c": w(0.3, demand=0.2)}
     assert feed(paces, mixed, 20) == []
+
+
+def test_a_few_seconds_of_contention_name_nobody_however_many_steps_and_notes() -> None:
+    """30 ms steps and a snapshot's digest every 10 steps bring a note every 0.3 s: 20 steps and 3 notes pass within
+    a second. Two identical nodes on a busy host took turns being named slow every few seconds this way (and, with
+    --replace-slow-nodes, a healthy one was swapped for the spare). Slowness that lasts SLOW_SPAN_S is named."""
+    paces = Paces()
+    even = {"a": w(0.3, steps=10, step_s=0.03), "b": w(0.3, steps=10, step_s=0.03)}
+    blip = {"a": w(0.4, steps=10, step_s=0.03), "b": w(0.05, steps=10, step_s=0.03)}     # b held a CPU back
+    assert feed(paces, even, 5, every_s=0.3) == []
+    assert feed(paces, blip, int(3 / 0.3), every_s=0.3) == [] and paces.slow() == []    # 3 s: 100 steps, 10 notes
+    assert feed(paces, even, 3, every_s=0.3) == []
+    assert feed(paces, blip, int(SLOW_SPAN_S / 0.3) + 1, every_s=0.3) == [("b", True)]   # it lasts: slow
