@@ -102,7 +102,7 @@ def digest_of(sums: list[int]) -> int:
 
 def skeleton(tree: Any) -> Any:
     """The tree with every tensor replaced by an empty placeholder (what the header holds of it)."""
-    return trees.rebuild(tree, lambda leaf: _PLACEHOLDER if isinstance(leaf, torch.Tensor) else leaf)
+    return trees.rebuild(tree, lambda leaf: _PLACEHOLDER if isinstance(leaf, torch.Tensor) else trees.plain(leaf))
 
 
 def header(step: int, shape: Any, live: list[torch.Tensor], where: Plan, sums: list[int]) -> bytes:

@@ -61,6 +61,19 @@ def unplain(tree: Any, what: str) -> str | None:
     return None
 
 
+def plain(leaf: Any) -> Any:
+    """A number or string of a subclass as its plain type (numpy's float64 is a float, an IntEnum an int): pickled
+    as its class, it made the snapshot unreadable (weights_only), yet passed `unplain` (a review: a loss history of
+    np.mean's float64s, every snapshot refused on the resume, back to step 0)."""
+    if isinstance(leaf, bool) or type(leaf) in PLAIN:
+        return leaf
+    if isinstance(leaf, float):
+        return float(leaf)
+    if isinstance(leaf, int):
+        return int(leaf)
+    return str.__str__(leaf) if isinstance(leaf, str) else bytes(leaf) if isinstance(leaf, bytes) else leaf
+
+
 def rebuild(tree: Any, leaf: Callable[[Any], Any]) -> Any:
     """The same tree with every leaf passed through `leaf` (containers keep their type)."""
     if isinstance(tree, dict):

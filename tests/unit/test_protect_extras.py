@@ -151,3 +151,23 @@ def test_a_loops_numpy_and_python_generators_in_extra_resume_on_the_same_batches
     assert protect(model2, opt2, every=3, extra={"sched": sched2, **again}) == 6
     drawn(model2, opt2, sched2, again, 6, 8)
     assert all(torch.equal(v, reference[k]) for k, v in model2.state_dict().items()), "another batch was drawn"
+
+
+def test_a_numpy_float64_in_an_extras_state_is_kept_as_a_float(memory, capsys) -> None:
+    """numpy's float64 is a float (so the plain check let it pass), but pickled as numpy's scalar: every snapshot
+    of a history of np.mean's values was refused as unreadable on the resume (weights_only), back to step 0."""
+    import numpy as np
+
+    history = History()
+    model, opt, sched = job()
+    protect(model, opt, every=2, extra={"history": history})
+    for step in range(4):
+        train(model, opt, sched, step, step + 1)
+        history.losses.append(np.float64(step) / 4)
+    settle(model)
+    wait_for_writes()
+    model, opt, sched = job()
+    again = History()
+    assert protect(model, opt, every=2, extra={"history": again}) == 4
+    assert "refused" not in capsys.readouterr().err
+    assert again.losses == [0.0, 0.25, 0.5, 0.75] and all(type(v) is float for v in again.losses)
