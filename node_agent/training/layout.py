@@ -22,6 +22,7 @@ from __future__ import annotations
 import io
 import mmap
 import os
+import re
 import struct
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -140,10 +141,18 @@ def read(path: str, step: int) -> dict[str, Any] | str:
             return "its header fails its checksum"
         record = torch.load(io.BytesIO(header), weights_only=True)
     except Exception as exc:  # noqa: BLE001  (any unreadable file is refused the same way)
-        return f"unreadable ({type(exc).__name__}: {str(exc)[:200]})"
+        return f"unreadable ({type(exc).__name__}: {_one_line(str(exc))})"
     if not isinstance(record, dict) or record.get("format") != FORMAT or record.get("step") != step:
         return f"not a snapshot of step {step} in the format {FORMAT}"
     return _assemble(record, mapped, at)
+
+
+def _one_line(message: str) -> str:
+    """An error's message as one line of at most 200 characters: torch's weights_only refusal is a page of advice
+    over lines, with terminal escapes, its reason (the global it refused) last; printed whole, a refusal's line
+    broke in two, escapes and all, cut before the reason (a review)."""
+    reason = message.rpartition("WeightsUnpickler error:")[2]
+    return " ".join(re.sub(r"\x1b\[[0-9;]*[A-Za-z]|[\x00-\x1f\x7f]", " ", reason).split())[:200]
 
 
 def _assemble(record: dict[str, Any], mapped: mmap.mmap, data_end: int) -> dict[str, Any] | str:

@@ -143,6 +143,17 @@ def test_a_file_that_does_not_hold_together_is_refused_with_the_reason(memory, s
     assert isinstance(got, str) and got.startswith(says), got
 
 
+def test_a_header_weights_only_refuses_is_named_in_one_line_by_the_global_refused(memory) -> None:
+    """torch's refusal is a page of advice over lines with terminal escapes, its reason last: the refusal's line
+    broke in two, cut before the reason."""
+    import numpy as np
+
+    take(Capture(memory), 2, {**state(2.0), "loss": np.float32(0.5)})
+    got = layout.read(snapshot.path(2), 2)
+    assert isinstance(got, str) and got.startswith("unreadable (UnpicklingError: Unsupported global: GLOBAL numpy"), got
+    assert "\n" not in got and "\x1b" not in got and len(got) <= 240, got
+
+
 def test_a_table_entry_outside_the_tensors_region_is_named() -> None:
     record = {"format": layout.FORMAT, "step": 1, "tree": {"w": torch.empty(0)}, "sums": [0],
               "table": [(layout.ALIGN, (10**9,), torch.float32)]}
