@@ -90,9 +90,11 @@ def mismatch(saved: Any, live: Any, where: str = "", plain_free_at: int | None =
     """The first difference between a snapshot's tree and the live one in keys, tensor shapes or dtypes, or None.
     Plain values may differ (a learning rate, a step count): the snapshot's are loaded. `plain_free_at`: from that
     depth down (0: the root), a part that holds no tensor in either tree may differ in its keys and lengths too (an
-    object's own plain state, as `protect`'s extras hold: a loss history that grows, a dict per epoch): its object's
-    load takes it. Refused, a fresh object's empty history sent every resume back to step 0 (a review)."""
-    if plain_free_at is not None and plain_free_at <= 0 and not tensors(saved) and not tensors(live):
+    object's own plain state, as `protect`'s extras hold: a loss history that grows, a dict per epoch), and an empty
+    one in the live tree (a fresh object's) may hold anything in the snapshot: its object's load takes it.
+    Refused, a fresh object's empty history sent every resume back to step 0 (a review)."""
+    if plain_free_at is not None and plain_free_at <= 0 and (not tensors(saved) and not tensors(live)
+                                                            or _grown(saved, live)):
         return None
     deeper = None if plain_free_at is None else plain_free_at - 1
     if isinstance(live, dict):
@@ -118,6 +120,14 @@ def mismatch(saved: Any, live: Any, where: str = "", plain_free_at: int | None =
             return (f"{where} is {saved.dtype} {list(saved.shape)} in the snapshot, "
                     f"{mine.dtype} {list(mine.shape)} in the model")
     return None
+
+
+def _grown(saved: Any, live: Any) -> bool:
+    """An empty list or dict of a fresh object (a loss history of tensors, a second optimizer's state before its
+    first step) that the snapshot's holds entries in: its object's own, to load; refused, every resume of a loop
+    keeping `losses.append(loss.detach())` in `extra` went back to step 0 (a review)."""
+    return (isinstance(live, dict) and isinstance(saved, dict) or isinstance(live, list | tuple)
+            and isinstance(saved, list | tuple)) and not live
 
 
 def into_live(saved: Any, live: Any) -> Any:

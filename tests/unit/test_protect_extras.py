@@ -171,3 +171,39 @@ def test_a_numpy_float64_in_an_extras_state_is_kept_as_a_float(memory, capsys) -
     assert protect(model, opt, every=2, extra={"history": again}) == 4
     assert "refused" not in capsys.readouterr().err
     assert again.losses == [0.0, 0.25, 0.5, 0.75] and all(type(v) is float for v in again.losses)
+
+
+def test_a_fresh_objects_empty_list_or_dict_takes_the_snapshots_tensors(memory, capsys) -> None:
+    """A history of loss tensors (`losses.append(loss.detach())`) and a second optimizer (a GAN's) are empty in a
+    fresh object: their tensors had nothing to fit, every snapshot was refused ("extra/history/losses: 4 entries
+    in the snapshot, 0 entries in the model") and every resume went back to step 0."""
+    def setup() -> tuple[Any, ...]:
+        model, opt, sched = job()
+        other = torch.nn.Linear(2, 2)
+        return model, opt, sched, History(), other, torch.optim.Adam(other.parameters())
+
+    model, opt, sched, history, other, opt2 = setup()
+    protect(model, opt, every=2, extra={"history": history, "opt2": opt2})
+    for step in range(4):
+        train(model, opt, sched, step, step + 1)
+        history.losses.append(torch.full((3,), float(step)))   # type: ignore[arg-type]
+        other(torch.ones(1, 2)).sum().backward()
+        opt2.step()
+    settle(model)
+    wait_for_writes()
+    model, opt, sched, again, other, opt2_again = setup()
+    assert protect(model, opt, every=2, extra={"history": again, "opt2": opt2_again}) == 4
+    assert "refused" not in capsys.readouterr().err
+    assert [v.tolist() for v in again.losses] == [[float(s)] * 3 for s in range(4)]   # type: ignore[attr-defined]
+    assert torch.equal(opt2_again.state_dict()["state"][0]["exp_avg"], opt2.state_dict()["state"][0]["exp_avg"])
+
+
+def test_an_objects_list_that_was_not_empty_still_fits_by_its_length(memory, capsys) -> None:
+    history = History()
+    history.losses = [torch.zeros(2)]     # type: ignore[list-item]
+    trained(memory, history)
+    model, opt, sched = job()
+    again = History()
+    again.losses = [torch.zeros(2), torch.zeros(2)]     # type: ignore[list-item]
+    assert protect(model, opt, every=2, extra={"sched": sched, "history": again}) == 0
+    assert "extra/history/losses: 5 entries in the snapshot, 2 entries in the model" in capsys.readouterr().err
