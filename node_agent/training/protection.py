@@ -35,7 +35,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
-from node_agent.training import ddp_buckets, heartbeat, restored, resume, rng, trees, upload
+from node_agent.training import ddp_buckets, heartbeat, restored, resume, rng, snapshot, trees, upload
 from node_agent.training.capture import Capture, check_cadence, say
 
 
@@ -105,13 +105,19 @@ def restore(model: nn.Module, optimizer: torch.optim.Optimizer, objects: Mapping
     it draw the lender's batches), and the DDP reduces in the snapshot's bucket layout (ddp_buckets)."""
     ring = upload.Ring(upload.on_gpus(model) >= upload.SMALL)    # allocated while the snapshot is read
     try:
-        found = resume.agree(where, lambda tree: (None if fit is None else resume.other_fit(tree, fit, "protect call"))
-                             or _fits(tree.get("state"), model, optimizer, objects, tree.get("param_shapes")),
-                             ddp is not None)
-        if found is None:
-            return None
-        step, tree, lender = found
-        saved = tree["state"]
+        while True:     # an extra's load that fails refuses the step on every rank (restored.extras), as a mismatch
+            found = resume.agree(where, lambda tree: (None if fit is None else resume.other_fit(tree, fit, "protect "
+                                 "call")) or _fits(tree.get("state"), model, optimizer, objects,
+                                                   tree.get("param_shapes")), ddp is not None)
+            if found is None:
+                return None
+            step, tree, lender = found
+            saved, own, mapped = tree["state"], lender == resume.rank(), restored.storages(tree)
+            problem = restored.extras(objects, saved["extra"], mapped, own)
+            if resume.reduce_min(0 if problem else 1) == 1:
+                break
+            say(f"step-{step} in {where} refused: {problem or 'an extra on another rank could not load it'}")
+            snapshot.forget_after(step - 1, where)
         live = model.state_dict()
         model.load_state_dict(trees.into_live(upload.weights_onto(restored.weights(saved["model"]), live, ring),
                                               live))
@@ -120,14 +126,7 @@ def restore(model: nn.Module, optimizer: torch.optim.Optimizer, objects: Mapping
                                                        optimizer))
     finally:
         ring.close()
-    own = lender == resume.rank()
-    mapped = restored.storages(tree)
     restored.settle_optimizers([optimizer], mapped)
-    for name, obj in objects.items():
-        if own or not rng.is_generator(obj):
-            load_into(obj, saved["extra"][name])
-            if restored.keeps(state_of(obj), mapped):     # its load kept them: again, from copies (most copy)
-                load_into(obj, restored.owned(saved["extra"][name]))
     if own:
         rng.restore(tree.get("rng", {}))
     else:

@@ -8,14 +8,15 @@ mapping the file: its /dev/shm pages would stay allocated for the worker's life 
 The model's weights are copied into the module's own by its load: they go as they are."""
 from __future__ import annotations
 
+import copy
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
 
-from node_agent.training import trees
+from node_agent.training import rng, trees
 
 
 def storages(tree: Any) -> set[int]:
@@ -75,3 +76,27 @@ def _settled(value: Any, param: Any, mapped: set[int]) -> Any:
         if like.stride() == param.stride():
             return like.copy_(value)
     return value.clone() if trees.storage(value) in mapped else value
+
+
+def extras(objects: Mapping[str, Any], saved: Mapping[str, Any], mapped: set[int], own: bool) -> str | None:
+    """Load protect's extras from a snapshot (a generator's state only where the snapshot is this rank's own), before
+    the model and optimizer: None, or the line naming the extra whose load failed, every extra put back as it was
+    (nothing half loaded). An extra's plain state need not fit the fresh object's, so its load may be the first to
+    meet it (a review: a load that took at most 7 entries raised inside protect on every restart, and the job
+    failed). A module's state is kept as it is (its tensors fit: its load does not fail, and a copy costs memory)."""
+    before = {name: copy.deepcopy(rng.state_of(obj)) for name, obj in objects.items()
+              if not isinstance(obj, torch.nn.Module)}
+    for name, obj in objects.items():
+        if own or not rng.is_generator(obj):
+            try:
+                rng.load_into(obj, saved[name])
+                if keeps(rng.state_of(obj), mapped):     # its load kept them: again, from copies (most copy)
+                    rng.load_into(obj, owned(saved[name]))
+            except Exception as exc:  # noqa: BLE001  (the object's own code: any failure refuses the snapshot)
+                for back, state in before.items():
+                    try:
+                        rng.load_into(objects[back], state)
+                    except Exception:  # noqa: BLE001,S110  (put back as far as it goes; the refusal is said)
+                        pass
+                return f"extra {name!r} could not load it ({type(exc).__name__}: {' '.join(str(exc).split())[:200]})"
+    return None

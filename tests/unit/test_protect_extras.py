@@ -207,3 +207,35 @@ def test_an_objects_list_that_was_not_empty_still_fits_by_its_length(memory, cap
     again.losses = [torch.zeros(2), torch.zeros(2)]     # type: ignore[list-item]
     assert protect(model, opt, every=2, extra={"sched": sched, "history": again}) == 0
     assert "extra/history/losses: 5 entries in the snapshot, 2 entries in the model" in capsys.readouterr().err
+
+
+class Window(History):
+    """A record whose load takes at most `most` losses (a fixed window): the snapshot's grown history reaches it."""
+
+    def __init__(self, most: int) -> None:
+        super().__init__()
+        self.most = most
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if len(state["losses"]) > self.most:
+            raise ValueError(f"a window holds at most {self.most} entries,\nnot {len(state['losses'])}")
+        super().load_state_dict(state)
+
+
+def test_an_extra_whose_load_fails_refuses_the_step_in_one_line_and_nothing_is_half_loaded(memory, capsys) -> None:
+    """Its load raised inside protect, after the model and optimizer were loaded, on every restart: the job failed."""
+    trained(memory, History())
+    model, opt, sched = job()
+    assert protect(model, opt, every=2, extra={"sched": sched, "history": Window(most=2)}) == 2
+    err = capsys.readouterr().err
+    assert "step-4 in " in err and " refused: extra 'history' could not load it (ValueError: a window holds at most " \
+                                   "2 entries, not 4)\n" in err, err
+    assert sched.last_epoch == 2 and snapshot.steps(memory) == [2]
+
+    snapshot.forget_after(-1, memory)
+    trained(memory, History())
+    model, opt, sched = job()
+    fresh = [p.clone() for p in model.parameters()]
+    assert protect(model, opt, every=2, extra={"sched": sched, "history": Window(most=1)}) == 0
+    assert sched.last_epoch == 0 and all(torch.equal(a, b) for a, b in zip(fresh, model.parameters(), strict=True))
+    assert not opt.state and snapshot.steps(memory) == []
