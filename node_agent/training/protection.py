@@ -376,7 +376,7 @@ def _check(model: Any, optimizer: Any, every: Any, objects: dict[str, Any], keep
         if not rng.is_generator(obj) and not (callable(getattr(obj, "state_dict", None))
                                                          and callable(getattr(obj, "load_state_dict", None))):
             raise TypeError(f"protect(extra={{{name!r}: ...}}): a {_name(obj)} has no state_dict/load_state_dict "
-                            f"(and is no torch.Generator, numpy Generator or random.Random)")
+                            f"(and is no torch.Generator, numpy Generator or RandomState, or random.Random)")
     trees.refuse_unplain(training_state(model, optimizer, objects), "protect: the state's ")
 
 

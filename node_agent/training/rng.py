@@ -42,20 +42,29 @@ def restore(saved: dict[str, Any]) -> None:
 
 def is_generator(obj: Any) -> bool:
     """A generator a loop draws from, as `protect`'s `extra` may hold it: a torch.Generator, a numpy Generator
-    (`np.random.default_rng`) or a `random.Random`. Its state is taken as the optimizer step left it, as the global
-    ones are: taken at the next forward (as a Stateful is), it was past the batch drawn before it, and a resumed run
-    drew another (a review: a wrapped default_rng in `extra`, other weights)."""
+    (`np.random.default_rng`, or on any bit generator) or RandomState, or a `random.Random` (not SystemRandom: the
+    OS's, it has no state). Its state is taken as the optimizer step left it, as the global ones are: taken at the
+    next forward (as a Stateful is), it was past the batch drawn before it, and a resumed run drew another (a
+    review: a wrapped default_rng in `extra`, other weights)."""
     np = sys.modules.get("numpy")
-    return isinstance(obj, torch.Generator | random.Random) or (np is not None and isinstance(obj, np.random.Generator))
+    return isinstance(obj, torch.Generator) or isinstance(obj, random.Random) \
+        and not isinstance(obj, random.SystemRandom) \
+        or (np is not None and isinstance(obj, np.random.Generator | np.random.RandomState))
 
 
 def state_of(obj: Any) -> Any:
-    """A generator's state as a snapshot holds it (a tensor, plain values), else the object's state_dict."""
+    """A generator's state as a snapshot holds it (a tensor, plain values), else the object's state_dict. A numpy
+    one's arrays (MT19937's key, Philox's counter, a RandomState's) as tensors: refused as arbitrary objects, only
+    PCG64's state was taken (a review: `Generator(Philox())` in `extra` was a TypeError)."""
     if isinstance(obj, torch.Generator):
         return obj.get_state()
     if isinstance(obj, random.Random):
         return obj.getstate()
-    return obj.bit_generator.state if is_generator(obj) else obj.state_dict()
+    if not is_generator(obj):
+        return obj.state_dict()
+    np = sys.modules["numpy"]
+    state = obj.bit_generator.state if isinstance(obj, np.random.Generator) else obj.get_state(legacy=False)
+    return _arrays(state, lambda a: torch.from_numpy(a.copy()) if isinstance(a, np.ndarray) else a)
 
 
 def load_into(obj: Any, saved: Any) -> None:
@@ -64,6 +73,14 @@ def load_into(obj: Any, saved: Any) -> None:
     elif isinstance(obj, random.Random):
         obj.setstate((saved[0], tuple(saved[1]), saved[2]))
     elif is_generator(obj):
-        obj.bit_generator.state = saved
+        state = _arrays(saved, lambda t: t.numpy().copy() if isinstance(t, torch.Tensor) else t)
+        if isinstance(obj, sys.modules["numpy"].random.Generator):
+            obj.bit_generator.state = state
+        else:
+            obj.set_state(state)
     else:
         obj.load_state_dict(saved)
+
+
+def _arrays(state: Any, leaf: Any) -> Any:
+    return {k: _arrays(v, leaf) for k, v in state.items()} if isinstance(state, dict) else leaf(state)

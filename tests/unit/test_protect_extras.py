@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import torch
 
 from node_agent.training import protect, snapshot
@@ -151,6 +152,42 @@ def test_a_loops_numpy_and_python_generators_in_extra_resume_on_the_same_batches
     assert protect(model2, opt2, every=3, extra={"sched": sched2, **again}) == 6
     drawn(model2, opt2, sched2, again, 6, 8)
     assert all(torch.equal(v, reference[k]) for k, v in model2.state_dict().items()), "another batch was drawn"
+
+
+@pytest.mark.parametrize("kind", ["Philox", "MT19937", "SFC64", "RandomState"])
+def test_a_numpy_generator_on_any_bit_generator_and_a_randomstate_resume_on_the_same_batches(memory, kind) -> None:
+    """Their states hold arrays: refused at the call ("/extra/np/state/counter is a numpy.ndarray"), only
+    default_rng's PCG64 was taken. One generator under two names is taken and loaded as each."""
+    import random
+
+    import numpy as np
+
+    def rngs(seed: int) -> dict:
+        made = np.random.RandomState(seed) if kind == "RandomState" else np.random.Generator(
+            getattr(np.random, kind)(seed))
+        return {"np": made, "same": made, "py": random.Random(seed)}
+
+    model, opt, sched = job()
+    mine = rngs(5)
+    assert protect(model, opt, every=3, extra={"sched": sched, **mine}) == 0
+    drawn(model, opt, sched, mine, 0, 8)
+    wait_for_writes()
+    reference = {k: v.clone() for k, v in model.state_dict().items()}
+
+    model2, opt2, sched2 = job()
+    again = rngs(99)
+    assert protect(model2, opt2, every=3, extra={"sched": sched2, **again}) == 6
+    drawn(model2, opt2, sched2, again, 6, 8)
+    assert all(torch.equal(v, reference[k]) for k, v in model2.state_dict().items()), "another batch was drawn"
+
+
+def test_system_random_in_extra_is_refused_in_one_line_at_the_call(memory) -> None:
+    """It is a random.Random, but the OS's: getstate raised NotImplementedError inside protect."""
+    import random
+
+    model, opt, _ = job()
+    with pytest.raises(TypeError, match="a random.SystemRandom has no state_dict"):
+        protect(model, opt, extra={"r": random.SystemRandom()})
 
 
 def test_a_numpy_float64_in_an_extras_state_is_kept_as_a_float(memory, capsys) -> None:
