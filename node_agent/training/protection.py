@@ -172,15 +172,7 @@ class _Hooks:
         loop made it and draws the next batch after it, so the count stays the loop's and a resumed loop starts on
         the batch it was at (a review: an fp16 loop whose scaler skipped its first 2 steps resumed 2 batches early,
         and trained other weights). A fused optimizer's step runs even then, and is counted once."""
-        step = scaler.step
-
-        def counted(optimizer: Any, *args: Any, **kwargs: Any) -> Any:
-            before = self.steps
-            out = step(optimizer, *args, **kwargs)
-            if self.steps == before and _inner_optimizer(optimizer) is self.optimizer:
-                self._stepped(skipped=True)
-            return out
-        setattr(scaler, "step", counted)  # noqa: B010  (mypy: a method is not assigned to)
+        setattr(scaler, "step", _Counted(self, scaler, scaler.step))  # noqa: B010  (mypy: a method is not assigned to)
 
     def end(self) -> None:
         """A later protect call ends these hooks (_LIVE): the due snapshot is taken now and written."""
@@ -230,6 +222,24 @@ class _Hooks:
             self.capture.take(step, {"state": state, "rng": self.drawn["rng"], "ddp_buckets": buckets,
                                      "param_shapes": param_shapes(self.optimizer), resume.FIT: self.fit},
                               [self.optimizer])
+
+
+class _Counted:
+    """A GradScaler's step that counts one it skips (_count_skips). Pickled or copied, the scaler's own step: a
+    closure failed the pickle ('Can't pickle local object'), and a deepcopy's stepped the original scaler."""
+
+    def __init__(self, hooks: _Hooks, scaler: Any, step: Callable[..., Any]) -> None:
+        self.hooks, self.scaler, self.step = hooks, scaler, step
+
+    def __call__(self, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+        before = self.hooks.steps
+        out = self.step(optimizer, *args, **kwargs)
+        if self.hooks.steps == before and _inner_optimizer(optimizer) is self.hooks.optimizer:
+            self.hooks._stepped(skipped=True)
+        return out
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return getattr, (self.scaler, "step")
 
 
 def training_state(model: nn.Module, optimizer: torch.optim.Optimizer, objects: Mapping[str, Extra]) -> Any:

@@ -54,3 +54,23 @@ def test_a_step_the_scaler_skips_counts_and_the_loop_resumes_on_its_batch(memory
     assert start == 6 and scaler2.get_scale() == scaler.get_scale()
     scaled(model2, opt2, sched2, scaler2, start, 8)
     assert all(torch.equal(v, reference[k]) for k, v in model2.state_dict().items()), "another batch was trained on"
+
+
+@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step()` before `optimizer.step()`")
+def test_a_protected_scaler_pickles_and_copies_as_a_scaler_of_its_own(memory) -> None:
+    """Its counting step was a closure in the scaler's __dict__: torch.save(scaler) failed ("Can't pickle local
+    object"), and a deepcopy's step was the original's (it stepped, and backed off, the original scaler)."""
+    import copy
+    import io
+
+    model, opt, sched, scaler = job(False)
+    protect(model, opt, every=3, extra={"sched": sched, "scaler": scaler})
+    scaled(model, opt, sched, scaler, 0, 2)
+    out = io.BytesIO()
+    torch.save(scaler, out)
+    out.seek(0)
+    loaded = torch.load(out, weights_only=False)
+    assert loaded.get_scale() == scaler.get_scale() == 2.0
+    twin = copy.deepcopy(scaler)
+    scaled(model, opt, sched, twin, 4, 5)         # step 4 overflows: the copy backs off, the original does not
+    assert twin.get_scale() == 1.0 and scaler.get_scale() == 2.0
