@@ -297,6 +297,31 @@ def holders(cluster, job: str, racks: dict[str, str]) -> dict[str, str]:
     return out
 
 
+def _pairing_turned(cluster, tmp_path, job: str, env: dict[str, str], *extra: str):
+    """Racks A A B B and a spare of rack C (a copy goes to the other rack), every node's copies at step 10 or later;
+    then group rank 1 SIGKILLed, its memory removed, and the spare's fetch of it done, so the pairing turned. The
+    agents, how to start one again, the node lost, and each node's holder before and after."""
+    racks = {"a": "A", "b": "A", "c": "B", "d": "B", "s": "C"}
+
+    def one(node: str):
+        return start(cluster, tmp_path, node, job, env=env, extra=("--nproc", "1", "--nnodes", "4:4", *SLOW, *extra,
+                                                                   "--failure-domain", racks[node]))
+
+    agents = {n: one(n) for n in ("a", "b", "c", "d")}
+    wait_until(lambda: len({r for *_, r, _ in steps(tmp_path)}) == 4, LIMIT, "every rank stepping")
+    agents["s"] = one("s")
+    agents["s"].wait_for_line(r"ready after", LIMIT)
+    wait_until(lambda: min(n.get("copies", {}).get("copied_step", -1) for n in job_view(cluster, job)["nodes"])
+               >= 10, LIMIT, "every node's copies of step 10 or later")
+    before = holders(cluster, job, racks)
+    lost = next(n["node_id"] for n in job_view(cluster, job)["nodes"] if n["group_rank"] == 1)
+    os.kill(agents[lost].pid, signal.SIGKILL)
+    agents[lost].wait(LIMIT)
+    remove_memory(job, lost)
+    agents["s"].wait_for_line(f"fetched node {lost}'s", LIMIT)
+    return agents, one, lost, before, holders(cluster, job, racks)
+
+
 def test_a_live_members_copy_stays_at_its_old_holder_till_its_new_holder_has_one(cluster, tmp_path):
     """A review: 4 nodes, racks A A B B (a copy goes to the other rack), and a spare of a third rack C. The spare took
     group rank 1's place and the pairing turned: a member's copies went to the spare from now on, and their old
@@ -304,26 +329,7 @@ def test_a_live_members_copy_stays_at_its_old_holder_till_its_new_holder_has_one
     still on its way (8 MB at 1 MB/s). That member lost then, with its memory, resumed from step 0. Its old holder
     now keeps its copies till the new one has its own, and its loss fetches them from there."""
     cluster.start_server()
-    racks = {"a": "A", "b": "A", "c": "B", "d": "B", "s": "C"}
-    env = {"STATE_MB": "8"}
-
-    def one(node: str):
-        return start(cluster, tmp_path, node, "turn", env=env, extra=("--nproc", "1", "--nnodes", "4:4", *SLOW,
-                                                                      "--failure-domain", racks[node]))
-
-    agents = {n: one(n) for n in ("a", "b", "c", "d")}
-    wait_until(lambda: len({r for *_, r, _ in steps(tmp_path)}) == 4, LIMIT, "every rank stepping")
-    agents["s"] = one("s")
-    agents["s"].wait_for_line(r"ready after", LIMIT)
-    wait_until(lambda: min(n.get("copies", {}).get("copied_step", -1) for n in job_view(cluster, "turn")["nodes"])
-               >= 10, LIMIT, "every node's copies of step 10 or later")
-    before = holders(cluster, "turn", racks)
-    lost = next(n["node_id"] for n in job_view(cluster, "turn")["nodes"] if n["group_rank"] == 1)
-    os.kill(agents[lost].pid, signal.SIGKILL)
-    agents[lost].wait(LIMIT)
-    remove_memory("turn", lost)
-    agents["s"].wait_for_line(f"fetched node {lost}'s", LIMIT)
-    after = holders(cluster, "turn", racks)
+    agents, one, lost, before, after = _pairing_turned(cluster, tmp_path, "turn", {"STATE_MB": "8"})
     # A member whose copies go to another holder now, their old holder alive (the racks make one)
     turned = next(m for m, h in after.items() if m != "s" and before.get(m) not in (h, lost, None))
     killed_at = time.time()
@@ -347,29 +353,12 @@ def test_a_moving_members_copy_makes_room_for_its_old_holders_own_source_at_a_sm
     full") until the moved copy went unrenewed for 10 minutes: the source's copies stayed at their first step there.
     The moved copy now makes room for the source's pushes."""
     cluster.start_server()
-    racks = {"a": "A", "b": "A", "c": "B", "d": "B", "s": "C"}
-
-    def one(node: str):
-        return start(cluster, tmp_path, node, "small", env={"STATE_MB": "4"},
-                     extra=("--nproc", "1", "--nnodes", "4:4", *SLOW, "--memory-dir-limit", "10M",
-                            "--failure-domain", racks[node]))
 
     def copies(node: str) -> dict:
         return next(n.get("copies") or {} for n in job_view(cluster, "small")["nodes"] if n["node_id"] == node)
 
-    agents = {n: one(n) for n in ("a", "b", "c", "d")}
-    wait_until(lambda: len({r for *_, r, _ in steps(tmp_path)}) == 4, LIMIT, "every rank stepping")
-    agents["s"] = one("s")
-    agents["s"].wait_for_line(r"ready after", LIMIT)
-    wait_until(lambda: min(n.get("copies", {}).get("copied_step", -1) for n in job_view(cluster, "small")["nodes"])
-               >= 10, LIMIT, "every node's copies of step 10 or later")
-    before = holders(cluster, "small", racks)
-    lost = next(n["node_id"] for n in job_view(cluster, "small")["nodes"] if n["group_rank"] == 1)
-    os.kill(agents[lost].pid, signal.SIGKILL)
-    agents[lost].wait(LIMIT)
-    remove_memory("small", lost)
-    agents["s"].wait_for_line(f"fetched node {lost}'s", LIMIT)
-    after = holders(cluster, "small", racks)
+    agents, _, lost, before, after = _pairing_turned(cluster, tmp_path, "small", {"STATE_MB": "4"},
+                                                     "--memory-dir-limit", "10M")
     # A member whose copies go to another holder now, their old holder alive, and that holder's source now
     moved, old, source = next((m, before[m], src) for m, h in after.items() for src, at in after.items()
                               if m != "s" and before.get(m) not in (h, lost, None) and at == before[m])
@@ -388,26 +377,8 @@ def test_a_moving_members_only_copy_stays_at_its_old_holder_till_its_new_one_lan
     its next agent found no copy at either holder ("no copy held", "wrong key"), and every rank went back to step 0
     (89 steps trained again). The old copy makes room only once the server heard the new one landed."""
     cluster.start_server()
-    racks = {"a": "A", "b": "A", "c": "B", "d": "B", "s": "C"}
-
-    def one(node: str):
-        return start(cluster, tmp_path, node, "moving", env={"STATE_MB": "4"},
-                     extra=("--nproc", "1", "--nnodes", "4:4", *SLOW, "--memory-dir-limit", "10M",
-                            "--failure-domain", racks[node]))
-
-    agents = {n: one(n) for n in ("a", "b", "c", "d")}
-    wait_until(lambda: len({r for *_, r, _ in steps(tmp_path)}) == 4, LIMIT, "every rank stepping")
-    agents["s"] = one("s")
-    agents["s"].wait_for_line(r"ready after", LIMIT)
-    wait_until(lambda: min(n.get("copies", {}).get("copied_step", -1) for n in job_view(cluster, "moving")["nodes"])
-               >= 10, LIMIT, "every node's copies of step 10 or later")
-    before = holders(cluster, "moving", racks)
-    lost = next(n["node_id"] for n in job_view(cluster, "moving")["nodes"] if n["group_rank"] == 1)
-    os.kill(agents[lost].pid, signal.SIGKILL)
-    agents[lost].wait(LIMIT)
-    remove_memory("moving", lost)
-    agents["s"].wait_for_line(f"fetched node {lost}'s", LIMIT)
-    after = holders(cluster, "moving", racks)
+    agents, one, lost, before, after = _pairing_turned(cluster, tmp_path, "moving", {"STATE_MB": "4"},
+                                                       "--memory-dir-limit", "10M")
     moved, old = next((m, before[m]) for m, h in after.items() for src, at in after.items()
                       if m != "s" and before.get(m) not in (h, lost, None) and at == before[m])
     agents[old].wait_for_line(f"removed node {moved}'s copies, of a member whose copies go to another holder now",

@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import os
 import socket
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import msgspec
 
@@ -22,6 +22,18 @@ KEY = "job-key-for-copies-0123"
 
 
 @contextlib.asynccontextmanager
+async def on_loopback(handle: Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]) \
+        -> AsyncIterator[Witness]:
+    """`handle` behind a port of its own on loopback, as a holder's copy port."""
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    try:
+        yield Witness(addr="127.0.0.1", port=server.sockets[0].getsockname()[1])
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
+@contextlib.asynccontextmanager
 async def serving(store: CopyStore) -> AsyncIterator[Witness]:
     """`store` behind a port of its own on loopback: where its copies are pushed and fetched."""
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -30,12 +42,8 @@ async def serving(store: CopyStore) -> AsyncIterator[Witness]:
             await store.serve(line, reader, writer)
         writer.close()
 
-    server = await asyncio.start_server(handle, "127.0.0.1", 0)
-    try:
-        yield Witness(addr="127.0.0.1", port=server.sockets[0].getsockname()[1])
-    finally:
-        server.close()
-        await server.wait_closed()
+    async with on_loopback(handle) as where:
+        yield where
 
 
 @contextlib.asynccontextmanager

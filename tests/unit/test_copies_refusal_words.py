@@ -12,7 +12,7 @@ from node_agent.copies import wire
 from node_agent.copies.peers import MAX_KINDS
 from node_agent.training import snapshot
 from protocol.messages import Witness
-from tests.unit.test_copies_agent import agent_side, pushing
+from tests.unit.test_copies_agent import agent_side, on_loopback, pushing
 
 
 @contextlib.asynccontextmanager
@@ -27,12 +27,8 @@ async def hostile_holder() -> AsyncIterator[Witness]:
         await writer.drain()
         writer.close()
 
-    server = await asyncio.start_server(handle, "127.0.0.1", 0)
-    try:
-        yield Witness(addr="127.0.0.1", port=server.sockets[0].getsockname()[1])
-    finally:
-        server.close()
-        await server.wait_closed()
+    async with on_loopback(handle) as where:
+        yield where
 
 
 async def test_a_holder_wording_each_refusal_anew_is_said_a_bounded_number_of_times(tmp_path):

@@ -73,9 +73,9 @@ async def test_replicas_leaving_before_they_stepped_send_the_newest_of_an_earlie
         assert store.held() == {("a", 0): 55, ("a", 1): 55}
 
 
-async def test_a_leaver_of_replicas_sends_no_step_past_the_one_the_server_noted(tmp_path) -> None:
-    # a fourth review: a's workers saved step 250 after the server noted 245 as round 2 formed; b, never stepped,
-    # parked 250 as "ahead" past a's flush, and round 3 sent every rank back to step 0
+async def _leaver_of_245_and_250(tmp_path, server_heard: bool) -> dict:
+    """a, alone in round 1, holds 245 and 250 (keep=2) and stops before its round-2 workers stepped; b, never
+    stepped, was told the round noted 245 and nothing else. What b holds of a then."""
     import time
     said: list[str] = []
     b, _ = agent_side(tmp_path, "b", said)
@@ -86,13 +86,21 @@ async def test_a_leaver_of_replicas_sends_no_step_past_the_one_the_server_noted(
     async with serving(store) as at:
         a, dirs = agent_side(tmp_path, "a", said)
         for where in dirs.values():
-            for step in (245, 250):                   # round 1's, alone; keep=2
+            for step in (245, 250):
                 snapshot.save(b"s%d" % step, step, where=where)
                 os.utime(snapshot.path(step, where), (time.time() - 5, time.time() - 5))
         await a.before_spawn(told(assignment(()), ranks_alike=True, noted_step=245), dirs)
+        if server_heard:
+            a.heard(a.note())
         pushing(a, at, dirs, round_id=2)
-        await a.close()                                 # stopped before its round-2 workers stepped
-    assert store.held() == {("a", 0): 245, ("a", 1): 245}
+        await a.close()
+    return store.held()
+
+
+async def test_a_leaver_of_replicas_sends_no_step_past_the_one_the_server_noted(tmp_path) -> None:
+    # a fourth review: a's workers saved step 250 after the server noted 245 as round 2 formed; b, never stepped,
+    # parked 250 as "ahead" past a's flush, and round 3 sent every rank back to step 0
+    assert await _leaver_of_245_and_250(tmp_path, server_heard=False) == {("a", 0): 245, ("a", 1): 245}
 
 
 def test_a_leaver_of_replicas_whose_others_hold_no_snapshot_is_awaited() -> None:
@@ -215,25 +223,9 @@ async def test_a_leaver_whose_newest_is_past_the_noted_step_by_more_than_it_keep
 
 
 async def test_a_leaver_sends_the_noted_step_first_for_a_holder_that_is_not_told(tmp_path) -> None:
-    # an older holder agent (or an older server) tells it nothing: the step the round noted still lands there
-    import time
-    said: list[str] = []
-    b, _ = agent_side(tmp_path, "b", said)
-    await b.before_spawn(told(assignment(()), noted_step=245), {})
-    store = CopyStore(str(tmp_path / "held"), 64 * 2**20, Everyone(lambda: KEY), round_now=lambda: 10**6,
-                      reach=b._reach)
-    store.ahead_wait_s = 0.0
-    async with serving(store) as at:
-        a, dirs = agent_side(tmp_path, "a", said)
-        for where in dirs.values():
-            for step in (245, 250):
-                snapshot.save(b"s%d" % step, step, where=where)
-                os.utime(snapshot.path(step, where), (time.time() - 5, time.time() - 5))
-        await a.before_spawn(told(assignment(()), ranks_alike=True, noted_step=245), dirs)
-        a.heard(a.note())                               # the server heard 250, but b was never told it
-        pushing(a, at, dirs, round_id=2)
-        await a.close()
-    assert store.held() == {("a", 0): 245, ("a", 1): 245}
+    # an older holder agent (or an older server) tells it nothing: the step the round noted still lands there,
+    # though the server heard 250
+    assert await _leaver_of_245_and_250(tmp_path, server_heard=True) == {("a", 0): 245, ("a", 1): 245}
 
 
 def test_a_member_leaving_while_the_job_waits_for_nodes_has_its_holders_told_its_step() -> None:

@@ -65,6 +65,14 @@ def leave(rz: Rendezvous, node: str, now: float) -> NodeStatus:
     return rz.handle(JOB, LeaveRequest(v=1, node_id=node, reason="scaled down"), now)
 
 
+def join_with_secret(rz: Rendezvous, config: JobConfig, node: str, now: float, instance: str,
+                     predecessor: str = "") -> NodeStatus:
+    """A join of agent `instance` given the secret `secret-INSTANCE` (its next agents show it as `predecessor`)."""
+    req = JoinRequest(v=1, node_id=node, addr=f"addr-{node}", local_world_size=1, master_port=1, config=config,
+                      instance=instance, predecessor=predecessor)
+    return rz.handle(JOB, req, now, Arrival(secret=f"secret-{instance}"))
+
+
 def view(rz: Rendezvous, node: str, now: float) -> NodeStatus:
     return rz.view(JOB, node, now)
 
@@ -948,9 +956,7 @@ def test_the_next_agent_of_a_member_lost_before_its_run_succeeded_ends_as_done_f
     rz = Rendezvous()
 
     def join_as(node: str, now: float, instance: str = "", predecessor: str = "") -> NodeStatus:
-        req = JoinRequest(v=1, node_id=node, addr=f"addr-{node}", local_world_size=1, master_port=1, config=config,
-                          instance=instance or f"{node}#1", predecessor=predecessor)
-        return rz.handle(JOB, req, now, Arrival(secret=f"secret-{node}-{instance}"))
+        return join_with_secret(rz, config, node, now, instance or f"{node}#1", predecessor)
 
     join_as("a", 0.0), join_as("b", 0.0)
     rz.tick(rz.next_deadline())
@@ -959,16 +965,16 @@ def test_the_next_agent_of_a_member_lost_before_its_run_succeeded_ends_as_done_f
     t = 1.0
     while "b" in members(rz) or job(rz).round is None:       # b is silent: lost, waited for, gone on without
         for n in ("a", "c"):
-            rz.handle(JOB, PollRequest(v=1, node_id=n, credential=f"secret-{n}-"), t)
+            rz.handle(JOB, PollRequest(v=1, node_id=n, credential=f"secret-{n}#1"), t)
         rz.tick(t)
         t += 1.0
     assert "b" not in job(rz).nodes
     for n in members(rz):
-        rz.handle(JOB, SuccessReport(v=1, node_id=n, credential=f"secret-{n}-", round_id=round_id(rz)), t)
+        rz.handle(JOB, SuccessReport(v=1, node_id=n, credential=f"secret-{n}#1", round_id=round_id(rz)), t)
     assert job(rz).state == JobState.SUCCEEDED
     much_later = t + 100 * REUSE_FINISHED_AFTER_S
     with pytest.raises(RendezvousError) as err:
-        join_as("b", much_later, "b#2", predecessor="secret-b-")
+        join_as("b", much_later, "b#2", predecessor="secret-b#1")
     assert err.value.code == ErrorCode.RUN_SUCCEEDED and "nothing is left for it to run" in err.value.message
     assert job(rz).state == JobState.SUCCEEDED
     assert "c" not in job(rz).gone_members
@@ -985,9 +991,7 @@ def test_a_member_lost_while_the_job_waits_for_another_is_kept_as_one_that_ran()
     rz = Rendezvous()
 
     def join_as(node: str, now: float, instance: str, predecessor: str = "") -> NodeStatus:
-        req = JoinRequest(v=1, node_id=node, addr=f"addr-{node}", local_world_size=1, master_port=1, config=config,
-                          instance=instance, predecessor=predecessor)
-        return rz.handle(JOB, req, now, Arrival(secret=f"secret-{instance}"))
+        return join_with_secret(rz, config, node, now, instance, predecessor)
 
     join_as("a", 0.0, "a#1"), join_as("b", 0.0, "b#1")
     rz.tick(rz.next_deadline())
@@ -1022,9 +1026,7 @@ def test_a_gone_members_secret_proves_its_run_though_a_next_agent_that_never_ran
     rz = Rendezvous()
 
     def join_as(node: str, now: float, instance: str, predecessor: str = "") -> NodeStatus:
-        req = JoinRequest(v=1, node_id=node, addr=f"addr-{node}", local_world_size=1, master_port=1, config=config,
-                          instance=instance, predecessor=predecessor)
-        return rz.handle(JOB, req, now, Arrival(secret=f"secret-{instance}"))
+        return join_with_secret(rz, config, node, now, instance, predecessor)
 
     join_as("a", 0.0, "a#1"), join_as("b", 0.0, "b#1")
     rz.tick(rz.next_deadline())
