@@ -9,6 +9,8 @@ import contextlib
 import fcntl
 import os
 import shutil
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 OWNER = "owner"
@@ -62,7 +64,11 @@ class Ownership:
         self.fd = -1
 
 
-def claim(directory: str) -> Ownership | None:
+SWEEP_WAIT_S = 3.0      # longest a claim waits out another agent's look at a gone owner's directory (owner_gone)
+SWEEP_PAUSE_S = 0.05
+
+
+def claim(directory: str, pause: Callable[[float], None] = time.sleep) -> Ownership | None:
     """Own `directory` (it exists): lock its owner file, made when missing, and write this process into it. None when a
     live agent owns it, or it was removed meanwhile (a sweep of another agent)."""
     path = os.path.join(directory, OWNER)
@@ -71,7 +77,7 @@ def claim(directory: str) -> Ownership | None:
     except FileNotFoundError:
         return None
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        _lock(fd, pause)
         before = _read(fd)
         if before is not None and before[0] != os.getpid() and alive(*before):
             raise BlockingIOError       # an older agent, which holds no lock, but lives
@@ -83,6 +89,23 @@ def claim(directory: str) -> Ownership | None:
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"{os.getpid()} {start_time(os.getpid()) or ''}\n".encode("ascii"), 0)
     return Ownership(directory, fd, before[0] if before is not None and before[0] != os.getpid() else None)
+
+
+def _lock(fd: int, pause: Callable[[float], None]) -> None:
+    """Lock an owner file. Held while it names a gone agent: another agent's sweep (owner_gone) is looking at the
+    directory, for a moment; wait it out, up to SWEEP_WAIT_S (a review: a killed node's next agent, started as
+    another agent swept, took the lock for a live agent's and made a directory of its own: its snapshots lost)."""
+    waited = 0.0
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            named = _read(fd)
+            if named is None or named[0] == os.getpid() or alive(*named) or waited >= SWEEP_WAIT_S:
+                raise
+        pause(SWEEP_PAUSE_S)
+        waited += SWEEP_PAUSE_S
 
 
 def owner_gone(directory: str) -> Ownership | None:

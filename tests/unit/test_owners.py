@@ -47,3 +47,37 @@ def test_the_sweep_removes_killed_agents_directories_only(tmp_path) -> None:
                                             "something-else.1"]
     assert held is not None
     held.release()
+
+
+def test_a_claim_waits_out_another_agents_sweep_of_a_killed_agents_directory(tmp_path) -> None:
+    """A review: a killed node's next agent started while another agent swept (owner_gone held the killed agent's
+    lock for a moment): the claim failed as if a live agent owned it, and the node's snapshots were left behind."""
+    where = tmp_path / "node"
+    where.mkdir()
+    env = dict(os.environ, PYTHONPATH=os.getcwd())
+    assert subprocess.run([sys.executable, "-c", CLAIM_AND_DIE, str(where)], env=env, timeout=60).returncode == 9
+    sweeping = owners.owner_gone(str(where))        # another agent's sweep looks at it
+    assert sweeping is not None
+    pauses: list[float] = []
+
+    def pause(seconds: float) -> None:
+        pauses.append(seconds)
+        sweeping.release()                          # its look ends (kept: written lately)
+
+    mine = owners.claim(str(where), pause=pause)
+    assert mine is not None and mine.previous is not None and mine.previous != os.getpid()
+    assert len(pauses) == 1
+    mine.release()
+
+
+def test_a_claim_waits_for_a_sweep_a_bounded_time_only(tmp_path) -> None:
+    where = tmp_path / "node"
+    where.mkdir()
+    env = dict(os.environ, PYTHONPATH=os.getcwd())
+    subprocess.run([sys.executable, "-c", CLAIM_AND_DIE, str(where)], env=env, timeout=60)
+    stuck = owners.owner_gone(str(where))
+    assert stuck is not None
+    pauses: list[float] = []
+    assert owners.claim(str(where), pause=pauses.append) is None
+    assert 0 < sum(pauses) <= owners.SWEEP_WAIT_S + owners.SWEEP_PAUSE_S
+    stuck.release()
