@@ -20,7 +20,9 @@ An operator's drain of a member (operator_rules.drain) is swapped the same way w
 holds a snapshot the spare can fetch (drainable): its shards would otherwise be fetched from its peer's copy, which
 may lag many steps behind (a review: 33 steps redone at 8 MB/s). The drain is in force at once (it may not rejoin);
 swapped out, the node is held out until the spare's note shows the held step (or SWAP_WAIT_S passed), serving its
-snapshots meanwhile, and only then goes as drained (fetched). Pure.
+snapshots meanwhile, and only then goes as drained (fetched). A spare still preparing (its interpreter importing)
+counts for a drain: the swap waits for it as well, within SWAP_WAIT_S (a review: a drain as the spare prepared
+shrank a job of shards, and it grew again a second later, every rank from step 0). Pure.
 """
 from __future__ import annotations
 
@@ -41,7 +43,7 @@ def drainable(rules: JobRules, node_id: str) -> bool:
     node = job.nodes.get(node_id)
     c = node.copies if node is not None else None
     if c is None or job.swap is not None or job.draining is not None or job.round is None or \
-            node_id not in job.round.members or suspects.ready_spare(rules) is None:
+            node_id not in job.round.members or _drain_spare(rules) is None:
         return False
     return max(c.local_step, c.copied_step) >= 0 and (serves_itself(job, node_id) or c.copying or c.copied_step >= 0)
 
@@ -62,7 +64,7 @@ def ask(rules: JobRules, node_id: str, why: str, now: float, named: bool = False
                          f"was swapped for being slow before: the place itself is slow (a pipeline stage's share "
                          f"of the work?), so it is not swapped again", node_id, job.round.round_id)
         return
-    if (spare := suspects.ready_spare(rules)) is None:
+    if (spare := suspects.ready_spare(rules) or (_drain_spare(rules) if drain else None)) is None:
         return
     held = [c.local_step for m in job.round.members if m in job.nodes and (c := job.nodes[m].copies) is not None]
     # Copies off (no member notes a step): the ranks are asked to hold all the same; a job with no snapshot at all
@@ -77,7 +79,8 @@ def ask(rules: JobRules, node_id: str, why: str, now: float, named: bool = False
     rules.out.deadline(job.swap.until)
     for member in job.round.members:
         rules.node_changed(member)
-    then = f"spare {spare} takes its place at the job's next snapshot (the ranks wait after it)"
+    then = f"spare {spare} takes its place at the job's next snapshot (the ranks wait after it)" + \
+        ("" if job.nodes[spare].ready else f", once it is ready (it prepares; at most {SWAP_WAIT_S:g}s)")
     if drain:
         rules.record(now, EventKind.NODE_DRAINED, f"node {node_id} {why}; {then}, fetching its snapshots from it; "
                      f"then it goes", node_id, job.round.round_id)
@@ -124,6 +127,8 @@ def check(rules: JobRules, now: float) -> None:
             return      # the spare fetches it from the suspect, which has not written its snapshot of it yet
     elif copies is not None and copies.copied_step < swap.held_step:
         return          # its copy of the held step is still on its way to its peer
+    if swap.drain and suspects.ready_spare(rules) is None and _drain_spare(rules) is not None:
+        return          # the spare still prepares: the ranks wait for it (tick: at most SWAP_WAIT_S)
     _swap(rules, swap.node_id, swap.why, f"at the snapshot of step {swap.held_step}", now, swap.drain, swap.held_step)
 
 
@@ -186,6 +191,12 @@ def tick(rules: JobRules, now: float) -> None:
             f"come" if served else f"its copy of step {swap.held_step} did not reach its peer"
         _swap(rules, swap.node_id, swap.why, f"now: {late} within {SWAP_WAIT_S:g}s (the steps since the "
               f"newest snapshot every rank holds are redone)", now, swap.drain, swap.held_step)
+
+
+def _drain_spare(rules: JobRules) -> str | None:
+    """The spare a drain's swap waits for: a ready one, else one still preparing (it joined: it comes soon)."""
+    job = rules.job
+    return suspects.ready_spare(rules) or next((s for s in job.spares if s in job.nodes), None)
 
 
 def _due(rules: JobRules) -> SwapDue | None:
