@@ -212,8 +212,8 @@ class _Hooks:
             step, self.due = self.due, None
             state = training_state(self.model, self.optimizer, self.objects)
             state["extra"].update(self.drawn["generators"])
-            # (a leaf gained since the call, a numpy float in a history: written, then refused as unreadable, unsaid)
-            if (odd := trees.unplain(state, "the state's ")) is not None:
+            # an extra's leaf gained since the call: written, it is refused as unreadable (the model's: at the call)
+            if (odd := trees.unplain(state["extra"], "the state's /extra")) is not None:
                 if not self.unplain:
                     say(f"no snapshot of step {step} (nor later, while it holds it): {odd}")
                 self.unplain = True
