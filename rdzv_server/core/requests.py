@@ -144,7 +144,12 @@ def poll(call: Call, req: PollRequest) -> str:
                 call.rules.wake()                        # the round that waited for it: assignments for all
         if node.checks_due and req.checks_passed:
             suspects.passed(call.rules, node, call.now)
+        was_ready = node.ready
         call.rules.readiness(node, req.ready and not node.checks_due, call.now)
+        if node.ready and not was_ready and req.copies is None:
+            # a drain's swap may wait for this spare (swaps.check), whose poll notes no copies before its first
+            # round: else the ranks held until a member's next poll (a review)
+            swaps.check(call.rules, call.now)
         if req.copies is not None:
             before = node.copies
             if (before is None or before.local_step < 0) != (req.copies.local_step < 0):

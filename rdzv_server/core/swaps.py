@@ -194,9 +194,12 @@ def tick(rules: JobRules, now: float) -> None:
 
 
 def _drain_spare(rules: JobRules) -> str | None:
-    """The spare a drain's swap waits for: a ready one, else one still preparing (it joined: it comes soon)."""
+    """The spare a drain's swap waits for: a ready one, else one still preparing (it joined: it comes soon). Not one
+    whose checks are due (a suspect held out) nor one said to prepare too long: neither comes soon (a review: the
+    ranks held the full SWAP_WAIT_S for a spare whose checks failed)."""
     job = rules.job
-    return suspects.ready_spare(rules) or next((s for s in job.spares if s in job.nodes), None)
+    return suspects.ready_spare(rules) or next((s for s in job.spares if (n := job.nodes.get(s)) is not None
+                                                and not n.checks_due and not n.preparing_said), None)
 
 
 def _due(rules: JobRules) -> SwapDue | None:

@@ -267,3 +267,45 @@ def test_a_drain_as_the_spare_prepares_waits_for_it_rather_than_shrink_the_job()
     poll(rz, "a", T + 7, held=15, copied=15, holding=True)
     assert job.round.round_id == first + 1 and job.round.members == ["a", "s", "c"]   # in b's place, from 15
     assert job.restart_count == 0
+
+
+def preparing_spare() -> Rendezvous:
+    """Members a, b, c running; spare s joined still preparing (its interpreter importing)."""
+    from rdzv_server.core.requests import Arrival
+    rz = Rendezvous()
+    for node in ("a", "b", "c"):
+        join(rz, "swap", node, T, CONFIG, copy_port=7000)
+    rz.handle("swap", JoinRequest(v=1, node_id="s", addr="10.0.0.1", host="host-s", local_world_size=2,
+                                  master_port=29500, config=CONFIG, instance="s#1", copy_port=7000,
+                                  copy_verifiers=True, ready=False), T, Arrival(secret="secret-s"))
+    for node in ("a", "b", "c"):
+        poll(rz, node, T + 1)
+    return rz
+
+
+def test_a_drain_swaps_as_soon_as_the_spare_it_waits_for_says_it_is_ready() -> None:
+    """A review: the spare's poll that said it was ready (no copies noted before its first round) did not swap; the
+    ranks held on until a member's next poll."""
+    from protocol.messages import PollRequest
+    rz = preparing_spare()
+    job = rz.jobs["swap"]
+    first = job.round.round_id
+    rz.drain_node("swap", "b", WHY, T + 2)
+    poll(rz, "a", T + 4, held=15, copied=15, holding=True)
+    poll(rz, "b", T + 5, held=15, copied=15, holding=True)
+    assert job.round.round_id == first and job.round.members == ["a", "b", "c"]      # the ranks wait for the spare
+    rz.handle("swap", PollRequest(v=1, node_id="s", credential="secret-s", wait_s=0.0, ready=True), T + 6)
+    assert job.round.round_id == first + 1 and job.round.members == ["a", "s", "c"]
+
+
+def test_a_drain_holds_no_rank_for_a_spare_whose_checks_are_due() -> None:
+    """A review: a spare held out until its checks pass again (a suspect's quarantine) is not coming soon: the drain
+    held every rank the full SWAP_WAIT_S for it. It goes at once, as with no spare."""
+    from rdzv_server.core import suspects
+    rz = preparing_spare()
+    job = rz.jobs["swap"]
+    spare = job.nodes["s"]
+    spare.checks = "gpu"
+    suspects.quarantine(spare, T + 1)
+    rz.drain_node("swap", "b", WHY, T + 2)
+    assert job.swap is None and "b" not in job.nodes and not hold_asked(rz, "a", T + 3)
