@@ -153,7 +153,7 @@ class _Hooks:
         self.due: int | None = None
         self.prepared = False       # Capture.prepare called
         self.ended = False          # a later protect call took over (end)
-        self.unplain = False        # said: the state holds an object a snapshot cannot
+        self.unplain = self.checked = False     # said: the state holds an object a snapshot cannot; checked whole
         self.handles: list[Any] = []
         self.drawn: dict[str, Any] = {}     # what the next step draws from, as the optimizer step left it
 
@@ -212,12 +212,13 @@ class _Hooks:
             step, self.due = self.due, None
             state = training_state(self.model, self.optimizer, self.objects)
             state["extra"].update(self.drawn["generators"])
-            # an extra's leaf gained since the call: written, it is refused as unreadable (the model's: at the call)
-            if (odd := trees.unplain(state["extra"], "the state's /extra")) is not None:
+            # an object gained since the call: written, it is refused as unreadable (trees.changeable: where)
+            if (odd := trees.unplain(trees.changeable(state, whole=not self.checked), "the state's ")) is not None:
                 if not self.unplain:
                     say(f"no snapshot of step {step} (nor later, while it holds it): {odd}")
                 self.unplain = True
                 return
+            self.checked = True
             buckets = ddp_buckets.recorded(self.ddp) if self.ddp is not None else None
             self.capture.take(step, {"state": state, "rng": self.drawn["rng"], "ddp_buckets": buckets,
                                      "param_shapes": param_shapes(self.optimizer), resume.FIT: self.fit},

@@ -52,6 +52,17 @@ def refuse_unplain(tree: Any, what: str) -> None:
         raise TypeError(problem)
 
 
+def changeable(state: Any, whole: bool) -> Any:
+    """What of a training state (protection.training_state) may gain an object a snapshot cannot hold after the
+    protect call checked it: all of it up to its first snapshot (`whole`: the optimizer's state is made at its first
+    step), then the extras and the optimizer's groups (a loop's numpy learning rate: a review saw it written, and
+    refused on the resume), not the optimizer's thousands of tensors at every snapshot (~1 ms on the held path)."""
+    optim = state["optim"]
+    if whole or not isinstance(optim, dict):
+        return state
+    return {"optim": {"param_groups": optim.get("param_groups")}, "extra": state["extra"]}
+
+
 def unplain(tree: Any, what: str) -> str | None:
     """The line naming the tree's first leaf a snapshot cannot hold safely (an arbitrary object), or None."""
     for where, leaf in leaves(tree):

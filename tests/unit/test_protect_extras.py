@@ -276,3 +276,23 @@ def test_an_extra_whose_load_fails_refuses_the_step_in_one_line_and_nothing_is_h
     assert protect(model, opt, every=2, extra={"sched": sched, "history": Window(most=1)}) == 0
     assert sched.last_epoch == 0 and all(torch.equal(a, b) for a, b in zip(fresh, model.parameters(), strict=True))
     assert not opt.state and snapshot.steps(memory) == []
+
+
+def test_an_object_the_optimizer_gains_after_the_call_is_said_once_and_no_snapshot_is_written(memory, capsys) -> None:
+    """A loop that sets its learning rate from numpy (a float32 cosine of its own) after the call: the optimizer's
+    groups gain an object a snapshot cannot hold. Checking only the extras at each snapshot wrote them, each refused
+    as unreadable on the resume (weights_only): back to step 0 with nothing said while it trained."""
+    import numpy as np
+
+    model, opt, sched = job()
+    protect(model, opt, every=2)
+    for step in range(6):
+        for group in opt.param_groups:
+            group["lr"] = np.float32(0.01) * np.float32(0.9) ** step
+        train(model, opt, sched, step, step + 1)
+    settle(model)
+    wait_for_writes()
+    assert snapshot.steps(memory) == []
+    err = capsys.readouterr().err
+    assert err.count("no snapshot of step 2 (nor later, while it holds it): the state's /optim/param_groups/0/lr "
+                     "is a numpy.float32") == 1, err
