@@ -151,8 +151,7 @@ class _Hooks:
         self.model, self.optimizer, self.objects, self.ddp, self.fit = model, optimizer, objects, ddp, fit
         self.every, self.capture, self.steps = every, capture, start
         self.due: int | None = None
-        self.prepared = False       # Capture.prepare called
-        self.ended = False          # a later protect call took over (end)
+        self.prepared = self.ended = False      # Capture.prepare called; a later protect call took over (end)
         self.unplain = self.checked = False     # said: the state holds an object a snapshot cannot; checked whole
         self.handles: list[Any] = []
         self.drawn: dict[str, Any] = {}     # what the next step draws from, as the optimizer step left it
