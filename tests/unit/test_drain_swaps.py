@@ -241,34 +241,6 @@ def test_a_drained_member_lost_before_its_swap_is_not_awaited() -> None:
     assert spare is not None and spare.copies_of == "b"
 
 
-def test_a_drain_as_the_spare_prepares_waits_for_it_rather_than_shrink_the_job() -> None:
-    """A review (chaos runs): `rdzv-ctl drain` of a member while the spare still prepared (its interpreter importing)
-    re-formed the round without it at once, and a job of shards grew again with the spare a second later, every rank
-    from step 0. The swap now waits for that spare too: at the next snapshot once it is ready."""
-    from protocol.messages import PollRequest
-    from rdzv_server.core.requests import Arrival
-    rz = Rendezvous()
-    for node in ("a", "b", "c"):
-        join(rz, "swap", node, T, CONFIG, copy_port=7000)
-    rz.handle("swap", JoinRequest(v=1, node_id="s", addr="10.0.0.1", host="host-s", local_world_size=2,
-                                  master_port=29500, config=CONFIG, instance="s#1", copy_port=7000,
-                                  copy_verifiers=True, ready=False), T, Arrival(secret="secret-s"))
-    for node in ("a", "b", "c"):
-        poll(rz, node, T + 1)
-    job = rz.jobs["swap"]
-    first = job.round.round_id
-    assert job.spares == ["s"] and not job.nodes["s"].ready
-    rz.drain_node("swap", "b", WHY, T + 2)
-    assert job.round.round_id == first and job.round.members == ["a", "b", "c"] and job.drained == {"b": WHY}
-    poll(rz, "a", T + 4, held=15, copied=15, holding=True)
-    poll(rz, "b", T + 5, held=15, copied=15, holding=True)
-    assert job.round.round_id == first and "b" in job.round.members          # the ranks wait for the spare
-    rz.handle("swap", PollRequest(v=1, node_id="s", credential="secret-s", wait_s=0.0, ready=True), T + 6)
-    poll(rz, "a", T + 7, held=15, copied=15, holding=True)
-    assert job.round.round_id == first + 1 and job.round.members == ["a", "s", "c"]   # in b's place, from 15
-    assert job.restart_count == 0
-
-
 def preparing_spare() -> Rendezvous:
     """Members a, b, c running; spare s joined still preparing (its interpreter importing)."""
     from rdzv_server.core.requests import Arrival
@@ -281,6 +253,26 @@ def preparing_spare() -> Rendezvous:
     for node in ("a", "b", "c"):
         poll(rz, node, T + 1)
     return rz
+
+
+def test_a_drain_as_the_spare_prepares_waits_for_it_rather_than_shrink_the_job() -> None:
+    """A review (chaos runs): `rdzv-ctl drain` of a member while the spare still prepared (its interpreter importing)
+    re-formed the round without it at once, and a job of shards grew again with the spare a second later, every rank
+    from step 0. The swap now waits for that spare too: at the next snapshot once it is ready."""
+    from protocol.messages import PollRequest
+    rz = preparing_spare()
+    job = rz.jobs["swap"]
+    first = job.round.round_id
+    assert job.spares == ["s"] and not job.nodes["s"].ready
+    rz.drain_node("swap", "b", WHY, T + 2)
+    assert job.round.round_id == first and job.round.members == ["a", "b", "c"] and job.drained == {"b": WHY}
+    poll(rz, "a", T + 4, held=15, copied=15, holding=True)
+    poll(rz, "b", T + 5, held=15, copied=15, holding=True)
+    assert job.round.round_id == first and "b" in job.round.members          # the ranks wait for the spare
+    rz.handle("swap", PollRequest(v=1, node_id="s", credential="secret-s", wait_s=0.0, ready=True), T + 6)
+    poll(rz, "a", T + 7, held=15, copied=15, holding=True)
+    assert job.round.round_id == first + 1 and job.round.members == ["a", "s", "c"]   # in b's place, from 15
+    assert job.restart_count == 0
 
 
 def test_a_drain_swaps_as_soon_as_the_spare_it_waits_for_says_it_is_ready() -> None:
