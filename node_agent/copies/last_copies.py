@@ -55,13 +55,15 @@ EARLIER = "a node taking its place resumes from an earlier copy where one landed
 
 
 async def last_copies(flush: Callable[[], Awaitable[None]], due: int, bandwidth: int, say: Callable[[str], None],
-                      limit_s: float) -> None:
-    """`flush` (the pushes under way, then those due) for `due` bytes at `bandwidth` (0: no cap), at most
-    `limit_s`; not begun where it cannot end in time."""
-    if not due or limit_s <= 0:
+                      limit_s: float, left_s: float | None = None) -> None:
+    """`flush` (the pushes under way, then those due) for `due` bytes at `bandwidth` (0: no cap), for what is
+    `left_s` of the stop's `limit_s` (all of it by default); not begun where it cannot end in time. The lines name
+    the stop's whole limit, the figure an operator set, not a remainder a busy host made 0.0999s."""
+    left_s = limit_s if left_s is None else left_s
+    if not due or left_s <= 0:
         return
     mib = due / 2**20
-    if bandwidth and due / bandwidth > limit_s:
+    if bandwidth and due / bandwidth > left_s:
         say(f"peer copies: this node's newest snapshot ({mib:.0f} MiB) is not sent before it exits: at "
             f"--replica-bandwidth {bandwidth / 2**20:.0f} MiB/s it would take {due / bandwidth:.1f}s, more than "
             f"the {limit_s:.3g}s its stop allows; {EARLIER}")
@@ -69,7 +71,7 @@ async def last_copies(flush: Callable[[], Awaitable[None]], due: int, bandwidth:
     say(f"peer copies: sending this node's newest snapshot ({mib:.0f} MiB) to its holders before it exits (at "
         f"most {limit_s:.3g}s)")
     try:
-        await asyncio.wait_for(flush(), limit_s)
+        await asyncio.wait_for(flush(), left_s)
     except (asyncio.TimeoutError, OSError):
         say(f"peer copies: this node's newest snapshot did not reach its holders within {limit_s:.3g}s of its "
             f"stop; {EARLIER}")

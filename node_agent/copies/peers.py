@@ -45,8 +45,7 @@ PUSH_SCAN_S = 0.1       # how often the memory directories are looked at for a n
 FETCH_LIMIT_S = 60.0    # a node taking a place waits this long for its copies, then starts without them
 DROP_LIMIT_S = 1.0      # a leaving node's goodbye to each holder of its copies
 RETRY_S = 1.0           # a peer a push could not reach or that refused is tried again this much later (cheap)
-MAX_KINDS = 16          # kinds of refusal said, once each: a holder words its own (a review: a hostile one's, new each
-                        # time, made each refusal a line, and a kind kept for good); past it, the rest are one kind
+MAX_KINDS = 16          # kinds of refusal said, once each (a hostile holder words each anew); past it, one kind
 
 
 class PeerCopies:
@@ -384,10 +383,11 @@ class PeerCopies:
             if self._alike and not self._past_start:
                 self._past_start = True
                 caps = [step for step in sorted({self.noted, self.heard_step}) if step >= 0] or [None]
-            end = time.monotonic() + (FLUSH_LIMIT_S if flush_s is None else flush_s)
+            limit_s = FLUSH_LIMIT_S if flush_s is None else flush_s
+            end = time.monotonic() + limit_s
             for self._at_most in caps:
                 await last_copies(self._flush, due_bytes(self.targets, self._dirs, self.pushed, self._at_most),
-                                  self.bandwidth, self._say, end - time.monotonic())
+                                  self.bandwidth, self._say, limit_s, end - time.monotonic())
         tasks = [t for t in (self._pusher, *self._to_holder.values()) if t is not None]
         for task in tasks:
             task.cancel()
