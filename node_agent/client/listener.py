@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import socket
 import ssl
+from collections import Counter, OrderedDict
 from collections.abc import Awaitable, Callable
 
 from protocol import keepalive
@@ -24,6 +25,7 @@ HANDSHAKE_S = 4.0       # within the 5 s an operator is promised, with a margin 
 FIRST_LINE_S = 4.0
 FIRST_LINE_LIMIT = 1024   # the reader's buffer until the first line is in: a longer line ends the connection
 HANDSHAKES_SHARE = 4      # TLS handshakes at once: a quarter of the total cap at most (each holds ~1 MiB)
+KNOWN_PEERS = 1024        # sources a handshake was done from, remembered (their handshakes go before strangers')
 CLOSE_S = 2.0             # a served connection's close (a TLS peer's close_notify, a reader taking the last bytes):
                           # then aborted. Counted in the caps until then: a peer that never answers holds no more
 
@@ -99,6 +101,7 @@ class Listener:
         self._accepting: asyncio.Task[None] | None = None
         self._serving: set[asyncio.Task[None]] = set()
         self._handshaking: dict[Accepted, None] = {}     # TLS handshakes under way, the longest first
+        self._peers: OrderedDict[str, None] = OrderedDict()   # sources a handshake was done from, the latest last
 
     async def start(self, addr: str) -> int:
         """Listen on a free port of `addr`; the port, or 0 when that is not possible."""
@@ -124,21 +127,40 @@ class Listener:
                        accepted: Accepted) -> tuple[asyncio.Transport, asyncio.BaseProtocol]:
         """The accepted socket as a stream's transport, over TLS once its handshake is done. A handshake holds ~1 MiB
         of buffers while it lasts (a review's flood of strangers' handshakes took the agent from 49 to 550 MiB), so
-        at most a quarter of the total cap go on at once: past that the one under way longest is ended. A peer's
+        at most a quarter of the total cap go on at once: past that one under way is ended (`_gives_way`). A peer's
         takes milliseconds; a newcomer never waits behind a stranger's (the server's TLS port does alike)."""
         if self.tls is None:
             return await loop.connect_accepted_socket(made, accepted.conn)
         while len(self._handshaking) >= max(2, self.caps.total // HANDSHAKES_SHARE):
-            longest = next(iter(self._handshaking))
+            if (longest := self._gives_way(accepted.source)) is None:
+                raise OSError("a stranger's handshake among peers' only: closed")
             del self._handshaking[longest]
             self.caps.at_work(longest.source, longest)      # out of the waiting ones first: evicted once
             longest.evict()
         self._handshaking[accepted] = None
         try:
-            return await loop.connect_accepted_socket(made, accepted.conn, ssl=self.tls,
-                                                      ssl_handshake_timeout=HANDSHAKE_S)
+            made_ = await loop.connect_accepted_socket(made, accepted.conn, ssl=self.tls,
+                                                       ssl_handshake_timeout=HANDSHAKE_S)
         finally:
             self._handshaking.pop(accepted, None)
+        self._peers[accepted.source] = None     # the copy port requires a certificate the CA signed: a member's
+        self._peers.move_to_end(accepted.source)
+        if len(self._peers) > KNOWN_PEERS:
+            self._peers.popitem(last=False)
+        return made_
+
+    def _gives_way(self, newcomer: str) -> Accepted | None:
+        """The handshake ended for a newcomer's: a stranger's (a source no handshake was ever done from) before a
+        peer's, of the source with the most under way, its longest. A newcomer that is a stranger itself ends no
+        peer's (None: it is closed). A review: ClientHellos then silence, 300 at once from 10 addresses, ended a
+        third of a peer's handshakes as the longest under way (its copy refused, tried again RETRY_S later)."""
+        under_way = list(self._handshaking)
+        pool = [a for a in under_way if a.source not in self._peers]
+        if not pool and newcomer not in self._peers:
+            return None
+        counts = Counter(a.source for a in pool or under_way)
+        most = max(counts.values())
+        return next(a for a in pool or under_way if counts[a.source] == most)
 
     async def _serve(self, accepted: Accepted) -> None:
         """In the clear the first line is read off the socket itself, a piece of at most FIRST_LINE_LIMIT at a time

@@ -418,6 +418,46 @@ async def test_past_a_quarter_of_the_cap_in_tls_handshakes_the_longest_under_way
         await server.close()
 
 
+async def test_past_the_handshake_share_a_strangers_handshake_gives_way_never_a_peers(tmp_path, monkeypatch) -> None:
+    """A review: ClientHellos then silence from strangers (300 at once, from 10 or 150 addresses) ended a third to a
+    half of a peer's handshakes at the copy port as the longest under way: its copy refused, tried again later. A
+    source a handshake was done from is a peer's: a stranger's handshake ends for a newcomer first, and a stranger
+    finding only peers' under way is closed itself."""
+    ca, tls = server_tls(tmp_path)
+    monkeypatch.setattr(listening, "HANDSHAKE_S", 60.0)
+    caps = Caps(total=8, per_source=8)            # 2 handshakes at once
+
+    async def answer(line: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(b"ok " + line)
+        await writer.drain()
+
+    server = Listener(answer, caps, [].append, tls=tls)
+    port = await server.start("127.0.0.1")
+
+    def under_way() -> list[str]:
+        return sorted(a.source for a in server._handshaking)
+
+    try:
+        assert await hello_over_tls(port, ca) == b"ok hello\n"       # 127.0.0.1: a peer's source from now on
+        quiet = [silent(port)]                                        # a peer's handshake, the longest under way
+        await until(lambda: under_way() == ["127.0.0.1"], "the peer's handshake under way")
+        for source in ("127.0.0.2", "127.0.0.3"):
+            quiet.append(silent(port, source))
+            await until(lambda s=source: s in under_way(), f"{source}'s handshake under way")
+        assert await closed_within(quiet[1], WAIT)                    # the stranger's gave way, not the peer's
+        assert under_way() == ["127.0.0.1", "127.0.0.3"]
+        quiet.append(silent(port))
+        assert await closed_within(quiet[2], WAIT)
+        await until(lambda: under_way() == ["127.0.0.1", "127.0.0.1"], "the peer's two handshakes alone")
+        quiet.append(silent(port, "127.0.0.4"))
+        assert await closed_within(quiet[-1], WAIT)                   # among peers' only: the stranger is closed
+        assert under_way() == ["127.0.0.1", "127.0.0.1"]
+        for s in quiet:
+            s.close()
+    finally:
+        await server.close()
+
+
 async def test_a_handshake_the_caps_closed_is_not_given_back_again_by_the_handshake_share(tmp_path,
                                                                                          monkeypatch) -> None:
     """At the total cap the accept loop closes the stranger waiting longest, mid-handshake; a newcomer's handshake,
