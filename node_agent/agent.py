@@ -237,7 +237,8 @@ class Agent:
 
     async def _spawn(self, assignment: Assignment) -> None:
         # (its previous agent may still stop its workers: the same --stop-timeout, and a margin)
-        await succession.predecessor_gone(self.workers.memory, self.settings.workers.stop_timeout + 5.0)
+        await succession.predecessor_gone(self.workers.memory, self.settings.workers.stop_timeout + 5.0,
+                                          self.transport.credential)
         succession.settle(self.workers.memory)
         dirs = self.workers.memory.dirs_for(assignment.local_world_size, assignment.rank_offset,
                                             assignment.run, assignment.ranks_alike)

@@ -22,6 +22,7 @@ from node_agent.workers.memory import MemoryDirs
 from protocol.bounds import MAX_CREDENTIAL
 
 SECRET = "credential"    # in the node's directory: its agent's secret from the server, for its next agent to show
+WAITING = "credential-waiting"   # and a next agent's, with its pid, while it waits for its predecessor to end
 
 
 def predecessor(job_id: str, nproc: int, base: str | None = None) -> tuple[str, int] | None:
@@ -59,6 +60,8 @@ def keep_credential(dirs: MemoryDirs, secret: str) -> None:
     """Keep the agent's secret from the server in the node's directory, once open (not where it cannot be written)."""
     if not secret or dirs.root is None or dirs.root != dirs.home:
         return
+    with contextlib.suppress(OSError):
+        os.unlink(os.path.join(dirs.root, WAITING))      # this agent's, or older: SECRET is the newest now
     path = os.path.join(dirs.root, SECRET)
     if memory.read_text(path) == secret:
         return
@@ -70,8 +73,15 @@ def keep_credential(dirs: MemoryDirs, secret: str) -> None:
 
 
 def left_credential(dirs: MemoryDirs) -> str:
-    """The secret the node's previous agent kept in its directory, where that agent has ended; "" where none."""
+    """The secret the node's previous agent kept in its directory, where that agent has ended; "" where none. A
+    next agent that ended while it waited for its own predecessor (`predecessor_gone`) held the node's record last:
+    its secret (WAITING) is the one the server knows, whether that predecessor still stops or not."""
     where = dirs.home
+    who, _, waiting = memory.read_text(os.path.join(where, WAITING)).partition("\n")
+    pid, _, started = who.partition(" ")
+    if pid.isdigit() and int(pid) != os.getpid() and not owners.alive(int(pid), started) and \
+            0 < len(waiting) <= MAX_CREDENTIAL:
+        return waiting
     claimed = where in owners.claimed_ahead          # taken with its node id (`predecessor`)
     gone = None if claimed else owners.owner_gone(where)
     if not claimed and gone is None:
@@ -82,9 +92,12 @@ def left_credential(dirs: MemoryDirs) -> str:
     return secret if len(secret) <= MAX_CREDENTIAL else ""
 
 
-async def predecessor_gone(dirs: MemoryDirs, limit_s: float) -> None:
+async def predecessor_gone(dirs: MemoryDirs, limit_s: float, secret: str = "") -> None:
     """Before the node's directory is first opened: while a live agent still owns it, wait for it to end, up to
-    `limit_s` (a review: the next agent made a directory of its own, and fetched its copies, a snapshot behind)."""
+    `limit_s` (a review: the next agent made a directory of its own, and fetched its copies, a snapshot behind).
+    Meanwhile this agent's `secret` is kept beside the predecessor's (WAITING): a review killed it as it waited
+    (two restarts in quick succession), and the agent after it, showing the older secret, was refused until its
+    lease ran out; the node was taken for lost, the elastic job went on without it and excluded it as flapping."""
     if dirs.root is not None or not dirs.enabled:
         return
     where = dirs.home
@@ -94,9 +107,22 @@ async def predecessor_gone(dirs: MemoryDirs, limit_s: float) -> None:
             and time.monotonic() < deadline:
         if not said:
             said = True
+            _keep_waiting(where, secret)
             dirs.say(f"node {dirs.node_id}'s previous agent (pid {pid}) still owns its memory, stopping its workers: "
                      f"waiting up to {limit_s:g}s for it to end, so this node keeps its snapshots")
         await asyncio.sleep(0.1)
+
+
+def _keep_waiting(where: str, secret: str) -> None:
+    """This agent's secret and who it is (pid, start time), renamed into the predecessor's directory."""
+    if not secret:
+        return
+    path = os.path.join(where, WAITING)
+    with contextlib.suppress(OSError):
+        fd = os.open(path + ".new", os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(f"{os.getpid()} {owners.start_time(os.getpid()) or ''}\n{secret}")
+        os.replace(path + ".new", path)
 
 
 def settle(dirs: MemoryDirs) -> None:

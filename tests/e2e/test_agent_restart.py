@@ -411,3 +411,35 @@ def test_the_agent_after_a_next_agent_that_waited_past_the_end_ends_as_done(clus
     agents["b"] = start_one("b", "b-3")
     assert agents["b"].wait(LIMIT) == 0, agents["b"].output
     assert "nothing is left for it to run" in agents["b"].output, agents["b"].output
+
+
+def test_a_next_agent_killed_while_it_waits_for_its_predecessor_leaves_the_place_to_the_one_after_it(
+        cluster, tmp_path):
+    """A review: two restarts in quick succession (`systemctl restart` twice). b's agent SIGTERMed (its workers slow
+    to stop), its next agent joined in its place and waited for it to end, and was SIGKILLed meanwhile. The agent
+    after it showed the old agent's secret, not the one the server knew (the killed one's, kept only once its workers
+    started): refused ("still held by a live agent") till the killed one's lease ran out, the node was taken for a
+    host gone silent, the 2:3 job went on with 4 ranks, and the node was excluded for 300 s as flapping. A waiting
+    agent now keeps its secret beside its predecessor's, for the agent after it."""
+    job = "restart-next-killed-waiting"
+    cluster.start_server()
+    slow = {"IGNORE_TERM": "1"}
+    agents = {n: start(cluster, tmp_path, n, job, "2:3", stop_timeout="15", env=slow) for n in ("a", "b", "c")}
+    wait_until(lambda: len({r for *_, r, _ in steps(tmp_path)}) == 6, LIMIT, "every rank stepping")
+    node = next(n["node_id"] for n in job_view(cluster, job)["nodes"] if n["group_rank"] == 1)
+    wait_until(lambda: copies_of(cluster, job, node).get("local_step", -1) >= 10, LIMIT, "a snapshot of step 10")
+    stopped_at = time.time()
+    os.kill(agents[node].pid, signal.SIGTERM)      # its workers ignore it: its stop takes --stop-timeout
+    old = agents[node]
+    waiting = start(cluster, tmp_path, node, job, "2:3", stop_timeout="15", env=slow)
+    waiting.wait_for_line("still owns its memory", LIMIT)
+    waiting.kill_all()
+    agents[node] = start(cluster, tmp_path, node, job, "2:3", stop_timeout="15", env=slow)
+    old.wait(LIMIT)
+    resumed_from_memory(tmp_path, stopped_at, agents[node])
+    assert "still held by a live agent" not in agents[node].output, agents[node].output[-3000:]
+    lost = [e["message"] for e in job_events(cluster, job) if e["kind"] in ("node_lost", "node_excluded")]
+    assert not any("no contact" in m or "kept out" in m for m in lost), lost
+    (tmp_path / "stop").write_text("stop")
+    for agent in agents.values():
+        assert agent.wait(LIMIT) == 0, agent.output[-3000:]

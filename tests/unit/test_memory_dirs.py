@@ -847,3 +847,29 @@ def test_memory_switched_off_over_the_snapshots_a_nodes_previous_agent_left_is_r
     assert memory.left_behind("reconf", "c") is None and memory.left_behind("other", "b") is None
     shutil.rmtree(home)
     assert main(argv) == 0         # nothing left behind: switched off as asked
+
+
+
+def test_the_secret_of_a_next_agent_that_ended_while_it_waited_is_the_one_its_successor_shows(tmp_path) -> None:
+    """Two restarts in quick succession: the agent that waited for its predecessor (succession.predecessor_gone) and
+    ended meanwhile held the node's record last; the agent after it shows its secret, not the older one, and never
+    that of a waiting agent still alive."""
+    killed_agent(tmp_path, "job", "node-b")         # kept "secret-of-node-b"
+    home = MemoryDirs("job", 1, 2**20, say=lambda _: None, base=str(tmp_path), node_id="node-b").home
+    env = dict(os.environ, PYTHONPATH=os.getcwd())
+    waiting = subprocess.Popen([sys.executable, "-c", "import sys; from node_agent.workers import succession; "
+                                "succession._keep_waiting(sys.argv[1], 'secret-of-the-waiting-one'); print('kept', "
+                                "flush=True); sys.stdin.read()", home], env=env, stdin=subprocess.PIPE,
+                               stdout=subprocess.PIPE, text=True)
+    try:
+        assert waiting.stdout is not None and waiting.stdout.readline().strip() == "kept"
+        nxt = MemoryDirs("job", 1, 2**20, say=lambda _: None, base=str(tmp_path), node_id="node-b")
+        assert left_credential(nxt) == "secret-of-node-b"             # the waiting one lives: not its
+    finally:
+        waiting.kill()
+        waiting.wait(60)
+    assert left_credential(nxt) == "secret-of-the-waiting-one"        # it ended: it held the record last
+    nxt.dirs(1)
+    keep_credential(nxt, "secret-of-the-next")                        # its own, once it runs: the newest
+    assert not os.path.exists(os.path.join(home, succession.WAITING))
+    nxt.close()
