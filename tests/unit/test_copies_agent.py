@@ -19,6 +19,7 @@ from protocol.messages import Assignment, PollRequest, Witness
 from tests.unit.test_copy_store import FAR, Everyone
 
 KEY = "job-key-for-copies-0123"
+HONEST_WAIT_S = 10.0    # a push to an honest holder lands well within this on a loaded host
 
 
 @contextlib.asynccontextmanager
@@ -426,10 +427,12 @@ async def test_a_slow_holder_holds_back_its_own_copies_only(tmp_path, monkeypatc
             for step in (5, 10):
                 for where in dirs.values():
                     snapshot.save(b"s%d" % step, step, where=where)
-                for _ in range(200):
+                # Polled to a deadline, not 200 tries of 10 ms (2 s a loaded host can spend): under the pusher's
+                # 30 s stall bound, so a push held behind the slow holder's still fails here
+                deadline = asyncio.get_running_loop().time() + HONEST_WAIT_S
+                while store.held() != {("b", 0): step, ("b", 1): step} and \
+                        asyncio.get_running_loop().time() < deadline:
                     copies._start_pushes()
-                    if store.held() == {("b", 0): step, ("b", 1): step}:
-                        break
                     await asyncio.sleep(0.01)
                 assert store.held() == {("b", 0): step, ("b", 1): step}, (step, said)
             slow_at = ("127.0.0.1", slow.sockets[0].getsockname()[1])
