@@ -15,7 +15,8 @@ sleep is STEP_S x (1 +- F), drawn per rank and step. SOLO_AT=STEP,STEP:SECONDS: 
 SECONDS at those steps (first attempt), as an evaluation does, while the others wait in the next all_reduce. Each
 step is a beat() (the probe's steps and pace). IGNORE_TERM=1: the ranks ignore SIGTERM (a framework saving before it
 stops): their agent's stop takes --stop-timeout. TERM_SAVE_S=S: on SIGTERM a rank takes S seconds (a checkpoint
-saved as it stops), then exits.
+saved as it stops), then exits. SNAP_LAST=STEP: no snapshot after step STEP (every node's copies then settle on
+one step, whatever the host's load: a test's losses resume from it).
 """
 import functools
 import os
@@ -43,6 +44,7 @@ rank, world = dist.get_rank(), dist.get_world_size()
 restart = int(env("TORCHELASTIC_RESTART_COUNT", "0"))
 numel = int(float(env("STATE_MB", "32")) * (1 << 18))
 snap_every, disk_every, step_s = int(env("SNAP_EVERY", "5")), int(env("DISK_EVERY", "50")), float(env("STEP_S", "0.2"))
+snap_last = int(env("SNAP_LAST", "0")) or None
 me = f"{env('NODE', '?')}-{env('LOCAL_RANK', '0')}"
 disk = os.path.join(out, "disk")
 os.makedirs(disk, exist_ok=True)
@@ -117,7 +119,7 @@ while True:
             and os.path.exists(os.path.join(out, "exit")):
         print(f"rank {rank}: exits {exit_code} at step {step} (EXIT_AT)", flush=True)
         os._exit(exit_code)
-    if step % snap_every == 0:
+    if step % snap_every == 0 and (snap_last is None or step <= snap_last):
         began = time.perf_counter()
         try:
             snapshot.save(functools.partial(torch.save, state), step)

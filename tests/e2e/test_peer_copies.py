@@ -327,9 +327,12 @@ def test_a_live_members_copy_stays_at_its_old_holder_till_its_new_holder_has_one
     group rank 1's place and the pairing turned: a member's copies went to the spare from now on, and their old
     holder dropped them as the round began ("gone", though the member lived) while its first copy to the spare was
     still on its way (8 MB at 1 MB/s). That member lost then, with its memory, resumed from step 0. Its old holder
-    now keeps its copies till the new one has its own, and its loss fetches them from there."""
+    now keeps its copies till the new one has its own, and its loss fetches them from there.
+    The last snapshot is of step 10 (SNAP_LAST): both losses' copies are of it. Snapshots on, a loaded host's
+    pushes landed a snapshot apart (the lost node's copy of step 75, the moved one's of 70) and two nodes lost
+    with copies of different steps share none: step 0, whatever the old holder kept."""
     cluster.start_server()
-    agents, one, lost, before, after = _pairing_turned(cluster, tmp_path, "turn", {"STATE_MB": "8"})
+    agents, one, lost, before, after = _pairing_turned(cluster, tmp_path, "turn", {"STATE_MB": "8", "SNAP_LAST": "10"})
     # A member whose copies go to another holder now, their old holder alive (the racks make one)
     turned = next(m for m, h in after.items() if m != "s" and before.get(m) not in (h, lost, None))
     killed_at = time.time()
