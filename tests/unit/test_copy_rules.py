@@ -150,7 +150,10 @@ async def test_a_push_waiting_for_a_step_never_reached_holds_up_no_real_push_of_
     store.ahead_wait_s = 1.5
     async with holder(store) as port:
         frozen = asyncio.ensure_future(send(port, tmp_path, step=wire.MAX_STEP, round_id=5))
-        await asyncio.sleep(0.2)
+        deadline = asyncio.get_running_loop().time() + 10.0    # the wait seen begun: no sleep a loaded host outruns
+        while not store._waiting.get(NODE):
+            assert not frozen.done() and asyncio.get_running_loop().time() < deadline, "the far push never waited"
+            await asyncio.sleep(0.01)
         assert (await send(port, tmp_path, step=40, round_id=5)).ok          # the node's own: lands meanwhile
         assert (await asyncio.wait_for(frozen, 10)).reason.startswith("refused: \"step 999999999999999999 is past")
     assert store.held() == {(NODE, 0): 40}
