@@ -25,7 +25,9 @@ def check_join(rules: JobRules, req: JoinRequest) -> None:
     diffs = (job.join_config or job.config).differences(req.config)
     if diffs:
         raise RendezvousError(ErrorCode.CONFIG_CONFLICT,
-                              f"job {job.job_id!r} exists with another config: " + "; ".join(diffs))
+                              f"job {job.job_id!r} exists with another config: " + "; ".join(diffs) +
+                              " (a job keeps its first join's settings: start this node with the job's, or give a "
+                              "new run its own --rdzv-id)")
     if job.command and req.command and req.command != job.command:
         raise RendezvousError(ErrorCode.CONFIG_CONFLICT, f"job {job.job_id!r} runs another command (fingerprint "
                               f"{quote(job.command)}, this node's {quote(req.command)}): give this run its own "

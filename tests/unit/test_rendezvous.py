@@ -133,6 +133,7 @@ def test_join_asking_for_another_config_is_refused_naming_both_values():
         join(rz, "b", 1.0, cfg(max_nodes=5))
     assert err.value.code == ErrorCode.CONFIG_CONFLICT
     assert "max_nodes" in err.value.message and "3" in err.value.message and "5" in err.value.message
+    assert "start this node with the job's, or give a new run its own --rdzv-id" in err.value.message
     assert "b" not in job(rz).nodes and job(rz).config.max_nodes == 3
 
 
