@@ -50,8 +50,10 @@ class ServerLink:
         self.assigned_round = -1
 
     def rejoin(self) -> None:
-        """Join (again): polls stop until the server has answered the join."""
-        self.joined = False
+        """Join (again): polls stop until the server has answered the join. A round assigned before it is no
+        longer one this node holds (a server that forgot the job numbers its rounds from 1 again: an old run's
+        higher id would tell a witness's asker its round was replaced)."""
+        self.joined, self.assigned_round = False, -1
         self._cancel(PollRequest)
         self._cancel_prompt()
         self._send(JoinRequest, self._join)

@@ -3,16 +3,19 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from types import SimpleNamespace
 
 import pytest
 
 from node_agent import server_link
+from node_agent.agent import Agent
 from node_agent.client.transport import ServerRejected, ServerUnreachable, Transport
 from node_agent.core.facts import Fact, ServerNotReached, ServerRefused, StatusReceived
 from node_agent.server_link import ServerLink
 from protocol.bounds import MAX_POLL_WAIT_S, MAX_STOP_S
 from protocol.errors import ErrorCode
 from protocol.messages import (
+    Assignment,
     FailureReport,
     JobConfig,
     JobState,
@@ -57,7 +60,7 @@ class Scripted(Transport):
         if isinstance(step, asyncio.Event):      # answered once the test sets it
             await step.wait()
             self.sent.append((f"{action} answered", None))
-        return STATUS
+        return step if isinstance(step, NodeStatus) else STATUS
 
 
 class Clock:
@@ -122,6 +125,27 @@ async def test_polls_wait_for_the_join_and_a_rejoin_stops_them(link) -> None:
     sl.rejoin()
     assert not sl.joined and (await next_fact(facts)).request is JoinRequest  # type: ignore[union-attr]
     assert facts.empty()               # the cancelled poll said nothing
+
+
+def member_of(round_id: int) -> NodeStatus:
+    a = Assignment(round_id=round_id, group_rank=0, group_world_size=2, rank_offset=0, world_size=2,
+                   local_world_size=1, master_addr="a", master_port=1, restart_count=0, max_restarts=0)
+    return NodeStatus(job_id="j", job_state=JobState.RUNNING, node_state=NodeState.MEMBER, round_id=round_id,
+                      restart_count=0, assignment=a)
+
+
+async def test_a_round_assigned_before_a_rejoin_is_not_what_its_witness_says_after(link) -> None:
+    """A review: the server restarted without its state and numbered the job's rounds from 1 again; the link kept
+    the old run's round 7 as "assigned", so this node, a witness in round 1, told a cut-off peer of round 1 that it
+    held round 7 (newer: that peer fenced its workers, nothing having replaced its round)."""
+    sl, client, facts = link
+    client.script["join"] = [member_of(7), member_of(1)]
+    sl.rejoin()
+    assert (await next_fact(facts)).status.round_id == 7       # type: ignore[union-attr]
+    sl.rejoin()                     # the server forgot the job: a join afresh, round ids from 1
+    assert (await next_fact(facts)).status.round_id == 1       # type: ignore[union-attr]
+    policy = SimpleNamespace(known_round=1)             # the policy runs round 1 now
+    assert Agent._holds(SimpleNamespace(_link=sl, policy=policy)) == 1    # type: ignore[arg-type]
 
 
 async def test_a_newer_report_replaces_one_still_trying(link) -> None:
