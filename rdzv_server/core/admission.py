@@ -156,7 +156,7 @@ def _place(rules: JobRules, node: NodeRecord, now: float, why: str) -> None:
             if node.held_off:                # a hold-off of an earlier return ends too
                 node.excluded_until, node.held_off = min(node.excluded_until, now), False
             rules.record(now, EventKind.NODE_JOINED, f"node {node.node_id} was lost {losses} times within "
-                         f"{cfg.exclude_window_s:g}s, but is not kept out: the job needs {cfg.min_nodes} nodes and "
+                         f"{cfg.exclude_window_s:g}s, but is not excluded: the job needs {cfg.min_nodes} nodes and "
                          f"has {len(others)} without it", node.node_id)
         elif now + hold > node.excluded_until:
             node.excluded_until, node.held_off = now + hold, True
@@ -164,7 +164,7 @@ def _place(rules: JobRules, node: NodeRecord, now: float, why: str) -> None:
     if node.excluded_until > now:
         places.move(job, node, NodeState.EXCLUDED)
         rules.out.deadline(node.excluded_until)
-        rules.record(now, EventKind.NODE_EXCLUDED, f"node {node.node_id} is kept out for "
+        rules.record(now, EventKind.NODE_EXCLUDED, f"node {node.node_id} excluded for "
                      f"{round(node.excluded_until - now, 1):g}s ({why})", node.node_id)
     else:
         rules.admit(node, now)

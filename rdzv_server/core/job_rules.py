@@ -97,7 +97,7 @@ class JobRules:
                 self.admit(node, now)
             elif (node.held_off or node.slow_out) and job.state == JobState.WAITING and not awaiting.wait_runs(job):
                 # flap damping, or a slow node's swap, only stops a job short of nodes (not one awaiting members)
-                what = "hold-off as a flapping host" if node.held_off else "exclusion as a slow node swapped out"
+                what = "exclusion as a flapping host" if node.held_off else "exclusion as a slow node swapped out"
                 node.excluded_until, node.held_off, node.slow_out = now, False, False
                 self.record(now, EventKind.NODE_READMITTED, f"node {nid}'s {what} ends: the job waits for nodes", nid)
                 self.admit(node, now)

@@ -43,7 +43,7 @@ def act(rules: JobRules, node: NodeRecord, asked: WorkerFailure, round_id: int, 
         action, then = Action.EXCLUDED, f"the second time within {cfg.exclude_window_s:g}s: it is excluded"
         exclusions.exclude(rules, node, now, f"as a suspect twice within {cfg.exclude_window_s:g}s")
     elif spare is not None:
-        action, then = Action.REPLACED, f"spare {spare} takes its place; it is held out"
+        action, then = Action.REPLACED, f"spare {spare} takes its place; it is excluded"
         exclusions.exclude(rules, node, now, f"as a suspect ({describe(asked)}): spare {spare} takes its place")
     else:
         action, then = Action.KEPT, (f"no spare is ready, so the job restarts on it; a second time within "

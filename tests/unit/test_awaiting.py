@@ -364,7 +364,7 @@ def test_a_flapping_hosts_hold_off_ends_when_the_job_is_short_of_nodes_with_a_me
     crash_agent(rz, "b", t)
     rz.tick(t + DROP_GRACE_S)
     assert job(rz).round is None and job(rz).awaited == ["b"]
-    assert any("hold-off as a flapping host ends" in e.message for e in job(rz).events)
+    assert any("exclusion as a flapping host ends" in e.message for e in job(rz).events)
     for step in range(1, 40):
         heard(rz, "ac", t + step)
         rz.tick(t + step)

@@ -85,7 +85,7 @@ def test_its_join_says_it_is_the_rest_of_its_exclusion_not_a_restart():
     job = rz.jobs[JOB]
     join(rz, "b", 20.0, c, instance="b#2")
     said = [e.message for e in job.events if e.node_id == "b"][-1]
-    assert "kept out for 41s" in said and "rest of its exclusion" in said and "restarted" not in said, said
+    assert "excluded for 41s" in said and "rest of its exclusion" in said and "restarted" not in said, said
 
 
 def test_the_operators_views_show_a_node_kept_out_with_no_agent():
@@ -116,4 +116,4 @@ def test_a_restarted_agent_whose_record_lives_on_is_told_the_rest_of_its_exclusi
     join(rz, "b", 20.3333, c, instance="b#2")        # its old record not yet gone
     said = [e.message for e in job.events if e.node_id == "b"][-1]
     assert job.nodes["b"].state == NodeState.EXCLUDED and job.nodes["b"].excluded_until == 61.0
-    assert "kept out for 40.7s" in said and "rest of its exclusion" in said and "restarted)" not in said, said
+    assert "excluded for 40.7s" in said and "rest of its exclusion" in said and "restarted)" not in said, said

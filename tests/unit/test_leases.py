@@ -392,7 +392,7 @@ def test_a_flapping_host_a_job_cannot_run_without_is_not_kept_out():
         t = only_heard(rz, ("a", "b"), t, 7.0)
         join("c", t, f"c{flap}")
     assert job.nodes["c"].state != "excluded" and job.round is not None and "c" in job.round.members
-    said = [e.message for e in job.events if "not kept out" in e.message]
+    said = [e.message for e in job.events if "not excluded" in e.message]
     assert len(said) == 1 and "needs 3 nodes and has 2" in said[0]
     assert not [e for e in job.events if e.kind == EventKind.NODE_EXCLUDED]
 
@@ -410,7 +410,7 @@ def test_a_flapping_hosts_hold_off_ends_when_the_job_is_short_of_nodes():
     assert job.nodes["a"].state == "excluded" and sorted(job.round.members) == ["b", "s"]
     t = only_heard(rz, ("a", "b"), t, 7.0)    # s lost: the job is short of nodes; a, held off, polls on
     assert "s" not in job.nodes and job.round is not None and sorted(job.round.members) == ["a", "b"]
-    assert any("hold-off as a flapping host ends" in e.message for e in job.events)
+    assert any("exclusion as a flapping host ends" in e.message for e in job.events)
 
 
 def test_an_agent_restarted_twice_at_once_is_no_flapping_host():

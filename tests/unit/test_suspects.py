@@ -57,7 +57,7 @@ def test_with_a_ready_spare_the_suspect_is_held_out_and_the_spare_takes_its_plac
     assert job.restart_count == 1 and job.nodes["b"].state == NodeState.EXCLUDED
     assert places(rz) == {"a": before["a"], "s": before["b"]}    # the spare in b's place: b's ranks
     assert suspect_events(rz) == ["node b is a suspect: a worker asked for other hardware (rank 3 (local 1) on "
-                                  "host-b: exit code 16: asked); spare s takes its place; it is held out"]
+                                  "host-b: exit code 16: asked); spare s takes its place; it is excluded"]
     assert rz.take_effects().suspects == [Action.REPLACED.value]
 
 
