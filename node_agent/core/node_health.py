@@ -81,6 +81,12 @@ class NodeHealth:
             self.checking = False
             self.next_check_at = now + self.interval_s
 
+    def answered(self, stage: Stage) -> None:
+        """A finding that changes nothing (the node is out, or its round was replaced): a periodic check is no
+        longer in flight, so the next is armed as usual (else none would run again while the agent lives)."""
+        if stage == Stage.RUNNING:
+            self.checking = False
+
     def failed(self, stage: Stage, now: float, problem: str) -> None:
         """Found unhealthy: out until the next check, after a back-off doubling with each finding in a row."""
         self.problem = problem

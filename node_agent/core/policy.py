@@ -318,6 +318,7 @@ class SupervisionPolicy:
                 and fact.round_id == self.running_round else None
             return [Spawn(a)] if a is not None and self.workers == Workers.RUNNING else []
         if self.health.out or (fact.stage == Stage.RUNNING and fact.round_id != self.running_round):
+            self.health.answered(fact.stage)
             return []      # already out, or about a round since replaced (its own check comes)
         # Told when it leaves a round, and once when it does not join; not at every check while out.
         tell = fact.stage != Stage.JOIN or self.health.out_since is None

@@ -177,3 +177,17 @@ def test_a_stopped_agent_whose_restart_waits_for_its_check_has_no_workers_to_sto
     assert p.handle(member(2, 1), 1.0)[-1] == CheckNode(Stage.RESTART, 2)
     leave = p.handle(SignalReceived(signal.SIGTERM), 1.5)[0]
     assert leave == Leave("agent received SIGTERM", stopped=True, stops_workers=False)
+
+
+def test_a_periodic_check_answered_bad_after_its_round_was_replaced_leaves_the_checks_armed() -> None:
+    """A review: a periodic check was in flight when the next round came; its answer (a fault, since cleared: the
+    restart's own check passed) was about the replaced round and rightly changed nothing, but the policy still
+    counted that check in flight, so no periodic check ran again for the rest of the agent's life."""
+    p = checked()
+    p.handle(member(1), 0.0)
+    assert p.handle(DeadlinePassed(), 5.0) == [CheckNode(Stage.RUNNING, 1)]
+    assert p.handle(member(2, 1), 5.5)[-1] == CheckNode(Stage.RESTART, 2)
+    assert p.handle(bad(Stage.RUNNING, 1), 5.6) == []                 # about round 1: its own check comes
+    assert p.handle(NodeChecked(Stage.RESTART, 2), 5.7) == [Spawn(member(2, 1).status.assignment)]  # type: ignore[arg-type]
+    assert p.next_deadline() == 10.7
+    assert p.handle(DeadlinePassed(), 10.7) == [CheckNode(Stage.RUNNING, 2)]
