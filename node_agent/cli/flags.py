@@ -161,11 +161,11 @@ FLAGS: tuple[Flag, ...] = (
     Flag(("--exclude-cooldown", "--exclude_cooldown"), "exclude_cooldown_s", "S",
          "first exclusion's length, doubling each time up to {cooldown_max:g} s; default {default:g}"),
     Flag(("--exclude-lost-after", "--exclude_lost_after"), "exclude_lost_after", "K",
-         "keep a node out when it was lost K times within --exclude-window (a flapping host; an agent "
+         "exclude a node that comes back after it was lost K times within --exclude-window (a flapping host; an agent "
          "restart the job waits for: K+1); 0 never; "
          "default {default}"),
     Flag(("--exclude-lost-cooldown", "--exclude_lost_cooldown"), "exclude_lost_cooldown_s", "S",
-         "how long such a node is kept out the first time, doubling each time up to {cooldown_max:g} s; "
+         "how long such a node is excluded the first time, doubling each time up to {cooldown_max:g} s; "
          "default {default:g}"),
     Flag(("--no-gpu-check", "--no_gpu_check"), "no_gpu_check", None,
          "do not check this node's NVIDIA GPUs through NVML (by default they are checked before joining, "
