@@ -130,7 +130,8 @@ class RdzvServerHandler(RendezvousHandler):
         session, running = self._session, self._assignment
         if session is None or running is None:
             return 0
-        return 1 if session.ended is not None or needs_rendezvous(session.view, running.round_id) else 0
+        moved = session.ended is not None or session.rejoined or needs_rendezvous(session.view, running.round_id)
+        return 1 if moved else 0
 
     def next_rendezvous(self) -> RendezvousInfo:
         if self._closed:

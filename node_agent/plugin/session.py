@@ -115,6 +115,9 @@ class ServerSession:
         self._said: tuple[str, int, int] | None = None
         self._left = False                      # left the job: follow no more, never rejoin
         self._running = -1                      # the round whose workers torch runs (the witness says it)
+        # Joins answered, and the one `_running` came under: a round of an earlier join is void (a server without a
+        # store that restarted numbers the job's rounds from 1 again: torch's "after round 7" would wait forever)
+        self._joins = self._running_join = 0
         self._cut_off = False                   # the latest request reached no server (the witness says it)
         # Capped by torchrun's own descriptor limit (not raised: its workers inherit it), and saying so when a flood
         # meets the caps, as node-agent's listeners do
@@ -124,6 +127,11 @@ class ServerSession:
                                      say=say)
         self._closed = False
         self._stopped = False
+
+    @property
+    def rejoined(self) -> bool:
+        """Whether this node joined again since torch's round was assigned: that round is void for the server."""
+        return self._running_join != self._joins
 
     # -- blocking API, for torch's thread --
 
@@ -185,9 +193,9 @@ class ServerSession:
             assert view is not None
             if view.job_state.finished:
                 raise JobFinished(f"job {view.job_id!r} {view.job_state.value}: {view.reason}")
-            assignment = newer_assignment(view, ran_round)
+            assignment = newer_assignment(view, ran_round if self._running_join == self._joins else -1)
             if assignment is not None:
-                self._running = assignment.round_id
+                self._running, self._running_join = assignment.round_id, self._joins
                 self._said = None   # waiting again after this round is news: a survivor below MIN says why
                 return assignment
             self._describe(view)
@@ -205,6 +213,7 @@ class ServerSession:
                     config=s.config, instance=self._instance, role=s.role, witness_port=self.witness.port,
                     launcher="torchrun"),
                     s.server_wait_s)
+                self._joins += 1
                 return
             except ServerRejected as exc:
                 # Maybe our own predecessor, dead but not yet noticed: wait out its lease, then give up.
@@ -249,6 +258,7 @@ class ServerSession:
             if view.job_state.finished:
                 return
             if view.node_state is NodeState.GONE:
+                self._running = -1          # no round for the server now (what the witness says), as node-agent's
                 self.say(f"rejoining: {view.reason or 'the server no longer knows this node'}")
                 try:
                     await self._join()

@@ -4,6 +4,7 @@ clients of it: node-agent's policy (core/policy.py) and the torchrun plugin's se
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -207,5 +208,51 @@ def test_the_plugin_follows_the_refusal_rule(request_type, code, meaning):
             with pytest.raises(expected):
                 next_round()
         assert any("refused the failure report" in line for line in said) == (meaning is Refusal.DROPPED)
+    finally:
+        session.close()
+
+
+class Forgetting(Transport):
+    """A server without a store that restarts under a running job: the first join is answered with round 7, the
+    first poll is refused as `unknown_job`, and the join after it with round 1 (the job's rounds numbered afresh);
+    later polls are held until the test ends."""
+
+    def __init__(self) -> None:
+        super().__init__("a")
+        self.joins = 0
+        self.forgot = False
+
+    async def _send(self, action: str, message: object, timeout: float) -> NodeStatus:
+        if action == "join":
+            self.joins += 1
+            return view(round_id=7 if self.joins == 1 else 1)
+        if action == "poll" and not self.forgot:
+            self.forgot = True
+            raise ServerRejected("unknown_job", "no such job: the server restarted without its state")
+        await asyncio.Event().wait()         # held: nothing new
+        raise AssertionError("unreachable")
+
+
+def test_the_plugin_takes_a_forgetful_servers_new_round_1_after_its_round_7():
+    """A review: after a server without a store restarted, the plugin rejoined and the new run of the job formed
+    round 1 with it. Torch's round 7 was not seen as over (round 1 is no "newer" news), torch's ask for a round
+    after 7 ignored round 1 and waited for ever, and its witness still said round 7 (newer than a cut-off peer's
+    round 1: that peer would fence)."""
+    settings = plugin_settings(endpoint="127.0.0.1:1", run_id="j", min_nodes=1, max_nodes=2, local_addr="127.0.0.1",
+                               launch=TorchLaunch(local_world_size=1, max_restarts=0),
+                               conf={"node_id": "a", "lease_timeout": "1"})
+    transport = Forgetting()
+    session = ServerSession(settings, transport, master_port=1, say=lambda line: None)
+    session.start()
+    try:
+        assert session.next_assignment(-1, None).round_id == 7
+        deadline = time.monotonic() + 10.0
+        while not (transport.joins == 2 and session.view is not None and session.view.round_id == 1):
+            assert time.monotonic() < deadline, "no rejoin after the refusal"
+            time.sleep(0.01)
+        assert session._running == -1 and session.rejoined     # the witness says no round; torch must restart
+        assigned = session._call(asyncio.wait_for(session._next_assignment(7, None), 10.0))
+        assert assigned.round_id == 1 and transport.joins == 2
+        assert session._running == 1 and not session.rejoined
     finally:
         session.close()
