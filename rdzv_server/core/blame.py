@@ -111,6 +111,10 @@ def _unblame(rules: JobRules, node: NodeRecord, was: Blame, round_id: int, now: 
     rules.wake()
     if leases.live(node, now):
         rules.admit(node, now)
+    else:       # its agent is gone (as an operator's clear, operator_rules.py): admitted, it would fill a round no
+        # agent runs; left excluded, the next tick would readmit it a second time, as if its cooldown had ended
+        rules.remove(node, now, EventKind.NODE_LOST, f"node {node.node_id} lost: {leases.why_lapsed(job, node, now)}"
+                     f"; its next agent joins afresh")
 
 
 def ended_round(rules: JobRules, node: NodeRecord, round_id: int, first: WorkerFailure, now: float) -> bool:

@@ -13,6 +13,7 @@ from protocol.messages import (
     JoinRequest,
     LeaveRequest,
     NodeState,
+    PollRequest,
     WorkerFailure,
 )
 from rdzv_server.core.rendezvous import Rendezvous
@@ -229,3 +230,23 @@ def test_a_node_that_crashes_for_ever_keeps_a_bounded_count_and_the_largest_excl
             assert job.blame is not None and len(job.blame.before) < MAX_FAILURE_TIMES
         assert (job.nodes["a"].state == NodeState.EXCLUDED) == (after == 1000), after
         assert job.restart_count == (3 * MAX_FAILURE_TIMES if after == 0 else after)
+
+
+def test_an_exclusion_taken_back_from_a_node_whose_agent_is_gone_readmits_it_once_and_admits_no_ghost():
+    """A review: b's report came first and excluded it; its agent's connection then closed (restarting); a's late
+    report took the blame back. b was readmitted by that, yet stayed listed excluded with a cooldown ending now, so
+    the next tick readmitted it again ("finished its exclusion cooldown") and admitted it: a round opened by b, whose
+    agent was gone. As an operator's clear of such a node does, it is lost now and its next agent joins afresh."""
+    rz = running(exclude_after=1)
+    job = rz.jobs[JOB]
+    r = job.round.round_id
+    report(rz, "b", r, 11.0, 10.5, "RuntimeError: [gloo] Connection closed by peer")
+    assert job.nodes["b"].state == NodeState.EXCLUDED
+    rz.handle(JOB, PollRequest(v=1, node_id="b", known_round=-1, wait_s=30.0), 11.05)    # held ...
+    rz.connection_dropped(JOB, "b", 11.1, heard=True)                                    # ... and closed
+    report(rz, "a", r, 11.2, 10.0, "ValueError: bad batch")
+    rz.tick(11.3)
+    readmitted = [e.message for e in job.events if e.kind == "node_readmitted" and e.node_id == "b"]
+    assert len(readmitted) == 1 and "followed another node's earlier one" in readmitted[0], readmitted
+    assert "b" not in job.nodes and "b" not in job.excluded and "b" not in job.waiting
+    assert not any(e.kind == "round_opened" and e.node_id == "b" for e in job.events)
