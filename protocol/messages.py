@@ -200,6 +200,8 @@ class WorkerFailure(msgspec.Struct, kw_only=True, frozen=True, gc=False):
     timestamp: UnixTime = 0.0          # unix time the failure was seen
     host: ShortText = ""
     node_id: ShortText = ""
+    # It ended before it began torch.distributed's process group: no peer's loss broke it (False: or not known)
+    before_group: bool = False
 
     def __post_init__(self) -> None:
         printable(signal=self.signal, reason=self.reason, host=self.host, node_id=self.node_id)

@@ -5,7 +5,9 @@ Facts (facts.py) in, actions (actions.py) out; the loop (agent.py) runs them in 
   excluded): run nothing;
 - a local failure (exit, spawn error) stops the local group and is reported once, for its round; stalled
   ranks are reported while the round runs (the server, which hears every node, decides what is a hang);
-  news about a round we no longer run changes nothing; the server answers with the next round or the end;
+  news about a round we no longer run changes nothing (but a worker of it that failed by itself before its
+  process group is reported: the server then counts that round's failure against no node, as the script's);
+  the server answers with the next round or the end;
 - all local workers succeeding is reported once; we follow the server until the job ends (another node
   failing still restarts the job);
 - server unreachable: workers keep running; `server_wait_s` after the first failed try (timed): stop, give up;
@@ -296,7 +298,10 @@ class SupervisionPolicy:
 
     def _failed(self, round_id: int, failures: tuple[WorkerFailure, ...]) -> list[Action]:
         if self.workers != Workers.RUNNING or round_id != self.running_round:
-            return []
+            # A round another node's failure ended while ours failed on their own too (reports.py: blame.shared)
+            own = tuple(f for f in failures if f.before_group)
+            told = self.workers == Workers.FAILED and round_id == self.running_round     # reported already
+            return [ReportFailure(round_id, own)] if own and not (told or self.job_over or self.exiting) else []
         self.workers = Workers.FAILED
         stop = StopWorkers(f"local rank {failures[0].local_rank} failed")
         if self.health.enabled:     # a broken GPU makes the node leave instead of counting a restart

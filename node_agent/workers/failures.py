@@ -13,14 +13,15 @@ from protocol.peer_gone import broken_by_peer
 SPAWN_FAILED_EXITCODE = 127    # the shell's "command not found"
 
 
-def exit_failure(e: WorkerExit, *, host: str, node_id: str) -> WorkerFailure:
-    """A worker that exited non-zero (or was killed), with what its error file says."""
+def exit_failure(e: WorkerExit, *, host: str, node_id: str, before_group: bool = False) -> WorkerFailure:
+    """A worker that exited non-zero (or was killed), with what its error file says; `before_group`: its probe
+    saw it start but never begin its process group (no peer's loss broke it)."""
     parsed = read_error_file(e.error_file) if e.error_file else None
     message, tb = parsed[:2] if parsed is not None else ("", "")
     # Ordered by when the agent reaped it: error.json's timestamps are whole seconds.
     return WorkerFailure(local_rank=e.local_rank, rank=e.rank, exitcode=e.exitcode, signal=e.signal_name,
                          message=_head(message, MAX_MESSAGE), traceback=keep_tail(tb, MAX_TRACEBACK),
-                         timestamp=e.seen_at or time.time(), host=host, node_id=node_id)
+                         timestamp=e.seen_at or time.time(), host=host, node_id=node_id, before_group=before_group)
 
 
 EARLY_EXIT_S = 10.0   # a rank that exited 0 this soon before a peer failed is the likelier cause

@@ -263,7 +263,8 @@ class LocalWorkers:
         first = group.launches[0].rank if group.launches else 0
         host, node = self._hostname, self.opts.node_id
         failures = tuple(store_failure(e, rank=first, host=host, node_id=node) if e.local_rank == STORE_RANK
-                         else exit_failure(e, host=host, node_id=node)
+                         else exit_failure(e, host=host, node_id=node,
+                                           before_group=self._before_group(round_id, e.local_rank))
                          for e in exits if e.exitcode != 0 or e.local_rank == STORE_RANK)
         if failures:
             earliest = min(failures, key=lambda f: f.timestamp)
@@ -274,6 +275,14 @@ class LocalWorkers:
                 if task is not asyncio.current_task():
                     task.cancel()
         self._put(WorkersExited(round_id, failures))
+
+    def _before_group(self, round_id: int, local_rank: int) -> bool:
+        """Its probe saw it start and never begin torch.distributed's process group (read by _workers_gone). It
+        ended by itself: the agent's stop ends the watch first (stop), so a worker it stops is no fact at all."""
+        steps = self.steps.round if self.steps is not None else None
+        seen = steps.ranks.get(local_rank) if steps is not None and steps.round_id == round_id else None
+        marks = seen.record.milestones if seen is not None and seen.record is not None else {}
+        return bool(marks.get("started")) and not marks.get("group_begun")
 
     def _workers_gone(self) -> None:
         """The round's workers are all gone: when (the next restart's anatomy), and their records' last word

@@ -83,8 +83,7 @@ def late_root_cause(rules: JobRules, node: NodeRecord, round_id: int, first: Wor
     job.blame = None
     # the node whose worker failed first takes the count (its exclusion then, as a first report's would)
     count(rules, node, now, was)
-    cfg = job.config
-    if cfg.exclude_after and len(node.failure_times) >= cfg.exclude_after and node.node_id not in job.excluded:
+    if excludes(rules, node, first, now):
         member = job.round is not None and node.node_id in job.round.members
         exclusions.exclude(rules, node, now)
         excluded(rules)
@@ -92,7 +91,56 @@ def late_root_cause(rules: JobRules, node: NodeRecord, round_id: int, first: Wor
             rules.form_round(now, f"node {node.node_id} excluded", RoundCause.FAILURE)
 
 
-def _unblame(rules: JobRules, node: NodeRecord, was: Blame, round_id: int, now: float) -> None:
+def elsewhere(job: JobRecord, node: NodeRecord, first: WorkerFailure, now: float) -> str:
+    """Another node whose workers failed before their process group within the window, while `first`, counted
+    against `node`, did too ("": none): the same start-up failure on two nodes is the script's (an ImportError, a
+    bad path), not a node's, so it excludes neither (their budget still ends the job). A late report proves it of
+    one round (shared), but the others' workers are often stopped before they fail: this holds across rounds."""
+    if not first.before_group:
+        return ""
+    return next((n.node_id for n in job.nodes.values() if n.node_id != node.node_id
+                 and 0 < n.alone_failed_at > now - job.config.exclude_window_s), "")
+
+
+def excludes(rules: JobRules, node: NodeRecord, first: WorkerFailure, now: float) -> bool:
+    """Whether the count just made against `node` excludes it (--exclude-after), and if it does not only
+    because another node failed alike (elsewhere), why, in the job's events."""
+    cfg = rules.job.config
+    if not cfg.exclude_after or len(node.failure_times) < cfg.exclude_after or node.node_id in rules.job.excluded:
+        return False
+    other = elsewhere(rules.job, node, first, now)
+    if other:
+        rules.record(now, EventKind.NOT_EXCLUDED, f"node {node.node_id} is not "
+                     f"excluded after {len(node.failure_times)} worker failures: node {other}'s workers failed before "
+                     f"their process group too within {cfg.exclude_window_s:g}s (the script's error, not a node's)",
+                     node.node_id)
+    return not other
+
+
+def shared(rules: JobRules, node: NodeRecord, round_id: int, failures: list[WorkerFailure], now: float) -> None:
+    """A late report on the round just counted, from another of its members, names a worker that failed before
+    its process group (no peer's loss broke it) while the counted one did too: the workers failed on their own on
+    more than one node, the script's error (an ImportError, a bad path), not a node's. The count, and an exclusion
+    it caused, are taken back: else a script failing everywhere excluded the nodes one by one (the job shrank, or
+    waited out cooldowns) before its budget ended it."""
+    job, was, cause = rules.job, rules.job.blame, rules.job.root_cause
+    own = [f for f in failures if f.before_group]
+    if was is None or cause is None or not cause.before_group or not own or job.root_cause_round != round_id \
+            or was.node_id == node.node_id or (was.members and node.node_id not in was.members) \
+            or own[0].timestamp < was.round_start:
+        return
+    rules.record(now, EventKind.WORKER_FAILED, f"{describe(own[0])} on node {node.node_id} in round {round_id} too, "
+                 f"before its process group, as on node {was.node_id}: the script fails on more than one node (its "
+                 f"error, not a node's), counted against neither", node.node_id, round_id, WorkerFailed.of(own[0]))
+    wrong = job.nodes.get(was.node_id)
+    if wrong is not None:
+        _unblame(rules, wrong, was, round_id, now, f"was not its own: node {node.node_id}'s workers failed "
+                                                   f"before their process group too (the script's error)")
+    job.blame = None
+
+
+def _unblame(rules: JobRules, node: NodeRecord, was: Blame, round_id: int, now: float,
+             why: str = "followed another node's earlier one (the root cause)") -> None:
     """Take back the count `was` made against `node`, and the exclusion it caused."""
     job = rules.job
     if not was.excluded:
@@ -107,7 +155,7 @@ def _unblame(rules: JobRules, node: NodeRecord, was: Blame, round_id: int, now: 
     node.excluded_until, node.failure_times = now, list(was.before)
     rules.node_changed(node.node_id)
     rules.record(now, EventKind.NODE_READMITTED, f"node {node.node_id} readmitted: its failure in round {round_id} "
-                 f"followed another node's earlier one (the root cause)", node.node_id)
+                 f"{why}", node.node_id)
     rules.wake()
     if leases.live(node, now):
         rules.admit(node, now)

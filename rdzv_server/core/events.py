@@ -13,6 +13,7 @@ class EventKind(str, enum.Enum):
     NODE_READY = "node_ready"              # ready after it was said to be preparing for long
     NODE_EXCLUDED = "node_excluded"
     NODE_READMITTED = "node_readmitted"    # exclusion over (cooldown ended, or cleared by an operator)
+    NOT_EXCLUDED = "node_not_excluded"     # its failures were the script's: another node's workers failed alike
     NODE_LOST = "node_lost"
     NODE_LEFT = "node_left"
     NODE_UNHEALTHY = "node_unhealthy"      # left because its own checks found it unhealthy (a broken GPU, ...)

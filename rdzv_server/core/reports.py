@@ -28,8 +28,13 @@ def failure(rules: JobRules, node: NodeRecord, req: FailureReport, now: float,
     server's own last outage (Arrival.outage)."""
     job = rules.job
     failures = sorted((_stamp(f, node, now) for f in req.failures), key=lambda f: f.timestamp)
+    if any(f.before_group for f in failures):     # (blame.elsewhere), whatever round the report is on
+        node.alone_failed_at = now
+        rules.node_changed(node.node_id)
     why_not = not_running(rules, node, req.round_id)
     if why_not:
+        if not job.state.finished:
+            blame.shared(rules, node, req.round_id, failures, now)    # failed on its own too: no node's fault
         # A late report on the failed round may hold an earlier failure: the root cause, not counted again.
         if job.state in LIVE_OR_FAILED and req.round_id == job.root_cause_round and job.root_cause is not None \
                 and failures[0].timestamp < job.root_cause.timestamp:
@@ -134,7 +139,7 @@ def fail_round(rules: JobRules, node: NodeRecord, round_id: int, failures: list[
         failures[0] if cause is RoundCause.DIVERGED and blamed else None
     if asked is not None:
         suspects.act(rules, node, asked, round_id, now)
-    elif blamed and cfg.exclude_after and len(node.failure_times) >= cfg.exclude_after:
+    elif blamed and blame.excludes(rules, node, first, now):
         exclusions.exclude(rules, node, now)
         blame.excluded(rules)
     rules.form_round(now, why, cause, failed_at=first.timestamp)

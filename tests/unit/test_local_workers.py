@@ -6,6 +6,7 @@ import signal
 
 from node_agent.core.facts import Fact, SpawnFailed, WorkersExited
 from node_agent.settings import WorkerSettings
+from node_agent.training import probe
 from node_agent.workers.launch import WorkerLaunch
 from node_agent.workers.local import LocalWorkers
 from node_agent.workers.process import WorkerExit
@@ -93,3 +94,27 @@ async def test_a_kill_reaches_a_group_whose_stop_waits_for_its_writes(tmp_path) 
     assert groups[0].signals == [signal.SIGKILL]
     release.set()
     await asyncio.wait_for(stopping, LIMIT)
+
+
+def note_start(launch: WorkerLaunch, *milestones: str) -> None:
+    """Write what a worker's probe writes as it reaches `milestones` (probe.py's record and its times)."""
+    assert launch.probe is not None
+    with open(launch.probe.record, "r+b") as f:
+        f.write(probe.RECORD.pack(probe.MAGIC, probe.VERSION, 0, 0, 0.0, 0.0, 4242, 0, 1, -1))
+        f.seek(probe.TIMES_AT)
+        f.write(probe.TIMES.pack(*(5.0 if m in milestones else 0.0 for m in probe.MILESTONES)))
+
+
+async def test_a_worker_that_failed_before_its_process_group_says_so(tmp_path) -> None:
+    # A script's ImportError fails its worker before it begins torch.distributed's group: no peer's loss broke
+    # it, which the server weighs (rdzv_server/core/blame.py); a worker that had begun one may be a victim.
+    workers, groups, facts = local_workers(str(tmp_path))
+    await workers.spawn(assignment(1))
+    note_start(groups[0].launches[0], "started")
+    note_start(groups[0].launches[1], "started", "group_begun")
+    groups[0].end(r0=1, r1=1)
+    fact = await asyncio.wait_for(facts.get(), LIMIT)
+    assert isinstance(fact, WorkersExited)
+    assert [(f.local_rank, f.before_group) for f in fact.failures] == [(0, True), (1, False)]
+    await workers.close()
+

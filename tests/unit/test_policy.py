@@ -134,6 +134,21 @@ def test_news_about_a_round_we_no_longer_run_changes_nothing() -> None:
     assert p.workers == Workers.RUNNING and p.handle(failed(2), 3.0)[1] == ReportFailure(2, (failure(),))
 
 
+def test_a_worker_of_an_ended_round_that_failed_before_its_group_is_still_reported() -> None:
+    # Another node's failure ended the round first; ours failed by itself too, before its process group: the
+    # server hears it (the script's error, counted against no node), whether a round or a wait followed.
+    alone = msgspec.structs.replace(failure(), before_group=True)
+    p = running(1)
+    p.handle(member(2, 1), 1.0)
+    assert p.handle(WorkersExited(1, (failure(), alone)), 2.0) == [ReportFailure(1, (alone,))]
+    p = running(1)
+    p.handle(status(node_state=NodeState.WAITING, round_id=-1), 1.0)
+    assert p.handle(WorkersExited(1, (alone,)), 2.0) == [ReportFailure(1, (alone,))]
+    p = running(1)
+    p.handle(failed(1), 1.0)
+    assert p.handle(WorkersExited(1, (alone,)), 2.0) == []          # its own round's failure: reported once
+
+
 def test_all_local_workers_succeeding_is_reported_once_and_we_keep_following_the_server() -> None:
     p = running(1)
     assert p.handle(WorkersExited(1, ()), 1.0) == [ReportSuccess(1)]

@@ -250,3 +250,68 @@ def test_an_exclusion_taken_back_from_a_node_whose_agent_is_gone_readmits_it_onc
     assert len(readmitted) == 1 and "followed another node's earlier one" in readmitted[0], readmitted
     assert "b" not in job.nodes and "b" not in job.excluded and "b" not in job.waiting
     assert not any(e.kind == "round_opened" and e.node_id == "b" for e in job.events)
+
+
+def script_fails_everywhere(rz: Rendezvous, now: float, a_grouped: bool = False) -> None:
+    """Both nodes' workers fail at start (an ImportError in the script): b's report comes first, a's a little
+    later; `a_grouped`: a's worker had begun its process group (it may be b's victim)."""
+    r = rz.jobs[JOB].round.round_id
+    for node, came, grouped in (("b", now + 0.1, False), ("a", now + 0.3, a_grouped)):
+        failure = WorkerFailure(local_rank=0, rank=0 if node == "a" else 1, exitcode=1, timestamp=now + 0.05,
+                                before_group=not grouped)
+        rz.handle(JOB, FailureReport(v=1, node_id=node, round_id=r, failures=[failure]), came)
+
+
+def test_a_script_failing_before_its_group_on_every_node_excludes_none():
+    rz = running(exclude_after=2)
+    for now in (10.0, 20.0, 30.0):
+        script_fails_everywhere(rz, now)
+    job = rz.jobs[JOB]
+    assert job.excluded == [] and job.nodes["b"].exclusions == 0 and job.nodes["b"].failure_times == []
+    assert job.round is not None and list(job.round.members) == ["a", "b"]
+    assert job.restart_count == 3                              # the budget counts each failed round once
+    shared = [e for e in job.events if e.kind == "worker_failed" and "more than one node" in e.message]
+    assert len(shared) == 3 and all(e.node_id == "a" for e in shared), shared
+
+
+def test_an_exclusion_taken_back_when_the_other_node_failed_before_its_group_too():
+    rz = running(exclude_after=1)
+    script_fails_everywhere(rz, 10.0)
+    job = rz.jobs[JOB]
+    assert job.excluded == [] and job.nodes["b"].exclusions == 0
+    assert job.round is not None and list(job.round.members) == ["a", "b"]
+
+
+def test_a_victim_that_had_begun_its_group_leaves_the_count_where_it_was():
+    rz = running(exclude_after=2)
+    for now in (10.0, 20.0):
+        script_fails_everywhere(rz, now, a_grouped=True)
+    job = rz.jobs[JOB]
+    assert job.excluded == ["b"] and job.nodes["b"].exclusions == 1
+
+
+def test_counts_with_no_late_report_exclude_none_once_another_node_failed_alike():
+    # The others' workers are often stopped before their own failure: round 1 shows both nodes failing before
+    # their group, then only b's reports come (a's workers stopped first), more than exclude_after of them.
+    rz = running(exclude_after=2)
+    script_fails_everywhere(rz, 10.0)
+    for now in (20.0, 30.0, 40.0):
+        r = rz.jobs[JOB].round.round_id
+        failure = WorkerFailure(local_rank=0, rank=1, exitcode=1, timestamp=now, before_group=True)
+        rz.handle(JOB, FailureReport(v=1, node_id="b", round_id=r, failures=[failure]), now + 0.1)
+    job = rz.jobs[JOB]
+    assert job.excluded == [] and job.nodes["b"].exclusions == 0
+    assert job.round is not None and list(job.round.members) == ["a", "b"] and job.restart_count == 4
+    spared = [e for e in job.events if e.kind == "node_not_excluded"]
+    assert spared and all(e.node_id == "b" and "node a" in e.message for e in spared), spared
+
+
+def test_a_node_alone_failing_before_its_group_is_still_excluded():
+    # b's workers fail at start (its own disk lacks a file, say); a's are b's victims, reported or not
+    rz = running(exclude_after=2)
+    for now in (10.0, 20.0):
+        r = rz.jobs[JOB].round.round_id
+        failure = WorkerFailure(local_rank=0, rank=1, exitcode=1, timestamp=now, before_group=True)
+        rz.handle(JOB, FailureReport(v=1, node_id="b", round_id=r, failures=[failure]), now + 0.1)
+    job = rz.jobs[JOB]
+    assert job.excluded == ["b"] and job.nodes["b"].exclusions == 1
