@@ -96,10 +96,15 @@ def elsewhere(job: JobRecord, node: NodeRecord, first: WorkerFailure, now: float
     against `node`, did too ("": none): the same start-up failure on two nodes is the script's (an ImportError, a
     bad path), not a node's, so it excludes neither (their budget still ends the job). A late report proves it of
     one round (shared), but the others' workers are often stopped before they fail: this holds across rounds."""
-    if not first.before_group:
-        return ""
-    return next((n.node_id for n in job.nodes.values() if n.node_id != node.node_id
-                 and 0 < n.alone_failed_at > now - job.config.exclude_window_s), "")
+    return next(iter(alike(job, node, first, now)[1:]), "")
+
+
+def alike(job: JobRecord, node: NodeRecord, first: WorkerFailure, now: float) -> list[str]:
+    """`node` and the other nodes whose workers failed before their process group within the window, as `first`
+    did ([]: it did not, or no other node did): the job's end names them (reports.fail_round)."""
+    others = [n.node_id for n in job.nodes.values() if n.node_id != node.node_id
+              and 0 < n.alone_failed_at > now - job.config.exclude_window_s] if first.before_group else []
+    return [node.node_id, *others] if others else []
 
 
 def excludes(rules: JobRules, node: NodeRecord, first: WorkerFailure, now: float) -> bool:

@@ -129,7 +129,12 @@ def fail_round(rules: JobRules, node: NodeRecord, round_id: int, failures: list[
         blame.count(rules, node, now)
     cfg = job.config
     if job.restart_count > cfg.max_restarts:
-        rules.finish(now, JobState.FAILED, f"worker failures exceeded max_restarts={cfg.max_restarts}; "
+        # said before the root cause, which a late report may replace (blame.late_root_cause)
+        nodes = blame.alike(job, node, first, now)
+        alike = f" (the workers failed at start, before their process group, on {len(nodes)} nodes: " \
+            f"{', '.join(nodes[:5])}{', ...' if len(nodes) > 5 else ''}: the script's error, not a node's; " \
+            f"their output says which)" if nodes else ""
+        rules.finish(now, JobState.FAILED, f"worker failures exceeded max_restarts={cfg.max_restarts}{alike}; "
                     f"root cause: {describe(job.root_cause or first)}")
         return ""
     rules.out.restarts.append(job.job_id)

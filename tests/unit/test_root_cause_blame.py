@@ -315,3 +315,23 @@ def test_a_node_alone_failing_before_its_group_is_still_excluded():
         rz.handle(JOB, FailureReport(v=1, node_id="b", round_id=r, failures=[failure]), now + 0.1)
     job = rz.jobs[JOB]
     assert job.excluded == ["b"] and job.nodes["b"].exclusions == 1
+
+
+def test_the_jobs_end_says_the_script_failed_at_start_on_more_than_one_node():
+    rz = running()
+    rz.jobs[JOB].config = msgspec.structs.replace(CFG, max_restarts=1)
+    script_fails_everywhere(rz, 10.0)     # both nodes' workers fail before their group
+    script_fails_everywhere(rz, 20.0)     # the budget's end: b's report is the counted one
+    job = rz.jobs[JOB]
+    assert job.state is JobState.FAILED, job.reason
+    assert "before their process group, on 2 nodes: b, a: the script's error, not a node's" in job.reason, job.reason
+    assert job.reason.startswith("worker failures exceeded max_restarts=1") and "; root cause: " in job.reason
+
+
+def test_the_jobs_end_names_no_script_error_when_one_node_failed_alone():
+    rz = running()
+    rz.jobs[JOB].config = msgspec.structs.replace(CFG, max_restarts=0)
+    failure = WorkerFailure(local_rank=0, rank=1, exitcode=1, timestamp=10.0, before_group=True)
+    rz.handle(JOB, FailureReport(v=1, node_id="b", round_id=rz.jobs[JOB].round.round_id, failures=[failure]), 10.1)
+    job = rz.jobs[JOB]
+    assert job.state is JobState.FAILED and "script's error" not in job.reason, job.reason
