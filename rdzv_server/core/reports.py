@@ -142,7 +142,12 @@ def fail_round(rules: JobRules, node: NodeRecord, round_id: int, failures: list[
     why = f"{what} on {node.node_id} ({describe(first)}); restart {job.restart_count}/{cfg.max_restarts}"
     asked = suspects.asking(cfg, failures) if cause is RoundCause.FAILURE else \
         failures[0] if cause is RoundCause.DIVERGED and blamed else None
-    if asked is not None:
+    nodes = blame.alike(job, node, asked, now) if asked is not None and cause is RoundCause.FAILURE else []
+    if asked is not None and nodes:     # every node asking at start: the script's own exit code, not a node's
+        rules.record(now, EventKind.NOT_EXCLUDED, f"node {node.node_id} is no suspect: its {describe(asked)} came "
+                     f"before its process group, as other nodes' workers failed within {cfg.exclude_window_s:g}s "
+                     f"({', '.join(nodes[1:4])}): the script's error, not a node's", node.node_id, round_id)
+    elif asked is not None:
         suspects.act(rules, node, asked, round_id, now)
     elif blamed and blame.excludes(rules, node, first, now):
         exclusions.exclude(rules, node, now)

@@ -335,3 +335,32 @@ def test_the_jobs_end_names_no_script_error_when_one_node_failed_alone():
     rz.handle(JOB, FailureReport(v=1, node_id="b", round_id=rz.jobs[JOB].round.round_id, failures=[failure]), 10.1)
     job = rz.jobs[JOB]
     assert job.state is JobState.FAILED and "script's error" not in job.reason, job.reason
+
+
+def test_a_suspect_exit_code_at_start_on_every_node_makes_no_node_a_suspect():
+    # A script exiting 17 (say, sys.exit(errno) after a FileExistsError) at start on every node asks for no
+    # other hardware: excluding each node "as a suspect twice" shrank the job to nothing.
+    rz = running(exclude_after=3)
+    r = rz.jobs[JOB].round.round_id
+    for node, at in (("b", 10.0), ("a", 10.2)):
+        failure = WorkerFailure(local_rank=0, rank=0, exitcode=17, timestamp=at, before_group=True)
+        rz.handle(JOB, FailureReport(v=1, node_id=node, round_id=r, failures=[failure]), at + 0.1)
+    for now in (20.0, 30.0, 40.0):
+        r = rz.jobs[JOB].round.round_id
+        failure = WorkerFailure(local_rank=0, rank=1, exitcode=17, timestamp=now, before_group=True)
+        rz.handle(JOB, FailureReport(v=1, node_id="b", round_id=r, failures=[failure]), now + 0.1)
+    job = rz.jobs[JOB]
+    # (round 1's first report came before any evidence: one suspicion, which a second would have made an exclusion)
+    assert job.excluded == [] and len(job.nodes["b"].suspect_times) == 1, [e.message for e in job.events]
+    assert job.round is not None and list(job.round.members) == ["a", "b"]
+    assert any(e.kind == "node_not_excluded" and "is no suspect" in e.message for e in job.events)
+
+
+def test_a_suspect_exit_code_on_one_node_alone_still_makes_it_a_suspect():
+    rz = running(exclude_after=3)
+    for now in (10.0, 20.0):
+        r = rz.jobs[JOB].round.round_id
+        failure = WorkerFailure(local_rank=0, rank=1, exitcode=17, timestamp=now, before_group=True)
+        rz.handle(JOB, FailureReport(v=1, node_id="b", round_id=r, failures=[failure]), now + 0.1)
+    job = rz.jobs[JOB]
+    assert job.excluded == ["b"] and len(job.nodes["b"].suspect_times) == 2
