@@ -16,6 +16,7 @@ import hmac
 import json
 import os
 import ssl
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
@@ -23,6 +24,7 @@ from node_agent.copies import files, stream, wire
 from node_agent.copies.stream import StreamError
 from node_agent.copies.wire import Answer, WireError
 from node_agent.training.snapshot import mark_fetched, remove
+from node_agent.training.snapshot import steps as snapshot_steps
 from protocol import keepalive
 
 # A source answers a fetch at once (its file is there or not): one that does not connect and answer within this
@@ -33,6 +35,9 @@ FETCH_ANSWER_S = 10.0
 # asks again at once).
 FETCH_BUSY_TRIES = 5
 FETCH_BUSY_WAIT_S = 0.2
+# The copy before the newest (a spare: _fetch_spares) is taken only within this share of a fetch's bound, so a slow
+# one never costs the newest (the caller's bound on the whole fetch is the same figure).
+SPARE_BY = 0.9
 
 
 @dataclass(frozen=True)
@@ -153,18 +158,19 @@ def _not_go(answer: Answer) -> str:
 
 async def fetch(addr: str, port: int, *, key: str, node_id: str, local_rank: int, dest_dir: str,
                 max_bytes: int | None = None, timeout_s: float = 60.0,
-                tls: ssl.SSLContext | None = None, step: int | None = None) -> FetchResult:
-    """Bring the holder's copy of (node_id, local_rank) into `dest_dir` as `step-S`: its newest, or `step`."""
+                tls: ssl.SSLContext | None = None, step: int | None = None, before: bool = False) -> FetchResult:
+    """Bring the holder's copy of (node_id, local_rank) into `dest_dir` as `step-S`: its newest, or `step` (with
+    `before`, the newest below it: not marked fetched, the newest is)."""
     try:
-        line = wire.fetch_line(wire.FetchRequest(key, node_id, local_rank, step))
+        line = wire.fetch_line(wire.FetchRequest(key, node_id, local_rank, step, before))
     except WireError as exc:
         return FetchResult(None, f"bad request: {exc}", 0)
     got = _Count()
     for _ in range(FETCH_BUSY_TRIES - 1):
-        if (result := await _fetch_once(addr, port, line, dest_dir, max_bytes, timeout_s, tls, step, got)):
+        if (result := await _fetch_once(addr, port, line, dest_dir, max_bytes, timeout_s, tls, (step, before), got)):
             return result
         await _busy_back_off()
-    return await _fetch_once(addr, port, line, dest_dir, max_bytes, timeout_s, tls, step, got) or \
+    return await _fetch_once(addr, port, line, dest_dir, max_bytes, timeout_s, tls, (step, before), got) or \
         FetchResult(None, f"refused: the holder stayed busy ({FETCH_BUSY_TRIES} asks)", 0)
 
 
@@ -176,16 +182,51 @@ async def fetch_ranks(addr: str, port: int, key: str, node_id: str, dirs: dict[i
     def one(rank: int, where: str, step: int | None = None) -> Awaitable[FetchResult]:
         return fetch(addr, port, key=key, node_id=node_id, local_rank=rank, dest_dir=where, max_bytes=max_bytes,
                      timeout_s=timeout_s, tls=tls, step=step)
-    ranks = sorted(dirs.items())
+    ranks, began = sorted(dirs.items()), time.monotonic()
     got = list(await asyncio.gather(*(one(rank, where, want) for rank, where in ranks)))
     steps = [r.step for r in got]
-    if None in steps or len(set(steps)) == 1:
-        return got
-    common = min(s for s in steps if s is not None)
-    again = await asyncio.gather(*(one(rank, where, common) for (rank, where), s in zip(ranks, steps, strict=True)
-                                   if s != common))
-    newer = iter(again)
-    return [r if r.step == common else next(newer) for r in got]
+    if None not in steps and len(set(steps)) > 1:
+        common = min(s for s in steps if s is not None)
+        again = await asyncio.gather(*(one(rank, where, common) for (rank, where), s in zip(ranks, steps, strict=True)
+                                       if s != common))
+        newer = iter(again)
+        got = [r if r.step == common else next(newer) for r in got]
+    if (step := got[0].step if got else None) is not None and all(r.step == step for r in got):
+        await _fetch_spares(ranks, step, max_bytes, timeout_s * SPARE_BY - (time.monotonic() - began),
+                            lambda rank, where, room: fetch(addr, port, key=key, node_id=node_id, local_rank=rank,
+                                                            dest_dir=where, max_bytes=room, timeout_s=timeout_s,
+                                                            tls=tls, step=step, before=True))
+    return got
+
+
+async def _fetch_spares(ranks: list[tuple[int, str]], step: int, max_bytes: int | None, left_s: float,
+                        one: Callable[[int, str, int | None], Awaitable[FetchResult]]) -> None:
+    """Beside each rank's `step`, its copy before it where the holder kept one (files.spares), it fits the rank's
+    `max_bytes` next to `step`, and it comes within `left_s`: two nodes lost together whose copies landed a
+    snapshot apart (75 and 70) then share 70, which agreed_step finds, where every rank went to step 0 (a review).
+    Kept only where every rank got the same step (none half there); an older holder takes no such ask: none."""
+    rooms = [None if max_bytes is None else max_bytes - _size(os.path.join(where, f"step-{step}"))
+             for _, where in ranks]
+    if left_s <= 0 or any(room is not None and room <= 0 for room in rooms):
+        return
+    had = [set(snapshot_steps(where)) for _, where in ranks]
+    try:
+        got = await asyncio.wait_for(asyncio.gather(*(one(rank, where, room) for (rank, where), room
+                                                      in zip(ranks, rooms, strict=True))), left_s)
+        if len({r.step for r in got}) == 1 and got[0].step is not None:
+            return
+    except asyncio.TimeoutError:     # (each fetch cancelled removes its .tmp) the newest stands, alone
+        pass
+    for (_, where), before in zip(ranks, had, strict=True):
+        for old in set(snapshot_steps(where)) - before - {step}:
+            remove(os.path.join(where, f"step-{old}"))
+
+
+def _size(path: str) -> int:
+    try:
+        return os.path.getsize(path)
+    except OSError:
+        return 0
 
 
 async def _busy_back_off() -> None:
@@ -193,8 +234,9 @@ async def _busy_back_off() -> None:
 
 
 async def _fetch_once(addr: str, port: int, line: bytes, dest_dir: str, max_bytes: int | None, timeout_s: float,
-                      tls: ssl.SSLContext | None, step: int | None, got: _Count) -> FetchResult | None:
-    """One ask of `fetch`'s; None where the holder answered busy."""
+                      tls: ssl.SSLContext | None, want: tuple[int | None, bool], got: _Count) -> FetchResult | None:
+    """One ask of `fetch`'s (`want`: its step, and whether below it); None where the holder answered busy."""
+    step, before = want
     try:
         async with _ask(addr, port, line, min(timeout_s, FETCH_ANSWER_S), tls) as (reader, _, answer):
             if answer.kind == "none":
@@ -203,12 +245,13 @@ async def _fetch_once(addr: str, port: int, line: bytes, dest_dir: str, max_byte
                 return None
             if answer.kind != "copy" or answer.step is None or answer.size is None:
                 return FetchResult(None, _not_go(answer), 0)
-            if step is not None and answer.step != step:
-                return FetchResult(None, f"asked for step {step}, answered with step {answer.step}", 0)
+            if step is not None and (answer.step >= step if before else answer.step != step):
+                return FetchResult(None, f"asked for step {'below ' * before}{step}, answered with step "
+                                         f"{answer.step}", 0)
             if max_bytes is not None and answer.size > max_bytes:
                 return FetchResult(None, f"too large: the copy of step {answer.step} is {answer.size} bytes, "
                                          f"over the {max_bytes} allowed", 0)
-            return await _receive_copy(reader, dest_dir, answer.step, answer.size, timeout_s, got)
+            return await _receive_copy(reader, dest_dir, answer.step, answer.size, timeout_s, got, mark=not before)
     except _Unreachable as exc:
         return FetchResult(None, str(exc), 0)
     except (StreamError, WireError, OSError) as exc:
@@ -216,7 +259,7 @@ async def _fetch_once(addr: str, port: int, line: bytes, dest_dir: str, max_byte
 
 
 async def _receive_copy(reader: asyncio.StreamReader, dest_dir: str, step: int, size: int, timeout_s: float,
-                        got: _Count) -> FetchResult:
+                        got: _Count, mark: bool = True) -> FetchResult:
     """The copy's bytes into `step-S.tmp`, renamed to `step-S` only when they match the trailer."""
     final = os.path.join(dest_dir, f"step-{step}")
     tmp = final + ".tmp"
@@ -234,7 +277,8 @@ async def _receive_copy(reader: asyncio.StreamReader, dest_dir: str, step: int, 
             return FetchResult(None, "checksum mismatch", got.n)
         os.replace(tmp, final)
         landed = True
-        mark_fetched(dest_dir, step)     # a copy, which may lag the job: agreed_step counts its rank behind
+        if mark:
+            mark_fetched(dest_dir, step)     # a copy, which may lag the job: agreed_step counts its rank behind
         return FetchResult(step, f"fetched step={step}", got.n)
     except OSError as exc:      # our own file (stream errors are StreamError): no room, or no directory
         return FetchResult(None, f"could not write {tmp}: {exc.strerror or exc}", got.n)

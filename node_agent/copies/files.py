@@ -48,20 +48,34 @@ def copies(root: str) -> list[Copy]:
 
 
 def settle(node_dir: str, landed: str) -> None:
-    """After a copy landed in `landed` (a rank's directory under `node_dir`): each rank keeps its newest copy and
-    the newest step every rank of the node holds (their common step), nothing else; and `landed` no leftover
-    .tmp (its push slot is held). A node lost while its ranks' copies of a step were still landing leaves a step
-    all of them have, for the node taking its place (agreed_step needs one step on every rank)."""
+    """After a copy landed in `landed` (a rank's directory under `node_dir`): each rank keeps its newest copy, the
+    newest step every rank of the node holds (their common step) and the common step before it (a spare: see
+    spares), nothing else; and `landed` no leftover .tmp (its push slot is held). A node lost while its ranks'
+    copies of a step were still landing leaves a step all of them have, for the node taking its place (agreed_step
+    needs one step on every rank)."""
     ranks = [os.path.join(node_dir, r) for r in listdir(node_dir) if RANK_DIR.fullmatch(r)]
     held = {where: complete_steps(where) for where in ranks}
-    common = set.intersection(*map(set, held.values())) if held else set()
-    keep_common = max(common, default=None)
+    common = sorted(set.intersection(*map(set, held.values()))) if held else []
     for where, steps in held.items():
-        keep = {max(steps, default=None), keep_common}
+        keep = {max(steps, default=None), *common[-2:]}
         for name in listdir(where):
             m = OURS.fullmatch(name)
             if m and (int(m.group(1)) not in keep if m.group(2) != ".tmp" else where == landed):
                 remove(os.path.join(where, name))
+
+
+def spares(found: list[Copy]) -> list[Copy]:
+    """The copies kept only while room allows: neither their rank's newest nor their node's common step (settle
+    keeps the common step before it). Two nodes lost together whose copies landed a snapshot apart (one holder had
+    step 75, the other 70) share no step but through them: without, every rank resumed from step 0 (a review).
+    Never counted against a push: the first to go when room is needed (store.py)."""
+    newest: dict[tuple[str, int], int] = {}
+    ranks: dict[str, dict[int, set[int]]] = {}
+    for c in found:
+        newest[(c.node, c.rank)] = max(c.step, newest.get((c.node, c.rank), -1))
+        ranks.setdefault(c.node, {}).setdefault(c.rank, set()).add(c.step)
+    common = {node: max(set.intersection(*held.values()), default=None) for node, held in ranks.items()}
+    return [c for c in found if c.step != newest[(c.node, c.rank)] and c.step != common[c.node]]
 
 
 def drop(where: str, step: int) -> None:
@@ -86,12 +100,14 @@ class CorruptAtRest(Exception):
         self.step = step
 
 
-def open_held(where: str, want: int | None = None) -> tuple[int, int, str] | None:
-    """(open fd, step, stored checksum) of the complete copy in a rank's directory (the newest, or step `want`), or
-    None. A push that lands meanwhile removes the older copy between looking and opening: look again."""
+def open_held(where: str, want: int | None = None, before: bool = False) -> tuple[int, int, str] | None:
+    """(open fd, step, stored checksum) of the complete copy in a rank's directory (the newest, step `want`, or
+    with `before` the newest below it), or None. A push that lands meanwhile removes the older copy between looking
+    and opening: look again."""
     for _ in range(3):
         held = complete_steps(where)
-        step = max(held, default=None) if want is None else want if want in held else None
+        step = max(held, default=None) if want is None else want if want in held and not before else \
+            max((s for s in held if s < want), default=None) if before else None
         if step is None:
             return None
         path = os.path.join(where, f"step-{step}")

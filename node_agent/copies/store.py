@@ -3,7 +3,8 @@ checksum `step-S.sha256`, served one push or fetch per connection (the listener 
 Rules, so a fetcher only ever gets a whole copy that was whole when it came:
 - Only `step-S` with its `.sha256` is held; a push lands in `step-S.tmp`, renamed once its bytes match the
   sender's trailer, and only then are older copies removed, but for the newest step all the node's ranks hold
-  (files.settle): a broken push (short, stalled, corrupted, malformed trailer) leaves the previous copy in place.
+  and the one before it (files.settle): a broken push (short, stalled, corrupted, malformed trailer) leaves the
+  previous copy in place. The one before is a spare (files.spares): kept while room allows, the first to go.
 - A push must carry its node's current key and be of one of that node's ranks, of a round no older than the
   newest held of the node's and not past this node's own, of a step past the one held of its round and no further
   than this node's own ranks have reached (wire.AHEAD_WAIT_S to get there) or the server says the node, gone, noted
@@ -28,11 +29,11 @@ import os
 import shutil
 import time
 from collections.abc import Callable, Collection, Mapping
-from typing import Protocol
 
 from node_agent.copies import files, room, stream, wire
 from node_agent.copies.own import OwnSnapshots
 from node_agent.copies.refusal import NO_KEY, Refusal, parse, stored_failed, unheard
+from node_agent.copies.sources import Sources
 from node_agent.copies.stream import StreamError
 from node_agent.copies.wire import DropRequest, FetchRequest, PushRequest, WireError
 from node_agent.training.snapshot import remove
@@ -42,23 +43,6 @@ STALL_S = 30.0          # a peer sending or reading nothing for this long is giv
 EVICT_AFTER_S = 600.0   # a node's copies not renewed this long may make room for another's (see _make_room)
 ANSWER_S = 5.0          # the most an answer line waits for the peer to take it
 SAY_EVERY_S = 60.0      # a kind of refusal is logged at most once in this long, with how many came since
-
-
-class Source(Protocol):
-    """A node whose copies this node holds: what the key they come with is checked against (the token itself
-    from an older server), its local ranks (0: not said)."""
-    @property
-    def verifier(self) -> str: ...
-    @property
-    def token(self) -> str: ...
-    @property
-    def ranks(self) -> int: ...
-
-
-class Sources(Protocol):
-    """The nodes whose copies this node holds now, by node id (a dict of protocol.messages.CopySource)."""
-    def get(self, node: str, /) -> Source | None: ...
-    def __len__(self) -> int: ...
 
 
 class CopyStore:
@@ -196,7 +180,9 @@ class CopyStore:
         # next snapshot. Only once this one is taken: refused, it leaves the older one be.
         reserved = self._pushing.pop(slot, 0) if under_way is not None else 0
         try:
-            beyond = room.beyond_share(req, self._copies(), self._pushing, self.limit_bytes, len(self._sources))
+            spare = files.spares(held := self._copies())        # room allowing: never a push refused for them
+            beyond = room.beyond_share(req, [c for c in held if c not in spare], self._pushing, self.limit_bytes,
+                                       len(self._sources))
             if beyond is not None:          # refused whatever is evicted: nothing is
                 raise Refusal("limit", f"memory limit full: {beyond}")
             copies = self._make_room(req, self._copies())
@@ -269,6 +255,14 @@ class CopyStore:
         for old in room.superseded(req, copies):        # its own dead weight first
             files.drop(self._dir(old.node, old.rank), old.step)
             over -= old.size
+        # Then the spares: the pusher's, then live sources', then a lost node's (its place's fetch may want it)
+        gone = set(room.superseded(req, copies))
+        for old in sorted(files.spares(copies), key=lambda c: (c.node != req.node, self._sources.get(c.node) is None,
+                                                                c.step)):
+            if over > 0 and old not in gone:
+                files.drop(self._dir(old.node, old.rank), old.step)
+                over -= old.size
+        copies = self._copies()
         last: dict[str, float] = {}
         for c in copies:
             path = os.path.join(self._dir(c.node, c.rank), f"step-{c.step}")
@@ -283,6 +277,11 @@ class CopyStore:
     def _check_room(self, req: PushRequest, copies: list[files.Copy]) -> None:
         free, total = files.space(self.root)
         why = room.refusal(req, copies, self._pushing, self.limit_bytes, len(self._sources), free, total)
+        if why is not None and (spare := files.spares(copies)):     # (a node's share, the file system's reserve)
+            for old in spare:
+                files.drop(self._dir(old.node, old.rank), old.step)
+            free, total = files.space(self.root)
+            why = room.refusal(req, self._copies(), self._pushing, self.limit_bytes, len(self._sources), free, total)
         if why is not None:
             raise Refusal("limit", f"memory limit full: {why}")
 
@@ -337,9 +336,9 @@ class CopyStore:
         if slot in self._ending:    # a review: a member's loop of fetches filled the cap and shut out others' pushes
             raise Refusal("busy", "busy: a fetch of this rank is still ending")
         mine = self._own if self._own is not None and req.node == self._own.node else None
-        own = mine.open(req.rank, req.step) if mine is not None else None
+        own = mine.open(req.rank, req.step) if mine is not None and not req.before else None   # (no spares there)
         opened = (*own[:2], "") if own is not None else None if mine is not None else \
-            self._open_held(req.node, req.rank, req.step)
+            self._open_held(req.node, req.rank, req.step, req.before)
         if opened is None:
             writer.write(wire.NONE)
             return
@@ -379,9 +378,9 @@ class CopyStore:
             else:
                 self._ending.discard(slot)
 
-    def _open_held(self, node: str, rank: int, want: int | None = None) -> tuple[int, int, str] | None:
+    def _open_held(self, node: str, rank: int, want: int | None, before: bool) -> tuple[int, int, str] | None:
         try:
-            return files.open_held(self._dir(node, rank), want)
+            return files.open_held(self._dir(node, rank), want, before)
         except files.CorruptAtRest as exc:      # its checksum file is unreadable: gone
             self._discard(node, rank, exc.step)
             raise Refusal("corrupt", "copy corrupted at rest (its checksum file is unreadable)") from None

@@ -4,6 +4,8 @@
          (G: the pusher's round, its incarnation: a newer round's copies supersede an older one's)
   fetch: `rdzv-agent fetch key=K node=N rank=R`  -> `copy step=S size=B`, B bytes, `sha256=HEX` (or `none`)
          `rdzv-agent fetch-at key=K node=N rank=R step=S`: the same for that step (a node's common step)
+         `rdzv-agent fetch-before key=K node=N rank=R step=S`: the newest held below S (a spare: files.spares;
+         an older holder's listener takes no such line, and the fetcher goes on with the newest alone)
   drop:  `rdzv-agent drop key=K node=N`  -> `dropped` (N's copies removed: it left the job cleanly)
   either may be answered `rdzv-agent refused REASON` instead.
 
@@ -38,7 +40,8 @@ _DECIMAL = re.compile(r"0|[1-9][0-9]{0,17}")       # canonical: no sign, no lead
 _SECRET = re.compile(rb"key=\S*")
 _SECRET_TEXT = re.compile(r"key=\S*")
 _FIELDS = {"push": ("key", "node", "rank", "step", "size", "round"), "fetch": ("key", "node", "rank"),
-           "fetch-at": ("key", "node", "rank", "step"), "drop": ("key", "node")}
+           "fetch-at": ("key", "node", "rank", "step"), "fetch-before": ("key", "node", "rank", "step"),
+           "drop": ("key", "node")}
 _STORED = re.compile(rb"rdzv-agent stored step=(0|[1-9][0-9]{0,17})\n")
 _COPY = re.compile(rb"rdzv-agent copy step=(0|[1-9][0-9]{0,17}) size=(0|[1-9][0-9]{0,12})\n")
 _REFUSED = re.compile(rb"rdzv-agent refused ([ -~]{1,%d})\n" % MAX_REASON)
@@ -100,11 +103,13 @@ class PushRequest:
 
 @dataclass(frozen=True)
 class FetchRequest:
-    """A fetch header (`step`: that step's copy, else the newest); built only with valid fields (else WireError)."""
+    """A fetch header (`step`: that step's copy, else the newest; with `before`, the newest below it); built only
+    with valid fields (else WireError)."""
     key: str
     node: str
     rank: int
     step: int | None = None
+    before: bool = False
 
     def __post_init__(self) -> None:
         check_key(self.key)
@@ -148,8 +153,8 @@ def push_line(request: PushRequest) -> bytes:
 def fetch_line(request: FetchRequest) -> bytes:
     r = request
     if r.step is not None:
-        return b"rdzv-agent fetch-at key=%s node=%s rank=%d step=%d\n" % (r.key.encode(), r.node.encode(), r.rank,
-                                                                          r.step)
+        return b"rdzv-agent %s key=%s node=%s rank=%d step=%d\n" % (b"fetch-before" if r.before else b"fetch-at",
+                                                                    r.key.encode(), r.node.encode(), r.rank, r.step)
     return b"rdzv-agent fetch key=%s node=%s rank=%d\n" % (r.key.encode(), r.node.encode(), r.rank)
 
 
@@ -226,8 +231,8 @@ def parse_request(line: bytes) -> PushRequest | FetchRequest | DropRequest:
     rank = _number("rank", v["rank"], MAX_RANK)
     if verb == "fetch":
         return FetchRequest(v["key"], v["node"], rank)
-    if verb == "fetch-at":
-        return FetchRequest(v["key"], v["node"], rank, _number("step", v["step"], MAX_STEP))
+    if verb in ("fetch-at", "fetch-before"):
+        return FetchRequest(v["key"], v["node"], rank, _number("step", v["step"], MAX_STEP), verb == "fetch-before")
     return PushRequest(v["key"], v["node"], rank, _number("step", v["step"], MAX_STEP),
                        _number("size", v["size"], MAX_SIZE), _number("round", v["round"], MAX_ROUND))
 

@@ -290,7 +290,8 @@ async def test_a_newer_push_replaces_the_copy_only_once_it_is_whole(tmp_path):
             assert busy == client.PushResult(False, "refused: \"busy\"", 0)
             writer.write(new[30_000:] + sha(new))
             assert await line_of(reader) == b"rdzv-agent stored step=2\n"
-        assert store.held() == {(NODE, 0): 2} and files(store) == ["step-2", "step-2.sha256"]
+        # step 1 stays beside it as a spare while room allows (files.spares): the newest is what a fetch gets
+        assert store.held() == {(NODE, 0): 2} and files(store) == ["step-1", "step-1.sha256", "step-2", "step-2.sha256"]
         got, back = await fetch_bytes(port, tmp_path)
     assert got.step == 2 and back == new and troubles(store) == {"busy"}
 
@@ -653,8 +654,10 @@ async def test_a_ranks_next_push_supersedes_its_copy_no_restore_could_use(tmp_pa
         assert sorted((c.rank, c.step) for c in copies_files.copies(store.root)) == [(0, 5), (0, 10), (1, 5), (1, 7)]
         assert (await push(0, 15)).ok, "rank 0's 10 (no use without rank 1's) makes room"
         assert sorted((c.rank, c.step) for c in copies_files.copies(store.root)) == [(0, 5), (0, 15), (1, 5), (1, 7)]
-        assert (await push(1, 15)).ok
-        assert sorted((c.rank, c.step) for c in copies_files.copies(store.root)) == [(0, 15), (1, 15)]
+        assert (await push(1, 15)).ok     # step 5, the common step before 15, stays as a spare while room allows
+        assert sorted((c.rank, c.step) for c in copies_files.copies(store.root)) == [(0, 5), (0, 15), (1, 5), (1, 15)]
+        assert (await push(0, 20)).ok, "the spares go first"
+        assert sorted((c.rank, c.step) for c in copies_files.copies(store.root)) == [(0, 15), (0, 20), (1, 15)]
 
 
 async def test_a_push_refused_whatever_is_evicted_evicts_nothing(tmp_path) -> None:
@@ -728,8 +731,11 @@ async def test_a_nodes_common_step_stays_until_every_rank_has_a_newer_one_and_ca
         missing = await client.fetch("127.0.0.1", port, key=KEY, node_id=NODE, local_rank=1, dest_dir=str(dest),
                                      step=10)
         assert missing.step is None and missing.reason == "no copy held"
-        await push(1, 10)                 # now every rank has step 10: step 5 goes
-        assert (held(0), held(1)) == ([10], [10])
+        await push(1, 10)                 # now every rank has step 10: step 5 is a spare (files.spares)
+        assert (held(0), held(1)) == ([5, 10], [5, 10])
+        await push(0, 15)
+        await push(1, 15)                 # and goes once the next common step is whole
+        assert (held(0), held(1)) == ([10, 15], [10, 15])
 
 
 async def test_a_node_cannot_push_fetch_or_drop_under_another_nodes_id(tmp_path) -> None:
