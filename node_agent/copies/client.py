@@ -175,10 +175,11 @@ async def fetch(addr: str, port: int, *, key: str, node_id: str, local_rank: int
 
 
 async def fetch_ranks(addr: str, port: int, key: str, node_id: str, dirs: dict[int, str], max_bytes: int | None,
-                      timeout_s: float, tls: ssl.SSLContext | None, want: int | None = None) -> list[FetchResult]:
+                      timeout_s: float, tls: ssl.SSLContext | None, want: int | None = None,
+                      spares: bool = True) -> list[FetchResult]:
     """`fetch` of each local rank's newest copy (or step `want`) into its directory in `dirs`; where they differ (the
     node was lost while a step's copies were landing), the newer ones again at the oldest step, which the holder
-    keeps for all of them (files.py)."""
+    keeps for all of them (files.py). With `spares`, the copies before it too (_fetch_spares)."""
     def one(rank: int, where: str, step: int | None = None) -> Awaitable[FetchResult]:
         return fetch(addr, port, key=key, node_id=node_id, local_rank=rank, dest_dir=where, max_bytes=max_bytes,
                      timeout_s=timeout_s, tls=tls, step=step)
@@ -191,7 +192,7 @@ async def fetch_ranks(addr: str, port: int, key: str, node_id: str, dirs: dict[i
                                        if s != common))
         newer = iter(again)
         got = [r if r.step == common else next(newer) for r in got]
-    if (step := got[0].step if got else None) is not None and all(r.step == step for r in got):
+    if spares and (step := got[0].step if got else None) is not None and all(r.step == step for r in got):
         await _fetch_spares(ranks, step, max_bytes, timeout_s * SPARE_BY - (time.monotonic() - began),
                             lambda rank, where, room: fetch(addr, port, key=key, node_id=node_id, local_rank=rank,
                                                             dest_dir=where, max_bytes=room, timeout_s=timeout_s,

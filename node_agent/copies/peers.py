@@ -2,22 +2,20 @@
 rest of this package). A lost node takes its snapshots with it; with a copy of each of its ranks' newest on
 another node, the node that takes its place resumes from that step instead of every rank going back to disk.
 - Each member pushes the newest `step-N` all its local ranks hold to the members its assignment names
-  (`Assignment.replicas`: the server picks them in another failure domain), from the agent, never the
-  worker: a scan of the memory directories every PUSH_SCAN_S, the local ranks' pushes together, sharing
-  --replica-bandwidth, each with this round's id (the node's incarnation: the holder lets a newer round's copy
-  supersede an older round's, so a job that went back, or an agent restarted, copies again). A push is copied
-  only when the holder stored it: a refusal is counted and shown (CopiesNote), said once per kind, tried again
-  RETRY_S later.
+  (`Assignment.replicas`: in another failure domain), from the agent, never the worker: a scan of the memory
+  directories every PUSH_SCAN_S, the local ranks' pushes together, sharing --replica-bandwidth, each with this
+  round's id (the node's incarnation: a newer round's copy supersedes an older round's, so a job that went back,
+  or an agent restarted, copies again). A push is copied only when the holder stored it: a refusal is counted
+  and shown (CopiesNote), said once per kind, tried again RETRY_S later.
 - A node that takes a gone node's place (`Assignment.copies_of`/`copies_at`) fetches that node's copies
-  into its own ranks' memory directories while its workers start (FETCH_LIMIT_S at most; `snapshot.agreed_step`
-  waits for it), so agreed_step finds the step on every rank; the holder drops them once the server heard this
-  node's own copies landed (`heard`). None there: every rank falls back to disk (agreed_step), said in one line.
-  A node back at its own place as a new incarnation (its agent restarted) is told of its own copies: fetched only
-  where its memory did not outlive its predecessor. A node swapped out while it lives (a suspect) is the source
-  of its own snapshots for the node taking its place (copies/own.py): they need no peer copy.
-- Copies held for others live under the node's memory directory: removed with it when the job ends or the
-  node leaves, taken up with it by the node's next agent, or swept (workers/memory.py); a node whose job is
-  over asks its holders to drop its copies at once. A job whose copies go nowhere is said once."""
+  into its own ranks' memory directories while its workers start (FETCH_LIMIT_S at most; agreed_step waits for
+  it); the holder drops them once the server heard this node's own copies landed. None there: every rank falls
+  back to disk (agreed_step), said in one line. A node back at its own place as a new incarnation (its agent
+  restarted) is told of its own copies: fetched only where its memory did not outlive its predecessor. A node
+  swapped out while it lives (a suspect) is the source of its own snapshots for its taker (copies/own.py).
+- Copies held for others live under the node's memory directory: removed with it when the job ends or the node
+  leaves, taken up by its next agent, or swept (workers/memory.py); a node whose job is over asks its holders to
+  drop its copies at once. A job whose copies go nowhere is said once."""
 from __future__ import annotations
 
 import asyncio
@@ -179,11 +177,13 @@ class PeerCopies:
                           f"agent: nothing to fetch")
             else:
                 mark_fetching(dirs, True)     # the workers start meanwhile: agreed_step waits while marked
-                # After replicas diverged, the step every rank resumes from, not the gone node's newest.
+                # After replicas diverged, the step every rank resumes from. The copies before the newest only where
+                # another gone node's are wanted too (its newest may be a snapshot apart): a lone loss's is not slowed.
                 want = a.resume_at_most if a.resume_at_most >= 0 else None
                 sources = [a.copies_at, *([a.copies_also] if a.copies_also is not None else [])]
+                spares = bool(set(a.copies_wanted or ()) - set(a.copies_moving) - {a.copies_of})
                 self._fetching = asyncio.create_task(self._fetch_marked(a.copies_of, a.copies_token, sources,
-                                                                        dirs, want))
+                                                                        dirs, want, spares))
         if self.targets and self.key and (self._pusher is None or self._pusher.done()):
             self._pusher = asyncio.create_task(self._push_loop())
 
@@ -192,20 +192,20 @@ class PeerCopies:
             await asyncio.gather(self._fetching, return_exceptions=True)
 
     async def _fetch_marked(self, gone: str, token: str, sources: list[Witness], dirs: dict[int, str],
-                            want: int | None = None) -> None:
+                            want: int | None = None, spares: bool = False) -> None:
         try:
-            await self._fetch(gone, token, sources, dirs, want)
+            await self._fetch(gone, token, sources, dirs, want, spares)
         finally:
             mark_fetching(dirs, False)
 
     async def _fetch(self, gone: str, token: str, sources: list[Witness], dirs: dict[int, str],
-                     want: int | None) -> None:
+                     want: int | None, spares: bool) -> None:
         """From the first source that has a step for every rank (a gone node itself, then its peer copies' holder)."""
         began = time.monotonic()
         for at in sources:
             try:
                 got = await asyncio.wait_for(fetch_ranks(at.addr, at.port, token, gone, dirs, self.memory.rank_limit,
-                                                         FETCH_LIMIT_S, self._connect, want), FETCH_LIMIT_S)
+                                                         FETCH_LIMIT_S, self._connect, want, spares), FETCH_LIMIT_S)
             except asyncio.TimeoutError:      # a cancelled fetch removes its partial file
                 got = [FetchResult(None, f"not all there within {FETCH_LIMIT_S:g}s", 0)]
             if all(r.step is not None for r in got) and len({r.step for r in got}) == 1:

@@ -4,6 +4,7 @@ step every rank holds (snapshot.agreed_step)."""
 from __future__ import annotations
 
 import asyncio
+import inspect
 import os
 import threading
 
@@ -194,3 +195,28 @@ async def test_an_older_holder_that_takes_no_ask_for_the_step_before_leaves_the_
         got = await asyncio.wait_for(client.fetch_ranks("127.0.0.1", port, KEY, "a", {0: dest}, None, WAIT, None),
                                      WAIT)
     assert [r.step for r in got] == [10] and snapshot.steps(dest) == [10]
+
+
+async def test_a_lone_losss_taker_fetches_no_spare_one_lost_with_another_does(tmp_path, monkeypatch) -> None:
+    """A spare doubles what a taker fetches while its workers wait: only where another gone node's copies are
+    wanted in the round too (their newest may be a snapshot apart), never for a node lost alone."""
+    from protocol.messages import Witness
+    from tests.unit.test_copies_agent import agent_side, assignment
+    asked: list[bool] = []
+
+    async def fake_fetch_ranks(*args, **kwargs) -> list[client.FetchResult]:
+        bound = inspect.signature(client.fetch_ranks).bind(*args, **kwargs)
+        bound.apply_defaults()
+        asked.append(bound.arguments["spares"])
+        return [client.FetchResult(None, "none held", 0)]
+
+    monkeypatch.setattr("node_agent.copies.peers.fetch_ranks", fake_fetch_ranks)
+    at = Witness(addr="127.0.0.1", port=9)
+    for wanted, moving, spares in ((("x",), (), False), (("x", "m"), ("m",), False), (("x", "y"), (), True)):
+        copies, dirs = agent_side(tmp_path / "-".join(wanted), "b", [])
+        a = assignment((), copies_of="x", copies_at=at)
+        a = type(a)(**{**{f: getattr(a, f) for f in a.__struct_fields__}, "copies_wanted": wanted,
+                       "copies_moving": moving})
+        await copies.before_spawn(a, dirs)
+        await copies.fetched()
+        assert asked[-1] is spares, (wanted, moving, asked)
