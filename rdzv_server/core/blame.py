@@ -107,6 +107,14 @@ def alike(job: JobRecord, node: NodeRecord, first: WorkerFailure, now: float) ->
     return [node.node_id, *others] if others else []
 
 
+def member_of_failed(job: JobRecord, node: NodeRecord, round_id: int) -> bool:
+    """Whether `node` was a member of `round_id`, the round whose failure was just counted: a late report speaks
+    for its own workers in that round only. Else any node's report on a round long gone, or never run, kept
+    every other node from its exclusion for a window (elsewhere). After shared took the count back, nothing says."""
+    was = job.blame
+    return was is not None and round_id == job.root_cause_round and node.node_id in was.members
+
+
 def excludes(rules: JobRules, node: NodeRecord, first: WorkerFailure, now: float) -> bool:
     """Whether the count just made against `node` excludes it (--exclude-after), and if it does not only
     because another node failed alike (elsewhere), why, in the job's events."""

@@ -28,10 +28,10 @@ def failure(rules: JobRules, node: NodeRecord, req: FailureReport, now: float,
     server's own last outage (Arrival.outage)."""
     job = rules.job
     failures = sorted((_stamp(f, node, now) for f in req.failures), key=lambda f: f.timestamp)
-    if any(f.before_group for f in failures):     # (blame.elsewhere), whatever round the report is on
-        node.alone_failed_at = now
-        rules.node_changed(node.node_id)
     why_not = not_running(rules, node, req.round_id)
+    if any(f.before_group for f in failures) and (not why_not or blame.member_of_failed(job, node, req.round_id)):
+        node.alone_failed_at = now     # (blame.elsewhere) only for a round it speaks for: not one long gone
+        rules.node_changed(node.node_id)
     if why_not:
         if not job.state.finished:
             blame.shared(rules, node, req.round_id, failures, now)    # failed on its own too: no node's fault

@@ -364,3 +364,21 @@ def test_a_suspect_exit_code_on_one_node_alone_still_makes_it_a_suspect():
         rz.handle(JOB, FailureReport(v=1, node_id="b", round_id=r, failures=[failure]), now + 0.1)
     job = rz.jobs[JOB]
     assert job.excluded == ["b"] and len(job.nodes["b"].suspect_times) == 2
+
+
+def test_a_members_report_on_a_round_it_did_not_fail_in_keeps_no_bad_node_in():
+    # b's GPU fails CUDA init before its process group every round, alone. a (buggy, or hostile) sends reports of
+    # a worker failing before its group on rounds it cannot speak for: one long gone, one never run. Only a
+    # member's report on the running round, or on the round just failed, speaks for its workers: else a's stale
+    # word kept b from its exclusion for a whole window, as if the script failed everywhere.
+    rz = running(exclude_after=3)
+    job = rz.jobs[JOB]
+    bogus = WorkerFailure(local_rank=0, rank=0, exitcode=1, timestamp=5.0, before_group=True)
+    for now in (10.0, 20.0, 30.0):
+        r = job.round.round_id
+        for stale in (r + 50, r - 2):      # (at 30.0, r - 2 is the round b failed at 10.0: a was in it, long ago)
+            rz.handle(JOB, FailureReport(v=1, node_id="a", round_id=stale, failures=[bogus]), now - 1.0)
+        failure = WorkerFailure(local_rank=0, rank=1, exitcode=1, timestamp=now, before_group=True)
+        rz.handle(JOB, FailureReport(v=1, node_id="b", round_id=r, failures=[failure]), now + 0.1)
+    assert job.excluded == ["b"] and job.nodes["b"].exclusions == 1, [e.message for e in job.events]
+    assert not any(e.kind == "node_not_excluded" for e in job.events)
