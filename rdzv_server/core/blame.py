@@ -52,10 +52,12 @@ def trusted(job: JobRecord, node_id: str, timestamp: float) -> bool:
                            and (not was.members or node_id in was.members))
 
 
-def excluded(rules: JobRules) -> None:
-    """The count just made excluded its node (undone if the blame moves)."""
+def excluded(rules: JobRules, node: NodeRecord, first: WorkerFailure, now: float) -> None:
+    """The count just made excluded its node (undone if the blame moves, or, for a failure before its process
+    group, if another node's workers fail so: readmit_alike)."""
     if rules.job.blame is not None:
         rules.job.blame.excluded = True
+    node.alone_excluded_at = now if first.before_group else 0.0
 
 
 def late_root_cause(rules: JobRules, node: NodeRecord, round_id: int, first: WorkerFailure, now: float) -> None:
@@ -86,7 +88,7 @@ def late_root_cause(rules: JobRules, node: NodeRecord, round_id: int, first: Wor
     if excludes(rules, node, first, now):
         member = job.round is not None and node.node_id in job.round.members
         exclusions.exclude(rules, node, now)
-        excluded(rules)
+        excluded(rules, node, first, now)
         if member:      # it left the round just formed: the next one forms without it
             rules.form_round(now, f"node {node.node_id} excluded", RoundCause.FAILURE)
 
@@ -130,6 +132,19 @@ def excludes(rules: JobRules, node: NodeRecord, first: WorkerFailure, now: float
     return not other
 
 
+def readmit_alike(rules: JobRules, node: NodeRecord, now: float) -> None:
+    """`node`'s workers just failed before their process group: a node excluded within the window for failures
+    before its own (excludes) is readmitted. In the first rounds the first to report is counted each time and the
+    others' workers are stopped before their own failure, so it was excluded before anything said the script
+    fails everywhere (3 agents, an ImportError: 2 runs of 6). A node excluded for other failures stays out."""
+    job = rules.job
+    for other in [job.nodes[n] for n in job.excluded if n != node.node_id and n in job.nodes]:
+        if 0 < other.alone_excluded_at > now - job.config.exclude_window_s:
+            other.alone_excluded_at, other.exclusions = 0.0, max(0, other.exclusions - 1)
+            _readmit(rules, other, now, [], f"its workers failed before their process group, as node "
+                                            f"{node.node_id}'s did too since (the script's error, not a node's)")
+
+
 def shared(rules: JobRules, node: NodeRecord, round_id: int, failures: list[WorkerFailure], now: float) -> None:
     """A late report on the round just counted, from another of its members, names a worker that failed before
     its process group (no peer's loss broke it) while the counted one did too: the workers failed on their own on
@@ -165,10 +180,16 @@ def _unblame(rules: JobRules, node: NodeRecord, was: Blame, round_id: int, now: 
     rules.node_changed(node.node_id)
     if node.node_id not in job.excluded:
         return                               # its exclusion already ended (or an operator cleared it)
-    node.excluded_until, node.failure_times = now, list(was.before)
+    _readmit(rules, node, now, list(was.before), f"its failure in round {round_id} {why}")
+
+
+def _readmit(rules: JobRules, node: NodeRecord, now: float, failure_times: list[float], why: str) -> None:
+    """End `node`'s exclusion now, its failures toward the next one `failure_times`: admitted, or lost when its
+    agent is gone."""
+    job = rules.job
+    node.excluded_until, node.failure_times = now, failure_times
     rules.node_changed(node.node_id)
-    rules.record(now, EventKind.NODE_READMITTED, f"node {node.node_id} readmitted: its failure in round {round_id} "
-                 f"{why}", node.node_id)
+    rules.record(now, EventKind.NODE_READMITTED, f"node {node.node_id} readmitted: {why}", node.node_id)
     rules.wake()
     if leases.live(node, now):
         rules.admit(node, now)

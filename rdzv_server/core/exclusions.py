@@ -17,6 +17,7 @@ def exclude(rules: JobRules, node: NodeRecord, now: float, why: str = "") -> Non
     node.exclusions += 1
     node.excluded_until = now + cooldown
     node.held_off = node.slow_out = False
+    node.alone_excluded_at = 0.0      # set again when failures before its group caused it (blame.excluded)
     rules.node_changed(node.node_id)
     rules.out.deadline(node.excluded_until)
     node.failure_times = []

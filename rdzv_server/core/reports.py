@@ -32,6 +32,7 @@ def failure(rules: JobRules, node: NodeRecord, req: FailureReport, now: float,
     if any(f.before_group for f in failures) and (not why_not or blame.member_of_failed(job, node, req.round_id)):
         node.alone_failed_at = now     # (blame.elsewhere) only for a round it speaks for: not one long gone
         rules.node_changed(node.node_id)
+        blame.readmit_alike(rules, node, now)
     if why_not:
         if not job.state.finished:
             blame.shared(rules, node, req.round_id, failures, now)    # failed on its own too: no node's fault
@@ -151,7 +152,7 @@ def fail_round(rules: JobRules, node: NodeRecord, round_id: int, failures: list[
         suspects.act(rules, node, asked, round_id, now)
     elif blamed and blame.excludes(rules, node, first, now):
         exclusions.exclude(rules, node, now)
-        blame.excluded(rules)
+        blame.excluded(rules, node, first, now)
     rules.form_round(now, why, cause, failed_at=first.timestamp)
     return ""
 

@@ -382,3 +382,32 @@ def test_a_members_report_on_a_round_it_did_not_fail_in_keeps_no_bad_node_in():
         rz.handle(JOB, FailureReport(v=1, node_id="b", round_id=r, failures=[failure]), now + 0.1)
     assert job.excluded == ["b"] and job.nodes["b"].exclusions == 1, [e.message for e in job.events]
     assert not any(e.kind == "node_not_excluded" for e in job.events)
+
+
+def test_a_node_excluded_before_any_other_nodes_start_failure_came_is_readmitted_when_one_does():
+    # An ImportError on every node: a's report came first in each of the first rounds, the others' workers were
+    # stopped before their own failure, so nothing yet said the script fails everywhere and a was excluded (3 real
+    # agents: 2 runs of 6). The first other node's workers failing before their group say it: a comes back.
+    rz = running(exclude_after=2)
+    job = rz.jobs[JOB]
+    for now in (10.0, 20.0):
+        failure = WorkerFailure(local_rank=0, rank=0, exitcode=1, timestamp=now, before_group=True)
+        rz.handle(JOB, FailureReport(v=1, node_id="a", round_id=job.round.round_id, failures=[failure]), now + 0.1)
+    assert job.excluded == ["a"]
+    failure = WorkerFailure(local_rank=0, rank=0, exitcode=1, timestamp=30.0, before_group=True)
+    rz.handle(JOB, FailureReport(v=1, node_id="b", round_id=job.round.round_id, failures=[failure]), 30.1)
+    assert job.excluded == [] and job.nodes["a"].exclusions == 0, [e.message for e in job.events]
+    back = [e.message for e in job.events if e.kind == "node_readmitted" and e.node_id == "a"]
+    assert len(back) == 1 and "before their process group, as node b's" in back[0], back
+    assert job.round is not None and sorted(job.round.members) == ["a", "b"]
+
+
+def test_a_node_excluded_for_failures_after_its_group_stays_out_when_another_fails_at_start():
+    rz = running(exclude_after=2)
+    job = rz.jobs[JOB]
+    for now in (10.0, 20.0):
+        failure = WorkerFailure(local_rank=0, rank=0, exitcode=1, timestamp=now)     # it had begun its group
+        rz.handle(JOB, FailureReport(v=1, node_id="a", round_id=job.round.round_id, failures=[failure]), now + 0.1)
+    failure = WorkerFailure(local_rank=0, rank=0, exitcode=1, timestamp=30.0, before_group=True)
+    rz.handle(JOB, FailureReport(v=1, node_id="b", round_id=job.round.round_id, failures=[failure]), 30.1)
+    assert job.excluded == ["a"] and job.nodes["a"].exclusions == 1
