@@ -148,8 +148,8 @@ def fail_round(rules: JobRules, node: NodeRecord, round_id: int, failures: list[
         rules.record(now, EventKind.NOT_EXCLUDED, f"node {node.node_id} is no suspect: its {describe(asked)} came "
                      f"before its process group, as other nodes' workers failed within {cfg.exclude_window_s:g}s "
                      f"({', '.join(nodes[1:4])}): the script's error, not a node's", node.node_id, round_id)
-    elif asked is not None:
-        suspects.act(rules, node, asked, round_id, now)
+    elif asked is not None and suspects.act(rules, node, asked, round_id, now) is not suspects.Action.KEPT:
+        node.alone_excluded_at = now if asked.before_group else 0.0   # (blame.readmit_alike)
     elif blamed and blame.excludes(rules, node, first, now):
         exclusions.exclude(rules, node, now)
         blame.excluded(rules, node, first, now)

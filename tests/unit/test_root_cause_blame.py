@@ -411,3 +411,17 @@ def test_a_node_excluded_for_failures_after_its_group_stays_out_when_another_fai
     failure = WorkerFailure(local_rank=0, rank=0, exitcode=1, timestamp=30.0, before_group=True)
     rz.handle(JOB, FailureReport(v=1, node_id="b", round_id=job.round.round_id, failures=[failure]), 30.1)
     assert job.excluded == ["a"] and job.nodes["a"].exclusions == 1
+
+
+def test_a_suspect_excluded_before_any_other_nodes_start_failure_came_is_readmitted_when_one_does():
+    # A script exiting 17 at start everywhere: a's report came first in rounds 1 and 2, before any other node's
+    # failure, so a was "a suspect twice". b's workers then fail before their group too: a comes back.
+    rz = running(exclude_after=3)
+    job = rz.jobs[JOB]
+    for now in (10.0, 20.0):
+        failure = WorkerFailure(local_rank=0, rank=0, exitcode=17, timestamp=now, before_group=True)
+        rz.handle(JOB, FailureReport(v=1, node_id="a", round_id=job.round.round_id, failures=[failure]), now + 0.1)
+    assert job.excluded == ["a"], [e.message for e in job.events]
+    failure = WorkerFailure(local_rank=0, rank=0, exitcode=17, timestamp=30.0, before_group=True)
+    rz.handle(JOB, FailureReport(v=1, node_id="b", round_id=job.round.round_id, failures=[failure]), 30.1)
+    assert job.excluded == [] and job.round is not None and sorted(job.round.members) == ["a", "b"]
