@@ -96,11 +96,12 @@ async def test_a_kill_reaches_a_group_whose_stop_waits_for_its_writes(tmp_path) 
     await asyncio.wait_for(stopping, LIMIT)
 
 
-def note_start(launch: WorkerLaunch, *milestones: str) -> None:
-    """Write what a worker's probe writes as it reaches `milestones` (probe.py's record and its times)."""
+def note_start(launch: WorkerLaunch, *milestones: str, steps: int = 0) -> None:
+    """Write what a worker's probe writes as it reaches `milestones`, `steps` counted (probe.py's record, times)."""
     assert launch.probe is not None
     with open(launch.probe.record, "r+b") as f:
-        f.write(probe.RECORD.pack(probe.MAGIC, probe.VERSION, 0, 0, 0.0, 0.0, 4242, 0, 1, -1))
+        f.write(probe.RECORD.pack(probe.MAGIC, probe.VERSION, 0, steps, 4.0 if steps else 0.0,
+                                  4.5 if steps else 0.0, 4242, 0, 1, -1))
         f.seek(probe.TIMES_AT)
         f.write(probe.TIMES.pack(*(5.0 if m in milestones else 0.0 for m in probe.MILESTONES)))
 
@@ -118,3 +119,17 @@ async def test_a_worker_that_failed_before_its_process_group_says_so(tmp_path) -
     assert [(f.local_rank, f.before_group) for f in fact.failures] == [(0, True), (1, False)]
     await workers.close()
 
+
+async def test_a_worker_that_stepped_without_a_process_group_is_past_its_start(tmp_path) -> None:
+    # A program that never calls init_process_group (torch.distributed.rpc, its own sockets) and fails after its
+    # optimizer stepped may be a peer's victim: said "before its group", it took the count off the culprit's node
+    # (blame.shared) and kept every node from its exclusion for a window (blame.elsewhere).
+    workers, groups, facts = local_workers(str(tmp_path))
+    await workers.spawn(assignment(1))
+    note_start(groups[0].launches[0], "started", steps=3)
+    note_start(groups[0].launches[1], "started")
+    groups[0].end(r0=1, r1=1)
+    fact = await asyncio.wait_for(facts.get(), LIMIT)
+    assert isinstance(fact, WorkersExited)
+    assert [(f.local_rank, f.before_group) for f in fact.failures] == [(0, False), (1, True)]
+    await workers.close()
