@@ -112,9 +112,8 @@ def alike(job: JobRecord, node: NodeRecord, first: WorkerFailure, now: float) ->
 def member_of_failed(job: JobRecord, node: NodeRecord, round_id: int) -> bool:
     """Whether `node` was a member of `round_id`, the round whose failure was just counted: a late report speaks
     for its own workers in that round only. Else any node's report on a round long gone, or never run, kept
-    every other node from its exclusion for a window (elsewhere). After shared took the count back, nothing says."""
-    was = job.blame
-    return was is not None and round_id == job.root_cause_round and node.node_id in was.members
+    every other node from its exclusion for a window (elsewhere)."""
+    return round_id == job.root_cause_round and node.node_id in job.root_cause_members
 
 
 def excludes(rules: JobRules, node: NodeRecord, first: WorkerFailure, now: float) -> bool:
@@ -210,6 +209,7 @@ def ended_round(rules: JobRules, node: NodeRecord, round_id: int, first: WorkerF
             job.root_cause.timestamp <= first.timestamp:
         return True                               # an earlier one of that round is already kept
     job.root_cause, job.root_cause_round, job.last_failure, job.blame = first, round_id, first, None
+    job.root_cause_members = []
     rules.changed()
     rules.record(now, EventKind.WORKER_FAILED, f"{describe(first)} on node {node.node_id}, in round {round_id} "
                  f"that had already ended (no restart counted)", node.node_id, round_id,

@@ -232,6 +232,7 @@ class JobRecord(msgspec.Struct, kw_only=True):
     successes: list[str] = msgspec.field(default_factory=list)
     root_cause: WorkerFailure | None = None        # first failure in time of the last failed round
     root_cause_round: int = -1
+    root_cause_members: list[str] = msgspec.field(default_factory=list)   # that round's, as it failed
     last_failure: WorkerFailure | None = None
     blame: Blame | None = None                   # who root_cause_round's failure counts against (blame.py)
     held_failure: HeldFailure | None = None      # a failure judged once every member is heard (reports.py)

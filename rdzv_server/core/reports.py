@@ -117,6 +117,7 @@ def fail_round(rules: JobRules, node: NodeRecord, round_id: int, failures: list[
                f"likelier cause)"
     first = failures[0]
     job.root_cause, job.root_cause_round, job.last_failure, job.blame = first, round_id, first, None
+    job.root_cause_members = rules.members()
     job.restart_count += 1
     for f in failures[:MAX_FAILURE_EVENTS]:
         rules.record(now, EventKind.WORKER_FAILED, describe(f), node.node_id, round_id,

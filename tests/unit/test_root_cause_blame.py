@@ -425,3 +425,21 @@ def test_a_suspect_excluded_before_any_other_nodes_start_failure_came_is_readmit
     failure = WorkerFailure(local_rank=0, rank=0, exitcode=17, timestamp=30.0, before_group=True)
     rz.handle(JOB, FailureReport(v=1, node_id="b", round_id=job.round.round_id, failures=[failure]), 30.1)
     assert job.excluded == [] and job.round is not None and sorted(job.round.members) == ["a", "b"]
+
+
+def test_the_jobs_end_names_every_member_whose_late_report_said_it_failed_at_start():
+    # 6 nodes, all failing at start: the first report of round 1 is counted, the next takes it back (shared), and
+    # the 4 after it must still count as their own (members of the round just failed), though no blame is left.
+    rz, config = Rendezvous(), msgspec.structs.replace(CFG, min_nodes=6, max_nodes=6, max_restarts=1)
+    nodes = [f"n{i}" for i in range(6)]
+    for i, n in enumerate(nodes):
+        rz.handle(JOB, JoinRequest(v=1, node_id=n, addr=f"addr-{n}", local_world_size=1, master_port=20000 + i,
+                                   config=config, instance=f"{n}#1"), i * 0.01)
+    job = rz.jobs[JOB]
+    for now in (10.0, 20.0):
+        r = job.round.round_id
+        for k, n in enumerate(nodes):
+            failure = WorkerFailure(local_rank=0, rank=k, exitcode=1, timestamp=now, before_group=True)
+            rz.handle(JOB, FailureReport(v=1, node_id=n, round_id=r, failures=[failure]), now + 0.1 + k * 0.01)
+    assert job.state is JobState.FAILED
+    assert "before their process group, on 6 nodes: n0, n1, n2, n3, n4, ...: the script's" in job.reason, job.reason
