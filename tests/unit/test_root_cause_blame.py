@@ -262,6 +262,15 @@ def script_fails_everywhere(rz: Rendezvous, now: float, a_grouped: bool = False)
         rz.handle(JOB, FailureReport(v=1, node_id=node, round_id=r, failures=[failure]), came)
 
 
+def fails(rz: Rendezvous, node: str, at: float, rank: int = 0, exitcode: int = 1, before_group: bool = True,
+          round_id: int | None = None) -> None:
+    """`node` reports its worker failing at `at` (before its process group by default), 0.1 s later, on the
+    running round (or `round_id`)."""
+    failure = WorkerFailure(local_rank=0, rank=rank, exitcode=exitcode, timestamp=at, before_group=before_group)
+    r = rz.jobs[JOB].round.round_id if round_id is None else round_id
+    rz.handle(JOB, FailureReport(v=1, node_id=node, round_id=r, failures=[failure]), at + 0.1)
+
+
 def test_a_script_failing_before_its_group_on_every_node_excludes_none():
     rz = running(exclude_after=2)
     for now in (10.0, 20.0, 30.0):
@@ -296,9 +305,7 @@ def test_counts_with_no_late_report_exclude_none_once_another_node_failed_alike(
     rz = running(exclude_after=2)
     script_fails_everywhere(rz, 10.0)
     for now in (20.0, 30.0, 40.0):
-        r = rz.jobs[JOB].round.round_id
-        failure = WorkerFailure(local_rank=0, rank=1, exitcode=1, timestamp=now, before_group=True)
-        rz.handle(JOB, FailureReport(v=1, node_id="b", round_id=r, failures=[failure]), now + 0.1)
+        fails(rz, "b", now, rank=1)
     job = rz.jobs[JOB]
     assert job.excluded == [] and job.nodes["b"].exclusions == 0
     assert job.round is not None and list(job.round.members) == ["a", "b"] and job.restart_count == 4
@@ -310,9 +317,7 @@ def test_a_node_alone_failing_before_its_group_is_still_excluded():
     # b's workers fail at start (its own disk lacks a file, say); a's are b's victims, reported or not
     rz = running(exclude_after=2)
     for now in (10.0, 20.0):
-        r = rz.jobs[JOB].round.round_id
-        failure = WorkerFailure(local_rank=0, rank=1, exitcode=1, timestamp=now, before_group=True)
-        rz.handle(JOB, FailureReport(v=1, node_id="b", round_id=r, failures=[failure]), now + 0.1)
+        fails(rz, "b", now, rank=1)
     job = rz.jobs[JOB]
     assert job.excluded == ["b"] and job.nodes["b"].exclusions == 1
 
@@ -346,9 +351,7 @@ def test_a_suspect_exit_code_at_start_on_every_node_makes_no_node_a_suspect():
         failure = WorkerFailure(local_rank=0, rank=0, exitcode=17, timestamp=at, before_group=True)
         rz.handle(JOB, FailureReport(v=1, node_id=node, round_id=r, failures=[failure]), at + 0.1)
     for now in (20.0, 30.0, 40.0):
-        r = rz.jobs[JOB].round.round_id
-        failure = WorkerFailure(local_rank=0, rank=1, exitcode=17, timestamp=now, before_group=True)
-        rz.handle(JOB, FailureReport(v=1, node_id="b", round_id=r, failures=[failure]), now + 0.1)
+        fails(rz, "b", now, rank=1, exitcode=17)
     job = rz.jobs[JOB]
     # (round 1's first report came before any evidence: one suspicion, which a second would have made an exclusion)
     assert job.excluded == [] and len(job.nodes["b"].suspect_times) == 1, [e.message for e in job.events]
@@ -359,9 +362,7 @@ def test_a_suspect_exit_code_at_start_on_every_node_makes_no_node_a_suspect():
 def test_a_suspect_exit_code_on_one_node_alone_still_makes_it_a_suspect():
     rz = running(exclude_after=3)
     for now in (10.0, 20.0):
-        r = rz.jobs[JOB].round.round_id
-        failure = WorkerFailure(local_rank=0, rank=1, exitcode=17, timestamp=now, before_group=True)
-        rz.handle(JOB, FailureReport(v=1, node_id="b", round_id=r, failures=[failure]), now + 0.1)
+        fails(rz, "b", now, rank=1, exitcode=17)
     job = rz.jobs[JOB]
     assert job.excluded == ["b"] and len(job.nodes["b"].suspect_times) == 2
 
@@ -378,8 +379,7 @@ def test_a_members_report_on_a_round_it_did_not_fail_in_keeps_no_bad_node_in():
         r = job.round.round_id
         for stale in (r + 50, r - 2):      # (at 30.0, r - 2 is the round b failed at 10.0: a was in it, long ago)
             rz.handle(JOB, FailureReport(v=1, node_id="a", round_id=stale, failures=[bogus]), now - 1.0)
-        failure = WorkerFailure(local_rank=0, rank=1, exitcode=1, timestamp=now, before_group=True)
-        rz.handle(JOB, FailureReport(v=1, node_id="b", round_id=r, failures=[failure]), now + 0.1)
+        fails(rz, "b", now, rank=1, round_id=r)
     assert job.excluded == ["b"] and job.nodes["b"].exclusions == 1, [e.message for e in job.events]
     assert not any(e.kind == "node_not_excluded" for e in job.events)
 
@@ -391,11 +391,9 @@ def test_a_node_excluded_before_any_other_nodes_start_failure_came_is_readmitted
     rz = running(exclude_after=2)
     job = rz.jobs[JOB]
     for now in (10.0, 20.0):
-        failure = WorkerFailure(local_rank=0, rank=0, exitcode=1, timestamp=now, before_group=True)
-        rz.handle(JOB, FailureReport(v=1, node_id="a", round_id=job.round.round_id, failures=[failure]), now + 0.1)
+        fails(rz, "a", now)
     assert job.excluded == ["a"]
-    failure = WorkerFailure(local_rank=0, rank=0, exitcode=1, timestamp=30.0, before_group=True)
-    rz.handle(JOB, FailureReport(v=1, node_id="b", round_id=job.round.round_id, failures=[failure]), 30.1)
+    fails(rz, "b", 30.0)
     assert job.excluded == [] and job.nodes["a"].exclusions == 0, [e.message for e in job.events]
     back = [e.message for e in job.events if e.kind == "node_readmitted" and e.node_id == "a"]
     assert len(back) == 1 and "before their process group, as node b's" in back[0], back
@@ -406,10 +404,8 @@ def test_a_node_excluded_for_failures_after_its_group_stays_out_when_another_fai
     rz = running(exclude_after=2)
     job = rz.jobs[JOB]
     for now in (10.0, 20.0):
-        failure = WorkerFailure(local_rank=0, rank=0, exitcode=1, timestamp=now)     # it had begun its group
-        rz.handle(JOB, FailureReport(v=1, node_id="a", round_id=job.round.round_id, failures=[failure]), now + 0.1)
-    failure = WorkerFailure(local_rank=0, rank=0, exitcode=1, timestamp=30.0, before_group=True)
-    rz.handle(JOB, FailureReport(v=1, node_id="b", round_id=job.round.round_id, failures=[failure]), 30.1)
+        fails(rz, "a", now, before_group=False)     # it had begun its group
+    fails(rz, "b", 30.0)
     assert job.excluded == ["a"] and job.nodes["a"].exclusions == 1
 
 
@@ -419,11 +415,9 @@ def test_a_suspect_excluded_before_any_other_nodes_start_failure_came_is_readmit
     rz = running(exclude_after=3)
     job = rz.jobs[JOB]
     for now in (10.0, 20.0):
-        failure = WorkerFailure(local_rank=0, rank=0, exitcode=17, timestamp=now, before_group=True)
-        rz.handle(JOB, FailureReport(v=1, node_id="a", round_id=job.round.round_id, failures=[failure]), now + 0.1)
+        fails(rz, "a", now, exitcode=17)
     assert job.excluded == ["a"], [e.message for e in job.events]
-    failure = WorkerFailure(local_rank=0, rank=0, exitcode=17, timestamp=30.0, before_group=True)
-    rz.handle(JOB, FailureReport(v=1, node_id="b", round_id=job.round.round_id, failures=[failure]), 30.1)
+    fails(rz, "b", 30.0, exitcode=17)
     assert job.excluded == [] and job.round is not None and sorted(job.round.members) == ["a", "b"]
 
 
