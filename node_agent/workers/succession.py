@@ -75,11 +75,12 @@ def keep_credential(dirs: MemoryDirs, secret: str) -> None:
 def left_credential(dirs: MemoryDirs) -> str:
     """The secret the node's previous agent kept in its directory, where that agent has ended; "" where none. A
     next agent that ended while it waited for its own predecessor (`predecessor_gone`) held the node's record last:
-    its secret (WAITING) is the one the server knows, whether that predecessor still stops or not."""
+    its secret (WAITING) is the one the server knows, whether that predecessor still stops or not. Told apart
+    by pid and start time (`owners.alive`), never the pid alone: a container's agent is pid 1 after each restart."""
     where = dirs.home
     who, _, waiting = memory.read_text(os.path.join(where, WAITING)).partition("\n")
     pid, _, started = who.partition(" ")
-    if pid.isdigit() and int(pid) != os.getpid() and not owners.alive(int(pid), started) and \
+    if pid.isdigit() and not owners.alive(int(pid), started) and \
             0 < len(waiting) <= MAX_CREDENTIAL:
         return waiting
     claimed = where in owners.claimed_ahead          # taken with its node id (`predecessor`)

@@ -873,3 +873,18 @@ def test_the_secret_of_a_next_agent_that_ended_while_it_waited_is_the_one_its_su
     keep_credential(nxt, "secret-of-the-next")                        # its own, once it runs: the newest
     assert not os.path.exists(os.path.join(home, succession.WAITING))
     nxt.close()
+
+
+def test_a_waiting_secret_left_under_this_agents_pid_by_another_process_is_shown(tmp_path) -> None:
+    """A container restarted (the agent pid 1 in its own pid namespace each time, the node's directory on a volume
+    that outlives it): the agent killed as it waited left WAITING under the same pid as its successor's, another
+    start time. That is an ended agent's secret, shown; only this process's own (pid and start time) is not."""
+    killed_agent(tmp_path, "job", "node-b")         # kept "secret-of-node-b"
+    nxt = MemoryDirs("job", 1, 2**20, say=lambda _: None, base=str(tmp_path), node_id="node-b")
+    path = os.path.join(nxt.home, succession.WAITING)
+    with open(path, "w") as f:
+        f.write(f"{os.getpid()} 1\nsecret-of-the-killed-waiting-one")     # this pid, started at another time
+    assert left_credential(nxt) == "secret-of-the-killed-waiting-one"
+    with open(path, "w") as f:
+        f.write(f"{os.getpid()} {owners.start_time(os.getpid())}\nsecret-of-this-agent")    # its own: never
+    assert left_credential(nxt) == "secret-of-node-b"
