@@ -128,22 +128,30 @@ def test_a_next_agent_slow_to_prepare_keeps_its_place_while_it_prepares(cluster,
         assert agent.wait(LIMIT) == 0, agent.output
 
 
+SLOW_STOP = {"IGNORE_TERM": "1"}      # workers that ignore SIGTERM: their agent's stop takes --stop-timeout
+
+
+def slow_stop_begun(cluster, tmp_path, job: str) -> tuple[dict, str, object, float]:
+    """A 2:3 job of 3 nodes whose workers are slow to stop, every rank stepping and a snapshot of step 10 noted;
+    group rank 1's agent then SIGTERMed: the agents, that node, its stopping agent, and when the stop began."""
+    cluster.start_server()
+    agents = {n: start(cluster, tmp_path, n, job, "2:3", stop_timeout="15", env=SLOW_STOP) for n in ("a", "b", "c")}
+    wait_until(lambda: len({r for *_, r, _ in steps(tmp_path)}) == 6, LIMIT, "every rank stepping")
+    node = next(n["node_id"] for n in job_view(cluster, job)["nodes"] if n["group_rank"] == 1)
+    wait_until(lambda: copies_of(cluster, job, node).get("local_step", -1) >= 10, LIMIT, "a snapshot of step 10")
+    stopped_at = time.time()
+    os.kill(agents[node].pid, signal.SIGTERM)
+    return agents, node, agents[node], stopped_at
+
+
 def test_a_next_agent_started_while_its_predecessor_still_stops_keeps_the_nodes_place(cluster, tmp_path):
     """A review: SIGTERM, the next agent started at once, the old one's workers slow to stop (a framework saving as
     it stops: --stop-timeout). The next agent waited for its predecessor with no poll held: past its lease, the
     server took the node for lost, counted a flap, and excluded it for 300 s; the 2:3 job went on with 4 ranks.
     The lease is now kept through the whole start of the workers, and the node is back at its place."""
     job = "restart-predecessor-stopping"
-    cluster.start_server()
-    agents = {n: start(cluster, tmp_path, n, job, "2:3", stop_timeout="15", env={"IGNORE_TERM": "1"})
-              for n in ("a", "b", "c")}
-    wait_until(lambda: len({r for *_, r, _ in steps(tmp_path)}) == 6, LIMIT, "every rank stepping")
-    node = next(n["node_id"] for n in job_view(cluster, job)["nodes"] if n["group_rank"] == 1)
-    wait_until(lambda: copies_of(cluster, job, node).get("local_step", -1) >= 10, LIMIT, "a snapshot of step 10")
-    stopped_at = time.time()
-    os.kill(agents[node].pid, signal.SIGTERM)      # its workers ignore it: its stop takes --stop-timeout
-    old = agents[node]
-    agents[node] = start(cluster, tmp_path, node, job, "2:3", stop_timeout="15", env={"IGNORE_TERM": "1"})
+    agents, node, old, stopped_at = slow_stop_begun(cluster, tmp_path, job)
+    agents[node] = start(cluster, tmp_path, node, job, "2:3", stop_timeout="15", env=SLOW_STOP)
     old.wait(LIMIT)
     resumed_from_memory(tmp_path, stopped_at, agents[node])
     assert "previous agent" in agents[node].output and "still owns its memory" in agents[node].output, \
@@ -422,19 +430,11 @@ def test_a_next_agent_killed_while_it_waits_for_its_predecessor_leaves_the_place
     host gone silent, the 2:3 job went on with 4 ranks, and the node was excluded for 300 s as flapping. A waiting
     agent now keeps its secret beside its predecessor's, for the agent after it."""
     job = "restart-next-killed-waiting"
-    cluster.start_server()
-    slow = {"IGNORE_TERM": "1"}
-    agents = {n: start(cluster, tmp_path, n, job, "2:3", stop_timeout="15", env=slow) for n in ("a", "b", "c")}
-    wait_until(lambda: len({r for *_, r, _ in steps(tmp_path)}) == 6, LIMIT, "every rank stepping")
-    node = next(n["node_id"] for n in job_view(cluster, job)["nodes"] if n["group_rank"] == 1)
-    wait_until(lambda: copies_of(cluster, job, node).get("local_step", -1) >= 10, LIMIT, "a snapshot of step 10")
-    stopped_at = time.time()
-    os.kill(agents[node].pid, signal.SIGTERM)      # its workers ignore it: its stop takes --stop-timeout
-    old = agents[node]
-    waiting = start(cluster, tmp_path, node, job, "2:3", stop_timeout="15", env=slow)
+    agents, node, old, stopped_at = slow_stop_begun(cluster, tmp_path, job)
+    waiting = start(cluster, tmp_path, node, job, "2:3", stop_timeout="15", env=SLOW_STOP)
     waiting.wait_for_line("still owns its memory", LIMIT)
     waiting.kill_all()
-    agents[node] = start(cluster, tmp_path, node, job, "2:3", stop_timeout="15", env=slow)
+    agents[node] = start(cluster, tmp_path, node, job, "2:3", stop_timeout="15", env=SLOW_STOP)
     old.wait(LIMIT)
     resumed_from_memory(tmp_path, stopped_at, agents[node])
     assert "still held by a live agent" not in agents[node].output, agents[node].output[-3000:]

@@ -59,6 +59,26 @@ def server_tls(tmp_path) -> tuple[tuple[Any, ...], ssl.SSLContext]:
     return ca, tls
 
 
+@contextlib.asynccontextmanager
+async def answering_over_tls(tmp_path, monkeypatch) -> AsyncIterator[tuple[tuple[Any, ...], Listener, Caps, int]]:
+    """A TLS listener answering `ok LINE`, caps of 8 (2 handshakes at once), the handshake's own limit made too
+    long to end any here: its test CA, the listener, its caps and its port."""
+    ca, tls = server_tls(tmp_path)
+    monkeypatch.setattr(listening, "HANDSHAKE_S", 60.0)
+    caps = Caps(total=8, per_source=8)
+
+    async def answer(line: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(b"ok " + line)
+        await writer.drain()
+
+    server = Listener(answer, caps, [].append, tls=tls)
+    port = await server.start("127.0.0.1")
+    try:
+        yield ca, server, caps, port
+    finally:
+        await server.close()
+
+
 async def hello_over_tls(port: int, ca: tuple[Any, ...]) -> bytes:
     """A peer's `hello` line over TLS, and the line it is answered."""
     client = ssl.create_default_context(cafile=ca[0])
@@ -420,17 +440,7 @@ async def test_past_a_quarter_of_the_cap_in_tls_handshakes_the_longest_under_way
     """A TLS handshake holds ~1 MiB while it lasts: a review's flood of strangers' handshakes took an agent from 49 to
     550 MiB. At most a quarter of the total cap go on at once; past that the one under way longest is ended, so a
     peer's handshake never waits behind a stranger's (the handshake's own limit is made too long to end any here)."""
-    ca, tls = server_tls(tmp_path)
-    monkeypatch.setattr(listening, "HANDSHAKE_S", 60.0)
-    caps = Caps(total=8, per_source=8)            # 2 handshakes at once
-
-    async def answer(line: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        writer.write(b"ok " + line)
-        await writer.drain()
-
-    server = Listener(answer, caps, [].append, tls=tls)
-    port = await server.start("127.0.0.1")
-    try:
+    async with answering_over_tls(tmp_path, monkeypatch) as (ca, server, caps, port):   # 2 handshakes at once
         quiet = [hello_only(port) for _ in range(4)]  # a ClientHello, then nothing
         assert await closed_within(quiet[0], WAIT) and await closed_within(quiet[1], WAIT)
         await until(lambda: len(server._handshaking) == 2 and caps.count == 2, "the two newest handshakes left")
@@ -439,24 +449,13 @@ async def test_past_a_quarter_of_the_cap_in_tls_handshakes_the_longest_under_way
         await until(lambda: len(server._handshaking) == 1 and caps.count == 1, "the last stranger's alone")
         for s in quiet:
             s.close()
-    finally:
-        await server.close()
 
 
 async def test_a_tls_connection_that_sends_nothing_starts_no_handshake(tmp_path, monkeypatch) -> None:
     """A handshake holds ~1 MiB: one starts once the peer's first bytes came, not on its connect. A review: strangers
     connecting and closing at once, 2,400 a second, each started one (RSS 24 -> 231 MiB). Silent connections here
     hold their places in the caps, none a handshake (before, the share of 2 ended two of four as handshakes)."""
-    ca, tls = server_tls(tmp_path)
-    monkeypatch.setattr(listening, "HANDSHAKE_S", 60.0)
-    caps = Caps(total=8, per_source=8)            # 2 handshakes at once
-    async def answer(line: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        writer.write(b"ok " + line)
-        await writer.drain()
-
-    server = Listener(answer, caps, [].append, tls=tls)
-    port = await server.start("127.0.0.1")
-    try:
+    async with answering_over_tls(tmp_path, monkeypatch) as (ca, server, caps, port):   # 2 handshakes at once
         quiet = [silent(port) for _ in range(4)]
         await until(lambda: caps.count == 4, "the four silent connections counted")
         assert not server._handshaking
@@ -465,8 +464,6 @@ async def test_a_tls_connection_that_sends_nothing_starts_no_handshake(tmp_path,
         assert await hello_over_tls(port, ca) == b"ok hello\n"
         for s in quiet[1:]:
             s.close()
-    finally:
-        await server.close()
 
 
 async def test_past_the_handshake_share_a_strangers_handshake_gives_way_never_a_peers(tmp_path, monkeypatch) -> None:
@@ -474,21 +471,11 @@ async def test_past_the_handshake_share_a_strangers_handshake_gives_way_never_a_
     half of a peer's handshakes at the copy port as the longest under way: its copy refused, tried again later. A
     source a handshake was done from is a peer's: a stranger's handshake ends for a newcomer first, and a stranger
     finding only peers' under way is closed itself."""
-    ca, tls = server_tls(tmp_path)
-    monkeypatch.setattr(listening, "HANDSHAKE_S", 60.0)
-    caps = Caps(total=8, per_source=8)            # 2 handshakes at once
+    async with answering_over_tls(tmp_path, monkeypatch) as (ca, server, caps, port):   # 2 handshakes at once
 
-    async def answer(line: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        writer.write(b"ok " + line)
-        await writer.drain()
+        def under_way() -> list[str]:
+            return sorted(a.source for a in server._handshaking)
 
-    server = Listener(answer, caps, [].append, tls=tls)
-    port = await server.start("127.0.0.1")
-
-    def under_way() -> list[str]:
-        return sorted(a.source for a in server._handshaking)
-
-    try:
         assert await hello_over_tls(port, ca) == b"ok hello\n"       # 127.0.0.1: a peer's source from now on
         quiet = [hello_only(port)]                                        # a peer's handshake, the longest under way
         await until(lambda: under_way() == ["127.0.0.1"], "the peer's handshake under way")
@@ -505,8 +492,6 @@ async def test_past_the_handshake_share_a_strangers_handshake_gives_way_never_a_
         assert under_way() == ["127.0.0.1", "127.0.0.1"]
         for s in quiet:
             s.close()
-    finally:
-        await server.close()
 
 
 async def test_a_handshake_the_caps_closed_is_not_given_back_again_by_the_handshake_share(tmp_path,
