@@ -31,6 +31,20 @@ def refusal(req: PushRequest, copies: list[files.Copy], pushing: dict[tuple[str,
     return None
 
 
+def spares_to_go(req: PushRequest, copies: list[files.Copy], order: list[files.Copy],
+                 pushing: dict[tuple[str, int], int], limit: int, nodes: int, free: int,
+                 total: int) -> list[files.Copy]:
+    """The fewest spares of `order` (the first to go first) whose going makes the push `req`, refused by a node's
+    share or the file system's reserve, fit; none where it still would not. A review: a's push over a's share
+    (its own spare counted) took every spare, a lost node's with them, which its place's fetch may want."""
+    for n in range(1, len(order) + 1):
+        gone = order[:n]
+        rest = [c for c in copies if c not in gone]
+        if refusal(req, rest, pushing, limit, nodes, free + sum(c.size for c in gone), total) is None:
+            return gone
+    return []
+
+
 def beyond_share(req: PushRequest, copies: list[files.Copy], pushing: dict[tuple[str, int], int], limit: int,
                  nodes: int) -> str | None:
     """Why the push `req` exceeds what its node may hold here whatever else is held (None: it does not): checked

@@ -257,8 +257,7 @@ class CopyStore:
             over -= old.size
         # Then the spares: the pusher's, then live sources', then a lost node's (its place's fetch may want it)
         gone = set(room.superseded(req, copies))
-        for old in sorted(files.spares(copies), key=lambda c: (c.node != req.node, self._sources.get(c.node) is None,
-                                                                c.step)):
+        for old in self._spares_in_order(req, copies):
             if over > 0 and old not in gone:
                 files.drop(self._dir(old.node, old.rank), old.step)
                 over -= old.size
@@ -274,14 +273,18 @@ class CopyStore:
             self._say(f"copy store: removed node {node}'s copies, {why}, to make room for node {req.node}'s")
         return self._copies()
 
+    def _spares_in_order(self, req: PushRequest, copies: list[files.Copy]) -> list[files.Copy]:
+        """The spares in the order they make room: the pusher's, live sources', a lost node's last."""
+        return sorted(files.spares(copies), key=lambda c: (c.node != req.node, self._sources.get(c.node) is None,
+                                                           c.step))
+
     def _check_room(self, req: PushRequest, copies: list[files.Copy]) -> None:
-        free, total = files.space(self.root)
-        why = room.refusal(req, copies, self._pushing, self.limit_bytes, len(self._sources), free, total)
-        if why is not None and (spare := files.spares(copies)):     # (a node's share, the file system's reserve)
-            for old in spare:
+        held, space = (self._pushing, self.limit_bytes, len(self._sources)), files.space(self.root)
+        why = room.refusal(req, copies, *held, *space)
+        if why and (go := room.spares_to_go(req, copies, self._spares_in_order(req, copies), *held, *space)):
+            for old in go:
                 files.drop(self._dir(old.node, old.rank), old.step)
-            free, total = files.space(self.root)
-            why = room.refusal(req, self._copies(), self._pushing, self.limit_bytes, len(self._sources), free, total)
+            why = room.refusal(req, self._copies(), *held, *files.space(self.root))
         if why is not None:
             raise Refusal("limit", f"memory limit full: {why}")
 

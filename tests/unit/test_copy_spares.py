@@ -220,3 +220,36 @@ async def test_a_lone_losss_taker_fetches_no_spare_one_lost_with_another_does(tm
         await copies.before_spawn(a, dirs)
         await copies.fetched()
         assert asked[-1] is spares, (wanted, moving, asked)
+
+
+async def test_a_pushers_share_full_with_its_own_spares_takes_no_other_nodes_spare(tmp_path) -> None:
+    """A hostile re-review: a's two ranks' spares and newest fill a's share (3000 of 6000 bytes, room enough in
+    all); a's next push needs only a's own spare gone, yet every spare went, the lost node's (its place's fetch may
+    want it) with them. Only what makes the push fit goes, the pusher's first."""
+    sources = Some("lost")
+    store = CopyStore(str(tmp_path / "held"), 6000, sources, round_now=lambda: 10**6, reach=lambda: 10**18 - 1)
+    async with holder(store) as port:
+        for step in (3, 8):
+            await push(tmp_path, port, "lost", 0, step)
+        sources.nodes = {"a", "b"}
+        for step in (5, 10):
+            for rank in (0, 1):
+                await push(tmp_path, port, "a", rank, step, size=750)
+        assert kept(store, "lost") == [(0, 3), (0, 8)] and len(kept(store, "a")) == 4
+        await push(tmp_path, port, "a", 0, 15, size=750)
+        assert kept(store, "lost") == [(0, 3), (0, 8)], "a lost node's spare went for another node's share"
+        assert (0, 15) in kept(store, "a")
+
+
+async def test_a_push_the_file_systems_reserve_refuses_anyway_takes_no_spare(tmp_path, monkeypatch) -> None:
+    """Spares go for a push only where their going makes it fit: one the reserve refuses whatever goes (a holder
+    of a node's token can send such a size at will) leaves every spare in place."""
+    store = make_store(tmp_path)
+    async with holder(store) as port:
+        for step in (5, 10):
+            await push(tmp_path, port, "a", 0, step)
+        monkeypatch.setattr(copies_files, "space", lambda path: (10**6, 10**7))     # 10% free: under the reserve
+        done = await client.push("127.0.0.1", port, key=KEY, node_id="b", local_rank=0, step=5,
+                                 path=snap(tmp_path, "b-5", blob(1000)))
+        assert not done.ok and "free" in done.reason, done
+        assert kept(store, "a") == [(0, 5), (0, 10)], "a spare went for a push refused anyway"
