@@ -203,11 +203,12 @@ async def fetch_ranks(addr: str, port: int, key: str, node_id: str, dirs: dict[i
 async def _fetch_spares(ranks: list[tuple[int, str]], step: int, max_bytes: int | None, left_s: float,
                         one: Callable[[int, str, int | None], Awaitable[FetchResult]]) -> None:
     """Beside each rank's `step`, its copy before it where the holder kept one (files.spares), it fits the rank's
-    `max_bytes` next to `step`, and it comes within `left_s`: two nodes lost together whose copies landed a
-    snapshot apart (75 and 70) then share 70, which agreed_step finds, where every rank went to step 0 (a review).
-    Kept only where every rank got the same step (none half there); an older holder takes no such ask: none."""
-    rooms = [None if max_bytes is None else max_bytes - _size(os.path.join(where, f"step-{step}"))
-             for _, where in ranks]
+    `max_bytes` beside all its directory holds (a rank fetched again at the common step keeps its newer one too),
+    and it comes within `left_s`: two nodes lost together whose copies landed a snapshot apart (75 and 70) then
+    share 70, which agreed_step finds, where every rank went to step 0 (a review). Kept only where every rank got
+    the same step (none half there); an older holder takes no such ask: none."""
+    rooms = [None if max_bytes is None else max_bytes - sum(_size(os.path.join(where, f"step-{s}"))
+                                                            for s in snapshot_steps(where)) for _, where in ranks]
     if left_s <= 0 or any(room is not None and room <= 0 for room in rooms):
         return
     had = [set(snapshot_steps(where)) for _, where in ranks]

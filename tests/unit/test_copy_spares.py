@@ -253,3 +253,26 @@ async def test_a_push_the_file_systems_reserve_refuses_anyway_takes_no_spare(tmp
                                  path=snap(tmp_path, "b-5", blob(1000)))
         assert not done.ok and "free" in done.reason, done
         assert kept(store, "a") == [(0, 5), (0, 10)], "a spare went for a push refused anyway"
+
+
+def dir_bytes(where: str) -> int:
+    return sum(os.path.getsize(os.path.join(where, f"step-{step}")) for step in snapshot.steps(where))
+
+
+async def test_a_spare_fits_the_ranks_limit_beside_all_its_directory_holds(tmp_path) -> None:
+    """A hostile re-review: rank 0's newest (75) came before the ranks were fetched again at their common step (70),
+    so its directory held both; the spare's room counted only the step, and the directory went to 3000 bytes over
+    a limit of 2500. The room is the limit less all the rank's directory holds."""
+    store = make_store(tmp_path)
+    async with holder(store) as port:
+        for step in (65, 70):
+            for rank in (0, 1):
+                await push(tmp_path, port, "a", rank, step)
+        await push(tmp_path, port, "a", 0, 75)
+        dirs = {rank: str(tmp_path / f"r{rank}") for rank in (0, 1)}
+        for where in dirs.values():
+            os.makedirs(where)
+        got = await asyncio.wait_for(client.fetch_ranks("127.0.0.1", port, KEY, "a", dirs, 2500, WAIT, None), WAIT)
+    assert [r.step for r in got] == [70, 70]
+    held = [dir_bytes(where) for where in dirs.values()]
+    assert max(held) <= 2500, (held, [snapshot.steps(w) for w in dirs.values()])
