@@ -102,13 +102,15 @@ class CorruptAtRest(Exception):
 
 def open_held(where: str, want: int | None = None, before: bool = False) -> tuple[int, int, str] | None:
     """(open fd, step, stored checksum) of the complete copy in a rank's directory (the newest, step `want`, or
-    with `before` the newest below it), or None. A push that lands meanwhile removes the older copy between looking
+    with `before` the newest below it, of the round `want` is of: a step of an older round may be of the line the
+    job abandoned when it went back), or None. A push that lands meanwhile removes the older copy between looking
     and opening: look again."""
     for _ in range(3):
         held = complete_steps(where)
         step = max(held, default=None) if want is None else want if want in held and not before else \
             max((s for s in held if s < want), default=None) if before else None
-        if step is None:
+        if step is None or before and (want not in held or (r := _round(where, step)) is not None and
+                                       r != _round(where, want)):    # (unreadable: CorruptAtRest below)
             return None
         path = os.path.join(where, f"step-{step}")
         try:
@@ -123,6 +125,11 @@ def open_held(where: str, want: int | None = None, before: bool = False) -> tupl
             raise CorruptAtRest(step)
         return fd, step, summed[0]
     return None
+
+
+def _round(where: str, step: int) -> int | None:
+    held = read_sum(os.path.join(where, f"step-{step}.sha256"))
+    return held[1] if held else None
 
 
 def write_sum(path: str, hex_digest: str, round_id: int) -> None:

@@ -276,3 +276,28 @@ async def test_a_spare_fits_the_ranks_limit_beside_all_its_directory_holds(tmp_p
     assert [r.step for r in got] == [70, 70]
     held = [dir_bytes(where) for where in dirs.values()]
     assert max(held) <= 2500, (held, [snapshot.steps(w) for w in dirs.values()])
+
+
+async def test_no_spare_of_an_older_round_than_the_step_it_is_asked_below(tmp_path) -> None:
+    """A hostile re-review: round 1's 70 and 75 held; the job went back to 70 in round 2, whose 75 never landed here
+    (pushes skip to the newest) and whose 80 did. Round 1's 75 stayed as the spare (settle keeps the common step
+    before) and a fetch-before 80 served it: a step of the abandoned line beside round 2's, which survivors hold
+    as round 2's 75 (a taker resuming there mixes two lines). A spare is of its newest's round or none."""
+    store = make_store(tmp_path)
+    async with holder(store) as port:
+        for step, round_id in ((70, 1), (75, 1), (80, 2)):
+            done = await client.push("127.0.0.1", port, key=KEY, node_id="a", local_rank=0, step=step,
+                                     round_id=round_id, path=snap(tmp_path, f"a-{step}", blob(1000, seed=step)))
+            assert done.ok, done
+        dest = str(tmp_path / "dest")
+        os.makedirs(dest)
+        got = await client.fetch("127.0.0.1", port, key=KEY, node_id="a", local_rank=0, dest_dir=dest, step=80,
+                                 before=True)
+        assert got.step is None, got
+        for step, round_id in ((85, 2), (90, 2)):
+            done = await client.push("127.0.0.1", port, key=KEY, node_id="a", local_rank=0, step=step,
+                                     round_id=round_id, path=snap(tmp_path, f"a-{step}", blob(1000, seed=step)))
+            assert done.ok, done
+        got = await client.fetch("127.0.0.1", port, key=KEY, node_id="a", local_rank=0, dest_dir=dest, step=90,
+                                 before=True)
+    assert got.step == 85, "a spare of the same round is served"
