@@ -4,7 +4,7 @@
          (G: the pusher's round, its incarnation: a newer round's copies supersede an older one's)
   fetch: `rdzv-agent fetch key=K node=N rank=R`  -> `copy step=S size=B`, B bytes, `sha256=HEX` (or `none`)
          `rdzv-agent fetch-at key=K node=N rank=R step=S`: the same for that step (a node's common step)
-         `rdzv-agent fetch-before key=K node=N rank=R step=S`: the newest held below S (a spare: files.spares;
+         `rdzv-agent fetch-before key=K node=N rank=R step=S`: the newest below S, of S's round (a spare: files.spares;
          an older holder's listener takes no such line, and the fetcher goes on with the newest alone)
   drop:  `rdzv-agent drop key=K node=N`  -> `dropped` (N's copies removed: it left the job cleanly)
   either may be answered `rdzv-agent refused REASON` instead.
