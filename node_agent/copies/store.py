@@ -255,12 +255,10 @@ class CopyStore:
         for old in room.superseded(req, copies):        # its own dead weight first
             files.drop(self._dir(old.node, old.rank), old.step)
             over -= old.size
-        # Then the spares: the pusher's, then live sources', then a lost node's (its place's fetch may want it)
+        # The spares count as room here: _check_room drops the fewest that make the push fit, none where it never
+        # would (a review: a push refused all the same had taken a lost node's spare)
         gone = set(room.superseded(req, copies))
-        for old in self._spares_in_order(req, copies):
-            if over > 0 and old not in gone:
-                files.drop(self._dir(old.node, old.rank), old.step)
-                over -= old.size
+        over -= sum(c.size for c in files.spares(copies) if c not in gone)
         copies = self._copies()
         last: dict[str, float] = {}
         for c in copies:

@@ -15,7 +15,7 @@ from node_agent.copies.wire import FetchRequest
 from node_agent.training import snapshot
 from protocol.messages import CopySource
 from tests.ports import loopback_server
-from tests.unit.test_copy_store import KEY, WAIT, blob, flip, holder, make_store, snap
+from tests.unit.test_copy_store import GO, KEY, WAIT, blob, connection, flip, header, holder, line_of, make_store, snap
 from tests.unit.test_memory_dirs import reduce_min_of
 
 
@@ -301,3 +301,22 @@ async def test_no_spare_of_an_older_round_than_the_step_it_is_asked_below(tmp_pa
         got = await client.fetch("127.0.0.1", port, key=KEY, node_id="a", local_rank=0, dest_dir=dest, step=90,
                                  before=True)
     assert got.step == 85, "a spare of the same round is served"
+
+
+async def test_a_push_the_limit_refuses_anyway_takes_no_spare(tmp_path) -> None:
+    """A hostile re-review: 4000 bytes, the lost node's spare and newest 2000 of them, b's push of 2000 under way
+    (reserved). a's push of 2000 needs 2000 freed: the lost node's spare (1000) went, nothing else could, and the
+    push was refused all the same. Spares go only where the push then fits."""
+    sources = Some("lost")
+    store = CopyStore(str(tmp_path / "held"), 4000, sources, round_now=lambda: 10**6, reach=lambda: 10**18 - 1)
+    async with holder(store) as port:
+        for step in (3, 8):
+            await push(tmp_path, port, "lost", 0, step)
+        sources.nodes = {"a", "b"}
+        async with connection(port) as (reader, writer):
+            writer.write(header(5, 2000, node="b"))
+            assert await line_of(reader) == GO      # b's push under way: 2000 bytes reserved
+            done = await client.push("127.0.0.1", port, key=KEY, node_id="a", local_rank=0, step=5,
+                                     path=snap(tmp_path, "a-5", blob(2000)))
+            assert not done.ok and "limit" in done.reason, done
+        assert kept(store, "lost") == [(0, 3), (0, 8)], "a spare went for a push refused anyway"
