@@ -25,6 +25,7 @@ import hashlib
 import os
 import re
 import shutil
+import stat
 import tempfile
 import time
 from collections.abc import Callable
@@ -32,6 +33,7 @@ from collections.abc import Callable
 import node_agent.training.snapshot as snapshot
 from node_agent.settings import default_node_id, made_from_pid
 from node_agent.workers import owners
+from node_agent.workers.memory_files import bytes_under, default_limit, empty
 
 SHM = "/dev/shm"
 RANK_FILE = ".rank"      # in each local rank's directory: the global rank whose snapshots it holds
@@ -43,31 +45,29 @@ ALIVE_EVERY_S = 60.0     # how often a live agent marks its node's directory wri
 KEEP_S = 600.0           # an ended agent's memory is kept this long after its last write, for its node's next agent
 
 
-def default_limit(base: str, held: int = 0) -> int:
-    """Half of the free space under `base` and of the `held` bytes this node's directory takes up already (its
-    previous agent's snapshots and the copies it held: a review saw each restart halve what the node could keep,
-    until no snapshot fit and every rank went back to step 0): room for the snapshots without starving the
-    workers' own use."""
-    st = os.statvfs(base)
-    return (st.f_bavail * st.f_frsize + held) // 2
-
-
-def bytes_under(path: str) -> int:
-    """What the files under `path` take up (their blocks: a sparse file counts what it uses)."""
-    total = 0
-    for where, _, names in os.walk(path):
-        for name in names:
-            with contextlib.suppress(OSError):
-                total += os.stat(os.path.join(where, name), follow_symlinks=False).st_blocks * 512
-    return total
-
-
 def parent_dir(base: str | None) -> str:
     """Where this user's node directories lie: under `base`, else /dev/shm where it can be written, else the temp
     directory (a disk)."""
     if base is None:
         base = SHM if os.path.isdir(SHM) and os.access(SHM, os.W_OK) else tempfile.gettempdir()
     return os.path.join(base, f"node-agent-mem-{os.getuid()}")
+
+
+def unsafe_parent(parent: str) -> str:
+    """Why `parent` may not hold this user's memory ("": it may, or is not there yet): not a directory of this uid that
+    no one else may write to (ours: tightened to 0o700). Another local user may make the name first in the sticky
+    /dev/shm, then read the snapshots and the agent's secret, or plant files and symlinks where it writes them."""
+    try:
+        st = os.lstat(parent)
+        if stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid():
+            if st.st_mode & 0o077:
+                os.chmod(parent, 0o700)
+            return ""
+    except OSError as exc:
+        return "" if isinstance(exc, FileNotFoundError) else f"{parent}: {exc.strerror or exc}"
+    kind = "a symlink" if stat.S_ISLNK(st.st_mode) else "a directory" if stat.S_ISDIR(st.st_mode) else "a file"
+    return (f"{parent} is {kind} of uid {st.st_uid}, not this agent's own (uid {os.getuid()}) directory: another "
+            f"user may read or replace what it holds; remove it, or run with --no-memory-dir")
 
 
 def dir_name(job_id: str, node_id: str) -> str:
@@ -102,6 +102,13 @@ class MemoryDirs:
     @property
     def enabled(self) -> bool:
         return self.limit != 0 and not self._failed
+
+    def usable(self) -> bool:
+        """`enabled`, its parent directory this user's own (`unsafe_parent`): else memory is off, said once."""
+        if self.enabled and self.root is None and (why := unsafe_parent(parent_dir(self._base))):
+            self._failed = True
+            self.say(f"no in-memory checkpoint directory ({why}); workers run without one")
+        return self.enabled
 
     def dirs(self, local_world_size: int) -> dict[int, str]:
         """local rank -> its directory, made on the first call (empty when switched off or impossible)."""
@@ -188,7 +195,7 @@ class MemoryDirs:
             if held and held != str(rank_offset + local):
                 moved.append(held)
                 if not alike:
-                    _empty(path, keep={RANK_FILE})
+                    empty(path, keep={RANK_FILE})
             with contextlib.suppress(OSError), open(mark, "w") as f:
                 f.write(f"{rank_offset + local}\n")
         if moved:
@@ -209,7 +216,7 @@ class MemoryDirs:
                           f"snapshots, and the copies it held for others, stay this node's")
                 _unpin(self.root)          # its sends ended with it: their files may be written over, or go
             else:
-                _empty(self.root, keep={owners.OWNER, IDENTITY})
+                empty(self.root, keep={owners.OWNER, IDENTITY})
                 self.say(f"removed the memory node {self.node_id}'s previous agent (pid {before}) left: it is of "
                           f"another run of job {self.job_id!r}")
         if read_text(path) != run:
@@ -226,7 +233,10 @@ class MemoryDirs:
         base = os.path.dirname(parent)
         if self._base is None and base != SHM:
             self.say(f"no writable {SHM}: the in-memory checkpoint directory is on disk, under {base}")
-        os.makedirs(parent, mode=0o700, exist_ok=True)
+        with contextlib.suppress(FileExistsError):
+            os.makedirs(parent, mode=0o700)
+        if why := unsafe_parent(parent):
+            raise OSError(why)
         name = dir_name(self.job_id, self.node_id)
         removed = sweep(parent, besides=name)
         if removed:
@@ -295,6 +305,8 @@ class MemoryDirs:
 
 def left_behind(job_id: str, node_id: str, base: str | None = None) -> tuple[str, int] | None:
     """This node's directory and the newest snapshot in it, where an ended agent of the node left one, else None."""
+    if unsafe_parent(parent_dir(base)):
+        return None
     home = os.path.join(parent_dir(base), dir_name(job_id, node_id))
     held: list[int] = []
     for rank in (name for name in listdir(home) if name.isdigit()):
@@ -348,19 +360,6 @@ def listdir(path: str) -> list[str]:
         return os.listdir(path)
     except OSError:
         return []
-
-
-def _empty(path: str, keep: set[str]) -> None:
-    """Remove everything in `path` but the files named in `keep`."""
-    for name in os.listdir(path):
-        entry = os.path.join(path, name)
-        if name in keep:
-            continue
-        if os.path.isdir(entry) and not os.path.islink(entry):
-            shutil.rmtree(entry, ignore_errors=True)     # a rank's directory, a framework's resume folder
-        else:
-            with contextlib.suppress(OSError):
-                os.unlink(entry)
 
 
 def read_text(path: str) -> str:

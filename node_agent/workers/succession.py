@@ -23,6 +23,7 @@ from protocol.bounds import MAX_CREDENTIAL
 
 SECRET = "credential"    # in the node's directory: its agent's secret from the server, for its next agent to show
 WAITING = "credential-waiting"   # and a next agent's, with its pid, while it waits for its predecessor to end
+_NEW = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW   # a secret's file: a symlink is refused
 
 
 def predecessor(job_id: str, nproc: int, base: str | None = None) -> tuple[str, int] | None:
@@ -33,6 +34,8 @@ def predecessor(job_id: str, nproc: int, base: str | None = None) -> tuple[str, 
     take one each, never the same). None where there is none: a new node id, as before."""
     found = []
     now = time.time()
+    if memory.unsafe_parent(memory.parent_dir(base)):
+        return None          # another user's, or a symlink: nothing read from it (MemoryDirs says so, once)
     for entry in memory.scandir(memory.parent_dir(base)):
         its_job, node_id, mark = memory.identity(entry.path)
         if its_job != job_id or not made_from_pid(node_id) or mark != memory.SUCCEEDED or \
@@ -57,7 +60,8 @@ def predecessor(job_id: str, nproc: int, base: str | None = None) -> tuple[str, 
 
 
 def keep_credential(dirs: MemoryDirs, secret: str) -> None:
-    """Keep the agent's secret from the server in the node's directory, once open (not where it cannot be written)."""
+    """Keep the agent's secret from the server in the node's directory, once open (not where it cannot be written;
+    open: its parent passed memory.unsafe_parent)."""
     if not secret or dirs.root is None or dirs.root != dirs.home:
         return
     with contextlib.suppress(OSError):
@@ -66,7 +70,7 @@ def keep_credential(dirs: MemoryDirs, secret: str) -> None:
     if memory.read_text(path) == secret:
         return
     with contextlib.suppress(OSError):
-        fd = os.open(path + ".new", os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        fd = os.open(path + ".new", _NEW, 0o600)
         with os.fdopen(fd, "w") as f:
             f.write(secret)
         os.replace(path + ".new", path)
@@ -77,6 +81,8 @@ def left_credential(dirs: MemoryDirs) -> str:
     next agent that ended while it waited for its own predecessor (`predecessor_gone`) held the node's record last:
     its secret (WAITING) is the one the server knows, whether that predecessor still stops or not. Told apart
     by pid and start time (`owners.alive`), never the pid alone: a container's agent is pid 1 after each restart."""
+    if not dirs.usable():    # another user's directory: what it holds may be theirs (memory.unsafe_parent)
+        return ""
     where = dirs.home
     who, _, waiting = memory.read_text(os.path.join(where, WAITING)).partition("\n")
     pid, _, started = who.partition(" ")
@@ -99,7 +105,7 @@ async def predecessor_gone(dirs: MemoryDirs, limit_s: float, secret: str = "") -
     Meanwhile this agent's `secret` is kept beside the predecessor's (WAITING): a review killed it as it waited
     (two restarts in quick succession), and the agent after it, showing the older secret, was refused until its
     lease ran out; the node was taken for lost, the elastic job went on without it and excluded it as flapping."""
-    if dirs.root is not None or not dirs.enabled:
+    if dirs.root is not None or not dirs.usable():
         return
     where = dirs.home
     deadline = time.monotonic() + limit_s
@@ -120,7 +126,7 @@ def _keep_waiting(where: str, secret: str) -> None:
         return
     path = os.path.join(where, WAITING)
     with contextlib.suppress(OSError):
-        fd = os.open(path + ".new", os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        fd = os.open(path + ".new", _NEW, 0o600)
         with os.fdopen(fd, "w") as f:
             f.write(f"{os.getpid()} {owners.start_time(os.getpid()) or ''}\n{secret}")
         os.replace(path + ".new", path)

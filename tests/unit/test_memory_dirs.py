@@ -16,7 +16,7 @@ from node_agent.cli.command_line import OptionsError
 from node_agent.cli.options import parse_options
 from node_agent.settings import default_node_id, made_from_pid
 from node_agent.training import fetched, snapshot
-from node_agent.workers import memory, owners, succession
+from node_agent.workers import memory, memory_files, owners, succession
 from node_agent.workers.environment import worker_env
 from node_agent.workers.memory import KEEP_S, MemoryDirs, dir_name, sweep
 from node_agent.workers.succession import keep_credential, left_credential, predecessor
@@ -214,7 +214,7 @@ def test_a_next_agent_counts_what_its_nodes_memory_holds_as_room_of_its_own(tmp_
     fresh.close()
     nxt = MemoryDirs("job", 2, None, say=lambda _: None, base=str(tmp_path), node_id="node-b")
     nxt.dirs(2)
-    held = memory.bytes_under(nxt.home)
+    held = memory_files.bytes_under(nxt.home)
     assert held > 0 and nxt.rank_limit == (1000 * 4096 + held) // 2 // 2, (held, nxt.rank_limit)
     nxt.close()
 
