@@ -4,9 +4,11 @@ step every rank holds (snapshot.agreed_step)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import os
 import threading
+from collections.abc import AsyncIterator
 
 from node_agent.copies import client, wire
 from node_agent.copies import files as copies_files
@@ -222,16 +224,23 @@ async def test_a_lone_losss_taker_fetches_no_spare_one_lost_with_another_does(tm
         assert asked[-1] is spares, (wanted, moving, asked)
 
 
-async def test_a_pushers_share_full_with_its_own_spares_takes_no_other_nodes_spare(tmp_path) -> None:
-    """A hostile re-review: a's two ranks' spares and newest fill a's share (3000 of 6000 bytes, room enough in
-    all); a's next push needs only a's own spare gone, yet every spare went, the lost node's (its place's fetch may
-    want it) with them. Only what makes the push fit goes, the pusher's first."""
+@contextlib.asynccontextmanager
+async def lost_spare_held(tmp_path, limit: int) -> AsyncIterator[tuple[CopyStore, int]]:
+    """A holder of `limit` bytes with a lost node's rank 0 at steps 3 (its spare) and 8, its sources a and b now."""
     sources = Some("lost")
-    store = CopyStore(str(tmp_path / "held"), 6000, sources, round_now=lambda: 10**6, reach=lambda: 10**18 - 1)
+    store = CopyStore(str(tmp_path / "held"), limit, sources, round_now=lambda: 10**6, reach=lambda: 10**18 - 1)
     async with holder(store) as port:
         for step in (3, 8):
             await push(tmp_path, port, "lost", 0, step)
         sources.nodes = {"a", "b"}
+        yield store, port
+
+
+async def test_a_pushers_share_full_with_its_own_spares_takes_no_other_nodes_spare(tmp_path) -> None:
+    """A hostile re-review: a's two ranks' spares and newest fill a's share (3000 of 6000 bytes, room enough in
+    all); a's next push needs only a's own spare gone, yet every spare went, the lost node's (its place's fetch may
+    want it) with them. Only what makes the push fit goes, the pusher's first."""
+    async with lost_spare_held(tmp_path, 6000) as (store, port):
         for step in (5, 10):
             for rank in (0, 1):
                 await push(tmp_path, port, "a", rank, step, size=750)
@@ -307,12 +316,7 @@ async def test_a_push_the_limit_refuses_anyway_takes_no_spare(tmp_path) -> None:
     """A hostile re-review: 4000 bytes, the lost node's spare and newest 2000 of them, b's push of 2000 under way
     (reserved). a's push of 2000 needs 2000 freed: the lost node's spare (1000) went, nothing else could, and the
     push was refused all the same. Spares go only where the push then fits."""
-    sources = Some("lost")
-    store = CopyStore(str(tmp_path / "held"), 4000, sources, round_now=lambda: 10**6, reach=lambda: 10**18 - 1)
-    async with holder(store) as port:
-        for step in (3, 8):
-            await push(tmp_path, port, "lost", 0, step)
-        sources.nodes = {"a", "b"}
+    async with lost_spare_held(tmp_path, 4000) as (store, port):
         async with connection(port) as (reader, writer):
             writer.write(header(5, 2000, node="b"))
             assert await line_of(reader) == GO      # b's push under way: 2000 bytes reserved
