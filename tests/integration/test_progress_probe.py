@@ -211,8 +211,11 @@ async def test_the_time_blocked_in_backward_is_the_steps_wait_and_a_long_step_is
     record = record_of(files, group.pids[0])
     counted, took, waited = record.pace
     assert record.waits_measured and record.steps == 10
-    assert counted <= 8 and took < 2.0, record.pace       # 9 intervals, the one holding the 2 s sleep left out
-    assert 0.3 < waited / took < 0.9, record.pace         # the sleep in backward, not the one outside
+    assert 1 <= counted <= 8 and took < 2.0, record.pace  # 9 intervals, the one holding the 2 s sleep left out
+    # The sleep in backward (30 ms a step) is waited, the one outside (20 ms) is not: bounds each sleep's minimum
+    # gives, whatever else a loaded host adds to a step (a ratio of the two moved with the load)
+    assert waited >= 0.025 * counted, record.pace
+    assert took - waited >= 0.015 * counted, record.pace
 
 
 async def test_stacks_come_on_the_signal_while_the_main_thread_sleeps(run_group) -> None:
