@@ -252,12 +252,12 @@ class CopyStore:
         over = sum(c.size for c in copies) + sum(self._pushing.values()) + req.size - self.limit_bytes
         if over <= 0:
             return copies
-        for old in room.superseded(req, copies):        # its own dead weight first
+        gone = room.superseded(req, copies)
+        for old in gone:                                  # its own dead weight first
             files.drop(self._dir(old.node, old.rank), old.step)
             over -= old.size
         # The spares count as room here: _check_room drops the fewest that make the push fit, none where it never
         # would (a review: a push refused all the same had taken a lost node's spare)
-        gone = set(room.superseded(req, copies))
         over -= sum(c.size for c in files.spares(copies) if c not in gone)
         copies = self._copies()
         last: dict[str, float] = {}
