@@ -69,11 +69,7 @@ def keep_credential(dirs: MemoryDirs, secret: str) -> None:
     path = os.path.join(dirs.root, SECRET)
     if memory.read_text(path) == secret:
         return
-    with contextlib.suppress(OSError):
-        fd = os.open(path + ".new", _NEW, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(secret)
-        os.replace(path + ".new", path)
+    _write_secret(path, secret)
 
 
 def left_credential(dirs: MemoryDirs) -> str:
@@ -125,11 +121,7 @@ def _keep_waiting(where: str, secret: str) -> None:
     if not secret:
         return
     path = os.path.join(where, WAITING)
-    with contextlib.suppress(OSError):
-        fd = os.open(path + ".new", _NEW, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(f"{os.getpid()} {owners.start_time(os.getpid()) or ''}\n{secret}")
-        os.replace(path + ".new", path)
+    _write_secret(path, f"{os.getpid()} {owners.start_time(os.getpid()) or ''}\n{secret}")
 
 
 def settle(dirs: MemoryDirs) -> None:
@@ -148,3 +140,13 @@ def settle(dirs: MemoryDirs) -> None:
     dirs.moved_to(home)
     dirs.say(f"node {dirs.node_id}'s previous agent has ended: this one's memory moved to {home}, where the node's "
              f"next agent finds it")
+
+
+def _write_secret(path: str, text: str) -> None:
+    """`text` into `path` whole (written aside, renamed), readable by this user only, never through a symlink; a
+    failed write leaves what was there (the agent goes on without keeping it)."""
+    with contextlib.suppress(OSError):
+        fd = os.open(path + ".new", _NEW, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(path + ".new", path)
