@@ -4,7 +4,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import time
 from collections.abc import AsyncIterator, Callable, Iterator
 
 import psutil
@@ -67,13 +66,13 @@ async def test_failure_is_reported_while_others_still_run(make_group, strays) ->
         print("sleeper up", flush=True)
         time.sleep(600)
     """
-    group = make_group([launch(0, sleeper), launch(1, failing)], stop_timeout=30)
-    started = time.monotonic()
+    # What is shown is what happened, not how long it took: the grandchild (600 s) and the escalation (10 x LIMIT)
+    # both outlast the LIMIT every wait here is bounded by, so waiting on either fails the test.
+    group = make_group([launch(0, sleeper), launch(1, failing)], stop_timeout=10 * LIMIT)
     await group.start()
     for pid in group.pids:
         assert os.getpgid(pid) == pid != os.getpgid(0)   # each worker leads its own process group
     failures = await asyncio.wait_for(group.wait(), LIMIT)
-    assert time.monotonic() - started < 10
     assert [(f.local_rank, f.rank, f.exitcode, f.signal_name) for f in failures] == [(1, 11, 3, "")]
     sleeper_proc = psutil.Process(group.pids[0])
     assert sleeper_proc.status() != psutil.STATUS_ZOMBIE and len(group.exits()) == 1
@@ -82,10 +81,9 @@ async def test_failure_is_reported_while_others_still_run(make_group, strays) ->
     strays.append(grandchild)
     assert os.getpgid(grandchild) == group.pids[1]
     grandchild_proc = psutil.Process(grandchild)
+    assert grandchild_proc.status() != psutil.STATUS_ZOMBIE     # it holds the stdout still: the exit was not held
 
-    stop_began = time.monotonic()
-    await asyncio.wait_for(group.stop(), LIMIT)
-    assert time.monotonic() - stop_began < 10   # SIGTERM sufficed: no wait for the 30 s escalation
+    await asyncio.wait_for(group.stop(), LIMIT)       # SIGTERM sufficed: no wait for the escalation
     by_rank = {e.local_rank: e for e in group.exits()}
     assert (by_rank[0].exitcode, by_rank[0].signal_name) == (-signal.SIGTERM, "SIGTERM")
     assert not sleeper_proc.is_running()
@@ -96,19 +94,18 @@ async def test_failure_is_reported_while_others_still_run(make_group, strays) ->
 async def test_stop_escalates_to_sigkill(make_group) -> None:
     stubborn = """
         import signal, time
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, lambda *_: print("SIGTERM ignored", flush=True))
         print("ignoring SIGTERM", flush=True)
         time.sleep(600)
     """
     group = make_group([launch(0, stubborn)], stop_timeout=0.5)
     await group.start()
     await console_of(group).seen("ignoring SIGTERM")
-    began = time.monotonic()
     # Stops may overlap each other and a wait(): all end together, with one result.
     _, _, exits = await asyncio.wait_for(asyncio.gather(group.stop(), group.stop(), group.wait()), LIMIT)
-    took = time.monotonic() - began
-    assert 0.5 <= took < 5
     assert [(e.exitcode, e.signal_name) for e in exits] == [(-signal.SIGKILL, "SIGKILL")]
+    # In that order: SIGTERM, which it lived through, then SIGKILL (timing the stop broke on a loaded host).
+    assert "SIGTERM ignored" in await console_of(group).seen("SIGTERM ignored")
     assert group.exits() == exits
     await asyncio.wait_for(group.stop(), 1)   # again: returns at once
 

@@ -154,11 +154,19 @@ def test_a_console_that_went_away_is_dropped_without_an_error(stuck: Stuck) -> N
 
 
 def test_flush_gives_up_on_a_stuck_console_after_its_timeout(stuck: Stuck) -> None:
+    """It gives up (False) on a console still stuck, and meanwhile waits: a flush under way when the console is
+    read returns True. What is shown is what it did, not how long it took (a loaded host stretches any time)."""
+    pipe, _ = stuck
     w = writer_on(stuck)
     w.write("held\n")
-    started = time.monotonic()
     assert not w.flush(0.2)
-    assert 0.15 < time.monotonic() - started < 5
+    done: list[bool] = []
+    waiting = threading.Thread(target=lambda: done.append(w.flush(LIMIT_S)), daemon=True)
+    waiting.start()
+    assert waiting.is_alive() and not done              # the console is still stuck: it waits
+    pipe.read_until(b"held\n")
+    waiting.join(LIMIT_S)
+    assert done == [True]
 
 
 EXITING = """
@@ -175,7 +183,6 @@ agent_console("stderr").write("bye\\n")
 def test_the_agent_exits_at_once_on_a_stuck_stdout_and_says_what_it_lost_on_stderr() -> None:
     r, w = os.pipe()
     try:
-        started = time.monotonic()
         proc = subprocess.Popen([sys.executable, "-c", EXITING], stdout=w, stderr=subprocess.PIPE,
                                 env=dict(os.environ, PYTHONPATH=ROOT))
         try:
@@ -183,7 +190,7 @@ def test_the_agent_exits_at_once_on_a_stuck_stdout_and_says_what_it_lost_on_stde
         finally:
             proc.kill()
             proc.wait()
-        assert proc.returncode == 0 and time.monotonic() - started < 15
+        assert proc.returncode == 0                     # within LIMIT_S, its stdout never read
         said = err.decode().splitlines()
         assert said[0] == "bye" and len(said) == 2, said
         m = re.fullmatch(r"\[node-agent a\] (\d+) console lines dropped while the console's stdout was still not "

@@ -151,15 +151,17 @@ async def ask(port: int, line: bytes, source: str = "127.0.0.1") -> bytes:
         writer.close()
 
 
-async def test_past_the_per_source_cap_with_all_of_its_at_work_a_connection_is_closed_at_once() -> None:
+async def test_past_the_per_source_cap_with_all_of_its_at_work_a_connection_is_closed_at_once(monkeypatch) -> None:
+    # A silent connection let go at its first-line limit would look the same: that limit is put out of reach, so
+    # only the refusal can close it (timing the close instead broke on a loaded host).
+    monkeypatch.setattr(listening, "FIRST_LINE_S", 10 * WAIT)
     caps, busy, said = Caps(total=100, per_source=3), asyncio.Event(), []
     async with serving(caps, said=said, busy=busy) as (port, _):
         AT_WORK.clear()
         working = [asyncio.ensure_future(ask(port, b"busy\n")) for _ in range(3)]
         await until(lambda: len(AT_WORK) == 3, "the three at work in their handlers")
         extra = silent(port)
-        began = time.monotonic()              # at once: well before a silent one's first-line limit
-        assert await closed_within(extra, 3.0) and time.monotonic() - began < listening.FIRST_LINE_S - 1
+        assert await closed_within(extra, WAIT)
         assert len(said) == 1 and "refused a connection from '127.0.0.1'" in said[0], said
         assert await ask(port, b"rdzv-agent ask round=1\n", source="127.0.0.2") == b"ok rdzv-agent ask round=1\n"
         busy.set()
@@ -257,11 +259,11 @@ async def test_a_tls_connection_that_never_says_hello_is_let_go_within_the_hands
                                                                                          monkeypatch) -> None:
     ca, tls = server_tls(tmp_path)
     monkeypatch.setattr(listening, "HANDSHAKE_S", 0.5)
+    monkeypatch.setattr(listening, "FIRST_LINE_S", 10 * WAIT)     # out of reach: only the handshake's limit closes
     caps = Caps(total=10, per_source=2)
     async with serving(caps, tls=tls) as (port, _):
         quiet = [silent(port) for _ in range(2)]
-        began = time.monotonic()                       # the handshake's 0.5 s, not the first line's limit
-        assert all([await closed_within(s, 3.5) for s in quiet]) and time.monotonic() - began < listening.FIRST_LINE_S
+        assert all([await closed_within(s, WAIT) for s in quiet])
         await until(lambda: caps.open == {}, "their places free again")
         assert await hello_over_tls(port, ca) == b"ok hello\n"
         for s in quiet:
