@@ -99,8 +99,10 @@ def test_a_lost_nodes_replacement_resumes_lightning_from_the_peers_copy(cluster,
     def start(node: str):
         return cluster.agent("--endpoint", cluster.endpoint(), "--nnodes", "2", "--nproc", "2", "--job-id", "lost",
                              "--max-restarts", "2", "--node-id", node, "--failure-domain", f"rack-{node}", *fast,
-                             script, "--steps", "150", "--step-s", "0.1", "--snapshot-every", "5", name=node)
+                             script, "--steps", "80", "--step-s", "0.1", "--snapshot-every", "5", name=node)
 
+    # 80 steps: the loss comes at step 10-15 (every rank resumed from 10 in runs here), and each step after the
+    # resume proves nothing more (150 spent 7 s more).
     # all three at once (started once training had, the spare's imports could outlast it on a loaded machine):
     # the two first ready train, the third waits as the spare
     agents = {n: start(n) for n in ("a", "b", "s")}
@@ -128,7 +130,9 @@ def test_a_node_that_joins_a_growing_job_resumes_with_the_others_from_a_replicas
     """An elastic job (2:3 nodes, one DDP worker each) grows once a third node joins: the newcomer holds no
     snapshot, and is lent a running rank's, as the framework's own single checkpoint file would be every rank's;
     every rank of the grown job trains on from that step, none from step 0."""
-    out = grown(cluster, [os.path.join(ROOT, "examples", script), "--steps", "300", "--snapshot-every", "5",
+    # 150 steps: the third node joins 10-20 steps past the second snapshot (resumed from 25-30 in runs here, a
+    # restart's set-up included); each step after that proves nothing more (300 spent 9-11 s more).
+    out = grown(cluster, [os.path.join(ROOT, "examples", script), "--steps", "150", "--snapshot-every", "5",
                           "--step-s", "0.05"])
     again = starts(out)[2:]                  # the first two ranks' first attempt began at 0
     assert starts(out)[:2] == [0, 0] and len(again) == 3 and len(set(again)) == 1 and again[0] >= 10, out
