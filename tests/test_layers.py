@@ -49,10 +49,12 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     "node_agent.training.boot": (),
     # the command line: read into settings; the composition root (node_agent/main.py) builds the rest
     "node_agent.cli": ("protocol", "node_agent.settings", "node_agent.gpu.topology"),
-    # (and the store host's rule for where a c10d store listens: the plugin hosts one too)
+    # (and the store host's rule for where a c10d store listens: the plugin hosts one too; and the progress probe,
+    # put in torch's workers and read as the agent reads it, for which failed at start)
     "node_agent.plugin": ("protocol", "node_agent.client", "node_agent.cli.job_identity", "node_agent.cli.rdzv_conf",
                           "node_agent.cli.values", "node_agent.workers.script_check", "node_agent.settings",
-                          "node_agent.workers.warm.store_host"),
+                          "node_agent.workers.warm.store_host", "node_agent.core.steps", "node_agent.training.probe",
+                          "node_agent.workers.probes", "node_agent.workers.environment"),
     "node_agent": ("protocol", "node_agent.core", "node_agent.client", "node_agent.workers", "node_agent.cli",
                    "node_agent.gpu", "node_agent.copies", "node_agent.training.snapshot",
                    "node_agent.training.heartbeat"),

@@ -61,6 +61,14 @@ class ProbeRecord:
     replica_group: int = 0       # the ranks its digests are compared with (those of the same group)
 
 
+def failed_at_start(record: ProbeRecord | None) -> bool:
+    """Its probe saw the worker start and neither begin torch.distributed's process group nor take a step: a failure
+    then is its own (WorkerFailure.before_group), where one that stepped (rpc, its own sockets) may be a peer's
+    victim. The one rule of node-agent's reports and the torchrun plugin's."""
+    return record is not None and bool(record.milestones.get("started")) and \
+        not record.milestones.get("group_begun") and record.steps == 0
+
+
 @dataclass
 class RankSteps:
     record: ProbeRecord | None = None

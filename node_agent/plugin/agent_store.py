@@ -15,6 +15,7 @@ import subprocess
 import sys
 from collections.abc import Callable
 
+from node_agent.plugin.probes import without_probe
 from node_agent.workers.warm.store_host import SCRIPT, store_socket
 
 CLOSE_WAIT_S = 2.0
@@ -55,4 +56,4 @@ class AgentStore:
         # A session of its own: a terminal's Ctrl-C is torchrun's to handle, and ends the store through it
         return subprocess.Popen([sys.executable, "-u", SCRIPT, "--fd", str(fd), "--parent", str(os.getpid())],
                                 pass_fds=(fd,), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                env={**os.environ, "MASTER_ADDR": self._addr}, start_new_session=True)
+                                env={**without_probe(os.environ), "MASTER_ADDR": self._addr}, start_new_session=True)

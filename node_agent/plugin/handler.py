@@ -25,7 +25,7 @@ import os
 import sys
 import time
 from datetime import timedelta
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import torch.distributed as dist
 from torch.distributed.elastic.rendezvous import (
@@ -43,6 +43,7 @@ from node_agent.client.ports import free_port
 from node_agent.client.replies import ENDINGS, OTHER_ENDING, refusal
 from node_agent.plugin.agent_store import AgentStore
 from node_agent.plugin.failures import worker_failures
+from node_agent.plugin.probes import PROBED_KINDS, WorkerProbes
 from node_agent.plugin.round_store import JOB_SUCCEEDED, RoundStore, first_line, pauses
 from node_agent.plugin.session import (
     JobFinished,
@@ -75,7 +76,8 @@ def create_handler(params: RendezvousParameters) -> RdzvServerHandler:
     if launch is not None and launch.kind == "python" and (
             problem := script_problem(launch.script, local_ranks=launch.local_world_size)):
         _exit(2, f"torchrun --rdzv-backend {BACKEND}: {problem}")
-    handler = RdzvServerHandler(settings)
+    probed = launch is not None and launch.kind in PROBED_KINDS
+    handler = RdzvServerHandler(settings, WorkerProbes(settings.local_world_size) if probed else None)
     if settings.job_id_source:
         handler.say(f"job id {settings.job_id} (from {settings.job_id_source}; --rdzv-id or $PET_RDZV_ID sets another)")
     for key in sorted(set(unquoted(params.config)) & set(IGNORED_KEYS)):
@@ -90,8 +92,9 @@ def _exit(code: int, message: str) -> NoReturn:
 
 
 class RdzvServerHandler(RendezvousHandler):
-    def __init__(self, settings: PluginSettings) -> None:
+    def __init__(self, settings: PluginSettings, probes: WorkerProbes | None = None) -> None:
         self.settings = settings
+        self._probes = probes    # which failed workers failed at start (plugin/probes.py)
         self._session: ServerSession | None = None
         self._agent_store: AgentStore | None = None
         self._assignment: Assignment | None = None   # the round torch's workers run
@@ -141,10 +144,15 @@ class RdzvServerHandler(RendezvousHandler):
         failures = None
         # Once the session ended (the server out past server_wait, this node taken over) torch stopped the workers
         # for that: nothing of theirs failed, and a report would only wait out server_wait once more
-        if ran is not None and self._succeeded_round != ran.round_id and session.ended is None \
-                and still_in_round(session.view, ran.round_id):
-            failures = worker_failures(run_loop_failures(None), ran, self.settings.hostname)
-            self.say(f"round {ran.round_id}: this node's workers failed; reporting it")
+        if ran is not None and self._succeeded_round != ran.round_id and session.ended is None:
+            failures = self._failures(run_loop_failures(None), ran)
+            if still_in_round(session.view, ran.round_id):
+                self.say(f"round {ran.round_id}: this node's workers failed; reporting it")
+            else:   # another node's report ended the round: ours failing at start too is the script's (as node-agent),
+                over = session.view is not None and session.view.job_state.finished      # news while the job lives
+                failures = None if over else [f for f in failures if f.before_group] or None
+                if failures:
+                    self.say(f"round {ran.round_id}: this node's workers failed at start too; reporting it")
         self._assignment = None
         after = ran.round_id if ran is not None else -1
         while True:
@@ -155,6 +163,8 @@ class RdzvServerHandler(RendezvousHandler):
                 break
             after = assignment.round_id   # the round moved on while this node set up its store
         self._assignment, self._rounds = assignment, self._rounds + 1
+        if self._probes is not None:
+            self._probes.arm()     # torch starts this round's workers once we return
         os.environ[RESTART_COUNT_ENV] = str(assignment.restart_count)
         bootstrap = info.bootstrap_store_info
         assert bootstrap is not None
@@ -178,7 +188,7 @@ class RdzvServerHandler(RendezvousHandler):
             if exc is None:      # torch's agent returned: its workers succeeded (no exit barrier was seen)
                 self._report_success()
             else:
-                failures = worker_failures(run_loop_failures(exc), ran, self.settings.hostname)
+                failures = self._failures(run_loop_failures(exc), ran)
                 leave = "the torchrun agent stopped after its workers failed"
         view = session.view
         if self._succeeded_round >= 0 and view is not None and view.job_state is not JobState.SUCCEEDED:
@@ -191,6 +201,8 @@ class RdzvServerHandler(RendezvousHandler):
         if not failures and not verdict and view is not None and not view.job_state.finished:
             leave = leave or "the torchrun agent is exiting"
         session.close(ran.round_id if ran is not None else -1, failures, leave)
+        if self._probes is not None:
+            self._probes.close()
         if verdict and exc is None:
             _exit(1, f"[rdzv-server plugin {self.settings.node_id}] {verdict}")
         return True
@@ -223,6 +235,10 @@ class RdzvServerHandler(RendezvousHandler):
             if self._rounds == 0:
                 self._exit_cleanly(1, str(exc))
             raise RendezvousConnectionError(str(exc)) from None
+
+    def _failures(self, failures: dict[int, Any] | None, ran: Assignment) -> list[WorkerFailure]:
+        at_start = self._probes.failed_at_start if self._probes is not None else lambda local_rank: False
+        return worker_failures(failures, ran, self.settings.hostname, at_start)
 
     def _exit_cleanly(self, code: int, message: str) -> NoReturn:
         self.say(message)
@@ -320,3 +336,5 @@ class RdzvServerHandler(RendezvousHandler):
             self._shut_down = True
             with contextlib.suppress(Exception):
                 self._session.close(leave_reason="the torchrun agent exited")
+        if self._probes is not None:
+            self._probes.close()

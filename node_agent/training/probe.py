@@ -24,6 +24,7 @@ import time
 from typing import Any
 
 ENV = "NODE_AGENT_PROGRESS"
+RANK_FIELD = "{local_rank}"   # in ENV's paths: the worker's LOCAL_RANK (the torchrun plugin's workers share one ENV)
 # The one name it runs under in a worker: its loader registers it so, and beat() looks it up (heartbeat.py).
 NAME = "node_agent_probe"
 # Its loader: boot/sitecustomize.py, run at the start-up of an interpreter whose PYTHONPATH begins with that folder
@@ -215,8 +216,7 @@ def resumed(step: int) -> None:
 
 
 def digest(step: int, value: int, group: int = 0) -> None:
-    """The snapshot of `step`: its replicated tensors' digest, compared with the ranks of `group` (from the
-    snapshot's writer thread)."""
+    """The snapshot of `step`: its replicated tensors' digest, compared with the ranks of `group` (writer thread)."""
     if _record is not None:
         GROUP.pack_into(_record.map, GROUP_AT, max(0, int(group)))
         at = DIGEST_AT + (_record.digests % DIGESTS) * DIGEST.size
@@ -372,21 +372,21 @@ def _hook_after(loader: Any, hook: Any) -> None:
 
 
 def install(environ: Any = os.environ) -> bool:
-    """Count steps and answer for stacks as `NODE_AGENT_PROGRESS` says (taking it out); False without it.
-    Never raises: a probe that cannot start leaves the worker as it was."""
+    """Count steps and answer for stacks as `NODE_AGENT_PROGRESS` says (taking it out); False without it, or with
+    RANK_FIELD and no LOCAL_RANK. Never raises: a probe that cannot start leaves the worker as it was."""
     global _record, _stacks, _blocked
-    parts = environ.pop(ENV, "").split(";")
-    if len(parts) != 3 or _record is not None:
+    spec, rank = environ.pop(ENV, ""), environ.get("LOCAL_RANK", "")
+    parts = spec.replace(RANK_FIELD, rank).split(";")
+    if len(parts) != 3 or _record is not None or (RANK_FIELD in spec and not rank.isdigit()):
         return False
-    record_path, stacks_path, signum = parts
     try:
-        _record = Record(record_path)
+        _record = Record(parts[0])
     except (OSError, ValueError):
         return False
     _blocked = Blocked()
     try:
-        _stacks = open(stacks_path, "a")  # noqa: SIM115 - faulthandler needs it open for the worker's life
-        faulthandler.register(int(signum), file=_stacks, all_threads=True, chain=False)
+        _stacks = open(parts[1], "a")  # noqa: SIM115 - faulthandler needs it open for the worker's life
+        faulthandler.register(int(parts[2]), file=_stacks, all_threads=True, chain=False)
         _record.flag(STACKS)
     except (OSError, ValueError, RuntimeError, AttributeError):
         pass        # no stacks: the agent never sends the signal to a worker without the flag

@@ -15,6 +15,7 @@ from collections.abc import Callable, Mapping
 from typing import Protocol
 
 from node_agent.core.facts import NodeChecked, Put, SpawnFailed, Stage, WorkersExited
+from node_agent.core.steps import failed_at_start
 from node_agent.settings import DEFAULT_PRELOAD, WorkerSettings
 from node_agent.sources import start_source
 from node_agent.workers.environment import common_env, worker_argv
@@ -277,14 +278,11 @@ class LocalWorkers:
         self._put(WorkersExited(round_id, failures))
 
     def _before_group(self, round_id: int, local_rank: int) -> bool:
-        """Its probe saw it start and neither begin torch.distributed's process group nor take a step (read by
-        _workers_gone): one that stepped (rpc, its own sockets) may be a peer's victim. It ended by itself: the
-        agent's stop ends the watch first (stop), so a worker it stops is no fact at all."""
+        """Its probe says it failed at start (steps.failed_at_start; read by _workers_gone). It ended by itself:
+        the agent's stop ends the watch first (stop), so a worker it stops is no fact at all."""
         steps = self.steps.round if self.steps is not None else None
         seen = steps.ranks.get(local_rank) if steps is not None and steps.round_id == round_id else None
-        record = seen.record if seen is not None else None
-        return record is not None and bool(record.milestones.get("started")) and \
-            not record.milestones.get("group_begun") and record.steps == 0
+        return failed_at_start(seen.record if seen is not None else None)
 
     def _workers_gone(self) -> None:
         """The round's workers are all gone: when (the next restart's anatomy), and their records' last word

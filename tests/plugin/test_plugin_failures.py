@@ -34,6 +34,19 @@ def test_without_torchs_failures_the_report_says_the_node_failed():
     assert "which worker, torch did not say" in only.message
 
 
+def test_only_a_worker_that_ended_on_its_own_failed_at_start(tmp_path):
+    """Its probe said so (at_start), and torch did not stop it (SIGTERM, SIGKILL): a worker torch stopped before its
+    process group did not fail; one that crashed by itself (SIGSEGV) did."""
+    none = str(tmp_path / "none")
+    failures = {4: ProcessFailure(local_rank=0, pid=1, exitcode=1, error_file=none),
+                5: ProcessFailure(local_rank=1, pid=2, exitcode=-signal.SIGTERM, error_file=none),
+                6: ProcessFailure(local_rank=2, pid=3, exitcode=-signal.SIGSEGV, error_file=none),
+                7: ProcessFailure(local_rank=3, pid=4, exitcode=1, error_file=none)}
+    report = worker_failures(failures, ROUND, "host-b", at_start=lambda local_rank: local_rank != 3)
+    assert {f.rank: f.before_group for f in report} == {4: True, 5: False, 6: True, 7: False}
+    assert not any(f.before_group for f in worker_failures(failures, ROUND, "host-b"))
+
+
 def test_failures_are_found_on_childfailederror_or_in_torchs_run_loop():
     failure = ProcessFailure(local_rank=0, pid=1, exitcode=2, error_file="/nonexistent")
     assert agent_failures(ChildFailedError("train.py", {7: failure})) == {7: failure}

@@ -241,3 +241,32 @@ def test_an_unreachable_endpoint_is_one_clear_line(tmp_path):
     assert code == 1, output
     assert f"cannot reach the rdzv-server at 127.0.0.1:{port}" in output, output
     assert "Traceback" not in output, output
+
+
+def test_a_script_failing_at_start_on_every_node_excludes_none(cluster, tmp_path):
+    """An ImportError on every node is the script's error, not a node's: torch's workers carry node-agent's probe, so
+    each node's report says its workers failed before their process group, as node-agent's do, and the server
+    excludes no node one by one (with --exclude-after 2, 4 restarts counted on 3 nodes would exclude one). The
+    budget ends the job, whose reason says so; every agent exits non-zero, its workers' error in its output.
+    The first round waits for all 3 (max_nodes ends the last call): an agent slow to start must not miss the job."""
+    cluster.start_server("--state-dir", "none")
+    script = tmp_path / "broken.py"
+    script.write_text("import no_such_module_h69\n")
+    conf = "lease_timeout=3,last_call_timeout=15,exclude_after=2"
+    agents = []
+    for node in ("a", "b", "c"):
+        argv = [*TORCHRUN, "--rdzv-backend", "rdzv-server", "--rdzv-endpoint", cluster.endpoint(), "--rdzv-id",
+                "broken", "--nnodes", "1:3", "--nproc-per-node", "2", "--max-restarts", "4", "--monitor-interval",
+                "0.1", "--rdzv-conf", f"{conf},node_id={node}", str(script)]
+        agents.append(Proc(argv, child_env(NODE=node, TMPDIR=cluster.temp_dir()), node))
+        cluster.procs.append(agents[-1])
+
+    codes = [proc_exit(p) for p in agents]
+    job = job_view(cluster, "broken")
+    events = [(e["kind"], e["message"]) for e in job_events(cluster, "broken")]
+    assert not [e for e in events if e[0] in ("node_excluded", "node_suspect")], events
+    assert job["state"] == "failed", job
+    assert "exceeded max_restarts=4 (the workers failed at start, before their process group, on " in job["reason"], \
+        job["reason"]
+    for code, p in zip(codes, agents, strict=True):
+        assert code != 0 and "ModuleNotFoundError: No module named 'no_such_module_h69'" in p.output, p.output
