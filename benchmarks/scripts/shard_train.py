@@ -58,8 +58,18 @@ def reduce_min(x: int) -> int:
     return int(t.item())
 
 
+def loads(step: int) -> bool:
+    """This rank's snapshot of `step` loads (a damaged file refuses the step for every rank: agreed_step)."""
+    try:
+        torch.load(snapshot.path(step), mmap=True)
+        return True
+    except Exception as exc:  # noqa: BLE001  (any unreadable file is refused the same way)
+        print(f"rank {rank}: snapshot of step {step} refused: {exc}", flush=True)
+        return False
+
+
 def resume() -> tuple[int, str, torch.Tensor]:
-    step = snapshot.agreed_step(reduce_min)
+    step = snapshot.agreed_step(reduce_min, accept=loads)
     if step is not None:
         return step, "memory", torch.load(snapshot.path(step), mmap=True)
     held = [int(n.split("-")[1][:-3]) for n in os.listdir(disk) if n.startswith(f"{rank}-") and n.endswith(".pt")]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Awaitable
 
 from node_agent.training import snapshot
 
@@ -17,6 +18,14 @@ def mark_fetching(dirs: dict[int, str], on: bool) -> None:
                 open(mark, "w").close()       # noqa: SIM115 - an empty file: its name is the message
             else:
                 os.unlink(mark)
+
+
+async def while_marked(dirs: dict[int, str], fetching: Awaitable[None]) -> None:
+    """`fetching` awaited with each rank's directory marked (mark_fetching): the workers wait for it, to its end."""
+    try:
+        await fetching
+    finally:
+        mark_fetching(dirs, False)
 
 
 def written_since(path: str, since: float) -> bool:

@@ -10,9 +10,9 @@ another node, the node that takes its place resumes from that step instead of ev
 - A node that takes a gone node's place (`Assignment.copies_of`/`copies_at`) fetches that node's copies
   into its own ranks' memory directories while its workers start (FETCH_LIMIT_S at most; agreed_step waits for
   it); the holder drops them once the server heard this node's own copies landed. None there: every rank falls
-  back to disk (agreed_step), said in one line. A node back at its own place as a new incarnation (its agent
-  restarted) is told of its own copies: fetched only where its memory did not outlive its predecessor. A node
-  swapped out while it lives (a suspect) is the source of its own snapshots for its taker (copies/own.py).
+  back to disk (agreed_step), said in one line. A node back at its place as a new incarnation (its agent restarted)
+  is told of its own copies: fetched where its memory did not outlive its predecessor, else where cut short
+  (own_check.py). A suspect swapped out is the source of its own snapshots for its taker (copies/own.py).
 - Copies held for others live under the node's memory directory: removed with it when the job ends or the node
   leaves, taken up by its next agent, or swept (workers/memory.py); a node whose job is over asks its holders to
   drop its copies at once. A job whose copies go nowhere is said once."""
@@ -28,8 +28,9 @@ from collections.abc import Callable, Iterable
 from node_agent.client.listener import Listener, agent_caps
 from node_agent.copies.client import FetchResult, drop, drop_all, fetch_ranks, push
 from node_agent.copies.last_copies import FLUSH_LIMIT_S, due_bytes, last_copies
-from node_agent.copies.local_steps import common_step, lag_line, mark_fetching, written_since
+from node_agent.copies.local_steps import common_step, lag_line, mark_fetching, while_marked, written_since
 from node_agent.copies.own import OwnSnapshots, keep_token, left_dirs, left_key
+from node_agent.copies.own_check import check_own
 from node_agent.copies.store import CopyStore
 from node_agent.copies.tls import CopyTls
 from node_agent.copies.wire import is_copy_request
@@ -169,21 +170,22 @@ class PeerCopies:
                            "(--failure-domain; by default each host is one), so a lost node's ranks resume from disk "
                            "(the job's page says why)")
         if a.copies_of and a.copies_at is not None and dirs:
-            # This node back at its place as a new incarnation (its agent restarted) fetches its own copies only
-            # where its memory did not outlive its previous agent (a new host, or a directory removed).
+            # This node back at its place as a new incarnation (its agent restarted) fetches its own copies where its
+            # memory did not outlive its previous agent; where it did, those of its files cut short (own_check.py).
             kept = common_step(dirs) if a.copies_of == self.node_id else {}
+            mark_fetching(dirs, True)     # the workers start meanwhile: agreed_step waits while marked
             if kept:
-                self._say(f"this node's own snapshots (step {next(iter(kept.values()))[0]}) outlived its previous "
-                          f"agent: nothing to fetch")
+                holder = (a.copies_at.addr, a.copies_at.port, a.copies_token, self.node_id)
+                self._fetching = asyncio.create_task(while_marked(dirs, check_own(
+                    dirs, next(iter(kept.values()))[0], holder, self.memory.rank_limit, self._connect, self._say)))
             else:
-                mark_fetching(dirs, True)     # the workers start meanwhile: agreed_step waits while marked
                 # After replicas diverged, the step every rank resumes from. The copies before the newest only where
                 # another gone node's are wanted too (its newest may be a snapshot apart): a lone loss's is not slowed.
                 want = a.resume_at_most if a.resume_at_most >= 0 else None
                 sources = [a.copies_at, *([a.copies_also] if a.copies_also is not None else [])]
                 spares = bool(set(a.copies_wanted or ()) - set(a.copies_moving) - {a.copies_of})
-                self._fetching = asyncio.create_task(self._fetch_marked(a.copies_of, a.copies_token, sources,
-                                                                        dirs, want, spares))
+                self._fetching = asyncio.create_task(while_marked(dirs, self._fetch(a.copies_of, a.copies_token,
+                                                                                  sources, dirs, want, spares)))
         if self.targets and self.key and (self._pusher is None or self._pusher.done()):
             self._pusher = asyncio.create_task(self._push_loop())
 
@@ -191,12 +193,6 @@ class PeerCopies:
         if self._fetching is not None:
             await asyncio.gather(self._fetching, return_exceptions=True)
 
-    async def _fetch_marked(self, gone: str, token: str, sources: list[Witness], dirs: dict[int, str],
-                            want: int | None = None, spares: bool = False) -> None:
-        try:
-            await self._fetch(gone, token, sources, dirs, want, spares)
-        finally:
-            mark_fetching(dirs, False)
 
     async def _fetch(self, gone: str, token: str, sources: list[Witness], dirs: dict[int, str],
                      want: int | None, spares: bool) -> None:

@@ -443,3 +443,31 @@ def test_a_next_agent_killed_while_it_waits_for_its_predecessor_leaves_the_place
     (tmp_path / "stop").write_text("stop")
     for agent in agents.values():
         assert agent.wait(LIMIT) == 0, agent.output[-3000:]
+
+
+def test_a_restarted_agent_whose_own_newest_snapshot_is_damaged_takes_its_holders_copy(cluster, tmp_path):
+    """The agent SIGKILLed, and one of its ranks' newest snapshot files in the memory it takes up truncated (a
+    worker's file cut short): its holder keeps a whole copy of that step. Before, the agent kept its own memory
+    ("nothing to fetch"), the rank refused the damaged file, and every rank went back a snapshot. Snapshots stop at
+    step 10 (SNAP_LAST), so the copies settle on it."""
+    job = "restart-damaged"
+    cluster.start_server()
+    agents = {n: start(cluster, tmp_path, n, job, env={"SNAP_LAST": "10"}) for n in ("a", "b", "c")}
+    wait_until(lambda: len({r for *_, r, _ in steps(tmp_path)}) == 6, LIMIT, "every rank stepping")
+    node = next(n["node_id"] for n in job_view(cluster, job)["nodes"] if n["group_rank"] == 1)
+    wait_until(lambda: copies_of(cluster, job, node).get("copied_step", -1) == 10, LIMIT,
+               lambda: f"node {node}'s copies of step 10: {copies_of(cluster, job, node)}")
+    killed_at = time.time()
+    os.kill(agents[node].pid, signal.SIGKILL)
+    agents[node].wait(LIMIT)
+    damaged = os.path.join(memory_of(job, node), "0", "step-10")
+    assert os.path.isfile(damaged), os.listdir(os.path.dirname(damaged))
+    os.truncate(damaged, os.path.getsize(damaged) // 2)
+    agents[node] = start(cluster, tmp_path, node, job, env={"SNAP_LAST": "10"})
+    back = resumed_from_memory(tmp_path, killed_at, agents[node])
+    assert {s for s, _, _ in back.values()} == {10}, (back, agents[node].output[-3000:])
+    assert "local rank(s) 0: the memory's file of step 10 was missing or cut short: took the holder's copy" in \
+        agents[node].output, agents[node].output[-3000:]
+    (tmp_path / "stop").write_text("stop")
+    for agent in agents.values():
+        assert agent.wait(LIMIT) == 0, agent.output[-3000:]

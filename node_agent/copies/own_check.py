@@ -1,0 +1,78 @@
+"""A node back at its own place with the memory its previous agent left (its agent restarted) asks its copies' holder
+for its newest copy anyway: the memory's newest files may be damaged (a file cut short) or gone for one rank, and a
+rank refusing its file sends every rank back a snapshot (agreed_step) though the holder keeps a whole copy of that
+step (a review: every rank back from step 10 to 5). The holder's copy lands beside the rank's files, in SIDE, and is
+taken where it is newer than the node's newest common step and the rank lacks that step, or of that step and the
+rank's own file is missing or of another size (cut short). A file of the same size stays: a copy of an older round
+(the job went back, this node's newer copies not landed yet) is of steps the job abandoned, and a flipped bit is
+the snapshot's own checksums' to find. Plain file operations: the fetch itself is the caller's."""
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import ssl
+from collections.abc import Callable
+
+from node_agent.copies.client import FetchResult, fetch_ranks
+from node_agent.training import snapshot
+
+SIDE = ".holder"        # in a rank's directory: where its holder's copy lands before it is compared (not a step)
+FETCH_LIMIT_S = 60.0    # as a node taking a place waits for its copies (peers.py)
+
+
+def side_dirs(dirs: dict[int, str]) -> dict[int, str]:
+    """Each rank's SIDE directory, made empty (one a killed agent left is cleared)."""
+    out = {}
+    for rank, where in dirs.items():
+        side = os.path.join(where, SIDE)
+        shutil.rmtree(side, ignore_errors=True)
+        os.makedirs(side, mode=0o700, exist_ok=True)
+        out[rank] = side
+    return out
+
+
+def take_newer(dirs: dict[int, str], side: dict[int, str], got: list[FetchResult], kept: int) -> list[int]:
+    """The local ranks whose file of the holder's step (one for every rank, `kept` or newer) is now the holder's
+    copy, marked fetched (fetched.py); the side directories are removed."""
+    try:
+        steps = {r.step for r in got}
+        step = next(iter(steps)) if len(steps) == 1 and len(got) == len(dirs) else None
+        if step is None or step < kept:
+            return []
+        taken = []
+        for rank, where in sorted(dirs.items()):
+            theirs, mine = snapshot.path(step, side[rank]), snapshot.path(step, where)
+            if os.path.isfile(mine) and not os.path.islink(mine) and \
+                    (step > kept or os.path.getsize(mine) == os.path.getsize(theirs)):
+                continue
+            os.replace(theirs, mine)
+            snapshot.mark_fetched(where, step)
+            taken.append(rank)
+        return taken
+    except OSError:             # a directory gone with the job: the memory stands as it is
+        return []
+    finally:
+        for where in side.values():
+            shutil.rmtree(where, ignore_errors=True)
+
+
+async def check_own(dirs: dict[int, str], kept: int, holder: tuple[str, int, str, str], rank_limit: int | None,
+                    tls: ssl.SSLContext | None, say: Callable[[str], None]) -> None:
+    """The holder's newest copy of each rank (`holder`: its address, port, this node's token and id) into its side
+    directory (FETCH_LIMIT_S at most), then `take_newer`; said in one line where a rank took it."""
+    side: dict[int, str] = {}
+    got: list[FetchResult] = []
+    try:
+        side = side_dirs(dirs)
+        got = await asyncio.wait_for(fetch_ranks(*holder, side, rank_limit, FETCH_LIMIT_S, tls, spares=False),
+                                     FETCH_LIMIT_S)
+    except (OSError, asyncio.TimeoutError):     # none there in time: the memory stands as it is
+        got = []
+    finally:
+        taken = take_newer(dirs, side, got, kept) if side else []
+    if taken:
+        step = got[0].step
+        newer = f", newer than the step every local rank held here ({kept})" if step != kept else ""
+        say(f"local rank(s) {', '.join(map(str, taken))}: the memory's file of step {step} was missing or cut short: "
+            f"took the holder's copy{newer}")

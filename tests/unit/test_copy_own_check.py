@@ -1,0 +1,66 @@
+"""A restarted agent's check of the memory it took up against its holder's newest copy (node_agent/copies/own_check.py):
+a rank's file of the node's newest common step cut short, or a step newer than that the rank lacks, is the holder's
+copy now, marked fetched; a file of the same size stays (a copy of an older round may differ from it, and the job
+abandoned those steps), a copy older than the memory or of steps that differ between ranks is dropped, and nothing
+is left beside the ranks' files."""
+from __future__ import annotations
+
+import os
+
+from node_agent.copies.client import FetchResult
+from node_agent.copies.own_check import SIDE, side_dirs, take_newer
+from node_agent.training import fetched, snapshot
+
+
+def node(tmp_path, held: dict[int, dict[int, bytes]]) -> dict[int, str]:
+    """Each local rank's memory directory holding `held[rank]` (step -> bytes)."""
+    dirs = {}
+    for rank, steps in held.items():
+        dirs[rank] = str(tmp_path / str(rank))
+        os.makedirs(dirs[rank])
+        for step, data in steps.items():
+            snapshot.save(data, step, where=dirs[rank])
+    return dirs
+
+
+def holders_copy(dirs: dict[int, str], step: int, data: dict[int, bytes]) -> tuple[dict[int, str], list[FetchResult]]:
+    """The holder's copy of `step` landed in each rank's side directory, as fetch_ranks leaves it."""
+    side = side_dirs(dirs)
+    for rank, where in side.items():
+        with open(snapshot.path(step, where), "wb") as f:
+            f.write(data[rank])
+    return side, [FetchResult(step, f"fetched step={step}", len(data[rank])) for rank in sorted(dirs)]
+
+
+def read(dirs: dict[int, str], rank: int, step: int) -> bytes:
+    with open(snapshot.path(step, dirs[rank]), "rb") as f:
+        return f.read()
+
+
+def test_a_file_cut_short_is_the_holders_copy_and_a_whole_one_stays(tmp_path):
+    whole = {0: b"a" * 100, 1: b"b" * 100}
+    dirs = node(tmp_path, {0: {5: b"x", 10: b"a" * 40}, 1: {5: b"y", 10: b"B" * 100}})    # rank 0's 10 cut short
+    side, got = holders_copy(dirs, 10, whole)
+    assert take_newer(dirs, side, got, kept=10) == [0]
+    assert read(dirs, 0, 10) == whole[0] and fetched.is_copy(dirs[0], 10)
+    assert read(dirs, 1, 10) == b"B" * 100 and not fetched.is_copy(dirs[1], 10)      # the same size: its own
+    assert not any(os.path.exists(os.path.join(where, SIDE)) for where in dirs.values())
+
+
+def test_a_newer_step_a_rank_lacks_is_taken_and_one_it_holds_stays(tmp_path):
+    dirs = node(tmp_path, {0: {5: b"x"}, 1: {5: b"y", 10: b"own"}})     # rank 0 lost its 10: the node's is 5
+    side, got = holders_copy(dirs, 10, {0: b"held-0", 1: b"held-1"})
+    assert take_newer(dirs, side, got, kept=5) == [0]
+    assert read(dirs, 0, 10) == b"held-0" and read(dirs, 1, 10) == b"own"
+    assert snapshot.steps(dirs[0]) == [5, 10]
+
+
+def test_an_older_copy_or_one_of_steps_that_differ_leaves_the_memory_as_it_is(tmp_path):
+    dirs = node(tmp_path, {0: {10: b"a"}, 1: {10: b"b"}})
+    side, got = holders_copy(dirs, 5, {0: b"old-0", 1: b"old-1"})
+    assert take_newer(dirs, side, got, kept=10) == []
+    assert [snapshot.steps(where) for where in dirs.values()] == [[10], [10]]
+    side, got = holders_copy(dirs, 10, {0: b"held-0", 1: b"held-1"})
+    got[1] = FetchResult(None, "no copy held", 0)
+    assert take_newer(dirs, side, got, kept=10) == [] and read(dirs, 0, 10) == b"a"
+    assert not any(os.path.exists(os.path.join(where, SIDE)) for where in dirs.values())
