@@ -76,3 +76,16 @@ async def check_own(dirs: dict[int, str], kept: int, holder: tuple[str, int, str
         newer = f", newer than the step every local rank held here ({kept})" if step != kept else ""
         say(f"local rank(s) {', '.join(map(str, taken))}: the memory's file of step {step} was missing or cut short: "
             f"took the holder's copy{newer}")
+
+
+def no_room_line(node: str, addr: str, port: int, noted: int) -> str:
+    """What a node back at its place with --no-memory-dir says once ("": nothing to say), its copies' holder at
+    `addr`:`port` (its memory gone with its host), `noted` the job's newest noted snapshot step (-1: none): the agent
+    has nowhere to put its copies, and a rank without memory sends every rank of the job to its fallback. Said, not
+    refused: the node joined, and the job waits for it."""
+    if noted < 0:
+        return ""
+    return (f"--no-memory-dir: node {node} is back at its place in a job with snapshots of step {noted} (this "
+            f"node's copies are kept at {addr}:{port}), but it has no memory directory to take them into: every rank "
+            f"of the job goes back to its disk checkpoint or step 0. Start this node without --no-memory-dir (its "
+            f"memory directory is in /dev/shm, --memory-dir-limit sizes it) to resume from them")

@@ -30,7 +30,7 @@ from node_agent.copies.client import FetchResult, drop, drop_all, fetch_ranks, p
 from node_agent.copies.last_copies import FLUSH_LIMIT_S, due_bytes, last_copies
 from node_agent.copies.local_steps import common_step, lag_line, mark_fetching, while_marked, written_since
 from node_agent.copies.own import OwnSnapshots, keep_token, left_dirs, left_key
-from node_agent.copies.own_check import check_own
+from node_agent.copies.own_check import check_own, no_room_line
 from node_agent.copies.store import CopyStore
 from node_agent.copies.tls import CopyTls
 from node_agent.copies.wire import is_copy_request
@@ -169,6 +169,9 @@ class PeerCopies:
                            "peer copies: no member takes this node's copies: none is in another failure domain "
                            "(--failure-domain; by default each host is one), so a lost node's ranks resume from disk "
                            "(the job's page says why)")
+        if a.copies_of == self.node_id and a.copies_at is not None and not self.memory.enabled and \
+                (line := no_room_line(self.node_id, a.copies_at.addr, a.copies_at.port, a.noted_step)):
+            self._say_once("no room", line)
         if a.copies_of and a.copies_at is not None and dirs:
             # This node back at its place as a new incarnation (its agent restarted) fetches its own copies where its
             # memory did not outlive its previous agent; where it did, those of its files cut short (own_check.py).

@@ -471,3 +471,34 @@ def test_a_restarted_agent_whose_own_newest_snapshot_is_damaged_takes_its_holder
     (tmp_path / "stop").write_text("stop")
     for agent in agents.values():
         assert agent.wait(LIMIT) == 0, agent.output[-3000:]
+
+
+def test_an_agent_restarted_without_a_memory_dir_on_a_wiped_host_says_what_it_costs(cluster, tmp_path):
+    """The host's /dev/shm wiped and the agent started again under its id with --no-memory-dir: its holder keeps the
+    node's copies, but it has nowhere to put them, and a rank without memory sends every rank to its fallback (step
+    0 here: no disk checkpoints). Before, the agent said nothing of it (only a worker's own line, if it used
+    protect); it now says once what it costs and what to change."""
+    job = "restart-no-memory"
+    cluster.start_server()
+    agents = {n: start(cluster, tmp_path, n, job) for n in ("a", "b", "c")}
+    wait_until(lambda: len({r for *_, r, _ in steps(tmp_path)}) == 6, LIMIT, "every rank stepping")
+    node = next(n["node_id"] for n in job_view(cluster, job)["nodes"] if n["group_rank"] == 1)
+    wait_until(lambda: copies_of(cluster, job, node).get("copied_step", -1) >= 10, LIMIT,
+               lambda: f"node {node}'s copies of step 10 or later: {copies_of(cluster, job, node)}")
+    killed_at = time.time()
+    os.kill(agents[node].pid, signal.SIGKILL)
+    agents[node].wait(LIMIT)
+    shutil.rmtree(memory_of(job, node))
+    agents[node] = cluster.agent(
+        "--endpoint", cluster.endpoint(), "--nnodes", "3", "--nproc", "2", "--job-id", job, "--max-restarts", "3",
+        "--node-id", node, "--failure-domain", f"rack-{node}", *FAST, *WINDOW, "--no-memory-dir", SHARDS,
+        name=f"{node}-2", env={"OUT_DIR": str(tmp_path), "NODE": node, **ENV})
+    back = wait_until(lambda: len(shard_resumes(tmp_path, killed_at)) == 6 and shard_resumes(tmp_path, killed_at),
+                      LIMIT, lambda: f"every rank resumed: {shard_resumes(tmp_path, killed_at)}")
+    assert {source for _, source, _ in back.values()} == {"scratch"}, back
+    said = [ln for ln in agents[node].lines if f"--no-memory-dir: node {node} is back at its place" in ln]
+    assert len(said) == 1 and "every rank of the job goes back" in said[0] and \
+        "without --no-memory-dir" in said[0], agents[node].output[-3000:]
+    (tmp_path / "stop").write_text("stop")
+    for agent in agents.values():
+        assert agent.wait(LIMIT) == 0, agent.output[-3000:]

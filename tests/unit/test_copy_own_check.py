@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 
 from node_agent.copies.client import FetchResult
-from node_agent.copies.own_check import SIDE, side_dirs, take_newer
+from node_agent.copies.own_check import SIDE, no_room_line, side_dirs, take_newer
 from node_agent.training import fetched, snapshot
 
 
@@ -64,3 +64,10 @@ def test_an_older_copy_or_one_of_steps_that_differ_leaves_the_memory_as_it_is(tm
     got[1] = FetchResult(None, "no copy held", 0)
     assert take_newer(dirs, side, got, kept=10) == [] and read(dirs, 0, 10) == b"a"
     assert not any(os.path.exists(os.path.join(where, SIDE)) for where in dirs.values())
+
+
+def test_a_node_back_without_memory_says_what_it_costs_only_in_a_job_with_snapshots():
+    line = no_room_line("b", "127.0.0.1", 4000, 15)
+    assert "step 15" in line and "127.0.0.1:4000" in line and "every rank of the job goes back" in line
+    assert "without --no-memory-dir" in line and "\n" not in line
+    assert no_room_line("b", "127.0.0.1", 4000, -1) == ""        # no snapshot noted: nothing is lost
