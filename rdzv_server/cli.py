@@ -111,6 +111,7 @@ def config_from(args: argparse.Namespace) -> ServerConfig:
     tls = None
     if args.tls_cert:
         tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        tls.options |= ssl.OP_NO_RENEGOTIATION   # a client's renegotiation loop costs a handshake each (tls.py)
         try:
             tls.load_cert_chain(args.tls_cert, args.tls_key)
         except (OSError, ssl.SSLError) as exc:

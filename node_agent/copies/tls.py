@@ -18,6 +18,9 @@ def copy_tls(cert: str, key: str, ca: str) -> CopyTls:
     """Both contexts from the agent's certificate, key and CA (ssl.SSLError / OSError: the files are bad)."""
     listen = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH, cafile=ca)
     listen.verify_mode = ssl.CERT_REQUIRED
+    # TLS 1.2 renegotiation refused: a certificate holder renegotiating in a loop costs the agent a handshake's
+    # CPU each time (OpenSSL 3 refuses a client's by default; 1.1.1, which some Pythons still link, allows it).
+    listen.options |= ssl.OP_NO_RENEGOTIATION
     listen.load_cert_chain(cert, key)
     connect = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=ca)
     connect.check_hostname = False       # peers are addresses; the CA's signature is what is checked
