@@ -21,7 +21,6 @@ from rdzv_server.web import admin, views
 from rdzv_server.web.access import ACCESS, NO_STREAM, Access, access_middleware
 from rdzv_server.web.connections import (
     HANG_UP,
-    SlowBody,
     closed_by_peer_now,
     hang_up,
     local_address,
@@ -56,15 +55,23 @@ def _error(request: web.Request, code: ErrorCode, message: str, headers: dict[st
 @web.middleware
 async def error_middleware(request: web.Request,
                            handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
+    """Typed errors as replies; a request answered before its body was all in (refused, too large, too slow, a route
+    that reads none) is closed once answered: aiohttp would read on for 10 s ("lingering"). A review: 40 endless
+    chunked bodies, each refused at 1 MiB, were read at ~330 MiB/s, RSS 47 -> 317 MiB, /healthz 1.1 s late."""
+    response = await _answer(request, handler)
+    if not request.content.is_eof():
+        await send_and_close(request, response)
+    return response
+
+
+async def _answer(request: web.Request,
+                  handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
     try:
         return await handler(request)
     except DecodeError as exc:
         return _error(request, exc.code, exc.message)
     except RendezvousError as exc:
-        response = _error(request, exc.code, exc.message, exc.headers)
-        if isinstance(exc, SlowBody):      # nothing more to read from a client this slow
-            await send_and_close(request, response)
-        return response
+        return _error(request, exc.code, exc.message, exc.headers)
     except web.HTTPRequestEntityTooLarge:
         return _error(request, ErrorCode.TOO_LARGE, f"body exceeds {MAX_BODY_BYTES} bytes")
     except web.HTTPNotFound:
