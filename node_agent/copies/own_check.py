@@ -32,9 +32,20 @@ def side_dirs(dirs: dict[int, str]) -> dict[int, str]:
     return out
 
 
+def ours_stands(mine: str, step: int, size: int, kept: int) -> bool:
+    """The rank's own file `mine` of the holder's `step` (its copy `size` bytes) stands: the copy is older than the
+    memory's common step `kept`, or the rank holds the step, newer than `kept` or of the copy's size."""
+    try:
+        return step < kept or os.path.isfile(mine) and not os.path.islink(mine) and \
+            (step > kept or os.path.getsize(mine) == size)
+    except OSError:
+        return False
+
+
 def take_newer(dirs: dict[int, str], side: dict[int, str], got: list[FetchResult], kept: int) -> list[int]:
     """The local ranks whose file of the holder's step (one for every rank, `kept` or newer) is now the holder's
-    copy, marked fetched (fetched.py); the side directories are removed."""
+    copy, marked fetched (fetched.py); the side directories are removed. A rank whose copy was not sent (its own
+    file stands: ours_stands) has none there."""
     try:
         steps = {r.step for r in got}
         step = next(iter(steps)) if len(steps) == 1 and len(got) == len(dirs) else None
@@ -43,8 +54,7 @@ def take_newer(dirs: dict[int, str], side: dict[int, str], got: list[FetchResult
         taken = []
         for rank, where in sorted(dirs.items()):
             theirs, mine = snapshot.path(step, side[rank]), snapshot.path(step, where)
-            if os.path.isfile(mine) and not os.path.islink(mine) and \
-                    (step > kept or os.path.getsize(mine) == os.path.getsize(theirs)):
+            if not os.path.isfile(theirs) or ours_stands(mine, step, os.path.getsize(theirs), kept):
                 continue
             os.replace(theirs, mine)
             snapshot.mark_fetched(where, step)
@@ -60,12 +70,18 @@ def take_newer(dirs: dict[int, str], side: dict[int, str], got: list[FetchResult
 async def check_own(dirs: dict[int, str], kept: int, holder: tuple[str, int, str, str], rank_limit: int | None,
                     tls: ssl.SSLContext | None, say: Callable[[str], None]) -> None:
     """The holder's newest copy of each rank (`holder`: its address, port, this node's token and id) into its side
-    directory (FETCH_LIMIT_S at most), then `take_newer`; said in one line where a rank took it."""
+    directory (FETCH_LIMIT_S at most), then `take_newer`; said in one line where a rank took it. Only the answers'
+    step and size come where the rank's own file stands (ours_stands): a restart's check costs a round trip per
+    rank, not its snapshot's bytes."""
+    def keep(rank: int, step: int, size: int) -> bool:
+        return ours_stands(snapshot.path(step, dirs[rank]), step, size, kept)
+
     side: dict[int, str] = {}
     got: list[FetchResult] = []
     try:
         side = side_dirs(dirs)
-        got = await asyncio.wait_for(fetch_ranks(*holder, side, rank_limit, FETCH_LIMIT_S, tls, spares=False),
+        got = await asyncio.wait_for(fetch_ranks(*holder, side, rank_limit, FETCH_LIMIT_S, tls, spares=False,
+                                                 keep=keep),
                                      FETCH_LIMIT_S)
     except (OSError, asyncio.TimeoutError):     # none there in time: the memory stands as it is
         got = []

@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import os
 
+from node_agent.copies import client
 from node_agent.copies.client import FetchResult
-from node_agent.copies.own_check import SIDE, no_room_line, side_dirs, take_newer
+from node_agent.copies.own_check import SIDE, check_own, no_room_line, ours_stands, side_dirs, take_newer
 from node_agent.training import fetched, snapshot
+from tests.unit.test_copy_store import KEY, WAIT, blob, holder, make_store, snap
 
 
 def node(tmp_path, held: dict[int, dict[int, bytes]]) -> dict[int, str]:
@@ -71,3 +73,28 @@ def test_a_node_back_without_memory_says_what_it_costs_only_in_a_job_with_snapsh
     assert "step 15" in line and "127.0.0.1:4000" in line and "every rank of the job goes back" in line
     assert "without --no-memory-dir" in line and "\n" not in line
     assert no_room_line("b", "127.0.0.1", 4000, -1) == ""        # no snapshot noted: nothing is lost
+
+
+async def test_a_restarts_check_brings_only_the_bytes_of_a_file_cut_short(tmp_path):
+    """Against a real holder: a rank whose own file of the step stands takes only the answer's step and size (a
+    restart's check costs a round trip, not a snapshot: the first version fetched every rank's whole copy on every
+    agent restart, its workers waiting), a rank whose file is cut short the whole copy."""
+    store = make_store(tmp_path)
+    copies = {rank: blob(200_000, seed=rank) for rank in (0, 1)}
+    dirs = node(tmp_path, {0: {10: copies[0]}, 1: {10: copies[1][:1000]}})        # rank 1's cut short
+    said: list[str] = []
+    async with holder(store) as port:
+        for rank, data in copies.items():
+            sent = await client.push("127.0.0.1", port, key=KEY, node_id="b", local_rank=rank, step=10,
+                                     path=snap(tmp_path, f"push-{rank}", data))
+            assert sent.ok, sent
+        side = side_dirs(dirs)
+        got = await client.fetch_ranks("127.0.0.1", port, KEY, "b", side, None, WAIT, None, spares=False,
+                                       keep=lambda rank, step, size: ours_stands(
+                                           snapshot.path(step, dirs[rank]), step, size, 10))
+        assert [(r.step, r.received) for r in got] == [(10, 0), (10, len(copies[1]))]
+        assert take_newer(dirs, side, got, kept=10) == [1]
+        os.truncate(snapshot.path(10, dirs[0]), 500)                                   # now rank 0's
+        await check_own(dirs, 10, ("127.0.0.1", port, KEY, "b"), None, None, said.append)
+    assert [read(dirs, rank, 10) for rank in (0, 1)] == [copies[0], copies[1]]
+    assert len(said) == 1 and said[0].startswith("local rank(s) 0: the memory's file of step 10 was missing or cut")
