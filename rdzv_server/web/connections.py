@@ -6,8 +6,8 @@ then the longest idle of the others (an agent's keep-alive connection outlives a
 one with a request in progress, such as a held long-poll. At the hard limit below the open-file limit, with none
 idle, a held long-poll gives way (delivery/give_way.py); a newcomer is refused only when none can, so accepting never
 fails with "Too many open files"; a TLS newcomer's room is made once its handshake is done. A body over
-MAX_BODY_BYTES is refused (413) unread; one not in within BODY_TIMEOUT_S is refused (400) and its connection closed
-at once, not read on through aiohttp's "lingering" close.
+MAX_BODY_BYTES is refused (413) unread, one not in within BODY_TIMEOUT_S (400); the rest of a body left unread by an
+answer is read DRAIN_BYTES at most, then its connection closed, not read on through aiohttp's "lingering" close.
 """
 from __future__ import annotations
 
@@ -29,6 +29,8 @@ from rdzv_server.core.errors import RendezvousError
 log = logging.getLogger("rdzv_server")
 
 BODY_TIMEOUT_S = 10.0       # a request body slower than this is refused (a slow-body client holds nothing)
+DRAIN_BYTES = MAX_BODY_BYTES  # after an answer sent before its body was in, the most of it read (send_and_close)
+DRAIN_S = 2.0
 FD_RESERVE = 256            # descriptors kept free for the store, logs and the like
 # request key: its connection's ack age when it ended (a typed key where aiohttp has them: 3.12 on)
 CLOSED_ACK_AGE: Any = (web.RequestKey("closed_ack_age_s", object) if hasattr(web, "RequestKey")
@@ -275,10 +277,31 @@ class SlowBody(RendezvousError):
 
 
 async def send_and_close(request: web.Request, response: web.StreamResponse) -> None:
-    """Send `response` now and close the connection, without reading the rest of the body."""
+    """Send `response` now, then read what is left of the body, DRAIN_BYTES within DRAIN_S at most: the connection
+    stays where it all came (its client still sending reads the answer, and may ask again on it), else it is closed.
+    Closed unread, a client sending a body in pieces (a 415, a 403 for its Host, answered on the head) got a broken
+    pipe for the answer; read on by aiohttp ("lingering", 10 s, no cap), an endless body took ~330 MiB/s."""
     await response.prepare(request)
     await response.write_eof()
+    left = request.content_length
+    if (left is None or left <= DRAIN_BYTES) and await _drained(request):
+        return
     request.protocol.force_close()
+
+
+async def _drained(request: web.Request) -> bool:
+    """The rest of the body read and dropped, DRAIN_BYTES within DRAIN_S at most: whether it all came."""
+    async def drain() -> bool:
+        taken = 0
+        while piece := await request.content.readany():
+            taken += len(piece)
+            if taken > DRAIN_BYTES:
+                return False
+        return True
+    try:
+        return await asyncio.wait_for(drain(), DRAIN_S)
+    except (asyncio.TimeoutError, ConnectionError, web.RequestPayloadError):
+        return False
 
 
 async def read_body(request: web.Request) -> bytes:
