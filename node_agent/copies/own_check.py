@@ -32,12 +32,13 @@ def side_dirs(dirs: dict[int, str]) -> dict[int, str]:
     return out
 
 
-def ours_stands(mine: str, step: int, size: int, kept: int) -> bool:
+def ours_stands(mine: str, step: int, size: int, kept: int, at_most: int | None = None) -> bool:
     """The rank's own file `mine` of the holder's `step` (its copy `size` bytes) stands: the copy is older than the
-    memory's common step `kept`, or the rank holds the step, newer than `kept` or of the copy's size."""
+    memory's common step `kept`, or past `at_most` (the job's replicas diverged after it: Assignment.resume_at_most,
+    those steps are no rank's future), or the rank holds the step, newer than `kept` or of the copy's size."""
     try:
-        return step < kept or os.path.isfile(mine) and not os.path.islink(mine) and \
-            (step > kept or os.path.getsize(mine) == size)
+        return step < kept or at_most is not None and step > at_most or \
+            os.path.isfile(mine) and not os.path.islink(mine) and (step > kept or os.path.getsize(mine) == size)
     except OSError:
         return False
 
@@ -68,13 +69,13 @@ def take_newer(dirs: dict[int, str], side: dict[int, str], got: list[FetchResult
 
 
 async def check_own(dirs: dict[int, str], kept: int, holder: tuple[str, int, str, str], rank_limit: int | None,
-                    tls: ssl.SSLContext | None, say: Callable[[str], None]) -> None:
+                    tls: ssl.SSLContext | None, say: Callable[[str], None], at_most: int | None = None) -> None:
     """The holder's newest copy of each rank (`holder`: its address, port, this node's token and id) into its side
     directory (FETCH_LIMIT_S at most), then `take_newer`; said in one line where a rank took it. Only the answers'
     step and size come where the rank's own file stands (ours_stands): a restart's check costs a round trip per
-    rank, not its snapshot's bytes."""
+    rank, not its snapshot's bytes. `at_most`: as ours_stands'."""
     def keep(rank: int, step: int, size: int) -> bool:
-        return ours_stands(snapshot.path(step, dirs[rank]), step, size, kept)
+        return ours_stands(snapshot.path(step, dirs[rank]), step, size, kept, at_most)
 
     side: dict[int, str] = {}
     got: list[FetchResult] = []

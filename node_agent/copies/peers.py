@@ -177,14 +177,16 @@ class PeerCopies:
             # memory did not outlive its previous agent; where it did, those of its files cut short (own_check.py).
             kept = common_step(dirs) if a.copies_of == self.node_id else {}
             mark_fetching(dirs, True)     # the workers start meanwhile: agreed_step waits while marked
+            # After replicas diverged, the step every rank resumes from: no newer copy is taken.
+            want = a.resume_at_most if a.resume_at_most >= 0 else None
             if kept:
                 holder = (a.copies_at.addr, a.copies_at.port, a.copies_token, self.node_id)
                 self._fetching = asyncio.create_task(while_marked(dirs, check_own(
-                    dirs, next(iter(kept.values()))[0], holder, self.memory.rank_limit, self._connect, self._say)))
+                    dirs, next(iter(kept.values()))[0], holder, self.memory.rank_limit, self._connect, self._say,
+                    want)))
             else:
-                # After replicas diverged, the step every rank resumes from. The copies before the newest only where
-                # another gone node's are wanted too (its newest may be a snapshot apart): a lone loss's is not slowed.
-                want = a.resume_at_most if a.resume_at_most >= 0 else None
+                # The copies before the newest only where another gone node's are wanted too (its newest may be a
+                # snapshot apart): a lone loss's is not slowed.
                 sources = [a.copies_at, *([a.copies_also] if a.copies_also is not None else [])]
                 spares = bool(set(a.copies_wanted or ()) - set(a.copies_moving) - {a.copies_of})
                 self._fetching = asyncio.create_task(while_marked(dirs, self._fetch(a.copies_of, a.copies_token,
@@ -195,7 +197,6 @@ class PeerCopies:
     async def fetched(self) -> None:    # until the fetch under way, if any, is over (it never raises)
         if self._fetching is not None:
             await asyncio.gather(self._fetching, return_exceptions=True)
-
 
     async def _fetch(self, gone: str, token: str, sources: list[Witness], dirs: dict[int, str],
                      want: int | None, spares: bool) -> None:

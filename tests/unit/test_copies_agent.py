@@ -462,3 +462,23 @@ def test_a_node_without_memory_directories_says_it_holds_nothing_so_no_floor_wai
     noted(rz, "b", 1.1, 30)
     rz.handle(JOB, PollRequest(v=1, node_id="c", credential="secret-c", copies=note), 1.2)
     assert rz.view(JOB, "a", 1.2).copies_floor == 30
+
+
+async def test_a_restarted_agent_takes_no_copy_past_the_step_the_job_went_back_to(tmp_path) -> None:
+    """Node b's copies of step 20 at its holder; the job's replicas diverged after step 15 (resume_at_most), so b's
+    restarted agent removed its step 20 (agent.py: forget_after) and checks the memory it took up against its holder
+    (own_check.py). The holder's 20 is of the steps the job abandoned: the check took it into every rank as a step
+    they lacked, which with `lend` a majority of such ranks hands to every replica."""
+    said: list[str] = []
+    async with holder(tmp_path) as (store, at):
+        restarted, dirs = await pushed(tmp_path, at, said, b"b's diverged state", 20)    # its memory, taken up
+        assert store.held() == {("b", 0): 20, ("b", 1): 20}, store.held()
+        for where in dirs.values():
+            snapshot.save(b"b's state of 15", 15, where=where)
+            snapshot.forget_after(15, where)
+        await restarted.before_spawn(msgspec.structs.replace(assignment((at,), copies_of="b", copies_at=at),
+                                                             resume_at_most=15), dirs)
+        await restarted.fetched()
+        assert [snapshot.steps(where) for where in dirs.values()] == [[15], [15]], said
+        assert not any("took the holder's copy" in line for line in said), said
+        await restarted.close()
