@@ -127,8 +127,9 @@ class CopyStore:
             if not unheard(r, first_line):
                 self._note(r.kind, peer, f"refused {r.reason}{r.detail}", first_line)
             writer.write(wire.refused_line(r.reason))
-        except (StreamError, OSError) as exc:
-            self._note("lost", peer, f"gave up: {exc}", first_line)
+        except (StreamError, OSError) as exc:     # a fetcher closing says why itself (own_check's: on the answer)
+            if not (stream.closed_by_peer(exc) and first_line.startswith(b"rdzv-agent fetch")):
+                self._note("lost", peer, f"gave up: {exc}", first_line)
         except Exception as exc:     # a bug of ours: a line in our log, no traceback to the peer
             self._note("internal", peer, f"failed: {type(exc).__name__}: {exc}", first_line)
             writer.write(wire.refused_line("internal error"))

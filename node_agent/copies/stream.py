@@ -39,9 +39,16 @@ async def within(awaitable: Awaitable[T], timeout_s: float, stalled: str, lost: 
     except OSError as exc:
         if isinstance(exc, TimeoutError) and exc.errno is None:
             raise StreamError(stalled) from None
-        raise StreamError(f"{lost}: {exc}") from None
+        raise StreamError(f"{lost}: {exc}") from exc       # (the cause: closed_by_peer)
     except asyncio.TimeoutError:        # Python 3.10: not an OSError
         raise StreamError(stalled) from None
+
+
+def closed_by_peer(exc: BaseException) -> bool:
+    """`exc` (a StreamError or OSError) says the peer closed or reset the connection: its choice, or its process gone,
+    not a stall or a host cut off."""
+    return isinstance(exc, (BrokenPipeError, ConnectionResetError)) or \
+        isinstance(exc.__cause__, (BrokenPipeError, ConnectionResetError))
 
 
 async def read_line(reader: asyncio.StreamReader, timeout_s: float) -> bytes:

@@ -11,7 +11,8 @@ from node_agent.copies import client
 from node_agent.copies.client import FetchResult
 from node_agent.copies.own_check import SIDE, check_own, no_room_line, ours_stands, side_dirs, take_newer
 from node_agent.training import fetched, snapshot
-from tests.unit.test_copy_store import KEY, WAIT, blob, holder, make_store, snap
+from tests.unit.test_copy_store import KEY, SAID, WAIT, blob, holder, make_store, snap
+from tests.unit.test_listener import until
 
 
 def node(tmp_path, held: dict[int, dict[int, bytes]]) -> dict[int, str]:
@@ -98,3 +99,22 @@ async def test_a_restarts_check_brings_only_the_bytes_of_a_file_cut_short(tmp_pa
         await check_own(dirs, 10, ("127.0.0.1", port, KEY, "b"), None, None, said.append)
     assert [read(dirs, rank, 10) for rank in (0, 1)] == [copies[0], copies[1]]
     assert len(said) == 1 and said[0].startswith("local rank(s) 0: the memory's file of step 10 was missing or cut")
+
+
+async def test_a_restarts_check_closing_on_the_answer_is_no_trouble_at_the_holder(tmp_path):
+    """Each rank's file stands, so the check closes on the holder's answer while the holder sends (copies past the
+    sockets' buffers). The holder said "copy store: gave up: connection lost: Broken pipe" at every agent restart,
+    taking the minute's slot of its kind ("lost") from a push really lost meanwhile."""
+    store = make_store(tmp_path)
+    copies = {rank: blob(32 << 20, seed=rank) for rank in (0, 1)}
+    dirs = node(tmp_path, {rank: {10: data} for rank, data in copies.items()})
+    said: list[str] = []
+    async with holder(store) as port:
+        for rank, data in copies.items():
+            sent = await client.push("127.0.0.1", port, key=KEY, node_id="b", local_rank=rank, step=10,
+                                     path=snap(tmp_path, f"push-{rank}", data))
+            assert sent.ok, sent
+        await check_own(dirs, 10, ("127.0.0.1", port, KEY, "b"), None, None, said.append)
+        await until(lambda: not store._sending, "the holder's fetches ended (then it notes)")
+    assert said == [] and [read(dirs, rank, 10) for rank in (0, 1)] == [copies[0], copies[1]]
+    assert not any("gave up" in line for line in SAID[store]), SAID[store]
