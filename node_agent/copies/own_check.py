@@ -19,6 +19,9 @@ from node_agent.training import snapshot
 
 SIDE = ".holder"        # in a rank's directory: where its holder's copy lands before it is compared (not a step)
 FETCH_LIMIT_S = 60.0    # as a node taking a place waits for its copies (peers.py)
+# The holder answers at once where its copy port is served; a hung one (its agent stalled, its port cut off) is given
+# up sooner than a fetch's FETCH_ANSWER_S: the memory most likely stands, and the workers wait on the check.
+CHECK_ANSWER_S = 2.0
 
 
 def side_dirs(dirs: dict[int, str]) -> dict[int, str]:
@@ -82,12 +85,13 @@ async def check_own(dirs: dict[int, str], kept: int, holder: tuple[str, int, str
     try:
         side = side_dirs(dirs)
         got = await asyncio.wait_for(fetch_ranks(*holder, side, rank_limit, FETCH_LIMIT_S, tls, spares=False,
-                                                 keep=keep),
-                                     FETCH_LIMIT_S)
+                                                 keep=keep, answer_s=CHECK_ANSWER_S), FETCH_LIMIT_S)
     except (OSError, asyncio.TimeoutError):     # none there in time: the memory stands as it is
         got = []
     finally:
         taken = take_newer(dirs, side, got, kept) if side else []
+    if failed := [r.reason for r in got if r.step is None and r.reason != "no copy held"]:
+        say(f"this node's memory could not be checked against its copies' holder ({failed[0]}): it stands as it is")
     if taken:
         step = got[0].step
         newer = f", newer than the step every local rank held here ({kept})" if step != kept else ""

@@ -482,3 +482,26 @@ async def test_a_restarted_agent_takes_no_copy_past_the_step_the_job_went_back_t
         assert [snapshot.steps(where) for where in dirs.values()] == [[15], [15]], said
         assert not any("took the holder's copy" in line for line in said), said
         await restarted.close()
+
+
+async def test_a_restarted_agents_check_gives_a_holder_that_never_answers_up_soon_and_says_so(tmp_path) -> None:
+    """The holder's copy port takes the connection and answers nothing (its agent stalled): the restarted agent's
+    workers waited on the check the fetch's answer bound, 10 s, where before the check they waited for nothing, and
+    nothing said why. Now the check's own bound, and a line; the memory stands."""
+    said: list[str] = []
+
+    async def never_answers(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.read()           # till the agent gives up and closes
+        writer.close()
+
+    copies, dirs = agent_side(tmp_path, "b", said)
+    for where in dirs.values():
+        snapshot.save(b"b's state of 10", 10, where=where)
+    async with on_loopback(never_answers) as at:
+        await copies.before_spawn(assignment((), copies_of="b", copies_at=at), dirs)
+        assert marked(dirs) == [True, True]
+        await copies.fetched()
+    assert marked(dirs) == [False, False] and [snapshot.steps(where) for where in dirs.values()] == [[10], [10]]
+    assert any("memory could not be checked against its copies' holder (lost: no line within 2 s)" in line
+               for line in said), said
+    await copies.close()
