@@ -3,9 +3,9 @@ for its newest copy anyway: the memory's newest files may be damaged (a file cut
 rank refusing its file sends every rank back a snapshot (agreed_step) though the holder keeps a whole copy of that
 step (a review: every rank back from step 10 to 5). The holder's copy lands beside the rank's files, in SIDE, and is
 taken where it is newer than the node's newest common step and the rank lacks that step, or of that step and the
-rank's own file is missing or of another size (cut short). A file of the same size stays: a copy of an older round
-(the job went back, this node's newer copies not landed yet) is of steps the job abandoned, and a flipped bit is
-the snapshot's own checksums' to find. Plain file operations: the fetch itself is the caller's."""
+rank's own file is missing or shorter than the copy (cut short). A file as long or longer stays: a copy of an older
+round (the job went back, this node's newer copies not landed yet) is of steps the job abandoned, and a flipped bit
+is the snapshot's own checksums' to find. Plain file operations: the fetch itself is the caller's."""
 from __future__ import annotations
 
 import asyncio
@@ -38,10 +38,11 @@ def side_dirs(dirs: dict[int, str]) -> dict[int, str]:
 def ours_stands(mine: str, step: int, size: int, kept: int, at_most: int | None = None) -> bool:
     """The rank's own file `mine` of the holder's `step` (its copy `size` bytes) stands: the copy is older than the
     memory's common step `kept`, or past `at_most` (the job's replicas diverged after it: Assignment.resume_at_most,
-    those steps are no rank's future), or the rank holds the step, newer than `kept` or of the copy's size."""
+    those steps are no rank's future), or the rank holds the step, newer than `kept` or not shorter than the copy (a
+    longer file is not cut short: the copy is of another run of that step's, an older round's)."""
     try:
         return step < kept or at_most is not None and step > at_most or \
-            os.path.isfile(mine) and not os.path.islink(mine) and (step > kept or os.path.getsize(mine) == size)
+            os.path.isfile(mine) and not os.path.islink(mine) and (step > kept or os.path.getsize(mine) >= size)
     except OSError:
         return False
 

@@ -118,3 +118,14 @@ async def test_a_restarts_check_closing_on_the_answer_is_no_trouble_at_the_holde
         await until(lambda: not store._sending, "the holder's fetches ended (then it notes)")
     assert said == [] and [read(dirs, rank, 10) for rank in (0, 1)] == [copies[0], copies[1]]
     assert not any("gave up" in line for line in SAID[store]), SAID[store]
+
+
+def test_a_file_longer_than_the_holders_copy_is_not_cut_short_and_stays(tmp_path):
+    """The holder's copy of step 10 is of an older round (the job went back and trained to 10 again; this node's new
+    copy had not landed), 100 bytes where the rank's own whole file is 150: taken as "of another size", the old
+    round's state replaced the rank's own file. Only a file shorter than the copy is cut short."""
+    dirs = node(tmp_path, {0: {10: b"n" * 150}, 1: {10: b"m" * 150}})
+    side, got = holders_copy(dirs, 10, {0: b"o" * 100, 1: b"p" * 100})
+    assert take_newer(dirs, side, got, kept=10) == []
+    assert read(dirs, 0, 10) == b"n" * 150 and not fetched.is_copy(dirs[0], 10)
+    assert not ours_stands(snapshot.path(10, dirs[0]), 10, 200, kept=10)         # shorter than the copy: cut short
