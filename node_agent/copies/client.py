@@ -159,11 +159,11 @@ def _not_go(answer: Answer) -> str:
 async def fetch(addr: str, port: int, *, key: str, node_id: str, local_rank: int, dest_dir: str,
                 max_bytes: int | None = None, timeout_s: float = 60.0,
                 tls: ssl.SSLContext | None = None, step: int | None = None, before: bool = False,
-                keep: Callable[[int, int], bool] | None = None, answer_s: float = FETCH_ANSWER_S) -> FetchResult:
+                keep: Callable[[int, int], bool] | None = None, answer_s: float | None = None) -> FetchResult:
     """Bring the holder's copy of (node_id, local_rank) into `dest_dir` as `step-S`: its newest, or `step` (with
     `before`, the newest below it: not marked fetched, the newest is). Where `keep(step, size)` of the holder's
     answer, no bytes come: the result names the step, with nothing in `dest_dir` (the caller's file stands).
-    `answer_s`: the bound on connecting and on the answer (at most `timeout_s`)."""
+    `answer_s`: the bound on connecting and on the answer (at most `timeout_s`; None: FETCH_ANSWER_S)."""
     try:
         line = wire.fetch_line(wire.FetchRequest(key, node_id, local_rank, step, before))
     except WireError as exc:
@@ -182,7 +182,7 @@ async def fetch(addr: str, port: int, *, key: str, node_id: str, local_rank: int
 async def fetch_ranks(addr: str, port: int, key: str, node_id: str, dirs: dict[int, str], max_bytes: int | None,
                       timeout_s: float, tls: ssl.SSLContext | None, want: int | None = None,
                       spares: bool = True, keep: Callable[[int, int, int], bool] | None = None,
-                      answer_s: float = FETCH_ANSWER_S) -> list[FetchResult]:
+                      answer_s: float | None = None) -> list[FetchResult]:
     """`fetch` of each local rank's newest copy (or step `want`) into its directory in `dirs`; where they differ (the
     node was lost while a step's copies were landing), the newer ones again at the oldest step, which the holder
     keeps for all of them (files.py). With `spares`, the copies before it too (_fetch_spares). `keep(rank, step,
@@ -246,11 +246,11 @@ async def _busy_back_off() -> None:
 async def _fetch_once(addr: str, port: int, line: bytes, dest_dir: str, max_bytes: int | None, timeout_s: float,
                       tls: ssl.SSLContext | None, want: tuple[int | None, bool], got: _Count,
                       keep: Callable[[int, int], bool] | None = None,
-                      answer_s: float = FETCH_ANSWER_S) -> FetchResult | None:
+                      answer_s: float | None = None) -> FetchResult | None:
     """One ask of `fetch`'s (`want`: its step, and whether below it); None where the holder answered busy."""
     step, before = want
     try:
-        async with _ask(addr, port, line, min(timeout_s, answer_s), tls) as (reader, _, answer):
+        async with _ask(addr, port, line, min(timeout_s, answer_s or FETCH_ANSWER_S), tls) as (reader, _, answer):
             if answer.kind == "none":
                 return FetchResult(None, "no copy held", 0)
             if answer.kind == "refused" and (answer.reason or "").startswith("busy"):
