@@ -105,7 +105,8 @@ async def serve(config: ServerConfig, store: Store | None = None,
     app[GUARD] = guard
     hub = coordinator.hub
     guard.give_way = hub.give_way         # at the hard limit with none idle, a held poll makes room
-    app[METRICS].registry.register(ConnectionCollector(lambda: (guard.refused, guard.evicted, hub.gave_way)))
+    app[METRICS].registry.register(ConnectionCollector(lambda: (guard.refused, guard.evicted, hub.gave_way,
+                                                                         guard.heads.closed)))
     app[NOTES] = config.notes
     trimmer = HeapTrimmer()
     coordinator.effect_listeners.append(trimmer.on_effects)

@@ -8,6 +8,7 @@ idle, a held long-poll gives way (delivery/give_way.py); a newcomer is refused o
 fails with "Too many open files"; a TLS newcomer's room is made once its handshake is done. A body over
 MAX_BODY_BYTES is refused (413) unread, one not in within BODY_TIMEOUT_S (400); the rest of a body left unread by an
 answer is read DRAIN_BYTES at most, then its connection closed, not read on through aiohttp's "lingering" close.
+Request heads are bounded in time and bytes (heads.py).
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from protocol.errors import ErrorCode
 from protocol.quoting import quote
 from rdzv_server import logs, tcp_info
 from rdzv_server.core.errors import RendezvousError
+from rdzv_server.web.heads import Heads, unwrapped
 
 log = logging.getLogger("rdzv_server")
 
@@ -66,6 +68,7 @@ class ConnectionGuard:
         self._fresh: dict[Any, float] = {}               # handlers made, not yet connected: when
         self._closed_for_room: set[Any] = set()          # closed by _make_room, until their end is told
         self._trim_soon = False
+        self.heads = Heads(lambda handler: handler in self._busy)
 
     def factory(self, server: web.Server, evict: bool = True) -> Callable[[], asyncio.BaseProtocol]:
         """Wrap aiohttp's protocol factory (`AppRunner.server`), following the connections it makes and loses.
@@ -114,12 +117,12 @@ class ConnectionGuard:
                 asyncio.get_running_loop().call_later(0.05, self._trim)
             handler = server()
             self._fresh[handler] = now
-            return handler
+            return self.heads.wrap(handler)
         return make
 
     def not_connected(self, handler: Any) -> None:
         """A handler made whose connection never connected (a TLS handshake refused or too slow): not counted."""
-        self._fresh.pop(handler, None)
+        self._fresh.pop(unwrapped(handler), None)
 
     def _trim(self) -> None:
         self._trim_soon = False

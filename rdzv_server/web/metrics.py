@@ -186,18 +186,21 @@ class _CopyFamilies:
 class ConnectionCollector(Collector):
     """The connection guard's refusals and evictions (rdzv-server only: an app alone has no guard)."""
 
-    def __init__(self, counts: Callable[[], tuple[int, int, int]]) -> None:
+    def __init__(self, counts: Callable[[], tuple[int, int, int, int]]) -> None:
         self.counts = counts
 
     def collect(self) -> Iterable[Metric]:
-        refused, evicted, gave_way = self.counts()
+        refused, evicted, gave_way, heads = self.counts()
         return [CounterMetricFamily("rdzv_connections_refused",
                                     "Connections closed at once past the hard connection limit.", refused),
                 CounterMetricFamily("rdzv_connections_evicted",
                                     "Idle connections closed to make room for new ones (--max-connections).", evicted),
                 CounterMetricFamily("rdzv_polls_gave_way",
                                     "Held long-polls answered early, their connections closed, to let a new connection "
-                                    "in at the hard connection limit (none idle).", gave_way)]
+                                    "in at the hard connection limit (none idle).", gave_way),
+                CounterMetricFamily("rdzv_connections_unfinished_heads",
+                                    "Connections closed for a request head not whole in time, or for the oldest "
+                                    "heads in flight when together they held too many bytes.", heads)]
 
 
 class ServerMetrics:
