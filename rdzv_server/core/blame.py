@@ -135,8 +135,18 @@ def readmit_alike(rules: JobRules, node: NodeRecord, now: float) -> None:
     """`node`'s workers just failed before their process group: a node excluded within the window for failures
     before its own (excludes) is readmitted. In the first rounds the first to report is counted each time and the
     others' workers are stopped before their own failure, so it was excluded before anything said the script
-    fails everywhere (3 agents, an ImportError: 2 runs of 6). A node excluded for other failures stays out."""
+    fails everywhere (3 agents, an ImportError: 2 runs of 6). A node excluded for other failures stays out. A
+    suspicion such an exit of its own made (suspects.act) is taken back too: else its next real one excluded it."""
     job = rules.job
+    for other in [n for n in job.nodes.values() if n.node_id != node.node_id and n.alone_suspects]:
+        taken = [t for t in other.suspect_times if t in other.alone_suspects and t > now - job.config.exclude_window_s]
+        other.suspect_times = [t for t in other.suspect_times if t not in taken]
+        other.alone_suspects = []
+        rules.node_changed(other.node_id)
+        if taken:
+            rules.record(now, EventKind.NOT_EXCLUDED, f"node {other.node_id} is no longer a suspect: its workers' "
+                         f"exit before their process group came on node {node.node_id} too (the script's error)",
+                         other.node_id)
     for other in [job.nodes[n] for n in job.excluded if n != node.node_id and n in job.nodes]:
         if 0 < other.alone_excluded_at > now - job.config.exclude_window_s:
             other.alone_excluded_at, other.exclusions = 0.0, max(0, other.exclusions - 1)

@@ -36,6 +36,7 @@ class NodeRecord(msgspec.Struct, kw_only=True):
     alone_failed_at: float = 0.0       # its last report of a worker failing before its process group (blame.py)
     alone_excluded_at: float = 0.0     # when such failures of its own excluded it (blame.readmit_alike)
     suspect_times: list[float] = msgspec.field(default_factory=list)   # when it was a suspect (suspects.py)
+    alone_suspects: list[float] = msgspec.field(default_factory=list)  # ... those for exits before its group (blame.py)
     checks_due: bool = False           # a suspect: not ready until its agent's checks pass again (suspects.py)
     exclusions: int = 0                # how often it was excluded (cooldown doubles each time)
     excluded_until: float = 0.0

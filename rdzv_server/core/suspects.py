@@ -35,6 +35,8 @@ def act(rules: JobRules, node: NodeRecord, asked: WorkerFailure, round_id: int, 
     """The suspect rule for `node`, before the round after the failure forms."""
     cfg = rules.job.config
     suspected(rules, node, now)
+    if asked.before_group:      # taken back if other nodes' workers fail so (blame.readmit_alike)
+        node.alone_suspects = [t for t in node.alone_suspects if t in node.suspect_times] + [now]
     why = "its replicated tensors diverged" if asked.reason == FailureReason.DIVERGED else \
         "a worker asked for other hardware"
     what = f"node {node.node_id} is a suspect: {why} ({describe(asked)})"

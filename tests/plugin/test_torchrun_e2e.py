@@ -249,9 +249,29 @@ def test_a_script_failing_at_start_on_every_node_excludes_none(cluster, tmp_path
     excludes no node one by one (with --exclude-after 2, 4 restarts counted on 3 nodes would exclude one). The
     budget ends the job, whose reason says so; every agent exits non-zero, its workers' error in its output.
     The first round waits for all 3 (max_nodes ends the last call): an agent slow to start must not miss the job."""
+    events = fail_at_start_everywhere(cluster, tmp_path, "import no_such_module_h69\n",
+                                      "ModuleNotFoundError: No module named 'no_such_module_h69'")
+    assert not [e for e in events if e[0] in ("node_excluded", "node_suspect")], events
+
+
+def test_a_suspect_exit_code_at_start_on_every_node_leaves_no_node_a_suspect(cluster, tmp_path):
+    """sys.exit(17) (a default suspect exit code) before init_process_group on every node: round 1's first report
+    comes before any other node's, so its node is made a suspect; the others' reports say it is the script's
+    exit, and that suspicion is taken back (else its next real one, within the window, excluded it)."""
+    events = fail_at_start_everywhere(cluster, tmp_path, "import sys\nprint('exiting 17 at start')\nsys.exit(17)\n",
+                                      "exiting 17 at start")
+    suspected = {m.split()[1] for k, m in events if k == "node_suspect"}
+    cleared = {m.split()[1] for k, m in events if k == "node_not_excluded" and "no longer a suspect" in m}
+    assert not [e for e in events if e[0] == "node_excluded"] and suspected <= cleared, events
+    assert not [n for n in job_view(cluster, "broken")["nodes"] if n.get("suspicions")], events
+
+
+def fail_at_start_everywhere(cluster, tmp_path, source: str, said: str) -> list[tuple[str, str]]:
+    """3 torchrun agents (2 workers each, --nnodes 1:3) run a script failing at start (`source`) until the budget
+    (4 restarts) ends the job, which says why; each exits non-zero, `said` in its output. Returns the job's events."""
     cluster.start_server("--state-dir", "none")
     script = tmp_path / "broken.py"
-    script.write_text("import no_such_module_h69\n")
+    script.write_text(source)
     conf = "lease_timeout=3,last_call_timeout=15,exclude_after=2"
     agents = []
     for node in ("a", "b", "c"):
@@ -264,9 +284,9 @@ def test_a_script_failing_at_start_on_every_node_excludes_none(cluster, tmp_path
     codes = [proc_exit(p) for p in agents]
     job = job_view(cluster, "broken")
     events = [(e["kind"], e["message"]) for e in job_events(cluster, "broken")]
-    assert not [e for e in events if e[0] in ("node_excluded", "node_suspect")], events
     assert job["state"] == "failed", job
     assert "exceeded max_restarts=4 (the workers failed at start, before their process group, on " in job["reason"], \
         job["reason"]
     for code, p in zip(codes, agents, strict=True):
-        assert code != 0 and "ModuleNotFoundError: No module named 'no_such_module_h69'" in p.output, p.output
+        assert code != 0 and said in p.output, p.output
+    return events

@@ -353,10 +353,27 @@ def test_a_suspect_exit_code_at_start_on_every_node_makes_no_node_a_suspect():
     for now in (20.0, 30.0, 40.0):
         fails(rz, "b", now, rank=1, exitcode=17)
     job = rz.jobs[JOB]
-    # (round 1's first report came before any evidence: one suspicion, which a second would have made an exclusion)
-    assert job.excluded == [] and len(job.nodes["b"].suspect_times) == 1, [e.message for e in job.events]
+    # (round 1's first report came before any evidence: its suspicion is taken back once a's report says the same)
+    assert job.excluded == [] and job.nodes["b"].suspect_times == [], [e.message for e in job.events]
     assert job.round is not None and list(job.round.members) == ["a", "b"]
     assert any(e.kind == "node_not_excluded" and "is no suspect" in e.message for e in job.events)
+
+
+def test_the_first_reporters_suspicion_for_an_exit_at_start_is_taken_back_when_another_node_exits_so():
+    # sys.exit(17) before init_process_group on every node: b's report came first in round 1, before any other
+    # node's, so b was made a suspect; a's late report says the script fails everywhere. Left, b's one suspicion
+    # made its next real one (a 16 after steps, within the window) an exclusion, and its page said "suspicions: 1".
+    rz = running(exclude_after=3)
+    job = rz.jobs[JOB]
+    r = job.round.round_id
+    fails(rz, "b", 10.0, rank=1, exitcode=17)
+    assert len(job.nodes["b"].suspect_times) == 1
+    fails(rz, "a", 10.2, exitcode=17, round_id=r)
+    assert job.nodes["b"].suspect_times == [], [e.message for e in job.events]
+    back = [e.message for e in job.events if e.kind == "node_not_excluded" and e.node_id == "b"]
+    assert back and "no longer a suspect" in back[-1], back
+    fails(rz, "b", 50.0, rank=1, exitcode=16, before_group=False)    # a real suspicion later: the first, kept
+    assert job.excluded == [] and len(job.nodes["b"].suspect_times) == 1
 
 
 def test_a_suspect_exit_code_on_one_node_alone_still_makes_it_a_suspect():
@@ -419,6 +436,7 @@ def test_a_suspect_excluded_before_any_other_nodes_start_failure_came_is_readmit
     assert job.excluded == ["a"], [e.message for e in job.events]
     fails(rz, "b", 30.0, exitcode=17)
     assert job.excluded == [] and job.round is not None and sorted(job.round.members) == ["a", "b"]
+    assert job.nodes["a"].suspect_times == [], [e.message for e in job.events]   # both of them taken back
 
 
 def test_the_jobs_end_names_every_member_whose_late_report_said_it_failed_at_start():
