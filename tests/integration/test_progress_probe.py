@@ -119,6 +119,16 @@ async def test_beats_are_counted_and_the_probe_leaves_the_environment_as_it_was(
     assert f"[w] env None boot False pythonpath {ROOT}" in console.lines("stdout"), console.lines("stdout")
 
 
+@pytest.mark.parametrize("warm", [None, ("json",)], ids=["cold", "warm"])
+async def test_an_empty_entry_of_the_users_pythonpath_is_left_to_the_workers_children(run_group, warm) -> None:
+    # `export PYTHONPATH=$PYTHONPATH:/lib` with none set gives ":/lib": its empty entry puts the current directory on
+    # the path of every interpreter started so, the worker's own children too (a subprocess.run of python)
+    path = f"{os.pathsep}{ROOT}"
+    group, files, console = await run_group(BEATS, warm=warm, env={"PYTHONPATH": path})
+    assert record_of(files, group.pids[0]).steps == 3
+    assert f"[w] env None boot False pythonpath {path}" in console.lines("stdout"), console.lines("stdout")
+
+
 @pytest.mark.parametrize("warm", [None, ("torch",)], ids=["cold", "warm-torch"])
 async def test_optimizer_steps_are_counted_with_no_change_to_the_script(run_group, warm) -> None:
     group, files, _ = await run_group(TORCH, warm=warm)

@@ -10,8 +10,9 @@ import sys
 def _start() -> None:
     here = os.path.dirname(os.path.abspath(__file__))
     sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != here]
-    rest = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and os.path.abspath(p) != here]
-    if rest:
+    # an empty entry is the user's (the current directory, for the worker's own children): kept
+    rest = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if not p or os.path.abspath(p) != here]
+    if any(rest):
         os.environ["PYTHONPATH"] = os.pathsep.join(rest)
     else:
         os.environ.pop("PYTHONPATH", None)
