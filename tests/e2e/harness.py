@@ -23,6 +23,11 @@ from tests.ports import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPTS = os.path.join(ROOT, "tests", "e2e", "scripts")
+# The suite's gloo scripts that run no optimizer step, so never import torch._dynamo: an agent of Cluster.agent
+# started on one without --warm-preload/--warm-workers preloads the default less torch._dynamo (light_preload).
+# It costs ~1.5 s of CPU in every such agent's warm interpreter before its node is ready, for nothing here; the
+# default is the tests' own where it matters (test_warm, integration/test_warm_workers, the other scripts).
+NO_DYNAMO_SCRIPTS = frozenset(os.path.join(SCRIPTS, name) for name in ("allreduce.py", "elastic_loop.py"))
 
 
 class Proc:
@@ -104,6 +109,18 @@ class Proc:
             pass
 
 
+def light_preload(args: tuple[str, ...]) -> tuple[str, ...]:
+    """--warm-preload with what the agent would preload for a NO_DYNAMO_SCRIPTS script in `args` but torch._dynamo;
+    () where none is there or the test chose the warm workers' flags itself."""
+    script = next((str(a) for a in args if str(a) in NO_DYNAMO_SCRIPTS), None)
+    if script is None or any(str(a).startswith(("--warm-preload", "--warm-workers", "--warm_")) for a in args):
+        return ()
+    from node_agent.settings import DEFAULT_PRELOAD
+    from node_agent.workers.warm.eligible import script_preloads
+    found = script_preloads(script, module=False, cwd=ROOT, path0=SCRIPTS)
+    return "--warm-preload", ",".join(dict.fromkeys([*(m for m in DEFAULT_PRELOAD if m != "torch._dynamo"), *found]))
+
+
 def child_env(**extra: str | None) -> dict[str, str]:
     """The environment a test's process gets: ours (OMP_NUM_THREADS=1 among it: tests/conftest.py), the checkout on
     PYTHONPATH, and `extra` (None: unset)."""
@@ -154,7 +171,7 @@ class Cluster:
         return self.port
 
     def agent(self, *args: str, name: str = "agent", env: dict[str, str | None] | None = None) -> Proc:
-        argv = [sys.executable, "-m", "node_agent.main", *args]
+        argv = [sys.executable, "-m", "node_agent.main", *light_preload(args), *args]
         proc = Proc(argv, child_env(**{"TMPDIR": self.temp_dir(), **(env or {})}), name)
         self.procs.append(proc)
         return proc
