@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
 
 from node_agent.training import resume, snapshot
-from node_agent.training.hf import protect_trainer
+
+# transformers (and node_agent.training.hf, which imports it) are imported by each test, not as pytest collects this
+# module: ~3 s of CPU in every xdist worker of `make test`, which collects every module but runs these four tests in
+# one or two of them.
 
 
 class Tokens(torch.utils.data.Dataset):
@@ -24,13 +26,16 @@ class Tokens(torch.utils.data.Dataset):
         return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
 
-class Stop(TrainerCallback):
-    def on_step_begin(self, args, state, control, **kwargs) -> None:
-        if state.global_step == 7:
-            raise RuntimeError("stopped at step 7")
-
-
 def train(out, evaluate: str, stop: bool = False) -> dict[str, torch.Tensor]:
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
+
+    from node_agent.training.hf import protect_trainer
+
+    class Stop(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs) -> None:
+            if state.global_step == 7:
+                raise RuntimeError("stopped at step 7")
+
     resume._fits[0] = 0          # as a new process's first train()
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2))
@@ -69,6 +74,10 @@ def test_a_trainer_restarted_after_its_last_step_trains_no_step_past_max_steps(m
     """No snapshot is taken of step max_steps (the training's end): the Trainer's resume runs one more step from
     it (global_step 11 of 10, a batch and an LR step past the run), so a worker that failed after train() returned
     ended past an uninterrupted run. It resumes from the one before, and the steps are done again as they were."""
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+
+    from node_agent.training.hf import protect_trainer
+
     def run(out) -> tuple[int, dict[str, torch.Tensor]]:
         resume._fits[0] = 0          # as a new process's first train()
         torch.manual_seed(0)
@@ -92,6 +101,9 @@ def test_a_trainer_restarted_after_its_last_step_trains_no_step_past_max_steps(m
 
 def test_protect_trainer_twice_is_refused_in_one_line(memory, tmp_path) -> None:
     """Twice, two captures raced for each step's file (one failed every snapshot) and two resumes were laid out."""
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+
+    from node_agent.training.hf import protect_trainer
     args = TrainingArguments(output_dir=str(tmp_path), max_steps=2, use_cpu=True, report_to=[], save_strategy="no")
     trainer = Trainer(model=GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2,
                                                        n_head=2)), args=args, train_dataset=Tokens(8))
@@ -103,6 +115,9 @@ def test_protect_trainer_twice_is_refused_in_one_line(memory, tmp_path) -> None:
 def test_a_second_train_in_one_process_does_not_resume_from_the_firsts_snapshots(memory, tmp_path, capsys) -> None:
     """A script's second Trainer (a second phase) found the first one's snapshot of step 5 and, with no crash,
     resumed from it: 5 of its 10 steps skipped. Each train() resumes from its own snapshots only."""
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+
+    from node_agent.training.hf import protect_trainer
     resume._fits[0] = 0
     model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2))
     for _ in (1, 2):

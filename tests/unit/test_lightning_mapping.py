@@ -5,65 +5,17 @@ from __future__ import annotations
 
 import os
 
-import lightning.pytorch as L
 import pytest
 import torch
-from torch import nn
 
 from node_agent.training import resume, snapshot
-from node_agent.training.lightning import Snapshots
 
 
-class SparseSum(torch.optim.SGD):
-    """SGD that also keeps a sparse running sum of its gradients (state without a plain storage)."""
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = super().step(closure)
-        for group in self.param_groups:
-            for p in group["params"]:
-                acc = self.state[p].get("acc")
-                self.state[p]["acc"] = p.grad.to_sparse() if acc is None else (acc + p.grad.to_sparse()).coalesce()
-        return loss
-
-
-class Counted(torch.optim.SGD):
-    """SGD that keeps a global step count under a key of its own (not a parameter's), a tensor updated in place."""
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = super().step(closure)
-        self.state.setdefault("t", torch.zeros(())).add_(1)
-        return loss
-
-
-class Tiny(L.LightningModule):
-    def __init__(self, optimizer: str = "adamw") -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.net = nn.Linear(16, 16)
-        self.optimizer = optimizer
-
-    def training_step(self, batch, _):
-        return self.net(batch[0]).pow(2).mean()
-
-    def configure_optimizers(self):
-        if self.optimizer == "sparse":
-            return SparseSum(self.parameters(), lr=0.01)
-        if self.optimizer == "counted":
-            return Counted(self.parameters(), lr=0.01)
-        opt = torch.optim.AdamW(self.parameters(), lr=torch.tensor(1e-3))      # a tensor lr: the scheduler's too
-        return {"optimizer": opt,
-                "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.StepLR(opt, 1, 0.9), "interval": "step"}}
-
-
-def fit(steps: int, optimizer: str = "adamw", ckpt: str | None = None) -> L.Trainer:
-    resume._fits[0] = 0          # as a new process's first fit
-    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(64, 16)), batch_size=8)
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=steps, callbacks=[Snapshots(every=2)], logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
-    trainer.fit(Tiny(optimizer), data, ckpt_path=ckpt)
-    return trainer
+@pytest.fixture
+def lm():
+    """tests/unit/lightning_models.py: Lightning is imported as a test here runs, not as pytest collects it."""
+    from tests.unit import lightning_models
+    return lightning_models
 
 
 def private_maps(name: str) -> list[str]:
@@ -74,9 +26,9 @@ def private_maps(name: str) -> list[str]:
 
 @pytest.mark.parametrize("steps, optimizer", [(6, "adamw"), (4, "adamw"), (6, "counted")],
                          ids=["steps-left", "nothing-left-to-train", "a-state-key-of-its-own"])
-def test_a_lightning_restore_keeps_no_part_of_its_snapshot_file_mapped(memory, capsys, steps, optimizer) -> None:
-    fit(4, optimizer)
-    second = fit(steps, optimizer)             # resumes at step 4
+def test_a_lightning_restore_keeps_no_part_of_its_snapshot_file_mapped(lm, memory, capsys, steps, optimizer) -> None:
+    lm.fit(4, optimizer)
+    second = lm.fit(steps, optimizer)             # resumes at step 4
     assert "resumed from step 4 (memory)" in capsys.readouterr().out
     assert private_maps(os.path.realpath(snapshot.path(4, memory))) == []
     assert second.global_step == steps
@@ -84,15 +36,15 @@ def test_a_lightning_restore_keeps_no_part_of_its_snapshot_file_mapped(memory, c
         assert int(second.optimizers[0].state["t"]) == steps
 
 
-def test_an_ordinary_lightning_resume_is_left_alone(tmp_path, monkeypatch) -> None:
+def test_an_ordinary_lightning_resume_is_left_alone(lm, tmp_path, monkeypatch) -> None:
     monkeypatch.delenv(snapshot.DIR_VAR, raising=False)       # as under torchrun: no memory directory
-    first = fit(2, "sparse")
+    first = lm.fit(2, "sparse")
     first.save_checkpoint(tmp_path / "c.ckpt")
-    second = fit(4, "sparse", ckpt=str(tmp_path / "c.ckpt"))
+    second = lm.fit(4, "sparse", ckpt=str(tmp_path / "c.ckpt"))
     assert second.global_step == 4 and second.optimizers[0].state[second.model.net.weight]["acc"].is_sparse
 
 
-def test_a_lightning_restore_hands_the_optimizers_state_to_the_gpu_copy(memory, monkeypatch) -> None:
+def test_a_lightning_restore_hands_the_optimizers_state_to_the_gpu_copy(lm, memory, monkeypatch) -> None:
     """At fit start the restored optimizers' state goes through upload.optimizer_state_onto (on a GPU: onto the
     parameters' device through pinned buffers), once per optimizer, before Lightning loads it."""
     from node_agent.training import upload
@@ -104,28 +56,28 @@ def test_a_lightning_restore_hands_the_optimizers_state_to_the_gpu_copy(memory, 
         return real(saved, optimizer, ring)
 
     monkeypatch.setattr(upload, "optimizer_state_onto", onto)
-    fit(4)
+    lm.fit(4)
     assert seen == []                          # nothing restored
-    second = fit(6)
+    second = lm.fit(6)
     assert seen == [torch.optim.AdamW] and second.global_step == 6
     assert upload.optimizer_state_onto({"state": {}, "param_groups": [{"params": [0, 1, 2]}]},
                                        second.optimizers[0]) == {"state": {}, "param_groups": [{"params": [0, 1, 2]}]}
 
 
-def test_two_snapshots_callbacks_are_refused_in_one_line(memory) -> None:
+def test_two_snapshots_callbacks_are_refused_in_one_line(lm, memory) -> None:
     """Two would each write the same steps' files in one memory directory and each hand a resume to Lightning."""
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(16, 16)), batch_size=8)
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=2, callbacks=[Snapshots(every=2), Snapshots(every=3)],
-                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False)
+    trainer = lm.L.Trainer(accelerator="cpu", devices=1, max_steps=2,
+                           callbacks=[lm.Snapshots(every=2), lm.Snapshots(every=3)], logger=False,
+                           enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     with pytest.raises(ValueError, match="2 Snapshots callbacks; keep one"):
-        trainer.fit(Tiny(), data)
+        trainer.fit(lm.Tiny(), data)
 
 
-def test_a_second_fit_in_one_process_does_not_resume_from_the_firsts_snapshots(memory, capsys) -> None:
+def test_a_second_fit_in_one_process_does_not_resume_from_the_firsts_snapshots(lm, memory, capsys) -> None:
     """The same Trainer fit again (or a second phase's): it trains on from where it is, not from the first fit's
     snapshot of step 4 (a silent rewind, with no crash at all)."""
-    trainer = fit(6)
+    trainer = lm.fit(6)
     trainer.fit_loop.epoch_loop.max_steps = 8
     trainer.fit(trainer.lightning_module, torch.utils.data.DataLoader(
         torch.utils.data.TensorDataset(torch.randn(64, 16)), batch_size=8))
@@ -134,7 +86,7 @@ def test_a_second_fit_in_one_process_does_not_resume_from_the_firsts_snapshots(m
     assert trainer.global_step == 8
 
 
-def test_a_crash_in_modelcheckpoints_save_resumes_from_the_snapshot_before_it(memory, tmp_path, capsys) -> None:
+def test_a_crash_in_modelcheckpoints_save_resumes_from_the_snapshot_before_it(lm, memory, tmp_path, capsys) -> None:
     """Snapshots took step 4 before ModelCheckpoint's save of it (Lightning runs checkpoint callbacks last): a crash
     in that save resumed from 4 and step 4's file was never written again (left torn). Taken after the save, the
     resume is from 2, as Lightning's own, and step 4 is saved again, whole."""
@@ -152,56 +104,32 @@ def test_a_crash_in_modelcheckpoints_save_resumes_from_the_snapshot_before_it(me
         resume._fits[0] = 0          # as a new process's first fit
         saves = Torn(dirpath=tmp_path, every_n_train_steps=2, save_top_k=-1, filename="{step}")
         saves.crash = crash
-        snaps = Snapshots(every=2)
-        trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=6, callbacks=[snaps, saves],
-                            logger=False, enable_progress_bar=False, enable_model_summary=False)
+        snaps = lm.Snapshots(every=2)
+        trainer = lm.L.Trainer(accelerator="cpu", devices=1, max_steps=6, callbacks=[snaps, saves],
+                               logger=False, enable_progress_bar=False, enable_model_summary=False)
         if crash:
             with pytest.raises(RuntimeError, match="crashed in the save"):
-                trainer.fit(Tiny(), data)
+                trainer.fit(lm.Tiny(), data)
             # Lightning calls no callback's teardown after a crash: step 2's write may still run (a crashed
             # process's exit lets it end; here the next fit would race it, as one loaded run of the suite did)
             assert snaps._capture is not None
             snaps._capture.wait()
         else:
-            trainer.fit(Tiny(), data)
+            trainer.fit(lm.Tiny(), data)
     assert "resumed from step 2 (memory)" in capsys.readouterr().out
     assert torch.load(tmp_path / "step=4-v1.ckpt", weights_only=False)["global_step"] == 4
 
 
-class Gan(L.LightningModule):
-    """Manual optimization with two optimizers: `global_step` moves once per `step()` called, 2 a batch, and 1 on
-    the first batch (the discriminator warms up alone), so every step after it is odd."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.automatic_optimization = False
-        self.g, self.d = nn.Linear(4, 4), nn.Linear(4, 1)
-
-    def training_step(self, batch, batch_idx):
-        g, d = self.optimizers()
-        d.zero_grad()
-        self.manual_backward(self.d(batch[0]).mean() - self.d(self.g(batch[0]).detach()).mean())
-        d.step()
-        if batch_idx > 0:
-            g.zero_grad()
-            self.manual_backward(self.d(self.g(batch[0])).mean())
-            g.step()
-
-    def configure_optimizers(self):
-        return torch.optim.Adam(self.g.parameters(), 1e-2), torch.optim.Adam(self.d.parameters(), 1e-2)
-
-
-def test_a_snapshot_is_due_once_global_step_passes_a_multiple_of_every(memory, capsys) -> None:
+def test_a_snapshot_is_due_once_global_step_passes_a_multiple_of_every(lm, memory, capsys) -> None:
     """Steps 1, 3, 5, ... never land on a multiple of 4: a snapshot taken only on one was never taken, and a crash
     went back to step 0. One is due at the first batch whose global step passed a multiple: 5 and 9 of 1..11."""
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(80, 4)), batch_size=8)
     for steps in (11, 13):
         resume._fits[0] = 0          # as a new process's first fit
-        trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=steps, callbacks=[Snapshots(every=4)],
-                            logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                            enable_model_summary=False)
-        trainer.fit(Gan(), data)
+        trainer = lm.L.Trainer(accelerator="cpu", devices=1, max_steps=steps, callbacks=[lm.Snapshots(every=4)],
+                               logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                               enable_model_summary=False)
+        trainer.fit(lm.Gan(), data)
         if steps == 11:
             assert sorted(os.listdir(memory)) == ["step-5", "step-9"]
     assert "resumed from step 9 (memory)" in capsys.readouterr().out
