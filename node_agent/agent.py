@@ -240,6 +240,7 @@ class Agent:
         await succession.predecessor_gone(self.workers.memory, self.settings.workers.stop_timeout + 5.0,
                                           self.transport.credential)
         succession.settle(self.workers.memory)
+        await succession.opened(self.workers.memory)     # (off the loop: a claim may wait)
         dirs = self.workers.memory.dirs_for(assignment.local_world_size, assignment.rank_offset,
                                             assignment.run, assignment.ranks_alike)
         succession.keep_credential(self.workers.memory, self.transport.credential)    # for its next agent

@@ -27,6 +27,7 @@ import re
 import shutil
 import stat
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 
@@ -98,6 +99,7 @@ class MemoryDirs:
         self._failed = False
         self._keep_failed = False     # a keep-from mark that could not be written: said once
         self._alive_at = 0.0          # when the directory was last marked as its live agent's (time.monotonic())
+        self._opening = threading.Lock()    # one open at a time: the agent's runs in a thread (succession.opened)
 
     @property
     def enabled(self) -> bool:
@@ -115,7 +117,8 @@ class MemoryDirs:
         if not self.enabled:
             return {}
         try:
-            root = self.root or self._open()
+            with self._opening:
+                root = self.root or self._open()
             out = {rank: os.path.join(root, str(rank)) for rank in range(local_world_size)}
             for path in out.values():
                 os.makedirs(path, mode=0o700, exist_ok=True)
@@ -294,10 +297,9 @@ class MemoryDirs:
         if keep and self.root is not None and os.path.basename(self.root) == dir_name(self.job_id, self.node_id):
             self.say(f"{keep}: its snapshots stay in {self.root} for it (else removed by "
                       f"the next agent starting on this host, {KEEP_S:.0f}s after their last write)")
-            self.root = None
-        if self.root is not None:
+        elif self.root is not None:
             shutil.rmtree(self.root, ignore_errors=True)
-            self.root = None
+        self.root = None
         if self._owner is not None:
             self._owner.release()
             self._owner = None

@@ -116,6 +116,13 @@ async def predecessor_gone(dirs: MemoryDirs, limit_s: float, secret: str = "") -
         await asyncio.sleep(0.1)
 
 
+async def opened(dirs: MemoryDirs) -> None:
+    """Open the node's directory (MemoryDirs.dirs) in a thread: its claim may wait out another agent's sweep, up to
+    owners.SWEEP_WAIT_S, and the agent's loop (heartbeats, long-polls, the copy port) must not stall meanwhile."""
+    if dirs.root is None and dirs.enabled:
+        await asyncio.to_thread(dirs.dirs, 0)
+
+
 def _keep_waiting(where: str, secret: str) -> None:
     """This agent's secret and who it is (pid, start time), renamed into the predecessor's directory."""
     if not secret:
