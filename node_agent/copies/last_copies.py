@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Protocol
 
 from node_agent.copies.local_steps import common_step
@@ -54,24 +54,34 @@ def due_bytes(targets: Iterable[Holder], dirs: dict[int, str], pushed: dict[tupl
 EARLIER = "a node taking its place resumes from an earlier copy where one landed, else from disk or step 0"
 
 
-async def last_copies(flush: Callable[[], Awaitable[None]], due: int, bandwidth: int, say: Callable[[str], None],
-                      limit_s: float, left_s: float | None = None) -> None:
-    """`flush` (the pushes under way, then those due) for `due` bytes at `bandwidth` (0: no cap), for what is
-    `left_s` of the stop's `limit_s` (all of it by default); not begun where it cannot end in time. The lines name
-    the stop's whole limit, the figure an operator set, not a remainder a busy host made 0.0999s."""
+async def last_copies(stages: Sequence[tuple[Callable[[], Awaitable[None]], int]], bandwidth: int,
+                      say: Callable[[str], None], limit_s: float, left_s: float | None = None) -> None:
+    """Each stage's flush (the pushes under way, then those due) in turn, for its due bytes at `bandwidth` (0: no
+    cap), in what is `left_s` of the stop's `limit_s` (all of it by default); a stage that cannot end in time after
+    those before it is not begun. Said once for all stages, with their total (a review: a replica's two stages, two
+    lines). The lines name the stop's whole limit, not a remainder a busy host made 0.0999s."""
     left_s = limit_s if left_s is None else left_s
-    if not due or left_s <= 0:
+    if left_s <= 0:
         return
-    mib = due / 2**20
-    if bandwidth and due / bandwidth > left_s:
-        say(f"peer copies: this node's newest snapshot ({mib:.0f} MiB) is not sent before it exits: at "
-            f"--replica-bandwidth {bandwidth / 2**20:.0f} MiB/s it would take {due / bandwidth:.1f}s, more than "
-            f"the {limit_s:.3g}s its stop allows; {EARLIER}")
+    flushes, due = [], 0
+    for flush, stage_due in stages:
+        if stage_due and bandwidth and (due + stage_due) / bandwidth > left_s:
+            say(f"peer copies: this node's newest snapshot ({stage_due / 2**20:.0f} MiB) is not sent before it "
+                f"exits: at --replica-bandwidth {bandwidth / 2**20:.0f} MiB/s it would take "
+                f"{(due + stage_due) / bandwidth:.1f}s, more than the {limit_s:.3g}s its stop allows; {EARLIER}")
+        elif stage_due:
+            flushes.append(flush)
+            due += stage_due
+    if not due:
         return
-    say(f"peer copies: sending this node's newest snapshot ({mib:.0f} MiB) to its holders before it exits (at "
+    say(f"peer copies: sending this node's newest snapshot ({due / 2**20:.0f} MiB) to its holders before it exits (at "
         f"most {limit_s:.3g}s)")
+
+    async def in_turn() -> None:
+        for flush in flushes:
+            await flush()
     try:
-        await asyncio.wait_for(flush(), left_s)
+        await asyncio.wait_for(in_turn(), left_s)
     except (asyncio.TimeoutError, OSError):
         say(f"peer copies: this node's newest snapshot did not reach its holders within {limit_s:.3g}s of its "
             f"stop; {EARLIER}")

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import os
 import re
 import time
@@ -280,7 +281,8 @@ class PeerCopies:
         finally:
             self._in_flight.pop(at, None)
 
-    async def _flush(self) -> None:     # the pushes under way, then those due now (the newest step), to their end
+    async def _flush(self, at_most: int | None = None) -> None:    # the pushes under way, then those due, to their end
+        self._at_most = at_most                                 # (the newest step, none past `at_most`)
         await asyncio.gather(*self._to_holder.values(), return_exceptions=True)
         await self._scan()
 
@@ -383,11 +385,9 @@ class PeerCopies:
             if self._alike and not self._past_start:
                 self._past_start = True
                 caps = [step for step in sorted({self.noted, self.heard_step}) if step >= 0] or [None]
-            limit_s = FLUSH_LIMIT_S if flush_s is None else flush_s
-            end = time.monotonic() + limit_s
-            for self._at_most in caps:
-                await last_copies(self._flush, due_bytes(self.targets, self._dirs, self.pushed, self._at_most),
-                                  self.bandwidth, self._say, limit_s, end - time.monotonic())
+            await last_copies([(functools.partial(self._flush, cap), due_bytes(self.targets, self._dirs, self.pushed,
+                                                                                cap)) for cap in caps],
+                              self.bandwidth, self._say, FLUSH_LIMIT_S if flush_s is None else flush_s)
         tasks = [t for t in (self._pusher, *self._to_holder.values()) if t is not None]
         for task in tasks:
             task.cancel()

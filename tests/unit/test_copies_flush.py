@@ -96,7 +96,21 @@ async def test_a_last_copy_cut_short_names_the_stops_whole_limit() -> None:
         started.set()
         await asyncio.Event().wait()
 
-    await last_copies(never_lands, 4096, 0, said.append, 0.1, 0.0457)
+    await last_copies([(never_lands, 4096)], 0, said.append, 0.1, 0.0457)
     assert started.is_set()
     assert any("within 0.1s of its stop" in line for line in said), said
     assert not any("0.0457" in line for line in said), said
+
+
+async def test_a_leaving_replicas_last_copies_are_said_once_with_their_total(tmp_path) -> None:
+    """A review: a node of replicas leaving before its ranks stepped sends the round's noted step, then the one the
+    server heard, and said "sending this node's newest snapshot" for each. Once now, naming the bytes of both."""
+    said: list[str] = []
+    async with wrote_18(tmp_path, said, b"x" * 2**20) as (store, copies):
+        for where in copies._dirs.values():
+            snapshot.save(b"y" * 2**20, 17, where=where)
+        copies._alike, copies._past_start, copies.noted, copies.heard_step = True, False, 17, 18
+        await copies.close(flush_s=5.0)
+        assert store.held() == {("b", 0): 18, ("b", 1): 18}, said
+        sending = [line for line in said if "sending this node's newest snapshot" in line]
+        assert len(sending) == 1 and "(4 MiB)" in sending[0], said    # 2 ranks x 2 steps x 1 MiB
