@@ -324,6 +324,10 @@ class Assignment(msgspec.Struct, kw_only=True, frozen=True, gc=False):
     # Of `copies_wanted`, the live members whose copies go to another holder now (moving_copies.py): a holder keeps
     # theirs while room allows, but drops them to make room for its sources' pushes (node_agent/copies/room.py).
     copies_moving: Annotated[tuple[ShortText, ...], Meta(max_length=MAX_NODES)] = ()
+    # Of `copies_wanted`, the gone nodes this round's members are told to fetch (not those of earlier rounds, kept
+    # for a fetch not ended): a taker fetches the copies before the newest only where another is among them (their
+    # newest may be a snapshot apart). None: an older server (copies_wanted is read instead).
+    copies_fetched: Annotated[tuple[ShortText, ...], Meta(max_length=MAX_NODES)] | None = None
 
 
 class NodeStatus(msgspec.Struct, kw_only=True, gc=False):

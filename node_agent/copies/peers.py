@@ -186,10 +186,10 @@ class PeerCopies:
                     dirs, next(iter(kept.values()))[0], holder, self.memory.rank_limit, self._connect, self._say,
                     want)))
             else:
-                # The copies before the newest only where another gone node's are wanted too (its newest may be a
-                # snapshot apart): a lone loss's is not slowed.
+                # Spares (copies before the newest) only where another gone node is fetched this round: copies_fetched
                 sources = [a.copies_at, *([a.copies_also] if a.copies_also is not None else [])]
-                spares = bool(set(a.copies_wanted or ()) - set(a.copies_moving) - {a.copies_of})
+                fetched = a.copies_wanted if a.copies_fetched is None else a.copies_fetched     # (None: older server)
+                spares = bool(set(fetched or ()) - set(a.copies_moving) - {a.copies_of})
                 self._fetching = asyncio.create_task(while_marked(dirs, self._fetch(a.copies_of, a.copies_token,
                                                                                   sources, dirs, want, spares)))
         if self.targets and self.key and (self._pusher is None or self._pusher.done()):

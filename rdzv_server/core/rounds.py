@@ -267,7 +267,7 @@ def assignment(r: RoundRecord, node_id: str) -> Assignment | None:
                 copies_of, 0))) if copies_of else "",
             copies_at=copies_at, copies_also=copies_also, run=r.run, resume_at_most=r.resume_at_most,
             ranks_alike=r.ranks_alike, noted_step=r.noted_step, copies_wanted=derived.wanted(),
-            copies_moving=derived.moving())
+            copies_moving=derived.moving(), copies_fetched=derived.fetched())
     return built
 
 
@@ -304,6 +304,7 @@ class _Derived:
         self._sources: dict[int, list[int]] | None = None
         self._wanted: tuple[str, ...] | None = None
         self._moving: tuple[str, ...] | None = None
+        self._fetched: tuple[str, ...] | None = None
 
     def wanted(self) -> tuple[str, ...] | None:
         """copies_wanted: one tuple all members' assignments share (read late: build_round sets it after this)."""
@@ -316,6 +317,12 @@ class _Derived:
         if self._moving is None:
             self._moving = tuple(self.round.copies_moving)
         return self._moving
+
+    def fetched(self) -> tuple[str, ...] | None:
+        """copies_fetched: the gone nodes this round tells its members to fetch (RoundRecord.copies), shared."""
+        if self._fetched is None and self.round.copies_wanted is not None:
+            self._fetched = tuple(sorted({gone for gone, *_ in self.round.copies.values()}))
+        return self._fetched
 
     def witnesses(self, rank: int) -> tuple[Witness, ...]:
         """The next WITNESSES members after `rank` in the ring that answer as witnesses, never itself: a different pair

@@ -632,3 +632,31 @@ def test_a_moving_members_old_holder_is_told_it_may_make_room_only_once_the_new_
     note(rz, "d", 6.3, "s")                                      # landed at s
     assert rz.view(JOB, "b", 6.4).moved_landed == ("d",)
     assert rz.view(JOB, "c", 6.4).moved_landed == ()             # c never held d's
+
+
+def fetched(rz: Rendezvous, node: str, now: float) -> tuple[str, ...] | None:
+    a = rz.view(JOB, node, now).assignment
+    assert a is not None
+    return a.copies_fetched
+
+
+def test_a_lone_loss_soon_after_another_names_only_its_own_fetch_for_spares():
+    """A review: b lost, s took its place and fetched b's copies, its own copy not landed yet (b's stay wanted);
+    then c lost alone. t, taking c's place, read b in copies_wanted as another loss of the round and fetched the
+    copies before c's newest too: a spare it cannot need. copies_fetched names this round's fetches only."""
+    fixed = JobConfig(min_nodes=4, max_nodes=4, lease_timeout_s=5.0, last_call_s=0.0)
+    rz = started({"a": "1", "b": "2", "c": "3", "d": "4"}, fixed)
+    join(rz, "s", 0.5, fixed, domain="5")
+    outlive(rz, ("a", "c", "d", "s"))         # b lost: s takes its place
+    assert rz.view(JOB, "s", 6.0).assignment.copies_of == "b"
+    assert fetched(rz, "s", 6.0) == ("b",)
+    rz.handle(JOB, PollRequest(v=1, node_id="s", credential="secret-s",
+                               copies=CopiesNote(local_step=20, copied_step=-1)), 6.5)     # fetched; no copy landed
+    join(rz, "t", 6.6, fixed, domain="6")
+    for t in (7.0, 8.0, 9.0, 10.0, 11.0, 12.0):     # c lost: t takes its place
+        for n in ("a", "d", "s", "t"):
+            poll(rz, n, t)
+    rz.tick(rz.next_deadline())
+    assert rz.view(JOB, "t", 13.0).assignment.copies_of == "c"
+    assert wanted(rz, "t", 13.0) == ("b", "c")        # b's copies stay kept for s's fetch, not ended
+    assert fetched(rz, "t", 13.0) == ("c",)           # but only c's are fetched in this round: no spares
