@@ -62,12 +62,10 @@ class PeerCopies:
         self._stepping, self._say, self.bandwidth = stepping, say, bandwidth
         self._past_start = self._alike = False     # this round's ranks all stepped / are replicas that resume alike
         self._at_most: int | None = None           # no push past this step (a leaver's last copies: `close`)
-        self.tls, self.server_tls = tls, server_tls
+        self.tls, self.server_tls, self._connect = tls, server_tls, tls.connect if tls is not None else None
         self._listener: Listener | None = None
         self._caps = caps if caps is not None else agent_caps()
-        self._connect = tls.connect if tls is not None else None
-        self.key, self.round = "", -1              # its copies' token (Assignment.copy_token), round (incarnation)
-        self.noted = -1                            # the step the server says the job reached (Assignment.noted_step)
+        self.key, self.round, self.noted = "", -1, -1    # Assignment's copy_token, round (incarnation), noted_step
         self.heard_step = -1                       # the newest snapshot step a note the server answered told
         self.left_noted: dict[str, int] = {}       # a source gone while the job waits -> its step (`told`)
         self._round_began = 0.0                    # when this round's workers were started (time.time())
@@ -136,6 +134,8 @@ class PeerCopies:
 
     async def serve(self, first_line: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """A peer's push, fetch or drop, its first line read by a listener (client/witness.py's, or ours)."""
+        if self.store is None and self.memory.root is None and self.memory.enabled:
+            await asyncio.to_thread(self.memory.dirs, 0)     # off the loop: its first open may wait (owners.claim)
         store = self._holder_store()
         clear = writer.get_extra_info("ssl_object") is None
         refusal = (b"this node keeps no in-memory snapshots (--no-memory-dir)" if store is None else

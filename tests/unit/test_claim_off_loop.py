@@ -6,12 +6,39 @@ import asyncio
 import fcntl
 import os
 import threading
+from collections.abc import Awaitable, Callable
 
+import pytest
+
+from node_agent.copies.peers import PeerCopies
 from node_agent.workers import memory, owners, succession
 from node_agent.workers.memory import MemoryDirs
 
 
-def test_the_loop_ticks_while_the_claim_waits_out_a_sweep(tmp_path) -> None:
+class _Writer:      # a peer's connection, of which serve reads the TLS state and writes a refusal or an answer
+    def __init__(self) -> None:
+        self.wrote = b""
+
+    def get_extra_info(self, name: str) -> None:
+        return None
+
+    def write(self, data: bytes) -> None:
+        self.wrote += data
+
+    async def drain(self) -> None:
+        return None
+
+
+async def _a_peer_asks(dirs: MemoryDirs) -> None:
+    """A peer's request on the copy port before this agent's first round: its holder store opens the memory."""
+    reader = asyncio.StreamReader()
+    reader.feed_eof()
+    await PeerCopies(dirs, 1, "n1", lambda _: None, 0).serve(b"not a request\n", reader, _Writer())  # type: ignore
+
+
+@pytest.mark.parametrize("opens", [succession.opened, _a_peer_asks], ids=["spawn", "copy-port"])
+def test_the_loop_ticks_while_the_claim_waits_out_a_sweep(tmp_path, opens: Callable[[MemoryDirs], Awaitable[None]]
+                                                          ) -> None:
     dirs = MemoryDirs("job", 1, 2**20, say=lambda _: None, base=str(tmp_path), node_id="n1")
     home = os.path.join(memory.parent_dir(str(tmp_path)), memory.dir_name("job", "n1"))
     os.makedirs(home, mode=0o700)
@@ -35,7 +62,7 @@ def test_the_loop_ticks_while_the_claim_waits_out_a_sweep(tmp_path) -> None:
                 ticked.set()
             loop.call_later(0.01, tick)
         loop.call_soon(tick)
-        await succession.opened(dirs)
+        await opens(dirs)
 
     threading.Thread(target=sweep_ends, daemon=True).start()
     try:
