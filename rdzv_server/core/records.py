@@ -77,6 +77,15 @@ class HeldFailure(msgspec.Struct, kw_only=True):
     waiting_for: list[str] = msgspec.field(default_factory=list)   # members answered, not yet polling again
 
 
+class AloneHeld(msgspec.Struct, kw_only=True):
+    """A first report of a worker failing before its process group, held while its round runs until another
+    member reports or `until` (alone.py)."""
+    node_id: str
+    round_id: int
+    failures: list[WorkerFailure]
+    until: float
+
+
 class Blame(msgspec.Struct, kw_only=True):
     """Whom the last failed round's failure was counted against (blame.py): moved to the root cause's node when a
     later report names an earlier failure."""
@@ -237,6 +246,7 @@ class JobRecord(msgspec.Struct, kw_only=True):
     last_failure: WorkerFailure | None = None
     blame: Blame | None = None                   # who root_cause_round's failure counts against (blame.py)
     held_failure: HeldFailure | None = None      # a failure judged once every member is heard (reports.py)
+    alone_held: AloneHeld | None = None          # a failure at start judged once the others say theirs (alone.py)
     finished_at: float | None = None
     reason: str = ""                           # the latest decision's reason
     epoch: int = 0                             # bumped when any node's assignment view may change

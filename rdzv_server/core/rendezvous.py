@@ -14,7 +14,7 @@ from contextlib import contextmanager
 
 from protocol.errors import ErrorCode, unknown_job
 from protocol.messages import AgentRequest, JobConfig, JobState, JoinRequest, NodeStatus
-from rdzv_server.core import admission, credentials, gone_nodes, operator_rules, requests, swaps
+from rdzv_server.core import admission, credentials, gone_nodes, operator_rules, reports, requests, swaps
 from rdzv_server.core.errors import RendezvousError
 from rdzv_server.core.events import EventKind
 from rdzv_server.core.job_rules import JobRules
@@ -217,6 +217,7 @@ class Rendezvous:
                 rules = JobRules(job, self.outbox)
                 extended = rules.tick(now, hearing)
                 swaps.tick(rules, now)
+                reports.judge_held(rules, None, -1, now)
             if extended:
                 self._quiet_noted.add(job.job_id)
             if job.event_seq != seq:      # every decision records an event

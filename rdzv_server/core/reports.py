@@ -9,7 +9,7 @@ import msgspec
 
 from protocol.errors import ErrorCode
 from protocol.messages import FailureReport, JobState, SuccessReport, WorkerFailure
-from rdzv_server.core import blame, exclusions, leases, suspects
+from rdzv_server.core import alone, blame, exclusions, leases, suspects
 from rdzv_server.core.errors import RendezvousError
 from rdzv_server.core.events import EventKind, RoundCause
 from rdzv_server.core.job_rules import JobRules
@@ -33,6 +33,11 @@ def failure(rules: JobRules, node: NodeRecord, req: FailureReport, now: float,
         node.alone_failed_at = now     # (blame.elsewhere) only for a round it speaks for: not one long gone
         rules.node_changed(node.node_id)
         blame.readmit_alike(rules, node, now)
+    if job.alone_held is not None:
+        if job.alone_held.node_id == node.node_id and job.alone_held.round_id == req.round_id and not why_not:
+            return "its failure is held already"
+        judge_held(rules, node, req.round_id, now)     # another member's word on it: judged first (the earlier)
+        why_not = not_running(rules, node, req.round_id)
     if why_not:
         if not job.state.finished:
             blame.shared(rules, node, req.round_id, failures, now)    # failed on its own too: no node's fault
@@ -48,6 +53,13 @@ def failure(rules: JobRules, node: NodeRecord, req: FailureReport, now: float,
     for nid in leases.doubted(job, rules.members(), node.node_id, outage, now):
         rules.node_changed(nid)
     return fail_round(rules, node, req.round_id, failures, now)
+
+
+def judge_held(rules: JobRules, node: NodeRecord | None, round_id: int, now: float) -> None:
+    """The failure alone.py held, judged now if due (`node` None: a tick; else `node` reported on `round_id`)."""
+    held = alone.due(rules, node, round_id, now)
+    if held is not None:
+        fail_round(rules, rules.job.nodes[held.node_id], held.round_id, held.failures, now, judged=True)
 
 
 def heard(rules: JobRules, node: NodeRecord, now: float) -> None:
@@ -85,11 +97,12 @@ def check_failure(rules: JobRules, node: NodeRecord, req: FailureReport) -> None
 
 
 def fail_round(rules: JobRules, node: NodeRecord, round_id: int, failures: list[WorkerFailure], now: float,
-               cause: RoundCause = RoundCause.FAILURE, blamed: bool = True, doubt: bool = True) -> str:
+               cause: RoundCause = RoundCause.FAILURE, blamed: bool = True, doubt: bool = True,
+               judged: bool = False) -> str:
     """The running round failed on `node` (`failures` first in time): a restart counted, or the job's end past
     the budget; returns why it was not (a lost member is the likelier cause). `blamed` False: the node only
     stands for the job (replicas diverged with no majority): nothing counts against it. `doubt` False: a held
-    failure judged (heard): the members it waited for were heard from."""
+    failure judged (heard): the members it waited for were heard from. `judged`: one alone.py held, judged."""
     job = rules.job
     # A member that just dropped or lapsed is the likelier cause (its peers' collectives then break): lost first.
     lapsed = [n for n in rules.members() if n != node.node_id and n in job.nodes
@@ -115,6 +128,9 @@ def fail_round(rules: JobRules, node: NodeRecord, round_id: int, failures: list[
             "its held poll was answered and it has not polled again"
         return f"failure held until {', '.join(waiting[:3])} is heard from ({why}; its loss would be the " \
                f"likelier cause)"
+    if cause is RoundCause.FAILURE and blamed and not judged and alone.hold(rules, node, round_id, failures, now):
+        return f"failure at start held up to {alone.WAIT_S:g}s for the other members' word (the script's, if " \
+               f"theirs fail so too)"
     first = failures[0]
     job.root_cause, job.root_cause_round, job.last_failure, job.blame = first, round_id, first, None
     job.root_cause_members = rules.members()

@@ -24,6 +24,8 @@ def deadlines(job: JobRecord) -> Iterable[float]:
         yield job.join_deadline     # a pending last call forms a round: the join timeout waits for it
     if job.swap is not None:
         yield job.swap.until
+    if job.alone_held is not None:
+        yield job.alone_held.until
 
 
 def node_status(job: JobRecord, node_id: str, now: float, *, accepted: bool = True, reason: str = "") -> NodeStatus:

@@ -5,6 +5,7 @@ toward --exclude-after, the exclusion it wrongly caused, and the root cause the 
 from __future__ import annotations
 
 import msgspec
+import pytest
 
 from protocol.messages import (
     FailureReport,
@@ -16,6 +17,7 @@ from protocol.messages import (
     PollRequest,
     WorkerFailure,
 )
+from rdzv_server.core import alone
 from rdzv_server.core.rendezvous import Rendezvous
 
 JOB = "job-1"
@@ -271,6 +273,11 @@ def fails(rz: Rendezvous, node: str, at: float, rank: int = 0, exitcode: int = 1
     rz.handle(JOB, FailureReport(v=1, node_id=node, round_id=r, failures=[failure]), at + 0.1)
 
 
+def judged(rz: Rendezvous, at: float) -> None:
+    """The bound for the others' word on a failure at start `at` passes with none said (alone.py)."""
+    rz.tick(at + 0.1 + alone.WAIT_S)
+
+
 def test_a_script_failing_before_its_group_on_every_node_excludes_none():
     rz = running(exclude_after=2)
     for now in (10.0, 20.0, 30.0):
@@ -319,6 +326,8 @@ def test_a_node_alone_failing_before_its_group_is_still_excluded():
     for now in (10.0, 20.0):
         fails(rz, "b", now, rank=1)
     job = rz.jobs[JOB]
+    assert job.excluded == [] and job.alone_held is not None     # held for a's word, within the bound
+    judged(rz, 20.0)
     assert job.excluded == ["b"] and job.nodes["b"].exclusions == 1
 
 
@@ -367,6 +376,7 @@ def test_the_first_reporters_suspicion_for_an_exit_at_start_is_taken_back_when_a
     job = rz.jobs[JOB]
     r = job.round.round_id
     fails(rz, "b", 10.0, rank=1, exitcode=17)
+    judged(rz, 10.0)
     assert len(job.nodes["b"].suspect_times) == 1
     fails(rz, "a", 10.2, exitcode=17, round_id=r)
     assert job.nodes["b"].suspect_times == [], [e.message for e in job.events]
@@ -378,9 +388,11 @@ def test_the_first_reporters_suspicion_for_an_exit_at_start_is_taken_back_when_a
 
 def test_a_suspect_exit_code_on_one_node_alone_still_makes_it_a_suspect():
     rz = running(exclude_after=3)
+    job = rz.jobs[JOB]
     for now in (10.0, 20.0):
         fails(rz, "b", now, rank=1, exitcode=17)
-    job = rz.jobs[JOB]
+        assert job.alone_held is not None and job.restart_count == int(now // 20)   # held for a's word: the round runs
+        judged(rz, now)
     assert job.excluded == ["b"] and len(job.nodes["b"].suspect_times) == 2
 
 
@@ -397,6 +409,7 @@ def test_a_members_report_on_a_round_it_did_not_fail_in_keeps_no_bad_node_in():
         for stale in (r + 50, r - 2):      # (at 30.0, r - 2 is the round b failed at 10.0: a was in it, long ago)
             rz.handle(JOB, FailureReport(v=1, node_id="a", round_id=stale, failures=[bogus]), now - 1.0)
         fails(rz, "b", now, rank=1, round_id=r)
+    judged(rz, 30.0)
     assert job.excluded == ["b"] and job.nodes["b"].exclusions == 1, [e.message for e in job.events]
     assert not any(e.kind == "node_not_excluded" for e in job.events)
 
@@ -409,6 +422,7 @@ def test_a_node_excluded_before_any_other_nodes_start_failure_came_is_readmitted
     job = rz.jobs[JOB]
     for now in (10.0, 20.0):
         fails(rz, "a", now)
+    judged(rz, 20.0)        # (b's workers stopped before their own failure: nothing said within the bound)
     assert job.excluded == ["a"]
     fails(rz, "b", 30.0)
     assert job.excluded == [] and job.nodes["a"].exclusions == 0, [e.message for e in job.events]
@@ -433,6 +447,7 @@ def test_a_suspect_excluded_before_any_other_nodes_start_failure_came_is_readmit
     job = rz.jobs[JOB]
     for now in (10.0, 20.0):
         fails(rz, "a", now, exitcode=17)
+        judged(rz, now)
     assert job.excluded == ["a"], [e.message for e in job.events]
     fails(rz, "b", 30.0, exitcode=17)
     assert job.excluded == [] and job.round is not None and sorted(job.round.members) == ["a", "b"]
@@ -455,3 +470,47 @@ def test_the_jobs_end_names_every_member_whose_late_report_said_it_failed_at_sta
             rz.handle(JOB, FailureReport(v=1, node_id=n, round_id=r, failures=[failure]), now + 0.1 + k * 0.01)
     assert job.state is JobState.FAILED
     assert "before their process group, on 6 nodes: n0, n1, n2, n3, n4, ...: the script's" in job.reason, job.reason
+
+
+
+def three_running(exclude_after: int) -> Rendezvous:
+    rz, config = Rendezvous(), msgspec.structs.replace(CFG, min_nodes=1, max_nodes=3, exclude_after=exclude_after)
+    for i, n in enumerate(("a", "b", "c")):
+        rz.handle(JOB, JoinRequest(v=1, node_id=n, addr=f"addr-{n}", local_world_size=1, master_port=20000 + i,
+                                   config=config, instance=f"{n}#1"), i * 0.01)
+    return rz
+
+
+@pytest.mark.parametrize("code", [17, 1])       # a suspect exit code; an ImportError's 1 (--exclude-after)
+def test_the_first_report_of_a_script_failing_at_start_makes_no_suspect_and_excludes_none(code: int):
+    # 3 node-agents, sys.exit(17) at start: a's report came first in rounds 1 and 2, and the round at once failed
+    # on it: b's and c's workers were stopped before their own exit said anything. a was "a suspect twice",
+    # excluded, then readmitted once b's report came: the job shrank meanwhile, an operator saw an exclusion.
+    # Held, the round runs on until b's workers fail at start too and say so: no node is ever suspected.
+    rz = three_running(exclude_after=2)
+    job = rz.jobs[JOB]
+    for now in (10.0, 20.0):
+        r = job.round.round_id
+        fails(rz, "a", now, exitcode=code)
+        fails(rz, "b", now + 0.3, rank=1, exitcode=code, round_id=r)
+    judged(rz, 30.0)
+    kinds = {e.kind for e in job.events}
+    assert "node_suspect" not in kinds and "node_excluded" not in kinds, [e.message for e in job.events]
+    assert job.excluded == [] and job.nodes["a"].suspect_times == [] and job.nodes["a"].exclusions == 0
+    assert job.restart_count == 2 and job.root_cause is not None and job.root_cause.node_id == "a"
+    assert sorted(job.round.members) == ["a", "b", "c"]
+
+
+@pytest.mark.parametrize("code", [17, 1])
+def test_a_node_failing_at_start_alone_among_three_is_still_judged_with_no_restart_more(code: int):
+    # a broken host: a's workers fail at start; b's and c's wait in their group for it (b's a victim, once stopped)
+    rz = three_running(exclude_after=2)
+    job = rz.jobs[JOB]
+    fails(rz, "a", 10.0, exitcode=code)
+    judged(rz, 10.0)                    # nobody else said a word within the bound
+    assert job.restart_count == 1 and job.alone_held is None
+    fails(rz, "a", 20.0, exitcode=code)
+    assert job.excluded == [] and job.alone_held is not None and job.restart_count == 1
+    fails(rz, "b", 20.2, rank=1, exitcode=1, before_group=False, round_id=job.round.round_id)  # a's victim
+    assert job.excluded == ["a"] and job.alone_held is None, [e.message for e in job.events]
+    assert job.restart_count == 2 and sorted(job.round.members) == ["b", "c"]
