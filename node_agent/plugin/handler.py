@@ -9,7 +9,7 @@ workers and again whenever it restarts them; `num_nodes_waiting()` on every moni
   round, a lost node or the job's end at once; `num_nodes_waiting()` turns that into a restart of the workers.
 - Restarts: torch asking for a new round while the server still runs ours means our workers failed: we report
   it, and the server counts it job-wide and moves every node on. When the server has moved on already, we adopt
-  the newer round without a report. A failed or closed job is RendezvousClosedError.
+  the newer round without a report. A failed or closed job, or a server gone, ends the agent: one line, exit 1.
 - Success: torch tells a handler nothing of its workers' fate, but an agent enters its exit barrier only when
   all its workers exited 0, so `RoundStore` reports success there; `shutdown()` with no exception is the fallback.
 - Stores: each agent hosts a TCPStore from the start (in a process of its own, agent_store.py), its port published
@@ -46,10 +46,7 @@ from node_agent.plugin.failures import worker_failures
 from node_agent.plugin.probes import PROBED_KINDS, WorkerProbes
 from node_agent.plugin.round_store import JOB_SUCCEEDED, RoundStore, first_line, pauses
 from node_agent.plugin.session import (
-    JobFinished,
     JoinRefused,
-    RequestRefused,
-    ServerLost,
     ServerSession,
     SessionEnded,
     needs_rendezvous,
@@ -158,7 +155,10 @@ class RdzvServerHandler(RendezvousHandler):
         while True:
             assignment = self._next_assignment(session, after, failures)
             failures = None
-            info = self._round_info(assignment)
+            try:
+                info = self._round_info(assignment)
+            except RendezvousConnectionError as exc:   # group rank 0's store unreachable: as a session's end
+                self._exit_cleanly(1, str(exc))
             if info is not None:
                 break
             after = assignment.round_id   # the round moved on while this node set up its store
@@ -221,20 +221,15 @@ class RdzvServerHandler(RendezvousHandler):
     def _next_assignment(self, session: ServerSession, after: int, failures: list[WorkerFailure] | None) -> Assignment:
         try:
             return session.next_assignment(after, failures)
-        except JobFinished as exc:
-            raise RendezvousClosedError(str(exc)) from None
-        except RequestRefused as exc:     # sent again, refused again: leave, so the others go on at once
-            self._exit_cleanly(1, str(exc))
         except JoinRefused as exc:
             if ENDINGS.get(refusal(exc.code, JoinRequest), OTHER_ENDING)[0] == 0:   # done, nothing failed (drained)
                 self._exit_cleanly(0, str(exc))
-            if self._rounds == 0:
-                self._exit_cleanly(1, str(exc))
-            raise RendezvousClosedError(str(exc)) from None
-        except ServerLost as exc:
-            if self._rounds == 0:
-                self._exit_cleanly(1, str(exc))
-            raise RendezvousConnectionError(str(exc)) from None
+            self._exit_cleanly(1, str(exc))
+        except SessionEnded as exc:
+            # The job failed or closed, the server refused or stayed away: one line and exit 1, not an exception
+            # torch prints in full (torchrun handles none of its rendezvous errors); 1: this node's workers did not
+            # run the job to its end
+            self._exit_cleanly(1, str(exc))
 
     def _failures(self, failures: dict[int, Any] | None, ran: Assignment) -> list[WorkerFailure]:
         at_start = self._probes.failed_at_start if self._probes is not None else lambda local_rank: False

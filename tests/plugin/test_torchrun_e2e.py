@@ -290,3 +290,25 @@ def fail_at_start_everywhere(cluster, tmp_path, source: str, said: str) -> list[
     for code, p in zip(codes, agents, strict=True):
         assert code != 0 and said in p.output, p.output
     return events
+
+
+def test_a_job_failing_while_torch_would_restart_is_one_line_on_every_agent(cluster, tmp_path):
+    """A review: torch's agent, with restarts of its own left (--max-restarts 2), asked for a new round; the server's
+    budget (max_restarts=1) had ended the job, and next_rendezvous raised RendezvousClosedError, which torchrun
+    prints in full: a traceback through handler.py on every agent. Each now says the job's end in one line, exit 1."""
+    cluster.start_server("--state-dir", "none")
+    script = tmp_path / "exit17.py"
+    script.write_text("import sys\nsys.exit(17)\n")
+    agents = []
+    for node in ("a", "b"):
+        argv = [*TORCHRUN, "--rdzv-backend", "rdzv-server", "--rdzv-endpoint", cluster.endpoint(), "--rdzv-id",
+                "over", "--nnodes", "2", "--nproc-per-node", "1", "--max-restarts", "2", "--monitor-interval", "0.1",
+                "--rdzv-conf", f"{FAST},max_restarts=1,node_id={node}", str(script)]
+        agents.append(Proc(argv, child_env(NODE=node, TMPDIR=cluster.temp_dir()), node))
+        cluster.procs.append(agents[-1])
+    codes = [proc_exit(p) for p in agents]
+    assert job_view(cluster, "over")["state"] == "failed"
+    for code, p in zip(codes, agents, strict=True):
+        assert code == 1, p.output
+        assert "Traceback" not in p.output and "RendezvousClosedError" not in p.output, p.output
+        assert f"[rdzv-server plugin {p.name}] job 'over' failed: worker failures exceeded max_restarts=1" in p.output
