@@ -44,7 +44,7 @@ from node_agent.client.replies import ENDINGS, OTHER_ENDING, refusal
 from node_agent.plugin.agent_store import AgentStore
 from node_agent.plugin.failures import worker_failures
 from node_agent.plugin.probes import PROBED_KINDS, WorkerProbes
-from node_agent.plugin.round_store import JOB_SUCCEEDED, RoundStore, first_line, pauses
+from node_agent.plugin.round_store import JOB_SUCCEEDED, RoundStore, all_arrived, first_line, pauses
 from node_agent.plugin.session import (
     JoinRefused,
     ServerSession,
@@ -258,6 +258,14 @@ class RdzvServerHandler(RendezvousHandler):
             if not self._wait_for_key(inner, WORKER_PORT_KEY, a):
                 return None
             port = int(inner.get(WORKER_PORT_KEY))
+        try:
+            if not all_arrived(inner, a.group_world_size, lambda: self._moved_on(a.round_id),
+                               self.settings.store_timeout_s):
+                return None
+        except (dist.DistError, TimeoutError) as exc:     # rank 0's store went away, or an agent never came
+            if self._moved_on(a.round_id):
+                return None
+            raise RendezvousConnectionError(f"round {a.round_id}: {first_line(exc)}") from None
         store = RoundStore(inner, self._report_success, lambda: self._barrier_over(a.round_id))
         return RendezvousInfo(store, a.group_rank, a.group_world_size, RendezvousStoreInfo(a.master_addr, port))
 

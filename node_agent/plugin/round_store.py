@@ -85,6 +85,33 @@ class RoundStore(Store):
             time.sleep(pause)
 
 
+ARRIVED_KEY, GATE_KEY = "agents_arrived", "agents_gate"
+GO, VOID = "go", "void"
+
+
+def all_arrived(store: Store, world: int, moved_on: Callable[[], str], timeout_s: float) -> bool:
+    """Whether every agent of the round came to its store before the round moved on (False: it moved on first).
+    Once next_rendezvous returns, torch's agents write their role there and block until all the others' are in,
+    for the store's whole timeout: one that went on to a newer round meanwhile never writes it. So it is decided
+    here first, atomically (compare_set): the last to come says go, one leaving first voids the round; all agents
+    go on into torch's, or none. Raises TimeoutError (the round voided) when they do not all come in time."""
+    if store.add(ARRIVED_KEY, 1) >= world:
+        return store.compare_set(GATE_KEY, "", GO) == GO.encode()
+    deadline = time.monotonic() + timeout_s
+    for pause in pauses():
+        if store.check([GATE_KEY]):
+            return store.get(GATE_KEY) == GO.encode()
+        late = time.monotonic() >= deadline
+        if moved_on() or late:
+            if store.compare_set(GATE_KEY, "", VOID) == GO.encode():
+                return True
+            if late:
+                raise TimeoutError(f"the round's other agents did not all come within {timeout_s:g}s")
+            return False
+        time.sleep(pause)
+    return False
+
+
 def first_line(exc: BaseException) -> str:
     return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
 
