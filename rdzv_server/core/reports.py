@@ -196,7 +196,7 @@ def not_running(rules: JobRules, node: NodeRecord, round_id: int) -> str:
     """Why a report about `round_id` from `node` is not about the running round ("" when it is)."""
     job = rules.job
     if job.state.finished:
-        return f"job already {job.state.value}"
+        return f"job already {job.state.value}: {job.reason}"   # the reply names the cause, as a poll would
     if job.round is None or job.round.round_id != round_id:
         current = job.round.round_id if job.round else "none (waiting for nodes)"
         return f"stale: report for round {round_id} but the current round is {current}"

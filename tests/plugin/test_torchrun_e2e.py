@@ -311,4 +311,7 @@ def test_a_job_failing_while_torch_would_restart_is_one_line_on_every_agent(clus
     for code, p in zip(codes, agents, strict=True):
         assert code == 1, p.output
         assert "Traceback" not in p.output and "RendezvousClosedError" not in p.output, p.output
-        assert f"[rdzv-server plugin {p.name}] job 'over' failed: worker failures exceeded max_restarts=1" in p.output
+        # the second report of round 2 may find the job failed by the first: its reply names the cause too
+        said = f"[rdzv-server plugin {p.name}] job 'over' failed"
+        line = next(x for x in p.output.splitlines() if x.startswith(said))
+        assert "worker failures exceeded max_restarts=1" in line, p.output

@@ -507,6 +507,18 @@ def test_failures_past_max_restarts_fail_the_job_and_every_agent_sees_the_root_c
     assert rz.next_deadline() == 6.0 + rz.limits.retain_finished_s     # only forgetting it is left
 
 
+def test_a_failure_report_the_job_failed_before_names_the_jobs_cause():
+    """A hunt: two torchrun agents reported round 2 at once; the second's reply said only "job already failed",
+    and its agent ended with that line, the root cause nowhere in its output."""
+    rz = running(["a", "b"], cfg(min_nodes=2, max_nodes=2, max_restarts=0, exclude_after=0))
+    failed = round_id(rz)
+    fail(rz, "a", failed, 5.0, rank=0)
+    assert job(rz).state == JobState.FAILED
+    status = fail(rz, "b", failed, 5.1, rank=1)
+    assert status.accepted is False and status.reason.startswith("job already failed: ")
+    assert "max_restarts=0" in status.reason and "rank 0" in status.reason, status.reason
+
+
 def test_failure_report_for_an_old_round_is_stale_and_changes_nothing():
     rz = running(["a", "b"], cfg(min_nodes=2, max_nodes=2, max_restarts=5))
     old = round_id(rz)
