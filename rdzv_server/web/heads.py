@@ -16,6 +16,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from aiohttp.web_protocol import RequestHandler
+
 from protocol.accepting import SayOnce
 
 log = logging.getLogger("rdzv_server")
@@ -26,6 +28,10 @@ HEAD_BYTES = 16 << 20
 # in the same piece (a pipelined next head) is not counted, at most this much a connection (~5 KiB is its own cost).
 PIECE = 2048
 LATE_CHECK_S = 1.0        # a head past its deadline behind a request in progress is looked at again this often
+# aiohttp's private fields the counter reads: where they are missing (another aiohttp) heads go unbounded, said once.
+FIELDS = ("_request_count", "_messages")
+OFF = ("request heads are not bounded in time or bytes: this aiohttp's RequestHandler lacks %s (web/heads.py reads "
+       "them); unfinished heads are held as long as aiohttp holds them")
 
 
 class Heads:
@@ -41,11 +47,20 @@ class Heads:
         self._flight: dict[_Counted, list[float]] = {}  # a head begun: [when, bytes] (oldest first)
         self._timer: asyncio.TimerHandle | None = None
         self._say = SayOnce(log.warning)
+        # Said at start where the class lacks them; handlers lacking them all the same are said at the first one.
+        missing = [field for field in FIELDS if not hasattr(RequestHandler, field)]
+        self.off = bool(missing)
+        if missing:
+            log.warning(OFF, " and ".join(missing))
 
     def wrap(self, handler: Any) -> asyncio.BaseProtocol:
-        """`handler` (aiohttp's RequestHandler) fed through a counter; as it is where aiohttp's fields differ (the
-        tests/integration/test_unfinished_heads.py then fail)."""
-        if not (isinstance(getattr(handler, "_request_count", None), int) and hasattr(handler, "_messages")):
+        """`handler` (aiohttp's RequestHandler) fed through a counter; as it is where aiohttp's fields differ (said
+        once, the tests/integration/test_unfinished_heads.py then fail)."""
+        if self.off:
+            return handler      # type: ignore[no-any-return]
+        if not (isinstance(getattr(handler, FIELDS[0], None), int) and hasattr(handler, FIELDS[1])):
+            self.off = True
+            log.warning(OFF, "an int " + " and ".join(FIELDS))
             return handler      # type: ignore[no-any-return]
         return _Counted(handler, self)
 

@@ -4,10 +4,12 @@ what the guard counts and which connections it closes."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 
 from aiohttp import web
 
+from rdzv_server.web import heads as heads_module
 from rdzv_server.web.connections import ConnectionGuard
 from rdzv_server.web.heads import PIECE, Heads
 
@@ -112,3 +114,23 @@ async def test_a_body_is_not_counted_and_a_head_pipelined_after_it_is():
         assert (await reader.readuntil(b"ok")).startswith(b"HTTP/1.1 200")
         await until(lambda: guard.heads.total >= len(NEXT) - PIECE, "the next head counted")
         assert guard.heads.total <= len(NEXT) and guard.heads.closed == 0
+
+
+async def test_an_aiohttp_without_the_fields_read_is_said_once_at_start_and_once_at_connections(monkeypatch, caplog):
+    """A future aiohttp lacking the private fields switches the bound off: said, once, not silently."""
+    caplog.set_level(logging.WARNING, logger="rdzv_server")
+    said = lambda: sum("request heads are not bounded" in r.getMessage() for r in caplog.records)  # noqa: E731
+    monkeypatch.setattr(heads_module, "FIELDS", ("_request_count", "_no_such_field"))
+    ConnectionGuard(64)                                       # at start: the class lacks one
+    assert said() == 1
+    monkeypatch.undo()
+    guard = ConnectionGuard(64)                               # this aiohttp's class has both: nothing said
+    assert said() == 1
+    stripped = [object(), object()]                           # handlers lacking them all the same: said at the first
+    assert [guard.heads.wrap(h) for h in stripped] == stripped
+    assert said() == 2
+    async with Served(guard) as served:                       # and then served unwrapped, unbounded
+        reader, writer = await served.connect()
+        writer.write(b"GET /ok HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert (await reader.readuntil(b"ok")).startswith(b"HTTP/1.1 200")
+        assert said() == 2 and not guard.heads._silent and not guard.heads._flight
