@@ -40,27 +40,35 @@ def post(port: int, action: str, body: dict, timeout: float = 10) -> dict:
     with urllib.request.urlopen(request, timeout=timeout) as resp:
         return msgpack.unpackb(resp.read())
 
+HELD_CONFIG = {"min_nodes": 2, "max_nodes": 2, "lease_timeout_s": 60.0}   # the job of held_poll
 
-def test_idle_connections_over_the_cap_make_room_for_healthz_and_agents(cluster):
-    port = cluster.start_server("--state-dir", "none", "--max-connections", "40")
-    # a lease of 60 s holds a's poll 24-30 s: it is answered by b's join, never by its hold's end (2-2.5 s at the
-    # default lease, which the flood and a loaded machine can outlast before b joins)
-    config = {"min_nodes": 2, "max_nodes": 2, "lease_timeout_s": 60.0}
+
+def held_poll(port: int) -> socket.socket:
+    """Node a joined a 2-node job (HELD_CONFIG: a lease of 60 s) and its long-poll held by the server: the
+    connection (node b's join with HELD_CONFIG answers it)."""
     joined = post(port, "join", {"v": 1, "node_id": "a", "addr": "10.0.0.1", "local_world_size": 1,
-                                 "master_port": 1, "config": config})
+                                 "master_port": 1, "config": HELD_CONFIG})
     held = socket.create_connection(("127.0.0.1", port))       # a's long-poll, held by the server
     body = msgpack.packb({"v": 1, "node_id": "a", "credential": joined["credential"], "known_round": -1,
                           "wait_s": 30.0})
     held.sendall(b"POST /v1/jobs/conn/poll HTTP/1.1\r\nHost: x\r\nContent-Type: application/msgpack\r\n"
                  + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
     wait_until(lambda: open_polls(port) == 1, 30, "the server holding a's poll")
+    return held
+
+
+def test_idle_connections_over_the_cap_make_room_for_healthz_and_agents(cluster):
+    port = cluster.start_server("--state-dir", "none", "--max-connections", "40")
+    # a lease of 60 s holds a's poll 24-30 s: it is answered by b's join, never by its hold's end (2-2.5 s at the
+    # default lease, which the flood and a loaded machine can outlast before b joins)
+    held = held_poll(port)
     idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(120)]   # never send anything
     try:
         for _ in range(5):
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=10) as resp:
                 assert resp.status == 200
         post(port, "join", {"v": 1, "node_id": "b", "addr": "10.0.0.2", "local_world_size": 1,
-                            "master_port": 2, "config": config})
+                            "master_port": 2, "config": HELD_CONFIG})
         held.settimeout(10)
         answer = held.recv(4096)                                 # the held poll is answered: round formed
         assert answer.startswith(b"HTTP/1.1 200") and b"member" in answer

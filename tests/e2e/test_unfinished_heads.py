@@ -10,12 +10,11 @@ import contextlib
 import socket
 import urllib.request
 
-import msgpack
 import psutil
 import pytest
 
 from tests.e2e.harness import wait_until
-from tests.e2e.test_connections import metric, open_polls, post
+from tests.e2e.test_connections import HELD_CONFIG, held_poll, metric, open_polls, post
 
 pytestmark = pytest.mark.e2e
 HEAD = b"GET /healthz HTTP/1.1\r\nHost: x\r\n" + b"".join(b"X-%d: %s\r\n" % (i, b"a" * 8000) for i in range(100))
@@ -38,15 +37,7 @@ def closed_by_server(sock: socket.socket) -> bool:
 def test_unfinished_request_heads_are_closed_oldest_first_past_their_budget(cluster, loop: str) -> None:
     port = cluster.start_server("--state-dir", "none", "--event-loop", loop)
     server = psutil.Process(cluster.server.pid)
-    config = {"min_nodes": 2, "max_nodes": 2, "lease_timeout_s": 60.0}
-    joined = post(port, "join", {"v": 1, "node_id": "a", "addr": "10.0.0.1", "local_world_size": 1,
-                                 "master_port": 1, "config": config})
-    held = socket.create_connection(("127.0.0.1", port))       # a's long-poll, held by the server
-    body = msgpack.packb({"v": 1, "node_id": "a", "credential": joined["credential"], "known_round": -1,
-                          "wait_s": 30.0})
-    held.sendall(b"POST /v1/jobs/conn/poll HTTP/1.1\r\nHost: x\r\nContent-Type: application/msgpack\r\n"
-                 + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
-    wait_until(lambda: open_polls(port) == 1, 30, "the server holding a's poll")
+    held = held_poll(port)
     before = server.memory_info().rss
     flood: list[socket.socket] = []
     try:
@@ -66,7 +57,7 @@ def test_unfinished_request_heads_are_closed_oldest_first_past_their_budget(clus
             assert resp.status == 200
         assert open_polls(port) == 1                            # a's poll, still held
         post(port, "join", {"v": 1, "node_id": "b", "addr": "10.0.0.2", "local_world_size": 1,
-                            "master_port": 2, "config": config})
+                            "master_port": 2, "config": HELD_CONFIG})
         held.settimeout(10)
         answer = held.recv(4096)                                 # and answered: the round formed
         assert answer.startswith(b"HTTP/1.1 200") and b"member" in answer

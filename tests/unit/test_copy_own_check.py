@@ -76,6 +76,14 @@ def test_a_node_back_without_memory_says_what_it_costs_only_in_a_job_with_snapsh
     assert no_room_line("b", "127.0.0.1", 4000, -1) == ""        # no snapshot noted: nothing is lost
 
 
+async def pushed(tmp_path, port: int, copies: dict[int, bytes]) -> None:
+    """Node b's copies of step 10 (rank -> bytes) pushed to the holder at `port`."""
+    for rank, data in copies.items():
+        sent = await client.push("127.0.0.1", port, key=KEY, node_id="b", local_rank=rank, step=10,
+                                 path=snap(tmp_path, f"push-{rank}", data))
+        assert sent.ok, sent
+
+
 async def test_a_restarts_check_brings_only_the_bytes_of_a_file_cut_short(tmp_path):
     """Against a real holder: a rank whose own file of the step stands takes only the answer's step and size (a
     restart's check costs a round trip, not a snapshot: the first version fetched every rank's whole copy on every
@@ -85,10 +93,7 @@ async def test_a_restarts_check_brings_only_the_bytes_of_a_file_cut_short(tmp_pa
     dirs = node(tmp_path, {0: {10: copies[0]}, 1: {10: copies[1][:1000]}})        # rank 1's cut short
     said: list[str] = []
     async with holder(store) as port:
-        for rank, data in copies.items():
-            sent = await client.push("127.0.0.1", port, key=KEY, node_id="b", local_rank=rank, step=10,
-                                     path=snap(tmp_path, f"push-{rank}", data))
-            assert sent.ok, sent
+        await pushed(tmp_path, port, copies)
         side = side_dirs(dirs)
         got = await client.fetch_ranks("127.0.0.1", port, KEY, "b", side, None, WAIT, None, spares=False,
                                        keep=lambda rank, step, size: ours_stands(
@@ -110,10 +115,7 @@ async def test_a_restarts_check_closing_on_the_answer_is_no_trouble_at_the_holde
     dirs = node(tmp_path, {rank: {10: data} for rank, data in copies.items()})
     said: list[str] = []
     async with holder(store) as port:
-        for rank, data in copies.items():
-            sent = await client.push("127.0.0.1", port, key=KEY, node_id="b", local_rank=rank, step=10,
-                                     path=snap(tmp_path, f"push-{rank}", data))
-            assert sent.ok, sent
+        await pushed(tmp_path, port, copies)
         await check_own(dirs, 10, ("127.0.0.1", port, KEY, "b"), None, None, said.append)
         await until(lambda: not store._sending, "the holder's fetches ended (then it notes)")
     assert said == [] and [read(dirs, rank, 10) for rank in (0, 1)] == [copies[0], copies[1]]
